@@ -1,0 +1,148 @@
+# shardd — top-level build. New files under daemon/, client/, tests/ and
+# bench/ are picked up by wildcard, so adding a module needs no edit here.
+#
+#   make            shardd, libshardd.{so,a}, shardctl
+#   make test       the whole suite (installs missing Debian packages first)
+#   make check      the suite again with -Werror, ASan and UBSan
+#   make install    PREFIX=/usr/local DESTDIR=
+#   make CUDA=0     build without the cuda backend even where nvcc exists
+
+PREFIX ?= /usr/local
+DESTDIR ?=
+BUILD ?= build
+SAN ?= 0
+
+CUDA_HOME ?= /usr/local/cuda
+NVCC ?= $(CUDA_HOME)/bin/nvcc
+ifeq ($(origin CUDA),undefined)
+CUDA := $(shell test -x $(NVCC) && test -f $(CUDA_HOME)/include/cuda_runtime.h && echo 1 || echo 0)
+endif
+CUDA_ARCH ?= -arch=sm_90
+
+CC ?= cc
+PKGS := libuv libprotobuf-c
+PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
+PKG_LIBS := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
+
+WARN := -Wall -Wextra -Werror -Wshadow -Wno-unused-parameter
+OPT ?= -O2 -g
+CFLAGS_ALL = -std=c11 -D_GNU_SOURCE $(OPT) $(WARN) -fPIC -pthread \
+  -I$(BUILD)/gen -Iclient -Idaemon $(PKG_CFLAGS) $(CFLAGS)
+LDLIBS_ALL = $(PKG_LIBS) -lpthread -lm $(LDLIBS)
+
+ifeq ($(SAN),1)
+CFLAGS_ALL += -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+LDFLAGS += -fsanitize=address,undefined
+endif
+
+CUDA_SRC := $(wildcard daemon/backend_cuda.c)
+CU_SRC := $(wildcard daemon/*.cu)
+ifeq ($(CUDA),1)
+CFLAGS_ALL += -DSHARDD_HAVE_CUDA=1 -I$(CUDA_HOME)/include
+LDLIBS_ALL += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lnccl -lstdc++
+DAEMON_CUDA_OBJ := $(CUDA_SRC:%.c=$(BUILD)/%.o) $(CU_SRC:%.cu=$(BUILD)/%.cu.o)
+endif
+
+PROTO_C := $(BUILD)/gen/proto/shardd.pb-c.c
+PROTO_H := $(BUILD)/gen/proto/shardd.pb-c.h
+PROTO_O := $(BUILD)/gen/proto/shardd.pb-c.o
+
+LIB_SRC := $(filter-out client/shardctl.c,$(wildcard client/*.c))
+LIB_OBJ := $(LIB_SRC:%.c=$(BUILD)/%.o) $(PROTO_O)
+DAEMON_SRC := $(filter-out daemon/main.c $(CUDA_SRC),$(wildcard daemon/*.c))
+DAEMON_OBJ := $(DAEMON_SRC:%.c=$(BUILD)/%.o) $(DAEMON_CUDA_OBJ)
+TEST_SRC := $(wildcard tests/test_*.c)
+TEST_BIN := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
+BENCH_SRC := $(wildcard bench/*.c)
+BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
+
+SHARDD := $(BUILD)/shardd
+SHARDCTL := $(BUILD)/shardctl
+LIBSO := $(BUILD)/libshardd.so
+LIBA := $(BUILD)/libshardd.a
+DAEMONA := $(BUILD)/libshardd_daemon.a
+
+.PHONY: all test check deps install clean bench tests
+all: $(SHARDD) $(SHARDCTL) $(LIBSO) $(LIBA) $(BUILD)/libshardd.pc
+
+$(PROTO_C) $(PROTO_H): proto/shardd.proto
+	@mkdir -p $(BUILD)/gen
+	protoc-c --c_out=$(BUILD)/gen proto/shardd.proto
+
+$(PROTO_O): $(PROTO_C)
+	$(CC) $(CFLAGS_ALL) -Wno-shadow -c $< -o $@
+
+$(BUILD)/%.o: %.c $(PROTO_H)
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS_ALL) -MMD -MP -c $< -o $@
+
+$(BUILD)/%.cu.o: %.cu
+	@mkdir -p $(@D)
+	$(NVCC) $(CUDA_ARCH) -O3 -std=c++17 -Xcompiler -fPIC -Idaemon -Iclient -c $< -o $@
+
+$(LIBA): $(LIB_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(LIBSO): $(LIB_OBJ)
+	$(CC) -shared $(LDFLAGS) -Wl,-soname,libshardd.so.0 -o $@ $^ $(PKG_LIBS) -lpthread
+
+$(DAEMONA): $(DAEMON_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(SHARDD): $(BUILD)/daemon/main.o $(DAEMONA) $(LIBA)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS_ALL)
+
+$(SHARDCTL): $(BUILD)/client/shardctl.o $(LIBA)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS_ALL)
+
+$(BUILD)/libshardd.pc: client/libshardd.pc.in
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|0.1.0|g' $< > $@
+
+$(BUILD)/tests/%: tests/%.c $(DAEMONA) $(LIBA)
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS_ALL) -Itests -o $@ $< $(DAEMONA) $(LIBA) $(LDFLAGS) -lcriterion $(LDLIBS_ALL)
+
+$(BUILD)/bench/%: bench/%.c $(DAEMONA) $(LIBA)
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS_ALL) -O3 -march=native -o $@ $< $(DAEMONA) $(LIBA) $(LDFLAGS) $(LDLIBS_ALL)
+
+tests: all $(TEST_BIN)
+
+deps:
+	@sh scripts/deps.sh
+
+test: deps
+	@$(MAKE) --no-print-directory tests
+	@BUILD=$(BUILD) sh scripts/run_tests.sh $(TEST_BIN)
+
+check: deps
+	@$(MAKE) --no-print-directory BUILD=build/check SAN=1 OPT="-O1 -g" tests
+	@BUILD=build/check ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  sh scripts/run_tests.sh $(TEST_BIN:$(BUILD)/%=build/check/%)
+
+bench: all $(BENCH_BIN)
+	@BUILD=$(BUILD) FULL=$(FULL) sh bench/run.sh
+
+install: all
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib/pkgconfig \
+	  $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/systemd/system \
+	  $(DESTDIR)$(PREFIX)/lib/sysusers.d $(DESTDIR)$(PREFIX)/lib/tmpfiles.d
+	install -m 0755 $(SHARDD) $(SHARDCTL) $(DESTDIR)$(PREFIX)/bin/
+	install -m 0644 $(LIBA) $(DESTDIR)$(PREFIX)/lib/
+	install -m 0755 $(LIBSO) $(DESTDIR)$(PREFIX)/lib/libshardd.so.0
+	ln -sf libshardd.so.0 $(DESTDIR)$(PREFIX)/lib/libshardd.so
+	install -m 0644 client/shardd.h $(DESTDIR)$(PREFIX)/include/
+	install -m 0644 $(BUILD)/libshardd.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/
+	sed 's|@BINDIR@|$(PREFIX)/bin|g' systemd/shardd.service.in > $(DESTDIR)$(PREFIX)/lib/systemd/system/shardd.service
+	install -m 0644 systemd/shardd.socket $(DESTDIR)$(PREFIX)/lib/systemd/system/
+	install -m 0644 systemd/shardd.sysusers $(DESTDIR)$(PREFIX)/lib/sysusers.d/shardd.conf
+	install -m 0644 systemd/shardd.tmpfiles $(DESTDIR)$(PREFIX)/lib/tmpfiles.d/shardd.conf
+
+clean:
+	rm -rf build
+
+-include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
+$(BUILD)/daemon/optim.o: OPT = -O3 -g -fno-math-errno

@@ -1,0 +1,601 @@
+/* client.c — libshardd: the connection, the synchronous request/response
+ * exchange, and the mappings of rank blocks handed out by the daemon. */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "frame.h"
+#include "proto/shardd.pb-c.h"
+#include "shardd.h"
+#include "strbuf.h"
+
+#include "fmt.h"
+
+typedef struct mapping {
+  struct mapping *next;
+  uint64_t buffer;
+  void *base;
+  size_t len;
+} mapping;
+
+struct shardd_client {
+  int fd;
+  uint64_t seq;
+  shardd__frame_reader rd;
+  char err[2048];
+  char version[64];
+  char backend[32];
+  mapping *maps;
+};
+
+static shardd_err set_err(shardd_client_t *c, shardd_err rc, const char *fmt,
+                          ...) __attribute__((format(printf, 3, 4)));
+
+static shardd_err set_err(shardd_client_t *c, shardd_err rc, const char *fmt,
+                          ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(c->err, sizeof c->err, fmt, ap);
+  va_end(ap);
+  return rc;
+}
+
+const char *shardd_last_error(const shardd_client_t *c) {
+  return c ? c->err : "no client";
+}
+
+const char *shardd_daemon_version(const shardd_client_t *c) {
+  return c->version;
+}
+
+const char *shardd_daemon_backend(const shardd_client_t *c) {
+  return c->backend;
+}
+
+void shardd_free(void *p) { free(p); }
+
+/* Sends req and waits for the response to it. On SHARDD_OK *out is the
+ * response (caller frees with shardd__response__free_unpacked); a daemon
+ * error code is returned with its message in c->err and *out still set. A
+ * descriptor that came with the reply is returned in *fd (else -1). */
+static shardd_err call(shardd_client_t *c, Shardd__Request *req,
+                       Shardd__Response **out, int *fd) {
+  *out = NULL;
+  if (fd)
+    *fd = -1;
+  if (c->fd < 0)
+    return set_err(c, SHARDD_E_CLOSED, "the connection was closed earlier");
+  req->seq = ++c->seq;
+  size_t n = shardd__request__get_packed_size(req);
+  if (n > SHARDD_MAX_FRAME)
+    return set_err(c, SHARDD_E_FRAME_TOO_LARGE,
+                   "request of %zu bytes exceeds the %u-byte frame limit", n,
+                   SHARDD_MAX_FRAME);
+  uint8_t *buf = malloc(n ? n : 1);
+  if (buf == NULL)
+    return set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
+  shardd__request__pack(req, buf);
+  shardd_err rc = shardd__frame_send(c->fd, buf, n, c->err, sizeof c->err);
+  free(buf);
+  if (rc != SHARDD_OK)
+    return rc;
+
+  for (;;) {
+    const uint8_t *payload;
+    size_t len;
+    int fds[4];
+    int nfds = 0;
+    rc = shardd__frame_recv(c->fd, &c->rd, &payload, &len, fds, 4, &nfds,
+                            c->err, sizeof c->err);
+    if (rc != SHARDD_OK)
+      return rc;
+    Shardd__Response *resp = shardd__response__unpack(NULL, len, payload);
+    if (resp == NULL) {
+      for (int i = 0; i < nfds; i++)
+        close(fds[i]);
+      return set_err(c, SHARDD_E_PROTOCOL,
+                     "the daemon's %zu-byte reply could not be decoded", len);
+    }
+    /* seq 0 is the daemon speaking about the connection itself. */
+    if (resp->seq != req->seq && resp->seq != 0) {
+      for (int i = 0; i < nfds; i++)
+        close(fds[i]);
+      shardd__response__free_unpacked(resp, NULL);
+      continue;
+    }
+    for (int i = 0; i < nfds; i++) {
+      if (fd && *fd < 0)
+        *fd = fds[i];
+      else
+        close(fds[i]);
+    }
+    *out = resp;
+    rc = (shardd_err)resp->code;
+    if (rc != SHARDD_OK) {
+      set_err(c, rc, "%s", resp->message ? resp->message : shardd_strerror(rc));
+      if (fd && *fd >= 0) {
+        close(*fd);
+        *fd = -1;
+      }
+    }
+    return rc;
+  }
+}
+
+/* A call whose reply body must be of one kind. */
+static shardd_err call_expect(shardd_client_t *c, Shardd__Request *req,
+                              Shardd__Response__BodyCase want,
+                              Shardd__Response **out, int *fd) {
+  shardd_err rc = call(c, req, out, fd);
+  if (rc == SHARDD_OK && (*out)->body_case != want) {
+    int got = (int)(*out)->body_case;
+    shardd__response__free_unpacked(*out, NULL);
+    *out = NULL;
+    if (fd && *fd >= 0) {
+      close(*fd);
+      *fd = -1;
+    }
+    return set_err(c, SHARDD_E_PROTOCOL,
+                   "the daemon answered with body %d, expected %d", got,
+                   (int)want);
+  }
+  return rc;
+}
+
+static shardd_err call_status_only(shardd_client_t *c, Shardd__Request *req) {
+  Shardd__Response *resp;
+  shardd_err rc = call(c, req, &resp, NULL);
+  if (resp)
+    shardd__response__free_unpacked(resp, NULL);
+  return rc;
+}
+
+shardd_err shardd_connect(const char *socket_path,
+                          const shardd_connect_opts *opts,
+                          shardd_client_t **out, char *errbuf, size_t errlen) {
+  *out = NULL;
+  if (socket_path == NULL || socket_path[0] == '\0') {
+    socket_path = getenv("SHARDD_SOCKET");
+    if (socket_path == NULL || socket_path[0] == '\0')
+      socket_path = SHARDD_DEFAULT_SOCKET;
+  }
+  shardd_client_t *c = calloc(1, sizeof *c);
+  if (c == NULL) {
+    if (errbuf)
+      snprintf(errbuf, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  shardd__frame_reader_init(&c->rd, SHARDD_MAX_FRAME);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  shardd_err rc;
+  if (strlen(socket_path) >= sizeof sa.sun_path) {
+    rc = set_err(c, SHARDD_E_INVAL, "socket path %s is too long", socket_path);
+    goto fail;
+  }
+  snprintf(sa.sun_path, sizeof sa.sun_path, "%s", socket_path);
+  c->fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (c->fd < 0) {
+    rc = set_err(c, SHARDD_E_IO, "socket: %s", strerror(errno));
+    goto fail;
+  }
+  if (connect(c->fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
+    rc = set_err(c, SHARDD_E_CONNECT, "cannot connect to shardd at %s: %s",
+                 socket_path, strerror(errno));
+    goto fail;
+  }
+
+  Shardd__Request req = SHARDD__REQUEST__INIT;
+  Shardd__Hello hello = SHARDD__HELLO__INIT;
+  hello.protocol_version = SHARDD_PROTOCOL_VERSION;
+  if (opts && opts->job && opts->job[0]) {
+    hello.job = (char *)opts->job;
+    hello.has_rank = 1;
+    hello.rank = opts->rank;
+    hello.has_world = 1;
+    hello.world = opts->world;
+  }
+  if (opts && opts->client_name)
+    hello.client_name = (char *)opts->client_name;
+  req.body_case = SHARDD__REQUEST__BODY_HELLO;
+  req.hello = &hello;
+  Shardd__Response *resp;
+  rc = call_expect(c, &req, SHARDD__RESPONSE__BODY_HELLO, &resp, NULL);
+  if (rc != SHARDD_OK) {
+    if (resp)
+      shardd__response__free_unpacked(resp, NULL);
+    goto fail;
+  }
+  snprintf(c->version, sizeof c->version, "%s", resp->hello->daemon_version);
+  snprintf(c->backend, sizeof c->backend, "%s", resp->hello->backend);
+  shardd__response__free_unpacked(resp, NULL);
+  c->err[0] = '\0';
+  *out = c;
+  return SHARDD_OK;
+
+fail:
+  if (errbuf)
+    snprintf(errbuf, errlen, "%s", c->err);
+  if (c->fd >= 0)
+    close(c->fd);
+  shardd__frame_reader_free(&c->rd);
+  free(c);
+  return rc;
+}
+
+static void unmap_buffer(shardd_client_t *c, uint64_t id) {
+  for (mapping **pp = &c->maps; *pp;) {
+    mapping *m = *pp;
+    if (m->buffer == id) {
+      *pp = m->next;
+      munmap(m->base, m->len);
+      free(m);
+    } else {
+      pp = &m->next;
+    }
+  }
+}
+
+void shardd_close(shardd_client_t *c) {
+  if (c == NULL)
+    return;
+  while (c->maps) {
+    mapping *m = c->maps;
+    c->maps = m->next;
+    munmap(m->base, m->len);
+    free(m);
+  }
+  if (c->fd >= 0)
+    close(c->fd);
+  shardd__frame_reader_free(&c->rd);
+  free(c);
+}
+
+shardd_err shardd_ping(shardd_client_t *c) {
+  Shardd__Request req = SHARDD__REQUEST__INIT;
+  Shardd__Ping ping = SHARDD__PING__INIT;
+  req.body_case = SHARDD__REQUEST__BODY_PING;
+  req.ping = &ping;
+  return call_status_only(c, &req);
+}
+
+static shardd_err get_status(shardd_client_t *c, Shardd__Response **resp) {
+  Shardd__Request req = SHARDD__REQUEST__INIT;
+  Shardd__StatusRequest st = SHARDD__STATUS_REQUEST__INIT;
+  req.body_case = SHARDD__REQUEST__BODY_STATUS;
+  req.status = &st;
+  return call_expect(c, &req, SHARDD__RESPONSE__BODY_STATUS, resp, NULL);
+}
+
+static shardd_err status_fmt(shardd_client_t *c, char **out, int json) {
+  *out = NULL;
+  Shardd__Response *resp;
+  shardd_err rc = get_status(c, &resp);
+  if (rc == SHARDD_OK) {
+    *out = json ? shardd__fmt_status_json(resp->status)
+                : shardd__fmt_status_text(resp->status);
+    if (*out == NULL)
+      rc = set_err(c, SHARDD_E_NO_MEMORY, "out of memory formatting status");
+  }
+  if (resp)
+    shardd__response__free_unpacked(resp, NULL);
+  return rc;
+}
+
+shardd_err shardd_status_json(shardd_client_t *c, char **out) {
+  return status_fmt(c, out, 1);
+}
+
+shardd_err shardd_status_text(shardd_client_t *c, char **out) {
+  return status_fmt(c, out, 0);
+}
+
+static shardd_err inspect_fmt(shardd_client_t *c, uint64_t id,
+                              const char *name, char **out, int json) {
+  *out = NULL;
+  Shardd__Request req = SHARDD__REQUEST__INIT;
+  Shardd__Inspect in = SHARDD__INSPECT__INIT;
+  if (id) {
+    in.has_id = 1;
+    in.id = id;
+  }
+  in.name = (char *)name;
+  req.body_case = SHARDD__REQUEST__BODY_INSPECT;
+  req.inspect = &in;
+  Shardd__Response *resp;
+  shardd_err rc = call_expect(c, &req, SHARDD__RESPONSE__BODY_INSPECT, &resp, NULL);
+  if (rc == SHARDD_OK) {
+    *out = json ? shardd__fmt_inspect_json(resp->inspect)
+                : shardd__fmt_inspect_text(resp->inspect);
+    if (*out == NULL)
+      rc = set_err(c, SHARDD_E_NO_MEMORY, "out of memory formatting inspect");
+  }
+  if (resp)
+    shardd__response__free_unpacked(resp, NULL);
+  return rc;
+}
+
+shardd_err shardd_inspect_json(shardd_client_t *c, uint64_t id,
+                               const char *name, char **out) {
+  return inspect_fmt(c, id, name, out, 1);
+}
+
+shardd_err shardd_inspect_text(shardd_client_t *c, uint64_t id,
+                               const char *name, char **out) {
+  return inspect_fmt(c, id, name, out, 0);
+}
+
+shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
+                                  shardd_dtype dtype, uint64_t numel,
+                                  shardd_buffer_info *out) {
+  memset(out, 0, sizeof *out);
+  if (name == NULL)
+    return set_err(c, SHARDD_E_INVAL, "buffer name is NULL");
+  Shardd__Request req = SHARDD__REQUEST__INIT;
+  Shardd__RegisterBuffer rb = SHARDD__REGISTER_BUFFER__INIT;
+  rb.name = (char *)name;
+  rb.dtype = (Shardd__DType)dtype;
+  rb.numel = numel;
+  req.body_case = SHARDD__REQUEST__BODY_REGISTER_BUFFER;
+  req.register_buffer = &rb;
+  Shardd__Response *resp;
+  int fd;
+  shardd_err rc = call_expect(c, &req, SHARDD__RESPONSE__BODY_BUFFER, &resp, &fd);
+  if (rc != SHARDD_OK) {
+    if (resp)
+      shardd__response__free_unpacked(resp, NULL);
+    return rc;
+  }
+  const Shardd__BufferReply *br = resp->buffer;
+  size_t esz = shardd_dtype_size((shardd_dtype)br->dtype);
+  if (fd < 0) {
+    rc = set_err(c, SHARDD_E_PROTOCOL,
+                 "the daemon sent no descriptor for buffer %" PRIu64
+                 " (is this a cuda backend? this call maps host memory)",
+                 br->id);
+    goto done;
+  }
+  if (esz == 0 || br->grad_offset + br->padded_numel * esz > br->block_bytes ||
+      br->gather_offset + br->padded_numel * esz > br->block_bytes) {
+    rc = set_err(c, SHARDD_E_PROTOCOL, "buffer %" PRIu64 ": inconsistent layout",
+                 br->id);
+    goto done;
+  }
+  void *base = mmap(NULL, br->block_bytes, PROT_READ | PROT_WRITE, MAP_SHARED,
+                    fd, 0);
+  if (base == MAP_FAILED) {
+    rc = set_err(c, SHARDD_E_IO, "mmap of buffer %" PRIu64 " (%" PRIu64
+                 " bytes): %s", br->id, br->block_bytes, strerror(errno));
+    goto done;
+  }
+  /* Registering twice on one connection maps twice; keep the newest. */
+  unmap_buffer(c, br->id);
+  mapping *m = malloc(sizeof *m);
+  if (m == NULL) {
+    munmap(base, br->block_bytes);
+    rc = set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
+    goto done;
+  }
+  m->buffer = br->id;
+  m->base = base;
+  m->len = br->block_bytes;
+  m->next = c->maps;
+  c->maps = m;
+  out->id = br->id;
+  out->dtype = (shardd_dtype)br->dtype;
+  out->numel = br->numel;
+  out->padded_numel = br->padded_numel;
+  out->shard_numel = br->shard_numel;
+  out->world = br->world;
+  out->rank = br->rank;
+  out->device = br->device;
+  out->created = br->created;
+  out->shard = (char *)base + br->shard_offset;
+  out->gather = (char *)base + br->gather_offset;
+  out->grad = (char *)base + br->grad_offset;
+  out->reduced = br->has_reduced_offset ? (char *)base + br->reduced_offset : NULL;
+
+done:
+  if (fd >= 0)
+    close(fd);
+  shardd__response__free_unpacked(resp, NULL);
+  return rc;
+}
+
+shardd_err shardd_buffer_unregister(shardd_client_t *c, uint64_t buffer) {
+  Shardd__Request req = SHARDD__REQUEST__INIT;
+  Shardd__UnregisterBuffer ub = SHARDD__UNREGISTER_BUFFER__INIT;
+  ub.id = buffer;
+  req.body_case = SHARDD__REQUEST__BODY_UNREGISTER_BUFFER;
+  req.unregister_buffer = &ub;
+  shardd_err rc = call_status_only(c, &req);
+  if (rc == SHARDD_OK)
+    unmap_buffer(c, buffer);
+  return rc;
+}
+
+shardd_err shardd_view_register(shardd_client_t *c, uint64_t buffer,
+                                const char *name, uint64_t offset,
+                                uint64_t numel, const int64_t *shape, int ndim,
+                                uint64_t *out_id) {
+  if (out_id)
+    *out_id = 0;
+  if (name == NULL || ndim < 0 || (ndim > 0 && shape == NULL))
+    return set_err(c, SHARDD_E_INVAL, "view: NULL name or shape");
+  Shardd__Request req = SHARDD__REQUEST__INIT;
+  Shardd__RegisterView rv = SHARDD__REGISTER_VIEW__INIT;
+  rv.buffer = buffer;
+  rv.name = (char *)name;
+  rv.offset = offset;
+  rv.numel = numel;
+  rv.n_shape = (size_t)ndim;
+  rv.shape = (int64_t *)shape;
+  req.body_case = SHARDD__REQUEST__BODY_REGISTER_VIEW;
+  req.register_view = &rv;
+  Shardd__Response *resp;
+  shardd_err rc = call_expect(c, &req, SHARDD__RESPONSE__BODY_VIEW, &resp, NULL);
+  if (rc == SHARDD_OK && out_id)
+    *out_id = resp->view->id;
+  if (resp)
+    shardd__response__free_unpacked(resp, NULL);
+  return rc;
+}
+
+shardd_err shardd_view_unregister(shardd_client_t *c, uint64_t view) {
+  Shardd__Request req = SHARDD__REQUEST__INIT;
+  Shardd__UnregisterView uv = SHARDD__UNREGISTER_VIEW__INIT;
+  uv.id = view;
+  req.body_case = SHARDD__REQUEST__BODY_UNREGISTER_VIEW;
+  req.unregister_view = &uv;
+  return call_status_only(c, &req);
+}
+
+static void hp_to_wire(const shardd_hparams *h, Shardd__HyperParams *w) {
+  shardd__hyper_params__init(w);
+  if (h == NULL)
+    return;
+#define HP(bit, field)                 \
+  if (h->set & (bit)) {                \
+    w->has_##field = 1;                \
+    w->field = h->field;               \
+  }
+  HP(SHARDD_HP_LR, lr)
+  HP(SHARDD_HP_MOMENTUM, momentum)
+  HP(SHARDD_HP_DAMPENING, dampening)
+  HP(SHARDD_HP_WEIGHT_DECAY, weight_decay)
+  HP(SHARDD_HP_NESTEROV, nesterov)
+  HP(SHARDD_HP_MAXIMIZE, maximize)
+  HP(SHARDD_HP_BETA1, beta1)
+  HP(SHARDD_HP_BETA2, beta2)
+  HP(SHARDD_HP_EPS, eps)
+  HP(SHARDD_HP_AMSGRAD, amsgrad)
+#undef HP
+}
+
+shardd_err shardd_optimizer_register(shardd_client_t *c, const char *name,
+                                     shardd_optim_kind kind,
+                                     const shardd_hparams *hyper,
+                                     const shardd_param_group *groups,
+                                     size_t ngroups, uint64_t *out_id) {
+  if (out_id)
+    *out_id = 0;
+  if (ngroups > 0 && groups == NULL)
+    return set_err(c, SHARDD_E_INVAL, "optimizer: NULL groups");
+  size_t nrefs = 0;
+  for (size_t g = 0; g < ngroups; g++)
+    nrefs += groups[g].nrefs;
+  Shardd__ParamGroup *pg = calloc(ngroups ? ngroups : 1, sizeof *pg);
+  Shardd__ParamGroup **pgp = calloc(ngroups ? ngroups : 1, sizeof *pgp);
+  Shardd__HyperParams *ov = calloc(ngroups ? ngroups : 1, sizeof *ov);
+  Shardd__ParamRef *refs = calloc(nrefs ? nrefs : 1, sizeof *refs);
+  Shardd__ParamRef **refp = calloc(nrefs ? nrefs : 1, sizeof *refp);
+  shardd_err rc;
+  if (pg == NULL || pgp == NULL || ov == NULL || refs == NULL || refp == NULL) {
+    rc = set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
+    goto done;
+  }
+  size_t k = 0;
+  for (size_t g = 0; g < ngroups; g++) {
+    shardd__param_group__init(&pg[g]);
+    hp_to_wire(&groups[g].overrides, &ov[g]);
+    if (groups[g].overrides.set)
+      pg[g].overrides = &ov[g];
+    pg[g].refs = &refp[k];
+    pg[g].n_refs = groups[g].nrefs;
+    for (size_t i = 0; i < groups[g].nrefs; i++, k++) {
+      shardd__param_ref__init(&refs[k]);
+      refs[k].id = groups[g].refs[i].id;
+      refs[k].name = (char *)groups[g].refs[i].name;
+      refp[k] = &refs[k];
+    }
+    pgp[g] = &pg[g];
+  }
+  Shardd__Request req = SHARDD__REQUEST__INIT;
+  Shardd__RegisterOptimizer ro = SHARDD__REGISTER_OPTIMIZER__INIT;
+  Shardd__HyperParams top;
+  hp_to_wire(hyper, &top);
+  ro.name = (char *)name;
+  ro.kind = (Shardd__OptimKind)kind;
+  ro.hyper = &top;
+  ro.groups = pgp;
+  ro.n_groups = ngroups;
+  req.body_case = SHARDD__REQUEST__BODY_REGISTER_OPTIMIZER;
+  req.register_optimizer = &ro;
+  Shardd__Response *resp;
+  rc = call_expect(c, &req, SHARDD__RESPONSE__BODY_OPTIMIZER, &resp, NULL);
+  if (rc == SHARDD_OK && out_id)
+    *out_id = resp->optimizer->id;
+  if (resp)
+    shardd__response__free_unpacked(resp, NULL);
+done:
+  free(pg);
+  free(pgp);
+  free(ov);
+  free(refs);
+  free(refp);
+  return rc;
+}
+
+shardd_err shardd_optimizer_unregister(shardd_client_t *c, uint64_t opt) {
+  Shardd__Request req = SHARDD__REQUEST__INIT;
+  Shardd__UnregisterOptimizer uo = SHARDD__UNREGISTER_OPTIMIZER__INIT;
+  uo.id = opt;
+  req.body_case = SHARDD__REQUEST__BODY_UNREGISTER_OPTIMIZER;
+  req.unregister_optimizer = &uo;
+  return call_status_only(c, &req);
+}
+
+shardd_err shardd_gather(shardd_client_t *c, uint64_t buffer) {
+  Shardd__Request req = SHARDD__REQUEST__INIT;
+  Shardd__Gather g = SHARDD__GATHER__INIT;
+  g.buffer = buffer;
+  req.body_case = SHARDD__REQUEST__BODY_GATHER;
+  req.gather = &g;
+  return call_status_only(c, &req);
+}
+
+shardd_err shardd_scatter(shardd_client_t *c, uint64_t buffer,
+                          shardd_reduce_op op) {
+  Shardd__Request req = SHARDD__REQUEST__INIT;
+  Shardd__Scatter s = SHARDD__SCATTER__INIT;
+  s.buffer = buffer;
+  s.has_op = 1;
+  s.op = (Shardd__ReduceOp)op;
+  req.body_case = SHARDD__REQUEST__BODY_SCATTER;
+  req.scatter = &s;
+  return call_status_only(c, &req);
+}
+
+shardd_err shardd_step(shardd_client_t *c, uint64_t opt,
+                       const shardd_step_opts *opts, shardd_step_result *out) {
+  if (out)
+    memset(out, 0, sizeof *out);
+  Shardd__Request req = SHARDD__REQUEST__INIT;
+  Shardd__Step st = SHARDD__STEP__INIT;
+  st.optimizer = opt;
+  if (opts && opts->lr >= 0) {
+    st.has_lr = 1;
+    st.lr = opts->lr;
+  }
+  if (opts && opts->max_norm > 0) {
+    st.has_max_norm = 1;
+    st.max_norm = opts->max_norm;
+  }
+  req.body_case = SHARDD__REQUEST__BODY_STEP;
+  req.step = &st;
+  Shardd__Response *resp;
+  shardd_err rc = call_expect(c, &req, SHARDD__RESPONSE__BODY_STEP, &resp, NULL);
+  if (rc == SHARDD_OK && out) {
+    out->step = resp->step->step;
+    out->total_norm = resp->step->has_total_norm ? resp->step->total_norm : 0;
+  }
+  if (resp)
+    shardd__response__free_unpacked(resp, NULL);
+  return rc;
+}

@@ -1,0 +1,256 @@
+/* fmt.c — text and JSON renderings of Status and Inspect (see fmt.h). */
+#include "fmt.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "shardd.h"
+#include "strbuf.h"
+
+static const char *dtype_word(Shardd__DType d) {
+  const char *n = shardd_dtype_name((shardd_dtype)d);
+  return n ? n : "?";
+}
+
+static const char *kind_word(Shardd__OptimKind k) {
+  switch (k) {
+  case SHARDD__OPTIM_KIND__SGD:
+    return "sgd";
+  case SHARDD__OPTIM_KIND__ADAM:
+    return "adam";
+  case SHARDD__OPTIM_KIND__ADAMW:
+    return "adamw";
+  default:
+    return "?";
+  }
+}
+
+/* Human sizes for the text form; JSON keeps exact byte counts. */
+static void human(char *out, size_t n, uint64_t bytes) {
+  static const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = (double)bytes;
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    u++;
+  }
+  if (u == 0)
+    snprintf(out, n, "%" PRIu64 " B", bytes);
+  else
+    snprintf(out, n, "%.1f %s", v, units[u]);
+}
+
+static void json_key_str(shardd__sb *sb, const char *key, const char *val,
+                         int comma) {
+  shardd__sb_printf(sb, "%s\"%s\":\"", comma ? "," : "", key);
+  shardd__sb_json_str(sb, val);
+  shardd__sb_printf(sb, "\"");
+}
+
+char *shardd__fmt_status_text(const Shardd__StatusReply *st) {
+  shardd__sb sb;
+  shardd__sb_init(&sb);
+  char a[32], b[32];
+  shardd__sb_printf(&sb,
+                    "version: %s\nprotocol: %" PRIu32 "\npid: %" PRIu64
+                    "\nuptime_s: %.1f\nbackend: %s\nsocket: %s\nclients: %" PRIu32
+                    "\ndevices: %zu\n",
+                    st->daemon_version, st->protocol_version, st->pid,
+                    st->uptime_s, st->backend, st->socket_path, st->clients,
+                    st->n_devices);
+  for (size_t i = 0; i < st->n_devices; i++) {
+    const Shardd__DeviceStatus *d = st->devices[i];
+    human(a, sizeof a, d->used_bytes);
+    human(b, sizeof b, d->capacity_bytes - (d->used_bytes < d->capacity_bytes ? d->used_bytes : d->capacity_bytes));
+    shardd__sb_printf(&sb, "device %" PRIu32 ": %s used %s free %s\n", d->index,
+                      d->name, a, b);
+  }
+  shardd__sb_printf(&sb, "jobs: %zu\n", st->n_jobs);
+  for (size_t i = 0; i < st->n_jobs; i++) {
+    const Shardd__JobStatus *j = st->jobs[i];
+    human(a, sizeof a, j->bytes);
+    shardd__sb_printf(&sb,
+                      "job %s: world %" PRIu32 " clients %" PRIu32
+                      " buffers %" PRIu32 " views %" PRIu32
+                      " resident %s collectives_in_flight %" PRIu32 "\n",
+                      j->name, j->world, j->clients, j->buffers, j->views, a,
+                      j->collectives_in_flight);
+    for (size_t k = 0; k < j->n_optimizers; k++) {
+      const Shardd__OptimizerStatus *o = j->optimizers[k];
+      shardd__sb_printf(&sb,
+                        "  optimizer %" PRIu64 " %s: %s params %" PRIu32
+                        " steps %" PRIu64 "\n",
+                        o->id, o->name, kind_word(o->kind), o->params, o->steps);
+    }
+  }
+  return shardd__sb_take(&sb);
+}
+
+char *shardd__fmt_status_json(const Shardd__StatusReply *st) {
+  shardd__sb sb;
+  shardd__sb_init(&sb);
+  shardd__sb_printf(&sb, "{");
+  json_key_str(&sb, "version", st->daemon_version, 0);
+  shardd__sb_printf(&sb, ",\"protocol\":%" PRIu32 ",\"pid\":%" PRIu64
+                    ",\"uptime_s\":%.3f",
+                    st->protocol_version, st->pid, st->uptime_s);
+  json_key_str(&sb, "backend", st->backend, 1);
+  json_key_str(&sb, "socket", st->socket_path, 1);
+  shardd__sb_printf(&sb, ",\"clients\":%" PRIu32 ",\"devices\":[", st->clients);
+  for (size_t i = 0; i < st->n_devices; i++) {
+    const Shardd__DeviceStatus *d = st->devices[i];
+    shardd__sb_printf(&sb, "%s{\"index\":%" PRIu32, i ? "," : "", d->index);
+    json_key_str(&sb, "name", d->name, 1);
+    shardd__sb_printf(&sb,
+                      ",\"capacity_bytes\":%" PRIu64 ",\"used_bytes\":%" PRIu64
+                      ",\"free_bytes\":%" PRIu64 "}",
+                      d->capacity_bytes, d->used_bytes,
+                      d->capacity_bytes > d->used_bytes ? d->capacity_bytes - d->used_bytes : 0);
+  }
+  shardd__sb_printf(&sb, "],\"jobs\":[");
+  for (size_t i = 0; i < st->n_jobs; i++) {
+    const Shardd__JobStatus *j = st->jobs[i];
+    shardd__sb_printf(&sb, "%s{", i ? "," : "");
+    json_key_str(&sb, "name", j->name, 0);
+    shardd__sb_printf(&sb,
+                      ",\"world\":%" PRIu32 ",\"clients\":%" PRIu32
+                      ",\"buffers\":%" PRIu32 ",\"views\":%" PRIu32
+                      ",\"bytes\":%" PRIu64 ",\"collectives_in_flight\":%" PRIu32
+                      ",\"optimizers\":[",
+                      j->world, j->clients, j->buffers, j->views, j->bytes,
+                      j->collectives_in_flight);
+    for (size_t k = 0; k < j->n_optimizers; k++) {
+      const Shardd__OptimizerStatus *o = j->optimizers[k];
+      shardd__sb_printf(&sb, "%s{\"id\":%" PRIu64, k ? "," : "", o->id);
+      json_key_str(&sb, "name", o->name, 1);
+      json_key_str(&sb, "kind", kind_word(o->kind), 1);
+      shardd__sb_printf(&sb, ",\"params\":%" PRIu32 ",\"steps\":%" PRIu64 "}",
+                        o->params, o->steps);
+    }
+    shardd__sb_printf(&sb, "]}");
+  }
+  shardd__sb_printf(&sb, "]}\n");
+  return shardd__sb_take(&sb);
+}
+
+static void shape_text(shardd__sb *sb, const int64_t *shape, size_t n) {
+  shardd__sb_printf(sb, "[");
+  for (size_t i = 0; i < n; i++)
+    shardd__sb_printf(sb, "%s%" PRId64, i ? ", " : "", shape[i]);
+  shardd__sb_printf(sb, "]");
+}
+
+char *shardd__fmt_inspect_text(const Shardd__InspectReply *ir) {
+  shardd__sb sb;
+  shardd__sb_init(&sb);
+  shardd__sb_printf(&sb, "id: %" PRIu64 "\nkind: %s\nname: %s\njob: %s\n",
+                    ir->id, ir->kind, ir->name, ir->job);
+  if (ir->has_buffer)
+    shardd__sb_printf(&sb, "buffer: %" PRIu64 "\n", ir->buffer);
+  if (ir->has_dtype)
+    shardd__sb_printf(&sb, "dtype: %s\n", dtype_word(ir->dtype));
+  if (ir->has_offset)
+    shardd__sb_printf(&sb, "offset: %" PRIu64 "\n", ir->offset);
+  if (ir->has_numel)
+    shardd__sb_printf(&sb, "numel: %" PRIu64 "\n", ir->numel);
+  if (ir->has_padded_numel)
+    shardd__sb_printf(&sb, "padded_numel: %" PRIu64 "\npadding: %" PRIu64 "\n",
+                      ir->padded_numel, ir->padded_numel - ir->numel);
+  if (ir->has_shard_numel)
+    shardd__sb_printf(&sb, "shard_numel: %" PRIu64 "\n", ir->shard_numel);
+  if (ir->has_world)
+    shardd__sb_printf(&sb, "world: %" PRIu32 "\n", ir->world);
+  if (ir->n_shape || !strcmp(ir->kind, "view")) {
+    shardd__sb_printf(&sb, "shape: ");
+    shape_text(&sb, ir->shape, ir->n_shape);
+    shardd__sb_printf(&sb, "\n");
+  }
+  if (ir->has_optimizer)
+    shardd__sb_printf(&sb, "optimizer: %" PRIu64 "\n", ir->optimizer);
+  else
+    shardd__sb_printf(&sb, "optimizer: none\n");
+  if (ir->has_resident_bytes) {
+    char a[32];
+    human(a, sizeof a, ir->resident_bytes);
+    shardd__sb_printf(&sb, "resident: %s (%" PRIu64 " bytes)\n", a,
+                      ir->resident_bytes);
+  }
+  for (size_t i = 0; i < ir->n_shards; i++) {
+    const Shardd__ShardInfo *s = ir->shards[i];
+    shardd__sb_printf(&sb,
+                      "shard rank %" PRIu32 ": device %" PRIu32
+                      " elements [%" PRIu64 ", %" PRIu64 ")\n",
+                      s->rank, s->device, s->offset, s->offset + s->numel);
+  }
+  if (!strcmp(ir->kind, "buffer"))
+    shardd__sb_printf(&sb, "views: %zu\n", ir->n_views);
+  for (size_t i = 0; i < ir->n_views; i++) {
+    const Shardd__ViewInfo *v = ir->views[i];
+    shardd__sb_printf(&sb, "view %" PRIu64 " %s: [%" PRIu64 ", %" PRIu64 ") shape ",
+                      v->id, v->name, v->offset, v->offset + v->numel);
+    shape_text(&sb, v->shape, v->n_shape);
+    shardd__sb_printf(&sb, "\n");
+  }
+  return shardd__sb_take(&sb);
+}
+
+static void shape_json(shardd__sb *sb, const int64_t *shape, size_t n) {
+  shardd__sb_printf(sb, "[");
+  for (size_t i = 0; i < n; i++)
+    shardd__sb_printf(sb, "%s%" PRId64, i ? "," : "", shape[i]);
+  shardd__sb_printf(sb, "]");
+}
+
+char *shardd__fmt_inspect_json(const Shardd__InspectReply *ir) {
+  shardd__sb sb;
+  shardd__sb_init(&sb);
+  shardd__sb_printf(&sb, "{\"id\":%" PRIu64, ir->id);
+  json_key_str(&sb, "kind", ir->kind, 1);
+  json_key_str(&sb, "name", ir->name, 1);
+  json_key_str(&sb, "job", ir->job, 1);
+  if (ir->has_buffer)
+    shardd__sb_printf(&sb, ",\"buffer\":%" PRIu64, ir->buffer);
+  if (ir->has_dtype)
+    json_key_str(&sb, "dtype", dtype_word(ir->dtype), 1);
+  if (ir->has_offset)
+    shardd__sb_printf(&sb, ",\"offset\":%" PRIu64, ir->offset);
+  if (ir->has_numel)
+    shardd__sb_printf(&sb, ",\"numel\":%" PRIu64, ir->numel);
+  if (ir->has_padded_numel)
+    shardd__sb_printf(&sb, ",\"padded_numel\":%" PRIu64, ir->padded_numel);
+  if (ir->has_shard_numel)
+    shardd__sb_printf(&sb, ",\"shard_numel\":%" PRIu64, ir->shard_numel);
+  if (ir->has_world)
+    shardd__sb_printf(&sb, ",\"world\":%" PRIu32, ir->world);
+  if (!strcmp(ir->kind, "view")) {
+    shardd__sb_printf(&sb, ",\"shape\":");
+    shape_json(&sb, ir->shape, ir->n_shape);
+  }
+  if (ir->has_optimizer)
+    shardd__sb_printf(&sb, ",\"optimizer\":%" PRIu64, ir->optimizer);
+  else
+    shardd__sb_printf(&sb, ",\"optimizer\":null");
+  if (ir->has_resident_bytes)
+    shardd__sb_printf(&sb, ",\"resident_bytes\":%" PRIu64, ir->resident_bytes);
+  shardd__sb_printf(&sb, ",\"shards\":[");
+  for (size_t i = 0; i < ir->n_shards; i++) {
+    const Shardd__ShardInfo *s = ir->shards[i];
+    shardd__sb_printf(&sb,
+                      "%s{\"rank\":%" PRIu32 ",\"device\":%" PRIu32
+                      ",\"offset\":%" PRIu64 ",\"numel\":%" PRIu64 "}",
+                      i ? "," : "", s->rank, s->device, s->offset, s->numel);
+  }
+  shardd__sb_printf(&sb, "],\"views\":[");
+  for (size_t i = 0; i < ir->n_views; i++) {
+    const Shardd__ViewInfo *v = ir->views[i];
+    shardd__sb_printf(&sb, "%s{\"id\":%" PRIu64, i ? "," : "", v->id);
+    json_key_str(&sb, "name", v->name, 1);
+    shardd__sb_printf(&sb, ",\"offset\":%" PRIu64 ",\"numel\":%" PRIu64
+                      ",\"shape\":", v->offset, v->numel);
+    shape_json(&sb, v->shape, v->n_shape);
+    shardd__sb_printf(&sb, "}");
+  }
+  shardd__sb_printf(&sb, "]}\n");
+  return shardd__sb_take(&sb);
+}

@@ -1,0 +1,184 @@
+/* frame.c — length-prefixed framing and the client's blocking frame I/O. */
+#include "frame.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+void shardd__frame_reader_init(shardd__frame_reader *r, size_t max_frame) {
+  memset(r, 0, sizeof *r);
+  r->max_frame = max_frame;
+}
+
+void shardd__frame_reader_free(shardd__frame_reader *r) {
+  free(r->buf);
+  memset(r, 0, sizeof *r);
+}
+
+/* Drops the frame handed out last and slides what remains to the front, so
+ * the buffer never grows past one frame plus one read. */
+static void frame_reader_compact(shardd__frame_reader *r) {
+  r->off += r->taken;
+  r->taken = 0;
+  if (r->off == 0)
+    return;
+  memmove(r->buf, r->buf + r->off, r->len - r->off);
+  r->len -= r->off;
+  r->off = 0;
+}
+
+shardd_err shardd__frame_reader_feed(shardd__frame_reader *r, const void *data,
+                                     size_t n) {
+  frame_reader_compact(r);
+  if (n > SIZE_MAX - r->len)
+    return SHARDD_E_NO_MEMORY;
+  if (r->len + n > r->cap) {
+    size_t cap = r->cap ? r->cap : 4096;
+    while (cap < r->len + n)
+      cap *= 2;
+    uint8_t *p = realloc(r->buf, cap);
+    if (p == NULL)
+      return SHARDD_E_NO_MEMORY;
+    r->buf = p;
+    r->cap = cap;
+  }
+  memcpy(r->buf + r->len, data, n);
+  r->len += n;
+  return SHARDD_OK;
+}
+
+shardd_err shardd__frame_reader_next(shardd__frame_reader *r,
+                                     const uint8_t **payload, size_t *len) {
+  *payload = NULL;
+  *len = 0;
+  r->off += r->taken;
+  r->taken = 0;
+  size_t avail = r->len - r->off;
+  if (avail < SHARDD_FRAME_HEADER)
+    return SHARDD_OK;
+  const uint8_t *h = r->buf + r->off;
+  uint32_t n = (uint32_t)h[0] | (uint32_t)h[1] << 8 | (uint32_t)h[2] << 16 |
+               (uint32_t)h[3] << 24;
+  if (n > r->max_frame)
+    return SHARDD_E_FRAME_TOO_LARGE;
+  if (avail - SHARDD_FRAME_HEADER < n)
+    return SHARDD_OK;
+  *payload = h + SHARDD_FRAME_HEADER;
+  *len = n;
+  r->taken = SHARDD_FRAME_HEADER + n;
+  return SHARDD_OK;
+}
+
+size_t shardd__frame_reader_pending(const shardd__frame_reader *r) {
+  return r->len - r->off - r->taken;
+}
+
+void shardd__frame_put_header(uint8_t out[SHARDD_FRAME_HEADER], uint32_t len) {
+  out[0] = (uint8_t)len;
+  out[1] = (uint8_t)(len >> 8);
+  out[2] = (uint8_t)(len >> 16);
+  out[3] = (uint8_t)(len >> 24);
+}
+
+static shardd_err write_all(int fd, const uint8_t *p, size_t n, char *err,
+                            size_t errlen) {
+  while (n > 0) {
+    ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
+    if (w < 0) {
+      if (errno == EINTR)
+        continue;
+      if (err)
+        snprintf(err, errlen, "send: %s", strerror(errno));
+      return errno == EPIPE || errno == ECONNRESET ? SHARDD_E_CLOSED
+                                                   : SHARDD_E_IO;
+    }
+    p += w;
+    n -= (size_t)w;
+  }
+  return SHARDD_OK;
+}
+
+shardd_err shardd__frame_send(int fd, const void *payload, size_t len,
+                              char *err, size_t errlen) {
+  if (len > UINT32_MAX) {
+    if (err)
+      snprintf(err, errlen, "frame of %zu bytes cannot be encoded", len);
+    return SHARDD_E_FRAME_TOO_LARGE;
+  }
+  uint8_t hdr[SHARDD_FRAME_HEADER];
+  shardd__frame_put_header(hdr, (uint32_t)len);
+  shardd_err rc = write_all(fd, hdr, sizeof hdr, err, errlen);
+  if (rc == SHARDD_OK && len > 0)
+    rc = write_all(fd, payload, len, err, errlen);
+  return rc;
+}
+
+static void take_fds(struct msghdr *msg, int *fds, int maxfds, int *nfds) {
+  for (struct cmsghdr *c = CMSG_FIRSTHDR(msg); c != NULL;
+       c = CMSG_NXTHDR(msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+      continue;
+    size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    const unsigned char *data = CMSG_DATA(c);
+    for (size_t i = 0; i < n; i++) {
+      int fd;
+      memcpy(&fd, data + i * sizeof(int), sizeof fd);
+      if (fds != NULL && *nfds < maxfds)
+        fds[(*nfds)++] = fd;
+      else
+        close(fd);
+    }
+  }
+}
+
+shardd_err shardd__frame_recv(int fd, shardd__frame_reader *r,
+                              const uint8_t **payload, size_t *len, int *fds,
+                              int maxfds, int *nfds, char *err, size_t errlen) {
+  *nfds = 0;
+  for (;;) {
+    shardd_err rc = shardd__frame_reader_next(r, payload, len);
+    if (rc != SHARDD_OK) {
+      if (err)
+        snprintf(err, errlen, "peer announced a frame over %zu bytes",
+                 r->max_frame);
+      return rc;
+    }
+    if (*payload != NULL)
+      return SHARDD_OK;
+
+    uint8_t buf[65536];
+    union {
+      struct cmsghdr align;
+      char space[CMSG_SPACE(sizeof(int) * 16)];
+    } ctl;
+    struct iovec iov = {buf, sizeof buf};
+    struct msghdr msg = {0};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = ctl.space;
+    msg.msg_controllen = sizeof ctl.space;
+    ssize_t got = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+    if (got < 0) {
+      if (errno == EINTR)
+        continue;
+      if (err)
+        snprintf(err, errlen, "recv: %s", strerror(errno));
+      return errno == ECONNRESET ? SHARDD_E_CLOSED : SHARDD_E_IO;
+    }
+    take_fds(&msg, fds, maxfds, nfds);
+    if (got == 0) {
+      if (err)
+        snprintf(err, errlen, "the daemon closed the connection");
+      return SHARDD_E_CLOSED;
+    }
+    rc = shardd__frame_reader_feed(r, buf, (size_t)got);
+    if (rc != SHARDD_OK) {
+      if (err)
+        snprintf(err, errlen, "out of memory buffering a frame");
+      return rc;
+    }
+  }
+}

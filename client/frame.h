@@ -1,0 +1,58 @@
+/* frame.h — length-prefixed framing shared by the daemon and libshardd:
+ * a 4-byte little-endian payload length, then the payload (one packed
+ * protobuf message). Also the blocking send/receive the client uses, with
+ * SCM_RIGHTS descriptors collected on receive.
+ *
+ * The reader owns its buffer; a payload it returns is borrowed and valid
+ * until the next feed or next call on the same reader. */
+#ifndef SHARDD_FRAME_H
+#define SHARDD_FRAME_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "shardd.h"
+
+#define SHARDD_FRAME_HEADER 4u
+
+typedef struct {
+  /* private */
+  uint8_t *buf;
+  size_t len;  /* bytes held */
+  size_t off;  /* bytes already consumed by next() */
+  size_t cap;
+  size_t max_frame;
+  size_t taken; /* size of the frame handed out last, dropped on next use */
+} shardd__frame_reader;
+
+void shardd__frame_reader_init(shardd__frame_reader *r, size_t max_frame);
+void shardd__frame_reader_free(shardd__frame_reader *r);
+
+/* Appends n received bytes. SHARDD_E_NO_MEMORY if they cannot be held. */
+shardd_err shardd__frame_reader_feed(shardd__frame_reader *r, const void *data,
+                                     size_t n);
+
+/* Hands out the next complete frame: SHARDD_OK with *payload set, or
+ * SHARDD_OK with *payload NULL when more bytes are needed.
+ * SHARDD_E_FRAME_TOO_LARGE when the next header announces more than
+ * max_frame; the stream cannot be resynchronised after that. */
+shardd_err shardd__frame_reader_next(shardd__frame_reader *r,
+                                     const uint8_t **payload, size_t *len);
+
+/* Bytes received but not yet handed out as a frame. */
+size_t shardd__frame_reader_pending(const shardd__frame_reader *r);
+
+void shardd__frame_put_header(uint8_t out[SHARDD_FRAME_HEADER], uint32_t len);
+
+/* Blocking write of one frame to fd (EINTR and short writes handled). */
+shardd_err shardd__frame_send(int fd, const void *payload, size_t len,
+                              char *err, size_t errlen);
+
+/* Blocking read until r yields one frame. Descriptors that arrive on the way
+ * are stored in fds (at most maxfds, extras closed) and counted in *nfds;
+ * the caller owns them. SHARDD_E_CLOSED on orderly EOF. */
+shardd_err shardd__frame_recv(int fd, shardd__frame_reader *r,
+                              const uint8_t **payload, size_t *len, int *fds,
+                              int maxfds, int *nfds, char *err, size_t errlen);
+
+#endif /* SHARDD_FRAME_H */

@@ -1,0 +1,112 @@
+/* shardctl — the operator's view into shardd: `status` and `inspect`, as
+ * text or --json. Exit codes: 0 ok, 1 daemon error, 2 usage, 3 cannot reach
+ * the daemon. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "shardd.h"
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: shardctl [--socket PATH] [--json] COMMAND\n"
+          "  status              daemon, devices, jobs, optimizers\n"
+          "  inspect ID|NAME     one buffer or view: layout, shards, views, owner\n"
+          "  ping                round trip to the daemon\n"
+          "The socket is --socket, else $SHARDD_SOCKET, else %s.\n",
+          SHARDD_DEFAULT_SOCKET);
+}
+
+int main(int argc, char **argv) {
+  const char *sock = NULL;
+  int json = 0;
+  int i = 1;
+  for (; i < argc && argv[i][0] == '-'; i++) {
+    if (!strcmp(argv[i], "--json")) {
+      json = 1;
+    } else if (!strcmp(argv[i], "--socket") && i + 1 < argc) {
+      sock = argv[++i];
+    } else if (!strncmp(argv[i], "--socket=", 9)) {
+      sock = argv[i] + 9;
+    } else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+      usage(stdout);
+      return 0;
+    } else {
+      fprintf(stderr, "shardctl: unknown option %s\n", argv[i]);
+      usage(stderr);
+      return 2;
+    }
+  }
+  if (i >= argc) {
+    usage(stderr);
+    return 2;
+  }
+  const char *cmd = argv[i++];
+  /* Options may follow the command too (shardctl status --json). */
+  const char *arg = NULL;
+  for (; i < argc; i++) {
+    if (!strcmp(argv[i], "--json"))
+      json = 1;
+    else if (!strcmp(argv[i], "--socket") && i + 1 < argc)
+      sock = argv[++i];
+    else if (arg == NULL && argv[i][0] != '-')
+      arg = argv[i];
+    else {
+      fprintf(stderr, "shardctl: unexpected argument %s\n", argv[i]);
+      return 2;
+    }
+  }
+  int is_status = !strcmp(cmd, "status"), is_inspect = !strcmp(cmd, "inspect"),
+      is_ping = !strcmp(cmd, "ping");
+  if (!is_status && !is_inspect && !is_ping) {
+    fprintf(stderr, "shardctl: unknown command %s\n", cmd);
+    usage(stderr);
+    return 2;
+  }
+  if (is_inspect && arg == NULL) {
+    fprintf(stderr, "shardctl: inspect needs a buffer or view id or name\n");
+    return 2;
+  }
+  if (!is_inspect && arg != NULL) {
+    fprintf(stderr, "shardctl: %s takes no argument\n", cmd);
+    return 2;
+  }
+
+  char err[1024];
+  shardd_client_t *c;
+  shardd_connect_opts opts = SHARDD_CONNECT_OPTS_INIT;
+  opts.client_name = "shardctl";
+  shardd_err rc = shardd_connect(sock, &opts, &c, err, sizeof err);
+  if (rc != SHARDD_OK) {
+    fprintf(stderr, "shardctl: %s\n", err);
+    return rc == SHARDD_E_CONNECT || rc == SHARDD_E_INVAL || rc == SHARDD_E_IO ? 3 : 1;
+  }
+  char *out = NULL;
+  if (is_status) {
+    rc = json ? shardd_status_json(c, &out) : shardd_status_text(c, &out);
+  } else if (is_ping) {
+    rc = shardd_ping(c);
+    if (rc == SHARDD_OK)
+      out = strdup(json ? "{\"ok\":true}\n" : "pong\n");
+  } else {
+    char *end;
+    unsigned long long id = strtoull(arg, &end, 10);
+    const char *name = NULL;
+    if (*end != '\0' || id == 0) {
+      id = 0;
+      name = arg;
+    }
+    rc = json ? shardd_inspect_json(c, id, name, &out)
+              : shardd_inspect_text(c, id, name, &out);
+  }
+  int code = 0;
+  if (rc != SHARDD_OK) {
+    fprintf(stderr, "shardctl: %s: %s\n", shardd_err_name(rc), shardd_last_error(c));
+    code = rc == SHARDD_E_CLOSED ? 3 : 1;
+  } else if (out) {
+    fputs(out, stdout);
+  }
+  shardd_free(out);
+  shardd_close(c);
+  return code;
+}

@@ -1,0 +1,258 @@
+/* shardd.h — the public C API of libshardd, the client library of the shardd
+ * daemon, and the one error table shared by daemon, library and shardctl.
+ *
+ * A trainer connects with shardd_connect() naming its job, rank and world,
+ * registers flat buffers (each call hands back the caller's rank block,
+ * already mapped: its shard, its gather area and its gradient area), names
+ * views inside them, registers an optimizer over those, and then drives the
+ * training loop with shardd_gather(), shardd_scatter() and shardd_step().
+ *
+ * Threading: a shardd_client_t is used by one thread at a time; open one
+ * connection per rank. Calls are synchronous; collectives return when every
+ * rank of the job has made the same call.
+ */
+#ifndef SHARDD_H
+#define SHARDD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SHARDD_VERSION "0.1.0"
+#define SHARDD_PROTOCOL_VERSION 1
+#define SHARDD_DEFAULT_SOCKET "/run/shardd/shardd.sock"
+/* Frames above this are refused and the connection is closed. */
+#define SHARDD_MAX_FRAME (16u * 1024u * 1024u)
+
+/* XX(NAME, value, message). Values are wire values (proto StatusCode) and
+ * are never renumbered; append only. */
+#define SHARDD_ERRNO_MAP(XX)                                                  \
+  XX(OK, 0, "success")                                                        \
+  XX(E_INVAL, 1, "invalid argument")                                          \
+  XX(E_PROTOCOL, 2, "protocol error")                                         \
+  XX(E_VERSION, 3, "protocol version mismatch")                               \
+  XX(E_FRAME_TOO_LARGE, 4, "frame too large")                                 \
+  XX(E_NOT_FOUND, 5, "no such object")                                        \
+  XX(E_NOT_OWNED, 6, "not owned by this job")                                 \
+  XX(E_DUPLICATE, 7, "parameter referenced more than once")                   \
+  XX(E_OVERLAP, 8, "views overlap")                                           \
+  XX(E_DTYPE, 9, "unsupported dtype")                                         \
+  XX(E_RANGE, 10, "value out of range")                                       \
+  XX(E_BUSY, 11, "object in use")                                             \
+  XX(E_NO_MEMORY, 12, "out of device memory")                                 \
+  XX(E_PEER_LOST, 13, "a rank of the collective was lost")                    \
+  XX(E_TIMEOUT, 14, "timed out")                                              \
+  XX(E_PERMISSION, 15, "permission denied")                                   \
+  XX(E_STALE, 16, "stale reference")                                          \
+  XX(E_IO, 17, "I/O error")                                                   \
+  XX(E_CONNECT, 18, "cannot connect to the daemon")                           \
+  XX(E_CLOSED, 19, "connection closed")                                       \
+  XX(E_MISMATCH, 20, "conflicts with an existing registration")               \
+  XX(E_NO_CUDA, 21, "CUDA is not available")                                  \
+  XX(E_STATE, 22, "not allowed in this session state")                        \
+  XX(E_LIMIT, 23, "limit exceeded")                                           \
+  XX(E_INTERNAL, 24, "internal error")
+
+typedef enum {
+#define XX(name, val, msg) SHARDD_##name = val,
+  SHARDD_ERRNO_MAP(XX)
+#undef XX
+  SHARDD_ERR_COUNT
+} shardd_err;
+
+/* Static message for a code; never NULL ("unknown error" out of range). */
+const char *shardd_strerror(shardd_err err);
+/* Static symbolic name ("E_NOT_OWNED"); never NULL. */
+const char *shardd_err_name(shardd_err err);
+
+typedef enum {
+  SHARDD_DTYPE_FP32 = 1,
+  SHARDD_DTYPE_BF16 = 2,
+  SHARDD_DTYPE_FP16 = 3
+} shardd_dtype;
+
+/* Bytes per element, 0 for an unknown dtype. */
+size_t shardd_dtype_size(shardd_dtype dtype);
+/* "fp32", "bf16", "fp16" or NULL. */
+const char *shardd_dtype_name(shardd_dtype dtype);
+/* Parses "fp32"/"float32"/..., returns SHARDD_E_DTYPE when unknown. */
+shardd_err shardd_dtype_parse(const char *s, shardd_dtype *out);
+
+typedef enum {
+  SHARDD_OPTIM_SGD = 1,
+  SHARDD_OPTIM_ADAM = 2,
+  SHARDD_OPTIM_ADAMW = 3
+} shardd_optim_kind;
+
+typedef enum { SHARDD_REDUCE_SUM = 0, SHARDD_REDUCE_MEAN = 1 } shardd_reduce_op;
+
+typedef struct shardd_client shardd_client_t;
+
+/* Options of shardd_connect(). Created with SHARDD_CONNECT_OPTS_INIT; fields
+ * are only ever appended. job == NULL or "" makes a control session
+ * (status/inspect only). */
+typedef struct {
+  size_t size;
+  const char *job;
+  uint32_t rank;
+  uint32_t world;
+  const char *client_name;
+} shardd_connect_opts;
+#define SHARDD_CONNECT_OPTS_INIT {sizeof(shardd_connect_opts), NULL, 0, 1, NULL}
+
+/* Connects to the daemon at socket_path (NULL: $SHARDD_SOCKET, then
+ * SHARDD_DEFAULT_SOCKET) and performs the Hello handshake. On success *out
+ * is a new client the caller closes with shardd_close(). On failure *out is
+ * NULL and, when errbuf is not NULL, it holds the reason. */
+shardd_err shardd_connect(const char *socket_path,
+                          const shardd_connect_opts *opts,
+                          shardd_client_t **out, char *errbuf, size_t errlen);
+
+/* Closes the connection, unmaps every area handed out on it and frees c.
+ * NULL is a no-op. */
+void shardd_close(shardd_client_t *c);
+
+/* Detail of the last failed call on c (the daemon's message when it sent
+ * one). Borrowed; valid until the next call on c. Never NULL. */
+const char *shardd_last_error(const shardd_client_t *c);
+
+/* Description of the daemon from the handshake. Borrowed; valid until
+ * shardd_close(c). */
+const char *shardd_daemon_version(const shardd_client_t *c);
+const char *shardd_daemon_backend(const shardd_client_t *c);
+
+/* Round trip of an empty request: the cost floor of every call. */
+shardd_err shardd_ping(shardd_client_t *c);
+
+/* Daemon status as one JSON document or as `key: value` text. *out is
+ * caller-freed with shardd_free(). */
+shardd_err shardd_status_json(shardd_client_t *c, char **out);
+shardd_err shardd_status_text(shardd_client_t *c, char **out);
+
+/* One buffer or view, by id (name NULL) or by name (id 0), as JSON or text.
+ * *out is caller-freed with shardd_free(). */
+shardd_err shardd_inspect_json(shardd_client_t *c, uint64_t id,
+                               const char *name, char **out);
+shardd_err shardd_inspect_text(shardd_client_t *c, uint64_t id,
+                               const char *name, char **out);
+
+void shardd_free(void *p);
+
+/* A registered flat buffer as seen by this rank. The three pointers are
+ * mappings owned by c: valid until the buffer is unregistered on c or c is
+ * closed. shard holds shard_numel elements (this rank's slice, elements
+ * [rank*shard_numel, (rank+1)*shard_numel) of the padded buffer); gather and
+ * grad hold padded_numel elements each. */
+typedef struct {
+  uint64_t id;
+  shardd_dtype dtype;
+  uint64_t numel;
+  uint64_t padded_numel;
+  uint64_t shard_numel;
+  uint32_t world;
+  uint32_t rank;
+  uint32_t device;
+  int created; /* 1 when this call created it, 0 when it attached */
+  void *shard;
+  void *gather;
+  void *grad;
+  void *reduced; /* shard_numel fp32: this rank's reduced gradient shard */
+} shardd_buffer_info;
+
+/* Creates the job's flat buffer called name, or attaches to it when another
+ * rank created it already (same dtype and numel, else SHARDD_E_MISMATCH).
+ * Its shards start zeroed. */
+shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
+                                  shardd_dtype dtype, uint64_t numel,
+                                  shardd_buffer_info *out);
+
+/* Frees the buffer and its views for the whole job (SHARDD_E_BUSY while an
+ * optimizer names it or a collective on it is in flight). */
+shardd_err shardd_buffer_unregister(shardd_client_t *c, uint64_t buffer);
+
+/* Names elements [offset, offset+numel) of a buffer as an original
+ * parameter of the given shape (product == numel; ndim 0 is a scalar).
+ * Attaches when the same view exists already. */
+shardd_err shardd_view_register(shardd_client_t *c, uint64_t buffer,
+                                const char *name, uint64_t offset,
+                                uint64_t numel, const int64_t *shape,
+                                int ndim, uint64_t *out_id);
+shardd_err shardd_view_unregister(shardd_client_t *c, uint64_t view);
+
+/* Hyperparameters; only fields whose SHARDD_HP_* bit is in `set` are sent,
+ * the others take torch.optim's defaults (or, in a group, the optimizer's). */
+enum {
+  SHARDD_HP_LR = 1u << 0,
+  SHARDD_HP_MOMENTUM = 1u << 1,
+  SHARDD_HP_DAMPENING = 1u << 2,
+  SHARDD_HP_WEIGHT_DECAY = 1u << 3,
+  SHARDD_HP_NESTEROV = 1u << 4,
+  SHARDD_HP_MAXIMIZE = 1u << 5,
+  SHARDD_HP_BETA1 = 1u << 6,
+  SHARDD_HP_BETA2 = 1u << 7,
+  SHARDD_HP_EPS = 1u << 8,
+  SHARDD_HP_AMSGRAD = 1u << 9
+};
+
+typedef struct {
+  uint32_t set;
+  double lr, momentum, dampening, weight_decay;
+  double beta1, beta2, eps;
+  int nesterov, maximize, amsgrad;
+} shardd_hparams;
+
+typedef struct {
+  uint64_t id;      /* buffer or view id; 0 for "not a shardd tensor" */
+  const char *name; /* the trainer's name for it, echoed in refusals */
+} shardd_param_ref;
+
+typedef struct {
+  const shardd_param_ref *refs;
+  size_t nrefs;
+  shardd_hparams overrides;
+} shardd_param_group;
+
+/* Validates and registers an optimizer over the groups. On refusal nothing
+ * is registered and shardd_last_error(c) lists every offending ref. name
+ * (NULL: "default") lets every rank register the same optimizer: an identical
+ * registration under an existing name attaches to it. */
+shardd_err shardd_optimizer_register(shardd_client_t *c, const char *name,
+                                     shardd_optim_kind kind,
+                                     const shardd_hparams *hyper,
+                                     const shardd_param_group *groups,
+                                     size_t ngroups, uint64_t *out_id);
+shardd_err shardd_optimizer_unregister(shardd_client_t *c, uint64_t opt);
+
+/* All-gather: returns when every rank's gather area holds the whole buffer. */
+shardd_err shardd_gather(shardd_client_t *c, uint64_t buffer);
+
+/* Reduce-scatter: each rank has written its full gradient into its grad
+ * area; returns when the owners hold the reduced shards. */
+shardd_err shardd_scatter(shardd_client_t *c, uint64_t buffer,
+                          shardd_reduce_op op);
+
+typedef struct {
+  size_t size;
+  double lr;       /* < 0: keep the registered learning rates */
+  double max_norm; /* > 0: clip the global gradient norm to this */
+} shardd_step_opts;
+#define SHARDD_STEP_OPTS_INIT {sizeof(shardd_step_opts), -1.0, 0.0}
+
+typedef struct {
+  uint64_t step;     /* the optimizer's step count after this step */
+  double total_norm; /* global gradient norm before clipping, if asked */
+} shardd_step_result;
+
+/* Collective: updates every shard the optimizer owns from the reduced
+ * gradients. opts and out may be NULL. */
+shardd_err shardd_step(shardd_client_t *c, uint64_t opt,
+                       const shardd_step_opts *opts, shardd_step_result *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SHARDD_H */

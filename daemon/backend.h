@@ -1,0 +1,93 @@
+/* backend.h — the memory backend interface: where shards, gather areas,
+ * gradient areas and optimizer state live, and the bulk operations on them.
+ * Two implementations: backend_host (memfd arenas, one per virtual device)
+ * and backend_cuda (cudaMalloc on each GPU, CUDA IPC, NCCL).
+ *
+ * Ownership: a region belongs to the backend that allocated it and is freed
+ * only with ops->free. The bulk operations are called from worker threads
+ * on disjoint byte ranges; alloc/free/device_info from the loop thread. */
+#ifndef SHARDD_BACKEND_H
+#define SHARDD_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "optim.h"
+#include "shardd.h"
+
+typedef struct shardd__backend shardd__backend;
+
+typedef struct {
+  /* read-only after alloc */
+  int device;
+  size_t bytes;     /* rounded to the backend's granularity */
+  void *ptr;        /* daemon's mapping (host) or device pointer (cuda) */
+  int fd;           /* host: the memfd; -1 otherwise */
+  void *priv;
+} shardd__region;
+
+typedef struct {
+  char name[64];
+  uint64_t capacity_bytes;
+  uint64_t used_bytes;
+} shardd__device_info;
+
+typedef struct {
+  /* Allocates bytes of zeroed memory on device; SHARDD_E_NO_MEMORY with the
+   * device, request and remaining capacity in err when it does not fit. */
+  shardd_err (*alloc)(shardd__backend *b, int device, size_t bytes,
+                      const char *label, shardd__region **out, char *err,
+                      size_t errlen);
+  void (*free)(shardd__backend *b, shardd__region *r);
+  /* Host: a new descriptor for r that the caller owns and closes. */
+  shardd_err (*export_fd)(shardd__backend *b, shardd__region *r, int *fd);
+  shardd_err (*copy)(shardd__backend *b, shardd__region *dst, size_t dst_off,
+                     shardd__region *src, size_t src_off, size_t bytes);
+  /* dst (fp32 at dst_off) = sum over i of srcs[i] (dtype, at src_offs[i]),
+   * divided by divisor; summed in rank order in fp32. */
+  shardd_err (*reduce)(shardd__backend *b, shardd_dtype dtype, float divisor,
+                       shardd__region *dst, size_t dst_off,
+                       shardd__region *const *srcs, const size_t *src_offs,
+                       int nsrc, size_t n);
+  /* *out = sum of squares of n fp32 at off, accumulated in double. */
+  shardd_err (*sumsq)(shardd__backend *b, shardd__region *r, size_t off,
+                      size_t n, double *out);
+  /* One optimizer update of n elements. param holds dtype elements at
+   * param_off; for bf16/fp16 master (fp32 at master_off) is updated and
+   * param rewritten from it, for fp32 master is NULL. grad is fp32.
+   * state holds shardd__optim_state_count(hp) fp32 arrays at state_offs. */
+  shardd_err (*update)(shardd__backend *b, const shardd__hp *hp, uint64_t step,
+                       shardd_dtype dtype, shardd__region *param,
+                       size_t param_off, shardd__region *master,
+                       size_t master_off, shardd__region *grad, size_t grad_off,
+                       float grad_scale, shardd__region *state,
+                       const size_t *state_offs, size_t n);
+  /* master (fp32) = param (dtype), for the first step of a 16-bit param. */
+  shardd_err (*widen)(shardd__backend *b, shardd_dtype dtype,
+                      shardd__region *master, size_t master_off,
+                      shardd__region *param, size_t param_off, size_t n);
+  void (*device_info)(shardd__backend *b, int device, shardd__device_info *out);
+  void (*destroy)(shardd__backend *b);
+} shardd__backend_ops;
+
+struct shardd__backend {
+  /* read-only after create */
+  const shardd__backend_ops *ops;
+  const char *name; /* "host" or "cuda" */
+  int ndevices;
+  void *priv;
+};
+
+/* ndevices virtual devices of capacity bytes each (0: physical memory split
+ * evenly). Caller destroys with b->ops->destroy(b). */
+shardd_err shardd__backend_host_create(int ndevices, uint64_t capacity,
+                                       shardd__backend **out, char *err,
+                                       size_t errlen);
+
+/* Number of CUDA devices, 0 when CUDA is absent or finds none. */
+int shardd__cuda_device_count(void);
+/* The cuda backend over the first ndevices GPUs (ndevices <= 0: all). */
+shardd_err shardd__backend_cuda_create(int ndevices, shardd__backend **out,
+                                       char *err, size_t errlen);
+
+#endif /* SHARDD_BACKEND_H */

@@ -1,0 +1,285 @@
+/* backend_host.c — the host backend: each virtual device is an arena of
+ * memfd regions with a byte capacity. Regions are sealed against resizing
+ * (a client holding the fd cannot shrink memory the daemon has mapped) and
+ * mapped shared by the daemon and by the clients they are handed to. */
+#include "backend.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "dtype.h"
+
+typedef struct {
+  pthread_mutex_t lock;
+  uint64_t capacity;
+  uint64_t *used; /* per device */
+} host_priv;
+
+static size_t page_round(size_t n) {
+  size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+  return (n + pg - 1) / pg * pg;
+}
+
+static shardd_err host_alloc(shardd__backend *b, int device, size_t bytes,
+                             const char *label, shardd__region **out,
+                             char *err, size_t errlen) {
+  host_priv *hp = b->priv;
+  *out = NULL;
+  if (device < 0 || device >= b->ndevices) {
+    snprintf(err, errlen, "no device %d (host backend has %d)", device,
+             b->ndevices);
+    return SHARDD_E_INVAL;
+  }
+  size_t sz = page_round(bytes ? bytes : 1);
+  pthread_mutex_lock(&hp->lock);
+  uint64_t used = hp->used[device];
+  int fits = sz <= hp->capacity && used <= hp->capacity - sz;
+  if (fits)
+    hp->used[device] += sz;
+  pthread_mutex_unlock(&hp->lock);
+  if (!fits) {
+    snprintf(err, errlen,
+             "device %d: %zu bytes requested, %llu of %llu bytes free", device,
+             sz, (unsigned long long)(hp->capacity - used),
+             (unsigned long long)hp->capacity);
+    return SHARDD_E_NO_MEMORY;
+  }
+
+  shardd__region *r = calloc(1, sizeof *r);
+  int fd = memfd_create(label ? label : "shardd", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (r == NULL || fd < 0) {
+    snprintf(err, errlen, "memfd_create: %s", strerror(errno));
+    goto fail;
+  }
+  if (ftruncate(fd, (off_t)sz) != 0) {
+    snprintf(err, errlen, "ftruncate %zu: %s", sz, strerror(errno));
+    goto fail;
+  }
+  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    snprintf(err, errlen, "memfd seal: %s", strerror(errno));
+    goto fail;
+  }
+  void *p = mmap(NULL, sz, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    snprintf(err, errlen, "mmap %zu: %s", sz, strerror(errno));
+    goto fail;
+  }
+  r->device = device;
+  r->bytes = sz;
+  r->ptr = p;
+  r->fd = fd;
+  *out = r;
+  return SHARDD_OK;
+
+fail:
+  if (fd >= 0)
+    close(fd);
+  free(r);
+  pthread_mutex_lock(&hp->lock);
+  hp->used[device] -= sz;
+  pthread_mutex_unlock(&hp->lock);
+  return SHARDD_E_NO_MEMORY;
+}
+
+static void host_free(shardd__backend *b, shardd__region *r) {
+  host_priv *hp = b->priv;
+  if (r == NULL)
+    return;
+  munmap(r->ptr, r->bytes);
+  close(r->fd);
+  pthread_mutex_lock(&hp->lock);
+  hp->used[r->device] -= r->bytes;
+  pthread_mutex_unlock(&hp->lock);
+  free(r);
+}
+
+static shardd_err host_export_fd(shardd__backend *b, shardd__region *r,
+                                 int *fd) {
+  *fd = fcntl(r->fd, F_DUPFD_CLOEXEC, 0);
+  return *fd < 0 ? SHARDD_E_IO : SHARDD_OK;
+}
+
+static shardd_err host_copy(shardd__backend *b, shardd__region *dst,
+                            size_t dst_off, shardd__region *src,
+                            size_t src_off, size_t bytes) {
+  memcpy((char *)dst->ptr + dst_off, (const char *)src->ptr + src_off, bytes);
+  return SHARDD_OK;
+}
+
+/* acc += widen(src): kept in separate straight loops per dtype so each
+ * vectorizes. */
+static void accumulate(shardd_dtype dtype, float *restrict acc,
+                       const void *restrict src, size_t n, int first) {
+  if (dtype == SHARDD_DTYPE_FP32) {
+    const float *restrict s = src;
+    if (first)
+      memcpy(acc, s, n * sizeof *acc);
+    else
+      for (size_t i = 0; i < n; i++)
+        acc[i] += s[i];
+  } else if (dtype == SHARDD_DTYPE_BF16) {
+    const uint16_t *restrict s = src;
+    if (first)
+      for (size_t i = 0; i < n; i++)
+        acc[i] = shardd__bf16_to_f32(s[i]);
+    else
+      for (size_t i = 0; i < n; i++)
+        acc[i] += shardd__bf16_to_f32(s[i]);
+  } else {
+    const uint16_t *restrict s = src;
+    if (first)
+      for (size_t i = 0; i < n; i++)
+        acc[i] = shardd__f16_to_f32(s[i]);
+    else
+      for (size_t i = 0; i < n; i++)
+        acc[i] += shardd__f16_to_f32(s[i]);
+  }
+}
+
+static shardd_err host_reduce(shardd__backend *b, shardd_dtype dtype,
+                              float divisor, shardd__region *dst,
+                              size_t dst_off, shardd__region *const *srcs,
+                              const size_t *src_offs, int nsrc, size_t n) {
+  float *acc = (float *)((char *)dst->ptr + dst_off);
+  size_t esz = shardd_dtype_size(dtype);
+  /* Blocks keep the accumulator in L1/L2 while every rank's slice streams
+   * through it once. */
+  const size_t blk = 8192;
+  for (size_t base = 0; base < n; base += blk) {
+    size_t m = n - base < blk ? n - base : blk;
+    for (int i = 0; i < nsrc; i++)
+      accumulate(dtype, acc + base,
+                 (const char *)srcs[i]->ptr + src_offs[i] + base * esz, m,
+                 i == 0);
+    if (divisor != 1.0f) {
+      float *restrict a = acc + base;
+      for (size_t j = 0; j < m; j++)
+        a[j] /= divisor;
+    }
+  }
+  if (nsrc == 0)
+    memset(acc, 0, n * sizeof *acc);
+  return SHARDD_OK;
+}
+
+static shardd_err host_sumsq(shardd__backend *b, shardd__region *r, size_t off,
+                             size_t n, double *out) {
+  *out = shardd__sumsq_f32((const float *)((char *)r->ptr + off), n);
+  return SHARDD_OK;
+}
+
+static shardd_err host_update(shardd__backend *b, const shardd__hp *hp,
+                              uint64_t step, shardd_dtype dtype,
+                              shardd__region *param, size_t param_off,
+                              shardd__region *master, size_t master_off,
+                              shardd__region *grad, size_t grad_off,
+                              float grad_scale, shardd__region *state,
+                              const size_t *state_offs, size_t n) {
+  float *st[3] = {NULL, NULL, NULL};
+  int k = shardd__optim_state_count(hp);
+  for (int i = 0; i < k; i++)
+    st[i] = (float *)((char *)state->ptr + state_offs[i]);
+  const float *g = (const float *)((char *)grad->ptr + grad_off);
+  void *p = (char *)param->ptr + param_off;
+  if (dtype == SHARDD_DTYPE_FP32) {
+    shardd__optim_update(hp, step, p, g, grad_scale, st, n);
+    return SHARDD_OK;
+  }
+  float *m = (float *)((char *)master->ptr + master_off);
+  shardd__optim_update(hp, step, m, g, grad_scale, st, n);
+  shardd__from_f32(dtype, p, m, n);
+  return SHARDD_OK;
+}
+
+static shardd_err host_widen(shardd__backend *b, shardd_dtype dtype,
+                             shardd__region *master, size_t master_off,
+                             shardd__region *param, size_t param_off,
+                             size_t n) {
+  shardd__to_f32(dtype, (float *)((char *)master->ptr + master_off),
+                 (const char *)param->ptr + param_off, n);
+  return SHARDD_OK;
+}
+
+static void host_device_info(shardd__backend *b, int device,
+                             shardd__device_info *out) {
+  host_priv *hp = b->priv;
+  memset(out, 0, sizeof *out);
+  snprintf(out->name, sizeof out->name, "host%d", device);
+  out->capacity_bytes = hp->capacity;
+  pthread_mutex_lock(&hp->lock);
+  out->used_bytes = device >= 0 && device < b->ndevices ? hp->used[device] : 0;
+  pthread_mutex_unlock(&hp->lock);
+}
+
+static void host_destroy(shardd__backend *b) {
+  host_priv *hp = b->priv;
+  pthread_mutex_destroy(&hp->lock);
+  free(hp->used);
+  free(hp);
+  free(b);
+}
+
+static const shardd__backend_ops host_ops = {
+    .alloc = host_alloc,
+    .free = host_free,
+    .export_fd = host_export_fd,
+    .copy = host_copy,
+    .reduce = host_reduce,
+    .sumsq = host_sumsq,
+    .update = host_update,
+    .widen = host_widen,
+    .device_info = host_device_info,
+    .destroy = host_destroy,
+};
+
+shardd_err shardd__backend_host_create(int ndevices, uint64_t capacity,
+                                       shardd__backend **out, char *err,
+                                       size_t errlen) {
+  *out = NULL;
+  if (ndevices < 1 || ndevices > 1024) {
+    snprintf(err, errlen, "--devices %d: must be 1..1024", ndevices);
+    return SHARDD_E_RANGE;
+  }
+  if (capacity == 0) {
+    long pages = sysconf(_SC_PHYS_PAGES);
+    long pg = sysconf(_SC_PAGESIZE);
+    capacity = pages > 0 && pg > 0 ? (uint64_t)pages * (uint64_t)pg / (uint64_t)ndevices
+                                   : (uint64_t)1 << 30;
+  }
+  shardd__backend *b = calloc(1, sizeof *b);
+  host_priv *hp = calloc(1, sizeof *hp);
+  uint64_t *used = calloc((size_t)ndevices, sizeof *used);
+  if (b == NULL || hp == NULL || used == NULL) {
+    free(b);
+    free(hp);
+    free(used);
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  pthread_mutex_init(&hp->lock, NULL);
+  hp->capacity = capacity;
+  hp->used = used;
+  b->ops = &host_ops;
+  b->name = "host";
+  b->ndevices = ndevices;
+  b->priv = hp;
+  *out = b;
+  return SHARDD_OK;
+}
+
+#ifndef SHARDD_HAVE_CUDA
+int shardd__cuda_device_count(void) { return 0; }
+
+shardd_err shardd__backend_cuda_create(int ndevices, shardd__backend **out,
+                                       char *err, size_t errlen) {
+  *out = NULL;
+  snprintf(err, errlen, "this shardd was built without CUDA (make CUDA=1)");
+  return SHARDD_E_NO_CUDA;
+}
+#endif

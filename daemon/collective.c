@@ -1,0 +1,572 @@
+/* collective.c — collectives over the ranks of a job (see collective.h).
+ *
+ * A collective is created by the first rank that asks for it and joined by
+ * the others; a rank joins the oldest collective of the same kind and
+ * target it has not joined yet, so a rank that runs ahead queues behind.
+ * Once every rank has arrived, it starts when no older collective in the
+ * job's queue touches the same buffers, so one buffer's collectives run in
+ * submission order. The work is split into tasks (one per rank shard) on
+ * libuv's thread pool; tasks only touch region memory, and the completion
+ * count is kept on the loop thread (after_work). */
+#include "collective.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct coll coll;
+
+typedef struct {
+  shardd__session *s; /* NULL when not arrived or gone */
+  uint64_t seq;
+  int arrived;
+} waiter;
+
+typedef struct {
+  uv_work_t req;
+  coll *c;
+  size_t index;
+  double sumsq;
+  shardd_err rc;
+} task;
+
+struct coll {
+  coll *next;
+  shardd__server *srv;
+  shardd__job *job;
+  shardd__coll_args args;
+  shardd__buffer *buf; /* gather / scatter */
+  shardd__optim *opt;  /* step */
+  waiter *waiters;     /* [world] */
+  uint32_t arrived;
+  double deadline;
+  int started;
+  int phase; /* step: 0 norms, 1 updates */
+  size_t ntasks, left;
+  task *tasks;
+  float grad_scale;
+  double total_norm;
+  uint64_t step;
+  shardd__hp *hp; /* step: groups with any lr override applied */
+  shardd_err rc;
+};
+
+typedef struct {
+  coll *head;
+  uint32_t count;
+} coll_queue;
+
+static coll_queue *queue_of(shardd__job *job) {
+  if (job->coll == NULL)
+    job->coll = calloc(1, sizeof(coll_queue));
+  return job->coll;
+}
+
+uint32_t shardd__coll_inflight(const shardd__job *job) {
+  const coll_queue *q = job->coll;
+  return q ? q->count : 0;
+}
+
+void shardd__coll_job_free(shardd__job *job) {
+  free(job->coll);
+  job->coll = NULL;
+}
+
+static const char *kind_word(shardd__coll_kind k) {
+  switch (k) {
+  case SHARDD__COLL_GATHER:
+    return "gather";
+  case SHARDD__COLL_SCATTER:
+    return "scatter";
+  case SHARDD__COLL_STEP:
+    return "step";
+  }
+  return "collective";
+}
+
+static const char *target_word(shardd__coll_kind k) {
+  return k == SHARDD__COLL_STEP ? "optimizer" : "buffer";
+}
+
+/* ---- lifetime --------------------------------------------------------- */
+
+static void coll_unlink(coll *c) {
+  coll_queue *q = c->job->coll;
+  for (coll **pp = &q->head; *pp; pp = &(*pp)->next) {
+    if (*pp == c) {
+      *pp = c->next;
+      q->count--;
+      break;
+    }
+  }
+  if (c->buf)
+    c->buf->inflight--;
+  if (c->opt) {
+    c->opt->inflight--;
+    for (size_t i = 0; i < c->opt->nshards; i++)
+      c->opt->shards[i].buf->inflight--;
+  }
+}
+
+static void coll_free(coll *c) {
+  for (uint32_t r = 0; r < c->job->world; r++)
+    if (c->waiters[r].s)
+      c->waiters[r].s->pending--;
+  free(c->waiters);
+  free(c->tasks);
+  free(c->hp);
+  free(c);
+}
+
+/* Answers every rank still there with code/msg and forgets the collective. */
+static void coll_finish(coll *c, shardd_err code, const char *msg) {
+  coll_unlink(c);
+  for (uint32_t r = 0; r < c->job->world; r++) {
+    waiter *w = &c->waiters[r];
+    if (w->s == NULL)
+      continue;
+    if (code == SHARDD_OK && c->args.kind == SHARDD__COLL_STEP) {
+      Shardd__Response resp = SHARDD__RESPONSE__INIT;
+      Shardd__StepReply sr = SHARDD__STEP_REPLY__INIT;
+      resp.seq = w->seq;
+      resp.code = SHARDD__STATUS_CODE__OK;
+      sr.step = c->step;
+      if (c->args.max_norm > 0) {
+        sr.has_total_norm = 1;
+        sr.total_norm = c->total_norm;
+      }
+      resp.body_case = SHARDD__RESPONSE__BODY_STEP;
+      resp.step = &sr;
+      shardd__session_send(w->s, &resp, -1);
+    } else {
+      shardd__session_reply(w->s, w->seq, code, msg);
+    }
+  }
+  coll_free(c);
+}
+
+/* ---- conflicts and start ---------------------------------------------- */
+
+static int coll_touches(const coll *c, const shardd__buffer *b) {
+  if (c->buf)
+    return c->buf == b;
+  for (size_t i = 0; i < c->opt->nshards; i++)
+    if (c->opt->shards[i].buf == b)
+      return 1;
+  return 0;
+}
+
+static int coll_conflict(const coll *older, const coll *c) {
+  if (c->buf)
+    return coll_touches(older, c->buf);
+  for (size_t i = 0; i < c->opt->nshards; i++)
+    if (coll_touches(older, c->opt->shards[i].buf))
+      return 1;
+  return 0;
+}
+
+static void start_phase(coll *c);
+
+static void schedule(shardd__job *job) {
+  coll_queue *q = job->coll;
+  if (q == NULL)
+    return;
+  for (coll *c = q->head; c; c = c->next) {
+    if (c->started || c->arrived < job->world)
+      continue;
+    int blocked = 0;
+    for (coll *o = q->head; o != c; o = o->next)
+      if (coll_conflict(o, c)) {
+        blocked = 1;
+        break;
+      }
+    if (!blocked) {
+      c->started = 1;
+      start_phase(c);
+    }
+  }
+}
+
+/* ---- work ------------------------------------------------------------- */
+
+static void gather_task(coll *c, task *t) {
+  shardd__backend *be = c->srv->backend;
+  shardd__buffer *b = c->buf;
+  size_t esz = shardd_dtype_size(b->dtype);
+  size_t bytes = b->shard_numel * esz;
+  for (uint32_t q = 0; q < b->world && t->rc == SHARDD_OK; q++)
+    t->rc = be->ops->copy(be, b->blocks[t->index], b->gather_off + q * bytes,
+                          b->blocks[q], b->shard_off, bytes);
+}
+
+static void scatter_task(coll *c, task *t) {
+  shardd__backend *be = c->srv->backend;
+  shardd__buffer *b = c->buf;
+  size_t esz = shardd_dtype_size(b->dtype);
+  uint32_t w = b->world;
+  size_t *offs = malloc(w * sizeof *offs);
+  if (offs == NULL) {
+    t->rc = SHARDD_E_NO_MEMORY;
+    return;
+  }
+  for (uint32_t r = 0; r < w; r++)
+    offs[r] = b->grad_off + t->index * b->shard_numel * esz;
+  float div = c->args.op == SHARDD_REDUCE_MEAN ? (float)w : 1.0f;
+  t->rc = be->ops->reduce(be, b->dtype, div, b->blocks[t->index],
+                          b->reduced_off, b->blocks, offs, (int)w,
+                          b->shard_numel);
+  free(offs);
+}
+
+static void norm_task(coll *c, task *t) {
+  shardd__backend *be = c->srv->backend;
+  shardd__optim_shard *sh = &c->opt->shards[t->index];
+  shardd__region *blk = sh->buf->blocks[sh->rank];
+  t->sumsq = 0;
+  for (size_t i = 0; i < sh->nsegs && t->rc == SHARDD_OK; i++) {
+    double s = 0;
+    t->rc = be->ops->sumsq(be, blk, sh->buf->reduced_off + sh->segs[i].start * 4,
+                           sh->segs[i].len, &s);
+    t->sumsq += s;
+  }
+}
+
+static void update_task(coll *c, task *t) {
+  shardd__backend *be = c->srv->backend;
+  shardd__optim_shard *sh = &c->opt->shards[t->index];
+  shardd__buffer *b = sh->buf;
+  shardd__region *blk = b->blocks[sh->rank];
+  size_t esz = shardd_dtype_size(b->dtype);
+  int wide = b->dtype != SHARDD_DTYPE_FP32;
+  if (wide && !sh->master_valid) {
+    /* The trainer writes initial values into its shard after registering,
+     * so the fp32 master copy is taken at the first step. */
+    t->rc = be->ops->widen(be, b->dtype, sh->state, sh->master_off, blk,
+                           b->shard_off, b->shard_numel);
+    if (t->rc != SHARDD_OK)
+      return;
+  }
+  for (size_t i = 0; i < sh->nsegs && t->rc == SHARDD_OK; i++) {
+    const shardd__seg *sg = &sh->segs[i];
+    size_t offs[3];
+    for (int k = 0; k < 3; k++)
+      offs[k] = sh->state_offs[k] + sg->start * 4;
+    t->rc = be->ops->update(be, &c->hp[sg->group], c->step, b->dtype, blk,
+                            b->shard_off + sg->start * esz, wide ? sh->state : NULL,
+                            sh->master_off + sg->start * 4, blk,
+                            b->reduced_off + sg->start * 4, c->grad_scale,
+                            sh->state, offs, sg->len);
+  }
+}
+
+static void work_cb(uv_work_t *req) {
+  task *t = req->data;
+  coll *c = t->c;
+  switch (c->args.kind) {
+  case SHARDD__COLL_GATHER:
+    gather_task(c, t);
+    break;
+  case SHARDD__COLL_SCATTER:
+    scatter_task(c, t);
+    break;
+  case SHARDD__COLL_STEP:
+    if (c->phase == 0)
+      norm_task(c, t);
+    else
+      update_task(c, t);
+    break;
+  }
+}
+
+static void after_phase(coll *c) {
+  for (size_t i = 0; i < c->ntasks; i++)
+    if (c->tasks[i].rc != SHARDD_OK && c->rc == SHARDD_OK)
+      c->rc = c->tasks[i].rc;
+  shardd__job *job = c->job;
+  if (c->rc != SHARDD_OK) {
+    char msg[256];
+    snprintf(msg, sizeof msg, "%s of %s %" PRIu64 " failed in the backend: %s",
+             kind_word(c->args.kind), target_word(c->args.kind),
+             c->args.target, shardd_strerror(c->rc));
+    coll_finish(c, c->rc, msg);
+    schedule(job);
+    return;
+  }
+  if (c->args.kind == SHARDD__COLL_STEP && c->phase == 0) {
+    double sum = 0;
+    for (size_t i = 0; i < c->ntasks; i++)
+      sum += c->tasks[i].sumsq;
+    c->total_norm = sqrt(sum);
+    /* As torch.nn.utils.clip_grad_norm_: coef clamped to 1, applied always. */
+    double coef = c->args.max_norm / (c->total_norm + 1e-6);
+    c->grad_scale = (float)(coef < 1.0 ? coef : 1.0);
+    c->phase = 1;
+    start_phase(c);
+    return;
+  }
+  if (c->args.kind == SHARDD__COLL_GATHER) {
+    c->buf->gathers++;
+  } else if (c->args.kind == SHARDD__COLL_SCATTER) {
+    c->buf->scatters++;
+  } else {
+    for (size_t i = 0; i < c->opt->nshards; i++)
+      c->opt->shards[i].master_valid = 1;
+    c->opt->steps = c->step;
+  }
+  coll_finish(c, SHARDD_OK, NULL);
+  schedule(job);
+}
+
+static void after_work_cb(uv_work_t *req, int status) {
+  task *t = req->data;
+  coll *c = t->c;
+  if (status != 0 && t->rc == SHARDD_OK)
+    t->rc = SHARDD_E_INTERNAL;
+  if (--c->left == 0)
+    after_phase(c);
+}
+
+static void start_phase(coll *c) {
+  size_t n;
+  if (c->args.kind == SHARDD__COLL_STEP)
+    n = c->opt->nshards;
+  else
+    n = c->buf->world;
+  if (c->args.kind == SHARDD__COLL_STEP && c->phase == 0) {
+    c->step = c->opt->steps + 1;
+    c->grad_scale = 1.0f;
+    if (!(c->args.max_norm > 0))
+      c->phase = 1;
+  }
+  free(c->tasks);
+  c->tasks = calloc(n ? n : 1, sizeof *c->tasks);
+  if (c->tasks == NULL) {
+    shardd__job *job = c->job;
+    coll_finish(c, SHARDD_E_NO_MEMORY, "out of memory starting a collective");
+    schedule(job);
+    return;
+  }
+  c->ntasks = n;
+  c->left = n;
+  if (n == 0) {
+    c->left = 1;
+    after_work_cb(&c->tasks[0].req, 0);
+    return;
+  }
+  for (size_t i = 0; i < n; i++) {
+    task *t = &c->tasks[i];
+    t->c = c;
+    t->index = i;
+    t->req.data = t;
+    int e = uv_queue_work(c->srv->loop, &t->req, work_cb, after_work_cb);
+    if (e != 0) { /* cannot happen for a valid loop; run inline then */
+      work_cb(&t->req);
+      after_work_cb(&t->req, 0);
+    }
+  }
+}
+
+/* ---- submission ------------------------------------------------------- */
+
+static int args_equal(const shardd__coll_args *a, const shardd__coll_args *b) {
+  return a->kind == b->kind && a->target == b->target && a->op == b->op &&
+         a->has_lr == b->has_lr && (!a->has_lr || a->lr == b->lr) &&
+         a->max_norm == b->max_norm;
+}
+
+void shardd__coll_submit(shardd__server *srv, shardd__session *s, uint64_t seq,
+                         const shardd__coll_args *args) {
+  shardd__job *job = s->job;
+  char err[256];
+  shardd__obj *o;
+  shardd__obj_kind want = args->kind == SHARDD__COLL_STEP ? SHARDD__OBJ_OPTIM
+                                                          : SHARDD__OBJ_BUFFER;
+  shardd_err rc = shardd__registry_resolve(&srv->reg, job, args->target, want,
+                                           &o, err, sizeof err);
+  if (rc != SHARDD_OK) {
+    shardd__session_reply(s, seq, rc, err);
+    return;
+  }
+  if (args->kind == SHARDD__COLL_STEP &&
+      ((args->has_lr && !(args->lr >= 0 && isfinite(args->lr))) ||
+       !(args->max_norm >= 0 && isfinite(args->max_norm)))) {
+    shardd__session_reply(s, seq, SHARDD_E_RANGE,
+                          "step: lr must be >= 0 and max_norm >= 0, finite");
+    return;
+  }
+  if (s->pending >= srv->opts.max_pending) {
+    snprintf(err, sizeof err,
+             "session has %" PRIu32 " collectives queued (limit %" PRIu32 ")",
+             s->pending, srv->opts.max_pending);
+    shardd__session_reply(s, seq, SHARDD_E_LIMIT, err);
+    return;
+  }
+  coll_queue *q = queue_of(job);
+  if (q == NULL) {
+    shardd__session_reply(s, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    return;
+  }
+
+  coll *c = NULL;
+  for (coll *it = q->head; it; it = it->next) {
+    if (it->args.kind == args->kind && it->args.target == args->target &&
+        !it->started && !it->waiters[s->rank].arrived) {
+      c = it;
+      break;
+    }
+  }
+  if (c && !args_equal(&c->args, args)) {
+    snprintf(err, sizeof err,
+             "rank %" PRIu32 " called %s on %s %" PRIu64
+             " with other arguments than the ranks before it",
+             s->rank, kind_word(args->kind), target_word(args->kind),
+             args->target);
+    /* The others agree with each other, not with this rank: all fail, as a
+     * silent pick of one variant would train on mixed reductions. */
+    waiter *w = &c->waiters[s->rank];
+    w->s = s;
+    w->seq = seq;
+    w->arrived = 1;
+    s->pending++;
+    coll_finish(c, SHARDD_E_MISMATCH, err);
+    return;
+  }
+  if (c == NULL) {
+    c = calloc(1, sizeof *c);
+    if (c == NULL || (c->waiters = calloc(job->world, sizeof *c->waiters)) == NULL) {
+      free(c);
+      shardd__session_reply(s, seq, SHARDD_E_NO_MEMORY, "out of memory");
+      return;
+    }
+    c->srv = srv;
+    c->job = job;
+    c->args = *args;
+    c->deadline = shardd__server_now(srv) + srv->opts.collective_timeout;
+    if (args->kind == SHARDD__COLL_STEP) {
+      c->opt = (shardd__optim *)o;
+      c->hp = malloc((c->opt->ngroups ? c->opt->ngroups : 1) * sizeof *c->hp);
+      if (c->hp == NULL) {
+        free(c->waiters);
+        free(c);
+        shardd__session_reply(s, seq, SHARDD_E_NO_MEMORY, "out of memory");
+        return;
+      }
+      for (size_t g = 0; g < c->opt->ngroups; g++) {
+        c->hp[g] = c->opt->groups[g];
+        if (args->has_lr)
+          c->hp[g].lr = args->lr;
+      }
+      c->opt->inflight++;
+      for (size_t i = 0; i < c->opt->nshards; i++)
+        c->opt->shards[i].buf->inflight++;
+    } else {
+      c->buf = (shardd__buffer *)o;
+      c->buf->inflight++;
+    }
+    coll **tail = &q->head;
+    while (*tail)
+      tail = &(*tail)->next;
+    *tail = c;
+    q->count++;
+  }
+  waiter *w = &c->waiters[s->rank];
+  w->s = s;
+  w->seq = seq;
+  w->arrived = 1;
+  s->pending++;
+  c->arrived++;
+  if (c->arrived == job->world)
+    schedule(job);
+}
+
+static void fail_waiting(shardd__job *job, shardd_err code,
+                         int (*pick)(coll *c, void *arg), void *arg,
+                         void (*describe)(coll *c, void *arg, char *msg,
+                                          size_t len)) {
+  coll_queue *q = job->coll;
+  if (q == NULL)
+    return;
+  for (coll *c = q->head, *next; c; c = next) {
+    next = c->next;
+    if (c->started || !pick(c, arg))
+      continue;
+    char msg[512];
+    describe(c, arg, msg, sizeof msg);
+    coll_finish(c, code, msg);
+    /* coll_finish may only unlink c; `next` stays valid. */
+  }
+  schedule(job);
+}
+
+static int pick_all(coll *c, void *arg) { return 1; }
+
+static void describe_lost(coll *c, void *arg, char *msg, size_t len) {
+  const shardd__session *s = arg;
+  snprintf(msg, len,
+           "rank %" PRIu32 " of job \"%s\" disconnected before %s of %s %" PRIu64
+           " completed; no shard was changed",
+           s->rank, c->job->name, kind_word(c->args.kind),
+           target_word(c->args.kind), c->args.target);
+}
+
+void shardd__coll_session_lost(shardd__server *srv, shardd__session *s) {
+  shardd__job *job = s->job;
+  if (job == NULL || job->coll == NULL)
+    return;
+  coll_queue *q = job->coll;
+  /* Running collectives finish (their inputs were complete); they just
+   * must not answer a session that is gone. */
+  for (coll *c = q->head; c; c = c->next) {
+    if (c->started && c->waiters[s->rank].s == s) {
+      c->waiters[s->rank].s = NULL;
+      s->pending--;
+    }
+  }
+  /* Unstarted ones can never complete: this rank will not join them. The
+   * lost rank's own request is answered too (harmless on a closing
+   * session) so its pending count returns to zero. */
+  for (coll *c = q->head; c; c = c->next)
+    if (!c->started && c->waiters[s->rank].s == s) {
+      c->waiters[s->rank].s = NULL;
+      s->pending--;
+    }
+  fail_waiting(job, SHARDD_E_PEER_LOST, pick_all, s, describe_lost);
+}
+
+typedef struct {
+  double now;
+} tick_arg;
+
+static int pick_expired(coll *c, void *arg) {
+  const tick_arg *t = arg;
+  return c->arrived < c->job->world && t->now >= c->deadline;
+}
+
+static void describe_expired(coll *c, void *arg, char *msg, size_t len) {
+  int n = snprintf(msg, len,
+                   "%s of %s %" PRIu64 " timed out after %.0f s waiting for rank",
+                   kind_word(c->args.kind), target_word(c->args.kind),
+                   c->args.target, c->srv->opts.collective_timeout);
+  const char *sep = "s ";
+  uint32_t missing = c->job->world - c->arrived;
+  if (missing == 1)
+    sep = " ";
+  for (uint32_t r = 0; r < c->job->world && n > 0 && (size_t)n < len; r++) {
+    if (c->waiters[r].arrived)
+      continue;
+    n += snprintf(msg + n, len - (size_t)n, "%s%" PRIu32, sep, r);
+    sep = ", ";
+  }
+}
+
+static void tick_job(shardd__job *job, void *arg) {
+  if (job->coll)
+    fail_waiting(job, SHARDD_E_PEER_LOST, pick_expired, arg, describe_expired);
+}
+
+void shardd__coll_tick(shardd__server *srv, double now) {
+  tick_arg t = {now};
+  shardd__registry_each_job(&srv->reg, tick_job, &t);
+}

@@ -1,0 +1,244 @@
+/* main.c — shardd's command line, backend choice, systemd readiness and
+ * socket activation, and the loop's run and teardown. */
+#include <errno.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+#include <uv.h>
+
+#include "backend.h"
+#include "sdnotify.h"
+#include "server.h"
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: shardd [options]\n"
+          "  --socket PATH             listen here (default %s; $SHARDD_SOCKET)\n"
+          "  --backend host|cuda|auto  memory backend (default auto: cuda when a GPU is found)\n"
+          "  --devices N               devices to manage (host: virtual arenas, default 1;\n"
+          "                            cuda: first N GPUs, default all)\n"
+          "  --device-memory SIZE      host arena capacity per device (e.g. 8G; default RAM/N)\n"
+          "  --collective-timeout SEC  how long a collective waits for all ranks (default 300)\n"
+          "  --job-linger SEC          keep a job this long after its last client (default 600;\n"
+          "                            -1 forever)\n"
+          "  --max-clients N           concurrent connections (default 1024)\n"
+          "  --log-level LEVEL         error|warn|info|debug (default info)\n"
+          "  --foreground              run in the foreground (the only mode; for systemd)\n"
+          "  --version, --help\n",
+          SHARDD_DEFAULT_SOCKET);
+}
+
+static int parse_size(const char *s, uint64_t *out) {
+  char *end;
+  errno = 0;
+  double v = strtod(s, &end);
+  if (errno || end == s || v < 0)
+    return -1;
+  double mul = 1;
+  switch (*end) {
+  case 'k': case 'K': mul = 1024.0; end++; break;
+  case 'm': case 'M': mul = 1024.0 * 1024; end++; break;
+  case 'g': case 'G': mul = 1024.0 * 1024 * 1024; end++; break;
+  case 't': case 'T': mul = 1024.0 * 1024 * 1024 * 1024; end++; break;
+  default: break;
+  }
+  if (*end == 'i' || *end == 'B' || *end == 'b')
+    end++;
+  if (*end == 'B')
+    end++;
+  if (*end != '\0')
+    return -1;
+  *out = (uint64_t)(v * mul);
+  return 0;
+}
+
+static int parse_double(const char *s, double *out) {
+  char *end;
+  errno = 0;
+  *out = strtod(s, &end);
+  return errno || end == s || *end ? -1 : 0;
+}
+
+static int parse_level(const char *s) {
+  static const char *names[] = {"error", "warn", "info", "debug"};
+  for (int i = 0; i < 4; i++)
+    if (strcmp(s, names[i]) == 0)
+      return i;
+  return -1;
+}
+
+int main(int argc, char **argv) {
+  enum { O_SOCKET = 256, O_BACKEND, O_DEVICES, O_DEVMEM, O_TIMEOUT, O_LINGER,
+         O_MAXCLIENTS, O_LOGLEVEL, O_FOREGROUND, O_VERSION, O_HELP };
+  static const struct option longopts[] = {
+      {"socket", required_argument, NULL, O_SOCKET},
+      {"backend", required_argument, NULL, O_BACKEND},
+      {"devices", required_argument, NULL, O_DEVICES},
+      {"device-memory", required_argument, NULL, O_DEVMEM},
+      {"collective-timeout", required_argument, NULL, O_TIMEOUT},
+      {"job-linger", required_argument, NULL, O_LINGER},
+      {"max-clients", required_argument, NULL, O_MAXCLIENTS},
+      {"log-level", required_argument, NULL, O_LOGLEVEL},
+      {"foreground", no_argument, NULL, O_FOREGROUND},
+      {"version", no_argument, NULL, O_VERSION},
+      {"help", no_argument, NULL, O_HELP},
+      {NULL, 0, NULL, 0}};
+  shardd__server_opts opts = SHARDD__SERVER_OPTS_INIT;
+  const char *env_sock = getenv("SHARDD_SOCKET");
+  if (env_sock && env_sock[0])
+    opts.socket_path = env_sock;
+  const char *backend_name = "auto";
+  int devices = 0;
+  uint64_t devmem = 0;
+  int c;
+  while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
+    switch (c) {
+    case O_SOCKET:
+      opts.socket_path = optarg;
+      break;
+    case O_BACKEND:
+      backend_name = optarg;
+      if (strcmp(optarg, "host") && strcmp(optarg, "cuda") && strcmp(optarg, "auto")) {
+        fprintf(stderr, "shardd: --backend %s: must be host, cuda or auto\n", optarg);
+        return 2;
+      }
+      break;
+    case O_DEVICES: {
+      char *end;
+      long v = strtol(optarg, &end, 10);
+      if (*end || v < 1 || v > 1024) {
+        fprintf(stderr, "shardd: --devices %s: must be 1..1024\n", optarg);
+        return 2;
+      }
+      devices = (int)v;
+      break;
+    }
+    case O_DEVMEM:
+      if (parse_size(optarg, &devmem) != 0 || devmem == 0) {
+        fprintf(stderr, "shardd: --device-memory %s: not a size\n", optarg);
+        return 2;
+      }
+      break;
+    case O_TIMEOUT:
+      if (parse_double(optarg, &opts.collective_timeout) != 0 ||
+          !(opts.collective_timeout > 0)) {
+        fprintf(stderr, "shardd: --collective-timeout %s: must be > 0\n", optarg);
+        return 2;
+      }
+      break;
+    case O_LINGER:
+      if (parse_double(optarg, &opts.job_linger) != 0) {
+        fprintf(stderr, "shardd: --job-linger %s: not a number\n", optarg);
+        return 2;
+      }
+      break;
+    case O_MAXCLIENTS: {
+      char *end;
+      long v = strtol(optarg, &end, 10);
+      if (*end || v < 1 || v > 1000000) {
+        fprintf(stderr, "shardd: --max-clients %s: must be 1..1000000\n", optarg);
+        return 2;
+      }
+      opts.max_clients = (uint32_t)v;
+      break;
+    }
+    case O_LOGLEVEL:
+      if ((opts.log_level = parse_level(optarg)) < 0) {
+        fprintf(stderr, "shardd: --log-level %s: error|warn|info|debug\n", optarg);
+        return 2;
+      }
+      break;
+    case O_FOREGROUND:
+      break;
+    case O_VERSION:
+      printf("shardd %s (protocol %d)\n", SHARDD_VERSION, SHARDD_PROTOCOL_VERSION);
+      return 0;
+    case O_HELP:
+      usage(stdout);
+      return 0;
+    default:
+      usage(stderr);
+      return 2;
+    }
+  }
+  if (optind < argc) {
+    fprintf(stderr, "shardd: unexpected argument %s\n", argv[optind]);
+    usage(stderr);
+    return 2;
+  }
+
+  /* Work items are whole shard copies and optimizer updates: let every
+   * core take one. Must be set before the pool's first use. */
+  if (getenv("UV_THREADPOOL_SIZE") == NULL) {
+    char n[16];
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    snprintf(n, sizeof n, "%ld", cpus < 4 ? 4 : cpus > 128 ? 128 : cpus);
+    setenv("UV_THREADPOOL_SIZE", n, 1);
+  }
+
+  char err[512];
+  shardd__backend *backend = NULL;
+  shardd_err rc;
+  int want_cuda = strcmp(backend_name, "cuda") == 0 ||
+                  (strcmp(backend_name, "auto") == 0 && shardd__cuda_device_count() > 0);
+  if (want_cuda) {
+    rc = shardd__backend_cuda_create(devices, &backend, err, sizeof err);
+  } else {
+    rc = shardd__backend_host_create(devices ? devices : 1, devmem, &backend,
+                                     err, sizeof err);
+  }
+  if (rc != SHARDD_OK) {
+    fprintf(stderr, "shardd: %s backend: %s\n", want_cuda ? "cuda" : "host", err);
+    return 1;
+  }
+
+  int nfds = shardd__sd_listen_fds(1);
+  char activated_path[sizeof(((struct sockaddr_un *)0)->sun_path)] = "";
+  if (nfds > 0) {
+    if (nfds > 1 || !shardd__sd_is_unix_listener(3)) {
+      fprintf(stderr, "shardd: socket activation passed %d fds; want one unix "
+              "stream listener\n", nfds);
+      backend->ops->destroy(backend);
+      return 1;
+    }
+    opts.listen_fd = 3;
+    struct sockaddr_un sa;
+    socklen_t len = sizeof sa;
+    if (getsockname(3, (struct sockaddr *)&sa, &len) == 0 && sa.sun_path[0])
+      snprintf(activated_path, sizeof activated_path, "%s", sa.sun_path);
+    if (activated_path[0])
+      opts.socket_path = activated_path;
+  }
+
+  uv_loop_t *loop = uv_default_loop();
+  shardd__server srv;
+  rc = shardd__server_init(&srv, loop, backend, &opts, err, sizeof err);
+  if (rc != SHARDD_OK) {
+    fprintf(stderr, "shardd: %s\n", err);
+    uv_run(loop, UV_RUN_DEFAULT);
+    shardd__server_free(&srv);
+    uv_loop_close(loop);
+    return 1;
+  }
+  shardd__log(&srv, 2, "shardd %s serving on %s (%s backend, %d device%s%s)",
+              SHARDD_VERSION, srv.socket_path, backend->name, backend->ndevices,
+              backend->ndevices == 1 ? "" : "s", nfds > 0 ? ", socket-activated" : "");
+  char state[256];
+  snprintf(state, sizeof state, "READY=1\nSTATUS=serving on %s\nMAINPID=%d",
+           srv.socket_path, (int)getpid());
+  if (shardd__sd_notify(state, err, sizeof err) != SHARDD_OK)
+    shardd__log(&srv, 1, "sd_notify: %s", err);
+
+  uv_run(loop, UV_RUN_DEFAULT);
+
+  shardd__sd_notify("STOPPING=1", err, sizeof err);
+  shardd__server_free(&srv);
+  uv_loop_close(loop);
+  shardd__log(NULL, 2, "stopped");
+  return 0;
+}

@@ -1,0 +1,396 @@
+/* optim.c — the host optimizer kernels (SGD, Adam, AdamW) and the array
+ * helpers around a step: gradient sum of squares and bf16/fp16 conversion.
+ *
+ * Bit-for-bit goal: torch.optim 1.13, single-tensor path, on torch's
+ * non-SIMD CPU kernels. Each torch tensor op is one float operation here,
+ * with its scalar argument computed in double and rounded to float exactly
+ * where torch hands a Python float to a float tensor op. torch's AVX2/AVX512
+ * kernels fuse some multiply-adds (add with alpha is an fmadd there); we keep
+ * every operation separately rounded so results do not depend on the host
+ * CPU. Against those kernels we differ by an ULP or so per operation, which
+ * grows in relative terms where an update nearly cancels the parameter
+ * (measured: <= 2.8e-6 relative, 36 ULPs, over the golden cases).
+ *
+ * The element loops are instantiated once per flag combination (the flags
+ * are compile-time constants of an always-inline body) so that each loop is
+ * branch-free and vectorizes. Adam's sqrtf vectorizes only without errno
+ * (-fno-math-errno, set for this file in the Makefile): with errno GCC keeps
+ * a libm call for negative inputs, which ours never are.
+ */
+#include "optim.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "dtype.h"
+
+/* Contracting a*b+c into an FMA would change results (and make them depend
+ * on the host CPU). GCC contracts in its gnu dialects (-std=c11 turns that
+ * off, this keeps it off in a gnu11 build), clang within an expression. */
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#define OPTIM_INLINE static inline __attribute__((always_inline))
+
+void shardd__hp_defaults(shardd_optim_kind kind, shardd__hp *hp) {
+  *hp = (shardd__hp){0};
+  hp->kind = kind;
+  hp->lr = 1e-3;
+  if (kind == SHARDD_OPTIM_ADAM || kind == SHARDD_OPTIM_ADAMW) {
+    hp->beta1 = 0.9;
+    hp->beta2 = 0.999;
+    hp->eps = 1e-8;
+    hp->weight_decay = kind == SHARDD_OPTIM_ADAMW ? 1e-2 : 0.0;
+  }
+}
+
+/* Fills err with "NAME = VALUE is out of range RANGE" and returns E_RANGE. */
+static shardd_err out_of_range(char *err, size_t errlen, const char *name,
+                               double v, const char *range) {
+  if (err && errlen > 0)
+    snprintf(err, errlen, "%s = %g is out of range %s", name, v, range);
+  return SHARDD_E_RANGE;
+}
+
+shardd_err shardd__hp_check(const shardd__hp *hp, char *err, size_t errlen) {
+  if (err && errlen > 0)
+    err[0] = '\0';
+  if (hp->kind != SHARDD_OPTIM_SGD && hp->kind != SHARDD_OPTIM_ADAM &&
+      hp->kind != SHARDD_OPTIM_ADAMW) {
+    if (err && errlen > 0)
+      snprintf(err, errlen, "kind = %d is not a known optimizer",
+               (int)hp->kind);
+    return SHARDD_E_RANGE;
+  }
+  /* Written as !(ok) so NaN fails every test. */
+  if (!(hp->lr >= 0 && isfinite(hp->lr)))
+    return out_of_range(err, errlen, "lr", hp->lr, "[0, inf)");
+  if (!(hp->weight_decay >= 0 && isfinite(hp->weight_decay)))
+    return out_of_range(err, errlen, "weight_decay", hp->weight_decay,
+                        "[0, inf)");
+  if (hp->kind == SHARDD_OPTIM_SGD) {
+    if (!(hp->momentum >= 0 && isfinite(hp->momentum)))
+      return out_of_range(err, errlen, "momentum", hp->momentum, "[0, inf)");
+    if (!isfinite(hp->dampening))
+      return out_of_range(err, errlen, "dampening", hp->dampening,
+                          "(-inf, inf)");
+    if (hp->nesterov && !(hp->momentum > 0 && hp->dampening == 0)) {
+      if (err && errlen > 0)
+        snprintf(err, errlen,
+                 "nesterov requires momentum > 0 and dampening = 0 "
+                 "(momentum = %g, dampening = %g)",
+                 hp->momentum, hp->dampening);
+      return SHARDD_E_RANGE;
+    }
+    return SHARDD_OK;
+  }
+  if (!(hp->beta1 >= 0 && hp->beta1 < 1))
+    return out_of_range(err, errlen, "beta1", hp->beta1, "[0, 1)");
+  if (!(hp->beta2 >= 0 && hp->beta2 < 1))
+    return out_of_range(err, errlen, "beta2", hp->beta2, "[0, 1)");
+  if (!(hp->eps > 0 && isfinite(hp->eps)))
+    return out_of_range(err, errlen, "eps", hp->eps, "(0, inf)");
+  return SHARDD_OK;
+}
+
+int shardd__optim_supports(shardd_optim_kind kind, shardd_dtype dtype) {
+  if (kind != SHARDD_OPTIM_SGD && kind != SHARDD_OPTIM_ADAM &&
+      kind != SHARDD_OPTIM_ADAMW)
+    return 0;
+  return dtype == SHARDD_DTYPE_FP32 || dtype == SHARDD_DTYPE_BF16 ||
+         dtype == SHARDD_DTYPE_FP16;
+}
+
+int shardd__optim_state_count(const shardd__hp *hp) {
+  switch (hp->kind) {
+  case SHARDD_OPTIM_SGD:
+    return hp->momentum != 0 ? 1 : 0;
+  case SHARDD_OPTIM_ADAM:
+  case SHARDD_OPTIM_ADAMW:
+    return hp->amsgrad ? 3 : 2;
+  }
+  return 0;
+}
+
+/* ---- SGD ---------------------------------------------------------------- */
+
+/* Per-step float scalars, each rounded from double once as torch does. */
+typedef struct {
+  float scale;  /* grad_scale, negated for maximize: -(g*s) == g*(-s) */
+  float wd;     /* weight_decay */
+  float mom;    /* momentum */
+  float damp1;  /* 1 - dampening */
+  float neg_lr; /* -lr */
+} sgd_k;
+
+/* torch: d_p = grad (negated if maximize); d_p = d_p + wd*param;
+ * buf = d_p on the first step, else buf = buf*mom + (1-damp)*d_p;
+ * d_p = nesterov ? d_p + mom*buf : buf; param = param + (-lr)*d_p. */
+OPTIM_INLINE void sgd_loop(size_t n, float *restrict p,
+                           const float *restrict g, float *restrict buf,
+                           sgd_k k, const int has_wd, const int has_mom,
+                           const int first, const int nesterov) {
+  for (size_t i = 0; i < n; i++) {
+    float d = g[i] * k.scale;
+    if (has_wd)
+      d = d + k.wd * p[i];
+    if (has_mom) {
+      float b = first ? d : buf[i] * k.mom + k.damp1 * d;
+      buf[i] = b;
+      d = nesterov ? d + k.mom * b : b;
+    }
+    p[i] = p[i] + k.neg_lr * d;
+  }
+}
+
+static void sgd_update(const shardd__hp *hp, uint64_t step, float *p,
+                       const float *g, float grad_scale, float *buf,
+                       size_t n) {
+  sgd_k k = {
+      .scale = hp->maximize ? -grad_scale : grad_scale,
+      .wd = (float)hp->weight_decay,
+      .mom = (float)hp->momentum,
+      .damp1 = (float)(1.0 - hp->dampening),
+      .neg_lr = (float)-hp->lr,
+  };
+  /* torch skips each op whose coefficient is 0; doing it anyway would
+   * differ for signed zeros and non-finite parameters. */
+  int wd = hp->weight_decay != 0;
+  if (hp->momentum == 0) {
+    if (wd)
+      sgd_loop(n, p, g, NULL, k, 1, 0, 0, 0);
+    else
+      sgd_loop(n, p, g, NULL, k, 0, 0, 0, 0);
+    return;
+  }
+  int v = (wd << 2) | ((step <= 1) << 1) | (hp->nesterov != 0);
+  switch (v) {
+  case 0: sgd_loop(n, p, g, buf, k, 0, 1, 0, 0); break;
+  case 1: sgd_loop(n, p, g, buf, k, 0, 1, 0, 1); break;
+  case 2: sgd_loop(n, p, g, buf, k, 0, 1, 1, 0); break;
+  case 3: sgd_loop(n, p, g, buf, k, 0, 1, 1, 1); break;
+  case 4: sgd_loop(n, p, g, buf, k, 1, 1, 0, 0); break;
+  case 5: sgd_loop(n, p, g, buf, k, 1, 1, 0, 1); break;
+  case 6: sgd_loop(n, p, g, buf, k, 1, 1, 1, 0); break;
+  default: sgd_loop(n, p, g, buf, k, 1, 1, 1, 1); break;
+  }
+}
+
+/* ---- Adam / AdamW ------------------------------------------------------- */
+
+enum { DECAY_NONE = 0, DECAY_L2 = 1, DECAY_DECOUPLED = 2 };
+
+typedef struct {
+  float scale;    /* grad_scale, negated for maximize */
+  float wd;       /* Adam: weight_decay, added to the gradient (L2) */
+  float keep;     /* AdamW: 1 - lr*weight_decay, multiplied into param */
+  float b1, omb1; /* beta1, 1 - beta1 */
+  float b2, omb2; /* beta2, 1 - beta2 */
+  float bc2_sqrt; /* sqrt(1 - beta2^step) */
+  float eps;
+  float neg_step; /* -lr / (1 - beta1^step) */
+} adam_k;
+
+/* torch: grad (negated if maximize); Adam: grad = grad + wd*param; AdamW:
+ * param = param*(1 - lr*wd); m = m*b1 + (1-b1)*grad;
+ * v = v*b2 + ((1-b2)*grad)*grad; vmax = maximum(vmax, v) (amsgrad);
+ * denom = sqrt(v or vmax)/bc2_sqrt + eps; param = param + (-step_size*m)/denom. */
+OPTIM_INLINE void adam_loop(size_t n, float *restrict p,
+                            const float *restrict g, float *restrict m,
+                            float *restrict v, float *restrict vmax,
+                            adam_k k, const int decay, const int amsgrad) {
+  for (size_t i = 0; i < n; i++) {
+    float gi = g[i] * k.scale;
+    float pi = p[i];
+    if (decay == DECAY_L2)
+      gi = gi + k.wd * pi;
+    if (decay == DECAY_DECOUPLED)
+      pi = pi * k.keep;
+    float mi = m[i] * k.b1 + k.omb1 * gi;
+    float vi = v[i] * k.b2 + k.omb2 * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    float s = vi;
+    if (amsgrad) {
+      /* torch.maximum propagates NaN; a NaN vi fails the compare and wins */
+      float mx = vmax[i] >= vi ? vmax[i] : vi;
+      vmax[i] = mx;
+      s = mx;
+    }
+    float denom = sqrtf(s) / k.bc2_sqrt + k.eps;
+    p[i] = pi + k.neg_step * mi / denom;
+  }
+}
+
+static void adam_update(const shardd__hp *hp, uint64_t step, float *p,
+                        const float *g, float grad_scale, float *const *state,
+                        size_t n) {
+  double t = (double)step;
+  double bc1 = 1.0 - pow(hp->beta1, t);
+  double bc2 = 1.0 - pow(hp->beta2, t);
+  double step_size = hp->lr / bc1;
+  adam_k k = {
+      .scale = hp->maximize ? -grad_scale : grad_scale,
+      .wd = (float)hp->weight_decay,
+      .keep = (float)(1.0 - hp->lr * hp->weight_decay),
+      .b1 = (float)hp->beta1,
+      .omb1 = (float)(1.0 - hp->beta1),
+      .b2 = (float)hp->beta2,
+      .omb2 = (float)(1.0 - hp->beta2),
+      .bc2_sqrt = (float)sqrt(bc2),
+      .eps = (float)hp->eps,
+      .neg_step = (float)-step_size,
+  };
+  int decay = DECAY_NONE;
+  if (hp->weight_decay != 0)
+    decay = hp->kind == SHARDD_OPTIM_ADAMW ? DECAY_DECOUPLED : DECAY_L2;
+  float *m = state[0], *v = state[1];
+  float *vmax = hp->amsgrad ? state[2] : NULL;
+  switch (decay * 2 + (hp->amsgrad != 0)) {
+  case 0: adam_loop(n, p, g, m, v, vmax, k, DECAY_NONE, 0); break;
+  case 1: adam_loop(n, p, g, m, v, vmax, k, DECAY_NONE, 1); break;
+  case 2: adam_loop(n, p, g, m, v, vmax, k, DECAY_L2, 0); break;
+  case 3: adam_loop(n, p, g, m, v, vmax, k, DECAY_L2, 1); break;
+  case 4: adam_loop(n, p, g, m, v, vmax, k, DECAY_DECOUPLED, 0); break;
+  default: adam_loop(n, p, g, m, v, vmax, k, DECAY_DECOUPLED, 1); break;
+  }
+}
+
+void shardd__optim_update(const shardd__hp *hp, uint64_t step, float *param,
+                          const float *grad, float grad_scale,
+                          float *const *state, size_t n) {
+  if (n == 0)
+    return;
+  switch (hp->kind) {
+  case SHARDD_OPTIM_SGD:
+    sgd_update(hp, step, param, grad, grad_scale,
+               hp->momentum != 0 ? state[0] : NULL, n);
+    break;
+  case SHARDD_OPTIM_ADAM:
+  case SHARDD_OPTIM_ADAMW:
+    adam_update(hp, step, param, grad, grad_scale, state, n);
+    break;
+  }
+}
+
+/* ---- array helpers ------------------------------------------------------ */
+
+static inline float bits_f32(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+static inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+/* dtype.h's fp16 conversions branch per element (a normalising loop for
+ * subnormals), which keeps the array loops scalar. These are the branch-free
+ * forms torch itself uses (c10 fp16_ieee_to_fp32_value / _from_fp32_value);
+ * they equal dtype.h's on every non-NaN input (NaN stays NaN, its payload may
+ * differ) and no intermediate is a subnormal float, so FTZ/DAZ modes do not
+ * change them. */
+static inline float f16_to_f32(uint16_t h) {
+  uint32_t w = (uint32_t)h << 16;
+  uint32_t sign = w & 0x80000000u;
+  uint32_t two_w = w + w;
+  /* normals (and inf/NaN): rebias the exponent by 0xe0 then scale by 2^-112 */
+  float normal = bits_f32((two_w >> 4) + (0xe0u << 23)) * 0x1.0p-112f;
+  /* subnormals: the mantissa under the exponent of 0.5, minus 0.5 */
+  float denormal = bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
+  /* a mask, not ?:, so GCC does not sink either float op into a branch
+   * (it may not speculate a float op under -ftrapping-math) */
+  uint32_t is_den = 0u - (uint32_t)(two_w < (1u << 27));
+  uint32_t mag = (f32_bits(denormal) & is_den) | (f32_bits(normal) & ~is_den);
+  return bits_f32(sign | mag);
+}
+
+static inline uint16_t f32_to_f16(float f) {
+  /* scaling by 2^112 then 2^-110 rounds away the bits fp16 cannot hold
+   * (overflowing to inf where fp16 would) */
+  float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  uint32_t w = f32_bits(f);
+  uint32_t shl1_w = w + w;
+  uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xff000000u;
+  bias = bias < 0x71000000u ? 0x71000000u : bias;
+  base = bits_f32((bias >> 1) + 0x07800000u) + base;
+  uint32_t bits = f32_bits(base);
+  uint32_t exp_bits = (bits >> 13) & 0x7c00u;
+  uint32_t mantissa_bits = bits & 0x0fffu;
+  uint32_t nonsign = exp_bits + mantissa_bits;
+  uint32_t is_nan = 0u - (uint32_t)(shl1_w > 0xff000000u); /* mask: see above */
+  return (uint16_t)((sign >> 16) | (0x7e00u & is_nan) | (nonsign & ~is_nan));
+}
+
+/* Eight independent partial sums: a fixed summation order the compiler may
+ * vectorize without reassociating (it may not reorder one running sum). The
+ * products are exact in double. */
+#define SUMSQ_LANES 8
+
+double shardd__sumsq_f32(const float *restrict grad, size_t n) {
+  double acc[SUMSQ_LANES] = {0};
+  size_t i = 0;
+  for (; i + SUMSQ_LANES <= n; i += SUMSQ_LANES)
+    for (size_t j = 0; j < SUMSQ_LANES; j++)
+      acc[j] += (double)grad[i + j] * (double)grad[i + j];
+  for (size_t j = 0; i < n; i++, j++)
+    acc[j] += (double)grad[i] * (double)grad[i];
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) +
+         ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+void shardd__to_f32(shardd_dtype dtype, float *restrict dst,
+                    const void *restrict src, size_t n) {
+  switch (dtype) {
+  case SHARDD_DTYPE_FP32: {
+    const float *restrict s = src;
+    for (size_t i = 0; i < n; i++)
+      dst[i] = s[i];
+    break;
+  }
+  case SHARDD_DTYPE_BF16: {
+    const uint16_t *restrict s = src;
+    for (size_t i = 0; i < n; i++)
+      dst[i] = shardd__bf16_to_f32(s[i]);
+    break;
+  }
+  case SHARDD_DTYPE_FP16: {
+    const uint16_t *restrict s = src;
+    for (size_t i = 0; i < n; i++)
+      dst[i] = f16_to_f32(s[i]);
+    break;
+  }
+  }
+}
+
+void shardd__from_f32(shardd_dtype dtype, void *restrict dst,
+                      const float *restrict src, size_t n) {
+  switch (dtype) {
+  case SHARDD_DTYPE_FP32: {
+    float *restrict d = dst;
+    for (size_t i = 0; i < n; i++)
+      d[i] = src[i];
+    break;
+  }
+  case SHARDD_DTYPE_BF16: {
+    uint16_t *restrict d = dst;
+    for (size_t i = 0; i < n; i++)
+      d[i] = shardd__f32_to_bf16(src[i]);
+    break;
+  }
+  case SHARDD_DTYPE_FP16: {
+    uint16_t *restrict d = dst;
+    for (size_t i = 0; i < n; i++)
+      d[i] = f32_to_f16(src[i]);
+    break;
+  }
+  }
+}

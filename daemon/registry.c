@@ -1,0 +1,751 @@
+/* registry.c — jobs, flat buffers, views and optimizers, and the backend
+ * memory behind them. */
+#include "registry.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NAME_MAX_LEN 255
+#define MAX_NDIM 16
+#define MAX_NUMEL ((uint64_t)1 << 40)
+#define AREA_ALIGN 4096u
+
+static size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+void shardd__registry_init(shardd__registry *reg, shardd__backend *backend) {
+  memset(reg, 0, sizeof *reg);
+  reg->backend = backend;
+  reg->next_id = 1;
+  shardd__map_init(&reg->objects);
+  shardd__map_init(&reg->jobs);
+}
+
+static void collect_job_cb(void *value, void *arg) {
+  shardd__job ***cursor = arg;
+  *(*cursor)++ = value;
+}
+
+void shardd__registry_free(shardd__registry *reg) {
+  size_t n = shardd__map_count(&reg->jobs);
+  shardd__job **jobs = malloc((n ? n : 1) * sizeof *jobs);
+  if (jobs) {
+    /* Collected first: releasing a job edits the map being walked. */
+    shardd__job **cursor = jobs;
+    shardd__map_each(&reg->jobs, collect_job_cb, &cursor);
+    for (size_t i = 0; i < n; i++)
+      shardd__job_release(reg, jobs[i]);
+    free(jobs);
+  }
+  shardd__map_free(&reg->objects);
+  shardd__map_free(&reg->jobs);
+}
+
+static int name_ok(const char *name, const char *what, char *err,
+                   size_t errlen) {
+  if (name == NULL || name[0] == '\0') {
+    snprintf(err, errlen, "%s name is empty", what);
+    return 0;
+  }
+  if (strlen(name) > NAME_MAX_LEN) {
+    snprintf(err, errlen, "%s name is longer than %d bytes", what,
+             NAME_MAX_LEN);
+    return 0;
+  }
+  return 1;
+}
+
+shardd__job *shardd__job_find(shardd__registry *reg, const char *name) {
+  return name ? shardd__map_get_str(&reg->jobs, name) : NULL;
+}
+
+shardd_err shardd__job_get(shardd__registry *reg, const char *name,
+                           uint32_t world, uint32_t uid, shardd__job **out,
+                           char *err, size_t errlen) {
+  *out = NULL;
+  if (!name_ok(name, "job", err, errlen))
+    return SHARDD_E_INVAL;
+  if (world < 1 || world > 65536) {
+    snprintf(err, errlen, "world %" PRIu32 " is out of range [1, 65536]",
+             world);
+    return SHARDD_E_RANGE;
+  }
+  shardd__job *job = shardd__map_get_str(&reg->jobs, name);
+  if (job) {
+    if (job->world != world) {
+      snprintf(err, errlen,
+               "job \"%s\" has world %" PRIu32 ", not %" PRIu32, name,
+               job->world, world);
+      return SHARDD_E_MISMATCH;
+    }
+    *out = job;
+    return SHARDD_OK;
+  }
+  job = calloc(1, sizeof *job);
+  if (job == NULL || (job->name = strdup(name)) == NULL ||
+      (job->rank_sessions = calloc(world, sizeof(void *))) == NULL)
+    goto nomem;
+  job->world = world;
+  job->uid = uid;
+  job->reg = reg;
+  job->empty_since = -1;
+  shardd__map_init(&job->buffers);
+  shardd__map_init(&job->optims);
+  if (shardd__map_put_str(&reg->jobs, name, job) != SHARDD_OK)
+    goto nomem;
+  *out = job;
+  return SHARDD_OK;
+
+nomem:
+  if (job) {
+    free(job->name);
+    free(job->rank_sessions);
+    free(job);
+  }
+  snprintf(err, errlen, "out of memory creating job");
+  return SHARDD_E_NO_MEMORY;
+}
+
+shardd__obj *shardd__registry_get(const shardd__registry *reg, uint64_t id) {
+  return shardd__map_get_id(&reg->objects, id);
+}
+
+int shardd__registry_issued(const shardd__registry *reg, uint64_t id) {
+  return id > 0 && id < reg->next_id;
+}
+
+static const char *kind_name(shardd__obj_kind kind) {
+  switch (kind) {
+  case SHARDD__OBJ_BUFFER:
+    return "buffer";
+  case SHARDD__OBJ_VIEW:
+    return "view";
+  case SHARDD__OBJ_OPTIM:
+    return "optimizer";
+  }
+  return "object";
+}
+
+shardd_err shardd__registry_resolve(const shardd__registry *reg,
+                                    const shardd__job *job, uint64_t id,
+                                    shardd__obj_kind kind, shardd__obj **out,
+                                    char *err, size_t errlen) {
+  *out = NULL;
+  shardd__obj *o = shardd__registry_get(reg, id);
+  if (o == NULL) {
+    if (shardd__registry_issued(reg, id))
+      snprintf(err, errlen, "%s %" PRIu64 " no longer exists (unregistered)",
+               kind_name(kind), id);
+    else
+      snprintf(err, errlen, "no %s has id %" PRIu64, kind_name(kind), id);
+    return SHARDD_E_NOT_FOUND;
+  }
+  if (o->job != job) {
+    snprintf(err, errlen, "%s %" PRIu64 " is not owned by job \"%s\"",
+             kind_name(o->kind), id, job ? job->name : "");
+    return SHARDD_E_NOT_OWNED;
+  }
+  if (o->kind != kind) {
+    snprintf(err, errlen, "id %" PRIu64 " (\"%s\") is a %s, not a %s", id,
+             o->name, kind_name(o->kind), kind_name(kind));
+    return SHARDD_E_INVAL;
+  }
+  *out = o;
+  return SHARDD_OK;
+}
+
+static shardd_err obj_init(shardd__registry *reg, shardd__obj *o,
+                           shardd__obj_kind kind, const char *name,
+                           shardd__job *job) {
+  o->kind = kind;
+  o->job = job;
+  if ((o->name = strdup(name)) == NULL)
+    return SHARDD_E_NO_MEMORY;
+  o->id = reg->next_id;
+  if (shardd__map_put_id(&reg->objects, o->id, o) != SHARDD_OK) {
+    free(o->name);
+    o->name = NULL;
+    return SHARDD_E_NO_MEMORY;
+  }
+  reg->next_id++;
+  return SHARDD_OK;
+}
+
+static void obj_fini(shardd__registry *reg, shardd__obj *o) {
+  if (o->name)
+    shardd__map_del_id(&reg->objects, o->id);
+  free(o->name);
+}
+
+/* ---- buffers ---------------------------------------------------------- */
+
+static void buffer_free_blocks(shardd__registry *reg, shardd__buffer *b) {
+  if (b->blocks == NULL)
+    return;
+  for (uint32_t r = 0; r < b->world; r++) {
+    if (b->blocks[r]) {
+      b->hdr.job->bytes -= b->blocks[r]->bytes;
+      reg->backend->ops->free(reg->backend, b->blocks[r]);
+    }
+  }
+  free(b->blocks);
+  b->blocks = NULL;
+}
+
+static void view_destroy(shardd__registry *reg, shardd__view *v) {
+  v->buf->hdr.job->nviews--;
+  obj_fini(reg, &v->hdr);
+  free(v->shape);
+  free(v);
+}
+
+static void collect_cb(void *value, void *arg) {
+  void ***cursor = arg;
+  *(*cursor)++ = value;
+}
+
+static int cmp_obj_id(const void *a, const void *b) {
+  const shardd__obj *x = *(shardd__obj *const *)a;
+  const shardd__obj *y = *(shardd__obj *const *)b;
+  return x->id < y->id ? -1 : x->id > y->id;
+}
+
+static shardd_err map_values(const shardd__map *m, void ***out, size_t *n) {
+  *n = shardd__map_count(m);
+  *out = malloc((*n ? *n : 1) * sizeof(void *));
+  if (*out == NULL)
+    return SHARDD_E_NO_MEMORY;
+  void **cursor = *out;
+  shardd__map_each(m, collect_cb, &cursor);
+  qsort(*out, *n, sizeof(void *), cmp_obj_id);
+  return SHARDD_OK;
+}
+
+static void buffer_destroy(shardd__registry *reg, shardd__buffer *b) {
+  shardd__view **views;
+  size_t n;
+  if (map_values(&b->views, (void ***)&views, &n) == SHARDD_OK) {
+    for (size_t i = 0; i < n; i++)
+      view_destroy(reg, views[i]);
+    free(views);
+  }
+  shardd__map_free(&b->views);
+  shardd__map_del_str(&b->hdr.job->buffers, b->hdr.name);
+  buffer_free_blocks(reg, b);
+  obj_fini(reg, &b->hdr);
+  free(b);
+}
+
+shardd_err shardd__buffer_register(shardd__registry *reg, shardd__job *job,
+                                   const char *name, shardd_dtype dtype,
+                                   uint64_t numel, shardd__buffer **out,
+                                   int *created, char *err, size_t errlen) {
+  *out = NULL;
+  *created = 0;
+  if (!name_ok(name, "buffer", err, errlen))
+    return SHARDD_E_INVAL;
+  size_t esz = shardd_dtype_size(dtype);
+  if (esz == 0) {
+    snprintf(err, errlen, "buffer \"%s\": dtype %d is not fp32, bf16 or fp16",
+             name, (int)dtype);
+    return SHARDD_E_DTYPE;
+  }
+  if (numel == 0 || numel > MAX_NUMEL) {
+    snprintf(err, errlen,
+             "buffer \"%s\": numel %" PRIu64 " is out of range [1, 2^40]", name,
+             numel);
+    return SHARDD_E_RANGE;
+  }
+  shardd__buffer *b = shardd__map_get_str(&job->buffers, name);
+  if (b) {
+    if (b->dtype != dtype || b->numel != numel) {
+      snprintf(err, errlen,
+               "buffer \"%s\" exists as %s[%" PRIu64 "], not %s[%" PRIu64 "]",
+               name, shardd_dtype_name(b->dtype), b->numel,
+               shardd_dtype_name(dtype), numel);
+      return SHARDD_E_MISMATCH;
+    }
+    *out = b;
+    return SHARDD_OK;
+  }
+
+  b = calloc(1, sizeof *b);
+  if (b == NULL) {
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  b->dtype = dtype;
+  b->numel = numel;
+  b->world = job->world;
+  b->shard_numel = (numel + job->world - 1) / job->world;
+  b->padded_numel = b->shard_numel * job->world;
+  b->shard_off = 0;
+  b->reduced_off = align_up(b->shard_numel * esz, AREA_ALIGN);
+  b->gather_off = align_up(b->reduced_off + b->shard_numel * 4, AREA_ALIGN);
+  b->grad_off = align_up(b->gather_off + b->padded_numel * esz, AREA_ALIGN);
+  b->block_bytes = align_up(b->grad_off + b->padded_numel * esz, AREA_ALIGN);
+  b->hdr.job = job;
+  shardd__map_init(&b->views);
+
+  shardd_err rc = SHARDD_E_NO_MEMORY;
+  b->blocks = calloc(job->world, sizeof *b->blocks);
+  if (b->blocks == NULL) {
+    snprintf(err, errlen, "out of memory");
+    goto fail;
+  }
+  for (uint32_t r = 0; r < job->world; r++) {
+    char label[64];
+    snprintf(label, sizeof label, "shardd:%.40s:%" PRIu32, name, r);
+    char why[256];
+    rc = reg->backend->ops->alloc(reg->backend, shardd__rank_device(reg, r),
+                                  b->block_bytes, label, &b->blocks[r], why,
+                                  sizeof why);
+    if (rc != SHARDD_OK) {
+      snprintf(err, errlen, "buffer \"%s\" rank %" PRIu32 ": %s", name, r,
+               why);
+      goto fail;
+    }
+    job->bytes += b->blocks[r]->bytes;
+  }
+  if (obj_init(reg, &b->hdr, SHARDD__OBJ_BUFFER, name, job) != SHARDD_OK ||
+      shardd__map_put_str(&job->buffers, name, b) != SHARDD_OK) {
+    rc = SHARDD_E_NO_MEMORY;
+    snprintf(err, errlen, "out of memory");
+    goto fail;
+  }
+  *out = b;
+  *created = 1;
+  return SHARDD_OK;
+
+fail:
+  buffer_free_blocks(reg, b);
+  obj_fini(reg, &b->hdr);
+  shardd__map_free(&b->views);
+  free(b);
+  return rc;
+}
+
+shardd_err shardd__buffer_unregister(shardd__registry *reg, shardd__job *job,
+                                     uint64_t id, char *err, size_t errlen) {
+  shardd__obj *o;
+  shardd_err rc = shardd__registry_resolve(reg, job, id, SHARDD__OBJ_BUFFER, &o,
+                                           err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  shardd__buffer *b = (shardd__buffer *)o;
+  if (b->nowned > 0) {
+    snprintf(err, errlen,
+             "buffer %" PRIu64 " (\"%s\") is referenced by an optimizer; "
+             "unregister the optimizer first",
+             id, o->name);
+    return SHARDD_E_BUSY;
+  }
+  if (b->inflight > 0) {
+    snprintf(err, errlen,
+             "buffer %" PRIu64 " (\"%s\") has %" PRIu32
+             " collective(s) in flight",
+             id, o->name, b->inflight);
+    return SHARDD_E_BUSY;
+  }
+  buffer_destroy(reg, b);
+  return SHARDD_OK;
+}
+
+/* ---- views ------------------------------------------------------------ */
+
+static int same_shape(const shardd__view *v, const int64_t *shape, int ndim) {
+  if (v->ndim != ndim)
+    return 0;
+  for (int i = 0; i < ndim; i++)
+    if (v->shape[i] != shape[i])
+      return 0;
+  return 1;
+}
+
+shardd_err shardd__view_register(shardd__registry *reg, shardd__job *job,
+                                 uint64_t buffer, const char *name,
+                                 uint64_t offset, uint64_t numel,
+                                 const int64_t *shape, int ndim,
+                                 shardd__view **out, int *created, char *err,
+                                 size_t errlen) {
+  *out = NULL;
+  *created = 0;
+  shardd__obj *o;
+  shardd_err rc = shardd__registry_resolve(reg, job, buffer, SHARDD__OBJ_BUFFER,
+                                           &o, err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  shardd__buffer *b = (shardd__buffer *)o;
+  if (!name_ok(name, "view", err, errlen))
+    return SHARDD_E_INVAL;
+  if (numel == 0 || offset > b->numel || numel > b->numel - offset) {
+    snprintf(err, errlen,
+             "view \"%s\": elements [%" PRIu64 ", %" PRIu64
+             ") are outside buffer %" PRIu64 " (\"%s\", numel %" PRIu64 ")",
+             name, offset, offset + numel, buffer, o->name, b->numel);
+    return SHARDD_E_RANGE;
+  }
+  if (ndim < 0 || ndim > MAX_NDIM) {
+    snprintf(err, errlen, "view \"%s\": %d dimensions (at most %d)", name, ndim,
+             MAX_NDIM);
+    return SHARDD_E_RANGE;
+  }
+  uint64_t prod = 1;
+  for (int i = 0; i < ndim; i++) {
+    if (shape[i] < 0 || (shape[i] > 0 && prod > MAX_NUMEL / (uint64_t)shape[i])) {
+      snprintf(err, errlen, "view \"%s\": dimension %d is %" PRId64, name, i,
+               shape[i]);
+      return SHARDD_E_RANGE;
+    }
+    prod *= (uint64_t)shape[i];
+  }
+  if (prod != numel) {
+    snprintf(err, errlen,
+             "view \"%s\": shape has %" PRIu64 " elements, numel is %" PRIu64,
+             name, prod, numel);
+    return SHARDD_E_MISMATCH;
+  }
+  shardd__view *v = shardd__map_get_str(&b->views, name);
+  if (v) {
+    if (v->offset != offset || v->numel != numel || !same_shape(v, shape, ndim)) {
+      snprintf(err, errlen,
+               "view \"%s\" of buffer %" PRIu64 " exists with offset %" PRIu64
+               " numel %" PRIu64 " and another shape",
+               name, buffer, v->offset, v->numel);
+      return SHARDD_E_MISMATCH;
+    }
+    *out = v;
+    return SHARDD_OK;
+  }
+  v = calloc(1, sizeof *v);
+  if (v == NULL || (ndim > 0 && (v->shape = malloc((size_t)ndim * sizeof *shape)) == NULL))
+    goto nomem;
+  if (ndim > 0)
+    memcpy(v->shape, shape, (size_t)ndim * sizeof *shape);
+  v->ndim = ndim;
+  v->buf = b;
+  v->offset = offset;
+  v->numel = numel;
+  if (obj_init(reg, &v->hdr, SHARDD__OBJ_VIEW, name, job) != SHARDD_OK)
+    goto nomem;
+  if (shardd__map_put_str(&b->views, name, v) != SHARDD_OK) {
+    obj_fini(reg, &v->hdr);
+    goto nomem;
+  }
+  job->nviews++;
+  *out = v;
+  *created = 1;
+  return SHARDD_OK;
+
+nomem:
+  if (v)
+    free(v->shape);
+  free(v);
+  snprintf(err, errlen, "out of memory");
+  return SHARDD_E_NO_MEMORY;
+}
+
+shardd_err shardd__view_unregister(shardd__registry *reg, shardd__job *job,
+                                   uint64_t id, char *err, size_t errlen) {
+  shardd__obj *o;
+  shardd_err rc = shardd__registry_resolve(reg, job, id, SHARDD__OBJ_VIEW, &o,
+                                           err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  shardd__view *v = (shardd__view *)o;
+  if (v->owner) {
+    snprintf(err, errlen,
+             "view %" PRIu64 " (\"%s\") is referenced by optimizer %" PRIu64,
+             id, o->name, v->owner->hdr.id);
+    return SHARDD_E_BUSY;
+  }
+  shardd__map_del_str(&v->buf->views, o->name);
+  view_destroy(reg, v);
+  return SHARDD_OK;
+}
+
+/* ---- optimizers ------------------------------------------------------- */
+
+void shardd__optim_plan_free(shardd__optim_plan *plan) {
+  free(plan->name);
+  free(plan->groups);
+  free(plan->refs);
+  free(plan->spec);
+  memset(plan, 0, sizeof *plan);
+}
+
+static void optim_free_shards(shardd__registry *reg, shardd__optim *o) {
+  for (size_t i = 0; i < o->nshards; i++) {
+    shardd__optim_shard *s = &o->shards[i];
+    if (s->state) {
+      o->hdr.job->bytes -= s->state->bytes;
+      reg->backend->ops->free(reg->backend, s->state);
+    }
+    free(s->segs);
+  }
+  free(o->shards);
+  o->shards = NULL;
+  o->nshards = 0;
+}
+
+static void optim_destroy(shardd__registry *reg, shardd__optim *o) {
+  for (size_t i = 0; i < o->nrefs; i++) {
+    shardd__obj *r = o->refs[i];
+    if (r->kind == SHARDD__OBJ_VIEW) {
+      shardd__view *v = (shardd__view *)r;
+      v->owner = NULL;
+      v->buf->nowned--;
+    } else {
+      shardd__buffer *b = (shardd__buffer *)r;
+      b->owner = NULL;
+      b->nowned--;
+    }
+  }
+  if (o->hdr.name)
+    shardd__map_del_str(&o->hdr.job->optims, o->hdr.name);
+  optim_free_shards(reg, o);
+  obj_fini(reg, &o->hdr);
+  free(o->refs);
+  free(o->groups);
+  free(o->spec);
+  free(o);
+}
+
+/* Finds or appends the optimizer shard of (buf, rank). Plans are small
+ * relative to their data, and refs of one buffer arrive together, so the
+ * search starts from the end. */
+static shardd__optim_shard *shard_for(shardd__optim *o, size_t *cap,
+                                      shardd__buffer *buf, uint32_t rank) {
+  for (size_t i = o->nshards; i-- > 0;) {
+    if (o->shards[i].buf == buf && o->shards[i].rank == rank)
+      return &o->shards[i];
+    if (o->shards[i].buf != buf)
+      break;
+  }
+  if (o->nshards == *cap) {
+    size_t ncap = *cap ? *cap * 2 : 8;
+    shardd__optim_shard *p = realloc(o->shards, ncap * sizeof *p);
+    if (p == NULL)
+      return NULL;
+    o->shards = p;
+    *cap = ncap;
+  }
+  shardd__optim_shard *s = &o->shards[o->nshards++];
+  memset(s, 0, sizeof *s);
+  s->buf = buf;
+  s->rank = rank;
+  return s;
+}
+
+static int cmp_plan_ref(const void *a, const void *b) {
+  const shardd__plan_ref *x = a, *y = b;
+  if (x->buf->hdr.id != y->buf->hdr.id)
+    return x->buf->hdr.id < y->buf->hdr.id ? -1 : 1;
+  return x->offset < y->offset ? -1 : x->offset > y->offset;
+}
+
+static shardd_err add_seg(shardd__optim_shard *s, uint64_t start, uint64_t len,
+                          uint32_t group) {
+  if (s->nsegs > 0) { /* merge adjacent ranges of one group */
+    shardd__seg *last = &s->segs[s->nsegs - 1];
+    if (last->group == group && last->start + last->len == start) {
+      last->len += len;
+      return SHARDD_OK;
+    }
+  }
+  shardd__seg *p = realloc(s->segs, (s->nsegs + 1) * sizeof *p);
+  if (p == NULL)
+    return SHARDD_E_NO_MEMORY;
+  s->segs = p;
+  s->segs[s->nsegs++] = (shardd__seg){start, len, group};
+  return SHARDD_OK;
+}
+
+shardd_err shardd__optim_create(shardd__registry *reg, shardd__job *job,
+                                shardd__optim_plan *plan, shardd__optim **out,
+                                char *err, size_t errlen) {
+  *out = NULL;
+  shardd__optim *o = calloc(1, sizeof *o);
+  size_t cap = 0;
+  shardd_err rc = SHARDD_E_NO_MEMORY;
+  if (o == NULL)
+    goto nomem;
+  o->hdr.job = job;
+  o->kind = plan->kind;
+
+  qsort(plan->refs, plan->nrefs, sizeof *plan->refs, cmp_plan_ref);
+  for (size_t i = 0; i < plan->nrefs; i++) {
+    shardd__plan_ref *r = &plan->refs[i];
+    uint64_t s = r->buf->shard_numel;
+    uint64_t end = r->offset + r->numel;
+    for (uint64_t pos = r->offset; pos < end;) {
+      uint32_t rank = (uint32_t)(pos / s);
+      uint64_t shard_end = (uint64_t)(rank + 1) * s;
+      uint64_t len = (end < shard_end ? end : shard_end) - pos;
+      shardd__optim_shard *sh = shard_for(o, &cap, r->buf, rank);
+      if (sh == NULL || add_seg(sh, pos - (uint64_t)rank * s, len, r->group) != SHARDD_OK)
+        goto nomem;
+      pos += len;
+    }
+  }
+
+  for (size_t i = 0; i < o->nshards; i++) {
+    shardd__optim_shard *sh = &o->shards[i];
+    int k = 0;
+    for (size_t j = 0; j < sh->nsegs; j++) {
+      int c = shardd__optim_state_count(&plan->groups[sh->segs[j].group]);
+      k = c > k ? c : k;
+    }
+    size_t arr = align_up(sh->buf->shard_numel * sizeof(float), 64);
+    size_t off = 0;
+    if (sh->buf->dtype != SHARDD_DTYPE_FP32) {
+      sh->master_off = off;
+      off += arr;
+    }
+    for (int j = 0; j < k; j++) {
+      sh->state_offs[j] = off;
+      off += arr;
+    }
+    if (off == 0)
+      continue; /* plain SGD on fp32 keeps no state */
+    char label[64], why[256];
+    snprintf(label, sizeof label, "shardd:optim:%.40s:%" PRIu32,
+             sh->buf->hdr.name, sh->rank);
+    rc = reg->backend->ops->alloc(reg->backend,
+                                  shardd__rank_device(reg, sh->rank), off,
+                                  label, &sh->state, why, sizeof why);
+    if (rc != SHARDD_OK) {
+      snprintf(err, errlen, "optimizer state for buffer \"%s\" rank %" PRIu32 ": %s",
+               sh->buf->hdr.name, sh->rank, why);
+      goto fail;
+    }
+    job->bytes += sh->state->bytes;
+  }
+
+  o->refs = malloc((plan->nrefs ? plan->nrefs : 1) * sizeof *o->refs);
+  if (o->refs == NULL)
+    goto nomem;
+  if (obj_init(reg, &o->hdr, SHARDD__OBJ_OPTIM, plan->name, job) != SHARDD_OK)
+    goto nomem;
+  if (shardd__map_put_str(&job->optims, plan->name, o) != SHARDD_OK) {
+    obj_fini(reg, &o->hdr);
+    o->hdr.name = NULL;
+    goto nomem;
+  }
+  for (size_t i = 0; i < plan->nrefs; i++) {
+    shardd__obj *r = plan->refs[i].obj;
+    o->refs[o->nrefs++] = r;
+    if (r->kind == SHARDD__OBJ_VIEW)
+      ((shardd__view *)r)->owner = o;
+    else
+      ((shardd__buffer *)r)->owner = o;
+    plan->refs[i].buf->nowned++;
+  }
+  o->groups = plan->groups;
+  o->ngroups = plan->ngroups;
+  o->spec = plan->spec;
+  o->spec_len = plan->spec_len;
+  plan->groups = NULL;
+  plan->spec = NULL;
+  *out = o;
+  return SHARDD_OK;
+
+nomem:
+  rc = SHARDD_E_NO_MEMORY;
+  snprintf(err, errlen, "out of memory registering optimizer");
+fail:
+  if (o) {
+    optim_free_shards(reg, o);
+    free(o->refs);
+    free(o);
+  }
+  return rc;
+}
+
+shardd__optim *shardd__optim_find(shardd__job *job, const char *name) {
+  return shardd__map_get_str(&job->optims, name);
+}
+
+shardd_err shardd__optim_unregister(shardd__registry *reg, shardd__job *job,
+                                    uint64_t id, char *err, size_t errlen) {
+  shardd__obj *o;
+  shardd_err rc = shardd__registry_resolve(reg, job, id, SHARDD__OBJ_OPTIM, &o,
+                                           err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  shardd__optim *opt = (shardd__optim *)o;
+  if (opt->inflight > 0) {
+    snprintf(err, errlen, "optimizer %" PRIu64 " has a step in flight", id);
+    return SHARDD_E_BUSY;
+  }
+  optim_destroy(reg, opt);
+  return SHARDD_OK;
+}
+
+/* ---- listing and release ---------------------------------------------- */
+
+shardd_err shardd__job_buffers(shardd__job *job, shardd__buffer ***out,
+                               size_t *n) {
+  return map_values(&job->buffers, (void ***)out, n);
+}
+
+shardd_err shardd__job_optims(shardd__job *job, shardd__optim ***out,
+                              size_t *n) {
+  return map_values(&job->optims, (void ***)out, n);
+}
+
+static int cmp_view_offset(const void *a, const void *b) {
+  const shardd__view *x = *(shardd__view *const *)a;
+  const shardd__view *y = *(shardd__view *const *)b;
+  if (x->offset != y->offset)
+    return x->offset < y->offset ? -1 : 1;
+  return x->hdr.id < y->hdr.id ? -1 : x->hdr.id > y->hdr.id;
+}
+
+shardd_err shardd__buffer_views(shardd__buffer *buf, shardd__view ***out,
+                                size_t *n) {
+  shardd_err rc = map_values(&buf->views, (void ***)out, n);
+  if (rc == SHARDD_OK)
+    qsort(*out, *n, sizeof **out, cmp_view_offset);
+  return rc;
+}
+
+void shardd__job_release(shardd__registry *reg, shardd__job *job) {
+  shardd__optim **opts;
+  shardd__buffer **bufs;
+  size_t n;
+  if (shardd__job_optims(job, &opts, &n) == SHARDD_OK) {
+    for (size_t i = 0; i < n; i++)
+      optim_destroy(reg, opts[i]);
+    free(opts);
+  }
+  if (shardd__job_buffers(job, &bufs, &n) == SHARDD_OK) {
+    for (size_t i = 0; i < n; i++)
+      buffer_destroy(reg, bufs[i]);
+    free(bufs);
+  }
+  shardd__map_free(&job->buffers);
+  shardd__map_free(&job->optims);
+  shardd__map_del_str(&reg->jobs, job->name);
+  free(job->rank_sessions);
+  free(job->name);
+  free(job);
+}
+
+struct each_job_arg {
+  void (*fn)(shardd__job *, void *);
+  void *arg;
+};
+
+static void each_job_cb(void *value, void *arg) {
+  struct each_job_arg *a = arg;
+  a->fn(value, a->arg);
+}
+
+void shardd__registry_each_job(shardd__registry *reg,
+                               void (*fn)(shardd__job *job, void *arg),
+                               void *arg) {
+  struct each_job_arg a = {fn, arg};
+  shardd__map_each(&reg->jobs, each_job_cb, &a);
+}

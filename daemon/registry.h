@@ -1,0 +1,218 @@
+/* registry.h — what the daemon owns: jobs, their flat buffers, the views
+ * named inside them and the optimizers registered over those. Every object
+ * has an id from one daemon-wide counter that is never reused, so an id
+ * below the counter that resolves to nothing was freed, not mistyped.
+ *
+ * Ownership: the registry owns every job, buffer, view and optimizer and
+ * the backend regions behind them; pointers it returns are borrowed and
+ * valid until the object is unregistered or its job released. Used from the
+ * loop thread only (workers touch region memory, never these structs'
+ * links). */
+#ifndef SHARDD_REGISTRY_H
+#define SHARDD_REGISTRY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "map.h"
+#include "optim.h"
+#include "shardd.h"
+
+typedef enum {
+  SHARDD__OBJ_BUFFER = 1,
+  SHARDD__OBJ_VIEW = 2,
+  SHARDD__OBJ_OPTIM = 3
+} shardd__obj_kind;
+
+typedef struct shardd__registry shardd__registry;
+typedef struct shardd__job shardd__job;
+typedef struct shardd__buffer shardd__buffer;
+typedef struct shardd__view shardd__view;
+typedef struct shardd__optim shardd__optim;
+
+/* First member of every object, so an id lookup can tell what it found. */
+typedef struct {
+  shardd__obj_kind kind;
+  uint64_t id;
+  char *name;
+  shardd__job *job;
+} shardd__obj;
+
+struct shardd__job {
+  /* read-only */
+  char *name;
+  uint32_t world;
+  uint32_t uid; /* the uid that created it */
+  shardd__registry *reg;
+  /* public: the server's and the collective module's bookkeeping */
+  void **rank_sessions; /* [world], NULL where the rank is not connected */
+  uint32_t nclients;
+  double empty_since; /* loop time when the last client left, < 0 if any */
+  void *coll;         /* the collective module's per-job state */
+  /* private */
+  shardd__map buffers; /* by name */
+  shardd__map optims;  /* by name */
+  uint64_t bytes;      /* resident, over every region of the job */
+  uint32_t nviews;
+};
+
+struct shardd__buffer {
+  shardd__obj hdr;
+  /* read-only after register */
+  shardd_dtype dtype;
+  uint64_t numel, padded_numel, shard_numel;
+  uint32_t world;
+  /* one block per rank, on device rank % ndevices:
+   * [shard (dtype) | reduced grad shard (fp32) | gather (dtype) | grad (dtype)] */
+  shardd__region **blocks;
+  size_t shard_off, reduced_off, gather_off, grad_off, block_bytes;
+  /* public counters */
+  uint32_t nowned;   /* optimizer refs to it or its views */
+  uint32_t inflight; /* collectives queued or running on it */
+  uint64_t gathers, scatters;
+  shardd__optim *owner; /* when referenced whole */
+  /* private */
+  shardd__map views; /* by name */
+};
+
+struct shardd__view {
+  shardd__obj hdr;
+  shardd__buffer *buf;
+  uint64_t offset, numel;
+  int64_t *shape;
+  int ndim;
+  shardd__optim *owner;
+};
+
+typedef struct {
+  uint64_t start; /* element index inside the rank's shard */
+  uint64_t len;
+  uint32_t group;
+} shardd__seg;
+
+/* The part of an optimizer that lives on one rank's shard of one buffer. */
+typedef struct {
+  shardd__buffer *buf;
+  uint32_t rank;
+  shardd__region *state; /* fp32: [master if 16-bit][state arrays] */
+  size_t master_off;
+  size_t state_offs[3];
+  int master_valid;
+  shardd__seg *segs;
+  size_t nsegs;
+} shardd__optim_shard;
+
+struct shardd__optim {
+  shardd__obj hdr;
+  shardd_optim_kind kind;
+  shardd__hp *groups; /* resolved hyperparameters per group */
+  size_t ngroups;
+  shardd__optim_shard *shards;
+  size_t nshards;
+  shardd__obj **refs; /* buffers and views it owns */
+  size_t nrefs;
+  uint64_t steps;
+  uint8_t *spec; /* packed registration, to recognise an identical one */
+  size_t spec_len;
+  uint32_t inflight;
+};
+
+struct shardd__registry {
+  /* read-only */
+  shardd__backend *backend;
+  /* private */
+  uint64_t next_id;
+  shardd__map objects; /* id -> shardd__obj */
+  shardd__map jobs;    /* name -> job */
+};
+
+void shardd__registry_init(shardd__registry *reg, shardd__backend *backend);
+/* Releases every job and frees everything; the backend stays the caller's. */
+void shardd__registry_free(shardd__registry *reg);
+
+/* Finds the job called name or creates it with world ranks (mismatching
+ * world: SHARDD_E_MISMATCH). */
+shardd_err shardd__job_get(shardd__registry *reg, const char *name,
+                           uint32_t world, uint32_t uid, shardd__job **out,
+                           char *err, size_t errlen);
+shardd__job *shardd__job_find(shardd__registry *reg, const char *name);
+/* Frees the job and all it owns. The caller has failed its collectives. */
+void shardd__job_release(shardd__registry *reg, shardd__job *job);
+void shardd__registry_each_job(shardd__registry *reg,
+                               void (*fn)(shardd__job *job, void *arg),
+                               void *arg);
+
+/* Looks up any object by id; NULL when none is live. */
+shardd__obj *shardd__registry_get(const shardd__registry *reg, uint64_t id);
+/* Whether id was handed out once (and so, if not live, was freed). */
+int shardd__registry_issued(const shardd__registry *reg, uint64_t id);
+/* Resolves id to an object of kind in job, with a message naming what is
+ * wrong otherwise (unknown, freed, another job, another kind). */
+shardd_err shardd__registry_resolve(const shardd__registry *reg,
+                                    const shardd__job *job, uint64_t id,
+                                    shardd__obj_kind kind, shardd__obj **out,
+                                    char *err, size_t errlen);
+
+/* Creates a buffer, or attaches when one of that name exists with the same
+ * dtype and numel (*created tells which). */
+shardd_err shardd__buffer_register(shardd__registry *reg, shardd__job *job,
+                                   const char *name, shardd_dtype dtype,
+                                   uint64_t numel, shardd__buffer **out,
+                                   int *created, char *err, size_t errlen);
+shardd_err shardd__buffer_unregister(shardd__registry *reg, shardd__job *job,
+                                     uint64_t id, char *err, size_t errlen);
+
+shardd_err shardd__view_register(shardd__registry *reg, shardd__job *job,
+                                 uint64_t buffer, const char *name,
+                                 uint64_t offset, uint64_t numel,
+                                 const int64_t *shape, int ndim,
+                                 shardd__view **out, int *created, char *err,
+                                 size_t errlen);
+shardd_err shardd__view_unregister(shardd__registry *reg, shardd__job *job,
+                                   uint64_t id, char *err, size_t errlen);
+
+/* A validated optimizer description (see validate.h) turned into an
+ * optimizer: takes ownership of plan's arrays on success. */
+typedef struct {
+  shardd__obj *obj; /* buffer or view */
+  shardd__buffer *buf;
+  uint64_t offset, numel; /* element range inside buf */
+  uint32_t group;
+} shardd__plan_ref;
+
+typedef struct {
+  char *name;
+  shardd_optim_kind kind;
+  shardd__hp *groups;
+  size_t ngroups;
+  shardd__plan_ref *refs;
+  size_t nrefs;
+  uint8_t *spec;
+  size_t spec_len;
+} shardd__optim_plan;
+
+void shardd__optim_plan_free(shardd__optim_plan *plan);
+
+shardd_err shardd__optim_create(shardd__registry *reg, shardd__job *job,
+                                shardd__optim_plan *plan, shardd__optim **out,
+                                char *err, size_t errlen);
+shardd__optim *shardd__optim_find(shardd__job *job, const char *name);
+shardd_err shardd__optim_unregister(shardd__registry *reg, shardd__job *job,
+                                    uint64_t id, char *err, size_t errlen);
+
+/* Buffers of a job in id order; *out caller-freed with free(). */
+shardd_err shardd__job_buffers(shardd__job *job, shardd__buffer ***out,
+                               size_t *n);
+shardd_err shardd__job_optims(shardd__job *job, shardd__optim ***out,
+                              size_t *n);
+/* Views of a buffer in offset order; *out caller-freed with free(). */
+shardd_err shardd__buffer_views(shardd__buffer *buf, shardd__view ***out,
+                                size_t *n);
+
+static inline int shardd__rank_device(const shardd__registry *reg,
+                                      uint32_t rank) {
+  return (int)(rank % (uint32_t)reg->backend->ndevices);
+}
+
+#endif /* SHARDD_REGISTRY_H */

@@ -1,0 +1,206 @@
+/* sdnotify.c — sd_notify(3) and sd_listen_fds(3), the plain protocols.
+ * Owns nothing long-lived: every notification opens, uses and closes its own
+ * datagram socket, and activation only inspects and flags fds the service
+ * manager already passed. Reference: systemd's sd_notify(3),
+ * sd_listen_fds(3) and the "notify socket" / "socket activation" protocol
+ * documents; only AF_UNIX notify addresses are supported (no vsock). */
+#include "sdnotify.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+static void set_err(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void set_err(char *err, size_t errlen, const char *fmt, ...) {
+  va_list ap;
+  if (err == NULL || errlen == 0)
+    return;
+  va_start(ap, fmt);
+  vsnprintf(err, errlen, fmt, ap);
+  va_end(ap);
+}
+
+/* NOTIFY_SOCKET is either a filesystem path (absolute) or '@' plus an
+ * abstract name. The abstract address is exactly the name's bytes after a
+ * NUL: the length, not a terminator, ends it, so it must not include one. */
+static shardd_err notify_addr(const char *env, struct sockaddr_un *sa,
+                              socklen_t *salen, char *err, size_t errlen) {
+  size_t n = strlen(env);
+
+  memset(sa, 0, sizeof *sa);
+  sa->sun_family = AF_UNIX;
+  if (env[0] == '@') {
+    if (n < 2 || n > sizeof sa->sun_path) {
+      set_err(err, errlen, "NOTIFY_SOCKET %s: abstract name length %zu "
+              "not in 1..%zu", env, n - 1, sizeof sa->sun_path - 1);
+      return SHARDD_E_INVAL;
+    }
+    memcpy(sa->sun_path + 1, env + 1, n - 1);
+    *salen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + n);
+    return SHARDD_OK;
+  }
+  if (env[0] != '/') {
+    set_err(err, errlen, "NOTIFY_SOCKET %s: not an absolute path or "
+            "@abstract name", env);
+    return SHARDD_E_INVAL;
+  }
+  if (n >= sizeof sa->sun_path) {
+    set_err(err, errlen, "NOTIFY_SOCKET %s: path longer than %zu bytes", env,
+            sizeof sa->sun_path - 1);
+    return SHARDD_E_INVAL;
+  }
+  memcpy(sa->sun_path, env, n);
+  *salen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + n + 1);
+  return SHARDD_OK;
+}
+
+shardd_err shardd__sd_notify(const char *state, char *err, size_t errlen) {
+  const char *env;
+  struct sockaddr_un sa;
+  socklen_t salen;
+  size_t len;
+  ssize_t sent;
+  shardd_err rc;
+  int fd = -1;
+
+  if (state == NULL) {
+    set_err(err, errlen, "sd_notify: state is NULL");
+    return SHARDD_E_INVAL;
+  }
+  env = getenv("NOTIFY_SOCKET");
+  if (env == NULL || env[0] == '\0')
+    return SHARDD_OK; /* not started by systemd, or not Type=notify */
+  rc = notify_addr(env, &sa, &salen, err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+
+  /* CLOEXEC: a child forked while this is open must not keep it. */
+  fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    set_err(err, errlen, "socket for NOTIFY_SOCKET %s: %s", env,
+            strerror(errno));
+    rc = SHARDD_E_IO;
+    goto fail;
+  }
+  len = strlen(state);
+  /* One datagram: systemd reads each message as one unit of assignments, so
+   * it is sent whole or not at all. NOSIGNAL keeps a vanished manager from
+   * killing the daemon with SIGPIPE. */
+  do {
+    sent = sendto(fd, state, len, MSG_NOSIGNAL, (struct sockaddr *)&sa, salen);
+  } while (sent < 0 && errno == EINTR);
+  if (sent < 0) {
+    set_err(err, errlen, "send to NOTIFY_SOCKET %s: %s", env, strerror(errno));
+    rc = SHARDD_E_IO;
+    goto fail;
+  }
+  if ((size_t)sent != len) {
+    set_err(err, errlen, "send to NOTIFY_SOCKET %s: short datagram "
+            "(%zd of %zu bytes)", env, sent, len);
+    rc = SHARDD_E_IO;
+    goto fail;
+  }
+  close(fd);
+  return SHARDD_OK;
+
+fail:
+  if (fd >= 0)
+    close(fd);
+  return rc;
+}
+
+/* Decimal digits only, 0..max: strtol alone would accept blanks, a sign and
+ * trailing junk, and "LISTEN_FDS= 2" is as malformed as "two". */
+static int parse_count(const char *s, long max, long *out) {
+  long v = 0;
+
+  if (s == NULL || *s == '\0')
+    return -1;
+  for (; *s != '\0'; s++) {
+    if (*s < '0' || *s > '9')
+      return -1;
+    if (v > (max - (*s - '0')) / 10)
+      return -1;
+    v = v * 10 + (*s - '0');
+  }
+  *out = v;
+  return 0;
+}
+
+int shardd__sd_listen_fds(int unset_env) {
+  const char *e;
+  long pid, n;
+  int r, fd;
+
+  e = getenv("LISTEN_PID");
+  if (e == NULL) {
+    r = 0;
+    goto done;
+  }
+  if (parse_count(e, (long)0x7fffffff, &pid) < 0 || pid == 0) {
+    r = -1;
+    goto done;
+  }
+  /* The variables survive exec; a child that inherited them from us (or a
+   * wrapper between systemd and us) is not the one the fds are for. */
+  if ((pid_t)pid != getpid()) {
+    r = 0;
+    goto done;
+  }
+  e = getenv("LISTEN_FDS");
+  if (e == NULL) {
+    r = 0;
+    goto done;
+  }
+  if (parse_count(e, (long)0x7fffffff - SHARDD_SD_LISTEN_FDS_START, &n) < 0) {
+    r = -1;
+    goto done;
+  }
+  for (fd = SHARDD_SD_LISTEN_FDS_START;
+       fd < SHARDD_SD_LISTEN_FDS_START + (int)n; fd++) {
+    int flags = fcntl(fd, F_GETFD);
+    if (flags < 0) {
+      r = -1; /* a count larger than what was really passed */
+      goto done;
+    }
+    if (!(flags & FD_CLOEXEC) && fcntl(fd, F_SETFD, flags | FD_CLOEXEC) < 0) {
+      r = -1;
+      goto done;
+    }
+  }
+  r = (int)n;
+
+done:
+  if (unset_env) {
+    unsetenv("LISTEN_PID");
+    unsetenv("LISTEN_FDS");
+    unsetenv("LISTEN_FDNAMES");
+  }
+  return r;
+}
+
+int shardd__sd_is_unix_listener(int fd) {
+  int v;
+  socklen_t len;
+
+  if (fd < 0)
+    return 0;
+  len = sizeof v;
+  if (getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &v, &len) < 0 || v != AF_UNIX)
+    return 0; /* ENOTSOCK for files, pipes and closed fds */
+  len = sizeof v;
+  if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &v, &len) < 0 || v != SOCK_STREAM)
+    return 0;
+  len = sizeof v;
+  if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &v, &len) < 0 || v == 0)
+    return 0;
+  return 1;
+}

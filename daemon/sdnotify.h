@@ -1,0 +1,39 @@
+/* sdnotify.h — the daemon's side of the two systemd protocols it speaks,
+ * implemented directly (no libsystemd): readiness/status notification to
+ * $NOTIFY_SOCKET and socket activation through $LISTEN_PID/$LISTEN_FDS.
+ * Both are no-ops outside systemd, so the daemon runs the same by hand. */
+#ifndef SHARDD_SDNOTIFY_H
+#define SHARDD_SDNOTIFY_H
+
+#include <stddef.h>
+
+#include "shardd.h"
+
+/* The first fd passed by socket activation. */
+#define SHARDD_SD_LISTEN_FDS_START 3
+
+/* Sends state (e.g. "READY=1\nSTATUS=serving") to $NOTIFY_SOCKET as one
+ * datagram (AF_UNIX SOCK_DGRAM; a leading '@' means the abstract namespace).
+ * Returns SHARDD_OK and does nothing when NOTIFY_SOCKET is unset or empty;
+ * SHARDD_E_INVAL when state is NULL or the variable is not an absolute path
+ * or '@' name that fits sun_path; SHARDD_E_IO when sending fails. On error,
+ * when err is not NULL, err holds the reason (naming the socket and the
+ * strerror). Does not change the environment. */
+shardd_err shardd__sd_notify(const char *state, char *err, size_t errlen);
+
+/* Socket activation: returns the number of fds passed (they start at
+ * SHARDD_SD_LISTEN_FDS_START) when $LISTEN_PID equals getpid() and
+ * $LISTEN_FDS is a valid count, else 0 (unset, or meant for another
+ * process). Sets FD_CLOEXEC on the passed fds, so children the daemon starts
+ * do not inherit the listener. A malformed LISTEN_PID or LISTEN_FDS, or a
+ * passed fd that is not open, gives -1. When unset_env, unsets LISTEN_PID,
+ * LISTEN_FDS and LISTEN_FDNAMES whatever the result, so children do not
+ * mistake them for their own. */
+int shardd__sd_listen_fds(int unset_env);
+
+/* 1 when fd is a listening AF_UNIX SOCK_STREAM socket, else 0 (including
+ * fd < 0 and fds that are not sockets); validates an activated fd before the
+ * daemon serves it. */
+int shardd__sd_is_unix_listener(int fd);
+
+#endif

@@ -1,0 +1,96 @@
+/* server.h — the daemon's event loop: the listening socket, one session per
+ * client connection, request dispatch, replies (with descriptors), the
+ * periodic tick that times out collectives and releases lingering jobs.
+ *
+ * Ownership: the server owns its sessions, the registry and (after init) the
+ * backend. Sessions are freed in their close callback, never inside a read
+ * callback that still runs. Everything here runs on the loop thread. */
+#ifndef SHARDD_SERVER_H
+#define SHARDD_SERVER_H
+
+#include <stdint.h>
+#include <sys/socket.h>
+#include <uv.h>
+
+#include "frame.h"
+#include "proto/shardd.pb-c.h"
+#include "registry.h"
+
+typedef struct {
+  size_t size;
+  const char *socket_path;
+  int listen_fd;             /* >= 0: an activated socket to use as is */
+  double collective_timeout; /* seconds a collective waits for all ranks */
+  double job_linger;         /* seconds a job outlives its last client; < 0 never */
+  uint32_t max_clients;
+  uint32_t max_pending; /* queued collectives per session */
+  int log_level;        /* 0 error, 1 warn, 2 info, 3 debug */
+} shardd__server_opts;
+
+#define SHARDD__SERVER_OPTS_INIT \
+  {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2}
+
+typedef struct shardd__session shardd__session;
+typedef struct shardd__server shardd__server;
+
+struct shardd__session {
+  uv_pipe_t pipe; /* first: the handle's address is the session's */
+  /* read-only after hello */
+  shardd__server *srv;
+  uint64_t id;
+  shardd__job *job; /* NULL for control sessions and before hello */
+  uint32_t rank;
+  int hello_done;
+  struct ucred cred;
+  /* private */
+  shardd__frame_reader rd;
+  uint32_t pending; /* collectives it waits in */
+  int closing;
+  int close_after_write;
+  shardd__session *prev, *next;
+};
+
+struct shardd__server {
+  /* read-only */
+  uv_loop_t *loop;
+  shardd__server_opts opts;
+  char socket_path[108];
+  shardd__backend *backend;
+  shardd__registry reg;
+  double started; /* uv_now seconds at init */
+  /* private */
+  uv_pipe_t listener;
+  uv_timer_t tick;
+  uv_signal_t sigterm, sigint;
+  int own_socket_file; /* unlink it on stop */
+  int stopping;
+  uint64_t next_session;
+  uint32_t nclients;
+  shardd__session *sessions;
+};
+
+/* Takes ownership of backend. Binds (or adopts opts->listen_fd) and starts
+ * listening; SIGTERM/SIGINT stop the loop cleanly. */
+shardd_err shardd__server_init(shardd__server *srv, uv_loop_t *loop,
+                               shardd__backend *backend,
+                               const shardd__server_opts *opts, char *err,
+                               size_t errlen);
+/* Closes every handle; run the loop afterwards to let close callbacks run,
+ * then call shardd__server_free. Idempotent. */
+void shardd__server_stop(shardd__server *srv);
+void shardd__server_free(shardd__server *srv);
+
+/* Seconds since the loop started (monotonic). */
+double shardd__server_now(const shardd__server *srv);
+
+/* Sends resp on s; fd >= 0 travels with it (SCM_RIGHTS) and is closed here
+ * after sending. */
+void shardd__session_send(shardd__session *s, Shardd__Response *resp, int fd);
+/* A status-only reply. */
+void shardd__session_reply(shardd__session *s, uint64_t seq, shardd_err code,
+                           const char *msg);
+
+void shardd__log(const shardd__server *srv, int level, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+#endif /* SHARDD_SERVER_H */

@@ -1,0 +1,359 @@
+/* status.c — Status and Inspect replies. Everything a reply points to is
+ * allocated from the report's arena, so freeing is one walk. */
+#include "status.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "collective.h"
+
+typedef struct chunk {
+  struct chunk *next;
+  max_align_t data[];
+} chunk;
+
+struct shardd__report {
+  chunk *chunks;
+  int failed;
+};
+
+static void *ar_alloc(shardd__report *r, size_t n) {
+  chunk *c = calloc(1, sizeof *c + (n ? n : 1));
+  if (c == NULL) {
+    r->failed = 1;
+    return NULL;
+  }
+  c->next = r->chunks;
+  r->chunks = c;
+  return c->data;
+}
+
+static char *ar_strdup(shardd__report *r, const char *s) {
+  size_t n = strlen(s ? s : "") + 1;
+  char *p = ar_alloc(r, n);
+  if (p)
+    memcpy(p, s ? s : "", n);
+  return p;
+}
+
+void shardd__report_free(shardd__report *r) {
+  if (r == NULL)
+    return;
+  for (chunk *c = r->chunks, *next; c; c = next) {
+    next = c->next;
+    free(c);
+  }
+  free(r);
+}
+
+static Shardd__DType wire_dtype(shardd_dtype d) { return (Shardd__DType)d; }
+
+static Shardd__JobStatus *job_status(shardd__report *r, shardd__job *job) {
+  Shardd__JobStatus *js = ar_alloc(r, sizeof *js);
+  if (js == NULL)
+    return NULL;
+  shardd__job_status__init(js);
+  js->name = ar_strdup(r, job->name);
+  js->world = job->world;
+  js->clients = job->nclients;
+  js->views = job->nviews;
+  js->bytes = job->bytes;
+  js->collectives_in_flight = shardd__coll_inflight(job);
+  shardd__buffer **bufs;
+  size_t nb;
+  if (shardd__job_buffers(job, &bufs, &nb) == SHARDD_OK) {
+    js->buffers = (uint32_t)nb;
+    free(bufs);
+  }
+  shardd__optim **opts;
+  size_t no;
+  if (shardd__job_optims(job, &opts, &no) == SHARDD_OK) {
+    js->optimizers = ar_alloc(r, (no ? no : 1) * sizeof *js->optimizers);
+    for (size_t i = 0; js->optimizers && i < no; i++) {
+      Shardd__OptimizerStatus *os = ar_alloc(r, sizeof *os);
+      if (os == NULL)
+        break;
+      shardd__optimizer_status__init(os);
+      os->id = opts[i]->hdr.id;
+      os->name = ar_strdup(r, opts[i]->hdr.name);
+      os->kind = (Shardd__OptimKind)opts[i]->kind;
+      os->steps = opts[i]->steps;
+      os->params = (uint32_t)opts[i]->nrefs;
+      js->optimizers[js->n_optimizers++] = os;
+    }
+    free(opts);
+  }
+  return js;
+}
+
+typedef struct {
+  shardd__report *r;
+  Shardd__StatusReply *st;
+  size_t cap;
+} jobs_arg;
+
+static void add_job(shardd__job *job, void *arg) {
+  jobs_arg *a = arg;
+  if (a->st->n_jobs < a->cap) {
+    Shardd__JobStatus *js = job_status(a->r, job);
+    if (js)
+      a->st->jobs[a->st->n_jobs++] = js;
+  }
+}
+
+static int cmp_job(const void *x, const void *y) {
+  const Shardd__JobStatus *a = *(Shardd__JobStatus *const *)x;
+  const Shardd__JobStatus *b = *(Shardd__JobStatus *const *)y;
+  return strcmp(a->name, b->name);
+}
+
+shardd_err shardd__status_build(shardd__server *srv, shardd__report **out,
+                                Shardd__StatusReply **reply) {
+  shardd__report *r = calloc(1, sizeof *r);
+  *out = r;
+  *reply = NULL;
+  if (r == NULL)
+    return SHARDD_E_NO_MEMORY;
+  Shardd__StatusReply *st = ar_alloc(r, sizeof *st);
+  if (st == NULL)
+    return SHARDD_E_NO_MEMORY;
+  shardd__status_reply__init(st);
+  st->daemon_version = ar_strdup(r, SHARDD_VERSION);
+  st->protocol_version = SHARDD_PROTOCOL_VERSION;
+  st->pid = (uint64_t)getpid();
+  st->uptime_s = shardd__server_now(srv) - srv->started;
+  st->backend = ar_strdup(r, srv->backend->name);
+  st->socket_path = ar_strdup(r, srv->socket_path);
+  st->clients = srv->nclients;
+
+  int nd = srv->backend->ndevices;
+  st->devices = ar_alloc(r, (size_t)nd * sizeof *st->devices);
+  for (int d = 0; st->devices && d < nd; d++) {
+    Shardd__DeviceStatus *ds = ar_alloc(r, sizeof *ds);
+    if (ds == NULL)
+      break;
+    shardd__device_status__init(ds);
+    shardd__device_info info;
+    srv->backend->ops->device_info(srv->backend, d, &info);
+    ds->index = (uint32_t)d;
+    ds->name = ar_strdup(r, info.name);
+    ds->capacity_bytes = info.capacity_bytes;
+    ds->used_bytes = info.used_bytes;
+    st->devices[st->n_devices++] = ds;
+  }
+
+  jobs_arg a = {r, st, shardd__map_count(&srv->reg.jobs)};
+  st->jobs = ar_alloc(r, (a.cap ? a.cap : 1) * sizeof *st->jobs);
+  if (st->jobs)
+    shardd__registry_each_job(&srv->reg, add_job, &a);
+  qsort(st->jobs, st->n_jobs, sizeof *st->jobs, cmp_job);
+  if (r->failed)
+    return SHARDD_E_NO_MEMORY;
+  *reply = st;
+  return SHARDD_OK;
+}
+
+/* ---- inspect ---------------------------------------------------------- */
+
+typedef struct {
+  const char *name;
+  shardd__obj *found;
+  int matches;
+  char jobs[256];
+} find_arg;
+
+static void find_in_job(shardd__job *job, void *arg) {
+  find_arg *f = arg;
+  shardd__buffer **bufs;
+  size_t nb;
+  if (shardd__job_buffers(job, &bufs, &nb) != SHARDD_OK)
+    return;
+  for (size_t i = 0; i < nb; i++) {
+    shardd__obj *hit = NULL;
+    if (strcmp(bufs[i]->hdr.name, f->name) == 0)
+      hit = &bufs[i]->hdr;
+    else
+      hit = shardd__map_get_str(&bufs[i]->views, f->name);
+    if (hit) {
+      if (f->matches++ == 0)
+        f->found = hit;
+      size_t used = strlen(f->jobs);
+      snprintf(f->jobs + used, sizeof f->jobs - used, "%s\"%s\" (id %" PRIu64 ")",
+               used ? ", " : "", job->name, hit->id);
+    }
+  }
+  free(bufs);
+}
+
+static shardd_err fill_buffer(shardd__report *r, shardd__server *srv,
+                              shardd__buffer *b, Shardd__InspectReply *ir) {
+  ir->has_dtype = 1;
+  ir->dtype = wire_dtype(b->dtype);
+  ir->has_numel = 1;
+  ir->numel = b->numel;
+  ir->has_padded_numel = 1;
+  ir->padded_numel = b->padded_numel;
+  ir->has_shard_numel = 1;
+  ir->shard_numel = b->shard_numel;
+  ir->has_world = 1;
+  ir->world = b->world;
+  ir->has_resident_bytes = 1;
+  ir->resident_bytes = 0;
+  ir->shards = ar_alloc(r, b->world * sizeof *ir->shards);
+  for (uint32_t k = 0; ir->shards && k < b->world; k++) {
+    Shardd__ShardInfo *si = ar_alloc(r, sizeof *si);
+    if (si == NULL)
+      return SHARDD_E_NO_MEMORY;
+    shardd__shard_info__init(si);
+    si->rank = k;
+    si->device = (uint32_t)shardd__rank_device(&srv->reg, k);
+    si->offset = (uint64_t)k * b->shard_numel;
+    si->numel = b->shard_numel;
+    ir->shards[ir->n_shards++] = si;
+    ir->resident_bytes += b->blocks[k]->bytes;
+  }
+  shardd__optim *owner = b->owner;
+  shardd__view **views;
+  size_t nv;
+  if (shardd__buffer_views(b, &views, &nv) != SHARDD_OK)
+    return SHARDD_E_NO_MEMORY;
+  ir->views = ar_alloc(r, (nv ? nv : 1) * sizeof *ir->views);
+  for (size_t i = 0; ir->views && i < nv; i++) {
+    Shardd__ViewInfo *vi = ar_alloc(r, sizeof *vi);
+    if (vi == NULL)
+      break;
+    shardd__view_info__init(vi);
+    vi->id = views[i]->hdr.id;
+    vi->name = ar_strdup(r, views[i]->hdr.name);
+    vi->offset = views[i]->offset;
+    vi->numel = views[i]->numel;
+    vi->n_shape = (size_t)views[i]->ndim;
+    vi->shape = ar_alloc(r, (vi->n_shape ? vi->n_shape : 1) * sizeof(int64_t));
+    if (vi->shape && vi->n_shape)
+      memcpy(vi->shape, views[i]->shape, vi->n_shape * sizeof(int64_t));
+    ir->views[ir->n_views++] = vi;
+    if (owner == NULL)
+      owner = views[i]->owner;
+  }
+  free(views);
+  if (owner) {
+    ir->has_optimizer = 1;
+    ir->optimizer = owner->hdr.id;
+    for (size_t i = 0; i < owner->nshards; i++)
+      if (owner->shards[i].buf == b && owner->shards[i].state)
+        ir->resident_bytes += owner->shards[i].state->bytes;
+  }
+  return r->failed ? SHARDD_E_NO_MEMORY : SHARDD_OK;
+}
+
+shardd_err shardd__inspect_build(shardd__server *srv, shardd__session *s,
+                                 uint64_t id, const char *name,
+                                 shardd__report **out,
+                                 Shardd__InspectReply **reply, char *err,
+                                 size_t errlen) {
+  *out = NULL;
+  *reply = NULL;
+  shardd__obj *o = NULL;
+  if (id != 0) {
+    o = shardd__registry_get(&srv->reg, id);
+    if (o == NULL) {
+      snprintf(err, errlen,
+               shardd__registry_issued(&srv->reg, id)
+                   ? "id %" PRIu64 " no longer exists (unregistered)"
+                   : "no buffer or view has id %" PRIu64,
+               id);
+      return SHARDD_E_NOT_FOUND;
+    }
+  } else if (name && name[0]) {
+    find_arg f = {name, NULL, 0, ""};
+    if (s->job)
+      find_in_job(s->job, &f);
+    if (f.matches == 0)
+      shardd__registry_each_job(&srv->reg, find_in_job, &f);
+    if (f.matches == 0) {
+      snprintf(err, errlen, "no buffer or view is named \"%s\"", name);
+      return SHARDD_E_NOT_FOUND;
+    }
+    if (f.matches > 1) {
+      snprintf(err, errlen, "\"%s\" names %d objects, in jobs %s; give the id",
+               name, f.matches, f.jobs);
+      return SHARDD_E_INVAL;
+    }
+    o = f.found;
+  } else {
+    snprintf(err, errlen, "inspect needs an id or a name");
+    return SHARDD_E_INVAL;
+  }
+
+  shardd__report *r = calloc(1, sizeof *r);
+  *out = r;
+  if (r == NULL)
+    return SHARDD_E_NO_MEMORY;
+  Shardd__InspectReply *ir = ar_alloc(r, sizeof *ir);
+  if (ir == NULL)
+    return SHARDD_E_NO_MEMORY;
+  shardd__inspect_reply__init(ir);
+  ir->id = o->id;
+  ir->name = ar_strdup(r, o->name);
+  ir->job = ar_strdup(r, o->job->name);
+  shardd_err rc = SHARDD_OK;
+  if (o->kind == SHARDD__OBJ_BUFFER) {
+    ir->kind = ar_strdup(r, "buffer");
+    rc = fill_buffer(r, srv, (shardd__buffer *)o, ir);
+  } else if (o->kind == SHARDD__OBJ_VIEW) {
+    shardd__view *v = (shardd__view *)o;
+    ir->kind = ar_strdup(r, "view");
+    ir->has_buffer = 1;
+    ir->buffer = v->buf->hdr.id;
+    ir->has_offset = 1;
+    ir->offset = v->offset;
+    ir->has_numel = 1;
+    ir->numel = v->numel;
+    ir->has_dtype = 1;
+    ir->dtype = wire_dtype(v->buf->dtype);
+    ir->n_shape = (size_t)v->ndim;
+    ir->shape = ar_alloc(r, (ir->n_shape ? ir->n_shape : 1) * sizeof(int64_t));
+    if (ir->shape && ir->n_shape)
+      memcpy(ir->shape, v->shape, ir->n_shape * sizeof(int64_t));
+    if (v->owner) {
+      ir->has_optimizer = 1;
+      ir->optimizer = v->owner->hdr.id;
+    }
+    /* Which ranks hold it: the shards its range crosses. */
+    uint64_t s0 = v->offset / v->buf->shard_numel;
+    uint64_t s1 = (v->offset + v->numel - 1) / v->buf->shard_numel;
+    ir->shards = ar_alloc(r, (size_t)(s1 - s0 + 1) * sizeof *ir->shards);
+    for (uint64_t k = s0; ir->shards && k <= s1; k++) {
+      Shardd__ShardInfo *si = ar_alloc(r, sizeof *si);
+      if (si == NULL)
+        break;
+      shardd__shard_info__init(si);
+      si->rank = (uint32_t)k;
+      si->device = (uint32_t)shardd__rank_device(&srv->reg, (uint32_t)k);
+      uint64_t lo = k * v->buf->shard_numel, hi = lo + v->buf->shard_numel;
+      uint64_t a = v->offset > lo ? v->offset : lo;
+      uint64_t b = v->offset + v->numel < hi ? v->offset + v->numel : hi;
+      si->offset = a;
+      si->numel = b - a;
+      ir->shards[ir->n_shards++] = si;
+    }
+  } else {
+    shardd__optim *opt = (shardd__optim *)o;
+    ir->kind = ar_strdup(r, "optimizer");
+    ir->has_resident_bytes = 1;
+    for (size_t i = 0; i < opt->nshards; i++)
+      if (opt->shards[i].state)
+        ir->resident_bytes += opt->shards[i].state->bytes;
+  }
+  if (rc == SHARDD_OK && r->failed)
+    rc = SHARDD_E_NO_MEMORY;
+  if (rc != SHARDD_OK) {
+    snprintf(err, errlen, "out of memory building the report");
+    return rc;
+  }
+  *reply = ir;
+  return SHARDD_OK;
+}

@@ -1,0 +1,287 @@
+/* validate.c — optimizer registration checks (see validate.h). */
+#include "validate.h"
+
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "strbuf.h"
+
+static void overlay(shardd__hp *hp, const Shardd__HyperParams *h) {
+  if (h == NULL)
+    return;
+  if (h->has_lr)
+    hp->lr = h->lr;
+  if (h->has_momentum)
+    hp->momentum = h->momentum;
+  if (h->has_dampening)
+    hp->dampening = h->dampening;
+  if (h->has_weight_decay)
+    hp->weight_decay = h->weight_decay;
+  if (h->has_nesterov)
+    hp->nesterov = h->nesterov;
+  if (h->has_maximize)
+    hp->maximize = h->maximize;
+  if (h->has_beta1)
+    hp->beta1 = h->beta1;
+  if (h->has_beta2)
+    hp->beta2 = h->beta2;
+  if (h->has_eps)
+    hp->eps = h->eps;
+  if (h->has_amsgrad)
+    hp->amsgrad = h->amsgrad;
+}
+
+void shardd__hp_resolve(shardd_optim_kind kind, const Shardd__HyperParams *top,
+                        const Shardd__HyperParams *group, shardd__hp *out) {
+  shardd__hp_defaults(kind, out);
+  overlay(out, top);
+  overlay(out, group);
+}
+
+/* What the checks collect: the first code and one line per problem. */
+typedef struct {
+  shardd__sb sb;
+  shardd_err first;
+  size_t count;
+} problems;
+
+static void problem(problems *p, shardd_err code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void problem(problems *p, shardd_err code, const char *fmt, ...) {
+  char line[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(line, sizeof line, fmt, ap);
+  va_end(ap);
+  if (p->count == 0)
+    p->first = code;
+  shardd__sb_printf(&p->sb, "%s%s", p->count ? "\n" : "", line);
+  p->count++;
+}
+
+/* One resolved ref, with where it was named, for the cross-ref checks. */
+typedef struct {
+  size_t group, index;
+  const char *label; /* the trainer's name, else the object's */
+  shardd__plan_ref ref;
+} located;
+
+static const char *obj_kind_word(const shardd__obj *o) {
+  return o->kind == SHARDD__OBJ_VIEW ? "view" : "buffer";
+}
+
+static int cmp_located(const void *a, const void *b) {
+  const located *x = a, *y = b;
+  if (x->ref.buf->hdr.id != y->ref.buf->hdr.id)
+    return x->ref.buf->hdr.id < y->ref.buf->hdr.id ? -1 : 1;
+  if (x->ref.offset != y->ref.offset)
+    return x->ref.offset < y->ref.offset ? -1 : 1;
+  /* Whole buffers sort before views at the same offset, so the message
+   * names the view as the second reference. */
+  if (x->ref.obj->kind != y->ref.obj->kind)
+    return x->ref.obj->kind == SHARDD__OBJ_BUFFER ? -1 : 1;
+  if (x->group != y->group)
+    return x->group < y->group ? -1 : 1;
+  return x->index < y->index ? -1 : x->index > y->index;
+}
+
+static const char *kind_word(shardd_optim_kind k) {
+  switch (k) {
+  case SHARDD_OPTIM_SGD:
+    return "sgd";
+  case SHARDD_OPTIM_ADAM:
+    return "adam";
+  case SHARDD_OPTIM_ADAMW:
+    return "adamw";
+  }
+  return "?";
+}
+
+shardd_err shardd__validate_optimizer(const shardd__registry *reg,
+                                      const shardd__job *job,
+                                      const Shardd__RegisterOptimizer *req,
+                                      shardd__optim_plan *plan, char **msg) {
+  problems p;
+  memset(&p, 0, sizeof p);
+  shardd__sb_init(&p.sb);
+  memset(plan, 0, sizeof *plan);
+  *msg = NULL;
+  located *locs = NULL;
+  size_t nlocs = 0, total = 0;
+  shardd__map seen;
+  shardd__map_init(&seen);
+
+  shardd_optim_kind kind = (shardd_optim_kind)req->kind;
+  if (kind != SHARDD_OPTIM_SGD && kind != SHARDD_OPTIM_ADAM &&
+      kind != SHARDD_OPTIM_ADAMW) {
+    problem(&p, SHARDD_E_INVAL, "optimizer kind %d is not sgd, adam or adamw",
+            (int)req->kind);
+    goto done;
+  }
+  if (req->n_groups == 0) {
+    problem(&p, SHARDD_E_INVAL, "the optimizer has no param groups");
+    goto done;
+  }
+
+  plan->groups = calloc(req->n_groups, sizeof *plan->groups);
+  for (size_t g = 0; g < req->n_groups; g++)
+    total += req->groups[g]->n_refs;
+  locs = calloc(total ? total : 1, sizeof *locs);
+  if (plan->groups == NULL || locs == NULL) {
+    problem(&p, SHARDD_E_NO_MEMORY, "out of memory validating the optimizer");
+    goto done;
+  }
+  plan->ngroups = req->n_groups;
+
+  for (size_t g = 0; g < req->n_groups; g++) {
+    const Shardd__ParamGroup *grp = req->groups[g];
+    shardd__hp *hp = &plan->groups[g];
+    shardd__hp_resolve(kind, req->hyper, grp->overrides, hp);
+    char why[256];
+    if (shardd__hp_check(hp, why, sizeof why) != SHARDD_OK)
+      problem(&p, SHARDD_E_RANGE, "param group %zu: %s", g, why);
+    if (grp->n_refs == 0)
+      problem(&p, SHARDD_E_INVAL, "param group %zu is empty", g);
+
+    for (size_t i = 0; i < grp->n_refs; i++) {
+      const Shardd__ParamRef *ref = grp->refs[i];
+      uint64_t id = ref->id;
+      const shardd__obj *o = shardd__registry_get(reg, id);
+      const char *label = ref->name && ref->name[0] ? ref->name
+                          : o                       ? o->name
+                                                    : "";
+#define AT "param group %zu, ref %zu (\"%s\"): "
+      if (o == NULL) {
+        if (id == 0)
+          problem(&p, SHARDD_E_NOT_OWNED,
+                  AT "not a shardd buffer or view (a tensor the daemon does "
+                     "not own)",
+                  g, i, label);
+        else if (shardd__registry_issued(reg, id))
+          problem(&p, SHARDD_E_NOT_FOUND,
+                  AT "id %" PRIu64 " no longer exists (unregistered)", g, i,
+                  label, id);
+        else
+          problem(&p, SHARDD_E_NOT_FOUND,
+                  AT "no buffer or view has id %" PRIu64, g, i, label, id);
+        continue;
+      }
+      if (o->kind == SHARDD__OBJ_OPTIM) {
+        problem(&p, SHARDD_E_INVAL,
+                AT "id %" PRIu64 " is an optimizer, not a buffer or view", g,
+                i, label, id);
+        continue;
+      }
+      if (o->job != job) {
+        problem(&p, SHARDD_E_NOT_OWNED,
+                AT "%s %" PRIu64 " is not owned by job \"%s\"", g, i, label,
+                obj_kind_word(o), id, job->name);
+        continue;
+      }
+      located *prev = shardd__map_get_id(&seen, id);
+      if (prev) {
+        problem(&p, SHARDD_E_DUPLICATE,
+                AT "%s %" PRIu64 " already appears at param group %zu, ref %zu",
+                g, i, label, obj_kind_word(o), id, prev->group, prev->index);
+        continue;
+      }
+      located *l = &locs[nlocs];
+      l->group = g;
+      l->index = i;
+      l->label = label;
+      l->ref.obj = (shardd__obj *)o;
+      l->ref.group = (uint32_t)g;
+      const shardd__optim *owner;
+      if (o->kind == SHARDD__OBJ_VIEW) {
+        const shardd__view *v = (const shardd__view *)o;
+        l->ref.buf = v->buf;
+        l->ref.offset = v->offset;
+        l->ref.numel = v->numel;
+        owner = v->owner;
+      } else {
+        const shardd__buffer *b = (const shardd__buffer *)o;
+        l->ref.buf = (shardd__buffer *)b;
+        l->ref.offset = 0;
+        l->ref.numel = b->numel;
+        owner = b->owner;
+      }
+      if (owner) {
+        problem(&p, SHARDD_E_DUPLICATE,
+                AT "%s %" PRIu64 " already belongs to optimizer %" PRIu64
+                   " (\"%s\")",
+                g, i, label, obj_kind_word(o), id, owner->hdr.id,
+                owner->hdr.name);
+        continue;
+      }
+      if (!shardd__optim_supports(kind, l->ref.buf->dtype)) {
+        problem(&p, SHARDD_E_DTYPE, AT "dtype %s is not supported by %s", g, i,
+                label, shardd_dtype_name(l->ref.buf->dtype), kind_word(kind));
+        continue;
+      }
+      if (shardd__map_put_id(&seen, id, l) != SHARDD_OK) {
+        problem(&p, SHARDD_E_NO_MEMORY, "out of memory validating refs");
+        goto done;
+      }
+      nlocs++;
+    }
+  }
+
+  /* Overlap: sorted by (buffer, offset), a ref overlaps an earlier one when
+   * it starts before the furthest end seen so far in its buffer. */
+  qsort(locs, nlocs, sizeof *locs, cmp_located);
+  size_t reach = 0; /* index of the ref reaching furthest in this buffer */
+  for (size_t i = 1; i < nlocs; i++) {
+    const located *a = &locs[reach], *b = &locs[i];
+    if (a->ref.buf != b->ref.buf) {
+      reach = i;
+      continue;
+    }
+    if (b->ref.offset < a->ref.offset + a->ref.numel) {
+      if (a->ref.obj->kind == SHARDD__OBJ_BUFFER)
+        problem(&p, SHARDD_E_OVERLAP,
+                "param group %zu, ref %zu (\"%s\"): buffer %" PRIu64
+                " is registered whole at param group %zu, ref %zu and also "
+                "through %s %" PRIu64,
+                b->group, b->index, b->label, a->ref.buf->hdr.id, a->group,
+                a->index, obj_kind_word(b->ref.obj), b->ref.obj->id);
+      else
+        problem(&p, SHARDD_E_OVERLAP,
+                "param group %zu, ref %zu (\"%s\"): view %" PRIu64
+                " [%" PRIu64 ", %" PRIu64 ") overlaps view %" PRIu64
+                " [%" PRIu64 ", %" PRIu64 ") at param group %zu, ref %zu",
+                b->group, b->index, b->label, b->ref.obj->id, b->ref.offset,
+                b->ref.offset + b->ref.numel, a->ref.obj->id, a->ref.offset,
+                a->ref.offset + a->ref.numel, a->group, a->index);
+    }
+    if (b->ref.offset + b->ref.numel > a->ref.offset + a->ref.numel)
+      reach = i;
+  }
+
+done:
+  shardd__map_free(&seen);
+  if (p.count > 0) {
+    free(locs);
+    shardd__optim_plan_free(plan);
+    *msg = shardd__sb_take(&p.sb);
+    return p.first;
+  }
+  shardd__sb_free(&p.sb);
+  plan->kind = kind;
+  plan->name = strdup(req->name && req->name[0] ? req->name : "default");
+  plan->refs = malloc((nlocs ? nlocs : 1) * sizeof *plan->refs);
+  if (plan->name == NULL || plan->refs == NULL) {
+    free(locs);
+    shardd__optim_plan_free(plan);
+    *msg = strdup("out of memory validating the optimizer");
+    return SHARDD_E_NO_MEMORY;
+  }
+  for (size_t i = 0; i < nlocs; i++)
+    plan->refs[i] = locs[i].ref;
+  plan->nrefs = nlocs;
+  free(locs);
+  return SHARDD_OK;
+}

@@ -1,0 +1,465 @@
+/* test_optim.c — the optimizer kernels against torch.optim 1.13 golden
+ * vectors (tests/optim_golden.h, from tests/gen/optim_golden.py), the
+ * bf16/fp16 conversions against torch's bit patterns, and the
+ * hyperparameter defaults and range checks. */
+#include <criterion/criterion.h>
+#include <criterion/logging.h>
+#include <criterion/parameterized.h>
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dtype.h"
+#include "optim.h"
+#include "optim_golden.h"
+
+#define N OPTIM_GOLDEN_N
+
+static float f32(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+static uint32_t u32(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+/* Distance in representable floats; sign-magnitude mapped onto a line. */
+static int64_t ulps(float a, float b) {
+  int64_t x = (int32_t)u32(a), y = (int32_t)u32(b);
+  if (x < 0)
+    x = INT32_MIN - x;
+  if (y < 0)
+    y = INT32_MIN - y;
+  return x > y ? x - y : y - x;
+}
+
+typedef struct {
+  double rel;
+  int64_t ulp;
+} diff;
+
+static void diff_add(diff *d, float got, float want) {
+  cr_assert(isfinite(want));
+  cr_assert(isfinite(got), "got %g, want %g", (double)got, (double)want);
+  double rel = fabs((double)got - (double)want) /
+               fmax(fabs((double)want), (double)FLT_MIN);
+  if (rel > d->rel)
+    d->rel = rel;
+  int64_t u = ulps(got, want);
+  if (u > d->ulp)
+    d->ulp = u;
+}
+
+static shardd__hp case_hp(const optim_golden_case *c) {
+  shardd__hp hp = {
+      .kind = c->kind,
+      .lr = c->lr,
+      .momentum = c->momentum,
+      .dampening = c->dampening,
+      .weight_decay = c->weight_decay,
+      .beta1 = c->beta1,
+      .beta2 = c->beta2,
+      .eps = c->eps,
+      .nesterov = c->nesterov,
+      .maximize = c->maximize,
+      .amsgrad = c->amsgrad,
+  };
+  return hp;
+}
+
+/* Runs every step of case c, updating the array in pieces of chunk elements;
+ * per_step (when not NULL) collects the distance to torch after each step. */
+static void run_case(const optim_golden_case *c, float *param,
+                     float state[3][N], size_t chunk, diff *per_step) {
+  shardd__hp hp = case_hp(c);
+  for (size_t i = 0; i < N; i++)
+    param[i] = f32(optim_golden_param0[i]);
+  for (int s = 0; s < 3; s++)
+    for (size_t i = 0; i < N; i++)
+      /* SGD's buffer must be ignored on step 1; Adam's starts at zero. */
+      state[s][i] = c->kind == SHARDD_OPTIM_SGD ? NAN : 0.0f;
+  float grad[N];
+  for (int step = 0; step < OPTIM_GOLDEN_STEPS; step++) {
+    for (size_t i = 0; i < N; i++)
+      grad[i] = f32(optim_golden_grad[step][i]);
+    for (size_t lo = 0; lo < N; lo += chunk) {
+      size_t n = N - lo < chunk ? N - lo : chunk;
+      float *st[3] = {state[0] + lo, state[1] + lo, state[2] + lo};
+      shardd__optim_update(&hp, (uint64_t)step + 1, param + lo, grad + lo,
+                           f32(c->grad_scale), st, n);
+    }
+    if (per_step)
+      for (size_t i = 0; i < N; i++)
+        diff_add(per_step, param[i], f32(c->param[step][i]));
+  }
+}
+
+ParameterizedTestParameters(optim, golden) {
+  static size_t idx[OPTIM_GOLDEN_NCASES];
+  for (size_t i = 0; i < OPTIM_GOLDEN_NCASES; i++)
+    idx[i] = i;
+  return cr_make_param_array(size_t, idx, OPTIM_GOLDEN_NCASES);
+}
+
+ParameterizedTest(size_t *ci, optim, golden) {
+  const optim_golden_case *c = &optim_golden_cases[*ci];
+  shardd__hp hp = case_hp(c);
+  char err[128];
+  cr_assert_eq(shardd__hp_check(&hp, err, sizeof err), SHARDD_OK, "%s: %s",
+               c->name, err);
+  cr_assert_eq(shardd__optim_state_count(&hp), c->nstate, "%s", c->name);
+
+  float param[N], state[3][N];
+  diff dp = {0}, ds = {0};
+  run_case(c, param, state, N, &dp);
+  for (int s = 0; s < c->nstate; s++)
+    for (size_t i = 0; i < N; i++)
+      diff_add(&ds, state[s][i], f32(c->state[s][i]));
+  cr_log_info("%-24s param max rel diff %.3g (%lld ulp), state %.3g "
+              "(%lld ulp)",
+              c->name, dp.rel, (long long)dp.ulp, ds.rel, (long long)ds.ulp);
+  cr_expect_leq(dp.rel, 1e-6, "%s: param max rel diff %g", c->name, dp.rel);
+  cr_expect_leq(ds.rel, 1e-6, "%s: state max rel diff %g", c->name, ds.rel);
+}
+
+/* A shard is updated in pieces of any length (threads, the vector loop's
+ * tail): the pieces must agree bit for bit with one pass. */
+ParameterizedTestParameters(optim, chunking_is_bit_exact) {
+  static size_t idx[OPTIM_GOLDEN_NCASES];
+  for (size_t i = 0; i < OPTIM_GOLDEN_NCASES; i++)
+    idx[i] = i;
+  return cr_make_param_array(size_t, idx, OPTIM_GOLDEN_NCASES);
+}
+
+ParameterizedTest(size_t *ci, optim, chunking_is_bit_exact) {
+  const optim_golden_case *c = &optim_golden_cases[*ci];
+  float whole[N], wstate[3][N];
+  run_case(c, whole, wstate, N, NULL);
+  static const size_t chunks[] = {1, 3, 5, 16};
+  for (size_t k = 0; k < sizeof chunks / sizeof chunks[0]; k++) {
+    float part[N], pstate[3][N];
+    run_case(c, part, pstate, chunks[k], NULL);
+    cr_assert_arr_eq(part, whole, sizeof part, "%s chunk %zu", c->name,
+                     chunks[k]);
+    for (int s = 0; s < c->nstate; s++)
+      cr_assert_arr_eq(pstate[s], wstate[s], sizeof pstate[s],
+                       "%s chunk %zu state %d", c->name, chunks[k], s);
+  }
+}
+
+Test(optim, zero_length_is_a_noop) {
+  shardd__hp hp;
+  shardd__hp_defaults(SHARDD_OPTIM_ADAM, &hp);
+  float *st[3] = {NULL, NULL, NULL};
+  shardd__optim_update(&hp, 1, NULL, NULL, 1.0f, st, 0);
+}
+
+Test(optim, defaults_match_torch) {
+  for (size_t i = 0; i < 3; i++) {
+    const optim_golden_defaults *t = &optim_golden_default_hp[i];
+    shardd__hp hp;
+    memset(&hp, 0x5a, sizeof hp);
+    shardd__hp_defaults(t->kind, &hp);
+    cr_assert_eq(hp.kind, t->kind);
+    cr_assert_eq(hp.lr, t->lr, "kind %d", t->kind);
+    cr_assert_eq(hp.momentum, t->momentum, "kind %d", t->kind);
+    cr_assert_eq(hp.dampening, t->dampening, "kind %d", t->kind);
+    cr_assert_eq(hp.weight_decay, t->weight_decay, "kind %d", t->kind);
+    cr_assert_eq(hp.beta1, t->beta1, "kind %d", t->kind);
+    cr_assert_eq(hp.beta2, t->beta2, "kind %d", t->kind);
+    cr_assert_eq(hp.eps, t->eps, "kind %d", t->kind);
+    cr_assert_eq(hp.nesterov, t->nesterov, "kind %d", t->kind);
+    cr_assert_eq(hp.maximize, t->maximize, "kind %d", t->kind);
+    cr_assert_eq(hp.amsgrad, t->amsgrad, "kind %d", t->kind);
+    cr_assert_eq(shardd__hp_check(&hp, NULL, 0), SHARDD_OK);
+  }
+}
+
+typedef struct {
+  shardd_optim_kind kind;
+  /* Arrays, not pointers: Criterion may run each parameter in a fresh
+   * process, where a pointer into this one's data means nothing. */
+  char field[16]; /* which hp field gets value */
+  double value;
+  char want[48]; /* substring the message must hold */
+} bad_hp;
+
+static void set_field(shardd__hp *hp, const char *field, double v) {
+  if (!strcmp(field, "lr"))
+    hp->lr = v;
+  else if (!strcmp(field, "momentum"))
+    hp->momentum = v;
+  else if (!strcmp(field, "dampening"))
+    hp->dampening = v;
+  else if (!strcmp(field, "weight_decay"))
+    hp->weight_decay = v;
+  else if (!strcmp(field, "beta1"))
+    hp->beta1 = v;
+  else if (!strcmp(field, "beta2"))
+    hp->beta2 = v;
+  else if (!strcmp(field, "eps"))
+    hp->eps = v;
+  else if (!strcmp(field, "nesterov"))
+    hp->nesterov = (int)v;
+  else if (!strcmp(field, "kind"))
+    hp->kind = (shardd_optim_kind)(int)v;
+  else
+    cr_assert_fail("no field %s", field);
+}
+
+ParameterizedTestParameters(optim, hp_check_refuses) {
+  static bad_hp t[] = {
+      {SHARDD_OPTIM_SGD, "lr", -1.0, "lr = -1 is out of range [0, inf)"},
+      {SHARDD_OPTIM_SGD, "lr", NAN, "lr = nan"},
+      {SHARDD_OPTIM_ADAM, "lr", INFINITY, "lr = inf"},
+      {SHARDD_OPTIM_ADAMW, "lr", -1e-9, "lr = -1e-09"},
+      {SHARDD_OPTIM_SGD, "momentum", -0.1, "momentum = -0.1"},
+      {SHARDD_OPTIM_SGD, "momentum", INFINITY, "momentum = inf"},
+      {SHARDD_OPTIM_SGD, "dampening", NAN, "dampening = nan"},
+      {SHARDD_OPTIM_SGD, "weight_decay", -1e-3, "weight_decay = -0.001"},
+      {SHARDD_OPTIM_ADAM, "weight_decay", -1.0, "weight_decay = -1"},
+      {SHARDD_OPTIM_ADAMW, "weight_decay", NAN, "weight_decay = nan"},
+      {SHARDD_OPTIM_ADAM, "beta1", -0.1, "beta1 = -0.1 is out of range [0, 1)"},
+      {SHARDD_OPTIM_ADAM, "beta1", 1.0, "beta1 = 1 is out of range [0, 1)"},
+      {SHARDD_OPTIM_ADAMW, "beta1", NAN, "beta1 = nan"},
+      {SHARDD_OPTIM_ADAM, "beta2", 1.0, "beta2 = 1 is out of range [0, 1)"},
+      {SHARDD_OPTIM_ADAMW, "beta2", 1.5, "beta2 = 1.5"},
+      {SHARDD_OPTIM_ADAM, "beta2", -INFINITY, "beta2 = -inf"},
+      {SHARDD_OPTIM_ADAM, "eps", 0.0, "eps = 0 is out of range (0, inf)"},
+      {SHARDD_OPTIM_ADAMW, "eps", -1e-8, "eps = -1e-08"},
+      {SHARDD_OPTIM_ADAM, "eps", INFINITY, "eps = inf"},
+      {SHARDD_OPTIM_ADAM, "eps", NAN, "eps = nan"},
+      /* defaults have momentum 0: nesterov alone is refused */
+      {SHARDD_OPTIM_SGD, "nesterov", 1, "nesterov requires momentum > 0"},
+      {SHARDD_OPTIM_SGD, "kind", 0, "kind = 0"},
+      {SHARDD_OPTIM_SGD, "kind", 99, "kind = 99"},
+  };
+  return cr_make_param_array(bad_hp, t, sizeof t / sizeof t[0]);
+}
+
+ParameterizedTest(bad_hp *b, optim, hp_check_refuses) {
+  shardd__hp hp;
+  shardd__hp_defaults(b->kind, &hp);
+  set_field(&hp, b->field, b->value);
+  char err[128];
+  cr_assert_eq(shardd__hp_check(&hp, err, sizeof err), SHARDD_E_RANGE,
+               "%s = %g accepted", b->field, b->value);
+  cr_assert(strstr(err, b->want), "message \"%s\" lacks \"%s\"", err, b->want);
+  cr_assert(strstr(err, b->field), "message \"%s\" does not name %s", err,
+            b->field);
+  /* No buffer, and a buffer too short for the message, are both safe. */
+  cr_assert_eq(shardd__hp_check(&hp, NULL, 0), SHARDD_E_RANGE);
+  char tiny[4];
+  cr_assert_eq(shardd__hp_check(&hp, tiny, sizeof tiny), SHARDD_E_RANGE);
+  cr_assert_eq(strlen(tiny), 3);
+}
+
+Test(optim, nesterov_needs_zero_dampening) {
+  shardd__hp hp;
+  shardd__hp_defaults(SHARDD_OPTIM_SGD, &hp);
+  hp.nesterov = 1;
+  hp.momentum = 0.9;
+  cr_assert_eq(shardd__hp_check(&hp, NULL, 0), SHARDD_OK);
+  hp.dampening = 0.1;
+  char err[128];
+  cr_assert_eq(shardd__hp_check(&hp, err, sizeof err), SHARDD_E_RANGE);
+  cr_assert(strstr(err, "dampening = 0.1"), "%s", err);
+}
+
+Test(optim, hp_check_accepts_bounds) {
+  shardd__hp hp;
+  shardd__hp_defaults(SHARDD_OPTIM_ADAM, &hp);
+  hp.lr = 0;
+  hp.beta1 = 0;
+  hp.beta2 = 0;
+  hp.weight_decay = 0;
+  hp.eps = 1e-300;
+  char err[128] = "junk";
+  cr_assert_eq(shardd__hp_check(&hp, err, sizeof err), SHARDD_OK, "%s", err);
+  cr_assert_str_empty(err);
+  /* SGD ignores the Adam fields; Adam ignores momentum and nesterov */
+  shardd__hp_defaults(SHARDD_OPTIM_SGD, &hp);
+  hp.eps = 0;
+  hp.beta2 = 1;
+  hp.dampening = -0.5; /* torch allows any dampening */
+  cr_assert_eq(shardd__hp_check(&hp, err, sizeof err), SHARDD_OK, "%s", err);
+}
+
+Test(optim, supports_and_state_count) {
+  static const shardd_optim_kind kinds[] = {
+      SHARDD_OPTIM_SGD, SHARDD_OPTIM_ADAM, SHARDD_OPTIM_ADAMW};
+  static const shardd_dtype dtypes[] = {SHARDD_DTYPE_FP32, SHARDD_DTYPE_BF16,
+                                        SHARDD_DTYPE_FP16};
+  for (size_t k = 0; k < 3; k++) {
+    for (size_t d = 0; d < 3; d++)
+      cr_assert(shardd__optim_supports(kinds[k], dtypes[d]));
+    cr_assert_not(shardd__optim_supports(kinds[k], (shardd_dtype)0));
+    cr_assert_not(shardd__optim_supports(kinds[k], (shardd_dtype)4));
+  }
+  cr_assert_not(shardd__optim_supports((shardd_optim_kind)0,
+                                       SHARDD_DTYPE_FP32));
+  shardd__hp hp;
+  shardd__hp_defaults(SHARDD_OPTIM_SGD, &hp);
+  cr_assert_eq(shardd__optim_state_count(&hp), 0);
+  hp.momentum = 0.9;
+  cr_assert_eq(shardd__optim_state_count(&hp), 1);
+  shardd__hp_defaults(SHARDD_OPTIM_ADAM, &hp);
+  cr_assert_eq(shardd__optim_state_count(&hp), 2);
+  hp.amsgrad = 1;
+  cr_assert_eq(shardd__optim_state_count(&hp), 3);
+  shardd__hp_defaults(SHARDD_OPTIM_ADAMW, &hp);
+  cr_assert_eq(shardd__optim_state_count(&hp), 2);
+  hp.amsgrad = 1;
+  cr_assert_eq(shardd__optim_state_count(&hp), 3);
+}
+
+Test(optim, sumsq) {
+  cr_assert_eq(shardd__sumsq_f32(NULL, 0), 0.0);
+  /* small integers: every partial sum is exact, whatever the order */
+  float g[23];
+  for (size_t n = 1; n <= 23; n++) {
+    double want = 0;
+    for (size_t i = 0; i < n; i++) {
+      g[i] = (float)((int)i - 11);
+      want += (double)(((int)i - 11) * ((int)i - 11));
+    }
+    cr_assert_eq(shardd__sumsq_f32(g, n), want, "n %zu", n);
+  }
+  /* addends float accumulation would lose entirely (1 + 1e-10 == 1 in
+   * float); double keeps them to ~1e-14 */
+  static float big[1001];
+  big[0] = 1.0f;
+  for (size_t i = 1; i < 1001; i++)
+    big[i] = 1e-5f;
+  double want = 1.0 + 1000.0 * (double)1e-5f * (double)1e-5f;
+  cr_assert_float_eq(shardd__sumsq_f32(big, 1001), want, 1e-12);
+}
+
+static int bf16_is_nan(uint16_t h) {
+  return (h & 0x7f80u) == 0x7f80u && (h & 0x7fu) != 0;
+}
+static int fp16_is_nan(uint16_t h) {
+  return (h & 0x7c00u) == 0x7c00u && (h & 0x3ffu) != 0;
+}
+
+Test(optim, conversions_match_torch) {
+  enum { M = OPTIM_GOLDEN_NCONV };
+  float src[M], back[M];
+  uint16_t h[M];
+  for (size_t i = 0; i < M; i++)
+    src[i] = f32(optim_golden_conv_f32[i]);
+
+  shardd__from_f32(SHARDD_DTYPE_BF16, h, src, M);
+  for (size_t i = 0; i < M; i++) {
+    if (isnan(src[i]))
+      cr_assert(bf16_is_nan(h[i]), "bf16 of NaN 0x%08x is 0x%04x",
+                optim_golden_conv_f32[i], h[i]);
+    else
+      cr_assert_eq(h[i], optim_golden_conv_bf16[i],
+                   "bf16 of 0x%08x: 0x%04x, torch 0x%04x",
+                   optim_golden_conv_f32[i], h[i], optim_golden_conv_bf16[i]);
+  }
+  shardd__to_f32(SHARDD_DTYPE_BF16, back, optim_golden_conv_bf16, M);
+  for (size_t i = 0; i < M; i++) {
+    if (isnan(src[i]))
+      cr_assert(isnan(back[i]));
+    else
+      cr_assert_eq(u32(back[i]), optim_golden_conv_bf16_f32[i],
+                   "fp32 of bf16 0x%04x", optim_golden_conv_bf16[i]);
+  }
+
+  shardd__from_f32(SHARDD_DTYPE_FP16, h, src, M);
+  for (size_t i = 0; i < M; i++) {
+    if (isnan(src[i]))
+      cr_assert(fp16_is_nan(h[i]), "fp16 of NaN 0x%08x is 0x%04x",
+                optim_golden_conv_f32[i], h[i]);
+    else
+      cr_assert_eq(h[i], optim_golden_conv_fp16[i],
+                   "fp16 of 0x%08x: 0x%04x, torch 0x%04x",
+                   optim_golden_conv_f32[i], h[i], optim_golden_conv_fp16[i]);
+  }
+  shardd__to_f32(SHARDD_DTYPE_FP16, back, optim_golden_conv_fp16, M);
+  for (size_t i = 0; i < M; i++) {
+    if (isnan(src[i]))
+      cr_assert(isnan(back[i]));
+    else
+      cr_assert_eq(u32(back[i]), optim_golden_conv_fp16_f32[i],
+                   "fp32 of fp16 0x%04x", optim_golden_conv_fp16[i]);
+  }
+
+  shardd__to_f32(SHARDD_DTYPE_FP32, back, src, M);
+  cr_assert_arr_eq(back, src, sizeof src);
+  shardd__from_f32(SHARDD_DTYPE_FP32, back, src, M);
+  cr_assert_arr_eq(back, src, sizeof src);
+}
+
+/* Every 16-bit pattern survives the trip through fp32 (NaN stays NaN). */
+Test(optim, all_16bit_patterns_round_trip) {
+  enum { M = 65536 };
+  static uint16_t in[M], out[M];
+  static float mid[M];
+  for (size_t i = 0; i < M; i++)
+    in[i] = (uint16_t)i;
+  static const shardd_dtype dt[] = {SHARDD_DTYPE_BF16, SHARDD_DTYPE_FP16};
+  for (size_t d = 0; d < 2; d++) {
+    shardd__to_f32(dt[d], mid, in, M);
+    shardd__from_f32(dt[d], out, mid, M);
+    for (size_t i = 0; i < M; i++) {
+      int nan = dt[d] == SHARDD_DTYPE_BF16 ? bf16_is_nan(in[i])
+                                           : fp16_is_nan(in[i]);
+      if (nan) {
+        cr_assert(isnan(mid[i]));
+        cr_assert(dt[d] == SHARDD_DTYPE_BF16 ? bf16_is_nan(out[i])
+                                             : fp16_is_nan(out[i]));
+      } else {
+        cr_assert_eq(out[i], in[i], "dtype %d 0x%04zx -> %a -> 0x%04x",
+                     dt[d], i, (double)mid[i], out[i]);
+      }
+    }
+  }
+}
+
+/* The array conversions agree with dtype.h's scalar ones over a sweep of
+ * fp32 patterns spread across every exponent (the full 2^32 agreed when
+ * checked by hand; this keeps a cheap version of that). */
+Test(optim, conversions_match_dtype_h) {
+  enum { M = 1 << 16 };
+  static float src[M];
+  static uint16_t h[M];
+  uint32_t u = 12345u;
+  for (int round = 0; round < 64; round++) {
+    for (size_t i = 0; i < M; i++, u += 1021u) /* 2^22 patterns, 1021 apart */
+      src[i] = f32(u);
+    shardd__from_f32(SHARDD_DTYPE_FP16, h, src, M);
+    for (size_t i = 0; i < M; i++) {
+      if (isnan(src[i]))
+        cr_assert(fp16_is_nan(h[i]));
+      else
+        cr_assert_eq(h[i], shardd__f32_to_f16(src[i]), "fp16 of 0x%08x",
+                     u32(src[i]));
+    }
+    shardd__from_f32(SHARDD_DTYPE_BF16, h, src, M);
+    for (size_t i = 0; i < M; i++)
+      cr_assert_eq(h[i], shardd__f32_to_bf16(src[i]), "bf16 of 0x%08x",
+                   u32(src[i]));
+  }
+  static uint16_t all[M];
+  static float f[M];
+  for (size_t i = 0; i < M; i++)
+    all[i] = (uint16_t)i;
+  shardd__to_f32(SHARDD_DTYPE_FP16, f, all, M);
+  for (size_t i = 0; i < M; i++) {
+    float want = shardd__f16_to_f32(all[i]);
+    if (isnan(want))
+      cr_assert(isnan(f[i]));
+    else
+      cr_assert_eq(u32(f[i]), u32(want), "fp32 of fp16 0x%04zx", i);
+  }
+}
