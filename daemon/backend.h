@@ -41,6 +41,18 @@ typedef struct {
   void (*free)(shardd__backend *b, shardd__region *r);
   /* Host: a new descriptor for r that the caller owns and closes. */
   shardd_err (*export_fd)(shardd__backend *b, shardd__region *r, int *fd);
+  /* Cuda: the CUDA IPC handle of r (*len bytes, at most cap, 64 today) for a
+   * client to open with cudaIpcOpenMemHandle. NULL for backends whose
+   * regions are exported with export_fd. */
+  shardd_err (*export_ipc)(shardd__backend *b, shardd__region *r, void *handle,
+                           size_t cap, size_t *len);
+  /* Moves bytes between r (at off) and host memory, for callers that need
+   * the contents on the host (checkpoints). NULL when r->ptr is host memory
+   * the caller may use directly (host backend); set by the cuda backend. */
+  shardd_err (*read)(shardd__backend *b, shardd__region *r, size_t off,
+                     void *dst, size_t bytes);
+  shardd_err (*write)(shardd__backend *b, shardd__region *r, size_t off,
+                      const void *src, size_t bytes);
   shardd_err (*copy)(shardd__backend *b, shardd__region *dst, size_t dst_off,
                      shardd__region *src, size_t src_off, size_t bytes);
   /* dst (fp32 at dst_off) = sum over i of srcs[i] (dtype, at src_offs[i]),

@@ -1,0 +1,443 @@
+/* optim_cuda.cu — the cuda backend's kernels (see optim_cuda.h).
+ *
+ * All kernels are grid-stride loops in two parts: a vector part over groups
+ * of V elements read and written with 16-byte (fp32) or 8/16-byte (16-bit)
+ * accesses, used only when the wrapper found every pointer aligned for them,
+ * then a scalar tail. Per element, the arithmetic is optim.c's operation by
+ * operation with explicit round-to-nearest intrinsics, so no multiply-add is
+ * ever fused and results are bit-identical to the host kernels (which keep
+ * every operation separately rounded for the same reason). */
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "optim_cuda.h"
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kDtF32 = 1, kDtBf16 = 2, kDtF16 = 3;
+
+/* ---- conversions: dtype.h, bit for bit ------------------------------- */
+
+__device__ __forceinline__ float bf16_to_f32(uint32_t h) {
+  return __uint_as_float((h & 0xffffu) << 16);
+}
+
+__device__ __forceinline__ uint16_t f32_to_bf16(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN: keep it quiet, keep sign */
+    return (uint16_t)((u >> 16) | 0x0040u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+__device__ __forceinline__ float f16_to_f32(uint32_t h) {
+  uint32_t sign = (h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t man = h & 0x3ffu;
+  uint32_t u;
+  if (exp == 0) {
+    if (man == 0) {
+      u = sign;
+    } else { /* subnormal: normalise (what dtype.h's loop computes) */
+      int shift = __clz(man) - 21; /* leading zeros within the 11-bit field */
+      man <<= shift;
+      exp = 127 - 15 + 1 - (uint32_t)shift;
+      man &= 0x3ffu;
+      u = sign | (exp << 23) | (man << 13);
+    }
+  } else if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else {
+    u = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  return __uint_as_float(u);
+}
+
+__device__ __forceinline__ uint16_t f32_to_f16(float f) {
+  uint32_t u = __float_as_uint(f);
+  uint32_t sign = (u >> 16) & 0x8000u;
+  uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) /* NaN */
+    return (uint16_t)(sign | 0x7e00u);
+  if (abs >= 0x477ff000u) /* rounds to >= 65520: overflow to inf */
+    return (uint16_t)(sign | 0x7c00u);
+  if (abs < 0x38800000u) { /* below fp16's smallest normal: subnormal */
+    if (abs < 0x33000000u)
+      return (uint16_t)sign;
+    uint32_t e = abs >> 23;
+    uint32_t m = (abs & 0x7fffffu) | 0x800000u;
+    uint32_t shift = 126 - e;
+    uint32_t half = m >> shift;
+    uint32_t rem = m & ((1u << shift) - 1u);
+    uint32_t mid = 1u << (shift - 1);
+    if (rem > mid || (rem == mid && (half & 1u)))
+      half++;
+    return (uint16_t)(sign | half);
+  }
+  uint32_t r = abs + 0xfffu + ((abs >> 13) & 1u);
+  return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
+}
+
+template <int DT> __device__ __forceinline__ float widen1(uint32_t h) {
+  return DT == kDtBf16 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
+template <int DT> __device__ __forceinline__ uint32_t narrow1(float f) {
+  return DT == kDtBf16 ? f32_to_bf16(f) : f32_to_f16(f);
+}
+
+/* Element i of a dtype array, as fp32. */
+template <int DT>
+__device__ __forceinline__ float load1(const void *base, size_t i) {
+  if (DT == kDtF32)
+    return static_cast<const float *>(base)[i];
+  return widen1<DT>(static_cast<const uint16_t *>(base)[i]);
+}
+
+/* Elements per vector group: 4 fp32 (one float4), 8 16-bit (one uint4). */
+template <int DT> struct vec_of {
+  static constexpr int V = DT == kDtF32 ? 4 : 8;
+};
+
+/* Group j (V elements) of a dtype array, as fp32, with one 16-byte load. */
+template <int DT>
+__device__ __forceinline__ void loadv(const void *base, size_t j, float *out) {
+  if (DT == kDtF32) {
+    float4 q = static_cast<const float4 *>(base)[j];
+    out[0] = q.x;
+    out[1] = q.y;
+    out[2] = q.z;
+    out[3] = q.w;
+  } else {
+    uint4 q = static_cast<const uint4 *>(base)[j];
+    uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int k = 0; k < 4; k++) { /* little-endian: low half first */
+      out[2 * k] = widen1<DT>(w[k] & 0xffffu);
+      out[2 * k + 1] = widen1<DT>(w[k] >> 16);
+    }
+  }
+}
+
+__device__ __forceinline__ size_t gtid() {
+  return (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+}
+
+__device__ __forceinline__ size_t gstride() {
+  return (size_t)gridDim.x * blockDim.x;
+}
+
+unsigned grid_for(size_t work) {
+  size_t b = (work + kThreads - 1) / kThreads;
+  if (b < 1)
+    b = 1;
+  if (b > 8192)
+    b = 8192;
+  return (unsigned)b;
+}
+
+bool aligned(const void *p, size_t a) {
+  return p == nullptr || ((uintptr_t)p % a) == 0;
+}
+
+/* ---- reduce ------------------------------------------------------------ */
+
+struct srcs_t {
+  const void *p[SHARDD__CUDA_REDUCE_MAX_SRC];
+};
+
+template <int DT>
+__global__ void reduce_kernel(float *acc, srcs_t s, int nsrc, int first,
+                              int do_div, float divisor, size_t nvec,
+                              size_t n) {
+  constexpr int V = vec_of<DT>::V;
+  const int k0 = first ? 1 : 0;
+  for (size_t j = gtid(); j < nvec; j += gstride()) {
+    float a[V], t[V];
+    if (first) {
+      loadv<DT>(s.p[0], j, a);
+    } else {
+#pragma unroll
+      for (int q = 0; q < V / 4; q++) {
+        float4 x = reinterpret_cast<const float4 *>(acc)[j * (V / 4) + q];
+        a[4 * q] = x.x;
+        a[4 * q + 1] = x.y;
+        a[4 * q + 2] = x.z;
+        a[4 * q + 3] = x.w;
+      }
+    }
+    for (int k = k0; k < nsrc; k++) {
+      loadv<DT>(s.p[k], j, t);
+#pragma unroll
+      for (int e = 0; e < V; e++)
+        a[e] = __fadd_rn(a[e], t[e]);
+    }
+    if (do_div) {
+#pragma unroll
+      for (int e = 0; e < V; e++)
+        a[e] = __fdiv_rn(a[e], divisor);
+    }
+#pragma unroll
+    for (int q = 0; q < V / 4; q++)
+      reinterpret_cast<float4 *>(acc)[j * (V / 4) + q] =
+          make_float4(a[4 * q], a[4 * q + 1], a[4 * q + 2], a[4 * q + 3]);
+  }
+  for (size_t i = nvec * V + gtid(); i < n; i += gstride()) {
+    float a = first ? load1<DT>(s.p[0], i) : acc[i];
+    for (int k = k0; k < nsrc; k++)
+      a = __fadd_rn(a, load1<DT>(s.p[k], i));
+    if (do_div)
+      a = __fdiv_rn(a, divisor);
+    acc[i] = a;
+  }
+}
+
+template <int DT>
+cudaError_t launch_reduce(float *acc, const void *const *srcs, int nsrc,
+                          int first, int do_div, float divisor, size_t n,
+                          cudaStream_t st) {
+  constexpr int V = vec_of<DT>::V;
+  srcs_t s = {};
+  bool al = aligned(acc, 16);
+  for (int k = 0; k < nsrc; k++) {
+    s.p[k] = srcs[k];
+    al = al && aligned(srcs[k], 16);
+  }
+  size_t nvec = al ? n / V : 0;
+  size_t work = nvec > n - nvec * V ? nvec : n - nvec * V;
+  reduce_kernel<DT><<<grid_for(work), kThreads, 0, st>>>(
+      acc, s, nsrc, first, do_div, divisor, nvec, n);
+  return cudaGetLastError();
+}
+
+/* ---- sum of squares ---------------------------------------------------- */
+
+__global__ void sumsq_kernel(const float *x, size_t nvec, size_t n,
+                             double *partials) {
+  __shared__ double sh[kThreads];
+  double acc = 0;
+  for (size_t j = gtid(); j < nvec; j += gstride()) {
+    float4 q = reinterpret_cast<const float4 *>(x)[j];
+    acc += (double)q.x * (double)q.x; /* products are exact in double */
+    acc += (double)q.y * (double)q.y;
+    acc += (double)q.z * (double)q.z;
+    acc += (double)q.w * (double)q.w;
+  }
+  for (size_t i = nvec * 4 + gtid(); i < n; i += gstride())
+    acc += (double)x[i] * (double)x[i];
+  sh[threadIdx.x] = acc;
+  __syncthreads();
+  for (int w = kThreads / 2; w > 0; w >>= 1) { /* fixed tree: deterministic */
+    if ((int)threadIdx.x < w)
+      sh[threadIdx.x] += sh[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0)
+    partials[blockIdx.x] = sh[0];
+}
+
+/* ---- optimizer update -------------------------------------------------- */
+
+/* One element: optim.c's sgd_loop / adam_loop body, operation by operation. */
+__device__ __forceinline__ void upd1(const shardd__cuda_upd &k, float &p,
+                                     float g, float &m, float &v,
+                                     float &vmax) {
+  if (k.kind == SHARDD__CUDA_SGD) {
+    float d = __fmul_rn(g, k.scale);
+    if (k.has_wd)
+      d = __fadd_rn(d, __fmul_rn(k.wd, p));
+    if (k.has_mom) {
+      float b = k.first ? d
+                        : __fadd_rn(__fmul_rn(m, k.mom), __fmul_rn(k.damp1, d));
+      m = b;
+      d = k.nesterov ? __fadd_rn(d, __fmul_rn(k.mom, b)) : b;
+    }
+    p = __fadd_rn(p, __fmul_rn(k.neg_lr, d));
+    return;
+  }
+  float gi = __fmul_rn(g, k.scale);
+  float pi = p;
+  if (k.decay == SHARDD__CUDA_DECAY_L2)
+    gi = __fadd_rn(gi, __fmul_rn(k.wd, pi));
+  if (k.decay == SHARDD__CUDA_DECAY_DECOUPLED)
+    pi = __fmul_rn(pi, k.keep);
+  float mi = __fadd_rn(__fmul_rn(m, k.b1), __fmul_rn(k.omb1, gi));
+  float vi = __fadd_rn(__fmul_rn(v, k.b2), __fmul_rn(__fmul_rn(k.omb2, gi), gi));
+  m = mi;
+  v = vi;
+  float s = vi;
+  if (k.amsgrad) {
+    /* torch.maximum propagates NaN; a NaN vi fails the compare and wins */
+    float mx = vmax >= vi ? vmax : vi;
+    vmax = mx;
+    s = mx;
+  }
+  float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(s), k.bc2_sqrt), k.eps);
+  p = __fadd_rn(pi, __fdiv_rn(__fmul_rn(k.neg_step, mi), denom));
+}
+
+__device__ __forceinline__ void ld4(const float *a, size_t j, float *o) {
+  float4 q = reinterpret_cast<const float4 *>(a)[j];
+  o[0] = q.x;
+  o[1] = q.y;
+  o[2] = q.z;
+  o[3] = q.w;
+}
+
+__device__ __forceinline__ void st4(float *a, size_t j, const float *o) {
+  reinterpret_cast<float4 *>(a)[j] = make_float4(o[0], o[1], o[2], o[3]);
+}
+
+/* PDT: 0 for an fp32 param (p is the param), else the 16-bit dtype p16 is
+ * rewritten in from the updated master p. */
+template <int PDT>
+__global__ void update_kernel(shardd__cuda_upd k, float *p, const float *g,
+                              float *m, float *v, float *vmax, uint16_t *p16,
+                              size_t nvec, size_t n) {
+  for (size_t j = gtid(); j < nvec; j += gstride()) {
+    float P[4], G[4], M[4] = {0, 0, 0, 0}, S[4] = {0, 0, 0, 0},
+                      X[4] = {0, 0, 0, 0};
+    ld4(p, j, P);
+    ld4(g, j, G);
+    if (m)
+      ld4(m, j, M);
+    if (v)
+      ld4(v, j, S);
+    if (vmax)
+      ld4(vmax, j, X);
+#pragma unroll
+    for (int e = 0; e < 4; e++)
+      upd1(k, P[e], G[e], M[e], S[e], X[e]);
+    st4(p, j, P);
+    if (m)
+      st4(m, j, M);
+    if (v)
+      st4(v, j, S);
+    if (vmax)
+      st4(vmax, j, X);
+    if (PDT) {
+      uint2 o;
+      o.x = narrow1<PDT>(P[0]) | (narrow1<PDT>(P[1]) << 16);
+      o.y = narrow1<PDT>(P[2]) | (narrow1<PDT>(P[3]) << 16);
+      reinterpret_cast<uint2 *>(p16)[j] = o;
+    }
+  }
+  for (size_t i = nvec * 4 + gtid(); i < n; i += gstride()) {
+    float P = p[i], M = m ? m[i] : 0.0f, S = v ? v[i] : 0.0f,
+          X = vmax ? vmax[i] : 0.0f;
+    upd1(k, P, g[i], M, S, X);
+    p[i] = P;
+    if (m)
+      m[i] = M;
+    if (v)
+      v[i] = S;
+    if (vmax)
+      vmax[i] = X;
+    if (PDT)
+      p16[i] = (uint16_t)narrow1<PDT>(P);
+  }
+}
+
+/* ---- widen ------------------------------------------------------------- */
+
+template <int DT>
+__global__ void widen_kernel(float *dst, const void *src, size_t nvec,
+                             size_t n) {
+  constexpr int V = vec_of<DT>::V;
+  for (size_t j = gtid(); j < nvec; j += gstride()) {
+    float a[V];
+    loadv<DT>(src, j, a);
+#pragma unroll
+    for (int q = 0; q < V / 4; q++)
+      reinterpret_cast<float4 *>(dst)[j * (V / 4) + q] =
+          make_float4(a[4 * q], a[4 * q + 1], a[4 * q + 2], a[4 * q + 3]);
+  }
+  for (size_t i = nvec * V + gtid(); i < n; i += gstride())
+    dst[i] = load1<DT>(src, i);
+}
+
+template <int DT>
+cudaError_t launch_widen(float *dst, const void *src, size_t n,
+                         cudaStream_t st) {
+  constexpr int V = vec_of<DT>::V;
+  size_t nvec = aligned(dst, 16) && aligned(src, 16) ? n / V : 0;
+  size_t work = nvec > n - nvec * V ? nvec : n - nvec * V;
+  widen_kernel<DT><<<grid_for(work), kThreads, 0, st>>>(dst, src, nvec, n);
+  return cudaGetLastError();
+}
+
+} // namespace
+
+extern "C" int shardd__cuda_reduce(int dtype, float *acc,
+                                   const void *const *srcs, int nsrc,
+                                   int first, int do_div, float divisor,
+                                   size_t n, void *stream) {
+  if (n == 0)
+    return 0;
+  if (nsrc < 1 || nsrc > SHARDD__CUDA_REDUCE_MAX_SRC)
+    return (int)cudaErrorInvalidValue;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+  case kDtF32:
+    return (int)launch_reduce<kDtF32>(acc, srcs, nsrc, first, do_div, divisor,
+                                      n, st);
+  case kDtBf16:
+    return (int)launch_reduce<kDtBf16>(acc, srcs, nsrc, first, do_div,
+                                       divisor, n, st);
+  case kDtF16:
+    return (int)launch_reduce<kDtF16>(acc, srcs, nsrc, first, do_div, divisor,
+                                      n, st);
+  }
+  return (int)cudaErrorInvalidValue;
+}
+
+extern "C" int shardd__cuda_sumsq(const float *x, size_t n, double *partials,
+                                  void *stream) {
+  size_t nvec = aligned(x, 16) ? n / 4 : 0;
+  sumsq_kernel<<<SHARDD__CUDA_SUMSQ_BLOCKS, kThreads, 0,
+                 static_cast<cudaStream_t>(stream)>>>(x, nvec, n, partials);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int shardd__cuda_update(const shardd__cuda_upd *k, float *p,
+                                   const float *g, float *m, float *v,
+                                   float *vmax, int dtype, void *param16,
+                                   size_t n, void *stream) {
+  if (n == 0)
+    return 0;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  bool al = aligned(p, 16) && aligned(g, 16) && aligned(m, 16) &&
+            aligned(v, 16) && aligned(vmax, 16) && aligned(param16, 8);
+  size_t nvec = al ? n / 4 : 0;
+  size_t work = nvec > n - nvec * 4 ? nvec : n - nvec * 4;
+  uint16_t *p16 = static_cast<uint16_t *>(param16);
+  if (p16 == nullptr)
+    update_kernel<0><<<grid_for(work), kThreads, 0, st>>>(*k, p, g, m, v, vmax,
+                                                          p16, nvec, n);
+  else if (dtype == kDtBf16)
+    update_kernel<kDtBf16><<<grid_for(work), kThreads, 0, st>>>(
+        *k, p, g, m, v, vmax, p16, nvec, n);
+  else if (dtype == kDtF16)
+    update_kernel<kDtF16><<<grid_for(work), kThreads, 0, st>>>(
+        *k, p, g, m, v, vmax, p16, nvec, n);
+  else
+    return (int)cudaErrorInvalidValue;
+  return (int)cudaGetLastError();
+}
+
+extern "C" int shardd__cuda_widen(int dtype, float *dst, const void *src,
+                                  size_t n, void *stream) {
+  if (n == 0)
+    return 0;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+  case kDtF32:
+    return (int)launch_widen<kDtF32>(dst, src, n, st);
+  case kDtBf16:
+    return (int)launch_widen<kDtBf16>(dst, src, n, st);
+  case kDtF16:
+    return (int)launch_widen<kDtF16>(dst, src, n, st);
+  }
+  return (int)cudaErrorInvalidValue;
+}
