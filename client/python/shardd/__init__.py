@@ -1,0 +1,561 @@
+"""shardd — Python binding of libshardd (ctypes, no compiled extension).
+
+    import shardd
+    with shardd.Client(socket, job="run-1", rank=r, world=4) as c:
+        buf = c.register_buffer("layer0.flat", "fp32", numel)
+        buf.shard[:] = my_slice            # numpy view of this rank's shard
+        c.gather(buf)                      # collective
+        full = buf.gather                  # numpy view: the whole flat buffer
+        buf.grad[:] = my_full_gradient     # numpy view of this rank's grad area
+        c.scatter(buf, "mean")             # collective
+        opt = c.register_optimizer("adamw", [buf], lr=1e-3)
+        res = c.step(opt)                  # collective; res.step, res.total_norm
+
+Every mapped area is exposed without copying as a numpy array (``buf.shard``,
+``buf.gather``, ``buf.grad``, ``buf.reduced``), as a ``memoryview``
+(``buf.memoryview("shard")``) and, when torch is importable, as a
+``torch.Tensor`` (``buf.shard_tensor`` ... or ``buf.tensor("shard")``). They
+alias memory that libshardd maps and unmaps: they are valid until the buffer
+is unregistered on this client or the client is closed; touching one after
+that is a use-after-unmap (a crash). bf16 areas are uint16 in numpy (numpy has
+no bfloat16) and torch.bfloat16 in torch.
+
+Failures raise :class:`shardd.Error` with ``code`` (int), ``code_name``
+("E_NOT_OWNED") and ``message`` (the daemon's message when it sent one).
+
+The nn.Module helper (use_orig_params model) is :mod:`shardd.nn`; a daemon
+launcher for tests and examples is :mod:`shardd.daemon`.
+"""
+import collections
+import ctypes
+import json as _json
+
+from . import _lib as L
+
+__all__ = [
+    "Error", "Client", "Buffer", "View", "Optimizer", "StepResult",
+    "DTYPES", "OPTIMIZERS", "REDUCE_OPS", "library_path",
+]
+__version__ = "0.1.0"
+
+DTYPES = {"fp32": L.DTYPE_FP32, "bf16": L.DTYPE_BF16, "fp16": L.DTYPE_FP16}
+_DTYPE_ALIASES = {
+    "fp32": "fp32", "float32": "fp32", "float": "fp32", "f32": "fp32",
+    "bf16": "bf16", "bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "f16": "fp16",
+}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_ELEM_SIZE = {L.DTYPE_FP32: 4, L.DTYPE_BF16: 2, L.DTYPE_FP16: 2}
+OPTIMIZERS = {"sgd": L.OPTIM_SGD, "adam": L.OPTIM_ADAM, "adamw": L.OPTIM_ADAMW}
+REDUCE_OPS = {"sum": L.REDUCE_SUM, "mean": L.REDUCE_MEAN}
+
+StepResult = collections.namedtuple("StepResult", ["step", "total_norm"])
+
+# torch.optim param-group keys that have no meaning for the daemon; ignored
+# when false/None so that groups copied from a torch optimizer are accepted.
+_TORCH_ONLY_KEYS = ("foreach", "capturable", "differentiable", "fused", "initial_lr")
+
+
+def library_path():
+    """The path libshardd was loaded from."""
+    return L.path()
+
+
+class Error(Exception):
+    """A libshardd/daemon failure: code_name (e.g. "E_NOT_OWNED") and message."""
+
+    def __init__(self, code, message, code_name=None):
+        self.code = int(code)
+        if code_name is None:
+            code_name = _err_name(self.code)
+        self.code_name = code_name
+        self.message = message
+        super().__init__("%s: %s" % (code_name, message))
+
+
+def _err_name(code):
+    try:
+        return L.load().shardd_err_name(code).decode()
+    except OSError:
+        return "E_%d" % code
+
+
+def _b(s):
+    if s is None:
+        return None
+    if isinstance(s, bytes):
+        return s
+    return str(s).encode()
+
+
+def _dtype_code(dtype):
+    if isinstance(dtype, int):
+        if dtype not in _DTYPE_NAMES:
+            raise ValueError("unknown dtype code %r" % dtype)
+        return dtype
+    s = str(dtype)
+    if s.startswith("torch."):
+        s = s[len("torch."):]
+    key = _DTYPE_ALIASES.get(s.lower())
+    if key is None:
+        raise ValueError("unknown dtype %r (fp32, bf16, fp16)" % (dtype,))
+    return DTYPES[key]
+
+
+def _ids(obj):
+    """Buffer/View/Optimizer/int -> id."""
+    if isinstance(obj, (Buffer, View, Optimizer)):
+        return obj.id
+    return int(obj)
+
+
+def _hparams(kw, where):
+    """torch-style hyperparameter dict -> HParams (only keys given are set)."""
+    hp = L.HParams()
+    hp.set = 0
+    for key, val in kw.items():
+        if key == "params":
+            continue
+        if key in _TORCH_ONLY_KEYS:
+            if val:
+                raise ValueError("%s: %s=%r is not supported by shardd" % (where, key, val))
+            continue
+        if key == "betas":
+            b1, b2 = val
+            hp.beta1, hp.beta2 = float(b1), float(b2)
+            hp.set |= L.HP_BITS["beta1"] | L.HP_BITS["beta2"]
+            continue
+        if key not in L.HP_BITS:
+            raise ValueError("%s: unknown hyperparameter %r" % (where, key))
+        if val is None:
+            continue
+        if key in ("nesterov", "maximize", "amsgrad"):
+            setattr(hp, key, 1 if val else 0)
+        else:
+            setattr(hp, key, float(val))
+        hp.set |= L.HP_BITS[key]
+    return hp
+
+
+class Buffer:
+    """A registered flat buffer as seen by this rank (see shardd_buffer_info)."""
+
+    def __init__(self, client, name, info):
+        self.client = client
+        self.name = name
+        self.id = info.id
+        self.dtype_code = info.dtype
+        self.dtype = _DTYPE_NAMES.get(info.dtype, str(info.dtype))
+        self.numel = info.numel
+        self.padded_numel = info.padded_numel
+        self.shard_numel = info.shard_numel
+        self.world = info.world
+        self.rank = info.rank
+        self.device = info.device
+        self.created = bool(info.created)
+        self._ptr = {
+            "shard": (info.shard, info.shard_numel, info.dtype),
+            "gather": (info.gather, info.padded_numel, info.dtype),
+            "grad": (info.grad, info.padded_numel, info.dtype),
+            "reduced": (info.reduced, info.shard_numel, L.DTYPE_FP32),
+        }
+        self._carr = {}
+        self._np = {}
+        self._torch = {}
+
+    def __repr__(self):
+        return "<shardd.Buffer %d %r %s numel=%d padded=%d shard=%d rank=%d/%d>" % (
+            self.id, self.name, self.dtype, self.numel, self.padded_numel,
+            self.shard_numel, self.rank, self.world)
+
+    @property
+    def shard_offset(self):
+        """Index of this rank's first shard element in the padded buffer."""
+        return self.rank * self.shard_numel
+
+    def address(self, area):
+        """Raw address of an area ("shard", "gather", "grad", "reduced")."""
+        return self._ptr[area][0]
+
+    def _ctypes_array(self, area):
+        arr = self._carr.get(area)
+        if arr is None:
+            self.client._check_open()
+            ptr, n, code = self._ptr[area]
+            if not ptr:
+                raise Error(5, "buffer %d has no %s area" % (self.id, area), "E_NOT_FOUND")
+            ctype = ctypes.c_float if code == L.DTYPE_FP32 else ctypes.c_uint16
+            arr = (ctype * n).from_address(ptr)
+            self._carr[area] = arr
+        return arr
+
+    def memoryview(self, area):
+        """A writable memoryview over the area (no copy)."""
+        return memoryview(self._ctypes_array(area)).cast("B")
+
+    def numpy(self, area):
+        """numpy array over the area (no copy). bf16 areas are uint16."""
+        a = self._np.get(area)
+        if a is None:
+            import numpy as np
+            code = self._ptr[area][2]
+            npdt = {L.DTYPE_FP32: np.float32, L.DTYPE_BF16: np.uint16,
+                    L.DTYPE_FP16: np.float16}[code]
+            a = np.frombuffer(self._ctypes_array(area), dtype=npdt)
+            self._np[area] = a
+        return a
+
+    def tensor(self, area):
+        """torch.Tensor over the area (no copy; torch.frombuffer)."""
+        t = self._torch.get(area)
+        if t is None:
+            import torch
+            import warnings
+            code = self._ptr[area][2]
+            tdt = {L.DTYPE_FP32: torch.float32, L.DTYPE_BF16: torch.bfloat16,
+                   L.DTYPE_FP16: torch.float16}[code]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                t = torch.frombuffer(self._ctypes_array(area), dtype=tdt)
+            self._torch[area] = t
+        return t
+
+    shard = property(lambda self: self.numpy("shard"))
+    gather = property(lambda self: self.numpy("gather"))
+    grad = property(lambda self: self.numpy("grad"))
+    reduced = property(lambda self: self.numpy("reduced"))
+    shard_tensor = property(lambda self: self.tensor("shard"))
+    gather_tensor = property(lambda self: self.tensor("gather"))
+    grad_tensor = property(lambda self: self.tensor("grad"))
+    reduced_tensor = property(lambda self: self.tensor("reduced"))
+
+    def _forget(self):
+        self._np.clear()
+        self._torch.clear()
+        self._carr.clear()
+
+    # conveniences forwarding to the client
+    def do_gather(self):
+        self.client.gather(self)
+
+    def do_scatter(self, op="mean"):
+        self.client.scatter(self, op)
+
+    def unregister(self):
+        self.client.unregister_buffer(self)
+
+
+class View:
+    """A named original parameter inside a flat buffer."""
+
+    def __init__(self, buffer, vid, name, offset, shape):
+        self.buffer = buffer
+        self.id = vid
+        self.name = name
+        self.offset = offset
+        self.shape = tuple(shape)
+        n = 1
+        for d in self.shape:
+            n *= d
+        self.numel = n
+
+    def __repr__(self):
+        return "<shardd.View %d %r buffer=%d offset=%d shape=%s>" % (
+            self.id, self.name, self.buffer.id, self.offset, self.shape)
+
+    def numpy(self, area="gather"):
+        """The view's elements in the gather or grad area (no copy)."""
+        if area not in ("gather", "grad"):
+            raise ValueError("a view spans the gather/grad areas, not %r" % area)
+        return self.buffer.numpy(area)[self.offset:self.offset + self.numel].reshape(self.shape)
+
+    def tensor(self, area="gather"):
+        if area not in ("gather", "grad"):
+            raise ValueError("a view spans the gather/grad areas, not %r" % area)
+        return self.buffer.tensor(area)[self.offset:self.offset + self.numel].view(self.shape)
+
+
+class Optimizer:
+    def __init__(self, client, oid, name, kind):
+        self.client = client
+        self.id = oid
+        self.name = name
+        self.kind = kind
+
+    def __repr__(self):
+        return "<shardd.Optimizer %d %r %s>" % (self.id, self.name, self.kind)
+
+    def step(self, lr=None, max_norm=None):
+        return self.client.step(self, lr=lr, max_norm=max_norm)
+
+    def unregister(self):
+        self.client.unregister_optimizer(self)
+
+
+class Client:
+    """One connection = one rank of a job (shardd_connect).
+
+    socket: daemon socket path (None: $SHARDD_SOCKET, then the default).
+    job None or "" opens a control session (status/inspect only).
+    Not thread-safe: use one Client per thread/rank.
+    """
+
+    def __init__(self, socket=None, job=None, rank=0, world=1, client_name=None):
+        self._lib = L.load()
+        self._c = None
+        self.socket = socket
+        self.job = job
+        self.rank = rank
+        self.world = world
+        self.buffers = {}
+        opts = L.ConnectOpts()
+        opts.size = ctypes.sizeof(L.ConnectOpts)
+        opts.job = _b(job)
+        opts.rank = rank
+        opts.world = world
+        opts.client_name = _b(client_name if client_name is not None else "python")
+        out = ctypes.c_void_p()
+        errbuf = ctypes.create_string_buffer(1024)
+        rc = self._lib.shardd_connect(_b(socket), ctypes.byref(opts), ctypes.byref(out),
+                                      errbuf, len(errbuf))
+        if rc != 0:
+            msg = errbuf.value.decode(errors="replace") or self._lib.shardd_strerror(rc).decode()
+            raise Error(rc, msg)
+        self._c = out
+
+    # -- lifecycle -------------------------------------------------------
+    def close(self):
+        """Closes the connection; every area mapped on it is unmapped."""
+        if self._c:
+            for b in self.buffers.values():
+                b._forget()
+            self._lib.shardd_close(self._c)
+            self._c = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    @property
+    def closed(self):
+        return not self._c
+
+    def _check_open(self):
+        if not self._c:
+            raise Error(19, "client is closed", "E_CLOSED")
+
+    def _call(self, rc):
+        if rc != 0:
+            msg = self._lib.shardd_last_error(self._c).decode(errors="replace")
+            if not msg:
+                msg = self._lib.shardd_strerror(rc).decode()
+            raise Error(rc, msg)
+
+    # -- info --------------------------------------------------------------
+    @property
+    def daemon_version(self):
+        self._check_open()
+        return self._lib.shardd_daemon_version(self._c).decode()
+
+    @property
+    def daemon_backend(self):
+        self._check_open()
+        return self._lib.shardd_daemon_backend(self._c).decode()
+
+    def ping(self):
+        self._check_open()
+        self._call(self._lib.shardd_ping(self._c))
+
+    def _string_out(self, fn, *args):
+        self._check_open()
+        p = ctypes.c_void_p()
+        self._call(fn(self._c, *args, ctypes.byref(p)))
+        try:
+            return ctypes.string_at(p).decode(errors="replace")
+        finally:
+            self._lib.shardd_free(p)
+
+    def status(self):
+        """Daemon status, parsed from its JSON document."""
+        return _json.loads(self._string_out(self._lib.shardd_status_json))
+
+    def status_text(self):
+        return self._string_out(self._lib.shardd_status_text)
+
+    def inspect(self, what, text=False):
+        """One buffer or view by id (int, Buffer, View) or by name (str);
+        parsed JSON, or the text form when text=True."""
+        if isinstance(what, str):
+            vid, name = 0, _b(what)
+        else:
+            vid, name = _ids(what), None
+        fn = self._lib.shardd_inspect_text if text else self._lib.shardd_inspect_json
+        s = self._string_out(fn, vid, name)
+        return s if text else _json.loads(s)
+
+    # -- registry ------------------------------------------------------------
+    def register_buffer(self, name, dtype, numel):
+        """Creates the job's flat buffer `name` or attaches to it. -> Buffer.
+
+        Registering the same buffer again on this client returns the same
+        Buffer object (libshardd would map it anew and unmap the areas the
+        earlier arrays point into)."""
+        self._check_open()
+        code = _dtype_code(dtype)
+        for b in self.buffers.values():
+            if b.name == name and b.dtype_code == code and b.numel == int(numel):
+                return b
+        info = L.BufferInfo()
+        self._call(self._lib.shardd_buffer_register(self._c, _b(name), code,
+                                                    int(numel), ctypes.byref(info)))
+        old = self.buffers.get(info.id)
+        if old is not None:  # mapped anew: the old mapping is gone
+            old._forget()
+        buf = Buffer(self, name, info)
+        self.buffers[buf.id] = buf
+        return buf
+
+    def unregister_buffer(self, buf):
+        self._check_open()
+        bid = _ids(buf)
+        self._call(self._lib.shardd_buffer_unregister(self._c, bid))
+        b = self.buffers.pop(bid, None)
+        if b is not None:
+            b._forget()
+
+    def register_view(self, buffer, name, offset, shape):
+        """Names elements [offset, offset+prod(shape)) of buffer. -> View."""
+        self._check_open()
+        shape = tuple(int(d) for d in shape)
+        n = 1
+        for d in shape:
+            n *= d
+        arr = (ctypes.c_int64 * max(1, len(shape)))(*shape)
+        out = ctypes.c_uint64()
+        self._call(self._lib.shardd_view_register(self._c, _ids(buffer), _b(name), int(offset),
+                                                  n, arr, len(shape), ctypes.byref(out)))
+        if not isinstance(buffer, Buffer):
+            buffer = self.buffers[_ids(buffer)]
+        return View(buffer, out.value, name, int(offset), shape)
+
+    def unregister_view(self, view):
+        self._check_open()
+        self._call(self._lib.shardd_view_unregister(self._c, _ids(view)))
+
+    def register_optimizer(self, kind, groups, name=None, **hyper):
+        """Registers (or, when identical under the same name, attaches to) an
+        optimizer. -> Optimizer.
+
+        kind: "sgd", "adam", "adamw" (or the C enum value).
+        groups: a list of param groups, torch style: each either a dict
+          {"params": [refs], <overrides>} or a plain list of refs; a plain
+          list of refs (not of groups) is one group. A ref is a Buffer, a
+          View, an int id (0 = "not a shardd tensor"), or a (name, ref)
+          pair; anything else is sent as id 0 under its repr, which the
+          daemon refuses by name.
+        hyper: optimizer-wide hyperparameters with torch.optim's names (lr,
+          betas, eps, weight_decay, amsgrad, momentum, dampening, nesterov,
+          maximize; beta1/beta2 also accepted). Unset ones take torch's
+          defaults on the daemon.
+        """
+        self._check_open()
+        if isinstance(kind, str):
+            if kind.lower() not in OPTIMIZERS:
+                raise ValueError("unknown optimizer kind %r (sgd, adam, adamw)" % kind)
+            kcode = OPTIMIZERS[kind.lower()]
+        else:
+            kcode = int(kind)
+        groups = list(groups)
+        if groups and not all(isinstance(g, (dict, list, tuple)) and not _is_named_ref(g)
+                              for g in groups):
+            groups = [groups]  # a flat list of refs is one group
+        keep = []
+        cgroups = (L.ParamGroup * max(1, len(groups)))()
+        for gi, g in enumerate(groups):
+            if isinstance(g, dict):
+                refs = list(g["params"])
+                ov = _hparams(g, "param group %d" % gi)
+            else:
+                refs = list(g)
+                ov = L.HParams()
+            crefs = (L.ParamRef * max(1, len(refs)))()
+            for ri, r in enumerate(refs):
+                rid, rname = _ref_of(r, gi, ri)
+                nb = _b(rname)
+                keep.append(nb)
+                crefs[ri].id = rid
+                crefs[ri].name = nb
+            keep.append(crefs)
+            cgroups[gi].refs = ctypes.cast(crefs, ctypes.POINTER(L.ParamRef))
+            cgroups[gi].nrefs = len(refs)
+            cgroups[gi].overrides = ov
+        top = _hparams(hyper, "optimizer")
+        out = ctypes.c_uint64()
+        self._call(self._lib.shardd_optimizer_register(
+            self._c, _b(name), kcode, ctypes.byref(top), cgroups, len(groups),
+            ctypes.byref(out)))
+        return Optimizer(self, out.value, name or "default",
+                         kind if isinstance(kind, str) else kcode)
+
+    def unregister_optimizer(self, opt):
+        self._check_open()
+        self._call(self._lib.shardd_optimizer_unregister(self._c, _ids(opt)))
+
+    # -- collectives ---------------------------------------------------------
+    def gather(self, buffer):
+        """All-gather (collective): every rank's gather area gets the buffer."""
+        self._check_open()
+        self._call(self._lib.shardd_gather(self._c, _ids(buffer)))
+
+    def scatter(self, buffer, op="mean"):
+        """Reduce-scatter (collective) of every rank's grad area; op "sum"/"mean"."""
+        self._check_open()
+        code = REDUCE_OPS[op.lower()] if isinstance(op, str) else int(op)
+        self._call(self._lib.shardd_scatter(self._c, _ids(buffer), code))
+
+    def step(self, opt, lr=None, max_norm=None):
+        """Optimizer step (collective). lr: override the registered rates for
+        this step; max_norm: clip the global grad norm. -> StepResult(step,
+        total_norm) (total_norm is the pre-clip norm when max_norm is given)."""
+        self._check_open()
+        so = L.StepOpts()
+        so.size = ctypes.sizeof(L.StepOpts)
+        so.lr = -1.0 if lr is None else float(lr)
+        so.max_norm = 0.0 if max_norm is None else float(max_norm)
+        res = L.StepResult()
+        self._call(self._lib.shardd_step(self._c, _ids(opt), ctypes.byref(so), ctypes.byref(res)))
+        return StepResult(int(res.step), float(res.total_norm))
+
+
+def _is_named_ref(g):
+    return (isinstance(g, tuple) and len(g) == 2 and isinstance(g[0], str))
+
+
+def _ref_of(r, gi, ri):
+    """-> (id, name) for one optimizer ref."""
+    if _is_named_ref(r):
+        name, obj = r
+        rid, _ = _ref_of(obj, gi, ri)
+        return rid, name
+    if isinstance(r, View):
+        return r.id, r.name
+    if isinstance(r, Buffer):
+        return r.id, r.name
+    if isinstance(r, int) and not isinstance(r, bool):
+        return r, "id %d" % r
+    return 0, "param group %d ref %d (%s)" % (gi, ri, _describe(r))
+
+
+def _describe(obj):
+    shape = getattr(obj, "shape", None)
+    if shape is not None:
+        return "%s of shape %s" % (type(obj).__name__, tuple(shape))
+    return type(obj).__name__

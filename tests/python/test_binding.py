@@ -1,0 +1,226 @@
+"""The ctypes binding: connect, buffers, views, collectives, errors, zero copy."""
+import ctypes
+import multiprocessing as mp
+import threading
+import unittest
+
+import common
+import shardd
+
+if common.HAVE_NUMPY:
+    import numpy as np
+
+
+def run_ranks(world, fn, timeout=30):
+    """Runs fn(rank) in `world` threads (one connection each; collectives
+    block in C with the GIL released). -> list of results; re-raises."""
+    out = [None] * world
+    errs = []
+
+    def body(r):
+        try:
+            out[r] = fn(r)
+        except BaseException as e:  # noqa: B902
+            errs.append(e)
+
+    ts = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout)
+    if errs:
+        raise errs[0]
+    if any(t.is_alive() for t in ts):
+        raise AssertionError("ranks still running after %ss" % timeout)
+    return out
+
+
+def zero_copy_peer(sock, job, numel, q_in, q_out):
+    """Rank 1 of test_zero_copy_across_processes, in its own process."""
+    try:
+        import numpy as np_
+        with shardd.Client(sock, job=job, rank=1, world=2) as c:
+            b = c.register_buffer("zc", "fp32", numel)
+            q_out.put(("registered", b.shard_numel))
+            c.gather(b)  # collective with rank 0
+            q_out.put(("gathered", np_.array(b.gather).tolist()))
+            q_in.get(timeout=30)
+    except BaseException as e:  # noqa: B902
+        q_out.put(("error", repr(e)))
+
+
+@unittest.skipUnless(common.HAVE_NUMPY, "numpy is not importable")
+class BindingTest(unittest.TestCase):
+    def setUp(self):
+        self.sock = common.socket()
+
+    def client(self, tag, rank=0, world=1):
+        c = shardd.Client(self.sock, job=common.job(tag), rank=rank, world=world)
+        self.addCleanup(c.close)
+        return c
+
+    def test_connect_info_status(self):
+        c = self.client("info")
+        self.assertEqual(c.daemon_backend, "host")
+        self.assertTrue(c.daemon_version)
+        c.ping()
+        st = c.status()
+        self.assertIn("jobs", st)
+        self.assertIsInstance(c.status_text(), str)
+        self.assertTrue(shardd.library_path())
+
+    def test_connect_failure_raises(self):
+        with self.assertRaises(shardd.Error) as cm:
+            shardd.Client("/nonexistent/dir/shardd.sock", job="x")
+        self.assertEqual(cm.exception.code_name, "E_CONNECT")
+        self.assertIn("/nonexistent/dir/shardd.sock", str(cm.exception))
+
+    def test_buffer_areas_are_mappings(self):
+        c = self.client("areas")
+        b = c.register_buffer("flat", "fp32", 10)
+        self.assertTrue(b.created)
+        self.assertEqual((b.numel, b.padded_numel, b.shard_numel), (10, 10, 10))
+        for area, n in (("shard", 10), ("gather", 10), ("grad", 10), ("reduced", 10)):
+            a = b.numpy(area)
+            self.assertEqual(a.shape, (n,))
+            self.assertEqual(a.dtype, np.float32)
+            self.assertEqual(a.ctypes.data, b.address(area), area)  # no copy
+            self.assertTrue(a.flags.writeable)
+            self.assertEqual(len(b.memoryview(area)), 4 * n)
+        self.assertTrue(np.all(b.shard == 0), "shards start zeroed")
+        b.shard[:] = np.arange(10, dtype=np.float32)
+        c.gather(b)
+        np.testing.assert_array_equal(b.gather, np.arange(10, dtype=np.float32))
+        b.grad[:] = 2.0
+        c.scatter(b, "sum")
+        np.testing.assert_array_equal(b.reduced, np.full(10, 2.0, np.float32))
+        info = c.inspect(b)
+        self.assertEqual(info["numel"], 10)
+        self.assertEqual(c.inspect("flat")["id"], b.id)
+        self.assertIn("flat", c.inspect(b, text=True))
+
+    def test_register_mismatch_is_error(self):
+        c = self.client("mismatch")
+        b = c.register_buffer("flat", "fp32", 10)
+        b.shard[:] = 3.0
+        self.assertIs(c.register_buffer("flat", "float32", 10), b)  # same mapping kept
+        self.assertEqual(float(b.shard[9]), 3.0)
+        with self.assertRaises(shardd.Error) as cm:
+            c.register_buffer("flat", "fp32", 11)
+        self.assertEqual(cm.exception.code_name, "E_MISMATCH")
+        self.assertTrue(cm.exception.message)
+
+    def test_views_and_step(self):
+        c = self.client("views")
+        b = c.register_buffer("flat", "fp32", 10)
+        w = c.register_view(b, "w", 0, (2, 3))
+        bias = c.register_view(b, "b", 6, (4,))
+        self.assertEqual(w.numpy().shape, (2, 3))
+        b.shard[:] = 1.0
+        c.gather(b)
+        np.testing.assert_array_equal(bias.numpy(), np.ones(4, np.float32))
+        opt = c.register_optimizer("sgd", [{"params": [w, bias], "lr": 0.5}], name="sgd")
+        self.assertGreater(opt.id, 0)
+        b.grad[:] = 1.0
+        c.scatter(b, "mean")
+        res = c.step(opt, max_norm=100.0)
+        self.assertEqual(res.step, 1)
+        self.assertAlmostEqual(res.total_norm, 10 ** 0.5, places=5)
+        c.gather(b)
+        np.testing.assert_allclose(b.gather, np.full(10, 0.5, np.float32))
+        res = opt.step(lr=0.25)  # lr override for this step
+        self.assertEqual(res.step, 2)
+        c.gather(b)
+        np.testing.assert_allclose(b.gather, np.full(10, 0.25, np.float32))
+        names = [o["name"] for j in c.status()["jobs"] if j["name"] == c.job
+                 for o in j["optimizers"]]
+        self.assertEqual(names, ["sgd"])
+
+    def test_refusal_names_the_ref(self):
+        c = self.client("refuse")
+        b = c.register_buffer("flat", "fp32", 8)
+        v = c.register_view(b, "enc.weight", 0, (8,))
+        with self.assertRaises(shardd.Error) as cm:
+            c.register_optimizer("adamw", [[v, ("fc1.weight", 0)]])
+        e = cm.exception
+        self.assertEqual(e.code_name, "E_NOT_OWNED")
+        self.assertIn('"fc1.weight"', e.message)
+        self.assertIn("param group 0, ref 1", e.message)
+        self.assertIn(e.message, str(e))
+
+    def test_bad_hyperparameter_is_error(self):
+        c = self.client("hp")
+        b = c.register_buffer("flat", "fp32", 4)
+        with self.assertRaises(shardd.Error) as cm:
+            c.register_optimizer("adam", [b], betas=(1.5, 0.999))
+        self.assertEqual(cm.exception.code_name, "E_RANGE")
+        self.assertIn("beta1", cm.exception.message)
+        with self.assertRaises(ValueError):
+            c.register_optimizer("adam", [b], bogus=1)
+
+    def test_scatter_sum_and_mean_two_ranks(self):
+        job = common.job("reduce")
+
+        def rank(r):
+            with shardd.Client(self.sock, job=job, rank=r, world=2) as c:
+                b = c.register_buffer("g", "fp32", 7)  # padded to 8
+                self.assertEqual((b.padded_numel, b.shard_numel), (8, 4))
+                b.grad[:] = r + 1.0
+                c.scatter(b, "sum")
+                s = np.array(b.reduced)
+                c.scatter(b, "mean")
+                return s, np.array(b.reduced)
+
+        (s0, m0), (s1, m1) = run_ranks(2, rank)
+        np.testing.assert_array_equal(s0, np.full(4, 3.0, np.float32))
+        np.testing.assert_array_equal(s1[:3], np.full(3, 3.0, np.float32))
+        np.testing.assert_array_equal(m0, np.full(4, 1.5, np.float32))
+        np.testing.assert_array_equal(m1[:3], np.full(3, 1.5, np.float32))
+
+    def test_zero_copy_across_processes(self):
+        """Rank 0 writes its shard through numpy; after gather, rank 1 (another
+        process) sees it in its own gather area; rank 1 reads via its mapping."""
+        job = common.job("zerocopy")
+        ctx = mp.get_context("spawn")
+        q_in, q_out = ctx.Queue(), ctx.Queue()
+        peer = ctx.Process(target=zero_copy_peer, args=(self.sock, job, 10, q_in, q_out))
+        peer.start()
+        try:
+            with shardd.Client(self.sock, job=job, rank=0, world=2) as c:
+                b = c.register_buffer("zc", "fp32", 10)
+                msg = q_out.get(timeout=30)
+                self.assertEqual(msg[0], "registered", msg)
+                # rank 0 writes elements [0, 5) through a numpy view of its shard
+                sh = b.shard
+                self.assertEqual(sh.ctypes.data, b.address("shard"))
+                sh[:] = np.arange(1, 6, dtype=np.float32) * 1.5
+                # and the same memory is what ctypes sees
+                raw = (ctypes.c_float * 5).from_address(b.address("shard"))
+                self.assertEqual(raw[4], 7.5)
+                c.gather(b)
+                msg = q_out.get(timeout=30)
+                self.assertEqual(msg[0], "gathered", msg)
+                want = [1.5, 3.0, 4.5, 6.0, 7.5, 0, 0, 0, 0, 0]
+                self.assertEqual(msg[1], want)
+                self.assertEqual(b.gather.tolist(), want)
+                q_in.put("bye")
+        finally:
+            peer.join(30)
+            if peer.is_alive():
+                peer.terminate()
+        self.assertEqual(peer.exitcode, 0)
+
+    def test_closed_client_raises(self):
+        c = shardd.Client(self.sock, job=common.job("closed"))
+        b = c.register_buffer("x", "fp32", 4)
+        c.close()
+        self.assertTrue(c.closed)
+        with self.assertRaises(shardd.Error) as cm:
+            c.gather(b)
+        self.assertEqual(cm.exception.code_name, "E_CLOSED")
+        with self.assertRaises(shardd.Error):
+            b.numpy("shard")
+
+
+if __name__ == "__main__":
+    unittest.main()

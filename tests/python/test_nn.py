@@ -1,0 +1,125 @@
+"""shardd.nn.ShardedModule: parameters are gather-area views, grads land in
+the grad area, and optimizers over non-shardd tensors are refused by name."""
+import unittest
+
+import common
+import shardd
+
+if common.HAVE_TORCH:
+    import torch
+    from torch import nn
+    import shardd.nn
+
+
+def small_model():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+
+
+def in_area(t, buf, area):
+    lo = buf.address(area)
+    elem = t.element_size()
+    n = buf.padded_numel if area in ("gather", "grad") else buf.shard_numel
+    return lo <= t.data_ptr() and t.data_ptr() + t.numel() * elem <= lo + n * elem
+
+
+@unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
+class ShardedModuleTest(unittest.TestCase):
+    def setUp(self):
+        self.sock = common.socket()
+        self.c = shardd.Client(self.sock, job=common.job("nn"), rank=0, world=1)
+        self.addCleanup(self.c.close)
+
+    def test_params_are_gather_views(self):
+        model = small_model()
+        init = {n: p.detach().clone() for n, p in model.named_parameters()}
+        sm = shardd.nn.ShardedModule(self.c, model, auto_wrap="children")
+        self.assertEqual([u.name for u in sm.units], ["0", "2"])
+        for u in sm.units:
+            for e in u.entries:
+                self.assertIsInstance(e.param, nn.Parameter)
+                self.assertTrue(in_area(e.param, u.buffer, "gather"), e.name)
+                self.assertEqual(e.view.name, e.name)
+        # the constructor's gather brought the initial values back
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.detach(), init[n], rtol=0, atol=0)
+        # the daemon knows each original parameter as a view
+        info = self.c.inspect("2.weight")
+        self.assertEqual(info["kind"], "view")
+        self.assertEqual(info["shape"], [2, 5])
+        # the forward uses daemon data: change the shard, gather, see it
+        u = sm.units[1]
+        u.buffer.shard_tensor.fill_(0.5)
+        sm.gather()
+        self.assertTrue(torch.all(model[2].weight == 0.5))
+        x = torch.ones(1, 3)
+        with torch.no_grad():
+            h = torch.tanh(model[0](x))
+            out = model(x)
+        torch.testing.assert_close(out, (0.5 * h.sum() + 0.5).expand(1, 2))
+
+    def test_grads_land_in_grad_area(self):
+        model = small_model()
+        sm = shardd.nn.ShardedModule(self.c, model)
+        self.assertEqual(len(sm.units), 1)
+        buf = sm.units[0].buffer
+        x = torch.randn(4, 3)
+        sm.zero_grad()
+        model(x).square().sum().backward()
+        for p in model.parameters():
+            self.assertTrue(in_area(p.grad, buf, "grad"), "grad accumulated in place")
+        ref = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        torch.testing.assert_close(buf.grad_tensor[:ref.numel()], ref, rtol=0, atol=0)
+        # if something replaces .grad, scatter copies it into the grad area
+        model.zero_grad(set_to_none=True)
+        model(2 * x).square().sum().backward()
+        ref2 = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
+        sm.scatter("mean")
+        torch.testing.assert_close(buf.grad_tensor[:ref2.numel()], ref2, rtol=0, atol=0)
+        torch.testing.assert_close(buf.reduced_tensor[:ref2.numel()], ref2, rtol=0, atol=0)
+
+    def test_optimizer_over_plain_parameter_is_refused(self):
+        model = small_model()
+        orig_first = next(model.parameters())
+        sm = shardd.nn.ShardedModule(self.c, model, auto_wrap="children")
+        # an ordinary nn.Parameter on the module, not managed by shardd
+        model.head_scale = nn.Parameter(torch.ones(2))
+        with self.assertRaises(shardd.Error) as cm:
+            sm.register_optimizer("adamw", model.parameters(), lr=1e-3)
+        e = cm.exception
+        self.assertEqual(e.code_name, "E_NOT_OWNED")
+        self.assertIn('"head_scale"', e.message)
+        self.assertIn("not a shardd buffer or view", e.message)
+        self.assertIn("head_scale", str(e))
+        # torch-style param groups; the stray is in group 1
+        stray = nn.Parameter(torch.zeros(3))
+        groups = [{"params": list(sm.parameters()), "lr": 1e-3},
+                  {"params": [stray], "weight_decay": 0.0}]
+        with self.assertRaises(shardd.Error) as cm:
+            sm.register_optimizer("adamw", groups)
+        self.assertIn("param group 1, ref 0", cm.exception.message)
+        # the original (pre-wrap) parameter is refused under its name
+        with self.assertRaises(shardd.Error) as cm:
+            sm.register_optimizer("sgd", [orig_first])
+        self.assertIn('"0.weight (the original parameter', cm.exception.message)
+        # nothing was registered; the managed ones alone are accepted
+        jobs = [j for j in self.c.status()["jobs"] if j["name"] == self.c.job]
+        self.assertEqual(jobs[0]["optimizers"], [])
+        opt = sm.register_optimizer("adamw", [{"params": list(sm.parameters()), "lr": 1e-3,
+                                               "betas": (0.9, 0.99), "foreach": None}])
+        self.assertGreater(opt.id, 0)
+
+    def test_bf16_buffer_as_torch(self):
+        b = self.c.register_buffer("bf", "bf16", 6)
+        t = b.shard_tensor
+        self.assertEqual(t.dtype, torch.bfloat16)
+        self.assertEqual(t.data_ptr(), b.address("shard"))
+        self.assertEqual(b.shard.dtype.name, "uint16")  # numpy has no bf16
+        t.copy_(torch.tensor([1.0, -2.0, 0.5, 3.0, 0.0, 8.0]))
+        self.c.gather(b)
+        self.assertEqual(b.gather_tensor.tolist(), [1.0, -2.0, 0.5, 3.0, 0.0, 8.0])
+        self.assertEqual(b.reduced_tensor.dtype, torch.float32)
+
+
+if __name__ == "__main__":
+    unittest.main()
