@@ -83,10 +83,19 @@ void shardd__frame_put_header(uint8_t out[SHARDD_FRAME_HEADER], uint32_t len) {
   out[3] = (uint8_t)(len >> 24);
 }
 
-static shardd_err write_all(int fd, const uint8_t *p, size_t n, char *err,
-                            size_t errlen) {
-  while (n > 0) {
-    ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
+/* Sends header and payload with one sendmsg (one wakeup of the peer per
+ * frame), continuing after short writes. */
+static shardd_err send_frame(int fd, const uint8_t *hdr, const void *payload,
+                             size_t n, char *err, size_t errlen) {
+  struct iovec iov[2] = {{(void *)hdr, SHARDD_FRAME_HEADER},
+                         {(void *)payload, n}};
+  struct iovec *v = iov;
+  int cnt = n > 0 ? 2 : 1;
+  while (cnt > 0) {
+    struct msghdr msg = {0};
+    msg.msg_iov = v;
+    msg.msg_iovlen = (size_t)cnt;
+    ssize_t w = sendmsg(fd, &msg, MSG_NOSIGNAL);
     if (w < 0) {
       if (errno == EINTR)
         continue;
@@ -95,8 +104,16 @@ static shardd_err write_all(int fd, const uint8_t *p, size_t n, char *err,
       return errno == EPIPE || errno == ECONNRESET ? SHARDD_E_CLOSED
                                                    : SHARDD_E_IO;
     }
-    p += w;
-    n -= (size_t)w;
+    size_t left = (size_t)w;
+    while (cnt > 0 && left >= v->iov_len) {
+      left -= v->iov_len;
+      v++;
+      cnt--;
+    }
+    if (cnt > 0) {
+      v->iov_base = (char *)v->iov_base + left;
+      v->iov_len -= left;
+    }
   }
   return SHARDD_OK;
 }
@@ -110,10 +127,7 @@ shardd_err shardd__frame_send(int fd, const void *payload, size_t len,
   }
   uint8_t hdr[SHARDD_FRAME_HEADER];
   shardd__frame_put_header(hdr, (uint32_t)len);
-  shardd_err rc = write_all(fd, hdr, sizeof hdr, err, errlen);
-  if (rc == SHARDD_OK && len > 0)
-    rc = write_all(fd, payload, len, err, errlen);
-  return rc;
+  return send_frame(fd, hdr, payload, len, err, errlen);
 }
 
 static void take_fds(struct msghdr *msg, int *fds, int maxfds, int *nfds) {
@@ -154,7 +168,26 @@ shardd_err shardd__frame_recv(int fd, shardd__frame_reader *r,
       struct cmsghdr align;
       char space[CMSG_SPACE(sizeof(int) * 16)];
     } ctl;
-    struct iovec iov = {buf, sizeof buf};
+    /* Read no further than the end of the frame being assembled. The
+     * kernel hands SCM_RIGHTS descriptors to the read that reaches the
+     * first byte they were sent with, so a read that ran into the next
+     * frame took that frame's descriptors and counted them as this one's
+     * (tests/test_frame.c: fd_belongs_to_its_own_frame). Costs one more
+     * read per frame (header, then body). */
+    size_t want = sizeof buf;
+    size_t avail = r->len - r->off;
+    if (avail < SHARDD_FRAME_HEADER) {
+      want = SHARDD_FRAME_HEADER - avail;
+    } else {
+      const uint8_t *h = r->buf + r->off;
+      size_t n = (size_t)((uint32_t)h[0] | (uint32_t)h[1] << 8 |
+                          (uint32_t)h[2] << 16 | (uint32_t)h[3] << 24);
+      /* reader_next returned "need more", so n <= max_frame and the
+       * frame is not yet whole: avail < header + n */
+      if (SHARDD_FRAME_HEADER + n - avail < want)
+        want = SHARDD_FRAME_HEADER + n - avail;
+    }
+    struct iovec iov = {buf, want};
     struct msghdr msg = {0};
     msg.msg_iov = &iov;
     msg.msg_iovlen = 1;

@@ -52,14 +52,24 @@ static void problem(problems *p, shardd_err code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
 static void problem(problems *p, shardd_err code, const char *fmt, ...) {
-  char line[512];
+  /* Sized to fit: a fixed 512-byte line cut the end (the job's name) off
+   * lines naming a long trainer name or job (tests/test_validate.c:
+   * long_names_are_not_cut_from_the_message). */
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(line, sizeof line, fmt, ap);
+  int n = vsnprintf(NULL, 0, fmt, ap);
   va_end(ap);
+  char *line = n >= 0 ? malloc((size_t)n + 1) : NULL;
+  if (line) {
+    va_start(ap, fmt);
+    vsnprintf(line, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+  }
   if (p->count == 0)
     p->first = code;
-  shardd__sb_printf(&p->sb, "%s%s", p->count ? "\n" : "", line);
+  shardd__sb_printf(&p->sb, "%s%s", p->count ? "\n" : "",
+                    line ? line : "(out of memory describing a problem)");
+  free(line);
   p->count++;
 }
 
@@ -87,6 +97,64 @@ static int cmp_located(const void *a, const void *b) {
   if (x->group != y->group)
     return x->group < y->group ? -1 : 1;
   return x->index < y->index ? -1 : x->index > y->index;
+}
+
+/* Refs l[0..n) (sorted by offset) into buf, which other optimizers hold
+ * whole or in part: one problem per ref that meets held elements. Returns 0
+ * only when out of memory. */
+static int check_held(problems *p, shardd__buffer *buf, const located *l,
+                      size_t n) {
+  if (buf->owner) {
+    /* held whole: a whole ref was refused as owned already, so these are
+     * views */
+    for (size_t i = 0; i < n; i++)
+      problem(p, SHARDD_E_OVERLAP,
+              "param group %zu, ref %zu (\"%s\"): %s %" PRIu64
+              " lies in buffer %" PRIu64 ", which optimizer %" PRIu64
+              " (\"%s\") holds whole",
+              l[i].group, l[i].index, l[i].label, obj_kind_word(l[i].ref.obj),
+              l[i].ref.obj->id, buf->hdr.id, buf->owner->hdr.id,
+              buf->owner->hdr.name);
+    return 1;
+  }
+  shardd__view **vs;
+  size_t nv;
+  if (shardd__buffer_views(buf, &vs, &nv) != SHARDD_OK) {
+    problem(p, SHARDD_E_NO_MEMORY, "out of memory validating refs");
+    return 0;
+  }
+  size_t nheld = 0; /* held views, still in offset order */
+  for (size_t j = 0; j < nv; j++)
+    if (vs[j]->owner)
+      vs[nheld++] = vs[j];
+  /* held views do not overlap one another, so their ends ascend too */
+  size_t j = 0;
+  for (size_t i = 0; i < n; i++) {
+    uint64_t start = l[i].ref.offset, end = start + l[i].ref.numel;
+    while (j < nheld && vs[j]->offset + vs[j]->numel <= start)
+      j++;
+    if (j == nheld || vs[j]->offset >= end)
+      continue;
+    const shardd__view *w = vs[j];
+    if (l[i].ref.obj->kind == SHARDD__OBJ_BUFFER)
+      problem(p, SHARDD_E_OVERLAP,
+              "param group %zu, ref %zu (\"%s\"): buffer %" PRIu64
+              " cannot be registered whole: its view %" PRIu64 " [%" PRIu64
+              ", %" PRIu64 ") belongs to optimizer %" PRIu64 " (\"%s\")",
+              l[i].group, l[i].index, l[i].label, buf->hdr.id, w->hdr.id,
+              w->offset, w->offset + w->numel, w->owner->hdr.id,
+              w->owner->hdr.name);
+    else
+      problem(p, SHARDD_E_OVERLAP,
+              "param group %zu, ref %zu (\"%s\"): view %" PRIu64 " [%" PRIu64
+              ", %" PRIu64 ") overlaps view %" PRIu64 " [%" PRIu64 ", %" PRIu64
+              ") of optimizer %" PRIu64 " (\"%s\")",
+              l[i].group, l[i].index, l[i].label, l[i].ref.obj->id, start, end,
+              w->hdr.id, w->offset, w->offset + w->numel, w->owner->hdr.id,
+              w->owner->hdr.name);
+  }
+  free(vs);
+  return 1;
 }
 
 static const char *kind_word(shardd_optim_kind k) {
@@ -259,6 +327,23 @@ shardd_err shardd__validate_optimizer(const shardd__registry *reg,
     }
     if (b->ref.offset + b->ref.numel > a->ref.offset + a->ref.numel)
       reach = i;
+  }
+
+  /* Memory other optimizers hold. The per-ref owner check above only sees
+   * the object named; without this a buffer held whole by one optimizer
+   * could be registered again through its views, or a held view's elements
+   * through the whole buffer or an overlapping view, and two optimizers
+   * would update the same elements (tests/test_validate.c:
+   * memory_held_by_another_optimizer). Only buffers with nowned > 0 are
+   * looked at, so the common case costs nothing. */
+  for (size_t i = 0; i < nlocs;) {
+    size_t end = i;
+    while (end < nlocs && locs[end].ref.buf == locs[i].ref.buf)
+      end++;
+    if (locs[i].ref.buf->nowned > 0 &&
+        !check_held(&p, locs[i].ref.buf, locs + i, end - i))
+      goto done;
+    i = end;
   }
 
 done:

@@ -1,0 +1,1300 @@
+/* test_collective.c — gather, scatter and step across the ranks of a job,
+ * against a real shardd with --devices 4. Ranks are libshardd clients driven
+ * from threads (the collective calls block until every rank made them), or
+ * raw wire clients where a test needs to know a request has been queued
+ * (pipelined Ping) or to kill a rank from a child process. Every expected
+ * value is computed here: concatenations, exact sums, and an optimizer
+ * reference written from torch.optim's formulas (not daemon/optim.c). */
+#include <criterion/criterion.h>
+#include <criterion/parameterized.h>
+#include <float.h>
+#include <math.h>
+#include <pthread.h>
+
+#include "harness.h"
+
+#define MAXW 4
+
+static test_daemon d;
+
+static void start4(void) {
+  const char *args[] = {"--devices", "4", NULL};
+  test_daemon_start(&d, args);
+}
+
+static void start4_timeout(void) {
+  const char *args[] = {"--devices", "4", "--collective-timeout", "1", NULL};
+  test_daemon_start(&d, args);
+}
+
+static void stop_daemon(void) { test_daemon_finish(&d); }
+
+/* ---- a team of libshardd ranks, one thread each per collective ---------- */
+
+typedef struct {
+  int world;
+  shardd_client_t *c[MAXW];
+} team;
+
+enum { OP_GATHER, OP_SCATTER, OP_STEP };
+
+typedef struct {
+  shardd_client_t *c;
+  int kind;
+  uint64_t id;
+  shardd_reduce_op op;
+  shardd_step_opts so;
+  shardd_step_result res;
+  shardd_err rc;
+  char msg[1024];
+  pthread_t th;
+} call;
+
+static void team_open(team *t, const char *job, int world) {
+  memset(t, 0, sizeof *t);
+  t->world = world;
+  for (int r = 0; r < world; r++)
+    t->c[r] = test_connect(&d, job, (uint32_t)r, (uint32_t)world);
+}
+
+static void team_close(team *t) {
+  for (int r = 0; r < t->world; r++)
+    shardd_close(t->c[r]);
+  memset(t, 0, sizeof *t);
+}
+
+static void team_buffer(team *t, const char *name, shardd_dtype dt, uint64_t numel,
+                        shardd_buffer_info *out) {
+  for (int r = 0; r < t->world; r++) {
+    shardd_err rc = shardd_buffer_register(t->c[r], name, dt, numel, &out[r]);
+    cr_assert_eq(rc, SHARDD_OK, "rank %d: register %s: %s", r, name,
+                 shardd_last_error(t->c[r]));
+    cr_assert_eq(out[r].id, out[0].id);
+    cr_assert_eq(out[r].created, r == 0);
+  }
+}
+
+static void team_view(team *t, uint64_t buf, const char *name, uint64_t off,
+                      uint64_t numel, const int64_t *shape, int ndim, uint64_t *id) {
+  for (int r = 0; r < t->world; r++) {
+    uint64_t got;
+    shardd_err rc = shardd_view_register(t->c[r], buf, name, off, numel, shape, ndim, &got);
+    cr_assert_eq(rc, SHARDD_OK, "rank %d: view %s: %s", r, name, shardd_last_error(t->c[r]));
+    if (r == 0)
+      *id = got;
+    cr_assert_eq(got, *id);
+  }
+}
+
+static void team_optimizer(team *t, const char *name, shardd_optim_kind kind,
+                           const shardd_hparams *hp, const shardd_param_group *g,
+                           size_t ng, uint64_t *id) {
+  for (int r = 0; r < t->world; r++) {
+    uint64_t got;
+    shardd_err rc = shardd_optimizer_register(t->c[r], name, kind, hp, g, ng, &got);
+    cr_assert_eq(rc, SHARDD_OK, "rank %d: optimizer %s: %s", r, name,
+                 shardd_last_error(t->c[r]));
+    if (r == 0)
+      *id = got;
+    cr_assert_eq(got, *id);
+  }
+}
+
+static void *call_main(void *p) {
+  call *k = p;
+  switch (k->kind) {
+  case OP_GATHER:
+    k->rc = shardd_gather(k->c, k->id);
+    break;
+  case OP_SCATTER:
+    k->rc = shardd_scatter(k->c, k->id, k->op);
+    break;
+  default:
+    k->rc = shardd_step(k->c, k->id, &k->so, &k->res);
+    break;
+  }
+  snprintf(k->msg, sizeof k->msg, "%s", k->rc ? shardd_last_error(k->c) : "");
+  return NULL;
+}
+
+/* Runs calls[r] on ranks where calls[r].c is set, all at once; joins. */
+static void run_calls(call *calls, int n) {
+  for (int r = 0; r < n; r++)
+    if (calls[r].c)
+      cr_assert_eq(pthread_create(&calls[r].th, NULL, call_main, &calls[r]), 0);
+  for (int r = 0; r < n; r++)
+    if (calls[r].c)
+      pthread_join(calls[r].th, NULL);
+}
+
+static void team_all_res(team *t, int kind, uint64_t id, shardd_reduce_op op,
+                         const shardd_step_opts *so, shardd_step_result *res) {
+  call calls[MAXW];
+  memset(calls, 0, sizeof calls);
+  for (int r = 0; r < t->world; r++) {
+    calls[r].c = t->c[r];
+    calls[r].kind = kind;
+    calls[r].id = id;
+    calls[r].op = op;
+    shardd_step_opts dflt = SHARDD_STEP_OPTS_INIT;
+    calls[r].so = so ? *so : dflt;
+  }
+  run_calls(calls, t->world);
+  for (int r = 0; r < t->world; r++) {
+    cr_assert_eq(calls[r].rc, SHARDD_OK, "rank %d: collective %d on %llu: %s: %s", r,
+                 kind, (unsigned long long)id, shardd_err_name(calls[r].rc),
+                 calls[r].msg);
+    if (res)
+      res[r] = calls[r].res;
+  }
+}
+
+static void team_all(team *t, int kind, uint64_t id, shardd_reduce_op op) {
+  team_all_res(t, kind, id, op, NULL, NULL);
+}
+
+/* ---- values ------------------------------------------------------------- */
+
+static uint32_t mix(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+static size_t esize(shardd_dtype dt) { return dt == SHARDD_DTYPE_FP32 ? 4 : 2; }
+
+/* A value +-(1 + m/128) * 2^e, e in [-2, 2]: exact in bf16, fp16 and fp32,
+ * and sums of up to four of them are exact in fp32 (at most 12 significant
+ * bits), while most are not representable in bf16. */
+static double grid_value(uint32_t h) {
+  int m = (int)(h & 127u);
+  int e = (int)((h >> 7) % 5u) - 2;
+  double v = ldexp(1.0 + m / 128.0, e);
+  return (h >> 12) & 1u ? -v : v;
+}
+
+/* The bit pattern of a grid value, encoded by hand for each format. */
+static void put_grid(shardd_dtype dt, void *base, size_t i, uint32_t h) {
+  uint32_t m = h & 127u;
+  int e = (int)((h >> 7) % 5u) - 2;
+  uint32_t sign = (h >> 12) & 1u;
+  if (dt == SHARDD_DTYPE_FP32) {
+    uint32_t u = sign << 31 | (uint32_t)(e + 127) << 23 | m << 16;
+    memcpy((char *)base + 4 * i, &u, 4);
+  } else if (dt == SHARDD_DTYPE_BF16) {
+    uint16_t u = (uint16_t)(sign << 15 | (uint32_t)(e + 127) << 7 | m);
+    memcpy((char *)base + 2 * i, &u, 2);
+  } else {
+    uint16_t u = (uint16_t)(sign << 15 | (uint32_t)(e + 15) << 10 | m << 3);
+    memcpy((char *)base + 2 * i, &u, 2);
+  }
+}
+
+static float f32_at(const void *base, size_t i) {
+  float f;
+  memcpy(&f, (const char *)base + 4 * i, 4);
+  return f;
+}
+
+static uint32_t f32_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+
+/* bf16 round-to-nearest-even of a finite float, by the definition: the
+ * nearer of the two neighbours with 8 significant bits, even on a tie. */
+static int representable_bf16(double v) {
+  if (v == 0)
+    return 1;
+  int e;
+  double m = frexp(fabs(v), &e); /* [0.5, 1) */
+  double scaled = ldexp(m, 8);   /* 8 significant bits */
+  return scaled == floor(scaled);
+}
+
+/* ---- gather: exactly the concatenation ----------------------------------- */
+
+typedef struct {
+  int world;
+  uint64_t numel;
+  int dtype;
+  int op; /* scatter only */
+} layout;
+
+static void check_layout(const shardd_buffer_info *b, int r, int world, uint64_t numel,
+                         shardd_dtype dt) {
+  uint64_t s = (numel + (uint64_t)world - 1) / (uint64_t)world;
+  cr_assert_eq(b->shard_numel, s, "shard_numel %llu, want %llu",
+               (unsigned long long)b->shard_numel, (unsigned long long)s);
+  cr_assert_eq(b->padded_numel, s * (uint64_t)world);
+  cr_assert_geq(b->padded_numel, numel);
+  cr_assert_lt(b->padded_numel - numel, (uint64_t)world);
+  cr_assert_eq(b->numel, numel);
+  cr_assert_eq(b->world, (uint32_t)world);
+  cr_assert_eq(b->rank, (uint32_t)r);
+  cr_assert_eq(b->device, (uint32_t)(r % 4), "rank %d on device %u", r, b->device);
+  cr_assert_eq(b->dtype, dt);
+  cr_assert_not_null(b->shard);
+  cr_assert_not_null(b->gather);
+  cr_assert_not_null(b->grad);
+  cr_assert_not_null(b->reduced);
+}
+
+static void fill_shards(const shardd_buffer_info *b, int world, uint32_t salt) {
+  for (int r = 0; r < world; r++) {
+    size_t bytes = b[r].shard_numel * esize(b[r].dtype);
+    unsigned char *p = b[r].shard;
+    for (size_t k = 0; k < bytes; k++)
+      p[k] = (unsigned char)mix(salt * 977u + (uint32_t)r * 100003u + (uint32_t)k);
+  }
+}
+
+static void check_gathered(const shardd_buffer_info *b, int world) {
+  size_t sb = b[0].shard_numel * esize(b[0].dtype);
+  for (int r = 0; r < world; r++)
+    for (int q = 0; q < world; q++)
+      cr_assert_eq(memcmp((char *)b[r].gather + (size_t)q * sb, b[q].shard, sb), 0,
+                   "rank %d's gather area, shard %d, differs from rank %d's shard", r, q, q);
+}
+
+ParameterizedTestParameters(collective, gather) {
+  static layout cases[] = {
+      {4, 4096, SHARDD_DTYPE_FP32, 0}, {4, 4099, SHARDD_DTYPE_FP32, 0},
+      {3, 4099, SHARDD_DTYPE_FP32, 0}, {4, 4099, SHARDD_DTYPE_BF16, 0},
+      {3, 4099, SHARDD_DTYPE_FP16, 0}, {4, 4097, SHARDD_DTYPE_FP16, 0},
+      {4, 1, SHARDD_DTYPE_FP32, 0},    {3, 2, SHARDD_DTYPE_BF16, 0},
+      {2, 300001, SHARDD_DTYPE_FP32, 0},
+  };
+  return cr_make_param_array(layout, cases, sizeof cases / sizeof cases[0]);
+}
+
+ParameterizedTest(layout *l, collective, gather, .init = start4, .fini = stop_daemon, .timeout = 60) {
+  team t;
+  team_open(&t, "gather", l->world);
+  shardd_buffer_info b[MAXW];
+  team_buffer(&t, "flat", (shardd_dtype)l->dtype, l->numel, b);
+  for (int r = 0; r < l->world; r++)
+    check_layout(&b[r], r, l->world, l->numel, (shardd_dtype)l->dtype);
+  /* shards start zeroed */
+  size_t sb = b[0].shard_numel * esize(b[0].dtype);
+  for (int r = 0; r < l->world; r++)
+    for (size_t k = 0; k < sb; k++)
+      cr_assert_eq(((unsigned char *)b[r].shard)[k], 0, "rank %d shard byte %zu not zero", r, k);
+
+  fill_shards(b, l->world, 1);
+  unsigned char *saved[MAXW];
+  for (int r = 0; r < l->world; r++) {
+    saved[r] = malloc(sb);
+    memcpy(saved[r], b[r].shard, sb);
+  }
+  team_all(&t, OP_GATHER, b[0].id, SHARDD_REDUCE_SUM);
+  check_gathered(b, l->world);
+  for (int r = 0; r < l->world; r++)
+    cr_assert_eq(memcmp(saved[r], b[r].shard, sb), 0, "gather changed rank %d's shard", r);
+  /* new shard values show in the next gather */
+  fill_shards(b, l->world, 2);
+  team_all(&t, OP_GATHER, b[0].id, SHARDD_REDUCE_SUM);
+  check_gathered(b, l->world);
+  for (int r = 0; r < l->world; r++)
+    free(saved[r]);
+  team_close(&t);
+}
+
+/* ---- scatter: exact sums and means ------------------------------------- */
+
+static uint32_t grad_hash(int r, size_t j, uint32_t salt) {
+  return mix((uint32_t)j * 2654435761u ^ (uint32_t)r * 40503u ^ salt);
+}
+
+static void fill_grads(const shardd_buffer_info *b, int world, uint32_t salt) {
+  for (int r = 0; r < world; r++)
+    for (size_t j = 0; j < b[r].padded_numel; j++)
+      put_grid(b[r].dtype, b[r].grad, j, grad_hash(r, j, salt));
+}
+
+/* The reduced value of element j, in double (exact), then to float. */
+static float expected_reduced(int world, size_t j, uint32_t salt, int op) {
+  double s = 0;
+  for (int r = 0; r < world; r++)
+    s += grid_value(grad_hash(r, j, salt));
+  float f = (float)s;
+  cr_assert_eq((double)f, s, "test values must sum exactly in fp32");
+  return op == SHARDD_REDUCE_MEAN ? f / (float)world : f;
+}
+
+static void check_reduced(const shardd_buffer_info *b, int world, uint32_t salt, int op) {
+  uint64_t s = b[0].shard_numel;
+  for (int q = 0; q < world; q++)
+    for (size_t i = 0; i < s; i++) {
+      float want = expected_reduced(world, (size_t)q * s + i, salt, op);
+      float got = f32_at(b[q].reduced, i);
+      cr_assert_eq(f32_bits(got), f32_bits(want),
+                   "rank %d reduced[%zu] (element %zu) = %a, want %a", q, i,
+                   (size_t)q * s + i, (double)got, (double)want);
+    }
+}
+
+ParameterizedTestParameters(collective, scatter) {
+  static layout cases[] = {
+      {4, 4096, SHARDD_DTYPE_FP32, SHARDD_REDUCE_SUM},
+      {4, 4099, SHARDD_DTYPE_FP32, SHARDD_REDUCE_SUM},
+      {3, 4099, SHARDD_DTYPE_FP32, SHARDD_REDUCE_SUM},
+      {4, 4099, SHARDD_DTYPE_FP32, SHARDD_REDUCE_MEAN},
+      {3, 4099, SHARDD_DTYPE_FP32, SHARDD_REDUCE_MEAN},
+      {4, 4099, SHARDD_DTYPE_BF16, SHARDD_REDUCE_SUM},
+      {3, 4099, SHARDD_DTYPE_BF16, SHARDD_REDUCE_MEAN},
+      {4, 4099, SHARDD_DTYPE_FP16, SHARDD_REDUCE_SUM},
+      {3, 4097, SHARDD_DTYPE_FP16, SHARDD_REDUCE_MEAN},
+      {4, 1, SHARDD_DTYPE_FP32, SHARDD_REDUCE_SUM},
+      {2, 200003, SHARDD_DTYPE_BF16, SHARDD_REDUCE_SUM},
+  };
+  return cr_make_param_array(layout, cases, sizeof cases / sizeof cases[0]);
+}
+
+ParameterizedTest(layout *l, collective, scatter, .init = start4, .fini = stop_daemon, .timeout = 60) {
+  team t;
+  team_open(&t, "scatter", l->world);
+  shardd_buffer_info b[MAXW];
+  shardd_dtype dt = (shardd_dtype)l->dtype;
+  team_buffer(&t, "flat", dt, l->numel, b);
+  for (int r = 0; r < l->world; r++)
+    check_layout(&b[r], r, l->world, l->numel, dt);
+  fill_shards(b, l->world, 5);
+  size_t gb = b[0].padded_numel * esize(dt), sb = b[0].shard_numel * esize(dt);
+  unsigned char *grad_copy[MAXW], *shard_copy[MAXW];
+  for (uint32_t salt = 1; salt <= 2; salt++) {
+    fill_grads(b, l->world, salt);
+    for (int r = 0; r < l->world; r++) {
+      grad_copy[r] = malloc(gb);
+      shard_copy[r] = malloc(sb);
+      memcpy(grad_copy[r], b[r].grad, gb);
+      memcpy(shard_copy[r], b[r].shard, sb);
+    }
+    team_all(&t, OP_SCATTER, b[0].id, (shardd_reduce_op)l->op);
+    check_reduced(b, l->world, salt, l->op);
+    for (int r = 0; r < l->world; r++) {
+      cr_assert_eq(memcmp(grad_copy[r], b[r].grad, gb), 0, "scatter wrote rank %d's grad area", r);
+      cr_assert_eq(memcmp(shard_copy[r], b[r].shard, sb), 0, "scatter wrote rank %d's shard", r);
+      free(grad_copy[r]);
+      free(shard_copy[r]);
+    }
+  }
+  if (dt != SHARDD_DTYPE_FP32 && l->numel > 100) {
+    /* self-check: these sums would not survive a 16-bit accumulator */
+    size_t inexact = 0;
+    for (size_t j = 0; j < l->numel; j++) {
+      double s = 0;
+      for (int r = 0; r < l->world; r++)
+        s += grid_value(grad_hash(r, j, 2));
+      inexact += !representable_bf16(s);
+    }
+    cr_assert_gt(inexact, l->numel / 4, "test values do not exercise fp32 accumulation");
+  }
+  team_close(&t);
+}
+
+/* ---- a rank lost mid-collective ----------------------------------------- */
+
+#define LOST_NUMEL 4099
+
+static void child_rank3(const char *sock, int ready, int go, int kind) {
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = "lost";
+  o.rank = 3;
+  o.world = 4;
+  shardd_client_t *c;
+  char err[256], ch = 0;
+  if (shardd_connect(sock, &o, &c, err, sizeof err) != SHARDD_OK)
+    _exit(10);
+  shardd_buffer_info b;
+  if (shardd_buffer_register(c, "g", SHARDD_DTYPE_FP32, LOST_NUMEL, &b) != SHARDD_OK)
+    _exit(11);
+  for (size_t i = 0; i < b.shard_numel; i++)
+    ((float *)b.shard)[i] = (float)(3000000 + i);
+  for (size_t j = 0; j < b.padded_numel; j++)
+    put_grid(SHARDD_DTYPE_FP32, b.grad, j, grad_hash(3, j, 1));
+  if (write(ready, "r", 1) != 1)
+    _exit(12);
+  shardd_err rc = kind == OP_GATHER ? shardd_gather(c, b.id)
+                                    : shardd_scatter(c, b.id, SHARDD_REDUCE_SUM);
+  if (rc != SHARDD_OK)
+    _exit(13);
+  if (write(ready, "s", 1) != 1)
+    _exit(14);
+  if (read(go, &ch, 1) != 1)
+    _exit(15);
+  _exit(0); /* gone without a word, mid-collective for the others */
+}
+
+typedef struct {
+  int kind;
+} lost_case;
+
+ParameterizedTestParameters(collective, rank_lost_mid_collective) {
+  static lost_case cases[] = {{OP_SCATTER}, {OP_GATHER}};
+  return cr_make_param_array(lost_case, cases, 2);
+}
+
+ParameterizedTest(lost_case *lc, collective, rank_lost_mid_collective, .init = start4,
+                  .fini = stop_daemon, .timeout = 60) {
+  int ready[2], go[2];
+  cr_assert_eq(pipe(ready), 0);
+  cr_assert_eq(pipe(go), 0);
+  pid_t child = fork();
+  cr_assert(child >= 0);
+  if (child == 0) {
+    close(ready[0]);
+    close(go[1]);
+    child_rank3(d.sock, ready[1], go[0], lc->kind);
+  }
+  close(ready[1]);
+  close(go[0]);
+
+  test_raw r[3];
+  shardd_buffer_info b[4];
+  for (int k = 0; k < 3; k++) {
+    test_raw_open(&d, &r[k]);
+    test_raw_hello(&r[k], "lost", (uint32_t)k, 4);
+    test_raw_register_buffer(&r[k], "g", SHARDD_DTYPE_FP32, LOST_NUMEL, &b[k]);
+    for (size_t i = 0; i < b[k].shard_numel; i++)
+      ((float *)b[k].shard)[i] = (float)(1000000 * k + (int)i);
+    for (size_t j = 0; j < b[k].padded_numel; j++)
+      put_grid(SHARDD_DTYPE_FP32, b[k].grad, j, grad_hash(k, j, 1));
+  }
+  char ch;
+  cr_assert_eq(read(ready[0], &ch, 1), 1, "rank 3 did not get ready");
+  /* one complete collective with rank 3, so the areas hold known data */
+  uint64_t seq[3];
+  for (int k = 0; k < 3; k++)
+    seq[k] = lc->kind == OP_GATHER ? test_raw_send_gather(&r[k], b[0].id)
+                                   : test_raw_send_scatter(&r[k], b[0].id, SHARDD_REDUCE_SUM);
+  for (int k = 0; k < 3; k++)
+    shardd__response__free_unpacked(test_raw_expect(&r[k], seq[k], SHARDD_OK), NULL);
+  cr_assert_eq(read(ready[0], &ch, 1), 1, "rank 3's first collective failed");
+  uint64_t s = b[0].shard_numel;
+  if (lc->kind == OP_SCATTER) {
+    for (int k = 0; k < 3; k++)
+      for (size_t i = 0; i < s; i++)
+        cr_assert_eq(f32_at(b[k].reduced, i),
+                     expected_reduced(4, (size_t)k * s + i, 1, SHARDD_REDUCE_SUM));
+  } else {
+    for (size_t j = 0; j < b[0].padded_numel; j++) {
+      size_t q = j / s, i = j % s;
+      cr_assert_eq(f32_at(b[1].gather, j), (float)(1000000 * (int)q + (int)i));
+    }
+  }
+
+  /* New inputs, then the state right before the collective that will fail. */
+  for (int k = 0; k < 3; k++) {
+    for (size_t i = 0; i < s; i++)
+      ((float *)b[k].shard)[i] = -(float)(1000000 * k + (int)i);
+    for (size_t j = 0; j < b[k].padded_numel; j++)
+      put_grid(SHARDD_DTYPE_FP32, b[k].grad, j, grad_hash(k, j, 9));
+  }
+  size_t sb = s * 4, gb = b[0].padded_numel * 4;
+  unsigned char *sv_shard[3], *sv_red[3], *sv_gather[3];
+  for (int k = 0; k < 3; k++) {
+    sv_shard[k] = malloc(sb);
+    sv_red[k] = malloc(sb);
+    sv_gather[k] = malloc(gb);
+    memcpy(sv_shard[k], b[k].shard, sb);
+    memcpy(sv_red[k], b[k].reduced, sb);
+    memcpy(sv_gather[k], b[k].gather, gb);
+  }
+  /* ranks 0-2 submit and are known to be queued (the Pong comes after) */
+  for (int k = 0; k < 3; k++) {
+    seq[k] = lc->kind == OP_GATHER ? test_raw_send_gather(&r[k], b[0].id)
+                                   : test_raw_send_scatter(&r[k], b[0].id, SHARDD_REDUCE_SUM);
+    test_raw_sync(&r[k]);
+  }
+  /* rank 3 dies */
+  cr_assert_eq(write(go[1], "g", 1), 1);
+  int st;
+  cr_assert_eq(waitpid(child, &st, 0), child);
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "rank 3 child exited %d",
+            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  close(ready[0]);
+  close(go[1]);
+  for (int k = 0; k < 3; k++) {
+    Shardd__Response *resp = test_raw_expect(&r[k], seq[k], SHARDD_E_PEER_LOST);
+    cr_assert_not_null(strstr(resp->message, "rank 3"), "rank %d: \"%s\" does not name rank 3",
+                       k, resp->message);
+    shardd__response__free_unpacked(resp, NULL);
+  }
+  for (int k = 0; k < 3; k++) {
+    cr_assert_eq(memcmp(sv_shard[k], b[k].shard, sb), 0, "rank %d's shard changed", k);
+    cr_assert_eq(memcmp(sv_red[k], b[k].reduced, sb), 0, "rank %d's reduced shard changed", k);
+    cr_assert_eq(memcmp(sv_gather[k], b[k].gather, gb), 0, "rank %d's gather area changed", k);
+    free(sv_shard[k]);
+    free(sv_red[k]);
+    free(sv_gather[k]);
+  }
+  /* rank 3's block is intact too: a new rank 3 attaches and looks */
+  shardd_client_t *c3 = NULL;
+  for (int tries = 0;; tries++) {
+    shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+    o.job = "lost";
+    o.rank = 3;
+    o.world = 4;
+    char err[256];
+    shardd_err rc = shardd_connect(d.sock, &o, &c3, err, sizeof err);
+    if (rc == SHARDD_OK)
+      break;
+    cr_assert_lt(tries, 500, "rank 3 cannot reconnect: %s", err);
+    test_sleep_ms(10);
+  }
+  shardd_buffer_info b3;
+  cr_assert_eq(shardd_buffer_register(c3, "g", SHARDD_DTYPE_FP32, LOST_NUMEL, &b3), SHARDD_OK);
+  cr_assert(!b3.created);
+  for (size_t i = 0; i < s; i++) {
+    cr_assert_eq(f32_at(b3.shard, i), (float)(3000000 + i), "rank 3 shard[%zu]", i);
+    if (lc->kind == OP_SCATTER)
+      cr_assert_eq(f32_at(b3.reduced, i),
+                   expected_reduced(4, 3 * s + i, 1, SHARDD_REDUCE_SUM), "rank 3 reduced[%zu]", i);
+  }
+  /* and the job trains on: a full collective with the new rank 3 */
+  for (int k = 0; k < 3; k++)
+    seq[k] = test_raw_send_gather(&r[k], b[0].id);
+  cr_assert_eq(shardd_gather(c3, b3.id), SHARDD_OK, "%s", shardd_last_error(c3));
+  for (int k = 0; k < 3; k++)
+    shardd__response__free_unpacked(test_raw_expect(&r[k], seq[k], SHARDD_OK), NULL);
+  for (size_t i = 0; i < s; i++)
+    cr_assert_eq(f32_at(b3.gather, i), -(float)i);
+  shardd_client_t *ctl = test_connect(&d, NULL, 0, 1);
+  char *js;
+  cr_assert_eq(shardd_status_json(ctl, &js), SHARDD_OK);
+  tj *j = tj_parse(js);
+  cr_assert_not_null(j);
+  const tj *jobs = tj_need(j, "jobs", TJ_ARR);
+  cr_assert_eq(jobs->n, 1);
+  cr_assert_eq(tj_need(jobs->kids[0], "collectives_in_flight", TJ_NUM)->num, 0.0);
+  tj_free(j);
+  shardd_free(js);
+  shardd_close(ctl);
+  shardd_close(c3);
+  for (int k = 0; k < 3; k++)
+    test_raw_close(&r[k]);
+}
+
+Test(collective, rank_never_arrives_times_out, .init = start4_timeout, .fini = stop_daemon, .timeout = 60) {
+  team t;
+  team_open(&t, "slow", 4);
+  shardd_buffer_info b[MAXW];
+  team_buffer(&t, "g", SHARDD_DTYPE_FP32, 1000, b);
+  fill_shards(b, 4, 3);
+  fill_grads(b, 4, 3);
+  unsigned char *sv[MAXW];
+  for (int r = 0; r < 4; r++) {
+    sv[r] = malloc(b[r].shard_numel * 4);
+    memcpy(sv[r], b[r].reduced, b[r].shard_numel * 4);
+  }
+  call calls[MAXW];
+  memset(calls, 0, sizeof calls);
+  for (int r = 0; r < 3; r++) { /* rank 3 is connected but never calls */
+    calls[r].c = t.c[r];
+    calls[r].kind = OP_SCATTER;
+    calls[r].id = b[0].id;
+  }
+  run_calls(calls, 3);
+  for (int r = 0; r < 3; r++) {
+    cr_assert_eq(calls[r].rc, SHARDD_E_PEER_LOST, "rank %d: %s: %s", r,
+                 shardd_err_name(calls[r].rc), calls[r].msg);
+    cr_assert_not_null(strstr(calls[r].msg, "timed out"), "rank %d: \"%s\"", r, calls[r].msg);
+    cr_assert_not_null(strstr(calls[r].msg, "rank 3"), "rank %d: \"%s\"", r, calls[r].msg);
+  }
+  for (int r = 0; r < 4; r++) {
+    cr_assert_eq(memcmp(sv[r], b[r].reduced, b[r].shard_numel * 4), 0);
+    free(sv[r]);
+  }
+  for (int r = 0; r < 4; r++)
+    cr_assert_eq(shardd_ping(t.c[r]), SHARDD_OK);
+  team_close(&t);
+}
+
+/* ---- mismatched arguments ---------------------------------------------- */
+
+Test(collective, mismatched_scatter_op_fails_all, .init = start4, .fini = stop_daemon, .timeout = 60) {
+  /* rank 1 disagrees in the middle: ranks 2 and 3 arrive after the
+   * disagreement and must be told too, not left waiting */
+  test_raw r[4];
+  shardd_buffer_info b[4];
+  for (int k = 0; k < 4; k++) {
+    test_raw_open(&d, &r[k]);
+    test_raw_hello(&r[k], "mm", (uint32_t)k, 4);
+    test_raw_register_buffer(&r[k], "g", SHARDD_DTYPE_FP32, 1024, &b[k]);
+    for (size_t j = 0; j < b[k].padded_numel; j++)
+      put_grid(SHARDD_DTYPE_FP32, b[k].grad, j, grad_hash(k, j, 4));
+  }
+  unsigned char *sv[4];
+  for (int k = 0; k < 4; k++) {
+    sv[k] = malloc(b[k].shard_numel * 4);
+    memcpy(sv[k], b[k].reduced, b[k].shard_numel * 4);
+  }
+  uint64_t seq[4];
+  Shardd__Response *early[4] = {NULL, NULL, NULL, NULL};
+  for (int k = 0; k < 4; k++) {
+    seq[k] = test_raw_send_scatter(&r[k], b[0].id, k == 1 ? SHARDD_REDUCE_MEAN : SHARDD_REDUCE_SUM);
+    if (k < 3)
+      test_raw_sync_keep(&r[k], &early[k]); /* in this order */
+  }
+  for (int k = 0; k < 4; k++) {
+    Shardd__Response *resp = early[k] ? early[k] : test_raw_recv(&r[k]);
+    cr_assert_not_null(resp, "rank %d: closed", k);
+    cr_assert_eq(resp->seq, seq[k]);
+    cr_assert_eq(resp->code, SHARDD__STATUS_CODE__E_MISMATCH, "rank %d: %s (%s)", k,
+                 shardd_err_name((shardd_err)resp->code), resp->message);
+    cr_assert_not_null(strstr(resp->message, "rank 1"), "rank %d: \"%s\"", k, resp->message);
+    shardd__response__free_unpacked(resp, NULL);
+  }
+  for (int k = 0; k < 4; k++) {
+    cr_assert_eq(memcmp(sv[k], b[k].reduced, b[k].shard_numel * 4), 0,
+                 "rank %d's reduced shard changed", k);
+    free(sv[k]);
+  }
+  /* the job is not wedged: an agreeing scatter works next */
+  for (int k = 0; k < 4; k++)
+    seq[k] = test_raw_send_scatter(&r[k], b[0].id, SHARDD_REDUCE_SUM);
+  for (int k = 0; k < 4; k++)
+    shardd__response__free_unpacked(test_raw_expect(&r[k], seq[k], SHARDD_OK), NULL);
+  check_reduced(b, 4, 4, SHARDD_REDUCE_SUM);
+  for (int k = 0; k < 4; k++)
+    test_raw_close(&r[k]);
+}
+
+Test(collective, mismatched_op_from_threads, .init = start4, .fini = stop_daemon, .timeout = 60) {
+  team t;
+  team_open(&t, "mm2", 4);
+  shardd_buffer_info b[MAXW];
+  team_buffer(&t, "g", SHARDD_DTYPE_FP32, 100, b);
+  for (int round = 0; round < 4; round++) {
+    call calls[MAXW];
+    memset(calls, 0, sizeof calls);
+    for (int r = 0; r < 4; r++) {
+      calls[r].c = t.c[r];
+      calls[r].kind = OP_SCATTER;
+      calls[r].id = b[0].id;
+      calls[r].op = r == round ? SHARDD_REDUCE_MEAN : SHARDD_REDUCE_SUM;
+    }
+    run_calls(calls, 4);
+    for (int r = 0; r < 4; r++)
+      cr_assert_eq(calls[r].rc, SHARDD_E_MISMATCH, "round %d rank %d: %s: %s", round, r,
+                   shardd_err_name(calls[r].rc), calls[r].msg);
+  }
+  team_close(&t);
+}
+
+/* ---- ordering ------------------------------------------------------------- */
+
+Test(collective, different_buffers_in_flight_at_once, .init = start4, .fini = stop_daemon, .timeout = 60) {
+  test_raw r[4];
+  shardd_buffer_info a[4], bb[4];
+  for (int k = 0; k < 4; k++) {
+    test_raw_open(&d, &r[k]);
+    test_raw_hello(&r[k], "ab", (uint32_t)k, 4);
+    test_raw_register_buffer(&r[k], "A", SHARDD_DTYPE_FP32, 4099, &a[k]);
+    test_raw_register_buffer(&r[k], "B", SHARDD_DTYPE_BF16, 1001, &bb[k]);
+  }
+  fill_shards(a, 4, 11);
+  fill_shards(bb, 4, 12);
+  /* ranks 0 and 1 ask for A then B, ranks 2 and 3 for B then A: with one
+   * collective at a time per job this would deadlock */
+  uint64_t first[4], second[4];
+  for (int k = 0; k < 4; k++) {
+    uint64_t x = k < 2 ? a[0].id : bb[0].id, y = k < 2 ? bb[0].id : a[0].id;
+    first[k] = test_raw_send_gather(&r[k], x);
+    second[k] = test_raw_send_gather(&r[k], y);
+  }
+  for (int k = 0; k < 4; k++) {
+    int got1 = 0, got2 = 0;
+    for (int n = 0; n < 2; n++) {
+      Shardd__Response *resp = test_raw_recv(&r[k]);
+      cr_assert_not_null(resp);
+      cr_assert_eq(resp->code, SHARDD__STATUS_CODE__OK, "rank %d: %s", k, resp->message);
+      got1 += resp->seq == first[k];
+      got2 += resp->seq == second[k];
+      shardd__response__free_unpacked(resp, NULL);
+    }
+    cr_assert(got1 == 1 && got2 == 1);
+  }
+  check_gathered(a, 4);
+  check_gathered(bb, 4);
+  for (int k = 0; k < 4; k++)
+    test_raw_close(&r[k]);
+}
+
+/* ---- optimizer reference (torch.optim formulas, in float) ---------------- */
+
+typedef struct {
+  shardd_optim_kind kind;
+  double lr, momentum, dampening, wd, beta1, beta2, eps;
+  int nesterov, amsgrad, maximize;
+} ref_hp;
+
+typedef struct {
+  float *p, *buf, *m, *v, *vmax;
+  size_t n;
+} ref_state;
+
+/* torch.optim.SGD, one element, step t (1-based). */
+static void ref_sgd(const ref_hp *h, int t, float *p, float g, float *buf) {
+  float dp = h->maximize ? -g : g;
+  if (h->wd != 0)
+    dp = dp + (float)h->wd * *p;
+  if (h->momentum != 0) {
+    if (t == 1)
+      *buf = dp;
+    else
+      *buf = *buf * (float)h->momentum + (float)(1 - h->dampening) * dp;
+    dp = h->nesterov ? dp + (float)h->momentum * *buf : *buf;
+  }
+  *p = *p - (float)h->lr * dp;
+}
+
+/* torch.optim.Adam / AdamW (torch 2.x single-tensor form: lerp for the
+ * first moment), one element, step t. */
+static void ref_adam(const ref_hp *h, int t, float *p, float g, float *m, float *v,
+                     float *vmax) {
+  if (h->maximize)
+    g = -g;
+  if (h->kind == SHARDD_OPTIM_ADAMW)
+    *p = *p * (float)(1 - h->lr * h->wd);
+  else if (h->wd != 0)
+    g = g + (float)h->wd * *p;
+  *m = *m + (float)(1 - h->beta1) * (g - *m);
+  *v = *v * (float)h->beta2 + (float)(1 - h->beta2) * g * g;
+  double bc1 = 1 - pow(h->beta1, t), bc2 = 1 - pow(h->beta2, t);
+  double step_size = h->lr / bc1;
+  float s = *v;
+  if (h->amsgrad) {
+    *vmax = fmaxf(*vmax, *v);
+    s = *vmax;
+  }
+  float denom = sqrtf(s) / (float)sqrt(bc2) + (float)h->eps;
+  *p = *p - (float)step_size * (*m / denom);
+}
+
+static void hp_set(shardd_hparams *o, const ref_hp *h) {
+  memset(o, 0, sizeof *o);
+  o->set = SHARDD_HP_LR | SHARDD_HP_WEIGHT_DECAY;
+  o->lr = h->lr;
+  o->weight_decay = h->wd;
+  if (h->kind == SHARDD_OPTIM_SGD) {
+    o->set |= SHARDD_HP_MOMENTUM | SHARDD_HP_DAMPENING | SHARDD_HP_NESTEROV;
+    o->momentum = h->momentum;
+    o->dampening = h->dampening;
+    o->nesterov = h->nesterov;
+  } else {
+    o->set |= SHARDD_HP_BETA1 | SHARDD_HP_BETA2 | SHARDD_HP_EPS | SHARDD_HP_AMSGRAD;
+    o->beta1 = h->beta1;
+    o->beta2 = h->beta2;
+    o->eps = h->eps;
+    o->amsgrad = h->amsgrad;
+  }
+  if (h->maximize) {
+    o->set |= SHARDD_HP_MAXIMIZE;
+    o->maximize = 1;
+  }
+}
+
+typedef struct {
+  const char *name;
+  uint64_t off, numel;
+  int64_t shape[2];
+  int ndim;
+  int group;
+} view_spec;
+
+static float init_param(size_t j) {
+  float mag = 0.5f + (float)((j * 37) % 100) / 100.0f;
+  return j % 2 ? mag : -mag;
+}
+
+static float step_grad(int r, int t, size_t j) {
+  return (float)((int)((j * 31 + (size_t)r * 17 + (size_t)t * 7) % 64) - 32) / 256.0f;
+}
+
+/* The mean over 4 ranks, exact. */
+static float mean_grad(int t, size_t j) {
+  double s = 0;
+  for (int r = 0; r < 4; r++)
+    s += step_grad(r, t, j);
+  return (float)(s / 4);
+}
+
+static void write_params(const shardd_buffer_info *b) {
+  for (int r = 0; r < 4; r++)
+    for (size_t i = 0; i < b[r].shard_numel; i++)
+      ((float *)b[r].shard)[i] = init_param((size_t)r * b[r].shard_numel + i);
+}
+
+static void write_step_grads(const shardd_buffer_info *b, int t) {
+  for (int r = 0; r < 4; r++)
+    for (size_t j = 0; j < b[r].padded_numel; j++)
+      ((float *)b[r].grad)[j] = step_grad(r, t, j);
+}
+
+static double rel_err(float got, float want) {
+  return fabs((double)got - (double)want) / fmax(fabs((double)want), 1e-30);
+}
+
+/* Every rank's gather area against the reference; elements outside any view
+ * must be bit-identical to their initial values. */
+static void check_params(const shardd_buffer_info *b, const float *want, const char *what) {
+  double worst = 0;
+  size_t worst_j = 0;
+  for (int r = 0; r < 4; r++)
+    for (size_t j = 0; j < b[r].padded_numel; j++) {
+      float got = f32_at(b[r].gather, j);
+      cr_assert(isfinite(got), "%s: rank %d element %zu = %g", what, r, j, (double)got);
+      double e = rel_err(got, want[j]);
+      if (e > worst) {
+        worst = e;
+        worst_j = j;
+      }
+    }
+  cr_assert_leq(worst, 1e-6, "%s: element %zu off by %.3g relative (got %.9g, want %.9g)",
+                what, worst_j, worst, (double)f32_at(b[0].gather, worst_j),
+                (double)want[worst_j]);
+  /* shards agree with the gathered copy */
+  size_t s = b[0].shard_numel;
+  for (int r = 0; r < 4; r++)
+    cr_assert_eq(memcmp(b[r].shard, (float *)b[0].gather + (size_t)r * s, s * 4), 0);
+}
+
+static int status_steps(const char *job, const char *opt, double *steps) {
+  char args[256], *out;
+  snprintf(args, sizeof args, "--socket %s status --json", d.sock);
+  int rc = test_shardctl(NULL, args, &out, NULL);
+  cr_assert_eq(rc, 0);
+  tj *j = tj_parse(out);
+  cr_assert_not_null(j, "%s", out);
+  int found = 0;
+  const tj *jobs = tj_need(j, "jobs", TJ_ARR);
+  for (size_t i = 0; i < jobs->n; i++) {
+    if (strcmp(tj_need(jobs->kids[i], "name", TJ_STR)->str, job))
+      continue;
+    const tj *opts = tj_need(jobs->kids[i], "optimizers", TJ_ARR);
+    for (size_t k = 0; k < opts->n; k++)
+      if (!strcmp(tj_need(opts->kids[k], "name", TJ_STR)->str, opt)) {
+        *steps = tj_need(opts->kids[k], "steps", TJ_NUM)->num;
+        found = 1;
+      }
+  }
+  tj_free(j);
+  free(out);
+  return found;
+}
+
+Test(collective, steps_sgd_momentum_and_adamw_over_views, .init = start4, .fini = stop_daemon, .timeout = 60) {
+  team t;
+  team_open(&t, "train", 4);
+  /* buffer S: 1030 fp32 -> shards of 258 (0, 258, 516, 774), 2 padding */
+  shardd_buffer_info bs[MAXW], ba[MAXW];
+  team_buffer(&t, "S", SHARDD_DTYPE_FP32, 1030, bs);
+  /* buffer A: 999 fp32 -> shards of 250, 1 padding */
+  team_buffer(&t, "A", SHARDD_DTYPE_FP32, 999, ba);
+  const view_spec sv[] = {
+      {"l1.weight", 0, 600, {20, 30}, 2, 0}, /* crosses shards 0|1|2 */
+      {"l1.bias", 600, 20, {20, 0}, 1, 0},
+      {"l2.weight", 700, 300, {10, 30}, 2, 1}, /* crosses 2|3 */
+  };
+  const view_spec av[] = {
+      {"a.w", 0, 400, {20, 20}, 2, 0}, /* crosses 0|1 */
+      {"a.b", 400, 10, {10, 0}, 1, 0},
+      {"a.v", 500, 499, {499, 0}, 1, 1}, /* crosses 2|3, ends at numel */
+  };
+  uint64_t sid[3], aid[3];
+  for (int i = 0; i < 3; i++) {
+    team_view(&t, bs[0].id, sv[i].name, sv[i].off, sv[i].numel, sv[i].shape, sv[i].ndim, &sid[i]);
+    team_view(&t, ba[0].id, av[i].name, av[i].off, av[i].numel, av[i].shape, av[i].ndim, &aid[i]);
+  }
+  ref_hp sgd0 = {SHARDD_OPTIM_SGD, 0.1, 0.9, 0.1, 0.01, 0, 0, 0, 0, 0, 0};
+  ref_hp sgd1 = sgd0;
+  sgd1.lr = 0.05;
+  sgd1.nesterov = 1;
+  sgd1.dampening = 0;
+  ref_hp adw0 = {SHARDD_OPTIM_ADAMW, 0.01, 0, 0, 0.05, 0.9, 0.99, 1e-8, 0, 0, 0};
+  ref_hp adw1 = adw0;
+  adw1.lr = 0.02;
+  adw1.wd = 0;
+  adw1.amsgrad = 1;
+
+  shardd_hparams top;
+  hp_set(&top, &sgd0);
+  shardd_param_ref sg0[] = {{sid[0], "l1.weight"}, {sid[1], "l1.bias"}};
+  shardd_param_ref sg1[] = {{sid[2], "l2.weight"}};
+  shardd_param_group sgroups[2] = {{sg0, 2, {0}}, {sg1, 1, {0}}};
+  sgroups[1].overrides.set = SHARDD_HP_LR | SHARDD_HP_NESTEROV | SHARDD_HP_DAMPENING;
+  sgroups[1].overrides.lr = sgd1.lr;
+  sgroups[1].overrides.nesterov = 1;
+  sgroups[1].overrides.dampening = 0;
+  uint64_t osgd, oadw;
+  team_optimizer(&t, "sgd", SHARDD_OPTIM_SGD, &top, sgroups, 2, &osgd);
+
+  hp_set(&top, &adw0);
+  shardd_param_ref ag0[] = {{aid[0], "a.w"}, {aid[1], "a.b"}};
+  shardd_param_ref ag1[] = {{aid[2], "a.v"}};
+  shardd_param_group agroups[2] = {{ag0, 2, {0}}, {ag1, 1, {0}}};
+  agroups[1].overrides.set = SHARDD_HP_LR | SHARDD_HP_WEIGHT_DECAY | SHARDD_HP_AMSGRAD;
+  agroups[1].overrides.lr = adw1.lr;
+  agroups[1].overrides.weight_decay = 0;
+  agroups[1].overrides.amsgrad = 1;
+  team_optimizer(&t, "adamw", SHARDD_OPTIM_ADAMW, &top, agroups, 2, &oadw);
+
+  /* reference state over the padded arrays; group -1 = not in a view */
+  size_t ns = bs[0].padded_numel, na = ba[0].padded_numel;
+  float *ps = calloc(ns, 4), *buf = calloc(ns, 4);
+  float *pa = calloc(na, 4), *m = calloc(na, 4), *v = calloc(na, 4), *vmax = calloc(na, 4);
+  int *gs = malloc(ns * sizeof(int)), *ga = malloc(na * sizeof(int));
+  for (size_t j = 0; j < ns; j++) {
+    ps[j] = init_param(j);
+    gs[j] = -1;
+  }
+  for (size_t j = 0; j < na; j++) {
+    pa[j] = init_param(j);
+    ga[j] = -1;
+  }
+  for (int i = 0; i < 3; i++) {
+    for (uint64_t j = sv[i].off; j < sv[i].off + sv[i].numel; j++)
+      gs[j] = sv[i].group;
+    for (uint64_t j = av[i].off; j < av[i].off + av[i].numel; j++)
+      ga[j] = av[i].group;
+  }
+  write_params(bs);
+  write_params(ba);
+
+  for (int step = 1; step <= 3; step++) {
+    write_step_grads(bs, step);
+    write_step_grads(ba, step);
+    team_all(&t, OP_SCATTER, bs[0].id, SHARDD_REDUCE_MEAN);
+    team_all(&t, OP_SCATTER, ba[0].id, SHARDD_REDUCE_MEAN);
+    shardd_step_result res[MAXW];
+    team_all_res(&t, OP_STEP, osgd, 0, NULL, res);
+    for (int r = 0; r < 4; r++)
+      cr_assert_eq(res[r].step, (uint64_t)step, "rank %d: sgd step count %llu", r,
+                   (unsigned long long)res[r].step);
+    team_all_res(&t, OP_STEP, oadw, 0, NULL, res);
+    for (int r = 0; r < 4; r++)
+      cr_assert_eq(res[r].step, (uint64_t)step);
+    for (size_t j = 0; j < ns; j++)
+      if (gs[j] >= 0)
+        ref_sgd(gs[j] ? &sgd1 : &sgd0, step, &ps[j], mean_grad(step, j), &buf[j]);
+    for (size_t j = 0; j < na; j++)
+      if (ga[j] >= 0)
+        ref_adam(ga[j] ? &adw1 : &adw0, step, &pa[j], mean_grad(step, j), &m[j], &v[j],
+                 &vmax[j]);
+    team_all(&t, OP_GATHER, bs[0].id, 0);
+    team_all(&t, OP_GATHER, ba[0].id, 0);
+    char what[64];
+    snprintf(what, sizeof what, "SGD after step %d", step);
+    check_params(bs, ps, what);
+    snprintf(what, sizeof what, "AdamW after step %d", step);
+    check_params(ba, pa, what);
+  }
+  /* outside the views nothing moved, bit for bit */
+  for (size_t j = 0; j < ns; j++)
+    if (gs[j] < 0)
+      cr_assert_eq(f32_bits(f32_at(bs[2].gather, j)), f32_bits(init_param(j)), "S[%zu]", j);
+  for (size_t j = 0; j < na; j++)
+    if (ga[j] < 0)
+      cr_assert_eq(f32_bits(f32_at(ba[1].gather, j)), f32_bits(init_param(j)), "A[%zu]", j);
+
+  double steps = -1;
+  cr_assert(status_steps("train", "sgd", &steps), "optimizer sgd not in status");
+  cr_assert_eq(steps, 3.0, "status says sgd did %g steps", steps);
+  cr_assert(status_steps("train", "adamw", &steps), "optimizer adamw not in status");
+  cr_assert_eq(steps, 3.0, "status says adamw did %g steps", steps);
+
+  free(ps);
+  free(buf);
+  free(pa);
+  free(m);
+  free(v);
+  free(vmax);
+  free(gs);
+  free(ga);
+  team_close(&t);
+}
+
+Test(collective, step_max_norm_clips_and_reports_total_norm, .init = start4,
+     .fini = stop_daemon, .timeout = 60) {
+  team t;
+  team_open(&t, "clip", 4);
+  shardd_buffer_info b1[MAXW], b2[MAXW];
+  team_buffer(&t, "C1", SHARDD_DTYPE_FP32, 1030, b1);
+  team_buffer(&t, "C2", SHARDD_DTYPE_FP32, 203, b2); /* shards of 51, 1 padding */
+  uint64_t v1, v2;
+  int64_t sh1[1] = {300}, sh2[1] = {200};
+  team_view(&t, b1[0].id, "w", 100, 300, sh1, 1, &v1); /* crosses 0|1 */
+  team_view(&t, b1[0].id, "u", 700, 200, sh2, 1, &v2); /* crosses 2|3 */
+  ref_hp h = {SHARDD_OPTIM_SGD, 0.5, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  shardd_hparams top;
+  hp_set(&top, &h);
+  /* views of C1 and C2 whole (FSDP1 style): the norm spans both */
+  shardd_param_ref refs[] = {{v1, "w"}, {v2, "u"}, {b2[0].id, "C2"}};
+  shardd_param_group g = {refs, 3, {0}};
+  uint64_t opt;
+  team_optimizer(&t, "clipped", SHARDD_OPTIM_SGD, &top, &g, 1, &opt);
+  write_params(b1);
+  write_params(b2);
+  float *p1 = malloc(b1[0].padded_numel * 4), *p2 = malloc(b2[0].padded_numel * 4);
+  for (size_t j = 0; j < b1[0].padded_numel; j++)
+    p1[j] = init_param(j);
+  for (size_t j = 0; j < b2[0].padded_numel; j++)
+    p2[j] = init_param(j);
+  const double max_norms[] = {0.05, 1e9};
+  for (int step = 1; step <= 2; step++) {
+    /* gradients everywhere, padding and gaps included: only the
+     * optimizer's elements may count */
+    write_step_grads(b1, step);
+    write_step_grads(b2, step);
+    team_all(&t, OP_SCATTER, b1[0].id, SHARDD_REDUCE_MEAN);
+    team_all(&t, OP_SCATTER, b2[0].id, SHARDD_REDUCE_MEAN);
+    double sumsq = 0;
+    for (size_t j = 100; j < 400; j++)
+      sumsq += (double)mean_grad(step, j) * mean_grad(step, j);
+    for (size_t j = 700; j < 900; j++)
+      sumsq += (double)mean_grad(step, j) * mean_grad(step, j);
+    for (size_t j = 0; j < 203; j++)
+      sumsq += (double)mean_grad(step, j) * mean_grad(step, j);
+    double want_norm = sqrt(sumsq);
+    shardd_step_opts so = SHARDD_STEP_OPTS_INIT;
+    so.max_norm = max_norms[step - 1];
+    shardd_step_result res[MAXW];
+    team_all_res(&t, OP_STEP, opt, 0, &so, res);
+    for (int r = 0; r < 4; r++) {
+      cr_assert_eq(res[r].step, (uint64_t)step);
+      cr_assert_leq(fabs(res[r].total_norm - want_norm), 1e-6 * want_norm,
+                    "rank %d: total_norm %.9g, want %.9g", r, res[r].total_norm, want_norm);
+    }
+    /* torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped to 1 */
+    double coef = so.max_norm / (want_norm + 1e-6);
+    float c = (float)(coef < 1 ? coef : 1);
+    if (step == 1)
+      cr_assert_lt(coef, 0.5, "test must clip");
+    for (size_t j = 0; j < b1[0].padded_numel; j++)
+      if ((j >= 100 && j < 400) || (j >= 700 && j < 900))
+        ref_sgd(&h, step, &p1[j], mean_grad(step, j) * c, NULL);
+    for (size_t j = 0; j < 203; j++)
+      ref_sgd(&h, step, &p2[j], mean_grad(step, j) * c, NULL);
+    team_all(&t, OP_GATHER, b1[0].id, 0);
+    team_all(&t, OP_GATHER, b2[0].id, 0);
+    check_params(b1, p1, "clipped C1");
+    check_params(b2, p2, "clipped C2");
+  }
+  /* without max_norm no norm is reported */
+  shardd_step_result res[MAXW];
+  team_all_res(&t, OP_STEP, opt, 0, NULL, res);
+  for (int r = 0; r < 4; r++) {
+    cr_assert_eq(res[r].step, 3);
+    cr_assert_eq(res[r].total_norm, 0.0);
+  }
+  free(p1);
+  free(p2);
+  team_close(&t);
+}
+
+Test(collective, same_buffer_runs_in_submission_order, .init = start4, .fini = stop_daemon, .timeout = 60) {
+  /* each rank pipelines scatter -> step -> gather on one buffer; the gather
+   * must see the stepped values and the replies come in that order */
+  team t;
+  team_open(&t, "order", 4);
+  shardd_buffer_info b[MAXW];
+  team_buffer(&t, "P", SHARDD_DTYPE_FP32, 4099, b);
+  ref_hp h = {SHARDD_OPTIM_SGD, 0.25, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  shardd_hparams top;
+  hp_set(&top, &h);
+  shardd_param_ref refs[] = {{b[0].id, "P"}};
+  shardd_param_group g = {refs, 1, {0}};
+  uint64_t opt;
+  team_optimizer(&t, "o", SHARDD_OPTIM_SGD, &top, &g, 1, &opt);
+  team_close(&t); /* the raw clients take the ranks over */
+
+  test_raw r[4];
+  shardd_buffer_info rb[4];
+  for (int k = 0; k < 4; k++) {
+    for (int tries = 0;; tries++) { /* until the daemon saw the old rank leave */
+      test_raw_open(&d, &r[k]);
+      uint64_t seq = test_raw_send_hello(&r[k], SHARDD_PROTOCOL_VERSION, "order", (uint32_t)k, 4);
+      Shardd__Response *resp = test_raw_recv(&r[k]);
+      cr_assert_not_null(resp);
+      cr_assert_eq(resp->seq, seq);
+      int ok = resp->code == SHARDD__STATUS_CODE__OK;
+      shardd__response__free_unpacked(resp, NULL);
+      if (ok)
+        break;
+      test_raw_close(&r[k]);
+      cr_assert_lt(tries, 500);
+      test_sleep_ms(10);
+    }
+    test_raw_register_buffer(&r[k], "P", SHARDD_DTYPE_FP32, 4099, &rb[k]);
+  }
+  write_params(rb);
+  write_step_grads(rb, 1);
+  uint64_t s1[4], s2[4], s3[4];
+  for (int k = 0; k < 4; k++) {
+    s1[k] = test_raw_send_scatter(&r[k], rb[0].id, SHARDD_REDUCE_MEAN);
+    s2[k] = test_raw_send_step(&r[k], opt);
+    s3[k] = test_raw_send_gather(&r[k], rb[0].id);
+  }
+  for (int k = 0; k < 4; k++) {
+    shardd__response__free_unpacked(test_raw_expect(&r[k], s1[k], SHARDD_OK), NULL);
+    Shardd__Response *resp = test_raw_expect(&r[k], s2[k], SHARDD_OK);
+    cr_assert_eq(resp->body_case, SHARDD__RESPONSE__BODY_STEP);
+    cr_assert_eq(resp->step->step, 1);
+    shardd__response__free_unpacked(resp, NULL);
+    shardd__response__free_unpacked(test_raw_expect(&r[k], s3[k], SHARDD_OK), NULL);
+  }
+  float *want = malloc(rb[0].padded_numel * 4);
+  for (size_t j = 0; j < rb[0].padded_numel; j++) {
+    want[j] = init_param(j);
+    if (j < 4099)
+      ref_sgd(&h, 1, &want[j], mean_grad(1, j), NULL);
+  }
+  check_params(rb, want, "gather after a pipelined step");
+  free(want);
+  for (int k = 0; k < 4; k++)
+    test_raw_close(&r[k]);
+}
+
+Test(collective, bf16_adam_keeps_an_fp32_master, .init = start4, .fini = stop_daemon, .timeout = 60) {
+  team t;
+  team_open(&t, "half", 4);
+  shardd_buffer_info b[MAXW];
+  team_buffer(&t, "H", SHARDD_DTYPE_BF16, 1001, b);
+  ref_hp h = {SHARDD_OPTIM_ADAM, 1e-3, 0, 0, 0, 0.9, 0.999, 1e-8, 0, 0, 0};
+  shardd_hparams top;
+  hp_set(&top, &h);
+  shardd_param_ref refs[] = {{b[0].id, "H"}};
+  shardd_param_group g = {refs, 1, {0}};
+  uint64_t opt;
+  team_optimizer(&t, "adam16", SHARDD_OPTIM_ADAM, &top, &g, 1, &opt);
+  size_t n = b[0].padded_numel, s = b[0].shard_numel;
+  float *master = malloc(n * 4), *m = calloc(n, 4), *v = calloc(n, 4);
+  for (int r = 0; r < 4; r++)
+    for (size_t i = 0; i < s; i++)
+      put_grid(SHARDD_DTYPE_BF16, b[r].shard, i, grad_hash(r, i, 77));
+  for (size_t j = 0; j < n; j++)
+    master[j] = (float)grid_value(grad_hash((int)(j / s), j % s, 77));
+  for (int step = 1; step <= 5; step++) {
+    for (int r = 0; r < 4; r++)
+      for (size_t j = 0; j < n; j++)
+        put_grid(SHARDD_DTYPE_BF16, b[r].grad, j, grad_hash(r, j, 100 + (uint32_t)step));
+    team_all(&t, OP_SCATTER, b[0].id, SHARDD_REDUCE_SUM);
+    team_all(&t, OP_STEP, opt, 0);
+    for (size_t j = 0; j < 1001; j++)
+      ref_adam(&h, step, &master[j], expected_reduced(4, j, 100 + (uint32_t)step, 0), &m[j],
+               &v[j], NULL);
+  }
+  team_all(&t, OP_GATHER, b[0].id, 0);
+  /* lr 1e-3 over 5 steps moves a value far less than a bf16 ulp sometimes:
+   * only an fp32 master keeps those moves; the shard is the master rounded */
+  for (size_t j = 0; j < n; j++) {
+    uint16_t got;
+    memcpy(&got, (char *)b[0].gather + 2 * j, 2);
+    uint32_t u = (uint32_t)got << 16;
+    float gf;
+    memcpy(&gf, &u, 4);
+    float want = j < 1001 ? master[j] : (float)grid_value(grad_hash((int)(j / s), j % s, 77));
+    /* within one bf16 ulp of the reference master (rounding of a value
+     * that itself may differ from ours in its last float bits) */
+    double ulp = ldexp(1.0, ilogb(want) - 7);
+    cr_assert_leq(fabs((double)gf - want), ulp, "H[%zu] = %.9g, reference master %.9g", j,
+                  (double)gf, (double)want);
+  }
+  free(master);
+  free(m);
+  free(v);
+  team_close(&t);
+}
+
+Test(collective, busy_while_in_flight_and_bad_targets, .init = start4, .fini = stop_daemon, .timeout = 60) {
+  test_raw r;
+  test_raw_open(&d, &r);
+  test_raw_hello(&r, "busy", 0, 2);
+  shardd_buffer_info b;
+  test_raw_register_buffer(&r, "x", SHARDD_DTYPE_FP32, 10, &b);
+  uint64_t g = test_raw_send_gather(&r, b.id);
+  /* the waiting collective shows in status */
+  {
+    char args[256], *out;
+    snprintf(args, sizeof args, "--socket %s status --json", d.sock);
+    cr_assert_eq(test_shardctl(NULL, args, &out, NULL), 0);
+    tj *j = tj_parse(out);
+    cr_assert_not_null(j, "%s", out);
+    const tj *jobs = tj_need(j, "jobs", TJ_ARR);
+    cr_assert_eq(jobs->n, 1);
+    cr_assert_eq(tj_need(jobs->kids[0], "collectives_in_flight", TJ_NUM)->num, 1.0, "%s", out);
+    tj_free(j);
+    free(out);
+  }
+  /* unregistering a buffer a collective waits on is refused */
+  Shardd__Request req = SHARDD__REQUEST__INIT;
+  Shardd__UnregisterBuffer ub = SHARDD__UNREGISTER_BUFFER__INIT;
+  ub.id = b.id;
+  req.body_case = SHARDD__REQUEST__BODY_UNREGISTER_BUFFER;
+  req.unregister_buffer = &ub;
+  uint64_t u = test_raw_send(&r, &req);
+  shardd__response__free_unpacked(test_raw_expect(&r, u, SHARDD_E_BUSY), NULL);
+  /* unknown ids answer at once, without waiting for rank 1 */
+  uint64_t bad = test_raw_send_gather(&r, 999999);
+  shardd__response__free_unpacked(test_raw_expect(&r, bad, SHARDD_E_NOT_FOUND), NULL);
+  bad = test_raw_send_step(&r, b.id); /* a buffer is not an optimizer */
+  shardd__response__free_unpacked(test_raw_expect(&r, bad, SHARDD_E_INVAL), NULL);
+  /* rank 1 arrives: the gather completes */
+  shardd_client_t *c1 = test_connect(&d, "busy", 1, 2);
+  shardd_buffer_info b1;
+  cr_assert_eq(shardd_buffer_register(c1, "x", SHARDD_DTYPE_FP32, 10, &b1), SHARDD_OK);
+  cr_assert_eq(shardd_gather(c1, b1.id), SHARDD_OK, "%s", shardd_last_error(c1));
+  shardd__response__free_unpacked(test_raw_expect(&r, g, SHARDD_OK), NULL);
+  shardd_close(c1);
+  test_raw_close(&r);
+}
+
+Test(collective, step_lr_override_applies_to_every_group, .init = start4, .fini = stop_daemon,
+     .timeout = 60) {
+  team t;
+  team_open(&t, "lr", 4);
+  shardd_buffer_info b[MAXW];
+  team_buffer(&t, "P", SHARDD_DTYPE_FP32, 777, b);
+  uint64_t v0, v1;
+  int64_t s0[1] = {300}, s1[1] = {400};
+  team_view(&t, b[0].id, "p0", 0, 300, s0, 1, &v0);
+  team_view(&t, b[0].id, "p1", 300, 400, s1, 1, &v1);
+  ref_hp h = {SHARDD_OPTIM_SGD, 0.25, 0.5, 0, 0, 0, 0, 0, 0, 0, 0};
+  shardd_hparams top;
+  hp_set(&top, &h);
+  shardd_param_ref r0[] = {{v0, "p0"}}, r1[] = {{v1, "p1"}};
+  shardd_param_group g[2] = {{r0, 1, {0}}, {r1, 1, {0}}};
+  g[1].overrides.set = SHARDD_HP_LR;
+  g[1].overrides.lr = 0.125;
+  uint64_t opt;
+  team_optimizer(&t, "o", SHARDD_OPTIM_SGD, &top, g, 2, &opt);
+  write_params(b);
+  float *want = malloc(b[0].padded_numel * 4), *buf = calloc(b[0].padded_numel, 4);
+  for (size_t j = 0; j < b[0].padded_numel; j++)
+    want[j] = init_param(j);
+  for (int step = 1; step <= 2; step++) {
+    write_step_grads(b, step);
+    team_all(&t, OP_SCATTER, b[0].id, SHARDD_REDUCE_MEAN);
+    shardd_step_opts so = SHARDD_STEP_OPTS_INIT;
+    if (step == 2)
+      so.lr = 0.75; /* this step only, every group */
+    team_all_res(&t, OP_STEP, opt, 0, &so, NULL);
+    ref_hp h0 = h, h1 = h;
+    h1.lr = 0.125;
+    if (step == 2)
+      h0.lr = h1.lr = 0.75;
+    for (size_t j = 0; j < 700; j++)
+      ref_sgd(j < 300 ? &h0 : &h1, step, &want[j], mean_grad(step, j), &buf[j]);
+  }
+  team_all(&t, OP_GATHER, b[0].id, 0);
+  check_params(b, want, "SGD with an lr override");
+  free(want);
+  free(buf);
+  team_close(&t);
+}

@@ -1,0 +1,168 @@
+/* test_err.c — the one error table (SHARDD_ERRNO_MAP) against the wire enum
+ * generated from proto/shardd.proto, in both directions, plus the static
+ * strings and the dtype helpers in client/err.c. */
+#include <criterion/criterion.h>
+#include <criterion/parameterized.h>
+#include <string.h>
+
+#include "proto/shardd.pb-c.h"
+#include "shardd.h"
+
+typedef struct {
+  int value;
+  char name[32];
+} err_row;
+
+static const err_row table[] = {
+#define XX(name, val, msg) {val, #name},
+    SHARDD_ERRNO_MAP(XX)
+#undef XX
+};
+#define NTABLE (sizeof table / sizeof table[0])
+
+Test(err, table_matches_proto_by_value) {
+  const ProtobufCEnumDescriptor *d = &shardd__status_code__descriptor;
+  for (size_t i = 0; i < NTABLE; i++) {
+    const ProtobufCEnumValue *v =
+        protobuf_c_enum_descriptor_get_value(d, table[i].value);
+    cr_assert_not_null(v, "SHARDD_%s = %d has no StatusCode of that value",
+                       table[i].name, table[i].value);
+    cr_expect_str_eq(v->name, table[i].name, "value %d: proto %s, C %s",
+                     table[i].value, v->name, table[i].name);
+  }
+}
+
+Test(err, proto_matches_table_by_name) {
+  const ProtobufCEnumDescriptor *d = &shardd__status_code__descriptor;
+  cr_assert_eq(d->n_values, NTABLE, "proto has %u codes, C table %zu",
+               d->n_values, NTABLE);
+  for (unsigned i = 0; i < d->n_values; i++) {
+    const ProtobufCEnumValue *v = &d->values[i];
+    const err_row *found = NULL;
+    for (size_t j = 0; j < NTABLE; j++)
+      if (strcmp(table[j].name, v->name) == 0)
+        found = &table[j];
+    cr_assert_not_null(found, "StatusCode %s is missing from SHARDD_ERRNO_MAP",
+                       v->name);
+    cr_expect_eq(found->value, v->value, "%s: proto %d, C %d", v->name,
+                 v->value, found->value);
+    const ProtobufCEnumValue *byname =
+        protobuf_c_enum_descriptor_get_value_by_name(d, v->name);
+    cr_expect_eq(byname, v);
+  }
+}
+
+Test(err, count_sentinel_follows_the_last_code) {
+  int max = 0;
+  for (size_t i = 0; i < NTABLE; i++)
+    max = table[i].value > max ? table[i].value : max;
+  cr_expect_eq(SHARDD_ERR_COUNT, max + 1);
+  cr_expect_eq((size_t)SHARDD_ERR_COUNT, NTABLE, "values are dense from 0");
+}
+
+Test(err, names_and_messages_of_every_code) {
+  for (size_t i = 0; i < NTABLE; i++) {
+    shardd_err e = (shardd_err)table[i].value;
+    cr_assert_str_eq(shardd_err_name(e), table[i].name);
+    const char *m = shardd_strerror(e);
+    cr_assert_not_null(m);
+    cr_expect_neq(strlen(m), 0);
+    cr_expect_str_neq(m, "unknown error", "%s has no message", table[i].name);
+  }
+  cr_expect_str_eq(shardd_strerror(SHARDD_OK), "success");
+  cr_expect_str_eq(shardd_strerror(SHARDD_E_NOT_OWNED), "not owned by this job");
+}
+
+typedef struct {
+  int value;
+} bad_code;
+
+ParameterizedTestParameters(err, out_of_range) {
+  static bad_code codes[] = {{-1}, {-1000}, {SHARDD_ERR_COUNT},
+                             {SHARDD_ERR_COUNT + 1}, {1 << 30}};
+  return cr_make_param_array(bad_code, codes, sizeof codes / sizeof codes[0]);
+}
+
+ParameterizedTest(bad_code *c, err, out_of_range) {
+  const char *m = shardd_strerror((shardd_err)c->value);
+  const char *n = shardd_err_name((shardd_err)c->value);
+  cr_assert_not_null(m);
+  cr_assert_not_null(n);
+  cr_expect_str_eq(m, "unknown error");
+  cr_expect_str_eq(n, "E_UNKNOWN");
+}
+
+typedef struct {
+  char text[16];
+  int dtype;
+} dtype_row;
+
+ParameterizedTestParameters(err, dtype_parse_known) {
+  static dtype_row rows[] = {
+      {"fp32", SHARDD_DTYPE_FP32},     {"float32", SHARDD_DTYPE_FP32},
+      {"float", SHARDD_DTYPE_FP32},    {"FP32", SHARDD_DTYPE_FP32},
+      {"bf16", SHARDD_DTYPE_BF16},     {"bfloat16", SHARDD_DTYPE_BF16},
+      {"BFloat16", SHARDD_DTYPE_BF16}, {"fp16", SHARDD_DTYPE_FP16},
+      {"float16", SHARDD_DTYPE_FP16},  {"half", SHARDD_DTYPE_FP16},
+  };
+  return cr_make_param_array(dtype_row, rows, sizeof rows / sizeof rows[0]);
+}
+
+ParameterizedTest(dtype_row *r, err, dtype_parse_known) {
+  shardd_dtype d = 0;
+  cr_assert_eq(shardd_dtype_parse(r->text, &d), SHARDD_OK, "%s", r->text);
+  cr_expect_eq((int)d, r->dtype, "%s", r->text);
+}
+
+ParameterizedTestParameters(err, dtype_parse_unknown) {
+  static dtype_row rows[] = {{"", 0},     {"fp8", 0},    {"int8", 0},
+                             {"fp32 ", 0}, {" fp32", 0}, {"float64", 0},
+                             {"bf", 0},   {"f", 0}};
+  return cr_make_param_array(dtype_row, rows, sizeof rows / sizeof rows[0]);
+}
+
+ParameterizedTest(dtype_row *r, err, dtype_parse_unknown) {
+  shardd_dtype d = (shardd_dtype)77;
+  cr_expect_eq(shardd_dtype_parse(r->text, &d), SHARDD_E_DTYPE, "\"%s\"",
+               r->text);
+  cr_expect_eq((int)d, 77, "output untouched on refusal");
+}
+
+Test(err, dtype_parse_null) {
+  shardd_dtype d;
+  cr_expect_eq(shardd_dtype_parse(NULL, &d), SHARDD_E_INVAL);
+  cr_expect_eq(shardd_dtype_parse("fp32", NULL), SHARDD_E_INVAL);
+}
+
+Test(err, dtype_size_and_name) {
+  cr_expect_eq(shardd_dtype_size(SHARDD_DTYPE_FP32), 4);
+  cr_expect_eq(shardd_dtype_size(SHARDD_DTYPE_BF16), 2);
+  cr_expect_eq(shardd_dtype_size(SHARDD_DTYPE_FP16), 2);
+  cr_expect_eq(shardd_dtype_size((shardd_dtype)0), 0);
+  cr_expect_eq(shardd_dtype_size((shardd_dtype)4), 0);
+  cr_expect_eq(shardd_dtype_size((shardd_dtype)-1), 0);
+  cr_expect_str_eq(shardd_dtype_name(SHARDD_DTYPE_FP32), "fp32");
+  cr_expect_str_eq(shardd_dtype_name(SHARDD_DTYPE_BF16), "bf16");
+  cr_expect_str_eq(shardd_dtype_name(SHARDD_DTYPE_FP16), "fp16");
+  cr_expect_null(shardd_dtype_name((shardd_dtype)0));
+  cr_expect_null(shardd_dtype_name((shardd_dtype)9));
+}
+
+Test(err, dtype_values_match_proto) {
+  cr_expect_eq(SHARDD_DTYPE_FP32, SHARDD__DTYPE__FP32);
+  cr_expect_eq(SHARDD_DTYPE_BF16, SHARDD__DTYPE__BF16);
+  cr_expect_eq(SHARDD_DTYPE_FP16, SHARDD__DTYPE__FP16);
+  cr_expect_eq(SHARDD_OPTIM_SGD, SHARDD__OPTIM_KIND__SGD);
+  cr_expect_eq(SHARDD_OPTIM_ADAM, SHARDD__OPTIM_KIND__ADAM);
+  cr_expect_eq(SHARDD_OPTIM_ADAMW, SHARDD__OPTIM_KIND__ADAMW);
+}
+
+Test(err, names_round_trip_through_parse) {
+  static const shardd_dtype all[] = {SHARDD_DTYPE_FP32, SHARDD_DTYPE_BF16,
+                                     SHARDD_DTYPE_FP16};
+  for (size_t i = 0; i < 3; i++) {
+    shardd_dtype d;
+    cr_assert_eq(shardd_dtype_parse(shardd_dtype_name(all[i]), &d), SHARDD_OK);
+    cr_expect_eq(d, all[i]);
+  }
+}

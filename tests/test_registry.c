@@ -1,0 +1,896 @@
+/* test_registry.c — jobs, flat buffers, views and optimizer ownership over a
+ * real host backend: padding and layout (expected values computed here from
+ * the definitions in DESIGN.md, not with the registry's formulas), attach
+ * and mismatch, ids never reused, capacity refusals that leave nothing
+ * behind, view bounds and shapes, busy refusals, and resolve's messages. */
+#include <criterion/criterion.h>
+#include <criterion/logging.h>
+#include <criterion/parameterized.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "registry.h"
+
+#define NDEV 2
+#define CAPACITY (256ull << 20)
+
+static shardd__backend *be;
+static shardd__registry reg;
+static shardd__job *job;   /* "job-a", world 4 */
+static shardd__job *other; /* "job-b", world 4 */
+static char err[512];
+
+static uint64_t used_bytes(void) {
+  uint64_t sum = 0;
+  for (int d = 0; d < be->ndevices; d++) {
+    shardd__device_info info;
+    be->ops->device_info(be, d, &info);
+    sum += info.used_bytes;
+  }
+  return sum;
+}
+
+static void make_registry(int ndev, uint64_t capacity) {
+  cr_assert_eq(shardd__backend_host_create(ndev, capacity, &be, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  shardd__registry_init(&reg, be);
+}
+
+/* Replaces the fixture's registry with one over another backend. */
+static void reset_registry(int ndev, uint64_t capacity) {
+  shardd__registry_free(&reg);
+  be->ops->destroy(be);
+  be = NULL;
+  make_registry(ndev, capacity);
+  job = other = NULL;
+}
+
+static void setup(void) {
+  make_registry(NDEV, CAPACITY);
+  cr_assert_eq(shardd__job_get(&reg, "job-a", 4, 1000, &job, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_assert_eq(shardd__job_get(&reg, "job-b", 4, 1000, &other, err, sizeof err),
+               SHARDD_OK, "%s", err);
+}
+
+static void teardown(void) {
+  shardd__registry_free(&reg);
+  if (be) {
+    cr_expect_eq(used_bytes(), 0, "registry_free returns every byte");
+    be->ops->destroy(be);
+    be = NULL;
+  }
+}
+
+TestSuite(registry, .init = setup, .fini = teardown);
+
+static shardd__buffer *buf_new(shardd__job *j, const char *name,
+                               shardd_dtype dt, uint64_t numel) {
+  shardd__buffer *b = NULL;
+  int created = -1;
+  shardd_err rc = shardd__buffer_register(&reg, j, name, dt, numel, &b,
+                                          &created, err, sizeof err);
+  cr_assert_eq(rc, SHARDD_OK, "register %s: %s (%s)", name, shardd_err_name(rc),
+               err);
+  cr_assert_eq(created, 1);
+  return b;
+}
+
+static shardd__view *view_new(shardd__job *j, shardd__buffer *b,
+                              const char *name, uint64_t off, uint64_t n) {
+  shardd__view *v = NULL;
+  int created = -1;
+  int64_t shape[1] = {(int64_t)n};
+  shardd_err rc = shardd__view_register(&reg, j, b->hdr.id, name, off, n, shape,
+                                        1, &v, &created, err, sizeof err);
+  cr_assert_eq(rc, SHARDD_OK, "view %s: %s (%s)", name, shardd_err_name(rc),
+               err);
+  cr_assert_eq(created, 1);
+  return v;
+}
+
+/* ---- jobs ------------------------------------------------------------- */
+
+Test(registry, job_get_finds_the_same_job) {
+  shardd__job *j = NULL;
+  cr_assert_eq(shardd__job_get(&reg, "job-a", 4, 0, &j, err, sizeof err),
+               SHARDD_OK);
+  cr_expect_eq(j, job);
+  cr_expect_eq(shardd__job_find(&reg, "job-a"), job);
+  cr_expect_eq(shardd__job_find(&reg, "job-b"), other);
+  cr_expect_null(shardd__job_find(&reg, "job-c"));
+  cr_expect_null(shardd__job_find(&reg, NULL));
+  cr_expect_str_eq(job->name, "job-a");
+  cr_expect_eq(job->world, 4);
+  cr_expect_eq(job->uid, 1000);
+}
+
+Test(registry, job_world_mismatch_refused) {
+  shardd__job *j = (shardd__job *)1;
+  shardd_err rc = shardd__job_get(&reg, "job-a", 8, 0, &j, err, sizeof err);
+  cr_expect_eq(rc, SHARDD_E_MISMATCH);
+  cr_expect_null(j);
+  cr_expect(strstr(err, "job-a") && strstr(err, "4") && strstr(err, "8"),
+            "message names the job and both worlds: %s", err);
+  cr_expect_eq(shardd__job_find(&reg, "job-a")->world, 4, "unchanged");
+}
+
+typedef struct {
+  char name[300];
+  uint32_t world;
+  int code;
+} bad_job;
+
+ParameterizedTestParameters(registry, job_bad_arguments) {
+  static bad_job rows[] = {
+      {"", 1, SHARDD_E_INVAL},
+      {"x", 0, SHARDD_E_RANGE},
+      {"x", 65537, SHARDD_E_RANGE},
+      {"x", UINT32_MAX, SHARDD_E_RANGE},
+      {"", 0, SHARDD_E_INVAL},
+  };
+  return cr_make_param_array(bad_job, rows, sizeof rows / sizeof rows[0]);
+}
+
+ParameterizedTest(bad_job *row, registry, job_bad_arguments) {
+  shardd__job *j = (shardd__job *)1;
+  cr_expect_eq(shardd__job_get(&reg, row->name, row->world, 0, &j, err,
+                               sizeof err),
+               row->code, "\"%s\" world %u: %s", row->name, row->world, err);
+  cr_expect_null(j);
+  cr_expect_neq(err[0], '\0');
+}
+
+Test(registry, job_name_length_limit) {
+  char name[300];
+  memset(name, 'j', sizeof name);
+  name[255] = '\0';
+  shardd__job *j;
+  cr_expect_eq(shardd__job_get(&reg, name, 1, 0, &j, err, sizeof err),
+               SHARDD_OK, "255 bytes is allowed");
+  name[255] = 'j';
+  name[256] = '\0';
+  cr_expect_eq(shardd__job_get(&reg, name, 1, 0, &j, err, sizeof err),
+               SHARDD_E_INVAL, "256 bytes is not");
+}
+
+Test(registry, job_release_frees_everything) {
+  uint64_t before = used_bytes();
+  shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_FP32, 1000);
+  uint64_t bid = b->hdr.id;
+  shardd__view *v = view_new(job, b, "w.0", 0, 10);
+  uint64_t vid = v->hdr.id;
+  cr_expect_gt(used_bytes(), before);
+  shardd__job_release(&reg, job);
+  job = NULL;
+  cr_expect_eq(used_bytes(), before);
+  cr_expect_null(shardd__job_find(&reg, "job-a"));
+  cr_expect_null(shardd__registry_get(&reg, bid));
+  cr_expect_null(shardd__registry_get(&reg, vid));
+  cr_expect_eq(shardd__job_find(&reg, "job-b"), other, "other jobs stay");
+}
+
+/* ---- buffers: padding and layout -------------------------------------- */
+
+/* What DESIGN.md defines: padded is the least multiple of world >= numel,
+ * s = padded / world. Computed by counting up, not by division. */
+static void expected_padding(uint64_t numel, uint32_t world, uint64_t *padded,
+                             uint64_t *shard) {
+  uint64_t p = numel;
+  while (p % world != 0)
+    p++;
+  *padded = p;
+  *shard = p / world;
+}
+
+static void check_layout(const shardd__buffer *b, size_t esz) {
+  /* [shard (dtype) | reduced (fp32 shard) | gather (dtype) | grad (dtype)] in
+   * that order, disjoint, inside block_bytes and inside each region */
+  cr_assert_eq(b->shard_off, 0);
+  cr_assert_leq(b->shard_off + b->shard_numel * esz, b->reduced_off);
+  cr_assert_leq(b->reduced_off + b->shard_numel * 4, b->gather_off);
+  cr_assert_leq(b->gather_off + b->padded_numel * esz, b->grad_off);
+  cr_assert_leq(b->grad_off + b->padded_numel * esz, b->block_bytes);
+  cr_assert_eq(b->reduced_off % 4, 0, "fp32 area aligned");
+  cr_assert_eq(b->gather_off % esz, 0);
+  cr_assert_eq(b->grad_off % esz, 0);
+  for (uint32_t r = 0; r < b->world; r++) {
+    cr_assert_not_null(b->blocks[r]);
+    cr_assert_geq(b->blocks[r]->bytes, b->block_bytes);
+    cr_assert_eq(b->blocks[r]->device, (int)(r % (uint32_t)be->ndevices),
+                 "rank %u on device rank %% ndevices", r);
+  }
+}
+
+Test(registry, padding_for_odd_sizes_and_worlds_1_to_7) {
+  static const uint64_t sizes[] = {1, 2, 3, 5, 7, 11, 13, 97, 1000, 1001, 4097,
+                                   65537};
+  static const shardd_dtype dts[] = {SHARDD_DTYPE_FP32, SHARDD_DTYPE_BF16,
+                                     SHARDD_DTYPE_FP16};
+  for (uint32_t w = 1; w <= 7; w++) {
+    char jn[16];
+    snprintf(jn, sizeof jn, "w%u", w);
+    shardd__job *j;
+    cr_assert_eq(shardd__job_get(&reg, jn, w, 0, &j, err, sizeof err),
+                 SHARDD_OK);
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+      shardd_dtype dt = dts[i % 3];
+      size_t esz = dt == SHARDD_DTYPE_FP32 ? 4 : 2;
+      char bn[32];
+      snprintf(bn, sizeof bn, "b%zu", i);
+      uint64_t bytes_before = j->bytes;
+      shardd__buffer *b = buf_new(j, bn, dt, sizes[i]);
+      uint64_t padded, shard;
+      expected_padding(sizes[i], w, &padded, &shard);
+      cr_expect_eq(b->numel, sizes[i]);
+      cr_expect_eq(b->world, w);
+      cr_expect_eq(b->padded_numel, padded, "numel %" PRIu64 " world %u",
+                   sizes[i], w);
+      cr_expect_eq(b->shard_numel, shard, "numel %" PRIu64 " world %u",
+                   sizes[i], w);
+      cr_expect_lt(b->padded_numel - b->numel, w, "padding below one element per rank");
+      cr_expect_eq(b->dtype, dt);
+      check_layout(b, esz);
+      uint64_t sum = 0;
+      for (uint32_t r = 0; r < w; r++)
+        sum += b->blocks[r]->bytes;
+      cr_expect_eq(j->bytes - bytes_before, sum, "job bytes count every block");
+    }
+  }
+}
+
+Test(registry, blocks_start_zeroed) {
+  shardd__buffer *b = buf_new(job, "z", SHARDD_DTYPE_FP32, 12345);
+  for (uint32_t r = 0; r < b->world; r++) {
+    const unsigned char *p = b->blocks[r]->ptr;
+    for (size_t i = 0; i < b->block_bytes; i++)
+      cr_assert_eq(p[i], 0, "rank %u byte %zu", r, i);
+  }
+}
+
+Test(registry, attach_same_dtype_and_numel) {
+  shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_BF16, 777);
+  uint64_t used = used_bytes();
+  shardd__buffer *b2 = NULL;
+  int created = -1;
+  cr_assert_eq(shardd__buffer_register(&reg, job, "w", SHARDD_DTYPE_BF16, 777,
+                                       &b2, &created, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_expect_eq(created, 0);
+  cr_expect_eq(b2, b);
+  cr_expect_eq(b2->hdr.id, b->hdr.id);
+  cr_expect_eq(used_bytes(), used, "attaching allocates nothing");
+}
+
+Test(registry, same_name_in_another_job_is_another_buffer) {
+  shardd__buffer *a = buf_new(job, "w", SHARDD_DTYPE_FP32, 10);
+  shardd__buffer *b = buf_new(other, "w", SHARDD_DTYPE_FP32, 10);
+  cr_expect_neq(a, b);
+  cr_expect_neq(a->hdr.id, b->hdr.id);
+  cr_expect_eq(b->hdr.job, other);
+}
+
+typedef struct {
+  int dtype;
+  uint64_t numel;
+} attach_row;
+
+ParameterizedTestParameters(registry, attach_mismatch_refused) {
+  static attach_row rows[] = {{SHARDD_DTYPE_FP16, 777},
+                              {SHARDD_DTYPE_FP32, 777},
+                              {SHARDD_DTYPE_BF16, 778},
+                              {SHARDD_DTYPE_BF16, 776},
+                              {SHARDD_DTYPE_FP32, 100}};
+  return cr_make_param_array(attach_row, rows, sizeof rows / sizeof rows[0]);
+}
+
+ParameterizedTest(attach_row *row, registry, attach_mismatch_refused) {
+  shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_BF16, 777);
+  uint64_t used = used_bytes();
+  shardd__buffer *b2 = (shardd__buffer *)1;
+  int created = -1;
+  cr_expect_eq(shardd__buffer_register(&reg, job, "w", (shardd_dtype)row->dtype,
+                                       row->numel, &b2, &created, err,
+                                       sizeof err),
+               SHARDD_E_MISMATCH);
+  cr_expect_null(b2);
+  cr_expect_eq(created, 0);
+  cr_expect(strstr(err, "\"w\"") && strstr(err, "bf16[777]"),
+            "message names the buffer and the existing registration: %s", err);
+  cr_expect_eq(used_bytes(), used);
+  cr_expect_eq(b->numel, 777, "the existing buffer is unchanged");
+}
+
+typedef struct {
+  char name[300];
+  int dtype;
+  uint64_t numel;
+  int code;
+} bad_buffer;
+
+ParameterizedTestParameters(registry, buffer_bad_arguments) {
+  static bad_buffer rows[] = {
+      {"", SHARDD_DTYPE_FP32, 10, SHARDD_E_INVAL},
+      {"b", 0, 10, SHARDD_E_DTYPE},
+      {"b", 4, 10, SHARDD_E_DTYPE},
+      {"b", -1, 10, SHARDD_E_DTYPE},
+      {"b", SHARDD_DTYPE_FP32, 0, SHARDD_E_RANGE},
+      {"b", SHARDD_DTYPE_FP32, (1ull << 40) + 1, SHARDD_E_RANGE},
+      {"b", SHARDD_DTYPE_FP16, UINT64_MAX, SHARDD_E_RANGE},
+  };
+  return cr_make_param_array(bad_buffer, rows, sizeof rows / sizeof rows[0]);
+}
+
+ParameterizedTest(bad_buffer *row, registry, buffer_bad_arguments) {
+  uint64_t used = used_bytes();
+  uint64_t next = reg.next_id;
+  shardd__buffer *b = (shardd__buffer *)1;
+  int created = -1;
+  shardd_err rc =
+      shardd__buffer_register(&reg, job, row->name, (shardd_dtype)row->dtype,
+                              row->numel, &b, &created, err, sizeof err);
+  cr_expect_eq(rc, row->code, "got %s: %s", shardd_err_name(rc), err);
+  cr_expect_null(b);
+  cr_expect_neq(err[0], '\0');
+  cr_expect_eq(used_bytes(), used);
+  cr_expect_eq(reg.next_id, next, "no id consumed");
+  cr_expect_eq(shardd__map_count(&job->buffers), 0);
+}
+
+Test(registry, ids_never_reused_after_unregister) {
+  uint64_t seen[64];
+  size_t nseen = 0;
+  for (int round = 0; round < 8; round++) {
+    shardd__buffer *b = buf_new(job, "again", SHARDD_DTYPE_FP32, 100);
+    shardd__view *v = view_new(job, b, "v", 0, 10);
+    seen[nseen++] = b->hdr.id;
+    seen[nseen++] = v->hdr.id;
+    cr_assert_eq(shardd__buffer_unregister(&reg, job, b->hdr.id, err,
+                                           sizeof err),
+                 SHARDD_OK, "%s", err);
+  }
+  for (size_t i = 0; i < nseen; i++) {
+    cr_expect_neq(seen[i], 0);
+    for (size_t k = 0; k < i; k++)
+      cr_expect_neq(seen[i], seen[k], "id %" PRIu64 " handed out twice",
+                    seen[i]);
+    cr_expect_null(shardd__registry_get(&reg, seen[i]));
+    cr_expect(shardd__registry_issued(&reg, seen[i]));
+  }
+  cr_expect_not(shardd__registry_issued(&reg, 0));
+  cr_expect_not(shardd__registry_issued(&reg, 1000000));
+}
+
+Test(registry, unregister_frees_memory_and_views) {
+  uint64_t used0 = used_bytes();
+  uint64_t bytes0 = job->bytes;
+  shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_FP32, 100000);
+  shardd__view *v1 = view_new(job, b, "a", 0, 10);
+  shardd__view *v2 = view_new(job, b, "b", 10, 10);
+  uint64_t bid = b->hdr.id, id1 = v1->hdr.id, id2 = v2->hdr.id;
+  cr_expect_eq(job->nviews, 2);
+  cr_expect_gt(used_bytes(), used0);
+  cr_assert_eq(shardd__buffer_unregister(&reg, job, bid, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_expect_eq(used_bytes(), used0);
+  cr_expect_eq(job->bytes, bytes0);
+  cr_expect_eq(job->nviews, 0);
+  cr_expect_null(shardd__registry_get(&reg, bid));
+  cr_expect_null(shardd__registry_get(&reg, id1));
+  cr_expect_null(shardd__registry_get(&reg, id2));
+  cr_expect_null(shardd__map_get_str(&job->buffers, "w"));
+  /* the name is free again */
+  shardd__buffer *b2 = buf_new(job, "w", SHARDD_DTYPE_FP16, 5);
+  cr_expect_gt(b2->hdr.id, id2);
+}
+
+Test(registry, unregister_refusals) {
+  shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_FP32, 100);
+  shardd__view *v = view_new(job, b, "v", 0, 10);
+  cr_expect_eq(shardd__buffer_unregister(&reg, other, b->hdr.id, err,
+                                         sizeof err),
+               SHARDD_E_NOT_OWNED, "another job cannot free it");
+  cr_expect_eq(shardd__buffer_unregister(&reg, job, v->hdr.id, err, sizeof err),
+               SHARDD_E_INVAL, "a view is not a buffer");
+  cr_expect_eq(shardd__view_unregister(&reg, job, b->hdr.id, err, sizeof err),
+               SHARDD_E_INVAL, "a buffer is not a view");
+  cr_expect_eq(shardd__buffer_unregister(&reg, job, 99999, err, sizeof err),
+               SHARDD_E_NOT_FOUND);
+  cr_expect_not_null(shardd__registry_get(&reg, b->hdr.id));
+  b->inflight = 1;
+  cr_expect_eq(shardd__buffer_unregister(&reg, job, b->hdr.id, err, sizeof err),
+               SHARDD_E_BUSY, "a collective is in flight");
+  b->inflight = 0;
+  uint64_t vid = v->hdr.id;
+  cr_expect_eq(shardd__view_unregister(&reg, job, vid, err, sizeof err),
+               SHARDD_OK);
+  cr_expect_eq(shardd__view_unregister(&reg, job, vid, err, sizeof err),
+               SHARDD_E_NOT_FOUND, "twice");
+  cr_expect(strstr(err, "no longer exists"), "%s", err);
+}
+
+/* ---- capacity ---------------------------------------------------------- */
+
+Test(registry, capacity_exceeded_leaves_nothing_behind) {
+  /* one device of 1 MiB; a world-4 buffer whose blocks are 640 KiB each:
+   * the first fits, the second does not */
+  reset_registry(1, 1u << 20);
+  cr_assert_eq(shardd__job_get(&reg, "j", 4, 0, &job, err, sizeof err),
+               SHARDD_OK);
+  shardd__buffer *small = buf_new(job, "small", SHARDD_DTYPE_FP32, 4);
+  uint64_t used = used_bytes(), bytes = job->bytes, next = reg.next_id;
+  size_t nobj = shardd__map_count(&reg.objects);
+  /* fp32 numel 4 * 16384: shard 64 KiB, reduced 64 KiB, gather 256 KiB,
+   * grad 256 KiB: 640 KiB per block */
+  shardd__buffer *b = (shardd__buffer *)1;
+  int created = -1;
+  shardd_err rc = shardd__buffer_register(&reg, job, "big", SHARDD_DTYPE_FP32,
+                                          4 * 16384, &b, &created, err,
+                                          sizeof err);
+  cr_expect_eq(rc, SHARDD_E_NO_MEMORY, "got %s", shardd_err_name(rc));
+  cr_expect_null(b);
+  cr_expect_eq(created, 0);
+  cr_expect(strstr(err, "big") && strstr(err, "rank 1"),
+            "names the buffer and the rank that did not fit: %s", err);
+  cr_expect_eq(used_bytes(), used, "partial allocation returned");
+  cr_expect_eq(job->bytes, bytes);
+  cr_expect_eq(reg.next_id, next);
+  cr_expect_eq(shardd__map_count(&reg.objects), nobj);
+  cr_expect_null(shardd__map_get_str(&job->buffers, "big"));
+  /* the arena is still usable: what fits still registers */
+  shardd__buffer *ok = buf_new(job, "ok", SHARDD_DTYPE_FP32, 400);
+  cr_expect_not_null(ok);
+  cr_expect_not_null(small);
+}
+
+Test(registry, capacity_exact_fit_then_refusal) {
+  /* capacity of exactly two blocks of one world-1 buffer */
+  reset_registry(1, 2 * 4 * 4096);
+  cr_assert_eq(shardd__job_get(&reg, "j", 1, 0, &job, err, sizeof err),
+               SHARDD_OK);
+  shardd__buffer *a = buf_new(job, "a", SHARDD_DTYPE_FP32, 1);
+  cr_assert_eq(a->block_bytes, 4 * 4096, "four page-aligned areas");
+  buf_new(job, "b", SHARDD_DTYPE_FP32, 1);
+  cr_expect_eq(used_bytes(), 2 * 4 * 4096);
+  shardd__buffer *c;
+  int created;
+  cr_expect_eq(shardd__buffer_register(&reg, job, "c", SHARDD_DTYPE_FP32, 1, &c,
+                                       &created, err, sizeof err),
+               SHARDD_E_NO_MEMORY);
+  cr_expect_eq(used_bytes(), 2 * 4 * 4096);
+  cr_assert_eq(shardd__buffer_unregister(&reg, job, a->hdr.id, err, sizeof err),
+               SHARDD_OK);
+  buf_new(job, "c", SHARDD_DTYPE_FP32, 1);
+}
+
+/* ---- views ------------------------------------------------------------ */
+
+Test(registry, view_fields_and_shape_copy) {
+  shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_FP32, 100);
+  int64_t shape[3] = {2, 3, 4};
+  shardd__view *v;
+  int created;
+  cr_assert_eq(shardd__view_register(&reg, job, b->hdr.id, "layer.w", 10, 24,
+                                     shape, 3, &v, &created, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  shape[0] = 99; /* the registry keeps its own copy */
+  cr_expect_eq(created, 1);
+  cr_expect_eq(v->buf, b);
+  cr_expect_eq(v->offset, 10);
+  cr_expect_eq(v->numel, 24);
+  cr_expect_eq(v->ndim, 3);
+  cr_expect(v->shape[0] == 2 && v->shape[1] == 3 && v->shape[2] == 4);
+  cr_expect_str_eq(v->hdr.name, "layer.w");
+  cr_expect_eq(v->hdr.kind, SHARDD__OBJ_VIEW);
+  cr_expect_eq(v->hdr.job, job);
+  cr_expect_gt(v->hdr.id, b->hdr.id);
+  cr_expect_eq(job->nviews, 1);
+  cr_expect_eq((void *)shardd__registry_get(&reg, v->hdr.id), (void *)v);
+}
+
+Test(registry, scalar_view) {
+  shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_FP32, 100);
+  shardd__view *v;
+  int created;
+  cr_expect_eq(shardd__view_register(&reg, job, b->hdr.id, "scale", 99, 1, NULL,
+                                     0, &v, &created, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_expect_eq(v->ndim, 0);
+  cr_expect_eq(v->numel, 1);
+  cr_expect_eq(shardd__view_register(&reg, job, b->hdr.id, "bad", 0, 2, NULL, 0,
+                                     &v, &created, err, sizeof err),
+               SHARDD_E_MISMATCH, "a scalar has one element");
+}
+
+Test(registry, view_covering_the_whole_buffer) {
+  shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_FP16, 13);
+  view_new(job, b, "all", 0, 13);
+}
+
+typedef struct {
+  uint64_t offset, numel;
+  int ndim;
+  int64_t shape[4];
+  int code;
+  char why[48];
+} bad_view;
+
+/* Against a buffer of numel 10 in a world-4 job (padded 12). */
+ParameterizedTestParameters(registry, view_bad_arguments) {
+  static bad_view rows[] = {
+      {0, 11, 1, {11}, SHARDD_E_RANGE, "longer than the buffer"},
+      {5, 6, 1, {6}, SHARDD_E_RANGE, "offset+numel = numel+1"},
+      {10, 1, 1, {1}, SHARDD_E_RANGE, "starts at numel"},
+      {10, 2, 1, {2}, SHARDD_E_RANGE, "inside the padding"},
+      {11, 1, 1, {1}, SHARDD_E_RANGE, "past the padding"},
+      {0, 0, 1, {0}, SHARDD_E_RANGE, "empty"},
+      {UINT64_MAX, 2, 1, {2}, SHARDD_E_RANGE, "offset+numel wraps"},
+      {2, UINT64_MAX, 1, {1}, SHARDD_E_RANGE, "numel wraps"},
+      {0, 6, 2, {2, 2}, SHARDD_E_MISMATCH, "shape product 4 != 6"},
+      {0, 6, 2, {3, 3}, SHARDD_E_MISMATCH, "shape product 9 != 6"},
+      {0, 6, 1, {0}, SHARDD_E_MISMATCH, "zero dimension"},
+      {0, 6, 2, {-2, -3}, SHARDD_E_RANGE, "negative dimensions"},
+      {0, 6, 2, {6, -1}, SHARDD_E_RANGE, "negative dimension"},
+      {0, 4, -1, {4}, SHARDD_E_RANGE, "negative ndim"},
+      {0, 2, 0, {0}, SHARDD_E_MISMATCH, "scalar of 2 elements"},
+      {0, 8, 4, {INT64_MAX, INT64_MAX, 2, 2}, SHARDD_E_RANGE, "product overflows"},
+  };
+  return cr_make_param_array(bad_view, rows, sizeof rows / sizeof rows[0]);
+}
+
+ParameterizedTest(bad_view *row, registry, view_bad_arguments) {
+  shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_FP32, 10);
+  cr_assert_eq(b->padded_numel, 12);
+  uint64_t next = reg.next_id;
+  shardd__view *v = (shardd__view *)1;
+  int created = -1;
+  shardd_err rc = shardd__view_register(&reg, job, b->hdr.id, "v", row->offset,
+                                        row->numel, row->shape, row->ndim, &v,
+                                        &created, err, sizeof err);
+  cr_expect_eq(rc, row->code, "%s: got %s (%s)", row->why, shardd_err_name(rc),
+               err);
+  cr_expect_null(v);
+  cr_expect_neq(err[0], '\0');
+  cr_expect(strstr(err, "\"v\""), "message names the view: %s", err);
+  cr_expect_eq(reg.next_id, next);
+  cr_expect_eq(job->nviews, 0);
+}
+
+Test(registry, view_ndim_limit) {
+  shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_FP32, 10);
+  int64_t shape[17];
+  for (int i = 0; i < 17; i++)
+    shape[i] = 1;
+  shardd__view *v;
+  int created;
+  cr_expect_eq(shardd__view_register(&reg, job, b->hdr.id, "v16", 0, 1, shape,
+                                     16, &v, &created, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_expect_eq(shardd__view_register(&reg, job, b->hdr.id, "v17", 0, 1, shape,
+                                     17, &v, &created, err, sizeof err),
+               SHARDD_E_RANGE);
+}
+
+Test(registry, view_attach_and_mismatch) {
+  shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_FP32, 100);
+  int64_t shape[2] = {4, 5};
+  shardd__view *v, *v2;
+  int created;
+  cr_assert_eq(shardd__view_register(&reg, job, b->hdr.id, "m", 20, 20, shape,
+                                     2, &v, &created, err, sizeof err),
+               SHARDD_OK);
+  uint64_t next = reg.next_id;
+  cr_assert_eq(shardd__view_register(&reg, job, b->hdr.id, "m", 20, 20, shape,
+                                     2, &v2, &created, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_expect_eq(created, 0);
+  cr_expect_eq(v2, v);
+  cr_expect_eq(reg.next_id, next);
+  cr_expect_eq(job->nviews, 1);
+
+  int64_t other_shape[2] = {5, 4};
+  int64_t flat[1] = {20};
+  cr_expect_eq(shardd__view_register(&reg, job, b->hdr.id, "m", 20, 20,
+                                     other_shape, 2, &v2, &created, err,
+                                     sizeof err),
+               SHARDD_E_MISMATCH, "another shape");
+  cr_expect_eq(shardd__view_register(&reg, job, b->hdr.id, "m", 20, 20, flat, 1,
+                                     &v2, &created, err, sizeof err),
+               SHARDD_E_MISMATCH, "another ndim");
+  cr_expect_eq(shardd__view_register(&reg, job, b->hdr.id, "m", 21, 20, shape,
+                                     2, &v2, &created, err, sizeof err),
+               SHARDD_E_MISMATCH, "another offset");
+  cr_expect_null(v2);
+  cr_expect(strstr(err, "\"m\""), "%s", err);
+  cr_expect_eq(job->nviews, 1);
+  /* the same name in another buffer is another view */
+  shardd__buffer *b2 = buf_new(job, "w2", SHARDD_DTYPE_FP32, 100);
+  cr_expect_eq(shardd__view_register(&reg, job, b2->hdr.id, "m", 0, 20, shape,
+                                     2, &v2, &created, err, sizeof err),
+               SHARDD_OK);
+  cr_expect_eq(created, 1);
+  cr_expect_neq(v2, v);
+}
+
+Test(registry, view_on_what_is_not_a_live_buffer_of_the_job) {
+  shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_FP32, 100);
+  shardd__view *v0 = view_new(job, b, "v0", 0, 10);
+  shardd__buffer *gone = buf_new(job, "gone", SHARDD_DTYPE_FP32, 100);
+  uint64_t gone_id = gone->hdr.id;
+  cr_assert_eq(shardd__buffer_unregister(&reg, job, gone_id, err, sizeof err),
+               SHARDD_OK);
+  shardd__view *v;
+  int created;
+  int64_t shape[1] = {10};
+  cr_expect_eq(shardd__view_register(&reg, other, b->hdr.id, "x", 0, 10, shape,
+                                     1, &v, &created, err, sizeof err),
+               SHARDD_E_NOT_OWNED);
+  cr_expect_eq(shardd__view_register(&reg, job, v0->hdr.id, "x", 0, 10, shape,
+                                     1, &v, &created, err, sizeof err),
+               SHARDD_E_INVAL, "a view of a view");
+  cr_expect_eq(shardd__view_register(&reg, job, gone_id, "x", 0, 10, shape, 1,
+                                     &v, &created, err, sizeof err),
+               SHARDD_E_NOT_FOUND);
+  cr_expect_eq(shardd__view_register(&reg, job, 0, "x", 0, 10, shape, 1, &v,
+                                     &created, err, sizeof err),
+               SHARDD_E_NOT_FOUND);
+  cr_expect_eq(shardd__view_register(&reg, job, b->hdr.id, "", 0, 10, shape, 1,
+                                     &v, &created, err, sizeof err),
+               SHARDD_E_INVAL, "empty name");
+  cr_expect_eq(job->nviews, 1);
+}
+
+Test(registry, buffer_views_in_offset_order) {
+  shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_FP32, 100);
+  uint64_t offs[] = {50, 0, 90, 10, 30};
+  for (int i = 0; i < 5; i++) {
+    char n[16];
+    snprintf(n, sizeof n, "v%d", i);
+    view_new(job, b, n, offs[i], 5);
+  }
+  shardd__view **vs;
+  size_t n;
+  cr_assert_eq(shardd__buffer_views(b, &vs, &n), SHARDD_OK);
+  cr_assert_eq(n, 5);
+  uint64_t want[] = {0, 10, 30, 50, 90};
+  for (size_t i = 0; i < n; i++)
+    cr_expect_eq(vs[i]->offset, want[i]);
+  free(vs);
+  shardd__buffer **bs;
+  buf_new(job, "a", SHARDD_DTYPE_FP32, 1);
+  buf_new(job, "z", SHARDD_DTYPE_FP32, 1);
+  cr_assert_eq(shardd__job_buffers(job, &bs, &n), SHARDD_OK);
+  cr_assert_eq(n, 3);
+  for (size_t i = 1; i < n; i++)
+    cr_expect_lt(bs[i - 1]->hdr.id, bs[i]->hdr.id, "id order");
+  free(bs);
+}
+
+/* ---- optimizers holding buffers and views ------------------------------ */
+
+/* A plan built by hand (what validate.c would produce) over refs. */
+static shardd__optim *optim_over(const char *name, shardd__obj **objs, size_t n,
+                                 shardd_err want) {
+  shardd__optim_plan plan;
+  memset(&plan, 0, sizeof plan);
+  plan.name = strdup(name);
+  plan.kind = SHARDD_OPTIM_SGD;
+  plan.ngroups = 1;
+  plan.groups = calloc(1, sizeof *plan.groups);
+  shardd__hp_defaults(SHARDD_OPTIM_SGD, &plan.groups[0]);
+  plan.refs = calloc(n ? n : 1, sizeof *plan.refs);
+  plan.nrefs = n;
+  for (size_t i = 0; i < n; i++) {
+    shardd__plan_ref *r = &plan.refs[i];
+    r->obj = objs[i];
+    if (objs[i]->kind == SHARDD__OBJ_VIEW) {
+      shardd__view *v = (shardd__view *)objs[i];
+      r->buf = v->buf;
+      r->offset = v->offset;
+      r->numel = v->numel;
+    } else {
+      r->buf = (shardd__buffer *)objs[i];
+      r->offset = 0;
+      r->numel = r->buf->numel;
+    }
+  }
+  shardd__optim *o = NULL;
+  shardd_err rc = shardd__optim_create(&reg, job, &plan, &o, err, sizeof err);
+  shardd__optim_plan_free(&plan);
+  cr_assert_eq(rc, want, "optim_create %s: %s (%s)", name, shardd_err_name(rc),
+               err);
+  return o;
+}
+
+Test(registry, buffer_in_an_optimizer_is_busy) {
+  shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_FP32, 100);
+  shardd__obj *refs[] = {&b->hdr};
+  shardd__optim *o = optim_over("opt", refs, 1, SHARDD_OK);
+  cr_expect_eq(b->owner, o);
+  cr_expect_eq(b->nowned, 1);
+  cr_expect_eq(shardd__buffer_unregister(&reg, job, b->hdr.id, err, sizeof err),
+               SHARDD_E_BUSY);
+  cr_expect(strstr(err, "optimizer"), "%s", err);
+  cr_expect_not_null(shardd__registry_get(&reg, b->hdr.id));
+  cr_assert_eq(shardd__optim_unregister(&reg, job, o->hdr.id, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_expect_null(b->owner);
+  cr_expect_eq(b->nowned, 0);
+  cr_expect_eq(shardd__buffer_unregister(&reg, job, b->hdr.id, err, sizeof err),
+               SHARDD_OK, "%s", err);
+}
+
+Test(registry, buffer_with_a_view_in_an_optimizer_is_busy) {
+  shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_FP32, 100);
+  shardd__view *v = view_new(job, b, "v", 10, 10);
+  shardd__view *free_view = view_new(job, b, "u", 30, 10);
+  shardd__obj *refs[] = {&v->hdr};
+  shardd__optim *o = optim_over("opt", refs, 1, SHARDD_OK);
+  cr_expect_eq(v->owner, o);
+  cr_expect_eq(b->nowned, 1);
+  cr_expect_null(b->owner, "not owned whole");
+  cr_expect_eq(shardd__buffer_unregister(&reg, job, b->hdr.id, err, sizeof err),
+               SHARDD_E_BUSY);
+  cr_expect_eq(shardd__view_unregister(&reg, job, v->hdr.id, err, sizeof err),
+               SHARDD_E_BUSY);
+  cr_expect_eq(shardd__view_unregister(&reg, job, free_view->hdr.id, err,
+                                       sizeof err),
+               SHARDD_OK, "a view no optimizer holds can go");
+  cr_expect_eq(shardd__optim_unregister(&reg, other, o->hdr.id, err, sizeof err),
+               SHARDD_E_NOT_OWNED, "another job cannot drop it");
+  cr_expect_eq(shardd__optim_unregister(&reg, job, b->hdr.id, err, sizeof err),
+               SHARDD_E_INVAL, "a buffer is not an optimizer");
+  cr_assert_eq(shardd__optim_unregister(&reg, job, o->hdr.id, err, sizeof err),
+               SHARDD_OK);
+  cr_expect_null(v->owner);
+  cr_expect_eq(shardd__buffer_unregister(&reg, job, b->hdr.id, err, sizeof err),
+               SHARDD_OK, "%s", err);
+}
+
+Test(registry, optimizer_names_are_unique_in_a_job) {
+  /* optim_create under a name the job already uses must not replace the
+   * first optimizer in the job's name map (it would then be unreachable by
+   * name, leak at job release, and its unregister would drop the second
+   * one's name) */
+  shardd__buffer *a = buf_new(job, "a", SHARDD_DTYPE_FP32, 100);
+  shardd__buffer *b = buf_new(job, "b", SHARDD_DTYPE_FP32, 100);
+  shardd__obj *ra[] = {&a->hdr}, *rb[] = {&b->hdr};
+  shardd__optim *o1 = optim_over("opt", ra, 1, SHARDD_OK);
+  uint64_t used = used_bytes();
+  shardd__optim *o2 = optim_over("opt", rb, 1, SHARDD_E_MISMATCH);
+  cr_expect_null(o2);
+  cr_expect(strstr(err, "opt"), "%s", err);
+  cr_expect_null(b->owner, "nothing registered");
+  cr_expect_eq(b->nowned, 0);
+  cr_expect_eq(used_bytes(), used);
+  cr_expect_eq(shardd__optim_find(job, "opt"), o1);
+}
+
+Test(registry, optimizer_counts_and_ids) {
+  shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_FP32, 100);
+  shardd__view *v = view_new(job, b, "v", 0, 10);
+  shardd__obj *refs[] = {&v->hdr};
+  shardd__optim *o = optim_over("o", refs, 1, SHARDD_OK);
+  cr_expect_eq(o->hdr.kind, SHARDD__OBJ_OPTIM);
+  cr_expect_gt(o->hdr.id, v->hdr.id);
+  cr_expect_str_eq(o->hdr.name, "o");
+  cr_expect_eq(shardd__optim_find(job, "o"), o);
+  cr_expect_null(shardd__optim_find(other, "o"));
+  shardd__optim **os;
+  size_t n;
+  cr_assert_eq(shardd__job_optims(job, &os, &n), SHARDD_OK);
+  cr_expect_eq(n, 1);
+  cr_expect_eq(os[0], o);
+  free(os);
+  uint64_t oid = o->hdr.id;
+  cr_assert_eq(shardd__optim_unregister(&reg, job, oid, err, sizeof err),
+               SHARDD_OK);
+  cr_expect_null(shardd__optim_find(job, "o"));
+  cr_expect_eq(shardd__optim_unregister(&reg, job, oid, err, sizeof err),
+               SHARDD_E_NOT_FOUND);
+}
+
+Test(registry, optimizer_step_in_flight_is_busy) {
+  shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_FP32, 100);
+  shardd__obj *refs[] = {&b->hdr};
+  shardd__optim *o = optim_over("o", refs, 1, SHARDD_OK);
+  o->inflight = 1;
+  cr_expect_eq(shardd__optim_unregister(&reg, job, o->hdr.id, err, sizeof err),
+               SHARDD_E_BUSY);
+  o->inflight = 0;
+}
+
+Test(registry, job_release_with_optimizers) {
+  uint64_t used = used_bytes();
+  shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_BF16, 1000);
+  shardd__view *v = view_new(job, b, "v", 0, 10);
+  shardd__obj *refs[] = {&v->hdr};
+  optim_over("o", refs, 1, SHARDD_OK);
+  shardd__job_release(&reg, job);
+  job = NULL;
+  cr_expect_eq(used_bytes(), used);
+}
+
+/* ---- resolve ---------------------------------------------------------- */
+
+Test(registry, resolve_messages) {
+  shardd__buffer *b = buf_new(job, "weights", SHARDD_DTYPE_FP32, 100);
+  shardd__view *v = view_new(job, b, "w.0", 0, 10);
+  shardd__buffer *ob = buf_new(other, "theirs", SHARDD_DTYPE_FP32, 100);
+  shardd__buffer *gone = buf_new(job, "gone", SHARDD_DTYPE_FP32, 100);
+  uint64_t gone_id = gone->hdr.id;
+  cr_assert_eq(shardd__buffer_unregister(&reg, job, gone_id, err, sizeof err),
+               SHARDD_OK);
+  shardd__obj *o;
+  char want[128];
+
+  cr_expect_eq(shardd__registry_resolve(&reg, job, b->hdr.id,
+                                        SHARDD__OBJ_BUFFER, &o, err,
+                                        sizeof err),
+               SHARDD_OK);
+  cr_expect_eq(o, &b->hdr);
+
+  cr_expect_eq(shardd__registry_resolve(&reg, job, 424242, SHARDD__OBJ_BUFFER,
+                                        &o, err, sizeof err),
+               SHARDD_E_NOT_FOUND);
+  cr_expect_null(o);
+  cr_expect_str_eq(err, "no buffer has id 424242");
+
+  cr_expect_eq(shardd__registry_resolve(&reg, job, gone_id, SHARDD__OBJ_BUFFER,
+                                        &o, err, sizeof err),
+               SHARDD_E_NOT_FOUND);
+  snprintf(want, sizeof want, "buffer %" PRIu64 " no longer exists (unregistered)",
+           gone_id);
+  cr_expect_str_eq(err, want);
+
+  cr_expect_eq(shardd__registry_resolve(&reg, job, ob->hdr.id,
+                                        SHARDD__OBJ_BUFFER, &o, err,
+                                        sizeof err),
+               SHARDD_E_NOT_OWNED);
+  snprintf(want, sizeof want, "buffer %" PRIu64 " is not owned by job \"job-a\"",
+           ob->hdr.id);
+  cr_expect_str_eq(err, want);
+
+  cr_expect_eq(shardd__registry_resolve(&reg, job, v->hdr.id,
+                                        SHARDD__OBJ_BUFFER, &o, err,
+                                        sizeof err),
+               SHARDD_E_INVAL);
+  snprintf(want, sizeof want, "id %" PRIu64 " (\"w.0\") is a view, not a buffer",
+           v->hdr.id);
+  cr_expect_str_eq(err, want);
+
+  cr_expect_eq(shardd__registry_resolve(&reg, job, b->hdr.id,
+                                        SHARDD__OBJ_OPTIM, &o, err, sizeof err),
+               SHARDD_E_INVAL);
+  cr_expect(strstr(err, "is a buffer, not a optimizer") ||
+                strstr(err, "is a buffer, not an optimizer"),
+            "%s", err);
+
+  cr_expect_eq(shardd__registry_resolve(&reg, job, 0, SHARDD__OBJ_VIEW, &o, err,
+                                        sizeof err),
+               SHARDD_E_NOT_FOUND);
+  cr_expect_str_eq(err, "no view has id 0");
+}
+
+Test(registry, job_memory_limit_refuses_and_leaves_nothing_behind) {
+  /* world 4, fp32 numel 4: four blocks of four pages each */
+  reg.job_memory_limit = 4 * 4 * 4096;
+  buf_new(job, "fits", SHARDD_DTYPE_FP32, 4);
+  cr_assert_eq(job->bytes, 4 * 4 * 4096);
+  uint64_t used = used_bytes(), next = reg.next_id;
+  shardd__buffer *b = (shardd__buffer *)1;
+  int created = -1;
+  cr_expect_eq(shardd__buffer_register(&reg, job, "over", SHARDD_DTYPE_FP32, 4,
+                                       &b, &created, err, sizeof err),
+               SHARDD_E_NO_MEMORY);
+  cr_expect_null(b);
+  cr_expect(strstr(err, "job-a"), "names the job: %s", err);
+  cr_expect_eq(used_bytes(), used);
+  cr_expect_eq(reg.next_id, next);
+  cr_expect_null(shardd__map_get_str(&job->buffers, "over"));
+  /* the limit is per job */
+  buf_new(other, "over", SHARDD_DTYPE_FP32, 4);
+}

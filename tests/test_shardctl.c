@@ -1,0 +1,242 @@
+/* test_shardctl.c — the shardctl command line as a user runs it: exit codes
+ * (0 ok, 1 daemon error, 2 usage, 3 cannot reach the daemon), errors on
+ * stderr prefixed "shardctl:" naming what failed, --socket and
+ * $SHARDD_SOCKET, and status / inspect / ping output parsed as text and
+ * JSON. */
+#include <criterion/criterion.h>
+#include <criterion/parameterized.h>
+
+#include "harness.h"
+
+static test_daemon d;
+
+static void start(void) {
+  const char *args[] = {"--devices", "2", NULL};
+  test_daemon_start(&d, args);
+}
+
+static void stop(void) { test_daemon_finish(&d); }
+
+static int ctl(char **out, char **err, const char *fmt, const char *extra) {
+  char args[512];
+  snprintf(args, sizeof args, fmt, d.sock, extra ? extra : "");
+  return test_shardctl(NULL, args, out, err);
+}
+
+Test(shardctl, status_ok_and_ping, .init = start, .fini = stop) {
+  char *out, *err;
+  cr_assert_eq(ctl(&out, &err, "--socket %s status%s", NULL), 0, "%s", err);
+  cr_assert_not_null(strstr(out, "backend: host\n"), "%s", out);
+  cr_assert_not_null(strstr(out, "devices: 2\n"), "%s", out);
+  cr_assert_str_eq(err, "");
+  free(out);
+  free(err);
+  /* options after the command, --socket=PATH form */
+  cr_assert_eq(ctl(&out, &err, "status --json --socket=%s%s", NULL), 0, "%s", err);
+  tj *j = tj_parse(out);
+  cr_assert_not_null(j, "%s", out);
+  cr_assert_eq(tj_need(j, "devices", TJ_ARR)->n, 2);
+  tj_free(j);
+  free(out);
+  free(err);
+  cr_assert_eq(ctl(&out, &err, "--socket %s ping%s", NULL), 0, "%s", err);
+  cr_assert_str_eq(out, "pong\n");
+  free(out);
+  free(err);
+  cr_assert_eq(ctl(&out, &err, "--socket %s --json ping%s", NULL), 0, "%s", err);
+  j = tj_parse(out);
+  cr_assert_not_null(j, "%s", out);
+  cr_assert_eq(tj_need(j, "ok", TJ_BOOL)->boolean, 1);
+  tj_free(j);
+  free(out);
+  free(err);
+}
+
+Test(shardctl, socket_from_environment, .init = start, .fini = stop) {
+  char env[256], *out, *err;
+  snprintf(env, sizeof env, "SHARDD_SOCKET=%s", d.sock);
+  cr_assert_eq(test_shardctl(env, "status --json", &out, &err), 0, "%s", err);
+  tj *j = tj_parse(out);
+  cr_assert_not_null(j);
+  cr_assert_str_eq(tj_need(j, "socket", TJ_STR)->str, d.sock);
+  tj_free(j);
+  free(out);
+  free(err);
+}
+
+typedef struct {
+  char args[64];
+} usage_case;
+
+ParameterizedTestParameters(shardctl, usage_errors_exit_2) {
+  static usage_case cases[] = {
+      {""},                 /* no command */
+      {"frobnicate"},       /* unknown command */
+      {"--frobnicate status"},
+      {"status extra"},     /* status takes no argument */
+      {"inspect"},          /* inspect needs one */
+      {"inspect a b"},
+      {"status --bogus"},
+      {"--socket"},         /* option without its value and no command */
+  };
+  return cr_make_param_array(usage_case, cases, sizeof cases / sizeof cases[0]);
+}
+
+ParameterizedTest(usage_case *uc, shardctl, usage_errors_exit_2) {
+  /* no daemon needed: usage is checked before connecting */
+  char *out, *err;
+  int rc = test_shardctl("SHARDD_SOCKET=/nonexistent/shardd.sock", uc->args, &out, &err);
+  cr_assert_eq(rc, 2, "shardctl %s exited %d (stderr: %s)", uc->args, rc, err);
+  cr_assert_neq(err[0], '\0', "shardctl %s: nothing on stderr", uc->args);
+  cr_assert_str_eq(out, "", "shardctl %s printed to stdout: %s", uc->args, out);
+  free(out);
+  free(err);
+}
+
+Test(shardctl, help_exits_0) {
+  char *out, *err;
+  cr_assert_eq(test_shardctl(NULL, "--help", &out, &err), 0);
+  cr_assert_not_null(strstr(out, "usage: shardctl"), "%s", out);
+  free(out);
+  free(err);
+}
+
+typedef struct {
+  char how[16];
+} nodaemon_case;
+
+ParameterizedTestParameters(shardctl, no_daemon_exits_3) {
+  static nodaemon_case cases[] = {{"flag"}, {"env"}, {"stale"}};
+  return cr_make_param_array(nodaemon_case, cases, 3);
+}
+
+ParameterizedTest(nodaemon_case *nc, shardctl, no_daemon_exits_3) {
+  char dir[] = "/tmp/shardctl-nod-XXXXXX";
+  cr_assert_not_null(mkdtemp(dir));
+  char path[96], args[256], env[256];
+  snprintf(path, sizeof path, "%s/shardd.sock", dir);
+  if (!strcmp(nc->how, "stale")) { /* a socket file with nobody listening */
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    memcpy(sa.sun_path, path, strlen(path) + 1);
+    cr_assert_eq(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    close(fd);
+  }
+  char *out, *err;
+  int rc;
+  if (!strcmp(nc->how, "env")) {
+    snprintf(env, sizeof env, "SHARDD_SOCKET=%s", path);
+    rc = test_shardctl(env, "status", &out, &err);
+  } else {
+    snprintf(args, sizeof args, "--socket %s status --json", path);
+    rc = test_shardctl(NULL, args, &out, &err);
+  }
+  unlink(path);
+  rmdir(dir);
+  cr_assert_eq(rc, 3, "exited %d (stderr: %s)", rc, err);
+  cr_assert_eq(strncmp(err, "shardctl:", 9), 0, "stderr not prefixed: %s", err);
+  cr_assert_not_null(strstr(err, path), "stderr does not name %s: %s", path, err);
+  cr_assert_str_eq(out, "");
+  free(out);
+  free(err);
+}
+
+Test(shardctl, daemon_error_exits_1, .init = start, .fini = stop) {
+  char *out, *err;
+  int rc = ctl(&out, &err, "--socket %s inspect 987654%s", NULL);
+  cr_assert_eq(rc, 1, "exited %d: %s", rc, err);
+  cr_assert_eq(strncmp(err, "shardctl:", 9), 0, "%s", err);
+  cr_assert_not_null(strstr(err, "E_NOT_FOUND"), "%s", err);
+  cr_assert_not_null(strstr(err, "987654"), "%s", err);
+  free(out);
+  free(err);
+  rc = ctl(&out, &err, "--socket %s inspect no.such.param%s", NULL);
+  cr_assert_eq(rc, 1, "exited %d: %s", rc, err);
+  cr_assert_not_null(strstr(err, "no.such.param"), "%s", err);
+  free(out);
+  free(err);
+}
+
+Test(shardctl, inspect_buffer_and_view, .init = start, .fini = stop) {
+  shardd_client_t *r0 = test_connect(&d, "insp", 0, 2);
+  shardd_client_t *r1 = test_connect(&d, "insp", 1, 2);
+  shardd_buffer_info b0, b1;
+  cr_assert_eq(shardd_buffer_register(r0, "flat", SHARDD_DTYPE_BF16, 1001, &b0), SHARDD_OK);
+  cr_assert_eq(shardd_buffer_register(r1, "flat", SHARDD_DTYPE_BF16, 1001, &b1), SHARDD_OK);
+  int64_t shape[2] = {10, 60};
+  uint64_t vid;
+  cr_assert_eq(shardd_view_register(r0, b0.id, "enc.weight", 200, 600, shape, 2, &vid),
+               SHARDD_OK, "%s", shardd_last_error(r0));
+  char *out, *err, idarg[32];
+  snprintf(idarg, sizeof idarg, " %llu", (unsigned long long)b0.id);
+  cr_assert_eq(ctl(&out, &err, "--socket %s --json inspect%s", idarg), 0, "%s", err);
+  tj *j = tj_parse(out);
+  cr_assert_not_null(j, "%s", out);
+  cr_assert_str_eq(tj_need(j, "kind", TJ_STR)->str, "buffer");
+  cr_assert_str_eq(tj_need(j, "name", TJ_STR)->str, "flat");
+  cr_assert_str_eq(tj_need(j, "job", TJ_STR)->str, "insp");
+  cr_assert_str_eq(tj_need(j, "dtype", TJ_STR)->str, "bf16");
+  cr_assert_eq(tj_need(j, "numel", TJ_NUM)->num, 1001);
+  cr_assert_eq(tj_need(j, "padded_numel", TJ_NUM)->num, 1002);
+  cr_assert_eq(tj_need(j, "shard_numel", TJ_NUM)->num, 501);
+  const tj *shards = tj_need(j, "shards", TJ_ARR);
+  cr_assert_eq(shards->n, 2);
+  for (size_t k = 0; k < 2; k++) {
+    cr_assert_eq(tj_need(shards->kids[k], "rank", TJ_NUM)->num, (double)k);
+    cr_assert_eq(tj_need(shards->kids[k], "device", TJ_NUM)->num, (double)k);
+    cr_assert_eq(tj_need(shards->kids[k], "offset", TJ_NUM)->num, 501.0 * k);
+    cr_assert_eq(tj_need(shards->kids[k], "numel", TJ_NUM)->num, 501);
+  }
+  const tj *views = tj_need(j, "views", TJ_ARR);
+  cr_assert_eq(views->n, 1);
+  cr_assert_str_eq(tj_need(views->kids[0], "name", TJ_STR)->str, "enc.weight");
+  cr_assert_eq(tj_need(views->kids[0], "offset", TJ_NUM)->num, 200);
+  const tj *shp = tj_need(views->kids[0], "shape", TJ_ARR);
+  cr_assert_eq(shp->n, 2);
+  cr_assert_eq(shp->kids[0]->num, 10);
+  cr_assert_eq(shp->kids[1]->num, 60);
+  cr_assert_eq(tj_need(j, "optimizer", TJ_NULL)->kind, TJ_NULL);
+  tj_free(j);
+  free(out);
+  free(err);
+  /* the view by name: it crosses from rank 0's shard into rank 1's */
+  cr_assert_eq(ctl(&out, &err, "--socket %s inspect --json%s", " enc.weight"), 0, "%s", err);
+  j = tj_parse(out);
+  cr_assert_not_null(j, "%s", out);
+  cr_assert_str_eq(tj_need(j, "kind", TJ_STR)->str, "view");
+  cr_assert_eq(tj_need(j, "buffer", TJ_NUM)->num, (double)b0.id);
+  shards = tj_need(j, "shards", TJ_ARR);
+  cr_assert_eq(shards->n, 2);
+  cr_assert_eq(tj_need(shards->kids[0], "offset", TJ_NUM)->num, 200);
+  cr_assert_eq(tj_need(shards->kids[0], "numel", TJ_NUM)->num, 301);
+  cr_assert_eq(tj_need(shards->kids[1], "offset", TJ_NUM)->num, 501);
+  cr_assert_eq(tj_need(shards->kids[1], "numel", TJ_NUM)->num, 299);
+  tj_free(j);
+  free(out);
+  free(err);
+  /* text form */
+  cr_assert_eq(ctl(&out, &err, "--socket %s inspect%s", " enc.weight"), 0, "%s", err);
+  cr_assert_not_null(strstr(out, "kind: view\n"), "%s", out);
+  cr_assert_not_null(strstr(out, "shape: [10, 60]\n"), "%s", out);
+  free(out);
+  free(err);
+  shardd_close(r0);
+  shardd_close(r1);
+}
+
+/* A name with characters JSON must escape comes out as valid JSON. */
+Test(shardctl, json_escapes_names, .init = start, .fini = stop) {
+  const char *job = "we\"ird\\job\tname";
+  shardd_client_t *c = test_connect(&d, job, 0, 1);
+  char *out, *err;
+  cr_assert_eq(ctl(&out, &err, "--socket %s status --json%s", NULL), 0, "%s", err);
+  tj *j = tj_parse(out);
+  cr_assert_not_null(j, "not valid JSON: %s", out);
+  const tj *jobs = tj_need(j, "jobs", TJ_ARR);
+  cr_assert_eq(jobs->n, 1);
+  cr_assert_str_eq(tj_need(jobs->kids[0], "name", TJ_STR)->str, job);
+  tj_free(j);
+  free(out);
+  free(err);
+  shardd_close(c);
+}
