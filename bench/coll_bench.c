@@ -1,0 +1,251 @@
+/* coll_bench.c — gather (all-gather) and scatter (reduce-scatter) throughput
+ * of the host backend, --devices 1, 2 and 4 (one rank per device, one thread
+ * and one connection per rank), fp32 buffers of 1 MiB up to 64 MiB (FULL=1:
+ * up to 1 GiB), against floors measured in the same process on the very
+ * same memory (the rank blocks the clients have mapped):
+ *
+ *   gather floor: each rank thread memcpy()s every rank's shard into its own
+ *     gather area — exactly the bytes the daemon's gather copies, with the
+ *     same number of threads, minus the daemon.
+ *   scatter floor: each rank thread sums its slice of every rank's gradient
+ *     into its reduced shard with a plain one-pass loop (acc[i] = g0[i] +
+ *     g1[i] + ...), the bytes the daemon's reduce must read and write.
+ *
+ * GB/s counts payload: gather = world x buffer bytes delivered into gather
+ * areas; scatter = world x buffer bytes of gradient reduced. Repetitions of
+ * daemon and floor alternate; medians are reported. */
+#include "bench.h"
+
+#define MAX_RANKS 4
+
+typedef enum { CMD_REGISTER, CMD_GATHER, CMD_SCATTER, CMD_FLOOR_GATHER,
+               CMD_FLOOR_SUM, CMD_RECONNECT, CMD_QUIT } cmd_t;
+
+static bench_daemon dmn;
+static int world;
+static char job[64];
+static pthread_barrier_t bstart, bend;
+static cmd_t cmd;
+static uint64_t cur_numel;
+static shardd_client_t *cl[MAX_RANKS];
+static shardd_buffer_info info[MAX_RANKS];
+static double t_start[MAX_RANKS], t_end[MAX_RANKS]; /* read by each rank */
+
+static void check(shardd_err rc, int r, const char *what) {
+  if (rc != SHARDD_OK)
+    bench_die("rank %d: %s: %s", r, what, shardd_last_error(cl[r]));
+}
+
+static void floor_sum(int r) {
+  size_t n = info[r].shard_numel;
+  float *restrict acc = info[r].reduced;
+  const float *g[MAX_RANKS];
+  for (int q = 0; q < world; q++)
+    g[q] = (const float *)info[q].grad + (size_t)r * n;
+  switch (world) {
+  case 1:
+    for (size_t i = 0; i < n; i++)
+      acc[i] = g[0][i];
+    break;
+  case 2:
+    for (size_t i = 0; i < n; i++)
+      acc[i] = g[0][i] + g[1][i];
+    break;
+  default:
+    for (size_t i = 0; i < n; i++)
+      acc[i] = (g[0][i] + g[1][i]) + (g[2][i] + g[3][i]);
+    break;
+  }
+}
+
+static void *rank_thread(void *p) {
+  int r = (int)(intptr_t)p;
+  for (;;) {
+    pthread_barrier_wait(&bstart);
+    cmd_t c = cmd;
+    t_start[r] = bench_now();
+    switch (c) {
+    case CMD_REGISTER: {
+      check(shardd_buffer_register(cl[r], "flat", SHARDD_DTYPE_FP32, cur_numel,
+                                   &info[r]),
+            r, "register");
+      /* fill (and fault in) every area once */
+      float *s = info[r].shard, *g = info[r].grad;
+      for (size_t i = 0; i < info[r].shard_numel; i++)
+        s[i] = (float)((i + (size_t)r) & 255) * 0.25f;
+      for (size_t i = 0; i < info[r].padded_numel; i++)
+        g[i] = (float)(i & 127) * 0.5f;
+      memset(info[r].gather, 0, info[r].padded_numel * 4);
+      memset(info[r].reduced, 0, info[r].shard_numel * 4);
+      break;
+    }
+    case CMD_GATHER:
+      check(shardd_gather(cl[r], info[r].id), r, "gather");
+      break;
+    case CMD_SCATTER:
+      check(shardd_scatter(cl[r], info[r].id, SHARDD_REDUCE_SUM), r, "scatter");
+      break;
+    case CMD_FLOOR_GATHER: {
+      size_t bytes = info[r].shard_numel * 4;
+      for (int q = 0; q < world; q++)
+        memcpy((char *)info[r].gather + (size_t)q * bytes, info[q].shard, bytes);
+      break;
+    }
+    case CMD_FLOOR_SUM:
+      floor_sum(r);
+      break;
+    case CMD_RECONNECT:
+      /* rank 0 has unregistered the buffer; closing unmaps our view of it */
+      shardd_close(cl[r]);
+      cl[r] = bench_connect(&dmn, job, (uint32_t)r, (uint32_t)world);
+      break;
+    case CMD_QUIT:
+      break;
+    }
+    t_end[r] = bench_now();
+    pthread_barrier_wait(&bend);
+    if (c == CMD_QUIT)
+      return NULL;
+  }
+}
+
+/* Runs c on every rank; its time is from the first rank's start to the
+ * last rank's end, as the ranks read them (not this thread, which may be
+ * descheduled on a small machine). */
+static double run_cmd(cmd_t c) {
+  cmd = c;
+  pthread_barrier_wait(&bstart);
+  pthread_barrier_wait(&bend);
+  double lo = t_start[0], hi = t_end[0];
+  for (int r = 1; r < world; r++) {
+    lo = t_start[r] < lo ? t_start[r] : lo;
+    hi = t_end[r] > hi ? t_end[r] : hi;
+  }
+  return hi - lo;
+}
+
+typedef struct {
+  int devices;
+  double mib;
+  int reps;
+  int skipped;
+  double gather_s, gfloor_s, scatter_s, sfloor_s;
+} row_t;
+
+int main(int argc, char **argv) {
+  int full = bench_full(argc, argv);
+  static const double sizes_short[] = {1, 4, 16, 64};
+  static const double sizes_full[] = {1, 4, 16, 64, 256, 1024};
+  const double *sizes = full ? sizes_full : sizes_short;
+  int nsizes = full ? 6 : 4;
+  static const int devs[] = {1, 2, 4};
+  double budget = (full ? 16384.0 : 2048.0) * MiB; /* gathered bytes per config */
+  row_t rows[3 * 6];
+  int nrows = 0;
+  double maxn = sizes[nsizes - 1] * MiB;
+
+  for (int di = 0; di < 3; di++) {
+    world = devs[di];
+    char devmem[32];
+    /* one rank per device: shard + reduced + gather + grad, with slack */
+    snprintf(devmem, sizeof devmem, "%.0fM", (2.0 * maxn + 2.0 * maxn / world) / MiB + 64);
+    bench_daemon_start(&dmn, world, devmem);
+    snprintf(job, sizeof job, "coll%d", world);
+    pthread_barrier_init(&bstart, NULL, (unsigned)world + 1);
+    pthread_barrier_init(&bend, NULL, (unsigned)world + 1);
+    pthread_t th[MAX_RANKS];
+    for (int r = 0; r < world; r++) {
+      cl[r] = bench_connect(&dmn, job, (uint32_t)r, (uint32_t)world);
+      pthread_create(&th[r], NULL, rank_thread, (void *)(intptr_t)r);
+    }
+    for (int si = 0; si < nsizes; si++) {
+      row_t *row = &rows[nrows++];
+      memset(row, 0, sizeof *row);
+      row->devices = world;
+      row->mib = sizes[si];
+      double bytes = sizes[si] * MiB;
+      double need = 2.0 * bytes * world + 2.0 * bytes;
+      double avail = bench_mem_available();
+      if (avail > 0 && need > 0.6 * avail) {
+        row->skipped = 1;
+        fprintf(stderr, "coll_bench: skipping %d devices x %.0f MiB: needs %.1f GiB, "
+                        "%.1f GiB available\n", world, sizes[si], need / (MiB * 1024),
+                avail / (MiB * 1024));
+        continue;
+      }
+      cur_numel = (uint64_t)(bytes / 4);
+      run_cmd(CMD_REGISTER);
+      int reps = (int)(budget / (bytes * world));
+      reps = reps < 3 ? 3 : reps > 40 ? 40 : reps;
+      row->reps = reps;
+      double *t[4];
+      for (int k = 0; k < 4; k++)
+        t[k] = calloc((size_t)reps, sizeof(double));
+      static const cmd_t order[4] = {CMD_GATHER, CMD_FLOOR_GATHER, CMD_SCATTER,
+                                     CMD_FLOOR_SUM};
+      for (int k = 0; k < 4; k++) /* warm-up */
+        run_cmd(order[k]);
+      for (int rep = 0; rep < reps; rep++)
+        for (int k = 0; k < 4; k++)
+          t[k][rep] = run_cmd(order[k]);
+      row->gather_s = bench_median(t[0], (size_t)reps);
+      row->gfloor_s = bench_median(t[1], (size_t)reps);
+      row->scatter_s = bench_median(t[2], (size_t)reps);
+      row->sfloor_s = bench_median(t[3], (size_t)reps);
+      for (int k = 0; k < 4; k++)
+        free(t[k]);
+      if (shardd_buffer_unregister(cl[0], info[0].id) != SHARDD_OK)
+        bench_die("unregister: %s", shardd_last_error(cl[0]));
+      run_cmd(CMD_RECONNECT);
+    }
+    run_cmd(CMD_QUIT);
+    for (int r = 0; r < world; r++) {
+      pthread_join(th[r], NULL);
+      shardd_close(cl[r]);
+    }
+    pthread_barrier_destroy(&bstart);
+    pthread_barrier_destroy(&bend);
+    bench_daemon_stop(&dmn);
+  }
+
+  char cpu[256];
+  bench_cpu_model(cpu, sizeof cpu);
+  printf("\nGather / scatter — host backend, fp32, ranks = devices, %s (%ld CPUs)\n",
+         cpu, bench_ncpu());
+  printf("%3s %9s | %9s %9s %6s | %9s %9s %6s\n", "dev", "buffer", "gather",
+         "memcpy", "ratio", "scatter", "sum loop", "ratio");
+  printf("%3s %9s | %9s %9s %6s | %9s %9s %6s\n", "", "", "GB/s", "GB/s", "",
+         "GB/s", "GB/s", "");
+  FILE *f = bench_json_open("coll", full);
+  fprintf(f, ",\n  \"rows\": [");
+  int first = 1;
+  for (int i = 0; i < nrows; i++) {
+    row_t *r = &rows[i];
+    char sz[32];
+    if (r->mib >= 1024)
+      snprintf(sz, sizeof sz, "%.0f GiB", r->mib / 1024);
+    else
+      snprintf(sz, sizeof sz, "%.0f MiB", r->mib);
+    if (r->skipped) {
+      printf("%3d %9s | skipped (not enough free memory)\n", r->devices, sz);
+      continue;
+    }
+    double moved = r->mib * MiB * r->devices / GB;
+    double g = moved / r->gather_s, gf = moved / r->gfloor_s;
+    double s = moved / r->scatter_s, sf = moved / r->sfloor_s;
+    printf("%3d %9s | %9.2f %9.2f %5.2fx | %9.2f %9.2f %5.2fx\n", r->devices, sz,
+           g, gf, g / gf, s, sf, s / sf);
+    fprintf(f, "%s\n    {\"devices\": %d, \"buffer_bytes\": %.0f, \"reps\": %d, "
+               "\"gather_s\": %.6g, \"gather_GBps\": %.4g, \"memcpy_GBps\": %.4g, "
+               "\"gather_ratio\": %.4f, \"scatter_s\": %.6g, \"scatter_GBps\": %.4g, "
+               "\"sum_loop_GBps\": %.4g, \"scatter_ratio\": %.4f}",
+            first ? "" : ",", r->devices, r->mib * MiB, r->reps, r->gather_s, g, gf,
+            g / gf, r->scatter_s, s, sf, s / sf);
+    first = 0;
+  }
+  printf("(GB/s = world x buffer bytes per collective / median time; floors run by the\n"
+         " same rank threads on the same mapped memory; ratio = daemon / floor)\n");
+  fprintf(f, "\n  ]");
+  bench_json_close(f, "coll");
+  return 0;
+}

@@ -1,0 +1,262 @@
+/* registry_bench.c — time to register 10,000 flat buffers and 100,000 views
+ * (10 per buffer) and to validate an optimizer over them, both styles: the
+ * 100,000 views (use_orig_params) and the 10,000 whole buffers (FSDP1).
+ *
+ * In process: the registry and validate APIs on a host backend, as the
+ * daemon's loop thread calls them (each buffer is one memfd region, 4 KiB
+ * per area). Through the daemon: the same over one libshardd connection,
+ * including a registration refused for one stray ref (validation only, the
+ * whole list is checked and reported) and the accepted one (validation plus
+ * optimizer state). FULL=1 repeats the in-process run more often. */
+#include <sys/resource.h>
+
+#include "bench.h"
+#include "proto/shardd.pb-c.h"
+#include "registry.h"
+#include "validate.h"
+
+#define NBUF 10000
+#define VPB 10 /* views per buffer */
+#define NVIEW (NBUF * VPB)
+#define VNUMEL 64
+
+static char err[1024];
+
+/* Optimizer request over refs[0..n) in one group. */
+typedef struct {
+  Shardd__RegisterOptimizer req;
+  Shardd__ParamGroup grp, *grpp;
+  Shardd__ParamRef *refs, **refp;
+} opt_req;
+
+static void opt_req_init(opt_req *o, const uint64_t *ids, char **names,
+                         size_t n) {
+  shardd__register_optimizer__init(&o->req);
+  shardd__param_group__init(&o->grp);
+  o->refs = calloc(n, sizeof *o->refs);
+  o->refp = calloc(n, sizeof *o->refp);
+  for (size_t i = 0; i < n; i++) {
+    shardd__param_ref__init(&o->refs[i]);
+    o->refs[i].id = ids[i];
+    o->refs[i].name = names[i];
+    o->refp[i] = &o->refs[i];
+  }
+  o->grp.n_refs = n;
+  o->grp.refs = o->refp;
+  o->grpp = &o->grp;
+  o->req.name = "bench";
+  o->req.kind = SHARDD__OPTIM_KIND__ADAMW;
+  o->req.n_groups = 1;
+  o->req.groups = &o->grpp;
+}
+
+static void opt_req_free(opt_req *o) {
+  free(o->refs);
+  free(o->refp);
+}
+
+enum { T_BUF, T_VIEW, T_VAL_VIEWS, T_VAL_BUFS, T_CREATE, T_FREE, NT };
+static const char *tname[NT] = {
+    "register 10,000 buffers",           "register 100,000 views",
+    "validate 100,000 view refs",        "validate 10,000 buffer refs",
+    "create optimizer (100,000 views)",  "release everything"};
+
+static char *bnames[NBUF], *vnames[NVIEW];
+
+/* One in-process run; times in t[NT]; *create_err set if creation failed. */
+static void run_inproc(double *t, char *create_err, size_t cel) {
+  shardd__backend *be;
+  if (shardd__backend_host_create(1, 0, &be, err, sizeof err) != SHARDD_OK)
+    bench_die("backend: %s", err);
+  shardd__registry reg;
+  shardd__registry_init(&reg, be);
+  shardd__job *job;
+  if (shardd__job_get(&reg, "bench", 1, (uint32_t)getuid(), &job, err, sizeof err))
+    bench_die("job: %s", err);
+  static uint64_t bid[NBUF], vid[NVIEW];
+  static shardd__buffer *bufs[NBUF];
+  int created;
+  double t0 = bench_now();
+  for (int i = 0; i < NBUF; i++) {
+    if (shardd__buffer_register(&reg, job, bnames[i], SHARDD_DTYPE_FP32,
+                                VPB * VNUMEL, &bufs[i], &created, err,
+                                sizeof err) != SHARDD_OK)
+      bench_die("buffer %d: %s", i, err);
+    bid[i] = bufs[i]->hdr.id;
+  }
+  double t1 = bench_now();
+  int64_t shape[2] = {8, 8};
+  for (int i = 0; i < NBUF; i++)
+    for (int j = 0; j < VPB; j++) {
+      shardd__view *v;
+      if (shardd__view_register(&reg, job, bid[i], vnames[i * VPB + j],
+                                (uint64_t)j * VNUMEL, VNUMEL, shape, 2, &v,
+                                &created, err, sizeof err) != SHARDD_OK)
+        bench_die("view: %s", err);
+      vid[i * VPB + j] = v->hdr.id;
+    }
+  double t2 = bench_now();
+  opt_req ov, ob;
+  opt_req_init(&ov, vid, vnames, NVIEW);
+  opt_req_init(&ob, bid, bnames, NBUF);
+  shardd__optim_plan plan_v, plan_b;
+  char *msg = NULL;
+  double t3 = bench_now();
+  if (shardd__validate_optimizer(&reg, job, &ov.req, &plan_v, &msg) != SHARDD_OK)
+    bench_die("validate views: %s", msg);
+  double t4 = bench_now();
+  if (shardd__validate_optimizer(&reg, job, &ob.req, &plan_b, &msg) != SHARDD_OK)
+    bench_die("validate buffers: %s", msg);
+  double t5 = bench_now();
+  shardd__optim_plan_free(&plan_b);
+  shardd__optim *o;
+  create_err[0] = '\0';
+  double t6 = bench_now();
+  if (shardd__optim_create(&reg, job, &plan_v, &o, err, sizeof err) != SHARDD_OK)
+    snprintf(create_err, cel, "%s", err);
+  double t7 = bench_now();
+  shardd__optim_plan_free(&plan_v);
+  opt_req_free(&ov);
+  opt_req_free(&ob);
+  double t8 = bench_now();
+  shardd__registry_free(&reg);
+  double t9 = bench_now();
+  be->ops->destroy(be);
+  t[T_BUF] = t1 - t0;
+  t[T_VIEW] = t2 - t1;
+  t[T_VAL_VIEWS] = t4 - t3;
+  t[T_VAL_BUFS] = t5 - t4;
+  t[T_CREATE] = t7 - t6;
+  t[T_FREE] = t9 - t8;
+}
+
+enum { D_BUF, D_VIEW, D_REFUSED, D_ACCEPT, ND };
+static const char *dname[ND] = {
+    "register 10,000 buffers (+ mmap)", "register 100,000 views",
+    "optimizer refused (1 stray ref)", "optimizer accepted (100,000 views)"};
+
+static void run_daemon(double *t, char *accept_err, size_t ael, char *refuse_msg,
+                       size_t rml) {
+  bench_daemon d;
+  bench_daemon_start(&d, 1, "8G");
+  shardd_client_t *c = bench_connect(&d, "registry-bench", 0, 1);
+  static uint64_t bid[NBUF];
+  shardd_param_ref *refs = calloc(NVIEW + 1, sizeof *refs);
+  double t0 = bench_now();
+  for (int i = 0; i < NBUF; i++) {
+    shardd_buffer_info b;
+    if (shardd_buffer_register(c, bnames[i], SHARDD_DTYPE_FP32, VPB * VNUMEL, &b))
+      bench_die("buffer %d: %s", i, shardd_last_error(c));
+    bid[i] = b.id;
+  }
+  double t1 = bench_now();
+  int64_t shape[2] = {8, 8};
+  for (int i = 0; i < NBUF; i++)
+    for (int j = 0; j < VPB; j++) {
+      uint64_t v;
+      if (shardd_view_register(c, bid[i], vnames[i * VPB + j],
+                               (uint64_t)j * VNUMEL, VNUMEL, shape, 2, &v))
+        bench_die("view: %s", shardd_last_error(c));
+      refs[i * VPB + j] = (shardd_param_ref){v, vnames[i * VPB + j]};
+    }
+  double t2 = bench_now();
+  /* a stray tensor (id 0) at the end: every ref is checked, then refused */
+  refs[NVIEW] = (shardd_param_ref){0, "stray.weight"};
+  shardd_param_group g = {refs, NVIEW + 1, {0}};
+  shardd_hparams h = {0};
+  uint64_t opt;
+  shardd_err rc = shardd_optimizer_register(c, "bench", SHARDD_OPTIM_ADAMW, &h,
+                                            &g, 1, &opt);
+  double t3 = bench_now();
+  snprintf(refuse_msg, rml, "%s: %s", shardd_err_name(rc), shardd_last_error(c));
+  g.nrefs = NVIEW;
+  accept_err[0] = '\0';
+  double t4 = bench_now();
+  rc = shardd_optimizer_register(c, "bench", SHARDD_OPTIM_ADAMW, &h, &g, 1, &opt);
+  double t5 = bench_now();
+  if (rc != SHARDD_OK)
+    snprintf(accept_err, ael, "%s: %s", shardd_err_name(rc), shardd_last_error(c));
+  t[D_BUF] = t1 - t0;
+  t[D_VIEW] = t2 - t1;
+  t[D_REFUSED] = t3 - t2;
+  t[D_ACCEPT] = t5 - t4;
+  shardd_close(c);
+  free(refs);
+  bench_daemon_stop(&d);
+}
+
+int main(int argc, char **argv) {
+  int full = bench_full(argc, argv);
+  int reps = full ? 7 : 3;
+  /* every region is one memfd: let this process (and the daemon, which
+   * inherits it) open as many as the hard limit allows */
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0) {
+    rl.rlim_cur = rl.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &rl);
+  }
+  for (int i = 0; i < NBUF; i++) {
+    char s[64];
+    snprintf(s, sizeof s, "layer%d.flat", i);
+    bnames[i] = strdup(s);
+    for (int j = 0; j < VPB; j++) {
+      snprintf(s, sizeof s, "layer%d.param%d.weight", i, j);
+      vnames[i * VPB + j] = strdup(s);
+    }
+  }
+  double tin[NT][16];
+  char create_err[1024] = "";
+  for (int r = 0; r < reps; r++) {
+    double t[NT];
+    run_inproc(t, create_err, sizeof create_err);
+    for (int k = 0; k < NT; k++)
+      tin[k][r] = t[k];
+  }
+  double td[ND];
+  char accept_err[1024], refuse_msg[4096];
+  run_daemon(td, accept_err, sizeof accept_err, refuse_msg, sizeof refuse_msg);
+
+  char cpu[256];
+  bench_cpu_model(cpu, sizeof cpu);
+  printf("\nRegistry — %d buffers, %d views, %s (%ld CPUs); RLIMIT_NOFILE %llu\n",
+         NBUF, NVIEW, cpu, bench_ncpu(), (unsigned long long)rl.rlim_cur);
+  printf("%-36s %10s %12s\n", "in process (median of runs)", "ms", "us/object");
+  static const double per[NT] = {NBUF, NVIEW, NVIEW, NBUF, NVIEW, NBUF + NVIEW};
+  FILE *f = bench_json_open("registry", full);
+  fprintf(f, ",\n  \"buffers\": %d,\n  \"views\": %d,\n  \"runs\": %d,\n"
+             "  \"rlimit_nofile\": %llu,\n  \"in_process_s\": {",
+          NBUF, NVIEW, reps, (unsigned long long)rl.rlim_cur);
+  for (int k = 0; k < NT; k++) {
+    double m = bench_median(tin[k], (size_t)reps);
+    printf("%-36s %10.2f %12.3f\n", tname[k], m * 1e3, m / per[k] * 1e6);
+    fprintf(f, "%s\n    \"%s\": %.6g", k ? "," : "", tname[k], m);
+  }
+  if (create_err[0])
+    printf("  optimizer creation FAILED: %s\n", create_err);
+  fprintf(f, "\n  },\n  \"in_process_create_error\": \"%s\",\n  \"daemon_s\": {",
+          create_err);
+  printf("%-36s %10s %12s\n", "through the daemon (one run)", "ms", "us/object");
+  static const double dper[ND] = {NBUF, NVIEW, NVIEW, NVIEW};
+  for (int k = 0; k < ND; k++) {
+    printf("%-36s %10.2f %12.3f\n", dname[k], td[k] * 1e3, td[k] / dper[k] * 1e6);
+    fprintf(f, "%s\n    \"%s\": %.6g", k ? "," : "", dname[k], td[k]);
+  }
+  refuse_msg[strcspn(refuse_msg, "\n")] = '\0';
+  printf("  refusal: %.160s\n", refuse_msg);
+  if (accept_err[0])
+    printf("  accepted registration FAILED: %s\n", accept_err);
+  for (char *p = accept_err; *p; p++)
+    if (*p == '"' || *p == '\\' || *p == '\n')
+      *p = ' ';
+  for (char *p = refuse_msg; *p; p++)
+    if (*p == '"' || *p == '\\')
+      *p = ' ';
+  fprintf(f, "\n  },\n  \"daemon_accept_error\": \"%s\",\n  \"daemon_refusal\": \"%.200s\"",
+          accept_err, refuse_msg);
+  bench_json_close(f, "registry");
+  for (int i = 0; i < NBUF; i++)
+    free(bnames[i]);
+  for (int i = 0; i < NVIEW; i++)
+    free(vnames[i]);
+  return 0;
+}

@@ -1,0 +1,42 @@
+#!/bin/sh
+# bench/run.sh — every shardd benchmark, with the ratios that matter, in one
+# run: `make bench` (short, under 2 minutes) or `make bench FULL=1`.
+#
+# Each program prints a table and writes bench/results/<name>.json
+# (BENCH_RESULTS overrides the folder); bench/summary.py then checks the
+# targets of issue 7 against the figures of this very run. Benchmarks are
+# not tests: nothing here fails on a slow figure, only on a broken program.
+# Run from the repository root after `make` (make bench builds first).
+set -e
+BUILD=${BUILD:-build}
+case "${FULL:-0}" in ""|0) FULL=0 ;; *) FULL=1 ;; esac
+BENCH_RESULTS=${BENCH_RESULTS:-bench/results}
+export BUILD FULL BENCH_RESULTS
+mkdir -p "$BENCH_RESULTS"
+PY=${PYTHON:-/usr/bin/python3}
+[ -x "$PY" ] || PY=$(command -v python3 || true)
+
+if [ "$FULL" = 1 ]; then
+  OPT_SIZES=262144,4194304,16777216,67108864
+else
+  OPT_SIZES=262144,16777216
+fi
+
+start=$(date +%s)
+echo "shardd benchmarks ($( [ "$FULL" = 1 ] && echo full || echo short)) — $(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //'), $(nproc) CPUs, $(date -u '+%Y-%m-%d %H:%M UTC')"
+for b in rpc_bench coll_bench optim_bench; do
+  [ -x "$BUILD/bench/$b" ] || { echo "bench/run.sh: $BUILD/bench/$b is not built (run make bench)" >&2; exit 1; }
+  "$BUILD/bench/$b"
+done
+# The peer, right after the kernel it is compared with.
+if [ -n "$PY" ] && "$PY" -c 'import torch' 2>/dev/null; then
+  "$PY" bench/torch_optim.py --sizes "$OPT_SIZES" --out "$BENCH_RESULTS/torch_optim.json"
+else
+  echo "(torch is not importable by ${PY:-python3}: no peer comparison; Debian: apt-get install python3-torch)"
+  rm -f "$BENCH_RESULTS/torch_optim.json"
+fi
+"$BUILD/bench/registry_bench"
+if [ -n "$PY" ]; then
+  "$PY" bench/summary.py "$BENCH_RESULTS"
+fi
+echo "(all benchmarks: $(( $(date +%s) - start )) s)"

@@ -1,0 +1,129 @@
+#!/usr/bin/python3
+"""Reads the JSON the bench programs wrote in one run and checks issue 7's
+targets against them: prints one line per target with the measured figure,
+and writes summary.json beside the inputs. Never fails on a missed target:
+benchmarks report, tests judge.
+
+Usage: summary.py [RESULTS_DIR]   (default bench/results)
+"""
+import json
+import os
+import sys
+
+
+def load(d, name):
+    try:
+        with open(os.path.join(d, name + ".json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def main():
+    d = sys.argv[1] if len(sys.argv) > 1 else "bench/results"
+    rpc, coll, optim, torch, reg = (load(d, n) for n in
+                                    ("rpc", "coll", "optim", "torch_optim", "registry"))
+    targets = []
+
+    def target(name, goal, measured, met, detail=""):
+        targets.append({"target": name, "goal": goal, "measured": measured,
+                        "met": met, "detail": detail})
+
+    if rpc:
+        pl = rpc.get("placements", {})
+        t1 = rpc["throughput"][0]
+        parts = []
+        for name in ("cross", "same"):
+            if name in pl:
+                x = pl[name]
+                parts.append("%s-CPU %.2fx (median %.1f vs %.1f us, p99 %.2fx)"
+                             % (name, x["ratio_median"], x["shardd_median_us"],
+                                x["raw_median_us"], x["ratio_p99"]))
+        worst = max(x["ratio_median"] for x in pl.values()) if pl else rpc["latency_ratio_median"]
+        target("RPC round trip, 1 client", "<= 2.0x raw socket",
+               "; ".join(parts) + "; 1-client req/s raw/shardd %.2fx" % t1["raw_over_shardd"],
+               worst <= 2.0)
+    if coll:
+        big = [x for x in coll["rows"] if x["buffer_bytes"] >= 64 * 2**20]
+        if big:
+            worst = min(big, key=lambda x: x["gather_ratio"])
+            target("gather vs memcpy, >= 64 MiB", ">= 0.80x",
+                   "min %.2fx (%d dev, %d MiB); " % (worst["gather_ratio"], worst["devices"],
+                                                     worst["buffer_bytes"] // 2**20)
+                   + ", ".join("%dd/%dM %.2fx" % (x["devices"], x["buffer_bytes"] // 2**20,
+                                                  x["gather_ratio"]) for x in big),
+                   all(x["gather_ratio"] >= 0.8 for x in big))
+            target("scatter vs sum loop, >= 64 MiB (no target)", "report",
+                   ", ".join("%dd/%dM %.2fx" % (x["devices"], x["buffer_bytes"] // 2**20,
+                                                x["scatter_ratio"]) for x in big), None)
+    if optim:
+        big = [x for x in optim["rows"] if x["optimizer"] == "adamw"
+               and x["numel"] * 4 >= 64 * 2**20]
+        for path in ("kernel", "daemon"):
+            rows = [x for x in big if x["path"] == path]
+            if rows:
+                target("AdamW %s vs memory floor, >= 64 MiB shards" % path, ">= 0.70x",
+                       "; ".join("%s %dM: %.2fx of the 1-thread floor, %.2fx of the "
+                                 "all-CPU floor (medians %.1f GB/s step, %.1f GB/s floor)"
+                                 % (x["dtype"], x["numel"] >> 20, x["ratio_floor_1t"],
+                                    x["ratio_floor_all"], x["effective_GBps"],
+                                    x["floor_1t_GBps"]) for x in rows),
+                       all(x["ratio_floor_1t"] >= 0.7 for x in rows))
+    if optim and torch and torch.get("rows"):
+        # the target is for 64 MiB+ shards; smaller sizes are listed as context
+        for big in (True, False):
+            parts, ok = [], True
+            for path in ("kernel", "daemon"):
+                for x in optim["rows"]:
+                    if (x["optimizer"] != "adamw" or x["dtype"] != "fp32" or x["path"] != path
+                            or (x["numel"] * 4 >= 64 * 2**20) != big):
+                        continue
+                    for fe in (False, True):
+                        t = [y for y in torch["rows"] if y["numel"] == x["numel"]
+                             and y["foreach"] == fe]
+                        if not t:
+                            continue
+                        sp = t[0]["step_s"] / x["step_s"]
+                        ok = ok and sp >= 3.0
+                        size = ("%dK" % (x["numel"] >> 10) if x["numel"] < 2**20
+                                else "%dM" % (x["numel"] >> 20))
+                        parts.append("%s %s vs foreach=%s: %.2fx" % (path, size, fe, sp))
+            if not parts:
+                continue
+            if big:
+                target("AdamW fp32 speed vs torch %s CPU AdamW (%d thread), >= 64 MiB shards"
+                       % (torch["torch"], torch["threads"]), ">= 3x", "; ".join(parts), ok,
+                       torch.get("fused_note", ""))
+            else:
+                target("AdamW fp32 speed vs torch, smaller shards (no target)", "report",
+                       "; ".join(parts), None)
+    if reg:
+        ip = reg["in_process_s"]
+        dm = reg["daemon_s"]
+        target("registry (no target)", "report",
+               "in process: %.0f ms buffers, %.0f ms views, %.0f ms validate views, "
+               "%.1f ms validate buffers; daemon: %.0f ms buffers, %.0f ms views, "
+               "%.0f ms refused registration"
+               % tuple(v * 1e3 for v in (ip["register 10,000 buffers"],
+                                         ip["register 100,000 views"],
+                                         ip["validate 100,000 view refs"],
+                                         ip["validate 10,000 buffer refs"],
+                                         dm["register 10,000 buffers (+ mmap)"],
+                                         dm["register 100,000 views"],
+                                         dm["optimizer refused (1 stray ref)"])),
+               None, reg.get("daemon_accept_error") or reg.get("in_process_create_error"))
+
+    print("\nTargets (issue 7), this run:")
+    for t in targets:
+        mark = {True: "MET   ", False: "MISSED", None: "      "}[t["met"]]
+        print("  %s %s [%s]: %s" % (mark, t["target"], t["goal"], t["measured"]))
+        if t["detail"]:
+            print("         note: %s" % t["detail"])
+    with open(os.path.join(d, "summary.json"), "w") as f:
+        json.dump({"targets": targets}, f, indent=2)
+    print("(results: %s)" % os.path.join(d, "summary.json"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
