@@ -62,21 +62,29 @@ LIBSO := $(BUILD)/libshardd.so
 LIBA := $(BUILD)/libshardd.a
 DAEMONA := $(BUILD)/libshardd_daemon.a
 
-.PHONY: all test check deps install clean bench tests
+.PHONY: all test check deps install clean bench tests demo fuzz
 all: $(SHARDD) $(SHARDCTL) $(LIBSO) $(LIBA) $(BUILD)/libshardd.pc
 
-$(PROTO_C) $(PROTO_H): proto/shardd.proto
+# Objects depend on the configuration, so switching CUDA or SAN in one
+# build folder rebuilds instead of linking a mix.
+CONFIG_STAMP := $(BUILD)/.config-cuda$(CUDA)-san$(SAN)
+$(CONFIG_STAMP):
+	@mkdir -p $(BUILD)
+	@rm -f $(BUILD)/.config-*
+	@touch $@
+
+$(PROTO_C) $(PROTO_H): proto/shardd.proto $(CONFIG_STAMP)
 	@mkdir -p $(BUILD)/gen
 	protoc-c --c_out=$(BUILD)/gen proto/shardd.proto
 
 $(PROTO_O): $(PROTO_C)
 	$(CC) $(CFLAGS_ALL) -Wno-shadow -c $< -o $@
 
-$(BUILD)/%.o: %.c $(PROTO_H)
+$(BUILD)/%.o: %.c $(PROTO_H) $(CONFIG_STAMP)
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_ALL) -MMD -MP -c $< -o $@
 
-$(BUILD)/%.cu.o: %.cu
+$(BUILD)/%.cu.o: %.cu $(wildcard daemon/*_cuda.h) $(CONFIG_STAMP)
 	@mkdir -p $(@D)
 	$(NVCC) $(CUDA_ARCH) -O3 -std=c++17 -Xcompiler -fPIC -Idaemon -Iclient -c $< -o $@
 
@@ -84,8 +92,11 @@ $(LIBA): $(LIB_OBJ)
 	@rm -f $@
 	ar rcs $@ $^
 
+# The client side needs protobuf-c only: no libuv, no CUDA.
+CLIENT_LIBS := $(shell pkg-config --libs libprotobuf-c 2>/dev/null) -lpthread
+
 $(LIBSO): $(LIB_OBJ)
-	$(CC) -shared $(LDFLAGS) -Wl,-soname,libshardd.so.0 -o $@ $^ $(PKG_LIBS) -lpthread
+	$(CC) -shared $(LDFLAGS) -Wl,-soname,libshardd.so.0 -o $@ $^ $(CLIENT_LIBS)
 
 $(DAEMONA): $(DAEMON_OBJ)
 	@rm -f $@
@@ -95,9 +106,10 @@ $(SHARDD): $(BUILD)/daemon/main.o $(DAEMONA) $(LIBA)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS_ALL)
 
 $(SHARDCTL): $(BUILD)/client/shardctl.o $(LIBA)
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS_ALL)
+	$(CC) $(LDFLAGS) -o $@ $^ $(CLIENT_LIBS)
 
 $(BUILD)/libshardd.pc: client/libshardd.pc.in
+	@mkdir -p $(@D)
 	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|0.1.0|g' $< > $@
 
 $(BUILD)/tests/%: tests/%.c $(DAEMONA) $(LIBA)
@@ -108,20 +120,49 @@ $(BUILD)/bench/%: bench/%.c $(DAEMONA) $(LIBA)
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_ALL) -O3 -march=native -o $@ $< $(DAEMONA) $(LIBA) $(LDFLAGS) $(LDLIBS_ALL)
 
-tests: all $(TEST_BIN)
+# libFuzzer over the whole request path (tests/fuzz/fuzz_request.c), built
+# with clang from the sources; runs FUZZ_SECONDS on a copy of the seeds.
+FUZZ_SECONDS ?= 60
+FUZZ_BIN := $(BUILD)/fuzz/fuzz_request
+FUZZ_SRC := $(LIB_SRC) $(DAEMON_SRC) $(PROTO_C) tests/fuzz/fuzz_request.c
+$(FUZZ_BIN): $(FUZZ_SRC) $(PROTO_H) $(wildcard client/*.h daemon/*.h)
+	@mkdir -p $(@D)
+	clang -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=fuzzer,address,undefined \
+	  -fno-sanitize-recover=undefined -I$(BUILD)/gen -Iclient -Idaemon \
+	  $(PKG_CFLAGS) -o $@ $(FUZZ_SRC) $(PKG_LIBS) -lpthread -lm
+
+fuzz: $(FUZZ_BIN)
+	@rm -rf $(BUILD)/fuzz/corpus && mkdir -p $(BUILD)/fuzz/corpus
+	@cp tests/fuzz/corpus/* $(BUILD)/fuzz/corpus/
+	$(FUZZ_BIN) -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -rss_limit_mb=2048 -artifact_prefix=$(BUILD)/fuzz/ \
+	  -print_final_stats=1 $(BUILD)/fuzz/corpus
+
+# The fuzzer joins the suite where clang can build libFuzzer targets.
+HAVE_FUZZ := $(shell echo 'int LLVMFuzzerTestOneInput(const char *d, long n){return 0;}' | \
+  clang -x c -fsanitize=fuzzer -o /dev/null - >/dev/null 2>&1 && echo 1)
+ifeq ($(SAN)$(HAVE_FUZZ),01)
+SUITE_FUZZ := $(FUZZ_BIN)
+endif
+
+tests: all $(TEST_BIN) $(SUITE_FUZZ)
 
 deps:
 	@sh scripts/deps.sh
 
 test: deps
 	@$(MAKE) --no-print-directory tests
-	@BUILD=$(BUILD) sh scripts/run_tests.sh $(TEST_BIN)
+	@BUILD=$(BUILD) FUZZ_BIN=$(SUITE_FUZZ) sh scripts/run_tests.sh $(TEST_BIN)
 
 check: deps
 	@$(MAKE) --no-print-directory BUILD=build/check SAN=1 OPT="-O1 -g" tests
 	@BUILD=build/check ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  sh scripts/run_tests.sh $(TEST_BIN:$(BUILD)/%=build/check/%)
+
+# The main job: a host-backend daemon and a 4-rank demo trainer.
+demo: deps
+	@$(MAKE) --no-print-directory all
+	/usr/bin/python3 examples/train_mlp.py --ranks 4 --steps 50 --start-daemon --shardd $(BUILD)/shardd
 
 bench: all $(BENCH_BIN)
 	@BUILD=$(BUILD) FULL=$(FULL) sh bench/run.sh
@@ -135,7 +176,8 @@ install: all
 	install -m 0755 $(LIBSO) $(DESTDIR)$(PREFIX)/lib/libshardd.so.0
 	ln -sf libshardd.so.0 $(DESTDIR)$(PREFIX)/lib/libshardd.so
 	install -m 0644 client/shardd.h $(DESTDIR)$(PREFIX)/include/
-	install -m 0644 $(BUILD)/libshardd.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|0.1.0|g' client/libshardd.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/libshardd.pc
+	cp $(DESTDIR)$(PREFIX)/lib/pkgconfig/libshardd.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/shardd.pc
 	sed 's|@BINDIR@|$(PREFIX)/bin|g' systemd/shardd.service.in > $(DESTDIR)$(PREFIX)/lib/systemd/system/shardd.service
 	install -m 0644 systemd/shardd.socket $(DESTDIR)$(PREFIX)/lib/systemd/system/
 	install -m 0644 systemd/shardd.sysusers $(DESTDIR)$(PREFIX)/lib/sysusers.d/shardd.conf
@@ -146,3 +188,5 @@ clean:
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
 $(BUILD)/daemon/optim.o: OPT = -O3 -g -fno-math-errno
+# The reduce and convert loops of scatter vectorize only at -O3.
+$(BUILD)/daemon/backend_host.o: OPT = -O3 -g

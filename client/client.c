@@ -1,6 +1,7 @@
 /* client.c — libshardd: the connection, the synchronous request/response
  * exchange, and the mappings of rank blocks handed out by the daemon. */
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -61,6 +62,34 @@ const char *shardd_daemon_backend(const shardd_client_t *c) {
 
 void shardd_free(void *p) { free(p); }
 
+/* A send found the connection closed. The daemon may have refused it (client
+ * limit, oversized frame) and closed it before reading our request; its
+ * reason, a seq-0 reply, then still waits in the socket. Returns that code
+ * with its message in c->err, else rc unchanged. Never blocks. */
+static shardd_err closed_reason(shardd_client_t *c, shardd_err rc) {
+  int flags = fcntl(c->fd, F_GETFL);
+  if (flags < 0 || fcntl(c->fd, F_SETFL, flags | O_NONBLOCK) < 0)
+    return rc;
+  const uint8_t *payload;
+  size_t len;
+  int fds[4], nfds = 0;
+  char ignored[128];
+  if (shardd__frame_recv(c->fd, &c->rd, &payload, &len, fds, 4, &nfds, ignored,
+                         sizeof ignored) == SHARDD_OK) {
+    Shardd__Response *resp = shardd__response__unpack(NULL, len, payload);
+    if (resp && resp->seq == 0 && resp->code != SHARDD__STATUS_CODE__OK) {
+      rc = (shardd_err)resp->code;
+      set_err(c, rc, "%s", resp->message ? resp->message : shardd_strerror(rc));
+    }
+    if (resp)
+      shardd__response__free_unpacked(resp, NULL);
+  }
+  for (int i = 0; i < nfds; i++)
+    close(fds[i]);
+  fcntl(c->fd, F_SETFL, flags);
+  return rc;
+}
+
 /* Sends req and waits for the response to it. On SHARDD_OK *out is the
  * response (caller frees with shardd__response__free_unpacked); a daemon
  * error code is returned with its message in c->err and *out still set. A
@@ -70,6 +99,7 @@ static shardd_err call(shardd_client_t *c, Shardd__Request *req,
   *out = NULL;
   if (fd)
     *fd = -1;
+  c->err[0] = '\0'; /* the last error is the last failed call's, not older */
   if (c->fd < 0)
     return set_err(c, SHARDD_E_CLOSED, "the connection was closed earlier");
   req->seq = ++c->seq;
@@ -84,6 +114,8 @@ static shardd_err call(shardd_client_t *c, Shardd__Request *req,
   shardd__request__pack(req, buf);
   shardd_err rc = shardd__frame_send(c->fd, buf, n, c->err, sizeof c->err);
   free(buf);
+  if (rc == SHARDD_E_CLOSED)
+    rc = closed_reason(c, rc);
   if (rc != SHARDD_OK)
     return rc;
 
@@ -354,6 +386,17 @@ shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
   }
   const Shardd__BufferReply *br = resp->buffer;
   size_t esz = shardd_dtype_size((shardd_dtype)br->dtype);
+  if (fd < 0 && br->has_cuda_ipc_handle) {
+    /* Opening the handle (cudaIpcOpenMemHandle) is left to a later change,
+     * so that libshardd never needs CUDA to link. */
+    rc = set_err(c, SHARDD_E_NO_CUDA,
+                 "buffer %" PRIu64 " lives in GPU memory (cuda backend): "
+                 "mapping its CUDA IPC handle needs a CUDA-enabled client, "
+                 "which this libshardd is not; run the daemon with "
+                 "--backend host to use host memory",
+                 br->id);
+    goto done;
+  }
   if (fd < 0) {
     rc = set_err(c, SHARDD_E_PROTOCOL,
                  "the daemon sent no descriptor for buffer %" PRIu64
@@ -367,26 +410,31 @@ shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
                  br->id);
     goto done;
   }
-  void *base = mmap(NULL, br->block_bytes, PROT_READ | PROT_WRITE, MAP_SHARED,
-                    fd, 0);
-  if (base == MAP_FAILED) {
-    rc = set_err(c, SHARDD_E_IO, "mmap of buffer %" PRIu64 " (%" PRIu64
-                 " bytes): %s", br->id, br->block_bytes, strerror(errno));
-    goto done;
+  /* Registering again on one connection hands back the same mapping, so
+   * pointers from the first call stay valid as the header promises. */
+  void *base = NULL;
+  for (mapping *m = c->maps; m; m = m->next)
+    if (m->buffer == br->id && m->len == br->block_bytes)
+      base = m->base;
+  if (base == NULL) {
+    base = mmap(NULL, br->block_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (base == MAP_FAILED) {
+      rc = set_err(c, SHARDD_E_IO, "mmap of buffer %" PRIu64 " (%" PRIu64
+                   " bytes): %s", br->id, br->block_bytes, strerror(errno));
+      goto done;
+    }
+    mapping *m = malloc(sizeof *m);
+    if (m == NULL) {
+      munmap(base, br->block_bytes);
+      rc = set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
+      goto done;
+    }
+    m->buffer = br->id;
+    m->base = base;
+    m->len = br->block_bytes;
+    m->next = c->maps;
+    c->maps = m;
   }
-  /* Registering twice on one connection maps twice; keep the newest. */
-  unmap_buffer(c, br->id);
-  mapping *m = malloc(sizeof *m);
-  if (m == NULL) {
-    munmap(base, br->block_bytes);
-    rc = set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
-    goto done;
-  }
-  m->buffer = br->id;
-  m->base = base;
-  m->len = br->block_bytes;
-  m->next = c->maps;
-  c->maps = m;
   out->id = br->id;
   out->dtype = (shardd_dtype)br->dtype;
   out->numel = br->numel;
@@ -595,6 +643,43 @@ shardd_err shardd_step(shardd_client_t *c, uint64_t opt,
     out->step = resp->step->step;
     out->total_norm = resp->step->has_total_norm ? resp->step->total_norm : 0;
   }
+  if (resp)
+    shardd__response__free_unpacked(resp, NULL);
+  return rc;
+}
+
+shardd_err shardd_checkpoint(shardd_client_t *c, const char *job,
+                             const char *dir) {
+  if (dir == NULL || dir[0] == '\0')
+    return set_err(c, SHARDD_E_INVAL, "checkpoint: no directory");
+  Shardd__Request req = SHARDD__REQUEST__INIT;
+  Shardd__Checkpoint cp = SHARDD__CHECKPOINT__INIT;
+  cp.dir = (char *)dir;
+  cp.job = (char *)job;
+  req.body_case = SHARDD__REQUEST__BODY_CHECKPOINT;
+  req.checkpoint = &cp;
+  Shardd__Response *resp;
+  shardd_err rc = call_expect(c, &req, SHARDD__RESPONSE__BODY_CHECKPOINT, &resp, NULL);
+  if (resp)
+    shardd__response__free_unpacked(resp, NULL);
+  return rc;
+}
+
+shardd_err shardd_restore(shardd_client_t *c, const char *dir, char *job,
+                          size_t joblen) {
+  if (job && joblen)
+    job[0] = '\0';
+  if (dir == NULL || dir[0] == '\0')
+    return set_err(c, SHARDD_E_INVAL, "restore: no directory");
+  Shardd__Request req = SHARDD__REQUEST__INIT;
+  Shardd__Restore rs = SHARDD__RESTORE__INIT;
+  rs.dir = (char *)dir;
+  req.body_case = SHARDD__REQUEST__BODY_RESTORE;
+  req.restore = &rs;
+  Shardd__Response *resp;
+  shardd_err rc = call_expect(c, &req, SHARDD__RESPONSE__BODY_CHECKPOINT, &resp, NULL);
+  if (rc == SHARDD_OK && job && joblen)
+    snprintf(job, joblen, "%s", resp->checkpoint->job);
   if (resp)
     shardd__response__free_unpacked(resp, NULL);
   return rc;

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "shardd.h"
 
@@ -13,6 +14,8 @@ static void usage(FILE *f) {
           "  status              daemon, devices, jobs, optimizers\n"
           "  inspect ID|NAME     one buffer or view: layout, shards, views, owner\n"
           "  ping                round trip to the daemon\n"
+          "  checkpoint JOB DIR  write the job's shards, state and registry to DIR\n"
+          "  restore DIR         recreate the job checkpointed in DIR\n"
           "The socket is --socket, else $SHARDD_SOCKET, else %s.\n",
           SHARDD_DEFAULT_SOCKET);
 }
@@ -43,22 +46,27 @@ int main(int argc, char **argv) {
   }
   const char *cmd = argv[i++];
   /* Options may follow the command too (shardctl status --json). */
-  const char *arg = NULL;
+  const char *arg = NULL, *arg2 = NULL;
   for (; i < argc; i++) {
     if (!strcmp(argv[i], "--json"))
       json = 1;
     else if (!strcmp(argv[i], "--socket") && i + 1 < argc)
       sock = argv[++i];
+    else if (!strncmp(argv[i], "--socket=", 9))
+      sock = argv[i] + 9;
     else if (arg == NULL && argv[i][0] != '-')
       arg = argv[i];
+    else if (arg2 == NULL && argv[i][0] != '-')
+      arg2 = argv[i];
     else {
       fprintf(stderr, "shardctl: unexpected argument %s\n", argv[i]);
       return 2;
     }
   }
   int is_status = !strcmp(cmd, "status"), is_inspect = !strcmp(cmd, "inspect"),
-      is_ping = !strcmp(cmd, "ping");
-  if (!is_status && !is_inspect && !is_ping) {
+      is_ping = !strcmp(cmd, "ping"), is_ckpt = !strcmp(cmd, "checkpoint"),
+      is_restore = !strcmp(cmd, "restore");
+  if (!is_status && !is_inspect && !is_ping && !is_ckpt && !is_restore) {
     fprintf(stderr, "shardctl: unknown command %s\n", cmd);
     usage(stderr);
     return 2;
@@ -67,9 +75,27 @@ int main(int argc, char **argv) {
     fprintf(stderr, "shardctl: inspect needs a buffer or view id or name\n");
     return 2;
   }
-  if (!is_inspect && arg != NULL) {
-    fprintf(stderr, "shardctl: %s takes no argument\n", cmd);
+  if ((is_ckpt && (arg == NULL || arg2 == NULL)) || (is_restore && arg == NULL)) {
+    fprintf(stderr, "shardctl: usage: %s\n",
+            is_ckpt ? "checkpoint JOB DIR" : "restore DIR");
     return 2;
+  }
+  if ((!is_inspect && !is_ckpt && !is_restore && arg != NULL) ||
+      (!is_ckpt && arg2 != NULL)) {
+    fprintf(stderr, "shardctl: %s: too many arguments\n", cmd);
+    return 2;
+  }
+  /* The daemon resolves paths from its own working directory. */
+  char absdir[4096];
+  const char *dir = is_ckpt ? arg2 : is_restore ? arg : NULL;
+  if (dir && dir[0] != '/') {
+    char cwd[2048];
+    if (getcwd(cwd, sizeof cwd) == NULL) {
+      fprintf(stderr, "shardctl: getcwd failed\n");
+      return 1;
+    }
+    snprintf(absdir, sizeof absdir, "%s/%s", cwd, dir);
+    dir = absdir;
   }
 
   char err[1024];
@@ -84,6 +110,17 @@ int main(int argc, char **argv) {
   char *out = NULL;
   if (is_status) {
     rc = json ? shardd_status_json(c, &out) : shardd_status_text(c, &out);
+  } else if (is_ckpt || is_restore) {
+    char job[256];
+    rc = is_ckpt ? shardd_checkpoint(c, arg, dir)
+                 : shardd_restore(c, dir, job, sizeof job);
+    if (rc == SHARDD_OK) {
+      char line[4600];
+      snprintf(line, sizeof line, json ? "{\"job\":\"%s\",\"dir\":\"%s\"}\n"
+                                       : "%s: %s\n",
+               is_ckpt ? arg : job, dir);
+      out = strdup(line);
+    }
   } else if (is_ping) {
     rc = shardd_ping(c);
     if (rc == SHARDD_OK)

@@ -251,6 +251,23 @@ typedef struct {
 shardd_err shardd_step(shardd_client_t *c, uint64_t opt,
                        const shardd_step_opts *opts, shardd_step_result *out);
 
+/* Writes the job's registry, every shard, optimizer state and step counts
+ * to dir, a directory on the daemon's machine (created if missing), as files
+ * with CRC32C-checked headers and a manifest written last. job NULL: the
+ * caller's own job (a control session must name one). Refused with
+ * SHARDD_E_BUSY while a collective of the job is in flight. */
+shardd_err shardd_checkpoint(shardd_client_t *c, const char *job,
+                             const char *dir);
+
+/* Recreates the job recorded in dir (which must not exist in the daemon);
+ * every file is checked before the job becomes visible, and a corrupt or
+ * partial checkpoint is refused with a message naming the bad file. Ranks
+ * then connect and register the same buffers, views and optimizer, which
+ * attach to the restored ones. When job is not NULL it receives the job's
+ * name (NUL-terminated, cut at joblen). */
+shardd_err shardd_restore(shardd_client_t *c, const char *dir, char *job,
+                          size_t joblen);
+
 #ifdef __cplusplus
 }
 #endif

@@ -51,10 +51,15 @@ static shardd_err host_alloc(shardd__backend *b, int device, size_t bytes,
     return SHARDD_E_NO_MEMORY;
   }
 
+  shardd_err rc = SHARDD_E_NO_MEMORY;
   shardd__region *r = calloc(1, sizeof *r);
   int fd = memfd_create(label ? label : "shardd", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (r == NULL || fd < 0) {
-    snprintf(err, errlen, "memfd_create: %s", strerror(errno));
+    /* Out of descriptors is a limit of the process, not of memory. */
+    if (errno == EMFILE || errno == ENFILE)
+      rc = SHARDD_E_LIMIT;
+    snprintf(err, errlen, "memfd_create: %s%s", strerror(errno),
+             rc == SHARDD_E_LIMIT ? " (raise LimitNOFILE / ulimit -n)" : "");
     goto fail;
   }
   if (ftruncate(fd, (off_t)sz) != 0) {
@@ -84,7 +89,7 @@ fail:
   pthread_mutex_lock(&hp->lock);
   hp->used[device] -= sz;
   pthread_mutex_unlock(&hp->lock);
-  return SHARDD_E_NO_MEMORY;
+  return rc;
 }
 
 static void host_free(shardd__backend *b, shardd__region *r) {

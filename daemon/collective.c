@@ -24,13 +24,21 @@ typedef struct {
   int arrived;
 } waiter;
 
+/* One piece of work on the pool: elements [start, start+len) of unit
+ * (a, b): gather: a = destination rank, range in the padded buffer;
+ * scatter: a = owner rank, range in its shard; step: a = optimizer shard,
+ * b = its segment, range in the segment. Large units are cut in chunks so a
+ * big shard uses every worker, not one. */
 typedef struct {
   uv_work_t req;
   coll *c;
-  size_t index;
+  size_t a, b;
+  uint64_t start, len;
   double sumsq;
   shardd_err rc;
 } task;
+
+#define CHUNK_ELEMS ((uint64_t)1 << 18)
 
 struct coll {
   coll *next;
@@ -51,6 +59,10 @@ struct coll {
   uint64_t step;
   shardd__hp *hp; /* step: groups with any lr override applied */
   shardd_err rc;
+  /* set when a rank joined with other arguments: the collective never runs
+   * and every rank, including those still to arrive, gets this error */
+  shardd_err refused;
+  char refused_msg[256];
 };
 
 typedef struct {
@@ -195,10 +207,15 @@ static void gather_task(coll *c, task *t) {
   shardd__backend *be = c->srv->backend;
   shardd__buffer *b = c->buf;
   size_t esz = shardd_dtype_size(b->dtype);
-  size_t bytes = b->shard_numel * esz;
-  for (uint32_t q = 0; q < b->world && t->rc == SHARDD_OK; q++)
-    t->rc = be->ops->copy(be, b->blocks[t->index], b->gather_off + q * bytes,
-                          b->blocks[q], b->shard_off, bytes);
+  uint64_t s = b->shard_numel;
+  for (uint64_t pos = t->start, end = t->start + t->len;
+       pos < end && t->rc == SHARDD_OK;) {
+    uint64_t q = pos / s, off = pos % s;
+    uint64_t n = s - off < end - pos ? s - off : end - pos;
+    t->rc = be->ops->copy(be, b->blocks[t->a], b->gather_off + pos * esz,
+                          b->blocks[q], b->shard_off + off * esz, n * esz);
+    pos += n;
+  }
 }
 
 static void scatter_task(coll *c, task *t) {
@@ -212,53 +229,48 @@ static void scatter_task(coll *c, task *t) {
     return;
   }
   for (uint32_t r = 0; r < w; r++)
-    offs[r] = b->grad_off + t->index * b->shard_numel * esz;
+    offs[r] = b->grad_off + (t->a * b->shard_numel + t->start) * esz;
   float div = c->args.op == SHARDD_REDUCE_MEAN ? (float)w : 1.0f;
-  t->rc = be->ops->reduce(be, b->dtype, div, b->blocks[t->index],
-                          b->reduced_off, b->blocks, offs, (int)w,
-                          b->shard_numel);
+  t->rc = be->ops->reduce(be, b->dtype, div, b->blocks[t->a],
+                          b->reduced_off + t->start * 4, b->blocks, offs,
+                          (int)w, t->len);
   free(offs);
 }
 
 static void norm_task(coll *c, task *t) {
   shardd__backend *be = c->srv->backend;
-  shardd__optim_shard *sh = &c->opt->shards[t->index];
-  shardd__region *blk = sh->buf->blocks[sh->rank];
-  t->sumsq = 0;
-  for (size_t i = 0; i < sh->nsegs && t->rc == SHARDD_OK; i++) {
-    double s = 0;
-    t->rc = be->ops->sumsq(be, blk, sh->buf->reduced_off + sh->segs[i].start * 4,
-                           sh->segs[i].len, &s);
-    t->sumsq += s;
-  }
+  shardd__optim_shard *sh = &c->opt->shards[t->a];
+  const shardd__seg *sg = &sh->segs[t->b];
+  t->rc = be->ops->sumsq(be, sh->buf->blocks[sh->rank],
+                         sh->buf->reduced_off + (sg->start + t->start) * 4,
+                         t->len, &t->sumsq);
 }
 
 static void update_task(coll *c, task *t) {
   shardd__backend *be = c->srv->backend;
-  shardd__optim_shard *sh = &c->opt->shards[t->index];
+  shardd__optim_shard *sh = &c->opt->shards[t->a];
+  const shardd__seg *sg = &sh->segs[t->b];
   shardd__buffer *b = sh->buf;
   shardd__region *blk = b->blocks[sh->rank];
   size_t esz = shardd_dtype_size(b->dtype);
   int wide = b->dtype != SHARDD_DTYPE_FP32;
+  uint64_t first = sg->start + t->start; /* element index in the shard */
   if (wide && !sh->master_valid) {
     /* The trainer writes initial values into its shard after registering,
      * so the fp32 master copy is taken at the first step. */
-    t->rc = be->ops->widen(be, b->dtype, sh->state, sh->master_off, blk,
-                           b->shard_off, b->shard_numel);
+    t->rc = be->ops->widen(be, b->dtype, sh->state, sh->master_off + first * 4,
+                           blk, b->shard_off + first * esz, t->len);
     if (t->rc != SHARDD_OK)
       return;
   }
-  for (size_t i = 0; i < sh->nsegs && t->rc == SHARDD_OK; i++) {
-    const shardd__seg *sg = &sh->segs[i];
-    size_t offs[3];
-    for (int k = 0; k < 3; k++)
-      offs[k] = sh->state_offs[k] + sg->start * 4;
-    t->rc = be->ops->update(be, &c->hp[sg->group], c->step, b->dtype, blk,
-                            b->shard_off + sg->start * esz, wide ? sh->state : NULL,
-                            sh->master_off + sg->start * 4, blk,
-                            b->reduced_off + sg->start * 4, c->grad_scale,
-                            sh->state, offs, sg->len);
-  }
+  size_t offs[3];
+  for (int k = 0; k < 3; k++)
+    offs[k] = sh->state_offs[k] + first * 4;
+  t->rc = be->ops->update(be, &c->hp[sg->group], c->step, b->dtype, blk,
+                          b->shard_off + first * esz, wide ? sh->state : NULL,
+                          sh->master_off + first * 4, blk,
+                          b->reduced_off + first * 4, c->grad_scale, sh->state,
+                          offs, t->len);
 }
 
 static void work_cb(uv_work_t *req) {
@@ -290,8 +302,11 @@ static void after_phase(coll *c) {
     snprintf(msg, sizeof msg, "%s of %s %" PRIu64 " failed in the backend: %s",
              kind_word(c->args.kind), target_word(c->args.kind),
              c->args.target, shardd_strerror(c->rc));
+    shardd__server *srv = c->srv;
     coll_finish(c, c->rc, msg);
     schedule(job);
+    if (job->nclients == 0)
+      shardd__server_job_idle(srv, job);
     return;
   }
   if (c->args.kind == SHARDD__COLL_STEP && c->phase == 0) {
@@ -315,8 +330,11 @@ static void after_phase(coll *c) {
       c->opt->shards[i].master_valid = 1;
     c->opt->steps = c->step;
   }
+  shardd__server *srv = c->srv;
   coll_finish(c, SHARDD_OK, NULL);
   schedule(job);
+  if (job->nclients == 0)
+    shardd__server_job_idle(srv, job);
 }
 
 static void after_work_cb(uv_work_t *req, int status) {
@@ -328,18 +346,44 @@ static void after_work_cb(uv_work_t *req, int status) {
     after_phase(c);
 }
 
+/* Cuts unit (ua, ub) of len elements into chunk tasks; with out NULL only
+ * counts them. */
+static size_t add_unit(task *out, size_t n, size_t ua, size_t ub, uint64_t len) {
+  for (uint64_t st = 0; st < len; st += CHUNK_ELEMS, n++) {
+    if (out) {
+      out[n].a = ua;
+      out[n].b = ub;
+      out[n].start = st;
+      out[n].len = len - st < CHUNK_ELEMS ? len - st : CHUNK_ELEMS;
+    }
+  }
+  return n;
+}
+
+static size_t plan_tasks(coll *c, task *out) {
+  size_t n = 0;
+  if (c->args.kind == SHARDD__COLL_STEP) {
+    for (size_t i = 0; i < c->opt->nshards; i++)
+      for (size_t j = 0; j < c->opt->shards[i].nsegs; j++)
+        n = add_unit(out, n, i, j, c->opt->shards[i].segs[j].len);
+  } else {
+    shardd__buffer *b = c->buf;
+    uint64_t len = c->args.kind == SHARDD__COLL_GATHER ? b->padded_numel
+                                                       : b->shard_numel;
+    for (uint32_t r = 0; r < b->world; r++)
+      n = add_unit(out, n, r, 0, len);
+  }
+  return n;
+}
+
 static void start_phase(coll *c) {
-  size_t n;
-  if (c->args.kind == SHARDD__COLL_STEP)
-    n = c->opt->nshards;
-  else
-    n = c->buf->world;
   if (c->args.kind == SHARDD__COLL_STEP && c->phase == 0) {
     c->step = c->opt->steps + 1;
     c->grad_scale = 1.0f;
     if (!(c->args.max_norm > 0))
       c->phase = 1;
   }
+  size_t n = plan_tasks(c, NULL);
   free(c->tasks);
   c->tasks = calloc(n ? n : 1, sizeof *c->tasks);
   if (c->tasks == NULL) {
@@ -348,17 +392,19 @@ static void start_phase(coll *c) {
     schedule(job);
     return;
   }
+  plan_tasks(c, c->tasks);
   c->ntasks = n;
   c->left = n;
-  if (n == 0) {
+  if (n == 0) { /* nothing to run: complete through the same path */
     c->left = 1;
+    c->tasks[0].c = c;
+    c->tasks[0].req.data = &c->tasks[0];
     after_work_cb(&c->tasks[0].req, 0);
     return;
   }
   for (size_t i = 0; i < n; i++) {
     task *t = &c->tasks[i];
     t->c = c;
-    t->index = i;
     t->req.data = t;
     int e = uv_queue_work(c->srv->loop, &t->req, work_cb, after_work_cb);
     if (e != 0) { /* cannot happen for a valid loop; run inline then */
@@ -417,21 +463,18 @@ void shardd__coll_submit(shardd__server *srv, shardd__session *s, uint64_t seq,
       break;
     }
   }
-  if (c && !args_equal(&c->args, args)) {
-    snprintf(err, sizeof err,
+  if (c && c->refused == SHARDD_OK && !args_equal(&c->args, args)) {
+    snprintf(c->refused_msg, sizeof c->refused_msg,
              "rank %" PRIu32 " called %s on %s %" PRIu64
              " with other arguments than the ranks before it",
              s->rank, kind_word(args->kind), target_word(args->kind),
              args->target);
     /* The others agree with each other, not with this rank: all fail, as a
-     * silent pick of one variant would train on mixed reductions. */
-    waiter *w = &c->waiters[s->rank];
-    w->s = s;
-    w->seq = seq;
-    w->arrived = 1;
-    s->pending++;
-    coll_finish(c, SHARDD_E_MISMATCH, err);
-    return;
+     * silent pick of one variant would train on mixed reductions. Ranks
+     * still to come join this collective and are refused too once all have
+     * arrived; answering only those here would leave the late ones waiting
+     * for ranks that already moved on. */
+    c->refused = SHARDD_E_MISMATCH;
   }
   if (c == NULL) {
     c = calloc(1, sizeof *c);
@@ -477,8 +520,11 @@ void shardd__coll_submit(shardd__server *srv, shardd__session *s, uint64_t seq,
   w->arrived = 1;
   s->pending++;
   c->arrived++;
-  if (c->arrived == job->world)
+  if (c->arrived == job->world) {
+    if (c->refused != SHARDD_OK)
+      coll_finish(c, c->refused, c->refused_msg); /* it may have held back newer ones */
     schedule(job);
+  }
 }
 
 static void fail_waiting(shardd__job *job, shardd_err code,

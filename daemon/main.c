@@ -2,16 +2,22 @@
  * socket activation, and the loop's run and teardown. */
 #include <errno.h>
 #include <getopt.h>
+#include <grp.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <dirent.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <uv.h>
 
 #include "backend.h"
+#include "checkpoint.h"
+#include "strbuf.h"
 #include "sdnotify.h"
 #include "server.h"
 
@@ -27,6 +33,12 @@ static void usage(FILE *f) {
           "  --job-linger SEC          keep a job this long after its last client (default 600;\n"
           "                            -1 forever)\n"
           "  --max-clients N           concurrent connections (default 1024)\n"
+          "  --job-memory-limit SIZE   bytes one job may hold over all devices (default none)\n"
+          "  --admin-group GROUP       members may see (status, inspect) every job\n"
+          "  --checkpoint-root DIR     clients may checkpoint/restore only below DIR\n"
+          "  --checkpoint-on-exit DIR  on SIGTERM/SIGINT, checkpoint every job to DIR/JOB\n"
+          "  --restore DIR             at start, restore the checkpoint in DIR (or each\n"
+          "                            DIR/JOB holding one)\n"
           "  --log-level LEVEL         error|warn|info|debug (default info)\n"
           "  --foreground              run in the foreground (the only mode; for systemd)\n"
           "  --version, --help\n",
@@ -64,6 +76,81 @@ static int parse_double(const char *s, double *out) {
   return errno || end == s || *end ? -1 : 0;
 }
 
+/* DIR/JOB with the job name made safe as one path component. */
+static char *job_dir(const char *dir, const char *job) {
+  shardd__sb sb;
+  shardd__sb_init(&sb);
+  shardd__sb_printf(&sb, "%s/", dir);
+  for (const unsigned char *p = (const unsigned char *)job; *p; p++) {
+    if (*p == '/' || *p == '%' || *p < 0x20 || *p >= 0x7f || (p == (const unsigned char *)job && *p == '.'))
+      shardd__sb_printf(&sb, "%%%02x", *p);
+    else
+      shardd__sb_printf(&sb, "%c", *p);
+  }
+  return shardd__sb_take(&sb);
+}
+
+typedef struct {
+  shardd__server *srv;
+  const char *dir;
+  int failed;
+} exit_ckpt;
+
+static void checkpoint_job(shardd__job *job, void *arg) {
+  exit_ckpt *a = arg;
+  char err[512];
+  char *d = job_dir(a->dir, job->name);
+  if (d == NULL || shardd__server_checkpoint(a->srv, job, d, err, sizeof err) != SHARDD_OK) {
+    shardd__log(a->srv, 0, "checkpoint of job \"%s\" failed: %s", job->name,
+                d ? err : "out of memory");
+    a->failed = 1;
+  }
+  free(d);
+}
+
+static int restore_one(shardd__server *srv, const char *dir) {
+  char err[1024];
+  shardd__job *job;
+  if (shardd__checkpoint_restore(&srv->reg, dir, -1, &job, err, sizeof err) !=
+      SHARDD_OK) {
+    shardd__log(srv, 0, "restore refused: %s", err);
+    return -1;
+  }
+  shardd__job_mark_idle(srv, job);
+  shardd__log(srv, 2, "job \"%s\" restored from %s", job->name, dir);
+  return 0;
+}
+
+/* DIR itself, or each DIR/JOB that holds a manifest. */
+static int restore_all(shardd__server *srv, const char *dir) {
+  char path[4096];
+  struct stat st;
+  snprintf(path, sizeof path, "%s/manifest", dir);
+  if (stat(path, &st) == 0)
+    return restore_one(srv, dir);
+  DIR *d = opendir(dir);
+  if (d == NULL) {
+    shardd__log(srv, 0, "--restore %s: %s", dir, strerror(errno));
+    return -1;
+  }
+  int rc = 0, n = 0;
+  for (struct dirent *e; (e = readdir(d)) != NULL;) {
+    if (e->d_name[0] == '.')
+      continue;
+    snprintf(path, sizeof path, "%s/%s/manifest", dir, e->d_name);
+    if (stat(path, &st) != 0)
+      continue;
+    snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+    n++;
+    if (restore_one(srv, path) != 0)
+      rc = -1;
+  }
+  closedir(d);
+  if (n == 0)
+    shardd__log(srv, 1, "--restore %s: no checkpoint found", dir);
+  return rc;
+}
+
 static int parse_level(const char *s) {
   static const char *names[] = {"error", "warn", "info", "debug"};
   for (int i = 0; i < 4; i++)
@@ -74,7 +161,8 @@ static int parse_level(const char *s) {
 
 int main(int argc, char **argv) {
   enum { O_SOCKET = 256, O_BACKEND, O_DEVICES, O_DEVMEM, O_TIMEOUT, O_LINGER,
-         O_MAXCLIENTS, O_LOGLEVEL, O_FOREGROUND, O_VERSION, O_HELP };
+         O_MAXCLIENTS, O_LOGLEVEL, O_FOREGROUND, O_VERSION, O_HELP,
+         O_CKPT_EXIT, O_RESTORE, O_JOBMEM, O_ADMIN, O_CKPT_ROOT };
   static const struct option longopts[] = {
       {"socket", required_argument, NULL, O_SOCKET},
       {"backend", required_argument, NULL, O_BACKEND},
@@ -85,6 +173,11 @@ int main(int argc, char **argv) {
       {"max-clients", required_argument, NULL, O_MAXCLIENTS},
       {"log-level", required_argument, NULL, O_LOGLEVEL},
       {"foreground", no_argument, NULL, O_FOREGROUND},
+      {"checkpoint-on-exit", required_argument, NULL, O_CKPT_EXIT},
+      {"restore", required_argument, NULL, O_RESTORE},
+      {"job-memory-limit", required_argument, NULL, O_JOBMEM},
+      {"admin-group", required_argument, NULL, O_ADMIN},
+      {"checkpoint-root", required_argument, NULL, O_CKPT_ROOT},
       {"version", no_argument, NULL, O_VERSION},
       {"help", no_argument, NULL, O_HELP},
       {NULL, 0, NULL, 0}};
@@ -95,6 +188,7 @@ int main(int argc, char **argv) {
   const char *backend_name = "auto";
   int devices = 0;
   uint64_t devmem = 0;
+  const char *ckpt_exit = NULL, *restore = NULL;
   int c;
   while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
     switch (c) {
@@ -155,6 +249,39 @@ int main(int argc, char **argv) {
       break;
     case O_FOREGROUND:
       break;
+    case O_CKPT_EXIT:
+      ckpt_exit = optarg;
+      break;
+    case O_RESTORE:
+      restore = optarg;
+      break;
+    case O_CKPT_ROOT:
+      if (optarg[0] != '/') {
+        fprintf(stderr, "shardd: --checkpoint-root %s: must be absolute\n", optarg);
+        return 2;
+      }
+      opts.checkpoint_root = optarg;
+      break;
+    case O_JOBMEM:
+      if (parse_size(optarg, &opts.job_memory_limit) != 0 || opts.job_memory_limit == 0) {
+        fprintf(stderr, "shardd: --job-memory-limit %s: not a size\n", optarg);
+        return 2;
+      }
+      break;
+    case O_ADMIN: {
+      struct group *g = getgrnam(optarg);
+      char *end;
+      long gid = strtol(optarg, &end, 10);
+      if (g)
+        opts.admin_gid = g->gr_gid;
+      else if (*end == '\0' && gid >= 0)
+        opts.admin_gid = gid;
+      else {
+        fprintf(stderr, "shardd: --admin-group %s: no such group\n", optarg);
+        return 2;
+      }
+      break;
+    }
     case O_VERSION:
       printf("shardd %s (protocol %d)\n", SHARDD_VERSION, SHARDD_PROTOCOL_VERSION);
       return 0;
@@ -170,6 +297,14 @@ int main(int argc, char **argv) {
     fprintf(stderr, "shardd: unexpected argument %s\n", argv[optind]);
     usage(stderr);
     return 2;
+  }
+
+  /* Every rank block is a memfd the daemon keeps open: take the fd limit
+   * the administrator allows instead of the shell's default soft limit. */
+  struct rlimit nofile;
+  if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
+    nofile.rlim_cur = nofile.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &nofile);
   }
 
   /* Work items are whole shard copies and optimizer updates: let every
@@ -225,6 +360,14 @@ int main(int argc, char **argv) {
     uv_loop_close(loop);
     return 1;
   }
+  if (restore && restore_all(&srv, restore) != 0) {
+    fprintf(stderr, "shardd: --restore %s failed; not serving\n", restore);
+    shardd__server_stop(&srv);
+    uv_run(loop, UV_RUN_DEFAULT);
+    shardd__server_free(&srv);
+    uv_loop_close(loop);
+    return 1;
+  }
   shardd__log(&srv, 2, "shardd %s serving on %s (%s backend, %d device%s%s)",
               SHARDD_VERSION, srv.socket_path, backend->name, backend->ndevices,
               backend->ndevices == 1 ? "" : "s", nfds > 0 ? ", socket-activated" : "");
@@ -237,8 +380,22 @@ int main(int argc, char **argv) {
   uv_run(loop, UV_RUN_DEFAULT);
 
   shardd__sd_notify("STOPPING=1", err, sizeof err);
+  int status = 0;
+  if (ckpt_exit) {
+    /* The loop has drained: no collective runs, every session is closed,
+     * and the jobs are still there (no release while stopping). */
+    if (mkdir(ckpt_exit, 0750) != 0 && errno != EEXIST) {
+      shardd__log(&srv, 0, "--checkpoint-on-exit %s: %s", ckpt_exit, strerror(errno));
+      status = 1;
+    } else {
+      exit_ckpt a = {&srv, ckpt_exit, 0};
+      shardd__registry_each_job(&srv.reg, checkpoint_job, &a);
+      status = a.failed;
+    }
+  }
   shardd__server_free(&srv);
   uv_loop_close(loop);
-  shardd__log(NULL, 2, "stopped");
-  return 0;
+  if (opts.log_level >= 2)
+    shardd__log(NULL, 2, "stopped");
+  return status;
 }

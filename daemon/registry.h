@@ -121,6 +121,8 @@ struct shardd__optim {
 struct shardd__registry {
   /* read-only */
   shardd__backend *backend;
+  /* public config */
+  uint64_t job_memory_limit; /* bytes one job may hold; 0 unlimited */
   /* private */
   uint64_t next_id;
   shardd__map objects; /* id -> shardd__obj */

@@ -14,6 +14,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "checkpoint.h"
 #include "collective.h"
 #include "status.h"
 #include "validate.h"
@@ -151,6 +152,18 @@ static void session_detach(shardd__session *s) {
   shardd__log(srv, 2, "session %" PRIu64 ": rank %" PRIu32 " of job \"%s\" left",
               s->id, s->rank, job->name);
   s->job = NULL;
+  shardd__server_job_idle(srv, job);
+}
+
+void shardd__server_job_idle(shardd__server *srv, shardd__job *job) {
+  /* --job-linger 0: a job ends with its last client (or with the last
+   * collective that outlived it), not at the next tick. */
+  if (job->nclients == 0 && srv->opts.job_linger == 0 && !srv->stopping &&
+      shardd__coll_inflight(job) == 0) {
+    shardd__log(srv, 2, "job \"%s\" released (last client left)", job->name);
+    shardd__coll_job_free(job);
+    shardd__job_release(&srv->reg, job);
+  }
 }
 
 static void session_close(shardd__session *s) {
@@ -203,7 +216,15 @@ static void on_hello(shardd__session *s, uint64_t seq, const Shardd__Hello *h) {
     return;
   }
   if (h->job && h->job[0]) {
-    shardd__job *job;
+    shardd__job *job = shardd__job_find(&srv->reg, h->job);
+    /* A job is its creator's: another user may not join (root may). */
+    if (job && job->uid != s->cred.uid && s->cred.uid != 0) {
+      snprintf(err, sizeof err, "job \"%s\" belongs to uid %" PRIu32
+               "; uid %d may not join it", job->name, job->uid,
+               (int)s->cred.uid);
+      shardd__session_reply(s, seq, SHARDD_E_PERMISSION, err);
+      return;
+    }
     uint32_t world = h->has_world ? h->world : 1;
     shardd_err rc = shardd__job_get(&srv->reg, h->job, world, s->cred.uid, &job,
                                     err, sizeof err);
@@ -255,7 +276,7 @@ static void on_hello(shardd__session *s, uint64_t seq, const Shardd__Hello *h) {
 static void on_status(shardd__session *s, uint64_t seq) {
   shardd__report *r;
   Shardd__StatusReply *st;
-  shardd_err rc = shardd__status_build(s->srv, &r, &st);
+  shardd_err rc = shardd__status_build(s->srv, s, &r, &st);
   if (rc != SHARDD_OK) {
     shardd__session_reply(s, seq, rc, "out of memory building status");
   } else {
@@ -303,15 +324,34 @@ static void on_register_buffer(shardd__session *s, uint64_t seq,
     return;
   }
   int fd = -1;
-  rc = srv->backend->ops->export_fd(srv->backend, b->blocks[s->rank], &fd);
-  if (rc != SHARDD_OK) {
-    snprintf(err, sizeof err, "exporting rank %" PRIu32 "'s block: %s",
-             s->rank, strerror(errno));
-    shardd__session_reply(s, seq, rc, err);
-    return;
+  uint8_t ipc[64];
+  size_t ipc_len = 0;
+  if (srv->backend->ops->export_ipc) { /* cuda: a handle, no descriptor */
+    rc = srv->backend->ops->export_ipc(srv->backend, b->blocks[s->rank], ipc,
+                                       sizeof ipc, &ipc_len);
+    if (rc != SHARDD_OK) {
+      snprintf(err, sizeof err,
+               "exporting rank %" PRIu32 "'s block as a CUDA IPC handle: %s",
+               s->rank, shardd_strerror(rc));
+      shardd__session_reply(s, seq, rc, err);
+      return;
+    }
+  } else {
+    rc = srv->backend->ops->export_fd(srv->backend, b->blocks[s->rank], &fd);
+    if (rc != SHARDD_OK) {
+      snprintf(err, sizeof err, "exporting rank %" PRIu32 "'s block: %s",
+               s->rank, strerror(errno));
+      shardd__session_reply(s, seq, rc, err);
+      return;
+    }
   }
   Shardd__Response resp = SHARDD__RESPONSE__INIT;
   Shardd__BufferReply br = SHARDD__BUFFER_REPLY__INIT;
+  if (ipc_len > 0) {
+    br.has_cuda_ipc_handle = 1;
+    br.cuda_ipc_handle.data = ipc;
+    br.cuda_ipc_handle.len = ipc_len;
+  }
   br.id = b->hdr.id;
   br.name = b->hdr.name;
   br.dtype = (Shardd__DType)b->dtype;
@@ -464,6 +504,126 @@ static void on_ping(shardd__session *s, uint64_t seq, const Shardd__Ping *p) {
   shardd__session_send(s, &resp, -1);
 }
 
+static void reply_checkpoint(shardd__session *s, uint64_t seq,
+                             shardd__job *job, const char *dir) {
+  Shardd__Response resp = SHARDD__RESPONSE__INIT;
+  Shardd__CheckpointReply cr = SHARDD__CHECKPOINT_REPLY__INIT;
+  cr.job = job->name;
+  cr.dir = (char *)dir;
+  cr.buffers = (uint32_t)shardd__map_count(&job->buffers);
+  cr.optimizers = (uint32_t)shardd__map_count(&job->optims);
+  resp.seq = seq;
+  resp.code = SHARDD__STATUS_CODE__OK;
+  resp.body_case = SHARDD__RESPONSE__BODY_CHECKPOINT;
+  resp.checkpoint = &cr;
+  shardd__session_send(s, &resp, -1);
+}
+
+shardd_err shardd__server_checkpoint(shardd__server *srv, shardd__job *job,
+                                     const char *dir, char *err,
+                                     size_t errlen) {
+  if (shardd__coll_inflight(job) > 0) {
+    snprintf(err, errlen,
+             "job \"%s\" has %" PRIu32 " collective(s) in flight; checkpoint "
+             "between steps",
+             job->name, shardd__coll_inflight(job));
+    return SHARDD_E_BUSY;
+  }
+  shardd_err rc = shardd__checkpoint_write(&srv->reg, job, dir, err, errlen);
+  if (rc == SHARDD_OK)
+    shardd__log(srv, 2, "job \"%s\" checkpointed to %s", job->name, dir);
+  return rc;
+}
+
+/* A client names the directory, the daemon writes or reads it with its own
+ * rights: only absolute paths without "." or ".." parts, below
+ * --checkpoint-root when one is set. */
+static int checkpoint_dir_ok(const shardd__server *srv, const char *dir,
+                             char *err, size_t errlen) {
+  const char *root = srv->opts.checkpoint_root;
+  if (dir == NULL || dir[0] != '/') {
+    snprintf(err, errlen, "checkpoint directory \"%s\" is not an absolute path",
+             dir ? dir : "");
+    return 0;
+  }
+  for (const char *p = dir; (p = strchr(p, '/')) != NULL; p++) {
+    if ((p[1] == '.' && (p[2] == '/' || p[2] == '\0')) ||
+        (p[1] == '.' && p[2] == '.' && (p[3] == '/' || p[3] == '\0'))) {
+      snprintf(err, errlen, "checkpoint directory %s has a . or .. part", dir);
+      return 0;
+    }
+  }
+  size_t n = root ? strlen(root) : 0;
+  while (n > 1 && root[n - 1] == '/')
+    n--;
+  if (root && !(strncmp(dir, root, n) == 0 && dir[n] == '/' && dir[n + 1])) {
+    snprintf(err, errlen, "checkpoint directory %s is not below %.*s "
+             "(--checkpoint-root)", dir, (int)n, root);
+    return 0;
+  }
+  return 1;
+}
+
+static void on_checkpoint(shardd__session *s, uint64_t seq,
+                          const Shardd__Checkpoint *cp) {
+  char err[ERRLEN];
+  if (!checkpoint_dir_ok(s->srv, cp->dir, err, sizeof err)) {
+    shardd__session_reply(s, seq, SHARDD_E_PERMISSION, err);
+    return;
+  }
+  shardd__job *job = s->job;
+  if (job == NULL) {
+    job = shardd__job_find(&s->srv->reg, cp->job);
+    if (job == NULL) {
+      snprintf(err, sizeof err, "no job \"%s\"", cp->job ? cp->job : "");
+      shardd__session_reply(s, seq, SHARDD_E_NOT_FOUND, err);
+      return;
+    }
+    if (job->uid != s->cred.uid && s->cred.uid != 0) {
+      snprintf(err, sizeof err, "job \"%s\" belongs to uid %" PRIu32
+               "; only it or root may checkpoint it", job->name, job->uid);
+      shardd__session_reply(s, seq, SHARDD_E_PERMISSION, err);
+      return;
+    }
+  } else if (cp->job && cp->job[0] && strcmp(cp->job, job->name) != 0) {
+    snprintf(err, sizeof err, "a session of job \"%s\" cannot checkpoint job \"%s\"",
+             job->name, cp->job);
+    shardd__session_reply(s, seq, SHARDD_E_NOT_OWNED, err);
+    return;
+  }
+  shardd_err rc = shardd__server_checkpoint(s->srv, job, cp->dir, err, sizeof err);
+  if (rc != SHARDD_OK)
+    shardd__session_reply(s, seq, rc, err);
+  else
+    reply_checkpoint(s, seq, job, cp->dir);
+}
+
+static void on_restore(shardd__session *s, uint64_t seq,
+                       const Shardd__Restore *rs) {
+  char err[ERRLEN];
+  if (!checkpoint_dir_ok(s->srv, rs->dir, err, sizeof err)) {
+    shardd__session_reply(s, seq, SHARDD_E_PERMISSION, err);
+    return;
+  }
+  shardd__job *job;
+  shardd_err rc = shardd__checkpoint_restore(&s->srv->reg, rs->dir, (int64_t)s->cred.uid,
+                                             &job, err, sizeof err);
+  if (rc != SHARDD_OK) {
+    shardd__session_reply(s, seq, rc, err);
+    return;
+  }
+  shardd__job_mark_idle(s->srv, job);
+  shardd__log(s->srv, 2, "job \"%s\" restored from %s", job->name, rs->dir);
+  reply_checkpoint(s, seq, job, rs->dir);
+}
+
+void shardd__job_mark_idle(shardd__server *srv, shardd__job *job) {
+  /* A restored job has no client yet: it lingers like one whose clients
+   * left, so it is released if nobody comes back. */
+  if (job->nclients == 0)
+    job->empty_since = shardd__server_now(srv);
+}
+
 static void dispatch(shardd__session *s, const Shardd__Request *req) {
   uint64_t seq = req->seq;
   if (req->body_case != SHARDD__REQUEST__BODY_HELLO && !s->hello_done) {
@@ -485,6 +645,12 @@ static void dispatch(shardd__session *s, const Shardd__Request *req) {
     return;
   case SHARDD__REQUEST__BODY_PING:
     on_ping(s, seq, req->ping);
+    return;
+  case SHARDD__REQUEST__BODY_CHECKPOINT:
+    on_checkpoint(s, seq, req->checkpoint);
+    return;
+  case SHARDD__REQUEST__BODY_RESTORE:
+    on_restore(s, seq, req->restore);
     return;
   default:
     break;
@@ -601,6 +767,8 @@ static void read_cb(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
   }
 }
 
+static void session_begin(shardd__server *srv, shardd__session *s);
+
 static void on_connection(uv_stream_t *server, int status) {
   shardd__server *srv = server->data;
   if (status < 0) {
@@ -618,6 +786,42 @@ static void on_connection(uv_stream_t *server, int status) {
     uv_close((uv_handle_t *)&s->pipe, session_freed);
     return;
   }
+  session_begin(srv, s);
+}
+
+/* Whether the peer process is in gid, as primary or supplementary group
+ * (the latter read from /proc, as SO_PEERCRED carries only the primary). */
+static int peer_in_group(const struct ucred *cred, int64_t gid) {
+  if (gid < 0)
+    return 0;
+  if ((int64_t)cred->gid == gid)
+    return 1;
+  char path[64], line[4096];
+  snprintf(path, sizeof path, "/proc/%d/status", (int)cred->pid);
+  FILE *f = fopen(path, "r");
+  if (f == NULL)
+    return 0;
+  int found = 0;
+  while (!found && fgets(line, sizeof line, f)) {
+    if (strncmp(line, "Groups:", 7) != 0)
+      continue;
+    char *save;
+    for (char *t = strtok_r(line + 7, " \t\n", &save); t;
+         t = strtok_r(NULL, " \t\n", &save))
+      if (strtoll(t, NULL, 10) == gid)
+        found = 1;
+  }
+  fclose(f);
+  return found;
+}
+
+int shardd__session_may_see(const shardd__session *s, const shardd__job *job) {
+  return s->admin || job->uid == s->cred.uid;
+}
+
+/* Links an accepted or adopted connection in, reads its credentials and
+ * starts reading (or refuses it past --max-clients). */
+static void session_begin(shardd__server *srv, shardd__session *s) {
   s->srv = srv;
   s->id = ++srv->next_session;
   shardd__frame_reader_init(&s->rd, SHARDD_MAX_FRAME);
@@ -631,6 +835,7 @@ static void on_connection(uv_stream_t *server, int status) {
   socklen_t len = sizeof s->cred;
   if (uv_fileno((uv_handle_t *)&s->pipe, &fd) == 0)
     getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &s->cred, &len);
+  s->admin = s->cred.uid == 0 || peer_in_group(&s->cred, srv->opts.admin_gid);
   if (srv->nclients > srv->opts.max_clients) {
     char msg[128];
     snprintf(msg, sizeof msg, "the daemon serves at most %" PRIu32 " clients",
@@ -640,6 +845,19 @@ static void on_connection(uv_stream_t *server, int status) {
     return;
   }
   uv_read_start((uv_stream_t *)&s->pipe, alloc_cb, read_cb);
+}
+
+shardd_err shardd__server_adopt(shardd__server *srv, int fd) {
+  shardd__session *s = calloc(1, sizeof *s);
+  if (s == NULL)
+    return SHARDD_E_NO_MEMORY;
+  uv_pipe_init(srv->loop, &s->pipe, 1);
+  if (uv_pipe_open(&s->pipe, fd) != 0) {
+    uv_close((uv_handle_t *)&s->pipe, session_freed);
+    return SHARDD_E_IO;
+  }
+  session_begin(srv, s);
+  return SHARDD_OK;
 }
 
 /* ---- tick and signals ------------------------------------------------- */
@@ -724,6 +942,7 @@ shardd_err shardd__server_init(shardd__server *srv, uv_loop_t *loop,
   srv->opts = *opts;
   srv->backend = backend;
   shardd__registry_init(&srv->reg, backend);
+  srv->reg.job_memory_limit = opts->job_memory_limit;
   uv_update_time(loop);
   srv->started = shardd__server_now(srv);
   const char *path = opts->socket_path ? opts->socket_path : SHARDD_DEFAULT_SOCKET;

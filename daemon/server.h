@@ -25,10 +25,15 @@ typedef struct {
   uint32_t max_clients;
   uint32_t max_pending; /* queued collectives per session */
   int log_level;        /* 0 error, 1 warn, 2 info, 3 debug */
+  int64_t admin_gid;    /* members may see every job; < 0 none */
+  uint64_t job_memory_limit; /* bytes a job may hold; 0 unlimited */
+  /* Checkpoint/Restore requests may only name directories below this one
+   * (the daemon writes with its own rights); NULL: any absolute path. */
+  const char *checkpoint_root;
 } shardd__server_opts;
 
 #define SHARDD__SERVER_OPTS_INIT \
-  {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2}
+  {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2, -1, 0, NULL}
 
 typedef struct shardd__session shardd__session;
 typedef struct shardd__server shardd__server;
@@ -42,6 +47,7 @@ struct shardd__session {
   uint32_t rank;
   int hello_done;
   struct ucred cred;
+  int admin; /* root or --admin-group: sees every job */
   /* private */
   shardd__frame_reader rd;
   uint32_t pending; /* collectives it waits in */
@@ -79,6 +85,25 @@ shardd_err shardd__server_init(shardd__server *srv, uv_loop_t *loop,
  * then call shardd__server_free. Idempotent. */
 void shardd__server_stop(shardd__server *srv);
 void shardd__server_free(shardd__server *srv);
+
+/* Serves an already connected stream socket as a client session (the
+ * fuzzer and in-process tests drive the dispatcher this way). The session
+ * owns fd from here on, also on failure after uv_pipe_open. */
+shardd_err shardd__server_adopt(shardd__server *srv, int fd);
+
+/* Whether s may see job: its owner's uid, root, or the admin group. */
+int shardd__session_may_see(const shardd__session *s, const shardd__job *job);
+
+/* Checkpoints job to dir (refused while it has collectives in flight). */
+shardd_err shardd__server_checkpoint(shardd__server *srv, shardd__job *job,
+                                     const char *dir, char *err,
+                                     size_t errlen);
+/* Called when job may have become idle (a client left, a collective
+ * ended); releases it at once under --job-linger 0. job may be freed. */
+void shardd__server_job_idle(shardd__server *srv, shardd__job *job);
+
+/* Starts the linger clock of a job that has no client (after a restore). */
+void shardd__job_mark_idle(shardd__server *srv, shardd__job *job);
 
 /* Seconds since the loop started (monotonic). */
 double shardd__server_now(const shardd__server *srv);

@@ -93,10 +93,13 @@ typedef struct {
   shardd__report *r;
   Shardd__StatusReply *st;
   size_t cap;
+  const shardd__session *viewer;
 } jobs_arg;
 
 static void add_job(shardd__job *job, void *arg) {
   jobs_arg *a = arg;
+  if (a->viewer && !shardd__session_may_see(a->viewer, job))
+    return;
   if (a->st->n_jobs < a->cap) {
     Shardd__JobStatus *js = job_status(a->r, job);
     if (js)
@@ -110,7 +113,9 @@ static int cmp_job(const void *x, const void *y) {
   return strcmp(a->name, b->name);
 }
 
-shardd_err shardd__status_build(shardd__server *srv, shardd__report **out,
+shardd_err shardd__status_build(shardd__server *srv,
+                                const shardd__session *viewer,
+                                shardd__report **out,
                                 Shardd__StatusReply **reply) {
   shardd__report *r = calloc(1, sizeof *r);
   *out = r;
@@ -145,7 +150,7 @@ shardd_err shardd__status_build(shardd__server *srv, shardd__report **out,
     st->devices[st->n_devices++] = ds;
   }
 
-  jobs_arg a = {r, st, shardd__map_count(&srv->reg.jobs)};
+  jobs_arg a = {r, st, shardd__map_count(&srv->reg.jobs), viewer};
   st->jobs = ar_alloc(r, (a.cap ? a.cap : 1) * sizeof *st->jobs);
   if (st->jobs)
     shardd__registry_each_job(&srv->reg, add_job, &a);
@@ -163,10 +168,13 @@ typedef struct {
   shardd__obj *found;
   int matches;
   char jobs[256];
+  const shardd__session *viewer;
 } find_arg;
 
 static void find_in_job(shardd__job *job, void *arg) {
   find_arg *f = arg;
+  if (!shardd__session_may_see(f->viewer, job))
+    return;
   shardd__buffer **bufs;
   size_t nb;
   if (shardd__job_buffers(job, &bufs, &nb) != SHARDD_OK)
@@ -268,7 +276,7 @@ shardd_err shardd__inspect_build(shardd__server *srv, shardd__session *s,
       return SHARDD_E_NOT_FOUND;
     }
   } else if (name && name[0]) {
-    find_arg f = {name, NULL, 0, ""};
+    find_arg f = {name, NULL, 0, "", s};
     if (s->job)
       find_in_job(s->job, &f);
     if (f.matches == 0)
@@ -288,6 +296,11 @@ shardd_err shardd__inspect_build(shardd__server *srv, shardd__session *s,
     return SHARDD_E_INVAL;
   }
 
+  if (!shardd__session_may_see(s, o->job)) {
+    snprintf(err, errlen, "id %" PRIu64 " belongs to a job of another user",
+             o->id);
+    return SHARDD_E_PERMISSION;
+  }
   shardd__report *r = calloc(1, sizeof *r);
   *out = r;
   if (r == NULL)

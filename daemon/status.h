@@ -10,10 +10,14 @@
 
 typedef struct shardd__report shardd__report;
 
-shardd_err shardd__status_build(shardd__server *srv, shardd__report **out,
+/* Lists the jobs viewer may see (shardd__session_may_see). */
+shardd_err shardd__status_build(shardd__server *srv,
+                                const shardd__session *viewer,
+                                shardd__report **out,
                                 Shardd__StatusReply **reply);
 /* By id (when id != 0) or by name, searched in s's job first, then in
- * every job. */
+ * every job s may see; an object of a job s may not see is
+ * SHARDD_E_PERMISSION. */
 shardd_err shardd__inspect_build(shardd__server *srv, shardd__session *s,
                                  uint64_t id, const char *name,
                                  shardd__report **out,

@@ -9,9 +9,10 @@ pass=0 fail=0 skip=0 bad=""
 log=$(mktemp)
 for t in "$@"; do
   echo "== $t"
-  "$t" --jobs 2 >"$log" 2>&1
+  "$t" --jobs 2 --verbose >"$log" 2>&1
   rc=$?
-  cat "$log"
+  # --verbose so skips are visible; the passing tests' own lines add nothing.
+  grep -av '^\[RUN \]\|^\[PASS\]' "$log"
   line=$(grep -a "Synthesis:" "$log" | tail -n 1)
   # Synthesis: Tested: 5 | Passing: 5 | Failing: 0 | Crashing: 0
   p=$(echo "$line" | sed -n 's/.*Passing: \([0-9]*\).*/\1/p')
@@ -42,6 +43,23 @@ if [ -d tests/python ] && [ -z "$SHARDD_NO_PYTHON" ]; then
     bad="$bad tests/python"
     [ -z "$line" ] && fail=$((fail + 1))
   fi
+fi
+if [ -n "$FUZZ_BIN" ] && [ -x "$FUZZ_BIN" ]; then
+  # CI gives the fuzzer a minute; a developer's run a quarter of that.
+  secs=${FUZZ_SECONDS:-$([ "${CI:-}" = true ] && echo 60 || echo 15)}
+  echo "== $FUZZ_BIN (${secs} s)"
+  corpus=$(mktemp -d)
+  cp tests/fuzz/corpus/* "$corpus"/
+  if "$FUZZ_BIN" -max_total_time="$secs" -max_len=4096 -rss_limit_mb=2048 -artifact_prefix="$BUILD/fuzz/" \
+      -print_final_stats=1 "$corpus" >"$log" 2>&1; then
+    grep -a "stat::number_of_executed_units\|stat::new_units_added" "$log"
+    pass=$((pass + 1))
+  else
+    tail -n 60 "$log"
+    fail=$((fail + 1))
+    bad="$bad fuzz"
+  fi
+  rm -rf "$corpus"
 fi
 rm -f "$log"
 echo

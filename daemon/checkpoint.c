@@ -1,0 +1,816 @@
+/* checkpoint.c — job checkpoints to a directory and their restore (see
+ * checkpoint.h). Headers and the manifest are little-endian and text
+ * respectively; names in the manifest are percent-encoded so any byte
+ * string survives the space-separated format. */
+#include "checkpoint.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "proto/shardd.pb-c.h"
+#include "strbuf.h"
+#include "validate.h"
+
+#define MAGIC "SHRDCKPT"
+#define HEADER_BYTES 64
+#define MANIFEST "manifest"
+
+/* ---- CRC32C ----------------------------------------------------------- */
+
+static uint32_t crc_table[8][256];
+
+static void crc_init(void) {
+  for (uint32_t i = 0; i < 256; i++) {
+    uint32_t c = i;
+    for (int k = 0; k < 8; k++)
+      c = c & 1 ? (c >> 1) ^ 0x82f63b78u : c >> 1;
+    crc_table[0][i] = c;
+  }
+  for (uint32_t i = 0; i < 256; i++)
+    for (int t = 1; t < 8; t++)
+      crc_table[t][i] = (crc_table[t - 1][i] >> 8) ^
+                        crc_table[0][crc_table[t - 1][i] & 0xff];
+}
+
+#if defined(__x86_64__)
+__attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc,
+                                                         const uint8_t *p,
+                                                         size_t n) {
+  uint64_t c = crc;
+  for (; n >= 8; n -= 8, p += 8) {
+    uint64_t w;
+    memcpy(&w, p, 8);
+    c = __builtin_ia32_crc32di(c, w);
+  }
+  uint32_t c32 = (uint32_t)c;
+  for (; n > 0; n--, p++)
+    c32 = __builtin_ia32_crc32qi(c32, *p);
+  return c32;
+}
+#endif
+
+/* Slicing-by-8 where the CPU has no crc32 instruction. */
+static uint32_t crc_sw(uint32_t crc, const uint8_t *p, size_t n) {
+  static int ready;
+  if (!ready) {
+    crc_init();
+    ready = 1;
+  }
+  for (; n >= 8; n -= 8, p += 8) {
+    uint32_t lo, hi;
+    memcpy(&lo, p, 4);
+    memcpy(&hi, p + 4, 4);
+    lo ^= crc;
+    crc = crc_table[7][lo & 0xff] ^ crc_table[6][(lo >> 8) & 0xff] ^
+          crc_table[5][(lo >> 16) & 0xff] ^ crc_table[4][lo >> 24] ^
+          crc_table[3][hi & 0xff] ^ crc_table[2][(hi >> 8) & 0xff] ^
+          crc_table[1][(hi >> 16) & 0xff] ^ crc_table[0][hi >> 24];
+  }
+  for (; n > 0; n--, p++)
+    crc = (crc >> 8) ^ crc_table[0][(crc ^ *p) & 0xff];
+  return crc;
+}
+
+uint32_t shardd__crc32c(uint32_t crc, const void *data, size_t n) {
+  crc = ~crc;
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("sse4.2"))
+    return ~crc_hw(crc, data, n);
+#endif
+  return ~crc_sw(crc, data, n);
+}
+
+/* ---- little helpers --------------------------------------------------- */
+
+static void put_u32(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void put_u64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint32_t get_u32(const uint8_t *p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; i++)
+    v |= (uint32_t)p[i] << (8 * i);
+  return v;
+}
+
+static uint64_t get_u64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; i++)
+    v |= (uint64_t)p[i] << (8 * i);
+  return v;
+}
+
+static void enc_name(shardd__sb *sb, const char *s) {
+  for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+    if (*p <= 0x20 || *p >= 0x7f || *p == '%')
+      shardd__sb_printf(sb, "%%%02x", *p);
+    else
+      shardd__sb_printf(sb, "%c", *p);
+  }
+}
+
+/* Decodes in place; returns 0 on a malformed escape. */
+static int dec_name(char *s) {
+  char *w = s;
+  for (char *r = s; *r; r++) {
+    if (*r == '%') {
+      unsigned v;
+      if (!r[1] || !r[2] || sscanf(r + 1, "%2x", &v) != 1 || v == 0)
+        return 0;
+      *w++ = (char)v;
+      r += 2;
+    } else {
+      *w++ = *r;
+    }
+  }
+  *w = '\0';
+  return 1;
+}
+
+static shardd_err write_all(int fd, const void *buf, size_t n) {
+  const char *p = buf;
+  while (n > 0) {
+    ssize_t w = write(fd, p, n);
+    if (w < 0) {
+      if (errno == EINTR)
+        continue;
+      return SHARDD_E_IO;
+    }
+    p += w;
+    n -= (size_t)w;
+  }
+  return SHARDD_OK;
+}
+
+static shardd_err read_all(int fd, void *buf, size_t n) {
+  char *p = buf;
+  while (n > 0) {
+    ssize_t r = read(fd, p, n);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0)
+      return SHARDD_E_IO;
+    p += r;
+    n -= (size_t)r;
+  }
+  return SHARDD_OK;
+}
+
+static shardd_err fsync_dir(const char *dir, char *err, size_t errlen) {
+  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0 || fsync(fd) != 0) {
+    snprintf(err, errlen, "fsync %s: %s", dir, strerror(errno));
+    if (fd >= 0)
+      close(fd);
+    return SHARDD_E_IO;
+  }
+  close(fd);
+  return SHARDD_OK;
+}
+
+/* Writes dir/fname through a temporary name: head (may be NULL), then
+ * payload, fsync, rename. */
+static shardd_err write_file(const char *dir, const char *fname,
+                             const void *head, size_t head_len,
+                             const void *payload, size_t bytes, char *err,
+                             size_t errlen) {
+  char tmp[4096], path[4096];
+  snprintf(tmp, sizeof tmp, "%s/.%s.tmp", dir, fname);
+  snprintf(path, sizeof path, "%s/%s", dir, fname);
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0640);
+  if (fd < 0) {
+    snprintf(err, errlen, "create %s: %s", tmp, strerror(errno));
+    return SHARDD_E_IO;
+  }
+  shardd_err rc = SHARDD_OK;
+  if ((head && write_all(fd, head, head_len) != SHARDD_OK) ||
+      write_all(fd, payload, bytes) != SHARDD_OK || fsync(fd) != 0) {
+    snprintf(err, errlen, "write %s: %s", tmp, strerror(errno));
+    rc = SHARDD_E_IO;
+  }
+  if (close(fd) != 0 && rc == SHARDD_OK) {
+    snprintf(err, errlen, "close %s: %s", tmp, strerror(errno));
+    rc = SHARDD_E_IO;
+  }
+  if (rc == SHARDD_OK && rename(tmp, path) != 0) {
+    snprintf(err, errlen, "rename %s: %s", path, strerror(errno));
+    rc = SHARDD_E_IO;
+  }
+  if (rc != SHARDD_OK)
+    unlink(tmp);
+  return rc;
+}
+
+/* A data file: header (64 bytes), the buffer's name, the payload. */
+static shardd_err write_data(const char *dir, const char *fname,
+                             uint32_t dtype, uint64_t numel, uint64_t offset,
+                             const char *name, const void *payload,
+                             size_t bytes, uint32_t *crc, char *err,
+                             size_t errlen) {
+  size_t nlen = strlen(name);
+  uint8_t *head = calloc(1, HEADER_BYTES + nlen);
+  if (head == NULL) {
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  *crc = shardd__crc32c(0, payload, bytes);
+  memcpy(head, MAGIC, 8);
+  put_u32(head + 8, SHARDD_CHECKPOINT_VERSION);
+  put_u32(head + 12, dtype);
+  put_u64(head + 16, numel);
+  put_u64(head + 24, offset);
+  put_u64(head + 32, bytes);
+  put_u32(head + 40, *crc);
+  put_u32(head + 44, (uint32_t)nlen);
+  memcpy(head + HEADER_BYTES, name, nlen);
+  shardd_err rc = write_file(dir, fname, head, HEADER_BYTES + nlen, payload,
+                             bytes, err, errlen);
+  free(head);
+  return rc;
+}
+
+/* ---- write ------------------------------------------------------------ */
+
+static size_t buffer_index(shardd__buffer **bufs, size_t n,
+                           const shardd__buffer *b) {
+  for (size_t i = 0; i < n; i++)
+    if (bufs[i] == b)
+      return i;
+  return n;
+}
+
+shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
+                                    const char *dir, char *err, size_t errlen) {
+  if (strcmp(reg->backend->name, "host") != 0) {
+    snprintf(err, errlen, "checkpoints support the host backend only");
+    return SHARDD_E_INVAL;
+  }
+  if (mkdir(dir, 0750) != 0 && errno != EEXIST) {
+    snprintf(err, errlen, "mkdir %s: %s", dir, strerror(errno));
+    return SHARDD_E_IO;
+  }
+  /* An older manifest would vouch for files about to be replaced. */
+  char mpath[4096];
+  snprintf(mpath, sizeof mpath, "%s/%s", dir, MANIFEST);
+  if (unlink(mpath) != 0 && errno != ENOENT) {
+    snprintf(err, errlen, "unlink %s: %s", mpath, strerror(errno));
+    return SHARDD_E_IO;
+  }
+
+  shardd__buffer **bufs = NULL;
+  shardd__optim **opts = NULL;
+  size_t nb = 0, no = 0;
+  shardd__sb m;
+  shardd__sb_init(&m);
+  shardd_err rc = SHARDD_E_NO_MEMORY;
+  if (shardd__job_buffers(job, &bufs, &nb) != SHARDD_OK ||
+      shardd__job_optims(job, &opts, &no) != SHARDD_OK) {
+    snprintf(err, errlen, "out of memory");
+    goto done;
+  }
+  shardd__sb_printf(&m, "shardd-checkpoint %d\njob ", SHARDD_CHECKPOINT_VERSION);
+  enc_name(&m, job->name);
+  shardd__sb_printf(&m, " %" PRIu32 " %" PRIu32 "\n", job->world, job->uid);
+
+  char fname[128];
+  for (size_t i = 0; i < nb; i++) {
+    shardd__buffer *b = bufs[i];
+    size_t esz = shardd_dtype_size(b->dtype);
+    shardd__sb_printf(&m, "buffer ");
+    enc_name(&m, b->hdr.name);
+    shardd__sb_printf(&m, " %d %" PRIu64 "\n", (int)b->dtype, b->numel);
+    for (uint32_t r = 0; r < b->world; r++) {
+      uint32_t crc;
+      snprintf(fname, sizeof fname, "b%zu-r%" PRIu32 ".shard", i, r);
+      rc = write_data(dir, fname, (uint32_t)b->dtype, b->shard_numel,
+                      (uint64_t)r * b->shard_numel, b->hdr.name,
+                      (const char *)b->blocks[r]->ptr + b->shard_off,
+                      b->shard_numel * esz, &crc, err, errlen);
+      if (rc != SHARDD_OK)
+        goto done;
+      shardd__sb_printf(&m, "shard %zu %" PRIu32 " %s %08" PRIx32 "\n", i, r,
+                        fname, crc);
+    }
+    shardd__view **views;
+    size_t nv;
+    if (shardd__buffer_views(b, &views, &nv) != SHARDD_OK) {
+      rc = SHARDD_E_NO_MEMORY;
+      snprintf(err, errlen, "out of memory");
+      goto done;
+    }
+    for (size_t k = 0; k < nv; k++) {
+      shardd__view *v = views[k];
+      shardd__sb_printf(&m, "view %zu ", i);
+      enc_name(&m, v->hdr.name);
+      shardd__sb_printf(&m, " %" PRIu64 " %" PRIu64 " %d", v->offset, v->numel,
+                        v->ndim);
+      for (int d = 0; d < v->ndim; d++)
+        shardd__sb_printf(&m, " %" PRId64, v->shape[d]);
+      shardd__sb_printf(&m, "\n");
+    }
+    free(views);
+  }
+
+  for (size_t i = 0; i < no; i++) {
+    shardd__optim *o = opts[i];
+    shardd__sb_printf(&m, "optimizer %zu ", i);
+    enc_name(&m, o->hdr.name);
+    shardd__sb_printf(&m, " %" PRIu64 " ", o->steps);
+    for (size_t k = 0; k < o->spec_len; k++)
+      shardd__sb_printf(&m, "%02x", o->spec[k]);
+    shardd__sb_printf(&m, "\n");
+    for (size_t k = 0; k < o->nrefs; k++) {
+      shardd__obj *r = o->refs[k];
+      if (r->kind == SHARDD__OBJ_VIEW) {
+        shardd__view *v = (shardd__view *)r;
+        shardd__sb_printf(&m, "ref %zu %" PRIu64 " view %zu ", i, r->id,
+                          buffer_index(bufs, nb, v->buf));
+        enc_name(&m, r->name);
+        shardd__sb_printf(&m, "\n");
+      } else {
+        shardd__sb_printf(&m, "ref %zu %" PRIu64 " buffer %zu\n", i, r->id,
+                          buffer_index(bufs, nb, (shardd__buffer *)r));
+      }
+    }
+    for (size_t k = 0; k < o->nshards; k++) {
+      shardd__optim_shard *sh = &o->shards[k];
+      if (sh->state == NULL)
+        continue;
+      size_t bi = buffer_index(bufs, nb, sh->buf);
+      uint32_t crc;
+      snprintf(fname, sizeof fname, "o%zu-b%zu-r%" PRIu32 ".state", i, bi,
+               sh->rank);
+      rc = write_data(dir, fname, SHARDD_DTYPE_FP32, sh->state->bytes / 4,
+                      (uint64_t)sh->rank * sh->buf->shard_numel, sh->buf->hdr.name,
+                      sh->state->ptr, sh->state->bytes, &crc, err, errlen);
+      if (rc != SHARDD_OK)
+        goto done;
+      shardd__sb_printf(&m, "state %zu %zu %" PRIu32 " %d %s %08" PRIx32 " %zu\n",
+                        i, bi, sh->rank, sh->master_valid, fname, crc,
+                        sh->state->bytes);
+    }
+  }
+  shardd__sb_printf(&m, "end\n");
+  if (m.failed) {
+    rc = SHARDD_E_NO_MEMORY;
+    snprintf(err, errlen, "out of memory");
+    goto done;
+  }
+  /* Data files must be durable before the manifest vouches for them. */
+  if ((rc = fsync_dir(dir, err, errlen)) != SHARDD_OK ||
+      (rc = write_file(dir, MANIFEST, NULL, 0, m.s, m.len, err, errlen)) !=
+          SHARDD_OK ||
+      (rc = fsync_dir(dir, err, errlen)) != SHARDD_OK)
+    goto done;
+  rc = SHARDD_OK;
+
+done:
+  shardd__sb_free(&m);
+  free(bufs);
+  free(opts);
+  return rc;
+}
+
+/* ---- restore ---------------------------------------------------------- */
+
+/* Reads dir/fname into dst after checking its header and size against what
+ * the manifest says, then checks the CRC of what it read. dst is memory of
+ * the job being restored, which no client sees before the restore
+ * succeeds, so reading straight into it costs no second pass. */
+static shardd_err load_data(const char *dir, const char *fname,
+                            uint32_t dtype, uint64_t numel, uint64_t offset,
+                            const char *name, uint32_t crc, void *dst,
+                            size_t bytes, char *err, size_t errlen) {
+  char path[4096];
+  snprintf(path, sizeof path, "%s/%s", dir, fname);
+  if (strchr(fname, '/') != NULL) {
+    snprintf(err, errlen, "%s: file name leaves the checkpoint directory", fname);
+    return SHARDD_E_INVAL;
+  }
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    snprintf(err, errlen, "%s: %s", path, strerror(errno));
+    return SHARDD_E_IO;
+  }
+  shardd_err rc = SHARDD_E_IO;
+  uint8_t head[HEADER_BYTES];
+  size_t nlen = strlen(name);
+  char *fname_in = malloc(nlen + 1);
+  struct stat st;
+  if (fname_in == NULL || fstat(fd, &st) != 0) {
+    snprintf(err, errlen, "%s: %s", path, strerror(errno));
+    goto done;
+  }
+  if (read_all(fd, head, sizeof head) != SHARDD_OK ||
+      memcmp(head, MAGIC, 8) != 0) {
+    snprintf(err, errlen, "%s: not a shardd checkpoint file", path);
+    goto done;
+  }
+  if (get_u32(head + 8) != SHARDD_CHECKPOINT_VERSION) {
+    snprintf(err, errlen, "%s: format version %" PRIu32 ", expected %d", path,
+             get_u32(head + 8), SHARDD_CHECKPOINT_VERSION);
+    goto done;
+  }
+  if (get_u32(head + 12) != dtype || get_u64(head + 16) != numel ||
+      get_u64(head + 24) != offset || get_u64(head + 32) != bytes ||
+      get_u32(head + 44) != nlen) {
+    snprintf(err, errlen,
+             "%s: header (dtype %" PRIu32 ", numel %" PRIu64 ", offset %" PRIu64
+             ", %" PRIu64 " bytes) does not match the manifest (dtype %" PRIu32
+             ", numel %" PRIu64 ", offset %" PRIu64 ", %zu bytes)",
+             path, get_u32(head + 12), get_u64(head + 16), get_u64(head + 24),
+             get_u64(head + 32), dtype, numel, offset, bytes);
+    goto done;
+  }
+  if ((uint64_t)st.st_size != HEADER_BYTES + nlen + bytes) {
+    snprintf(err, errlen, "%s: %lld bytes, expected %zu (truncated or padded)",
+             path, (long long)st.st_size, HEADER_BYTES + nlen + bytes);
+    goto done;
+  }
+  if (read_all(fd, fname_in, nlen) != SHARDD_OK ||
+      (fname_in[nlen] = '\0', strcmp(fname_in, name) != 0)) {
+    snprintf(err, errlen, "%s: holds buffer \"%s\", the manifest says \"%s\"",
+             path, fname_in, name);
+    goto done;
+  }
+  if (read_all(fd, dst, bytes) != SHARDD_OK) {
+    snprintf(err, errlen, "%s: short read", path);
+    goto done;
+  }
+  uint32_t got = shardd__crc32c(0, dst, bytes);
+  if (got != crc || get_u32(head + 40) != crc) {
+    snprintf(err, errlen,
+             "%s: CRC32C %08" PRIx32 " of the data, header says %08" PRIx32
+             ", manifest %08" PRIx32,
+             path, got, get_u32(head + 40), crc);
+    goto done;
+  }
+  rc = SHARDD_OK;
+done:
+  free(fname_in);
+  close(fd);
+  return rc;
+}
+
+typedef struct {
+  uint64_t old_id;
+  shardd__obj *obj;
+} id_map;
+
+typedef struct {
+  size_t buf;
+  uint32_t rank;
+  int master_valid;
+  char *file;
+  uint32_t crc;
+  size_t bytes;
+  int loaded;
+} pending_state;
+
+typedef struct {
+  char *name;
+  uint64_t steps;
+  uint8_t *spec;
+  size_t spec_len;
+  id_map *ids;
+  size_t nids;
+  pending_state *states;
+  size_t nstates;
+  shardd__optim *created;
+} pending_optim;
+
+static int hexval(char c) {
+  if (c >= '0' && c <= '9')
+    return c - '0';
+  if (c >= 'a' && c <= 'f')
+    return c - 'a' + 10;
+  return -1;
+}
+
+/* Registers a recorded optimizer: its own RegisterOptimizer with every ref
+ * id replaced by the restored object's, through the same validation a
+ * client's registration takes. */
+static shardd_err register_pending(shardd__registry *reg, shardd__job *job,
+                                   pending_optim *p, char *err, size_t errlen) {
+  Shardd__RegisterOptimizer *ro =
+      shardd__register_optimizer__unpack(NULL, p->spec_len, p->spec);
+  if (ro == NULL) {
+    snprintf(err, errlen, "optimizer \"%s\": spec does not decode", p->name);
+    return SHARDD_E_INVAL;
+  }
+  shardd_err rc = SHARDD_OK;
+  for (size_t g = 0; g < ro->n_groups && rc == SHARDD_OK; g++) {
+    for (size_t i = 0; i < ro->groups[g]->n_refs; i++) {
+      Shardd__ParamRef *ref = ro->groups[g]->refs[i];
+      uint64_t id = 0;
+      for (size_t k = 0; k < p->nids; k++)
+        if (p->ids[k].old_id == ref->id)
+          id = p->ids[k].obj->id;
+      if (id == 0) {
+        snprintf(err, errlen, "optimizer \"%s\": ref %" PRIu64 " has no ref line",
+                 p->name, ref->id);
+        rc = SHARDD_E_INVAL;
+        break;
+      }
+      ref->id = id;
+    }
+  }
+  shardd__optim_plan plan;
+  char *msg = NULL;
+  if (rc == SHARDD_OK &&
+      (rc = shardd__validate_optimizer(reg, job, ro, &plan, &msg)) != SHARDD_OK)
+    snprintf(err, errlen, "optimizer \"%s\" refused: %s", p->name,
+             msg ? msg : shardd_strerror(rc));
+  free(msg);
+  if (rc == SHARDD_OK) {
+    plan.spec_len = shardd__register_optimizer__get_packed_size(ro);
+    plan.spec = malloc(plan.spec_len ? plan.spec_len : 1);
+    if (plan.spec == NULL) {
+      snprintf(err, errlen, "out of memory");
+      rc = SHARDD_E_NO_MEMORY;
+    } else {
+      shardd__register_optimizer__pack(ro, plan.spec);
+      rc = shardd__optim_create(reg, job, &plan, &p->created, err, errlen);
+    }
+    shardd__optim_plan_free(&plan);
+  }
+  shardd__register_optimizer__free_unpacked(ro, NULL);
+  if (rc == SHARDD_OK)
+    p->created->steps = p->steps;
+  return rc;
+}
+
+/* Loads every recorded state into the registered optimizer; each shard that
+ * keeps state must be covered exactly once. */
+static shardd_err load_states(const char *dir, shardd__buffer **bufs,
+                              pending_optim *p, char *err, size_t errlen) {
+  for (size_t i = 0; i < p->nstates; i++) {
+    pending_state *ps = &p->states[i];
+    shardd__optim_shard *sh = NULL;
+    for (size_t k = 0; k < p->created->nshards; k++)
+      if (p->created->shards[k].buf == bufs[ps->buf] &&
+          p->created->shards[k].rank == ps->rank)
+        sh = &p->created->shards[k];
+    if (sh == NULL || sh->state == NULL || sh->state->bytes != ps->bytes) {
+      snprintf(err, errlen, "%s/%s: does not fit optimizer \"%s\"", dir,
+               ps->file, p->name);
+      return SHARDD_E_INVAL;
+    }
+    shardd_err rc = load_data(dir, ps->file, SHARDD_DTYPE_FP32, ps->bytes / 4,
+                              (uint64_t)ps->rank * sh->buf->shard_numel,
+                              sh->buf->hdr.name, ps->crc, sh->state->ptr,
+                              ps->bytes, err, errlen);
+    if (rc != SHARDD_OK)
+      return rc;
+    sh->master_valid = ps->master_valid;
+    ps->loaded = 1;
+  }
+  size_t want = 0;
+  for (size_t k = 0; k < p->created->nshards; k++)
+    want += p->created->shards[k].state != NULL;
+  if (want != p->nstates) {
+    snprintf(err, errlen,
+             "optimizer \"%s\": %zu shards keep state, the checkpoint has %zu",
+             p->name, want, p->nstates);
+    return SHARDD_E_INVAL;
+  }
+  return SHARDD_OK;
+}
+
+#define MAX_TOK 64
+
+shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
+                                      int64_t as_uid, shardd__job **out,
+                                      char *err, size_t errlen) {
+  *out = NULL;
+  if (strcmp(reg->backend->name, "host") != 0) {
+    snprintf(err, errlen, "checkpoints support the host backend only");
+    return SHARDD_E_INVAL;
+  }
+  char path[4096];
+  snprintf(path, sizeof path, "%s/%s", dir, MANIFEST);
+  FILE *f = fopen(path, "r");
+  if (f == NULL) {
+    snprintf(err, errlen, "%s: %s (an incomplete checkpoint has no manifest)",
+             path, strerror(errno));
+    return SHARDD_E_IO;
+  }
+  shardd_err rc = SHARDD_E_INVAL;
+  shardd__job *job = NULL;
+  shardd__buffer **bufs = NULL;
+  size_t nb = 0;
+  pending_optim *po = NULL;
+  size_t npo = 0;
+  int ended = 0, lineno = 0;
+  char *line = NULL;
+  size_t cap = 0;
+  char why[512], sub[512];
+
+  while (getline(&line, &cap, f) > 0) {
+    lineno++;
+    line[strcspn(line, "\n")] = '\0';
+    char *tok[MAX_TOK];
+    int nt = 0;
+    for (char *save, *t = strtok_r(line, " ", &save); t && nt < MAX_TOK;
+         t = strtok_r(NULL, " ", &save))
+      tok[nt++] = t;
+    if (nt == 0)
+      continue;
+#define BAD(...)                                                             \
+  do {                                                                       \
+    snprintf(why, sizeof why, __VA_ARGS__);                                  \
+    snprintf(err, errlen, "%s line %d: %s", path, lineno, why);              \
+    if (rc == SHARDD_OK)                                                     \
+      rc = SHARDD_E_INVAL;                                                   \
+    goto fail;                                                               \
+  } while (0)
+    rc = SHARDD_E_INVAL;
+    if (lineno == 1) {
+      if (nt != 2 || strcmp(tok[0], "shardd-checkpoint") ||
+          atoi(tok[1]) != SHARDD_CHECKPOINT_VERSION)
+        BAD("not a shardd checkpoint manifest of version %d",
+            SHARDD_CHECKPOINT_VERSION);
+      continue;
+    }
+    if (ended)
+      BAD("text after \"end\"");
+    if (!strcmp(tok[0], "end")) {
+      ended = 1;
+    } else if (!strcmp(tok[0], "job") && nt == 4 && job == NULL) {
+      if (!dec_name(tok[1]))
+        BAD("bad job name");
+      uint32_t owner = (uint32_t)strtoul(tok[3], NULL, 10);
+      if (as_uid > 0 && (uint32_t)as_uid != owner) {
+        snprintf(err, errlen, "job \"%s\" in %s belongs to uid %" PRIu32
+                 "; only it or root may restore it", tok[1], dir, owner);
+        rc = SHARDD_E_PERMISSION;
+        goto fail;
+      }
+      if (shardd__job_find(reg, tok[1])) {
+        snprintf(err, errlen,
+                 "job \"%s\" exists already; release it before restoring",
+                 tok[1]);
+        rc = SHARDD_E_BUSY;
+        goto fail;
+      }
+      rc = shardd__job_get(reg, tok[1], (uint32_t)strtoul(tok[2], NULL, 10),
+                           owner, &job, sub, sizeof sub);
+      if (rc != SHARDD_OK)
+        BAD("%s", sub);
+    } else if (job == NULL) {
+      BAD("\"%s\" before the job line", tok[0]);
+    } else if (!strcmp(tok[0], "buffer") && nt == 4) {
+      shardd__buffer *b;
+      int created;
+      if (!dec_name(tok[1]))
+        BAD("bad buffer name");
+      rc = shardd__buffer_register(reg, job, tok[1], (shardd_dtype)atoi(tok[2]),
+                                   strtoull(tok[3], NULL, 10), &b, &created,
+                                   sub, sizeof sub);
+      if (rc != SHARDD_OK)
+        BAD("%s", sub);
+      if (!created)
+        BAD("buffer \"%s\" listed twice", tok[1]);
+      shardd__buffer **nbufs = realloc(bufs, (nb + 1) * sizeof *bufs);
+      if (nbufs == NULL)
+        BAD("out of memory");
+      bufs = nbufs;
+      bufs[nb++] = b;
+    } else if (!strcmp(tok[0], "shard") && nt == 5) {
+      size_t bi = strtoul(tok[1], NULL, 10);
+      uint32_t r = (uint32_t)strtoul(tok[2], NULL, 10);
+      if (bi >= nb || r >= bufs[bi]->world)
+        BAD("shard of unknown buffer %zu rank %" PRIu32, bi, r);
+      shardd__buffer *b = bufs[bi];
+      size_t esz = shardd_dtype_size(b->dtype);
+      rc = load_data(dir, tok[3], (uint32_t)b->dtype, b->shard_numel,
+                     (uint64_t)r * b->shard_numel, b->hdr.name,
+                     (uint32_t)strtoul(tok[4], NULL, 16),
+                     (char *)b->blocks[r]->ptr + b->shard_off,
+                     b->shard_numel * esz, err, errlen);
+      if (rc != SHARDD_OK)
+        goto fail;
+    } else if (!strcmp(tok[0], "view") && nt >= 6) {
+      size_t bi = strtoul(tok[1], NULL, 10);
+      int ndim = atoi(tok[5]);
+      if (bi >= nb || ndim < 0 || ndim > 16 || nt != 6 + ndim || !dec_name(tok[2]))
+        BAD("malformed view");
+      int64_t shape[16];
+      for (int d = 0; d < ndim; d++)
+        shape[d] = strtoll(tok[6 + d], NULL, 10);
+      shardd__view *v;
+      int created;
+      rc = shardd__view_register(reg, job, bufs[bi]->hdr.id, tok[2],
+                                 strtoull(tok[3], NULL, 10),
+                                 strtoull(tok[4], NULL, 10), shape, ndim, &v,
+                                 &created, sub, sizeof sub);
+      if (rc != SHARDD_OK)
+        BAD("%s", sub);
+    } else if (!strcmp(tok[0], "optimizer") && nt == 5) {
+      if ((size_t)strtoul(tok[1], NULL, 10) != npo || !dec_name(tok[2]))
+        BAD("optimizers out of order");
+      pending_optim *np = realloc(po, (npo + 1) * sizeof *po);
+      if (np == NULL)
+        BAD("out of memory");
+      po = np;
+      pending_optim *p = &po[npo++];
+      memset(p, 0, sizeof *p);
+      p->name = strdup(tok[2]);
+      p->steps = strtoull(tok[3], NULL, 10);
+      size_t hl = strlen(tok[4]);
+      p->spec = malloc(hl / 2 + 1);
+      if (p->name == NULL || p->spec == NULL || hl % 2)
+        BAD("bad optimizer spec");
+      for (size_t k = 0; k < hl / 2; k++) {
+        int hi = hexval(tok[4][2 * k]), lo = hexval(tok[4][2 * k + 1]);
+        if (hi < 0 || lo < 0)
+          BAD("bad optimizer spec");
+        p->spec[k] = (uint8_t)(hi << 4 | lo);
+      }
+      p->spec_len = hl / 2;
+    } else if (!strcmp(tok[0], "ref") && (nt == 5 || nt == 6)) {
+      size_t oi = strtoul(tok[1], NULL, 10);
+      size_t bi = strtoul(tok[4], NULL, 10);
+      if (oi >= npo || bi >= nb)
+        BAD("ref to unknown optimizer or buffer");
+      shardd__obj *o = &bufs[bi]->hdr;
+      if (!strcmp(tok[3], "view")) {
+        if (nt != 6 || !dec_name(tok[5]) ||
+            (o = shardd__map_get_str(&bufs[bi]->views, tok[5])) == NULL)
+          BAD("ref to unknown view");
+      } else if (strcmp(tok[3], "buffer") || nt != 5) {
+        BAD("malformed ref");
+      }
+      pending_optim *p = &po[oi];
+      id_map *ni = realloc(p->ids, (p->nids + 1) * sizeof *ni);
+      if (ni == NULL)
+        BAD("out of memory");
+      p->ids = ni;
+      p->ids[p->nids++] = (id_map){strtoull(tok[2], NULL, 10), o};
+    } else if (!strcmp(tok[0], "state") && nt == 8) {
+      size_t oi = strtoul(tok[1], NULL, 10);
+      size_t bi = strtoul(tok[2], NULL, 10);
+      if (oi >= npo || bi >= nb || strchr(tok[5], '/'))
+        BAD("state of unknown optimizer or buffer");
+      pending_optim *p = &po[oi];
+      pending_state *ns = realloc(p->states, (p->nstates + 1) * sizeof *ns);
+      if (ns == NULL)
+        BAD("out of memory");
+      p->states = ns;
+      pending_state *ps = &p->states[p->nstates++];
+      memset(ps, 0, sizeof *ps);
+      ps->buf = bi;
+      ps->rank = (uint32_t)strtoul(tok[3], NULL, 10);
+      ps->master_valid = atoi(tok[4]) != 0;
+      ps->crc = (uint32_t)strtoul(tok[6], NULL, 16);
+      ps->bytes = strtoul(tok[7], NULL, 10);
+      if ((ps->file = strdup(tok[5])) == NULL)
+        BAD("out of memory");
+    } else {
+      BAD("unknown or malformed line \"%s\"", tok[0]);
+    }
+#undef BAD
+  }
+  if (!ended) {
+    snprintf(err, errlen, "%s: no \"end\" line (truncated manifest)", path);
+    rc = SHARDD_E_INVAL;
+    goto fail;
+  }
+  for (size_t i = 0; i < npo; i++) {
+    if ((rc = register_pending(reg, job, &po[i], err, errlen)) != SHARDD_OK ||
+        (rc = load_states(dir, bufs, &po[i], err, errlen)) != SHARDD_OK)
+      goto fail;
+  }
+  rc = SHARDD_OK;
+  *out = job;
+  job = NULL;
+
+fail:
+  if (job)
+    shardd__job_release(reg, job);
+  for (size_t i = 0; i < npo; i++) {
+    free(po[i].name);
+    free(po[i].spec);
+    free(po[i].ids);
+    for (size_t k = 0; k < po[i].nstates; k++)
+      free(po[i].states[k].file);
+    free(po[i].states);
+  }
+  free(po);
+  free(bufs);
+  free(line);
+  fclose(f);
+  return rc;
+}

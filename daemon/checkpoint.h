@@ -1,0 +1,42 @@
+/* checkpoint.h — writes a job (registry, every buffer shard, optimizer
+ * state and step counts) to a directory, and restores it.
+ *
+ * Layout of DIR: one file per buffer shard and per optimizer shard state,
+ * each with a header (format version, dtype, numel, element offset, CRC32C
+ * of the payload, the buffer's name), written to a temporary name,
+ * fsync'ed and renamed; then `manifest`, written last the same way, and the
+ * directory fsync'ed. A checkpoint without a manifest is incomplete.
+ *
+ * Restore replays the registration (buffers, views, then the optimizer's
+ * own RegisterOptimizer with ids remapped, through the normal validation)
+ * into a new job, loads every payload into the new memory while checking
+ * header and CRC, and on any mismatch releases that new job again: a live
+ * job's memory is never touched. The refusal names the bad file.
+ *
+ * Both run on the loop thread and block it for the I/O. Host backend only
+ * (payloads are read and written through the daemon's own mapping). */
+#ifndef SHARDD_CHECKPOINT_H
+#define SHARDD_CHECKPOINT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "registry.h"
+
+#define SHARDD_CHECKPOINT_VERSION 1
+
+/* The job must have no collective in flight (the caller checks). */
+shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
+                                    const char *dir, char *err, size_t errlen);
+
+/* Creates the job recorded in dir (it must not exist yet), owned by the uid
+ * recorded with it. as_uid is who asks: < 0 the daemon itself (--restore),
+ * 0 root, else it must be the recorded owner (SHARDD_E_PERMISSION). */
+shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
+                                      int64_t as_uid, shardd__job **out,
+                                      char *err, size_t errlen);
+
+/* CRC32C (Castagnoli) of n bytes, continuing from crc (0 to start). */
+uint32_t shardd__crc32c(uint32_t crc, const void *data, size_t n);
+
+#endif /* SHARDD_CHECKPOINT_H */

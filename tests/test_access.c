@@ -1,0 +1,174 @@
+/* test_access.c — access control and limits of the server: a job belongs to
+ * the uid that created it; another uid cannot join it, see it in status,
+ * inspect or checkpoint it (root and --admin-group may look); and
+ * --job-memory-limit refuses allocations past the quota with a clear error.
+ * The other uid is a forked child that drops to nobody (tests run as root;
+ * elsewhere they skip). */
+#include <criterion/criterion.h>
+#include <grp.h>
+#include <pwd.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "harness.h"
+
+static const char *const *base_args(void) { return NULL; }
+
+/* Opens the daemon's socket to everyone, as a 0660 socket with a shared
+ * group would under systemd. */
+static void open_up(const test_daemon *d) {
+  chmod(d->dir, 0755);
+  chmod(d->sock, 0666);
+}
+
+/* What the unprivileged child saw, one result per probe. */
+typedef struct {
+  int join_code;     /* Hello into root's job */
+  int status_lists;  /* root's job appears in its status */
+  int inspect_code;  /* inspect root's buffer by id */
+  int name_code;     /* inspect root's buffer by name */
+  int ckpt_code;     /* checkpoint root's job */
+  int own_job_code;  /* create and use its own job */
+  char join_msg[512];
+} probe;
+
+static void run_as_nobody(const test_daemon *d, uint64_t buf_id, probe *out) {
+  int fds[2];
+  cr_assert_eq(pipe(fds), 0);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0) {
+    probe p;
+    memset(&p, 0, sizeof p);
+    struct passwd *pw = getpwnam("nobody");
+    if (pw == NULL || setgroups(0, NULL) != 0 || setgid(pw->pw_gid) != 0 ||
+        setuid(pw->pw_uid) != 0)
+      _exit(3);
+    shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+    o.job = "root-job";
+    shardd_client_t *c;
+    char err[512];
+    p.join_code = shardd_connect(d->sock, &o, &c, err, sizeof err);
+    snprintf(p.join_msg, sizeof p.join_msg, "%s", err);
+    if (p.join_code == SHARDD_OK)
+      shardd_close(c);
+    shardd_connect_opts ctl = SHARDD_CONNECT_OPTS_INIT;
+    if (shardd_connect(d->sock, &ctl, &c, err, sizeof err) != SHARDD_OK)
+      _exit(4);
+    char *json = NULL;
+    if (shardd_status_json(c, &json) == SHARDD_OK)
+      p.status_lists = strstr(json, "\"root-job\"") != NULL;
+    shardd_free(json);
+    char *txt = NULL;
+    p.inspect_code = shardd_inspect_text(c, buf_id, NULL, &txt);
+    shardd_free(txt);
+    txt = NULL;
+    p.name_code = shardd_inspect_text(c, 0, "secret", &txt);
+    shardd_free(txt);
+    p.ckpt_code = shardd_checkpoint(c, "root-job", "/tmp/shardd-access-never");
+    shardd_close(c);
+    o.job = "nobody-job";
+    p.own_job_code = shardd_connect(d->sock, &o, &c, err, sizeof err);
+    if (p.own_job_code == SHARDD_OK) {
+      shardd_buffer_info b;
+      p.own_job_code = shardd_buffer_register(c, "mine", SHARDD_DTYPE_FP32, 10, &b);
+      shardd_close(c);
+    }
+    if (write(fds[1], &p, sizeof p) != (ssize_t)sizeof p)
+      _exit(5);
+    _exit(0);
+  }
+  close(fds[1]);
+  cr_assert_eq(read(fds[0], out, sizeof *out), (ssize_t)sizeof *out,
+               "the child did not report");
+  close(fds[0]);
+  int st;
+  waitpid(pid, &st, 0);
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child failed (%d)", st);
+}
+
+static int can_drop(void) {
+  return geteuid() == 0 && getpwnam("nobody") != NULL;
+}
+
+static uint64_t root_job(const test_daemon *d, shardd_client_t **keep) {
+  shardd_client_t *c = test_connect(d, "root-job", 0, 1);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "secret", SHARDD_DTYPE_FP32, 100, &b), SHARDD_OK);
+  *keep = c;
+  return b.id;
+}
+
+Test(access, another_uid_cannot_join_see_inspect_or_checkpoint) {
+  if (!can_drop())
+    cr_skip_test("needs root and a nobody user");
+  test_daemon d;
+  test_daemon_start(&d, base_args());
+  open_up(&d);
+  shardd_client_t *c;
+  uint64_t id = root_job(&d, &c);
+  probe p;
+  run_as_nobody(&d, id, &p);
+  cr_assert_eq(p.join_code, SHARDD_E_PERMISSION, "join: %d %s", p.join_code, p.join_msg);
+  cr_assert(strstr(p.join_msg, "root-job") != NULL, "%s", p.join_msg);
+  cr_assert_eq(p.status_lists, 0, "another user's job shows in status");
+  cr_assert_eq(p.inspect_code, SHARDD_E_PERMISSION);
+  cr_assert_eq(p.name_code, SHARDD_E_NOT_FOUND, "a name search must not reveal it");
+  cr_assert_eq(p.ckpt_code, SHARDD_E_PERMISSION);
+  cr_assert_eq(p.own_job_code, SHARDD_OK, "its own job works");
+
+  /* Root sees both jobs. */
+  shardd_client_t *ctl = test_connect(&d, NULL, 0, 0);
+  char *json = NULL;
+  cr_assert_eq(shardd_status_json(ctl, &json), SHARDD_OK);
+  cr_assert(strstr(json, "\"root-job\"") && strstr(json, "\"nobody-job\""), "%s", json);
+  shardd_free(json);
+  shardd_close(ctl);
+  shardd_close(c);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+}
+
+Test(access, admin_group_may_look_but_not_join) {
+  if (!can_drop())
+    cr_skip_test("needs root and a nobody user");
+  struct passwd *pw = getpwnam("nobody");
+  char gid[32];
+  snprintf(gid, sizeof gid, "%u", (unsigned)pw->pw_gid);
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--admin-group", gid, NULL});
+  open_up(&d);
+  shardd_client_t *c;
+  uint64_t id = root_job(&d, &c);
+  probe p;
+  run_as_nobody(&d, id, &p);
+  cr_assert_eq(p.join_code, SHARDD_E_PERMISSION);
+  cr_assert_eq(p.status_lists, 1, "the admin group sees every job");
+  cr_assert_eq(p.inspect_code, SHARDD_OK);
+  cr_assert_eq(p.name_code, SHARDD_OK);
+  cr_assert_eq(p.ckpt_code, SHARDD_E_PERMISSION, "looking is not writing");
+  shardd_close(c);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+}
+
+Test(access, job_memory_limit_refuses_past_the_quota) {
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--job-memory-limit", "1M", NULL});
+  shardd_client_t *c = test_connect(&d, "quota", 0, 1);
+  shardd_buffer_info b;
+  /* 64 Ki fp32 = 256 KiB per area: the block of ~768 KiB fits once. */
+  cr_assert_eq(shardd_buffer_register(c, "a", SHARDD_DTYPE_FP32, 65536, &b), SHARDD_OK,
+               "%s", shardd_last_error(c));
+  cr_assert_eq(shardd_buffer_register(c, "b", SHARDD_DTYPE_FP32, 65536, &b),
+               SHARDD_E_NO_MEMORY);
+  cr_assert(strstr(shardd_last_error(c), "--job-memory-limit") != NULL, "%s",
+            shardd_last_error(c));
+  /* Another job has its own quota. */
+  shardd_client_t *c2 = test_connect(&d, "quota2", 0, 1);
+  cr_assert_eq(shardd_buffer_register(c2, "a", SHARDD_DTYPE_FP32, 65536, &b), SHARDD_OK);
+  shardd_close(c2);
+  shardd_close(c);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+}

@@ -1,0 +1,432 @@
+/* test_checkpoint.c — checkpoint write/restore: a round trip keeps every
+ * byte of shards and optimizer state, corrupt or partial checkpoints are
+ * refused naming the bad file with nothing registered, and a job restored
+ * into a new daemon continues training bit-identically to one that never
+ * stopped. */
+#include <criterion/criterion.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "checkpoint.h"
+#include "harness.h"
+#include "proto/shardd.pb-c.h"
+#include "registry.h"
+#include "validate.h"
+
+static char dir[64];
+static shardd__backend *be;
+static shardd__registry reg;
+
+static void rm_tree(const char *path) {
+  DIR *d = opendir(path);
+  if (d == NULL)
+    return;
+  for (struct dirent *e; (e = readdir(d)) != NULL;) {
+    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
+      continue;
+    char p[512];
+    snprintf(p, sizeof p, "%s/%s", path, e->d_name);
+    if (e->d_type == DT_DIR)
+      rm_tree(p);
+    else
+      unlink(p);
+  }
+  closedir(d);
+  rmdir(path);
+}
+
+static void setup(void) {
+  snprintf(dir, sizeof dir, "/tmp/shardd-ckpt-XXXXXX");
+  cr_assert_not_null(mkdtemp(dir));
+  char err[256];
+  cr_assert_eq(shardd__backend_host_create(2, 64u << 20, &be, err, sizeof err),
+               SHARDD_OK);
+  shardd__registry_init(&reg, be);
+}
+
+static void teardown(void) {
+  shardd__registry_free(&reg);
+  be->ops->destroy(be);
+  rm_tree(dir);
+}
+
+static uint32_t rng = 12345;
+static uint32_t next_rand(void) {
+  rng = rng * 1664525u + 1013904223u;
+  return rng >> 8;
+}
+
+static void fill_random(void *p, size_t bytes) {
+  unsigned char *b = p;
+  for (size_t i = 0; i < bytes; i++)
+    b[i] = (unsigned char)next_rand();
+}
+
+/* A job with an fp32 and a bf16 buffer, views in both, one AdamW over the
+ * views and the whole of nothing else; shards and state filled randomly. */
+static shardd__job *make_job(const char *name) {
+  char err[512];
+  shardd__job *job;
+  cr_assert_eq(shardd__job_get(&reg, name, 3, 0, &job, err, sizeof err), SHARDD_OK);
+  shardd__buffer *a, *b;
+  int created;
+  cr_assert_eq(shardd__buffer_register(&reg, job, "layer 0/weights", SHARDD_DTYPE_FP32,
+                                       1001, &a, &created, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_assert_eq(shardd__buffer_register(&reg, job, "emb", SHARDD_DTYPE_BF16, 77, &b,
+                                       &created, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  shardd__view *v1, *v2, *v3;
+  int64_t s1[2] = {10, 50}, s2[1] = {501}, s3[1] = {77};
+  cr_assert_eq(shardd__view_register(&reg, job, a->hdr.id, "w", 0, 500, s1, 2, &v1,
+                                     &created, err, sizeof err), SHARDD_OK);
+  cr_assert_eq(shardd__view_register(&reg, job, a->hdr.id, "b%ias", 500, 501, s2, 1,
+                                     &v2, &created, err, sizeof err), SHARDD_OK);
+  cr_assert_eq(shardd__view_register(&reg, job, b->hdr.id, "e", 0, 77, s3, 1, &v3,
+                                     &created, err, sizeof err), SHARDD_OK);
+
+  Shardd__ParamRef r[3], *rp[3];
+  uint64_t ids[3] = {v1->hdr.id, v2->hdr.id, v3->hdr.id};
+  for (int i = 0; i < 3; i++) {
+    shardd__param_ref__init(&r[i]);
+    r[i].id = ids[i];
+    rp[i] = &r[i];
+  }
+  Shardd__ParamGroup g0 = SHARDD__PARAM_GROUP__INIT, g1 = SHARDD__PARAM_GROUP__INIT;
+  Shardd__HyperParams ov = SHARDD__HYPER_PARAMS__INIT;
+  ov.has_amsgrad = 1;
+  ov.amsgrad = 1;
+  g0.refs = rp;
+  g0.n_refs = 2;
+  g1.refs = rp + 2;
+  g1.n_refs = 1;
+  g1.overrides = &ov;
+  Shardd__ParamGroup *gp[2] = {&g0, &g1};
+  Shardd__RegisterOptimizer ro = SHARDD__REGISTER_OPTIMIZER__INIT;
+  ro.name = "opt";
+  ro.kind = SHARDD__OPTIM_KIND__ADAMW;
+  ro.groups = gp;
+  ro.n_groups = 2;
+  shardd__optim_plan plan;
+  char *msg = NULL;
+  cr_assert_eq(shardd__validate_optimizer(&reg, job, &ro, &plan, &msg), SHARDD_OK,
+               "%s", msg ? msg : "");
+  plan.spec_len = shardd__register_optimizer__get_packed_size(&ro);
+  plan.spec = malloc(plan.spec_len);
+  shardd__register_optimizer__pack(&ro, plan.spec);
+  shardd__optim *o;
+  cr_assert_eq(shardd__optim_create(&reg, job, &plan, &o, err, sizeof err), SHARDD_OK);
+  shardd__optim_plan_free(&plan);
+  o->steps = 7;
+
+  for (uint32_t k = 0; k < 3; k++) {
+    fill_random((char *)a->blocks[k]->ptr + a->shard_off, a->shard_numel * 4);
+    fill_random((char *)b->blocks[k]->ptr + b->shard_off, b->shard_numel * 2);
+  }
+  for (size_t i = 0; i < o->nshards; i++) {
+    fill_random(o->shards[i].state->ptr, o->shards[i].state->bytes);
+    o->shards[i].master_valid = (int)(i % 2);
+  }
+  return job;
+}
+
+/* A byte image of everything a checkpoint must keep. */
+typedef struct {
+  unsigned char *bytes;
+  size_t len;
+} image;
+
+static void image_add(image *im, const void *p, size_t n) {
+  im->bytes = realloc(im->bytes, im->len + n);
+  memcpy(im->bytes + im->len, p, n);
+  im->len += n;
+}
+
+static image snapshot(shardd__job *job) {
+  image im = {NULL, 0};
+  shardd__buffer **bufs;
+  size_t nb;
+  cr_assert_eq(shardd__job_buffers(job, &bufs, &nb), SHARDD_OK);
+  for (size_t i = 0; i < nb; i++) {
+    shardd__buffer *b = bufs[i];
+    image_add(&im, b->hdr.name, strlen(b->hdr.name) + 1);
+    for (uint32_t r = 0; r < b->world; r++)
+      image_add(&im, (char *)b->blocks[r]->ptr + b->shard_off,
+                b->shard_numel * shardd_dtype_size(b->dtype));
+    shardd__view **views;
+    size_t nv;
+    cr_assert_eq(shardd__buffer_views(b, &views, &nv), SHARDD_OK);
+    for (size_t k = 0; k < nv; k++) {
+      image_add(&im, views[k]->hdr.name, strlen(views[k]->hdr.name) + 1);
+      image_add(&im, &views[k]->offset, sizeof views[k]->offset);
+      image_add(&im, &views[k]->numel, sizeof views[k]->numel);
+      image_add(&im, views[k]->shape, (size_t)views[k]->ndim * sizeof(int64_t));
+      cr_assert_not_null(views[k]->owner);
+    }
+    free(views);
+  }
+  free(bufs);
+  shardd__optim *o = shardd__optim_find(job, "opt");
+  cr_assert_not_null(o);
+  image_add(&im, &o->steps, sizeof o->steps);
+  for (size_t i = 0; i < o->nshards; i++) {
+    image_add(&im, &o->shards[i].master_valid, sizeof(int));
+    image_add(&im, o->shards[i].state->ptr, o->shards[i].state->bytes);
+  }
+  return im;
+}
+
+TestSuite(checkpoint, .init = setup, .fini = teardown);
+
+Test(checkpoint, round_trip_keeps_every_byte) {
+  char err[1024];
+  shardd__job *job = make_job("llm 7b");
+  image before = snapshot(job);
+  cr_assert_eq(shardd__checkpoint_write(&reg, job, dir, err, sizeof err), SHARDD_OK,
+               "%s", err);
+  shardd__job_release(&reg, job);
+  cr_assert_null(shardd__job_find(&reg, "llm 7b"));
+
+  shardd__job *back;
+  cr_assert_eq(shardd__checkpoint_restore(&reg, dir, -1, &back, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_assert_str_eq(back->name, "llm 7b");
+  cr_assert_eq(back->world, 3);
+  image after = snapshot(back);
+  cr_assert_eq(after.len, before.len);
+  cr_assert(memcmp(after.bytes, before.bytes, before.len) == 0);
+  free(before.bytes);
+  free(after.bytes);
+
+  /* Restoring over a live job is refused and leaves it alone. */
+  shardd__job *again;
+  cr_assert_eq(shardd__checkpoint_restore(&reg, dir, -1, &again, err, sizeof err),
+               SHARDD_E_BUSY);
+  cr_assert_eq(shardd__job_find(&reg, "llm 7b"), back);
+}
+
+static void corrupt_and_expect(const char *file, long offset, const char *needle) {
+  char err[1024], path[256];
+  shardd__job *job = make_job("j");
+  cr_assert_eq(shardd__checkpoint_write(&reg, job, dir, err, sizeof err), SHARDD_OK);
+  shardd__job_release(&reg, job);
+  size_t objects = shardd__map_count(&reg.objects);
+  uint64_t used0;
+  shardd__device_info info;
+  be->ops->device_info(be, 0, &info);
+  used0 = info.used_bytes;
+
+  snprintf(path, sizeof path, "%s/%s", dir, file);
+  if (offset >= 0) {
+    int fd = open(path, O_RDWR);
+    cr_assert(fd >= 0, "%s", path);
+    unsigned char c;
+    cr_assert_eq(pread(fd, &c, 1, offset), 1);
+    c ^= 0x40;
+    cr_assert_eq(pwrite(fd, &c, 1, offset), 1);
+    close(fd);
+  } else {
+    cr_assert_eq(truncate(path, -offset), 0);
+  }
+  shardd__job *back;
+  shardd_err rc = shardd__checkpoint_restore(&reg, dir, -1, &back, err, sizeof err);
+  cr_assert_neq(rc, SHARDD_OK);
+  cr_assert(strstr(err, needle) != NULL, "message \"%s\" lacks \"%s\"", err, needle);
+  cr_assert_null(shardd__job_find(&reg, "j"), "nothing may be registered");
+  cr_assert_eq(shardd__map_count(&reg.objects), objects);
+  be->ops->device_info(be, 0, &info);
+  cr_assert_eq(info.used_bytes, used0, "the refused restore freed what it took");
+}
+
+Test(checkpoint, flipped_payload_byte_is_refused_naming_the_file) {
+  corrupt_and_expect("b1-r2.shard", 64 + 3 + 10, "b1-r2.shard");
+}
+
+Test(checkpoint, flipped_state_byte_is_refused_naming_the_file) {
+  corrupt_and_expect("o0-b0-r1.state", 200, "o0-b0-r1.state");
+}
+
+Test(checkpoint, truncated_shard_is_refused) {
+  corrupt_and_expect("b0-r0.shard", -100, "b0-r0.shard");
+}
+
+Test(checkpoint, truncated_manifest_is_refused) {
+  char err[1024], path[256];
+  shardd__job *job = make_job("j");
+  cr_assert_eq(shardd__checkpoint_write(&reg, job, dir, err, sizeof err), SHARDD_OK);
+  shardd__job_release(&reg, job);
+  snprintf(path, sizeof path, "%s/manifest", dir);
+  FILE *f = fopen(path, "r");
+  char text[65536];
+  size_t n = fread(text, 1, sizeof text, f);
+  fclose(f);
+  char *end = strstr(text, "end\n");
+  cr_assert_not_null(end);
+  f = fopen(path, "w");
+  fwrite(text, 1, (size_t)(end - text), f); /* drop the last line */
+  fclose(f);
+  cr_assert_gt(n, 0);
+  shardd__job *back;
+  cr_assert_neq(shardd__checkpoint_restore(&reg, dir, -1, &back, err, sizeof err),
+                SHARDD_OK);
+  cr_assert(strstr(err, "truncated") != NULL, "%s", err);
+  cr_assert_null(shardd__job_find(&reg, "j"));
+}
+
+Test(checkpoint, missing_manifest_is_an_incomplete_checkpoint) {
+  char err[1024];
+  shardd__job *back;
+  cr_assert_eq(shardd__checkpoint_restore(&reg, dir, -1, &back, err, sizeof err),
+               SHARDD_E_IO);
+  cr_assert(strstr(err, "manifest") != NULL, "%s", err);
+}
+
+Test(checkpoint, crc32c_known_answer) {
+  /* RFC 3720 B.4: 32 bytes of zeros -> 0x8a9136aa; "123456789" -> 0xe3069283. */
+  unsigned char zeros[32] = {0};
+  cr_assert_eq(shardd__crc32c(0, zeros, sizeof zeros), 0x8a9136aau);
+  cr_assert_eq(shardd__crc32c(0, "123456789", 9), 0xe3069283u);
+  /* Chunked equals whole. */
+  cr_assert_eq(shardd__crc32c(shardd__crc32c(0, "1234", 4), "56789", 5), 0xe3069283u);
+}
+
+/* ---- through the daemon: restore continues training exactly ------------ */
+
+#define WORLD 2
+#define NUMEL 1003
+
+typedef struct {
+  const test_daemon *d;
+  uint32_t rank;
+  int steps;      /* steps to run */
+  int first_step; /* gradient seed offset, so both runs see the same grads */
+  const char *ckpt; /* checkpoint after the steps (rank 0 asks) */
+  float *out;     /* NUMEL floats: the gathered parameters at the end */
+  pthread_barrier_t *bar;
+} rank_arg;
+
+static void grad_for(int step, uint32_t rank, float *g, uint64_t n) {
+  for (uint64_t i = 0; i < n; i++)
+    g[i] = (float)((int)((i * 7 + (uint64_t)step * 13 + rank * 5) % 17) - 8) / 16.0f;
+}
+
+static void *run_rank(void *p) {
+  rank_arg *a = p;
+  shardd_client_t *c = test_connect(a->d, "ckpt-job", a->rank, WORLD);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "flat", SHARDD_DTYPE_FP32, NUMEL, &b), SHARDD_OK,
+               "%s", shardd_last_error(c));
+  if (a->first_step == 0) { /* a fresh job: each rank fills its own shard */
+    float *sh = b.shard;
+    for (uint64_t i = 0; i < b.shard_numel; i++)
+      sh[i] = (float)(a->rank * b.shard_numel + i) / 100.0f;
+  }
+  uint64_t v1, v2;
+  int64_t s1[1] = {600}, s2[1] = {NUMEL - 600};
+  cr_assert_eq(shardd_view_register(c, b.id, "w", 0, 600, s1, 1, &v1), SHARDD_OK);
+  cr_assert_eq(shardd_view_register(c, b.id, "b", 600, NUMEL - 600, s2, 1, &v2), SHARDD_OK);
+  shardd_param_ref refs[2] = {{v1, "w"}, {v2, "b"}};
+  shardd_param_group g = {refs, 2, {0}};
+  shardd_hparams hp = {.set = SHARDD_HP_LR | SHARDD_HP_WEIGHT_DECAY, .lr = 0.01,
+                       .weight_decay = 0.1};
+  uint64_t opt;
+  cr_assert_eq(shardd_optimizer_register(c, "adamw", SHARDD_OPTIM_ADAMW, &hp, &g, 1, &opt),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  pthread_barrier_wait(a->bar);
+  for (int s = 0; s < a->steps; s++) {
+    cr_assert_eq(shardd_gather(c, b.id), SHARDD_OK, "%s", shardd_last_error(c));
+    grad_for(a->first_step + s, a->rank, b.grad, b.padded_numel);
+    cr_assert_eq(shardd_scatter(c, b.id, SHARDD_REDUCE_MEAN), SHARDD_OK);
+    cr_assert_eq(shardd_step(c, opt, NULL, NULL), SHARDD_OK, "%s", shardd_last_error(c));
+  }
+  pthread_barrier_wait(a->bar);
+  if (a->ckpt && a->rank == 0)
+    cr_assert_eq(shardd_checkpoint(c, NULL, a->ckpt), SHARDD_OK, "%s", shardd_last_error(c));
+  pthread_barrier_wait(a->bar);
+  cr_assert_eq(shardd_gather(c, b.id), SHARDD_OK);
+  if (a->out)
+    memcpy(a->out, b.gather, NUMEL * sizeof(float));
+  shardd_close(c);
+  return NULL;
+}
+
+static void run_job(const test_daemon *d, int steps, int first, const char *ckpt,
+                    float *out) {
+  pthread_t t[WORLD];
+  rank_arg a[WORLD];
+  pthread_barrier_t bar;
+  pthread_barrier_init(&bar, NULL, WORLD);
+  for (uint32_t r = 0; r < WORLD; r++) {
+    a[r] = (rank_arg){d, r, steps, first, ckpt, r == 0 ? out : NULL, &bar};
+    pthread_create(&t[r], NULL, run_rank, &a[r]);
+  }
+  for (int r = 0; r < WORLD; r++)
+    pthread_join(t[r], NULL);
+  pthread_barrier_destroy(&bar);
+}
+
+Test(checkpoint, restored_job_continues_bit_identically, .timeout = 60) {
+  static float uninterrupted[NUMEL], resumed[NUMEL];
+  char ck[128];
+  snprintf(ck, sizeof ck, "%s/ck", dir);
+
+  /* 5 steps straight through. */
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--devices", "2", NULL});
+  run_job(&d, 5, 0, NULL, uninterrupted);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+
+  /* 3 steps, checkpoint, daemon gone; a new daemon restores; 2 more. */
+  test_daemon_start(&d, (const char *const[]){"--devices", "2", NULL});
+  run_job(&d, 3, 0, ck, NULL);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+  test_daemon_start(&d, (const char *const[]){"--devices", "2", "--restore", ck, NULL});
+  run_job(&d, 2, 3, NULL, resumed);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+
+  cr_assert(memcmp(uninterrupted, resumed, sizeof resumed) == 0,
+            "resumed training differs from uninterrupted training");
+  /* And the parameters moved: the comparison is not of two untouched buffers. */
+  cr_assert_neq(uninterrupted[0], 0.0f);
+  cr_assert(uninterrupted[1] != 0.01f);
+}
+
+Test(checkpoint, sigterm_with_checkpoint_on_exit_writes_every_job, .timeout = 60) {
+  char ck[128], manifest[200];
+  snprintf(ck, sizeof ck, "%s/exit", dir);
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--checkpoint-on-exit", ck, NULL});
+  run_job(&d, 1, 0, NULL, NULL);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+  snprintf(manifest, sizeof manifest, "%s/ckpt-job/manifest", ck);
+  cr_assert_eq(access(manifest, R_OK), 0, "no %s", manifest);
+}
+
+Test(checkpoint, checkpoint_root_confines_client_paths, .timeout = 30) {
+  char root[128], inside[200];
+  snprintf(root, sizeof root, "%s/root", dir);
+  cr_assert_eq(mkdir(root, 0750), 0);
+  snprintf(inside, sizeof inside, "%s/ok", root);
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--checkpoint-root", root, NULL});
+  shardd_client_t *c = test_connect(&d, "confined", 0, 1);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "x", SHARDD_DTYPE_FP32, 10, &b), SHARDD_OK);
+  const char *bad[] = {"/etc/shardd-never", "relative/dir", NULL, NULL};
+  char escape[256];
+  snprintf(escape, sizeof escape, "%s/../escape", root);
+  bad[2] = escape;
+  for (int i = 0; bad[i]; i++) {
+    cr_assert_eq(shardd_checkpoint(c, NULL, bad[i]), SHARDD_E_PERMISSION, "%s", bad[i]);
+    cr_assert_eq(shardd_restore(c, bad[i], NULL, 0), SHARDD_E_PERMISSION, "%s", bad[i]);
+  }
+  cr_assert_eq(access("/etc/shardd-never", F_OK), -1);
+  cr_assert_eq(shardd_checkpoint(c, NULL, inside), SHARDD_OK, "%s", shardd_last_error(c));
+  shardd_close(c);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+}
