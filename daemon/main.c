@@ -4,6 +4,7 @@
 #include <getopt.h>
 #include <grp.h>
 #include <inttypes.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -298,6 +299,11 @@ int main(int argc, char **argv) {
     usage(stderr);
     return 2;
   }
+
+  /* A client that dies while its reply is being written must cost the
+   * daemon an EPIPE on that session, not its life: libuv writes with
+   * write(2), which raises SIGPIPE. */
+  signal(SIGPIPE, SIG_IGN);
 
   /* Every rank block is a memfd the daemon keeps open: take the fd limit
    * the administrator allows instead of the shell's default soft limit. */

@@ -682,3 +682,49 @@ Test(server, stale_socket_file_is_replaced) {
   cr_assert(up, "shardd did not take over a stale socket file");
   cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0);
 }
+
+/* A job outlives its clients for --job-linger seconds (ranks may come back
+ * to their shards), then goes with all its memory. */
+static void start_linger(void) {
+  const char *args[] = {"--job-linger", "1", NULL};
+  test_daemon_start(&d, args);
+}
+
+static size_t job_count(void) {
+  tj *st = shardctl_status();
+  size_t n = tj_need(st, "jobs", TJ_ARR)->n;
+  tj_free(st);
+  return n;
+}
+
+Test(server, job_lingers_then_is_released, .init = start_linger, .fini = stop_daemon) {
+  shardd_client_t *c = test_connect(&d, "linger", 0, 1);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "p", SHARDD_DTYPE_FP32, 8, &b), SHARDD_OK);
+  ((float *)b.shard)[3] = 42.0f;
+  uint64_t id = b.id;
+  shardd_close(c);
+
+  /* Back within the linger time: same buffer, same bytes. */
+  test_sleep_ms(200);
+  cr_assert_eq(job_count(), 1);
+  c = test_connect(&d, "linger", 0, 1);
+  cr_assert_eq(shardd_buffer_register(c, "p", SHARDD_DTYPE_FP32, 8, &b), SHARDD_OK);
+  cr_assert_eq(b.created, 0);
+  cr_assert_eq(b.id, id);
+  cr_assert_eq(((float *)b.shard)[3], 42.0f);
+  shardd_close(c);
+
+  /* Gone for longer: released, memory and all. */
+  int released = 0;
+  for (int i = 0; i < 60 && !released; i++) {
+    test_sleep_ms(100);
+    released = job_count() == 0;
+  }
+  cr_assert(released, "the job outlived --job-linger 1 by 5 s");
+  tj *st = shardctl_status();
+  const tj *devs = tj_need(st, "devices", TJ_ARR);
+  for (size_t i = 0; i < devs->n; i++)
+    cr_assert_eq(tj_need(devs->kids[i], "used_bytes", TJ_NUM)->num, 0);
+  tj_free(st);
+}
