@@ -728,3 +728,33 @@ Test(server, job_lingers_then_is_released, .init = start_linger, .fini = stop_da
     cr_assert_eq(tj_need(devs->kids[i], "used_bytes", TJ_NUM)->num, 0);
   tj_free(st);
 }
+
+/* A client that pipelines collectives nobody else joins is held to
+ * --max-pending's default (64 per session): the rest are refused at once
+ * with E_LIMIT instead of queueing without bound. */
+Test(server, pipelined_collectives_are_bounded, .init = start_default, .fini = stop_daemon) {
+  test_raw r;
+  test_raw_open(&d, &r);
+  test_raw_hello(&r, "bounded", 0, 2); /* rank 1 never comes */
+  shardd_buffer_info b;
+  test_raw_register_buffer(&r, "p", SHARDD_DTYPE_FP32, 16, &b);
+  uint64_t seqs[80];
+  for (int i = 0; i < 80; i++)
+    seqs[i] = test_raw_send_gather(&r, b.id);
+  /* The 16 over the limit are answered now; the 64 queued ones are not. */
+  for (int i = 64; i < 80; i++) {
+    Shardd__Response *resp = test_raw_recv(&r);
+    cr_assert_not_null(resp);
+    cr_assert_eq(resp->seq, seqs[i]);
+    cr_assert_eq(resp->code, SHARDD__STATUS_CODE__E_LIMIT, "%s",
+                 resp->message ? resp->message : "");
+    cr_assert(strstr(resp->message, "limit 64") != NULL, "%s", resp->message);
+    shardd__response__free_unpacked(resp, NULL);
+  }
+  tj *st = shardctl_status();
+  const tj *jobs = tj_need(st, "jobs", TJ_ARR);
+  cr_assert_eq(jobs->n, 1);
+  cr_assert_eq(tj_need(jobs->kids[0], "collectives_in_flight", TJ_NUM)->num, 64);
+  tj_free(st);
+  test_raw_close(&r);
+}
