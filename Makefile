@@ -190,3 +190,31 @@ clean:
 $(BUILD)/daemon/optim.o: OPT = -O3 -g -fno-math-errno
 # The reduce and convert loops of scatter vectorize only at -O3.
 $(BUILD)/daemon/backend_host.o: OPT = -O3 -g
+
+# ---- Gloo: the host fabric for jobs over several nodes ----------------------
+# GLOO=1 when Debian's libgloo-dev is installed (override with GLOO=0/1).
+# daemon/*.cc are compiled with g++ and libgloo linked only then; without it
+# daemon/fabric_stub.c refuses multi-node jobs and everything else builds.
+CXX ?= g++
+ifeq ($(origin GLOO),undefined)
+GLOO := $(shell test -f /usr/include/gloo/allgather.h && echo 1 || echo 0)
+endif
+GLOO_STAMP := $(BUILD)/.gloo$(GLOO)
+$(GLOO_STAMP):
+	@mkdir -p $(BUILD)
+	@rm -f $(BUILD)/.gloo*
+	@touch $@
+# the objects that see SHARDD_HAVE_GLOO rebuild when it flips
+$(BUILD)/daemon/fabric_stub.o $(BUILD)/daemon/collective.o: $(GLOO_STAMP)
+ifeq ($(GLOO),1)
+CFLAGS_ALL += -DSHARDD_HAVE_GLOO=1
+LDLIBS_ALL += -lgloo -lstdc++
+GLOO_SAN_1 := -fsanitize=address,undefined -fno-omit-frame-pointer
+CXXFLAGS_ALL = -std=c++17 $(OPT) -Wall -Wextra -Wno-unused-parameter -fPIC -pthread \
+  -Iclient -Idaemon $(GLOO_SAN_$(SAN)) $(CXXFLAGS)
+GLOO_OBJ := $(patsubst %.cc,$(BUILD)/%.o,$(wildcard daemon/*.cc))
+$(BUILD)/daemon/%.o: daemon/%.cc daemon/fabric.h $(GLOO_STAMP) $(CONFIG_STAMP)
+	@mkdir -p $(@D)
+	$(CXX) $(CXXFLAGS_ALL) -c $< -o $@
+$(DAEMONA): $(GLOO_OBJ)
+endif

@@ -665,8 +665,8 @@ shardd_err shardd_checkpoint(shardd_client_t *c, const char *job,
   return rc;
 }
 
-shardd_err shardd_restore(shardd_client_t *c, const char *dir, char *job,
-                          size_t joblen) {
+shardd_err shardd_restore(shardd_client_t *c, const char *dir, uint32_t world,
+                          char *job, size_t joblen) {
   if (job && joblen)
     job[0] = '\0';
   if (dir == NULL || dir[0] == '\0')
@@ -674,6 +674,10 @@ shardd_err shardd_restore(shardd_client_t *c, const char *dir, char *job,
   Shardd__Request req = SHARDD__REQUEST__INIT;
   Shardd__Restore rs = SHARDD__RESTORE__INIT;
   rs.dir = (char *)dir;
+  if (world) {
+    rs.has_world = 1;
+    rs.world = world;
+  }
   req.body_case = SHARDD__REQUEST__BODY_RESTORE;
   req.restore = &rs;
   Shardd__Response *resp;

@@ -76,6 +76,20 @@ char *shardd__fmt_status_text(const Shardd__StatusReply *st) {
                       " resident %s collectives_in_flight %" PRIu32 "\n",
                       j->name, j->world, j->clients, j->buffers, j->views, a,
                       j->collectives_in_flight);
+    if (j->has_nodes) {
+      shardd__sb_printf(&sb, "  nodes %" PRIu32 " (this daemon: node %" PRIu32
+                        ") fabric %s\n",
+                        j->nodes, j->node_rank, j->fabric ? j->fabric : "none");
+      for (size_t k = 0; k < j->n_node_states; k++) {
+        const Shardd__NodeStatus *n = j->node_states[k];
+        shardd__sb_printf(&sb, "  node %" PRIu32 ": ranks %" PRIu32 "..%" PRIu32
+                          " %s\n",
+                          n->node, n->first_rank, n->first_rank + n->ranks - 1,
+                          n->state);
+      }
+      if (j->fabric_error)
+        shardd__sb_printf(&sb, "  fabric_error: %s\n", j->fabric_error);
+    }
     for (size_t k = 0; k < j->n_optimizers; k++) {
       const Shardd__OptimizerStatus *o = j->optimizers[k];
       shardd__sb_printf(&sb,
@@ -128,7 +142,25 @@ char *shardd__fmt_status_json(const Shardd__StatusReply *st) {
       shardd__sb_printf(&sb, ",\"params\":%" PRIu32 ",\"steps\":%" PRIu64 "}",
                         o->params, o->steps);
     }
-    shardd__sb_printf(&sb, "]}");
+    shardd__sb_printf(&sb, "]");
+    if (j->has_nodes) {
+      shardd__sb_printf(&sb, ",\"nodes\":%" PRIu32 ",\"node_rank\":%" PRIu32,
+                        j->nodes, j->node_rank);
+      json_key_str(&sb, "fabric", j->fabric ? j->fabric : "none", 1);
+      if (j->fabric_error)
+        json_key_str(&sb, "fabric_error", j->fabric_error, 1);
+      shardd__sb_printf(&sb, ",\"node_states\":[");
+      for (size_t k = 0; k < j->n_node_states; k++) {
+        const Shardd__NodeStatus *n = j->node_states[k];
+        shardd__sb_printf(&sb, "%s{\"node\":%" PRIu32 ",\"first_rank\":%" PRIu32
+                          ",\"ranks\":%" PRIu32,
+                          k ? "," : "", n->node, n->first_rank, n->ranks);
+        json_key_str(&sb, "state", n->state, 1);
+        shardd__sb_printf(&sb, "}");
+      }
+      shardd__sb_printf(&sb, "]");
+    }
+    shardd__sb_printf(&sb, "}");
   }
   shardd__sb_printf(&sb, "]}\n");
   return shardd__sb_take(&sb);

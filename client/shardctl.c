@@ -15,7 +15,8 @@ static void usage(FILE *f) {
           "  inspect ID|NAME     one buffer or view: layout, shards, views, owner\n"
           "  ping                round trip to the daemon\n"
           "  checkpoint JOB DIR  write the job's shards, state and registry to DIR\n"
-          "  restore DIR         recreate the job checkpointed in DIR\n"
+          "  restore DIR [--world N]  recreate the job checkpointed in DIR (into\n"
+          "                      N ranks: shards are keyed by offset, not rank)\n"
           "The socket is --socket, else $SHARDD_SOCKET, else %s.\n",
           SHARDD_DEFAULT_SOCKET);
 }
@@ -47,9 +48,18 @@ int main(int argc, char **argv) {
   const char *cmd = argv[i++];
   /* Options may follow the command too (shardctl status --json). */
   const char *arg = NULL, *arg2 = NULL;
+  long world = 0;
   for (; i < argc; i++) {
     if (!strcmp(argv[i], "--json"))
       json = 1;
+    else if (!strcmp(argv[i], "--world") && i + 1 < argc) {
+      char *end;
+      world = strtol(argv[++i], &end, 10);
+      if (*end || world < 1 || world > 65536) {
+        fprintf(stderr, "shardctl: --world %s: must be 1..65536\n", argv[i]);
+        return 2;
+      }
+    }
     else if (!strcmp(argv[i], "--socket") && i + 1 < argc)
       sock = argv[++i];
     else if (!strncmp(argv[i], "--socket=", 9))
@@ -113,7 +123,7 @@ int main(int argc, char **argv) {
   } else if (is_ckpt || is_restore) {
     char job[256];
     rc = is_ckpt ? shardd_checkpoint(c, arg, dir)
-                 : shardd_restore(c, dir, job, sizeof job);
+                 : shardd_restore(c, dir, (uint32_t)world, job, sizeof job);
     if (rc == SHARDD_OK) {
       char line[4600];
       snprintf(line, sizeof line, json ? "{\"job\":\"%s\",\"dir\":\"%s\"}\n"

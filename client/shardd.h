@@ -259,14 +259,16 @@ shardd_err shardd_step(shardd_client_t *c, uint64_t opt,
 shardd_err shardd_checkpoint(shardd_client_t *c, const char *job,
                              const char *dir);
 
-/* Recreates the job recorded in dir (which must not exist in the daemon);
+/* Recreates the job recorded in dir (which must not exist in the daemon),
+ * with world ranks (0: the recorded world; another count reshards, as
+ * shards are keyed by element offset, not by rank);
  * every file is checked before the job becomes visible, and a corrupt or
  * partial checkpoint is refused with a message naming the bad file. Ranks
  * then connect and register the same buffers, views and optimizer, which
  * attach to the restored ones. When job is not NULL it receives the job's
  * name (NUL-terminated, cut at joblen). */
-shardd_err shardd_restore(shardd_client_t *c, const char *dir, char *job,
-                          size_t joblen);
+shardd_err shardd_restore(shardd_client_t *c, const char *dir, uint32_t world,
+                          char *job, size_t joblen);
 
 #ifdef __cplusplus
 }

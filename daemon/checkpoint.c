@@ -357,9 +357,9 @@ shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
                       sh->state->ptr, sh->state->bytes, &crc, err, errlen);
       if (rc != SHARDD_OK)
         goto done;
-      shardd__sb_printf(&m, "state %zu %zu %" PRIu32 " %d %s %08" PRIx32 " %zu\n",
+      shardd__sb_printf(&m, "state %zu %zu %" PRIu32 " %d %s %08" PRIx32 " %zu %d\n",
                         i, bi, sh->rank, sh->master_valid, fname, crc,
-                        sh->state->bytes);
+                        sh->state->bytes, sh->nstate);
     }
   }
   shardd__sb_printf(&m, "end\n");
@@ -476,6 +476,7 @@ typedef struct {
   char *file;
   uint32_t crc;
   size_t bytes;
+  int nstate;
   int loaded;
 } pending_state;
 
@@ -552,39 +553,141 @@ static shardd_err register_pending(shardd__registry *reg, shardd__job *job,
   return rc;
 }
 
-/* Loads every recorded state into the registered optimizer; each shard that
- * keeps state must be covered exactly once. */
+/* Elements [lo, hi) of buffer b, as rank `rank` of a world of `world`
+ * holds them: its shard's slice of the unpadded range. */
+static void old_range(const shardd__buffer *b, uint32_t world, uint32_t rank,
+                      uint64_t *lo, uint64_t *hi, uint64_t *old_s) {
+  *old_s = (b->numel + world - 1) / world;
+  *lo = (uint64_t)rank * *old_s;
+  *hi = *lo + *old_s < b->numel ? *lo + *old_s : b->numel;
+  if (*lo > *hi)
+    *lo = *hi;
+}
+
+/* One shard file of a world of old_world ranks into buffer b: straight into
+ * the rank's block when the world is the same, else element ranges copied
+ * to whichever new rank holds them (shards are keyed by element offset, so
+ * a checkpoint of W ranks restores into W'). */
+static shardd_err load_shard(const char *dir, const char *file, uint32_t crc,
+                             shardd__buffer *b, uint32_t old_world,
+                             uint32_t r, char *err, size_t errlen) {
+  size_t esz = shardd_dtype_size(b->dtype);
+  uint64_t lo, hi, old_s;
+  old_range(b, old_world, r, &lo, &hi, &old_s);
+  if (old_world == b->world)
+    return load_data(dir, file, (uint32_t)b->dtype, b->shard_numel,
+                     (uint64_t)r * b->shard_numel, b->hdr.name, crc,
+                     (char *)b->blocks[r]->ptr + b->shard_off,
+                     b->shard_numel * esz, err, errlen);
+  char *tmp = malloc(old_s > 0 ? old_s * esz : 1);
+  if (tmp == NULL) {
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  shardd_err rc = load_data(dir, file, (uint32_t)b->dtype, old_s,
+                            (uint64_t)r * old_s, b->hdr.name, crc, tmp,
+                            old_s * esz, err, errlen);
+  for (uint64_t e = lo; rc == SHARDD_OK && e < hi;) {
+    uint64_t q = e / b->shard_numel, off = e % b->shard_numel;
+    uint64_t n = b->shard_numel - off < hi - e ? b->shard_numel - off : hi - e;
+    memcpy((char *)b->blocks[q]->ptr + b->shard_off + off * esz,
+           tmp + (e - lo) * esz, n * esz);
+    e += n;
+  }
+  free(tmp);
+  return rc;
+}
+
+static shardd__optim_shard *find_shard(shardd__optim *o, const shardd__buffer *b,
+                                       uint32_t rank) {
+  for (size_t k = 0; k < o->nshards; k++)
+    if (o->shards[k].buf == b && o->shards[k].rank == rank)
+      return &o->shards[k];
+  return NULL;
+}
+
+/* Loads every recorded state into the registered optimizer. Same world:
+ * each shard that keeps state is covered by exactly one file, region for
+ * region. Another world: each file's elements go to the new shards that
+ * hold them, array by array (master copy, then the arrays both layouts
+ * have), and every new shard that keeps state must receive some. */
 static shardd_err load_states(const char *dir, shardd__buffer **bufs,
-                              pending_optim *p, char *err, size_t errlen) {
+                              uint32_t old_world, pending_optim *p, char *err,
+                              size_t errlen) {
+  shardd__optim *o = p->created;
+  for (size_t k = 0; k < o->nshards; k++)
+    o->shards[k].master_valid = -1; /* not yet seen */
   for (size_t i = 0; i < p->nstates; i++) {
     pending_state *ps = &p->states[i];
-    shardd__optim_shard *sh = NULL;
-    for (size_t k = 0; k < p->created->nshards; k++)
-      if (p->created->shards[k].buf == bufs[ps->buf] &&
-          p->created->shards[k].rank == ps->rank)
-        sh = &p->created->shards[k];
-    if (sh == NULL || sh->state == NULL || sh->state->bytes != ps->bytes) {
-      snprintf(err, errlen, "%s/%s: does not fit optimizer \"%s\"", dir,
-               ps->file, p->name);
+    shardd__buffer *b = bufs[ps->buf];
+    if (old_world == b->world) {
+      shardd__optim_shard *sh = find_shard(o, b, ps->rank);
+      if (sh == NULL || sh->state == NULL || sh->state->bytes != ps->bytes ||
+          sh->master_valid != -1) {
+        snprintf(err, errlen, "%s/%s: does not fit optimizer \"%s\"", dir,
+                 ps->file, p->name);
+        return SHARDD_E_INVAL;
+      }
+      shardd_err rc = load_data(dir, ps->file, SHARDD_DTYPE_FP32, ps->bytes / 4,
+                                (uint64_t)ps->rank * b->shard_numel, b->hdr.name,
+                                ps->crc, sh->state->ptr, ps->bytes, err, errlen);
+      if (rc != SHARDD_OK)
+        return rc;
+      sh->master_valid = ps->master_valid;
+      continue;
+    }
+    uint64_t lo, hi, old_s;
+    old_range(b, old_world, ps->rank, &lo, &hi, &old_s);
+    size_t omaster, ooffs[3] = {0, 0, 0};
+    size_t used = shardd__optim_state_layout(b->dtype, old_s, ps->nstate, &omaster, ooffs);
+    if (ps->rank >= old_world || used == 0 || used > ps->bytes) {
+      snprintf(err, errlen, "%s/%s: does not fit optimizer \"%s\"", dir, ps->file,
+               p->name);
       return SHARDD_E_INVAL;
     }
+    char *tmp = malloc(ps->bytes);
+    if (tmp == NULL) {
+      snprintf(err, errlen, "out of memory");
+      return SHARDD_E_NO_MEMORY;
+    }
     shardd_err rc = load_data(dir, ps->file, SHARDD_DTYPE_FP32, ps->bytes / 4,
-                              (uint64_t)ps->rank * sh->buf->shard_numel,
-                              sh->buf->hdr.name, ps->crc, sh->state->ptr,
+                              (uint64_t)ps->rank * old_s, b->hdr.name, ps->crc, tmp,
                               ps->bytes, err, errlen);
+    int wide = b->dtype != SHARDD_DTYPE_FP32;
+    for (uint64_t e = lo; rc == SHARDD_OK && e < hi;) {
+      uint32_t q = (uint32_t)(e / b->shard_numel);
+      uint64_t off = e % b->shard_numel;
+      uint64_t n = b->shard_numel - off < hi - e ? b->shard_numel - off : hi - e;
+      shardd__optim_shard *sh = find_shard(o, b, q);
+      if (sh && sh->state) {
+        size_t src = (e - lo) * 4, dst = off * 4;
+        if (wide)
+          memcpy((char *)sh->state->ptr + sh->master_off + dst,
+                 tmp + omaster + src, n * 4);
+        for (int j = 0; j < ps->nstate && j < sh->nstate; j++)
+          memcpy((char *)sh->state->ptr + sh->state_offs[j] + dst,
+                 tmp + ooffs[j] + src, n * 4);
+        sh->master_valid = sh->master_valid == -1
+                               ? ps->master_valid
+                               : sh->master_valid && ps->master_valid;
+      }
+      e += n;
+    }
+    free(tmp);
     if (rc != SHARDD_OK)
       return rc;
-    sh->master_valid = ps->master_valid;
-    ps->loaded = 1;
   }
-  size_t want = 0;
-  for (size_t k = 0; k < p->created->nshards; k++)
-    want += p->created->shards[k].state != NULL;
-  if (want != p->nstates) {
-    snprintf(err, errlen,
-             "optimizer \"%s\": %zu shards keep state, the checkpoint has %zu",
-             p->name, want, p->nstates);
-    return SHARDD_E_INVAL;
+  for (size_t k = 0; k < o->nshards; k++) {
+    shardd__optim_shard *sh = &o->shards[k];
+    if (sh->master_valid == -1) {
+      if (sh->state) {
+        snprintf(err, errlen,
+                 "optimizer \"%s\": no state in the checkpoint for buffer \"%s\" "
+                 "rank %" PRIu32, p->name, sh->buf->hdr.name, sh->rank);
+        return SHARDD_E_INVAL;
+      }
+      sh->master_valid = 0;
+    }
   }
   return SHARDD_OK;
 }
@@ -592,8 +695,9 @@ static shardd_err load_states(const char *dir, shardd__buffer **bufs,
 #define MAX_TOK 64
 
 shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
-                                      int64_t as_uid, shardd__job **out,
-                                      char *err, size_t errlen) {
+                                      int64_t as_uid, uint32_t world,
+                                      shardd__job **out, char *err,
+                                      size_t errlen) {
   *out = NULL;
   if (strcmp(reg->backend->name, "host") != 0) {
     snprintf(err, errlen, "checkpoints support the host backend only");
@@ -614,6 +718,7 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
   pending_optim *po = NULL;
   size_t npo = 0;
   int ended = 0, lineno = 0;
+  uint32_t old_world = 0;
   char *line = NULL;
   size_t cap = 0;
   char why[512], sub[512];
@@ -665,8 +770,11 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
         rc = SHARDD_E_BUSY;
         goto fail;
       }
-      rc = shardd__job_get(reg, tok[1], (uint32_t)strtoul(tok[2], NULL, 10),
-                           owner, &job, sub, sizeof sub);
+      old_world = (uint32_t)strtoul(tok[2], NULL, 10);
+      if (old_world == 0)
+        BAD("world 0");
+      rc = shardd__job_get(reg, tok[1], world ? world : old_world, owner, &job,
+                           sub, sizeof sub);
       if (rc != SHARDD_OK)
         BAD("%s", sub);
     } else if (job == NULL) {
@@ -691,15 +799,10 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
     } else if (!strcmp(tok[0], "shard") && nt == 5) {
       size_t bi = strtoul(tok[1], NULL, 10);
       uint32_t r = (uint32_t)strtoul(tok[2], NULL, 10);
-      if (bi >= nb || r >= bufs[bi]->world)
+      if (bi >= nb || r >= old_world || strchr(tok[3], '/'))
         BAD("shard of unknown buffer %zu rank %" PRIu32, bi, r);
-      shardd__buffer *b = bufs[bi];
-      size_t esz = shardd_dtype_size(b->dtype);
-      rc = load_data(dir, tok[3], (uint32_t)b->dtype, b->shard_numel,
-                     (uint64_t)r * b->shard_numel, b->hdr.name,
-                     (uint32_t)strtoul(tok[4], NULL, 16),
-                     (char *)b->blocks[r]->ptr + b->shard_off,
-                     b->shard_numel * esz, err, errlen);
+      rc = load_shard(dir, tok[3], (uint32_t)strtoul(tok[4], NULL, 16), bufs[bi],
+                      old_world, r, err, errlen);
       if (rc != SHARDD_OK)
         goto fail;
     } else if (!strcmp(tok[0], "view") && nt >= 6) {
@@ -759,7 +862,7 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
         BAD("out of memory");
       p->ids = ni;
       p->ids[p->nids++] = (id_map){strtoull(tok[2], NULL, 10), o};
-    } else if (!strcmp(tok[0], "state") && nt == 8) {
+    } else if (!strcmp(tok[0], "state") && nt == 9) {
       size_t oi = strtoul(tok[1], NULL, 10);
       size_t bi = strtoul(tok[2], NULL, 10);
       if (oi >= npo || bi >= nb || strchr(tok[5], '/'))
@@ -776,6 +879,9 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
       ps->master_valid = atoi(tok[4]) != 0;
       ps->crc = (uint32_t)strtoul(tok[6], NULL, 16);
       ps->bytes = strtoul(tok[7], NULL, 10);
+      ps->nstate = atoi(tok[8]);
+      if (ps->nstate < 0 || ps->nstate > 3)
+        BAD("bad state count");
       if ((ps->file = strdup(tok[5])) == NULL)
         BAD("out of memory");
     } else {
@@ -790,7 +896,7 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
   }
   for (size_t i = 0; i < npo; i++) {
     if ((rc = register_pending(reg, job, &po[i], err, errlen)) != SHARDD_OK ||
-        (rc = load_states(dir, bufs, &po[i], err, errlen)) != SHARDD_OK)
+        (rc = load_states(dir, bufs, old_world, &po[i], err, errlen)) != SHARDD_OK)
       goto fail;
   }
   rc = SHARDD_OK;

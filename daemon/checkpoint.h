@@ -32,9 +32,12 @@ shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
 /* Creates the job recorded in dir (it must not exist yet), owned by the uid
  * recorded with it. as_uid is who asks: < 0 the daemon itself (--restore),
  * 0 root, else it must be the recorded owner (SHARDD_E_PERMISSION). */
+/* world 0 keeps the recorded world; another world reshards: shards and
+ * optimizer state are keyed by element offset, not by rank. */
 shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
-                                      int64_t as_uid, shardd__job **out,
-                                      char *err, size_t errlen);
+                                      int64_t as_uid, uint32_t world,
+                                      shardd__job **out, char *err,
+                                      size_t errlen);
 
 /* CRC32C (Castagnoli) of n bytes, continuing from crc (0 to start). */
 uint32_t shardd__crc32c(uint32_t crc, const void *data, size_t n);

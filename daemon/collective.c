@@ -7,14 +7,33 @@
  * job's queue touches the same buffers, so one buffer's collectives run in
  * submission order. The work is split into tasks (one per rank shard) on
  * libuv's thread pool; tasks only touch region memory, and the completion
- * count is kept on the loop thread (after_work). */
+ * count is kept on the loop thread (after_work).
+ *
+ * A job over several nodes (--job-spec) runs two-level collectives: the
+ * local part over this daemon's ranks on the pool, then one fabric call
+ * (fabric.h) per collective, also on the pool, then the local fan-out:
+ *   gather:  local shards -> the first local rank's gather area, at their
+ *            place; allgather of the node's contiguous slice across nodes;
+ *            copies to the other local gather areas.
+ *   scatter: the local ranks' whole gradients summed (fp32, rank order)
+ *            into the buffer's staging area; the fabric's reduce-scatter
+ *            sums across nodes; each local owner's reduced shard is its
+ *            part of the sum, divided for mean.
+ *   step:    local, except that with clipping the sum of squares of the
+ *            local shards is allreduced before the updates.
+ * Cross-node traffic is one copy per node, not per rank. The fabric call
+ * of a collective is matched across nodes by a tag from its kind and the
+ * buffer's (optimizer's) name: ids differ between daemons, names do not. */
 #include "collective.h"
 
 #include <inttypes.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "fabric.h"
 
 typedef struct coll coll;
 
@@ -36,6 +55,7 @@ typedef struct {
   uint64_t start, len;
   double sumsq;
   shardd_err rc;
+  int fabric; /* the collective's one cross-node call */
 } task;
 
 #define CHUNK_ELEMS ((uint64_t)1 << 18)
@@ -63,7 +83,198 @@ struct coll {
    * and every rank, including those still to arrive, gets this error */
   shardd_err refused;
   char refused_msg[256];
+  /* multi-node: stage 0 local, 1 fabric, 2 local fan-out (gather, scatter);
+   * step: 1 while the sum of squares crosses nodes */
+  int stage;
+  uint32_t tag;
+  double sumsq_all;
+  char fab_msg[384]; /* written by the fabric task, read after it */
 };
+
+/* ---- cross-node state of a job ------------------------------------------
+ * Created on the loop thread when the job gets its layout; the fabric itself
+ * is connected lazily by the first fabric task (blocking, on the pool), so
+ * the loop never waits for a rendezvous. The mutex guards everything below
+ * it against the pool threads and the status reader. */
+
+enum { FAB_IDLE, FAB_UP, FAB_FAILED };
+
+typedef struct {
+  pthread_mutex_t mu;
+  shardd__fabric_opts opts;
+  char *rendezvous, *prefix, *host;
+  shardd__fabric *f;
+  int state;
+  int at_rendezvous; /* failed before connecting */
+  shardd_err code;
+  char msg[384];
+} jobfab;
+
+static shardd_err jf_get(jobfab *jf, shardd__fabric **out, char *err,
+                         size_t errlen) {
+  pthread_mutex_lock(&jf->mu);
+  shardd_err rc = SHARDD_OK;
+  if (jf->state == FAB_FAILED) {
+    rc = jf->code;
+    snprintf(err, errlen, "%s", jf->msg);
+  } else if (jf->f == NULL) {
+    rc = shardd__fabric_create(&jf->opts, &jf->f, err, errlen);
+    if (rc != SHARDD_OK) {
+      jf->state = FAB_FAILED;
+      jf->at_rendezvous = 1;
+      jf->code = rc;
+      snprintf(jf->msg, sizeof jf->msg, "%s", err);
+    } else {
+      jf->state = FAB_UP;
+    }
+  }
+  *out = jf->f;
+  pthread_mutex_unlock(&jf->mu);
+  return rc;
+}
+
+/* A fabric error latches: Gloo's connections do not recover, so every
+ * later collective of the job fails at once with the first reason. */
+static void jf_broken(jobfab *jf, shardd_err code, const char *msg) {
+  pthread_mutex_lock(&jf->mu);
+  if (jf->state != FAB_FAILED) {
+    jf->state = FAB_FAILED;
+    jf->code = code;
+    snprintf(jf->msg, sizeof jf->msg, "%s", msg);
+  }
+  pthread_mutex_unlock(&jf->mu);
+}
+
+static void jf_free(jobfab *jf) {
+  if (jf == NULL)
+    return;
+  shardd__fabric_destroy(jf->f);
+  pthread_mutex_destroy(&jf->mu);
+  free(jf->rendezvous);
+  free(jf->prefix);
+  free(jf->host);
+  free(jf);
+}
+
+static uint32_t fab_tag(shardd__coll_kind kind, const char *name) {
+  uint32_t h = 2166136261u ^ (uint32_t)kind;
+  h *= 16777619u;
+  for (const char *p = name ? name : ""; *p; p++) {
+    h ^= (unsigned char)*p;
+    h *= 16777619u;
+  }
+  return h & 0x7fffffffu;
+}
+
+shardd_err shardd__coll_job_layout(shardd__server *srv, shardd__job *job,
+                                   uint32_t rank, char *err, size_t errlen) {
+  const shardd__jobspec *sp =
+      shardd__jobspec_find(srv->opts.jobspecs, srv->opts.njobspecs, job->name);
+  if (sp == NULL)
+    return SHARDD_OK;
+  if (sp->world != job->world) {
+    snprintf(err, errlen,
+             "job \"%s\" has world %" PRIu32 " in its job spec %s, not %" PRIu32,
+             job->name, sp->world, sp->path, job->world);
+    return SHARDD_E_MISMATCH;
+  }
+  if (sp->nodes > 1 && job->nodes == 1) {
+    if (strcmp(srv->backend->name, "host") != 0) {
+      snprintf(err, errlen,
+               "job \"%s\" spans %" PRIu32 " nodes, but cross-node collectives "
+               "on the %s backend need the NCCL fabric, which this shardd "
+               "does not have; use --backend host",
+               job->name, sp->nodes, srv->backend->name);
+      return SHARDD_E_STATE;
+    }
+    if (shardd__fabric_engine() == NULL) {
+      snprintf(err, errlen,
+               "job \"%s\" spans %" PRIu32 " nodes, but this shardd was built "
+               "without Gloo (install libgloo-dev and rebuild)",
+               job->name, sp->nodes);
+      return SHARDD_E_STATE;
+    }
+    jobfab *jf = calloc(1, sizeof *jf);
+    if (jf == NULL || (jf->rendezvous = strdup(sp->rendezvous)) == NULL ||
+        (jf->prefix = strdup(job->name)) == NULL ||
+        (jf->host = strdup(sp->host)) == NULL) {
+      if (jf) {
+        free(jf->rendezvous);
+        free(jf->prefix);
+      }
+      free(jf);
+      snprintf(err, errlen, "out of memory");
+      return SHARDD_E_NO_MEMORY;
+    }
+    shardd_err rc = shardd__job_set_layout(job, sp->nodes, sp->node_rank, err, errlen);
+    if (rc != SHARDD_OK) {
+      free(jf->rendezvous);
+      free(jf->prefix);
+      free(jf->host);
+      free(jf);
+      return rc;
+    }
+    pthread_mutex_init(&jf->mu, NULL);
+    shardd__fabric_opts o = SHARDD__FABRIC_OPTS_INIT;
+    o.rendezvous = jf->rendezvous;
+    o.prefix = jf->prefix;
+    o.host = jf->host;
+    o.nodes = sp->nodes;
+    o.node_rank = sp->node_rank;
+    o.timeout_s = srv->opts.collective_timeout;
+    jf->opts = o;
+    job->fabric = jf;
+    shardd__log(srv, 2,
+                "job \"%s\": node %" PRIu32 " of %" PRIu32 ", ranks %" PRIu32
+                "..%" PRIu32 " of %" PRIu32 ", rendezvous %s (%s)",
+                job->name, job->node_rank, job->nodes, job->local_first,
+                job->local_first + job->local_ranks - 1, job->world,
+                sp->rendezvous, shardd__fabric_engine());
+  }
+  if (rank < job->world && !shardd__job_rank_local(job, rank)) {
+    uint32_t node = rank / job->local_ranks;
+    snprintf(err, errlen,
+             "rank %" PRIu32 " of job \"%s\" belongs to node %" PRIu32
+             " (ranks %" PRIu32 "..%" PRIu32 "); this daemon is node %" PRIu32
+             " of %" PRIu32 " and holds ranks %" PRIu32 "..%" PRIu32,
+             rank, job->name, node, node * job->local_ranks,
+             (node + 1) * job->local_ranks - 1, job->node_rank, job->nodes,
+             job->local_first, job->local_first + job->local_ranks - 1);
+    return SHARDD_E_RANGE;
+  }
+  return SHARDD_OK;
+}
+
+void shardd__coll_node_state(shardd__job *job, uint32_t n, char *state,
+                             size_t len) {
+  jobfab *jf = job->fabric;
+  const char *w = "up";
+  if (n == job->node_rank)
+    w = "this daemon";
+  else if (jf) {
+    pthread_mutex_lock(&jf->mu);
+    w = jf->state == FAB_IDLE ? "not contacted"
+        : jf->state == FAB_UP ? "up"
+        : jf->at_rendezvous   ? "unreachable"
+                              : "lost";
+    pthread_mutex_unlock(&jf->mu);
+  }
+  snprintf(state, len, "%s", w);
+}
+
+void shardd__coll_fabric_state(shardd__job *job, char *engine, size_t elen,
+                               char *msg, size_t mlen) {
+  jobfab *jf = job->fabric;
+  const char *e = shardd__fabric_engine();
+  snprintf(engine, elen, "%s", jf && e ? e : "none");
+  msg[0] = '\0';
+  if (jf) {
+    pthread_mutex_lock(&jf->mu);
+    if (jf->state == FAB_FAILED)
+      snprintf(msg, mlen, "%s", jf->msg);
+    pthread_mutex_unlock(&jf->mu);
+  }
+}
 
 typedef struct {
   coll *head;
@@ -84,6 +295,8 @@ uint32_t shardd__coll_inflight(const shardd__job *job) {
 void shardd__coll_job_free(shardd__job *job) {
   free(job->coll);
   job->coll = NULL;
+  jf_free(job->fabric);
+  job->fabric = NULL;
 }
 
 static const char *kind_word(shardd__coll_kind k) {
@@ -186,7 +399,7 @@ static void schedule(shardd__job *job) {
   if (q == NULL)
     return;
   for (coll *c = q->head; c; c = c->next) {
-    if (c->started || c->arrived < job->world)
+    if (c->started || c->arrived < job->local_ranks)
       continue;
     int blocked = 0;
     for (coll *o = q->head; o != c; o = o->next)
@@ -273,9 +486,114 @@ static void update_task(coll *c, task *t) {
                           offs, t->len);
 }
 
+/* ---- multi-node work (see the top of the file) ------------------------ */
+
+static int multi(const coll *c) { return c->job->nodes > 1; }
+
+/* gather stage 0: local shard a -> its place in the first local rank's
+ * gather area */
+static void mgather_pack(coll *c, task *t) {
+  shardd__backend *be = c->srv->backend;
+  shardd__buffer *b = c->buf;
+  size_t esz = shardd_dtype_size(b->dtype);
+  uint32_t lo = c->job->local_first;
+  t->rc = be->ops->copy(be, b->blocks[lo],
+                        b->gather_off + (t->a * b->shard_numel + t->start) * esz,
+                        b->blocks[t->a], b->shard_off + t->start * esz,
+                        t->len * esz);
+}
+
+/* gather stage 2: the whole buffer from the first local rank to rank a */
+static void mgather_fan(coll *c, task *t) {
+  shardd__backend *be = c->srv->backend;
+  shardd__buffer *b = c->buf;
+  size_t esz = shardd_dtype_size(b->dtype);
+  uint32_t lo = c->job->local_first;
+  t->rc = be->ops->copy(be, b->blocks[t->a], b->gather_off + t->start * esz,
+                        b->blocks[lo], b->gather_off + t->start * esz,
+                        t->len * esz);
+}
+
+/* scatter stage 0: staging = sum over local ranks' gradients (rank order) */
+static void mscatter_sum(coll *c, task *t) {
+  shardd__backend *be = c->srv->backend;
+  shardd__buffer *b = c->buf;
+  size_t esz = shardd_dtype_size(b->dtype);
+  uint32_t lo = c->job->local_first, n = c->job->local_ranks;
+  size_t *offs = malloc(n * sizeof *offs);
+  if (offs == NULL) {
+    t->rc = SHARDD_E_NO_MEMORY;
+    return;
+  }
+  for (uint32_t i = 0; i < n; i++)
+    offs[i] = b->grad_off + t->start * esz;
+  t->rc = be->ops->reduce(be, b->dtype, 1.0f, b->stage, t->start * 4,
+                          b->blocks + lo, offs, (int)n, t->len);
+  free(offs);
+}
+
+/* scatter stage 2: owner a's reduced shard = its part of the staged sum */
+static void mscatter_own(coll *c, task *t) {
+  shardd__backend *be = c->srv->backend;
+  shardd__buffer *b = c->buf;
+  float div = c->args.op == SHARDD_REDUCE_MEAN ? (float)b->world : 1.0f;
+  size_t off = (t->a * b->shard_numel + t->start) * 4;
+  shardd__region *src = b->stage;
+  t->rc = be->ops->reduce(be, SHARDD_DTYPE_FP32, div, b->blocks[t->a],
+                          b->reduced_off + t->start * 4, &src, &off, 1, t->len);
+}
+
+static void fabric_task(coll *c, task *t) {
+  jobfab *jf = c->job->fabric;
+  shardd__fabric *f;
+  t->rc = jf_get(jf, &f, c->fab_msg, sizeof c->fab_msg);
+  if (t->rc != SHARDD_OK)
+    return;
+  shardd__buffer *b = c->buf;
+  uint64_t part = b ? (uint64_t)c->job->local_ranks * b->shard_numel : 0;
+  switch (c->args.kind) {
+  case SHARDD__COLL_GATHER: {
+    shardd__region *r = b->blocks[c->job->local_first];
+    t->rc = shardd__fabric_allgather(f, (char *)r->ptr + b->gather_off,
+                                     part * shardd_dtype_size(b->dtype), c->tag,
+                                     c->fab_msg, sizeof c->fab_msg);
+    break;
+  }
+  case SHARDD__COLL_SCATTER:
+    t->rc = shardd__fabric_reduce_scatter_f32(f, (float *)b->stage->ptr, part,
+                                              c->tag, c->fab_msg,
+                                              sizeof c->fab_msg);
+    break;
+  case SHARDD__COLL_STEP:
+    t->rc = shardd__fabric_allreduce_f64(f, &c->sumsq_all, c->tag, c->fab_msg,
+                                         sizeof c->fab_msg);
+    break;
+  }
+  if (t->rc != SHARDD_OK)
+    jf_broken(jf, t->rc, c->fab_msg);
+}
+
 static void work_cb(uv_work_t *req) {
   task *t = req->data;
   coll *c = t->c;
+  if (t->fabric) {
+    fabric_task(c, t);
+    return;
+  }
+  if (multi(c) && c->args.kind == SHARDD__COLL_GATHER) {
+    if (c->stage == 0)
+      mgather_pack(c, t);
+    else
+      mgather_fan(c, t);
+    return;
+  }
+  if (multi(c) && c->args.kind == SHARDD__COLL_SCATTER) {
+    if (c->stage == 0)
+      mscatter_sum(c, t);
+    else
+      mscatter_own(c, t);
+    return;
+  }
   switch (c->args.kind) {
   case SHARDD__COLL_GATHER:
     gather_task(c, t);
@@ -298,10 +616,18 @@ static void after_phase(coll *c) {
       c->rc = c->tasks[i].rc;
   shardd__job *job = c->job;
   if (c->rc != SHARDD_OK) {
-    char msg[256];
-    snprintf(msg, sizeof msg, "%s of %s %" PRIu64 " failed in the backend: %s",
-             kind_word(c->args.kind), target_word(c->args.kind),
-             c->args.target, shardd_strerror(c->rc));
+    char msg[512];
+    if (c->fab_msg[0])
+      snprintf(msg, sizeof msg,
+               "%s of %s %" PRIu64 " failed across the nodes of job \"%s\" "
+               "(this daemon is node %" PRIu32 " of %" PRIu32 "): %s",
+               kind_word(c->args.kind), target_word(c->args.kind),
+               c->args.target, job->name, job->node_rank, job->nodes,
+               c->fab_msg);
+    else
+      snprintf(msg, sizeof msg, "%s of %s %" PRIu64 " failed in the backend: %s",
+               kind_word(c->args.kind), target_word(c->args.kind),
+               c->args.target, shardd_strerror(c->rc));
     shardd__server *srv = c->srv;
     coll_finish(c, c->rc, msg);
     schedule(job);
@@ -309,10 +635,25 @@ static void after_phase(coll *c) {
       shardd__server_job_idle(srv, job);
     return;
   }
+  if (multi(c) && c->args.kind != SHARDD__COLL_STEP && c->stage < 2) {
+    c->stage++;
+    start_phase(c);
+    return;
+  }
   if (c->args.kind == SHARDD__COLL_STEP && c->phase == 0) {
     double sum = 0;
     for (size_t i = 0; i < c->ntasks; i++)
       sum += c->tasks[i].sumsq;
+    if (multi(c)) {
+      if (c->stage == 0) { /* the local sum of squares crosses nodes */
+        c->sumsq_all = sum;
+        c->stage = 1;
+        start_phase(c);
+        return;
+      }
+      sum = c->sumsq_all;
+      c->stage = 0;
+    }
     c->total_norm = sqrt(sum);
     /* As torch.nn.utils.clip_grad_norm_: coef clamped to 1, applied always. */
     double coef = c->args.max_norm / (c->total_norm + 1e-6);
@@ -362,6 +703,24 @@ static size_t add_unit(task *out, size_t n, size_t ua, size_t ub, uint64_t len) 
 
 static size_t plan_tasks(coll *c, task *out) {
   size_t n = 0;
+  if (multi(c) && c->stage == 1) {
+    if (out)
+      out[0].fabric = 1;
+    return 1;
+  }
+  if (multi(c) && c->args.kind != SHARDD__COLL_STEP) {
+    shardd__buffer *b = c->buf;
+    uint32_t lo = c->job->local_first, hi = lo + c->job->local_ranks;
+    if (c->args.kind == SHARDD__COLL_SCATTER && c->stage == 0)
+      return add_unit(out, n, 0, 0, b->padded_numel);
+    for (uint32_t r = lo; r < hi; r++) {
+      if (c->args.kind == SHARDD__COLL_GATHER && c->stage == 2)
+        n = r == lo ? n : add_unit(out, n, r, 0, b->padded_numel);
+      else
+        n = add_unit(out, n, r, 0, b->shard_numel);
+    }
+    return n;
+  }
   if (c->args.kind == SHARDD__COLL_STEP) {
     for (size_t i = 0; i < c->opt->nshards; i++)
       for (size_t j = 0; j < c->opt->shards[i].nsegs; j++)
@@ -382,6 +741,25 @@ static void start_phase(coll *c) {
     c->grad_scale = 1.0f;
     if (!(c->args.max_norm > 0))
       c->phase = 1;
+  }
+  if (multi(c) && c->args.kind == SHARDD__COLL_SCATTER && c->stage == 0 &&
+      c->buf->stage == NULL) {
+    shardd__buffer *b = c->buf;
+    shardd__registry *reg = &c->srv->reg;
+    char why[256];
+    shardd_err rc = reg->backend->ops->alloc(
+        reg->backend, shardd__rank_device(reg, c->job->local_first),
+        b->padded_numel * 4, "shardd:stage", &b->stage, why, sizeof why);
+    if (rc != SHARDD_OK) {
+      shardd__job *job = c->job;
+      char msg[400];
+      snprintf(msg, sizeof msg, "scatter of buffer %" PRIu64
+               ": staging area for the cross-node sum: %s", c->args.target, why);
+      coll_finish(c, rc, msg);
+      schedule(job);
+      return;
+    }
+    c->job->bytes += b->stage->bytes;
   }
   size_t n = plan_tasks(c, NULL);
   free(c->tasks);
@@ -487,6 +865,7 @@ void shardd__coll_submit(shardd__server *srv, shardd__session *s, uint64_t seq,
     c->job = job;
     c->args = *args;
     c->deadline = shardd__server_now(srv) + srv->opts.collective_timeout;
+    c->tag = fab_tag(args->kind, o->name);
     if (args->kind == SHARDD__COLL_STEP) {
       c->opt = (shardd__optim *)o;
       c->hp = malloc((c->opt->ngroups ? c->opt->ngroups : 1) * sizeof *c->hp);
@@ -520,7 +899,7 @@ void shardd__coll_submit(shardd__server *srv, shardd__session *s, uint64_t seq,
   w->arrived = 1;
   s->pending++;
   c->arrived++;
-  if (c->arrived == job->world) {
+  if (c->arrived == job->local_ranks) {
     if (c->refused != SHARDD_OK)
       coll_finish(c, c->refused, c->refused_msg); /* it may have held back newer ones */
     schedule(job);
@@ -587,7 +966,7 @@ typedef struct {
 
 static int pick_expired(coll *c, void *arg) {
   const tick_arg *t = arg;
-  return c->arrived < c->job->world && t->now >= c->deadline;
+  return c->arrived < c->job->local_ranks && t->now >= c->deadline;
 }
 
 static void describe_expired(coll *c, void *arg, char *msg, size_t len) {
@@ -596,10 +975,11 @@ static void describe_expired(coll *c, void *arg, char *msg, size_t len) {
                    kind_word(c->args.kind), target_word(c->args.kind),
                    c->args.target, c->srv->opts.collective_timeout);
   const char *sep = "s ";
-  uint32_t missing = c->job->world - c->arrived;
+  uint32_t missing = c->job->local_ranks - c->arrived;
   if (missing == 1)
     sep = " ";
-  for (uint32_t r = 0; r < c->job->world && n > 0 && (size_t)n < len; r++) {
+  uint32_t lo = c->job->local_first, hi = lo + c->job->local_ranks;
+  for (uint32_t r = lo; r < hi && n > 0 && (size_t)n < len; r++) {
     if (c->waiters[r].arrived)
       continue;
     n += snprintf(msg + n, len - (size_t)n, "%s%" PRIu32, sep, r);

@@ -38,6 +38,21 @@ void shardd__coll_session_lost(shardd__server *srv, shardd__session *s);
 /* Fails collectives that waited past the timeout. */
 void shardd__coll_tick(shardd__server *srv, double now);
 
+/* Applies the --job-spec naming job, if any, when rank says Hello: gives a
+ * new job its node layout and cross-node fabric state, and refuses (with
+ * the node that holds it) a rank this daemon does not hold, a world other
+ * than the spec's, or a multi-node job this build cannot serve. */
+shardd_err shardd__coll_job_layout(shardd__server *srv, shardd__job *job,
+                                   uint32_t rank, char *err, size_t errlen);
+
+/* For status: node n's state in a multi-node job ("this daemon", "not
+ * contacted", "up", "unreachable", "lost"), and the fabric's engine and last
+ * error (msg may be ""). */
+void shardd__coll_node_state(shardd__job *job, uint32_t n, char *state,
+                             size_t len);
+void shardd__coll_fabric_state(shardd__job *job, char *engine, size_t elen,
+                               char *msg, size_t mlen);
+
 /* Collectives queued or running in job (0 before it may be released). */
 uint32_t shardd__coll_inflight(const shardd__job *job);
 /* Frees the job's (empty) queue state. */

@@ -40,6 +40,9 @@ static void usage(FILE *f) {
           "  --checkpoint-on-exit DIR  on SIGTERM/SIGINT, checkpoint every job to DIR/JOB\n"
           "  --restore DIR             at start, restore the checkpoint in DIR (or each\n"
           "                            DIR/JOB holding one)\n"
+          "  --job-spec FILE           a job spanning several nodes: its world, nodes,\n"
+          "                            this daemon's node_rank and rendezvous directory\n"
+          "                            (repeatable, one file per job)\n"
           "  --log-level LEVEL         error|warn|info|debug (default info)\n"
           "  --foreground              run in the foreground (the only mode; for systemd)\n"
           "  --version, --help\n",
@@ -112,7 +115,7 @@ static void checkpoint_job(shardd__job *job, void *arg) {
 static int restore_one(shardd__server *srv, const char *dir) {
   char err[1024];
   shardd__job *job;
-  if (shardd__checkpoint_restore(&srv->reg, dir, -1, &job, err, sizeof err) !=
+  if (shardd__checkpoint_restore(&srv->reg, dir, -1, 0, &job, err, sizeof err) !=
       SHARDD_OK) {
     shardd__log(srv, 0, "restore refused: %s", err);
     return -1;
@@ -163,7 +166,7 @@ static int parse_level(const char *s) {
 int main(int argc, char **argv) {
   enum { O_SOCKET = 256, O_BACKEND, O_DEVICES, O_DEVMEM, O_TIMEOUT, O_LINGER,
          O_MAXCLIENTS, O_LOGLEVEL, O_FOREGROUND, O_VERSION, O_HELP,
-         O_CKPT_EXIT, O_RESTORE, O_JOBMEM, O_ADMIN, O_CKPT_ROOT };
+         O_CKPT_EXIT, O_RESTORE, O_JOBMEM, O_ADMIN, O_CKPT_ROOT, O_JOBSPEC };
   static const struct option longopts[] = {
       {"socket", required_argument, NULL, O_SOCKET},
       {"backend", required_argument, NULL, O_BACKEND},
@@ -179,6 +182,7 @@ int main(int argc, char **argv) {
       {"job-memory-limit", required_argument, NULL, O_JOBMEM},
       {"admin-group", required_argument, NULL, O_ADMIN},
       {"checkpoint-root", required_argument, NULL, O_CKPT_ROOT},
+      {"job-spec", required_argument, NULL, O_JOBSPEC},
       {"version", no_argument, NULL, O_VERSION},
       {"help", no_argument, NULL, O_HELP},
       {NULL, 0, NULL, 0}};
@@ -190,6 +194,9 @@ int main(int argc, char **argv) {
   int devices = 0;
   uint64_t devmem = 0;
   const char *ckpt_exit = NULL, *restore = NULL;
+  enum { MAX_JOBSPECS = 64 };
+  static shardd__jobspec specs[MAX_JOBSPECS];
+  size_t nspecs = 0;
   int c;
   while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
     switch (c) {
@@ -263,6 +270,26 @@ int main(int argc, char **argv) {
       }
       opts.checkpoint_root = optarg;
       break;
+    case O_JOBSPEC: {
+      char why[512];
+      if (nspecs == MAX_JOBSPECS) {
+        fprintf(stderr, "shardd: --job-spec: at most %d\n", MAX_JOBSPECS);
+        return 2;
+      }
+      if (shardd__jobspec_load(optarg, &specs[nspecs], why, sizeof why) != SHARDD_OK) {
+        fprintf(stderr, "shardd: --job-spec %s\n", why);
+        return 2;
+      }
+      if (shardd__jobspec_find(specs, nspecs, specs[nspecs].job)) {
+        fprintf(stderr, "shardd: --job-spec %s: job \"%s\" has a spec already\n",
+                optarg, specs[nspecs].job);
+        return 2;
+      }
+      nspecs++;
+      opts.jobspecs = specs;
+      opts.njobspecs = nspecs;
+      break;
+    }
     case O_JOBMEM:
       if (parse_size(optarg, &opts.job_memory_limit) != 0 || opts.job_memory_limit == 0) {
         fprintf(stderr, "shardd: --job-memory-limit %s: not a size\n", optarg);
@@ -401,6 +428,8 @@ int main(int argc, char **argv) {
   }
   shardd__server_free(&srv);
   uv_loop_close(loop);
+  for (size_t i = 0; i < nspecs; i++)
+    shardd__jobspec_free(&specs[i]);
   if (opts.log_level >= 2)
     shardd__log(NULL, 2, "stopped");
   return status;

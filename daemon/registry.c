@@ -97,6 +97,8 @@ shardd_err shardd__job_get(shardd__registry *reg, const char *name,
       (job->rank_sessions = calloc(world, sizeof(void *))) == NULL)
     goto nomem;
   job->world = world;
+  job->nodes = 1;
+  job->local_ranks = world;
   job->uid = uid;
   job->reg = reg;
   job->empty_since = -1;
@@ -115,6 +117,28 @@ nomem:
   }
   snprintf(err, errlen, "out of memory creating job");
   return SHARDD_E_NO_MEMORY;
+}
+
+shardd_err shardd__job_set_layout(shardd__job *job, uint32_t nodes,
+                                  uint32_t node_rank, char *err,
+                                  size_t errlen) {
+  if (nodes < 1 || node_rank >= nodes || job->world % nodes != 0) {
+    snprintf(err, errlen,
+             "job \"%s\": world %" PRIu32 " over %" PRIu32
+             " nodes (this one %" PRIu32 ") is not an even split",
+             job->name, job->world, nodes, node_rank);
+    return SHARDD_E_RANGE;
+  }
+  if (shardd__map_count(&job->buffers) > 0) {
+    snprintf(err, errlen, "job \"%s\" has buffers; its layout is fixed",
+             job->name);
+    return SHARDD_E_STATE;
+  }
+  job->nodes = nodes;
+  job->node_rank = node_rank;
+  job->local_ranks = job->world / nodes;
+  job->local_first = node_rank * job->local_ranks;
+  return SHARDD_OK;
 }
 
 shardd__obj *shardd__registry_get(const shardd__registry *reg, uint64_t id) {
@@ -213,6 +237,11 @@ static void buffer_free_blocks(shardd__registry *reg, shardd__buffer *b) {
     }
   }
   free(b->blocks);
+  if (b->stage) {
+    b->hdr.job->bytes -= b->stage->bytes;
+    reg->backend->ops->free(reg->backend, b->stage);
+    b->stage = NULL;
+  }
   b->blocks = NULL;
 }
 
@@ -312,14 +341,14 @@ shardd_err shardd__buffer_register(shardd__registry *reg, shardd__job *job,
   shardd__map_init(&b->views);
 
   shardd_err rc = SHARDD_E_NO_MEMORY;
-  if (!within_quota(reg, job, (uint64_t)job->world * b->block_bytes, err, errlen))
+  if (!within_quota(reg, job, (uint64_t)job->local_ranks * b->block_bytes, err, errlen))
     goto fail;
   b->blocks = calloc(job->world, sizeof *b->blocks);
   if (b->blocks == NULL) {
     snprintf(err, errlen, "out of memory");
     goto fail;
   }
-  for (uint32_t r = 0; r < job->world; r++) {
+  for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++) {
     char label[64];
     snprintf(label, sizeof label, "shardd:%.40s:%" PRIu32, name, r);
     char why[256];
@@ -620,6 +649,10 @@ shardd_err shardd__optim_create(shardd__registry *reg, shardd__job *job,
       uint32_t rank = (uint32_t)(pos / s);
       uint64_t shard_end = (uint64_t)(rank + 1) * s;
       uint64_t len = (end < shard_end ? end : shard_end) - pos;
+      if (!shardd__job_rank_local(job, rank)) { /* another node's shard */
+        pos += len;
+        continue;
+      }
       shardd__optim_shard *sh = shard_for(o, &cap, r->buf, rank);
       if (sh == NULL || add_seg(sh, pos - (uint64_t)rank * s, len, r->group) != SHARDD_OK)
         goto nomem;
@@ -634,18 +667,9 @@ shardd_err shardd__optim_create(shardd__registry *reg, shardd__job *job,
       int c = shardd__optim_state_count(&plan->groups[sh->segs[j].group]);
       k = c > k ? c : k;
     }
-    size_t arr = sh->buf->shard_numel * sizeof(float);
-    size_t off = 0;
-    if (sh->buf->dtype != SHARDD_DTYPE_FP32) {
-      sh->master_off = off;
-      off = area_end(off, arr);
-    }
-    for (int j = 0; j < k; j++) {
-      sh->state_offs[j] = off;
-      off = j + 1 < k ? area_end(off, arr) : off + arr;
-    }
-    if (k == 0 && off > 0)
-      off = sh->master_off + arr;
+    sh->nstate = k;
+    size_t off = shardd__optim_state_layout(sh->buf->dtype, sh->buf->shard_numel,
+                                            k, &sh->master_off, sh->state_offs);
     if (off == 0)
       continue; /* plain SGD on fp32 keeps no state */
     if (!within_quota(reg, job, off, err, errlen)) {
@@ -704,6 +728,22 @@ fail:
     free(o);
   }
   return rc;
+}
+
+size_t shardd__optim_state_layout(shardd_dtype dtype, uint64_t shard_numel,
+                                  int nstate, size_t *master_off,
+                                  size_t state_offs[3]) {
+  size_t arr = shard_numel * sizeof(float);
+  size_t off = 0;
+  *master_off = 0;
+  if (dtype != SHARDD_DTYPE_FP32) {
+    off = nstate > 0 ? area_end(0, arr) : arr;
+  }
+  for (int j = 0; j < nstate; j++) {
+    state_offs[j] = off;
+    off = j + 1 < nstate ? area_end(off, arr) : off + arr;
+  }
+  return off;
 }
 
 shardd__optim *shardd__optim_find(shardd__job *job, const char *name) {

@@ -50,6 +50,11 @@ struct shardd__job {
   uint32_t nclients;
   double empty_since; /* loop time when the last client left, < 0 if any */
   void *coll;         /* the collective module's per-job state */
+  /* read-only after shardd__job_set_layout: the job's nodes (--job-spec).
+   * This daemon holds ranks [local_first, local_first + local_ranks); a
+   * single-node job has nodes 1, local_first 0, local_ranks world. */
+  uint32_t nodes, node_rank, local_first, local_ranks;
+  void *fabric; /* the collective module's cross-node state; NULL on 1 node */
   /* private */
   shardd__map buffers; /* by name */
   shardd__map optims;  /* by name */
@@ -63,7 +68,8 @@ struct shardd__buffer {
   shardd_dtype dtype;
   uint64_t numel, padded_numel, shard_numel;
   uint32_t world;
-  /* one block per rank, on device rank % ndevices:
+  /* one block per rank, on device rank % ndevices (NULL for the ranks of
+   * other nodes in a multi-node job):
    * [shard (dtype) | reduced grad shard (fp32) | gather (dtype) | grad (dtype)] */
   shardd__region **blocks;
   size_t shard_off, reduced_off, gather_off, grad_off, block_bytes;
@@ -74,6 +80,9 @@ struct shardd__buffer {
   shardd__optim *owner; /* when referenced whole */
   /* private */
   shardd__map views; /* by name */
+  /* multi-node scatter: padded_numel fp32 where the local ranks' gradients
+   * are summed before the fabric; allocated at the first such scatter */
+  shardd__region *stage;
 };
 
 struct shardd__view {
@@ -98,6 +107,7 @@ typedef struct {
   shardd__region *state; /* fp32: [master if 16-bit][state arrays] */
   size_t master_off;
   size_t state_offs[3];
+  int nstate; /* fp32 state arrays after the master copy */
   int master_valid;
   shardd__seg *segs;
   size_t nsegs;
@@ -139,6 +149,16 @@ shardd_err shardd__job_get(shardd__registry *reg, const char *name,
                            uint32_t world, uint32_t uid, shardd__job **out,
                            char *err, size_t errlen);
 shardd__job *shardd__job_find(shardd__registry *reg, const char *name);
+/* Makes job span nodes daemons, this one being node_rank: it then holds the
+ * world/nodes ranks of that node only. Only before the job has buffers;
+ * world must divide evenly (SHARDD_E_RANGE / SHARDD_E_STATE otherwise). */
+shardd_err shardd__job_set_layout(shardd__job *job, uint32_t nodes,
+                                  uint32_t node_rank, char *err,
+                                  size_t errlen);
+static inline int shardd__job_rank_local(const shardd__job *job,
+                                         uint32_t rank) {
+  return rank >= job->local_first && rank - job->local_first < job->local_ranks;
+}
 /* Frees the job and all it owns. The caller has failed its collectives. */
 void shardd__job_release(shardd__registry *reg, shardd__job *job);
 void shardd__registry_each_job(shardd__registry *reg,
@@ -200,6 +220,12 @@ shardd_err shardd__optim_create(shardd__registry *reg, shardd__job *job,
                                 shardd__optim_plan *plan, shardd__optim **out,
                                 char *err, size_t errlen);
 shardd__optim *shardd__optim_find(shardd__job *job, const char *name);
+/* Layout of one optimizer shard's state region: the fp32 master copy (for
+ * bf16/fp16 params) at *master_off, then nstate arrays of shard_numel
+ * floats; returns the bytes used (0: no state). */
+size_t shardd__optim_state_layout(shardd_dtype dtype, uint64_t shard_numel,
+                                  int nstate, size_t *master_off,
+                                  size_t state_offs[3]);
 shardd_err shardd__optim_unregister(shardd__registry *reg, shardd__job *job,
                                     uint64_t id, char *err, size_t errlen);
 

@@ -233,6 +233,12 @@ static void on_hello(shardd__session *s, uint64_t seq, const Shardd__Hello *h) {
       return;
     }
     uint32_t rank = h->has_rank ? h->rank : 0;
+    /* --job-spec: a multi-node job holds its node's ranks only */
+    rc = shardd__coll_job_layout(srv, job, rank, err, sizeof err);
+    if (rc != SHARDD_OK) {
+      shardd__session_reply(s, seq, rc, err);
+      return;
+    }
     if (rank >= job->world) {
       snprintf(err, sizeof err, "rank %" PRIu32 " is outside world %" PRIu32,
                rank, job->world);
@@ -522,6 +528,13 @@ static void reply_checkpoint(shardd__session *s, uint64_t seq,
 shardd_err shardd__server_checkpoint(shardd__server *srv, shardd__job *job,
                                      const char *dir, char *err,
                                      size_t errlen) {
+  if (job->nodes > 1) {
+    snprintf(err, errlen,
+             "job \"%s\" spans %" PRIu32 " nodes; checkpoints of multi-node "
+             "jobs are not supported yet",
+             job->name, job->nodes);
+    return SHARDD_E_STATE;
+  }
   if (shardd__coll_inflight(job) > 0) {
     snprintf(err, errlen,
              "job \"%s\" has %" PRIu32 " collective(s) in flight; checkpoint "
@@ -607,6 +620,7 @@ static void on_restore(shardd__session *s, uint64_t seq,
   }
   shardd__job *job;
   shardd_err rc = shardd__checkpoint_restore(&s->srv->reg, rs->dir, (int64_t)s->cred.uid,
+                                             rs->has_world ? rs->world : 0,
                                              &job, err, sizeof err);
   if (rc != SHARDD_OK) {
     shardd__session_reply(s, seq, rc, err);

@@ -13,6 +13,7 @@
 #include <uv.h>
 
 #include "frame.h"
+#include "jobspec.h"
 #include "proto/shardd.pb-c.h"
 #include "registry.h"
 
@@ -30,10 +31,13 @@ typedef struct {
   /* Checkpoint/Restore requests may only name directories below this one
    * (the daemon writes with its own rights); NULL: any absolute path. */
   const char *checkpoint_root;
+  /* --job-spec: multi-node layouts by job name (borrowed, live until exit) */
+  const shardd__jobspec *jobspecs;
+  size_t njobspecs;
 } shardd__server_opts;
 
 #define SHARDD__SERVER_OPTS_INIT \
-  {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2, -1, 0, NULL}
+  {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2, -1, 0, NULL, NULL, 0}
 
 typedef struct shardd__session shardd__session;
 typedef struct shardd__server shardd__server;

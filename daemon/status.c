@@ -86,6 +86,31 @@ static Shardd__JobStatus *job_status(shardd__report *r, shardd__job *job) {
     }
     free(opts);
   }
+  if (job->nodes > 1) {
+    js->has_nodes = 1;
+    js->nodes = job->nodes;
+    js->has_node_rank = 1;
+    js->node_rank = job->node_rank;
+    js->node_states = ar_alloc(r, job->nodes * sizeof *js->node_states);
+    for (uint32_t n = 0; js->node_states && n < job->nodes; n++) {
+      Shardd__NodeStatus *ns = ar_alloc(r, sizeof *ns);
+      if (ns == NULL)
+        break;
+      shardd__node_status__init(ns);
+      char state[32];
+      shardd__coll_node_state(job, n, state, sizeof state);
+      ns->node = n;
+      ns->first_rank = n * job->local_ranks;
+      ns->ranks = job->local_ranks;
+      ns->state = ar_strdup(r, state);
+      js->node_states[js->n_node_states++] = ns;
+    }
+    char engine[32], msg[400];
+    shardd__coll_fabric_state(job, engine, sizeof engine, msg, sizeof msg);
+    js->fabric = ar_strdup(r, engine);
+    if (msg[0])
+      js->fabric_error = ar_strdup(r, msg);
+  }
   return js;
 }
 
@@ -221,7 +246,8 @@ static shardd_err fill_buffer(shardd__report *r, shardd__server *srv,
     si->offset = (uint64_t)k * b->shard_numel;
     si->numel = b->shard_numel;
     ir->shards[ir->n_shards++] = si;
-    ir->resident_bytes += b->blocks[k]->bytes;
+    if (b->blocks[k]) /* NULL: another node's rank */
+      ir->resident_bytes += b->blocks[k]->bytes;
   }
   shardd__optim *owner = b->owner;
   shardd__view **views;

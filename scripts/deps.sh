@@ -2,7 +2,7 @@
 # Installs the Debian packages the build and the suite need, only when one is
 # missing, so `make test` works on a fresh machine and costs nothing after.
 set -e
-PKGS="build-essential pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler libcriterion-dev python3 python3-torch python3-numpy"
+PKGS="build-essential pkg-config libgloo-dev libuv1-dev libprotobuf-c-dev protobuf-c-compiler libcriterion-dev python3 python3-torch python3-numpy"
 missing=""
 for p in $PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

@@ -193,7 +193,7 @@ Test(checkpoint, round_trip_keeps_every_byte) {
   cr_assert_null(shardd__job_find(&reg, "llm 7b"));
 
   shardd__job *back;
-  cr_assert_eq(shardd__checkpoint_restore(&reg, dir, -1, &back, err, sizeof err),
+  cr_assert_eq(shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err),
                SHARDD_OK, "%s", err);
   cr_assert_str_eq(back->name, "llm 7b");
   cr_assert_eq(back->world, 3);
@@ -205,7 +205,7 @@ Test(checkpoint, round_trip_keeps_every_byte) {
 
   /* Restoring over a live job is refused and leaves it alone. */
   shardd__job *again;
-  cr_assert_eq(shardd__checkpoint_restore(&reg, dir, -1, &again, err, sizeof err),
+  cr_assert_eq(shardd__checkpoint_restore(&reg, dir, -1, 0, &again, err, sizeof err),
                SHARDD_E_BUSY);
   cr_assert_eq(shardd__job_find(&reg, "llm 7b"), back);
 }
@@ -234,7 +234,7 @@ static void corrupt_and_expect(const char *file, long offset, const char *needle
     cr_assert_eq(truncate(path, -offset), 0);
   }
   shardd__job *back;
-  shardd_err rc = shardd__checkpoint_restore(&reg, dir, -1, &back, err, sizeof err);
+  shardd_err rc = shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err);
   cr_assert_neq(rc, SHARDD_OK);
   cr_assert(strstr(err, needle) != NULL, "message \"%s\" lacks \"%s\"", err, needle);
   cr_assert_null(shardd__job_find(&reg, "j"), "nothing may be registered");
@@ -272,7 +272,7 @@ Test(checkpoint, truncated_manifest_is_refused) {
   fclose(f);
   cr_assert_gt(n, 0);
   shardd__job *back;
-  cr_assert_neq(shardd__checkpoint_restore(&reg, dir, -1, &back, err, sizeof err),
+  cr_assert_neq(shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err),
                 SHARDD_OK);
   cr_assert(strstr(err, "truncated") != NULL, "%s", err);
   cr_assert_null(shardd__job_find(&reg, "j"));
@@ -281,7 +281,7 @@ Test(checkpoint, truncated_manifest_is_refused) {
 Test(checkpoint, missing_manifest_is_an_incomplete_checkpoint) {
   char err[1024];
   shardd__job *back;
-  cr_assert_eq(shardd__checkpoint_restore(&reg, dir, -1, &back, err, sizeof err),
+  cr_assert_eq(shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err),
                SHARDD_E_IO);
   cr_assert(strstr(err, "manifest") != NULL, "%s", err);
 }
@@ -298,15 +298,19 @@ Test(checkpoint, crc32c_known_answer) {
 /* ---- through the daemon: restore continues training exactly ------------ */
 
 #define WORLD 2
+#define MAXW 4
 #define NUMEL 1003
+#define HALF 301
 
 typedef struct {
   const test_daemon *d;
-  uint32_t rank;
+  uint32_t rank, world;
   int steps;      /* steps to run */
   int first_step; /* gradient seed offset, so both runs see the same grads */
+  int global_grad; /* rank 0 writes one global gradient, the others 0, SUM:
+                    * the reduced gradient is the same in any world */
   const char *ckpt; /* checkpoint after the steps (rank 0 asks) */
-  float *out;     /* NUMEL floats: the gathered parameters at the end */
+  float *out;     /* NUMEL + HALF floats: the gathered parameters at the end */
   pthread_barrier_t *bar;
 } rank_arg;
 
@@ -315,33 +319,66 @@ static void grad_for(int step, uint32_t rank, float *g, uint64_t n) {
     g[i] = (float)((int)((i * 7 + (uint64_t)step * 13 + rank * 5) % 17) - 8) / 16.0f;
 }
 
+static uint16_t to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static float from_bf16(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 static void *run_rank(void *p) {
   rank_arg *a = p;
-  shardd_client_t *c = test_connect(a->d, "ckpt-job", a->rank, WORLD);
-  shardd_buffer_info b;
+  shardd_client_t *c = test_connect(a->d, "ckpt-job", a->rank, a->world);
+  shardd_buffer_info b, h;
   cr_assert_eq(shardd_buffer_register(c, "flat", SHARDD_DTYPE_FP32, NUMEL, &b), SHARDD_OK,
                "%s", shardd_last_error(c));
+  cr_assert_eq(shardd_buffer_register(c, "half", SHARDD_DTYPE_BF16, HALF, &h), SHARDD_OK,
+               "%s", shardd_last_error(c));
   if (a->first_step == 0) { /* a fresh job: each rank fills its own shard */
-    float *sh = b.shard;
-    for (uint64_t i = 0; i < b.shard_numel; i++)
-      sh[i] = (float)(a->rank * b.shard_numel + i) / 100.0f;
+    for (uint64_t i = 0; i < b.shard_numel; i++) {
+      uint64_t g = a->rank * b.shard_numel + i;
+      ((float *)b.shard)[i] = g < NUMEL ? (float)g / 100.0f : 0.0f;
+    }
+    for (uint64_t i = 0; i < h.shard_numel; i++) {
+      uint64_t g = a->rank * h.shard_numel + i;
+      ((uint16_t *)h.shard)[i] = to_bf16(g < HALF ? (float)g / 64.0f : 0.0f);
+    }
   }
-  uint64_t v1, v2;
-  int64_t s1[1] = {600}, s2[1] = {NUMEL - 600};
+  uint64_t v1, v2, v3;
+  int64_t s1[1] = {600}, s2[1] = {NUMEL - 600}, s3[1] = {HALF};
   cr_assert_eq(shardd_view_register(c, b.id, "w", 0, 600, s1, 1, &v1), SHARDD_OK);
   cr_assert_eq(shardd_view_register(c, b.id, "b", 600, NUMEL - 600, s2, 1, &v2), SHARDD_OK);
-  shardd_param_ref refs[2] = {{v1, "w"}, {v2, "b"}};
-  shardd_param_group g = {refs, 2, {0}};
+  cr_assert_eq(shardd_view_register(c, h.id, "e", 0, HALF, s3, 1, &v3), SHARDD_OK);
+  shardd_param_ref refs[3] = {{v1, "w"}, {v2, "b"}, {v3, "e"}};
+  shardd_param_group g[2] = {{refs, 2, {0}},
+                             {refs + 2, 1, {.set = SHARDD_HP_AMSGRAD, .amsgrad = 1}}};
   shardd_hparams hp = {.set = SHARDD_HP_LR | SHARDD_HP_WEIGHT_DECAY, .lr = 0.01,
                        .weight_decay = 0.1};
   uint64_t opt;
-  cr_assert_eq(shardd_optimizer_register(c, "adamw", SHARDD_OPTIM_ADAMW, &hp, &g, 1, &opt),
+  cr_assert_eq(shardd_optimizer_register(c, "adamw", SHARDD_OPTIM_ADAMW, &hp, g, 2, &opt),
                SHARDD_OK, "%s", shardd_last_error(c));
   pthread_barrier_wait(a->bar);
   for (int s = 0; s < a->steps; s++) {
     cr_assert_eq(shardd_gather(c, b.id), SHARDD_OK, "%s", shardd_last_error(c));
-    grad_for(a->first_step + s, a->rank, b.grad, b.padded_numel);
-    cr_assert_eq(shardd_scatter(c, b.id, SHARDD_REDUCE_MEAN), SHARDD_OK);
+    if (a->global_grad && a->rank != 0) {
+      memset(b.grad, 0, b.padded_numel * 4);
+      memset(h.grad, 0, h.padded_numel * 2);
+    } else {
+      grad_for(a->first_step + s, a->global_grad ? 0 : a->rank, b.grad, b.padded_numel);
+      float tmp[HALF + MAXW];
+      grad_for(a->first_step + s, a->global_grad ? 0 : a->rank + 1, tmp, h.padded_numel);
+      for (uint64_t i = 0; i < h.padded_numel; i++)
+        ((uint16_t *)h.grad)[i] = to_bf16(tmp[i]);
+    }
+    shardd_reduce_op op = a->global_grad ? SHARDD_REDUCE_SUM : SHARDD_REDUCE_MEAN;
+    cr_assert_eq(shardd_scatter(c, b.id, op), SHARDD_OK);
+    cr_assert_eq(shardd_scatter(c, h.id, op), SHARDD_OK);
     cr_assert_eq(shardd_step(c, opt, NULL, NULL), SHARDD_OK, "%s", shardd_last_error(c));
   }
   pthread_barrier_wait(a->bar);
@@ -349,29 +386,79 @@ static void *run_rank(void *p) {
     cr_assert_eq(shardd_checkpoint(c, NULL, a->ckpt), SHARDD_OK, "%s", shardd_last_error(c));
   pthread_barrier_wait(a->bar);
   cr_assert_eq(shardd_gather(c, b.id), SHARDD_OK);
-  if (a->out)
+  cr_assert_eq(shardd_gather(c, h.id), SHARDD_OK);
+  if (a->out) {
     memcpy(a->out, b.gather, NUMEL * sizeof(float));
+    for (uint64_t i = 0; i < HALF; i++)
+      a->out[NUMEL + i] = from_bf16(((uint16_t *)h.gather)[i]);
+  }
   shardd_close(c);
   return NULL;
 }
 
-static void run_job(const test_daemon *d, int steps, int first, const char *ckpt,
-                    float *out) {
-  pthread_t t[WORLD];
-  rank_arg a[WORLD];
+static void run_world(const test_daemon *d, uint32_t world, int global_grad,
+                      int steps, int first, const char *ckpt, float *out) {
+  pthread_t t[MAXW];
+  rank_arg a[MAXW];
   pthread_barrier_t bar;
-  pthread_barrier_init(&bar, NULL, WORLD);
-  for (uint32_t r = 0; r < WORLD; r++) {
-    a[r] = (rank_arg){d, r, steps, first, ckpt, r == 0 ? out : NULL, &bar};
+  pthread_barrier_init(&bar, NULL, world);
+  for (uint32_t r = 0; r < world; r++) {
+    a[r] = (rank_arg){d, r, world, steps, first, global_grad, ckpt,
+                      r == 0 ? out : NULL, &bar};
     pthread_create(&t[r], NULL, run_rank, &a[r]);
   }
-  for (int r = 0; r < WORLD; r++)
+  for (uint32_t r = 0; r < world; r++)
     pthread_join(t[r], NULL);
   pthread_barrier_destroy(&bar);
 }
 
+static void run_job(const test_daemon *d, int steps, int first, const char *ckpt,
+                    float *out) {
+  run_world(d, WORLD, 0, steps, first, ckpt, out);
+}
+
+/* W ranks train 3 steps and checkpoint; a new daemon restores into W' ranks
+ * (shardctl restore --world), which train 2 more: the parameters equal 5
+ * uninterrupted steps of W ranks, bit for bit (the global gradient makes the
+ * reduced gradient world-independent; the update is elementwise). */
+static void reshard_case(uint32_t w, uint32_t w2) {
+  static float straight[NUMEL + HALF], resumed[NUMEL + HALF];
+  char ck[128], cmd[512];
+  snprintf(ck, sizeof ck, "%s/reshard-%u-%u", dir, w, w2);
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--devices", "2", NULL});
+  run_world(&d, w, 1, 5, 0, NULL, straight);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+
+  test_daemon_start(&d, (const char *const[]){"--devices", "2", NULL});
+  run_world(&d, w, 1, 3, 0, ck, NULL);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+  test_daemon_start(&d, (const char *const[]){"--devices", "3", NULL});
+  snprintf(cmd, sizeof cmd, "--socket %s restore %s --world %u", d.sock, ck, w2);
+  char *out = NULL, *errs = NULL;
+  int rc = test_shardctl(NULL, cmd, &out, &errs);
+  cr_assert_eq(rc, 0, "shardctl %s: %s %s", cmd, out, errs);
+  free(out);
+  free(errs);
+  run_world(&d, w2, 1, 2, 3, NULL, resumed);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+  for (int i = 0; i < NUMEL + HALF; i++)
+    cr_assert_eq(memcmp(&straight[i], &resumed[i], sizeof(float)), 0,
+                 "element %d: %.9g uninterrupted, %.9g after %u -> %u", i,
+                 (double)straight[i], (double)resumed[i], w, w2);
+  cr_assert(straight[700] != 7.0f, "the parameters moved");
+}
+
+Test(checkpoint, reshard_4_to_2_continues_identically, .timeout = 60) {
+  reshard_case(4, 2);
+}
+
+Test(checkpoint, reshard_2_to_3_continues_identically, .timeout = 60) {
+  reshard_case(2, 3);
+}
+
 Test(checkpoint, restored_job_continues_bit_identically, .timeout = 60) {
-  static float uninterrupted[NUMEL], resumed[NUMEL];
+  static float uninterrupted[NUMEL + HALF], resumed[NUMEL + HALF];
   char ck[128];
   snprintf(ck, sizeof ck, "%s/ck", dir);
 
@@ -389,8 +476,10 @@ Test(checkpoint, restored_job_continues_bit_identically, .timeout = 60) {
   run_job(&d, 2, 3, NULL, resumed);
   cr_assert_eq(test_daemon_stop(&d), 0);
 
-  cr_assert(memcmp(uninterrupted, resumed, sizeof resumed) == 0,
-            "resumed training differs from uninterrupted training");
+  for (int i = 0; i < NUMEL + HALF; i++)
+    cr_assert_eq(memcmp(&uninterrupted[i], &resumed[i], sizeof(float)), 0,
+                 "element %d: %.9g uninterrupted, %.9g resumed", i,
+                 (double)uninterrupted[i], (double)resumed[i]);
   /* And the parameters moved: the comparison is not of two untouched buffers. */
   cr_assert_neq(uninterrupted[0], 0.0f);
   cr_assert(uninterrupted[1] != 0.01f);
@@ -423,7 +512,7 @@ Test(checkpoint, checkpoint_root_confines_client_paths, .timeout = 30) {
   bad[2] = escape;
   for (int i = 0; bad[i]; i++) {
     cr_assert_eq(shardd_checkpoint(c, NULL, bad[i]), SHARDD_E_PERMISSION, "%s", bad[i]);
-    cr_assert_eq(shardd_restore(c, bad[i], NULL, 0), SHARDD_E_PERMISSION, "%s", bad[i]);
+    cr_assert_eq(shardd_restore(c, bad[i], 0, NULL, 0), SHARDD_E_PERMISSION, "%s", bad[i]);
   }
   cr_assert_eq(access("/etc/shardd-never", F_OK), -1);
   cr_assert_eq(shardd_checkpoint(c, NULL, inside), SHARDD_OK, "%s", shardd_last_error(c));

@@ -1,0 +1,88 @@
+/* fabric.h — cross-node collectives of one job: the daemons of a job's
+ * nodes form one communicator (one member per node, not per rank) and move
+ * whole per-node slices between each other. The collective module runs the
+ * local part of a two-level collective on the thread pool, then one fabric
+ * call per collective, then the local fan-out.
+ *
+ * Implementations: fabric_gloo.cc (Gloo's TCP transport, rendezvous through
+ * a shared directory with gloo::rendezvous::FileStore) for host memory.
+ * fabric_stub.c answers SHARDD_E_STATE when the daemon was built without
+ * Gloo. A cuda fabric (NCCL: ncclCommInitRank with one rank per GPU, the
+ * ncclUniqueId exchanged through the same rendezvous) would implement this
+ * interface with device pointers and a stream; it is not written yet, and
+ * a multi-node job on the cuda backend is refused at Hello.
+ *
+ * Threads: create, the operations and destroy block (up to the timeout)
+ * and must never run on the loop thread. Operations of one fabric may run
+ * concurrently on several threads when their tags differ; every node must
+ * issue the operations of one tag in the same order (Gloo matches them by
+ * tag, first come first matched).
+ *
+ * Ownership: a fabric is its creator's, freed with shardd__fabric_destroy.
+ * Buffers are borrowed for the duration of a call. */
+#ifndef SHARDD_FABRIC_H
+#define SHARDD_FABRIC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "shardd.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct shardd__fabric shardd__fabric;
+
+typedef struct {
+  size_t size;
+  const char *rendezvous; /* shared directory every node can read and write */
+  const char *prefix;     /* key namespace in it (the job name) */
+  const char *host;       /* address this node listens on, e.g. 127.0.0.1 */
+  uint32_t nodes, node_rank;
+  double timeout_s; /* rendezvous, and every operation end to end */
+} shardd__fabric_opts;
+
+#define SHARDD__FABRIC_OPTS_INIT {sizeof(shardd__fabric_opts), NULL, NULL, "127.0.0.1", 1, 0, 300.0}
+
+/* "gloo" when built with a fabric engine, NULL otherwise. */
+const char *shardd__fabric_engine(void);
+
+/* Joins the other nodes through the rendezvous. Fails with
+ * SHARDD_E_PEER_LOST and a message naming the nodes that did not appear
+ * within the timeout, SHARDD_E_STATE without an engine, SHARDD_E_IO when
+ * the rendezvous or the transport cannot be set up. */
+shardd_err shardd__fabric_create(const shardd__fabric_opts *opts,
+                                 shardd__fabric **out, char *err,
+                                 size_t errlen);
+
+/* In place: buf holds nodes * bytes_per_node bytes; this node's part at
+ * node_rank * bytes_per_node is sent, every other part received. */
+shardd_err shardd__fabric_allgather(shardd__fabric *f, void *buf,
+                                    size_t bytes_per_node, uint32_t tag,
+                                    char *err, size_t errlen);
+
+/* buf holds nodes * count fp32; afterwards this node's part (at
+ * node_rank * count) holds the sum over nodes, summed in a fixed order for
+ * a fixed layout (so repeated runs are bit-identical). Other parts are
+ * left unspecified. */
+shardd_err shardd__fabric_reduce_scatter_f32(shardd__fabric *f, float *buf,
+                                             size_t count, uint32_t tag,
+                                             char *err, size_t errlen);
+
+/* *v = the sum of every node's *v. */
+shardd_err shardd__fabric_allreduce_f64(shardd__fabric *f, double *v,
+                                        uint32_t tag, char *err,
+                                        size_t errlen);
+
+shardd_err shardd__fabric_barrier(shardd__fabric *f, uint32_t tag, char *err,
+                                  size_t errlen);
+
+/* Closes the connections; pending operations of the peers fail. */
+void shardd__fabric_destroy(shardd__fabric *f);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SHARDD_FABRIC_H */

@@ -1,0 +1,137 @@
+/* jobspec.c — --job-spec files (see jobspec.h). */
+#include "jobspec.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static char *trim(char *s) {
+  while (isspace((unsigned char)*s))
+    s++;
+  char *e = s + strlen(s);
+  while (e > s && isspace((unsigned char)e[-1]))
+    *--e = '\0';
+  return s;
+}
+
+static int parse_u32(const char *v, uint32_t max, uint32_t *out) {
+  char *end;
+  errno = 0;
+  unsigned long x = strtoul(v, &end, 10);
+  if (errno || end == v || *end || x > max || v[0] == '-')
+    return -1;
+  *out = (uint32_t)x;
+  return 0;
+}
+
+void shardd__jobspec_free(shardd__jobspec *s) {
+  if (s == NULL)
+    return;
+  free(s->path);
+  free(s->job);
+  free(s->rendezvous);
+  free(s->host);
+  memset(s, 0, sizeof *s);
+}
+
+shardd_err shardd__jobspec_load(const char *path, shardd__jobspec *out,
+                                char *err, size_t errlen) {
+  memset(out, 0, sizeof *out);
+  FILE *f = fopen(path, "r");
+  if (f == NULL) {
+    snprintf(err, errlen, "%s: %s", path, strerror(errno));
+    return SHARDD_E_IO;
+  }
+  uint32_t local = 0;
+  int have_world = 0, have_nodes = 0, have_node = 0;
+  char line[1024];
+  int ln = 0;
+#define BAD(...)                                                              \
+  do {                                                                        \
+    int k_ = snprintf(err, errlen, "%s:%d: ", path, ln);                      \
+    if (k_ > 0 && (size_t)k_ < errlen)                                        \
+      snprintf(err + k_, errlen - (size_t)k_, __VA_ARGS__);                   \
+    goto fail;                                                                \
+  } while (0)
+  while (fgets(line, sizeof line, f)) {
+    ln++;
+    char *hash = strchr(line, '#');
+    if (hash)
+      *hash = '\0';
+    char *s = trim(line);
+    if (*s == '\0')
+      continue;
+    char *eq = strchr(s, '=');
+    if (eq == NULL)
+      BAD("expected key = value, got \"%s\"", s);
+    *eq = '\0';
+    char *k = trim(s), *v = trim(eq + 1);
+    if (*v == '\0')
+      BAD("%s has no value", k);
+    char **str = NULL;
+    if (!strcmp(k, "job"))
+      str = &out->job;
+    else if (!strcmp(k, "rendezvous"))
+      str = &out->rendezvous;
+    else if (!strcmp(k, "host"))
+      str = &out->host;
+    if (str) {
+      free(*str);
+      if ((*str = strdup(v)) == NULL)
+        BAD("out of memory");
+      continue;
+    }
+    uint32_t x;
+    if (parse_u32(v, 65536, &x) != 0)
+      BAD("%s = %s: not a number in [0, 65536]", k, v);
+    if (!strcmp(k, "world"))
+      out->world = x, have_world = 1;
+    else if (!strcmp(k, "nodes"))
+      out->nodes = x, have_nodes = 1;
+    else if (!strcmp(k, "node_rank"))
+      out->node_rank = x, have_node = 1;
+    else if (!strcmp(k, "local_ranks"))
+      local = x;
+    else
+      BAD("unknown key \"%s\" (job, world, nodes, node_rank, local_ranks, "
+          "rendezvous, host)", k);
+  }
+  ln = 0;
+  if (out->job == NULL)
+    BAD("no job = NAME");
+  if (!have_world || !have_nodes || !have_node)
+    BAD("world, nodes and node_rank are all required");
+  if (out->nodes < 1 || out->world < out->nodes || out->world % out->nodes)
+    BAD("world %" PRIu32 " does not split evenly over %" PRIu32 " nodes",
+        out->world, out->nodes);
+  if (out->node_rank >= out->nodes)
+    BAD("node_rank %" PRIu32 " is not below nodes %" PRIu32, out->node_rank,
+        out->nodes);
+  if (local && local != out->world / out->nodes)
+    BAD("local_ranks %" PRIu32 " != world / nodes = %" PRIu32, local,
+        out->world / out->nodes);
+  if (out->nodes > 1 && out->rendezvous == NULL)
+    BAD("a job over %" PRIu32 " nodes needs rendezvous = DIR", out->nodes);
+  if (out->host == NULL && (out->host = strdup("127.0.0.1")) == NULL)
+    BAD("out of memory");
+  if ((out->path = strdup(path)) == NULL)
+    BAD("out of memory");
+#undef BAD
+  fclose(f);
+  return SHARDD_OK;
+fail:
+  fclose(f);
+  shardd__jobspec_free(out);
+  return SHARDD_E_INVAL;
+}
+
+const shardd__jobspec *shardd__jobspec_find(const shardd__jobspec *specs,
+                                            size_t n, const char *job) {
+  for (size_t i = 0; job && i < n; i++)
+    if (!strcmp(specs[i].job, job))
+      return &specs[i];
+  return NULL;
+}
