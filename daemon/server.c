@@ -233,24 +233,27 @@ static void on_hello(shardd__session *s, uint64_t seq, const Shardd__Hello *h) {
       return;
     }
     uint32_t rank = h->has_rank ? h->rank : 0;
+    shardd__session *other = NULL;
     /* --job-spec: a multi-node job holds its node's ranks only */
     rc = shardd__coll_job_layout(srv, job, rank, err, sizeof err);
-    if (rc != SHARDD_OK) {
-      shardd__session_reply(s, seq, rc, err);
-      return;
-    }
-    if (rank >= job->world) {
+    if (rc == SHARDD_OK && rank >= job->world) {
       snprintf(err, sizeof err, "rank %" PRIu32 " is outside world %" PRIu32,
                rank, job->world);
-      shardd__session_reply(s, seq, SHARDD_E_RANGE, err);
-      return;
+      rc = SHARDD_E_RANGE;
     }
-    shardd__session *other = job->rank_sessions[rank];
-    if (other) {
+    if (rc == SHARDD_OK && (other = job->rank_sessions[rank]) != NULL) {
       snprintf(err, sizeof err,
                "rank %" PRIu32 " of job \"%s\" is already connected (pid %d)",
                rank, job->name, (int)other->cred.pid);
-      shardd__session_reply(s, seq, SHARDD_E_STATE, err);
+      rc = SHARDD_E_STATE;
+    }
+    if (rc != SHARDD_OK) {
+      shardd__session_reply(s, seq, rc, err);
+      /* A job this refused Hello created has no client to wait for. */
+      if (job->nclients == 0 && job->empty_since < 0) {
+        shardd__job_mark_idle(srv, job);
+        shardd__server_job_idle(srv, job);
+      }
       return;
     }
     job->rank_sessions[rank] = s;

@@ -758,3 +758,21 @@ Test(server, pipelined_collectives_are_bounded, .init = start_default, .fini = s
   tj_free(st);
   test_raw_close(&r);
 }
+
+/* A Hello refused after it created its job leaves nothing behind: the
+ * empty job is released like one whose clients left. */
+static void start_linger0(void) {
+  const char *args[] = {"--job-linger", "0", NULL};
+  test_daemon_start(&d, args);
+}
+
+Test(server, refused_hello_leaves_no_job, .init = start_linger0, .fini = stop_daemon) {
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = "never";
+  o.rank = 5;
+  o.world = 2;
+  shardd_client_t *c = NULL;
+  char err[256];
+  cr_assert_eq(shardd_connect(d.sock, &o, &c, err, sizeof err), SHARDD_E_RANGE, "%s", err);
+  cr_assert_eq(job_count(), 0);
+}
