@@ -1,6 +1,7 @@
 /* client.c — libshardd: the connection, the synchronous request/response
  * exchange, and the mappings of rank blocks handed out by the daemon. */
 #include <errno.h>
+#include <stddef.h>
 #include <fcntl.h>
 #include <inttypes.h>
 #include <stdarg.h>
@@ -26,6 +27,15 @@ typedef struct mapping {
   size_t len;
 } mapping;
 
+/* A request sent with shardd_gather_async, until shardd_wait takes it. */
+typedef struct async_op {
+  struct async_op *next;
+  uint64_t seq;
+  int done;
+  shardd_err code;
+  char *msg;
+} async_op;
+
 struct shardd_client {
   int fd;
   uint64_t seq;
@@ -34,6 +44,8 @@ struct shardd_client {
   char version[64];
   char backend[32];
   mapping *maps;
+  async_op *async; /* oldest first */
+  uint32_t max_async;
 };
 
 static shardd_err set_err(shardd_client_t *c, shardd_err rc, const char *fmt,
@@ -90,16 +102,15 @@ static shardd_err closed_reason(shardd_client_t *c, shardd_err rc) {
   return rc;
 }
 
-/* Sends req and waits for the response to it. On SHARDD_OK *out is the
- * response (caller frees with shardd__response__free_unpacked); a daemon
- * error code is returned with its message in c->err and *out still set. A
- * descriptor that came with the reply is returned in *fd (else -1). */
-static shardd_err call(shardd_client_t *c, Shardd__Request *req,
-                       Shardd__Response **out, int *fd) {
-  *out = NULL;
-  if (fd)
-    *fd = -1;
-  c->err[0] = '\0'; /* the last error is the last failed call's, not older */
+static async_op *find_async(shardd_client_t *c, uint64_t seq) {
+  for (async_op *a = c->async; a; a = a->next)
+    if (a->seq == seq)
+      return a;
+  return NULL;
+}
+
+/* Sends req with the next seq. */
+static shardd_err send_req(shardd_client_t *c, Shardd__Request *req) {
   if (c->fd < 0)
     return set_err(c, SHARDD_E_CLOSED, "the connection was closed earlier");
   req->seq = ++c->seq;
@@ -116,16 +127,27 @@ static shardd_err call(shardd_client_t *c, Shardd__Request *req,
   free(buf);
   if (rc == SHARDD_E_CLOSED)
     rc = closed_reason(c, rc);
-  if (rc != SHARDD_OK)
-    return rc;
+  return rc;
+}
 
+/* Reads responses until the one to seq. Replies to outstanding async
+ * requests that arrive first are kept for shardd_wait; others (to requests
+ * nobody waits for any more) are dropped. On SHARDD_OK *out is the response
+ * (caller frees with shardd__response__free_unpacked); a daemon error code
+ * is returned with its message in c->err and *out still set. A descriptor
+ * that came with the reply is returned in *fd (else -1). */
+static shardd_err recv_for(shardd_client_t *c, uint64_t seq,
+                           Shardd__Response **out, int *fd) {
+  *out = NULL;
+  if (fd)
+    *fd = -1;
   for (;;) {
     const uint8_t *payload;
     size_t len;
     int fds[4];
     int nfds = 0;
-    rc = shardd__frame_recv(c->fd, &c->rd, &payload, &len, fds, 4, &nfds,
-                            c->err, sizeof c->err);
+    shardd_err rc = shardd__frame_recv(c->fd, &c->rd, &payload, &len, fds, 4,
+                                       &nfds, c->err, sizeof c->err);
     if (rc != SHARDD_OK)
       return rc;
     Shardd__Response *resp = shardd__response__unpack(NULL, len, payload);
@@ -136,7 +158,13 @@ static shardd_err call(shardd_client_t *c, Shardd__Request *req,
                      "the daemon's %zu-byte reply could not be decoded", len);
     }
     /* seq 0 is the daemon speaking about the connection itself. */
-    if (resp->seq != req->seq && resp->seq != 0) {
+    if (resp->seq != seq && resp->seq != 0) {
+      async_op *a = find_async(c, resp->seq);
+      if (a && !a->done) {
+        a->done = 1;
+        a->code = (shardd_err)resp->code;
+        a->msg = resp->code && resp->message ? strdup(resp->message) : NULL;
+      }
       for (int i = 0; i < nfds; i++)
         close(fds[i]);
       shardd__response__free_unpacked(resp, NULL);
@@ -159,6 +187,19 @@ static shardd_err call(shardd_client_t *c, Shardd__Request *req,
     }
     return rc;
   }
+}
+
+/* Sends req and waits for the response to it (see recv_for). */
+static shardd_err call(shardd_client_t *c, Shardd__Request *req,
+                       Shardd__Response **out, int *fd) {
+  *out = NULL;
+  if (fd)
+    *fd = -1;
+  c->err[0] = '\0'; /* the last error is the last failed call's, not older */
+  shardd_err rc = send_req(c, req);
+  if (rc != SHARDD_OK)
+    return rc;
+  return recv_for(c, req->seq, out, fd);
 }
 
 /* A call whose reply body must be of one kind. */
@@ -244,6 +285,11 @@ shardd_err shardd_connect(const char *socket_path,
       shardd__response__free_unpacked(resp, NULL);
     goto fail;
   }
+  c->max_async = opts && opts->size >= offsetof(shardd_connect_opts, max_inflight_gathers) +
+                                        sizeof opts->max_inflight_gathers &&
+                          opts->max_inflight_gathers
+                      ? opts->max_inflight_gathers
+                      : 2;
   snprintf(c->version, sizeof c->version, "%s", resp->hello->daemon_version);
   snprintf(c->backend, sizeof c->backend, "%s", resp->hello->backend);
   shardd__response__free_unpacked(resp, NULL);
@@ -277,6 +323,12 @@ static void unmap_buffer(shardd_client_t *c, uint64_t id) {
 void shardd_close(shardd_client_t *c) {
   if (c == NULL)
     return;
+  while (c->async) {
+    async_op *a = c->async;
+    c->async = a->next;
+    free(a->msg);
+    free(a);
+  }
   while (c->maps) {
     mapping *m = c->maps;
     c->maps = m->next;
@@ -687,4 +739,66 @@ shardd_err shardd_restore(shardd_client_t *c, const char *dir, uint32_t world,
   if (resp)
     shardd__response__free_unpacked(resp, NULL);
   return rc;
+}
+
+shardd_err shardd_wait(shardd_client_t *c, shardd_ticket t) {
+  async_op **pp = &c->async;
+  while (*pp && (*pp)->seq != t)
+    pp = &(*pp)->next;
+  if (*pp == NULL)
+    return set_err(c, SHARDD_E_INVAL, "ticket %" PRIu64 " is not outstanding", t);
+  async_op *a = *pp;
+  shardd_err rc = SHARDD_OK;
+  c->err[0] = '\0';
+  if (a->done) {
+    rc = a->code;
+    if (rc != SHARDD_OK)
+      set_err(c, rc, "%s", a->msg ? a->msg : shardd_strerror(rc));
+  } else {
+    Shardd__Response *resp;
+    rc = recv_for(c, t, &resp, NULL);
+    if (resp)
+      shardd__response__free_unpacked(resp, NULL);
+  }
+  *pp = a->next;
+  free(a->msg);
+  free(a);
+  return rc;
+}
+
+shardd_err shardd_gather_async(shardd_client_t *c, uint64_t buffer,
+                               shardd_ticket *t) {
+  *t = 0;
+  /* limit_all_gathers: with max_async in flight, the oldest is waited for
+   * first, which bounds the gather areas being filled ahead of use. */
+  size_t n = 0;
+  for (async_op *a = c->async; a; a = a->next)
+    n++;
+  if (n >= c->max_async) {
+    async_op *oldest = c->async;
+    shardd_err rc = shardd_wait(c, oldest->seq);
+    if (rc != SHARDD_OK)
+      return rc;
+  }
+  async_op *a = calloc(1, sizeof *a);
+  if (a == NULL)
+    return set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
+  Shardd__Request req = SHARDD__REQUEST__INIT;
+  Shardd__Gather g = SHARDD__GATHER__INIT;
+  g.buffer = buffer;
+  req.body_case = SHARDD__REQUEST__BODY_GATHER;
+  req.gather = &g;
+  c->err[0] = '\0';
+  shardd_err rc = send_req(c, &req);
+  if (rc != SHARDD_OK) {
+    free(a);
+    return rc;
+  }
+  a->seq = req.seq;
+  async_op **tail = &c->async;
+  while (*tail)
+    tail = &(*tail)->next;
+  *tail = a;
+  *t = a->seq;
+  return SHARDD_OK;
 }

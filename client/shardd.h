@@ -100,8 +100,11 @@ typedef struct {
   uint32_t rank;
   uint32_t world;
   const char *client_name;
+  /* shardd_gather_async: at most this many in flight (0: 2), like FSDP's
+   * limit_all_gathers. */
+  uint32_t max_inflight_gathers;
 } shardd_connect_opts;
-#define SHARDD_CONNECT_OPTS_INIT {sizeof(shardd_connect_opts), NULL, 0, 1, NULL}
+#define SHARDD_CONNECT_OPTS_INIT {sizeof(shardd_connect_opts), NULL, 0, 1, NULL, 0}
 
 /* Connects to the daemon at socket_path (NULL: $SHARDD_SOCKET, then
  * SHARDD_DEFAULT_SOCKET) and performs the Hello handshake. On success *out
@@ -269,6 +272,17 @@ shardd_err shardd_checkpoint(shardd_client_t *c, const char *job,
  * name (NUL-terminated, cut at joblen). */
 shardd_err shardd_restore(shardd_client_t *c, const char *dir, uint32_t world,
                           char *job, size_t joblen);
+
+/* Prefetch. shardd_gather_async sends the all-gather of buffer and returns
+ * at once with a ticket; shardd_wait(c, ticket) returns when that gather has
+ * completed (every rank's gather area holds the buffer) with its result.
+ * Other calls on c may be made in between. With max_inflight_gathers
+ * tickets outstanding, gather_async first waits for the oldest. Every
+ * ticket must be waited for once. */
+typedef uint64_t shardd_ticket;
+shardd_err shardd_gather_async(shardd_client_t *c, uint64_t buffer,
+                               shardd_ticket *t);
+shardd_err shardd_wait(shardd_client_t *c, shardd_ticket t);
 
 #ifdef __cplusplus
 }

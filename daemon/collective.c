@@ -820,6 +820,19 @@ void shardd__coll_submit(shardd__server *srv, shardd__session *s, uint64_t seq,
                           "step: lr must be >= 0 and max_norm >= 0, finite");
     return;
   }
+  if (args->kind == SHARDD__COLL_GATHER && srv->opts.max_inflight_gathers > 0) {
+    uint32_t n = 0;
+    for (coll *it = job->coll ? ((coll_queue *)job->coll)->head : NULL; it; it = it->next)
+      n += it->args.kind == SHARDD__COLL_GATHER && it->waiters[s->rank].s == s;
+    if (n >= srv->opts.max_inflight_gathers) {
+      snprintf(err, sizeof err,
+               "rank %" PRIu32 " has %" PRIu32 " gathers in flight "
+               "(--max-inflight-gathers %" PRIu32 ")",
+               s->rank, n, srv->opts.max_inflight_gathers);
+      shardd__session_reply(s, seq, SHARDD_E_LIMIT, err);
+      return;
+    }
+  }
   if (s->pending >= srv->opts.max_pending) {
     snprintf(err, sizeof err,
              "session has %" PRIu32 " collectives queued (limit %" PRIu32 ")",

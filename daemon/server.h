@@ -34,10 +34,11 @@ typedef struct {
   /* --job-spec: multi-node layouts by job name (borrowed, live until exit) */
   const shardd__jobspec *jobspecs;
   size_t njobspecs;
+  uint32_t max_inflight_gathers; /* per session, like limit_all_gathers */
 } shardd__server_opts;
 
 #define SHARDD__SERVER_OPTS_INIT \
-  {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2, -1, 0, NULL, NULL, 0}
+  {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2, -1, 0, NULL, NULL, 0, 16}
 
 typedef struct shardd__session shardd__session;
 typedef struct shardd__server shardd__server;

@@ -729,9 +729,9 @@ Test(server, job_lingers_then_is_released, .init = start_linger, .fini = stop_da
   tj_free(st);
 }
 
-/* A client that pipelines collectives nobody else joins is held to
- * --max-pending's default (64 per session): the rest are refused at once
- * with E_LIMIT instead of queueing without bound. */
+/* A client that pipelines collectives nobody else joins is held to the
+ * per-session limit (64): the rest are refused at once with E_LIMIT
+ * instead of queueing without bound. */
 Test(server, pipelined_collectives_are_bounded, .init = start_default, .fini = stop_daemon) {
   test_raw r;
   test_raw_open(&d, &r);
@@ -740,7 +740,7 @@ Test(server, pipelined_collectives_are_bounded, .init = start_default, .fini = s
   test_raw_register_buffer(&r, "p", SHARDD_DTYPE_FP32, 16, &b);
   uint64_t seqs[80];
   for (int i = 0; i < 80; i++)
-    seqs[i] = test_raw_send_gather(&r, b.id);
+    seqs[i] = test_raw_send_scatter(&r, b.id, SHARDD_REDUCE_SUM);
   /* The 16 over the limit are answered now; the 64 queued ones are not. */
   for (int i = 64; i < 80; i++) {
     Shardd__Response *resp = test_raw_recv(&r);
