@@ -741,6 +741,22 @@ shardd_err shardd_restore(shardd_client_t *c, const char *dir, uint32_t world,
   return rc;
 }
 
+/* Receives until a's reply has come (a stays listed, its result kept). */
+static shardd_err await_op(shardd_client_t *c, async_op *a) {
+  if (a->done)
+    return SHARDD_OK;
+  Shardd__Response *resp;
+  shardd_err rc = recv_for(c, a->seq, &resp, NULL);
+  if (resp) {
+    a->done = 1;
+    a->code = rc;
+    a->msg = rc != SHARDD_OK && resp->message ? strdup(resp->message) : NULL;
+    shardd__response__free_unpacked(resp, NULL);
+    return SHARDD_OK;
+  }
+  return rc; /* the connection failed: no reply will come */
+}
+
 shardd_err shardd_wait(shardd_client_t *c, shardd_ticket t) {
   async_op **pp = &c->async;
   while (*pp && (*pp)->seq != t)
@@ -748,17 +764,12 @@ shardd_err shardd_wait(shardd_client_t *c, shardd_ticket t) {
   if (*pp == NULL)
     return set_err(c, SHARDD_E_INVAL, "ticket %" PRIu64 " is not outstanding", t);
   async_op *a = *pp;
-  shardd_err rc = SHARDD_OK;
   c->err[0] = '\0';
-  if (a->done) {
+  shardd_err rc = await_op(c, a);
+  if (rc == SHARDD_OK) {
     rc = a->code;
     if (rc != SHARDD_OK)
       set_err(c, rc, "%s", a->msg ? a->msg : shardd_strerror(rc));
-  } else {
-    Shardd__Response *resp;
-    rc = recv_for(c, t, &resp, NULL);
-    if (resp)
-      shardd__response__free_unpacked(resp, NULL);
   }
   *pp = a->next;
   free(a->msg);
@@ -769,14 +780,20 @@ shardd_err shardd_wait(shardd_client_t *c, shardd_ticket t) {
 shardd_err shardd_gather_async(shardd_client_t *c, uint64_t buffer,
                                shardd_ticket *t) {
   *t = 0;
-  /* limit_all_gathers: with max_async in flight, the oldest is waited for
-   * first, which bounds the gather areas being filled ahead of use. */
+  c->err[0] = '\0';
+  /* limit_all_gathers: with max_async still in flight, the oldest is
+   * awaited first (its ticket keeps its result for shardd_wait), which
+   * bounds the gather areas being filled ahead of use. */
   size_t n = 0;
+  async_op *oldest = NULL;
   for (async_op *a = c->async; a; a = a->next)
-    n++;
+    if (!a->done) {
+      n++;
+      if (oldest == NULL)
+        oldest = a;
+    }
   if (n >= c->max_async) {
-    async_op *oldest = c->async;
-    shardd_err rc = shardd_wait(c, oldest->seq);
+    shardd_err rc = await_op(c, oldest);
     if (rc != SHARDD_OK)
       return rc;
   }
@@ -788,7 +805,6 @@ shardd_err shardd_gather_async(shardd_client_t *c, uint64_t buffer,
   g.buffer = buffer;
   req.body_case = SHARDD__REQUEST__BODY_GATHER;
   req.gather = &g;
-  c->err[0] = '\0';
   shardd_err rc = send_req(c, &req);
   if (rc != SHARDD_OK) {
     free(a);

@@ -277,8 +277,9 @@ shardd_err shardd_restore(shardd_client_t *c, const char *dir, uint32_t world,
  * at once with a ticket; shardd_wait(c, ticket) returns when that gather has
  * completed (every rank's gather area holds the buffer) with its result.
  * Other calls on c may be made in between. With max_inflight_gathers
- * tickets outstanding, gather_async first waits for the oldest. Every
- * ticket must be waited for once. */
+ * gathers still running, gather_async first waits for the oldest to
+ * complete (its ticket keeps the result). Every ticket is waited for once;
+ * waiting again is SHARDD_E_INVAL. */
 typedef uint64_t shardd_ticket;
 shardd_err shardd_gather_async(shardd_client_t *c, uint64_t buffer,
                                shardd_ticket *t);

@@ -99,6 +99,20 @@ class BindingTest(unittest.TestCase):
         self.assertEqual(c.inspect("flat")["id"], b.id)
         self.assertIn("flat", c.inspect(b, text=True))
 
+    def test_gather_async_prefetch(self):
+        c = self.client("prefetch")
+        bufs = [c.register_buffer("layer%d" % i, "fp32", 100) for i in range(3)]
+        for i, b in enumerate(bufs):
+            b.shard[:] = np.arange(100, dtype=np.float32) + 1000 * i
+        tickets = [c.gather_async(b) for b in bufs]  # the third waits for the first
+        c.ping()
+        for i, (b, t) in enumerate(zip(bufs, tickets)):
+            c.wait(t)
+            np.testing.assert_array_equal(b.gather, np.arange(100, dtype=np.float32) + 1000 * i)
+        with self.assertRaises(shardd.Error) as cm:
+            c.wait(tickets[0])
+        self.assertEqual(cm.exception.code_name, "E_INVAL")
+
     def test_register_mismatch_is_error(self):
         c = self.client("mismatch")
         b = c.register_buffer("flat", "fp32", 10)

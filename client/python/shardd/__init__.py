@@ -515,6 +515,21 @@ class Client:
         self._check_open()
         self._call(self._lib.shardd_gather(self._c, _ids(buffer)))
 
+    def gather_async(self, buffer):
+        """Starts the all-gather of buffer and returns a ticket at once (for
+        prefetching the next layer while computing this one); at most
+        max_inflight_gathers are in flight, the oldest being waited for
+        first. Pass the ticket to wait()."""
+        self._check_open()
+        t = ctypes.c_uint64(0)
+        self._call(self._lib.shardd_gather_async(self._c, _ids(buffer), ctypes.byref(t)))
+        return t.value
+
+    def wait(self, ticket):
+        """Waits for the gather a ticket from gather_async() stands for."""
+        self._check_open()
+        self._call(self._lib.shardd_wait(self._c, ctypes.c_uint64(ticket)))
+
     def scatter(self, buffer, op="mean"):
         """Reduce-scatter (collective) of every rank's grad area; op "sum"/"mean"."""
         self._check_open()

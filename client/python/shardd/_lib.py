@@ -45,6 +45,7 @@ class ConnectOpts(ctypes.Structure):
         ("rank", c_uint32),
         ("world", c_uint32),
         ("client_name", c_char_p),
+        ("max_inflight_gathers", c_uint32),
     ]
 
 
@@ -141,6 +142,8 @@ def _declare(lib):
                                               P(ParamGroup), c_size_t, P(c_uint64)]),
         "shardd_optimizer_unregister": (c_int, [client_p, c_uint64]),
         "shardd_gather": (c_int, [client_p, c_uint64]),
+        "shardd_gather_async": (c_int, [client_p, c_uint64, P(c_uint64)]),
+        "shardd_wait": (c_int, [client_p, c_uint64]),
         "shardd_scatter": (c_int, [client_p, c_uint64, c_int]),
         "shardd_step": (c_int, [client_p, c_uint64, P(StepOpts), P(StepResult)]),
     }
