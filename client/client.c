@@ -500,6 +500,7 @@ shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
   out->gather = (char *)base + br->gather_offset;
   out->grad = (char *)base + br->grad_offset;
   out->reduced = br->has_reduced_offset ? (char *)base + br->reduced_offset : NULL;
+  out->generation = br->has_generation ? br->generation : 0;
 
 done:
   if (fd >= 0)
@@ -542,6 +543,51 @@ shardd_err shardd_view_register(shardd_client_t *c, uint64_t buffer,
   shardd_err rc = call_expect(c, &req, SHARDD__RESPONSE__BODY_VIEW, &resp, NULL);
   if (rc == SHARDD_OK && out_id)
     *out_id = resp->view->id;
+  if (resp)
+    shardd__response__free_unpacked(resp, NULL);
+  return rc;
+}
+
+shardd_err shardd_view_register_ex(shardd_client_t *c, uint64_t buffer,
+                                   const char *name, uint64_t offset,
+                                   uint64_t numel, const int64_t *shape,
+                                   int ndim, const shardd_view_opts *opts,
+                                   shardd_view_info *out) {
+  if (out)
+    memset(out, 0, sizeof *out);
+  if (name == NULL || ndim < 0 || (ndim > 0 && shape == NULL))
+    return set_err(c, SHARDD_E_INVAL, "view: NULL name or shape");
+  shardd_view_opts o = SHARDD_VIEW_OPTS_INIT;
+  if (opts) { /* an older caller's smaller struct keeps the defaults after it */
+    size_t n = opts->size < sizeof o ? opts->size : sizeof o;
+    memcpy(&o, opts, n);
+    o.size = sizeof o;
+  }
+  Shardd__Request req = SHARDD__REQUEST__INIT;
+  Shardd__RegisterView rv = SHARDD__REGISTER_VIEW__INIT;
+  rv.buffer = buffer;
+  rv.name = (char *)name;
+  rv.offset = offset;
+  rv.numel = numel;
+  rv.n_shape = (size_t)ndim;
+  rv.shape = (int64_t *)shape;
+  if (!o.requires_grad) {
+    rv.has_requires_grad = 1;
+    rv.requires_grad = 0;
+  }
+  if (o.buffer_generation) {
+    rv.has_buffer_generation = 1;
+    rv.buffer_generation = o.buffer_generation;
+  }
+  req.body_case = SHARDD__REQUEST__BODY_REGISTER_VIEW;
+  req.register_view = &rv;
+  Shardd__Response *resp;
+  shardd_err rc = call_expect(c, &req, SHARDD__RESPONSE__BODY_VIEW, &resp, NULL);
+  if (rc == SHARDD_OK && out) {
+    out->id = resp->view->id;
+    out->generation = resp->view->has_generation ? resp->view->generation : 0;
+    out->created = resp->view->created;
+  }
   if (resp)
     shardd__response__free_unpacked(resp, NULL);
   return rc;
@@ -652,9 +698,18 @@ shardd_err shardd_optimizer_unregister(shardd_client_t *c, uint64_t opt) {
 }
 
 shardd_err shardd_gather(shardd_client_t *c, uint64_t buffer) {
+  return shardd_gather_checked(c, buffer, 0);
+}
+
+shardd_err shardd_gather_checked(shardd_client_t *c, uint64_t buffer,
+                                 uint64_t generation) {
   Shardd__Request req = SHARDD__REQUEST__INIT;
   Shardd__Gather g = SHARDD__GATHER__INIT;
   g.buffer = buffer;
+  if (generation) {
+    g.has_generation = 1;
+    g.generation = generation;
+  }
   req.body_case = SHARDD__REQUEST__BODY_GATHER;
   req.gather = &g;
   return call_status_only(c, &req);
@@ -662,11 +717,20 @@ shardd_err shardd_gather(shardd_client_t *c, uint64_t buffer) {
 
 shardd_err shardd_scatter(shardd_client_t *c, uint64_t buffer,
                           shardd_reduce_op op) {
+  return shardd_scatter_checked(c, buffer, 0, op);
+}
+
+shardd_err shardd_scatter_checked(shardd_client_t *c, uint64_t buffer,
+                                  uint64_t generation, shardd_reduce_op op) {
   Shardd__Request req = SHARDD__REQUEST__INIT;
   Shardd__Scatter s = SHARDD__SCATTER__INIT;
   s.buffer = buffer;
   s.has_op = 1;
   s.op = (Shardd__ReduceOp)op;
+  if (generation) {
+    s.has_generation = 1;
+    s.generation = generation;
+  }
   req.body_case = SHARDD__REQUEST__BODY_SCATTER;
   req.scatter = &s;
   return call_status_only(c, &req);

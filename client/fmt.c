@@ -193,6 +193,22 @@ char *shardd__fmt_inspect_text(const Shardd__InspectReply *ir) {
     shardd__sb_printf(&sb, "shard_numel: %" PRIu64 "\n", ir->shard_numel);
   if (ir->has_world)
     shardd__sb_printf(&sb, "world: %" PRIu32 "\n", ir->world);
+  if (ir->has_generation)
+    shardd__sb_printf(&sb, "generation: %" PRIu64 "\n", ir->generation);
+  if (ir->has_requires_grad)
+    shardd__sb_printf(&sb, "requires_grad: %s\n",
+                      ir->requires_grad ? "true" : "false");
+  if (!strcmp(ir->kind, "buffer")) {
+    uint64_t nf = 0;
+    for (size_t i = 0; i < ir->n_frozen; i++)
+      nf += ir->frozen[i]->numel;
+    shardd__sb_printf(&sb, "frozen: %zu range%s, %" PRIu64 " elements\n",
+                      ir->n_frozen, ir->n_frozen == 1 ? "" : "s", nf);
+    for (size_t i = 0; i < ir->n_frozen; i++)
+      shardd__sb_printf(&sb, "frozen range: [%" PRIu64 ", %" PRIu64 ")\n",
+                        ir->frozen[i]->offset,
+                        ir->frozen[i]->offset + ir->frozen[i]->numel);
+  }
   if (ir->n_shape || !strcmp(ir->kind, "view")) {
     shardd__sb_printf(&sb, "shape: ");
     shape_text(&sb, ir->shape, ir->n_shape);
@@ -222,7 +238,10 @@ char *shardd__fmt_inspect_text(const Shardd__InspectReply *ir) {
     shardd__sb_printf(&sb, "view %" PRIu64 " %s: [%" PRIu64 ", %" PRIu64 ") shape ",
                       v->id, v->name, v->offset, v->offset + v->numel);
     shape_text(&sb, v->shape, v->n_shape);
-    shardd__sb_printf(&sb, "\n");
+    if (v->has_generation)
+      shardd__sb_printf(&sb, " generation %" PRIu64, v->generation);
+    shardd__sb_printf(&sb, " requires_grad %s\n",
+                      v->requires_grad ? "true" : "false");
   }
   return shardd__sb_take(&sb);
 }
@@ -255,6 +274,19 @@ char *shardd__fmt_inspect_json(const Shardd__InspectReply *ir) {
     shardd__sb_printf(&sb, ",\"shard_numel\":%" PRIu64, ir->shard_numel);
   if (ir->has_world)
     shardd__sb_printf(&sb, ",\"world\":%" PRIu32, ir->world);
+  if (ir->has_generation)
+    shardd__sb_printf(&sb, ",\"generation\":%" PRIu64, ir->generation);
+  if (ir->has_requires_grad)
+    shardd__sb_printf(&sb, ",\"requires_grad\":%s",
+                      ir->requires_grad ? "true" : "false");
+  if (!strcmp(ir->kind, "buffer")) {
+    shardd__sb_printf(&sb, ",\"frozen\":[");
+    for (size_t i = 0; i < ir->n_frozen; i++)
+      shardd__sb_printf(&sb, "%s{\"offset\":%" PRIu64 ",\"numel\":%" PRIu64 "}",
+                        i ? "," : "", ir->frozen[i]->offset,
+                        ir->frozen[i]->numel);
+    shardd__sb_printf(&sb, "]");
+  }
   if (!strcmp(ir->kind, "view")) {
     shardd__sb_printf(&sb, ",\"shape\":");
     shape_json(&sb, ir->shape, ir->n_shape);
@@ -281,7 +313,10 @@ char *shardd__fmt_inspect_json(const Shardd__InspectReply *ir) {
     shardd__sb_printf(&sb, ",\"offset\":%" PRIu64 ",\"numel\":%" PRIu64
                       ",\"shape\":", v->offset, v->numel);
     shape_json(&sb, v->shape, v->n_shape);
-    shardd__sb_printf(&sb, "}");
+    if (v->has_generation)
+      shardd__sb_printf(&sb, ",\"generation\":%" PRIu64, v->generation);
+    shardd__sb_printf(&sb, ",\"requires_grad\":%s}",
+                      v->requires_grad ? "true" : "false");
   }
   shardd__sb_printf(&sb, "]}\n");
   return shardd__sb_take(&sb);

@@ -163,6 +163,12 @@ typedef struct {
   void *gather;
   void *grad;
   void *reduced; /* shard_numel fp32: this rank's reduced gradient shard */
+  /* The generation of the buffer's name in the job: 1 at the first
+   * registration, +1 at each re-registration after an unregister and at
+   * each restore. An id freed and re-registered since is refused with
+   * SHARDD_E_STALE, naming the current handle. (Appended; 0 from a daemon
+   * that predates generations.) */
+  uint64_t generation;
 } shardd_buffer_info;
 
 /* Creates the job's flat buffer called name, or attaches to it when another
@@ -184,6 +190,41 @@ shardd_err shardd_view_register(shardd_client_t *c, uint64_t buffer,
                                 uint64_t numel, const int64_t *shape,
                                 int ndim, uint64_t *out_id);
 shardd_err shardd_view_unregister(shardd_client_t *c, uint64_t view);
+
+/* Options of shardd_view_register_ex(). Created with SHARDD_VIEW_OPTS_INIT;
+ * fields are only ever appended.
+ * requires_grad 0 registers a frozen range (LoRA/PEFT base weights next to
+ * trainable adapters in one flat buffer): scatter computes no reduced
+ * gradient for its elements (their reduced-gradient elements are left
+ * untouched) and no reduce work at all for a rank whose shard is wholly
+ * frozen; no optimizer may name it, nor the whole buffer holding it. A
+ * frozen view may not overlap a trainable one (SHARDD_E_OVERLAP) nor be
+ * added to a buffer an optimizer holds whole (SHARDD_E_BUSY); attaching
+ * with the other requires_grad is SHARDD_E_MISMATCH.
+ * buffer_generation, when not 0, must be the buffer's generation
+ * (shardd_buffer_info.generation), else SHARDD_E_STALE. */
+typedef struct {
+  size_t size;
+  int requires_grad;
+  uint64_t buffer_generation;
+} shardd_view_opts;
+#define SHARDD_VIEW_OPTS_INIT {sizeof(shardd_view_opts), 1, 0}
+
+/* A registered view: its id and generation (see shardd_buffer_info), and
+ * whether this call created it. */
+typedef struct {
+  uint64_t id;
+  uint64_t generation;
+  int created;
+} shardd_view_info;
+
+/* shardd_view_register with options (opts NULL: the defaults); out may be
+ * NULL. */
+shardd_err shardd_view_register_ex(shardd_client_t *c, uint64_t buffer,
+                                   const char *name, uint64_t offset,
+                                   uint64_t numel, const int64_t *shape,
+                                   int ndim, const shardd_view_opts *opts,
+                                   shardd_view_info *out);
 
 /* Hyperparameters; only fields whose SHARDD_HP_* bit is in `set` are sent,
  * the others take torch.optim's defaults (or, in a group, the optimizer's). */
@@ -236,6 +277,15 @@ shardd_err shardd_gather(shardd_client_t *c, uint64_t buffer);
  * area; returns when the owners hold the reduced shards. */
 shardd_err shardd_scatter(shardd_client_t *c, uint64_t buffer,
                           shardd_reduce_op op);
+
+/* shardd_gather / shardd_scatter of a handle the caller kept with its
+ * generation: refused with SHARDD_E_STALE (nothing runs) when the buffer
+ * is not that generation any more, e.g. a handle from before a restore or
+ * a re-registration. generation 0 is not checked. */
+shardd_err shardd_gather_checked(shardd_client_t *c, uint64_t buffer,
+                                 uint64_t generation);
+shardd_err shardd_scatter_checked(shardd_client_t *c, uint64_t buffer,
+                                  uint64_t generation, shardd_reduce_op op);
 
 typedef struct {
   size_t size;

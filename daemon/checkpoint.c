@@ -280,7 +280,7 @@ shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
     snprintf(err, errlen, "out of memory");
     goto done;
   }
-  shardd__sb_printf(&m, "shardd-checkpoint %d\njob ", SHARDD_CHECKPOINT_VERSION);
+  shardd__sb_printf(&m, "shardd-checkpoint %d\njob ", SHARDD_MANIFEST_VERSION);
   enc_name(&m, job->name);
   shardd__sb_printf(&m, " %" PRIu32 " %" PRIu32 "\n", job->world, job->uid);
 
@@ -290,7 +290,8 @@ shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
     size_t esz = shardd_dtype_size(b->dtype);
     shardd__sb_printf(&m, "buffer ");
     enc_name(&m, b->hdr.name);
-    shardd__sb_printf(&m, " %d %" PRIu64 "\n", (int)b->dtype, b->numel);
+    shardd__sb_printf(&m, " %d %" PRIu64 " %" PRIu64 "\n", (int)b->dtype,
+                      b->numel, b->hdr.generation);
     for (uint32_t r = 0; r < b->world; r++) {
       uint32_t crc;
       snprintf(fname, sizeof fname, "b%zu-r%" PRIu32 ".shard", i, r);
@@ -318,7 +319,8 @@ shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
                         v->ndim);
       for (int d = 0; d < v->ndim; d++)
         shardd__sb_printf(&m, " %" PRId64, v->shape[d]);
-      shardd__sb_printf(&m, "\n");
+      shardd__sb_printf(&m, " %" PRIu64 " %d\n", v->hdr.generation,
+                        v->requires_grad);
     }
     free(views);
   }
@@ -515,10 +517,12 @@ static shardd_err register_pending(shardd__registry *reg, shardd__job *job,
   for (size_t g = 0; g < ro->n_groups && rc == SHARDD_OK; g++) {
     for (size_t i = 0; i < ro->groups[g]->n_refs; i++) {
       Shardd__ParamRef *ref = ro->groups[g]->refs[i];
-      uint64_t id = 0;
+      uint64_t id = 0, gen = 0;
       for (size_t k = 0; k < p->nids; k++)
-        if (p->ids[k].old_id == ref->id)
+        if (p->ids[k].old_id == ref->id) {
           id = p->ids[k].obj->id;
+          gen = p->ids[k].obj->generation;
+        }
       if (id == 0) {
         snprintf(err, errlen, "optimizer \"%s\": ref %" PRIu64 " has no ref line",
                  p->name, ref->id);
@@ -526,6 +530,8 @@ static shardd_err register_pending(shardd__registry *reg, shardd__job *job,
         break;
       }
       ref->id = id;
+      if (ref->has_generation) /* the handle the trainer registers anew */
+        ref->generation = gen;
     }
   }
   shardd__optim_plan plan;
@@ -719,6 +725,7 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
   size_t npo = 0;
   int ended = 0, lineno = 0;
   uint32_t old_world = 0;
+  int mversion = 0;
   char *line = NULL;
   size_t cap = 0;
   char why[512], sub[512];
@@ -744,9 +751,9 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
     rc = SHARDD_E_INVAL;
     if (lineno == 1) {
       if (nt != 2 || strcmp(tok[0], "shardd-checkpoint") ||
-          atoi(tok[1]) != SHARDD_CHECKPOINT_VERSION)
-        BAD("not a shardd checkpoint manifest of version %d",
-            SHARDD_CHECKPOINT_VERSION);
+          (mversion = atoi(tok[1])) < 1 || mversion > SHARDD_MANIFEST_VERSION)
+        BAD("not a shardd checkpoint manifest of version 1 to %d",
+            SHARDD_MANIFEST_VERSION);
       continue;
     }
     if (ended)
@@ -779,7 +786,7 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
         BAD("%s", sub);
     } else if (job == NULL) {
       BAD("\"%s\" before the job line", tok[0]);
-    } else if (!strcmp(tok[0], "buffer") && nt == 4) {
+    } else if (!strcmp(tok[0], "buffer") && nt == (mversion >= 2 ? 5 : 4)) {
       shardd__buffer *b;
       int created;
       if (!dec_name(tok[1]))
@@ -791,6 +798,10 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
         BAD("%s", sub);
       if (!created)
         BAD("buffer \"%s\" listed twice", tok[1]);
+      /* A restored handle is a new generation: one kept from before the
+       * checkpoint is refused as stale (version 1 recorded none: 1). */
+      uint64_t gen = mversion >= 2 ? strtoull(tok[4], NULL, 10) : 1;
+      shardd__obj_set_generation(&b->hdr, gen + 1);
       shardd__buffer **nbufs = realloc(bufs, (nb + 1) * sizeof *bufs);
       if (nbufs == NULL)
         BAD("out of memory");
@@ -808,19 +819,25 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
     } else if (!strcmp(tok[0], "view") && nt >= 6) {
       size_t bi = strtoul(tok[1], NULL, 10);
       int ndim = atoi(tok[5]);
-      if (bi >= nb || ndim < 0 || ndim > 16 || nt != 6 + ndim || !dec_name(tok[2]))
+      int extra = mversion >= 2 ? 2 : 0; /* generation, requires_grad */
+      if (bi >= nb || ndim < 0 || ndim > 16 || nt != 6 + ndim + extra ||
+          !dec_name(tok[2]))
         BAD("malformed view");
       int64_t shape[16];
       for (int d = 0; d < ndim; d++)
         shape[d] = strtoll(tok[6 + d], NULL, 10);
+      uint64_t gen = extra ? strtoull(tok[6 + ndim], NULL, 10) : 1;
+      int requires_grad = extra ? atoi(tok[7 + ndim]) != 0 : 1;
       shardd__view *v;
       int created;
-      rc = shardd__view_register(reg, job, bufs[bi]->hdr.id, tok[2],
-                                 strtoull(tok[3], NULL, 10),
-                                 strtoull(tok[4], NULL, 10), shape, ndim, &v,
-                                 &created, sub, sizeof sub);
+      rc = shardd__view_register_ex(reg, job, bufs[bi]->hdr.id, 0, tok[2],
+                                    strtoull(tok[3], NULL, 10),
+                                    strtoull(tok[4], NULL, 10), shape, ndim,
+                                    requires_grad, &v, &created, sub,
+                                    sizeof sub);
       if (rc != SHARDD_OK)
         BAD("%s", sub);
+      shardd__obj_set_generation(&v->hdr, gen + 1);
     } else if (!strcmp(tok[0], "optimizer") && nt == 5) {
       if ((size_t)strtoul(tok[1], NULL, 10) != npo || !dec_name(tok[2]))
         BAD("optimizers out of order");

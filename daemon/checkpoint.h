@@ -24,6 +24,11 @@
 #include "registry.h"
 
 #define SHARDD_CHECKPOINT_VERSION 1
+/* The manifest's own version: 2 records each buffer's and view's
+ * generation and each view's requires_grad; version 1 manifests (no
+ * generations: taken as 1; every view trainable) still restore. Data file
+ * headers keep SHARDD_CHECKPOINT_VERSION. */
+#define SHARDD_MANIFEST_VERSION 2
 
 /* The job must have no collective in flight (the caller checks). */
 shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,

@@ -441,11 +441,13 @@ static void scatter_task(coll *c, task *t) {
     t->rc = SHARDD_E_NO_MEMORY;
     return;
   }
+  uint64_t first = t->b + t->start; /* element in the shard (b: the
+                                       trainable range's start) */
   for (uint32_t r = 0; r < w; r++)
-    offs[r] = b->grad_off + (t->a * b->shard_numel + t->start) * esz;
+    offs[r] = b->grad_off + (t->a * b->shard_numel + first) * esz;
   float div = c->args.op == SHARDD_REDUCE_MEAN ? (float)w : 1.0f;
   t->rc = be->ops->reduce(be, b->dtype, div, b->blocks[t->a],
-                          b->reduced_off + t->start * 4, b->blocks, offs,
+                          b->reduced_off + first * 4, b->blocks, offs,
                           (int)w, t->len);
   free(offs);
 }
@@ -537,10 +539,11 @@ static void mscatter_own(coll *c, task *t) {
   shardd__backend *be = c->srv->backend;
   shardd__buffer *b = c->buf;
   float div = c->args.op == SHARDD_REDUCE_MEAN ? (float)b->world : 1.0f;
-  size_t off = (t->a * b->shard_numel + t->start) * 4;
+  uint64_t first = t->b + t->start; /* as in scatter_task */
+  size_t off = (t->a * b->shard_numel + first) * 4;
   shardd__region *src = b->stage;
   t->rc = be->ops->reduce(be, SHARDD_DTYPE_FP32, div, b->blocks[t->a],
-                          b->reduced_off + t->start * 4, &src, &off, 1, t->len);
+                          b->reduced_off + first * 4, &src, &off, 1, t->len);
 }
 
 static void fabric_task(coll *c, task *t) {
@@ -701,6 +704,27 @@ static size_t add_unit(task *out, size_t n, size_t ua, size_t ub, uint64_t len) 
   return n;
 }
 
+/* Scatter units of owner rank r: its shard's trainable ranges (unit b =
+ * the range's first element in the shard). Frozen elements get no work,
+ * and a wholly frozen shard none at all. */
+static size_t add_trainable_units(task *out, size_t n, const shardd__buffer *b,
+                                  uint32_t r) {
+  uint64_t lo = (uint64_t)r * b->shard_numel, hi = lo + b->shard_numel;
+  if (b->nfrozen_ranges == 0)
+    return add_unit(out, n, r, 0, b->shard_numel);
+  uint64_t rs[64][2];
+  for (uint64_t pos = lo; pos < hi;) {
+    size_t k = shardd__buffer_trainable(b, pos, hi, rs, 64);
+    size_t m = k < 64 ? k : 64;
+    for (size_t i = 0; i < m; i++)
+      n = add_unit(out, n, r, rs[i][0] - lo, rs[i][1]);
+    if (k <= 64)
+      break;
+    pos = rs[63][0] + rs[63][1];
+  }
+  return n;
+}
+
 static size_t plan_tasks(coll *c, task *out) {
   size_t n = 0;
   if (multi(c) && c->stage == 1) {
@@ -716,6 +740,8 @@ static size_t plan_tasks(coll *c, task *out) {
     for (uint32_t r = lo; r < hi; r++) {
       if (c->args.kind == SHARDD__COLL_GATHER && c->stage == 2)
         n = r == lo ? n : add_unit(out, n, r, 0, b->padded_numel);
+      else if (c->args.kind == SHARDD__COLL_SCATTER)
+        n = add_trainable_units(out, n, b, r);
       else
         n = add_unit(out, n, r, 0, b->shard_numel);
     }
@@ -727,10 +753,10 @@ static size_t plan_tasks(coll *c, task *out) {
         n = add_unit(out, n, i, j, c->opt->shards[i].segs[j].len);
   } else {
     shardd__buffer *b = c->buf;
-    uint64_t len = c->args.kind == SHARDD__COLL_GATHER ? b->padded_numel
-                                                       : b->shard_numel;
     for (uint32_t r = 0; r < b->world; r++)
-      n = add_unit(out, n, r, 0, len);
+      n = c->args.kind == SHARDD__COLL_GATHER
+              ? add_unit(out, n, r, 0, b->padded_numel)
+              : add_trainable_units(out, n, b, r);
   }
   return n;
 }
@@ -807,8 +833,11 @@ void shardd__coll_submit(shardd__server *srv, shardd__session *s, uint64_t seq,
   shardd__obj *o;
   shardd__obj_kind want = args->kind == SHARDD__COLL_STEP ? SHARDD__OBJ_OPTIM
                                                           : SHARDD__OBJ_BUFFER;
-  shardd_err rc = shardd__registry_resolve(&srv->reg, job, args->target, want,
-                                           &o, err, sizeof err);
+  shardd_err rc = shardd__registry_resolve_gen(&srv->reg, job, args->target,
+                                               args->kind == SHARDD__COLL_STEP
+                                                   ? 0
+                                                   : args->generation,
+                                               want, &o, err, sizeof err);
   if (rc != SHARDD_OK) {
     shardd__session_reply(s, seq, rc, err);
     return;

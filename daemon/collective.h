@@ -24,6 +24,7 @@ typedef struct {
   int has_lr;
   double lr;
   double max_norm;
+  uint64_t generation; /* gather, scatter: the buffer's, 0 unchecked */
 } shardd__coll_args;
 
 /* Queues s's part of a collective; the reply comes when it completes or

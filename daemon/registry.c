@@ -104,6 +104,8 @@ shardd_err shardd__job_get(shardd__registry *reg, const char *name,
   job->empty_since = -1;
   shardd__map_init(&job->buffers);
   shardd__map_init(&job->optims);
+  shardd__map_init(&job->gens);
+  shardd__map_init(&job->freed);
   if (shardd__map_put_str(&reg->jobs, name, job) != SHARDD_OK)
     goto nomem;
   *out = job;
@@ -168,6 +170,8 @@ shardd_err shardd__registry_resolve(const shardd__registry *reg,
   *out = NULL;
   shardd__obj *o = shardd__registry_get(reg, id);
   if (o == NULL) {
+    if (shardd__registry_stale(reg, job, id, 0, err, errlen))
+      return SHARDD_E_STALE;
     if (shardd__registry_issued(reg, id))
       snprintf(err, errlen, "%s %" PRIu64 " no longer exists (unregistered)",
                kind_name(kind), id);
@@ -187,6 +191,158 @@ shardd_err shardd__registry_resolve(const shardd__registry *reg,
   }
   *out = o;
   return SHARDD_OK;
+}
+
+shardd_err shardd__registry_resolve_gen(const shardd__registry *reg,
+                                        const shardd__job *job, uint64_t id,
+                                        uint64_t generation,
+                                        shardd__obj_kind kind,
+                                        shardd__obj **out, char *err,
+                                        size_t errlen) {
+  *out = NULL;
+  if (generation != 0 && shardd__registry_stale(reg, job, id, generation, err, errlen))
+    return SHARDD_E_STALE;
+  return shardd__registry_resolve(reg, job, id, kind, out, err, errlen);
+}
+
+/* ---- generations and freed handles ------------------------------------ */
+
+/* The gens key of a buffer name (view_name NULL) or of a view of it;
+ * caller frees. The length prefix keeps ("a", "bc") and ("ab", "c") apart. */
+static char *gen_key(const char *buf_name, const char *view_name) {
+  size_t n = strlen(buf_name) + (view_name ? strlen(view_name) : 0) + 32;
+  char *k = malloc(n);
+  if (k == NULL)
+    return NULL;
+  if (view_name)
+    snprintf(k, n, "v%zu:%s%s", strlen(buf_name), buf_name, view_name);
+  else
+    snprintf(k, n, "b:%s", buf_name);
+  return k;
+}
+
+static uint64_t gen_get(const shardd__job *job, const char *key) {
+  return (uint64_t)(uintptr_t)shardd__map_get_str(&job->gens, key);
+}
+
+static shardd_err gen_put(shardd__job *job, const char *key, uint64_t g) {
+  if (g == 0) {
+    shardd__map_del_str(&job->gens, key);
+    return SHARDD_OK;
+  }
+  return shardd__map_put_str(&job->gens, key, (void *)(uintptr_t)g);
+}
+
+void shardd__obj_set_generation(shardd__obj *o, uint64_t generation) {
+  shardd__job *job = o->job;
+  const char *bname = o->kind == SHARDD__OBJ_VIEW
+                          ? ((shardd__view *)o)->buf->hdr.name
+                          : o->name;
+  char *key = gen_key(bname, o->kind == SHARDD__OBJ_VIEW ? o->name : NULL);
+  o->generation = generation;
+  if (key && gen_get(job, key) < generation)
+    gen_put(job, key, generation); /* replaces: the key exists already */
+  free(key);
+}
+
+static void freed_clear(shardd__freed *f) {
+  free(f->key);
+  free(f->name);
+  free(f->buf_name);
+  memset(f, 0, sizeof *f);
+}
+
+/* Remembers that o is freed (best effort: out of memory forgets it, and
+ * the id then reads as plainly unregistered). */
+static void record_freed(shardd__obj *o, const char *buf_name) {
+  shardd__job *job = o->job;
+  if (job == NULL || job->releasing || o->kind == SHARDD__OBJ_OPTIM)
+    return;
+  if (job->freed_ring == NULL) {
+    job->freed_ring = calloc(SHARDD__FREED_MAX, sizeof *job->freed_ring);
+    if (job->freed_ring == NULL)
+      return;
+  }
+  size_t slot = (job->freed_head + job->freed_count) % SHARDD__FREED_MAX;
+  if (job->freed_count == SHARDD__FREED_MAX) { /* the oldest makes room */
+    shardd__map_del_id(&job->freed, job->freed_ring[slot].id);
+    freed_clear(&job->freed_ring[slot]);
+    job->freed_head = (job->freed_head + 1) % SHARDD__FREED_MAX;
+    job->freed_count--;
+  }
+  shardd__freed *f = &job->freed_ring[slot];
+  f->id = o->id;
+  f->generation = o->generation;
+  f->kind = o->kind;
+  f->name = strdup(o->name);
+  f->buf_name = buf_name ? strdup(buf_name) : NULL;
+  f->key = gen_key(buf_name ? buf_name : o->name,
+                   o->kind == SHARDD__OBJ_VIEW ? o->name : NULL);
+  if (f->name == NULL || f->key == NULL || (buf_name && f->buf_name == NULL) ||
+      shardd__map_put_id(&job->freed, f->id, (void *)(uintptr_t)(slot + 1)) !=
+          SHARDD_OK) {
+    freed_clear(f);
+    return;
+  }
+  job->freed_count++;
+}
+
+static void freed_release(shardd__job *job) {
+  if (job->freed_ring) {
+    for (size_t i = 0; i < SHARDD__FREED_MAX; i++)
+      freed_clear(&job->freed_ring[i]);
+    free(job->freed_ring);
+    job->freed_ring = NULL;
+  }
+  job->freed_count = job->freed_head = 0;
+  shardd__map_free(&job->freed);
+  shardd__map_free(&job->gens);
+}
+
+int shardd__registry_stale(const shardd__registry *reg, const shardd__job *job,
+                           uint64_t id, uint64_t generation, char *err,
+                           size_t errlen) {
+  const shardd__obj *o = shardd__registry_get(reg, id);
+  if (o) {
+    if (o->job != job || generation == 0 || o->kind == SHARDD__OBJ_OPTIM ||
+        o->generation == generation)
+      return 0;
+    snprintf(err, errlen,
+             "%s %" PRIu64 " (\"%s\") is stale: generation %" PRIu64
+             ", current is %s %" PRIu64 " generation %" PRIu64,
+             kind_name(o->kind), id, o->name, generation, kind_name(o->kind),
+             id, o->generation);
+    return 1;
+  }
+  if (job == NULL)
+    return 0;
+  uintptr_t slot = (uintptr_t)shardd__map_get_id(&job->freed, id);
+  if (slot == 0)
+    return 0;
+  const shardd__freed *f = &job->freed_ring[slot - 1];
+  uint64_t cur = gen_get(job, f->key);
+  if (cur <= f->generation && (generation == 0 || generation == f->generation))
+    return 0; /* plainly unregistered: nothing took its name since */
+  const shardd__obj *now = NULL;
+  if (f->kind == SHARDD__OBJ_BUFFER) {
+    now = shardd__map_get_str(&job->buffers, f->name);
+  } else {
+    const shardd__buffer *b = shardd__map_get_str(&job->buffers, f->buf_name);
+    now = b ? shardd__map_get_str(&b->views, f->name) : NULL;
+  }
+  if (now)
+    snprintf(err, errlen,
+             "%s %" PRIu64 " (\"%s\") is stale: generation %" PRIu64
+             ", current is %s %" PRIu64 " generation %" PRIu64,
+             kind_name(f->kind), id, f->name, f->generation,
+             kind_name(f->kind), now->id, now->generation);
+  else
+    snprintf(err, errlen,
+             "%s %" PRIu64 " (\"%s\") is stale: generation %" PRIu64
+             " was unregistered, and generation %" PRIu64
+             " of that name was registered and unregistered since",
+             kind_name(f->kind), id, f->name, f->generation, cur);
+  return 1;
 }
 
 static shardd_err obj_init(shardd__registry *reg, shardd__obj *o,
@@ -247,6 +403,9 @@ static void buffer_free_blocks(shardd__registry *reg, shardd__buffer *b) {
 
 static void view_destroy(shardd__registry *reg, shardd__view *v) {
   v->buf->hdr.job->nviews--;
+  if (!v->requires_grad)
+    v->buf->nfrozen--;
+  record_freed(&v->hdr, v->buf->hdr.name);
   obj_fini(reg, &v->hdr);
   free(v->shape);
   free(v);
@@ -285,7 +444,9 @@ static void buffer_destroy(shardd__registry *reg, shardd__buffer *b) {
   shardd__map_free(&b->views);
   shardd__map_del_str(&b->hdr.job->buffers, b->hdr.name);
   buffer_free_blocks(reg, b);
+  record_freed(&b->hdr, NULL);
   obj_fini(reg, &b->hdr);
+  free(b->frozen);
   free(b);
 }
 
@@ -341,6 +502,8 @@ shardd_err shardd__buffer_register(shardd__registry *reg, shardd__job *job,
   shardd__map_init(&b->views);
 
   shardd_err rc = SHARDD_E_NO_MEMORY;
+  char *gkey = NULL;
+  uint64_t gprev = 0;
   if (!within_quota(reg, job, (uint64_t)job->local_ranks * b->block_bytes, err, errlen))
     goto fail;
   b->blocks = calloc(job->world, sizeof *b->blocks);
@@ -362,17 +525,28 @@ shardd_err shardd__buffer_register(shardd__registry *reg, shardd__job *job,
     }
     job->bytes += b->blocks[r]->bytes;
   }
-  if (obj_init(reg, &b->hdr, SHARDD__OBJ_BUFFER, name, job) != SHARDD_OK ||
-      shardd__map_put_str(&job->buffers, name, b) != SHARDD_OK) {
+  gkey = gen_key(name, NULL);
+  if (gkey == NULL || (gprev = gen_get(job, gkey),
+                       gen_put(job, gkey, gprev + 1)) != SHARDD_OK) {
     rc = SHARDD_E_NO_MEMORY;
     snprintf(err, errlen, "out of memory");
     goto fail;
   }
+  b->hdr.generation = gprev + 1;
+  if (obj_init(reg, &b->hdr, SHARDD__OBJ_BUFFER, name, job) != SHARDD_OK ||
+      shardd__map_put_str(&job->buffers, name, b) != SHARDD_OK) {
+    rc = SHARDD_E_NO_MEMORY;
+    snprintf(err, errlen, "out of memory");
+    gen_put(job, gkey, gprev); /* replaces or deletes: cannot fail */
+    goto fail;
+  }
+  free(gkey);
   *out = b;
   *created = 1;
   return SHARDD_OK;
 
 fail:
+  free(gkey);
   buffer_free_blocks(reg, b);
   obj_fini(reg, &b->hdr);
   shardd__map_free(&b->views);
@@ -417,17 +591,130 @@ static int same_shape(const shardd__view *v, const int64_t *shape, int ndim) {
   return 1;
 }
 
+static int cmp_range(const void *a, const void *b) {
+  const uint64_t *x = a, *y = b;
+  return x[0] < y[0] ? -1 : x[0] > y[0];
+}
+
+typedef struct {
+  uint64_t (*r)[2];
+  size_t n;
+} range_acc;
+
+static void collect_frozen_cb(void *value, void *arg) {
+  shardd__view *v = value;
+  range_acc *a = arg;
+  if (!v->requires_grad) {
+    a->r[a->n][0] = v->offset;
+    a->r[a->n][1] = v->numel;
+    a->n++;
+  }
+}
+
+/* Rebuilds b->frozen from its frozen views (b->nfrozen of them). */
+static shardd_err frozen_rebuild(shardd__buffer *b) {
+  range_acc a = {NULL, 0};
+  if (b->nfrozen > 0) {
+    a.r = malloc(b->nfrozen * sizeof *a.r);
+    if (a.r == NULL)
+      return SHARDD_E_NO_MEMORY;
+    shardd__map_each(&b->views, collect_frozen_cb, &a);
+    qsort(a.r, a.n, sizeof *a.r, cmp_range);
+    size_t m = 0;
+    for (size_t i = 0; i < a.n; i++) {
+      if (m > 0 && a.r[i][0] <= a.r[m - 1][0] + a.r[m - 1][1]) {
+        uint64_t end = a.r[i][0] + a.r[i][1];
+        if (end > a.r[m - 1][0] + a.r[m - 1][1])
+          a.r[m - 1][1] = end - a.r[m - 1][0];
+      } else {
+        a.r[m][0] = a.r[i][0];
+        a.r[m][1] = a.r[i][1];
+        m++;
+      }
+    }
+    a.n = m;
+  }
+  free(b->frozen);
+  b->frozen = a.r;
+  b->nfrozen_ranges = a.n;
+  return SHARDD_OK;
+}
+
+size_t shardd__buffer_trainable(const shardd__buffer *buf, uint64_t lo,
+                                uint64_t hi, uint64_t (*out)[2], size_t cap) {
+  size_t n = 0;
+  uint64_t pos = lo;
+  /* first frozen range ending after lo */
+  size_t a = 0, z = buf->nfrozen_ranges;
+  while (a < z) {
+    size_t mid = a + (z - a) / 2;
+    if (buf->frozen[mid][0] + buf->frozen[mid][1] <= lo)
+      a = mid + 1;
+    else
+      z = mid;
+  }
+  for (size_t i = a; i < buf->nfrozen_ranges && pos < hi; i++) {
+    uint64_t fs = buf->frozen[i][0], fe = fs + buf->frozen[i][1];
+    if (fs > pos) {
+      uint64_t end = fs < hi ? fs : hi;
+      if (n < cap) {
+        out[n][0] = pos;
+        out[n][1] = end - pos;
+      }
+      n++;
+    }
+    if (fe > pos)
+      pos = fe;
+  }
+  if (pos < hi) {
+    if (n < cap) {
+      out[n][0] = pos;
+      out[n][1] = hi - pos;
+    }
+    n++;
+  }
+  return n;
+}
+
+typedef struct {
+  uint64_t start, end;
+  const shardd__view *hit; /* a trainable view meeting [start, end) */
+} meet_arg;
+
+static void meet_trainable_cb(void *value, void *arg) {
+  const shardd__view *v = value;
+  meet_arg *m = arg;
+  if (m->hit == NULL && v->requires_grad && v->offset < m->end &&
+      m->start < v->offset + v->numel)
+    m->hit = v;
+}
+
 shardd_err shardd__view_register(shardd__registry *reg, shardd__job *job,
                                  uint64_t buffer, const char *name,
                                  uint64_t offset, uint64_t numel,
                                  const int64_t *shape, int ndim,
                                  shardd__view **out, int *created, char *err,
                                  size_t errlen) {
+  return shardd__view_register_ex(reg, job, buffer, 0, name, offset, numel,
+                                  shape, ndim, 1, out, created, err, errlen);
+}
+
+shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
+                                    uint64_t buffer, uint64_t buffer_gen,
+                                    const char *name, uint64_t offset,
+                                    uint64_t numel, const int64_t *shape,
+                                    int ndim, int requires_grad,
+                                    shardd__view **out, int *created,
+                                    char *err, size_t errlen) {
   *out = NULL;
   *created = 0;
+  requires_grad = requires_grad != 0;
   shardd__obj *o;
-  shardd_err rc = shardd__registry_resolve(reg, job, buffer, SHARDD__OBJ_BUFFER,
-                                           &o, err, errlen);
+  char *gkey = NULL;
+  uint64_t gprev = 0;
+  shardd_err rc = shardd__registry_resolve_gen(reg, job, buffer, buffer_gen,
+                                               SHARDD__OBJ_BUFFER, &o, err,
+                                               errlen);
   if (rc != SHARDD_OK)
     return rc;
   shardd__buffer *b = (shardd__buffer *)o;
@@ -469,8 +756,49 @@ shardd_err shardd__view_register(shardd__registry *reg, shardd__job *job,
                name, buffer, v->offset, v->numel);
       return SHARDD_E_MISMATCH;
     }
+    if (v->requires_grad != requires_grad) {
+      snprintf(err, errlen,
+               "view %" PRIu64 " (\"%s\") of buffer %" PRIu64
+               " exists with requires_grad=%s, not %s",
+               v->hdr.id, name, buffer, v->requires_grad ? "true" : "false",
+               requires_grad ? "true" : "false");
+      return SHARDD_E_MISMATCH;
+    }
     *out = v;
     return SHARDD_OK;
+  }
+  /* Frozen and trainable elements never mix, so "the elements an
+   * optimizer may update" stays one well-defined set. */
+  if (!requires_grad && b->owner) {
+    snprintf(err, errlen,
+             "view \"%s\": buffer %" PRIu64 " (\"%s\") is held whole by "
+             "optimizer %" PRIu64 " (\"%s\"); a frozen view cannot be added to it",
+             name, buffer, o->name, b->owner->hdr.id, b->owner->hdr.name);
+    return SHARDD_E_BUSY;
+  }
+  if (!requires_grad) {
+    meet_arg m = {offset, offset + numel, NULL};
+    shardd__map_each(&b->views, meet_trainable_cb, &m);
+    if (m.hit) {
+      snprintf(err, errlen,
+               "frozen view \"%s\" [%" PRIu64 ", %" PRIu64
+               ") overlaps trainable view %" PRIu64 " (\"%s\") [%" PRIu64
+               ", %" PRIu64 ") of buffer %" PRIu64,
+               name, offset, offset + numel, m.hit->hdr.id, m.hit->hdr.name,
+               m.hit->offset, m.hit->offset + m.hit->numel, buffer);
+      return SHARDD_E_OVERLAP;
+    }
+  } else if (b->nfrozen_ranges > 0) {
+    uint64_t one[1][2];
+    if (shardd__buffer_trainable(b, offset, offset + numel, one, 1) != 1 ||
+        one[0][0] != offset || one[0][1] != numel) {
+      snprintf(err, errlen,
+               "view \"%s\" [%" PRIu64 ", %" PRIu64
+               ") overlaps frozen elements of buffer %" PRIu64
+               " (\"%s\"); register it with requires_grad=false or move it",
+               name, offset, offset + numel, buffer, o->name);
+      return SHARDD_E_OVERLAP;
+    }
   }
   v = calloc(1, sizeof *v);
   if (v == NULL || (ndim > 0 && (v->shape = malloc((size_t)ndim * sizeof *shape)) == NULL))
@@ -481,18 +809,39 @@ shardd_err shardd__view_register(shardd__registry *reg, shardd__job *job,
   v->buf = b;
   v->offset = offset;
   v->numel = numel;
-  if (obj_init(reg, &v->hdr, SHARDD__OBJ_VIEW, name, job) != SHARDD_OK)
+  v->requires_grad = requires_grad;
+  gkey = gen_key(o->name, name);
+  if (gkey == NULL || (gprev = gen_get(job, gkey),
+                       gen_put(job, gkey, gprev + 1)) != SHARDD_OK)
     goto nomem;
-  if (shardd__map_put_str(&b->views, name, v) != SHARDD_OK) {
-    obj_fini(reg, &v->hdr);
+  v->hdr.generation = gprev + 1;
+  if (obj_init(reg, &v->hdr, SHARDD__OBJ_VIEW, name, job) != SHARDD_OK) {
+    gen_put(job, gkey, gprev);
     goto nomem;
   }
+  if (shardd__map_put_str(&b->views, name, v) != SHARDD_OK) {
+    obj_fini(reg, &v->hdr);
+    gen_put(job, gkey, gprev);
+    goto nomem;
+  }
+  if (!requires_grad) {
+    b->nfrozen++;
+    if (frozen_rebuild(b) != SHARDD_OK) {
+      b->nfrozen--;
+      shardd__map_del_str(&b->views, name);
+      obj_fini(reg, &v->hdr);
+      gen_put(job, gkey, gprev);
+      goto nomem;
+    }
+  }
+  free(gkey);
   job->nviews++;
   *out = v;
   *created = 1;
   return SHARDD_OK;
 
 nomem:
+  free(gkey);
   if (v)
     free(v->shape);
   free(v);
@@ -514,8 +863,14 @@ shardd_err shardd__view_unregister(shardd__registry *reg, shardd__job *job,
              id, o->name, v->owner->hdr.id);
     return SHARDD_E_BUSY;
   }
-  shardd__map_del_str(&v->buf->views, o->name);
+  shardd__buffer *b = v->buf;
+  int frozen = !v->requires_grad;
+  shardd__map_del_str(&b->views, o->name);
   view_destroy(reg, v);
+  if (frozen && frozen_rebuild(b) != SHARDD_OK) {
+    /* Out of memory: the old ranges stay, a superset, so scatter may skip
+     * elements that are trainable now, never reduce frozen ones. */
+  }
   return SHARDD_OK;
 }
 
@@ -798,6 +1153,7 @@ void shardd__job_release(shardd__registry *reg, shardd__job *job) {
   shardd__optim **opts;
   shardd__buffer **bufs;
   size_t n;
+  job->releasing = 1;
   if (shardd__job_optims(job, &opts, &n) == SHARDD_OK) {
     for (size_t i = 0; i < n; i++)
       optim_destroy(reg, opts[i]);
@@ -810,6 +1166,7 @@ void shardd__job_release(shardd__registry *reg, shardd__job *job) {
   }
   shardd__map_free(&job->buffers);
   shardd__map_free(&job->optims);
+  freed_release(job);
   shardd__map_del_str(&reg->jobs, job->name);
   free(job->rank_sessions);
   free(job->name);

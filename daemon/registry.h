@@ -37,6 +37,10 @@ typedef struct {
   uint64_t id;
   char *name;
   shardd__job *job;
+  /* buffers and views: the generation of this name in the job (1 at the
+   * first registration, +1 at each later one and at restore); 0 for
+   * optimizers */
+  uint64_t generation;
 } shardd__obj;
 
 struct shardd__job {
@@ -60,7 +64,28 @@ struct shardd__job {
   shardd__map optims;  /* by name */
   uint64_t bytes;      /* resident, over every region of the job */
   uint32_t nviews;
+  /* generations: the last generation handed out per buffer name ("b:NAME")
+   * and per view ("vLEN:BUFNAME" VIEWNAME), values cast from uint64_t; they
+   * outlive the objects so a re-registration continues the count */
+  shardd__map gens;
+  /* handles freed in this job (id -> shardd__freed), the last
+   * SHARDD__FREED_MAX of them in a ring, to tell a stale id from a mistyped
+   * one */
+  shardd__map freed;
+  struct shardd__freed *freed_ring;
+  size_t freed_head, freed_count;
+  int releasing; /* job_release in progress: frees are not recorded */
 };
+
+#define SHARDD__FREED_MAX 4096
+
+typedef struct shardd__freed {
+  uint64_t id, generation;
+  shardd__obj_kind kind;
+  char *key;  /* the gens key of its name */
+  char *name; /* buffer or view name */
+  char *buf_name; /* views: the buffer's name */
+} shardd__freed;
 
 struct shardd__buffer {
   shardd__obj hdr;
@@ -80,6 +105,11 @@ struct shardd__buffer {
   shardd__optim *owner; /* when referenced whole */
   /* private */
   shardd__map views; /* by name */
+  /* read-only: views with requires_grad false, and the union of their
+   * ranges, merged, in offset order ((start, len) pairs) */
+  uint32_t nfrozen;
+  uint64_t (*frozen)[2];
+  size_t nfrozen_ranges;
   /* multi-node scatter: padded_numel fp32 where the local ranks' gradients
    * are summed before the fabric; allocated at the first such scatter */
   shardd__region *stage;
@@ -91,6 +121,7 @@ struct shardd__view {
   uint64_t offset, numel;
   int64_t *shape;
   int ndim;
+  int requires_grad; /* 0: frozen; never overlaps a trainable view */
   shardd__optim *owner;
 };
 
@@ -175,6 +206,26 @@ shardd_err shardd__registry_resolve(const shardd__registry *reg,
                                     const shardd__job *job, uint64_t id,
                                     shardd__obj_kind kind, shardd__obj **out,
                                     char *err, size_t errlen);
+/* As resolve, and refused with SHARDD_E_STALE when generation (0: not
+ * checked) is not the object's. A freed id whose name was registered again
+ * since is SHARDD_E_STALE in both, naming the current handle. */
+shardd_err shardd__registry_resolve_gen(const shardd__registry *reg,
+                                        const shardd__job *job, uint64_t id,
+                                        uint64_t generation,
+                                        shardd__obj_kind kind,
+                                        shardd__obj **out, char *err,
+                                        size_t errlen);
+/* Whether (id, generation) is a stale handle of job: a live object of
+ * another generation (generation 0 is never stale when live), or a freed
+ * one whose name has been registered again since. Fills err with
+ * `buffer 5 ("layer0") is stale: generation 1, current is buffer 9
+ * generation 2` when it is. */
+int shardd__registry_stale(const shardd__registry *reg, const shardd__job *job,
+                           uint64_t id, uint64_t generation, char *err,
+                           size_t errlen);
+/* Sets the generation of o (restore: the recorded one + 1) and raises its
+ * name's count in the job to it. */
+void shardd__obj_set_generation(shardd__obj *o, uint64_t generation);
 
 /* Creates a buffer, or attaches when one of that name exists with the same
  * dtype and numel (*created tells which). */
@@ -191,6 +242,24 @@ shardd_err shardd__view_register(shardd__registry *reg, shardd__job *job,
                                  const int64_t *shape, int ndim,
                                  shardd__view **out, int *created, char *err,
                                  size_t errlen);
+/* As view_register, with requires_grad (0: a frozen range; refused with
+ * SHARDD_E_OVERLAP where it meets a view of the other kind and
+ * SHARDD_E_BUSY in a buffer an optimizer holds whole) and the buffer's
+ * expected generation (0: not checked). */
+shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
+                                    uint64_t buffer, uint64_t buffer_gen,
+                                    const char *name, uint64_t offset,
+                                    uint64_t numel, const int64_t *shape,
+                                    int ndim, int requires_grad,
+                                    shardd__view **out, int *created,
+                                    char *err, size_t errlen);
+/* Elements of buf with gradients: the complement of its frozen views,
+ * clipped to [lo, hi), as up to cap (start, len) pairs in out; returns how
+ * many there are (may exceed cap: then call again with more room). */
+size_t shardd__buffer_trainable(const shardd__buffer *buf, uint64_t lo,
+                                uint64_t hi,
+                                uint64_t (*out)[2], size_t cap);
+
 shardd_err shardd__view_unregister(shardd__registry *reg, shardd__job *job,
                                    uint64_t id, char *err, size_t errlen);
 

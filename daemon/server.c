@@ -377,6 +377,8 @@ static void on_register_buffer(shardd__session *s, uint64_t seq,
   br.has_reduced_offset = 1;
   br.reduced_offset = b->reduced_off;
   br.created = created;
+  br.has_generation = 1;
+  br.generation = b->hdr.generation;
   resp.seq = seq;
   resp.code = SHARDD__STATUS_CODE__OK;
   resp.body_case = SHARDD__RESPONSE__BODY_BUFFER;
@@ -397,10 +399,12 @@ static void on_register_view(shardd__session *s, uint64_t seq,
     shardd__session_reply(s, seq, SHARDD_E_RANGE, "view has over 64 dimensions");
     return;
   }
-  shardd_err rc = shardd__view_register(&s->srv->reg, s->job, rv->buffer,
-                                        rv->name, rv->offset, rv->numel,
-                                        rv->shape, (int)rv->n_shape, &v,
-                                        &created, err, sizeof err);
+  shardd_err rc = shardd__view_register_ex(
+      &s->srv->reg, s->job, rv->buffer,
+      rv->has_buffer_generation ? rv->buffer_generation : 0, rv->name,
+      rv->offset, rv->numel, rv->shape, (int)rv->n_shape,
+      rv->has_requires_grad ? rv->requires_grad : 1, &v, &created, err,
+      sizeof err);
   if (rc != SHARDD_OK) {
     shardd__session_reply(s, seq, rc, err);
     return;
@@ -409,6 +413,8 @@ static void on_register_view(shardd__session *s, uint64_t seq,
   Shardd__ViewReply vr = SHARDD__VIEW_REPLY__INIT;
   vr.id = v->hdr.id;
   vr.created = created;
+  vr.has_generation = 1;
+  vr.generation = v->hdr.generation;
   resp.seq = seq;
   resp.code = SHARDD__STATUS_CODE__OK;
   resp.body_case = SHARDD__RESPONSE__BODY_VIEW;
@@ -486,11 +492,13 @@ static void on_register_optimizer(shardd__session *s, uint64_t seq,
 }
 
 static void on_unregister(shardd__session *s, uint64_t seq,
-                          shardd__obj_kind kind, uint64_t id) {
+                          shardd__obj_kind kind, uint64_t id, uint64_t gen) {
   char err[ERRLEN];
   shardd_err rc;
   shardd__registry *reg = &s->srv->reg;
-  if (kind == SHARDD__OBJ_BUFFER)
+  if (gen != 0 && shardd__registry_stale(reg, s->job, id, gen, err, sizeof err))
+    rc = SHARDD_E_STALE;
+  else if (kind == SHARDD__OBJ_BUFFER)
     rc = shardd__buffer_unregister(reg, s->job, id, err, sizeof err);
   else if (kind == SHARDD__OBJ_VIEW)
     rc = shardd__view_unregister(reg, s->job, id, err, sizeof err);
@@ -679,28 +687,32 @@ static void dispatch(shardd__session *s, const Shardd__Request *req) {
     on_register_buffer(s, seq, req->register_buffer);
     break;
   case SHARDD__REQUEST__BODY_UNREGISTER_BUFFER:
-    on_unregister(s, seq, SHARDD__OBJ_BUFFER, req->unregister_buffer->id);
+    on_unregister(s, seq, SHARDD__OBJ_BUFFER, req->unregister_buffer->id,
+                  req->unregister_buffer->generation);
     break;
   case SHARDD__REQUEST__BODY_REGISTER_VIEW:
     on_register_view(s, seq, req->register_view);
     break;
   case SHARDD__REQUEST__BODY_UNREGISTER_VIEW:
-    on_unregister(s, seq, SHARDD__OBJ_VIEW, req->unregister_view->id);
+    on_unregister(s, seq, SHARDD__OBJ_VIEW, req->unregister_view->id,
+                  req->unregister_view->generation);
     break;
   case SHARDD__REQUEST__BODY_REGISTER_OPTIMIZER:
     on_register_optimizer(s, seq, req->register_optimizer);
     break;
   case SHARDD__REQUEST__BODY_UNREGISTER_OPTIMIZER:
-    on_unregister(s, seq, SHARDD__OBJ_OPTIM, req->unregister_optimizer->id);
+    on_unregister(s, seq, SHARDD__OBJ_OPTIM, req->unregister_optimizer->id, 0);
     break;
   case SHARDD__REQUEST__BODY_GATHER:
     ca.kind = SHARDD__COLL_GATHER;
     ca.target = req->gather->buffer;
+    ca.generation = req->gather->generation;
     shardd__coll_submit(s->srv, s, seq, &ca);
     break;
   case SHARDD__REQUEST__BODY_SCATTER:
     ca.kind = SHARDD__COLL_SCATTER;
     ca.target = req->scatter->buffer;
+    ca.generation = req->scatter->generation;
     ca.op = (shardd_reduce_op)req->scatter->op;
     if (ca.op != SHARDD_REDUCE_SUM && ca.op != SHARDD_REDUCE_MEAN) {
       shardd__session_reply(s, seq, SHARDD_E_INVAL,

@@ -235,6 +235,19 @@ static shardd_err fill_buffer(shardd__report *r, shardd__server *srv,
   ir->world = b->world;
   ir->has_resident_bytes = 1;
   ir->resident_bytes = 0;
+  ir->has_generation = 1;
+  ir->generation = b->hdr.generation;
+  ir->frozen = ar_alloc(r, (b->nfrozen_ranges ? b->nfrozen_ranges : 1) *
+                               sizeof *ir->frozen);
+  for (size_t k = 0; ir->frozen && k < b->nfrozen_ranges; k++) {
+    Shardd__ElemRange *er = ar_alloc(r, sizeof *er);
+    if (er == NULL)
+      return SHARDD_E_NO_MEMORY;
+    shardd__elem_range__init(er);
+    er->offset = b->frozen[k][0];
+    er->numel = b->frozen[k][1];
+    ir->frozen[ir->n_frozen++] = er;
+  }
   ir->shards = ar_alloc(r, b->world * sizeof *ir->shards);
   for (uint32_t k = 0; ir->shards && k < b->world; k++) {
     Shardd__ShardInfo *si = ar_alloc(r, sizeof *si);
@@ -264,6 +277,10 @@ static shardd_err fill_buffer(shardd__report *r, shardd__server *srv,
     vi->name = ar_strdup(r, views[i]->hdr.name);
     vi->offset = views[i]->offset;
     vi->numel = views[i]->numel;
+    vi->has_generation = 1;
+    vi->generation = views[i]->hdr.generation;
+    vi->has_requires_grad = 1;
+    vi->requires_grad = views[i]->requires_grad;
     vi->n_shape = (size_t)views[i]->ndim;
     vi->shape = ar_alloc(r, (vi->n_shape ? vi->n_shape : 1) * sizeof(int64_t));
     if (vi->shape && vi->n_shape)
@@ -353,6 +370,10 @@ shardd_err shardd__inspect_build(shardd__server *srv, shardd__session *s,
     ir->numel = v->numel;
     ir->has_dtype = 1;
     ir->dtype = wire_dtype(v->buf->dtype);
+    ir->has_generation = 1;
+    ir->generation = v->hdr.generation;
+    ir->has_requires_grad = 1;
+    ir->requires_grad = v->requires_grad;
     ir->n_shape = (size_t)v->ndim;
     ir->shape = ar_alloc(r, (ir->n_shape ? ir->n_shape : 1) * sizeof(int64_t));
     if (ir->shape && ir->n_shape)

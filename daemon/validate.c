@@ -157,6 +157,43 @@ static int check_held(problems *p, shardd__buffer *buf, const located *l,
   return 1;
 }
 
+/* A whole buffer holding frozen views: one problem naming them (the first
+ * few). Returns 0 only when out of memory. */
+static int frozen_buffer_problem(problems *p, size_t g, size_t i,
+                                 const char *label, shardd__buffer *buf) {
+  shardd__view **vs;
+  size_t nv;
+  if (shardd__buffer_views(buf, &vs, &nv) != SHARDD_OK) {
+    problem(p, SHARDD_E_NO_MEMORY, "out of memory validating refs");
+    return 0;
+  }
+  shardd__sb sb;
+  shardd__sb_init(&sb);
+  size_t shown = 0;
+  for (size_t k = 0; k < nv; k++) {
+    if (vs[k]->requires_grad)
+      continue;
+    if (shown < 4)
+      shardd__sb_printf(&sb, "%sview %" PRIu64 " (\"%s\") [%" PRIu64
+                        ", %" PRIu64 ")",
+                        shown ? ", " : "", vs[k]->hdr.id, vs[k]->hdr.name,
+                        vs[k]->offset, vs[k]->offset + vs[k]->numel);
+    shown++;
+  }
+  if (shown > 4)
+    shardd__sb_printf(&sb, " and %zu more", shown - 4);
+  char *list = shardd__sb_take(&sb);
+  problem(p, SHARDD_E_INVAL,
+          "param group %zu, ref %zu (\"%s\"): buffer %" PRIu64
+          " (\"%s\") holds frozen %s (requires_grad=false): %s; register "
+          "its trainable views instead of the whole buffer",
+          g, i, label, buf->hdr.id, buf->hdr.name,
+          shown == 1 ? "view" : "views", list ? list : "?");
+  free(list);
+  free(vs);
+  return 1;
+}
+
 static const char *kind_word(shardd_optim_kind k) {
   switch (k) {
   case SHARDD_OPTIM_SGD:
@@ -223,6 +260,12 @@ shardd_err shardd__validate_optimizer(const shardd__registry *reg,
                           : o                       ? o->name
                                                     : "";
 #define AT "param group %zu, ref %zu (\"%s\"): "
+      uint64_t gen = ref->has_generation ? ref->generation : 0;
+      char stale[512];
+      if (id != 0 && shardd__registry_stale(reg, job, id, gen, stale, sizeof stale)) {
+        problem(&p, SHARDD_E_STALE, AT "%s", g, i, label, stale);
+        continue;
+      }
       if (o == NULL) {
         if (id == 0)
           problem(&p, SHARDD_E_NOT_OWNED,
@@ -283,6 +326,17 @@ shardd_err shardd__validate_optimizer(const shardd__registry *reg,
                    " (\"%s\")",
                 g, i, label, obj_kind_word(o), id, owner->hdr.id,
                 owner->hdr.name);
+        continue;
+      }
+      if (o->kind == SHARDD__OBJ_VIEW && !((const shardd__view *)o)->requires_grad) {
+        problem(&p, SHARDD_E_INVAL,
+                AT "view %" PRIu64 " (\"%s\") is frozen (requires_grad=false)",
+                g, i, label, id, o->name);
+        continue;
+      }
+      if (o->kind == SHARDD__OBJ_BUFFER && l->ref.buf->nfrozen > 0) {
+        if (!frozen_buffer_problem(&p, g, i, label, l->ref.buf))
+          goto done;
         continue;
       }
       if (!shardd__optim_supports(kind, l->ref.buf->dtype)) {

@@ -519,3 +519,100 @@ Test(checkpoint, checkpoint_root_confines_client_paths, .timeout = 30) {
   shardd_close(c);
   cr_assert_eq(test_daemon_stop(&d), 0);
 }
+
+/* ---- generations and frozen views (issue 9) ---------------------------- */
+
+static shardd__job *make_lora_job(void) {
+  char err[512];
+  shardd__job *job;
+  cr_assert_eq(shardd__job_get(&reg, "lora", 2, 0, &job, err, sizeof err), SHARDD_OK);
+  shardd__buffer *b;
+  int created;
+  cr_assert_eq(shardd__buffer_register(&reg, job, "block0", SHARDD_DTYPE_FP32, 40, &b,
+                                       &created, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  /* a second generation of the name before the checkpoint */
+  cr_assert_eq(shardd__buffer_unregister(&reg, job, b->hdr.id, err, sizeof err), SHARDD_OK);
+  cr_assert_eq(shardd__buffer_register(&reg, job, "block0", SHARDD_DTYPE_FP32, 40, &b,
+                                       &created, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_assert_eq(b->hdr.generation, 2);
+  shardd__view *v;
+  int64_t s1[1] = {30}, s2[1] = {10};
+  cr_assert_eq(shardd__view_register_ex(&reg, job, b->hdr.id, 0, "base", 0, 30, s1, 1, 0,
+                                        &v, &created, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_assert_eq(shardd__view_register_ex(&reg, job, b->hdr.id, 0, "adapter", 30, 10, s2, 1,
+                                        1, &v, &created, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  return job;
+}
+
+static void expect_restored_lora(shardd__job *back, uint64_t buf_gen, uint64_t view_gen,
+                                 int frozen_kept) {
+  shardd__buffer *b = shardd__map_get_str(&back->buffers, "block0");
+  cr_assert_not_null(b);
+  cr_expect_eq(b->hdr.generation, buf_gen);
+  shardd__view *base = shardd__map_get_str(&b->views, "base");
+  shardd__view *ad = shardd__map_get_str(&b->views, "adapter");
+  cr_assert_not_null(base);
+  cr_assert_not_null(ad);
+  cr_expect_eq(base->hdr.generation, view_gen);
+  cr_expect_eq(ad->hdr.generation, view_gen);
+  cr_expect_eq(base->requires_grad, !frozen_kept);
+  cr_expect_eq(ad->requires_grad, 1);
+  cr_expect_eq(b->nfrozen_ranges, frozen_kept ? 1 : 0);
+  /* registering the name again continues from the restored generation */
+  char err[512];
+  uint64_t id = b->hdr.id;
+  cr_assert_eq(shardd__buffer_unregister(&reg, back, id, err, sizeof err), SHARDD_OK);
+  int created;
+  cr_assert_eq(shardd__buffer_register(&reg, back, "block0", SHARDD_DTYPE_FP32, 40, &b,
+                                       &created, err, sizeof err),
+               SHARDD_OK);
+  cr_expect_eq(b->hdr.generation, buf_gen + 1);
+}
+
+Test(checkpoint, restore_bumps_generations_and_keeps_frozen_views) {
+  char err[1024];
+  shardd__job *job = make_lora_job();
+  cr_assert_eq(shardd__checkpoint_write(&reg, job, dir, err, sizeof err), SHARDD_OK, "%s", err);
+  shardd__job_release(&reg, job);
+  shardd__job *back;
+  cr_assert_eq(shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  expect_restored_lora(back, 3, 2, 1);
+}
+
+Test(checkpoint, version_1_manifest_still_restores) {
+  char err[1024];
+  shardd__job *job = make_lora_job();
+  cr_assert_eq(shardd__checkpoint_write(&reg, job, dir, err, sizeof err), SHARDD_OK, "%s", err);
+  shardd__job_release(&reg, job);
+  /* rewrite the manifest as version 1 wrote it: no generation on buffer
+   * lines, no generation and requires_grad after a view's shape */
+  char path[256];
+  snprintf(path, sizeof path, "%s/manifest", dir);
+  char *text = test_slurp(path);
+  cr_assert_not_null(text);
+  FILE *f = fopen(path, "w");
+  cr_assert_not_null(f);
+  for (char *save, *line = strtok_r(text, "\n", &save); line;
+       line = strtok_r(NULL, "\n", &save)) {
+    if (!strncmp(line, "shardd-checkpoint ", 18)) {
+      fprintf(f, "shardd-checkpoint 1\n");
+      continue;
+    }
+    int drop = !strncmp(line, "buffer ", 7) ? 1 : !strncmp(line, "view ", 5) ? 2 : 0;
+    for (int k = 0; k < drop; k++)
+      *strrchr(line, ' ') = '\0';
+    fprintf(f, "%s\n", line);
+  }
+  fclose(f);
+  free(text);
+  shardd__job *back;
+  cr_assert_eq(shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  /* version 1 knew no generations (taken as 1) and no frozen views */
+  expect_restored_lora(back, 2, 2, 0);
+}

@@ -894,3 +894,185 @@ Test(registry, job_memory_limit_refuses_and_leaves_nothing_behind) {
   /* the limit is per job */
   buf_new(other, "over", SHARDD_DTYPE_FP32, 4);
 }
+
+/* ---- frozen views and generations (issue 9) ---------------------------- */
+
+static shardd_err frozen_view(shardd__buffer *b, const char *name, uint64_t off,
+                              uint64_t n, int requires_grad, shardd__view **v) {
+  int created;
+  int64_t shape[1] = {(int64_t)n};
+  return shardd__view_register_ex(&reg, b->hdr.job, b->hdr.id, 0, name, off, n,
+                                  shape, 1, requires_grad, v, &created, err,
+                                  sizeof err);
+}
+
+Test(registry, frozen_ranges_merge_and_trainable_is_their_complement) {
+  shardd__buffer *b = buf_new(job, "lora", SHARDD_DTYPE_FP32, 100);
+  shardd__view *v;
+  cr_assert_eq(frozen_view(b, "base.a", 10, 10, 0, &v), SHARDD_OK, "%s", err);
+  cr_expect_eq(v->requires_grad, 0);
+  cr_assert_eq(frozen_view(b, "base.b", 15, 15, 0, &v), SHARDD_OK, "%s", err);
+  cr_assert_eq(frozen_view(b, "base.c", 30, 5, 0, &v), SHARDD_OK, "%s", err);
+  cr_assert_eq(frozen_view(b, "base.d", 60, 10, 0, &v), SHARDD_OK, "%s", err);
+  cr_assert_eq(frozen_view(b, "adapter", 40, 20, 1, &v), SHARDD_OK, "%s", err);
+  cr_expect_eq(b->nfrozen, 4);
+  /* [10,20) u [15,30) u [30,35) is one range; [60,70) another */
+  cr_assert_eq(b->nfrozen_ranges, 2);
+  cr_expect_eq(b->frozen[0][0], 10);
+  cr_expect_eq(b->frozen[0][1], 25);
+  cr_expect_eq(b->frozen[1][0], 60);
+  cr_expect_eq(b->frozen[1][1], 10);
+  uint64_t r[8][2];
+  size_t n = shardd__buffer_trainable(b, 0, 100, r, 8);
+  cr_assert_eq(n, 3);
+  uint64_t want[3][2] = {{0, 10}, {35, 25}, {70, 30}};
+  for (size_t i = 0; i < 3; i++) {
+    cr_expect_eq(r[i][0], want[i][0], "range %zu", i);
+    cr_expect_eq(r[i][1], want[i][1], "range %zu", i);
+  }
+  /* clipped to a shard [25, 50): [35, 50) only */
+  n = shardd__buffer_trainable(b, 25, 50, r, 8);
+  cr_assert_eq(n, 1);
+  cr_expect_eq(r[0][0], 35);
+  cr_expect_eq(r[0][1], 15);
+  /* a wholly frozen range has none */
+  cr_expect_eq(shardd__buffer_trainable(b, 12, 34, r, 8), 0);
+  /* counting past cap */
+  cr_expect_eq(shardd__buffer_trainable(b, 0, 100, r, 1), 3);
+  /* unregistering a frozen view shrinks the ranges */
+  shardd__view *d = shardd__map_get_str(&b->views, "base.d");
+  cr_assert_eq(shardd__view_unregister(&reg, job, d->hdr.id, err, sizeof err), SHARDD_OK);
+  cr_expect_eq(b->nfrozen, 3);
+  cr_expect_eq(b->nfrozen_ranges, 1);
+}
+
+Test(registry, frozen_and_trainable_views_never_overlap) {
+  shardd__buffer *b = buf_new(job, "lora", SHARDD_DTYPE_FP32, 100);
+  shardd__view *v;
+  cr_assert_eq(frozen_view(b, "base", 0, 50, 0, &v), SHARDD_OK, "%s", err);
+  cr_assert_eq(frozen_view(b, "adapter", 40, 20, 1, &v), SHARDD_E_OVERLAP);
+  cr_expect(strstr(err, "overlaps frozen elements of buffer") != NULL, "%s", err);
+  cr_assert_eq(frozen_view(b, "adapter", 50, 20, 1, &v), SHARDD_OK, "%s", err);
+  cr_assert_eq(frozen_view(b, "base2", 65, 10, 0, &v), SHARDD_E_OVERLAP);
+  cr_expect(strstr(err, "overlaps trainable view") != NULL, "%s", err);
+  cr_expect(strstr(err, "\"adapter\"") != NULL, "%s", err);
+  /* attaching with the other requires_grad is a mismatch */
+  cr_assert_eq(frozen_view(b, "base", 0, 50, 1, &v), SHARDD_E_MISMATCH);
+  cr_expect(strstr(err, "requires_grad=false, not true") != NULL, "%s", err);
+  cr_assert_eq(frozen_view(b, "base", 0, 50, 0, &v), SHARDD_OK, "same attaches");
+}
+
+Test(registry, frozen_view_in_a_buffer_held_whole_is_busy) {
+  shardd__buffer *b = buf_new(job, "lora", SHARDD_DTYPE_FP32, 100);
+  shardd__obj *objs[1] = {&b->hdr};
+  shardd__optim *o = optim_over("opt", objs, 1, SHARDD_OK);
+  shardd__view *v;
+  cr_assert_eq(frozen_view(b, "base", 0, 10, 0, &v), SHARDD_E_BUSY);
+  cr_expect(strstr(err, "held whole by optimizer") != NULL, "%s", err);
+  cr_assert_eq(shardd__optim_unregister(&reg, job, o->hdr.id, err, sizeof err), SHARDD_OK);
+  cr_assert_eq(frozen_view(b, "base", 0, 10, 0, &v), SHARDD_OK, "%s", err);
+}
+
+Test(registry, generations_count_per_name_in_a_job) {
+  shardd__buffer *b = buf_new(job, "layer0", SHARDD_DTYPE_FP32, 64);
+  cr_expect_eq(b->hdr.generation, 1);
+  shardd__view *v = view_new(job, b, "w", 0, 8);
+  cr_expect_eq(v->hdr.generation, 1);
+  shardd__buffer *o = buf_new(other, "layer0", SHARDD_DTYPE_FP32, 64);
+  cr_expect_eq(o->hdr.generation, 1, "another job counts apart");
+  uint64_t old = b->hdr.id, oldv = v->hdr.id;
+  cr_assert_eq(shardd__buffer_unregister(&reg, job, old, err, sizeof err), SHARDD_OK);
+  b = buf_new(job, "layer0", SHARDD_DTYPE_FP32, 64);
+  cr_expect_eq(b->hdr.generation, 2);
+  cr_expect_neq(b->hdr.id, old);
+  v = view_new(job, b, "w", 0, 8);
+  cr_expect_eq(v->hdr.generation, 2, "a view's count survives its buffer");
+  shardd__view *u = view_new(job, b, "u", 8, 8);
+  cr_expect_eq(u->hdr.generation, 1);
+  /* attaching is the same generation */
+  shardd__buffer *again;
+  int created;
+  cr_assert_eq(shardd__buffer_register(&reg, job, "layer0", SHARDD_DTYPE_FP32, 64,
+                                       &again, &created, err, sizeof err),
+               SHARDD_OK);
+  cr_expect_eq(created, 0);
+  cr_expect_eq(again->hdr.generation, 2);
+
+  /* the old ids are stale, naming the current handles */
+  shardd__obj *got;
+  char want[256];
+  cr_assert_eq(shardd__registry_resolve(&reg, job, old, SHARDD__OBJ_BUFFER, &got,
+                                        err, sizeof err),
+               SHARDD_E_STALE);
+  snprintf(want, sizeof want,
+           "buffer %" PRIu64 " (\"layer0\") is stale: generation 1, current is "
+           "buffer %" PRIu64 " generation 2",
+           old, b->hdr.id);
+  cr_expect_str_eq(err, want);
+  cr_assert_eq(shardd__registry_resolve(&reg, job, oldv, SHARDD__OBJ_VIEW, &got,
+                                        err, sizeof err),
+               SHARDD_E_STALE);
+  snprintf(want, sizeof want,
+           "view %" PRIu64 " (\"w\") is stale: generation 1, current is view %" PRIu64
+           " generation 2",
+           oldv, v->hdr.id);
+  cr_expect_str_eq(err, want);
+  /* a live id with another generation */
+  cr_assert_eq(shardd__registry_resolve_gen(&reg, job, b->hdr.id, 1,
+                                            SHARDD__OBJ_BUFFER, &got, err, sizeof err),
+               SHARDD_E_STALE);
+  cr_expect(strstr(err, "is stale: generation 1, current is") != NULL, "%s", err);
+  cr_assert_eq(shardd__registry_resolve_gen(&reg, job, b->hdr.id, 2,
+                                            SHARDD__OBJ_BUFFER, &got, err, sizeof err),
+               SHARDD_OK);
+  cr_expect_eq(got, &b->hdr);
+  /* freed and not registered again: still plainly unregistered */
+  uint64_t uid = u->hdr.id;
+  cr_assert_eq(shardd__view_unregister(&reg, job, uid, err, sizeof err), SHARDD_OK);
+  cr_assert_eq(shardd__registry_resolve(&reg, job, uid, SHARDD__OBJ_VIEW, &got,
+                                        err, sizeof err),
+               SHARDD_E_NOT_FOUND);
+  cr_expect(strstr(err, "no longer exists") != NULL, "%s", err);
+  /* another job's session does not learn about this job's names */
+  cr_assert_eq(shardd__registry_resolve(&reg, other, old, SHARDD__OBJ_BUFFER, &got,
+                                        err, sizeof err),
+               SHARDD_E_NOT_FOUND);
+}
+
+Test(registry, stale_after_the_current_generation_went_too) {
+  shardd__buffer *b = buf_new(job, "layer0", SHARDD_DTYPE_FP32, 64);
+  uint64_t first = b->hdr.id;
+  cr_assert_eq(shardd__buffer_unregister(&reg, job, first, err, sizeof err), SHARDD_OK);
+  b = buf_new(job, "layer0", SHARDD_DTYPE_FP32, 64);
+  cr_assert_eq(shardd__buffer_unregister(&reg, job, b->hdr.id, err, sizeof err), SHARDD_OK);
+  shardd__obj *got;
+  cr_assert_eq(shardd__registry_resolve(&reg, job, first, SHARDD__OBJ_BUFFER, &got,
+                                        err, sizeof err),
+               SHARDD_E_STALE);
+  cr_expect(strstr(err, "generation 2 of that name was registered and unregistered since"),
+            "%s", err);
+}
+
+Test(registry, freed_handle_record_is_bounded) {
+  uint64_t first = 0;
+  for (int i = 0; i < SHARDD__FREED_MAX + 10; i++) {
+    shardd__buffer *b = buf_new(job, "churn", SHARDD_DTYPE_FP32, 4);
+    if (i == 0)
+      first = b->hdr.id;
+    cr_assert_eq(shardd__buffer_unregister(&reg, job, b->hdr.id, err, sizeof err),
+                 SHARDD_OK);
+  }
+  cr_expect_eq(job->freed_count, SHARDD__FREED_MAX);
+  cr_expect_eq(shardd__map_count(&job->freed), SHARDD__FREED_MAX);
+  shardd__obj *got;
+  /* the oldest record made room: its id reads as plainly unregistered */
+  cr_expect_eq(shardd__registry_resolve(&reg, job, first, SHARDD__OBJ_BUFFER, &got,
+                                        err, sizeof err),
+               SHARDD_E_NOT_FOUND);
+  cr_expect_eq(shardd__registry_resolve(&reg, job, first + 20, SHARDD__OBJ_BUFFER,
+                                        &got, err, sizeof err),
+               SHARDD_E_STALE, "%s", err);
+  /* released with the job (ASan/valgrind runs see no leak) */
+  shardd__job_release(&reg, job);
+  job = NULL;
+}

@@ -1315,3 +1315,109 @@ Test(validate, long_names_are_not_cut_from_the_message) {
               longname, theirs->hdr.id, jn);
   free(text);
 }
+
+/* ---- frozen views and stale refs (issue 9) ----------------------------- */
+
+static shardd__view *view_frozen(shardd__buffer *b, const char *name,
+                                 uint64_t off, uint64_t n) {
+  shardd__view *v;
+  int created;
+  int64_t shape[1] = {(int64_t)n};
+  cr_assert_eq(shardd__view_register_ex(&reg, b->hdr.job, b->hdr.id, 0, name, off,
+                                        n, shape, 1, 0, &v, &created, err,
+                                        sizeof err),
+               SHARDD_OK, "%s", err);
+  return v;
+}
+
+Test(validate, frozen_views_and_buffers_holding_them_are_refused) {
+  /* LoRA: frozen base weights and trainable adapters in one buffer */
+  shardd__buffer *b = buf_new(job, "block0", SHARDD_DTYPE_FP32, 96);
+  shardd__view *base = view_frozen(b, "base.weight", 0, 64);
+  shardd__view *bias = view_frozen(b, "base.bias", 64, 8);
+  shardd__view *la = view_new(b, "lora_A", 72, 16);
+  shardd__view *lb = view_new(b, "lora_B", 88, 8);
+  msg m;
+  msg_init(&m, SHARDD_OPTIM_ADAMW, "peft");
+  size_t g = msg_group(&m);
+  msg_ref(&m, g, la->hdr.id, "lora_A");
+  msg_ref(&m, g, base->hdr.id, "base.weight");
+  g = msg_group(&m);
+  msg_ref(&m, g, b->hdr.id, "block0");
+  char *text = refuse(&m, SHARDD_E_INVAL);
+  cr_expect_eq(count_lines(text), 2, "%s", text);
+  expect_line(text,
+              "param group 0, ref 1 (\"base.weight\"): view %" PRIu64
+              " (\"base.weight\") is frozen (requires_grad=false)",
+              base->hdr.id);
+  expect_line(text,
+              "param group 1, ref 0 (\"block0\"): buffer %" PRIu64
+              " (\"block0\") holds frozen views (requires_grad=false): view %" PRIu64
+              " (\"base.weight\") [0, 64), view %" PRIu64
+              " (\"base.bias\") [64, 72); register its trainable views instead "
+              "of the whole buffer",
+              b->hdr.id, base->hdr.id, bias->hdr.id);
+  free(text);
+
+  /* the adapters alone are accepted, and own only their elements */
+  msg_init(&m, SHARDD_OPTIM_ADAMW, "peft");
+  g = msg_group(&m);
+  msg_ref(&m, g, la->hdr.id, "lora_A");
+  msg_ref(&m, g, lb->hdr.id, "lora_B");
+  shardd__optim *o = accept(&m, NULL);
+  uint64_t owned = 0;
+  for (size_t i = 0; i < o->nshards; i++)
+    for (size_t k = 0; k < o->shards[i].nsegs; k++) {
+      uint64_t s = o->shards[i].rank * b->shard_numel + o->shards[i].segs[k].start;
+      cr_expect_geq(s, 72, "no segment reaches a frozen element");
+      owned += o->shards[i].segs[k].len;
+    }
+  cr_expect_eq(owned, 24);
+}
+
+Test(validate, stale_refs_are_refused_naming_the_current_handle) {
+  shardd__buffer *b = buf_new(job, "layer0", SHARDD_DTYPE_FP32, 64);
+  shardd__view *v = view_new(b, "layer0.weight", 0, 32);
+  uint64_t old_b = b->hdr.id, old_v = v->hdr.id;
+  cr_assert_eq(shardd__buffer_unregister(&reg, job, old_b, err, sizeof err), SHARDD_OK);
+  /* the trainer re-creates its params; its optimizer still holds the old */
+  b = buf_new(job, "layer0", SHARDD_DTYPE_FP32, 64);
+  v = view_new(b, "layer0.weight", 0, 32);
+  shardd__buffer *c = buf_new(job, "layer1", SHARDD_DTYPE_FP32, 64);
+  msg m;
+  msg_init(&m, SHARDD_OPTIM_SGD, NULL);
+  size_t g = msg_group(&m);
+  msg_ref(&m, g, old_v, "w0");
+  msg_ref(&m, g, old_b, "b0");
+  msg_ref(&m, g, c->hdr.id, "b1");
+  m.refs[g][2].has_generation = 1; /* live, but an older generation */
+  m.refs[g][2].generation = 7;
+  char *text = refuse(&m, SHARDD_E_STALE);
+  cr_expect_eq(count_lines(text), 3, "%s", text);
+  expect_line(text,
+              "param group 0, ref 0 (\"w0\"): view %" PRIu64
+              " (\"layer0.weight\") is stale: generation 1, current is view %" PRIu64
+              " generation 2",
+              old_v, v->hdr.id);
+  expect_line(text,
+              "param group 0, ref 1 (\"b0\"): buffer %" PRIu64
+              " (\"layer0\") is stale: generation 1, current is buffer %" PRIu64
+              " generation 2",
+              old_b, b->hdr.id);
+  expect_line(text,
+              "param group 0, ref 2 (\"b1\"): buffer %" PRIu64
+              " (\"layer1\") is stale: generation 7, current is buffer %" PRIu64
+              " generation 1",
+              c->hdr.id, c->hdr.id);
+  free(text);
+  /* the current handles, with their generations, are accepted */
+  msg_init(&m, SHARDD_OPTIM_SGD, NULL);
+  g = msg_group(&m);
+  msg_ref(&m, g, v->hdr.id, "w0");
+  m.refs[g][0].has_generation = 1;
+  m.refs[g][0].generation = 2;
+  msg_ref(&m, g, c->hdr.id, "b1");
+  m.refs[g][1].has_generation = 1;
+  m.refs[g][1].generation = 1;
+  accept(&m, NULL);
+}

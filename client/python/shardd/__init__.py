@@ -153,6 +153,7 @@ class Buffer:
         self.rank = info.rank
         self.device = info.device
         self.created = bool(info.created)
+        self.generation = info.generation
         self._ptr = {
             "shard": (info.shard, info.shard_numel, info.dtype),
             "gather": (info.gather, info.padded_numel, info.dtype),
@@ -248,12 +249,15 @@ class Buffer:
 class View:
     """A named original parameter inside a flat buffer."""
 
-    def __init__(self, buffer, vid, name, offset, shape):
+    def __init__(self, buffer, vid, name, offset, shape, requires_grad=True,
+                 generation=0):
         self.buffer = buffer
         self.id = vid
         self.name = name
         self.offset = offset
         self.shape = tuple(shape)
+        self.requires_grad = bool(requires_grad)
+        self.generation = generation
         n = 1
         for d in self.shape:
             n *= d
@@ -431,20 +435,25 @@ class Client:
         if b is not None:
             b._forget()
 
-    def register_view(self, buffer, name, offset, shape):
-        """Names elements [offset, offset+prod(shape)) of buffer. -> View."""
+    def register_view(self, buffer, name, offset, shape, requires_grad=True):
+        """Names elements [offset, offset+prod(shape)) of buffer. -> View.
+
+        requires_grad=False registers a frozen range (LoRA base weights):
+        scatter skips it and no optimizer may name it."""
         self._check_open()
         shape = tuple(int(d) for d in shape)
         n = 1
         for d in shape:
             n *= d
         arr = (ctypes.c_int64 * max(1, len(shape)))(*shape)
-        out = ctypes.c_uint64()
-        self._call(self._lib.shardd_view_register(self._c, _ids(buffer), _b(name), int(offset),
-                                                  n, arr, len(shape), ctypes.byref(out)))
+        opts = L.ViewOpts(ctypes.sizeof(L.ViewOpts), 1 if requires_grad else 0, 0)
+        out = L.ViewInfo()
+        self._call(self._lib.shardd_view_register_ex(self._c, _ids(buffer), _b(name), int(offset),
+                                                     n, arr, len(shape), ctypes.byref(opts),
+                                                     ctypes.byref(out)))
         if not isinstance(buffer, Buffer):
             buffer = self.buffers[_ids(buffer)]
-        return View(buffer, out.value, name, int(offset), shape)
+        return View(buffer, out.id, name, int(offset), shape, requires_grad, out.generation)
 
     def unregister_view(self, view):
         self._check_open()

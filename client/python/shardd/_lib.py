@@ -64,7 +64,17 @@ class BufferInfo(ctypes.Structure):
         ("gather", c_void_p),
         ("grad", c_void_p),
         ("reduced", c_void_p),
+        ("generation", c_uint64),
     ]
+
+
+class ViewOpts(ctypes.Structure):
+    _fields_ = [("size", c_size_t), ("requires_grad", c_int),
+                ("buffer_generation", c_uint64)]
+
+
+class ViewInfo(ctypes.Structure):
+    _fields_ = [("id", c_uint64), ("generation", c_uint64), ("created", c_int)]
 
 
 class HParams(ctypes.Structure):
@@ -137,6 +147,8 @@ def _declare(lib):
         "shardd_buffer_unregister": (c_int, [client_p, c_uint64]),
         "shardd_view_register": (c_int, [client_p, c_uint64, c_char_p, c_uint64, c_uint64,
                                          P(c_int64), c_int, P(c_uint64)]),
+        "shardd_view_register_ex": (c_int, [client_p, c_uint64, c_char_p, c_uint64, c_uint64,
+                                            P(c_int64), c_int, P(ViewOpts), P(ViewInfo)]),
         "shardd_view_unregister": (c_int, [client_p, c_uint64]),
         "shardd_optimizer_register": (c_int, [client_p, c_char_p, c_int, P(HParams),
                                               P(ParamGroup), c_size_t, P(c_uint64)]),
