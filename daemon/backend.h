@@ -38,6 +38,11 @@ typedef struct {
   shardd_err (*alloc)(shardd__backend *b, int device, size_t bytes,
                       const char *label, shardd__region **out, char *err,
                       size_t errlen);
+  /* As alloc, for memory that never leaves the daemon (optimizer state):
+   * the host backend then needs no descriptor for it. NULL: use alloc. */
+  shardd_err (*alloc_private)(shardd__backend *b, int device, size_t bytes,
+                              const char *label, shardd__region **out,
+                              char *err, size_t errlen);
   void (*free)(shardd__backend *b, shardd__region *r);
   /* Host: a new descriptor for r that the caller owns and closes. */
   shardd_err (*export_fd)(shardd__backend *b, shardd__region *r, int *fd);

@@ -26,9 +26,12 @@ static size_t page_round(size_t n) {
   return (n + pg - 1) / pg * pg;
 }
 
-static shardd_err host_alloc(shardd__backend *b, int device, size_t bytes,
-                             const char *label, shardd__region **out,
-                             char *err, size_t errlen) {
+/* exportable: a sealed memfd a client can map; else anonymous memory that
+ * costs no descriptor (optimizer state never leaves the daemon). */
+static shardd_err host_alloc_impl(shardd__backend *b, int device, size_t bytes,
+                                  const char *label, int exportable,
+                                  shardd__region **out, char *err,
+                                  size_t errlen) {
   host_priv *hp = b->priv;
   *out = NULL;
   if (device < 0 || device >= b->ndevices) {
@@ -53,8 +56,22 @@ static shardd_err host_alloc(shardd__backend *b, int device, size_t bytes,
 
   shardd_err rc = SHARDD_E_NO_MEMORY;
   shardd__region *r = calloc(1, sizeof *r);
-  int fd = memfd_create(label ? label : "shardd", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (r == NULL || fd < 0) {
+  int fd = -1;
+  if (r != NULL && !exportable) {
+    void *p = mmap(NULL, sz, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      snprintf(err, errlen, "mmap %zu: %s", sz, strerror(errno));
+      goto fail;
+    }
+    r->device = device;
+    r->bytes = sz;
+    r->ptr = p;
+    r->fd = -1;
+    *out = r;
+    return SHARDD_OK;
+  }
+  if (r == NULL ||
+      (fd = memfd_create(label ? label : "shardd", MFD_CLOEXEC | MFD_ALLOW_SEALING)) < 0) {
     /* Out of descriptors is a limit of the process, not of memory. */
     if (errno == EMFILE || errno == ENFILE)
       rc = SHARDD_E_LIMIT;
@@ -92,12 +109,26 @@ fail:
   return rc;
 }
 
+static shardd_err host_alloc(shardd__backend *b, int device, size_t bytes,
+                             const char *label, shardd__region **out,
+                             char *err, size_t errlen) {
+  return host_alloc_impl(b, device, bytes, label, 1, out, err, errlen);
+}
+
+static shardd_err host_alloc_private(shardd__backend *b, int device,
+                                     size_t bytes, const char *label,
+                                     shardd__region **out, char *err,
+                                     size_t errlen) {
+  return host_alloc_impl(b, device, bytes, label, 0, out, err, errlen);
+}
+
 static void host_free(shardd__backend *b, shardd__region *r) {
   host_priv *hp = b->priv;
   if (r == NULL)
     return;
   munmap(r->ptr, r->bytes);
-  close(r->fd);
+  if (r->fd >= 0)
+    close(r->fd);
   pthread_mutex_lock(&hp->lock);
   hp->used[r->device] -= r->bytes;
   pthread_mutex_unlock(&hp->lock);
@@ -106,6 +137,10 @@ static void host_free(shardd__backend *b, shardd__region *r) {
 
 static shardd_err host_export_fd(shardd__backend *b, shardd__region *r,
                                  int *fd) {
+  if (r->fd < 0) { /* a private region is never handed out */
+    *fd = -1;
+    return SHARDD_E_INVAL;
+  }
   *fd = fcntl(r->fd, F_DUPFD_CLOEXEC, 0);
   return *fd < 0 ? SHARDD_E_IO : SHARDD_OK;
 }
@@ -243,6 +278,7 @@ static void host_destroy(shardd__backend *b) {
 
 static const shardd__backend_ops host_ops = {
     .alloc = host_alloc,
+    .alloc_private = host_alloc_private,
     .free = host_free,
     .export_fd = host_export_fd,
     .copy = host_copy,

@@ -1034,9 +1034,10 @@ shardd_err shardd__optim_create(shardd__registry *reg, shardd__job *job,
     char label[64], why[256];
     snprintf(label, sizeof label, "shardd:optim:%.40s:%" PRIu32,
              sh->buf->hdr.name, sh->rank);
-    rc = reg->backend->ops->alloc(reg->backend,
-                                  shardd__rank_device(reg, sh->rank), off,
-                                  label, &sh->state, why, sizeof why);
+    const shardd__backend_ops *ops = reg->backend->ops;
+    rc = (ops->alloc_private ? ops->alloc_private : ops->alloc)(
+        reg->backend, shardd__rank_device(reg, sh->rank), off, label, &sh->state,
+        why, sizeof why);
     if (rc != SHARDD_OK) {
       snprintf(err, errlen, "optimizer state for buffer \"%s\" rank %" PRIu32 ": %s",
                sh->buf->hdr.name, sh->rank, why);
