@@ -189,7 +189,15 @@ static shardd_err write_file(const char *dir, const char *fname,
   char tmp[4096], path[4096];
   snprintf(tmp, sizeof tmp, "%s/.%s.tmp", dir, fname);
   snprintf(path, sizeof path, "%s/%s", dir, fname);
-  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0640);
+  /* The directory is the client's and the daemon writes with its own
+   * rights: a symlink planted at the temporary name must not make it
+   * truncate and write whatever the link names. A stale temporary (a
+   * crash mid-write) is removed, then the name is created anew. */
+  if (unlink(tmp) != 0 && errno != ENOENT) {
+    snprintf(err, errlen, "unlink %s: %s", tmp, strerror(errno));
+    return SHARDD_E_IO;
+  }
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0640);
   if (fd < 0) {
     snprintf(err, errlen, "create %s: %s", tmp, strerror(errno));
     return SHARDD_E_IO;
@@ -387,6 +395,32 @@ done:
 
 /* ---- restore ---------------------------------------------------------- */
 
+/* Opens path for reading if it is a regular file; else -1 with err set.
+ * Restore runs on the loop thread: a FIFO (or a device) planted in the
+ * client's checkpoint directory blocked open(2) or read(2), and with them
+ * the whole daemon, forever. O_NONBLOCK makes the open return; the check
+ * refuses the file; then reads block normally again. */
+static int open_regular(const char *path, char *err, size_t errlen) {
+  int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    int e = errno;
+    snprintf(err, errlen, "%s: %s", path, strerror(e));
+    errno = e; /* the caller may tell a missing file apart */
+    return -1;
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    snprintf(err, errlen, "%s: not a regular file", path);
+    close(fd);
+    errno = EINVAL;
+    return -1;
+  }
+  int fl = fcntl(fd, F_GETFL);
+  if (fl != -1)
+    fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+  return fd;
+}
+
 /* Reads dir/fname into dst after checking its header and size against what
  * the manifest says, then checks the CRC of what it read. dst is memory of
  * the job being restored, which no client sees before the restore
@@ -401,11 +435,9 @@ static shardd_err load_data(const char *dir, const char *fname,
     snprintf(err, errlen, "%s: file name leaves the checkpoint directory", fname);
     return SHARDD_E_INVAL;
   }
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    snprintf(err, errlen, "%s: %s", path, strerror(errno));
+  int fd = open_regular(path, err, errlen);
+  if (fd < 0)
     return SHARDD_E_IO;
-  }
   shardd_err rc = SHARDD_E_IO;
   uint8_t head[HEADER_BYTES];
   size_t nlen = strlen(name);
@@ -502,6 +534,11 @@ static int hexval(char c) {
   return -1;
 }
 
+static int cmp_id_map(const void *a, const void *b) {
+  const id_map *x = a, *y = b;
+  return x->old_id < y->old_id ? -1 : x->old_id > y->old_id;
+}
+
 /* Registers a recorded optimizer: its own RegisterOptimizer with every ref
  * id replaced by the restored object's, through the same validation a
  * client's registration takes. */
@@ -514,15 +551,21 @@ static shardd_err register_pending(shardd__registry *reg, shardd__job *job,
     return SHARDD_E_INVAL;
   }
   shardd_err rc = SHARDD_OK;
+  /* sorted for lookup: a scan per ref was quadratic, and 200k refs in a
+   * manifest held the loop thread for minutes */
+  qsort(p->ids, p->nids, sizeof *p->ids, cmp_id_map);
   for (size_t g = 0; g < ro->n_groups && rc == SHARDD_OK; g++) {
     for (size_t i = 0; i < ro->groups[g]->n_refs; i++) {
       Shardd__ParamRef *ref = ro->groups[g]->refs[i];
       uint64_t id = 0, gen = 0;
-      for (size_t k = 0; k < p->nids; k++)
-        if (p->ids[k].old_id == ref->id) {
-          id = p->ids[k].obj->id;
-          gen = p->ids[k].obj->generation;
-        }
+      id_map key = {ref->id, NULL};
+      const id_map *hit = p->nids ? bsearch(&key, p->ids, p->nids, sizeof *p->ids,
+                                            cmp_id_map)
+                                  : NULL;
+      if (hit) {
+        id = hit->obj->id;
+        gen = hit->obj->generation;
+      }
       if (id == 0) {
         snprintf(err, errlen, "optimizer \"%s\": ref %" PRIu64 " has no ref line",
                  p->name, ref->id);
@@ -711,10 +754,16 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
   }
   char path[4096];
   snprintf(path, sizeof path, "%s/%s", dir, MANIFEST);
-  FILE *f = fopen(path, "r");
+  int mfd = open_regular(path, err, errlen);
+  FILE *f = mfd >= 0 ? fdopen(mfd, "r") : NULL;
   if (f == NULL) {
-    snprintf(err, errlen, "%s: %s (an incomplete checkpoint has no manifest)",
-             path, strerror(errno));
+    if (mfd >= 0) {
+      snprintf(err, errlen, "%s: %s", path, strerror(errno));
+      close(mfd);
+    } else if (errno == ENOENT) {
+      snprintf(err, errlen, "%s: %s (an incomplete checkpoint has no manifest)",
+               path, strerror(errno));
+    }
     return SHARDD_E_IO;
   }
   shardd_err rc = SHARDD_E_INVAL;

@@ -21,7 +21,21 @@
  *            part of the sum, divided for mean.
  *   step:    local, except that with clipping the sum of squares of the
  *            local shards is allreduced before the updates.
- * Cross-node traffic is one copy per node, not per rank. The fabric call
+ * Cross-node traffic is one copy per node, not per rank.
+ *
+ * A backend with whole-collective ops (cuda: NCCL, see backend.h) runs a
+ * single-node gather or scatter as one task instead of per-rank chunks:
+ * the job's communicator is created by the first such task (blocking, on
+ * the pool, never on the loop) and destroyed with the job's queue state
+ * (shardd__coll_job_free, called before every job release); the task runs
+ * the NCCL group and waits for its streams on its worker thread, like every
+ * other backend op, and completes through after_work as usual. It is used
+ * when every rank has its own device (world <= devices) and, for scatter,
+ * the buffer has no frozen ranges (those keep their reduced elements
+ * untouched, which a whole reduce-scatter would not). When the communicator
+ * cannot be made or an op fails, the task does that collective rank by rank
+ * instead (the inputs are intact: outputs are other areas) and the job
+ * keeps the per-rank path from then on. The fabric call
  * of a collective is matched across nodes by a tag from its kind and the
  * buffer's (optimizer's) name: ids differ between daemons, names do not. */
 #include "collective.h"
@@ -29,6 +43,7 @@
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,6 +71,7 @@ typedef struct {
   double sumsq;
   shardd_err rc;
   int fabric; /* the collective's one cross-node call */
+  int bulk;   /* the whole collective through the backend's comm ops */
 } task;
 
 #define CHUNK_ELEMS ((uint64_t)1 << 18)
@@ -89,6 +105,7 @@ struct coll {
   uint32_t tag;
   double sumsq_all;
   char fab_msg[384]; /* written by the fabric task, read after it */
+  int bulk; /* this phase is one bulk task (decided once, in start_phase) */
 };
 
 /* ---- cross-node state of a job ------------------------------------------
@@ -276,14 +293,28 @@ void shardd__coll_fabric_state(shardd__job *job, char *engine, size_t elen,
   }
 }
 
+enum { BULK_NONE, BULK_UP, BULK_FAILED };
+
 typedef struct {
   coll *head;
   uint32_t count;
+  /* the backend communicator of the job (comm_create). Only pool threads
+   * take the mutex (creation may block for seconds); the loop reads the
+   * state atomically, so it never waits for a communicator. */
+  pthread_mutex_t bulk_mu;
+  void *bulk_comm;
+  atomic_int bulk_state;
 } coll_queue;
 
 static coll_queue *queue_of(shardd__job *job) {
-  if (job->coll == NULL)
-    job->coll = calloc(1, sizeof(coll_queue));
+  if (job->coll == NULL) {
+    coll_queue *q = calloc(1, sizeof(coll_queue));
+    if (q) {
+      pthread_mutex_init(&q->bulk_mu, NULL);
+      atomic_init(&q->bulk_state, BULK_NONE);
+    }
+    job->coll = q;
+  }
   return job->coll;
 }
 
@@ -293,6 +324,16 @@ uint32_t shardd__coll_inflight(const shardd__job *job) {
 }
 
 void shardd__coll_job_free(shardd__job *job) {
+  coll_queue *q = job->coll;
+  if (q) {
+    /* no collective runs (the caller checked coll_inflight), so no task
+     * holds the communicator */
+    shardd__backend *be = job->reg->backend;
+    if (q->bulk_comm && be->ops->comm_destroy)
+      be->ops->comm_destroy(be, q->bulk_comm);
+    q->bulk_comm = NULL;
+    pthread_mutex_destroy(&q->bulk_mu);
+  }
   free(job->coll);
   job->coll = NULL;
   jf_free(job->fabric);
@@ -398,18 +439,25 @@ static void schedule(shardd__job *job) {
   coll_queue *q = job->coll;
   if (q == NULL)
     return;
-  for (coll *c = q->head; c; c = c->next) {
-    if (c->started || c->arrived < job->local_ranks)
-      continue;
-    int blocked = 0;
-    for (coll *o = q->head; o != c; o = o->next)
-      if (coll_conflict(o, c)) {
-        blocked = 1;
+  /* start_phase may finish and free c (and others) before it returns, so
+   * after each start the scan begins again from the head. */
+  for (int again = 1; again;) {
+    again = 0;
+    for (coll *c = q->head; c; c = c->next) {
+      if (c->started || c->arrived < job->local_ranks)
+        continue;
+      int blocked = 0;
+      for (coll *o = q->head; o != c; o = o->next)
+        if (coll_conflict(o, c)) {
+          blocked = 1;
+          break;
+        }
+      if (!blocked) {
+        c->started = 1;
+        start_phase(c);
+        again = 1;
         break;
       }
-    if (!blocked) {
-      c->started = 1;
-      start_phase(c);
     }
   }
 }
@@ -576,11 +624,112 @@ static void fabric_task(coll *c, task *t) {
     jf_broken(jf, t->rc, c->fab_msg);
 }
 
+/* ---- whole collectives through the backend (see the top) ----------- */
+
+/* Whether c runs as one bulk task; loop thread, when planning. */
+static int bulk_ok(const coll *c) {
+  const shardd__backend *be = c->srv->backend;
+  const shardd__buffer *b = c->buf;
+  if (b == NULL || multi(c) || be->ops->comm_create == NULL ||
+      b->world != c->job->world || b->world < 2 ||
+      b->world > (uint32_t)be->ndevices)
+    return 0; /* world <= ndevices: rank r alone on device r */
+  if (c->args.kind == SHARDD__COLL_GATHER ? be->ops->allgather == NULL
+                                          : be->ops->reduce_scatter == NULL ||
+                                                b->nfrozen_ranges != 0)
+    return 0;
+  coll_queue *q = c->job->coll;
+  return atomic_load(&q->bulk_state) != BULK_FAILED;
+}
+
+/* The job's communicator, created at its first bulk task; NULL (and err
+ * set) when it cannot be or an op failed on it before. */
+static void *bulk_comm(coll *c, char *err, size_t errlen) {
+  shardd__backend *be = c->srv->backend;
+  coll_queue *q = c->job->coll;
+  uint32_t w = c->buf->world;
+  void *comm = NULL;
+  pthread_mutex_lock(&q->bulk_mu);
+  if (atomic_load(&q->bulk_state) == BULK_NONE) {
+    int *devs = malloc(w * sizeof *devs);
+    shardd_err rc = SHARDD_E_NO_MEMORY;
+    snprintf(err, errlen, "out of memory");
+    if (devs) {
+      for (uint32_t r = 0; r < w; r++)
+        devs[r] = shardd__rank_device(&c->srv->reg, r);
+      rc = be->ops->comm_create(be, devs, (int)w, &q->bulk_comm, err, errlen);
+      free(devs);
+    }
+    atomic_store(&q->bulk_state, rc == SHARDD_OK ? BULK_UP : BULK_FAILED);
+    if (rc == SHARDD_OK)
+      shardd__log(c->srv, 2, "job \"%s\": %s communicator over %" PRIu32
+                  " devices", c->job->name, be->name, w);
+  } else if (atomic_load(&q->bulk_state) == BULK_FAILED) {
+    snprintf(err, errlen, "communicator failed before");
+  }
+  if (atomic_load(&q->bulk_state) == BULK_UP)
+    comm = q->bulk_comm;
+  pthread_mutex_unlock(&q->bulk_mu);
+  return comm;
+}
+
+static void bulk_task(coll *c, task *t) {
+  shardd__backend *be = c->srv->backend;
+  shardd__buffer *b = c->buf;
+  coll_queue *q = c->job->coll;
+  char err[384];
+  err[0] = '\0';
+  void *comm = bulk_comm(c, err, sizeof err);
+  if (comm) {
+    if (c->args.kind == SHARDD__COLL_GATHER) {
+      t->rc = be->ops->allgather(be, comm, b->blocks, b->shard_off, b->blocks,
+                                 b->gather_off,
+                                 b->shard_numel * shardd_dtype_size(b->dtype),
+                                 err, sizeof err);
+    } else {
+      float div = c->args.op == SHARDD_REDUCE_MEAN ? (float)b->world : 1.0f;
+      t->rc = be->ops->reduce_scatter(be, comm, b->dtype, div, b->blocks,
+                                      b->grad_off, b->blocks, b->reduced_off,
+                                      b->shard_numel, err, sizeof err);
+    }
+    if (t->rc == SHARDD_OK)
+      return;
+    /* the communicator is freed with the job, not here: another task may
+     * hold it */
+    atomic_store(&q->bulk_state, BULK_FAILED);
+  }
+  shardd__log(c->srv, 1, "job \"%s\": %s of buffer %" PRIu64 " without the "
+              "%s communicator (%s); copying rank by rank from now on",
+              c->job->name, kind_word(c->args.kind), c->args.target, be->name,
+              err);
+  /* the same work as the per-rank tasks, one unit after the other */
+  t->rc = SHARDD_OK;
+  for (uint32_t r = 0; r < b->world && t->rc == SHARDD_OK; r++) {
+    task u = *t;
+    u.a = r;
+    u.b = 0;
+    u.start = 0;
+    u.len = c->args.kind == SHARDD__COLL_GATHER ? b->padded_numel
+                                                : b->shard_numel;
+    if (c->args.kind == SHARDD__COLL_GATHER)
+      gather_task(c, &u);
+    else
+      scatter_task(c, &u);
+    t->rc = u.rc;
+  }
+}
+
 static void work_cb(uv_work_t *req) {
   task *t = req->data;
   coll *c = t->c;
+  if (c->ntasks == 0) /* the empty task of a collective with no work */
+    return;
   if (t->fabric) {
     fabric_task(c, t);
+    return;
+  }
+  if (t->bulk) {
+    bulk_task(c, t);
     return;
   }
   if (multi(c) && c->args.kind == SHARDD__COLL_GATHER) {
@@ -751,6 +900,10 @@ static size_t plan_tasks(coll *c, task *out) {
     for (size_t i = 0; i < c->opt->nshards; i++)
       for (size_t j = 0; j < c->opt->shards[i].nsegs; j++)
         n = add_unit(out, n, i, j, c->opt->shards[i].segs[j].len);
+  } else if (c->bulk) {
+    if (out)
+      out[0].bulk = 1;
+    return 1;
   } else {
     shardd__buffer *b = c->buf;
     for (uint32_t r = 0; r < b->world; r++)
@@ -787,6 +940,7 @@ static void start_phase(coll *c) {
     }
     c->job->bytes += b->stage->bytes;
   }
+  c->bulk = c->args.kind != SHARDD__COLL_STEP && bulk_ok(c);
   size_t n = plan_tasks(c, NULL);
   free(c->tasks);
   c->tasks = calloc(n ? n : 1, sizeof *c->tasks);
@@ -799,11 +953,15 @@ static void start_phase(coll *c) {
   plan_tasks(c, c->tasks);
   c->ntasks = n;
   c->left = n;
-  if (n == 0) { /* nothing to run: complete through the same path */
+  if (n == 0) {
+    /* Nothing to run (a wholly frozen scatter): one empty task still goes
+     * through the pool, so completion (which may free c, and release the
+     * job) happens on a later loop turn, never inside schedule(). */
     c->left = 1;
     c->tasks[0].c = c;
     c->tasks[0].req.data = &c->tasks[0];
-    after_work_cb(&c->tasks[0].req, 0);
+    if (uv_queue_work(c->srv->loop, &c->tasks[0].req, work_cb, after_work_cb) != 0)
+      after_work_cb(&c->tasks[0].req, 0);
     return;
   }
   for (size_t i = 0; i < n; i++) {

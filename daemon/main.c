@@ -36,6 +36,7 @@ static void usage(FILE *f) {
           "  --max-clients N           concurrent connections (default 1024)\n"
           "  --job-memory-limit SIZE   bytes one job may hold over all devices (default none)\n"
           "  --admin-group GROUP       members may see (status, inspect) every job\n"
+          "  --max-jobs N              jobs held at once, lingering ones included (default 4096)\n"
           "  --max-inflight-gathers N  gathers one rank may have queued (default 16)\n"
           "  --checkpoint-root DIR     clients may checkpoint/restore only below DIR\n"
           "  --checkpoint-on-exit DIR  on SIGTERM/SIGINT, checkpoint every job to DIR/JOB\n"
@@ -167,7 +168,7 @@ static int parse_level(const char *s) {
 int main(int argc, char **argv) {
   enum { O_SOCKET = 256, O_BACKEND, O_DEVICES, O_DEVMEM, O_TIMEOUT, O_LINGER,
          O_MAXCLIENTS, O_LOGLEVEL, O_FOREGROUND, O_VERSION, O_HELP,
-         O_CKPT_EXIT, O_RESTORE, O_JOBMEM, O_ADMIN, O_CKPT_ROOT, O_JOBSPEC, O_MAXGATHERS };
+         O_CKPT_EXIT, O_RESTORE, O_JOBMEM, O_ADMIN, O_CKPT_ROOT, O_JOBSPEC, O_MAXGATHERS, O_MAXJOBS };
   static const struct option longopts[] = {
       {"socket", required_argument, NULL, O_SOCKET},
       {"backend", required_argument, NULL, O_BACKEND},
@@ -185,6 +186,7 @@ int main(int argc, char **argv) {
       {"checkpoint-root", required_argument, NULL, O_CKPT_ROOT},
       {"job-spec", required_argument, NULL, O_JOBSPEC},
       {"max-inflight-gathers", required_argument, NULL, O_MAXGATHERS},
+      {"max-jobs", required_argument, NULL, O_MAXJOBS},
       {"version", no_argument, NULL, O_VERSION},
       {"help", no_argument, NULL, O_HELP},
       {NULL, 0, NULL, 0}};
@@ -265,6 +267,16 @@ int main(int argc, char **argv) {
     case O_RESTORE:
       restore = optarg;
       break;
+    case O_MAXJOBS: {
+      char *end;
+      long v = strtol(optarg, &end, 10);
+      if (*end || v < 1 || v > 1000000) {
+        fprintf(stderr, "shardd: --max-jobs %s: must be 1..1000000\n", optarg);
+        return 2;
+      }
+      opts.max_jobs = (uint32_t)v;
+      break;
+    }
     case O_MAXGATHERS: {
       char *end;
       long v = strtol(optarg, &end, 10);

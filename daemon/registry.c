@@ -92,6 +92,13 @@ shardd_err shardd__job_get(shardd__registry *reg, const char *name,
     *out = job;
     return SHARDD_OK;
   }
+  /* Every new name lingers after its clients: without a cap a client that
+   * reconnects under fresh names grows the daemon without bound. */
+  if (reg->max_jobs && shardd__map_count(&reg->jobs) >= reg->max_jobs) {
+    snprintf(err, errlen, "the daemon holds %zu jobs, its limit (--max-jobs)",
+             shardd__map_count(&reg->jobs));
+    return SHARDD_E_LIMIT;
+  }
   job = calloc(1, sizeof *job);
   if (job == NULL || (job->name = strdup(name)) == NULL ||
       (job->rank_sessions = calloc(world, sizeof(void *))) == NULL)

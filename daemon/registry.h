@@ -164,6 +164,7 @@ struct shardd__registry {
   shardd__backend *backend;
   /* public config */
   uint64_t job_memory_limit; /* bytes one job may hold; 0 unlimited */
+  size_t max_jobs;           /* jobs at once; 0 unlimited */
   /* private */
   uint64_t next_id;
   shardd__map objects; /* id -> shardd__obj */

@@ -49,6 +49,27 @@ typedef struct {
 } write_req;
 
 static void session_close(shardd__session *s);
+static void read_frames(shardd__session *s);
+static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
+static void read_cb(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf);
+
+/* Backpressure. A client that sends requests and never reads the replies
+ * made the daemon queue them without end: a Ping echoes up to 16 MiB, and
+ * every RegisterBuffer reply holds a descriptor until written, so one
+ * client could exhaust the daemon's memory or descriptors for everyone.
+ * Past the high marks the session is not read (its requests wait in the
+ * kernel, then in the client) until its replies drain below the low ones. */
+#define WQ_HIGH_BYTES ((size_t)64 << 20)
+#define WQ_LOW_BYTES ((size_t)16 << 20)
+#define WQ_HIGH_WRITES 64u
+#define WQ_LOW_WRITES 16u
+
+static int write_backlog(shardd__session *s, int high) {
+  size_t bytes = uv_stream_get_write_queue_size((uv_stream_t *)&s->pipe);
+  if (high)
+    return s->writes >= WQ_HIGH_WRITES || bytes >= WQ_HIGH_BYTES;
+  return s->writes > WQ_LOW_WRITES || bytes > WQ_LOW_BYTES;
+}
 
 static void fd_handle_closed(uv_handle_t *h) { free(h); }
 
@@ -59,6 +80,7 @@ static void write_done(uv_write_t *req, int status) {
   shardd__session *s = w->s;
   free(w->buf.base);
   free(w);
+  s->writes--;
   if (status < 0 && status != UV_ECANCELED) {
     shardd__log(s->srv, 3, "session %" PRIu64 ": write: %s", s->id,
                 uv_strerror(status));
@@ -66,6 +88,13 @@ static void write_done(uv_write_t *req, int status) {
   } else if (s->close_after_write &&
              uv_stream_get_write_queue_size((uv_stream_t *)&s->pipe) == 0) {
     session_close(s);
+  } else if (s->read_paused && !s->closing && !s->close_after_write &&
+             !write_backlog(s, 0)) {
+    s->read_paused = 0;
+    shardd__log(s->srv, 3, "session %" PRIu64 ": replies drained; reading again",
+                s->id);
+    uv_read_start((uv_stream_t *)&s->pipe, alloc_cb, read_cb);
+    read_frames(s); /* requests that arrived before the pause */
   }
 }
 
@@ -102,7 +131,9 @@ void shardd__session_send(shardd__session *s, Shardd__Response *resp, int fd) {
   } else {
     e = uv_write(&w->req, (uv_stream_t *)&s->pipe, &w->buf, 1, write_done);
   }
-  if (e != 0) {
+  if (e == 0) {
+    s->writes++;
+  } else {
     shardd__log(s->srv, 3, "session %" PRIu64 ": write: %s", s->id,
                 uv_strerror(e));
     if (w->fd_handle)
@@ -349,7 +380,7 @@ static void on_register_buffer(shardd__session *s, uint64_t seq,
     rc = srv->backend->ops->export_fd(srv->backend, b->blocks[s->rank], &fd);
     if (rc != SHARDD_OK) {
       snprintf(err, sizeof err, "exporting rank %" PRIu32 "'s block: %s",
-               s->rank, strerror(errno));
+               s->rank, shardd_strerror(rc));
       shardd__session_reply(s, seq, rc, err);
       return;
     }
@@ -765,7 +796,22 @@ static void read_cb(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
     session_close(s);
     return;
   }
+  read_frames(s);
+}
+
+/* Dispatches the whole frames s->rd holds, unless replies back up first. */
+static void read_frames(shardd__session *s) {
+  uv_stream_t *stream = (uv_stream_t *)&s->pipe;
   for (;;) {
+    if (write_backlog(s, 1)) {
+      if (!s->read_paused)
+        shardd__log(s->srv, 3, "session %" PRIu64 ": %" PRIu32 " replies (%zu "
+                    "bytes) unread by the client; not reading it until they drain",
+                    s->id, s->writes, uv_stream_get_write_queue_size(stream));
+      s->read_paused = 1;
+      uv_read_stop(stream);
+      return;
+    }
     const uint8_t *payload;
     size_t len;
     shardd_err rc = shardd__frame_reader_next(&s->rd, &payload, &len);
@@ -972,6 +1018,7 @@ shardd_err shardd__server_init(shardd__server *srv, uv_loop_t *loop,
   srv->backend = backend;
   shardd__registry_init(&srv->reg, backend);
   srv->reg.job_memory_limit = opts->job_memory_limit;
+  srv->reg.max_jobs = opts->max_jobs;
   uv_update_time(loop);
   srv->started = shardd__server_now(srv);
   const char *path = opts->socket_path ? opts->socket_path : SHARDD_DEFAULT_SOCKET;

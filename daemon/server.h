@@ -35,10 +35,11 @@ typedef struct {
   const shardd__jobspec *jobspecs;
   size_t njobspecs;
   uint32_t max_inflight_gathers; /* per session, like limit_all_gathers */
+  uint32_t max_jobs;             /* jobs at once (lingering ones count) */
 } shardd__server_opts;
 
 #define SHARDD__SERVER_OPTS_INIT \
-  {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2, -1, 0, NULL, NULL, 0, 16}
+  {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2, -1, 0, NULL, NULL, 0, 16, 4096}
 
 typedef struct shardd__session shardd__session;
 typedef struct shardd__server shardd__server;
@@ -58,6 +59,8 @@ struct shardd__session {
   uint32_t pending; /* collectives it waits in */
   int closing;
   int close_after_write;
+  uint32_t writes; /* replies handed to libuv whose write_done has not run */
+  int read_paused; /* not read until its replies drain (server.c) */
   shardd__session *prev, *next;
 };
 

@@ -41,11 +41,21 @@ void shardd__hp_resolve(shardd_optim_kind kind, const Shardd__HyperParams *top,
   overlay(out, group);
 }
 
-/* What the checks collect: the first code and one line per problem. */
+/* What the checks collect: the first code and one line per problem, as
+ * many as fit in MAX_LISTED_BYTES, then a count of the rest. Unbounded, a
+ * request naming one id 3 million times (about 5 bytes a ref on the wire,
+ * so under the 16 MiB frame limit) had the daemon build a reply of a
+ * gigabyte, one line per duplicate with a 255-byte label, and any reply
+ * over SHARDD_MAX_FRAME is one no client can receive. 12 MiB still lists
+ * every ref of the 100k-ref refusal (tests/test_validate.c:
+ * scale_10k_buffers_100k_views). */
+#define MAX_LISTED_BYTES ((size_t)12 << 20)
+
 typedef struct {
   shardd__sb sb;
   shardd_err first;
   size_t count;
+  size_t unlisted;
 } problems;
 
 static void problem(problems *p, shardd_err code, const char *fmt, ...)
@@ -55,18 +65,32 @@ static void problem(problems *p, shardd_err code, const char *fmt, ...) {
   /* Sized to fit: a fixed 512-byte line cut the end (the job's name) off
    * lines naming a long trainer name or job (tests/test_validate.c:
    * long_names_are_not_cut_from_the_message). */
+  if (p->count == 0)
+    p->first = code;
+  if (p->unlisted > 0) { /* the budget is spent: count, do not format */
+    p->count++;
+    p->unlisted++;
+    return;
+  }
   va_list ap;
   va_start(ap, fmt);
   int n = vsnprintf(NULL, 0, fmt, ap);
   va_end(ap);
-  char *line = n >= 0 ? malloc((size_t)n + 1) : NULL;
+  if (n >= 0 && p->count > 0 && p->sb.len + (size_t)n > MAX_LISTED_BYTES) {
+    p->count++;
+    p->unlisted++;
+    return;
+  }
+  /* the first line is always listed, cut to the byte budget (a label is
+   * the client's own text, as long as a frame) */
+  size_t room = n >= 0 && (size_t)n > MAX_LISTED_BYTES ? MAX_LISTED_BYTES
+                                                      : (size_t)n;
+  char *line = n >= 0 ? malloc(room + 1) : NULL;
   if (line) {
     va_start(ap, fmt);
-    vsnprintf(line, (size_t)n + 1, fmt, ap);
+    vsnprintf(line, room + 1, fmt, ap);
     va_end(ap);
   }
-  if (p->count == 0)
-    p->first = code;
   shardd__sb_printf(&p->sb, "%s%s", p->count ? "\n" : "",
                     line ? line : "(out of memory describing a problem)");
   free(line);
@@ -403,6 +427,9 @@ shardd_err shardd__validate_optimizer(const shardd__registry *reg,
 done:
   shardd__map_free(&seen);
   if (p.count > 0) {
+    if (p.unlisted > 0)
+      shardd__sb_printf(&p.sb, "\n... and %zu more problem%s not listed (%zu in all)",
+                        p.unlisted, p.unlisted == 1 ? "" : "s", p.count);
     free(locs);
     shardd__optim_plan_free(plan);
     *msg = shardd__sb_take(&p.sb);

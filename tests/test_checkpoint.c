@@ -10,6 +10,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "checkpoint.h"
@@ -615,4 +617,91 @@ Test(checkpoint, version_1_manifest_still_restores) {
                SHARDD_OK, "%s", err);
   /* version 1 knew no generations (taken as 1) and no frozen views */
   expect_restored_lora(back, 2, 2, 0);
+}
+
+/* ---- a hostile checkpoint directory ----------------------------------------
+ * The client names the directory and the daemon reads and writes it with its
+ * own rights. A symlink at a temporary name made the daemon truncate and
+ * overwrite the file it named (any file the daemon may write); a FIFO named
+ * like the manifest or a shard hung the daemon's loop in open(2). */
+
+Test(checkpoint, symlink_at_a_temporary_name_is_not_followed) {
+  shardd__job *job = make_job("ln");
+  char victim[128], link[256], err[1024];
+  snprintf(victim, sizeof victim, "%s.victim", dir);
+  FILE *v = fopen(victim, "w");
+  cr_assert_not_null(v);
+  fputs("precious\n", v);
+  fclose(v);
+  char ck[128];
+  snprintf(ck, sizeof ck, "%s/ck", dir);
+  cr_assert_eq(mkdir(ck, 0750), 0);
+  const char *names[] = {".manifest.tmp", ".b0-r0.shard.tmp", ".o0-b0-r0.state.tmp"};
+  for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
+    snprintf(link, sizeof link, "%s/%s", ck, names[i]);
+    cr_assert_eq(symlink(victim, link), 0, "symlink: %s", strerror(errno));
+  }
+  image before = snapshot(job);
+  cr_assert_eq(shardd__checkpoint_write(&reg, job, ck, err, sizeof err), SHARDD_OK,
+               "%s", err);
+  char *text = test_slurp(victim);
+  cr_assert_not_null(text);
+  cr_expect_str_eq(text, "precious\n", "the daemon wrote through a planted symlink");
+  free(text);
+  /* and the checkpoint itself is whole */
+  shardd__job_release(&reg, job);
+  shardd__job *back;
+  cr_assert_eq(shardd__checkpoint_restore(&reg, ck, -1, 0, &back, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  image after = snapshot(back);
+  cr_assert_eq(before.len, after.len);
+  cr_assert(memcmp(before.bytes, after.bytes, before.len) == 0);
+  free(before.bytes);
+  free(after.bytes);
+  unlink(victim);
+}
+
+static void *fifo_opener(void *p) {
+  /* unblocks a daemon stuck opening the FIFO for reading, so the test can
+   * fail instead of hanging */
+  const char *path = p;
+  test_sleep_ms(3000);
+  int fd = open(path, O_WRONLY | O_NONBLOCK);
+  if (fd >= 0)
+    close(fd);
+  return NULL;
+}
+
+static void expect_fifo_refused(const char *name) {
+  shardd__job *job = make_job("fifo");
+  char err[1024];
+  char ck[128], path[256];
+  snprintf(ck, sizeof ck, "%s/ck", dir);
+  cr_assert_eq(shardd__checkpoint_write(&reg, job, ck, err, sizeof err), SHARDD_OK,
+               "%s", err);
+  shardd__job_release(&reg, job);
+  snprintf(path, sizeof path, "%s/%s", ck, name);
+  cr_assert_eq(unlink(path), 0);
+  cr_assert_eq(mkfifo(path, 0600), 0);
+  pthread_t th;
+  cr_assert_eq(pthread_create(&th, NULL, fifo_opener, path), 0);
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  shardd__job *back;
+  shardd_err rc = shardd__checkpoint_restore(&reg, ck, -1, 0, &back, err, sizeof err);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  pthread_join(th, NULL);
+  cr_expect_neq(rc, SHARDD_OK);
+  cr_expect(strstr(err, name) && strstr(err, "not a regular file"), "%s", err);
+  cr_expect_lt((double)(t1.tv_sec - t0.tv_sec), 2.0, "restore blocked on a FIFO");
+  cr_expect_null(shardd__job_find(&reg, "fifo"), "a refused restore left the job");
+  unlink(path);
+}
+
+Test(checkpoint, fifo_manifest_is_refused_without_blocking, .timeout = 30) {
+  expect_fifo_refused("manifest");
+}
+
+Test(checkpoint, fifo_shard_is_refused_without_blocking, .timeout = 30) {
+  expect_fifo_refused("b0-r0.shard");
 }

@@ -43,7 +43,7 @@ static void *prefetch_rank(void *p) {
   cr_assert_eq(shardd_connect(a->d->sock, &o, &c, err, sizeof err), SHARDD_OK, "%s", err);
   shardd_buffer_info b[LAYERS];
   for (int l = 0; l < LAYERS; l++) {
-    char name[16];
+    char name[32];
     snprintf(name, sizeof name, "layer%d", l);
     cr_assert_eq(shardd_buffer_register(c, name, SHARDD_DTYPE_FP32, NUMEL, &b[l]), SHARDD_OK);
     for (uint64_t i = 0; i < b[l].shard_numel; i++) {

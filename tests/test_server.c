@@ -776,3 +776,28 @@ Test(server, refused_hello_leaves_no_job, .init = start_linger0, .fini = stop_da
   cr_assert_eq(shardd_connect(d.sock, &o, &c, err, sizeof err), SHARDD_E_RANGE, "%s", err);
   cr_assert_eq(job_count(), 0);
 }
+
+/* New job names are capped (--max-jobs): lingering jobs count, so a client
+ * reconnecting under fresh names cannot grow the daemon without bound. */
+static void start_max_jobs(void) {
+  const char *args[] = {"--max-jobs", "3", NULL};
+  test_daemon_start(&d, args);
+}
+
+Test(server, job_count_is_capped, .init = start_max_jobs, .fini = stop_daemon) {
+  char err[256];
+  for (int i = 0; i < 3; i++) {
+    char job[16];
+    snprintf(job, sizeof job, "j%d", i);
+    shardd_client_t *c = test_connect(&d, job, 0, 1);
+    shardd_close(c); /* the job lingers */
+  }
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = "one-too-many";
+  shardd_client_t *c = NULL;
+  cr_assert_eq(shardd_connect(d.sock, &o, &c, err, sizeof err), SHARDD_E_LIMIT, "%s", err);
+  cr_assert(strstr(err, "--max-jobs") != NULL, "%s", err);
+  o.job = "j1"; /* an existing job can still be joined */
+  cr_assert_eq(shardd_connect(d.sock, &o, &c, err, sizeof err), SHARDD_OK, "%s", err);
+  shardd_close(c);
+}

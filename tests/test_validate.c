@@ -1421,3 +1421,59 @@ Test(validate, stale_refs_are_refused_naming_the_current_handle) {
   m.refs[g][1].generation = 1;
   accept(&m, NULL);
 }
+
+/* ---- hostile sizes ------------------------------------------------------ */
+
+/* One id named 100k times with a 200-byte label: refused as a duplicate,
+ * naming the repeats in order, and the message stays under the frame limit
+ * (listing every repeat made ~28 MB here, and a gigabyte for 3M refs, which
+ * no client can receive), ending with how many problems were not listed. */
+Test(validate, hundred_thousand_refs_of_one_id_give_a_bounded_message, .timeout = 60) {
+  shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_FP32, 64);
+  enum { N = 100000 };
+  char label[201];
+  memset(label, 'L', 200);
+  label[200] = '\0';
+  Shardd__ParamRef *refs = calloc(N, sizeof *refs);
+  Shardd__ParamRef **rptrs = calloc(N, sizeof *rptrs);
+  cr_assert(refs && rptrs);
+  for (size_t i = 0; i < N; i++) {
+    Shardd__ParamRef r = SHARDD__PARAM_REF__INIT;
+    refs[i] = r;
+    refs[i].id = b->hdr.id;
+    refs[i].name = label;
+    rptrs[i] = &refs[i];
+  }
+  Shardd__RegisterOptimizer req = SHARDD__REGISTER_OPTIMIZER__INIT;
+  Shardd__ParamGroup g = SHARDD__PARAM_GROUP__INIT, *gp = &g;
+  req.kind = SHARDD__OPTIM_KIND__SGD;
+  g.refs = rptrs;
+  g.n_refs = N;
+  req.groups = &gp;
+  req.n_groups = 1;
+  shardd__optim_plan plan;
+  char *text = NULL;
+  shardd_err rc = shardd__validate_optimizer(&reg, job, &req, &plan, &text);
+  cr_assert_eq(rc, SHARDD_E_DUPLICATE, "got %s", shardd_err_name(rc));
+  cr_assert_not_null(text);
+  size_t len = strlen(text);
+  cr_expect_lt(len + 1024, (size_t)SHARDD_MAX_FRAME, "message of %zu bytes", len);
+  char want[512];
+  snprintf(want, sizeof want,
+           "param group 0, ref 1 (\"%s\"): buffer %" PRIu64
+           " already appears at param group 0, ref 0", label, b->hdr.id);
+  cr_expect(strncmp(text, want, strlen(want)) == 0, "starts: %.300s", text);
+  /* the listed lines are ref 1, 2, ... in order, then the count */
+  size_t lines = count_lines(text);
+  cr_assert_gt(lines, 1000);
+  snprintf(want, sizeof want, "param group 0, ref %zu (\"", lines - 1);
+  cr_expect(strstr(text, want), "ref %zu is the last listed", lines - 1);
+  snprintf(want, sizeof want, "... and %zu more problems not listed (%d in all)",
+           (size_t)(N - 1) - (lines - 1), N - 1);
+  cr_expect(strstr(text + len - 200, want), "no count of the rest: ...%s",
+            text + len - 200);
+  cr_expect_eq(b->nowned, 0);
+  free(text);
+  free(refs);
+  free(rptrs);
+}
