@@ -28,7 +28,7 @@ WARN := -Wall -Wextra -Werror -Wshadow -Wno-unused-parameter
 OPT ?= -O2 -g
 CFLAGS_ALL = -std=c11 -D_GNU_SOURCE $(OPT) $(WARN) -fPIC -pthread \
   -I$(BUILD)/gen -Iclient -Idaemon $(PKG_CFLAGS) $(CFLAGS)
-LDLIBS_ALL = $(PKG_LIBS) -lpthread -lm $(LDLIBS)
+LDLIBS_ALL = $(PKG_LIBS) -lpthread -lm -ldl $(LDLIBS)
 
 ifeq ($(SAN),1)
 CFLAGS_ALL += -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
@@ -92,8 +92,9 @@ $(LIBA): $(LIB_OBJ)
 	@rm -f $@
 	ar rcs $@ $^
 
-# The client side needs protobuf-c only: no libuv, no CUDA.
-CLIENT_LIBS := $(shell pkg-config --libs libprotobuf-c 2>/dev/null) -lpthread
+# The client side needs protobuf-c only: no libuv, no CUDA (libcudart is
+# dlopen()ed at run time for CUDA IPC handles, hence -ldl).
+CLIENT_LIBS := $(shell pkg-config --libs libprotobuf-c 2>/dev/null) -lpthread -ldl
 
 $(LIBSO): $(LIB_OBJ)
 	$(CC) -shared $(LDFLAGS) -Wl,-soname,libshardd.so.0 -o $@ $^ $(CLIENT_LIBS)

@@ -11,6 +11,10 @@
  *   gather: every rank copies every shard into its gather area;
  *   scatter: every rank's shard of the reduced gradient = mean over ranks;
  *   step: Adam (fp32 params) / AdamW (bf16 params, fp32 master) per shard.
+ * and then the backend's NCCL path as collective.c uses it for a job with a
+ * rank per GPU (allgather / reduce_scatter over min(WORLD, GPUs) ranks, one
+ * call for the whole collective; with one GPU that is a one-rank
+ * communicator, i.e. NCCL's copy and fp32 widen+sum overheads alone).
  * Environment: GPU_BENCH_MIB (parameter size, default 256), GPU_BENCH_WORLD
  * (default 4). Benchmarks assert nothing; built without CUDA this prints
  * "built without CUDA" and exits 0. */
@@ -198,6 +202,84 @@ static void world_free(world_t *w) {
   }
 }
 
+/* The NCCL rows: one allgather / reduce_scatter for the whole world. */
+static double nccl_once(world_t *w, void *comm, int kind) {
+  shardd__backend *b = w->b;
+  char err[512] = "";
+  double t0 = now_s();
+  shardd_err rc =
+      kind == K_GATHER
+          ? b->ops->allgather(b, comm, w->blk, w->shard_off, w->blk,
+                              w->gather_off, w->shard * w->esz, err, sizeof err)
+          : b->ops->reduce_scatter(b, comm, w->dtype, (float)w->world, w->blk,
+                                   w->grad_off, w->blk, w->reduced_off,
+                                   w->shard, err, sizeof err);
+  double dt = now_s() - t0;
+  if (rc != SHARDD_OK) {
+    fprintf(stderr, "gpu_bench: nccl %s: %s\n",
+            kind == K_GATHER ? "allgather" : "reduce_scatter", err);
+    return -1;
+  }
+  return dt;
+}
+
+static double nccl_timed(world_t *w, void *comm, int kind) {
+  double v[REPS];
+  for (int i = 0; i < 2; i++)
+    if (nccl_once(w, comm, kind) < 0)
+      return -1;
+  for (int i = 0; i < REPS; i++)
+    if ((v[i] = nccl_once(w, comm, kind)) < 0)
+      return -1;
+  return median(v, REPS);
+}
+
+/* gather and scatter through NCCL over nw ranks, rank r on GPU r */
+static int nccl_rows(shardd__backend *b, int nw, shardd_dtype dt,
+                     size_t param_bytes, double memcpy_traffic) {
+  if (b->ops->comm_create == NULL)
+    return 0;
+  world_t w;
+  if (world_setup(&w, b, nw, dt, param_bytes) != 0) {
+    world_free(&w);
+    return 1;
+  }
+  int devs[MAX_WORLD];
+  for (int r = 0; r < nw; r++)
+    devs[r] = r;
+  void *comm = NULL;
+  char err[512];
+  if (b->ops->comm_create(b, devs, nw, &comm, err, sizeof err) != SHARDD_OK) {
+    fprintf(stderr, "gpu_bench: comm_create over %d GPUs: %s\n", nw, err);
+    world_free(&w);
+    return 1;
+  }
+  const char *dn = dt == SHARDD_DTYPE_FP32 ? "fp32" : "bf16";
+  double n = (double)w.numel, es = (double)w.esz, W = (double)nw;
+  struct {
+    const char *what;
+    int kind;
+    double traffic; /* as the per-rank rows count it */
+  } rows[2] = {{"nccl gather", K_GATHER, 2.0 * W * n * es},
+               {"nccl scatter (mean)", K_SCATTER, W * n * es + n * 4.0}};
+  int rc = 0;
+  for (int i = 0; i < 2 && rc == 0; i++) {
+    double t = nccl_timed(&w, comm, rows[i].kind);
+    if (t < 0) {
+      rc = 1;
+      break;
+    }
+    char label[64];
+    snprintf(label, sizeof label, "%s %s x%d", rows[i].what, dn, nw);
+    printf("%-24s %9.3f ms %8.1f GB/s read+write = %.2fx memcpy\n", label,
+           t * 1e3, rows[i].traffic / t / 1e9,
+           rows[i].traffic / t / memcpy_traffic);
+  }
+  b->ops->comm_destroy(b, comm);
+  world_free(&w);
+  return rc;
+}
+
 int main(void) {
   if (shardd__cuda_device_count() == 0) {
     printf("gpu_bench: no CUDA device\n");
@@ -291,6 +373,9 @@ int main(void) {
              rows[i].traffic / t / memcpy_traffic);
     }
     world_free(&w);
+    if (rc == 0)
+      rc = nccl_rows(b, world < b->ndevices ? world : b->ndevices, dts[d],
+                     param_bytes, memcpy_traffic);
   }
   b->ops->destroy(b);
   return rc;

@@ -1,6 +1,10 @@
 /* client.c — libshardd: the connection, the synchronous request/response
- * exchange, and the mappings of rank blocks handed out by the daemon. */
+ * exchange, and the mappings of rank blocks handed out by the daemon
+ * (host backend: mmap of the memfd; cuda backend: cudaIpcOpenMemHandle
+ * through libcudart loaded at run time, so libshardd never links CUDA). */
+#include <dlfcn.h>
 #include <errno.h>
+#include <pthread.h>
 #include <stddef.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -25,7 +29,98 @@ typedef struct mapping {
   uint64_t buffer;
   void *base;
   size_t len;
+  int device; /* -1: host mmap; else the CUDA device base was opened on */
 } mapping;
+
+/* ---- CUDA IPC without linking CUDA --------------------------------------
+ * The few runtime calls needed, declared here and resolved from libcudart
+ * on first use. cudaIpcMemHandle_t is a struct of 64 bytes passed by value,
+ * cudaError_t an int-sized enum; 0 is cudaSuccess. */
+#define CUDA_IPC_BYTES 64
+#define CUDA_IPC_LAZY_PEER 0x01 /* cudaIpcMemLazyEnablePeerAccess */
+
+typedef struct {
+  char reserved[CUDA_IPC_BYTES];
+} cuda_ipc_handle;
+
+static struct {
+  pthread_once_t once;
+  void *lib;
+  char why[512];
+  int (*ipc_open)(void **ptr, cuda_ipc_handle h, unsigned int flags);
+  int (*ipc_close)(void *ptr);
+  int (*get_device)(int *dev);
+  int (*set_device)(int dev);
+  const char *(*error_string)(int e);
+} cudart = {PTHREAD_ONCE_INIT, NULL, "", NULL, NULL, NULL, NULL, NULL};
+
+static void cudart_load(void) {
+  static const char *names[] = {"libcudart.so", "libcudart.so.13",
+                                "libcudart.so.12"};
+  const char *last = "";
+  for (size_t i = 0; i < sizeof names / sizeof names[0] && !cudart.lib; i++) {
+    cudart.lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+    if (cudart.lib == NULL && dlerror() != NULL)
+      last = names[i];
+  }
+  if (cudart.lib == NULL) {
+    snprintf(cudart.why, sizeof cudart.why,
+             "libcudart could not be loaded (tried libcudart.so, .so.13, "
+             ".so.12; last: %s): install the CUDA runtime or add its folder "
+             "to LD_LIBRARY_PATH", last);
+    return;
+  }
+  *(void **)&cudart.ipc_open = dlsym(cudart.lib, "cudaIpcOpenMemHandle");
+  *(void **)&cudart.ipc_close = dlsym(cudart.lib, "cudaIpcCloseMemHandle");
+  *(void **)&cudart.get_device = dlsym(cudart.lib, "cudaGetDevice");
+  *(void **)&cudart.set_device = dlsym(cudart.lib, "cudaSetDevice");
+  *(void **)&cudart.error_string = dlsym(cudart.lib, "cudaGetErrorString");
+  if (!cudart.ipc_open || !cudart.ipc_close || !cudart.get_device ||
+      !cudart.set_device || !cudart.error_string) {
+    snprintf(cudart.why, sizeof cudart.why,
+             "the loaded libcudart lacks cudaIpcOpenMemHandle and friends");
+    dlclose(cudart.lib);
+    cudart.lib = NULL;
+  }
+}
+
+static int cudart_ready(void) {
+  pthread_once(&cudart.once, cudart_load);
+  return cudart.lib != NULL;
+}
+
+static const char *cuda_str(int e) {
+  const char *s = cudart.error_string ? cudart.error_string(e) : NULL;
+  return s ? s : "unknown CUDA error";
+}
+
+/* Opens handle on device dev (the caller's current device is kept). */
+static int cuda_open(const void *handle, int dev, void **out) {
+  cuda_ipc_handle h;
+  memcpy(&h, handle, sizeof h);
+  int cur = -1;
+  int e = cudart.get_device(&cur);
+  if (e == 0 && cur != dev)
+    e = cudart.set_device(dev);
+  if (e == 0)
+    e = cudart.ipc_open(out, h, CUDA_IPC_LAZY_PEER);
+  if (cur >= 0 && cur != dev)
+    (void)cudart.set_device(cur);
+  return e;
+}
+
+static void unmap(mapping *m) {
+  if (m->device < 0) {
+    munmap(m->base, m->len);
+    return;
+  }
+  int cur = -1;
+  if (cudart.get_device(&cur) == 0 && cur != m->device)
+    (void)cudart.set_device(m->device);
+  (void)cudart.ipc_close(m->base);
+  if (cur >= 0 && cur != m->device)
+    (void)cudart.set_device(cur);
+}
 
 /* A request sent with shardd_gather_async, until shardd_wait takes it. */
 typedef struct async_op {
@@ -312,7 +407,7 @@ static void unmap_buffer(shardd_client_t *c, uint64_t id) {
     mapping *m = *pp;
     if (m->buffer == id) {
       *pp = m->next;
-      munmap(m->base, m->len);
+      unmap(m);
       free(m);
     } else {
       pp = &m->next;
@@ -332,7 +427,7 @@ void shardd_close(shardd_client_t *c) {
   while (c->maps) {
     mapping *m = c->maps;
     c->maps = m->next;
-    munmap(m->base, m->len);
+    unmap(m);
     free(m);
   }
   if (c->fd >= 0)
@@ -438,18 +533,24 @@ shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
   }
   const Shardd__BufferReply *br = resp->buffer;
   size_t esz = shardd_dtype_size((shardd_dtype)br->dtype);
+  int device = -1; /* host mapping */
   if (fd < 0 && br->has_cuda_ipc_handle) {
-    /* Opening the handle (cudaIpcOpenMemHandle) is left to a later change,
-     * so that libshardd never needs CUDA to link. */
-    rc = set_err(c, SHARDD_E_NO_CUDA,
-                 "buffer %" PRIu64 " lives in GPU memory (cuda backend): "
-                 "mapping its CUDA IPC handle needs a CUDA-enabled client, "
-                 "which this libshardd is not; run the daemon with "
-                 "--backend host to use host memory",
-                 br->id);
-    goto done;
-  }
-  if (fd < 0) {
+    if (!cudart_ready()) {
+      rc = set_err(c, SHARDD_E_NO_CUDA,
+                   "buffer %" PRIu64 " lives in GPU memory (cuda backend): "
+                   "opening its CUDA IPC handle needs the CUDA runtime: %s; "
+                   "or run the daemon with --backend host to use host memory",
+                   br->id, cudart.why);
+      goto done;
+    }
+    if (br->cuda_ipc_handle.len != CUDA_IPC_BYTES) {
+      rc = set_err(c, SHARDD_E_PROTOCOL,
+                   "buffer %" PRIu64 ": CUDA IPC handle of %zu bytes, not %d",
+                   br->id, br->cuda_ipc_handle.len, CUDA_IPC_BYTES);
+      goto done;
+    }
+    device = (int)br->device;
+  } else if (fd < 0) {
     rc = set_err(c, SHARDD_E_PROTOCOL,
                  "the daemon sent no descriptor for buffer %" PRIu64
                  " (is this a cuda backend? this call maps host memory)",
@@ -466,24 +567,39 @@ shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
    * pointers from the first call stay valid as the header promises. */
   void *base = NULL;
   for (mapping *m = c->maps; m; m = m->next)
-    if (m->buffer == br->id && m->len == br->block_bytes)
+    if (m->buffer == br->id && m->len == br->block_bytes && m->device == device)
       base = m->base;
   if (base == NULL) {
-    base = mmap(NULL, br->block_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (base == MAP_FAILED) {
-      rc = set_err(c, SHARDD_E_IO, "mmap of buffer %" PRIu64 " (%" PRIu64
-                   " bytes): %s", br->id, br->block_bytes, strerror(errno));
-      goto done;
-    }
     mapping *m = malloc(sizeof *m);
     if (m == NULL) {
-      munmap(base, br->block_bytes);
       rc = set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
       goto done;
+    }
+    if (device >= 0) {
+      int e = cuda_open(br->cuda_ipc_handle.data, device, &base);
+      if (e != 0) {
+        free(m);
+        rc = set_err(c, SHARDD_E_IO,
+                     "cudaIpcOpenMemHandle of buffer %" PRIu64 " (%" PRIu64
+                     " bytes on CUDA device %d): %s (error %d); the trainer "
+                     "must see the daemon's GPUs under the same ordinals "
+                     "(CUDA_VISIBLE_DEVICES) and be another process",
+                     br->id, br->block_bytes, device, cuda_str(e), e);
+        goto done;
+      }
+    } else {
+      base = mmap(NULL, br->block_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (base == MAP_FAILED) {
+        free(m);
+        rc = set_err(c, SHARDD_E_IO, "mmap of buffer %" PRIu64 " (%" PRIu64
+                     " bytes): %s", br->id, br->block_bytes, strerror(errno));
+        goto done;
+      }
     }
     m->buffer = br->id;
     m->base = base;
     m->len = br->block_bytes;
+    m->device = device;
     m->next = c->maps;
     c->maps = m;
   }
@@ -501,6 +617,7 @@ shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
   out->grad = (char *)base + br->grad_offset;
   out->reduced = br->has_reduced_offset ? (char *)base + br->reduced_offset : NULL;
   out->generation = br->has_generation ? br->generation : 0;
+  out->is_device = device >= 0;
 
 done:
   if (fd >= 0)

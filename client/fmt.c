@@ -27,6 +27,15 @@ static const char *kind_word(Shardd__OptimKind k) {
 }
 
 /* Human sizes for the text form; JSON keeps exact byte counts. */
+/* A device's free bytes: the daemon's figure (cuda: cudaMemGetInfo, which
+ * counts other processes too), else capacity minus shardd's use. */
+static uint64_t device_free(const Shardd__DeviceStatus *d) {
+  if (d->has_free_bytes)
+    return d->free_bytes;
+  return d->capacity_bytes > d->used_bytes ? d->capacity_bytes - d->used_bytes
+                                           : 0;
+}
+
 static void human(char *out, size_t n, uint64_t bytes) {
   static const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   double v = (double)bytes;
@@ -61,10 +70,12 @@ char *shardd__fmt_status_text(const Shardd__StatusReply *st) {
                     st->n_devices);
   for (size_t i = 0; i < st->n_devices; i++) {
     const Shardd__DeviceStatus *d = st->devices[i];
+    char t[32];
+    human(t, sizeof t, d->capacity_bytes);
     human(a, sizeof a, d->used_bytes);
-    human(b, sizeof b, d->capacity_bytes - (d->used_bytes < d->capacity_bytes ? d->used_bytes : d->capacity_bytes));
-    shardd__sb_printf(&sb, "device %" PRIu32 ": %s used %s free %s\n", d->index,
-                      d->name, a, b);
+    human(b, sizeof b, device_free(d));
+    shardd__sb_printf(&sb, "device %" PRIu32 ": %s total %s used %s free %s\n",
+                      d->index, d->name, t, a, b);
   }
   shardd__sb_printf(&sb, "jobs: %zu\n", st->n_jobs);
   for (size_t i = 0; i < st->n_jobs; i++) {
@@ -119,8 +130,7 @@ char *shardd__fmt_status_json(const Shardd__StatusReply *st) {
     shardd__sb_printf(&sb,
                       ",\"capacity_bytes\":%" PRIu64 ",\"used_bytes\":%" PRIu64
                       ",\"free_bytes\":%" PRIu64 "}",
-                      d->capacity_bytes, d->used_bytes,
-                      d->capacity_bytes > d->used_bytes ? d->capacity_bytes - d->used_bytes : 0);
+                      d->capacity_bytes, d->used_bytes, device_free(d));
   }
   shardd__sb_printf(&sb, "],\"jobs\":[");
   for (size_t i = 0; i < st->n_jobs; i++) {

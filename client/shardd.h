@@ -144,11 +144,21 @@ shardd_err shardd_inspect_text(shardd_client_t *c, uint64_t id,
 
 void shardd_free(void *p);
 
-/* A registered flat buffer as seen by this rank. The three pointers are
+/* A registered flat buffer as seen by this rank. The four pointers are
  * mappings owned by c: valid until the buffer is unregistered on c or c is
  * closed. shard holds shard_numel elements (this rank's slice, elements
  * [rank*shard_numel, (rank+1)*shard_numel) of the padded buffer); gather and
- * grad hold padded_numel elements each. */
+ * grad hold padded_numel elements each.
+ *
+ * Cuda backend (is_device 1): shard, gather, grad and reduced are CUDA
+ * device pointers into the daemon's allocation on GPU `device`, opened with
+ * cudaIpcOpenMemHandle — usable by kernels and cudaMemcpy, never
+ * dereferenced on the host. libshardd does not link CUDA: it loads
+ * libcudart.so at run time for this (SHARDD_E_NO_CUDA when it cannot), and
+ * closes the handle (cudaIpcCloseMemHandle) on unregister and close. Work
+ * written there must be complete (stream synchronised) before the gather,
+ * scatter or step that reads it is requested. Host backend: is_device 0,
+ * host mappings. */
 typedef struct {
   uint64_t id;
   shardd_dtype dtype;
@@ -169,6 +179,9 @@ typedef struct {
    * SHARDD_E_STALE, naming the current handle. (Appended; 0 from a daemon
    * that predates generations.) */
   uint64_t generation;
+  /* 1: the pointers above are CUDA device pointers (cuda backend); 0: host
+   * memory. (Appended.) */
+  int is_device;
 } shardd_buffer_info;
 
 /* Creates the job's flat buffer called name, or attaches to it when another

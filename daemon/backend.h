@@ -29,7 +29,10 @@ typedef struct {
 typedef struct {
   char name[64];
   uint64_t capacity_bytes;
-  uint64_t used_bytes;
+  uint64_t used_bytes; /* by shardd's regions */
+  /* what the device has free now, whoever holds the rest (cuda:
+   * cudaMemGetInfo; host: capacity_bytes - used_bytes) */
+  uint64_t free_bytes;
 } shardd__device_info;
 
 typedef struct {
@@ -85,6 +88,35 @@ typedef struct {
                       shardd__region *param, size_t param_off, size_t n);
   void (*device_info)(shardd__backend *b, int device, shardd__device_info *out);
   void (*destroy)(shardd__backend *b);
+
+  /* ---- whole-collective ops (cuda: NCCL). All four NULL on backends
+   * without them (host): collective.c then copies and reduces rank by rank
+   * with the ops above. */
+  /* A communicator over n ranks, rank i on device devs[i] (n distinct
+   * devices, in rank order): blocks while it connects, so it is created on
+   * a worker thread; *comm is freed with comm_destroy (loop thread, when no
+   * op of it runs). */
+  shardd_err (*comm_create)(shardd__backend *b, const int *devs, int n,
+                            void **comm, char *err, size_t errlen);
+  void (*comm_destroy)(shardd__backend *b, void *comm);
+  /* All-gather over comm's n ranks: for every rank i and every rank j,
+   * bytes at dst[i] + dst_off + j*bytes = the bytes at src[j] + src_off.
+   * Returns when every rank's copy is complete (blocks: worker threads). */
+  shardd_err (*allgather)(shardd__backend *b, void *comm,
+                          shardd__region *const *src, size_t src_off,
+                          shardd__region *const *dst, size_t dst_off,
+                          size_t bytes, char *err, size_t errlen);
+  /* Reduce-scatter over comm's n ranks: for every rank i, dst[i] (n fp32 at
+   * dst_off) = the sum over ranks j of src[j]'s elements [i*n, (i+1)*n)
+   * (dtype, at src_off), accumulated in fp32 (16-bit inputs widened exactly
+   * first), then divided by divisor unless it is 1. The summation order is
+   * the library's, not rank order: equal to reduce's up to fp32 rounding.
+   * Returns when complete (blocks: worker threads). */
+  shardd_err (*reduce_scatter)(shardd__backend *b, void *comm,
+                               shardd_dtype dtype, float divisor,
+                               shardd__region *const *src, size_t src_off,
+                               shardd__region *const *dst, size_t dst_off,
+                               size_t n, char *err, size_t errlen);
 } shardd__backend_ops;
 
 struct shardd__backend {

@@ -14,13 +14,28 @@
  * Bulk data between devices moves with cudaMemcpyPeerAsync; a reduction
  * whose sources sit on a device the destination cannot address directly
  * (no peer access) stages them through a stream-ordered scratch area on the
- * destination. The kernels are in optim_cuda.cu. NCCL is not used yet. */
+ * destination. The kernels are in optim_cuda.cu.
+ *
+ * Whole collectives (allgather, reduce_scatter) run on NCCL: one
+ * communicator per job (comm_create: ncclCommInitAll over the devices of the
+ * job's ranks, one non-blocking stream per device), each collective one
+ * ncclGroupStart/ncclGroupEnd over every rank from the calling worker
+ * thread, then cudaStreamSynchronize of every stream on that same thread —
+ * the loop is never blocked, and the op returning means the data is there.
+ * Reduce-scatter accumulates in fp32: 16-bit gradients are first widened
+ * (exactly) into a stream-ordered fp32 staging area, a bounded chunk at a
+ * time, and NCCL sums fp32; mean is sum then one division (as the host).
+ * NCCL communicators must not be used from two threads at once, and
+ * kernels of two communicators on the same GPUs can deadlock when launched
+ * in different orders, so every NCCL call of the backend is serialised by
+ * one mutex (nccl_mu), held from group start to stream completion. */
 #define CUDA_API_PER_THREAD_DEFAULT_STREAM 1
 
 #include "backend.h"
 
 #include <cuda_runtime_api.h>
 #include <math.h>
+#include <nccl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,6 +49,8 @@
 #define STAGE_ELEMS ((size_t)4 << 20)
 /* Bytes of a CUDA IPC handle (CUDA_IPC_HANDLE_SIZE). */
 #define IPC_BYTES 64
+/* fp32 elements of one device's reduce-scatter staging area (128 MiB). */
+#define RS_STAGE_ELEMS ((size_t)32 << 20)
 
 typedef struct {
   char name[64];
@@ -43,6 +60,7 @@ typedef struct {
 
 typedef struct {
   pthread_mutex_t lock;
+  pthread_mutex_t nccl_mu; /* every NCCL call, group start to completion */
   cuda_dev *dev;
   unsigned char *peer; /* [n*n]: peer[a*n+b] = device a can address b's memory */
 } cuda_priv;
@@ -420,11 +438,313 @@ static void cuda_device_info(shardd__backend *b, int device,
   pthread_mutex_lock(&cp->lock);
   out->used_bytes = cp->dev[device].used;
   pthread_mutex_unlock(&cp->lock);
+  size_t freeb = 0, total = 0;
+  cudaError_t e = cudaSetDevice(device);
+  if (e == cudaSuccess)
+    e = cudaMemGetInfo(&freeb, &total);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    freeb = out->capacity_bytes > out->used_bytes
+                ? out->capacity_bytes - out->used_bytes
+                : 0;
+  }
+  out->free_bytes = freeb;
+}
+
+/* ---- NCCL ---------------------------------------------------------------- */
+
+typedef struct {
+  int n;
+  int *devs;
+  ncclComm_t *comms;
+  cudaStream_t *streams;
+} cuda_comm;
+
+static shardd_err nccl_err(const char *what, ncclResult_t r, ncclComm_t comm,
+                           char *err, size_t errlen) {
+  const char *last = ncclGetLastError(comm);
+  snprintf(err, errlen, "%s: %s%s%s", what, ncclGetErrorString(r),
+           last && *last ? ": " : "", last ? last : "");
+  fprintf(stderr, "shardd: cuda backend: %s\n", err);
+  return SHARDD_E_IO;
+}
+
+static shardd_err cuda_err(const char *what, int dev, cudaError_t e, char *err,
+                           size_t errlen) {
+  snprintf(err, errlen, "%s on device %d: %s (%s)", what, dev,
+           cudaGetErrorString(e), cudaGetErrorName(e));
+  fprintf(stderr, "shardd: cuda backend: %s\n", err);
+  (void)cudaGetLastError();
+  return e == cudaErrorMemoryAllocation ? SHARDD_E_NO_MEMORY : SHARDD_E_IO;
+}
+
+/* Frees cc; its communicators only when have_comms. Under nccl_mu when so. */
+static void comm_free(cuda_comm *cc, int have_comms) {
+  if (cc == NULL)
+    return;
+  if (have_comms) {
+    /* Several communicators driven by one thread: finalize them in one
+     * group (each finalize waits for its peers), then free each. */
+    ncclResult_t r = ncclGroupStart();
+    for (int i = 0; i < cc->n && r == ncclSuccess; i++)
+      r = ncclCommFinalize(cc->comms[i]);
+    ncclResult_t r2 = ncclGroupEnd();
+    if (r != ncclSuccess || r2 != ncclSuccess)
+      fprintf(stderr, "shardd: cuda backend: ncclCommFinalize: %s\n",
+              ncclGetErrorString(r != ncclSuccess ? r : r2));
+    for (int i = 0; i < cc->n; i++) {
+      r = ncclCommDestroy(cc->comms[i]);
+      if (r != ncclSuccess)
+        fprintf(stderr, "shardd: cuda backend: ncclCommDestroy: %s\n",
+                ncclGetErrorString(r));
+    }
+  }
+  for (int i = 0; cc->streams && i < cc->n; i++) {
+    if (cc->streams[i] == NULL)
+      continue;
+    if (cudaSetDevice(cc->devs[i]) != cudaSuccess ||
+        cudaStreamDestroy(cc->streams[i]) != cudaSuccess)
+      (void)cudaGetLastError();
+  }
+  free(cc->devs);
+  free(cc->comms);
+  free(cc->streams);
+  free(cc);
+}
+
+static shardd_err cuda_comm_create(shardd__backend *b, const int *devs, int n,
+                                   void **out, char *err, size_t errlen) {
+  cuda_priv *cp = b->priv;
+  *out = NULL;
+  if (n < 1) {
+    snprintf(err, errlen, "a communicator needs at least one rank");
+    return SHARDD_E_INVAL;
+  }
+  for (int i = 0; i < n; i++) {
+    if (devs[i] < 0 || devs[i] >= b->ndevices) {
+      snprintf(err, errlen, "rank %d: no device %d (cuda backend has %d)", i,
+               devs[i], b->ndevices);
+      return SHARDD_E_INVAL;
+    }
+    for (int j = 0; j < i; j++)
+      if (devs[j] == devs[i]) {
+        snprintf(err, errlen,
+                 "ranks %d and %d are both on device %d: NCCL needs one "
+                 "rank per GPU", j, i, devs[i]);
+        return SHARDD_E_INVAL;
+      }
+  }
+  cuda_comm *cc = calloc(1, sizeof *cc);
+  if (cc == NULL || (cc->devs = malloc((size_t)n * sizeof *cc->devs)) == NULL ||
+      (cc->comms = calloc((size_t)n, sizeof *cc->comms)) == NULL ||
+      (cc->streams = calloc((size_t)n, sizeof *cc->streams)) == NULL) {
+    comm_free(cc, 0);
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  cc->n = n;
+  memcpy(cc->devs, devs, (size_t)n * sizeof *devs);
+  for (int i = 0; i < n; i++) {
+    cudaError_t e = cudaSetDevice(devs[i]);
+    if (e == cudaSuccess)
+      e = cudaStreamCreateWithFlags(&cc->streams[i], cudaStreamNonBlocking);
+    if (e != cudaSuccess) {
+      cc->streams[i] = NULL;
+      shardd_err rc = cuda_err("cudaStreamCreate", devs[i], e, err, errlen);
+      comm_free(cc, 0);
+      return rc;
+    }
+  }
+  pthread_mutex_lock(&cp->nccl_mu);
+  ncclResult_t r = ncclCommInitAll(cc->comms, n, devs);
+  pthread_mutex_unlock(&cp->nccl_mu);
+  if (r != ncclSuccess) {
+    shardd_err rc = nccl_err("ncclCommInitAll", r, NULL, err, errlen);
+    comm_free(cc, 0);
+    return rc;
+  }
+  *out = cc;
+  return SHARDD_OK;
+}
+
+static void cuda_comm_destroy(shardd__backend *b, void *comm) {
+  cuda_priv *cp = b->priv;
+  if (comm == NULL)
+    return;
+  pthread_mutex_lock(&cp->nccl_mu);
+  comm_free(comm, 1);
+  pthread_mutex_unlock(&cp->nccl_mu);
+}
+
+/* Waits for every stream of cc; the first error is reported. */
+static shardd_err comm_sync(cuda_comm *cc, shardd_err rc, char *err,
+                            size_t errlen) {
+  for (int i = 0; i < cc->n; i++) {
+    cudaError_t e = cudaSetDevice(cc->devs[i]);
+    if (e == cudaSuccess)
+      e = cudaStreamSynchronize(cc->streams[i]);
+    if (e != cudaSuccess && rc == SHARDD_OK)
+      rc = cuda_err("cudaStreamSynchronize", cc->devs[i], e, err, errlen);
+  }
+  return rc;
+}
+
+static shardd_err cuda_allgather(shardd__backend *b, void *comm,
+                                 shardd__region *const *src, size_t src_off,
+                                 shardd__region *const *dst, size_t dst_off,
+                                 size_t bytes, char *err, size_t errlen) {
+  cuda_priv *cp = b->priv;
+  cuda_comm *cc = comm;
+  if (bytes == 0)
+    return SHARDD_OK;
+  for (int i = 0; i < cc->n; i++)
+    if (src[i]->device != cc->devs[i] || dst[i]->device != cc->devs[i]) {
+      snprintf(err, errlen, "allgather: rank %d's regions are not on its "
+               "device %d", i, cc->devs[i]);
+      return SHARDD_E_INVAL;
+    }
+  shardd_err rc = SHARDD_OK;
+  pthread_mutex_lock(&cp->nccl_mu);
+  ncclResult_t r = ncclGroupStart();
+  int bad = -1;
+  for (int i = 0; i < cc->n && r == ncclSuccess; i++) {
+    r = ncclAllGather(at(src[i], src_off), at(dst[i], dst_off), bytes,
+                      ncclUint8, cc->comms[i], cc->streams[i]);
+    bad = i;
+  }
+  ncclResult_t r2 = ncclGroupEnd();
+  if (r != ncclSuccess)
+    rc = nccl_err("ncclAllGather", r, cc->comms[bad < 0 ? 0 : bad], err,
+                  errlen);
+  else if (r2 != ncclSuccess)
+    rc = nccl_err("ncclGroupEnd (allgather)", r2, cc->comms[0], err, errlen);
+  rc = comm_sync(cc, rc, err, errlen);
+  pthread_mutex_unlock(&cp->nccl_mu);
+  return rc;
+}
+
+static shardd_err cuda_reduce_scatter(shardd__backend *b, void *comm,
+                                      shardd_dtype dtype, float divisor,
+                                      shardd__region *const *src,
+                                      size_t src_off,
+                                      shardd__region *const *dst,
+                                      size_t dst_off, size_t n, char *err,
+                                      size_t errlen) {
+  cuda_priv *cp = b->priv;
+  cuda_comm *cc = comm;
+  size_t esz = shardd_dtype_size(dtype);
+  if (esz == 0) {
+    snprintf(err, errlen, "reduce_scatter: unknown dtype %d", (int)dtype);
+    return SHARDD_E_DTYPE;
+  }
+  if (n == 0)
+    return SHARDD_OK;
+  for (int i = 0; i < cc->n; i++)
+    if (src[i]->device != cc->devs[i] || dst[i]->device != cc->devs[i]) {
+      snprintf(err, errlen, "reduce_scatter: rank %d's regions are not on "
+               "its device %d", i, cc->devs[i]);
+      return SHARDD_E_INVAL;
+    }
+  int w = cc->n;
+  int wide = dtype != SHARDD_DTYPE_FP32;
+  int do_div = divisor != 1.0f; /* as the host: no division by 1 at all */
+  /* fp32 gradients go to NCCL as they are, in one call; 16-bit ones are
+   * widened into [w][m] fp32 staging, m shard elements at a time. */
+  size_t m = n;
+  if (wide) {
+    m = RS_STAGE_ELEMS / (size_t)w;
+    if (m == 0)
+      m = 1;
+    if (m > n)
+      m = n;
+  }
+  shardd_err rc = SHARDD_OK;
+  float **stage = calloc((size_t)w, sizeof *stage);
+  if (stage == NULL) {
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  pthread_mutex_lock(&cp->nccl_mu);
+  for (int i = 0; wide && i < w && rc == SHARDD_OK; i++) {
+    cudaError_t e = cudaSetDevice(cc->devs[i]);
+    if (e == cudaSuccess)
+      e = cudaMallocAsync((void **)&stage[i], (size_t)w * m * sizeof(float),
+                          cc->streams[i]);
+    if (e != cudaSuccess) {
+      stage[i] = NULL;
+      rc = cuda_err("cudaMallocAsync (reduce-scatter staging)", cc->devs[i],
+                    e, err, errlen);
+    }
+  }
+  for (size_t base = 0; base < n && rc == SHARDD_OK; base += m) {
+    size_t k = n - base < m ? n - base : m;
+    if (wide) {
+      /* stage[i][j*k ..] = rank i's gradient elements j*n + base .. +k:
+       * the chunk of rank j's shard, in the layout NCCL scatters */
+      for (int i = 0; i < w && rc == SHARDD_OK; i++) {
+        cudaError_t e = cudaSetDevice(cc->devs[i]);
+        for (int j = 0; j < w && e == cudaSuccess; j++)
+          e = (cudaError_t)shardd__cuda_widen(
+              (int)dtype, stage[i] + (size_t)j * k,
+              (const char *)at(src[i], src_off) +
+                  ((size_t)j * n + base) * esz,
+              k, cc->streams[i]);
+        if (e != cudaSuccess)
+          rc = cuda_err("widen kernel (reduce-scatter)", cc->devs[i], e, err,
+                        errlen);
+      }
+      if (rc != SHARDD_OK)
+        break;
+    }
+    ncclResult_t r = ncclGroupStart();
+    int bad = 0;
+    for (int i = 0; i < w && r == ncclSuccess; i++) {
+      const void *send = wide ? (const void *)stage[i] : at(src[i], src_off);
+      r = ncclReduceScatter(send, (float *)at(dst[i], dst_off) + base, k,
+                            ncclFloat32, ncclSum, cc->comms[i],
+                            cc->streams[i]);
+      bad = i;
+    }
+    ncclResult_t r2 = ncclGroupEnd();
+    if (r != ncclSuccess)
+      rc = nccl_err("ncclReduceScatter", r, cc->comms[bad], err, errlen);
+    else if (r2 != ncclSuccess)
+      rc = nccl_err("ncclGroupEnd (reduce-scatter)", r2, cc->comms[0], err,
+                    errlen);
+    for (int i = 0; do_div && i < w && rc == SHARDD_OK; i++) {
+      /* in place: acc[e] = acc[e] / divisor, element by element */
+      float *acc = (float *)at(dst[i], dst_off) + base;
+      const void *one[1] = {acc};
+      cudaError_t e = cudaSetDevice(cc->devs[i]);
+      if (e == cudaSuccess)
+        e = (cudaError_t)shardd__cuda_reduce((int)SHARDD_DTYPE_FP32, acc, one,
+                                             1, 1, 1, divisor, k,
+                                             cc->streams[i]);
+      if (e != cudaSuccess)
+        rc = cuda_err("divide kernel (reduce-scatter mean)", cc->devs[i], e,
+                      err, errlen);
+    }
+  }
+  for (int i = 0; i < w; i++) {
+    if (stage[i] == NULL)
+      continue;
+    cudaError_t e = cudaSetDevice(cc->devs[i]);
+    if (e == cudaSuccess)
+      e = cudaFreeAsync(stage[i], cc->streams[i]);
+    if (e != cudaSuccess && rc == SHARDD_OK)
+      rc = cuda_err("cudaFreeAsync (reduce-scatter staging)", cc->devs[i], e,
+                    err, errlen);
+  }
+  rc = comm_sync(cc, rc, err, errlen);
+  pthread_mutex_unlock(&cp->nccl_mu);
+  free(stage);
+  return rc;
 }
 
 static void cuda_destroy(shardd__backend *b) {
   cuda_priv *cp = b->priv;
   pthread_mutex_destroy(&cp->lock);
+  pthread_mutex_destroy(&cp->nccl_mu);
   free(cp->dev);
   free(cp->peer);
   free(cp);
@@ -445,6 +765,10 @@ static const shardd__backend_ops cuda_ops = {
     .widen = cuda_widen,
     .device_info = cuda_device_info,
     .destroy = cuda_destroy,
+    .comm_create = cuda_comm_create,
+    .comm_destroy = cuda_comm_destroy,
+    .allgather = cuda_allgather,
+    .reduce_scatter = cuda_reduce_scatter,
 };
 
 int shardd__cuda_device_count(void) {
@@ -534,6 +858,7 @@ shardd_err shardd__backend_cuda_create(int ndevices, shardd__backend **out,
   }
   (void)cudaGetLastError();
   pthread_mutex_init(&cp->lock, NULL);
+  pthread_mutex_init(&cp->nccl_mu, NULL);
   cp->dev = dev;
   cp->peer = peer;
   b->ops = &cuda_ops;

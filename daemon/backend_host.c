@@ -266,6 +266,9 @@ static void host_device_info(shardd__backend *b, int device,
   pthread_mutex_lock(&hp->lock);
   out->used_bytes = device >= 0 && device < b->ndevices ? hp->used[device] : 0;
   pthread_mutex_unlock(&hp->lock);
+  out->free_bytes = out->capacity_bytes > out->used_bytes
+                        ? out->capacity_bytes - out->used_bytes
+                        : 0;
 }
 
 static void host_destroy(shardd__backend *b) {

@@ -172,6 +172,8 @@ shardd_err shardd__status_build(shardd__server *srv,
     ds->name = ar_strdup(r, info.name);
     ds->capacity_bytes = info.capacity_bytes;
     ds->used_bytes = info.used_bytes;
+    ds->has_free_bytes = 1;
+    ds->free_bytes = info.free_bytes;
     st->devices[st->n_devices++] = ds;
   }
 

@@ -7,6 +7,15 @@
  * bit-identical (sum of squares: to double rounding, its summation order
  * differs).
  *
+ * The whole-collective ops (NCCL allgather / reduce_scatter, one rank per
+ * GPU over every GPU present, up to 8) run against the host backend doing
+ * the same collective rank by rank with copy / reduce: allgather must be
+ * bit-identical; reduce_scatter bit-identical with one rank and, with
+ * several, equal outside the outputs and within fp32 reordering inside
+ * (NCCL's summation order is not rank order), fp32 accumulation for bf16 /
+ * fp16 included, with and without mean, in one and in several staging
+ * chunks.
+ *
  * Built without CUDA, or with no device, every test skips visibly:
  * "built without CUDA" / "no CUDA device" (Criterion [SKIP]), never a pass. */
 #include <criterion/criterion.h>
@@ -680,4 +689,211 @@ Test(backend_cuda, create_refuses_too_many_devices) {
   cr_assert_eq(rc, SHARDD_E_RANGE);
   cr_assert_null(b);
   cr_assert(strstr(err, "visible") != NULL, "message: %s", err);
+}
+
+/* ---- whole collectives (NCCL) ------------------------------------------ */
+
+/* n ranks (rank r on device r), each a block laid out as in the registry:
+ * shard (dtype) | reduced (fp32) | gather (dtype) | grad (dtype), at odd
+ * offsets; everything poisoned, then shards and grads random. */
+typedef struct {
+  int n;
+  shardd_dtype dt;
+  size_t esz, s; /* s: shard elements; padded = n * s */
+  size_t shard_off, reduced_off, gather_off, grad_off;
+  pair p[16];
+  shardd__region *h[16], *c[16];
+  void *comm;
+} coll_world;
+
+static int coll_ranks(int want) {
+  int n = g_cuda->ndevices < want ? g_cuda->ndevices : want;
+  return n < 16 ? n : 16;
+}
+
+static void cw_setup(coll_world *w, int n, shardd_dtype dt, size_t s) {
+  memset(w, 0, sizeof *w);
+  w->n = n;
+  w->dt = dt;
+  w->esz = shardd_dtype_size(dt);
+  w->s = s;
+  w->shard_off = 3 * w->esz; /* misaligned for 16-byte vectors */
+  w->reduced_off = (w->shard_off + s * w->esz + 255) / 256 * 256 + 4;
+  w->gather_off = w->reduced_off + s * 4 + 6;
+  w->grad_off = w->gather_off + (size_t)n * s * w->esz + 2 * w->esz;
+  size_t bytes = w->grad_off + (size_t)n * s * w->esz + 128;
+  for (int r = 0; r < n; r++) {
+    w->p[r] = pair_alloc(r, bytes);
+    fill_param(dt, hat(&w->p[r], w->shard_off), s);
+    fill_param(dt, hat(&w->p[r], w->grad_off), (size_t)n * s);
+    pair_push(&w->p[r]);
+    w->h[r] = w->p[r].h;
+    w->c[r] = w->p[r].c;
+  }
+  int devs[16];
+  for (int r = 0; r < n; r++)
+    devs[r] = r;
+  char err[512];
+  cr_assert_not_null(g_cuda->ops->comm_create);
+  shardd_err rc = g_cuda->ops->comm_create(g_cuda, devs, n, &w->comm, err,
+                                           sizeof err);
+  cr_assert_eq(rc, SHARDD_OK, "comm_create over %d devices: %s", n, err);
+}
+
+static void cw_free(coll_world *w) {
+  g_cuda->ops->comm_destroy(g_cuda, w->comm);
+  for (int r = 0; r < w->n; r++)
+    pair_free(&w->p[r]);
+}
+
+static float widen_at(shardd_dtype dt, const void *p, size_t i) {
+  if (dt == SHARDD_DTYPE_FP32)
+    return ((const float *)p)[i];
+  uint16_t h = ((const uint16_t *)p)[i];
+  return dt == SHARDD_DTYPE_BF16 ? shardd__bf16_to_f32(h) : shardd__f16_to_f32(h);
+}
+
+static void check_allgather(shardd_dtype dt, int n, size_t s) {
+  coll_world w;
+  cw_setup(&w, n, dt, s);
+  size_t bytes = s * w.esz;
+  for (int i = 0; i < n; i++) /* the host reference: rank by rank copies */
+    for (int j = 0; j < n; j++)
+      cr_assert_eq(g_host->ops->copy(g_host, w.h[i], w.gather_off + j * bytes,
+                                     w.h[j], w.shard_off, bytes), SHARDD_OK);
+  char err[512] = "";
+  shardd_err rc = g_cuda->ops->allgather(g_cuda, w.comm, w.c, w.shard_off,
+                                         w.c, w.gather_off, bytes, err,
+                                         sizeof err);
+  cr_assert_eq(rc, SHARDD_OK, "allgather: %s", err);
+  char what[128];
+  for (int r = 0; r < n; r++) {
+    snprintf(what, sizeof what, "allgather %s n=%d s=%zu, rank %d's block",
+             dt_name(dt), n, s, r);
+    pair_expect_same(&w.p[r], what);
+  }
+  cw_free(&w);
+}
+
+/* Bit-identical to the host outside [off, off+4m); inside, within the
+ * rounding a different fp32 summation order of nsum terms can give. */
+static void expect_close_f32(pair *p, size_t off, size_t m, const float *tol,
+                             const char *what) {
+  unsigned char *got = malloc(p->bytes);
+  cr_assert_not_null(got);
+  cu_download(got, p->c, p->bytes);
+  const unsigned char *want = p->h->ptr;
+  cr_assert(memcmp(got, want, off) == 0, "%s: bytes before the output differ", what);
+  cr_assert(memcmp(got + off + 4 * m, want + off + 4 * m,
+                   p->bytes - off - 4 * m) == 0,
+            "%s: bytes after the output differ", what);
+  for (size_t i = 0; i < m; i++) {
+    float a, b;
+    memcpy(&a, want + off + 4 * i, 4);
+    memcpy(&b, got + off + 4 * i, 4);
+    if (!(fabsf(a - b) <= tol[i])) {
+      free(got);
+      cr_assert_fail("%s: element %zu: host %.9g, cuda %.9g (tolerance %.3g)",
+                     what, i, (double)a, (double)b, (double)tol[i]);
+    }
+  }
+  free(got);
+}
+
+static void check_reduce_scatter(shardd_dtype dt, int n, size_t s,
+                                 float divisor) {
+  coll_world w;
+  cw_setup(&w, n, dt, s);
+  /* the host reference: rank i's shard of the sum, in rank order, fp32 */
+  size_t offs[16];
+  for (int i = 0; i < n; i++) {
+    for (int j = 0; j < n; j++)
+      offs[j] = w.grad_off + (size_t)i * s * w.esz;
+    cr_assert_eq(g_host->ops->reduce(g_host, dt, divisor, w.h[i],
+                                     w.reduced_off, w.h, offs, n, s),
+                 SHARDD_OK);
+  }
+  char err[512] = "";
+  shardd_err rc = g_cuda->ops->reduce_scatter(g_cuda, w.comm, dt, divisor, w.c,
+                                              w.grad_off, w.c, w.reduced_off,
+                                              s, err, sizeof err);
+  cr_assert_eq(rc, SHARDD_OK, "reduce_scatter: %s", err);
+  char what[160];
+  float *tol = malloc(s * sizeof *tol);
+  cr_assert_not_null(tol);
+  for (int i = 0; i < n; i++) {
+    snprintf(what, sizeof what,
+             "reduce_scatter %s n=%d s=%zu divisor=%g, rank %d's block",
+             dt_name(dt), n, s, (double)divisor, i);
+    if (n == 1) { /* one term: no order to differ, must be exact */
+      pair_expect_same(&w.p[i], what);
+      continue;
+    }
+    for (size_t e = 0; e < s; e++) {
+      double mag = 0;
+      for (int j = 0; j < n; j++)
+        mag += fabs((double)widen_at(dt, hat(&w.p[j], w.grad_off),
+                                     (size_t)i * s + e));
+      tol[e] = (float)(2.0 * n * mag * 0x1p-23 / divisor);
+    }
+    expect_close_f32(&w.p[i], w.reduced_off, s, tol, what);
+  }
+  free(tol);
+  cw_free(&w);
+}
+
+Test(backend_cuda, nccl_allgather) {
+  need_cuda();
+  int n = coll_ranks(8);
+  check_allgather(SHARDD_DTYPE_FP32, n, 100003);
+  check_allgather(SHARDD_DTYPE_BF16, n, 65537);
+  check_allgather(SHARDD_DTYPE_FP16, n, 1);
+}
+
+Test(backend_cuda, nccl_reduce_scatter_fp32) {
+  need_cuda();
+  int n = coll_ranks(8);
+  check_reduce_scatter(SHARDD_DTYPE_FP32, n, 100003, 1.0f);
+  check_reduce_scatter(SHARDD_DTYPE_FP32, n, 4099, (float)n);
+}
+
+Test(backend_cuda, nccl_reduce_scatter_16bit_in_fp32) {
+  need_cuda();
+  int n = coll_ranks(8);
+  check_reduce_scatter(SHARDD_DTYPE_BF16, n, 100003, (float)n);
+  check_reduce_scatter(SHARDD_DTYPE_FP16, n, 100003, 1.0f);
+  check_reduce_scatter(SHARDD_DTYPE_BF16, n, 7, 3.0f);
+}
+
+/* More than one staging chunk (RS_STAGE_ELEMS fp32 per device, 32 Mi). */
+Test(backend_cuda, nccl_reduce_scatter_chunked, .timeout = 120) {
+  need_cuda();
+  int n = coll_ranks(2);
+  check_reduce_scatter(SHARDD_DTYPE_BF16, n, ((size_t)32 << 20) / (size_t)n + 5,
+                       (float)n);
+}
+
+Test(backend_cuda, nccl_comm_refusals) {
+  need_cuda();
+  void *comm = (void *)1;
+  char err[256];
+  int two[2] = {0, 0};
+  cr_assert_eq(g_cuda->ops->comm_create(g_cuda, two, 2, &comm, err, sizeof err),
+               SHARDD_E_INVAL);
+  cr_assert_null(comm);
+  cr_assert(strstr(err, "both on device 0") != NULL, "message: %s", err);
+  int bad = g_cuda->ndevices;
+  cr_assert_eq(g_cuda->ops->comm_create(g_cuda, &bad, 1, &comm, err, sizeof err),
+               SHARDD_E_INVAL);
+  cr_assert_null(g_host->ops->comm_create);
+  cr_assert_null(g_host->ops->allgather);
+  cr_assert_null(g_host->ops->reduce_scatter);
+}
+
+Test(backend_cuda, device_info_free_bytes) {
+  need_cuda();
+  shardd__device_info di;
+  g_cuda->ops->device_info(g_cuda, 0, &di);
+  cr_assert_gt(di.free_bytes, 0);
+  cr_assert_leq(di.free_bytes, di.capacity_bytes);
 }

@@ -154,6 +154,9 @@ class Buffer:
         self.device = info.device
         self.created = bool(info.created)
         self.generation = info.generation
+        # cuda backend: the areas are CUDA device pointers (address() gives
+        # them to e.g. torch / cupy); they have no host view
+        self.is_device = bool(info.is_device)
         self._ptr = {
             "shard": (info.shard, info.shard_numel, info.dtype),
             "gather": (info.gather, info.padded_numel, info.dtype),
@@ -185,6 +188,10 @@ class Buffer:
             ptr, n, code = self._ptr[area]
             if not ptr:
                 raise Error(5, "buffer %d has no %s area" % (self.id, area), "E_NOT_FOUND")
+            if self.is_device:
+                raise Error(21, "buffer %d's %s area is GPU memory (cuda backend): "
+                            "use address(%r) as a device pointer, not a host view"
+                            % (self.id, area, area), "E_NO_CUDA")
             ctype = ctypes.c_float if code == L.DTYPE_FP32 else ctypes.c_uint16
             arr = (ctype * n).from_address(ptr)
             self._carr[area] = arr

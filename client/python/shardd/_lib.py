@@ -65,6 +65,7 @@ class BufferInfo(ctypes.Structure):
         ("grad", c_void_p),
         ("reduced", c_void_p),
         ("generation", c_uint64),
+        ("is_device", c_int),
     ]
 
 
