@@ -498,7 +498,7 @@ Test(checkpoint, sigterm_with_checkpoint_on_exit_writes_every_job, .timeout = 60
   cr_assert_eq(access(manifest, R_OK), 0, "no %s", manifest);
 }
 
-Test(checkpoint, checkpoint_root_confines_client_paths, .timeout = 30) {
+Test(checkpoint, checkpoint_root_confines_client_paths, .timeout = 60) {
   char root[128], inside[200];
   snprintf(root, sizeof root, "%s/root", dir);
   cr_assert_eq(mkdir(root, 0750), 0);
@@ -698,10 +698,10 @@ static void expect_fifo_refused(const char *name) {
   unlink(path);
 }
 
-Test(checkpoint, fifo_manifest_is_refused_without_blocking, .timeout = 30) {
+Test(checkpoint, fifo_manifest_is_refused_without_blocking, .timeout = 60) {
   expect_fifo_refused("manifest");
 }
 
-Test(checkpoint, fifo_shard_is_refused_without_blocking, .timeout = 30) {
+Test(checkpoint, fifo_shard_is_refused_without_blocking, .timeout = 60) {
   expect_fifo_refused("b0-r0.shard");
 }

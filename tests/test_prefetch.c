@@ -68,7 +68,7 @@ static void *prefetch_rank(void *p) {
   return NULL;
 }
 
-Test(prefetch, async_gathers_complete_in_any_interleaving, .timeout = 60) {
+Test(prefetch, async_gathers_complete_in_any_interleaving, .timeout = 120) {
   test_daemon d;
   test_daemon_start(&d, (const char *const[]){"--devices", "2", NULL});
   pthread_t th[2];
@@ -81,7 +81,7 @@ Test(prefetch, async_gathers_complete_in_any_interleaving, .timeout = 60) {
   cr_assert_eq(test_daemon_stop(&d), 0);
 }
 
-Test(prefetch, daemon_bounds_gathers_in_flight, .timeout = 30) {
+Test(prefetch, daemon_bounds_gathers_in_flight, .timeout = 120) {
   test_daemon d;
   test_daemon_start(&d, (const char *const[]){"--max-inflight-gathers", "3", NULL});
   shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;

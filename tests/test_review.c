@@ -51,7 +51,7 @@ static uint64_t raw_view(test_raw *r, uint64_t buf, const char *name,
  * file is being edited elsewhere; the patch is in the review report): the
  * daemon dies of a use-after-free at collective.c:401 without it. */
 Test(review, scatter_with_no_work_completes_and_daemon_lives, .init = start1,
-     .fini = stop_daemon, .timeout = 60) {
+     .fini = stop_daemon, .timeout = 120) {
   test_raw r;
   test_raw_open(&d, &r);
   test_raw_hello(&r, "frozen-all", 0, 1);
