@@ -150,6 +150,26 @@ class BindingTest(unittest.TestCase):
                  for o in j["optimizers"]]
         self.assertEqual(names, ["sgd"])
 
+    def test_frozen_view_lora(self):
+        c = self.client("lora")
+        b = c.register_buffer("flat", "fp32", 12)
+        base = c.register_view(b, "base.weight", 0, (2, 4), requires_grad=False)
+        lora = c.register_view(b, "lora.A", 8, (4,))
+        self.assertFalse(base.requires_grad)
+        self.assertTrue(lora.requires_grad)
+        b.shard[:] = 1.0
+        with self.assertRaises(shardd.Error) as cm:
+            c.register_optimizer("sgd", [[base, lora]], name="both", lr=0.5)
+        self.assertIn('"base.weight"', cm.exception.message)
+        self.assertIn("frozen", cm.exception.message)
+        opt = c.register_optimizer("sgd", [[lora]], name="adapters", lr=0.5)
+        b.grad[:] = 2.0
+        c.scatter(b, "sum")
+        c.step(opt)
+        c.gather(b)
+        np.testing.assert_array_equal(b.gather[:8], np.ones(8, np.float32))  # frozen
+        np.testing.assert_array_equal(b.gather[8:], np.zeros(4, np.float32))  # 1 - 0.5*2
+
     def test_refusal_names_the_ref(self):
         c = self.client("refuse")
         b = c.register_buffer("flat", "fp32", 8)
