@@ -157,6 +157,18 @@ static int restore_all(shardd__server *srv, const char *dir) {
   return rc;
 }
 
+/* A whole number in [1, hi] for --flag, else a message and -1. */
+static int parse_count(const char *flag, const char *s, long hi, long *out) {
+  char *end;
+  long v = strtol(s, &end, 10);
+  if (*end || v < 1 || v > hi) {
+    fprintf(stderr, "shardd: --%s %s: must be 1..%ld\n", flag, s, hi);
+    return -1;
+  }
+  *out = v;
+  return 0;
+}
+
 static int parse_level(const char *s) {
   static const char *names[] = {"error", "warn", "info", "debug"};
   for (int i = 0; i < 4; i++)
@@ -215,12 +227,9 @@ int main(int argc, char **argv) {
       }
       break;
     case O_DEVICES: {
-      char *end;
-      long v = strtol(optarg, &end, 10);
-      if (*end || v < 1 || v > 1024) {
-        fprintf(stderr, "shardd: --devices %s: must be 1..1024\n", optarg);
+      long v;
+      if (parse_count("devices", optarg, 1024, &v) != 0)
         return 2;
-      }
       devices = (int)v;
       break;
     }
@@ -244,12 +253,9 @@ int main(int argc, char **argv) {
       }
       break;
     case O_MAXCLIENTS: {
-      char *end;
-      long v = strtol(optarg, &end, 10);
-      if (*end || v < 1 || v > 1000000) {
-        fprintf(stderr, "shardd: --max-clients %s: must be 1..1000000\n", optarg);
+      long v;
+      if (parse_count("max-clients", optarg, 1000000, &v) != 0)
         return 2;
-      }
       opts.max_clients = (uint32_t)v;
       break;
     }
@@ -268,22 +274,16 @@ int main(int argc, char **argv) {
       restore = optarg;
       break;
     case O_MAXJOBS: {
-      char *end;
-      long v = strtol(optarg, &end, 10);
-      if (*end || v < 1 || v > 1000000) {
-        fprintf(stderr, "shardd: --max-jobs %s: must be 1..1000000\n", optarg);
+      long v;
+      if (parse_count("max-jobs", optarg, 1000000, &v) != 0)
         return 2;
-      }
       opts.max_jobs = (uint32_t)v;
       break;
     }
     case O_MAXGATHERS: {
-      char *end;
-      long v = strtol(optarg, &end, 10);
-      if (*end || v < 1 || v > 1024) {
-        fprintf(stderr, "shardd: --max-inflight-gathers %s: must be 1..1024\n", optarg);
+      long v;
+      if (parse_count("max-inflight-gathers", optarg, 1024, &v) != 0)
         return 2;
-      }
       opts.max_inflight_gathers = (uint32_t)v;
       break;
     }
