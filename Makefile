@@ -18,6 +18,8 @@ ifeq ($(origin CUDA),undefined)
 CUDA := $(shell test -x $(NVCC) && test -f $(CUDA_HOME)/include/cuda_runtime.h && echo 1 || echo 0)
 endif
 CUDA_ARCH ?= -arch=sm_90
+# benches are tuned for the CPU they run on; gpu_pack.sh builds for another
+BENCH_MARCH ?= -march=native
 
 CC ?= cc
 PKGS := libuv libprotobuf-c
@@ -73,11 +75,13 @@ $(CONFIG_STAMP):
 	@rm -f $(BUILD)/.config-*
 	@touch $@
 
-$(PROTO_C) $(PROTO_H): proto/shardd.proto $(CONFIG_STAMP)
+# The generated sources do not depend on the configuration (gpu_check.sh
+# brings them to machines without protoc-c); their object does.
+$(PROTO_C) $(PROTO_H): proto/shardd.proto
 	@mkdir -p $(BUILD)/gen
 	protoc-c --c_out=$(BUILD)/gen proto/shardd.proto
 
-$(PROTO_O): $(PROTO_C)
+$(PROTO_O): $(PROTO_C) $(CONFIG_STAMP)
 	$(CC) $(CFLAGS_ALL) -Wno-shadow -c $< -o $@
 
 $(BUILD)/%.o: %.c $(PROTO_H) $(CONFIG_STAMP)
@@ -86,7 +90,7 @@ $(BUILD)/%.o: %.c $(PROTO_H) $(CONFIG_STAMP)
 
 $(BUILD)/%.cu.o: %.cu $(wildcard daemon/*_cuda.h) $(CONFIG_STAMP)
 	@mkdir -p $(@D)
-	$(NVCC) $(CUDA_ARCH) -O3 -std=c++17 -Xcompiler -fPIC -Idaemon -Iclient -c $< -o $@
+	$(NVCC) $(CUDA_ARCH) -O3 -std=c++17 -Xcompiler -fPIC -Idaemon -Iclient -MMD -MP -MF $(@:.o=.d) -c $< -o $@
 
 $(LIBA): $(LIB_OBJ)
 	@rm -f $@
@@ -119,7 +123,7 @@ $(BUILD)/tests/%: tests/%.c $(DAEMONA) $(LIBA)
 
 $(BUILD)/bench/%: bench/%.c $(DAEMONA) $(LIBA)
 	@mkdir -p $(@D)
-	$(CC) $(CFLAGS_ALL) -O3 -march=native -o $@ $< $(DAEMONA) $(LIBA) $(LDFLAGS) $(LDLIBS_ALL)
+	$(CC) $(CFLAGS_ALL) -O3 $(BENCH_MARCH) -o $@ $< $(DAEMONA) $(LIBA) $(LDFLAGS) $(LDLIBS_ALL)
 
 # libFuzzer over the whole request path (tests/fuzz/fuzz_request.c), built
 # with clang from the sources; runs FUZZ_SECONDS on a copy of the seeds.
