@@ -8,12 +8,14 @@
 #include <stddef.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -54,20 +56,45 @@ static struct {
   const char *(*error_string)(int e);
 } cudart = {PTHREAD_ONCE_INIT, NULL, "", NULL, NULL, NULL, NULL, NULL};
 
+/* Why dlopen() failed, copied at once: the next dl* call overwrites it. */
+static void *cudart_open(const char *name, char *why, size_t whylen) {
+  void *lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+  if (lib == NULL) {
+    const char *e = dlerror();
+    snprintf(why, whylen, "%s", e ? e : "unknown dlopen error");
+  }
+  return lib;
+}
+
 static void cudart_load(void) {
   static const char *names[] = {"libcudart.so", "libcudart.so.13",
                                 "libcudart.so.12"};
-  const char *last = "";
-  for (size_t i = 0; i < sizeof names / sizeof names[0] && !cudart.lib; i++) {
-    cudart.lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
-    if (cudart.lib == NULL && dlerror() != NULL)
-      last = names[i];
+  char last[256] = "";
+  /* Hosts with several CUDA versions pick the runtime matching the
+   * daemon's; read once, at the first CUDA handle of the process. */
+  const char *env = getenv("SHARDD_CUDART");
+  if (env != NULL) {
+    /* dlopen("") would hand back the program itself, not a runtime. */
+    if (env[0] == '\0') {
+      snprintf(cudart.why, sizeof cudart.why,
+               "SHARDD_CUDART is set but empty: name the libcudart to load, "
+               "or unset it to try libcudart.so, .so.13, .so.12");
+      return;
+    }
+    cudart.lib = cudart_open(env, last, sizeof last);
+    if (cudart.lib == NULL) {
+      snprintf(cudart.why, sizeof cudart.why,
+               "SHARDD_CUDART=%s could not be loaded: %s", env, last);
+      return;
+    }
   }
+  for (size_t i = 0; i < sizeof names / sizeof names[0] && !cudart.lib; i++)
+    cudart.lib = cudart_open(names[i], last, sizeof last);
   if (cudart.lib == NULL) {
     snprintf(cudart.why, sizeof cudart.why,
              "libcudart could not be loaded (tried libcudart.so, .so.13, "
-             ".so.12; last: %s): install the CUDA runtime or add its folder "
-             "to LD_LIBRARY_PATH", last);
+             ".so.12; last: %s): install the CUDA runtime, add its folder "
+             "to LD_LIBRARY_PATH or name it in SHARDD_CUDART", last);
     return;
   }
   *(void **)&cudart.ipc_open = dlsym(cudart.lib, "cudaIpcOpenMemHandle");
@@ -78,7 +105,8 @@ static void cudart_load(void) {
   if (!cudart.ipc_open || !cudart.ipc_close || !cudart.get_device ||
       !cudart.set_device || !cudart.error_string) {
     snprintf(cudart.why, sizeof cudart.why,
-             "the loaded libcudart lacks cudaIpcOpenMemHandle and friends");
+             "the loaded library (%s) lacks cudaIpcOpenMemHandle and friends: "
+             "it is not a CUDA runtime", env ? env : "libcudart");
     dlclose(cudart.lib);
     cudart.lib = NULL;
   }
@@ -94,19 +122,32 @@ static const char *cuda_str(int e) {
   return s ? s : "unknown CUDA error";
 }
 
-/* Opens handle on device dev (the caller's current device is kept). */
-static int cuda_open(const void *handle, int dev, void **out) {
+/* Opens handle on device dev (the caller's current device is kept). On
+ * failure *what names the CUDA call that failed. */
+static int cuda_open(const void *handle, int dev, void **out,
+                     const char **what) {
   cuda_ipc_handle h;
   memcpy(&h, handle, sizeof h);
   int cur = -1;
+  *what = "cudaGetDevice";
   int e = cudart.get_device(&cur);
-  if (e == 0 && cur != dev)
+  if (e == 0 && cur != dev) {
+    *what = "cudaSetDevice";
     e = cudart.set_device(dev);
-  if (e == 0)
+  }
+  if (e == 0) {
+    *what = "cudaIpcOpenMemHandle";
     e = cudart.ipc_open(out, h, CUDA_IPC_LAZY_PEER);
+  }
   if (cur >= 0 && cur != dev)
     (void)cudart.set_device(cur);
   return e;
+}
+
+/* Whether n elements of esz bytes at byte off lie within total bytes, at an
+ * element-aligned offset, without the sums wrapping. */
+static int area_ok(uint64_t off, uint64_t n, size_t esz, uint64_t total) {
+  return n <= total / esz && off <= total - n * esz && off % esz == 0;
 }
 
 static void unmap(mapping *m) {
@@ -243,8 +284,18 @@ static shardd_err recv_for(shardd_client_t *c, uint64_t seq,
     int nfds = 0;
     shardd_err rc = shardd__frame_recv(c->fd, &c->rd, &payload, &len, fds, 4,
                                        &nfds, c->err, sizeof c->err);
-    if (rc != SHARDD_OK)
+    if (rc != SHARDD_OK) {
+      /* descriptors of a frame that never completed belong to no reply */
+      for (int i = 0; i < nfds; i++)
+        close(fds[i]);
+      /* An oversized header cannot be skipped: every later read would hit
+       * it again, so the connection is given up (mappings stay valid). */
+      if (rc == SHARDD_E_FRAME_TOO_LARGE) {
+        close(c->fd);
+        c->fd = -1;
+      }
       return rc;
+    }
     Shardd__Response *resp = shardd__response__unpack(NULL, len, payload);
     if (resp == NULL) {
       for (int i = 0; i < nfds; i++)
@@ -340,6 +391,7 @@ shardd_err shardd_connect(const char *socket_path,
       snprintf(errbuf, errlen, "out of memory");
     return SHARDD_E_NO_MEMORY;
   }
+  c->fd = -1; /* calloc's 0 is stdin, which the failure path would close */
   shardd__frame_reader_init(&c->rd, SHARDD_MAX_FRAME);
   struct sockaddr_un sa = {.sun_family = AF_UNIX};
   shardd_err rc;
@@ -534,19 +586,55 @@ shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
   const Shardd__BufferReply *br = resp->buffer;
   size_t esz = shardd_dtype_size((shardd_dtype)br->dtype);
   int device = -1; /* host mapping */
+  /* The reply is checked before anything is mapped: the pointers handed
+   * out are computed from it, so a wrong layout would have the caller
+   * write past the mapping. */
+  const char *bad = NULL;
+  if (esz == 0)
+    bad = "unknown dtype";
+  else if (br->world == 0 || br->rank >= br->world ||
+           br->numel > br->padded_numel ||
+           br->shard_numel > br->padded_numel / br->world ||
+           br->shard_numel * br->world != br->padded_numel)
+    bad = "element counts"; /* rank * shard_numel indexes the gather area */
+  else if (br->block_bytes == 0 ||
+           (uint64_t)(size_t)br->block_bytes != br->block_bytes)
+    bad = "block size";
+  else if (!area_ok(br->shard_offset, br->shard_numel, esz, br->block_bytes))
+    bad = "shard area";
+  else if (!area_ok(br->gather_offset, br->padded_numel, esz, br->block_bytes))
+    bad = "gather area";
+  else if (!area_ok(br->grad_offset, br->padded_numel, esz, br->block_bytes))
+    bad = "gradient area";
+  else if (br->has_reduced_offset &&
+           !area_ok(br->reduced_offset, br->shard_numel, 4, br->block_bytes))
+    bad = "reduced-gradient area";
+  if (bad) {
+    rc = set_err(c, SHARDD_E_PROTOCOL,
+                 "buffer %" PRIu64 ": inconsistent layout (%s) in a block of "
+                 "%" PRIu64 " bytes", br->id, bad, br->block_bytes);
+    goto done;
+  }
   if (fd < 0 && br->has_cuda_ipc_handle) {
+    if (br->cuda_ipc_handle.len != CUDA_IPC_BYTES) {
+      rc = set_err(c, SHARDD_E_PROTOCOL,
+                   "buffer %" PRIu64 ": CUDA IPC handle of %zu bytes, not %d",
+                   br->id, br->cuda_ipc_handle.len, CUDA_IPC_BYTES);
+      goto done;
+    }
+    /* -1 is the host marker of a mapping; larger ordinals wrap into it */
+    if (br->device > INT_MAX) {
+      rc = set_err(c, SHARDD_E_PROTOCOL,
+                   "buffer %" PRIu64 ": CUDA device %" PRIu32 " out of range",
+                   br->id, br->device);
+      goto done;
+    }
     if (!cudart_ready()) {
       rc = set_err(c, SHARDD_E_NO_CUDA,
                    "buffer %" PRIu64 " lives in GPU memory (cuda backend): "
                    "opening its CUDA IPC handle needs the CUDA runtime: %s; "
                    "or run the daemon with --backend host to use host memory",
                    br->id, cudart.why);
-      goto done;
-    }
-    if (br->cuda_ipc_handle.len != CUDA_IPC_BYTES) {
-      rc = set_err(c, SHARDD_E_PROTOCOL,
-                   "buffer %" PRIu64 ": CUDA IPC handle of %zu bytes, not %d",
-                   br->id, br->cuda_ipc_handle.len, CUDA_IPC_BYTES);
       goto done;
     }
     device = (int)br->device;
@@ -556,12 +644,26 @@ shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
                  " (is this a cuda backend? this call maps host memory)",
                  br->id);
     goto done;
-  }
-  if (esz == 0 || br->grad_offset + br->padded_numel * esz > br->block_bytes ||
-      br->gather_offset + br->padded_numel * esz > br->block_bytes) {
-    rc = set_err(c, SHARDD_E_PROTOCOL, "buffer %" PRIu64 ": inconsistent layout",
-                 br->id);
-    goto done;
+  } else {
+    /* A mapping past the end of the file, or of a file shrunk later,
+     * faults (SIGBUS) at first touch instead of failing here. */
+    struct stat st;
+    if (fstat(fd, &st) != 0)
+      st.st_size = -1;
+    if (st.st_size < 0 || (uint64_t)st.st_size < br->block_bytes) {
+      rc = set_err(c, SHARDD_E_PROTOCOL,
+                   "buffer %" PRIu64 ": the daemon's descriptor holds %jd "
+                   "bytes, not the %" PRIu64 " of its block", br->id,
+                   (intmax_t)st.st_size, br->block_bytes);
+      goto done;
+    }
+    int seals = fcntl(fd, F_GET_SEALS);
+    if (seals < 0 || !(seals & F_SEAL_SHRINK)) {
+      rc = set_err(c, SHARDD_E_PROTOCOL,
+                   "buffer %" PRIu64 ": the daemon's descriptor is not a memfd "
+                   "sealed against shrinking (F_SEAL_SHRINK)", br->id);
+      goto done;
+    }
   }
   /* Registering again on one connection hands back the same mapping, so
    * pointers from the first call stay valid as the header promises. */
@@ -576,15 +678,17 @@ shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
       goto done;
     }
     if (device >= 0) {
-      int e = cuda_open(br->cuda_ipc_handle.data, device, &base);
+      const char *what;
+      int e = cuda_open(br->cuda_ipc_handle.data, device, &base, &what);
       if (e != 0) {
         free(m);
         rc = set_err(c, SHARDD_E_IO,
-                     "cudaIpcOpenMemHandle of buffer %" PRIu64 " (%" PRIu64
-                     " bytes on CUDA device %d): %s (error %d); the trainer "
+                     "opening the CUDA IPC handle of buffer %" PRIu64
+                     " (%" PRIu64 " bytes on CUDA device %d): %s: %s "
+                     "(error %d); the trainer "
                      "must see the daemon's GPUs under the same ordinals "
                      "(CUDA_VISIBLE_DEVICES) and be another process",
-                     br->id, br->block_bytes, device, cuda_str(e), e);
+                     br->id, br->block_bytes, device, what, cuda_str(e), e);
         goto done;
       }
     } else {
@@ -751,8 +855,12 @@ shardd_err shardd_optimizer_register(shardd_client_t *c, const char *name,
   if (ngroups > 0 && groups == NULL)
     return set_err(c, SHARDD_E_INVAL, "optimizer: NULL groups");
   size_t nrefs = 0;
-  for (size_t g = 0; g < ngroups; g++)
+  for (size_t g = 0; g < ngroups; g++) {
+    /* a wrapped sum would size the arrays below smaller than the loop */
+    if (groups[g].nrefs > SIZE_MAX - nrefs)
+      return set_err(c, SHARDD_E_INVAL, "optimizer: too many refs");
     nrefs += groups[g].nrefs;
+  }
   Shardd__ParamGroup *pg = calloc(ngroups ? ngroups : 1, sizeof *pg);
   Shardd__ParamGroup **pgp = calloc(ngroups ? ngroups : 1, sizeof *pgp);
   Shardd__HyperParams *ov = calloc(ngroups ? ngroups : 1, sizeof *ov);

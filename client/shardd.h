@@ -154,7 +154,8 @@ void shardd_free(void *p);
  * device pointers into the daemon's allocation on GPU `device`, opened with
  * cudaIpcOpenMemHandle — usable by kernels and cudaMemcpy, never
  * dereferenced on the host. libshardd does not link CUDA: it loads
- * libcudart.so at run time for this (SHARDD_E_NO_CUDA when it cannot), and
+ * libcudart.so at run time for this ($SHARDD_CUDART, when set, names the
+ * library instead; SHARDD_E_NO_CUDA when it cannot be loaded), and
  * closes the handle (cudaIpcCloseMemHandle) on unregister and close. Work
  * written there must be complete (stream synchronised) before the gather,
  * scatter or step that reads it is requested. Host backend: is_device 0,
