@@ -646,6 +646,8 @@ static shardd_err cuda_reduce_scatter(shardd__backend *b, void *comm,
       return SHARDD_E_INVAL;
     }
   int w = cc->n;
+  if (w < 1) /* comm_create makes none smaller; this tells the compiler */
+    return SHARDD_E_INVAL;
   int wide = dtype != SHARDD_DTYPE_FP32;
   int do_div = divisor != 1.0f; /* as the host: no division by 1 at all */
   /* fp32 gradients go to NCCL as they are, in one call; 16-bit ones are
