@@ -34,7 +34,6 @@
 #include "backend.h"
 
 #include <cuda_runtime_api.h>
-#include <math.h>
 #include <nccl.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -337,44 +336,6 @@ static shardd_err cuda_sumsq(shardd__backend *b, shardd__region *r, size_t off,
   return SHARDD_OK;
 }
 
-/* optim.c's sgd_update / adam_update scalars, computed the same way. */
-static void fill_upd(const shardd__hp *hp, uint64_t step, float grad_scale,
-                     shardd__cuda_upd *k) {
-  memset(k, 0, sizeof *k);
-  k->scale = hp->maximize ? -grad_scale : grad_scale;
-  if (hp->kind == SHARDD_OPTIM_SGD) {
-    k->kind = SHARDD__CUDA_SGD;
-    k->wd = (float)hp->weight_decay;
-    k->mom = (float)hp->momentum;
-    k->damp1 = (float)(1.0 - hp->dampening);
-    k->neg_lr = (float)-hp->lr;
-    k->has_wd = hp->weight_decay != 0;
-    k->has_mom = hp->momentum != 0;
-    k->first = step <= 1;
-    k->nesterov = hp->nesterov != 0;
-    return;
-  }
-  double t = (double)step;
-  double bc1 = 1.0 - pow(hp->beta1, t);
-  double bc2 = 1.0 - pow(hp->beta2, t);
-  double step_size = hp->lr / bc1;
-  k->kind = SHARDD__CUDA_ADAM;
-  k->wd = (float)hp->weight_decay;
-  k->keep = (float)(1.0 - hp->lr * hp->weight_decay);
-  k->b1 = (float)hp->beta1;
-  k->omb1 = (float)(1.0 - hp->beta1);
-  k->b2 = (float)hp->beta2;
-  k->omb2 = (float)(1.0 - hp->beta2);
-  k->bc2_sqrt = (float)sqrt(bc2);
-  k->eps = (float)hp->eps;
-  k->neg_step = (float)-step_size;
-  k->decay = SHARDD__CUDA_DECAY_NONE;
-  if (hp->weight_decay != 0)
-    k->decay = hp->kind == SHARDD_OPTIM_ADAMW ? SHARDD__CUDA_DECAY_DECOUPLED
-                                              : SHARDD__CUDA_DECAY_L2;
-  k->amsgrad = hp->amsgrad != 0;
-}
-
 static shardd_err cuda_update(shardd__backend *b, const shardd__hp *hp,
                               uint64_t step, shardd_dtype dtype,
                               shardd__region *param, size_t param_off,
@@ -390,7 +351,7 @@ static shardd_err cuda_update(shardd__backend *b, const shardd__hp *hp,
   if (dtype != SHARDD_DTYPE_FP32 && master == NULL)
     return SHARDD_E_INVAL;
   shardd__cuda_upd k;
-  fill_upd(hp, step, grad_scale, &k);
+  shardd__cuda_fill_upd(hp, step, grad_scale, &k);
   float *st[3] = {NULL, NULL, NULL};
   int ns = shardd__optim_state_count(hp);
   for (int i = 0; i < ns; i++)

@@ -1,30 +1,32 @@
 /* dtype.h — element conversions between fp32 and the 16-bit formats the
  * daemon stores (bf16, IEEE fp16). Header-only so the kernels that use them
- * inline and vectorize. Rounding is round-to-nearest-even, as torch's
- * .to(torch.bfloat16) / .half() on CPU; NaN stays NaN. */
+ * inline and vectorize, and SHARDD_HD (hostdev.h) so the cuda kernels
+ * (optim_cuda.cu) run this very code: integer operations only, so host and
+ * device agree bit for bit, NaNs included. Rounding is round-to-nearest-even,
+ * as torch's .to(torch.bfloat16) / .half() on CPU; NaN stays NaN. */
 #ifndef SHARDD_DTYPE_H
 #define SHARDD_DTYPE_H
 
 #include <stdint.h>
-#include <string.h>
 
-static inline float shardd__bf16_to_f32(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
+#include "hostdev.h"
+
+SHARDD_HD float shardd__bf16_to_f32(uint16_t h) {
+  return shardd__bits_f32((uint32_t)h << 16);
 }
 
-static inline uint16_t shardd__f32_to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
+SHARDD_HD uint16_t shardd__f32_to_bf16(float f) {
+  uint32_t u = shardd__f32_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN: keep it quiet, keep sign */
     return (uint16_t)((u >> 16) | 0x0040u);
   u += 0x7fffu + ((u >> 16) & 1u);
   return (uint16_t)(u >> 16);
 }
 
-static inline float shardd__f16_to_f32(uint16_t h) {
+/* A signalling NaN comes back quiet (payload kept), as from the float
+ * arithmetic decode optim.c's shardd__to_f32 uses (torch's), so widening a
+ * parameter gives the same bits on every path. */
+SHARDD_HD float shardd__f16_to_f32(uint16_t h) {
   uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
   uint32_t exp = (h >> 10) & 0x1fu;
   uint32_t man = h & 0x3ffu;
@@ -32,28 +34,21 @@ static inline float shardd__f16_to_f32(uint16_t h) {
   if (exp == 0) {
     if (man == 0) {
       u = sign;
-    } else { /* subnormal: normalise */
-      exp = 127 - 15 + 1;
-      while ((man & 0x400u) == 0) {
-        man <<= 1;
-        exp--;
-      }
-      man &= 0x3ffu;
-      u = sign | (exp << 23) | (man << 13);
+    } else { /* subnormal: normalise, the leading 1 to bit 10 */
+      uint32_t shift = (uint32_t)shardd__clz32(man) - 21u;
+      man = (man << shift) & 0x3ffu;
+      u = sign | ((127u - 15u + 1u - shift) << 23) | (man << 13);
     }
   } else if (exp == 0x1f) {
-    u = sign | 0x7f800000u | (man << 13);
+    u = sign | 0x7f800000u | (man << 13) | (man ? 0x00400000u : 0u);
   } else {
     u = sign | ((exp + 127 - 15) << 23) | (man << 13);
   }
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
+  return shardd__bits_f32(u);
 }
 
-static inline uint16_t shardd__f32_to_f16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
+SHARDD_HD uint16_t shardd__f32_to_f16(float f) {
+  uint32_t u = shardd__f32_bits(f);
   uint32_t sign = (u >> 16) & 0x8000u;
   uint32_t abs = u & 0x7fffffffu;
   if (abs > 0x7f800000u) /* NaN */

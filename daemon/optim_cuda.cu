@@ -3,97 +3,21 @@
  * All kernels are grid-stride loops in two parts: a vector part over groups
  * of V elements read and written with 16-byte (fp32) or 8/16-byte (16-bit)
  * accesses, used only when the wrapper found every pointer aligned for them,
- * then a scalar tail. Per element, the arithmetic is optim.c's operation by
- * operation with explicit round-to-nearest intrinsics, so no multiply-add is
- * ever fused and results are bit-identical to the host kernels (which keep
- * every operation separately rounded for the same reason). */
+ * then a scalar tail. Per element they call optim_elem.h, which is optim.c's
+ * arithmetic operation by operation with explicit round-to-nearest
+ * intrinsics (no multiply-add is ever fused), and which the host build runs
+ * in tests/test_optim_cuda.c against optim.c itself. */
 #include <cuda_runtime.h>
 #include <stdint.h>
 
 #include "optim_cuda.h"
+#include "optim_elem.h"
 
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kDtF32 = 1, kDtBf16 = 2, kDtF16 = 3;
-
-/* ---- conversions: dtype.h, bit for bit ------------------------------- */
-
-__device__ __forceinline__ float bf16_to_f32(uint32_t h) {
-  return __uint_as_float((h & 0xffffu) << 16);
-}
-
-__device__ __forceinline__ uint16_t f32_to_bf16(float f) {
-  uint32_t u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN: keep it quiet, keep sign */
-    return (uint16_t)((u >> 16) | 0x0040u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-
-__device__ __forceinline__ float f16_to_f32(uint32_t h) {
-  uint32_t sign = (h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu;
-  uint32_t man = h & 0x3ffu;
-  uint32_t u;
-  if (exp == 0) {
-    if (man == 0) {
-      u = sign;
-    } else { /* subnormal: normalise (what dtype.h's loop computes) */
-      int shift = __clz(man) - 21; /* leading zeros within the 11-bit field */
-      man <<= shift;
-      exp = 127 - 15 + 1 - (uint32_t)shift;
-      man &= 0x3ffu;
-      u = sign | (exp << 23) | (man << 13);
-    }
-  } else if (exp == 0x1f) {
-    u = sign | 0x7f800000u | (man << 13);
-  } else {
-    u = sign | ((exp + 127 - 15) << 23) | (man << 13);
-  }
-  return __uint_as_float(u);
-}
-
-__device__ __forceinline__ uint16_t f32_to_f16(float f) {
-  uint32_t u = __float_as_uint(f);
-  uint32_t sign = (u >> 16) & 0x8000u;
-  uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) /* NaN */
-    return (uint16_t)(sign | 0x7e00u);
-  if (abs >= 0x477ff000u) /* rounds to >= 65520: overflow to inf */
-    return (uint16_t)(sign | 0x7c00u);
-  if (abs < 0x38800000u) { /* below fp16's smallest normal: subnormal */
-    if (abs < 0x33000000u)
-      return (uint16_t)sign;
-    uint32_t e = abs >> 23;
-    uint32_t m = (abs & 0x7fffffu) | 0x800000u;
-    uint32_t shift = 126 - e;
-    uint32_t half = m >> shift;
-    uint32_t rem = m & ((1u << shift) - 1u);
-    uint32_t mid = 1u << (shift - 1);
-    if (rem > mid || (rem == mid && (half & 1u)))
-      half++;
-    return (uint16_t)(sign | half);
-  }
-  uint32_t r = abs + 0xfffu + ((abs >> 13) & 1u);
-  return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
-}
-
-template <int DT> __device__ __forceinline__ float widen1(uint32_t h) {
-  return DT == kDtBf16 ? bf16_to_f32(h) : f16_to_f32(h);
-}
-
-template <int DT> __device__ __forceinline__ uint32_t narrow1(float f) {
-  return DT == kDtBf16 ? f32_to_bf16(f) : f32_to_f16(f);
-}
-
-/* Element i of a dtype array, as fp32. */
-template <int DT>
-__device__ __forceinline__ float load1(const void *base, size_t i) {
-  if (DT == kDtF32)
-    return static_cast<const float *>(base)[i];
-  return widen1<DT>(static_cast<const uint16_t *>(base)[i]);
-}
+constexpr int kDtF32 = SHARDD__ELEM_F32, kDtBf16 = SHARDD__ELEM_BF16,
+              kDtF16 = SHARDD__ELEM_F16;
 
 /* Elements per vector group: 4 fp32 (one float4), 8 16-bit (one uint4). */
 template <int DT> struct vec_of {
@@ -113,10 +37,8 @@ __device__ __forceinline__ void loadv(const void *base, size_t j, float *out) {
     uint4 q = static_cast<const uint4 *>(base)[j];
     uint32_t w[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-    for (int k = 0; k < 4; k++) { /* little-endian: low half first */
-      out[2 * k] = widen1<DT>(w[k] & 0xffffu);
-      out[2 * k + 1] = widen1<DT>(w[k] >> 16);
-    }
+    for (int k = 0; k < 4; k++)
+      shardd__elem_unpack2(DT, w[k], &out[2 * k], &out[2 * k + 1]);
   }
 }
 
@@ -171,12 +93,12 @@ __global__ void reduce_kernel(float *acc, srcs_t s, int nsrc, int first,
       loadv<DT>(s.p[k], j, t);
 #pragma unroll
       for (int e = 0; e < V; e++)
-        a[e] = __fadd_rn(a[e], t[e]);
+        a[e] = shardd__elem_acc(a[e], t[e]);
     }
     if (do_div) {
 #pragma unroll
       for (int e = 0; e < V; e++)
-        a[e] = __fdiv_rn(a[e], divisor);
+        a[e] = shardd__elem_div(a[e], divisor);
     }
 #pragma unroll
     for (int q = 0; q < V / 4; q++)
@@ -184,11 +106,11 @@ __global__ void reduce_kernel(float *acc, srcs_t s, int nsrc, int first,
           make_float4(a[4 * q], a[4 * q + 1], a[4 * q + 2], a[4 * q + 3]);
   }
   for (size_t i = nvec * V + gtid(); i < n; i += gstride()) {
-    float a = first ? load1<DT>(s.p[0], i) : acc[i];
+    float a = first ? shardd__elem_load(DT, s.p[0], i) : acc[i];
     for (int k = k0; k < nsrc; k++)
-      a = __fadd_rn(a, load1<DT>(s.p[k], i));
+      a = shardd__elem_acc(a, shardd__elem_load(DT, s.p[k], i));
     if (do_div)
-      a = __fdiv_rn(a, divisor);
+      a = shardd__elem_div(a, divisor);
     acc[i] = a;
   }
 }
@@ -239,44 +161,6 @@ __global__ void sumsq_kernel(const float *x, size_t nvec, size_t n,
 
 /* ---- optimizer update -------------------------------------------------- */
 
-/* One element: optim.c's sgd_loop / adam_loop body, operation by operation. */
-__device__ __forceinline__ void upd1(const shardd__cuda_upd &k, float &p,
-                                     float g, float &m, float &v,
-                                     float &vmax) {
-  if (k.kind == SHARDD__CUDA_SGD) {
-    float d = __fmul_rn(g, k.scale);
-    if (k.has_wd)
-      d = __fadd_rn(d, __fmul_rn(k.wd, p));
-    if (k.has_mom) {
-      float b = k.first ? d
-                        : __fadd_rn(__fmul_rn(m, k.mom), __fmul_rn(k.damp1, d));
-      m = b;
-      d = k.nesterov ? __fadd_rn(d, __fmul_rn(k.mom, b)) : b;
-    }
-    p = __fadd_rn(p, __fmul_rn(k.neg_lr, d));
-    return;
-  }
-  float gi = __fmul_rn(g, k.scale);
-  float pi = p;
-  if (k.decay == SHARDD__CUDA_DECAY_L2)
-    gi = __fadd_rn(gi, __fmul_rn(k.wd, pi));
-  if (k.decay == SHARDD__CUDA_DECAY_DECOUPLED)
-    pi = __fmul_rn(pi, k.keep);
-  float mi = __fadd_rn(__fmul_rn(m, k.b1), __fmul_rn(k.omb1, gi));
-  float vi = __fadd_rn(__fmul_rn(v, k.b2), __fmul_rn(__fmul_rn(k.omb2, gi), gi));
-  m = mi;
-  v = vi;
-  float s = vi;
-  if (k.amsgrad) {
-    /* torch.maximum propagates NaN; a NaN vi fails the compare and wins */
-    float mx = vmax >= vi ? vmax : vi;
-    vmax = mx;
-    s = mx;
-  }
-  float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(s), k.bc2_sqrt), k.eps);
-  p = __fadd_rn(pi, __fdiv_rn(__fmul_rn(k.neg_step, mi), denom));
-}
-
 __device__ __forceinline__ void ld4(const float *a, size_t j, float *o) {
   float4 q = reinterpret_cast<const float4 *>(a)[j];
   o[0] = q.x;
@@ -308,7 +192,7 @@ __global__ void update_kernel(shardd__cuda_upd k, float *p, const float *g,
       ld4(vmax, j, X);
 #pragma unroll
     for (int e = 0; e < 4; e++)
-      upd1(k, P[e], G[e], M[e], S[e], X[e]);
+      shardd__elem_update(&k, &P[e], G[e], &M[e], &S[e], &X[e]);
     st4(p, j, P);
     if (m)
       st4(m, j, M);
@@ -318,15 +202,15 @@ __global__ void update_kernel(shardd__cuda_upd k, float *p, const float *g,
       st4(vmax, j, X);
     if (PDT) {
       uint2 o;
-      o.x = narrow1<PDT>(P[0]) | (narrow1<PDT>(P[1]) << 16);
-      o.y = narrow1<PDT>(P[2]) | (narrow1<PDT>(P[3]) << 16);
+      o.x = shardd__elem_pack2(PDT, P[0], P[1]);
+      o.y = shardd__elem_pack2(PDT, P[2], P[3]);
       reinterpret_cast<uint2 *>(p16)[j] = o;
     }
   }
   for (size_t i = nvec * 4 + gtid(); i < n; i += gstride()) {
     float P = p[i], M = m ? m[i] : 0.0f, S = v ? v[i] : 0.0f,
           X = vmax ? vmax[i] : 0.0f;
-    upd1(k, P, g[i], M, S, X);
+    shardd__elem_update(&k, &P, g[i], &M, &S, &X);
     p[i] = P;
     if (m)
       m[i] = M;
@@ -335,7 +219,7 @@ __global__ void update_kernel(shardd__cuda_upd k, float *p, const float *g,
     if (vmax)
       vmax[i] = X;
     if (PDT)
-      p16[i] = (uint16_t)narrow1<PDT>(P);
+      p16[i] = (uint16_t)shardd__elem_narrow(PDT, P);
   }
 }
 
@@ -354,7 +238,7 @@ __global__ void widen_kernel(float *dst, const void *src, size_t nvec,
           make_float4(a[4 * q], a[4 * q + 1], a[4 * q + 2], a[4 * q + 3]);
   }
   for (size_t i = nvec * V + gtid(); i < n; i += gstride())
-    dst[i] = load1<DT>(src, i);
+    dst[i] = shardd__elem_load(DT, src, i);
 }
 
 template <int DT>

@@ -3,12 +3,13 @@
  * fused SGD / Adam / AdamW update and the 16-bit -> fp32 widening.
  *
  * Numerics are those of optim.c (the host reference): per-step scalars are
- * computed on the host in double and rounded to float once (the caller fills
- * shardd__cuda_upd exactly as optim.c fills its sgd_k / adam_k), and every
- * per-element operation is one separately rounded IEEE float operation in
- * optim.c's order (__fadd_rn/__fmul_rn/__fdiv_rn/__fsqrt_rn, which nvcc never
- * contracts into an FMA, whatever -fmad says). bf16/fp16 conversions are
- * dtype.h's, bit for bit.
+ * computed on the host in double and rounded to float once
+ * (shardd__cuda_fill_upd, optim_cuda_host.c, fills shardd__cuda_upd exactly
+ * as optim.c fills its sgd_k / adam_k), and every per-element operation is
+ * one separately rounded IEEE float operation in optim.c's order. That
+ * element arithmetic lives in optim_elem.h, which builds for the host too,
+ * so tests/test_optim_cuda.c checks it against optim.c bit for bit where no
+ * GPU is; bf16/fp16 conversions are dtype.h's own code.
  *
  * Every wrapper enqueues on the given stream (a cudaStream_t passed as void *,
  * so this header needs no CUDA header) on the current device, and returns
@@ -25,6 +26,8 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+#include "optim.h"
 
 /* Most sources one reduce launch sums; more are done in several launches. */
 #define SHARDD__CUDA_REDUCE_MAX_SRC 8
@@ -49,6 +52,13 @@ typedef struct {
   float keep, b1, omb1, b2, omb2, bc2_sqrt, eps, neg_step;
   int decay, amsgrad;
 } shardd__cuda_upd;
+
+/* k = the scalars and flags of step (1-based) of hp, with each gradient
+ * element multiplied by grad_scale first: optim.c's sgd_update /
+ * adam_update formulas. hp must pass shardd__hp_check(). Host code, built
+ * with or without CUDA. */
+void shardd__cuda_fill_upd(const shardd__hp *hp, uint64_t step,
+                           float grad_scale, shardd__cuda_upd *k);
 
 /* acc[0..n) (fp32) = (first ? 0-th source : acc) + the remaining sources
  * (dtype elements: 1 fp32, 2 bf16, 3 fp16 as shardd_dtype), added in order
