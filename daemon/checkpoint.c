@@ -21,6 +21,16 @@
 #define HEADER_BYTES 64
 #define MANIFEST "manifest"
 
+/* The longest manifest line restore reads (and write produces). The
+ * longest one is an optimizer's: its RegisterOptimizer in hex, with its
+ * name and step count. A client's registration fits one frame, but a
+ * restored one is repacked with new ids and generations (longer varints),
+ * so the cap allows a spec of two frames; write refuses past it rather than
+ * leave a checkpoint restore would refuse. The manifest comes from a
+ * directory the client names, and getline grew its buffer to whatever one
+ * line held: a planted manifest without newlines cost its size in memory. */
+#define MANIFEST_LINE_MAX ((size_t)4 * SHARDD_MAX_FRAME + 4096)
+
 /* ---- CRC32C ----------------------------------------------------------- */
 
 static uint32_t crc_table[8][256];
@@ -335,6 +345,14 @@ shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
 
   for (size_t i = 0; i < no; i++) {
     shardd__optim *o = opts[i];
+    /* name: 3 bytes a byte at most when encoded; index and steps: 40 */
+    if (o->spec_len > (MANIFEST_LINE_MAX - 3 * strlen(o->hdr.name) - 64) / 2) {
+      snprintf(err, errlen, "optimizer \"%s\": its registration (%zu bytes) "
+               "does not fit a manifest line (%zu bytes)", o->hdr.name,
+               o->spec_len, MANIFEST_LINE_MAX);
+      rc = SHARDD_E_LIMIT;
+      goto done;
+    }
     shardd__sb_printf(&m, "optimizer %zu ", i);
     enc_name(&m, o->hdr.name);
     shardd__sb_printf(&m, " %" PRIu64 " ", o->steps);
@@ -743,6 +761,42 @@ static shardd_err load_states(const char *dir, shardd__buffer **bufs,
 
 #define MAX_TOK 64
 
+typedef enum { LINE_OK, LINE_EOF, LINE_LONG, LINE_NUL, LINE_NOMEM, LINE_IO } line_rc;
+
+/* Reads the next line of f, without its newline, into *buf (grown, to at
+ * most max + 1 bytes). A NUL byte is refused: the tokenizer would silently
+ * end the line there. */
+static line_rc read_line(FILE *f, char **buf, size_t *cap, size_t max) {
+  if (*cap == 0) {
+    if ((*buf = malloc(256)) == NULL)
+      return LINE_NOMEM;
+    *cap = 256;
+  }
+  size_t n = 0;
+  int c;
+  while ((c = getc_unlocked(f)) != EOF && c != '\n') {
+    if (n == max)
+      return LINE_LONG;
+    if (c == '\0')
+      return LINE_NUL;
+    if (n + 1 >= *cap) {
+      size_t ncap = *cap * 2 < max + 1 ? *cap * 2 : max + 1;
+      char *nb = realloc(*buf, ncap);
+      if (nb == NULL)
+        return LINE_NOMEM;
+      *buf = nb;
+      *cap = ncap;
+    }
+    (*buf)[n++] = (char)c;
+  }
+  if (c == EOF && ferror(f))
+    return LINE_IO;
+  if (c == EOF && n == 0)
+    return LINE_EOF;
+  (*buf)[n] = '\0';
+  return LINE_OK;
+}
+
 shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
                                       int64_t as_uid, uint32_t world,
                                       shardd__job **out, char *err,
@@ -778,10 +832,34 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
   char *line = NULL;
   size_t cap = 0;
   char why[512], sub[512];
+  /* seen[i]: bit r set once buffer i's shard of old rank r was loaded. A
+   * buffer line registers zeroed memory; only its shard lines fill it, so
+   * one without them restored zeros as if they were the checkpoint. */
+  uint8_t **seen = NULL;
+  size_t nshard_lines = 0;
 
-  while (getline(&line, &cap, f) > 0) {
+  for (;;) {
+    line_rc lr = read_line(f, &line, &cap, MANIFEST_LINE_MAX);
+    if (lr == LINE_EOF)
+      break;
     lineno++;
-    line[strcspn(line, "\n")] = '\0';
+    if (lr != LINE_OK) {
+      if (lr == LINE_LONG)
+        snprintf(err, errlen, "%s line %d: longer than %zu bytes (not a "
+                 "manifest shardd wrote); not reading further", path, lineno,
+                 MANIFEST_LINE_MAX);
+      else if (lr == LINE_NUL)
+        snprintf(err, errlen, "%s line %d: holds a NUL byte (not a manifest "
+                 "shardd wrote)", path, lineno);
+      else if (lr == LINE_NOMEM)
+        snprintf(err, errlen, "%s line %d: out of memory", path, lineno);
+      else
+        snprintf(err, errlen, "%s line %d: %s", path, lineno, strerror(errno));
+      rc = lr == LINE_NOMEM ? SHARDD_E_NO_MEMORY
+           : lr == LINE_IO  ? SHARDD_E_IO
+                            : SHARDD_E_INVAL;
+      goto fail;
+    }
     char *tok[MAX_TOK];
     int nt = 0;
     for (char *save, *t = strtok_r(line, " ", &save); t && nt < MAX_TOK;
@@ -855,12 +933,22 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
       if (nbufs == NULL)
         BAD("out of memory");
       bufs = nbufs;
+      uint8_t **nseen = realloc(seen, (nb + 1) * sizeof *seen);
+      if (nseen == NULL)
+        BAD("out of memory");
+      seen = nseen;
+      if ((seen[nb] = calloc((old_world + 7) / 8, 1)) == NULL)
+        BAD("out of memory");
       bufs[nb++] = b;
     } else if (!strcmp(tok[0], "shard") && nt == 5) {
       size_t bi = strtoul(tok[1], NULL, 10);
       uint32_t r = (uint32_t)strtoul(tok[2], NULL, 10);
       if (bi >= nb || r >= old_world || strchr(tok[3], '/'))
         BAD("shard of unknown buffer %zu rank %" PRIu32, bi, r);
+      if (seen[bi][r / 8] & (1u << (r % 8)))
+        BAD("shard of buffer %zu rank %" PRIu32 " listed twice", bi, r);
+      seen[bi][r / 8] |= (uint8_t)(1u << (r % 8));
+      nshard_lines++;
       rc = load_shard(dir, tok[3], (uint32_t)strtoul(tok[4], NULL, 16), bufs[bi],
                       old_world, r, err, errlen);
       if (rc != SHARDD_OK)
@@ -960,6 +1048,20 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
     rc = SHARDD_E_INVAL;
     goto fail;
   }
+  rc = SHARDD_E_INVAL;
+  if (nb > 0 && nshard_lines == 0) {
+    snprintf(err, errlen, "%s: names %zu buffer%s but no shard of any "
+             "(a corrupt or truncated manifest)", path, nb, nb == 1 ? "" : "s");
+    goto fail;
+  }
+  for (size_t i = 0; i < nb; i++)
+    for (uint32_t r = 0; r < old_world; r++)
+      if (!(seen[i][r / 8] & (1u << (r % 8)))) {
+        snprintf(err, errlen, "%s: no shard of buffer \"%s\" rank %" PRIu32
+                 " (a corrupt or truncated manifest)", path,
+                 bufs[i]->hdr.name, r);
+        goto fail;
+      }
   for (size_t i = 0; i < npo; i++) {
     if ((rc = register_pending(reg, job, &po[i], err, errlen)) != SHARDD_OK ||
         (rc = load_states(dir, bufs, old_world, &po[i], err, errlen)) != SHARDD_OK)
@@ -981,6 +1083,9 @@ fail:
     free(po[i].states);
   }
   free(po);
+  for (size_t i = 0; i < nb; i++)
+    free(seen[i]);
+  free(seen);
   free(bufs);
   free(line);
   fclose(f);

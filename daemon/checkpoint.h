@@ -11,7 +11,10 @@
  * own RegisterOptimizer with ids remapped, through the normal validation)
  * into a new job, loads every payload into the new memory while checking
  * header and CRC, and on any mismatch releases that new job again: a live
- * job's memory is never touched. The refusal names the bad file.
+ * job's memory is never touched. The refusal names the bad file. A
+ * manifest is refused as corrupt or truncated, by its path (and line), when
+ * a line is longer than any shardd writes, holds a NUL byte, or a buffer it
+ * lists lacks the shard of some rank (restoring it gave zeros).
  *
  * Both run on the loop thread and block it for the I/O. Host backend only
  * (payloads are read and written through the daemon's own mapping). */

@@ -4,6 +4,7 @@
 #include <getopt.h>
 #include <grp.h>
 #include <inttypes.h>
+#include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -51,12 +52,19 @@ static void usage(FILE *f) {
           SHARDD_DEFAULT_SOCKET);
 }
 
-static int parse_size(const char *s, uint64_t *out) {
+/* A byte count with an optional K/M/G/T suffix (powers of 1024, "KiB" and
+ * "KB" too) for --flag, else a message and -1. The product is checked in
+ * double before it becomes an integer: converting 1e30 (or inf, or nan)
+ * to uint64_t is undefined behaviour, not a saturation. */
+static int parse_size(const char *flag, const char *s, uint64_t *out) {
   char *end;
   errno = 0;
   double v = strtod(s, &end);
-  if (errno || end == s || v < 0)
-    return -1;
+  /* !(v >= 0) also refuses nan */
+  if (end == s || !(v >= 0))
+    goto bad;
+  if (errno == ERANGE && v < 1)
+    v = 0; /* underflow ("1e-400"): less than a byte; overflow is inf */
   double mul = 1;
   switch (*end) {
   case 'k': case 'K': mul = 1024.0; end++; break;
@@ -70,9 +78,25 @@ static int parse_size(const char *s, uint64_t *out) {
   if (*end == 'B')
     end++;
   if (*end != '\0')
+    goto bad;
+  /* 2^64 is exact in double and every double below it fits in uint64_t;
+   * inf (from "inf" or an overflow like "1e400") fails here too */
+  if (!(v * mul < 18446744073709551616.0)) {
+    fprintf(stderr, "shardd: --%s %s: out of range (sizes must be below "
+            "16 EiB, 2^64 bytes)\n", flag, s);
     return -1;
+  }
   *out = (uint64_t)(v * mul);
+  if (*out == 0) {
+    fprintf(stderr, "shardd: --%s %s: must be at least 1 byte\n", flag, s);
+    return -1;
+  }
   return 0;
+
+bad:
+  fprintf(stderr, "shardd: --%s %s: not a size (a number of bytes, or with "
+          "K, M, G or T, e.g. 8G)\n", flag, s);
+  return -1;
 }
 
 static int parse_double(const char *s, double *out) {
@@ -234,10 +258,8 @@ int main(int argc, char **argv) {
       break;
     }
     case O_DEVMEM:
-      if (parse_size(optarg, &devmem) != 0 || devmem == 0) {
-        fprintf(stderr, "shardd: --device-memory %s: not a size\n", optarg);
+      if (parse_size("device-memory", optarg, &devmem) != 0)
         return 2;
-      }
       break;
     case O_TIMEOUT:
       if (parse_double(optarg, &opts.collective_timeout) != 0 ||
@@ -315,10 +337,8 @@ int main(int argc, char **argv) {
       break;
     }
     case O_JOBMEM:
-      if (parse_size(optarg, &opts.job_memory_limit) != 0 || opts.job_memory_limit == 0) {
-        fprintf(stderr, "shardd: --job-memory-limit %s: not a size\n", optarg);
+      if (parse_size("job-memory-limit", optarg, &opts.job_memory_limit) != 0)
         return 2;
-      }
       break;
     case O_ADMIN: {
       struct group *g = getgrnam(optarg);

@@ -49,6 +49,7 @@ typedef struct {
 } write_req;
 
 static void session_close(shardd__session *s);
+static void session_close_later(shardd__session *s);
 static void read_frames(shardd__session *s);
 static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
 static void read_cb(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf);
@@ -84,12 +85,12 @@ static void write_done(uv_write_t *req, int status) {
   if (status < 0 && status != UV_ECANCELED) {
     shardd__log(s->srv, 3, "session %" PRIu64 ": write: %s", s->id,
                 uv_strerror(status));
-    session_close(s);
+    session_close_later(s);
   } else if (s->close_after_write &&
              uv_stream_get_write_queue_size((uv_stream_t *)&s->pipe) == 0) {
     session_close(s);
   } else if (s->read_paused && !s->closing && !s->close_after_write &&
-             !write_backlog(s, 0)) {
+             !s->close_deferred && !write_backlog(s, 0)) {
     s->read_paused = 0;
     shardd__log(s->srv, 3, "session %" PRIu64 ": replies drained; reading again",
                 s->id);
@@ -98,15 +99,35 @@ static void write_done(uv_write_t *req, int status) {
   }
 }
 
+void shardd__server_fail_replies(shardd__server *srv, unsigned n) {
+  atomic_store(&srv->fail_replies, n);
+}
+
+/* Whether the test hook wants this reply to fail (one relaxed load when
+ * it is off). */
+static int reply_fault(shardd__server *srv) {
+  unsigned n = atomic_load_explicit(&srv->fail_replies, memory_order_relaxed);
+  while (n > 0)
+    if (atomic_compare_exchange_weak(&srv->fail_replies, &n, n - 1))
+      return 1;
+  return 0;
+}
+
 void shardd__session_send(shardd__session *s, Shardd__Response *resp, int fd) {
-  if (s->closing) {
+  /* A session whose earlier reply was lost gets none after it: the client
+   * matches replies in order and would take them for the lost one's. */
+  if (s->closing || s->close_deferred) {
     if (fd >= 0)
       close(fd);
     return;
   }
   size_t n = shardd__response__get_packed_size(resp);
-  write_req *w = calloc(1, sizeof *w);
-  char *buf = malloc(SHARDD_FRAME_HEADER + n);
+  write_req *w = NULL;
+  char *buf = NULL;
+  if (!reply_fault(s->srv)) {
+    w = calloc(1, sizeof *w);
+    buf = malloc(SHARDD_FRAME_HEADER + n);
+  }
   if (w == NULL || buf == NULL)
     goto fail;
   shardd__frame_put_header((uint8_t *)buf, (uint32_t)n);
@@ -140,7 +161,7 @@ void shardd__session_send(shardd__session *s, Shardd__Response *resp, int fd) {
       uv_close((uv_handle_t *)w->fd_handle, fd_handle_closed);
     free(buf);
     free(w);
-    session_close(s);
+    session_close_later(s);
   }
   return;
 
@@ -149,8 +170,9 @@ fail:
     close(fd);
   free(buf);
   free(w);
-  shardd__log(s->srv, 0, "session %" PRIu64 ": out of memory replying", s->id);
-  session_close(s);
+  shardd__log(s->srv, 0, "session %" PRIu64 ": out of memory replying; closing it",
+              s->id);
+  session_close_later(s);
 }
 
 void shardd__session_reply(shardd__session *s, uint64_t seq, shardd_err code,
@@ -211,6 +233,40 @@ static void session_close(shardd__session *s) {
     s->next->prev = s->prev;
   srv->nclients--;
   uv_close((uv_handle_t *)&s->pipe, session_freed);
+}
+
+/* Replies are sent from inside walks over shared state: a collective
+ * answering its waiters, fail_waiting answering every collective of a job.
+ * Closing there re-entered shardd__coll_session_lost, which may free the
+ * collectives (and, at --job-linger 0, the job) that walk stands on. So a
+ * failed reply only marks s: it reads no more and is answered no more, and
+ * on_reap closes it once the loop is back at the top. */
+static void on_reap(uv_idle_t *h);
+
+static void session_close_later(shardd__session *s) {
+  if (s->closing || s->close_deferred)
+    return;
+  s->close_deferred = 1;
+  uv_read_stop((uv_stream_t *)&s->pipe);
+  if (!s->srv->stopping) /* else server_stop closes every session itself */
+    uv_idle_start(&s->srv->reaper, on_reap);
+}
+
+static void on_reap(uv_idle_t *h) {
+  shardd__server *srv = h->data;
+  uv_idle_stop(h);
+  /* Closing one session answers the collectives it leaves; a reply that
+   * fails there marks another, so the scan starts over until none is left.
+   * Nothing walks a waiter list here, so closing at once is safe. */
+  for (;;) {
+    shardd__session *s = srv->sessions;
+    while (s && !s->close_deferred)
+      s = s->next;
+    if (s == NULL)
+      break;
+    shardd__log(srv, 3, "session %" PRIu64 ": closed after a failed reply", s->id);
+    session_close(s);
+  }
 }
 
 /* ---- request handlers ------------------------------------------------- */
@@ -783,7 +839,7 @@ static void read_cb(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
     session_close(s);
     return;
   }
-  if (s->closing || s->close_after_write)
+  if (s->closing || s->close_after_write || s->close_deferred)
     return;
   if (uv_pipe_pending_count(&s->pipe) > 0) {
     shardd__session_reply(s, 0, SHARDD_E_PROTOCOL,
@@ -803,6 +859,8 @@ static void read_cb(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
 static void read_frames(shardd__session *s) {
   uv_stream_t *stream = (uv_stream_t *)&s->pipe;
   for (;;) {
+    if (s->closing || s->close_deferred)
+      return; /* a reply failed (or the session ended) meanwhile */
     if (write_backlog(s, 1)) {
       if (!s->read_paused)
         shardd__log(s->srv, 3, "session %" PRIu64 ": %" PRIu32 " replies (%zu "
@@ -837,8 +895,6 @@ static void read_frames(shardd__session *s) {
     }
     dispatch(s, req);
     shardd__request__free_unpacked(req, NULL);
-    if (s->closing)
-      return;
   }
 }
 
@@ -1052,6 +1108,8 @@ shardd_err shardd__server_init(shardd__server *srv, uv_loop_t *loop,
   uv_timer_init(loop, &srv->tick);
   srv->tick.data = srv;
   uv_timer_start(&srv->tick, on_tick, TICK_MS, TICK_MS);
+  uv_idle_init(loop, &srv->reaper);
+  srv->reaper.data = srv;
   uv_signal_init(loop, &srv->sigterm);
   uv_signal_init(loop, &srv->sigint);
   srv->sigterm.data = srv->sigint.data = srv;
@@ -1073,6 +1131,7 @@ void shardd__server_stop(shardd__server *srv) {
     session_close(srv->sessions);
   uv_close((uv_handle_t *)&srv->listener, NULL);
   uv_close((uv_handle_t *)&srv->tick, NULL);
+  uv_close((uv_handle_t *)&srv->reaper, NULL);
   uv_close((uv_handle_t *)&srv->sigterm, NULL);
   uv_close((uv_handle_t *)&srv->sigint, NULL);
   if (srv->own_socket_file)

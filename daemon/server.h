@@ -4,10 +4,13 @@
  *
  * Ownership: the server owns its sessions, the registry and (after init) the
  * backend. Sessions are freed in their close callback, never inside a read
- * callback that still runs. Everything here runs on the loop thread. */
+ * callback that still runs; a session whose reply fails is closed on the
+ * next loop turn, never inside whoever was answering it. Everything here
+ * runs on the loop thread. */
 #ifndef SHARDD_SERVER_H
 #define SHARDD_SERVER_H
 
+#include <stdatomic.h>
 #include <stdint.h>
 #include <sys/socket.h>
 #include <uv.h>
@@ -59,6 +62,9 @@ struct shardd__session {
   uint32_t pending; /* collectives it waits in */
   int closing;
   int close_after_write;
+  /* A reply could not be sent: the session is dropped on the next loop
+   * turn (server.c), never inside the caller that was answering it. */
+  int close_deferred;
   uint32_t writes; /* replies handed to libuv whose write_done has not run */
   int read_paused; /* not read until its replies drain (server.c) */
   shardd__session *prev, *next;
@@ -75,12 +81,14 @@ struct shardd__server {
   /* private */
   uv_pipe_t listener;
   uv_timer_t tick;
+  uv_idle_t reaper; /* closes close_deferred sessions on the next turn */
   uv_signal_t sigterm, sigint;
   int own_socket_file; /* unlink it on stop */
   int stopping;
   uint64_t next_session;
   uint32_t nclients;
   shardd__session *sessions;
+  atomic_uint fail_replies; /* shardd__server_fail_replies */
 };
 
 /* Takes ownership of backend. Binds (or adopts opts->listen_fd) and starts
@@ -98,6 +106,11 @@ void shardd__server_free(shardd__server *srv);
  * fuzzer and in-process tests drive the dispatcher this way). The session
  * owns fd from here on, also on failure after uv_pipe_open. */
 shardd_err shardd__server_adopt(shardd__server *srv, int fd);
+
+/* Test hook (fault injection): the next n replies, to any session, fail
+ * as if their buffer could not be allocated. Callable from any thread; the
+ * daemon itself never calls it. */
+void shardd__server_fail_replies(shardd__server *srv, unsigned n);
 
 /* Whether s may see job: its owner's uid, root, or the admin group. */
 int shardd__session_may_see(const shardd__session *s, const shardd__job *job);
@@ -117,7 +130,9 @@ void shardd__job_mark_idle(shardd__server *srv, shardd__job *job);
 double shardd__server_now(const shardd__server *srv);
 
 /* Sends resp on s; fd >= 0 travels with it (SCM_RIGHTS) and is closed here
- * after sending. */
+ * after sending. Never closes s before it returns, so collectives may answer
+ * their waiters while they walk them: when a reply cannot be sent, s gets
+ * no further replies or requests and is closed on the next loop turn. */
 void shardd__session_send(shardd__session *s, Shardd__Response *resp, int fd);
 /* A status-only reply. */
 void shardd__session_reply(shardd__session *s, uint64_t seq, shardd_err code,

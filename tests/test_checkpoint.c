@@ -280,6 +280,117 @@ Test(checkpoint, truncated_manifest_is_refused) {
   cr_assert_null(shardd__job_find(&reg, "j"));
 }
 
+/* ---- manifests that are not what shardd wrote -----------------------------
+ * Each rewrites the manifest of make_job("j")'s checkpoint line by line;
+ * keep(line, arg) says whether a line stays (it may also append text).
+ * The restore must be refused with a message holding every needle, and
+ * leave nothing registered. */
+
+typedef int (*line_filter)(const char *line, FILE *out, void *arg);
+
+static void rewrite_manifest(line_filter keep, void *arg) {
+  char err[1024], path[256];
+  shardd__job *job = make_job("j");
+  cr_assert_eq(shardd__checkpoint_write(&reg, job, dir, err, sizeof err), SHARDD_OK,
+               "%s", err);
+  shardd__job_release(&reg, job);
+  snprintf(path, sizeof path, "%s/manifest", dir);
+  char *text = test_slurp(path);
+  cr_assert_not_null(text);
+  FILE *f = fopen(path, "w");
+  cr_assert_not_null(f);
+  for (char *save, *line = strtok_r(text, "\n", &save); line;
+       line = strtok_r(NULL, "\n", &save))
+    if (keep(line, f, arg))
+      fprintf(f, "%s\n", line);
+  cr_assert_eq(fclose(f), 0);
+  free(text);
+}
+
+static void expect_manifest_refused(const char *const *needles) {
+  char err[1024];
+  size_t objects = shardd__map_count(&reg.objects);
+  shardd__job *back;
+  shardd_err rc = shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err);
+  cr_assert_eq(rc, SHARDD_E_INVAL, "restore: %s (%s)", shardd_err_name(rc), err);
+  for (; *needles; needles++)
+    cr_assert(strstr(err, *needles) != NULL, "message \"%s\" lacks \"%s\"", err,
+              *needles);
+  cr_assert_null(shardd__job_find(&reg, "j"), "nothing may be registered");
+  cr_assert_eq(shardd__map_count(&reg.objects), objects);
+}
+
+static int drop_shards(const char *line, FILE *out, void *arg) {
+  return strncmp(line, "shard ", 6) != 0;
+}
+
+/* Buffer lines register zeroed memory and only shard lines fill it: a
+ * manifest cut (or edited) down to its registrations restored a job of
+ * zeros as if that were the checkpoint. */
+Test(checkpoint, manifest_without_shard_lines_is_refused) {
+  rewrite_manifest(drop_shards, NULL);
+  char path[256];
+  snprintf(path, sizeof path, "%s/manifest", dir);
+  expect_manifest_refused((const char *const[]){path, "2 buffers but no shard", NULL});
+}
+
+static int drop_one_shard(const char *line, FILE *out, void *arg) {
+  return strncmp(line, arg, strlen(arg)) != 0;
+}
+
+Test(checkpoint, manifest_missing_one_shard_is_refused_naming_it) {
+  rewrite_manifest(drop_one_shard, "shard 1 2 "); /* "emb", rank 2 */
+  expect_manifest_refused((const char *const[]){"manifest", "\"emb\" rank 2", NULL});
+}
+
+static int twice(const char *line, FILE *out, void *arg) {
+  if (!strncmp(line, "shard 0 1 ", 10))
+    fprintf(out, "%s\n", line);
+  return 1;
+}
+
+Test(checkpoint, manifest_listing_a_shard_twice_is_refused) {
+  rewrite_manifest(twice, NULL);
+  expect_manifest_refused((const char *const[]){"manifest line", "listed twice", NULL});
+}
+
+/* A line past the cap (four frames: a spec of two in hex; checkpoint.c),
+ * here 80 MiB of one token without a newline, which getline took in
+ * whole, is refused by its line number. */
+static int long_line_after_job(const char *line, FILE *out, void *arg) {
+  if (!strncmp(line, "job ", 4)) {
+    fprintf(out, "%s\n", line);
+    static char chunk[1 << 20];
+    memset(chunk, 'x', sizeof chunk);
+    for (size_t i = 0; i < 5 * (size_t)SHARDD_MAX_FRAME / sizeof chunk; i++)
+      cr_assert_eq(fwrite(chunk, 1, sizeof chunk, out), sizeof chunk);
+    *(int *)arg = 1;
+    return 0;
+  }
+  return !*(int *)arg; /* nothing after it */
+}
+
+Test(checkpoint, overlong_manifest_line_is_refused_naming_file_and_line) {
+  int cut = 0;
+  rewrite_manifest(long_line_after_job, &cut);
+  expect_manifest_refused((const char *const[]){"manifest line 3", "longer than", NULL});
+}
+
+static int nul_in_job_line(const char *line, FILE *out, void *arg) {
+  if (!strncmp(line, "job ", 4)) {
+    fwrite(line, 1, 4, out);
+    fputc('\0', out);
+    fprintf(out, "%s\n", line + 4);
+    return 0;
+  }
+  return 1;
+}
+
+Test(checkpoint, manifest_line_with_a_nul_byte_is_refused) {
+  rewrite_manifest(nul_in_job_line, NULL);
+  expect_manifest_refused((const char *const[]){"manifest line 2", "NUL byte", NULL});
+}
+
 Test(checkpoint, missing_manifest_is_an_incomplete_checkpoint) {
   char err[1024];
   shardd__job *back;

@@ -1,5 +1,6 @@
 /* test_collective.c — gather, scatter and step across the ranks of a job,
- * against a real shardd with --devices 4. Ranks are libshardd clients driven
+ * against a real shardd with --devices 4 (1 for the scatter with no work:
+ * a wholly frozen buffer's). Ranks are libshardd clients driven
  * from threads (the collective calls block until every rank made them), or
  * raw wire clients where a test needs to know a request has been queued
  * (pipelined Ping) or to kill a rank from a child process. Every expected
@@ -1297,4 +1298,60 @@ Test(collective, step_lr_override_applies_to_every_group, .init = start4, .fini 
   free(want);
   free(buf);
   team_close(&t);
+}
+
+/* ---- a collective with no work ------------------------------------------
+ * A scatter of a buffer whose every element is frozen has no task to run.
+ * It used to complete inside the scheduler that started it, which then
+ * walked on from the collective that completion freed (a use-after-free in
+ * schedule()); now its one empty task goes through the pool. Three rounds,
+ * with a gather of the same buffer queued between, so the queue has a
+ * successor each time. */
+
+static void start1(void) {
+  const char *args[] = {"--devices", "1", NULL};
+  test_daemon_start(&d, args);
+}
+
+static uint64_t raw_view(test_raw *r, uint64_t buf, const char *name,
+                         uint64_t off, uint64_t numel, int requires_grad) {
+  Shardd__Request req = SHARDD__REQUEST__INIT;
+  Shardd__RegisterView rv = SHARDD__REGISTER_VIEW__INIT;
+  int64_t shape[1] = {(int64_t)numel};
+  rv.buffer = buf;
+  rv.name = (char *)name;
+  rv.offset = off;
+  rv.numel = numel;
+  rv.shape = shape;
+  rv.n_shape = 1;
+  rv.has_requires_grad = 1;
+  rv.requires_grad = requires_grad;
+  req.body_case = SHARDD__REQUEST__BODY_REGISTER_VIEW;
+  req.register_view = &rv;
+  uint64_t seq = test_raw_send(r, &req);
+  Shardd__Response *resp = test_raw_expect(r, seq, SHARDD_OK);
+  uint64_t id = resp->view->id;
+  shardd__response__free_unpacked(resp, NULL);
+  return id;
+}
+
+Test(collective, scatter_with_no_work_completes_and_daemon_lives, .init = start1,
+     .fini = stop_daemon, .timeout = 60) {
+  test_raw r;
+  test_raw_open(&d, &r);
+  test_raw_hello(&r, "frozen-all", 0, 1);
+  shardd_buffer_info b;
+  test_raw_register_buffer(&r, "w", SHARDD_DTYPE_FP32, 64, &b);
+  raw_view(&r, b.id, "base", 0, 64, 0);
+  for (int i = 0; i < 3; i++) {
+    uint64_t s1 = test_raw_send_scatter(&r, b.id, SHARDD_REDUCE_SUM);
+    uint64_t g = test_raw_send_gather(&r, b.id);
+    uint64_t s2 = test_raw_send_scatter(&r, b.id, SHARDD_REDUCE_MEAN);
+    shardd__response__free_unpacked(test_raw_expect(&r, s1, SHARDD_OK), NULL);
+    shardd__response__free_unpacked(test_raw_expect(&r, g, SHARDD_OK), NULL);
+    shardd__response__free_unpacked(test_raw_expect(&r, s2, SHARDD_OK), NULL);
+  }
+  test_raw_sync(&r);
+  test_raw_close(&r);
+  cr_assert(test_daemon_alive(&d), "the daemon died");
 }

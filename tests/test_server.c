@@ -1,13 +1,20 @@
 /* test_server.c — the daemon's loop against a real shardd on a temporary
  * socket: status over shardctl --json, clean SIGTERM shutdown, many clients
  * at once, malformed / oversized frames, the Hello handshake's refusals,
- * descriptors sent by a client, the client limit. Expected values come from
- * what the test itself set up (flags, connections), never from the daemon. */
+ * descriptors sent by a client, the client limit, backpressure on clients
+ * that do not read their replies, size flags out of range; and, with the
+ * server in this process, replies that cannot be sent. Expected values come
+ * from what the test itself set up (flags, connections), never from the
+ * daemon. */
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
+#include <dirent.h>
 #include <pthread.h>
+#include <uv.h>
 
+#include "backend.h"
 #include "harness.h"
+#include "server.h"
 
 static test_daemon d;
 
@@ -800,4 +807,508 @@ Test(server, job_count_is_capped, .init = start_max_jobs, .fini = stop_daemon) {
   o.job = "j1"; /* an existing job can still be joined */
   cr_assert_eq(shardd_connect(d.sock, &o, &c, err, sizeof err), SHARDD_OK, "%s", err);
   shardd_close(c);
+}
+
+/* ---- backpressure --------------------------------------------------------
+ * A client that sends and never reads must not make the daemon queue its
+ * replies without bound. Without backpressure the daemon read every Ping
+ * and held every 4 MiB Pong in memory (here up to 1 GiB); with it, the
+ * session is not read past 64 MiB of unwritten replies, so the client's
+ * sends stall soon after, the daemon serves others meanwhile, and once the
+ * client reads, every reply comes, in order. */
+
+static void start_one_device(void) {
+  const char *args[] = {"--devices", "1", NULL};
+  test_daemon_start(&d, args);
+}
+
+#define PING_PAYLOAD ((size_t)4 << 20)
+
+static size_t ping_frame(uint8_t **out, uint64_t seq, const uint8_t *payload) {
+  Shardd__Request req = SHARDD__REQUEST__INIT;
+  Shardd__Ping p = SHARDD__PING__INIT;
+  p.has_payload = 1;
+  p.payload.data = (uint8_t *)payload;
+  p.payload.len = PING_PAYLOAD;
+  req.seq = seq;
+  req.body_case = SHARDD__REQUEST__BODY_PING;
+  req.ping = &p;
+  size_t n = shardd__request__get_packed_size(&req);
+  *out = malloc(SHARDD_FRAME_HEADER + n);
+  cr_assert_not_null(*out);
+  shardd__frame_put_header(*out, (uint32_t)n);
+  shardd__request__pack(&req, *out + SHARDD_FRAME_HEADER);
+  return SHARDD_FRAME_HEADER + n;
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+/* The rest of a frame the daemon stopped reading in the middle of, sent
+ * (blocking) by a thread while the test reads. */
+typedef struct {
+  int fd;
+  uint8_t *frame;
+  size_t off, len;
+  pthread_t th;
+} rest;
+
+static void *rest_main(void *p) {
+  rest *t = p;
+  while (t->off < t->len) {
+    ssize_t w = send(t->fd, t->frame + t->off, t->len - t->off, MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR)
+      continue;
+    if (w <= 0)
+      break;
+    t->off += (size_t)w;
+  }
+  return NULL;
+}
+
+/* Sends frames of pings until the socket stays full for `stall` seconds or
+ * `limit` bytes went out; returns the number of frames begun (*sent: their
+ * bytes). A frame cut by the stall is left in *t, to be finished by a
+ * thread (t->frame NULL when none was). */
+static uint64_t send_until_stalled(test_raw *r, const uint8_t *payload,
+                                   size_t limit, double stall, size_t *sent,
+                                   rest *t) {
+  int fl = fcntl(r->fd, F_GETFL);
+  fcntl(r->fd, F_SETFL, fl | O_NONBLOCK);
+  uint64_t frames = 0;
+  *sent = 0;
+  memset(t, 0, sizeof *t);
+  while (*sent < limit) {
+    uint8_t *f;
+    size_t n = ping_frame(&f, ++r->seq, payload), off = 0;
+    double idle = now_s();
+    while (off < n) {
+      ssize_t w = send(r->fd, f + off, n - off, MSG_NOSIGNAL);
+      if (w > 0) {
+        off += (size_t)w;
+        idle = now_s();
+        continue;
+      }
+      cr_assert(w < 0 && (errno == EAGAIN || errno == EINTR), "send: %s",
+                strerror(errno));
+      if (now_s() - idle > stall)
+        break;
+      test_sleep_ms(5);
+    }
+    if (off < n) {
+      fcntl(r->fd, F_SETFL, fl);
+      if (off == 0) {
+        free(f);
+        r->seq--;
+      } else {
+        *t = (rest){r->fd, f, off, n, 0};
+        cr_assert_eq(pthread_create(&t->th, NULL, rest_main, t), 0);
+        *sent += n;
+        frames++;
+      }
+      return frames;
+    }
+    free(f);
+    *sent += n;
+    frames++;
+  }
+  fcntl(r->fd, F_SETFL, fl);
+  return frames;
+}
+
+Test(server, client_that_never_reads_is_throttled_not_buffered,
+     .init = start_one_device, .fini = stop_daemon, .timeout = 120) {
+  uint8_t *payload = malloc(PING_PAYLOAD);
+  cr_assert_not_null(payload);
+  for (size_t i = 0; i < PING_PAYLOAD; i++)
+    payload[i] = (uint8_t)(i * 131 + 7);
+  test_raw r;
+  test_raw_open(&d, &r);
+  test_raw_hello(&r, NULL, 0, 1);
+  uint64_t first = r.seq + 1;
+  size_t sent;
+  rest t;
+  uint64_t n = send_until_stalled(&r, payload, (size_t)1 << 30, 1.5, &sent, &t);
+  cr_assert_lt(sent, (size_t)256 << 20,
+               "the daemon took %zu bytes of Pings from a client that reads "
+               "no reply (%llu Pongs of 4 MiB queued)", sent,
+               (unsigned long long)n);
+  cr_assert_gt(n, 0);
+
+  /* the daemon serves another client meanwhile */
+  test_raw o;
+  test_raw_open(&d, &o);
+  test_raw_hello(&o, NULL, 0, 1);
+  test_raw_sync(&o);
+  test_raw_close(&o);
+
+  /* every Pong comes once the client reads, in order, whole */
+  for (uint64_t i = 0; i < n; i++) {
+    Shardd__Response *resp = test_raw_expect(&r, first + i, SHARDD_OK);
+    cr_assert_eq(resp->body_case, SHARDD__RESPONSE__BODY_PONG);
+    cr_assert_eq(resp->pong->payload.len, PING_PAYLOAD);
+    cr_assert(memcmp(resp->pong->payload.data, payload, PING_PAYLOAD) == 0);
+    shardd__response__free_unpacked(resp, NULL);
+  }
+  if (t.frame) {
+    pthread_join(t.th, NULL);
+    cr_assert_eq(t.off, t.len, "the cut frame was not taken whole");
+    free(t.frame);
+  }
+  test_raw_sync(&r);
+  test_raw_close(&r);
+  free(payload);
+}
+
+static int count_fds(pid_t pid) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/fd", (int)pid);
+  DIR *dir = opendir(path);
+  cr_assert_not_null(dir);
+  int n = 0;
+  for (struct dirent *e; (e = readdir(dir)) != NULL;)
+    n += e->d_name[0] != '.';
+  closedir(dir);
+  return n;
+}
+
+/* Every RegisterBuffer reply carries a descriptor the daemon holds until
+ * the reply is written: 2000 attaches from a client that does not read
+ * held 2000 descriptors (the fd table is shared with every other client). */
+Test(server, unread_descriptor_replies_are_bounded, .init = start_one_device,
+     .fini = stop_daemon, .timeout = 120) {
+  test_raw r;
+  test_raw_open(&d, &r);
+  test_raw_hello(&r, "fds", 0, 1);
+  shardd_buffer_info b;
+  test_raw_register_buffer(&r, "w", SHARDD_DTYPE_FP32, 16, &b);
+  int base = count_fds(d.pid);
+  Shardd__Request req = SHARDD__REQUEST__INIT;
+  Shardd__RegisterBuffer rb = SHARDD__REGISTER_BUFFER__INIT;
+  rb.name = "w";
+  rb.dtype = SHARDD__DTYPE__FP32;
+  rb.numel = 16;
+  req.body_case = SHARDD__REQUEST__BODY_REGISTER_BUFFER;
+  req.register_buffer = &rb;
+  uint64_t first = r.seq + 1;
+  /* nonblocking: a client that writes without reading may be stalled */
+  int fl = fcntl(r.fd, F_GETFL);
+  fcntl(r.fd, F_SETFL, fl | O_NONBLOCK);
+  int n = 0;
+  for (double idle = now_s(); n < 2000 && now_s() - idle < 1.0;) {
+    req.seq = first + (uint64_t)n;
+    uint8_t f[256];
+    size_t len = shardd__request__get_packed_size(&req);
+    cr_assert_lt(len + SHARDD_FRAME_HEADER, sizeof f);
+    shardd__frame_put_header(f, (uint32_t)len);
+    shardd__request__pack(&req, f + SHARDD_FRAME_HEADER);
+    ssize_t w = send(r.fd, f, len + SHARDD_FRAME_HEADER, MSG_NOSIGNAL);
+    if (w < 0 && (errno == EAGAIN || errno == EINTR)) {
+      test_sleep_ms(5);
+      continue;
+    }
+    /* a small frame goes whole or not at all on a unix stream socket */
+    cr_assert_eq(w, (ssize_t)(len + SHARDD_FRAME_HEADER), "send: %s", strerror(errno));
+    n++;
+    idle = now_s();
+  }
+  fcntl(r.fd, F_SETFL, fl);
+  r.seq = first + (uint64_t)n - 1;
+  test_sleep_ms(500);
+  int held = count_fds(d.pid) - base;
+  cr_assert_lt(held, 200, "the daemon holds %d descriptors for replies its "
+               "client has not read", held);
+  for (int i = 0; i < n; i++) {
+    int fd;
+    Shardd__Response *resp = test_raw_recv_fd(&r, &fd);
+    cr_assert_not_null(resp);
+    cr_assert_eq(resp->seq, first + (uint64_t)i);
+    cr_assert_eq(resp->code, SHARDD__STATUS_CODE__OK, "%s", resp->message);
+    cr_assert(fd >= 0, "reply %d came without its descriptor", i);
+    close(fd);
+    shardd__response__free_unpacked(resp, NULL);
+  }
+  test_raw_sync(&r);
+  test_raw_close(&r);
+}
+
+/* ---- size flags ----------------------------------------------------------
+ * --device-memory and --job-memory-limit take sizes like 8G. A number past
+ * 2^64 bytes (1e30, 1e400, inf) was converted to uint64_t anyway, which is
+ * undefined behaviour (x86 gives 2^63; the daemon then ran with whatever
+ * it got). It must exit 2 at once, naming the flag, the value and why. */
+
+typedef struct {
+  char flag[24];
+  char value[24];
+  char why[24];
+} bad_size;
+
+ParameterizedTestParameters(server, size_flag_refused) {
+  static bad_size cases[] = {
+      {"--device-memory", "1e30", "out of range"},
+      {"--job-memory-limit", "1e30", "out of range"},
+      {"--job-memory-limit", "1e400", "out of range"},
+      {"--device-memory", "16777216T", "out of range"}, /* 2^64 exactly */
+      {"--job-memory-limit", "18446744073709551616", "out of range"},
+      {"--device-memory", "inf", "out of range"},
+      {"--job-memory-limit", "nan", "not a size"},
+      {"--job-memory-limit", "-1", "not a size"},
+      {"--device-memory", "8X", "not a size"},
+      {"--device-memory", "0", "at least 1 byte"},
+      {"--job-memory-limit", "0.5", "at least 1 byte"},
+  };
+  return cr_make_param_array(bad_size, cases, sizeof cases / sizeof cases[0]);
+}
+
+ParameterizedTest(bad_size *bs, server, size_flag_refused) {
+  char dir[] = "/tmp/shardd-size-XXXXXX";
+  cr_assert_not_null(mkdtemp(dir));
+  char sock[64], log[64];
+  snprintf(sock, sizeof sock, "%s/s.sock", dir);
+  snprintf(log, sizeof log, "%s/err", dir);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (freopen(log, "w", stderr) == NULL)
+      _exit(126);
+    execl(test_bin("SHARDD_BIN", "build/shardd"), "shardd", "--socket", sock,
+          bs->flag, bs->value, (char *)NULL);
+    _exit(127);
+  }
+  int st = 0, done = 0;
+  for (int i = 0; i < 500 && !done; i++) {
+    done = waitpid(pid, &st, WNOHANG) == pid;
+    if (!done)
+      test_sleep_ms(10);
+  }
+  if (!done) { /* it took the size and serves */
+    kill(pid, SIGKILL);
+    waitpid(pid, &st, 0);
+  }
+  char *text = test_slurp(log);
+  unlink(log);
+  unlink(sock);
+  rmdir(dir);
+  cr_assert(done, "shardd %s %s did not exit (it accepted the size)", bs->flag,
+            bs->value);
+  cr_assert(WIFEXITED(st), "shardd %s %s died of signal %d", bs->flag, bs->value,
+            WIFSIGNALED(st) ? WTERMSIG(st) : 0);
+  cr_assert_eq(WEXITSTATUS(st), 2, "shardd %s %s exited %d: %s", bs->flag,
+               bs->value, WEXITSTATUS(st), text);
+  char want[64];
+  snprintf(want, sizeof want, "%s %s: ", bs->flag, bs->value);
+  cr_assert(strstr(text, want) != NULL, "stderr does not name \"%s\": %s", want, text);
+  cr_assert(strstr(text, bs->why) != NULL, "stderr does not say \"%s\": %s", bs->why,
+            text);
+  free(text);
+}
+
+/* The largest sizes below 2^64 are still sizes. */
+static void start_huge_limit(void) {
+  const char *args[] = {"--job-memory-limit", "16777215T", NULL};
+  test_daemon_start(&d, args);
+}
+
+Test(server, size_flag_just_below_two_to_the_64_is_taken, .init = start_huge_limit,
+     .fini = stop_daemon) {
+  shardd_client_t *c = test_connect(&d, "big", 0, 1);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 1024, &b), SHARDD_OK,
+               "%s", shardd_last_error(c));
+  shardd_close(c);
+}
+
+/* ---- replies that cannot be sent -----------------------------------------
+ * A reply whose buffer cannot be allocated (or whose write fails at once)
+ * closed its session on the spot, inside whoever was answering: a
+ * collective walking its waiters, fail_waiting walking a job's queue. The
+ * close re-entered shardd__coll_session_lost, which freed collectives that
+ * walk stood on, and at --job-linger 0 the job itself. Now the session is
+ * closed on the next loop turn and answered no more meanwhile.
+ *
+ * These run the server in this process, on a loop thread, so that
+ * shardd__server_fail_replies can make exactly the reply they pick fail;
+ * the clients are the same raw wire clients as above, by socket path.
+ * Under SAN=1 a use-after-free is an ASan report that ends the test. */
+
+typedef struct {
+  uv_loop_t loop;
+  shardd__server srv;
+  uv_async_t stop;
+  pthread_t th;
+  test_daemon d; /* dir and sock only, for test_raw_open / test_connect */
+} inproc;
+
+static void inproc_stop_cb(uv_async_t *a) {
+  inproc *p = a->data;
+  shardd__server_stop(&p->srv);
+  uv_close((uv_handle_t *)a, NULL);
+}
+
+static void *inproc_main(void *arg) {
+  inproc *p = arg;
+  uv_run(&p->loop, UV_RUN_DEFAULT);
+  return NULL;
+}
+
+static void inproc_start(inproc *p, double linger) {
+  memset(p, 0, sizeof *p);
+  /* a reply written to a client that is gone must be an EPIPE, as in
+   * shardd's main, not the end of the test process */
+  signal(SIGPIPE, SIG_IGN);
+  snprintf(p->d.dir, sizeof p->d.dir, "/tmp/shardd-inproc-XXXXXX");
+  cr_assert_not_null(mkdtemp(p->d.dir));
+  snprintf(p->d.sock, sizeof p->d.sock, "%s/shardd.sock", p->d.dir);
+  cr_assert_eq(uv_loop_init(&p->loop), 0);
+  char err[256];
+  shardd__backend *be;
+  cr_assert_eq(shardd__backend_host_create(3, 16u << 20, &be, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  shardd__server_opts o = SHARDD__SERVER_OPTS_INIT;
+  o.socket_path = p->d.sock;
+  o.job_linger = linger;
+  o.log_level = 1;
+  cr_assert_eq(shardd__server_init(&p->srv, &p->loop, be, &o, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_assert_eq(uv_async_init(&p->loop, &p->stop, inproc_stop_cb), 0);
+  p->stop.data = p;
+  cr_assert_eq(pthread_create(&p->th, NULL, inproc_main, p), 0);
+}
+
+static void inproc_finish(inproc *p) {
+  uv_async_send(&p->stop);
+  pthread_join(p->th, NULL);
+  shardd__server_free(&p->srv);
+  cr_expect_eq(uv_loop_close(&p->loop), 0, "a handle outlived the server");
+  rmdir(p->d.dir);
+}
+
+static size_t inproc_jobs(inproc *p) {
+  shardd_client_t *c = test_connect(&p->d, NULL, 0, 1);
+  char *s = NULL;
+  cr_assert_eq(shardd_status_json(c, &s), SHARDD_OK, "%s", shardd_last_error(c));
+  tj *j = tj_parse(s);
+  cr_assert_not_null(j, "status is not JSON: %s", s);
+  size_t n = tj_need(j, "jobs", TJ_ARR)->n;
+  tj_free(j);
+  shardd_free(s);
+  shardd_close(c);
+  return n;
+}
+
+/* The daemon closed r without sending it anything more. */
+static void expect_closed_unanswered(test_raw *r, const char *who) {
+  Shardd__Response *resp = test_raw_recv(r);
+  cr_assert_null(resp, "%s got reply %llu (%s) after its reply was lost", who,
+                 resp ? (unsigned long long)resp->seq : 0ull,
+                 resp && resp->message ? resp->message : "");
+}
+
+/* The gather's fan-out answers rank 0 first; that reply fails. Rank 0's
+ * session goes, rank 1 gets its reply, and everyone else goes on. */
+Test(server, failed_reply_in_gather_fanout_closes_only_that_session, .timeout = 120) {
+  inproc p;
+  inproc_start(&p, 600);
+  test_raw r0, r1, other;
+  test_raw_open(&p.d, &r0);
+  test_raw_hello(&r0, "fan", 0, 2);
+  test_raw_open(&p.d, &r1);
+  test_raw_hello(&r1, "fan", 1, 2);
+  test_raw_open(&p.d, &other);
+  test_raw_hello(&other, "bystander", 0, 1);
+  shardd_buffer_info b0, b1;
+  test_raw_register_buffer(&r0, "w", SHARDD_DTYPE_FP32, 64, &b0);
+  test_raw_register_buffer(&r1, "w", SHARDD_DTYPE_FP32, 64, &b1);
+  test_raw_send_gather(&r0, b0.id);
+  test_raw_sync(&r0); /* rank 0 waits in the gather; nothing else is owed */
+  shardd__server_fail_replies(&p.srv, 1);
+  uint64_t g1 = test_raw_send_gather(&r1, b1.id);
+  shardd__response__free_unpacked(test_raw_expect(&r1, g1, SHARDD_OK), NULL);
+  expect_closed_unanswered(&r0, "rank 0");
+  test_raw_close(&r0);
+
+  test_raw_sync(&r1);
+  test_raw_sync(&other);
+  /* rank 0's place is free again and the job collects as before */
+  test_raw_open(&p.d, &r0);
+  test_raw_hello(&r0, "fan", 0, 2);
+  test_raw_register_buffer(&r0, "w", SHARDD_DTYPE_FP32, 64, &b0);
+  uint64_t a = test_raw_send_gather(&r0, b0.id);
+  uint64_t b = test_raw_send_gather(&r1, b1.id);
+  shardd__response__free_unpacked(test_raw_expect(&r0, a, SHARDD_OK), NULL);
+  shardd__response__free_unpacked(test_raw_expect(&r1, b, SHARDD_OK), NULL);
+  test_raw_close(&r0);
+  test_raw_close(&r1);
+  test_raw_close(&other);
+  inproc_finish(&p);
+}
+
+/* --job-linger 0 and the last client's reply fails in the fan-out: the
+ * synchronous close released the job while the collective still walked
+ * it (coll_finish, then schedule). The job must go, but afterwards. */
+Test(server, failed_reply_to_the_last_client_of_a_lingerless_job, .timeout = 120) {
+  inproc p;
+  inproc_start(&p, 0);
+  test_raw r;
+  test_raw_open(&p.d, &r);
+  test_raw_hello(&r, "solo", 0, 1);
+  shardd_buffer_info b;
+  test_raw_register_buffer(&r, "w", SHARDD_DTYPE_FP32, 64, &b);
+  shardd__server_fail_replies(&p.srv, 1);
+  test_raw_send_gather(&r, b.id);
+  expect_closed_unanswered(&r, "the only rank");
+  test_raw_close(&r);
+  cr_assert_eq(inproc_jobs(&p), 0, "the job outlived its last client at linger 0");
+  /* the name is free: a job of another world may take it */
+  test_raw_open(&p.d, &r);
+  test_raw_hello(&r, "solo", 0, 2);
+  test_raw_sync(&r);
+  test_raw_close(&r);
+  inproc_finish(&p);
+}
+
+/* Rank 0 leaves while rank 1 waits in a gather and a scatter that rank 2
+ * never joined: fail_waiting answers both collectives, and the first
+ * answer to rank 1 fails. Closing rank 1 there failed (and freed) the
+ * scatter, the collective fail_waiting was about to visit. Rank 1 is
+ * answered no more; rank 2 and the job carry on. */
+Test(server, failed_reply_while_failing_waiting_collectives, .timeout = 120) {
+  inproc p;
+  inproc_start(&p, 600);
+  test_raw r[3];
+  shardd_buffer_info b[3];
+  for (uint32_t k = 0; k < 3; k++) {
+    test_raw_open(&p.d, &r[k]);
+    test_raw_hello(&r[k], "three", k, 3);
+    test_raw_register_buffer(&r[k], "w", SHARDD_DTYPE_FP32, 96, &b[k]);
+  }
+  test_raw_send_gather(&r[1], b[1].id);
+  test_raw_send_scatter(&r[1], b[1].id, SHARDD_REDUCE_SUM);
+  test_raw_sync(&r[1]);
+  shardd__server_fail_replies(&p.srv, 1);
+  test_raw_close(&r[0]);
+  expect_closed_unanswered(&r[1], "rank 1");
+  test_raw_close(&r[1]);
+
+  test_raw_sync(&r[2]);
+  /* ranks 0 and 1 come back and the three collect together */
+  for (uint32_t k = 0; k < 2; k++) {
+    test_raw_open(&p.d, &r[k]);
+    test_raw_hello(&r[k], "three", k, 3);
+    test_raw_register_buffer(&r[k], "w", SHARDD_DTYPE_FP32, 96, &b[k]);
+  }
+  uint64_t seq[3];
+  for (int k = 0; k < 3; k++)
+    seq[k] = test_raw_send_gather(&r[k], b[k].id);
+  for (int k = 0; k < 3; k++) {
+    shardd__response__free_unpacked(test_raw_expect(&r[k], seq[k], SHARDD_OK), NULL);
+    test_raw_close(&r[k]);
+  }
+  cr_assert_eq(inproc_jobs(&p), 1);
+  inproc_finish(&p);
 }
