@@ -10,8 +10,9 @@
  * count is kept on the loop thread (after_work).
  *
  * A job over several nodes (--job-spec) runs two-level collectives: the
- * local part over this daemon's ranks on the pool, then one fabric call
- * (fabric.h) per collective, also on the pool, then the local fan-out:
+ * local part over this daemon's ranks on the pool, then one cross-node
+ * exchange (fabric.h) per collective on one of the job's fabric threads,
+ * then the local fan-out on the pool:
  *   gather:  local shards -> the first local rank's gather area, at their
  *            place; allgather of the node's contiguous slice across nodes;
  *            copies to the other local gather areas.
@@ -19,9 +20,46 @@
  *            into the buffer's staging area; the fabric's reduce-scatter
  *            sums across nodes; each local owner's reduced shard is its
  *            part of the sum, divided for mean.
- *   step:    local, except that with clipping the sum of squares of the
- *            local shards is allreduced before the updates.
+ *   step:    local, except that with clipping the sums of squares of the
+ *            local shards cross nodes (in the exchange's header, below)
+ *            before the updates.
  * Cross-node traffic is one copy per node, not per rank.
+ *
+ * Fabric threads. An exchange waits for the peer daemons, which may be
+ * seconds behind (their ranks arrive later) or gone. Run on libuv's pool
+ * (4 threads on a small machine), a few exchanges that the nodes reach in
+ * different orders -- prefetched gathers of several buffers, or two
+ * multi-node jobs between the same daemons -- fill every pool thread on
+ * each node with exchanges the other node cannot join, since its own pool
+ * is full of the others: everything stalls until the collective timeout.
+ * So exchanges never run on the pool. Each job has its own threads, made
+ * on demand and kept until the job is freed, and every queued exchange
+ * gets a thread at once: there are never fewer threads than exchanges in
+ * flight. That is bounded, because every started collective holds each
+ * local rank's session, which may have --max-pending collectives at most;
+ * so the job's threads are capped at max_pending, which only a rank that
+ * reconnects while its old exchanges still run can reach (those end within
+ * the timeout and free their threads). The nodes need not agree on an
+ * order, and could not: a serial per-job thread would need one, and the
+ * ranks of one node may issue their prefetches in another order than the
+ * ranks of another. Exchanges are paired across nodes by Gloo's tag
+ * instead (from the kind and the target's name; ids differ between
+ * daemons, names do not), and a node runs one exchange per tag at a time,
+ * so two names that hash alike cannot mix their data. Completion comes
+ * back to the loop through a uv_async_t per exchange (held by the
+ * collective, closed when it fires).
+ *
+ * Every exchange first allgathers a small header (kind, name hash, how many
+ * exchanges of that kind and target this node made before, element count,
+ * bytes, dtype, reduction) and moves data only when every node's header
+ * agrees with this node's. A buffer registered with another size or dtype
+ * on one node, another reduction, two names sharing a tag that the nodes
+ * ran in different orders, or exchange counts out of step fail the
+ * collective with SHARDD_E_MISMATCH and a message naming the node and what
+ * differs, instead of mixing data silently or tripping Gloo's size checks
+ * in its network thread (which would abort the daemon). Every node sees
+ * every header, so all decide alike, and the fabric stays up. The step's
+ * sums of squares travel in the header: it is the step's whole exchange.
  *
  * A backend with whole-collective ops (cuda: NCCL, see backend.h) runs a
  * single-node gather or scatter as one task instead of per-rank chunks:
@@ -35,15 +73,14 @@
  * untouched, which a whole reduce-scatter would not). When the communicator
  * cannot be made or an op fails, the task does that collective rank by rank
  * instead (the inputs are intact: outputs are other areas) and the job
- * keeps the per-rank path from then on. The fabric call
- * of a collective is matched across nodes by a tag from its kind and the
- * buffer's (optimizer's) name: ids differ between daemons, names do not. */
+ * keeps the per-rank path from then on. */
 #include "collective.h"
 
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,7 +107,7 @@ typedef struct {
   uint64_t start, len;
   double sumsq;
   shardd_err rc;
-  int fabric; /* the collective's one cross-node call */
+  int fabric; /* the collective's exchange, on a fabric thread */
   int bulk;   /* the whole collective through the backend's comm ops */
 } task;
 
@@ -102,48 +139,86 @@ struct coll {
   /* multi-node: stage 0 local, 1 fabric, 2 local fan-out (gather, scatter);
    * step: 1 while the sum of squares crosses nodes */
   int stage;
-  uint32_t tag;
+  uint64_t name_key; /* fab_key of the kind and the target's name */
+  uint32_t tag;      /* Gloo's, from name_key */
+  const char *name;  /* the target's (it outlives c: inflight holds it) */
+  uint64_t fab_seq;  /* exchanges of this kind and target before this one */
   double sumsq_all;
-  char fab_msg[384]; /* written by the fabric task, read after it */
+  char fab_msg[384]; /* written by the fabric thread, read after it */
+  /* the exchange in flight: its task, its place in the job's fabric queue
+   * and the handle that brings its end back to the loop */
+  task *fab_task;
+  coll *fab_next;
+  uv_async_t fab_async;
   int bulk; /* this phase is one bulk task (decided once, in start_phase) */
 };
 
 /* ---- cross-node state of a job ------------------------------------------
  * Created on the loop thread when the job gets its layout; the fabric itself
- * is connected lazily by the first fabric task (blocking, on the pool), so
- * the loop never waits for a rendezvous. The mutex guards everything below
- * it against the pool threads and the status reader. */
+ * is connected lazily by the first exchange (blocking, on a fabric thread),
+ * so the loop never waits for a rendezvous. The mutex guards everything
+ * below it up to the counts against the fabric threads and the status
+ * reader, and is never held while waiting for a peer. */
 
 enum { FAB_IDLE, FAB_UP, FAB_FAILED };
 
 typedef struct {
+  uint64_t key, n;
+} fab_count;
+
+typedef struct {
+  shardd__server *srv;
   pthread_mutex_t mu;
+  pthread_cond_t cv; /* queue, running, connecting or stop changed */
   shardd__fabric_opts opts;
   char *rendezvous, *prefix, *host;
   shardd__fabric *f;
   int state;
   int at_rendezvous; /* failed before connecting */
+  int connecting;    /* a fabric thread is in shardd__fabric_create */
   shardd_err code;
   char msg[384];
+  /* the job's fabric threads (see the top of the file) */
+  coll *queue; /* exchanges no thread has taken yet, oldest first */
+  uint32_t nqueued;
+  uint32_t *running; /* [cap]: the tags being exchanged, one per thread */
+  uint32_t nrunning;
+  pthread_t *threads; /* [cap] */
+  uint32_t nthreads, cap;
+  int stop;
+  /* loop thread only: exchanges made so far per kind and target */
+  fab_count *counts;
+  size_t ncounts, capcounts;
 } jobfab;
 
+/* The job's fabric. The first exchange that needs it connects it; the
+ * others wait for that one on the condition variable, not on the mutex. */
 static shardd_err jf_get(jobfab *jf, shardd__fabric **out, char *err,
                          size_t errlen) {
   pthread_mutex_lock(&jf->mu);
+  while (jf->connecting)
+    pthread_cond_wait(&jf->cv, &jf->mu);
   shardd_err rc = SHARDD_OK;
   if (jf->state == FAB_FAILED) {
     rc = jf->code;
     snprintf(err, errlen, "%s", jf->msg);
   } else if (jf->f == NULL) {
-    rc = shardd__fabric_create(&jf->opts, &jf->f, err, errlen);
+    jf->connecting = 1;
+    pthread_mutex_unlock(&jf->mu);
+    shardd__fabric *f = NULL;
+    rc = shardd__fabric_create(&jf->opts, &f, err, errlen);
+    pthread_mutex_lock(&jf->mu);
+    jf->connecting = 0;
     if (rc != SHARDD_OK) {
       jf->state = FAB_FAILED;
       jf->at_rendezvous = 1;
       jf->code = rc;
       snprintf(jf->msg, sizeof jf->msg, "%s", err);
     } else {
+      jf->f = f;
       jf->state = FAB_UP;
     }
+    pthread_cond_broadcast(&jf->cv);
   }
   *out = jf->f;
   pthread_mutex_unlock(&jf->mu);
@@ -162,25 +237,92 @@ static void jf_broken(jobfab *jf, shardd_err code, const char *msg) {
   pthread_mutex_unlock(&jf->mu);
 }
 
-static void jf_free(jobfab *jf) {
-  if (jf == NULL)
-    return;
+static void jf_release(jobfab *jf) {
   shardd__fabric_destroy(jf->f);
+  pthread_cond_destroy(&jf->cv);
   pthread_mutex_destroy(&jf->mu);
+  free(jf->threads);
+  free(jf->running);
+  free(jf->counts);
   free(jf->rendezvous);
   free(jf->prefix);
   free(jf->host);
   free(jf);
 }
 
-static uint32_t fab_tag(shardd__coll_kind kind, const char *name) {
-  uint32_t h = 2166136261u ^ (uint32_t)kind;
-  h *= 16777619u;
+static void jf_release_work(uv_work_t *req) {
+  jobfab *jf = req->data;
+  shardd__fabric_destroy(jf->f);
+  jf->f = NULL;
+}
+
+static void jf_release_done(uv_work_t *req, int status) {
+  jobfab *jf = req->data;
+  free(req);
+  jf_release(jf);
+}
+
+static void jf_free(jobfab *jf) {
+  if (jf == NULL)
+    return;
+  shardd__server *srv = jf->srv;
+  /* The job has no collective left, so no exchange is queued or running
+   * and every thread is idle: they see stop and end at once. */
+  pthread_mutex_lock(&jf->mu);
+  jf->stop = 1;
+  pthread_cond_broadcast(&jf->cv);
+  pthread_mutex_unlock(&jf->mu);
+  for (uint32_t i = 0; i < jf->nthreads; i++)
+    pthread_join(jf->threads[i], NULL);
+  jf->nthreads = 0;
+  /* Closing the fabric waits for Gloo's network thread to let go of the
+   * sockets (some 20 ms), never for a peer: on the pool while the loop
+   * serves others, inline once the daemon stops (the loop has ended). */
+  uv_work_t *req = jf->f && srv && !srv->stopping ? malloc(sizeof *req) : NULL;
+  if (req) {
+    req->data = jf;
+    if (uv_queue_work(srv->loop, req, jf_release_work, jf_release_done) == 0)
+      return;
+    free(req);
+  }
+  jf_release(jf);
+}
+
+/* FNV-1a 64 over the kind and the name: what names an exchange across
+ * nodes (the header's name, and the tag folded from it). */
+static uint64_t fab_key(shardd__coll_kind kind, const char *name) {
+  uint64_t h = 14695981039346656037ull;
+  h ^= (uint64_t)kind;
+  h *= 1099511628211ull;
   for (const char *p = name ? name : ""; *p; p++) {
     h ^= (unsigned char)*p;
-    h *= 16777619u;
+    h *= 1099511628211ull;
   }
-  return h & 0x7fffffffu;
+  return h;
+}
+
+static uint32_t fab_tag(uint64_t key) {
+  return (uint32_t)(key ^ (key >> 32)) & 0x7fffffffu;
+}
+
+/* How many exchanges of key this node made before this one (loop thread);
+ * -1 when out of memory. */
+static int64_t fab_next_seq(jobfab *jf, uint64_t key) {
+  for (size_t i = 0; i < jf->ncounts; i++)
+    if (jf->counts[i].key == key)
+      return (int64_t)jf->counts[i].n++;
+  if (jf->ncounts == jf->capcounts) {
+    size_t cap = jf->capcounts ? 2 * jf->capcounts : 16;
+    fab_count *n = realloc(jf->counts, cap * sizeof *n);
+    if (n == NULL)
+      return -1;
+    jf->counts = n;
+    jf->capcounts = cap;
+  }
+  jf->counts[jf->ncounts].key = key;
+  jf->counts[jf->ncounts].n = 1;
+  jf->ncounts++;
+  return 0;
 }
 
 shardd_err shardd__coll_job_layout(shardd__server *srv, shardd__job *job,
@@ -211,13 +353,20 @@ shardd_err shardd__coll_job_layout(shardd__server *srv, shardd__job *job,
                job->name, sp->nodes);
       return SHARDD_E_STATE;
     }
+    /* one thread per exchange in flight, and a started collective holds
+     * every local rank's session, each in max_pending collectives at most */
+    uint32_t cap = srv->opts.max_pending ? srv->opts.max_pending : 1;
     jobfab *jf = calloc(1, sizeof *jf);
     if (jf == NULL || (jf->rendezvous = strdup(sp->rendezvous)) == NULL ||
         (jf->prefix = strdup(job->name)) == NULL ||
-        (jf->host = strdup(sp->host)) == NULL) {
+        (jf->host = strdup(sp->host)) == NULL ||
+        (jf->running = calloc(cap, sizeof *jf->running)) == NULL ||
+        (jf->threads = calloc(cap, sizeof *jf->threads)) == NULL) {
       if (jf) {
         free(jf->rendezvous);
         free(jf->prefix);
+        free(jf->host);
+        free(jf->running);
       }
       free(jf);
       snprintf(err, errlen, "out of memory");
@@ -228,10 +377,15 @@ shardd_err shardd__coll_job_layout(shardd__server *srv, shardd__job *job,
       free(jf->rendezvous);
       free(jf->prefix);
       free(jf->host);
+      free(jf->running);
+      free(jf->threads);
       free(jf);
       return rc;
     }
+    jf->srv = srv;
+    jf->cap = cap;
     pthread_mutex_init(&jf->mu, NULL);
+    pthread_cond_init(&jf->cv, NULL);
     shardd__fabric_opts o = SHARDD__FABRIC_OPTS_INIT;
     o.rendezvous = jf->rendezvous;
     o.prefix = jf->prefix;
@@ -594,34 +748,259 @@ static void mscatter_own(coll *c, task *t) {
                           b->reduced_off + first * 4, &src, &off, 1, t->len);
 }
 
+/* What a node is about to exchange; every node's is allgathered first and
+ * data moves only when all agree (see the top of the file). Fixed-width
+ * fields and no padding, so the bytes compare as they are. */
+typedef struct {
+  uint32_t magic, kind;
+  uint64_t name;  /* fab_key */
+  uint64_t seq;   /* exchanges of this kind and target the node made before */
+  uint64_t numel; /* the buffer's (0 for step) */
+  uint64_t bytes; /* payload per node */
+  uint32_t dtype, op;
+  double value; /* step: the node's sum of squares; not compared */
+} fab_hdr;
+
+#define FAB_MAGIC 0x53484631u /* "SHF1": bump when the header changes */
+
+_Static_assert(sizeof(fab_hdr) == 56, "fab_hdr must have no padding");
+
+static const char *dtype_word(uint32_t dt) {
+  const char *n = shardd_dtype_name((shardd_dtype)dt);
+  return n ? n : "?";
+}
+
+static const char *op_word(uint32_t op) {
+  return op == SHARDD_REDUCE_MEAN ? "mean" : op == SHARDD_REDUCE_SUM ? "sum" : "?";
+}
+
+/* 0 when every node's header matches this node's; else -1 and msg says
+ * what the first node that differs has instead. */
+static int fab_check(const coll *c, const fab_hdr *h, uint32_t nodes,
+                     uint32_t me, char *msg, size_t len) {
+  const fab_hdr *m = &h[me];
+  const char *kw = kind_word(c->args.kind), *tw = target_word(c->args.kind);
+  for (uint32_t n = 0; n < nodes; n++) {
+    const fab_hdr *o = &h[n];
+    if (n == me || memcmp(o, m, offsetof(fab_hdr, value)) == 0)
+      continue;
+    if (o->magic != m->magic)
+      snprintf(msg, len,
+               "node %" PRIu32 " speaks another version of the fabric protocol "
+               "(header %#" PRIx32 ", this node %#" PRIx32 "): run the same "
+               "shardd on every node",
+               n, o->magic, m->magic);
+    else if (o->kind != m->kind || o->name != m->name)
+      snprintf(msg, len,
+               "node %" PRIu32 " exchanged %s of another target where this node "
+               "exchanged %s of %s \"%s\": two names share fabric tag %" PRIu32
+               " and the nodes ran them in different orders",
+               n, kind_word((shardd__coll_kind)o->kind), kw, tw, c->name, c->tag);
+    else if (o->seq != m->seq)
+      snprintf(msg, len,
+               "node %" PRIu32 " is at its %s #%" PRIu64 " of %s \"%s\", this "
+               "node at #%" PRIu64 ": the nodes' exchanges of it are out of "
+               "step (one node skipped one), so they would pair the wrong "
+               "calls; restart the job",
+               n, kw, o->seq + 1, tw, c->name, m->seq + 1);
+    else if (o->numel != m->numel || o->dtype != m->dtype || o->bytes != m->bytes)
+      snprintf(msg, len,
+               "node %" PRIu32 " has %s \"%s\" as %" PRIu64 " %s elements (%" PRIu64
+               " bytes per node), this node as %" PRIu64 " %s (%" PRIu64 "): "
+               "register it alike on every node",
+               n, tw, c->name, o->numel, dtype_word(o->dtype), o->bytes, m->numel,
+               dtype_word(m->dtype), m->bytes);
+    else
+      snprintf(msg, len,
+               "node %" PRIu32 " reduces %s \"%s\" by %s, this node by %s: every "
+               "rank must pass the same reduction",
+               n, tw, c->name, op_word(o->op), op_word(m->op));
+    return -1;
+  }
+  return 0;
+}
+
+/* The exchange of c, on a fabric thread: header, check, data. */
 static void fabric_task(coll *c, task *t) {
   jobfab *jf = c->job->fabric;
+  shardd__job *job = c->job;
   shardd__fabric *f;
   t->rc = jf_get(jf, &f, c->fab_msg, sizeof c->fab_msg);
   if (t->rc != SHARDD_OK)
     return;
   shardd__buffer *b = c->buf;
-  uint64_t part = b ? (uint64_t)c->job->local_ranks * b->shard_numel : 0;
-  switch (c->args.kind) {
-  case SHARDD__COLL_GATHER: {
-    shardd__region *r = b->blocks[c->job->local_first];
-    t->rc = shardd__fabric_allgather(f, (char *)r->ptr + b->gather_off,
-                                     part * shardd_dtype_size(b->dtype), c->tag,
-                                     c->fab_msg, sizeof c->fab_msg);
-    break;
+  uint64_t part = b ? (uint64_t)job->local_ranks * b->shard_numel : 0;
+  fab_hdr *h = calloc(job->nodes, sizeof *h);
+  if (h == NULL) {
+    /* the peers wait for this node's header in vain: the fabric is lost */
+    t->rc = SHARDD_E_NO_MEMORY;
+    snprintf(c->fab_msg, sizeof c->fab_msg, "out of memory for the exchange header");
+    jf_broken(jf, t->rc, c->fab_msg);
+    return;
   }
-  case SHARDD__COLL_SCATTER:
-    t->rc = shardd__fabric_reduce_scatter_f32(f, (float *)b->stage->ptr, part,
-                                              c->tag, c->fab_msg,
-                                              sizeof c->fab_msg);
-    break;
-  case SHARDD__COLL_STEP:
-    t->rc = shardd__fabric_allreduce_f64(f, &c->sumsq_all, c->tag, c->fab_msg,
-                                         sizeof c->fab_msg);
-    break;
+  fab_hdr *m = &h[job->node_rank];
+  m->magic = FAB_MAGIC;
+  m->kind = (uint32_t)c->args.kind;
+  m->name = c->name_key;
+  m->seq = c->fab_seq;
+  if (b) {
+    m->numel = b->numel;
+    m->dtype = (uint32_t)b->dtype;
+    m->bytes = part * (c->args.kind == SHARDD__COLL_SCATTER
+                           ? 4 /* the fp32 staging area */
+                           : shardd_dtype_size(b->dtype));
+    m->op = c->args.kind == SHARDD__COLL_SCATTER ? (uint32_t)c->args.op : 0;
+  } else {
+    m->value = c->sumsq_all;
   }
+  t->rc = shardd__fabric_allgather(f, h, sizeof *h, c->tag, c->fab_msg,
+                                   sizeof c->fab_msg);
+  if (t->rc == SHARDD_OK &&
+      fab_check(c, h, job->nodes, job->node_rank, c->fab_msg, sizeof c->fab_msg)) {
+    /* every node saw the same headers and fails this one alike; the
+     * connections are fine, so the fabric stays up */
+    t->rc = SHARDD_E_MISMATCH;
+    free(h);
+    return;
+  }
+  if (t->rc == SHARDD_OK) {
+    switch (c->args.kind) {
+    case SHARDD__COLL_GATHER: {
+      shardd__region *r = b->blocks[job->local_first];
+      t->rc = shardd__fabric_allgather(f, (char *)r->ptr + b->gather_off,
+                                       part * shardd_dtype_size(b->dtype), c->tag,
+                                       c->fab_msg, sizeof c->fab_msg);
+      break;
+    }
+    case SHARDD__COLL_SCATTER:
+      t->rc = shardd__fabric_reduce_scatter_f32(f, (float *)b->stage->ptr, part,
+                                                c->tag, c->fab_msg,
+                                                sizeof c->fab_msg);
+      break;
+    case SHARDD__COLL_STEP: {
+      /* in node order on every node, so all get the same bits */
+      double sum = 0;
+      for (uint32_t n = 0; n < job->nodes; n++)
+        sum += h[n].value;
+      c->sumsq_all = sum;
+      break;
+    }
+    }
+  }
+  free(h);
   if (t->rc != SHARDD_OK)
     jf_broken(jf, t->rc, c->fab_msg);
+}
+
+/* ---- fabric threads (see the top of the file) ------------------------- */
+
+static void after_work_cb(uv_work_t *req, int status);
+
+static void fab_closed_cb(uv_handle_t *h) {
+  coll *c = h->data;
+  after_work_cb(&c->fab_task->req, 0);
+}
+
+static void fab_async_cb(uv_async_t *h) {
+  uv_close((uv_handle_t *)h, fab_closed_cb);
+}
+
+/* The oldest queued exchange whose tag no thread is exchanging; under mu. */
+static coll *fab_pick(jobfab *jf) {
+  for (coll **pp = &jf->queue; *pp; pp = &(*pp)->fab_next) {
+    coll *c = *pp;
+    int busy = 0;
+    for (uint32_t i = 0; i < jf->nrunning && !busy; i++)
+      busy = jf->running[i] == c->tag;
+    if (busy)
+      continue;
+    *pp = c->fab_next;
+    c->fab_next = NULL;
+    jf->nqueued--;
+    return c;
+  }
+  return NULL;
+}
+
+static void *fab_thread(void *arg) {
+  jobfab *jf = arg;
+  pthread_mutex_lock(&jf->mu);
+  for (;;) {
+    coll *c = fab_pick(jf);
+    if (c == NULL) {
+      if (jf->stop)
+        break;
+      pthread_cond_wait(&jf->cv, &jf->mu);
+      continue;
+    }
+    uint32_t tag = c->tag;
+    jf->running[jf->nrunning++] = tag;
+    pthread_mutex_unlock(&jf->mu);
+    fabric_task(c, c->fab_task);
+    pthread_mutex_lock(&jf->mu);
+    for (uint32_t i = 0; i < jf->nrunning; i++)
+      if (jf->running[i] == tag) {
+        jf->running[i] = jf->running[--jf->nrunning];
+        break;
+      }
+    pthread_cond_broadcast(&jf->cv); /* one of the same tag may go now */
+    /* the last touch of c: from here the loop may free it */
+    uv_async_send(&c->fab_async);
+  }
+  pthread_mutex_unlock(&jf->mu);
+  return NULL;
+}
+
+/* Queues c's exchange (task t) for the job's fabric threads; loop thread.
+ * The end always comes back through c->fab_async, failures too. */
+static void fab_submit(coll *c, task *t) {
+  jobfab *jf = c->job->fabric;
+  c->fab_task = t;
+  c->fab_async.data = c;
+  int e = uv_async_init(c->srv->loop, &c->fab_async, fab_async_cb);
+  if (e != 0) { /* cannot happen for a valid loop; fail it inline then */
+    t->rc = SHARDD_E_INTERNAL;
+    snprintf(c->fab_msg, sizeof c->fab_msg, "uv_async_init: %s", uv_strerror(e));
+    after_work_cb(&t->req, 0);
+    return;
+  }
+  int64_t seq = fab_next_seq(jf, c->name_key);
+  if (seq < 0) {
+    t->rc = SHARDD_E_NO_MEMORY;
+    snprintf(c->fab_msg, sizeof c->fab_msg, "out of memory queueing the exchange");
+    uv_async_send(&c->fab_async);
+    return;
+  }
+  c->fab_seq = (uint64_t)seq;
+  pthread_mutex_lock(&jf->mu);
+  coll **tail = &jf->queue;
+  while (*tail)
+    tail = &(*tail)->fab_next;
+  *tail = c;
+  jf->nqueued++;
+  /* a thread for every exchange, so none waits for another to end */
+  if (jf->nthreads - jf->nrunning < jf->nqueued && jf->nthreads < jf->cap) {
+    e = pthread_create(&jf->threads[jf->nthreads], NULL, fab_thread, jf);
+    if (e == 0) {
+      pthread_setname_np(jf->threads[jf->nthreads], "shardd-fabric");
+      jf->nthreads++;
+    } else if (jf->nthreads == 0) {
+      *tail = NULL;
+      jf->nqueued--;
+      pthread_mutex_unlock(&jf->mu);
+      t->rc = SHARDD_E_NO_MEMORY;
+      snprintf(c->fab_msg, sizeof c->fab_msg, "cannot start a fabric thread: %s",
+               strerror(e));
+      uv_async_send(&c->fab_async);
+      return;
+    } else {
+      shardd__log(c->srv, 1, "job \"%s\": cannot start fabric thread %" PRIu32
+                  " (%s); the exchange waits for a busy one", c->job->name,
+                  jf->nthreads + 1, strerror(e));
+    }
+  }
+  pthread_cond_broadcast(&jf->cv);
+  pthread_mutex_unlock(&jf->mu);
 }
 
 /* ---- whole collectives through the backend (see the top) ----------- */
@@ -724,10 +1103,6 @@ static void work_cb(uv_work_t *req) {
   coll *c = t->c;
   if (c->ntasks == 0) /* the empty task of a collective with no work */
     return;
-  if (t->fabric) {
-    fabric_task(c, t);
-    return;
-  }
   if (t->bulk) {
     bulk_task(c, t);
     return;
@@ -968,6 +1343,10 @@ static void start_phase(coll *c) {
     task *t = &c->tasks[i];
     t->c = c;
     t->req.data = t;
+    if (t->fabric) {
+      fab_submit(c, t);
+      continue;
+    }
     int e = uv_queue_work(c->srv->loop, &t->req, work_cb, after_work_cb);
     if (e != 0) { /* cannot happen for a valid loop; run inline then */
       work_cb(&t->req);
@@ -1065,7 +1444,9 @@ void shardd__coll_submit(shardd__server *srv, shardd__session *s, uint64_t seq,
     c->job = job;
     c->args = *args;
     c->deadline = shardd__server_now(srv) + srv->opts.collective_timeout;
-    c->tag = fab_tag(args->kind, o->name);
+    c->name_key = fab_key(args->kind, o->name);
+    c->tag = fab_tag(c->name_key);
+    c->name = o->name;
     if (args->kind == SHARDD__COLL_STEP) {
       c->opt = (shardd__optim *)o;
       c->hp = malloc((c->opt->ngroups ? c->opt->ngroups : 1) * sizeof *c->hp);

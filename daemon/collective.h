@@ -2,6 +2,9 @@
  * job: each request waits until every rank made the same call, then the work
  * runs on libuv's thread pool and every waiting rank is answered. Work on a
  * buffer runs in submission order; work on disjoint buffers may overlap.
+ * The cross-node exchange of a multi-node job's collective, which waits for
+ * the other daemons, runs on the job's own fabric threads, never on the
+ * pool (collective.c says why).
  *
  * Ownership: the per-job queue (job->coll) is this module's; a queued
  * collective borrows its sessions, and shardd__coll_session_lost must be

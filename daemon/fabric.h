@@ -1,8 +1,9 @@
 /* fabric.h — cross-node collectives of one job: the daemons of a job's
  * nodes form one communicator (one member per node, not per rank) and move
  * whole per-node slices between each other. The collective module runs the
- * local part of a two-level collective on the thread pool, then one fabric
- * call per collective, then the local fan-out.
+ * local part of a two-level collective on the thread pool, then the
+ * collective's cross-node exchange (fabric calls) on one of the job's
+ * fabric threads, then the local fan-out on the pool.
  *
  * Implementations: fabric_gloo.cc (Gloo's TCP transport, rendezvous through
  * a shared directory with gloo::rendezvous::FileStore) for host memory.
@@ -12,11 +13,21 @@
  * interface with device pointers and a stream; it is not written yet, and
  * a multi-node job on the cuda backend is refused at Hello.
  *
- * Threads: create, the operations and destroy block (up to the timeout)
- * and must never run on the loop thread. Operations of one fabric may run
- * concurrently on several threads when their tags differ; every node must
- * issue the operations of one tag in the same order (Gloo matches them by
- * tag, first come first matched).
+ * Threads: create, the operations and destroy block and must never run on
+ * the loop thread: create until every node joined (up to the timeout), an
+ * operation while it waits for its peers (up to the timeout per wait),
+ * destroy until Gloo's network thread lets go of the sockets (some 20 ms,
+ * never a peer). Operations of one fabric may run concurrently on several
+ * threads when their tags differ, which is what keeps a node that reached
+ * its exchanges in another order than its peers from waiting on itself.
+ * Operations of one tag must not overlap on a node, and every node must
+ * issue them in the same order: Gloo pairs them by tag, first come first
+ * matched, and would mix the data of two that overlap.
+ *
+ * Errors: an operation that fails (a peer gone, a timeout) leaves the
+ * fabric unusable -- Gloo's connections latch their first error, and a
+ * timeout closes all of them -- so the caller fails every later operation
+ * too. Messages name the operation and the peer where Gloo does.
  *
  * Ownership: a fabric is its creator's, freed with shardd__fabric_destroy.
  * Buffers are borrowed for the duration of a call. */
@@ -45,13 +56,16 @@ typedef struct {
 
 #define SHARDD__FABRIC_OPTS_INIT {sizeof(shardd__fabric_opts), NULL, NULL, "127.0.0.1", 1, 0, 300.0}
 
-/* "gloo" when built with a fabric engine, NULL otherwise. */
+/* "gloo" when built with a fabric engine, NULL otherwise. Any thread. */
 const char *shardd__fabric_engine(void);
 
-/* Joins the other nodes through the rendezvous. Fails with
- * SHARDD_E_PEER_LOST and a message naming the nodes that did not appear
- * within the timeout, SHARDD_E_STATE without an engine, SHARDD_E_IO when
- * the rendezvous or the transport cannot be set up. */
+/* Joins the other nodes through the rendezvous directory. Files an earlier
+ * incarnation of the job left there (the job made again while the daemons
+ * run, or a daemon restarted) are no obstacle: the nodes agree on a fresh
+ * namespace first (fabric_gloo.cc). Fails with SHARDD_E_PEER_LOST and a
+ * message naming the nodes that did not join within the timeout,
+ * SHARDD_E_STATE without an engine, SHARDD_E_IO when the rendezvous files
+ * or the transport cannot be set up. */
 shardd_err shardd__fabric_create(const shardd__fabric_opts *opts,
                                  shardd__fabric **out, char *err,
                                  size_t errlen);
@@ -65,12 +79,14 @@ shardd_err shardd__fabric_allgather(shardd__fabric *f, void *buf,
 /* buf holds nodes * count fp32; afterwards this node's part (at
  * node_rank * count) holds the sum over nodes, summed in a fixed order for
  * a fixed layout (so repeated runs are bit-identical). Other parts are
- * left unspecified. */
+ * left unspecified (they hold partial sums). Each node sends and receives
+ * (nodes - 1) * count floats: a ring, not an allreduce. */
 shardd_err shardd__fabric_reduce_scatter_f32(shardd__fabric *f, float *buf,
                                              size_t count, uint32_t tag,
                                              char *err, size_t errlen);
 
-/* *v = the sum of every node's *v. */
+/* *v = the sum of every node's *v. (The collective module sends its step
+ * norms in the header of the exchange instead; kept for the interface.) */
 shardd_err shardd__fabric_allreduce_f64(shardd__fabric *f, double *v,
                                         uint32_t tag, char *err,
                                         size_t errlen);

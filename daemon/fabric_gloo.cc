@@ -1,25 +1,55 @@
 /* fabric_gloo.cc — the fabric (fabric.h) on Gloo: TCP transport, one
- * gloo::rendezvous::Context per job with one member per node, rendezvous
- * through gloo::rendezvous::FileStore under a PrefixStore for the job.
- * Every Gloo exception is caught here and turned into a shardd_err with its
- * message; nothing C++ crosses the C interface.
+ * gloo::rendezvous::Context per job with one member per node, connected
+ * through gloo::rendezvous::FileStore in the job's rendezvous directory.
+ * Every entry point catches everything (Gloo throws on IO errors, timeouts
+ * and failed checks; the standard library throws bad_alloc) and turns it
+ * into a shardd_err with its message; nothing C++ crosses the C interface.
  *
- * Reduce-scatter: this Gloo snapshot (Debian 0.0~git20220518) has no
- * tag-based reduce_scatter; its only one, ReduceScatterHalvingDoubling, is
- * a legacy algorithm object that takes context slots from nextSlot() (not
- * thread-safe, so concurrent collectives of one job would have to be
- * created in the same order on every node) and counts elements in an int.
- * So the reduce-scatter is gloo::allreduce (ring, tagged, with a timeout)
- * over the whole buffer, of which the caller keeps its node's part: twice
- * the minimum traffic, still one copy per node and never per rank. */
+ * Rendezvous. Gloo's FileStore refuses to set a key that exists, so a
+ * second incarnation of a job in the same directory (the job released and
+ * made again while the daemons run, or a daemon restarted) would meet the
+ * files of the first one and fail, or read addresses that are gone. So the
+ * nodes first agree on a fresh namespace with files of their own, which
+ * they replace rather than add to: node r writes PREFIX.node<r> with a
+ * random nonce, reads every other node's, and writes PREFIX.node<r>.seen
+ * with the nonces it read (its own current one in its place); when every
+ * node's .seen equals its own, each node has read every other node's
+ * current nonce (its own is new, so no older file can hold it), and the
+ * hash of that list names the FileStore namespace of this incarnation.
+ * A node whose files are missing or never confirm is named in the timeout
+ * message. This node's FileStore keys are removed when the fabric is
+ * destroyed (by then every peer has read them).
+ *
+ * Reduce-scatter. This Gloo snapshot (Debian 0.0~git20220518) has no
+ * tag-based reduce_scatter (its ReduceScatterHalvingDoubling takes context
+ * slots from nextSlot(), which is not thread-safe, and counts elements in
+ * an int), so it is a ring over tagged unbound-buffer sends and receives:
+ * in step s = 0 .. nodes-2 node r sends its partial sum of part
+ * (r - s - 1) mod nodes to node r+1 and adds the same step's part from
+ * node r-1 into its own copy of part (r - s - 2) mod nodes, in segments
+ * received into two alternating scratch areas. After nodes-1 steps part r
+ * holds the sum over nodes, added in ring order, which is fixed for a
+ * fixed layout: (nodes-1)/nodes of the buffer crosses the wire per node,
+ * half of what an allreduce would move. */
 #include "fabric.h"
 
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/random.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
 #include <chrono>
+#include <cinttypes>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gloo/allgather.h>
@@ -30,12 +60,27 @@
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
+#include <gloo/types.h>
+
+namespace {
+
+/* Gloo's collectives use slot prefixes 0x01..0x08; ours is far from them. */
+constexpr uint8_t kReduceScatterSlotPrefix = 0x53;
+/* Segments of the reduce-scatter: two of these are the only scratch. */
+constexpr size_t kSegmentBytes = size_t(4) << 20;
+
+/* Longer waits gain nothing and would overflow Gloo's deadline arithmetic
+ * (steady_clock nanoseconds). */
+constexpr double kMaxTimeoutS = 1e7;
+
+} // namespace
 
 struct shardd__fabric {
   std::shared_ptr<gloo::transport::Device> dev;
   std::shared_ptr<gloo::rendezvous::Context> ctx;
   std::chrono::milliseconds timeout;
   uint32_t nodes, node_rank;
+  std::vector<std::string> keys; /* this node's FileStore files */
 };
 
 static void put(char *err, size_t errlen, const char *what, const char *msg) {
@@ -43,11 +88,215 @@ static void put(char *err, size_t errlen, const char *what, const char *msg) {
     snprintf(err, errlen, "%s: %s", what, msg);
 }
 
+/* Gloo's messages start with the source location ("[./gloo/...cc:598] "
+ * or "[enforce fail at ./gloo/...cc:77] "); the reader wants the rest. */
+static const char *gloo_message(const char *m) {
+  if (m[0] != '[')
+    return m;
+  const char *end = strstr(m, "] ");
+  if (end == nullptr || end - m > 160)
+    return m;
+  const char *src = strstr(m, ".cc:");
+  if (src == nullptr || src > end)
+    src = strstr(m, ".h:");
+  return src && src < end ? end + 2 : m;
+}
+
+/* Runs body; an exception becomes err and code. */
+template <typename F>
+static shardd_err guarded(char *err, size_t errlen, const char *what,
+                          shardd_err code, F body) {
+  try {
+    return body();
+  } catch (const std::bad_alloc &) {
+    put(err, errlen, what, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  } catch (const std::exception &e) {
+    put(err, errlen, what, gloo_message(e.what()));
+    return code;
+  } catch (...) {
+    put(err, errlen, what, "unknown exception");
+    return code;
+  }
+}
+
 extern "C" const char *shardd__fabric_engine(void) { return "gloo"; }
+
+/* ---- rendezvous files ---------------------------------------------------- */
+
+static uint64_t fnv64(const std::string &s) {
+  uint64_t h = 14695981039346656037ull;
+  for (unsigned char ch : s) {
+    h ^= ch;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+static std::string hex64(uint64_t v) {
+  char b[17];
+  snprintf(b, sizeof b, "%016llx", (unsigned long long)v);
+  return b;
+}
+
+static uint64_t fresh_nonce() {
+  uint64_t v = 0;
+  if (getrandom(&v, sizeof v, 0) == (ssize_t)sizeof v && v != 0)
+    return v;
+  /* no entropy source: time and pid still differ between incarnations */
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  v = fnv64(std::to_string(ts.tv_sec) + "." + std::to_string(ts.tv_nsec) + "." +
+            std::to_string(getpid()));
+  return v ? v : 1;
+}
+
+/* Writes path whole or not at all (a reader never sees half of it); 0 or
+ * an errno. */
+static int write_atomic(const std::string &path, const std::string &text) {
+  std::string tmp = path + ".tmp" + std::to_string(getpid());
+  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0)
+    return errno;
+  size_t done = 0;
+  while (done < text.size()) {
+    ssize_t n = write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0) {
+      int e = n < 0 ? errno : EIO;
+      close(fd);
+      unlink(tmp.c_str());
+      return e;
+    }
+    done += (size_t)n;
+  }
+  if (close(fd) != 0 || rename(tmp.c_str(), path.c_str()) != 0) {
+    int e = errno;
+    unlink(tmp.c_str());
+    return e;
+  }
+  return 0;
+}
+
+/* The file's text, or "" when it is missing or unreadable (a node that
+ * has not written it yet). */
+static std::string read_small(const std::string &path) {
+  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return "";
+  char buf[4096];
+  std::string out;
+  for (;;) {
+    ssize_t n = read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0)
+      break;
+    out.append(buf, (size_t)n);
+    if (out.size() > (size_t(1) << 20)) /* not ours */
+      break;
+  }
+  close(fd);
+  return out;
+}
+
+static const char kMagic[] = "shardd-rendezvous 1 ";
+
+/* The nonce in an announcement file, "" when it is not one. */
+static std::string nonce_of(const std::string &text) {
+  size_t m = sizeof kMagic - 1;
+  if (text.compare(0, m, kMagic) != 0 || text.size() < m + 16)
+    return "";
+  std::string n = text.substr(m, 16);
+  return n.find_first_not_of("0123456789abcdef") == std::string::npos ? n : "";
+}
+
+/* A file name for the job: readable, and distinct even where the
+ * sanitizing maps two names alike. */
+static std::string file_base(const std::string &dir, const std::string &prefix) {
+  std::string clean;
+  for (char ch : prefix.substr(0, 64))
+    clean += isalnum((unsigned char)ch) || ch == '-' || ch == '_' || ch == '.' ? ch : '_';
+  char h[9];
+  snprintf(h, sizeof h, "%08x", (unsigned)(fnv64(prefix) & 0xffffffffu));
+  return dir + "/shardd-" + clean + "-" + h;
+}
+
+static std::string node_list(const std::vector<uint32_t> &v) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); i++)
+    s += (i ? (i + 1 == v.size() ? " and " : ", ") : "") + std::to_string(v[i]);
+  return s;
+}
+
+/* Agrees with the other nodes on this incarnation's namespace (see the top
+ * of the file); SHARDD_OK and *epoch, or an error in err. */
+static shardd_err agree(const shardd__fabric_opts *o,
+                        std::chrono::steady_clock::time_point deadline,
+                        std::string *epoch, char *err, size_t errlen) {
+  const std::string base = file_base(o->rendezvous, o->prefix);
+  auto ann = [&](uint32_t n) { return base + ".node" + std::to_string(n); };
+  const std::string mine = hex64(fresh_nonce());
+  const char *host = o->host && o->host[0] ? o->host : "127.0.0.1";
+  int e = write_atomic(ann(o->node_rank), kMagic + mine + " " + host + "\n");
+  if (e != 0) {
+    snprintf(err, errlen, "fabric: rendezvous: cannot write %s: %s",
+             ann(o->node_rank).c_str(), strerror(e));
+    return SHARDD_E_IO;
+  }
+  std::string written; /* the .seen text last written */
+  std::vector<uint32_t> absent, unconfirmed;
+  for (;;) {
+    absent.clear();
+    unconfirmed.clear();
+    std::string list;
+    for (uint32_t n = 0; n < o->nodes; n++) {
+      std::string v = n == o->node_rank ? mine : nonce_of(read_small(ann(n)));
+      if (v.empty())
+        absent.push_back(n);
+      list += (n ? "," : "") + v;
+    }
+    if (absent.empty()) {
+      std::string seen = kMagic + list + "\n";
+      if (seen != written) {
+        e = write_atomic(ann(o->node_rank) + ".seen", seen);
+        if (e != 0) {
+          snprintf(err, errlen, "fabric: rendezvous: cannot write %s.seen: %s",
+                   ann(o->node_rank).c_str(), strerror(e));
+          return SHARDD_E_IO;
+        }
+        written = seen;
+      }
+      for (uint32_t n = 0; n < o->nodes; n++)
+        if (n != o->node_rank && read_small(ann(n) + ".seen") != seen)
+          unconfirmed.push_back(n);
+      if (unconfirmed.empty()) {
+        *epoch = hex64(fnv64(list));
+        return SHARDD_OK;
+      }
+    }
+    if (std::chrono::steady_clock::now() >= deadline)
+      break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::vector<uint32_t> &gone = absent.empty() ? unconfirmed : absent;
+  snprintf(err, errlen,
+           "fabric: node%s %s of %" PRIu32 " did not join the rendezvous in %s "
+           "within %.0f s%s",
+           gone.size() == 1 ? "" : "s", node_list(gone).c_str(), o->nodes,
+           o->rendezvous, o->timeout_s,
+           absent.empty() ? " (what is there of them is from an earlier run)" : "");
+  return SHARDD_E_PEER_LOST;
+}
+
+/* ---- the interface ------------------------------------------------------- */
 
 extern "C" shardd_err shardd__fabric_create(const shardd__fabric_opts *o,
                                             shardd__fabric **out, char *err,
                                             size_t errlen) {
+  if (out == nullptr)
+    return SHARDD_E_INVAL;
   *out = nullptr;
   if (o == nullptr || o->size < sizeof *o || o->rendezvous == nullptr ||
       o->prefix == nullptr || o->nodes < 2 || o->node_rank >= o->nodes ||
@@ -55,90 +304,75 @@ extern "C" shardd_err shardd__fabric_create(const shardd__fabric_opts *o,
     put(err, errlen, "fabric", "invalid options");
     return SHARDD_E_INVAL;
   }
-  std::unique_ptr<shardd__fabric> f(new (std::nothrow) shardd__fabric);
-  if (!f) {
-    put(err, errlen, "fabric", "out of memory");
-    return SHARDD_E_NO_MEMORY;
-  }
-  f->nodes = o->nodes;
-  f->node_rank = o->node_rank;
-  f->timeout = std::chrono::milliseconds((long)(o->timeout_s * 1000.0));
-  const std::string host = o->host && o->host[0] ? o->host : "127.0.0.1";
-  try {
-    gloo::transport::tcp::attr attr;
-    attr.hostname = host;
-    f->dev = gloo::transport::tcp::CreateDevice(attr);
-  } catch (const std::exception &e) {
-    char what[160];
-    snprintf(what, sizeof what, "fabric: tcp device on %s", host.c_str());
-    put(err, errlen, what, e.what());
-    return SHARDD_E_IO;
-  }
-  try {
-    gloo::rendezvous::FileStore fs(o->rendezvous);
-    gloo::rendezvous::PrefixStore store(o->prefix, fs);
-    /* Announce this node, then wait for every other one with one deadline,
-     * so a timeout names exactly the nodes that never came. */
-    std::string me = "node" + std::to_string(o->node_rank);
-    store.set(me, std::vector<char>(host.begin(), host.end()));
+  return guarded(err, errlen, "fabric", SHARDD_E_IO, [&]() -> shardd_err {
+    std::unique_ptr<shardd__fabric> f(new shardd__fabric);
+    f->nodes = o->nodes;
+    f->node_rank = o->node_rank;
+    double t = std::min(o->timeout_s, kMaxTimeoutS);
+    f->timeout = std::chrono::milliseconds(std::max<long long>(1, std::llround(t * 1000.0)));
     auto deadline = std::chrono::steady_clock::now() + f->timeout;
-    std::string missing;
-    for (uint32_t n = 0; n < o->nodes; n++) {
-      if (n == o->node_rank)
-        continue;
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-          deadline - std::chrono::steady_clock::now());
-      if (left.count() < 1)
-        left = std::chrono::milliseconds(1);
-      try {
-        store.wait({"node" + std::to_string(n)}, left);
-      } catch (const std::exception &) {
-        missing += (missing.empty() ? "" : ", ") + std::to_string(n);
-      }
+    const std::string host = o->host && o->host[0] ? o->host : "127.0.0.1";
+    shardd_err rc = guarded(err, errlen, ("fabric: tcp device on " + host).c_str(),
+                            SHARDD_E_IO, [&]() -> shardd_err {
+                              gloo::transport::tcp::attr attr;
+                              attr.hostname = host;
+                              f->dev = gloo::transport::tcp::CreateDevice(attr);
+                              return SHARDD_OK;
+                            });
+    if (rc != SHARDD_OK)
+      return rc;
+    std::string epoch;
+    if ((rc = agree(o, deadline, &epoch, err, errlen)) != SHARDD_OK)
+      return rc;
+    rc = guarded(err, errlen, "fabric: rendezvous", SHARDD_E_PEER_LOST,
+                 [&]() -> shardd_err {
+                   gloo::rendezvous::FileStore fs(o->rendezvous);
+                   gloo::rendezvous::PrefixStore store(std::string(o->prefix) + "/" + epoch, fs);
+                   f->ctx = std::make_shared<gloo::rendezvous::Context>(
+                       (int)o->node_rank, (int)o->nodes);
+                   f->ctx->setTimeout(f->timeout);
+                   try {
+                     f->ctx->connectFullMesh(store, f->dev);
+                   } catch (...) {
+                     f->keys = fs.getAllKeyFilePaths();
+                     throw;
+                   }
+                   f->keys = fs.getAllKeyFilePaths();
+                   return SHARDD_OK;
+                 });
+    if (rc != SHARDD_OK) {
+      for (const auto &k : f->keys)
+        unlink(k.c_str());
+      return rc;
     }
-    if (!missing.empty()) {
-      snprintf(err, errlen,
-               "fabric: node%s %s of %u did not join the rendezvous in %s "
-               "within %.0f s",
-               missing.find(',') == std::string::npos ? "" : "s",
-               missing.c_str(), o->nodes, o->rendezvous, o->timeout_s);
-      return SHARDD_E_PEER_LOST;
-    }
-    f->ctx = std::make_shared<gloo::rendezvous::Context>((int)o->node_rank,
-                                                         (int)o->nodes);
-    f->ctx->setTimeout(f->timeout);
-    f->ctx->connectFullMesh(store, f->dev);
-  } catch (const std::exception &e) {
-    put(err, errlen, "fabric: rendezvous", e.what());
-    return SHARDD_E_PEER_LOST;
-  }
-  *out = f.release();
-  return SHARDD_OK;
+    *out = f.release();
+    return SHARDD_OK;
+  });
 }
 
 /* A failed operation leaves the context unusable (Gloo pairs latch their
- * first error); the caller marks the job's fabric broken. */
-static shardd_err fail(char *err, size_t errlen, const char *what,
-                       const std::exception &e) {
-  put(err, errlen, what, e.what());
-  return SHARDD_E_PEER_LOST;
-}
+ * first error, and a timeout closes every pair of the context); the caller
+ * marks the job's fabric broken. */
 
 extern "C" shardd_err shardd__fabric_allgather(shardd__fabric *f, void *buf,
                                                size_t bytes_per_node,
                                                uint32_t tag, char *err,
                                                size_t errlen) {
-  try {
-    gloo::AllgatherOptions opts(f->ctx);
-    /* no input: in place, this node's part is already in the output */
-    opts.setOutput(static_cast<uint8_t *>(buf), bytes_per_node * f->nodes);
-    opts.setTag(tag);
-    opts.setTimeout(f->timeout);
-    gloo::allgather(opts);
-  } catch (const std::exception &e) {
-    return fail(err, errlen, "fabric allgather", e);
-  }
-  return SHARDD_OK;
+  return guarded(err, errlen, "fabric allgather", SHARDD_E_PEER_LOST,
+                 [&]() -> shardd_err {
+                   gloo::AllgatherOptions opts(f->ctx);
+                   /* no input: in place, this node's part is already there */
+                   opts.setOutput(static_cast<uint8_t *>(buf), bytes_per_node * f->nodes);
+                   opts.setTag(tag);
+                   opts.setTimeout(f->timeout);
+                   gloo::allgather(opts);
+                   return SHARDD_OK;
+                 });
+}
+
+static void add_f32(float *dst, const float *src, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    dst[i] += src[i];
 }
 
 extern "C" shardd_err shardd__fabric_reduce_scatter_f32(shardd__fabric *f,
@@ -147,57 +381,79 @@ extern "C" shardd_err shardd__fabric_reduce_scatter_f32(shardd__fabric *f,
                                                         uint32_t tag,
                                                         char *err,
                                                         size_t errlen) {
-  try {
-    gloo::AllreduceOptions opts(f->ctx);
-    opts.setOutput(buf, count * f->nodes);
-    void (*fn)(void *, const void *, const void *, size_t) = &gloo::sum<float>;
-    opts.setReduceFunction(fn);
-    opts.setAlgorithm(gloo::AllreduceOptions::Algorithm::RING);
-    opts.setTag(tag);
-    opts.setTimeout(f->timeout);
-    gloo::allreduce(opts);
-  } catch (const std::exception &e) {
-    return fail(err, errlen, "fabric reduce-scatter", e);
-  }
-  return SHARDD_OK;
+  return guarded(err, errlen, "fabric reduce-scatter", SHARDD_E_PEER_LOST,
+                 [&]() -> shardd_err {
+                   const size_t N = f->nodes, r = f->node_rank;
+                   const int next = (int)((r + 1) % N), prev = (int)((r + N - 1) % N);
+                   const uint64_t slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag);
+                   const size_t seg = std::max<size_t>(1, std::min(count, kSegmentBytes / 4));
+                   const size_t nseg = (count + seg - 1) / seg;
+                   /* declared before the buffers that point into it, so it
+                    * outlives them when an exception unwinds */
+                   std::vector<float> scratch(2 * seg);
+                   auto out = f->ctx->createUnboundBuffer(buf, N * count * 4);
+                   auto tmp = f->ctx->createUnboundBuffer(scratch.data(), scratch.size() * 4);
+                   auto len = [&](size_t k) { return std::min(seg, count - k * seg); };
+                   for (size_t s = 0; s + 1 < N; s++) {
+                     const size_t send_part = (r + 2 * N - s - 1) % N;
+                     const size_t recv_part = (r + 2 * N - s - 2) % N;
+                     /* this step reads send_part and writes recv_part only */
+                     for (size_t k = 0; k < nseg; k++)
+                       out->send(next, slot, (send_part * count + k * seg) * 4, len(k) * 4);
+                     for (size_t k = 0; k < nseg && k < 2; k++)
+                       tmp->recv(prev, slot, (k % 2) * seg * 4, len(k) * 4);
+                     for (size_t k = 0; k < nseg; k++) {
+                       /* one pair, one slot: segments complete in order */
+                       tmp->waitRecv(f->timeout);
+                       add_f32(buf + recv_part * count + k * seg, scratch.data() + (k % 2) * seg,
+                               len(k));
+                       if (k + 2 < nseg)
+                         tmp->recv(prev, slot, (k % 2) * seg * 4, len(k + 2) * 4);
+                     }
+                     for (size_t k = 0; k < nseg; k++)
+                       out->waitSend(f->timeout);
+                   }
+                   return SHARDD_OK;
+                 });
 }
 
 extern "C" shardd_err shardd__fabric_allreduce_f64(shardd__fabric *f,
                                                    double *v, uint32_t tag,
                                                    char *err, size_t errlen) {
-  try {
-    gloo::AllreduceOptions opts(f->ctx);
-    opts.setOutput(v, 1);
-    void (*fn)(void *, const void *, const void *, size_t) = &gloo::sum<double>;
-    opts.setReduceFunction(fn);
-    opts.setTag(tag);
-    opts.setTimeout(f->timeout);
-    gloo::allreduce(opts);
-  } catch (const std::exception &e) {
-    return fail(err, errlen, "fabric allreduce", e);
-  }
-  return SHARDD_OK;
+  return guarded(err, errlen, "fabric allreduce", SHARDD_E_PEER_LOST,
+                 [&]() -> shardd_err {
+                   gloo::AllreduceOptions opts(f->ctx);
+                   opts.setOutput(v, 1);
+                   void (*fn)(void *, const void *, const void *, size_t) = &gloo::sum<double>;
+                   opts.setReduceFunction(fn);
+                   opts.setTag(tag);
+                   opts.setTimeout(f->timeout);
+                   gloo::allreduce(opts);
+                   return SHARDD_OK;
+                 });
 }
 
 extern "C" shardd_err shardd__fabric_barrier(shardd__fabric *f, uint32_t tag,
                                              char *err, size_t errlen) {
-  try {
-    gloo::BarrierOptions opts(f->ctx);
-    opts.setTag(tag);
-    opts.setTimeout(f->timeout);
-    gloo::barrier(opts);
-  } catch (const std::exception &e) {
-    return fail(err, errlen, "fabric barrier", e);
-  }
-  return SHARDD_OK;
+  return guarded(err, errlen, "fabric barrier", SHARDD_E_PEER_LOST,
+                 [&]() -> shardd_err {
+                   gloo::BarrierOptions opts(f->ctx);
+                   opts.setTag(tag);
+                   opts.setTimeout(f->timeout);
+                   gloo::barrier(opts);
+                   return SHARDD_OK;
+                 });
 }
 
 extern "C" void shardd__fabric_destroy(shardd__fabric *f) {
   if (f == nullptr)
     return;
   try {
+    /* the context's pairs hold the device by raw pointer: context first */
     f->ctx.reset();
     f->dev.reset();
+    for (const auto &k : f->keys)
+      unlink(k.c_str());
   } catch (...) {
   }
   delete f;

@@ -8,6 +8,8 @@
 #ifndef SHARDD_HAVE_GLOO
 
 static shardd_err none(char *err, size_t errlen) {
+  if (err == NULL || errlen == 0)
+    return SHARDD_E_STATE;
   snprintf(err, errlen,
            "multi-node jobs need a fabric engine: this shardd was built "
            "without Gloo (install libgloo-dev and rebuild)");
@@ -19,7 +21,8 @@ const char *shardd__fabric_engine(void) { return NULL; }
 shardd_err shardd__fabric_create(const shardd__fabric_opts *opts,
                                  shardd__fabric **out, char *err,
                                  size_t errlen) {
-  *out = NULL;
+  if (out)
+    *out = NULL;
   return none(err, errlen);
 }
 

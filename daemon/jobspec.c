@@ -58,6 +58,9 @@ shardd_err shardd__jobspec_load(const char *path, shardd__jobspec *out,
   } while (0)
   while (fgets(line, sizeof line, f)) {
     ln++;
+    /* a longer line would come back in pieces, the rest parsed as lines */
+    if (strchr(line, '\n') == NULL && !feof(f))
+      BAD("line longer than %zu characters", sizeof line - 2);
     char *hash = strchr(line, '#');
     if (hash)
       *hash = '\0';
