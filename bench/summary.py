@@ -21,8 +21,9 @@ def load(d, name):
 
 def main():
     d = sys.argv[1] if len(sys.argv) > 1 else "bench/results"
-    rpc, coll, optim, torch, reg = (load(d, n) for n in
-                                    ("rpc", "coll", "optim", "torch_optim", "registry"))
+    rpc, coll, pre, optim, torch, reg = (load(d, n) for n in
+                                         ("rpc", "coll", "prefetch", "optim", "torch_optim",
+                                          "registry"))
     targets = []
 
     def target(name, goal, measured, met, detail=""):
@@ -56,6 +57,18 @@ def main():
             target("scatter vs sum loop, >= 64 MiB (no target)", "report",
                    ", ".join("%dd/%dM %.2fx" % (x["devices"], x["buffer_bytes"] // 2**20,
                                                 x["scatter_ratio"]) for x in big), None)
+    if pre and pre.get("rows"):
+        # no target in issue 7: how close prefetch comes to full overlap
+        target("prefetch overlap, %d layers, compute = gather (no target)" % pre["layers"],
+               "report",
+               "; ".join("%dd/%dM: prefetched %.2fx of the max model N*g, %.2fx of "
+                         "sequential (g %.2f ms)"
+                         % (x["devices"], x["layer_bytes"] // 2**20,
+                            x["prefetched_over_max_model"], x["prefetched_over_sequential"],
+                            x["gather_s"] * 1e3) for x in pre["rows"]),
+               None, "full overlap would be %.2fx and %.2fx, none 2x and 1x"
+               % (pre["ideal_prefetched_over_max_model"],
+                  pre["ideal_prefetched_over_sequential"]))
     if optim:
         big = [x for x in optim["rows"] if x["optimizer"] == "adamw"
                and x["numel"] * 4 >= 64 * 2**20]

@@ -772,14 +772,50 @@ Test(checkpoint, symlink_at_a_temporary_name_is_not_followed) {
   unlink(victim);
 }
 
+/* A restore that opens a FIFO for reading without O_NONBLOCK cannot return
+ * before a writer opens it, so whether the restore needed a writer is the
+ * test, not how long it took. This thread is that writer of last resort: it
+ * waits for the restore to return on its own, and only past a deadline
+ * (which guards against a hang and nothing else) opens the FIFO whenever a
+ * reader holds it, recording that it had to. */
+typedef struct {
+  const char *path;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int returned; /* the restore returned (set by the test) */
+  int unblocked; /* a reader was waiting and this thread let it go */
+} fifo_guard;
+
+static int fifo_guard_returned(fifo_guard *g) {
+  pthread_mutex_lock(&g->mu);
+  int r = g->returned;
+  pthread_mutex_unlock(&g->mu);
+  return r;
+}
+
 static void *fifo_opener(void *p) {
-  /* unblocks a daemon stuck opening the FIFO for reading, so the test can
-   * fail instead of hanging */
-  const char *path = p;
-  test_sleep_ms(3000);
-  int fd = open(path, O_WRONLY | O_NONBLOCK);
-  if (fd >= 0)
-    close(fd);
+  fifo_guard *g = p;
+  struct timespec deadline;
+  clock_gettime(CLOCK_REALTIME, &deadline);
+  deadline.tv_sec += 20;
+  pthread_mutex_lock(&g->mu);
+  while (!g->returned && pthread_cond_timedwait(&g->cv, &g->mu, &deadline) == 0)
+    ;
+  pthread_mutex_unlock(&g->mu);
+  /* O_NONBLOCK: the open succeeds only while someone has the FIFO open for
+   * reading (else ENXIO), so a restore still on its way is not let through
+   * early, just retried for */
+  while (!fifo_guard_returned(g)) {
+    int fd = open(g->path, O_WRONLY | O_NONBLOCK);
+    if (fd >= 0) {
+      pthread_mutex_lock(&g->mu);
+      g->unblocked = 1;
+      pthread_mutex_unlock(&g->mu);
+      close(fd);
+      break;
+    }
+    test_sleep_ms(10);
+  }
   return NULL;
 }
 
@@ -794,17 +830,24 @@ static void expect_fifo_refused(const char *name) {
   snprintf(path, sizeof path, "%s/%s", ck, name);
   cr_assert_eq(unlink(path), 0);
   cr_assert_eq(mkfifo(path, 0600), 0);
+  fifo_guard g = {.path = path};
+  pthread_mutex_init(&g.mu, NULL);
+  pthread_cond_init(&g.cv, NULL);
   pthread_t th;
-  cr_assert_eq(pthread_create(&th, NULL, fifo_opener, path), 0);
-  struct timespec t0, t1;
-  clock_gettime(CLOCK_MONOTONIC, &t0);
+  cr_assert_eq(pthread_create(&th, NULL, fifo_opener, &g), 0);
   shardd__job *back;
   shardd_err rc = shardd__checkpoint_restore(&reg, ck, -1, 0, &back, err, sizeof err);
-  clock_gettime(CLOCK_MONOTONIC, &t1);
+  pthread_mutex_lock(&g.mu);
+  g.returned = 1;
+  pthread_cond_signal(&g.cv);
+  pthread_mutex_unlock(&g.mu);
   pthread_join(th, NULL);
+  pthread_cond_destroy(&g.cv);
+  pthread_mutex_destroy(&g.mu);
   cr_expect_neq(rc, SHARDD_OK);
   cr_expect(strstr(err, name) && strstr(err, "not a regular file"), "%s", err);
-  cr_expect_lt((double)(t1.tv_sec - t0.tv_sec), 2.0, "restore blocked on a FIFO");
+  cr_expect(!g.unblocked, "restore blocked opening a FIFO: it returned only once a "
+                          "writer opened it");
   cr_expect_null(shardd__job_find(&reg, "fifo"), "a refused restore left the job");
   unlink(path);
 }
