@@ -1,10 +1,12 @@
 #!/bin/sh
 # gpu_check.sh — on a machine with an NVIDIA GPU: run the cuda backend tests
-# (which must run, not skip) and the daemon end to end on the cuda backend
-# against the host backend, then print the achieved bandwidth of gather /
-# scatter / step against a device-to-device cudaMemcpy measured in the same
-# run (bench/gpu_bench.c). Bounded to under 8 minutes (build 4, tests 2.5 +
-# 1.5, bench 1.25).
+# (which must run, not skip), the daemon end to end on the cuda backend
+# against the host backend and the Python binding's cuda tests
+# (tests/python/test_cuda.py, with torch), then print the achieved bandwidth
+# of gather / scatter / step against a device-to-device cudaMemcpy measured
+# in the same run (bench/gpu_bench.c). Bounded to 8 minutes at worst (build
+# 2.5 when the packed binaries do not load, tests 2 + 1 + python 1.5, bench
+# 1); a run with the pack and nothing stuck takes a small part of that.
 #
 # The binaries come from .gpu/ when bench/gpu_pack.sh made it on a
 # development machine (a GPU machine without this project's Debian
@@ -93,7 +95,7 @@ if [ -z "$BIN" ]; then
     set -- "$@" CFLAGS="-I$inc" LDFLAGS="-L$PWD/$BUILD/nccl -L$PWD/$PACK/lib"
   fi
   echo "== build: make $*"
-  timeout 240 make -j"$JOBS" --no-print-directory "$@" all \
+  timeout 150 make -j"$JOBS" --no-print-directory "$@" all \
     "$BUILD/tests/test_backend_cuda" "$BUILD/tests/test_server_cuda" \
     "$BUILD/bench/gpu_bench" >"$LOGS/gpu_make.log" 2>&1 || {
     tail -n 40 "$LOGS/gpu_make.log"
@@ -126,13 +128,37 @@ run_tests() { # name, seconds
   fi
 }
 echo "== tests: $BIN/test_backend_cuda"
-run_tests test_backend_cuda 150
+run_tests test_backend_cuda 120
 echo "== tests: $BIN/test_server_cuda (daemon --backend cuda vs host)"
-run_tests test_server_cuda 90
+run_tests test_server_cuda 60
+
+# The Python binding and shardd.nn on the cuda daemon (tests/python/test_cuda.py)
+# with the python3 that holds torch here ($GPU_PYTHON to name another). Its
+# CudaTest must run, not skip; ArrayInterfaceTest runs anywhere. libshardd.so
+# is in $BIN when packed, else in $BUILD.
+py=${GPU_PYTHON:-python3}
+pylib=$BIN/libshardd.so
+[ -f "$pylib" ] || pylib=$BUILD/libshardd.so
+pylog="$LOGS/python_cuda.log"
+echo "== tests: tests/python/test_cuda.py ($py, $pylib)"
+rc=0
+SHARDD_LIB="$pylib" PYTHONUNBUFFERED=1 timeout 90 "$py" tests/python/run.py -v \
+  test_cuda.CudaTest. test_cuda.ArrayInterfaceTest. >"$pylog" 2>&1 || rc=$?
+tail -n 40 "$pylog"
+line=$(grep -a '^python: ' "$pylog" | tail -n 1)
+p=$(echo "$line" | sed -n 's/.* \([0-9]*\) passed.*/\1/p')
+s=$(echo "$line" | sed -n 's/.* \([0-9]*\) skipped.*/\1/p')
+if [ "$rc" != 0 ] || [ -z "$line" ]; then
+  echo "gpu_check: FAILED: python cuda tests (exit $rc; log $pylog)"
+  status=1
+elif [ "${p:-0}" = 0 ] || [ "${s:-1}" != 0 ]; then
+  echo "gpu_check: FAILED: python cuda tests: ${s:-?} skipped, ${p:-0} passed on a machine meant to have a GPU (log $pylog)"
+  status=1
+fi
 
 echo "== bench: $BIN/gpu_bench"
 rc=0
-timeout 75 "$BIN/gpu_bench" >"$LOGS/gpu_bench.log" 2>&1 || rc=$?
+timeout 60 "$BIN/gpu_bench" >"$LOGS/gpu_bench.log" 2>&1 || rc=$?
 cat "$LOGS/gpu_bench.log"
 if [ "$rc" != 0 ]; then
   echo "gpu_check: FAILED: gpu_bench (exit $rc)"

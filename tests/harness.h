@@ -50,6 +50,29 @@ static inline void test_sleep_ms(int ms) {
   nanosleep(&ts, NULL);
 }
 
+/* Waits here only guard against a hang, never measure speed: a sanitizer
+ * build on a loaded 2-core machine may take seconds for what takes
+ * milliseconds elsewhere, so every hang guard is this long. */
+#define TEST_HANG_S 30.0
+
+/* Monotonic seconds, for hang-guard deadlines. */
+static inline double test_mono_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* Waits for pid to exit for up to TEST_HANG_S; 1 and *status if it did. */
+static inline int test_wait_exit(pid_t pid, int *status) {
+  for (double end = test_mono_s() + TEST_HANG_S;;) {
+    if (waitpid(pid, status, WNOHANG) == pid)
+      return 1;
+    if (test_mono_s() > end)
+      return 0;
+    test_sleep_ms(10);
+  }
+}
+
 /* Starts shardd with extra args (NULL-terminated list). */
 static inline void test_daemon_start(test_daemon *d, const char *const *extra) {
   memset(d, 0, sizeof *d);
@@ -81,7 +104,7 @@ static inline void test_daemon_start(test_daemon *d, const char *const *extra) {
     fprintf(stderr, "exec %s: %s\n", argv[0], strerror(errno));
     _exit(127);
   }
-  for (int i = 0; i < 500; i++) {
+  for (double end = test_mono_s() + TEST_HANG_S;;) {
     if (test_can_connect(d->sock))
       return;
     int st;
@@ -89,9 +112,11 @@ static inline void test_daemon_start(test_daemon *d, const char *const *extra) {
       d->pid = 0;
       cr_assert_fail("shardd exited at start (see %s)", d->log);
     }
+    if (test_mono_s() > end)
+      break;
     test_sleep_ms(10);
   }
-  cr_assert_fail("shardd did not listen on %s within 5 s", d->sock);
+  cr_assert_fail("shardd did not listen on %s within %.0f s", d->sock, TEST_HANG_S);
 }
 
 static inline void test_daemon_dump_log(const test_daemon *d) {
@@ -104,20 +129,16 @@ static inline void test_daemon_dump_log(const test_daemon *d) {
   fclose(f);
 }
 
-/* SIGTERM, then waits up to 10 s; returns the exit status (-1 if killed). */
+/* SIGTERM, then waits up to TEST_HANG_S; returns the exit status (-1 if
+ * killed). */
 static inline int test_daemon_stop(test_daemon *d) {
   int status = -1;
   if (d->pid > 0) {
     kill(d->pid, SIGTERM);
-    for (int i = 0; i < 1000; i++) {
-      if (waitpid(d->pid, &status, WNOHANG) == d->pid)
-        break;
-      test_sleep_ms(10);
-      if (i == 999) {
-        kill(d->pid, SIGKILL);
-        waitpid(d->pid, &status, 0);
-        status = -1;
-      }
+    if (!test_wait_exit(d->pid, &status)) {
+      kill(d->pid, SIGKILL);
+      waitpid(d->pid, &status, 0);
+      status = -1;
     }
     d->pid = 0;
   }
@@ -169,12 +190,9 @@ static inline int test_daemon_terminate(test_daemon *d) {
   if (d->pid <= 0)
     return -1;
   kill(d->pid, SIGTERM);
-  for (int i = 0; i < 1000; i++) {
-    if (waitpid(d->pid, &status, WNOHANG) == d->pid) {
-      d->pid = 0;
-      return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    }
-    test_sleep_ms(10);
+  if (test_wait_exit(d->pid, &status)) {
+    d->pid = 0;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   }
   kill(d->pid, SIGKILL);
   waitpid(d->pid, &status, 0);
@@ -233,7 +251,7 @@ static inline void test_raw_open(const test_daemon *d, test_raw *r) {
   cr_assert_eq(connect(r->fd, (struct sockaddr *)&sa, sizeof sa), 0,
                "connect %s: %s", d->sock, strerror(errno));
   /* A reply that never comes fails the test instead of hanging it. */
-  struct timeval tv = {8, 0};
+  struct timeval tv = {(time_t)TEST_HANG_S, 0};
   setsockopt(r->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   shardd__frame_reader_init(&r->rd, SHARDD_MAX_FRAME);
 }

@@ -5,7 +5,7 @@
  * 20 AdamW steps (with gradient clipping, whose norm crosses nodes) within
  * fp32 rounding, and two runs of the two-node layout bit for bit. Killing
  * one daemon fails the other node's pending collectives with
- * SHARDD_E_PEER_LOST well within the collective timeout, and the survivor
+ * SHARDD_E_PEER_LOST under an hour's collective timeout, and the survivor
  * keeps serving other jobs. Many exchanges in flight at once, reached in
  * opposite orders by the two nodes and in two jobs, complete (they once
  * stalled the daemons' pools until the timeout); nodes that disagree on a
@@ -16,6 +16,7 @@
  * first one's files. Ranks are libshardd clients on threads. Skipped
  * (visibly) when the daemon was built without Gloo. */
 #include <criterion/criterion.h>
+#include <dirent.h>
 #include <math.h>
 #include <pthread.h>
 
@@ -398,7 +399,6 @@ Test(fabric, two_nodes_match_one_node_and_repeat_bit_for_bit, .timeout = 60) {
   test_daemon_finish(&pair[1]);
   test_daemon_finish(&one[0]);
   scratch_remove(&s);
-  cr_expect_lt(now_s() - t0, 45.0, "took %.1f s", now_s() - t0);
 }
 
 Test(fabric, rank_of_another_node_is_refused, .timeout = 60) {
@@ -427,6 +427,22 @@ Test(fabric, rank_of_another_node_is_refused, .timeout = 60) {
   scratch_remove(&s);
 }
 
+/* Whether node's announcement is in the rendezvous directory: its daemon
+ * has begun the rendezvous (fabric_gloo.cc writes shardd-*.node<N>). */
+static int announced(const char *rdv, int node) {
+  char suffix[16];
+  snprintf(suffix, sizeof suffix, ".node%d", node);
+  DIR *dir = opendir(rdv);
+  cr_assert_not_null(dir, "%s: %s", rdv, strerror(errno));
+  int hit = 0;
+  for (struct dirent *e; !hit && (e = readdir(dir)) != NULL;) {
+    size_t n = strlen(e->d_name), k = strlen(suffix);
+    hit = !strncmp(e->d_name, "shardd-", 7) && n > k && !strcmp(e->d_name + n - k, suffix);
+  }
+  closedir(dir);
+  return hit;
+}
+
 /* Ranks 0 and 1 gather; ranks 2 and 3 (node 1) never come, and node 1's
  * daemon never joins: the collective fails at the rendezvous timeout with
  * the missing node named, and the daemon answers status meanwhile. */
@@ -436,8 +452,8 @@ Test(fabric, missing_node_named_at_rendezvous_timeout, .timeout = 60) {
   scratch_make(&s);
   char spec[256];
   write_spec(&s, "lonely", 0, spec, sizeof spec);
-  /* 5 s, so that a status blocked by the rendezvous (it once was: ~4.7 s)
-   * and one merely slow on a loaded machine stay far apart */
+  /* 5 s: the test waits for it; a status must come back within it, which
+   * is far from what a status takes even on a loaded machine */
   const char *args[] = {"--backend", "host", "--devices", "2", "--collective-timeout",
                         "5", "--job-spec", spec, NULL};
   test_daemon d;
@@ -457,16 +473,25 @@ Test(fabric, missing_node_named_at_rendezvous_timeout, .timeout = 60) {
     calls[r].id = info[0].id;
     pthread_create(&calls[r].th, NULL, call_main, &calls[r]);
   }
-  /* status answers while the rendezvous waits (it once waited with it) */
-  test_sleep_ms(300);
+  /* status answers while the rendezvous waits (it once waited with it):
+   * asked once the rendezvous is under way, it must still show the gather
+   * in flight and node 1 not contacted, i.e. answer before the rendezvous
+   * failed, not after */
+  for (double end = now_s() + TEST_HANG_S; !announced(s.rdv, 0);) {
+    cr_assert_lt(now_s(), end, "node 0 never began the rendezvous in %s", s.rdv);
+    test_sleep_ms(10);
+  }
   shardd_client_t *ctl = test_connect(&d, NULL, 0, 0);
-  double s0 = now_s();
   char *text = NULL;
   cr_expect_eq(shardd_status_text(ctl, &text), SHARDD_OK);
-  double status_took = now_s() - s0;
+  cr_expect(text && strstr(text, "job lonely: world 4 clients 2 ") != NULL,
+            "status during the rendezvous: %s", text ? text : "(none)");
+  cr_expect(text && strstr(text, "collectives_in_flight 1\n") != NULL,
+            "status does not show the rendezvous under way: %s", text ? text : "(none)");
+  cr_expect(text && strstr(text, "node 1: ranks 2..3 not contacted") != NULL,
+            "status does not show the rendezvous under way: %s", text ? text : "(none)");
   shardd_free(text);
   shardd_close(ctl);
-  cr_expect_lt(status_took, 2.5, "status took %.2f s during the rendezvous", status_took);
   for (int r = 0; r < 2; r++)
     pthread_join(calls[r].th, NULL);
   double took = now_s() - t0;
@@ -475,21 +500,24 @@ Test(fabric, missing_node_named_at_rendezvous_timeout, .timeout = 60) {
     cr_expect(strstr(calls[r].msg, "node 1 of 2 did not join the rendezvous") != NULL,
               "rank %d: %s", r, calls[r].msg);
   }
-  cr_expect(took > 4.5 && took < 15.0, "failed after %.1f s (timeout 5 s)", took);
+  /* not before the timeout (an upper bound would measure the machine) */
+  cr_expect_gt(took, 4.5, "failed after %.1f s (timeout 5 s)", took);
   for (int r = 0; r < 2; r++)
     shardd_close(c[r]);
   test_daemon_finish(&d);
   scratch_remove(&s);
 }
 
+/* The collective timeout is an hour: the pending gathers can only fail by
+ * the survivor noticing its dead peer, and the test's timeout is the hang
+ * guard. */
 Test(fabric, killed_daemon_fails_pending_collectives_survivor_serves, .timeout = 60) {
   need_gloo();
   scratch s;
   scratch_make(&s);
   test_daemon pair[2];
   const char *jobs[] = {"doomed"};
-  const double timeout = 10;
-  start_pair(pair, &s, jobs, 1, "10");
+  start_pair(pair, &s, jobs, 1, "3600");
   shardd_client_t *c[W];
   shardd_buffer_info info[W];
   for (int r = 0; r < W; r++) {
@@ -524,9 +552,8 @@ Test(fabric, killed_daemon_fails_pending_collectives_survivor_serves, .timeout =
   }
   cr_log_info("fabric: pending gather failed %.3f s after the peer daemon died: %s", took,
               calls[0].msg);
-  cr_expect_lt(took, timeout, "failed after %.1f s, timeout %.0f s", took, timeout);
 
-  /* the job stays failed, at once, with the same reason */
+  /* the job stays failed, at once (not at the timeout), with the same reason */
   t0 = now_s();
   memset(calls, 0, sizeof calls);
   for (int r = 0; r < 2; r++) {
@@ -539,7 +566,7 @@ Test(fabric, killed_daemon_fails_pending_collectives_survivor_serves, .timeout =
     pthread_join(calls[r].th, NULL);
   for (int r = 0; r < 2; r++)
     cr_expect_eq(calls[r].rc, SHARDD_E_PEER_LOST, "rank %d again: %s", r, calls[r].msg);
-  cr_expect_lt(now_s() - t0, 2.0);
+  cr_log_info("fabric: the failed job refused again in %.3f s", now_s() - t0);
 
   /* status shows node 1 lost */
   shardd_client_t *ctl = test_connect(&pair[0], NULL, 0, 0);
@@ -629,7 +656,6 @@ Test(fabric, many_inflight_gathers_in_opposite_orders_do_not_stall, .timeout = 6
   scratch_make(&s);
   test_daemon pair[2];
   const char *jobs[NJOBS] = {"prefetch-a", "prefetch-b"};
-  const double timeout = 10;
   start_pair(pair, &s, jobs, NJOBS, "10");
   shardd_client_t *c[NJOBS][W];
   static shardd_buffer_info info[NJOBS][W][NB];
@@ -677,7 +703,6 @@ Test(fabric, many_inflight_gathers_in_opposite_orders_do_not_stall, .timeout = 6
     cr_log_info("fabric: %d jobs x %d gathers in flight per rank, opposite orders on "
                 "the two nodes: round %d took %.3f s",
                 NJOBS, NB, round, took);
-    cr_expect_lt(took, timeout / 2, "round %d took %.1f s", round, took);
     for (int j = 0; j < NJOBS; j++)
       for (int r = 0; r < W; r++)
         for (int b = 0; b < NB; b++) {
@@ -750,8 +775,8 @@ Test(fabric, disagreeing_nodes_fail_with_mismatch_and_fabric_stays_up, .timeout 
                                "per node), this node as 1004 fp32 (2008)";
     cr_expect(strstr(k[r].msg, want) != NULL, "rank %d: %s", r, k[r].msg);
   }
-  cr_log_info("fabric: mismatched registration: %s", k[0].msg);
-  cr_expect_lt(now_s() - t0, 2.0);
+  /* the message says what differs: the nodes compared, no timeout ended it */
+  cr_log_info("fabric: mismatched registration, %.3f s: %s", now_s() - t0, k[0].msg);
 
   /* the fabric is up: an agreeing gather goes through */
   run_calls(k, c, W, OP_GATHER, okid, NULL);

@@ -4,7 +4,15 @@
  * survivors check every gathered value against a reference they compute
  * themselves, killed jobs are restarted under a new name. Afterwards the
  * daemon must be alive, list no job and account 0 bytes on every device.
- * SOAK_SECONDS sets the length (default 20 s, 60 s when CI=true). */
+ * SOAK_SECONDS sets the length (default 20 s, 60 s when CI=true).
+ *
+ * A killed rank's peers learn of it by its disconnect, or (a collective
+ * they enter after it died waits for the rank to come back) at the
+ * collective timeout. That timeout can also end a collective of a job
+ * nobody killed when a rank process is descheduled for that long (64 of
+ * them on 2 cores under the sanitizers): such a job's ranks exit
+ * RANK_TIMEOUT, it counts as stalled, not as a wrong answer, and the
+ * disconnects that follow in it are expected. */
 #include <criterion/criterion.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -42,7 +50,7 @@ static uint32_t lcg(uint32_t *s) {
 }
 
 /* Exit codes of a rank process. */
-enum { RANK_OK = 0, RANK_WRONG = 2, RANK_LOST = 3, RANK_SETUP = 4 };
+enum { RANK_OK = 0, RANK_WRONG = 2, RANK_LOST = 3, RANK_SETUP = 4, RANK_TIMEOUT = 5 };
 
 #define CALL(expr)                                                           \
   do {                                                                       \
@@ -52,8 +60,10 @@ enum { RANK_OK = 0, RANK_WRONG = 2, RANK_LOST = 3, RANK_SETUP = 4 };
       fprintf(stderr, "soak: %s: %s: %s\n", #expr, shardd_err_name(rc_),    \
               shardd_last_error(c));                                         \
     if (rc_ != SHARDD_OK)                                                    \
-      _exit(atomic_load(&shm->stop) ? RANK_OK                                \
-            : rc_ == SHARDD_E_PEER_LOST ? RANK_LOST : RANK_WRONG);          \
+      _exit(atomic_load(&shm->stop)         ? RANK_OK                        \
+            : rc_ != SHARDD_E_PEER_LOST     ? RANK_WRONG                     \
+            : strstr(shardd_last_error(c), "timed out") ? RANK_TIMEOUT       \
+                                            : RANK_LOST);                    \
   } while (0)
 
 static float value_of(shardd_dtype dt, const void *area, uint64_t i) {
@@ -187,15 +197,44 @@ static int status_is_empty(const char *json) {
 typedef struct {
   pid_t pid[RANKS];
   int alive;
-  int killed; /* a rank was killed: the others may exit RANK_LOST */
+  int killed;   /* a rank was killed: the others may exit RANK_LOST */
+  int lost;     /* ranks that exited RANK_LOST */
+  int timeouts; /* ranks that exited RANK_TIMEOUT: then RANK_LOST is expected too */
   int generation;
 } job_slot;
+
+/* Tallies one exited rank of j: a wrong answer, or a loss or timeout that
+ * settle_job judges once the job is over. */
+static void rank_exited(job_slot *j, int st, long *wrong) {
+  int code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  int was_killed = WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL;
+  if (code == RANK_WRONG || code == RANK_SETUP)
+    (*wrong)++;
+  else if (code == RANK_LOST)
+    j->lost++;
+  else if (code == RANK_TIMEOUT)
+    j->timeouts++;
+  else if (!was_killed && code != RANK_OK)
+    (*wrong)++;
+}
+
+/* A job nobody killed and that no timeout ended must lose no rank. */
+static void settle_job(const job_slot *j, long *lost_unexpected, long *stalled) {
+  if (j->killed)
+    return;
+  if (j->timeouts > 0)
+    (*stalled)++;
+  else
+    *lost_unexpected += j->lost;
+}
 
 static void start_job(const test_daemon *d, job_slot *j, int index) {
   char name[64];
   snprintf(name, sizeof name, "soak%d-g%d", index, j->generation);
   uint32_t seed = (uint32_t)(index * 1000003 + j->generation * 7);
   j->killed = 0;
+  j->lost = 0;
+  j->timeouts = 0;
   j->alive = RANKS;
   for (uint32_t r = 0; r < RANKS; r++) {
     pid_t p = fork();
@@ -225,7 +264,7 @@ Test(soak, many_jobs_with_kills_leak_nothing, .timeout = 240) {
     start_job(&d, &jobs[j], j);
 
   uint32_t rng = 4242;
-  long kills = 0, wrong = 0, lost_unexpected = 0;
+  long kills = 0, wrong = 0, lost_unexpected = 0, stalled = 0;
   double start = now_s(), next_kill = start + 0.5;
   while (now_s() - start < secs) {
     int st;
@@ -235,15 +274,9 @@ Test(soak, many_jobs_with_kills_leak_nothing, .timeout = 240) {
         for (int r = 0; r < RANKS; r++)
           if (jobs[j].pid[r] == p) {
             jobs[j].pid[r] = 0;
-            int code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-            int was_killed = WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL;
-            if (code == RANK_WRONG || code == RANK_SETUP)
-              wrong++;
-            else if (code == RANK_LOST && !jobs[j].killed)
-              lost_unexpected++;
-            else if (!was_killed && code != RANK_OK && code != RANK_LOST)
-              wrong++;
+            rank_exited(&jobs[j], st, &wrong);
             if (--jobs[j].alive == 0) { /* the whole job is gone: a new one */
+              settle_job(&jobs[j], &lost_unexpected, &stalled);
               jobs[j].generation++;
               start_job(&d, &jobs[j], j);
             }
@@ -261,16 +294,19 @@ Test(soak, many_jobs_with_kills_leak_nothing, .timeout = 240) {
     }
     test_sleep_ms(5);
   }
+  /* Ranks exit RANK_OK once they see the flag (or come out of a collective
+   * with it set); one killed in the loop's last turn is reaped here. */
   atomic_store(&shm->stop, 1);
-  for (int j = 0; j < JOBS; j++)
+  for (int j = 0; j < JOBS; j++) {
     for (int r = 0; r < RANKS; r++)
       if (jobs[j].pid[r] > 0) {
         int st;
         waitpid(jobs[j].pid[r], &st, 0);
-        int code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-        if (code == RANK_WRONG || code == RANK_SETUP || code < 0)
-          wrong++;
+        jobs[j].pid[r] = 0;
+        rank_exited(&jobs[j], st, &wrong);
       }
+    settle_job(&jobs[j], &lost_unexpected, &stalled);
+  }
   cr_assert(test_daemon_alive(&d), "the daemon died during the soak");
   cr_assert_eq(wrong, 0, "%ld rank(s) saw wrong numbers or a wrong answer", wrong);
   cr_assert_eq(lost_unexpected, 0, "%ld rank(s) lost a peer nobody killed",
@@ -281,7 +317,7 @@ Test(soak, many_jobs_with_kills_leak_nothing, .timeout = 240) {
   shardd_client_t *ctl = test_connect(&d, NULL, 0, 0);
   char *json = NULL;
   int clean = 0;
-  for (int i = 0; i < 100 && !clean; i++) {
+  for (double end = now_s() + TEST_HANG_S; !clean && now_s() < end;) {
     shardd_free(json);
     json = NULL;
     cr_assert_eq(shardd_status_json(ctl, &json), SHARDD_OK);
@@ -289,12 +325,13 @@ Test(soak, many_jobs_with_kills_leak_nothing, .timeout = 240) {
     if (!clean)
       test_sleep_ms(50);
   }
-  cr_log_info("soak: %.0f s, %ld requests, %ld steps, %ld refusals, %ld clients killed; "
-              "status after: %s", secs, atomic_load(&shm->requests),
-              atomic_load(&shm->steps), atomic_load(&shm->refusals), kills, json);
-  fprintf(stderr, "soak: %.0f s, %ld requests, %ld steps, %ld refusals, %ld clients killed\n",
-          secs, atomic_load(&shm->requests), atomic_load(&shm->steps),
-          atomic_load(&shm->refusals), kills);
+  cr_log_info("soak: %.0f s, %ld requests, %ld steps, %ld refusals, %ld clients killed, "
+              "%ld jobs stalled to the collective timeout; status after: %s", secs,
+              atomic_load(&shm->requests), atomic_load(&shm->steps),
+              atomic_load(&shm->refusals), kills, stalled, json);
+  fprintf(stderr, "soak: %.0f s, %ld requests, %ld steps, %ld refusals, %ld clients killed, "
+          "%ld jobs stalled\n", secs, atomic_load(&shm->requests), atomic_load(&shm->steps),
+          atomic_load(&shm->refusals), kills, stalled);
   cr_assert(clean, "leaked after the soak: %s", json);
   shardd_free(json);
   shardd_close(ctl);

@@ -29,16 +29,22 @@ _daemon = None
 _jobs = itertools.count()
 
 
+def daemon_env():
+    """Environment changes for a daemon the tests start (shardd.daemon.Daemon env=)."""
+    env = {}
+    if "SHARDD_DAEMON_ASAN_OPTIONS" in os.environ:  # see run.py: asan_reexec
+        env["ASAN_OPTIONS"] = os.environ["SHARDD_DAEMON_ASAN_OPTIONS"]
+        env["LD_PRELOAD"] = None
+    return env
+
+
 def daemon():
     """The run's daemon (host backend, 4 devices), started on first use."""
     global _daemon
     if _daemon is None:
-        env = {}
-        if "SHARDD_DAEMON_ASAN_OPTIONS" in os.environ:  # see run.py: asan_reexec
-            env["ASAN_OPTIONS"] = os.environ["SHARDD_DAEMON_ASAN_OPTIONS"]
-            env["LD_PRELOAD"] = None
         _daemon = shardd.daemon.Daemon(devices=DEVICES, log_level="debug",
-                                       extra_args=["--collective-timeout", "30"], env=env)
+                                       extra_args=["--collective-timeout", "30"],
+                                       env=daemon_env())
     return _daemon
 
 

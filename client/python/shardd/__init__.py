@@ -20,6 +20,15 @@ is unregistered on this client or the client is closed; touching one after
 that is a use-after-unmap (a crash). bf16 areas are uint16 in numpy (numpy has
 no bfloat16) and torch.bfloat16 in torch.
 
+On the cuda backend (``buf.is_device``) the areas are the daemon's GPU memory
+(CUDA IPC, opened by libshardd on GPU ``buf.device``): ``buf.tensor(area)`` is
+a torch CUDA tensor over it (no copy, through ``__cuda_array_interface__``),
+while numpy and memoryview views are refused (E_NO_CUDA). Once this client
+has handed out such tensors, every gather, scatter and step it requests (and
+unregister and close) first waits for the process's queued GPU work on their
+GPUs (``torch.cuda.synchronize``), so the daemon reads finished data and
+overwrites nothing a kernel still reads.
+
 Failures raise :class:`shardd.Error` with ``code`` (int), ``code_name``
 ("E_NOT_OWNED") and ``message`` (the daemon's message when it sent one).
 
@@ -46,6 +55,10 @@ _DTYPE_ALIASES = {
 }
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _ELEM_SIZE = {L.DTYPE_FP32: 4, L.DTYPE_BF16: 2, L.DTYPE_FP16: 2}
+# Array-interface type strings. bf16 has no standard one: its areas are
+# described as little-endian int16 and the tensor viewed as torch.bfloat16
+# (same element size, no copy).
+_TYPESTR = {L.DTYPE_FP32: "<f4", L.DTYPE_BF16: "<i2", L.DTYPE_FP16: "<f2"}
 OPTIMIZERS = {"sgd": L.OPTIM_SGD, "adam": L.OPTIM_ADAM, "adamw": L.OPTIM_ADAMW}
 REDUCE_OPS = {"sum": L.REDUCE_SUM, "mean": L.REDUCE_MEAN}
 
@@ -137,6 +150,32 @@ def _hparams(kw, where):
     return hp
 
 
+def _array_interface(ptr, numel, code):
+    """The fields __cuda_array_interface__ (version 3) shares with numpy's
+    __array_interface__: numel elements of dtype code at ptr, one writable
+    C-contiguous dimension (strides None)."""
+    return {"shape": (int(numel),), "typestr": _TYPESTR[code],
+            "data": (int(ptr), False), "strides": None, "version": 3}
+
+
+def _area_dtype(torch, raw, code):
+    """The tensor raw made from an _array_interface(...) of dtype code, as
+    the torch dtype of code (bf16: int16 viewed as bfloat16, no copy)."""
+    return raw.view(torch.bfloat16) if code == L.DTYPE_BF16 else raw
+
+
+class _CudaArea:
+    """One device area as __cuda_array_interface__, for torch.as_tensor (no
+    copy; torch keeps a reference to this object for as long as the tensor
+    lives). stream None: nothing to synchronise on, the daemon has finished
+    with an area by the time the collective that wrote it returns."""
+
+    def __init__(self, ptr, numel, code):
+        d = _array_interface(ptr, numel, code)
+        d["stream"] = None
+        self.__cuda_array_interface__ = d
+
+
 class Buffer:
     """A registered flat buffer as seen by this rank (see shardd_buffer_info)."""
 
@@ -155,7 +194,8 @@ class Buffer:
         self.created = bool(info.created)
         self.generation = info.generation
         # cuda backend: the areas are CUDA device pointers (address() gives
-        # them to e.g. torch / cupy); they have no host view
+        # them to e.g. cupy; tensor() wraps them as torch CUDA tensors); they
+        # have no host view
         self.is_device = bool(info.is_device)
         self._ptr = {
             "shard": (info.shard, info.shard_numel, info.dtype),
@@ -166,6 +206,7 @@ class Buffer:
         self._carr = {}
         self._np = {}
         self._torch = {}
+        self._cuda = {}  # area -> _CudaArea behind its tensor (cuda backend)
 
     def __repr__(self):
         return "<shardd.Buffer %d %r %s numel=%d padded=%d shard=%d rank=%d/%d>" % (
@@ -190,8 +231,9 @@ class Buffer:
                 raise Error(5, "buffer %d has no %s area" % (self.id, area), "E_NOT_FOUND")
             if self.is_device:
                 raise Error(21, "buffer %d's %s area is GPU memory (cuda backend): "
-                            "use address(%r) as a device pointer, not a host view"
-                            % (self.id, area, area), "E_NO_CUDA")
+                            "use tensor(%r) (a torch CUDA tensor) or address(%r) as a "
+                            "device pointer, not a host view"
+                            % (self.id, area, area, area), "E_NO_CUDA")
             ctype = ctypes.c_float if code == L.DTYPE_FP32 else ctypes.c_uint16
             arr = (ctype * n).from_address(ptr)
             self._carr[area] = arr
@@ -214,10 +256,15 @@ class Buffer:
         return a
 
     def tensor(self, area):
-        """torch.Tensor over the area (no copy; torch.frombuffer)."""
+        """torch.Tensor over the area (no copy): torch.frombuffer of the host
+        mapping, or on the cuda backend a CUDA tensor over the device area."""
         t = self._torch.get(area)
         if t is None:
             import torch
+            if self.is_device:
+                t = self._cuda_tensor(torch, area)
+                self._torch[area] = t
+                return t
             import warnings
             code = self._ptr[area][2]
             tdt = {L.DTYPE_FP32: torch.float32, L.DTYPE_BF16: torch.bfloat16,
@@ -226,6 +273,37 @@ class Buffer:
                 warnings.simplefilter("ignore")
                 t = torch.frombuffer(self._ctypes_array(area), dtype=tdt)
             self._torch[area] = t
+        return t
+
+    def _cuda_tensor(self, torch, area):
+        """A torch CUDA tensor over a device area, through
+        __cuda_array_interface__ (torch finds the GPU from the pointer)."""
+        self.client._check_open()
+        ptr, n, code = self._ptr[area]
+        if not ptr:
+            raise Error(5, "buffer %d has no %s area" % (self.id, area), "E_NOT_FOUND")
+        where = "buffer %d's %s area is GPU memory (cuda backend, GPU %d)" % (
+            self.id, area, self.device)
+        if not torch.cuda.is_available():
+            raise Error(21, "%s, but this torch has no CUDA device (torch %s, CUDA %s)"
+                        % (where, torch.__version__, torch.version.cuda), "E_NO_CUDA")
+        holder = _CudaArea(ptr, n, code)
+        try:
+            # no device=: torch takes the GPU from the pointer (an explicit
+            # index would label the tensor with it unchecked); the current
+            # device is set too for torch versions that fall back on it
+            with torch.cuda.device(self.device):
+                raw = torch.as_tensor(holder)
+        except Exception as e:  # e.g. a torch without numpy cannot read typestr
+            raise Error(21, "%s: torch cannot wrap it as a CUDA tensor: %s: %s"
+                        % (where, type(e).__name__, e), "E_NO_CUDA") from e
+        if raw.device.type != "cuda" or raw.data_ptr() != ptr or raw.numel() != n:
+            raise Error(24, "%s: torch.as_tensor made %s of %d elements at 0x%x, not a "
+                        "view of the %d at 0x%x" % (where, raw.device, raw.numel(),
+                                                    raw.data_ptr(), n, ptr), "E_INTERNAL")
+        t = _area_dtype(torch, raw, code)
+        self._cuda[area] = holder
+        self.client._cuda_devices.add(t.device.index)
         return t
 
     shard = property(lambda self: self.numpy("shard"))
@@ -241,6 +319,7 @@ class Buffer:
         self._np.clear()
         self._torch.clear()
         self._carr.clear()
+        self._cuda.clear()
 
     # conveniences forwarding to the client
     def do_gather(self):
@@ -319,6 +398,7 @@ class Client:
         self.rank = rank
         self.world = world
         self.buffers = {}
+        self._cuda_devices = set()  # GPUs of the device areas handed out as tensors
         opts = L.ConnectOpts()
         opts.size = ctypes.sizeof(L.ConnectOpts)
         opts.job = _b(job)
@@ -338,6 +418,10 @@ class Client:
     def close(self):
         """Closes the connection; every area mapped on it is unmapped."""
         if self._c:
+            try:  # no kernel may still use the device areas being closed
+                self._sync_cuda()
+            except Exception:
+                pass
             for b in self.buffers.values():
                 b._forget()
             self._lib.shardd_close(self._c)
@@ -362,6 +446,16 @@ class Client:
     def _check_open(self):
         if not self._c:
             raise Error(19, "client is closed", "E_CLOSED")
+
+    def _sync_cuda(self):
+        """Cuda backend: waits for this process's queued GPU work on the GPUs
+        whose areas this client handed out as torch tensors, so that the
+        daemon reads complete data and overwrites (or the client closes)
+        nothing a kernel still uses. Nothing to do on the host backend."""
+        if self._cuda_devices:
+            import torch
+            for d in sorted(self._cuda_devices):
+                torch.cuda.synchronize(d)
 
     def _call(self, rc):
         if rc != 0:
@@ -437,6 +531,7 @@ class Client:
     def unregister_buffer(self, buf):
         self._check_open()
         bid = _ids(buf)
+        self._sync_cuda()
         self._call(self._lib.shardd_buffer_unregister(self._c, bid))
         b = self.buffers.pop(bid, None)
         if b is not None:
@@ -529,6 +624,7 @@ class Client:
     def gather(self, buffer):
         """All-gather (collective): every rank's gather area gets the buffer."""
         self._check_open()
+        self._sync_cuda()
         self._call(self._lib.shardd_gather(self._c, _ids(buffer)))
 
     def gather_async(self, buffer):
@@ -537,6 +633,7 @@ class Client:
         max_inflight_gathers are in flight, the oldest being waited for
         first. Pass the ticket to wait()."""
         self._check_open()
+        self._sync_cuda()
         t = ctypes.c_uint64(0)
         self._call(self._lib.shardd_gather_async(self._c, _ids(buffer), ctypes.byref(t)))
         return t.value
@@ -549,6 +646,7 @@ class Client:
     def scatter(self, buffer, op="mean"):
         """Reduce-scatter (collective) of every rank's grad area; op "sum"/"mean"."""
         self._check_open()
+        self._sync_cuda()
         code = REDUCE_OPS[op.lower()] if isinstance(op, str) else int(op)
         self._call(self._lib.shardd_scatter(self._c, _ids(buffer), code))
 
@@ -557,6 +655,7 @@ class Client:
         this step; max_norm: clip the global grad norm. -> StepResult(step,
         total_norm) (total_norm is the pre-clip norm when max_norm is given)."""
         self._check_open()
+        self._sync_cuda()
         so = L.StepOpts()
         so.size = ctypes.sizeof(L.StepOpts)
         so.lr = -1.0 if lr is None else float(lr)

@@ -1,4 +1,5 @@
-"""Starting and stopping a shardd daemon (host backend) for tests and examples.
+"""Starting and stopping a shardd daemon for tests and examples (host backend
+unless backend= says otherwise).
 
     with shardd.daemon.Daemon(devices=4) as d:
         c = shardd.Client(d.socket, job="j", rank=0, world=1)
@@ -48,10 +49,12 @@ class Daemon:
     log: a path for the daemon's stdout/stderr (default: <tmpdir>/shardd.log).
     extra_args: further flags (e.g. ["--collective-timeout", "30"]).
     env: variables to set (None: unset) for the daemon on top of os.environ.
+    backend: "host" (the default), "cuda" or "auto" (--backend); a cuda daemon
+      without a usable GPU exits at start, which raises RuntimeError here.
     """
 
     def __init__(self, binary=None, socket=None, devices=1, log_level="info", log=None,
-                 extra_args=(), ready_timeout=10.0, env=None):
+                 extra_args=(), ready_timeout=10.0, env=None, backend="host"):
         self.binary = find_binary(binary)
         self._tmpdir = None
         if socket is None:
@@ -62,7 +65,8 @@ class Daemon:
             log = os.path.join(self._tmpdir or os.path.dirname(os.path.abspath(socket)),
                                "shardd.log")
         self.log = log
-        self.args = [self.binary, "--socket", socket, "--backend", "host",
+        self.backend = backend
+        self.args = [self.binary, "--socket", socket, "--backend", backend,
                      "--devices", str(devices), "--log-level", log_level,
                      ] + list(extra_args)
         self.env = env

@@ -22,9 +22,10 @@ for the root's own parameters — FSDP's auto-wrap at depth 1):
   values (every rank must build the model identically, e.g. same seed: each
   rank contributes only its own slice);
 * replaces every parameter on its module(s) with a new ``nn.Parameter`` that
-  is a view of the gather area (``torch.frombuffer``, no copy), so a forward
-  after :meth:`gather` computes with the daemon's data, and the parameters
-  the optimizer is registered with *are* the shardd views;
+  is a view of the gather area (no copy: ``torch.frombuffer`` of the host
+  mapping, or on the cuda backend a CUDA tensor over the daemon's GPU memory),
+  so a forward after :meth:`gather` computes with the daemon's data, and the
+  parameters the optimizer is registered with *are* the shardd views;
 * gradients: :meth:`zero_grad` zeroes each grad area (padding included) and
   sets every parameter's ``.grad`` to the view of its slice of the grad area.
   autograd accumulates into an existing ``.grad`` in place (outside
@@ -38,6 +39,14 @@ The original parameter tensors are dropped from the module; the initial
 gather is done by the constructor (it is a collective: every rank of the job
 must construct the same wrapper). Mapped tensors alias libshardd mappings:
 don't use the module after the client is closed.
+
+On the cuda backend the parameters and their ``.grad`` live on the GPU the
+daemon put this rank's areas on (:attr:`ShardedModule.device`; the module's
+buffers, e.g. BatchNorm statistics, are moved there too; inputs are the
+caller's to move). The client waits for the queued GPU work
+(``torch.cuda.synchronize``) before each gather, scatter and step it
+requests, so the daemon reads finished gradients and shards and overwrites
+no parameter a kernel still reads.
 """
 import torch
 from torch import nn
@@ -176,6 +185,12 @@ class ShardedModule:
                 entries.append(e)
                 off += n
             self.units.append(FlatUnit(uname or "root", buf, entries))
+        dev = self.device
+        if dev.type == "cuda":  # the forward must find the module's buffers there
+            for m in module.modules():
+                for k, b in m._buffers.items():
+                    if b is not None and b.device != dev:
+                        m._buffers[k] = b.to(dev)
         if initial_gather:
             self.gather()
 
@@ -183,6 +198,14 @@ class ShardedModule:
     @property
     def buffers(self):
         return [u.buffer for u in self.units]
+
+    @property
+    def device(self):
+        """Where the parameters live: cpu on the host backend, the GPU of
+        this rank's areas (cuda:N) on the cuda backend."""
+        for u in self.units:
+            return u.buffer.gather_tensor.device
+        return torch.device("cpu")
 
     def named_parameters(self):
         for u in self.units:
