@@ -107,9 +107,12 @@ def rank_main(rank, cfg, socket, q):
         opt = sm.register_optimizer("adamw", model.parameters(), name="adamw",
                                     **adamw_hyper(cfg))
         t1 = time.monotonic()
+        # cpu on the host backend; the rank's GPU on the cuda backend
+        dev = sm.device
         for s in range(cfg.steps):
             sm.gather()
-            loss = torch.nn.functional.mse_loss(model(x[s, lo:hi]), y[s, lo:hi])
+            loss = torch.nn.functional.mse_loss(model(x[s, lo:hi].to(dev)),
+                                                y[s, lo:hi].to(dev))
             sm.zero_grad()
             loss.backward()
             sm.scatter("mean")
@@ -120,7 +123,8 @@ def rank_main(rank, cfg, socket, q):
         sm.gather()
         t2 = time.monotonic()
         if rank == 0:
-            params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+            params = {n: p.detach().cpu().numpy().copy()
+                      for n, p in model.named_parameters()}
             units = [(u.name, u.buffer.numel, u.buffer.padded_numel) for u in sm.units]
             q.put(("params", rank, params, units))
         client.close()
@@ -238,6 +242,9 @@ def parser():
                     help="with --start-daemon: the daemon binary (default $SHARDD_BIN, "
                          "else build/shardd)")
     ap.add_argument("--daemon-log", default=None, help="with --start-daemon: log file")
+    ap.add_argument("--backend", choices=["host", "cuda", "auto"], default="host",
+                    help="with --start-daemon: the daemon's backend (cuda: every visible "
+                         "GPU, ranks round-robin over them)")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--check", action="store_true",
                     help="also train with plain torch.optim.AdamW and compare")
@@ -258,7 +265,9 @@ def main(argv=None):
     daemon = None
     socket = cfg.socket
     if cfg.start_daemon:
-        daemon = shardd.daemon.Daemon(binary=cfg.shardd, devices=cfg.ranks, log=cfg.daemon_log,
+        daemon = shardd.daemon.Daemon(binary=cfg.shardd, log=cfg.daemon_log,
+                                      devices=cfg.ranks if cfg.backend == "host" else None,
+                                      backend=cfg.backend,
                                       extra_args=["--collective-timeout", "60"])
         socket = daemon.socket
         print("started %s on %s (pid %d)" % (daemon.binary, socket, daemon.proc.pid))

@@ -66,9 +66,10 @@ class Daemon:
                                "shardd.log")
         self.log = log
         self.backend = backend
-        self.args = [self.binary, "--socket", socket, "--backend", backend,
-                     "--devices", str(devices), "--log-level", log_level,
-                     ] + list(extra_args)
+        # devices None: the daemon's default (cuda: every visible GPU)
+        self.args = ([self.binary, "--socket", socket, "--backend", backend]
+                     + ([] if devices is None else ["--devices", str(devices)])
+                     + ["--log-level", log_level] + list(extra_args))
         self.env = env
         self.proc = None
         self._logf = None
