@@ -207,20 +207,8 @@ __global__ void update_kernel(shardd__cuda_upd k, float *p, const float *g,
       reinterpret_cast<uint2 *>(p16)[j] = o;
     }
   }
-  for (size_t i = nvec * 4 + gtid(); i < n; i += gstride()) {
-    float P = p[i], M = m ? m[i] : 0.0f, S = v ? v[i] : 0.0f,
-          X = vmax ? vmax[i] : 0.0f;
-    shardd__elem_update(&k, &P, g[i], &M, &S, &X);
-    p[i] = P;
-    if (m)
-      m[i] = M;
-    if (v)
-      v[i] = S;
-    if (vmax)
-      vmax[i] = X;
-    if (PDT)
-      p16[i] = (uint16_t)shardd__elem_narrow(PDT, P);
-  }
+  for (size_t i = nvec * 4 + gtid(); i < n; i += gstride())
+    shardd__elem_update_at(&k, i, p, g, m, v, vmax, PDT, p16);
 }
 
 /* ---- widen ------------------------------------------------------------- */

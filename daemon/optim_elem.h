@@ -111,4 +111,25 @@ SHARDD_HD void shardd__elem_update(const shardd__cuda_upd *k, float *p,
   *p = shardd__fadd(pi, shardd__fdiv(shardd__fmul(k->neg_step, mi), denom));
 }
 
+/* Element i of an update in place, as the kernels do it outside their
+ * 4-element groups: absent state (NULL) reads as 0 and is not stored; a
+ * 16-bit pdt rewrites p16[i] from the updated master p[i]. */
+SHARDD_HD void shardd__elem_update_at(const shardd__cuda_upd *k, size_t i,
+                                      float *p, const float *g, float *m,
+                                      float *v, float *vmax, int pdt,
+                                      uint16_t *p16) {
+  float P = p[i], M = m ? m[i] : 0.0f, S = v ? v[i] : 0.0f,
+        X = vmax ? vmax[i] : 0.0f;
+  shardd__elem_update(k, &P, g[i], &M, &S, &X);
+  p[i] = P;
+  if (m)
+    m[i] = M;
+  if (v)
+    v[i] = S;
+  if (vmax)
+    vmax[i] = X;
+  if (pdt)
+    p16[i] = (uint16_t)shardd__elem_narrow(pdt, P);
+}
+
 #endif /* SHARDD_OPTIM_ELEM_H */

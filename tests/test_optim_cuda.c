@@ -39,17 +39,6 @@
 /* One value for every test of this binary (house rule). */
 #define TMO 60
 
-static float f32(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-static uint32_t u32(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
 
 /* xorshift64*: the same data on every run and machine */
 static uint64_t rng_state;
@@ -67,7 +56,7 @@ static uint32_t rng32(void) {
  * [2^lo, 2^hi): full mantissas make every operation round. */
 static float rnd(int lo, int hi) {
   uint32_t e = (uint32_t)(127 + lo + (int)(rng32() % (uint32_t)(hi - lo)));
-  return f32((rng32() & 0x80000000u) | (e << 23) | (rng32() & 0x7fffffu));
+  return shardd__bits_f32((rng32() & 0x80000000u) | (e << 23) | (rng32() & 0x7fffffu));
 }
 
 static const char *dt_name(int dt) {
@@ -183,20 +172,8 @@ static void kern_update(const shardd__cuda_upd *k, float *p, const float *g,
       memcpy((char *)p16 + j * 8, o, sizeof o);
     }
   }
-  for (size_t i = nvec * 4; i < n; i++) {
-    float P = p[i], M = m ? m[i] : 0.0f, S = v ? v[i] : 0.0f,
-          X = vmax ? vmax[i] : 0.0f;
-    shardd__elem_update(k, &P, g[i], &M, &S, &X);
-    p[i] = P;
-    if (m)
-      m[i] = M;
-    if (v)
-      v[i] = S;
-    if (vmax)
-      vmax[i] = X;
-    if (pdt)
-      ((uint16_t *)p16)[i] = (uint16_t)shardd__elem_narrow(pdt, P);
-  }
+  for (size_t i = nvec * 4; i < n; i++)
+    shardd__elem_update_at(k, i, p, g, m, v, vmax, pdt, p16);
 }
 
 /* ---- comparisons -------------------------------------------------------- */
@@ -204,10 +181,10 @@ static void kern_update(const shardd__cuda_upd *k, float *p, const float *g,
 static void same_f32(const float *got, const float *want, size_t n,
                      const char *what, const char *cfg) {
   for (size_t i = 0; i < n; i++)
-    cr_assert_eq(u32(got[i]), u32(want[i]),
+    cr_assert_eq(shardd__f32_bits(got[i]), shardd__f32_bits(want[i]),
                  "%s: %s[%zu] = %a (0x%08x), host kernels %a (0x%08x)", cfg,
-                 what, i, (double)got[i], u32(got[i]), (double)want[i],
-                 u32(want[i]));
+                 what, i, (double)got[i], shardd__f32_bits(got[i]), (double)want[i],
+                 shardd__f32_bits(want[i]));
 }
 
 /* As same_f32, but any NaN matches any NaN: which operand's payload (and
@@ -216,9 +193,9 @@ static void same_f32(const float *got, const float *want, size_t n,
 static void same_f32_or_nan(const float *got, const float *want, size_t n,
                             const char *what, const char *cfg) {
   for (size_t i = 0; i < n; i++)
-    cr_assert(u32(got[i]) == u32(want[i]) || (isnan(got[i]) && isnan(want[i])),
+    cr_assert(shardd__f32_bits(got[i]) == shardd__f32_bits(want[i]) || (isnan(got[i]) && isnan(want[i])),
               "%s: %s[%zu] = %a (0x%08x), host kernels %a (0x%08x)", cfg, what,
-              i, (double)got[i], u32(got[i]), (double)want[i], u32(want[i]));
+              i, (double)got[i], shardd__f32_bits(got[i]), (double)want[i], shardd__f32_bits(want[i]));
 }
 
 static void same_u16(const uint16_t *got, const uint16_t *want, size_t n,
@@ -235,17 +212,17 @@ static void same_u16(const uint16_t *got, const uint16_t *want, size_t n,
  * while fma = 2^-11 + 2^-24. Volatile so nothing folds at compile time. */
 Test(optim_cuda, host_ops_round_each_operation, .timeout = TMO) {
   volatile float a = 1.0f + 0x1p-12f, b = 1.0f + 0x1p-12f, c = -1.0f;
-  cr_assert_neq(u32(fmaf(a, b, c)), u32(0x1p-11f));
-  cr_assert_eq(u32(shardd__fadd(shardd__fmul(a, b), c)), u32(0x1p-11f));
+  cr_assert_neq(shardd__f32_bits(fmaf(a, b, c)), shardd__f32_bits(0x1p-11f));
+  cr_assert_eq(shardd__f32_bits(shardd__fadd(shardd__fmul(a, b), c)), shardd__f32_bits(0x1p-11f));
   /* and through an element update: SGD's p + (-lr)*d */
   shardd__cuda_upd k = {.kind = SHARDD__CUDA_SGD, .scale = 1.0f, .neg_lr = a};
   float p = c, dummy = 0;
   shardd__elem_update(&k, &p, b, &dummy, &dummy, &dummy);
-  cr_assert_eq(u32(p), u32(0x1p-11f), "got %a", (double)p);
+  cr_assert_eq(shardd__f32_bits(p), shardd__f32_bits(0x1p-11f), "got %a", (double)p);
   /* sqrt and div are the correctly rounded ones */
   volatile float two = 2.0f, three = 3.0f;
-  cr_assert_eq(u32(shardd__fsqrt(two)), u32((float)sqrt(2.0)));
-  cr_assert_eq(u32(shardd__fdiv(two, three)), u32((float)(2.0 / 3.0)));
+  cr_assert_eq(shardd__f32_bits(shardd__fsqrt(two)), shardd__f32_bits((float)sqrt(2.0)));
+  cr_assert_eq(shardd__f32_bits(shardd__fdiv(two, three)), shardd__f32_bits((float)(2.0 / 3.0)));
 }
 
 /* ---- updates against optim.c -------------------------------------------- */
@@ -517,11 +494,11 @@ Test(optim_cuda, widen_matches_to_f32_for_every_pattern, .timeout = TMO) {
                                0x00000001u, 0x80000000u, 0x3f800000u};
   float src[6], dst[6];
   for (size_t i = 0; i < 6; i++)
-    src[i] = f32(f[i]);
+    src[i] = shardd__bits_f32(f[i]);
   for (size_t i = 0; i < 6; i++)
     dst[i] = shardd__elem_load(SHARDD__ELEM_F32, src, i);
   for (size_t i = 0; i < 6; i++)
-    cr_assert_eq(u32(dst[i]), f[i]);
+    cr_assert_eq(shardd__f32_bits(dst[i]), f[i]);
 }
 
 /* Fixed points, worked out by hand: signed zeros, infinities, NaNs
@@ -543,13 +520,13 @@ Test(optim_cuda, widen_special_values, .timeout = TMO) {
       {0x7bff, 0x477fe000u}, /* 65504 */
   };
   for (size_t i = 0; i < sizeof f16 / sizeof f16[0]; i++)
-    cr_assert_eq(u32(shardd__elem_widen(SHARDD__ELEM_F16, f16[i].h)), f16[i].f,
+    cr_assert_eq(shardd__f32_bits(shardd__elem_widen(SHARDD__ELEM_F16, f16[i].h)), f16[i].f,
                  "fp16 0x%04x -> 0x%08x, want 0x%08x", f16[i].h,
-                 u32(shardd__elem_widen(SHARDD__ELEM_F16, f16[i].h)), f16[i].f);
+                 shardd__f32_bits(shardd__elem_widen(SHARDD__ELEM_F16, f16[i].h)), f16[i].f);
   static const uint16_t bf[] = {0x0000, 0x8000, 0x0001, 0x807f, 0x7f80,
                                 0xff80, 0x7f81, 0x7fc0, 0xffff, 0x3f80};
   for (size_t i = 0; i < sizeof bf / sizeof bf[0]; i++)
-    cr_assert_eq(u32(shardd__elem_widen(SHARDD__ELEM_BF16, bf[i])),
+    cr_assert_eq(shardd__f32_bits(shardd__elem_widen(SHARDD__ELEM_BF16, bf[i])),
                  (uint32_t)bf[i] << 16, "bf16 0x%04x", bf[i]);
 }
 
@@ -588,7 +565,7 @@ Test(optim_cuda, narrow_special_values, .timeout = TMO) {
       {0x387fdfffu, 0x3880, 0x03ff},
   };
   for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) {
-    float x = f32(t[i].f);
+    float x = shardd__bits_f32(t[i].f);
     uint16_t hb, hh;
     shardd__from_f32(SHARDD_DTYPE_BF16, &hb, &x, 1);
     shardd__from_f32(SHARDD_DTYPE_FP16, &hh, &x, 1);
@@ -614,7 +591,7 @@ Test(optim_cuda, narrow_matches_from_f32, .timeout = TMO) {
   uint32_t u = 777u;
   for (int round = 0; round < 64; round++) {
     for (size_t i = 0; i < M; i++, u += 1021u) /* 2^22 patterns, 1021 apart */
-      src[i] = f32(u);
+      src[i] = shardd__bits_f32(u);
     for (size_t di = 1; di < 3; di++) {
       int dt = dts[di];
       shardd__from_f32((shardd_dtype)dt, want, src, M);
