@@ -193,6 +193,89 @@ static inline void bench_pin(int cpu) {
   pthread_setaffinity_np(pthread_self(), sizeof set, &set);
 }
 
+/* ---- ranks in lockstep ----------------------------------------------------
+ * One thread per rank, each running the same command at once, as the ranks
+ * of a job do; the caller's thread posts a command and waits for all. A
+ * command's time runs from the first rank's start to the last rank's end,
+ * as the ranks read the clock (not the caller, which may be descheduled on
+ * a small machine). */
+#define BENCH_MAX_RANKS 8
+
+typedef struct bench_ranks bench_ranks;
+typedef struct {
+  bench_ranks *pool;
+  int rank;
+} bench_rank_arg;
+
+struct bench_ranks {
+  int world;
+  int cpu; /* every rank thread pinned there (< 0: anywhere) */
+  void (*body)(int rank, int cmd);
+  int cmd; /* BENCH_RANKS_QUIT ends the threads */
+  pthread_barrier_t start, end;
+  pthread_t th[BENCH_MAX_RANKS];
+  bench_rank_arg arg[BENCH_MAX_RANKS];
+  double t_start[BENCH_MAX_RANKS], t_end[BENCH_MAX_RANKS];
+};
+
+#define BENCH_RANKS_QUIT (-1)
+
+static inline void *bench_ranks_thread(void *a) {
+  bench_ranks *p = ((bench_rank_arg *)a)->pool;
+  int r = ((bench_rank_arg *)a)->rank;
+  bench_pin(p->cpu);
+  for (;;) {
+    pthread_barrier_wait(&p->start);
+    int c = p->cmd;
+    p->t_start[r] = bench_now();
+    if (c != BENCH_RANKS_QUIT)
+      p->body(r, c);
+    p->t_end[r] = bench_now();
+    pthread_barrier_wait(&p->end);
+    if (c == BENCH_RANKS_QUIT)
+      return NULL;
+  }
+}
+
+/* Starts world rank threads running body(rank, cmd) for each command. */
+static inline void bench_ranks_start(bench_ranks *p, int world, int cpu,
+                                     void (*body)(int rank, int cmd)) {
+  if (world < 1 || world > BENCH_MAX_RANKS)
+    bench_die("bench_ranks: %d ranks (1..%d)", world, BENCH_MAX_RANKS);
+  p->world = world;
+  p->cpu = cpu;
+  p->body = body;
+  pthread_barrier_init(&p->start, NULL, (unsigned)world + 1);
+  pthread_barrier_init(&p->end, NULL, (unsigned)world + 1);
+  for (int r = 0; r < world; r++) {
+    p->arg[r] = (bench_rank_arg){p, r};
+    if (pthread_create(&p->th[r], NULL, bench_ranks_thread, &p->arg[r]) != 0)
+      bench_die("bench_ranks: pthread_create failed");
+  }
+}
+
+/* Runs cmd on every rank; returns its time (see above). */
+static inline double bench_ranks_run(bench_ranks *p, int cmd) {
+  p->cmd = cmd;
+  pthread_barrier_wait(&p->start);
+  pthread_barrier_wait(&p->end);
+  double lo = p->t_start[0], hi = p->t_end[0];
+  for (int r = 1; r < p->world; r++) {
+    lo = p->t_start[r] < lo ? p->t_start[r] : lo;
+    hi = p->t_end[r] > hi ? p->t_end[r] : hi;
+  }
+  return hi - lo;
+}
+
+/* Ends and joins the rank threads. */
+static inline void bench_ranks_stop(bench_ranks *p) {
+  bench_ranks_run(p, BENCH_RANKS_QUIT);
+  for (int r = 0; r < p->world; r++)
+    pthread_join(p->th[r], NULL);
+  pthread_barrier_destroy(&p->start);
+  pthread_barrier_destroy(&p->end);
+}
+
 /* Starts BUILD/shardd on a fresh socket with the host backend, every one
  * of its threads on CPU cpu (< 0: anywhere), and waits until it answers a
  * control-session Hello. */

@@ -19,17 +19,15 @@
 #define MAX_RANKS 4
 
 typedef enum { CMD_REGISTER, CMD_GATHER, CMD_SCATTER, CMD_FLOOR_GATHER,
-               CMD_FLOOR_SUM, CMD_RECONNECT, CMD_QUIT } cmd_t;
+               CMD_FLOOR_SUM, CMD_RECONNECT } cmd_t;
 
 static bench_daemon dmn;
 static int world;
 static char job[64];
-static pthread_barrier_t bstart, bend;
-static cmd_t cmd;
+static bench_ranks ranks;
 static uint64_t cur_numel;
 static shardd_client_t *cl[MAX_RANKS];
 static shardd_buffer_info info[MAX_RANKS];
-static double t_start[MAX_RANKS], t_end[MAX_RANKS]; /* read by each rank */
 
 static void check(shardd_err rc, int r, const char *what) {
   if (rc != SHARDD_OK)
@@ -58,71 +56,46 @@ static void floor_sum(int r) {
   }
 }
 
-static void *rank_thread(void *p) {
-  int r = (int)(intptr_t)p;
-  for (;;) {
-    pthread_barrier_wait(&bstart);
-    cmd_t c = cmd;
-    t_start[r] = bench_now();
-    switch (c) {
-    case CMD_REGISTER: {
-      check(shardd_buffer_register(cl[r], "flat", SHARDD_DTYPE_FP32, cur_numel,
-                                   &info[r]),
-            r, "register");
-      /* fill (and fault in) every area once */
-      float *s = info[r].shard, *g = info[r].grad;
-      for (size_t i = 0; i < info[r].shard_numel; i++)
-        s[i] = (float)((i + (size_t)r) & 255) * 0.25f;
-      for (size_t i = 0; i < info[r].padded_numel; i++)
-        g[i] = (float)(i & 127) * 0.5f;
-      memset(info[r].gather, 0, info[r].padded_numel * 4);
-      memset(info[r].reduced, 0, info[r].shard_numel * 4);
-      break;
-    }
-    case CMD_GATHER:
-      check(shardd_gather(cl[r], info[r].id), r, "gather");
-      break;
-    case CMD_SCATTER:
-      check(shardd_scatter(cl[r], info[r].id, SHARDD_REDUCE_SUM), r, "scatter");
-      break;
-    case CMD_FLOOR_GATHER: {
-      size_t bytes = info[r].shard_numel * 4;
-      for (int q = 0; q < world; q++)
-        memcpy((char *)info[r].gather + (size_t)q * bytes, info[q].shard, bytes);
-      break;
-    }
-    case CMD_FLOOR_SUM:
-      floor_sum(r);
-      break;
-    case CMD_RECONNECT:
-      /* rank 0 has unregistered the buffer; closing unmaps our view of it */
-      shardd_close(cl[r]);
-      cl[r] = bench_connect(&dmn, job, (uint32_t)r, (uint32_t)world);
-      break;
-    case CMD_QUIT:
-      break;
-    }
-    t_end[r] = bench_now();
-    pthread_barrier_wait(&bend);
-    if (c == CMD_QUIT)
-      return NULL;
+static void rank_body(int r, int c) {
+  switch ((cmd_t)c) {
+  case CMD_REGISTER: {
+    check(shardd_buffer_register(cl[r], "flat", SHARDD_DTYPE_FP32, cur_numel,
+                                 &info[r]),
+          r, "register");
+    /* fill (and fault in) every area once */
+    float *s = info[r].shard, *g = info[r].grad;
+    for (size_t i = 0; i < info[r].shard_numel; i++)
+      s[i] = (float)((i + (size_t)r) & 255) * 0.25f;
+    for (size_t i = 0; i < info[r].padded_numel; i++)
+      g[i] = (float)(i & 127) * 0.5f;
+    memset(info[r].gather, 0, info[r].padded_numel * 4);
+    memset(info[r].reduced, 0, info[r].shard_numel * 4);
+    break;
+  }
+  case CMD_GATHER:
+    check(shardd_gather(cl[r], info[r].id), r, "gather");
+    break;
+  case CMD_SCATTER:
+    check(shardd_scatter(cl[r], info[r].id, SHARDD_REDUCE_SUM), r, "scatter");
+    break;
+  case CMD_FLOOR_GATHER: {
+    size_t bytes = info[r].shard_numel * 4;
+    for (int q = 0; q < world; q++)
+      memcpy((char *)info[r].gather + (size_t)q * bytes, info[q].shard, bytes);
+    break;
+  }
+  case CMD_FLOOR_SUM:
+    floor_sum(r);
+    break;
+  case CMD_RECONNECT:
+    /* rank 0 has unregistered the buffer; closing unmaps our view of it */
+    shardd_close(cl[r]);
+    cl[r] = bench_connect(&dmn, job, (uint32_t)r, (uint32_t)world);
+    break;
   }
 }
 
-/* Runs c on every rank; its time is from the first rank's start to the
- * last rank's end, as the ranks read them (not this thread, which may be
- * descheduled on a small machine). */
-static double run_cmd(cmd_t c) {
-  cmd = c;
-  pthread_barrier_wait(&bstart);
-  pthread_barrier_wait(&bend);
-  double lo = t_start[0], hi = t_end[0];
-  for (int r = 1; r < world; r++) {
-    lo = t_start[r] < lo ? t_start[r] : lo;
-    hi = t_end[r] > hi ? t_end[r] : hi;
-  }
-  return hi - lo;
-}
+static double run_cmd(cmd_t c) { return bench_ranks_run(&ranks, (int)c); }
 
 typedef struct {
   int devices;
@@ -151,13 +124,9 @@ int main(int argc, char **argv) {
     snprintf(devmem, sizeof devmem, "%.0fM", (2.0 * maxn + 2.0 * maxn / world) / MiB + 64);
     bench_daemon_start(&dmn, world, devmem);
     snprintf(job, sizeof job, "coll%d", world);
-    pthread_barrier_init(&bstart, NULL, (unsigned)world + 1);
-    pthread_barrier_init(&bend, NULL, (unsigned)world + 1);
-    pthread_t th[MAX_RANKS];
-    for (int r = 0; r < world; r++) {
+    for (int r = 0; r < world; r++)
       cl[r] = bench_connect(&dmn, job, (uint32_t)r, (uint32_t)world);
-      pthread_create(&th[r], NULL, rank_thread, (void *)(intptr_t)r);
-    }
+    bench_ranks_start(&ranks, world, -1, rank_body);
     for (int si = 0; si < nsizes; si++) {
       row_t *row = &rows[nrows++];
       memset(row, 0, sizeof *row);
@@ -198,13 +167,9 @@ int main(int argc, char **argv) {
         bench_die("unregister: %s", shardd_last_error(cl[0]));
       run_cmd(CMD_RECONNECT);
     }
-    run_cmd(CMD_QUIT);
-    for (int r = 0; r < world; r++) {
-      pthread_join(th[r], NULL);
+    bench_ranks_stop(&ranks);
+    for (int r = 0; r < world; r++)
       shardd_close(cl[r]);
-    }
-    pthread_barrier_destroy(&bstart);
-    pthread_barrier_destroy(&bend);
     bench_daemon_stop(&dmn);
   }
 

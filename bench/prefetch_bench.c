@@ -33,18 +33,16 @@
 #define LAYERS 8
 
 typedef enum { CMD_REGISTER, CMD_GATHER, CMD_SEQUENTIAL, CMD_PREFETCHED,
-               CMD_RECONNECT, CMD_QUIT } cmd_t;
+               CMD_RECONNECT } cmd_t;
 
 static bench_daemon dmn;
 static int world;
 static char job[64];
-static pthread_barrier_t bstart, bend;
-static cmd_t cmd;
+static bench_ranks ranks;
 static uint64_t cur_numel;
 static double compute_s; /* the compute step of this repetition */
 static shardd_client_t *cl[MAX_RANKS];
 static shardd_buffer_info info[MAX_RANKS][LAYERS];
-static double t_start[MAX_RANKS], t_end[MAX_RANKS]; /* read by each rank */
 
 static void check(shardd_err rc, int r, const char *what) {
   if (rc != SHARDD_OK)
@@ -65,78 +63,52 @@ static void compute(double s) {
 
 static int rank_cpu = -1;
 
-static void *rank_thread(void *p) {
-  int r = (int)(intptr_t)p;
-  bench_pin(rank_cpu);
+static void rank_body(int r, int c) {
   shardd_buffer_info *b = info[r];
-  for (;;) {
-    pthread_barrier_wait(&bstart);
-    cmd_t c = cmd;
-    t_start[r] = bench_now();
-    switch (c) {
-    case CMD_REGISTER:
-      for (int l = 0; l < LAYERS; l++) {
-        char name[32];
-        snprintf(name, sizeof name, "layer%d", l);
-        check(shardd_buffer_register(cl[r], name, SHARDD_DTYPE_FP32, cur_numel, &b[l]), r,
-              "register");
-        /* fill (and fault in) the shard and the gather area once */
-        float *s = b[l].shard;
-        for (size_t i = 0; i < b[l].shard_numel; i++)
-          s[i] = (float)((i + (size_t)l) & 255) * 0.25f;
-        memset(b[l].gather, 0, b[l].padded_numel * 4);
-      }
-      break;
-    case CMD_GATHER:
-      for (int l = 0; l < LAYERS; l++)
-        check(shardd_gather(cl[r], b[l].id), r, "gather");
-      break;
-    case CMD_SEQUENTIAL:
-      for (int l = 0; l < LAYERS; l++) {
-        check(shardd_gather(cl[r], b[l].id), r, "gather");
-        compute(compute_s);
-      }
-      break;
-    case CMD_PREFETCHED: {
-      shardd_ticket t[LAYERS];
-      check(shardd_gather_async(cl[r], b[0].id, &t[0]), r, "gather_async");
-      for (int l = 0; l < LAYERS; l++) {
-        if (l + 1 < LAYERS)
-          check(shardd_gather_async(cl[r], b[l + 1].id, &t[l + 1]), r, "gather_async");
-        check(shardd_wait(cl[r], t[l]), r, "wait");
-        compute(compute_s);
-      }
-      break;
+  switch ((cmd_t)c) {
+  case CMD_REGISTER:
+    for (int l = 0; l < LAYERS; l++) {
+      char name[32];
+      snprintf(name, sizeof name, "layer%d", l);
+      check(shardd_buffer_register(cl[r], name, SHARDD_DTYPE_FP32, cur_numel, &b[l]), r,
+            "register");
+      /* fill (and fault in) the shard and the gather area once */
+      float *s = b[l].shard;
+      for (size_t i = 0; i < b[l].shard_numel; i++)
+        s[i] = (float)((i + (size_t)l) & 255) * 0.25f;
+      memset(b[l].gather, 0, b[l].padded_numel * 4);
     }
-    case CMD_RECONNECT:
-      /* rank 0 has unregistered the buffers; closing unmaps our views */
-      shardd_close(cl[r]);
-      cl[r] = bench_connect(&dmn, job, (uint32_t)r, (uint32_t)world);
-      break;
-    case CMD_QUIT:
-      break;
+    break;
+  case CMD_GATHER:
+    for (int l = 0; l < LAYERS; l++)
+      check(shardd_gather(cl[r], b[l].id), r, "gather");
+    break;
+  case CMD_SEQUENTIAL:
+    for (int l = 0; l < LAYERS; l++) {
+      check(shardd_gather(cl[r], b[l].id), r, "gather");
+      compute(compute_s);
     }
-    t_end[r] = bench_now();
-    pthread_barrier_wait(&bend);
-    if (c == CMD_QUIT)
-      return NULL;
+    break;
+  case CMD_PREFETCHED: {
+    shardd_ticket t[LAYERS];
+    check(shardd_gather_async(cl[r], b[0].id, &t[0]), r, "gather_async");
+    for (int l = 0; l < LAYERS; l++) {
+      if (l + 1 < LAYERS)
+        check(shardd_gather_async(cl[r], b[l + 1].id, &t[l + 1]), r, "gather_async");
+      check(shardd_wait(cl[r], t[l]), r, "wait");
+      compute(compute_s);
+    }
+    break;
+  }
+  case CMD_RECONNECT:
+    /* rank 0 has unregistered the buffers; closing unmaps our views */
+    shardd_close(cl[r]);
+    cl[r] = bench_connect(&dmn, job, (uint32_t)r, (uint32_t)world);
+    break;
   }
 }
 
-/* Runs c on every rank; its time is from the first rank's start to the
- * last rank's end, as the ranks read them (not this thread, which may be
- * descheduled on a small machine). */
-static double run_cmd(cmd_t c) {
-  cmd = c;
-  pthread_barrier_wait(&bstart);
-  pthread_barrier_wait(&bend);
-  double lo = t_start[0], hi = t_end[0];
-  for (int r = 1; r < world; r++) {
-    lo = t_start[r] < lo ? t_start[r] : lo;
-    hi = t_end[r] > hi ? t_end[r] : hi;
-  }
-  return hi - lo;
-}
+static double run_cmd(cmd_t c) { return bench_ranks_run(&ranks, (int)c); }
 
 typedef struct {
   int devices;
@@ -169,13 +141,9 @@ int main(int argc, char **argv) {
              LAYERS * (2.0 * maxn + 2.0 * maxn / world) / MiB + 64);
     bench_daemon_start_on(&dmn, world, devmem, daemon_cpu);
     snprintf(job, sizeof job, "prefetch%d", world);
-    pthread_barrier_init(&bstart, NULL, (unsigned)world + 1);
-    pthread_barrier_init(&bend, NULL, (unsigned)world + 1);
-    pthread_t th[MAX_RANKS];
-    for (int r = 0; r < world; r++) {
+    for (int r = 0; r < world; r++)
       cl[r] = bench_connect(&dmn, job, (uint32_t)r, (uint32_t)world);
-      pthread_create(&th[r], NULL, rank_thread, (void *)(intptr_t)r);
-    }
+    bench_ranks_start(&ranks, world, rank_cpu, rank_body);
     for (int si = 0; si < nsizes; si++) {
       row_t *row = &rows[nrows++];
       memset(row, 0, sizeof *row);
@@ -225,13 +193,9 @@ int main(int argc, char **argv) {
           bench_die("unregister: %s", shardd_last_error(cl[0]));
       run_cmd(CMD_RECONNECT);
     }
-    run_cmd(CMD_QUIT);
-    for (int r = 0; r < world; r++) {
-      pthread_join(th[r], NULL);
+    bench_ranks_stop(&ranks);
+    for (int r = 0; r < world; r++)
       shardd_close(cl[r]);
-    }
-    pthread_barrier_destroy(&bstart);
-    pthread_barrier_destroy(&bend);
     bench_daemon_stop(&dmn);
   }
 
