@@ -34,12 +34,6 @@ static void need_gloo(void) {
                  "multi-node tests skipped");
 }
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 /* ---- layouts ------------------------------------------------------------ */
 
 typedef struct {
@@ -313,7 +307,7 @@ static double compare(const float *a, const float *b, size_t n, int exact,
 
 Test(fabric, two_nodes_match_one_node_and_repeat_bit_for_bit, .timeout = 60) {
   need_gloo();
-  double t0 = now_s();
+  double t0 = test_mono_s();
   scratch s;
   scratch_make(&s);
   test_daemon pair[2], one[1];
@@ -371,7 +365,7 @@ Test(fabric, two_nodes_match_one_node_and_repeat_bit_for_bit, .timeout = 60) {
   }
   cr_log_info("fabric: 2 nodes vs 1: max rel diff scatter %.3g, params after %d "
               "AdamW steps %.3g, clip norm %.3g; 2 runs bit-identical; %.1f s",
-              worst_scatter, STEPS, worst_param, worst_norm, now_s() - t0);
+              worst_scatter, STEPS, worst_param, worst_norm, test_mono_s() - t0);
   cr_expect_leq(worst_scatter, 1e-6);
   cr_expect_leq(worst_param, 1e-6);
   cr_expect_leq(worst_norm, 1e-6);
@@ -466,7 +460,7 @@ Test(fabric, missing_node_named_at_rendezvous_timeout, .timeout = 60) {
   }
   call calls[2];
   memset(calls, 0, sizeof calls);
-  double t0 = now_s();
+  double t0 = test_mono_s();
   for (int r = 0; r < 2; r++) {
     calls[r].c = c[r];
     calls[r].kind = OP_GATHER;
@@ -477,8 +471,8 @@ Test(fabric, missing_node_named_at_rendezvous_timeout, .timeout = 60) {
    * asked once the rendezvous is under way, it must still show the gather
    * in flight and node 1 not contacted, i.e. answer before the rendezvous
    * failed, not after */
-  for (double end = now_s() + TEST_HANG_S; !announced(s.rdv, 0);) {
-    cr_assert_lt(now_s(), end, "node 0 never began the rendezvous in %s", s.rdv);
+  for (double end = test_mono_s() + TEST_HANG_S; !announced(s.rdv, 0);) {
+    cr_assert_lt(test_mono_s(), end, "node 0 never began the rendezvous in %s", s.rdv);
     test_sleep_ms(10);
   }
   shardd_client_t *ctl = test_connect(&d, NULL, 0, 0);
@@ -494,7 +488,7 @@ Test(fabric, missing_node_named_at_rendezvous_timeout, .timeout = 60) {
   shardd_close(ctl);
   for (int r = 0; r < 2; r++)
     pthread_join(calls[r].th, NULL);
-  double took = now_s() - t0;
+  double took = test_mono_s() - t0;
   for (int r = 0; r < 2; r++) {
     cr_expect_eq(calls[r].rc, SHARDD_E_PEER_LOST, "rank %d: %s", r, shardd_err_name(calls[r].rc));
     cr_expect(strstr(calls[r].msg, "node 1 of 2 did not join the rendezvous") != NULL,
@@ -537,13 +531,13 @@ Test(fabric, killed_daemon_fails_pending_collectives_survivor_serves, .timeout =
     pthread_create(&calls[r].th, NULL, call_main, &calls[r]);
   }
   test_sleep_ms(300);
-  double t0 = now_s();
+  double t0 = test_mono_s();
   kill(pair[1].pid, SIGKILL);
   waitpid(pair[1].pid, NULL, 0);
   pair[1].pid = 0;
   for (int r = 0; r < 2; r++)
     pthread_join(calls[r].th, NULL);
-  double took = now_s() - t0;
+  double took = test_mono_s() - t0;
   for (int r = 0; r < 2; r++) {
     cr_expect_eq(calls[r].rc, SHARDD_E_PEER_LOST, "rank %d: %s: %s", r,
                  shardd_err_name(calls[r].rc), calls[r].msg);
@@ -554,7 +548,7 @@ Test(fabric, killed_daemon_fails_pending_collectives_survivor_serves, .timeout =
               calls[0].msg);
 
   /* the job stays failed, at once (not at the timeout), with the same reason */
-  t0 = now_s();
+  t0 = test_mono_s();
   memset(calls, 0, sizeof calls);
   for (int r = 0; r < 2; r++) {
     calls[r].c = c[r];
@@ -566,7 +560,7 @@ Test(fabric, killed_daemon_fails_pending_collectives_survivor_serves, .timeout =
     pthread_join(calls[r].th, NULL);
   for (int r = 0; r < 2; r++)
     cr_expect_eq(calls[r].rc, SHARDD_E_PEER_LOST, "rank %d again: %s", r, calls[r].msg);
-  cr_log_info("fabric: the failed job refused again in %.3f s", now_s() - t0);
+  cr_log_info("fabric: the failed job refused again in %.3f s", test_mono_s() - t0);
 
   /* status shows node 1 lost */
   shardd_client_t *ctl = test_connect(&pair[0], NULL, 0, 0);
@@ -684,7 +678,7 @@ Test(fabric, many_inflight_gathers_in_opposite_orders_do_not_stall, .timeout = 6
   for (int round = 0; round < 3; round++) {
     prefetch_rank k[NJOBS][W];
     memset(k, 0, sizeof k);
-    double t0 = now_s();
+    double t0 = test_mono_s();
     for (int j = 0; j < NJOBS; j++)
       for (int r = 0; r < W; r++) {
         k[j][r].c = c[j][r];
@@ -695,7 +689,7 @@ Test(fabric, many_inflight_gathers_in_opposite_orders_do_not_stall, .timeout = 6
     for (int j = 0; j < NJOBS; j++)
       for (int r = 0; r < W; r++)
         pthread_join(k[j][r].th, NULL);
-    double took = now_s() - t0;
+    double took = test_mono_s() - t0;
     for (int j = 0; j < NJOBS; j++)
       for (int r = 0; r < W; r++)
         cr_assert_eq(k[j][r].rc, SHARDD_OK, "round %d job %s rank %d after %.1f s: %s: %s",
@@ -764,7 +758,7 @@ Test(fabric, disagreeing_nodes_fail_with_mismatch_and_fabric_stays_up, .timeout 
     okid[r] = ok[r].id;
   }
   call k[W];
-  double t0 = now_s();
+  double t0 = test_mono_s();
   run_calls(k, c, W, OP_GATHER, wid, NULL);
   for (int r = 0; r < W; r++) {
     cr_expect_eq(k[r].rc, SHARDD_E_MISMATCH, "rank %d: %s: %s", r, shardd_err_name(k[r].rc),
@@ -776,7 +770,7 @@ Test(fabric, disagreeing_nodes_fail_with_mismatch_and_fabric_stays_up, .timeout 
     cr_expect(strstr(k[r].msg, want) != NULL, "rank %d: %s", r, k[r].msg);
   }
   /* the message says what differs: the nodes compared, no timeout ended it */
-  cr_log_info("fabric: mismatched registration, %.3f s: %s", now_s() - t0, k[0].msg);
+  cr_log_info("fabric: mismatched registration, %.3f s: %s", test_mono_s() - t0, k[0].msg);
 
   /* the fabric is up: an agreeing gather goes through */
   run_calls(k, c, W, OP_GATHER, okid, NULL);
@@ -921,7 +915,7 @@ Test(fabric, three_nodes_ring_reduce_scatter_and_second_incarnation, .timeout = 
   fnode n[FNODES];
   memset(n, 0, sizeof n);
   for (int inc = 0; inc < 2; inc++) {
-    double t0 = now_s();
+    double t0 = test_mono_s();
     for (uint32_t k = 0; k < FNODES; k++) {
       n[k].rdv = s.rdv;
       n[k].node = k;
@@ -935,7 +929,7 @@ Test(fabric, three_nodes_ring_reduce_scatter_and_second_incarnation, .timeout = 
     for (uint32_t k = 0; k < FNODES; k++)
       cr_assert_eq(n[k].rc, SHARDD_OK, "incarnation %d node %u: %s: %s", inc, k,
                    shardd_err_name(n[k].rc), n[k].msg);
-    cr_log_info("fabric: 3 nodes, incarnation %d: %.3f s", inc + 1, now_s() - t0);
+    cr_log_info("fabric: 3 nodes, incarnation %d: %.3f s", inc + 1, test_mono_s() - t0);
   }
   for (uint32_t k = 0; k < FNODES; k++)
     for (int b = 0; b < 2; b++)

@@ -860,12 +860,6 @@ static size_t ping_frame(uint8_t **out, uint64_t seq, const uint8_t *payload) {
   return SHARDD_FRAME_HEADER + n;
 }
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + ts.tv_nsec / 1e9;
-}
-
 /* The rest of a frame the daemon stopped reading in the middle of, sent
  * (blocking) by a thread while the test reads. */
 typedef struct {
@@ -903,17 +897,17 @@ static uint64_t send_until_stalled(test_raw *r, const uint8_t *payload,
   while (*sent < limit) {
     uint8_t *f;
     size_t n = ping_frame(&f, ++r->seq, payload), off = 0;
-    double idle = now_s();
+    double idle = test_mono_s();
     while (off < n) {
       ssize_t w = send(r->fd, f + off, n - off, MSG_NOSIGNAL);
       if (w > 0) {
         off += (size_t)w;
-        idle = now_s();
+        idle = test_mono_s();
         continue;
       }
       cr_assert(w < 0 && (errno == EAGAIN || errno == EINTR), "send: %s",
                 strerror(errno));
-      if (now_s() - idle > stall)
+      if (test_mono_s() - idle > stall)
         break;
       test_sleep_ms(5);
     }
@@ -1017,7 +1011,7 @@ Test(server, unread_descriptor_replies_are_bounded, .init = start_one_device,
   int fl = fcntl(r.fd, F_GETFL);
   fcntl(r.fd, F_SETFL, fl | O_NONBLOCK);
   int n = 0;
-  for (double idle = now_s(); n < 2000 && now_s() - idle < 1.0;) {
+  for (double idle = test_mono_s(); n < 2000 && test_mono_s() - idle < 1.0;) {
     req.seq = first + (uint64_t)n;
     uint8_t f[256];
     size_t len = shardd__request__get_packed_size(&req);
@@ -1032,7 +1026,7 @@ Test(server, unread_descriptor_replies_are_bounded, .init = start_one_device,
     /* a small frame goes whole or not at all on a unix stream socket */
     cr_assert_eq(w, (ssize_t)(len + SHARDD_FRAME_HEADER), "send: %s", strerror(errno));
     n++;
-    idle = now_s();
+    idle = test_mono_s();
   }
   fcntl(r.fd, F_SETFL, fl);
   r.seq = first + (uint64_t)n - 1;

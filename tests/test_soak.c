@@ -38,12 +38,6 @@ typedef struct {
 
 static shared_state *shm;
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
 static uint32_t lcg(uint32_t *s) {
   *s = *s * 1664525u + 1013904223u;
   return *s >> 8;
@@ -265,8 +259,8 @@ Test(soak, many_jobs_with_kills_leak_nothing, .timeout = 240) {
 
   uint32_t rng = 4242;
   long kills = 0, wrong = 0, lost_unexpected = 0, stalled = 0;
-  double start = now_s(), next_kill = start + 0.5;
-  while (now_s() - start < secs) {
+  double start = test_mono_s(), next_kill = start + 0.5;
+  while (test_mono_s() - start < secs) {
     int st;
     pid_t p = waitpid(-1, &st, WNOHANG);
     if (p > 0) {
@@ -283,14 +277,14 @@ Test(soak, many_jobs_with_kills_leak_nothing, .timeout = 240) {
           }
       continue;
     }
-    if (now_s() >= next_kill) {
+    if (test_mono_s() >= next_kill) {
       int j = (int)(lcg(&rng) % JOBS), r = (int)(lcg(&rng) % RANKS);
       if (jobs[j].pid[r] > 0) {
         kill(jobs[j].pid[r], SIGKILL);
         jobs[j].killed = 1;
         kills++;
       }
-      next_kill = now_s() + 0.3 + (lcg(&rng) % 1000) / 1000.0;
+      next_kill = test_mono_s() + 0.3 + (lcg(&rng) % 1000) / 1000.0;
     }
     test_sleep_ms(5);
   }
@@ -317,7 +311,7 @@ Test(soak, many_jobs_with_kills_leak_nothing, .timeout = 240) {
   shardd_client_t *ctl = test_connect(&d, NULL, 0, 0);
   char *json = NULL;
   int clean = 0;
-  for (double end = now_s() + TEST_HANG_S; !clean && now_s() < end;) {
+  for (double end = test_mono_s() + TEST_HANG_S; !clean && test_mono_s() < end;) {
     shardd_free(json);
     json = NULL;
     cr_assert_eq(shardd_status_json(ctl, &json), SHARDD_OK);
