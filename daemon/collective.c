@@ -86,6 +86,7 @@
 #include <string.h>
 
 #include "fabric.h"
+#include "map.h"
 
 typedef struct coll coll;
 
@@ -163,10 +164,6 @@ struct coll {
 enum { FAB_IDLE, FAB_UP, FAB_FAILED };
 
 typedef struct {
-  uint64_t key, n;
-} fab_count;
-
-typedef struct {
   shardd__server *srv;
   pthread_mutex_t mu;
   pthread_cond_t cv; /* queue, running, connecting or stop changed */
@@ -186,9 +183,9 @@ typedef struct {
   pthread_t *threads; /* [cap] */
   uint32_t nthreads, cap;
   int stop;
-  /* loop thread only: exchanges made so far per kind and target */
-  fab_count *counts;
-  size_t ncounts, capcounts;
+  /* loop thread only: exchanges made so far per kind and target, by
+   * fab_key (values: malloc'd uint64_t counts) */
+  shardd__map counts;
 } jobfab;
 
 /* The job's fabric. The first exchange that needs it connects it; the
@@ -237,13 +234,16 @@ static void jf_broken(jobfab *jf, shardd_err code, const char *msg) {
   pthread_mutex_unlock(&jf->mu);
 }
 
+static void free_value(void *value, void *arg) { free(value); }
+
 static void jf_release(jobfab *jf) {
   shardd__fabric_destroy(jf->f);
   pthread_cond_destroy(&jf->cv);
   pthread_mutex_destroy(&jf->mu);
   free(jf->threads);
   free(jf->running);
-  free(jf->counts);
+  shardd__map_each(&jf->counts, free_value, NULL);
+  shardd__map_free(&jf->counts);
   free(jf->rendezvous);
   free(jf->prefix);
   free(jf->host);
@@ -308,21 +308,16 @@ static uint32_t fab_tag(uint64_t key) {
 /* How many exchanges of key this node made before this one (loop thread);
  * -1 when out of memory. */
 static int64_t fab_next_seq(jobfab *jf, uint64_t key) {
-  for (size_t i = 0; i < jf->ncounts; i++)
-    if (jf->counts[i].key == key)
-      return (int64_t)jf->counts[i].n++;
-  if (jf->ncounts == jf->capcounts) {
-    size_t cap = jf->capcounts ? 2 * jf->capcounts : 16;
-    fab_count *n = realloc(jf->counts, cap * sizeof *n);
-    if (n == NULL)
+  uint64_t *n = shardd__map_get_id(&jf->counts, key);
+  if (n == NULL) {
+    if ((n = calloc(1, sizeof *n)) == NULL)
       return -1;
-    jf->counts = n;
-    jf->capcounts = cap;
+    if (shardd__map_put_id(&jf->counts, key, n) != SHARDD_OK) {
+      free(n);
+      return -1;
+    }
   }
-  jf->counts[jf->ncounts].key = key;
-  jf->counts[jf->ncounts].n = 1;
-  jf->ncounts++;
-  return 0;
+  return (int64_t)(*n)++;
 }
 
 shardd_err shardd__coll_job_layout(shardd__server *srv, shardd__job *job,
@@ -386,6 +381,7 @@ shardd_err shardd__coll_job_layout(shardd__server *srv, shardd__job *job,
     jf->cap = cap;
     pthread_mutex_init(&jf->mu, NULL);
     pthread_cond_init(&jf->cv, NULL);
+    shardd__map_init(&jf->counts);
     shardd__fabric_opts o = SHARDD__FABRIC_OPTS_INIT;
     o.rendezvous = jf->rendezvous;
     o.prefix = jf->prefix;
