@@ -10,7 +10,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "proto/shardd.pb-c.h"
@@ -178,61 +180,210 @@ static shardd_err read_all(int fd, void *buf, size_t n) {
   return SHARDD_OK;
 }
 
-static shardd_err fsync_dir(const char *dir, char *err, size_t errlen) {
-  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0 || fsync(fd) != 0) {
-    snprintf(err, errlen, "fsync %s: %s", dir, strerror(errno));
-    if (fd >= 0)
+/* The directory a checkpoint lives in, opened once: every file below it is
+ * opened relative to fd with O_NOFOLLOW, so no symlink planted in a
+ * client's directory (or on the way to it) redirects the daemon's own
+ * rights to another user's file. path is for messages only. as_uid is who
+ * asks (< 0 the daemon itself, 0 root). */
+typedef struct {
+  int fd;
+  const char *path;
+  int64_t as_uid;
+} ckdir;
+
+/* Opens path as a directory, walking it one component at a time with
+ * O_NOFOLLOW: a string check of the path cannot see a symlink inside
+ * --checkpoint-root that points out of it; this walk refuses it.
+ * *parent_fd (when not NULL) receives the parent directory, open (-1 for
+ * "/" or a one-component relative path's "."). -1 with err and errno set. */
+static int open_dir_nofollow(const char *path, int *parent_fd, char *err,
+                             size_t errlen) {
+  if (parent_fd)
+    *parent_fd = -1;
+  char *copy = strdup(path);
+  if (copy == NULL) {
+    snprintf(err, errlen, "out of memory");
+    errno = ENOMEM;
+    return -1;
+  }
+  int fd = open(path[0] == '/' ? "/" : ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  int pfd = -1;
+  char *save = NULL;
+  for (char *comp = strtok_r(copy, "/", &save); fd >= 0 && comp != NULL;
+       comp = strtok_r(NULL, "/", &save)) {
+    int nfd = openat(fd, comp, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (nfd < 0) {
+      int e = errno;
+      if (e == ELOOP || e == ENOTDIR)
+        snprintf(err, errlen, "%s: \"%s\" is a symlink or not a directory "
+                 "(checkpoint paths may hold no symlink)", path, comp);
+      else
+        snprintf(err, errlen, "%s: %s", path, strerror(e));
       close(fd);
+      if (pfd >= 0)
+        close(pfd);
+      free(copy);
+      errno = e;
+      return -1;
+    }
+    if (pfd >= 0)
+      close(pfd);
+    pfd = fd;
+    fd = nfd;
+  }
+  free(copy);
+  if (fd < 0) {
+    int e = errno;
+    snprintf(err, errlen, "%s: %s", path, strerror(e));
+    errno = e;
+    return -1;
+  }
+  if (parent_fd)
+    *parent_fd = pfd;
+  else if (pfd >= 0)
+    close(pfd);
+  return fd;
+}
+
+/* Whether uid (a client, not root) may write a checkpoint into the
+ * directory st describes, whose parent is pst: its own directory, or one
+ * the daemon made (owned by the daemon) inside a directory of its own.
+ * Anything else is another user's namespace: an attacker's checkpoint of
+ * its own job into a victim's directory replaced the victim's files. */
+static int dir_writable_by(const struct stat *st, const struct stat *pst,
+                           uint32_t uid) {
+  return st->st_uid == uid ||
+         (st->st_uid == geteuid() && pst != NULL && pst->st_uid == uid);
+}
+
+/* Opens (making it when missing) the directory a checkpoint is written
+ * into, for as_uid (see ckdir). A missing directory is made only inside
+ * one the client owns, and handed to it (chown, when the daemon may). */
+static shardd_err open_write_dir(const char *dir, int64_t as_uid, int *out,
+                                 char *err, size_t errlen) {
+  *out = -1;
+  size_t n = strlen(dir);
+  while (n > 1 && dir[n - 1] == '/')
+    n--;
+  size_t cut = n;
+  while (cut > 0 && dir[cut - 1] != '/')
+    cut--;
+  /* dir[0, cut) is the parent with its slash, dir[cut, n) the last name */
+  char parent[4096], base_copy[256];
+  if (cut >= sizeof parent || n - cut >= sizeof base_copy || n == cut) {
+    snprintf(err, errlen, "%s: not a directory name to checkpoint into", dir);
+    return SHARDD_E_INVAL;
+  }
+  memcpy(parent, dir, cut);
+  parent[cut > 1 ? cut - 1 : cut] = '\0';
+  if (cut == 0)
+    snprintf(parent, sizeof parent, ".");
+  memcpy(base_copy, dir + cut, n - cut);
+  base_copy[n - cut] = '\0';
+  shardd_err rc = SHARDD_E_IO;
+  int pfd = open_dir_nofollow(parent, NULL, err, errlen);
+  struct stat pst, st;
+  if (pfd < 0) {
+    rc = errno == ELOOP || errno == ENOTDIR ? SHARDD_E_PERMISSION : SHARDD_E_IO;
+    goto done;
+  }
+  if (base_copy[0] == '\0' || fstat(pfd, &pst) != 0) {
+    snprintf(err, errlen, "%s: not a directory to checkpoint into", dir);
+    goto done;
+  }
+  if (mkdirat(pfd, base_copy, 0750) == 0) {
+    if (as_uid > 0 && pst.st_uid != (uint32_t)as_uid) {
+      unlinkat(pfd, base_copy, AT_REMOVEDIR);
+      snprintf(err, errlen, "%s: its parent directory is not yours; checkpoint "
+               "into a directory you own", dir);
+      rc = SHARDD_E_PERMISSION;
+      goto done;
+    }
+    if (as_uid > 0 && geteuid() == 0)
+      (void)!fchownat(pfd, base_copy, (uid_t)as_uid, (gid_t)-1,
+                      AT_SYMLINK_NOFOLLOW);
+  } else if (errno != EEXIST) {
+    snprintf(err, errlen, "mkdir %s: %s", dir, strerror(errno));
+    goto done;
+  }
+  int fd = openat(pfd, base_copy, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ELOOP || errno == ENOTDIR) {
+      snprintf(err, errlen, "%s is a symlink or not a directory (checkpoint "
+               "paths may hold no symlink)", dir);
+      rc = SHARDD_E_PERMISSION;
+    } else {
+      snprintf(err, errlen, "%s: %s", dir, strerror(errno));
+    }
+    goto done;
+  }
+  if (as_uid > 0 && (fstat(fd, &st) != 0 ||
+                     !dir_writable_by(&st, &pst, (uint32_t)as_uid))) {
+    close(fd);
+    snprintf(err, errlen, "%s: the directory is not yours; checkpoint into a "
+             "directory you own", dir);
+    rc = SHARDD_E_PERMISSION;
+    goto done;
+  }
+  *out = fd;
+  rc = SHARDD_OK;
+done:
+  if (pfd >= 0)
+    close(pfd);
+  return rc;
+}
+
+static shardd_err fsync_dirfd(const ckdir *d, char *err, size_t errlen) {
+  if (fsync(d->fd) != 0) {
+    snprintf(err, errlen, "fsync %s: %s", d->path, strerror(errno));
     return SHARDD_E_IO;
   }
-  close(fd);
   return SHARDD_OK;
 }
 
-/* Writes dir/fname through a temporary name: head (may be NULL), then
+/* Writes d/fname through a temporary name: head (may be NULL), then
  * payload, fsync, rename. */
-static shardd_err write_file(const char *dir, const char *fname,
+static shardd_err write_file(const ckdir *d, const char *fname,
                              const void *head, size_t head_len,
                              const void *payload, size_t bytes, char *err,
                              size_t errlen) {
-  char tmp[4096], path[4096];
-  snprintf(tmp, sizeof tmp, "%s/.%s.tmp", dir, fname);
-  snprintf(path, sizeof path, "%s/%s", dir, fname);
-  /* The directory is the client's and the daemon writes with its own
+  char tmp[256];
+  snprintf(tmp, sizeof tmp, ".%s.tmp", fname);
+  /* The directory may be the client's and the daemon writes with its own
    * rights: a symlink planted at the temporary name must not make it
    * truncate and write whatever the link names. A stale temporary (a
    * crash mid-write) is removed, then the name is created anew. */
-  if (unlink(tmp) != 0 && errno != ENOENT) {
-    snprintf(err, errlen, "unlink %s: %s", tmp, strerror(errno));
+  if (unlinkat(d->fd, tmp, 0) != 0 && errno != ENOENT) {
+    snprintf(err, errlen, "unlink %s/%s: %s", d->path, tmp, strerror(errno));
     return SHARDD_E_IO;
   }
-  int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0640);
+  int fd = openat(d->fd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+                  0640);
   if (fd < 0) {
-    snprintf(err, errlen, "create %s: %s", tmp, strerror(errno));
+    snprintf(err, errlen, "create %s/%s: %s", d->path, tmp, strerror(errno));
     return SHARDD_E_IO;
   }
   shardd_err rc = SHARDD_OK;
   if ((head && write_all(fd, head, head_len) != SHARDD_OK) ||
       write_all(fd, payload, bytes) != SHARDD_OK || fsync(fd) != 0) {
-    snprintf(err, errlen, "write %s: %s", tmp, strerror(errno));
+    snprintf(err, errlen, "write %s/%s: %s", d->path, tmp, strerror(errno));
     rc = SHARDD_E_IO;
   }
   if (close(fd) != 0 && rc == SHARDD_OK) {
-    snprintf(err, errlen, "close %s: %s", tmp, strerror(errno));
+    snprintf(err, errlen, "close %s/%s: %s", d->path, tmp, strerror(errno));
     rc = SHARDD_E_IO;
   }
-  if (rc == SHARDD_OK && rename(tmp, path) != 0) {
-    snprintf(err, errlen, "rename %s: %s", path, strerror(errno));
+  if (rc == SHARDD_OK && renameat(d->fd, tmp, d->fd, fname) != 0) {
+    snprintf(err, errlen, "rename %s/%s: %s", d->path, fname, strerror(errno));
     rc = SHARDD_E_IO;
   }
   if (rc != SHARDD_OK)
-    unlink(tmp);
+    unlinkat(d->fd, tmp, 0);
   return rc;
 }
 
 /* A data file: header (64 bytes), the buffer's name, the payload. */
-static shardd_err write_data(const char *dir, const char *fname,
+static shardd_err write_data(const ckdir *dir, const char *fname,
                              uint32_t dtype, uint64_t numel, uint64_t offset,
                              const char *name, const void *payload,
                              size_t bytes, uint32_t *crc, char *err,
@@ -269,27 +420,65 @@ static size_t buffer_index(shardd__buffer **bufs, size_t n,
   return n;
 }
 
+/* Whether fname is a data file some checkpoint wrote (any generation). */
+static int is_data_name(const char *fname) {
+  size_t n = strlen(fname);
+  return (fname[0] == 'b' || fname[0] == 'o') && n > 6 &&
+         (!strcmp(fname + n - 6, ".shard") || !strcmp(fname + n - 6, ".state"));
+}
+
+/* Removes the data files of d whose name holds (keep == 0) or does not hold
+ * (keep == 1) "-TAG.": after a new manifest is in place, the previous
+ * generation's files; after a failed write, the new generation's. */
+static void remove_generation(const ckdir *d, const char *tag, int keep) {
+  int fd = dup(d->fd);
+  DIR *dh = fd >= 0 ? fdopendir(fd) : NULL;
+  if (dh == NULL) {
+    if (fd >= 0)
+      close(fd);
+    return;
+  }
+  char needle[32];
+  snprintf(needle, sizeof needle, "-%s.", tag);
+  for (struct dirent *e; (e = readdir(dh)) != NULL;) {
+    if (!is_data_name(e->d_name) || (strstr(e->d_name, needle) != NULL) == keep)
+      continue;
+    struct stat st;
+    if (fstatat(d->fd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+        (S_ISREG(st.st_mode) || S_ISLNK(st.st_mode)))
+      unlinkat(d->fd, e->d_name, 0);
+  }
+  closedir(dh);
+}
+
 shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
-                                    const char *dir, char *err, size_t errlen) {
+                                    const char *dirpath, int64_t as_uid,
+                                    char *err, size_t errlen) {
   if (strcmp(reg->backend->name, "host") != 0) {
     snprintf(err, errlen, "checkpoints support the host backend only");
     return SHARDD_E_INVAL;
   }
-  if (mkdir(dir, 0750) != 0 && errno != EEXIST) {
-    snprintf(err, errlen, "mkdir %s: %s", dir, strerror(errno));
-    return SHARDD_E_IO;
-  }
-  /* An older manifest would vouch for files about to be replaced. */
-  char mpath[4096];
-  snprintf(mpath, sizeof mpath, "%s/%s", dir, MANIFEST);
-  if (unlink(mpath) != 0 && errno != ENOENT) {
-    snprintf(err, errlen, "unlink %s: %s", mpath, strerror(errno));
-    return SHARDD_E_IO;
-  }
+  ckdir dd = {-1, dirpath, as_uid};
+  const ckdir *dir = &dd;
+  shardd_err orc = open_write_dir(dirpath, as_uid, &dd.fd, err, errlen);
+  if (orc != SHARDD_OK)
+    return orc;
+  /* Every data file of this checkpoint carries a tag of its own; the files
+   * of the previous one stay until the new manifest has replaced its
+   * manifest (one rename), so a write that fails (ENOSPC, kill -9) leaves
+   * the last good checkpoint whole. */
+  static unsigned counter;
+  struct timespec now;
+  clock_gettime(CLOCK_REALTIME, &now);
+  uint64_t seed[3] = {(uint64_t)now.tv_sec, (uint64_t)now.tv_nsec,
+                      (uint64_t)getpid() << 32 | ++counter};
+  char tag[16];
+  snprintf(tag, sizeof tag, "%08" PRIx32, shardd__crc32c(0, seed, sizeof seed));
 
   shardd__buffer **bufs = NULL;
   shardd__optim **opts = NULL;
   size_t nb = 0, no = 0;
+  int manifest_in = 0;
   shardd__sb m;
   shardd__sb_init(&m);
   shardd_err rc = SHARDD_E_NO_MEMORY;
@@ -312,7 +501,7 @@ shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
                       b->numel, b->hdr.generation);
     for (uint32_t r = 0; r < b->world; r++) {
       uint32_t crc;
-      snprintf(fname, sizeof fname, "b%zu-r%" PRIu32 ".shard", i, r);
+      snprintf(fname, sizeof fname, "b%zu-r%" PRIu32 "-%s.shard", i, r, tag);
       rc = write_data(dir, fname, (uint32_t)b->dtype, b->shard_numel,
                       (uint64_t)r * b->shard_numel, b->hdr.name,
                       (const char *)b->blocks[r]->ptr + b->shard_off,
@@ -378,8 +567,8 @@ shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
         continue;
       size_t bi = buffer_index(bufs, nb, sh->buf);
       uint32_t crc;
-      snprintf(fname, sizeof fname, "o%zu-b%zu-r%" PRIu32 ".state", i, bi,
-               sh->rank);
+      snprintf(fname, sizeof fname, "o%zu-b%zu-r%" PRIu32 "-%s.state", i, bi,
+               sh->rank, tag);
       rc = write_data(dir, fname, SHARDD_DTYPE_FP32, sh->state->bytes / 4,
                       (uint64_t)sh->rank * sh->buf->shard_numel, sh->buf->hdr.name,
                       sh->state->ptr, sh->state->bytes, &crc, err, errlen);
@@ -390,21 +579,29 @@ shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
                         sh->state->bytes, sh->nstate);
     }
   }
-  shardd__sb_printf(&m, "end\n");
+  /* The checksum seals every byte before it: an edited step count,
+   * master_valid or owner was accepted, and an edited offset surfaced only
+   * when ranks re-attached, blaming the trainers. */
+  if (!m.failed)
+    shardd__sb_printf(&m, "end %08" PRIx32 "\n", shardd__crc32c(0, m.s, m.len));
   if (m.failed) {
     rc = SHARDD_E_NO_MEMORY;
     snprintf(err, errlen, "out of memory");
     goto done;
   }
   /* Data files must be durable before the manifest vouches for them. */
-  if ((rc = fsync_dir(dir, err, errlen)) != SHARDD_OK ||
+  if ((rc = fsync_dirfd(dir, err, errlen)) != SHARDD_OK ||
       (rc = write_file(dir, MANIFEST, NULL, 0, m.s, m.len, err, errlen)) !=
-          SHARDD_OK ||
-      (rc = fsync_dir(dir, err, errlen)) != SHARDD_OK)
+          SHARDD_OK)
+    goto done;
+  manifest_in = 1; /* from here the new files are the checkpoint */
+  if ((rc = fsync_dirfd(dir, err, errlen)) != SHARDD_OK)
     goto done;
   rc = SHARDD_OK;
 
 done:
+  remove_generation(dir, tag, manifest_in);
+  close(dd.fd);
   shardd__sb_free(&m);
   free(bufs);
   free(opts);
@@ -418,19 +615,40 @@ done:
  * client's checkpoint directory blocked open(2) or read(2), and with them
  * the whole daemon, forever. O_NONBLOCK makes the open return; the check
  * refuses the file; then reads block normally again. */
-static int open_regular(const char *path, char *err, size_t errlen) {
-  int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+static int open_regular(const ckdir *d, const char *fname, char *err,
+                        size_t errlen) {
+  if (strchr(fname, '/') != NULL) {
+    snprintf(err, errlen, "%s: file name leaves the checkpoint directory", fname);
+    errno = EINVAL;
+    return -1;
+  }
+  int fd = openat(d->fd, fname, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) {
     int e = errno;
-    snprintf(err, errlen, "%s: %s", path, strerror(e));
+    if (e == ELOOP)
+      snprintf(err, errlen, "%s/%s: a symlink (refused)", d->path, fname);
+    else
+      snprintf(err, errlen, "%s/%s: %s", d->path, fname, strerror(e));
     errno = e; /* the caller may tell a missing file apart */
     return -1;
   }
   struct stat st;
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    snprintf(err, errlen, "%s: not a regular file", path);
+    snprintf(err, errlen, "%s/%s: not a regular file", d->path, fname);
     close(fd);
     errno = EINVAL;
+    return -1;
+  }
+  /* A hard link to another user's file, or a file some other uid put in
+   * the client's directory, would be read with the daemon's rights and its
+   * contents told back through the header and CRC messages. */
+  if (d->as_uid > 0 &&
+      (st.st_nlink != 1 ||
+       (st.st_uid != (uid_t)d->as_uid && st.st_uid != geteuid()))) {
+    snprintf(err, errlen, "%s/%s: not a file of yours or of the daemon's with "
+             "one link (refused)", d->path, fname);
+    close(fd);
+    errno = EPERM;
     return -1;
   }
   int fl = fcntl(fd, F_GETFL);
@@ -443,19 +661,17 @@ static int open_regular(const char *path, char *err, size_t errlen) {
  * the manifest says, then checks the CRC of what it read. dst is memory of
  * the job being restored, which no client sees before the restore
  * succeeds, so reading straight into it costs no second pass. */
-static shardd_err load_data(const char *dir, const char *fname,
+static shardd_err load_data(const ckdir *dir, const char *fname,
                             uint32_t dtype, uint64_t numel, uint64_t offset,
                             const char *name, uint32_t crc, void *dst,
                             size_t bytes, char *err, size_t errlen) {
   char path[4096];
-  snprintf(path, sizeof path, "%s/%s", dir, fname);
-  if (strchr(fname, '/') != NULL) {
-    snprintf(err, errlen, "%s: file name leaves the checkpoint directory", fname);
-    return SHARDD_E_INVAL;
-  }
-  int fd = open_regular(path, err, errlen);
+  snprintf(path, sizeof path, "%s/%s", dir->path, fname);
+  int fd = open_regular(dir, fname, err, errlen);
   if (fd < 0)
-    return SHARDD_E_IO;
+    return errno == EPERM || errno == ELOOP ? SHARDD_E_PERMISSION
+           : errno == EINVAL && strchr(fname, '/') ? SHARDD_E_INVAL
+                                                   : SHARDD_E_IO;
   shardd_err rc = SHARDD_E_IO;
   uint8_t head[HEADER_BYTES];
   size_t nlen = strlen(name);
@@ -571,7 +787,8 @@ static shardd_err register_pending(shardd__registry *reg, shardd__job *job,
   shardd_err rc = SHARDD_OK;
   /* sorted for lookup: a scan per ref was quadratic, and 200k refs in a
    * manifest held the loop thread for minutes */
-  qsort(p->ids, p->nids, sizeof *p->ids, cmp_id_map);
+  if (p->nids > 0) /* qsort(NULL, 0) is undefined */
+    qsort(p->ids, p->nids, sizeof *p->ids, cmp_id_map);
   for (size_t g = 0; g < ro->n_groups && rc == SHARDD_OK; g++) {
     for (size_t i = 0; i < ro->groups[g]->n_refs; i++) {
       Shardd__ParamRef *ref = ro->groups[g]->refs[i];
@@ -635,7 +852,7 @@ static void old_range(const shardd__buffer *b, uint32_t world, uint32_t rank,
  * the rank's block when the world is the same, else element ranges copied
  * to whichever new rank holds them (shards are keyed by element offset, so
  * a checkpoint of W ranks restores into W'). */
-static shardd_err load_shard(const char *dir, const char *file, uint32_t crc,
+static shardd_err load_shard(const ckdir *dir, const char *file, uint32_t crc,
                              shardd__buffer *b, uint32_t old_world,
                              uint32_t r, char *err, size_t errlen) {
   size_t esz = shardd_dtype_size(b->dtype);
@@ -678,7 +895,7 @@ static shardd__optim_shard *find_shard(shardd__optim *o, const shardd__buffer *b
  * region. Another world: each file's elements go to the new shards that
  * hold them, array by array (master copy, then the arrays both layouts
  * have), and every new shard that keeps state must receive some. */
-static shardd_err load_states(const char *dir, shardd__buffer **bufs,
+static shardd_err load_states(const ckdir *dir, shardd__buffer **bufs,
                               uint32_t old_world, pending_optim *p, char *err,
                               size_t errlen) {
   shardd__optim *o = p->created;
@@ -691,7 +908,7 @@ static shardd_err load_states(const char *dir, shardd__buffer **bufs,
       shardd__optim_shard *sh = find_shard(o, b, ps->rank);
       if (sh == NULL || sh->state == NULL || sh->state->bytes != ps->bytes ||
           sh->master_valid != -1) {
-        snprintf(err, errlen, "%s/%s: does not fit optimizer \"%s\"", dir,
+        snprintf(err, errlen, "%s/%s: does not fit optimizer \"%s\"", dir->path,
                  ps->file, p->name);
         return SHARDD_E_INVAL;
       }
@@ -708,8 +925,8 @@ static shardd_err load_states(const char *dir, shardd__buffer **bufs,
     size_t omaster, ooffs[3] = {0, 0, 0};
     size_t used = shardd__optim_state_layout(b->dtype, old_s, ps->nstate, &omaster, ooffs);
     if (ps->rank >= old_world || used == 0 || used > ps->bytes) {
-      snprintf(err, errlen, "%s/%s: does not fit optimizer \"%s\"", dir, ps->file,
-               p->name);
+      snprintf(err, errlen, "%s/%s: does not fit optimizer \"%s\"", dir->path,
+               ps->file, p->name);
       return SHARDD_E_INVAL;
     }
     char *tmp = malloc(ps->bytes);
@@ -797,6 +1014,47 @@ static line_rc read_line(FILE *f, char **buf, size_t *cap, size_t max) {
   return LINE_OK;
 }
 
+/* Checks the checksum on the "end" line of a version 3 manifest against
+ * the bytes before it, before any line is acted upon; rewinds f. Older
+ * versions have none. Lines too long or with a NUL byte are left to the
+ * parser, which names them. */
+static shardd_err verify_manifest(FILE *f, const char *path, char *err,
+                                  size_t errlen) {
+  char *line = NULL;
+  size_t cap = 0;
+  uint32_t crc = 0;
+  int lineno = 0, version = 0, sealed = 0;
+  shardd_err rc = SHARDD_OK;
+  for (;;) {
+    line_rc lr = read_line(f, &line, &cap, MANIFEST_LINE_MAX);
+    if (lr != LINE_OK)
+      break;
+    lineno++;
+    if (lineno == 1 && sscanf(line, "shardd-checkpoint %d", &version) != 1)
+      break;
+    if (version < 3)
+      break;
+    unsigned want;
+    char extra;
+    if (!strncmp(line, "end", 3) && (line[3] == ' ' || line[3] == '\0')) {
+      if (sscanf(line, "end %8x%c", &want, &extra) != 1 || (uint32_t)want != crc) {
+        snprintf(err, errlen, "%s line %d: checksum %s, the manifest's bytes "
+                 "give %08" PRIx32 " (edited or corrupt)", path, lineno,
+                 line[3] ? line + 4 : "missing", crc);
+        rc = SHARDD_E_INVAL;
+      }
+      sealed = 1;
+      break;
+    }
+    crc = shardd__crc32c(crc, line, strlen(line));
+    crc = shardd__crc32c(crc, "\n", 1);
+  }
+  (void)sealed; /* no end line: the parser reports the truncation */
+  free(line);
+  rewind(f);
+  return rc;
+}
+
 shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
                                       int64_t as_uid, uint32_t world,
                                       shardd__job **out, char *err,
@@ -808,19 +1066,33 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
   }
   char path[4096];
   snprintf(path, sizeof path, "%s/%s", dir, MANIFEST);
-  int mfd = open_regular(path, err, errlen);
+  ckdir dd = {-1, dir, as_uid};
+  dd.fd = open_dir_nofollow(dir, NULL, err, errlen);
+  if (dd.fd < 0)
+    return errno == ELOOP || errno == ENOTDIR ? SHARDD_E_PERMISSION : SHARDD_E_IO;
+  struct stat dst;
+  if (as_uid > 0 && (fstat(dd.fd, &dst) != 0 ||
+                     (dst.st_uid != (uid_t)as_uid && dst.st_uid != geteuid()))) {
+    snprintf(err, errlen, "%s: the directory is neither yours nor the "
+             "daemon's; restore from a directory you own", dir);
+    close(dd.fd);
+    return SHARDD_E_PERMISSION;
+  }
+  int mfd = open_regular(&dd, MANIFEST, err, errlen);
   FILE *f = mfd >= 0 ? fdopen(mfd, "r") : NULL;
   if (f == NULL) {
+    int e = errno;
     if (mfd >= 0) {
-      snprintf(err, errlen, "%s: %s", path, strerror(errno));
+      snprintf(err, errlen, "%s: %s", path, strerror(e));
       close(mfd);
-    } else if (errno == ENOENT) {
+    } else if (e == ENOENT) {
       snprintf(err, errlen, "%s: %s (an incomplete checkpoint has no manifest)",
-               path, strerror(errno));
+               path, strerror(e));
     }
-    return SHARDD_E_IO;
+    close(dd.fd);
+    return e == EPERM || e == ELOOP ? SHARDD_E_PERMISSION : SHARDD_E_IO;
   }
-  shardd_err rc = SHARDD_E_INVAL;
+  shardd_err rc = verify_manifest(f, path, err, errlen);
   shardd__job *job = NULL;
   shardd__buffer **bufs = NULL;
   size_t nb = 0;
@@ -837,6 +1109,8 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
    * one without them restored zeros as if they were the checkpoint. */
   uint8_t **seen = NULL;
   size_t nshard_lines = 0;
+  if (rc != SHARDD_OK)
+    goto fail;
 
   for (;;) {
     line_rc lr = read_line(f, &line, &cap, MANIFEST_LINE_MAX);
@@ -886,6 +1160,8 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
     if (ended)
       BAD("text after \"end\"");
     if (!strcmp(tok[0], "end")) {
+      if (nt != (mversion >= 3 ? 2 : 1))
+        BAD("malformed \"end\" line");
       ended = 1;
     } else if (!strcmp(tok[0], "job") && nt == 4 && job == NULL) {
       if (!dec_name(tok[1]))
@@ -949,7 +1225,7 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
         BAD("shard of buffer %zu rank %" PRIu32 " listed twice", bi, r);
       seen[bi][r / 8] |= (uint8_t)(1u << (r % 8));
       nshard_lines++;
-      rc = load_shard(dir, tok[3], (uint32_t)strtoul(tok[4], NULL, 16), bufs[bi],
+      rc = load_shard(&dd, tok[3], (uint32_t)strtoul(tok[4], NULL, 16), bufs[bi],
                       old_world, r, err, errlen);
       if (rc != SHARDD_OK)
         goto fail;
@@ -1049,6 +1325,13 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
     goto fail;
   }
   rc = SHARDD_E_INVAL;
+  if (job == NULL) {
+    /* "shardd-checkpoint 2" + "end" restored nothing and returned OK: the
+     * callers took the NULL job and the daemon died with every shard. */
+    snprintf(err, errlen, "%s: no \"job\" line (not a checkpoint shardd wrote)",
+             path);
+    goto fail;
+  }
   if (nb > 0 && nshard_lines == 0) {
     snprintf(err, errlen, "%s: names %zu buffer%s but no shard of any "
              "(a corrupt or truncated manifest)", path, nb, nb == 1 ? "" : "s");
@@ -1064,7 +1347,7 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
       }
   for (size_t i = 0; i < npo; i++) {
     if ((rc = register_pending(reg, job, &po[i], err, errlen)) != SHARDD_OK ||
-        (rc = load_states(dir, bufs, old_world, &po[i], err, errlen)) != SHARDD_OK)
+        (rc = load_states(&dd, bufs, old_world, &po[i], err, errlen)) != SHARDD_OK)
       goto fail;
   }
   rc = SHARDD_OK;
@@ -1089,5 +1372,6 @@ fail:
   free(bufs);
   free(line);
   fclose(f);
+  close(dd.fd);
   return rc;
 }

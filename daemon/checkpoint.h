@@ -31,15 +31,26 @@
  * generation and each view's requires_grad; version 1 manifests (no
  * generations: taken as 1; every view trainable) still restore. Data file
  * headers keep SHARDD_CHECKPOINT_VERSION. */
-#define SHARDD_MANIFEST_VERSION 2
+#define SHARDD_MANIFEST_VERSION 3
+/* Version 3 seals the manifest: its "end" line carries the CRC32C of every
+ * byte before it, checked before any line is acted upon. */
 
-/* The job must have no collective in flight (the caller checks). */
+/* The job must have no collective in flight (the caller checks). as_uid is
+ * who asks: < 0 the daemon itself (--checkpoint-on-exit), 0 root; any other
+ * uid may write only into a directory of its own, or make one inside a
+ * directory of its own (SHARDD_E_PERMISSION otherwise). No path component
+ * may be a symlink. The previous checkpoint in dir stays restorable until
+ * the new manifest replaces it. */
 shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
-                                    const char *dir, char *err, size_t errlen);
+                                    const char *dir, int64_t as_uid, char *err,
+                                    size_t errlen);
 
 /* Creates the job recorded in dir (it must not exist yet), owned by the uid
  * recorded with it. as_uid is who asks: < 0 the daemon itself (--restore),
- * 0 root, else it must be the recorded owner (SHARDD_E_PERMISSION). */
+ * 0 root, else it must be the recorded owner (SHARDD_E_PERMISSION), dir
+ * must be its own or the daemon's, and every file in it a regular file of
+ * one link owned by it or the daemon, opened without following symlinks: a
+ * client cannot make the daemon read another user's file for it. */
 /* world 0 keeps the recorded world; another world reshards: shards and
  * optimizer state are keyed by element offset, not by rank. */
 shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,

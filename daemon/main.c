@@ -130,7 +130,7 @@ static void checkpoint_job(shardd__job *job, void *arg) {
   exit_ckpt *a = arg;
   char err[512];
   char *d = job_dir(a->dir, job->name);
-  if (d == NULL || shardd__server_checkpoint(a->srv, job, d, err, sizeof err) != SHARDD_OK) {
+  if (d == NULL || shardd__server_checkpoint(a->srv, job, d, -1, err, sizeof err) != SHARDD_OK) {
     shardd__log(a->srv, 0, "checkpoint of job \"%s\" failed: %s", job->name,
                 d ? err : "out of memory");
     a->failed = 1;
@@ -168,8 +168,14 @@ static int restore_all(shardd__server *srv, const char *dir) {
     if (e->d_name[0] == '.')
       continue;
     snprintf(path, sizeof path, "%s/%s/manifest", dir, e->d_name);
-    if (stat(path, &st) != 0)
+    if (stat(path, &st) != 0) {
+      /* A job whose checkpoint vanished must not vanish without a word. */
+      snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+      if (stat(path, &st) == 0 && S_ISDIR(st.st_mode))
+        shardd__log(srv, 1, "--restore: %s has no manifest (an incomplete "
+                    "checkpoint, or not one); skipped", path);
       continue;
+    }
     snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
     n++;
     if (restore_one(srv, path) != 0)

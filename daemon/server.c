@@ -624,7 +624,7 @@ static void reply_checkpoint(shardd__session *s, uint64_t seq,
 }
 
 shardd_err shardd__server_checkpoint(shardd__server *srv, shardd__job *job,
-                                     const char *dir, char *err,
+                                     const char *dir, int64_t as_uid, char *err,
                                      size_t errlen) {
   if (job->nodes > 1) {
     snprintf(err, errlen,
@@ -640,7 +640,7 @@ shardd_err shardd__server_checkpoint(shardd__server *srv, shardd__job *job,
              job->name, shardd__coll_inflight(job));
     return SHARDD_E_BUSY;
   }
-  shardd_err rc = shardd__checkpoint_write(&srv->reg, job, dir, err, errlen);
+  shardd_err rc = shardd__checkpoint_write(&srv->reg, job, dir, as_uid, err, errlen);
   if (rc == SHARDD_OK)
     shardd__log(srv, 2, "job \"%s\" checkpointed to %s", job->name, dir);
   return rc;
@@ -702,7 +702,8 @@ static void on_checkpoint(shardd__session *s, uint64_t seq,
     shardd__session_reply(s, seq, SHARDD_E_NOT_OWNED, err);
     return;
   }
-  shardd_err rc = shardd__server_checkpoint(s->srv, job, cp->dir, err, sizeof err);
+  shardd_err rc = shardd__server_checkpoint(s->srv, job, cp->dir, (int64_t)s->cred.uid,
+                                            err, sizeof err);
   if (rc != SHARDD_OK)
     shardd__session_reply(s, seq, rc, err);
   else

@@ -117,7 +117,7 @@ int shardd__session_may_see(const shardd__session *s, const shardd__job *job);
 
 /* Checkpoints job to dir (refused while it has collectives in flight). */
 shardd_err shardd__server_checkpoint(shardd__server *srv, shardd__job *job,
-                                     const char *dir, char *err,
+                                     const char *dir, int64_t as_uid, char *err,
                                      size_t errlen);
 /* Called when job may have become idle (a client left, a collective
  * ended); releases it at once under --job-linger 0. job may be freed. */
