@@ -136,17 +136,24 @@ $(FUZZ_BIN): $(FUZZ_SRC) $(PROTO_H) $(wildcard client/*.h daemon/*.h)
 	  -fno-sanitize-recover=undefined -I$(BUILD)/gen -Iclient -Idaemon \
 	  $(PKG_CFLAGS) -o $@ $(FUZZ_SRC) $(PKG_LIBS) -lpthread -lm
 
-fuzz: $(FUZZ_BIN)
-	@rm -rf $(BUILD)/fuzz/corpus && mkdir -p $(BUILD)/fuzz/corpus
-	@cp tests/fuzz/corpus/* $(BUILD)/fuzz/corpus/
-	$(FUZZ_BIN) -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -rss_limit_mb=2048 -artifact_prefix=$(BUILD)/fuzz/ \
-	  -print_final_stats=1 $(BUILD)/fuzz/corpus
+# The checkpoint manifest parser and the restore it drives
+# (tests/fuzz/fuzz_manifest.c; seeds in tests/fuzz/corpus_manifest/).
+FUZZM_BIN := $(BUILD)/fuzz/fuzz_manifest
+FUZZM_SRC := $(LIB_SRC) $(DAEMON_SRC) $(PROTO_C) tests/fuzz/fuzz_manifest.c
+$(FUZZM_BIN): $(FUZZM_SRC) $(PROTO_H) $(wildcard client/*.h daemon/*.h)
+	@mkdir -p $(@D)
+	clang -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=fuzzer,address,undefined \
+	  -fno-sanitize-recover=undefined -I$(BUILD)/gen -Iclient -Idaemon \
+	  $(PKG_CFLAGS) -o $@ $(FUZZM_SRC) $(PKG_LIBS) -lpthread -lm
+
+fuzz: $(FUZZ_BIN) $(FUZZM_BIN)
+	@BUILD=$(BUILD) FUZZ_SECONDS=$(FUZZ_SECONDS) sh scripts/run_fuzz.sh $(FUZZ_BIN) $(FUZZM_BIN)
 
 # The fuzzer joins the suite where clang can build libFuzzer targets.
 HAVE_FUZZ := $(shell echo 'int LLVMFuzzerTestOneInput(const char *d, long n){return 0;}' | \
   clang -x c -fsanitize=fuzzer -o /dev/null - >/dev/null 2>&1 && echo 1)
 ifeq ($(SAN)$(HAVE_FUZZ),01)
-SUITE_FUZZ := $(FUZZ_BIN)
+SUITE_FUZZ := $(FUZZ_BIN) $(FUZZM_BIN)
 endif
 
 tests: all $(TEST_BIN) $(SUITE_FUZZ)
@@ -156,7 +163,7 @@ deps:
 
 test: deps
 	@$(MAKE) --no-print-directory tests
-	@BUILD=$(BUILD) FUZZ_BIN=$(SUITE_FUZZ) sh scripts/run_tests.sh $(TEST_BIN)
+	@BUILD=$(BUILD) FUZZ_BIN="$(SUITE_FUZZ)" sh scripts/run_tests.sh $(TEST_BIN)
 
 check: deps
 	@$(MAKE) --no-print-directory BUILD=build/check SAN=1 OPT="-O1 -g" tests
