@@ -34,7 +34,11 @@ static void usage(FILE *f) {
           "  --collective-timeout SEC  how long a collective waits for all ranks (default 300)\n"
           "  --job-linger SEC          keep a job this long after its last client (default 600;\n"
           "                            -1 forever)\n"
-          "  --max-clients N           concurrent connections (default 1024)\n"
+          "  --max-clients N           concurrent connections (default 1024; root and\n"
+          "                            --admin-group get 8 more)\n"
+          "  --max-clients-per-uid N   connections one user may hold (default 256)\n"
+          "  --hello-timeout SEC       close a connection that sends no Hello (default 10)\n"
+          "  --frame-timeout SEC       close one that leaves a frame unfinished (default 30)\n"
           "  --job-memory-limit SIZE   bytes one job may hold over all devices (default none)\n"
           "  --admin-group GROUP       members may see (status, inspect) every job\n"
           "  --max-jobs N              jobs held at once, lingering ones included (default 4096)\n"
@@ -210,7 +214,8 @@ static int parse_level(const char *s) {
 int main(int argc, char **argv) {
   enum { O_SOCKET = 256, O_BACKEND, O_DEVICES, O_DEVMEM, O_TIMEOUT, O_LINGER,
          O_MAXCLIENTS, O_LOGLEVEL, O_FOREGROUND, O_VERSION, O_HELP,
-         O_CKPT_EXIT, O_RESTORE, O_JOBMEM, O_ADMIN, O_CKPT_ROOT, O_JOBSPEC, O_MAXGATHERS, O_MAXJOBS };
+         O_CKPT_EXIT, O_RESTORE, O_JOBMEM, O_ADMIN, O_CKPT_ROOT, O_JOBSPEC, O_MAXGATHERS, O_MAXJOBS,
+         O_HELLO_TO, O_FRAME_TO, O_MAXCLI_UID };
   static const struct option longopts[] = {
       {"socket", required_argument, NULL, O_SOCKET},
       {"backend", required_argument, NULL, O_BACKEND},
@@ -229,6 +234,9 @@ int main(int argc, char **argv) {
       {"job-spec", required_argument, NULL, O_JOBSPEC},
       {"max-inflight-gathers", required_argument, NULL, O_MAXGATHERS},
       {"max-jobs", required_argument, NULL, O_MAXJOBS},
+      {"hello-timeout", required_argument, NULL, O_HELLO_TO},
+      {"frame-timeout", required_argument, NULL, O_FRAME_TO},
+      {"max-clients-per-uid", required_argument, NULL, O_MAXCLI_UID},
       {"version", no_argument, NULL, O_VERSION},
       {"help", no_argument, NULL, O_HELP},
       {NULL, 0, NULL, 0}};
@@ -274,6 +282,23 @@ int main(int argc, char **argv) {
         return 2;
       }
       break;
+    case O_HELLO_TO:
+    case O_FRAME_TO: {
+      double *to = c == O_HELLO_TO ? &opts.hello_timeout : &opts.frame_timeout;
+      if (parse_double(optarg, to) != 0 || !(*to > 0)) {
+        fprintf(stderr, "shardd: --%s %s: must be > 0\n",
+                c == O_HELLO_TO ? "hello-timeout" : "frame-timeout", optarg);
+        return 2;
+      }
+      break;
+    }
+    case O_MAXCLI_UID: {
+      long v;
+      if (parse_count("max-clients-per-uid", optarg, 1000000, &v) != 0)
+        return 2;
+      opts.max_clients_per_uid = (uint32_t)v;
+      break;
+    }
     case O_LINGER:
       if (parse_double(optarg, &opts.job_linger) != 0) {
         fprintf(stderr, "shardd: --job-linger %s: not a number\n", optarg);

@@ -968,10 +968,23 @@ static void session_begin(shardd__server *srv, shardd__session *s) {
   if (uv_fileno((uv_handle_t *)&s->pipe, &fd) == 0)
     getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &s->cred, &len);
   s->admin = s->cred.uid == 0 || peer_in_group(&s->cred, srv->opts.admin_gid);
-  if (srv->nclients > srv->opts.max_clients) {
-    char msg[128];
+  s->since = shardd__server_now(srv);
+  s->partial_since = -1;
+  uint32_t mine = 0;
+  if (!s->admin)
+    for (shardd__session *o = srv->sessions; o; o = o->next)
+      mine += o->cred.uid == s->cred.uid && !o->closing;
+  char msg[160] = "";
+  if (srv->nclients > srv->opts.max_clients + (s->admin ? SHARDD__ADMIN_RESERVE : 0))
     snprintf(msg, sizeof msg, "the daemon serves at most %" PRIu32 " clients",
              srv->opts.max_clients);
+  else if (!s->admin && mine > srv->opts.max_clients_per_uid)
+    snprintf(msg, sizeof msg, "uid %" PRIu32 " holds %" PRIu32 " connections, "
+             "the most one user may (--max-clients-per-uid)", (uint32_t)s->cred.uid,
+             srv->opts.max_clients_per_uid);
+  if (msg[0]) {
+    shardd__log(srv, 1, "connection of uid %" PRIu32 " pid %" PRId32 " refused: %s",
+                (uint32_t)s->cred.uid, (int32_t)s->cred.pid, msg);
     shardd__session_reply(s, 0, SHARDD_E_LIMIT, msg);
     s->close_after_write = 1;
     return;
@@ -1010,9 +1023,37 @@ static void find_lingering(shardd__job *job, void *arg) {
     a->expired[a->n++] = job;
 }
 
+/* Closes connections past the Hello or partial-frame deadline. */
+static void reap_idle_sessions(shardd__server *srv, double now) {
+  for (shardd__session *s = srv->sessions, *next; s; s = next) {
+    next = s->next;
+    if (s->closing || s->close_after_write || s->close_deferred)
+      continue;
+    const char *why = NULL;
+    double waited = 0;
+    if (!s->read_paused && shardd__frame_reader_pending(&s->rd) > 0) {
+      if (s->partial_since < 0)
+        s->partial_since = now;
+      else if (now - s->partial_since > srv->opts.frame_timeout)
+        why = "left a frame unfinished", waited = srv->opts.frame_timeout;
+    } else {
+      s->partial_since = -1;
+    }
+    if (why == NULL && !s->hello_done && now - s->since > srv->opts.hello_timeout)
+      why = "sent no Hello", waited = srv->opts.hello_timeout;
+    if (why == NULL)
+      continue;
+    shardd__log(srv, 1, "session %" PRIu64 " (uid %" PRIu32 " pid %" PRId32
+                ") %s for %.1f s; closed", s->id, (uint32_t)s->cred.uid,
+                (int32_t)s->cred.pid, why, waited);
+    session_close(s);
+  }
+}
+
 static void on_tick(uv_timer_t *t) {
   shardd__server *srv = t->data;
   shardd__coll_tick(srv, shardd__server_now(srv));
+  reap_idle_sessions(srv, shardd__server_now(srv));
   size_t cap = shardd__map_count(&srv->reg.jobs);
   if (cap == 0)
     return;

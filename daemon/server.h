@@ -39,10 +39,21 @@ typedef struct {
   size_t njobspecs;
   uint32_t max_inflight_gathers; /* per session, like limit_all_gathers */
   uint32_t max_jobs;             /* jobs at once (lingering ones count) */
+  /* A connection that sends no Hello, or holds a partial frame, this long
+   * is closed: idle connections filled --max-clients and locked out even
+   * root's shardctl, and each partial 16 MiB frame was held forever. */
+  double hello_timeout;
+  double frame_timeout;
+  /* connections one uid (not root, not --admin-group) may hold at once */
+  uint32_t max_clients_per_uid;
 } shardd__server_opts;
 
+/* Past --max-clients, root and --admin-group still get this many more
+ * connections, so an operator can always look (shardctl status). */
+#define SHARDD__ADMIN_RESERVE 8u
+
 #define SHARDD__SERVER_OPTS_INIT \
-  {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2, -1, 0, NULL, NULL, 0, 16, 4096}
+  {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2, -1, 0, NULL, NULL, 0, 16, 4096, 10.0, 30.0, 256}
 
 typedef struct shardd__session shardd__session;
 typedef struct shardd__server shardd__server;
@@ -67,6 +78,8 @@ struct shardd__session {
   int close_deferred;
   uint32_t writes; /* replies handed to libuv whose write_done has not run */
   int read_paused; /* not read until its replies drain (server.c) */
+  double since;         /* connected (server clock, seconds) */
+  double partial_since; /* a partial frame is buffered since; < 0 none */
   shardd__session *prev, *next;
 };
 

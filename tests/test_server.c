@@ -621,9 +621,20 @@ Test(server, client_limit, .init = start_limited, .fini = stop_daemon) {
   shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
   shardd_client_t *c = NULL;
   char err[512];
+  /* root (these tests' uid) gets SHARDD__ADMIN_RESERVE connections past
+   * the limit, so an operator is never locked out; past those, refused */
+  int root = geteuid() == 0;
+  shardd_client_t *extra[SHARDD__ADMIN_RESERVE];
+  for (unsigned i = 0; root && i < SHARDD__ADMIN_RESERVE; i++) {
+    cr_assert_eq(shardd_connect(d.sock, &o, &extra[i], err, sizeof err), SHARDD_OK,
+                 "root's reserved connection %u: %s", i, err);
+  }
   shardd_err rc = shardd_connect(d.sock, &o, &c, err, sizeof err);
-  cr_assert_eq(rc, SHARDD_E_LIMIT, "third client: %s (%s)", shardd_err_name(rc), err);
+  cr_assert_eq(rc, SHARDD_E_LIMIT, "client past the limit: %s (%s)", shardd_err_name(rc),
+               err);
   cr_assert_not_null(strstr(err, "2"), "%s", err);
+  for (unsigned i = 0; root && i < SHARDD__ADMIN_RESERVE; i++)
+    shardd_close(extra[i]);
   shardd_close(a);
   /* a slot frees up once a client leaves */
   for (double end = test_mono_s() + TEST_HANG_S;;) {
@@ -1333,4 +1344,103 @@ Test(server, failed_reply_while_failing_waiting_collectives, .timeout = 120) {
   }
   cr_assert_eq(inproc_jobs(&p), 1);
   inproc_finish(&p);
+}
+
+/* ---- another uid cannot lock anyone out (issue 20, item 8) -------------- */
+
+/* A raw connection from this process; -1 if connect failed. */
+static int raw_connect(const char *sock) {
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  size_t n = strlen(sock);
+  memcpy(sa.sun_path, sock, n < sizeof sa.sun_path ? n : sizeof sa.sun_path - 1);
+  if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
+    if (fd >= 0)
+      close(fd);
+    return -1;
+  }
+  struct timeval tv = {(time_t)TEST_HANG_S, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  return fd;
+}
+
+/* Whether the daemon closes fd (EOF after any refusal it sends). */
+static int closed_by_daemon(int fd) {
+  char buf[4096];
+  for (;;) {
+    ssize_t n = recv(fd, buf, sizeof buf, 0);
+    if (n == 0 || (n < 0 && errno == ECONNRESET))
+      return 1;
+    if (n < 0 && errno != EINTR)
+      return 0; /* the hang guard ran out */
+  }
+}
+
+/* uid 4242 opens connections that never say Hello, as many as it may
+ * (--max-clients-per-uid 2), then one more; all must be closed by the
+ * daemon: the third at once (its limit), the others at the Hello deadline.
+ * Meanwhile root connects and is served. Exit code: 0 all as expected,
+ * else the step that failed. */
+static int idle_attacker(const char *sock, int ready_fd) {
+  if (setgid(4242) != 0 || setuid(4242) != 0)
+    return 10;
+  int a = raw_connect(sock), b = raw_connect(sock);
+  if (a < 0 || b < 0)
+    return 11;
+  int c = raw_connect(sock);
+  if (c < 0)
+    return 12;
+  if (!closed_by_daemon(c))
+    return 13; /* the per-uid limit did not refuse it */
+  if (write(ready_fd, "r", 1) != 1)
+    return 14;
+  if (!closed_by_daemon(a) || !closed_by_daemon(b))
+    return 15; /* the Hello deadline did not close them */
+  /* a partial frame (a header promising 1 MiB, 10 bytes of it) is dropped
+   * at the frame deadline */
+  int p = raw_connect(sock);
+  if (p < 0)
+    return 16;
+  unsigned char frame[14] = {0, 0, 0x10, 0};
+  if (write(p, frame, sizeof frame) != (ssize_t)sizeof frame)
+    return 17;
+  if (!closed_by_daemon(p))
+    return 18;
+  return 0;
+}
+
+Test(server, idle_connections_of_another_uid_lock_nobody_out, .timeout = 90) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as a second uid");
+  test_daemon_start(&d, (const char *const[]){"--max-clients", "3", "--max-clients-per-uid",
+                                               "2", "--hello-timeout", "3",
+                                               "--frame-timeout", "1", NULL});
+  cr_assert_eq(chmod(d.dir, 0755), 0);
+  cr_assert_eq(chmod(d.sock, 0666), 0);
+  int pipefd[2];
+  cr_assert_eq(pipe(pipefd), 0);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0) {
+    close(pipefd[0]);
+    _exit(idle_attacker(d.sock, pipefd[1]));
+  }
+  close(pipefd[1]);
+  char ch;
+  cr_assert_eq(read(pipefd[0], &ch, 1), 1, "the attacker stopped early");
+  close(pipefd[0]);
+  /* the attacker holds 2 of 3 slots that never said Hello: root is served */
+  shardd_client_t *c = test_connect(&d, NULL, 0, 1);
+  cr_assert_eq(shardd_ping(c), SHARDD_OK);
+  int st;
+  cr_assert(test_wait_exit(pid, &st), "the attacker's connections were never closed");
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "attacker step %d failed",
+            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  cr_assert(test_daemon_log_has(&d, "sent no Hello"), "the deadline was not logged");
+  cr_assert(test_daemon_log_has(&d, "left a frame unfinished"));
+  cr_assert(test_daemon_log_has(&d, "--max-clients-per-uid"));
+  /* and the daemon still serves root after it all */
+  cr_assert_eq(shardd_ping(c), SHARDD_OK);
+  shardd_close(c);
+  test_daemon_finish(&d);
 }
