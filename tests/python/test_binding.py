@@ -192,6 +192,32 @@ class BindingTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             c.register_optimizer("adam", [b], bogus=1)
 
+    def test_bad_arguments_are_refused_not_wrapped_or_ignored(self):
+        # issue 20 item 12: each of these used to be silently wrong
+        c = self.client("args")
+        with self.assertRaises(ValueError):  # ctypes made it a 5-element buffer
+            c.register_buffer("huge", "fp32", 2**64 + 5)
+        with self.assertRaises(ValueError):
+            c.register_buffer("neg", "fp32", -1)
+        with self.assertRaises(ValueError):  # C cut the name at the NUL
+            c.register_buffer("a\0b", "fp32", 4)
+        self.assertEqual([b.name for b in c.buffers.values()], [])
+        b = c.register_buffer("flat", "fp32", 4)
+        with self.assertRaises(ValueError):
+            c.register_view(b, "v", 2**64 + 1, (1,))
+        opt = c.register_optimizer("sgd", [b], lr=0.1)
+        b.numpy("grad")[:] = 1.0
+        before = b.numpy("shard").copy()
+        with self.assertRaises(ValueError):  # was a KeyError
+            c.scatter(b, "max")
+        c.scatter(b, "sum")
+        for lr in (-1, -0.5, float("nan"), float("inf")):
+            with self.assertRaises(ValueError):  # -1 was "the registered lr"
+                c.step(opt, lr=lr)
+        self.assertTrue((b.numpy("shard") == before).all(), "a refused step ran")
+        c.step(opt, lr=0.5)
+        self.assertTrue((b.numpy("shard") == before - 0.5).all())
+
     def test_scatter_sum_and_mean_two_ranks(self):
         job = common.job("reduce")
 

@@ -37,6 +37,7 @@ launcher for tests and examples is :mod:`shardd.daemon`.
 """
 import collections
 import ctypes
+import math
 import json as _json
 
 from . import _lib as L
@@ -96,9 +97,19 @@ def _err_name(code):
 def _b(s):
     if s is None:
         return None
-    if isinstance(s, bytes):
-        return s
-    return str(s).encode()
+    b = s if isinstance(s, bytes) else str(s).encode()
+    if b"\0" in b:  # C would cut the name there, silently
+        raise ValueError("name %r holds a NUL byte" % (s,))
+    return b
+
+
+def _u64(v, what):
+    """v as an unsigned 64-bit count; ctypes wraps larger ones silently
+    (numel=2**64+5 registered 5 elements)."""
+    n = int(v)
+    if n < 0 or n >= 1 << 64:
+        raise ValueError("%s %d is outside [0, 2**64)" % (what, n))
+    return n
 
 
 def _dtype_code(dtype):
@@ -520,7 +531,8 @@ class Client:
                 return b
         info = L.BufferInfo()
         self._call(self._lib.shardd_buffer_register(self._c, _b(name), code,
-                                                    int(numel), ctypes.byref(info)))
+                                                    _u64(numel, "numel"),
+                                                    ctypes.byref(info)))
         old = self.buffers.get(info.id)
         if old is not None:  # mapped anew: the old mapping is gone
             old._forget()
@@ -550,7 +562,8 @@ class Client:
         arr = (ctypes.c_int64 * max(1, len(shape)))(*shape)
         opts = L.ViewOpts(ctypes.sizeof(L.ViewOpts), 1 if requires_grad else 0, 0)
         out = L.ViewInfo()
-        self._call(self._lib.shardd_view_register_ex(self._c, _ids(buffer), _b(name), int(offset),
+        self._call(self._lib.shardd_view_register_ex(self._c, _ids(buffer), _b(name),
+                                                     _u64(offset, "offset"),
                                                      n, arr, len(shape), ctypes.byref(opts),
                                                      ctypes.byref(out)))
         if not isinstance(buffer, Buffer):
@@ -647,7 +660,12 @@ class Client:
         """Reduce-scatter (collective) of every rank's grad area; op "sum"/"mean"."""
         self._check_open()
         self._sync_cuda()
-        code = REDUCE_OPS[op.lower()] if isinstance(op, str) else int(op)
+        if isinstance(op, str):
+            if op.lower() not in REDUCE_OPS:
+                raise ValueError("reduce op %r: one of %s" % (op, ", ".join(sorted(REDUCE_OPS))))
+            code = REDUCE_OPS[op.lower()]
+        else:
+            code = int(op)
         self._call(self._lib.shardd_scatter(self._c, _ids(buffer), code))
 
     def step(self, opt, lr=None, max_norm=None):
@@ -658,6 +676,10 @@ class Client:
         self._sync_cuda()
         so = L.StepOpts()
         so.size = ctypes.sizeof(L.StepOpts)
+        if lr is not None and not (float(lr) >= 0.0 and math.isfinite(float(lr))):
+            # -1 meant "the registered rate" to the C API, so a negative lr
+            # was ignored without a word; torch raises for it too
+            raise ValueError("Invalid learning rate: %r" % (lr,))
         so.lr = -1.0 if lr is None else float(lr)
         so.max_norm = 0.0 if max_norm is None else float(max_norm)
         res = L.StepResult()
