@@ -42,6 +42,7 @@ static void usage(FILE *f) {
           "  --job-memory-limit SIZE   bytes one job may hold over all devices (default none)\n"
           "  --admin-group GROUP       members may see (status, inspect) every job\n"
           "  --max-jobs N              jobs held at once, lingering ones included (default 4096)\n"
+          "  --max-jobs-per-uid N      jobs one user (not root) may hold (default 512)\n"
           "  --max-inflight-gathers N  gathers one rank may have queued (default 16)\n"
           "  --checkpoint-root DIR     clients may checkpoint/restore only below DIR\n"
           "  --checkpoint-on-exit DIR  on SIGTERM/SIGINT, checkpoint every job to DIR/JOB\n"
@@ -215,7 +216,7 @@ int main(int argc, char **argv) {
   enum { O_SOCKET = 256, O_BACKEND, O_DEVICES, O_DEVMEM, O_TIMEOUT, O_LINGER,
          O_MAXCLIENTS, O_LOGLEVEL, O_FOREGROUND, O_VERSION, O_HELP,
          O_CKPT_EXIT, O_RESTORE, O_JOBMEM, O_ADMIN, O_CKPT_ROOT, O_JOBSPEC, O_MAXGATHERS, O_MAXJOBS,
-         O_HELLO_TO, O_FRAME_TO, O_MAXCLI_UID };
+         O_HELLO_TO, O_FRAME_TO, O_MAXCLI_UID, O_MAXJOBS_UID };
   static const struct option longopts[] = {
       {"socket", required_argument, NULL, O_SOCKET},
       {"backend", required_argument, NULL, O_BACKEND},
@@ -237,6 +238,7 @@ int main(int argc, char **argv) {
       {"hello-timeout", required_argument, NULL, O_HELLO_TO},
       {"frame-timeout", required_argument, NULL, O_FRAME_TO},
       {"max-clients-per-uid", required_argument, NULL, O_MAXCLI_UID},
+      {"max-jobs-per-uid", required_argument, NULL, O_MAXJOBS_UID},
       {"version", no_argument, NULL, O_VERSION},
       {"help", no_argument, NULL, O_HELP},
       {NULL, 0, NULL, 0}};
@@ -290,6 +292,13 @@ int main(int argc, char **argv) {
                 c == O_HELLO_TO ? "hello-timeout" : "frame-timeout", optarg);
         return 2;
       }
+      break;
+    }
+    case O_MAXJOBS_UID: {
+      long v;
+      if (parse_count("max-jobs-per-uid", optarg, 1000000, &v) != 0)
+        return 2;
+      opts.max_jobs_per_uid = (uint32_t)v;
       break;
     }
     case O_MAXCLI_UID: {

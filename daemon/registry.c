@@ -70,6 +70,16 @@ shardd__job *shardd__job_find(shardd__registry *reg, const char *name) {
   return name ? shardd__map_get_str(&reg->jobs, name) : NULL;
 }
 
+typedef struct {
+  uint32_t uid;
+  size_t n;
+} uid_jobs;
+
+static void count_uid_jobs(shardd__job *job, void *arg) {
+  uid_jobs *a = arg;
+  a->n += job->uid == a->uid;
+}
+
 shardd_err shardd__job_get(shardd__registry *reg, const char *name,
                            uint32_t world, uint32_t uid, shardd__job **out,
                            char *err, size_t errlen) {
@@ -98,6 +108,15 @@ shardd_err shardd__job_get(shardd__registry *reg, const char *name,
     snprintf(err, errlen, "the daemon holds %zu jobs, its limit (--max-jobs)",
              shardd__map_count(&reg->jobs));
     return SHARDD_E_LIMIT;
+  }
+  if (uid != 0 && reg->max_jobs_per_uid) {
+    uid_jobs a = {uid, 0};
+    shardd__registry_each_job(reg, count_uid_jobs, &a);
+    if (a.n >= reg->max_jobs_per_uid) {
+      snprintf(err, errlen, "uid %" PRIu32 " holds %zu jobs, the most one user "
+               "may (--max-jobs-per-uid)", uid, a.n);
+      return SHARDD_E_LIMIT;
+    }
   }
   job = calloc(1, sizeof *job);
   if (job == NULL || (job->name = strdup(name)) == NULL ||
@@ -396,6 +415,8 @@ static void buffer_free_blocks(shardd__registry *reg, shardd__buffer *b) {
   for (uint32_t r = 0; r < b->world; r++) {
     if (b->blocks[r]) {
       b->hdr.job->bytes -= b->blocks[r]->bytes;
+      b->hdr.job->nblocks--;
+      reg->nblocks--;
       reg->backend->ops->free(reg->backend, b->blocks[r]);
     }
   }
@@ -457,6 +478,39 @@ static void buffer_destroy(shardd__registry *reg, shardd__buffer *b) {
   free(b);
 }
 
+typedef struct {
+  uint32_t uid;
+  uint64_t n;
+} uid_blocks;
+
+static void count_uid_blocks(shardd__job *job, void *arg) {
+  uid_blocks *a = arg;
+  if (job->uid == a->uid)
+    a->n += job->nblocks;
+}
+
+/* Whether job may take need more rank blocks (see max_blocks); else err. */
+static int within_blocks(shardd__registry *reg, shardd__job *job, uint64_t need,
+                         char *err, size_t errlen) {
+  if (reg->max_blocks && reg->nblocks + need > reg->max_blocks) {
+    snprintf(err, errlen, "the daemon holds %" PRIu64 " memory regions of its "
+             "%" PRIu64 " (descriptors); this buffer needs %" PRIu64 " more",
+             reg->nblocks, reg->max_blocks, need);
+    return 0;
+  }
+  if (job->uid != 0 && reg->max_blocks_per_uid) {
+    uid_blocks a = {job->uid, 0};
+    shardd__registry_each_job(reg, count_uid_blocks, &a);
+    if (a.n + need > reg->max_blocks_per_uid) {
+      snprintf(err, errlen, "uid %" PRIu32 " holds %" PRIu64 " memory regions "
+               "(descriptors), %" PRIu64 " more would pass its share of %" PRIu64,
+               job->uid, a.n, need, reg->max_blocks_per_uid);
+      return 0;
+    }
+  }
+  return 1;
+}
+
 shardd_err shardd__buffer_register(shardd__registry *reg, shardd__job *job,
                                    const char *name, shardd_dtype dtype,
                                    uint64_t numel, shardd__buffer **out,
@@ -513,6 +567,10 @@ shardd_err shardd__buffer_register(shardd__registry *reg, shardd__job *job,
   uint64_t gprev = 0;
   if (!within_quota(reg, job, (uint64_t)job->local_ranks * b->block_bytes, err, errlen))
     goto fail;
+  if (!within_blocks(reg, job, job->local_ranks, err, errlen)) {
+    rc = SHARDD_E_LIMIT;
+    goto fail;
+  }
   b->blocks = calloc(job->world, sizeof *b->blocks);
   if (b->blocks == NULL) {
     snprintf(err, errlen, "out of memory");
@@ -531,6 +589,8 @@ shardd_err shardd__buffer_register(shardd__registry *reg, shardd__job *job,
       goto fail;
     }
     job->bytes += b->blocks[r]->bytes;
+    job->nblocks++;
+    reg->nblocks++;
   }
   gkey = gen_key(name, NULL);
   if (gkey == NULL || (gprev = gen_get(job, gkey),

@@ -75,6 +75,7 @@ struct shardd__job {
   struct shardd__freed *freed_ring;
   size_t freed_head, freed_count;
   int releasing; /* job_release in progress: frees are not recorded */
+  uint64_t nblocks; /* rank blocks its buffers hold (see max_blocks) */
 };
 
 #define SHARDD__FREED_MAX 4096
@@ -165,7 +166,17 @@ struct shardd__registry {
   /* public config */
   uint64_t job_memory_limit; /* bytes one job may hold; 0 unlimited */
   size_t max_jobs;           /* jobs at once; 0 unlimited */
+  /* jobs one uid other than root may hold at once (lingering ones count):
+   * 4,096 empty jobs from one user filled --max-jobs in 0.32 s */
+  size_t max_jobs_per_uid;
+  /* Memory regions (rank blocks) held at once, in all and by one uid other
+   * than root; 0 unlimited. On the host backend each is a descriptor: one
+   * job of world 16384 used every descriptor of the daemon in 0.4 s, and
+   * then every connect failed. main sizes them from RLIMIT_NOFILE. */
+  uint64_t max_blocks;
+  uint64_t max_blocks_per_uid;
   /* private */
+  uint64_t nblocks;
   uint64_t next_id;
   shardd__map objects; /* id -> shardd__obj */
   shardd__map jobs;    /* name -> job */

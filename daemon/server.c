@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <time.h>
@@ -1117,6 +1118,17 @@ shardd_err shardd__server_init(shardd__server *srv, uv_loop_t *loop,
   shardd__registry_init(&srv->reg, backend);
   srv->reg.job_memory_limit = opts->job_memory_limit;
   srv->reg.max_jobs = opts->max_jobs;
+  srv->reg.max_jobs_per_uid = opts->max_jobs_per_uid;
+  /* Descriptors: rank blocks get all but what connections, the listener,
+   * checkpoint files and libraries need; one uid a quarter of them, so no
+   * single user can starve the others (or the accept loop). */
+  struct rlimit nofile;
+  if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur != RLIM_INFINITY) {
+    uint64_t n = nofile.rlim_cur;
+    uint64_t keep = (uint64_t)opts->max_clients + SHARDD__ADMIN_RESERVE + 128;
+    srv->reg.max_blocks = n > 2 * keep ? n - keep : n / 2;
+    srv->reg.max_blocks_per_uid = srv->reg.max_blocks / 4;
+  }
   uv_update_time(loop);
   srv->started = shardd__server_now(srv);
   const char *path = opts->socket_path ? opts->socket_path : SHARDD_DEFAULT_SOCKET;

@@ -46,6 +46,7 @@ typedef struct {
   double frame_timeout;
   /* connections one uid (not root, not --admin-group) may hold at once */
   uint32_t max_clients_per_uid;
+  uint32_t max_jobs_per_uid; /* jobs one uid (not root) may hold */
 } shardd__server_opts;
 
 /* Past --max-clients, root and --admin-group still get this many more
@@ -53,7 +54,7 @@ typedef struct {
 #define SHARDD__ADMIN_RESERVE 8u
 
 #define SHARDD__SERVER_OPTS_INIT \
-  {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2, -1, 0, NULL, NULL, 0, 16, 4096, 10.0, 30.0, 256}
+  {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2, -1, 0, NULL, NULL, 0, 16, 4096, 10.0, 30.0, 256, 512}
 
 typedef struct shardd__session shardd__session;
 typedef struct shardd__server shardd__server;

@@ -1444,3 +1444,95 @@ Test(server, idle_connections_of_another_uid_lock_nobody_out, .timeout = 90) {
   shardd_close(c);
   test_daemon_finish(&d);
 }
+
+/* Item 7: one job of world 16384 with a 1-element buffer took a descriptor
+ * per rank block, every descriptor of the daemon, and then every connect
+ * failed. A uid other than root may hold only its share; the refusal says
+ * so, and the daemon goes on accepting. Exit code: 0 as expected. */
+static int fd_hog(const char *sock) {
+  if (setgid(4242) != 0 || setuid(4242) != 0)
+    return 10;
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = "hog";
+  o.rank = 0;
+  o.world = 16384;
+  shardd_client_t *c;
+  char err[512];
+  if (shardd_connect(sock, &o, &c, err, sizeof err) != SHARDD_OK)
+    return 11;
+  shardd_buffer_info b;
+  shardd_err rc = shardd_buffer_register(c, "x", SHARDD_DTYPE_FP32, 1, &b);
+  if (rc != SHARDD_E_LIMIT)
+    return 12;
+  if (strstr(shardd_last_error(c), "share") == NULL)
+    return 13;
+  shardd_close(c);
+  return 0;
+}
+
+Test(server, one_uid_cannot_take_every_descriptor, .timeout = 90) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as a second uid");
+  test_daemon_start(&d, NULL);
+  cr_assert_eq(chmod(d.dir, 0755), 0);
+  cr_assert_eq(chmod(d.sock, 0666), 0);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0)
+    _exit(fd_hog(d.sock));
+  int st;
+  cr_assert(test_wait_exit(pid, &st), "the hog did not finish");
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "hog step %d failed",
+            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  shardd_client_t *c = test_connect(&d, NULL, 0, 1);
+  cr_assert_eq(shardd_ping(c), SHARDD_OK);
+  shardd_close(c);
+  test_daemon_finish(&d);
+}
+
+/* Item 8: one uid filled --max-jobs with empty jobs (they linger after the
+ * connection closes). It now holds at most --max-jobs-per-uid; others,
+ * root included, still create theirs. Exit code: 0 as expected. */
+static int job_squatter(const char *sock) {
+  if (setgid(4242) != 0 || setuid(4242) != 0)
+    return 10;
+  for (int i = 0; i < 4; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "squat-%d", i);
+    shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+    o.job = name;
+    shardd_client_t *c = NULL;
+    char err[512];
+    shardd_err rc = shardd_connect(sock, &o, &c, err, sizeof err);
+    if (i < 3 && rc != SHARDD_OK)
+      return 11 + i;
+    if (i == 3 && (rc != SHARDD_E_LIMIT || strstr(err, "--max-jobs-per-uid") == NULL))
+      return 14;
+    if (c)
+      shardd_close(c);
+  }
+  return 0;
+}
+
+Test(server, one_uid_cannot_fill_the_job_table, .timeout = 90) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as a second uid");
+  test_daemon_start(&d, (const char *const[]){"--max-jobs-per-uid", "3", NULL});
+  cr_assert_eq(chmod(d.dir, 0755), 0);
+  cr_assert_eq(chmod(d.sock, 0666), 0);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0)
+    _exit(job_squatter(d.sock));
+  int st;
+  cr_assert(test_wait_exit(pid, &st), "the squatter did not finish");
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "squatter step %d failed",
+            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  for (int i = 0; i < 4; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "root-%d", i);
+    shardd_client_t *c = test_connect(&d, name, 0, 1);
+    shardd_close(c);
+  }
+  test_daemon_finish(&d);
+}
