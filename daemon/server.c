@@ -123,6 +123,20 @@ void shardd__session_send(shardd__session *s, Shardd__Response *resp, int fd) {
     return;
   }
   size_t n = shardd__response__get_packed_size(resp);
+  if (n > SHARDD_MAX_FRAME) {
+    /* The client refuses a frame past the limit and drops the connection:
+     * status with ~60k optimizers failed even for root, inspect of a
+     * buffer with 200k views for its owner. Say so instead. */
+    if (fd >= 0)
+      close(fd);
+    char msg[256];
+    snprintf(msg, sizeof msg, "the reply would be %zu bytes, over the %u-byte "
+             "frame limit; ask for less (one job's status, one buffer)", n,
+             SHARDD_MAX_FRAME);
+    shardd__log(s->srv, 1, "session %" PRIu64 ": %s", s->id, msg);
+    shardd__session_reply(s, resp->seq, SHARDD_E_LIMIT, msg);
+    return;
+  }
   write_req *w = NULL;
   char *buf = NULL;
   if (!reply_fault(s->srv)) {

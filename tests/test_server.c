@@ -1536,3 +1536,46 @@ Test(server, one_uid_cannot_fill_the_job_table, .timeout = 90) {
   }
   test_daemon_finish(&d);
 }
+
+/* Item 11: a reply past the frame limit was built and sent, and the client
+ * dropped the connection (status with ~60k optimizers, inspect of a buffer
+ * with 200k views). A Ping whose request is exactly the limit has a reply
+ * a few bytes over it: refused with E_LIMIT, and the session goes on. */
+Test(server, a_reply_past_the_frame_limit_is_refused_not_sent, .timeout = 60) {
+  test_daemon_start(&d, NULL);
+  test_raw r;
+  test_raw_open(&d, &r);
+  test_raw_hello(&r, NULL, 0, 1);
+  Shardd__Request req = SHARDD__REQUEST__INIT;
+  Shardd__Ping p = SHARDD__PING__INIT;
+  req.body_case = SHARDD__REQUEST__BODY_PING;
+  req.ping = &p;
+  req.seq = r.seq + 1;
+  p.has_payload = 1;
+  p.payload.len = SHARDD_MAX_FRAME - 64;
+  while (shardd__request__get_packed_size(&req) < SHARDD_MAX_FRAME)
+    p.payload.len++;
+  if (shardd__request__get_packed_size(&req) > SHARDD_MAX_FRAME)
+    p.payload.len--;
+  cr_assert_eq(shardd__request__get_packed_size(&req), SHARDD_MAX_FRAME);
+  p.payload.data = calloc(1, p.payload.len);
+  cr_assert_not_null(p.payload.data);
+  Shardd__Response pong = SHARDD__RESPONSE__INIT;
+  Shardd__Pong pb = SHARDD__PONG__INIT;
+  pong.seq = req.seq;
+  pong.body_case = SHARDD__RESPONSE__BODY_PONG;
+  pong.pong = &pb;
+  pb.has_payload = 1;
+  pb.payload = p.payload;
+  cr_assert_gt(shardd__response__get_packed_size(&pong), SHARDD_MAX_FRAME,
+               "the echo would fit: the test proves nothing");
+  uint64_t seq = test_raw_send(&r, &req);
+  r.seq = seq;
+  free(p.payload.data);
+  Shardd__Response *resp = test_raw_expect(&r, seq, SHARDD_E_LIMIT);
+  cr_assert(strstr(resp->message, "frame limit") != NULL, "%s", resp->message);
+  shardd__response__free_unpacked(resp, NULL);
+  test_raw_sync(&r); /* the session still serves */
+  test_raw_close(&r);
+  test_daemon_finish(&d);
+}
