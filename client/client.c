@@ -201,11 +201,11 @@ const char *shardd_last_error(const shardd_client_t *c) {
 }
 
 const char *shardd_daemon_version(const shardd_client_t *c) {
-  return c->version;
+  return c ? c->version : "";
 }
 
 const char *shardd_daemon_backend(const shardd_client_t *c) {
-  return c->backend;
+  return c ? c->backend : "";
 }
 
 void shardd_free(void *p) { free(p); }
@@ -379,6 +379,11 @@ static shardd_err call_status_only(shardd_client_t *c, Shardd__Request *req) {
 shardd_err shardd_connect(const char *socket_path,
                           const shardd_connect_opts *opts,
                           shardd_client_t **out, char *errbuf, size_t errlen) {
+  if (out == NULL) {
+    if (errbuf && errlen)
+      snprintf(errbuf, errlen, "shardd_connect: out is NULL");
+    return SHARDD_E_INVAL;
+  }
   *out = NULL;
   if (socket_path == NULL || socket_path[0] == '\0') {
     socket_path = getenv("SHARDD_SOCKET");
@@ -489,6 +494,9 @@ void shardd_close(shardd_client_t *c) {
 }
 
 shardd_err shardd_ping(shardd_client_t *c) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+
   Shardd__Request req = SHARDD__REQUEST__INIT;
   Shardd__Ping ping = SHARDD__PING__INIT;
   req.body_case = SHARDD__REQUEST__BODY_PING;
@@ -520,10 +528,20 @@ static shardd_err status_fmt(shardd_client_t *c, char **out, int json) {
 }
 
 shardd_err shardd_status_json(shardd_client_t *c, char **out) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+  if (out == NULL)
+    return set_err(c, SHARDD_E_INVAL, "shardd_status_json: out is NULL");
+
   return status_fmt(c, out, 1);
 }
 
 shardd_err shardd_status_text(shardd_client_t *c, char **out) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+  if (out == NULL)
+    return set_err(c, SHARDD_E_INVAL, "shardd_status_text: out is NULL");
+
   return status_fmt(c, out, 0);
 }
 
@@ -554,17 +572,32 @@ static shardd_err inspect_fmt(shardd_client_t *c, uint64_t id,
 
 shardd_err shardd_inspect_json(shardd_client_t *c, uint64_t id,
                                const char *name, char **out) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+  if (out == NULL)
+    return set_err(c, SHARDD_E_INVAL, "shardd_inspect_json: out is NULL");
+
   return inspect_fmt(c, id, name, out, 1);
 }
 
 shardd_err shardd_inspect_text(shardd_client_t *c, uint64_t id,
                                const char *name, char **out) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+  if (out == NULL)
+    return set_err(c, SHARDD_E_INVAL, "shardd_inspect_text: out is NULL");
+
   return inspect_fmt(c, id, name, out, 0);
 }
 
 shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
                                   shardd_dtype dtype, uint64_t numel,
                                   shardd_buffer_info *out) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+  if (out == NULL)
+    return set_err(c, SHARDD_E_INVAL, "shardd_buffer_register: out is NULL");
+
   memset(out, 0, sizeof *out);
   if (name == NULL)
     return set_err(c, SHARDD_E_INVAL, "buffer name is NULL");
@@ -731,6 +764,9 @@ done:
 }
 
 shardd_err shardd_buffer_unregister(shardd_client_t *c, uint64_t buffer) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+
   Shardd__Request req = SHARDD__REQUEST__INIT;
   Shardd__UnregisterBuffer ub = SHARDD__UNREGISTER_BUFFER__INIT;
   ub.id = buffer;
@@ -746,6 +782,9 @@ shardd_err shardd_view_register(shardd_client_t *c, uint64_t buffer,
                                 const char *name, uint64_t offset,
                                 uint64_t numel, const int64_t *shape, int ndim,
                                 uint64_t *out_id) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+
   if (out_id)
     *out_id = 0;
   if (name == NULL || ndim < 0 || (ndim > 0 && shape == NULL))
@@ -774,6 +813,9 @@ shardd_err shardd_view_register_ex(shardd_client_t *c, uint64_t buffer,
                                    uint64_t numel, const int64_t *shape,
                                    int ndim, const shardd_view_opts *opts,
                                    shardd_view_info *out) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+
   if (out)
     memset(out, 0, sizeof *out);
   if (name == NULL || ndim < 0 || (ndim > 0 && shape == NULL))
@@ -815,6 +857,9 @@ shardd_err shardd_view_register_ex(shardd_client_t *c, uint64_t buffer,
 }
 
 shardd_err shardd_view_unregister(shardd_client_t *c, uint64_t view) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+
   Shardd__Request req = SHARDD__REQUEST__INIT;
   Shardd__UnregisterView uv = SHARDD__UNREGISTER_VIEW__INIT;
   uv.id = view;
@@ -850,6 +895,9 @@ shardd_err shardd_optimizer_register(shardd_client_t *c, const char *name,
                                      const shardd_hparams *hyper,
                                      const shardd_param_group *groups,
                                      size_t ngroups, uint64_t *out_id) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+
   if (out_id)
     *out_id = 0;
   if (ngroups > 0 && groups == NULL)
@@ -914,6 +962,9 @@ done:
 }
 
 shardd_err shardd_optimizer_unregister(shardd_client_t *c, uint64_t opt) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+
   Shardd__Request req = SHARDD__REQUEST__INIT;
   Shardd__UnregisterOptimizer uo = SHARDD__UNREGISTER_OPTIMIZER__INIT;
   uo.id = opt;
@@ -923,11 +974,17 @@ shardd_err shardd_optimizer_unregister(shardd_client_t *c, uint64_t opt) {
 }
 
 shardd_err shardd_gather(shardd_client_t *c, uint64_t buffer) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+
   return shardd_gather_checked(c, buffer, 0);
 }
 
 shardd_err shardd_gather_checked(shardd_client_t *c, uint64_t buffer,
                                  uint64_t generation) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+
   Shardd__Request req = SHARDD__REQUEST__INIT;
   Shardd__Gather g = SHARDD__GATHER__INIT;
   g.buffer = buffer;
@@ -942,11 +999,17 @@ shardd_err shardd_gather_checked(shardd_client_t *c, uint64_t buffer,
 
 shardd_err shardd_scatter(shardd_client_t *c, uint64_t buffer,
                           shardd_reduce_op op) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+
   return shardd_scatter_checked(c, buffer, 0, op);
 }
 
 shardd_err shardd_scatter_checked(shardd_client_t *c, uint64_t buffer,
                                   uint64_t generation, shardd_reduce_op op) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+
   Shardd__Request req = SHARDD__REQUEST__INIT;
   Shardd__Scatter s = SHARDD__SCATTER__INIT;
   s.buffer = buffer;
@@ -963,6 +1026,9 @@ shardd_err shardd_scatter_checked(shardd_client_t *c, uint64_t buffer,
 
 shardd_err shardd_step(shardd_client_t *c, uint64_t opt,
                        const shardd_step_opts *opts, shardd_step_result *out) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+
   if (out)
     memset(out, 0, sizeof *out);
   Shardd__Request req = SHARDD__REQUEST__INIT;
@@ -991,6 +1057,9 @@ shardd_err shardd_step(shardd_client_t *c, uint64_t opt,
 
 shardd_err shardd_checkpoint(shardd_client_t *c, const char *job,
                              const char *dir) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+
   if (dir == NULL || dir[0] == '\0')
     return set_err(c, SHARDD_E_INVAL, "checkpoint: no directory");
   Shardd__Request req = SHARDD__REQUEST__INIT;
@@ -1008,6 +1077,9 @@ shardd_err shardd_checkpoint(shardd_client_t *c, const char *job,
 
 shardd_err shardd_restore(shardd_client_t *c, const char *dir, uint32_t world,
                           char *job, size_t joblen) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+
   if (job && joblen)
     job[0] = '\0';
   if (dir == NULL || dir[0] == '\0')
@@ -1047,6 +1119,9 @@ static shardd_err await_op(shardd_client_t *c, async_op *a) {
 }
 
 shardd_err shardd_wait(shardd_client_t *c, shardd_ticket t) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+
   async_op **pp = &c->async;
   while (*pp && (*pp)->seq != t)
     pp = &(*pp)->next;
@@ -1068,6 +1143,11 @@ shardd_err shardd_wait(shardd_client_t *c, shardd_ticket t) {
 
 shardd_err shardd_gather_async(shardd_client_t *c, uint64_t buffer,
                                shardd_ticket *t) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+  if (t == NULL)
+    return set_err(c, SHARDD_E_INVAL, "shardd_gather_async: t is NULL");
+
   *t = 0;
   c->err[0] = '\0';
   /* limit_all_gathers: with max_async still in flight, the oldest is

@@ -631,3 +631,30 @@ Test(client, failed_connect_leaves_stdin_open, .timeout = 30) {
   cr_assert_not_null(strstr(err, "too long"), "%s", err);
   cr_assert_neq(fcntl(0, F_GETFD), -1, "shardd_connect closed descriptor 0");
 }
+
+/* Issue 20 item 12: NULL arguments made libshardd segfault in the caller's
+ * process. Each entry point refuses them with E_INVAL instead. */
+Test(client, null_arguments_are_refused_not_dereferenced, .timeout = 30) {
+  char *s = NULL;
+  shardd_buffer_info bi;
+  shardd_ticket t;
+  char err[64];
+  cr_assert_eq(shardd_connect("/nonexistent", NULL, NULL, err, sizeof err), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_ping(NULL), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_status_json(NULL, &s), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_status_text(NULL, &s), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_inspect_json(NULL, 1, NULL, &s), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_buffer_register(NULL, "x", SHARDD_DTYPE_FP32, 1, &bi), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_buffer_unregister(NULL, 1), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_view_register(NULL, 1, "v", 0, 1, NULL, 0, NULL), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_optimizer_register(NULL, "o", SHARDD_OPTIM_SGD, NULL, NULL, 0, NULL),
+               SHARDD_E_INVAL);
+  cr_assert_eq(shardd_gather(NULL, 1), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_scatter(NULL, 1, SHARDD_REDUCE_SUM), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_step(NULL, 1, NULL, NULL), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_checkpoint(NULL, NULL, "/x"), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_restore(NULL, "/x", 0, NULL, 0), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_wait(NULL, 1), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_gather_async(NULL, 1, &t), SHARDD_E_INVAL);
+  cr_assert_str_eq(shardd_daemon_version(NULL), "");
+}

@@ -1579,3 +1579,17 @@ Test(server, a_reply_past_the_frame_limit_is_refused_not_sent, .timeout = 60) {
   test_raw_close(&r);
   test_daemon_finish(&d);
 }
+
+/* Issue 20 item 12: NULL outputs on a live client are refused, not
+ * dereferenced (NULL clients: test_client.c). */
+Test(server, null_outputs_are_refused_not_dereferenced, .timeout = 30) {
+  test_daemon_start(&d, NULL);
+  shardd_client_t *c = test_connect(&d, "nulls", 0, 1);
+  cr_assert_eq(shardd_status_json(c, NULL), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_inspect_text(c, 1, NULL, NULL), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_buffer_register(c, "x", SHARDD_DTYPE_FP32, 1, NULL), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_gather_async(c, 1, NULL), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_ping(c), SHARDD_OK);
+  shardd_close(c);
+  test_daemon_finish(&d);
+}
