@@ -1168,8 +1168,8 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
         BAD("bad job name");
       uint32_t owner = (uint32_t)strtoul(tok[3], NULL, 10);
       if (as_uid > 0 && (uint32_t)as_uid != owner) {
-        snprintf(err, errlen, "job \"%s\" in %s belongs to uid %" PRIu32
-                 "; only it or root may restore it", tok[1], dir, owner);
+        snprintf(err, errlen, "job \"%s\" in %s belongs to another user; "
+                 "only it or root may restore it", tok[1], dir);
         rc = SHARDD_E_PERMISSION;
         goto fail;
       }

@@ -321,9 +321,9 @@ static void on_hello(shardd__session *s, uint64_t seq, const Shardd__Hello *h) {
     shardd__job *job = shardd__job_find(&srv->reg, h->job);
     /* A job is its creator's: another user may not join (root may). */
     if (job && job->uid != s->cred.uid && s->cred.uid != 0) {
-      snprintf(err, sizeof err, "job \"%s\" belongs to uid %" PRIu32
-               "; uid %d may not join it", job->name, job->uid,
-               (int)s->cred.uid);
+      /* which uid owns it is not the asker's to learn */
+      snprintf(err, sizeof err, "job \"%s\" belongs to another user; uid %d "
+               "may not join it", job->name, (int)s->cred.uid);
       shardd__session_reply(s, seq, SHARDD_E_PERMISSION, err);
       return;
     }
@@ -706,8 +706,8 @@ static void on_checkpoint(shardd__session *s, uint64_t seq,
       return;
     }
     if (job->uid != s->cred.uid && s->cred.uid != 0) {
-      snprintf(err, sizeof err, "job \"%s\" belongs to uid %" PRIu32
-               "; only it or root may checkpoint it", job->name, job->uid);
+      snprintf(err, sizeof err, "job \"%s\" belongs to another user; only "
+               "it or root may checkpoint it", job->name);
       shardd__session_reply(s, seq, SHARDD_E_PERMISSION, err);
       return;
     }

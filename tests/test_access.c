@@ -114,6 +114,8 @@ Test(access, another_uid_cannot_join_see_inspect_or_checkpoint) {
   run_as_nobody(&d, id, &p);
   cr_assert_eq(p.join_code, SHARDD_E_PERMISSION, "join: %d %s", p.join_code, p.join_msg);
   cr_assert(strstr(p.join_msg, "root-job") != NULL, "%s", p.join_msg);
+  cr_assert(strstr(p.join_msg, "uid 0") == NULL, "the refusal names the owner: %s",
+            p.join_msg);
   cr_assert_eq(p.status_lists, 0, "another user's job shows in status");
   cr_assert_eq(p.inspect_code, SHARDD_E_PERMISSION);
   cr_assert_eq(p.name_code, SHARDD_E_NOT_FOUND, "a name search must not reveal it");
