@@ -1409,7 +1409,7 @@ static int idle_attacker(const char *sock, int ready_fd) {
   return 0;
 }
 
-Test(server, idle_connections_of_another_uid_lock_nobody_out, .timeout = 90) {
+Test(server, idle_connections_of_another_uid_lock_nobody_out, .timeout = 120) {
   if (geteuid() != 0)
     cr_skip_test("needs root to act as a second uid");
   /* --max-clients 4: the attacker's 3 and the start probe's connection,
@@ -1473,7 +1473,7 @@ static int fd_hog(const char *sock) {
   return 0;
 }
 
-Test(server, one_uid_cannot_take_every_descriptor, .timeout = 90) {
+Test(server, one_uid_cannot_take_every_descriptor, .timeout = 120) {
   if (geteuid() != 0)
     cr_skip_test("needs root to act as a second uid");
   test_daemon_start(&d, NULL);
@@ -1517,7 +1517,7 @@ static int job_squatter(const char *sock) {
   return 0;
 }
 
-Test(server, one_uid_cannot_fill_the_job_table, .timeout = 90) {
+Test(server, one_uid_cannot_fill_the_job_table, .timeout = 120) {
   if (geteuid() != 0)
     cr_skip_test("needs root to act as a second uid");
   test_daemon_start(&d, (const char *const[]){"--max-jobs-per-uid", "3", NULL});
@@ -1544,7 +1544,7 @@ Test(server, one_uid_cannot_fill_the_job_table, .timeout = 90) {
  * dropped the connection (status with ~60k optimizers, inspect of a buffer
  * with 200k views). A Ping whose request is exactly the limit has a reply
  * a few bytes over it: refused with E_LIMIT, and the session goes on. */
-Test(server, a_reply_past_the_frame_limit_is_refused_not_sent, .timeout = 60) {
+Test(server, a_reply_past_the_frame_limit_is_refused_not_sent, .timeout = 120) {
   test_daemon_start(&d, NULL);
   test_raw r;
   test_raw_open(&d, &r);
@@ -1585,7 +1585,7 @@ Test(server, a_reply_past_the_frame_limit_is_refused_not_sent, .timeout = 60) {
 
 /* Issue 20 item 12: NULL outputs on a live client are refused, not
  * dereferenced (NULL clients: test_client.c). */
-Test(server, null_outputs_are_refused_not_dereferenced, .timeout = 30) {
+Test(server, null_outputs_are_refused_not_dereferenced, .timeout = 120) {
   test_daemon_start(&d, NULL);
   shardd_client_t *c = test_connect(&d, "nulls", 0, 1);
   cr_assert_eq(shardd_status_json(c, NULL), SHARDD_E_INVAL);
