@@ -420,11 +420,37 @@ static size_t buffer_index(shardd__buffer **bufs, size_t n,
   return n;
 }
 
-/* Whether fname is a data file some checkpoint wrote (any generation). */
+static int hexval(char c);
+
+/* Skips "<letter><digits>" at *p; 0 when it is not there. */
+static int skip_num(const char **p, char letter) {
+  if (**p != letter || !((*p)[1] >= '0' && (*p)[1] <= '9'))
+    return 0;
+  for (++*p; **p >= '0' && **p <= '9'; ++*p)
+    ;
+  return 1;
+}
+
+/* Whether fname is a data file some checkpoint wrote, of any generation:
+ * b<i>-r<r>[-TAG].shard or o<i>-b<j>-r<r>[-TAG].state. Only these are
+ * removed from a client's directory: its own files stay whatever they are
+ * called. */
 static int is_data_name(const char *fname) {
-  size_t n = strlen(fname);
-  return (fname[0] == 'b' || fname[0] == 'o') && n > 6 &&
-         (!strcmp(fname + n - 6, ".shard") || !strcmp(fname + n - 6, ".state"));
+  const char *p = fname, *ext = ".shard";
+  if (*p == 'o') {
+    if (!skip_num(&p, 'o') || *p++ != '-')
+      return 0;
+    ext = ".state";
+  }
+  if (!skip_num(&p, 'b') || *p++ != '-' || !skip_num(&p, 'r'))
+    return 0;
+  if (*p == '-') { /* the tag: 8 hex digits */
+    for (int k = 1; k <= 8; k++)
+      if (hexval(p[k]) < 0)
+        return 0;
+    p += 9;
+  }
+  return strcmp(p, ext) == 0;
 }
 
 /* Removes the data files of d whose name holds (keep == 0) or does not hold

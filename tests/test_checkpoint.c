@@ -1165,3 +1165,31 @@ Test(checkpoint, a_client_cannot_checkpoint_into_another_users_directory) {
                SHARDD_OK, "%s", err);
   shardd__job_release(&reg, job);
 }
+
+/* Replacing a checkpoint removes the previous one's data files, and only
+ * those: a client's own files in its directory stay. */
+Test(checkpoint, replacing_a_checkpoint_removes_only_its_own_files) {
+  char ck[128], path[300], err[1024];
+  snprintf(ck, sizeof ck, "%s/ck", dir);
+  cr_assert_eq(mkdir(ck, 0750), 0);
+  const char *mine[] = {"backup.state", "b0-r0-notes.shard", "o1.state", "bx-r0.shard"};
+  for (size_t i = 0; i < sizeof mine / sizeof *mine; i++) {
+    snprintf(path, sizeof path, "%s/%s", ck, mine[i]);
+    write_text(path, "mine\n");
+  }
+  shardd__job *job = make_job("twice");
+  cr_assert_eq(shardd__checkpoint_write(&reg, job, ck, -1, err, sizeof err), SHARDD_OK, "%s", err);
+  char first[128];
+  data_name(ck, "b0-r0", first, sizeof first);
+  cr_assert_eq(shardd__checkpoint_write(&reg, job, ck, -1, err, sizeof err), SHARDD_OK, "%s", err);
+  snprintf(path, sizeof path, "%s/%s", ck, first);
+  cr_assert_eq(access(path, F_OK), -1, "the previous generation's %s stayed", first);
+  for (size_t i = 0; i < sizeof mine / sizeof *mine; i++) {
+    snprintf(path, sizeof path, "%s/%s", ck, mine[i]);
+    cr_assert_eq(access(path, F_OK), 0, "the client's %s was removed", mine[i]);
+  }
+  shardd__job_release(&reg, job);
+  shardd__job *back;
+  cr_assert_eq(shardd__checkpoint_restore(&reg, ck, -1, 0, &back, err, sizeof err),
+               SHARDD_OK, "%s", err);
+}
