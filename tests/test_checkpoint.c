@@ -1172,7 +1172,7 @@ Test(checkpoint, replacing_a_checkpoint_removes_only_its_own_files) {
   char ck[128], path[300], err[1024];
   snprintf(ck, sizeof ck, "%s/ck", dir);
   cr_assert_eq(mkdir(ck, 0750), 0);
-  const char *mine[] = {"backup.state", "b0-r0-notes.shard", "o1.state", "bx-r0.shard"};
+  const char *mine[] = {"backup.state", "b1-r0-notes.shard", "o1.state", "bx-r0.shard"};
   for (size_t i = 0; i < sizeof mine / sizeof *mine; i++) {
     snprintf(path, sizeof path, "%s/%s", ck, mine[i]);
     write_text(path, "mine\n");

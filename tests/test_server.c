@@ -1448,6 +1448,22 @@ Test(server, idle_connections_of_another_uid_lock_nobody_out, .timeout = 120) {
   test_daemon_finish(&d);
 }
 
+/* Opens d's socket to every uid, runs fn(socket) in a child (which turns
+ * itself into uid 4242 first) and asserts it exited 0; its exit code
+ * otherwise names the step that failed. */
+static void run_as_other_uid(int (*fn)(const char *sock), const char *who) {
+  cr_assert_eq(chmod(d.dir, 0755), 0);
+  cr_assert_eq(chmod(d.sock, 0666), 0);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0)
+    _exit(fn(d.sock));
+  int st;
+  cr_assert(test_wait_exit(pid, &st), "the %s did not finish", who);
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s step %d failed", who,
+            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+}
+
 /* Item 7: one job of world 16384 with a 1-element buffer took a descriptor
  * per rank block, every descriptor of the daemon, and then every connect
  * failed. A uid other than root may hold only its share; the refusal says
@@ -1477,16 +1493,7 @@ Test(server, one_uid_cannot_take_every_descriptor, .timeout = 120) {
   if (geteuid() != 0)
     cr_skip_test("needs root to act as a second uid");
   test_daemon_start(&d, NULL);
-  cr_assert_eq(chmod(d.dir, 0755), 0);
-  cr_assert_eq(chmod(d.sock, 0666), 0);
-  pid_t pid = fork();
-  cr_assert(pid >= 0);
-  if (pid == 0)
-    _exit(fd_hog(d.sock));
-  int st;
-  cr_assert(test_wait_exit(pid, &st), "the hog did not finish");
-  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "hog step %d failed",
-            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  run_as_other_uid(fd_hog, "hog");
   shardd_client_t *c = test_connect(&d, NULL, 0, 1);
   cr_assert_eq(shardd_ping(c), SHARDD_OK);
   shardd_close(c);
@@ -1521,16 +1528,7 @@ Test(server, one_uid_cannot_fill_the_job_table, .timeout = 120) {
   if (geteuid() != 0)
     cr_skip_test("needs root to act as a second uid");
   test_daemon_start(&d, (const char *const[]){"--max-jobs-per-uid", "3", NULL});
-  cr_assert_eq(chmod(d.dir, 0755), 0);
-  cr_assert_eq(chmod(d.sock, 0666), 0);
-  pid_t pid = fork();
-  cr_assert(pid >= 0);
-  if (pid == 0)
-    _exit(job_squatter(d.sock));
-  int st;
-  cr_assert(test_wait_exit(pid, &st), "the squatter did not finish");
-  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "squatter step %d failed",
-            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  run_as_other_uid(job_squatter, "squatter");
   for (int i = 0; i < 4; i++) {
     char name[32];
     snprintf(name, sizeof name, "root-%d", i);
