@@ -194,12 +194,8 @@ typedef struct {
 /* Opens path as a directory, walking it one component at a time with
  * O_NOFOLLOW: a string check of the path cannot see a symlink inside
  * --checkpoint-root that points out of it; this walk refuses it.
- * *parent_fd (when not NULL) receives the parent directory, open (-1 for
- * "/" or a one-component relative path's "."). -1 with err and errno set. */
-static int open_dir_nofollow(const char *path, int *parent_fd, char *err,
-                             size_t errlen) {
-  if (parent_fd)
-    *parent_fd = -1;
+ * -1 with err and errno set. */
+static int open_dir_nofollow(const char *path, char *err, size_t errlen) {
   char *copy = strdup(path);
   if (copy == NULL) {
     snprintf(err, errlen, "out of memory");
@@ -207,7 +203,6 @@ static int open_dir_nofollow(const char *path, int *parent_fd, char *err,
     return -1;
   }
   int fd = open(path[0] == '/' ? "/" : ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  int pfd = -1;
   char *save = NULL;
   for (char *comp = strtok_r(copy, "/", &save); fd >= 0 && comp != NULL;
        comp = strtok_r(NULL, "/", &save)) {
@@ -220,15 +215,11 @@ static int open_dir_nofollow(const char *path, int *parent_fd, char *err,
       else
         snprintf(err, errlen, "%s: %s", path, strerror(e));
       close(fd);
-      if (pfd >= 0)
-        close(pfd);
       free(copy);
       errno = e;
       return -1;
     }
-    if (pfd >= 0)
-      close(pfd);
-    pfd = fd;
+    close(fd);
     fd = nfd;
   }
   free(copy);
@@ -238,10 +229,6 @@ static int open_dir_nofollow(const char *path, int *parent_fd, char *err,
     errno = e;
     return -1;
   }
-  if (parent_fd)
-    *parent_fd = pfd;
-  else if (pfd >= 0)
-    close(pfd);
   return fd;
 }
 
@@ -281,7 +268,7 @@ static shardd_err open_write_dir(const char *dir, int64_t as_uid, int *out,
   memcpy(base_copy, dir + cut, n - cut);
   base_copy[n - cut] = '\0';
   shardd_err rc = SHARDD_E_IO;
-  int pfd = open_dir_nofollow(parent, NULL, err, errlen);
+  int pfd = open_dir_nofollow(parent, err, errlen);
   struct stat pst, st;
   if (pfd < 0) {
     rc = errno == ELOOP || errno == ENOTDIR ? SHARDD_E_PERMISSION : SHARDD_E_IO;
@@ -1049,7 +1036,7 @@ static shardd_err verify_manifest(FILE *f, const char *path, char *err,
   char *line = NULL;
   size_t cap = 0;
   uint32_t crc = 0;
-  int lineno = 0, version = 0, sealed = 0;
+  int lineno = 0, version = 0;
   shardd_err rc = SHARDD_OK;
   for (;;) {
     line_rc lr = read_line(f, &line, &cap, MANIFEST_LINE_MAX);
@@ -1069,13 +1056,12 @@ static shardd_err verify_manifest(FILE *f, const char *path, char *err,
                  line[3] ? line + 4 : "missing", crc);
         rc = SHARDD_E_INVAL;
       }
-      sealed = 1;
       break;
     }
     crc = shardd__crc32c(crc, line, strlen(line));
     crc = shardd__crc32c(crc, "\n", 1);
   }
-  (void)sealed; /* no end line: the parser reports the truncation */
+  /* no end line: the parser reports the truncation */
   free(line);
   rewind(f);
   return rc;
@@ -1093,7 +1079,7 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
   char path[4096];
   snprintf(path, sizeof path, "%s/%s", dir, MANIFEST);
   ckdir dd = {-1, dir, as_uid};
-  dd.fd = open_dir_nofollow(dir, NULL, err, errlen);
+  dd.fd = open_dir_nofollow(dir, err, errlen);
   if (dd.fd < 0)
     return errno == ELOOP || errno == ENOTDIR ? SHARDD_E_PERMISSION : SHARDD_E_IO;
   struct stat dst;
