@@ -7,7 +7,12 @@
  * the backend regions behind them; pointers it returns are borrowed and
  * valid until the object is unregistered or its job released. Used from the
  * loop thread only (workers touch region memory, never these structs'
- * links). */
+ * links).
+ *
+ * Implemented in three files: registry.c (the registry, jobs, ids,
+ * resolve, generations, freed handles, quotas), buffer.c (buffers and
+ * views) and optimizer.c (optimizers); what they share among themselves is
+ * in registry_int.h, which no other module includes. */
 #ifndef SHARDD_REGISTRY_H
 #define SHARDD_REGISTRY_H
 

@@ -1,0 +1,259 @@
+/* optimizer.c — optimizers registered over buffers and views: turning a
+ * validated plan into per-rank shards and segments, their state regions,
+ * lookup and unregistering. */
+#include "registry.h"
+#include "registry_int.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- optimizers ------------------------------------------------------- */
+
+void shardd__optim_plan_free(shardd__optim_plan *plan) {
+  free(plan->name);
+  free(plan->groups);
+  free(plan->refs);
+  free(plan->spec);
+  memset(plan, 0, sizeof *plan);
+}
+
+static void optim_free_shards(shardd__registry *reg, shardd__optim *o) {
+  for (size_t i = 0; i < o->nshards; i++) {
+    shardd__optim_shard *s = &o->shards[i];
+    if (s->state) {
+      o->hdr.job->bytes -= s->state->bytes;
+      reg->backend->ops->free(reg->backend, s->state);
+    }
+    free(s->segs);
+  }
+  free(o->shards);
+  o->shards = NULL;
+  o->nshards = 0;
+}
+
+void shardd__optim_destroy(shardd__registry *reg, shardd__optim *o) {
+  for (size_t i = 0; i < o->nrefs; i++) {
+    shardd__obj *r = o->refs[i];
+    if (r->kind == SHARDD__OBJ_VIEW) {
+      shardd__view *v = (shardd__view *)r;
+      v->owner = NULL;
+      v->buf->nowned--;
+    } else {
+      shardd__buffer *b = (shardd__buffer *)r;
+      b->owner = NULL;
+      b->nowned--;
+    }
+  }
+  if (o->hdr.name)
+    shardd__map_del_str(&o->hdr.job->optims, o->hdr.name);
+  optim_free_shards(reg, o);
+  shardd__obj_fini(reg, &o->hdr);
+  free(o->refs);
+  free(o->groups);
+  free(o->spec);
+  free(o);
+}
+
+/* Finds or appends the optimizer shard of (buf, rank). Plans are small
+ * relative to their data, and refs of one buffer arrive together, so the
+ * search starts from the end. */
+static shardd__optim_shard *shard_for(shardd__optim *o, size_t *cap,
+                                      shardd__buffer *buf, uint32_t rank) {
+  for (size_t i = o->nshards; i-- > 0;) {
+    if (o->shards[i].buf == buf && o->shards[i].rank == rank)
+      return &o->shards[i];
+    if (o->shards[i].buf != buf)
+      break;
+  }
+  if (o->nshards == *cap) {
+    size_t ncap = *cap ? *cap * 2 : 8;
+    shardd__optim_shard *p = realloc(o->shards, ncap * sizeof *p);
+    if (p == NULL)
+      return NULL;
+    o->shards = p;
+    *cap = ncap;
+  }
+  shardd__optim_shard *s = &o->shards[o->nshards++];
+  memset(s, 0, sizeof *s);
+  s->buf = buf;
+  s->rank = rank;
+  return s;
+}
+
+static int cmp_plan_ref(const void *a, const void *b) {
+  const shardd__plan_ref *x = a, *y = b;
+  if (x->buf->hdr.id != y->buf->hdr.id)
+    return x->buf->hdr.id < y->buf->hdr.id ? -1 : 1;
+  return x->offset < y->offset ? -1 : x->offset > y->offset;
+}
+
+static shardd_err add_seg(shardd__optim_shard *s, uint64_t start, uint64_t len,
+                          uint32_t group) {
+  if (s->nsegs > 0) { /* merge adjacent ranges of one group */
+    shardd__seg *last = &s->segs[s->nsegs - 1];
+    if (last->group == group && last->start + last->len == start) {
+      last->len += len;
+      return SHARDD_OK;
+    }
+  }
+  shardd__seg *p = realloc(s->segs, (s->nsegs + 1) * sizeof *p);
+  if (p == NULL)
+    return SHARDD_E_NO_MEMORY;
+  s->segs = p;
+  s->segs[s->nsegs++] = (shardd__seg){start, len, group};
+  return SHARDD_OK;
+}
+
+shardd_err shardd__optim_create(shardd__registry *reg, shardd__job *job,
+                                shardd__optim_plan *plan, shardd__optim **out,
+                                char *err, size_t errlen) {
+  *out = NULL;
+  /* The name map must not silently replace a live optimizer: the old one
+   * would become unreachable by name, leak at job release (which walks that
+   * map) and, when unregistered, delete the new one's name entry. The
+   * server checks first; this keeps the registry consistent on its own. */
+  shardd__optim *dup =
+      plan->name ? shardd__map_get_str(&job->optims, plan->name) : NULL;
+  if (dup != NULL) {
+    snprintf(err, errlen,
+             "optimizer \"%s\" exists in job \"%s\" (id %" PRIu64 ")",
+             plan->name, job->name, dup->hdr.id);
+    return SHARDD_E_MISMATCH;
+  }
+  shardd__optim *o = calloc(1, sizeof *o);
+  size_t cap = 0;
+  shardd_err rc = SHARDD_E_NO_MEMORY;
+  if (o == NULL)
+    goto nomem;
+  o->hdr.job = job;
+  o->kind = plan->kind;
+
+  qsort(plan->refs, plan->nrefs, sizeof *plan->refs, cmp_plan_ref);
+  for (size_t i = 0; i < plan->nrefs; i++) {
+    shardd__plan_ref *r = &plan->refs[i];
+    uint64_t s = r->buf->shard_numel;
+    uint64_t end = r->offset + r->numel;
+    for (uint64_t pos = r->offset; pos < end;) {
+      uint32_t rank = (uint32_t)(pos / s);
+      uint64_t shard_end = (uint64_t)(rank + 1) * s;
+      uint64_t len = (end < shard_end ? end : shard_end) - pos;
+      if (!shardd__job_rank_local(job, rank)) { /* another node's shard */
+        pos += len;
+        continue;
+      }
+      shardd__optim_shard *sh = shard_for(o, &cap, r->buf, rank);
+      if (sh == NULL || add_seg(sh, pos - (uint64_t)rank * s, len, r->group) != SHARDD_OK)
+        goto nomem;
+      pos += len;
+    }
+  }
+
+  for (size_t i = 0; i < o->nshards; i++) {
+    shardd__optim_shard *sh = &o->shards[i];
+    int k = 0;
+    for (size_t j = 0; j < sh->nsegs; j++) {
+      int c = shardd__optim_state_count(&plan->groups[sh->segs[j].group]);
+      k = c > k ? c : k;
+    }
+    sh->nstate = k;
+    size_t off = shardd__optim_state_layout(sh->buf->dtype, sh->buf->shard_numel,
+                                            k, &sh->master_off, sh->state_offs);
+    if (off == 0)
+      continue; /* plain SGD on fp32 keeps no state */
+    if (!shardd__within_quota(reg, job, off, err, errlen)) {
+      rc = SHARDD_E_NO_MEMORY;
+      goto fail;
+    }
+    char label[64], why[256];
+    snprintf(label, sizeof label, "shardd:optim:%.40s:%" PRIu32,
+             sh->buf->hdr.name, sh->rank);
+    const shardd__backend_ops *ops = reg->backend->ops;
+    rc = (ops->alloc_private ? ops->alloc_private : ops->alloc)(
+        reg->backend, shardd__rank_device(reg, sh->rank), off, label, &sh->state,
+        why, sizeof why);
+    if (rc != SHARDD_OK) {
+      snprintf(err, errlen, "optimizer state for buffer \"%s\" rank %" PRIu32 ": %s",
+               sh->buf->hdr.name, sh->rank, why);
+      goto fail;
+    }
+    job->bytes += sh->state->bytes;
+  }
+
+  o->refs = malloc((plan->nrefs ? plan->nrefs : 1) * sizeof *o->refs);
+  if (o->refs == NULL)
+    goto nomem;
+  if (shardd__obj_init(reg, &o->hdr, SHARDD__OBJ_OPTIM, plan->name, job) !=
+      SHARDD_OK)
+    goto nomem;
+  if (shardd__map_put_str(&job->optims, plan->name, o) != SHARDD_OK) {
+    shardd__obj_fini(reg, &o->hdr);
+    o->hdr.name = NULL;
+    goto nomem;
+  }
+  for (size_t i = 0; i < plan->nrefs; i++) {
+    shardd__obj *r = plan->refs[i].obj;
+    o->refs[o->nrefs++] = r;
+    if (r->kind == SHARDD__OBJ_VIEW)
+      ((shardd__view *)r)->owner = o;
+    else
+      ((shardd__buffer *)r)->owner = o;
+    plan->refs[i].buf->nowned++;
+  }
+  o->groups = plan->groups;
+  o->ngroups = plan->ngroups;
+  o->spec = plan->spec;
+  o->spec_len = plan->spec_len;
+  plan->groups = NULL;
+  plan->spec = NULL;
+  *out = o;
+  return SHARDD_OK;
+
+nomem:
+  rc = SHARDD_E_NO_MEMORY;
+  snprintf(err, errlen, "out of memory registering optimizer");
+fail:
+  if (o) {
+    optim_free_shards(reg, o);
+    free(o->refs);
+    free(o);
+  }
+  return rc;
+}
+
+size_t shardd__optim_state_layout(shardd_dtype dtype, uint64_t shard_numel,
+                                  int nstate, size_t *master_off,
+                                  size_t state_offs[3]) {
+  size_t arr = shard_numel * sizeof(float);
+  size_t off = 0;
+  *master_off = 0;
+  if (dtype != SHARDD_DTYPE_FP32) {
+    off = nstate > 0 ? shardd__area_end(0, arr) : arr;
+  }
+  for (int j = 0; j < nstate; j++) {
+    state_offs[j] = off;
+    off = j + 1 < nstate ? shardd__area_end(off, arr) : off + arr;
+  }
+  return off;
+}
+
+shardd__optim *shardd__optim_find(shardd__job *job, const char *name) {
+  return shardd__map_get_str(&job->optims, name);
+}
+
+shardd_err shardd__optim_unregister(shardd__registry *reg, shardd__job *job,
+                                    uint64_t id, char *err, size_t errlen) {
+  shardd__obj *o;
+  shardd_err rc = shardd__registry_resolve(reg, job, id, SHARDD__OBJ_OPTIM, &o,
+                                           err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  shardd__optim *opt = (shardd__optim *)o;
+  if (opt->inflight > 0) {
+    snprintf(err, errlen, "optimizer %" PRIu64 " has a step in flight", id);
+    return SHARDD_E_BUSY;
+  }
+  shardd__optim_destroy(reg, opt);
+  return SHARDD_OK;
+}

@@ -1,0 +1,72 @@
+/* registry_int.h — what registry.c, buffer.c and optimizer.c share: object
+ * ids, name checks, per-name generations, the freed-handle record, quotas,
+ * the area layout and the destructors job_release calls. Only those three
+ * files include it; every other module goes through registry.h, so these
+ * can change without touching a caller outside the registry. Loop thread
+ * only, as the registry. */
+#ifndef SHARDD_REGISTRY_INT_H
+#define SHARDD_REGISTRY_INT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "map.h"
+#include "registry.h"
+#include "shardd.h"
+
+/* ---- registry.c ------------------------------------------------------- */
+
+/* Whether name is usable as the name of a what ("job", "buffer", "view");
+ * else 0 with err saying why. */
+int shardd__name_ok(const char *name, const char *what, char *err,
+                    size_t errlen);
+
+/* Gives o the next id and lists it in reg's id map; o->name becomes a copy
+ * of name, freed by obj_fini. On SHARDD_E_NO_MEMORY o is not listed, its
+ * name is NULL and no id was spent. */
+shardd_err shardd__obj_init(shardd__registry *reg, shardd__obj *o,
+                            shardd__obj_kind kind, const char *name,
+                            shardd__job *job);
+/* Unlists o and frees its name; o itself stays the caller's. Safe on an o
+ * that obj_init never listed (name NULL). */
+void shardd__obj_fini(shardd__registry *reg, shardd__obj *o);
+
+/* The gens key of a buffer name (view_name NULL) or of a view of it;
+ * caller frees; NULL when out of memory. */
+char *shardd__gen_key(const char *buf_name, const char *view_name);
+/* The last generation handed out under key in job; 0 for none. */
+uint64_t shardd__gen_get(const shardd__job *job, const char *key);
+/* Sets it (g 0 deletes); replacing an existing key cannot fail. */
+shardd_err shardd__gen_put(shardd__job *job, const char *key, uint64_t g);
+/* Records o (a buffer, or a view of the buffer buf_name) as freed in its
+ * job's ring, before obj_fini frees its name; optimizers and frees during
+ * job_release are not recorded. Copies what it keeps. */
+void shardd__record_freed(shardd__obj *o, const char *buf_name);
+
+/* The values of m, a map of objects, in id order; *out caller-freed with
+ * free(), its entries borrowed from m. */
+shardd_err shardd__obj_values(const shardd__map *m, void ***out, size_t *n);
+
+/* Whether job may take more bytes under --job-memory-limit; else err. */
+int shardd__within_quota(const shardd__registry *reg, const shardd__job *job,
+                         uint64_t more, char *err, size_t errlen);
+/* Whether job may take need more rank blocks (see max_blocks); else err. */
+int shardd__within_blocks(shardd__registry *reg, shardd__job *job,
+                          uint64_t need, char *err, size_t errlen);
+
+/* ---- buffer.c --------------------------------------------------------- */
+
+/* Where a streamed area of bytes starting at start ends and the next may
+ * begin (buffer blocks and optimizer state share this layout rule). */
+size_t shardd__area_end(size_t start, size_t bytes);
+/* Frees b with its views and blocks and unlists it from its job. The
+ * caller has made sure no optimizer references it. */
+void shardd__buffer_destroy(shardd__registry *reg, shardd__buffer *b);
+
+/* ---- optimizer.c ------------------------------------------------------ */
+
+/* Frees o and its state regions, unlists it, and drops its claims on the
+ * buffers and views it referenced. Ignores holds: the caller checked. */
+void shardd__optim_destroy(shardd__registry *reg, shardd__optim *o);
+
+#endif /* SHARDD_REGISTRY_INT_H */
