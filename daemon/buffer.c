@@ -1,6 +1,6 @@
 /* buffer.c — flat buffers and the views named inside them: their layout
  * and rank blocks, registration and attach, frozen ranges and the
- * trainable complement, and listing views. */
+ * trainable complement, holds by collectives, and listing views. */
 #include "registry.h"
 #include "registry_int.h"
 
@@ -211,6 +211,10 @@ shardd_err shardd__buffer_unregister(shardd__registry *reg, shardd__job *job,
   shardd__buffer_destroy(reg, b);
   return SHARDD_OK;
 }
+
+void shardd__buffer_hold(shardd__buffer *b) { b->inflight++; }
+
+void shardd__buffer_release_hold(shardd__buffer *b) { b->inflight--; }
 
 /* ---- views ------------------------------------------------------------ */
 

@@ -1,6 +1,6 @@
 /* optimizer.c — optimizers registered over buffers and views: turning a
  * validated plan into per-rank shards and segments, their state regions,
- * lookup and unregistering. */
+ * lookup, holds by steps, and unregistering. */
 #include "registry.h"
 #include "registry_int.h"
 
@@ -256,4 +256,16 @@ shardd_err shardd__optim_unregister(shardd__registry *reg, shardd__job *job,
   }
   shardd__optim_destroy(reg, opt);
   return SHARDD_OK;
+}
+
+void shardd__optim_hold(shardd__optim *o) {
+  o->inflight++;
+  for (size_t i = 0; i < o->nshards; i++)
+    shardd__buffer_hold(o->shards[i].buf);
+}
+
+void shardd__optim_release_hold(shardd__optim *o) {
+  o->inflight--;
+  for (size_t i = 0; i < o->nshards; i++)
+    shardd__buffer_release_hold(o->shards[i].buf);
 }

@@ -106,10 +106,14 @@ struct shardd__buffer {
   size_t shard_off, reduced_off, gather_off, grad_off, block_bytes;
   /* public counters */
   uint32_t nowned;   /* optimizer refs to it or its views */
-  uint32_t inflight; /* collectives queued or running on it */
   uint64_t gathers, scatters;
   shardd__optim *owner; /* when referenced whole */
   /* private */
+  /* holds by collectives queued or running on it (and by steps of an
+   * optimizer over it); changed only through shardd__buffer_hold,
+   * shardd__optim_hold and their releases, so unregister's refusal stays
+   * the registry's own rule */
+  uint32_t inflight;
   shardd__map views; /* by name */
   /* read-only: views with requires_grad false, and the union of their
    * ranges, merged, in offset order ((start, len) pairs) */
@@ -162,6 +166,8 @@ struct shardd__optim {
   uint64_t steps;
   uint8_t *spec; /* packed registration, to recognise an identical one */
   size_t spec_len;
+  /* private: steps queued or running on it; changed only through
+   * shardd__optim_hold and shardd__optim_release_hold */
   uint32_t inflight;
 };
 
@@ -252,6 +258,12 @@ shardd_err shardd__buffer_register(shardd__registry *reg, shardd__job *job,
                                    int *created, char *err, size_t errlen);
 shardd_err shardd__buffer_unregister(shardd__registry *reg, shardd__job *job,
                                      uint64_t id, char *err, size_t errlen);
+/* Pins b while a collective is queued or running on it: buffer_unregister
+ * refuses it with SHARDD_E_BUSY until every hold is released. Holds count,
+ * and each is undone by one release_hold; releasing one never taken is the
+ * caller's bug. */
+void shardd__buffer_hold(shardd__buffer *b);
+void shardd__buffer_release_hold(shardd__buffer *b);
 
 shardd_err shardd__view_register(shardd__registry *reg, shardd__job *job,
                                  uint64_t buffer, const char *name,
@@ -314,6 +326,13 @@ size_t shardd__optim_state_layout(shardd_dtype dtype, uint64_t shard_numel,
                                   size_t state_offs[3]);
 shardd_err shardd__optim_unregister(shardd__registry *reg, shardd__job *job,
                                     uint64_t id, char *err, size_t errlen);
+/* Pins o while a step is queued or running on it: optim_unregister refuses
+ * it with SHARDD_E_BUSY, and the buffer of each of its shards is held as by
+ * buffer_hold, once per shard (a buffer with k local shards, k times).
+ * release_hold undoes exactly one hold, o's shards being fixed at create.
+ * Counted as buffer holds are. */
+void shardd__optim_hold(shardd__optim *o);
+void shardd__optim_release_hold(shardd__optim *o);
 
 /* Buffers of a job in id order; *out caller-freed with free(). */
 shardd_err shardd__job_buffers(shardd__job *job, shardd__buffer ***out,

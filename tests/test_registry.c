@@ -2,7 +2,8 @@
  * real host backend: padding and layout (expected values computed here from
  * the definitions in DESIGN.md, not with the registry's formulas), attach
  * and mismatch, ids never reused, capacity refusals that leave nothing
- * behind, view bounds and shapes, busy refusals, and resolve's messages. */
+ * behind, view bounds and shapes, busy refusals and the holds behind them,
+ * and resolve's messages. */
 #include <criterion/criterion.h>
 #include <criterion/logging.h>
 #include <criterion/parameterized.h>
@@ -400,10 +401,10 @@ Test(registry, unregister_refusals) {
   cr_expect_eq(shardd__buffer_unregister(&reg, job, 99999, err, sizeof err),
                SHARDD_E_NOT_FOUND);
   cr_expect_not_null(shardd__registry_get(&reg, b->hdr.id));
-  b->inflight = 1;
+  shardd__buffer_hold(b);
   cr_expect_eq(shardd__buffer_unregister(&reg, job, b->hdr.id, err, sizeof err),
                SHARDD_E_BUSY, "a collective is in flight");
-  b->inflight = 0;
+  shardd__buffer_release_hold(b);
   uint64_t vid = v->hdr.id;
   cr_expect_eq(shardd__view_unregister(&reg, job, vid, err, sizeof err),
                SHARDD_OK);
@@ -797,10 +798,92 @@ Test(registry, optimizer_step_in_flight_is_busy) {
   shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_FP32, 100);
   shardd__obj *refs[] = {&b->hdr};
   shardd__optim *o = optim_over("o", refs, 1, SHARDD_OK);
-  o->inflight = 1;
+  shardd__optim_hold(o);
   cr_expect_eq(shardd__optim_unregister(&reg, job, o->hdr.id, err, sizeof err),
                SHARDD_E_BUSY);
-  o->inflight = 0;
+  shardd__optim_release_hold(o);
+}
+
+/* ---- holds ------------------------------------------------------------- */
+
+Test(registry, held_buffer_refuses_unregister_until_every_hold_is_released) {
+  shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_FP32, 100);
+  uint64_t id = b->hdr.id;
+  char want[256];
+  shardd__buffer_hold(b);
+  shardd__buffer_hold(b);
+  cr_expect_eq(shardd__buffer_unregister(&reg, job, id, err, sizeof err),
+               SHARDD_E_BUSY);
+  snprintf(want, sizeof want,
+           "buffer %" PRIu64 " (\"w\") has 2 collective(s) in flight", id);
+  cr_expect_str_eq(err, want);
+  shardd__buffer_release_hold(b);
+  cr_expect_eq(shardd__buffer_unregister(&reg, job, id, err, sizeof err),
+               SHARDD_E_BUSY, "one hold is left");
+  snprintf(want, sizeof want,
+           "buffer %" PRIu64 " (\"w\") has 1 collective(s) in flight", id);
+  cr_expect_str_eq(err, want);
+  cr_expect_not_null(shardd__registry_get(&reg, id));
+  shardd__buffer_release_hold(b);
+  cr_expect_eq(shardd__buffer_unregister(&reg, job, id, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_expect_null(shardd__registry_get(&reg, id));
+}
+
+Test(registry, optimizer_hold_holds_the_buffer_of_each_shard) {
+  /* world 4: "a" (100 elements) has shards of 25 and the optimizer takes
+   * it whole, so all 4 ranks; "c" (8 elements) has shards of 2 and the
+   * view [1, 4) meets ranks 0 and 1 */
+  shardd__buffer *a = buf_new(job, "a", SHARDD_DTYPE_FP32, 100);
+  shardd__buffer *c = buf_new(job, "c", SHARDD_DTYPE_BF16, 8);
+  shardd__view *v = view_new(job, c, "v", 1, 3);
+  shardd__obj *refs[] = {&a->hdr, &v->hdr};
+  shardd__optim *o = optim_over("o", refs, 2, SHARDD_OK);
+  cr_assert_eq(o->nshards, 6);
+  shardd__optim_hold(o);
+  cr_expect_eq(o->inflight, 1);
+  cr_expect_eq(a->inflight, 4);
+  cr_expect_eq(c->inflight, 2);
+  char want[256];
+  snprintf(want, sizeof want, "optimizer %" PRIu64 " has a step in flight",
+           o->hdr.id);
+  cr_expect_eq(shardd__optim_unregister(&reg, job, o->hdr.id, err, sizeof err),
+               SHARDD_E_BUSY);
+  cr_expect_str_eq(err, want);
+  /* a collective's own hold on "a" outlives the step's */
+  shardd__buffer_hold(a);
+  shardd__optim_release_hold(o);
+  cr_expect_eq(o->inflight, 0);
+  cr_expect_eq(a->inflight, 1);
+  cr_expect_eq(c->inflight, 0);
+  cr_assert_eq(shardd__optim_unregister(&reg, job, o->hdr.id, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_expect_eq(shardd__buffer_unregister(&reg, job, a->hdr.id, err, sizeof err),
+               SHARDD_E_BUSY);
+  snprintf(want, sizeof want,
+           "buffer %" PRIu64 " (\"a\") has 1 collective(s) in flight",
+           a->hdr.id);
+  cr_expect_str_eq(err, want);
+  cr_expect_eq(shardd__buffer_unregister(&reg, job, c->hdr.id, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  shardd__buffer_release_hold(a);
+  cr_expect_eq(shardd__buffer_unregister(&reg, job, a->hdr.id, err, sizeof err),
+               SHARDD_OK, "%s", err);
+}
+
+Test(registry, optimizer_hold_covers_only_this_nodes_shards) {
+  /* node 1 of 2 holds ranks 2 and 3 of world 4 */
+  cr_assert_eq(shardd__job_set_layout(job, 2, 1, err, sizeof err), SHARDD_OK,
+               "%s", err);
+  shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_FP32, 100);
+  shardd__obj *refs[] = {&b->hdr};
+  shardd__optim *o = optim_over("o", refs, 1, SHARDD_OK);
+  shardd__optim_hold(o);
+  cr_expect_eq(b->inflight, 2);
+  shardd__optim_release_hold(o);
+  cr_expect_eq(b->inflight, 0);
+  cr_expect_eq(shardd__optim_unregister(&reg, job, o->hdr.id, err, sizeof err),
+               SHARDD_OK, "%s", err);
 }
 
 Test(registry, job_release_with_optimizers) {
