@@ -15,9 +15,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "proto/shardd.pb-c.h"
+#include "optcodec.h"
+#include "optreg.h"
 #include "strbuf.h"
-#include "validate.h"
 
 #define MAGIC "SHRDCKPT"
 #define HEADER_BYTES 64
@@ -786,25 +786,27 @@ static int cmp_id_map(const void *a, const void *b) {
   return x->old_id < y->old_id ? -1 : x->old_id > y->old_id;
 }
 
-/* Registers a recorded optimizer: its own RegisterOptimizer with every ref
- * id replaced by the restored object's, through the same validation a
- * client's registration takes. */
+/* Registers a recorded optimizer: its own registration with every ref id
+ * replaced by the restored object's, through the same use case a client's
+ * registration takes (optreg.h). */
 static shardd_err register_pending(shardd__registry *reg, shardd__job *job,
                                    pending_optim *p, char *err, size_t errlen) {
-  Shardd__RegisterOptimizer *ro =
-      shardd__register_optimizer__unpack(NULL, p->spec_len, p->spec);
-  if (ro == NULL) {
-    snprintf(err, errlen, "optimizer \"%s\": spec does not decode", p->name);
-    return SHARDD_E_INVAL;
+  shardd__optspec spec;
+  shardd_err rc = shardd__optspec_decode(p->spec, p->spec_len, &spec);
+  if (rc != SHARDD_OK) {
+    if (rc == SHARDD_E_NO_MEMORY)
+      snprintf(err, errlen, "out of memory");
+    else
+      snprintf(err, errlen, "optimizer \"%s\": spec does not decode", p->name);
+    return rc;
   }
-  shardd_err rc = SHARDD_OK;
   /* sorted for lookup: a scan per ref was quadratic, and 200k refs in a
    * manifest held the loop thread for minutes */
   if (p->nids > 0) /* qsort(NULL, 0) is undefined */
     qsort(p->ids, p->nids, sizeof *p->ids, cmp_id_map);
-  for (size_t g = 0; g < ro->n_groups && rc == SHARDD_OK; g++) {
-    for (size_t i = 0; i < ro->groups[g]->n_refs; i++) {
-      Shardd__ParamRef *ref = ro->groups[g]->refs[i];
+  for (size_t g = 0; g < spec.ngroups && rc == SHARDD_OK; g++) {
+    for (size_t i = 0; i < spec.groups[g].nrefs; i++) {
+      shardd__optspec_ref *ref = &spec.groups[g].refs[i];
       uint64_t id = 0, gen = 0;
       id_map key = {ref->id, NULL};
       const id_map *hit = p->nids ? bsearch(&key, p->ids, p->nids, sizeof *p->ids,
@@ -825,26 +827,16 @@ static shardd_err register_pending(shardd__registry *reg, shardd__job *job,
         ref->generation = gen;
     }
   }
-  shardd__optim_plan plan;
-  char *msg = NULL;
-  if (rc == SHARDD_OK &&
-      (rc = shardd__validate_optimizer(reg, job, ro, &plan, &msg)) != SHARDD_OK)
-    snprintf(err, errlen, "optimizer \"%s\" refused: %s", p->name,
-             msg ? msg : shardd_strerror(rc));
-  free(msg);
   if (rc == SHARDD_OK) {
-    plan.spec_len = shardd__register_optimizer__get_packed_size(ro);
-    plan.spec = malloc(plan.spec_len ? plan.spec_len : 1);
-    if (plan.spec == NULL) {
-      snprintf(err, errlen, "out of memory");
-      rc = SHARDD_E_NO_MEMORY;
-    } else {
-      shardd__register_optimizer__pack(ro, plan.spec);
-      rc = shardd__optim_create(reg, job, &plan, &p->created, err, errlen);
-    }
-    shardd__optim_plan_free(&plan);
+    shardd__optreg_result res;
+    rc = shardd__optreg_register(reg, job, &spec, 0, &res, err, errlen);
+    if (rc != SHARDD_OK && res.refused)
+      snprintf(err, errlen, "optimizer \"%s\" refused: %s", p->name,
+               res.list ? res.list : shardd_strerror(rc));
+    free(res.list);
+    p->created = res.optim;
   }
-  shardd__register_optimizer__free_unpacked(ro, NULL);
+  shardd__optspec_free(&spec);
   if (rc == SHARDD_OK)
     p->created->steps = p->steps;
   return rc;
