@@ -467,7 +467,8 @@ static void remove_generation(const ckdir *d, const char *tag, int keep) {
 shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
                                     const char *dirpath, int64_t as_uid,
                                     char *err, size_t errlen) {
-  if (strcmp(reg->backend->name, "host") != 0) {
+  /* payloads are read and written through the daemon's own mapping */
+  if (!(reg->backend->caps & SHARDD__BACKEND_CAP_HOST_MAPPED)) {
     snprintf(err, errlen, "checkpoints support the host backend only");
     return SHARDD_E_INVAL;
   }
@@ -1064,7 +1065,8 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
                                       shardd__job **out, char *err,
                                       size_t errlen) {
   *out = NULL;
-  if (strcmp(reg->backend->name, "host") != 0) {
+  /* payloads are read and written through the daemon's own mapping */
+  if (!(reg->backend->caps & SHARDD__BACKEND_CAP_HOST_MAPPED)) {
     snprintf(err, errlen, "checkpoints support the host backend only");
     return SHARDD_E_INVAL;
   }
