@@ -26,7 +26,8 @@ shardd_err shardd__optreg_register(shardd__registry *reg, shardd__job *job,
   shardd__optim *existing =
       flags & SHARDD__OPTREG_ATTACH ? shardd__optim_find(job, name) : NULL;
   if (existing) {
-    int same = existing->spec_len == len && memcmp(existing->spec, bytes, len) == 0;
+    int same =
+        existing->spec_len == len && memcmp(existing->spec, bytes, len) == 0;
     free(bytes);
     if (!same) {
       snprintf(err, errlen,
