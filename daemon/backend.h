@@ -56,7 +56,8 @@ typedef struct {
                            size_t cap, size_t *len);
   /* Moves bytes between r (at off) and host memory, for callers that need
    * the contents on the host (checkpoints). NULL when r->ptr is host memory
-   * the caller may use directly (host backend); set by the cuda backend. */
+   * the caller may use directly (host backend, which sets
+   * SHARDD__BACKEND_CAP_HOST_MAPPED); set by the cuda backend. */
   shardd_err (*read)(shardd__backend *b, shardd__region *r, size_t off,
                      void *dst, size_t bytes);
   shardd_err (*write)(shardd__backend *b, shardd__region *r, size_t off,
@@ -119,10 +120,19 @@ typedef struct {
                                size_t n, char *err, size_t errlen);
 } shardd__backend_ops;
 
+/* Capability bits of a backend (shardd__backend.caps): what callers may
+ * rely on, tested instead of the backend's name. */
+/* Every region's ptr is memory of the daemon's own address space that the
+ * loop thread and workers may read and write directly (the host backend's
+ * memfd mappings); read/write are NULL then. Checkpoints and cross-node
+ * collectives need it. */
+#define SHARDD__BACKEND_CAP_HOST_MAPPED 0x1u
+
 struct shardd__backend {
   /* read-only after create */
   const shardd__backend_ops *ops;
-  const char *name; /* "host" or "cuda" */
+  const char *name; /* "host" or "cuda", for messages and status */
+  unsigned caps;    /* SHARDD__BACKEND_CAP_* bits */
   int ndevices;
   void *priv;
 };

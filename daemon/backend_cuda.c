@@ -826,6 +826,7 @@ shardd_err shardd__backend_cuda_create(int ndevices, shardd__backend **out,
   cp->peer = peer;
   b->ops = &cuda_ops;
   b->name = "cuda";
+  b->caps = 0; /* device memory: reached through read/write */
   b->ndevices = ndevices;
   b->priv = cp;
   *out = b;

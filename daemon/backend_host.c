@@ -322,6 +322,7 @@ shardd_err shardd__backend_host_create(int ndevices, uint64_t capacity,
   hp->used = used;
   b->ops = &host_ops;
   b->name = "host";
+  b->caps = SHARDD__BACKEND_CAP_HOST_MAPPED;
   b->ndevices = ndevices;
   b->priv = hp;
   *out = b;

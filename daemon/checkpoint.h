@@ -17,7 +17,10 @@
  * lists lacks the shard of some rank (restoring it gave zeros).
  *
  * Both run on the loop thread and block it for the I/O. Host backend only
- * (payloads are read and written through the daemon's own mapping). */
+ * (payloads are read and written through the daemon's own mapping).
+ *
+ * Write is checkpoint.c, restore restore.c; beneath both, manifest.h (the
+ * manifest's text) and ckfile.h (directory, files, data file headers). */
 #ifndef SHARDD_CHECKPOINT_H
 #define SHARDD_CHECKPOINT_H
 

@@ -17,6 +17,8 @@
 
 #include "checkpoint.h"
 #include "collective.h"
+#include "optcodec.h"
+#include "optreg.h"
 #include "status.h"
 #include "validate.h"
 
@@ -541,56 +543,26 @@ static void on_register_optimizer(shardd__session *s, uint64_t seq,
                                   const Shardd__RegisterOptimizer *ro) {
   shardd__server *srv = s->srv;
   char err[ERRLEN];
-  const char *name = ro->name && ro->name[0] ? ro->name : "default";
-  size_t spec_len = shardd__register_optimizer__get_packed_size(ro);
-  uint8_t *spec = malloc(spec_len ? spec_len : 1);
-  if (spec == NULL) {
+  shardd__optspec spec;
+  if (shardd__optspec_from_wire(ro, &spec) != SHARDD_OK) {
     shardd__session_reply(s, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
-  shardd__register_optimizer__pack(ro, spec);
-
-  /* Every rank registers the same optimizer: an identical registration
-   * attaches; anything else under that name is a conflict. */
-  shardd__optim *existing = shardd__optim_find(s->job, name);
-  if (existing) {
-    int same = existing->spec_len == spec_len &&
-               memcmp(existing->spec, spec, spec_len) == 0;
-    free(spec);
-    if (same) {
-      reply_optimizer(s, seq, existing->hdr.id, 0);
-    } else {
-      snprintf(err, sizeof err,
-               "optimizer \"%s\" (id %" PRIu64 ") exists in job \"%s\" with "
-               "another registration; ranks must register identical "
-               "optimizers, or use another name",
-               name, existing->hdr.id, s->job->name);
-      shardd__session_reply(s, seq, SHARDD_E_MISMATCH, err);
-    }
-    return;
-  }
-
-  shardd__optim_plan plan;
-  char *msg = NULL;
-  shardd_err rc = shardd__validate_optimizer(&srv->reg, s->job, ro, &plan, &msg);
-  if (rc != SHARDD_OK) {
-    free(spec);
-    shardd__session_reply(s, seq, rc, msg ? msg : "optimizer refused");
+  shardd__optreg_result res;
+  shardd_err rc = shardd__optreg_register(&srv->reg, s->job, &spec,
+                                          SHARDD__OPTREG_ATTACH, &res, err,
+                                          sizeof err);
+  shardd__optspec_free(&spec);
+  if (rc == SHARDD_OK) {
+    reply_optimizer(s, seq, res.optim->hdr.id, res.created);
+  } else if (res.refused) {
+    shardd__session_reply(s, seq, rc, res.list ? res.list : "optimizer refused");
     shardd__log(srv, 3, "job \"%s\": optimizer refused: %s", s->job->name,
-                msg ? msg : "");
-    free(msg);
-    return;
-  }
-  plan.spec = spec;
-  plan.spec_len = spec_len;
-  shardd__optim *o;
-  rc = shardd__optim_create(&srv->reg, s->job, &plan, &o, err, sizeof err);
-  shardd__optim_plan_free(&plan);
-  if (rc != SHARDD_OK) {
+                res.list ? res.list : "");
+  } else {
     shardd__session_reply(s, seq, rc, err);
-    return;
   }
-  reply_optimizer(s, seq, o->hdr.id, 1);
+  free(res.list);
 }
 
 static void on_unregister(shardd__session *s, uint64_t seq,

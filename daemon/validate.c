@@ -9,7 +9,7 @@
 
 #include "strbuf.h"
 
-static void overlay(shardd__hp *hp, const Shardd__HyperParams *h) {
+static void overlay(shardd__hp *hp, const shardd__optspec_hp *h) {
   if (h == NULL)
     return;
   if (h->has_lr)
@@ -34,8 +34,8 @@ static void overlay(shardd__hp *hp, const Shardd__HyperParams *h) {
     hp->amsgrad = h->amsgrad;
 }
 
-void shardd__hp_resolve(shardd_optim_kind kind, const Shardd__HyperParams *top,
-                        const Shardd__HyperParams *group, shardd__hp *out) {
+void shardd__hp_resolve(shardd_optim_kind kind, const shardd__optspec_hp *top,
+                        const shardd__optspec_hp *group, shardd__hp *out) {
   shardd__hp_defaults(kind, out);
   overlay(out, top);
   overlay(out, group);
@@ -236,7 +236,7 @@ static const char *kind_word(shardd_optim_kind k) {
 
 shardd_err shardd__validate_optimizer(const shardd__registry *reg,
                                       const shardd__job *job,
-                                      const Shardd__RegisterOptimizer *req,
+                                      const shardd__optspec *req,
                                       shardd__optim_plan *plan, char **msg) {
   problems p;
   memset(&p, 0, sizeof p);
@@ -255,33 +255,34 @@ shardd_err shardd__validate_optimizer(const shardd__registry *reg,
             (int)req->kind);
     goto done;
   }
-  if (req->n_groups == 0) {
+  if (req->ngroups == 0) {
     problem(&p, SHARDD_E_INVAL, "the optimizer has no param groups");
     goto done;
   }
 
-  plan->groups = calloc(req->n_groups, sizeof *plan->groups);
-  for (size_t g = 0; g < req->n_groups; g++)
-    total += req->groups[g]->n_refs;
+  plan->groups = calloc(req->ngroups, sizeof *plan->groups);
+  for (size_t g = 0; g < req->ngroups; g++)
+    total += req->groups[g].nrefs;
   locs = calloc(total ? total : 1, sizeof *locs);
   if (plan->groups == NULL || locs == NULL) {
     problem(&p, SHARDD_E_NO_MEMORY, "out of memory validating the optimizer");
     goto done;
   }
-  plan->ngroups = req->n_groups;
+  plan->ngroups = req->ngroups;
 
-  for (size_t g = 0; g < req->n_groups; g++) {
-    const Shardd__ParamGroup *grp = req->groups[g];
+  for (size_t g = 0; g < req->ngroups; g++) {
+    const shardd__optspec_group *grp = &req->groups[g];
     shardd__hp *hp = &plan->groups[g];
-    shardd__hp_resolve(kind, req->hyper, grp->overrides, hp);
+    shardd__hp_resolve(kind, req->has_hyper ? &req->hyper : NULL,
+                       grp->has_overrides ? &grp->overrides : NULL, hp);
     char why[256];
     if (shardd__hp_check(hp, why, sizeof why) != SHARDD_OK)
       problem(&p, SHARDD_E_RANGE, "param group %zu: %s", g, why);
-    if (grp->n_refs == 0)
+    if (grp->nrefs == 0)
       problem(&p, SHARDD_E_INVAL, "param group %zu is empty", g);
 
-    for (size_t i = 0; i < grp->n_refs; i++) {
-      const Shardd__ParamRef *ref = grp->refs[i];
+    for (size_t i = 0; i < grp->nrefs; i++) {
+      const shardd__optspec_ref *ref = &grp->refs[i];
       uint64_t id = ref->id;
       const shardd__obj *o = shardd__registry_get(reg, id);
       const char *label = ref->name && ref->name[0] ? ref->name

@@ -16,6 +16,7 @@
 
 #include "checkpoint.h"
 #include "harness.h"
+#include "optcodec.h"
 #include "proto/shardd.pb-c.h"
 #include "registry.h"
 #include "validate.h"
@@ -116,8 +117,13 @@ static shardd__job *make_job(const char *name) {
   ro.n_groups = 2;
   shardd__optim_plan plan;
   char *msg = NULL;
-  cr_assert_eq(shardd__validate_optimizer(&reg, job, &ro, &plan, &msg), SHARDD_OK,
+  shardd__optspec spec;
+  cr_assert_eq(shardd__optspec_from_wire(&ro, &spec), SHARDD_OK);
+  cr_assert_eq(shardd__validate_optimizer(&reg, job, &spec, &plan, &msg), SHARDD_OK,
                "%s", msg ? msg : "");
+  shardd__optspec_free(&spec);
+  /* the recorded identity is the packed wire message, as checkpoints
+   * written before optcodec.h hold it */
   plan.spec_len = shardd__register_optimizer__get_packed_size(&ro);
   plan.spec = malloc(plan.spec_len);
   shardd__register_optimizer__pack(&ro, plan.spec);

@@ -1,0 +1,71 @@
+/* ckfile.h — the file layer under checkpoint write and restore (inside
+ * the checkpoint module; checkpoint.h is its public interface): the
+ * directory opened without following symlinks, who may write into or read
+ * from it, files written atomically (temporary name, fsync, rename) and
+ * data files (header, buffer name, payload) written and checked on the way
+ * back. CRC32C itself is declared in checkpoint.h.
+ *
+ * Errors fill the caller's err with the path that failed. */
+#ifndef SHARDD_CKFILE_H
+#define SHARDD_CKFILE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "shardd.h"
+
+/* The directory a checkpoint lives in, opened once: every file below it is
+ * opened relative to fd with O_NOFOLLOW, so no symlink planted in a
+ * client's directory (or on the way to it) redirects the daemon's own
+ * rights to another user's file. path is for messages only. as_uid is who
+ * asks (< 0 the daemon itself, 0 root). */
+typedef struct {
+  int fd;
+  const char *path;
+  int64_t as_uid;
+} shardd__ckdir;
+
+/* Opens path as a directory, one component at a time with O_NOFOLLOW. The
+ * descriptor is the caller's; -1 with err and errno set (ELOOP or ENOTDIR:
+ * a symlink or a non-directory on the way). */
+int shardd__ck_open_dir(const char *path, char *err, size_t errlen);
+
+/* Opens, making it when missing, the directory a checkpoint of as_uid is
+ * written into; *out is the caller's to close. SHARDD_E_PERMISSION when it
+ * is not as_uid's to write into (see checkpoint.h). */
+shardd_err shardd__ck_open_write_dir(const char *dir, int64_t as_uid, int *out,
+                                     char *err, size_t errlen);
+
+shardd_err shardd__ck_fsync_dir(const shardd__ckdir *d, char *err,
+                                size_t errlen);
+
+/* Writes d/fname atomically: head (may be NULL), then payload. */
+shardd_err shardd__ck_write_file(const shardd__ckdir *d, const char *fname,
+                                 const void *head, size_t head_len,
+                                 const void *payload, size_t bytes, char *err,
+                                 size_t errlen);
+
+/* Writes a data file of bytes of payload, the header saying dtype, numel,
+ * element offset and the buffer's name; *crc is the payload's CRC32C. */
+shardd_err shardd__ck_write_data(const shardd__ckdir *dir, const char *fname,
+                                 uint32_t dtype, uint64_t numel,
+                                 uint64_t offset, const char *name,
+                                 const void *payload, size_t bytes,
+                                 uint32_t *crc, char *err, size_t errlen);
+
+/* Opens d/fname for reading if it is a regular file the asker may have
+ * read (one link, its own or the daemon's); the descriptor is the
+ * caller's. -1 with err and errno set: EPERM or ELOOP refused, EINVAL not
+ * a plain file name or not a regular file, else the open's errno. */
+int shardd__ck_open_regular(const shardd__ckdir *d, const char *fname,
+                            char *err, size_t errlen);
+
+/* Reads data file dir/fname into dst (bytes) once its header matches dtype,
+ * numel, offset and name, and checks the payload against crc. */
+shardd_err shardd__ck_load_data(const shardd__ckdir *dir, const char *fname,
+                                uint32_t dtype, uint64_t numel,
+                                uint64_t offset, const char *name,
+                                uint32_t crc, void *dst, size_t bytes,
+                                char *err, size_t errlen);
+
+#endif /* SHARDD_CKFILE_H */

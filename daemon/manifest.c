@@ -1,0 +1,121 @@
+/* manifest.c — a checkpoint manifest's text (see manifest.h). */
+#include "manifest.h"
+
+#include <inttypes.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "checkpoint.h"
+
+void shardd__manifest_enc_name(shardd__sb *sb, const char *s) {
+  for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+    if (*p <= 0x20 || *p >= 0x7f || *p == '%')
+      shardd__sb_printf(sb, "%%%02x", *p);
+    else
+      shardd__sb_printf(sb, "%c", *p);
+  }
+}
+
+/* Decodes in place; returns 0 on a malformed escape. */
+int shardd__manifest_dec_name(char *s) {
+  char *w = s;
+  for (char *r = s; *r; r++) {
+    if (*r == '%') {
+      unsigned v;
+      if (!r[1] || !r[2] || sscanf(r + 1, "%2x", &v) != 1 || v == 0)
+        return 0;
+      *w++ = (char)v;
+      r += 2;
+    } else {
+      *w++ = *r;
+    }
+  }
+  *w = '\0';
+  return 1;
+}
+
+int shardd__manifest_hexval(char c) {
+  if (c >= '0' && c <= '9')
+    return c - '0';
+  if (c >= 'a' && c <= 'f')
+    return c - 'a' + 10;
+  return -1;
+}
+
+/* Reads the next line of f, without its newline, into *buf (grown, to at
+ * most max + 1 bytes). A NUL byte is refused: the tokenizer would silently
+ * end the line there. */
+shardd__line_rc shardd__manifest_read_line(FILE *f, char **buf, size_t *cap,
+                                           size_t max) {
+  if (*cap == 0) {
+    if ((*buf = malloc(256)) == NULL)
+      return SHARDD__LINE_NOMEM;
+    *cap = 256;
+  }
+  size_t n = 0;
+  int c;
+  while ((c = getc_unlocked(f)) != EOF && c != '\n') {
+    if (n == max)
+      return SHARDD__LINE_LONG;
+    if (c == '\0')
+      return SHARDD__LINE_NUL;
+    if (n + 1 >= *cap) {
+      size_t ncap = *cap * 2 < max + 1 ? *cap * 2 : max + 1;
+      char *nb = realloc(*buf, ncap);
+      if (nb == NULL)
+        return SHARDD__LINE_NOMEM;
+      *buf = nb;
+      *cap = ncap;
+    }
+    (*buf)[n++] = (char)c;
+  }
+  if (c == EOF && ferror(f))
+    return SHARDD__LINE_IO;
+  if (c == EOF && n == 0)
+    return SHARDD__LINE_EOF;
+  (*buf)[n] = '\0';
+  return SHARDD__LINE_OK;
+}
+
+/* Checks the checksum on the "end" line of a version 3 manifest against
+ * the bytes before it, before any line is acted upon; rewinds f. Older
+ * versions have none. Lines too long or with a NUL byte are left to the
+ * parser, which names them. */
+shardd_err shardd__manifest_verify(FILE *f, const char *path, char *err,
+                                   size_t errlen) {
+  char *line = NULL;
+  size_t cap = 0;
+  uint32_t crc = 0;
+  int lineno = 0, version = 0;
+  shardd_err rc = SHARDD_OK;
+  for (;;) {
+    shardd__line_rc lr =
+        shardd__manifest_read_line(f, &line, &cap, SHARDD__MANIFEST_LINE_MAX);
+    if (lr != SHARDD__LINE_OK)
+      break;
+    lineno++;
+    if (lineno == 1 && sscanf(line, "shardd-checkpoint %d", &version) != 1)
+      break;
+    if (version < 3)
+      break;
+    unsigned want;
+    char extra;
+    if (!strncmp(line, "end", 3) && (line[3] == ' ' || line[3] == '\0')) {
+      if (sscanf(line, "end %8x%c", &want, &extra) != 1 || (uint32_t)want != crc) {
+        snprintf(err, errlen, "%s line %d: checksum %s, the manifest's bytes "
+                 "give %08" PRIx32 " (edited or corrupt)", path, lineno,
+                 line[3] ? line + 4 : "missing", crc);
+        rc = SHARDD_E_INVAL;
+      }
+      break;
+    }
+    crc = shardd__crc32c(crc, line, strlen(line));
+    crc = shardd__crc32c(crc, "\n", 1);
+  }
+  /* no end line: the parser reports the truncation */
+  free(line);
+  rewind(f);
+  return rc;
+}

@@ -1,0 +1,54 @@
+/* manifest.h — the text of a checkpoint's manifest, below write and
+ * restore (inside the checkpoint module; checkpoint.h is its public
+ * interface): name encoding, bounded line reading and the seal check.
+ * Names are percent-encoded so any byte string survives the
+ * space-separated format. */
+#ifndef SHARDD_MANIFEST_H
+#define SHARDD_MANIFEST_H
+
+#include <stddef.h>
+#include <stdio.h>
+
+#include "shardd.h"
+#include "strbuf.h"
+
+#define SHARDD__MANIFEST_FILE "manifest"
+
+/* The longest manifest line restore reads (and write produces). The
+ * longest one is an optimizer's: its RegisterOptimizer in hex, with its
+ * name and step count. A client's registration fits one frame, but a
+ * restored one is repacked with new ids and generations (longer varints),
+ * so the cap allows a spec of two frames; write refuses past it rather than
+ * leave a checkpoint restore would refuse. The manifest comes from a
+ * directory the client names, and getline grew its buffer to whatever one
+ * line held: a planted manifest without newlines cost its size in memory. */
+#define SHARDD__MANIFEST_LINE_MAX ((size_t)4 * SHARDD_MAX_FRAME + 4096)
+
+/* Appends s to sb percent-encoded (bytes <= 0x20, >= 0x7f and '%'). */
+void shardd__manifest_enc_name(shardd__sb *sb, const char *s);
+/* Decodes s in place; returns 0 on a malformed escape or an escaped NUL. */
+int shardd__manifest_dec_name(char *s);
+/* The value of a lowercase hex digit, -1 for anything else. */
+int shardd__manifest_hexval(char c);
+
+typedef enum {
+  SHARDD__LINE_OK,
+  SHARDD__LINE_EOF,
+  SHARDD__LINE_LONG,
+  SHARDD__LINE_NUL,
+  SHARDD__LINE_NOMEM,
+  SHARDD__LINE_IO
+} shardd__line_rc;
+
+/* Reads the next line of f, without its newline, into *buf (the caller's,
+ * grown with realloc to at most max + 1 bytes; free() it). */
+shardd__line_rc shardd__manifest_read_line(FILE *f, char **buf, size_t *cap,
+                                           size_t max);
+
+/* Checks the seal of a version 3 manifest (the CRC32C on its "end" line)
+ * before any line is acted upon, then rewinds f. SHARDD_E_INVAL with err
+ * naming path and line when it does not match. */
+shardd_err shardd__manifest_verify(FILE *f, const char *path, char *err,
+                                   size_t errlen);
+
+#endif /* SHARDD_MANIFEST_H */
