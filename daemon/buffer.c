@@ -526,3 +526,16 @@ shardd_err shardd__buffer_views(shardd__buffer *buf, shardd__view ***out,
     qsort(*out, *n, sizeof **out, cmp_view_offset);
   return rc;
 }
+
+shardd_err shardd__buffer_stage(shardd__registry *reg, shardd__buffer *b,
+                                char *err, size_t errlen) {
+  if (b->stage)
+    return SHARDD_OK;
+  shardd__job *job = b->hdr.job;
+  shardd_err rc = reg->backend->ops->alloc(
+      reg->backend, shardd__rank_device(reg, job->local_first),
+      b->padded_numel * 4, "shardd:stage", &b->stage, err, errlen);
+  if (rc == SHARDD_OK)
+    job->bytes += b->stage->bytes;
+  return rc;
+}

@@ -19,6 +19,7 @@
 
 #include "backend.h"
 #include "checkpoint.h"
+#include "log.h"
 #include "strbuf.h"
 #include "sdnotify.h"
 #include "server.h"
@@ -135,8 +136,8 @@ static void checkpoint_job(shardd__job *job, void *arg) {
   exit_ckpt *a = arg;
   char err[512];
   char *d = job_dir(a->dir, job->name);
-  if (d == NULL || shardd__server_checkpoint(a->srv, job, d, -1, err, sizeof err) != SHARDD_OK) {
-    shardd__log(a->srv, 0, "checkpoint of job \"%s\" failed: %s", job->name,
+  if (d == NULL || shardd__jobs_checkpoint(&a->srv->d.jobs, job, d, -1, err, sizeof err) != SHARDD_OK) {
+    shardd__log(0, "checkpoint of job \"%s\" failed: %s", job->name,
                 d ? err : "out of memory");
     a->failed = 1;
   }
@@ -146,13 +147,13 @@ static void checkpoint_job(shardd__job *job, void *arg) {
 static int restore_one(shardd__server *srv, const char *dir) {
   char err[1024];
   shardd__job *job;
-  if (shardd__checkpoint_restore(&srv->reg, dir, -1, 0, &job, err, sizeof err) !=
+  if (shardd__checkpoint_restore(&srv->d.reg, dir, -1, 0, &job, err, sizeof err) !=
       SHARDD_OK) {
-    shardd__log(srv, 0, "restore refused: %s", err);
+    shardd__log(0, "restore refused: %s", err);
     return -1;
   }
-  shardd__job_mark_idle(srv, job);
-  shardd__log(srv, 2, "job \"%s\" restored from %s", job->name, dir);
+  shardd__jobs_unclaimed(&srv->d.jobs, job, shardd__server_now(srv), 0);
+  shardd__log(2, "job \"%s\" restored from %s", job->name, dir);
   return 0;
 }
 
@@ -165,7 +166,7 @@ static int restore_all(shardd__server *srv, const char *dir) {
     return restore_one(srv, dir);
   DIR *d = opendir(dir);
   if (d == NULL) {
-    shardd__log(srv, 0, "--restore %s: %s", dir, strerror(errno));
+    shardd__log(0, "--restore %s: %s", dir, strerror(errno));
     return -1;
   }
   int rc = 0, n = 0;
@@ -177,7 +178,7 @@ static int restore_all(shardd__server *srv, const char *dir) {
       /* A job whose checkpoint vanished must not vanish without a word. */
       snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
       if (stat(path, &st) == 0 && S_ISDIR(st.st_mode))
-        shardd__log(srv, 1, "--restore: %s has no manifest (an incomplete "
+        shardd__log(1, "--restore: %s has no manifest (an incomplete "
                     "checkpoint, or not one); skipped", path);
       continue;
     }
@@ -188,7 +189,7 @@ static int restore_all(shardd__server *srv, const char *dir) {
   }
   closedir(d);
   if (n == 0)
-    shardd__log(srv, 1, "--restore %s: no checkpoint found", dir);
+    shardd__log(1, "--restore %s: no checkpoint found", dir);
   return rc;
 }
 
@@ -485,14 +486,14 @@ int main(int argc, char **argv) {
     uv_loop_close(loop);
     return 1;
   }
-  shardd__log(&srv, 2, "shardd %s serving on %s (%s backend, %d device%s%s)",
+  shardd__log(2, "shardd %s serving on %s (%s backend, %d device%s%s)",
               SHARDD_VERSION, srv.socket_path, backend->name, backend->ndevices,
               backend->ndevices == 1 ? "" : "s", nfds > 0 ? ", socket-activated" : "");
   char state[256];
   snprintf(state, sizeof state, "READY=1\nSTATUS=serving on %s\nMAINPID=%d",
            srv.socket_path, (int)getpid());
   if (shardd__sd_notify(state, err, sizeof err) != SHARDD_OK)
-    shardd__log(&srv, 1, "sd_notify: %s", err);
+    shardd__log(1, "sd_notify: %s", err);
 
   uv_run(loop, UV_RUN_DEFAULT);
 
@@ -502,11 +503,11 @@ int main(int argc, char **argv) {
     /* The loop has drained: no collective runs, every session is closed,
      * and the jobs are still there (no release while stopping). */
     if (mkdir(ckpt_exit, 0750) != 0 && errno != EEXIST) {
-      shardd__log(&srv, 0, "--checkpoint-on-exit %s: %s", ckpt_exit, strerror(errno));
+      shardd__log(0, "--checkpoint-on-exit %s: %s", ckpt_exit, strerror(errno));
       status = 1;
     } else {
       exit_ckpt a = {&srv, ckpt_exit, 0};
-      shardd__registry_each_job(&srv.reg, checkpoint_job, &a);
+      shardd__registry_each_job(&srv.d.reg, checkpoint_job, &a);
       status = a.failed;
     }
   }
@@ -514,7 +515,6 @@ int main(int argc, char **argv) {
   uv_loop_close(loop);
   for (size_t i = 0; i < nspecs; i++)
     shardd__jobspec_free(&specs[i]);
-  if (opts.log_level >= 2)
-    shardd__log(NULL, 2, "stopped");
+  shardd__log(2, "stopped");
   return status;
 }

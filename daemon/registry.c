@@ -107,15 +107,13 @@ shardd_err shardd__job_get(shardd__registry *reg, const char *name,
     }
   }
   job = calloc(1, sizeof *job);
-  if (job == NULL || (job->name = strdup(name)) == NULL ||
-      (job->rank_sessions = calloc(world, sizeof(void *))) == NULL)
+  if (job == NULL || (job->name = strdup(name)) == NULL)
     goto nomem;
   job->world = world;
   job->nodes = 1;
   job->local_ranks = world;
   job->uid = uid;
   job->reg = reg;
-  job->empty_since = -1;
   shardd__map_init(&job->buffers);
   shardd__map_init(&job->optims);
   shardd__map_init(&job->gens);
@@ -128,7 +126,6 @@ shardd_err shardd__job_get(shardd__registry *reg, const char *name,
 nomem:
   if (job) {
     free(job->name);
-    free(job->rank_sessions);
     free(job);
   }
   snprintf(err, errlen, "out of memory creating job");
@@ -485,7 +482,6 @@ void shardd__job_release(shardd__registry *reg, shardd__job *job) {
   shardd__map_free(&job->optims);
   freed_release(job);
   shardd__map_del_str(&reg->jobs, job->name);
-  free(job->rank_sessions);
   free(job->name);
   free(job);
 }

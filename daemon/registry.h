@@ -54,16 +54,12 @@ struct shardd__job {
   uint32_t world;
   uint32_t uid; /* the uid that created it */
   shardd__registry *reg;
-  /* public: the server's and the collective module's bookkeeping */
-  void **rank_sessions; /* [world], NULL where the rank is not connected */
-  uint32_t nclients;
-  double empty_since; /* loop time when the last client left, < 0 if any */
-  void *coll;         /* the collective module's per-job state */
+  /* The layers above keep their own state of a job (who holds its ranks:
+   * jobs.c; its collectives: coll.c) by job, not in it. */
   /* read-only after shardd__job_set_layout: the job's nodes (--job-spec).
    * This daemon holds ranks [local_first, local_first + local_ranks); a
    * single-node job has nodes 1, local_first 0, local_ranks world. */
   uint32_t nodes, node_rank, local_first, local_ranks;
-  void *fabric; /* the collective module's cross-node state; NULL on 1 node */
   /* private */
   shardd__map buffers; /* by name */
   shardd__map optims;  /* by name */
@@ -288,6 +284,12 @@ shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
 size_t shardd__buffer_trainable(const shardd__buffer *buf, uint64_t lo,
                                 uint64_t hi,
                                 uint64_t (*out)[2], size_t cap);
+
+/* Allocates b's multi-node staging area (padded_numel fp32 on the device
+ * of the job's first local rank) unless it has one; it counts towards the
+ * job's bytes and is freed with b. */
+shardd_err shardd__buffer_stage(shardd__registry *reg, shardd__buffer *b,
+                                char *err, size_t errlen);
 
 shardd_err shardd__view_unregister(shardd__registry *reg, shardd__job *job,
                                    uint64_t id, char *err, size_t errlen);

@@ -8,7 +8,9 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "collective.h"
+#include "access.h"
+#include "coll.h"
+#include "jobs.h"
 
 typedef struct chunk {
   struct chunk *next;
@@ -51,17 +53,18 @@ void shardd__report_free(shardd__report *r) {
 
 static Shardd__DType wire_dtype(shardd_dtype d) { return (Shardd__DType)d; }
 
-static Shardd__JobStatus *job_status(shardd__report *r, shardd__job *job) {
+static Shardd__JobStatus *job_status(const shardd__status_ctx *ctx,
+                                     shardd__report *r, shardd__job *job) {
   Shardd__JobStatus *js = ar_alloc(r, sizeof *js);
   if (js == NULL)
     return NULL;
   shardd__job_status__init(js);
   js->name = ar_strdup(r, job->name);
   js->world = job->world;
-  js->clients = job->nclients;
+  js->clients = shardd__jobs_clients(ctx->jobs, job);
   js->views = job->nviews;
   js->bytes = job->bytes;
-  js->collectives_in_flight = shardd__coll_inflight(job);
+  js->collectives_in_flight = shardd__coll_inflight(ctx->coll, job);
   shardd__buffer **bufs;
   size_t nb;
   if (shardd__job_buffers(job, &bufs, &nb) == SHARDD_OK) {
@@ -98,7 +101,7 @@ static Shardd__JobStatus *job_status(shardd__report *r, shardd__job *job) {
         break;
       shardd__node_status__init(ns);
       char state[32];
-      shardd__coll_node_state(job, n, state, sizeof state);
+      shardd__coll_node_state(ctx->coll, job, n, state, sizeof state);
       ns->node = n;
       ns->first_rank = n * job->local_ranks;
       ns->ranks = job->local_ranks;
@@ -106,7 +109,7 @@ static Shardd__JobStatus *job_status(shardd__report *r, shardd__job *job) {
       js->node_states[js->n_node_states++] = ns;
     }
     char engine[32], msg[400];
-    shardd__coll_fabric_state(job, engine, sizeof engine, msg, sizeof msg);
+    shardd__coll_fabric_state(ctx->coll, job, engine, sizeof engine, msg, sizeof msg);
     js->fabric = ar_strdup(r, engine);
     if (msg[0])
       js->fabric_error = ar_strdup(r, msg);
@@ -118,15 +121,16 @@ typedef struct {
   shardd__report *r;
   Shardd__StatusReply *st;
   size_t cap;
-  const shardd__session *viewer;
+  const shardd__peer *viewer;
+  const shardd__status_ctx *ctx;
 } jobs_arg;
 
 static void add_job(shardd__job *job, void *arg) {
   jobs_arg *a = arg;
-  if (a->viewer && !shardd__session_may_see(a->viewer, job))
+  if (a->viewer && !shardd__access_may_see(a->viewer, job))
     return;
   if (a->st->n_jobs < a->cap) {
-    Shardd__JobStatus *js = job_status(a->r, job);
+    Shardd__JobStatus *js = job_status(a->ctx, a->r, job);
     if (js)
       a->st->jobs[a->st->n_jobs++] = js;
   }
@@ -138,8 +142,8 @@ static int cmp_job(const void *x, const void *y) {
   return strcmp(a->name, b->name);
 }
 
-shardd_err shardd__status_build(shardd__server *srv,
-                                const shardd__session *viewer,
+shardd_err shardd__status_build(const shardd__status_ctx *ctx,
+                                const shardd__peer *viewer,
                                 shardd__report **out,
                                 Shardd__StatusReply **reply) {
   shardd__report *r = calloc(1, sizeof *r);
@@ -154,12 +158,13 @@ shardd_err shardd__status_build(shardd__server *srv,
   st->daemon_version = ar_strdup(r, SHARDD_VERSION);
   st->protocol_version = SHARDD_PROTOCOL_VERSION;
   st->pid = (uint64_t)getpid();
-  st->uptime_s = shardd__server_now(srv) - srv->started;
-  st->backend = ar_strdup(r, srv->backend->name);
-  st->socket_path = ar_strdup(r, srv->socket_path);
-  st->clients = srv->nclients;
+  st->uptime_s = ctx->uptime_s;
+  st->backend = ar_strdup(r, ctx->reg->backend->name);
+  st->socket_path = ar_strdup(r, ctx->socket_path);
+  st->clients = ctx->clients;
 
-  int nd = srv->backend->ndevices;
+  shardd__backend *be = ctx->reg->backend;
+  int nd = be->ndevices;
   st->devices = ar_alloc(r, (size_t)nd * sizeof *st->devices);
   for (int d = 0; st->devices && d < nd; d++) {
     Shardd__DeviceStatus *ds = ar_alloc(r, sizeof *ds);
@@ -167,7 +172,7 @@ shardd_err shardd__status_build(shardd__server *srv,
       break;
     shardd__device_status__init(ds);
     shardd__device_info info;
-    srv->backend->ops->device_info(srv->backend, d, &info);
+    be->ops->device_info(be, d, &info);
     ds->index = (uint32_t)d;
     ds->name = ar_strdup(r, info.name);
     ds->capacity_bytes = info.capacity_bytes;
@@ -177,10 +182,10 @@ shardd_err shardd__status_build(shardd__server *srv,
     st->devices[st->n_devices++] = ds;
   }
 
-  jobs_arg a = {r, st, shardd__map_count(&srv->reg.jobs), viewer};
+  jobs_arg a = {r, st, shardd__map_count(&ctx->reg->jobs), viewer, ctx};
   st->jobs = ar_alloc(r, (a.cap ? a.cap : 1) * sizeof *st->jobs);
   if (st->jobs)
-    shardd__registry_each_job(&srv->reg, add_job, &a);
+    shardd__registry_each_job(ctx->reg, add_job, &a);
   qsort(st->jobs, st->n_jobs, sizeof *st->jobs, cmp_job);
   if (r->failed)
     return SHARDD_E_NO_MEMORY;
@@ -195,12 +200,12 @@ typedef struct {
   shardd__obj *found;
   int matches;
   char jobs[256];
-  const shardd__session *viewer;
+  const shardd__peer *viewer;
 } find_arg;
 
 static void find_in_job(shardd__job *job, void *arg) {
   find_arg *f = arg;
-  if (!shardd__session_may_see(f->viewer, job))
+  if (!shardd__access_may_see(f->viewer, job))
     return;
   shardd__buffer **bufs;
   size_t nb;
@@ -223,7 +228,7 @@ static void find_in_job(shardd__job *job, void *arg) {
   free(bufs);
 }
 
-static shardd_err fill_buffer(shardd__report *r, shardd__server *srv,
+static shardd_err fill_buffer(shardd__report *r, const shardd__status_ctx *ctx,
                               shardd__buffer *b, Shardd__InspectReply *ir) {
   ir->has_dtype = 1;
   ir->dtype = wire_dtype(b->dtype);
@@ -257,7 +262,7 @@ static shardd_err fill_buffer(shardd__report *r, shardd__server *srv,
       return SHARDD_E_NO_MEMORY;
     shardd__shard_info__init(si);
     si->rank = k;
-    si->device = (uint32_t)shardd__rank_device(&srv->reg, k);
+    si->device = (uint32_t)shardd__rank_device(ctx->reg, k);
     si->offset = (uint64_t)k * b->shard_numel;
     si->numel = b->shard_numel;
     ir->shards[ir->n_shards++] = si;
@@ -302,8 +307,10 @@ static shardd_err fill_buffer(shardd__report *r, shardd__server *srv,
   return r->failed ? SHARDD_E_NO_MEMORY : SHARDD_OK;
 }
 
-shardd_err shardd__inspect_build(shardd__server *srv, shardd__session *s,
-                                 uint64_t id, const char *name,
+shardd_err shardd__inspect_build(const shardd__status_ctx *ctx,
+                                 const shardd__peer *viewer,
+                                 shardd__job *own_job, uint64_t id,
+                                 const char *name,
                                  shardd__report **out,
                                  Shardd__InspectReply **reply, char *err,
                                  size_t errlen) {
@@ -311,21 +318,21 @@ shardd_err shardd__inspect_build(shardd__server *srv, shardd__session *s,
   *reply = NULL;
   shardd__obj *o = NULL;
   if (id != 0) {
-    o = shardd__registry_get(&srv->reg, id);
+    o = shardd__registry_get(ctx->reg, id);
     if (o == NULL) {
       snprintf(err, errlen,
-               shardd__registry_issued(&srv->reg, id)
+               shardd__registry_issued(ctx->reg, id)
                    ? "id %" PRIu64 " no longer exists (unregistered)"
                    : "no buffer or view has id %" PRIu64,
                id);
       return SHARDD_E_NOT_FOUND;
     }
   } else if (name && name[0]) {
-    find_arg f = {name, NULL, 0, "", s};
-    if (s->job)
-      find_in_job(s->job, &f);
+    find_arg f = {name, NULL, 0, "", viewer};
+    if (own_job)
+      find_in_job(own_job, &f);
     if (f.matches == 0)
-      shardd__registry_each_job(&srv->reg, find_in_job, &f);
+      shardd__registry_each_job(ctx->reg, find_in_job, &f);
     if (f.matches == 0) {
       snprintf(err, errlen, "no buffer or view is named \"%s\"", name);
       return SHARDD_E_NOT_FOUND;
@@ -341,7 +348,7 @@ shardd_err shardd__inspect_build(shardd__server *srv, shardd__session *s,
     return SHARDD_E_INVAL;
   }
 
-  if (!shardd__session_may_see(s, o->job)) {
+  if (!shardd__access_may_see(viewer, o->job)) {
     snprintf(err, errlen, "id %" PRIu64 " belongs to a job of another user",
              o->id);
     return SHARDD_E_PERMISSION;
@@ -360,7 +367,7 @@ shardd_err shardd__inspect_build(shardd__server *srv, shardd__session *s,
   shardd_err rc = SHARDD_OK;
   if (o->kind == SHARDD__OBJ_BUFFER) {
     ir->kind = ar_strdup(r, "buffer");
-    rc = fill_buffer(r, srv, (shardd__buffer *)o, ir);
+    rc = fill_buffer(r, ctx, (shardd__buffer *)o, ir);
   } else if (o->kind == SHARDD__OBJ_VIEW) {
     shardd__view *v = (shardd__view *)o;
     ir->kind = ar_strdup(r, "view");
@@ -394,7 +401,7 @@ shardd_err shardd__inspect_build(shardd__server *srv, shardd__session *s,
         break;
       shardd__shard_info__init(si);
       si->rank = (uint32_t)k;
-      si->device = (uint32_t)shardd__rank_device(&srv->reg, (uint32_t)k);
+      si->device = (uint32_t)shardd__rank_device(ctx->reg, (uint32_t)k);
       uint64_t lo = k * v->buf->shard_numel, hi = lo + v->buf->shard_numel;
       uint64_t a = v->offset > lo ? v->offset : lo;
       uint64_t b = v->offset + v->numel < hi ? v->offset + v->numel : hi;

@@ -1,26 +1,42 @@
 /* status.h — the daemon's reports: Status (daemon, devices, jobs,
- * optimizers) and Inspect (one buffer or view), built as protobuf replies.
+ * optimizers) and Inspect (one buffer or view), built as protobuf replies
+ * from a small context of what they report on, not from the server.
  *
  * Ownership: a built reply and every string and array in it belong to the
  * returned report; shardd__report_free releases all of it at once. */
 #ifndef SHARDD_STATUS_H
 #define SHARDD_STATUS_H
 
-#include "server.h"
+#include "access.h"
+#include "coll.h"
+#include "jobs.h"
+#include "proto/shardd.pb-c.h"
+#include "registry.h"
+
+typedef struct {
+  shardd__registry *reg;
+  shardd__coll_engine *coll;
+  shardd__jobs *jobs;
+  double uptime_s;
+  const char *socket_path;
+  uint32_t clients; /* connections open now */
+} shardd__status_ctx;
 
 typedef struct shardd__report shardd__report;
 
-/* Lists the jobs viewer may see (shardd__session_may_see). */
-shardd_err shardd__status_build(shardd__server *srv,
-                                const shardd__session *viewer,
+/* Lists the jobs viewer may see (shardd__access_may_see); viewer NULL:
+ * every job. */
+shardd_err shardd__status_build(const shardd__status_ctx *ctx,
+                                const shardd__peer *viewer,
                                 shardd__report **out,
                                 Shardd__StatusReply **reply);
-/* By id (when id != 0) or by name, searched in s's job first, then in
- * every job s may see; an object of a job s may not see is
- * SHARDD_E_PERMISSION. */
-shardd_err shardd__inspect_build(shardd__server *srv, shardd__session *s,
-                                 uint64_t id, const char *name,
-                                 shardd__report **out,
+/* By id (when id != 0) or by name, searched in own_job first (may be
+ * NULL), then in every job viewer may see; an object of a job viewer may
+ * not see is SHARDD_E_PERMISSION. */
+shardd_err shardd__inspect_build(const shardd__status_ctx *ctx,
+                                 const shardd__peer *viewer,
+                                 shardd__job *own_job, uint64_t id,
+                                 const char *name, shardd__report **out,
                                  Shardd__InspectReply **reply, char *err,
                                  size_t errlen);
 void shardd__report_free(shardd__report *r);

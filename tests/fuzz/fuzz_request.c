@@ -119,7 +119,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   }
   close(sv[1]);
   /* Let close callbacks and any running collective finish. */
-  for (int i = 0; i < 200 && (srv.nclients > 0 || shardd__map_count(&srv.reg.jobs) > 0); i++) {
+  for (int i = 0; i < 200 && (srv.nclients > 0 || shardd__map_count(&srv.d.reg.jobs) > 0); i++) {
     uv_run(&loop, UV_RUN_NOWAIT);
     if (i > 20)
       usleep(1000);

@@ -1,0 +1,44 @@
+/* access.h — who a peer is and what it may do: join a job, see one,
+ * checkpoint one, name a checkpoint directory. Every access decision of
+ * the request path is here, so there is one place to read them. (Restore
+ * checks the recorded owner and the files' owners in restore.c, as only it
+ * reads the manifest.)
+ *
+ * Ownership: plain values; nothing is kept. */
+#ifndef SHARDD_ACCESS_H
+#define SHARDD_ACCESS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "registry.h"
+
+typedef struct {
+  pid_t pid;
+  uid_t uid;
+  gid_t gid;
+  int admin; /* root or a member of --admin-group: sees every job */
+} shardd__peer;
+
+/* The peer of a connected Unix socket (SO_PEERCRED); admin_gid < 0: no
+ * admin group. A peer whose credentials cannot be read is uid 0 pid 0,
+ * as the kernel reports for itself. */
+void shardd__peer_of_fd(int fd, int64_t admin_gid, shardd__peer *out);
+
+/* Whether p may see job: its owner's uid, root, or the admin group. */
+int shardd__access_may_see(const shardd__peer *p, const shardd__job *job);
+/* A job is its creator's: another user may not join it (root may). */
+shardd_err shardd__access_join(const shardd__peer *p, const shardd__job *job,
+                               char *err, size_t errlen);
+/* Only the job's owner or root may checkpoint it. */
+shardd_err shardd__access_checkpoint(const shardd__peer *p,
+                                     const shardd__job *job, char *err,
+                                     size_t errlen);
+/* A client names the directory, the daemon writes or reads it: only
+ * absolute paths without "." or ".." parts, below root (--checkpoint-root)
+ * when root is not NULL. SHARDD_E_PERMISSION with the reason otherwise. */
+shardd_err shardd__access_checkpoint_dir(const char *root, const char *dir,
+                                         char *err, size_t errlen);
+
+#endif /* SHARDD_ACCESS_H */

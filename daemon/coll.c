@@ -1,0 +1,575 @@
+/* coll.c — the collective engine (see coll.h): queue, matching, phases,
+ * timeouts and completion.
+ *
+ * A collective is created by the first rank that asks for it and joined by
+ * the others; a rank joins the oldest collective of the same kind and
+ * target it has not joined yet, so a rank that runs ahead queues behind.
+ * Once every rank has arrived, it starts when no older collective in the
+ * job's queue touches the same buffers, so one buffer's collectives run in
+ * submission order. The work is split into tasks (one per rank shard) on
+ * libuv's thread pool; tasks only touch region memory, and the completion
+ * count is kept on the loop thread (shardd__coll_task_done).
+ *
+ * coll_work.c plans and runs the tasks, coll_bulk.c runs a whole
+ * collective through the backend, coll_fabric.c crosses nodes. */
+#include "coll_int.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+
+/* Jobs are kept by address: the engine's state of a job lives from its
+ * first collective (or span) to shardd__coll_job_free, which the owner of
+ * the job calls before every release, so an address is never reused while
+ * its entry exists. */
+static uint64_t job_key(const shardd__job *job) {
+  return (uint64_t)(uintptr_t)job;
+}
+
+coll_job *shardd__coll_job_of(shardd__coll_engine *e, shardd__job *job,
+                              int create) {
+  coll_job *cj = shardd__map_get_id(&e->jobs, job_key(job));
+  if (cj || !create)
+    return cj;
+  if ((cj = calloc(1, sizeof *cj)) == NULL)
+    return NULL;
+  cj->e = e;
+  cj->job = job;
+  pthread_mutex_init(&cj->bulk_mu, NULL);
+  atomic_init(&cj->bulk_state, BULK_NONE);
+  if (shardd__map_put_id(&e->jobs, job_key(job), cj) != SHARDD_OK) {
+    pthread_mutex_destroy(&cj->bulk_mu);
+    free(cj);
+    return NULL;
+  }
+  return cj;
+}
+
+shardd_err shardd__coll_engine_create(const shardd__coll_config *cfg,
+                                      shardd__coll_engine **out) {
+  shardd__coll_engine *e = calloc(1, sizeof *e);
+  *out = e;
+  if (e == NULL)
+    return SHARDD_E_NO_MEMORY;
+  e->cfg = *cfg;
+  e->be = cfg->reg->backend;
+  shardd__map_init(&e->jobs);
+  return SHARDD_OK;
+}
+
+void shardd__coll_engine_stop(shardd__coll_engine *e) { e->stopping = 1; }
+
+static void free_job_cb(void *value, void *arg) {
+  coll_job *cj = value;
+  shardd__coll_engine *e = arg;
+  shardd__coll_bulk_free(cj);
+  shardd__coll_fab_free(e, cj->fab);
+  free(cj);
+}
+
+void shardd__coll_engine_destroy(shardd__coll_engine *e) {
+  if (e == NULL)
+    return;
+  shardd__map_each(&e->jobs, free_job_cb, e);
+  shardd__map_free(&e->jobs);
+  free(e);
+}
+
+uint32_t shardd__coll_inflight(const shardd__coll_engine *e,
+                               const shardd__job *job) {
+  const coll_job *cj = shardd__map_get_id(&e->jobs, job_key(job));
+  return cj ? cj->count : 0;
+}
+
+void shardd__coll_job_free(shardd__coll_engine *e, shardd__job *job) {
+  coll_job *cj = shardd__map_del_id(&e->jobs, job_key(job));
+  if (cj)
+    free_job_cb(cj, e);
+}
+
+const char *shardd__coll_kind_word(shardd__coll_kind k) {
+  switch (k) {
+  case SHARDD__COLL_GATHER:
+    return "gather";
+  case SHARDD__COLL_SCATTER:
+    return "scatter";
+  case SHARDD__COLL_STEP:
+    return "step";
+  }
+  return "collective";
+}
+
+const char *shardd__coll_target_word(shardd__coll_kind k) {
+  return k == SHARDD__COLL_STEP ? "optimizer" : "buffer";
+}
+
+/* ---- lifetime --------------------------------------------------------- */
+
+static void coll_unlink(coll *c) {
+  coll_job *q = c->cj;
+  for (coll **pp = &q->head; *pp; pp = &(*pp)->next) {
+    if (*pp == c) {
+      *pp = c->next;
+      q->count--;
+      break;
+    }
+  }
+  if (c->buf)
+    shardd__buffer_release_hold(c->buf);
+  if (c->opt)
+    shardd__optim_release_hold(c->opt);
+}
+
+static void coll_free(coll *c) {
+  for (uint32_t r = 0; r < c->job->world; r++)
+    if (c->waiters[r].m)
+      c->waiters[r].m->pending--;
+  free(c->waiters);
+  free(c->tasks);
+  free(c->hp);
+  free(c);
+}
+
+/* Answers every rank still there with code/msg and forgets the collective. */
+static void coll_finish(coll *c, shardd_err code, const char *msg) {
+  coll_unlink(c);
+  for (uint32_t r = 0; r < c->job->world; r++) {
+    waiter *w = &c->waiters[r];
+    if (w->m == NULL)
+      continue;
+    const shardd__coll_hooks *h = &c->e->cfg.hooks;
+    if (code == SHARDD_OK && c->args.kind == SHARDD__COLL_STEP) {
+      shardd__coll_result res = {c->step, c->args.max_norm > 0, c->total_norm};
+      h->done(h->ctx, w->m, w->seq, code, NULL, &res);
+    } else {
+      h->done(h->ctx, w->m, w->seq, code, msg, NULL);
+    }
+  }
+  coll_free(c);
+}
+
+/* ---- conflicts and start ---------------------------------------------- */
+
+static int coll_touches(const coll *c, const shardd__buffer *b) {
+  if (c->buf)
+    return c->buf == b;
+  for (size_t i = 0; i < c->opt->nshards; i++)
+    if (c->opt->shards[i].buf == b)
+      return 1;
+  return 0;
+}
+
+static int coll_conflict(const coll *older, const coll *c) {
+  if (c->buf)
+    return coll_touches(older, c->buf);
+  for (size_t i = 0; i < c->opt->nshards; i++)
+    if (coll_touches(older, c->opt->shards[i].buf))
+      return 1;
+  return 0;
+}
+
+static void start_phase(coll *c);
+
+static void schedule(coll_job *q) {
+  shardd__job *job = q->job;
+  /* start_phase may finish and free c (and others) before it returns, so
+   * after each start the scan begins again from the head. */
+  for (int again = 1; again;) {
+    again = 0;
+    for (coll *c = q->head; c; c = c->next) {
+      if (c->started || c->arrived < job->local_ranks)
+        continue;
+      int blocked = 0;
+      for (coll *o = q->head; o != c; o = o->next)
+        if (coll_conflict(o, c)) {
+          blocked = 1;
+          break;
+        }
+      if (!blocked) {
+        c->started = 1;
+        start_phase(c);
+        again = 1;
+        break;
+      }
+    }
+  }
+}
+
+/* Tells the owner of q's job that no collective holds it any more; last,
+ * as the hook may release the job. */
+static void job_maybe_quiet(coll_job *q) {
+  if (q->count == 0) {
+    const shardd__coll_hooks *h = &q->e->cfg.hooks;
+    if (h->job_quiet)
+      h->job_quiet(h->ctx, q->job);
+  }
+}
+
+static void after_phase(coll *c) {
+  for (size_t i = 0; i < c->ntasks; i++)
+    if (c->tasks[i].rc != SHARDD_OK && c->rc == SHARDD_OK)
+      c->rc = c->tasks[i].rc;
+  shardd__job *job = c->job;
+  if (c->rc != SHARDD_OK) {
+    char msg[512];
+    if (c->fab_msg[0])
+      snprintf(msg, sizeof msg,
+               "%s of %s %" PRIu64 " failed across the nodes of job \"%s\" "
+               "(this daemon is node %" PRIu32 " of %" PRIu32 "): %s",
+               shardd__coll_kind_word(c->args.kind), shardd__coll_target_word(c->args.kind),
+               c->args.target, job->name, job->node_rank, job->nodes,
+               c->fab_msg);
+    else
+      snprintf(msg, sizeof msg, "%s of %s %" PRIu64 " failed in the backend: %s",
+               shardd__coll_kind_word(c->args.kind), shardd__coll_target_word(c->args.kind),
+               c->args.target, shardd_strerror(c->rc));
+    coll_job *q = c->cj;
+    coll_finish(c, c->rc, msg);
+    schedule(q);
+    job_maybe_quiet(q);
+    return;
+  }
+  if (shardd__coll_multi(c) && c->args.kind != SHARDD__COLL_STEP && c->stage < 2) {
+    c->stage++;
+    start_phase(c);
+    return;
+  }
+  if (c->args.kind == SHARDD__COLL_STEP && c->phase == 0) {
+    double sum = 0;
+    for (size_t i = 0; i < c->ntasks; i++)
+      sum += c->tasks[i].sumsq;
+    if (shardd__coll_multi(c)) {
+      if (c->stage == 0) { /* the local sum of squares crosses nodes */
+        c->sumsq_all = sum;
+        c->stage = 1;
+        start_phase(c);
+        return;
+      }
+      sum = c->sumsq_all;
+      c->stage = 0;
+    }
+    c->total_norm = sqrt(sum);
+    /* As torch.nn.utils.clip_grad_norm_: coef clamped to 1, applied always. */
+    double coef = c->args.max_norm / (c->total_norm + 1e-6);
+    c->grad_scale = (float)(coef < 1.0 ? coef : 1.0);
+    c->phase = 1;
+    start_phase(c);
+    return;
+  }
+  if (c->args.kind == SHARDD__COLL_GATHER) {
+    c->buf->gathers++;
+  } else if (c->args.kind == SHARDD__COLL_SCATTER) {
+    c->buf->scatters++;
+  } else {
+    for (size_t i = 0; i < c->opt->nshards; i++)
+      c->opt->shards[i].master_valid = 1;
+    c->opt->steps = c->step;
+  }
+  coll_job *q = c->cj;
+  coll_finish(c, SHARDD_OK, NULL);
+  schedule(q);
+  job_maybe_quiet(q);
+}
+
+void shardd__coll_task_done(uv_work_t *req, int status) {
+  task *t = req->data;
+  coll *c = t->c;
+  if (status != 0 && t->rc == SHARDD_OK)
+    t->rc = SHARDD_E_INTERNAL;
+  if (--c->left == 0)
+    after_phase(c);
+}
+
+static void start_phase(coll *c) {
+  if (c->args.kind == SHARDD__COLL_STEP && c->phase == 0) {
+    c->step = c->opt->steps + 1;
+    c->grad_scale = 1.0f;
+    if (!(c->args.max_norm > 0))
+      c->phase = 1;
+  }
+  if (shardd__coll_multi(c) && c->args.kind == SHARDD__COLL_SCATTER && c->stage == 0 &&
+      c->buf->stage == NULL) {
+    char why[256];
+    shardd_err rc = shardd__buffer_stage(c->e->cfg.reg, c->buf, why, sizeof why);
+    if (rc != SHARDD_OK) {
+      coll_job *q = c->cj;
+      char msg[400];
+      snprintf(msg, sizeof msg, "scatter of buffer %" PRIu64
+               ": staging area for the cross-node sum: %s", c->args.target, why);
+      coll_finish(c, rc, msg);
+      schedule(q);
+      return;
+    }
+  }
+  c->bulk = c->args.kind != SHARDD__COLL_STEP && shardd__coll_bulk_ok(c);
+  size_t n = shardd__coll_plan(c, NULL);
+  free(c->tasks);
+  c->tasks = calloc(n ? n : 1, sizeof *c->tasks);
+  if (c->tasks == NULL) {
+    coll_job *q = c->cj;
+    coll_finish(c, SHARDD_E_NO_MEMORY, "out of memory starting a collective");
+    schedule(q);
+    return;
+  }
+  shardd__coll_plan(c, c->tasks);
+  c->ntasks = n;
+  c->left = n;
+  if (n == 0) {
+    /* Nothing to run (a wholly frozen scatter): one empty task still goes
+     * through the pool, so completion (which may free c, and release the
+     * job) happens on a later loop turn, never inside schedule(). */
+    c->left = 1;
+    c->tasks[0].c = c;
+    c->tasks[0].req.data = &c->tasks[0];
+    if (uv_queue_work(c->e->cfg.loop, &c->tasks[0].req, shardd__coll_work,
+                      shardd__coll_task_done) != 0)
+      shardd__coll_task_done(&c->tasks[0].req, 0);
+    return;
+  }
+  for (size_t i = 0; i < n; i++) {
+    task *t = &c->tasks[i];
+    t->c = c;
+    t->req.data = t;
+    if (t->fabric) {
+      shardd__coll_fab_submit(c, t);
+      continue;
+    }
+    if (uv_queue_work(c->e->cfg.loop, &t->req, shardd__coll_work,
+                      shardd__coll_task_done) != 0) {
+      /* cannot happen for a valid loop; run inline then */
+      shardd__coll_work(&t->req);
+      shardd__coll_task_done(&t->req, 0);
+    }
+  }
+}
+
+/* ---- submission ------------------------------------------------------- */
+
+static int args_equal(const shardd__coll_args *a, const shardd__coll_args *b) {
+  return a->kind == b->kind && a->target == b->target && a->op == b->op &&
+         a->has_lr == b->has_lr && (!a->has_lr || a->lr == b->lr) &&
+         a->max_norm == b->max_norm;
+}
+
+static void refuse(shardd__coll_engine *e, shardd__coll_member *m,
+                   uint64_t seq, shardd_err code, const char *msg) {
+  e->cfg.hooks.done(e->cfg.hooks.ctx, m, seq, code, msg, NULL);
+}
+
+static double loop_now(const shardd__coll_engine *e) {
+  return (double)uv_now(e->cfg.loop) / 1000.0;
+}
+
+void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
+                         uint64_t seq, const shardd__coll_args *args) {
+  shardd__job *job = m->job;
+  char err[256];
+  shardd__obj *o;
+  shardd__obj_kind want = args->kind == SHARDD__COLL_STEP ? SHARDD__OBJ_OPTIM
+                                                          : SHARDD__OBJ_BUFFER;
+  shardd_err rc = shardd__registry_resolve_gen(e->cfg.reg, job, args->target,
+                                               args->kind == SHARDD__COLL_STEP
+                                                   ? 0
+                                                   : args->generation,
+                                               want, &o, err, sizeof err);
+  if (rc != SHARDD_OK) {
+    refuse(e, m, seq, rc, err);
+    return;
+  }
+  if (args->kind == SHARDD__COLL_STEP &&
+      ((args->has_lr && !(args->lr >= 0 && isfinite(args->lr))) ||
+       !(args->max_norm >= 0 && isfinite(args->max_norm)))) {
+    refuse(e, m, seq, SHARDD_E_RANGE,
+           "step: lr must be >= 0 and max_norm >= 0, finite");
+    return;
+  }
+  coll_job *q = shardd__coll_job_of(e, job, 0);
+  if (args->kind == SHARDD__COLL_GATHER && e->cfg.max_inflight_gathers > 0) {
+    uint32_t n = 0;
+    for (coll *it = q ? q->head : NULL; it; it = it->next)
+      n += it->args.kind == SHARDD__COLL_GATHER && it->waiters[m->rank].m == m;
+    if (n >= e->cfg.max_inflight_gathers) {
+      snprintf(err, sizeof err,
+               "rank %" PRIu32 " has %" PRIu32 " gathers in flight "
+               "(--max-inflight-gathers %" PRIu32 ")",
+               m->rank, n, e->cfg.max_inflight_gathers);
+      refuse(e, m, seq, SHARDD_E_LIMIT, err);
+      return;
+    }
+  }
+  if (m->pending >= e->cfg.max_pending) {
+    snprintf(err, sizeof err,
+             "session has %" PRIu32 " collectives queued (limit %" PRIu32 ")",
+             m->pending, e->cfg.max_pending);
+    refuse(e, m, seq, SHARDD_E_LIMIT, err);
+    return;
+  }
+  if (q == NULL && (q = shardd__coll_job_of(e, job, 1)) == NULL) {
+    refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    return;
+  }
+
+  coll *c = NULL;
+  for (coll *it = q->head; it; it = it->next) {
+    if (it->args.kind == args->kind && it->args.target == args->target &&
+        !it->started && !it->waiters[m->rank].arrived) {
+      c = it;
+      break;
+    }
+  }
+  if (c && c->refused == SHARDD_OK && !args_equal(&c->args, args)) {
+    snprintf(c->refused_msg, sizeof c->refused_msg,
+             "rank %" PRIu32 " called %s on %s %" PRIu64
+             " with other arguments than the ranks before it",
+             m->rank, shardd__coll_kind_word(args->kind),
+             shardd__coll_target_word(args->kind), args->target);
+    /* The others agree with each other, not with this rank: all fail, as a
+     * silent pick of one variant would train on mixed reductions. Ranks
+     * still to come join this collective and are refused too once all have
+     * arrived; answering only those here would leave the late ones waiting
+     * for ranks that already moved on. */
+    c->refused = SHARDD_E_MISMATCH;
+  }
+  if (c == NULL) {
+    c = calloc(1, sizeof *c);
+    if (c == NULL || (c->waiters = calloc(job->world, sizeof *c->waiters)) == NULL) {
+      free(c);
+      refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
+      return;
+    }
+    c->e = e;
+    c->job = job;
+    c->cj = q;
+    c->args = *args;
+    c->deadline = loop_now(e) + e->cfg.timeout;
+    c->name_key = shardd__coll_fab_key(args->kind, o->name);
+    c->tag = shardd__coll_fab_tag(c->name_key);
+    c->name = o->name;
+    if (args->kind == SHARDD__COLL_STEP) {
+      c->opt = (shardd__optim *)o;
+      c->hp = malloc((c->opt->ngroups ? c->opt->ngroups : 1) * sizeof *c->hp);
+      if (c->hp == NULL) {
+        free(c->waiters);
+        free(c);
+        refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
+        return;
+      }
+      for (size_t g = 0; g < c->opt->ngroups; g++) {
+        c->hp[g] = c->opt->groups[g];
+        if (args->has_lr)
+          c->hp[g].lr = args->lr;
+      }
+      shardd__optim_hold(c->opt);
+    } else {
+      c->buf = (shardd__buffer *)o;
+      shardd__buffer_hold(c->buf);
+    }
+    coll **tail = &q->head;
+    while (*tail)
+      tail = &(*tail)->next;
+    *tail = c;
+    q->count++;
+  }
+  waiter *w = &c->waiters[m->rank];
+  w->m = m;
+  w->seq = seq;
+  w->arrived = 1;
+  m->pending++;
+  c->arrived++;
+  if (c->arrived == job->local_ranks) {
+    if (c->refused != SHARDD_OK)
+      coll_finish(c, c->refused, c->refused_msg); /* it may have held back newer ones */
+    schedule(q);
+  }
+}
+
+static void fail_waiting(coll_job *q, shardd_err code,
+                         int (*pick)(coll *c, void *arg), void *arg,
+                         void (*describe)(coll *c, void *arg, char *msg,
+                                          size_t len)) {
+  for (coll *c = q->head, *next; c; c = next) {
+    next = c->next;
+    if (c->started || !pick(c, arg))
+      continue;
+    char msg[512];
+    describe(c, arg, msg, sizeof msg);
+    coll_finish(c, code, msg);
+    /* coll_finish may only unlink c; `next` stays valid. */
+  }
+  schedule(q);
+}
+
+static int pick_all(coll *c, void *arg) { return 1; }
+
+static void describe_lost(coll *c, void *arg, char *msg, size_t len) {
+  const shardd__coll_member *m = arg;
+  snprintf(msg, len,
+           "rank %" PRIu32 " of job \"%s\" disconnected before %s of %s %" PRIu64
+           " completed; no shard was changed",
+           m->rank, c->job->name, shardd__coll_kind_word(c->args.kind),
+           shardd__coll_target_word(c->args.kind), c->args.target);
+}
+
+void shardd__coll_member_lost(shardd__coll_engine *e, shardd__coll_member *m) {
+  coll_job *q = m->job ? shardd__coll_job_of(e, m->job, 0) : NULL;
+  if (q == NULL)
+    return;
+  /* Running collectives finish (their inputs were complete); they just
+   * must not answer a member that is gone. */
+  for (coll *c = q->head; c; c = c->next) {
+    if (c->started && c->waiters[m->rank].m == m) {
+      c->waiters[m->rank].m = NULL;
+      m->pending--;
+    }
+  }
+  /* Unstarted ones can never complete: this rank will not join them. The
+   * lost rank's own request is answered too (harmless on a closing
+   * session) so its pending count returns to zero. */
+  for (coll *c = q->head; c; c = c->next)
+    if (!c->started && c->waiters[m->rank].m == m) {
+      c->waiters[m->rank].m = NULL;
+      m->pending--;
+    }
+  fail_waiting(q, SHARDD_E_PEER_LOST, pick_all, m, describe_lost);
+}
+
+typedef struct {
+  double now;
+} tick_arg;
+
+static int pick_expired(coll *c, void *arg) {
+  const tick_arg *t = arg;
+  return c->arrived < c->job->local_ranks && t->now >= c->deadline;
+}
+
+static void describe_expired(coll *c, void *arg, char *msg, size_t len) {
+  int n = snprintf(msg, len,
+                   "%s of %s %" PRIu64 " timed out after %.0f s waiting for rank",
+                   shardd__coll_kind_word(c->args.kind),
+                   shardd__coll_target_word(c->args.kind), c->args.target,
+                   c->e->cfg.timeout);
+  const char *sep = "s ";
+  uint32_t missing = c->job->local_ranks - c->arrived;
+  if (missing == 1)
+    sep = " ";
+  uint32_t lo = c->job->local_first, hi = lo + c->job->local_ranks;
+  for (uint32_t r = lo; r < hi && n > 0 && (size_t)n < len; r++) {
+    if (c->waiters[r].arrived)
+      continue;
+    n += snprintf(msg + n, len - (size_t)n, "%s%" PRIu32, sep, r);
+    sep = ", ";
+  }
+}
+
+static void tick_job(void *value, void *arg) {
+  fail_waiting(value, SHARDD_E_PEER_LOST, pick_expired, arg, describe_expired);
+}
+
+void shardd__coll_tick(shardd__coll_engine *e, double now) {
+  tick_arg t = {now};
+  shardd__map_each(&e->jobs, tick_job, &t);
+}

@@ -1,0 +1,576 @@
+/* coll_fabric.c — the cross-node part of the engine's collectives.
+ *
+ * A job over several nodes (--job-spec) runs two-level collectives: the
+ * local part over this daemon's ranks on the pool, then one cross-node
+ * exchange (fabric.h) per collective on one of the job's fabric threads,
+ * then the local fan-out on the pool:
+ *   gather:  local shards -> the first local rank's gather area, at their
+ *            place; allgather of the node's contiguous slice across nodes;
+ *            copies to the other local gather areas.
+ *   scatter: the local ranks' whole gradients summed (fp32, rank order)
+ *            into the buffer's staging area; the fabric's reduce-scatter
+ *            sums across nodes; each local owner's reduced shard is its
+ *            part of the sum, divided for mean.
+ *   step:    local, except that with clipping the sums of squares of the
+ *            local shards cross nodes (in the exchange's header, below)
+ *            before the updates.
+ * Cross-node traffic is one copy per node, not per rank.
+ *
+ * Fabric threads. An exchange waits for the peer daemons, which may be
+ * seconds behind (their ranks arrive later) or gone. Run on libuv's pool
+ * (4 threads on a small machine), a few exchanges that the nodes reach in
+ * different orders -- prefetched gathers of several buffers, or two
+ * multi-node jobs between the same daemons -- fill every pool thread on
+ * each node with exchanges the other node cannot join, since its own pool
+ * is full of the others: everything stalls until the collective timeout.
+ * So exchanges never run on the pool. Each job has its own threads, made
+ * on demand and kept until the job is freed, and every queued exchange
+ * gets a thread at once: there are never fewer threads than exchanges in
+ * flight. That is bounded, because every started collective holds each
+ * local rank's session, which may have --max-pending collectives at most;
+ * so the job's threads are capped at max_pending, which only a rank that
+ * reconnects while its old exchanges still run can reach (those end within
+ * the timeout and free their threads). The nodes need not agree on an
+ * order, and could not: a serial per-job thread would need one, and the
+ * ranks of one node may issue their prefetches in another order than the
+ * ranks of another. Exchanges are paired across nodes by Gloo's tag
+ * instead (from the kind and the target's name; ids differ between
+ * daemons, names do not), and a node runs one exchange per tag at a time,
+ * so two names that hash alike cannot mix their data. Completion comes
+ * back to the loop through a uv_async_t per exchange (held by the
+ * collective, closed when it fires).
+ *
+ * Every exchange first allgathers a small header (kind, name hash, how many
+ * exchanges of that kind and target this node made before, element count,
+ * bytes, dtype, reduction) and moves data only when every node's header
+ * agrees with this node's. A buffer registered with another size or dtype
+ * on one node, another reduction, two names sharing a tag that the nodes
+ * ran in different orders, or exchange counts out of step fail the
+ * collective with SHARDD_E_MISMATCH and a message naming the node and what
+ * differs, instead of mixing data silently or tripping Gloo's size checks
+ * in its network thread (which would abort the daemon). Every node sees
+ * every header, so all decide alike, and the fabric stays up. The step's
+ * sums of squares travel in the header: it is the step's whole exchange.
+ */
+#include "coll_int.h"
+
+#include <inttypes.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fabric.h"
+#include "log.h"
+
+/* ---- cross-node state of a job ------------------------------------------
+ * Created on the loop thread when the job gets its layout; the fabric itself
+ * is connected lazily by the first exchange (blocking, on a fabric thread),
+ * so the loop never waits for a rendezvous. The mutex guards everything
+ * below it up to the counts against the fabric threads and the status
+ * reader, and is never held while waiting for a peer. */
+
+enum { FAB_IDLE, FAB_UP, FAB_FAILED };
+
+struct coll_fab {
+  shardd__coll_engine *e;
+  pthread_mutex_t mu;
+  pthread_cond_t cv; /* queue, running, connecting or stop changed */
+  shardd__fabric_opts opts;
+  char *rendezvous, *prefix, *host;
+  shardd__fabric *f;
+  int state;
+  int at_rendezvous; /* failed before connecting */
+  int connecting;    /* a fabric thread is in shardd__fabric_create */
+  shardd_err code;
+  char msg[384];
+  /* the job's fabric threads (see the top of the file) */
+  coll *queue; /* exchanges no thread has taken yet, oldest first */
+  uint32_t nqueued;
+  uint32_t *running; /* [cap]: the tags being exchanged, one per thread */
+  uint32_t nrunning;
+  pthread_t *threads; /* [cap] */
+  uint32_t nthreads, cap;
+  int stop;
+  /* loop thread only: exchanges made so far per kind and target, by
+   * fab_key (values: malloc'd uint64_t counts) */
+  shardd__map counts;
+};
+
+/* The job's fabric. The first exchange that needs it connects it; the
+ * others wait for that one on the condition variable, not on the mutex. */
+static shardd_err jf_get(coll_fab *jf, shardd__fabric **out, char *err,
+                         size_t errlen) {
+  pthread_mutex_lock(&jf->mu);
+  while (jf->connecting)
+    pthread_cond_wait(&jf->cv, &jf->mu);
+  shardd_err rc = SHARDD_OK;
+  if (jf->state == FAB_FAILED) {
+    rc = jf->code;
+    snprintf(err, errlen, "%s", jf->msg);
+  } else if (jf->f == NULL) {
+    jf->connecting = 1;
+    pthread_mutex_unlock(&jf->mu);
+    shardd__fabric *f = NULL;
+    rc = shardd__fabric_create(&jf->opts, &f, err, errlen);
+    pthread_mutex_lock(&jf->mu);
+    jf->connecting = 0;
+    if (rc != SHARDD_OK) {
+      jf->state = FAB_FAILED;
+      jf->at_rendezvous = 1;
+      jf->code = rc;
+      snprintf(jf->msg, sizeof jf->msg, "%s", err);
+    } else {
+      jf->f = f;
+      jf->state = FAB_UP;
+    }
+    pthread_cond_broadcast(&jf->cv);
+  }
+  *out = jf->f;
+  pthread_mutex_unlock(&jf->mu);
+  return rc;
+}
+
+/* A fabric error latches: Gloo's connections do not recover, so every
+ * later collective of the job fails at once with the first reason. */
+static void jf_broken(coll_fab *jf, shardd_err code, const char *msg) {
+  pthread_mutex_lock(&jf->mu);
+  if (jf->state != FAB_FAILED) {
+    jf->state = FAB_FAILED;
+    jf->code = code;
+    snprintf(jf->msg, sizeof jf->msg, "%s", msg);
+  }
+  pthread_mutex_unlock(&jf->mu);
+}
+
+static void free_value(void *value, void *arg) { free(value); }
+
+static void jf_release(coll_fab *jf) {
+  shardd__fabric_destroy(jf->f);
+  pthread_cond_destroy(&jf->cv);
+  pthread_mutex_destroy(&jf->mu);
+  free(jf->threads);
+  free(jf->running);
+  shardd__map_each(&jf->counts, free_value, NULL);
+  shardd__map_free(&jf->counts);
+  free(jf->rendezvous);
+  free(jf->prefix);
+  free(jf->host);
+  free(jf);
+}
+
+static void jf_release_work(uv_work_t *req) {
+  coll_fab *jf = req->data;
+  shardd__fabric_destroy(jf->f);
+  jf->f = NULL;
+}
+
+static void jf_release_done(uv_work_t *req, int status) {
+  coll_fab *jf = req->data;
+  free(req);
+  jf_release(jf);
+}
+
+void shardd__coll_fab_free(shardd__coll_engine *e, coll_fab *jf) {
+  if (jf == NULL)
+    return;
+  /* The job has no collective left, so no exchange is queued or running
+   * and every thread is idle: they see stop and end at once. */
+  pthread_mutex_lock(&jf->mu);
+  jf->stop = 1;
+  pthread_cond_broadcast(&jf->cv);
+  pthread_mutex_unlock(&jf->mu);
+  for (uint32_t i = 0; i < jf->nthreads; i++)
+    pthread_join(jf->threads[i], NULL);
+  jf->nthreads = 0;
+  /* Closing the fabric waits for Gloo's network thread to let go of the
+   * sockets (some 20 ms), never for a peer: on the pool while the loop
+   * serves others, inline once the daemon stops (the loop has ended). */
+  uv_work_t *req = jf->f && !e->stopping ? malloc(sizeof *req) : NULL;
+  if (req) {
+    req->data = jf;
+    if (uv_queue_work(e->cfg.loop, req, jf_release_work, jf_release_done) == 0)
+      return;
+    free(req);
+  }
+  jf_release(jf);
+}
+
+/* FNV-1a 64 over the kind and the name: what names an exchange across
+ * nodes (the header's name, and the tag folded from it). */
+uint64_t shardd__coll_fab_key(shardd__coll_kind kind, const char *name) {
+  uint64_t h = 14695981039346656037ull;
+  h ^= (uint64_t)kind;
+  h *= 1099511628211ull;
+  for (const char *p = name ? name : ""; *p; p++) {
+    h ^= (unsigned char)*p;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+uint32_t shardd__coll_fab_tag(uint64_t key) {
+  return (uint32_t)(key ^ (key >> 32)) & 0x7fffffffu;
+}
+
+/* How many exchanges of key this node made before this one (loop thread);
+ * -1 when out of memory. */
+static int64_t fab_next_seq(coll_fab *jf, uint64_t key) {
+  uint64_t *n = shardd__map_get_id(&jf->counts, key);
+  if (n == NULL) {
+    if ((n = calloc(1, sizeof *n)) == NULL)
+      return -1;
+    if (shardd__map_put_id(&jf->counts, key, n) != SHARDD_OK) {
+      free(n);
+      return -1;
+    }
+  }
+  return (int64_t)(*n)++;
+}
+
+shardd_err shardd__coll_job_span(shardd__coll_engine *e, shardd__job *job,
+                                 uint32_t nodes, uint32_t node_rank,
+                                 const char *rendezvous, const char *host,
+                                 char *err, size_t errlen) {
+  coll_job *cj = shardd__coll_job_of(e, job, 1);
+  /* one thread per exchange in flight, and a started collective holds
+   * every local rank's member, each in max_pending collectives at most */
+  uint32_t cap = e->cfg.max_pending ? e->cfg.max_pending : 1;
+  coll_fab *jf = cj ? calloc(1, sizeof *jf) : NULL;
+  if (jf == NULL || (jf->rendezvous = strdup(rendezvous)) == NULL ||
+      (jf->prefix = strdup(job->name)) == NULL ||
+      (jf->host = strdup(host)) == NULL ||
+      (jf->running = calloc(cap, sizeof *jf->running)) == NULL ||
+      (jf->threads = calloc(cap, sizeof *jf->threads)) == NULL) {
+    if (jf) {
+      free(jf->rendezvous);
+      free(jf->prefix);
+      free(jf->host);
+      free(jf->running);
+    }
+    free(jf);
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  shardd_err rc = shardd__job_set_layout(job, nodes, node_rank, err, errlen);
+  if (rc != SHARDD_OK) {
+    free(jf->rendezvous);
+    free(jf->prefix);
+    free(jf->host);
+    free(jf->running);
+    free(jf->threads);
+    free(jf);
+    return rc;
+  }
+  jf->e = e;
+  jf->cap = cap;
+  pthread_mutex_init(&jf->mu, NULL);
+  pthread_cond_init(&jf->cv, NULL);
+  shardd__map_init(&jf->counts);
+  shardd__fabric_opts o = SHARDD__FABRIC_OPTS_INIT;
+  o.rendezvous = jf->rendezvous;
+  o.prefix = jf->prefix;
+  o.host = jf->host;
+  o.nodes = nodes;
+  o.node_rank = node_rank;
+  o.timeout_s = e->cfg.timeout;
+  jf->opts = o;
+  cj->fab = jf;
+  shardd__log(2,
+              "job \"%s\": node %" PRIu32 " of %" PRIu32 ", ranks %" PRIu32
+              "..%" PRIu32 " of %" PRIu32 ", rendezvous %s (%s)",
+              job->name, job->node_rank, job->nodes, job->local_first,
+              job->local_first + job->local_ranks - 1, job->world, rendezvous,
+              shardd__fabric_engine());
+  return SHARDD_OK;
+}
+
+static coll_fab *fab_of(shardd__coll_engine *e, const shardd__job *job) {
+  coll_job *cj = shardd__coll_job_of(e, (shardd__job *)job, 0);
+  return cj ? cj->fab : NULL;
+}
+
+void shardd__coll_node_state(shardd__coll_engine *e, const shardd__job *job,
+                             uint32_t n, char *state, size_t len) {
+  coll_fab *jf = fab_of(e, job);
+  const char *w = "up";
+  if (n == job->node_rank)
+    w = "this daemon";
+  else if (jf) {
+    pthread_mutex_lock(&jf->mu);
+    w = jf->state == FAB_IDLE ? "not contacted"
+        : jf->state == FAB_UP ? "up"
+        : jf->at_rendezvous   ? "unreachable"
+                              : "lost";
+    pthread_mutex_unlock(&jf->mu);
+  }
+  snprintf(state, len, "%s", w);
+}
+
+void shardd__coll_fabric_state(shardd__coll_engine *e, const shardd__job *job,
+                               char *engine, size_t elen, char *msg,
+                               size_t mlen) {
+  coll_fab *jf = fab_of(e, job);
+  const char *fe = shardd__fabric_engine();
+  snprintf(engine, elen, "%s", jf && fe ? fe : "none");
+  msg[0] = '\0';
+  if (jf) {
+    pthread_mutex_lock(&jf->mu);
+    if (jf->state == FAB_FAILED)
+      snprintf(msg, mlen, "%s", jf->msg);
+    pthread_mutex_unlock(&jf->mu);
+  }
+}
+
+/* What a node is about to exchange; every node's is allgathered first and
+ * data moves only when all agree (see the top of the file). Fixed-width
+ * fields and no padding, so the bytes compare as they are. */
+typedef struct {
+  uint32_t magic, kind;
+  uint64_t name;  /* fab_key */
+  uint64_t seq;   /* exchanges of this kind and target the node made before */
+  uint64_t numel; /* the buffer's (0 for step) */
+  uint64_t bytes; /* payload per node */
+  uint32_t dtype, op;
+  double value; /* step: the node's sum of squares; not compared */
+} fab_hdr;
+
+#define FAB_MAGIC 0x53484631u /* "SHF1": bump when the header changes */
+
+_Static_assert(sizeof(fab_hdr) == 56, "fab_hdr must have no padding");
+
+static const char *dtype_word(uint32_t dt) {
+  const char *n = shardd_dtype_name((shardd_dtype)dt);
+  return n ? n : "?";
+}
+
+static const char *op_word(uint32_t op) {
+  return op == SHARDD_REDUCE_MEAN ? "mean" : op == SHARDD_REDUCE_SUM ? "sum" : "?";
+}
+
+/* 0 when every node's header matches this node's; else -1 and msg says
+ * what the first node that differs has instead. */
+static int fab_check(const coll *c, const fab_hdr *h, uint32_t nodes,
+                     uint32_t me, char *msg, size_t len) {
+  const fab_hdr *m = &h[me];
+  const char *kw = shardd__coll_kind_word(c->args.kind), *tw = shardd__coll_target_word(c->args.kind);
+  for (uint32_t n = 0; n < nodes; n++) {
+    const fab_hdr *o = &h[n];
+    if (n == me || memcmp(o, m, offsetof(fab_hdr, value)) == 0)
+      continue;
+    if (o->magic != m->magic)
+      snprintf(msg, len,
+               "node %" PRIu32 " speaks another version of the fabric protocol "
+               "(header %#" PRIx32 ", this node %#" PRIx32 "): run the same "
+               "shardd on every node",
+               n, o->magic, m->magic);
+    else if (o->kind != m->kind || o->name != m->name)
+      snprintf(msg, len,
+               "node %" PRIu32 " exchanged %s of another target where this node "
+               "exchanged %s of %s \"%s\": two names share fabric tag %" PRIu32
+               " and the nodes ran them in different orders",
+               n, shardd__coll_kind_word((shardd__coll_kind)o->kind), kw, tw, c->name, c->tag);
+    else if (o->seq != m->seq)
+      snprintf(msg, len,
+               "node %" PRIu32 " is at its %s #%" PRIu64 " of %s \"%s\", this "
+               "node at #%" PRIu64 ": the nodes' exchanges of it are out of "
+               "step (one node skipped one), so they would pair the wrong "
+               "calls; restart the job",
+               n, kw, o->seq + 1, tw, c->name, m->seq + 1);
+    else if (o->numel != m->numel || o->dtype != m->dtype || o->bytes != m->bytes)
+      snprintf(msg, len,
+               "node %" PRIu32 " has %s \"%s\" as %" PRIu64 " %s elements (%" PRIu64
+               " bytes per node), this node as %" PRIu64 " %s (%" PRIu64 "): "
+               "register it alike on every node",
+               n, tw, c->name, o->numel, dtype_word(o->dtype), o->bytes, m->numel,
+               dtype_word(m->dtype), m->bytes);
+    else
+      snprintf(msg, len,
+               "node %" PRIu32 " reduces %s \"%s\" by %s, this node by %s: every "
+               "rank must pass the same reduction",
+               n, tw, c->name, op_word(o->op), op_word(m->op));
+    return -1;
+  }
+  return 0;
+}
+
+/* The exchange of c, on a fabric thread: header, check, data. */
+static void fabric_task(coll *c, task *t) {
+  coll_fab *jf = c->cj->fab;
+  shardd__job *job = c->job;
+  shardd__fabric *f;
+  t->rc = jf_get(jf, &f, c->fab_msg, sizeof c->fab_msg);
+  if (t->rc != SHARDD_OK)
+    return;
+  shardd__buffer *b = c->buf;
+  uint64_t part = b ? (uint64_t)job->local_ranks * b->shard_numel : 0;
+  fab_hdr *h = calloc(job->nodes, sizeof *h);
+  if (h == NULL) {
+    /* the peers wait for this node's header in vain: the fabric is lost */
+    t->rc = SHARDD_E_NO_MEMORY;
+    snprintf(c->fab_msg, sizeof c->fab_msg, "out of memory for the exchange header");
+    jf_broken(jf, t->rc, c->fab_msg);
+    return;
+  }
+  fab_hdr *m = &h[job->node_rank];
+  m->magic = FAB_MAGIC;
+  m->kind = (uint32_t)c->args.kind;
+  m->name = c->name_key;
+  m->seq = c->fab_seq;
+  if (b) {
+    m->numel = b->numel;
+    m->dtype = (uint32_t)b->dtype;
+    m->bytes = part * (c->args.kind == SHARDD__COLL_SCATTER
+                           ? 4 /* the fp32 staging area */
+                           : shardd_dtype_size(b->dtype));
+    m->op = c->args.kind == SHARDD__COLL_SCATTER ? (uint32_t)c->args.op : 0;
+  } else {
+    m->value = c->sumsq_all;
+  }
+  t->rc = shardd__fabric_allgather(f, h, sizeof *h, c->tag, c->fab_msg,
+                                   sizeof c->fab_msg);
+  if (t->rc == SHARDD_OK &&
+      fab_check(c, h, job->nodes, job->node_rank, c->fab_msg, sizeof c->fab_msg)) {
+    /* every node saw the same headers and fails this one alike; the
+     * connections are fine, so the fabric stays up */
+    t->rc = SHARDD_E_MISMATCH;
+    free(h);
+    return;
+  }
+  if (t->rc == SHARDD_OK) {
+    switch (c->args.kind) {
+    case SHARDD__COLL_GATHER: {
+      shardd__region *r = b->blocks[job->local_first];
+      t->rc = shardd__fabric_allgather(f, (char *)r->ptr + b->gather_off,
+                                       part * shardd_dtype_size(b->dtype), c->tag,
+                                       c->fab_msg, sizeof c->fab_msg);
+      break;
+    }
+    case SHARDD__COLL_SCATTER:
+      t->rc = shardd__fabric_reduce_scatter_f32(f, (float *)b->stage->ptr, part,
+                                                c->tag, c->fab_msg,
+                                                sizeof c->fab_msg);
+      break;
+    case SHARDD__COLL_STEP: {
+      /* in node order on every node, so all get the same bits */
+      double sum = 0;
+      for (uint32_t n = 0; n < job->nodes; n++)
+        sum += h[n].value;
+      c->sumsq_all = sum;
+      break;
+    }
+    }
+  }
+  free(h);
+  if (t->rc != SHARDD_OK)
+    jf_broken(jf, t->rc, c->fab_msg);
+}
+
+/* ---- fabric threads (see the top of the file) ------------------------- */
+
+static void fab_closed_cb(uv_handle_t *h) {
+  coll *c = h->data;
+  shardd__coll_task_done(&c->fab_task->req, 0);
+}
+
+static void fab_async_cb(uv_async_t *h) {
+  uv_close((uv_handle_t *)h, fab_closed_cb);
+}
+
+/* The oldest queued exchange whose tag no thread is exchanging; under mu. */
+static coll *fab_pick(coll_fab *jf) {
+  for (coll **pp = &jf->queue; *pp; pp = &(*pp)->fab_next) {
+    coll *c = *pp;
+    int busy = 0;
+    for (uint32_t i = 0; i < jf->nrunning && !busy; i++)
+      busy = jf->running[i] == c->tag;
+    if (busy)
+      continue;
+    *pp = c->fab_next;
+    c->fab_next = NULL;
+    jf->nqueued--;
+    return c;
+  }
+  return NULL;
+}
+
+static void *fab_thread(void *arg) {
+  coll_fab *jf = arg;
+  pthread_mutex_lock(&jf->mu);
+  for (;;) {
+    coll *c = fab_pick(jf);
+    if (c == NULL) {
+      if (jf->stop)
+        break;
+      pthread_cond_wait(&jf->cv, &jf->mu);
+      continue;
+    }
+    uint32_t tag = c->tag;
+    jf->running[jf->nrunning++] = tag;
+    pthread_mutex_unlock(&jf->mu);
+    fabric_task(c, c->fab_task);
+    pthread_mutex_lock(&jf->mu);
+    for (uint32_t i = 0; i < jf->nrunning; i++)
+      if (jf->running[i] == tag) {
+        jf->running[i] = jf->running[--jf->nrunning];
+        break;
+      }
+    pthread_cond_broadcast(&jf->cv); /* one of the same tag may go now */
+    /* the last touch of c: from here the loop may free it */
+    uv_async_send(&c->fab_async);
+  }
+  pthread_mutex_unlock(&jf->mu);
+  return NULL;
+}
+
+/* Queues c's exchange (task t) for the job's fabric threads; loop thread.
+ * The end always comes back through c->fab_async, failures too. */
+void shardd__coll_fab_submit(coll *c, task *t) {
+  coll_fab *jf = c->cj->fab;
+  c->fab_task = t;
+  c->fab_async.data = c;
+  int e = uv_async_init(c->e->cfg.loop, &c->fab_async, fab_async_cb);
+  if (e != 0) { /* cannot happen for a valid loop; fail it inline then */
+    t->rc = SHARDD_E_INTERNAL;
+    snprintf(c->fab_msg, sizeof c->fab_msg, "uv_async_init: %s", uv_strerror(e));
+    shardd__coll_task_done(&t->req, 0);
+    return;
+  }
+  int64_t seq = fab_next_seq(jf, c->name_key);
+  if (seq < 0) {
+    t->rc = SHARDD_E_NO_MEMORY;
+    snprintf(c->fab_msg, sizeof c->fab_msg, "out of memory queueing the exchange");
+    uv_async_send(&c->fab_async);
+    return;
+  }
+  c->fab_seq = (uint64_t)seq;
+  pthread_mutex_lock(&jf->mu);
+  coll **tail = &jf->queue;
+  while (*tail)
+    tail = &(*tail)->fab_next;
+  *tail = c;
+  jf->nqueued++;
+  /* a thread for every exchange, so none waits for another to end */
+  if (jf->nthreads - jf->nrunning < jf->nqueued && jf->nthreads < jf->cap) {
+    e = pthread_create(&jf->threads[jf->nthreads], NULL, fab_thread, jf);
+    if (e == 0) {
+      pthread_setname_np(jf->threads[jf->nthreads], "shardd-fabric");
+      jf->nthreads++;
+    } else if (jf->nthreads == 0) {
+      *tail = NULL;
+      jf->nqueued--;
+      pthread_mutex_unlock(&jf->mu);
+      t->rc = SHARDD_E_NO_MEMORY;
+      snprintf(c->fab_msg, sizeof c->fab_msg, "cannot start a fabric thread: %s",
+               strerror(e));
+      uv_async_send(&c->fab_async);
+      return;
+    } else {
+      shardd__log(1, "job \"%s\": cannot start fabric thread %" PRIu32
+                  " (%s); the exchange waits for a busy one", c->job->name,
+                  jf->nthreads + 1, strerror(e));
+    }
+  }
+  pthread_cond_broadcast(&jf->cv);
+  pthread_mutex_unlock(&jf->mu);
+}

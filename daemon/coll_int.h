@@ -1,0 +1,138 @@
+/* coll_int.h — what the engine's files share (coll.c: queue, matching,
+ * phases, completion; coll_work.c: planning and per-rank work; coll_bulk.c:
+ * whole collectives through the backend; coll_fabric.c: the cross-node
+ * exchange). Only they include it. Loop thread unless a field says. */
+#ifndef SHARDD_COLL_INT_H
+#define SHARDD_COLL_INT_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "coll.h"
+#include "map.h"
+
+typedef struct coll coll;
+typedef struct coll_fab coll_fab;
+
+typedef struct {
+  shardd__coll_member *m; /* NULL when not arrived or gone */
+  uint64_t seq;
+  int arrived;
+} waiter;
+
+/* One piece of work on the pool: elements [start, start+len) of unit
+ * (a, b): gather: a = destination rank, range in the padded buffer;
+ * scatter: a = owner rank, range in its shard; step: a = optimizer shard,
+ * b = its segment, range in the segment. Large units are cut in chunks so a
+ * big shard uses every worker, not one. */
+typedef struct {
+  uv_work_t req;
+  coll *c;
+  size_t a, b;
+  uint64_t start, len;
+  double sumsq;
+  shardd_err rc;
+  int fabric; /* the collective's exchange, on a fabric thread */
+  int bulk;   /* the whole collective through the backend's comm ops */
+} task;
+
+#define CHUNK_ELEMS ((uint64_t)1 << 18)
+
+enum { BULK_NONE, BULK_UP, BULK_FAILED };
+
+/* The engine's state of one job: its queue, its backend communicator and
+ * (multi-node) its fabric. */
+typedef struct {
+  shardd__coll_engine *e;
+  shardd__job *job;
+  coll *head;
+  uint32_t count;
+  /* the backend communicator of the job (comm_create). Only pool threads
+   * take the mutex (creation may block for seconds); the loop reads the
+   * state atomically, so it never waits for a communicator. */
+  pthread_mutex_t bulk_mu;
+  void *bulk_comm;
+  atomic_int bulk_state;
+  coll_fab *fab; /* NULL on one node */
+} coll_job;
+
+struct shardd__coll_engine {
+  shardd__coll_config cfg;
+  shardd__backend *be;
+  int stopping;
+  shardd__map jobs; /* job address -> coll_job */
+};
+
+struct coll {
+  coll *next;
+  shardd__coll_engine *e;
+  shardd__job *job;
+  coll_job *cj;
+  shardd__coll_args args;
+  shardd__buffer *buf; /* gather / scatter */
+  shardd__optim *opt;  /* step */
+  waiter *waiters;     /* [world] */
+  uint32_t arrived;
+  double deadline;
+  int started;
+  int phase; /* step: 0 norms, 1 updates */
+  size_t ntasks, left;
+  task *tasks;
+  float grad_scale;
+  double total_norm;
+  uint64_t step;
+  shardd__hp *hp; /* step: groups with any lr override applied */
+  shardd_err rc;
+  /* set when a rank joined with other arguments: the collective never runs
+   * and every rank, including those still to arrive, gets this error */
+  shardd_err refused;
+  char refused_msg[256];
+  /* multi-node: stage 0 local, 1 fabric, 2 local fan-out (gather, scatter);
+   * step: 1 while the sum of squares crosses nodes */
+  int stage;
+  uint64_t name_key; /* fab_key of the kind and the target's name */
+  uint32_t tag;      /* Gloo's, from name_key */
+  const char *name;  /* the target's (it outlives c: the hold keeps it) */
+  uint64_t fab_seq;  /* exchanges of this kind and target before this one */
+  double sumsq_all;
+  char fab_msg[384]; /* written by the fabric thread, read after it */
+  /* the exchange in flight: its task, its place in the job's fabric queue
+   * and the handle that brings its end back to the loop */
+  task *fab_task;
+  coll *fab_next;
+  uv_async_t fab_async;
+  int bulk; /* this phase is one bulk task (decided once, in start_phase) */
+};
+
+static inline int shardd__coll_multi(const coll *c) { return c->job->nodes > 1; }
+
+const char *shardd__coll_kind_word(shardd__coll_kind k);
+const char *shardd__coll_target_word(shardd__coll_kind k);
+
+/* coll.c: the engine's state of job (created when create and missing;
+ * NULL when out of memory or, without create, missing). */
+coll_job *shardd__coll_job_of(shardd__coll_engine *e, shardd__job *job,
+                              int create);
+/* coll.c: a task of c ended (pool or fabric thread done); loop thread. */
+void shardd__coll_task_done(uv_work_t *req, int status);
+
+/* coll_work.c */
+size_t shardd__coll_plan(coll *c, task *out); /* out NULL: count only */
+void shardd__coll_work(uv_work_t *req);       /* a pool thread runs a task */
+void shardd__coll_gather_unit(coll *c, task *t);
+void shardd__coll_scatter_unit(coll *c, task *t);
+
+/* coll_bulk.c */
+int shardd__coll_bulk_ok(const coll *c);
+void shardd__coll_bulk_task(coll *c, task *t);
+void shardd__coll_bulk_free(coll_job *cj);
+
+/* coll_fabric.c */
+uint64_t shardd__coll_fab_key(shardd__coll_kind kind, const char *name);
+uint32_t shardd__coll_fab_tag(uint64_t key);
+/* Queues c's exchange (task t) for the job's fabric threads; its end
+ * always comes back through c->fab_async, failures too. */
+void shardd__coll_fab_submit(coll *c, task *t);
+void shardd__coll_fab_free(shardd__coll_engine *e, coll_fab *jf);
+
+#endif /* SHARDD_COLL_INT_H */

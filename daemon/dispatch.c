@@ -1,0 +1,636 @@
+/* dispatch.c — the command table, its handlers and the reply builder (see
+ * dispatch.h). */
+#include "dispatch.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include "checkpoint.h"
+#include "frame.h"
+#include "log.h"
+#include "optcodec.h"
+#include "optreg.h"
+#include "proto/shardd.pb-c.h"
+#include "status.h"
+
+#define ERRLEN 512
+
+static double now_s(const shardd__dispatch *d) {
+  return (double)uv_now(d->loop) / 1000.0;
+}
+
+/* ---- the reply builder ------------------------------------------------- */
+
+static void reply(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                  shardd_err code, const char *msg);
+
+/* Packs resp into a frame and hands it to the transport with fd. */
+static void send_resp(shardd__dispatch *d, shardd__conn *c,
+                      const Shardd__Response *resp, int fd) {
+  size_t n = shardd__response__get_packed_size(resp);
+  if (n > SHARDD_MAX_FRAME) {
+    /* The client refuses a frame past the limit and drops the connection:
+     * status with ~60k optimizers failed even for root, inspect of a
+     * buffer with 200k views for its owner. Say so instead. */
+    if (fd >= 0)
+      close(fd);
+    char msg[256];
+    snprintf(msg, sizeof msg, "the reply would be %zu bytes, over the %u-byte "
+             "frame limit; ask for less (one job's status, one buffer)", n,
+             SHARDD_MAX_FRAME);
+    shardd__log(1, "session %" PRIu64 ": %s", c->id, msg);
+    reply(d, c, resp->seq, SHARDD_E_LIMIT, msg);
+    return;
+  }
+  uint8_t *frame = malloc(SHARDD_FRAME_HEADER + n);
+  if (frame)
+    shardd__response__pack(resp, frame + SHARDD_FRAME_HEADER);
+  d->io.send(d->io.ctx, c, frame, n, fd);
+}
+
+/* A successful reply of body case bc; the caller sets the body. */
+static Shardd__Response ok_resp(uint64_t seq, Shardd__Response__BodyCase bc) {
+  Shardd__Response resp = SHARDD__RESPONSE__INIT;
+  resp.seq = seq;
+  resp.code = SHARDD__STATUS_CODE__OK;
+  resp.body_case = bc;
+  return resp;
+}
+
+/* A status-only reply (msg NULL: the code's own words). */
+static void reply(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                  shardd_err code, const char *msg) {
+  Shardd__Response resp = SHARDD__RESPONSE__INIT;
+  resp.seq = seq;
+  resp.code = (Shardd__StatusCode)code;
+  resp.message = (char *)(msg ? msg : shardd_strerror(code));
+  send_resp(d, c, &resp, -1);
+}
+
+void shardd__dispatch_refuse(shardd__dispatch *d, shardd__conn *c,
+                             shardd_err code, const char *msg) {
+  reply(d, c, 0, code, msg);
+}
+
+/* ---- handlers ---------------------------------------------------------- */
+
+typedef void (*handler)(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                        const Shardd__Request *req);
+
+static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                     const Shardd__Request *req) {
+  const Shardd__Hello *h = req->hello;
+  char err[ERRLEN];
+  if (c->hello_done) {
+    reply(d, c, seq, SHARDD_E_STATE, "Hello was already sent");
+    return;
+  }
+  if (h->protocol_version != SHARDD_PROTOCOL_VERSION) {
+    snprintf(err, sizeof err, "client speaks protocol %" PRIu32
+             ", this daemon speaks %d", h->protocol_version,
+             SHARDD_PROTOCOL_VERSION);
+    reply(d, c, seq, SHARDD_E_VERSION, err);
+    return;
+  }
+  if (h->job && h->job[0]) {
+    shardd__job *job = shardd__job_find(&d->reg, h->job);
+    shardd_err rc;
+    if (job && (rc = shardd__access_join(&c->peer, job, err, sizeof err)) !=
+                   SHARDD_OK) {
+      reply(d, c, seq, rc, err);
+      return;
+    }
+    uint32_t world = h->has_world ? h->world : 1;
+    rc = shardd__job_get(&d->reg, h->job, world, c->peer.uid, &job, err,
+                         sizeof err);
+    if (rc != SHARDD_OK) {
+      reply(d, c, seq, rc, err);
+      return;
+    }
+    uint32_t rank = h->has_rank ? h->rank : 0;
+    /* --job-spec: a multi-node job holds its node's ranks only */
+    rc = shardd__jobs_layout(&d->jobs, job, rank, err, sizeof err);
+    if (rc == SHARDD_OK && rank >= job->world) {
+      snprintf(err, sizeof err, "rank %" PRIu32 " is outside world %" PRIu32,
+               rank, job->world);
+      rc = SHARDD_E_RANGE;
+    }
+    void *holder = NULL;
+    if (rc == SHARDD_OK &&
+        (rc = shardd__jobs_claim(&d->jobs, job, rank, c, &holder)) != SHARDD_OK) {
+      if (holder)
+        snprintf(err, sizeof err,
+                 "rank %" PRIu32 " of job \"%s\" is already connected (pid %d)",
+                 rank, job->name, (int)((shardd__conn *)holder)->peer.pid);
+      else
+        snprintf(err, sizeof err, "out of memory");
+    }
+    if (rc != SHARDD_OK) {
+      reply(d, c, seq, rc, err);
+      shardd__jobs_unclaimed(&d->jobs, job, now_s(d), 1);
+      return;
+    }
+    c->m.job = job;
+    c->m.rank = rank;
+    shardd__log(2,
+                "session %" PRIu64 ": rank %" PRIu32 "/%" PRIu32
+                " of job \"%s\" (pid %d uid %d)",
+                c->id, rank, job->world, job->name, (int)c->peer.pid,
+                (int)c->peer.uid);
+  }
+  c->hello_done = 1;
+  Shardd__Response resp = ok_resp(seq, SHARDD__RESPONSE__BODY_HELLO);
+  Shardd__HelloReply hr = SHARDD__HELLO_REPLY__INIT;
+  hr.protocol_version = SHARDD_PROTOCOL_VERSION;
+  hr.daemon_version = SHARDD_VERSION;
+  hr.session_id = c->id;
+  hr.backend = (char *)d->backend->name;
+  hr.devices = (uint32_t)d->backend->ndevices;
+  resp.hello = &hr;
+  send_resp(d, c, &resp, -1);
+}
+
+static shardd__status_ctx status_ctx(shardd__dispatch *d) {
+  shardd__status_ctx ctx = {&d->reg, d->coll, &d->jobs, now_s(d) - d->started,
+                            d->socket_path, d->io.clients(d->io.ctx)};
+  return ctx;
+}
+
+static void on_status(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                      const Shardd__Request *req) {
+  shardd__report *r;
+  Shardd__StatusReply *st;
+  shardd__status_ctx ctx = status_ctx(d);
+  shardd_err rc = shardd__status_build(&ctx, &c->peer, &r, &st);
+  if (rc != SHARDD_OK) {
+    reply(d, c, seq, rc, "out of memory building status");
+  } else {
+    Shardd__Response resp = ok_resp(seq, SHARDD__RESPONSE__BODY_STATUS);
+    resp.status = st;
+    send_resp(d, c, &resp, -1);
+  }
+  shardd__report_free(r);
+}
+
+static void on_inspect(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                       const Shardd__Request *req) {
+  const Shardd__Inspect *in = req->inspect;
+  char err[ERRLEN];
+  shardd__report *r;
+  Shardd__InspectReply *ir;
+  shardd__status_ctx ctx = status_ctx(d);
+  shardd_err rc = shardd__inspect_build(&ctx, &c->peer, c->m.job,
+                                        in->has_id ? in->id : 0, in->name, &r,
+                                        &ir, err, sizeof err);
+  if (rc != SHARDD_OK) {
+    reply(d, c, seq, rc, err);
+  } else {
+    Shardd__Response resp = ok_resp(seq, SHARDD__RESPONSE__BODY_INSPECT);
+    resp.inspect = ir;
+    send_resp(d, c, &resp, -1);
+  }
+  shardd__report_free(r);
+}
+
+static void on_register_buffer(shardd__dispatch *d, shardd__conn *c,
+                               uint64_t seq, const Shardd__Request *req) {
+  const Shardd__RegisterBuffer *rb = req->register_buffer;
+  shardd__backend *be = d->backend;
+  uint32_t rank = c->m.rank;
+  char err[ERRLEN];
+  shardd__buffer *b;
+  int created;
+  shardd_err rc = shardd__buffer_register(&d->reg, c->m.job, rb->name,
+                                          (shardd_dtype)rb->dtype, rb->numel,
+                                          &b, &created, err, sizeof err);
+  if (rc != SHARDD_OK) {
+    reply(d, c, seq, rc, err);
+    return;
+  }
+  int fd = -1;
+  uint8_t ipc[64];
+  size_t ipc_len = 0;
+  if (be->ops->export_ipc) { /* cuda: a handle, no descriptor */
+    rc = be->ops->export_ipc(be, b->blocks[rank], ipc, sizeof ipc, &ipc_len);
+    if (rc != SHARDD_OK) {
+      snprintf(err, sizeof err,
+               "exporting rank %" PRIu32 "'s block as a CUDA IPC handle: %s",
+               rank, shardd_strerror(rc));
+      reply(d, c, seq, rc, err);
+      return;
+    }
+  } else {
+    rc = be->ops->export_fd(be, b->blocks[rank], &fd);
+    if (rc != SHARDD_OK) {
+      snprintf(err, sizeof err, "exporting rank %" PRIu32 "'s block: %s",
+               rank, shardd_strerror(rc));
+      reply(d, c, seq, rc, err);
+      return;
+    }
+  }
+  Shardd__Response resp = ok_resp(seq, SHARDD__RESPONSE__BODY_BUFFER);
+  Shardd__BufferReply br = SHARDD__BUFFER_REPLY__INIT;
+  if (ipc_len > 0) {
+    br.has_cuda_ipc_handle = 1;
+    br.cuda_ipc_handle.data = ipc;
+    br.cuda_ipc_handle.len = ipc_len;
+  }
+  br.id = b->hdr.id;
+  br.name = b->hdr.name;
+  br.dtype = (Shardd__DType)b->dtype;
+  br.numel = b->numel;
+  br.padded_numel = b->padded_numel;
+  br.shard_numel = b->shard_numel;
+  br.world = b->world;
+  br.rank = rank;
+  br.device = (uint32_t)shardd__rank_device(&d->reg, rank);
+  br.block_bytes = b->blocks[rank]->bytes;
+  br.shard_offset = b->shard_off;
+  br.gather_offset = b->gather_off;
+  br.grad_offset = b->grad_off;
+  br.has_reduced_offset = 1;
+  br.reduced_offset = b->reduced_off;
+  br.created = created;
+  br.has_generation = 1;
+  br.generation = b->hdr.generation;
+  resp.buffer = &br;
+  send_resp(d, c, &resp, fd);
+  if (created)
+    shardd__log(3, "job \"%s\": buffer %" PRIu64 " \"%s\" %s[%" PRIu64 "]",
+                c->m.job->name, b->hdr.id, b->hdr.name,
+                shardd_dtype_name(b->dtype), b->numel);
+}
+
+static void on_register_view(shardd__dispatch *d, shardd__conn *c,
+                             uint64_t seq, const Shardd__Request *req) {
+  const Shardd__RegisterView *rv = req->register_view;
+  char err[ERRLEN];
+  shardd__view *v;
+  int created;
+  if (rv->n_shape > 64) {
+    reply(d, c, seq, SHARDD_E_RANGE, "view has over 64 dimensions");
+    return;
+  }
+  shardd_err rc = shardd__view_register_ex(
+      &d->reg, c->m.job, rv->buffer,
+      rv->has_buffer_generation ? rv->buffer_generation : 0, rv->name,
+      rv->offset, rv->numel, rv->shape, (int)rv->n_shape,
+      rv->has_requires_grad ? rv->requires_grad : 1, &v, &created, err,
+      sizeof err);
+  if (rc != SHARDD_OK) {
+    reply(d, c, seq, rc, err);
+    return;
+  }
+  Shardd__Response resp = ok_resp(seq, SHARDD__RESPONSE__BODY_VIEW);
+  Shardd__ViewReply vr = SHARDD__VIEW_REPLY__INIT;
+  vr.id = v->hdr.id;
+  vr.created = created;
+  vr.has_generation = 1;
+  vr.generation = v->hdr.generation;
+  resp.view = &vr;
+  send_resp(d, c, &resp, -1);
+}
+
+static void on_register_optimizer(shardd__dispatch *d, shardd__conn *c,
+                                  uint64_t seq, const Shardd__Request *req) {
+  char err[ERRLEN];
+  shardd__optspec spec;
+  if (shardd__optspec_from_wire(req->register_optimizer, &spec) != SHARDD_OK) {
+    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    return;
+  }
+  shardd__optreg_result res;
+  shardd_err rc = shardd__optreg_register(&d->reg, c->m.job, &spec,
+                                          SHARDD__OPTREG_ATTACH, &res, err,
+                                          sizeof err);
+  shardd__optspec_free(&spec);
+  if (rc == SHARDD_OK) {
+    Shardd__Response resp = ok_resp(seq, SHARDD__RESPONSE__BODY_OPTIMIZER);
+    Shardd__OptimizerReply orp = SHARDD__OPTIMIZER_REPLY__INIT;
+    orp.id = res.optim->hdr.id;
+    orp.created = res.created;
+    resp.optimizer = &orp;
+    send_resp(d, c, &resp, -1);
+  } else if (res.refused) {
+    reply(d, c, seq, rc, res.list ? res.list : "optimizer refused");
+    shardd__log(3, "job \"%s\": optimizer refused: %s", c->m.job->name,
+                res.list ? res.list : "");
+  } else {
+    reply(d, c, seq, rc, err);
+  }
+  free(res.list);
+}
+
+static void unregister(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                       shardd__obj_kind kind, uint64_t id, uint64_t gen) {
+  char err[ERRLEN];
+  shardd_err rc;
+  shardd__registry *reg = &d->reg;
+  shardd__job *job = c->m.job;
+  if (gen != 0 && shardd__registry_stale(reg, job, id, gen, err, sizeof err))
+    rc = SHARDD_E_STALE;
+  else if (kind == SHARDD__OBJ_BUFFER)
+    rc = shardd__buffer_unregister(reg, job, id, err, sizeof err);
+  else if (kind == SHARDD__OBJ_VIEW)
+    rc = shardd__view_unregister(reg, job, id, err, sizeof err);
+  else
+    rc = shardd__optim_unregister(reg, job, id, err, sizeof err);
+  reply(d, c, seq, rc, rc == SHARDD_OK ? NULL : err);
+}
+
+static void on_unregister_buffer(shardd__dispatch *d, shardd__conn *c,
+                                 uint64_t seq, const Shardd__Request *req) {
+  unregister(d, c, seq, SHARDD__OBJ_BUFFER, req->unregister_buffer->id,
+             req->unregister_buffer->generation);
+}
+
+static void on_unregister_view(shardd__dispatch *d, shardd__conn *c,
+                               uint64_t seq, const Shardd__Request *req) {
+  unregister(d, c, seq, SHARDD__OBJ_VIEW, req->unregister_view->id,
+             req->unregister_view->generation);
+}
+
+static void on_unregister_optimizer(shardd__dispatch *d, shardd__conn *c,
+                                    uint64_t seq, const Shardd__Request *req) {
+  unregister(d, c, seq, SHARDD__OBJ_OPTIM, req->unregister_optimizer->id, 0);
+}
+
+static void on_ping(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                    const Shardd__Request *req) {
+  const Shardd__Ping *p = req->ping;
+  Shardd__Response resp = ok_resp(seq, SHARDD__RESPONSE__BODY_PONG);
+  Shardd__Pong pong = SHARDD__PONG__INIT;
+  if (p->has_payload) {
+    pong.has_payload = 1;
+    pong.payload = p->payload;
+  }
+  resp.pong = &pong;
+  send_resp(d, c, &resp, -1);
+}
+
+static void reply_checkpoint(shardd__dispatch *d, shardd__conn *c,
+                             uint64_t seq, shardd__job *job, const char *dir) {
+  Shardd__Response resp = ok_resp(seq, SHARDD__RESPONSE__BODY_CHECKPOINT);
+  Shardd__CheckpointReply cr = SHARDD__CHECKPOINT_REPLY__INIT;
+  cr.job = job->name;
+  cr.dir = (char *)dir;
+  cr.buffers = (uint32_t)shardd__map_count(&job->buffers);
+  cr.optimizers = (uint32_t)shardd__map_count(&job->optims);
+  resp.checkpoint = &cr;
+  send_resp(d, c, &resp, -1);
+}
+
+static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                          const Shardd__Request *req) {
+  const Shardd__Checkpoint *cp = req->checkpoint;
+  char err[ERRLEN];
+  shardd_err rc = shardd__access_checkpoint_dir(d->opts.checkpoint_root,
+                                                cp->dir, err, sizeof err);
+  if (rc != SHARDD_OK) {
+    reply(d, c, seq, rc, err);
+    return;
+  }
+  shardd__job *job = c->m.job;
+  if (job == NULL) {
+    job = shardd__job_find(&d->reg, cp->job);
+    if (job == NULL) {
+      snprintf(err, sizeof err, "no job \"%s\"", cp->job ? cp->job : "");
+      reply(d, c, seq, SHARDD_E_NOT_FOUND, err);
+      return;
+    }
+    if ((rc = shardd__access_checkpoint(&c->peer, job, err, sizeof err)) !=
+        SHARDD_OK) {
+      reply(d, c, seq, rc, err);
+      return;
+    }
+  } else if (cp->job && cp->job[0] && strcmp(cp->job, job->name) != 0) {
+    snprintf(err, sizeof err, "a session of job \"%s\" cannot checkpoint job \"%s\"",
+             job->name, cp->job);
+    reply(d, c, seq, SHARDD_E_NOT_OWNED, err);
+    return;
+  }
+  rc = shardd__jobs_checkpoint(&d->jobs, job, cp->dir, (int64_t)c->peer.uid,
+                               err, sizeof err);
+  if (rc != SHARDD_OK)
+    reply(d, c, seq, rc, err);
+  else
+    reply_checkpoint(d, c, seq, job, cp->dir);
+}
+
+static void on_restore(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                       const Shardd__Request *req) {
+  const Shardd__Restore *rs = req->restore;
+  char err[ERRLEN];
+  shardd_err rc = shardd__access_checkpoint_dir(d->opts.checkpoint_root,
+                                                rs->dir, err, sizeof err);
+  if (rc != SHARDD_OK) {
+    reply(d, c, seq, rc, err);
+    return;
+  }
+  shardd__job *job;
+  rc = shardd__checkpoint_restore(&d->reg, rs->dir, (int64_t)c->peer.uid,
+                                  rs->has_world ? rs->world : 0, &job, err,
+                                  sizeof err);
+  if (rc != SHARDD_OK) {
+    reply(d, c, seq, rc, err);
+    return;
+  }
+  shardd__jobs_unclaimed(&d->jobs, job, now_s(d), 0);
+  shardd__log(2, "job \"%s\" restored from %s", job->name, rs->dir);
+  reply_checkpoint(d, c, seq, job, rs->dir);
+}
+
+static void on_gather(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                      const Shardd__Request *req) {
+  shardd__coll_args ca = {.kind = SHARDD__COLL_GATHER,
+                          .target = req->gather->buffer,
+                          .generation = req->gather->generation};
+  shardd__coll_submit(d->coll, &c->m, seq, &ca);
+}
+
+static void on_scatter(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                       const Shardd__Request *req) {
+  shardd__coll_args ca = {.kind = SHARDD__COLL_SCATTER,
+                          .target = req->scatter->buffer,
+                          .generation = req->scatter->generation,
+                          .op = (shardd_reduce_op)req->scatter->op};
+  if (ca.op != SHARDD_REDUCE_SUM && ca.op != SHARDD_REDUCE_MEAN) {
+    reply(d, c, seq, SHARDD_E_INVAL, "scatter op must be sum or mean");
+    return;
+  }
+  shardd__coll_submit(d->coll, &c->m, seq, &ca);
+}
+
+static void on_step(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                    const Shardd__Request *req) {
+  const Shardd__Step *st = req->step;
+  shardd__coll_args ca = {.kind = SHARDD__COLL_STEP,
+                          .target = st->optimizer,
+                          .has_lr = st->has_lr,
+                          .lr = st->lr,
+                          .max_norm = st->has_max_norm ? st->max_norm : 0};
+  shardd__coll_submit(d->coll, &c->m, seq, &ca);
+}
+
+/* ---- the command table ------------------------------------------------- */
+
+static const struct {
+  Shardd__Request__BodyCase body;
+  int needs_job; /* only a rank of a job (not a control session) may ask */
+  handler fn;
+} commands[] = {
+    {SHARDD__REQUEST__BODY_HELLO, 0, on_hello},
+    {SHARDD__REQUEST__BODY_STATUS, 0, on_status},
+    {SHARDD__REQUEST__BODY_INSPECT, 0, on_inspect},
+    {SHARDD__REQUEST__BODY_PING, 0, on_ping},
+    {SHARDD__REQUEST__BODY_CHECKPOINT, 0, on_checkpoint},
+    {SHARDD__REQUEST__BODY_RESTORE, 0, on_restore},
+    {SHARDD__REQUEST__BODY_REGISTER_BUFFER, 1, on_register_buffer},
+    {SHARDD__REQUEST__BODY_UNREGISTER_BUFFER, 1, on_unregister_buffer},
+    {SHARDD__REQUEST__BODY_REGISTER_VIEW, 1, on_register_view},
+    {SHARDD__REQUEST__BODY_UNREGISTER_VIEW, 1, on_unregister_view},
+    {SHARDD__REQUEST__BODY_REGISTER_OPTIMIZER, 1, on_register_optimizer},
+    {SHARDD__REQUEST__BODY_UNREGISTER_OPTIMIZER, 1, on_unregister_optimizer},
+    {SHARDD__REQUEST__BODY_GATHER, 1, on_gather},
+    {SHARDD__REQUEST__BODY_SCATTER, 1, on_scatter},
+    {SHARDD__REQUEST__BODY_STEP, 1, on_step},
+};
+
+void shardd__dispatch_frame(shardd__dispatch *d, shardd__conn *c,
+                            const uint8_t *payload, size_t len) {
+  Shardd__Request *req = shardd__request__unpack(NULL, len, payload);
+  if (req == NULL) {
+    char msg[128];
+    snprintf(msg, sizeof msg, "a %zu-byte frame is not a valid Request", len);
+    shardd__log(1, "session %" PRIu64 ": %s", c->id, msg);
+    reply(d, c, 0, SHARDD_E_PROTOCOL, msg);
+    return;
+  }
+  uint64_t seq = req->seq;
+  size_t i = 0, n = sizeof commands / sizeof commands[0];
+  while (i < n && commands[i].body != req->body_case)
+    i++;
+  if (req->body_case != SHARDD__REQUEST__BODY_HELLO && !c->hello_done)
+    reply(d, c, seq, SHARDD_E_STATE, "the first request must be Hello");
+  else if ((i == n || commands[i].needs_job) && c->m.job == NULL)
+    reply(d, c, seq, SHARDD_E_STATE,
+          "this is a control session (Hello without a job); it cannot "
+          "register or train");
+  else if (i == n)
+    reply(d, c, seq, SHARDD_E_PROTOCOL, "request has no body this daemon knows");
+  else
+    commands[i].fn(d, c, seq, req);
+  shardd__request__free_unpacked(req, NULL);
+}
+
+/* ---- connections and the engine's hooks -------------------------------- */
+
+void shardd__dispatch_opened(shardd__dispatch *d, shardd__conn *c,
+                             uint64_t id, const shardd__peer *peer) {
+  memset(c, 0, sizeof *c);
+  c->id = id;
+  c->peer = *peer;
+}
+
+void shardd__dispatch_closed(shardd__dispatch *d, shardd__conn *c) {
+  shardd__job *job = c->m.job;
+  if (job == NULL)
+    return;
+  shardd__coll_member_lost(d->coll, &c->m);
+  shardd__log(2, "session %" PRIu64 ": rank %" PRIu32 " of job \"%s\" left",
+              c->id, c->m.rank, job->name);
+  c->m.job = NULL;
+  shardd__jobs_leave(&d->jobs, job, c->m.rank, c, now_s(d));
+}
+
+void shardd__dispatch_tick(shardd__dispatch *d, double now) {
+  shardd__coll_tick(d->coll, now);
+  shardd__jobs_expire(&d->jobs, now);
+}
+
+/* The member is the first field of its connection. */
+static void coll_done(void *ctx, shardd__coll_member *m, uint64_t seq,
+                      shardd_err code, const char *msg,
+                      const shardd__coll_result *res) {
+  shardd__dispatch *d = ctx;
+  shardd__conn *c = (shardd__conn *)m;
+  if (res == NULL) {
+    reply(d, c, seq, code, msg);
+    return;
+  }
+  Shardd__Response resp = ok_resp(seq, SHARDD__RESPONSE__BODY_STEP);
+  Shardd__StepReply sr = SHARDD__STEP_REPLY__INIT;
+  sr.step = res->step;
+  sr.has_total_norm = res->has_total_norm;
+  sr.total_norm = res->has_total_norm ? res->total_norm : 0;
+  resp.step = &sr;
+  send_resp(d, c, &resp, -1);
+}
+
+static void coll_quiet(void *ctx, shardd__job *job) {
+  shardd__dispatch *d = ctx;
+  shardd__jobs_idle(&d->jobs, job);
+}
+
+/* ---- init / free ------------------------------------------------------- */
+
+shardd_err shardd__dispatch_init(shardd__dispatch *d, uv_loop_t *loop,
+                                 shardd__backend *backend,
+                                 const shardd__server_opts *opts,
+                                 const char *socket_path,
+                                 const shardd__dispatch_io *io, char *err,
+                                 size_t errlen) {
+  memset(d, 0, sizeof *d);
+  d->opts = *opts;
+  d->backend = backend;
+  d->io = *io;
+  d->loop = loop;
+  d->socket_path = socket_path;
+  d->started = now_s(d);
+  shardd__registry_init(&d->reg, backend);
+  d->reg.job_memory_limit = opts->job_memory_limit;
+  d->reg.max_jobs = opts->max_jobs;
+  d->reg.max_jobs_per_uid = opts->max_jobs_per_uid;
+  /* Descriptors: rank blocks get all but what connections, the listener,
+   * checkpoint files and libraries need; one uid a quarter of them, so no
+   * single user can starve the others (or the accept loop). */
+  struct rlimit nofile;
+  if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur != RLIM_INFINITY) {
+    uint64_t n = nofile.rlim_cur;
+    uint64_t keep = (uint64_t)opts->max_clients + SHARDD__ADMIN_RESERVE + 128;
+    d->reg.max_blocks = n > 2 * keep ? n - keep : n / 2;
+    d->reg.max_blocks_per_uid = d->reg.max_blocks / 4;
+  }
+  shardd__coll_config cc = {loop,
+                            &d->reg,
+                            opts->collective_timeout,
+                            opts->max_pending,
+                            opts->max_inflight_gathers,
+                            {d, coll_done, coll_quiet}};
+  if (shardd__coll_engine_create(&cc, &d->coll) != SHARDD_OK) {
+    shardd__registry_free(&d->reg);
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  shardd__jobs_init(&d->jobs, &d->reg, d->coll, opts->job_linger,
+                    opts->jobspecs, opts->njobspecs);
+  return SHARDD_OK;
+}
+
+void shardd__dispatch_stop(shardd__dispatch *d) {
+  d->jobs.stopping = 1;
+  shardd__coll_engine_stop(d->coll);
+}
+
+void shardd__dispatch_free(shardd__dispatch *d) {
+  if (d->coll == NULL) /* never initialised, or freed */
+    return;
+  shardd__coll_engine_destroy(d->coll);
+  d->coll = NULL;
+  shardd__jobs_free(&d->jobs);
+  shardd__registry_free(&d->reg);
+}

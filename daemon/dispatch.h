@@ -1,0 +1,93 @@
+/* dispatch.h — requests to the core and back: one command table from a
+ * Request's body to its handler, the conversion of wire messages to core
+ * calls, and one reply builder. Below the transport (server.c hands it each
+ * whole frame and hears of each closed connection), above the core
+ * (registry, optimizer registration, job lifetime, access, status,
+ * checkpoints) and the collective engine.
+ *
+ * It never calls the transport: replies leave through the send hook it was
+ * given at init, as packed frames.
+ *
+ * Ownership: the dispatcher owns the registry, the collective engine and
+ * the job lifetime state; the backend stays its creator's. A connection
+ * (shardd__conn) is embedded by the transport in its own session struct and
+ * must be closed here (shardd__dispatch_closed) before it is freed. Loop
+ * thread only. */
+#ifndef SHARDD_DISPATCH_H
+#define SHARDD_DISPATCH_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "access.h"
+#include "coll.h"
+#include "jobs.h"
+#include "opts.h"
+#include "registry.h"
+
+/* What the dispatcher knows of one connection. */
+typedef struct {
+  /* read-only after hello: the job and rank it claimed (m.job NULL for
+   * control sessions and before hello) */
+  shardd__coll_member m;
+  shardd__peer peer;
+  uint64_t id;
+  int hello_done;
+} shardd__conn;
+
+typedef struct {
+  void *ctx;
+  /* Sends one reply on c: frame holds SHARDD_FRAME_HEADER free bytes, then
+   * len bytes of packed Response; fd >= 0 travels with it. Both are the
+   * hook's from here (also when it fails). It must not close c before it
+   * returns (replies go out from inside walks over shared state): a reply
+   * that cannot be sent marks c for closing on a later loop turn. */
+  void (*send)(void *ctx, shardd__conn *c, uint8_t *frame, size_t len, int fd);
+  /* connections open now (status) */
+  uint32_t (*clients)(void *ctx);
+} shardd__dispatch_io;
+
+typedef struct {
+  /* read-only after init */
+  shardd__server_opts opts;
+  shardd__backend *backend;
+  shardd__dispatch_io io;
+  uv_loop_t *loop;
+  double started; /* loop seconds at init */
+  const char *socket_path;
+  /* the core it drives (owned) */
+  shardd__registry reg;
+  shardd__coll_engine *coll;
+  shardd__jobs jobs;
+} shardd__dispatch;
+
+/* socket_path is borrowed (it lives as long as d). */
+shardd_err shardd__dispatch_init(shardd__dispatch *d, uv_loop_t *loop,
+                                 shardd__backend *backend,
+                                 const shardd__server_opts *opts,
+                                 const char *socket_path,
+                                 const shardd__dispatch_io *io, char *err,
+                                 size_t errlen);
+/* The daemon is stopping: no job is released from here on. */
+void shardd__dispatch_stop(shardd__dispatch *d);
+/* Releases every job and frees the core; the backend stays the caller's. */
+void shardd__dispatch_free(shardd__dispatch *d);
+
+/* A new connection of peer (the transport reads the credentials). */
+void shardd__dispatch_opened(shardd__dispatch *d, shardd__conn *c,
+                             uint64_t id, const shardd__peer *peer);
+/* One whole frame's payload from c: decoded, dispatched, answered. */
+void shardd__dispatch_frame(shardd__dispatch *d, shardd__conn *c,
+                            const uint8_t *payload, size_t len);
+/* A status-only reply the transport itself has to give (a refused
+ * connection, a frame over the limit, a descriptor sent to the daemon). */
+void shardd__dispatch_refuse(shardd__dispatch *d, shardd__conn *c,
+                             shardd_err code, const char *msg);
+/* c is going away: its collectives are failed or forgotten, its rank let
+ * go (its job may be released). */
+void shardd__dispatch_closed(shardd__dispatch *d, shardd__conn *c);
+/* The periodic tick: collective timeouts, lingering jobs. */
+void shardd__dispatch_tick(shardd__dispatch *d, double now);
+
+#endif /* SHARDD_DISPATCH_H */

@@ -1,0 +1,239 @@
+/* jobs.c — job lifetime (see jobs.h). */
+#include "jobs.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "checkpoint.h"
+#include "fabric.h"
+#include "log.h"
+
+typedef struct {
+  shardd__job *job;
+  void **owners; /* [world], NULL where the rank is not claimed */
+  uint32_t nclients;
+  double empty_since; /* loop time the last client left; < 0 while held */
+} slot;
+
+/* By address, as the engine keeps its state: an entry lives until the job's
+ * release through shardd__jobs_release, so no address is reused under it. */
+static uint64_t key(const shardd__job *job) { return (uint64_t)(uintptr_t)job; }
+
+static slot *slot_get(const shardd__jobs *j, const shardd__job *job) {
+  return shardd__map_get_id(&j->slots, key(job));
+}
+
+static slot *slot_make(shardd__jobs *j, shardd__job *job) {
+  slot *s = slot_get(j, job);
+  if (s)
+    return s;
+  if ((s = calloc(1, sizeof *s)) == NULL ||
+      (s->owners = calloc(job->world, sizeof *s->owners)) == NULL) {
+    free(s);
+    return NULL;
+  }
+  s->job = job;
+  s->empty_since = -1;
+  if (shardd__map_put_id(&j->slots, key(job), s) != SHARDD_OK) {
+    free(s->owners);
+    free(s);
+    return NULL;
+  }
+  return s;
+}
+
+static void slot_free(slot *s) {
+  if (s) {
+    free(s->owners);
+    free(s);
+  }
+}
+
+void shardd__jobs_init(shardd__jobs *j, shardd__registry *reg,
+                       shardd__coll_engine *coll, double linger,
+                       const shardd__jobspec *specs, size_t nspecs) {
+  memset(j, 0, sizeof *j);
+  j->reg = reg;
+  j->coll = coll;
+  j->linger = linger;
+  j->specs = specs;
+  j->nspecs = nspecs;
+  shardd__map_init(&j->slots);
+}
+
+static void free_slot_cb(void *value, void *arg) { slot_free(value); }
+
+void shardd__jobs_free(shardd__jobs *j) {
+  shardd__map_each(&j->slots, free_slot_cb, NULL);
+  shardd__map_free(&j->slots);
+}
+
+static void release(shardd__jobs *j, shardd__job *job) {
+  slot_free(shardd__map_del_id(&j->slots, key(job)));
+  shardd__coll_job_free(j->coll, job);
+  shardd__job_release(j->reg, job);
+}
+
+shardd_err shardd__jobs_layout(shardd__jobs *j, shardd__job *job, uint32_t rank,
+                               char *err, size_t errlen) {
+  const shardd__jobspec *sp = shardd__jobspec_find(j->specs, j->nspecs, job->name);
+  if (sp == NULL)
+    return SHARDD_OK;
+  if (sp->world != job->world) {
+    snprintf(err, errlen,
+             "job \"%s\" has world %" PRIu32 " in its job spec %s, not %" PRIu32,
+             job->name, sp->world, sp->path, job->world);
+    return SHARDD_E_MISMATCH;
+  }
+  if (sp->nodes > 1 && job->nodes == 1) {
+    const shardd__backend *be = j->reg->backend;
+    if (!(be->caps & SHARDD__BACKEND_CAP_HOST_MAPPED)) {
+      snprintf(err, errlen,
+               "job \"%s\" spans %" PRIu32 " nodes, but cross-node collectives "
+               "on the %s backend need the NCCL fabric, which this shardd "
+               "does not have; use --backend host",
+               job->name, sp->nodes, be->name);
+      return SHARDD_E_STATE;
+    }
+    if (shardd__fabric_engine() == NULL) {
+      snprintf(err, errlen,
+               "job \"%s\" spans %" PRIu32 " nodes, but this shardd was built "
+               "without Gloo (install libgloo-dev and rebuild)",
+               job->name, sp->nodes);
+      return SHARDD_E_STATE;
+    }
+    shardd_err rc = shardd__coll_job_span(j->coll, job, sp->nodes, sp->node_rank,
+                                          sp->rendezvous, sp->host, err, errlen);
+    if (rc != SHARDD_OK)
+      return rc;
+  }
+  if (rank < job->world && !shardd__job_rank_local(job, rank)) {
+    uint32_t node = rank / job->local_ranks;
+    snprintf(err, errlen,
+             "rank %" PRIu32 " of job \"%s\" belongs to node %" PRIu32
+             " (ranks %" PRIu32 "..%" PRIu32 "); this daemon is node %" PRIu32
+             " of %" PRIu32 " and holds ranks %" PRIu32 "..%" PRIu32,
+             rank, job->name, node, node * job->local_ranks,
+             (node + 1) * job->local_ranks - 1, job->node_rank, job->nodes,
+             job->local_first, job->local_first + job->local_ranks - 1);
+    return SHARDD_E_RANGE;
+  }
+  return SHARDD_OK;
+}
+
+shardd_err shardd__jobs_claim(shardd__jobs *j, shardd__job *job, uint32_t rank,
+                              void *owner, void **holder) {
+  *holder = NULL;
+  slot *s = slot_make(j, job);
+  if (s == NULL)
+    return SHARDD_E_NO_MEMORY;
+  if (s->owners[rank] != NULL) {
+    *holder = s->owners[rank];
+    return SHARDD_E_STATE;
+  }
+  s->owners[rank] = owner;
+  s->nclients++;
+  s->empty_since = -1;
+  return SHARDD_OK;
+}
+
+void shardd__jobs_leave(shardd__jobs *j, shardd__job *job, uint32_t rank,
+                        void *owner, double now) {
+  slot *s = slot_get(j, job);
+  if (s == NULL)
+    return;
+  if (s->owners[rank] == owner)
+    s->owners[rank] = NULL;
+  if (--s->nclients == 0)
+    s->empty_since = now;
+  shardd__jobs_idle(j, job);
+}
+
+void shardd__jobs_unclaimed(shardd__jobs *j, shardd__job *job, double now,
+                            int release_now) {
+  slot *s = slot_make(j, job);
+  if (s == NULL || s->nclients > 0)
+    return;
+  if (!release_now) {
+    /* A restored job lingers like one whose clients left, so it is
+     * released if nobody comes back. */
+    s->empty_since = now;
+  } else if (s->empty_since < 0) {
+    /* A job a refused Hello created has no client to wait for. */
+    s->empty_since = now;
+    shardd__jobs_idle(j, job);
+  }
+}
+
+void shardd__jobs_idle(shardd__jobs *j, shardd__job *job) {
+  /* --job-linger 0: a job ends with its last client (or with the last
+   * collective that outlived it), not at the next tick. */
+  if (shardd__jobs_clients(j, job) == 0 && j->linger == 0 && !j->stopping &&
+      shardd__coll_inflight(j->coll, job) == 0) {
+    shardd__log(2, "job \"%s\" released (last client left)", job->name);
+    release(j, job);
+  }
+}
+
+typedef struct {
+  shardd__jobs *j;
+  double now;
+  shardd__job **expired;
+  size_t n, cap;
+} linger_arg;
+
+static void find_lingering(void *value, void *arg) {
+  slot *s = value;
+  linger_arg *a = arg;
+  if (s->nclients == 0 && s->empty_since >= 0 && a->j->linger >= 0 &&
+      a->now - s->empty_since >= a->j->linger &&
+      shardd__coll_inflight(a->j->coll, s->job) == 0 && a->n < a->cap)
+    a->expired[a->n++] = s->job;
+}
+
+void shardd__jobs_expire(shardd__jobs *j, double now) {
+  size_t cap = shardd__map_count(&j->slots);
+  if (cap == 0)
+    return;
+  linger_arg a = {j, now, malloc(cap * sizeof(shardd__job *)), 0, cap};
+  if (a.expired == NULL)
+    return;
+  shardd__map_each(&j->slots, find_lingering, &a);
+  for (size_t i = 0; i < a.n; i++) {
+    shardd__log(2, "job \"%s\" released (no client for %.0f s)",
+                a.expired[i]->name, j->linger);
+    release(j, a.expired[i]);
+  }
+  free(a.expired);
+}
+
+uint32_t shardd__jobs_clients(const shardd__jobs *j, const shardd__job *job) {
+  const slot *s = slot_get(j, job);
+  return s ? s->nclients : 0;
+}
+
+shardd_err shardd__jobs_checkpoint(shardd__jobs *j, shardd__job *job,
+                                   const char *dir, int64_t as_uid, char *err,
+                                   size_t errlen) {
+  if (job->nodes > 1) {
+    snprintf(err, errlen,
+             "job \"%s\" spans %" PRIu32 " nodes; checkpoints of multi-node "
+             "jobs are not supported yet",
+             job->name, job->nodes);
+    return SHARDD_E_STATE;
+  }
+  uint32_t n = shardd__coll_inflight(j->coll, job);
+  if (n > 0) {
+    snprintf(err, errlen,
+             "job \"%s\" has %" PRIu32 " collective(s) in flight; checkpoint "
+             "between steps",
+             job->name, n);
+    return SHARDD_E_BUSY;
+  }
+  shardd_err rc = shardd__checkpoint_write(j->reg, job, dir, as_uid, err, errlen);
+  if (rc == SHARDD_OK)
+    shardd__log(2, "job \"%s\" checkpointed to %s", job->name, dir);
+  return rc;
+}

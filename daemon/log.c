@@ -1,0 +1,25 @@
+/* log.c — log lines (see log.h). */
+#include "log.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+
+static int log_level = SHARDD__LOG_INFO;
+
+void shardd__log_set_level(int level) { log_level = level; }
+
+int shardd__log_level(void) { return log_level; }
+
+void shardd__log(int level, const char *fmt, ...) {
+  static const char *names[] = {"error", "warn", "info", "debug"};
+  static const int prio[] = {3, 4, 6, 7};
+  if (level > log_level)
+    return;
+  char line[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(line, sizeof line, fmt, ap);
+  va_end(ap);
+  int k = level < 0 ? 0 : level > 3 ? 3 : level;
+  fprintf(stderr, "<%d>shardd: %s: %s\n", prio[k], names[k], line);
+}

@@ -1,0 +1,49 @@
+/* opts.h — the daemon's configuration, as main parses it from the command
+ * line (see shardd --help); every layer reads the part it needs. A leaf
+ * header: plain values and borrowed strings that live until exit. */
+#ifndef SHARDD_OPTS_H
+#define SHARDD_OPTS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "jobspec.h"
+#include "shardd.h"
+
+typedef struct {
+  size_t size;
+  const char *socket_path;
+  int listen_fd;             /* >= 0: an activated socket to use as is */
+  double collective_timeout; /* seconds a collective waits for all ranks */
+  double job_linger;         /* seconds a job outlives its last client; < 0 never */
+  uint32_t max_clients;
+  uint32_t max_pending; /* queued collectives per session */
+  int log_level;        /* 0 error, 1 warn, 2 info, 3 debug */
+  int64_t admin_gid;    /* members may see every job; < 0 none */
+  uint64_t job_memory_limit; /* bytes a job may hold; 0 unlimited */
+  /* Checkpoint/Restore requests may only name directories below this one
+   * (the daemon writes with its own rights); NULL: any absolute path. */
+  const char *checkpoint_root;
+  /* --job-spec: multi-node layouts by job name (borrowed, live until exit) */
+  const shardd__jobspec *jobspecs;
+  size_t njobspecs;
+  uint32_t max_inflight_gathers; /* per session, like limit_all_gathers */
+  uint32_t max_jobs;             /* jobs at once (lingering ones count) */
+  /* A connection that sends no Hello, or holds a partial frame, this long
+   * is closed: idle connections filled --max-clients and locked out even
+   * root's shardctl, and each partial 16 MiB frame was held forever. */
+  double hello_timeout;
+  double frame_timeout;
+  /* connections one uid (not root, not --admin-group) may hold at once */
+  uint32_t max_clients_per_uid;
+  uint32_t max_jobs_per_uid; /* jobs one uid (not root) may hold */
+} shardd__server_opts;
+
+/* Past --max-clients, root and --admin-group still get this many more
+ * connections, so an operator can always look (shardctl status). */
+#define SHARDD__ADMIN_RESERVE 8u
+
+#define SHARDD__SERVER_OPTS_INIT \
+  {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2, -1, 0, NULL, NULL, 0, 16, 4096, 10.0, 30.0, 256, 512}
+
+#endif /* SHARDD_OPTS_H */
