@@ -44,6 +44,17 @@ if [ -d tests/python ] && [ -z "$SHARDD_NO_PYTHON" ]; then
     [ -z "$line" ] && fail=$((fail + 1))
   fi
 fi
+# The layering rule of ARCHITECTURE.md, over the sources and BUILD's
+# objects: one test.
+if [ -f scripts/check_layers.py ]; then
+  echo "== scripts/check_layers.py"
+  if /usr/bin/python3 scripts/check_layers.py "$BUILD"; then
+    pass=$((pass + 1))
+  else
+    fail=$((fail + 1))
+    bad="$bad layers"
+  fi
+fi
 # FUZZ_BIN: the libFuzzer binaries, space-separated; each counts as one test.
 for fz in $FUZZ_BIN; do
   [ -x "$fz" ] || continue
