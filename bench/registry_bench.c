@@ -25,19 +25,19 @@ static char err[1024];
 
 /* Optimizer request over refs[0..n) in one group. */
 typedef struct {
-  Shardd__RegisterOptimizer req;
-  Shardd__ParamGroup grp, *grpp;
-  Shardd__ParamRef *refs, **refp;
+  Shardwire__RegisterOptimizer req;
+  Shardwire__ParamGroup grp, *grpp;
+  Shardwire__ParamRef *refs, **refp;
 } opt_req;
 
 static void opt_req_init(opt_req *o, const uint64_t *ids, char **names,
                          size_t n) {
-  shardd__register_optimizer__init(&o->req);
-  shardd__param_group__init(&o->grp);
+  shardwire__register_optimizer__init(&o->req);
+  shardwire__param_group__init(&o->grp);
   o->refs = calloc(n, sizeof *o->refs);
   o->refp = calloc(n, sizeof *o->refp);
   for (size_t i = 0; i < n; i++) {
-    shardd__param_ref__init(&o->refs[i]);
+    shardwire__param_ref__init(&o->refs[i]);
     o->refs[i].id = ids[i];
     o->refs[i].name = names[i];
     o->refp[i] = &o->refs[i];
@@ -46,7 +46,7 @@ static void opt_req_init(opt_req *o, const uint64_t *ids, char **names,
   o->grp.refs = o->refp;
   o->grpp = &o->grp;
   o->req.name = "bench";
-  o->req.kind = SHARDD__OPTIM_KIND__ADAMW;
+  o->req.kind = SHARDWIRE__OPTIM_KIND__ADAMW;
   o->req.n_groups = 1;
   o->req.groups = &o->grpp;
 }

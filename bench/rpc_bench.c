@@ -40,17 +40,17 @@ static size_t pack_frame(uint8_t *out, const ProtobufCMessage *m) {
 }
 
 static void make_frames(void) {
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__Ping ping = SHARDD__PING__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Ping ping = SHARDWIRE__PING__INIT;
   req.seq = 1000; /* a 2-byte varint, as most of a session's seqs are */
-  req.body_case = SHARDD__REQUEST__BODY_PING;
+  req.body_case = SHARDWIRE__REQUEST__BODY_PING;
   req.ping = &ping;
   req_len = pack_frame(req_frame, &req.base);
-  Shardd__Response resp = SHARDD__RESPONSE__INIT;
-  Shardd__Pong pong = SHARDD__PONG__INIT;
+  Shardwire__Response resp = SHARDWIRE__RESPONSE__INIT;
+  Shardwire__Pong pong = SHARDWIRE__PONG__INIT;
   resp.seq = 1000;
-  resp.code = SHARDD__STATUS_CODE__OK;
-  resp.body_case = SHARDD__RESPONSE__BODY_PONG;
+  resp.code = SHARDWIRE__STATUS_CODE__OK;
+  resp.body_case = SHARDWIRE__RESPONSE__BODY_PONG;
   resp.pong = &pong;
   resp_len = pack_frame(resp_frame, &resp.base);
 }

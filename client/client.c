@@ -224,13 +224,13 @@ static shardd_err closed_reason(shardd_client_t *c, shardd_err rc) {
   char ignored[128];
   if (shardd__frame_recv(c->fd, &c->rd, &payload, &len, fds, 4, &nfds, ignored,
                          sizeof ignored) == SHARDD_OK) {
-    Shardd__Response *resp = shardd__response__unpack(NULL, len, payload);
-    if (resp && resp->seq == 0 && resp->code != SHARDD__STATUS_CODE__OK) {
+    Shardwire__Response *resp = shardwire__response__unpack(NULL, len, payload);
+    if (resp && resp->seq == 0 && resp->code != SHARDWIRE__STATUS_CODE__OK) {
       rc = (shardd_err)resp->code;
       set_err(c, rc, "%s", resp->message ? resp->message : shardd_strerror(rc));
     }
     if (resp)
-      shardd__response__free_unpacked(resp, NULL);
+      shardwire__response__free_unpacked(resp, NULL);
   }
   for (int i = 0; i < nfds; i++)
     close(fds[i]);
@@ -246,11 +246,11 @@ static async_op *find_async(shardd_client_t *c, uint64_t seq) {
 }
 
 /* Sends req with the next seq. */
-static shardd_err send_req(shardd_client_t *c, Shardd__Request *req) {
+static shardd_err send_req(shardd_client_t *c, Shardwire__Request *req) {
   if (c->fd < 0)
     return set_err(c, SHARDD_E_CLOSED, "the connection was closed earlier");
   req->seq = ++c->seq;
-  size_t n = shardd__request__get_packed_size(req);
+  size_t n = shardwire__request__get_packed_size(req);
   if (n > SHARDD_MAX_FRAME)
     return set_err(c, SHARDD_E_FRAME_TOO_LARGE,
                    "request of %zu bytes exceeds the %u-byte frame limit", n,
@@ -258,7 +258,7 @@ static shardd_err send_req(shardd_client_t *c, Shardd__Request *req) {
   uint8_t *buf = malloc(n ? n : 1);
   if (buf == NULL)
     return set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
-  shardd__request__pack(req, buf);
+  shardwire__request__pack(req, buf);
   shardd_err rc = shardd__frame_send(c->fd, buf, n, c->err, sizeof c->err);
   free(buf);
   if (rc == SHARDD_E_CLOSED)
@@ -269,11 +269,11 @@ static shardd_err send_req(shardd_client_t *c, Shardd__Request *req) {
 /* Reads responses until the one to seq. Replies to outstanding async
  * requests that arrive first are kept for shardd_wait; others (to requests
  * nobody waits for any more) are dropped. On SHARDD_OK *out is the response
- * (caller frees with shardd__response__free_unpacked); a daemon error code
+ * (caller frees with shardwire__response__free_unpacked); a daemon error code
  * is returned with its message in c->err and *out still set. A descriptor
  * that came with the reply is returned in *fd (else -1). */
 static shardd_err recv_for(shardd_client_t *c, uint64_t seq,
-                           Shardd__Response **out, int *fd) {
+                           Shardwire__Response **out, int *fd) {
   *out = NULL;
   if (fd)
     *fd = -1;
@@ -296,7 +296,7 @@ static shardd_err recv_for(shardd_client_t *c, uint64_t seq,
       }
       return rc;
     }
-    Shardd__Response *resp = shardd__response__unpack(NULL, len, payload);
+    Shardwire__Response *resp = shardwire__response__unpack(NULL, len, payload);
     if (resp == NULL) {
       for (int i = 0; i < nfds; i++)
         close(fds[i]);
@@ -313,7 +313,7 @@ static shardd_err recv_for(shardd_client_t *c, uint64_t seq,
       }
       for (int i = 0; i < nfds; i++)
         close(fds[i]);
-      shardd__response__free_unpacked(resp, NULL);
+      shardwire__response__free_unpacked(resp, NULL);
       continue;
     }
     for (int i = 0; i < nfds; i++) {
@@ -336,8 +336,8 @@ static shardd_err recv_for(shardd_client_t *c, uint64_t seq,
 }
 
 /* Sends req and waits for the response to it (see recv_for). */
-static shardd_err call(shardd_client_t *c, Shardd__Request *req,
-                       Shardd__Response **out, int *fd) {
+static shardd_err call(shardd_client_t *c, Shardwire__Request *req,
+                       Shardwire__Response **out, int *fd) {
   *out = NULL;
   if (fd)
     *fd = -1;
@@ -349,13 +349,13 @@ static shardd_err call(shardd_client_t *c, Shardd__Request *req,
 }
 
 /* A call whose reply body must be of one kind. */
-static shardd_err call_expect(shardd_client_t *c, Shardd__Request *req,
-                              Shardd__Response__BodyCase want,
-                              Shardd__Response **out, int *fd) {
+static shardd_err call_expect(shardd_client_t *c, Shardwire__Request *req,
+                              Shardwire__Response__BodyCase want,
+                              Shardwire__Response **out, int *fd) {
   shardd_err rc = call(c, req, out, fd);
   if (rc == SHARDD_OK && (*out)->body_case != want) {
     int got = (int)(*out)->body_case;
-    shardd__response__free_unpacked(*out, NULL);
+    shardwire__response__free_unpacked(*out, NULL);
     *out = NULL;
     if (fd && *fd >= 0) {
       close(*fd);
@@ -368,11 +368,11 @@ static shardd_err call_expect(shardd_client_t *c, Shardd__Request *req,
   return rc;
 }
 
-static shardd_err call_status_only(shardd_client_t *c, Shardd__Request *req) {
-  Shardd__Response *resp;
+static shardd_err call_status_only(shardd_client_t *c, Shardwire__Request *req) {
+  Shardwire__Response *resp;
   shardd_err rc = call(c, req, &resp, NULL);
   if (resp)
-    shardd__response__free_unpacked(resp, NULL);
+    shardwire__response__free_unpacked(resp, NULL);
   return rc;
 }
 
@@ -416,8 +416,8 @@ shardd_err shardd_connect(const char *socket_path,
     goto fail;
   }
 
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__Hello hello = SHARDD__HELLO__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Hello hello = SHARDWIRE__HELLO__INIT;
   hello.protocol_version = SHARDD_PROTOCOL_VERSION;
   if (opts && opts->job && opts->job[0]) {
     hello.job = (char *)opts->job;
@@ -428,13 +428,13 @@ shardd_err shardd_connect(const char *socket_path,
   }
   if (opts && opts->client_name)
     hello.client_name = (char *)opts->client_name;
-  req.body_case = SHARDD__REQUEST__BODY_HELLO;
+  req.body_case = SHARDWIRE__REQUEST__BODY_HELLO;
   req.hello = &hello;
-  Shardd__Response *resp;
-  rc = call_expect(c, &req, SHARDD__RESPONSE__BODY_HELLO, &resp, NULL);
+  Shardwire__Response *resp;
+  rc = call_expect(c, &req, SHARDWIRE__RESPONSE__BODY_HELLO, &resp, NULL);
   if (rc != SHARDD_OK) {
     if (resp)
-      shardd__response__free_unpacked(resp, NULL);
+      shardwire__response__free_unpacked(resp, NULL);
     goto fail;
   }
   c->max_async = opts && opts->size >= offsetof(shardd_connect_opts, max_inflight_gathers) +
@@ -444,7 +444,7 @@ shardd_err shardd_connect(const char *socket_path,
                       : 2;
   snprintf(c->version, sizeof c->version, "%s", resp->hello->daemon_version);
   snprintf(c->backend, sizeof c->backend, "%s", resp->hello->backend);
-  shardd__response__free_unpacked(resp, NULL);
+  shardwire__response__free_unpacked(resp, NULL);
   c->err[0] = '\0';
   *out = c;
   return SHARDD_OK;
@@ -497,24 +497,24 @@ shardd_err shardd_ping(shardd_client_t *c) {
   if (c == NULL)
     return SHARDD_E_INVAL; /* no client to hold a message */
 
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__Ping ping = SHARDD__PING__INIT;
-  req.body_case = SHARDD__REQUEST__BODY_PING;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Ping ping = SHARDWIRE__PING__INIT;
+  req.body_case = SHARDWIRE__REQUEST__BODY_PING;
   req.ping = &ping;
   return call_status_only(c, &req);
 }
 
-static shardd_err get_status(shardd_client_t *c, Shardd__Response **resp) {
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__StatusRequest st = SHARDD__STATUS_REQUEST__INIT;
-  req.body_case = SHARDD__REQUEST__BODY_STATUS;
+static shardd_err get_status(shardd_client_t *c, Shardwire__Response **resp) {
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__StatusRequest st = SHARDWIRE__STATUS_REQUEST__INIT;
+  req.body_case = SHARDWIRE__REQUEST__BODY_STATUS;
   req.status = &st;
-  return call_expect(c, &req, SHARDD__RESPONSE__BODY_STATUS, resp, NULL);
+  return call_expect(c, &req, SHARDWIRE__RESPONSE__BODY_STATUS, resp, NULL);
 }
 
 static shardd_err status_fmt(shardd_client_t *c, char **out, int json) {
   *out = NULL;
-  Shardd__Response *resp;
+  Shardwire__Response *resp;
   shardd_err rc = get_status(c, &resp);
   if (rc == SHARDD_OK) {
     *out = json ? shardd__fmt_status_json(resp->status)
@@ -523,7 +523,7 @@ static shardd_err status_fmt(shardd_client_t *c, char **out, int json) {
       rc = set_err(c, SHARDD_E_NO_MEMORY, "out of memory formatting status");
   }
   if (resp)
-    shardd__response__free_unpacked(resp, NULL);
+    shardwire__response__free_unpacked(resp, NULL);
   return rc;
 }
 
@@ -548,17 +548,17 @@ shardd_err shardd_status_text(shardd_client_t *c, char **out) {
 static shardd_err inspect_fmt(shardd_client_t *c, uint64_t id,
                               const char *name, char **out, int json) {
   *out = NULL;
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__Inspect in = SHARDD__INSPECT__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Inspect in = SHARDWIRE__INSPECT__INIT;
   if (id) {
     in.has_id = 1;
     in.id = id;
   }
   in.name = (char *)name;
-  req.body_case = SHARDD__REQUEST__BODY_INSPECT;
+  req.body_case = SHARDWIRE__REQUEST__BODY_INSPECT;
   req.inspect = &in;
-  Shardd__Response *resp;
-  shardd_err rc = call_expect(c, &req, SHARDD__RESPONSE__BODY_INSPECT, &resp, NULL);
+  Shardwire__Response *resp;
+  shardd_err rc = call_expect(c, &req, SHARDWIRE__RESPONSE__BODY_INSPECT, &resp, NULL);
   if (rc == SHARDD_OK) {
     *out = json ? shardd__fmt_inspect_json(resp->inspect)
                 : shardd__fmt_inspect_text(resp->inspect);
@@ -566,7 +566,7 @@ static shardd_err inspect_fmt(shardd_client_t *c, uint64_t id,
       rc = set_err(c, SHARDD_E_NO_MEMORY, "out of memory formatting inspect");
   }
   if (resp)
-    shardd__response__free_unpacked(resp, NULL);
+    shardwire__response__free_unpacked(resp, NULL);
   return rc;
 }
 
@@ -601,22 +601,22 @@ shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
   memset(out, 0, sizeof *out);
   if (name == NULL)
     return set_err(c, SHARDD_E_INVAL, "buffer name is NULL");
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__RegisterBuffer rb = SHARDD__REGISTER_BUFFER__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__RegisterBuffer rb = SHARDWIRE__REGISTER_BUFFER__INIT;
   rb.name = (char *)name;
-  rb.dtype = (Shardd__DType)dtype;
+  rb.dtype = (Shardwire__DType)dtype;
   rb.numel = numel;
-  req.body_case = SHARDD__REQUEST__BODY_REGISTER_BUFFER;
+  req.body_case = SHARDWIRE__REQUEST__BODY_REGISTER_BUFFER;
   req.register_buffer = &rb;
-  Shardd__Response *resp;
+  Shardwire__Response *resp;
   int fd;
-  shardd_err rc = call_expect(c, &req, SHARDD__RESPONSE__BODY_BUFFER, &resp, &fd);
+  shardd_err rc = call_expect(c, &req, SHARDWIRE__RESPONSE__BODY_BUFFER, &resp, &fd);
   if (rc != SHARDD_OK) {
     if (resp)
-      shardd__response__free_unpacked(resp, NULL);
+      shardwire__response__free_unpacked(resp, NULL);
     return rc;
   }
-  const Shardd__BufferReply *br = resp->buffer;
+  const Shardwire__BufferReply *br = resp->buffer;
   size_t esz = shardd_dtype_size((shardd_dtype)br->dtype);
   int device = -1; /* host mapping */
   /* The reply is checked before anything is mapped: the pointers handed
@@ -759,7 +759,7 @@ shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
 done:
   if (fd >= 0)
     close(fd);
-  shardd__response__free_unpacked(resp, NULL);
+  shardwire__response__free_unpacked(resp, NULL);
   return rc;
 }
 
@@ -767,10 +767,10 @@ shardd_err shardd_buffer_unregister(shardd_client_t *c, uint64_t buffer) {
   if (c == NULL)
     return SHARDD_E_INVAL; /* no client to hold a message */
 
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__UnregisterBuffer ub = SHARDD__UNREGISTER_BUFFER__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__UnregisterBuffer ub = SHARDWIRE__UNREGISTER_BUFFER__INIT;
   ub.id = buffer;
-  req.body_case = SHARDD__REQUEST__BODY_UNREGISTER_BUFFER;
+  req.body_case = SHARDWIRE__REQUEST__BODY_UNREGISTER_BUFFER;
   req.unregister_buffer = &ub;
   shardd_err rc = call_status_only(c, &req);
   if (rc == SHARDD_OK)
@@ -789,22 +789,22 @@ shardd_err shardd_view_register(shardd_client_t *c, uint64_t buffer,
     *out_id = 0;
   if (name == NULL || ndim < 0 || (ndim > 0 && shape == NULL))
     return set_err(c, SHARDD_E_INVAL, "view: NULL name or shape");
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__RegisterView rv = SHARDD__REGISTER_VIEW__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__RegisterView rv = SHARDWIRE__REGISTER_VIEW__INIT;
   rv.buffer = buffer;
   rv.name = (char *)name;
   rv.offset = offset;
   rv.numel = numel;
   rv.n_shape = (size_t)ndim;
   rv.shape = (int64_t *)shape;
-  req.body_case = SHARDD__REQUEST__BODY_REGISTER_VIEW;
+  req.body_case = SHARDWIRE__REQUEST__BODY_REGISTER_VIEW;
   req.register_view = &rv;
-  Shardd__Response *resp;
-  shardd_err rc = call_expect(c, &req, SHARDD__RESPONSE__BODY_VIEW, &resp, NULL);
+  Shardwire__Response *resp;
+  shardd_err rc = call_expect(c, &req, SHARDWIRE__RESPONSE__BODY_VIEW, &resp, NULL);
   if (rc == SHARDD_OK && out_id)
     *out_id = resp->view->id;
   if (resp)
-    shardd__response__free_unpacked(resp, NULL);
+    shardwire__response__free_unpacked(resp, NULL);
   return rc;
 }
 
@@ -826,8 +826,8 @@ shardd_err shardd_view_register_ex(shardd_client_t *c, uint64_t buffer,
     memcpy(&o, opts, n);
     o.size = sizeof o;
   }
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__RegisterView rv = SHARDD__REGISTER_VIEW__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__RegisterView rv = SHARDWIRE__REGISTER_VIEW__INIT;
   rv.buffer = buffer;
   rv.name = (char *)name;
   rv.offset = offset;
@@ -842,17 +842,17 @@ shardd_err shardd_view_register_ex(shardd_client_t *c, uint64_t buffer,
     rv.has_buffer_generation = 1;
     rv.buffer_generation = o.buffer_generation;
   }
-  req.body_case = SHARDD__REQUEST__BODY_REGISTER_VIEW;
+  req.body_case = SHARDWIRE__REQUEST__BODY_REGISTER_VIEW;
   req.register_view = &rv;
-  Shardd__Response *resp;
-  shardd_err rc = call_expect(c, &req, SHARDD__RESPONSE__BODY_VIEW, &resp, NULL);
+  Shardwire__Response *resp;
+  shardd_err rc = call_expect(c, &req, SHARDWIRE__RESPONSE__BODY_VIEW, &resp, NULL);
   if (rc == SHARDD_OK && out) {
     out->id = resp->view->id;
     out->generation = resp->view->has_generation ? resp->view->generation : 0;
     out->created = resp->view->created;
   }
   if (resp)
-    shardd__response__free_unpacked(resp, NULL);
+    shardwire__response__free_unpacked(resp, NULL);
   return rc;
 }
 
@@ -860,16 +860,16 @@ shardd_err shardd_view_unregister(shardd_client_t *c, uint64_t view) {
   if (c == NULL)
     return SHARDD_E_INVAL; /* no client to hold a message */
 
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__UnregisterView uv = SHARDD__UNREGISTER_VIEW__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__UnregisterView uv = SHARDWIRE__UNREGISTER_VIEW__INIT;
   uv.id = view;
-  req.body_case = SHARDD__REQUEST__BODY_UNREGISTER_VIEW;
+  req.body_case = SHARDWIRE__REQUEST__BODY_UNREGISTER_VIEW;
   req.unregister_view = &uv;
   return call_status_only(c, &req);
 }
 
-static void hp_to_wire(const shardd_hparams *h, Shardd__HyperParams *w) {
-  shardd__hyper_params__init(w);
+static void hp_to_wire(const shardd_hparams *h, Shardwire__HyperParams *w) {
+  shardwire__hyper_params__init(w);
   if (h == NULL)
     return;
 #define HP(bit, field)                 \
@@ -909,11 +909,11 @@ shardd_err shardd_optimizer_register(shardd_client_t *c, const char *name,
       return set_err(c, SHARDD_E_INVAL, "optimizer: too many refs");
     nrefs += groups[g].nrefs;
   }
-  Shardd__ParamGroup *pg = calloc(ngroups ? ngroups : 1, sizeof *pg);
-  Shardd__ParamGroup **pgp = calloc(ngroups ? ngroups : 1, sizeof *pgp);
-  Shardd__HyperParams *ov = calloc(ngroups ? ngroups : 1, sizeof *ov);
-  Shardd__ParamRef *refs = calloc(nrefs ? nrefs : 1, sizeof *refs);
-  Shardd__ParamRef **refp = calloc(nrefs ? nrefs : 1, sizeof *refp);
+  Shardwire__ParamGroup *pg = calloc(ngroups ? ngroups : 1, sizeof *pg);
+  Shardwire__ParamGroup **pgp = calloc(ngroups ? ngroups : 1, sizeof *pgp);
+  Shardwire__HyperParams *ov = calloc(ngroups ? ngroups : 1, sizeof *ov);
+  Shardwire__ParamRef *refs = calloc(nrefs ? nrefs : 1, sizeof *refs);
+  Shardwire__ParamRef **refp = calloc(nrefs ? nrefs : 1, sizeof *refp);
   shardd_err rc;
   if (pg == NULL || pgp == NULL || ov == NULL || refs == NULL || refp == NULL) {
     rc = set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
@@ -921,37 +921,37 @@ shardd_err shardd_optimizer_register(shardd_client_t *c, const char *name,
   }
   size_t k = 0;
   for (size_t g = 0; g < ngroups; g++) {
-    shardd__param_group__init(&pg[g]);
+    shardwire__param_group__init(&pg[g]);
     hp_to_wire(&groups[g].overrides, &ov[g]);
     if (groups[g].overrides.set)
       pg[g].overrides = &ov[g];
     pg[g].refs = &refp[k];
     pg[g].n_refs = groups[g].nrefs;
     for (size_t i = 0; i < groups[g].nrefs; i++, k++) {
-      shardd__param_ref__init(&refs[k]);
+      shardwire__param_ref__init(&refs[k]);
       refs[k].id = groups[g].refs[i].id;
       refs[k].name = (char *)groups[g].refs[i].name;
       refp[k] = &refs[k];
     }
     pgp[g] = &pg[g];
   }
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__RegisterOptimizer ro = SHARDD__REGISTER_OPTIMIZER__INIT;
-  Shardd__HyperParams top;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__RegisterOptimizer ro = SHARDWIRE__REGISTER_OPTIMIZER__INIT;
+  Shardwire__HyperParams top;
   hp_to_wire(hyper, &top);
   ro.name = (char *)name;
-  ro.kind = (Shardd__OptimKind)kind;
+  ro.kind = (Shardwire__OptimKind)kind;
   ro.hyper = &top;
   ro.groups = pgp;
   ro.n_groups = ngroups;
-  req.body_case = SHARDD__REQUEST__BODY_REGISTER_OPTIMIZER;
+  req.body_case = SHARDWIRE__REQUEST__BODY_REGISTER_OPTIMIZER;
   req.register_optimizer = &ro;
-  Shardd__Response *resp;
-  rc = call_expect(c, &req, SHARDD__RESPONSE__BODY_OPTIMIZER, &resp, NULL);
+  Shardwire__Response *resp;
+  rc = call_expect(c, &req, SHARDWIRE__RESPONSE__BODY_OPTIMIZER, &resp, NULL);
   if (rc == SHARDD_OK && out_id)
     *out_id = resp->optimizer->id;
   if (resp)
-    shardd__response__free_unpacked(resp, NULL);
+    shardwire__response__free_unpacked(resp, NULL);
 done:
   free(pg);
   free(pgp);
@@ -965,10 +965,10 @@ shardd_err shardd_optimizer_unregister(shardd_client_t *c, uint64_t opt) {
   if (c == NULL)
     return SHARDD_E_INVAL; /* no client to hold a message */
 
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__UnregisterOptimizer uo = SHARDD__UNREGISTER_OPTIMIZER__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__UnregisterOptimizer uo = SHARDWIRE__UNREGISTER_OPTIMIZER__INIT;
   uo.id = opt;
-  req.body_case = SHARDD__REQUEST__BODY_UNREGISTER_OPTIMIZER;
+  req.body_case = SHARDWIRE__REQUEST__BODY_UNREGISTER_OPTIMIZER;
   req.unregister_optimizer = &uo;
   return call_status_only(c, &req);
 }
@@ -985,14 +985,14 @@ shardd_err shardd_gather_checked(shardd_client_t *c, uint64_t buffer,
   if (c == NULL)
     return SHARDD_E_INVAL; /* no client to hold a message */
 
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__Gather g = SHARDD__GATHER__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Gather g = SHARDWIRE__GATHER__INIT;
   g.buffer = buffer;
   if (generation) {
     g.has_generation = 1;
     g.generation = generation;
   }
-  req.body_case = SHARDD__REQUEST__BODY_GATHER;
+  req.body_case = SHARDWIRE__REQUEST__BODY_GATHER;
   req.gather = &g;
   return call_status_only(c, &req);
 }
@@ -1010,16 +1010,16 @@ shardd_err shardd_scatter_checked(shardd_client_t *c, uint64_t buffer,
   if (c == NULL)
     return SHARDD_E_INVAL; /* no client to hold a message */
 
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__Scatter s = SHARDD__SCATTER__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Scatter s = SHARDWIRE__SCATTER__INIT;
   s.buffer = buffer;
   s.has_op = 1;
-  s.op = (Shardd__ReduceOp)op;
+  s.op = (Shardwire__ReduceOp)op;
   if (generation) {
     s.has_generation = 1;
     s.generation = generation;
   }
-  req.body_case = SHARDD__REQUEST__BODY_SCATTER;
+  req.body_case = SHARDWIRE__REQUEST__BODY_SCATTER;
   req.scatter = &s;
   return call_status_only(c, &req);
 }
@@ -1031,8 +1031,8 @@ shardd_err shardd_step(shardd_client_t *c, uint64_t opt,
 
   if (out)
     memset(out, 0, sizeof *out);
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__Step st = SHARDD__STEP__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Step st = SHARDWIRE__STEP__INIT;
   st.optimizer = opt;
   if (opts && opts->lr >= 0) {
     st.has_lr = 1;
@@ -1042,16 +1042,16 @@ shardd_err shardd_step(shardd_client_t *c, uint64_t opt,
     st.has_max_norm = 1;
     st.max_norm = opts->max_norm;
   }
-  req.body_case = SHARDD__REQUEST__BODY_STEP;
+  req.body_case = SHARDWIRE__REQUEST__BODY_STEP;
   req.step = &st;
-  Shardd__Response *resp;
-  shardd_err rc = call_expect(c, &req, SHARDD__RESPONSE__BODY_STEP, &resp, NULL);
+  Shardwire__Response *resp;
+  shardd_err rc = call_expect(c, &req, SHARDWIRE__RESPONSE__BODY_STEP, &resp, NULL);
   if (rc == SHARDD_OK && out) {
     out->step = resp->step->step;
     out->total_norm = resp->step->has_total_norm ? resp->step->total_norm : 0;
   }
   if (resp)
-    shardd__response__free_unpacked(resp, NULL);
+    shardwire__response__free_unpacked(resp, NULL);
   return rc;
 }
 
@@ -1062,16 +1062,16 @@ shardd_err shardd_checkpoint(shardd_client_t *c, const char *job,
 
   if (dir == NULL || dir[0] == '\0')
     return set_err(c, SHARDD_E_INVAL, "checkpoint: no directory");
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__Checkpoint cp = SHARDD__CHECKPOINT__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Checkpoint cp = SHARDWIRE__CHECKPOINT__INIT;
   cp.dir = (char *)dir;
   cp.job = (char *)job;
-  req.body_case = SHARDD__REQUEST__BODY_CHECKPOINT;
+  req.body_case = SHARDWIRE__REQUEST__BODY_CHECKPOINT;
   req.checkpoint = &cp;
-  Shardd__Response *resp;
-  shardd_err rc = call_expect(c, &req, SHARDD__RESPONSE__BODY_CHECKPOINT, &resp, NULL);
+  Shardwire__Response *resp;
+  shardd_err rc = call_expect(c, &req, SHARDWIRE__RESPONSE__BODY_CHECKPOINT, &resp, NULL);
   if (resp)
-    shardd__response__free_unpacked(resp, NULL);
+    shardwire__response__free_unpacked(resp, NULL);
   return rc;
 }
 
@@ -1084,21 +1084,21 @@ shardd_err shardd_restore(shardd_client_t *c, const char *dir, uint32_t world,
     job[0] = '\0';
   if (dir == NULL || dir[0] == '\0')
     return set_err(c, SHARDD_E_INVAL, "restore: no directory");
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__Restore rs = SHARDD__RESTORE__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Restore rs = SHARDWIRE__RESTORE__INIT;
   rs.dir = (char *)dir;
   if (world) {
     rs.has_world = 1;
     rs.world = world;
   }
-  req.body_case = SHARDD__REQUEST__BODY_RESTORE;
+  req.body_case = SHARDWIRE__REQUEST__BODY_RESTORE;
   req.restore = &rs;
-  Shardd__Response *resp;
-  shardd_err rc = call_expect(c, &req, SHARDD__RESPONSE__BODY_CHECKPOINT, &resp, NULL);
+  Shardwire__Response *resp;
+  shardd_err rc = call_expect(c, &req, SHARDWIRE__RESPONSE__BODY_CHECKPOINT, &resp, NULL);
   if (rc == SHARDD_OK && job && joblen)
     snprintf(job, joblen, "%s", resp->checkpoint->job);
   if (resp)
-    shardd__response__free_unpacked(resp, NULL);
+    shardwire__response__free_unpacked(resp, NULL);
   return rc;
 }
 
@@ -1106,13 +1106,13 @@ shardd_err shardd_restore(shardd_client_t *c, const char *dir, uint32_t world,
 static shardd_err await_op(shardd_client_t *c, async_op *a) {
   if (a->done)
     return SHARDD_OK;
-  Shardd__Response *resp;
+  Shardwire__Response *resp;
   shardd_err rc = recv_for(c, a->seq, &resp, NULL);
   if (resp) {
     a->done = 1;
     a->code = rc;
     a->msg = rc != SHARDD_OK && resp->message ? strdup(resp->message) : NULL;
-    shardd__response__free_unpacked(resp, NULL);
+    shardwire__response__free_unpacked(resp, NULL);
     return SHARDD_OK;
   }
   return rc; /* the connection failed: no reply will come */
@@ -1169,10 +1169,10 @@ shardd_err shardd_gather_async(shardd_client_t *c, uint64_t buffer,
   async_op *a = calloc(1, sizeof *a);
   if (a == NULL)
     return set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__Gather g = SHARDD__GATHER__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Gather g = SHARDWIRE__GATHER__INIT;
   g.buffer = buffer;
-  req.body_case = SHARDD__REQUEST__BODY_GATHER;
+  req.body_case = SHARDWIRE__REQUEST__BODY_GATHER;
   req.gather = &g;
   shardd_err rc = send_req(c, &req);
   if (rc != SHARDD_OK) {

@@ -8,18 +8,18 @@
 #include "shardd.h"
 #include "strbuf.h"
 
-static const char *dtype_word(Shardd__DType d) {
+static const char *dtype_word(Shardwire__DType d) {
   const char *n = shardd_dtype_name((shardd_dtype)d);
   return n ? n : "?";
 }
 
-static const char *kind_word(Shardd__OptimKind k) {
+static const char *kind_word(Shardwire__OptimKind k) {
   switch (k) {
-  case SHARDD__OPTIM_KIND__SGD:
+  case SHARDWIRE__OPTIM_KIND__SGD:
     return "sgd";
-  case SHARDD__OPTIM_KIND__ADAM:
+  case SHARDWIRE__OPTIM_KIND__ADAM:
     return "adam";
-  case SHARDD__OPTIM_KIND__ADAMW:
+  case SHARDWIRE__OPTIM_KIND__ADAMW:
     return "adamw";
   default:
     return "?";
@@ -29,7 +29,7 @@ static const char *kind_word(Shardd__OptimKind k) {
 /* Human sizes for the text form; JSON keeps exact byte counts. */
 /* A device's free bytes: the daemon's figure (cuda: cudaMemGetInfo, which
  * counts other processes too), else capacity minus shardd's use. */
-static uint64_t device_free(const Shardd__DeviceStatus *d) {
+static uint64_t device_free(const Shardwire__DeviceStatus *d) {
   if (d->has_free_bytes)
     return d->free_bytes;
   return d->capacity_bytes > d->used_bytes ? d->capacity_bytes - d->used_bytes
@@ -57,7 +57,7 @@ static void json_key_str(shardd__sb *sb, const char *key, const char *val,
   shardd__sb_printf(sb, "\"");
 }
 
-char *shardd__fmt_status_text(const Shardd__StatusReply *st) {
+char *shardd__fmt_status_text(const Shardwire__StatusReply *st) {
   shardd__sb sb;
   shardd__sb_init(&sb);
   char a[32], b[32];
@@ -69,7 +69,7 @@ char *shardd__fmt_status_text(const Shardd__StatusReply *st) {
                     st->uptime_s, st->backend, st->socket_path, st->clients,
                     st->n_devices);
   for (size_t i = 0; i < st->n_devices; i++) {
-    const Shardd__DeviceStatus *d = st->devices[i];
+    const Shardwire__DeviceStatus *d = st->devices[i];
     char t[32];
     human(t, sizeof t, d->capacity_bytes);
     human(a, sizeof a, d->used_bytes);
@@ -79,7 +79,7 @@ char *shardd__fmt_status_text(const Shardd__StatusReply *st) {
   }
   shardd__sb_printf(&sb, "jobs: %zu\n", st->n_jobs);
   for (size_t i = 0; i < st->n_jobs; i++) {
-    const Shardd__JobStatus *j = st->jobs[i];
+    const Shardwire__JobStatus *j = st->jobs[i];
     human(a, sizeof a, j->bytes);
     shardd__sb_printf(&sb,
                       "job %s: world %" PRIu32 " clients %" PRIu32
@@ -92,7 +92,7 @@ char *shardd__fmt_status_text(const Shardd__StatusReply *st) {
                         ") fabric %s\n",
                         j->nodes, j->node_rank, j->fabric ? j->fabric : "none");
       for (size_t k = 0; k < j->n_node_states; k++) {
-        const Shardd__NodeStatus *n = j->node_states[k];
+        const Shardwire__NodeStatus *n = j->node_states[k];
         shardd__sb_printf(&sb, "  node %" PRIu32 ": ranks %" PRIu32 "..%" PRIu32
                           " %s\n",
                           n->node, n->first_rank, n->first_rank + n->ranks - 1,
@@ -102,7 +102,7 @@ char *shardd__fmt_status_text(const Shardd__StatusReply *st) {
         shardd__sb_printf(&sb, "  fabric_error: %s\n", j->fabric_error);
     }
     for (size_t k = 0; k < j->n_optimizers; k++) {
-      const Shardd__OptimizerStatus *o = j->optimizers[k];
+      const Shardwire__OptimizerStatus *o = j->optimizers[k];
       shardd__sb_printf(&sb,
                         "  optimizer %" PRIu64 " %s: %s params %" PRIu32
                         " steps %" PRIu64 "\n",
@@ -112,7 +112,7 @@ char *shardd__fmt_status_text(const Shardd__StatusReply *st) {
   return shardd__sb_take(&sb);
 }
 
-char *shardd__fmt_status_json(const Shardd__StatusReply *st) {
+char *shardd__fmt_status_json(const Shardwire__StatusReply *st) {
   shardd__sb sb;
   shardd__sb_init(&sb);
   shardd__sb_printf(&sb, "{");
@@ -124,7 +124,7 @@ char *shardd__fmt_status_json(const Shardd__StatusReply *st) {
   json_key_str(&sb, "socket", st->socket_path, 1);
   shardd__sb_printf(&sb, ",\"clients\":%" PRIu32 ",\"devices\":[", st->clients);
   for (size_t i = 0; i < st->n_devices; i++) {
-    const Shardd__DeviceStatus *d = st->devices[i];
+    const Shardwire__DeviceStatus *d = st->devices[i];
     shardd__sb_printf(&sb, "%s{\"index\":%" PRIu32, i ? "," : "", d->index);
     json_key_str(&sb, "name", d->name, 1);
     shardd__sb_printf(&sb,
@@ -134,7 +134,7 @@ char *shardd__fmt_status_json(const Shardd__StatusReply *st) {
   }
   shardd__sb_printf(&sb, "],\"jobs\":[");
   for (size_t i = 0; i < st->n_jobs; i++) {
-    const Shardd__JobStatus *j = st->jobs[i];
+    const Shardwire__JobStatus *j = st->jobs[i];
     shardd__sb_printf(&sb, "%s{", i ? "," : "");
     json_key_str(&sb, "name", j->name, 0);
     shardd__sb_printf(&sb,
@@ -145,7 +145,7 @@ char *shardd__fmt_status_json(const Shardd__StatusReply *st) {
                       j->world, j->clients, j->buffers, j->views, j->bytes,
                       j->collectives_in_flight);
     for (size_t k = 0; k < j->n_optimizers; k++) {
-      const Shardd__OptimizerStatus *o = j->optimizers[k];
+      const Shardwire__OptimizerStatus *o = j->optimizers[k];
       shardd__sb_printf(&sb, "%s{\"id\":%" PRIu64, k ? "," : "", o->id);
       json_key_str(&sb, "name", o->name, 1);
       json_key_str(&sb, "kind", kind_word(o->kind), 1);
@@ -161,7 +161,7 @@ char *shardd__fmt_status_json(const Shardd__StatusReply *st) {
         json_key_str(&sb, "fabric_error", j->fabric_error, 1);
       shardd__sb_printf(&sb, ",\"node_states\":[");
       for (size_t k = 0; k < j->n_node_states; k++) {
-        const Shardd__NodeStatus *n = j->node_states[k];
+        const Shardwire__NodeStatus *n = j->node_states[k];
         shardd__sb_printf(&sb, "%s{\"node\":%" PRIu32 ",\"first_rank\":%" PRIu32
                           ",\"ranks\":%" PRIu32,
                           k ? "," : "", n->node, n->first_rank, n->ranks);
@@ -183,7 +183,7 @@ static void shape_text(shardd__sb *sb, const int64_t *shape, size_t n) {
   shardd__sb_printf(sb, "]");
 }
 
-char *shardd__fmt_inspect_text(const Shardd__InspectReply *ir) {
+char *shardd__fmt_inspect_text(const Shardwire__InspectReply *ir) {
   shardd__sb sb;
   shardd__sb_init(&sb);
   shardd__sb_printf(&sb, "id: %" PRIu64 "\nkind: %s\nname: %s\njob: %s\n",
@@ -235,7 +235,7 @@ char *shardd__fmt_inspect_text(const Shardd__InspectReply *ir) {
                       ir->resident_bytes);
   }
   for (size_t i = 0; i < ir->n_shards; i++) {
-    const Shardd__ShardInfo *s = ir->shards[i];
+    const Shardwire__ShardInfo *s = ir->shards[i];
     shardd__sb_printf(&sb,
                       "shard rank %" PRIu32 ": device %" PRIu32
                       " elements [%" PRIu64 ", %" PRIu64 ")\n",
@@ -244,7 +244,7 @@ char *shardd__fmt_inspect_text(const Shardd__InspectReply *ir) {
   if (!strcmp(ir->kind, "buffer"))
     shardd__sb_printf(&sb, "views: %zu\n", ir->n_views);
   for (size_t i = 0; i < ir->n_views; i++) {
-    const Shardd__ViewInfo *v = ir->views[i];
+    const Shardwire__ViewInfo *v = ir->views[i];
     shardd__sb_printf(&sb, "view %" PRIu64 " %s: [%" PRIu64 ", %" PRIu64 ") shape ",
                       v->id, v->name, v->offset, v->offset + v->numel);
     shape_text(&sb, v->shape, v->n_shape);
@@ -263,7 +263,7 @@ static void shape_json(shardd__sb *sb, const int64_t *shape, size_t n) {
   shardd__sb_printf(sb, "]");
 }
 
-char *shardd__fmt_inspect_json(const Shardd__InspectReply *ir) {
+char *shardd__fmt_inspect_json(const Shardwire__InspectReply *ir) {
   shardd__sb sb;
   shardd__sb_init(&sb);
   shardd__sb_printf(&sb, "{\"id\":%" PRIu64, ir->id);
@@ -309,7 +309,7 @@ char *shardd__fmt_inspect_json(const Shardd__InspectReply *ir) {
     shardd__sb_printf(&sb, ",\"resident_bytes\":%" PRIu64, ir->resident_bytes);
   shardd__sb_printf(&sb, ",\"shards\":[");
   for (size_t i = 0; i < ir->n_shards; i++) {
-    const Shardd__ShardInfo *s = ir->shards[i];
+    const Shardwire__ShardInfo *s = ir->shards[i];
     shardd__sb_printf(&sb,
                       "%s{\"rank\":%" PRIu32 ",\"device\":%" PRIu32
                       ",\"offset\":%" PRIu64 ",\"numel\":%" PRIu64 "}",
@@ -317,7 +317,7 @@ char *shardd__fmt_inspect_json(const Shardd__InspectReply *ir) {
   }
   shardd__sb_printf(&sb, "],\"views\":[");
   for (size_t i = 0; i < ir->n_views; i++) {
-    const Shardd__ViewInfo *v = ir->views[i];
+    const Shardwire__ViewInfo *v = ir->views[i];
     shardd__sb_printf(&sb, "%s{\"id\":%" PRIu64, i ? "," : "", v->id);
     json_key_str(&sb, "name", v->name, 1);
     shardd__sb_printf(&sb, ",\"offset\":%" PRIu64 ",\"numel\":%" PRIu64

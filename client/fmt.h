@@ -7,9 +7,9 @@
 
 #include "proto/shardd.pb-c.h"
 
-char *shardd__fmt_status_text(const Shardd__StatusReply *st);
-char *shardd__fmt_status_json(const Shardd__StatusReply *st);
-char *shardd__fmt_inspect_text(const Shardd__InspectReply *ir);
-char *shardd__fmt_inspect_json(const Shardd__InspectReply *ir);
+char *shardd__fmt_status_text(const Shardwire__StatusReply *st);
+char *shardd__fmt_status_json(const Shardwire__StatusReply *st);
+char *shardd__fmt_inspect_text(const Shardwire__InspectReply *ir);
+char *shardd__fmt_inspect_json(const Shardwire__InspectReply *ir);
 
 #endif /* SHARDD_FMT_H */

@@ -30,8 +30,8 @@ static void reply(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
 
 /* Packs resp into a frame and hands it to the transport with fd. */
 static void send_resp(shardd__dispatch *d, shardd__conn *c,
-                      const Shardd__Response *resp, int fd) {
-  size_t n = shardd__response__get_packed_size(resp);
+                      const Shardwire__Response *resp, int fd) {
+  size_t n = shardwire__response__get_packed_size(resp);
   if (n > SHARDD_MAX_FRAME) {
     /* The client refuses a frame past the limit and drops the connection:
      * status with ~60k optimizers failed even for root, inspect of a
@@ -48,15 +48,15 @@ static void send_resp(shardd__dispatch *d, shardd__conn *c,
   }
   uint8_t *frame = malloc(SHARDD_FRAME_HEADER + n);
   if (frame)
-    shardd__response__pack(resp, frame + SHARDD_FRAME_HEADER);
+    shardwire__response__pack(resp, frame + SHARDD_FRAME_HEADER);
   d->io.send(d->io.ctx, c, frame, n, fd);
 }
 
 /* A successful reply of body case bc; the caller sets the body. */
-static Shardd__Response ok_resp(uint64_t seq, Shardd__Response__BodyCase bc) {
-  Shardd__Response resp = SHARDD__RESPONSE__INIT;
+static Shardwire__Response ok_resp(uint64_t seq, Shardwire__Response__BodyCase bc) {
+  Shardwire__Response resp = SHARDWIRE__RESPONSE__INIT;
   resp.seq = seq;
-  resp.code = SHARDD__STATUS_CODE__OK;
+  resp.code = SHARDWIRE__STATUS_CODE__OK;
   resp.body_case = bc;
   return resp;
 }
@@ -64,9 +64,9 @@ static Shardd__Response ok_resp(uint64_t seq, Shardd__Response__BodyCase bc) {
 /* A status-only reply (msg NULL: the code's own words). */
 static void reply(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                   shardd_err code, const char *msg) {
-  Shardd__Response resp = SHARDD__RESPONSE__INIT;
+  Shardwire__Response resp = SHARDWIRE__RESPONSE__INIT;
   resp.seq = seq;
-  resp.code = (Shardd__StatusCode)code;
+  resp.code = (Shardwire__StatusCode)code;
   resp.message = (char *)(msg ? msg : shardd_strerror(code));
   send_resp(d, c, &resp, -1);
 }
@@ -79,11 +79,11 @@ void shardd__dispatch_refuse(shardd__dispatch *d, shardd__conn *c,
 /* ---- handlers ---------------------------------------------------------- */
 
 typedef void (*handler)(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                        const Shardd__Request *req);
+                        const Shardwire__Request *req);
 
 static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                     const Shardd__Request *req) {
-  const Shardd__Hello *h = req->hello;
+                     const Shardwire__Request *req) {
+  const Shardwire__Hello *h = req->hello;
   char err[ERRLEN];
   if (c->hello_done) {
     reply(d, c, seq, SHARDD_E_STATE, "Hello was already sent");
@@ -143,8 +143,8 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                 (int)c->peer.uid);
   }
   c->hello_done = 1;
-  Shardd__Response resp = ok_resp(seq, SHARDD__RESPONSE__BODY_HELLO);
-  Shardd__HelloReply hr = SHARDD__HELLO_REPLY__INIT;
+  Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_HELLO);
+  Shardwire__HelloReply hr = SHARDWIRE__HELLO_REPLY__INIT;
   hr.protocol_version = SHARDD_PROTOCOL_VERSION;
   hr.daemon_version = SHARDD_VERSION;
   hr.session_id = c->id;
@@ -161,15 +161,15 @@ static shardd__status_ctx status_ctx(shardd__dispatch *d) {
 }
 
 static void on_status(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                      const Shardd__Request *req) {
+                      const Shardwire__Request *req) {
   shardd__report *r;
-  Shardd__StatusReply *st;
+  Shardwire__StatusReply *st;
   shardd__status_ctx ctx = status_ctx(d);
   shardd_err rc = shardd__status_build(&ctx, &c->peer, &r, &st);
   if (rc != SHARDD_OK) {
     reply(d, c, seq, rc, "out of memory building status");
   } else {
-    Shardd__Response resp = ok_resp(seq, SHARDD__RESPONSE__BODY_STATUS);
+    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_STATUS);
     resp.status = st;
     send_resp(d, c, &resp, -1);
   }
@@ -177,11 +177,11 @@ static void on_status(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
 }
 
 static void on_inspect(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                       const Shardd__Request *req) {
-  const Shardd__Inspect *in = req->inspect;
+                       const Shardwire__Request *req) {
+  const Shardwire__Inspect *in = req->inspect;
   char err[ERRLEN];
   shardd__report *r;
-  Shardd__InspectReply *ir;
+  Shardwire__InspectReply *ir;
   shardd__status_ctx ctx = status_ctx(d);
   shardd_err rc = shardd__inspect_build(&ctx, &c->peer, c->m.job,
                                         in->has_id ? in->id : 0, in->name, &r,
@@ -189,7 +189,7 @@ static void on_inspect(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   if (rc != SHARDD_OK) {
     reply(d, c, seq, rc, err);
   } else {
-    Shardd__Response resp = ok_resp(seq, SHARDD__RESPONSE__BODY_INSPECT);
+    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_INSPECT);
     resp.inspect = ir;
     send_resp(d, c, &resp, -1);
   }
@@ -197,8 +197,8 @@ static void on_inspect(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
 }
 
 static void on_register_buffer(shardd__dispatch *d, shardd__conn *c,
-                               uint64_t seq, const Shardd__Request *req) {
-  const Shardd__RegisterBuffer *rb = req->register_buffer;
+                               uint64_t seq, const Shardwire__Request *req) {
+  const Shardwire__RegisterBuffer *rb = req->register_buffer;
   shardd__backend *be = d->backend;
   uint32_t rank = c->m.rank;
   char err[ERRLEN];
@@ -232,8 +232,8 @@ static void on_register_buffer(shardd__dispatch *d, shardd__conn *c,
       return;
     }
   }
-  Shardd__Response resp = ok_resp(seq, SHARDD__RESPONSE__BODY_BUFFER);
-  Shardd__BufferReply br = SHARDD__BUFFER_REPLY__INIT;
+  Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_BUFFER);
+  Shardwire__BufferReply br = SHARDWIRE__BUFFER_REPLY__INIT;
   if (ipc_len > 0) {
     br.has_cuda_ipc_handle = 1;
     br.cuda_ipc_handle.data = ipc;
@@ -241,7 +241,7 @@ static void on_register_buffer(shardd__dispatch *d, shardd__conn *c,
   }
   br.id = b->hdr.id;
   br.name = b->hdr.name;
-  br.dtype = (Shardd__DType)b->dtype;
+  br.dtype = (Shardwire__DType)b->dtype;
   br.numel = b->numel;
   br.padded_numel = b->padded_numel;
   br.shard_numel = b->shard_numel;
@@ -266,8 +266,8 @@ static void on_register_buffer(shardd__dispatch *d, shardd__conn *c,
 }
 
 static void on_register_view(shardd__dispatch *d, shardd__conn *c,
-                             uint64_t seq, const Shardd__Request *req) {
-  const Shardd__RegisterView *rv = req->register_view;
+                             uint64_t seq, const Shardwire__Request *req) {
+  const Shardwire__RegisterView *rv = req->register_view;
   char err[ERRLEN];
   shardd__view *v;
   int created;
@@ -285,8 +285,8 @@ static void on_register_view(shardd__dispatch *d, shardd__conn *c,
     reply(d, c, seq, rc, err);
     return;
   }
-  Shardd__Response resp = ok_resp(seq, SHARDD__RESPONSE__BODY_VIEW);
-  Shardd__ViewReply vr = SHARDD__VIEW_REPLY__INIT;
+  Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_VIEW);
+  Shardwire__ViewReply vr = SHARDWIRE__VIEW_REPLY__INIT;
   vr.id = v->hdr.id;
   vr.created = created;
   vr.has_generation = 1;
@@ -296,7 +296,7 @@ static void on_register_view(shardd__dispatch *d, shardd__conn *c,
 }
 
 static void on_register_optimizer(shardd__dispatch *d, shardd__conn *c,
-                                  uint64_t seq, const Shardd__Request *req) {
+                                  uint64_t seq, const Shardwire__Request *req) {
   char err[ERRLEN];
   shardd__optspec spec;
   if (shardd__optspec_from_wire(req->register_optimizer, &spec) != SHARDD_OK) {
@@ -309,8 +309,8 @@ static void on_register_optimizer(shardd__dispatch *d, shardd__conn *c,
                                           sizeof err);
   shardd__optspec_free(&spec);
   if (rc == SHARDD_OK) {
-    Shardd__Response resp = ok_resp(seq, SHARDD__RESPONSE__BODY_OPTIMIZER);
-    Shardd__OptimizerReply orp = SHARDD__OPTIMIZER_REPLY__INIT;
+    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_OPTIMIZER);
+    Shardwire__OptimizerReply orp = SHARDWIRE__OPTIMIZER_REPLY__INIT;
     orp.id = res.optim->hdr.id;
     orp.created = res.created;
     resp.optimizer = &orp;
@@ -343,27 +343,27 @@ static void unregister(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
 }
 
 static void on_unregister_buffer(shardd__dispatch *d, shardd__conn *c,
-                                 uint64_t seq, const Shardd__Request *req) {
+                                 uint64_t seq, const Shardwire__Request *req) {
   unregister(d, c, seq, SHARDD__OBJ_BUFFER, req->unregister_buffer->id,
              req->unregister_buffer->generation);
 }
 
 static void on_unregister_view(shardd__dispatch *d, shardd__conn *c,
-                               uint64_t seq, const Shardd__Request *req) {
+                               uint64_t seq, const Shardwire__Request *req) {
   unregister(d, c, seq, SHARDD__OBJ_VIEW, req->unregister_view->id,
              req->unregister_view->generation);
 }
 
 static void on_unregister_optimizer(shardd__dispatch *d, shardd__conn *c,
-                                    uint64_t seq, const Shardd__Request *req) {
+                                    uint64_t seq, const Shardwire__Request *req) {
   unregister(d, c, seq, SHARDD__OBJ_OPTIM, req->unregister_optimizer->id, 0);
 }
 
 static void on_ping(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                    const Shardd__Request *req) {
-  const Shardd__Ping *p = req->ping;
-  Shardd__Response resp = ok_resp(seq, SHARDD__RESPONSE__BODY_PONG);
-  Shardd__Pong pong = SHARDD__PONG__INIT;
+                    const Shardwire__Request *req) {
+  const Shardwire__Ping *p = req->ping;
+  Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_PONG);
+  Shardwire__Pong pong = SHARDWIRE__PONG__INIT;
   if (p->has_payload) {
     pong.has_payload = 1;
     pong.payload = p->payload;
@@ -374,8 +374,8 @@ static void on_ping(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
 
 static void reply_checkpoint(shardd__dispatch *d, shardd__conn *c,
                              uint64_t seq, shardd__job *job, const char *dir) {
-  Shardd__Response resp = ok_resp(seq, SHARDD__RESPONSE__BODY_CHECKPOINT);
-  Shardd__CheckpointReply cr = SHARDD__CHECKPOINT_REPLY__INIT;
+  Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_CHECKPOINT);
+  Shardwire__CheckpointReply cr = SHARDWIRE__CHECKPOINT_REPLY__INIT;
   cr.job = job->name;
   cr.dir = (char *)dir;
   cr.buffers = (uint32_t)shardd__map_count(&job->buffers);
@@ -385,8 +385,8 @@ static void reply_checkpoint(shardd__dispatch *d, shardd__conn *c,
 }
 
 static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                          const Shardd__Request *req) {
-  const Shardd__Checkpoint *cp = req->checkpoint;
+                          const Shardwire__Request *req) {
+  const Shardwire__Checkpoint *cp = req->checkpoint;
   char err[ERRLEN];
   shardd_err rc = shardd__access_checkpoint_dir(d->opts.checkpoint_root,
                                                 cp->dir, err, sizeof err);
@@ -422,8 +422,8 @@ static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
 }
 
 static void on_restore(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                       const Shardd__Request *req) {
-  const Shardd__Restore *rs = req->restore;
+                       const Shardwire__Request *req) {
+  const Shardwire__Restore *rs = req->restore;
   char err[ERRLEN];
   shardd_err rc = shardd__access_checkpoint_dir(d->opts.checkpoint_root,
                                                 rs->dir, err, sizeof err);
@@ -445,7 +445,7 @@ static void on_restore(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
 }
 
 static void on_gather(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                      const Shardd__Request *req) {
+                      const Shardwire__Request *req) {
   shardd__coll_args ca = {.kind = SHARDD__COLL_GATHER,
                           .target = req->gather->buffer,
                           .generation = req->gather->generation};
@@ -453,7 +453,7 @@ static void on_gather(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
 }
 
 static void on_scatter(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                       const Shardd__Request *req) {
+                       const Shardwire__Request *req) {
   shardd__coll_args ca = {.kind = SHARDD__COLL_SCATTER,
                           .target = req->scatter->buffer,
                           .generation = req->scatter->generation,
@@ -466,8 +466,8 @@ static void on_scatter(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
 }
 
 static void on_step(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                    const Shardd__Request *req) {
-  const Shardd__Step *st = req->step;
+                    const Shardwire__Request *req) {
+  const Shardwire__Step *st = req->step;
   shardd__coll_args ca = {.kind = SHARDD__COLL_STEP,
                           .target = st->optimizer,
                           .has_lr = st->has_lr,
@@ -479,30 +479,30 @@ static void on_step(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
 /* ---- the command table ------------------------------------------------- */
 
 static const struct {
-  Shardd__Request__BodyCase body;
+  Shardwire__Request__BodyCase body;
   int needs_job; /* only a rank of a job (not a control session) may ask */
   handler fn;
 } commands[] = {
-    {SHARDD__REQUEST__BODY_HELLO, 0, on_hello},
-    {SHARDD__REQUEST__BODY_STATUS, 0, on_status},
-    {SHARDD__REQUEST__BODY_INSPECT, 0, on_inspect},
-    {SHARDD__REQUEST__BODY_PING, 0, on_ping},
-    {SHARDD__REQUEST__BODY_CHECKPOINT, 0, on_checkpoint},
-    {SHARDD__REQUEST__BODY_RESTORE, 0, on_restore},
-    {SHARDD__REQUEST__BODY_REGISTER_BUFFER, 1, on_register_buffer},
-    {SHARDD__REQUEST__BODY_UNREGISTER_BUFFER, 1, on_unregister_buffer},
-    {SHARDD__REQUEST__BODY_REGISTER_VIEW, 1, on_register_view},
-    {SHARDD__REQUEST__BODY_UNREGISTER_VIEW, 1, on_unregister_view},
-    {SHARDD__REQUEST__BODY_REGISTER_OPTIMIZER, 1, on_register_optimizer},
-    {SHARDD__REQUEST__BODY_UNREGISTER_OPTIMIZER, 1, on_unregister_optimizer},
-    {SHARDD__REQUEST__BODY_GATHER, 1, on_gather},
-    {SHARDD__REQUEST__BODY_SCATTER, 1, on_scatter},
-    {SHARDD__REQUEST__BODY_STEP, 1, on_step},
+    {SHARDWIRE__REQUEST__BODY_HELLO, 0, on_hello},
+    {SHARDWIRE__REQUEST__BODY_STATUS, 0, on_status},
+    {SHARDWIRE__REQUEST__BODY_INSPECT, 0, on_inspect},
+    {SHARDWIRE__REQUEST__BODY_PING, 0, on_ping},
+    {SHARDWIRE__REQUEST__BODY_CHECKPOINT, 0, on_checkpoint},
+    {SHARDWIRE__REQUEST__BODY_RESTORE, 0, on_restore},
+    {SHARDWIRE__REQUEST__BODY_REGISTER_BUFFER, 1, on_register_buffer},
+    {SHARDWIRE__REQUEST__BODY_UNREGISTER_BUFFER, 1, on_unregister_buffer},
+    {SHARDWIRE__REQUEST__BODY_REGISTER_VIEW, 1, on_register_view},
+    {SHARDWIRE__REQUEST__BODY_UNREGISTER_VIEW, 1, on_unregister_view},
+    {SHARDWIRE__REQUEST__BODY_REGISTER_OPTIMIZER, 1, on_register_optimizer},
+    {SHARDWIRE__REQUEST__BODY_UNREGISTER_OPTIMIZER, 1, on_unregister_optimizer},
+    {SHARDWIRE__REQUEST__BODY_GATHER, 1, on_gather},
+    {SHARDWIRE__REQUEST__BODY_SCATTER, 1, on_scatter},
+    {SHARDWIRE__REQUEST__BODY_STEP, 1, on_step},
 };
 
 void shardd__dispatch_frame(shardd__dispatch *d, shardd__conn *c,
                             const uint8_t *payload, size_t len) {
-  Shardd__Request *req = shardd__request__unpack(NULL, len, payload);
+  Shardwire__Request *req = shardwire__request__unpack(NULL, len, payload);
   if (req == NULL) {
     char msg[128];
     snprintf(msg, sizeof msg, "a %zu-byte frame is not a valid Request", len);
@@ -514,7 +514,7 @@ void shardd__dispatch_frame(shardd__dispatch *d, shardd__conn *c,
   size_t i = 0, n = sizeof commands / sizeof commands[0];
   while (i < n && commands[i].body != req->body_case)
     i++;
-  if (req->body_case != SHARDD__REQUEST__BODY_HELLO && !c->hello_done)
+  if (req->body_case != SHARDWIRE__REQUEST__BODY_HELLO && !c->hello_done)
     reply(d, c, seq, SHARDD_E_STATE, "the first request must be Hello");
   else if ((i == n || commands[i].needs_job) && c->m.job == NULL)
     reply(d, c, seq, SHARDD_E_STATE,
@@ -524,7 +524,7 @@ void shardd__dispatch_frame(shardd__dispatch *d, shardd__conn *c,
     reply(d, c, seq, SHARDD_E_PROTOCOL, "request has no body this daemon knows");
   else
     commands[i].fn(d, c, seq, req);
-  shardd__request__free_unpacked(req, NULL);
+  shardwire__request__free_unpacked(req, NULL);
 }
 
 /* ---- connections and the engine's hooks -------------------------------- */
@@ -562,8 +562,8 @@ static void coll_done(void *ctx, shardd__coll_member *m, uint64_t seq,
     reply(d, c, seq, code, msg);
     return;
   }
-  Shardd__Response resp = ok_resp(seq, SHARDD__RESPONSE__BODY_STEP);
-  Shardd__StepReply sr = SHARDD__STEP_REPLY__INIT;
+  Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_STEP);
+  Shardwire__StepReply sr = SHARDWIRE__STEP_REPLY__INIT;
   sr.step = res->step;
   sr.has_total_norm = res->has_total_norm;
   sr.total_norm = res->has_total_norm ? res->total_norm : 0;

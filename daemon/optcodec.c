@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static void hp_from_wire(const Shardd__HyperParams *h, shardd__optspec_hp *o) {
+static void hp_from_wire(const Shardwire__HyperParams *h, shardd__optspec_hp *o) {
   memset(o, 0, sizeof *o);
 #define COPY(f)                                                              \
   do {                                                                       \
@@ -24,8 +24,8 @@ static void hp_from_wire(const Shardd__HyperParams *h, shardd__optspec_hp *o) {
 #undef COPY
 }
 
-static void hp_to_wire(const shardd__optspec_hp *o, Shardd__HyperParams *h) {
-  shardd__hyper_params__init(h);
+static void hp_to_wire(const shardd__optspec_hp *o, Shardwire__HyperParams *h) {
+  shardwire__hyper_params__init(h);
 #define COPY(f)                                                              \
   do {                                                                       \
     h->has_##f = o->has_##f != 0;                                            \
@@ -65,7 +65,7 @@ void shardd__optspec_free(shardd__optspec *spec) {
   memset(spec, 0, sizeof *spec);
 }
 
-shardd_err shardd__optspec_from_wire(const Shardd__RegisterOptimizer *ro,
+shardd_err shardd__optspec_from_wire(const Shardwire__RegisterOptimizer *ro,
                                      shardd__optspec *out) {
   memset(out, 0, sizeof *out);
   out->kind = (int)ro->kind;
@@ -81,7 +81,7 @@ shardd_err shardd__optspec_from_wire(const Shardd__RegisterOptimizer *ro,
       goto nomem;
   }
   for (size_t g = 0; g < ro->n_groups; g++) {
-    const Shardd__ParamGroup *wg = ro->groups[g];
+    const Shardwire__ParamGroup *wg = ro->groups[g];
     shardd__optspec_group *grp = &out->groups[g];
     out->ngroups = g + 1; /* what free must walk, should this group fail */
     if (wg->overrides) {
@@ -94,7 +94,7 @@ shardd_err shardd__optspec_from_wire(const Shardd__RegisterOptimizer *ro,
     if (grp->refs == NULL)
       goto nomem;
     for (size_t i = 0; i < wg->n_refs; i++) {
-      const Shardd__ParamRef *wr = wg->refs[i];
+      const Shardwire__ParamRef *wr = wg->refs[i];
       shardd__optspec_ref *r = &grp->refs[i];
       grp->nrefs = i + 1;
       r->id = wr->id;
@@ -113,12 +113,12 @@ nomem:
 shardd_err shardd__optspec_decode(const uint8_t *bytes, size_t len,
                                   shardd__optspec *out) {
   memset(out, 0, sizeof *out);
-  Shardd__RegisterOptimizer *ro =
-      shardd__register_optimizer__unpack(NULL, len, bytes);
+  Shardwire__RegisterOptimizer *ro =
+      shardwire__register_optimizer__unpack(NULL, len, bytes);
   if (ro == NULL)
     return SHARDD_E_INVAL;
   shardd_err rc = shardd__optspec_from_wire(ro, out);
-  shardd__register_optimizer__free_unpacked(ro, NULL);
+  shardwire__register_optimizer__free_unpacked(ro, NULL);
   return rc;
 }
 
@@ -131,22 +131,22 @@ shardd_err shardd__optspec_encode(const shardd__optspec *spec, uint8_t **bytes,
   size_t total = 0;
   for (size_t g = 0; g < spec->ngroups; g++)
     total += spec->groups[g].nrefs;
-  Shardd__RegisterOptimizer ro = SHARDD__REGISTER_OPTIMIZER__INIT;
-  Shardd__HyperParams hyper;
-  Shardd__ParamGroup *groups = calloc(spec->ngroups ? spec->ngroups : 1,
+  Shardwire__RegisterOptimizer ro = SHARDWIRE__REGISTER_OPTIMIZER__INIT;
+  Shardwire__HyperParams hyper;
+  Shardwire__ParamGroup *groups = calloc(spec->ngroups ? spec->ngroups : 1,
                                       sizeof *groups);
-  Shardd__ParamGroup **gptrs = calloc(spec->ngroups ? spec->ngroups : 1,
+  Shardwire__ParamGroup **gptrs = calloc(spec->ngroups ? spec->ngroups : 1,
                                       sizeof *gptrs);
-  Shardd__HyperParams *over = calloc(spec->ngroups ? spec->ngroups : 1,
+  Shardwire__HyperParams *over = calloc(spec->ngroups ? spec->ngroups : 1,
                                      sizeof *over);
-  Shardd__ParamRef *refs = calloc(total ? total : 1, sizeof *refs);
-  Shardd__ParamRef **rptrs = calloc(total ? total : 1, sizeof *rptrs);
+  Shardwire__ParamRef *refs = calloc(total ? total : 1, sizeof *refs);
+  Shardwire__ParamRef **rptrs = calloc(total ? total : 1, sizeof *rptrs);
   shardd_err rc = SHARDD_E_NO_MEMORY;
   if (groups == NULL || gptrs == NULL || over == NULL || refs == NULL ||
       rptrs == NULL)
     goto done;
   ro.name = spec->name;
-  ro.kind = (Shardd__OptimKind)spec->kind;
+  ro.kind = (Shardwire__OptimKind)spec->kind;
   if (spec->has_hyper) {
     hp_to_wire(&spec->hyper, &hyper);
     ro.hyper = &hyper;
@@ -156,7 +156,7 @@ shardd_err shardd__optspec_encode(const shardd__optspec *spec, uint8_t **bytes,
   size_t k = 0;
   for (size_t g = 0; g < spec->ngroups; g++) {
     const shardd__optspec_group *grp = &spec->groups[g];
-    shardd__param_group__init(&groups[g]);
+    shardwire__param_group__init(&groups[g]);
     gptrs[g] = &groups[g];
     if (grp->has_overrides) {
       hp_to_wire(&grp->overrides, &over[g]);
@@ -166,7 +166,7 @@ shardd_err shardd__optspec_encode(const shardd__optspec *spec, uint8_t **bytes,
     groups[g].n_refs = grp->nrefs;
     for (size_t i = 0; i < grp->nrefs; i++, k++) {
       const shardd__optspec_ref *r = &grp->refs[i];
-      shardd__param_ref__init(&refs[k]);
+      shardwire__param_ref__init(&refs[k]);
       refs[k].id = r->id;
       refs[k].name = r->name;
       refs[k].has_generation = r->has_generation != 0;
@@ -174,11 +174,11 @@ shardd_err shardd__optspec_encode(const shardd__optspec *spec, uint8_t **bytes,
       rptrs[k] = &refs[k];
     }
   }
-  size_t n = shardd__register_optimizer__get_packed_size(&ro);
+  size_t n = shardwire__register_optimizer__get_packed_size(&ro);
   uint8_t *out = malloc(n ? n : 1);
   if (out == NULL)
     goto done;
-  shardd__register_optimizer__pack(&ro, out);
+  shardwire__register_optimizer__pack(&ro, out);
   *bytes = out;
   *len = n;
   rc = SHARDD_OK;

@@ -1,5 +1,5 @@
 /* optcodec.h — the one place an optimizer registration crosses between the
- * wire (Shardd__RegisterOptimizer) and the core (shardd__optspec).
+ * wire (Shardwire__RegisterOptimizer) and the core (shardd__optspec).
  *
  * Identity: two registrations are the same when their encodings are equal.
  * shardd__optspec_encode packs the spec as the RegisterOptimizer it came
@@ -21,7 +21,7 @@
 
 /* Fills *out with a deep copy of ro (out owns it all; ro is not kept).
  * SHARDD_E_NO_MEMORY leaves *out empty. */
-shardd_err shardd__optspec_from_wire(const Shardd__RegisterOptimizer *ro,
+shardd_err shardd__optspec_from_wire(const Shardwire__RegisterOptimizer *ro,
                                      shardd__optspec *out);
 
 /* Unpacks len bytes of a packed RegisterOptimizer into *out (owned as

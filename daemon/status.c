@@ -51,14 +51,14 @@ void shardd__report_free(shardd__report *r) {
   free(r);
 }
 
-static Shardd__DType wire_dtype(shardd_dtype d) { return (Shardd__DType)d; }
+static Shardwire__DType wire_dtype(shardd_dtype d) { return (Shardwire__DType)d; }
 
-static Shardd__JobStatus *job_status(const shardd__status_ctx *ctx,
+static Shardwire__JobStatus *job_status(const shardd__status_ctx *ctx,
                                      shardd__report *r, shardd__job *job) {
-  Shardd__JobStatus *js = ar_alloc(r, sizeof *js);
+  Shardwire__JobStatus *js = ar_alloc(r, sizeof *js);
   if (js == NULL)
     return NULL;
-  shardd__job_status__init(js);
+  shardwire__job_status__init(js);
   js->name = ar_strdup(r, job->name);
   js->world = job->world;
   js->clients = shardd__jobs_clients(ctx->jobs, job);
@@ -76,13 +76,13 @@ static Shardd__JobStatus *job_status(const shardd__status_ctx *ctx,
   if (shardd__job_optims(job, &opts, &no) == SHARDD_OK) {
     js->optimizers = ar_alloc(r, (no ? no : 1) * sizeof *js->optimizers);
     for (size_t i = 0; js->optimizers && i < no; i++) {
-      Shardd__OptimizerStatus *os = ar_alloc(r, sizeof *os);
+      Shardwire__OptimizerStatus *os = ar_alloc(r, sizeof *os);
       if (os == NULL)
         break;
-      shardd__optimizer_status__init(os);
+      shardwire__optimizer_status__init(os);
       os->id = opts[i]->hdr.id;
       os->name = ar_strdup(r, opts[i]->hdr.name);
-      os->kind = (Shardd__OptimKind)opts[i]->kind;
+      os->kind = (Shardwire__OptimKind)opts[i]->kind;
       os->steps = opts[i]->steps;
       os->params = (uint32_t)opts[i]->nrefs;
       js->optimizers[js->n_optimizers++] = os;
@@ -96,10 +96,10 @@ static Shardd__JobStatus *job_status(const shardd__status_ctx *ctx,
     js->node_rank = job->node_rank;
     js->node_states = ar_alloc(r, job->nodes * sizeof *js->node_states);
     for (uint32_t n = 0; js->node_states && n < job->nodes; n++) {
-      Shardd__NodeStatus *ns = ar_alloc(r, sizeof *ns);
+      Shardwire__NodeStatus *ns = ar_alloc(r, sizeof *ns);
       if (ns == NULL)
         break;
-      shardd__node_status__init(ns);
+      shardwire__node_status__init(ns);
       char state[32];
       shardd__coll_node_state(ctx->coll, job, n, state, sizeof state);
       ns->node = n;
@@ -119,7 +119,7 @@ static Shardd__JobStatus *job_status(const shardd__status_ctx *ctx,
 
 typedef struct {
   shardd__report *r;
-  Shardd__StatusReply *st;
+  Shardwire__StatusReply *st;
   size_t cap;
   const shardd__peer *viewer;
   const shardd__status_ctx *ctx;
@@ -130,31 +130,31 @@ static void add_job(shardd__job *job, void *arg) {
   if (a->viewer && !shardd__access_may_see(a->viewer, job))
     return;
   if (a->st->n_jobs < a->cap) {
-    Shardd__JobStatus *js = job_status(a->ctx, a->r, job);
+    Shardwire__JobStatus *js = job_status(a->ctx, a->r, job);
     if (js)
       a->st->jobs[a->st->n_jobs++] = js;
   }
 }
 
 static int cmp_job(const void *x, const void *y) {
-  const Shardd__JobStatus *a = *(Shardd__JobStatus *const *)x;
-  const Shardd__JobStatus *b = *(Shardd__JobStatus *const *)y;
+  const Shardwire__JobStatus *a = *(Shardwire__JobStatus *const *)x;
+  const Shardwire__JobStatus *b = *(Shardwire__JobStatus *const *)y;
   return strcmp(a->name, b->name);
 }
 
 shardd_err shardd__status_build(const shardd__status_ctx *ctx,
                                 const shardd__peer *viewer,
                                 shardd__report **out,
-                                Shardd__StatusReply **reply) {
+                                Shardwire__StatusReply **reply) {
   shardd__report *r = calloc(1, sizeof *r);
   *out = r;
   *reply = NULL;
   if (r == NULL)
     return SHARDD_E_NO_MEMORY;
-  Shardd__StatusReply *st = ar_alloc(r, sizeof *st);
+  Shardwire__StatusReply *st = ar_alloc(r, sizeof *st);
   if (st == NULL)
     return SHARDD_E_NO_MEMORY;
-  shardd__status_reply__init(st);
+  shardwire__status_reply__init(st);
   st->daemon_version = ar_strdup(r, SHARDD_VERSION);
   st->protocol_version = SHARDD_PROTOCOL_VERSION;
   st->pid = (uint64_t)getpid();
@@ -167,10 +167,10 @@ shardd_err shardd__status_build(const shardd__status_ctx *ctx,
   int nd = be->ndevices;
   st->devices = ar_alloc(r, (size_t)nd * sizeof *st->devices);
   for (int d = 0; st->devices && d < nd; d++) {
-    Shardd__DeviceStatus *ds = ar_alloc(r, sizeof *ds);
+    Shardwire__DeviceStatus *ds = ar_alloc(r, sizeof *ds);
     if (ds == NULL)
       break;
-    shardd__device_status__init(ds);
+    shardwire__device_status__init(ds);
     shardd__device_info info;
     be->ops->device_info(be, d, &info);
     ds->index = (uint32_t)d;
@@ -229,7 +229,7 @@ static void find_in_job(shardd__job *job, void *arg) {
 }
 
 static shardd_err fill_buffer(shardd__report *r, const shardd__status_ctx *ctx,
-                              shardd__buffer *b, Shardd__InspectReply *ir) {
+                              shardd__buffer *b, Shardwire__InspectReply *ir) {
   ir->has_dtype = 1;
   ir->dtype = wire_dtype(b->dtype);
   ir->has_numel = 1;
@@ -247,20 +247,20 @@ static shardd_err fill_buffer(shardd__report *r, const shardd__status_ctx *ctx,
   ir->frozen = ar_alloc(r, (b->nfrozen_ranges ? b->nfrozen_ranges : 1) *
                                sizeof *ir->frozen);
   for (size_t k = 0; ir->frozen && k < b->nfrozen_ranges; k++) {
-    Shardd__ElemRange *er = ar_alloc(r, sizeof *er);
+    Shardwire__ElemRange *er = ar_alloc(r, sizeof *er);
     if (er == NULL)
       return SHARDD_E_NO_MEMORY;
-    shardd__elem_range__init(er);
+    shardwire__elem_range__init(er);
     er->offset = b->frozen[k][0];
     er->numel = b->frozen[k][1];
     ir->frozen[ir->n_frozen++] = er;
   }
   ir->shards = ar_alloc(r, b->world * sizeof *ir->shards);
   for (uint32_t k = 0; ir->shards && k < b->world; k++) {
-    Shardd__ShardInfo *si = ar_alloc(r, sizeof *si);
+    Shardwire__ShardInfo *si = ar_alloc(r, sizeof *si);
     if (si == NULL)
       return SHARDD_E_NO_MEMORY;
-    shardd__shard_info__init(si);
+    shardwire__shard_info__init(si);
     si->rank = k;
     si->device = (uint32_t)shardd__rank_device(ctx->reg, k);
     si->offset = (uint64_t)k * b->shard_numel;
@@ -276,10 +276,10 @@ static shardd_err fill_buffer(shardd__report *r, const shardd__status_ctx *ctx,
     return SHARDD_E_NO_MEMORY;
   ir->views = ar_alloc(r, (nv ? nv : 1) * sizeof *ir->views);
   for (size_t i = 0; ir->views && i < nv; i++) {
-    Shardd__ViewInfo *vi = ar_alloc(r, sizeof *vi);
+    Shardwire__ViewInfo *vi = ar_alloc(r, sizeof *vi);
     if (vi == NULL)
       break;
-    shardd__view_info__init(vi);
+    shardwire__view_info__init(vi);
     vi->id = views[i]->hdr.id;
     vi->name = ar_strdup(r, views[i]->hdr.name);
     vi->offset = views[i]->offset;
@@ -312,7 +312,7 @@ shardd_err shardd__inspect_build(const shardd__status_ctx *ctx,
                                  shardd__job *own_job, uint64_t id,
                                  const char *name,
                                  shardd__report **out,
-                                 Shardd__InspectReply **reply, char *err,
+                                 Shardwire__InspectReply **reply, char *err,
                                  size_t errlen) {
   *out = NULL;
   *reply = NULL;
@@ -357,10 +357,10 @@ shardd_err shardd__inspect_build(const shardd__status_ctx *ctx,
   *out = r;
   if (r == NULL)
     return SHARDD_E_NO_MEMORY;
-  Shardd__InspectReply *ir = ar_alloc(r, sizeof *ir);
+  Shardwire__InspectReply *ir = ar_alloc(r, sizeof *ir);
   if (ir == NULL)
     return SHARDD_E_NO_MEMORY;
-  shardd__inspect_reply__init(ir);
+  shardwire__inspect_reply__init(ir);
   ir->id = o->id;
   ir->name = ar_strdup(r, o->name);
   ir->job = ar_strdup(r, o->job->name);
@@ -396,10 +396,10 @@ shardd_err shardd__inspect_build(const shardd__status_ctx *ctx,
     uint64_t s1 = (v->offset + v->numel - 1) / v->buf->shard_numel;
     ir->shards = ar_alloc(r, (size_t)(s1 - s0 + 1) * sizeof *ir->shards);
     for (uint64_t k = s0; ir->shards && k <= s1; k++) {
-      Shardd__ShardInfo *si = ar_alloc(r, sizeof *si);
+      Shardwire__ShardInfo *si = ar_alloc(r, sizeof *si);
       if (si == NULL)
         break;
-      shardd__shard_info__init(si);
+      shardwire__shard_info__init(si);
       si->rank = (uint32_t)k;
       si->device = (uint32_t)shardd__rank_device(ctx->reg, (uint32_t)k);
       uint64_t lo = k * v->buf->shard_numel, hi = lo + v->buf->shard_numel;

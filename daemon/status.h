@@ -29,7 +29,7 @@ typedef struct shardd__report shardd__report;
 shardd_err shardd__status_build(const shardd__status_ctx *ctx,
                                 const shardd__peer *viewer,
                                 shardd__report **out,
-                                Shardd__StatusReply **reply);
+                                Shardwire__StatusReply **reply);
 /* By id (when id != 0) or by name, searched in own_job first (may be
  * NULL), then in every job viewer may see; an object of a job viewer may
  * not see is SHARDD_E_PERMISSION. */
@@ -37,7 +37,7 @@ shardd_err shardd__inspect_build(const shardd__status_ctx *ctx,
                                  const shardd__peer *viewer,
                                  shardd__job *own_job, uint64_t id,
                                  const char *name, shardd__report **out,
-                                 Shardd__InspectReply **reply, char *err,
+                                 Shardwire__InspectReply **reply, char *err,
                                  size_t errlen);
 void shardd__report_free(shardd__report *r);
 

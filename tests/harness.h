@@ -279,23 +279,23 @@ static inline void test_raw_send_bytes(test_raw *r, const void *p, size_t n) {
 }
 
 /* Sends req; a seq of 0 is replaced by the next one. Returns the seq. */
-static inline uint64_t test_raw_send(test_raw *r, Shardd__Request *req) {
+static inline uint64_t test_raw_send(test_raw *r, Shardwire__Request *req) {
   if (req->seq == 0)
     req->seq = ++r->seq;
-  size_t n = shardd__request__get_packed_size(req);
+  size_t n = shardwire__request__get_packed_size(req);
   uint8_t *buf = malloc(SHARDD_FRAME_HEADER + n);
   cr_assert_not_null(buf);
   shardd__frame_put_header(buf, (uint32_t)n);
-  shardd__request__pack(req, buf + SHARDD_FRAME_HEADER);
+  shardwire__request__pack(req, buf + SHARDD_FRAME_HEADER);
   test_raw_send_bytes(r, buf, SHARDD_FRAME_HEADER + n);
   free(buf);
   return req->seq;
 }
 
-/* Next response (caller frees with shardd__response__free_unpacked), or
+/* Next response (caller frees with shardwire__response__free_unpacked), or
  * NULL when the daemon closed the connection. A descriptor that came with it
  * is stored in *fd when fd is not NULL (else closed). */
-static inline Shardd__Response *test_raw_recv_fd(test_raw *r, int *fd) {
+static inline Shardwire__Response *test_raw_recv_fd(test_raw *r, int *fd) {
   const uint8_t *payload;
   size_t len;
   int fds[4], nfds = 0;
@@ -313,12 +313,12 @@ static inline Shardd__Response *test_raw_recv_fd(test_raw *r, int *fd) {
   if (rc == SHARDD_E_CLOSED)
     return NULL;
   cr_assert_eq(rc, SHARDD_OK, "receiving a reply: %s", err);
-  Shardd__Response *resp = shardd__response__unpack(NULL, len, payload);
+  Shardwire__Response *resp = shardwire__response__unpack(NULL, len, payload);
   cr_assert_not_null(resp, "the daemon's reply does not decode");
   return resp;
 }
 
-static inline Shardd__Response *test_raw_recv(test_raw *r) {
+static inline Shardwire__Response *test_raw_recv(test_raw *r) {
   return test_raw_recv_fd(r, NULL);
 }
 
@@ -338,9 +338,9 @@ static inline int test_raw_wait_eof(test_raw *r) {
 
 /* Receives the reply to seq (skipping none: replies must come in order for
  * these tests unless noted) and checks its code; returns it. */
-static inline Shardd__Response *test_raw_expect(test_raw *r, uint64_t seq,
+static inline Shardwire__Response *test_raw_expect(test_raw *r, uint64_t seq,
                                                 shardd_err code) {
-  Shardd__Response *resp = test_raw_recv(r);
+  Shardwire__Response *resp = test_raw_recv(r);
   cr_assert_not_null(resp, "connection closed waiting for reply %llu",
                      (unsigned long long)seq);
   cr_assert_eq(resp->seq, seq, "reply seq %llu, expected %llu",
@@ -354,8 +354,8 @@ static inline Shardd__Response *test_raw_expect(test_raw *r, uint64_t seq,
 static inline uint64_t test_raw_send_hello(test_raw *r, uint32_t version,
                                            const char *job, uint32_t rank,
                                            uint32_t world) {
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__Hello h = SHARDD__HELLO__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Hello h = SHARDWIRE__HELLO__INIT;
   h.protocol_version = version;
   if (job) {
     h.job = (char *)job;
@@ -363,7 +363,7 @@ static inline uint64_t test_raw_send_hello(test_raw *r, uint32_t version,
     h.rank = rank;
     h.world = world;
   }
-  req.body_case = SHARDD__REQUEST__BODY_HELLO;
+  req.body_case = SHARDWIRE__REQUEST__BODY_HELLO;
   req.hello = &h;
   return test_raw_send(r, &req);
 }
@@ -371,13 +371,13 @@ static inline uint64_t test_raw_send_hello(test_raw *r, uint32_t version,
 static inline void test_raw_hello(test_raw *r, const char *job, uint32_t rank,
                                   uint32_t world) {
   uint64_t seq = test_raw_send_hello(r, SHARDD_PROTOCOL_VERSION, job, rank, world);
-  shardd__response__free_unpacked(test_raw_expect(r, seq, SHARDD_OK), NULL);
+  shardwire__response__free_unpacked(test_raw_expect(r, seq, SHARDD_OK), NULL);
 }
 
 static inline uint64_t test_raw_send_ping(test_raw *r) {
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__Ping p = SHARDD__PING__INIT;
-  req.body_case = SHARDD__REQUEST__BODY_PING;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Ping p = SHARDWIRE__PING__INIT;
+  req.body_case = SHARDWIRE__REQUEST__BODY_PING;
   req.ping = &p;
   return test_raw_send(r, &req);
 }
@@ -386,22 +386,22 @@ static inline uint64_t test_raw_send_ping(test_raw *r) {
  * returns (replies to collectives still waiting are not consumed). */
 static inline void test_raw_sync(test_raw *r) {
   uint64_t seq = test_raw_send_ping(r);
-  Shardd__Response *resp = test_raw_expect(r, seq, SHARDD_OK);
-  cr_assert_eq(resp->body_case, SHARDD__RESPONSE__BODY_PONG);
-  shardd__response__free_unpacked(resp, NULL);
+  Shardwire__Response *resp = test_raw_expect(r, seq, SHARDD_OK);
+  cr_assert_eq(resp->body_case, SHARDWIRE__RESPONSE__BODY_PONG);
+  shardwire__response__free_unpacked(resp, NULL);
 }
 
 /* As test_raw_sync, but one reply to an earlier request that arrives before
  * the Pong is handed back in *early (NULL when none came). */
-static inline void test_raw_sync_keep(test_raw *r, Shardd__Response **early) {
+static inline void test_raw_sync_keep(test_raw *r, Shardwire__Response **early) {
   *early = NULL;
   uint64_t seq = test_raw_send_ping(r);
   for (;;) {
-    Shardd__Response *resp = test_raw_recv(r);
+    Shardwire__Response *resp = test_raw_recv(r);
     cr_assert_not_null(resp, "connection closed waiting for a Pong");
     if (resp->seq == seq) {
-      cr_assert_eq(resp->body_case, SHARDD__RESPONSE__BODY_PONG);
-      shardd__response__free_unpacked(resp, NULL);
+      cr_assert_eq(resp->body_case, SHARDWIRE__RESPONSE__BODY_PONG);
+      shardwire__response__free_unpacked(resp, NULL);
       return;
     }
     cr_assert_null(*early, "two replies before the Pong");
@@ -410,31 +410,31 @@ static inline void test_raw_sync_keep(test_raw *r, Shardd__Response **early) {
 }
 
 static inline uint64_t test_raw_send_gather(test_raw *r, uint64_t buf) {
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__Gather g = SHARDD__GATHER__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Gather g = SHARDWIRE__GATHER__INIT;
   g.buffer = buf;
-  req.body_case = SHARDD__REQUEST__BODY_GATHER;
+  req.body_case = SHARDWIRE__REQUEST__BODY_GATHER;
   req.gather = &g;
   return test_raw_send(r, &req);
 }
 
 static inline uint64_t test_raw_send_scatter(test_raw *r, uint64_t buf,
                                              shardd_reduce_op op) {
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__Scatter s = SHARDD__SCATTER__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Scatter s = SHARDWIRE__SCATTER__INIT;
   s.buffer = buf;
   s.has_op = 1;
-  s.op = (Shardd__ReduceOp)op;
-  req.body_case = SHARDD__REQUEST__BODY_SCATTER;
+  s.op = (Shardwire__ReduceOp)op;
+  req.body_case = SHARDWIRE__REQUEST__BODY_SCATTER;
   req.scatter = &s;
   return test_raw_send(r, &req);
 }
 
 static inline uint64_t test_raw_send_step(test_raw *r, uint64_t opt) {
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__Step st = SHARDD__STEP__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Step st = SHARDWIRE__STEP__INIT;
   st.optimizer = opt;
-  req.body_case = SHARDD__REQUEST__BODY_STEP;
+  req.body_case = SHARDWIRE__REQUEST__BODY_STEP;
   req.step = &st;
   return test_raw_send(r, &req);
 }
@@ -443,24 +443,24 @@ static inline uint64_t test_raw_send_step(test_raw *r, uint64_t opt) {
 static inline void test_raw_register_buffer(test_raw *r, const char *name,
                                             shardd_dtype dtype, uint64_t numel,
                                             shardd_buffer_info *out) {
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__RegisterBuffer rb = SHARDD__REGISTER_BUFFER__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__RegisterBuffer rb = SHARDWIRE__REGISTER_BUFFER__INIT;
   rb.name = (char *)name;
-  rb.dtype = (Shardd__DType)dtype;
+  rb.dtype = (Shardwire__DType)dtype;
   rb.numel = numel;
-  req.body_case = SHARDD__REQUEST__BODY_REGISTER_BUFFER;
+  req.body_case = SHARDWIRE__REQUEST__BODY_REGISTER_BUFFER;
   req.register_buffer = &rb;
   uint64_t seq = test_raw_send(r, &req);
   int fd;
-  Shardd__Response *resp = test_raw_recv_fd(r, &fd);
+  Shardwire__Response *resp = test_raw_recv_fd(r, &fd);
   cr_assert_not_null(resp);
   cr_assert_eq(resp->seq, seq);
-  cr_assert_eq(resp->code, SHARDD__STATUS_CODE__OK, "register %s: %s", name,
+  cr_assert_eq(resp->code, SHARDWIRE__STATUS_CODE__OK, "register %s: %s", name,
                resp->message ? resp->message : "");
-  cr_assert_eq(resp->body_case, SHARDD__RESPONSE__BODY_BUFFER);
+  cr_assert_eq(resp->body_case, SHARDWIRE__RESPONSE__BODY_BUFFER);
   cr_assert(fd >= 0, "no descriptor with the buffer reply");
   cr_assert_lt(r->nmaps, 8);
-  const Shardd__BufferReply *br = resp->buffer;
+  const Shardwire__BufferReply *br = resp->buffer;
   void *base = mmap(NULL, br->block_bytes, PROT_READ | PROT_WRITE, MAP_SHARED,
                     fd, 0);
   close(fd);
@@ -481,7 +481,7 @@ static inline void test_raw_register_buffer(test_raw *r, const char *name,
   out->gather = (char *)base + br->gather_offset;
   out->grad = (char *)base + br->grad_offset;
   out->reduced = (char *)base + br->reduced_offset;
-  shardd__response__free_unpacked(resp, NULL);
+  shardwire__response__free_unpacked(resp, NULL);
 }
 
 /* Runs `$SHARDCTL_BIN args` (args is shell text; keep it to safe paths).

@@ -93,15 +93,15 @@ static shardd__job *make_job(const char *name) {
   cr_assert_eq(shardd__view_register(&reg, job, b->hdr.id, "e", 0, 77, s3, 1, &v3,
                                      &created, err, sizeof err), SHARDD_OK);
 
-  Shardd__ParamRef r[3], *rp[3];
+  Shardwire__ParamRef r[3], *rp[3];
   uint64_t ids[3] = {v1->hdr.id, v2->hdr.id, v3->hdr.id};
   for (int i = 0; i < 3; i++) {
-    shardd__param_ref__init(&r[i]);
+    shardwire__param_ref__init(&r[i]);
     r[i].id = ids[i];
     rp[i] = &r[i];
   }
-  Shardd__ParamGroup g0 = SHARDD__PARAM_GROUP__INIT, g1 = SHARDD__PARAM_GROUP__INIT;
-  Shardd__HyperParams ov = SHARDD__HYPER_PARAMS__INIT;
+  Shardwire__ParamGroup g0 = SHARDWIRE__PARAM_GROUP__INIT, g1 = SHARDWIRE__PARAM_GROUP__INIT;
+  Shardwire__HyperParams ov = SHARDWIRE__HYPER_PARAMS__INIT;
   ov.has_amsgrad = 1;
   ov.amsgrad = 1;
   g0.refs = rp;
@@ -109,10 +109,10 @@ static shardd__job *make_job(const char *name) {
   g1.refs = rp + 2;
   g1.n_refs = 1;
   g1.overrides = &ov;
-  Shardd__ParamGroup *gp[2] = {&g0, &g1};
-  Shardd__RegisterOptimizer ro = SHARDD__REGISTER_OPTIMIZER__INIT;
+  Shardwire__ParamGroup *gp[2] = {&g0, &g1};
+  Shardwire__RegisterOptimizer ro = SHARDWIRE__REGISTER_OPTIMIZER__INIT;
   ro.name = "opt";
-  ro.kind = SHARDD__OPTIM_KIND__ADAMW;
+  ro.kind = SHARDWIRE__OPTIM_KIND__ADAMW;
   ro.groups = gp;
   ro.n_groups = 2;
   shardd__optim_plan plan;
@@ -124,9 +124,9 @@ static shardd__job *make_job(const char *name) {
   shardd__optspec_free(&spec);
   /* the recorded identity is the packed wire message, as checkpoints
    * written before optcodec.h hold it */
-  plan.spec_len = shardd__register_optimizer__get_packed_size(&ro);
+  plan.spec_len = shardwire__register_optimizer__get_packed_size(&ro);
   plan.spec = malloc(plan.spec_len);
-  shardd__register_optimizer__pack(&ro, plan.spec);
+  shardwire__register_optimizer__pack(&ro, plan.spec);
   shardd__optim *o;
   cr_assert_eq(shardd__optim_create(&reg, job, &plan, &o, err, sizeof err), SHARDD_OK);
   shardd__optim_plan_free(&plan);

@@ -122,12 +122,12 @@ static int fake_send_raw(int fd, uint32_t len, const void *payload, size_t sent,
   return w == (ssize_t)(SHARDD_FRAME_HEADER + sent) ? 0 : -1;
 }
 
-static int fake_send(int fd, const Shardd__Response *r, int passfd) {
-  size_t n = shardd__response__get_packed_size(r);
+static int fake_send(int fd, const Shardwire__Response *r, int passfd) {
+  size_t n = shardwire__response__get_packed_size(r);
   uint8_t *buf = malloc(n ? n : 1);
   if (buf == NULL)
     return -1;
-  shardd__response__pack(r, buf);
+  shardwire__response__pack(r, buf);
   int rc = fake_send_raw(fd, (uint32_t)n, buf, n, passfd);
   free(buf);
   return rc;
@@ -143,7 +143,7 @@ static int fake_memfd(const fake_buf *b) {
 }
 
 /* Answers a RegisterBuffer; 1 when the connection is to end here. */
-static int fake_buffer(int fd, uint64_t seq, const Shardd__RegisterBuffer *rb,
+static int fake_buffer(int fd, uint64_t seq, const Shardwire__RegisterBuffer *rb,
                        const fake_buf *b) {
   if (b->mode == FAKE_HUGE)
     return fake_send_raw(fd, SHARDD_MAX_FRAME + 1, NULL, 0, -1) ? -1 : 0;
@@ -156,8 +156,8 @@ static int fake_buffer(int fd, uint64_t seq, const Shardd__RegisterBuffer *rb,
     return rc ? -1 : 1;
   }
   uint8_t handle[128] = {0};
-  Shardd__Response resp = SHARDD__RESPONSE__INIT;
-  Shardd__BufferReply br = SHARDD__BUFFER_REPLY__INIT;
+  Shardwire__Response resp = SHARDWIRE__RESPONSE__INIT;
+  Shardwire__BufferReply br = SHARDWIRE__BUFFER_REPLY__INIT;
   if (b->handle_len) {
     br.has_cuda_ipc_handle = 1;
     br.cuda_ipc_handle.data = handle;
@@ -165,7 +165,7 @@ static int fake_buffer(int fd, uint64_t seq, const Shardd__RegisterBuffer *rb,
   }
   br.id = 7;
   br.name = rb->name;
-  br.dtype = SHARDD__DTYPE__FP32;
+  br.dtype = SHARDWIRE__DTYPE__FP32;
   br.numel = b->numel ? b->numel : rb->numel;
   br.padded_numel = b->padded_numel;
   br.shard_numel = b->shard_numel;
@@ -182,8 +182,8 @@ static int fake_buffer(int fd, uint64_t seq, const Shardd__RegisterBuffer *rb,
   br.has_generation = 1;
   br.generation = 1;
   resp.seq = seq;
-  resp.code = SHARDD__STATUS_CODE__OK;
-  resp.body_case = SHARDD__RESPONSE__BODY_BUFFER;
+  resp.code = SHARDWIRE__STATUS_CODE__OK;
+  resp.body_case = SHARDWIRE__RESPONSE__BODY_BUFFER;
   resp.buffer = &br;
   int rc = fake_send(fd, &resp, mfd);
   if (mfd >= 0)
@@ -215,59 +215,59 @@ static int fake_serve(int lfd, const fake_script *sc) {
       status = 11;
       break;
     }
-    Shardd__Request *req = shardd__request__unpack(NULL, len, payload);
+    Shardwire__Request *req = shardwire__request__unpack(NULL, len, payload);
     if (req == NULL) {
       status = 12;
       break;
     }
-    Shardd__Response resp = SHARDD__RESPONSE__INIT;
+    Shardwire__Response resp = SHARDWIRE__RESPONSE__INIT;
     resp.seq = req->seq;
-    resp.code = SHARDD__STATUS_CODE__OK;
-    Shardd__HelloReply hr = SHARDD__HELLO_REPLY__INIT;
-    Shardd__Pong pong = SHARDD__PONG__INIT;
-    Shardd__StatusReply st = SHARDD__STATUS_REPLY__INIT;
+    resp.code = SHARDWIRE__STATUS_CODE__OK;
+    Shardwire__HelloReply hr = SHARDWIRE__HELLO_REPLY__INIT;
+    Shardwire__Pong pong = SHARDWIRE__PONG__INIT;
+    Shardwire__StatusReply st = SHARDWIRE__STATUS_REPLY__INIT;
     int r = 0;
     switch (req->body_case) {
-    case SHARDD__REQUEST__BODY_HELLO:
+    case SHARDWIRE__REQUEST__BODY_HELLO:
       hr.protocol_version = SHARDD_PROTOCOL_VERSION;
       hr.daemon_version = "fake";
       hr.session_id = 1;
       hr.backend = "cuda";
       hr.devices = 1;
-      resp.body_case = SHARDD__RESPONSE__BODY_HELLO;
+      resp.body_case = SHARDWIRE__RESPONSE__BODY_HELLO;
       resp.hello = &hr;
       r = fake_send(fd, &resp, -1);
       break;
-    case SHARDD__REQUEST__BODY_PING:
-      resp.body_case = SHARDD__RESPONSE__BODY_PONG;
+    case SHARDWIRE__REQUEST__BODY_PING:
+      resp.body_case = SHARDWIRE__RESPONSE__BODY_PONG;
       resp.pong = &pong;
       r = fake_send(fd, &resp, -1);
       break;
-    case SHARDD__REQUEST__BODY_STATUS:
+    case SHARDWIRE__REQUEST__BODY_STATUS:
       st.daemon_version = "fake";
       st.protocol_version = SHARDD_PROTOCOL_VERSION;
       st.pid = (uint64_t)getpid();
       st.backend = "cuda";
       st.socket_path = "fake.sock";
       st.clients = 1;
-      resp.body_case = SHARDD__RESPONSE__BODY_STATUS;
+      resp.body_case = SHARDWIRE__RESPONSE__BODY_STATUS;
       resp.status = &st;
       r = fake_send(fd, &resp, -1);
       break;
-    case SHARDD__REQUEST__BODY_REGISTER_BUFFER: {
+    case SHARDWIRE__REQUEST__BODY_REGISTER_BUFFER: {
       int i = nreg < sc->nbufs ? nreg : sc->nbufs - 1;
       nreg++;
       r = fake_buffer(fd, req->seq, req->register_buffer, &sc->bufs[i]);
       break;
     }
-    case SHARDD__REQUEST__BODY_UNREGISTER_BUFFER:
+    case SHARDWIRE__REQUEST__BODY_UNREGISTER_BUFFER:
       r = fake_send(fd, &resp, -1);
       break;
     default:
       status = 13;
       break;
     }
-    shardd__request__free_unpacked(req, NULL);
+    shardwire__request__free_unpacked(req, NULL);
     if (r < 0)
       status = 14;
     if (r != 0 || status != 0)

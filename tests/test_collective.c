@@ -477,7 +477,7 @@ ParameterizedTest(lost_case *lc, collective, rank_lost_mid_collective, .init = s
     seq[k] = lc->kind == OP_GATHER ? test_raw_send_gather(&r[k], b[0].id)
                                    : test_raw_send_scatter(&r[k], b[0].id, SHARDD_REDUCE_SUM);
   for (int k = 0; k < 3; k++)
-    shardd__response__free_unpacked(test_raw_expect(&r[k], seq[k], SHARDD_OK), NULL);
+    shardwire__response__free_unpacked(test_raw_expect(&r[k], seq[k], SHARDD_OK), NULL);
   cr_assert_eq(read(ready[0], &ch, 1), 1, "rank 3's first collective failed");
   uint64_t s = b[0].shard_numel;
   if (lc->kind == OP_SCATTER) {
@@ -524,10 +524,10 @@ ParameterizedTest(lost_case *lc, collective, rank_lost_mid_collective, .init = s
   close(ready[0]);
   close(go[1]);
   for (int k = 0; k < 3; k++) {
-    Shardd__Response *resp = test_raw_expect(&r[k], seq[k], SHARDD_E_PEER_LOST);
+    Shardwire__Response *resp = test_raw_expect(&r[k], seq[k], SHARDD_E_PEER_LOST);
     cr_assert_not_null(strstr(resp->message, "rank 3"), "rank %d: \"%s\" does not name rank 3",
                        k, resp->message);
-    shardd__response__free_unpacked(resp, NULL);
+    shardwire__response__free_unpacked(resp, NULL);
   }
   for (int k = 0; k < 3; k++) {
     cr_assert_eq(memcmp(sv_shard[k], b[k].shard, sb), 0, "rank %d's shard changed", k);
@@ -565,7 +565,7 @@ ParameterizedTest(lost_case *lc, collective, rank_lost_mid_collective, .init = s
     seq[k] = test_raw_send_gather(&r[k], b[0].id);
   cr_assert_eq(shardd_gather(c3, b3.id), SHARDD_OK, "%s", shardd_last_error(c3));
   for (int k = 0; k < 3; k++)
-    shardd__response__free_unpacked(test_raw_expect(&r[k], seq[k], SHARDD_OK), NULL);
+    shardwire__response__free_unpacked(test_raw_expect(&r[k], seq[k], SHARDD_OK), NULL);
   for (size_t i = 0; i < s; i++)
     cr_assert_eq(f32_at(b3.gather, i), -(float)i);
   shardd_client_t *ctl = test_connect(&d, NULL, 0, 1);
@@ -639,20 +639,20 @@ Test(collective, mismatched_scatter_op_fails_all, .init = start4, .fini = stop_d
     memcpy(sv[k], b[k].reduced, b[k].shard_numel * 4);
   }
   uint64_t seq[4];
-  Shardd__Response *early[4] = {NULL, NULL, NULL, NULL};
+  Shardwire__Response *early[4] = {NULL, NULL, NULL, NULL};
   for (int k = 0; k < 4; k++) {
     seq[k] = test_raw_send_scatter(&r[k], b[0].id, k == 1 ? SHARDD_REDUCE_MEAN : SHARDD_REDUCE_SUM);
     if (k < 3)
       test_raw_sync_keep(&r[k], &early[k]); /* in this order */
   }
   for (int k = 0; k < 4; k++) {
-    Shardd__Response *resp = early[k] ? early[k] : test_raw_recv(&r[k]);
+    Shardwire__Response *resp = early[k] ? early[k] : test_raw_recv(&r[k]);
     cr_assert_not_null(resp, "rank %d: closed", k);
     cr_assert_eq(resp->seq, seq[k]);
-    cr_assert_eq(resp->code, SHARDD__STATUS_CODE__E_MISMATCH, "rank %d: %s (%s)", k,
+    cr_assert_eq(resp->code, SHARDWIRE__STATUS_CODE__E_MISMATCH, "rank %d: %s (%s)", k,
                  shardd_err_name((shardd_err)resp->code), resp->message);
     cr_assert_not_null(strstr(resp->message, "rank 1"), "rank %d: \"%s\"", k, resp->message);
-    shardd__response__free_unpacked(resp, NULL);
+    shardwire__response__free_unpacked(resp, NULL);
   }
   for (int k = 0; k < 4; k++) {
     cr_assert_eq(memcmp(sv[k], b[k].reduced, b[k].shard_numel * 4), 0,
@@ -663,7 +663,7 @@ Test(collective, mismatched_scatter_op_fails_all, .init = start4, .fini = stop_d
   for (int k = 0; k < 4; k++)
     seq[k] = test_raw_send_scatter(&r[k], b[0].id, SHARDD_REDUCE_SUM);
   for (int k = 0; k < 4; k++)
-    shardd__response__free_unpacked(test_raw_expect(&r[k], seq[k], SHARDD_OK), NULL);
+    shardwire__response__free_unpacked(test_raw_expect(&r[k], seq[k], SHARDD_OK), NULL);
   check_reduced(b, 4, 4, SHARDD_REDUCE_SUM);
   for (int k = 0; k < 4; k++)
     test_raw_close(&r[k]);
@@ -715,12 +715,12 @@ Test(collective, different_buffers_in_flight_at_once, .init = start4, .fini = st
   for (int k = 0; k < 4; k++) {
     int got1 = 0, got2 = 0;
     for (int n = 0; n < 2; n++) {
-      Shardd__Response *resp = test_raw_recv(&r[k]);
+      Shardwire__Response *resp = test_raw_recv(&r[k]);
       cr_assert_not_null(resp);
-      cr_assert_eq(resp->code, SHARDD__STATUS_CODE__OK, "rank %d: %s", k, resp->message);
+      cr_assert_eq(resp->code, SHARDWIRE__STATUS_CODE__OK, "rank %d: %s", k, resp->message);
       got1 += resp->seq == first[k];
       got2 += resp->seq == second[k];
-      shardd__response__free_unpacked(resp, NULL);
+      shardwire__response__free_unpacked(resp, NULL);
     }
     cr_assert(got1 == 1 && got2 == 1);
   }
@@ -1125,11 +1125,11 @@ Test(collective, same_buffer_runs_in_submission_order, .init = start4, .fini = s
     for (double end = test_mono_s() + TEST_HANG_S;;) {
       test_raw_open(&d, &r[k]);
       uint64_t seq = test_raw_send_hello(&r[k], SHARDD_PROTOCOL_VERSION, "order", (uint32_t)k, 4);
-      Shardd__Response *resp = test_raw_recv(&r[k]);
+      Shardwire__Response *resp = test_raw_recv(&r[k]);
       cr_assert_not_null(resp);
       cr_assert_eq(resp->seq, seq);
-      int ok = resp->code == SHARDD__STATUS_CODE__OK;
-      shardd__response__free_unpacked(resp, NULL);
+      int ok = resp->code == SHARDWIRE__STATUS_CODE__OK;
+      shardwire__response__free_unpacked(resp, NULL);
       if (ok)
         break;
       test_raw_close(&r[k]);
@@ -1147,12 +1147,12 @@ Test(collective, same_buffer_runs_in_submission_order, .init = start4, .fini = s
     s3[k] = test_raw_send_gather(&r[k], rb[0].id);
   }
   for (int k = 0; k < 4; k++) {
-    shardd__response__free_unpacked(test_raw_expect(&r[k], s1[k], SHARDD_OK), NULL);
-    Shardd__Response *resp = test_raw_expect(&r[k], s2[k], SHARDD_OK);
-    cr_assert_eq(resp->body_case, SHARDD__RESPONSE__BODY_STEP);
+    shardwire__response__free_unpacked(test_raw_expect(&r[k], s1[k], SHARDD_OK), NULL);
+    Shardwire__Response *resp = test_raw_expect(&r[k], s2[k], SHARDD_OK);
+    cr_assert_eq(resp->body_case, SHARDWIRE__RESPONSE__BODY_STEP);
     cr_assert_eq(resp->step->step, 1);
-    shardd__response__free_unpacked(resp, NULL);
-    shardd__response__free_unpacked(test_raw_expect(&r[k], s3[k], SHARDD_OK), NULL);
+    shardwire__response__free_unpacked(resp, NULL);
+    shardwire__response__free_unpacked(test_raw_expect(&r[k], s3[k], SHARDD_OK), NULL);
   }
   float *want = malloc(rb[0].padded_numel * 4);
   for (size_t j = 0; j < rb[0].padded_numel; j++) {
@@ -1238,24 +1238,24 @@ Test(collective, busy_while_in_flight_and_bad_targets, .init = start4, .fini = s
     free(out);
   }
   /* unregistering a buffer a collective waits on is refused */
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__UnregisterBuffer ub = SHARDD__UNREGISTER_BUFFER__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__UnregisterBuffer ub = SHARDWIRE__UNREGISTER_BUFFER__INIT;
   ub.id = b.id;
-  req.body_case = SHARDD__REQUEST__BODY_UNREGISTER_BUFFER;
+  req.body_case = SHARDWIRE__REQUEST__BODY_UNREGISTER_BUFFER;
   req.unregister_buffer = &ub;
   uint64_t u = test_raw_send(&r, &req);
-  shardd__response__free_unpacked(test_raw_expect(&r, u, SHARDD_E_BUSY), NULL);
+  shardwire__response__free_unpacked(test_raw_expect(&r, u, SHARDD_E_BUSY), NULL);
   /* unknown ids answer at once, without waiting for rank 1 */
   uint64_t bad = test_raw_send_gather(&r, 999999);
-  shardd__response__free_unpacked(test_raw_expect(&r, bad, SHARDD_E_NOT_FOUND), NULL);
+  shardwire__response__free_unpacked(test_raw_expect(&r, bad, SHARDD_E_NOT_FOUND), NULL);
   bad = test_raw_send_step(&r, b.id); /* a buffer is not an optimizer */
-  shardd__response__free_unpacked(test_raw_expect(&r, bad, SHARDD_E_INVAL), NULL);
+  shardwire__response__free_unpacked(test_raw_expect(&r, bad, SHARDD_E_INVAL), NULL);
   /* rank 1 arrives: the gather completes */
   shardd_client_t *c1 = test_connect(&d, "busy", 1, 2);
   shardd_buffer_info b1;
   cr_assert_eq(shardd_buffer_register(c1, "x", SHARDD_DTYPE_FP32, 10, &b1), SHARDD_OK);
   cr_assert_eq(shardd_gather(c1, b1.id), SHARDD_OK, "%s", shardd_last_error(c1));
-  shardd__response__free_unpacked(test_raw_expect(&r, g, SHARDD_OK), NULL);
+  shardwire__response__free_unpacked(test_raw_expect(&r, g, SHARDD_OK), NULL);
   shardd_close(c1);
   test_raw_close(&r);
 }
@@ -1319,8 +1319,8 @@ static void start1(void) {
 
 static uint64_t raw_view(test_raw *r, uint64_t buf, const char *name,
                          uint64_t off, uint64_t numel, int requires_grad) {
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__RegisterView rv = SHARDD__REGISTER_VIEW__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__RegisterView rv = SHARDWIRE__REGISTER_VIEW__INIT;
   int64_t shape[1] = {(int64_t)numel};
   rv.buffer = buf;
   rv.name = (char *)name;
@@ -1330,12 +1330,12 @@ static uint64_t raw_view(test_raw *r, uint64_t buf, const char *name,
   rv.n_shape = 1;
   rv.has_requires_grad = 1;
   rv.requires_grad = requires_grad;
-  req.body_case = SHARDD__REQUEST__BODY_REGISTER_VIEW;
+  req.body_case = SHARDWIRE__REQUEST__BODY_REGISTER_VIEW;
   req.register_view = &rv;
   uint64_t seq = test_raw_send(r, &req);
-  Shardd__Response *resp = test_raw_expect(r, seq, SHARDD_OK);
+  Shardwire__Response *resp = test_raw_expect(r, seq, SHARDD_OK);
   uint64_t id = resp->view->id;
-  shardd__response__free_unpacked(resp, NULL);
+  shardwire__response__free_unpacked(resp, NULL);
   return id;
 }
 
@@ -1351,9 +1351,9 @@ Test(collective, scatter_with_no_work_completes_and_daemon_lives, .init = start1
     uint64_t s1 = test_raw_send_scatter(&r, b.id, SHARDD_REDUCE_SUM);
     uint64_t g = test_raw_send_gather(&r, b.id);
     uint64_t s2 = test_raw_send_scatter(&r, b.id, SHARDD_REDUCE_MEAN);
-    shardd__response__free_unpacked(test_raw_expect(&r, s1, SHARDD_OK), NULL);
-    shardd__response__free_unpacked(test_raw_expect(&r, g, SHARDD_OK), NULL);
-    shardd__response__free_unpacked(test_raw_expect(&r, s2, SHARDD_OK), NULL);
+    shardwire__response__free_unpacked(test_raw_expect(&r, s1, SHARDD_OK), NULL);
+    shardwire__response__free_unpacked(test_raw_expect(&r, g, SHARDD_OK), NULL);
+    shardwire__response__free_unpacked(test_raw_expect(&r, s2, SHARDD_OK), NULL);
   }
   test_raw_sync(&r);
   test_raw_close(&r);

@@ -21,7 +21,7 @@ static const err_row table[] = {
 #define NTABLE (sizeof table / sizeof table[0])
 
 Test(err, table_matches_proto_by_value) {
-  const ProtobufCEnumDescriptor *d = &shardd__status_code__descriptor;
+  const ProtobufCEnumDescriptor *d = &shardwire__status_code__descriptor;
   for (size_t i = 0; i < NTABLE; i++) {
     const ProtobufCEnumValue *v =
         protobuf_c_enum_descriptor_get_value(d, table[i].value);
@@ -33,7 +33,7 @@ Test(err, table_matches_proto_by_value) {
 }
 
 Test(err, proto_matches_table_by_name) {
-  const ProtobufCEnumDescriptor *d = &shardd__status_code__descriptor;
+  const ProtobufCEnumDescriptor *d = &shardwire__status_code__descriptor;
   cr_assert_eq(d->n_values, NTABLE, "proto has %u codes, C table %zu",
                d->n_values, NTABLE);
   for (unsigned i = 0; i < d->n_values; i++) {
@@ -149,12 +149,12 @@ Test(err, dtype_size_and_name) {
 }
 
 Test(err, dtype_values_match_proto) {
-  cr_expect_eq(SHARDD_DTYPE_FP32, SHARDD__DTYPE__FP32);
-  cr_expect_eq(SHARDD_DTYPE_BF16, SHARDD__DTYPE__BF16);
-  cr_expect_eq(SHARDD_DTYPE_FP16, SHARDD__DTYPE__FP16);
-  cr_expect_eq(SHARDD_OPTIM_SGD, SHARDD__OPTIM_KIND__SGD);
-  cr_expect_eq(SHARDD_OPTIM_ADAM, SHARDD__OPTIM_KIND__ADAM);
-  cr_expect_eq(SHARDD_OPTIM_ADAMW, SHARDD__OPTIM_KIND__ADAMW);
+  cr_expect_eq(SHARDD_DTYPE_FP32, SHARDWIRE__DTYPE__FP32);
+  cr_expect_eq(SHARDD_DTYPE_BF16, SHARDWIRE__DTYPE__BF16);
+  cr_expect_eq(SHARDD_DTYPE_FP16, SHARDWIRE__DTYPE__FP16);
+  cr_expect_eq(SHARDD_OPTIM_SGD, SHARDWIRE__OPTIM_KIND__SGD);
+  cr_expect_eq(SHARDD_OPTIM_ADAM, SHARDWIRE__OPTIM_KIND__ADAM);
+  cr_expect_eq(SHARDD_OPTIM_ADAMW, SHARDWIRE__OPTIM_KIND__ADAMW);
 }
 
 Test(err, names_round_trip_through_parse) {

@@ -57,19 +57,19 @@ TestSuite(optreg, .init = setup, .fini = teardown);
 /* A two-group AdamW registration with top-level and group overrides and
  * generations on some refs, as a client sends it. */
 typedef struct {
-  Shardd__RegisterOptimizer ro;
-  Shardd__HyperParams hyper, over;
-  Shardd__ParamGroup g[2], *gp[2];
-  Shardd__ParamRef r[3], *rp[3];
+  Shardwire__RegisterOptimizer ro;
+  Shardwire__HyperParams hyper, over;
+  Shardwire__ParamGroup g[2], *gp[2];
+  Shardwire__ParamRef r[3], *rp[3];
 } wire;
 
 static void wire_init(wire *m, const char *name) {
   memset(m, 0, sizeof *m);
-  shardd__register_optimizer__init(&m->ro);
-  shardd__hyper_params__init(&m->hyper);
-  shardd__hyper_params__init(&m->over);
+  shardwire__register_optimizer__init(&m->ro);
+  shardwire__hyper_params__init(&m->hyper);
+  shardwire__hyper_params__init(&m->over);
   m->ro.name = (char *)name;
-  m->ro.kind = SHARDD__OPTIM_KIND__ADAMW;
+  m->ro.kind = SHARDWIRE__OPTIM_KIND__ADAMW;
   m->hyper.has_lr = 1;
   m->hyper.lr = 3e-4;
   m->hyper.has_beta2 = 1;
@@ -82,7 +82,7 @@ static void wire_init(wire *m, const char *name) {
   uint64_t ids[3] = {v0->hdr.id, v1->hdr.id, e->hdr.id};
   const char *names[3] = {"layer.0", "", NULL};
   for (int i = 0; i < 3; i++) {
-    shardd__param_ref__init(&m->r[i]);
+    shardwire__param_ref__init(&m->r[i]);
     m->r[i].id = ids[i];
     m->r[i].name = (char *)names[i];
     m->rp[i] = &m->r[i];
@@ -92,7 +92,7 @@ static void wire_init(wire *m, const char *name) {
   m->r[2].has_generation = 1;
   m->r[2].generation = 0; /* set to 0: not checked, but present */
   for (int g = 0; g < 2; g++) {
-    shardd__param_group__init(&m->g[g]);
+    shardwire__param_group__init(&m->g[g]);
     m->gp[g] = &m->g[g];
   }
   m->g[0].refs = m->rp;
@@ -104,15 +104,15 @@ static void wire_init(wire *m, const char *name) {
   m->ro.n_groups = 2;
 }
 
-static uint8_t *pack(const Shardd__RegisterOptimizer *ro, size_t *len) {
-  *len = shardd__register_optimizer__get_packed_size(ro);
+static uint8_t *pack(const Shardwire__RegisterOptimizer *ro, size_t *len) {
+  *len = shardwire__register_optimizer__get_packed_size(ro);
   uint8_t *b = malloc(*len ? *len : 1);
   cr_assert_not_null(b);
-  shardd__register_optimizer__pack(ro, b);
+  shardwire__register_optimizer__pack(ro, b);
   return b;
 }
 
-static shardd_err reg_wire(const Shardd__RegisterOptimizer *ro,
+static shardd_err reg_wire(const Shardwire__RegisterOptimizer *ro,
                            shardd__optreg_result *res) {
   shardd__optspec spec;
   cr_assert_eq(shardd__optspec_from_wire(ro, &spec), SHARDD_OK);
@@ -185,7 +185,7 @@ Test(optreg, presence_is_part_of_identity) {
   wire a, b;
   wire_init(&a, "opt");
   wire_init(&b, "opt");
-  Shardd__HyperParams empty = SHARDD__HYPER_PARAMS__INIT;
+  Shardwire__HyperParams empty = SHARDWIRE__HYPER_PARAMS__INIT;
   b.g[0].overrides = &empty; /* present but empty: another registration */
   shardd__optspec sa, sb;
   cr_assert_eq(shardd__optspec_from_wire(&a.ro, &sa), SHARDD_OK);

@@ -248,14 +248,14 @@ ParameterizedTest(bad_payload *bp, server, malformed_frame, .init = start_defaul
   shardd__frame_put_header(frame, (uint32_t)bp->len);
   memcpy(frame + SHARDD_FRAME_HEADER, bp->bytes, bp->len);
   test_raw_send_bytes(&r, frame, SHARDD_FRAME_HEADER + bp->len);
-  Shardd__Response *resp = test_raw_recv(&r);
+  Shardwire__Response *resp = test_raw_recv(&r);
   cr_assert_not_null(resp, "%s: connection closed instead of an error reply", bp->name);
-  cr_assert_eq(resp->code, SHARDD__STATUS_CODE__E_PROTOCOL, "%s: got %s", bp->name,
+  cr_assert_eq(resp->code, SHARDWIRE__STATUS_CODE__E_PROTOCOL, "%s: got %s", bp->name,
                shardd_err_name((shardd_err)resp->code));
   cr_assert_eq(resp->seq, 0);
   cr_assert_not_null(resp->message);
   cr_assert_neq(resp->message[0], '\0');
-  shardd__response__free_unpacked(resp, NULL);
+  shardwire__response__free_unpacked(resp, NULL);
   /* another client is served meanwhile */
   expect_served();
   /* and this connection still works */
@@ -272,12 +272,12 @@ Test(server, unknown_body_is_an_error_reply, .init = start_default, .fini = stop
   unsigned char frame[] = {0, 0, 0, 0, 0x08, 0x07, 0x9a, 0x06, 0x00};
   shardd__frame_put_header(frame, sizeof frame - SHARDD_FRAME_HEADER);
   test_raw_send_bytes(&r, frame, sizeof frame);
-  Shardd__Response *resp = test_raw_recv(&r);
+  Shardwire__Response *resp = test_raw_recv(&r);
   cr_assert_not_null(resp);
   cr_assert_eq(resp->seq, 7);
-  cr_assert_eq(resp->code, SHARDD__STATUS_CODE__E_PROTOCOL, "got %s",
+  cr_assert_eq(resp->code, SHARDWIRE__STATUS_CODE__E_PROTOCOL, "got %s",
                shardd_err_name((shardd_err)resp->code));
-  shardd__response__free_unpacked(resp, NULL);
+  shardwire__response__free_unpacked(resp, NULL);
   test_raw_sync(&r);
   test_raw_close(&r);
 }
@@ -287,23 +287,23 @@ Test(server, split_and_concatenated_frames, .init = start_default, .fini = stop_
   test_raw r;
   test_raw_open(&d, &r);
   test_raw_hello(&r, NULL, 0, 1);
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__Ping p = SHARDD__PING__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Ping p = SHARDWIRE__PING__INIT;
   uint8_t payload[300];
   for (size_t i = 0; i < sizeof payload; i++)
     payload[i] = (uint8_t)(i * 7);
   p.has_payload = 1;
   p.payload.data = payload;
   p.payload.len = sizeof payload;
-  req.body_case = SHARDD__REQUEST__BODY_PING;
+  req.body_case = SHARDWIRE__REQUEST__BODY_PING;
   req.ping = &p;
   uint8_t buf[3][512];
   size_t n[3];
   for (int k = 0; k < 3; k++) {
     req.seq = 100 + (uint64_t)k;
-    n[k] = shardd__request__get_packed_size(&req);
+    n[k] = shardwire__request__get_packed_size(&req);
     shardd__frame_put_header(buf[k], (uint32_t)n[k]);
-    shardd__request__pack(&req, buf[k] + SHARDD_FRAME_HEADER);
+    shardwire__request__pack(&req, buf[k] + SHARDD_FRAME_HEADER);
     n[k] += SHARDD_FRAME_HEADER;
   }
   /* frame 100 one byte at a time */
@@ -318,12 +318,12 @@ Test(server, split_and_concatenated_frames, .init = start_default, .fini = stop_
   memcpy(both + n[1], buf[2], n[2]);
   test_raw_send_bytes(&r, both, n[1] + n[2]);
   for (int k = 0; k < 3; k++) {
-    Shardd__Response *resp = test_raw_expect(&r, 100 + (uint64_t)k, SHARDD_OK);
-    cr_assert_eq(resp->body_case, SHARDD__RESPONSE__BODY_PONG);
+    Shardwire__Response *resp = test_raw_expect(&r, 100 + (uint64_t)k, SHARDD_OK);
+    cr_assert_eq(resp->body_case, SHARDWIRE__RESPONSE__BODY_PONG);
     cr_assert(resp->pong->has_payload);
     cr_assert_eq(resp->pong->payload.len, sizeof payload);
     cr_assert_eq(memcmp(resp->pong->payload.data, payload, sizeof payload), 0);
-    shardd__response__free_unpacked(resp, NULL);
+    shardwire__response__free_unpacked(resp, NULL);
   }
   test_raw_close(&r);
 }
@@ -350,12 +350,12 @@ ParameterizedTest(big_len *bl, server, oversized_frame, .init = start_default,
   shardd__frame_put_header(hdr, bl->len);
   memset(hdr + SHARDD_FRAME_HEADER, 0x08, 16);
   test_raw_send_bytes(&r, hdr, sizeof hdr);
-  Shardd__Response *resp = test_raw_recv(&r);
+  Shardwire__Response *resp = test_raw_recv(&r);
   cr_assert_not_null(resp, "closed without an E_FRAME_TOO_LARGE reply");
-  cr_assert_eq(resp->code, SHARDD__STATUS_CODE__E_FRAME_TOO_LARGE, "got %s",
+  cr_assert_eq(resp->code, SHARDWIRE__STATUS_CODE__E_FRAME_TOO_LARGE, "got %s",
                shardd_err_name((shardd_err)resp->code));
   cr_assert_not_null(resp->message);
-  shardd__response__free_unpacked(resp, NULL);
+  shardwire__response__free_unpacked(resp, NULL);
   cr_assert(test_raw_wait_eof(&r), "the connection stays open after an oversized frame");
   test_raw_close(&r);
   /* others keep being served, new and old */
@@ -368,17 +368,17 @@ ParameterizedTest(big_len *bl, server, oversized_frame, .init = start_default,
 
 typedef struct {
   char name[16];
-  int body; /* Shardd__Request__BodyCase */
+  int body; /* Shardwire__Request__BodyCase */
 } early_req;
 
 ParameterizedTestParameters(server, request_before_hello) {
   static early_req cases[] = {
-      {"status", SHARDD__REQUEST__BODY_STATUS},
-      {"ping", SHARDD__REQUEST__BODY_PING},
-      {"inspect", SHARDD__REQUEST__BODY_INSPECT},
-      {"register", SHARDD__REQUEST__BODY_REGISTER_BUFFER},
-      {"gather", SHARDD__REQUEST__BODY_GATHER},
-      {"step", SHARDD__REQUEST__BODY_STEP},
+      {"status", SHARDWIRE__REQUEST__BODY_STATUS},
+      {"ping", SHARDWIRE__REQUEST__BODY_PING},
+      {"inspect", SHARDWIRE__REQUEST__BODY_INSPECT},
+      {"register", SHARDWIRE__REQUEST__BODY_REGISTER_BUFFER},
+      {"gather", SHARDWIRE__REQUEST__BODY_GATHER},
+      {"step", SHARDWIRE__REQUEST__BODY_STEP},
   };
   return cr_make_param_array(early_req, cases, sizeof cases / sizeof cases[0]);
 }
@@ -387,34 +387,34 @@ ParameterizedTest(early_req *er, server, request_before_hello, .init = start_def
                   .fini = stop_daemon) {
   test_raw r;
   test_raw_open(&d, &r);
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__StatusRequest st = SHARDD__STATUS_REQUEST__INIT;
-  Shardd__Ping ping = SHARDD__PING__INIT;
-  Shardd__Inspect in = SHARDD__INSPECT__INIT;
-  Shardd__RegisterBuffer rb = SHARDD__REGISTER_BUFFER__INIT;
-  Shardd__Gather g = SHARDD__GATHER__INIT;
-  Shardd__Step stp = SHARDD__STEP__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__StatusRequest st = SHARDWIRE__STATUS_REQUEST__INIT;
+  Shardwire__Ping ping = SHARDWIRE__PING__INIT;
+  Shardwire__Inspect in = SHARDWIRE__INSPECT__INIT;
+  Shardwire__RegisterBuffer rb = SHARDWIRE__REGISTER_BUFFER__INIT;
+  Shardwire__Gather g = SHARDWIRE__GATHER__INIT;
+  Shardwire__Step stp = SHARDWIRE__STEP__INIT;
   rb.name = "x";
-  rb.dtype = SHARDD__DTYPE__FP32;
+  rb.dtype = SHARDWIRE__DTYPE__FP32;
   rb.numel = 4;
   g.buffer = 1;
   stp.optimizer = 1;
   in.has_id = 1;
   in.id = 1;
-  req.body_case = (Shardd__Request__BodyCase)er->body;
+  req.body_case = (Shardwire__Request__BodyCase)er->body;
   switch (er->body) {
-  case SHARDD__REQUEST__BODY_STATUS: req.status = &st; break;
-  case SHARDD__REQUEST__BODY_PING: req.ping = &ping; break;
-  case SHARDD__REQUEST__BODY_INSPECT: req.inspect = &in; break;
-  case SHARDD__REQUEST__BODY_REGISTER_BUFFER: req.register_buffer = &rb; break;
-  case SHARDD__REQUEST__BODY_GATHER: req.gather = &g; break;
+  case SHARDWIRE__REQUEST__BODY_STATUS: req.status = &st; break;
+  case SHARDWIRE__REQUEST__BODY_PING: req.ping = &ping; break;
+  case SHARDWIRE__REQUEST__BODY_INSPECT: req.inspect = &in; break;
+  case SHARDWIRE__REQUEST__BODY_REGISTER_BUFFER: req.register_buffer = &rb; break;
+  case SHARDWIRE__REQUEST__BODY_GATHER: req.gather = &g; break;
   default: req.step = &stp; break;
   }
   uint64_t seq = test_raw_send(&r, &req);
-  Shardd__Response *resp = test_raw_expect(&r, seq, SHARDD_E_STATE);
+  Shardwire__Response *resp = test_raw_expect(&r, seq, SHARDD_E_STATE);
   cr_assert_not_null(strstr(resp->message, "Hello"), "%s: message \"%s\"", er->name,
                      resp->message);
-  shardd__response__free_unpacked(resp, NULL);
+  shardwire__response__free_unpacked(resp, NULL);
   /* the session may still say Hello and then be served */
   test_raw_hello(&r, NULL, 0, 1);
   test_raw_sync(&r);
@@ -435,19 +435,19 @@ ParameterizedTest(proto_ver *pv, server, wrong_protocol_version, .init = start_d
   test_raw r;
   test_raw_open(&d, &r);
   uint64_t seq = test_raw_send_hello(&r, pv->version, "j", 0, 1);
-  Shardd__Response *resp = test_raw_expect(&r, seq, SHARDD_E_VERSION);
+  Shardwire__Response *resp = test_raw_expect(&r, seq, SHARDD_E_VERSION);
   char want[32];
   snprintf(want, sizeof want, "%u", pv->version);
   cr_assert_not_null(strstr(resp->message, want), "message \"%s\" does not name %s",
                      resp->message, want);
-  shardd__response__free_unpacked(resp, NULL);
+  shardwire__response__free_unpacked(resp, NULL);
   /* refused Hello leaves the session before Hello */
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__StatusRequest st = SHARDD__STATUS_REQUEST__INIT;
-  req.body_case = SHARDD__REQUEST__BODY_STATUS;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__StatusRequest st = SHARDWIRE__STATUS_REQUEST__INIT;
+  req.body_case = SHARDWIRE__REQUEST__BODY_STATUS;
   req.status = &st;
   seq = test_raw_send(&r, &req);
-  shardd__response__free_unpacked(test_raw_expect(&r, seq, SHARDD_E_STATE), NULL);
+  shardwire__response__free_unpacked(test_raw_expect(&r, seq, SHARDD_E_STATE), NULL);
   /* and the failed Hello did not claim rank 0 of job j */
   shardd_client_t *c = test_connect(&d, "j", 0, 1);
   shardd_close(c);
@@ -459,7 +459,7 @@ Test(server, hello_twice_is_refused, .init = start_default, .fini = stop_daemon)
   test_raw_open(&d, &r);
   test_raw_hello(&r, "j", 0, 2);
   uint64_t seq = test_raw_send_hello(&r, SHARDD_PROTOCOL_VERSION, "j", 1, 2);
-  shardd__response__free_unpacked(test_raw_expect(&r, seq, SHARDD_E_STATE), NULL);
+  shardwire__response__free_unpacked(test_raw_expect(&r, seq, SHARDD_E_STATE), NULL);
   /* rank 1 is still free: the second Hello claimed nothing */
   shardd_client_t *c = test_connect(&d, "j", 1, 2);
   shardd_close(c);
@@ -555,15 +555,15 @@ Test(server, client_sending_fd_is_closed, .init = start_default, .fini = stop_da
   test_raw_open(&d, &r);
   test_raw_hello(&r, NULL, 0, 1);
   /* a valid Ping frame carrying a pipe's descriptor */
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__Ping ping = SHARDD__PING__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Ping ping = SHARDWIRE__PING__INIT;
   req.seq = 42;
-  req.body_case = SHARDD__REQUEST__BODY_PING;
+  req.body_case = SHARDWIRE__REQUEST__BODY_PING;
   req.ping = &ping;
   uint8_t frame[64];
-  size_t n = shardd__request__get_packed_size(&req);
+  size_t n = shardwire__request__get_packed_size(&req);
   shardd__frame_put_header(frame, (uint32_t)n);
-  shardd__request__pack(&req, frame + SHARDD_FRAME_HEADER);
+  shardwire__request__pack(&req, frame + SHARDD_FRAME_HEADER);
   int p[2];
   cr_assert_eq(pipe(p), 0);
   union {
@@ -585,12 +585,12 @@ Test(server, client_sending_fd_is_closed, .init = start_default, .fini = stop_da
   cr_assert_eq(sendmsg(r.fd, &msg, MSG_NOSIGNAL), (ssize_t)(SHARDD_FRAME_HEADER + n),
                "sendmsg: %s", strerror(errno));
   close(p[0]);
-  Shardd__Response *resp = test_raw_recv(&r);
+  Shardwire__Response *resp = test_raw_recv(&r);
   cr_assert_not_null(resp, "closed without an error reply");
-  cr_assert_eq(resp->code, SHARDD__STATUS_CODE__E_PROTOCOL, "got %s",
+  cr_assert_eq(resp->code, SHARDWIRE__STATUS_CODE__E_PROTOCOL, "got %s",
                shardd_err_name((shardd_err)resp->code));
   cr_assert_not_null(strstr(resp->message, "descriptor"), "%s", resp->message);
-  shardd__response__free_unpacked(resp, NULL);
+  shardwire__response__free_unpacked(resp, NULL);
   /* the ping itself is not answered: the connection closes */
   cr_assert(test_raw_wait_eof(&r), "the connection stays open");
   test_raw_close(&r);
@@ -780,13 +780,13 @@ Test(server, pipelined_collectives_are_bounded, .init = start_default, .fini = s
     seqs[i] = test_raw_send_scatter(&r, b.id, SHARDD_REDUCE_SUM);
   /* The 16 over the limit are answered now; the 64 queued ones are not. */
   for (int i = 64; i < 80; i++) {
-    Shardd__Response *resp = test_raw_recv(&r);
+    Shardwire__Response *resp = test_raw_recv(&r);
     cr_assert_not_null(resp);
     cr_assert_eq(resp->seq, seqs[i]);
-    cr_assert_eq(resp->code, SHARDD__STATUS_CODE__E_LIMIT, "%s",
+    cr_assert_eq(resp->code, SHARDWIRE__STATUS_CODE__E_LIMIT, "%s",
                  resp->message ? resp->message : "");
     cr_assert(strstr(resp->message, "limit 64") != NULL, "%s", resp->message);
-    shardd__response__free_unpacked(resp, NULL);
+    shardwire__response__free_unpacked(resp, NULL);
   }
   tj *st = shardctl_status();
   const tj *jobs = tj_need(st, "jobs", TJ_ARR);
@@ -855,19 +855,19 @@ static void start_one_device(void) {
 #define PING_PAYLOAD ((size_t)4 << 20)
 
 static size_t ping_frame(uint8_t **out, uint64_t seq, const uint8_t *payload) {
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__Ping p = SHARDD__PING__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Ping p = SHARDWIRE__PING__INIT;
   p.has_payload = 1;
   p.payload.data = (uint8_t *)payload;
   p.payload.len = PING_PAYLOAD;
   req.seq = seq;
-  req.body_case = SHARDD__REQUEST__BODY_PING;
+  req.body_case = SHARDWIRE__REQUEST__BODY_PING;
   req.ping = &p;
-  size_t n = shardd__request__get_packed_size(&req);
+  size_t n = shardwire__request__get_packed_size(&req);
   *out = malloc(SHARDD_FRAME_HEADER + n);
   cr_assert_not_null(*out);
   shardd__frame_put_header(*out, (uint32_t)n);
-  shardd__request__pack(&req, *out + SHARDD_FRAME_HEADER);
+  shardwire__request__pack(&req, *out + SHARDD_FRAME_HEADER);
   return SHARDD_FRAME_HEADER + n;
 }
 
@@ -971,11 +971,11 @@ Test(server, client_that_never_reads_is_throttled_not_buffered,
 
   /* every Pong comes once the client reads, in order, whole */
   for (uint64_t i = 0; i < n; i++) {
-    Shardd__Response *resp = test_raw_expect(&r, first + i, SHARDD_OK);
-    cr_assert_eq(resp->body_case, SHARDD__RESPONSE__BODY_PONG);
+    Shardwire__Response *resp = test_raw_expect(&r, first + i, SHARDD_OK);
+    cr_assert_eq(resp->body_case, SHARDWIRE__RESPONSE__BODY_PONG);
     cr_assert_eq(resp->pong->payload.len, PING_PAYLOAD);
     cr_assert(memcmp(resp->pong->payload.data, payload, PING_PAYLOAD) == 0);
-    shardd__response__free_unpacked(resp, NULL);
+    shardwire__response__free_unpacked(resp, NULL);
   }
   if (t.frame) {
     pthread_join(t.th, NULL);
@@ -1010,12 +1010,12 @@ Test(server, unread_descriptor_replies_are_bounded, .init = start_one_device,
   shardd_buffer_info b;
   test_raw_register_buffer(&r, "w", SHARDD_DTYPE_FP32, 16, &b);
   int base = count_fds(d.pid);
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__RegisterBuffer rb = SHARDD__REGISTER_BUFFER__INIT;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__RegisterBuffer rb = SHARDWIRE__REGISTER_BUFFER__INIT;
   rb.name = "w";
-  rb.dtype = SHARDD__DTYPE__FP32;
+  rb.dtype = SHARDWIRE__DTYPE__FP32;
   rb.numel = 16;
-  req.body_case = SHARDD__REQUEST__BODY_REGISTER_BUFFER;
+  req.body_case = SHARDWIRE__REQUEST__BODY_REGISTER_BUFFER;
   req.register_buffer = &rb;
   uint64_t first = r.seq + 1;
   /* nonblocking: a client that writes without reading may be stalled */
@@ -1025,10 +1025,10 @@ Test(server, unread_descriptor_replies_are_bounded, .init = start_one_device,
   for (double idle = test_mono_s(); n < 2000 && test_mono_s() - idle < 1.0;) {
     req.seq = first + (uint64_t)n;
     uint8_t f[256];
-    size_t len = shardd__request__get_packed_size(&req);
+    size_t len = shardwire__request__get_packed_size(&req);
     cr_assert_lt(len + SHARDD_FRAME_HEADER, sizeof f);
     shardd__frame_put_header(f, (uint32_t)len);
-    shardd__request__pack(&req, f + SHARDD_FRAME_HEADER);
+    shardwire__request__pack(&req, f + SHARDD_FRAME_HEADER);
     ssize_t w = send(r.fd, f, len + SHARDD_FRAME_HEADER, MSG_NOSIGNAL);
     if (w < 0 && (errno == EAGAIN || errno == EINTR)) {
       test_sleep_ms(5);
@@ -1047,13 +1047,13 @@ Test(server, unread_descriptor_replies_are_bounded, .init = start_one_device,
                "client has not read", held);
   for (int i = 0; i < n; i++) {
     int fd;
-    Shardd__Response *resp = test_raw_recv_fd(&r, &fd);
+    Shardwire__Response *resp = test_raw_recv_fd(&r, &fd);
     cr_assert_not_null(resp);
     cr_assert_eq(resp->seq, first + (uint64_t)i);
-    cr_assert_eq(resp->code, SHARDD__STATUS_CODE__OK, "%s", resp->message);
+    cr_assert_eq(resp->code, SHARDWIRE__STATUS_CODE__OK, "%s", resp->message);
     cr_assert(fd >= 0, "reply %d came without its descriptor", i);
     close(fd);
-    shardd__response__free_unpacked(resp, NULL);
+    shardwire__response__free_unpacked(resp, NULL);
   }
   test_raw_sync(&r);
   test_raw_close(&r);
@@ -1236,7 +1236,7 @@ static size_t inproc_jobs(inproc *p) {
 
 /* The daemon closed r without sending it anything more. */
 static void expect_closed_unanswered(test_raw *r, const char *who) {
-  Shardd__Response *resp = test_raw_recv(r);
+  Shardwire__Response *resp = test_raw_recv(r);
   cr_assert_null(resp, "%s got reply %llu (%s) after its reply was lost", who,
                  resp ? (unsigned long long)resp->seq : 0ull,
                  resp && resp->message ? resp->message : "");
@@ -1261,7 +1261,7 @@ Test(server, failed_reply_in_gather_fanout_closes_only_that_session, .timeout = 
   test_raw_sync(&r0); /* rank 0 waits in the gather; nothing else is owed */
   shardd__server_fail_replies(&p.srv, 1);
   uint64_t g1 = test_raw_send_gather(&r1, b1.id);
-  shardd__response__free_unpacked(test_raw_expect(&r1, g1, SHARDD_OK), NULL);
+  shardwire__response__free_unpacked(test_raw_expect(&r1, g1, SHARDD_OK), NULL);
   expect_closed_unanswered(&r0, "rank 0");
   test_raw_close(&r0);
 
@@ -1273,8 +1273,8 @@ Test(server, failed_reply_in_gather_fanout_closes_only_that_session, .timeout = 
   test_raw_register_buffer(&r0, "w", SHARDD_DTYPE_FP32, 64, &b0);
   uint64_t a = test_raw_send_gather(&r0, b0.id);
   uint64_t b = test_raw_send_gather(&r1, b1.id);
-  shardd__response__free_unpacked(test_raw_expect(&r0, a, SHARDD_OK), NULL);
-  shardd__response__free_unpacked(test_raw_expect(&r1, b, SHARDD_OK), NULL);
+  shardwire__response__free_unpacked(test_raw_expect(&r0, a, SHARDD_OK), NULL);
+  shardwire__response__free_unpacked(test_raw_expect(&r1, b, SHARDD_OK), NULL);
   test_raw_close(&r0);
   test_raw_close(&r1);
   test_raw_close(&other);
@@ -1339,7 +1339,7 @@ Test(server, failed_reply_while_failing_waiting_collectives, .timeout = 120) {
   for (int k = 0; k < 3; k++)
     seq[k] = test_raw_send_gather(&r[k], b[k].id);
   for (int k = 0; k < 3; k++) {
-    shardd__response__free_unpacked(test_raw_expect(&r[k], seq[k], SHARDD_OK), NULL);
+    shardwire__response__free_unpacked(test_raw_expect(&r[k], seq[k], SHARDD_OK), NULL);
     test_raw_close(&r[k]);
   }
   cr_assert_eq(inproc_jobs(&p), 1);
@@ -1547,35 +1547,35 @@ Test(server, a_reply_past_the_frame_limit_is_refused_not_sent, .timeout = 120) {
   test_raw r;
   test_raw_open(&d, &r);
   test_raw_hello(&r, NULL, 0, 1);
-  Shardd__Request req = SHARDD__REQUEST__INIT;
-  Shardd__Ping p = SHARDD__PING__INIT;
-  req.body_case = SHARDD__REQUEST__BODY_PING;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Ping p = SHARDWIRE__PING__INIT;
+  req.body_case = SHARDWIRE__REQUEST__BODY_PING;
   req.ping = &p;
   req.seq = r.seq + 1;
   p.has_payload = 1;
   p.payload.len = SHARDD_MAX_FRAME - 64;
-  while (shardd__request__get_packed_size(&req) < SHARDD_MAX_FRAME)
+  while (shardwire__request__get_packed_size(&req) < SHARDD_MAX_FRAME)
     p.payload.len++;
-  if (shardd__request__get_packed_size(&req) > SHARDD_MAX_FRAME)
+  if (shardwire__request__get_packed_size(&req) > SHARDD_MAX_FRAME)
     p.payload.len--;
-  cr_assert_eq(shardd__request__get_packed_size(&req), SHARDD_MAX_FRAME);
+  cr_assert_eq(shardwire__request__get_packed_size(&req), SHARDD_MAX_FRAME);
   p.payload.data = calloc(1, p.payload.len);
   cr_assert_not_null(p.payload.data);
-  Shardd__Response pong = SHARDD__RESPONSE__INIT;
-  Shardd__Pong pb = SHARDD__PONG__INIT;
+  Shardwire__Response pong = SHARDWIRE__RESPONSE__INIT;
+  Shardwire__Pong pb = SHARDWIRE__PONG__INIT;
   pong.seq = req.seq;
-  pong.body_case = SHARDD__RESPONSE__BODY_PONG;
+  pong.body_case = SHARDWIRE__RESPONSE__BODY_PONG;
   pong.pong = &pb;
   pb.has_payload = 1;
   pb.payload = p.payload;
-  cr_assert_gt(shardd__response__get_packed_size(&pong), SHARDD_MAX_FRAME,
+  cr_assert_gt(shardwire__response__get_packed_size(&pong), SHARDD_MAX_FRAME,
                "the echo would fit: the test proves nothing");
   uint64_t seq = test_raw_send(&r, &req);
   r.seq = seq;
   free(p.payload.data);
-  Shardd__Response *resp = test_raw_expect(&r, seq, SHARDD_E_LIMIT);
+  Shardwire__Response *resp = test_raw_expect(&r, seq, SHARDD_E_LIMIT);
   cr_assert(strstr(resp->message, "frame limit") != NULL, "%s", resp->message);
-  shardd__response__free_unpacked(resp, NULL);
+  shardwire__response__free_unpacked(resp, NULL);
   test_raw_sync(&r); /* the session still serves */
   test_raw_close(&r);
   test_daemon_finish(&d);

@@ -68,24 +68,24 @@ TestSuite(validate, .init = setup, .fini = teardown);
 #define MAXR 32
 
 typedef struct {
-  Shardd__RegisterOptimizer req;
-  Shardd__HyperParams hyper;
-  Shardd__ParamGroup groups[MAXG];
-  Shardd__ParamGroup *gptrs[MAXG];
-  Shardd__HyperParams over[MAXG];
-  Shardd__ParamRef refs[MAXG][MAXR];
-  Shardd__ParamRef *rptrs[MAXG][MAXR];
+  Shardwire__RegisterOptimizer req;
+  Shardwire__HyperParams hyper;
+  Shardwire__ParamGroup groups[MAXG];
+  Shardwire__ParamGroup *gptrs[MAXG];
+  Shardwire__HyperParams over[MAXG];
+  Shardwire__ParamRef refs[MAXG][MAXR];
+  Shardwire__ParamRef *rptrs[MAXG][MAXR];
   char names[MAXG][MAXR][64];
   char optname[64];
 } msg;
 
 static void msg_init(msg *m, shardd_optim_kind kind, const char *name) {
   memset(m, 0, sizeof *m);
-  Shardd__RegisterOptimizer r = SHARDD__REGISTER_OPTIMIZER__INIT;
-  Shardd__HyperParams h = SHARDD__HYPER_PARAMS__INIT;
+  Shardwire__RegisterOptimizer r = SHARDWIRE__REGISTER_OPTIMIZER__INIT;
+  Shardwire__HyperParams h = SHARDWIRE__HYPER_PARAMS__INIT;
   m->req = r;
   m->hyper = h;
-  m->req.kind = (Shardd__OptimKind)kind;
+  m->req.kind = (Shardwire__OptimKind)kind;
   m->req.hyper = &m->hyper;
   m->req.groups = m->gptrs;
   if (name) {
@@ -97,8 +97,8 @@ static void msg_init(msg *m, shardd_optim_kind kind, const char *name) {
 static size_t msg_group(msg *m) {
   size_t g = m->req.n_groups++;
   cr_assert_lt(g, MAXG);
-  Shardd__ParamGroup pg = SHARDD__PARAM_GROUP__INIT;
-  Shardd__HyperParams h = SHARDD__HYPER_PARAMS__INIT;
+  Shardwire__ParamGroup pg = SHARDWIRE__PARAM_GROUP__INIT;
+  Shardwire__HyperParams h = SHARDWIRE__HYPER_PARAMS__INIT;
   m->groups[g] = pg;
   m->over[g] = h;
   m->groups[g].overrides = &m->over[g];
@@ -108,10 +108,10 @@ static size_t msg_group(msg *m) {
 }
 
 static void msg_ref(msg *m, size_t g, uint64_t id, const char *name) {
-  Shardd__ParamGroup *pg = &m->groups[g];
+  Shardwire__ParamGroup *pg = &m->groups[g];
   size_t i = pg->n_refs++;
   cr_assert_lt(i, MAXR);
-  Shardd__ParamRef r = SHARDD__PARAM_REF__INIT;
+  Shardwire__ParamRef r = SHARDWIRE__PARAM_REF__INIT;
   m->refs[g][i] = r;
   m->refs[g][i].id = id;
   if (name) {
@@ -145,7 +145,7 @@ static shardd__view *view_new(shardd__buffer *b, const char *name, uint64_t off,
 /* Validates a request as the daemon does: the wire message converted to
  * the core's spec first. */
 static shardd_err validate_wire(shardd__job *j,
-                                const Shardd__RegisterOptimizer *req,
+                                const Shardwire__RegisterOptimizer *req,
                                 shardd__optim_plan *plan, char **text) {
   shardd__optspec spec;
   cr_assert_eq(shardd__optspec_from_wire(req, &spec), SHARDD_OK);
@@ -732,7 +732,7 @@ typedef struct {
   char want[96]; /* the reason after "param group G: " */
 } hp_row;
 
-static void set_hp(Shardd__HyperParams *h, const char *field, double v) {
+static void set_hp(Shardwire__HyperParams *h, const char *field, double v) {
   if (strcmp(field, "lr") == 0) {
     h->has_lr = 1;
     h->lr = v;
@@ -1235,17 +1235,17 @@ Test(validate, scale_10k_buffers_100k_views, .timeout = 300) {
   }
   double t1 = now_s();
 
-  Shardd__RegisterOptimizer req = SHARDD__REGISTER_OPTIMIZER__INIT;
-  Shardd__ParamGroup groups[SCALE_GROUPS];
-  Shardd__ParamGroup *gptrs[SCALE_GROUPS];
-  Shardd__ParamRef *refs = malloc(SCALE_VIEWS * sizeof *refs);
-  Shardd__ParamRef **rptrs = malloc(SCALE_VIEWS * sizeof *rptrs);
-  req.kind = SHARDD__OPTIM_KIND__SGD;
+  Shardwire__RegisterOptimizer req = SHARDWIRE__REGISTER_OPTIMIZER__INIT;
+  Shardwire__ParamGroup groups[SCALE_GROUPS];
+  Shardwire__ParamGroup *gptrs[SCALE_GROUPS];
+  Shardwire__ParamRef *refs = malloc(SCALE_VIEWS * sizeof *refs);
+  Shardwire__ParamRef **rptrs = malloc(SCALE_VIEWS * sizeof *rptrs);
+  req.kind = SHARDWIRE__OPTIM_KIND__SGD;
   req.groups = gptrs;
   req.n_groups = SCALE_GROUPS;
   size_t per = SCALE_VIEWS / SCALE_GROUPS;
   for (size_t g = 0; g < SCALE_GROUPS; g++) {
-    Shardd__ParamGroup pg = SHARDD__PARAM_GROUP__INIT;
+    Shardwire__ParamGroup pg = SHARDWIRE__PARAM_GROUP__INIT;
     groups[g] = pg;
     groups[g].refs = rptrs + g * per;
     groups[g].n_refs = per;
@@ -1253,7 +1253,7 @@ Test(validate, scale_10k_buffers_100k_views, .timeout = 300) {
   }
   /* refs in an order unrelated to memory: a stride through all views */
   for (size_t i = 0; i < SCALE_VIEWS; i++) {
-    Shardd__ParamRef r = SHARDD__PARAM_REF__INIT;
+    Shardwire__ParamRef r = SHARDWIRE__PARAM_REF__INIT;
     refs[i] = r;
     refs[i].id = vids[(i * 7919) % SCALE_VIEWS];
     rptrs[i] = &refs[i];
@@ -1450,19 +1450,19 @@ Test(validate, hundred_thousand_refs_of_one_id_give_a_bounded_message, .timeout 
   char label[201];
   memset(label, 'L', 200);
   label[200] = '\0';
-  Shardd__ParamRef *refs = calloc(N, sizeof *refs);
-  Shardd__ParamRef **rptrs = calloc(N, sizeof *rptrs);
+  Shardwire__ParamRef *refs = calloc(N, sizeof *refs);
+  Shardwire__ParamRef **rptrs = calloc(N, sizeof *rptrs);
   cr_assert(refs && rptrs);
   for (size_t i = 0; i < N; i++) {
-    Shardd__ParamRef r = SHARDD__PARAM_REF__INIT;
+    Shardwire__ParamRef r = SHARDWIRE__PARAM_REF__INIT;
     refs[i] = r;
     refs[i].id = b->hdr.id;
     refs[i].name = label;
     rptrs[i] = &refs[i];
   }
-  Shardd__RegisterOptimizer req = SHARDD__REGISTER_OPTIMIZER__INIT;
-  Shardd__ParamGroup g = SHARDD__PARAM_GROUP__INIT, *gp = &g;
-  req.kind = SHARDD__OPTIM_KIND__SGD;
+  Shardwire__RegisterOptimizer req = SHARDWIRE__REGISTER_OPTIMIZER__INIT;
+  Shardwire__ParamGroup g = SHARDWIRE__PARAM_GROUP__INIT, *gp = &g;
+  req.kind = SHARDWIRE__OPTIM_KIND__SGD;
   g.refs = rptrs;
   g.n_refs = N;
   req.groups = &gp;
