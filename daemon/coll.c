@@ -114,7 +114,8 @@ static void coll_unlink(coll *c) {
   for (coll **pp = &q->head; *pp; pp = &(*pp)->next) {
     if (*pp == c) {
       *pp = c->next;
-      q->count--;
+      if (--q->count == 0)
+        q->quiet_due = 1;
       break;
     }
   }
@@ -199,10 +200,12 @@ static void schedule(coll_job *q) {
   }
 }
 
-/* Tells the owner of q's job that no collective holds it any more; last,
- * as the hook may release the job. */
+/* Tells the owner of q's job that its last collective ended (completed,
+ * failed, refused, timed out or lost); called last by each entry point, as
+ * the hook may release the job, and never inside a walk over the queue. */
 static void job_maybe_quiet(coll_job *q) {
-  if (q->count == 0) {
+  if (q->count == 0 && q->quiet_due) {
+    q->quiet_due = 0;
     const shardd__coll_hooks *h = &q->e->cfg.hooks;
     if (h->job_quiet)
       h->job_quiet(h->ctx, q->job);
@@ -484,6 +487,7 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
     if (c->refused != SHARDD_OK)
       coll_finish(c, c->refused, c->refused_msg); /* it may have held back newer ones */
     schedule(q);
+    job_maybe_quiet(q);
   }
 }
 
@@ -527,14 +531,15 @@ void shardd__coll_member_lost(shardd__coll_engine *e, shardd__coll_member *m) {
     }
   }
   /* Unstarted ones can never complete: this rank will not join them. The
-   * lost rank's own request is answered too (harmless on a closing
-   * session) so its pending count returns to zero. */
+   * lost rank's own entry goes first, so it is not answered (it is going
+   * away) and its pending count returns to zero; the others are failed. */
   for (coll *c = q->head; c; c = c->next)
     if (!c->started && c->waiters[m->rank].m == m) {
       c->waiters[m->rank].m = NULL;
       m->pending--;
     }
   fail_waiting(q, SHARDD_E_PEER_LOST, pick_all, m, describe_lost);
+  job_maybe_quiet(q);
 }
 
 typedef struct {
@@ -565,11 +570,29 @@ static void describe_expired(coll *c, void *arg, char *msg, size_t len) {
   }
 }
 
-static void tick_job(void *value, void *arg) {
-  fail_waiting(value, SHARDD_E_PEER_LOST, pick_expired, arg, describe_expired);
+typedef struct {
+  coll_job **jobs;
+  size_t n;
+} jobs_arg;
+
+static void collect_job(void *value, void *arg) {
+  jobs_arg *a = arg;
+  a->jobs[a->n++] = value;
 }
 
 void shardd__coll_tick(shardd__coll_engine *e, double now) {
+  /* A quiet hook may release its job, and with it the job's entry in
+   * e->jobs: the walk collects first, then fails and reports. */
+  size_t cap = shardd__map_count(&e->jobs);
+  jobs_arg a = {cap ? malloc(cap * sizeof(coll_job *)) : NULL, 0};
+  if (a.jobs == NULL)
+    return;
+  shardd__map_each(&e->jobs, collect_job, &a);
   tick_arg t = {now};
-  shardd__map_each(&e->jobs, tick_job, &t);
+  for (size_t i = 0; i < a.n; i++) {
+    fail_waiting(a.jobs[i], SHARDD_E_PEER_LOST, pick_expired, &t,
+                 describe_expired);
+    job_maybe_quiet(a.jobs[i]);
+  }
+  free(a.jobs);
 }

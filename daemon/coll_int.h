@@ -47,6 +47,7 @@ typedef struct {
   shardd__job *job;
   coll *head;
   uint32_t count;
+  int quiet_due; /* count fell to 0 since job_quiet was last called */
   /* the backend communicator of the job (comm_create). Only pool threads
    * take the mutex (creation may block for seconds); the loop reads the
    * state atomically, so it never waits for a communicator. */

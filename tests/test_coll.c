@@ -508,19 +508,16 @@ Test(coll, member_lost_fails_the_waiting) {
                SHARDD_OK, "%s", err);
 }
 
-/* KNOWN ENGINE BUG (comment or code) — fails against coll.c as of this
- * commit. The comment in shardd__coll_member_lost says the lost rank's own
- * request "is answered too (harmless on a closing session)"; the code
- * clears the waiter before failing, so it is not. This test states the
- * comment's claim. */
-Test(coll, lost_rank_own_request_answered) {
+/* The lost rank itself is not answered (it is going away; answering it
+ * would reach into whatever freed it), yet its pending count returns to 0
+ * and the ranks that stay are failed. */
+Test(coll, lost_rank_own_request_not_answered) {
   shardd__buffer *b = buf_new("w", 300);
   submit(0, 1, gather_args(b));
   submit(1, 2, gather_args(b));
   shardd__coll_member_lost(eng, &mem[1]);
-  cr_expect_not_null(find_reply(1, 2),
-                     "ENGINE BUG (comment vs code): member_lost says the lost "
-                     "rank's own request is answered too; it is not");
+  cr_assert_null(find_reply(1, 2), "the lost member is not answered");
+  expect_reply(0, 1, SHARDD_E_PEER_LOST);
   expect_pending_zero();
 }
 
@@ -721,12 +718,10 @@ Test(coll, job_quiet_after_the_last_collective) {
   cr_assert_eq(nquiet, 2);
 }
 
-/* KNOWN ENGINE BUG — these three fail against coll.c as of this commit.
- * The header says job_quiet comes when "job's last collective ended"; a
- * collective that failed ended too. But only after_phase (a completed or
- * backend-failed collective) calls job_maybe_quiet: fail_waiting (tick,
- * member_lost) and the mismatch refusal in submit drop the job's count to
- * 0 without the hook. These state the header's contract for those paths. */
+/* job_quiet comes when the job's last collective ended, whichever way it
+ * ended: a timeout, a lost member and a mismatch refusal end it too (they
+ * did not call the hook at first, and an owner waiting for quiet to
+ * release the job never heard). */
 Test(coll, job_quiet_after_timeout) {
   shardd__buffer *b = buf_new("w", 300);
   submit(0, 1, gather_args(b));
@@ -734,7 +729,7 @@ Test(coll, job_quiet_after_timeout) {
   expect_reply(0, 1, SHARDD_E_PEER_LOST);
   cr_assert_eq(shardd__coll_inflight(eng, job), 0);
   run_idle();
-  cr_expect_eq(nquiet, 1, "ENGINE BUG: job_quiet not called when the last "
+  cr_expect_eq(nquiet, 1, "job_quiet not called when the last "
                           "collective of the job timed out");
 }
 
@@ -746,7 +741,7 @@ Test(coll, job_quiet_after_member_lost) {
   expect_reply(0, 1, SHARDD_E_PEER_LOST);
   cr_assert_eq(shardd__coll_inflight(eng, job), 0);
   run_idle();
-  cr_expect_eq(nquiet, 1, "ENGINE BUG: job_quiet not called when the last "
+  cr_expect_eq(nquiet, 1, "job_quiet not called when the last "
                           "collective of the job failed on member_lost");
 }
 
@@ -758,7 +753,7 @@ Test(coll, job_quiet_after_mismatch) {
   cr_assert_eq(nreplies, W);
   cr_assert_eq(shardd__coll_inflight(eng, job), 0);
   run_idle();
-  cr_expect_eq(nquiet, 1, "ENGINE BUG: job_quiet not called when the last "
+  cr_expect_eq(nquiet, 1, "job_quiet not called when the last "
                           "collective of the job was refused as a mismatch");
 }
 
