@@ -21,6 +21,9 @@ CUDA_ARCH ?= -arch=sm_90
 # benches are tuned for the CPU they run on; gpu_pack.sh builds for another
 BENCH_MARCH ?= -march=native
 
+# The one version string is SHARDD_VERSION in client/shardd.h.
+VERSION := $(shell sed -n 's/^\#define SHARDD_VERSION "\(.*\)"/\1/p' client/shardd.h)
+
 CC ?= cc
 PKGS := libuv libprotobuf-c
 PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
@@ -113,9 +116,9 @@ $(SHARDD): $(BUILD)/daemon/main.o $(DAEMONA) $(LIBA)
 $(SHARDCTL): $(BUILD)/client/shardctl.o $(LIBA)
 	$(CC) $(LDFLAGS) -o $@ $^ $(CLIENT_LIBS)
 
-$(BUILD)/libshardd.pc: client/libshardd.pc.in
+$(BUILD)/libshardd.pc: client/libshardd.pc.in client/shardd.h
 	@mkdir -p $(@D)
-	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|0.1.0|g' $< > $@
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' $< > $@
 
 $(BUILD)/tests/%: tests/%.c $(DAEMONA) $(LIBA)
 	@mkdir -p $(@D)
@@ -188,7 +191,7 @@ install: all
 	install -m 0755 $(LIBSO) $(DESTDIR)$(PREFIX)/lib/libshardd.so.0
 	ln -sf libshardd.so.0 $(DESTDIR)$(PREFIX)/lib/libshardd.so
 	install -m 0644 client/shardd.h $(DESTDIR)$(PREFIX)/include/
-	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|0.1.0|g' client/libshardd.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/libshardd.pc
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' client/libshardd.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/libshardd.pc
 	cp $(DESTDIR)$(PREFIX)/lib/pkgconfig/libshardd.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/shardd.pc
 	sed 's|@BINDIR@|$(PREFIX)/bin|g' systemd/shardd.service.in > $(DESTDIR)$(PREFIX)/lib/systemd/system/shardd.service
 	install -m 0644 systemd/shardd.socket $(DESTDIR)$(PREFIX)/lib/systemd/system/

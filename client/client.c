@@ -200,6 +200,8 @@ const char *shardd_last_error(const shardd_client_t *c) {
   return c ? c->err : "no client";
 }
 
+const char *shardd_version(void) { return SHARDD_VERSION; }
+
 const char *shardd_daemon_version(const shardd_client_t *c) {
   return c ? c->version : "";
 }

@@ -122,6 +122,11 @@ void shardd_close(shardd_client_t *c);
  * one). Borrowed; valid until the next call on c. Never NULL. */
 const char *shardd_last_error(const shardd_client_t *c);
 
+/* This library's version (SHARDD_VERSION): the one version string of the
+ * project; the Makefile, pkg-config and the Python binding read it from
+ * here. */
+const char *shardd_version(void);
+
 /* Description of the daemon from the handshake. Borrowed; valid until
  * shardd_close(c). */
 const char *shardd_daemon_version(const shardd_client_t *c);

@@ -196,8 +196,9 @@ shardd_err shardd__registry_resolve(const shardd__registry *reg,
     return SHARDD_E_NOT_OWNED;
   }
   if (o->kind != kind) {
-    snprintf(err, errlen, "id %" PRIu64 " (\"%s\") is a %s, not a %s", id,
-             o->name, kind_name(o->kind), kind_name(kind));
+    const char *want = kind_name(kind);
+    snprintf(err, errlen, "id %" PRIu64 " (\"%s\") is a %s, not %s %s", id,
+             o->name, kind_name(o->kind), want[0] == 'o' ? "an" : "a", want);
     return SHARDD_E_INVAL;
   }
   *out = o;

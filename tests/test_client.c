@@ -658,3 +658,8 @@ Test(client, null_arguments_are_refused_not_dereferenced, .timeout = 30) {
   cr_assert_eq(shardd_gather_async(NULL, 1, &t), SHARDD_E_INVAL);
   cr_assert_str_eq(shardd_daemon_version(NULL), "");
 }
+
+/* The project's one version string is shardd.h's; the library reports it. */
+Test(client, library_version_is_the_header_s, .timeout = 30) {
+  cr_assert_str_eq(shardd_version(), SHARDD_VERSION);
+}

@@ -624,7 +624,7 @@ Test(coll, unknown_and_wrong_targets_refused) {
       {{.kind = SHARDD__COLL_GATHER, .target = v->hdr.id}, SHARDD_E_INVAL,
        "is a view, not a buffer"},
       {{.kind = SHARDD__COLL_STEP, .target = b->hdr.id}, SHARDD_E_INVAL,
-       "not a optimizer"},
+       "not an optimizer"},
       {{.kind = SHARDD__COLL_GATHER, .target = b->hdr.id,
         .generation = b->hdr.generation + 1},
        SHARDD_E_STALE, "stale"},

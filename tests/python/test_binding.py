@@ -1,5 +1,6 @@
 """The ctypes binding: connect, buffers, views, collectives, errors, zero copy."""
 import ctypes
+import os
 import multiprocessing as mp
 import threading
 import unittest
@@ -63,6 +64,13 @@ class BindingTest(unittest.TestCase):
         c = self.client("info")
         self.assertEqual(c.daemon_backend, "host")
         self.assertTrue(c.daemon_version)
+        # one version string: shardd.h's, seen by the binding and the daemon
+        import re
+        here = os.path.dirname(os.path.abspath(__file__))
+        with open(os.path.join(here, "..", "..", "client", "shardd.h")) as f:
+            want = re.search(r'#define SHARDD_VERSION "([^"]+)"', f.read()).group(1)
+        self.assertEqual(shardd.__version__, want)
+        self.assertEqual(c.daemon_version, want)
         c.ping()
         st = c.status()
         self.assertIn("jobs", st)

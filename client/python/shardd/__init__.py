@@ -46,7 +46,15 @@ __all__ = [
     "Error", "Client", "Buffer", "View", "Optimizer", "StepResult",
     "DTYPES", "OPTIMIZERS", "REDUCE_OPS", "library_path",
 ]
-__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # The version is libshardd's (shardd.h's SHARDD_VERSION, the project's
+    # one version string), read when first asked for.
+    if name == "__version__":
+        return L.load().shardd_version().decode()
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))
+
 
 DTYPES = {"fp32": L.DTYPE_FP32, "bf16": L.DTYPE_BF16, "fp16": L.DTYPE_FP16}
 _DTYPE_ALIASES = {

@@ -136,6 +136,7 @@ def _declare(lib):
         "shardd_connect": (c_int, [c_char_p, P(ConnectOpts), P(client_p), c_char_p, c_size_t]),
         "shardd_close": (None, [client_p]),
         "shardd_last_error": (c_char_p, [client_p]),
+        "shardd_version": (c_char_p, []),
         "shardd_daemon_version": (c_char_p, [client_p]),
         "shardd_daemon_backend": (c_char_p, [client_p]),
         "shardd_ping": (c_int, [client_p]),
