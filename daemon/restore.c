@@ -7,6 +7,7 @@
 
 #include <errno.h>
 #include <inttypes.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -161,11 +162,83 @@ static shardd__optim_shard *find_shard(shardd__optim *o, const shardd__buffer *b
   return NULL;
 }
 
+/* One state file of the same world: it covers its rank's shard region for
+ * region, and no other file may have covered it already. */
+static shardd_err load_state_same(const shardd__ckdir *dir, shardd__buffer *b,
+                                  const pending_optim *p,
+                                  const pending_state *ps, char *err,
+                                  size_t errlen) {
+  shardd__optim_shard *sh = find_shard(p->created, b, ps->rank);
+  if (sh == NULL || sh->state == NULL || sh->state->bytes != ps->bytes ||
+      sh->master_valid != -1) {
+    snprintf(err, errlen, "%s/%s: does not fit optimizer \"%s\"", dir->path,
+             ps->file, p->name);
+    return SHARDD_E_INVAL;
+  }
+  shardd_err rc =
+      shardd__ck_load_data(dir, ps->file, SHARDD_DTYPE_FP32, ps->bytes / 4,
+                           (uint64_t)ps->rank * b->shard_numel, b->hdr.name,
+                           ps->crc, sh->state->ptr, ps->bytes, err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  sh->master_valid = ps->master_valid;
+  return SHARDD_OK;
+}
+
+/* One state file of another world: its elements go to the new shards that
+ * hold them, array by array (master copy, then the arrays both layouts
+ * have). */
+static shardd_err load_state_resharded(const shardd__ckdir *dir,
+                                       shardd__buffer *b, uint32_t old_world,
+                                       const pending_optim *p,
+                                       const pending_state *ps, char *err,
+                                       size_t errlen) {
+  uint64_t lo, hi, old_s;
+  old_range(b, old_world, ps->rank, &lo, &hi, &old_s);
+  size_t omaster, ooffs[3] = {0, 0, 0};
+  size_t used = shardd__optim_state_layout(b->dtype, old_s, ps->nstate, &omaster, ooffs);
+  if (ps->rank >= old_world || used == 0 || used > ps->bytes) {
+    snprintf(err, errlen, "%s/%s: does not fit optimizer \"%s\"", dir->path,
+             ps->file, p->name);
+    return SHARDD_E_INVAL;
+  }
+  char *tmp = malloc(ps->bytes);
+  if (tmp == NULL) {
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  shardd_err rc =
+      shardd__ck_load_data(dir, ps->file, SHARDD_DTYPE_FP32, ps->bytes / 4,
+                           (uint64_t)ps->rank * old_s, b->hdr.name, ps->crc,
+                           tmp, ps->bytes, err, errlen);
+  int wide = b->dtype != SHARDD_DTYPE_FP32;
+  for (uint64_t e = lo; rc == SHARDD_OK && e < hi;) {
+    uint32_t q = (uint32_t)(e / b->shard_numel);
+    uint64_t off = e % b->shard_numel;
+    uint64_t n = b->shard_numel - off < hi - e ? b->shard_numel - off : hi - e;
+    shardd__optim_shard *sh = find_shard(p->created, b, q);
+    if (sh && sh->state) {
+      size_t src = (e - lo) * 4, dst = off * 4;
+      if (wide)
+        memcpy((char *)sh->state->ptr + sh->master_off + dst,
+               tmp + omaster + src, n * 4);
+      for (int j = 0; j < ps->nstate && j < sh->nstate; j++)
+        memcpy((char *)sh->state->ptr + sh->state_offs[j] + dst,
+               tmp + ooffs[j] + src, n * 4);
+      sh->master_valid = sh->master_valid == -1
+                             ? ps->master_valid
+                             : sh->master_valid && ps->master_valid;
+    }
+    e += n;
+  }
+  free(tmp);
+  return rc;
+}
+
 /* Loads every recorded state into the registered optimizer. Same world:
  * each shard that keeps state is covered by exactly one file, region for
  * region. Another world: each file's elements go to the new shards that
- * hold them, array by array (master copy, then the arrays both layouts
- * have), and every new shard that keeps state must receive some. */
+ * hold them, and every new shard that keeps state must receive some. */
 static shardd_err load_states(const shardd__ckdir *dir, shardd__buffer **bufs,
                               uint32_t old_world, pending_optim *p, char *err,
                               size_t errlen) {
@@ -175,62 +248,10 @@ static shardd_err load_states(const shardd__ckdir *dir, shardd__buffer **bufs,
   for (size_t i = 0; i < p->nstates; i++) {
     pending_state *ps = &p->states[i];
     shardd__buffer *b = bufs[ps->buf];
-    if (old_world == b->world) {
-      shardd__optim_shard *sh = find_shard(o, b, ps->rank);
-      if (sh == NULL || sh->state == NULL || sh->state->bytes != ps->bytes ||
-          sh->master_valid != -1) {
-        snprintf(err, errlen, "%s/%s: does not fit optimizer \"%s\"", dir->path,
-                 ps->file, p->name);
-        return SHARDD_E_INVAL;
-      }
-      shardd_err rc =
-          shardd__ck_load_data(dir, ps->file, SHARDD_DTYPE_FP32, ps->bytes / 4,
-                               (uint64_t)ps->rank * b->shard_numel, b->hdr.name,
-                               ps->crc, sh->state->ptr, ps->bytes, err, errlen);
-      if (rc != SHARDD_OK)
-        return rc;
-      sh->master_valid = ps->master_valid;
-      continue;
-    }
-    uint64_t lo, hi, old_s;
-    old_range(b, old_world, ps->rank, &lo, &hi, &old_s);
-    size_t omaster, ooffs[3] = {0, 0, 0};
-    size_t used = shardd__optim_state_layout(b->dtype, old_s, ps->nstate, &omaster, ooffs);
-    if (ps->rank >= old_world || used == 0 || used > ps->bytes) {
-      snprintf(err, errlen, "%s/%s: does not fit optimizer \"%s\"", dir->path,
-               ps->file, p->name);
-      return SHARDD_E_INVAL;
-    }
-    char *tmp = malloc(ps->bytes);
-    if (tmp == NULL) {
-      snprintf(err, errlen, "out of memory");
-      return SHARDD_E_NO_MEMORY;
-    }
     shardd_err rc =
-        shardd__ck_load_data(dir, ps->file, SHARDD_DTYPE_FP32, ps->bytes / 4,
-                             (uint64_t)ps->rank * old_s, b->hdr.name, ps->crc,
-                             tmp, ps->bytes, err, errlen);
-    int wide = b->dtype != SHARDD_DTYPE_FP32;
-    for (uint64_t e = lo; rc == SHARDD_OK && e < hi;) {
-      uint32_t q = (uint32_t)(e / b->shard_numel);
-      uint64_t off = e % b->shard_numel;
-      uint64_t n = b->shard_numel - off < hi - e ? b->shard_numel - off : hi - e;
-      shardd__optim_shard *sh = find_shard(o, b, q);
-      if (sh && sh->state) {
-        size_t src = (e - lo) * 4, dst = off * 4;
-        if (wide)
-          memcpy((char *)sh->state->ptr + sh->master_off + dst,
-                 tmp + omaster + src, n * 4);
-        for (int j = 0; j < ps->nstate && j < sh->nstate; j++)
-          memcpy((char *)sh->state->ptr + sh->state_offs[j] + dst,
-                 tmp + ooffs[j] + src, n * 4);
-        sh->master_valid = sh->master_valid == -1
-                               ? ps->master_valid
-                               : sh->master_valid && ps->master_valid;
-      }
-      e += n;
-    }
-    free(tmp);
+        old_world == b->world
+            ? load_state_same(dir, b, p, ps, err, errlen)
+            : load_state_resharded(dir, b, old_world, p, ps, err, errlen);
     if (rc != SHARDD_OK)
       return rc;
   }
@@ -251,6 +272,428 @@ static shardd_err load_states(const shardd__ckdir *dir, shardd__buffer **bufs,
 
 #define MAX_TOK 64
 
+/* One restore in progress: the manifest being read and what its lines have
+ * named so far. Everything here is the restore's own and freed by
+ * restore_free, job included until it is handed to the caller (a failed
+ * restore releases it); reg, dir and err are borrowed from the caller. */
+typedef struct {
+  shardd__registry *reg;
+  const char *dir;
+  int64_t as_uid;   /* who asks; see shardd__checkpoint_restore */
+  uint32_t world;   /* the new job's; 0: the checkpoint's */
+  char *err;
+  size_t errlen;
+  char path[4096];  /* the manifest's, as messages name it */
+  shardd__ckdir dd; /* fd -1 until opened */
+  FILE *f;          /* the manifest; owns its descriptor */
+  char *line;
+  size_t cap;
+  int lineno, mversion, ended;
+  uint32_t old_world;
+  shardd__job *job; /* created by the job line */
+  shardd__buffer **bufs; /* borrowed from job; the array is ours */
+  size_t nb;
+  /* seen[i]: bit r set once buffer i's shard of old rank r was loaded. A
+   * buffer line registers zeroed memory; only its shard lines fill it, so
+   * one without them restored zeros as if they were the checkpoint. */
+  uint8_t **seen;
+  size_t nshard_lines;
+  pending_optim *po;
+  size_t npo;
+  /* a registration's reason; kept across lines, as one buffer was */
+  char sub[512];
+} restore;
+
+/* Fails the current line: "PATH line N: WHY" in err, WHY cut at 511 bytes.
+ * Returns rc where a call beneath already failed with it, else
+ * SHARDD_E_INVAL (the line itself is wrong). */
+static shardd_err bad(restore *c, shardd_err rc, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static shardd_err bad(restore *c, shardd_err rc, const char *fmt, ...) {
+  char why[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(why, sizeof why, fmt, ap);
+  va_end(ap);
+  snprintf(c->err, c->errlen, "%s line %d: %s", c->path, c->lineno, why);
+  return rc == SHARDD_OK ? SHARDD_E_INVAL : rc;
+}
+
+/* Opens the checkpoint directory (no symlink on the way; for a client, one
+ * it or the daemon owns) and the manifest in it. On failure nothing stays
+ * open and err says why; the code follows errno as the callers expect. */
+static shardd_err open_manifest(restore *c) {
+  snprintf(c->path, sizeof c->path, "%s/%s", c->dir, SHARDD__MANIFEST_FILE);
+  c->dd = (shardd__ckdir){-1, c->dir, c->as_uid};
+  c->dd.fd = shardd__ck_open_dir(c->dir, c->err, c->errlen);
+  if (c->dd.fd < 0)
+    return errno == ELOOP || errno == ENOTDIR ? SHARDD_E_PERMISSION : SHARDD_E_IO;
+  struct stat dst;
+  if (c->as_uid > 0 &&
+      (fstat(c->dd.fd, &dst) != 0 ||
+       (dst.st_uid != (uid_t)c->as_uid && dst.st_uid != geteuid()))) {
+    snprintf(c->err, c->errlen, "%s: the directory is neither yours nor the "
+             "daemon's; restore from a directory you own", c->dir);
+    close(c->dd.fd);
+    return SHARDD_E_PERMISSION;
+  }
+  int mfd = shardd__ck_open_regular(&c->dd, SHARDD__MANIFEST_FILE, c->err,
+                                    c->errlen);
+  c->f = mfd >= 0 ? fdopen(mfd, "r") : NULL;
+  if (c->f == NULL) {
+    int e = errno;
+    if (mfd >= 0) {
+      snprintf(c->err, c->errlen, "%s: %s", c->path, strerror(e));
+      close(mfd);
+    } else if (e == ENOENT) {
+      snprintf(c->err, c->errlen,
+               "%s: %s (an incomplete checkpoint has no manifest)", c->path,
+               strerror(e));
+    }
+    close(c->dd.fd);
+    return e == EPERM || e == ELOOP ? SHARDD_E_PERMISSION : SHARDD_E_IO;
+  }
+  return SHARDD_OK;
+}
+
+/* A line the reader refused (too long, a NUL, no memory, a read error). */
+static shardd_err line_error(restore *c, shardd__line_rc lr) {
+  if (lr == SHARDD__LINE_LONG)
+    snprintf(c->err, c->errlen,
+             "%s line %d: longer than %zu bytes (not a "
+             "manifest shardd wrote); not reading further",
+             c->path, c->lineno, SHARDD__MANIFEST_LINE_MAX);
+  else if (lr == SHARDD__LINE_NUL)
+    snprintf(c->err, c->errlen, "%s line %d: holds a NUL byte (not a manifest "
+             "shardd wrote)", c->path, c->lineno);
+  else if (lr == SHARDD__LINE_NOMEM)
+    snprintf(c->err, c->errlen, "%s line %d: out of memory", c->path,
+             c->lineno);
+  else
+    snprintf(c->err, c->errlen, "%s line %d: %s", c->path, c->lineno,
+             strerror(errno));
+  return lr == SHARDD__LINE_NOMEM ? SHARDD_E_NO_MEMORY
+         : lr == SHARDD__LINE_IO  ? SHARDD_E_IO
+                                  : SHARDD_E_INVAL;
+}
+
+static shardd_err line_header(restore *c, char **tok, int nt) {
+  if (nt != 2 || strcmp(tok[0], "shardd-checkpoint") ||
+      (c->mversion = atoi(tok[1])) < 1 || c->mversion > SHARDD_MANIFEST_VERSION)
+    return bad(c, SHARDD_E_INVAL,
+               "not a shardd checkpoint manifest of version 1 to %d",
+               SHARDD_MANIFEST_VERSION);
+  return SHARDD_OK;
+}
+
+/* "job NAME WORLD OWNER": creates the new job. A job of that name that is
+ * live already is refused, never touched. */
+static shardd_err line_job(restore *c, char **tok) {
+  if (!shardd__manifest_dec_name(tok[1]))
+    return bad(c, SHARDD_E_INVAL, "bad job name");
+  uint32_t owner = (uint32_t)strtoul(tok[3], NULL, 10);
+  if (c->as_uid > 0 && (uint32_t)c->as_uid != owner) {
+    snprintf(c->err, c->errlen, "job \"%s\" in %s belongs to another user; "
+             "only it or root may restore it", tok[1], c->dir);
+    return SHARDD_E_PERMISSION;
+  }
+  if (shardd__job_find(c->reg, tok[1])) {
+    snprintf(c->err, c->errlen,
+             "job \"%s\" exists already; release it before restoring", tok[1]);
+    return SHARDD_E_BUSY;
+  }
+  c->old_world = (uint32_t)strtoul(tok[2], NULL, 10);
+  if (c->old_world == 0)
+    return bad(c, SHARDD_E_INVAL, "world 0");
+  shardd_err rc = shardd__job_get(c->reg, tok[1],
+                                  c->world ? c->world : c->old_world, owner,
+                                  &c->job, c->sub, sizeof c->sub);
+  if (rc != SHARDD_OK)
+    return bad(c, rc, "%s", c->sub);
+  return SHARDD_OK;
+}
+
+/* "buffer NAME DTYPE NUMEL [GEN]": registers it, zeroed until its shards. */
+static shardd_err line_buffer(restore *c, char **tok) {
+  shardd__buffer *b;
+  int created;
+  if (!shardd__manifest_dec_name(tok[1]))
+    return bad(c, SHARDD_E_INVAL, "bad buffer name");
+  shardd_err rc = shardd__buffer_register(
+      c->reg, c->job, tok[1], (shardd_dtype)atoi(tok[2]),
+      strtoull(tok[3], NULL, 10), &b, &created, c->sub, sizeof c->sub);
+  if (rc != SHARDD_OK)
+    return bad(c, rc, "%s", c->sub);
+  if (!created)
+    return bad(c, SHARDD_E_INVAL, "buffer \"%s\" listed twice", tok[1]);
+  /* A restored handle is a new generation: one kept from before the
+   * checkpoint is refused as stale (version 1 recorded none: 1). */
+  uint64_t gen = c->mversion >= 2 ? strtoull(tok[4], NULL, 10) : 1;
+  shardd__obj_set_generation(&b->hdr, gen + 1);
+  shardd__buffer **nbufs = realloc(c->bufs, (c->nb + 1) * sizeof *c->bufs);
+  if (nbufs == NULL)
+    return bad(c, SHARDD_E_INVAL, "out of memory");
+  c->bufs = nbufs;
+  uint8_t **nseen = realloc(c->seen, (c->nb + 1) * sizeof *c->seen);
+  if (nseen == NULL)
+    return bad(c, SHARDD_E_INVAL, "out of memory");
+  c->seen = nseen;
+  if ((c->seen[c->nb] = calloc((c->old_world + 7) / 8, 1)) == NULL)
+    return bad(c, SHARDD_E_INVAL, "out of memory");
+  c->bufs[c->nb++] = b;
+  return SHARDD_OK;
+}
+
+/* "shard BUF RANK FILE CRC": loads the payload now, into the buffer the
+ * lines above registered. */
+static shardd_err line_shard(restore *c, char **tok) {
+  size_t bi = strtoul(tok[1], NULL, 10);
+  uint32_t r = (uint32_t)strtoul(tok[2], NULL, 10);
+  if (bi >= c->nb || r >= c->old_world || strchr(tok[3], '/'))
+    return bad(c, SHARDD_E_INVAL, "shard of unknown buffer %zu rank %" PRIu32,
+               bi, r);
+  if (c->seen[bi][r / 8] & (1u << (r % 8)))
+    return bad(c, SHARDD_E_INVAL,
+               "shard of buffer %zu rank %" PRIu32 " listed twice", bi, r);
+  c->seen[bi][r / 8] |= (uint8_t)(1u << (r % 8));
+  c->nshard_lines++;
+  return load_shard(&c->dd, tok[3], (uint32_t)strtoul(tok[4], NULL, 16),
+                    c->bufs[bi], c->old_world, r, c->err, c->errlen);
+}
+
+/* "view BUF NAME OFFSET NUMEL NDIM DIM... [GEN REQUIRES_GRAD]". */
+static shardd_err line_view(restore *c, char **tok, int nt) {
+  size_t bi = strtoul(tok[1], NULL, 10);
+  int ndim = atoi(tok[5]);
+  int extra = c->mversion >= 2 ? 2 : 0; /* generation, requires_grad */
+  if (bi >= c->nb || ndim < 0 || ndim > 16 || nt != 6 + ndim + extra ||
+      !shardd__manifest_dec_name(tok[2]))
+    return bad(c, SHARDD_E_INVAL, "malformed view");
+  int64_t shape[16];
+  for (int d = 0; d < ndim; d++)
+    shape[d] = strtoll(tok[6 + d], NULL, 10);
+  uint64_t gen = extra ? strtoull(tok[6 + ndim], NULL, 10) : 1;
+  int requires_grad = extra ? atoi(tok[7 + ndim]) != 0 : 1;
+  shardd__view *v;
+  int created;
+  shardd_err rc = shardd__view_register_ex(
+      c->reg, c->job, c->bufs[bi]->hdr.id, 0, tok[2],
+      strtoull(tok[3], NULL, 10), strtoull(tok[4], NULL, 10), shape, ndim,
+      requires_grad, &v, &created, c->sub, sizeof c->sub);
+  if (rc != SHARDD_OK)
+    return bad(c, rc, "%s", c->sub);
+  shardd__obj_set_generation(&v->hdr, gen + 1);
+  return SHARDD_OK;
+}
+
+/* "optimizer INDEX NAME STEPS SPEC_HEX": pending until every ref and state
+ * line is read; registered after the last line. */
+static shardd_err line_optimizer(restore *c, char **tok) {
+  if ((size_t)strtoul(tok[1], NULL, 10) != c->npo ||
+      !shardd__manifest_dec_name(tok[2]))
+    return bad(c, SHARDD_E_INVAL, "optimizers out of order");
+  pending_optim *np = realloc(c->po, (c->npo + 1) * sizeof *c->po);
+  if (np == NULL)
+    return bad(c, SHARDD_E_INVAL, "out of memory");
+  c->po = np;
+  pending_optim *p = &c->po[c->npo++];
+  memset(p, 0, sizeof *p);
+  p->name = strdup(tok[2]);
+  p->steps = strtoull(tok[3], NULL, 10);
+  size_t hl = strlen(tok[4]);
+  p->spec = malloc(hl / 2 + 1);
+  if (p->name == NULL || p->spec == NULL || hl % 2)
+    return bad(c, SHARDD_E_INVAL, "bad optimizer spec");
+  for (size_t k = 0; k < hl / 2; k++) {
+    int hi = shardd__manifest_hexval(tok[4][2 * k]),
+        lo = shardd__manifest_hexval(tok[4][2 * k + 1]);
+    if (hi < 0 || lo < 0)
+      return bad(c, SHARDD_E_INVAL, "bad optimizer spec");
+    p->spec[k] = (uint8_t)(hi << 4 | lo);
+  }
+  p->spec_len = hl / 2;
+  return SHARDD_OK;
+}
+
+/* "ref OPT OLD_ID buffer BUF" or "ref OPT OLD_ID view BUF NAME": maps an
+ * id in the optimizer's recorded spec to the restored object. */
+static shardd_err line_ref(restore *c, char **tok, int nt) {
+  size_t oi = strtoul(tok[1], NULL, 10);
+  size_t bi = strtoul(tok[4], NULL, 10);
+  if (oi >= c->npo || bi >= c->nb)
+    return bad(c, SHARDD_E_INVAL, "ref to unknown optimizer or buffer");
+  shardd__obj *o = &c->bufs[bi]->hdr;
+  if (!strcmp(tok[3], "view")) {
+    if (nt != 6 || !shardd__manifest_dec_name(tok[5]) ||
+        (o = shardd__map_get_str(&c->bufs[bi]->views, tok[5])) == NULL)
+      return bad(c, SHARDD_E_INVAL, "ref to unknown view");
+  } else if (strcmp(tok[3], "buffer") || nt != 5) {
+    return bad(c, SHARDD_E_INVAL, "malformed ref");
+  }
+  pending_optim *p = &c->po[oi];
+  id_map *ni = realloc(p->ids, (p->nids + 1) * sizeof *ni);
+  if (ni == NULL)
+    return bad(c, SHARDD_E_INVAL, "out of memory");
+  p->ids = ni;
+  p->ids[p->nids++] = (id_map){strtoull(tok[2], NULL, 10), o};
+  return SHARDD_OK;
+}
+
+/* "state OPT BUF RANK MASTER_VALID FILE CRC BYTES NSTATE": a payload
+ * loaded once its optimizer is registered. */
+static shardd_err line_state(restore *c, char **tok) {
+  size_t oi = strtoul(tok[1], NULL, 10);
+  size_t bi = strtoul(tok[2], NULL, 10);
+  if (oi >= c->npo || bi >= c->nb || strchr(tok[5], '/'))
+    return bad(c, SHARDD_E_INVAL, "state of unknown optimizer or buffer");
+  pending_optim *p = &c->po[oi];
+  pending_state *ns = realloc(p->states, (p->nstates + 1) * sizeof *ns);
+  if (ns == NULL)
+    return bad(c, SHARDD_E_INVAL, "out of memory");
+  p->states = ns;
+  pending_state *ps = &p->states[p->nstates++];
+  memset(ps, 0, sizeof *ps);
+  ps->buf = bi;
+  ps->rank = (uint32_t)strtoul(tok[3], NULL, 10);
+  ps->master_valid = atoi(tok[4]) != 0;
+  ps->crc = (uint32_t)strtoul(tok[6], NULL, 16);
+  ps->bytes = strtoul(tok[7], NULL, 10);
+  ps->nstate = atoi(tok[8]);
+  if (ps->nstate < 0 || ps->nstate > 3)
+    return bad(c, SHARDD_E_INVAL, "bad state count");
+  if ((ps->file = strdup(tok[5])) == NULL)
+    return bad(c, SHARDD_E_INVAL, "out of memory");
+  return SHARDD_OK;
+}
+
+/* One manifest line, split into words: the header first, then nothing but
+ * the job line until it came, nothing at all after "end". */
+static shardd_err parse_line(restore *c, char **tok, int nt) {
+  if (c->lineno == 1)
+    return line_header(c, tok, nt);
+  if (c->ended)
+    return bad(c, SHARDD_E_INVAL, "text after \"end\"");
+  if (!strcmp(tok[0], "end")) {
+    if (nt != (c->mversion >= 3 ? 2 : 1))
+      return bad(c, SHARDD_E_INVAL, "malformed \"end\" line");
+    c->ended = 1;
+    return SHARDD_OK;
+  }
+  if (!strcmp(tok[0], "job") && nt == 4 && c->job == NULL)
+    return line_job(c, tok);
+  if (c->job == NULL)
+    return bad(c, SHARDD_E_INVAL, "\"%s\" before the job line", tok[0]);
+  if (!strcmp(tok[0], "buffer") && nt == (c->mversion >= 2 ? 5 : 4))
+    return line_buffer(c, tok);
+  if (!strcmp(tok[0], "shard") && nt == 5)
+    return line_shard(c, tok);
+  if (!strcmp(tok[0], "view") && nt >= 6)
+    return line_view(c, tok, nt);
+  if (!strcmp(tok[0], "optimizer") && nt == 5)
+    return line_optimizer(c, tok);
+  if (!strcmp(tok[0], "ref") && (nt == 5 || nt == 6))
+    return line_ref(c, tok, nt);
+  if (!strcmp(tok[0], "state") && nt == 9)
+    return line_state(c, tok);
+  return bad(c, SHARDD_E_INVAL, "unknown or malformed line \"%s\"", tok[0]);
+}
+
+/* Reads the manifest to its end, line by line: the job, buffers and views
+ * are registered and each shard loaded as its line comes; optimizers are
+ * only collected. Words past the MAX_TOK-th are not looked at. */
+static shardd_err parse_manifest(restore *c) {
+  for (;;) {
+    shardd__line_rc lr = shardd__manifest_read_line(c->f, &c->line, &c->cap,
+                                                    SHARDD__MANIFEST_LINE_MAX);
+    if (lr == SHARDD__LINE_EOF)
+      return SHARDD_OK;
+    c->lineno++;
+    if (lr != SHARDD__LINE_OK)
+      return line_error(c, lr);
+    char *tok[MAX_TOK];
+    int nt = 0;
+    for (char *save, *t = strtok_r(c->line, " ", &save); t && nt < MAX_TOK;
+         t = strtok_r(NULL, " ", &save))
+      tok[nt++] = t;
+    if (nt == 0)
+      continue;
+    shardd_err rc = parse_line(c, tok, nt);
+    if (rc != SHARDD_OK)
+      return rc;
+  }
+}
+
+/* What a whole manifest must have: an "end" line, a job line, and a shard
+ * line for every rank of every buffer. */
+static shardd_err check_complete(restore *c) {
+  if (!c->ended) {
+    snprintf(c->err, c->errlen, "%s: no \"end\" line (truncated manifest)",
+             c->path);
+    return SHARDD_E_INVAL;
+  }
+  if (c->job == NULL) {
+    /* "shardd-checkpoint 2" + "end" restored nothing and returned OK: the
+     * callers took the NULL job and the daemon died with every shard. */
+    snprintf(c->err, c->errlen,
+             "%s: no \"job\" line (not a checkpoint shardd wrote)", c->path);
+    return SHARDD_E_INVAL;
+  }
+  if (c->nb > 0 && c->nshard_lines == 0) {
+    snprintf(c->err, c->errlen, "%s: names %zu buffer%s but no shard of any "
+             "(a corrupt or truncated manifest)", c->path, c->nb,
+             c->nb == 1 ? "" : "s");
+    return SHARDD_E_INVAL;
+  }
+  for (size_t i = 0; i < c->nb; i++)
+    for (uint32_t r = 0; r < c->old_world; r++)
+      if (!(c->seen[i][r / 8] & (1u << (r % 8)))) {
+        snprintf(c->err, c->errlen, "%s: no shard of buffer \"%s\" rank %" PRIu32
+                 " (a corrupt or truncated manifest)", c->path,
+                 c->bufs[i]->hdr.name, r);
+        return SHARDD_E_INVAL;
+      }
+  return SHARDD_OK;
+}
+
+/* Registers each collected optimizer, in manifest order, and loads its
+ * state files. */
+static shardd_err restore_optimizers(restore *c) {
+  for (size_t i = 0; i < c->npo; i++) {
+    shardd_err rc = register_pending(c->reg, c->job, &c->po[i], c->err,
+                                     c->errlen);
+    if (rc == SHARDD_OK)
+      rc = load_states(&c->dd, c->bufs, c->old_world, &c->po[i], c->err,
+                       c->errlen);
+    if (rc != SHARDD_OK)
+      return rc;
+  }
+  return SHARDD_OK;
+}
+
+/* Frees what the restore holds, after open_manifest succeeded; a job still
+ * here (the restore failed) is released. */
+static void restore_free(restore *c) {
+  if (c->job)
+    shardd__job_release(c->reg, c->job);
+  for (size_t i = 0; i < c->npo; i++) {
+    free(c->po[i].name);
+    free(c->po[i].spec);
+    free(c->po[i].ids);
+    for (size_t k = 0; k < c->po[i].nstates; k++)
+      free(c->po[i].states[k].file);
+    free(c->po[i].states);
+  }
+  free(c->po);
+  for (size_t i = 0; i < c->nb; i++)
+    free(c->seen[i]);
+  free(c->seen);
+  free(c->bufs);
+  free(c->line);
+  fclose(c->f);
+  close(c->dd.fd);
+}
+
 shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
                                       int64_t as_uid, uint32_t world,
                                       shardd__job **out, char *err,
@@ -261,318 +704,18 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
     snprintf(err, errlen, "checkpoints support the host backend only");
     return SHARDD_E_INVAL;
   }
-  char path[4096];
-  snprintf(path, sizeof path, "%s/%s", dir, SHARDD__MANIFEST_FILE);
-  shardd__ckdir dd = {-1, dir, as_uid};
-  dd.fd = shardd__ck_open_dir(dir, err, errlen);
-  if (dd.fd < 0)
-    return errno == ELOOP || errno == ENOTDIR ? SHARDD_E_PERMISSION : SHARDD_E_IO;
-  struct stat dst;
-  if (as_uid > 0 && (fstat(dd.fd, &dst) != 0 ||
-                     (dst.st_uid != (uid_t)as_uid && dst.st_uid != geteuid()))) {
-    snprintf(err, errlen, "%s: the directory is neither yours nor the "
-             "daemon's; restore from a directory you own", dir);
-    close(dd.fd);
-    return SHARDD_E_PERMISSION;
-  }
-  int mfd = shardd__ck_open_regular(&dd, SHARDD__MANIFEST_FILE, err, errlen);
-  FILE *f = mfd >= 0 ? fdopen(mfd, "r") : NULL;
-  if (f == NULL) {
-    int e = errno;
-    if (mfd >= 0) {
-      snprintf(err, errlen, "%s: %s", path, strerror(e));
-      close(mfd);
-    } else if (e == ENOENT) {
-      snprintf(err, errlen, "%s: %s (an incomplete checkpoint has no manifest)",
-               path, strerror(e));
-    }
-    close(dd.fd);
-    return e == EPERM || e == ELOOP ? SHARDD_E_PERMISSION : SHARDD_E_IO;
-  }
-  shardd_err rc = shardd__manifest_verify(f, path, err, errlen);
-  shardd__job *job = NULL;
-  shardd__buffer **bufs = NULL;
-  size_t nb = 0;
-  pending_optim *po = NULL;
-  size_t npo = 0;
-  int ended = 0, lineno = 0;
-  uint32_t old_world = 0;
-  int mversion = 0;
-  char *line = NULL;
-  size_t cap = 0;
-  char why[512], sub[512];
-  /* seen[i]: bit r set once buffer i's shard of old rank r was loaded. A
-   * buffer line registers zeroed memory; only its shard lines fill it, so
-   * one without them restored zeros as if they were the checkpoint. */
-  uint8_t **seen = NULL;
-  size_t nshard_lines = 0;
+  restore c = {.reg = reg, .dir = dir, .as_uid = as_uid, .world = world,
+               .err = err, .errlen = errlen};
+  shardd_err rc = open_manifest(&c);
   if (rc != SHARDD_OK)
-    goto fail;
-
-  for (;;) {
-    shardd__line_rc lr =
-        shardd__manifest_read_line(f, &line, &cap, SHARDD__MANIFEST_LINE_MAX);
-    if (lr == SHARDD__LINE_EOF)
-      break;
-    lineno++;
-    if (lr != SHARDD__LINE_OK) {
-      if (lr == SHARDD__LINE_LONG)
-        snprintf(err, errlen,
-                 "%s line %d: longer than %zu bytes (not a "
-                 "manifest shardd wrote); not reading further",
-                 path, lineno, SHARDD__MANIFEST_LINE_MAX);
-      else if (lr == SHARDD__LINE_NUL)
-        snprintf(err, errlen, "%s line %d: holds a NUL byte (not a manifest "
-                 "shardd wrote)", path, lineno);
-      else if (lr == SHARDD__LINE_NOMEM)
-        snprintf(err, errlen, "%s line %d: out of memory", path, lineno);
-      else
-        snprintf(err, errlen, "%s line %d: %s", path, lineno, strerror(errno));
-      rc = lr == SHARDD__LINE_NOMEM ? SHARDD_E_NO_MEMORY
-           : lr == SHARDD__LINE_IO  ? SHARDD_E_IO
-                                    : SHARDD_E_INVAL;
-      goto fail;
-    }
-    char *tok[MAX_TOK];
-    int nt = 0;
-    for (char *save, *t = strtok_r(line, " ", &save); t && nt < MAX_TOK;
-         t = strtok_r(NULL, " ", &save))
-      tok[nt++] = t;
-    if (nt == 0)
-      continue;
-#define BAD(...)                                                             \
-  do {                                                                       \
-    snprintf(why, sizeof why, __VA_ARGS__);                                  \
-    snprintf(err, errlen, "%s line %d: %s", path, lineno, why);              \
-    if (rc == SHARDD_OK)                                                     \
-      rc = SHARDD_E_INVAL;                                                   \
-    goto fail;                                                               \
-  } while (0)
-    rc = SHARDD_E_INVAL;
-    if (lineno == 1) {
-      if (nt != 2 || strcmp(tok[0], "shardd-checkpoint") ||
-          (mversion = atoi(tok[1])) < 1 || mversion > SHARDD_MANIFEST_VERSION)
-        BAD("not a shardd checkpoint manifest of version 1 to %d",
-            SHARDD_MANIFEST_VERSION);
-      continue;
-    }
-    if (ended)
-      BAD("text after \"end\"");
-    if (!strcmp(tok[0], "end")) {
-      if (nt != (mversion >= 3 ? 2 : 1))
-        BAD("malformed \"end\" line");
-      ended = 1;
-    } else if (!strcmp(tok[0], "job") && nt == 4 && job == NULL) {
-      if (!shardd__manifest_dec_name(tok[1]))
-        BAD("bad job name");
-      uint32_t owner = (uint32_t)strtoul(tok[3], NULL, 10);
-      if (as_uid > 0 && (uint32_t)as_uid != owner) {
-        snprintf(err, errlen, "job \"%s\" in %s belongs to another user; "
-                 "only it or root may restore it", tok[1], dir);
-        rc = SHARDD_E_PERMISSION;
-        goto fail;
-      }
-      if (shardd__job_find(reg, tok[1])) {
-        snprintf(err, errlen,
-                 "job \"%s\" exists already; release it before restoring",
-                 tok[1]);
-        rc = SHARDD_E_BUSY;
-        goto fail;
-      }
-      old_world = (uint32_t)strtoul(tok[2], NULL, 10);
-      if (old_world == 0)
-        BAD("world 0");
-      rc = shardd__job_get(reg, tok[1], world ? world : old_world, owner, &job,
-                           sub, sizeof sub);
-      if (rc != SHARDD_OK)
-        BAD("%s", sub);
-    } else if (job == NULL) {
-      BAD("\"%s\" before the job line", tok[0]);
-    } else if (!strcmp(tok[0], "buffer") && nt == (mversion >= 2 ? 5 : 4)) {
-      shardd__buffer *b;
-      int created;
-      if (!shardd__manifest_dec_name(tok[1]))
-        BAD("bad buffer name");
-      rc = shardd__buffer_register(reg, job, tok[1], (shardd_dtype)atoi(tok[2]),
-                                   strtoull(tok[3], NULL, 10), &b, &created,
-                                   sub, sizeof sub);
-      if (rc != SHARDD_OK)
-        BAD("%s", sub);
-      if (!created)
-        BAD("buffer \"%s\" listed twice", tok[1]);
-      /* A restored handle is a new generation: one kept from before the
-       * checkpoint is refused as stale (version 1 recorded none: 1). */
-      uint64_t gen = mversion >= 2 ? strtoull(tok[4], NULL, 10) : 1;
-      shardd__obj_set_generation(&b->hdr, gen + 1);
-      shardd__buffer **nbufs = realloc(bufs, (nb + 1) * sizeof *bufs);
-      if (nbufs == NULL)
-        BAD("out of memory");
-      bufs = nbufs;
-      uint8_t **nseen = realloc(seen, (nb + 1) * sizeof *seen);
-      if (nseen == NULL)
-        BAD("out of memory");
-      seen = nseen;
-      if ((seen[nb] = calloc((old_world + 7) / 8, 1)) == NULL)
-        BAD("out of memory");
-      bufs[nb++] = b;
-    } else if (!strcmp(tok[0], "shard") && nt == 5) {
-      size_t bi = strtoul(tok[1], NULL, 10);
-      uint32_t r = (uint32_t)strtoul(tok[2], NULL, 10);
-      if (bi >= nb || r >= old_world || strchr(tok[3], '/'))
-        BAD("shard of unknown buffer %zu rank %" PRIu32, bi, r);
-      if (seen[bi][r / 8] & (1u << (r % 8)))
-        BAD("shard of buffer %zu rank %" PRIu32 " listed twice", bi, r);
-      seen[bi][r / 8] |= (uint8_t)(1u << (r % 8));
-      nshard_lines++;
-      rc = load_shard(&dd, tok[3], (uint32_t)strtoul(tok[4], NULL, 16), bufs[bi],
-                      old_world, r, err, errlen);
-      if (rc != SHARDD_OK)
-        goto fail;
-    } else if (!strcmp(tok[0], "view") && nt >= 6) {
-      size_t bi = strtoul(tok[1], NULL, 10);
-      int ndim = atoi(tok[5]);
-      int extra = mversion >= 2 ? 2 : 0; /* generation, requires_grad */
-      if (bi >= nb || ndim < 0 || ndim > 16 || nt != 6 + ndim + extra ||
-          !shardd__manifest_dec_name(tok[2]))
-        BAD("malformed view");
-      int64_t shape[16];
-      for (int d = 0; d < ndim; d++)
-        shape[d] = strtoll(tok[6 + d], NULL, 10);
-      uint64_t gen = extra ? strtoull(tok[6 + ndim], NULL, 10) : 1;
-      int requires_grad = extra ? atoi(tok[7 + ndim]) != 0 : 1;
-      shardd__view *v;
-      int created;
-      rc = shardd__view_register_ex(reg, job, bufs[bi]->hdr.id, 0, tok[2],
-                                    strtoull(tok[3], NULL, 10),
-                                    strtoull(tok[4], NULL, 10), shape, ndim,
-                                    requires_grad, &v, &created, sub,
-                                    sizeof sub);
-      if (rc != SHARDD_OK)
-        BAD("%s", sub);
-      shardd__obj_set_generation(&v->hdr, gen + 1);
-    } else if (!strcmp(tok[0], "optimizer") && nt == 5) {
-      if ((size_t)strtoul(tok[1], NULL, 10) != npo ||
-          !shardd__manifest_dec_name(tok[2]))
-        BAD("optimizers out of order");
-      pending_optim *np = realloc(po, (npo + 1) * sizeof *po);
-      if (np == NULL)
-        BAD("out of memory");
-      po = np;
-      pending_optim *p = &po[npo++];
-      memset(p, 0, sizeof *p);
-      p->name = strdup(tok[2]);
-      p->steps = strtoull(tok[3], NULL, 10);
-      size_t hl = strlen(tok[4]);
-      p->spec = malloc(hl / 2 + 1);
-      if (p->name == NULL || p->spec == NULL || hl % 2)
-        BAD("bad optimizer spec");
-      for (size_t k = 0; k < hl / 2; k++) {
-        int hi = shardd__manifest_hexval(tok[4][2 * k]),
-            lo = shardd__manifest_hexval(tok[4][2 * k + 1]);
-        if (hi < 0 || lo < 0)
-          BAD("bad optimizer spec");
-        p->spec[k] = (uint8_t)(hi << 4 | lo);
-      }
-      p->spec_len = hl / 2;
-    } else if (!strcmp(tok[0], "ref") && (nt == 5 || nt == 6)) {
-      size_t oi = strtoul(tok[1], NULL, 10);
-      size_t bi = strtoul(tok[4], NULL, 10);
-      if (oi >= npo || bi >= nb)
-        BAD("ref to unknown optimizer or buffer");
-      shardd__obj *o = &bufs[bi]->hdr;
-      if (!strcmp(tok[3], "view")) {
-        if (nt != 6 || !shardd__manifest_dec_name(tok[5]) ||
-            (o = shardd__map_get_str(&bufs[bi]->views, tok[5])) == NULL)
-          BAD("ref to unknown view");
-      } else if (strcmp(tok[3], "buffer") || nt != 5) {
-        BAD("malformed ref");
-      }
-      pending_optim *p = &po[oi];
-      id_map *ni = realloc(p->ids, (p->nids + 1) * sizeof *ni);
-      if (ni == NULL)
-        BAD("out of memory");
-      p->ids = ni;
-      p->ids[p->nids++] = (id_map){strtoull(tok[2], NULL, 10), o};
-    } else if (!strcmp(tok[0], "state") && nt == 9) {
-      size_t oi = strtoul(tok[1], NULL, 10);
-      size_t bi = strtoul(tok[2], NULL, 10);
-      if (oi >= npo || bi >= nb || strchr(tok[5], '/'))
-        BAD("state of unknown optimizer or buffer");
-      pending_optim *p = &po[oi];
-      pending_state *ns = realloc(p->states, (p->nstates + 1) * sizeof *ns);
-      if (ns == NULL)
-        BAD("out of memory");
-      p->states = ns;
-      pending_state *ps = &p->states[p->nstates++];
-      memset(ps, 0, sizeof *ps);
-      ps->buf = bi;
-      ps->rank = (uint32_t)strtoul(tok[3], NULL, 10);
-      ps->master_valid = atoi(tok[4]) != 0;
-      ps->crc = (uint32_t)strtoul(tok[6], NULL, 16);
-      ps->bytes = strtoul(tok[7], NULL, 10);
-      ps->nstate = atoi(tok[8]);
-      if (ps->nstate < 0 || ps->nstate > 3)
-        BAD("bad state count");
-      if ((ps->file = strdup(tok[5])) == NULL)
-        BAD("out of memory");
-    } else {
-      BAD("unknown or malformed line \"%s\"", tok[0]);
-    }
-#undef BAD
+    return rc;
+  if ((rc = shardd__manifest_verify(c.f, c.path, err, errlen)) == SHARDD_OK &&
+      (rc = parse_manifest(&c)) == SHARDD_OK &&
+      (rc = check_complete(&c)) == SHARDD_OK &&
+      (rc = restore_optimizers(&c)) == SHARDD_OK) {
+    *out = c.job; /* the caller's now; restore_free must not release it */
+    c.job = NULL;
   }
-  if (!ended) {
-    snprintf(err, errlen, "%s: no \"end\" line (truncated manifest)", path);
-    rc = SHARDD_E_INVAL;
-    goto fail;
-  }
-  rc = SHARDD_E_INVAL;
-  if (job == NULL) {
-    /* "shardd-checkpoint 2" + "end" restored nothing and returned OK: the
-     * callers took the NULL job and the daemon died with every shard. */
-    snprintf(err, errlen, "%s: no \"job\" line (not a checkpoint shardd wrote)",
-             path);
-    goto fail;
-  }
-  if (nb > 0 && nshard_lines == 0) {
-    snprintf(err, errlen, "%s: names %zu buffer%s but no shard of any "
-             "(a corrupt or truncated manifest)", path, nb, nb == 1 ? "" : "s");
-    goto fail;
-  }
-  for (size_t i = 0; i < nb; i++)
-    for (uint32_t r = 0; r < old_world; r++)
-      if (!(seen[i][r / 8] & (1u << (r % 8)))) {
-        snprintf(err, errlen, "%s: no shard of buffer \"%s\" rank %" PRIu32
-                 " (a corrupt or truncated manifest)", path,
-                 bufs[i]->hdr.name, r);
-        goto fail;
-      }
-  for (size_t i = 0; i < npo; i++) {
-    if ((rc = register_pending(reg, job, &po[i], err, errlen)) != SHARDD_OK ||
-        (rc = load_states(&dd, bufs, old_world, &po[i], err, errlen)) != SHARDD_OK)
-      goto fail;
-  }
-  rc = SHARDD_OK;
-  *out = job;
-  job = NULL;
-
-fail:
-  if (job)
-    shardd__job_release(reg, job);
-  for (size_t i = 0; i < npo; i++) {
-    free(po[i].name);
-    free(po[i].spec);
-    free(po[i].ids);
-    for (size_t k = 0; k < po[i].nstates; k++)
-      free(po[i].states[k].file);
-    free(po[i].states);
-  }
-  free(po);
-  for (size_t i = 0; i < nb; i++)
-    free(seen[i]);
-  free(seen);
-  free(bufs);
-  free(line);
-  fclose(f);
-  close(dd.fd);
+  restore_free(&c);
   return rc;
 }
