@@ -1,4 +1,4 @@
-/* opts.h — the daemon's configuration, as main parses it from the command
+/* opts.h — the daemon's configuration, as cli.c parses it from the command
  * line (see shardd --help); every layer reads the part it needs. A leaf
  * header: plain values and borrowed strings that live until exit. */
 #ifndef SHARDD_OPTS_H

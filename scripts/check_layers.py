@@ -29,7 +29,7 @@ LAYERS = {
     # leaves: no daemon module below them
     "log": 0, "map": 0, "optspec": 0, "jobspec": 0, "sdnotify": 0,
     "fabric": 0, "hostdev": 0,
-    "dtype": 1, "opts": 1,
+    "dtype": 1, "opts": 1, "cli": 2,
     # optimizer math, host and device
     "optim": 2,
     # memory
