@@ -238,7 +238,9 @@ static void after_phase(coll *c) {
   }
   if (shardd__coll_multi(c) && c->args.kind != SHARDD__COLL_STEP && c->stage < 2) {
     c->stage++;
+    coll_job *q = c->cj; /* c may be freed by start_phase */
     start_phase(c);
+    job_maybe_quiet(q);
     return;
   }
   if (c->args.kind == SHARDD__COLL_STEP && c->phase == 0) {
@@ -249,7 +251,9 @@ static void after_phase(coll *c) {
       if (c->stage == 0) { /* the local sum of squares crosses nodes */
         c->sumsq_all = sum;
         c->stage = 1;
+        coll_job *q = c->cj;
         start_phase(c);
+        job_maybe_quiet(q);
         return;
       }
       sum = c->sumsq_all;
@@ -260,7 +264,9 @@ static void after_phase(coll *c) {
     double coef = c->args.max_norm / (c->total_norm + 1e-6);
     c->grad_scale = (float)(coef < 1.0 ? coef : 1.0);
     c->phase = 1;
+    coll_job *q = c->cj; /* c may be freed by start_phase */
     start_phase(c);
+    job_maybe_quiet(q);
     return;
   }
   if (c->args.kind == SHARDD__COLL_GATHER) {
@@ -571,23 +577,28 @@ static void describe_expired(coll *c, void *arg, char *msg, size_t len) {
 }
 
 typedef struct {
+  shardd__coll_engine *e;
   coll_job **jobs;
-  size_t n;
+  size_t n, cap;
 } jobs_arg;
 
-static void collect_job(void *value, void *arg) {
+/* In the registry's order (by job name), as before the queues moved here,
+ * so the timeouts of one tick are answered alike. */
+static void collect_job(shardd__job *job, void *arg) {
   jobs_arg *a = arg;
-  a->jobs[a->n++] = value;
+  coll_job *cj = shardd__map_get_id(&a->e->jobs, job_key(job));
+  if (cj && a->n < a->cap)
+    a->jobs[a->n++] = cj;
 }
 
 void shardd__coll_tick(shardd__coll_engine *e, double now) {
   /* A quiet hook may release its job, and with it the job's entry in
    * e->jobs: the walk collects first, then fails and reports. */
   size_t cap = shardd__map_count(&e->jobs);
-  jobs_arg a = {cap ? malloc(cap * sizeof(coll_job *)) : NULL, 0};
+  jobs_arg a = {e, cap ? malloc(cap * sizeof(coll_job *)) : NULL, 0, cap};
   if (a.jobs == NULL)
     return;
-  shardd__map_each(&e->jobs, collect_job, &a);
+  shardd__registry_each_job(e->cfg.reg, collect_job, &a);
   tick_arg t = {now};
   for (size_t i = 0; i < a.n; i++) {
     fail_waiting(a.jobs[i], SHARDD_E_PEER_LOST, pick_expired, &t,

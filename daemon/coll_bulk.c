@@ -119,7 +119,7 @@ void shardd__coll_bulk_task(coll *c, task *t) {
 void shardd__coll_bulk_free(coll_job *cj) {
   /* no collective runs (the caller checked inflight), so no task holds the
    * communicator */
-  shardd__backend *be = cj->job->reg->backend;
+  shardd__backend *be = cj->e->be;
   if (cj->bulk_comm && be->ops->comm_destroy)
     be->ops->comm_destroy(be, cj->bulk_comm);
   cj->bulk_comm = NULL;

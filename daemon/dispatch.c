@@ -6,7 +6,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include "checkpoint.h"
@@ -28,9 +27,16 @@ static double now_s(const shardd__dispatch *d) {
 static void reply(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                   shardd_err code, const char *msg);
 
-/* Packs resp into a frame and hands it to the transport with fd. */
+/* The frame is packed here, with room for the transport's header in
+ * front, so a reply is copied once. A connection that is going away gets
+ * nothing (not even the frame-limit check's log line). */
 static void send_resp(shardd__dispatch *d, shardd__conn *c,
                       const Shardwire__Response *resp, int fd) {
+  if (!d->io.live(d->io.ctx, c)) {
+    if (fd >= 0)
+      close(fd);
+    return;
+  }
   size_t n = shardwire__response__get_packed_size(resp);
   if (n > SHARDD_MAX_FRAME) {
     /* The client refuses a frame past the limit and drops the connection:
@@ -119,13 +125,14 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                rank, job->world);
       rc = SHARDD_E_RANGE;
     }
-    void *holder = NULL;
+    int32_t holder = 0;
     if (rc == SHARDD_OK &&
-        (rc = shardd__jobs_claim(&d->jobs, job, rank, c, &holder)) != SHARDD_OK) {
-      if (holder)
+        (rc = shardd__jobs_claim(&d->jobs, job, rank, c->id, (int32_t)c->peer.pid,
+                                 &holder)) != SHARDD_OK) {
+      if (rc == SHARDD_E_STATE)
         snprintf(err, sizeof err,
                  "rank %" PRIu32 " of job \"%s\" is already connected (pid %d)",
-                 rank, job->name, (int)((shardd__conn *)holder)->peer.pid);
+                 rank, job->name, (int)holder);
       else
         snprintf(err, sizeof err, "out of memory");
     }
@@ -439,7 +446,11 @@ static void on_restore(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     reply(d, c, seq, rc, err);
     return;
   }
-  shardd__jobs_unclaimed(&d->jobs, job, now_s(d), 0);
+  /* a restored job lingers like one whose clients left */
+  if (shardd__jobs_unclaimed(&d->jobs, job, now_s(d), 0) != SHARDD_OK) {
+    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory tracking the restored job");
+    return;
+  }
   shardd__log(2, "job \"%s\" restored from %s", job->name, rs->dir);
   reply_checkpoint(d, c, seq, job, rs->dir);
 }
@@ -544,11 +555,14 @@ void shardd__dispatch_closed(shardd__dispatch *d, shardd__conn *c) {
   shardd__log(2, "session %" PRIu64 ": rank %" PRIu32 " of job \"%s\" left",
               c->id, c->m.rank, job->name);
   c->m.job = NULL;
-  shardd__jobs_leave(&d->jobs, job, c->m.rank, c, now_s(d));
+  shardd__jobs_leave(&d->jobs, job, c->m.rank, c->id, now_s(d));
 }
 
-void shardd__dispatch_tick(shardd__dispatch *d, double now) {
+void shardd__dispatch_timeouts(shardd__dispatch *d, double now) {
   shardd__coll_tick(d->coll, now);
+}
+
+void shardd__dispatch_expire(shardd__dispatch *d, double now) {
   shardd__jobs_expire(&d->jobs, now);
 }
 
@@ -595,16 +609,9 @@ shardd_err shardd__dispatch_init(shardd__dispatch *d, uv_loop_t *loop,
   d->reg.job_memory_limit = opts->job_memory_limit;
   d->reg.max_jobs = opts->max_jobs;
   d->reg.max_jobs_per_uid = opts->max_jobs_per_uid;
-  /* Descriptors: rank blocks get all but what connections, the listener,
-   * checkpoint files and libraries need; one uid a quarter of them, so no
-   * single user can starve the others (or the accept loop). */
-  struct rlimit nofile;
-  if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur != RLIM_INFINITY) {
-    uint64_t n = nofile.rlim_cur;
-    uint64_t keep = (uint64_t)opts->max_clients + SHARDD__ADMIN_RESERVE + 128;
-    d->reg.max_blocks = n > 2 * keep ? n - keep : n / 2;
-    d->reg.max_blocks_per_uid = d->reg.max_blocks / 4;
-  }
+  /* connections, the listener, checkpoint files and libraries keep theirs */
+  shardd__registry_fit_blocks(&d->reg,
+                              (uint64_t)opts->max_clients + SHARDD__ADMIN_RESERVE + 128);
   shardd__coll_config cc = {loop,
                             &d->reg,
                             opts->collective_timeout,

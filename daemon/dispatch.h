@@ -46,6 +46,8 @@ typedef struct {
   void (*send)(void *ctx, shardd__conn *c, uint8_t *frame, size_t len, int fd);
   /* connections open now (status) */
   uint32_t (*clients)(void *ctx);
+  /* whether c may still be answered (not closing, no reply lost) */
+  int (*live)(void *ctx, const shardd__conn *c);
 } shardd__dispatch_io;
 
 typedef struct {
@@ -87,7 +89,10 @@ void shardd__dispatch_refuse(shardd__dispatch *d, shardd__conn *c,
 /* c is going away: its collectives are failed or forgotten, its rank let
  * go (its job may be released). */
 void shardd__dispatch_closed(shardd__dispatch *d, shardd__conn *c);
-/* The periodic tick: collective timeouts, lingering jobs. */
-void shardd__dispatch_tick(shardd__dispatch *d, double now);
+/* The periodic tick, in two parts so the transport can close its idle
+ * connections between them (as the daemon always did): collectives that
+ * waited past the timeout, then jobs that lingered past --job-linger. */
+void shardd__dispatch_timeouts(shardd__dispatch *d, double now);
+void shardd__dispatch_expire(shardd__dispatch *d, double now);
 
 #endif /* SHARDD_DISPATCH_H */

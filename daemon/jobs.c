@@ -11,14 +11,19 @@
 #include "log.h"
 
 typedef struct {
+  uint64_t owner; /* 0: not claimed */
+  int32_t pid;
+} claim;
+
+typedef struct {
   shardd__job *job;
-  void **owners; /* [world], NULL where the rank is not claimed */
+  claim *owners; /* [world] */
   uint32_t nclients;
   double empty_since; /* loop time the last client left; < 0 while held */
 } slot;
 
-/* By address, as the engine keeps its state: an entry lives until the job's
- * release through shardd__jobs_release, so no address is reused under it. */
+/* By address, as the engine keeps its state: an entry lives until release()
+ * frees the job, so no address is reused under it. */
 static uint64_t key(const shardd__job *job) { return (uint64_t)(uintptr_t)job; }
 
 static slot *slot_get(const shardd__jobs *j, const shardd__job *job) {
@@ -124,38 +129,44 @@ shardd_err shardd__jobs_layout(shardd__jobs *j, shardd__job *job, uint32_t rank,
 }
 
 shardd_err shardd__jobs_claim(shardd__jobs *j, shardd__job *job, uint32_t rank,
-                              void *owner, void **holder) {
-  *holder = NULL;
+                              uint64_t owner, int32_t pid, int32_t *holder_pid) {
+  *holder_pid = 0;
   slot *s = slot_make(j, job);
   if (s == NULL)
     return SHARDD_E_NO_MEMORY;
-  if (s->owners[rank] != NULL) {
-    *holder = s->owners[rank];
+  if (s->owners[rank].owner != 0) {
+    *holder_pid = s->owners[rank].pid;
     return SHARDD_E_STATE;
   }
-  s->owners[rank] = owner;
+  s->owners[rank].owner = owner;
+  s->owners[rank].pid = pid;
   s->nclients++;
   s->empty_since = -1;
   return SHARDD_OK;
 }
 
 void shardd__jobs_leave(shardd__jobs *j, shardd__job *job, uint32_t rank,
-                        void *owner, double now) {
+                        uint64_t owner, double now) {
   slot *s = slot_get(j, job);
   if (s == NULL)
     return;
-  if (s->owners[rank] == owner)
-    s->owners[rank] = NULL;
+  if (s->owners[rank].owner == owner)
+    s->owners[rank].owner = 0;
   if (--s->nclients == 0)
     s->empty_since = now;
   shardd__jobs_idle(j, job);
 }
 
-void shardd__jobs_unclaimed(shardd__jobs *j, shardd__job *job, double now,
-                            int release_now) {
+shardd_err shardd__jobs_unclaimed(shardd__jobs *j, shardd__job *job, double now,
+                                  int release_now) {
   slot *s = slot_make(j, job);
-  if (s == NULL || s->nclients > 0)
-    return;
+  if (s == NULL) {
+    shardd__log(0, "job \"%s\" released: out of memory tracking it", job->name);
+    release(j, job);
+    return SHARDD_E_NO_MEMORY;
+  }
+  if (s->nclients > 0)
+    return SHARDD_OK;
   if (!release_now) {
     /* A restored job lingers like one whose clients left, so it is
      * released if nobody comes back. */
@@ -165,6 +176,7 @@ void shardd__jobs_unclaimed(shardd__jobs *j, shardd__job *job, double now,
     s->empty_since = now;
     shardd__jobs_idle(j, job);
   }
+  return SHARDD_OK;
 }
 
 void shardd__jobs_idle(shardd__jobs *j, shardd__job *job) {
@@ -184,10 +196,12 @@ typedef struct {
   size_t n, cap;
 } linger_arg;
 
-static void find_lingering(void *value, void *arg) {
-  slot *s = value;
+/* In the registry's order, as before the lifetime state moved here, so
+ * the release lines of one tick come out alike. */
+static void find_lingering(shardd__job *job, void *arg) {
   linger_arg *a = arg;
-  if (s->nclients == 0 && s->empty_since >= 0 && a->j->linger >= 0 &&
+  slot *s = slot_get(a->j, job);
+  if (s && s->nclients == 0 && s->empty_since >= 0 && a->j->linger >= 0 &&
       a->now - s->empty_since >= a->j->linger &&
       shardd__coll_inflight(a->j->coll, s->job) == 0 && a->n < a->cap)
     a->expired[a->n++] = s->job;
@@ -200,7 +214,7 @@ void shardd__jobs_expire(shardd__jobs *j, double now) {
   linger_arg a = {j, now, malloc(cap * sizeof(shardd__job *)), 0, cap};
   if (a.expired == NULL)
     return;
-  shardd__map_each(&j->slots, find_lingering, &a);
+  shardd__registry_each_job(j->reg, find_lingering, &a);
   for (size_t i = 0; i < a.n; i++) {
     shardd__log(2, "job \"%s\" released (no client for %.0f s)",
                 a.expired[i]->name, j->linger);

@@ -3,10 +3,10 @@
  * nobody holds is released (--job-linger), and checkpoints taken between
  * steps.
  *
- * Ownership: the lifetime state of each job (its rank owners and linger
- * clock) is kept here by job, from its first claim (or mark) until the job
- * is released through shardd__jobs_release; the jobs themselves belong to
- * the registry and the owners (void *) to the caller. Loop thread only. */
+ * Ownership: the lifetime state of each job (who claimed each rank, as an
+ * id and a pid, and its linger clock) is kept here by job, from its first
+ * claim (or mark) until this module releases the job; the jobs themselves
+ * belong to the registry. Loop thread only. */
 #ifndef SHARDD_JOBS_H
 #define SHARDD_JOBS_H
 
@@ -44,19 +44,21 @@ void shardd__jobs_free(shardd__jobs *j);
 shardd_err shardd__jobs_layout(shardd__jobs *j, shardd__job *job, uint32_t rank,
                                char *err, size_t errlen);
 
-/* Claims rank of job for owner; SHARDD_E_STATE when another holds it
- * (*holder says who; err is the caller's to write, as only it knows what an
- * owner is). */
+/* Claims rank of job for owner (a nonzero id of the caller's choosing) of
+ * process pid; SHARDD_E_STATE when another holds it (*holder_pid says
+ * which process), SHARDD_E_NO_MEMORY. */
 shardd_err shardd__jobs_claim(shardd__jobs *j, shardd__job *job, uint32_t rank,
-                              void *owner, void **holder);
+                              uint64_t owner, int32_t pid, int32_t *holder_pid);
 /* owner lets go of rank; the job may be released (linger 0). */
 void shardd__jobs_leave(shardd__jobs *j, shardd__job *job, uint32_t rank,
-                        void *owner, double now);
+                        uint64_t owner, double now);
 /* A job nobody has claimed (a restore, a refused Hello that created it)
- * starts its linger clock now; with release, a job that has none left is
- * released at once under --job-linger 0. job may be freed. */
-void shardd__jobs_unclaimed(shardd__jobs *j, shardd__job *job, double now,
-                            int release);
+ * starts its linger clock now; with release_now, one that was not
+ * lingering yet is released at once under --job-linger 0 (job may be
+ * freed). Out of memory to track it, the job is released (it could never
+ * expire) and SHARDD_E_NO_MEMORY returned. */
+shardd_err shardd__jobs_unclaimed(shardd__jobs *j, shardd__job *job, double now,
+                                  int release_now);
 /* job may have become idle (its last collective ended): released at once
  * under --job-linger 0 when nobody holds it. job may be freed. */
 void shardd__jobs_idle(shardd__jobs *j, shardd__job *job);

@@ -62,7 +62,9 @@ static int restore_one(shardd__server *srv, const char *dir) {
     shardd__log(0, "restore refused: %s", err);
     return -1;
   }
-  shardd__jobs_unclaimed(&srv->d.jobs, job, shardd__server_now(srv), 0);
+  if (shardd__jobs_unclaimed(&srv->d.jobs, job, shardd__server_now(srv), 0) !=
+      SHARDD_OK)
+    return -1; /* released again, and logged */
   shardd__log(2, "job \"%s\" restored from %s", job->name, dir);
   return 0;
 }

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #define NAME_MAX_LEN 255
 
@@ -23,6 +24,15 @@ void shardd__registry_init(shardd__registry *reg, shardd__backend *backend) {
 static void collect_job_cb(void *value, void *arg) {
   shardd__job ***cursor = arg;
   *(*cursor)++ = value;
+}
+
+void shardd__registry_fit_blocks(shardd__registry *reg, uint64_t keep) {
+  struct rlimit nofile;
+  if (getrlimit(RLIMIT_NOFILE, &nofile) != 0 || nofile.rlim_cur == RLIM_INFINITY)
+    return;
+  uint64_t n = nofile.rlim_cur;
+  reg->max_blocks = n > 2 * keep ? n - keep : n / 2;
+  reg->max_blocks_per_uid = reg->max_blocks / 4;
 }
 
 void shardd__registry_free(shardd__registry *reg) {

@@ -190,6 +190,11 @@ struct shardd__registry {
 };
 
 void shardd__registry_init(shardd__registry *reg, shardd__backend *backend);
+/* Sizes max_blocks from the process's descriptor limit (on the host
+ * backend each rank block is a descriptor), leaving keep of them to the
+ * rest of the daemon; one uid gets a quarter, so no single user can starve
+ * the others (or the accept loop). No limit: unchanged. */
+void shardd__registry_fit_blocks(shardd__registry *reg, uint64_t keep);
 /* Releases every job and frees everything; the backend stays the caller's. */
 void shardd__registry_free(shardd__registry *reg);
 

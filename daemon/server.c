@@ -171,6 +171,12 @@ static uint32_t net_clients(void *ctx) {
   return srv->nclients;
 }
 
+static int net_live(void *ctx, const shardd__conn *c) {
+  const shardd__session *s =
+      (const shardd__session *)((const char *)c - offsetof(shardd__session, conn));
+  return !s->closing && !s->close_deferred;
+}
+
 /* A status-only reply from the transport itself. */
 static void refuse(shardd__session *s, shardd_err code, const char *msg) {
   shardd__dispatch_refuse(&s->srv->d, &s->conn, code, msg);
@@ -408,8 +414,9 @@ static void reap_idle_sessions(shardd__server *srv, double now) {
 static void on_tick(uv_timer_t *t) {
   shardd__server *srv = t->data;
   double now = shardd__server_now(srv);
-  shardd__dispatch_tick(&srv->d, now);
+  shardd__dispatch_timeouts(&srv->d, now);
   reap_idle_sessions(srv, now);
+  shardd__dispatch_expire(&srv->d, now);
 }
 
 static void on_signal(uv_signal_t *h, int signum) {
@@ -465,7 +472,7 @@ shardd_err shardd__server_init(shardd__server *srv, uv_loop_t *loop,
     return SHARDD_E_INVAL;
   }
   snprintf(srv->socket_path, sizeof srv->socket_path, "%s", path);
-  shardd__dispatch_io io = {srv, net_send, net_clients};
+  shardd__dispatch_io io = {srv, net_send, net_clients, net_live};
   shardd_err rc = shardd__dispatch_init(&srv->d, loop, backend, opts,
                                         srv->socket_path, &io, err, errlen);
   if (rc != SHARDD_OK) {

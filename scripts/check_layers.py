@@ -14,7 +14,8 @@ checkpoint's ckfile/manifest/checkpoint/restore):
 
 An edge must go from a higher layer to a lower one, or stay inside its
 module; any other edge is reported with the files that make it, and so is a
-file no layer lists. Exit status 1 on any finding.
+file no layer lists, and a use of the generated wire types (Shardwire__*)
+outside the modules WIRE_MODULES names. Exit status 1 on any finding.
 
 Usage: scripts/check_layers.py [BUILD]   (default build; without objects
 only the includes are checked)
@@ -89,11 +90,29 @@ def include_edges(findings):
     for path in daemon_files():
         with open(path, encoding="utf-8", errors="replace") as f:
             for n, line in enumerate(f, 1):
-                m = re.match(r'\s*#\s*include\s+"([^"]+)"', line)
+                # "x.h" and <x.h> alike: -Idaemon makes both reach daemon/
+                m = re.match(r'\s*#\s*include\s+["<]([^">]+)[">]', line)
                 if m and os.path.basename(m.group(1)) in local:
                     edges.append((module_of(path), module_of(m.group(1)),
                                   "%s:%d includes %s" % (path, n, m.group(1))))
     return edges
+
+
+# Modules that may speak the generated wire types (ARCHITECTURE.md says
+# why each one does); any other use is a finding.
+WIRE_MODULES = {"dispatch", "optcodec", "status"}
+
+
+def wire_uses(findings):
+    for path in daemon_files():
+        if module_of(path) in WIRE_MODULES:
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for n, line in enumerate(f, 1):
+                if re.search(r"\b(Shardwire__|shardwire__|SHARDWIRE__)", line):
+                    findings.append("%s:%d uses a wire type; only %s may"
+                                    % (path, n, ", ".join(sorted(WIRE_MODULES))))
+                    break
 
 
 def nm(obj, *flags):
@@ -134,6 +153,7 @@ def main():
             findings.append("%s: module %s has no layer in "
                             "scripts/check_layers.py (and ARCHITECTURE.md)"
                             % (path, module_of(path)))
+    wire_uses(findings)
     edges = include_edges(findings)
     calls = call_edges(build)
     if calls is not None:
