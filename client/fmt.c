@@ -74,8 +74,13 @@ char *shardd__fmt_status_text(const Shardwire__StatusReply *st) {
     human(t, sizeof t, d->capacity_bytes);
     human(a, sizeof a, d->used_bytes);
     human(b, sizeof b, device_free(d));
-    shardd__sb_printf(&sb, "device %" PRIu32 ": %s total %s used %s free %s\n",
+    shardd__sb_printf(&sb, "device %" PRIu32 ": %s total %s used %s free %s",
                       d->index, d->name, t, a, b);
+    if (d->has_peak_bytes) {
+      human(t, sizeof t, d->peak_bytes);
+      shardd__sb_printf(&sb, " peak %s", t);
+    }
+    shardd__sb_printf(&sb, "\n");
   }
   shardd__sb_printf(&sb, "jobs: %zu\n", st->n_jobs);
   for (size_t i = 0; i < st->n_jobs; i++) {
@@ -129,8 +134,11 @@ char *shardd__fmt_status_json(const Shardwire__StatusReply *st) {
     json_key_str(&sb, "name", d->name, 1);
     shardd__sb_printf(&sb,
                       ",\"capacity_bytes\":%" PRIu64 ",\"used_bytes\":%" PRIu64
-                      ",\"free_bytes\":%" PRIu64 "}",
+                      ",\"free_bytes\":%" PRIu64,
                       d->capacity_bytes, d->used_bytes, device_free(d));
+    if (d->has_peak_bytes)
+      shardd__sb_printf(&sb, ",\"peak_bytes\":%" PRIu64, d->peak_bytes);
+    shardd__sb_printf(&sb, "}");
   }
   shardd__sb_printf(&sb, "],\"jobs\":[");
   for (size_t i = 0; i < st->n_jobs; i++) {

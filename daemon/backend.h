@@ -30,6 +30,9 @@ typedef struct {
   char name[64];
   uint64_t capacity_bytes;
   uint64_t used_bytes; /* by shardd's regions */
+  /* the most used_bytes has been since the backend was created: what a
+   * memory bound is checked against (a transient area counts while held) */
+  uint64_t peak_bytes;
   /* what the device has free now, whoever holds the rest (cuda:
    * cudaMemGetInfo; host: capacity_bytes - used_bytes) */
   uint64_t free_bytes;

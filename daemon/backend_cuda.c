@@ -55,6 +55,7 @@ typedef struct {
   char name[64];
   uint64_t total;
   uint64_t used; /* under lock */
+  uint64_t peak; /* under lock: the high-water of used */
 } cuda_dev;
 
 typedef struct {
@@ -145,6 +146,8 @@ static shardd_err cuda_alloc(shardd__backend *b, int device, size_t bytes,
   r->fd = -1;
   pthread_mutex_lock(&cp->lock);
   cp->dev[device].used += sz;
+  if (cp->dev[device].used > cp->dev[device].peak)
+    cp->dev[device].peak = cp->dev[device].used;
   pthread_mutex_unlock(&cp->lock);
   *out = r;
   return SHARDD_OK;
@@ -398,6 +401,7 @@ static void cuda_device_info(shardd__backend *b, int device,
   out->capacity_bytes = cp->dev[device].total;
   pthread_mutex_lock(&cp->lock);
   out->used_bytes = cp->dev[device].used;
+  out->peak_bytes = cp->dev[device].peak;
   pthread_mutex_unlock(&cp->lock);
   size_t freeb = 0, total = 0;
   cudaError_t e = cudaSetDevice(device);

@@ -19,6 +19,7 @@ typedef struct {
   pthread_mutex_t lock;
   uint64_t capacity;
   uint64_t *used; /* per device */
+  uint64_t *peak; /* per device: the high-water of used */
 } host_priv;
 
 static size_t page_round(size_t n) {
@@ -43,8 +44,11 @@ static shardd_err host_alloc_impl(shardd__backend *b, int device, size_t bytes,
   pthread_mutex_lock(&hp->lock);
   uint64_t used = hp->used[device];
   int fits = sz <= hp->capacity && used <= hp->capacity - sz;
-  if (fits)
+  if (fits) {
     hp->used[device] += sz;
+    if (hp->used[device] > hp->peak[device])
+      hp->peak[device] = hp->used[device];
+  }
   pthread_mutex_unlock(&hp->lock);
   if (!fits) {
     snprintf(err, errlen,
@@ -264,7 +268,9 @@ static void host_device_info(shardd__backend *b, int device,
   snprintf(out->name, sizeof out->name, "host%d", device);
   out->capacity_bytes = hp->capacity;
   pthread_mutex_lock(&hp->lock);
-  out->used_bytes = device >= 0 && device < b->ndevices ? hp->used[device] : 0;
+  int ok = device >= 0 && device < b->ndevices;
+  out->used_bytes = ok ? hp->used[device] : 0;
+  out->peak_bytes = ok ? hp->peak[device] : 0;
   pthread_mutex_unlock(&hp->lock);
   out->free_bytes = out->capacity_bytes > out->used_bytes
                         ? out->capacity_bytes - out->used_bytes
@@ -275,6 +281,7 @@ static void host_destroy(shardd__backend *b) {
   host_priv *hp = b->priv;
   pthread_mutex_destroy(&hp->lock);
   free(hp->used);
+  free(hp->peak);
   free(hp);
   free(b);
 }
@@ -310,16 +317,19 @@ shardd_err shardd__backend_host_create(int ndevices, uint64_t capacity,
   shardd__backend *b = calloc(1, sizeof *b);
   host_priv *hp = calloc(1, sizeof *hp);
   uint64_t *used = calloc((size_t)ndevices, sizeof *used);
-  if (b == NULL || hp == NULL || used == NULL) {
+  uint64_t *peak = calloc((size_t)ndevices, sizeof *peak);
+  if (b == NULL || hp == NULL || used == NULL || peak == NULL) {
     free(b);
     free(hp);
     free(used);
+    free(peak);
     snprintf(err, errlen, "out of memory");
     return SHARDD_E_NO_MEMORY;
   }
   pthread_mutex_init(&hp->lock, NULL);
   hp->capacity = capacity;
   hp->used = used;
+  hp->peak = peak;
   b->ops = &host_ops;
   b->name = "host";
   b->caps = SHARDD__BACKEND_CAP_HOST_MAPPED;

@@ -179,6 +179,8 @@ shardd_err shardd__status_build(const shardd__status_ctx *ctx,
     ds->used_bytes = info.used_bytes;
     ds->has_free_bytes = 1;
     ds->free_bytes = info.free_bytes;
+    ds->has_peak_bytes = 1;
+    ds->peak_bytes = info.peak_bytes;
     st->devices[st->n_devices++] = ds;
   }
 

@@ -1159,3 +1159,42 @@ Test(registry, freed_handle_record_is_bounded) {
   shardd__job_release(&reg, job);
   job = NULL;
 }
+
+static uint64_t peak_bytes(void) {
+  uint64_t sum = 0;
+  for (int d = 0; d < be->ndevices; d++) {
+    shardd__device_info info;
+    be->ops->device_info(be, d, &info);
+    sum += info.peak_bytes;
+  }
+  return sum;
+}
+
+/* The high-water a memory bound is checked against: it follows every
+ * allocation up, and stays when memory is freed. Exact bytes (the host
+ * backend rounds each region to pages). */
+Test(registry, device_peak_is_the_high_water_of_used) {
+  cr_assert_eq(peak_bytes(), 0);
+  shardd__buffer *a, *b;
+  int created;
+  cr_assert_eq(shardd__buffer_register(&reg, job, "a", SHARDD_DTYPE_FP32, 1 << 16,
+                                       &a, &created, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  uint64_t one = used_bytes();
+  cr_assert_gt(one, 0);
+  cr_assert_eq(peak_bytes(), one);
+  cr_assert_eq(shardd__buffer_register(&reg, job, "b", SHARDD_DTYPE_FP32, 1 << 16,
+                                       &b, &created, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  uint64_t two = used_bytes();
+  cr_assert_eq(two, 2 * one);
+  cr_assert_eq(peak_bytes(), two);
+  cr_assert_eq(shardd__buffer_unregister(&reg, job, a->hdr.id, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_assert_eq(used_bytes(), one);
+  cr_assert_eq(peak_bytes(), two, "the peak stays when memory is freed");
+  cr_assert_eq(shardd__buffer_register(&reg, job, "c", SHARDD_DTYPE_FP32, 1 << 16,
+                                       &a, &created, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_assert_eq(peak_bytes(), two, "refilling up to the peak does not raise it");
+}

@@ -106,6 +106,10 @@ Test(server, status_json_then_sigterm, .init = start_default, .fini = stop_daemo
   cr_assert_gt(tj_need(devs->kids[0], "used_bytes", TJ_NUM)->num, 0.0);
   cr_assert_gt(tj_need(devs->kids[1], "used_bytes", TJ_NUM)->num, 0.0);
   cr_assert_eq(tj_need(devs->kids[2], "used_bytes", TJ_NUM)->num, 0.0);
+  for (size_t i = 0; i < devs->n; i++)
+    cr_assert_geq(tj_need(devs->kids[i], "peak_bytes", TJ_NUM)->num,
+                  tj_need(devs->kids[i], "used_bytes", TJ_NUM)->num,
+                  "a device's peak is never below what it holds");
   tj_free(j);
 
   /* The text form is key: value lines. */
