@@ -21,9 +21,9 @@ def load(d, name):
 
 def main():
     d = sys.argv[1] if len(sys.argv) > 1 else "bench/results"
-    rpc, coll, pre, optim, torch, reg = (load(d, n) for n in
-                                         ("rpc", "coll", "prefetch", "optim", "torch_optim",
-                                          "registry"))
+    rpc, coll, pre, optim, torch, reg, mem = (load(d, n) for n in
+                                              ("rpc", "coll", "prefetch", "optim",
+                                               "torch_optim", "registry", "memory"))
     targets = []
 
     def target(name, goal, measured, met, detail=""):
@@ -125,6 +125,21 @@ def main():
                                          dm["register 100,000 views"],
                                          dm["optimizer refused (1 stray ref)"])),
                None, reg.get("daemon_accept_error") or reg.get("in_process_create_error"))
+
+    if mem:
+        # the FSDP-grade memory issue: peak over all devices <= 16*P + 16*U*W
+        rows = mem["rows"]
+        worst = max(rows, key=lambda x: x["peak_bytes"] / x["fsdp_bound_bytes"])
+        parts = ["%du/W%d %.2fx" % (x["units"], x["world"],
+                                    x["peak_bytes"] / x["fsdp_bound_bytes"]) for x in rows]
+        target("daemon peak bytes vs the FSDP bound 16*P + 16*U*W (fp32 AdamW)",
+               "<= 1.00x", "worst %.2fx (%d units, W %d: %.1f vs %.1f MiB); %s"
+               % (worst["peak_bytes"] / worst["fsdp_bound_bytes"], worst["units"],
+                  worst["world"], worst["peak_bytes"] / 2**20,
+                  worst["fsdp_bound_bytes"] / 2**20, ", ".join(parts)),
+               all(x["peak_bytes"] <= x["fsdp_bound_bytes"] for x in rows),
+               "gather and gradient areas are resident per rank for the job's life "
+               "until they are leased (issue 16)")
 
     print("\nTargets (issue 7), this run:")
     for t in targets:
