@@ -103,6 +103,10 @@ struct shardd__buffer {
   /* public counters */
   uint32_t nowned;   /* optimizer refs to it or its views */
   uint64_t gathers, scatters;
+  /* held ranges (views of other optimizers) looked at while validating
+   * registrations over this buffer: tests bound it, so the work of one
+   * registration is shown not to grow with the views already held */
+  uint64_t held_probes;
   shardd__optim *owner; /* when referenced whole */
   /* private */
   /* holds by collectives queued or running on it (and by steps of an

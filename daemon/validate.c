@@ -151,6 +151,7 @@ static int check_held(problems *p, shardd__buffer *buf, const located *l,
     problem(p, SHARDD_E_NO_MEMORY, "out of memory validating refs");
     return 0;
   }
+  buf->held_probes += nv;
   size_t nheld = 0; /* held views, still in offset order */
   for (size_t j = 0; j < nv; j++)
     if (vs[j]->owner)
