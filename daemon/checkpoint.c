@@ -117,6 +117,10 @@ void shardd__checkpoint_wfree(shardd__ckwrite *w) {
   free(w);
 }
 
+const char *shardd__checkpoint_wdir(const shardd__ckwrite *w) {
+  return w->dir;
+}
+
 /* Appends a data file; its manifest line is the text written so far up to
  * "... FNAME " and then the CRC, which the caller's next text follows. */
 static shardd_err add_file(shardd__ckwrite *w, const char *fname,

@@ -72,6 +72,8 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
 shardd_err shardd__checkpoint_run(shardd__ckwrite *w, char *err,
                                   size_t errlen);
 void shardd__checkpoint_wfree(shardd__ckwrite *w);
+/* The directory w writes into, as it was asked for; borrowed from w. */
+const char *shardd__checkpoint_wdir(const shardd__ckwrite *w);
 
 /* Creates the job recorded in dir (it must not exist yet), owned by the uid
  * recorded with it. as_uid is who asks: < 0 the daemon itself (--restore),

@@ -1305,3 +1305,55 @@ Test(checkpoint, a_large_checkpoint_leaves_the_loop_to_other_clients, .timeout =
   test_raw_close(&a);
   cr_assert_eq(test_daemon_stop(&d), 0);
 }
+
+/* The client that asked leaves while its checkpoint is being written, and
+ * under --job-linger 0 its job would go with it: the reply is dropped, the
+ * files are still written, and the job is released only after them. */
+Test(checkpoint, a_client_leaving_mid_checkpoint_keeps_its_job_until_written,
+     .timeout = 60) {
+  char ck[128];
+  snprintf(ck, sizeof ck, "%s/gone", dir);
+  const uint64_t numel = (uint64_t)16 << 20; /* fp32: 64 MiB */
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--backend", "host", "--device-memory",
+                                              "1G", "--job-linger", "0", NULL});
+  test_raw a;
+  test_raw_open(&d, &a);
+  test_raw_hello(&a, "gone", 0, 1);
+  shardd_buffer_info info;
+  test_raw_register_buffer(&a, "flat", SHARDD_DTYPE_FP32, numel, &info);
+  for (uint64_t i = 0; i < numel; i++)
+    ((uint32_t *)info.shard)[i] = big_word(i);
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Checkpoint cp = SHARDWIRE__CHECKPOINT__INIT;
+  cp.dir = ck;
+  req.body_case = SHARDWIRE__REQUEST__BODY_CHECKPOINT;
+  req.checkpoint = &cp;
+  test_raw_send(&a, &req);
+  test_raw_close(&a);
+  for (double end = test_mono_s() + TEST_HANG_S;
+       !test_daemon_log_has(&d, "job \"gone\" released");) {
+    cr_assert_lt(test_mono_s(), end, "the job was never released");
+    test_sleep_ms(10);
+  }
+  char *log = test_slurp(d.log);
+  cr_assert_not_null(log);
+  const char *written = strstr(log, "job \"gone\" checkpointed to");
+  const char *released = strstr(log, "job \"gone\" released");
+  cr_expect(written != NULL && written < released,
+            "the job was released before its checkpoint was written:\n%s", log);
+  free(log);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+
+  test_daemon_start(&d, (const char *const[]){"--backend", "host", "--device-memory",
+                                              "1G", "--restore", ck, NULL});
+  test_raw_open(&d, &a);
+  test_raw_hello(&a, "gone", 0, 1);
+  test_raw_register_buffer(&a, "flat", SHARDD_DTYPE_FP32, numel, &info);
+  uint64_t bad = 0;
+  for (uint64_t i = 0; i < numel; i++)
+    bad += ((uint32_t *)info.shard)[i] != big_word(i);
+  cr_expect_eq(bad, 0, "%llu words differ after restore", (unsigned long long)bad);
+  test_raw_close(&a);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+}
