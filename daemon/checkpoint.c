@@ -85,84 +85,142 @@ static void remove_generation(const shardd__ckdir *d, const char *tag,
   closedir(dh);
 }
 
-shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
-                                    const char *dirpath, int64_t as_uid,
-                                    char *err, size_t errlen) {
+/* One data file of a checkpoint being written: what goes in it, and where
+ * in the manifest text its CRC goes once it is known. */
+typedef struct {
+  char fname[128];
+  uint32_t dtype;
+  uint64_t numel, offset;
+  const char *name;   /* the buffer's; borrowed, as data */
+  const void *data;   /* the region's memory; borrowed */
+  size_t bytes;
+  size_t crc_at;      /* offset of its 8 hex digits in the manifest */
+} ck_file;
+
+struct shardd__ckwrite {
+  char *dir;
+  int64_t as_uid;
+  char tag[16];
+  /* the manifest, whole but for the data files' CRCs (written as 8 zeros
+   * at each crc_at) and the sealed "end" line */
+  shardd__sb m;
+  ck_file *files;
+  size_t nfiles, cap;
+};
+
+void shardd__checkpoint_wfree(shardd__ckwrite *w) {
+  if (w == NULL)
+    return;
+  free(w->dir);
+  shardd__sb_free(&w->m);
+  free(w->files);
+  free(w);
+}
+
+const char *shardd__checkpoint_wdir(const shardd__ckwrite *w) {
+  return w->dir;
+}
+
+/* Appends a data file; its manifest line is the text written so far up to
+ * "... FNAME " and then the CRC, which the caller's next text follows. */
+static shardd_err add_file(shardd__ckwrite *w, const char *fname,
+                           uint32_t dtype, uint64_t numel, uint64_t offset,
+                           const char *name, const void *data, size_t bytes) {
+  if (w->nfiles == w->cap) {
+    size_t ncap = w->cap ? w->cap * 2 : 16;
+    ck_file *p = realloc(w->files, ncap * sizeof *p);
+    if (p == NULL)
+      return SHARDD_E_NO_MEMORY;
+    w->files = p;
+    w->cap = ncap;
+  }
+  ck_file *f = &w->files[w->nfiles++];
+  snprintf(f->fname, sizeof f->fname, "%s", fname);
+  f->dtype = dtype;
+  f->numel = numel;
+  f->offset = offset;
+  f->name = name;
+  f->data = data;
+  f->bytes = bytes;
+  f->crc_at = w->m.len;
+  shardd__sb_printf(&w->m, "00000000");
+  return SHARDD_OK;
+}
+
+shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
+                                      const char *dirpath, int64_t as_uid,
+                                      shardd__ckwrite **out, char *err,
+                                      size_t errlen) {
+  *out = NULL;
   /* payloads are read and written through the daemon's own mapping */
   if (!(reg->backend->caps & SHARDD__BACKEND_CAP_HOST_MAPPED)) {
     snprintf(err, errlen, "checkpoints support the host backend only");
     return SHARDD_E_INVAL;
   }
-  shardd__ckdir dd = {-1, dirpath, as_uid};
-  const shardd__ckdir *dir = &dd;
-  shardd_err orc =
-      shardd__ck_open_write_dir(dirpath, as_uid, &dd.fd, err, errlen);
-  if (orc != SHARDD_OK)
-    return orc;
+  shardd__ckwrite *w = calloc(1, sizeof *w);
+  if (w == NULL || (w->dir = strdup(dirpath)) == NULL) {
+    free(w);
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  w->as_uid = as_uid;
+  shardd__sb_init(&w->m);
   /* Every data file of this checkpoint carries a tag of its own; the files
    * of the previous one stay until the new manifest has replaced its
    * manifest (one rename), so a write that fails (ENOSPC, kill -9) leaves
    * the last good checkpoint whole. */
-  static unsigned counter;
+  static unsigned counter; /* loop thread only, as prepare */
   struct timespec now;
   clock_gettime(CLOCK_REALTIME, &now);
   uint64_t seed[3] = {(uint64_t)now.tv_sec, (uint64_t)now.tv_nsec,
                       (uint64_t)getpid() << 32 | ++counter};
-  char tag[16];
-  snprintf(tag, sizeof tag, "%08" PRIx32, shardd__crc32c(0, seed, sizeof seed));
+  snprintf(w->tag, sizeof w->tag, "%08" PRIx32,
+           shardd__crc32c(0, seed, sizeof seed));
+  const char *tag = w->tag;
+  shardd__sb *m = &w->m;
 
   shardd__buffer **bufs = NULL;
   shardd__optim **opts = NULL;
   size_t nb = 0, no = 0;
-  int manifest_in = 0;
-  shardd__sb m;
-  shardd__sb_init(&m);
   shardd_err rc = SHARDD_E_NO_MEMORY;
   if (shardd__job_buffers(job, &bufs, &nb) != SHARDD_OK ||
-      shardd__job_optims(job, &opts, &no) != SHARDD_OK) {
-    snprintf(err, errlen, "out of memory");
-    goto done;
-  }
-  shardd__sb_printf(&m, "shardd-checkpoint %d\njob ", SHARDD_MANIFEST_VERSION);
-  shardd__manifest_enc_name(&m, job->name);
-  shardd__sb_printf(&m, " %" PRIu32 " %" PRIu32 "\n", job->world, job->uid);
+      shardd__job_optims(job, &opts, &no) != SHARDD_OK)
+    goto nomem;
+  shardd__sb_printf(m, "shardd-checkpoint %d\njob ", SHARDD_MANIFEST_VERSION);
+  shardd__manifest_enc_name(m, job->name);
+  shardd__sb_printf(m, " %" PRIu32 " %" PRIu32 "\n", job->world, job->uid);
 
   char fname[128];
   for (size_t i = 0; i < nb; i++) {
     shardd__buffer *b = bufs[i];
     size_t esz = shardd_dtype_size(b->dtype);
-    shardd__sb_printf(&m, "buffer ");
-    shardd__manifest_enc_name(&m, b->hdr.name);
-    shardd__sb_printf(&m, " %d %" PRIu64 " %" PRIu64 "\n", (int)b->dtype,
+    shardd__sb_printf(m, "buffer ");
+    shardd__manifest_enc_name(m, b->hdr.name);
+    shardd__sb_printf(m, " %d %" PRIu64 " %" PRIu64 "\n", (int)b->dtype,
                       b->numel, b->hdr.generation);
     for (uint32_t r = 0; r < b->world; r++) {
-      uint32_t crc;
       snprintf(fname, sizeof fname, "b%zu-r%" PRIu32 "-%s.shard", i, r, tag);
-      rc = shardd__ck_write_data(dir, fname, (uint32_t)b->dtype, b->shard_numel,
-                                 (uint64_t)r * b->shard_numel, b->hdr.name,
-                                 (const char *)b->blocks[r]->ptr + b->shard_off,
-                                 b->shard_numel * esz, &crc, err, errlen);
-      if (rc != SHARDD_OK)
-        goto done;
-      shardd__sb_printf(&m, "shard %zu %" PRIu32 " %s %08" PRIx32 "\n", i, r,
-                        fname, crc);
+      shardd__sb_printf(m, "shard %zu %" PRIu32 " %s ", i, r, fname);
+      if (add_file(w, fname, (uint32_t)b->dtype, b->shard_numel,
+                   (uint64_t)r * b->shard_numel, b->hdr.name,
+                   (const char *)b->blocks[r]->ptr + b->shard_off,
+                   b->shard_numel * esz) != SHARDD_OK)
+        goto nomem;
+      shardd__sb_printf(m, "\n");
     }
     shardd__view **views;
     size_t nv;
-    if (shardd__buffer_views(b, &views, &nv) != SHARDD_OK) {
-      rc = SHARDD_E_NO_MEMORY;
-      snprintf(err, errlen, "out of memory");
-      goto done;
-    }
+    if (shardd__buffer_views(b, &views, &nv) != SHARDD_OK)
+      goto nomem;
     for (size_t k = 0; k < nv; k++) {
       shardd__view *v = views[k];
-      shardd__sb_printf(&m, "view %zu ", i);
-      shardd__manifest_enc_name(&m, v->hdr.name);
-      shardd__sb_printf(&m, " %" PRIu64 " %" PRIu64 " %d", v->offset, v->numel,
+      shardd__sb_printf(m, "view %zu ", i);
+      shardd__manifest_enc_name(m, v->hdr.name);
+      shardd__sb_printf(m, " %" PRIu64 " %" PRIu64 " %d", v->offset, v->numel,
                         v->ndim);
       for (int d = 0; d < v->ndim; d++)
-        shardd__sb_printf(&m, " %" PRId64, v->shape[d]);
-      shardd__sb_printf(&m, " %" PRIu64 " %d\n", v->hdr.generation,
+        shardd__sb_printf(m, " %" PRId64, v->shape[d]);
+      shardd__sb_printf(m, " %" PRIu64 " %d\n", v->hdr.generation,
                         v->requires_grad);
     }
     free(views);
@@ -178,24 +236,24 @@ shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
                "does not fit a manifest line (%zu bytes)",
                o->hdr.name, o->spec_len, SHARDD__MANIFEST_LINE_MAX);
       rc = SHARDD_E_LIMIT;
-      goto done;
+      goto fail;
     }
-    shardd__sb_printf(&m, "optimizer %zu ", i);
-    shardd__manifest_enc_name(&m, o->hdr.name);
-    shardd__sb_printf(&m, " %" PRIu64 " ", o->steps);
+    shardd__sb_printf(m, "optimizer %zu ", i);
+    shardd__manifest_enc_name(m, o->hdr.name);
+    shardd__sb_printf(m, " %" PRIu64 " ", o->steps);
     for (size_t k = 0; k < o->spec_len; k++)
-      shardd__sb_printf(&m, "%02x", o->spec[k]);
-    shardd__sb_printf(&m, "\n");
+      shardd__sb_printf(m, "%02x", o->spec[k]);
+    shardd__sb_printf(m, "\n");
     for (size_t k = 0; k < o->nrefs; k++) {
       shardd__obj *r = o->refs[k];
       if (r->kind == SHARDD__OBJ_VIEW) {
         shardd__view *v = (shardd__view *)r;
-        shardd__sb_printf(&m, "ref %zu %" PRIu64 " view %zu ", i, r->id,
+        shardd__sb_printf(m, "ref %zu %" PRIu64 " view %zu ", i, r->id,
                           buffer_index(bufs, nb, v->buf));
-        shardd__manifest_enc_name(&m, r->name);
-        shardd__sb_printf(&m, "\n");
+        shardd__manifest_enc_name(m, r->name);
+        shardd__sb_printf(m, "\n");
       } else {
-        shardd__sb_printf(&m, "ref %zu %" PRIu64 " buffer %zu\n", i, r->id,
+        shardd__sb_printf(m, "ref %zu %" PRIu64 " buffer %zu\n", i, r->id,
                           buffer_index(bufs, nb, (shardd__buffer *)r));
       }
     }
@@ -204,34 +262,69 @@ shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
       if (sh->state == NULL)
         continue;
       size_t bi = buffer_index(bufs, nb, sh->buf);
-      uint32_t crc;
       snprintf(fname, sizeof fname, "o%zu-b%zu-r%" PRIu32 "-%s.state", i, bi,
                sh->rank, tag);
-      rc = shardd__ck_write_data(
-          dir, fname, SHARDD_DTYPE_FP32, sh->state->bytes / 4,
-          (uint64_t)sh->rank * sh->buf->shard_numel, sh->buf->hdr.name,
-          sh->state->ptr, sh->state->bytes, &crc, err, errlen);
-      if (rc != SHARDD_OK)
-        goto done;
-      shardd__sb_printf(&m, "state %zu %zu %" PRIu32 " %d %s %08" PRIx32 " %zu %d\n",
-                        i, bi, sh->rank, sh->master_valid, fname, crc,
-                        sh->state->bytes, sh->nstate);
+      shardd__sb_printf(m, "state %zu %zu %" PRIu32 " %d %s ", i, bi, sh->rank,
+                        sh->master_valid, fname);
+      if (add_file(w, fname, SHARDD_DTYPE_FP32, sh->state->bytes / 4,
+                   (uint64_t)sh->rank * sh->buf->shard_numel,
+                   sh->buf->hdr.name, sh->state->ptr,
+                   sh->state->bytes) != SHARDD_OK)
+        goto nomem;
+      shardd__sb_printf(m, " %zu %d\n", sh->state->bytes, sh->nstate);
     }
+  }
+  if (m->failed)
+    goto nomem;
+  free(bufs);
+  free(opts);
+  *out = w;
+  return SHARDD_OK;
+
+nomem:
+  rc = SHARDD_E_NO_MEMORY;
+  snprintf(err, errlen, "out of memory");
+fail:
+  free(bufs);
+  free(opts);
+  shardd__checkpoint_wfree(w);
+  return rc;
+}
+
+shardd_err shardd__checkpoint_run(shardd__ckwrite *w, char *err,
+                                  size_t errlen) {
+  shardd__ckdir dd = {-1, w->dir, w->as_uid};
+  const shardd__ckdir *dir = &dd;
+  shardd_err rc =
+      shardd__ck_open_write_dir(w->dir, w->as_uid, &dd.fd, err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  int manifest_in = 0;
+  shardd__sb *m = &w->m;
+  for (size_t i = 0; i < w->nfiles; i++) {
+    const ck_file *f = &w->files[i];
+    uint32_t crc;
+    rc = shardd__ck_write_data(dir, f->fname, f->dtype, f->numel, f->offset,
+                               f->name, f->data, f->bytes, &crc, err, errlen);
+    if (rc != SHARDD_OK)
+      goto done;
+    char hex[9];
+    snprintf(hex, sizeof hex, "%08" PRIx32, crc);
+    memcpy(m->s + f->crc_at, hex, 8);
   }
   /* The checksum seals every byte before it: an edited step count,
    * master_valid or owner was accepted, and an edited offset surfaced only
    * when ranks re-attached, blaming the trainers. */
-  if (!m.failed)
-    shardd__sb_printf(&m, "end %08" PRIx32 "\n", shardd__crc32c(0, m.s, m.len));
-  if (m.failed) {
+  shardd__sb_printf(m, "end %08" PRIx32 "\n", shardd__crc32c(0, m->s, m->len));
+  if (m->failed) {
     rc = SHARDD_E_NO_MEMORY;
     snprintf(err, errlen, "out of memory");
     goto done;
   }
   /* Data files must be durable before the manifest vouches for them. */
   if ((rc = shardd__ck_fsync_dir(dir, err, errlen)) != SHARDD_OK ||
-      (rc = shardd__ck_write_file(dir, SHARDD__MANIFEST_FILE, NULL, 0, m.s,
-                                  m.len, err, errlen)) != SHARDD_OK)
+      (rc = shardd__ck_write_file(dir, SHARDD__MANIFEST_FILE, NULL, 0, m->s,
+                                  m->len, err, errlen)) != SHARDD_OK)
     goto done;
   manifest_in = 1; /* from here the new files are the checkpoint */
   if ((rc = shardd__ck_fsync_dir(dir, err, errlen)) != SHARDD_OK)
@@ -239,10 +332,20 @@ shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
   rc = SHARDD_OK;
 
 done:
-  remove_generation(dir, tag, manifest_in);
+  remove_generation(dir, w->tag, manifest_in);
   close(dd.fd);
-  shardd__sb_free(&m);
-  free(bufs);
-  free(opts);
+  return rc;
+}
+
+shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
+                                    const char *dirpath, int64_t as_uid,
+                                    char *err, size_t errlen) {
+  shardd__ckwrite *w;
+  shardd_err rc =
+      shardd__checkpoint_prepare(reg, job, dirpath, as_uid, &w, err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  rc = shardd__checkpoint_run(w, err, errlen);
+  shardd__checkpoint_wfree(w);
   return rc;
 }

@@ -16,7 +16,11 @@
  * a line is longer than any shardd writes, holds a NUL byte, or a buffer it
  * lists lacks the shard of some rank (restoring it gave zeros).
  *
- * Both run on the loop thread and block it for the I/O. Host backend only
+ * A write comes in two halves: prepare, on the loop thread, takes what the
+ * registry says (the manifest's text, where each payload lies) and run,
+ * on any thread, does the file I/O, so a daemon can write a 1.6 GB job
+ * without freezing its clients (jobs.c runs it on libuv's pool). Restore
+ * runs on the loop thread and blocks it for the I/O. Host backend only
  * (payloads are read and written through the daemon's own mapping).
  *
  * Write is checkpoint.c, restore restore.c; beneath both, manifest.h (the
@@ -44,9 +48,32 @@
  * directory of its own (SHARDD_E_PERMISSION otherwise). No path component
  * may be a symlink. The previous checkpoint in dir stays restorable until
  * the new manifest replaces it. */
+/* prepare, run and wfree in one call, on the loop thread (blocking it):
+ * --checkpoint-on-exit, where the loop has stopped, and tests. */
 shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
                                     const char *dir, int64_t as_uid, char *err,
                                     size_t errlen);
+
+/* A checkpoint being written: what prepare took from the registry. */
+typedef struct shardd__ckwrite shardd__ckwrite;
+
+/* The loop-thread half of checkpoint_write (same rules, same refusals):
+ * the job's manifest and the places of its payloads, into *out (freed with
+ * shardd__checkpoint_wfree). It keeps pointers into the job's memory and
+ * names: until wfree, the job must not change -- no collective, no
+ * (un)registration, no release (jobs.c holds it so). Touches no file. */
+shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
+                                      const char *dir, int64_t as_uid,
+                                      shardd__ckwrite **out, char *err,
+                                      size_t errlen);
+/* The I/O half: opens dir (checking it as checkpoint_write does), writes
+ * the data files and then the sealed manifest. Any thread; it reads the
+ * job's payloads but no registry struct. Once per w. */
+shardd_err shardd__checkpoint_run(shardd__ckwrite *w, char *err,
+                                  size_t errlen);
+void shardd__checkpoint_wfree(shardd__ckwrite *w);
+/* The directory w writes into, as it was asked for; borrowed from w. */
+const char *shardd__checkpoint_wdir(const shardd__ckwrite *w);
 
 /* Creates the job recorded in dir (it must not exist yet), owned by the uid
  * recorded with it. as_uid is who asks: < 0 the daemon itself (--restore),

@@ -62,6 +62,8 @@ typedef struct {
   shardd__registry reg;
   shardd__coll_engine *coll;
   shardd__jobs jobs;
+  /* private: checkpoints whose replies wait for their files */
+  struct shardd__ckpt_wait *ckpt_waits;
 } shardd__dispatch;
 
 /* socket_path is borrowed (it lives as long as d). */

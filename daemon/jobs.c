@@ -20,7 +20,20 @@ typedef struct {
   claim *owners; /* [world] */
   uint32_t nclients;
   double empty_since; /* loop time the last client left; < 0 while held */
+  int checkpointing;  /* a checkpoint of it is started and not done */
 } slot;
+
+/* A checkpoint started and not done: what prepare took, and whom to tell. */
+struct shardd__jobs_ckpt {
+  uv_work_t req; /* req.data: the jobs */
+  shardd__job *job;
+  shardd__ckwrite *w;
+  shardd__jobs_ckpt_done done;
+  void *arg;
+  shardd_err rc;
+  char err[512];
+  shardd__jobs_ckpt *next;
+};
 
 /* By address, as the engine keeps its state: an entry lives until release()
  * frees the job, so no address is reused under it. */
@@ -56,10 +69,11 @@ static void slot_free(slot *s) {
   }
 }
 
-void shardd__jobs_init(shardd__jobs *j, shardd__registry *reg,
+void shardd__jobs_init(shardd__jobs *j, uv_loop_t *loop, shardd__registry *reg,
                        shardd__coll_engine *coll, double linger,
                        const shardd__jobspec *specs, size_t nspecs) {
   memset(j, 0, sizeof *j);
+  j->loop = loop;
   j->reg = reg;
   j->coll = coll;
   j->linger = linger;
@@ -71,6 +85,15 @@ void shardd__jobs_init(shardd__jobs *j, shardd__registry *reg,
 static void free_slot_cb(void *value, void *arg) { slot_free(value); }
 
 void shardd__jobs_free(shardd__jobs *j) {
+  /* none is left once the loop has run dry; any still queued is dropped
+   * unwritten, its hook never called */
+  while (j->ck_first) {
+    shardd__jobs_ckpt *k = j->ck_first;
+    j->ck_first = k->next;
+    shardd__checkpoint_wfree(k->w);
+    free(k);
+  }
+  j->ck_last = NULL;
   shardd__map_each(&j->slots, free_slot_cb, NULL);
   shardd__map_free(&j->slots);
 }
@@ -183,7 +206,8 @@ void shardd__jobs_idle(shardd__jobs *j, shardd__job *job) {
   /* --job-linger 0: a job ends with its last client (or with the last
    * collective that outlived it), not at the next tick. */
   if (shardd__jobs_clients(j, job) == 0 && j->linger == 0 && !j->stopping &&
-      shardd__coll_inflight(j->coll, job) == 0) {
+      shardd__coll_inflight(j->coll, job) == 0 &&
+      !shardd__jobs_checkpointing(j, job)) {
     shardd__log(2, "job \"%s\" released (last client left)", job->name);
     release(j, job);
   }
@@ -202,7 +226,7 @@ static void find_lingering(shardd__job *job, void *arg) {
   linger_arg *a = arg;
   slot *s = slot_get(a->j, job);
   if (s && s->nclients == 0 && s->empty_since >= 0 && a->j->linger >= 0 &&
-      a->now - s->empty_since >= a->j->linger &&
+      a->now - s->empty_since >= a->j->linger && !s->checkpointing &&
       shardd__coll_inflight(a->j->coll, s->job) == 0 && a->n < a->cap)
     a->expired[a->n++] = s->job;
 }
@@ -228,15 +252,19 @@ uint32_t shardd__jobs_clients(const shardd__jobs *j, const shardd__job *job) {
   return s ? s->nclients : 0;
 }
 
-shardd_err shardd__jobs_checkpoint(shardd__jobs *j, shardd__job *job,
-                                   const char *dir, int64_t as_uid, char *err,
-                                   size_t errlen) {
+/* What refuses a checkpoint of job now, into err; SHARDD_OK when none. */
+static shardd_err may_checkpoint(const shardd__jobs *j, const shardd__job *job,
+                                 char *err, size_t errlen) {
   if (job->nodes > 1) {
     snprintf(err, errlen,
              "job \"%s\" spans %" PRIu32 " nodes; checkpoints of multi-node "
              "jobs are not supported yet",
              job->name, job->nodes);
     return SHARDD_E_STATE;
+  }
+  if (shardd__jobs_checkpointing(j, job)) {
+    snprintf(err, errlen, "job \"%s\" is being checkpointed", job->name);
+    return SHARDD_E_BUSY;
   }
   uint32_t n = shardd__coll_inflight(j->coll, job);
   if (n > 0) {
@@ -246,8 +274,115 @@ shardd_err shardd__jobs_checkpoint(shardd__jobs *j, shardd__job *job,
              job->name, n);
     return SHARDD_E_BUSY;
   }
-  shardd_err rc = shardd__checkpoint_write(j->reg, job, dir, as_uid, err, errlen);
+  return SHARDD_OK;
+}
+
+shardd_err shardd__jobs_checkpoint(shardd__jobs *j, shardd__job *job,
+                                   const char *dir, int64_t as_uid, char *err,
+                                   size_t errlen) {
+  shardd_err rc = may_checkpoint(j, job, err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  rc = shardd__checkpoint_write(j->reg, job, dir, as_uid, err, errlen);
   if (rc == SHARDD_OK)
     shardd__log(2, "job \"%s\" checkpointed to %s", job->name, dir);
   return rc;
+}
+
+int shardd__jobs_checkpointing(const shardd__jobs *j, const shardd__job *job) {
+  const slot *s = slot_get(j, job);
+  return s != NULL && s->checkpointing;
+}
+
+/* On a pool thread: the files. Reads the job's memory, no registry
+ * struct (see shardd__checkpoint_run). */
+static void ckpt_work(uv_work_t *req) {
+  shardd__jobs *j = req->data;
+  shardd__jobs_ckpt *k = j->ck_first;
+  k->rc = shardd__checkpoint_run(k->w, k->err, sizeof k->err);
+}
+
+static void ckpt_after(uv_work_t *req, int status);
+
+/* Starts writing the first queued checkpoint on the pool; 0, or
+ * uv_queue_work's error (it fails only on bad arguments). */
+static int ckpt_kick(shardd__jobs *j) {
+  shardd__jobs_ckpt *k = j->ck_first;
+  k->req.data = j;
+  return uv_queue_work(j->loop, &k->req, ckpt_work, ckpt_after);
+}
+
+/* Takes the first checkpoint off the queue: the job is the registry's to
+ * change again and its caller hears how it went. Returns the job. */
+static shardd__job *ckpt_finish(shardd__jobs *j) {
+  shardd__jobs_ckpt *k = j->ck_first;
+  j->ck_first = k->next;
+  if (j->ck_first == NULL)
+    j->ck_last = NULL;
+  shardd__job *job = k->job;
+  slot *s = slot_get(j, job);
+  if (s)
+    s->checkpointing = 0;
+  if (k->rc == SHARDD_OK)
+    shardd__log(2, "job \"%s\" checkpointed to %s", job->name,
+                shardd__checkpoint_wdir(k->w));
+  k->done(k->arg, job, k->rc, k->err);
+  shardd__checkpoint_wfree(k->w);
+  free(k);
+  return job;
+}
+
+/* On the loop thread, once the files are written: the caller hears, the
+ * next checkpoint starts, and a job nobody holds any more may go. */
+static void ckpt_after(uv_work_t *req, int status) {
+  shardd__jobs *j = req->data;
+  shardd__job *job = ckpt_finish(j);
+  int e;
+  while (j->ck_first && (e = ckpt_kick(j)) != 0) {
+    j->ck_first->rc = SHARDD_E_INVAL;
+    snprintf(j->ck_first->err, sizeof j->ck_first->err,
+             "cannot start the checkpoint: %s", uv_strerror(e));
+    shardd__jobs_idle(j, ckpt_finish(j));
+  }
+  shardd__jobs_idle(j, job); /* may free job */
+}
+
+shardd_err shardd__jobs_checkpoint_start(shardd__jobs *j, shardd__job *job,
+                                         const char *dir, int64_t as_uid,
+                                         shardd__jobs_ckpt_done done,
+                                         void *arg, char *err, size_t errlen) {
+  shardd_err rc = may_checkpoint(j, job, err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  shardd__jobs_ckpt *k = calloc(1, sizeof *k);
+  slot *s = k ? slot_make(j, job) : NULL;
+  if (s == NULL) {
+    free(k);
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  rc = shardd__checkpoint_prepare(j->reg, job, dir, as_uid, &k->w, err, errlen);
+  if (rc != SHARDD_OK) {
+    free(k);
+    return rc;
+  }
+  k->job = job;
+  k->done = done;
+  k->arg = arg;
+  if (j->ck_first == NULL) {
+    j->ck_first = j->ck_last = k;
+    int e = ckpt_kick(j);
+    if (e != 0) {
+      j->ck_first = j->ck_last = NULL;
+      shardd__checkpoint_wfree(k->w);
+      free(k);
+      snprintf(err, errlen, "cannot start the checkpoint: %s", uv_strerror(e));
+      return SHARDD_E_INVAL;
+    }
+  } else { /* written once those before it are */
+    j->ck_last->next = k;
+    j->ck_last = k;
+  }
+  s->checkpointing = 1;
+  return SHARDD_OK;
 }

@@ -6,20 +6,25 @@
  * Ownership: the lifetime state of each job (who claimed each rank, as an
  * id and a pid, and its linger clock) is kept here by job, from its first
  * claim (or mark) until this module releases the job; the jobs themselves
- * belong to the registry. Loop thread only. */
+ * belong to the registry. Loop thread only (checkpoint files are written
+ * on libuv's pool, from a snapshot). */
 #ifndef SHARDD_JOBS_H
 #define SHARDD_JOBS_H
 
 #include <stddef.h>
 #include <stdint.h>
+#include <uv.h>
 
 #include "coll.h"
 #include "jobspec.h"
 #include "map.h"
 #include "registry.h"
 
+typedef struct shardd__jobs_ckpt shardd__jobs_ckpt;
+
 typedef struct {
   /* read-only after init */
+  uv_loop_t *loop;
   shardd__registry *reg;
   shardd__coll_engine *coll;
   double linger; /* seconds a job outlives its last client; < 0 never */
@@ -29,12 +34,17 @@ typedef struct {
   int stopping;
   /* private */
   shardd__map slots; /* job address -> lifetime state */
+  /* checkpoints started and not done, in order; the first is being
+   * written on libuv's pool, one at a time (two jobs written into one
+   * directory at once would each remove the other's data files) */
+  shardd__jobs_ckpt *ck_first, *ck_last;
 } shardd__jobs;
 
-void shardd__jobs_init(shardd__jobs *j, shardd__registry *reg,
+void shardd__jobs_init(shardd__jobs *j, uv_loop_t *loop, shardd__registry *reg,
                        shardd__coll_engine *coll, double linger,
                        const shardd__jobspec *specs, size_t nspecs);
-/* Frees the lifetime state; the jobs stay the registry's. */
+/* Frees the lifetime state; the jobs stay the registry's. The loop has
+ * run dry first (no checkpoint is being written). */
 void shardd__jobs_free(shardd__jobs *j);
 
 /* Applies the --job-spec naming job, if any, when rank says Hello: gives a
@@ -68,10 +78,30 @@ void shardd__jobs_expire(shardd__jobs *j, double now);
 uint32_t shardd__jobs_clients(const shardd__jobs *j, const shardd__job *job);
 
 /* Checkpoints job to dir between steps (SHARDD_E_BUSY with collectives in
- * flight, SHARDD_E_STATE for a multi-node job); as_uid as in
- * shardd__checkpoint_write. */
+ * flight or while it is being checkpointed, SHARDD_E_STATE for a
+ * multi-node job); as_uid as in shardd__checkpoint_write. Blocks the loop
+ * for the I/O: for --checkpoint-on-exit, where the loop has stopped. */
 shardd_err shardd__jobs_checkpoint(shardd__jobs *j, shardd__job *job,
                                    const char *dir, int64_t as_uid, char *err,
                                    size_t errlen);
+
+/* Told on the loop thread when a checkpoint started by
+ * shardd__jobs_checkpoint_start is written (rc OK) or failed (err says
+ * why). job is still there; it may be released once the hook returns. */
+typedef void (*shardd__jobs_ckpt_done)(void *arg, shardd__job *job,
+                                       shardd_err rc, const char *err);
+
+/* As shardd__jobs_checkpoint, with the file I/O on libuv's pool: the
+ * job's manifest is taken now, and done(arg, ...) is called once the files
+ * are written. Until then the job is being checkpointed: it is not
+ * released, and the caller must refuse what would change what is written
+ * (steps, registrations, unregistrations; see jobs_checkpointing). A
+ * refusal is returned here, and done is then never called. */
+shardd_err shardd__jobs_checkpoint_start(shardd__jobs *j, shardd__job *job,
+                                         const char *dir, int64_t as_uid,
+                                         shardd__jobs_ckpt_done done,
+                                         void *arg, char *err, size_t errlen);
+/* Whether job is being checkpointed (started and not done). */
+int shardd__jobs_checkpointing(const shardd__jobs *j, const shardd__job *job);
 
 #endif /* SHARDD_JOBS_H */

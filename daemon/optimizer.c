@@ -38,6 +38,7 @@ void shardd__optim_destroy(shardd__registry *reg, shardd__optim *o) {
     shardd__obj *r = o->refs[i];
     if (r->kind == SHARDD__OBJ_VIEW) {
       shardd__view *v = (shardd__view *)r;
+      shardd__buffer_held_del(v);
       v->owner = NULL;
       v->buf->nowned--;
     } else {
@@ -195,9 +196,10 @@ shardd_err shardd__optim_create(shardd__registry *reg, shardd__job *job,
   for (size_t i = 0; i < plan->nrefs; i++) {
     shardd__obj *r = plan->refs[i].obj;
     o->refs[o->nrefs++] = r;
-    if (r->kind == SHARDD__OBJ_VIEW)
+    if (r->kind == SHARDD__OBJ_VIEW) {
       ((shardd__view *)r)->owner = o;
-    else
+      shardd__buffer_held_add((shardd__view *)r);
+    } else
       ((shardd__buffer *)r)->owner = o;
     plan->refs[i].buf->nowned++;
   }

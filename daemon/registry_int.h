@@ -63,6 +63,12 @@ size_t shardd__area_end(size_t start, size_t bytes);
  * caller has made sure no optimizer references it. */
 void shardd__buffer_destroy(shardd__registry *reg, shardd__buffer *b);
 
+/* Lists v (its owner just set) in, or takes it out of (its owner about to
+ * be cleared), its buffer's index of held views. Cannot fail: the links are
+ * v's own. */
+void shardd__buffer_held_add(shardd__view *v);
+void shardd__buffer_held_del(shardd__view *v);
+
 /* ---- optimizer.c ------------------------------------------------------ */
 
 /* Frees o and its state regions, unlists it, and drops its claims on the

@@ -1493,3 +1493,100 @@ Test(validate, hundred_thousand_refs_of_one_id_give_a_bounded_message, .timeout 
   free(refs);
   free(rptrs);
 }
+
+/* Issue 20 item 10: 70k optimizers took 969 s to register, because the
+ * held check listed (and sorted) every view of the buffer for every
+ * registration. Here N single-view optimizers over one buffer of N views,
+ * registered in an order unrelated to memory, then half of them dropped
+ * and registered again: the held ranges looked at (buf->held_probes) must
+ * stay within a few times N log2 N. Listing every view each time is N^2
+ * (400 million at N = 20000, against a bound of 2.4 million). */
+#define HELD_N 20000
+#define HELD_LOG2 15 /* ceil(log2(HELD_N)) */
+
+static shardd_err register_one_view(shardd__job *j, const char *oname,
+                                    uint64_t vid, char **text) {
+  shardd__optspec_ref ref = {vid, NULL, 0, 0};
+  shardd__optspec_group grp;
+  memset(&grp, 0, sizeof grp);
+  grp.refs = &ref;
+  grp.nrefs = 1;
+  shardd__optspec spec;
+  memset(&spec, 0, sizeof spec);
+  spec.name = (char *)oname;
+  spec.kind = SHARDD_OPTIM_SGD;
+  spec.groups = &grp;
+  spec.ngroups = 1;
+  shardd__optim_plan plan;
+  *text = NULL;
+  shardd_err rc = shardd__validate_optimizer(&reg, j, &spec, &plan, text);
+  if (rc != SHARDD_OK)
+    return rc;
+  shardd__optim *o;
+  rc = shardd__optim_create(&reg, j, &plan, &o, err, sizeof err);
+  shardd__optim_plan_free(&plan);
+  return rc;
+}
+
+Test(validate, held_check_does_not_grow_with_held_views, .timeout = 300) {
+  shardd__buffer *b = buf_new(job, "flat", SHARDD_DTYPE_FP32,
+                              (uint64_t)HELD_N * 8);
+  shardd__view **vs = malloc(HELD_N * sizeof *vs);
+  uint64_t *oids = calloc(HELD_N, sizeof *oids);
+  cr_assert(vs && oids);
+  for (size_t i = 0; i < HELD_N; i++) {
+    char n[32];
+    snprintf(n, sizeof n, "p%zu", i);
+    vs[i] = view_new(b, n, (uint64_t)i * 8, 8);
+  }
+  char *text;
+  for (size_t k = 0; k < HELD_N; k++) {
+    size_t i = (k * 7919) % HELD_N;
+    char on[32];
+    snprintf(on, sizeof on, "o%zu", i);
+    shardd_err rc = register_one_view(job, on, vs[i]->hdr.id, &text);
+    cr_assert_eq(rc, SHARDD_OK, "%s: %s", on, text ? text : err);
+    cr_assert_not_null(vs[i]->owner);
+    oids[i] = vs[i]->owner->hdr.id;
+  }
+  /* drop the even ones, then register each again under another name */
+  for (size_t i = 0; i < HELD_N; i += 2)
+    cr_assert_eq(shardd__optim_unregister(&reg, job, oids[i], err, sizeof err),
+                 SHARDD_OK, "%s", err);
+  for (size_t i = 0; i < HELD_N; i += 2) {
+    char on[32];
+    snprintf(on, sizeof on, "again%zu", i);
+    shardd_err rc = register_one_view(job, on, vs[i]->hdr.id, &text);
+    cr_assert_eq(rc, SHARDD_OK, "%s: %s", on, text ? text : err);
+  }
+  uint64_t regs = HELD_N + HELD_N / 2;
+  cr_log_info("held check: %" PRIu64 " registrations looked at %" PRIu64
+              " held ranges (bound %" PRIu64 ")",
+              regs, b->held_probes, (uint64_t)8 * regs * HELD_LOG2);
+  cr_expect_leq(b->held_probes, (uint64_t)8 * regs * HELD_LOG2,
+                "%" PRIu64 " held ranges looked at for %" PRIu64
+                " registrations",
+                b->held_probes, regs);
+
+  /* the answers are still right: a view across two held ones is refused
+   * naming the first, one over a free gap is taken */
+  shardd__view *across = view_new(b, "across", 4, 8);
+  cr_assert_eq(register_one_view(job, "x", across->hdr.id, &text),
+               SHARDD_E_OVERLAP);
+  char want[256];
+  snprintf(want, sizeof want,
+           "param group 0, ref 0 (\"across\"): view %" PRIu64
+           " [4, 12) overlaps view %" PRIu64 " [0, 8) of optimizer %" PRIu64
+           " (\"again0\")",
+           across->hdr.id, vs[0]->hdr.id, vs[0]->owner->hdr.id);
+  cr_expect_str_eq(text, want);
+  free(text);
+  cr_assert_eq(shardd__optim_unregister(&reg, job, vs[1]->owner->hdr.id, err,
+                                        sizeof err),
+               SHARDD_OK);
+  shardd__view *gap = view_new(b, "gap", 9, 6);
+  cr_expect_eq(register_one_view(job, "y", gap->hdr.id, &text), SHARDD_OK,
+               "%s", text ? text : err);
+  free(vs);
+  free(oids);
+}
