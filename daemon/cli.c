@@ -198,11 +198,12 @@ static int add_jobspec(const char *path, shardd__cli *out) {
     fprintf(stderr, "shardd: --job-spec %s\n", why);
     return 2;
   }
-  if (shardd__jobspec_find(out->specs, out->nspecs, s->job)) {
-    fprintf(stderr, "shardd: --job-spec %s: job \"%s\" has a spec already\n",
-            path, s->job);
-    return 2;
-  }
+  for (size_t i = 0; i < out->nspecs; i++)
+    if (shardd__jobspec_overlap(&out->specs[i], s)) {
+      fprintf(stderr, "shardd: --job-spec %s: job \"%s\" has a spec already "
+              "(%s)\n", path, s->job, out->specs[i].path);
+      return 2;
+    }
   out->nspecs++;
   out->opts.jobspecs = out->specs;
   out->opts.njobspecs = out->nspecs;
