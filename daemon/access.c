@@ -1,6 +1,7 @@
 /* access.c — peers and access decisions (see access.h). */
 #include "access.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,6 +43,28 @@ void shardd__peer_of_fd(int fd, int64_t admin_gid, shardd__peer *out) {
   out->uid = cred.uid;
   out->gid = cred.gid;
   out->admin = cred.uid == 0 || peer_in_group(&cred, admin_gid);
+}
+
+shardd__job *shardd__access_find_job(shardd__registry *reg,
+                                     const shardd__peer *p, const char *name) {
+  if (name == NULL || name[0] == '\0')
+    return NULL;
+  shardd__job *own = shardd__job_find(reg, (uint32_t)p->uid, name);
+  if (own || !p->admin)
+    return own;
+  /* "UID/NAME": decimal digits, then the first '/' */
+  const char *slash = strchr(name, '/');
+  if (slash == NULL || slash == name || slash - name > 10 || slash[1] == '\0')
+    return NULL;
+  for (const char *q = name; q < slash; q++)
+    if (*q < '0' || *q > '9')
+      return NULL;
+  errno = 0;
+  char *end;
+  unsigned long long uid = strtoull(name, &end, 10);
+  if (errno || end != slash || uid > UINT32_MAX)
+    return NULL;
+  return shardd__job_find(reg, (uint32_t)uid, slash + 1);
 }
 
 int shardd__access_may_see(const shardd__peer *p, const shardd__job *job) {

@@ -26,9 +26,19 @@ typedef struct {
  * as the kernel reports for itself. */
 void shardd__peer_of_fd(int fd, int64_t admin_gid, shardd__peer *out);
 
+/* The job p names by the string name. Job names are per uid, so a name is
+ * first p's own job of that name; root and the admin group (who see every
+ * job) may also name uid U's job NAME as "U/NAME" (their own job of that
+ * literal name, if they have one, comes first). NULL when there is none
+ * the peer can name: another user's job is then indistinguishable from no
+ * job. What p may do with the job found is still the checks below. */
+shardd__job *shardd__access_find_job(shardd__registry *reg,
+                                     const shardd__peer *p, const char *name);
+
 /* Whether p may see job: its owner's uid, root, or the admin group. */
 int shardd__access_may_see(const shardd__peer *p, const shardd__job *job);
-/* A job is its creator's: another user may not join it (root may). */
+/* A job is its creator's: another user may not join it (root may, by
+ * naming it "UID/NAME"; the admin group only looks). */
 shardd_err shardd__access_join(const shardd__peer *p, const shardd__job *job,
                                char *err, size_t errlen);
 /* Only the job's owner or root may checkpoint it. */

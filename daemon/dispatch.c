@@ -97,7 +97,10 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     return;
   }
   if (h->job && h->job[0]) {
-    shardd__job *job = shardd__job_find(&d->reg, h->job);
+    /* The peer's own job of that name, made when missing: another uid's
+     * job of the same name is another job. Only root joins another's, by
+     * naming it "UID/NAME". */
+    shardd__job *job = shardd__access_find_job(&d->reg, &c->peer, h->job);
     shardd_err rc;
     if (job && (rc = shardd__access_join(&c->peer, job, err, sizeof err)) !=
                    SHARDD_OK) {
@@ -105,8 +108,8 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
       return;
     }
     uint32_t world = h->has_world ? h->world : 1;
-    rc = shardd__job_get(&d->reg, h->job, world, c->peer.uid, &job, err,
-                         sizeof err);
+    rc = shardd__job_get(&d->reg, job ? job->name : h->job, world,
+                         job ? job->uid : c->peer.uid, &job, err, sizeof err);
     if (rc != SHARDD_OK) {
       reply(d, c, seq, rc, err);
       return;
@@ -376,7 +379,14 @@ static void reply_checkpoint(shardd__dispatch *d, shardd__conn *c,
                              uint64_t seq, shardd__job *job, const char *dir) {
   Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_CHECKPOINT);
   Shardwire__CheckpointReply cr = SHARDWIRE__CHECKPOINT_REPLY__INIT;
+  /* the name the asker would use for it: root restoring uid 1000's
+   * checkpoint gets "1000/NAME" */
+  char qualified[300];
   cr.job = job->name;
+  if (job->uid != c->peer.uid) {
+    snprintf(qualified, sizeof qualified, "%" PRIu32 "/%s", job->uid, job->name);
+    cr.job = qualified;
+  }
   cr.dir = (char *)dir;
   cr.buffers = (uint32_t)shardd__map_count(&job->buffers);
   cr.optimizers = (uint32_t)shardd__map_count(&job->optims);
@@ -396,7 +406,7 @@ static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   }
   shardd__job *job = c->m.job;
   if (job == NULL) {
-    job = shardd__job_find(&d->reg, cp->job);
+    job = shardd__access_find_job(&d->reg, &c->peer, cp->job);
     if (job == NULL) {
       snprintf(err, sizeof err, "no job \"%s\"", cp->job ? cp->job : "");
       reply(d, c, seq, SHARDD_E_NOT_FOUND, err);
@@ -407,7 +417,8 @@ static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
       reply(d, c, seq, rc, err);
       return;
     }
-  } else if (cp->job && cp->job[0] && strcmp(cp->job, job->name) != 0) {
+  } else if (cp->job && cp->job[0] && strcmp(cp->job, job->name) != 0 &&
+             shardd__access_find_job(&d->reg, &c->peer, cp->job) != job) {
     snprintf(err, sizeof err, "a session of job \"%s\" cannot checkpoint job \"%s\"",
              job->name, cp->job);
     reply(d, c, seq, SHARDD_E_NOT_OWNED, err);

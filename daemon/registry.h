@@ -186,19 +186,22 @@ struct shardd__registry {
   uint64_t nblocks;
   uint64_t next_id;
   shardd__map objects; /* id -> shardd__obj */
-  shardd__map jobs;    /* name -> job */
+  shardd__map jobs;    /* "UID/NAME" -> job: a job is (owner, name) */
 };
 
 void shardd__registry_init(shardd__registry *reg, shardd__backend *backend);
 /* Releases every job and frees everything; the backend stays the caller's. */
 void shardd__registry_free(shardd__registry *reg);
 
-/* Finds the job called name or creates it with world ranks (mismatching
- * world: SHARDD_E_MISMATCH). */
+/* Finds uid's job called name or creates it for uid with world ranks
+ * (mismatching world: SHARDD_E_MISMATCH). Job names are per uid: another
+ * uid's job of the same name is another job, never this one. */
 shardd_err shardd__job_get(shardd__registry *reg, const char *name,
                            uint32_t world, uint32_t uid, shardd__job **out,
                            char *err, size_t errlen);
-shardd__job *shardd__job_find(shardd__registry *reg, const char *name);
+/* uid's job called name, or NULL. */
+shardd__job *shardd__job_find(shardd__registry *reg, uint32_t uid,
+                              const char *name);
 /* Makes job span nodes daemons, this one being node_rank: it then holds the
  * world/nodes ranks of that node only. Only before the job has buffers;
  * world must divide evenly (SHARDD_E_RANGE / SHARDD_E_STATE otherwise). */

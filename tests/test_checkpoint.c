@@ -198,7 +198,7 @@ Test(checkpoint, round_trip_keeps_every_byte) {
   cr_assert_eq(shardd__checkpoint_write(&reg, job, dir, -1, err, sizeof err), SHARDD_OK,
                "%s", err);
   shardd__job_release(&reg, job);
-  cr_assert_null(shardd__job_find(&reg, "llm 7b"));
+  cr_assert_null(shardd__job_find(&reg, 0, "llm 7b"));
 
   shardd__job *back;
   cr_assert_eq(shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err),
@@ -215,7 +215,7 @@ Test(checkpoint, round_trip_keeps_every_byte) {
   shardd__job *again;
   cr_assert_eq(shardd__checkpoint_restore(&reg, dir, -1, 0, &again, err, sizeof err),
                SHARDD_E_BUSY);
-  cr_assert_eq(shardd__job_find(&reg, "llm 7b"), back);
+  cr_assert_eq(shardd__job_find(&reg, 0, "llm 7b"), back);
 }
 
 /* The name of in's data file that starts "prefix-" (each checkpoint tags
@@ -265,7 +265,7 @@ static void corrupt_and_expect(const char *prefix, long offset) {
   shardd_err rc = shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err);
   cr_assert_neq(rc, SHARDD_OK);
   cr_assert(strstr(err, needle) != NULL, "message \"%s\" lacks \"%s\"", err, needle);
-  cr_assert_null(shardd__job_find(&reg, "j"), "nothing may be registered");
+  cr_assert_null(shardd__job_find(&reg, 0, "j"), "nothing may be registered");
   cr_assert_eq(shardd__map_count(&reg.objects), objects);
   be->ops->device_info(be, 0, &info);
   cr_assert_eq(info.used_bytes, used0, "the refused restore freed what it took");
@@ -305,7 +305,7 @@ Test(checkpoint, truncated_manifest_is_refused) {
   cr_assert_neq(shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err),
                 SHARDD_OK);
   cr_assert(strstr(err, "truncated") != NULL, "%s", err);
-  cr_assert_null(shardd__job_find(&reg, "j"));
+  cr_assert_null(shardd__job_find(&reg, 0, "j"));
 }
 
 /* ---- manifests that are not what shardd wrote -----------------------------
@@ -364,7 +364,7 @@ static void expect_manifest_refused(const char *const *needles) {
   for (; *needles; needles++)
     cr_assert(strstr(err, *needles) != NULL, "message \"%s\" lacks \"%s\"", err,
               *needles);
-  cr_assert_null(shardd__job_find(&reg, "j"), "nothing may be registered");
+  cr_assert_null(shardd__job_find(&reg, 0, "j"), "nothing may be registered");
   cr_assert_eq(shardd__map_count(&reg.objects), objects);
 }
 
@@ -899,7 +899,7 @@ static void expect_fifo_refused(const char *prefix) {
   cr_expect(strstr(err, name) && strstr(err, "not a regular file"), "%s", err);
   cr_expect(!g.unblocked, "restore blocked opening a FIFO: it returned only once a "
                           "writer opened it");
-  cr_expect_null(shardd__job_find(&reg, "fifo"), "a refused restore left the job");
+  cr_expect_null(shardd__job_find(&reg, 0, "fifo"), "a refused restore left the job");
   unlink(path);
 }
 
@@ -1042,7 +1042,7 @@ Test(checkpoint, an_edited_manifest_is_refused_by_its_checksum) {
   shardd_err rc = shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err);
   cr_assert_eq(rc, SHARDD_E_INVAL, "%s (%s)", shardd_err_name(rc), err);
   cr_assert(strstr(err, "manifest") && strstr(err, "checksum"), "%s", err);
-  cr_assert_null(shardd__job_find(&reg, "sealed"));
+  cr_assert_null(shardd__job_find(&reg, 0, "sealed"));
   /* and resealed, the same edit restores: the refusal was the checksum's */
   reseal(path);
   cr_assert_eq(shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err),
@@ -1128,7 +1128,7 @@ Test(checkpoint, a_linked_data_file_is_not_read_for_a_client) {
     cr_assert_eq(rc, SHARDD_E_PERMISSION, "%s link: %s (%s)", kind ? "hard" : "sym",
                  shardd_err_name(rc), err);
     cr_assert(strstr(err, "dtype") == NULL && strstr(err, "CRC") == NULL, "%s", err);
-    cr_assert_null(shardd__job_find(&reg, "secret"));
+    cr_assert_null(shardd__job_find(&reg, 4242, "secret"));
   }
   /* and the victim's directory itself is not the attacker's to restore */
   cr_assert_eq(chown(victim, 7777, 7777), 0);
