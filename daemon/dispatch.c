@@ -604,6 +604,17 @@ shardd_err shardd__dispatch_init(shardd__dispatch *d, uv_loop_t *loop,
   d->started = now_s(d);
   shardd__registry_init(&d->reg, backend);
   d->reg.job_memory_limit = opts->job_memory_limit;
+  d->reg.uid_memory_limit = opts->uid_memory_limit;
+  if (opts->uid_memory_limit == SHARDD__UID_MEMORY_DEFAULT) {
+    /* a quarter of every device's memory: no one user takes it all */
+    uint64_t total = 0;
+    for (int dev = 0; dev < backend->ndevices; dev++) {
+      shardd__device_info info;
+      backend->ops->device_info(backend, dev, &info);
+      total += info.capacity_bytes;
+    }
+    d->reg.uid_memory_limit = total / 4;
+  }
   d->reg.max_jobs = opts->max_jobs;
   d->reg.max_jobs_per_uid = opts->max_jobs_per_uid;
   /* Descriptors: rank blocks get all but what connections, the listener,

@@ -401,16 +401,41 @@ void shardd__obj_fini(shardd__registry *reg, shardd__obj *o) {
 
 /* ---- quotas ----------------------------------------------------------- */
 
-/* --job-memory-limit: what the job holds plus what it asks for. */
+typedef struct {
+  uint32_t uid;
+  uint64_t bytes;
+} uid_bytes;
+
+static void count_uid_bytes(void *value, void *arg) {
+  const shardd__job *job = value;
+  uid_bytes *a = arg;
+  if (job->uid == a->uid)
+    a->bytes += job->bytes;
+}
+
+/* --job-memory-limit: what the job holds plus what it asks for; and
+ * --uid-memory-limit: the same over every job of its owner (not root). */
 int shardd__within_quota(const shardd__registry *reg, const shardd__job *job,
                          uint64_t more, char *err, size_t errlen) {
   uint64_t lim = reg->job_memory_limit;
-  if (lim == 0 || (job->bytes <= lim && more <= lim - job->bytes))
+  if (lim != 0 && !(job->bytes <= lim && more <= lim - job->bytes)) {
+    snprintf(err, errlen,
+             "job \"%s\" would hold %" PRIu64 " bytes, over its limit of %" PRIu64
+             " (--job-memory-limit)",
+             job->name, job->bytes + more, lim);
+    return 0;
+  }
+  lim = reg->uid_memory_limit;
+  if (lim == 0 || job->uid == 0)
+    return 1;
+  uid_bytes a = {job->uid, 0};
+  shardd__map_each(&reg->jobs, count_uid_bytes, &a);
+  if (a.bytes <= lim && more <= lim - a.bytes)
     return 1;
   snprintf(err, errlen,
-           "job \"%s\" would hold %" PRIu64 " bytes, over its limit of %" PRIu64
-           " (--job-memory-limit)",
-           job->name, job->bytes + more, lim);
+           "uid %" PRIu32 " would hold %" PRIu64 " bytes over all its jobs, over "
+           "its limit of %" PRIu64 " (--uid-memory-limit)",
+           job->uid, a.bytes + more, lim);
   return 0;
 }
 

@@ -172,6 +172,8 @@ struct shardd__registry {
   shardd__backend *backend;
   /* public config */
   uint64_t job_memory_limit; /* bytes one job may hold; 0 unlimited */
+  /* bytes all jobs of one uid other than root may hold; 0 unlimited */
+  uint64_t uid_memory_limit;
   size_t max_jobs;           /* jobs at once; 0 unlimited */
   /* jobs one uid other than root may hold at once (lingering ones count):
    * 4,096 empty jobs from one user filled --max-jobs in 0.32 s */

@@ -203,3 +203,79 @@ Test(access, job_memory_limit_refuses_past_the_quota) {
   shardd_close(c);
   cr_assert_eq(test_daemon_stop(&d), 0);
 }
+
+/* Issue 20, item 8: --job-memory-limit is per job, so 21 jobs of one user
+ * exhausted device memory for everyone. By default one uid other than
+ * root holds at most a quarter of the devices' memory over all its jobs
+ * (--uid-memory-limit); the child is uid 4242. Exit code: 0 when its
+ * second job's buffer is refused naming the flag (expect_refused), or
+ * both fit (!expect_refused); else the step that failed. */
+static int two_jobs_as_other_uid(const char *sock, int expect_refused) {
+  if (setgroups(0, NULL) != 0 || setgid(4242) != 0 || setuid(4242) != 0)
+    return 10;
+  shardd_client_t *c[2];
+  char err[512];
+  shardd_buffer_info b;
+  for (int k = 0; k < 2; k++) {
+    shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+    o.job = k ? "second" : "first";
+    if (shardd_connect(sock, &o, &c[k], err, sizeof err) != SHARDD_OK)
+      return 11 + k;
+  }
+  /* 64 Ki fp32: a block of ~768 KiB, as in the job limit's test */
+  if (shardd_buffer_register(c[0], "a", SHARDD_DTYPE_FP32, 65536, &b) != SHARDD_OK)
+    return 13;
+  shardd_err rc = shardd_buffer_register(c[1], "a", SHARDD_DTYPE_FP32, 65536, &b);
+  if (!expect_refused)
+    return rc == SHARDD_OK ? 0 : 14;
+  if (rc != SHARDD_E_NO_MEMORY)
+    return 15;
+  if (strstr(shardd_last_error(c[1]), "--uid-memory-limit") == NULL ||
+      strstr(shardd_last_error(c[1]), "uid 4242") == NULL)
+    return 16;
+  return 0;
+}
+
+static void expect_child(const test_daemon *d, int expect_refused) {
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0)
+    _exit(two_jobs_as_other_uid(d->sock, expect_refused));
+  int st;
+  cr_assert(test_wait_exit(pid, &st), "the child did not finish");
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "uid 4242 step %d failed",
+            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+}
+
+Test(access, uid_memory_limit_spans_a_users_jobs) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as a second uid");
+  test_daemon d;
+  /* 4 MiB of device memory: the default share is 1 MiB */
+  test_daemon_start(&d, (const char *const[]){"--devices", "1", "--device-memory", "4M",
+                                              NULL});
+  open_up(&d);
+  expect_child(&d, 1);
+  /* root is not bound by it: two such buffers in two jobs */
+  shardd_client_t *c = test_connect(&d, "root-a", 0, 1);
+  shardd_client_t *c2 = test_connect(&d, "root-b", 0, 1);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "a", SHARDD_DTYPE_FP32, 65536, &b), SHARDD_OK,
+               "%s", shardd_last_error(c));
+  cr_assert_eq(shardd_buffer_register(c2, "a", SHARDD_DTYPE_FP32, 65536, &b), SHARDD_OK,
+               "%s", shardd_last_error(c2));
+  shardd_close(c2);
+  shardd_close(c);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+  /* --uid-memory-limit 0: no per-user bound */
+  test_daemon_start(&d, (const char *const[]){"--devices", "1", "--device-memory", "4M",
+                                              "--uid-memory-limit", "0", NULL});
+  open_up(&d);
+  expect_child(&d, 0);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+  /* and an explicit size */
+  test_daemon_start(&d, (const char *const[]){"--uid-memory-limit", "1M", NULL});
+  open_up(&d);
+  expect_child(&d, 1);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+}

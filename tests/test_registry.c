@@ -1006,6 +1006,55 @@ Test(registry, job_memory_limit_refuses_and_leaves_nothing_behind) {
   buf_new(other, "over", SHARDD_DTYPE_FP32, 4);
 }
 
+/* Issue 20, item 8: --job-memory-limit was per job, so 21 jobs of one
+ * user exhausted device memory for everyone. --uid-memory-limit bounds
+ * all of one uid's jobs together (job and other are uid 1000's); another
+ * uid and root are not charged for it. */
+Test(registry, uid_memory_limit_counts_every_job_of_the_uid) {
+  /* world 4, fp32 numel 4: a buffer is four blocks of four pages */
+  const uint64_t one = 4 * 4 * 4096;
+  reg.uid_memory_limit = 2 * one;
+  buf_new(job, "a", SHARDD_DTYPE_FP32, 4);
+  buf_new(other, "b", SHARDD_DTYPE_FP32, 4);
+  uint64_t used = used_bytes(), next = reg.next_id;
+  shardd__buffer *b = (shardd__buffer *)1;
+  int created = -1;
+  cr_expect_eq(shardd__buffer_register(&reg, job, "c", SHARDD_DTYPE_FP32, 4, &b,
+                                       &created, err, sizeof err),
+               SHARDD_E_NO_MEMORY);
+  cr_expect_null(b);
+  cr_expect(strstr(err, "uid 1000") && strstr(err, "--uid-memory-limit"),
+            "names the uid and the flag: %s", err);
+  cr_expect_eq(used_bytes(), used, "nothing allocated");
+  cr_expect_eq(reg.next_id, next, "no id spent");
+  /* a third job of the uid is charged the same */
+  shardd__job *third;
+  cr_assert_eq(shardd__job_get(&reg, "job-c", 4, 1000, &third, err, sizeof err), SHARDD_OK);
+  cr_expect_eq(shardd__buffer_register(&reg, third, "c", SHARDD_DTYPE_FP32, 4, &b,
+                                       &created, err, sizeof err),
+               SHARDD_E_NO_MEMORY);
+  /* releasing one of its jobs gives the room back */
+  shardd__job_release(&reg, other);
+  other = NULL;
+  cr_assert_eq(shardd__buffer_register(&reg, third, "c", SHARDD_DTYPE_FP32, 4, &b,
+                                       &created, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  /* other uids and root have their own room, or none counted */
+  shardd__job *theirs, *roots;
+  cr_assert_eq(shardd__job_get(&reg, "job-a", 4, 2000, &theirs, err, sizeof err), SHARDD_OK);
+  buf_new(theirs, "a", SHARDD_DTYPE_FP32, 4);
+  buf_new(theirs, "b", SHARDD_DTYPE_FP32, 4);
+  cr_assert_eq(shardd__job_get(&reg, "job-a", 4, 0, &roots, err, sizeof err), SHARDD_OK);
+  for (int i = 0; i < 3; i++) {
+    char name[8];
+    snprintf(name, sizeof name, "r%d", i);
+    buf_new(roots, name, SHARDD_DTYPE_FP32, 4);
+  }
+  /* unlimited */
+  reg.uid_memory_limit = 0;
+  buf_new(job, "c", SHARDD_DTYPE_FP32, 4);
+}
+
 /* ---- frozen views and generations (issue 9) ---------------------------- */
 
 static shardd_err frozen_view(shardd__buffer *b, const char *name, uint64_t off,
