@@ -2,6 +2,7 @@
 #include "access.h"
 
 #include <errno.h>
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -91,8 +92,9 @@ shardd_err shardd__access_checkpoint(const shardd__peer *p,
   return SHARDD_E_PERMISSION;
 }
 
-shardd_err shardd__access_checkpoint_dir(const char *root, const char *dir,
-                                         char *err, size_t errlen) {
+shardd_err shardd__access_checkpoint_dir(const char *root, uint32_t uid,
+                                         const char *dir, char *err,
+                                         size_t errlen) {
   if (dir == NULL || dir[0] != '/') {
     snprintf(err, errlen, "checkpoint directory \"%s\" is not an absolute path",
              dir ? dir : "");
@@ -112,6 +114,18 @@ shardd_err shardd__access_checkpoint_dir(const char *root, const char *dir,
     snprintf(err, errlen, "checkpoint directory %s is not below %.*s "
              "(--checkpoint-root)", dir, (int)n, root);
     return SHARDD_E_PERMISSION;
+  }
+  if (root && uid != 0) {
+    /* each user's checkpoints live in its own root/UID */
+    char own[32];
+    int k = snprintf(own, sizeof own, "%" PRIu32 "/", uid);
+    const char *rest = dir + n + 1; /* dir[n] is the '/' checked above */
+    if (strncmp(rest, own, (size_t)k) != 0 || rest[k] == '\0') {
+      snprintf(err, errlen, "checkpoint directory %s is not below %.*s/%" PRIu32
+               "/, uid %" PRIu32 "'s own directory under --checkpoint-root",
+               dir, (int)n, root, uid, uid);
+      return SHARDD_E_PERMISSION;
+    }
   }
   return SHARDD_OK;
 }

@@ -46,9 +46,12 @@ shardd_err shardd__access_checkpoint(const shardd__peer *p,
                                      const shardd__job *job, char *err,
                                      size_t errlen);
 /* A client names the directory, the daemon writes or reads it: only
- * absolute paths without "." or ".." parts, below root (--checkpoint-root)
- * when root is not NULL. SHARDD_E_PERMISSION with the reason otherwise. */
-shardd_err shardd__access_checkpoint_dir(const char *root, const char *dir,
-                                         char *err, size_t errlen);
+ * absolute paths without "." or ".." parts; when root (--checkpoint-root)
+ * is not NULL, below root for uid 0 and below root/UID, that user's own
+ * directory (see shardd__checkpoint_user_dir), for any other uid.
+ * SHARDD_E_PERMISSION with the reason otherwise. */
+shardd_err shardd__access_checkpoint_dir(const char *root, uint32_t uid,
+                                         const char *dir, char *err,
+                                         size_t errlen);
 
 #endif /* SHARDD_ACCESS_H */

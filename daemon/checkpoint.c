@@ -88,6 +88,14 @@ static void remove_generation(const shardd__ckdir *d, const char *tag,
 shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
                                     const char *dirpath, int64_t as_uid,
                                     char *err, size_t errlen) {
+  return shardd__checkpoint_write_in(reg, job, dirpath, as_uid, NULL, err,
+                                     errlen);
+}
+
+shardd_err shardd__checkpoint_write_in(shardd__registry *reg, shardd__job *job,
+                                       const char *dirpath, int64_t as_uid,
+                                       const char *home, char *err,
+                                       size_t errlen) {
   /* payloads are read and written through the daemon's own mapping */
   if (!(reg->backend->caps & SHARDD__BACKEND_CAP_HOST_MAPPED)) {
     snprintf(err, errlen, "checkpoints support the host backend only");
@@ -96,7 +104,7 @@ shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
   shardd__ckdir dd = {-1, dirpath, as_uid};
   const shardd__ckdir *dir = &dd;
   shardd_err orc =
-      shardd__ck_open_write_dir(dirpath, as_uid, &dd.fd, err, errlen);
+      shardd__ck_open_write_dir(dirpath, as_uid, home, &dd.fd, err, errlen);
   if (orc != SHARDD_OK)
     return orc;
   /* Every data file of this checkpoint carries a tag of its own; the files

@@ -34,6 +34,7 @@ static void usage(FILE *f) {
           "  --max-jobs-per-uid N      jobs one user (not root) may hold (default 512)\n"
           "  --max-inflight-gathers N  gathers one rank may have queued (default 16)\n"
           "  --checkpoint-root DIR     clients may checkpoint/restore only below DIR\n"
+          "                            (root) or DIR/UID (any other uid; made for it)\n"
           "  --checkpoint-on-exit DIR  on SIGTERM/SIGINT, checkpoint every job to DIR/JOB\n"
           "  --restore DIR             at start, restore the checkpoint in DIR (or each\n"
           "                            DIR/JOB holding one)\n"

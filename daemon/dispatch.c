@@ -394,12 +394,36 @@ static void reply_checkpoint(shardd__dispatch *d, shardd__conn *c,
   send_resp(d, c, &resp, -1);
 }
 
+/* --checkpoint-root: a client other than root names directories below
+ * its own root/UID only; that directory is checked (and, with create,
+ * made) before anything in it is touched, and its path left in home
+ * (empty when the client is not confined to one). */
+static shardd_err checkpoint_dir_ok(shardd__dispatch *d, const shardd__conn *c,
+                                    const char *dir, int create, char *home,
+                                    size_t homelen, char *err, size_t errlen) {
+  const char *root = d->opts.checkpoint_root;
+  home[0] = '\0';
+  shardd_err rc = shardd__access_checkpoint_dir(root, (uint32_t)c->peer.uid,
+                                                dir, err, errlen);
+  if (rc != SHARDD_OK || root == NULL || c->peer.uid == 0)
+    return rc;
+  rc = shardd__checkpoint_user_dir(root, (uint32_t)c->peer.uid, create, err,
+                                   errlen);
+  if (rc == SHARDD_OK) {
+    size_t n = strlen(root);
+    while (n > 1 && root[n - 1] == '/')
+      n--;
+    snprintf(home, homelen, "%.*s/%" PRIu32, (int)n, root, (uint32_t)c->peer.uid);
+  }
+  return rc;
+}
+
 static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                           const Shardwire__Request *req) {
   const Shardwire__Checkpoint *cp = req->checkpoint;
-  char err[ERRLEN];
-  shardd_err rc = shardd__access_checkpoint_dir(d->opts.checkpoint_root,
-                                                cp->dir, err, sizeof err);
+  char err[ERRLEN], home[4096];
+  shardd_err rc = checkpoint_dir_ok(d, c, cp->dir, 0, home, sizeof home, err,
+                                    sizeof err);
   if (rc != SHARDD_OK) {
     reply(d, c, seq, rc, err);
     return;
@@ -424,8 +448,14 @@ static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     reply(d, c, seq, SHARDD_E_NOT_OWNED, err);
     return;
   }
+  /* the user's directory is made only for a checkpoint it may take */
+  if (home[0] && (rc = checkpoint_dir_ok(d, c, cp->dir, 1, home, sizeof home,
+                                         err, sizeof err)) != SHARDD_OK) {
+    reply(d, c, seq, rc, err);
+    return;
+  }
   rc = shardd__jobs_checkpoint(&d->jobs, job, cp->dir, (int64_t)c->peer.uid,
-                               err, sizeof err);
+                               home[0] ? home : NULL, err, sizeof err);
   if (rc != SHARDD_OK)
     reply(d, c, seq, rc, err);
   else
@@ -435,9 +465,9 @@ static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
 static void on_restore(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                        const Shardwire__Request *req) {
   const Shardwire__Restore *rs = req->restore;
-  char err[ERRLEN];
-  shardd_err rc = shardd__access_checkpoint_dir(d->opts.checkpoint_root,
-                                                rs->dir, err, sizeof err);
+  char err[ERRLEN], home[4096];
+  shardd_err rc = checkpoint_dir_ok(d, c, rs->dir, 0, home, sizeof home, err,
+                                    sizeof err);
   if (rc != SHARDD_OK) {
     reply(d, c, seq, rc, err);
     return;

@@ -242,8 +242,8 @@ uint32_t shardd__jobs_clients(const shardd__jobs *j, const shardd__job *job) {
 }
 
 shardd_err shardd__jobs_checkpoint(shardd__jobs *j, shardd__job *job,
-                                   const char *dir, int64_t as_uid, char *err,
-                                   size_t errlen) {
+                                   const char *dir, int64_t as_uid,
+                                   const char *home, char *err, size_t errlen) {
   if (job->nodes > 1) {
     snprintf(err, errlen,
              "job \"%s\" spans %" PRIu32 " nodes; checkpoints of multi-node "
@@ -259,7 +259,8 @@ shardd_err shardd__jobs_checkpoint(shardd__jobs *j, shardd__job *job,
              job->name, n);
     return SHARDD_E_BUSY;
   }
-  shardd_err rc = shardd__checkpoint_write(j->reg, job, dir, as_uid, err, errlen);
+  shardd_err rc =
+      shardd__checkpoint_write_in(j->reg, job, dir, as_uid, home, err, errlen);
   if (rc == SHARDD_OK)
     shardd__log(2, "job \"%s\" checkpointed to %s", job->name, dir);
   return rc;

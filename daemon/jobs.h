@@ -66,10 +66,10 @@ void shardd__jobs_expire(shardd__jobs *j, double now);
 uint32_t shardd__jobs_clients(const shardd__jobs *j, const shardd__job *job);
 
 /* Checkpoints job to dir between steps (SHARDD_E_BUSY with collectives in
- * flight, SHARDD_E_STATE for a multi-node job); as_uid as in
- * shardd__checkpoint_write. */
+ * flight, SHARDD_E_STATE for a multi-node job); as_uid and home (may be
+ * NULL) as in shardd__checkpoint_write_in. */
 shardd_err shardd__jobs_checkpoint(shardd__jobs *j, shardd__job *job,
-                                   const char *dir, int64_t as_uid, char *err,
-                                   size_t errlen);
+                                   const char *dir, int64_t as_uid,
+                                   const char *home, char *err, size_t errlen);
 
 #endif /* SHARDD_JOBS_H */

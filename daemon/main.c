@@ -50,7 +50,7 @@ static void checkpoint_job(shardd__job *job, void *arg) {
   char err[512], qualified[300];
   snprintf(qualified, sizeof qualified, "%u/%s", (unsigned)job->uid, job->name);
   char *d = job_dir(a->dir, job->uid == 0 ? job->name : qualified);
-  if (d == NULL || shardd__jobs_checkpoint(&a->srv->d.jobs, job, d, -1, err, sizeof err) != SHARDD_OK) {
+  if (d == NULL || shardd__jobs_checkpoint(&a->srv->d.jobs, job, d, -1, NULL, err, sizeof err) != SHARDD_OK) {
     shardd__log(0, "checkpoint of job \"%s\" failed: %s", job->name,
                 d ? err : "out of memory");
     a->failed = 1;

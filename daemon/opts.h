@@ -22,7 +22,8 @@ typedef struct {
   int64_t admin_gid;    /* members may see every job; < 0 none */
   uint64_t job_memory_limit; /* bytes a job may hold; 0 unlimited */
   /* Checkpoint/Restore requests may only name directories below this one
-   * (the daemon writes with its own rights); NULL: any absolute path. */
+   * (the daemon writes with its own rights), and a uid other than root
+   * only below its own <root>/<uid>; NULL: any absolute path. */
   const char *checkpoint_root;
   /* --job-spec: multi-node layouts by job name (borrowed, live until exit) */
   const shardd__jobspec *jobspecs;
