@@ -149,14 +149,23 @@ $(FUZZM_BIN): $(FUZZM_SRC) $(PROTO_H) $(wildcard client/*.h daemon/*.h)
 	  -fno-sanitize-recover=undefined -I$(BUILD)/gen -Iclient -Idaemon \
 	  $(PKG_CFLAGS) -o $@ $(FUZZM_SRC) $(PKG_LIBS) -lpthread -lm
 
-fuzz: $(FUZZ_BIN) $(FUZZM_BIN)
-	@BUILD=$(BUILD) FUZZ_SECONDS=$(FUZZ_SECONDS) sh scripts/run_fuzz.sh $(FUZZ_BIN) $(FUZZM_BIN)
+# The --job-spec parser (tests/fuzz/fuzz_jobspec.c; seeds in
+# tests/fuzz/corpus_jobspec/): a leaf, so only jobspec.c is built in.
+FUZZJ_BIN := $(BUILD)/fuzz/fuzz_jobspec
+FUZZJ_SRC := daemon/jobspec.c tests/fuzz/fuzz_jobspec.c
+$(FUZZJ_BIN): $(FUZZJ_SRC) daemon/jobspec.h client/shardd.h
+	@mkdir -p $(@D)
+	clang -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=fuzzer,address,undefined \
+	  -fno-sanitize-recover=undefined -Iclient -Idaemon -o $@ $(FUZZJ_SRC)
+
+fuzz: $(FUZZ_BIN) $(FUZZM_BIN) $(FUZZJ_BIN)
+	@BUILD=$(BUILD) FUZZ_SECONDS=$(FUZZ_SECONDS) sh scripts/run_fuzz.sh $(FUZZ_BIN) $(FUZZM_BIN) $(FUZZJ_BIN)
 
 # The fuzzer joins the suite where clang can build libFuzzer targets.
 HAVE_FUZZ := $(shell echo 'int LLVMFuzzerTestOneInput(const char *d, long n){return 0;}' | \
   clang -x c -fsanitize=fuzzer -o /dev/null - >/dev/null 2>&1 && echo 1)
 ifeq ($(SAN)$(HAVE_FUZZ),01)
-SUITE_FUZZ := $(FUZZ_BIN) $(FUZZM_BIN)
+SUITE_FUZZ := $(FUZZ_BIN) $(FUZZM_BIN) $(FUZZJ_BIN)
 endif
 
 tests: all $(TEST_BIN) $(SUITE_FUZZ)

@@ -92,6 +92,8 @@ char *shardd__fmt_status_text(const Shardwire__StatusReply *st) {
                       " resident %s collectives_in_flight %" PRIu32 "\n",
                       j->name, j->world, j->clients, j->buffers, j->views, a,
                       j->collectives_in_flight);
+    if (j->has_owner_uid)
+      shardd__sb_printf(&sb, "  owner: uid %" PRIu32 "\n", j->owner_uid);
     if (j->has_nodes) {
       shardd__sb_printf(&sb, "  nodes %" PRIu32 " (this daemon: node %" PRIu32
                         ") fabric %s\n",
@@ -145,6 +147,8 @@ char *shardd__fmt_status_json(const Shardwire__StatusReply *st) {
     const Shardwire__JobStatus *j = st->jobs[i];
     shardd__sb_printf(&sb, "%s{", i ? "," : "");
     json_key_str(&sb, "name", j->name, 0);
+    if (j->has_owner_uid)
+      shardd__sb_printf(&sb, ",\"owner_uid\":%" PRIu32, j->owner_uid);
     shardd__sb_printf(&sb,
                       ",\"world\":%" PRIu32 ",\"clients\":%" PRIu32
                       ",\"buffers\":%" PRIu32 ",\"views\":%" PRIu32

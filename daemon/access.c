@@ -1,6 +1,8 @@
 /* access.c — peers and access decisions (see access.h). */
 #include "access.h"
 
+#include <errno.h>
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,6 +46,28 @@ void shardd__peer_of_fd(int fd, int64_t admin_gid, shardd__peer *out) {
   out->admin = cred.uid == 0 || peer_in_group(&cred, admin_gid);
 }
 
+shardd__job *shardd__access_find_job(shardd__registry *reg,
+                                     const shardd__peer *p, const char *name) {
+  if (name == NULL || name[0] == '\0')
+    return NULL;
+  shardd__job *own = shardd__job_find(reg, (uint32_t)p->uid, name);
+  if (own || !p->admin)
+    return own;
+  /* "UID/NAME": decimal digits, then the first '/' */
+  const char *slash = strchr(name, '/');
+  if (slash == NULL || slash == name || slash - name > 10 || slash[1] == '\0')
+    return NULL;
+  for (const char *q = name; q < slash; q++)
+    if (*q < '0' || *q > '9')
+      return NULL;
+  errno = 0;
+  char *end;
+  unsigned long long uid = strtoull(name, &end, 10);
+  if (errno || end != slash || uid > UINT32_MAX)
+    return NULL;
+  return shardd__job_find(reg, (uint32_t)uid, slash + 1);
+}
+
 int shardd__access_may_see(const shardd__peer *p, const shardd__job *job) {
   return p->admin || job->uid == p->uid;
 }
@@ -68,8 +92,9 @@ shardd_err shardd__access_checkpoint(const shardd__peer *p,
   return SHARDD_E_PERMISSION;
 }
 
-shardd_err shardd__access_checkpoint_dir(const char *root, const char *dir,
-                                         char *err, size_t errlen) {
+shardd_err shardd__access_checkpoint_dir(const char *root, uint32_t uid,
+                                         const char *dir, char *err,
+                                         size_t errlen) {
   if (dir == NULL || dir[0] != '/') {
     snprintf(err, errlen, "checkpoint directory \"%s\" is not an absolute path",
              dir ? dir : "");
@@ -89,6 +114,18 @@ shardd_err shardd__access_checkpoint_dir(const char *root, const char *dir,
     snprintf(err, errlen, "checkpoint directory %s is not below %.*s "
              "(--checkpoint-root)", dir, (int)n, root);
     return SHARDD_E_PERMISSION;
+  }
+  if (root && uid != 0) {
+    /* each user's checkpoints live in its own root/UID */
+    char own[32];
+    int k = snprintf(own, sizeof own, "%" PRIu32 "/", uid);
+    const char *rest = dir + n + 1; /* dir[n] is the '/' checked above */
+    if (strncmp(rest, own, (size_t)k) != 0 || rest[k] == '\0') {
+      snprintf(err, errlen, "checkpoint directory %s is not below %.*s/%" PRIu32
+               "/, uid %" PRIu32 "'s own directory under --checkpoint-root",
+               dir, (int)n, root, uid, uid);
+      return SHARDD_E_PERMISSION;
+    }
   }
   return SHARDD_OK;
 }

@@ -100,6 +100,7 @@ typedef struct {
 struct shardd__ckwrite {
   char *dir;
   int64_t as_uid;
+  char *home; /* the client's ROOT/UID it is confined to; NULL none */
   char tag[16];
   /* the manifest, whole but for the data files' CRCs (written as 8 zeros
    * at each crc_at) and the sealed "end" line */
@@ -112,6 +113,7 @@ void shardd__checkpoint_wfree(shardd__ckwrite *w) {
   if (w == NULL)
     return;
   free(w->dir);
+  free(w->home);
   shardd__sb_free(&w->m);
   free(w->files);
   free(w);
@@ -149,8 +151,8 @@ static shardd_err add_file(shardd__ckwrite *w, const char *fname,
 
 shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
                                       const char *dirpath, int64_t as_uid,
-                                      shardd__ckwrite **out, char *err,
-                                      size_t errlen) {
+                                      const char *home, shardd__ckwrite **out,
+                                      char *err, size_t errlen) {
   *out = NULL;
   /* payloads are read and written through the daemon's own mapping */
   if (!(reg->backend->caps & SHARDD__BACKEND_CAP_HOST_MAPPED)) {
@@ -158,7 +160,10 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
     return SHARDD_E_INVAL;
   }
   shardd__ckwrite *w = calloc(1, sizeof *w);
-  if (w == NULL || (w->dir = strdup(dirpath)) == NULL) {
+  if (w == NULL || (w->dir = strdup(dirpath)) == NULL ||
+      (home && (w->home = strdup(home)) == NULL)) {
+    if (w)
+      free(w->dir);
     free(w);
     snprintf(err, errlen, "out of memory");
     return SHARDD_E_NO_MEMORY;
@@ -296,7 +301,7 @@ shardd_err shardd__checkpoint_run(shardd__ckwrite *w, char *err,
   shardd__ckdir dd = {-1, w->dir, w->as_uid};
   const shardd__ckdir *dir = &dd;
   shardd_err rc =
-      shardd__ck_open_write_dir(w->dir, w->as_uid, &dd.fd, err, errlen);
+      shardd__ck_open_write_dir(w->dir, w->as_uid, w->home, &dd.fd, err, errlen);
   if (rc != SHARDD_OK)
     return rc;
   int manifest_in = 0;
@@ -340,9 +345,17 @@ done:
 shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
                                     const char *dirpath, int64_t as_uid,
                                     char *err, size_t errlen) {
+  return shardd__checkpoint_write_in(reg, job, dirpath, as_uid, NULL, err,
+                                     errlen);
+}
+
+shardd_err shardd__checkpoint_write_in(shardd__registry *reg, shardd__job *job,
+                                       const char *dirpath, int64_t as_uid,
+                                       const char *home, char *err,
+                                       size_t errlen) {
   shardd__ckwrite *w;
-  shardd_err rc =
-      shardd__checkpoint_prepare(reg, job, dirpath, as_uid, &w, err, errlen);
+  shardd_err rc = shardd__checkpoint_prepare(reg, job, dirpath, as_uid, home,
+                                             &w, err, errlen);
   if (rc != SHARDD_OK)
     return rc;
   rc = shardd__checkpoint_run(w, err, errlen);

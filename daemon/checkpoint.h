@@ -53,6 +53,24 @@
 shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
                                     const char *dir, int64_t as_uid, char *err,
                                     size_t errlen);
+/* As checkpoint_write for a client confined to home, its own directory
+ * under --checkpoint-root (see shardd__checkpoint_user_dir), which dir is
+ * below (the caller checked): there, directories the daemon made count as
+ * the client's at any depth, as a daemon that is not root cannot hand
+ * them over with chown. home NULL: checkpoint_write. */
+shardd_err shardd__checkpoint_write_in(shardd__registry *reg, shardd__job *job,
+                                       const char *dir, int64_t as_uid,
+                                       const char *home, char *err,
+                                       size_t errlen);
+
+/* --checkpoint-root: uid's own directory root/UID, where all its
+ * checkpoints go. With create it is made when missing (mode 0700, handed
+ * to uid with chown when the daemon runs as root, else the daemon's own);
+ * without, a missing one is no error. One that exists must be a directory
+ * (not a symlink) owned by uid or, when the daemon is not root, by the
+ * daemon: SHARDD_E_PERMISSION otherwise, naming it. */
+shardd_err shardd__checkpoint_user_dir(const char *root, uint32_t uid,
+                                       int create, char *err, size_t errlen);
 
 /* A checkpoint being written: what prepare took from the registry. */
 typedef struct shardd__ckwrite shardd__ckwrite;
@@ -62,10 +80,11 @@ typedef struct shardd__ckwrite shardd__ckwrite;
  * shardd__checkpoint_wfree). It keeps pointers into the job's memory and
  * names: until wfree, the job must not change -- no collective, no
  * (un)registration, no release (jobs.c holds it so). Touches no file. */
+/* home as in checkpoint_write_in (NULL: none). */
 shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
                                       const char *dir, int64_t as_uid,
-                                      shardd__ckwrite **out, char *err,
-                                      size_t errlen);
+                                      const char *home, shardd__ckwrite **out,
+                                      char *err, size_t errlen);
 /* The I/O half: opens dir (checking it as checkpoint_write does), writes
  * the data files and then the sealed manifest. Any thread; it reads the
  * job's payloads but no registry struct. Once per w. */

@@ -192,9 +192,17 @@ static int dir_writable_by(const struct stat *st, const struct stat *pst,
 /* Opens (making it when missing) the directory a checkpoint is written
  * into, for as_uid (see shardd__ckdir). A missing directory is made only inside
  * one the client owns, and handed to it (chown, when the daemon may). */
-shardd_err shardd__ck_open_write_dir(const char *dir, int64_t as_uid, int *out,
-                                     char *err, size_t errlen) {
+shardd_err shardd__ck_open_write_dir(const char *dir, int64_t as_uid,
+                                     const char *home, int *out, char *err,
+                                     size_t errlen) {
   *out = -1;
+  /* below the client's own directory under --checkpoint-root, what the
+   * daemon made is the client's too (a daemon that is not root cannot
+   * chown it) */
+  size_t hn = home ? strlen(home) : 0;
+  int confined = as_uid > 0 && home && strncmp(dir, home, hn) == 0 &&
+                 dir[hn] == '/';
+  uid_t me = geteuid();
   size_t n = strlen(dir);
   while (n > 1 && dir[n - 1] == '/')
     n--;
@@ -225,7 +233,8 @@ shardd_err shardd__ck_open_write_dir(const char *dir, int64_t as_uid, int *out,
     goto done;
   }
   if (mkdirat(pfd, base_copy, 0750) == 0) {
-    if (as_uid > 0 && pst.st_uid != (uint32_t)as_uid) {
+    if (as_uid > 0 && pst.st_uid != (uint32_t)as_uid &&
+        !(confined && pst.st_uid == me)) {
       unlinkat(pfd, base_copy, AT_REMOVEDIR);
       snprintf(err, errlen, "%s: its parent directory is not yours; checkpoint "
                "into a directory you own", dir);
@@ -250,8 +259,10 @@ shardd_err shardd__ck_open_write_dir(const char *dir, int64_t as_uid, int *out,
     }
     goto done;
   }
-  if (as_uid > 0 && (fstat(fd, &st) != 0 ||
-                     !dir_writable_by(&st, &pst, (uint32_t)as_uid))) {
+  if (as_uid > 0 &&
+      (fstat(fd, &st) != 0 ||
+       !(dir_writable_by(&st, &pst, (uint32_t)as_uid) ||
+         (confined && (st.st_uid == (uid_t)as_uid || st.st_uid == me))))) {
     close(fd);
     snprintf(err, errlen, "%s: the directory is not yours; checkpoint into a "
              "directory you own", dir);
@@ -263,6 +274,64 @@ shardd_err shardd__ck_open_write_dir(const char *dir, int64_t as_uid, int *out,
 done:
   if (pfd >= 0)
     close(pfd);
+  return rc;
+}
+
+shardd_err shardd__checkpoint_user_dir(const char *root, uint32_t uid,
+                                       int create, char *err, size_t errlen) {
+  int rfd = shardd__ck_open_dir(root, err, errlen);
+  if (rfd < 0)
+    return errno == ELOOP || errno == ENOTDIR ? SHARDD_E_PERMISSION
+                                              : SHARDD_E_IO;
+  char name[16];
+  snprintf(name, sizeof name, "%" PRIu32, uid);
+  size_t n = strlen(root);
+  while (n > 1 && root[n - 1] == '/')
+    n--;
+  shardd_err rc = SHARDD_E_IO;
+  int fd = -1;
+  if (create && mkdirat(rfd, name, 0700) == 0) {
+    if (geteuid() == 0 &&
+        fchownat(rfd, name, (uid_t)uid, (gid_t)-1, AT_SYMLINK_NOFOLLOW) != 0) {
+      int e = errno;
+      unlinkat(rfd, name, AT_REMOVEDIR);
+      snprintf(err, errlen, "chown %.*s/%s: %s", (int)n, root, name, strerror(e));
+      goto done;
+    }
+  } else if (create && errno != EEXIST) {
+    snprintf(err, errlen, "mkdir %.*s/%s: %s", (int)n, root, name, strerror(errno));
+    goto done;
+  }
+  fd = openat(rfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  struct stat st;
+  if (fd < 0) {
+    if (errno == ENOENT && !create) {
+      rc = SHARDD_OK; /* nothing there to trust or distrust */
+    } else if (errno == ELOOP || errno == ENOTDIR) {
+      snprintf(err, errlen, "%.*s/%s, uid %s's checkpoint directory, is a "
+               "symlink or not a directory; refused", (int)n, root, name, name);
+      rc = SHARDD_E_PERMISSION;
+    } else {
+      snprintf(err, errlen, "%.*s/%s: %s", (int)n, root, name, strerror(errno));
+    }
+    goto done;
+  }
+  if (fstat(fd, &st) != 0) {
+    snprintf(err, errlen, "%.*s/%s: %s", (int)n, root, name, strerror(errno));
+    goto done;
+  }
+  if (st.st_uid != (uid_t)uid && !(st.st_uid == geteuid() && geteuid() != 0)) {
+    snprintf(err, errlen, "%.*s/%s, uid %s's checkpoint directory, belongs to "
+             "uid %u; refused (an admin should remove or chown it)", (int)n,
+             root, name, name, (unsigned)st.st_uid);
+    rc = SHARDD_E_PERMISSION;
+    goto done;
+  }
+  rc = SHARDD_OK;
+done:
+  if (fd >= 0)
+    close(fd);
+  close(rfd);
   return rc;
 }
 

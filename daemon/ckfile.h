@@ -32,9 +32,12 @@ int shardd__ck_open_dir(const char *path, char *err, size_t errlen);
 
 /* Opens, making it when missing, the directory a checkpoint of as_uid is
  * written into; *out is the caller's to close. SHARDD_E_PERMISSION when it
- * is not as_uid's to write into (see checkpoint.h). */
-shardd_err shardd__ck_open_write_dir(const char *dir, int64_t as_uid, int *out,
-                                     char *err, size_t errlen);
+ * is not as_uid's to write into (see checkpoint.h). home: as_uid's own
+ * directory under --checkpoint-root, which dir is below, or NULL (see
+ * shardd__checkpoint_write_in). */
+shardd_err shardd__ck_open_write_dir(const char *dir, int64_t as_uid,
+                                     const char *home, int *out, char *err,
+                                     size_t errlen);
 
 shardd_err shardd__ck_fsync_dir(const shardd__ckdir *d, char *err,
                                 size_t errlen);

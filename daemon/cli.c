@@ -27,11 +27,14 @@ static void usage(FILE *f) {
           "  --hello-timeout SEC       close a connection that sends no Hello (default 10)\n"
           "  --frame-timeout SEC       close one that leaves a frame unfinished (default 30)\n"
           "  --job-memory-limit SIZE   bytes one job may hold over all devices (default none)\n"
+          "  --uid-memory-limit SIZE   bytes all jobs of one user (not root) may hold\n"
+          "                            (default a quarter of the devices' memory; 0 none)\n"
           "  --admin-group GROUP       members may see (status, inspect) every job\n"
           "  --max-jobs N              jobs held at once, lingering ones included (default 4096)\n"
           "  --max-jobs-per-uid N      jobs one user (not root) may hold (default 512)\n"
           "  --max-inflight-gathers N  gathers one rank may have queued (default 16)\n"
           "  --checkpoint-root DIR     clients may checkpoint/restore only below DIR\n"
+          "                            (root) or DIR/UID (any other uid; made for it)\n"
           "  --checkpoint-on-exit DIR  on SIGTERM/SIGINT, checkpoint every job to DIR/JOB\n"
           "  --restore DIR             at start, restore the checkpoint in DIR (or each\n"
           "                            DIR/JOB holding one)\n"
@@ -121,7 +124,7 @@ static int parse_level(const char *s) {
 enum {
   O_SOCKET = 256, O_BACKEND, O_DEVICES, O_DEVMEM, O_TIMEOUT, O_LINGER,
   O_MAXCLIENTS, O_LOGLEVEL, O_FOREGROUND, O_VERSION, O_HELP,
-  O_CKPT_EXIT, O_RESTORE, O_JOBMEM, O_ADMIN, O_CKPT_ROOT, O_JOBSPEC, O_MAXGATHERS, O_MAXJOBS,
+  O_CKPT_EXIT, O_RESTORE, O_JOBMEM, O_UIDMEM, O_ADMIN, O_CKPT_ROOT, O_JOBSPEC, O_MAXGATHERS, O_MAXJOBS,
   O_HELLO_TO, O_FRAME_TO, O_MAXCLI_UID, O_MAXJOBS_UID
 };
 
@@ -138,6 +141,7 @@ static const struct option longopts[] = {
     {"checkpoint-on-exit", required_argument, NULL, O_CKPT_EXIT},
     {"restore", required_argument, NULL, O_RESTORE},
     {"job-memory-limit", required_argument, NULL, O_JOBMEM},
+    {"uid-memory-limit", required_argument, NULL, O_UIDMEM},
     {"admin-group", required_argument, NULL, O_ADMIN},
     {"checkpoint-root", required_argument, NULL, O_CKPT_ROOT},
     {"job-spec", required_argument, NULL, O_JOBSPEC},
@@ -198,11 +202,12 @@ static int add_jobspec(const char *path, shardd__cli *out) {
     fprintf(stderr, "shardd: --job-spec %s\n", why);
     return 2;
   }
-  if (shardd__jobspec_find(out->specs, out->nspecs, s->job)) {
-    fprintf(stderr, "shardd: --job-spec %s: job \"%s\" has a spec already\n",
-            path, s->job);
-    return 2;
-  }
+  for (size_t i = 0; i < out->nspecs; i++)
+    if (shardd__jobspec_overlap(&out->specs[i], s)) {
+      fprintf(stderr, "shardd: --job-spec %s: job \"%s\" has a spec already "
+              "(%s)\n", path, s->job, out->specs[i].path);
+      return 2;
+    }
   out->nspecs++;
   out->opts.jobspecs = out->specs;
   out->opts.njobspecs = out->nspecs;
@@ -257,6 +262,14 @@ static int server_option(int c, const char *arg, shardd__server_opts *o) {
     return SHARDD__CLI_RUN;
   case O_JOBMEM:
     return parse_size("job-memory-limit", arg, &o->job_memory_limit) != 0
+               ? 2
+               : SHARDD__CLI_RUN;
+  case O_UIDMEM:
+    if (strcmp(arg, "0") == 0) { /* unlimited, as for no --job-memory-limit */
+      o->uid_memory_limit = 0;
+      return SHARDD__CLI_RUN;
+    }
+    return parse_size("uid-memory-limit", arg, &o->uid_memory_limit) != 0
                ? 2
                : SHARDD__CLI_RUN;
   case O_ADMIN:

@@ -103,7 +103,10 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     return;
   }
   if (h->job && h->job[0]) {
-    shardd__job *job = shardd__job_find(&d->reg, h->job);
+    /* The peer's own job of that name, made when missing: another uid's
+     * job of the same name is another job. Only root joins another's, by
+     * naming it "UID/NAME". */
+    shardd__job *job = shardd__access_find_job(&d->reg, &c->peer, h->job);
     shardd_err rc;
     if (job && (rc = shardd__access_join(&c->peer, job, err, sizeof err)) !=
                    SHARDD_OK) {
@@ -111,8 +114,8 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
       return;
     }
     uint32_t world = h->has_world ? h->world : 1;
-    rc = shardd__job_get(&d->reg, h->job, world, c->peer.uid, &job, err,
-                         sizeof err);
+    rc = shardd__job_get(&d->reg, job ? job->name : h->job, world,
+                         job ? job->uid : c->peer.uid, &job, err, sizeof err);
     if (rc != SHARDD_OK) {
       reply(d, c, seq, rc, err);
       return;
@@ -383,7 +386,14 @@ static void reply_checkpoint(shardd__dispatch *d, shardd__conn *c,
                              uint64_t seq, shardd__job *job, const char *dir) {
   Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_CHECKPOINT);
   Shardwire__CheckpointReply cr = SHARDWIRE__CHECKPOINT_REPLY__INIT;
+  /* the name the asker would use for it: root restoring uid 1000's
+   * checkpoint gets "1000/NAME" */
+  char qualified[300];
   cr.job = job->name;
+  if (job->uid != c->peer.uid) {
+    snprintf(qualified, sizeof qualified, "%" PRIu32 "/%s", job->uid, job->name);
+    cr.job = qualified;
+  }
   cr.dir = (char *)dir;
   cr.buffers = (uint32_t)shardd__map_count(&job->buffers);
   cr.optimizers = (uint32_t)shardd__map_count(&job->optims);
@@ -419,19 +429,43 @@ static void ckpt_done(void *arg, shardd__job *job, shardd_err rc,
   free(w);
 }
 
+/* --checkpoint-root: a client other than root names directories below
+ * its own root/UID only; that directory is checked (and, with create,
+ * made) before anything in it is touched, and its path left in home
+ * (empty when the client is not confined to one). */
+static shardd_err checkpoint_dir_ok(shardd__dispatch *d, const shardd__conn *c,
+                                    const char *dir, int create, char *home,
+                                    size_t homelen, char *err, size_t errlen) {
+  const char *root = d->opts.checkpoint_root;
+  home[0] = '\0';
+  shardd_err rc = shardd__access_checkpoint_dir(root, (uint32_t)c->peer.uid,
+                                                dir, err, errlen);
+  if (rc != SHARDD_OK || root == NULL || c->peer.uid == 0)
+    return rc;
+  rc = shardd__checkpoint_user_dir(root, (uint32_t)c->peer.uid, create, err,
+                                   errlen);
+  if (rc == SHARDD_OK) {
+    size_t n = strlen(root);
+    while (n > 1 && root[n - 1] == '/')
+      n--;
+    snprintf(home, homelen, "%.*s/%" PRIu32, (int)n, root, (uint32_t)c->peer.uid);
+  }
+  return rc;
+}
+
 static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                           const Shardwire__Request *req) {
   const Shardwire__Checkpoint *cp = req->checkpoint;
-  char err[ERRLEN];
-  shardd_err rc = shardd__access_checkpoint_dir(d->opts.checkpoint_root,
-                                                cp->dir, err, sizeof err);
+  char err[ERRLEN], home[4096];
+  shardd_err rc = checkpoint_dir_ok(d, c, cp->dir, 0, home, sizeof home, err,
+                                    sizeof err);
   if (rc != SHARDD_OK) {
     reply(d, c, seq, rc, err);
     return;
   }
   shardd__job *job = c->m.job;
   if (job == NULL) {
-    job = shardd__job_find(&d->reg, cp->job);
+    job = shardd__access_find_job(&d->reg, &c->peer, cp->job);
     if (job == NULL) {
       snprintf(err, sizeof err, "no job \"%s\"", cp->job ? cp->job : "");
       reply(d, c, seq, SHARDD_E_NOT_FOUND, err);
@@ -442,10 +476,17 @@ static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
       reply(d, c, seq, rc, err);
       return;
     }
-  } else if (cp->job && cp->job[0] && strcmp(cp->job, job->name) != 0) {
+  } else if (cp->job && cp->job[0] && strcmp(cp->job, job->name) != 0 &&
+             shardd__access_find_job(&d->reg, &c->peer, cp->job) != job) {
     snprintf(err, sizeof err, "a session of job \"%s\" cannot checkpoint job \"%s\"",
              job->name, cp->job);
     reply(d, c, seq, SHARDD_E_NOT_OWNED, err);
+    return;
+  }
+  /* the user's directory is made only for a checkpoint it may take */
+  if (home[0] && (rc = checkpoint_dir_ok(d, c, cp->dir, 1, home, sizeof home,
+                                         err, sizeof err)) != SHARDD_OK) {
+    reply(d, c, seq, rc, err);
     return;
   }
   /* The files are written off the loop thread: a 1.6 GB checkpoint froze
@@ -460,8 +501,8 @@ static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   w->c = c;
   w->seq = seq;
   rc = shardd__jobs_checkpoint_start(&d->jobs, job, cp->dir,
-                                     (int64_t)c->peer.uid, ckpt_done, w, err,
-                                     sizeof err);
+                                     (int64_t)c->peer.uid, home[0] ? home : NULL,
+                                     ckpt_done, w, err, sizeof err);
   if (rc != SHARDD_OK) {
     free(w->dir);
     free(w);
@@ -475,9 +516,9 @@ static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
 static void on_restore(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                        const Shardwire__Request *req) {
   const Shardwire__Restore *rs = req->restore;
-  char err[ERRLEN];
-  shardd_err rc = shardd__access_checkpoint_dir(d->opts.checkpoint_root,
-                                                rs->dir, err, sizeof err);
+  char err[ERRLEN], home[4096];
+  shardd_err rc = checkpoint_dir_ok(d, c, rs->dir, 0, home, sizeof home, err,
+                                    sizeof err);
   if (rc != SHARDD_OK) {
     reply(d, c, seq, rc, err);
     return;
@@ -668,6 +709,17 @@ shardd_err shardd__dispatch_init(shardd__dispatch *d, uv_loop_t *loop,
   d->started = now_s(d);
   shardd__registry_init(&d->reg, backend);
   d->reg.job_memory_limit = opts->job_memory_limit;
+  d->reg.uid_memory_limit = opts->uid_memory_limit;
+  if (opts->uid_memory_limit == SHARDD__UID_MEMORY_DEFAULT) {
+    /* a quarter of every device's memory: no one user takes it all */
+    uint64_t total = 0;
+    for (int dev = 0; dev < backend->ndevices; dev++) {
+      shardd__device_info info;
+      backend->ops->device_info(backend, dev, &info);
+      total += info.capacity_bytes;
+    }
+    d->reg.uid_memory_limit = total / 4;
+  }
   d->reg.max_jobs = opts->max_jobs;
   d->reg.max_jobs_per_uid = opts->max_jobs_per_uid;
   /* connections, the listener, checkpoint files and libraries keep theirs */

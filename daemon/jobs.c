@@ -104,11 +104,38 @@ static void release(shardd__jobs *j, shardd__job *job) {
   shardd__job_release(j->reg, job);
 }
 
+typedef struct {
+  const shardd__job *job;
+  const shardd__job *other;
+} spanning_arg;
+
+/* Another uid's job of job's name that spans nodes (took a spec's layout). */
+static void find_spanning(shardd__job *other, void *arg) {
+  spanning_arg *a = arg;
+  if (other != a->job && other->uid != a->job->uid && other->nodes > 1 &&
+      strcmp(other->name, a->job->name) == 0)
+    a->other = other;
+}
+
 shardd_err shardd__jobs_layout(shardd__jobs *j, shardd__job *job, uint32_t rank,
                                char *err, size_t errlen) {
-  const shardd__jobspec *sp = shardd__jobspec_find(j->specs, j->nspecs, job->name);
+  const shardd__jobspec *sp =
+      shardd__jobspec_find(j->specs, j->nspecs, job->uid, job->name);
   if (sp == NULL)
     return SHARDD_OK;
+  if (sp->uid < 0 && sp->nodes > 1 && job->nodes == 1) {
+    /* A spec without a uid joins one job over the fabric, never two
+     * users' jobs of one name. */
+    spanning_arg a = {job, NULL};
+    shardd__registry_each_job(j->reg, find_spanning, &a);
+    if (a.other) {
+      snprintf(err, errlen,
+               "job spec %s for \"%s\" gives no uid and another user's job "
+               "of that name holds it; an admin can give the spec a uid",
+               sp->path, job->name);
+      return SHARDD_E_BUSY;
+    }
+  }
   if (sp->world != job->world) {
     snprintf(err, errlen,
              "job \"%s\" has world %" PRIu32 " in its job spec %s, not %" PRIu32,
@@ -278,12 +305,12 @@ static shardd_err may_checkpoint(const shardd__jobs *j, const shardd__job *job,
 }
 
 shardd_err shardd__jobs_checkpoint(shardd__jobs *j, shardd__job *job,
-                                   const char *dir, int64_t as_uid, char *err,
-                                   size_t errlen) {
+                                   const char *dir, int64_t as_uid,
+                                   const char *home, char *err, size_t errlen) {
   shardd_err rc = may_checkpoint(j, job, err, errlen);
   if (rc != SHARDD_OK)
     return rc;
-  rc = shardd__checkpoint_write(j->reg, job, dir, as_uid, err, errlen);
+  rc = shardd__checkpoint_write_in(j->reg, job, dir, as_uid, home, err, errlen);
   if (rc == SHARDD_OK)
     shardd__log(2, "job \"%s\" checkpointed to %s", job->name, dir);
   return rc;
@@ -349,6 +376,7 @@ static void ckpt_after(uv_work_t *req, int status) {
 
 shardd_err shardd__jobs_checkpoint_start(shardd__jobs *j, shardd__job *job,
                                          const char *dir, int64_t as_uid,
+                                         const char *home,
                                          shardd__jobs_ckpt_done done,
                                          void *arg, char *err, size_t errlen) {
   shardd_err rc = may_checkpoint(j, job, err, errlen);
@@ -361,7 +389,8 @@ shardd_err shardd__jobs_checkpoint_start(shardd__jobs *j, shardd__job *job,
     snprintf(err, errlen, "out of memory");
     return SHARDD_E_NO_MEMORY;
   }
-  rc = shardd__checkpoint_prepare(j->reg, job, dir, as_uid, &k->w, err, errlen);
+  rc = shardd__checkpoint_prepare(j->reg, job, dir, as_uid, home, &k->w, err,
+                                  errlen);
   if (rc != SHARDD_OK) {
     free(k);
     return rc;

@@ -79,11 +79,12 @@ uint32_t shardd__jobs_clients(const shardd__jobs *j, const shardd__job *job);
 
 /* Checkpoints job to dir between steps (SHARDD_E_BUSY with collectives in
  * flight or while it is being checkpointed, SHARDD_E_STATE for a
- * multi-node job); as_uid as in shardd__checkpoint_write. Blocks the loop
- * for the I/O: for --checkpoint-on-exit, where the loop has stopped. */
+ * multi-node job); as_uid and home (may be NULL) as in
+ * shardd__checkpoint_write_in. Blocks the loop for the I/O: for
+ * --checkpoint-on-exit, where the loop has stopped. */
 shardd_err shardd__jobs_checkpoint(shardd__jobs *j, shardd__job *job,
-                                   const char *dir, int64_t as_uid, char *err,
-                                   size_t errlen);
+                                   const char *dir, int64_t as_uid,
+                                   const char *home, char *err, size_t errlen);
 
 /* Told on the loop thread when a checkpoint started by
  * shardd__jobs_checkpoint_start is written (rc OK) or failed (err says
@@ -99,6 +100,7 @@ typedef void (*shardd__jobs_ckpt_done)(void *arg, shardd__job *job,
  * refusal is returned here, and done is then never called. */
 shardd_err shardd__jobs_checkpoint_start(shardd__jobs *j, shardd__job *job,
                                          const char *dir, int64_t as_uid,
+                                         const char *home,
                                          shardd__jobs_ckpt_done done,
                                          void *arg, char *err, size_t errlen);
 /* Whether job is being checkpointed (started and not done). */

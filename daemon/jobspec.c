@@ -37,17 +37,44 @@ void shardd__jobspec_free(shardd__jobspec *s) {
   memset(s, 0, sizeof *s);
 }
 
+/* A spec is a few lines; anything near this is not one. */
+#define SPEC_MAX_BYTES (1u << 20)
+#define LINE_MAX_LEN 1022
+
 shardd_err shardd__jobspec_load(const char *path, shardd__jobspec *out,
                                 char *err, size_t errlen) {
   memset(out, 0, sizeof *out);
+  out->uid = -1;
   FILE *f = fopen(path, "r");
   if (f == NULL) {
     snprintf(err, errlen, "%s: %s", path, strerror(errno));
     return SHARDD_E_IO;
   }
+  char *text = malloc(SPEC_MAX_BYTES + 1);
+  size_t len = text ? fread(text, 1, SPEC_MAX_BYTES + 1, f) : 0;
+  int bad = text == NULL || ferror(f);
+  int e = errno;
+  fclose(f);
+  shardd_err rc = SHARDD_E_INVAL;
+  if (bad)
+    snprintf(err, errlen, "%s: %s", path, text ? strerror(e) : "out of memory");
+  else if (len > SPEC_MAX_BYTES)
+    snprintf(err, errlen, "%s: longer than %u bytes (not a job spec)", path,
+             SPEC_MAX_BYTES);
+  else
+    rc = shardd__jobspec_parse(path, text, len, out, err, errlen);
+  free(text);
+  return bad ? SHARDD_E_IO : rc;
+}
+
+shardd_err shardd__jobspec_parse(const char *path, const char *text,
+                                 size_t len, shardd__jobspec *out, char *err,
+                                 size_t errlen) {
+  memset(out, 0, sizeof *out);
+  out->uid = -1;
   uint32_t local = 0;
   int have_world = 0, have_nodes = 0, have_node = 0;
-  char line[1024];
+  char line[LINE_MAX_LEN + 2];
   int ln = 0;
 #define BAD(...)                                                              \
   do {                                                                        \
@@ -56,11 +83,17 @@ shardd_err shardd__jobspec_load(const char *path, shardd__jobspec *out,
       snprintf(err + k_, errlen - (size_t)k_, __VA_ARGS__);                   \
     goto fail;                                                                \
   } while (0)
-  while (fgets(line, sizeof line, f)) {
+  for (size_t at = 0; at < len;) {
     ln++;
-    /* a longer line would come back in pieces, the rest parsed as lines */
-    if (strchr(line, '\n') == NULL && !feof(f))
-      BAD("line longer than %zu characters", sizeof line - 2);
+    const char *nl = memchr(text + at, '\n', len - at);
+    size_t n = (nl ? (size_t)(nl - text) : len) - at;
+    if (n > LINE_MAX_LEN)
+      BAD("line longer than %d characters", LINE_MAX_LEN);
+    if (memchr(text + at, '\0', n))
+      BAD("holds a NUL byte (not a job spec)");
+    memcpy(line, text + at, n);
+    line[n] = '\0';
+    at += n + (nl != NULL);
     char *hash = strchr(line, '#');
     if (hash)
       *hash = '\0';
@@ -88,6 +121,12 @@ shardd_err shardd__jobspec_load(const char *path, shardd__jobspec *out,
       continue;
     }
     uint32_t x;
+    if (!strcmp(k, "uid")) {
+      if (parse_u32(v, UINT32_MAX, &x) != 0)
+        BAD("uid = %s: not a uid", v);
+      out->uid = x;
+      continue;
+    }
     if (parse_u32(v, 65536, &x) != 0)
       BAD("%s = %s: not a number in [0, 65536]", k, v);
     if (!strcmp(k, "world"))
@@ -100,7 +139,7 @@ shardd_err shardd__jobspec_load(const char *path, shardd__jobspec *out,
       local = x;
     else
       BAD("unknown key \"%s\" (job, world, nodes, node_rank, local_ranks, "
-          "rendezvous, host)", k);
+          "rendezvous, host, uid)", k);
   }
   ln = 0;
   if (out->job == NULL)
@@ -123,18 +162,28 @@ shardd_err shardd__jobspec_load(const char *path, shardd__jobspec *out,
   if ((out->path = strdup(path)) == NULL)
     BAD("out of memory");
 #undef BAD
-  fclose(f);
   return SHARDD_OK;
 fail:
-  fclose(f);
   shardd__jobspec_free(out);
   return SHARDD_E_INVAL;
 }
 
 const shardd__jobspec *shardd__jobspec_find(const shardd__jobspec *specs,
-                                            size_t n, const char *job) {
-  for (size_t i = 0; job && i < n; i++)
-    if (!strcmp(specs[i].job, job))
+                                            size_t n, uint32_t uid,
+                                            const char *job) {
+  const shardd__jobspec *any = NULL;
+  for (size_t i = 0; job && i < n; i++) {
+    if (strcmp(specs[i].job, job) != 0)
+      continue;
+    if (specs[i].uid == (int64_t)uid)
       return &specs[i];
-  return NULL;
+    if (specs[i].uid < 0 && any == NULL)
+      any = &specs[i];
+  }
+  return any;
+}
+
+int shardd__jobspec_overlap(const shardd__jobspec *a, const shardd__jobspec *b) {
+  return strcmp(a->job, b->job) == 0 &&
+         (a->uid < 0 || b->uid < 0 || a->uid == b->uid);
 }

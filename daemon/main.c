@@ -42,11 +42,15 @@ typedef struct {
   int failed;
 } exit_ckpt;
 
+/* DIR/JOB for root's jobs, DIR/UID%2fJOB for another uid's ("UID/JOB",
+ * the name root gives it, as one component): job names are per uid, so
+ * two users' jobs of one name need two directories. */
 static void checkpoint_job(shardd__job *job, void *arg) {
   exit_ckpt *a = arg;
-  char err[512];
-  char *d = job_dir(a->dir, job->name);
-  if (d == NULL || shardd__jobs_checkpoint(&a->srv->d.jobs, job, d, -1, err, sizeof err) != SHARDD_OK) {
+  char err[512], qualified[300];
+  snprintf(qualified, sizeof qualified, "%u/%s", (unsigned)job->uid, job->name);
+  char *d = job_dir(a->dir, job->uid == 0 ? job->name : qualified);
+  if (d == NULL || shardd__jobs_checkpoint(&a->srv->d.jobs, job, d, -1, NULL, err, sizeof err) != SHARDD_OK) {
     shardd__log(0, "checkpoint of job \"%s\" failed: %s", job->name,
                 d ? err : "out of memory");
     a->failed = 1;

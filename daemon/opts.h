@@ -22,7 +22,8 @@ typedef struct {
   int64_t admin_gid;    /* members may see every job; < 0 none */
   uint64_t job_memory_limit; /* bytes a job may hold; 0 unlimited */
   /* Checkpoint/Restore requests may only name directories below this one
-   * (the daemon writes with its own rights); NULL: any absolute path. */
+   * (the daemon writes with its own rights), and a uid other than root
+   * only below its own <root>/<uid>; NULL: any absolute path. */
   const char *checkpoint_root;
   /* --job-spec: multi-node layouts by job name (borrowed, live until exit) */
   const shardd__jobspec *jobspecs;
@@ -37,13 +38,20 @@ typedef struct {
   /* connections one uid (not root, not --admin-group) may hold at once */
   uint32_t max_clients_per_uid;
   uint32_t max_jobs_per_uid; /* jobs one uid (not root) may hold */
+  /* bytes all jobs of one uid other than root may hold over all devices:
+   * --job-memory-limit is per job, so 21 jobs of one user exhausted
+   * device memory for everyone. 0 unlimited; SHARDD__UID_MEMORY_DEFAULT
+   * a quarter of the backend's capacity (dispatch sizes it). */
+  uint64_t uid_memory_limit;
 } shardd__server_opts;
+
+#define SHARDD__UID_MEMORY_DEFAULT UINT64_MAX
 
 /* Past --max-clients, root and --admin-group still get this many more
  * connections, so an operator can always look (shardctl status). */
 #define SHARDD__ADMIN_RESERVE 8u
 
 #define SHARDD__SERVER_OPTS_INIT \
-  {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2, -1, 0, NULL, NULL, 0, 16, 4096, 10.0, 30.0, 256, 512}
+  {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2, -1, 0, NULL, NULL, 0, 16, 4096, 10.0, 30.0, 256, 512, SHARDD__UID_MEMORY_DEFAULT}
 
 #endif /* SHARDD_OPTS_H */

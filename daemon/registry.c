@@ -1,7 +1,8 @@
 /* registry.c — the registry itself: jobs, the daemon-wide object ids and
  * their lookups, the per-name generations and the ring of freed handles
  * that tells a stale id from a mistyped one, and the memory and region
- * quotas. Buffers and views are buffer.c's, optimizers optimizer.c's. */
+ * quotas. A job is known by its owner's uid and its name: two users'
+ * jobs of one name are two jobs. Buffers and views are buffer.c's, optimizers optimizer.c's. */
 #include "registry.h"
 #include "registry_int.h"
 
@@ -64,8 +65,22 @@ int shardd__name_ok(const char *name, const char *what, char *err,
   return 1;
 }
 
-shardd__job *shardd__job_find(shardd__registry *reg, const char *name) {
-  return name ? shardd__map_get_str(&reg->jobs, name) : NULL;
+/* The jobs map's key of uid's job name: "UID/NAME". The uid comes first
+ * and has no '/', so no two (uid, name) pairs share a key. 0 when name is
+ * too long to be a job's. */
+static int job_key(uint32_t uid, const char *name, char *key, size_t n) {
+  int k = snprintf(key, n, "%" PRIu32 "/%s", uid, name);
+  return k > 0 && (size_t)k < n;
+}
+
+#define JOB_KEY_LEN (NAME_MAX_LEN + 16)
+
+shardd__job *shardd__job_find(shardd__registry *reg, uint32_t uid,
+                              const char *name) {
+  char key[JOB_KEY_LEN];
+  if (name == NULL || !job_key(uid, name, key, sizeof key))
+    return NULL;
+  return shardd__map_get_str(&reg->jobs, key);
 }
 
 typedef struct {
@@ -89,7 +104,7 @@ shardd_err shardd__job_get(shardd__registry *reg, const char *name,
              world);
     return SHARDD_E_RANGE;
   }
-  shardd__job *job = shardd__map_get_str(&reg->jobs, name);
+  shardd__job *job = shardd__job_find(reg, uid, name);
   if (job) {
     if (job->world != world) {
       snprintf(err, errlen,
@@ -128,7 +143,9 @@ shardd_err shardd__job_get(shardd__registry *reg, const char *name,
   shardd__map_init(&job->optims);
   shardd__map_init(&job->gens);
   shardd__map_init(&job->freed);
-  if (shardd__map_put_str(&reg->jobs, name, job) != SHARDD_OK)
+  char key[JOB_KEY_LEN];
+  job_key(uid, name, key, sizeof key); /* name_ok bounded its length */
+  if (shardd__map_put_str(&reg->jobs, key, job) != SHARDD_OK)
     goto nomem;
   *out = job;
   return SHARDD_OK;
@@ -394,16 +411,41 @@ void shardd__obj_fini(shardd__registry *reg, shardd__obj *o) {
 
 /* ---- quotas ----------------------------------------------------------- */
 
-/* --job-memory-limit: what the job holds plus what it asks for. */
+typedef struct {
+  uint32_t uid;
+  uint64_t bytes;
+} uid_bytes;
+
+static void count_uid_bytes(void *value, void *arg) {
+  const shardd__job *job = value;
+  uid_bytes *a = arg;
+  if (job->uid == a->uid)
+    a->bytes += job->bytes;
+}
+
+/* --job-memory-limit: what the job holds plus what it asks for; and
+ * --uid-memory-limit: the same over every job of its owner (not root). */
 int shardd__within_quota(const shardd__registry *reg, const shardd__job *job,
                          uint64_t more, char *err, size_t errlen) {
   uint64_t lim = reg->job_memory_limit;
-  if (lim == 0 || (job->bytes <= lim && more <= lim - job->bytes))
+  if (lim != 0 && !(job->bytes <= lim && more <= lim - job->bytes)) {
+    snprintf(err, errlen,
+             "job \"%s\" would hold %" PRIu64 " bytes, over its limit of %" PRIu64
+             " (--job-memory-limit)",
+             job->name, job->bytes + more, lim);
+    return 0;
+  }
+  lim = reg->uid_memory_limit;
+  if (lim == 0 || job->uid == 0)
+    return 1;
+  uid_bytes a = {job->uid, 0};
+  shardd__map_each(&reg->jobs, count_uid_bytes, &a);
+  if (a.bytes <= lim && more <= lim - a.bytes)
     return 1;
   snprintf(err, errlen,
-           "job \"%s\" would hold %" PRIu64 " bytes, over its limit of %" PRIu64
-           " (--job-memory-limit)",
-           job->name, job->bytes + more, lim);
+           "uid %" PRIu32 " would hold %" PRIu64 " bytes over all its jobs, over "
+           "its limit of %" PRIu64 " (--uid-memory-limit)",
+           job->uid, a.bytes + more, lim);
   return 0;
 }
 
@@ -492,7 +534,9 @@ void shardd__job_release(shardd__registry *reg, shardd__job *job) {
   shardd__map_free(&job->buffers);
   shardd__map_free(&job->optims);
   freed_release(job);
-  shardd__map_del_str(&reg->jobs, job->name);
+  char key[JOB_KEY_LEN];
+  job_key(job->uid, job->name, key, sizeof key);
+  shardd__map_del_str(&reg->jobs, key);
   free(job->name);
   free(job);
 }

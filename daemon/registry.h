@@ -186,6 +186,8 @@ struct shardd__registry {
   shardd__backend *backend;
   /* public config */
   uint64_t job_memory_limit; /* bytes one job may hold; 0 unlimited */
+  /* bytes all jobs of one uid other than root may hold; 0 unlimited */
+  uint64_t uid_memory_limit;
   size_t max_jobs;           /* jobs at once; 0 unlimited */
   /* jobs one uid other than root may hold at once (lingering ones count):
    * 4,096 empty jobs from one user filled --max-jobs in 0.32 s */
@@ -200,7 +202,7 @@ struct shardd__registry {
   uint64_t nblocks;
   uint64_t next_id;
   shardd__map objects; /* id -> shardd__obj */
-  shardd__map jobs;    /* name -> job */
+  shardd__map jobs;    /* "UID/NAME" -> job: a job is (owner, name) */
 };
 
 void shardd__registry_init(shardd__registry *reg, shardd__backend *backend);
@@ -212,12 +214,15 @@ void shardd__registry_fit_blocks(shardd__registry *reg, uint64_t keep);
 /* Releases every job and frees everything; the backend stays the caller's. */
 void shardd__registry_free(shardd__registry *reg);
 
-/* Finds the job called name or creates it with world ranks (mismatching
- * world: SHARDD_E_MISMATCH). */
+/* Finds uid's job called name or creates it for uid with world ranks
+ * (mismatching world: SHARDD_E_MISMATCH). Job names are per uid: another
+ * uid's job of the same name is another job, never this one. */
 shardd_err shardd__job_get(shardd__registry *reg, const char *name,
                            uint32_t world, uint32_t uid, shardd__job **out,
                            char *err, size_t errlen);
-shardd__job *shardd__job_find(shardd__registry *reg, const char *name);
+/* uid's job called name, or NULL. */
+shardd__job *shardd__job_find(shardd__registry *reg, uint32_t uid,
+                              const char *name);
 /* Makes job span nodes daemons, this one being node_rank: it then holds the
  * world/nodes ranks of that node only. Only before the job has buffers;
  * world must divide evenly (SHARDD_E_RANGE / SHARDD_E_STATE otherwise). */

@@ -47,7 +47,8 @@ void shardd__record_freed(shardd__obj *o, const char *buf_name);
  * free(), its entries borrowed from m. */
 shardd_err shardd__obj_values(const shardd__map *m, void ***out, size_t *n);
 
-/* Whether job may take more bytes under --job-memory-limit; else err. */
+/* Whether job may take more bytes under --job-memory-limit and its owner
+ * under --uid-memory-limit; else err naming the flag. */
 int shardd__within_quota(const shardd__registry *reg, const shardd__job *job,
                          uint64_t more, char *err, size_t errlen);
 /* Whether job may take need more rank blocks (see max_blocks); else err. */

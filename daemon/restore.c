@@ -398,9 +398,10 @@ static shardd_err line_job(restore *c, char **tok) {
              "only it or root may restore it", tok[1], c->dir);
     return SHARDD_E_PERMISSION;
   }
-  if (shardd__job_find(c->reg, tok[1])) {
+  if (shardd__job_find(c->reg, owner, tok[1])) {
     snprintf(c->err, c->errlen,
-             "job \"%s\" exists already; release it before restoring", tok[1]);
+             "job \"%s\" of uid %" PRIu32 " exists already; release it "
+             "before restoring", tok[1], owner);
     return SHARDD_E_BUSY;
   }
   c->old_world = (uint32_t)strtoul(tok[2], NULL, 10);

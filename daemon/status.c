@@ -60,6 +60,8 @@ static Shardwire__JobStatus *job_status(const shardd__status_ctx *ctx,
     return NULL;
   shardwire__job_status__init(js);
   js->name = ar_strdup(r, job->name);
+  js->has_owner_uid = 1;
+  js->owner_uid = job->uid;
   js->world = job->world;
   js->clients = shardd__jobs_clients(ctx->jobs, job);
   js->views = job->nviews;
@@ -139,7 +141,8 @@ static void add_job(shardd__job *job, void *arg) {
 static int cmp_job(const void *x, const void *y) {
   const Shardwire__JobStatus *a = *(Shardwire__JobStatus *const *)x;
   const Shardwire__JobStatus *b = *(Shardwire__JobStatus *const *)y;
-  return strcmp(a->name, b->name);
+  int k = strcmp(a->name, b->name);
+  return k ? k : (a->owner_uid > b->owner_uid) - (a->owner_uid < b->owner_uid);
 }
 
 shardd_err shardd__status_build(const shardd__status_ctx *ctx,
@@ -223,8 +226,13 @@ static void find_in_job(shardd__job *job, void *arg) {
       if (f->matches++ == 0)
         f->found = hit;
       size_t used = strlen(f->jobs);
-      snprintf(f->jobs + used, sizeof f->jobs - used, "%s\"%s\" (id %" PRIu64 ")",
-               used ? ", " : "", job->name, hit->id);
+      if (job->uid == f->viewer->uid)
+        snprintf(f->jobs + used, sizeof f->jobs - used, "%s\"%s\" (id %" PRIu64 ")",
+                 used ? ", " : "", job->name, hit->id);
+      else
+        snprintf(f->jobs + used, sizeof f->jobs - used,
+                 "%s\"%" PRIu32 "/%s\" (id %" PRIu64 ")", used ? ", " : "",
+                 job->uid, job->name, hit->id);
     }
   }
   free(bufs);

@@ -1,6 +1,8 @@
 /* test_access.c — access control and limits of the server: a job belongs to
- * the uid that created it; another uid cannot join it, see it in status,
- * inspect or checkpoint it (root and --admin-group may look); and
+ * the uid that created it, and job names are per uid: another uid's Hello
+ * of the same name is its own job; it cannot see root's in status, inspect
+ * or checkpoint it (root and --admin-group may look, naming it "UID/NAME");
+ * and
  * --job-memory-limit refuses allocations past the quota with a clear error.
  * The other uid is a forked child that drops to nobody (tests run as root;
  * elsewhere they skip). */
@@ -26,15 +28,20 @@ static void open_up(const test_daemon *d) {
 
 /* What the unprivileged child saw, one result per probe. */
 typedef struct {
-  int join_code;     /* Hello into root's job */
   int status_lists;  /* root's job appears in its status */
   int inspect_code;  /* inspect root's buffer by id */
   int name_code;     /* inspect root's buffer by name */
-  int ckpt_code;     /* checkpoint root's job */
+  int ckpt_code;     /* checkpoint "root-job" (its own name for it) */
+  int ckpt_uid_code; /* checkpoint "0/root-job" (root's, as an admin names it) */
+  int join_code;     /* Hello "root-job": its own job of that name */
+  int join_created;  /* registering "secret" there created it (not root's) */
+  int join_uid_code; /* Hello "0/root-job" */
   int own_job_code;  /* create and use its own job */
   char join_msg[512];
 } probe;
 
+/* Forks a child that becomes nobody and probes root's job (buffer
+ * buf_id): looking first, with no job of its own, then joining. */
 static void run_as_nobody(const test_daemon *d, uint64_t buf_id, probe *out) {
   int fds[2];
   cr_assert_eq(pipe(fds), 0);
@@ -47,20 +54,15 @@ static void run_as_nobody(const test_daemon *d, uint64_t buf_id, probe *out) {
     if (pw == NULL || setgroups(0, NULL) != 0 || setgid(pw->pw_gid) != 0 ||
         setuid(pw->pw_uid) != 0)
       _exit(3);
-    shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
-    o.job = "root-job";
     shardd_client_t *c;
     char err[512];
-    p.join_code = shardd_connect(d->sock, &o, &c, err, sizeof err);
-    snprintf(p.join_msg, sizeof p.join_msg, "%s", err);
-    if (p.join_code == SHARDD_OK)
-      shardd_close(c);
     shardd_connect_opts ctl = SHARDD_CONNECT_OPTS_INIT;
     if (shardd_connect(d->sock, &ctl, &c, err, sizeof err) != SHARDD_OK)
       _exit(4);
     char *json = NULL;
     if (shardd_status_json(c, &json) == SHARDD_OK)
-      p.status_lists = strstr(json, "\"root-job\"") != NULL;
+      p.status_lists = strstr(json, "\"root-job\"") != NULL &&
+                       strstr(json, "\"owner_uid\":0") != NULL;
     shardd_free(json);
     char *txt = NULL;
     p.inspect_code = shardd_inspect_text(c, buf_id, NULL, &txt);
@@ -69,7 +71,22 @@ static void run_as_nobody(const test_daemon *d, uint64_t buf_id, probe *out) {
     p.name_code = shardd_inspect_text(c, 0, "secret", &txt);
     shardd_free(txt);
     p.ckpt_code = shardd_checkpoint(c, "root-job", "/tmp/shardd-access-never");
+    p.ckpt_uid_code = shardd_checkpoint(c, "0/root-job", "/tmp/shardd-access-never");
     shardd_close(c);
+    shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+    o.job = "root-job";
+    p.join_code = shardd_connect(d->sock, &o, &c, err, sizeof err);
+    if (p.join_code == SHARDD_OK) {
+      shardd_buffer_info b;
+      if (shardd_buffer_register(c, "secret", SHARDD_DTYPE_FP32, 100, &b) == SHARDD_OK)
+        p.join_created = b.created;
+      shardd_close(c);
+    }
+    o.job = "0/root-job";
+    p.join_uid_code = shardd_connect(d->sock, &o, &c, err, sizeof err);
+    snprintf(p.join_msg, sizeof p.join_msg, "%s", err);
+    if (p.join_uid_code == SHARDD_OK)
+      shardd_close(c);
     o.job = "nobody-job";
     p.own_job_code = shardd_connect(d->sock, &o, &c, err, sizeof err);
     if (p.own_job_code == SHARDD_OK) {
@@ -112,14 +129,17 @@ Test(access, another_uid_cannot_join_see_inspect_or_checkpoint) {
   uint64_t id = root_job(&d, &c);
   probe p;
   run_as_nobody(&d, id, &p);
-  cr_assert_eq(p.join_code, SHARDD_E_PERMISSION, "join: %d %s", p.join_code, p.join_msg);
-  cr_assert(strstr(p.join_msg, "root-job") != NULL, "%s", p.join_msg);
-  cr_assert(strstr(p.join_msg, "uid 0") == NULL, "the refusal names the owner: %s",
-            p.join_msg);
   cr_assert_eq(p.status_lists, 0, "another user's job shows in status");
   cr_assert_eq(p.inspect_code, SHARDD_E_PERMISSION);
   cr_assert_eq(p.name_code, SHARDD_E_NOT_FOUND, "a name search must not reveal it");
-  cr_assert_eq(p.ckpt_code, SHARDD_E_PERMISSION);
+  cr_assert_eq(p.ckpt_code, SHARDD_E_NOT_FOUND, "its own name reaches only its own jobs");
+  cr_assert_eq(p.ckpt_uid_code, SHARDD_E_NOT_FOUND, "UID/NAME is for root and admins");
+  /* Job names are per uid (issue 20, item 8): its Hello "root-job" is its
+   * own job of that name, where "secret" is a new buffer, not root's. */
+  cr_assert_eq(p.join_code, SHARDD_OK);
+  cr_assert_eq(p.join_created, 1, "nobody's \"root-job\" attached to root's buffer");
+  cr_assert_eq(p.join_uid_code, SHARDD_OK, "\"0/root-job\" is its own literal name: %s",
+               p.join_msg);
   cr_assert_eq(p.own_job_code, SHARDD_OK, "its own job works");
 
   /* Root sees both jobs. */
@@ -127,6 +147,11 @@ Test(access, another_uid_cannot_join_see_inspect_or_checkpoint) {
   char *json = NULL;
   cr_assert_eq(shardd_status_json(ctl, &json), SHARDD_OK);
   cr_assert(strstr(json, "\"root-job\"") && strstr(json, "\"nobody-job\""), "%s", json);
+  /* and root's "root-job" kept its one buffer: nobody's went to its own */
+  shardd_buffer_info again;
+  cr_assert_eq(shardd_buffer_register(c, "secret", SHARDD_DTYPE_FP32, 100, &again), SHARDD_OK);
+  cr_assert_eq(again.created, 0);
+  cr_assert_eq(again.id, id);
   shardd_free(json);
   shardd_close(ctl);
   shardd_close(c);
@@ -146,11 +171,15 @@ Test(access, admin_group_may_look_but_not_join) {
   uint64_t id = root_job(&d, &c);
   probe p;
   run_as_nobody(&d, id, &p);
-  cr_assert_eq(p.join_code, SHARDD_E_PERMISSION);
   cr_assert_eq(p.status_lists, 1, "the admin group sees every job");
   cr_assert_eq(p.inspect_code, SHARDD_OK);
   cr_assert_eq(p.name_code, SHARDD_OK);
-  cr_assert_eq(p.ckpt_code, SHARDD_E_PERMISSION, "looking is not writing");
+  cr_assert_eq(p.ckpt_code, SHARDD_E_NOT_FOUND, "it has no \"root-job\" of its own");
+  cr_assert_eq(p.ckpt_uid_code, SHARDD_E_PERMISSION, "looking is not writing");
+  cr_assert_eq(p.join_code, SHARDD_OK, "its own \"root-job\"");
+  cr_assert_eq(p.join_created, 1);
+  cr_assert_eq(p.join_uid_code, SHARDD_E_PERMISSION, "only root joins another's job");
+  cr_assert(strstr(p.join_msg, "belongs to another user"), "%s", p.join_msg);
   shardd_close(c);
   cr_assert_eq(test_daemon_stop(&d), 0);
 }
@@ -172,5 +201,81 @@ Test(access, job_memory_limit_refuses_past_the_quota) {
   cr_assert_eq(shardd_buffer_register(c2, "a", SHARDD_DTYPE_FP32, 65536, &b), SHARDD_OK);
   shardd_close(c2);
   shardd_close(c);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+}
+
+/* Issue 20, item 8: --job-memory-limit is per job, so 21 jobs of one user
+ * exhausted device memory for everyone. By default one uid other than
+ * root holds at most a quarter of the devices' memory over all its jobs
+ * (--uid-memory-limit); the child is uid 4242. Exit code: 0 when its
+ * second job's buffer is refused naming the flag (expect_refused), or
+ * both fit (!expect_refused); else the step that failed. */
+static int two_jobs_as_other_uid(const char *sock, int expect_refused) {
+  if (setgroups(0, NULL) != 0 || setgid(4242) != 0 || setuid(4242) != 0)
+    return 10;
+  shardd_client_t *c[2];
+  char err[512];
+  shardd_buffer_info b;
+  for (int k = 0; k < 2; k++) {
+    shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+    o.job = k ? "second" : "first";
+    if (shardd_connect(sock, &o, &c[k], err, sizeof err) != SHARDD_OK)
+      return 11 + k;
+  }
+  /* 64 Ki fp32: a block of ~768 KiB, as in the job limit's test */
+  if (shardd_buffer_register(c[0], "a", SHARDD_DTYPE_FP32, 65536, &b) != SHARDD_OK)
+    return 13;
+  shardd_err rc = shardd_buffer_register(c[1], "a", SHARDD_DTYPE_FP32, 65536, &b);
+  if (!expect_refused)
+    return rc == SHARDD_OK ? 0 : 14;
+  if (rc != SHARDD_E_NO_MEMORY)
+    return 15;
+  if (strstr(shardd_last_error(c[1]), "--uid-memory-limit") == NULL ||
+      strstr(shardd_last_error(c[1]), "uid 4242") == NULL)
+    return 16;
+  return 0;
+}
+
+static void expect_child(const test_daemon *d, int expect_refused) {
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0)
+    _exit(two_jobs_as_other_uid(d->sock, expect_refused));
+  int st;
+  cr_assert(test_wait_exit(pid, &st), "the child did not finish");
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "uid 4242 step %d failed",
+            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+}
+
+Test(access, uid_memory_limit_spans_a_users_jobs) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as a second uid");
+  test_daemon d;
+  /* 4 MiB of device memory: the default share is 1 MiB */
+  test_daemon_start(&d, (const char *const[]){"--devices", "1", "--device-memory", "4M",
+                                              NULL});
+  open_up(&d);
+  expect_child(&d, 1);
+  /* root is not bound by it: two such buffers in two jobs */
+  shardd_client_t *c = test_connect(&d, "root-a", 0, 1);
+  shardd_client_t *c2 = test_connect(&d, "root-b", 0, 1);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "a", SHARDD_DTYPE_FP32, 65536, &b), SHARDD_OK,
+               "%s", shardd_last_error(c));
+  cr_assert_eq(shardd_buffer_register(c2, "a", SHARDD_DTYPE_FP32, 65536, &b), SHARDD_OK,
+               "%s", shardd_last_error(c2));
+  shardd_close(c2);
+  shardd_close(c);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+  /* --uid-memory-limit 0: no per-user bound */
+  test_daemon_start(&d, (const char *const[]){"--devices", "1", "--device-memory", "4M",
+                                              "--uid-memory-limit", "0", NULL});
+  open_up(&d);
+  expect_child(&d, 0);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+  /* and an explicit size */
+  test_daemon_start(&d, (const char *const[]){"--uid-memory-limit", "1M", NULL});
+  open_up(&d);
+  expect_child(&d, 1);
   cr_assert_eq(test_daemon_stop(&d), 0);
 }

@@ -198,7 +198,7 @@ Test(checkpoint, round_trip_keeps_every_byte) {
   cr_assert_eq(shardd__checkpoint_write(&reg, job, dir, -1, err, sizeof err), SHARDD_OK,
                "%s", err);
   shardd__job_release(&reg, job);
-  cr_assert_null(shardd__job_find(&reg, "llm 7b"));
+  cr_assert_null(shardd__job_find(&reg, 0, "llm 7b"));
 
   shardd__job *back;
   cr_assert_eq(shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err),
@@ -215,7 +215,7 @@ Test(checkpoint, round_trip_keeps_every_byte) {
   shardd__job *again;
   cr_assert_eq(shardd__checkpoint_restore(&reg, dir, -1, 0, &again, err, sizeof err),
                SHARDD_E_BUSY);
-  cr_assert_eq(shardd__job_find(&reg, "llm 7b"), back);
+  cr_assert_eq(shardd__job_find(&reg, 0, "llm 7b"), back);
 }
 
 /* The name of in's data file that starts "prefix-" (each checkpoint tags
@@ -265,7 +265,7 @@ static void corrupt_and_expect(const char *prefix, long offset) {
   shardd_err rc = shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err);
   cr_assert_neq(rc, SHARDD_OK);
   cr_assert(strstr(err, needle) != NULL, "message \"%s\" lacks \"%s\"", err, needle);
-  cr_assert_null(shardd__job_find(&reg, "j"), "nothing may be registered");
+  cr_assert_null(shardd__job_find(&reg, 0, "j"), "nothing may be registered");
   cr_assert_eq(shardd__map_count(&reg.objects), objects);
   be->ops->device_info(be, 0, &info);
   cr_assert_eq(info.used_bytes, used0, "the refused restore freed what it took");
@@ -305,7 +305,7 @@ Test(checkpoint, truncated_manifest_is_refused) {
   cr_assert_neq(shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err),
                 SHARDD_OK);
   cr_assert(strstr(err, "truncated") != NULL, "%s", err);
-  cr_assert_null(shardd__job_find(&reg, "j"));
+  cr_assert_null(shardd__job_find(&reg, 0, "j"));
 }
 
 /* ---- manifests that are not what shardd wrote -----------------------------
@@ -364,7 +364,7 @@ static void expect_manifest_refused(const char *const *needles) {
   for (; *needles; needles++)
     cr_assert(strstr(err, *needles) != NULL, "message \"%s\" lacks \"%s\"", err,
               *needles);
-  cr_assert_null(shardd__job_find(&reg, "j"), "nothing may be registered");
+  cr_assert_null(shardd__job_find(&reg, 0, "j"), "nothing may be registered");
   cr_assert_eq(shardd__map_count(&reg.objects), objects);
 }
 
@@ -899,7 +899,7 @@ static void expect_fifo_refused(const char *prefix) {
   cr_expect(strstr(err, name) && strstr(err, "not a regular file"), "%s", err);
   cr_expect(!g.unblocked, "restore blocked opening a FIFO: it returned only once a "
                           "writer opened it");
-  cr_expect_null(shardd__job_find(&reg, "fifo"), "a refused restore left the job");
+  cr_expect_null(shardd__job_find(&reg, 0, "fifo"), "a refused restore left the job");
   unlink(path);
 }
 
@@ -1042,7 +1042,7 @@ Test(checkpoint, an_edited_manifest_is_refused_by_its_checksum) {
   shardd_err rc = shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err);
   cr_assert_eq(rc, SHARDD_E_INVAL, "%s (%s)", shardd_err_name(rc), err);
   cr_assert(strstr(err, "manifest") && strstr(err, "checksum"), "%s", err);
-  cr_assert_null(shardd__job_find(&reg, "sealed"));
+  cr_assert_null(shardd__job_find(&reg, 0, "sealed"));
   /* and resealed, the same edit restores: the refusal was the checksum's */
   reseal(path);
   cr_assert_eq(shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err),
@@ -1128,7 +1128,7 @@ Test(checkpoint, a_linked_data_file_is_not_read_for_a_client) {
     cr_assert_eq(rc, SHARDD_E_PERMISSION, "%s link: %s (%s)", kind ? "hard" : "sym",
                  shardd_err_name(rc), err);
     cr_assert(strstr(err, "dtype") == NULL && strstr(err, "CRC") == NULL, "%s", err);
-    cr_assert_null(shardd__job_find(&reg, "secret"));
+    cr_assert_null(shardd__job_find(&reg, 4242, "secret"));
   }
   /* and the victim's directory itself is not the attacker's to restore */
   cr_assert_eq(chown(victim, 7777, 7777), 0);
@@ -1356,4 +1356,192 @@ Test(checkpoint, a_client_leaving_mid_checkpoint_keeps_its_job_until_written,
   cr_expect_eq(bad, 0, "%llu words differ after restore", (unsigned long long)bad);
   test_raw_close(&a);
   cr_assert_eq(test_daemon_stop(&d), 0);
+}
+
+/* ---- --checkpoint-root per uid (issue 20, item 4) ----------------------- */
+
+/* In a child that becomes uid: a job "mine" with one buffer (job: 1), then
+ * checkpoint to dir (restore: 0) or restore from it (restore: 1). Exit
+ * code: the shardd_err of that request, 200+ when a step before failed;
+ * the daemon's message goes to msg_fd. */
+static int ck_as(const char *sock, uid_t uid, int restore, const char *path,
+                 int msg_fd) {
+  if (setgid(uid) != 0 || setuid(uid) != 0)
+    return 200;
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = restore ? NULL : "mine";
+  shardd_client_t *c;
+  char err[512];
+  if (shardd_connect(sock, &o, &c, err, sizeof err) != SHARDD_OK)
+    return 201;
+  shardd_buffer_info b;
+  if (!restore && shardd_buffer_register(c, "x", SHARDD_DTYPE_FP32, 10, &b) != SHARDD_OK)
+    return 202;
+  shardd_err rc = restore ? shardd_restore(c, path, 0, NULL, 0)
+                          : shardd_checkpoint(c, NULL, path);
+  const char *m = shardd_last_error(c);
+  if (write(msg_fd, m, strlen(m)) < 0)
+    return 203;
+  shardd_close(c);
+  return (int)rc;
+}
+
+/* Runs ck_as in a child; returns its code, and its message in msg. */
+static int ck_child(const test_daemon *d, uid_t uid, int restore, const char *path,
+                    char *msg, size_t len) {
+  int fds[2];
+  cr_assert_eq(pipe(fds), 0);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0) {
+    close(fds[0]);
+    _exit(ck_as(d->sock, uid, restore, path, fds[1]));
+  }
+  close(fds[1]);
+  ssize_t n = read(fds[0], msg, len - 1);
+  msg[n > 0 ? n : 0] = '\0';
+  close(fds[0]);
+  int st;
+  cr_assert(test_wait_exit(pid, &st), "the uid %d child did not finish", (int)uid);
+  cr_assert(WIFEXITED(st), "the uid %d child died", (int)uid);
+  cr_assert_lt(WEXITSTATUS(st), 200, "uid %d: step %d failed", (int)uid, WEXITSTATUS(st));
+  return WEXITSTATUS(st);
+}
+
+Test(checkpoint, checkpoint_root_gives_each_uid_its_own_directory, .timeout = 60) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as a second uid");
+  char root[128], path[256], msg[512];
+  snprintf(root, sizeof root, "%s/root", dir);
+  cr_assert_eq(mkdir(root, 0755), 0);
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--checkpoint-root", root, NULL});
+  cr_assert_eq(chmod(d.dir, 0755), 0);
+  cr_assert_eq(chmod(d.sock, 0666), 0);
+
+  /* uid 4242 checkpoints below root/4242, which the daemon makes for it */
+  snprintf(path, sizeof path, "%s/4242/ck", root);
+  cr_assert_eq(ck_child(&d, 4242, 0, path, msg, sizeof msg), SHARDD_OK, "%s", msg);
+  struct stat st;
+  snprintf(path, sizeof path, "%s/4242", root);
+  cr_assert_eq(lstat(path, &st), 0, "root/4242 was not made");
+  cr_expect(S_ISDIR(st.st_mode));
+  cr_expect_eq(st.st_uid, 4242u, "root/4242 is not uid 4242's");
+  cr_expect_eq(st.st_mode & 07777, 0700);
+  snprintf(path, sizeof path, "%s/4242/ck/manifest", root);
+  cr_assert_eq(access(path, R_OK), 0, "no %s", path);
+
+  /* anywhere else below the root is not its to name: the root itself,
+   * its own directory bare, another uid's, a name that merely starts
+   * with its uid; restore alike */
+  const char *bad[] = {"%s/ck", "%s/4242", "%s/4243/ck", "%s/42421/ck", "%s/0/ck", NULL};
+  for (int i = 0; bad[i]; i++) {
+    snprintf(path, sizeof path, bad[i], root);
+    cr_assert_eq(ck_child(&d, 4242, 0, path, msg, sizeof msg), SHARDD_E_PERMISSION,
+                 "checkpoint %s: %s", path, msg);
+    cr_expect(strstr(msg, "/4242/"), "names its own directory: %s", msg);
+    cr_assert_eq(ck_child(&d, 4242, 1, path, msg, sizeof msg), SHARDD_E_PERMISSION,
+                 "restore %s: %s", path, msg);
+  }
+  snprintf(path, sizeof path, "%s/4243", root);
+  cr_assert_eq(access(path, F_OK), -1, "a refused request made %s", path);
+
+  /* a pre-existing root/UID that is not the uid's, or a symlink, is
+   * refused, not used */
+  snprintf(path, sizeof path, "%s/4243", root);
+  cr_assert_eq(mkdir(path, 0777), 0); /* root's, world-writable */
+  snprintf(path, sizeof path, "%s/4243/ck", root);
+  cr_assert_eq(ck_child(&d, 4243, 0, path, msg, sizeof msg), SHARDD_E_PERMISSION, "%s", msg);
+  cr_expect(strstr(msg, "belongs to uid 0"), "%s", msg);
+  cr_assert_eq(access(path, F_OK), -1, "it wrote into %s", path);
+  char elsewhere[128];
+  snprintf(elsewhere, sizeof elsewhere, "%s/elsewhere", dir);
+  cr_assert_eq(mkdir(elsewhere, 0700), 0);
+  cr_assert_eq(chown(elsewhere, 4244, 4244), 0);
+  snprintf(path, sizeof path, "%s/4244", root);
+  cr_assert_eq(symlink(elsewhere, path), 0);
+  snprintf(path, sizeof path, "%s/4244/ck", root);
+  cr_assert_eq(ck_child(&d, 4244, 0, path, msg, sizeof msg), SHARDD_E_PERMISSION, "%s", msg);
+  cr_expect(strstr(msg, "symlink"), "%s", msg);
+  snprintf(path, sizeof path, "%s/ck", elsewhere);
+  cr_assert_eq(access(path, F_OK), -1, "it followed the symlink");
+
+  /* root checkpoints anywhere below the root, uid 4242's job too (as
+   * "4242/mine", which lingers) */
+  shardd_client_t *c = test_connect(&d, NULL, 0, 1);
+  snprintf(path, sizeof path, "%s/byroot", root);
+  cr_assert_eq(shardd_checkpoint(c, "4242/mine", path), SHARDD_OK, "%s", shardd_last_error(c));
+  snprintf(path, sizeof path, "%s/byroot/manifest", root);
+  char *text = test_slurp(path);
+  cr_assert(text && strstr(text, "\njob mine 1 4242\n"), "%s", text ? text : "");
+  free(text);
+  /* and uid 4242 restores its own checkpoint: its job exists, so BUSY,
+   * which means the directory passed every check */
+  snprintf(path, sizeof path, "%s/4242/ck", root);
+  cr_assert_eq(ck_child(&d, 4242, 1, path, msg, sizeof msg), SHARDD_E_BUSY, "%s", msg);
+  shardd_close(c);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+}
+
+/* The unit runs the daemon as user shardd, which cannot chown: there
+ * root/UID and what the daemon makes below it are the daemon's, and count
+ * as the uid's below its own directory only. The child is that daemon
+ * (uid 4300, owning the root) writing for uid 4242. Exit code: 0 as
+ * expected, else the step that failed. */
+static int as_unprivileged_daemon(const char *root, shardd__job *job) {
+  if (setgid(4300) != 0 || setuid(4300) != 0)
+    return 10;
+  char err[512], home[200], ck[256];
+  if (shardd__checkpoint_user_dir(root, 4242, 1, err, sizeof err) != SHARDD_OK)
+    return 11;
+  snprintf(home, sizeof home, "%s/4242", root);
+  struct stat st;
+  if (lstat(home, &st) != 0 || st.st_uid != 4300 || (st.st_mode & 07777) != 0700)
+    return 12; /* the daemon's own, 0700 */
+  snprintf(ck, sizeof ck, "%s/a", home);
+  /* not confined, the rules stay: a daemon-made parent is not the uid's */
+  if (shardd__checkpoint_write(&reg, job, ck, 4242, err, sizeof err) != SHARDD_E_PERMISSION)
+    return 13;
+  if (shardd__checkpoint_write_in(&reg, job, ck, 4242, home, err, sizeof err) != SHARDD_OK)
+    return 14;
+  snprintf(ck, sizeof ck, "%s/a/b", home);
+  if (shardd__checkpoint_write_in(&reg, job, ck, 4242, home, err, sizeof err) != SHARDD_OK)
+    return 15; /* any depth */
+  if (shardd__checkpoint_write_in(&reg, job, ck, 4242, home, err, sizeof err) != SHARDD_OK)
+    return 16; /* and again, over the last one */
+  /* a root/UID of some other uid is refused */
+  snprintf(ck, sizeof ck, "%s/4243", root);
+  if (mkdir(ck, 0700) != 0 || chown(ck, 4300, 4300) != 0)
+    return 17;
+  return 0;
+}
+
+Test(checkpoint, an_unprivileged_daemon_keeps_uid_directories_as_its_own, .timeout = 60) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as the daemon's user");
+  char root[128];
+  snprintf(root, sizeof root, "%s/root", dir);
+  cr_assert_eq(mkdir(root, 0750), 0);
+  cr_assert_eq(chown(root, 4300, 4300), 0);
+  cr_assert_eq(chmod(dir, 0755), 0);
+  shardd__job *job;
+  char err[512];
+  cr_assert_eq(shardd__job_get(&reg, "mine", 1, 4242, &job, err, sizeof err), SHARDD_OK);
+  shardd__buffer *b;
+  int created;
+  cr_assert_eq(shardd__buffer_register(&reg, job, "x", SHARDD_DTYPE_FP32, 10, &b, &created,
+                                       err, sizeof err),
+               SHARDD_OK, "%s", err);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0)
+    _exit(as_unprivileged_daemon(root, job));
+  int st;
+  cr_assert(test_wait_exit(pid, &st));
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "step %d failed",
+            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  /* uid 4243's directory made by someone else: refused */
+  cr_assert_eq(shardd__checkpoint_user_dir(root, 4243, 1, err, sizeof err),
+               SHARDD_E_PERMISSION, "a root/UID of uid 4300, for a daemon that is root");
+  cr_expect(strstr(err, "belongs to uid 4300"), "%s", err);
 }

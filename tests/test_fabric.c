@@ -421,6 +421,53 @@ Test(fabric, rank_of_another_node_is_refused, .timeout = 60) {
   scratch_remove(&s);
 }
 
+/* Job names are per uid (issue 20, item 8). A spec without `uid =` would
+ * otherwise lay out two users' jobs of its name over one fabric: while
+ * root's "job" holds the spec's layout, uid 4242's "job" is refused,
+ * naming the spec, and not spread over the nodes. */
+static int other_uid_hello(const char *sock) {
+  if (setgid(4242) != 0 || setuid(4242) != 0)
+    return 10;
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = "job";
+  o.rank = 0;
+  o.world = W;
+  shardd_client_t *c = NULL;
+  char err[512];
+  shardd_err rc = shardd_connect(sock, &o, &c, err, sizeof err);
+  if (c)
+    shardd_close(c);
+  if (rc != SHARDD_E_BUSY)
+    return 11;
+  return strstr(err, "gives no uid") && strstr(err, ".spec") ? 0 : 12;
+}
+
+Test(fabric, a_spec_without_uid_lays_out_one_users_job, .timeout = 60) {
+  need_gloo();
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as a second uid");
+  scratch s;
+  scratch_make(&s);
+  test_daemon pair[2];
+  const char *jobs[] = {"job"};
+  start_pair(pair, &s, jobs, 1, "5");
+  shardd_client_t *c = test_connect(&pair[0], "job", 0, W);
+  cr_assert_eq(chmod(pair[0].dir, 0755), 0);
+  cr_assert_eq(chmod(pair[0].sock, 0666), 0);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0)
+    _exit(other_uid_hello(pair[0].sock));
+  int st;
+  cr_assert(test_wait_exit(pid, &st));
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "step %d failed",
+            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  shardd_close(c);
+  test_daemon_finish(&pair[0]);
+  test_daemon_finish(&pair[1]);
+  scratch_remove(&s);
+}
+
 /* Whether node's announcement is in the rendezvous directory: its daemon
  * has begun the rendezvous (fabric_gloo.cc writes shardd-*.node<N>). */
 static int announced(const char *rdv, int node) {

@@ -97,13 +97,13 @@ static shardd__view *view_new(shardd__job *j, shardd__buffer *b,
 
 Test(registry, job_get_finds_the_same_job) {
   shardd__job *j = NULL;
-  cr_assert_eq(shardd__job_get(&reg, "job-a", 4, 0, &j, err, sizeof err),
+  cr_assert_eq(shardd__job_get(&reg, "job-a", 4, 1000, &j, err, sizeof err),
                SHARDD_OK);
   cr_expect_eq(j, job);
-  cr_expect_eq(shardd__job_find(&reg, "job-a"), job);
-  cr_expect_eq(shardd__job_find(&reg, "job-b"), other);
-  cr_expect_null(shardd__job_find(&reg, "job-c"));
-  cr_expect_null(shardd__job_find(&reg, NULL));
+  cr_expect_eq(shardd__job_find(&reg, 1000, "job-a"), job);
+  cr_expect_eq(shardd__job_find(&reg, 1000, "job-b"), other);
+  cr_expect_null(shardd__job_find(&reg, 1000, "job-c"));
+  cr_expect_null(shardd__job_find(&reg, 1000, NULL));
   cr_expect_str_eq(job->name, "job-a");
   cr_expect_eq(job->world, 4);
   cr_expect_eq(job->uid, 1000);
@@ -111,12 +111,40 @@ Test(registry, job_get_finds_the_same_job) {
 
 Test(registry, job_world_mismatch_refused) {
   shardd__job *j = (shardd__job *)1;
-  shardd_err rc = shardd__job_get(&reg, "job-a", 8, 0, &j, err, sizeof err);
+  shardd_err rc = shardd__job_get(&reg, "job-a", 8, 1000, &j, err, sizeof err);
   cr_expect_eq(rc, SHARDD_E_MISMATCH);
   cr_expect_null(j);
   cr_expect(strstr(err, "job-a") && strstr(err, "4") && strstr(err, "8"),
             "message names the job and both worlds: %s", err);
-  cr_expect_eq(shardd__job_find(&reg, "job-a")->world, 4, "unchanged");
+  cr_expect_eq(shardd__job_find(&reg, 1000, "job-a")->world, 4, "unchanged");
+}
+
+/* Issue 20, item 8: job names were one namespace, so another uid that
+ * took "job-a" first locked its user out of it. A job is (owner, name):
+ * uid 2000's and root's "job-a" are jobs of their own, of any world, and
+ * releasing one leaves the others. */
+Test(registry, job_names_are_per_uid) {
+  shardd__job *theirs = NULL, *roots = NULL;
+  cr_assert_eq(shardd__job_get(&reg, "job-a", 2, 2000, &theirs, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_assert_eq(shardd__job_get(&reg, "job-a", 8, 0, &roots, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_expect_neq(theirs, job);
+  cr_expect_neq(roots, job);
+  cr_expect_neq(roots, theirs);
+  cr_expect_eq(theirs->uid, 2000);
+  cr_expect_eq(theirs->world, 2);
+  cr_expect_eq(roots->uid, 0);
+  cr_expect_eq(shardd__job_find(&reg, 1000, "job-a"), job);
+  cr_expect_eq(shardd__job_find(&reg, 2000, "job-a"), theirs);
+  cr_expect_eq(shardd__job_find(&reg, 0, "job-a"), roots);
+  cr_expect_null(shardd__job_find(&reg, 2000, "job-b"), "job-b is uid 1000's");
+  /* the uid is no part of the name: "1000/job-a" is root's own name */
+  cr_expect_null(shardd__job_find(&reg, 0, "1000/job-a"));
+  shardd__job_release(&reg, theirs);
+  cr_expect_null(shardd__job_find(&reg, 2000, "job-a"));
+  cr_expect_eq(shardd__job_find(&reg, 1000, "job-a"), job);
+  cr_expect_eq(shardd__job_find(&reg, 0, "job-a"), roots);
 }
 
 typedef struct {
@@ -168,10 +196,10 @@ Test(registry, job_release_frees_everything) {
   shardd__job_release(&reg, job);
   job = NULL;
   cr_expect_eq(used_bytes(), before);
-  cr_expect_null(shardd__job_find(&reg, "job-a"));
+  cr_expect_null(shardd__job_find(&reg, 1000, "job-a"));
   cr_expect_null(shardd__registry_get(&reg, bid));
   cr_expect_null(shardd__registry_get(&reg, vid));
-  cr_expect_eq(shardd__job_find(&reg, "job-b"), other, "other jobs stay");
+  cr_expect_eq(shardd__job_find(&reg, 1000, "job-b"), other, "other jobs stay");
 }
 
 /* ---- buffers: padding and layout -------------------------------------- */
@@ -976,6 +1004,55 @@ Test(registry, job_memory_limit_refuses_and_leaves_nothing_behind) {
   cr_expect_null(shardd__map_get_str(&job->buffers, "over"));
   /* the limit is per job */
   buf_new(other, "over", SHARDD_DTYPE_FP32, 4);
+}
+
+/* Issue 20, item 8: --job-memory-limit was per job, so 21 jobs of one
+ * user exhausted device memory for everyone. --uid-memory-limit bounds
+ * all of one uid's jobs together (job and other are uid 1000's); another
+ * uid and root are not charged for it. */
+Test(registry, uid_memory_limit_counts_every_job_of_the_uid) {
+  /* world 4, fp32 numel 4: a buffer is four blocks of four pages */
+  const uint64_t one = 4 * 4 * 4096;
+  reg.uid_memory_limit = 2 * one;
+  buf_new(job, "a", SHARDD_DTYPE_FP32, 4);
+  buf_new(other, "b", SHARDD_DTYPE_FP32, 4);
+  uint64_t used = used_bytes(), next = reg.next_id;
+  shardd__buffer *b = (shardd__buffer *)1;
+  int created = -1;
+  cr_expect_eq(shardd__buffer_register(&reg, job, "c", SHARDD_DTYPE_FP32, 4, &b,
+                                       &created, err, sizeof err),
+               SHARDD_E_NO_MEMORY);
+  cr_expect_null(b);
+  cr_expect(strstr(err, "uid 1000") && strstr(err, "--uid-memory-limit"),
+            "names the uid and the flag: %s", err);
+  cr_expect_eq(used_bytes(), used, "nothing allocated");
+  cr_expect_eq(reg.next_id, next, "no id spent");
+  /* a third job of the uid is charged the same */
+  shardd__job *third;
+  cr_assert_eq(shardd__job_get(&reg, "job-c", 4, 1000, &third, err, sizeof err), SHARDD_OK);
+  cr_expect_eq(shardd__buffer_register(&reg, third, "c", SHARDD_DTYPE_FP32, 4, &b,
+                                       &created, err, sizeof err),
+               SHARDD_E_NO_MEMORY);
+  /* releasing one of its jobs gives the room back */
+  shardd__job_release(&reg, other);
+  other = NULL;
+  cr_assert_eq(shardd__buffer_register(&reg, third, "c", SHARDD_DTYPE_FP32, 4, &b,
+                                       &created, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  /* other uids and root have their own room, or none counted */
+  shardd__job *theirs, *roots;
+  cr_assert_eq(shardd__job_get(&reg, "job-a", 4, 2000, &theirs, err, sizeof err), SHARDD_OK);
+  buf_new(theirs, "a", SHARDD_DTYPE_FP32, 4);
+  buf_new(theirs, "b", SHARDD_DTYPE_FP32, 4);
+  cr_assert_eq(shardd__job_get(&reg, "job-a", 4, 0, &roots, err, sizeof err), SHARDD_OK);
+  for (int i = 0; i < 3; i++) {
+    char name[8];
+    snprintf(name, sizeof name, "r%d", i);
+    buf_new(roots, name, SHARDD_DTYPE_FP32, 4);
+  }
+  /* unlimited */
+  reg.uid_memory_limit = 0;
+  buf_new(job, "c", SHARDD_DTYPE_FP32, 4);
 }
 
 /* ---- frozen views and generations (issue 9) ---------------------------- */

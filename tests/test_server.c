@@ -1542,6 +1542,143 @@ Test(server, one_uid_cannot_fill_the_job_table, .timeout = 120) {
   test_daemon_finish(&d);
 }
 
+/* Item 8: job names were one namespace, so uid 4242 creating "train"
+ * first locked root out of "train" ("belongs to another user"). A job is
+ * (owner, name): both create "train" of world 2 at once, each trains it
+ * with values of its own, and each must end with exactly its own result. */
+typedef struct {
+  const char *sock;
+  uint32_t rank;
+  float base, grad; /* initial parameter value, the gradient every step */
+  int step_failed;  /* 0, or which step went wrong */
+} trainer;
+
+#define TRAIN_NUMEL 64
+#define TRAIN_STEPS 3
+
+static void *train_rank(void *p) {
+  trainer *t = p;
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = "train";
+  o.rank = t->rank;
+  o.world = 2;
+  shardd_client_t *c;
+  char err[512];
+  shardd_buffer_info b;
+  uint64_t opt;
+  t->step_failed = 1;
+  if (shardd_connect(t->sock, &o, &c, err, sizeof err) != SHARDD_OK)
+    return NULL;
+  t->step_failed = 2;
+  if (shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, TRAIN_NUMEL, &b) != SHARDD_OK)
+    goto out;
+  for (uint64_t i = 0; i < b.shard_numel; i++)
+    ((float *)b.shard)[i] = t->base;
+  shardd_param_ref ref = {b.id, "w"};
+  shardd_param_group g = {&ref, 1, {0}};
+  shardd_hparams hp = {.set = SHARDD_HP_LR, .lr = 1.0};
+  t->step_failed = 3;
+  if (shardd_optimizer_register(c, "sgd", SHARDD_OPTIM_SGD, &hp, &g, 1, &opt) != SHARDD_OK)
+    goto out;
+  for (int s = 0; s < TRAIN_STEPS; s++) {
+    t->step_failed = 4;
+    if (shardd_gather(c, b.id) != SHARDD_OK)
+      goto out;
+    for (uint64_t i = 0; i < b.padded_numel; i++)
+      ((float *)b.grad)[i] = t->grad;
+    if (shardd_scatter(c, b.id, SHARDD_REDUCE_MEAN) != SHARDD_OK ||
+        shardd_step(c, opt, NULL, NULL) != SHARDD_OK)
+      goto out;
+  }
+  t->step_failed = 5;
+  if (shardd_gather(c, b.id) != SHARDD_OK)
+    goto out;
+  /* exact in fp32: base and grad are small binary fractions */
+  float want = t->base - (float)TRAIN_STEPS * t->grad;
+  t->step_failed = 6;
+  for (uint64_t i = 0; i < TRAIN_NUMEL; i++)
+    if (((float *)b.gather)[i] != want)
+      goto out;
+  t->step_failed = 0;
+out:
+  shardd_close(c);
+  return NULL;
+}
+
+/* Becomes uid (unless 0), waits for the go on go_fd, trains both ranks of
+ * its "train". Exit code: 0, else 10 * rank + the step that failed. */
+static int train_as(const char *sock, uid_t uid, float base, float grad, int go_fd) {
+  if (uid != 0 && (setgid(uid) != 0 || setuid(uid) != 0))
+    return 99;
+  char go;
+  if (read(go_fd, &go, 1) != 1)
+    return 98;
+  trainer t[2] = {{sock, 0, base, grad, 0}, {sock, 1, base, grad, 0}};
+  pthread_t th[2];
+  for (int r = 0; r < 2; r++)
+    pthread_create(&th[r], NULL, train_rank, &t[r]);
+  for (int r = 0; r < 2; r++)
+    pthread_join(th[r], NULL);
+  for (int r = 0; r < 2; r++)
+    if (t[r].step_failed)
+      return 10 * r + t[r].step_failed;
+  return 0;
+}
+
+Test(server, two_uids_train_jobs_of_one_name_each_its_own, .timeout = 120) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as a second uid");
+  test_daemon_start(&d, NULL);
+  cr_assert_eq(chmod(d.dir, 0755), 0);
+  cr_assert_eq(chmod(d.sock, 0666), 0);
+  int go[2];
+  cr_assert_eq(pipe(go), 0);
+  const uid_t uids[2] = {0, 4242};
+  const float base[2] = {1.0f, 100.0f}, grad[2] = {0.25f, 2.0f};
+  pid_t pid[2];
+  for (int k = 0; k < 2; k++) {
+    pid[k] = fork();
+    cr_assert(pid[k] >= 0);
+    if (pid[k] == 0) {
+      close(go[1]);
+      _exit(train_as(d.sock, uids[k], base[k], grad[k], go[0]));
+    }
+  }
+  close(go[0]);
+  cr_assert_eq(write(go[1], "gg", 2), 2, "both start together");
+  close(go[1]);
+  for (int k = 0; k < 2; k++) {
+    int st;
+    cr_assert(test_wait_exit(pid[k], &st), "uid %d's trainer did not finish", (int)uids[k]);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "uid %d's trainer: step %d failed",
+              (int)uids[k], WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  }
+  /* root's shardctl sees both jobs (they linger), each with its owner */
+  tj *j = shardctl_status();
+  const tj *jobs = tj_need(j, "jobs", TJ_ARR);
+  cr_assert_eq(jobs->n, 2);
+  int seen[2] = {0, 0};
+  for (size_t i = 0; i < jobs->n; i++) {
+    cr_assert_str_eq(tj_need(jobs->kids[i], "name", TJ_STR)->str, "train");
+    double owner = tj_need(jobs->kids[i], "owner_uid", TJ_NUM)->num;
+    for (int k = 0; k < 2; k++)
+      seen[k] += owner == (double)uids[k];
+    const tj *opts = tj_need(jobs->kids[i], "optimizers", TJ_ARR);
+    cr_assert_eq(opts->n, 1);
+    cr_assert_eq(tj_need(opts->kids[0], "steps", TJ_NUM)->num, TRAIN_STEPS,
+                 "each job took its own %d steps", TRAIN_STEPS);
+  }
+  cr_assert(seen[0] == 1 && seen[1] == 1, "owners %d %d", seen[0], seen[1]);
+  tj_free(j);
+  char args[256], *out, *err;
+  snprintf(args, sizeof args, "--socket %s status", d.sock);
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  cr_assert(strstr(out, "owner: uid 4242\n") && strstr(out, "owner: uid 0\n"), "%s", out);
+  free(out);
+  free(err);
+  test_daemon_finish(&d);
+}
+
 /* Item 11: a reply past the frame limit was built and sent, and the client
  * dropped the connection (status with ~60k optimizers, inspect of a buffer
  * with 200k views). A Ping whose request is exactly the limit has a reply
