@@ -94,6 +94,11 @@ char *shardd__fmt_status_text(const Shardwire__StatusReply *st) {
                       j->collectives_in_flight);
     if (j->has_owner_uid)
       shardd__sb_printf(&sb, "  owner: uid %" PRIu32 "\n", j->owner_uid);
+    if (j->has_transient && j->transient) {
+      human(a, sizeof a, j->has_pool_bytes ? j->pool_bytes : 0);
+      human(b, sizeof b, j->bytes - (j->has_pool_bytes ? j->pool_bytes : 0));
+      shardd__sb_printf(&sb, "  transient areas: pools %s, persistent %s\n", a, b);
+    }
     if (j->has_nodes) {
       shardd__sb_printf(&sb, "  nodes %" PRIu32 " (this daemon: node %" PRIu32
                         ") fabric %s\n",
@@ -149,6 +154,10 @@ char *shardd__fmt_status_json(const Shardwire__StatusReply *st) {
     json_key_str(&sb, "name", j->name, 0);
     if (j->has_owner_uid)
       shardd__sb_printf(&sb, ",\"owner_uid\":%" PRIu32, j->owner_uid);
+    if (j->has_transient && j->transient)
+      shardd__sb_printf(&sb, ",\"transient\":true,\"pool_bytes\":%" PRIu64
+                        ",\"persistent_bytes\":%" PRIu64,
+                        j->pool_bytes, j->bytes - j->pool_bytes);
     shardd__sb_printf(&sb,
                       ",\"world\":%" PRIu32 ",\"clients\":%" PRIu32
                       ",\"buffers\":%" PRIu32 ",\"views\":%" PRIu32

@@ -34,6 +34,10 @@ typedef struct {
   shardd__peer peer;
   uint64_t id;
   int hello_done;
+  /* transient areas: the pool ids whose descriptor this connection was
+   * sent (a trainer maps each pool once); owned, freed at close */
+  uint64_t *pools_sent;
+  size_t npools_sent;
 } shardd__conn;
 
 typedef struct {

@@ -18,6 +18,8 @@ void shardd__registry_init(shardd__registry *reg, shardd__backend *backend) {
   memset(reg, 0, sizeof *reg);
   reg->backend = backend;
   reg->next_id = 1;
+  reg->leases_per_rank[SHARDD__AREA_GATHER] = 2;
+  reg->leases_per_rank[SHARDD__AREA_GRAD] = 2;
   shardd__map_init(&reg->objects);
   shardd__map_init(&reg->jobs);
 }
@@ -533,6 +535,7 @@ void shardd__job_release(shardd__registry *reg, shardd__job *job) {
   }
   shardd__map_free(&job->buffers);
   shardd__map_free(&job->optims);
+  shardd__areas_free(reg, job); /* every lease was returned with its buffer */
   freed_release(job);
   char key[JOB_KEY_LEN];
   job_key(job->uid, job->name, key, sizeof key);

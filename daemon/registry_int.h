@@ -76,4 +76,10 @@ void shardd__buffer_held_del(shardd__view *v);
  * buffers and views it referenced. Ignores holds: the caller checked. */
 void shardd__optim_destroy(shardd__registry *reg, shardd__optim *o);
 
+/* areas.c: a transient buffer's lease table (every slot free), and its
+ * end (every lease returned); a job's pools, at its release. */
+shardd_err shardd__areas_buffer_init(shardd__buffer *b);
+void shardd__areas_buffer_fini(shardd__buffer *b);
+void shardd__areas_free(shardd__registry *reg, shardd__job *job);
+
 #endif /* SHARDD_REGISTRY_INT_H */
