@@ -26,6 +26,9 @@ static void usage(FILE *f) {
           "  --max-clients-per-uid N   connections one user may hold (default 256)\n"
           "  --hello-timeout SEC       close a connection that sends no Hello (default 10)\n"
           "  --frame-timeout SEC       close one that leaves a frame unfinished (default 30)\n"
+          "  --max-partial-bytes SIZE  bytes held in unfinished frames, all clients together\n"
+          "                            (default 256M; one user, not root or --admin-group,\n"
+          "                            a quarter); past it clients are read no further\n"
           "  --job-memory-limit SIZE   bytes one job may hold over all devices (default none)\n"
           "  --admin-group GROUP       members may see (status, inspect) every job\n"
           "  --max-jobs N              jobs held at once, lingering ones included (default 4096)\n"
@@ -122,7 +125,7 @@ enum {
   O_SOCKET = 256, O_BACKEND, O_DEVICES, O_DEVMEM, O_TIMEOUT, O_LINGER,
   O_MAXCLIENTS, O_LOGLEVEL, O_FOREGROUND, O_VERSION, O_HELP,
   O_CKPT_EXIT, O_RESTORE, O_JOBMEM, O_ADMIN, O_CKPT_ROOT, O_JOBSPEC, O_MAXGATHERS, O_MAXJOBS,
-  O_HELLO_TO, O_FRAME_TO, O_MAXCLI_UID, O_MAXJOBS_UID
+  O_HELLO_TO, O_FRAME_TO, O_MAXCLI_UID, O_MAXJOBS_UID, O_MAXPARTIAL
 };
 
 static const struct option longopts[] = {
@@ -147,6 +150,7 @@ static const struct option longopts[] = {
     {"frame-timeout", required_argument, NULL, O_FRAME_TO},
     {"max-clients-per-uid", required_argument, NULL, O_MAXCLI_UID},
     {"max-jobs-per-uid", required_argument, NULL, O_MAXJOBS_UID},
+    {"max-partial-bytes", required_argument, NULL, O_MAXPARTIAL},
     {"version", no_argument, NULL, O_VERSION},
     {"help", no_argument, NULL, O_HELP},
     {NULL, 0, NULL, 0}};
@@ -261,6 +265,10 @@ static int server_option(int c, const char *arg, shardd__server_opts *o) {
                : SHARDD__CLI_RUN;
   case O_ADMIN:
     return set_admin_group(arg, o);
+  case O_MAXPARTIAL:
+    return parse_size("max-partial-bytes", arg, &o->max_partial_bytes) != 0
+               ? 2
+               : SHARDD__CLI_RUN;
   default:
     usage(stderr); /* getopt_long has named the bad option */
     return 2;

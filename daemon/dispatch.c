@@ -156,7 +156,8 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
 
 static shardd__status_ctx status_ctx(shardd__dispatch *d) {
   shardd__status_ctx ctx = {&d->reg, d->coll, &d->jobs, now_s(d) - d->started,
-                            d->socket_path, d->io.clients(d->io.ctx)};
+                            d->socket_path, d->io.clients(d->io.ctx),
+                            d->io.partial_bytes(d->io.ctx)};
   return ctx;
 }
 

@@ -46,6 +46,8 @@ typedef struct {
   void (*send)(void *ctx, shardd__conn *c, uint8_t *frame, size_t len, int fd);
   /* connections open now (status) */
   uint32_t (*clients)(void *ctx);
+  /* bytes charged to the partial-frame budget now (status) */
+  uint64_t (*partial_bytes)(void *ctx);
 } shardd__dispatch_io;
 
 typedef struct {

@@ -37,6 +37,10 @@ typedef struct {
   /* connections one uid (not root, not --admin-group) may hold at once */
   uint32_t max_clients_per_uid;
   uint32_t max_jobs_per_uid; /* jobs one uid (not root) may hold */
+  /* Bytes held in partial frames over every session (a quarter of it per
+   * uid other than root and --admin-group): 64 connections each holding
+   * half a 16 MiB frame cost 1 GB. Past it, sessions are not read. */
+  uint64_t max_partial_bytes;
 } shardd__server_opts;
 
 /* Past --max-clients, root and --admin-group still get this many more
@@ -44,6 +48,6 @@ typedef struct {
 #define SHARDD__ADMIN_RESERVE 8u
 
 #define SHARDD__SERVER_OPTS_INIT \
-  {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2, -1, 0, NULL, NULL, 0, 16, 4096, 10.0, 30.0, 256, 512}
+  {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2, -1, 0, NULL, NULL, 0, 16, 4096, 10.0, 30.0, 256, 512, (uint64_t)256 << 20}
 
 #endif /* SHARDD_OPTS_H */
