@@ -596,6 +596,9 @@ shardd_err shardd__dispatch_init(shardd__dispatch *d, uv_loop_t *loop,
   d->reg.job_memory_limit = opts->job_memory_limit;
   d->reg.max_jobs = opts->max_jobs;
   d->reg.max_jobs_per_uid = opts->max_jobs_per_uid;
+  d->reg.max_views = opts->max_views;
+  d->reg.max_views_per_uid =
+      opts->max_views_per_uid ? opts->max_views_per_uid : opts->max_views / 4;
   /* Descriptors: rank blocks get all but what connections, the listener,
    * checkpoint files and libraries need; one uid a quarter of them, so no
    * single user can starve the others (or the accept loop). */

@@ -1902,3 +1902,100 @@ Test(server, one_uid_holds_at_most_its_share_of_partial_frames, .timeout = 120) 
   test_raw_close(&r);
   test_daemon_finish(&d);
 }
+
+/* ---- the view caps, through the socket (issue 20, item 9) --------------- */
+
+/* The views Status reports for job name; -1 when it lists no such job. */
+static double status_job_views(const char *name) {
+  tj *j = shardctl_status();
+  const tj *jobs = tj_need(j, "jobs", TJ_ARR);
+  double n = -1;
+  for (size_t i = 0; i < jobs->n; i++)
+    if (strcmp(tj_need(jobs->kids[i], "name", TJ_STR)->str, name) == 0)
+      n = tj_need(jobs->kids[i], "views", TJ_NUM)->num;
+  tj_free(j);
+  return n;
+}
+
+/* uid 4242 registers views until its share (2) is used; the third is
+ * refused naming --max-views-per-uid. Its job lingers, views and all.
+ * Exit code: 0 as expected. */
+static int view_hog(const char *sock) {
+  if (setgid(4242) != 0 || setuid(4242) != 0)
+    return 10;
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = "vhog";
+  shardd_client_t *c;
+  char err[512];
+  if (shardd_connect(sock, &o, &c, err, sizeof err) != SHARDD_OK)
+    return 11;
+  shardd_buffer_info b;
+  if (shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 64, &b) != SHARDD_OK)
+    return 12;
+  int64_t shape[1] = {1};
+  uint64_t id;
+  for (int i = 0; i < 2; i++)
+    if (shardd_view_register(c, b.id, i ? "v1" : "v0", (uint64_t)i, 1, shape, 1,
+                             &id) != SHARDD_OK)
+      return 13 + i;
+  if (shardd_view_register(c, b.id, "v2", 2, 1, shape, 1, &id) != SHARDD_E_LIMIT)
+    return 15;
+  if (strstr(shardd_last_error(c), "--max-views-per-uid") == NULL)
+    return 16;
+  shardd_close(c);
+  return 0;
+}
+
+Test(server, views_are_capped_and_counted, .timeout = 120) {
+  test_daemon_start(&d, (const char *const[]){"--max-views", "6",
+                                               "--max-views-per-uid", "2", NULL});
+  shardd_client_t *c = test_connect(&d, "vroot", 0, 1);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 64, &b),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  int64_t shape[1] = {1};
+  uint64_t ids[8];
+  char name[16];
+  /* root is held to no share: three views, past the per-uid two */
+  for (int i = 0; i < 3; i++) {
+    snprintf(name, sizeof name, "v%d", i);
+    cr_assert_eq(shardd_view_register(c, b.id, name, (uint64_t)i, 1, shape, 1,
+                                      &ids[i]),
+                 SHARDD_OK, "%s: %s", name, shardd_last_error(c));
+  }
+  cr_assert_eq(status_job_views("vroot"), 3.0);
+  cr_assert_eq(shardd_view_unregister(c, ids[0]), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  cr_assert_eq(status_job_views("vroot"), 2.0, "an unregistered view is counted");
+  int held = 2; /* views in the daemon */
+  if (geteuid() == 0) {
+    run_as_other_uid(view_hog, "view hog");
+    cr_assert_eq(status_job_views("vhog"), 2.0);
+    held += 2;
+  } else {
+    cr_log_warn("not root: the per-uid share is not tried");
+  }
+  /* the daemon's cap, six in all, for root too */
+  for (int i = 3; held < 6; i++, held++) {
+    snprintf(name, sizeof name, "v%d", i);
+    cr_assert_eq(shardd_view_register(c, b.id, name, (uint64_t)i, 1, shape, 1,
+                                      &ids[i % 8]),
+                 SHARDD_OK, "%s: %s", name, shardd_last_error(c));
+  }
+  uint64_t id;
+  cr_assert_eq(shardd_view_register(c, b.id, "over", 7, 1, shape, 1, &id),
+               SHARDD_E_LIMIT);
+  cr_assert(strstr(shardd_last_error(c), "(--max-views)") != NULL, "%s",
+            shardd_last_error(c));
+  cr_assert_eq(shardd_ping(c), SHARDD_OK, "the session goes on");
+  /* a buffer's unregister takes its views with it, from the count too */
+  cr_assert_eq(shardd_buffer_unregister(c, b.id), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  cr_assert_eq(status_job_views("vroot"), 0.0);
+  cr_assert_eq(shardd_buffer_register(c, "w2", SHARDD_DTYPE_FP32, 64, &b),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  cr_assert_eq(shardd_view_register(c, b.id, "again", 0, 1, shape, 1, &id),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  shardd_close(c);
+  test_daemon_finish(&d);
+}
