@@ -552,6 +552,30 @@ static void on_signal(uv_signal_t *h, int signum) {
 
 /* ---- init / stop ------------------------------------------------------ */
 
+/* Why bind of path failed, for the message. libuv's uv_pipe_bind turns
+ * ENOENT into EACCES (for Windows' sake), so a missing /run/shardd read
+ * "permission denied"; the directory is looked at again here to tell. */
+static void bind_error(const char *path, int e, char *err, size_t errlen) {
+  char dir[108];
+  snprintf(dir, sizeof dir, "%s", path);
+  char *slash = strrchr(dir, '/');
+  if (slash == dir)
+    slash[1] = '\0'; /* "/x.sock": the root */
+  else if (slash)
+    *slash = '\0';
+  else
+    snprintf(dir, sizeof dir, ".");
+  struct stat st;
+  if (e == UV_EACCES && stat(dir, &st) != 0 && (errno == ENOENT || errno == ENOTDIR))
+    snprintf(err, errlen, "bind %s: directory %s does not exist (create it; "
+             "shardd.service's RuntimeDirectory=shardd makes /run/shardd)",
+             path, dir);
+  else if (e == UV_EACCES && stat(dir, &st) == 0 && !S_ISDIR(st.st_mode))
+    snprintf(err, errlen, "bind %s: %s is not a directory", path, dir);
+  else
+    snprintf(err, errlen, "bind %s: %s", path, uv_strerror(e));
+}
+
 static shardd_err bind_socket(shardd__server *srv, char *err, size_t errlen) {
   const char *path = srv->socket_path;
   struct stat st;
@@ -572,7 +596,7 @@ static shardd_err bind_socket(shardd__server *srv, char *err, size_t errlen) {
   }
   int e = uv_pipe_bind(&srv->listener, path);
   if (e != 0) {
-    snprintf(err, errlen, "bind %s: %s", path, uv_strerror(e));
+    bind_error(path, e, err, errlen);
     return SHARDD_E_IO;
   }
   srv->own_socket_file = 1;

@@ -1999,3 +1999,64 @@ Test(server, views_are_capped_and_counted, .timeout = 120) {
   shardd_close(c);
   test_daemon_finish(&d);
 }
+
+/* ---- a missing socket directory (issue 20, item 12) ---------------------- *
+ * libuv's bind turns ENOENT into EACCES, so a missing /run/shardd was
+ * reported as "permission denied" and sent operators after modes and
+ * groups. The message now names the directory that does not exist; a
+ * directory the daemon may not write still says permission denied. */
+
+/* Runs shardd --socket sock (as uid when uid > 0) with stderr to a file;
+ * returns its exit status and *log (caller frees) what it printed. */
+static int shardd_at(const char *sock, uid_t uid, char **log) {
+  char path[] = "/tmp/shardd-bindlog-XXXXXX";
+  int fd = mkstemp(path);
+  cr_assert(fd >= 0);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (uid > 0 && (setgid(uid) != 0 || setuid(uid) != 0))
+      _exit(120);
+    dup2(fd, 2);
+    const char *bin = test_bin("SHARDD_BIN", "build/shardd");
+    execl(bin, bin, "--backend", "host", "--socket", sock, (char *)NULL);
+    _exit(127);
+  }
+  close(fd);
+  int st;
+  if (!test_wait_exit(pid, &st)) {
+    kill(pid, SIGKILL);
+    waitpid(pid, &st, 0);
+    cr_assert_fail("shardd at %s did not exit", sock);
+  }
+  *log = test_slurp(path);
+  unlink(path);
+  cr_assert_not_null(*log);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+Test(server, a_missing_socket_directory_is_named, .timeout = 120) {
+  char dir[] = "/tmp/shardd-nodir-XXXXXX", sock[128], want[320];
+  cr_assert_not_null(mkdtemp(dir));
+  snprintf(sock, sizeof sock, "%s/run/shardd.sock", dir);
+  char *log;
+  int code = shardd_at(sock, 0, &log);
+  cr_assert_neq(code, 0, "shardd started on %s: %s", sock, log);
+  snprintf(want, sizeof want, "bind %s: directory %s/run does not exist", sock, dir);
+  cr_assert(strstr(log, want) != NULL, "wanted \"%s\" in: %s", want, log);
+  cr_assert(strstr(log, "permission denied") == NULL, "%s", log);
+  free(log);
+
+  /* one the daemon may not write into is what it says it is */
+  if (geteuid() == 0) {
+    cr_assert_eq(chmod(dir, 0700), 0);
+    snprintf(sock, sizeof sock, "%s/shardd.sock", dir);
+    code = shardd_at(sock, 4242, &log);
+    cr_assert_neq(code, 0);
+    cr_assert(strstr(log, "permission denied") != NULL, "%s", log);
+    cr_assert(strstr(log, "does not exist") == NULL, "%s", log);
+    free(log);
+  }
+  rmdir(dir);
+}
