@@ -64,10 +64,13 @@ char *shardd__fmt_status_text(const Shardwire__StatusReply *st) {
   shardd__sb_printf(&sb,
                     "version: %s\nprotocol: %" PRIu32 "\npid: %" PRIu64
                     "\nuptime_s: %.1f\nbackend: %s\nsocket: %s\nclients: %" PRIu32
-                    "\ndevices: %zu\n",
+                    "\n",
                     st->daemon_version, st->protocol_version, st->pid,
-                    st->uptime_s, st->backend, st->socket_path, st->clients,
-                    st->n_devices);
+                    st->uptime_s, st->backend, st->socket_path, st->clients);
+  if (st->has_partial_frame_bytes)
+    shardd__sb_printf(&sb, "partial_frame_bytes: %" PRIu64 "\n",
+                      st->partial_frame_bytes);
+  shardd__sb_printf(&sb, "devices: %zu\n", st->n_devices);
   for (size_t i = 0; i < st->n_devices; i++) {
     const Shardwire__DeviceStatus *d = st->devices[i];
     char t[32];
@@ -134,7 +137,11 @@ char *shardd__fmt_status_json(const Shardwire__StatusReply *st) {
                     st->protocol_version, st->pid, st->uptime_s);
   json_key_str(&sb, "backend", st->backend, 1);
   json_key_str(&sb, "socket", st->socket_path, 1);
-  shardd__sb_printf(&sb, ",\"clients\":%" PRIu32 ",\"devices\":[", st->clients);
+  shardd__sb_printf(&sb, ",\"clients\":%" PRIu32, st->clients);
+  if (st->has_partial_frame_bytes)
+    shardd__sb_printf(&sb, ",\"partial_frame_bytes\":%" PRIu64,
+                      st->partial_frame_bytes);
+  shardd__sb_printf(&sb, ",\"devices\":[");
   for (size_t i = 0; i < st->n_devices; i++) {
     const Shardwire__DeviceStatus *d = st->devices[i];
     shardd__sb_printf(&sb, "%s{\"index\":%" PRIu32, i ? "," : "", d->index);

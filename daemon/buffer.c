@@ -49,6 +49,7 @@ static void buffer_free_blocks(shardd__registry *reg, shardd__buffer *b) {
 
 static void view_destroy(shardd__registry *reg, shardd__view *v) {
   v->buf->hdr.job->nviews--;
+  reg->nviews--;
   if (!v->requires_grad)
     v->buf->nfrozen--;
   shardd__record_freed(&v->hdr, v->buf->hdr.name);
@@ -447,6 +448,8 @@ shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
       return SHARDD_E_OVERLAP;
     }
   }
+  if (!shardd__within_views(reg, job, err, errlen))
+    return SHARDD_E_LIMIT;
   v = calloc(1, sizeof *v);
   if (v == NULL || (ndim > 0 && (v->shape = malloc((size_t)ndim * sizeof *shape)) == NULL))
     goto nomem;
@@ -484,6 +487,7 @@ shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
   }
   free(gkey);
   job->nviews++;
+  reg->nviews++;
   *out = v;
   *created = 1;
   return SHARDD_OK;

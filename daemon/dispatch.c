@@ -169,7 +169,8 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
 
 static shardd__status_ctx status_ctx(shardd__dispatch *d) {
   shardd__status_ctx ctx = {&d->reg, d->coll, &d->jobs, now_s(d) - d->started,
-                            d->socket_path, d->io.clients(d->io.ctx)};
+                            d->socket_path, d->io.clients(d->io.ctx),
+                            d->io.partial_bytes(d->io.ctx)};
   return ctx;
 }
 
@@ -802,6 +803,9 @@ shardd_err shardd__dispatch_init(shardd__dispatch *d, uv_loop_t *loop,
   }
   d->reg.max_jobs = opts->max_jobs;
   d->reg.max_jobs_per_uid = opts->max_jobs_per_uid;
+  d->reg.max_views = opts->max_views;
+  d->reg.max_views_per_uid =
+      opts->max_views_per_uid ? opts->max_views_per_uid : opts->max_views / 4;
   /* connections, the listener, checkpoint files and libraries keep theirs */
   shardd__registry_fit_blocks(&d->reg,
                               (uint64_t)opts->max_clients + SHARDD__ADMIN_RESERVE + 128);

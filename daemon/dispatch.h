@@ -52,6 +52,8 @@ typedef struct {
   uint32_t (*clients)(void *ctx);
   /* whether c may still be answered (not closing, no reply lost) */
   int (*live)(void *ctx, const shardd__conn *c);
+  /* bytes charged to the partial-frame budget now (status) */
+  uint64_t (*partial_bytes)(void *ctx);
 } shardd__dispatch_io;
 
 typedef struct {

@@ -211,8 +211,13 @@ struct shardd__registry {
    * then every connect failed. main sizes them from RLIMIT_NOFILE. */
   uint64_t max_blocks;
   uint64_t max_blocks_per_uid;
+  /* Views held at once, in all and by one uid other than root; 0
+   * unlimited. Nothing bounded them: 200k views cost 240 MB. */
+  uint64_t max_views;
+  uint64_t max_views_per_uid;
   /* private */
   uint64_t nblocks;
+  uint64_t nviews; /* over every job; each job counts its own */
   uint64_t next_id;
   shardd__map objects; /* id -> shardd__obj */
   shardd__map jobs;    /* "UID/NAME" -> job: a job is (owner, name) */

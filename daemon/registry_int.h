@@ -54,6 +54,9 @@ int shardd__within_quota(const shardd__registry *reg, const shardd__job *job,
 /* Whether job may take need more rank blocks (see max_blocks); else err. */
 int shardd__within_blocks(shardd__registry *reg, shardd__job *job,
                           uint64_t need, char *err, size_t errlen);
+/* Whether job may take one more view (see max_views); else err. */
+int shardd__within_views(shardd__registry *reg, shardd__job *job, char *err,
+                         size_t errlen);
 
 /* ---- buffer.c --------------------------------------------------------- */
 

@@ -171,6 +171,8 @@ shardd_err shardd__status_build(const shardd__status_ctx *ctx,
   st->backend = ar_strdup(r, ctx->reg->backend->name);
   st->socket_path = ar_strdup(r, ctx->socket_path);
   st->clients = ctx->clients;
+  st->has_partial_frame_bytes = 1;
+  st->partial_frame_bytes = ctx->partial_frame_bytes;
 
   shardd__backend *be = ctx->reg->backend;
   int nd = be->ndevices;
