@@ -48,7 +48,7 @@ static void run_until(uv_loop_t *loop, uint64_t n) {
 typedef struct {
   int units;
   uint32_t world;
-  uint64_t params, peak, fsdp, ddp;
+  uint64_t params, peak, peak_transient, fsdp, ddp;
 } row;
 
 static uint64_t peak_of(shardd__backend *be) {
@@ -61,7 +61,19 @@ static uint64_t peak_of(shardd__backend *be) {
   return sum;
 }
 
-static void measure(int units, uint32_t world, row *out) {
+static void all_ranks(shardd__coll_engine *eng, uv_loop_t *loop,
+                      shardd__coll_member *mem, uint32_t world, uint64_t *seq,
+                      shardd__coll_args a) {
+  ++*seq;
+  for (uint32_t r = 0; r < world; r++)
+    shardd__coll_submit(eng, &mem[r], *seq, &a);
+  run_until(loop, *seq * world);
+}
+
+/* transient: the loop FSDP runs (shardd.nn's hooks will): per unit gather
+ * then release in forward; gather with its gradient area, scatter (which
+ * consumes it), release in backward; then the step. */
+static void measure(int units, uint32_t world, int transient, row *out) {
   uv_loop_t loop;
   if (uv_loop_init(&loop) != 0)
     bench_die("uv_loop_init\n");
@@ -72,7 +84,8 @@ static void measure(int units, uint32_t world, row *out) {
   shardd__registry reg;
   shardd__registry_init(&reg, be);
   shardd__job *job;
-  if (shardd__job_get(&reg, "bench", world, 0, &job, err, sizeof err) != SHARDD_OK)
+  if (shardd__job_get(&reg, "bench", world, 0, &job, err, sizeof err) != SHARDD_OK ||
+      shardd__job_set_transient(job, transient, err, sizeof err) != SHARDD_OK)
     bench_die("%s\n", err);
   shardd__coll_engine *eng;
   shardd__coll_config cfg = {.loop = &loop, .reg = &reg, .timeout = 300,
@@ -108,31 +121,38 @@ static void measure(int units, uint32_t world, row *out) {
   uint64_t seq = 0;
   answered = 0;
   for (int u = 0; u < units; u++) {
-    shardd__coll_args g = {.kind = SHARDD__COLL_GATHER, .target = bufs[u]->hdr.id};
-    seq++;
-    for (uint32_t r = 0; r < world; r++)
-      shardd__coll_submit(eng, &mem[r], seq, &g);
-    run_until(&loop, seq * world);
+    all_ranks(eng, &loop, mem, world, &seq,
+              (shardd__coll_args){.kind = SHARDD__COLL_GATHER,
+                                  .target = bufs[u]->hdr.id});
+    if (transient)
+      for (uint32_t r = 0; r < world; r++)
+        shardd__area_return(bufs[u], r, SHARDD__AREA_GATHER);
   }
   for (int u = units - 1; u >= 0; u--) {
-    shardd__coll_args s = {.kind = SHARDD__COLL_SCATTER, .target = bufs[u]->hdr.id,
-                           .op = SHARDD_REDUCE_MEAN};
-    seq++;
-    for (uint32_t r = 0; r < world; r++)
-      shardd__coll_submit(eng, &mem[r], seq, &s);
-    run_until(&loop, seq * world);
+    if (transient)
+      all_ranks(eng, &loop, mem, world, &seq,
+                (shardd__coll_args){.kind = SHARDD__COLL_GATHER,
+                                    .target = bufs[u]->hdr.id, .want_grad = 1});
+    all_ranks(eng, &loop, mem, world, &seq,
+              (shardd__coll_args){.kind = SHARDD__COLL_SCATTER,
+                                  .target = bufs[u]->hdr.id,
+                                  .op = SHARDD_REDUCE_MEAN});
+    if (transient)
+      for (uint32_t r = 0; r < world; r++)
+        shardd__area_return(bufs[u], r, SHARDD__AREA_GATHER);
   }
-  shardd__coll_args st = {.kind = SHARDD__COLL_STEP, .target = res.optim->hdr.id};
-  seq++;
-  for (uint32_t r = 0; r < world; r++)
-    shardd__coll_submit(eng, &mem[r], seq, &st);
-  run_until(&loop, seq * world);
+  all_ranks(eng, &loop, mem, world, &seq,
+            (shardd__coll_args){.kind = SHARDD__COLL_STEP,
+                                .target = res.optim->hdr.id});
 
   uint64_t p = (uint64_t)units * UNIT_NUMEL;
   out->units = units;
   out->world = world;
   out->params = p;
-  out->peak = peak_of(be);
+  if (transient)
+    out->peak_transient = peak_of(be);
+  else
+    out->peak = peak_of(be);
   out->fsdp = 16 * p + 16 * UNIT_NUMEL * world;
   out->ddp = 16 * p * world;
 
@@ -153,25 +173,29 @@ int main(int argc, char **argv) {
   size_t n = 0;
   printf("\nmemory: fp32 AdamW, units of %.0f MiB, one device per rank (host)\n",
          (double)(UNIT_NUMEL * 4) / MiB);
-  printf("%6s %3s %10s %12s %12s %8s %12s %8s\n", "units", "W", "params MiB",
-         "peak MiB", "FSDP bound", "ratio", "DDP replica", "ratio");
+  printf("%6s %3s %10s %12s %8s %14s %8s %12s %12s\n", "units", "W",
+         "params MiB", "resident MiB", "/bound", "transient MiB", "/bound",
+         "FSDP bound", "DDP replica");
   for (size_t i = 0; i < sizeof unit_counts / sizeof *unit_counts; i++)
     for (size_t k = 0; k < sizeof worlds / sizeof *worlds; k++) {
       row *r = &rows[n++];
-      measure(unit_counts[i], worlds[k], r);
-      printf("%6d %3u %10.0f %12.1f %12.1f %7.2fx %12.1f %7.2fx\n", r->units,
-             r->world, (double)(r->params * 4) / MiB, (double)r->peak / MiB,
-             (double)r->fsdp / MiB, (double)r->peak / (double)r->fsdp,
-             (double)r->ddp / MiB, (double)r->peak / (double)r->ddp);
+      measure(unit_counts[i], worlds[k], 0, r);
+      measure(unit_counts[i], worlds[k], 1, r);
+      printf("%6d %3u %10.0f %12.1f %7.2fx %14.1f %7.2fx %12.1f %12.1f\n",
+             r->units, r->world, (double)(r->params * 4) / MiB,
+             (double)r->peak / MiB, (double)r->peak / (double)r->fsdp,
+             (double)r->peak_transient / MiB,
+             (double)r->peak_transient / (double)r->fsdp, (double)r->fsdp / MiB,
+             (double)r->ddp / MiB);
     }
   FILE *f = bench_json_open("memory", full);
   fprintf(f, ",\"unit_params\":%" PRIu64 ",\"rows\":[", UNIT_NUMEL);
   for (size_t i = 0; i < n; i++)
     fprintf(f, "%s{\"units\":%d,\"world\":%u,\"params\":%" PRIu64
-            ",\"peak_bytes\":%" PRIu64 ",\"fsdp_bound_bytes\":%" PRIu64
-            ",\"ddp_bytes\":%" PRIu64 "}",
+            ",\"peak_bytes\":%" PRIu64 ",\"peak_transient_bytes\":%" PRIu64
+            ",\"fsdp_bound_bytes\":%" PRIu64 ",\"ddp_bytes\":%" PRIu64 "}",
             i ? "," : "", rows[i].units, rows[i].world, rows[i].params,
-            rows[i].peak, rows[i].fsdp, rows[i].ddp);
+            rows[i].peak, rows[i].peak_transient, rows[i].fsdp, rows[i].ddp);
   fprintf(f, "]");
   bench_json_close(f, "memory");
   return 0;

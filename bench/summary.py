@@ -128,19 +128,28 @@ def main():
 
     if mem:
         # the FSDP-grade memory issue: peak over all devices <= 16*P + 16*U*W
+        # with transient areas (4 ranks, >= 16 units is its done-when)
         rows = mem["rows"]
-        worst = max(rows, key=lambda x: x["peak_bytes"] / x["fsdp_bound_bytes"])
-        parts = ["%du/W%d %.2fx" % (x["units"], x["world"],
-                                    x["peak_bytes"] / x["fsdp_bound_bytes"]) for x in rows]
-        target("daemon peak bytes vs the FSDP bound 16*P + 16*U*W (fp32 AdamW)",
-               "<= 1.00x", "worst %.2fx (%d units, W %d: %.1f vs %.1f MiB); %s"
-               % (worst["peak_bytes"] / worst["fsdp_bound_bytes"], worst["units"],
-                  worst["world"], worst["peak_bytes"] / 2**20,
-                  worst["fsdp_bound_bytes"] / 2**20, ", ".join(parts)),
-               all(x["peak_bytes"] <= x["fsdp_bound_bytes"] for x in rows),
-               "gather and gradient areas are resident per rank for the job's life "
-               "until they are leased (issue 16)")
 
+        def ratio(x, key):
+            return x[key] / x["fsdp_bound_bytes"]
+
+        parts = ["%du/W%d %.2fx (resident %.2fx)" % (x["units"], x["world"],
+                                                    ratio(x, "peak_transient_bytes"),
+                                                    ratio(x, "peak_bytes"))
+                 for x in rows if "peak_transient_bytes" in x]
+        judged = [x for x in rows if x["world"] >= 2 and "peak_transient_bytes" in x]
+        worst = max(judged, key=lambda x: ratio(x, "peak_transient_bytes")) if judged else None
+        if worst:
+            target("daemon peak bytes, transient areas, vs the FSDP bound 16*P + 16*U*W "
+                   "(fp32 AdamW, W >= 2)", "<= 1.00x",
+                   "worst %.3fx (%d units, W %d: %.1f vs %.1f MiB); %s"
+                   % (ratio(worst, "peak_transient_bytes"), worst["units"], worst["world"],
+                      worst["peak_transient_bytes"] / 2**20,
+                      worst["fsdp_bound_bytes"] / 2**20, ", ".join(parts)),
+                   all(x["peak_transient_bytes"] <= x["fsdp_bound_bytes"] for x in judged),
+                   "W 1 is over by the 19-page gap the layout leaves after a shard of "
+                   "1 MiB or more (against cache aliasing in the step)")
     print("\nTargets (issue 7), this run:")
     for t in targets:
         mark = {True: "MET   ", False: "MISSED", None: "      "}[t["met"]]

@@ -531,6 +531,39 @@ static shardd_err call_status_only(shardd_client_t *c, Shardwire__Request *req) 
   return rc;
 }
 
+/* The connect error for socket_path, naming what is missing or refused:
+ * ENOENT was the same "No such file or directory" for a daemon that is not
+ * running and for a socket directory that does not exist. */
+static shardd_err connect_error(shardd_client_t *c, const char *socket_path,
+                                int e) {
+  char dir[sizeof ((struct sockaddr_un *)0)->sun_path];
+  snprintf(dir, sizeof dir, "%s", socket_path);
+  char *slash = strrchr(dir, '/');
+  if (slash == dir)
+    slash[1] = '\0';
+  else if (slash)
+    *slash = '\0';
+  else
+    snprintf(dir, sizeof dir, ".");
+  struct stat st;
+  const char *pre = "cannot connect to shardd at";
+  if (e == ENOENT && stat(dir, &st) != 0 && (errno == ENOENT || errno == ENOTDIR))
+    return set_err(c, SHARDD_E_CONNECT, "%s %s: directory %s does not exist "
+                   "(is shardd installed and started?)", pre, socket_path, dir);
+  if (e == ENOENT)
+    return set_err(c, SHARDD_E_CONNECT, "%s %s: no socket there (is shardd "
+                   "running? --socket or SHARDD_SOCKET name another)", pre,
+                   socket_path);
+  if (e == EACCES)
+    return set_err(c, SHARDD_E_CONNECT, "%s %s: permission denied (this user "
+                   "may not open the socket or search %s; the packaged socket "
+                   "is for group shardd)", pre, socket_path, dir);
+  if (e == ECONNREFUSED)
+    return set_err(c, SHARDD_E_CONNECT, "%s %s: connection refused (a socket "
+                   "file no daemon listens on)", pre, socket_path);
+  return set_err(c, SHARDD_E_CONNECT, "%s %s: %s", pre, socket_path, strerror(e));
+}
+
 shardd_err shardd_connect(const char *socket_path,
                           const shardd_connect_opts *opts,
                           shardd_client_t **out, char *errbuf, size_t errlen) {
@@ -566,8 +599,7 @@ shardd_err shardd_connect(const char *socket_path,
     goto fail;
   }
   if (connect(c->fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
-    rc = set_err(c, SHARDD_E_CONNECT, "cannot connect to shardd at %s: %s",
-                 socket_path, strerror(errno));
+    rc = connect_error(c, socket_path, errno);
     goto fail;
   }
 

@@ -64,10 +64,13 @@ char *shardd__fmt_status_text(const Shardwire__StatusReply *st) {
   shardd__sb_printf(&sb,
                     "version: %s\nprotocol: %" PRIu32 "\npid: %" PRIu64
                     "\nuptime_s: %.1f\nbackend: %s\nsocket: %s\nclients: %" PRIu32
-                    "\ndevices: %zu\n",
+                    "\n",
                     st->daemon_version, st->protocol_version, st->pid,
-                    st->uptime_s, st->backend, st->socket_path, st->clients,
-                    st->n_devices);
+                    st->uptime_s, st->backend, st->socket_path, st->clients);
+  if (st->has_partial_frame_bytes)
+    shardd__sb_printf(&sb, "partial_frame_bytes: %" PRIu64 "\n",
+                      st->partial_frame_bytes);
+  shardd__sb_printf(&sb, "devices: %zu\n", st->n_devices);
   for (size_t i = 0; i < st->n_devices; i++) {
     const Shardwire__DeviceStatus *d = st->devices[i];
     char t[32];
@@ -94,6 +97,11 @@ char *shardd__fmt_status_text(const Shardwire__StatusReply *st) {
                       j->collectives_in_flight);
     if (j->has_owner_uid)
       shardd__sb_printf(&sb, "  owner: uid %" PRIu32 "\n", j->owner_uid);
+    if (j->has_transient && j->transient) {
+      human(a, sizeof a, j->has_pool_bytes ? j->pool_bytes : 0);
+      human(b, sizeof b, j->bytes - (j->has_pool_bytes ? j->pool_bytes : 0));
+      shardd__sb_printf(&sb, "  transient areas: pools %s, persistent %s\n", a, b);
+    }
     if (j->has_nodes) {
       shardd__sb_printf(&sb, "  nodes %" PRIu32 " (this daemon: node %" PRIu32
                         ") fabric %s\n",
@@ -129,7 +137,11 @@ char *shardd__fmt_status_json(const Shardwire__StatusReply *st) {
                     st->protocol_version, st->pid, st->uptime_s);
   json_key_str(&sb, "backend", st->backend, 1);
   json_key_str(&sb, "socket", st->socket_path, 1);
-  shardd__sb_printf(&sb, ",\"clients\":%" PRIu32 ",\"devices\":[", st->clients);
+  shardd__sb_printf(&sb, ",\"clients\":%" PRIu32, st->clients);
+  if (st->has_partial_frame_bytes)
+    shardd__sb_printf(&sb, ",\"partial_frame_bytes\":%" PRIu64,
+                      st->partial_frame_bytes);
+  shardd__sb_printf(&sb, ",\"devices\":[");
   for (size_t i = 0; i < st->n_devices; i++) {
     const Shardwire__DeviceStatus *d = st->devices[i];
     shardd__sb_printf(&sb, "%s{\"index\":%" PRIu32, i ? "," : "", d->index);
@@ -149,6 +161,10 @@ char *shardd__fmt_status_json(const Shardwire__StatusReply *st) {
     json_key_str(&sb, "name", j->name, 0);
     if (j->has_owner_uid)
       shardd__sb_printf(&sb, ",\"owner_uid\":%" PRIu32, j->owner_uid);
+    if (j->has_transient && j->transient)
+      shardd__sb_printf(&sb, ",\"transient\":true,\"pool_bytes\":%" PRIu64
+                        ",\"persistent_bytes\":%" PRIu64,
+                        j->pool_bytes, j->bytes - j->pool_bytes);
     shardd__sb_printf(&sb,
                       ",\"world\":%" PRIu32 ",\"clients\":%" PRIu32
                       ",\"buffers\":%" PRIu32 ",\"views\":%" PRIu32

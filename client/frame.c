@@ -50,6 +50,11 @@ shardd_err shardd__frame_reader_feed(shardd__frame_reader *r, const void *data,
   return SHARDD_OK;
 }
 
+static uint32_t get_header(const uint8_t *h) {
+  return (uint32_t)h[0] | (uint32_t)h[1] << 8 | (uint32_t)h[2] << 16 |
+         (uint32_t)h[3] << 24;
+}
+
 shardd_err shardd__frame_reader_next(shardd__frame_reader *r,
                                      const uint8_t **payload, size_t *len) {
   *payload = NULL;
@@ -60,8 +65,7 @@ shardd_err shardd__frame_reader_next(shardd__frame_reader *r,
   if (avail < SHARDD_FRAME_HEADER)
     return SHARDD_OK;
   const uint8_t *h = r->buf + r->off;
-  uint32_t n = (uint32_t)h[0] | (uint32_t)h[1] << 8 | (uint32_t)h[2] << 16 |
-               (uint32_t)h[3] << 24;
+  uint32_t n = get_header(h);
   if (n > r->max_frame)
     return SHARDD_E_FRAME_TOO_LARGE;
   if (avail - SHARDD_FRAME_HEADER < n)
@@ -74,6 +78,31 @@ shardd_err shardd__frame_reader_next(shardd__frame_reader *r,
 
 size_t shardd__frame_reader_pending(const shardd__frame_reader *r) {
   return r->len - r->off - r->taken;
+}
+
+size_t shardd__frame_reader_need(const shardd__frame_reader *r) {
+  size_t start = r->off + r->taken, pos = start;
+  while (r->len - pos >= SHARDD_FRAME_HEADER) {
+    uint32_t n = get_header(r->buf + pos);
+    if (n > r->max_frame)
+      return r->len - start;
+    if (r->len - pos - SHARDD_FRAME_HEADER < n)
+      return pos - start + SHARDD_FRAME_HEADER + n;
+    pos += SHARDD_FRAME_HEADER + n;
+  }
+  return r->len - start;
+}
+
+/* Below this a buffer is kept for the next frames: reads come 64 KiB at a
+ * time and small frames should not cost a malloc each. */
+#define TRIM_KEEP ((size_t)128 << 10)
+
+void shardd__frame_reader_trim(shardd__frame_reader *r) {
+  if (r->cap <= TRIM_KEEP || shardd__frame_reader_pending(r) > 0)
+    return;
+  free(r->buf);
+  r->buf = NULL;
+  r->len = r->off = r->taken = r->cap = 0;
 }
 
 void shardd__frame_put_header(uint8_t out[SHARDD_FRAME_HEADER], uint32_t len) {

@@ -42,6 +42,19 @@ shardd_err shardd__frame_reader_next(shardd__frame_reader *r,
 /* Bytes received but not yet handed out as a frame. */
 size_t shardd__frame_reader_pending(const shardd__frame_reader *r);
 
+/* Bytes r will hold once the frame it is receiving is whole: the whole
+ * frames not yet handed out, plus the partial one's header and announced
+ * payload (with less than a header of it, the bytes there are); 0 when
+ * nothing is pending. The daemon charges this to its partial-frame
+ * budget before it reads more of the frame. A header over max_frame
+ * counts as the bytes held (next() refuses it). */
+size_t shardd__frame_reader_need(const shardd__frame_reader *r);
+
+/* Gives back the buffer's memory when nothing is pending: one 16 MiB frame
+ * left every session holding 16 MiB (the buffer only grew) after it was
+ * handled. Call only when no payload handed out is in use. */
+void shardd__frame_reader_trim(shardd__frame_reader *r);
+
 void shardd__frame_put_header(uint8_t out[SHARDD_FRAME_HEADER], uint32_t len);
 
 /* Blocking write of one frame to fd (EINTR and short writes handled). */

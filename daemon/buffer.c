@@ -49,6 +49,7 @@ static void buffer_free_blocks(shardd__registry *reg, shardd__buffer *b) {
 
 static void view_destroy(shardd__registry *reg, shardd__view *v) {
   v->buf->hdr.job->nviews--;
+  reg->nviews--;
   if (!v->requires_grad)
     v->buf->nfrozen--;
   shardd__record_freed(&v->hdr, v->buf->hdr.name);
@@ -67,6 +68,7 @@ void shardd__buffer_destroy(shardd__registry *reg, shardd__buffer *b) {
   }
   shardd__map_free(&b->views);
   shardd__map_del_str(&b->hdr.job->buffers, b->hdr.name);
+  shardd__areas_buffer_fini(b);
   buffer_free_blocks(reg, b);
   shardd__record_freed(&b->hdr, NULL);
   shardd__obj_fini(reg, &b->hdr);
@@ -119,15 +121,24 @@ shardd_err shardd__buffer_register(shardd__registry *reg, shardd__job *job,
   b->padded_numel = b->shard_numel * job->world;
   b->shard_off = 0;
   b->reduced_off = shardd__area_end(b->shard_off, b->shard_numel * esz);
-  b->gather_off = shardd__area_end(b->reduced_off, b->shard_numel * 4);
-  b->grad_off = shardd__area_end(b->gather_off, b->padded_numel * esz);
-  b->block_bytes = align_up(b->grad_off + b->padded_numel * esz, AREA_ALIGN);
+  if (job->transient) {
+    /* the gather and gradient areas are leased (areas.c) */
+    b->block_bytes = align_up(b->reduced_off + b->shard_numel * 4, AREA_ALIGN);
+  } else {
+    b->gather_off = shardd__area_end(b->reduced_off, b->shard_numel * 4);
+    b->grad_off = shardd__area_end(b->gather_off, b->padded_numel * esz);
+    b->block_bytes = align_up(b->grad_off + b->padded_numel * esz, AREA_ALIGN);
+  }
   b->hdr.job = job;
   shardd__map_init(&b->views);
 
   shardd_err rc = SHARDD_E_NO_MEMORY;
   char *gkey = NULL;
   uint64_t gprev = 0;
+  if (job->transient && shardd__areas_buffer_init(b) != SHARDD_OK) {
+    snprintf(err, errlen, "out of memory");
+    goto fail;
+  }
   if (!shardd__within_quota(reg, job, (uint64_t)job->local_ranks * b->block_bytes,
                             err, errlen))
     goto fail;
@@ -182,6 +193,7 @@ fail:
   buffer_free_blocks(reg, b);
   shardd__obj_fini(reg, &b->hdr);
   shardd__map_free(&b->views);
+  free(b->lease);
   free(b);
   return rc;
 }
@@ -436,6 +448,8 @@ shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
       return SHARDD_E_OVERLAP;
     }
   }
+  if (!shardd__within_views(reg, job, err, errlen))
+    return SHARDD_E_LIMIT;
   v = calloc(1, sizeof *v);
   if (v == NULL || (ndim > 0 && (v->shape = malloc((size_t)ndim * sizeof *shape)) == NULL))
     goto nomem;
@@ -473,6 +487,7 @@ shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
   }
   free(gkey);
   job->nviews++;
+  reg->nviews++;
   *out = v;
   *created = 1;
   return SHARDD_OK;

@@ -26,12 +26,18 @@ static void usage(FILE *f) {
           "  --max-clients-per-uid N   connections one user may hold (default 256)\n"
           "  --hello-timeout SEC       close a connection that sends no Hello (default 10)\n"
           "  --frame-timeout SEC       close one that leaves a frame unfinished (default 30)\n"
+          "  --max-partial-bytes SIZE  bytes held in unfinished frames, all clients together\n"
+          "                            (default 256M; one user, not root or --admin-group,\n"
+          "                            a quarter); past it clients are read no further\n"
           "  --job-memory-limit SIZE   bytes one job may hold over all devices (default none)\n"
           "  --uid-memory-limit SIZE   bytes all jobs of one user (not root) may hold\n"
           "                            (default a quarter of the devices' memory; 0 none)\n"
           "  --admin-group GROUP       members may see (status, inspect) every job\n"
           "  --max-jobs N              jobs held at once, lingering ones included (default 4096)\n"
           "  --max-jobs-per-uid N      jobs one user (not root) may hold (default 512)\n"
+          "  --max-views N             views held at once, all jobs (default 4194304)\n"
+          "  --max-views-per-uid N     views one user (not root) may hold (default a\n"
+          "                            quarter of --max-views)\n"
           "  --max-inflight-gathers N  gathers one rank may have queued (default 16)\n"
           "  --checkpoint-root DIR     clients may checkpoint/restore only below DIR\n"
           "                            (root) or DIR/UID (any other uid; made for it)\n"
@@ -125,7 +131,8 @@ enum {
   O_SOCKET = 256, O_BACKEND, O_DEVICES, O_DEVMEM, O_TIMEOUT, O_LINGER,
   O_MAXCLIENTS, O_LOGLEVEL, O_FOREGROUND, O_VERSION, O_HELP,
   O_CKPT_EXIT, O_RESTORE, O_JOBMEM, O_UIDMEM, O_ADMIN, O_CKPT_ROOT, O_JOBSPEC, O_MAXGATHERS, O_MAXJOBS,
-  O_HELLO_TO, O_FRAME_TO, O_MAXCLI_UID, O_MAXJOBS_UID
+  O_HELLO_TO, O_FRAME_TO, O_MAXCLI_UID, O_MAXJOBS_UID, O_MAXPARTIAL,
+  O_MAXVIEWS, O_MAXVIEWS_UID
 };
 
 static const struct option longopts[] = {
@@ -151,6 +158,9 @@ static const struct option longopts[] = {
     {"frame-timeout", required_argument, NULL, O_FRAME_TO},
     {"max-clients-per-uid", required_argument, NULL, O_MAXCLI_UID},
     {"max-jobs-per-uid", required_argument, NULL, O_MAXJOBS_UID},
+    {"max-partial-bytes", required_argument, NULL, O_MAXPARTIAL},
+    {"max-views", required_argument, NULL, O_MAXVIEWS},
+    {"max-views-per-uid", required_argument, NULL, O_MAXVIEWS_UID},
     {"version", no_argument, NULL, O_VERSION},
     {"help", no_argument, NULL, O_HELP},
     {NULL, 0, NULL, 0}};
@@ -245,6 +255,10 @@ static int server_option(int c, const char *arg, shardd__server_opts *o) {
     return set_count("max-clients", arg, 1000000, &o->max_clients);
   case O_MAXJOBS:
     return set_count("max-jobs", arg, 1000000, &o->max_jobs);
+  case O_MAXVIEWS:
+    return set_count("max-views", arg, 1L << 30, &o->max_views);
+  case O_MAXVIEWS_UID:
+    return set_count("max-views-per-uid", arg, 1L << 30, &o->max_views_per_uid);
   case O_MAXGATHERS:
     return set_count("max-inflight-gathers", arg, 1024, &o->max_inflight_gathers);
   case O_LOGLEVEL:
@@ -274,6 +288,10 @@ static int server_option(int c, const char *arg, shardd__server_opts *o) {
                : SHARDD__CLI_RUN;
   case O_ADMIN:
     return set_admin_group(arg, o);
+  case O_MAXPARTIAL:
+    return parse_size("max-partial-bytes", arg, &o->max_partial_bytes) != 0
+               ? 2
+               : SHARDD__CLI_RUN;
   default:
     usage(stderr); /* getopt_long has named the bad option */
     return 2;

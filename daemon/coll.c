@@ -132,7 +132,33 @@ static void coll_free(coll *c) {
   free(c->waiters);
   free(c->tasks);
   free(c->hp);
+  free(c->area_reg);
+  free(c->area_off);
+  free(c->took);
   free(c);
+}
+
+/* Transient areas after c ended: a failed gather gives back what it leased;
+ * a scatter that ran consumed the gradients; a rank that left mid-way has
+ * its areas of the buffer back (dispatch returns the rest when it leaves,
+ * but a collective held this buffer then). */
+static void settle_areas(coll *c, shardd_err code) {
+  shardd__job *job = c->job;
+  for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++) {
+    const waiter *w = &c->waiters[r];
+    if (c->args.kind == SHARDD__COLL_GATHER && code != SHARDD_OK && c->took) {
+      if (c->took[r] & 1)
+        shardd__area_return(c->buf, r, SHARDD__AREA_GATHER);
+      if (c->took[r] & 2)
+        shardd__area_return(c->buf, r, SHARDD__AREA_GRAD);
+    }
+    if (c->args.kind == SHARDD__COLL_SCATTER && code == SHARDD_OK && c->started)
+      shardd__area_return(c->buf, r, SHARDD__AREA_GRAD);
+    if (w->arrived && w->m == NULL && c->started) {
+      shardd__area_return(c->buf, r, SHARDD__AREA_GATHER);
+      shardd__area_return(c->buf, r, SHARDD__AREA_GRAD);
+    }
+  }
 }
 
 /* Answers every rank still there with code/msg and forgets the collective. */
@@ -143,13 +169,25 @@ static void coll_finish(coll *c, shardd_err code, const char *msg) {
     if (w->m == NULL)
       continue;
     const shardd__coll_hooks *h = &c->e->cfg.hooks;
+    shardd__coll_result res;
+    memset(&res, 0, sizeof res);
+    res.kind = c->args.kind;
     if (code == SHARDD_OK && c->args.kind == SHARDD__COLL_STEP) {
-      shardd__coll_result res = {c->step, c->args.max_norm > 0, c->total_norm};
+      res.step = c->step;
+      res.has_total_norm = c->args.max_norm > 0;
+      res.total_norm = c->total_norm;
+      h->done(h->ctx, w->m, w->seq, code, NULL, &res);
+    } else if (code == SHARDD_OK && c->args.kind == SHARDD__COLL_GATHER &&
+               c->job->transient &&
+               shardd__area_held(c->buf, r, SHARDD__AREA_GATHER, &res.gather)) {
+      res.has_grad = shardd__area_held(c->buf, r, SHARDD__AREA_GRAD, &res.grad);
       h->done(h->ctx, w->m, w->seq, code, NULL, &res);
     } else {
       h->done(h->ctx, w->m, w->seq, code, msg, NULL);
     }
   }
+  if (c->buf && c->job->transient)
+    settle_areas(c, code);
   coll_free(c);
 }
 
@@ -293,6 +331,59 @@ void shardd__coll_task_done(uv_work_t *req, int status) {
     after_phase(c);
 }
 
+/* Where each rank's side of c's buffer is: the resident areas of its
+ * block, or (transient job) the areas it leases now, for a gather, or
+ * holds, for a scatter. A rank over its leases fails the whole gather
+ * (what this one leased is given back when it ends). */
+static shardd_err set_areas(coll *c, char *msg, size_t len) {
+  shardd__buffer *b = c->buf;
+  shardd__job *job = c->job;
+  uint32_t w = job->world;
+  c->area_reg = calloc(w, sizeof *c->area_reg);
+  c->area_off = calloc(w, sizeof *c->area_off);
+  c->took = calloc(w, sizeof *c->took);
+  if (c->area_reg == NULL || c->area_off == NULL || c->took == NULL) {
+    snprintf(msg, len, "out of memory starting a collective");
+    return SHARDD_E_NO_MEMORY;
+  }
+  int gather = c->args.kind == SHARDD__COLL_GATHER;
+  for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++) {
+    if (!job->transient) {
+      c->area_reg[r] = b->blocks[r];
+      c->area_off[r] = gather ? b->gather_off : b->grad_off;
+      continue;
+    }
+    shardd__area a;
+    char why[384];
+    int took = 0;
+    shardd_err rc = SHARDD_OK;
+    if (gather) {
+      rc = shardd__area_lease(c->e->cfg.reg, b, r, SHARDD__AREA_GATHER, &a,
+                              &took, why, sizeof why);
+      c->took[r] |= took ? 1 : 0;
+      shardd__area g;
+      if (rc == SHARDD_OK && c->waiters[r].want_grad) {
+        rc = shardd__area_lease(c->e->cfg.reg, b, r, SHARDD__AREA_GRAD, &g,
+                                &took, why, sizeof why);
+        c->took[r] |= took ? 2 : 0;
+      }
+    } else if (!shardd__area_held(b, r, SHARDD__AREA_GRAD, &a)) {
+      snprintf(why, sizeof why, "rank %" PRIu32 " holds no gradient area of "
+               "it: gather it with want_grad first", r);
+      rc = SHARDD_E_STATE;
+    }
+    if (rc != SHARDD_OK) {
+      snprintf(msg, len, "%s of buffer %" PRIu64 " (\"%s\"): %s",
+               shardd__coll_kind_word(c->args.kind), c->args.target,
+               b->hdr.name, why);
+      return rc;
+    }
+    c->area_reg[r] = a.pool;
+    c->area_off[r] = a.off;
+  }
+  return SHARDD_OK;
+}
+
 static void start_phase(coll *c) {
   if (c->args.kind == SHARDD__COLL_STEP && c->phase == 0) {
     c->step = c->opt->steps + 1;
@@ -309,6 +400,16 @@ static void start_phase(coll *c) {
       char msg[400];
       snprintf(msg, sizeof msg, "scatter of buffer %" PRIu64
                ": staging area for the cross-node sum: %s", c->args.target, why);
+      coll_finish(c, rc, msg);
+      schedule(q);
+      return;
+    }
+  }
+  if (c->buf && c->area_reg == NULL) {
+    char msg[512];
+    shardd_err rc = set_areas(c, msg, sizeof msg);
+    if (rc != SHARDD_OK) {
+      coll_job *q = c->cj;
       coll_finish(c, rc, msg);
       schedule(q);
       return;
@@ -487,6 +588,7 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
   w->m = m;
   w->seq = seq;
   w->arrived = 1;
+  w->want_grad = args->want_grad;
   m->pending++;
   c->arrived++;
   if (c->arrived == job->local_ranks) {

@@ -39,6 +39,9 @@ typedef struct {
   double lr;
   double max_norm;
   uint64_t generation; /* gather, scatter: the buffer's, 0 unchecked */
+  /* gather in a transient job: this rank also leases its gradient area
+   * (a rank's own choice: not compared between ranks) */
+  int want_grad;
 } shardd__coll_args;
 
 /* One rank of a job as the engine sees it. The caller sets job and rank
@@ -50,17 +53,23 @@ typedef struct {
   uint32_t pending;
 } shardd__coll_member;
 
-/* What a completed step reports. */
+/* What a completed collective reports beyond its code: a step its count
+ * and norm; a gather of a transient job where the member's leased areas
+ * are (its gradient area too when it asked for one). */
 typedef struct {
+  shardd__coll_kind kind;
   uint64_t step;
   int has_total_norm;
   double total_norm;
+  shardd__area gather;
+  int has_grad;
+  shardd__area grad;
 } shardd__coll_result;
 
 typedef struct {
   void *ctx;
   /* m's request seq ended: code (and msg, NULL for a plain OK), res for a
-   * successful step (else NULL). Called from inside submit, member_lost,
+   * successful step or transient gather (else NULL). Called from inside submit, member_lost,
    * tick and completions; it must not free m or call into the engine
    * (queue what it needs for later). */
   void (*done)(void *ctx, shardd__coll_member *m, uint64_t seq,

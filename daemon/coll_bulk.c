@@ -27,7 +27,8 @@
 int shardd__coll_bulk_ok(const coll *c) {
   const shardd__backend *be = c->e->be;
   const shardd__buffer *b = c->buf;
-  if (b == NULL || shardd__coll_multi(c) || be->ops->comm_create == NULL ||
+  if (b == NULL || shardd__coll_multi(c) || c->job->transient ||
+      be->ops->comm_create == NULL ||
       b->world != c->job->world || b->world < 2 ||
       b->world > (uint32_t)be->ndevices)
     return 0; /* world <= ndevices: rank r alone on device r */

@@ -18,6 +18,7 @@ typedef struct {
   shardd__coll_member *m; /* NULL when not arrived or gone */
   uint64_t seq;
   int arrived;
+  int want_grad; /* gather of a transient job: lease the gradient area too */
 } waiter;
 
 /* One piece of work on the pool: elements [start, start+len) of unit
@@ -103,6 +104,12 @@ struct coll {
   coll *fab_next;
   uv_async_t fab_async;
   int bulk; /* this phase is one bulk task (decided once, in start_phase) */
+  /* gather and scatter: each rank's side of the buffer, the gather's
+   * destination or the scatter's gradients: its block's resident area, or
+   * in a transient job the area it leased ([world], set at the start) */
+  shardd__region **area_reg;
+  size_t *area_off;
+  uint8_t *took; /* transient gather: 1 gather lease taken, 2 gradient too */
 };
 
 static inline int shardd__coll_multi(const coll *c) { return c->job->nodes > 1; }

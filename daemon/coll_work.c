@@ -16,7 +16,7 @@ void shardd__coll_gather_unit(coll *c, task *t) {
        pos < end && t->rc == SHARDD_OK;) {
     uint64_t q = pos / s, off = pos % s;
     uint64_t n = s - off < end - pos ? s - off : end - pos;
-    t->rc = be->ops->copy(be, b->blocks[t->a], b->gather_off + pos * esz,
+    t->rc = be->ops->copy(be, c->area_reg[t->a], c->area_off[t->a] + pos * esz,
                           b->blocks[q], b->shard_off + off * esz, n * esz);
     pos += n;
   }
@@ -35,10 +35,10 @@ void shardd__coll_scatter_unit(coll *c, task *t) {
   uint64_t first = t->b + t->start; /* element in the shard (b: the
                                        trainable range's start) */
   for (uint32_t r = 0; r < w; r++)
-    offs[r] = b->grad_off + (t->a * b->shard_numel + first) * esz;
+    offs[r] = c->area_off[r] + (t->a * b->shard_numel + first) * esz;
   float div = c->args.op == SHARDD_REDUCE_MEAN ? (float)w : 1.0f;
   t->rc = be->ops->reduce(be, b->dtype, div, b->blocks[t->a],
-                          b->reduced_off + first * 4, b->blocks, offs,
+                          b->reduced_off + first * 4, c->area_reg, offs,
                           (int)w, t->len);
   free(offs);
 }

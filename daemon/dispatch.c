@@ -128,6 +128,9 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                rank, job->world);
       rc = SHARDD_E_RANGE;
     }
+    if (rc == SHARDD_OK)
+      rc = shardd__job_set_transient(job, h->has_transient_areas && h->transient_areas,
+                                     err, sizeof err);
     int32_t holder = 0;
     if (rc == SHARDD_OK &&
         (rc = shardd__jobs_claim(&d->jobs, job, rank, c->id, (int32_t)c->peer.pid,
@@ -166,7 +169,8 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
 
 static shardd__status_ctx status_ctx(shardd__dispatch *d) {
   shardd__status_ctx ctx = {&d->reg, d->coll, &d->jobs, now_s(d) - d->started,
-                            d->socket_path, d->io.clients(d->io.ctx)};
+                            d->socket_path, d->io.clients(d->io.ctx),
+                            d->io.partial_bytes(d->io.ctx)};
   return ctx;
 }
 
@@ -267,6 +271,10 @@ static void on_register_buffer(shardd__dispatch *d, shardd__conn *c,
   br.created = created;
   br.has_generation = 1;
   br.generation = b->hdr.generation;
+  if (b->hdr.job->transient) {
+    br.has_transient = 1;
+    br.transient = 1;
+  }
   resp.buffer = &br;
   send_resp(d, c, &resp, fd);
   if (created)
@@ -544,7 +552,9 @@ static void on_gather(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                       const Shardwire__Request *req) {
   shardd__coll_args ca = {.kind = SHARDD__COLL_GATHER,
                           .target = req->gather->buffer,
-                          .generation = req->gather->generation};
+                          .generation = req->gather->generation,
+                          .want_grad = req->gather->has_want_grad &&
+                                       req->gather->want_grad};
   shardd__coll_submit(d->coll, &c->m, seq, &ca);
 }
 
@@ -570,6 +580,35 @@ static void on_step(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                           .lr = st->lr,
                           .max_norm = st->has_max_norm ? st->max_norm : 0};
   shardd__coll_submit(d->coll, &c->m, seq, &ca);
+}
+
+static void on_release(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                       const Shardwire__Request *req) {
+  char err[ERRLEN];
+  shardd__obj *o;
+  shardd_err rc = shardd__registry_resolve(&d->reg, c->m.job,
+                                           req->release->buffer,
+                                           SHARDD__OBJ_BUFFER, &o, err, sizeof err);
+  shardd__buffer *b = (shardd__buffer *)o;
+  if (rc == SHARDD_OK && !c->m.job->transient) {
+    snprintf(err, sizeof err, "job \"%s\" has resident areas: nothing to "
+             "release", c->m.job->name);
+    rc = SHARDD_E_STATE;
+  } else if (rc == SHARDD_OK && !shardd__area_held(b, c->m.rank,
+                                                   SHARDD__AREA_GATHER, NULL)) {
+    snprintf(err, sizeof err, "rank %" PRIu32 " holds no gather area of buffer "
+             "%" PRIu64 " (\"%s\")", c->m.rank, b->hdr.id, b->hdr.name);
+    rc = SHARDD_E_STATE;
+  } else if (rc == SHARDD_OK && shardd__coll_inflight(d->coll, c->m.job) > 0 &&
+             b->inflight > 0) {
+    /* a queued gather of it would write into the area being given back */
+    snprintf(err, sizeof err, "buffer %" PRIu64 " (\"%s\") has collectives in "
+             "flight; release it after they end", b->hdr.id, b->hdr.name);
+    rc = SHARDD_E_BUSY;
+  }
+  if (rc == SHARDD_OK)
+    shardd__area_return(b, c->m.rank, SHARDD__AREA_GATHER);
+  reply(d, c, seq, rc, rc == SHARDD_OK ? NULL : err);
 }
 
 /* ---- the command table ------------------------------------------------- */
@@ -599,6 +638,7 @@ static const struct {
     {SHARDWIRE__REQUEST__BODY_GATHER, 1, 0, on_gather},
     {SHARDWIRE__REQUEST__BODY_SCATTER, 1, 0, on_scatter},
     {SHARDWIRE__REQUEST__BODY_STEP, 1, 1, on_step},
+    {SHARDWIRE__REQUEST__BODY_RELEASE, 1, 0, on_release},
 };
 
 void shardd__dispatch_frame(shardd__dispatch *d, shardd__conn *c,
@@ -647,6 +687,9 @@ void shardd__dispatch_opened(shardd__dispatch *d, shardd__conn *c,
 }
 
 void shardd__dispatch_closed(shardd__dispatch *d, shardd__conn *c) {
+  free(c->pools_sent);
+  c->pools_sent = NULL;
+  c->npools_sent = 0;
   for (ckpt_wait *w = d->ckpt_waits; w; w = w->next)
     if (w->c == c)
       w->c = NULL; /* its files are still written; the reply is dropped */
@@ -654,6 +697,7 @@ void shardd__dispatch_closed(shardd__dispatch *d, shardd__conn *c) {
   if (job == NULL)
     return;
   shardd__coll_member_lost(d->coll, &c->m);
+  shardd__area_return_rank(job, c->m.rank); /* the rest when collectives end */
   shardd__log(2, "session %" PRIu64 ": rank %" PRIu32 " of job \"%s\" left",
               c->id, c->m.rank, job->name);
   c->m.job = NULL;
@@ -668,6 +712,39 @@ void shardd__dispatch_expire(shardd__dispatch *d, double now) {
   shardd__jobs_expire(&d->jobs, now);
 }
 
+/* A transient gather's reply: where this rank's areas are, with the pool's
+ * descriptor the first time this connection hears of that pool. */
+static void reply_gather(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                         const shardd__coll_result *res) {
+  Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_GATHER);
+  Shardwire__GatherReply gr = SHARDWIRE__GATHER_REPLY__INIT;
+  gr.pool = res->gather.pool_id;
+  gr.pool_bytes = res->gather.pool->bytes;
+  gr.gather_offset = res->gather.off;
+  if (res->has_grad) {
+    gr.has_grad_offset = 1;
+    gr.grad_offset = res->grad.off; /* one pool per device: the same pool */
+  }
+  resp.gather = &gr;
+  size_t i = 0;
+  while (i < c->npools_sent && c->pools_sent[i] != gr.pool)
+    i++;
+  int fd = -1;
+  if (i == c->npools_sent) {
+    uint64_t *p = realloc(c->pools_sent, (i + 1) * sizeof *p);
+    shardd_err rc = p ? d->backend->ops->export_fd(d->backend, res->gather.pool, &fd)
+                      : SHARDD_E_NO_MEMORY;
+    if (p)
+      c->pools_sent = p;
+    if (rc != SHARDD_OK) {
+      reply(d, c, seq, rc, "exporting the area pool's descriptor failed");
+      return;
+    }
+    c->pools_sent[c->npools_sent++] = gr.pool;
+  }
+  send_resp(d, c, &resp, fd);
+}
+
 /* The member is the first field of its connection. */
 static void coll_done(void *ctx, shardd__coll_member *m, uint64_t seq,
                       shardd_err code, const char *msg,
@@ -676,6 +753,10 @@ static void coll_done(void *ctx, shardd__coll_member *m, uint64_t seq,
   shardd__conn *c = (shardd__conn *)m;
   if (res == NULL) {
     reply(d, c, seq, code, msg);
+    return;
+  }
+  if (res->kind == SHARDD__COLL_GATHER) {
+    reply_gather(d, c, seq, res);
     return;
   }
   Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_STEP);
@@ -722,6 +803,9 @@ shardd_err shardd__dispatch_init(shardd__dispatch *d, uv_loop_t *loop,
   }
   d->reg.max_jobs = opts->max_jobs;
   d->reg.max_jobs_per_uid = opts->max_jobs_per_uid;
+  d->reg.max_views = opts->max_views;
+  d->reg.max_views_per_uid =
+      opts->max_views_per_uid ? opts->max_views_per_uid : opts->max_views / 4;
   /* connections, the listener, checkpoint files and libraries keep theirs */
   shardd__registry_fit_blocks(&d->reg,
                               (uint64_t)opts->max_clients + SHARDD__ADMIN_RESERVE + 128);

@@ -34,6 +34,10 @@ typedef struct {
   shardd__peer peer;
   uint64_t id;
   int hello_done;
+  /* transient areas: the pool ids whose descriptor this connection was
+   * sent (a trainer maps each pool once); owned, freed at close */
+  uint64_t *pools_sent;
+  size_t npools_sent;
 } shardd__conn;
 
 typedef struct {
@@ -48,6 +52,8 @@ typedef struct {
   uint32_t (*clients)(void *ctx);
   /* whether c may still be answered (not closing, no reply lost) */
   int (*live)(void *ctx, const shardd__conn *c);
+  /* bytes charged to the partial-frame budget now (status) */
+  uint64_t (*partial_bytes)(void *ctx);
 } shardd__dispatch_io;
 
 typedef struct {

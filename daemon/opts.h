@@ -43,6 +43,14 @@ typedef struct {
    * device memory for everyone. 0 unlimited; SHARDD__UID_MEMORY_DEFAULT
    * a quarter of the backend's capacity (dispatch sizes it). */
   uint64_t uid_memory_limit;
+  /* Bytes held in partial frames over every session (a quarter of it per
+   * uid other than root and --admin-group): 64 connections each holding
+   * half a 16 MiB frame cost 1 GB. Past it, sessions are not read. */
+  uint64_t max_partial_bytes;
+  /* views held at once, and by one uid other than root (0: a quarter of
+   * max_views) */
+  uint32_t max_views;
+  uint32_t max_views_per_uid;
 } shardd__server_opts;
 
 #define SHARDD__UID_MEMORY_DEFAULT UINT64_MAX
@@ -52,6 +60,6 @@ typedef struct {
 #define SHARDD__ADMIN_RESERVE 8u
 
 #define SHARDD__SERVER_OPTS_INIT \
-  {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2, -1, 0, NULL, NULL, 0, 16, 4096, 10.0, 30.0, 256, 512, SHARDD__UID_MEMORY_DEFAULT}
+  {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2, -1, 0, NULL, NULL, 0, 16, 4096, 10.0, 30.0, 256, 512, SHARDD__UID_MEMORY_DEFAULT, (uint64_t)256 << 20, 4194304, 0}
 
 #endif /* SHARDD_OPTS_H */

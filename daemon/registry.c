@@ -18,6 +18,8 @@ void shardd__registry_init(shardd__registry *reg, shardd__backend *backend) {
   memset(reg, 0, sizeof *reg);
   reg->backend = backend;
   reg->next_id = 1;
+  reg->leases_per_rank[SHARDD__AREA_GATHER] = 2;
+  reg->leases_per_rank[SHARDD__AREA_GRAD] = 2;
   shardd__map_init(&reg->objects);
   shardd__map_init(&reg->jobs);
 }
@@ -482,6 +484,35 @@ int shardd__within_blocks(shardd__registry *reg, shardd__job *job,
   return 1;
 }
 
+static void count_uid_views(shardd__job *job, void *arg) {
+  uid_blocks *a = arg;
+  if (job->uid == a->uid)
+    a->n += job->nviews;
+}
+
+int shardd__within_views(shardd__registry *reg, shardd__job *job, char *err,
+                         size_t errlen) {
+  if (reg->max_views && reg->nviews >= reg->max_views) {
+    snprintf(err, errlen, "the daemon holds %" PRIu64 " views, its limit "
+             "(--max-views)", reg->nviews);
+    return 0;
+  }
+  /* a uid holds no more than the daemon does: below the share in all, no
+   * walk over the jobs is needed (it would make each registration cost
+   * every job) */
+  if (job->uid != 0 && reg->max_views_per_uid &&
+      reg->nviews >= reg->max_views_per_uid) {
+    uid_blocks a = {job->uid, 0};
+    shardd__registry_each_job(reg, count_uid_views, &a);
+    if (a.n >= reg->max_views_per_uid) {
+      snprintf(err, errlen, "uid %" PRIu32 " holds %" PRIu64 " views, the "
+               "most one user may (--max-views-per-uid)", job->uid, a.n);
+      return 0;
+    }
+  }
+  return 1;
+}
+
 /* ---- listing and release ---------------------------------------------- */
 
 static void collect_cb(void *value, void *arg) {
@@ -533,6 +564,7 @@ void shardd__job_release(shardd__registry *reg, shardd__job *job) {
   }
   shardd__map_free(&job->buffers);
   shardd__map_free(&job->optims);
+  shardd__areas_free(reg, job); /* every lease was returned with its buffer */
   freed_release(job);
   char key[JOB_KEY_LEN];
   job_key(job->uid, job->name, key, sizeof key);

@@ -60,7 +60,13 @@ struct shardd__job {
    * This daemon holds ranks [local_first, local_first + local_ranks); a
    * single-node job has nodes 1, local_first 0, local_ranks world. */
   uint32_t nodes, node_rank, local_first, local_ranks;
+  /* read-only once the job has a buffer (shardd__job_set_transient):
+   * gather and gradient areas are leased from per-device pools (areas.c)
+   * instead of resident in every rank block */
+  int transient;
   /* private */
+  struct shardd__pool **pools; /* [ndevices] when transient; NULL until used */
+  uint32_t (*nleased)[2];      /* [world]: leases per rank, per area kind */
   shardd__map buffers; /* by name */
   shardd__map optims;  /* by name */
   uint64_t bytes;      /* resident, over every region of the job */
@@ -100,6 +106,10 @@ struct shardd__buffer {
    * [shard (dtype) | reduced grad shard (fp32) | gather (dtype) | grad (dtype)] */
   shardd__region **blocks;
   size_t shard_off, reduced_off, gather_off, grad_off, block_bytes;
+  /* transient jobs: the blocks end after the reduced shard (gather_off and
+   * grad_off are 0); each rank's leased areas, as slot numbers in the pool
+   * of its device, -1 none ([world][kind]; areas.c) */
+  int32_t (*lease)[2];
   /* public counters */
   uint32_t nowned;   /* optimizer refs to it or its views */
   uint64_t gathers, scatters;
@@ -192,14 +202,22 @@ struct shardd__registry {
   /* jobs one uid other than root may hold at once (lingering ones count):
    * 4,096 empty jobs from one user filled --max-jobs in 0.32 s */
   size_t max_jobs_per_uid;
+  /* transient areas a rank may lease at once, per kind (gather, gradient):
+   * FSDP's limit_all_gathers is 2 */
+  uint32_t leases_per_rank[2];
   /* Memory regions (rank blocks) held at once, in all and by one uid other
    * than root; 0 unlimited. On the host backend each is a descriptor: one
    * job of world 16384 used every descriptor of the daemon in 0.4 s, and
    * then every connect failed. main sizes them from RLIMIT_NOFILE. */
   uint64_t max_blocks;
   uint64_t max_blocks_per_uid;
+  /* Views held at once, in all and by one uid other than root; 0
+   * unlimited. Nothing bounded them: 200k views cost 240 MB. */
+  uint64_t max_views;
+  uint64_t max_views_per_uid;
   /* private */
   uint64_t nblocks;
+  uint64_t nviews; /* over every job; each job counts its own */
   uint64_t next_id;
   shardd__map objects; /* id -> shardd__obj */
   shardd__map jobs;    /* "UID/NAME" -> job: a job is (owner, name) */
@@ -314,6 +332,48 @@ size_t shardd__buffer_trainable(const shardd__buffer *buf, uint64_t lo,
  * job's bytes and is freed with b. */
 shardd_err shardd__buffer_stage(shardd__registry *reg, shardd__buffer *b,
                                 char *err, size_t errlen);
+
+/* ---- transient areas (areas.c) -------------------------------------------
+ * In a transient job each rank's gather area (and, for backward, its
+ * gradient area) of a buffer is leased from one pool per device, shared by
+ * the job's ranks on that device: fixed slots as large as the job's
+ * largest unit, reg->leases_per_rank of each kind per local rank. A pool is one
+ * exportable region (a trainer maps it once), made at the first lease and
+ * remade larger only when nothing of it is leased. */
+
+typedef enum { SHARDD__AREA_GATHER = 0, SHARDD__AREA_GRAD = 1 } shardd__area_kind;
+
+typedef struct {
+  shardd__region *pool;
+  uint64_t pool_id;
+  size_t off; /* bytes into the pool */
+} shardd__area;
+
+/* The job's gather and gradient areas leased (on) or resident (off). Only
+ * while the job has no buffer: SHARDD_E_MISMATCH otherwise when asked for
+ * the other way; with another backend than a host-mapped one, transient
+ * areas are SHARDD_E_STATE (not built for the cuda backend yet). */
+shardd_err shardd__job_set_transient(shardd__job *job, int on, char *err,
+                                     size_t errlen);
+/* rank's area of kind for b: the one it holds, or a new lease. Over the
+ * rank's leases of that kind: SHARDD_E_LIMIT naming the buffers it holds;
+ * a unit larger than the pool's slots while the pool is in use:
+ * SHARDD_E_BUSY. *took says whether this call leased it. */
+shardd_err shardd__area_lease(shardd__registry *reg, shardd__buffer *b,
+                              uint32_t rank, shardd__area_kind kind,
+                              shardd__area *out, int *took, char *err,
+                              size_t errlen);
+/* Whether rank holds an area of kind for b (filled into *out if so). */
+int shardd__area_held(const shardd__buffer *b, uint32_t rank,
+                      shardd__area_kind kind, shardd__area *out);
+/* Returns rank's area of kind for b (nothing when it holds none). */
+void shardd__area_return(shardd__buffer *b, uint32_t rank,
+                         shardd__area_kind kind);
+/* Returns every area rank holds in job on buffers no collective holds
+ * (a rank that left); the rest are returned when those end. */
+void shardd__area_return_rank(shardd__job *job, uint32_t rank);
+/* Bytes the job's pools hold now (persistent = job->bytes - this). */
+uint64_t shardd__job_pool_bytes(const shardd__job *job);
 
 shardd_err shardd__view_unregister(shardd__registry *reg, shardd__job *job,
                                    uint64_t id, char *err, size_t errlen);

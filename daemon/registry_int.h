@@ -54,6 +54,9 @@ int shardd__within_quota(const shardd__registry *reg, const shardd__job *job,
 /* Whether job may take need more rank blocks (see max_blocks); else err. */
 int shardd__within_blocks(shardd__registry *reg, shardd__job *job,
                           uint64_t need, char *err, size_t errlen);
+/* Whether job may take one more view (see max_views); else err. */
+int shardd__within_views(shardd__registry *reg, shardd__job *job, char *err,
+                         size_t errlen);
 
 /* ---- buffer.c --------------------------------------------------------- */
 
@@ -75,5 +78,11 @@ void shardd__buffer_held_del(shardd__view *v);
 /* Frees o and its state regions, unlists it, and drops its claims on the
  * buffers and views it referenced. Ignores holds: the caller checked. */
 void shardd__optim_destroy(shardd__registry *reg, shardd__optim *o);
+
+/* areas.c: a transient buffer's lease table (every slot free), and its
+ * end (every lease returned); a job's pools, at its release. */
+shardd_err shardd__areas_buffer_init(shardd__buffer *b);
+void shardd__areas_buffer_fini(shardd__buffer *b);
+void shardd__areas_free(shardd__registry *reg, shardd__job *job);
 
 #endif /* SHARDD_REGISTRY_INT_H */

@@ -39,6 +39,7 @@ static void session_close_later(shardd__session *s);
 static void read_frames(shardd__session *s);
 static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
 static void read_cb(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf);
+static int session_may_read(const shardd__session *s);
 
 /* Backpressure. A client that sends requests and never reads the replies
  * made the daemon queue them without end: a Ping echoes up to 16 MiB, and
@@ -80,7 +81,8 @@ static void write_done(uv_write_t *req, int status) {
     s->read_paused = 0;
     shardd__log(3, "session %" PRIu64 ": replies drained; reading again",
                 s->conn.id);
-    uv_read_start((uv_stream_t *)&s->pipe, alloc_cb, read_cb);
+    if (session_may_read(s)) /* else the partial-frame budget holds it */
+      uv_read_start((uv_stream_t *)&s->pipe, alloc_cb, read_cb);
     read_frames(s); /* requests that arrived before the pause */
   }
 }
@@ -177,9 +179,123 @@ static int net_live(void *ctx, const shardd__conn *c) {
   return !s->closing && !s->close_deferred;
 }
 
+static uint64_t net_partial_bytes(void *ctx) {
+  const shardd__server *srv = ctx;
+  return srv->partial_bytes;
+}
+
 /* A status-only reply from the transport itself. */
 static void refuse(shardd__session *s, shardd_err code, const char *msg) {
   shardd__dispatch_refuse(&s->srv->d, &s->conn, code, msg);
+}
+
+/* ---- the partial-frame budget ----------------------------------------- */
+
+/* A frame is read whole before it is dispatched, and up to 16 MiB of it
+ * may sit in the daemon meanwhile: 64 connections each holding half of one
+ * cost 1 GB for as long as --frame-timeout let them. So before the daemon
+ * reads more of a frame, the session is charged the bytes its reader will
+ * hold once that frame is whole (shardd__frame_reader_need). The charges
+ * of all sessions stay within --max-partial-bytes, and those of one uid
+ * other than root and --admin-group within a quarter of it, as the
+ * connection reserve exempts them. A session that finds no room is not
+ * read (backpressure, not failure: the client's send waits in the kernel)
+ * until charges are released, when frames complete or sessions close.
+ * Whole frames that came in the same read are dispatched all the same, so
+ * small requests get through while the budget is full, and a waiting
+ * session holds at most one read (64 KiB) beyond its charge. A session
+ * is let in regardless when no other session holds any of the budget (for
+ * the share: none of its uid): a budget below one frame slows the daemon,
+ * never stops it. */
+
+static int session_may_read(const shardd__session *s) {
+  return !s->closing && !s->close_after_write && !s->close_deferred &&
+         !s->read_paused && !s->budget_wait;
+}
+
+static uint64_t uid_charged(const shardd__server *srv, uint32_t uid) {
+  uint64_t n = 0;
+  for (const shardd__session *o = srv->sessions; o; o = o->next)
+    if (o->conn.peer.uid == uid)
+      n += o->charged;
+  return n;
+}
+
+/* Whether s may be charged more bytes; else why not, in msg. */
+static int budget_fits(const shardd__session *s, uint64_t more, char *msg,
+                       size_t msglen) {
+  const shardd__server *srv = s->srv;
+  uint64_t max = srv->opts.max_partial_bytes;
+  if (max == 0)
+    return 1;
+  if (srv->partial_bytes > s->charged && srv->partial_bytes + more > max) {
+    snprintf(msg, msglen, "partial frames hold %" PRIu64 " bytes, %" PRIu64
+             " more would pass --max-partial-bytes %" PRIu64,
+             srv->partial_bytes, more, max);
+    return 0;
+  }
+  if (s->conn.peer.admin)
+    return 1;
+  uint32_t uid = (uint32_t)s->conn.peer.uid;
+  uint64_t mine = uid_charged(srv, uid);
+  if (mine > s->charged && mine + more > srv->partial_share) {
+    snprintf(msg, msglen, "uid %" PRIu32 "'s partial frames hold %" PRIu64
+             " bytes, %" PRIu64 " more would pass its share of %" PRIu64
+             " (a quarter of --max-partial-bytes)", uid, mine, more,
+             srv->partial_share);
+    return 0;
+  }
+  return 1;
+}
+
+/* Charges s what its reader needs now, releasing what it needs no longer,
+ * or stops reading it until that fits. Returns 1 when it released bytes
+ * (a waiting session may fit now). Never dispatches, so it is safe from
+ * anywhere on the loop thread. */
+static int budget_account(shardd__session *s) {
+  shardd__server *srv = s->srv;
+  uint64_t need = s->closing ? 0 : shardd__frame_reader_need(&s->rd);
+  char msg[256];
+  if (need > s->charged && !budget_fits(s, need - s->charged, msg, sizeof msg)) {
+    if (!s->budget_wait) {
+      s->budget_wait = 1;
+      srv->budget_waiters++;
+      uv_read_stop((uv_stream_t *)&s->pipe);
+      /* once per episode: a full budget under load is normal, and a line
+       * per session would be thousands */
+      shardd__log(srv->budget_warned ? 3 : 1, "session %" PRIu64 " (uid %"
+                  PRIu32 ") not read until partial frames finish: %s",
+                  s->conn.id, (uint32_t)s->conn.peer.uid, msg);
+      srv->budget_warned = 1;
+    }
+    return 0;
+  }
+  int released = need < s->charged;
+  srv->partial_bytes = srv->partial_bytes - s->charged + need;
+  s->charged = need;
+  if (s->budget_wait) {
+    s->budget_wait = 0;
+    if (--srv->budget_waiters == 0 && srv->budget_warned) {
+      srv->budget_warned = 0;
+      shardd__log(2, "partial frames fit their budget again; every session "
+                  "is read");
+    }
+    if (session_may_read(s))
+      uv_read_start((uv_stream_t *)&s->pipe, alloc_cb, read_cb);
+  }
+  return released;
+}
+
+/* Lets waiting sessions in, oldest first, as long as they fit. */
+static void budget_resume(shardd__server *srv) {
+  if (srv->stopping)
+    return;
+  shardd__session *tail = srv->sessions;
+  while (tail && tail->next)
+    tail = tail->next;
+  for (shardd__session *s = tail; s && srv->budget_waiters > 0; s = s->prev)
+    if (s->budget_wait)
+      budget_account(s);
 }
 
 /* ---- session lifetime ------------------------------------------------- */
@@ -196,6 +312,7 @@ static void session_close(shardd__session *s) {
   s->closing = 1;
   shardd__server *srv = s->srv;
   shardd__dispatch_closed(&srv->d, &s->conn);
+  int released = budget_account(s); /* closing: gives its charge back */
   if (s->prev)
     s->prev->next = s->next;
   else
@@ -204,6 +321,8 @@ static void session_close(shardd__session *s) {
     s->next->prev = s->prev;
   srv->nclients--;
   uv_close((uv_handle_t *)&s->pipe, session_freed);
+  if (released && srv->budget_waiters > 0)
+    budget_resume(srv);
 }
 
 /* Replies are sent from inside walks over shared state: a collective
@@ -273,7 +392,7 @@ static void read_cb(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
 }
 
 /* Dispatches the whole frames s->rd holds, unless replies back up first. */
-static void read_frames(shardd__session *s) {
+static void dispatch_frames(shardd__session *s) {
   uv_stream_t *stream = (uv_stream_t *)&s->pipe;
   for (;;) {
     if (s->closing || s->close_deferred)
@@ -304,6 +423,16 @@ static void read_frames(shardd__session *s) {
       return;
     shardd__dispatch_frame(&s->srv->d, &s->conn, payload, len);
   }
+}
+
+/* dispatch_frames, then the budget charged for what s->rd holds after. */
+static void read_frames(shardd__session *s) {
+  dispatch_frames(s);
+  if (s->closing)
+    return; /* session_close has settled its charge */
+  shardd__frame_reader_trim(&s->rd); /* no payload is in use here */
+  if (budget_account(s) && s->srv->budget_waiters > 0)
+    budget_resume(s->srv);
 }
 
 static void session_begin(shardd__server *srv, shardd__session *s);
@@ -392,7 +521,10 @@ static void reap_idle_sessions(shardd__server *srv, double now) {
       continue;
     const char *why = NULL;
     double waited = 0;
-    if (!s->read_paused && shardd__frame_reader_pending(&s->rd) > 0) {
+    /* a session the daemon does not read (its replies back up, or the
+     * partial-frame budget is full) is not slow: its clock stops */
+    if (!s->read_paused && !s->budget_wait &&
+        shardd__frame_reader_pending(&s->rd) > 0) {
       if (s->partial_since < 0)
         s->partial_since = now;
       else if (now - s->partial_since > srv->opts.frame_timeout)
@@ -427,6 +559,30 @@ static void on_signal(uv_signal_t *h, int signum) {
 
 /* ---- init / stop ------------------------------------------------------ */
 
+/* Why bind of path failed, for the message. libuv's uv_pipe_bind turns
+ * ENOENT into EACCES (for Windows' sake), so a missing /run/shardd read
+ * "permission denied"; the directory is looked at again here to tell. */
+static void bind_error(const char *path, int e, char *err, size_t errlen) {
+  char dir[108];
+  snprintf(dir, sizeof dir, "%s", path);
+  char *slash = strrchr(dir, '/');
+  if (slash == dir)
+    slash[1] = '\0'; /* "/x.sock": the root */
+  else if (slash)
+    *slash = '\0';
+  else
+    snprintf(dir, sizeof dir, ".");
+  struct stat st;
+  if (e == UV_EACCES && stat(dir, &st) != 0 && (errno == ENOENT || errno == ENOTDIR))
+    snprintf(err, errlen, "bind %s: directory %s does not exist (create it; "
+             "shardd.service's RuntimeDirectory=shardd makes /run/shardd)",
+             path, dir);
+  else if (e == UV_EACCES && stat(dir, &st) == 0 && !S_ISDIR(st.st_mode))
+    snprintf(err, errlen, "bind %s: %s is not a directory", path, dir);
+  else
+    snprintf(err, errlen, "bind %s: %s", path, uv_strerror(e));
+}
+
 static shardd_err bind_socket(shardd__server *srv, char *err, size_t errlen) {
   const char *path = srv->socket_path;
   struct stat st;
@@ -447,7 +603,7 @@ static shardd_err bind_socket(shardd__server *srv, char *err, size_t errlen) {
   }
   int e = uv_pipe_bind(&srv->listener, path);
   if (e != 0) {
-    snprintf(err, errlen, "bind %s: %s", path, uv_strerror(e));
+    bind_error(path, e, err, errlen);
     return SHARDD_E_IO;
   }
   srv->own_socket_file = 1;
@@ -463,6 +619,7 @@ shardd_err shardd__server_init(shardd__server *srv, uv_loop_t *loop,
   shardd__log_set_level(opts->log_level);
   srv->loop = loop;
   srv->opts = *opts;
+  srv->partial_share = opts->max_partial_bytes / 4;
   srv->backend = backend;
   uv_update_time(loop);
   const char *path = opts->socket_path ? opts->socket_path : SHARDD_DEFAULT_SOCKET;
@@ -472,7 +629,8 @@ shardd_err shardd__server_init(shardd__server *srv, uv_loop_t *loop,
     return SHARDD_E_INVAL;
   }
   snprintf(srv->socket_path, sizeof srv->socket_path, "%s", path);
-  shardd__dispatch_io io = {srv, net_send, net_clients, net_live};
+  shardd__dispatch_io io = {srv, net_send, net_clients, net_live,
+                            net_partial_bytes};
   shardd_err rc = shardd__dispatch_init(&srv->d, loop, backend, opts,
                                         srv->socket_path, &io, err, errlen);
   if (rc != SHARDD_OK) {

@@ -40,6 +40,11 @@ struct shardd__session {
   int read_paused; /* not read until its replies drain (server.c) */
   double since;         /* connected (server clock, seconds) */
   double partial_since; /* a partial frame is buffered since; < 0 none */
+  /* The partial-frame budget (server.c): bytes of it this session holds
+   * (its reader's whole frame-to-be), and whether it is not read until the
+   * budget has room for more. */
+  uint64_t charged;
+  int budget_wait;
   shardd__session *prev, *next;
 };
 
@@ -60,6 +65,13 @@ struct shardd__server {
   uint64_t next_session;
   uint32_t nclients;
   shardd__session *sessions;
+  /* the partial-frame budget: bytes charged over every session, the most
+   * one uid other than root and --admin-group may hold, sessions waiting
+   * for room, and whether this episode of waiting has been logged */
+  uint64_t partial_bytes;
+  uint64_t partial_share;
+  uint32_t budget_waiters;
+  int budget_warned;
   atomic_uint fail_replies; /* shardd__server_fail_replies */
 };
 

@@ -66,6 +66,12 @@ static Shardwire__JobStatus *job_status(const shardd__status_ctx *ctx,
   js->clients = shardd__jobs_clients(ctx->jobs, job);
   js->views = job->nviews;
   js->bytes = job->bytes;
+  if (job->transient) {
+    js->has_transient = 1;
+    js->transient = 1;
+    js->has_pool_bytes = 1;
+    js->pool_bytes = shardd__job_pool_bytes(job);
+  }
   js->collectives_in_flight = shardd__coll_inflight(ctx->coll, job);
   shardd__buffer **bufs;
   size_t nb;
@@ -165,6 +171,8 @@ shardd_err shardd__status_build(const shardd__status_ctx *ctx,
   st->backend = ar_strdup(r, ctx->reg->backend->name);
   st->socket_path = ar_strdup(r, ctx->socket_path);
   st->clients = ctx->clients;
+  st->has_partial_frame_bytes = 1;
+  st->partial_frame_bytes = ctx->partial_frame_bytes;
 
   shardd__backend *be = ctx->reg->backend;
   int nd = be->ndevices;

@@ -20,6 +20,7 @@ typedef struct {
   double uptime_s;
   const char *socket_path;
   uint32_t clients; /* connections open now */
+  uint64_t partial_frame_bytes; /* charged to --max-partial-bytes now */
 } shardd__status_ctx;
 
 typedef struct shardd__report shardd__report;

@@ -60,6 +60,7 @@ PACKAGES = {
     "coll_int": "coll", "coll_work": "coll", "coll_bulk": "coll",
     "coll_fabric": "coll",
     "registry_int": "registry", "buffer": "registry", "optimizer": "registry",
+    "areas": "registry",
     "ckfile": "checkpoint", "manifest": "checkpoint", "restore": "checkpoint",
     "backend_host": "backend", "backend_cuda": "backend",
     "fabric_gloo": "fabric", "fabric_stub": "fabric",

@@ -21,6 +21,7 @@
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -1071,4 +1072,63 @@ Test(client, gather_area_of_resident_areas_is_the_block_s, .timeout = 30) {
   cr_assert_eq(a.pool, 0);
   shardd_close(c);
   fake_stop(&s);
+}
+
+/* ---- connect's messages (issue 20, item 12) ------------------------------ *
+ * connect's ENOENT read "No such file or directory" both for a daemon that
+ * is not running and for a socket directory that does not exist; each now
+ * says which, as do a directory this user may not search and a socket
+ * file nobody listens on. */
+
+static void expect_connect_error(const char *sock, const char *want) {
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  shardd_client_t *c = (shardd_client_t *)1;
+  char err[512] = "";
+  cr_assert_eq(shardd_connect(sock, &o, &c, err, sizeof err), SHARDD_E_CONNECT,
+               "%s", err);
+  cr_assert_null(c);
+  cr_assert(strstr(err, want) != NULL, "wanted \"%s\" in: %s", want, err);
+  cr_assert(strstr(err, sock) != NULL, "the path is named: %s", err);
+}
+
+Test(client, connect_names_what_is_missing_or_refused, .timeout = 30) {
+  char dir[] = "/tmp/shardd-conn-XXXXXX", sock[160], want[320];
+  cr_assert_not_null(mkdtemp(dir));
+  snprintf(sock, sizeof sock, "%s/run/shardd.sock", dir);
+  snprintf(want, sizeof want, "directory %s/run does not exist", dir);
+  expect_connect_error(sock, want);
+  snprintf(sock, sizeof sock, "%s/shardd.sock", dir);
+  expect_connect_error(sock, "no socket there");
+
+  /* bound, never listened on: a socket file no daemon serves */
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  cr_assert_lt(strlen(sock), sizeof sa.sun_path);
+  memcpy(sa.sun_path, sock, strlen(sock) + 1);
+  cr_assert_eq(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0, "%s", strerror(errno));
+  expect_connect_error(sock, "connection refused");
+
+  /* a directory another user may not search: permission denied, as it is */
+  if (geteuid() == 0) {
+    cr_assert_eq(chmod(dir, 0700), 0);
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+      if (setgid(4242) != 0 || setuid(4242) != 0)
+        _exit(10);
+      shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+      shardd_client_t *c;
+      char err[512] = "";
+      if (shardd_connect(sock, &o, &c, err, sizeof err) != SHARDD_E_CONNECT)
+        _exit(11);
+      _exit(strstr(err, "permission denied") && !strstr(err, "does not exist") ? 0 : 12);
+    }
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "uid 4242 step %d",
+              WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  }
+  close(fd);
+  unlink(sock);
+  rmdir(dir);
 }

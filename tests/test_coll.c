@@ -843,3 +843,168 @@ Test(coll, scatter_then_step_updates_shards) {
   submit(1, 4, bad);
   expect_msg(expect_reply(1, 4, SHARDD_E_RANGE), "lr must be >= 0");
 }
+
+/* ---- transient areas (areas.c; the FSDP-grade memory issue) ------------- */
+
+static uint64_t used_total(void) {
+  uint64_t n = 0;
+  for (int d = 0; d < be->ndevices; d++) {
+    shardd__device_info info;
+    be->ops->device_info(be, d, &info);
+    n += info.used_bytes;
+  }
+  return n;
+}
+
+static uint64_t peak_total(void) {
+  uint64_t n = 0;
+  for (int d = 0; d < be->ndevices; d++) {
+    shardd__device_info info;
+    be->ops->device_info(be, d, &info);
+    n += info.peak_bytes;
+  }
+  return n;
+}
+
+static float *area_ptr(const shardd__area *a) {
+  return (float *)((char *)a->pool->ptr + a->off);
+}
+
+static shardd__coll_args gather_grad_args(const shardd__buffer *b) {
+  shardd__coll_args a = gather_args(b);
+  a.want_grad = 1;
+  return a;
+}
+
+/* Layout and bytes, exact: a transient rank block is the shard and the
+ * fp32 reduced shard only (here 400 B each: a page apiece), and a pool per
+ * device holds 4 slots (2 gather + 2 gradient) per rank on it, each as
+ * large as the largest unit (a page here): device 0 holds ranks 0 and 2,
+ * device 1 rank 1. */
+Test(coll, transient_gather_leases_its_area) {
+  cr_assert_eq(shardd__job_set_transient(job, 1, err, sizeof err), SHARDD_OK, "%s",
+               err);
+  shardd__buffer *b = buf_new("w", 300);
+  cr_assert_eq(b->block_bytes, 8192, "shard page + reduced page");
+  cr_assert_eq(b->gather_off, 0);
+  cr_assert_eq(used_total(), 3 * 8192, "no area is resident");
+  fill_shards(b, 1);
+  submit(0, 1, gather_grad_args(b));
+  submit(1, 1, gather_args(b));
+  submit(2, 1, gather_args(b));
+  run_until(W);
+  cr_assert_eq(shardd__job_pool_bytes(job), 8 * 4096 + 4 * 4096);
+  cr_assert_eq(used_total(), 3 * 8192 + 12 * 4096);
+  for (uint32_t r = 0; r < W; r++) {
+    const reply *rp = expect_reply(r, 1, SHARDD_OK);
+    cr_assert(rp->has_res, "a transient gather says where the area is");
+    cr_assert_eq(rp->res.kind, SHARDD__COLL_GATHER);
+    cr_assert_eq(rp->res.has_grad, r == 0, "only rank 0 asked for its gradient");
+    const float *g = area_ptr(&rp->res.gather);
+    for (uint64_t j = 0; j < b->padded_numel; j++)
+      cr_assert_eq(g[j], shard_val(1, (uint32_t)(j / b->shard_numel), j % b->shard_numel),
+                   "rank %u element %lu", r, (unsigned long)j);
+    if (r == 0) {
+      const float *gr = area_ptr(&rp->res.grad);
+      for (uint64_t j = 0; j < b->padded_numel; j++)
+        cr_assert_eq(gr[j], 0.0f, "a gradient area starts at zero");
+    }
+  }
+  cr_assert_neq(replies[0].res.gather.off, replies[0].res.grad.off);
+}
+
+/* FSDP's limit_all_gathers: a rank holds at most 2 gathered units; a third
+ * gather fails naming what it holds, and a release makes room. Steady
+ * state allocates nothing: the peak after ten rounds is the first's. */
+Test(coll, transient_leases_are_bounded_and_reused) {
+  cr_assert_eq(shardd__job_set_transient(job, 1, err, sizeof err), SHARDD_OK);
+  shardd__buffer *u[3] = {buf_new("u0", 300), buf_new("u1", 300), buf_new("u2", 300)};
+  uint64_t seq = 0;
+  for (int k = 0; k < 2; k++) {
+    seq++;
+    for (uint32_t r = 0; r < W; r++)
+      submit(r, seq, gather_args(u[k]));
+    run_until(seq * W);
+  }
+  seq++;
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, seq, gather_args(u[2]));
+  run_until(seq * W);
+  const reply *rp = expect_reply(0, seq, SHARDD_E_LIMIT);
+  expect_msg(rp, "holds 2 gather areas");
+  expect_msg(rp, "\"u0\"");
+  expect_msg(rp, "\"u1\"");
+  for (uint32_t r = 0; r < W; r++)
+    cr_assert(!shardd__area_held(u[2], r, SHARDD__AREA_GATHER, NULL),
+              "a failed gather leaves no lease behind");
+  uint64_t peak = peak_total();
+  for (int round = 0; round < 8; round++) { /* u0 out, u2 in and out, u0 in */
+    for (uint32_t r = 0; r < W; r++)
+      shardd__area_return(u[0], r, SHARDD__AREA_GATHER);
+    seq++;
+    for (uint32_t r = 0; r < W; r++)
+      submit(r, seq, gather_args(u[2]));
+    run_until(seq * W);
+    expect_reply(0, seq, SHARDD_OK);
+    for (uint32_t r = 0; r < W; r++)
+      shardd__area_return(u[2], r, SHARDD__AREA_GATHER);
+    seq++;
+    for (uint32_t r = 0; r < W; r++)
+      submit(r, seq, gather_args(u[0]));
+    run_until(seq * W);
+    expect_reply(2, seq, SHARDD_OK);
+  }
+  cr_assert_eq(peak_total(), peak, "no allocation after the first round");
+}
+
+/* Backward: a gather with want_grad leases the gradient area, the trainer
+ * writes its gradient there, the scatter reduces from it and gives it
+ * back; a scatter without one is refused, naming the rank. */
+Test(coll, transient_scatter_consumes_the_gradients) {
+  cr_assert_eq(shardd__job_set_transient(job, 1, err, sizeof err), SHARDD_OK);
+  shardd__buffer *b = buf_new("w", 300);
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 1, scatter_args(b, SHARDD_REDUCE_MEAN));
+  run_until(W);
+  const reply *rp = expect_reply(1, 1, SHARDD_E_STATE);
+  expect_msg(rp, "holds no gradient area");
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 2, gather_grad_args(b));
+  run_until(2 * W);
+  for (uint32_t r = 0; r < W; r++) {
+    rp = expect_reply(r, 2, SHARDD_OK);
+    cr_assert(rp->res.has_grad);
+    float *g = area_ptr(&rp->res.grad);
+    for (uint64_t j = 0; j < b->padded_numel; j++)
+      g[j] = grad_val(r, j);
+  }
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 3, scatter_args(b, SHARDD_REDUCE_MEAN));
+  run_until(3 * W);
+  for (uint32_t r = 0; r < W; r++) {
+    expect_reply(r, 3, SHARDD_OK);
+    cr_assert(!shardd__area_held(b, r, SHARDD__AREA_GRAD, NULL),
+              "the scatter consumed rank %u's gradient area", r);
+    cr_assert(shardd__area_held(b, r, SHARDD__AREA_GATHER, NULL),
+              "the gather area stays until released");
+  }
+  check_reduced(b, SHARDD_REDUCE_MEAN);
+}
+
+/* A rank that leaves has its areas back; one that asks for the other
+ * kind of areas once the job has buffers is refused. */
+Test(coll, transient_areas_of_a_lost_rank_are_returned) {
+  cr_assert_eq(shardd__job_set_transient(job, 1, err, sizeof err), SHARDD_OK);
+  shardd__buffer *b = buf_new("w", 300);
+  cr_assert_eq(shardd__job_set_transient(job, 0, err, sizeof err), SHARDD_E_MISMATCH);
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 1, gather_grad_args(b));
+  run_until(W);
+  cr_assert(shardd__area_held(b, 1, SHARDD__AREA_GATHER, NULL));
+  shardd__coll_member_lost(eng, &mem[1]);
+  shardd__area_return_rank(job, 1);
+  cr_assert(!shardd__area_held(b, 1, SHARDD__AREA_GATHER, NULL));
+  cr_assert(!shardd__area_held(b, 1, SHARDD__AREA_GRAD, NULL));
+  cr_assert(shardd__area_held(b, 0, SHARDD__AREA_GATHER, NULL), "others keep theirs");
+  mem[1] = (shardd__coll_member){.job = job, .rank = 1};
+}

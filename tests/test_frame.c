@@ -621,3 +621,90 @@ Test(frame, send_to_closed_peer_is_closed, .init = sock_setup,
   shardd_err rc = shardd__frame_send(sp[0], "x", 1, err, sizeof err);
   cr_expect_eq(rc, SHARDD_E_CLOSED, "got %s (%s)", shardd_err_name(rc), err);
 }
+
+/* ---- what the daemon charges to its partial-frame budget ---------------- */
+
+/* need: the bytes the reader will hold once the frame it is receiving is
+ * whole, counted from the headers written here. */
+Test(frame, need_counts_the_announced_frame) {
+  uint8_t buf[600] = {0};
+  cr_expect_eq(shardd__frame_reader_need(&r), 0);
+  mk(buf, NULL, 0);
+  buf[0] = 200; /* header announcing 200 bytes; 10 of them sent */
+  cr_assert_eq(shardd__frame_reader_feed(&r, buf, 4 + 10), SHARDD_OK);
+  cr_expect_eq(shardd__frame_reader_need(&r), 4 + 200);
+  expect_none();
+  cr_expect_eq(shardd__frame_reader_need(&r), 4 + 200);
+}
+
+Test(frame, need_of_a_part_header_is_its_bytes) {
+  uint8_t h[2] = {7, 0};
+  cr_assert_eq(shardd__frame_reader_feed(&r, h, 2), SHARDD_OK);
+  cr_expect_eq(shardd__frame_reader_need(&r), 2);
+}
+
+/* Whole frames not yet handed out count as they are, then the partial
+ * frame behind them at its announced size. */
+Test(frame, need_adds_whole_frames_before_the_partial_one) {
+  uint8_t buf[64];
+  size_t a = mk(buf, "abc", 3);
+  buf[a] = 50; /* then a header for 50 bytes, 2 of them */
+  buf[a + 1] = buf[a + 2] = buf[a + 3] = 0;
+  cr_assert_eq(shardd__frame_reader_feed(&r, buf, a + 4 + 2), SHARDD_OK);
+  cr_expect_eq(shardd__frame_reader_need(&r), a + 4 + 50);
+  expect_frame("abc", 3);
+  cr_expect_eq(shardd__frame_reader_need(&r), 4 + 50);
+}
+
+Test(frame, need_is_zero_once_everything_is_handed_out) {
+  uint8_t buf[64];
+  size_t a = mk(buf, "abc", 3);
+  cr_assert_eq(shardd__frame_reader_feed(&r, buf, a), SHARDD_OK);
+  cr_expect_eq(shardd__frame_reader_need(&r), a);
+  expect_frame("abc", 3);
+  cr_expect_eq(shardd__frame_reader_need(&r), 0);
+}
+
+/* An oversized header is what next() refuses; need charges only the
+ * bytes there are, never the 4 GiB it announces. */
+Test(frame, need_of_an_oversized_header_is_the_bytes_held) {
+  uint8_t h[6] = {0xff, 0xff, 0xff, 0xff, 1, 2};
+  cr_assert_eq(shardd__frame_reader_feed(&r, h, 6), SHARDD_OK);
+  cr_expect_eq(shardd__frame_reader_need(&r), 6);
+}
+
+/* trim gives a big buffer back once nothing is pending, and the reader
+ * works as before afterwards; with bytes pending it keeps them. */
+Test(frame, trim_releases_a_drained_big_buffer) {
+  shardd__frame_reader big;
+  shardd__frame_reader_init(&big, 1u << 20);
+  size_t len = 300000;
+  uint8_t *f = malloc(4 + len + 4);
+  cr_assert_not_null(f);
+  memset(f + 4, 0x5a, len);
+  mk(f, f + 4, (uint32_t)len);
+  cr_assert_eq(shardd__frame_reader_feed(&big, f, 4 + len + 2), SHARDD_OK);
+  const uint8_t *p;
+  size_t n;
+  cr_assert_eq(shardd__frame_reader_next(&big, &p, &n), SHARDD_OK);
+  cr_assert_eq(n, len);
+  shardd__frame_reader_trim(&big); /* 2 bytes of the next header pending */
+  cr_expect_not_null(big.buf, "trim dropped pending bytes");
+  cr_expect_eq(shardd__frame_reader_pending(&big), 2);
+  shardd__frame_reader_free(&big);
+
+  shardd__frame_reader_init(&big, 1u << 20);
+  cr_assert_eq(shardd__frame_reader_feed(&big, f, 4 + len), SHARDD_OK);
+  cr_assert_eq(shardd__frame_reader_next(&big, &p, &n), SHARDD_OK);
+  cr_assert_eq(n, len);
+  shardd__frame_reader_trim(&big);
+  cr_expect_null(big.buf, "a drained %zu-byte buffer was kept", big.cap);
+  cr_expect_eq(big.cap, 0);
+  uint8_t small[16];
+  size_t k = mk(small, "hi", 2);
+  cr_assert_eq(shardd__frame_reader_feed(&big, small, k), SHARDD_OK);
+  cr_assert_eq(shardd__frame_reader_next(&big, &p, &n), SHARDD_OK);
+  cr_assert(n == 2 && memcmp(p, "hi", 2) == 0);
+  shardd__frame_reader_free(&big);
+  free(f);
+}

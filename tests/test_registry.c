@@ -1275,3 +1275,87 @@ Test(registry, device_peak_is_the_high_water_of_used) {
                SHARDD_OK, "%s", err);
   cr_assert_eq(peak_bytes(), two, "refilling up to the peak does not raise it");
 }
+
+/* ---- the view caps (issue 20, item 9) ---------------------------------- *
+ * Nothing bounded views: 200k of them cost the daemon 240 MB. Now they are
+ * capped in all (--max-views) and per uid other than root
+ * (--max-views-per-uid); the refusal names the flag, spends no id and
+ * leaves nothing behind, and a freed view (or a released job) gives its
+ * place back. */
+
+/* A view registration expected to be refused at a cap. */
+static void expect_view_limit(shardd__job *j, shardd__buffer *b,
+                              const char *name, uint64_t off,
+                              const char *flag) {
+  uint64_t next = reg.next_id;
+  uint32_t nviews = j->nviews;
+  shardd__view *v = (shardd__view *)1;
+  int created = -1;
+  int64_t shape[1] = {1};
+  shardd_err rc = shardd__view_register(&reg, j, b->hdr.id, name, off, 1, shape,
+                                        1, &v, &created, err, sizeof err);
+  cr_assert_eq(rc, SHARDD_E_LIMIT, "view %s: %s (%s)", name, shardd_err_name(rc),
+               err);
+  cr_expect(strstr(err, flag) != NULL, "the refusal names %s: %s", flag, err);
+  cr_expect_eq(reg.next_id, next, "a refused view spent an id");
+  cr_expect_eq(j->nviews, nviews);
+  cr_expect_null(shardd__map_get_str(&b->views, name));
+}
+
+Test(registry, views_are_capped_per_uid_and_in_all) {
+  reg.max_views = 5;
+  reg.max_views_per_uid = 3;
+  shardd__buffer *a = buf_new(job, "a", SHARDD_DTYPE_FP32, 100);
+  shardd__buffer *b = buf_new(other, "b", SHARDD_DTYPE_FP32, 100);
+  /* uid 1000 owns both jobs: three views between them */
+  view_new(job, a, "v0", 0, 1);
+  shardd__view *v1 = view_new(job, a, "v1", 1, 1);
+  view_new(other, b, "v0", 0, 1);
+  expect_view_limit(job, a, "v2", 2, "--max-views-per-uid");
+  expect_view_limit(other, b, "v1", 1, "--max-views-per-uid");
+  /* attaching to a view that exists is no new view */
+  shardd__view *again = NULL;
+  int created = -1;
+  int64_t shape[1] = {1};
+  cr_assert_eq(shardd__view_register(&reg, job, a->hdr.id, "v1", 1, 1, shape, 1,
+                                     &again, &created, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_expect(again == v1 && created == 0);
+
+  /* root's job is not held to a share, only to the daemon's cap */
+  shardd__job *root_job;
+  cr_assert_eq(shardd__job_get(&reg, "root", 1, 0, &root_job, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  shardd__buffer *r = buf_new(root_job, "r", SHARDD_DTYPE_FP32, 100);
+  view_new(root_job, r, "r0", 0, 1);
+  view_new(root_job, r, "r1", 1, 1);
+  expect_view_limit(root_job, r, "r2", 2, "--max-views");
+  cr_expect_eq(job->nviews + other->nviews + root_job->nviews, 5);
+
+  /* a freed view gives its place back: to its uid, and in all */
+  cr_assert_eq(shardd__view_unregister(&reg, job, v1->hdr.id, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_expect_eq(job->nviews, 1);
+  view_new(other, b, "v1", 1, 1);
+  expect_view_limit(root_job, r, "r2", 2, "--max-views");
+  /* so does a buffer's unregister, and a job's release, with its views */
+  cr_assert_eq(shardd__buffer_unregister(&reg, other, b->hdr.id, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_expect_eq(other->nviews, 0);
+  view_new(root_job, r, "r2", 2, 1);
+  shardd__job_release(&reg, root_job);
+  view_new(job, a, "v1", 1, 1);
+  view_new(job, a, "v2", 2, 1);
+  expect_view_limit(job, a, "v3", 3, "--max-views-per-uid");
+}
+
+/* 0 is unlimited, as for the other caps. */
+Test(registry, views_uncapped_by_default_in_the_registry) {
+  shardd__buffer *a = buf_new(job, "a", SHARDD_DTYPE_FP32, 100);
+  for (int i = 0; i < 100; i++) {
+    char name[16];
+    snprintf(name, sizeof name, "v%d", i);
+    view_new(job, a, name, (uint64_t)i, 1);
+  }
+  cr_expect_eq(job->nviews, 100);
+}

@@ -1,0 +1,310 @@
+/* areas.c — transient gather and gradient areas (see registry.h): the
+ * per-device pools of a transient job and the leases of their slots.
+ *
+ * Why fixed slots, as large as the job's largest unit: the daemon knows
+ * every unit's size at registration, so one region per device, carved in
+ * equal slots, serves every gather and gradient of the job with no
+ * allocator call after the first lease (peak bytes at step 1000 are those
+ * of step 1) and no fragmentation, which is what FSDP's users fight in the
+ * caching allocator (pytorch#65078). The bound stays FSDP's: per rank
+ * leases_per_rank units gathered and as many of gradient. */
+#include "registry.h"
+#include "registry_int.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define SLOT_ALIGN 4096u
+
+typedef struct {
+  shardd__buffer *buf; /* NULL: free */
+  uint32_t rank;
+  int kind;
+} slot;
+
+struct shardd__pool {
+  shardd__region *region;
+  uint64_t id;
+  size_t slot_bytes;
+  uint32_t nslots, nused;
+  slot *slots;
+};
+
+/* Pool ids only tell a client's mappings apart; loop thread only. */
+static uint64_t next_pool_id = 1;
+
+static const char *kind_word(int kind) {
+  return kind == SHARDD__AREA_GATHER ? "gather" : "gradient";
+}
+
+static size_t unit_bytes(const shardd__buffer *b) {
+  size_t n = (size_t)b->padded_numel * shardd_dtype_size(b->dtype);
+  return (n + SLOT_ALIGN - 1) / SLOT_ALIGN * SLOT_ALIGN;
+}
+
+shardd_err shardd__job_set_transient(shardd__job *job, int on, char *err,
+                                     size_t errlen) {
+  on = on != 0;
+  if (job->transient == on)
+    return SHARDD_OK;
+  if (shardd__map_count(&job->buffers) > 0) {
+    snprintf(err, errlen, "job \"%s\" has %s areas; a rank cannot ask for %s "
+             "ones once it has buffers",
+             job->name, job->transient ? "transient" : "resident",
+             on ? "transient" : "resident");
+    return SHARDD_E_MISMATCH;
+  }
+  if (on && !(job->reg->backend->caps & SHARDD__BACKEND_CAP_HOST_MAPPED)) {
+    snprintf(err, errlen, "transient areas need the host backend for now "
+             "(the %s backend keeps resident areas)", job->reg->backend->name);
+    return SHARDD_E_STATE;
+  }
+  if (on && job->nodes > 1) {
+    snprintf(err, errlen, "job \"%s\" spans %" PRIu32 " nodes; transient areas "
+             "are single-node for now", job->name, job->nodes);
+    return SHARDD_E_STATE;
+  }
+  if (on) {
+    int nd = job->reg->backend->ndevices;
+    job->pools = calloc((size_t)nd, sizeof *job->pools);
+    job->nleased = calloc(job->world, sizeof *job->nleased);
+    if (job->pools == NULL || job->nleased == NULL) {
+      free(job->pools);
+      free(job->nleased);
+      job->pools = NULL;
+      job->nleased = NULL;
+      snprintf(err, errlen, "out of memory");
+      return SHARDD_E_NO_MEMORY;
+    }
+  }
+  job->transient = on;
+  return SHARDD_OK;
+}
+
+static void pool_free(shardd__registry *reg, shardd__job *job,
+                      struct shardd__pool *p) {
+  if (p == NULL)
+    return;
+  job->bytes -= p->region->bytes;
+  reg->backend->ops->free(reg->backend, p->region);
+  free(p->slots);
+  free(p);
+}
+
+void shardd__areas_free(shardd__registry *reg, shardd__job *job) {
+  if (job->pools)
+    for (int d = 0; d < reg->backend->ndevices; d++)
+      pool_free(reg, job, job->pools[d]);
+  free(job->pools);
+  free(job->nleased);
+  job->pools = NULL;
+  job->nleased = NULL;
+}
+
+typedef struct {
+  size_t max;
+} max_arg;
+
+static void max_unit(void *value, void *arg) {
+  max_arg *a = arg;
+  size_t n = unit_bytes(value);
+  if (n > a->max)
+    a->max = n;
+}
+
+/* The pool of device dev, sized for every unit registered now. */
+static shardd_err pool_make(shardd__registry *reg, shardd__job *job, int dev,
+                            size_t need, char *err, size_t errlen) {
+  max_arg a = {need};
+  shardd__map_each(&job->buffers, max_unit, &a);
+  uint32_t ranks = 0;
+  for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++)
+    ranks += shardd__rank_device(reg, r) == dev;
+  uint32_t per_rank = reg->leases_per_rank[0] + reg->leases_per_rank[1];
+  struct shardd__pool *p = calloc(1, sizeof *p);
+  uint32_t n = ranks * per_rank;
+  if (p == NULL || (p->slots = calloc(n ? n : 1, sizeof *p->slots)) == NULL) {
+    free(p);
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  p->slot_bytes = a.max;
+  p->nslots = n;
+  size_t bytes = (size_t)n * a.max;
+  if (!shardd__within_quota(reg, job, bytes, err, errlen)) {
+    free(p->slots);
+    free(p);
+    return SHARDD_E_NO_MEMORY;
+  }
+  char label[64], why[256];
+  snprintf(label, sizeof label, "shardd:%.40s:pool%d", job->name, dev);
+  shardd_err rc = reg->backend->ops->alloc(reg->backend, dev, bytes, label,
+                                           &p->region, why, sizeof why);
+  if (rc != SHARDD_OK) {
+    snprintf(err, errlen, "pool of %" PRIu32 " %zu-byte areas on device %d: %s",
+             n, a.max, dev, why);
+    free(p->slots);
+    free(p);
+    return rc;
+  }
+  p->id = next_pool_id++;
+  job->bytes += p->region->bytes;
+  job->pools[dev] = p;
+  return SHARDD_OK;
+}
+
+static void fill(const struct shardd__pool *p, int32_t i, shardd__area *out) {
+  out->pool = p->region;
+  out->pool_id = p->id;
+  out->off = (size_t)i * p->slot_bytes;
+}
+
+int shardd__area_held(const shardd__buffer *b, uint32_t rank,
+                      shardd__area_kind kind, shardd__area *out) {
+  if (b->lease == NULL || b->lease[rank][kind] < 0)
+    return 0;
+  const shardd__job *job = b->hdr.job;
+  if (out)
+    fill(job->pools[shardd__rank_device(job->reg, rank)], b->lease[rank][kind],
+         out);
+  return 1;
+}
+
+typedef struct {
+  uint32_t rank;
+  int kind;
+  char *list;
+  size_t len, used;
+} held_arg;
+
+static void list_held(void *value, void *arg) {
+  const shardd__buffer *b = value;
+  held_arg *a = arg;
+  if (b->lease && b->lease[a->rank][a->kind] >= 0 && a->used < a->len)
+    a->used += (size_t)snprintf(a->list + a->used, a->len - a->used, "%s\"%s\"",
+                                a->used ? ", " : "", b->hdr.name);
+}
+
+shardd_err shardd__area_lease(shardd__registry *reg, shardd__buffer *b,
+                              uint32_t rank, shardd__area_kind kind,
+                              shardd__area *out, int *took, char *err,
+                              size_t errlen) {
+  shardd__job *job = b->hdr.job;
+  *took = 0;
+  if (!job->transient) {
+    snprintf(err, errlen, "job \"%s\" has resident areas", job->name);
+    return SHARDD_E_STATE;
+  }
+  if (shardd__area_held(b, rank, kind, out))
+    return SHARDD_OK;
+  if (job->nleased[rank][kind] >= reg->leases_per_rank[kind]) {
+    char list[256] = "";
+    held_arg a = {rank, kind, list, sizeof list, 0};
+    shardd__map_each(&job->buffers, list_held, &a);
+    snprintf(err, errlen,
+             "rank %" PRIu32 " holds %" PRIu32 " %s areas (%s), the most one "
+             "rank may lease at once; release one first",
+             rank, job->nleased[rank][kind], kind_word(kind), list);
+    return SHARDD_E_LIMIT;
+  }
+  int dev = shardd__rank_device(reg, rank);
+  size_t need = unit_bytes(b);
+  struct shardd__pool *p = job->pools[dev];
+  if (p && p->slot_bytes < need) {
+    if (p->nused > 0) {
+      snprintf(err, errlen,
+               "buffer \"%s\" needs %zu-byte areas, more than the %zu of the "
+               "pool of device %d, whose areas are leased: register every unit "
+               "before training, or release them all first",
+               b->hdr.name, need, p->slot_bytes, dev);
+      return SHARDD_E_BUSY;
+    }
+    pool_free(reg, job, p); /* remade larger below, under another id */
+    job->pools[dev] = p = NULL;
+  }
+  shardd_err rc;
+  if (p == NULL && (rc = pool_make(reg, job, dev, need, err, errlen)) != SHARDD_OK)
+    return rc;
+  p = job->pools[dev];
+  int32_t i = 0;
+  while ((uint32_t)i < p->nslots && p->slots[i].buf != NULL)
+    i++;
+  if ((uint32_t)i == p->nslots) { /* the per-rank limits make this unreachable */
+    snprintf(err, errlen, "the pool of device %d is full", dev);
+    return SHARDD_E_INTERNAL;
+  }
+  p->slots[i] = (slot){b, rank, kind};
+  p->nused++;
+  b->lease[rank][kind] = i;
+  job->nleased[rank][kind]++;
+  fill(p, i, out);
+  if (kind == SHARDD__AREA_GRAD) /* a gradient starts at zero, as torch's */
+    memset((char *)out->pool->ptr + out->off, 0, need);
+  *took = 1;
+  return SHARDD_OK;
+}
+
+void shardd__area_return(shardd__buffer *b, uint32_t rank,
+                         shardd__area_kind kind) {
+  if (b->lease == NULL || b->lease[rank][kind] < 0)
+    return;
+  shardd__job *job = b->hdr.job;
+  struct shardd__pool *p = job->pools[shardd__rank_device(job->reg, rank)];
+  p->slots[b->lease[rank][kind]].buf = NULL;
+  p->nused--;
+  b->lease[rank][kind] = -1;
+  job->nleased[rank][kind]--;
+}
+
+typedef struct {
+  uint32_t rank;
+} rank_arg;
+
+static void return_rank(void *value, void *arg) {
+  shardd__buffer *b = value;
+  const rank_arg *a = arg;
+  if (b->inflight == 0) {
+    shardd__area_return(b, a->rank, SHARDD__AREA_GATHER);
+    shardd__area_return(b, a->rank, SHARDD__AREA_GRAD);
+  }
+}
+
+void shardd__area_return_rank(shardd__job *job, uint32_t rank) {
+  if (!job->transient)
+    return;
+  rank_arg a = {rank};
+  shardd__map_each(&job->buffers, return_rank, &a);
+}
+
+uint64_t shardd__job_pool_bytes(const shardd__job *job) {
+  uint64_t n = 0;
+  if (job->pools)
+    for (int d = 0; d < job->reg->backend->ndevices; d++)
+      if (job->pools[d])
+        n += job->pools[d]->region->bytes;
+  return n;
+}
+
+/* A transient buffer's lease table, every slot free (buffer.c). */
+shardd_err shardd__areas_buffer_init(shardd__buffer *b) {
+  b->lease = malloc(b->world * sizeof *b->lease);
+  if (b->lease == NULL)
+    return SHARDD_E_NO_MEMORY;
+  for (uint32_t r = 0; r < b->world; r++)
+    b->lease[r][0] = b->lease[r][1] = -1;
+  return SHARDD_OK;
+}
+
+/* Returns every lease of b and frees its table (buffer.c, at destroy). */
+void shardd__areas_buffer_fini(shardd__buffer *b) {
+  if (b->lease == NULL)
+    return;
+  for (uint32_t r = 0; r < b->world; r++) {
+    shardd__area_return(b, r, SHARDD__AREA_GATHER);
+    shardd__area_return(b, r, SHARDD__AREA_GRAD);
+  }
+  free(b->lease);
+  b->lease = NULL;
+}
