@@ -331,8 +331,9 @@ shardd_err shardd_gather_area(shardd_client_t *c, uint64_t buffer,
 
 /* Returns this rank's gather area of buffer to its device's pool (FSDP's
  * reshard after forward, or after backward's scatter); pointers from the
- * gather_area that leased it must not be used any more. Transient areas
- * only; releasing a buffer that holds no lease succeeds. */
+ * gather_area that leased it must not be used any more. SHARDD_E_STATE
+ * when this rank holds no gather area of it, or the job has resident
+ * areas. */
 shardd_err shardd_release(shardd_client_t *c, uint64_t buffer);
 
 /* Reduce-scatter: each rank has written its full gradient into its grad
