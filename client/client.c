@@ -32,7 +32,22 @@ typedef struct mapping {
   void *base;
   size_t len;
   int device; /* -1: host mmap; else the CUDA device base was opened on */
+  /* the layout, for gathers: a transient block has no gather or grad area;
+   * a resident one's are at these offsets; areas are padded_numel of esz */
+  int transient;
+  uint64_t gather_off, grad_off, padded_numel;
+  size_t esz;
 } mapping;
+
+/* A transient-area pool of the daemon (one per device of a job), mapped
+ * once per connection at the first reply naming it: gathers hand out
+ * offsets into it, so none maps anything. */
+typedef struct pool_map {
+  struct pool_map *next;
+  uint64_t id;
+  void *base;
+  size_t len;
+} pool_map;
 
 /* ---- CUDA IPC without linking CUDA --------------------------------------
  * The few runtime calls needed, declared here and resolved from libcudart
@@ -167,9 +182,13 @@ static void unmap(mapping *m) {
 typedef struct async_op {
   struct async_op *next;
   uint64_t seq;
+  uint64_t buffer;
   int done;
   shardd_err code;
   char *msg;
+  /* the reply's GatherReply (transient areas), for shardd_wait_area */
+  int has_area;
+  uint64_t pool, gather_off;
 } async_op;
 
 struct shardd_client {
@@ -180,6 +199,7 @@ struct shardd_client {
   char version[64];
   char backend[32];
   mapping *maps;
+  pool_map *pools; /* newest first */
   async_op *async; /* oldest first */
   uint32_t max_async;
 };
@@ -240,11 +260,124 @@ static shardd_err closed_reason(shardd_client_t *c, shardd_err rc) {
   return rc;
 }
 
+/* Why a descriptor from the daemon cannot back a mapping of bytes: 0 when
+ * it can, 1 when the file is smaller (*size its size, -1 unknown), 2 when
+ * it is not a memfd sealed against shrinking. A mapping past the end of
+ * the file, or of a file shrunk later, faults (SIGBUS) at first touch
+ * instead of failing here. */
+static int memfd_unfit(int fd, uint64_t bytes, intmax_t *size) {
+  struct stat st;
+  if (fstat(fd, &st) != 0)
+    st.st_size = -1;
+  *size = (intmax_t)st.st_size;
+  if (st.st_size < 0 || (uint64_t)st.st_size < bytes)
+    return 1;
+  int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || !(seals & F_SEAL_SHRINK))
+    return 2;
+  return 0;
+}
+
+static pool_map *find_pool(shardd_client_t *c, uint64_t id) {
+  for (pool_map *p = c->pools; p; p = p->next)
+    if (p->id == id)
+      return p; /* newest first: a pool remapped larger shadows the old */
+  return NULL;
+}
+
+/* Makes sure the pool a GatherReply names is mapped: the first reply naming
+ * it on this connection brings its descriptor (fd, else -1; the caller
+ * closes it), later ones do not. Done for every GatherReply whichever call
+ * reads it (gather, gather_area, an async gather's reply read by another
+ * call): the descriptor comes once, so one dropped would leave the pool
+ * unreachable for the connection's life. On failure why holds the reason. */
+static shardd_err pool_adopt(shardd_client_t *c, const Shardwire__GatherReply *gr,
+                             int fd, char *why, size_t whylen) {
+  pool_map *p = find_pool(c, gr->pool);
+  if (fd < 0) {
+    if (p == NULL) {
+      snprintf(why, whylen, "the daemon's gather reply names pool %" PRIu64
+               ", which this connection has not mapped, and carries no "
+               "descriptor for it (a cuda backend sends none yet; the first "
+               "reply naming a pool must carry it)", gr->pool);
+      return SHARDD_E_PROTOCOL;
+    }
+    if (gr->pool_bytes > p->len) {
+      snprintf(why, whylen, "the daemon's gather reply gives pool %" PRIu64
+               " %" PRIu64 " bytes, but the %zu mapped here came without a "
+               "new descriptor", gr->pool, gr->pool_bytes, p->len);
+      return SHARDD_E_PROTOCOL;
+    }
+    return SHARDD_OK;
+  }
+  if (p && p->len >= gr->pool_bytes)
+    return SHARDD_OK; /* sent again: the mapping there is the same file */
+  if (gr->pool_bytes == 0 || (uint64_t)(size_t)gr->pool_bytes != gr->pool_bytes) {
+    snprintf(why, whylen, "pool %" PRIu64 ": size %" PRIu64 " cannot be mapped",
+             gr->pool, gr->pool_bytes);
+    return SHARDD_E_PROTOCOL;
+  }
+  intmax_t size;
+  switch (memfd_unfit(fd, gr->pool_bytes, &size)) {
+  case 1:
+    snprintf(why, whylen, "pool %" PRIu64 ": the daemon's descriptor holds "
+             "%jd bytes, not the %" PRIu64 " of the pool", gr->pool, size,
+             gr->pool_bytes);
+    return SHARDD_E_PROTOCOL;
+  case 2:
+    snprintf(why, whylen, "pool %" PRIu64 ": the daemon's descriptor is not a "
+             "memfd sealed against shrinking (F_SEAL_SHRINK)", gr->pool);
+    return SHARDD_E_PROTOCOL;
+  default:
+    break;
+  }
+  /* A descriptor opened read-only is the daemon's way of keeping trainers
+   * from writing a copy other ranks read: map it so, where a writable map
+   * would fail. */
+  int acc = fcntl(fd, F_GETFL);
+  int prot = acc >= 0 && (acc & O_ACCMODE) == O_RDONLY ? PROT_READ
+                                                       : PROT_READ | PROT_WRITE;
+  pool_map *n = malloc(sizeof *n);
+  if (n == NULL) {
+    snprintf(why, whylen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  n->base = mmap(NULL, (size_t)gr->pool_bytes, prot, MAP_SHARED, fd, 0);
+  if (n->base == MAP_FAILED) {
+    snprintf(why, whylen, "mmap of pool %" PRIu64 " (%" PRIu64 " bytes): %s",
+             gr->pool, gr->pool_bytes, strerror(errno));
+    free(n);
+    return SHARDD_E_IO;
+  }
+  /* A pool remade larger keeps its old mapping too, until close: areas
+   * handed out from it may still be read by the caller. */
+  n->id = gr->pool;
+  n->len = (size_t)gr->pool_bytes;
+  n->next = c->pools;
+  c->pools = n;
+  return SHARDD_OK;
+}
+
 static async_op *find_async(shardd_client_t *c, uint64_t seq) {
   for (async_op *a = c->async; a; a = a->next)
     if (a->seq == seq)
       return a;
   return NULL;
+}
+
+/* Keeps an async gather's result for shardd_wait: code (the daemon's, or
+ * why its pool could not be mapped) with msg (NULL: none), and where its
+ * areas are. */
+static void async_note(async_op *a, const Shardwire__Response *resp,
+                       shardd_err code, const char *msg) {
+  a->done = 1;
+  a->code = code;
+  a->msg = code != SHARDD_OK && msg && msg[0] ? strdup(msg) : NULL;
+  if (code == SHARDD_OK && resp->body_case == SHARDWIRE__RESPONSE__BODY_GATHER) {
+    a->has_area = 1;
+    a->pool = resp->gather->pool;
+    a->gather_off = resp->gather->gather_offset;
+  }
 }
 
 /* Sends req with the next seq. */
@@ -270,10 +403,13 @@ static shardd_err send_req(shardd_client_t *c, Shardwire__Request *req) {
 
 /* Reads responses until the one to seq. Replies to outstanding async
  * requests that arrive first are kept for shardd_wait; others (to requests
- * nobody waits for any more) are dropped. On SHARDD_OK *out is the response
- * (caller frees with shardwire__response__free_unpacked); a daemon error code
- * is returned with its message in c->err and *out still set. A descriptor
- * that came with the reply is returned in *fd (else -1). */
+ * nobody waits for any more) are dropped, but a pool descriptor any gather
+ * reply brings is mapped (pool_adopt). On SHARDD_OK *out is the response
+ * (caller frees with shardwire__response__free_unpacked); a daemon error
+ * code, or the reason a gather reply's pool could not be mapped, is
+ * returned with its message in c->err and *out still set. A descriptor
+ * that came with the reply is returned in *fd (else -1); a gather reply's
+ * is the pool's and is never returned. */
 static shardd_err recv_for(shardd_client_t *c, uint64_t seq,
                            Shardwire__Response **out, int *fd) {
   *out = NULL;
@@ -305,18 +441,35 @@ static shardd_err recv_for(shardd_client_t *c, uint64_t seq,
       return set_err(c, SHARDD_E_PROTOCOL,
                      "the daemon's %zu-byte reply could not be decoded", len);
     }
+    /* A gather's reply may bring a pool's descriptor, its only one: mapped
+     * here for every reply, the one waited for or not. */
+    shardd_err pool_rc = SHARDD_OK;
+    char why[512] = "";
+    if (resp->code == SHARDWIRE__STATUS_CODE__OK &&
+        resp->body_case == SHARDWIRE__RESPONSE__BODY_GATHER) {
+      pool_rc = pool_adopt(c, resp->gather, nfds > 0 ? fds[0] : -1, why,
+                           sizeof why);
+      for (int i = 0; i < nfds; i++)
+        close(fds[i]);
+      nfds = 0;
+    }
     /* seq 0 is the daemon speaking about the connection itself. */
     if (resp->seq != seq && resp->seq != 0) {
       async_op *a = find_async(c, resp->seq);
       if (a && !a->done) {
-        a->done = 1;
-        a->code = (shardd_err)resp->code;
-        a->msg = resp->code && resp->message ? strdup(resp->message) : NULL;
+        if (pool_rc != SHARDD_OK)
+          async_note(a, resp, pool_rc, why);
+        else
+          async_note(a, resp, (shardd_err)resp->code, resp->message);
       }
       for (int i = 0; i < nfds; i++)
         close(fds[i]);
       shardwire__response__free_unpacked(resp, NULL);
       continue;
+    }
+    if (pool_rc != SHARDD_OK) {
+      *out = resp;
+      return set_err(c, pool_rc, "%s", why);
     }
     for (int i = 0; i < nfds; i++) {
       if (fd && *fd < 0)
@@ -462,6 +615,15 @@ shardd_err shardd_connect(const char *socket_path,
   }
   if (opts && opts->client_name)
     hello.client_name = (char *)opts->client_name;
+  /* Read only when the caller's struct reaches it: one built against an
+   * older header ends before, and what lies there is not ours. Sent only
+   * when asked, so a plain Hello stays what older daemons know. */
+  if (opts && opts->size >= offsetof(shardd_connect_opts, transient_areas) +
+                                sizeof opts->transient_areas &&
+      opts->transient_areas) {
+    hello.has_transient_areas = 1;
+    hello.transient_areas = 1;
+  }
   req.body_case = SHARDWIRE__REQUEST__BODY_HELLO;
   req.hello = &hello;
   Shardwire__Response *resp;
@@ -520,6 +682,12 @@ void shardd_close(shardd_client_t *c) {
     c->maps = m->next;
     unmap(m);
     free(m);
+  }
+  while (c->pools) {
+    pool_map *p = c->pools;
+    c->pools = p->next;
+    munmap(p->base, p->len);
+    free(p);
   }
   if (c->fd >= 0)
     close(c->fd);
@@ -652,6 +820,7 @@ shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
   }
   const Shardwire__BufferReply *br = resp->buffer;
   size_t esz = shardd_dtype_size((shardd_dtype)br->dtype);
+  int transient = br->has_transient && br->transient;
   int device = -1; /* host mapping */
   /* The reply is checked before anything is mapped: the pointers handed
    * out are computed from it, so a wrong layout would have the caller
@@ -669,9 +838,13 @@ shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
     bad = "block size";
   else if (!area_ok(br->shard_offset, br->shard_numel, esz, br->block_bytes))
     bad = "shard area";
-  else if (!area_ok(br->gather_offset, br->padded_numel, esz, br->block_bytes))
+  /* a transient block has no gather or gradient area: its offsets are 0
+   * and unused, each gather's reply says where the areas are */
+  else if (!transient &&
+           !area_ok(br->gather_offset, br->padded_numel, esz, br->block_bytes))
     bad = "gather area";
-  else if (!area_ok(br->grad_offset, br->padded_numel, esz, br->block_bytes))
+  else if (!transient &&
+           !area_ok(br->grad_offset, br->padded_numel, esz, br->block_bytes))
     bad = "gradient area";
   else if (br->has_reduced_offset &&
            !area_ok(br->reduced_offset, br->shard_numel, 4, br->block_bytes))
@@ -712,20 +885,16 @@ shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
                  br->id);
     goto done;
   } else {
-    /* A mapping past the end of the file, or of a file shrunk later,
-     * faults (SIGBUS) at first touch instead of failing here. */
-    struct stat st;
-    if (fstat(fd, &st) != 0)
-      st.st_size = -1;
-    if (st.st_size < 0 || (uint64_t)st.st_size < br->block_bytes) {
+    intmax_t size;
+    int unfit = memfd_unfit(fd, br->block_bytes, &size);
+    if (unfit == 1) {
       rc = set_err(c, SHARDD_E_PROTOCOL,
                    "buffer %" PRIu64 ": the daemon's descriptor holds %jd "
-                   "bytes, not the %" PRIu64 " of its block", br->id,
-                   (intmax_t)st.st_size, br->block_bytes);
+                   "bytes, not the %" PRIu64 " of its block", br->id, size,
+                   br->block_bytes);
       goto done;
     }
-    int seals = fcntl(fd, F_GET_SEALS);
-    if (seals < 0 || !(seals & F_SEAL_SHRINK)) {
+    if (unfit == 2) {
       rc = set_err(c, SHARDD_E_PROTOCOL,
                    "buffer %" PRIu64 ": the daemon's descriptor is not a memfd "
                    "sealed against shrinking (F_SEAL_SHRINK)", br->id);
@@ -771,6 +940,11 @@ shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
     m->base = base;
     m->len = br->block_bytes;
     m->device = device;
+    m->transient = transient;
+    m->gather_off = br->gather_offset;
+    m->grad_off = br->grad_offset;
+    m->padded_numel = br->padded_numel;
+    m->esz = esz;
     m->next = c->maps;
     c->maps = m;
   }
@@ -784,11 +958,12 @@ shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
   out->device = br->device;
   out->created = br->created;
   out->shard = (char *)base + br->shard_offset;
-  out->gather = (char *)base + br->gather_offset;
-  out->grad = (char *)base + br->grad_offset;
+  out->gather = transient ? NULL : (char *)base + br->gather_offset;
+  out->grad = transient ? NULL : (char *)base + br->grad_offset;
   out->reduced = br->has_reduced_offset ? (char *)base + br->reduced_offset : NULL;
   out->generation = br->has_generation ? br->generation : 0;
   out->is_device = device >= 0;
+  out->transient = transient;
 
 done:
   if (fd >= 0)
@@ -1031,6 +1206,112 @@ shardd_err shardd_gather_checked(shardd_client_t *c, uint64_t buffer,
   return call_status_only(c, &req);
 }
 
+static const mapping *find_block(const shardd_client_t *c, uint64_t buffer) {
+  for (const mapping *m = c->maps; m; m = m->next)
+    if (m->buffer == buffer)
+      return m;
+  return NULL;
+}
+
+/* Fills *out with buffer's areas after a gather whose reply was gr (NULL:
+ * a status-only reply, a job with resident areas). The offsets are checked
+ * against the pool before any pointer is made of them: the caller writes
+ * a whole buffer there. */
+static shardd_err area_fill(shardd_client_t *c, uint64_t buffer,
+                            const Shardwire__GatherReply *gr, int want_grad,
+                            shardd_area *out) {
+  const mapping *m = find_block(c, buffer);
+  if (gr == NULL) {
+    if (m == NULL)
+      return set_err(c, SHARDD_E_STATE,
+                     "buffer %" PRIu64 " is not registered on this connection: "
+                     "its gather area is unknown here", buffer);
+    if (m->transient)
+      return set_err(c, SHARDD_E_PROTOCOL,
+                     "buffer %" PRIu64 " has transient areas but the daemon's "
+                     "gather reply did not say where they are", buffer);
+    out->gather = (char *)m->base + m->gather_off;
+    out->grad = want_grad ? (char *)m->base + m->grad_off : NULL;
+    out->pool = 0;
+    return SHARDD_OK;
+  }
+  const pool_map *p = find_pool(c, gr->pool);
+  if (p == NULL) /* pool_adopt has refused such a reply already */
+    return set_err(c, SHARDD_E_INTERNAL, "pool %" PRIu64 " is not mapped", gr->pool);
+  /* A buffer gathered without being registered here: its size is not
+   * known, only that the areas start inside the pool. */
+  uint64_t n = m ? m->padded_numel : 1;
+  size_t esz = m ? m->esz : 1;
+  if (!area_ok(gr->gather_offset, n, esz, p->len))
+    return set_err(c, SHARDD_E_PROTOCOL,
+                   "buffer %" PRIu64 ": gather area at byte %" PRIu64
+                   " (%" PRIu64 " elements of %zu bytes) outside pool %" PRIu64
+                   " of %zu bytes", buffer, gr->gather_offset, n, esz, gr->pool,
+                   p->len);
+  if (want_grad && !gr->has_grad_offset)
+    return set_err(c, SHARDD_E_PROTOCOL,
+                   "buffer %" PRIu64 ": the daemon leased no gradient area "
+                   "(its gather reply has no grad_offset)", buffer);
+  if (want_grad && !area_ok(gr->grad_offset, n, esz, p->len))
+    return set_err(c, SHARDD_E_PROTOCOL,
+                   "buffer %" PRIu64 ": gradient area at byte %" PRIu64
+                   " (%" PRIu64 " elements of %zu bytes) outside pool %" PRIu64
+                   " of %zu bytes", buffer, gr->grad_offset, n, esz, gr->pool,
+                   p->len);
+  out->gather = (char *)p->base + gr->gather_offset;
+  out->grad = want_grad ? (char *)p->base + gr->grad_offset : NULL;
+  out->pool = gr->pool;
+  return SHARDD_OK;
+}
+
+shardd_err shardd_gather_area(shardd_client_t *c, uint64_t buffer,
+                              int want_grad, shardd_area *out) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+  if (out == NULL)
+    return set_err(c, SHARDD_E_INVAL, "shardd_gather_area: out is NULL");
+
+  memset(out, 0, sizeof *out);
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Gather g = SHARDWIRE__GATHER__INIT;
+  g.buffer = buffer;
+  if (want_grad) {
+    g.has_want_grad = 1;
+    g.want_grad = 1;
+  }
+  req.body_case = SHARDWIRE__REQUEST__BODY_GATHER;
+  req.gather = &g;
+  Shardwire__Response *resp;
+  shardd_err rc = call(c, &req, &resp, NULL);
+  if (rc == SHARDD_OK) {
+    if (resp->body_case == SHARDWIRE__RESPONSE__BODY_GATHER)
+      rc = area_fill(c, buffer, resp->gather, want_grad, out);
+    else if (resp->body_case == SHARDWIRE__RESPONSE__BODY__NOT_SET)
+      rc = area_fill(c, buffer, NULL, want_grad, out);
+    else
+      rc = set_err(c, SHARDD_E_PROTOCOL,
+                   "the daemon answered a gather with body %d",
+                   (int)resp->body_case);
+    if (rc != SHARDD_OK)
+      memset(out, 0, sizeof *out);
+  }
+  if (resp)
+    shardwire__response__free_unpacked(resp, NULL);
+  return rc;
+}
+
+shardd_err shardd_release(shardd_client_t *c, uint64_t buffer) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Release r = SHARDWIRE__RELEASE__INIT;
+  r.buffer = buffer;
+  req.body_case = SHARDWIRE__REQUEST__BODY_RELEASE;
+  req.release = &r;
+  return call_status_only(c, &req);
+}
+
 shardd_err shardd_scatter(shardd_client_t *c, uint64_t buffer,
                           shardd_reduce_op op) {
   if (c == NULL)
@@ -1143,9 +1424,7 @@ static shardd_err await_op(shardd_client_t *c, async_op *a) {
   Shardwire__Response *resp;
   shardd_err rc = recv_for(c, a->seq, &resp, NULL);
   if (resp) {
-    a->done = 1;
-    a->code = rc;
-    a->msg = rc != SHARDD_OK && resp->message ? strdup(resp->message) : NULL;
+    async_note(a, resp, rc, c->err);
     shardwire__response__free_unpacked(resp, NULL);
     return SHARDD_OK;
   }
@@ -1156,6 +1435,16 @@ shardd_err shardd_wait(shardd_client_t *c, shardd_ticket t) {
   if (c == NULL)
     return SHARDD_E_INVAL; /* no client to hold a message */
 
+  return shardd_wait_area(c, t, NULL);
+}
+
+shardd_err shardd_wait_area(shardd_client_t *c, shardd_ticket t,
+                            shardd_area *out) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+
+  if (out)
+    memset(out, 0, sizeof *out);
   async_op **pp = &c->async;
   while (*pp && (*pp)->seq != t)
     pp = &(*pp)->next;
@@ -1168,6 +1457,17 @@ shardd_err shardd_wait(shardd_client_t *c, shardd_ticket t) {
     rc = a->code;
     if (rc != SHARDD_OK)
       set_err(c, rc, "%s", a->msg ? a->msg : shardd_strerror(rc));
+  }
+  if (rc == SHARDD_OK && out) {
+    Shardwire__GatherReply gr = SHARDWIRE__GATHER_REPLY__INIT;
+    gr.pool = a->pool;
+    gr.gather_offset = a->gather_off;
+    /* the pool was mapped when the reply came; only the size is not kept */
+    const pool_map *p = a->has_area ? find_pool(c, a->pool) : NULL;
+    gr.pool_bytes = p ? p->len : 0;
+    rc = area_fill(c, a->buffer, a->has_area ? &gr : NULL, 0, out);
+    if (rc != SHARDD_OK)
+      memset(out, 0, sizeof *out);
   }
   *pp = a->next;
   free(a->msg);
@@ -1214,6 +1514,7 @@ shardd_err shardd_gather_async(shardd_client_t *c, uint64_t buffer,
     return rc;
   }
   a->seq = req.seq;
+  a->buffer = buffer;
   async_op **tail = &c->async;
   while (*tail)
     tail = &(*tail)->next;

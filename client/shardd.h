@@ -103,8 +103,16 @@ typedef struct {
   /* shardd_gather_async: at most this many in flight (0: 2), like FSDP's
    * limit_all_gathers. */
   uint32_t max_inflight_gathers;
+  /* 1: ask for a job with transient areas (FSDP's reshard): its buffers'
+   * rank blocks keep only the shard and the fp32 reduced-gradient shard,
+   * and each gather leases this rank's gather area (and, asked, its
+   * gradient area) from a pool of its device: see shardd_gather_area().
+   * The Hello that creates the job decides; a later rank asking otherwise
+   * is refused (SHARDD_E_MISMATCH). (Appended; a caller built against an
+   * older header, whose size ends before it, gets resident areas.) */
+  int transient_areas;
 } shardd_connect_opts;
-#define SHARDD_CONNECT_OPTS_INIT {sizeof(shardd_connect_opts), NULL, 0, 1, NULL, 0}
+#define SHARDD_CONNECT_OPTS_INIT {sizeof(shardd_connect_opts), NULL, 0, 1, NULL, 0, 0}
 
 /* Connects to the daemon at socket_path (NULL: $SHARDD_SOCKET, then
  * SHARDD_DEFAULT_SOCKET) and performs the Hello handshake. On success *out
@@ -188,6 +196,10 @@ typedef struct {
   /* 1: the pointers above are CUDA device pointers (cuda backend); 0: host
    * memory. (Appended.) */
   int is_device;
+  /* 1: the job has transient areas (shardd_connect_opts.transient_areas):
+   * gather and grad are NULL, as the block holds only shard and reduced;
+   * each shardd_gather_area() says where this rank's areas are. (Appended.) */
+  int transient;
 } shardd_buffer_info;
 
 /* Creates the job's flat buffer called name, or attaches to it when another
@@ -292,6 +304,38 @@ shardd_err shardd_optimizer_unregister(shardd_client_t *c, uint64_t opt);
 /* All-gather: returns when every rank's gather area holds the whole buffer. */
 shardd_err shardd_gather(shardd_client_t *c, uint64_t buffer);
 
+/* Where one gather put this rank's areas. gather holds padded_numel
+ * elements of the buffer's dtype (the whole buffer), grad as many for the
+ * gradient (NULL unless asked for). Transient areas: both lie in the pool
+ * `pool` of this rank's device, a mapping owned by c that stays valid until
+ * shardd_close(c); what they hold is this rank's only until
+ * shardd_release() (gather) and the scatter that consumes the gradient
+ * (grad), after which the daemon may lease the memory to another buffer.
+ * Resident areas (a job without transient areas): the block's gather and
+ * grad areas of shardd_buffer_info, pool 0. */
+typedef struct {
+  void *gather;
+  void *grad;
+  uint64_t pool;
+} shardd_area;
+
+/* shardd_gather, and where this rank's areas are. want_grad 1 also leases
+ * the gradient area (transient areas), kept until a scatter of the buffer
+ * has consumed it: backward's re-gather. At the daemon's limit of leases a
+ * rank may hold (2 gathered units by default, FSDP's limit_all_gathers)
+ * the gather is refused with SHARDD_E_LIMIT naming the buffers it holds:
+ * release one first. The first reply naming a pool carries its descriptor,
+ * mapped here once per connection. *out is zeroed on failure. */
+shardd_err shardd_gather_area(shardd_client_t *c, uint64_t buffer,
+                              int want_grad, shardd_area *out);
+
+/* Returns this rank's gather area of buffer to its device's pool (FSDP's
+ * reshard after forward, or after backward's scatter); pointers from the
+ * gather_area that leased it must not be used any more. SHARDD_E_STATE
+ * when this rank holds no gather area of it, or the job has resident
+ * areas. */
+shardd_err shardd_release(shardd_client_t *c, uint64_t buffer);
+
 /* Reduce-scatter: each rank has written its full gradient into its grad
  * area; returns when the owners hold the reduced shards. */
 shardd_err shardd_scatter(shardd_client_t *c, uint64_t buffer,
@@ -353,6 +397,15 @@ typedef uint64_t shardd_ticket;
 shardd_err shardd_gather_async(shardd_client_t *c, uint64_t buffer,
                                shardd_ticket *t);
 shardd_err shardd_wait(shardd_client_t *c, shardd_ticket t);
+
+/* shardd_wait, and where the gather's areas are (see shardd_gather_area;
+ * an async gather leases no gradient area, so grad is NULL). Transient
+ * areas are supported on the async path: a pool's descriptor arriving with
+ * an async reply is mapped then, whichever call is reading, so later
+ * gathers on c find the pool; a reply that could not be mapped fails its
+ * ticket with the reason. out may be NULL (then this is shardd_wait). */
+shardd_err shardd_wait_area(shardd_client_t *c, shardd_ticket t,
+                            shardd_area *out);
 
 #ifdef __cplusplus
 }

@@ -11,8 +11,10 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <inttypes.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,13 +49,32 @@ typedef struct {
   uint64_t numel; /* 0: the request's */
   uint64_t block_bytes, shard_numel, padded_numel;
   uint64_t shard_off, reduced_off, gather_off, grad_off;
+  int transient; /* BufferReply.transient */
 } fake_buf;
 
+/* What the fake daemon answers to one Gather. A pool's memfd is made at
+ * its first use and kept, each float of it holding its own index in the
+ * pool (byte offset / 4), so a client reading an area can tell where it
+ * points. */
+typedef struct {
+  int status_only; /* no GatherReply: a job with resident areas */
+  uint64_t pool, pool_bytes, gather_off, grad_off;
+  int has_grad;
+  int send_fd;          /* attach the pool's memfd */
+  uint64_t memfd_bytes; /* the memfd's size when made; 0: pool_bytes */
+  int want_grad;        /* what the request must ask for */
+} fake_gather;
+
 #define FAKE_MAX 8
-/* The i-th RegisterBuffer gets bufs[i] (the last one once they run out). */
+/* The i-th RegisterBuffer gets bufs[i] (the last one once they run out),
+ * the i-th Gather gathers[i] (likewise). */
 typedef struct {
   fake_buf bufs[FAKE_MAX];
   int nbufs;
+  fake_gather gathers[FAKE_MAX];
+  int ngathers;
+  /* Hello.transient_areas: 0 not checked, 1 must be absent, 2 must be true */
+  int hello_transient;
 } fake_script;
 
 typedef struct {
@@ -182,6 +203,10 @@ static int fake_buffer(int fd, uint64_t seq, const Shardwire__RegisterBuffer *rb
   br.created = 1;
   br.has_generation = 1;
   br.generation = 1;
+  if (b->transient) {
+    br.has_transient = 1;
+    br.transient = 1;
+  }
   resp.seq = seq;
   resp.code = SHARDWIRE__STATUS_CODE__OK;
   resp.body_case = SHARDWIRE__RESPONSE__BODY_BUFFER;
@@ -192,6 +217,63 @@ static int fake_buffer(int fd, uint64_t seq, const Shardwire__RegisterBuffer *rb
   return rc;
 }
 
+#define FAKE_POOLS 4
+typedef struct {
+  uint64_t id[FAKE_POOLS];
+  int fd[FAKE_POOLS];
+  int n;
+} fake_pools;
+
+/* The memfd of pool g->pool, made at its first use; -1 on failure. */
+static int fake_pool_fd(fake_pools *ps, const fake_gather *g) {
+  for (int i = 0; i < ps->n; i++)
+    if (ps->id[i] == g->pool)
+      return ps->fd[i];
+  if (ps->n == FAKE_POOLS)
+    return -1;
+  uint64_t bytes = g->memfd_bytes ? g->memfd_bytes : g->pool_bytes;
+  int fd = memfd_create("fake-pool", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0 || ftruncate(fd, (off_t)bytes) != 0)
+    return -1;
+  float *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED)
+    return -1;
+  for (uint64_t i = 0; i < bytes / 4; i++)
+    p[i] = (float)i;
+  munmap(p, bytes);
+  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0)
+    return -1;
+  ps->id[ps->n] = g->pool;
+  ps->fd[ps->n++] = fd;
+  return fd;
+}
+
+/* Answers a Gather; 0 on success, > 0 an exit status. */
+static int fake_gather_reply(int fd, uint64_t seq, const Shardwire__Gather *rq,
+                             const fake_gather *g, fake_pools *ps) {
+  if ((rq->has_want_grad && rq->want_grad) != (g->want_grad != 0))
+    return 17;
+  Shardwire__Response resp = SHARDWIRE__RESPONSE__INIT;
+  resp.seq = seq;
+  resp.code = SHARDWIRE__STATUS_CODE__OK;
+  if (g->status_only)
+    return fake_send(fd, &resp, -1) ? 14 : 0;
+  Shardwire__GatherReply gr = SHARDWIRE__GATHER_REPLY__INIT;
+  gr.pool = g->pool;
+  gr.pool_bytes = g->pool_bytes;
+  gr.gather_offset = g->gather_off;
+  if (g->has_grad) {
+    gr.has_grad_offset = 1;
+    gr.grad_offset = g->grad_off;
+  }
+  resp.body_case = SHARDWIRE__RESPONSE__BODY_GATHER;
+  resp.gather = &gr;
+  int pfd = -1;
+  if (g->send_fd && (pfd = fake_pool_fd(ps, g)) < 0)
+    return 19;
+  return fake_send(fd, &resp, pfd) ? 14 : 0;
+}
+
 /* The fake daemon's life: one connection, requests answered until EOF.
  * Exit status 0 when every request was understood. */
 static int fake_serve(int lfd, const fake_script *sc) {
@@ -200,7 +282,8 @@ static int fake_serve(int lfd, const fake_script *sc) {
     return 10;
   shardd__frame_reader rd;
   shardd__frame_reader_init(&rd, SHARDD_MAX_FRAME);
-  int nreg = 0, status = 0;
+  fake_pools pools = {.n = 0};
+  int nreg = 0, ngather = 0, status = 0;
   for (;;) {
     const uint8_t *payload;
     size_t len;
@@ -230,6 +313,11 @@ static int fake_serve(int lfd, const fake_script *sc) {
     int r = 0;
     switch (req->body_case) {
     case SHARDWIRE__REQUEST__BODY_HELLO:
+      if (sc->hello_transient == 1 && req->hello->has_transient_areas)
+        status = 15;
+      if (sc->hello_transient == 2 &&
+          !(req->hello->has_transient_areas && req->hello->transient_areas))
+        status = 15;
       hr.protocol_version = SHARDD_PROTOCOL_VERSION;
       hr.daemon_version = "fake";
       hr.session_id = 1;
@@ -263,6 +351,23 @@ static int fake_serve(int lfd, const fake_script *sc) {
     }
     case SHARDWIRE__REQUEST__BODY_UNREGISTER_BUFFER:
       r = fake_send(fd, &resp, -1);
+      break;
+    case SHARDWIRE__REQUEST__BODY_GATHER:
+      if (sc->ngathers == 0) {
+        status = 18;
+        break;
+      }
+      status = fake_gather_reply(
+          fd, req->seq, req->gather,
+          &sc->gathers[ngather < sc->ngathers ? ngather : sc->ngathers - 1],
+          &pools);
+      ngather++;
+      break;
+    case SHARDWIRE__REQUEST__BODY_RELEASE:
+      if (req->release->buffer != 7)
+        status = 16;
+      else
+        r = fake_send(fd, &resp, -1);
       break;
     default:
       status = 13;
@@ -311,6 +416,15 @@ static void fake_stop(fake_server *s) {
   rmdir(s->dir);
   cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0,
             "fake daemon ended with status %#x", st);
+}
+
+static shardd_client_t *fake_connect_opts(const fake_server *s,
+                                          const shardd_connect_opts *o) {
+  shardd_client_t *c = NULL;
+  char err[256] = "";
+  shardd_err rc = shardd_connect(s->sock, o, &c, err, sizeof err);
+  cr_assert_eq(rc, SHARDD_OK, "connect: %s", err);
+  return c;
 }
 
 static shardd_client_t *fake_connect(const fake_server *s) {
@@ -377,7 +491,10 @@ static void expect_refusal(const fake_script *sc, shardd_err want, ...) {
 #define REFUSED(sc, want, ...) expect_refusal(sc, want, __VA_ARGS__, (const char *)NULL)
 
 static fake_script one(fake_buf b) {
-  fake_script sc = {{b}, 1};
+  fake_script sc;
+  memset(&sc, 0, sizeof sc);
+  sc.bufs[0] = b;
+  sc.nbufs = 1;
   return sc;
 }
 
@@ -657,12 +774,304 @@ Test(client, null_arguments_are_refused_not_dereferenced, .timeout = 30) {
   cr_assert_eq(shardd_restore(NULL, "/x", 0, NULL, 0), SHARDD_E_INVAL);
   cr_assert_eq(shardd_wait(NULL, 1), SHARDD_E_INVAL);
   cr_assert_eq(shardd_gather_async(NULL, 1, &t), SHARDD_E_INVAL);
+  shardd_area area;
+  cr_assert_eq(shardd_gather_area(NULL, 1, 0, &area), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_release(NULL, 1), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_wait_area(NULL, 1, &area), SHARDD_E_INVAL);
   cr_assert_str_eq(shardd_daemon_version(NULL), "");
 }
 
 /* The project's one version string is shardd.h's; the library reports it. */
 Test(client, library_version_is_the_header_s, .timeout = 30) {
   cr_assert_str_eq(shardd_version(), SHARDD_VERSION);
+}
+
+/* ---- (e) transient areas: the Hello, the blocks, the pools ---------------- */
+
+/* A transient block: shard (16 fp32) and reduced shard only; the gather and
+ * grad offsets are junk the client must not check. */
+static fake_buf fake_transient(void) {
+  fake_buf b = fake_host();
+  b.transient = 1;
+  b.block_bytes = b.memfd_bytes = 128;
+  b.gather_off = b.grad_off = 1ull << 40;
+  return b;
+}
+
+static fake_gather pool_reply(uint64_t pool, uint64_t bytes, uint64_t off,
+                              int send_fd) {
+  fake_gather g = {0};
+  g.pool = pool;
+  g.pool_bytes = bytes;
+  g.gather_off = off;
+  g.send_fd = send_fd;
+  return g;
+}
+
+/* Mappings of the fake daemon's pool memfds in this process. */
+static int pool_mappings(void) {
+  FILE *f = fopen("/proc/self/maps", "r");
+  cr_assert_not_null(f);
+  char line[512];
+  int n = 0;
+  while (fgets(line, sizeof line, f))
+    n += strstr(line, "memfd:fake-pool") != NULL;
+  fclose(f);
+  return n;
+}
+
+static void assert_area_at(const float *p, uint64_t off, const char *what) {
+  for (uint64_t i = 0; i < 16; i++)
+    cr_assert_eq(p[i], (float)(off / 4 + i), "%s[%" PRIu64 "] = %g, wanted %g",
+                 what, i, (double)p[i], (double)(off / 4 + i));
+}
+
+static void register_transient(shardd_client_t *c, shardd_buffer_info *b) {
+  cr_assert_eq(shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 16, b), SHARDD_OK,
+               "%s", shardd_last_error(c));
+  cr_assert_eq(b->transient, 1);
+}
+
+Test(client, connect_opts_of_an_older_size_ask_for_no_transient_areas, .timeout = 30) {
+  for (int full = 0; full < 2; full++) {
+    fake_script sc = one(fake_host());
+    sc.hello_transient = full ? 2 : 1;
+    fake_server s;
+    fake_start(&s, &sc);
+    shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+    cr_assert_eq(o.size, sizeof o);
+    cr_assert_eq(o.transient_areas, 0, "the INIT macro asks for resident areas");
+    o.job = "fake-job";
+    o.transient_areas = 1;
+    /* a caller built before the field: its struct ends before it, and the
+     * memory there (set to 1 here) is not read */
+    if (!full)
+      o.size = offsetof(shardd_connect_opts, transient_areas);
+    shardd_client_t *c = fake_connect_opts(&s, &o);
+    assert_usable(c);
+    shardd_close(c);
+    fake_stop(&s); /* exit 15 when the Hello was not as expected */
+  }
+}
+
+Test(client, transient_block_has_no_gather_or_grad_area, .timeout = 30) {
+  fake_script sc = one(fake_transient());
+  fake_server s;
+  fake_start(&s, &sc);
+  shardd_client_t *c = fake_connect(&s);
+  shardd_buffer_info b;
+  register_transient(c, &b);
+  cr_assert_null(b.gather);
+  cr_assert_null(b.grad);
+  cr_assert_not_null(b.shard);
+  cr_assert_eq((char *)b.reduced - (char *)b.shard, 64);
+  ((float *)b.reduced)[15] = 2.0f; /* the whole block is mapped */
+  /* the same layout without the flag is refused: the check is skipped
+   * only for transient blocks */
+  shardd_close(c);
+  fake_stop(&s);
+  fake_buf resident = fake_transient();
+  resident.transient = 0;
+  refuse_layout(resident, "gather area");
+}
+
+Test(client, gather_area_maps_a_pool_once, .timeout = 30) {
+  fake_script sc = one(fake_transient());
+  sc.gathers[0] = pool_reply(3, 8192, 256, 1);
+  sc.gathers[1] = pool_reply(3, 8192, 512, 0);
+  sc.gathers[1].want_grad = 1;
+  sc.gathers[1].has_grad = 1;
+  sc.gathers[1].grad_off = 1024;
+  sc.gathers[2] = pool_reply(3, 8192, 0, 1); /* the descriptor again */
+  sc.ngathers = 3;
+  fake_server s;
+  int before = count_fds();
+  fake_start(&s, &sc);
+  shardd_client_t *c = fake_connect(&s);
+  shardd_buffer_info b;
+  register_transient(c, &b);
+  cr_assert_eq(shardd_gather_area(c, 7, 0, NULL), SHARDD_E_INVAL);
+  cr_assert_not_null(strstr(shardd_last_error(c), "out is NULL"));
+
+  shardd_area a1, a2, a3;
+  cr_assert_eq(shardd_gather_area(c, 7, 0, &a1), SHARDD_OK, "%s", shardd_last_error(c));
+  cr_assert_eq(a1.pool, 3);
+  cr_assert_null(a1.grad, "no gradient area unless asked");
+  assert_area_at(a1.gather, 256, "gather");
+  cr_assert_eq(pool_mappings(), 1);
+  cr_assert_eq(count_fds(), before + 1, "the pool's descriptor stays open");
+
+  cr_assert_eq(shardd_gather_area(c, 7, 1, &a2), SHARDD_OK, "%s", shardd_last_error(c));
+  assert_area_at(a2.gather, 512, "gather");
+  assert_area_at(a2.grad, 1024, "grad");
+  cr_assert_eq((char *)a2.gather - (char *)a1.gather, 256, "one mapping per pool");
+  ((float *)a2.grad)[0] = -1.0f; /* writable */
+
+  /* a descriptor sent again for a mapped pool is closed, not mapped again */
+  cr_assert_eq(shardd_gather_area(c, 7, 0, &a3), SHARDD_OK, "%s", shardd_last_error(c));
+  cr_assert_eq((char *)a1.gather - (char *)a3.gather, 256);
+  cr_assert_eq(pool_mappings(), 1);
+  cr_assert_eq(count_fds(), before + 1);
+
+  cr_assert_eq(shardd_release(c, 7), SHARDD_OK, "%s", shardd_last_error(c));
+  assert_usable(c);
+  long page = sysconf(_SC_PAGESIZE);
+  cr_assert_eq(msync(a3.gather, (size_t)page, MS_ASYNC), 0);
+  shardd_close(c);
+  cr_assert_eq(msync(a3.gather, (size_t)page, MS_ASYNC), -1, "pool mapped after close");
+  cr_assert_eq(pool_mappings(), 0);
+  fake_stop(&s);
+  cr_assert_eq(count_fds(), before);
+}
+
+/* One gather_area against g, refused with want and a message holding sub;
+ * the client stays usable and keeps no descriptor. */
+static void refuse_gather(fake_gather g, shardd_err want, const char *sub) {
+  fake_script sc = one(fake_transient());
+  sc.gathers[0] = g;
+  sc.ngathers = 1;
+  fake_server s;
+  int before = count_fds();
+  fake_start(&s, &sc);
+  shardd_client_t *c = fake_connect(&s);
+  shardd_buffer_info b;
+  register_transient(c, &b);
+  shardd_area a;
+  memset(&a, 0xab, sizeof a);
+  shardd_err rc = shardd_gather_area(c, 7, g.want_grad, &a);
+  const char *msg = shardd_last_error(c);
+  cr_assert_eq(rc, want, "gather_area: %s (%s), wanted %s", shardd_err_name(rc), msg,
+               shardd_err_name(want));
+  cr_assert_not_null(strstr(msg, sub), "message \"%s\" lacks \"%s\"", msg, sub);
+  cr_assert_null(a.gather);
+  cr_assert_null(a.grad);
+  assert_usable(c);
+  cr_assert_eq(count_fds(), before + 1, "a descriptor leaked");
+  shardd_close(c);
+  fake_stop(&s);
+}
+
+Test(client, gather_reply_naming_an_unknown_pool_without_descriptor_is_refused,
+     .timeout = 30) {
+  refuse_gather(pool_reply(5, 8192, 0, 0), SHARDD_E_PROTOCOL,
+                "names pool 5, which this connection has not mapped, and "
+                "carries no descriptor");
+}
+
+Test(client, areas_outside_the_pool_are_refused, .timeout = 30) {
+  /* the 64 bytes of the area would end past the pool */
+  refuse_gather(pool_reply(1, 4096, 4096 - 32, 1), SHARDD_E_PROTOCOL,
+                "gather area at byte 4064 (16 elements of 4 bytes) outside pool 1");
+  refuse_gather(pool_reply(1, 4096, 2, 1), SHARDD_E_PROTOCOL, "outside pool 1");
+  fake_gather g = pool_reply(1, 4096, 0, 1);
+  g.want_grad = g.has_grad = 1;
+  g.grad_off = UINT64_MAX - 8;
+  refuse_gather(g, SHARDD_E_PROTOCOL, "gradient area at byte");
+  g.has_grad = 0;
+  refuse_gather(g, SHARDD_E_PROTOCOL, "leased no gradient area");
+  g = pool_reply(1, 1ull << 40, 0, 1);
+  g.memfd_bytes = 4096;
+  refuse_gather(g, SHARDD_E_PROTOCOL,
+                "pool 1: the daemon's descriptor holds 4096 bytes, not the 1099511627776");
+}
+
+Test(client, plain_gather_maps_the_pool_it_is_sent, .timeout = 30) {
+  fake_script sc = one(fake_transient());
+  sc.gathers[0] = pool_reply(2, 8192, 0, 1);
+  sc.gathers[1] = pool_reply(2, 8192, 4096, 0);
+  sc.ngathers = 2;
+  fake_server s;
+  int before = count_fds();
+  fake_start(&s, &sc);
+  shardd_client_t *c = fake_connect(&s);
+  shardd_buffer_info b;
+  register_transient(c, &b);
+  cr_assert_eq(shardd_gather(c, 7), SHARDD_OK, "%s", shardd_last_error(c));
+  cr_assert_eq(count_fds(), before + 1, "the pool's descriptor leaked");
+  cr_assert_eq(pool_mappings(), 1, "shardd_gather keeps the pool for later gathers");
+  shardd_area a;
+  cr_assert_eq(shardd_gather_area(c, 7, 0, &a), SHARDD_OK, "%s", shardd_last_error(c));
+  assert_area_at(a.gather, 4096, "gather");
+  shardd_close(c);
+  fake_stop(&s);
+  cr_assert_eq(count_fds(), before);
+}
+
+Test(client, async_gather_maps_the_pool_it_is_sent, .timeout = 30) {
+  fake_script sc = one(fake_transient());
+  sc.gathers[0] = pool_reply(4, 8192, 1024, 1); /* read by the ping */
+  sc.gathers[1] = pool_reply(4, 8192, 2048, 0); /* read by shardd_wait_area */
+  sc.gathers[2] = pool_reply(4, 8192, 3072, 0); /* a blocking gather after */
+  sc.ngathers = 3;
+  fake_server s;
+  int before = count_fds();
+  fake_start(&s, &sc);
+  shardd_client_t *c = fake_connect(&s);
+  shardd_buffer_info b;
+  register_transient(c, &b);
+  shardd_ticket t1, t2;
+  cr_assert_eq(shardd_gather_async(c, 7, &t1), SHARDD_OK, "%s", shardd_last_error(c));
+  cr_assert_eq(shardd_ping(c), SHARDD_OK, "%s", shardd_last_error(c));
+  cr_assert_eq(pool_mappings(), 1, "the reply read under another call mapped its pool");
+  cr_assert_eq(count_fds(), before + 1);
+  cr_assert_eq(shardd_gather_async(c, 7, &t2), SHARDD_OK, "%s", shardd_last_error(c));
+  shardd_area a1, a2, a3;
+  cr_assert_eq(shardd_wait_area(c, t2, &a2), SHARDD_OK, "%s", shardd_last_error(c));
+  assert_area_at(a2.gather, 2048, "gather");
+  cr_assert_null(a2.grad);
+  cr_assert_eq(a2.pool, 4);
+  cr_assert_eq(shardd_wait_area(c, t1, &a1), SHARDD_OK, "%s", shardd_last_error(c));
+  assert_area_at(a1.gather, 1024, "gather");
+  cr_assert_eq(shardd_wait(c, t1), SHARDD_E_INVAL, "a ticket is waited for once");
+  cr_assert_eq(shardd_gather_area(c, 7, 0, &a3), SHARDD_OK, "%s", shardd_last_error(c));
+  assert_area_at(a3.gather, 3072, "gather");
+  cr_assert_eq(pool_mappings(), 1);
+  shardd_close(c);
+  fake_stop(&s);
+  cr_assert_eq(count_fds(), before);
+}
+
+Test(client, async_gather_with_an_unknown_pool_fails_its_ticket, .timeout = 30) {
+  fake_script sc = one(fake_transient());
+  sc.gathers[0] = pool_reply(6, 8192, 0, 0);
+  sc.ngathers = 1;
+  fake_server s;
+  fake_start(&s, &sc);
+  shardd_client_t *c = fake_connect(&s);
+  shardd_buffer_info b;
+  register_transient(c, &b);
+  shardd_ticket t;
+  cr_assert_eq(shardd_gather_async(c, 7, &t), SHARDD_OK, "%s", shardd_last_error(c));
+  cr_assert_eq(shardd_ping(c), SHARDD_OK, "the ping is not the failed reply's");
+  shardd_area a;
+  cr_assert_eq(shardd_wait_area(c, t, &a), SHARDD_E_PROTOCOL);
+  cr_assert_not_null(strstr(shardd_last_error(c), "names pool 6"), "%s",
+                     shardd_last_error(c));
+  cr_assert_null(a.gather);
+  assert_usable(c);
+  shardd_close(c);
+  fake_stop(&s);
+}
+
+Test(client, gather_area_of_resident_areas_is_the_block_s, .timeout = 30) {
+  fake_script sc = one(fake_host());
+  sc.gathers[0].status_only = 1;
+  sc.gathers[0].want_grad = 1;
+  sc.ngathers = 1;
+  fake_server s;
+  fake_start(&s, &sc);
+  shardd_client_t *c = fake_connect(&s);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 16, &b), SHARDD_OK,
+               "%s", shardd_last_error(c));
+  cr_assert_eq(b.transient, 0);
+  shardd_area a;
+  cr_assert_eq(shardd_gather_area(c, 7, 1, &a), SHARDD_OK, "%s", shardd_last_error(c));
+  cr_assert_eq(a.gather, b.gather);
+  cr_assert_eq(a.grad, b.grad);
+  cr_assert_eq(a.pool, 0);
+  shardd_close(c);
+  fake_stop(&s);
 }
 
 /* ---- connect's messages (issue 20, item 12) ------------------------------ *

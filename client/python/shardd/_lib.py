@@ -46,6 +46,7 @@ class ConnectOpts(ctypes.Structure):
         ("world", c_uint32),
         ("client_name", c_char_p),
         ("max_inflight_gathers", c_uint32),
+        ("transient_areas", c_int),
     ]
 
 
@@ -66,6 +67,7 @@ class BufferInfo(ctypes.Structure):
         ("reduced", c_void_p),
         ("generation", c_uint64),
         ("is_device", c_int),
+        ("transient", c_int),
     ]
 
 
