@@ -85,6 +85,15 @@ uint32_t shardd__coll_inflight(const shardd__coll_engine *e,
   return cj ? cj->count : 0;
 }
 
+int shardd__coll_gathering(const shardd__coll_engine *e,
+                           const shardd__buffer *b) {
+  const coll_job *cj = shardd__map_get_id(&e->jobs, job_key(b->hdr.job));
+  for (const coll *c = cj ? cj->head : NULL; c; c = c->next)
+    if (c->started && c->buf == b && c->args.kind == SHARDD__COLL_GATHER)
+      return 1;
+  return 0;
+}
+
 void shardd__coll_job_free(shardd__coll_engine *e, shardd__job *job) {
   coll_job *cj = shardd__map_del_id(&e->jobs, job_key(job));
   if (cj)

@@ -129,6 +129,12 @@ void shardd__coll_fabric_state(shardd__coll_engine *e, const shardd__job *job,
                                char *engine, size_t elen, char *msg,
                                size_t mlen);
 
+/* Whether a started gather of b is writing its ranks' gather areas (a
+ * transient area must not be given back under it; a queued one leases
+ * again when it starts). */
+int shardd__coll_gathering(const shardd__coll_engine *e,
+                           const shardd__buffer *b);
+
 /* Collectives queued or running in job (0 before it may be released). */
 uint32_t shardd__coll_inflight(const shardd__coll_engine *e,
                                const shardd__job *job);

@@ -599,11 +599,11 @@ static void on_release(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     snprintf(err, sizeof err, "rank %" PRIu32 " holds no gather area of buffer "
              "%" PRIu64 " (\"%s\")", c->m.rank, b->hdr.id, b->hdr.name);
     rc = SHARDD_E_STATE;
-  } else if (rc == SHARDD_OK && shardd__coll_inflight(d->coll, c->m.job) > 0 &&
-             b->inflight > 0) {
-    /* a queued gather of it would write into the area being given back */
-    snprintf(err, sizeof err, "buffer %" PRIu64 " (\"%s\") has collectives in "
-             "flight; release it after they end", b->hdr.id, b->hdr.name);
+  } else if (rc == SHARDD_OK && shardd__coll_gathering(d->coll, b)) {
+    /* a running gather writes into the area being given back (a queued
+     * one is fine: it leases again when it starts) */
+    snprintf(err, sizeof err, "buffer %" PRIu64 " (\"%s\") is being gathered; "
+             "release it after the gather ends", b->hdr.id, b->hdr.name);
     rc = SHARDD_E_BUSY;
   }
   if (rc == SHARDD_OK)
