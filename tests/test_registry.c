@@ -1046,7 +1046,7 @@ Test(registry, uid_memory_limit_counts_every_job_of_the_uid) {
   buf_new(theirs, "b", SHARDD_DTYPE_FP32, 4);
   cr_assert_eq(shardd__job_get(&reg, "job-a", 4, 0, &roots, err, sizeof err), SHARDD_OK);
   for (int i = 0; i < 3; i++) {
-    char name[8];
+    char name[16];
     snprintf(name, sizeof name, "r%d", i);
     buf_new(roots, name, SHARDD_DTYPE_FP32, 4);
   }
