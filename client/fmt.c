@@ -256,6 +256,15 @@ char *shardd__fmt_inspect_text(const Shardwire__InspectReply *ir) {
     shardd__sb_printf(&sb, "optimizer: %" PRIu64 "\n", ir->optimizer);
   else
     shardd__sb_printf(&sb, "optimizer: none\n");
+  if (ir->n_gather_leases || ir->n_grad_leases) {
+    shardd__sb_printf(&sb, "leased gather areas: ranks");
+    for (size_t i = 0; i < ir->n_gather_leases; i++)
+      shardd__sb_printf(&sb, " %" PRIu32, ir->gather_leases[i]);
+    shardd__sb_printf(&sb, "\nleased gradient areas: ranks");
+    for (size_t i = 0; i < ir->n_grad_leases; i++)
+      shardd__sb_printf(&sb, " %" PRIu32, ir->grad_leases[i]);
+    shardd__sb_printf(&sb, "\n");
+  }
   if (ir->has_resident_bytes) {
     char a[32];
     human(a, sizeof a, ir->resident_bytes);
@@ -333,6 +342,15 @@ char *shardd__fmt_inspect_json(const Shardwire__InspectReply *ir) {
     shardd__sb_printf(&sb, ",\"optimizer\":%" PRIu64, ir->optimizer);
   else
     shardd__sb_printf(&sb, ",\"optimizer\":null");
+  if (ir->n_gather_leases || ir->n_grad_leases) {
+    shardd__sb_printf(&sb, ",\"gather_leases\":[");
+    for (size_t i = 0; i < ir->n_gather_leases; i++)
+      shardd__sb_printf(&sb, "%s%" PRIu32, i ? "," : "", ir->gather_leases[i]);
+    shardd__sb_printf(&sb, "],\"grad_leases\":[");
+    for (size_t i = 0; i < ir->n_grad_leases; i++)
+      shardd__sb_printf(&sb, "%s%" PRIu32, i ? "," : "", ir->grad_leases[i]);
+    shardd__sb_printf(&sb, "]");
+  }
   if (ir->has_resident_bytes)
     shardd__sb_printf(&sb, ",\"resident_bytes\":%" PRIu64, ir->resident_bytes);
   shardd__sb_printf(&sb, ",\"shards\":[");

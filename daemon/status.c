@@ -315,6 +315,16 @@ static shardd_err fill_buffer(shardd__report *r, const shardd__status_ctx *ctx,
       owner = views[i]->owner;
   }
   free(views);
+  if (b->hdr.job->transient) {
+    ir->gather_leases = ar_alloc(r, b->world * sizeof *ir->gather_leases);
+    ir->grad_leases = ar_alloc(r, b->world * sizeof *ir->grad_leases);
+    for (uint32_t k = 0; ir->gather_leases && ir->grad_leases && k < b->world; k++) {
+      if (shardd__area_held(b, k, SHARDD__AREA_GATHER, NULL))
+        ir->gather_leases[ir->n_gather_leases++] = k;
+      if (shardd__area_held(b, k, SHARDD__AREA_GRAD, NULL))
+        ir->grad_leases[ir->n_grad_leases++] = k;
+    }
+  }
   if (owner) {
     ir->has_optimizer = 1;
     ir->optimizer = owner->hdr.id;

@@ -465,7 +465,17 @@ Test(areas, plain_and_async_gathers_map_the_pool_once, .init = start, .fini = st
   const float *g = a.gather;
   for (uint64_t i = 0; i < 1000; i++)
     cr_assert_eq(g[i], (float)i + 0.5f, "gathered[%" PRIu64 "] = %g", i, (double)g[i]);
+  /* inspect names the ranks that hold a lease on the buffer */
+  char *js = NULL;
+  cr_assert_eq(shardd_inspect_json(c, b.id, NULL, &js), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  cr_expect(strstr(js, "\"gather_leases\":[0],\"grad_leases\":[]") != NULL, "%s", js);
+  shardd_free(js);
   cr_assert_eq(shardd_release(c, b.id), SHARDD_OK, "%s", shardd_last_error(c));
+  cr_assert_eq(shardd_inspect_json(c, b.id, NULL, &js), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  cr_expect(strstr(js, "gather_leases") == NULL, "released: %s", js);
+  shardd_free(js);
 
   shardd_ticket t;
   cr_assert_eq(shardd_gather_async(c, b.id, &t), SHARDD_OK, "%s", shardd_last_error(c));
