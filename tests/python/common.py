@@ -52,6 +52,14 @@ def socket():
     return daemon().socket
 
 
+def own_daemon(devices=DEVICES):
+    """A daemon of the test's own (host backend), for what is daemon-wide,
+    such as the devices' peak bytes: the caller stops it (stop(), cleanup())."""
+    return shardd.daemon.Daemon(devices=devices, log_level="debug",
+                                extra_args=["--collective-timeout", "30"],
+                                env=daemon_env())
+
+
 def stop_daemon():
     """Stops the daemon; -> (exit status, log path) or None when none ran."""
     global _daemon

@@ -20,6 +20,23 @@ is unregistered on this client or the client is closed; touching one after
 that is a use-after-unmap (a crash). bf16 areas are uint16 in numpy (numpy has
 no bfloat16) and torch.bfloat16 in torch.
 
+Transient areas (``Client(..., transient_areas=True)``, FSDP's reshard): a
+buffer's block holds only the shard and the reduced-gradient shard
+(``buf.transient``); ``buf.gather``/``buf.grad`` and their tensors are not
+available (they raise E_STATE). Instead each gather leases this rank's areas
+from its device's pool, mapped once per client:
+
+    g, gr = c.gather_area(buf, want_grad=True)  # tensors over the leased areas
+    ... forward with g, write the full gradient into gr ...
+    c.scatter(buf, "mean")                      # consumes (returns) gr
+    c.release(buf)                              # returns g
+
+``g`` is valid until ``release(buf)``, ``gr`` until the scatter that consumes
+it; after that the daemon may lease the memory to another buffer (the tensors
+stay mapped, so a late use reads another buffer's data rather than crashing).
+A rank holds at most 2 gather and 2 gradient areas at once; a third gather is
+refused with E_LIMIT naming what it holds.
+
 On the cuda backend (``buf.is_device``) the areas are the daemon's GPU memory
 (CUDA IPC, opened by libshardd on GPU ``buf.device``): ``buf.tensor(area)`` is
 a torch CUDA tensor over it (no copy, through ``__cuda_array_interface__``),
@@ -216,6 +233,9 @@ class Buffer:
         # them to e.g. cupy; tensor() wraps them as torch CUDA tensors); they
         # have no host view
         self.is_device = bool(info.is_device)
+        # transient areas: no gather/grad area in the block; gather_area()
+        # leases them from the device's pool
+        self.transient = bool(info.transient)
         self._ptr = {
             "shard": (info.shard, info.shard_numel, info.dtype),
             "gather": (info.gather, info.padded_numel, info.dtype),
@@ -226,6 +246,7 @@ class Buffer:
         self._np = {}
         self._torch = {}
         self._cuda = {}  # area -> _CudaArea behind its tensor (cuda backend)
+        self._leased = {}  # (ptr, numel, code) -> tensor over a leased pool area
 
     def __repr__(self):
         return "<shardd.Buffer %d %r %s numel=%d padded=%d shard=%d rank=%d/%d>" % (
@@ -241,10 +262,18 @@ class Buffer:
         """Raw address of an area ("shard", "gather", "grad", "reduced")."""
         return self._ptr[area][0]
 
+    def _check_whole_area(self, area):
+        if self.transient and area in ("gather", "grad"):
+            raise Error(22, "buffer %d (%r) has transient areas: its %s area is "
+                        "leased per gather, use Client.gather_area(buffer%s)"
+                        % (self.id, self.name, area,
+                           ", want_grad=True" if area == "grad" else ""), "E_STATE")
+
     def _ctypes_array(self, area):
         arr = self._carr.get(area)
         if arr is None:
             self.client._check_open()
+            self._check_whole_area(area)
             ptr, n, code = self._ptr[area]
             if not ptr:
                 raise Error(5, "buffer %d has no %s area" % (self.id, area), "E_NOT_FOUND")
@@ -298,11 +327,19 @@ class Buffer:
         """A torch CUDA tensor over a device area, through
         __cuda_array_interface__ (torch finds the GPU from the pointer)."""
         self.client._check_open()
+        self._check_whole_area(area)
         ptr, n, code = self._ptr[area]
         if not ptr:
             raise Error(5, "buffer %d has no %s area" % (self.id, area), "E_NOT_FOUND")
-        where = "buffer %d's %s area is GPU memory (cuda backend, GPU %d)" % (
-            self.id, area, self.device)
+        t, holder = self._cuda_wrap(torch, ptr, n, code, "%s area" % area)
+        self._cuda[area] = holder
+        return t
+
+    def _cuda_wrap(self, torch, ptr, n, code, what):
+        """-> (tensor, holder): a torch CUDA tensor over n elements at the
+        device pointer ptr, and the _CudaArea it was made from."""
+        where = "buffer %d's %s is GPU memory (cuda backend, GPU %d)" % (
+            self.id, what, self.device)
         if not torch.cuda.is_available():
             raise Error(21, "%s, but this torch has no CUDA device (torch %s, CUDA %s)"
                         % (where, torch.__version__, torch.version.cuda), "E_NO_CUDA")
@@ -321,8 +358,30 @@ class Buffer:
                         "view of the %d at 0x%x" % (where, raw.device, raw.numel(),
                                                     raw.data_ptr(), n, ptr), "E_INTERNAL")
         t = _area_dtype(torch, raw, code)
-        self._cuda[area] = holder
         self.client._cuda_devices.add(t.device.index)
+        return t, holder
+
+    def _leased_tensor(self, ptr, what):
+        """A torch tensor over padded_numel elements of the buffer's dtype at
+        ptr, a leased area in a pool mapping (valid until the client is
+        closed), made once per address."""
+        key = (ptr, self.padded_numel, self.dtype_code)
+        t = self._leased.get(key)
+        if t is None:
+            import torch
+            n, code = self.padded_numel, self.dtype_code
+            if self.is_device:
+                t, _ = self._cuda_wrap(torch, ptr, n, code, what)
+            else:
+                import warnings
+                ctype = ctypes.c_float if code == L.DTYPE_FP32 else ctypes.c_uint16
+                arr = (ctype * n).from_address(ptr)
+                tdt = {L.DTYPE_FP32: torch.float32, L.DTYPE_BF16: torch.bfloat16,
+                       L.DTYPE_FP16: torch.float16}[code]
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    t = torch.frombuffer(arr, dtype=tdt)
+            self._leased[key] = t
         return t
 
     shard = property(lambda self: self.numpy("shard"))
@@ -339,6 +398,7 @@ class Buffer:
         self._torch.clear()
         self._carr.clear()
         self._cuda.clear()
+        self._leased.clear()
 
     # conveniences forwarding to the client
     def do_gather(self):
@@ -406,16 +466,25 @@ class Client:
 
     socket: daemon socket path (None: $SHARDD_SOCKET, then the default).
     job None or "" opens a control session (status/inspect only).
+    transient_areas=True asks for a job with transient areas (FSDP's
+    reshard): buffers keep only the shard and the reduced shard, and
+    gather_area() leases the whole-buffer areas per gather (see the module
+    docstring). The Hello that creates the job decides; a rank asking
+    otherwise is refused (E_MISMATCH).
     Not thread-safe: use one Client per thread/rank.
     """
 
-    def __init__(self, socket=None, job=None, rank=0, world=1, client_name=None):
+    def __init__(self, socket=None, job=None, rank=0, world=1, client_name=None,
+                 transient_areas=False):
         self._lib = L.load()
         self._c = None
+        if transient_areas not in (True, False):  # also 0 and 1
+            raise TypeError("transient_areas must be a bool, not %r" % (transient_areas,))
         self.socket = socket
         self.job = job
         self.rank = rank
         self.world = world
+        self.transient_areas = bool(transient_areas)
         self.buffers = {}
         self._cuda_devices = set()  # GPUs of the device areas handed out as tensors
         opts = L.ConnectOpts()
@@ -424,6 +493,7 @@ class Client:
         opts.rank = rank
         opts.world = world
         opts.client_name = _b(client_name if client_name is not None else "python")
+        opts.transient_areas = 1 if transient_areas else 0
         out = ctypes.c_void_p()
         errbuf = ctypes.create_string_buffer(1024)
         rc = self._lib.shardd_connect(_b(socket), ctypes.byref(opts), ctypes.byref(out),
@@ -663,6 +733,79 @@ class Client:
         """Waits for the gather a ticket from gather_async() stands for."""
         self._check_open()
         self._call(self._lib.shardd_wait(self._c, ctypes.c_uint64(ticket)))
+
+    def _buffer_of(self, buffer):
+        """A Buffer registered on this client, from a Buffer or an id."""
+        if isinstance(buffer, Buffer):
+            if buffer.client is not self:
+                raise ValueError("%r was registered on another client" % (buffer,))
+            b = self.buffers.get(buffer.id)
+            if b is not buffer:
+                raise ValueError("%r is not registered on this client any more" % (buffer,))
+            return b
+        if isinstance(buffer, (View, Optimizer)) or isinstance(buffer, bool):
+            raise TypeError("a buffer (Buffer or id) is needed, not %r" % (buffer,))
+        b = self.buffers.get(int(buffer))
+        if b is None:
+            raise ValueError("buffer id %d is not registered on this client" % int(buffer))
+        return b
+
+    def _areas(self, buf, area, want_grad):
+        g = buf._leased_tensor(area.gather, "gather area") if area.gather else None
+        if g is None:
+            raise Error(24, "buffer %d: the gather handed out no gather area" % buf.id,
+                        "E_INTERNAL")
+        gr = None
+        if want_grad:
+            if not area.grad:
+                raise Error(24, "buffer %d: a gather with want_grad handed out no "
+                            "gradient area" % buf.id, "E_INTERNAL")
+            gr = buf._leased_tensor(area.grad, "gradient area")
+        return g, gr
+
+    def gather_area(self, buffer, want_grad=False):
+        """All-gather (collective) into this rank's gather area. ->
+        (gather, grad): torch tensors (no copy) of padded_numel elements over
+        the areas, grad None unless want_grad.
+
+        Transient areas: both are leased from the device's pool; gather is
+        this rank's until release(buffer), grad (zeroed by the daemon) until
+        the scatter of the buffer that consumes it. Gathering a buffer whose
+        areas this rank holds already keeps them (and gathers again). At
+        most 2 gather and 2 gradient areas per rank: a third is refused
+        with E_LIMIT naming what the rank holds (release one first).
+        Resident areas: the block's gather and grad areas (as
+        buf.gather_tensor and buf.grad_tensor)."""
+        self._check_open()
+        if want_grad not in (True, False):
+            raise TypeError("want_grad must be a bool, not %r" % (want_grad,))
+        buf = self._buffer_of(buffer)
+        self._sync_cuda()
+        area = L.Area()
+        self._call(self._lib.shardd_gather_area(self._c, buf.id, 1 if want_grad else 0,
+                                                ctypes.byref(area)))
+        return self._areas(buf, area, want_grad)
+
+    def wait_area(self, ticket, buffer):
+        """wait(ticket) for a gather_async(buffer), and where it put this
+        rank's gather area: -> (gather, None) as gather_area() (an async
+        gather leases no gradient area)."""
+        self._check_open()
+        buf = self._buffer_of(buffer)
+        area = L.Area()
+        self._call(self._lib.shardd_wait_area(self._c, ctypes.c_uint64(ticket),
+                                              ctypes.byref(area)))
+        return self._areas(buf, area, False)
+
+    def release(self, buffer):
+        """Returns this rank's gather area of buffer to its pool (FSDP's
+        reshard): the gather tensor gather_area() returned must not be used
+        any more. E_STATE when this rank holds no gather area of it or the
+        job has resident areas."""
+        self._check_open()
+        buf = self._buffer_of(buffer)
+        self._sync_cuda()  # no kernel may still read the area being returned
+        self._call(self._lib.shardd_release(self._c, buf.id))
 
     def scatter(self, buffer, op="mean"):
         """Reduce-scatter (collective) of every rank's grad area; op "sum"/"mean"."""

@@ -71,6 +71,10 @@ class BufferInfo(ctypes.Structure):
     ]
 
 
+class Area(ctypes.Structure):
+    _fields_ = [("gather", c_void_p), ("grad", c_void_p), ("pool", c_uint64)]
+
+
 class ViewOpts(ctypes.Structure):
     _fields_ = [("size", c_size_t), ("requires_grad", c_int),
                 ("buffer_generation", c_uint64)]
@@ -160,6 +164,9 @@ def _declare(lib):
         "shardd_gather": (c_int, [client_p, c_uint64]),
         "shardd_gather_async": (c_int, [client_p, c_uint64, P(c_uint64)]),
         "shardd_wait": (c_int, [client_p, c_uint64]),
+        "shardd_gather_area": (c_int, [client_p, c_uint64, c_int, P(Area)]),
+        "shardd_wait_area": (c_int, [client_p, c_uint64, P(Area)]),
+        "shardd_release": (c_int, [client_p, c_uint64]),
         "shardd_scatter": (c_int, [client_p, c_uint64, c_int]),
         "shardd_step": (c_int, [client_p, c_uint64, P(StepOpts), P(StepResult)]),
     }

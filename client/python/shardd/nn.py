@@ -40,6 +40,62 @@ gather is done by the constructor (it is a collective: every rank of the job
 must construct the same wrapper). Mapped tensors alias libshardd mappings:
 don't use the module after the client is closed.
 
+Transient areas (a client made with ``transient_areas=True``): FSDP's
+reshard, driven by hooks, with the plain torch loop and no explicit
+gather or scatter:
+
+    client = shardd.Client(sock, job=..., rank=r, world=w, transient_areas=True)
+    sm = shardd.nn.ShardedModule(client, model, auto_wrap="children")
+    opt = sm.register_optimizer("adamw", model.parameters(), lr=1e-3)
+    for x, y in data:
+        sm.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()             # per unit: gather, grads, scatter, release
+        sm.step(opt)
+
+Per unit, in the same order on every rank (each rank's graph is the same):
+
+* forward pre-hook: gather the unit (``Client.gather_area``) and point every
+  parameter's ``.data`` at its slice of the leased gather area;
+* forward post-hook: register a hook on the unit's output tensors (it fires
+  when the gradient w.r.t. them is computed, before the unit's backward), then
+  release the unit (FSDP's reshard after forward) and leave its parameters
+  empty (0 elements, as FSDP's resharded ones), except the *root unit* (the
+  one holding the root module's own parameters), which stays gathered until
+  the end of backward as FSDP keeps it;
+* while the root module's forward runs, saved-tensor hooks record every
+  tensor autograd saves that lies in a gathered area as (unit, offset,
+  sizes, strides) instead of the tensor, and backward rebuilds it from the
+  unit's area *then* (the memory of a released area is leased on to other
+  units, and a re-gather may land elsewhere in the pool);
+* before the unit's backward (its outputs' hook): gather again with a
+  gradient area (zeroed by the daemon), point ``.data`` at the new area and
+  every trainable parameter's ``.grad`` at its slice of the gradient area
+  (autograd accumulates into it in place);
+* once autograd has accumulated the gradient of every trainable parameter of
+  the unit (post-hooks on their AccumulateGrad nodes): reduce-scatter
+  (``reduce_op``, "mean" by default), which consumes the gradient area, and
+  release; ``.grad`` is set back to None (the reduced gradient is the
+  daemon's, in ``buffer.reduced_tensor``);
+* at the end of backward (a callback queued on autograd's engine), in
+  reverse unit order: units still waiting for a gradient (a parameter that
+  got none) are scattered as they are (the missing ones contribute zeros),
+  and units that had no backward at all this time scatter a zeroed gradient
+  area, so that the step never applies a stale gradient.
+
+A rank holds at most 2 gather and 2 gradient areas at once: the hooks keep
+to that for a chain of units (one unit in backward at a time, plus the root
+unit). ``gather()``, ``scatter()`` and ``sync_grads()`` are for resident
+clients only (E_STATE here); :meth:`ShardedModule.full_parameters` copies
+out the whole parameters on either kind. Not done yet: prefetching the next
+unit, ``no_sync()`` (gradient accumulation across backwards), parameters
+shared between units, activation checkpointing (a forward inside
+backward), and a forward that raises (the saved-tensor hooks stay pushed
+until the next forward of the root). A unit with a trainable parameter that
+gets no gradient holds its areas until the end of backward, so two such
+units (or one and the root unit) in one backward run into the lease limit
+(E_LIMIT).
+
 On the cuda backend the parameters and their ``.grad`` live on the GPU the
 daemon put this rank's areas on (:attr:`ShardedModule.device`; the module's
 buffers, e.g. BatchNorm statistics, are moved there too; inputs are the
@@ -48,8 +104,12 @@ caller's to move). The client waits for the queued GPU work
 requests, so the daemon reads finished gradients and shards and overwrites
 no parameter a kernel still reads.
 """
+import functools
+
 import torch
 from torch import nn
+
+import shardd
 
 
 _TORCH_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -58,10 +118,20 @@ _TORCH_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "
 class FlatUnit:
     """One flat buffer and the original parameters it holds."""
 
-    def __init__(self, name, buffer, entries):
+    def __init__(self, name, buffer, entries, module=None, is_root=False):
         self.name = name
         self.buffer = buffer
         self.entries = entries  # list of _Entry
+        self.module = module    # the module whose forward is the unit's
+        self.is_root = is_root  # holds the root module's own parameters
+        # transient areas: the leased areas now held, and where the unit is
+        # in this iteration: "idle", "forward" (gathered for forward),
+        # "backward" (gathered with a gradient area), "done" (scattered),
+        # "late" (gathered again for a saved tensor after it was done)
+        self.gather = None
+        self.grad = None
+        self.state = "idle"
+        self.pending = 0
 
     def __repr__(self):
         return "<FlatUnit %r buffer=%d numel=%d params=%d>" % (
@@ -69,7 +139,8 @@ class FlatUnit:
 
 
 class _Entry:
-    __slots__ = ("name", "view", "param", "owners", "grad_view")
+    __slots__ = ("name", "view", "param", "owners", "grad_view", "offset", "numel",
+                 "shape", "acc")
 
     def __init__(self, name, view, owners):
         self.name = name          # qualified name of the (first) occurrence
@@ -77,6 +148,22 @@ class _Entry:
         self.owners = owners      # [(module, attr)] where the parameter lives
         self.param = None         # the replacement nn.Parameter (gather view)
         self.grad_view = None     # tensor view of the grad area
+        self.offset = view.offset
+        self.numel = view.numel
+        self.shape = view.shape
+        self.acc = None           # transient: its AccumulateGrad node (hooked)
+
+
+class _Saved:
+    """A tensor autograd saved that lay in a unit's gather area: rebuilt from
+    the unit's area when backward unpacks it."""
+    __slots__ = ("unit", "offset", "size", "stride")
+
+    def __init__(self, unit, offset, size, stride):
+        self.unit = unit
+        self.offset = offset
+        self.size = size
+        self.stride = stride
 
 
 def _unit_modules(module, auto_wrap):
@@ -117,6 +204,18 @@ def _collect(root, qual_prefix, direct_only, seen):
     return out
 
 
+def _tensors(obj):
+    """The tensors in a module's output (nested tuples, lists, dicts)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
 class ShardedModule:
     """Wraps `module` in place over the client's job; see the module docstring.
 
@@ -126,13 +225,21 @@ class ShardedModule:
     prefix: prepended to buffer and view names (names are per job).
     dtype: "fp32", "bf16", "fp16" or a torch dtype; default: the parameters'
       dtype (they must all have one dtype).
+    initial_gather: resident areas: gather every unit at the end (a
+      collective). Transient areas gather per unit in the hooks instead.
+    reduce_op: transient areas: the hooks' reduce-scatter, "mean" or "sum".
     """
 
     def __init__(self, client, module, auto_wrap="module", prefix="", dtype=None,
-                 initial_gather=True):
+                 initial_gather=True, reduce_op="mean"):
+        if reduce_op not in shardd.REDUCE_OPS:
+            raise ValueError("reduce_op %r: one of %s" % (
+                reduce_op, ", ".join(sorted(shardd.REDUCE_OPS))))
         self.client = client
         self.module = module
         self.prefix = prefix
+        self.reduce_op = reduce_op
+        self.transient = bool(getattr(client, "transient_areas", False))
         self.units = []
         self._by_param = {}       # id(replacement param) -> _Entry
         self._orig_names = {}     # id(original param) -> qualified name
@@ -157,14 +264,17 @@ class ShardedModule:
             total = sum(p.numel() for _, p, _ in params)
             bname = "%s%s.flat_param" % (prefix, uname if uname else "root")
             buf = client.register_buffer(bname, udt, total)
-            gat = buf.gather_tensor
-            grd = buf.grad_tensor
+            sh = buf.shard_tensor
+            if buf.transient:  # the whole-buffer areas are leased per gather
+                gat = grd = None
+            else:
+                gat = buf.gather_tensor
+                grd = buf.grad_tensor
             # this rank's slice of the flattened initial values
             with torch.no_grad():
-                flat = torch.cat([p.detach().reshape(-1).to(gat.dtype) for _, p, _ in params])
+                flat = torch.cat([p.detach().reshape(-1).to(sh.dtype) for _, p, _ in params])
                 lo = rank * buf.shard_numel
                 hi = min(lo + buf.shard_numel, total)
-                sh = buf.shard_tensor
                 sh.zero_()
                 if hi > lo:
                     sh[:hi - lo].copy_(flat[lo:hi])
@@ -174,9 +284,13 @@ class ShardedModule:
                 view = client.register_view(buf, prefix + qn, off, tuple(p.shape))
                 e = _Entry(qn, view, owners)
                 n = p.numel()
-                newp = nn.Parameter(gat[off:off + n].view(p.shape), requires_grad=p.requires_grad)
+                if gat is None:  # empty until a gather points it at the area
+                    newp = nn.Parameter(sh.new_empty(0), requires_grad=p.requires_grad)
+                else:
+                    newp = nn.Parameter(gat[off:off + n].view(p.shape),
+                                        requires_grad=p.requires_grad)
+                    e.grad_view = grd[off:off + n].view(p.shape)
                 e.param = newp
-                e.grad_view = grd[off:off + n].view(p.shape)
                 self._orig_names[id(p)] = qn
                 self._orig_keep.append(p)
                 for m, attr in owners:
@@ -184,14 +298,19 @@ class ShardedModule:
                 self._by_param[id(newp)] = e
                 entries.append(e)
                 off += n
-            self.units.append(FlatUnit(uname or "root", buf, entries))
+            self.units.append(FlatUnit(uname or "root", buf, entries, module=root,
+                                       is_root=root is module))
         dev = self.device
         if dev.type == "cuda":  # the forward must find the module's buffers there
             for m in module.modules():
                 for k, b in m._buffers.items():
                     if b is not None and b.device != dev:
                         m._buffers[k] = b.to(dev)
-        if initial_gather:
+        self._sth = None          # the saved-tensor hooks pushed for a forward
+        self._final_queued = False
+        if self.transient:
+            self._install_hooks()
+        elif initial_gather:
             self.gather()
 
     # -- introspection ---------------------------------------------------
@@ -204,7 +323,7 @@ class ShardedModule:
         """Where the parameters live: cpu on the host backend, the GPU of
         this rank's areas (cuda:N) on the cuda backend."""
         for u in self.units:
-            return u.buffer.gather_tensor.device
+            return u.buffer.shard_tensor.device
         return torch.device("cpu")
 
     def named_parameters(self):
@@ -222,13 +341,29 @@ class ShardedModule:
         return e.view if e is not None else None
 
     # -- training loop -----------------------------------------------------
+    def _resident_only(self, what):
+        if self.transient:
+            raise shardd.Error(22, "%s: the client has transient areas, where the "
+                               "module's hooks gather, scatter and release each unit "
+                               "(call model(x), loss.backward() and step() only)" % what,
+                               "E_STATE")
+
     def gather(self):
-        """All-gather every unit (collective): parameters now hold the shards."""
+        """All-gather every unit (collective): parameters now hold the shards.
+        Resident areas only."""
+        self._resident_only("gather()")
         for u in self.units:
             self.client.gather(u.buffer)
 
     def zero_grad(self):
-        """Zero the grad areas and point every parameter's .grad at its slice."""
+        """Zero the grad areas and point every parameter's .grad at its slice.
+        Transient areas: sets every .grad to None (each backward's gradient
+        areas come zeroed from the daemon)."""
+        if self.transient:
+            for u in self.units:
+                for e in u.entries:
+                    e.param.grad = None
+            return
         with torch.no_grad():
             for u in self.units:
                 u.buffer.grad_tensor.zero_()
@@ -237,7 +372,9 @@ class ShardedModule:
 
     def sync_grads(self):
         """Make the grad areas hold the current .grad of every parameter
-        (copies only where autograd did not accumulate in place)."""
+        (copies only where autograd did not accumulate in place). Resident
+        areas only."""
+        self._resident_only("sync_grads()")
         with torch.no_grad():
             for u in self.units:
                 for e in u.entries:
@@ -249,13 +386,183 @@ class ShardedModule:
                         e.param.grad = e.grad_view
 
     def scatter(self, op="mean"):
-        """sync_grads(), then reduce-scatter every unit (collective)."""
+        """sync_grads(), then reduce-scatter every unit (collective). Resident
+        areas only."""
+        self._resident_only("scatter()")
         self.sync_grads()
         for u in self.units:
             self.client.scatter(u.buffer, op)
 
     def step(self, opt, lr=None, max_norm=None):
         return self.client.step(opt, lr=lr, max_norm=max_norm)
+
+    def full_parameters(self):
+        """-> {qualified name: tensor}, copies of the whole parameters as the
+        daemon holds them now (collective: every rank must call it). Resident
+        areas: gathers every unit. Transient: gathers and releases one unit
+        at a time (not while a forward or backward holds units)."""
+        out = {}
+        for u in self.units:
+            if self.transient:
+                if u.gather is not None:
+                    raise shardd.Error(22, "full_parameters(): unit %r is gathered by "
+                                       "a forward or backward still" % u.name, "E_STATE")
+                g, _ = self.client.gather_area(u.buffer)
+            else:
+                self.client.gather(u.buffer)
+                g = u.buffer.gather_tensor
+            try:
+                for e in u.entries:
+                    out[e.name] = g[e.offset:e.offset + e.numel].view(e.shape).clone()
+            finally:
+                if self.transient:
+                    self.client.release(u.buffer)
+        return out
+
+    # -- transient areas: the hooks ------------------------------------------
+    def _install_hooks(self):
+        root = self.module
+        # the root's pre-hook that pushes the saved-tensor hooks runs before
+        # the root unit's gather, its post-hook that pops them after the
+        # root unit's post-forward (hooks run in registration order)
+        root.register_forward_pre_hook(self._root_pre_forward)
+        for u in self.units:
+            u.module.register_forward_pre_hook(functools.partial(self._pre_forward, u))
+            u.module.register_forward_hook(functools.partial(self._post_forward, u))
+        root.register_forward_hook(self._root_post_forward)
+
+    def _pop_saved_hooks(self):
+        if self._sth is not None:
+            sth, self._sth = self._sth, None
+            sth.__exit__(None, None, None)
+
+    def _root_pre_forward(self, module, inputs):
+        self._pop_saved_hooks()  # a forward that raised left them pushed
+        if torch.is_grad_enabled():
+            self._sth = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._sth.__enter__()
+
+    def _root_post_forward(self, module, inputs, output):
+        self._pop_saved_hooks()
+
+    def _point(self, u, with_grad):
+        """Every parameter of u a view of u's gather area (and its .grad of
+        the gradient area)."""
+        g = u.gather
+        for e in u.entries:
+            p = e.param
+            p.data = g[e.offset:e.offset + e.numel].view(e.shape)
+            if with_grad and p.requires_grad:
+                p.grad = u.grad[e.offset:e.offset + e.numel].view(e.shape)
+            if e.acc is None and p.requires_grad:
+                # the node autograd accumulates p's gradient in, made while p
+                # has its shape (its metadata checks the gradients); kept so
+                # that autograd keeps using this one
+                with torch.enable_grad():
+                    e.acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                e.acc.register_hook(functools.partial(self._grad_ready, u))
+
+    def _empty(self, u):
+        for e in u.entries:
+            e.param.grad = None
+            e.param.data = e.param.data.new_empty(0)
+
+    def _release(self, u):
+        u.gather = u.grad = None
+        self._empty(u)
+        self.client.release(u.buffer)
+
+    def _pre_forward(self, u, module, inputs):
+        # a gather of an area this rank holds (the root unit, a module
+        # called twice) keeps it and gathers again
+        u.gather, _ = self.client.gather_area(u.buffer)
+        u.state = "forward"
+        self._point(u, False)
+
+    def _post_forward(self, u, module, inputs, output):
+        if torch.is_grad_enabled():
+            hook = functools.partial(self._output_grad, u)
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(hook)
+            if u.is_root:
+                return  # gathered until the end of backward, as FSDP keeps it
+        u.state = "idle"
+        self._release(u)
+
+    def _trainable(self, u):
+        return sum(1 for e in u.entries if e.param.requires_grad)
+
+    def _pre_backward(self, u):
+        if not self._final_queued:
+            self._final_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._final)
+        want = self._trainable(u) > 0 and u.state != "done"
+        u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=want)
+        if want:
+            u.state = "backward"
+            u.pending = self._trainable(u)
+        else:  # gathered for saved tensors only: released at the end
+            u.state = "late"
+        self._point(u, want)
+
+    def _output_grad(self, u, grad):
+        if u.state in ("idle", "forward"):
+            self._pre_backward(u)
+        return None
+
+    def _grad_ready(self, u, grad_inputs, grad_outputs):
+        if u.state != "backward":
+            return
+        u.pending -= 1
+        if u.pending == 0:
+            self._finish(u)
+
+    def _finish(self, u):
+        self.client.scatter(u.buffer, self.reduce_op)  # consumes the gradient area
+        u.state = "done"
+        self._release(u)
+
+    def _final(self):
+        """End of backward: every unit scattered once, in reverse order."""
+        self._final_queued = False
+        for u in reversed(self.units):
+            if u.state == "backward":
+                self._finish(u)  # a parameter got no gradient: zeros
+            elif u.state == "late":
+                self._release(u)
+            elif u.state in ("idle", "forward") and self._trainable(u):
+                # no backward reached the unit: a zeroed gradient, not the
+                # last step's
+                u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=True)
+                self._finish(u)
+            elif u.gather is not None:
+                self._release(u)
+            u.state = "idle"
+
+    def _pack(self, t):
+        try:
+            ptr = t.data_ptr()
+        except Exception:  # e.g. sparse
+            return t
+        for u in self.units:
+            g = u.gather
+            if g is None or t.dtype != g.dtype or t.device != g.device:
+                continue
+            lo = g.data_ptr()
+            esz = g.element_size()
+            if lo <= ptr < lo + g.numel() * esz and t.numel() > 0:
+                return _Saved(u, (ptr - lo) // esz, tuple(t.size()), tuple(t.stride()))
+        return t
+
+    def _unpack(self, x):
+        if not isinstance(x, _Saved):
+            return x
+        u = x.unit
+        if u.state in ("idle", "forward", "done"):
+            # backward reached a saved tensor of u before u's outputs
+            self._pre_backward(u)
+        return u.gather.as_strided(x.size, x.stride, x.offset)
 
     # -- optimizer ---------------------------------------------------------
     def param_groups(self, params=None, **defaults):
