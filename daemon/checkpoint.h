@@ -19,9 +19,12 @@
  * A write comes in two halves: prepare, on the loop thread, takes what the
  * registry says (the manifest's text, where each payload lies) and run,
  * on any thread, does the file I/O, so a daemon can write a 1.6 GB job
- * without freezing its clients (jobs.c runs it on libuv's pool). Restore
- * runs on the loop thread and blocks it for the I/O. Host backend only
- * (payloads are read and written through the daemon's own mapping).
+ * without freezing its clients (jobs.c runs it on libuv's pool). A restore
+ * comes in three: prepare, on the loop thread, replays the registrations
+ * and plans the payload loads; run, on any thread, loads them; finish, on
+ * the loop thread, sets what the loads vouched for and hands the job over.
+ * Host backend only (payloads are read and written through the daemon's
+ * own mapping).
  *
  * Write is checkpoint.c, restore restore.c; beneath both, manifest.h (the
  * manifest's text) and ckfile.h (directory, files, data file headers). */
@@ -102,10 +105,42 @@ const char *shardd__checkpoint_wdir(const shardd__ckwrite *w);
  * client cannot make the daemon read another user's file for it. */
 /* world 0 keeps the recorded world; another world reshards: shards and
  * optimizer state are keyed by element offset, not by rank. */
+/* prepare, run, finish and restore_free in one call, on the loop thread
+ * (blocking it): --restore at start, where the loop is not serving yet,
+ * and tests. */
 shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
                                       int64_t as_uid, uint32_t world,
                                       shardd__job **out, char *err,
                                       size_t errlen);
+
+/* A restore being loaded: the new job and the loads prepare planned. */
+typedef struct shardd__ckrestore shardd__ckrestore;
+
+/* The loop-thread half of checkpoint_restore (same rules, same refusals):
+ * opens dir, verifies and parses the manifest, creates the job with its
+ * buffers, views and optimizers, and plans every payload load, into *out
+ * (freed with shardd__checkpoint_restore_free). Refusals that need no
+ * payload (a malformed line, a missing shard line, an optimizer refused,
+ * a state file that does not fit) come from here; a failure releases the
+ * job. Reads no data file. Until free, nobody may use or release the job
+ * (jobs.c marks it restoring): the loads write its memory. */
+shardd_err shardd__checkpoint_restore_prepare(shardd__registry *reg,
+                                              const char *dir, int64_t as_uid,
+                                              uint32_t world,
+                                              shardd__ckrestore **out,
+                                              char *err, size_t errlen);
+/* The job r creates; r's until finish. */
+shardd__job *shardd__checkpoint_restore_job(const shardd__ckrestore *r);
+/* The I/O half: reads and checks every data file into the new job's
+ * memory; a refusal names the file. Any thread; it touches the region
+ * memory and the files only, no registry struct. Once per r. */
+shardd_err shardd__checkpoint_restore_run(shardd__ckrestore *r, char *err,
+                                          size_t errlen);
+/* Loop thread, after run succeeded: sets each restored optimizer's step
+ * count and master_valid flags, and hands the job to the caller. */
+shardd__job *shardd__checkpoint_restore_finish(shardd__ckrestore *r);
+/* Frees r; a job finish did not hand over is released. NULL: nothing. */
+void shardd__checkpoint_restore_free(shardd__ckrestore *r);
 
 /* CRC32C (Castagnoli) of n bytes, continuing from crc (0 to start). */
 uint32_t shardd__crc32c(uint32_t crc, const void *data, size_t n);

@@ -1,8 +1,11 @@
 /* restore.c — restores a job from a checkpoint directory (see
- * checkpoint.h): the manifest is checked, parsed and replayed into a new
- * job (buffers, views, then each optimizer through the registration use
- * case), every payload loaded and checked; any failure releases the new
- * job. */
+ * checkpoint.h), in three phases: prepare, on the loop thread, checks,
+ * parses and replays the manifest into a new job (buffers, views, then each
+ * optimizer through the registration use case) and lists every payload
+ * load; run, on any thread, loads and checks the payloads, touching only
+ * the new job's region memory and the files; finish, on the loop thread
+ * again, sets what the loads vouched for (master_valid, step counts) and
+ * hands the job over. Any failure releases the new job. */
 #include "checkpoint.h"
 
 #include <errno.h>
@@ -45,7 +48,32 @@ typedef struct {
   pending_state *states;
   size_t nstates;
   shardd__optim *created;
+  /* master_valid of each of created's shards once its state is loaded;
+   * set on them by finish */
+  int *mv;
 } pending_optim;
+
+/* One part of a payload copied from where its file was read to where it
+ * goes. */
+typedef struct {
+  char *dst;  /* region memory of the new job */
+  size_t src; /* offset in the file's payload */
+  size_t n;
+} ld_copy;
+
+/* One payload load, as prepare planned it: the file and what its header
+ * must say, read straight into region memory (direct) or into a buffer of
+ * its own and copied from there. Touches no registry struct. */
+typedef struct {
+  char *file;
+  const char *name; /* the buffer's, a copy the restore owns */
+  uint32_t crc, dtype;
+  uint64_t numel, offset;
+  size_t bytes;
+  char *direct; /* NULL: read into a temporary, then the copies */
+  ld_copy *copies;
+  size_t ncopies;
+} ld;
 
 static int cmp_id_map(const void *a, const void *b) {
   const id_map *x = a, *y = b;
@@ -103,9 +131,7 @@ static shardd_err register_pending(shardd__registry *reg, shardd__job *job,
     p->created = res.optim;
   }
   shardd__optspec_free(&spec);
-  if (rc == SHARDD_OK)
-    p->created->steps = p->steps;
-  return rc;
+  return rc; /* steps are set by finish, once the state is loaded */
 }
 
 /* Elements [lo, hi) of buffer b, as rank `rank` of a world of `world`
@@ -119,41 +145,6 @@ static void old_range(const shardd__buffer *b, uint32_t world, uint32_t rank,
     *lo = *hi;
 }
 
-/* One shard file of a world of old_world ranks into buffer b: straight into
- * the rank's block when the world is the same, else element ranges copied
- * to whichever new rank holds them (shards are keyed by element offset, so
- * a checkpoint of W ranks restores into W'). */
-static shardd_err load_shard(const shardd__ckdir *dir, const char *file,
-                             uint32_t crc, shardd__buffer *b,
-                             uint32_t old_world, uint32_t r, char *err,
-                             size_t errlen) {
-  size_t esz = shardd_dtype_size(b->dtype);
-  uint64_t lo, hi, old_s;
-  old_range(b, old_world, r, &lo, &hi, &old_s);
-  if (old_world == b->world)
-    return shardd__ck_load_data(dir, file, (uint32_t)b->dtype, b->shard_numel,
-                                (uint64_t)r * b->shard_numel, b->hdr.name, crc,
-                                (char *)b->blocks[r]->ptr + b->shard_off,
-                                b->shard_numel * esz, err, errlen);
-  char *tmp = malloc(old_s > 0 ? old_s * esz : 1);
-  if (tmp == NULL) {
-    snprintf(err, errlen, "out of memory");
-    return SHARDD_E_NO_MEMORY;
-  }
-  shardd_err rc = shardd__ck_load_data(dir, file, (uint32_t)b->dtype, old_s,
-                                       (uint64_t)r * old_s, b->hdr.name, crc,
-                                       tmp, old_s * esz, err, errlen);
-  for (uint64_t e = lo; rc == SHARDD_OK && e < hi;) {
-    uint64_t q = e / b->shard_numel, off = e % b->shard_numel;
-    uint64_t n = b->shard_numel - off < hi - e ? b->shard_numel - off : hi - e;
-    memcpy((char *)b->blocks[q]->ptr + b->shard_off + off * esz,
-           tmp + (e - lo) * esz, n * esz);
-    e += n;
-  }
-  free(tmp);
-  return rc;
-}
-
 static shardd__optim_shard *find_shard(shardd__optim *o, const shardd__buffer *b,
                                        uint32_t rank) {
   for (size_t k = 0; k < o->nshards; k++)
@@ -162,123 +153,16 @@ static shardd__optim_shard *find_shard(shardd__optim *o, const shardd__buffer *b
   return NULL;
 }
 
-/* One state file of the same world: it covers its rank's shard region for
- * region, and no other file may have covered it already. */
-static shardd_err load_state_same(const shardd__ckdir *dir, shardd__buffer *b,
-                                  const pending_optim *p,
-                                  const pending_state *ps, char *err,
-                                  size_t errlen) {
-  shardd__optim_shard *sh = find_shard(p->created, b, ps->rank);
-  if (sh == NULL || sh->state == NULL || sh->state->bytes != ps->bytes ||
-      sh->master_valid != -1) {
-    snprintf(err, errlen, "%s/%s: does not fit optimizer \"%s\"", dir->path,
-             ps->file, p->name);
-    return SHARDD_E_INVAL;
-  }
-  shardd_err rc =
-      shardd__ck_load_data(dir, ps->file, SHARDD_DTYPE_FP32, ps->bytes / 4,
-                           (uint64_t)ps->rank * b->shard_numel, b->hdr.name,
-                           ps->crc, sh->state->ptr, ps->bytes, err, errlen);
-  if (rc != SHARDD_OK)
-    return rc;
-  sh->master_valid = ps->master_valid;
-  return SHARDD_OK;
-}
-
-/* One state file of another world: its elements go to the new shards that
- * hold them, array by array (master copy, then the arrays both layouts
- * have). */
-static shardd_err load_state_resharded(const shardd__ckdir *dir,
-                                       shardd__buffer *b, uint32_t old_world,
-                                       const pending_optim *p,
-                                       const pending_state *ps, char *err,
-                                       size_t errlen) {
-  uint64_t lo, hi, old_s;
-  old_range(b, old_world, ps->rank, &lo, &hi, &old_s);
-  size_t omaster, ooffs[3] = {0, 0, 0};
-  size_t used = shardd__optim_state_layout(b->dtype, old_s, ps->nstate, &omaster, ooffs);
-  if (ps->rank >= old_world || used == 0 || used > ps->bytes) {
-    snprintf(err, errlen, "%s/%s: does not fit optimizer \"%s\"", dir->path,
-             ps->file, p->name);
-    return SHARDD_E_INVAL;
-  }
-  char *tmp = malloc(ps->bytes);
-  if (tmp == NULL) {
-    snprintf(err, errlen, "out of memory");
-    return SHARDD_E_NO_MEMORY;
-  }
-  shardd_err rc =
-      shardd__ck_load_data(dir, ps->file, SHARDD_DTYPE_FP32, ps->bytes / 4,
-                           (uint64_t)ps->rank * old_s, b->hdr.name, ps->crc,
-                           tmp, ps->bytes, err, errlen);
-  int wide = b->dtype != SHARDD_DTYPE_FP32;
-  for (uint64_t e = lo; rc == SHARDD_OK && e < hi;) {
-    uint32_t q = (uint32_t)(e / b->shard_numel);
-    uint64_t off = e % b->shard_numel;
-    uint64_t n = b->shard_numel - off < hi - e ? b->shard_numel - off : hi - e;
-    shardd__optim_shard *sh = find_shard(p->created, b, q);
-    if (sh && sh->state) {
-      size_t src = (e - lo) * 4, dst = off * 4;
-      if (wide)
-        memcpy((char *)sh->state->ptr + sh->master_off + dst,
-               tmp + omaster + src, n * 4);
-      for (int j = 0; j < ps->nstate && j < sh->nstate; j++)
-        memcpy((char *)sh->state->ptr + sh->state_offs[j] + dst,
-               tmp + ooffs[j] + src, n * 4);
-      sh->master_valid = sh->master_valid == -1
-                             ? ps->master_valid
-                             : sh->master_valid && ps->master_valid;
-    }
-    e += n;
-  }
-  free(tmp);
-  return rc;
-}
-
-/* Loads every recorded state into the registered optimizer. Same world:
- * each shard that keeps state is covered by exactly one file, region for
- * region. Another world: each file's elements go to the new shards that
- * hold them, and every new shard that keeps state must receive some. */
-static shardd_err load_states(const shardd__ckdir *dir, shardd__buffer **bufs,
-                              uint32_t old_world, pending_optim *p, char *err,
-                              size_t errlen) {
-  shardd__optim *o = p->created;
-  for (size_t k = 0; k < o->nshards; k++)
-    o->shards[k].master_valid = -1; /* not yet seen */
-  for (size_t i = 0; i < p->nstates; i++) {
-    pending_state *ps = &p->states[i];
-    shardd__buffer *b = bufs[ps->buf];
-    shardd_err rc =
-        old_world == b->world
-            ? load_state_same(dir, b, p, ps, err, errlen)
-            : load_state_resharded(dir, b, old_world, p, ps, err, errlen);
-    if (rc != SHARDD_OK)
-      return rc;
-  }
-  for (size_t k = 0; k < o->nshards; k++) {
-    shardd__optim_shard *sh = &o->shards[k];
-    if (sh->master_valid == -1) {
-      if (sh->state) {
-        snprintf(err, errlen,
-                 "optimizer \"%s\": no state in the checkpoint for buffer \"%s\" "
-                 "rank %" PRIu32, p->name, sh->buf->hdr.name, sh->rank);
-        return SHARDD_E_INVAL;
-      }
-      sh->master_valid = 0;
-    }
-  }
-  return SHARDD_OK;
-}
-
 #define MAX_TOK 64
 
-/* One restore in progress: the manifest being read and what its lines have
- * named so far. Everything here is the restore's own and freed by
- * restore_free, job included until it is handed to the caller (a failed
- * restore releases it); reg, dir and err are borrowed from the caller. */
-typedef struct {
+/* One restore in progress: the manifest being read, what its lines have
+ * named so far and the payload loads they planned. Everything here is the
+ * restore's own and freed by shardd__checkpoint_restore_free, job included
+ * until finish hands it over (a failed restore releases it); reg is
+ * borrowed from the caller, and err during prepare only. */
+struct shardd__ckrestore {
   shardd__registry *reg;
-  const char *dir;
+  char *dir;
   int64_t as_uid;   /* who asks; see shardd__checkpoint_restore */
   uint32_t world;   /* the new job's; 0: the checkpoint's */
   char *err;
@@ -298,11 +182,15 @@ typedef struct {
    * one without them restored zeros as if they were the checkpoint. */
   uint8_t **seen;
   size_t nshard_lines;
+  char **bnames; /* [nb]: each buffer's name, for the loads' headers */
   pending_optim *po;
   size_t npo;
+  ld *loads; /* in manifest order: shards, then each optimizer's states */
+  size_t nloads, capl;
   /* a registration's reason; kept across lines, as one buffer was */
   char sub[512];
-} restore;
+};
+typedef struct shardd__ckrestore restore;
 
 /* Fails the current line: "PATH line N: WHY" in err, WHY cut at 511 bytes.
  * Returns rc where a call beneath already failed with it, else
@@ -318,6 +206,182 @@ static shardd_err bad(restore *c, shardd_err rc, const char *fmt, ...) {
   va_end(ap);
   snprintf(c->err, c->errlen, "%s line %d: %s", c->path, c->lineno, why);
   return rc == SHARDD_OK ? SHARDD_E_INVAL : rc;
+}
+
+/* Appends a load of file (copied) for a payload of buffer bi; NULL out of
+ * memory (err says so). */
+static ld *add_load(restore *c, const char *file, uint32_t crc, size_t bi,
+                    uint32_t dtype, uint64_t numel, uint64_t offset,
+                    size_t bytes, char *direct) {
+  if (c->nloads == c->capl) {
+    size_t ncap = c->capl ? c->capl * 2 : 16;
+    ld *nl = realloc(c->loads, ncap * sizeof *nl);
+    if (nl == NULL)
+      goto nomem;
+    c->loads = nl;
+    c->capl = ncap;
+  }
+  ld *l = &c->loads[c->nloads];
+  memset(l, 0, sizeof *l);
+  if ((l->file = strdup(file)) == NULL)
+    goto nomem;
+  c->nloads++;
+  l->name = c->bnames[bi];
+  l->crc = crc;
+  l->dtype = dtype;
+  l->numel = numel;
+  l->offset = offset;
+  l->bytes = bytes;
+  l->direct = direct;
+  return l;
+nomem:
+  snprintf(c->err, c->errlen, "out of memory");
+  return NULL;
+}
+
+static shardd_err add_copy(restore *c, ld *l, char *dst, size_t src, size_t n) {
+  ld_copy *nc = realloc(l->copies, (l->ncopies + 1) * sizeof *nc);
+  if (nc == NULL) {
+    snprintf(c->err, c->errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  l->copies = nc;
+  l->copies[l->ncopies++] = (ld_copy){dst, src, n};
+  return SHARDD_OK;
+}
+
+/* One shard file of a world of old_world ranks into buffer bi: straight
+ * into the rank's block when the world is the same, else element ranges
+ * copied to whichever new rank holds them (shards are keyed by element
+ * offset, so a checkpoint of W ranks restores into W'). */
+static shardd_err plan_shard(restore *c, const char *file, uint32_t crc,
+                             size_t bi, uint32_t r) {
+  shardd__buffer *b = c->bufs[bi];
+  size_t esz = shardd_dtype_size(b->dtype);
+  uint64_t lo, hi, old_s;
+  old_range(b, c->old_world, r, &lo, &hi, &old_s);
+  if (c->old_world == b->world)
+    return add_load(c, file, crc, bi, (uint32_t)b->dtype, b->shard_numel,
+                    (uint64_t)r * b->shard_numel, b->shard_numel * esz,
+                    (char *)b->blocks[r]->ptr + b->shard_off)
+               ? SHARDD_OK
+               : SHARDD_E_NO_MEMORY;
+  ld *l = add_load(c, file, crc, bi, (uint32_t)b->dtype, old_s,
+                   (uint64_t)r * old_s, old_s * esz, NULL);
+  if (l == NULL)
+    return SHARDD_E_NO_MEMORY;
+  for (uint64_t e = lo; e < hi;) {
+    uint64_t q = e / b->shard_numel, off = e % b->shard_numel;
+    uint64_t n = b->shard_numel - off < hi - e ? b->shard_numel - off : hi - e;
+    if (add_copy(c, l, (char *)b->blocks[q]->ptr + b->shard_off + off * esz,
+                 (e - lo) * esz, n * esz) != SHARDD_OK)
+      return SHARDD_E_NO_MEMORY;
+    e += n;
+  }
+  return SHARDD_OK;
+}
+
+static size_t shard_index(const shardd__optim *o, const shardd__optim_shard *sh) {
+  return (size_t)(sh - o->shards);
+}
+
+/* One state file of the same world: it covers its rank's shard region for
+ * region, and no other file may have covered it already. */
+static shardd_err plan_state_same(restore *c, shardd__buffer *b,
+                                  pending_optim *p, const pending_state *ps) {
+  shardd__optim_shard *sh = find_shard(p->created, b, ps->rank);
+  if (sh == NULL || sh->state == NULL || sh->state->bytes != ps->bytes ||
+      p->mv[shard_index(p->created, sh)] != -1) {
+    snprintf(c->err, c->errlen, "%s/%s: does not fit optimizer \"%s\"",
+             c->dd.path, ps->file, p->name);
+    return SHARDD_E_INVAL;
+  }
+  if (add_load(c, ps->file, ps->crc, ps->buf, SHARDD_DTYPE_FP32,
+               ps->bytes / 4, (uint64_t)ps->rank * b->shard_numel, ps->bytes,
+               sh->state->ptr) == NULL)
+    return SHARDD_E_NO_MEMORY;
+  p->mv[shard_index(p->created, sh)] = ps->master_valid;
+  return SHARDD_OK;
+}
+
+/* One state file of another world: its elements go to the new shards that
+ * hold them, array by array (master copy, then the arrays both layouts
+ * have). */
+static shardd_err plan_state_resharded(restore *c, shardd__buffer *b,
+                                       pending_optim *p,
+                                       const pending_state *ps) {
+  uint64_t lo, hi, old_s;
+  old_range(b, c->old_world, ps->rank, &lo, &hi, &old_s);
+  size_t omaster, ooffs[3] = {0, 0, 0};
+  size_t used = shardd__optim_state_layout(b->dtype, old_s, ps->nstate, &omaster, ooffs);
+  if (ps->rank >= c->old_world || used == 0 || used > ps->bytes) {
+    snprintf(c->err, c->errlen, "%s/%s: does not fit optimizer \"%s\"",
+             c->dd.path, ps->file, p->name);
+    return SHARDD_E_INVAL;
+  }
+  ld *l = add_load(c, ps->file, ps->crc, ps->buf, SHARDD_DTYPE_FP32,
+                   ps->bytes / 4, (uint64_t)ps->rank * old_s, ps->bytes, NULL);
+  if (l == NULL)
+    return SHARDD_E_NO_MEMORY;
+  int wide = b->dtype != SHARDD_DTYPE_FP32;
+  for (uint64_t e = lo; e < hi;) {
+    uint32_t q = (uint32_t)(e / b->shard_numel);
+    uint64_t off = e % b->shard_numel;
+    uint64_t n = b->shard_numel - off < hi - e ? b->shard_numel - off : hi - e;
+    shardd__optim_shard *sh = find_shard(p->created, b, q);
+    if (sh && sh->state) {
+      size_t src = (e - lo) * 4, dst = off * 4;
+      char *base = sh->state->ptr;
+      if (wide && add_copy(c, l, base + sh->master_off + dst, omaster + src,
+                           n * 4) != SHARDD_OK)
+        return SHARDD_E_NO_MEMORY;
+      for (int j = 0; j < ps->nstate && j < sh->nstate; j++)
+        if (add_copy(c, l, base + sh->state_offs[j] + dst, ooffs[j] + src,
+                     n * 4) != SHARDD_OK)
+          return SHARDD_E_NO_MEMORY;
+      int *mv = &p->mv[shard_index(p->created, sh)];
+      *mv = *mv == -1 ? ps->master_valid : *mv && ps->master_valid;
+    }
+    e += n;
+  }
+  return SHARDD_OK;
+}
+
+/* Plans the load of every recorded state into the registered optimizer.
+ * Same world: each shard that keeps state is covered by exactly one file,
+ * region for region. Another world: each file's elements go to the new
+ * shards that hold them, and every new shard that keeps state must
+ * receive some. */
+static shardd_err plan_states(restore *c, pending_optim *p) {
+  shardd__optim *o = p->created;
+  if ((p->mv = malloc((o->nshards ? o->nshards : 1) * sizeof *p->mv)) == NULL) {
+    snprintf(c->err, c->errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  for (size_t k = 0; k < o->nshards; k++)
+    p->mv[k] = -1; /* not yet seen */
+  for (size_t i = 0; i < p->nstates; i++) {
+    pending_state *ps = &p->states[i];
+    shardd__buffer *b = c->bufs[ps->buf];
+    shardd_err rc = c->old_world == b->world
+                        ? plan_state_same(c, b, p, ps)
+                        : plan_state_resharded(c, b, p, ps);
+    if (rc != SHARDD_OK)
+      return rc;
+  }
+  for (size_t k = 0; k < o->nshards; k++) {
+    shardd__optim_shard *sh = &o->shards[k];
+    if (p->mv[k] == -1) {
+      if (sh->state) {
+        snprintf(c->err, c->errlen,
+                 "optimizer \"%s\": no state in the checkpoint for buffer \"%s\" "
+                 "rank %" PRIu32, p->name, sh->buf->hdr.name, sh->rank);
+        return SHARDD_E_INVAL;
+      }
+      p->mv[k] = 0;
+    }
+  }
+  return SHARDD_OK;
 }
 
 /* Opens the checkpoint directory (no symlink on the way; for a client, one
@@ -442,12 +506,20 @@ static shardd_err line_buffer(restore *c, char **tok) {
   c->seen = nseen;
   if ((c->seen[c->nb] = calloc((c->old_world + 7) / 8, 1)) == NULL)
     return bad(c, SHARDD_E_INVAL, "out of memory");
+  char **nnames = realloc(c->bnames, (c->nb + 1) * sizeof *c->bnames);
+  if (nnames == NULL)
+    return bad(c, SHARDD_E_INVAL, "out of memory");
+  c->bnames = nnames;
+  if ((c->bnames[c->nb] = strdup(b->hdr.name)) == NULL) {
+    free(c->seen[c->nb]);
+    return bad(c, SHARDD_E_INVAL, "out of memory");
+  }
   c->bufs[c->nb++] = b;
   return SHARDD_OK;
 }
 
-/* "shard BUF RANK FILE CRC": loads the payload now, into the buffer the
- * lines above registered. */
+/* "shard BUF RANK FILE CRC": plans the payload's load into the buffer the
+ * lines above registered (run loads it). */
 static shardd_err line_shard(restore *c, char **tok) {
   size_t bi = strtoul(tok[1], NULL, 10);
   uint32_t r = (uint32_t)strtoul(tok[2], NULL, 10);
@@ -459,8 +531,7 @@ static shardd_err line_shard(restore *c, char **tok) {
                "shard of buffer %zu rank %" PRIu32 " listed twice", bi, r);
   c->seen[bi][r / 8] |= (uint8_t)(1u << (r % 8));
   c->nshard_lines++;
-  return load_shard(&c->dd, tok[3], (uint32_t)strtoul(tok[4], NULL, 16),
-                    c->bufs[bi], c->old_world, r, c->err, c->errlen);
+  return plan_shard(c, tok[3], (uint32_t)strtoul(tok[4], NULL, 16), bi, r);
 }
 
 /* "view BUF NAME OFFSET NUMEL NDIM DIM... [GEN REQUIRES_GRAD]". */
@@ -542,7 +613,7 @@ static shardd_err line_ref(restore *c, char **tok, int nt) {
 }
 
 /* "state OPT BUF RANK MASTER_VALID FILE CRC BYTES NSTATE": a payload
- * loaded once its optimizer is registered. */
+ * planned once its optimizer is registered. */
 static shardd_err line_state(restore *c, char **tok) {
   size_t oi = strtoul(tok[1], NULL, 10);
   size_t bi = strtoul(tok[2], NULL, 10);
@@ -601,8 +672,8 @@ static shardd_err parse_line(restore *c, char **tok, int nt) {
 }
 
 /* Reads the manifest to its end, line by line: the job, buffers and views
- * are registered and each shard loaded as its line comes; optimizers are
- * only collected. Words past the MAX_TOK-th are not looked at. */
+ * are registered and each shard's load planned as its line comes;
+ * optimizers are only collected. Words past the MAX_TOK-th are not looked at. */
 static shardd_err parse_manifest(restore *c) {
   for (;;) {
     shardd__line_rc lr = shardd__manifest_read_line(c->f, &c->line, &c->cap,
@@ -657,42 +728,138 @@ static shardd_err check_complete(restore *c) {
   return SHARDD_OK;
 }
 
-/* Registers each collected optimizer, in manifest order, and loads its
- * state files. */
+/* Registers each collected optimizer, in manifest order, and plans the
+ * loads of its state files. */
 static shardd_err restore_optimizers(restore *c) {
   for (size_t i = 0; i < c->npo; i++) {
     shardd_err rc = register_pending(c->reg, c->job, &c->po[i], c->err,
                                      c->errlen);
     if (rc == SHARDD_OK)
-      rc = load_states(&c->dd, c->bufs, c->old_world, &c->po[i], c->err,
-                       c->errlen);
+      rc = plan_states(c, &c->po[i]);
     if (rc != SHARDD_OK)
       return rc;
   }
   return SHARDD_OK;
 }
 
-/* Frees what the restore holds, after open_manifest succeeded; a job still
- * here (the restore failed) is released. */
-static void restore_free(restore *c) {
-  if (c->job)
+void shardd__checkpoint_restore_free(shardd__ckrestore *c) {
+  if (c == NULL)
+    return;
+  if (c->job) /* not handed over: the restore failed */
     shardd__job_release(c->reg, c->job);
   for (size_t i = 0; i < c->npo; i++) {
     free(c->po[i].name);
     free(c->po[i].spec);
     free(c->po[i].ids);
+    free(c->po[i].mv);
     for (size_t k = 0; k < c->po[i].nstates; k++)
       free(c->po[i].states[k].file);
     free(c->po[i].states);
   }
   free(c->po);
-  for (size_t i = 0; i < c->nb; i++)
+  for (size_t i = 0; i < c->nloads; i++) {
+    free(c->loads[i].file);
+    free(c->loads[i].copies);
+  }
+  free(c->loads);
+  for (size_t i = 0; i < c->nb; i++) {
     free(c->seen[i]);
+    free(c->bnames[i]);
+  }
   free(c->seen);
+  free(c->bnames);
   free(c->bufs);
   free(c->line);
+  if (c->f)
+    fclose(c->f);
+  if (c->dd.fd >= 0)
+    close(c->dd.fd);
+  free(c->dir);
+  free(c);
+}
+
+shardd_err shardd__checkpoint_restore_prepare(shardd__registry *reg,
+                                              const char *dir, int64_t as_uid,
+                                              uint32_t world,
+                                              shardd__ckrestore **out,
+                                              char *err, size_t errlen) {
+  *out = NULL;
+  /* payloads are read and written through the daemon's own mapping */
+  if (!(reg->backend->caps & SHARDD__BACKEND_CAP_HOST_MAPPED)) {
+    snprintf(err, errlen, "checkpoints support the host backend only");
+    return SHARDD_E_INVAL;
+  }
+  restore *c = calloc(1, sizeof *c);
+  if (c == NULL || (c->dir = strdup(dir)) == NULL) {
+    free(c);
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  c->reg = reg;
+  c->as_uid = as_uid;
+  c->world = world;
+  c->err = err;
+  c->errlen = errlen;
+  c->dd.fd = -1;
+  shardd_err rc = open_manifest(c);
+  if (rc != SHARDD_OK) {
+    c->f = NULL; /* open_manifest closed what it opened */
+    c->dd.fd = -1;
+    shardd__checkpoint_restore_free(c);
+    return rc;
+  }
+  if ((rc = shardd__manifest_verify(c->f, c->path, err, errlen)) == SHARDD_OK &&
+      (rc = parse_manifest(c)) == SHARDD_OK &&
+      (rc = check_complete(c)) == SHARDD_OK)
+    rc = restore_optimizers(c);
+  c->err = NULL; /* the caller's, during prepare only */
+  c->errlen = 0;
+  if (rc != SHARDD_OK) {
+    shardd__checkpoint_restore_free(c);
+    return rc;
+  }
+  /* the manifest is read: only the directory stays open, for run */
   fclose(c->f);
-  close(c->dd.fd);
+  c->f = NULL;
+  *out = c;
+  return SHARDD_OK;
+}
+
+shardd__job *shardd__checkpoint_restore_job(const shardd__ckrestore *c) {
+  return c->job;
+}
+
+shardd_err shardd__checkpoint_restore_run(shardd__ckrestore *c, char *err,
+                                          size_t errlen) {
+  for (size_t i = 0; i < c->nloads; i++) {
+    const ld *l = &c->loads[i];
+    char *tmp = NULL, *dst = l->direct;
+    if (dst == NULL && (dst = tmp = malloc(l->bytes ? l->bytes : 1)) == NULL) {
+      snprintf(err, errlen, "out of memory");
+      return SHARDD_E_NO_MEMORY;
+    }
+    shardd_err rc = shardd__ck_load_data(&c->dd, l->file, l->dtype, l->numel,
+                                         l->offset, l->name, l->crc, dst,
+                                         l->bytes, err, errlen);
+    for (size_t k = 0; rc == SHARDD_OK && k < l->ncopies; k++)
+      memcpy(l->copies[k].dst, tmp + l->copies[k].src, l->copies[k].n);
+    free(tmp);
+    if (rc != SHARDD_OK)
+      return rc;
+  }
+  return SHARDD_OK;
+}
+
+shardd__job *shardd__checkpoint_restore_finish(shardd__ckrestore *c) {
+  for (size_t i = 0; i < c->npo; i++) {
+    shardd__optim *o = c->po[i].created;
+    for (size_t k = 0; k < o->nshards; k++)
+      o->shards[k].master_valid = c->po[i].mv[k];
+    o->steps = c->po[i].steps;
+  }
+  shardd__job *job = c->job; /* the caller's now; free must not release it */
+  c->job = NULL;
+  return job;
 }
 
 shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
@@ -700,23 +867,13 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
                                       shardd__job **out, char *err,
                                       size_t errlen) {
   *out = NULL;
-  /* payloads are read and written through the daemon's own mapping */
-  if (!(reg->backend->caps & SHARDD__BACKEND_CAP_HOST_MAPPED)) {
-    snprintf(err, errlen, "checkpoints support the host backend only");
-    return SHARDD_E_INVAL;
-  }
-  restore c = {.reg = reg, .dir = dir, .as_uid = as_uid, .world = world,
-               .err = err, .errlen = errlen};
-  shardd_err rc = open_manifest(&c);
+  shardd__ckrestore *c;
+  shardd_err rc = shardd__checkpoint_restore_prepare(reg, dir, as_uid, world,
+                                                     &c, err, errlen);
   if (rc != SHARDD_OK)
     return rc;
-  if ((rc = shardd__manifest_verify(c.f, c.path, err, errlen)) == SHARDD_OK &&
-      (rc = parse_manifest(&c)) == SHARDD_OK &&
-      (rc = check_complete(&c)) == SHARDD_OK &&
-      (rc = restore_optimizers(&c)) == SHARDD_OK) {
-    *out = c.job; /* the caller's now; restore_free must not release it */
-    c.job = NULL;
-  }
-  restore_free(&c);
+  if ((rc = shardd__checkpoint_restore_run(c, err, errlen)) == SHARDD_OK)
+    *out = shardd__checkpoint_restore_finish(c);
+  shardd__checkpoint_restore_free(c);
   return rc;
 }
