@@ -113,6 +113,12 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
       reply(d, c, seq, rc, err);
       return;
     }
+    if (job && shardd__jobs_restoring(&d->jobs, job)) {
+      /* its payloads are still loading on the pool */
+      snprintf(err, sizeof err, "job \"%s\" is being restored", job->name);
+      reply(d, c, seq, SHARDD_E_BUSY, err);
+      return;
+    }
     uint32_t world = h->has_world ? h->world : 1;
     rc = shardd__job_get(&d->reg, job ? job->name : h->job, world,
                          job ? job->uid : c->peer.uid, &job, err, sizeof err);
@@ -409,9 +415,10 @@ static void reply_checkpoint(shardd__dispatch *d, shardd__conn *c,
   send_resp(d, c, &resp, -1);
 }
 
-/* A checkpoint whose reply waits for its files (written on libuv's pool
- * by jobs.c): the request's seq and dir, and its connection until that
- * closes -- the reply is then dropped, as the engine drops a collective's. */
+/* A checkpoint or restore whose reply waits for its files (written or
+ * read on libuv's pool by jobs.c): the request's seq and dir, and its
+ * connection until that closes -- the reply is then dropped, as the engine
+ * drops a collective's. */
 typedef struct shardd__ckpt_wait {
   shardd__dispatch *d;
   shardd__conn *c; /* NULL once closed */
@@ -420,15 +427,20 @@ typedef struct shardd__ckpt_wait {
   struct shardd__ckpt_wait *next;
 } ckpt_wait;
 
-static void ckpt_done(void *arg, shardd__job *job, shardd_err rc,
-                      const char *err) {
-  ckpt_wait *w = arg;
-  shardd__dispatch *d = w->d;
-  for (ckpt_wait **p = &d->ckpt_waits; *p; p = &(*p)->next)
+/* Takes w off the waiting list. */
+static void ckpt_unwait(ckpt_wait *w) {
+  for (ckpt_wait **p = &w->d->ckpt_waits; *p; p = &(*p)->next)
     if (*p == w) {
       *p = w->next;
       break;
     }
+}
+
+static void ckpt_done(void *arg, shardd__job *job, shardd_err rc,
+                      const char *err) {
+  ckpt_wait *w = arg;
+  shardd__dispatch *d = w->d;
+  ckpt_unwait(w);
   if (w->c && rc == SHARDD_OK)
     reply_checkpoint(d, w->c, w->seq, job, w->dir);
   else if (w->c)
@@ -521,6 +533,21 @@ static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   d->ckpt_waits = w;
 }
 
+static void restore_done(void *arg, shardd__job *job, shardd_err rc,
+                         const char *err) {
+  ckpt_wait *w = arg;
+  shardd__dispatch *d = w->d;
+  ckpt_unwait(w);
+  if (rc == SHARDD_OK)
+    shardd__log(2, "job \"%s\" restored from %s", job->name, w->dir);
+  if (w->c && rc == SHARDD_OK)
+    reply_checkpoint(d, w->c, w->seq, job, w->dir);
+  else if (w->c)
+    reply(d, w->c, w->seq, rc, err);
+  free(w->dir);
+  free(w);
+}
+
 static void on_restore(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                        const Shardwire__Request *req) {
   const Shardwire__Restore *rs = req->restore;
@@ -531,21 +558,28 @@ static void on_restore(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     reply(d, c, seq, rc, err);
     return;
   }
-  shardd__job *job;
-  rc = shardd__checkpoint_restore(&d->reg, rs->dir, (int64_t)c->peer.uid,
-                                  rs->has_world ? rs->world : 0, &job, err,
-                                  sizeof err);
+  /* The payloads are read off the loop thread, as a checkpoint's are
+   * written: a large restore froze every client. */
+  ckpt_wait *w = calloc(1, sizeof *w);
+  if (w == NULL || (w->dir = strdup(rs->dir)) == NULL) {
+    free(w);
+    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    return;
+  }
+  w->d = d;
+  w->c = c;
+  w->seq = seq;
+  rc = shardd__jobs_restore_start(&d->jobs, rs->dir, (int64_t)c->peer.uid,
+                                  rs->has_world ? rs->world : 0, restore_done,
+                                  w, err, sizeof err);
   if (rc != SHARDD_OK) {
+    free(w->dir);
+    free(w);
     reply(d, c, seq, rc, err);
     return;
   }
-  /* a restored job lingers like one whose clients left */
-  if (shardd__jobs_unclaimed(&d->jobs, job, now_s(d), 0) != SHARDD_OK) {
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory tracking the restored job");
-    return;
-  }
-  shardd__log(2, "job \"%s\" restored from %s", job->name, rs->dir);
-  reply_checkpoint(d, c, seq, job, rs->dir);
+  w->next = d->ckpt_waits;
+  d->ckpt_waits = w;
 }
 
 static void on_gather(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
@@ -671,6 +705,12 @@ void shardd__dispatch_frame(shardd__dispatch *d, shardd__conn *c,
     char msg[ERRLEN];
     snprintf(msg, sizeof msg, "job \"%s\" is being checkpointed",
              c->m.job->name);
+    reply(d, c, seq, SHARDD_E_BUSY, msg);
+  } else if (c->m.job && shardd__jobs_restoring(&d->jobs, c->m.job)) {
+    /* cannot happen (nobody joins a job being restored); kept so no
+     * request ever reaches memory the pool is loading */
+    char msg[ERRLEN];
+    snprintf(msg, sizeof msg, "job \"%s\" is being restored", c->m.job->name);
     reply(d, c, seq, SHARDD_E_BUSY, msg);
   } else
     commands[i].fn(d, c, seq, req);

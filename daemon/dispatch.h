@@ -68,7 +68,7 @@ typedef struct {
   shardd__registry reg;
   shardd__coll_engine *coll;
   shardd__jobs jobs;
-  /* private: checkpoints whose replies wait for their files */
+  /* private: checkpoints and restores whose replies wait for their files */
   struct shardd__ckpt_wait *ckpt_waits;
 } shardd__dispatch;
 

@@ -21,6 +21,7 @@ typedef struct {
   uint32_t nclients;
   double empty_since; /* loop time the last client left; < 0 while held */
   int checkpointing;  /* a checkpoint of it is started and not done */
+  int restoring;      /* it is being restored: its payloads are loading */
 } slot;
 
 /* A checkpoint started and not done: what prepare took, and whom to tell. */
@@ -33,6 +34,19 @@ struct shardd__jobs_ckpt {
   shardd_err rc;
   char err[512];
   shardd__jobs_ckpt *next;
+};
+
+/* A restore whose payloads are loading: the plan, and whom to tell. */
+struct shardd__jobs_restore {
+  uv_work_t req; /* req.data: this */
+  shardd__jobs *j;
+  shardd__ckrestore *r;
+  shardd__job *job; /* r's until finish */
+  shardd__jobs_restore_done done;
+  void *arg;
+  shardd_err rc;
+  char err[512];
+  shardd__jobs_restore *next;
 };
 
 /* By address, as the engine keeps its state: an entry lives until release()
@@ -94,6 +108,12 @@ void shardd__jobs_free(shardd__jobs *j) {
     free(k);
   }
   j->ck_last = NULL;
+  while (j->restores) { /* likewise: dropped, its job released */
+    shardd__jobs_restore *k = j->restores;
+    j->restores = k->next;
+    shardd__checkpoint_restore_free(k->r);
+    free(k);
+  }
   shardd__map_each(&j->slots, free_slot_cb, NULL);
   shardd__map_free(&j->slots);
 }
@@ -234,7 +254,7 @@ void shardd__jobs_idle(shardd__jobs *j, shardd__job *job) {
    * collective that outlived it), not at the next tick. */
   if (shardd__jobs_clients(j, job) == 0 && j->linger == 0 && !j->stopping &&
       shardd__coll_inflight(j->coll, job) == 0 &&
-      !shardd__jobs_checkpointing(j, job)) {
+      !shardd__jobs_checkpointing(j, job) && !shardd__jobs_restoring(j, job)) {
     shardd__log(2, "job \"%s\" released (last client left)", job->name);
     release(j, job);
   }
@@ -254,6 +274,7 @@ static void find_lingering(shardd__job *job, void *arg) {
   slot *s = slot_get(a->j, job);
   if (s && s->nclients == 0 && s->empty_since >= 0 && a->j->linger >= 0 &&
       a->now - s->empty_since >= a->j->linger && !s->checkpointing &&
+      !s->restoring &&
       shardd__coll_inflight(a->j->coll, s->job) == 0 && a->n < a->cap)
     a->expired[a->n++] = s->job;
 }
@@ -291,6 +312,10 @@ static shardd_err may_checkpoint(const shardd__jobs *j, const shardd__job *job,
   }
   if (shardd__jobs_checkpointing(j, job)) {
     snprintf(err, errlen, "job \"%s\" is being checkpointed", job->name);
+    return SHARDD_E_BUSY;
+  }
+  if (shardd__jobs_restoring(j, job)) {
+    snprintf(err, errlen, "job \"%s\" is being restored", job->name);
     return SHARDD_E_BUSY;
   }
   uint32_t n = shardd__coll_inflight(j->coll, job);
@@ -413,5 +438,90 @@ shardd_err shardd__jobs_checkpoint_start(shardd__jobs *j, shardd__job *job,
     j->ck_last = k;
   }
   s->checkpointing = 1;
+  return SHARDD_OK;
+}
+
+int shardd__jobs_restoring(const shardd__jobs *j, const shardd__job *job) {
+  const slot *s = slot_get(j, job);
+  return s != NULL && s->restoring;
+}
+
+/* On a pool thread: the data files, into the new job's memory only (see
+ * shardd__checkpoint_restore_run). */
+static void restore_work(uv_work_t *req) {
+  shardd__jobs_restore *k = req->data;
+  k->rc = shardd__checkpoint_restore_run(k->r, k->err, sizeof k->err);
+}
+
+/* On the loop thread, once the files are read: the job is handed over
+ * and lingers like one whose clients left, or a failed one is released;
+ * the caller hears. A stopping daemon ran the loop until here. */
+static void restore_after(uv_work_t *req, int status) {
+  shardd__jobs_restore *k = req->data;
+  shardd__jobs *j = k->j;
+  for (shardd__jobs_restore **p = &j->restores; *p; p = &(*p)->next)
+    if (*p == k) {
+      *p = k->next;
+      break;
+    }
+  if (status != 0 && k->rc == SHARDD_OK) { /* cancelled: never loaded */
+    k->rc = SHARDD_E_INVAL;
+    snprintf(k->err, sizeof k->err, "the restore was cancelled: %s",
+             uv_strerror(status));
+  }
+  shardd__job *job = NULL;
+  if (k->rc == SHARDD_OK) {
+    job = shardd__checkpoint_restore_finish(k->r);
+    slot_get(j, job)->restoring = 0;
+    /* a restored job lingers like one whose clients left (it has a slot:
+     * this cannot fail) */
+    shardd__jobs_unclaimed(j, job, (double)uv_now(j->loop) / 1000.0, 0);
+  } else {
+    slot_free(shardd__map_del_id(&j->slots, key(k->job)));
+  }
+  shardd__checkpoint_restore_free(k->r); /* releases a failed one's job */
+  k->done(k->arg, job, k->rc, k->err);
+  free(k);
+}
+
+shardd_err shardd__jobs_restore_start(shardd__jobs *j, const char *dir,
+                                      int64_t as_uid, uint32_t world,
+                                      shardd__jobs_restore_done done, void *arg,
+                                      char *err, size_t errlen) {
+  shardd__jobs_restore *k = calloc(1, sizeof *k);
+  if (k == NULL) {
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  shardd_err rc = shardd__checkpoint_restore_prepare(j->reg, dir, as_uid,
+                                                     world, &k->r, err, errlen);
+  if (rc != SHARDD_OK) {
+    free(k);
+    return rc;
+  }
+  k->j = j;
+  k->job = shardd__checkpoint_restore_job(k->r);
+  k->done = done;
+  k->arg = arg;
+  k->req.data = k;
+  /* tracked from now, so linger and joins see it is being restored */
+  slot *s = slot_make(j, k->job);
+  if (s == NULL) {
+    shardd__checkpoint_restore_free(k->r);
+    free(k);
+    snprintf(err, errlen, "out of memory tracking the restored job");
+    return SHARDD_E_NO_MEMORY;
+  }
+  int e = uv_queue_work(j->loop, &k->req, restore_work, restore_after);
+  if (e != 0) {
+    slot_free(shardd__map_del_id(&j->slots, key(k->job)));
+    shardd__checkpoint_restore_free(k->r);
+    free(k);
+    snprintf(err, errlen, "cannot start the restore: %s", uv_strerror(e));
+    return SHARDD_E_INVAL;
+  }
+  s->restoring = 1;
+  k->next = j->restores;
+  j->restores = k;
   return SHARDD_OK;
 }

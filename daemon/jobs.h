@@ -6,8 +6,8 @@
  * Ownership: the lifetime state of each job (who claimed each rank, as an
  * id and a pid, and its linger clock) is kept here by job, from its first
  * claim (or mark) until this module releases the job; the jobs themselves
- * belong to the registry. Loop thread only (checkpoint files are written
- * on libuv's pool, from a snapshot). */
+ * belong to the registry. Loop thread only (checkpoint files are written,
+ * and restored ones read, on libuv's pool). */
 #ifndef SHARDD_JOBS_H
 #define SHARDD_JOBS_H
 
@@ -21,6 +21,7 @@
 #include "registry.h"
 
 typedef struct shardd__jobs_ckpt shardd__jobs_ckpt;
+typedef struct shardd__jobs_restore shardd__jobs_restore;
 
 typedef struct {
   /* read-only after init */
@@ -38,6 +39,8 @@ typedef struct {
    * written on libuv's pool, one at a time (two jobs written into one
    * directory at once would each remove the other's data files) */
   shardd__jobs_ckpt *ck_first, *ck_last;
+  /* restores being loaded on libuv's pool (any number at once) */
+  shardd__jobs_restore *restores;
 } shardd__jobs;
 
 void shardd__jobs_init(shardd__jobs *j, uv_loop_t *loop, shardd__registry *reg,
@@ -78,7 +81,7 @@ void shardd__jobs_expire(shardd__jobs *j, double now);
 uint32_t shardd__jobs_clients(const shardd__jobs *j, const shardd__job *job);
 
 /* Checkpoints job to dir between steps (SHARDD_E_BUSY with collectives in
- * flight or while it is being checkpointed, SHARDD_E_STATE for a
+ * flight or while it is being checkpointed or restored, SHARDD_E_STATE for a
  * multi-node job); as_uid and home (may be NULL) as in
  * shardd__checkpoint_write_in. Blocks the loop for the I/O: for
  * --checkpoint-on-exit, where the loop has stopped. */
@@ -105,5 +108,26 @@ shardd_err shardd__jobs_checkpoint_start(shardd__jobs *j, shardd__job *job,
                                          void *arg, char *err, size_t errlen);
 /* Whether job is being checkpointed (started and not done). */
 int shardd__jobs_checkpointing(const shardd__jobs *j, const shardd__job *job);
+
+/* Told on the loop thread when a restore started by
+ * shardd__jobs_restore_start is loaded: rc OK and the new job (lingering
+ * like one whose clients left), or a failure with job NULL (it was
+ * released) and err saying why. */
+typedef void (*shardd__jobs_restore_done)(void *arg, shardd__job *job,
+                                          shardd_err rc, const char *err);
+
+/* Restores the job recorded in dir (as shardd__checkpoint_restore, same
+ * refusals) with the payloads read on libuv's pool: the manifest is
+ * parsed and the job registered now, and done(arg, ...) is called once the
+ * data files are loaded. Until then the job is being restored: nobody may
+ * join, checkpoint or use it (see jobs_restoring) and it is not released;
+ * a stopping daemon waits for the load. A refusal is returned here, and
+ * done is then never called. */
+shardd_err shardd__jobs_restore_start(shardd__jobs *j, const char *dir,
+                                      int64_t as_uid, uint32_t world,
+                                      shardd__jobs_restore_done done, void *arg,
+                                      char *err, size_t errlen);
+/* Whether job is being restored (started and not loaded). */
+int shardd__jobs_restoring(const shardd__jobs *j, const shardd__job *job);
 
 #endif /* SHARDD_JOBS_H */
