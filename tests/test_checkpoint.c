@@ -1358,6 +1358,102 @@ Test(checkpoint, a_client_leaving_mid_checkpoint_keeps_its_job_until_written,
   cr_assert_eq(test_daemon_stop(&d), 0);
 }
 
+/* Restore, as the write (issue 20, item 10): the payloads of a large
+ * checkpoint are read off the loop thread, so another client's Pong comes
+ * before the restore's reply, and while they load the job is refused to
+ * whoever would join or checkpoint it. Orders of replies, never times.
+ * The restored values are the checkpoint's, byte for byte, and a daemon
+ * stopped mid-load still exits cleanly. */
+static uint64_t send_restore(test_raw *r, const char *path) {
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Restore rs = SHARDWIRE__RESTORE__INIT;
+  rs.dir = (char *)path;
+  req.body_case = SHARDWIRE__REQUEST__BODY_RESTORE;
+  req.restore = &rs;
+  return test_raw_send(r, &req);
+}
+
+Test(checkpoint, a_large_restore_leaves_the_loop_to_other_clients, .timeout = 60) {
+  char ck[128], ck2[128];
+  snprintf(ck, sizeof ck, "%s/bigr", dir);
+  snprintf(ck2, sizeof ck2, "%s/bigr2", dir);
+  const char *const args[] = {"--backend", "host", "--device-memory", "3G", NULL};
+  test_daemon d;
+  test_daemon_start(&d, args);
+  test_raw a, b, e;
+  test_raw_open(&d, &a);
+  test_raw_hello(&a, "bigr", 0, 1);
+  shardd_buffer_info info;
+  test_raw_register_buffer(&a, "flat", SHARDD_DTYPE_FP32, BIG_NUMEL, &info);
+  for (uint64_t i = 0; i < BIG_NUMEL; i++)
+    ((uint32_t *)info.shard)[i] = big_word(i);
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Checkpoint cp = SHARDWIRE__CHECKPOINT__INIT;
+  cp.dir = ck;
+  req.body_case = SHARDWIRE__REQUEST__BODY_CHECKPOINT;
+  req.checkpoint = &cp;
+  shardwire__response__free_unpacked(
+      test_raw_expect(&a, test_raw_send(&a, &req), SHARDD_OK), NULL);
+  test_raw_close(&a);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+
+  test_daemon_start(&d, args);
+  test_raw_open(&d, &a);
+  test_raw_hello(&a, NULL, 0, 0);
+  test_raw_open(&d, &b);
+  test_raw_open(&d, &e);
+  test_raw_hello(&e, NULL, 0, 0);
+  /* the Restore, then a Ping behind it on the same connection: the Pong
+   * says the manifest was taken and the load started */
+  uint64_t s_rs = send_restore(&a, ck);
+  uint64_t s_ping = test_raw_send_ping(&a);
+  Shardwire__Response *resp = test_raw_expect(&a, s_ping, SHARDD_OK);
+  cr_assert_eq(resp->body_case, SHARDWIRE__RESPONSE__BODY_PONG);
+  shardwire__response__free_unpacked(resp, NULL);
+  /* while the 256 MiB load: nobody joins the job, nobody checkpoints it */
+  resp = test_raw_expect(&b, test_raw_send_hello(&b, SHARDD_PROTOCOL_VERSION,
+                                                 "bigr", 0, 1),
+                         SHARDD_E_BUSY);
+  cr_expect_str_eq(resp->message, "job \"bigr\" is being restored");
+  shardwire__response__free_unpacked(resp, NULL);
+  cp.dir = ck2;
+  cp.job = "bigr";
+  resp = test_raw_expect(&e, test_raw_send(&e, &req), SHARDD_E_BUSY);
+  cr_expect_str_eq(resp->message, "job \"bigr\" is being restored");
+  shardwire__response__free_unpacked(resp, NULL);
+  /* another client, while the payload is still being read */
+  test_raw_sync(&e);
+  struct pollfd pf = {a.fd, POLLIN, 0};
+  cr_expect_eq(poll(&pf, 1, 0), 0,
+               "the restore's reply came before another client's Pong");
+  resp = test_raw_expect(&a, s_rs, SHARDD_OK);
+  cr_assert_eq(resp->body_case, SHARDWIRE__RESPONSE__BODY_CHECKPOINT);
+  cr_expect_str_eq(resp->checkpoint->job, "bigr");
+  cr_expect_eq(resp->checkpoint->buffers, 1);
+  shardwire__response__free_unpacked(resp, NULL);
+  /* loaded: the refused client joins now, and finds every byte */
+  test_raw_hello(&b, "bigr", 0, 1);
+  test_raw_register_buffer(&b, "flat", SHARDD_DTYPE_FP32, BIG_NUMEL, &info);
+  cr_assert_eq(info.created, 0, "attached to the restored buffer");
+  uint64_t bad = 0;
+  for (uint64_t i = 0; i < BIG_NUMEL; i++)
+    bad += ((uint32_t *)info.shard)[i] != big_word(i);
+  cr_expect_eq(bad, 0, "%llu words differ after restore", (unsigned long long)bad);
+  test_raw_close(&a);
+  test_raw_close(&b);
+  test_raw_close(&e);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+
+  /* stopped while it loads: the daemon waits for the load, then exits */
+  test_daemon_start(&d, args);
+  test_raw_open(&d, &a);
+  test_raw_hello(&a, NULL, 0, 0);
+  s_rs = send_restore(&a, ck);
+  test_raw_sync(&a);
+  cr_assert_eq(test_daemon_stop(&d), 0, "a daemon stopped mid-restore failed");
+  test_raw_close(&a);
+}
+
 /* ---- --checkpoint-root per uid (issue 20, item 4) ----------------------- */
 
 /* In a child that becomes uid: a job "mine" with one buffer (job: 1), then
