@@ -17,16 +17,17 @@
  * connection reserve exempts them. A session that finds no room is not
  * read (backpressure, not failure: the client's send waits in the kernel)
  * until charges are released, when frames complete or sessions close.
- * Whole frames that came in the same read are dispatched all the same, so
- * small requests get through while the budget is full, and a waiting
- * session holds at most one read (64 KiB) beyond its charge. A session
+ * Whole frames that came in the same read are dispatched all the same (in
+ * as many fair turns as they take, server.c), so small requests get
+ * through while the budget is full, and a waiting session holds at most
+ * one read (64 KiB) beyond its charge. A session
  * is let in regardless when no other session holds any of the budget (for
  * the share: none of its uid): a budget below one frame slows the daemon,
  * never stops it. */
 
 int shardd__session_may_read(const shardd__session *s) {
   return !s->closing && !s->close_after_write && !s->close_deferred &&
-         !s->read_paused && !s->budget_wait;
+         !s->read_paused && !s->budget_wait && !s->deferred;
 }
 
 static uint64_t uid_charged(const shardd__server *srv, uint32_t uid) {

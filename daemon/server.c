@@ -38,6 +38,8 @@ typedef struct {
 static void session_close(shardd__session *s);
 static void session_close_later(shardd__session *s);
 static void read_frames(shardd__session *s);
+static void turn_unlink(shardd__session *s);
+static void on_turns(uv_check_t *h);
 static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
 static void read_cb(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf);
 
@@ -206,6 +208,8 @@ static void session_close(shardd__session *s) {
     return;
   s->closing = 1;
   shardd__server *srv = s->srv;
+  if (s->deferred)
+    turn_unlink(s); /* its frames are dropped with it; no turn touches it */
   shardd__dispatch_closed(&srv->d, &s->conn);
   int released = shardd__budget_account(s); /* closing: gives its charge back */
   if (s->prev)
@@ -286,12 +290,84 @@ static void read_cb(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
   read_frames(s);
 }
 
-/* Dispatches the whole frames s->rd holds, unless replies back up first. */
-static void dispatch_frames(shardd__session *s) {
+/* Fair turns. A read hands over up to 64 KiB, and libuv reads a ready
+ * session up to 32 times before it looks at anyone else, so dispatching
+ * every whole frame a read delivered let one client that pipelined
+ * expensive requests keep the loop: 64 refused RegisterOptimizer requests
+ * (each listing thousands of bad refs) in one write stalled every other
+ * client for their whole cost (issue 20 item 10). So a session dispatches
+ * for one turn, TURN_NS of loop time (at least one frame), then its reading
+ * stops and the rest of its frames wait, in s->rd (charged to the
+ * partial-frame budget as before), on the turn queue. After each poll,
+ * on_turns gives every session queued before it one more turn, oldest
+ * first; the idle handle spin keeps that poll from blocking meanwhile, so
+ * other sessions' I/O is served between two turns of one session and a
+ * queued session resumes without waiting for I/O. A session leaves the
+ * queue when its turn ends with no whole frame left (it is read again if
+ * nothing else holds it), when its replies back up (read_paused: write_done
+ * resumes it), or when it closes (session_close unlinks it before anything
+ * else, so no turn touches a closed session). */
+#define TURN_NS ((uint64_t)1000000)
+
+static void on_spin(uv_idle_t *h) { (void)h; }
+
+static void turn_queue(shardd__session *s) {
+  shardd__server *srv = s->srv;
+  if (s->deferred || srv->stopping)
+    return;
+  s->deferred = 1;
+  s->turn_round = srv->turn_round;
+  uv_read_stop((uv_stream_t *)&s->pipe);
+  s->turn_next = NULL;
+  s->turn_prev = srv->turn_tail;
+  if (srv->turn_tail)
+    srv->turn_tail->turn_next = s;
+  else
+    srv->turn_head = s;
+  srv->turn_tail = s;
+  if (!uv_is_active((uv_handle_t *)&srv->turns)) {
+    uv_check_start(&srv->turns, on_turns);
+    uv_idle_start(&srv->spin, on_spin);
+  }
+}
+
+static void turn_unlink(shardd__session *s) {
+  shardd__server *srv = s->srv;
+  if (s->turn_prev)
+    s->turn_prev->turn_next = s->turn_next;
+  else
+    srv->turn_head = s->turn_next;
+  if (s->turn_next)
+    s->turn_next->turn_prev = s->turn_prev;
+  else
+    srv->turn_tail = s->turn_prev;
+  s->turn_prev = s->turn_next = NULL;
+  s->deferred = 0;
+  if (srv->turn_head == NULL) {
+    uv_check_stop(&srv->turns);
+    uv_idle_stop(&srv->spin);
+  }
+}
+
+/* One round: each session queued before it began takes one turn. One
+ * re-queued by its turn goes to the tail with this round's number, which
+ * ends the round; so does a session closed meanwhile, being unlinked. */
+static void on_turns(uv_check_t *h) {
+  shardd__server *srv = h->data;
+  uint64_t round = ++srv->turn_round;
+  while (srv->turn_head && srv->turn_head->turn_round < round)
+    read_frames(srv->turn_head);
+}
+
+/* Dispatches the whole frames s->rd holds for one turn, unless replies
+ * back up first. Returns 1 when the turn ended with bytes left that may
+ * hold a whole frame. */
+static int dispatch_frames(shardd__session *s) {
   uv_stream_t *stream = (uv_stream_t *)&s->pipe;
-  for (;;) {
+  uint64_t start = uv_hrtime();
+  for (int n = 0;; n++) {
     if (s->closing || s->close_deferred)
-      return; /* a reply failed (or the session ended) meanwhile */
+      return 0; /* a reply failed (or the session ended) meanwhile */
     if (write_backlog(s, 1)) {
       if (!s->read_paused)
         shardd__log(3, "session %" PRIu64 ": %" PRIu32 " replies (%zu "
@@ -299,8 +375,10 @@ static void dispatch_frames(shardd__session *s) {
                     s->conn.id, s->writes, uv_stream_get_write_queue_size(stream));
       s->read_paused = 1;
       uv_read_stop(stream);
-      return;
+      return 0;
     }
+    if (n > 0 && uv_hrtime() - start >= TURN_NS)
+      return shardd__frame_reader_pending(&s->rd) > 0;
     const uint8_t *payload;
     size_t len;
     shardd_err rc = shardd__frame_reader_next(&s->rd, &payload, &len);
@@ -312,19 +390,27 @@ static void dispatch_frames(shardd__session *s) {
       refuse(s, SHARDD_E_FRAME_TOO_LARGE, msg);
       s->close_after_write = 1;
       uv_read_stop(stream);
-      return;
+      return 0;
     }
     if (payload == NULL)
-      return;
+      return 0;
     shardd__dispatch_frame(&s->srv->d, &s->conn, payload, len);
   }
 }
 
-/* dispatch_frames, then the budget charged for what s->rd holds after. */
+/* One turn of dispatch_frames (taking s off the turn queue, and back on
+ * when frames are left), then the budget charged for what s->rd holds. */
 static void read_frames(shardd__session *s) {
-  dispatch_frames(s);
+  int was_deferred = s->deferred;
+  if (was_deferred)
+    turn_unlink(s);
+  int more = dispatch_frames(s);
   if (s->closing)
     return; /* session_close has settled its charge */
+  if (more)
+    turn_queue(s);
+  else if (was_deferred && shardd__session_may_read(s))
+    shardd__session_read_start(s); /* the deferral was what stopped it */
   shardd__frame_reader_trim(&s->rd); /* no payload is in use here */
   if (shardd__budget_account(s) && s->srv->budget_waiters > 0)
     shardd__budget_resume(s->srv);
@@ -416,9 +502,10 @@ static void reap_idle_sessions(shardd__server *srv, double now) {
       continue;
     const char *why = NULL;
     double waited = 0;
-    /* a session the daemon does not read (its replies back up, or the
-     * partial-frame budget is full) is not slow: its clock stops */
-    if (!s->read_paused && !s->budget_wait &&
+    /* a session the daemon does not read (its replies back up, the
+     * partial-frame budget is full, or its frames wait for their turn) is
+     * not slow: its clock stops */
+    if (!s->read_paused && !s->budget_wait && !s->deferred &&
         shardd__frame_reader_pending(&s->rd) > 0) {
       if (s->partial_since < 0)
         s->partial_since = now;
@@ -557,6 +644,10 @@ shardd_err shardd__server_init(shardd__server *srv, uv_loop_t *loop,
   uv_timer_start(&srv->tick, on_tick, TICK_MS, TICK_MS);
   uv_idle_init(loop, &srv->reaper);
   srv->reaper.data = srv;
+  uv_check_init(loop, &srv->turns);
+  srv->turns.data = srv;
+  uv_idle_init(loop, &srv->spin);
+  srv->spin.data = srv;
   uv_signal_init(loop, &srv->sigterm);
   uv_signal_init(loop, &srv->sigint);
   srv->sigterm.data = srv->sigint.data = srv;
@@ -580,6 +671,8 @@ void shardd__server_stop(shardd__server *srv) {
   uv_close((uv_handle_t *)&srv->listener, NULL);
   uv_close((uv_handle_t *)&srv->tick, NULL);
   uv_close((uv_handle_t *)&srv->reaper, NULL);
+  uv_close((uv_handle_t *)&srv->turns, NULL);
+  uv_close((uv_handle_t *)&srv->spin, NULL);
   uv_close((uv_handle_t *)&srv->sigterm, NULL);
   uv_close((uv_handle_t *)&srv->sigint, NULL);
   if (srv->own_socket_file)

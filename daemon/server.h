@@ -45,6 +45,13 @@ struct shardd__session {
    * budget has room for more. */
   uint64_t charged;
   int budget_wait;
+  /* Fair turns (server.c): whole frames are left in rd for a later loop
+   * turn, the session not read meanwhile; while set it is on the server's
+   * turn queue (turn_prev/turn_next), eligible from the turn after
+   * turn_round. */
+  int deferred;
+  uint64_t turn_round;
+  shardd__session *turn_prev, *turn_next;
   shardd__session *prev, *next;
 };
 
@@ -59,6 +66,13 @@ struct shardd__server {
   uv_pipe_t listener;
   uv_timer_t tick;
   uv_idle_t reaper; /* closes close_deferred sessions on the next turn */
+  /* Fair turns: after each poll, the sessions with deferred frames take a
+   * turn each, oldest first (turns); spin is active while any wait, so
+   * the poll before their turn does not block. */
+  uv_check_t turns;
+  uv_idle_t spin;
+  shardd__session *turn_head, *turn_tail;
+  uint64_t turn_round;
   uv_signal_t sigterm, sigint;
   int own_socket_file; /* unlink it on stop */
   int stopping;

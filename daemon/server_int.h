@@ -7,7 +7,7 @@
 #include "server.h"
 
 /* Whether s may be read now (not closing, not paused for its replies or
- * for the budget). */
+ * for the budget, no frames of it deferred to a later turn). */
 int shardd__session_may_read(const shardd__session *s);
 /* Starts reading s (server.c's read callbacks). */
 void shardd__session_read_start(shardd__session *s);

@@ -52,11 +52,40 @@ void shardd__hp_resolve(shardd_optim_kind kind, const shardd__optspec_hp *top,
 #define MAX_LISTED_BYTES ((size_t)12 << 20)
 
 typedef struct {
-  shardd__sb sb;
+  char *text; /* the listed lines, NUL-terminated; NULL until one is */
+  size_t len, cap;
+  int failed; /* an allocation failed: no text is handed out */
   shardd_err first;
   size_t count;
   size_t unlisted;
 } problems;
+
+/* Room in p->text for extra more bytes and the NUL; 0 once that failed. */
+static int problems_room(problems *p, size_t extra) {
+  if (p->failed)
+    return 0;
+  if (p->len + extra + 1 <= p->cap)
+    return 1;
+  size_t cap = p->cap ? p->cap : 4096;
+  while (cap < p->len + extra + 1)
+    cap *= 2;
+  char *t = realloc(p->text, cap);
+  if (t == NULL) {
+    p->failed = 1;
+    return 0;
+  }
+  p->text = t;
+  p->cap = cap;
+  return 1;
+}
+
+static void problems_append(problems *p, const char *s, size_t n) {
+  if (!problems_room(p, n))
+    return;
+  memcpy(p->text + p->len, s, n);
+  p->len += n;
+  p->text[p->len] = '\0';
+}
 
 static void problem(problems *p, shardd_err code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -72,28 +101,50 @@ static void problem(problems *p, shardd_err code, const char *fmt, ...) {
     p->unlisted++;
     return;
   }
+  /* Formatted once, straight into the text where it fits (it nearly always
+   * does): sizing the line, formatting it and then appending it with
+   * shardd__sb_printf were four passes of printf per line, most of the
+   * cost of a refusal of 100k refs (issue 20 item 10). */
+  size_t sep = p->count > 0;
+  if (!problems_room(p, sep + 256)) {
+    p->count++;
+    return;
+  }
   va_list ap;
   va_start(ap, fmt);
-  int n = vsnprintf(NULL, 0, fmt, ap);
+  int n = vsnprintf(p->text + p->len + sep, p->cap - p->len - sep, fmt, ap);
   va_end(ap);
-  if (n >= 0 && p->count > 0 && p->sb.len + (size_t)n > MAX_LISTED_BYTES) {
+  if (n < 0) {
+    static const char oops[] = "(out of memory describing a problem)";
+    p->text[p->len] = '\0';
+    if (sep)
+      problems_append(p, "\n", 1);
+    problems_append(p, oops, sizeof oops - 1);
+    p->count++;
+    return;
+  }
+  if (p->count > 0 && p->len + (size_t)n > MAX_LISTED_BYTES) {
+    p->text[p->len] = '\0';
     p->count++;
     p->unlisted++;
     return;
   }
   /* the first line is always listed, cut to the byte budget (a label is
    * the client's own text, as long as a frame) */
-  size_t room = n >= 0 && (size_t)n > MAX_LISTED_BYTES ? MAX_LISTED_BYTES
-                                                      : (size_t)n;
-  char *line = n >= 0 ? malloc(room + 1) : NULL;
-  if (line) {
+  size_t keep = (size_t)n > MAX_LISTED_BYTES ? MAX_LISTED_BYTES : (size_t)n;
+  if (p->len + sep + (size_t)n + 1 > p->cap) { /* it did not fit: again */
+    if (!problems_room(p, sep + keep)) {
+      p->count++;
+      return;
+    }
     va_start(ap, fmt);
-    vsnprintf(line, room + 1, fmt, ap);
+    vsnprintf(p->text + p->len + sep, keep + 1, fmt, ap);
     va_end(ap);
   }
-  shardd__sb_printf(&p->sb, "%s%s", p->count ? "\n" : "",
-                    line ? line : "(out of memory describing a problem)");
-  free(line);
+  if (sep)
+    p->text[p->len] = '\n';
+  p->len += sep + keep;
+  p->text[p->len] = '\0';
   p->count++;
 }
 
@@ -223,7 +274,6 @@ shardd_err shardd__validate_optimizer(const shardd__registry *reg,
                                       shardd__optim_plan *plan, char **msg) {
   problems p;
   memset(&p, 0, sizeof p);
-  shardd__sb_init(&p.sb);
   memset(plan, 0, sizeof *plan);
   *msg = NULL;
   located *locs = NULL;
@@ -414,15 +464,23 @@ shardd_err shardd__validate_optimizer(const shardd__registry *reg,
 done:
   shardd__map_free(&seen);
   if (p.count > 0) {
-    if (p.unlisted > 0)
-      shardd__sb_printf(&p.sb, "\n... and %zu more problem%s not listed (%zu in all)",
-                        p.unlisted, p.unlisted == 1 ? "" : "s", p.count);
+    if (p.unlisted > 0) {
+      char more[128];
+      int m = snprintf(more, sizeof more,
+                       "\n... and %zu more problem%s not listed (%zu in all)",
+                       p.unlisted, p.unlisted == 1 ? "" : "s", p.count);
+      problems_append(&p, more, (size_t)m);
+    }
     free(locs);
     shardd__optim_plan_free(plan);
-    *msg = shardd__sb_take(&p.sb);
+    if (p.failed || p.text == NULL) {
+      free(p.text);
+      p.text = NULL;
+    }
+    *msg = p.text;
     return p.first;
   }
-  shardd__sb_free(&p.sb);
+  free(p.text);
   plan->kind = kind;
   plan->name = strdup(req->name && req->name[0] ? req->name : "default");
   plan->refs = malloc((nlocs ? nlocs : 1) * sizeof *plan->refs);

@@ -2201,3 +2201,179 @@ Test(server, a_missing_socket_directory_is_named, .timeout = 120) {
   }
   rmdir(dir);
 }
+
+/* ---- fair turns ---------------------------------------------------------- */
+
+/* Issue 20 item 10: the transport dispatched every whole frame a read
+ * delivered (and libuv reads a ready client up to 2 MiB before it looks at
+ * another), so 64 pipelined refused registrations stalled every other
+ * client for their whole cost. Client A sends, in one write, FAIR_REQS
+ * RegisterOptimizer requests, each naming FAIR_REFS refs of id 0 (two bytes
+ * on the wire, a ~95-byte line in the refusal: milliseconds of listing
+ * each), with a RegisterBuffer "marker" just before the last one. Once the
+ * write is out, client B sends a Ping and a Status in one write. B's Pong
+ * must come before A's last refusal was dispatched: the Status, dispatched
+ * after the Pong, must not show the marker, which A's last refusal comes
+ * after. And A still gets every reply, in order.
+ *
+ * Order, not time: replies are written asynchronously (a refusal of 760 KB
+ * waits in libuv while the loop works), so when each reply is received says
+ * nothing about when it was dispatched; the marker says it. Why it cannot
+ * flake: with fair turns B's frames are dispatched within one of A's turns
+ * (1 ms of loop time, or one request) of their arrival, and ahead of the
+ * marker lie FAIR_REQS - 1 refusals costing FAIR_REFS lines of listing
+ * each, hundreds of milliseconds in an optimised build and more under a
+ * sanitizer, which slows that work as it slows the rest. For the marker to
+ * win, this thread would have to stay off the CPU between A's write and
+ * B's, and the daemon's loop then pass over B's ready socket, for all that
+ * time. Why the old transport fails it: the whole batch (under 1 MiB) is
+ * within one burst of reads of one client, its replies (~45 MB, 61 writes)
+ * under the 64 MiB and 64 unwritten replies at which a client stops being
+ * read, so the loop dispatched all of A, marker included, before it looked
+ * at B. */
+#define FAIR_REQS 60
+#define FAIR_REFS 8000
+
+typedef struct {
+  test_raw *r;
+  uint64_t seq0; /* the first refusal's; the marker's is seq0 + FAIR_REQS - 1 */
+  int bad;
+  char why[256];
+} fair_reader;
+
+/* A's replies: FAIR_REQS - 1 refusals, the marker's buffer, the last. */
+static void *fair_read_main(void *p) {
+  fair_reader *fr = p;
+  static const char first[] = "param group 0, ref 0 (\"\"): not a shardd buffer";
+  for (unsigned k = 0; k <= FAIR_REQS; k++) {
+    Shardwire__Response *resp = test_raw_recv(fr->r);
+    if (resp == NULL) {
+      snprintf(fr->why, sizeof fr->why, "closed before reply %u", k);
+      fr->bad = 1;
+      return NULL;
+    }
+    int marker = k == FAIR_REQS - 1;
+    int ok = resp->seq == fr->seq0 + k &&
+             (marker ? resp->code == SHARDWIRE__STATUS_CODE__OK
+                     : resp->code == SHARDWIRE__STATUS_CODE__E_NOT_OWNED &&
+                           resp->message &&
+                           strncmp(resp->message, first, sizeof first - 1) == 0);
+    if (!ok && !fr->bad) {
+      snprintf(fr->why, sizeof fr->why, "reply %u: seq %llu (want %llu), %s: %.100s", k,
+               (unsigned long long)resp->seq, (unsigned long long)(fr->seq0 + k),
+               shardd_err_name((shardd_err)resp->code),
+               resp->message ? resp->message : "");
+      fr->bad = 1;
+    }
+    shardwire__response__free_unpacked(resp, NULL);
+  }
+  return NULL;
+}
+
+/* Appends req as a frame at *batch + *len (room made by the caller). */
+static void fair_put(uint8_t *batch, size_t *len, Shardwire__Request *req) {
+  size_t n = shardwire__request__get_packed_size(req);
+  shardd__frame_put_header(batch + *len, (uint32_t)n);
+  shardwire__request__pack(req, batch + *len + SHARDD_FRAME_HEADER);
+  *len += SHARDD_FRAME_HEADER + n;
+}
+
+Test(server, pipelined_expensive_requests_do_not_hold_the_loop, .init = start_default,
+     .fini = stop_daemon, .timeout = 120) {
+  test_raw a, b;
+  test_raw_open(&d, &a);
+  test_raw_open(&d, &b);
+  test_raw_hello(&a, "fair", 0, 1);
+  test_raw_hello(&b, NULL, 0, 1);
+  /* the whole batch in A's socket at once where the system allows it */
+  int sndbuf = 4 << 20;
+  setsockopt(a.fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof sndbuf);
+
+  Shardwire__ParamRef *refs = calloc(FAIR_REFS, sizeof *refs);
+  Shardwire__ParamRef **rptrs = calloc(FAIR_REFS, sizeof *rptrs);
+  cr_assert(refs && rptrs);
+  for (size_t i = 0; i < FAIR_REFS; i++) {
+    Shardwire__ParamRef r0 = SHARDWIRE__PARAM_REF__INIT; /* id 0: not the daemon's */
+    refs[i] = r0;
+    rptrs[i] = &refs[i];
+  }
+  Shardwire__RegisterOptimizer ro = SHARDWIRE__REGISTER_OPTIMIZER__INIT;
+  Shardwire__ParamGroup g = SHARDWIRE__PARAM_GROUP__INIT, *gp = &g;
+  ro.kind = SHARDWIRE__OPTIM_KIND__SGD;
+  g.refs = rptrs;
+  g.n_refs = FAIR_REFS;
+  ro.groups = &gp;
+  ro.n_groups = 1;
+  Shardwire__Request opt = SHARDWIRE__REQUEST__INIT;
+  opt.body_case = SHARDWIRE__REQUEST__BODY_REGISTER_OPTIMIZER;
+  opt.register_optimizer = &ro;
+  Shardwire__Request mark = SHARDWIRE__REQUEST__INIT;
+  Shardwire__RegisterBuffer rb = SHARDWIRE__REGISTER_BUFFER__INIT;
+  rb.name = "marker";
+  rb.dtype = SHARDWIRE__DTYPE__FP32;
+  rb.numel = 16;
+  mark.body_case = SHARDWIRE__REQUEST__BODY_REGISTER_BUFFER;
+  mark.register_buffer = &rb;
+  uint64_t seq0 = a.seq + 1;
+  opt.seq = seq0 + FAIR_REQS; /* the largest seq: no frame is longer */
+  size_t room = (FAIR_REQS + 1) *
+                (SHARDD_FRAME_HEADER + shardwire__request__get_packed_size(&opt));
+  uint8_t *batch = malloc(room);
+  cr_assert_not_null(batch);
+  size_t total = 0;
+  for (uint64_t k = 0; k <= FAIR_REQS; k++) {
+    Shardwire__Request *req = k == FAIR_REQS - 1 ? &mark : &opt;
+    req->seq = seq0 + k;
+    fair_put(batch, &total, req);
+  }
+  a.seq = seq0 + FAIR_REQS;
+  cr_assert_leq(total, room);
+
+  fair_reader fr = {.r = &a, .seq0 = seq0};
+  pthread_t rt;
+  cr_assert_eq(pthread_create(&rt, NULL, fair_read_main, &fr), 0);
+  test_raw_send_bytes(&a, batch, total);
+
+  /* B: a Ping, then a Status that says how far A had got */
+  Shardwire__Request ping = SHARDWIRE__REQUEST__INIT, st = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Ping pg = SHARDWIRE__PING__INIT;
+  Shardwire__StatusRequest sr = SHARDWIRE__STATUS_REQUEST__INIT;
+  ping.body_case = SHARDWIRE__REQUEST__BODY_PING;
+  ping.ping = &pg;
+  ping.seq = ++b.seq;
+  st.body_case = SHARDWIRE__REQUEST__BODY_STATUS;
+  st.status = &sr;
+  st.seq = ++b.seq;
+  uint8_t two[256];
+  size_t tl = 0;
+  fair_put(two, &tl, &ping);
+  fair_put(two, &tl, &st);
+  test_raw_send_bytes(&b, two, tl);
+  Shardwire__Response *pong = test_raw_expect(&b, ping.seq, SHARDD_OK);
+  cr_assert_eq(pong->body_case, SHARDWIRE__RESPONSE__BODY_PONG);
+  shardwire__response__free_unpacked(pong, NULL);
+  Shardwire__Response *sresp = test_raw_expect(&b, st.seq, SHARDD_OK);
+  cr_assert_eq(sresp->body_case, SHARDWIRE__RESPONSE__BODY_STATUS);
+  int found = 0;
+  uint32_t marked = 0;
+  for (size_t i = 0; i < sresp->status->n_jobs; i++)
+    if (strcmp(sresp->status->jobs[i]->name, "fair") == 0) {
+      found = 1;
+      marked = sresp->status->jobs[i]->buffers;
+    }
+  shardwire__response__free_unpacked(sresp, NULL);
+  cr_assert(found, "B's Status shows no job \"fair\"");
+
+  cr_assert_eq(pthread_join(rt, NULL), 0);
+  cr_assert(!fr.bad, "A's replies: %s", fr.why);
+  cr_expect_eq(marked, 0, "B's Ping waited until A's batch was dispatched up "
+               "to its marker, just before the last of %d refusals", FAIR_REQS);
+  /* and both are still served */
+  test_raw_sync(&a);
+  test_raw_sync(&b);
+  test_raw_close(&a);
+  test_raw_close(&b);
+  free(batch);
+  free(refs);
+  free(rptrs);
+}
