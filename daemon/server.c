@@ -1,6 +1,7 @@
-/* server.c — the transport of shardd: accept, sessions, framing, writes
- * with backpressure, connection limits and deadlines, the periodic tick
- * and the signals (see server.h). */
+/* server.c — the transport of shardd: accept, sessions, writes with
+ * backpressure, connection limits and deadlines, the periodic tick and
+ * the signals (see server.h; reads.c reads the frames, framebudget.c
+ * bounds what partial ones hold). */
 #include "server.h"
 
 #include <errno.h>
@@ -35,13 +36,8 @@ typedef struct {
   uv_buf_t buf;
 } write_req;
 
-static void session_close(shardd__session *s);
+void shardd__session_close(shardd__session *s);
 static void session_close_later(shardd__session *s);
-static void read_frames(shardd__session *s);
-static void turn_unlink(shardd__session *s);
-static void on_turns(uv_check_t *h);
-static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
-static void read_cb(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf);
 
 /* Backpressure. A client that sends requests and never reads the replies
  * made the daemon queue them without end: a Ping echoes up to 16 MiB, and
@@ -54,7 +50,7 @@ static void read_cb(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf);
 #define WQ_HIGH_WRITES 64u
 #define WQ_LOW_WRITES 16u
 
-static int write_backlog(shardd__session *s, int high) {
+int shardd__session_backlog(shardd__session *s, int high) {
   size_t bytes = uv_stream_get_write_queue_size((uv_stream_t *)&s->pipe);
   if (high)
     return s->writes >= WQ_HIGH_WRITES || bytes >= WQ_HIGH_BYTES;
@@ -77,15 +73,15 @@ static void write_done(uv_write_t *req, int status) {
     session_close_later(s);
   } else if (s->close_after_write &&
              uv_stream_get_write_queue_size((uv_stream_t *)&s->pipe) == 0) {
-    session_close(s);
+    shardd__session_close(s);
   } else if (s->read_paused && !s->closing && !s->close_after_write &&
-             !s->close_deferred && !write_backlog(s, 0)) {
+             !s->close_deferred && !shardd__session_backlog(s, 0)) {
     s->read_paused = 0;
     shardd__log(3, "session %" PRIu64 ": replies drained; reading again",
                 s->conn.id);
     if (shardd__session_may_read(s)) /* else the partial-frame budget holds it */
-      uv_read_start((uv_stream_t *)&s->pipe, alloc_cb, read_cb);
-    read_frames(s); /* requests that arrived before the pause */
+      shardd__session_read_start(s);
+    shardd__session_read_frames(s); /* requests that arrived before the pause */
   }
 }
 
@@ -187,12 +183,8 @@ static uint64_t net_partial_bytes(void *ctx) {
 }
 
 /* A status-only reply from the transport itself. */
-static void refuse(shardd__session *s, shardd_err code, const char *msg) {
+void shardd__session_refuse(shardd__session *s, shardd_err code, const char *msg) {
   shardd__dispatch_refuse(&s->srv->d, &s->conn, code, msg);
-}
-
-void shardd__session_read_start(shardd__session *s) {
-  uv_read_start((uv_stream_t *)&s->pipe, alloc_cb, read_cb);
 }
 
 /* ---- session lifetime ------------------------------------------------- */
@@ -203,13 +195,13 @@ static void session_freed(uv_handle_t *h) {
   free(s);
 }
 
-static void session_close(shardd__session *s) {
+void shardd__session_close(shardd__session *s) {
   if (s->closing)
     return;
   s->closing = 1;
   shardd__server *srv = s->srv;
   if (s->deferred)
-    turn_unlink(s); /* its frames are dropped with it; no turn touches it */
+    shardd__turn_unlink(s); /* its frames are dropped with it; no turn touches it */
   shardd__dispatch_closed(&srv->d, &s->conn);
   int released = shardd__budget_account(s); /* closing: gives its charge back */
   if (s->prev)
@@ -254,166 +246,8 @@ static void on_reap(uv_idle_t *h) {
     if (s == NULL)
       break;
     shardd__log(3, "session %" PRIu64 ": closed after a failed reply", s->conn.id);
-    session_close(s);
+    shardd__session_close(s);
   }
-}
-
-/* ---- reads ------------------------------------------------------------ */
-
-static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
-  static char slab[65536]; /* loop-thread only: consumed before the next read */
-  buf->base = slab;
-  buf->len = sizeof slab;
-}
-
-static void read_cb(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
-  shardd__session *s = (shardd__session *)stream;
-  if (nread < 0) {
-    if (nread != UV_EOF)
-      shardd__log(3, "session %" PRIu64 ": read: %s", s->conn.id,
-                  uv_strerror((int)nread));
-    session_close(s);
-    return;
-  }
-  if (s->closing || s->close_after_write || s->close_deferred)
-    return;
-  if (uv_pipe_pending_count(&s->pipe) > 0) {
-    refuse(s, SHARDD_E_PROTOCOL, "clients may not send descriptors to the daemon");
-    s->close_after_write = 1;
-    uv_read_stop(stream);
-    return;
-  }
-  if (shardd__frame_reader_feed(&s->rd, buf->base, (size_t)nread) != SHARDD_OK) {
-    session_close(s);
-    return;
-  }
-  read_frames(s);
-}
-
-/* Fair turns. A read hands over up to 64 KiB, and libuv reads a ready
- * session up to 32 times before it looks at anyone else, so dispatching
- * every whole frame a read delivered let one client that pipelined
- * expensive requests keep the loop: 64 refused RegisterOptimizer requests
- * (each listing thousands of bad refs) in one write stalled every other
- * client for their whole cost (issue 20 item 10). So a session dispatches
- * for one turn, TURN_NS of loop time (at least one frame), then its reading
- * stops and the rest of its frames wait, in s->rd (charged to the
- * partial-frame budget as before), on the turn queue. After each poll,
- * on_turns gives every session queued before it one more turn, oldest
- * first; the idle handle spin keeps that poll from blocking meanwhile, so
- * other sessions' I/O is served between two turns of one session and a
- * queued session resumes without waiting for I/O. A session leaves the
- * queue when its turn ends with no whole frame left (it is read again if
- * nothing else holds it), when its replies back up (read_paused: write_done
- * resumes it), or when it closes (session_close unlinks it before anything
- * else, so no turn touches a closed session). */
-#define TURN_NS ((uint64_t)1000000)
-
-static void on_spin(uv_idle_t *h) { (void)h; }
-
-static void turn_queue(shardd__session *s) {
-  shardd__server *srv = s->srv;
-  if (s->deferred || srv->stopping)
-    return;
-  s->deferred = 1;
-  s->turn_round = srv->turn_round;
-  uv_read_stop((uv_stream_t *)&s->pipe);
-  s->turn_next = NULL;
-  s->turn_prev = srv->turn_tail;
-  if (srv->turn_tail)
-    srv->turn_tail->turn_next = s;
-  else
-    srv->turn_head = s;
-  srv->turn_tail = s;
-  if (!uv_is_active((uv_handle_t *)&srv->turns)) {
-    uv_check_start(&srv->turns, on_turns);
-    uv_idle_start(&srv->spin, on_spin);
-  }
-}
-
-static void turn_unlink(shardd__session *s) {
-  shardd__server *srv = s->srv;
-  if (s->turn_prev)
-    s->turn_prev->turn_next = s->turn_next;
-  else
-    srv->turn_head = s->turn_next;
-  if (s->turn_next)
-    s->turn_next->turn_prev = s->turn_prev;
-  else
-    srv->turn_tail = s->turn_prev;
-  s->turn_prev = s->turn_next = NULL;
-  s->deferred = 0;
-  if (srv->turn_head == NULL) {
-    uv_check_stop(&srv->turns);
-    uv_idle_stop(&srv->spin);
-  }
-}
-
-/* One round: each session queued before it began takes one turn. One
- * re-queued by its turn goes to the tail with this round's number, which
- * ends the round; so does a session closed meanwhile, being unlinked. */
-static void on_turns(uv_check_t *h) {
-  shardd__server *srv = h->data;
-  uint64_t round = ++srv->turn_round;
-  while (srv->turn_head && srv->turn_head->turn_round < round)
-    read_frames(srv->turn_head);
-}
-
-/* Dispatches the whole frames s->rd holds for one turn, unless replies
- * back up first. Returns 1 when the turn ended with bytes left that may
- * hold a whole frame. */
-static int dispatch_frames(shardd__session *s) {
-  uv_stream_t *stream = (uv_stream_t *)&s->pipe;
-  uint64_t start = uv_hrtime();
-  for (int n = 0;; n++) {
-    if (s->closing || s->close_deferred)
-      return 0; /* a reply failed (or the session ended) meanwhile */
-    if (write_backlog(s, 1)) {
-      if (!s->read_paused)
-        shardd__log(3, "session %" PRIu64 ": %" PRIu32 " replies (%zu "
-                    "bytes) unread by the client; not reading it until they drain",
-                    s->conn.id, s->writes, uv_stream_get_write_queue_size(stream));
-      s->read_paused = 1;
-      uv_read_stop(stream);
-      return 0;
-    }
-    if (n > 0 && uv_hrtime() - start >= TURN_NS)
-      return shardd__frame_reader_pending(&s->rd) > 0;
-    const uint8_t *payload;
-    size_t len;
-    shardd_err rc = shardd__frame_reader_next(&s->rd, &payload, &len);
-    if (rc != SHARDD_OK) {
-      char msg[128];
-      snprintf(msg, sizeof msg, "frame over the %u-byte limit; closing",
-               SHARDD_MAX_FRAME);
-      shardd__log(1, "session %" PRIu64 ": %s", s->conn.id, msg);
-      refuse(s, SHARDD_E_FRAME_TOO_LARGE, msg);
-      s->close_after_write = 1;
-      uv_read_stop(stream);
-      return 0;
-    }
-    if (payload == NULL)
-      return 0;
-    shardd__dispatch_frame(&s->srv->d, &s->conn, payload, len);
-  }
-}
-
-/* One turn of dispatch_frames (taking s off the turn queue, and back on
- * when frames are left), then the budget charged for what s->rd holds. */
-static void read_frames(shardd__session *s) {
-  int was_deferred = s->deferred;
-  if (was_deferred)
-    turn_unlink(s);
-  int more = dispatch_frames(s);
-  if (s->closing)
-    return; /* session_close has settled its charge */
-  if (more)
-    turn_queue(s);
-  else if (was_deferred && shardd__session_may_read(s))
-    shardd__session_read_start(s); /* the deferral was what stopped it */
-  shardd__frame_reader_trim(&s->rd); /* no payload is in use here */
-  if (shardd__budget_account(s) && s->srv->budget_waiters > 0)
-    shardd__budget_resume(s->srv);
 }
 
 static void session_begin(shardd__server *srv, shardd__session *s);
@@ -472,11 +306,11 @@ static void session_begin(shardd__server *srv, shardd__session *s) {
   if (msg[0]) {
     shardd__log(1, "connection of uid %" PRIu32 " pid %" PRId32 " refused: %s",
                 (uint32_t)s->conn.peer.uid, (int32_t)s->conn.peer.pid, msg);
-    refuse(s, SHARDD_E_LIMIT, msg);
+    shardd__session_refuse(s, SHARDD_E_LIMIT, msg);
     s->close_after_write = 1;
     return;
   }
-  uv_read_start((uv_stream_t *)&s->pipe, alloc_cb, read_cb);
+  shardd__session_read_start(s);
 }
 
 shardd_err shardd__server_adopt(shardd__server *srv, int fd) {
@@ -521,7 +355,7 @@ static void reap_idle_sessions(shardd__server *srv, double now) {
     shardd__log(1, "session %" PRIu64 " (uid %" PRIu32 " pid %" PRId32
                 ") %s for %.1f s; closed", s->conn.id, (uint32_t)s->conn.peer.uid,
                 (int32_t)s->conn.peer.pid, why, waited);
-    session_close(s);
+    shardd__session_close(s);
   }
 }
 
@@ -667,7 +501,7 @@ void shardd__server_stop(shardd__server *srv) {
   srv->stopping = 1;
   shardd__dispatch_stop(&srv->d);
   while (srv->sessions)
-    session_close(srv->sessions);
+    shardd__session_close(srv->sessions);
   uv_close((uv_handle_t *)&srv->listener, NULL);
   uv_close((uv_handle_t *)&srv->tick, NULL);
   uv_close((uv_handle_t *)&srv->reaper, NULL);

@@ -61,7 +61,7 @@ PACKAGES = {
     "coll_fabric": "coll",
     "registry_int": "registry", "buffer": "registry", "optimizer": "registry",
     "areas": "registry",
-    "framebudget": "server", "server_int": "server",
+    "framebudget": "server", "server_int": "server", "reads": "server",
     "ckfile": "checkpoint", "manifest": "checkpoint", "restore": "checkpoint",
     "backend_host": "backend", "backend_cuda": "backend",
     "fabric_gloo": "fabric", "fabric_stub": "fabric",
