@@ -2149,8 +2149,28 @@ Test(server, views_are_capped_and_counted, .timeout = 120) {
 
 /* Runs shardd --socket sock (as uid when uid > 0) with stderr to a file;
  * returns its exit status and *log (caller frees) what it printed. */
+/* A copy of the daemon another uid may execute: the checkout may sit in a
+ * directory only its owner can enter (mktemp -d makes them 0700). */
+static void daemon_copy(char *path, size_t len) {
+  const char *bin = test_bin("SHARDD_BIN", "build/shardd");
+  snprintf(path, len, "/tmp/shardd-bin-XXXXXX");
+  int out = mkstemp(path);
+  int in = open(bin, O_RDONLY | O_CLOEXEC);
+  cr_assert(out >= 0 && in >= 0, "copying %s: %s", bin, strerror(errno));
+  char chunk[65536];
+  for (ssize_t n; (n = read(in, chunk, sizeof chunk)) > 0;)
+    cr_assert_eq(write(out, chunk, (size_t)n), n);
+  close(in);
+  cr_assert_eq(fchmod(out, 0755), 0);
+  cr_assert_eq(fchown(out, 0, 0), 0);
+  close(out);
+}
+
 static int shardd_at(const char *sock, uid_t uid, char **log) {
   char path[] = "/tmp/shardd-bindlog-XXXXXX";
+  char copy[64] = "";
+  if (uid > 0)
+    daemon_copy(copy, sizeof copy);
   int fd = mkstemp(path);
   cr_assert(fd >= 0);
   pid_t pid = fork();
@@ -2160,7 +2180,7 @@ static int shardd_at(const char *sock, uid_t uid, char **log) {
     if (uid > 0 && (setgid(uid) != 0 || setuid(uid) != 0))
       _exit(120);
     dup2(fd, 2);
-    const char *bin = test_bin("SHARDD_BIN", "build/shardd");
+    const char *bin = copy[0] ? copy : test_bin("SHARDD_BIN", "build/shardd");
     execl(bin, bin, "--backend", "host", "--socket", sock, (char *)NULL);
     _exit(127);
   }
@@ -2173,7 +2193,11 @@ static int shardd_at(const char *sock, uid_t uid, char **log) {
   }
   *log = test_slurp(path);
   unlink(path);
+  if (copy[0])
+    unlink(copy);
   cr_assert_not_null(*log);
+  cr_assert(!(WIFEXITED(st) && WEXITSTATUS(st) == 127), "the daemon did not start: %s",
+            *log);
   return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
