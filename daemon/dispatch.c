@@ -436,6 +436,35 @@ static void ckpt_unwait(ckpt_wait *w) {
     }
 }
 
+/* A waiting reply for c's request seq about dir; NULL (and c answered)
+ * when out of memory. */
+static ckpt_wait *ckpt_wait_new(shardd__dispatch *d, shardd__conn *c,
+                                uint64_t seq, const char *dir) {
+  ckpt_wait *w = calloc(1, sizeof *w);
+  if (w == NULL || (w->dir = strdup(dir)) == NULL) {
+    free(w);
+    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    return NULL;
+  }
+  w->d = d;
+  w->c = c;
+  w->seq = seq;
+  return w;
+}
+
+/* After the start of w's work: waits for it when rc is OK, else answers
+ * the refusal and drops w (its done hook is never called then). */
+static void ckpt_wait_started(ckpt_wait *w, shardd_err rc, const char *err) {
+  if (rc != SHARDD_OK) {
+    reply(w->d, w->c, w->seq, rc, err);
+    free(w->dir);
+    free(w);
+    return;
+  }
+  w->next = w->d->ckpt_waits;
+  w->d->ckpt_waits = w;
+}
+
 static void ckpt_done(void *arg, shardd__job *job, shardd_err rc,
                       const char *err) {
   ckpt_wait *w = arg;
@@ -511,41 +540,21 @@ static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   }
   /* The files are written off the loop thread: a 1.6 GB checkpoint froze
    * every client for 4.9 s and made another job's gather time out. */
-  ckpt_wait *w = calloc(1, sizeof *w);
-  if (w == NULL || (w->dir = strdup(cp->dir)) == NULL) {
-    free(w);
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+  ckpt_wait *w = ckpt_wait_new(d, c, seq, cp->dir);
+  if (w == NULL)
     return;
-  }
-  w->d = d;
-  w->c = c;
-  w->seq = seq;
   rc = shardd__jobs_checkpoint_start(&d->jobs, job, cp->dir,
                                      (int64_t)c->peer.uid, home[0] ? home : NULL,
                                      ckpt_done, w, err, sizeof err);
-  if (rc != SHARDD_OK) {
-    free(w->dir);
-    free(w);
-    reply(d, c, seq, rc, err);
-    return;
-  }
-  w->next = d->ckpt_waits;
-  d->ckpt_waits = w;
+  ckpt_wait_started(w, rc, err);
 }
 
 static void restore_done(void *arg, shardd__job *job, shardd_err rc,
                          const char *err) {
-  ckpt_wait *w = arg;
-  shardd__dispatch *d = w->d;
-  ckpt_unwait(w);
+  const ckpt_wait *w = arg;
   if (rc == SHARDD_OK)
     shardd__log(2, "job \"%s\" restored from %s", job->name, w->dir);
-  if (w->c && rc == SHARDD_OK)
-    reply_checkpoint(d, w->c, w->seq, job, w->dir);
-  else if (w->c)
-    reply(d, w->c, w->seq, rc, err);
-  free(w->dir);
-  free(w);
+  ckpt_done(arg, job, rc, err);
 }
 
 static void on_restore(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
@@ -560,26 +569,13 @@ static void on_restore(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   }
   /* The payloads are read off the loop thread, as a checkpoint's are
    * written: a large restore froze every client. */
-  ckpt_wait *w = calloc(1, sizeof *w);
-  if (w == NULL || (w->dir = strdup(rs->dir)) == NULL) {
-    free(w);
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+  ckpt_wait *w = ckpt_wait_new(d, c, seq, rs->dir);
+  if (w == NULL)
     return;
-  }
-  w->d = d;
-  w->c = c;
-  w->seq = seq;
   rc = shardd__jobs_restore_start(&d->jobs, rs->dir, (int64_t)c->peer.uid,
                                   rs->has_world ? rs->world : 0, restore_done,
                                   w, err, sizeof err);
-  if (rc != SHARDD_OK) {
-    free(w->dir);
-    free(w);
-    reply(d, c, seq, rc, err);
-    return;
-  }
-  w->next = d->ckpt_waits;
-  d->ckpt_waits = w;
+  ckpt_wait_started(w, rc, err);
 }
 
 static void on_gather(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
