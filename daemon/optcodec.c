@@ -7,40 +7,18 @@
 static void hp_from_wire(const Shardwire__HyperParams *h, shardd__optspec_hp *o) {
   memset(o, 0, sizeof *o);
 #define COPY(f)                                                              \
-  do {                                                                       \
-    o->has_##f = h->has_##f != 0;                                            \
-    o->f = h->f;                                                             \
-  } while (0)
-  COPY(lr);
-  COPY(momentum);
-  COPY(dampening);
-  COPY(weight_decay);
-  COPY(nesterov);
-  COPY(maximize);
-  COPY(beta1);
-  COPY(beta2);
-  COPY(eps);
-  COPY(amsgrad);
+  o->has_##f = h->has_##f != 0;                                              \
+  o->f = h->f;
+  SHARDD__OPTSPEC_HP_FIELDS(COPY)
 #undef COPY
 }
 
 static void hp_to_wire(const shardd__optspec_hp *o, Shardwire__HyperParams *h) {
   shardwire__hyper_params__init(h);
 #define COPY(f)                                                              \
-  do {                                                                       \
-    h->has_##f = o->has_##f != 0;                                            \
-    h->f = o->f;                                                             \
-  } while (0)
-  COPY(lr);
-  COPY(momentum);
-  COPY(dampening);
-  COPY(weight_decay);
-  COPY(nesterov);
-  COPY(maximize);
-  COPY(beta1);
-  COPY(beta2);
-  COPY(eps);
-  COPY(amsgrad);
+  h->has_##f = o->has_##f != 0;                                              \
+  h->f = o->f;
+  SHARDD__OPTSPEC_HP_FIELDS(COPY)
 #undef COPY
 }
 

@@ -17,6 +17,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* Every hyperparameter by name, for code that treats them all alike (the
+ * codec, the overlay of overrides): X(name) once each. A new one is added
+ * here, in the struct below, in shardd__hp and on the wire. */
+#define SHARDD__OPTSPEC_HP_FIELDS(X)                                         \
+  X(lr) X(momentum) X(dampening) X(weight_decay) X(nesterov) X(maximize)     \
+  X(beta1) X(beta2) X(eps) X(amsgrad)
+
 /* Hyperparameter overrides; a field counts only when its has_ flag is set
  * (unset: the kind's torch default, or the optimizer's value in a group). */
 typedef struct {

@@ -12,26 +12,11 @@
 static void overlay(shardd__hp *hp, const shardd__optspec_hp *h) {
   if (h == NULL)
     return;
-  if (h->has_lr)
-    hp->lr = h->lr;
-  if (h->has_momentum)
-    hp->momentum = h->momentum;
-  if (h->has_dampening)
-    hp->dampening = h->dampening;
-  if (h->has_weight_decay)
-    hp->weight_decay = h->weight_decay;
-  if (h->has_nesterov)
-    hp->nesterov = h->nesterov;
-  if (h->has_maximize)
-    hp->maximize = h->maximize;
-  if (h->has_beta1)
-    hp->beta1 = h->beta1;
-  if (h->has_beta2)
-    hp->beta2 = h->beta2;
-  if (h->has_eps)
-    hp->eps = h->eps;
-  if (h->has_amsgrad)
-    hp->amsgrad = h->amsgrad;
+#define OVERLAY(f)                                                           \
+  if (h->has_##f)                                                            \
+    hp->f = h->f;
+  SHARDD__OPTSPEC_HP_FIELDS(OVERLAY)
+#undef OVERLAY
 }
 
 void shardd__hp_resolve(shardd_optim_kind kind, const shardd__optspec_hp *top,
