@@ -107,9 +107,7 @@ shardd_err shardd__access_checkpoint_dir(const char *root, uint32_t uid,
       return SHARDD_E_PERMISSION;
     }
   }
-  size_t n = root ? strlen(root) : 0;
-  while (n > 1 && root[n - 1] == '/')
-    n--;
+  size_t n = root ? shardd__access_root_len(root) : 0;
   if (root && !(strncmp(dir, root, n) == 0 && dir[n] == '/' && dir[n + 1])) {
     snprintf(err, errlen, "checkpoint directory %s is not below %.*s "
              "(--checkpoint-root)", dir, (int)n, root);
@@ -128,4 +126,11 @@ shardd_err shardd__access_checkpoint_dir(const char *root, uint32_t uid,
     }
   }
   return SHARDD_OK;
+}
+
+size_t shardd__access_root_len(const char *root) {
+  size_t n = strlen(root);
+  while (n > 1 && root[n - 1] == '/')
+    n--;
+  return n;
 }

@@ -54,4 +54,8 @@ shardd_err shardd__access_checkpoint_dir(const char *root, uint32_t uid,
                                          const char *dir, char *err,
                                          size_t errlen);
 
+/* The length of root without its trailing slashes ("/" stays 1): how
+ * --checkpoint-root is compared with and joined to other paths. */
+size_t shardd__access_root_len(const char *root);
+
 #endif /* SHARDD_ACCESS_H */

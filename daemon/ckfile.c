@@ -12,6 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "access.h"
 #include "checkpoint.h"
 
 #define MAGIC "SHRDCKPT"
@@ -285,9 +286,7 @@ shardd_err shardd__checkpoint_user_dir(const char *root, uint32_t uid,
                                               : SHARDD_E_IO;
   char name[16];
   snprintf(name, sizeof name, "%" PRIu32, uid);
-  size_t n = strlen(root);
-  while (n > 1 && root[n - 1] == '/')
-    n--;
+  size_t n = shardd__access_root_len(root);
   shardd_err rc = SHARDD_E_IO;
   int fd = -1;
   if (create && mkdirat(rfd, name, 0700) == 0) {

@@ -493,12 +493,9 @@ static shardd_err checkpoint_dir_ok(shardd__dispatch *d, const shardd__conn *c,
     return rc;
   rc = shardd__checkpoint_user_dir(root, (uint32_t)c->peer.uid, create, err,
                                    errlen);
-  if (rc == SHARDD_OK) {
-    size_t n = strlen(root);
-    while (n > 1 && root[n - 1] == '/')
-      n--;
-    snprintf(home, homelen, "%.*s/%" PRIu32, (int)n, root, (uint32_t)c->peer.uid);
-  }
+  if (rc == SHARDD_OK)
+    snprintf(home, homelen, "%.*s/%" PRIu32, (int)shardd__access_root_len(root),
+             root, (uint32_t)c->peer.uid);
   return rc;
 }
 
