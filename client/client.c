@@ -1320,8 +1320,9 @@ shardd_err shardd_scatter(shardd_client_t *c, uint64_t buffer,
   return shardd_scatter_checked(c, buffer, 0, op);
 }
 
-shardd_err shardd_scatter_checked(shardd_client_t *c, uint64_t buffer,
-                                  uint64_t generation, shardd_reduce_op op) {
+static shardd_err scatter_req(shardd_client_t *c, uint64_t buffer,
+                              uint64_t generation, shardd_reduce_op op,
+                              int accumulate) {
   if (c == NULL)
     return SHARDD_E_INVAL; /* no client to hold a message */
 
@@ -1334,9 +1335,23 @@ shardd_err shardd_scatter_checked(shardd_client_t *c, uint64_t buffer,
     s.has_generation = 1;
     s.generation = generation;
   }
+  if (accumulate) {
+    s.has_accumulate = 1;
+    s.accumulate = 1;
+  }
   req.body_case = SHARDWIRE__REQUEST__BODY_SCATTER;
   req.scatter = &s;
   return call_status_only(c, &req);
+}
+
+shardd_err shardd_scatter_checked(shardd_client_t *c, uint64_t buffer,
+                                  uint64_t generation, shardd_reduce_op op) {
+  return scatter_req(c, buffer, generation, op, 0);
+}
+
+shardd_err shardd_scatter_accumulate(shardd_client_t *c, uint64_t buffer,
+                                     shardd_reduce_op op) {
+  return scatter_req(c, buffer, 0, op, 1);
 }
 
 shardd_err shardd_step(shardd_client_t *c, uint64_t opt,

@@ -152,6 +152,8 @@ char *shardd__fmt_status_json(const Shardwire__StatusReply *st) {
                       d->capacity_bytes, d->used_bytes, device_free(d));
     if (d->has_peak_bytes)
       shardd__sb_printf(&sb, ",\"peak_bytes\":%" PRIu64, d->peak_bytes);
+    if (d->has_allocs)
+      shardd__sb_printf(&sb, ",\"allocs\":%" PRIu64, d->allocs);
     shardd__sb_printf(&sb, "}");
   }
   shardd__sb_printf(&sb, "],\"jobs\":[");

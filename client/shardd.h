@@ -350,6 +350,14 @@ shardd_err shardd_gather_checked(shardd_client_t *c, uint64_t buffer,
 shardd_err shardd_scatter_checked(shardd_client_t *c, uint64_t buffer,
                                   uint64_t generation, shardd_reduce_op op);
 
+/* shardd_scatter for a later backward of gradient accumulation: the
+ * reduced gradient is added to what the scatters since the buffer's last
+ * step left (torch's .grad accumulating over backward calls), or replaces
+ * it when a step has consumed it since (or no scatter ran yet). Every rank
+ * must pass the same. Host backend only (SHARDD_E_INVAL on cuda). */
+shardd_err shardd_scatter_accumulate(shardd_client_t *c, uint64_t buffer,
+                                     shardd_reduce_op op);
+
 typedef struct {
   size_t size;
   double lr;       /* < 0: keep the registered learning rates */

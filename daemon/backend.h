@@ -33,6 +33,9 @@ typedef struct {
   /* the most used_bytes has been since the backend was created: what a
    * memory bound is checked against (a transient area counts while held) */
   uint64_t peak_bytes;
+  /* regions allocated on the device since the backend was created: a
+   * steady state that allocates nothing keeps it still */
+  uint64_t allocs;
   /* what the device has free now, whoever holds the rest (cuda:
    * cudaMemGetInfo; host: capacity_bytes - used_bytes) */
   uint64_t free_bytes;
@@ -73,6 +76,14 @@ typedef struct {
                        shardd__region *dst, size_t dst_off,
                        shardd__region *const *srcs, const size_t *src_offs,
                        int nsrc, size_t n);
+  /* reduce, added to what dst holds: dst += (sum over i of srcs[i]) /
+   * divisor, the division before the addition, as a second backward adds
+   * its reduced gradient to the first's. NULL where unsupported (cuda):
+   * callers refuse an accumulating scatter then. */
+  shardd_err (*reduce_add)(shardd__backend *b, shardd_dtype dtype,
+                           float divisor, shardd__region *dst, size_t dst_off,
+                           shardd__region *const *srcs, const size_t *src_offs,
+                           int nsrc, size_t n);
   /* *out = sum of squares of n fp32 at off, accumulated in double. */
   shardd_err (*sumsq)(shardd__backend *b, shardd__region *r, size_t off,
                       size_t n, double *out);

@@ -56,6 +56,7 @@ typedef struct {
   uint64_t total;
   uint64_t used; /* under lock */
   uint64_t peak; /* under lock: the high-water of used */
+  uint64_t allocs; /* under lock: regions allocated */
 } cuda_dev;
 
 typedef struct {
@@ -146,6 +147,7 @@ static shardd_err cuda_alloc(shardd__backend *b, int device, size_t bytes,
   r->fd = -1;
   pthread_mutex_lock(&cp->lock);
   cp->dev[device].used += sz;
+  cp->dev[device].allocs++;
   if (cp->dev[device].used > cp->dev[device].peak)
     cp->dev[device].peak = cp->dev[device].used;
   pthread_mutex_unlock(&cp->lock);
@@ -402,6 +404,7 @@ static void cuda_device_info(shardd__backend *b, int device,
   pthread_mutex_lock(&cp->lock);
   out->used_bytes = cp->dev[device].used;
   out->peak_bytes = cp->dev[device].peak;
+  out->allocs = cp->dev[device].allocs;
   pthread_mutex_unlock(&cp->lock);
   size_t freeb = 0, total = 0;
   cudaError_t e = cudaSetDevice(device);

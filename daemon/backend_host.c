@@ -20,6 +20,7 @@ typedef struct {
   uint64_t capacity;
   uint64_t *used; /* per device */
   uint64_t *peak; /* per device: the high-water of used */
+  uint64_t *allocs; /* per device: regions allocated */
 } host_priv;
 
 static size_t page_round(size_t n) {
@@ -46,6 +47,7 @@ static shardd_err host_alloc_impl(shardd__backend *b, int device, size_t bytes,
   int fits = sz <= hp->capacity && used <= hp->capacity - sz;
   if (fits) {
     hp->used[device] += sz;
+    hp->allocs[device]++;
     if (hp->used[device] > hp->peak[device])
       hp->peak[device] = hp->used[device];
   }
@@ -212,6 +214,35 @@ static shardd_err host_reduce(shardd__backend *b, shardd_dtype dtype,
   return SHARDD_OK;
 }
 
+static shardd_err host_reduce_add(shardd__backend *b, shardd_dtype dtype,
+                                  float divisor, shardd__region *dst,
+                                  size_t dst_off, shardd__region *const *srcs,
+                                  const size_t *src_offs, int nsrc, size_t n) {
+  float *acc = (float *)((char *)dst->ptr + dst_off);
+  size_t esz = shardd_dtype_size(dtype);
+  /* The block's sum is taken apart from acc, so acc + sum/divisor rounds
+   * as the two reductions would one after the other. */
+  float tmp[2048];
+  const size_t blk = sizeof tmp / sizeof tmp[0];
+  if (nsrc == 0)
+    return SHARDD_OK;
+  for (size_t base = 0; base < n; base += blk) {
+    size_t m = n - base < blk ? n - base : blk;
+    for (int i = 0; i < nsrc; i++)
+      accumulate(dtype, tmp,
+                 (const char *)srcs[i]->ptr + src_offs[i] + base * esz, m,
+                 i == 0);
+    float *restrict a = acc + base;
+    if (divisor != 1.0f)
+      for (size_t j = 0; j < m; j++)
+        a[j] += tmp[j] / divisor;
+    else
+      for (size_t j = 0; j < m; j++)
+        a[j] += tmp[j];
+  }
+  return SHARDD_OK;
+}
+
 static shardd_err host_sumsq(shardd__backend *b, shardd__region *r, size_t off,
                              size_t n, double *out) {
   *out = shardd__sumsq_f32((const float *)((char *)r->ptr + off), n);
@@ -271,6 +302,7 @@ static void host_device_info(shardd__backend *b, int device,
   int ok = device >= 0 && device < b->ndevices;
   out->used_bytes = ok ? hp->used[device] : 0;
   out->peak_bytes = ok ? hp->peak[device] : 0;
+  out->allocs = ok ? hp->allocs[device] : 0;
   pthread_mutex_unlock(&hp->lock);
   out->free_bytes = out->capacity_bytes > out->used_bytes
                         ? out->capacity_bytes - out->used_bytes
@@ -282,6 +314,7 @@ static void host_destroy(shardd__backend *b) {
   pthread_mutex_destroy(&hp->lock);
   free(hp->used);
   free(hp->peak);
+  free(hp->allocs);
   free(hp);
   free(b);
 }
@@ -293,6 +326,7 @@ static const shardd__backend_ops host_ops = {
     .export_fd = host_export_fd,
     .copy = host_copy,
     .reduce = host_reduce,
+    .reduce_add = host_reduce_add,
     .sumsq = host_sumsq,
     .update = host_update,
     .widen = host_widen,
@@ -318,11 +352,13 @@ shardd_err shardd__backend_host_create(int ndevices, uint64_t capacity,
   host_priv *hp = calloc(1, sizeof *hp);
   uint64_t *used = calloc((size_t)ndevices, sizeof *used);
   uint64_t *peak = calloc((size_t)ndevices, sizeof *peak);
-  if (b == NULL || hp == NULL || used == NULL || peak == NULL) {
+  uint64_t *allocs = calloc((size_t)ndevices, sizeof *allocs);
+  if (b == NULL || hp == NULL || used == NULL || peak == NULL || allocs == NULL) {
     free(b);
     free(hp);
     free(used);
     free(peak);
+    free(allocs);
     snprintf(err, errlen, "out of memory");
     return SHARDD_E_NO_MEMORY;
   }
@@ -330,6 +366,7 @@ shardd_err shardd__backend_host_create(int ndevices, uint64_t capacity,
   hp->capacity = capacity;
   hp->used = used;
   hp->peak = peak;
+  hp->allocs = allocs;
   b->ops = &host_ops;
   b->name = "host";
   b->caps = SHARDD__BACKEND_CAP_HOST_MAPPED;

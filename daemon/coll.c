@@ -239,6 +239,9 @@ static void schedule(coll_job *q) {
         }
       if (!blocked) {
         c->started = 1;
+        /* fixed here, as a step queued before may consume what is held */
+        if (c->args.kind == SHARDD__COLL_SCATTER)
+          c->adding = c->args.accumulate && c->buf->reduced_live;
         start_phase(c);
         again = 1;
         break;
@@ -320,9 +323,12 @@ static void after_phase(coll *c) {
     c->buf->gathers++;
   } else if (c->args.kind == SHARDD__COLL_SCATTER) {
     c->buf->scatters++;
+    c->buf->reduced_live = 1;
   } else {
-    for (size_t i = 0; i < c->opt->nshards; i++)
+    for (size_t i = 0; i < c->opt->nshards; i++) {
       c->opt->shards[i].master_valid = 1;
+      c->opt->shards[i].buf->reduced_live = 0;
+    }
     c->opt->steps = c->step;
   }
   coll_job *q = c->cj;
@@ -471,7 +477,7 @@ static void start_phase(coll *c) {
 static int args_equal(const shardd__coll_args *a, const shardd__coll_args *b) {
   return a->kind == b->kind && a->target == b->target && a->op == b->op &&
          a->has_lr == b->has_lr && (!a->has_lr || a->lr == b->lr) &&
-         a->max_norm == b->max_norm;
+         a->max_norm == b->max_norm && a->accumulate == b->accumulate;
 }
 
 static void refuse(shardd__coll_engine *e, shardd__coll_member *m,
@@ -504,6 +510,15 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
        !(args->max_norm >= 0 && isfinite(args->max_norm)))) {
     refuse(e, m, seq, SHARDD_E_RANGE,
            "step: lr must be >= 0 and max_norm >= 0, finite");
+    return;
+  }
+  if (args->kind == SHARDD__COLL_SCATTER && args->accumulate &&
+      e->be->ops->reduce_add == NULL) {
+    snprintf(err, sizeof err,
+             "scatter: the %s backend cannot add to a reduced gradient "
+             "(accumulating scatter): scatter once per step",
+             e->be->name);
+    refuse(e, m, seq, SHARDD_E_INVAL, err);
     return;
   }
   coll_job *q = shardd__coll_job_of(e, job, 0);

@@ -42,6 +42,10 @@ typedef struct {
   /* gather in a transient job: this rank also leases its gradient area
    * (a rank's own choice: not compared between ranks) */
   int want_grad;
+  /* scatter: add to the reduced gradient of the scatters since the last
+   * step (a later backward of one step's gradient accumulation) instead of
+   * replacing it */
+  int accumulate;
 } shardd__coll_args;
 
 /* One rank of a job as the engine sees it. The caller sets job and rank

@@ -27,7 +27,7 @@
 int shardd__coll_bulk_ok(const coll *c) {
   const shardd__backend *be = c->e->be;
   const shardd__buffer *b = c->buf;
-  if (b == NULL || shardd__coll_multi(c) || c->job->transient ||
+  if (b == NULL || shardd__coll_multi(c) || c->job->transient || c->adding ||
       be->ops->comm_create == NULL ||
       b->world != c->job->world || b->world < 2 ||
       b->world > (uint32_t)be->ndevices)

@@ -344,8 +344,18 @@ static const char *dtype_word(uint32_t dt) {
   return n ? n : "?";
 }
 
+/* a scatter header's op: the reduce op, FAB_OP_ADDING set when it adds to
+ * the reduced gradient held */
+#define FAB_OP_ADDING 0x100u
+
 static const char *op_word(uint32_t op) {
-  return op == SHARDD_REDUCE_MEAN ? "mean" : op == SHARDD_REDUCE_SUM ? "sum" : "?";
+  switch (op) {
+  case SHARDD_REDUCE_MEAN: return "mean";
+  case SHARDD_REDUCE_SUM: return "sum";
+  case SHARDD_REDUCE_MEAN | FAB_OP_ADDING: return "mean, accumulating";
+  case SHARDD_REDUCE_SUM | FAB_OP_ADDING: return "sum, accumulating";
+  default: return "?";
+  }
 }
 
 /* 0 when every node's header matches this node's; else -1 and msg says
@@ -423,7 +433,9 @@ static void fabric_task(coll *c, task *t) {
     m->bytes = part * (c->args.kind == SHARDD__COLL_SCATTER
                            ? 4 /* the fp32 staging area */
                            : shardd_dtype_size(b->dtype));
-    m->op = c->args.kind == SHARDD__COLL_SCATTER ? (uint32_t)c->args.op : 0;
+    m->op = c->args.kind == SHARDD__COLL_SCATTER
+                ? (uint32_t)c->args.op | (c->adding ? FAB_OP_ADDING : 0)
+                : 0;
   } else {
     m->value = c->sumsq_all;
   }

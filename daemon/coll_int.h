@@ -78,6 +78,7 @@ struct coll {
   double deadline;
   int started;
   int phase; /* step: 0 norms, 1 updates */
+  int adding; /* scatter: args.accumulate and a live reduced gradient */
   size_t ntasks, left;
   task *tasks;
   float grad_scale;

@@ -37,9 +37,9 @@ void shardd__coll_scatter_unit(coll *c, task *t) {
   for (uint32_t r = 0; r < w; r++)
     offs[r] = c->area_off[r] + (t->a * b->shard_numel + first) * esz;
   float div = c->args.op == SHARDD_REDUCE_MEAN ? (float)w : 1.0f;
-  t->rc = be->ops->reduce(be, b->dtype, div, b->blocks[t->a],
-                          b->reduced_off + first * 4, c->area_reg, offs,
-                          (int)w, t->len);
+  t->rc = (c->adding ? be->ops->reduce_add : be->ops->reduce)(
+      be, b->dtype, div, b->blocks[t->a], b->reduced_off + first * 4,
+      c->area_reg, offs, (int)w, t->len);
   free(offs);
 }
 
@@ -131,8 +131,9 @@ static void mscatter_own(coll *c, task *t) {
   uint64_t first = t->b + t->start; /* as in scatter_task */
   size_t off = (t->a * b->shard_numel + first) * 4;
   shardd__region *src = b->stage;
-  t->rc = be->ops->reduce(be, SHARDD_DTYPE_FP32, div, b->blocks[t->a],
-                          b->reduced_off + first * 4, &src, &off, 1, t->len);
+  t->rc = (c->adding ? be->ops->reduce_add : be->ops->reduce)(
+      be, SHARDD_DTYPE_FP32, div, b->blocks[t->a], b->reduced_off + first * 4,
+      &src, &off, 1, t->len);
 }
 
 void shardd__coll_work(uv_work_t *req) {

@@ -590,7 +590,9 @@ static void on_scatter(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   shardd__coll_args ca = {.kind = SHARDD__COLL_SCATTER,
                           .target = req->scatter->buffer,
                           .generation = req->scatter->generation,
-                          .op = (shardd_reduce_op)req->scatter->op};
+                          .op = (shardd_reduce_op)req->scatter->op,
+                          .accumulate = req->scatter->has_accumulate &&
+                                        req->scatter->accumulate};
   if (ca.op != SHARDD_REDUCE_SUM && ca.op != SHARDD_REDUCE_MEAN) {
     reply(d, c, seq, SHARDD_E_INVAL, "scatter op must be sum or mean");
     return;

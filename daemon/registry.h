@@ -140,6 +140,10 @@ struct shardd__buffer {
   /* multi-node scatter: padded_numel fp32 where the local ranks' gradients
    * are summed before the fabric; allocated at the first such scatter */
   shardd__region *stage;
+  /* the reduced shards hold the gradient of a scatter no step has
+   * consumed yet: an accumulating scatter adds to them only then (engine,
+   * loop thread) */
+  int reduced_live;
 };
 
 struct shardd__view {

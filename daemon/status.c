@@ -192,6 +192,8 @@ shardd_err shardd__status_build(const shardd__status_ctx *ctx,
     ds->free_bytes = info.free_bytes;
     ds->has_peak_bytes = 1;
     ds->peak_bytes = info.peak_bytes;
+    ds->has_allocs = 1;
+    ds->allocs = info.allocs;
     st->devices[st->n_devices++] = ds;
   }
 

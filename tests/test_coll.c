@@ -782,6 +782,91 @@ static shardd__optim *sgd_over(shardd__buffer *b) {
   return res.optim;
 }
 
+/* reduced == k times the mean gradient, to fp32 rounding */
+static void check_reduced_times(shardd__buffer *b, double k) {
+  uint64_t s = b->shard_numel;
+  for (uint32_t a = 0; a < W; a++) {
+    const float *red = reduced_of(b, a);
+    for (uint64_t i = 0; i < s; i++) {
+      double sum = 0;
+      for (uint32_t r = 0; r < W; r++)
+        sum += grad_val(r, a * s + i);
+      double want = k * sum / W;
+      if (fabs(red[i] - want) > 1e-6 * fabs(want))
+        cr_assert_fail("x%g: rank %" PRIu32 " reduced[%" PRIu64 "] = %f, want %f",
+                       k, a, i, (double)red[i], want);
+    }
+  }
+}
+
+/* An accumulating scatter (a later backward of gradient accumulation)
+ * adds to the reduced gradient until a step consumes it; after the step
+ * it replaces it, so no step sees an earlier step's gradient. All ranks
+ * must agree on it. */
+Test(coll, accumulating_scatter_adds_until_a_step) {
+  shardd__buffer *b = buf_new("p", 1000);
+  shardd__optim *o = sgd_over(b);
+  fill_grads(b);
+  shardd__coll_args acc = scatter_args(b, SHARDD_REDUCE_MEAN);
+  acc.accumulate = 1;
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 1, acc); /* nothing held yet: it replaces */
+  run_until(W);
+  check_reduced_times(b, 1);
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 2, acc);
+  run_until(2 * W);
+  for (uint32_t r = 0; r < W; r++)
+    expect_reply(r, 2, SHARDD_OK);
+  check_reduced_times(b, 2);
+  /* a plain scatter replaces whatever is held */
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 3, scatter_args(b, SHARDD_REDUCE_MEAN));
+  run_until(3 * W);
+  check_reduced_times(b, 1);
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 4, acc);
+  run_until(4 * W);
+  check_reduced_times(b, 2);
+  shardd__coll_args st = {.kind = SHARDD__COLL_STEP, .target = o->hdr.id};
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 5, st);
+  run_until(5 * W);
+  for (uint32_t r = 0; r < W; r++)
+    expect_reply(r, 5, SHARDD_OK);
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 6, acc); /* the step consumed the sum: replaced, not added */
+  run_until(6 * W);
+  check_reduced_times(b, 1);
+  /* ranks that disagree on it are all refused */
+  submit(0, 7, acc);
+  submit(1, 7, scatter_args(b, SHARDD_REDUCE_MEAN));
+  submit(2, 7, acc);
+  run_until(7 * W);
+  for (uint32_t r = 0; r < W; r++)
+    expect_reply(r, 7, SHARDD_E_MISMATCH);
+  check_reduced_times(b, 1);
+  expect_pending_zero();
+}
+
+/* A backend that cannot add (cuda) refuses the accumulating scatter at
+ * once, naming itself, instead of replacing the gradient held. */
+Test(coll, accumulating_scatter_refused_without_reduce_add) {
+  shardd__buffer *b = buf_new("p", 100);
+  shardd__backend_ops ops = *be->ops;
+  const shardd__backend_ops *keep = be->ops;
+  ops.reduce_add = NULL;
+  be->ops = &ops;
+  shardd__coll_args acc = scatter_args(b, SHARDD_REDUCE_SUM);
+  acc.accumulate = 1;
+  submit(0, 1, acc);
+  be->ops = keep;
+  cr_assert_eq(nreplies, 1, "refused without waiting for the other ranks");
+  const reply *rp = expect_reply(0, 1, SHARDD_E_INVAL);
+  expect_msg(rp, "host backend cannot add");
+  expect_pending_zero();
+}
+
 /* scatter (mean) then step: every shard is p - lr * g with g the mean
  * gradient; with max_norm below the norm, the update is scaled by
  * max_norm / (norm + 1e-6) and the reported norm is that of the reduced

@@ -807,8 +807,13 @@ class Client:
         self._sync_cuda()  # no kernel may still read the area being returned
         self._call(self._lib.shardd_release(self._c, buf.id))
 
-    def scatter(self, buffer, op="mean"):
-        """Reduce-scatter (collective) of every rank's grad area; op "sum"/"mean"."""
+    def scatter(self, buffer, op="mean", accumulate=False):
+        """Reduce-scatter (collective) of every rank's grad area; op "sum"/"mean".
+        accumulate=True: add the result to the reduced gradient the
+        buffer's scatters since its last step left (a later backward of
+        gradient accumulation, as torch's .grad adds up over backward
+        calls); it replaces it when a step consumed it since. Every rank
+        passes the same. Host backend only."""
         self._check_open()
         self._sync_cuda()
         if isinstance(op, str):
@@ -817,7 +822,8 @@ class Client:
             code = REDUCE_OPS[op.lower()]
         else:
             code = int(op)
-        self._call(self._lib.shardd_scatter(self._c, _ids(buffer), code))
+        fn = self._lib.shardd_scatter_accumulate if accumulate else self._lib.shardd_scatter
+        self._call(fn(self._c, _ids(buffer), code))
 
     def step(self, opt, lr=None, max_norm=None):
         """Optimizer step (collective). lr: override the registered rates for

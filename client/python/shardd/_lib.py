@@ -168,6 +168,7 @@ def _declare(lib):
         "shardd_wait_area": (c_int, [client_p, c_uint64, P(Area)]),
         "shardd_release": (c_int, [client_p, c_uint64]),
         "shardd_scatter": (c_int, [client_p, c_uint64, c_int]),
+        "shardd_scatter_accumulate": (c_int, [client_p, c_uint64, c_int]),
         "shardd_step": (c_int, [client_p, c_uint64, P(StepOpts), P(StepResult)]),
     }
     for name, (res, args) in sigs.items():

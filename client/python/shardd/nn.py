@@ -76,7 +76,11 @@ Per unit, in the same order on every rank (each rank's graph is the same):
   the unit (post-hooks on their AccumulateGrad nodes): reduce-scatter
   (``reduce_op``, "mean" by default), which consumes the gradient area, and
   release; ``.grad`` is set back to None (the reduced gradient is the
-  daemon's, in ``buffer.reduced_tensor``);
+  daemon's, in ``buffer.reduced_tensor``). Gradient accumulation works as in
+  torch: a later backward before the step adds its reduced gradient to the
+  earlier ones' (an accumulating scatter), until :meth:`zero_grad` or a
+  step consumes them — the memory stays the bound's, as FSDP's sharded
+  gradient accumulation (not ``no_sync``'s unsharded one);
 * at the end of backward (a callback queued on autograd's engine), in
   reverse unit order: units still waiting for a gradient (a parameter that
   got none) are scattered as they are (the missing ones contribute zeros),
@@ -88,7 +92,8 @@ to that for a chain of units (one unit in backward at a time, plus the root
 unit). ``gather()``, ``scatter()`` and ``sync_grads()`` are for resident
 clients only (E_STATE here); :meth:`ShardedModule.full_parameters` copies
 out the whole parameters on either kind. Not done yet: prefetching the next
-unit, ``no_sync()`` (gradient accumulation across backwards), parameters
+unit, ``no_sync()`` (keeping unsharded gradients instead of reducing per
+backward: here the reduction is a local memory pass), parameters
 shared between units, activation checkpointing (a forward inside
 backward), and a forward that raises (the saved-tensor hooks stay pushed
 until the next forward of the root). A unit with a trainable parameter that
@@ -132,6 +137,9 @@ class FlatUnit:
         self.grad = None
         self.state = "idle"
         self.pending = 0
+        # a scatter since zero_grad(): the next one adds to the reduced
+        # gradient (the daemon replaces it anyway once a step consumed it)
+        self.accumulate = False
 
     def __repr__(self):
         return "<FlatUnit %r buffer=%d numel=%d params=%d>" % (
@@ -357,10 +365,13 @@ class ShardedModule:
 
     def zero_grad(self):
         """Zero the grad areas and point every parameter's .grad at its slice.
-        Transient areas: sets every .grad to None (each backward's gradient
-        areas come zeroed from the daemon)."""
+        Transient areas: sets every .grad to None and drops the reduced
+        gradients of the backwards since the last step (each backward
+        reduce-scatters per unit; until zero_grad() or a step, a later
+        backward adds its gradient to them, as autograd adds into .grad)."""
         if self.transient:
             for u in self.units:
+                u.accumulate = False
                 for e in u.entries:
                     e.param.grad = None
             return
@@ -519,7 +530,10 @@ class ShardedModule:
             self._finish(u)
 
     def _finish(self, u):
-        self.client.scatter(u.buffer, self.reduce_op)  # consumes the gradient area
+        # consumes the gradient area; a later backward before the step adds
+        # its gradient to this one, as autograd adds into .grad
+        self.client.scatter(u.buffer, self.reduce_op, accumulate=u.accumulate)
+        u.accumulate = True
         u.state = "done"
         self._release(u)
 
