@@ -5,6 +5,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
+#include <math.h>
 #include <stddef.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -1372,14 +1373,67 @@ shardd_err shardd_step(shardd_client_t *c, uint64_t opt,
     st.has_max_norm = 1;
     st.max_norm = opts->max_norm;
   }
+  Shardwire__HyperParams *hw = NULL, **hp = NULL;
+  size_t ng = opts && opts->size >= offsetof(shardd_step_opts, ngroups) +
+                                        sizeof opts->ngroups
+                  ? opts->ngroups
+                  : 0;
+  if (ng > 0) {
+    if (opts->groups == NULL)
+      return set_err(c, SHARDD_E_INVAL, "shardd_step: ngroups %zu with groups NULL", ng);
+    hw = calloc(ng, sizeof *hw);
+    hp = calloc(ng, sizeof *hp);
+    if (hw == NULL || hp == NULL) {
+      free(hw);
+      free(hp);
+      return set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
+    }
+    for (size_t g = 0; g < ng; g++) {
+      hp_to_wire(&opts->groups[g], &hw[g]);
+      hp[g] = &hw[g];
+    }
+    st.n_groups = ng;
+    st.groups = hp;
+  }
   req.body_case = SHARDWIRE__REQUEST__BODY_STEP;
   req.step = &st;
   Shardwire__Response *resp;
   shardd_err rc = call_expect(c, &req, SHARDWIRE__RESPONSE__BODY_STEP, &resp, NULL);
+  free(hw);
+  free(hp);
   if (rc == SHARDD_OK && out) {
     out->step = resp->step->step;
     out->total_norm = resp->step->has_total_norm ? resp->step->total_norm : 0;
   }
+  if (resp)
+    shardwire__response__free_unpacked(resp, NULL);
+  return rc;
+}
+
+shardd_err shardd_clip_grad_norm(shardd_client_t *c, uint64_t opt,
+                                 double max_norm, double *total_norm) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+  if (total_norm)
+    *total_norm = 0;
+  if (!(max_norm >= 0))
+    return set_err(c, SHARDD_E_RANGE, "shardd_clip_grad_norm: max_norm %g must "
+                   "be >= 0 (0 or inf: the norm only)", max_norm);
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Step st = SHARDWIRE__STEP__INIT;
+  st.optimizer = opt;
+  st.has_norm_only = 1;
+  st.norm_only = 1;
+  if (max_norm > 0 && isfinite(max_norm)) {
+    st.has_max_norm = 1;
+    st.max_norm = max_norm;
+  }
+  req.body_case = SHARDWIRE__REQUEST__BODY_STEP;
+  req.step = &st;
+  Shardwire__Response *resp;
+  shardd_err rc = call_expect(c, &req, SHARDWIRE__RESPONSE__BODY_STEP, &resp, NULL);
+  if (rc == SHARDD_OK && total_norm)
+    *total_norm = resp->step->has_total_norm ? resp->step->total_norm : 0;
   if (resp)
     shardwire__response__free_unpacked(resp, NULL);
   return rc;

@@ -361,9 +361,18 @@ shardd_err shardd_scatter_accumulate(shardd_client_t *c, uint64_t buffer,
 typedef struct {
   size_t size;
   double lr;       /* < 0: keep the registered learning rates */
-  double max_norm; /* > 0: clip the global gradient norm to this */
+  /* > 0: clip the global gradient norm to this; INFINITY reports the norm
+   * without clipping */
+  double max_norm;
+  /* (Appended.) ngroups 0, or one per param group in registration order:
+   * hyperparameters for this step, each overlaid on its group's
+   * registered ones after lr (what torch's param_groups hold once a
+   * scheduler wrote them; amsgrad may not change). Every rank must pass
+   * the same (SHARDD_E_MISMATCH). */
+  const shardd_hparams *groups;
+  size_t ngroups;
 } shardd_step_opts;
-#define SHARDD_STEP_OPTS_INIT {sizeof(shardd_step_opts), -1.0, 0.0}
+#define SHARDD_STEP_OPTS_INIT {sizeof(shardd_step_opts), -1.0, 0.0, NULL, 0}
 
 typedef struct {
   uint64_t step;     /* the optimizer's step count after this step */
@@ -374,6 +383,15 @@ typedef struct {
  * gradients. opts and out may be NULL. */
 shardd_err shardd_step(shardd_client_t *c, uint64_t opt,
                        const shardd_step_opts *opts, shardd_step_result *out);
+
+/* FSDP's clip_grad_norm_ (collective): *total_norm = the global L2 norm of
+ * the reduced gradients the optimizer's next step would apply (over every
+ * shard, every rank and node); with max_norm > 0 (finite) that step
+ * scales them by min(1, max_norm / (norm + 1e-6)), as torch's clipping in
+ * place would. max_norm 0 or INFINITY: the norm only. Nothing is updated
+ * and the step count stays. total_norm may be NULL. */
+shardd_err shardd_clip_grad_norm(shardd_client_t *c, uint64_t opt,
+                                 double max_norm, double *total_norm);
 
 /* Writes the job's registry, every shard, optimizer state and step counts
  * to dir, a directory on the daemon's machine (created if missing), as files

@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "log.h"
+#include "validate.h"
 
 /* Jobs are kept by address: the engine's state of a job lives from its
  * first collective (or span) to shardd__coll_job_free, which the owner of
@@ -183,7 +184,7 @@ static void coll_finish(coll *c, shardd_err code, const char *msg) {
     res.kind = c->args.kind;
     if (code == SHARDD_OK && c->args.kind == SHARDD__COLL_STEP) {
       res.step = c->step;
-      res.has_total_norm = c->args.max_norm > 0;
+      res.has_total_norm = c->args.max_norm > 0 || c->args.norm_only;
       res.total_norm = c->total_norm;
       h->done(h->ctx, w->m, w->seq, code, NULL, &res);
     } else if (code == SHARDD_OK && c->args.kind == SHARDD__COLL_GATHER &&
@@ -309,10 +310,25 @@ static void after_phase(coll *c) {
       sum = c->sumsq_all;
       c->stage = 0;
     }
-    c->total_norm = sqrt(sum);
-    /* As torch.nn.utils.clip_grad_norm_: coef clamped to 1, applied always. */
-    double coef = c->args.max_norm / (c->total_norm + 1e-6);
-    c->grad_scale = (float)(coef < 1.0 ? coef : 1.0);
+    /* the norm of the gradients as a pending clip left them */
+    c->total_norm = sqrt(sum) * (double)c->grad_scale;
+    /* As torch.nn.utils.clip_grad_norm_: coef clamped to 1, applied always;
+     * a second clip multiplies the first's. */
+    if (c->args.max_norm > 0) {
+      double coef = c->args.max_norm / (c->total_norm + 1e-6);
+      c->grad_scale *= (float)(coef < 1.0 ? coef : 1.0);
+    }
+    if (c->args.norm_only) {
+      if (c->args.max_norm > 0) {
+        c->opt->clip_pending = 1;
+        c->opt->clip_scale = c->grad_scale;
+      }
+      coll_job *q = c->cj;
+      coll_finish(c, SHARDD_OK, NULL);
+      schedule(q);
+      job_maybe_quiet(q);
+      return;
+    }
     c->phase = 1;
     coll_job *q = c->cj; /* c may be freed by start_phase */
     start_phase(c);
@@ -325,6 +341,7 @@ static void after_phase(coll *c) {
     c->buf->scatters++;
     c->buf->reduced_live = 1;
   } else {
+    c->opt->clip_pending = 0;
     for (size_t i = 0; i < c->opt->nshards; i++) {
       c->opt->shards[i].master_valid = 1;
       c->opt->shards[i].buf->reduced_live = 0;
@@ -400,10 +417,11 @@ static shardd_err set_areas(coll *c, char *msg, size_t len) {
 }
 
 static void start_phase(coll *c) {
-  if (c->args.kind == SHARDD__COLL_STEP && c->phase == 0) {
-    c->step = c->opt->steps + 1;
-    c->grad_scale = 1.0f;
-    if (!(c->args.max_norm > 0))
+  if (c->args.kind == SHARDD__COLL_STEP && c->phase == 0 && c->stage == 0) {
+    c->step = c->opt->steps + (c->args.norm_only ? 0 : 1);
+    /* a clip since the last step scales this one's gradients */
+    c->grad_scale = c->opt->clip_pending ? c->opt->clip_scale : 1.0f;
+    if (!(c->args.max_norm > 0) && !c->args.norm_only)
       c->phase = 1;
   }
   if (shardd__coll_multi(c) && c->args.kind == SHARDD__COLL_SCATTER && c->stage == 0 &&
@@ -477,7 +495,61 @@ static void start_phase(coll *c) {
 static int args_equal(const shardd__coll_args *a, const shardd__coll_args *b) {
   return a->kind == b->kind && a->target == b->target && a->op == b->op &&
          a->has_lr == b->has_lr && (!a->has_lr || a->lr == b->lr) &&
-         a->max_norm == b->max_norm && a->accumulate == b->accumulate;
+         a->max_norm == b->max_norm && a->accumulate == b->accumulate &&
+         a->norm_only == b->norm_only;
+}
+
+static int hp_equal(const shardd__hp *a, const shardd__hp *b) {
+  return a->kind == b->kind && a->lr == b->lr && a->momentum == b->momentum &&
+         a->dampening == b->dampening && a->weight_decay == b->weight_decay &&
+         a->beta1 == b->beta1 && a->beta2 == b->beta2 && a->eps == b->eps &&
+         a->nesterov == b->nesterov && a->maximize == b->maximize &&
+         a->amsgrad == b->amsgrad;
+}
+
+/* A step's hyperparameters per group: the registered ones, args' lr, then
+ * args' per-group overrides, each checked as at registration. *out is
+ * malloc'ed (the caller's) on SHARDD_OK. amsgrad and the kind stay: the
+ * state laid out at registration depends on them. */
+static shardd_err step_hp(const shardd__optim *o, const shardd__coll_args *args,
+                          shardd__hp **out, char *err, size_t errlen) {
+  *out = NULL;
+  if (args->ngroup_hp != 0 && args->ngroup_hp != o->ngroups) {
+    snprintf(err, errlen, "step: %zu groups of hyperparameters for optimizer "
+             "\"%s\", which has %zu param groups", args->ngroup_hp,
+             o->hdr.name, o->ngroups);
+    return SHARDD_E_INVAL;
+  }
+  shardd__hp *hp = malloc((o->ngroups ? o->ngroups : 1) * sizeof *hp);
+  if (hp == NULL) {
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  for (size_t g = 0; g < o->ngroups; g++) {
+    hp[g] = o->groups[g];
+    if (args->has_lr)
+      hp[g].lr = args->lr;
+    if (args->ngroup_hp == 0)
+      continue;
+    shardd__hp_overlay(&hp[g], &args->group_hp[g]);
+    char why[200];
+    shardd_err rc = SHARDD_OK;
+    if (hp[g].amsgrad != o->groups[g].amsgrad) {
+      snprintf(why, sizeof why, "amsgrad cannot change after registration "
+               "(its state is laid out then)");
+      rc = SHARDD_E_INVAL;
+    } else {
+      rc = shardd__hp_check(&hp[g], why, sizeof why);
+    }
+    if (rc != SHARDD_OK) {
+      snprintf(err, errlen, "step of optimizer \"%s\": param group %zu: %s",
+               o->hdr.name, g, why);
+      free(hp);
+      return rc;
+    }
+  }
+  *out = hp;
+  return SHARDD_OK;
 }
 
 static void refuse(shardd__coll_engine *e, shardd__coll_member *m,
@@ -507,9 +579,11 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
   }
   if (args->kind == SHARDD__COLL_STEP &&
       ((args->has_lr && !(args->lr >= 0 && isfinite(args->lr))) ||
-       !(args->max_norm >= 0 && isfinite(args->max_norm)))) {
+       !(args->max_norm >= 0))) {
+    /* max_norm inf: the norm is reported, the coefficient clamps to 1 */
     refuse(e, m, seq, SHARDD_E_RANGE,
-           "step: lr must be >= 0 and max_norm >= 0, finite");
+           "step: lr must be >= 0 and finite, max_norm >= 0 (inf: report the "
+           "norm only)");
     return;
   }
   if (args->kind == SHARDD__COLL_SCATTER && args->accumulate &&
@@ -546,6 +620,12 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
     refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
+  shardd__hp *hp = NULL; /* a step's, until c owns it */
+  if (args->kind == SHARDD__COLL_STEP &&
+      (rc = step_hp((const shardd__optim *)o, args, &hp, err, sizeof err)) != SHARDD_OK) {
+    refuse(e, m, seq, rc, err);
+    return;
+  }
 
   coll *c = NULL;
   for (coll *it = q->head; it; it = it->next) {
@@ -555,7 +635,10 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
       break;
     }
   }
-  if (c && c->refused == SHARDD_OK && !args_equal(&c->args, args)) {
+  int same = c == NULL || args_equal(&c->args, args);
+  for (size_t g = 0; c && same && hp && g < c->opt->ngroups; g++)
+    same = hp_equal(&c->hp[g], &hp[g]);
+  if (c && c->refused == SHARDD_OK && !same) {
     snprintf(c->refused_msg, sizeof c->refused_msg,
              "rank %" PRIu32 " called %s on %s %" PRIu64
              " with other arguments than the ranks before it",
@@ -572,6 +655,7 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
     c = calloc(1, sizeof *c);
     if (c == NULL || (c->waiters = calloc(job->world, sizeof *c->waiters)) == NULL) {
       free(c);
+      free(hp);
       refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
       return;
     }
@@ -579,24 +663,16 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
     c->job = job;
     c->cj = q;
     c->args = *args;
+    c->args.group_hp = NULL; /* the caller's: resolved into c->hp */
+    c->args.ngroup_hp = 0;
     c->deadline = loop_now(e) + e->cfg.timeout;
     c->name_key = shardd__coll_fab_key(args->kind, o->name);
     c->tag = shardd__coll_fab_tag(c->name_key);
     c->name = o->name;
     if (args->kind == SHARDD__COLL_STEP) {
       c->opt = (shardd__optim *)o;
-      c->hp = malloc((c->opt->ngroups ? c->opt->ngroups : 1) * sizeof *c->hp);
-      if (c->hp == NULL) {
-        free(c->waiters);
-        free(c);
-        refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
-        return;
-      }
-      for (size_t g = 0; g < c->opt->ngroups; g++) {
-        c->hp[g] = c->opt->groups[g];
-        if (args->has_lr)
-          c->hp[g].lr = args->lr;
-      }
+      c->hp = hp;
+      hp = NULL;
       shardd__optim_hold(c->opt);
     } else {
       c->buf = (shardd__buffer *)o;
@@ -608,6 +684,7 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
     *tail = c;
     q->count++;
   }
+  free(hp); /* a later rank's, compared above */
   waiter *w = &c->waiters[m->rank];
   w->m = m;
   w->seq = seq;

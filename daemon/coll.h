@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "optspec.h"
 #include "registry.h"
 
 typedef enum {
@@ -46,6 +47,15 @@ typedef struct {
    * step (a later backward of one step's gradient accumulation) instead of
    * replacing it */
   int accumulate;
+  /* step: compute the global gradient norm only (FSDP's clip_grad_norm_):
+   * no update, the step count stays; with max_norm > 0 the next step
+   * scales the gradients by min(1, max_norm / (norm + 1e-6)) */
+  int norm_only;
+  /* step: ngroup_hp overrides, one per param group of the optimizer (or
+   * none), overlaid on the group's registered values after lr; read
+   * during submit only (the engine keeps the resolved values) */
+  const shardd__optspec_hp *group_hp;
+  size_t ngroup_hp;
 } shardd__coll_args;
 
 /* One rank of a job as the engine sees it. The caller sets job and rank

@@ -607,8 +607,21 @@ static void on_step(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                           .target = st->optimizer,
                           .has_lr = st->has_lr,
                           .lr = st->lr,
-                          .max_norm = st->has_max_norm ? st->max_norm : 0};
+                          .max_norm = st->has_max_norm ? st->max_norm : 0,
+                          .norm_only = st->has_norm_only && st->norm_only};
+  shardd__optspec_hp *ghp = NULL;
+  if (st->n_groups > 0) {
+    if ((ghp = calloc(st->n_groups, sizeof *ghp)) == NULL) {
+      reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+      return;
+    }
+    for (size_t g = 0; g < st->n_groups; g++)
+      shardd__optspec_hp_from_wire(st->groups[g], &ghp[g]);
+    ca.group_hp = ghp;
+    ca.ngroup_hp = st->n_groups;
+  }
   shardd__coll_submit(d->coll, &c->m, seq, &ca);
+  free(ghp);
 }
 
 static void on_release(shardd__dispatch *d, shardd__conn *c, uint64_t seq,

@@ -4,7 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-static void hp_from_wire(const Shardwire__HyperParams *h, shardd__optspec_hp *o) {
+void shardd__optspec_hp_from_wire(const Shardwire__HyperParams *h,
+                                  shardd__optspec_hp *o) {
   memset(o, 0, sizeof *o);
 #define COPY(f)                                                              \
   o->has_##f = h->has_##f != 0;                                              \
@@ -49,7 +50,7 @@ shardd_err shardd__optspec_from_wire(const Shardwire__RegisterOptimizer *ro,
   out->kind = (int)ro->kind;
   if (ro->hyper) {
     out->has_hyper = 1;
-    hp_from_wire(ro->hyper, &out->hyper);
+    shardd__optspec_hp_from_wire(ro->hyper, &out->hyper);
   }
   if (!dup_opt(ro->name, &out->name))
     goto nomem;
@@ -64,7 +65,7 @@ shardd_err shardd__optspec_from_wire(const Shardwire__RegisterOptimizer *ro,
     out->ngroups = g + 1; /* what free must walk, should this group fail */
     if (wg->overrides) {
       grp->has_overrides = 1;
-      hp_from_wire(wg->overrides, &grp->overrides);
+      shardd__optspec_hp_from_wire(wg->overrides, &grp->overrides);
     }
     if (wg->n_refs == 0)
       continue;

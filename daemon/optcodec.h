@@ -34,6 +34,10 @@ shardd_err shardd__optspec_decode(const uint8_t *bytes, size_t len,
 shardd_err shardd__optspec_encode(const shardd__optspec *spec, uint8_t **bytes,
                                   size_t *len);
 
+/* One HyperParams, presence flags kept (a step's per-group overrides). */
+void shardd__optspec_hp_from_wire(const Shardwire__HyperParams *h,
+                                  shardd__optspec_hp *o);
+
 /* Releases what optcodec put in spec and empties it; NULL or an empty spec
  * is fine. */
 void shardd__optspec_free(shardd__optspec *spec);

@@ -188,6 +188,10 @@ struct shardd__optim {
   shardd__obj **refs; /* buffers and views it owns */
   size_t nrefs;
   uint64_t steps;
+  /* a clip_grad_norm_ since the last step (engine, loop thread): the
+   * next step multiplies the gradients by clip_scale */
+  int clip_pending;
+  float clip_scale;
   uint8_t *spec; /* packed registration, to recognise an identical one */
   size_t spec_len;
   /* private: steps queued or running on it; changed only through

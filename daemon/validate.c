@@ -9,7 +9,7 @@
 
 #include "strbuf.h"
 
-static void overlay(shardd__hp *hp, const shardd__optspec_hp *h) {
+void shardd__hp_overlay(shardd__hp *hp, const shardd__optspec_hp *h) {
   if (h == NULL)
     return;
 #define OVERLAY(f)                                                           \
@@ -22,8 +22,8 @@ static void overlay(shardd__hp *hp, const shardd__optspec_hp *h) {
 void shardd__hp_resolve(shardd_optim_kind kind, const shardd__optspec_hp *top,
                         const shardd__optspec_hp *group, shardd__hp *out) {
   shardd__hp_defaults(kind, out);
-  overlay(out, top);
-  overlay(out, group);
+  shardd__hp_overlay(out, top);
+  shardd__hp_overlay(out, group);
 }
 
 /* What the checks collect: the first code and one line per problem, as

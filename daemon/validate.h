@@ -20,6 +20,9 @@ shardd_err shardd__validate_optimizer(const shardd__registry *reg,
                                       const shardd__optspec *req,
                                       shardd__optim_plan *plan, char **msg);
 
+/* The fields h sets replace hp's (h NULL: none). */
+void shardd__hp_overlay(shardd__hp *hp, const shardd__optspec_hp *h);
+
 /* Resolves hyperparameters: torch defaults of kind, then `top`, then
  * `group` (either may be NULL). */
 void shardd__hp_resolve(shardd_optim_kind kind, const shardd__optspec_hp *top,

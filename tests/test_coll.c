@@ -1093,3 +1093,120 @@ Test(coll, transient_areas_of_a_lost_rank_are_returned) {
   cr_assert(shardd__area_held(b, 0, SHARDD__AREA_GATHER, NULL), "others keep theirs");
   mem[1] = (shardd__coll_member){.job = job, .rank = 1};
 }
+
+/* the mean gradient of element j (every rank's grad_val) */
+static double mean_grad(uint64_t j) {
+  double g = 0;
+  for (uint32_t r = 0; r < W; r++)
+    g += grad_val(r, j);
+  return g / W;
+}
+
+/* Every shard element is init - lr_eff * mean gradient (SGD). */
+static void check_sgd(shardd__buffer *b, double lr_eff, const char *what) {
+  uint64_t s = b->shard_numel;
+  for (uint32_t a = 0; a < W; a++) {
+    const float *p = shard_of(b, a);
+    for (uint64_t i = 0; i < s && a * s + i < b->numel; i++) {
+      double want = shard_val(0, a, i) - lr_eff * mean_grad(a * s + i);
+      if (fabs(p[i] - want) > 1e-6 * fabs(want) + 1e-5)
+        cr_assert_fail("%s: rank %" PRIu32 " p[%" PRIu64 "] = %f, want %f", what,
+                       a, i, (double)p[i], want);
+    }
+  }
+}
+
+/* A step's per-group hyperparameters (what a torch scheduler left in
+ * param_groups) replace the registered ones for that step only; a count
+ * other than the groups', an out-of-range value, a changed amsgrad and
+ * ranks that disagree are refused before anything runs. */
+Test(coll, step_group_hyperparameters_apply_to_that_step) {
+  shardd__buffer *b = buf_new("p", 1000);
+  shardd__optim *o = sgd_over(b); /* lr 0.5 */
+  fill_shards(b, 0);
+  fill_grads(b);
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 1, scatter_args(b, SHARDD_REDUCE_MEAN));
+  run_until(W);
+  shardd__optspec_hp two[2] = {{.has_lr = 1, .lr = 0.25}, {.has_lr = 1, .lr = 0.25}};
+  shardd__coll_args st = {.kind = SHARDD__COLL_STEP, .target = o->hdr.id,
+                          .group_hp = two, .ngroup_hp = 2};
+  submit(0, 2, st);
+  expect_msg(expect_reply(0, 2, SHARDD_E_INVAL), "2 groups of hyperparameters");
+  shardd__optspec_hp bad = {.has_momentum = 1, .momentum = -1};
+  st.group_hp = &bad;
+  st.ngroup_hp = 1;
+  submit(0, 3, st);
+  expect_msg(expect_reply(0, 3, SHARDD_E_RANGE), "param group 0");
+  shardd__optspec_hp ams = {.has_amsgrad = 1, .amsgrad = 1};
+  st.group_hp = &ams;
+  submit(0, 4, st);
+  expect_msg(expect_reply(0, 4, SHARDD_E_INVAL), "amsgrad cannot change");
+  /* ranks disagree on the lr: every one is refused, nothing changes */
+  shardd__optspec_hp q1 = {.has_lr = 1, .lr = 0.25}, q2 = {.has_lr = 1, .lr = 0.125};
+  st.group_hp = &q1;
+  submit(0, 5, st);
+  submit(1, 5, st);
+  st.group_hp = &q2;
+  submit(2, 5, st);
+  run_until(4 + W);
+  for (uint32_t r = 0; r < W; r++)
+    expect_reply(r, 5, SHARDD_E_MISMATCH);
+  cr_assert_eq(o->steps, 0);
+  check_sgd(b, 0, "after the refusals");
+  /* agreed: lr 0.25 this step (and the override's buffer is not kept) */
+  for (uint32_t r = 0; r < W; r++) {
+    shardd__optspec_hp mine = {.has_lr = 1, .lr = 0.25};
+    shardd__coll_args a = st;
+    a.group_hp = &mine;
+    submit(r, 6, a);
+    mine.lr = 99; /* read during submit only */
+  }
+  run_until(4 + 2 * W);
+  for (uint32_t r = 0; r < W; r++)
+    expect_reply(r, 6, SHARDD_OK);
+  check_sgd(b, 0.25, "lr 0.25 for one step");
+  cr_assert_eq(o->groups[0].lr, 0.5, "the registered lr stays");
+}
+
+/* FSDP's clip_grad_norm_: the norm alone (no update, the count stays),
+ * then the next step applies the clip; a second step is unclipped. */
+Test(coll, norm_only_reports_then_the_next_step_clips) {
+  shardd__buffer *b = buf_new("p", 1000);
+  shardd__optim *o = sgd_over(b); /* lr 0.5 */
+  fill_shards(b, 0);
+  fill_grads(b);
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 1, scatter_args(b, SHARDD_REDUCE_MEAN));
+  run_until(W);
+  double sumsq = 0;
+  for (uint64_t j = 0; j < b->numel; j++)
+    sumsq += mean_grad(j) * mean_grad(j);
+  double norm = sqrt(sumsq);
+  shardd__coll_args nm = {.kind = SHARDD__COLL_STEP, .target = o->hdr.id,
+                          .norm_only = 1};
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 2, nm);
+  run_until(2 * W);
+  for (uint32_t r = 0; r < W; r++) {
+    const reply *rp = expect_reply(r, 2, SHARDD_OK);
+    cr_assert(rp->res.has_total_norm);
+    cr_assert(fabs(rp->res.total_norm - norm) <= 1e-5 * norm);
+    cr_assert_eq(rp->res.step, 0, "the count stays");
+  }
+  check_sgd(b, 0, "a norm changes nothing");
+  cr_assert_eq(o->clip_pending, 0, "no max_norm: nothing to clip");
+  nm.max_norm = norm / 2;
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 3, nm);
+  run_until(3 * W);
+  cr_assert_eq(o->clip_pending, 1);
+  shardd__coll_args st = {.kind = SHARDD__COLL_STEP, .target = o->hdr.id};
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 4, st);
+  run_until(4 * W);
+  double coef = (norm / 2) / (norm + 1e-6);
+  check_sgd(b, 0.5 * coef, "clipped step");
+  cr_assert_eq(o->steps, 1);
+  cr_assert_eq(o->clip_pending, 0, "a clip applies to one step");
+}

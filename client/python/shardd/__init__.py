@@ -454,8 +454,8 @@ class Optimizer:
     def __repr__(self):
         return "<shardd.Optimizer %d %r %s>" % (self.id, self.name, self.kind)
 
-    def step(self, lr=None, max_norm=None):
-        return self.client.step(self, lr=lr, max_norm=max_norm)
+    def step(self, lr=None, max_norm=None, groups=None):
+        return self.client.step(self, lr=lr, max_norm=max_norm, groups=groups)
 
     def unregister(self):
         self.client.unregister_optimizer(self)
@@ -825,10 +825,14 @@ class Client:
         fn = self._lib.shardd_scatter_accumulate if accumulate else self._lib.shardd_scatter
         self._call(fn(self._c, _ids(buffer), code))
 
-    def step(self, opt, lr=None, max_norm=None):
+    def step(self, opt, lr=None, max_norm=None, groups=None):
         """Optimizer step (collective). lr: override the registered rates for
-        this step; max_norm: clip the global grad norm. -> StepResult(step,
-        total_norm) (total_norm is the pre-clip norm when max_norm is given)."""
+        this step; max_norm: clip the global grad norm (inf: report it
+        only); groups: None, or one dict per param group in registration
+        order of torch-named hyperparameters for this step (lr, betas,
+        weight_decay, ...: what a scheduler left in torch's param_groups),
+        overlaid after lr. -> StepResult(step, total_norm) (total_norm is
+        the pre-clip norm when max_norm is given)."""
         self._check_open()
         self._sync_cuda()
         so = L.StepOpts()
@@ -839,9 +843,33 @@ class Client:
             raise ValueError("Invalid learning rate: %r" % (lr,))
         so.lr = -1.0 if lr is None else float(lr)
         so.max_norm = 0.0 if max_norm is None else float(max_norm)
+        if max_norm is not None and not so.max_norm >= 0.0:
+            raise ValueError("max_norm %r: must be >= 0 (inf: report the norm only)"
+                             % (max_norm,))
+        if groups:
+            arr = (L.HParams * len(groups))()
+            for gi, g in enumerate(groups):
+                arr[gi] = _hparams(g, "step: param group %d" % gi)
+            so.groups = ctypes.cast(arr, ctypes.POINTER(L.HParams))
+            so.ngroups = len(groups)
         res = L.StepResult()
         self._call(self._lib.shardd_step(self._c, _ids(opt), ctypes.byref(so), ctypes.byref(res)))
         return StepResult(int(res.step), float(res.total_norm))
+
+    def clip_grad_norm(self, opt, max_norm=math.inf):
+        """FSDP's clip_grad_norm_ (collective): -> the global L2 norm of the
+        reduced gradients opt's next step would apply, over every shard;
+        a finite max_norm > 0 makes that step scale them by
+        min(1, max_norm / (norm + 1e-6)). inf (default) or 0: the norm only."""
+        self._check_open()
+        self._sync_cuda()
+        max_norm = float(max_norm)
+        if not max_norm >= 0.0:
+            raise ValueError("max_norm %r: must be >= 0 (inf: the norm only)" % (max_norm,))
+        out = ctypes.c_double()
+        self._call(self._lib.shardd_clip_grad_norm(self._c, _ids(opt), max_norm,
+                                                   ctypes.byref(out)))
+        return out.value
 
 
 def _is_named_ref(g):

@@ -113,7 +113,8 @@ class ParamGroup(ctypes.Structure):
 
 
 class StepOpts(ctypes.Structure):
-    _fields_ = [("size", c_size_t), ("lr", c_double), ("max_norm", c_double)]
+    _fields_ = [("size", c_size_t), ("lr", c_double), ("max_norm", c_double),
+                ("groups", ctypes.POINTER(HParams)), ("ngroups", c_size_t)]
 
 
 class StepResult(ctypes.Structure):
@@ -170,6 +171,7 @@ def _declare(lib):
         "shardd_scatter": (c_int, [client_p, c_uint64, c_int]),
         "shardd_scatter_accumulate": (c_int, [client_p, c_uint64, c_int]),
         "shardd_step": (c_int, [client_p, c_uint64, P(StepOpts), P(StepResult)]),
+        "shardd_clip_grad_norm": (c_int, [client_p, c_uint64, c_double, P(c_double)]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)

@@ -110,6 +110,8 @@ requests, so the daemon reads finished gradients and shards and overwrites
 no parameter a kernel still reads.
 """
 import functools
+import math
+import weakref
 
 import torch
 from torch import nn
@@ -118,6 +120,18 @@ import shardd
 
 
 _TORCH_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+# id(replacement parameter) -> (weak parameter, weak ShardedModule), for
+# shardd.optim (by id: tensors compare elementwise, so they cannot be keys)
+_OWNERS = {}
+
+
+def owner_of(param):
+    """The ShardedModule a (replacement) parameter belongs to, or None."""
+    got = _OWNERS.get(id(param))
+    if got is None or got[0]() is not param:
+        return None
+    return got[1]()
 
 
 class FlatUnit:
@@ -304,6 +318,7 @@ class ShardedModule:
                 for m, attr in owners:
                     m._parameters[attr] = newp
                 self._by_param[id(newp)] = e
+                _OWNERS[id(newp)] = (weakref.ref(newp), weakref.ref(self))
                 entries.append(e)
                 off += n
             self.units.append(FlatUnit(uname or "root", buf, entries, module=root,
@@ -314,6 +329,7 @@ class ShardedModule:
                 for k, b in m._buffers.items():
                     if b is not None and b.device != dev:
                         m._buffers[k] = b.to(dev)
+        self._optims = []         # daemon optimizers registered through us
         self._sth = None          # the saved-tensor hooks pushed for a forward
         self._final_queued = False
         if self.transient:
@@ -631,4 +647,32 @@ class ShardedModule:
         parameters). Every rank must make the identical call (same name).
         Raises shardd.Error (E_NOT_OWNED...) with the daemon's message naming
         each parameter that is not a shardd view."""
-        return self.client.register_optimizer(kind, self.param_groups(params), name=name, **hyper)
+        opt = self.client.register_optimizer(kind, self.param_groups(params), name=name, **hyper)
+        if all(o.id != opt.id for o in self._optims):
+            self._optims.append(opt)
+        return opt
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, optimizer=None):
+        """FSDP's clip_grad_norm_ (collective): -> the total L2 norm of the
+        reduced gradients over every shard of every rank, as a torch scalar
+        (torch's plain clip_grad_norm_ would see only this rank's, and on
+        transient clients .grad is None by then: the gradients are the
+        daemon's). The optimizer's next step scales the gradients by
+        min(1, max_norm / (norm + 1e-6)), as torch's clipping in place
+        does; max_norm=inf reports the norm only. optimizer: the one whose
+        parameters count (a shardd.optim optimizer or a registered one);
+        needed only when several were registered through this module.
+        Resident clients call scatter() first."""
+        if float(norm_type) != 2.0:
+            raise NotImplementedError("clip_grad_norm_: norm_type %r (shardd computes "
+                                      "the L2 norm only)" % (norm_type,))
+        if optimizer is not None and hasattr(optimizer, "_opt"):
+            optimizer = optimizer._opt
+        if optimizer is None:
+            if len(self._optims) != 1:
+                raise ValueError("clip_grad_norm_: %d optimizers are registered through "
+                                 "this module; pass optimizer=" % len(self._optims))
+            optimizer = self._optims[0]
+        mn = float(max_norm)
+        total = self.client.clip_grad_norm(optimizer, mn if math.isfinite(mn) else math.inf)
+        return torch.tensor(total)

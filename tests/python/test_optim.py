@@ -1,0 +1,302 @@
+"""shardd.optim: torch.optim.Optimizer subclasses over shardd shards. Each
+training recipe below runs twice with the same code: once in one process
+with torch.optim's class on the full batch, once over N ranks (processes
+of one job, host backend) with shardd.optim's class and a ShardedModule,
+each rank on its slice of the batch. Losses, clipped norms and the final
+parameters must agree (fp32, rel <= 1e-5 on losses and norms)."""
+import math
+import multiprocessing as mp
+import queue
+import time
+import unittest
+
+import common
+import shardd
+
+if common.HAVE_TORCH:
+    import numpy as np
+    import torch
+    from torch import nn
+    import shardd.nn
+    import shardd.optim
+
+STEPS = 6
+BATCH = 16
+TOL = 1e-5
+# parameters, per tensor max|a-b| / max|b| (see test_fsdp.PARAM_TOL)
+PARAM_TOL = 1e-4
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(16)
+        self.mid = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.mid(self.norm(torch.tanh(self.inp(x))))))
+
+
+def make_model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def make_data():
+    g = torch.Generator().manual_seed(3)
+    return (torch.randn(STEPS, BATCH, 8, generator=g),
+            torch.randn(STEPS, BATCH, 4, generator=g))
+
+
+def warmup_cosine(step):
+    warm = 2
+    if step < warm:
+        return (step + 1) / warm
+    return 0.5 * (1 + math.cos(math.pi * (step - warm) / (STEPS - warm)))
+
+
+# ---- recipes: (model, optimizer module) -> (opt, scheduler, clip) ------------
+
+def adamw_groups_lambdalr(model, O):
+    """GPT-style: a no-decay group (biases, norms) at a tenth of the lr,
+    warmup + cosine LambdaLR, clipping at 0.8."""
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
+    other = [p for n, p in model.named_parameters() if not (n.endswith("weight") and "norm" not in n)]
+    opt = O.AdamW([{"params": decay, "weight_decay": 0.1},
+                   {"params": other, "weight_decay": 0.0, "lr": 3e-3}],
+                  lr=3e-2, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, [warmup_cosine, lambda s: 1.0 - 0.1 * s])
+    return opt, sched, 0.8
+
+
+def adam_onecycle(model, O):
+    """OneCycleLR also cycles Adam's beta1 (cycle_momentum) every step; an
+    empty param group (torch accepts it); the norm reported without
+    clipping (max_norm inf)."""
+    opt = O.Adam([{"params": list(model.parameters())}, {"params": []}], lr=1e-2)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-2, total_steps=STEPS)
+    return opt, sched, math.inf
+
+
+def sgd_nesterov_steplr(model, O):
+    opt = O.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return opt, sched, 0.5
+
+
+RECIPES = {f.__name__: f for f in (adamw_groups_lambdalr, adam_onecycle, sgd_nesterov_steplr)}
+
+
+def reference(recipe):
+    torch.set_num_threads(1)
+    model = make_model()
+    x, y = make_data()
+    opt, sched, clip = RECIPES[recipe](model, torch.optim)
+    losses, norms, lrs = [], [], []
+    for s in range(STEPS):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x[s]), y[s])
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        lrs.append([g["lr"] for g in opt.param_groups])
+        sched.step()
+        losses.append(loss.item())
+    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}, losses, norms, lrs
+
+
+def rank_main(rank, world, sock, job, recipe, transient, q):
+    try:
+        torch.set_num_threads(1)
+        client = shardd.Client(sock, job=job, rank=rank, world=world,
+                               transient_areas=transient)
+        model = make_model()
+        x, y = make_data()
+        per = BATCH // world
+        lo, hi = rank * per, (rank + 1) * per
+        sm = shardd.nn.ShardedModule(client, model, auto_wrap="children")
+        opt, sched, clip = RECIPES[recipe](model, shardd.optim)
+        assert isinstance(opt, torch.optim.Optimizer)
+        for s in range(STEPS):
+            opt.zero_grad()
+            if not transient:
+                sm.gather()
+            loss = nn.functional.mse_loss(model(x[s, lo:hi]), y[s, lo:hi])
+            loss.backward()
+            if not transient:
+                sm.scatter("mean")
+            norm = float(sm.clip_grad_norm_(clip))
+            opt.step()
+            lrs = [g["lr"] for g in opt.param_groups]
+            sched.step()
+            q.put(("step", rank, s, loss.item(), norm, lrs, opt.last_step.step))
+        params = sm.full_parameters()
+        if rank == 0:
+            q.put(("params", {n: t.numpy().copy() for n, t in params.items()}))
+        client.close()
+        q.put(("done", rank))
+    except BaseException as e:
+        import traceback
+        q.put(("error", rank, "%s\n%s" % (e, traceback.format_exc())))
+        raise SystemExit(1)
+
+
+def run(recipe, world, transient, timeout=120):
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "numpy"])
+    q = ctx.Queue()
+    job = common.job("optim")
+    procs = [ctx.Process(target=rank_main, args=(r, world, common.socket(), job, recipe,
+                                                 transient, q))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out = {"losses": [0.0] * STEPS, "norms": {}, "lrs": {}, "steps": {}}
+    done, error = set(), None
+    deadline = time.monotonic() + timeout
+    try:
+        while len(done) < world and error is None:
+            try:
+                msg = q.get(timeout=0.5)
+            except queue.Empty:
+                for p in procs:
+                    if p.exitcode not in (None, 0):
+                        error = "%s exited with %s" % (p.name, p.exitcode)
+                if time.monotonic() > deadline:
+                    error = "timed out after %.0fs" % timeout
+                continue
+            if msg[0] == "step":
+                _, r, s, loss, norm, lrs, n = msg
+                out["losses"][s] += loss / world
+                out["norms"].setdefault(s, set()).add(norm)
+                out["lrs"].setdefault(s, []).append(lrs)
+                out["steps"].setdefault(s, set()).add(n)
+            elif msg[0] == "params":
+                out["params"] = msg[1]
+            elif msg[0] == "done":
+                done.add(msg[1])
+            else:
+                error = "rank %d failed: %s" % (msg[1], msg[2])
+    finally:
+        if error is not None:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+        for p in procs:
+            p.join(10)
+    if error is not None:
+        raise RuntimeError(error)
+    return out
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+@unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
+class OptimParityTest(unittest.TestCase):
+    def check(self, recipe, world, transient):
+        want, wlosses, wnorms, wlrs = reference(recipe)
+        got = run(recipe, world, transient)
+        label = "%s, %d ranks, %s" % (recipe, world, "transient" if transient else "resident")
+        lr = max(rel(a, b) for a, b in zip(got["losses"], wlosses))
+        norms = [got["norms"][s] for s in range(STEPS)]
+        for s in range(STEPS):
+            self.assertEqual(len(norms[s]), 1, "every rank gets the one global norm")
+        nr = max(rel(next(iter(n)), w) for n, w in zip(norms, wnorms))
+        pr = 0.0
+        for n, b in want.items():
+            d = np.abs(got["params"][n].astype(np.float64) - b)
+            pr = max(pr, float(d.max() / max(np.abs(b).max(), 1e-30)))
+        print("\n  %s: losses rel %.3g, norms rel %.3g, parameters %.3g" % (label, lr, nr, pr))
+        self.assertLessEqual(lr, TOL, label)
+        self.assertLessEqual(nr, TOL, label)
+        self.assertLessEqual(pr, PARAM_TOL, label)
+        for s in range(STEPS):  # the scheduler drove every group's lr alike
+            for lrs in got["lrs"][s]:
+                self.assertEqual(lrs, wlrs[s], "step %d" % s)
+            self.assertEqual(got["steps"][s], {s + 1})
+
+    def test_adamw_two_groups_lambdalr_clipped(self):
+        self.check("adamw_groups_lambdalr", 2, True)
+        self.check("adamw_groups_lambdalr", 4, False)
+
+    def test_adam_onecycle_cycles_beta1_and_reports_the_norm(self):
+        self.check("adam_onecycle", 2, True)
+
+    def test_sgd_nesterov_steplr(self):
+        self.check("sgd_nesterov_steplr", 2, False)
+
+
+@unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
+class OptimApiTest(unittest.TestCase):
+    def setUp(self):
+        self.c = shardd.Client(common.socket(), job=common.job("optim1"), rank=0, world=1)
+        self.addCleanup(self.c.close)
+        self.model = make_model()
+        self.sm = shardd.nn.ShardedModule(self.c, self.model, auto_wrap="children")
+
+    def test_torch_defaults_and_param_groups(self):
+        opt = shardd.optim.AdamW(self.model.parameters())
+        ref = torch.optim.AdamW(make_model().parameters())
+        for k in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"):
+            self.assertEqual(opt.param_groups[0][k], ref.param_groups[0][k], k)
+        self.assertEqual(opt.defaults["weight_decay"], 1e-2)
+        with self.assertRaises(TypeError):
+            shardd.optim.SGD(self.model.parameters())  # lr is required, as in torch
+
+    def test_a_tensor_the_module_does_not_own_is_named(self):
+        stray = nn.Parameter(torch.zeros(3))
+        with self.assertRaises(shardd.Error) as cm:
+            shardd.optim.Adam([{"params": list(self.model.parameters())},
+                               {"params": [stray]}], name="stray")
+        self.assertEqual(cm.exception.code_name, "E_NOT_OWNED")
+        self.assertIn("param group 1 ref 0", cm.exception.message)
+
+    def test_refusals_instead_of_silent_state_loss(self):
+        opt = shardd.optim.Adam(self.model.parameters())
+        with self.assertRaises(NotImplementedError):
+            opt.add_param_group({"params": []})
+        with self.assertRaises(NotImplementedError):
+            opt.state_dict()
+        with self.assertRaises(ValueError):
+            shardd.optim.Adam(self.model.parameters(), capturable=True)
+        with self.assertRaises(ValueError):
+            shardd.optim.Adam([nn.Parameter(torch.zeros(2))])  # no ShardedModule
+
+    def test_amsgrad_cannot_change_and_a_bad_lr_is_refused(self):
+        opt = shardd.optim.Adam(self.model.parameters(), name="ams")
+        self.sm.zero_grad()
+        self.sm.gather()
+        self.model(torch.ones(1, 8)).sum().backward()
+        self.sm.scatter()
+        opt.param_groups[0]["amsgrad"] = True
+        with self.assertRaises(shardd.Error) as cm:
+            opt.step()
+        self.assertIn("amsgrad cannot change", cm.exception.message)
+        opt.param_groups[0]["amsgrad"] = False
+        opt.param_groups[0]["betas"] = (0.9, 1.5)
+        with self.assertRaises(shardd.Error) as cm:
+            opt.step()
+        self.assertEqual(cm.exception.code_name, "E_RANGE")
+        self.assertIn("param group 0", cm.exception.message)
+        opt.param_groups[0]["betas"] = (0.9, 0.999)
+        opt.param_groups[0]["lr"] = -1.0
+        with self.assertRaises(ValueError):
+            opt.step()
+        opt.param_groups[0]["lr"] = 1e-3
+        opt.step()
+        self.assertEqual(opt.last_step.step, 1)
+        # the norm only: no update, the count stays
+        before = {n: p.detach().clone() for n, p in self.sm.full_parameters().items()}
+        n = self.sm.clip_grad_norm_(float("inf"))
+        self.assertGreater(float(n), 0.0)
+        after = self.sm.full_parameters()
+        for k, v in before.items():
+            torch.testing.assert_close(after[k], v, rtol=0, atol=0)
+
+
+if __name__ == "__main__":
+    unittest.main()
