@@ -796,6 +796,13 @@ shardd_err shardd_inspect_text(shardd_client_t *c, uint64_t id,
 shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
                                   shardd_dtype dtype, uint64_t numel,
                                   shardd_buffer_info *out) {
+  return shardd_buffer_register_opts(c, name, dtype, numel, NULL, out);
+}
+
+shardd_err shardd_buffer_register_opts(shardd_client_t *c, const char *name,
+                                       shardd_dtype dtype, uint64_t numel,
+                                       const shardd_buffer_opts *opts,
+                                       shardd_buffer_info *out) {
   if (c == NULL)
     return SHARDD_E_INVAL; /* no client to hold a message */
   if (out == NULL)
@@ -809,6 +816,12 @@ shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
   rb.name = (char *)name;
   rb.dtype = (Shardwire__DType)dtype;
   rb.numel = numel;
+  if (opts && opts->size >= offsetof(shardd_buffer_opts, init_checksum) +
+                                sizeof opts->init_checksum &&
+      opts->has_init_checksum) {
+    rb.has_init_checksum = 1;
+    rb.init_checksum = opts->init_checksum;
+  }
   req.body_case = SHARDWIRE__REQUEST__BODY_REGISTER_BUFFER;
   req.register_buffer = &rb;
   Shardwire__Response *resp;
@@ -965,6 +978,7 @@ shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
   out->generation = br->has_generation ? br->generation : 0;
   out->is_device = device >= 0;
   out->transient = transient;
+  out->existing = br->has_existing && br->existing;
 
 done:
   if (fd >= 0)

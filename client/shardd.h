@@ -200,6 +200,10 @@ typedef struct {
    * gather and grad are NULL, as the block holds only shard and reduced;
    * each shardd_gather_area() says where this rank's areas are. (Appended.) */
   int transient;
+  /* 1: the shards hold trained or restored values (a step ran on them, or
+   * a restore made the buffer): attach to them; 0: write initial values.
+   * (Appended.) */
+  int existing;
 } shardd_buffer_info;
 
 /* Creates the job's flat buffer called name, or attaches to it when another
@@ -208,6 +212,22 @@ typedef struct {
 shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
                                   shardd_dtype dtype, uint64_t numel,
                                   shardd_buffer_info *out);
+
+typedef struct {
+  size_t size;
+  /* set: a checksum of this rank's whole flattened initial values; while
+   * the buffer is not existing, a rank whose checksum differs from the
+   * first rank's is refused (SHARDD_E_MISMATCH naming both ranks) */
+  int has_init_checksum;
+  uint64_t init_checksum;
+} shardd_buffer_opts;
+#define SHARDD_BUFFER_OPTS_INIT {sizeof(shardd_buffer_opts), 0, 0}
+
+/* shardd_buffer_register with opts (NULL: none). */
+shardd_err shardd_buffer_register_opts(shardd_client_t *c, const char *name,
+                                       shardd_dtype dtype, uint64_t numel,
+                                       const shardd_buffer_opts *opts,
+                                       shardd_buffer_info *out);
 
 /* Frees the buffer and its views for the whole job (SHARDD_E_BUSY while an
  * optimizer names it or a collective on it is in flight). */

@@ -194,6 +194,9 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
   shardd__sb_printf(m, "shardd-checkpoint %d\njob ", SHARDD_MANIFEST_VERSION);
   shardd__manifest_enc_name(m, job->name);
   shardd__sb_printf(m, " %" PRIu32 " %" PRIu32 "\n", job->world, job->uid);
+  /* restored so: its trainers ask for the same areas again */
+  if (job->transient)
+    shardd__sb_printf(m, "areas transient\n");
 
   char fname[128];
   for (size_t i = 0; i < nb; i++) {

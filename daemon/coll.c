@@ -344,6 +344,7 @@ static void after_phase(coll *c) {
     c->opt->clip_pending = 0;
     for (size_t i = 0; i < c->opt->nshards; i++) {
       c->opt->shards[i].master_valid = 1;
+      c->opt->shards[i].buf->settled = 1;
       c->opt->shards[i].buf->reduced_live = 0;
     }
     c->opt->steps = c->step;

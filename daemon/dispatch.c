@@ -231,6 +231,23 @@ static void on_register_buffer(shardd__dispatch *d, shardd__conn *c,
     reply(d, c, seq, rc, err);
     return;
   }
+  if (rb->has_init_checksum && !b->settled) {
+    if (!b->has_init_sum || b->init_rank == rank) {
+      /* the first, or that rank again (relaunched, maybe reseeded) */
+      b->has_init_sum = 1;
+      b->init_sum = rb->init_checksum;
+      b->init_rank = rank;
+    } else if (b->init_sum != rb->init_checksum) {
+      snprintf(err, sizeof err,
+               "buffer \"%s\": rank %" PRIu32 "'s initial values differ from "
+               "rank %" PRIu32 "'s (checksum %016" PRIx64 " vs %016" PRIx64 "): "
+               "every rank must build the model identically (same seed), as "
+               "each writes its own slice",
+               b->hdr.name, rank, b->init_rank, rb->init_checksum, b->init_sum);
+      reply(d, c, seq, SHARDD_E_MISMATCH, err);
+      return;
+    }
+  }
   int fd = -1;
   uint8_t ipc[64];
   size_t ipc_len = 0;
@@ -275,6 +292,8 @@ static void on_register_buffer(shardd__dispatch *d, shardd__conn *c,
   br.has_reduced_offset = 1;
   br.reduced_offset = b->reduced_off;
   br.created = created;
+  br.has_existing = 1;
+  br.existing = b->settled != 0;
   br.has_generation = 1;
   br.generation = b->hdr.generation;
   if (b->hdr.job->transient) {

@@ -144,6 +144,12 @@ struct shardd__buffer {
    * consumed yet: an accumulating scatter adds to them only then (engine,
    * loop thread) */
   int reduced_live;
+  /* the shards hold trained (a step ran) or restored values; until then
+   * the first init checksum a rank gave (dispatch) */
+  int settled;
+  int has_init_sum;
+  uint64_t init_sum;
+  uint32_t init_rank;
 };
 
 struct shardd__view {

@@ -492,6 +492,7 @@ static shardd_err line_buffer(restore *c, char **tok) {
     return bad(c, rc, "%s", c->sub);
   if (!created)
     return bad(c, SHARDD_E_INVAL, "buffer \"%s\" listed twice", tok[1]);
+  b->settled = 1; /* trainers attach to the restored values */
   /* A restored handle is a new generation: one kept from before the
    * checkpoint is refused as stale (version 1 recorded none: 1). */
   uint64_t gen = c->mversion >= 2 ? strtoull(tok[4], NULL, 10) : 1;
@@ -656,6 +657,11 @@ static shardd_err parse_line(restore *c, char **tok, int nt) {
     return line_job(c, tok);
   if (c->job == NULL)
     return bad(c, SHARDD_E_INVAL, "\"%s\" before the job line", tok[0]);
+  if (!strcmp(tok[0], "areas") && nt == 2 && !strcmp(tok[1], "transient")) {
+    /* before any buffer line (set_transient refuses a job with buffers) */
+    shardd_err rc = shardd__job_set_transient(c->job, 1, c->sub, sizeof c->sub);
+    return rc == SHARDD_OK ? SHARDD_OK : bad(c, rc, "%s", c->sub);
+  }
   if (!strcmp(tok[0], "buffer") && nt == (c->mversion >= 2 ? 5 : 4))
     return line_buffer(c, tok);
   if (!strcmp(tok[0], "shard") && nt == 5)

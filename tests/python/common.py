@@ -52,11 +52,11 @@ def socket():
     return daemon().socket
 
 
-def own_daemon(devices=DEVICES):
+def own_daemon(devices=DEVICES, extra_args=()):
     """A daemon of the test's own (host backend), for what is daemon-wide,
     such as the devices' peak bytes: the caller stops it (stop(), cleanup())."""
     return shardd.daemon.Daemon(devices=devices, log_level="debug",
-                                extra_args=["--collective-timeout", "30"],
+                                extra_args=["--collective-timeout", "30"] + list(extra_args),
                                 env=daemon_env())
 
 

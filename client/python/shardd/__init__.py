@@ -55,6 +55,7 @@ launcher for tests and examples is :mod:`shardd.daemon`.
 import collections
 import ctypes
 import math
+import os
 import json as _json
 
 from . import _lib as L
@@ -228,6 +229,8 @@ class Buffer:
         self.rank = info.rank
         self.device = info.device
         self.created = bool(info.created)
+        # the shards hold trained or restored values: attach, don't init
+        self.existing = bool(info.existing)
         self.generation = info.generation
         # cuda backend: the areas are CUDA device pointers (address() gives
         # them to e.g. cupy; tensor() wraps them as torch CUDA tensors); they
@@ -457,6 +460,18 @@ class Optimizer:
     def step(self, lr=None, max_norm=None, groups=None):
         return self.client.step(self, lr=lr, max_norm=max_norm, groups=groups)
 
+    def steps(self):
+        """The daemon's step count of this optimizer now (a resumed or
+        restored one keeps its count): where a relaunched loop goes on."""
+        for j in self.client.status()["jobs"]:
+            if j["name"] != self.client.job:
+                continue
+            for o in j["optimizers"]:
+                if o["id"] == self.id:
+                    return int(o["steps"])
+        raise Error(5, "optimizer %d is not in the daemon's status of job %r"
+                    % (self.id, self.client.job), "E_NOT_FOUND")
+
     def unregister(self):
         self.client.unregister_optimizer(self)
 
@@ -584,6 +599,32 @@ class Client:
     def status_text(self):
         return self._string_out(self._lib.shardd_status_text)
 
+    def checkpoint(self, directory, job=None):
+        """Writes the job's registry, shards, optimizer state and step
+        counts to directory (absolute, on the daemon's machine, below its
+        --checkpoint-root). job None: this client's own. E_BUSY while a
+        collective of the job is in flight: call it between steps, once
+        every rank is there (e.g. on rank 0 after a step, with the others
+        waiting at their next collective is not enough: they must be idle)."""
+        self._check_open()
+        if not os.path.isabs(directory):
+            raise ValueError("checkpoint directory %r: must be an absolute path "
+                             "(it is the daemon's)" % (directory,))
+        self._call(self._lib.shardd_checkpoint(self._c, _b(job), _b(directory)))
+
+    def restore(self, directory, world=0):
+        """Recreates the job recorded in directory (not in the daemon now)
+        with world ranks (0: as recorded). -> the job's name. Its ranks then
+        connect and attach; shardd.nn keeps the restored values."""
+        self._check_open()
+        if not os.path.isabs(directory):
+            raise ValueError("checkpoint directory %r: must be an absolute path "
+                             "(it is the daemon's)" % (directory,))
+        out = ctypes.create_string_buffer(256)
+        self._call(self._lib.shardd_restore(self._c, _b(directory), int(world), out,
+                                            ctypes.sizeof(out)))
+        return out.value.decode()
+
     def inspect(self, what, text=False):
         """One buffer or view by id (int, Buffer, View) or by name (str);
         parsed JSON, or the text form when text=True."""
@@ -596,8 +637,13 @@ class Client:
         return s if text else _json.loads(s)
 
     # -- registry ------------------------------------------------------------
-    def register_buffer(self, name, dtype, numel):
-        """Creates the job's flat buffer `name` or attaches to it. -> Buffer.
+    def register_buffer(self, name, dtype, numel, init_checksum=None):
+        """Creates the job's flat buffer `name` or attaches to it. -> Buffer
+        (its .existing: the shards hold trained or restored values).
+
+        init_checksum: an integer < 2**64 summarising this rank's whole
+        initial values; while the buffer is not existing, a rank whose
+        checksum differs from the first rank's is refused (E_MISMATCH).
 
         Registering the same buffer again on this client returns the same
         Buffer object (libshardd would map it anew and unmap the areas the
@@ -608,9 +654,15 @@ class Client:
             if b.name == name and b.dtype_code == code and b.numel == int(numel):
                 return b
         info = L.BufferInfo()
-        self._call(self._lib.shardd_buffer_register(self._c, _b(name), code,
-                                                    _u64(numel, "numel"),
-                                                    ctypes.byref(info)))
+        opts = L.BufferOpts()
+        opts.size = ctypes.sizeof(L.BufferOpts)
+        if init_checksum is not None:
+            opts.has_init_checksum = 1
+            opts.init_checksum = _u64(init_checksum, "init_checksum")
+        self._call(self._lib.shardd_buffer_register_opts(self._c, _b(name), code,
+                                                         _u64(numel, "numel"),
+                                                         ctypes.byref(opts),
+                                                         ctypes.byref(info)))
         old = self.buffers.get(info.id)
         if old is not None:  # mapped anew: the old mapping is gone
             old._forget()

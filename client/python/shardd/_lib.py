@@ -68,7 +68,13 @@ class BufferInfo(ctypes.Structure):
         ("generation", c_uint64),
         ("is_device", c_int),
         ("transient", c_int),
+        ("existing", c_int),
     ]
+
+
+class BufferOpts(ctypes.Structure):
+    _fields_ = [("size", c_size_t), ("has_init_checksum", c_int),
+                ("init_checksum", c_uint64)]
 
 
 class Area(ctypes.Structure):
@@ -148,11 +154,15 @@ def _declare(lib):
         "shardd_daemon_backend": (c_char_p, [client_p]),
         "shardd_ping": (c_int, [client_p]),
         "shardd_status_json": (c_int, [client_p, P(c_void_p)]),
+        "shardd_checkpoint": (c_int, [client_p, c_char_p, c_char_p]),
+        "shardd_restore": (c_int, [client_p, c_char_p, c_uint32, c_char_p, c_size_t]),
         "shardd_status_text": (c_int, [client_p, P(c_void_p)]),
         "shardd_inspect_json": (c_int, [client_p, c_uint64, c_char_p, P(c_void_p)]),
         "shardd_inspect_text": (c_int, [client_p, c_uint64, c_char_p, P(c_void_p)]),
         "shardd_free": (None, [c_void_p]),
         "shardd_buffer_register": (c_int, [client_p, c_char_p, c_int, c_uint64, P(BufferInfo)]),
+        "shardd_buffer_register_opts": (c_int, [client_p, c_char_p, c_int, c_uint64,
+                                                P(BufferOpts), P(BufferInfo)]),
         "shardd_buffer_unregister": (c_int, [client_p, c_uint64]),
         "shardd_view_register": (c_int, [client_p, c_uint64, c_char_p, c_uint64, c_uint64,
                                          P(c_int64), c_int, P(c_uint64)]),

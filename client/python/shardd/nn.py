@@ -20,7 +20,11 @@ for the root's own parameters — FSDP's auto-wrap at depth 1):
   ``<prefix><qualified name>`` at its offset with its shape;
 * writes this rank's shard ``[rank*s, (rank+1)*s)`` of the flattened initial
   values (every rank must build the model identically, e.g. same seed: each
-  rank contributes only its own slice);
+  rank contributes only its own slice, and the daemon refuses a rank whose
+  values' checksum differs from the first rank's, naming the unit's
+  buffer) — unless the buffer is *existing* (trained or restored shards:
+  a relaunch after a crash, a rank rejoining), which keeps its values,
+  optimizer state and step count (``init=``);
 * replaces every parameter on its module(s) with a new ``nn.Parameter`` that
   is a view of the gather area (no copy: ``torch.frombuffer`` of the host
   mapping, or on the cuda backend a CUDA tensor over the daemon's GPU memory),
@@ -112,6 +116,7 @@ no parameter a kernel still reads.
 import functools
 import math
 import weakref
+import zlib
 
 import torch
 from torch import nn
@@ -120,6 +125,14 @@ import shardd
 
 
 _TORCH_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DTYPE_OF = {v: k for k, v in _TORCH_DTYPES.items()}
+INIT_POLICIES = ("auto", "overwrite", "require_existing")
+
+
+def _checksum(flat):
+    """crc32 of the flattened initial values' bytes: equal on every rank
+    exactly when the ranks built the same model."""
+    return zlib.crc32(flat.contiguous().view(torch.uint8).cpu().numpy())
 
 # id(replacement parameter) -> (weak parameter, weak ShardedModule), for
 # shardd.optim (by id: tensors compare elementwise, so they cannot be keys)
@@ -250,10 +263,23 @@ class ShardedModule:
     initial_gather: resident areas: gather every unit at the end (a
       collective). Transient areas gather per unit in the hooks instead.
     reduce_op: transient areas: the hooks' reduce-scatter, "mean" or "sum".
+    init: what a unit's buffer gets from the module's initial values.
+      "auto" (default): a new buffer gets them (each rank writes its slice,
+      after the daemon checked every rank's are the same); one that is
+      *existing* — its shards hold trained values (a step ran, and the
+      trainers crashed or were relaunched) or restored ones (a daemon
+      checkpoint) — keeps its shards, optimizer state and step count, and
+      the module's parameters take the daemon's values: a plain relaunch
+      of the same script resumes. "overwrite": write them anyway (the
+      optimizer state stays). "require_existing": refuse a new buffer
+      (E_STATE), for a resume that must not start from scratch. Every rank
+      passes the same.
     """
 
     def __init__(self, client, module, auto_wrap="module", prefix="", dtype=None,
-                 initial_gather=True, reduce_op="mean"):
+                 initial_gather=True, reduce_op="mean", init="auto"):
+        if init not in INIT_POLICIES:
+            raise ValueError("init %r: one of %s" % (init, ", ".join(INIT_POLICIES)))
         if reduce_op not in shardd.REDUCE_OPS:
             raise ValueError("reduce_op %r: one of %s" % (
                 reduce_op, ", ".join(sorted(shardd.REDUCE_OPS))))
@@ -285,21 +311,30 @@ class ShardedModule:
                 udt = _TORCH_DTYPES[udt]
             total = sum(p.numel() for _, p, _ in params)
             bname = "%s%s.flat_param" % (prefix, uname if uname else "root")
-            buf = client.register_buffer(bname, udt, total)
+            with torch.no_grad():
+                flat = torch.cat([p.detach().reshape(-1).to(_DTYPE_OF[udt])
+                                  for _, p, _ in params])
+            buf = client.register_buffer(bname, udt, total, init_checksum=_checksum(flat))
+            if init == "require_existing" and not buf.existing:
+                raise shardd.Error(22, "unit %r: buffer %r holds no trained or restored "
+                                   "values (init=\"require_existing\")"
+                                   % (uname or "root", bname), "E_STATE")
             sh = buf.shard_tensor
             if buf.transient:  # the whole-buffer areas are leased per gather
                 gat = grd = None
             else:
                 gat = buf.gather_tensor
                 grd = buf.grad_tensor
-            # this rank's slice of the flattened initial values
-            with torch.no_grad():
-                flat = torch.cat([p.detach().reshape(-1).to(sh.dtype) for _, p, _ in params])
-                lo = rank * buf.shard_numel
-                hi = min(lo + buf.shard_numel, total)
-                sh.zero_()
-                if hi > lo:
-                    sh[:hi - lo].copy_(flat[lo:hi])
+            # this rank's slice of the flattened initial values, unless the
+            # shards hold trained or restored ones
+            if init == "overwrite" or not buf.existing:
+                with torch.no_grad():
+                    lo = rank * buf.shard_numel
+                    hi = min(lo + buf.shard_numel, total)
+                    sh.zero_()
+                    if hi > lo:
+                        sh[:hi - lo].copy_(flat[lo:hi].to(sh.device))
+            del flat
             entries = []
             off = 0
             for qn, p, owners in params:

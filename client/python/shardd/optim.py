@@ -83,6 +83,12 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         self._opt = self._module.register_optimizer(self._kind, groups, name=self._name)
         self.last_step = None  # the daemon's StepResult of the last step
 
+    @property
+    def steps(self):
+        """The daemon's step count (a query): a relaunched script attaches
+        to the optimizer it left and resumes its loop from here."""
+        return self._opt.steps()
+
     def _hyper(self, g):
         out = {}
         for k in self._keys:

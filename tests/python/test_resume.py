@@ -1,0 +1,262 @@
+"""Resume through the daemon: a plain relaunch of the same training script
+continues where the daemon's shards, optimizer state and step count are,
+bit-identically to a run that was never interrupted — after kill -9 of
+every rank mid-run, and after a daemon checkpoint restored into a fresh
+daemon. shardd.nn attaches to existing buffers instead of writing initial
+values over them (init="auto"), and refuses ranks whose initial values
+differ (a different seed) naming the unit."""
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import signal
+import tempfile
+import time
+import unittest
+
+import common
+import shardd
+
+if common.HAVE_TORCH:
+    import numpy as np
+    import torch
+    from torch import nn
+    import shardd.nn
+    import shardd.optim
+
+STEPS = 8
+BATCH = 16
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                         nn.Linear(32, 4))
+
+
+def make_data():
+    g = torch.Generator().manual_seed(5)
+    return (torch.randn(STEPS, BATCH, 8, generator=g),
+            torch.randn(STEPS, BATCH, 4, generator=g))
+
+
+def script(rank, world, sock, job, transient, q, seed=0, init="auto"):
+    """The training script a user relaunches unchanged: build, wrap, attach
+    the optimizer, go on from the daemon's step count."""
+    try:
+        torch.set_num_threads(1)
+        client = shardd.Client(sock, job=job, rank=rank, world=world,
+                               transient_areas=transient)
+        model = make_model(seed)
+        sm = shardd.nn.ShardedModule(client, model, auto_wrap="children", init=init)
+        opt = shardd.optim.AdamW(model.parameters(), lr=1e-2, name="adamw")
+        x, y = make_data()
+        per = BATCH // world
+        lo, hi = rank * per, (rank + 1) * per
+        start = opt.steps
+        q.put(("start", rank, start))
+        for s in range(start, STEPS):
+            opt.zero_grad()
+            if not transient:
+                sm.gather()
+            loss = nn.functional.mse_loss(model(x[s, lo:hi]), y[s, lo:hi])
+            loss.backward()
+            if not transient:
+                sm.scatter("mean")
+            opt.step()
+            q.put(("loss", rank, s, loss.item()))
+            time.sleep(0.02)  # room for the parent's kill between steps
+        params = sm.full_parameters()
+        if rank == 0:
+            q.put(("params", {n: t.numpy().copy() for n, t in params.items()}))
+        client.close()
+        q.put(("done", rank))
+    except shardd.Error as e:
+        q.put(("error", rank, e.code_name, e.message))
+    except BaseException as e:
+        import traceback
+        q.put(("error", rank, type(e).__name__, "%s\n%s" % (e, traceback.format_exc())))
+
+
+class Launch:
+    """world rank processes of script(); collects what they report."""
+
+    def __init__(self, sock, job, world, transient, **kw):
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "numpy"])
+        self.q = ctx.Queue()
+        self.world = world
+        self.procs = [ctx.Process(target=script, args=(r, world, sock, job, transient,
+                                                      self.q), kwargs=kw)
+                      for r in range(world)]
+        self.starts, self.losses, self.errors, self.done = {}, {}, [], set()
+        self.params = None
+        for p in self.procs:
+            p.start()
+
+    def poll(self, until, timeout=90):
+        deadline = time.monotonic() + timeout
+        while not until(self):
+            if time.monotonic() > deadline:
+                raise RuntimeError("timed out; errors %s" % self.errors)
+            try:
+                msg = self.q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if msg[0] == "start":
+                self.starts[msg[1]] = msg[2]
+            elif msg[0] == "loss":
+                self.losses.setdefault(msg[2], {})[msg[1]] = msg[3]
+            elif msg[0] == "params":
+                self.params = msg[1]
+            elif msg[0] == "done":
+                self.done.add(msg[1])
+            else:
+                self.errors.append(msg[1:])
+
+    def finish(self, timeout=90):
+        self.poll(lambda s: len(s.done) + len(s.errors) >= s.world, timeout)
+        for p in self.procs:
+            p.join(10)
+        return self
+
+    def kill(self):
+        for p in self.procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+        for p in self.procs:
+            p.join(10)
+
+    def mean_losses(self):
+        return {s: sum(v.values()) / len(v) for s, v in self.losses.items()
+                if len(v) == self.world}
+
+
+@unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
+class ResumeTest(unittest.TestCase):
+    _ref = {}
+
+    def reference(self, world, transient):
+        """An uninterrupted run (of the same script)."""
+        key = (world, transient)
+        if key not in self._ref:
+            run = Launch(common.socket(), common.job("resume-ref"), world, transient).finish()
+            self.assertEqual(run.errors, [])
+            self._ref[key] = run
+        return self._ref[key]
+
+    def assert_same_run(self, got_losses, got_params, ref):
+        want = ref.mean_losses()
+        for s, v in got_losses.items():
+            self.assertEqual(v, want[s], "step %d's loss" % s)
+        self.assertEqual(sorted(got_params), sorted(ref.params))
+        for n, v in ref.params.items():
+            np.testing.assert_array_equal(got_params[n], v, err_msg=n)
+
+    def kill_all_and_relaunch(self, world, transient):
+        ref = self.reference(world, transient)
+        job = common.job("resume-kill")
+        first = Launch(common.socket(), job, world, transient)
+        # every rank has finished step 2; they are somewhere in step 3 or 4
+        first.poll(lambda s: len(s.losses.get(2, {})) == world)
+        first.kill()
+        self.assertEqual(first.errors, [])
+        again = Launch(common.socket(), job, world, transient).finish()
+        self.assertEqual(again.errors, [])
+        starts = set(again.starts.values())
+        self.assertEqual(len(starts), 1, "every rank resumes at the daemon's count")
+        start = starts.pop()
+        self.assertGreaterEqual(start, 3)
+        self.assertLess(start, STEPS)
+        print("\n  kill -9 of %d ranks (%s) after step 2: relaunched at step %d"
+              % (world, "transient" if transient else "resident", start))
+        self.assert_same_run(again.mean_losses(), again.params, ref)
+        # and it is not the run from scratch (the init was not rewritten)
+        self.assertTrue(all(s >= start for s in again.losses))
+
+    def test_kill_every_rank_then_relaunch_transient(self):
+        self.kill_all_and_relaunch(2, True)
+
+    def test_kill_every_rank_then_relaunch_resident(self):
+        self.kill_all_and_relaunch(3, False)
+
+    def test_checkpoint_restore_into_a_fresh_daemon_then_relaunch(self):
+        root = tempfile.mkdtemp(prefix="shardd-resume-")
+        self.addCleanup(shutil.rmtree, root, True)
+        os.chmod(root, 0o755)
+        ref = self.reference(2, True)
+        d1 = common.own_daemon(devices=2, extra_args=["--checkpoint-root", root])
+        self.addCleanup(d1.cleanup)
+        job = common.job("resume-ckpt")
+        first = Launch(d1.socket, job, 2, True)
+        first.poll(lambda s: len(s.losses.get(3, {})) == 2)
+        first.kill()  # the ranks are gone: the job is idle
+        ckpt = os.path.join(root, "ck")
+        ctl = shardd.Client(d1.socket)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                ctl.checkpoint(ckpt, job=job)
+                break
+            except shardd.Error as e:  # the last collectives still ending
+                if e.code_name != "E_BUSY" or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        ctl.close()
+        d1.stop()
+        d2 = common.own_daemon(devices=2, extra_args=["--checkpoint-root", root])
+        self.addCleanup(d2.cleanup)
+        self.addCleanup(d2.stop)
+        ctl = shardd.Client(d2.socket)
+        self.assertEqual(ctl.restore(ckpt), job)
+        ctl.close()
+        again = Launch(d2.socket, job, 2, True).finish()
+        self.assertEqual(again.errors, [])
+        start = set(again.starts.values()).pop()
+        self.assertGreaterEqual(start, 4)
+        self.assert_same_run(again.mean_losses(), again.params, ref)
+
+    def test_ranks_with_other_initial_values_are_refused_naming_the_unit(self):
+        # rank 1 builds its model with another seed
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "numpy"])
+        q = ctx.Queue()
+        job = common.job("resume-seed")
+        procs = [ctx.Process(target=script, args=(r, 2, common.socket(), job, True, q),
+                             kwargs={"seed": r}) for r in range(2)]
+        for p in procs:
+            p.start()
+        errors = []
+        deadline = time.monotonic() + 60
+        # the refused rank's error, and maybe its peer's E_PEER_LOST when it
+        # exits (either may come first through the queue)
+        while not any(e[1] == "E_MISMATCH" for e in errors) and time.monotonic() < deadline:
+            try:
+                msg = q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if msg[0] == "error":
+                errors.append(msg[1:])
+        for p in procs:
+            p.kill()
+            p.join(10)
+        refused = [e for e in errors if e[1] == "E_MISMATCH"]
+        self.assertTrue(refused, "a rank was refused: %s" % errors)
+        rank, code, message = refused[0]
+        self.assertIn("initial values differ", message)
+        self.assertIn(".flat_param", message)  # the unit's buffer
+        self.assertIn("same seed", message)
+
+    def test_require_existing_refuses_a_new_buffer(self):
+        c = shardd.Client(common.socket(), job=common.job("resume-req"), rank=0, world=1)
+        self.addCleanup(c.close)
+        with self.assertRaises(shardd.Error) as cm:
+            shardd.nn.ShardedModule(c, make_model(), init="require_existing")
+        self.assertEqual(cm.exception.code_name, "E_STATE")
+        self.assertIn("require_existing", cm.exception.message)
+        with self.assertRaises(ValueError):
+            shardd.nn.ShardedModule(c, make_model(), init="sometimes")
+
+
+if __name__ == "__main__":
+    unittest.main()
