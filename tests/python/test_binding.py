@@ -209,6 +209,16 @@ class BindingTest(unittest.TestCase):
                     for i, (g, r) in enumerate(where)]
             self.assertEqual(lines, want)
 
+    def test_inspect_of_a_view_names_the_optimizer_of_its_buffer(self):
+        c = self.client("inspect-held")
+        b = c.register_buffer("flat", "fp32", 16)
+        v = c.register_view(b, "enc.weight", 4, (8,))
+        self.assertIsNone(c.inspect(v)["optimizer"])
+        opt = c.register_optimizer("sgd", [b], name="fsdp1", lr=0.1)
+        self.assertEqual(c.inspect(v)["optimizer"], opt.id)
+        self.assertEqual(c.inspect(b)["optimizer"], opt.id)
+        self.assertIn("optimizer: %d\n" % opt.id, c.inspect("enc.weight", text=True))
+
     def test_bad_hyperparameter_is_error(self):
         c = self.client("hp")
         b = c.register_buffer("flat", "fp32", 4)
