@@ -196,7 +196,12 @@ struct shardd_client {
   int fd;
   uint64_t seq;
   shardd__frame_reader rd;
+  /* The last error: short ones in err (the frame layer writes its reasons
+   * there); one that does not fit (a refused optimizer's list of every bad
+   * ref, as long as a frame) in err_long, which shardd_last_error prefers.
+   * A fixed buffer alone cut that list at 2047 bytes with no sign. */
   char err[2048];
+  char *err_long; /* NULL unless the last error is longer than err */
   char version[64];
   char backend[32];
   mapping *maps;
@@ -208,17 +213,45 @@ struct shardd_client {
 static shardd_err set_err(shardd_client_t *c, shardd_err rc, const char *fmt,
                           ...) __attribute__((format(printf, 3, 4)));
 
+static void clear_err(shardd_client_t *c) {
+  c->err[0] = '\0';
+  free(c->err_long);
+  c->err_long = NULL;
+}
+
+/* Formatted aside first: an argument may be the last error itself. */
 static shardd_err set_err(shardd_client_t *c, shardd_err rc, const char *fmt,
                           ...) {
-  va_list ap;
+  char small[sizeof c->err];
+  char *big = NULL;
+  va_list ap, again;
   va_start(ap, fmt);
-  vsnprintf(c->err, sizeof c->err, fmt, ap);
+  va_copy(again, ap);
+  int n = vsnprintf(small, sizeof small, fmt, ap);
   va_end(ap);
+  if (n < 0) {
+    snprintf(small, sizeof small, "%s (and the message could not be formatted)",
+             shardd_strerror(rc));
+  } else if ((size_t)n >= sizeof small) {
+    big = malloc((size_t)n + 1);
+    if (big != NULL) {
+      vsnprintf(big, (size_t)n + 1, fmt, again);
+    } else { /* say that it is cut rather than cut it silently */
+      static const char cut[] = "\n... (message cut: out of memory)";
+      memcpy(small + sizeof small - sizeof cut, cut, sizeof cut);
+    }
+  }
+  va_end(again);
+  free(c->err_long);
+  c->err_long = big;
+  memcpy(c->err, small, sizeof small);
   return rc;
 }
 
 const char *shardd_last_error(const shardd_client_t *c) {
-  return c ? c->err : "no client";
+  if (c == NULL)
+    return "no client";
+  return c->err_long ? c->err_long : c->err;
 }
 
 const char *shardd_version(void) { return SHARDD_VERSION; }
@@ -397,6 +430,10 @@ static shardd_err send_req(shardd_client_t *c, Shardwire__Request *req) {
   shardwire__request__pack(req, buf);
   shardd_err rc = shardd__frame_send(c->fd, buf, n, c->err, sizeof c->err);
   free(buf);
+  if (rc != SHARDD_OK) { /* the reason is the frame layer's, in err */
+    free(c->err_long);
+    c->err_long = NULL;
+  }
   if (rc == SHARDD_E_CLOSED)
     rc = closed_reason(c, rc);
   return rc;
@@ -424,6 +461,8 @@ static shardd_err recv_for(shardd_client_t *c, uint64_t seq,
     shardd_err rc = shardd__frame_recv(c->fd, &c->rd, &payload, &len, fds, 4,
                                        &nfds, c->err, sizeof c->err);
     if (rc != SHARDD_OK) {
+      free(c->err_long); /* the reason is the frame layer's, in err */
+      c->err_long = NULL;
       /* descriptors of a frame that never completed belong to no reply */
       for (int i = 0; i < nfds; i++)
         close(fds[i]);
@@ -497,7 +536,7 @@ static shardd_err call(shardd_client_t *c, Shardwire__Request *req,
   *out = NULL;
   if (fd)
     *fd = -1;
-  c->err[0] = '\0'; /* the last error is the last failed call's, not older */
+  clear_err(c); /* the last error is the last failed call's, not older */
   shardd_err rc = send_req(c, req);
   if (rc != SHARDD_OK)
     return rc;
@@ -642,16 +681,17 @@ shardd_err shardd_connect(const char *socket_path,
   snprintf(c->version, sizeof c->version, "%s", resp->hello->daemon_version);
   snprintf(c->backend, sizeof c->backend, "%s", resp->hello->backend);
   shardwire__response__free_unpacked(resp, NULL);
-  c->err[0] = '\0';
+  clear_err(c);
   *out = c;
   return SHARDD_OK;
 
 fail:
   if (errbuf)
-    snprintf(errbuf, errlen, "%s", c->err);
+    snprintf(errbuf, errlen, "%s", shardd_last_error(c));
   if (c->fd >= 0)
     close(c->fd);
   shardd__frame_reader_free(&c->rd);
+  free(c->err_long);
   free(c);
   return rc;
 }
@@ -693,6 +733,7 @@ void shardd_close(shardd_client_t *c) {
   if (c->fd >= 0)
     close(c->fd);
   shardd__frame_reader_free(&c->rd);
+  free(c->err_long);
   free(c);
 }
 
@@ -1507,7 +1548,7 @@ static shardd_err await_op(shardd_client_t *c, async_op *a) {
   Shardwire__Response *resp;
   shardd_err rc = recv_for(c, a->seq, &resp, NULL);
   if (resp) {
-    async_note(a, resp, rc, c->err);
+    async_note(a, resp, rc, shardd_last_error(c));
     shardwire__response__free_unpacked(resp, NULL);
     return SHARDD_OK;
   }
@@ -1534,7 +1575,7 @@ shardd_err shardd_wait_area(shardd_client_t *c, shardd_ticket t,
   if (*pp == NULL)
     return set_err(c, SHARDD_E_INVAL, "ticket %" PRIu64 " is not outstanding", t);
   async_op *a = *pp;
-  c->err[0] = '\0';
+  clear_err(c);
   shardd_err rc = await_op(c, a);
   if (rc == SHARDD_OK) {
     rc = a->code;
@@ -1566,7 +1607,7 @@ shardd_err shardd_gather_async(shardd_client_t *c, uint64_t buffer,
     return set_err(c, SHARDD_E_INVAL, "shardd_gather_async: t is NULL");
 
   *t = 0;
-  c->err[0] = '\0';
+  clear_err(c);
   /* limit_all_gathers: with max_async still in flight, the oldest is
    * awaited first (its ticket keeps its result for shardd_wait), which
    * bounds the gather areas being filled ahead of use. */

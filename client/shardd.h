@@ -127,7 +127,8 @@ shardd_err shardd_connect(const char *socket_path,
 void shardd_close(shardd_client_t *c);
 
 /* Detail of the last failed call on c (the daemon's message when it sent
- * one). Borrowed; valid until the next call on c. Never NULL. */
+ * one, whole, however long: a refused optimizer's lists every bad ref).
+ * Borrowed; valid until the next call on c. Never NULL. */
 const char *shardd_last_error(const shardd_client_t *c);
 
 /* This library's version (SHARDD_VERSION): the one version string of the

@@ -417,9 +417,13 @@ shardd_err shardd__inspect_build(const shardd__status_ctx *ctx,
     ir->shape = ar_alloc(r, (ir->n_shape ? ir->n_shape : 1) * sizeof(int64_t));
     if (ir->shape && ir->n_shape)
       memcpy(ir->shape, v->shape, ir->n_shape * sizeof(int64_t));
-    if (v->owner) {
+    /* held by itself, or through its buffer registered whole (FSDP1
+     * style): a view's owner is set only in the first case, and a view
+     * that named no optimizer read as free to register */
+    const shardd__optim *held = v->owner ? v->owner : v->buf->owner;
+    if (held) {
       ir->has_optimizer = 1;
-      ir->optimizer = v->owner->hdr.id;
+      ir->optimizer = held->hdr.id;
     }
     /* Which ranks hold it: the shards its range crosses. */
     uint64_t s0 = v->offset / v->buf->shard_numel;

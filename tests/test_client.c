@@ -276,6 +276,33 @@ static int fake_gather_reply(int fd, uint64_t seq, const Shardwire__Gather *rq,
 
 /* The fake daemon's life: one connection, requests answered until EOF.
  * Exit status 0 when every request was understood. */
+/* A RegisterOptimizer is refused as the daemon refuses stray tensors: one
+ * line per ref, naming it, however long the message gets. */
+static int fake_refuse_optimizer(int fd, uint64_t seq,
+                                 const Shardwire__RegisterOptimizer *ro) {
+  size_t cap = 64, len = 0;
+  for (size_t g = 0; g < ro->n_groups; g++)
+    for (size_t i = 0; i < ro->groups[g]->n_refs; i++)
+      cap += 96 + strlen(ro->groups[g]->refs[i]->name);
+  char *text = malloc(cap);
+  if (text == NULL)
+    return -1;
+  text[0] = '\0';
+  for (size_t g = 0; g < ro->n_groups; g++)
+    for (size_t i = 0; i < ro->groups[g]->n_refs; i++)
+      len += (size_t)snprintf(text + len, cap - len,
+                              "%sparam group %zu, ref %zu (\"%s\"): not a shardd "
+                              "buffer or view",
+                              len ? "\n" : "", g, i, ro->groups[g]->refs[i]->name);
+  Shardwire__Response resp = SHARDWIRE__RESPONSE__INIT;
+  resp.seq = seq;
+  resp.code = SHARDWIRE__STATUS_CODE__E_NOT_OWNED;
+  resp.message = text;
+  int r = fake_send(fd, &resp, -1);
+  free(text);
+  return r;
+}
+
 static int fake_serve(int lfd, const fake_script *sc) {
   int fd = accept(lfd, NULL, NULL);
   if (fd < 0)
@@ -362,6 +389,9 @@ static int fake_serve(int lfd, const fake_script *sc) {
           &sc->gathers[ngather < sc->ngathers ? ngather : sc->ngathers - 1],
           &pools);
       ngather++;
+      break;
+    case SHARDWIRE__REQUEST__BODY_REGISTER_OPTIMIZER:
+      r = fake_refuse_optimizer(fd, req->seq, req->register_optimizer);
       break;
     case SHARDWIRE__REQUEST__BODY_RELEASE:
       if (req->release->buffer != 7)
@@ -1131,4 +1161,65 @@ Test(client, connect_names_what_is_missing_or_refused, .timeout = 30) {
   close(fd);
   unlink(sock);
   rmdir(dir);
+}
+
+/* A refusal longer than any fixed buffer reaches the caller whole: a
+ * 2048-byte last error cut the list of 120 stray refs (or 60 groups of one)
+ * after about 30, mid-line and with no sign of the rest. The next call's
+ * error, or its success, replaces it. */
+Test(client, long_refusal_names_every_ref, .timeout = 30) {
+  fake_script sc = one(fake_host());
+  fake_server s;
+  fake_start(&s, &sc);
+  shardd_client_t *c = fake_connect(&s);
+  enum { NREF = 120, NGROUP = 60 };
+  char names[NREF][48];
+  shardd_param_ref refs[NREF];
+  for (size_t i = 0; i < NREF; i++) {
+    snprintf(names[i], sizeof names[i], "model.layers.%zu.mlp.weight", i);
+    refs[i] = (shardd_param_ref){0, names[i]};
+  }
+  shardd_param_group one_group = {refs, NREF, {0}};
+  shardd_param_group groups[NGROUP];
+  for (size_t g = 0; g < NGROUP; g++)
+    groups[g] = (shardd_param_group){&refs[g], 1, {0}};
+  const struct {
+    const shardd_param_group *g;
+    size_t ng, nlines;
+  } cases[] = {{&one_group, 1, NREF}, {groups, NGROUP, NGROUP}};
+  for (size_t k = 0; k < 2; k++) {
+    uint64_t id = 99;
+    cr_assert_eq(shardd_optimizer_register(c, NULL, SHARDD_OPTIM_ADAMW, NULL,
+                                           cases[k].g, cases[k].ng, &id),
+                 SHARDD_E_NOT_OWNED, "%s", shardd_last_error(c));
+    const char *msg = shardd_last_error(c);
+    cr_assert_gt(strlen(msg), 2048, "case %zu: %zu bytes", k, strlen(msg));
+    /* every line whole, in order: the text is checked line by line against
+     * what the fake was sent */
+    const char *p = msg;
+    for (size_t i = 0; i < cases[k].nlines; i++) {
+      char want[160];
+      size_t g = cases[k].ng == 1 ? 0 : i, r = cases[k].ng == 1 ? i : 0;
+      int n = snprintf(want, sizeof want,
+                       "param group %zu, ref %zu (\"%s\"): not a shardd buffer or view",
+                       g, r, names[i]);
+      cr_assert_eq(strncmp(p, want, (size_t)n), 0, "case %zu line %zu: %.*s", k, i,
+                   n, p);
+      p += n;
+      cr_assert(*p == (i + 1 < cases[k].nlines ? '\n' : '\0'),
+                "case %zu line %zu ends with %#x", k, i, *p);
+      p += *p == '\n';
+    }
+  }
+  /* a short error after a long one is the short one */
+  cr_assert_eq(shardd_gather_async(c, 7, NULL), SHARDD_E_INVAL);
+  cr_assert_str_eq(shardd_last_error(c), "shardd_gather_async: t is NULL");
+  cr_assert_eq(shardd_optimizer_register(c, NULL, SHARDD_OPTIM_ADAMW, NULL,
+                                         &one_group, 1, &(uint64_t){0}),
+               SHARDD_E_NOT_OWNED);
+  /* and a call that succeeds leaves none */
+  assert_usable(c);
+  cr_assert_str_eq(shardd_last_error(c), "");
+  shardd_close(c);
+  fake_stop(&s);
 }

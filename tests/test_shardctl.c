@@ -224,6 +224,65 @@ Test(shardctl, inspect_buffer_and_view, .init = start, .fini = stop) {
   shardd_close(r1);
 }
 
+/* The optimizer holding a view is named whether it holds the view itself
+ * (use_orig_params) or its whole buffer (FSDP1): inspect of a view inside a
+ * buffer registered whole said "optimizer: none", as if it were free. */
+Test(shardctl, inspect_of_a_view_names_the_optimizer_holding_it, .init = start,
+     .fini = stop) {
+  shardd_client_t *c = test_connect(&d, "held", 0, 1);
+  shardd_buffer_info whole, part;
+  cr_assert_eq(shardd_buffer_register(c, "whole", SHARDD_DTYPE_FP32, 64, &whole), SHARDD_OK);
+  cr_assert_eq(shardd_buffer_register(c, "part", SHARDD_DTYPE_FP32, 64, &part), SHARDD_OK);
+  int64_t shape[1] = {16};
+  uint64_t in_whole, in_part, loose;
+  cr_assert_eq(shardd_view_register(c, whole.id, "w.in", 8, 16, shape, 1, &in_whole),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  cr_assert_eq(shardd_view_register(c, part.id, "p.in", 0, 16, shape, 1, &in_part),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  cr_assert_eq(shardd_view_register(c, part.id, "p.loose", 32, 16, shape, 1, &loose),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  shardd_param_ref r1 = {whole.id, "whole"}, r2 = {in_part, "p.in"};
+  shardd_param_group g1 = {&r1, 1, {0}}, g2 = {&r2, 1, {0}};
+  uint64_t by_buffer, by_view;
+  cr_assert_eq(shardd_optimizer_register(c, "fsdp1", SHARDD_OPTIM_SGD, NULL, &g1, 1,
+                                         &by_buffer),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  cr_assert_eq(shardd_optimizer_register(c, "orig", SHARDD_OPTIM_SGD, NULL, &g2, 1,
+                                         &by_view),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  const struct {
+    const char *name;
+    uint64_t opt; /* 0: none */
+  } want[] = {{"w.in", by_buffer}, {"p.in", by_view}, {"p.loose", 0}};
+  for (size_t i = 0; i < 3; i++) {
+    char *out, *err, arg[64], line[64];
+    snprintf(arg, sizeof arg, " %s", want[i].name);
+    cr_assert_eq(ctl(&out, &err, "--socket %s --json inspect%s", arg), 0, "%s", err);
+    tj *j = tj_parse(out);
+    cr_assert_not_null(j, "%s", out);
+    cr_assert_str_eq(tj_need(j, "kind", TJ_STR)->str, "view");
+    if (want[i].opt)
+      cr_expect_eq(tj_need(j, "optimizer", TJ_NUM)->num, (double)want[i].opt,
+                   "%s: %s", want[i].name, out);
+    else
+      cr_expect_eq(tj_need(j, "optimizer", TJ_NULL)->kind, TJ_NULL, "%s: %s",
+                   want[i].name, out);
+    tj_free(j);
+    free(out);
+    free(err);
+    cr_assert_eq(ctl(&out, &err, "--socket %s inspect%s", arg), 0, "%s", err);
+    if (want[i].opt)
+      snprintf(line, sizeof line, "\noptimizer: %llu\n", (unsigned long long)want[i].opt);
+    else
+      snprintf(line, sizeof line, "\noptimizer: none\n");
+    cr_expect_not_null(strstr(out, line), "%s: no \"%s\" in\n%s", want[i].name, line + 1,
+                       out);
+    free(out);
+    free(err);
+  }
+  shardd_close(c);
+}
+
 /* A name with characters JSON must escape comes out as valid JSON. */
 Test(shardctl, json_escapes_names, .init = start, .fini = stop) {
   const char *job = "we\"ird\\job\tname";

@@ -900,6 +900,77 @@ Test(validate, refusal_lists_every_offending_ref) {
   cr_expect_null(shardd__optim_find(job, "many"));
 }
 
+/* Issue 18: 120 stray refs in one group, or 60 groups with one bad ref
+ * each beside a good view, are listed one whole line each, with nothing
+ * cut and no "more" line (the budget is megabytes). The request is built
+ * on the heap: it is larger than msg holds. */
+Test(validate, hundred_twenty_bad_refs_and_sixty_groups_are_all_named) {
+  enum { NREF = 120, NGROUP = 60 };
+  shardd__buffer *b = buf_new(job, "flat", SHARDD_DTYPE_FP32, 4 * NGROUP);
+  static char names[NREF][48];
+  static Shardwire__ParamRef refs[NREF + NGROUP];
+  static Shardwire__ParamRef *rp[NREF];
+  static Shardwire__ParamGroup groups[NGROUP];
+  static Shardwire__ParamGroup *gp[NGROUP];
+  for (size_t i = 0; i < NREF; i++) {
+    snprintf(names[i], sizeof names[i], "model.layers.%zu.mlp.c_fc.weight", i);
+    Shardwire__ParamRef r = SHARDWIRE__PARAM_REF__INIT;
+    /* alternately a tensor the daemon lacks and an id it never issued */
+    r.id = i % 2 ? 7000000 + i : 0;
+    r.name = names[i];
+    refs[i] = r;
+    rp[i] = &refs[i];
+  }
+  for (int layout = 0; layout < 2; layout++) {
+    Shardwire__RegisterOptimizer req = SHARDWIRE__REGISTER_OPTIMIZER__INIT;
+    req.kind = SHARDWIRE__OPTIM_KIND__ADAMW;
+    req.name = layout ? "sixty" : "one";
+    size_t nlines = layout ? NGROUP : NREF;
+    if (layout == 0) {
+      Shardwire__ParamGroup g = SHARDWIRE__PARAM_GROUP__INIT;
+      g.n_refs = NREF;
+      g.refs = rp;
+      groups[0] = g;
+      gp[0] = &groups[0];
+      req.n_groups = 1;
+    } else {
+      static Shardwire__ParamRef *pairs[NGROUP][2];
+      for (size_t k = 0; k < NGROUP; k++) {
+        char vn[16];
+        snprintf(vn, sizeof vn, "ok.%zu", k);
+        Shardwire__ParamRef ok = SHARDWIRE__PARAM_REF__INIT;
+        ok.id = view_new(b, vn, 4 * k, 4)->hdr.id;
+        refs[NREF + k] = ok;
+        pairs[k][0] = &refs[NREF + k]; /* the good view, then the bad ref */
+        pairs[k][1] = &refs[k];
+        Shardwire__ParamGroup g = SHARDWIRE__PARAM_GROUP__INIT;
+        g.n_refs = 2;
+        g.refs = pairs[k];
+        groups[k] = g;
+        gp[k] = &groups[k];
+      }
+      req.n_groups = NGROUP;
+    }
+    req.groups = gp;
+    shardd__optim_plan plan;
+    char *text = NULL;
+    cr_assert_neq(validate_wire(job, &req, &plan, &text), SHARDD_OK);
+    cr_assert_not_null(text);
+    for (size_t i = 0; i < nlines; i++) {
+      size_t g = layout ? i : 0, r = layout ? 1 : i;
+      if (i % 2)
+        expect_line(text, "param group %zu, ref %zu (\"%.47s\"): no buffer or view "
+                    "has id %zu", g, r, names[i], (size_t)7000000 + i);
+      else
+        expect_line(text, "param group %zu, ref %zu (\"%.47s\"): not a shardd buffer "
+                    "or view (a tensor the daemon does not own)", g, r, names[i]);
+    }
+    cr_expect_eq(count_lines(text), nlines, "exactly %zu lines:\n%s", nlines, text);
+    cr_expect_null(strstr(text, "more"), "%s", text);
+    free(text);
+  }
+}
+
 /* ---- segments across rank boundaries ----------------------------------- */
 
 /* What each rank's shard must hold: for every element of every ref, its

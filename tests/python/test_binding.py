@@ -190,6 +190,35 @@ class BindingTest(unittest.TestCase):
         self.assertIn("param group 0, ref 1", e.message)
         self.assertIn(e.message, str(e))
 
+    def test_long_refusal_names_every_ref(self):
+        """120 stray refs in one group, or 60 groups of a good view and a
+        stray ref: the message lists every one, a whole line each (libshardd
+        cut it at 2,047 bytes, about 30 refs, mid-line)."""
+        c = self.client("refuse-long")
+        b = c.register_buffer("flat", "fp32", 240)
+        views = [c.register_view(b, "ok.%d" % k, 4 * k, (4,)) for k in range(60)]
+        names = ["model.layers.%d.mlp.c_fc.weight" % i for i in range(120)]
+        for groups, where in (
+                ([[(n, 0) for n in names]], [(0, i) for i in range(120)]),
+                ([[views[k], (names[k], 0)] for k in range(60)], [(k, 1) for k in range(60)])):
+            with self.assertRaises(shardd.Error) as cm:
+                c.register_optimizer("adamw", groups)
+            lines = cm.exception.message.split("\n")
+            want = ['param group %d, ref %d ("%s"): not a shardd buffer or view '
+                    "(a tensor the daemon does not own)" % (g, r, names[i])
+                    for i, (g, r) in enumerate(where)]
+            self.assertEqual(lines, want)
+
+    def test_inspect_of_a_view_names_the_optimizer_of_its_buffer(self):
+        c = self.client("inspect-held")
+        b = c.register_buffer("flat", "fp32", 16)
+        v = c.register_view(b, "enc.weight", 4, (8,))
+        self.assertIsNone(c.inspect(v)["optimizer"])
+        opt = c.register_optimizer("sgd", [b], name="fsdp1", lr=0.1)
+        self.assertEqual(c.inspect(v)["optimizer"], opt.id)
+        self.assertEqual(c.inspect(b)["optimizer"], opt.id)
+        self.assertIn("optimizer: %d\n" % opt.id, c.inspect("enc.weight", text=True))
+
     def test_bad_hyperparameter_is_error(self):
         c = self.client("hp")
         b = c.register_buffer("flat", "fp32", 4)

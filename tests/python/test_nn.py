@@ -109,6 +109,22 @@ class ShardedModuleTest(unittest.TestCase):
                                                "betas": (0.9, 0.99), "foreach": None}])
         self.assertGreater(opt.id, 0)
 
+    def test_refusal_of_many_strays_names_every_one(self):
+        """120 plain parameters of a second, unwrapped model: each is named,
+        every line whole (the message was cut at 2,047 bytes)."""
+        sm = shardd.nn.ShardedModule(self.c, small_model(), auto_wrap="children")
+        other = nn.ModuleList(nn.Linear(2, 2) for _ in range(60))
+        strays = list(other.named_parameters())
+        self.assertEqual(len(strays), 120)
+        with self.assertRaises(shardd.Error) as cm:
+            sm.register_optimizer("adamw", list(sm.parameters()) + strays, lr=1e-3)
+        lines = cm.exception.message.split("\n")
+        self.assertEqual(len(lines), 120, cm.exception.message[-300:])
+        base = len(list(sm.parameters()))
+        for i, (line, (name, _)) in enumerate(zip(lines, strays)):
+            self.assertEqual(line, 'param group 0, ref %d ("%s"): not a shardd buffer or view '
+                             "(a tensor the daemon does not own)" % (base + i, name))
+
     def test_bf16_buffer_as_torch(self):
         b = self.c.register_buffer("bf", "bf16", 6)
         t = b.shard_tensor

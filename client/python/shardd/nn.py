@@ -12,7 +12,11 @@
 
 What the wrapper does, per *unit* (the whole module, or with
 ``auto_wrap="children"`` each top-level child holding parameters plus one unit
-for the root's own parameters — FSDP's auto-wrap at depth 1):
+for the root's own parameters — FSDP's auto-wrap at depth 1). A parameter
+that modules of different units share (tied embedding and output weights)
+belongs, as in FSDP, to the unit of their lowest common ancestor: with
+``auto_wrap="children"`` the root's unit, which stays gathered while either
+use runs and collects both uses' gradients in one:
 
 * flattens the unit's parameters (``named_parameters`` order, shared
   parameters once) into one flat buffer ``<prefix><unit>.flat_param`` of the
@@ -97,8 +101,8 @@ unit). ``gather()``, ``scatter()`` and ``sync_grads()`` are for resident
 clients only (E_STATE here); :meth:`ShardedModule.full_parameters` copies
 out the whole parameters on either kind. Not done yet: prefetching the next
 unit, ``no_sync()`` (keeping unsharded gradients instead of reducing per
-backward: here the reduction is a local memory pass), parameters
-shared between units, activation checkpointing (a forward inside
+backward: here the reduction is a local memory pass), activation
+checkpointing (a forward inside
 backward), and a forward that raises (the saved-tensor hooks stay pushed
 until the next forward of the root). A unit with a trainable parameter that
 gets no gradient holds its areas until the end of backward, so two such
@@ -202,40 +206,49 @@ class _Saved:
 
 
 def _unit_modules(module, auto_wrap):
-    """-> [(unit_name, [(qualified_prefix, submodule) roots])]."""
+    """-> [(unit name, module whose forward is the unit's)]: the root alone,
+    or each top-level child and then the root (for its direct parameters and
+    the ones its children share)."""
     if auto_wrap in (None, False, "module", "none"):
-        return [("", module, None)]
+        return [("", module)]
     if auto_wrap != "children":
         raise ValueError("auto_wrap must be 'module' or 'children', not %r" % (auto_wrap,))
-    units = []
-    for cname, child in module.named_children():
-        units.append((cname, child, cname + "."))
-    units.append(("", module, ""))  # the root's own (direct) parameters
+    units = [(cname, child) for cname, child in module.named_children()]
+    units.append(("", module))
     return units
 
 
-def _collect(root, qual_prefix, direct_only, seen):
-    """Parameters under root (or only root's direct ones), shared ones once.
-    -> [(qualified name, param, [(module, attr)])]"""
-    out = []
-    index = {}
-    mods = [("", root)] if direct_only else list(root.named_modules(remove_duplicate=False))
-    for mname, m in mods:
+def _collect(module, units):
+    """Every parameter of `module`, once, assigned to one of `units` (from
+    _unit_modules) by FSDP's rule for shared parameters: a parameter that
+    modules of different units use belongs to the unit of their lowest common
+    ancestor (units are at most one level deep, so that is the root's unit).
+    Only that unit's gather is live whenever any of its users runs, and its
+    one gradient collects every use before the unit's reduce-scatter; a copy
+    per unit would leave one use on stale values and drop its gradient.
+    -> per unit [(qualified name, param, [(module, attr)])] in the order of
+    first use; the name is the first one (as module.named_parameters() gives
+    it), the owners are every module attribute that holds the parameter."""
+    root_i = next(i for i, (_, r) in enumerate(units) if r is module)
+    child_unit = {id(r): i for i, (_, r) in enumerate(units) if r is not module}
+    found = {}   # id(param) -> [name, param, owners, unit indices of its users]
+    order = []
+    for mname, m in module.named_modules(remove_duplicate=False):
+        ui = root_i
+        if mname and child_unit:  # the unit of the top-level child it sits in
+            ui = child_unit[id(module._modules[mname.split(".", 1)[0]])]
         for pname, p in m._parameters.items():
             if p is None:
                 continue
-            key = id(p)
-            if key in index:
-                out[index[key]][2].append((m, pname))
-                continue
-            if key in seen:  # already owned by an earlier unit: share its view
-                seen[key][2].append((m, pname))
-                continue
-            qn = qual_prefix + (mname + "." if mname else "") + pname
-            rec = (qn, p, [(m, pname)])
-            index[key] = len(out)
-            seen[key] = rec
-            out.append(rec)
+            rec = found.get(id(p))
+            if rec is None:
+                rec = found[id(p)] = [(mname + "." if mname else "") + pname, p, [], set()]
+                order.append(rec)
+            rec[2].append((m, pname))
+            rec[3].add(ui)
+    out = [[] for _ in units]
+    for qn, p, owners, users in order:
+        out[users.pop() if len(users) == 1 else root_i].append((qn, p, owners))
     return out
 
 
@@ -292,11 +305,11 @@ class ShardedModule:
         self._by_param = {}       # id(replacement param) -> _Entry
         self._orig_names = {}     # id(original param) -> qualified name
         self._orig_keep = []      # keeps originals alive so their ids stay unique
-        seen = {}
         rank = client.rank
-        for uname, root, qp in _unit_modules(module, auto_wrap):
-            direct_only = qp == "" and auto_wrap == "children"
-            params = _collect(root, qp if qp is not None else "", direct_only, seen)
+        specs = _unit_modules(module, auto_wrap)
+        # every unit's parameters before any is replaced: a shared one is
+        # replaced once, on every module that holds it
+        for (uname, root), params in zip(specs, _collect(module, specs)):
             if not params:
                 continue
             udt = dtype
