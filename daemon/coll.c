@@ -68,6 +68,9 @@ static void free_job_cb(void *value, void *arg) {
   shardd__coll_engine *e = arg;
   shardd__coll_bulk_free(cj);
   shardd__coll_fab_free(e, cj->fab);
+  free(cj->lost_at);
+  free(cj->lost_epoch);
+  free(cj->lost_told);
   free(cj);
 }
 
@@ -466,6 +469,140 @@ static void start_phase(coll *c) {
   }
 }
 
+/* ---- lost ranks ------------------------------------------------------- */
+
+static double loop_now(const shardd__coll_engine *e);
+
+/* The missing rank that dooms unstarted c at now, or -1: a rank lost past
+ * the grace that had not submitted c, while a rank waiting in c joined
+ * before that loss (it was the lost one's peer, so it will not be back
+ * for c). Ranks that joined after the loss (a job relaunched rank by rank)
+ * wait for it as at the job's start. */
+static int64_t doomed_by(const coll *c, double now) {
+  const coll_job *q = c->cj;
+  const shardd__job *job = c->job;
+  if (c->started || q->lost_at == NULL)
+    return -1;
+  double grace = c->e->cfg.peer_grace;
+  for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++) {
+    if (q->lost_at[r] < 0 || c->waiters[r].arrived || now < q->lost_at[r] + grace)
+      continue;
+    for (uint32_t k = job->local_first; k < job->local_first + job->local_ranks; k++) {
+      const shardd__coll_member *m = c->waiters[k].m;
+      if (m && m->joined < q->lost_epoch[r])
+        return r;
+    }
+  }
+  return -1;
+}
+
+/* Fails c, which rank r dooms, naming r; the first failure of each loss is
+ * logged (a loss that fails nothing, a job's ranks leaving at its end, is
+ * only the session's line). */
+static void fail_doomed_one(coll *c, uint32_t r, double now) {
+  coll_job *q = c->cj;
+  double gone = now - q->lost_at[r];
+  char msg[512];
+  snprintf(msg, sizeof msg,
+           "rank %" PRIu32 " of job \"%s\" disconnected %.1f s ago and did "
+           "not come back within --peer-grace %g s: %s of %s %" PRIu64
+           " (\"%s\") cannot complete; no shard was changed",
+           r, c->job->name, gone, c->e->cfg.peer_grace,
+           shardd__coll_kind_word(c->args.kind),
+           shardd__coll_target_word(c->args.kind), c->args.target, c->name);
+  if (!q->lost_told[r]) {
+    q->lost_told[r] = 1;
+    shardd__log(SHARDD__LOG_WARN, "job \"%s\": peer lost: %s (and so every "
+                "collective of its peers until it reconnects)", c->job->name, msg);
+  }
+  coll_finish(c, SHARDD_E_PEER_LOST, msg);
+}
+
+/* Fails every waiting collective of q a missing rank dooms; 1 if any. */
+static int fail_doomed(coll_job *q, double now) {
+  if (q->lost_at == NULL)
+    return 0;
+  int any = 0;
+  for (coll *c = q->head, *next; c; c = next) {
+    next = c->next;
+    int64_t r = doomed_by(c, now);
+    if (r < 0)
+      continue;
+    fail_doomed_one(c, (uint32_t)r, now); /* unlinks c only; next stays */
+    any = 1;
+  }
+  if (any)
+    schedule(q);
+  return any;
+}
+
+void shardd__coll_member_joined(shardd__coll_engine *e, shardd__coll_member *m) {
+  m->joined = ++e->epoch;
+  coll_job *q = m->job ? shardd__coll_job_of(e, m->job, 0) : NULL;
+  if (q == NULL || q->lost_at == NULL || q->lost_at[m->rank] < 0)
+    return;
+  shardd__log(SHARDD__LOG_INFO, "job \"%s\": rank %" PRIu32 " is back after "
+              "%.1f s", m->job->name, m->rank, loop_now(e) - q->lost_at[m->rank]);
+  q->lost_at[m->rank] = -1;
+}
+
+/* Records that m's rank is missing from now (a job's first loss makes the
+ * job's arrays); out of memory, the loss is only logged and the waiting
+ * ends at the collective timeout, as it always did. */
+static void note_lost(coll_job *q, const shardd__coll_member *m) {
+  shardd__coll_engine *e = q->e;
+  uint32_t w = q->job->world;
+  if (q->lost_at == NULL) {
+    q->lost_at = malloc(w * sizeof *q->lost_at);
+    q->lost_epoch = calloc(w, sizeof *q->lost_epoch);
+    q->lost_told = calloc(w, 1);
+    if (q->lost_at == NULL || q->lost_epoch == NULL || q->lost_told == NULL) {
+      free(q->lost_at);
+      free(q->lost_epoch);
+      free(q->lost_told);
+      q->lost_at = NULL;
+      q->lost_epoch = NULL;
+      q->lost_told = NULL;
+      shardd__log(SHARDD__LOG_ERROR, "job \"%s\": out of memory noting that "
+                  "rank %" PRIu32 " left; its peers wait up to the collective "
+                  "timeout", q->job->name, m->rank);
+      return;
+    }
+    for (uint32_t r = 0; r < w; r++)
+      q->lost_at[r] = -1;
+  }
+  q->lost_at[m->rank] = loop_now(e);
+  q->lost_epoch[m->rank] = ++e->epoch;
+  q->lost_told[m->rank] = 0;
+}
+
+double shardd__coll_rank_missing_s(const shardd__coll_engine *e,
+                                   const shardd__job *job, uint32_t rank) {
+  const coll_job *q = shardd__map_get_id(&e->jobs, job_key(job));
+  if (q == NULL || q->lost_at == NULL || rank >= job->world || q->lost_at[rank] < 0)
+    return -1;
+  return loop_now(e) - q->lost_at[rank];
+}
+
+shardd_err shardd__coll_describe(const shardd__coll_engine *e,
+                                 const shardd__job *job, size_t i,
+                                 shardd__coll_info *out, uint8_t *arrived) {
+  const coll_job *q = shardd__map_get_id(&e->jobs, job_key(job));
+  const coll *c = q ? q->head : NULL;
+  for (; c && i > 0; i--)
+    c = c->next;
+  if (c == NULL)
+    return SHARDD_E_NOT_FOUND;
+  out->kind = c->args.kind;
+  out->target = c->args.target;
+  out->name = c->name;
+  out->running = c->started;
+  out->waited_s = loop_now(e) - (c->deadline - e->cfg.timeout);
+  for (uint32_t r = 0; r < job->world; r++)
+    arrived[r] = c->waiters[r].arrived != 0;
+  return SHARDD_OK;
+}
+
 /* ---- submission ------------------------------------------------------- */
 
 static int args_equal(const shardd__coll_args *a, const shardd__coll_args *b) {
@@ -600,31 +737,50 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
   w->want_grad = args->want_grad;
   m->pending++;
   c->arrived++;
+  int64_t doom;
   if (c->arrived == job->local_ranks) {
     if (c->refused != SHARDD_OK)
       coll_finish(c, c->refused, c->refused_msg); /* it may have held back newer ones */
     schedule(q);
     job_maybe_quiet(q);
+  } else if ((doom = doomed_by(c, loop_now(e))) >= 0) {
+    /* a rank gone past the grace will not submit it: say so now, not at
+     * the timeout */
+    fail_doomed_one(c, (uint32_t)doom, loop_now(e));
+    schedule(q);
+    job_maybe_quiet(q);
   }
 }
 
-static void fail_waiting(coll_job *q, shardd_err code,
-                         int (*pick)(coll *c, void *arg), void *arg,
-                         void (*describe)(coll *c, void *arg, char *msg,
-                                          size_t len)) {
+/* Fails the waiting collectives of q that pick chooses; how many, and
+ * (first, when not NULL) the first one's message. */
+static uint32_t fail_waiting(coll_job *q, shardd_err code,
+                             int (*pick)(coll *c, void *arg), void *arg,
+                             void (*describe)(coll *c, void *arg, char *msg,
+                                              size_t len),
+                             char *first, size_t firstlen) {
+  uint32_t n = 0;
   for (coll *c = q->head, *next; c; c = next) {
     next = c->next;
     if (c->started || !pick(c, arg))
       continue;
     char msg[512];
     describe(c, arg, msg, sizeof msg);
+    if (n++ == 0 && first)
+      snprintf(first, firstlen, "%s", msg);
     coll_finish(c, code, msg);
     /* coll_finish may only unlink c; `next` stays valid. */
   }
   schedule(q);
+  return n;
 }
 
-static int pick_all(coll *c, void *arg) { return 1; }
+/* Waiting collectives the lost member had submitted (its waiter arrived,
+ * now forgotten): nothing can complete them. */
+static int pick_joined_by(coll *c, void *arg) {
+  const shardd__coll_member *m = arg;
+  return c->waiters[m->rank].arrived && c->waiters[m->rank].m == NULL;
+}
 
 static void describe_lost(coll *c, void *arg, char *msg, size_t len) {
   const shardd__coll_member *m = arg;
@@ -636,26 +792,35 @@ static void describe_lost(coll *c, void *arg, char *msg, size_t len) {
 }
 
 void shardd__coll_member_lost(shardd__coll_engine *e, shardd__coll_member *m) {
-  coll_job *q = m->job ? shardd__coll_job_of(e, m->job, 0) : NULL;
-  if (q == NULL)
+  if (m->job == NULL)
     return;
+  coll_job *q = shardd__coll_job_of(e, m->job, 1);
+  if (q == NULL) {
+    /* no collective of the job can be queued either: there is nothing to
+     * fail now, only the loss to remember */
+    shardd__log(SHARDD__LOG_ERROR, "job \"%s\": out of memory noting that "
+                "rank %" PRIu32 " left", m->job->name, m->rank);
+    return;
+  }
   /* Running collectives finish (their inputs were complete); they just
-   * must not answer a member that is gone. */
+   * must not answer a member that is gone. Unstarted ones it had joined can
+   * never complete (its request went with it): its own entry goes first,
+   * so it is not answered and its pending count returns to zero, then the
+   * others in them are failed at once. */
   for (coll *c = q->head; c; c = c->next) {
-    if (c->started && c->waiters[m->rank].m == m) {
+    if (c->waiters[m->rank].m == m) {
       c->waiters[m->rank].m = NULL;
       m->pending--;
     }
   }
-  /* Unstarted ones can never complete: this rank will not join them. The
-   * lost rank's own entry goes first, so it is not answered (it is going
-   * away) and its pending count returns to zero; the others are failed. */
-  for (coll *c = q->head; c; c = c->next)
-    if (!c->started && c->waiters[m->rank].m == m) {
-      c->waiters[m->rank].m = NULL;
-      m->pending--;
-    }
-  fail_waiting(q, SHARDD_E_PEER_LOST, pick_all, m, describe_lost);
+  uint32_t n = fail_waiting(q, SHARDD_E_PEER_LOST, pick_joined_by, m,
+                            describe_lost, NULL, 0);
+  if (n > 0)
+    shardd__log(SHARDD__LOG_WARN, "job \"%s\": peer lost: rank %" PRIu32
+                " disconnected inside %" PRIu32 " collective(s); they failed "
+                "with E_PEER_LOST", m->job->name, m->rank, n);
+  note_lost(q, m);
+  fail_doomed(q, loop_now(e)); /* --peer-grace 0: the rest too, at once */
   job_maybe_quiet(q);
 }
 
@@ -712,8 +877,14 @@ void shardd__coll_tick(shardd__coll_engine *e, double now) {
   shardd__registry_each_job(e->cfg.reg, collect_job, &a);
   tick_arg t = {now};
   for (size_t i = 0; i < a.n; i++) {
-    fail_waiting(a.jobs[i], SHARDD_E_PEER_LOST, pick_expired, &t,
-                 describe_expired);
+    fail_doomed(a.jobs[i], now);
+    char first[512];
+    uint32_t n = fail_waiting(a.jobs[i], SHARDD_E_PEER_LOST, pick_expired, &t,
+                              describe_expired, first, sizeof first);
+    if (n > 0)
+      shardd__log(SHARDD__LOG_WARN, "job \"%s\": %" PRIu32 " collective(s) "
+                  "timed out (--collective-timeout): %s%s",
+                  a.jobs[i]->job->name, n, first, n > 1 ? " (and others)" : "");
     job_maybe_quiet(a.jobs[i]);
   }
   free(a.jobs);

@@ -56,12 +56,20 @@ typedef struct {
   void *bulk_comm;
   atomic_int bulk_state;
   coll_fab *fab; /* NULL on one node */
+  /* ranks whose member was lost and has not joined again ([world], made
+   * at the first loss; NULL before): since when (loop seconds, < 0 held),
+   * the engine's epoch at the loss (members that joined before it were the
+   * lost one's peers), and whether the loss was logged as failing others */
+  double *lost_at;
+  uint64_t *lost_epoch;
+  uint8_t *lost_told;
 } coll_job;
 
 struct shardd__coll_engine {
   shardd__coll_config cfg;
   shardd__backend *be;
   int stopping;
+  uint64_t epoch; /* counts joins and losses, to order them */
   shardd__map jobs; /* job address -> coll_job */
 };
 

@@ -155,6 +155,7 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     }
     c->m.job = job;
     c->m.rank = rank;
+    shardd__coll_member_joined(d->coll, &c->m);
     shardd__log(2,
                 "session %" PRIu64 ": rank %" PRIu32 "/%" PRIu32
                 " of job \"%s\" (pid %d uid %d)",
@@ -842,12 +843,13 @@ shardd_err shardd__dispatch_init(shardd__dispatch *d, uv_loop_t *loop,
   /* connections, the listener, checkpoint files and libraries keep theirs */
   shardd__registry_fit_blocks(&d->reg,
                               (uint64_t)opts->max_clients + SHARDD__ADMIN_RESERVE + 128);
-  shardd__coll_config cc = {loop,
-                            &d->reg,
-                            opts->collective_timeout,
-                            opts->max_pending,
-                            opts->max_inflight_gathers,
-                            {d, coll_done, coll_quiet}};
+  shardd__coll_config cc = {.loop = loop,
+                            .reg = &d->reg,
+                            .timeout = opts->collective_timeout,
+                            .peer_grace = opts->peer_grace,
+                            .max_pending = opts->max_pending,
+                            .max_inflight_gathers = opts->max_inflight_gathers,
+                            .hooks = {d, coll_done, coll_quiet}};
   if (shardd__coll_engine_create(&cc, &d->coll) != SHARDD_OK) {
     shardd__registry_free(&d->reg);
     snprintf(err, errlen, "out of memory");

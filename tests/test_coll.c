@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <uv.h>
 
 #include "backend.h"
@@ -50,6 +51,7 @@ static size_t nreplies;
 static unsigned nquiet;
 static shardd__job *quiet_job;
 static char err[512];
+static double grace; /* the engine's peer_grace; 0 unless a test sets it */
 
 /* ---- hooks ------------------------------------------------------------ */
 
@@ -86,6 +88,7 @@ static void make_engine(uint32_t max_pending, uint32_t max_inflight_gathers) {
       .loop = &loop,
       .reg = &reg,
       .timeout = TIMEOUT,
+      .peer_grace = grace,
       .max_pending = max_pending,
       .max_inflight_gathers = max_inflight_gathers,
       .hooks = {.ctx = &replies, .done = on_done, .job_quiet = on_quiet},
@@ -95,6 +98,7 @@ static void make_engine(uint32_t max_pending, uint32_t max_inflight_gathers) {
 }
 
 static void setup(void) {
+  grace = 0;
   nreplies = 0;
   nquiet = 0;
   quiet_job = NULL;
@@ -755,6 +759,176 @@ Test(coll, job_quiet_after_mismatch) {
   run_idle();
   cr_expect_eq(nquiet, 1, "job_quiet not called when the last "
                           "collective of the job was refused as a mismatch");
+}
+
+/* ---- a rank lost between collectives (--peer-grace) -------------------- */
+
+/* A new engine with peer_grace g (the fixture's has 0). */
+static void use_grace(double g) {
+  shardd__coll_engine_destroy(eng);
+  grace = g;
+  make_engine(MAX_PENDING, 0);
+}
+
+/* rank stands for a relaunched trainer: a new member claims it. */
+static void rejoin(uint32_t rank) {
+  mem[rank] = (shardd__coll_member){.job = job, .rank = rank};
+  shardd__coll_member_joined(eng, &mem[rank]);
+}
+
+/* Grace 0: a rank that left while nobody waited fails the next collective
+ * its peers submit at once, naming it, instead of after the timeout. */
+Test(coll, lost_between_collectives_fails_the_next_at_once) {
+  shardd__buffer *b = buf_new("w", 300);
+  shardd__coll_member_lost(eng, &mem[1]);
+  cr_assert_eq(nreplies, 0, "nothing was waiting");
+  submit(0, 1, gather_args(b));
+  const reply *rp = expect_reply(0, 1, SHARDD_E_PEER_LOST);
+  expect_msg(rp, "rank 1 of job \"job\" disconnected");
+  expect_msg(rp, "--peer-grace");
+  expect_msg(rp, "gather of buffer");
+  cr_assert_null(strstr(rp->msg, "rank 2"), "names only the lost rank: %s", rp->msg);
+  submit(2, 1, scatter_args(b, SHARDD_REDUCE_SUM));
+  expect_reply(2, 1, SHARDD_E_PEER_LOST);
+  cr_assert_eq(shardd__coll_inflight(eng, job), 0);
+  expect_pending_zero();
+  run_idle();
+  cr_assert_eq(b->gathers, 0);
+}
+
+/* Grace 2 s: what waits when the rank goes, and what is submitted in the
+ * grace, fails at the first tick past it, not before. */
+Test(coll, lost_rank_fails_its_peers_past_the_grace) {
+  use_grace(2.0);
+  shardd__buffer *b = buf_new("w", 300);
+  double t0 = loop_s();
+  submit(0, 1, gather_args(b));
+  shardd__coll_member_lost(eng, &mem[1]);
+  submit(2, 1, gather_args(b));
+  cr_assert_eq(nreplies, 0, "inside the grace nothing fails");
+  shardd__coll_tick(eng, t0 + 1.0);
+  cr_assert_eq(nreplies, 0, "inside the grace nothing fails");
+  shardd__coll_tick(eng, t0 + 2.5);
+  cr_assert_eq(nreplies, 2);
+  for (uint32_t r = 0; r < W; r += 2) {
+    const reply *rp = expect_reply(r, 1, SHARDD_E_PEER_LOST);
+    expect_msg(rp, "rank 1 of job \"job\" disconnected");
+    expect_msg(rp, "did not come back within --peer-grace 2 s");
+  }
+  cr_assert_eq(shardd__coll_inflight(eng, job), 0);
+  expect_pending_zero();
+  run_idle();
+  cr_assert_eq(nquiet, 1, "the job went quiet");
+}
+
+/* Past the grace, a submit fails at once (no tick needed). */
+Test(coll, lost_rank_past_the_grace_fails_a_submit_at_once) {
+  use_grace(0.2);
+  shardd__buffer *b = buf_new("w", 300);
+  shardd__coll_member_lost(eng, &mem[2]);
+  usleep(300 * 1000);
+  uv_update_time(&loop);
+  submit(0, 1, gather_args(b));
+  expect_msg(expect_reply(0, 1, SHARDD_E_PEER_LOST), "rank 2 of job");
+  expect_pending_zero();
+}
+
+/* A rank that comes back within the grace fails nobody: the collective
+ * its peers wait in completes once it submits, with the right bytes. */
+Test(coll, rank_back_within_the_grace_fails_nothing) {
+  use_grace(2.0);
+  shardd__buffer *b = buf_new("w", 300);
+  fill_shards(b, 4);
+  double t0 = loop_s();
+  submit(0, 1, gather_args(b));
+  shardd__coll_member_lost(eng, &mem[1]);
+  cr_assert_gt(shardd__coll_rank_missing_s(eng, job, 1), -0.5);
+  cr_assert_lt(shardd__coll_rank_missing_s(eng, job, 0), 0, "rank 0 is held");
+  rejoin(1);
+  cr_assert_lt(shardd__coll_rank_missing_s(eng, job, 1), 0, "rank 1 is back");
+  shardd__coll_tick(eng, t0 + 3.0);
+  cr_assert_eq(nreplies, 0, "a rank that came back fails nothing");
+  submit(1, 1, gather_args(b));
+  submit(2, 1, gather_args(b));
+  run_until(W);
+  for (uint32_t r = 0; r < W; r++)
+    expect_reply(r, 1, SHARDD_OK);
+  check_gathered(b, 4);
+  expect_pending_zero();
+}
+
+/* Back after the grace (a relaunched trainer): the peers failed once, and
+ * the collectives after its return work again. */
+Test(coll, rank_back_after_the_grace_trains_again) {
+  shardd__buffer *b = buf_new("w", 300);
+  fill_shards(b, 5);
+  shardd__coll_member_lost(eng, &mem[1]);
+  submit(0, 1, gather_args(b));
+  expect_reply(0, 1, SHARDD_E_PEER_LOST);
+  rejoin(1);
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 2, gather_args(b));
+  run_until(1 + W);
+  for (uint32_t r = 0; r < W; r++)
+    expect_reply(r, 2, SHARDD_OK);
+  check_gathered(b, 5);
+}
+
+/* A job relaunched rank by rank: a rank that joined after another was lost
+ * waits for it as at the job's start (up to the timeout), whatever the
+ * grace, or a relaunch would fail on whichever rank started last. */
+Test(coll, relaunched_ranks_wait_for_the_ones_still_starting) {
+  shardd__buffer *b = buf_new("w", 300);
+  fill_shards(b, 6);
+  for (uint32_t r = 0; r < W; r++)
+    shardd__coll_member_lost(eng, &mem[r]);
+  double t0 = loop_s();
+  rejoin(2);
+  submit(2, 1, gather_args(b));
+  rejoin(0);
+  submit(0, 1, gather_args(b));
+  shardd__coll_tick(eng, t0 + TIMEOUT - 1);
+  cr_assert_eq(nreplies, 0, "relaunched ranks wait for rank 1");
+  rejoin(1);
+  submit(1, 1, gather_args(b));
+  run_until(W);
+  for (uint32_t r = 0; r < W; r++)
+    expect_reply(r, 1, SHARDD_OK);
+  check_gathered(b, 6);
+}
+
+/* Lost inside a collective it had submitted: its peers fail at once, the
+ * grace notwithstanding (no return can complete it). */
+Test(coll, lost_inside_a_collective_fails_at_once_under_a_grace) {
+  use_grace(30.0);
+  shardd__buffer *b = buf_new("w", 300);
+  submit(0, 1, gather_args(b));
+  submit(1, 1, gather_args(b));
+  shardd__coll_member_lost(eng, &mem[1]);
+  expect_msg(expect_reply(0, 1, SHARDD_E_PEER_LOST), "disconnected before");
+  expect_pending_zero();
+}
+
+/* What status reads: each queued collective and who has submitted it. */
+Test(coll, describe_lists_arrivals) {
+  shardd__buffer *a = buf_new("a", 300), *b = buf_new("b", 300);
+  submit(0, 1, gather_args(a));
+  submit(2, 2, gather_args(a));
+  submit(1, 3, scatter_args(b, SHARDD_REDUCE_SUM));
+  shardd__coll_info info;
+  uint8_t arrived[W];
+  cr_assert_eq(shardd__coll_describe(eng, job, 0, &info, arrived), SHARDD_OK);
+  cr_assert_eq(info.kind, SHARDD__COLL_GATHER);
+  cr_assert_eq(info.target, a->hdr.id);
+  cr_assert_str_eq(info.name, "a");
+  cr_assert(!info.running);
+  cr_assert_geq(info.waited_s, 0);
+  cr_assert(arrived[0] && !arrived[1] && arrived[2]);
+  cr_assert_eq(shardd__coll_describe(eng, job, 1, &info, arrived), SHARDD_OK);
+  cr_assert_eq(info.kind, SHARDD__COLL_SCATTER);
+  cr_assert_str_eq(info.name, "b");
+  cr_assert(!arrived[0] && arrived[1] && !arrived[2]);
+  cr_assert_eq(shardd__coll_describe(eng, job, 2, &info, arrived), SHARDD_E_NOT_FOUND);
 }
 
 /* ---- step --------------------------------------------------------------- */
