@@ -152,6 +152,9 @@ void shardd__coll_fabric_state(shardd__coll_engine *e, const shardd__job *job,
 int shardd__coll_gathering(const shardd__coll_engine *e,
                            const shardd__buffer *b);
 
+/* "gather", "scatter", "step" (messages, status). */
+const char *shardd__coll_kind_word(shardd__coll_kind k);
+
 /* For status: one collective queued or running in a job. */
 typedef struct {
   shardd__coll_kind kind;

@@ -122,7 +122,6 @@ struct coll {
 
 static inline int shardd__coll_multi(const coll *c) { return c->job->nodes > 1; }
 
-const char *shardd__coll_kind_word(shardd__coll_kind k);
 const char *shardd__coll_target_word(shardd__coll_kind k);
 
 /* coll.c: the engine's state of job (created when create and missing;
