@@ -91,9 +91,14 @@ static void job_waits_text(shardd__sb *sb, const Shardwire__JobStatus *j) {
   }
   for (size_t k = 0; k < j->n_collectives; k++) {
     const Shardwire__CollectiveStatus *c = j->collectives[k];
-    shardd__sb_printf(sb, "  collective %s %s %" PRIu64 " (%s): %s %.1f s, arrived ",
-                      c->kind, strcmp(c->kind, "step") == 0 ? "optimizer" : "buffer",
-                      c->target, c->name, c->running ? "running" : "waiting",
+    if (strcmp(c->kind, "all_reduce") == 0) /* target: how many values */
+      shardd__sb_printf(sb, "  collective %s of %" PRIu64 " values (%s)", c->kind,
+                        c->target, c->name);
+    else
+      shardd__sb_printf(sb, "  collective %s %s %" PRIu64 " (%s)", c->kind,
+                        strcmp(c->kind, "step") == 0 ? "optimizer" : "buffer",
+                        c->target, c->name);
+    shardd__sb_printf(sb, ": %s %.1f s, arrived ", c->running ? "running" : "waiting",
                       c->waited_s);
     rank_list(sb, c->arrived, c->n_arrived);
     if (!c->running) {

@@ -111,11 +111,15 @@ const char *shardd__coll_kind_word(shardd__coll_kind k) {
     return "scatter";
   case SHARDD__COLL_STEP:
     return "step";
+  case SHARDD__COLL_ALL_REDUCE:
+    return "all_reduce";
   }
   return "collective";
 }
 
 const char *shardd__coll_target_word(shardd__coll_kind k) {
+  if (k == SHARDD__COLL_ALL_REDUCE)
+    return "values, count"; /* "all_reduce of values, count 3" */
   return k == SHARDD__COLL_STEP ? "optimizer" : "buffer";
 }
 
@@ -138,10 +142,13 @@ static void coll_unlink(coll *c) {
 }
 
 static void coll_free(coll *c) {
-  for (uint32_t r = 0; r < c->job->world; r++)
+  for (uint32_t r = 0; r < c->job->world; r++) {
     if (c->waiters[r].m)
       c->waiters[r].m->pending--;
+    free(c->waiters[r].vals);
+  }
   free(c->waiters);
+  free(c->reduced);
   free(c->tasks);
   free(c->hp);
   free(c->area_reg);
@@ -184,7 +191,11 @@ static void coll_finish(coll *c, shardd_err code, const char *msg) {
     shardd__coll_result res;
     memset(&res, 0, sizeof res);
     res.kind = c->args.kind;
-    if (code == SHARDD_OK && c->args.kind == SHARDD__COLL_STEP) {
+    if (code == SHARDD_OK && c->args.kind == SHARDD__COLL_ALL_REDUCE) {
+      res.values = c->reduced;
+      res.nvalues = (uint32_t)c->args.target;
+      h->done(h->ctx, w->m, w->seq, code, NULL, &res);
+    } else if (code == SHARDD_OK && c->args.kind == SHARDD__COLL_STEP) {
       res.step = c->step;
       res.has_total_norm = c->args.max_norm > 0;
       res.total_norm = c->total_norm;
@@ -205,9 +216,13 @@ static void coll_finish(coll *c, shardd_err code, const char *msg) {
 
 /* ---- conflicts and start ---------------------------------------------- */
 
+/* An all_reduce touches no buffer: it waits for nothing older and holds
+ * nothing back. */
 static int coll_touches(const coll *c, const shardd__buffer *b) {
   if (c->buf)
     return c->buf == b;
+  if (c->opt == NULL)
+    return 0;
   for (size_t i = 0; i < c->opt->nshards; i++)
     if (c->opt->shards[i].buf == b)
       return 1;
@@ -217,6 +232,8 @@ static int coll_touches(const coll *c, const shardd__buffer *b) {
 static int coll_conflict(const coll *older, const coll *c) {
   if (c->buf)
     return coll_touches(older, c->buf);
+  if (c->opt == NULL)
+    return 0;
   for (size_t i = 0; i < c->opt->nshards; i++)
     if (coll_touches(older, c->opt->shards[i].buf))
       return 1;
@@ -319,7 +336,9 @@ static void after_phase(coll *c) {
     job_maybe_quiet(q);
     return;
   }
-  if (c->args.kind == SHARDD__COLL_GATHER) {
+  if (c->args.kind == SHARDD__COLL_ALL_REDUCE) {
+    /* computed at the start; nothing of the registry changes */
+  } else if (c->args.kind == SHARDD__COLL_GATHER) {
     c->buf->gathers++;
   } else if (c->args.kind == SHARDD__COLL_SCATTER) {
     c->buf->scatters++;
@@ -396,7 +415,42 @@ static shardd_err set_areas(coll *c, char *msg, size_t len) {
   return SHARDD_OK;
 }
 
+/* The all_reduce of c's values, element-wise over the local ranks in rank
+ * order, so every rank gets the same bits (a NaN anywhere stays NaN, as in
+ * torch.distributed). A few scalars: done on the loop. */
+static shardd_err reduce_values(coll *c) {
+  uint32_t n = (uint32_t)c->args.target;
+  const shardd__job *job = c->job;
+  c->reduced = malloc((n ? n : 1) * sizeof *c->reduced);
+  if (c->reduced == NULL)
+    return SHARDD_E_NO_MEMORY;
+  for (uint32_t i = 0; i < n; i++) {
+    double acc = 0;
+    for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++) {
+      double v = c->waiters[r].vals[i];
+      if (r == job->local_first)
+        acc = v;
+      else if (c->args.op == SHARDD_REDUCE_MAX)
+        acc = (v > acc || isnan(v)) && !isnan(acc) ? v : acc;
+      else if (c->args.op == SHARDD_REDUCE_MIN)
+        acc = (v < acc || isnan(v)) && !isnan(acc) ? v : acc;
+      else
+        acc += v;
+    }
+    if (c->args.op == SHARDD_REDUCE_MEAN)
+      acc /= (double)job->world;
+    c->reduced[i] = acc;
+  }
+  return SHARDD_OK;
+}
+
 static void start_phase(coll *c) {
+  if (c->args.kind == SHARDD__COLL_ALL_REDUCE && reduce_values(c) != SHARDD_OK) {
+    coll_job *q = c->cj;
+    coll_finish(c, SHARDD_E_NO_MEMORY, "out of memory starting a collective");
+    schedule(q);
+    return;
+  }
   if (c->args.kind == SHARDD__COLL_STEP && c->phase == 0) {
     c->step = c->opt->steps + 1;
     c->grad_scale = 1.0f;
@@ -428,7 +482,8 @@ static void start_phase(coll *c) {
     }
   }
   c->bulk = c->args.kind != SHARDD__COLL_STEP && shardd__coll_bulk_ok(c);
-  size_t n = shardd__coll_plan(c, NULL);
+  int planned = c->args.kind != SHARDD__COLL_ALL_REDUCE;
+  size_t n = planned ? shardd__coll_plan(c, NULL) : 0;
   free(c->tasks);
   c->tasks = calloc(n ? n : 1, sizeof *c->tasks);
   if (c->tasks == NULL) {
@@ -437,11 +492,12 @@ static void start_phase(coll *c) {
     schedule(q);
     return;
   }
-  shardd__coll_plan(c, c->tasks);
+  if (planned)
+    shardd__coll_plan(c, c->tasks);
   c->ntasks = n;
   c->left = n;
   if (n == 0) {
-    /* Nothing to run (a wholly frozen scatter): one empty task still goes
+    /* Nothing to run (a wholly frozen scatter, an all_reduce): one empty task still goes
      * through the pool, so completion (which may free c, and release the
      * job) happens on a later loop turn, never inside schedule(). */
     c->left = 1;
@@ -624,21 +680,42 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
                          uint64_t seq, const shardd__coll_args *args) {
   shardd__job *job = m->job;
   char err[256];
-  shardd__obj *o;
+  shardd__obj *o = NULL;
+  int scalars = args->kind == SHARDD__COLL_ALL_REDUCE;
   shardd__obj_kind want = args->kind == SHARDD__COLL_STEP ? SHARDD__OBJ_OPTIM
                                                           : SHARDD__OBJ_BUFFER;
-  shardd_err rc = shardd__registry_resolve_gen(e->cfg.reg, job, args->target,
-                                               args->kind == SHARDD__COLL_STEP
-                                                   ? 0
-                                                   : args->generation,
-                                               want, &o, err, sizeof err);
+  shardd_err rc = SHARDD_OK;
+  if (scalars && job->nodes > 1) {
+    snprintf(err, sizeof err, "all_reduce and barrier do not cross nodes yet "
+             "(job \"%s\" spans %" PRIu32 ")", job->name, job->nodes);
+    rc = SHARDD_E_STATE;
+  } else if (scalars && (args->target > SHARDD_ALL_REDUCE_MAX ||
+                         (args->target > 0 && args->values == NULL))) {
+    snprintf(err, sizeof err, "all_reduce of %" PRIu64 " values: at most %d",
+             args->target, SHARDD_ALL_REDUCE_MAX);
+    rc = SHARDD_E_RANGE;
+  } else if (!scalars) {
+    rc = shardd__registry_resolve_gen(e->cfg.reg, job, args->target,
+                                      args->kind == SHARDD__COLL_STEP ? 0
+                                                                      : args->generation,
+                                      want, &o, err, sizeof err);
+  }
   if (rc != SHARDD_OK) {
     refuse(e, m, seq, rc, err);
     return;
   }
+  double *vals = NULL;
+  if (scalars &&
+      (vals = malloc((args->target ? args->target : 1) * sizeof *vals)) == NULL) {
+    refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    return;
+  }
+  if (vals && args->target)
+    memcpy(vals, args->values, args->target * sizeof *vals);
   if (args->kind == SHARDD__COLL_STEP &&
       ((args->has_lr && !(args->lr >= 0 && isfinite(args->lr))) ||
        !(args->max_norm >= 0 && isfinite(args->max_norm)))) {
+    free(vals);
     refuse(e, m, seq, SHARDD_E_RANGE,
            "step: lr must be >= 0 and max_norm >= 0, finite");
     return;
@@ -653,7 +730,8 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
                "rank %" PRIu32 " has %" PRIu32 " gathers in flight "
                "(--max-inflight-gathers %" PRIu32 ")",
                m->rank, n, e->cfg.max_inflight_gathers);
-      refuse(e, m, seq, SHARDD_E_LIMIT, err);
+      free(vals);
+    refuse(e, m, seq, SHARDD_E_LIMIT, err);
       return;
     }
   }
@@ -661,17 +739,22 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
     snprintf(err, sizeof err,
              "session has %" PRIu32 " collectives queued (limit %" PRIu32 ")",
              m->pending, e->cfg.max_pending);
+    free(vals);
     refuse(e, m, seq, SHARDD_E_LIMIT, err);
     return;
   }
   if (q == NULL && (q = shardd__coll_job_of(e, job, 1)) == NULL) {
+    free(vals);
     refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
 
   coll *c = NULL;
   for (coll *it = q->head; it; it = it->next) {
-    if (it->args.kind == args->kind && it->args.target == args->target &&
+    /* all_reduces match whatever their count: one of another count is a
+     * mismatch that fails them all, not a collective of its own to wait
+     * for ranks that never come */
+    if (it->args.kind == args->kind && (scalars || it->args.target == args->target) &&
         !it->started && !it->waiters[m->rank].arrived) {
       c = it;
       break;
@@ -694,24 +777,29 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
     c = calloc(1, sizeof *c);
     if (c == NULL || (c->waiters = calloc(job->world, sizeof *c->waiters)) == NULL) {
       free(c);
-      refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
+      free(vals);
+    refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
       return;
     }
     c->e = e;
     c->job = job;
     c->cj = q;
     c->args = *args;
+    c->args.values = NULL; /* borrowed for the submit only: each waiter has its copy */
     c->deadline = loop_now(e) + e->cfg.timeout;
-    c->name_key = shardd__coll_fab_key(args->kind, o->name);
+    c->name = o ? o->name : (args->target ? "scalars" : "barrier");
+    c->name_key = shardd__coll_fab_key(args->kind, c->name);
     c->tag = shardd__coll_fab_tag(c->name_key);
-    c->name = o->name;
-    if (args->kind == SHARDD__COLL_STEP) {
+    if (scalars) {
+      /* no registry object to hold */
+    } else if (args->kind == SHARDD__COLL_STEP) {
       c->opt = (shardd__optim *)o;
       c->hp = malloc((c->opt->ngroups ? c->opt->ngroups : 1) * sizeof *c->hp);
       if (c->hp == NULL) {
         free(c->waiters);
         free(c);
-        refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
+        free(vals);
+    refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
         return;
       }
       for (size_t g = 0; g < c->opt->ngroups; g++) {
@@ -735,6 +823,7 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
   w->seq = seq;
   w->arrived = 1;
   w->want_grad = args->want_grad;
+  w->vals = vals;
   m->pending++;
   c->arrived++;
   int64_t doom;

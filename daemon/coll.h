@@ -28,7 +28,9 @@
 typedef enum {
   SHARDD__COLL_GATHER = 1,
   SHARDD__COLL_SCATTER = 2,
-  SHARDD__COLL_STEP = 3
+  SHARDD__COLL_STEP = 3,
+  /* a few scalars over the job's ranks (target: how many; 0 a barrier) */
+  SHARDD__COLL_ALL_REDUCE = 4
 } shardd__coll_kind;
 
 typedef struct {
@@ -42,6 +44,9 @@ typedef struct {
   /* gather in a transient job: this rank also leases its gradient area
    * (a rank's own choice: not compared between ranks) */
   int want_grad;
+  /* all_reduce: this rank's values ([target], borrowed for the submit;
+   * SHARDD_ALL_REDUCE_MAX at most); op any of sum, mean, max, min */
+  const double *values;
 } shardd__coll_args;
 
 /* One rank of a job as the engine sees it. The caller sets job and rank
@@ -66,6 +71,9 @@ typedef struct {
   shardd__area gather;
   int has_grad;
   shardd__area grad;
+  /* all_reduce: the reduction ([nvalues], borrowed for the hook's call) */
+  const double *values;
+  uint32_t nvalues;
 } shardd__coll_result;
 
 typedef struct {
@@ -158,7 +166,7 @@ const char *shardd__coll_kind_word(shardd__coll_kind k);
 /* For status: one collective queued or running in a job. */
 typedef struct {
   shardd__coll_kind kind;
-  uint64_t target;
+  uint64_t target;  /* all_reduce: how many values */
   const char *name; /* the target's; borrowed until the engine is next called */
   int running;
   double waited_s; /* since its first rank submitted it */

@@ -19,6 +19,7 @@ typedef struct {
   uint64_t seq;
   int arrived;
   int want_grad; /* gather of a transient job: lease the gradient area too */
+  double *vals;  /* all_reduce: this rank's values (owned) */
 } waiter;
 
 /* One piece of work on the pool: elements [start, start+len) of unit
@@ -105,6 +106,7 @@ struct coll {
   const char *name;  /* the target's (it outlives c: the hold keeps it) */
   uint64_t fab_seq;  /* exchanges of this kind and target before this one */
   double sumsq_all;
+  double *reduced; /* all_reduce: the result ([args.target], owned) */
   char fab_msg[384]; /* written by the fabric thread, read after it */
   /* the exchange in flight: its task, its place in the job's fabric queue
    * and the handle that brings its end back to the loop */

@@ -610,6 +610,21 @@ static void on_step(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   shardd__coll_submit(d->coll, &c->m, seq, &ca);
 }
 
+static void on_all_reduce(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                          const Shardwire__Request *req) {
+  const Shardwire__AllReduce *ar = req->all_reduce;
+  shardd__coll_args ca = {.kind = SHARDD__COLL_ALL_REDUCE,
+                          .target = ar->n_values,
+                          .op = ar->has_op ? (shardd_reduce_op)ar->op : SHARDD_REDUCE_SUM,
+                          .values = ar->values};
+  if (ca.op != SHARDD_REDUCE_SUM && ca.op != SHARDD_REDUCE_MEAN &&
+      ca.op != SHARDD_REDUCE_MAX && ca.op != SHARDD_REDUCE_MIN) {
+    reply(d, c, seq, SHARDD_E_INVAL, "all_reduce op must be sum, mean, max or min");
+    return;
+  }
+  shardd__coll_submit(d->coll, &c->m, seq, &ca);
+}
+
 static void on_release(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                        const Shardwire__Request *req) {
   char err[ERRLEN];
@@ -667,6 +682,7 @@ static const struct {
     {SHARDWIRE__REQUEST__BODY_SCATTER, 1, 0, on_scatter},
     {SHARDWIRE__REQUEST__BODY_STEP, 1, 1, on_step},
     {SHARDWIRE__REQUEST__BODY_RELEASE, 1, 0, on_release},
+    {SHARDWIRE__REQUEST__BODY_ALL_REDUCE, 1, 0, on_all_reduce},
 };
 
 void shardd__dispatch_frame(shardd__dispatch *d, shardd__conn *c,
@@ -791,6 +807,15 @@ static void coll_done(void *ctx, shardd__coll_member *m, uint64_t seq,
   }
   if (res->kind == SHARDD__COLL_GATHER) {
     reply_gather(d, c, seq, res);
+    return;
+  }
+  if (res->kind == SHARDD__COLL_ALL_REDUCE) {
+    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_ALL_REDUCE);
+    Shardwire__AllReduceReply ar = SHARDWIRE__ALL_REDUCE_REPLY__INIT;
+    ar.n_values = res->nvalues;
+    ar.values = (double *)res->values;
+    resp.all_reduce = &ar;
+    send_resp(d, c, &resp, -1);
     return;
   }
   Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_STEP);

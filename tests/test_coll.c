@@ -931,6 +931,131 @@ Test(coll, describe_lists_arrivals) {
   cr_assert_eq(shardd__coll_describe(eng, job, 2, &info, arrived), SHARDD_E_NOT_FOUND);
 }
 
+/* ---- all_reduce and barrier --------------------------------------------- */
+
+static shardd__coll_args allreduce_args(const double *v, uint32_t n,
+                                        shardd_reduce_op op) {
+  return (shardd__coll_args){.kind = SHARDD__COLL_ALL_REDUCE,
+                             .target = n,
+                             .op = op,
+                             .values = v};
+}
+
+/* Each rank's values; the expected results are folded here in rank order
+ * (the documented order, so every rank gets the same bits). */
+static const double ar_in[W][4] = {
+    {1.0, -2.5, 1e-17, 7.0},
+    {0.1, 3.25, 1.0, -7.0},
+    {0.2, -0.75, -1.0, 7.5},
+};
+
+/* The values themselves, copied in the hook's call (they are borrowed). */
+static double got_vals[W][4];
+static void on_done_copy(void *ctx, shardd__coll_member *m, uint64_t seq,
+                         shardd_err code, const char *msg,
+                         const shardd__coll_result *res) {
+  on_done(ctx, m, seq, code, msg, res);
+  if (res && res->kind == SHARDD__COLL_ALL_REDUCE)
+    memcpy(got_vals[m->rank], res->values, res->nvalues * sizeof(double));
+}
+
+/* sum, mean, max, min of 4 values over 3 ranks: every rank gets the
+ * rank-order fold, bit for bit. */
+Test(coll, all_reduce_values_in_rank_order_same_bits) {
+  shardd__coll_engine_destroy(eng);
+  shardd__coll_config cfg = {.loop = &loop, .reg = &reg, .timeout = TIMEOUT,
+                             .max_pending = MAX_PENDING,
+                             .hooks = {.ctx = &replies, .done = on_done_copy,
+                                       .job_quiet = on_quiet}};
+  cr_assert_eq(shardd__coll_engine_create(&cfg, &eng), SHARDD_OK);
+  shardd_reduce_op ops[] = {SHARDD_REDUCE_SUM, SHARDD_REDUCE_MEAN,
+                            SHARDD_REDUCE_MAX, SHARDD_REDUCE_MIN};
+  for (uint64_t k = 0; k < 4; k++) {
+    memset(got_vals, 0, sizeof got_vals);
+    size_t before = nreplies;
+    /* arrival order 2, 0, 1: the fold is still in rank order */
+    submit(2, 20 + k, allreduce_args(ar_in[2], 4, ops[k]));
+    submit(0, 20 + k, allreduce_args(ar_in[0], 4, ops[k]));
+    submit(1, 20 + k, allreduce_args(ar_in[1], 4, ops[k]));
+    run_until(before + W);
+    for (uint32_t i = 0; i < 4; i++) {
+      double want = ar_in[0][i];
+      for (uint32_t r = 1; r < W; r++) {
+        double v = ar_in[r][i];
+        if (ops[k] == SHARDD_REDUCE_MAX)
+          want = v > want ? v : want;
+        else if (ops[k] == SHARDD_REDUCE_MIN)
+          want = v < want ? v : want;
+        else
+          want = want + v;
+      }
+      if (ops[k] == SHARDD_REDUCE_MEAN)
+        want /= W;
+      for (uint32_t r = 0; r < W; r++) {
+        expect_reply(r, 20 + k, SHARDD_OK);
+        cr_assert(memcmp(&got_vals[r][i], &want, sizeof want) == 0,
+                  "op %d value %u rank %u: %.17g, want %.17g", (int)ops[k], i, r,
+                  got_vals[r][i], want);
+      }
+    }
+  }
+  /* a NaN stays NaN for max and min too (fmax would drop it) */
+  double nan_in[W] = {1.0, NAN, 2.0};
+  size_t before = nreplies;
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 30, allreduce_args(&nan_in[r], 1, SHARDD_REDUCE_MAX));
+  run_until(before + W);
+  for (uint32_t r = 0; r < W; r++) {
+    expect_reply(r, 30, SHARDD_OK);
+    cr_assert(isnan(got_vals[r][0]), "max with a NaN: %g", got_vals[r][0]);
+  }
+  expect_pending_zero();
+}
+
+/* A barrier (no values) completes only once every rank has come. */
+Test(coll, barrier_waits_for_every_rank) {
+  submit(0, 1, allreduce_args(NULL, 0, SHARDD_REDUCE_SUM));
+  submit(2, 1, allreduce_args(NULL, 0, SHARDD_REDUCE_SUM));
+  run_idle();
+  cr_assert_eq(nreplies, 0, "a barrier returned before rank 1 came");
+  submit(1, 1, allreduce_args(NULL, 0, SHARDD_REDUCE_SUM));
+  run_until(W);
+  for (uint32_t r = 0; r < W; r++)
+    cr_assert_eq(expect_reply(r, 1, SHARDD_OK)->res.nvalues, 0);
+  expect_pending_zero();
+}
+
+/* Ranks that disagree on the count or the op all fail (a silent pick
+ * would log mixed metrics); too many values are refused. */
+Test(coll, all_reduce_mismatch_and_limits) {
+  double v[SHARDD_ALL_REDUCE_MAX + 1] = {0};
+  submit(0, 1, allreduce_args(v, 2, SHARDD_REDUCE_SUM));
+  submit(1, 1, allreduce_args(v, 3, SHARDD_REDUCE_SUM));
+  submit(2, 1, allreduce_args(v, 2, SHARDD_REDUCE_SUM));
+  for (uint32_t r = 0; r < W; r++)
+    expect_msg(expect_reply(r, 1, SHARDD_E_MISMATCH), "other arguments");
+  submit(0, 2, allreduce_args(v, 1, SHARDD_REDUCE_SUM));
+  submit(1, 2, allreduce_args(v, 1, SHARDD_REDUCE_MAX));
+  submit(2, 2, allreduce_args(v, 1, SHARDD_REDUCE_SUM));
+  for (uint32_t r = 0; r < W; r++)
+    expect_reply(r, 2, SHARDD_E_MISMATCH);
+  submit(0, 3, allreduce_args(v, SHARDD_ALL_REDUCE_MAX + 1, SHARDD_REDUCE_SUM));
+  expect_msg(expect_reply(0, 3, SHARDD_E_RANGE), "at most 64");
+  cr_assert_eq(shardd__coll_inflight(eng, job), 0);
+  expect_pending_zero();
+}
+
+/* A rank lost while the others wait in a barrier fails them (it had not
+ * come: grace 0 here), naming it. */
+Test(coll, barrier_with_a_lost_rank_fails) {
+  submit(0, 1, allreduce_args(NULL, 0, SHARDD_REDUCE_SUM));
+  submit(1, 1, allreduce_args(NULL, 0, SHARDD_REDUCE_SUM));
+  shardd__coll_member_lost(eng, &mem[2]);
+  expect_msg(expect_reply(0, 1, SHARDD_E_PEER_LOST), "rank 2");
+  expect_reply(1, 1, SHARDD_E_PEER_LOST);
+  expect_pending_zero();
+}
+
 /* ---- step --------------------------------------------------------------- */
 
 /* An SGD optimizer (lr 0.5, no momentum) over the whole buffer, registered

@@ -1615,3 +1615,103 @@ Test(collective, rank_back_within_the_grace_fails_nobody, .init = start_grace3,
   close_pipes(ready, go);
   test_raw_close(&r0);
 }
+
+/* ---- all_reduce and barrier (shardd_all_reduce, shardd_barrier) ---------- */
+
+typedef struct {
+  shardd_client_t *c;
+  double v[3];
+  size_t n;
+  shardd_reduce_op op;
+  shardd_err rc, barrier_rc;
+  pthread_t th;
+} ar_call;
+
+static void *ar_main(void *p) {
+  ar_call *a = p;
+  a->rc = shardd_all_reduce(a->c, a->v, a->n, a->op);
+  a->barrier_rc = shardd_barrier(a->c);
+  return NULL;
+}
+
+/* Four ranks all-reduce three doubles with each op, then meet at a
+ * barrier: each gets the rank-order fold, bit for bit; while rank 0 alone
+ * waits, status shows the all_reduce with its arrivals. */
+Test(collective, all_reduce_and_barrier_over_four_ranks, .init = start4,
+     .fini = stop_daemon, .timeout = 60) {
+  static const double in[4][3] = {
+      {1.0, -2.5, 1e300}, {0.1, 3.25, 1e300}, {0.2, -0.75, -1e300}, {-0.3, 1e-17, 5.0}};
+  team t;
+  team_open(&t, "scalars", 4);
+  shardd_reduce_op ops[] = {SHARDD_REDUCE_SUM, SHARDD_REDUCE_MEAN, SHARDD_REDUCE_MAX,
+                            SHARDD_REDUCE_MIN};
+  for (int k = 0; k < 4; k++) {
+    ar_call a[4];
+    memset(a, 0, sizeof a);
+    for (int r = 0; r < 4; r++) {
+      a[r].c = t.c[r];
+      a[r].n = 3;
+      a[r].op = ops[k];
+      memcpy(a[r].v, in[r], sizeof a[r].v);
+    }
+    cr_assert_eq(pthread_create(&a[0].th, NULL, ar_main, &a[0]), 0);
+    if (k == 0) { /* rank 0 waits alone: status says on whom */
+      shardd_client_t *ctl = test_connect(&d, NULL, 0, 1);
+      char *text = NULL;
+      for (double end = test_mono_s() + TEST_HANG_S;;) {
+        cr_assert_eq(shardd_status_text(ctl, &text), SHARDD_OK);
+        if (strstr(text, "collective all_reduce of 3 values"))
+          break;
+        shardd_free(text);
+        cr_assert_lt(test_mono_s(), end, "status never showed the all_reduce");
+        test_sleep_ms(10);
+      }
+      cr_assert_not_null(strstr(text, "arrived 0, waiting for 1-3"), "%s", text);
+      shardd_free(text);
+      shardd_close(ctl);
+    }
+    for (int r = 1; r < 4; r++)
+      cr_assert_eq(pthread_create(&a[r].th, NULL, ar_main, &a[r]), 0);
+    for (int r = 0; r < 4; r++)
+      pthread_join(a[r].th, NULL);
+    for (int i = 0; i < 3; i++) {
+      double want = in[0][i];
+      for (int r = 1; r < 4; r++) {
+        double v = in[r][i];
+        if (ops[k] == SHARDD_REDUCE_MAX)
+          want = v > want ? v : want;
+        else if (ops[k] == SHARDD_REDUCE_MIN)
+          want = v < want ? v : want;
+        else
+          want = want + v;
+      }
+      if (ops[k] == SHARDD_REDUCE_MEAN)
+        want /= 4;
+      for (int r = 0; r < 4; r++) {
+        cr_assert_eq(a[r].rc, SHARDD_OK, "op %d rank %d: %s", k, r,
+                     shardd_last_error(t.c[r]));
+        cr_assert_eq(a[r].barrier_rc, SHARDD_OK, "rank %d barrier: %s", r,
+                     shardd_last_error(t.c[r]));
+        cr_assert(memcmp(&a[r].v[i], &want, sizeof want) == 0,
+                  "op %d value %d rank %d: %.17g, want %.17g", k, i, r, a[r].v[i], want);
+      }
+    }
+  }
+  /* ranks that disagree on the count all fail */
+  ar_call a[4];
+  memset(a, 0, sizeof a);
+  for (int r = 0; r < 4; r++) {
+    a[r].c = t.c[r];
+    a[r].n = r == 2 ? 2 : 3;
+    cr_assert_eq(pthread_create(&a[r].th, NULL, ar_main, &a[r]), 0);
+  }
+  for (int r = 0; r < 4; r++) {
+    pthread_join(a[r].th, NULL);
+    cr_assert_eq(a[r].rc, SHARDD_E_MISMATCH, "rank %d: %s", r, shardd_err_name(a[r].rc));
+    cr_assert_eq(a[r].barrier_rc, SHARDD_OK);
+  }
+  double big[SHARDD_ALL_REDUCE_MAX + 1] = {0};
+  cr_assert_eq(shardd_all_reduce(t.c[0], big, SHARDD_ALL_REDUCE_MAX + 1, SHARDD_REDUCE_SUM),
+               SHARDD_E_RANGE);
+  team_close(&t);
+}
