@@ -731,7 +731,7 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
                "(--max-inflight-gathers %" PRIu32 ")",
                m->rank, n, e->cfg.max_inflight_gathers);
       free(vals);
-    refuse(e, m, seq, SHARDD_E_LIMIT, err);
+      refuse(e, m, seq, SHARDD_E_LIMIT, err);
       return;
     }
   }
@@ -778,7 +778,7 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
     if (c == NULL || (c->waiters = calloc(job->world, sizeof *c->waiters)) == NULL) {
       free(c);
       free(vals);
-    refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
+      refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
       return;
     }
     c->e = e;
@@ -799,7 +799,7 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
         free(c->waiters);
         free(c);
         free(vals);
-    refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
+      refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
         return;
       }
       for (size_t g = 0; g < c->opt->ngroups; g++) {
