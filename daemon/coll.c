@@ -799,7 +799,7 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
         free(c->waiters);
         free(c);
         free(vals);
-      refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
+        refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
         return;
       }
       for (size_t g = 0; g < c->opt->ngroups; g++) {
