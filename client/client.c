@@ -1410,6 +1410,40 @@ shardd_err shardd_scatter_accumulate(shardd_client_t *c, uint64_t buffer,
   return scatter_req(c, buffer, 0, op, 1);
 }
 
+shardd_err shardd_all_reduce(shardd_client_t *c, double *values, size_t n,
+                             shardd_reduce_op op) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+
+  if (n > SHARDD_ALL_REDUCE_MAX)
+    return set_err(c, SHARDD_E_RANGE, "all_reduce of %zu values: at most %d", n,
+                   SHARDD_ALL_REDUCE_MAX);
+  if (n > 0 && values == NULL)
+    return set_err(c, SHARDD_E_INVAL, "all_reduce: values is NULL");
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__AllReduce ar = SHARDWIRE__ALL_REDUCE__INIT;
+  ar.has_op = 1;
+  ar.op = (Shardwire__ReduceOp)op;
+  ar.n_values = n;
+  ar.values = values;
+  req.body_case = SHARDWIRE__REQUEST__BODY_ALL_REDUCE;
+  req.all_reduce = &ar;
+  Shardwire__Response *resp;
+  shardd_err rc = call_expect(c, &req, SHARDWIRE__RESPONSE__BODY_ALL_REDUCE, &resp, NULL);
+  if (rc == SHARDD_OK && resp->all_reduce->n_values != n)
+    rc = set_err(c, SHARDD_E_PROTOCOL, "all_reduce: %zu values came back for %zu",
+                 resp->all_reduce->n_values, n);
+  else if (rc == SHARDD_OK && n > 0)
+    memcpy(values, resp->all_reduce->values, n * sizeof *values);
+  if (resp)
+    shardwire__response__free_unpacked(resp, NULL);
+  return rc;
+}
+
+shardd_err shardd_barrier(shardd_client_t *c) {
+  return shardd_all_reduce(c, NULL, 0, SHARDD_REDUCE_SUM);
+}
+
 shardd_err shardd_step(shardd_client_t *c, uint64_t opt,
                        const shardd_step_opts *opts, shardd_step_result *out) {
   if (c == NULL)

@@ -50,6 +50,65 @@ static void human(char *out, size_t n, uint64_t bytes) {
     snprintf(out, n, "%.1f %s", v, units[u]);
 }
 
+/* Ranks as "0-3,5" (a world of thousands stays one short line); "none". */
+static void rank_list(shardd__sb *sb, const uint32_t *r, size_t n) {
+  if (n == 0) {
+    shardd__sb_printf(sb, "none");
+    return;
+  }
+  for (size_t i = 0; i < n;) {
+    size_t k = i;
+    while (k + 1 < n && r[k + 1] == r[k] + 1)
+      k++;
+    shardd__sb_printf(sb, "%s%" PRIu32, i ? "," : "", r[i]);
+    if (k > i)
+      shardd__sb_printf(sb, "-%" PRIu32, r[k]);
+    i = k + 1;
+  }
+}
+
+static void json_u32s(shardd__sb *sb, const char *key, const uint32_t *r, size_t n) {
+  shardd__sb_printf(sb, ",\"%s\":[", key);
+  for (size_t i = 0; i < n; i++)
+    shardd__sb_printf(sb, "%s%" PRIu32, i ? "," : "", r[i]);
+  shardd__sb_printf(sb, "]");
+}
+
+/* Who holds the job's ranks, and what each collective waits on: why a
+ * job is stuck, read off one status. Nothing from a daemon that predates
+ * the fields (it sends no ranks at all). */
+static void job_waits_text(shardd__sb *sb, const Shardwire__JobStatus *j) {
+  if (j->n_connected_ranks + j->n_missing_ranks > 0) {
+    shardd__sb_printf(sb, "  ranks connected: ");
+    rank_list(sb, j->connected_ranks, j->n_connected_ranks);
+    shardd__sb_printf(sb, " missing: ");
+    rank_list(sb, j->missing_ranks, j->n_missing_ranks);
+    shardd__sb_printf(sb, "\n");
+    for (size_t k = 0; k < j->n_missing_ranks && k < j->n_missing_for_s; k++)
+      if (j->missing_for_s[k] >= 0)
+        shardd__sb_printf(sb, "  rank %" PRIu32 ": disconnected %.1f s ago\n",
+                          j->missing_ranks[k], j->missing_for_s[k]);
+  }
+  for (size_t k = 0; k < j->n_collectives; k++) {
+    const Shardwire__CollectiveStatus *c = j->collectives[k];
+    if (strcmp(c->kind, "all_reduce") == 0) /* target: how many values */
+      shardd__sb_printf(sb, "  collective %s of %" PRIu64 " values (%s)", c->kind,
+                        c->target, c->name);
+    else
+      shardd__sb_printf(sb, "  collective %s %s %" PRIu64 " (%s)", c->kind,
+                        strcmp(c->kind, "step") == 0 ? "optimizer" : "buffer",
+                        c->target, c->name);
+    shardd__sb_printf(sb, ": %s %.1f s, arrived ", c->running ? "running" : "waiting",
+                      c->waited_s);
+    rank_list(sb, c->arrived, c->n_arrived);
+    if (!c->running) {
+      shardd__sb_printf(sb, ", waiting for ");
+      rank_list(sb, c->waiting_for, c->n_waiting_for);
+    }
+    shardd__sb_printf(sb, "\n");
+  }
+}
+
 static void json_key_str(shardd__sb *sb, const char *key, const char *val,
                          int comma) {
   shardd__sb_printf(sb, "%s\"%s\":\"", comma ? "," : "", key);
@@ -116,6 +175,7 @@ char *shardd__fmt_status_text(const Shardwire__StatusReply *st) {
       if (j->fabric_error)
         shardd__sb_printf(&sb, "  fabric_error: %s\n", j->fabric_error);
     }
+    job_waits_text(&sb, j);
     for (size_t k = 0; k < j->n_optimizers; k++) {
       const Shardwire__OptimizerStatus *o = j->optimizers[k];
       shardd__sb_printf(&sb,
@@ -181,6 +241,28 @@ char *shardd__fmt_status_json(const Shardwire__StatusReply *st) {
       json_key_str(&sb, "kind", kind_word(o->kind), 1);
       shardd__sb_printf(&sb, ",\"params\":%" PRIu32 ",\"steps\":%" PRIu64 "}",
                         o->params, o->steps);
+    }
+    shardd__sb_printf(&sb, "]");
+    if (j->n_connected_ranks + j->n_missing_ranks > 0) {
+      json_u32s(&sb, "connected_ranks", j->connected_ranks, j->n_connected_ranks);
+      json_u32s(&sb, "missing_ranks", j->missing_ranks, j->n_missing_ranks);
+      shardd__sb_printf(&sb, ",\"missing_for_s\":[");
+      for (size_t k = 0; k < j->n_missing_for_s; k++)
+        shardd__sb_printf(&sb, "%s%.3f", k ? "," : "", j->missing_for_s[k]);
+      shardd__sb_printf(&sb, "]");
+    }
+    shardd__sb_printf(&sb, ",\"collectives\":[");
+    for (size_t k = 0; k < j->n_collectives; k++) {
+      const Shardwire__CollectiveStatus *c = j->collectives[k];
+      shardd__sb_printf(&sb, "%s{", k ? "," : "");
+      json_key_str(&sb, "kind", c->kind, 0);
+      shardd__sb_printf(&sb, ",\"target\":%" PRIu64, c->target);
+      json_key_str(&sb, "name", c->name, 1);
+      shardd__sb_printf(&sb, ",\"running\":%s,\"waited_s\":%.3f",
+                        c->running ? "true" : "false", c->waited_s);
+      json_u32s(&sb, "arrived", c->arrived, c->n_arrived);
+      json_u32s(&sb, "waiting_for", c->waiting_for, c->n_waiting_for);
+      shardd__sb_printf(&sb, "}");
     }
     shardd__sb_printf(&sb, "]");
     if (j->has_nodes) {

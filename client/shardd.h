@@ -87,7 +87,16 @@ typedef enum {
   SHARDD_OPTIM_ADAMW = 3
 } shardd_optim_kind;
 
-typedef enum { SHARDD_REDUCE_SUM = 0, SHARDD_REDUCE_MEAN = 1 } shardd_reduce_op;
+/* Scatter takes SUM and MEAN; shardd_all_reduce all four. */
+typedef enum {
+  SHARDD_REDUCE_SUM = 0,
+  SHARDD_REDUCE_MEAN = 1,
+  SHARDD_REDUCE_MAX = 2,
+  SHARDD_REDUCE_MIN = 3
+} shardd_reduce_op;
+
+/* Values one shardd_all_reduce may carry. */
+#define SHARDD_ALL_REDUCE_MAX 64
 
 typedef struct shardd_client shardd_client_t;
 
@@ -361,6 +370,20 @@ shardd_err shardd_release(shardd_client_t *c, uint64_t buffer);
  * area; returns when the owners hold the reduced shards. */
 shardd_err shardd_scatter(shardd_client_t *c, uint64_t buffer,
                           shardd_reduce_op op);
+
+/* All-reduce of a few scalars over the ranks of the job (metrics, loss
+ * logging): every rank calls it with the same n (at most
+ * SHARDD_ALL_REDUCE_MAX) and op (SUM, MEAN, MAX or MIN); when all have,
+ * values[0..n) is overwritten with the element-wise reduction, taken in
+ * rank order, so every rank gets the same bits (a NaN stays NaN). A
+ * collective, like shardd_gather; ranks that disagree on n or op all fail
+ * with SHARDD_E_MISMATCH. Single-node jobs only for now (SHARDD_E_STATE). */
+shardd_err shardd_all_reduce(shardd_client_t *c, double *values, size_t n,
+                             shardd_reduce_op op);
+
+/* Returns once every rank of the job has called it (an all-reduce of no
+ * values). */
+shardd_err shardd_barrier(shardd_client_t *c);
 
 /* shardd_gather / shardd_scatter of a handle the caller kept with its
  * generation: refused with SHARDD_E_STALE (nothing runs) when the buffer

@@ -21,6 +21,8 @@ static void usage(FILE *f) {
           "  --collective-timeout SEC  how long a collective waits for all ranks (default 300)\n"
           "  --job-linger SEC          keep a job this long after its last client (default 600;\n"
           "                            -1 forever)\n"
+          "  --peer-grace SEC          a rank whose connection closed may come back this long\n"
+          "                            before its peers' collectives fail (default 1; 0 at once)\n"
           "  --max-clients N           concurrent connections (default 1024; root and\n"
           "                            --admin-group get 8 more)\n"
           "  --max-clients-per-uid N   connections one user may hold (default 256)\n"
@@ -132,7 +134,7 @@ enum {
   O_MAXCLIENTS, O_LOGLEVEL, O_FOREGROUND, O_VERSION, O_HELP,
   O_CKPT_EXIT, O_RESTORE, O_JOBMEM, O_UIDMEM, O_ADMIN, O_CKPT_ROOT, O_JOBSPEC, O_MAXGATHERS, O_MAXJOBS,
   O_HELLO_TO, O_FRAME_TO, O_MAXCLI_UID, O_MAXJOBS_UID, O_MAXPARTIAL,
-  O_MAXVIEWS, O_MAXVIEWS_UID
+  O_MAXVIEWS, O_MAXVIEWS_UID, O_PEER_GRACE
 };
 
 static const struct option longopts[] = {
@@ -142,6 +144,7 @@ static const struct option longopts[] = {
     {"device-memory", required_argument, NULL, O_DEVMEM},
     {"collective-timeout", required_argument, NULL, O_TIMEOUT},
     {"job-linger", required_argument, NULL, O_LINGER},
+    {"peer-grace", required_argument, NULL, O_PEER_GRACE},
     {"max-clients", required_argument, NULL, O_MAXCLIENTS},
     {"log-level", required_argument, NULL, O_LOGLEVEL},
     {"foreground", no_argument, NULL, O_FOREGROUND},
@@ -234,6 +237,13 @@ static int server_option(int c, const char *arg, shardd__server_opts *o) {
     if (parse_double(arg, &o->collective_timeout) != 0 ||
         !(o->collective_timeout > 0)) {
       fprintf(stderr, "shardd: --collective-timeout %s: must be > 0\n", arg);
+      return 2;
+    }
+    return SHARDD__CLI_RUN;
+  case O_PEER_GRACE:
+    if (parse_double(arg, &o->peer_grace) != 0 || !(o->peer_grace >= 0) ||
+        !(o->peer_grace <= 86400)) {
+      fprintf(stderr, "shardd: --peer-grace %s: must be 0..86400 seconds\n", arg);
       return 2;
     }
     return SHARDD__CLI_RUN;

@@ -69,6 +69,9 @@ static void free_job_cb(void *value, void *arg) {
   shardd__coll_engine *e = arg;
   shardd__coll_bulk_free(cj);
   shardd__coll_fab_free(e, cj->fab);
+  free(cj->lost_at);
+  free(cj->lost_epoch);
+  free(cj->lost_told);
   free(cj);
 }
 
@@ -109,11 +112,15 @@ const char *shardd__coll_kind_word(shardd__coll_kind k) {
     return "scatter";
   case SHARDD__COLL_STEP:
     return "step";
+  case SHARDD__COLL_ALL_REDUCE:
+    return "all_reduce";
   }
   return "collective";
 }
 
 const char *shardd__coll_target_word(shardd__coll_kind k) {
+  if (k == SHARDD__COLL_ALL_REDUCE)
+    return "values, count"; /* "all_reduce of values, count 3" */
   return k == SHARDD__COLL_STEP ? "optimizer" : "buffer";
 }
 
@@ -136,10 +143,13 @@ static void coll_unlink(coll *c) {
 }
 
 static void coll_free(coll *c) {
-  for (uint32_t r = 0; r < c->job->world; r++)
+  for (uint32_t r = 0; r < c->job->world; r++) {
     if (c->waiters[r].m)
       c->waiters[r].m->pending--;
+    free(c->waiters[r].vals);
+  }
   free(c->waiters);
+  free(c->reduced);
   free(c->tasks);
   free(c->hp);
   free(c->area_reg);
@@ -182,7 +192,11 @@ static void coll_finish(coll *c, shardd_err code, const char *msg) {
     shardd__coll_result res;
     memset(&res, 0, sizeof res);
     res.kind = c->args.kind;
-    if (code == SHARDD_OK && c->args.kind == SHARDD__COLL_STEP) {
+    if (code == SHARDD_OK && c->args.kind == SHARDD__COLL_ALL_REDUCE) {
+      res.values = c->reduced;
+      res.nvalues = (uint32_t)c->args.target;
+      h->done(h->ctx, w->m, w->seq, code, NULL, &res);
+    } else if (code == SHARDD_OK && c->args.kind == SHARDD__COLL_STEP) {
       res.step = c->step;
       res.has_total_norm = c->args.max_norm > 0 || c->args.norm_only;
       res.total_norm = c->total_norm;
@@ -203,9 +217,13 @@ static void coll_finish(coll *c, shardd_err code, const char *msg) {
 
 /* ---- conflicts and start ---------------------------------------------- */
 
+/* An all_reduce touches no buffer: it waits for nothing older and holds
+ * nothing back. */
 static int coll_touches(const coll *c, const shardd__buffer *b) {
   if (c->buf)
     return c->buf == b;
+  if (c->opt == NULL)
+    return 0;
   for (size_t i = 0; i < c->opt->nshards; i++)
     if (c->opt->shards[i].buf == b)
       return 1;
@@ -215,6 +233,8 @@ static int coll_touches(const coll *c, const shardd__buffer *b) {
 static int coll_conflict(const coll *older, const coll *c) {
   if (c->buf)
     return coll_touches(older, c->buf);
+  if (c->opt == NULL)
+    return 0;
   for (size_t i = 0; i < c->opt->nshards; i++)
     if (coll_touches(older, c->opt->shards[i].buf))
       return 1;
@@ -335,7 +355,9 @@ static void after_phase(coll *c) {
     job_maybe_quiet(q);
     return;
   }
-  if (c->args.kind == SHARDD__COLL_GATHER) {
+  if (c->args.kind == SHARDD__COLL_ALL_REDUCE) {
+    /* computed at the start; nothing of the registry changes */
+  } else if (c->args.kind == SHARDD__COLL_GATHER) {
     c->buf->gathers++;
   } else if (c->args.kind == SHARDD__COLL_SCATTER) {
     c->buf->scatters++;
@@ -417,7 +439,42 @@ static shardd_err set_areas(coll *c, char *msg, size_t len) {
   return SHARDD_OK;
 }
 
+/* The all_reduce of c's values, element-wise over the local ranks in rank
+ * order, so every rank gets the same bits (a NaN anywhere stays NaN, as in
+ * torch.distributed). A few scalars: done on the loop. */
+static shardd_err reduce_values(coll *c) {
+  uint32_t n = (uint32_t)c->args.target;
+  const shardd__job *job = c->job;
+  c->reduced = malloc((n ? n : 1) * sizeof *c->reduced);
+  if (c->reduced == NULL)
+    return SHARDD_E_NO_MEMORY;
+  for (uint32_t i = 0; i < n; i++) {
+    double acc = 0;
+    for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++) {
+      double v = c->waiters[r].vals[i];
+      if (r == job->local_first)
+        acc = v;
+      else if (c->args.op == SHARDD_REDUCE_MAX)
+        acc = (v > acc || isnan(v)) && !isnan(acc) ? v : acc;
+      else if (c->args.op == SHARDD_REDUCE_MIN)
+        acc = (v < acc || isnan(v)) && !isnan(acc) ? v : acc;
+      else
+        acc += v;
+    }
+    if (c->args.op == SHARDD_REDUCE_MEAN)
+      acc /= (double)job->world;
+    c->reduced[i] = acc;
+  }
+  return SHARDD_OK;
+}
+
 static void start_phase(coll *c) {
+  if (c->args.kind == SHARDD__COLL_ALL_REDUCE && reduce_values(c) != SHARDD_OK) {
+    coll_job *q = c->cj;
+    coll_finish(c, SHARDD_E_NO_MEMORY, "out of memory starting a collective");
+    schedule(q);
+    return;
+  }
   if (c->args.kind == SHARDD__COLL_STEP && c->phase == 0 && c->stage == 0) {
     c->step = c->opt->steps + (c->args.norm_only ? 0 : 1);
     /* a clip since the last step scales this one's gradients */
@@ -450,7 +507,8 @@ static void start_phase(coll *c) {
     }
   }
   c->bulk = c->args.kind != SHARDD__COLL_STEP && shardd__coll_bulk_ok(c);
-  size_t n = shardd__coll_plan(c, NULL);
+  int planned = c->args.kind != SHARDD__COLL_ALL_REDUCE;
+  size_t n = planned ? shardd__coll_plan(c, NULL) : 0;
   free(c->tasks);
   c->tasks = calloc(n ? n : 1, sizeof *c->tasks);
   if (c->tasks == NULL) {
@@ -459,11 +517,12 @@ static void start_phase(coll *c) {
     schedule(q);
     return;
   }
-  shardd__coll_plan(c, c->tasks);
+  if (planned)
+    shardd__coll_plan(c, c->tasks);
   c->ntasks = n;
   c->left = n;
   if (n == 0) {
-    /* Nothing to run (a wholly frozen scatter): one empty task still goes
+    /* Nothing to run (a wholly frozen scatter, an all_reduce): one empty task still goes
      * through the pool, so completion (which may free c, and release the
      * job) happens on a later loop turn, never inside schedule(). */
     c->left = 1;
@@ -489,6 +548,140 @@ static void start_phase(coll *c) {
       shardd__coll_task_done(&t->req, 0);
     }
   }
+}
+
+/* ---- lost ranks ------------------------------------------------------- */
+
+static double loop_now(const shardd__coll_engine *e);
+
+/* The missing rank that dooms unstarted c at now, or -1: a rank lost past
+ * the grace that had not submitted c, while a rank waiting in c joined
+ * before that loss (it was the lost one's peer, so it will not be back
+ * for c). Ranks that joined after the loss (a job relaunched rank by rank)
+ * wait for it as at the job's start. */
+static int64_t doomed_by(const coll *c, double now) {
+  const coll_job *q = c->cj;
+  const shardd__job *job = c->job;
+  if (c->started || q->lost_at == NULL)
+    return -1;
+  double grace = c->e->cfg.peer_grace;
+  for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++) {
+    if (q->lost_at[r] < 0 || c->waiters[r].arrived || now < q->lost_at[r] + grace)
+      continue;
+    for (uint32_t k = job->local_first; k < job->local_first + job->local_ranks; k++) {
+      const shardd__coll_member *m = c->waiters[k].m;
+      if (m && m->joined < q->lost_epoch[r])
+        return r;
+    }
+  }
+  return -1;
+}
+
+/* Fails c, which rank r dooms, naming r; the first failure of each loss is
+ * logged (a loss that fails nothing, a job's ranks leaving at its end, is
+ * only the session's line). */
+static void fail_doomed_one(coll *c, uint32_t r, double now) {
+  coll_job *q = c->cj;
+  double gone = now - q->lost_at[r];
+  char msg[512];
+  snprintf(msg, sizeof msg,
+           "rank %" PRIu32 " of job \"%s\" disconnected %.1f s ago and did "
+           "not come back within --peer-grace %g s: %s of %s %" PRIu64
+           " (\"%s\") cannot complete; no shard was changed",
+           r, c->job->name, gone, c->e->cfg.peer_grace,
+           shardd__coll_kind_word(c->args.kind),
+           shardd__coll_target_word(c->args.kind), c->args.target, c->name);
+  if (!q->lost_told[r]) {
+    q->lost_told[r] = 1;
+    shardd__log(SHARDD__LOG_WARN, "job \"%s\": peer lost: %s (and so every "
+                "collective of its peers until it reconnects)", c->job->name, msg);
+  }
+  coll_finish(c, SHARDD_E_PEER_LOST, msg);
+}
+
+/* Fails every waiting collective of q a missing rank dooms; 1 if any. */
+static int fail_doomed(coll_job *q, double now) {
+  if (q->lost_at == NULL)
+    return 0;
+  int any = 0;
+  for (coll *c = q->head, *next; c; c = next) {
+    next = c->next;
+    int64_t r = doomed_by(c, now);
+    if (r < 0)
+      continue;
+    fail_doomed_one(c, (uint32_t)r, now); /* unlinks c only; next stays */
+    any = 1;
+  }
+  if (any)
+    schedule(q);
+  return any;
+}
+
+void shardd__coll_member_joined(shardd__coll_engine *e, shardd__coll_member *m) {
+  m->joined = ++e->epoch;
+  coll_job *q = m->job ? shardd__coll_job_of(e, m->job, 0) : NULL;
+  if (q == NULL || q->lost_at == NULL || q->lost_at[m->rank] < 0)
+    return;
+  shardd__log(SHARDD__LOG_INFO, "job \"%s\": rank %" PRIu32 " is back after "
+              "%.1f s", m->job->name, m->rank, loop_now(e) - q->lost_at[m->rank]);
+  q->lost_at[m->rank] = -1;
+}
+
+/* Records that m's rank is missing from now (a job's first loss makes the
+ * job's arrays); out of memory, the loss is only logged and the waiting
+ * ends at the collective timeout, as it always did. */
+static void note_lost(coll_job *q, const shardd__coll_member *m) {
+  shardd__coll_engine *e = q->e;
+  uint32_t w = q->job->world;
+  if (q->lost_at == NULL) {
+    q->lost_at = malloc(w * sizeof *q->lost_at);
+    q->lost_epoch = calloc(w, sizeof *q->lost_epoch);
+    q->lost_told = calloc(w, 1);
+    if (q->lost_at == NULL || q->lost_epoch == NULL || q->lost_told == NULL) {
+      free(q->lost_at);
+      free(q->lost_epoch);
+      free(q->lost_told);
+      q->lost_at = NULL;
+      q->lost_epoch = NULL;
+      q->lost_told = NULL;
+      shardd__log(SHARDD__LOG_ERROR, "job \"%s\": out of memory noting that "
+                  "rank %" PRIu32 " left; its peers wait up to the collective "
+                  "timeout", q->job->name, m->rank);
+      return;
+    }
+    for (uint32_t r = 0; r < w; r++)
+      q->lost_at[r] = -1;
+  }
+  q->lost_at[m->rank] = loop_now(e);
+  q->lost_epoch[m->rank] = ++e->epoch;
+  q->lost_told[m->rank] = 0;
+}
+
+double shardd__coll_rank_missing_s(const shardd__coll_engine *e,
+                                   const shardd__job *job, uint32_t rank) {
+  const coll_job *q = shardd__map_get_id(&e->jobs, job_key(job));
+  if (q == NULL || q->lost_at == NULL || rank >= job->world || q->lost_at[rank] < 0)
+    return -1;
+  return loop_now(e) - q->lost_at[rank];
+}
+
+shardd_err shardd__coll_describe(const shardd__coll_engine *e,
+                                 const shardd__job *job, size_t i,
+                                 shardd__coll_info *out, uint8_t *arrived) {
+  const coll_job *q = shardd__map_get_id(&e->jobs, job_key(job));
+  const coll *c = q ? q->head : NULL;
+  for (; c && i > 0; i--)
+    c = c->next;
+  if (c == NULL)
+    return SHARDD_E_NOT_FOUND;
+  out->kind = c->args.kind;
+  out->target = c->args.target;
+  out->name = c->name;
+  out->running = c->started;
+  out->waited_s = loop_now(e) - (c->deadline - e->cfg.timeout);
+  for (uint32_t r = 0; r < job->world; r++)
+    arrived[r] = c->waiters[r].arrived != 0;
+  return SHARDD_OK;
 }
 
 /* ---- submission ------------------------------------------------------- */
@@ -566,22 +759,43 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
                          uint64_t seq, const shardd__coll_args *args) {
   shardd__job *job = m->job;
   char err[256];
-  shardd__obj *o;
+  shardd__obj *o = NULL;
+  int scalars = args->kind == SHARDD__COLL_ALL_REDUCE;
   shardd__obj_kind want = args->kind == SHARDD__COLL_STEP ? SHARDD__OBJ_OPTIM
                                                           : SHARDD__OBJ_BUFFER;
-  shardd_err rc = shardd__registry_resolve_gen(e->cfg.reg, job, args->target,
-                                               args->kind == SHARDD__COLL_STEP
-                                                   ? 0
-                                                   : args->generation,
-                                               want, &o, err, sizeof err);
+  shardd_err rc = SHARDD_OK;
+  if (scalars && job->nodes > 1) {
+    snprintf(err, sizeof err, "all_reduce and barrier do not cross nodes yet "
+             "(job \"%s\" spans %" PRIu32 ")", job->name, job->nodes);
+    rc = SHARDD_E_STATE;
+  } else if (scalars && (args->target > SHARDD_ALL_REDUCE_MAX ||
+                         (args->target > 0 && args->values == NULL))) {
+    snprintf(err, sizeof err, "all_reduce of %" PRIu64 " values: at most %d",
+             args->target, SHARDD_ALL_REDUCE_MAX);
+    rc = SHARDD_E_RANGE;
+  } else if (!scalars) {
+    rc = shardd__registry_resolve_gen(e->cfg.reg, job, args->target,
+                                      args->kind == SHARDD__COLL_STEP ? 0
+                                                                      : args->generation,
+                                      want, &o, err, sizeof err);
+  }
   if (rc != SHARDD_OK) {
     refuse(e, m, seq, rc, err);
     return;
   }
+  double *vals = NULL;
+  if (scalars &&
+      (vals = malloc((args->target ? args->target : 1) * sizeof *vals)) == NULL) {
+    refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    return;
+  }
+  if (vals && args->target)
+    memcpy(vals, args->values, args->target * sizeof *vals);
   if (args->kind == SHARDD__COLL_STEP &&
       ((args->has_lr && !(args->lr >= 0 && isfinite(args->lr))) ||
        !(args->max_norm >= 0))) {
     /* max_norm inf: the norm is reported, the coefficient clamps to 1 */
+    free(vals);
     refuse(e, m, seq, SHARDD_E_RANGE,
            "step: lr must be >= 0 and finite, max_norm >= 0 (inf: report the "
            "norm only)");
@@ -606,6 +820,7 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
                "rank %" PRIu32 " has %" PRIu32 " gathers in flight "
                "(--max-inflight-gathers %" PRIu32 ")",
                m->rank, n, e->cfg.max_inflight_gathers);
+      free(vals);
       refuse(e, m, seq, SHARDD_E_LIMIT, err);
       return;
     }
@@ -614,23 +829,29 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
     snprintf(err, sizeof err,
              "session has %" PRIu32 " collectives queued (limit %" PRIu32 ")",
              m->pending, e->cfg.max_pending);
+    free(vals);
     refuse(e, m, seq, SHARDD_E_LIMIT, err);
     return;
   }
   if (q == NULL && (q = shardd__coll_job_of(e, job, 1)) == NULL) {
+    free(vals);
     refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
   shardd__hp *hp = NULL; /* a step's, until c owns it */
   if (args->kind == SHARDD__COLL_STEP &&
       (rc = step_hp((const shardd__optim *)o, args, &hp, err, sizeof err)) != SHARDD_OK) {
+    free(vals);
     refuse(e, m, seq, rc, err);
     return;
   }
 
   coll *c = NULL;
   for (coll *it = q->head; it; it = it->next) {
-    if (it->args.kind == args->kind && it->args.target == args->target &&
+    /* all_reduces match whatever their count: one of another count is a
+     * mismatch that fails them all, not a collective of its own to wait
+     * for ranks that never come */
+    if (it->args.kind == args->kind && (scalars || it->args.target == args->target) &&
         !it->started && !it->waiters[m->rank].arrived) {
       c = it;
       break;
@@ -657,6 +878,7 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
     if (c == NULL || (c->waiters = calloc(job->world, sizeof *c->waiters)) == NULL) {
       free(c);
       free(hp);
+      free(vals);
       refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
       return;
     }
@@ -666,11 +888,14 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
     c->args = *args;
     c->args.group_hp = NULL; /* the caller's: resolved into c->hp */
     c->args.ngroup_hp = 0;
+    c->args.values = NULL; /* borrowed for the submit only: each waiter has its copy */
     c->deadline = loop_now(e) + e->cfg.timeout;
-    c->name_key = shardd__coll_fab_key(args->kind, o->name);
+    c->name = o ? o->name : (args->target ? "scalars" : "barrier");
+    c->name_key = shardd__coll_fab_key(args->kind, c->name);
     c->tag = shardd__coll_fab_tag(c->name_key);
-    c->name = o->name;
-    if (args->kind == SHARDD__COLL_STEP) {
+    if (scalars) {
+      /* no registry object to hold */
+    } else if (args->kind == SHARDD__COLL_STEP) {
       c->opt = (shardd__optim *)o;
       c->hp = hp;
       hp = NULL;
@@ -691,33 +916,53 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
   w->seq = seq;
   w->arrived = 1;
   w->want_grad = args->want_grad;
+  w->vals = vals;
   m->pending++;
   c->arrived++;
+  int64_t doom;
   if (c->arrived == job->local_ranks) {
     if (c->refused != SHARDD_OK)
       coll_finish(c, c->refused, c->refused_msg); /* it may have held back newer ones */
     schedule(q);
     job_maybe_quiet(q);
+  } else if ((doom = doomed_by(c, loop_now(e))) >= 0) {
+    /* a rank gone past the grace will not submit it: say so now, not at
+     * the timeout */
+    fail_doomed_one(c, (uint32_t)doom, loop_now(e));
+    schedule(q);
+    job_maybe_quiet(q);
   }
 }
 
-static void fail_waiting(coll_job *q, shardd_err code,
-                         int (*pick)(coll *c, void *arg), void *arg,
-                         void (*describe)(coll *c, void *arg, char *msg,
-                                          size_t len)) {
+/* Fails the waiting collectives of q that pick chooses; how many, and
+ * (first, when not NULL) the first one's message. */
+static uint32_t fail_waiting(coll_job *q, shardd_err code,
+                             int (*pick)(coll *c, void *arg), void *arg,
+                             void (*describe)(coll *c, void *arg, char *msg,
+                                              size_t len),
+                             char *first, size_t firstlen) {
+  uint32_t n = 0;
   for (coll *c = q->head, *next; c; c = next) {
     next = c->next;
     if (c->started || !pick(c, arg))
       continue;
     char msg[512];
     describe(c, arg, msg, sizeof msg);
+    if (n++ == 0 && first)
+      snprintf(first, firstlen, "%s", msg);
     coll_finish(c, code, msg);
     /* coll_finish may only unlink c; `next` stays valid. */
   }
   schedule(q);
+  return n;
 }
 
-static int pick_all(coll *c, void *arg) { return 1; }
+/* Waiting collectives the lost member had submitted (its waiter arrived,
+ * now forgotten): nothing can complete them. */
+static int pick_joined_by(coll *c, void *arg) {
+  const shardd__coll_member *m = arg;
+  return c->waiters[m->rank].arrived && c->waiters[m->rank].m == NULL;
+}
 
 static void describe_lost(coll *c, void *arg, char *msg, size_t len) {
   const shardd__coll_member *m = arg;
@@ -729,26 +974,35 @@ static void describe_lost(coll *c, void *arg, char *msg, size_t len) {
 }
 
 void shardd__coll_member_lost(shardd__coll_engine *e, shardd__coll_member *m) {
-  coll_job *q = m->job ? shardd__coll_job_of(e, m->job, 0) : NULL;
-  if (q == NULL)
+  if (m->job == NULL)
     return;
+  coll_job *q = shardd__coll_job_of(e, m->job, 1);
+  if (q == NULL) {
+    /* no collective of the job can be queued either: there is nothing to
+     * fail now, only the loss to remember */
+    shardd__log(SHARDD__LOG_ERROR, "job \"%s\": out of memory noting that "
+                "rank %" PRIu32 " left", m->job->name, m->rank);
+    return;
+  }
   /* Running collectives finish (their inputs were complete); they just
-   * must not answer a member that is gone. */
+   * must not answer a member that is gone. Unstarted ones it had joined can
+   * never complete (its request went with it): its own entry goes first,
+   * so it is not answered and its pending count returns to zero, then the
+   * others in them are failed at once. */
   for (coll *c = q->head; c; c = c->next) {
-    if (c->started && c->waiters[m->rank].m == m) {
+    if (c->waiters[m->rank].m == m) {
       c->waiters[m->rank].m = NULL;
       m->pending--;
     }
   }
-  /* Unstarted ones can never complete: this rank will not join them. The
-   * lost rank's own entry goes first, so it is not answered (it is going
-   * away) and its pending count returns to zero; the others are failed. */
-  for (coll *c = q->head; c; c = c->next)
-    if (!c->started && c->waiters[m->rank].m == m) {
-      c->waiters[m->rank].m = NULL;
-      m->pending--;
-    }
-  fail_waiting(q, SHARDD_E_PEER_LOST, pick_all, m, describe_lost);
+  uint32_t n = fail_waiting(q, SHARDD_E_PEER_LOST, pick_joined_by, m,
+                            describe_lost, NULL, 0);
+  if (n > 0)
+    shardd__log(SHARDD__LOG_WARN, "job \"%s\": peer lost: rank %" PRIu32
+                " disconnected inside %" PRIu32 " collective(s); they failed "
+                "with E_PEER_LOST", m->job->name, m->rank, n);
+  note_lost(q, m);
+  fail_doomed(q, loop_now(e)); /* --peer-grace 0: the rest too, at once */
   job_maybe_quiet(q);
 }
 
@@ -805,8 +1059,14 @@ void shardd__coll_tick(shardd__coll_engine *e, double now) {
   shardd__registry_each_job(e->cfg.reg, collect_job, &a);
   tick_arg t = {now};
   for (size_t i = 0; i < a.n; i++) {
-    fail_waiting(a.jobs[i], SHARDD_E_PEER_LOST, pick_expired, &t,
-                 describe_expired);
+    fail_doomed(a.jobs[i], now);
+    char first[512];
+    uint32_t n = fail_waiting(a.jobs[i], SHARDD_E_PEER_LOST, pick_expired, &t,
+                              describe_expired, first, sizeof first);
+    if (n > 0)
+      shardd__log(SHARDD__LOG_WARN, "job \"%s\": %" PRIu32 " collective(s) "
+                  "timed out (--collective-timeout): %s%s",
+                  a.jobs[i]->job->name, n, first, n > 1 ? " (and others)" : "");
     job_maybe_quiet(a.jobs[i]);
   }
   free(a.jobs);

@@ -29,7 +29,9 @@
 typedef enum {
   SHARDD__COLL_GATHER = 1,
   SHARDD__COLL_SCATTER = 2,
-  SHARDD__COLL_STEP = 3
+  SHARDD__COLL_STEP = 3,
+  /* a few scalars over the job's ranks (target: how many; 0 a barrier) */
+  SHARDD__COLL_ALL_REDUCE = 4
 } shardd__coll_kind;
 
 typedef struct {
@@ -56,15 +58,20 @@ typedef struct {
    * during submit only (the engine keeps the resolved values) */
   const shardd__optspec_hp *group_hp;
   size_t ngroup_hp;
+  /* all_reduce: this rank's values ([target], borrowed for the submit;
+   * SHARDD_ALL_REDUCE_MAX at most); op any of sum, mean, max, min */
+  const double *values;
 } shardd__coll_args;
 
 /* One rank of a job as the engine sees it. The caller sets job and rank
  * before its first submit and keeps them until member_lost; pending is the
- * engine's (collectives it waits in, for --max-pending). */
+ * engine's (collectives it waits in, for --max-pending), and so is joined
+ * (when shardd__coll_member_joined last saw it; 0 never). */
 typedef struct {
   shardd__job *job;
   uint32_t rank;
   uint32_t pending;
+  uint64_t joined;
 } shardd__coll_member;
 
 /* What a completed collective reports beyond its code: a step its count
@@ -78,6 +85,9 @@ typedef struct {
   shardd__area gather;
   int has_grad;
   shardd__area grad;
+  /* all_reduce: the reduction ([nvalues], borrowed for the hook's call) */
+  const double *values;
+  uint32_t nvalues;
 } shardd__coll_result;
 
 typedef struct {
@@ -98,6 +108,9 @@ typedef struct {
   uv_loop_t *loop;
   shardd__registry *reg;
   double timeout;                /* seconds a collective waits for all ranks */
+  /* seconds a lost rank has to come back before the collectives of the
+   * ranks that were its peers fail (0: at once) */
+  double peer_grace;
   uint32_t max_pending;          /* collectives one member may wait in */
   uint32_t max_inflight_gathers; /* gathers one member may have queued; 0 any */
   shardd__coll_hooks hooks;
@@ -118,11 +131,23 @@ void shardd__coll_engine_destroy(shardd__coll_engine *e);
 void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
                          uint64_t seq, const shardd__coll_args *args);
 
-/* m is going away: every collective of its job still waiting for ranks
- * fails with SHARDD_E_PEER_LOST; running ones forget m. */
+/* m (its job and rank set) now holds its rank: a rank lost before is back,
+ * and the collectives still waiting for it wait on. Call before m's first
+ * submit after each claim of the rank. */
+void shardd__coll_member_joined(shardd__coll_engine *e, shardd__coll_member *m);
+
+/* m is going away: running collectives forget m; waiting ones m had joined
+ * fail with SHARDD_E_PEER_LOST at once (m's part of them is gone). Its rank
+ * is then missing: unless a member joins for it within peer_grace, every
+ * other waiting collective of the job, and every one submitted later, that
+ * a rank joined before m left is waiting in fails with SHARDD_E_PEER_LOST
+ * naming the rank (at the tick past the grace, or at submit). Members that
+ * joined after the loss (a relaunched job) wait for it as at the start,
+ * up to the timeout. */
 void shardd__coll_member_lost(shardd__coll_engine *e, shardd__coll_member *m);
 
-/* Fails collectives that waited past the timeout (now: loop seconds). */
+/* Fails collectives that waited past the timeout, and those a rank missing
+ * past peer_grace dooms (now: loop seconds). Both are logged. */
 void shardd__coll_tick(shardd__coll_engine *e, double now);
 
 /* Makes job span sp->nodes daemons, this one node sp->node_rank
@@ -148,6 +173,30 @@ void shardd__coll_fabric_state(shardd__coll_engine *e, const shardd__job *job,
  * again when it starts). */
 int shardd__coll_gathering(const shardd__coll_engine *e,
                            const shardd__buffer *b);
+
+/* "gather", "scatter", "step" (messages, status). */
+const char *shardd__coll_kind_word(shardd__coll_kind k);
+
+/* For status: one collective queued or running in a job. */
+typedef struct {
+  shardd__coll_kind kind;
+  uint64_t target;  /* all_reduce: how many values */
+  const char *name; /* the target's; borrowed until the engine is next called */
+  int running;
+  double waited_s; /* since its first rank submitted it */
+} shardd__coll_info;
+
+/* The i-th collective of job's queue (0 the oldest) into out, and arrived
+ * (job->world bytes, the caller's) set to 1 for each local rank that
+ * submitted it, 0 for the others; SHARDD_E_NOT_FOUND past the last. */
+shardd_err shardd__coll_describe(const shardd__coll_engine *e,
+                                 const shardd__job *job, size_t i,
+                                 shardd__coll_info *out, uint8_t *arrived);
+
+/* For status: seconds since rank of job was lost and no member joined for
+ * it again; < 0 when it is held, or was never lost. */
+double shardd__coll_rank_missing_s(const shardd__coll_engine *e,
+                                   const shardd__job *job, uint32_t rank);
 
 /* Collectives queued or running in job (0 before it may be released). */
 uint32_t shardd__coll_inflight(const shardd__coll_engine *e,

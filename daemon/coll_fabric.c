@@ -471,6 +471,8 @@ static void fabric_task(coll *c, task *t) {
       c->sumsq_all = sum;
       break;
     }
+    case SHARDD__COLL_ALL_REDUCE:
+      break; /* refused at submit in a multi-node job: never here */
     }
   }
   free(h);

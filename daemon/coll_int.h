@@ -19,6 +19,7 @@ typedef struct {
   uint64_t seq;
   int arrived;
   int want_grad; /* gather of a transient job: lease the gradient area too */
+  double *vals;  /* all_reduce: this rank's values (owned) */
 } waiter;
 
 /* One piece of work on the pool: elements [start, start+len) of unit
@@ -56,12 +57,20 @@ typedef struct {
   void *bulk_comm;
   atomic_int bulk_state;
   coll_fab *fab; /* NULL on one node */
+  /* ranks whose member was lost and has not joined again ([world], made
+   * at the first loss; NULL before): since when (loop seconds, < 0 held),
+   * the engine's epoch at the loss (members that joined before it were the
+   * lost one's peers), and whether the loss was logged as failing others */
+  double *lost_at;
+  uint64_t *lost_epoch;
+  uint8_t *lost_told;
 } coll_job;
 
 struct shardd__coll_engine {
   shardd__coll_config cfg;
   shardd__backend *be;
   int stopping;
+  uint64_t epoch; /* counts joins and losses, to order them */
   shardd__map jobs; /* job address -> coll_job */
 };
 
@@ -98,6 +107,7 @@ struct coll {
   const char *name;  /* the target's (it outlives c: the hold keeps it) */
   uint64_t fab_seq;  /* exchanges of this kind and target before this one */
   double sumsq_all;
+  double *reduced; /* all_reduce: the result ([args.target], owned) */
   char fab_msg[384]; /* written by the fabric thread, read after it */
   /* the exchange in flight: its task, its place in the job's fabric queue
    * and the handle that brings its end back to the loop */
@@ -115,7 +125,6 @@ struct coll {
 
 static inline int shardd__coll_multi(const coll *c) { return c->job->nodes > 1; }
 
-const char *shardd__coll_kind_word(shardd__coll_kind k);
 const char *shardd__coll_target_word(shardd__coll_kind k);
 
 /* coll.c: the engine's state of job (created when create and missing;

@@ -172,6 +172,8 @@ void shardd__coll_work(uv_work_t *req) {
     else
       update_task(c, t);
     break;
+  case SHARDD__COLL_ALL_REDUCE:
+    break; /* reduced on the loop; only its empty task runs */
   }
 }
 

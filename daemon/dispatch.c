@@ -155,6 +155,7 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     }
     c->m.job = job;
     c->m.rank = rank;
+    shardd__coll_member_joined(d->coll, &c->m);
     shardd__log(2,
                 "session %" PRIu64 ": rank %" PRIu32 "/%" PRIu32
                 " of job \"%s\" (pid %d uid %d)",
@@ -643,6 +644,21 @@ static void on_step(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   free(ghp);
 }
 
+static void on_all_reduce(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                          const Shardwire__Request *req) {
+  const Shardwire__AllReduce *ar = req->all_reduce;
+  shardd__coll_args ca = {.kind = SHARDD__COLL_ALL_REDUCE,
+                          .target = ar->n_values,
+                          .op = ar->has_op ? (shardd_reduce_op)ar->op : SHARDD_REDUCE_SUM,
+                          .values = ar->values};
+  if (ca.op != SHARDD_REDUCE_SUM && ca.op != SHARDD_REDUCE_MEAN &&
+      ca.op != SHARDD_REDUCE_MAX && ca.op != SHARDD_REDUCE_MIN) {
+    reply(d, c, seq, SHARDD_E_INVAL, "all_reduce op must be sum, mean, max or min");
+    return;
+  }
+  shardd__coll_submit(d->coll, &c->m, seq, &ca);
+}
+
 static void on_release(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                        const Shardwire__Request *req) {
   char err[ERRLEN];
@@ -700,6 +716,7 @@ static const struct {
     {SHARDWIRE__REQUEST__BODY_SCATTER, 1, 0, on_scatter},
     {SHARDWIRE__REQUEST__BODY_STEP, 1, 1, on_step},
     {SHARDWIRE__REQUEST__BODY_RELEASE, 1, 0, on_release},
+    {SHARDWIRE__REQUEST__BODY_ALL_REDUCE, 1, 0, on_all_reduce},
 };
 
 void shardd__dispatch_frame(shardd__dispatch *d, shardd__conn *c,
@@ -826,6 +843,15 @@ static void coll_done(void *ctx, shardd__coll_member *m, uint64_t seq,
     reply_gather(d, c, seq, res);
     return;
   }
+  if (res->kind == SHARDD__COLL_ALL_REDUCE) {
+    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_ALL_REDUCE);
+    Shardwire__AllReduceReply ar = SHARDWIRE__ALL_REDUCE_REPLY__INIT;
+    ar.n_values = res->nvalues;
+    ar.values = (double *)res->values;
+    resp.all_reduce = &ar;
+    send_resp(d, c, &resp, -1);
+    return;
+  }
   Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_STEP);
   Shardwire__StepReply sr = SHARDWIRE__STEP_REPLY__INIT;
   sr.step = res->step;
@@ -876,12 +902,13 @@ shardd_err shardd__dispatch_init(shardd__dispatch *d, uv_loop_t *loop,
   /* connections, the listener, checkpoint files and libraries keep theirs */
   shardd__registry_fit_blocks(&d->reg,
                               (uint64_t)opts->max_clients + SHARDD__ADMIN_RESERVE + 128);
-  shardd__coll_config cc = {loop,
-                            &d->reg,
-                            opts->collective_timeout,
-                            opts->max_pending,
-                            opts->max_inflight_gathers,
-                            {d, coll_done, coll_quiet}};
+  shardd__coll_config cc = {.loop = loop,
+                            .reg = &d->reg,
+                            .timeout = opts->collective_timeout,
+                            .peer_grace = opts->peer_grace,
+                            .max_pending = opts->max_pending,
+                            .max_inflight_gathers = opts->max_inflight_gathers,
+                            .hooks = {d, coll_done, coll_quiet}};
   if (shardd__coll_engine_create(&cc, &d->coll) != SHARDD_OK) {
     shardd__registry_free(&d->reg);
     snprintf(err, errlen, "out of memory");

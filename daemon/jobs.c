@@ -295,6 +295,12 @@ void shardd__jobs_expire(shardd__jobs *j, double now) {
   free(a.expired);
 }
 
+int shardd__jobs_rank_held(const shardd__jobs *j, const shardd__job *job,
+                           uint32_t rank) {
+  const slot *s = slot_get(j, job);
+  return s && rank < job->world && s->owners[rank].owner != 0;
+}
+
 uint32_t shardd__jobs_clients(const shardd__jobs *j, const shardd__job *job) {
   const slot *s = slot_get(j, job);
   return s ? s->nclients : 0;

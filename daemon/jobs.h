@@ -79,6 +79,9 @@ void shardd__jobs_idle(shardd__jobs *j, shardd__job *job);
 void shardd__jobs_expire(shardd__jobs *j, double now);
 
 uint32_t shardd__jobs_clients(const shardd__jobs *j, const shardd__job *job);
+/* Whether a client holds rank of job now. */
+int shardd__jobs_rank_held(const shardd__jobs *j, const shardd__job *job,
+                           uint32_t rank);
 
 /* Checkpoints job to dir between steps (SHARDD_E_BUSY with collectives in
  * flight or while it is being checkpointed or restored, SHARDD_E_STATE for a

@@ -51,6 +51,10 @@ typedef struct {
    * max_views) */
   uint32_t max_views;
   uint32_t max_views_per_uid;
+  /* --peer-grace: seconds a rank whose connection closed has to come back
+   * before its peers' collectives fail (they waited the whole collective
+   * timeout for a rank the daemon had seen go) */
+  double peer_grace;
 } shardd__server_opts;
 
 #define SHARDD__UID_MEMORY_DEFAULT UINT64_MAX
@@ -60,6 +64,6 @@ typedef struct {
 #define SHARDD__ADMIN_RESERVE 8u
 
 #define SHARDD__SERVER_OPTS_INIT \
-  {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2, -1, 0, NULL, NULL, 0, 16, 4096, 10.0, 30.0, 256, 512, SHARDD__UID_MEMORY_DEFAULT, (uint64_t)256 << 20, 4194304, 0}
+  {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2, -1, 0, NULL, NULL, 0, 16, 4096, 10.0, 30.0, 256, 512, SHARDD__UID_MEMORY_DEFAULT, (uint64_t)256 << 20, 4194304, 0, 1.0}
 
 #endif /* SHARDD_OPTS_H */

@@ -53,6 +53,70 @@ void shardd__report_free(shardd__report *r) {
 
 static Shardwire__DType wire_dtype(shardd_dtype d) { return (Shardwire__DType)d; }
 
+/* Collectives listed per job: a stuck job shows what it waits on without
+ * a deep pipeline of prefetched gathers filling the reply. */
+#define MAX_STATUS_COLLECTIVES 32
+
+/* This daemon's ranks of job, held and not (with how long each has been
+ * gone), so an operator sees who is missing when collectives wait. */
+static void rank_states(const shardd__status_ctx *ctx, shardd__report *r,
+                        shardd__job *job, Shardwire__JobStatus *js) {
+  uint32_t n = job->local_ranks;
+  js->connected_ranks = ar_alloc(r, n * sizeof *js->connected_ranks);
+  js->missing_ranks = ar_alloc(r, n * sizeof *js->missing_ranks);
+  js->missing_for_s = ar_alloc(r, n * sizeof *js->missing_for_s);
+  if (!js->connected_ranks || !js->missing_ranks || !js->missing_for_s)
+    return;
+  for (uint32_t k = job->local_first; k < job->local_first + n; k++) {
+    if (shardd__jobs_rank_held(ctx->jobs, job, k)) {
+      js->connected_ranks[js->n_connected_ranks++] = k;
+      continue;
+    }
+    js->missing_ranks[js->n_missing_ranks++] = k;
+    js->missing_for_s[js->n_missing_for_s++] =
+        shardd__coll_rank_missing_s(ctx->coll, job, k);
+  }
+}
+
+/* The job's collectives, oldest first, each with the ranks that arrived
+ * and those it waits on. */
+static void coll_states(const shardd__status_ctx *ctx, shardd__report *r,
+                        shardd__job *job, Shardwire__JobStatus *js) {
+  uint32_t n = shardd__coll_inflight(ctx->coll, job);
+  if (n == 0)
+    return;
+  if (n > MAX_STATUS_COLLECTIVES)
+    n = MAX_STATUS_COLLECTIVES;
+  uint8_t *arrived = ar_alloc(r, job->world);
+  js->collectives = ar_alloc(r, n * sizeof *js->collectives);
+  if (arrived == NULL || js->collectives == NULL)
+    return;
+  shardd__coll_info info;
+  for (size_t i = 0; i < n && shardd__coll_describe(ctx->coll, job, i, &info,
+                                                    arrived) == SHARDD_OK; i++) {
+    Shardwire__CollectiveStatus *cs = ar_alloc(r, sizeof *cs);
+    uint32_t lr = job->local_ranks;
+    uint32_t *in = ar_alloc(r, lr * sizeof *in), *out = ar_alloc(r, lr * sizeof *out);
+    if (cs == NULL || in == NULL || out == NULL)
+      return;
+    shardwire__collective_status__init(cs);
+    cs->kind = ar_strdup(r, shardd__coll_kind_word(info.kind));
+    cs->target = info.target;
+    cs->name = ar_strdup(r, info.name);
+    cs->running = info.running;
+    cs->waited_s = info.waited_s;
+    cs->arrived = in;
+    cs->waiting_for = out;
+    for (uint32_t k = job->local_first; k < job->local_first + lr; k++) {
+      if (arrived[k])
+        in[cs->n_arrived++] = k;
+      else if (!info.running)
+        out[cs->n_waiting_for++] = k;
+    }
+    js->collectives[js->n_collectives++] = cs;
+  }
+}
+
 static Shardwire__JobStatus *job_status(const shardd__status_ctx *ctx,
                                      shardd__report *r, shardd__job *job) {
   Shardwire__JobStatus *js = ar_alloc(r, sizeof *js);
@@ -73,6 +137,8 @@ static Shardwire__JobStatus *job_status(const shardd__status_ctx *ctx,
     js->pool_bytes = shardd__job_pool_bytes(job);
   }
   js->collectives_in_flight = shardd__coll_inflight(ctx->coll, job);
+  rank_states(ctx, r, job, js);
+  coll_states(ctx, r, job, js);
   shardd__buffer **bufs;
   size_t nb;
   if (shardd__job_buffers(job, &bufs, &nb) == SHARDD_OK) {

@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <uv.h>
 
 #include "backend.h"
@@ -50,6 +51,7 @@ static size_t nreplies;
 static unsigned nquiet;
 static shardd__job *quiet_job;
 static char err[512];
+static double grace; /* the engine's peer_grace; 0 unless a test sets it */
 
 /* ---- hooks ------------------------------------------------------------ */
 
@@ -86,6 +88,7 @@ static void make_engine(uint32_t max_pending, uint32_t max_inflight_gathers) {
       .loop = &loop,
       .reg = &reg,
       .timeout = TIMEOUT,
+      .peer_grace = grace,
       .max_pending = max_pending,
       .max_inflight_gathers = max_inflight_gathers,
       .hooks = {.ctx = &replies, .done = on_done, .job_quiet = on_quiet},
@@ -95,6 +98,7 @@ static void make_engine(uint32_t max_pending, uint32_t max_inflight_gathers) {
 }
 
 static void setup(void) {
+  grace = 0;
   nreplies = 0;
   nquiet = 0;
   quiet_job = NULL;
@@ -755,6 +759,301 @@ Test(coll, job_quiet_after_mismatch) {
   run_idle();
   cr_expect_eq(nquiet, 1, "job_quiet not called when the last "
                           "collective of the job was refused as a mismatch");
+}
+
+/* ---- a rank lost between collectives (--peer-grace) -------------------- */
+
+/* A new engine with peer_grace g (the fixture's has 0). */
+static void use_grace(double g) {
+  shardd__coll_engine_destroy(eng);
+  grace = g;
+  make_engine(MAX_PENDING, 0);
+}
+
+/* rank stands for a relaunched trainer: a new member claims it. */
+static void rejoin(uint32_t rank) {
+  mem[rank] = (shardd__coll_member){.job = job, .rank = rank};
+  shardd__coll_member_joined(eng, &mem[rank]);
+}
+
+/* Grace 0: a rank that left while nobody waited fails the next collective
+ * its peers submit at once, naming it, instead of after the timeout. */
+Test(coll, lost_between_collectives_fails_the_next_at_once) {
+  shardd__buffer *b = buf_new("w", 300);
+  shardd__coll_member_lost(eng, &mem[1]);
+  cr_assert_eq(nreplies, 0, "nothing was waiting");
+  submit(0, 1, gather_args(b));
+  const reply *rp = expect_reply(0, 1, SHARDD_E_PEER_LOST);
+  expect_msg(rp, "rank 1 of job \"job\" disconnected");
+  expect_msg(rp, "--peer-grace");
+  expect_msg(rp, "gather of buffer");
+  cr_assert_null(strstr(rp->msg, "rank 2"), "names only the lost rank: %s", rp->msg);
+  submit(2, 1, scatter_args(b, SHARDD_REDUCE_SUM));
+  expect_reply(2, 1, SHARDD_E_PEER_LOST);
+  cr_assert_eq(shardd__coll_inflight(eng, job), 0);
+  expect_pending_zero();
+  run_idle();
+  cr_assert_eq(b->gathers, 0);
+}
+
+/* Grace 2 s: what waits when the rank goes, and what is submitted in the
+ * grace, fails at the first tick past it, not before. */
+Test(coll, lost_rank_fails_its_peers_past_the_grace) {
+  use_grace(2.0);
+  shardd__buffer *b = buf_new("w", 300);
+  double t0 = loop_s();
+  submit(0, 1, gather_args(b));
+  shardd__coll_member_lost(eng, &mem[1]);
+  submit(2, 1, gather_args(b));
+  cr_assert_eq(nreplies, 0, "inside the grace nothing fails");
+  shardd__coll_tick(eng, t0 + 1.0);
+  cr_assert_eq(nreplies, 0, "inside the grace nothing fails");
+  shardd__coll_tick(eng, t0 + 2.5);
+  cr_assert_eq(nreplies, 2);
+  for (uint32_t r = 0; r < W; r += 2) {
+    const reply *rp = expect_reply(r, 1, SHARDD_E_PEER_LOST);
+    expect_msg(rp, "rank 1 of job \"job\" disconnected");
+    expect_msg(rp, "did not come back within --peer-grace 2 s");
+  }
+  cr_assert_eq(shardd__coll_inflight(eng, job), 0);
+  expect_pending_zero();
+  run_idle();
+  cr_assert_eq(nquiet, 1, "the job went quiet");
+}
+
+/* Past the grace, a submit fails at once (no tick needed). */
+Test(coll, lost_rank_past_the_grace_fails_a_submit_at_once) {
+  use_grace(0.2);
+  shardd__buffer *b = buf_new("w", 300);
+  shardd__coll_member_lost(eng, &mem[2]);
+  usleep(300 * 1000);
+  uv_update_time(&loop);
+  submit(0, 1, gather_args(b));
+  expect_msg(expect_reply(0, 1, SHARDD_E_PEER_LOST), "rank 2 of job");
+  expect_pending_zero();
+}
+
+/* A rank that comes back within the grace fails nobody: the collective
+ * its peers wait in completes once it submits, with the right bytes. */
+Test(coll, rank_back_within_the_grace_fails_nothing) {
+  use_grace(2.0);
+  shardd__buffer *b = buf_new("w", 300);
+  fill_shards(b, 4);
+  double t0 = loop_s();
+  submit(0, 1, gather_args(b));
+  shardd__coll_member_lost(eng, &mem[1]);
+  cr_assert_gt(shardd__coll_rank_missing_s(eng, job, 1), -0.5);
+  cr_assert_lt(shardd__coll_rank_missing_s(eng, job, 0), 0, "rank 0 is held");
+  rejoin(1);
+  cr_assert_lt(shardd__coll_rank_missing_s(eng, job, 1), 0, "rank 1 is back");
+  shardd__coll_tick(eng, t0 + 3.0);
+  cr_assert_eq(nreplies, 0, "a rank that came back fails nothing");
+  submit(1, 1, gather_args(b));
+  submit(2, 1, gather_args(b));
+  run_until(W);
+  for (uint32_t r = 0; r < W; r++)
+    expect_reply(r, 1, SHARDD_OK);
+  check_gathered(b, 4);
+  expect_pending_zero();
+}
+
+/* Back after the grace (a relaunched trainer): the peers failed once, and
+ * the collectives after its return work again. */
+Test(coll, rank_back_after_the_grace_trains_again) {
+  shardd__buffer *b = buf_new("w", 300);
+  fill_shards(b, 5);
+  shardd__coll_member_lost(eng, &mem[1]);
+  submit(0, 1, gather_args(b));
+  expect_reply(0, 1, SHARDD_E_PEER_LOST);
+  rejoin(1);
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 2, gather_args(b));
+  run_until(1 + W);
+  for (uint32_t r = 0; r < W; r++)
+    expect_reply(r, 2, SHARDD_OK);
+  check_gathered(b, 5);
+}
+
+/* A job relaunched rank by rank: a rank that joined after another was lost
+ * waits for it as at the job's start (up to the timeout), whatever the
+ * grace, or a relaunch would fail on whichever rank started last. */
+Test(coll, relaunched_ranks_wait_for_the_ones_still_starting) {
+  shardd__buffer *b = buf_new("w", 300);
+  fill_shards(b, 6);
+  for (uint32_t r = 0; r < W; r++)
+    shardd__coll_member_lost(eng, &mem[r]);
+  double t0 = loop_s();
+  rejoin(2);
+  submit(2, 1, gather_args(b));
+  rejoin(0);
+  submit(0, 1, gather_args(b));
+  shardd__coll_tick(eng, t0 + TIMEOUT - 1);
+  cr_assert_eq(nreplies, 0, "relaunched ranks wait for rank 1");
+  rejoin(1);
+  submit(1, 1, gather_args(b));
+  run_until(W);
+  for (uint32_t r = 0; r < W; r++)
+    expect_reply(r, 1, SHARDD_OK);
+  check_gathered(b, 6);
+}
+
+/* Lost inside a collective it had submitted: its peers fail at once, the
+ * grace notwithstanding (no return can complete it). */
+Test(coll, lost_inside_a_collective_fails_at_once_under_a_grace) {
+  use_grace(30.0);
+  shardd__buffer *b = buf_new("w", 300);
+  submit(0, 1, gather_args(b));
+  submit(1, 1, gather_args(b));
+  shardd__coll_member_lost(eng, &mem[1]);
+  expect_msg(expect_reply(0, 1, SHARDD_E_PEER_LOST), "disconnected before");
+  expect_pending_zero();
+}
+
+/* What status reads: each queued collective and who has submitted it. */
+Test(coll, describe_lists_arrivals) {
+  shardd__buffer *a = buf_new("a", 300), *b = buf_new("b", 300);
+  submit(0, 1, gather_args(a));
+  submit(2, 2, gather_args(a));
+  submit(1, 3, scatter_args(b, SHARDD_REDUCE_SUM));
+  shardd__coll_info info;
+  uint8_t arrived[W];
+  cr_assert_eq(shardd__coll_describe(eng, job, 0, &info, arrived), SHARDD_OK);
+  cr_assert_eq(info.kind, SHARDD__COLL_GATHER);
+  cr_assert_eq(info.target, a->hdr.id);
+  cr_assert_str_eq(info.name, "a");
+  cr_assert(!info.running);
+  cr_assert_geq(info.waited_s, 0);
+  cr_assert(arrived[0] && !arrived[1] && arrived[2]);
+  cr_assert_eq(shardd__coll_describe(eng, job, 1, &info, arrived), SHARDD_OK);
+  cr_assert_eq(info.kind, SHARDD__COLL_SCATTER);
+  cr_assert_str_eq(info.name, "b");
+  cr_assert(!arrived[0] && arrived[1] && !arrived[2]);
+  cr_assert_eq(shardd__coll_describe(eng, job, 2, &info, arrived), SHARDD_E_NOT_FOUND);
+}
+
+/* ---- all_reduce and barrier --------------------------------------------- */
+
+static shardd__coll_args allreduce_args(const double *v, uint32_t n,
+                                        shardd_reduce_op op) {
+  return (shardd__coll_args){.kind = SHARDD__COLL_ALL_REDUCE,
+                             .target = n,
+                             .op = op,
+                             .values = v};
+}
+
+/* Each rank's values; the expected results are folded here in rank order
+ * (the documented order, so every rank gets the same bits). */
+static const double ar_in[W][4] = {
+    {1.0, -2.5, 1e-17, 7.0},
+    {0.1, 3.25, 1.0, -7.0},
+    {0.2, -0.75, -1.0, 7.5},
+};
+
+/* The values themselves, copied in the hook's call (they are borrowed). */
+static double got_vals[W][4];
+static void on_done_copy(void *ctx, shardd__coll_member *m, uint64_t seq,
+                         shardd_err code, const char *msg,
+                         const shardd__coll_result *res) {
+  on_done(ctx, m, seq, code, msg, res);
+  if (res && res->kind == SHARDD__COLL_ALL_REDUCE)
+    memcpy(got_vals[m->rank], res->values, res->nvalues * sizeof(double));
+}
+
+/* sum, mean, max, min of 4 values over 3 ranks: every rank gets the
+ * rank-order fold, bit for bit. */
+Test(coll, all_reduce_values_in_rank_order_same_bits) {
+  shardd__coll_engine_destroy(eng);
+  shardd__coll_config cfg = {.loop = &loop, .reg = &reg, .timeout = TIMEOUT,
+                             .max_pending = MAX_PENDING,
+                             .hooks = {.ctx = &replies, .done = on_done_copy,
+                                       .job_quiet = on_quiet}};
+  cr_assert_eq(shardd__coll_engine_create(&cfg, &eng), SHARDD_OK);
+  shardd_reduce_op ops[] = {SHARDD_REDUCE_SUM, SHARDD_REDUCE_MEAN,
+                            SHARDD_REDUCE_MAX, SHARDD_REDUCE_MIN};
+  for (uint64_t k = 0; k < 4; k++) {
+    memset(got_vals, 0, sizeof got_vals);
+    size_t before = nreplies;
+    /* arrival order 2, 0, 1: the fold is still in rank order */
+    submit(2, 20 + k, allreduce_args(ar_in[2], 4, ops[k]));
+    submit(0, 20 + k, allreduce_args(ar_in[0], 4, ops[k]));
+    submit(1, 20 + k, allreduce_args(ar_in[1], 4, ops[k]));
+    run_until(before + W);
+    for (uint32_t i = 0; i < 4; i++) {
+      double want = ar_in[0][i];
+      for (uint32_t r = 1; r < W; r++) {
+        double v = ar_in[r][i];
+        if (ops[k] == SHARDD_REDUCE_MAX)
+          want = v > want ? v : want;
+        else if (ops[k] == SHARDD_REDUCE_MIN)
+          want = v < want ? v : want;
+        else
+          want = want + v;
+      }
+      if (ops[k] == SHARDD_REDUCE_MEAN)
+        want /= W;
+      for (uint32_t r = 0; r < W; r++) {
+        expect_reply(r, 20 + k, SHARDD_OK);
+        cr_assert(memcmp(&got_vals[r][i], &want, sizeof want) == 0,
+                  "op %d value %u rank %u: %.17g, want %.17g", (int)ops[k], i, r,
+                  got_vals[r][i], want);
+      }
+    }
+  }
+  /* a NaN stays NaN for max and min too (fmax would drop it) */
+  double nan_in[W] = {1.0, NAN, 2.0};
+  size_t before = nreplies;
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 30, allreduce_args(&nan_in[r], 1, SHARDD_REDUCE_MAX));
+  run_until(before + W);
+  for (uint32_t r = 0; r < W; r++) {
+    expect_reply(r, 30, SHARDD_OK);
+    cr_assert(isnan(got_vals[r][0]), "max with a NaN: %g", got_vals[r][0]);
+  }
+  expect_pending_zero();
+}
+
+/* A barrier (no values) completes only once every rank has come. */
+Test(coll, barrier_waits_for_every_rank) {
+  submit(0, 1, allreduce_args(NULL, 0, SHARDD_REDUCE_SUM));
+  submit(2, 1, allreduce_args(NULL, 0, SHARDD_REDUCE_SUM));
+  run_idle();
+  cr_assert_eq(nreplies, 0, "a barrier returned before rank 1 came");
+  submit(1, 1, allreduce_args(NULL, 0, SHARDD_REDUCE_SUM));
+  run_until(W);
+  for (uint32_t r = 0; r < W; r++)
+    cr_assert_eq(expect_reply(r, 1, SHARDD_OK)->res.nvalues, 0);
+  expect_pending_zero();
+}
+
+/* Ranks that disagree on the count or the op all fail (a silent pick
+ * would log mixed metrics); too many values are refused. */
+Test(coll, all_reduce_mismatch_and_limits) {
+  double v[SHARDD_ALL_REDUCE_MAX + 1] = {0};
+  submit(0, 1, allreduce_args(v, 2, SHARDD_REDUCE_SUM));
+  submit(1, 1, allreduce_args(v, 3, SHARDD_REDUCE_SUM));
+  submit(2, 1, allreduce_args(v, 2, SHARDD_REDUCE_SUM));
+  for (uint32_t r = 0; r < W; r++)
+    expect_msg(expect_reply(r, 1, SHARDD_E_MISMATCH), "other arguments");
+  submit(0, 2, allreduce_args(v, 1, SHARDD_REDUCE_SUM));
+  submit(1, 2, allreduce_args(v, 1, SHARDD_REDUCE_MAX));
+  submit(2, 2, allreduce_args(v, 1, SHARDD_REDUCE_SUM));
+  for (uint32_t r = 0; r < W; r++)
+    expect_reply(r, 2, SHARDD_E_MISMATCH);
+  submit(0, 3, allreduce_args(v, SHARDD_ALL_REDUCE_MAX + 1, SHARDD_REDUCE_SUM));
+  expect_msg(expect_reply(0, 3, SHARDD_E_RANGE), "at most 64");
+  cr_assert_eq(shardd__coll_inflight(eng, job), 0);
+  expect_pending_zero();
+}
+
+/* A rank lost while the others wait in a barrier fails them (it had not
+ * come: grace 0 here), naming it. */
+Test(coll, barrier_with_a_lost_rank_fails) {
+  submit(0, 1, allreduce_args(NULL, 0, SHARDD_REDUCE_SUM));
+  submit(1, 1, allreduce_args(NULL, 0, SHARDD_REDUCE_SUM));
+  shardd__coll_member_lost(eng, &mem[2]);
+  expect_msg(expect_reply(0, 1, SHARDD_E_PEER_LOST), "rank 2");
+  expect_reply(1, 1, SHARDD_E_PEER_LOST);
+  expect_pending_zero();
 }
 
 /* ---- step --------------------------------------------------------------- */

@@ -1359,3 +1359,359 @@ Test(collective, scatter_with_no_work_completes_and_daemon_lives, .init = start1
   test_raw_close(&r);
   cr_assert(test_daemon_alive(&d), "the daemon died");
 }
+
+/* ---- a rank killed between collectives (--peer-grace) ------------------- */
+
+#define PEER_NUMEL 1001
+
+static void start_grace1(void) {
+  const char *args[] = {"--devices", "4", "--peer-grace", "1", NULL};
+  test_daemon_start(&d, args);
+}
+
+static void start_grace3(void) {
+  const char *args[] = {"--devices", "4", "--peer-grace", "3", NULL};
+  test_daemon_start(&d, args);
+}
+
+/* Rank 1 of job "between" (world 2) in a process of its own: it registers
+ * "p", writes 'r', gathers once with rank 0 when gather_once, writes 'g',
+ * then waits to be killed. A relaunch (gather_once 0) connects as soon as
+ * the daemon has let the dead one's rank go, attaches, writes 'r', and on
+ * 'g' from go gathers and checks the bytes: exit 0 when all held. */
+static void child_rank1(const char *sock, int ready, int go, int first) {
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = "between";
+  o.rank = 1;
+  o.world = 2;
+  shardd_client_t *c = NULL;
+  char err[256], ch = 0;
+  for (double end = test_mono_s() + TEST_HANG_S;;) {
+    if (shardd_connect(sock, &o, &c, err, sizeof err) == SHARDD_OK)
+      break;
+    if (test_mono_s() > end)
+      _exit(10);
+    test_sleep_ms(5);
+  }
+  shardd_buffer_info b;
+  if (shardd_buffer_register(c, "p", SHARDD_DTYPE_FP32, PEER_NUMEL, &b) != SHARDD_OK)
+    _exit(11);
+  if (b.created != first)
+    _exit(12);
+  for (size_t i = 0; i < b.shard_numel; i++)
+    ((float *)b.shard)[i] = (float)(1000000 + i);
+  if (write(ready, "r", 1) != 1)
+    _exit(13);
+  if (first) {
+    if (shardd_gather(c, b.id) != SHARDD_OK)
+      _exit(14);
+    if (write(ready, "g", 1) != 1)
+      _exit(15);
+    for (;;)
+      pause(); /* SIGKILL: gone between collectives */
+  }
+  if (read(go, &ch, 1) != 1)
+    _exit(16);
+  if (shardd_gather(c, b.id) != SHARDD_OK)
+    _exit(17);
+  for (size_t j = 0; j < b.padded_numel; j++) {
+    size_t s = b.shard_numel;
+    float want = j < s ? (float)j : (float)(1000000 + (j - s));
+    if (f32_at(b.gather, j) != want)
+      _exit(18);
+  }
+  _exit(0);
+}
+
+static pid_t spawn_rank1(int ready[2], int go[2], int first) {
+  cr_assert_eq(pipe(ready), 0);
+  cr_assert_eq(pipe(go), 0);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0) {
+    close(ready[0]);
+    close(go[1]);
+    child_rank1(d.sock, ready[1], go[0], first);
+  }
+  close(ready[1]);
+  close(go[0]);
+  return pid;
+}
+
+static void close_pipes(int ready[2], int go[2]) {
+  close(ready[0]);
+  close(go[1]);
+}
+
+/* Rank 0 as a raw client (so it can see a reply come or not), its shard
+ * 0, 1, 2, ...; and a first gather with the first rank 1. */
+static void rank0_and_a_live_rank1(test_raw *r0, shardd_buffer_info *b0,
+                                   int ready[2], int go[2], pid_t *child) {
+  *child = spawn_rank1(ready, go, 1);
+  char ch;
+  cr_assert_eq(read(ready[0], &ch, 1), 1, "rank 1 did not get ready");
+  test_raw_open(&d, r0);
+  test_raw_hello(r0, "between", 0, 2);
+  test_raw_register_buffer(r0, "p", SHARDD_DTYPE_FP32, PEER_NUMEL, b0);
+  for (size_t i = 0; i < b0->shard_numel; i++)
+    ((float *)b0->shard)[i] = (float)i;
+  uint64_t seq = test_raw_send_gather(r0, b0->id);
+  shardwire__response__free_unpacked(test_raw_expect(r0, seq, SHARDD_OK), NULL);
+  cr_assert_eq(read(ready[0], &ch, 1), 1, "rank 1's gather failed");
+}
+
+static void kill_rank(pid_t child) {
+  cr_assert_eq(kill(child, SIGKILL), 0);
+  int st;
+  cr_assert_eq(waitpid(child, &st, 0), child);
+}
+
+/* Killed between collectives, under the default --collective-timeout of
+ * 300 s: rank 0's next gather fails E_PEER_LOST naming rank 1 once the 1 s
+ * grace is over (not before, and within 2 s past it), the one after that
+ * at once, and the loss is logged. A relaunched rank 1, back long after
+ * the grace, trains on with rank 0. */
+Test(collective, rank_killed_between_collectives_fails_the_next_fast,
+     .init = start_grace1, .fini = stop_daemon, .timeout = 60) {
+  int ready[2], go[2];
+  pid_t child;
+  test_raw r0;
+  shardd_buffer_info b0;
+  rank0_and_a_live_rank1(&r0, &b0, ready, go, &child);
+  kill_rank(child);
+  double t0 = test_mono_s();
+  close_pipes(ready, go);
+  uint64_t seq = test_raw_send_gather(&r0, b0.id);
+  Shardwire__Response *resp = test_raw_expect(&r0, seq, SHARDD_E_PEER_LOST);
+  double took = test_mono_s() - t0;
+  cr_log_info("pending gather failed %.3f s after the kill (grace 1 s)", took);
+  cr_assert_not_null(strstr(resp->message, "rank 1 of job \"between\" disconnected"),
+                     "%s", resp->message);
+  cr_assert_not_null(strstr(resp->message, "--peer-grace"), "%s", resp->message);
+  shardwire__response__free_unpacked(resp, NULL);
+  cr_assert_geq(took, 0.9, "failed %.3f s after the kill, inside the 1 s grace", took);
+  cr_assert_lt(took, 1.0 + 2.0, "failed %.3f s after the kill (grace 1 s)", took);
+  /* past the grace the next one fails at once */
+  t0 = test_mono_s();
+  seq = test_raw_send_gather(&r0, b0.id);
+  shardwire__response__free_unpacked(test_raw_expect(&r0, seq, SHARDD_E_PEER_LOST), NULL);
+  took = test_mono_s() - t0;
+  cr_log_info("next gather failed after %.3f s", took);
+  cr_assert_lt(took, 2.0, "the next collective failed after %.3f s", took);
+  cr_assert(test_daemon_log_has(&d, "peer lost"), "the loss is not in the log");
+  /* a relaunched rank 1 rejoins: the job trains again */
+  child = spawn_rank1(ready, go, 0);
+  char ch;
+  cr_assert_eq(read(ready[0], &ch, 1), 1, "the relaunched rank 1 did not get ready");
+  seq = test_raw_send_gather(&r0, b0.id);
+  cr_assert_eq(write(go[1], "g", 1), 1);
+  shardwire__response__free_unpacked(test_raw_expect(&r0, seq, SHARDD_OK), NULL);
+  for (size_t j = 0; j < b0.padded_numel; j++) {
+    size_t s = b0.shard_numel;
+    cr_assert_eq(f32_at(b0.gather, j), j < s ? (float)j : (float)(1000000 + (j - s)));
+  }
+  int st;
+  cr_assert_eq(waitpid(child, &st, 0), child);
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "relaunched rank 1 exited %d",
+            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  close_pipes(ready, go);
+  test_raw_close(&r0);
+}
+
+/* Killed, then relaunched within the 3 s grace: rank 0's gather, waiting
+ * meanwhile, is not failed even once the grace is over, and completes with
+ * both ranks' bytes when the new rank 1 gathers. While it waits, status
+ * shows rank 1 missing and the gather's arrivals. */
+Test(collective, rank_back_within_the_grace_fails_nobody, .init = start_grace3,
+     .fini = stop_daemon, .timeout = 60) {
+  int ready[2], go[2];
+  pid_t child;
+  test_raw r0;
+  shardd_buffer_info b0;
+  rank0_and_a_live_rank1(&r0, &b0, ready, go, &child);
+  kill_rank(child);
+  double t0 = test_mono_s();
+  close_pipes(ready, go);
+  uint64_t seq = test_raw_send_gather(&r0, b0.id);
+  Shardwire__Response *early;
+  test_raw_sync_keep(&r0, &early);
+  cr_assert_null(early, "the gather was answered inside the grace");
+
+  /* status: who is missing, what the gather waits on (the close came on
+   * another socket than the gather, so it may be read a little later) */
+  shardd_client_t *ctl = test_connect(&d, NULL, 0, 1);
+  tj *j = NULL;
+  const tj *job = NULL;
+  for (double end = test_mono_s() + 2.0;;) {
+    char *js;
+    cr_assert_eq(shardd_status_json(ctl, &js), SHARDD_OK);
+    tj_free(j);
+    j = tj_parse(js);
+    shardd_free(js);
+    cr_assert_not_null(j);
+    job = tj_need(j, "jobs", TJ_ARR)->kids[0];
+    if (tj_need(job, "missing_ranks", TJ_ARR)->n == 1)
+      break;
+    cr_assert_lt(test_mono_s(), end, "status never showed rank 1 missing");
+    test_sleep_ms(10);
+  }
+  const tj *conn = tj_need(job, "connected_ranks", TJ_ARR);
+  cr_assert_eq(conn->n, 1);
+  cr_assert_eq(conn->kids[0]->num, 0.0);
+  cr_assert_eq(tj_need(job, "missing_ranks", TJ_ARR)->kids[0]->num, 1.0);
+  double gone = tj_need(job, "missing_for_s", TJ_ARR)->kids[0]->num;
+  cr_assert(gone >= 0 && gone < 3.0, "rank 1 gone for %.3f s", gone);
+  const tj *colls = tj_need(job, "collectives", TJ_ARR);
+  cr_assert_eq(colls->n, 1);
+  const tj *c0 = colls->kids[0];
+  cr_assert_str_eq(tj_need(c0, "kind", TJ_STR)->str, "gather");
+  cr_assert_eq(tj_need(c0, "target", TJ_NUM)->num, (double)b0.id);
+  cr_assert_str_eq(tj_need(c0, "name", TJ_STR)->str, "p");
+  cr_assert_eq(tj_need(c0, "running", TJ_BOOL)->boolean, 0);
+  const tj *arr = tj_need(c0, "arrived", TJ_ARR), *wf = tj_need(c0, "waiting_for", TJ_ARR);
+  cr_assert_eq(arr->n, 1);
+  cr_assert_eq(arr->kids[0]->num, 0.0);
+  cr_assert_eq(wf->n, 1);
+  cr_assert_eq(wf->kids[0]->num, 1.0);
+  tj_free(j);
+  char *text;
+  cr_assert_eq(shardd_status_text(ctl, &text), SHARDD_OK);
+  cr_assert_not_null(strstr(text, "ranks connected: 0 missing: 1"), "%s", text);
+  cr_assert_not_null(strstr(text, "rank 1: disconnected"), "%s", text);
+  cr_assert_not_null(strstr(text, "collective gather buffer"), "%s", text);
+  cr_assert_not_null(strstr(text, "arrived 0, waiting for 1"), "%s", text);
+  shardd_free(text);
+
+  /* the relaunch, inside the grace */
+  child = spawn_rank1(ready, go, 0);
+  char ch;
+  cr_assert_eq(read(ready[0], &ch, 1), 1, "the relaunched rank 1 did not get ready");
+  double back = test_mono_s() - t0;
+  cr_log_info("rank 1 back %.3f s after the kill (grace 3 s)", back);
+  cr_assert_lt(back, 3.0, "the relaunch took %.3f s, past the grace", back);
+  /* past the grace: nothing failed, rank 1 shows connected again */
+  while (test_mono_s() < t0 + 4.0)
+    test_sleep_ms(50);
+  char *js;
+  cr_assert_eq(shardd_status_json(ctl, &js), SHARDD_OK);
+  j = tj_parse(js);
+  shardd_free(js);
+  job = tj_need(j, "jobs", TJ_ARR)->kids[0];
+  cr_assert_eq(tj_need(job, "connected_ranks", TJ_ARR)->n, 2);
+  cr_assert_eq(tj_need(job, "missing_ranks", TJ_ARR)->n, 0);
+  cr_assert_eq(tj_need(job, "collectives", TJ_ARR)->n, 1, "the gather still waits");
+  tj_free(j);
+  shardd_close(ctl);
+  cr_assert_eq(write(go[1], "g", 1), 1);
+  shardwire__response__free_unpacked(test_raw_expect(&r0, seq, SHARDD_OK), NULL);
+  for (size_t k = 0; k < b0.padded_numel; k++) {
+    size_t s = b0.shard_numel;
+    cr_assert_eq(f32_at(b0.gather, k), k < s ? (float)k : (float)(1000000 + (k - s)));
+  }
+  int st;
+  cr_assert_eq(waitpid(child, &st, 0), child);
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "relaunched rank 1 exited %d",
+            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  close_pipes(ready, go);
+  test_raw_close(&r0);
+}
+
+/* ---- all_reduce and barrier (shardd_all_reduce, shardd_barrier) ---------- */
+
+typedef struct {
+  shardd_client_t *c;
+  double v[3];
+  size_t n;
+  shardd_reduce_op op;
+  shardd_err rc, barrier_rc;
+  pthread_t th;
+} ar_call;
+
+static void *ar_main(void *p) {
+  ar_call *a = p;
+  a->rc = shardd_all_reduce(a->c, a->v, a->n, a->op);
+  a->barrier_rc = shardd_barrier(a->c);
+  return NULL;
+}
+
+/* Four ranks all-reduce three doubles with each op, then meet at a
+ * barrier: each gets the rank-order fold, bit for bit; while rank 0 alone
+ * waits, status shows the all_reduce with its arrivals. */
+Test(collective, all_reduce_and_barrier_over_four_ranks, .init = start4,
+     .fini = stop_daemon, .timeout = 60) {
+  static const double in[4][3] = {
+      {1.0, -2.5, 1e300}, {0.1, 3.25, 1e300}, {0.2, -0.75, -1e300}, {-0.3, 1e-17, 5.0}};
+  team t;
+  team_open(&t, "scalars", 4);
+  shardd_reduce_op ops[] = {SHARDD_REDUCE_SUM, SHARDD_REDUCE_MEAN, SHARDD_REDUCE_MAX,
+                            SHARDD_REDUCE_MIN};
+  for (int k = 0; k < 4; k++) {
+    ar_call a[4];
+    memset(a, 0, sizeof a);
+    for (int r = 0; r < 4; r++) {
+      a[r].c = t.c[r];
+      a[r].n = 3;
+      a[r].op = ops[k];
+      memcpy(a[r].v, in[r], sizeof a[r].v);
+    }
+    cr_assert_eq(pthread_create(&a[0].th, NULL, ar_main, &a[0]), 0);
+    if (k == 0) { /* rank 0 waits alone: status says on whom */
+      shardd_client_t *ctl = test_connect(&d, NULL, 0, 1);
+      char *text = NULL;
+      for (double end = test_mono_s() + TEST_HANG_S;;) {
+        cr_assert_eq(shardd_status_text(ctl, &text), SHARDD_OK);
+        if (strstr(text, "collective all_reduce of 3 values"))
+          break;
+        shardd_free(text);
+        cr_assert_lt(test_mono_s(), end, "status never showed the all_reduce");
+        test_sleep_ms(10);
+      }
+      cr_assert_not_null(strstr(text, "arrived 0, waiting for 1-3"), "%s", text);
+      shardd_free(text);
+      shardd_close(ctl);
+    }
+    for (int r = 1; r < 4; r++)
+      cr_assert_eq(pthread_create(&a[r].th, NULL, ar_main, &a[r]), 0);
+    for (int r = 0; r < 4; r++)
+      pthread_join(a[r].th, NULL);
+    for (int i = 0; i < 3; i++) {
+      double want = in[0][i];
+      for (int r = 1; r < 4; r++) {
+        double v = in[r][i];
+        if (ops[k] == SHARDD_REDUCE_MAX)
+          want = v > want ? v : want;
+        else if (ops[k] == SHARDD_REDUCE_MIN)
+          want = v < want ? v : want;
+        else
+          want = want + v;
+      }
+      if (ops[k] == SHARDD_REDUCE_MEAN)
+        want /= 4;
+      for (int r = 0; r < 4; r++) {
+        cr_assert_eq(a[r].rc, SHARDD_OK, "op %d rank %d: %s", k, r,
+                     shardd_last_error(t.c[r]));
+        cr_assert_eq(a[r].barrier_rc, SHARDD_OK, "rank %d barrier: %s", r,
+                     shardd_last_error(t.c[r]));
+        cr_assert(memcmp(&a[r].v[i], &want, sizeof want) == 0,
+                  "op %d value %d rank %d: %.17g, want %.17g", k, i, r, a[r].v[i], want);
+      }
+    }
+  }
+  /* ranks that disagree on the count all fail */
+  ar_call a[4];
+  memset(a, 0, sizeof a);
+  for (int r = 0; r < 4; r++) {
+    a[r].c = t.c[r];
+    a[r].n = r == 2 ? 2 : 3;
+    cr_assert_eq(pthread_create(&a[r].th, NULL, ar_main, &a[r]), 0);
+  }
+  for (int r = 0; r < 4; r++) {
+    pthread_join(a[r].th, NULL);
+    cr_assert_eq(a[r].rc, SHARDD_E_MISMATCH, "rank %d: %s", r, shardd_err_name(a[r].rc));
+    cr_assert_eq(a[r].barrier_rc, SHARDD_OK);
+  }
+  double big[SHARDD_ALL_REDUCE_MAX + 1] = {0};
+  cr_assert_eq(shardd_all_reduce(t.c[0], big, SHARDD_ALL_REDUCE_MAX + 1, SHARDD_REDUCE_SUM),
+               SHARDD_E_RANGE);
+  team_close(&t);
+}

@@ -1094,6 +1094,10 @@ ParameterizedTestParameters(server, size_flag_refused) {
       {"--device-memory", "8X", "not a size"},
       {"--device-memory", "0", "at least 1 byte"},
       {"--job-memory-limit", "0.5", "at least 1 byte"},
+      /* not sizes, refused the same way: a grace that is no duration */
+      {"--peer-grace", "-1", "must be 0..86400"},
+      {"--peer-grace", "nan", "must be 0..86400"},
+      {"--peer-grace", "1e9", "must be 0..86400"},
   };
   return cr_make_param_array(bad_size, cases, sizeof cases / sizeof cases[0]);
 }

@@ -6,9 +6,9 @@
  * daemon must be alive, list no job and account 0 bytes on every device.
  * SOAK_SECONDS sets the length (default 20 s, 60 s when CI=true).
  *
- * A killed rank's peers learn of it by its disconnect, or (a collective
- * they enter after it died waits for the rank to come back) at the
- * collective timeout. That timeout can also end a collective of a job
+ * A killed rank's peers learn of it by its disconnect: a collective it was
+ * in fails at once, one they enter after it died once --peer-grace is
+ * over. The collective timeout can also end a collective of a job
  * nobody killed when a rank process is descheduled for that long (64 of
  * them on 2 cores under the sanitizers): such a job's ranks exit
  * RANK_TIMEOUT, it counts as stalled, not as a wrong answer, and the

@@ -62,7 +62,8 @@ from . import _lib as L
 
 __all__ = [
     "Error", "Client", "Buffer", "View", "Optimizer", "StepResult",
-    "DTYPES", "OPTIMIZERS", "REDUCE_OPS", "library_path",
+    "DTYPES", "OPTIMIZERS", "REDUCE_OPS", "ALL_REDUCE_OPS", "library_path",
+    "torchrun_defaults",
 ]
 
 
@@ -88,6 +89,38 @@ _ELEM_SIZE = {L.DTYPE_FP32: 4, L.DTYPE_BF16: 2, L.DTYPE_FP16: 2}
 _TYPESTR = {L.DTYPE_FP32: "<f4", L.DTYPE_BF16: "<i2", L.DTYPE_FP16: "<f2"}
 OPTIMIZERS = {"sgd": L.OPTIM_SGD, "adam": L.OPTIM_ADAM, "adamw": L.OPTIM_ADAMW}
 REDUCE_OPS = {"sum": L.REDUCE_SUM, "mean": L.REDUCE_MEAN}
+# all_reduce takes these too (scatter only sum and mean)
+ALL_REDUCE_OPS = {"sum": L.REDUCE_SUM, "mean": L.REDUCE_MEAN,
+                  "max": L.REDUCE_MAX, "min": L.REDUCE_MIN}
+
+# Client's job default: TORCHELASTIC_RUN_ID when set, else a control session
+_FROM_ENV = object()
+
+
+def _env_int(name, low):
+    """An integer >= low from environment variable name, or None if unset."""
+    v = os.environ.get(name)
+    if v is None or v.strip() == "":
+        return None
+    try:
+        n = int(v.strip(), 10)
+    except ValueError:
+        raise ValueError("$%s=%r is not an integer" % (name, v)) from None
+    if n < low:
+        raise ValueError("$%s=%d: must be >= %d" % (name, n, low))
+    return n
+
+
+def torchrun_defaults():
+    """(job, rank, world) as torchrun (torch.distributed.run) sets them:
+    $TORCHELASTIC_RUN_ID, $RANK (else $LOCAL_RANK, a single-node launcher's),
+    $WORLD_SIZE; None for each one that is unset."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID") or None
+    rank = _env_int("RANK", 0)
+    if rank is None:
+        rank = _env_int("LOCAL_RANK", 0)
+    return job, rank, _env_int("WORLD_SIZE", 1)
+
 
 StepResult = collections.namedtuple("StepResult", ["step", "total_norm"])
 
@@ -481,6 +514,11 @@ class Client:
 
     socket: daemon socket path (None: $SHARDD_SOCKET, then the default).
     job None or "" opens a control session (status/inspect only).
+    Under torchrun the defaults come from its environment
+    (:func:`torchrun_defaults`): job not given is $TORCHELASTIC_RUN_ID (a
+    control session when that is unset), rank not given is $RANK (else
+    $LOCAL_RANK, else 0) and world not given is $WORLD_SIZE (else 1). The
+    daemon picks the rank's device from the rank, as always.
     transient_areas=True asks for a job with transient areas (FSDP's
     reshard): buffers keep only the shard and the reduced shard, and
     gather_area() leases the whole-buffer areas per gather (see the module
@@ -489,12 +527,23 @@ class Client:
     Not thread-safe: use one Client per thread/rank.
     """
 
-    def __init__(self, socket=None, job=None, rank=0, world=1, client_name=None,
+    def __init__(self, socket=None, job=_FROM_ENV, rank=None, world=None, client_name=None,
                  transient_areas=False):
         self._lib = L.load()
         self._c = None
         if transient_areas not in (True, False):  # also 0 and 1
             raise TypeError("transient_areas must be a bool, not %r" % (transient_areas,))
+        env_job, env_rank, env_world = torchrun_defaults()
+        if job is _FROM_ENV:
+            job = env_job
+        if rank is None:
+            rank = env_rank if env_rank is not None else 0
+        if world is None:
+            world = env_world if env_world is not None else 1
+        if job and not 0 <= rank < world:
+            raise ValueError("rank %d is outside world %d (from %s)" % (
+                rank, world, "$RANK/$WORLD_SIZE" if env_rank is not None or
+                env_world is not None else "the arguments"))
         self.socket = socket
         self.job = job
         self.rank = rank
@@ -876,6 +925,44 @@ class Client:
             code = int(op)
         fn = self._lib.shardd_scatter_accumulate if accumulate else self._lib.shardd_scatter
         self._call(fn(self._c, _ids(buffer), code))
+
+    def all_reduce(self, values, op="sum"):
+        """All-reduce (collective) of a few float64 scalars over the job's
+        ranks, for metrics and loss logging: values is a number or a
+        sequence of at most 64 numbers (a list, a numpy array, a CPU torch
+        tensor), the same count and op ("sum", "mean", "max", "min") on
+        every rank. Returns the reduction, taken in rank order so every rank
+        gets the same bits: a float for a number, else a list of floats."""
+        self._check_open()
+        if isinstance(op, str):
+            if op.lower() not in ALL_REDUCE_OPS:
+                raise ValueError("all_reduce op %r: one of %s" % (
+                    op, ", ".join(sorted(ALL_REDUCE_OPS))))
+            code = ALL_REDUCE_OPS[op.lower()]
+        else:
+            code = int(op)
+        scalar = not hasattr(values, "__len__") and not hasattr(values, "__iter__")
+        if hasattr(values, "detach"):  # a torch tensor
+            t = values.detach()
+            scalar = t.dim() == 0
+            vals = [float(x) for x in t.reshape(-1).tolist()]
+        elif scalar:
+            vals = [float(values)]
+        else:
+            vals = [float(x) for x in values]
+        if len(vals) > L.ALL_REDUCE_MAX:
+            raise ValueError("all_reduce of %d values: at most %d (it is for "
+                             "metrics; reduce tensors with gather/scatter)"
+                             % (len(vals), L.ALL_REDUCE_MAX))
+        arr = (ctypes.c_double * max(len(vals), 1))(*vals)
+        self._call(self._lib.shardd_all_reduce(self._c, arr, len(vals), code))
+        out = [arr[i] for i in range(len(vals))]
+        return out[0] if scalar else out
+
+    def barrier(self):
+        """Returns once every rank of the job has called barrier()."""
+        self._check_open()
+        self._call(self._lib.shardd_barrier(self._c))
 
     def step(self, opt, lr=None, max_norm=None, groups=None):
         """Optimizer step (collective). lr: override the registered rates for

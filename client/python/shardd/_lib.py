@@ -22,7 +22,8 @@ c_double = ctypes.c_double
 # enums (values are wire values, see shardd.h)
 DTYPE_FP32, DTYPE_BF16, DTYPE_FP16 = 1, 2, 3
 OPTIM_SGD, OPTIM_ADAM, OPTIM_ADAMW = 1, 2, 3
-REDUCE_SUM, REDUCE_MEAN = 0, 1
+REDUCE_SUM, REDUCE_MEAN, REDUCE_MAX, REDUCE_MIN = 0, 1, 2, 3
+ALL_REDUCE_MAX = 64  # SHARDD_ALL_REDUCE_MAX
 
 HP_BITS = {
     "lr": 1 << 0,
@@ -182,6 +183,8 @@ def _declare(lib):
         "shardd_scatter_accumulate": (c_int, [client_p, c_uint64, c_int]),
         "shardd_step": (c_int, [client_p, c_uint64, P(StepOpts), P(StepResult)]),
         "shardd_clip_grad_norm": (c_int, [client_p, c_uint64, c_double, P(c_double)]),
+        "shardd_all_reduce": (c_int, [client_p, P(c_double), c_size_t, c_int]),
+        "shardd_barrier": (c_int, [client_p]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
