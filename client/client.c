@@ -1440,6 +1440,17 @@ shardd_err shardd_all_reduce(shardd_client_t *c, double *values, size_t n,
   return rc;
 }
 
+shardd_err shardd_seed_master(shardd_client_t *c, uint64_t buffer) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__SeedMaster sm = SHARDWIRE__SEED_MASTER__INIT;
+  sm.buffer = buffer;
+  req.body_case = SHARDWIRE__REQUEST__BODY_SEED_MASTER;
+  req.seed_master = &sm;
+  return call_status_only(c, &req);
+}
+
 shardd_err shardd_barrier(shardd_client_t *c) {
   return shardd_all_reduce(c, NULL, 0, SHARDD_REDUCE_SUM);
 }

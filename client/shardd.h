@@ -359,6 +359,15 @@ typedef struct {
 shardd_err shardd_gather_area(shardd_client_t *c, uint64_t buffer,
                               int want_grad, shardd_area *out);
 
+/* A 16-bit buffer's fp32 master from exact values (FSDP's mixed
+ * precision keeps the fp32 parameters): write this rank's shard values as
+ * fp32 into info.reduced (shard_numel floats), then call this; they become
+ * the master of every optimizer over this rank's shard, and of those
+ * registered later until the buffer's first step (without it the master
+ * is widened from the 16-bit shard at the first step). The reduced area is
+ * zeroed after. SHARDD_E_INVAL for an fp32 buffer. */
+shardd_err shardd_seed_master(shardd_client_t *c, uint64_t buffer);
+
 /* Returns this rank's gather area of buffer to its device's pool (FSDP's
  * reshard after forward, or after backward's scatter); pointers from the
  * gather_area that leased it must not be used any more. SHARDD_E_STATE

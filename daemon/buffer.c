@@ -39,6 +39,7 @@ static void buffer_free_blocks(shardd__registry *reg, shardd__buffer *b) {
     }
   }
   free(b->blocks);
+  shardd__buffer_seed_drop(reg, b);
   if (b->stage) {
     b->hdr.job->bytes -= b->stage->bytes;
     reg->backend->ops->free(reg->backend, b->stage);
@@ -654,4 +655,104 @@ shardd_err shardd__buffer_stage(shardd__registry *reg, shardd__buffer *b,
   if (rc == SHARDD_OK)
     job->bytes += b->stage->bytes;
   return rc;
+}
+
+/* ---- fp32 masters from exact values ------------------------------------ */
+
+static shardd_err zero_bytes(shardd__backend *be, shardd__region *r, size_t off,
+                             size_t bytes) {
+  if (be->ops->write == NULL) { /* host memory the daemon maps */
+    memset((char *)r->ptr + off, 0, bytes);
+    return SHARDD_OK;
+  }
+  static const char zeros[65536];
+  for (size_t done = 0; done < bytes;) {
+    size_t n = bytes - done < sizeof zeros ? bytes - done : sizeof zeros;
+    shardd_err rc = be->ops->write(be, r, off + done, zeros, n);
+    if (rc != SHARDD_OK)
+      return rc;
+    done += n;
+  }
+  return SHARDD_OK;
+}
+
+shardd_err shardd__optim_shard_seed(shardd__registry *reg,
+                                    shardd__optim_shard *sh) {
+  shardd__buffer *b = sh->buf;
+  if (b->seed == NULL || b->seed[sh->rank] == NULL || sh->state == NULL ||
+      b->dtype == SHARDD_DTYPE_FP32)
+    return SHARDD_OK;
+  shardd__backend *be = reg->backend;
+  shardd_err rc = be->ops->copy(be, sh->state, sh->master_off, b->seed[sh->rank], 0,
+                                b->shard_numel * sizeof(float));
+  if (rc == SHARDD_OK)
+    sh->master_valid = 1;
+  return rc;
+}
+
+shardd_err shardd__buffer_seed(shardd__registry *reg, shardd__buffer *b,
+                               uint32_t rank, char *err, size_t errlen) {
+  shardd__job *job = b->hdr.job;
+  shardd__backend *be = reg->backend;
+  if (b->dtype == SHARDD_DTYPE_FP32) {
+    snprintf(err, errlen, "buffer \"%s\" is fp32: its shard is its own master",
+             b->hdr.name);
+    return SHARDD_E_INVAL;
+  }
+  if (b->inflight) {
+    snprintf(err, errlen, "buffer \"%s\" is in use by a collective or step",
+             b->hdr.name);
+    return SHARDD_E_BUSY;
+  }
+  if (rank >= b->world || b->blocks[rank] == NULL) {
+    snprintf(err, errlen, "rank %" PRIu32 " has no shard of buffer \"%s\" here",
+             rank, b->hdr.name);
+    return SHARDD_E_RANGE;
+  }
+  size_t bytes = b->shard_numel * sizeof(float);
+  if (b->seed == NULL && (b->seed = calloc(b->world, sizeof *b->seed)) == NULL) {
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  if (b->seed[rank] == NULL) {
+    if (!shardd__within_quota(reg, job, bytes, err, errlen))
+      return SHARDD_E_NO_MEMORY;
+    char label[64];
+    snprintf(label, sizeof label, "shardd:seed:%.40s:%" PRIu32, b->hdr.name, rank);
+    shardd_err rc = (be->ops->alloc_private ? be->ops->alloc_private : be->ops->alloc)(
+        be, shardd__rank_device(reg, rank), bytes, label, &b->seed[rank], err, errlen);
+    if (rc != SHARDD_OK)
+      return rc;
+    job->bytes += b->seed[rank]->bytes;
+  }
+  shardd_err rc = be->ops->copy(be, b->seed[rank], 0, b->blocks[rank],
+                                b->reduced_off, bytes);
+  if (rc == SHARDD_OK)
+    rc = zero_bytes(be, b->blocks[rank], b->reduced_off, bytes);
+  b->reduced_live = 0;
+  shardd__optim **opts;
+  size_t no;
+  if (rc == SHARDD_OK && (rc = shardd__job_optims(job, &opts, &no)) == SHARDD_OK) {
+    for (size_t i = 0; i < no && rc == SHARDD_OK; i++)
+      for (size_t k = 0; k < opts[i]->nshards && rc == SHARDD_OK; k++)
+        if (opts[i]->shards[k].buf == b && opts[i]->shards[k].rank == rank)
+          rc = shardd__optim_shard_seed(reg, &opts[i]->shards[k]);
+    free(opts);
+  }
+  if (rc != SHARDD_OK)
+    snprintf(err, errlen, "seeding the master of buffer \"%s\" rank %" PRIu32
+             ": %s", b->hdr.name, rank, shardd_strerror(rc));
+  return rc;
+}
+
+void shardd__buffer_seed_drop(shardd__registry *reg, shardd__buffer *b) {
+  if (b->seed == NULL)
+    return;
+  for (uint32_t r = 0; r < b->world; r++)
+    if (b->seed[r]) {
+      b->hdr.job->bytes -= b->seed[r]->bytes;
+      reg->backend->ops->free(reg->backend, b->seed[r]);
+    }
+  free(b->seed);
+  b->seed = NULL;
 }

@@ -367,6 +367,7 @@ static void after_phase(coll *c) {
     for (size_t i = 0; i < c->opt->nshards; i++) {
       c->opt->shards[i].master_valid = 1;
       c->opt->shards[i].buf->settled = 1;
+      shardd__buffer_seed_drop(c->e->cfg.reg, c->opt->shards[i].buf);
       c->opt->shards[i].buf->reduced_live = 0;
     }
     c->opt->steps = c->step;

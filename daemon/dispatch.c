@@ -644,6 +644,19 @@ static void on_step(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   free(ghp);
 }
 
+static void on_seed_master(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                           const Shardwire__Request *req) {
+  char err[ERRLEN];
+  shardd__obj *o;
+  shardd_err rc = shardd__registry_resolve(&d->reg, c->m.job,
+                                           req->seed_master->buffer,
+                                           SHARDD__OBJ_BUFFER, &o, err, sizeof err);
+  if (rc == SHARDD_OK)
+    rc = shardd__buffer_seed(&d->reg, (shardd__buffer *)o, c->m.rank, err,
+                             sizeof err);
+  reply(d, c, seq, rc, rc == SHARDD_OK ? NULL : err);
+}
+
 static void on_all_reduce(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                           const Shardwire__Request *req) {
   const Shardwire__AllReduce *ar = req->all_reduce;
@@ -717,6 +730,7 @@ static const struct {
     {SHARDWIRE__REQUEST__BODY_STEP, 1, 1, on_step},
     {SHARDWIRE__REQUEST__BODY_RELEASE, 1, 0, on_release},
     {SHARDWIRE__REQUEST__BODY_ALL_REDUCE, 1, 0, on_all_reduce},
+    {SHARDWIRE__REQUEST__BODY_SEED_MASTER, 1, 1, on_seed_master},
 };
 
 void shardd__dispatch_frame(shardd__dispatch *d, shardd__conn *c,

@@ -180,6 +180,12 @@ shardd_err shardd__optim_create(shardd__registry *reg, shardd__job *job,
       goto fail;
     }
     job->bytes += sh->state->bytes;
+    /* exact fp32 initial values a trainer gave before this registration */
+    if ((rc = shardd__optim_shard_seed(reg, sh)) != SHARDD_OK) {
+      snprintf(err, errlen, "seeding the master of buffer \"%s\" rank %" PRIu32,
+               sh->buf->hdr.name, sh->rank);
+      goto fail;
+    }
   }
 
   o->refs = malloc((plan->nrefs ? plan->nrefs : 1) * sizeof *o->refs);

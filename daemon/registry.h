@@ -147,6 +147,11 @@ struct shardd__buffer {
   /* the shards hold trained (a step ran) or restored values; until then
    * the first init checksum a rank gave (dispatch) */
   int settled;
+  /* 16-bit buffers: per rank, fp32 shard_numel of exact initial values a
+   * trainer gave (shardd__buffer_seed), copied into the master of every
+   * optimizer shard over it; NULL entries none; freed at the buffer's
+   * first step (the masters hold them then) */
+  shardd__region **seed;
   int has_init_sum;
   uint64_t init_sum;
   uint32_t init_rank;
@@ -340,6 +345,20 @@ shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
 size_t shardd__buffer_trainable(const shardd__buffer *buf, uint64_t lo,
                                 uint64_t hi,
                                 uint64_t (*out)[2], size_t cap);
+
+/* Takes rank's fp32 values, written into its reduced-gradient area, as
+ * the exact initial values of b's 16-bit shard: the master of every
+ * optimizer shard over (b, rank) now, and of those registered later until
+ * b's first step (shardd__buffer_seed_drop). The reduced area is zeroed.
+ * SHARDD_E_INVAL for an fp32 buffer (its shard is its master),
+ * SHARDD_E_BUSY while a collective holds b. */
+shardd_err shardd__buffer_seed(shardd__registry *reg, shardd__buffer *b,
+                               uint32_t rank, char *err, size_t errlen);
+/* Frees b's seeds (its first step made the masters authoritative). */
+void shardd__buffer_seed_drop(shardd__registry *reg, shardd__buffer *b);
+/* Copies b's seed of sh's rank, if any, into sh's master (validating it). */
+shardd_err shardd__optim_shard_seed(shardd__registry *reg,
+                                    shardd__optim_shard *sh);
 
 /* Allocates b's multi-node staging area (padded_numel fp32 on the device
  * of the job's first local rank) unless it has one; it counts towards the

@@ -959,6 +959,23 @@ class Client:
         out = [arr[i] for i in range(len(vals))]
         return out[0] if scalar else out
 
+    def seed_master(self, buffer, values):
+        """A 16-bit buffer's fp32 master from exact values (as FSDP's mixed
+        precision keeps the fp32 parameters): values, this rank's shard as
+        fp32 (shard_numel elements, or fewer: the rest are zeros), become
+        the master of every optimizer over this rank's shard and of those
+        registered later until the buffer's first step."""
+        self._check_open()
+        buf = self._buffer_of(buffer)
+        red = buf.reduced_tensor
+        red.zero_()
+        n = values.numel()
+        if n > red.numel():
+            raise ValueError("seed_master: %d values for a shard of %d" % (n, red.numel()))
+        red[:n].copy_(values.reshape(-1).to(red.dtype))
+        self._sync_cuda()
+        self._call(self._lib.shardd_seed_master(self._c, buf.id))
+
     def barrier(self):
         """Returns once every rank of the job has called barrier()."""
         self._check_open()

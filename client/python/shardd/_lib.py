@@ -185,6 +185,7 @@ def _declare(lib):
         "shardd_clip_grad_norm": (c_int, [client_p, c_uint64, c_double, P(c_double)]),
         "shardd_all_reduce": (c_int, [client_p, P(c_double), c_size_t, c_int]),
         "shardd_barrier": (c_int, [client_p]),
+        "shardd_seed_master": (c_int, [client_p, c_uint64]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)

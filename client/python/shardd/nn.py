@@ -347,6 +347,14 @@ class ShardedModule:
                     sh.zero_()
                     if hi > lo:
                         sh[:hi - lo].copy_(flat[lo:hi].to(sh.device))
+                    if udt != "fp32":
+                        # the fp32 master from the exact values, as FSDP's
+                        # mixed precision keeps them, not from their 16-bit
+                        # rounding
+                        exact = torch.cat([p.detach().reshape(-1).float()
+                                           for _, p, _ in params])
+                        client.seed_master(buf, exact[lo:max(lo, hi)])
+                        del exact
             del flat
             entries = []
             off = 0

@@ -1,0 +1,113 @@
+"""16-bit buffers with an fp32 master, as FSDP's mixed precision: the
+master starts from the exact fp32 values the trainer had, not from their
+bf16 rounding. One rank, bf16 compute, AdamW: the daemon's parameters are
+bit-identical to torch keeping fp32 master weights and copying them into a
+bf16 model every step (with the master widened from bf16, as before, about
+30% of the elements differ after the first step)."""
+import unittest
+
+import common
+import shardd
+
+if common.HAVE_TORCH:
+    import torch
+    from torch import nn
+    import shardd.nn
+    import shardd.optim
+
+STEPS = 5
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 8))
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(STEPS, 32, 16, generator=g), torch.randn(STEPS, 32, 8, generator=g)
+
+
+def reference():
+    """torch mixed precision: fp32 master weights stepped by AdamW on the
+    fp32 casts of bf16 gradients; the bf16 model is their rounding."""
+    torch.set_num_threads(1)
+    x, y = data()
+    master = [p.detach().clone() for p in model().parameters()]
+    rb = model().to(torch.bfloat16)
+    opt = torch.optim.AdamW(master, lr=1e-2, foreach=False)
+    out = []
+    for s in range(STEPS):
+        with torch.no_grad():
+            for p, q in zip(rb.parameters(), master):
+                p.copy_(q)
+                p.grad = None
+        loss = nn.functional.mse_loss(rb(x[s].bfloat16()).float(), y[s])
+        loss.backward()
+        for q, p in zip(master, rb.parameters()):
+            q.grad = p.grad.float()
+        opt.step()
+        out.append((loss.item(), torch.cat([q.detach().bfloat16().reshape(-1) for q in master])))
+    return out
+
+
+@unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
+class MasterTest(unittest.TestCase):
+    def run_bf16(self, transient):
+        c = shardd.Client(common.socket(), job=common.job("master"), rank=0, world=1,
+                          transient_areas=transient)
+        self.addCleanup(c.close)
+        m = model()
+        sm = shardd.nn.ShardedModule(c, m, auto_wrap="children", dtype="bf16")
+        opt = shardd.optim.AdamW(m.parameters(), lr=1e-2)
+        x, y = data()
+        want = reference()
+        for s in range(STEPS):
+            opt.zero_grad()
+            if not transient:
+                sm.gather()
+            loss = nn.functional.mse_loss(m(x[s].bfloat16()).float(), y[s])
+            loss.backward()
+            if not transient:
+                sm.scatter()
+            opt.step()
+            got = torch.cat([t.reshape(-1) for t in sm.full_parameters().values()])
+            self.assertEqual(loss.item(), want[s][0], "step %d's loss" % s)
+            diff = (got != want[s][1]).sum().item()
+            self.assertEqual(diff, 0, "step %d: %d of %d elements differ" % (s, diff, got.numel()))
+
+    def test_bf16_resident_matches_torch_mixed_precision_bit_for_bit(self):
+        self.run_bf16(False)
+
+    def test_bf16_transient_matches_torch_mixed_precision_bit_for_bit(self):
+        self.run_bf16(True)
+
+    def test_seed_after_the_optimizer_and_fp32_refused(self):
+        c = shardd.Client(common.socket(), job=common.job("master1"), rank=0, world=1)
+        self.addCleanup(c.close)
+        b = c.register_buffer("w", "bf16", 4)
+        v = c.register_view(b, "w.v", 0, (4,))
+        opt = c.register_optimizer("sgd", [[v]], name="sgd", lr=1.0)
+        exact = torch.tensor([1.0029, -3.0117, 0.10003, 7.0313])  # not bf16 values
+        b.shard_tensor.copy_(exact.bfloat16())
+        c.seed_master(b, exact)
+        self.assertTrue(torch.all(b.reduced_tensor == 0), "the reduced area is zeroed")
+        c.gather(b)
+        g = torch.tensor([0.0078, 0.0039, 0.0004, 0.03]).bfloat16()
+        b.grad_tensor.copy_(g)
+        c.scatter(b, "sum")
+        c.step(opt)
+        # SGD lr 1: from the exact master, not from its bf16 rounding
+        seeded = (exact - g.float()).bfloat16()
+        widened = (exact.bfloat16().float() - g.float()).bfloat16()
+        self.assertTrue(bool(torch.any(seeded != widened)), "the case tells them apart")
+        self.assertEqual(b.shard_tensor.tolist(), seeded.tolist())
+        f = c.register_buffer("f", "fp32", 4)
+        with self.assertRaises(shardd.Error) as cm:
+            c.seed_master(f, torch.zeros(4))
+        self.assertEqual(cm.exception.code_name, "E_INVAL")
+        self.assertIn("its own master", cm.exception.message)
+
+
+if __name__ == "__main__":
+    unittest.main()
