@@ -1539,8 +1539,8 @@ shardd_err shardd_clip_grad_norm(shardd_client_t *c, uint64_t opt,
   return rc;
 }
 
-shardd_err shardd_checkpoint(shardd_client_t *c, const char *job,
-                             const char *dir) {
+static shardd_err checkpoint_req(shardd_client_t *c, const char *job,
+                                 const char *dir, int collective) {
   if (c == NULL)
     return SHARDD_E_INVAL; /* no client to hold a message */
 
@@ -1550,6 +1550,10 @@ shardd_err shardd_checkpoint(shardd_client_t *c, const char *job,
   Shardwire__Checkpoint cp = SHARDWIRE__CHECKPOINT__INIT;
   cp.dir = (char *)dir;
   cp.job = (char *)job;
+  if (collective) {
+    cp.has_collective = 1;
+    cp.collective = 1;
+  }
   req.body_case = SHARDWIRE__REQUEST__BODY_CHECKPOINT;
   req.checkpoint = &cp;
   Shardwire__Response *resp;
@@ -1557,6 +1561,15 @@ shardd_err shardd_checkpoint(shardd_client_t *c, const char *job,
   if (resp)
     shardwire__response__free_unpacked(resp, NULL);
   return rc;
+}
+
+shardd_err shardd_checkpoint(shardd_client_t *c, const char *job,
+                             const char *dir) {
+  return checkpoint_req(c, job, dir, 0);
+}
+
+shardd_err shardd_checkpoint_collective(shardd_client_t *c, const char *dir) {
+  return checkpoint_req(c, NULL, dir, 1);
 }
 
 shardd_err shardd_restore(shardd_client_t *c, const char *dir, uint32_t world,

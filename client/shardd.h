@@ -454,6 +454,13 @@ shardd_err shardd_clip_grad_norm(shardd_client_t *c, uint64_t opt,
 shardd_err shardd_checkpoint(shardd_client_t *c, const char *job,
                              const char *dir);
 
+/* shardd_checkpoint as a job collective: every rank of the caller's job
+ * calls it with the same dir; it is taken once all have, after the
+ * collectives each rank sent before it (no SHARDD_E_BUSY for work of
+ * theirs in flight), and returns on every rank once the files are
+ * written. Single-node jobs. */
+shardd_err shardd_checkpoint_collective(shardd_client_t *c, const char *dir);
+
 /* Recreates the job recorded in dir (which must not exist in the daemon),
  * with world ranks (0: the recorded world; another count reshards, as
  * shards are keyed by element offset, not by rank);

@@ -519,6 +519,135 @@ static shardd_err checkpoint_dir_ok(shardd__dispatch *d, const shardd__conn *c,
   return rc;
 }
 
+/* ---- collective checkpoints --------------------------------------------
+ * Each rank's request is a barrier of the engine (an all_reduce of no
+ * values, with an op of its own so a plain barrier() does not pair with
+ * it), so it comes after the collectives the rank sent before it. When
+ * the barrier ends for every local rank, their replies are held and the
+ * checkpoint starts (the ranks wait for it: nothing of theirs runs); every
+ * rank is answered when its files are written. */
+#define CKPT_BARRIER_OP 0x636b /* "ck": no reduce op of the wire */
+
+typedef struct shardd__ckpt_group {
+  shardd__dispatch *d;
+  shardd__job *job;
+  uint32_t arrived;
+  int mismatch;
+  shardd__conn **conns; /* [world]: the held ranks (NULL once closed) */
+  uint64_t *seqs;
+  char *dir; /* the first rank's (the group's) */
+  struct shardd__ckpt_group *next;
+} ckpt_group;
+
+static void ckpt_group_free(ckpt_group *g) {
+  for (ckpt_group **p = &g->d->ckpt_groups; *p; p = &(*p)->next)
+    if (*p == g) {
+      *p = g->next;
+      break;
+    }
+  for (uint32_t r = 0; r < g->job->world; r++)
+    if (g->conns[r]) {
+      free(g->conns[r]->ckc_dir);
+      g->conns[r]->ckc_dir = NULL;
+    }
+  free(g->conns);
+  free(g->seqs);
+  free(g->dir);
+  free(g);
+}
+
+static void ckpt_group_answer(ckpt_group *g, shardd_err rc, const char *err) {
+  for (uint32_t r = 0; r < g->job->world; r++) {
+    shardd__conn *c = g->conns[r];
+    if (c == NULL)
+      continue;
+    if (rc == SHARDD_OK)
+      reply_checkpoint(g->d, c, g->seqs[r], g->job, g->dir);
+    else
+      reply(g->d, c, g->seqs[r], rc, err);
+  }
+  ckpt_group_free(g);
+}
+
+static void ckpt_group_done(void *arg, shardd__job *job, shardd_err rc,
+                            const char *err) {
+  ckpt_group_answer(arg, rc, err);
+}
+
+/* c's checkpoint barrier ended with code: held until every local rank's
+ * has, then the checkpoint starts. */
+static void ckpt_barrier_done(shardd__dispatch *d, shardd__conn *c,
+                              uint64_t seq, shardd_err code, const char *msg) {
+  if (code != SHARDD_OK) {
+    free(c->ckc_dir);
+    c->ckc_dir = NULL;
+    reply(d, c, seq, code, msg);
+    return;
+  }
+  shardd__job *job = c->m.job;
+  ckpt_group *g = d->ckpt_groups;
+  while (g && g->job != job)
+    g = g->next;
+  if (g == NULL) {
+    g = calloc(1, sizeof *g);
+    if (g == NULL || (g->conns = calloc(job->world, sizeof *g->conns)) == NULL ||
+        (g->seqs = calloc(job->world, sizeof *g->seqs)) == NULL ||
+        (g->dir = strdup(c->ckc_dir)) == NULL) {
+      if (g) {
+        free(g->conns);
+        free(g->seqs);
+        free(g);
+      }
+      free(c->ckc_dir);
+      c->ckc_dir = NULL;
+      reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+      return;
+    }
+    g->d = d;
+    g->job = job;
+    g->next = d->ckpt_groups;
+    d->ckpt_groups = g;
+  }
+  g->conns[c->m.rank] = c;
+  g->seqs[c->m.rank] = seq;
+  g->mismatch |= strcmp(g->dir, c->ckc_dir) != 0;
+  if (++g->arrived < job->local_ranks)
+    return;
+  char err[ERRLEN], home[4096];
+  shardd_err rc = SHARDD_OK;
+  if (g->mismatch) {
+    snprintf(err, sizeof err, "the ranks of job \"%s\" asked for a checkpoint "
+             "into different directories", job->name);
+    rc = SHARDD_E_MISMATCH;
+  } else {
+    rc = checkpoint_dir_ok(d, c, g->dir, 1, home, sizeof home, err, sizeof err);
+  }
+  if (rc == SHARDD_OK)
+    rc = shardd__jobs_checkpoint_start(&d->jobs, job, g->dir, (int64_t)c->peer.uid,
+                                       home[0] ? home : NULL, ckpt_group_done, g,
+                                       err, sizeof err);
+  if (rc != SHARDD_OK)
+    ckpt_group_answer(g, rc, err);
+}
+
+static void on_checkpoint_collective(shardd__dispatch *d, shardd__conn *c,
+                                     uint64_t seq, const char *dir) {
+  if (c->ckc_dir) {
+    reply(d, c, seq, SHARDD_E_STATE,
+          "this rank's collective checkpoint is still being taken");
+    return;
+  }
+  if ((c->ckc_dir = strdup(dir)) == NULL) {
+    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    return;
+  }
+  c->ckc_seq = seq;
+  shardd__coll_args ca = {.kind = SHARDD__COLL_ALL_REDUCE,
+                          .target = 0,
+                          .op = (shardd_reduce_op)CKPT_BARRIER_OP};
+  shardd__coll_submit(d->coll, &c->m, seq, &ca);
+}
+
 static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                           const Shardwire__Request *req) {
   const Shardwire__Checkpoint *cp = req->checkpoint;
@@ -527,6 +656,17 @@ static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                                     sizeof err);
   if (rc != SHARDD_OK) {
     reply(d, c, seq, rc, err);
+    return;
+  }
+  if (cp->has_collective && cp->collective) {
+    if (c->m.job == NULL)
+      reply(d, c, seq, SHARDD_E_STATE, "a collective checkpoint is asked for by "
+            "every rank of a job, not by a control session");
+    else if (cp->job && cp->job[0] && strcmp(cp->job, c->m.job->name) != 0)
+      reply(d, c, seq, SHARDD_E_NOT_OWNED, "a collective checkpoint is of the "
+            "rank's own job");
+    else
+      on_checkpoint_collective(d, c, seq, cp->dir);
     return;
   }
   shardd__job *job = c->m.job;
@@ -791,6 +931,11 @@ void shardd__dispatch_closed(shardd__dispatch *d, shardd__conn *c) {
   for (ckpt_wait *w = d->ckpt_waits; w; w = w->next)
     if (w->c == c)
       w->c = NULL; /* its files are still written; the reply is dropped */
+  for (ckpt_group *g = d->ckpt_groups; g; g = g->next)
+    if (c->m.job == g->job && g->conns[c->m.rank] == c)
+      g->conns[c->m.rank] = NULL; /* the checkpoint goes on, unanswered */
+  free(c->ckc_dir);
+  c->ckc_dir = NULL;
   shardd__job *job = c->m.job;
   if (job == NULL)
     return;
@@ -849,6 +994,10 @@ static void coll_done(void *ctx, shardd__coll_member *m, uint64_t seq,
                       const shardd__coll_result *res) {
   shardd__dispatch *d = ctx;
   shardd__conn *c = (shardd__conn *)m;
+  if (c->ckc_dir && seq == c->ckc_seq) {
+    ckpt_barrier_done(d, c, seq, code, msg);
+    return;
+  }
   if (res == NULL) {
     reply(d, c, seq, code, msg);
     return;
@@ -950,5 +1099,7 @@ void shardd__dispatch_free(shardd__dispatch *d) {
     free(w->dir);
     free(w);
   }
+  while (d->ckpt_groups) /* likewise */
+    ckpt_group_free(d->ckpt_groups);
   shardd__registry_free(&d->reg);
 }

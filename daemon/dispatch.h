@@ -38,6 +38,10 @@ typedef struct {
    * sent (a trainer maps each pool once); owned, freed at close */
   uint64_t *pools_sent;
   size_t npools_sent;
+  /* a collective checkpoint this rank asked for: its barrier's seq and
+   * the directory (owned), until answered */
+  uint64_t ckc_seq;
+  char *ckc_dir;
 } shardd__conn;
 
 typedef struct {
@@ -70,6 +74,8 @@ typedef struct {
   shardd__jobs jobs;
   /* private: checkpoints and restores whose replies wait for their files */
   struct shardd__ckpt_wait *ckpt_waits;
+  /* collective checkpoints whose barrier ended for some ranks */
+  struct shardd__ckpt_group *ckpt_groups;
 } shardd__dispatch;
 
 /* socket_path is borrowed (it lives as long as d). */

@@ -40,7 +40,8 @@ def make_data():
             torch.randn(STEPS, BATCH, 4, generator=g))
 
 
-def script(rank, world, sock, job, transient, q, seed=0, init="auto"):
+def script(rank, world, sock, job, transient, q, seed=0, init="auto",
+           ckpt_every=0, ckpt_root=None):
     """The training script a user relaunches unchanged: build, wrap, attach
     the optimizer, go on from the daemon's step count."""
     try:
@@ -64,6 +65,9 @@ def script(rank, world, sock, job, transient, q, seed=0, init="auto"):
             if not transient:
                 sm.scatter("mean")
             opt.step()
+            if ckpt_every and (s + 1) % ckpt_every == 0:
+                # every rank, inside the loop: no idle ranks needed
+                sm.checkpoint(os.path.join(ckpt_root, "step%d" % (s + 1)))
             q.put(("loss", rank, s, loss.item()))
             time.sleep(0.02)  # room for the parent's kill between steps
         params = sm.full_parameters()
@@ -214,6 +218,34 @@ class ResumeTest(unittest.TestCase):
         self.assertEqual(again.errors, [])
         start = set(again.starts.values()).pop()
         self.assertGreaterEqual(start, 4)
+        self.assert_same_run(again.mean_losses(), again.params, ref)
+
+    def test_collective_checkpoints_while_training_then_restore_and_relaunch(self):
+        """sm.checkpoint every 2 steps from inside the loop on every rank
+        (no E_BUSY, no idle ranks); the run is the uninterrupted one; a
+        restore of the step-4 checkpoint into a fresh daemon and a plain
+        relaunch continue bit-identically from step 4."""
+        root = tempfile.mkdtemp(prefix="shardd-ckpt-")
+        self.addCleanup(shutil.rmtree, root, True)
+        os.chmod(root, 0o755)
+        ref = self.reference(2, True)
+        d1 = common.own_daemon(devices=2, extra_args=["--checkpoint-root", root])
+        self.addCleanup(d1.cleanup)
+        job = common.job("resume-coll")
+        run = Launch(d1.socket, job, 2, True, ckpt_every=2, ckpt_root=root).finish()
+        self.assertEqual(run.errors, [])
+        self.assert_same_run(run.mean_losses(), run.params, ref)
+        self.assertEqual(sorted(os.listdir(root)), ["step2", "step4", "step6", "step8"])
+        d1.stop()
+        d2 = common.own_daemon(devices=2, extra_args=["--checkpoint-root", root])
+        self.addCleanup(d2.cleanup)
+        self.addCleanup(d2.stop)
+        ctl = shardd.Client(d2.socket)
+        self.assertEqual(ctl.restore(os.path.join(root, "step4")), job)
+        ctl.close()
+        again = Launch(d2.socket, job, 2, True).finish()
+        self.assertEqual(again.errors, [])
+        self.assertEqual(set(again.starts.values()), {4})
         self.assert_same_run(again.mean_losses(), again.params, ref)
 
     def test_ranks_with_other_initial_values_are_refused_naming_the_unit(self):

@@ -648,17 +648,27 @@ class Client:
     def status_text(self):
         return self._string_out(self._lib.shardd_status_text)
 
-    def checkpoint(self, directory, job=None):
+    def checkpoint(self, directory, job=None, collective=False):
         """Writes the job's registry, shards, optimizer state and step
         counts to directory (absolute, on the daemon's machine, below its
-        --checkpoint-root). job None: this client's own. E_BUSY while a
-        collective of the job is in flight: call it between steps, once
-        every rank is there (e.g. on rank 0 after a step, with the others
-        waiting at their next collective is not enough: they must be idle)."""
+        --checkpoint-root). job None: this client's own.
+
+        collective=True (a rank of a job): every rank calls it with the
+        same directory; it is taken once all have, after the collectives
+        each sent before it, and returns on every rank when the files are
+        written — a checkpoint every k steps from inside the loop.
+        Otherwise one client asks, and gets E_BUSY while a collective of
+        the job is in flight (its ranks must be idle)."""
         self._check_open()
         if not os.path.isabs(directory):
             raise ValueError("checkpoint directory %r: must be an absolute path "
                              "(it is the daemon's)" % (directory,))
+        if collective:
+            if job is not None and job != self.job:
+                raise ValueError("a collective checkpoint is of this rank's own job")
+            self._sync_cuda()
+            self._call(self._lib.shardd_checkpoint_collective(self._c, _b(directory)))
+            return
         self._call(self._lib.shardd_checkpoint(self._c, _b(job), _b(directory)))
 
     def restore(self, directory, world=0):

@@ -156,6 +156,7 @@ def _declare(lib):
         "shardd_ping": (c_int, [client_p]),
         "shardd_status_json": (c_int, [client_p, P(c_void_p)]),
         "shardd_checkpoint": (c_int, [client_p, c_char_p, c_char_p]),
+        "shardd_checkpoint_collective": (c_int, [client_p, c_char_p]),
         "shardd_restore": (c_int, [client_p, c_char_p, c_uint32, c_char_p, c_size_t]),
         "shardd_status_text": (c_int, [client_p, P(c_void_p)]),
         "shardd_inspect_json": (c_int, [client_p, c_uint64, c_char_p, P(c_void_p)]),

@@ -708,6 +708,18 @@ class ShardedModule:
             self._optims.append(opt)
         return opt
 
+    def checkpoint(self, directory):
+        """A daemon checkpoint of the job (collective: every rank calls it,
+        e.g. every k steps after opt.step()): shards, optimizer state and
+        step counts, taken once every rank is there; a restore of it and a
+        relaunch of the same script resume (init="auto"). Not while a
+        forward or backward holds units."""
+        held = [u.name for u in self.units if u.gather is not None]
+        if self.transient and held:
+            raise shardd.Error(22, "checkpoint(): units %s are gathered by a forward "
+                               "or backward still" % held, "E_STATE")
+        self.client.checkpoint(directory, collective=True)
+
     def clip_grad_norm_(self, max_norm, norm_type=2.0, optimizer=None):
         """FSDP's clip_grad_norm_ (collective): -> the total L2 norm of the
         reduced gradients over every shard of every rank, as a torch scalar
