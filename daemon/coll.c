@@ -135,10 +135,13 @@ static void coll_unlink(coll *c) {
 }
 
 static void coll_free(coll *c) {
-  for (uint32_t r = 0; r < c->job->world; r++)
+  for (uint32_t r = 0; r < c->job->world; r++) {
     if (c->waiters[r].m)
       c->waiters[r].m->pending--;
+    free(c->waiters[r].no_grad);
+  }
   free(c->waiters);
+  free(c->ref_step);
   free(c->tasks);
   free(c->hp);
   free(c->area_reg);
@@ -259,6 +262,62 @@ static void job_maybe_quiet(coll_job *q) {
   }
 }
 
+typedef struct {
+  uint32_t none_all; /* local ranks that sent no gradient for the buffer */
+  int reset;         /* no rank sent a mask: every view has a gradient */
+} mask_arg;
+
+static void mask_start_cb(void *value, void *arg) {
+  shardd__view *v = value;
+  const mask_arg *a = arg;
+  v->nmiss = a->reset ? 0 : a->none_all;
+}
+
+/* After a scatter of c's buffer: which of its views (and the buffer, for a
+ * whole-buffer ref) had a gradient on some rank, from each rank's mask. */
+static void apply_grad_mask(coll *c) {
+  shardd__buffer *b = c->buf;
+  shardd__job *job = c->job;
+  uint32_t lo = job->local_first, n = job->local_ranks;
+  mask_arg a = {0, 1};
+  for (uint32_t r = lo; r < lo + n; r++) {
+    const waiter *w = &c->waiters[r];
+    a.none_all += w->none_all != 0;
+    if (w->none_all || w->nno_grad)
+      a.reset = 0;
+  }
+  /* the other nodes' masks do not cross the fabric yet: a view with no
+   * gradient here may have one there, so every view counts as having one */
+  if (shardd__coll_multi(c))
+    a.reset = 1;
+  b->grad_seen = a.reset || a.none_all < n;
+  if (a.reset && !b->masked)
+    return; /* every view had one before and has one now */
+  shardd__map_each(&b->views, mask_start_cb, &a);
+  for (uint32_t r = lo; !a.reset && r < lo + n; r++) {
+    const waiter *w = &c->waiters[r];
+    for (size_t k = 0; !w->none_all && k < w->nno_grad; k++) {
+      shardd__obj *o = shardd__registry_get(c->e->cfg.reg, w->no_grad[k]);
+      /* checked at submit; a view unregistered since is skipped */
+      if (o && o->kind == SHARDD__OBJ_VIEW && ((shardd__view *)o)->buf == b)
+        ((shardd__view *)o)->nmiss++;
+    }
+  }
+  shardd__view **vs;
+  size_t nv;
+  b->masked = 0;
+  if (shardd__buffer_views(b, &vs, &nv) != SHARDD_OK) {
+    /* out of memory: every view is stepped, as before masks existed */
+    b->grad_seen = 1;
+    return;
+  }
+  for (size_t k = 0; k < nv; k++) {
+    vs[k]->grad_seen = vs[k]->nmiss < n;
+    b->masked |= !vs[k]->grad_seen;
+  }
+  free(vs);
+}
+
 static void after_phase(coll *c) {
   for (size_t i = 0; i < c->ntasks; i++)
     if (c->tasks[i].rc != SHARDD_OK && c->rc == SHARDD_OK)
@@ -320,9 +379,13 @@ static void after_phase(coll *c) {
     c->buf->gathers++;
   } else if (c->args.kind == SHARDD__COLL_SCATTER) {
     c->buf->scatters++;
+    apply_grad_mask(c);
   } else {
     for (size_t i = 0; i < c->opt->nshards; i++)
       c->opt->shards[i].master_valid = 1;
+    for (size_t i = 0; i < c->opt->nrefs; i++)
+      if (c->ref_step[i])
+        c->opt->ref_steps[i] = c->ref_step[i];
     c->opt->steps = c->step;
   }
   coll_job *q = c->cj;
@@ -394,6 +457,24 @@ static shardd_err set_areas(coll *c, char *msg, size_t len) {
 }
 
 static void start_phase(coll *c) {
+  if (c->args.kind == SHARDD__COLL_STEP && c->phase == 0 && c->ref_step == NULL) {
+    shardd__optim *o = c->opt;
+    c->ref_step = calloc(o->nrefs ? o->nrefs : 1, sizeof *c->ref_step);
+    if (c->ref_step == NULL) {
+      coll_job *q = c->cj;
+      coll_finish(c, SHARDD_E_NO_MEMORY, "out of memory starting a step");
+      schedule(q);
+      return;
+    }
+    for (size_t i = 0; i < o->nrefs; i++) {
+      const shardd__obj *r = o->refs[i];
+      int on = r->kind == SHARDD__OBJ_VIEW
+                   ? ((const shardd__view *)r)->requires_grad &&
+                         ((const shardd__view *)r)->grad_seen
+                   : ((const shardd__buffer *)r)->grad_seen;
+      c->ref_step[i] = on ? o->ref_steps[i] + 1 : 0;
+    }
+  }
   if (c->args.kind == SHARDD__COLL_STEP && c->phase == 0) {
     c->step = c->opt->steps + 1;
     c->grad_scale = 1.0f;
@@ -483,6 +564,43 @@ static double loop_now(const shardd__coll_engine *e) {
   return (double)uv_now(e->cfg.loop) / 1000.0;
 }
 
+static int cmp_u64(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* A scatter's no-gradient views, checked (each a view of b) and copied
+ * sorted without repeats. */
+static shardd_err copy_mask(shardd__coll_engine *e, const shardd__buffer *b,
+                            const shardd__coll_args *args, uint64_t **out,
+                            size_t *nout, char *err, size_t errlen) {
+  for (size_t k = 0; k < args->nno_grad; k++) {
+    const shardd__obj *v = shardd__registry_get(e->cfg.reg, args->no_grad[k]);
+    if (v == NULL || v->kind != SHARDD__OBJ_VIEW ||
+        ((const shardd__view *)v)->buf != b) {
+      snprintf(err, errlen,
+               "scatter of buffer %" PRIu64 " (\"%s\"): no-gradient entry %zu "
+               "(id %" PRIu64 ") is not a view of it",
+               b->hdr.id, b->hdr.name, k, args->no_grad[k]);
+      return SHARDD_E_NOT_FOUND;
+    }
+  }
+  uint64_t *m = malloc(args->nno_grad * sizeof *m);
+  if (m == NULL) {
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  memcpy(m, args->no_grad, args->nno_grad * sizeof *m);
+  qsort(m, args->nno_grad, sizeof *m, cmp_u64);
+  size_t n = 0;
+  for (size_t k = 0; k < args->nno_grad; k++)
+    if (n == 0 || m[n - 1] != m[k])
+      m[n++] = m[k];
+  *out = m;
+  *nout = n;
+  return SHARDD_OK;
+}
+
 void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
                          uint64_t seq, const shardd__coll_args *args) {
   shardd__job *job = m->job;
@@ -532,6 +650,16 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
     return;
   }
 
+  uint64_t *mask = NULL;
+  size_t nmask = 0;
+  if (args->kind == SHARDD__COLL_SCATTER && args->nno_grad > 0 &&
+      !args->no_grad_all) {
+    if ((rc = copy_mask(e, (const shardd__buffer *)o, args, &mask, &nmask, err,
+                        sizeof err)) != SHARDD_OK) {
+      refuse(e, m, seq, rc, err);
+      return;
+    }
+  }
   coll *c = NULL;
   for (coll *it = q->head; it; it = it->next) {
     if (it->args.kind == args->kind && it->args.target == args->target &&
@@ -557,6 +685,7 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
     c = calloc(1, sizeof *c);
     if (c == NULL || (c->waiters = calloc(job->world, sizeof *c->waiters)) == NULL) {
       free(c);
+      free(mask);
       refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
       return;
     }
@@ -564,6 +693,9 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
     c->job = job;
     c->cj = q;
     c->args = *args;
+    c->args.no_grad = NULL; /* each rank's mask is its waiter's */
+    c->args.nno_grad = 0;
+    c->args.no_grad_all = 0;
     c->deadline = loop_now(e) + e->cfg.timeout;
     c->name_key = shardd__coll_fab_key(args->kind, o->name);
     c->tag = shardd__coll_fab_tag(c->name_key);
@@ -574,6 +706,7 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
       if (c->hp == NULL) {
         free(c->waiters);
         free(c);
+        free(mask);
         refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
         return;
       }
@@ -598,6 +731,10 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
   w->seq = seq;
   w->arrived = 1;
   w->want_grad = args->want_grad;
+  w->none_all = args->no_grad_all;
+  w->no_grad = mask;
+  w->nno_grad = nmask;
+  mask = NULL;
   m->pending++;
   c->arrived++;
   if (c->arrived == job->local_ranks) {

@@ -42,6 +42,17 @@ typedef struct {
   /* gather in a transient job: this rank also leases its gradient area
    * (a rank's own choice: not compared between ranks) */
   int want_grad;
+  /* scatter: the views of the buffer that got no gradient on this rank
+   * (borrowed for the call; the engine copies them), or with no_grad_all
+   * the whole buffer. A rank's own: not compared between ranks. Neither
+   * set (an old client): every view had one. After the scatter a view
+   * has a gradient when some rank sent one for it, and a step skips the
+   * views held without one (torch skips a parameter whose .grad is None).
+   * A multi-node job cannot see the other nodes' masks yet: there every
+   * view counts as having one. */
+  const uint64_t *no_grad;
+  size_t nno_grad;
+  int no_grad_all;
 } shardd__coll_args;
 
 /* One rank of a job as the engine sees it. The caller sets job and rank

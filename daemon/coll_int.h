@@ -19,6 +19,11 @@ typedef struct {
   uint64_t seq;
   int arrived;
   int want_grad; /* gather of a transient job: lease the gradient area too */
+  /* scatter: this rank's views without a gradient (sorted, unique), or
+   * none_all: the whole buffer */
+  uint64_t *no_grad;
+  size_t nno_grad;
+  int none_all;
 } waiter;
 
 /* One piece of work on the pool: elements [start, start+len) of unit
@@ -84,6 +89,9 @@ struct coll {
   double total_norm;
   uint64_t step;
   shardd__hp *hp; /* step: groups with any lr override applied */
+  /* step: per optimizer ref, the count this step gives it, 0 when the step
+   * skips it (frozen, or no gradient in its buffer's last scatter) */
+  uint64_t *ref_step;
   shardd_err rc;
   /* set when a rank joined with other arguments: the collective never runs
    * and every rank, including those still to arrive, gets this error */

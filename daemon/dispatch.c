@@ -590,7 +590,11 @@ static void on_scatter(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   shardd__coll_args ca = {.kind = SHARDD__COLL_SCATTER,
                           .target = req->scatter->buffer,
                           .generation = req->scatter->generation,
-                          .op = (shardd_reduce_op)req->scatter->op};
+                          .op = (shardd_reduce_op)req->scatter->op,
+                          .no_grad = req->scatter->no_grad,
+                          .nno_grad = req->scatter->n_no_grad,
+                          .no_grad_all = req->scatter->has_no_grad_all &&
+                                         req->scatter->no_grad_all};
   if (ca.op != SHARDD_REDUCE_SUM && ca.op != SHARDD_REDUCE_MEAN) {
     reply(d, c, seq, SHARDD_E_INVAL, "scatter op must be sum or mean");
     return;
@@ -607,6 +611,16 @@ static void on_step(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                           .lr = st->lr,
                           .max_norm = st->has_max_norm ? st->max_norm : 0};
   shardd__coll_submit(d->coll, &c->m, seq, &ca);
+}
+
+static void on_set_requires_grad(shardd__dispatch *d, shardd__conn *c,
+                                 uint64_t seq, const Shardwire__Request *req) {
+  char err[ERRLEN];
+  const Shardwire__SetRequiresGrad *sr = req->set_requires_grad;
+  shardd_err rc = shardd__view_set_requires_grad(
+      &d->reg, c->m.job, sr->view, sr->has_generation ? sr->generation : 0,
+      sr->requires_grad, err, sizeof err);
+  reply(d, c, seq, rc, rc == SHARDD_OK ? NULL : err);
 }
 
 static void on_release(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
@@ -665,6 +679,7 @@ static const struct {
     {SHARDWIRE__REQUEST__BODY_GATHER, 1, 0, on_gather},
     {SHARDWIRE__REQUEST__BODY_SCATTER, 1, 0, on_scatter},
     {SHARDWIRE__REQUEST__BODY_STEP, 1, 1, on_step},
+    {SHARDWIRE__REQUEST__BODY_SET_REQUIRES_GRAD, 1, 1, on_set_requires_grad},
     {SHARDWIRE__REQUEST__BODY_RELEASE, 1, 0, on_release},
 };
 
