@@ -112,6 +112,17 @@ class ParamGroup(ctypes.Structure):
     ]
 
 
+class ScatterOpts(ctypes.Structure):
+    _fields_ = [
+        ("size", c_size_t),
+        ("op", c_int),
+        ("generation", c_uint64),
+        ("no_grad", ctypes.POINTER(c_uint64)),
+        ("nno_grad", c_size_t),
+        ("no_grad_all", c_int),
+    ]
+
+
 class StepOpts(ctypes.Structure):
     _fields_ = [("size", c_size_t), ("lr", c_double), ("max_norm", c_double)]
 
@@ -168,6 +179,8 @@ def _declare(lib):
         "shardd_wait_area": (c_int, [client_p, c_uint64, P(Area)]),
         "shardd_release": (c_int, [client_p, c_uint64]),
         "shardd_scatter": (c_int, [client_p, c_uint64, c_int]),
+        "shardd_scatter_ex": (c_int, [client_p, c_uint64, P(ScatterOpts)]),
+        "shardd_view_set_requires_grad": (c_int, [client_p, c_uint64, c_int]),
         "shardd_step": (c_int, [client_p, c_uint64, P(StepOpts), P(StepResult)]),
     }
     for name, (res, args) in sigs.items():
