@@ -1405,6 +1405,55 @@ Test(validate, frozen_views_are_accepted_and_buffers_holding_them_refused) {
     cr_expect_eq(o->ref_steps[k], 0, "ref %zu starts with no step", k);
 }
 
+/* Gradual unfreezing keeps the rules of registration: a view of a buffer
+ * held whole cannot be frozen (the whole buffer is one parameter), a stale
+ * generation is refused, and a view held by an optimizer stays held. */
+Test(validate, requires_grad_changes_keep_the_registration_rules) {
+  shardd__buffer *whole = buf_new(job, "whole", SHARDD_DTYPE_FP32, 16);
+  shardd__view *wv = view_new(whole, "whole.w", 0, 8);
+  msg m;
+  msg_init(&m, SHARDD_OPTIM_SGD, "w");
+  size_t g = msg_group(&m);
+  msg_ref(&m, g, whole->hdr.id, "whole");
+  accept(&m, NULL);
+  cr_expect_eq(shardd__view_set_requires_grad(&reg, job, wv->hdr.id, 0, 0, err,
+                                              sizeof err),
+               SHARDD_E_BUSY);
+  cr_expect(strstr(err, "is held whole by optimizer") != NULL, "%s", err);
+  cr_expect_eq(wv->requires_grad, 1);
+  cr_expect_eq(whole->nfrozen_ranges, 0);
+
+  shardd__buffer *b = buf_new(job, "block", SHARDD_DTYPE_FP32, 32);
+  shardd__view *base = view_frozen(b, "base", 0, 16);
+  shardd__view *ad = view_new(b, "adapter", 16, 16);
+  msg_init(&m, SHARDD_OPTIM_ADAMW, "peft");
+  g = msg_group(&m);
+  msg_ref(&m, g, base->hdr.id, "base");
+  msg_ref(&m, g, ad->hdr.id, "adapter");
+  shardd__optim *o = accept(&m, NULL);
+  cr_expect_eq(shardd__view_set_requires_grad(&reg, job, base->hdr.id, 7, 1, err,
+                                              sizeof err),
+               SHARDD_E_STALE);
+  cr_expect_eq(shardd__view_set_requires_grad(&reg, job, base->hdr.id,
+                                              base->hdr.generation, 1, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_expect_eq(base->requires_grad, 1);
+  cr_expect_eq(b->nfrozen, 0);
+  cr_expect_eq(b->nfrozen_ranges, 0);
+  cr_expect_eq(base->owner, o, "still held");
+  cr_expect_eq(shardd__view_set_requires_grad(&reg, job, ad->hdr.id, 0, 0, err,
+                                              sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_assert_eq(b->nfrozen_ranges, 1);
+  cr_expect_eq(b->frozen[0][0], 16);
+  cr_expect_eq(b->frozen[0][1], 16);
+  /* unchanged is a no-op */
+  cr_expect_eq(shardd__view_set_requires_grad(&reg, job, ad->hdr.id, 0, 0, err,
+                                              sizeof err),
+               SHARDD_OK);
+  cr_expect_eq(b->nfrozen, 1);
+}
+
 Test(validate, stale_refs_are_refused_naming_the_current_handle) {
   shardd__buffer *b = buf_new(job, "layer0", SHARDD_DTYPE_FP32, 64);
   shardd__view *v = view_new(b, "layer0.weight", 0, 32);
