@@ -29,7 +29,8 @@ typedef struct {
 /* One piece of work on the pool: elements [start, start+len) of unit
  * (a, b): gather: a = destination rank, range in the padded buffer;
  * scatter: a = owner rank, range in its shard; step: a = optimizer shard,
- * b = its segment, range in the segment. Large units are cut in chunks so a
+ * b = its first segment of a run of adjacent ones with one group and one
+ * step count, range from that segment's start. Large units are cut in chunks so a
  * big shard uses every worker, not one. */
 typedef struct {
   uv_work_t req;

@@ -243,9 +243,25 @@ size_t shardd__coll_plan(coll *c, task *out) {
       const shardd__optim_shard *sh = &c->opt->shards[i];
       int widen = c->phase == 1 && sh->buf->dtype != SHARDD_DTYPE_FP32 &&
                   !sh->master_valid;
-      for (size_t j = 0; j < sh->nsegs; j++)
-        if (c->ref_step[sh->segs[j].ref] || widen)
-          n = add_unit(out, n, i, j, sh->segs[j].len);
+      const shardd__seg *sg = sh->segs;
+      for (size_t j = 0; j < sh->nsegs;) {
+        uint64_t step = c->ref_step[sg[j].ref];
+        if (!step && !widen) {
+          j++;
+          continue;
+        }
+        /* Adjacent refs of one group that this step gives one count are
+         * one run of work (a task reads its first segment's group and
+         * count), so a shard of many small views is not many small tasks. */
+        size_t k = j + 1;
+        uint64_t len = sg[j].len;
+        while (k < sh->nsegs && sg[k].group == sg[j].group &&
+               sg[k].start == sg[k - 1].start + sg[k - 1].len &&
+               c->ref_step[sg[k].ref] == step)
+          len += sg[k++].len;
+        n = add_unit(out, n, i, j, len);
+        j = k;
+      }
     }
   } else if (c->bulk) {
     if (out)
