@@ -376,7 +376,9 @@ shardd_err shardd_scatter_ex(shardd_client_t *c, uint64_t buffer,
  * of shardd_view_register_ex hold: SHARDD_E_OVERLAP where the view meets
  * one of the other kind, SHARDD_E_BUSY freezing a view of a buffer an
  * optimizer holds whole. It applies to collectives not started yet, so
- * every rank may call it before its next scatter. */
+ * every rank may call it before its next scatter. It changes this
+ * daemon's registry only: in a multi-node job a rank of every node must
+ * call it (shardd.nn's ranks all do), or the nodes would disagree. */
 shardd_err shardd_view_set_requires_grad(shardd_client_t *c, uint64_t view,
                                          int requires_grad);
 

@@ -262,6 +262,8 @@ class SkipTest(unittest.TestCase):
     def test_gradual_unfreezing(self):
         self.check("unfreeze", "lora", "adamw", 2, False)
         self.check("unfreeze", "lora", "adamw", 2, True, "module")
+        # a unit that was wholly frozen gets a backward once unfrozen
+        self.check("unfreeze", "lora", "adamw", 2, True, "children")
 
     def test_a_view_used_on_one_rank_is_stepped(self):
         got, _ = self.check("one_rank", "branchy", "adamw", 2, False)

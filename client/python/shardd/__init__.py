@@ -846,8 +846,10 @@ class Client:
         """Freezes (False) or unfreezes (True) a view for the whole job:
         gradual unfreezing. An optimizer holding it keeps it; its steps skip it
         while it is frozen, and step it again, with its own step count, once
-        it is not. Any one rank may say it; it applies to collectives not
-        started yet, so call it before this rank's next scatter."""
+        it is not. Any one rank of a node may say it for that node's daemon
+        (in a multi-node job a rank of every node must); it applies to
+        collectives not started yet, so call it before this rank's next
+        scatter."""
         self._check_open()
         self._call(self._lib.shardd_view_set_requires_grad(
             self._c, _ids(view), 1 if requires_grad else 0))
