@@ -352,8 +352,8 @@ shardd_err shardd_scatter(shardd_client_t *c, uint64_t buffer,
  * skipped by the next step of its optimizer (no weight decay, no moment
  * update, its own step count stays), as torch.optim skips it; a view with
  * a gradient on some ranks only is stepped (the others' is zero, as on
- * the global batch). A view of another buffer is SHARDD_E_NOT_FOUND.
- * Multi-node jobs do not exchange masks yet: there every view is stepped. */
+ * the global batch), over every node of a multi-node job. A view of
+ * another buffer is SHARDD_E_NOT_FOUND. */
 typedef struct {
   size_t size;
   shardd_reduce_op op;

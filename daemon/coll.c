@@ -142,6 +142,8 @@ static void coll_free(coll *c) {
   }
   free(c->waiters);
   free(c->ref_step);
+  free(c->fab_mask);
+  free(c->fab_mask_ids);
   free(c->tasks);
   free(c->hp);
   free(c->area_reg);
@@ -262,60 +264,120 @@ static void job_maybe_quiet(coll_job *q) {
   }
 }
 
+/* Whether rank r's scatter brought a gradient for view id (its mask is
+ * sorted). */
+static int rank_had(const waiter *w, uint64_t id) {
+  if (w->none_all)
+    return 0;
+  size_t lo = 0, hi = w->nno_grad;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (w->no_grad[mid] < id)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return !(lo < w->nno_grad && w->no_grad[lo] == id);
+}
+
+/* Whether some local rank sent a mask with its scatter. */
+static int any_mask(const coll *c) {
+  const shardd__job *job = c->job;
+  for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++)
+    if (c->waiters[r].none_all || c->waiters[r].nno_grad)
+      return 1;
+  return 0;
+}
+
+/* Multi-node scatter, before its exchange: this node's row of c->fab_mask,
+ * each view (and last the buffer) 1 when a local rank had its gradient. */
+shardd_err shardd__coll_mask_row(coll *c) {
+  shardd__buffer *b = c->buf;
+  shardd__job *job = c->job;
+  shardd__view **vs;
+  size_t nv;
+  if (shardd__buffer_views(b, &vs, &nv) != SHARDD_OK)
+    return SHARDD_E_NO_MEMORY;
+  c->nmask = nv;
+  c->fab_mask = calloc((size_t)job->nodes * (nv + 1), 1);
+  c->fab_mask_ids = malloc((nv ? nv : 1) * sizeof *c->fab_mask_ids);
+  if (c->fab_mask == NULL || c->fab_mask_ids == NULL) {
+    free(vs);
+    return SHARDD_E_NO_MEMORY;
+  }
+  uint8_t *row = c->fab_mask + (size_t)job->node_rank * (nv + 1);
+  int masked = any_mask(c);
+  uint32_t lo = job->local_first, hi = lo + job->local_ranks;
+  for (size_t k = 0; k <= nv; k++) {
+    if (k < nv)
+      c->fab_mask_ids[k] = vs[k]->hdr.id;
+    int had = !masked;
+    for (uint32_t r = lo; r < hi && !had; r++)
+      had = k < nv ? rank_had(&c->waiters[r], vs[k]->hdr.id) : !c->waiters[r].none_all;
+    row[k] = (uint8_t)had;
+  }
+  free(vs);
+  return SHARDD_OK;
+}
+
 typedef struct {
-  uint32_t none_all; /* local ranks that sent no gradient for the buffer */
-  int reset;         /* no rank sent a mask: every view has a gradient */
+  const coll *c;
+  int masked; /* some local rank sent a mask */
 } mask_arg;
 
-static void mask_start_cb(void *value, void *arg) {
+static void mask_view_cb(void *value, void *arg) {
   shardd__view *v = value;
   const mask_arg *a = arg;
-  v->nmiss = a->reset ? 0 : a->none_all;
+  const shardd__job *job = a->c->job;
+  int had = !a->masked;
+  for (uint32_t r = job->local_first;
+       r < job->local_first + job->local_ranks && !had; r++)
+    had = rank_had(&a->c->waiters[r], v->hdr.id);
+  v->grad_seen = had;
+  v->buf->masked |= !had;
 }
 
 /* After a scatter of c's buffer: which of its views (and the buffer, for a
- * whole-buffer ref) had a gradient on some rank, from each rank's mask. */
+ * whole-buffer ref) had a gradient on some rank, of this node from each
+ * rank's mask, of the other nodes from the rows their exchange brought. */
 static void apply_grad_mask(coll *c) {
   shardd__buffer *b = c->buf;
   shardd__job *job = c->job;
-  uint32_t lo = job->local_first, n = job->local_ranks;
-  mask_arg a = {0, 1};
-  for (uint32_t r = lo; r < lo + n; r++) {
-    const waiter *w = &c->waiters[r];
-    a.none_all += w->none_all != 0;
-    if (w->none_all || w->nno_grad)
-      a.reset = 0;
-  }
-  /* the other nodes' masks do not cross the fabric yet: a view with no
-   * gradient here may have one there, so every view counts as having one */
-  if (shardd__coll_multi(c))
-    a.reset = 1;
-  b->grad_seen = a.reset || a.none_all < n;
-  if (a.reset && !b->masked)
-    return; /* every view had one before and has one now */
-  shardd__map_each(&b->views, mask_start_cb, &a);
-  for (uint32_t r = lo; !a.reset && r < lo + n; r++) {
-    const waiter *w = &c->waiters[r];
-    for (size_t k = 0; !w->none_all && k < w->nno_grad; k++) {
-      shardd__obj *o = shardd__registry_get(c->e->cfg.reg, w->no_grad[k]);
-      /* checked at submit; a view unregistered since is skipped */
-      if (o && o->kind == SHARDD__OBJ_VIEW && ((shardd__view *)o)->buf == b)
-        ((shardd__view *)o)->nmiss++;
+  uint32_t lo = job->local_first, hi = lo + job->local_ranks;
+  if (shardd__coll_multi(c)) {
+    size_t n = c->nmask;
+    b->masked = 0;
+    b->grad_seen = 0;
+    for (size_t k = 0; c->fab_mask && k <= n; k++) {
+      int had = 0;
+      for (uint32_t node = 0; node < job->nodes; node++)
+        had |= c->fab_mask[(size_t)node * (n + 1) + k];
+      if (k == n) {
+        b->grad_seen = had;
+        break;
+      }
+      /* a view unregistered since is gone; one registered since had none
+       * of the exchange and keeps what it had */
+      shardd__obj *o = shardd__registry_get(c->e->cfg.reg, c->fab_mask_ids[k]);
+      if (o && o->kind == SHARDD__OBJ_VIEW && ((shardd__view *)o)->buf == b) {
+        ((shardd__view *)o)->grad_seen = had;
+        b->masked |= !had;
+      }
     }
-  }
-  shardd__view **vs;
-  size_t nv;
-  b->masked = 0;
-  if (shardd__buffer_views(b, &vs, &nv) != SHARDD_OK) {
-    /* out of memory: every view is stepped, as before masks existed */
-    b->grad_seen = 1;
+    if (c->fab_mask == NULL)
+      b->grad_seen = 1;
     return;
   }
-  for (size_t k = 0; k < nv; k++) {
-    vs[k]->grad_seen = vs[k]->nmiss < n;
-    b->masked |= !vs[k]->grad_seen;
-  }
-  free(vs);
+  int masked = any_mask(c);
+  uint32_t none_all = 0;
+  for (uint32_t r = lo; r < hi; r++)
+    none_all += c->waiters[r].none_all != 0;
+  b->grad_seen = !masked || none_all < job->local_ranks;
+  if (!masked && !b->masked)
+    return; /* every view had one before and has one now */
+  b->masked = 0;
+  mask_arg a = {c, masked};
+  shardd__map_each(&b->views, mask_view_cb, &a);
 }
 
 static void after_phase(coll *c) {
@@ -494,6 +556,12 @@ static void start_phase(coll *c) {
       schedule(q);
       return;
     }
+  }
+  if (shardd__coll_multi(c) && c->args.kind == SHARDD__COLL_SCATTER &&
+      c->stage == 1 && c->fab_mask == NULL && shardd__coll_mask_row(c) != SHARDD_OK) {
+    /* the exchange's header says so, and every node fails it alike */
+    free(c->fab_mask);
+    c->fab_mask = NULL;
   }
   if (c->buf && c->area_reg == NULL) {
     char msg[512];

@@ -48,8 +48,8 @@ typedef struct {
    * set (an old client): every view had one. After the scatter a view
    * has a gradient when some rank sent one for it, and a step skips the
    * views held without one (torch skips a parameter whose .grad is None).
-   * A multi-node job cannot see the other nodes' masks yet: there every
-   * view counts as having one. */
+   * In a multi-node job each node's flags cross the fabric with the
+   * exchange (every node must hold the same views of the buffer). */
   const uint64_t *no_grad;
   size_t nno_grad;
   int no_grad_all;

@@ -119,6 +119,13 @@ struct coll {
   shardd__region **area_reg;
   size_t *area_off;
   uint8_t *took; /* transient gather: 1 gather lease taken, 2 gradient too */
+  /* multi-node scatter: which views (the buffer's, in offset order, by id)
+   * had a gradient on some rank of each node: [nodes][nmask + 1] flags,
+   * the last one the whole buffer's; this node's row is set on the loop
+   * thread before the exchange, the others' arrive with it */
+  uint8_t *fab_mask;
+  uint64_t *fab_mask_ids;
+  size_t nmask;
 };
 
 static inline int shardd__coll_multi(const coll *c) { return c->job->nodes > 1; }
@@ -130,6 +137,9 @@ const char *shardd__coll_target_word(shardd__coll_kind k);
  * NULL when out of memory or, without create, missing). */
 coll_job *shardd__coll_job_of(shardd__coll_engine *e, shardd__job *job,
                               int create);
+/* coll.c: this node's row of c->fab_mask (multi-node scatter), on the
+ * loop thread before the exchange; SHARDD_E_NO_MEMORY leaves it NULL. */
+shardd_err shardd__coll_mask_row(coll *c);
 /* coll.c: a task of c ended (pool or fabric thread done); loop thread. */
 void shardd__coll_task_done(uv_work_t *req, int status);
 

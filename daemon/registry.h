@@ -160,8 +160,6 @@ struct shardd__view {
   int grad_seen;
   shardd__optim *owner;
   uint32_t owner_ref; /* its index in owner->refs (and ref_steps) */
-  /* private: a scatter's count of ranks that sent no gradient for it */
-  uint32_t nmiss;
   /* private: links in buf->held_root while owner is set */
   shardd__view *held_l, *held_r;
   uint64_t held_prio;
