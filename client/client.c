@@ -1382,16 +1382,42 @@ static shardd_err scatter_req(shardd_client_t *c, uint64_t buffer,
   if (c == NULL)
     return SHARDD_E_INVAL; /* no client to hold a message */
 
+  shardd_scatter_opts o = SHARDD_SCATTER_OPTS_INIT;
+  o.op = op;
+  o.generation = generation;
+  o.accumulate = accumulate;
+  return shardd_scatter_ex(c, buffer, &o);
+}
+
+shardd_err shardd_scatter_ex(shardd_client_t *c, uint64_t buffer,
+                             const shardd_scatter_opts *opts) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+
+  shardd_scatter_opts o = SHARDD_SCATTER_OPTS_INIT;
+  if (opts) { /* an older caller's smaller struct keeps the defaults after it */
+    size_t n = opts->size < sizeof o ? opts->size : sizeof o;
+    memcpy(&o, opts, n);
+    o.size = sizeof o;
+  }
+  if (o.nno_grad > 0 && o.no_grad == NULL)
+    return set_err(c, SHARDD_E_INVAL, "scatter: nno_grad without no_grad");
   Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
   Shardwire__Scatter s = SHARDWIRE__SCATTER__INIT;
   s.buffer = buffer;
   s.has_op = 1;
-  s.op = (Shardwire__ReduceOp)op;
-  if (generation) {
+  s.op = (Shardwire__ReduceOp)o.op;
+  if (o.generation) {
     s.has_generation = 1;
-    s.generation = generation;
+    s.generation = o.generation;
   }
-  if (accumulate) {
+  s.n_no_grad = o.nno_grad;
+  s.no_grad = (uint64_t *)o.no_grad;
+  if (o.no_grad_all) {
+    s.has_no_grad_all = 1;
+    s.no_grad_all = 1;
+  }
+  if (o.accumulate) {
     s.has_accumulate = 1;
     s.accumulate = 1;
   }
@@ -1453,6 +1479,20 @@ shardd_err shardd_seed_master(shardd_client_t *c, uint64_t buffer) {
 
 shardd_err shardd_barrier(shardd_client_t *c) {
   return shardd_all_reduce(c, NULL, 0, SHARDD_REDUCE_SUM);
+}
+
+shardd_err shardd_view_set_requires_grad(shardd_client_t *c, uint64_t view,
+                                         int requires_grad) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__SetRequiresGrad sr = SHARDWIRE__SET_REQUIRES_GRAD__INIT;
+  sr.view = view;
+  sr.requires_grad = requires_grad != 0;
+  req.body_case = SHARDWIRE__REQUEST__BODY_SET_REQUIRES_GRAD;
+  req.set_requires_grad = &sr;
+  return call_status_only(c, &req);
 }
 
 shardd_err shardd_step(shardd_client_t *c, uint64_t opt,

@@ -320,6 +320,8 @@ char *shardd__fmt_inspect_text(const Shardwire__InspectReply *ir) {
   if (ir->has_requires_grad)
     shardd__sb_printf(&sb, "requires_grad: %s\n",
                       ir->requires_grad ? "true" : "false");
+  if (ir->has_steps)
+    shardd__sb_printf(&sb, "steps: %" PRIu64 "\n", ir->steps);
   if (!strcmp(ir->kind, "buffer")) {
     uint64_t nf = 0;
     for (size_t i = 0; i < ir->n_frozen; i++)
@@ -371,8 +373,11 @@ char *shardd__fmt_inspect_text(const Shardwire__InspectReply *ir) {
     shape_text(&sb, v->shape, v->n_shape);
     if (v->has_generation)
       shardd__sb_printf(&sb, " generation %" PRIu64, v->generation);
-    shardd__sb_printf(&sb, " requires_grad %s\n",
+    shardd__sb_printf(&sb, " requires_grad %s",
                       v->requires_grad ? "true" : "false");
+    if (v->has_steps)
+      shardd__sb_printf(&sb, " steps %" PRIu64, v->steps);
+    shardd__sb_printf(&sb, "\n");
   }
   return shardd__sb_take(&sb);
 }
@@ -410,6 +415,8 @@ char *shardd__fmt_inspect_json(const Shardwire__InspectReply *ir) {
   if (ir->has_requires_grad)
     shardd__sb_printf(&sb, ",\"requires_grad\":%s",
                       ir->requires_grad ? "true" : "false");
+  if (ir->has_steps)
+    shardd__sb_printf(&sb, ",\"steps\":%" PRIu64, ir->steps);
   if (!strcmp(ir->kind, "buffer")) {
     shardd__sb_printf(&sb, ",\"frozen\":[");
     for (size_t i = 0; i < ir->n_frozen; i++)
@@ -455,8 +462,11 @@ char *shardd__fmt_inspect_json(const Shardwire__InspectReply *ir) {
     shape_json(&sb, v->shape, v->n_shape);
     if (v->has_generation)
       shardd__sb_printf(&sb, ",\"generation\":%" PRIu64, v->generation);
-    shardd__sb_printf(&sb, ",\"requires_grad\":%s}",
+    shardd__sb_printf(&sb, ",\"requires_grad\":%s",
                       v->requires_grad ? "true" : "false");
+    if (v->has_steps)
+      shardd__sb_printf(&sb, ",\"steps\":%" PRIu64, v->steps);
+    shardd__sb_printf(&sb, "}");
   }
   shardd__sb_printf(&sb, "]}\n");
   return shardd__sb_take(&sb);

@@ -258,7 +258,9 @@ shardd_err shardd_view_unregister(shardd_client_t *c, uint64_t view);
  * trainable adapters in one flat buffer): scatter computes no reduced
  * gradient for its elements (their reduced-gradient elements are left
  * untouched) and no reduce work at all for a rank whose shard is wholly
- * frozen; no optimizer may name it, nor the whole buffer holding it. A
+ * frozen; an optimizer may name it (its steps skip it while it stays
+ * frozen, as torch skips a parameter with requires_grad=False), but not
+ * the whole buffer holding it. A
  * frozen view may not overlap a trainable one (SHARDD_E_OVERLAP) nor be
  * added to a buffer an optimizer holds whole (SHARDD_E_BUSY); attaching
  * with the other requires_grad is SHARDD_E_MISMATCH.
@@ -393,6 +395,47 @@ shardd_err shardd_all_reduce(shardd_client_t *c, double *values, size_t n,
 /* Returns once every rank of the job has called it (an all-reduce of no
  * values). */
 shardd_err shardd_barrier(shardd_client_t *c);
+
+/* Options of shardd_scatter_ex(). Created with SHARDD_SCATTER_OPTS_INIT;
+ * fields are only ever appended.
+ * no_grad: the views of the buffer that got no gradient on this rank
+ * (torch: their .grad is None; the grad area holds zeros there), nno_grad
+ * of them (borrowed for the call); no_grad_all 1: the whole buffer got
+ * none. After the scatter, a view that no rank sent a gradient for is
+ * skipped by the next step of its optimizer (no weight decay, no moment
+ * update, its own step count stays), as torch.optim skips it; a view with
+ * a gradient on some ranks only is stepped (the others' is zero, as on
+ * the global batch), over every node of a multi-node job. A view of
+ * another buffer is SHARDD_E_NOT_FOUND. */
+typedef struct {
+  size_t size;
+  shardd_reduce_op op;
+  uint64_t generation; /* 0: not checked (see shardd_scatter_checked) */
+  const uint64_t *no_grad;
+  size_t nno_grad;
+  int no_grad_all;
+  /* 1: shardd_scatter_accumulate's adding to the reduced gradient held */
+  int accumulate;
+} shardd_scatter_opts;
+#define SHARDD_SCATTER_OPTS_INIT                                               \
+  {sizeof(shardd_scatter_opts), SHARDD_REDUCE_SUM, 0, NULL, 0, 0, 0}
+
+/* shardd_scatter with options (opts NULL: the defaults). */
+shardd_err shardd_scatter_ex(shardd_client_t *c, uint64_t buffer,
+                             const shardd_scatter_opts *opts);
+
+/* Freezes (requires_grad 0) or unfreezes a view for the whole job:
+ * gradual unfreezing. A view an optimizer holds stays held and its steps
+ * skip it while it is frozen; unfrozen, it is stepped again with its own
+ * step count (torch's state["step"] of a parameter it skipped). The rules
+ * of shardd_view_register_ex hold: SHARDD_E_OVERLAP where the view meets
+ * one of the other kind, SHARDD_E_BUSY freezing a view of a buffer an
+ * optimizer holds whole. It applies to collectives not started yet, so
+ * every rank may call it before its next scatter. It changes this
+ * daemon's registry only: in a multi-node job a rank of every node must
+ * call it (shardd.nn's ranks all do), or the nodes would disagree. */
+shardd_err shardd_view_set_requires_grad(shardd_client_t *c, uint64_t view,
+                                         int requires_grad);
 
 /* shardd_gather / shardd_scatter of a handle the caller kept with its
  * generation: refused with SHARDD_E_STALE (nothing runs) when the buffer

@@ -117,6 +117,7 @@ shardd_err shardd__buffer_register(shardd__registry *reg, shardd__job *job,
   }
   b->dtype = dtype;
   b->numel = numel;
+  b->grad_seen = 1;
   b->world = job->world;
   b->shard_numel = (numel + job->world - 1) / job->world;
   b->padded_numel = b->shard_numel * job->world;
@@ -327,14 +328,16 @@ size_t shardd__buffer_trainable(const shardd__buffer *buf, uint64_t lo,
 
 typedef struct {
   uint64_t start, end;
-  const shardd__view *hit; /* a trainable view meeting [start, end) */
+  const shardd__view *hit; /* a view of the kind asked meeting [start, end) */
+  const shardd__view *self; /* not counted */
+  int trainable;            /* the kind asked */
 } meet_arg;
 
-static void meet_trainable_cb(void *value, void *arg) {
+static void meet_cb(void *value, void *arg) {
   const shardd__view *v = value;
   meet_arg *m = arg;
-  if (m->hit == NULL && v->requires_grad && v->offset < m->end &&
-      m->start < v->offset + v->numel)
+  if (m->hit == NULL && v != m->self && v->requires_grad == m->trainable &&
+      v->offset < m->end && m->start < v->offset + v->numel)
     m->hit = v;
 }
 
@@ -426,8 +429,8 @@ shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
     return SHARDD_E_BUSY;
   }
   if (!requires_grad) {
-    meet_arg m = {offset, offset + numel, NULL};
-    shardd__map_each(&b->views, meet_trainable_cb, &m);
+    meet_arg m = {offset, offset + numel, NULL, NULL, 1};
+    shardd__map_each(&b->views, meet_cb, &m);
     if (m.hit) {
       snprintf(err, errlen,
                "frozen view \"%s\" [%" PRIu64 ", %" PRIu64
@@ -461,6 +464,7 @@ shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
   v->offset = offset;
   v->numel = numel;
   v->requires_grad = requires_grad;
+  v->grad_seen = 1;
   gkey = shardd__gen_key(o->name, name);
   if (gkey == NULL || (gprev = shardd__gen_get(job, gkey),
                        shardd__gen_put(job, gkey, gprev + 1)) != SHARDD_OK)
@@ -523,6 +527,57 @@ shardd_err shardd__view_unregister(shardd__registry *reg, shardd__job *job,
   if (frozen && frozen_rebuild(b) != SHARDD_OK) {
     /* Out of memory: the old ranges stay, a superset, so scatter may skip
      * elements that are trainable now, never reduce frozen ones. */
+  }
+  return SHARDD_OK;
+}
+
+shardd_err shardd__view_set_requires_grad(shardd__registry *reg,
+                                          shardd__job *job, uint64_t id,
+                                          uint64_t generation,
+                                          int requires_grad, char *err,
+                                          size_t errlen) {
+  shardd__obj *o;
+  shardd_err rc = shardd__registry_resolve_gen(reg, job, id, generation,
+                                               SHARDD__OBJ_VIEW, &o, err,
+                                               errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  shardd__view *v = (shardd__view *)o;
+  shardd__buffer *b = v->buf;
+  requires_grad = requires_grad != 0;
+  if (v->requires_grad == requires_grad)
+    return SHARDD_OK;
+  if (!requires_grad && b->owner) {
+    snprintf(err, errlen,
+             "view %" PRIu64 " (\"%s\"): buffer %" PRIu64 " (\"%s\") is held "
+             "whole by optimizer %" PRIu64 " (\"%s\"); a view of it cannot be "
+             "frozen",
+             id, o->name, b->hdr.id, b->hdr.name, b->owner->hdr.id,
+             b->owner->hdr.name);
+    return SHARDD_E_BUSY;
+  }
+  /* Frozen and trainable elements never mix: freezing must meet no other
+   * trainable view, unfreezing no other frozen one. */
+  meet_arg m = {v->offset, v->offset + v->numel, NULL, v, !requires_grad};
+  shardd__map_each(&b->views, meet_cb, &m);
+  if (m.hit) {
+    snprintf(err, errlen,
+             "view %" PRIu64 " (\"%s\") [%" PRIu64 ", %" PRIu64
+             ") overlaps %s view %" PRIu64 " (\"%s\") [%" PRIu64 ", %" PRIu64
+             ") of buffer %" PRIu64 "; it cannot be %s alone",
+             id, o->name, v->offset, v->offset + v->numel,
+             requires_grad ? "frozen" : "trainable", m.hit->hdr.id,
+             m.hit->hdr.name, m.hit->offset, m.hit->offset + m.hit->numel,
+             b->hdr.id, requires_grad ? "unfrozen" : "frozen");
+    return SHARDD_E_OVERLAP;
+  }
+  v->requires_grad = requires_grad;
+  b->nfrozen += requires_grad ? (uint32_t)-1 : 1u;
+  if (frozen_rebuild(b) != SHARDD_OK) {
+    v->requires_grad = !requires_grad;
+    b->nfrozen += requires_grad ? 1u : (uint32_t)-1; /* its ranges were kept */
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
   }
   return SHARDD_OK;
 }

@@ -259,10 +259,11 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
         shardd__sb_printf(m, "ref %zu %" PRIu64 " view %zu ", i, r->id,
                           buffer_index(bufs, nb, v->buf));
         shardd__manifest_enc_name(m, r->name);
-        shardd__sb_printf(m, "\n");
+        shardd__sb_printf(m, " %" PRIu64 "\n", o->ref_steps[k]);
       } else {
-        shardd__sb_printf(m, "ref %zu %" PRIu64 " buffer %zu\n", i, r->id,
-                          buffer_index(bufs, nb, (shardd__buffer *)r));
+        shardd__sb_printf(m, "ref %zu %" PRIu64 " buffer %zu %" PRIu64 "\n", i,
+                          r->id, buffer_index(bufs, nb, (shardd__buffer *)r),
+                          o->ref_steps[k]);
       }
     }
     for (size_t k = 0; k < o->nshards; k++) {

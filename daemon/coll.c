@@ -147,9 +147,13 @@ static void coll_free(coll *c) {
     if (c->waiters[r].m)
       c->waiters[r].m->pending--;
     free(c->waiters[r].vals);
+    free(c->waiters[r].no_grad);
   }
   free(c->waiters);
   free(c->reduced);
+  free(c->ref_step);
+  free(c->fab_mask);
+  free(c->fab_mask_ids);
   free(c->tasks);
   free(c->hp);
   free(c->area_reg);
@@ -283,6 +287,126 @@ static void job_maybe_quiet(coll_job *q) {
   }
 }
 
+/* Whether rank r's scatter brought a gradient for view id (its mask is
+ * sorted). */
+static int rank_had(const waiter *w, uint64_t id) {
+  if (w->none_all)
+    return 0;
+  size_t lo = 0, hi = w->nno_grad;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (w->no_grad[mid] < id)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return !(lo < w->nno_grad && w->no_grad[lo] == id);
+}
+
+/* Whether some local rank sent a mask with its scatter. */
+static int any_mask(const coll *c) {
+  const shardd__job *job = c->job;
+  for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++)
+    if (c->waiters[r].none_all || c->waiters[r].nno_grad)
+      return 1;
+  return 0;
+}
+
+/* Multi-node scatter, before its exchange: this node's row of c->fab_mask,
+ * each view (and last the buffer) 1 when a local rank had its gradient. */
+shardd_err shardd__coll_mask_row(coll *c) {
+  shardd__buffer *b = c->buf;
+  shardd__job *job = c->job;
+  shardd__view **vs;
+  size_t nv;
+  if (shardd__buffer_views(b, &vs, &nv) != SHARDD_OK)
+    return SHARDD_E_NO_MEMORY;
+  c->nmask = nv;
+  c->fab_mask = calloc((size_t)job->nodes * (nv + 1), 1);
+  c->fab_mask_ids = malloc((nv ? nv : 1) * sizeof *c->fab_mask_ids);
+  if (c->fab_mask == NULL || c->fab_mask_ids == NULL) {
+    free(vs);
+    return SHARDD_E_NO_MEMORY;
+  }
+  uint8_t *row = c->fab_mask + (size_t)job->node_rank * (nv + 1);
+  int masked = any_mask(c);
+  uint32_t lo = job->local_first, hi = lo + job->local_ranks;
+  for (size_t k = 0; k <= nv; k++) {
+    if (k < nv)
+      c->fab_mask_ids[k] = vs[k]->hdr.id;
+    int had = !masked;
+    for (uint32_t r = lo; r < hi && !had; r++)
+      had = k < nv ? rank_had(&c->waiters[r], vs[k]->hdr.id) : !c->waiters[r].none_all;
+    row[k] = (uint8_t)had;
+  }
+  free(vs);
+  return SHARDD_OK;
+}
+
+typedef struct {
+  const coll *c;
+  int masked; /* some local rank sent a mask */
+  int adding; /* an accumulating scatter: what earlier ones saw stays seen */
+} mask_arg;
+
+static void mask_view_cb(void *value, void *arg) {
+  shardd__view *v = value;
+  const mask_arg *a = arg;
+  const shardd__job *job = a->c->job;
+  int had = !a->masked;
+  for (uint32_t r = job->local_first;
+       r < job->local_first + job->local_ranks && !had; r++)
+    had = rank_had(&a->c->waiters[r], v->hdr.id);
+  v->grad_seen = had || (a->adding && v->grad_seen);
+  v->buf->masked |= !v->grad_seen;
+}
+
+/* After a scatter of c's buffer: which of its views (and the buffer, for a
+ * whole-buffer ref) had a gradient on some rank, of this node from each
+ * rank's mask, of the other nodes from the rows their exchange brought. */
+static void apply_grad_mask(coll *c) {
+  shardd__buffer *b = c->buf;
+  shardd__job *job = c->job;
+  uint32_t lo = job->local_first, hi = lo + job->local_ranks;
+  if (shardd__coll_multi(c)) {
+    size_t n = c->nmask;
+    int was_seen = b->grad_seen;
+    b->masked = 0;
+    b->grad_seen = 0;
+    for (size_t k = 0; c->fab_mask && k <= n; k++) {
+      int had = 0;
+      for (uint32_t node = 0; node < job->nodes; node++)
+        had |= c->fab_mask[(size_t)node * (n + 1) + k];
+      if (k == n) {
+        b->grad_seen = had || (c->adding && was_seen);
+        break;
+      }
+      /* a view unregistered since is gone; one registered since had none
+       * of the exchange and keeps what it had */
+      shardd__obj *o = shardd__registry_get(c->e->cfg.reg, c->fab_mask_ids[k]);
+      if (o && o->kind == SHARDD__OBJ_VIEW && ((shardd__view *)o)->buf == b) {
+        shardd__view *v = (shardd__view *)o;
+        v->grad_seen = had || (c->adding && v->grad_seen);
+        b->masked |= !v->grad_seen;
+      }
+    }
+    if (c->fab_mask == NULL)
+      b->grad_seen = 1;
+    return;
+  }
+  int masked = any_mask(c);
+  uint32_t none_all = 0;
+  for (uint32_t r = lo; r < hi; r++)
+    none_all += c->waiters[r].none_all != 0;
+  b->grad_seen = !masked || none_all < job->local_ranks ||
+                 (c->adding && b->grad_seen);
+  if (!masked && !b->masked)
+    return; /* every view had one before and has one now */
+  b->masked = 0;
+  mask_arg a = {c, masked, c->adding};
+  shardd__map_each(&b->views, mask_view_cb, &a);
+}
+
 static void after_phase(coll *c) {
   for (size_t i = 0; i < c->ntasks; i++)
     if (c->tasks[i].rc != SHARDD_OK && c->rc == SHARDD_OK)
@@ -361,6 +485,7 @@ static void after_phase(coll *c) {
     c->buf->gathers++;
   } else if (c->args.kind == SHARDD__COLL_SCATTER) {
     c->buf->scatters++;
+    apply_grad_mask(c);
     c->buf->reduced_live = 1;
   } else {
     c->opt->clip_pending = 0;
@@ -370,6 +495,9 @@ static void after_phase(coll *c) {
       shardd__buffer_seed_drop(c->e->cfg.reg, c->opt->shards[i].buf);
       c->opt->shards[i].buf->reduced_live = 0;
     }
+    for (size_t i = 0; i < c->opt->nrefs; i++)
+      if (c->ref_step[i])
+        c->opt->ref_steps[i] = c->ref_step[i];
     c->opt->steps = c->step;
   }
   coll_job *q = c->cj;
@@ -476,6 +604,24 @@ static void start_phase(coll *c) {
     schedule(q);
     return;
   }
+  if (c->args.kind == SHARDD__COLL_STEP && c->phase == 0 && c->ref_step == NULL) {
+    shardd__optim *o = c->opt;
+    c->ref_step = calloc(o->nrefs ? o->nrefs : 1, sizeof *c->ref_step);
+    if (c->ref_step == NULL) {
+      coll_job *q = c->cj;
+      coll_finish(c, SHARDD_E_NO_MEMORY, "out of memory starting a step");
+      schedule(q);
+      return;
+    }
+    for (size_t i = 0; i < o->nrefs; i++) {
+      const shardd__obj *r = o->refs[i];
+      int on = r->kind == SHARDD__OBJ_VIEW
+                   ? ((const shardd__view *)r)->requires_grad &&
+                         ((const shardd__view *)r)->grad_seen
+                   : ((const shardd__buffer *)r)->grad_seen;
+      c->ref_step[i] = on ? o->ref_steps[i] + 1 : 0;
+    }
+  }
   if (c->args.kind == SHARDD__COLL_STEP && c->phase == 0 && c->stage == 0) {
     c->step = c->opt->steps + (c->args.norm_only ? 0 : 1);
     /* a clip since the last step scales this one's gradients */
@@ -496,6 +642,12 @@ static void start_phase(coll *c) {
       schedule(q);
       return;
     }
+  }
+  if (shardd__coll_multi(c) && c->args.kind == SHARDD__COLL_SCATTER &&
+      c->stage == 1 && c->fab_mask == NULL && shardd__coll_mask_row(c) != SHARDD_OK) {
+    /* the exchange's header says so, and every node fails it alike */
+    free(c->fab_mask);
+    c->fab_mask = NULL;
   }
   if (c->buf && c->area_reg == NULL) {
     char msg[512];
@@ -756,6 +908,43 @@ static double loop_now(const shardd__coll_engine *e) {
   return (double)uv_now(e->cfg.loop) / 1000.0;
 }
 
+static int cmp_u64(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* A scatter's no-gradient views, checked (each a view of b) and copied
+ * sorted without repeats. */
+static shardd_err copy_mask(shardd__coll_engine *e, const shardd__buffer *b,
+                            const shardd__coll_args *args, uint64_t **out,
+                            size_t *nout, char *err, size_t errlen) {
+  for (size_t k = 0; k < args->nno_grad; k++) {
+    const shardd__obj *v = shardd__registry_get(e->cfg.reg, args->no_grad[k]);
+    if (v == NULL || v->kind != SHARDD__OBJ_VIEW ||
+        ((const shardd__view *)v)->buf != b) {
+      snprintf(err, errlen,
+               "scatter of buffer %" PRIu64 " (\"%s\"): no-gradient entry %zu "
+               "(id %" PRIu64 ") is not a view of it",
+               b->hdr.id, b->hdr.name, k, args->no_grad[k]);
+      return SHARDD_E_NOT_FOUND;
+    }
+  }
+  uint64_t *m = malloc(args->nno_grad * sizeof *m);
+  if (m == NULL) {
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  memcpy(m, args->no_grad, args->nno_grad * sizeof *m);
+  qsort(m, args->nno_grad, sizeof *m, cmp_u64);
+  size_t n = 0;
+  for (size_t k = 0; k < args->nno_grad; k++)
+    if (n == 0 || m[n - 1] != m[k])
+      m[n++] = m[k];
+  *out = m;
+  *nout = n;
+  return SHARDD_OK;
+}
+
 void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
                          uint64_t seq, const shardd__coll_args *args) {
   shardd__job *job = m->job;
@@ -847,6 +1036,16 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
     return;
   }
 
+  uint64_t *mask = NULL;
+  size_t nmask = 0;
+  if (args->kind == SHARDD__COLL_SCATTER && args->nno_grad > 0 &&
+      !args->no_grad_all) {
+    if ((rc = copy_mask(e, (const shardd__buffer *)o, args, &mask, &nmask, err,
+                        sizeof err)) != SHARDD_OK) {
+      refuse(e, m, seq, rc, err);
+      return;
+    }
+  }
   coll *c = NULL;
   for (coll *it = q->head; it; it = it->next) {
     /* all_reduces match whatever their count: one of another count is a
@@ -880,6 +1079,7 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
       free(c);
       free(hp);
       free(vals);
+      free(mask);
       refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
       return;
     }
@@ -890,6 +1090,9 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
     c->args.group_hp = NULL; /* the caller's: resolved into c->hp */
     c->args.ngroup_hp = 0;
     c->args.values = NULL; /* borrowed for the submit only: each waiter has its copy */
+    c->args.no_grad = NULL; /* each rank's mask is its waiter's */
+    c->args.nno_grad = 0;
+    c->args.no_grad_all = 0;
     c->deadline = loop_now(e) + e->cfg.timeout;
     c->name = o ? o->name : (args->target ? "scalars" : "barrier");
     c->name_key = shardd__coll_fab_key(args->kind, c->name);
@@ -918,6 +1121,10 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
   w->arrived = 1;
   w->want_grad = args->want_grad;
   w->vals = vals;
+  w->none_all = args->no_grad_all;
+  w->no_grad = mask;
+  w->nno_grad = nmask;
+  mask = NULL;
   m->pending++;
   c->arrived++;
   int64_t doom;

@@ -61,6 +61,17 @@ typedef struct {
   /* all_reduce: this rank's values ([target], borrowed for the submit;
    * SHARDD_ALL_REDUCE_MAX at most); op any of sum, mean, max, min */
   const double *values;
+  /* scatter: the views of the buffer that got no gradient on this rank
+   * (borrowed for the call; the engine copies them), or with no_grad_all
+   * the whole buffer. A rank's own: not compared between ranks. Neither
+   * set (an old client): every view had one. After the scatter a view
+   * has a gradient when some rank sent one for it, and a step skips the
+   * views held without one (torch skips a parameter whose .grad is None).
+   * In a multi-node job each node's flags cross the fabric with the
+   * exchange (every node must hold the same views of the buffer). */
+  const uint64_t *no_grad;
+  size_t nno_grad;
+  int no_grad_all;
 } shardd__coll_args;
 
 /* One rank of a job as the engine sees it. The caller sets job and rank

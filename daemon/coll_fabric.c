@@ -10,7 +10,9 @@
  *   scatter: the local ranks' whole gradients summed (fp32, rank order)
  *            into the buffer's staging area; the fabric's reduce-scatter
  *            sums across nodes; each local owner's reduced shard is its
- *            part of the sum, divided for mean.
+ *            part of the sum, divided for mean. Then an allgather of each
+ *            node's flags of which views had a gradient on some local rank
+ *            (the step skips a view no node had one for).
  *   step:    local, except that with clipping the sums of squares of the
  *            local shards cross nodes (in the exchange's header, below)
  *            before the updates.
@@ -332,12 +334,15 @@ typedef struct {
   uint64_t numel; /* the buffer's (0 for step) */
   uint64_t bytes; /* payload per node */
   uint32_t dtype, op;
+  /* scatter: the buffer's views, whose gradient flags follow the data
+   * (UINT64_MAX: this node could not list them) */
+  uint64_t nviews;
   double value; /* step: the node's sum of squares; not compared */
 } fab_hdr;
 
-#define FAB_MAGIC 0x53484631u /* "SHF1": bump when the header changes */
+#define FAB_MAGIC 0x53484632u /* "SHF2": bump when the header changes */
 
-_Static_assert(sizeof(fab_hdr) == 56, "fab_hdr must have no padding");
+_Static_assert(sizeof(fab_hdr) == 64, "fab_hdr must have no padding");
 
 static const char *dtype_word(uint32_t dt) {
   const char *n = shardd_dtype_name((shardd_dtype)dt);
@@ -394,11 +399,19 @@ static int fab_check(const coll *c, const fab_hdr *h, uint32_t nodes,
                "register it alike on every node",
                n, tw, c->name, o->numel, dtype_word(o->dtype), o->bytes, m->numel,
                dtype_word(m->dtype), m->bytes);
-    else
+    else if (o->op != m->op)
       snprintf(msg, len,
                "node %" PRIu32 " reduces %s \"%s\" by %s, this node by %s: every "
                "rank must pass the same reduction",
                n, tw, c->name, op_word(o->op), op_word(m->op));
+    else if (o->nviews == UINT64_MAX || m->nviews == UINT64_MAX)
+      snprintf(msg, len, "node %" PRIu32 " could not list the views of %s \"%s\" "
+               "(out of memory)", o->nviews == UINT64_MAX ? n : me, tw, c->name);
+    else
+      snprintf(msg, len,
+               "node %" PRIu32 " has %" PRIu64 " views of %s \"%s\", this node %"
+               PRIu64 ": register them alike on every node",
+               n, o->nviews, tw, c->name, m->nviews);
     return -1;
   }
   return 0;
@@ -436,6 +449,8 @@ static void fabric_task(coll *c, task *t) {
     m->op = c->args.kind == SHARDD__COLL_SCATTER
                 ? (uint32_t)c->args.op | (c->adding ? FAB_OP_ADDING : 0)
                 : 0;
+    if (c->args.kind == SHARDD__COLL_SCATTER)
+      m->nviews = c->fab_mask ? c->nmask : UINT64_MAX;
   } else {
     m->value = c->sumsq_all;
   }
@@ -459,9 +474,20 @@ static void fabric_task(coll *c, task *t) {
       break;
     }
     case SHARDD__COLL_SCATTER:
+      if (c->fab_mask == NULL) { /* every node could not list its views */
+        t->rc = SHARDD_E_NO_MEMORY;
+        snprintf(c->fab_msg, sizeof c->fab_msg, "out of memory listing the views "
+                 "of buffer \"%s\"", c->name);
+        break;
+      }
       t->rc = shardd__fabric_reduce_scatter_f32(f, (float *)b->stage->ptr, part,
                                                 c->tag, c->fab_msg,
                                                 sizeof c->fab_msg);
+      /* which views had a gradient on which node: a view no rank of any
+       * node had one for is skipped by the step (coll.c) */
+      if (t->rc == SHARDD_OK)
+        t->rc = shardd__fabric_allgather(f, c->fab_mask, c->nmask + 1, c->tag,
+                                         c->fab_msg, sizeof c->fab_msg);
       break;
     case SHARDD__COLL_STEP: {
       /* in node order on every node, so all get the same bits */

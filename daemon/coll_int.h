@@ -20,12 +20,18 @@ typedef struct {
   int arrived;
   int want_grad; /* gather of a transient job: lease the gradient area too */
   double *vals;  /* all_reduce: this rank's values (owned) */
+  /* scatter: this rank's views without a gradient (sorted, unique), or
+   * none_all: the whole buffer */
+  uint64_t *no_grad;
+  size_t nno_grad;
+  int none_all;
 } waiter;
 
 /* One piece of work on the pool: elements [start, start+len) of unit
  * (a, b): gather: a = destination rank, range in the padded buffer;
  * scatter: a = owner rank, range in its shard; step: a = optimizer shard,
- * b = its segment, range in the segment. Large units are cut in chunks so a
+ * b = its first segment of a run of adjacent ones with one group and one
+ * step count, range from that segment's start. Large units are cut in chunks so a
  * big shard uses every worker, not one. */
 typedef struct {
   uv_work_t req;
@@ -94,6 +100,9 @@ struct coll {
   double total_norm;
   uint64_t step;
   shardd__hp *hp; /* step: groups with any lr override applied */
+  /* step: per optimizer ref, the count this step gives it, 0 when the step
+   * skips it (frozen, or no gradient in its buffer's last scatter) */
+  uint64_t *ref_step;
   shardd_err rc;
   /* set when a rank joined with other arguments: the collective never runs
    * and every rank, including those still to arrive, gets this error */
@@ -121,6 +130,13 @@ struct coll {
   shardd__region **area_reg;
   size_t *area_off;
   uint8_t *took; /* transient gather: 1 gather lease taken, 2 gradient too */
+  /* multi-node scatter: which views (the buffer's, in offset order, by id)
+   * had a gradient on some rank of each node: [nodes][nmask + 1] flags,
+   * the last one the whole buffer's; this node's row is set on the loop
+   * thread before the exchange, the others' arrive with it */
+  uint8_t *fab_mask;
+  uint64_t *fab_mask_ids;
+  size_t nmask;
 };
 
 static inline int shardd__coll_multi(const coll *c) { return c->job->nodes > 1; }
@@ -131,6 +147,9 @@ const char *shardd__coll_target_word(shardd__coll_kind k);
  * NULL when out of memory or, without create, missing). */
 coll_job *shardd__coll_job_of(shardd__coll_engine *e, shardd__job *job,
                               int create);
+/* coll.c: this node's row of c->fab_mask (multi-node scatter), on the
+ * loop thread before the exchange; SHARDD_E_NO_MEMORY leaves it NULL. */
+shardd_err shardd__coll_mask_row(coll *c);
 /* coll.c: a task of c ended (pool or fabric thread done); loop thread. */
 void shardd__coll_task_done(uv_work_t *req, int status);
 

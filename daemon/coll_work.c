@@ -61,6 +61,7 @@ static void update_task(coll *c, task *t) {
   size_t esz = shardd_dtype_size(b->dtype);
   int wide = b->dtype != SHARDD_DTYPE_FP32;
   uint64_t first = sg->start + t->start; /* element index in the shard */
+  uint64_t step = c->ref_step[sg->ref];
   if (wide && !sh->master_valid) {
     /* The trainer writes initial values into its shard after registering,
      * so the fp32 master copy is taken at the first step. */
@@ -69,10 +70,12 @@ static void update_task(coll *c, task *t) {
     if (t->rc != SHARDD_OK)
       return;
   }
+  if (step == 0)
+    return; /* skipped: only its master copy taken, for when it is stepped */
   size_t offs[3];
   for (int k = 0; k < 3; k++)
     offs[k] = sh->state_offs[k] + first * 4;
-  t->rc = be->ops->update(be, &c->hp[sg->group], c->step, b->dtype, blk,
+  t->rc = be->ops->update(be, &c->hp[sg->group], step, b->dtype, blk,
                           b->shard_off + first * esz, wide ? sh->state : NULL,
                           sh->master_off + first * 4, blk,
                           b->reduced_off + first * 4, c->grad_scale, sh->state,
@@ -235,9 +238,34 @@ size_t shardd__coll_plan(coll *c, task *out) {
     return n;
   }
   if (c->args.kind == SHARDD__COLL_STEP) {
-    for (size_t i = 0; i < c->opt->nshards; i++)
-      for (size_t j = 0; j < c->opt->shards[i].nsegs; j++)
-        n = add_unit(out, n, i, j, c->opt->shards[i].segs[j].len);
+    /* A skipped ref has no norm and no update; at the first step of a
+     * 16-bit shard it still has its master copy taken (a frozen view has
+     * one when it is unfrozen, from the values it had then: the trainer's
+     * initial ones, which no step changed). */
+    for (size_t i = 0; i < c->opt->nshards; i++) {
+      const shardd__optim_shard *sh = &c->opt->shards[i];
+      int widen = c->phase == 1 && sh->buf->dtype != SHARDD_DTYPE_FP32 &&
+                  !sh->master_valid;
+      const shardd__seg *sg = sh->segs;
+      for (size_t j = 0; j < sh->nsegs;) {
+        uint64_t step = c->ref_step[sg[j].ref];
+        if (!step && !widen) {
+          j++;
+          continue;
+        }
+        /* Adjacent refs of one group that this step gives one count are
+         * one run of work (a task reads its first segment's group and
+         * count), so a shard of many small views is not many small tasks. */
+        size_t k = j + 1;
+        uint64_t len = sg[j].len;
+        while (k < sh->nsegs && sg[k].group == sg[j].group &&
+               sg[k].start == sg[k - 1].start + sg[k - 1].len &&
+               c->ref_step[sg[k].ref] == step)
+          len += sg[k++].len;
+        n = add_unit(out, n, i, j, len);
+        j = k;
+      }
+    }
   } else if (c->bulk) {
     if (out)
       out[0].bulk = 1;

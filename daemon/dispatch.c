@@ -752,7 +752,11 @@ static void on_scatter(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                           .generation = req->scatter->generation,
                           .op = (shardd_reduce_op)req->scatter->op,
                           .accumulate = req->scatter->has_accumulate &&
-                                        req->scatter->accumulate};
+                                        req->scatter->accumulate,
+                          .no_grad = req->scatter->no_grad,
+                          .nno_grad = req->scatter->n_no_grad,
+                          .no_grad_all = req->scatter->has_no_grad_all &&
+                                         req->scatter->no_grad_all};
   if (ca.op != SHARDD_REDUCE_SUM && ca.op != SHARDD_REDUCE_MEAN) {
     reply(d, c, seq, SHARDD_E_INVAL, "scatter op must be sum or mean");
     return;
@@ -812,6 +816,16 @@ static void on_all_reduce(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   shardd__coll_submit(d->coll, &c->m, seq, &ca);
 }
 
+static void on_set_requires_grad(shardd__dispatch *d, shardd__conn *c,
+                                 uint64_t seq, const Shardwire__Request *req) {
+  char err[ERRLEN];
+  const Shardwire__SetRequiresGrad *sr = req->set_requires_grad;
+  shardd_err rc = shardd__view_set_requires_grad(
+      &d->reg, c->m.job, sr->view, sr->has_generation ? sr->generation : 0,
+      sr->requires_grad, err, sizeof err);
+  reply(d, c, seq, rc, rc == SHARDD_OK ? NULL : err);
+}
+
 static void on_release(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                        const Shardwire__Request *req) {
   char err[ERRLEN];
@@ -868,6 +882,7 @@ static const struct {
     {SHARDWIRE__REQUEST__BODY_GATHER, 1, 0, on_gather},
     {SHARDWIRE__REQUEST__BODY_SCATTER, 1, 0, on_scatter},
     {SHARDWIRE__REQUEST__BODY_STEP, 1, 1, on_step},
+    {SHARDWIRE__REQUEST__BODY_SET_REQUIRES_GRAD, 1, 1, on_set_requires_grad},
     {SHARDWIRE__REQUEST__BODY_RELEASE, 1, 0, on_release},
     {SHARDWIRE__REQUEST__BODY_ALL_REDUCE, 1, 0, on_all_reduce},
     {SHARDWIRE__REQUEST__BODY_SEED_MASTER, 1, 1, on_seed_master},

@@ -52,9 +52,24 @@ void shardd__optim_destroy(shardd__registry *reg, shardd__optim *o) {
   optim_free_shards(reg, o);
   shardd__obj_fini(reg, &o->hdr);
   free(o->refs);
+  free(o->ref_steps);
   free(o->groups);
   free(o->spec);
   free(o);
+}
+
+uint64_t shardd__ref_steps(const shardd__obj *o) {
+  if (o->kind == SHARDD__OBJ_VIEW) {
+    const shardd__view *v = (const shardd__view *)o;
+    return v->owner ? v->owner->ref_steps[v->owner_ref] : 0;
+  }
+  if (o->kind == SHARDD__OBJ_BUFFER) {
+    const shardd__optim *w = ((const shardd__buffer *)o)->owner;
+    for (size_t i = 0; w && i < w->nrefs; i++)
+      if (w->refs[i] == o)
+        return w->ref_steps[i];
+  }
+  return 0;
 }
 
 /* Finds or appends the optimizer shard of (buf, rank). Plans are small
@@ -91,10 +106,11 @@ static int cmp_plan_ref(const void *a, const void *b) {
 }
 
 static shardd_err add_seg(shardd__optim_shard *s, uint64_t start, uint64_t len,
-                          uint32_t group) {
-  if (s->nsegs > 0) { /* merge adjacent ranges of one group */
+                          uint32_t group, uint32_t ref) {
+  if (s->nsegs > 0) { /* merge adjacent ranges of one ref */
     shardd__seg *last = &s->segs[s->nsegs - 1];
-    if (last->group == group && last->start + last->len == start) {
+    if (last->group == group && last->ref == ref &&
+        last->start + last->len == start) {
       last->len += len;
       return SHARDD_OK;
     }
@@ -103,7 +119,7 @@ static shardd_err add_seg(shardd__optim_shard *s, uint64_t start, uint64_t len,
   if (p == NULL)
     return SHARDD_E_NO_MEMORY;
   s->segs = p;
-  s->segs[s->nsegs++] = (shardd__seg){start, len, group};
+  s->segs[s->nsegs++] = (shardd__seg){start, len, group, ref};
   return SHARDD_OK;
 }
 
@@ -145,7 +161,8 @@ shardd_err shardd__optim_create(shardd__registry *reg, shardd__job *job,
         continue;
       }
       shardd__optim_shard *sh = shard_for(o, &cap, r->buf, rank);
-      if (sh == NULL || add_seg(sh, pos - (uint64_t)rank * s, len, r->group) != SHARDD_OK)
+      if (sh == NULL || add_seg(sh, pos - (uint64_t)rank * s, len, r->group,
+                                (uint32_t)i) != SHARDD_OK)
         goto nomem;
       pos += len;
     }
@@ -189,7 +206,8 @@ shardd_err shardd__optim_create(shardd__registry *reg, shardd__job *job,
   }
 
   o->refs = malloc((plan->nrefs ? plan->nrefs : 1) * sizeof *o->refs);
-  if (o->refs == NULL)
+  o->ref_steps = calloc(plan->nrefs ? plan->nrefs : 1, sizeof *o->ref_steps);
+  if (o->refs == NULL || o->ref_steps == NULL)
     goto nomem;
   if (shardd__obj_init(reg, &o->hdr, SHARDD__OBJ_OPTIM, plan->name, job) !=
       SHARDD_OK)
@@ -201,12 +219,13 @@ shardd_err shardd__optim_create(shardd__registry *reg, shardd__job *job,
   }
   for (size_t i = 0; i < plan->nrefs; i++) {
     shardd__obj *r = plan->refs[i].obj;
-    o->refs[o->nrefs++] = r;
     if (r->kind == SHARDD__OBJ_VIEW) {
       ((shardd__view *)r)->owner = o;
+      ((shardd__view *)r)->owner_ref = (uint32_t)o->nrefs;
       shardd__buffer_held_add((shardd__view *)r);
     } else
       ((shardd__buffer *)r)->owner = o;
+    o->refs[o->nrefs++] = r;
     plan->refs[i].buf->nowned++;
   }
   o->groups = plan->groups;
@@ -225,6 +244,7 @@ fail:
   if (o) {
     optim_free_shards(reg, o);
     free(o->refs);
+    free(o->ref_steps);
     free(o);
   }
   return rc;

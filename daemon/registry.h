@@ -118,7 +118,13 @@ struct shardd__buffer {
    * not to grow with the views already held */
   uint64_t held_probes;
   shardd__optim *owner; /* when referenced whole */
+  /* The last scatter brought a gradient for the buffer from some rank (1
+   * before any scatter, and after one from a client that sends no mask):
+   * a whole-buffer ref without one is skipped by the step, as torch skips
+   * a parameter whose .grad is None. */
+  int grad_seen;
   /* private */
+  int masked; /* some view has grad_seen 0 (a scatter sent a mask) */
   /* holds by collectives queued or running on it (and by steps of an
    * optimizer over it); changed only through shardd__buffer_hold,
    * shardd__optim_hold and their releases, so unregister's refusal stays
@@ -164,7 +170,11 @@ struct shardd__view {
   int64_t *shape;
   int ndim;
   int requires_grad; /* 0: frozen; never overlaps a trainable view */
+  /* As the buffer's grad_seen, for this view: a held view without a
+   * gradient from any rank in the last scatter is skipped by the step. */
+  int grad_seen;
   shardd__optim *owner;
+  uint32_t owner_ref; /* its index in owner->refs (and ref_steps) */
   /* private: links in buf->held_root while owner is set */
   shardd__view *held_l, *held_r;
   uint64_t held_prio;
@@ -174,6 +184,8 @@ typedef struct {
   uint64_t start; /* element index inside the rank's shard */
   uint64_t len;
   uint32_t group;
+  uint32_t ref; /* index in the optimizer's refs: one ref per segment, so a
+                   ref skipped by a step is skipped whole */
 } shardd__seg;
 
 /* The part of an optimizer that lives on one rank's shard of one buffer. */
@@ -198,7 +210,11 @@ struct shardd__optim {
   size_t nshards;
   shardd__obj **refs; /* buffers and views it owns */
   size_t nrefs;
-  uint64_t steps;
+  /* steps each ref has taken ([nrefs]): torch's state[p]["step"], which a
+   * parameter skipped (frozen, or no gradient) does not advance; its bias
+   * correction uses its own count */
+  uint64_t *ref_steps;
+  uint64_t steps; /* steps of the optimizer (each one counts, skips or not) */
   /* a clip_grad_norm_ since the last step (engine, loop thread): the
    * next step multiplies the gradients by clip_scale */
   int clip_pending;
@@ -410,6 +426,19 @@ uint64_t shardd__job_pool_bytes(const shardd__job *job);
 
 shardd_err shardd__view_unregister(shardd__registry *reg, shardd__job *job,
                                    uint64_t id, char *err, size_t errlen);
+/* Freezes (requires_grad 0) or unfreezes a view: gradual unfreezing. The
+ * rules of view_register_ex hold (a frozen view meets no trainable one and
+ * lies in no buffer held whole: SHARDD_E_OVERLAP, SHARDD_E_BUSY); a view an
+ * optimizer holds stays held, and its steps skip it while it is frozen.
+ * Takes effect for collectives not started yet. generation 0: unchecked. */
+shardd_err shardd__view_set_requires_grad(shardd__registry *reg,
+                                          shardd__job *job, uint64_t id,
+                                          uint64_t generation,
+                                          int requires_grad, char *err,
+                                          size_t errlen);
+/* The step count of ref o (a view or buffer) in its optimizer; 0 when no
+ * optimizer holds it. */
+uint64_t shardd__ref_steps(const shardd__obj *o);
 
 /* A validated optimizer description (see validate.h) turned into an
  * optimizer: takes ownership of plan's arrays on success. */

@@ -25,6 +25,7 @@
 typedef struct {
   uint64_t old_id;
   shardd__obj *obj;
+  uint64_t steps; /* the ref's own step count */
 } id_map;
 
 typedef struct {
@@ -51,6 +52,9 @@ typedef struct {
   /* master_valid of each of created's shards once its state is loaded;
    * set on them by finish */
   int *mv;
+  /* each of created's refs' step count (in its refs' order), from the
+   * ref lines; set on it by finish */
+  uint64_t *ref_steps;
 } pending_optim;
 
 /* One part of a payload copied from where its file was read to where it
@@ -102,7 +106,7 @@ static shardd_err register_pending(shardd__registry *reg, shardd__job *job,
     for (size_t i = 0; i < spec.groups[g].nrefs; i++) {
       shardd__optspec_ref *ref = &spec.groups[g].refs[i];
       uint64_t id = 0, gen = 0;
-      id_map key = {ref->id, NULL};
+      id_map key = {ref->id, NULL, 0};
       const id_map *hit = p->nids ? bsearch(&key, p->ids, p->nids, sizeof *p->ids,
                                             cmp_id_map)
                                   : NULL;
@@ -347,6 +351,26 @@ static shardd_err plan_state_resharded(restore *c, shardd__buffer *b,
   return SHARDD_OK;
 }
 
+/* Each of p's created refs' step count, from its ref line (by object: the
+ * optimizer's refs are in its own order), into p->ref_steps. */
+static shardd_err ref_steps_of(restore *c, pending_optim *p) {
+  shardd__optim *o = p->created;
+  shardd__map by_obj;
+  shardd__map_init(&by_obj);
+  p->ref_steps = malloc((o->nrefs ? o->nrefs : 1) * sizeof *p->ref_steps);
+  shardd_err rc = p->ref_steps ? SHARDD_OK : SHARDD_E_NO_MEMORY;
+  for (size_t j = 0; rc == SHARDD_OK && j < p->nids; j++)
+    rc = shardd__map_put_id(&by_obj, p->ids[j].obj->id, &p->ids[j]);
+  for (size_t k = 0; rc == SHARDD_OK && k < o->nrefs; k++) {
+    const id_map *hit = shardd__map_get_id(&by_obj, o->refs[k]->id);
+    p->ref_steps[k] = hit ? hit->steps : p->steps;
+  }
+  shardd__map_free(&by_obj);
+  if (rc != SHARDD_OK)
+    snprintf(c->err, c->errlen, "out of memory");
+  return rc;
+}
+
 /* Plans the load of every recorded state into the registered optimizer.
  * Same world: each shard that keeps state is covered by exactly one file,
  * region for region. Another world: each file's elements go to the new
@@ -360,12 +384,14 @@ static shardd_err plan_states(restore *c, pending_optim *p) {
   }
   for (size_t k = 0; k < o->nshards; k++)
     p->mv[k] = -1; /* not yet seen */
+  shardd_err rc = ref_steps_of(c, p);
+  if (rc != SHARDD_OK)
+    return rc;
   for (size_t i = 0; i < p->nstates; i++) {
     pending_state *ps = &p->states[i];
     shardd__buffer *b = c->bufs[ps->buf];
-    shardd_err rc = c->old_world == b->world
-                        ? plan_state_same(c, b, p, ps)
-                        : plan_state_resharded(c, b, p, ps);
+    rc = c->old_world == b->world ? plan_state_same(c, b, p, ps)
+                                  : plan_state_resharded(c, b, p, ps);
     if (rc != SHARDD_OK)
       return rc;
   }
@@ -589,19 +615,21 @@ static shardd_err line_optimizer(restore *c, char **tok) {
   return SHARDD_OK;
 }
 
-/* "ref OPT OLD_ID buffer BUF" or "ref OPT OLD_ID view BUF NAME": maps an
- * id in the optimizer's recorded spec to the restored object. */
+/* "ref OPT OLD_ID buffer BUF [STEPS]" or "ref OPT OLD_ID view BUF NAME
+ * [STEPS]" (STEPS from version 4): maps an id in the optimizer's recorded
+ * spec to the restored object, and gives that ref its step count. */
 static shardd_err line_ref(restore *c, char **tok, int nt) {
+  int extra = c->mversion >= 4; /* the steps word */
   size_t oi = strtoul(tok[1], NULL, 10);
   size_t bi = strtoul(tok[4], NULL, 10);
   if (oi >= c->npo || bi >= c->nb)
     return bad(c, SHARDD_E_INVAL, "ref to unknown optimizer or buffer");
   shardd__obj *o = &c->bufs[bi]->hdr;
   if (!strcmp(tok[3], "view")) {
-    if (nt != 6 || !shardd__manifest_dec_name(tok[5]) ||
+    if (nt != 6 + extra || !shardd__manifest_dec_name(tok[5]) ||
         (o = shardd__map_get_str(&c->bufs[bi]->views, tok[5])) == NULL)
       return bad(c, SHARDD_E_INVAL, "ref to unknown view");
-  } else if (strcmp(tok[3], "buffer") || nt != 5) {
+  } else if (strcmp(tok[3], "buffer") || nt != 5 + extra) {
     return bad(c, SHARDD_E_INVAL, "malformed ref");
   }
   pending_optim *p = &c->po[oi];
@@ -609,7 +637,9 @@ static shardd_err line_ref(restore *c, char **tok, int nt) {
   if (ni == NULL)
     return bad(c, SHARDD_E_INVAL, "out of memory");
   p->ids = ni;
-  p->ids[p->nids++] = (id_map){strtoull(tok[2], NULL, 10), o};
+  /* before version 4 every step stepped every ref */
+  uint64_t steps = extra ? strtoull(tok[nt - 1], NULL, 10) : p->steps;
+  p->ids[p->nids++] = (id_map){strtoull(tok[2], NULL, 10), o, steps};
   return SHARDD_OK;
 }
 
@@ -670,7 +700,7 @@ static shardd_err parse_line(restore *c, char **tok, int nt) {
     return line_view(c, tok, nt);
   if (!strcmp(tok[0], "optimizer") && nt == 5)
     return line_optimizer(c, tok);
-  if (!strcmp(tok[0], "ref") && (nt == 5 || nt == 6))
+  if (!strcmp(tok[0], "ref") && nt >= 5 && nt <= 7)
     return line_ref(c, tok, nt);
   if (!strcmp(tok[0], "state") && nt == 9)
     return line_state(c, tok);
@@ -758,6 +788,7 @@ void shardd__checkpoint_restore_free(shardd__ckrestore *c) {
     free(c->po[i].spec);
     free(c->po[i].ids);
     free(c->po[i].mv);
+    free(c->po[i].ref_steps);
     for (size_t k = 0; k < c->po[i].nstates; k++)
       free(c->po[i].states[k].file);
     free(c->po[i].states);
@@ -862,6 +893,8 @@ shardd__job *shardd__checkpoint_restore_finish(shardd__ckrestore *c) {
     for (size_t k = 0; k < o->nshards; k++)
       o->shards[k].master_valid = c->po[i].mv[k];
     o->steps = c->po[i].steps;
+    for (size_t k = 0; k < o->nrefs; k++)
+      o->ref_steps[k] = c->po[i].ref_steps ? c->po[i].ref_steps[k] : o->steps;
   }
   shardd__job *job = c->job; /* the caller's now; free must not release it */
   c->job = NULL;

@@ -356,6 +356,10 @@ static shardd_err fill_buffer(shardd__report *r, const shardd__status_ctx *ctx,
       ir->resident_bytes += b->blocks[k]->bytes;
   }
   shardd__optim *owner = b->owner;
+  if (owner) {
+    ir->has_steps = 1;
+    ir->steps = shardd__ref_steps(&b->hdr);
+  }
   shardd__view **views;
   size_t nv;
   if (shardd__buffer_views(b, &views, &nv) != SHARDD_OK)
@@ -374,6 +378,10 @@ static shardd_err fill_buffer(shardd__report *r, const shardd__status_ctx *ctx,
     vi->generation = views[i]->hdr.generation;
     vi->has_requires_grad = 1;
     vi->requires_grad = views[i]->requires_grad;
+    if (views[i]->owner) {
+      vi->has_steps = 1;
+      vi->steps = shardd__ref_steps(&views[i]->hdr);
+    }
     vi->n_shape = (size_t)views[i]->ndim;
     vi->shape = ar_alloc(r, (vi->n_shape ? vi->n_shape : 1) * sizeof(int64_t));
     if (vi->shape && vi->n_shape)
@@ -490,6 +498,8 @@ shardd_err shardd__inspect_build(const shardd__status_ctx *ctx,
     if (held) {
       ir->has_optimizer = 1;
       ir->optimizer = held->hdr.id;
+      ir->has_steps = 1;
+      ir->steps = shardd__ref_steps(v->owner ? o : &v->buf->hdr);
     }
     /* Which ranks hold it: the shards its range crosses. */
     uint64_t s0 = v->offset / v->buf->shard_numel;

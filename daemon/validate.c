@@ -375,12 +375,10 @@ shardd_err shardd__validate_optimizer(const shardd__registry *reg,
                 owner->hdr.name);
         continue;
       }
-      if (o->kind == SHARDD__OBJ_VIEW && !((const shardd__view *)o)->requires_grad) {
-        problem(&p, SHARDD_E_INVAL,
-                AT "view %" PRIu64 " (\"%s\") is frozen (requires_grad=false)",
-                g, i, label, id, o->name);
-        continue;
-      }
+      /* A frozen view is accepted, as torch accepts a parameter with
+       * requires_grad=False: its steps skip it while it stays frozen. A
+       * whole buffer holding frozen views is one parameter part frozen,
+       * which torch has no meaning for. */
       if (o->kind == SHARDD__OBJ_BUFFER && l->ref.buf->nfrozen > 0) {
         if (!frozen_buffer_problem(&p, g, i, label, l->ref.buf))
           goto done;

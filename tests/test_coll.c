@@ -1228,6 +1228,204 @@ Test(coll, scatter_then_step_updates_shards) {
   expect_msg(expect_reply(1, 4, SHARDD_E_RANGE), "lr must be >= 0");
 }
 
+/* ---- torch's skip semantics ---------------------------------------------- */
+
+static shardd__view *view_new(shardd__buffer *b, const char *name, uint64_t off,
+                              uint64_t n) {
+  shardd__view *v = NULL;
+  int created = -1;
+  int64_t shape[1] = {(int64_t)n};
+  cr_assert_eq(shardd__view_register(&reg, job, b->hdr.id, name, off, n, shape, 1,
+                                     &v, &created, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  return v;
+}
+
+/* Each rank's mask and the OR over ranks: v0 [0,7) has a gradient on no
+ * rank (rank 0 and 1 name it, rank 2 names the whole buffer), v1 [7,18)
+ * only on rank 1, v2 [18,30) on ranks 0 and 1. The step skips v0 whole (no
+ * update, no part of the norm, its step count stays) and steps the others;
+ * a scatter without masks then makes every view count again, and a frozen
+ * view is skipped the same way. Expected values from SGD's definition. */
+Test(coll, steps_skip_views_no_rank_sent_a_gradient_for) {
+  shardd__buffer *b = buf_new("p", 30); /* s = 10 */
+  shardd__view *v[3] = {view_new(b, "v0", 0, 7), view_new(b, "v1", 7, 11),
+                        view_new(b, "v2", 18, 12)};
+  shardd__optspec_ref refs[3] = {{.id = v[0]->hdr.id}, {.id = v[1]->hdr.id},
+                                 {.id = v[2]->hdr.id}};
+  shardd__optspec_group grp = {.refs = refs, .nrefs = 3};
+  shardd__optspec spec = {.name = "opt", .kind = SHARDD_OPTIM_SGD, .has_hyper = 1,
+                          .hyper = {.has_lr = 1, .lr = 0.5}, .groups = &grp,
+                          .ngroups = 1};
+  shardd__optreg_result res;
+  memset(&res, 0, sizeof res);
+  cr_assert_eq(shardd__optreg_register(&reg, job, &spec, SHARDD__OPTREG_ATTACH, &res,
+                                       err, sizeof err),
+               SHARDD_OK, "%s", err);
+  shardd__optim *o = res.optim;
+  fill_shards(b, 0);
+  fill_grads(b);
+  uint64_t m0[2] = {v[1]->hdr.id, v[0]->hdr.id}, m1[2] = {v[0]->hdr.id, v[0]->hdr.id};
+  shardd__coll_args sa[W];
+  for (uint32_t r = 0; r < W; r++)
+    sa[r] = scatter_args(b, SHARDD_REDUCE_MEAN);
+  sa[0].no_grad = m0;
+  sa[0].nno_grad = 2;
+  sa[1].no_grad = m1; /* a repeat counts once */
+  sa[1].nno_grad = 2;
+  sa[2].no_grad_all = 1;
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 1, sa[r]);
+  run_until(W);
+  for (uint32_t r = 0; r < W; r++)
+    expect_reply(r, 1, SHARDD_OK);
+  cr_expect_eq(v[0]->grad_seen, 0, "no rank had v0's gradient");
+  cr_expect_eq(v[1]->grad_seen, 1, "rank 1 had v1's");
+  cr_expect_eq(v[2]->grad_seen, 1);
+  cr_expect_eq(b->grad_seen, 1, "ranks 0 and 1 had some of the buffer's");
+
+  /* the norm of the stepped views only */
+  double sumsq = 0;
+  for (uint64_t j = 7; j < 30; j++) {
+    double g = 0;
+    for (uint32_t r = 0; r < W; r++)
+      g += grad_val(r, j);
+    sumsq += (g / W) * (g / W);
+  }
+  double norm = sqrt(sumsq), max_norm = norm / 2;
+  double coef = max_norm / (norm + 1e-6);
+  shardd__coll_args st = {.kind = SHARDD__COLL_STEP, .target = o->hdr.id,
+                          .max_norm = max_norm};
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 2, st);
+  run_until(2 * W);
+  const reply *rp = expect_reply(0, 2, SHARDD_OK);
+  cr_assert(fabs(rp->res.total_norm - norm) <= 1e-5 * norm,
+            "total_norm %f, want %f (v0 is not part of it)", rp->res.total_norm, norm);
+  uint64_t s = b->shard_numel;
+  for (uint64_t j = 0; j < 30; j++) {
+    double g = 0;
+    for (uint32_t r = 0; r < W; r++)
+      g += grad_val(r, j);
+    double p0 = shard_val(0, (uint32_t)(j / s), j % s);
+    double want = j < 7 ? p0 : p0 - 0.5 * coef * (g / W);
+    double got = shard_of(b, (uint32_t)(j / s))[j % s];
+    cr_expect(fabs(got - want) <= 1e-6 * fabs(want), "element %" PRIu64 ": %f, want %f",
+              j, got, want);
+  }
+  uint64_t want_steps[3] = {0, 1, 1};
+  for (int k = 0; k < 3; k++)
+    cr_expect_eq(shardd__ref_steps(&v[k]->hdr), want_steps[k], "v%d", k);
+  cr_expect_eq(o->steps, 1, "the optimizer counts every step");
+
+  /* no masks (an older client): every view has a gradient again; v2
+   * frozen meanwhile is skipped, its count staying */
+  cr_assert_eq(shardd__view_set_requires_grad(&reg, job, v[2]->hdr.id, 0, 0, err,
+                                              sizeof err),
+               SHARDD_OK, "%s", err);
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 3, scatter_args(b, SHARDD_REDUCE_MEAN));
+  run_until(3 * W);
+  cr_expect_eq(v[0]->grad_seen, 1);
+  float before[30];
+  for (uint64_t j = 0; j < 30; j++)
+    before[j] = shard_of(b, (uint32_t)(j / s))[j % s];
+  st.max_norm = 0;
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 4, st);
+  run_until(4 * W);
+  for (uint64_t j = 0; j < 30; j++) {
+    float got = shard_of(b, (uint32_t)(j / s))[j % s];
+    if (j >= 18)
+      cr_expect(memcmp(&got, &before[j], sizeof got) == 0, "frozen v2 element %" PRIu64
+                " moved", j);
+    else
+      cr_expect(got != before[j], "element %" PRIu64 " was stepped", j);
+  }
+  uint64_t want2[3] = {1, 2, 1};
+  for (int k = 0; k < 3; k++)
+    cr_expect_eq(shardd__ref_steps(&v[k]->hdr), want2[k], "v%d", k);
+  cr_expect_eq(o->steps, 2);
+}
+
+/* A 16-bit buffer's fp32 master copy is taken at its first step for every
+ * segment, skipped ones too: a view frozen then and unfrozen later is
+ * stepped from its own values, not from an untaken master (zeros). bf16
+ * values: 4 - 0.5 * 2 = 3, each exact (0x4080, 0x4000, 0x4040). */
+Test(coll, a_view_frozen_at_the_first_step_of_a_bf16_buffer_keeps_its_master) {
+  shardd__buffer *b = NULL;
+  int created;
+  cr_assert_eq(shardd__buffer_register(&reg, job, "h", SHARDD_DTYPE_BF16, 30, &b,
+                                       &created, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  shardd__view *v0 = NULL, *v1 = view_new(b, "v1", 15, 15);
+  int64_t shape[1] = {15};
+  cr_assert_eq(shardd__view_register_ex(&reg, job, b->hdr.id, 0, "v0", 0, 15, shape, 1, 0,
+                                        &v0, &created, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  shardd__optspec_ref refs[2] = {{.id = v0->hdr.id}, {.id = v1->hdr.id}};
+  shardd__optspec_group grp = {.refs = refs, .nrefs = 2};
+  shardd__optspec spec = {.name = "h", .kind = SHARDD_OPTIM_SGD, .has_hyper = 1,
+                          .hyper = {.has_lr = 1, .lr = 0.5}, .groups = &grp,
+                          .ngroups = 1};
+  shardd__optreg_result res;
+  memset(&res, 0, sizeof res);
+  cr_assert_eq(shardd__optreg_register(&reg, job, &spec, SHARDD__OPTREG_ATTACH, &res,
+                                       err, sizeof err),
+               SHARDD_OK, "%s", err);
+  shardd__optim *o = res.optim;
+  uint64_t s = b->shard_numel;
+  for (uint32_t r = 0; r < W; r++) {
+    uint16_t *p = (uint16_t *)((char *)b->blocks[r]->ptr + b->shard_off);
+    uint16_t *g = (uint16_t *)((char *)b->blocks[r]->ptr + b->grad_off);
+    for (uint64_t i = 0; i < s; i++)
+      p[i] = 0x4080; /* 4.0 */
+    for (uint64_t j = 0; j < b->padded_numel; j++)
+      g[j] = 0x4000; /* 2.0 on every rank: the mean is 2 */
+  }
+  shardd__coll_args st = {.kind = SHARDD__COLL_STEP, .target = o->hdr.id};
+  for (int round = 0; round < 2; round++) {
+    if (round == 1)
+      cr_assert_eq(shardd__view_set_requires_grad(&reg, job, v0->hdr.id, 0, 1, err,
+                                                  sizeof err),
+                   SHARDD_OK, "%s", err);
+    for (uint32_t r = 0; r < W; r++)
+      submit(r, (uint64_t)(4 * round + 1), scatter_args(b, SHARDD_REDUCE_MEAN));
+    run_until((size_t)(2 * round + 1) * W);
+    for (uint32_t r = 0; r < W; r++)
+      submit(r, (uint64_t)(4 * round + 2), st);
+    run_until((size_t)(2 * round + 2) * W);
+    for (uint32_t r = 0; r < W; r++)
+      expect_reply(r, (uint64_t)(4 * round + 2), SHARDD_OK);
+    for (uint64_t j = 0; j < 30; j++) {
+      uint16_t got =
+          ((uint16_t *)((char *)b->blocks[j / s]->ptr + b->shard_off))[j % s];
+      /* round 0: v0 frozen (4), v1 4 - 1 = 3; round 1: v0 3, v1 2 */
+      uint16_t want = j < 15 ? (round == 0 ? 0x4080 : 0x4040)
+                             : (round == 0 ? 0x4040 : 0x4000);
+      cr_expect_eq(got, want, "round %d element %" PRIu64 ": 0x%04x, want 0x%04x",
+                   round, j, got, want);
+    }
+  }
+}
+
+/* A mask naming anything but a view of the scattered buffer is refused at
+ * once, for that rank, with the entry named; nothing is queued. */
+Test(coll, scatter_mask_of_another_buffers_view_is_refused) {
+  shardd__buffer *b = buf_new("p", 30), *c = buf_new("q", 30);
+  shardd__view *other = view_new(c, "w", 0, 30);
+  uint64_t ids[2] = {b->hdr.id, other->hdr.id};
+  for (int k = 0; k < 2; k++) {
+    shardd__coll_args a = scatter_args(b, SHARDD_REDUCE_SUM);
+    a.no_grad = &ids[k];
+    a.nno_grad = 1;
+    submit(0, (uint64_t)k + 1, a);
+    expect_msg(expect_reply(0, (uint64_t)k + 1, SHARDD_E_NOT_FOUND), "is not a view of it");
+  }
+  cr_expect_eq(shardd__coll_inflight(eng, job), 0);
+  expect_pending_zero();
+}
+
 /* ---- transient areas (areas.c; the FSDP-grade memory issue) ------------- */
 
 static uint64_t used_total(void) {

@@ -102,6 +102,8 @@ typedef struct {
   shardd_step_opts so;
   shardd_step_result res;
   int sum; /* scatter with SHARDD_REDUCE_SUM instead of MEAN */
+  const uint64_t *no_grad; /* scatter: this rank's views without a gradient */
+  size_t nno_grad;
   shardd_err rc;
   char msg[1024];
   pthread_t th;
@@ -111,8 +113,13 @@ static void *call_main(void *p) {
   call *k = p;
   if (k->kind == OP_GATHER)
     k->rc = shardd_gather(k->c, k->id);
-  else if (k->kind == OP_SCATTER)
-    k->rc = shardd_scatter(k->c, k->id, k->sum ? SHARDD_REDUCE_SUM : SHARDD_REDUCE_MEAN);
+  else if (k->kind == OP_SCATTER) {
+    shardd_scatter_opts o = SHARDD_SCATTER_OPTS_INIT;
+    o.op = k->sum ? SHARDD_REDUCE_SUM : SHARDD_REDUCE_MEAN;
+    o.no_grad = k->no_grad;
+    o.nno_grad = k->nno_grad;
+    k->rc = shardd_scatter_ex(k->c, k->id, &o);
+  }
   else
     k->rc = shardd_step(k->c, k->id, &k->so, &k->res);
   snprintf(k->msg, sizeof k->msg, "%s", k->rc ? shardd_last_error(k->c) : "");
@@ -949,6 +956,82 @@ static void *fnode_main(void *p) {
   shardd__fabric_destroy(n->f);
   n->f = NULL;
   return NULL;
+}
+
+/* torch's skip semantics across nodes: each node's flags of which views had
+ * a gradient cross the fabric. "a" [0,4) gets one only from rank 2 (node
+ * 1), "b" [4,8) from no rank: the step moves a (SGD, the sum of the one
+ * gradient) and leaves b bit-identical, on both nodes' shards. */
+Test(fabric, views_without_a_gradient_on_any_node_are_skipped, .timeout = 60) {
+  need_gloo();
+  scratch s;
+  scratch_make(&s);
+  test_daemon pair[2];
+  const char *jobs[] = {"skip"};
+  start_pair(pair, &s, jobs, 1, "10");
+  shardd_client_t *c[W];
+  shardd_buffer_info b[W];
+  uint64_t bid[W], va[W], vb[W], opt[W];
+  int64_t shape[1] = {4};
+  for (int r = 0; r < W; r++) {
+    c[r] = test_connect(&pair[r / 2], "skip", (uint32_t)r, W);
+    cr_assert_eq(shardd_buffer_register(c[r], "w", SHARDD_DTYPE_FP32, 8, &b[r]), SHARDD_OK,
+                 "%s", shardd_last_error(c[r]));
+    cr_assert_eq(shardd_view_register(c[r], b[r].id, "a", 0, 4, shape, 1, &va[r]), SHARDD_OK);
+    cr_assert_eq(shardd_view_register(c[r], b[r].id, "b", 4, 4, shape, 1, &vb[r]), SHARDD_OK);
+    shardd_param_ref refs[2] = {{va[r], "a"}, {vb[r], "b"}};
+    shardd_param_group g = {refs, 2, {0}};
+    shardd_hparams hp = {0};
+    hp.set = SHARDD_HP_LR;
+    hp.lr = 0.5;
+    cr_assert_eq(shardd_optimizer_register(c[r], "sgd", SHARDD_OPTIM_SGD, &hp, &g, 1, &opt[r]),
+                 SHARDD_OK, "%s", shardd_last_error(c[r]));
+    for (size_t j = 0; j < b[r].shard_numel; j++)
+      ((float *)b[r].shard)[j] = 10.0f;
+    for (size_t j = 0; j < b[r].padded_numel; j++) /* zeros where .grad is None */
+      ((float *)b[r].grad)[j] = r == 2 && j < 4 ? 2.0f : 0.0f;
+    bid[r] = b[r].id;
+  }
+  call k[W];
+  memset(k, 0, sizeof k);
+  uint64_t none[W][2];
+  for (int r = 0; r < W; r++) {
+    none[r][0] = vb[r];
+    none[r][1] = va[r];
+    k[r] = (call){.c = c[r], .kind = OP_SCATTER, .id = bid[r], .sum = 1,
+                  .no_grad = none[r], .nno_grad = r == 2 ? 1 : 2};
+    cr_assert_eq(pthread_create(&k[r].th, NULL, call_main, &k[r]), 0);
+  }
+  for (int r = 0; r < W; r++)
+    pthread_join(k[r].th, NULL);
+  for (int r = 0; r < W; r++)
+    cr_assert_eq(k[r].rc, SHARDD_OK, "rank %d: %s", r, k[r].msg);
+  for (int r = 0; r < W; r++)
+    for (size_t j = 0; j < 2; j++)
+      cr_expect_eq(((float *)b[r].reduced)[j], r < 2 ? 2.0f : 0.0f, "rank %d reduced[%zu]",
+                   r, j);
+  for (int r = 1; r < W; r++) /* both nodes registered alike: the same ids */
+    cr_assert_eq(opt[r], opt[0]);
+  all_ranks(c, OP_STEP, opt[0], 0, NULL);
+  /* shards of 2: ranks 0-1 hold a, ranks 2-3 hold b */
+  for (int r = 0; r < W; r++)
+    for (size_t j = 0; j < 2; j++) {
+      float got = ((float *)b[r].shard)[j];
+      float want = r < 2 ? 10.0f - 0.5f * 2.0f : 10.0f;
+      cr_expect_eq(got, want, "rank %d shard[%zu] = %g, want %g (%s)", r, j, got, want,
+                   r < 2 ? "a: rank 2's gradient" : "b: no gradient anywhere");
+    }
+  for (int n = 0; n < 2; n++) {
+    char *js = NULL;
+    cr_assert_eq(shardd_inspect_json(c[2 * n], vb[2 * n], NULL, &js), SHARDD_OK);
+    cr_expect(strstr(js, "\"steps\":0") != NULL, "node %d: b took no step: %s", n, js);
+    shardd_free(js);
+  }
+  for (int r = 0; r < W; r++)
+    shardd_close(c[r]);
+  test_daemon_finish(&pair[0]);
+  test_daemon_finish(&pair[1]);
+  scratch_remove(&s);
 }
 
 /* Three nodes: an allgather and two concurrent ring reduce-scatters of

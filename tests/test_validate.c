@@ -975,7 +975,8 @@ Test(validate, hundred_twenty_bad_refs_and_sixty_groups_are_all_named) {
 
 /* What each rank's shard must hold: for every element of every ref, its
  * rank (element / s) and index in the shard (element % s), then runs of
- * consecutive indices of one group. Computed element by element. */
+ * consecutive indices of one ref (a step skips a ref whole, so refs are
+ * never merged). Computed element by element. */
 typedef struct {
   uint64_t start, len;
   uint32_t group;
@@ -989,20 +990,22 @@ static void expect_segments(const shardd__optim *o, const shardd__buffer *b,
     owner[i] = -1;
   for (size_t k = 0; k < nranges; k++)
     for (uint64_t e = ranges[k][0]; e < ranges[k][0] + ranges[k][1]; e++)
-      owner[e] = (int)ranges[k][2];
+      owner[e] = (int)k;
   for (uint32_t r = 0; r < b->world; r++) {
     seg_want want[64];
+    int want_ref[64];
     size_t nwant = 0;
     for (uint64_t j = 0; j < s; j++) {
-      int g = owner[(uint64_t)r * s + j];
-      if (g < 0)
+      int k = owner[(uint64_t)r * s + j];
+      if (k < 0)
         continue;
-      if (nwant > 0 && want[nwant - 1].group == (uint32_t)g &&
+      if (nwant > 0 && want_ref[nwant - 1] == k &&
           want[nwant - 1].start + want[nwant - 1].len == j) {
         want[nwant - 1].len++;
       } else {
         cr_assert_lt(nwant, 64);
-        want[nwant++] = (seg_want){j, 1, (uint32_t)g};
+        want_ref[nwant] = k;
+        want[nwant++] = (seg_want){j, 1, (uint32_t)ranges[k][2]};
       }
     }
     const shardd__optim_shard *sh = NULL;
@@ -1020,6 +1023,18 @@ static void expect_segments(const shardd__optim *o, const shardd__buffer *b,
     cr_assert_eq(sh->nsegs, nwant, "rank %u: %zu segments, want %zu", r,
                  sh->nsegs, nwant);
     for (size_t i = 0; i < nwant; i++) {
+      /* the segment's ref is the object its elements belong to */
+      uint64_t e0 = (uint64_t)r * s + sh->segs[i].start;
+      cr_assert_lt(sh->segs[i].ref, o->nrefs);
+      const shardd__obj *ro = o->refs[sh->segs[i].ref];
+      if (ro->kind == SHARDD__OBJ_VIEW) {
+        const shardd__view *v = (const shardd__view *)ro;
+        cr_expect(v->buf == b && v->offset <= e0 &&
+                      e0 + sh->segs[i].len <= v->offset + v->numel,
+                  "rank %u seg %zu: not inside its ref's view", r, i);
+      } else {
+        cr_expect_eq((const void *)ro, (const void *)b, "rank %u seg %zu", r, i);
+      }
       cr_expect_eq(sh->segs[i].start, want[i].start, "rank %u seg %zu", r, i);
       cr_expect_eq(sh->segs[i].len, want[i].len, "rank %u seg %zu", r, i);
       cr_expect_eq(sh->segs[i].group, want[i].group, "rank %u seg %zu", r, i);
@@ -1417,8 +1432,11 @@ static shardd__view *view_frozen(shardd__buffer *b, const char *name,
   return v;
 }
 
-Test(validate, frozen_views_and_buffers_holding_them_are_refused) {
-  /* LoRA: frozen base weights and trainable adapters in one buffer */
+Test(validate, frozen_views_are_accepted_and_buffers_holding_them_refused) {
+  /* LoRA: frozen base weights and trainable adapters in one buffer. torch
+   * accepts a requires_grad=False parameter in an optimizer (and skips
+   * it), so a frozen view is accepted; a whole buffer part frozen is one
+   * parameter part frozen, which torch has no meaning for. */
   shardd__buffer *b = buf_new(job, "block0", SHARDD_DTYPE_FP32, 96);
   shardd__view *base = view_frozen(b, "base.weight", 0, 64);
   shardd__view *bias = view_frozen(b, "base.bias", 64, 8);
@@ -1432,11 +1450,7 @@ Test(validate, frozen_views_and_buffers_holding_them_are_refused) {
   g = msg_group(&m);
   msg_ref(&m, g, b->hdr.id, "block0");
   char *text = refuse(&m, SHARDD_E_INVAL);
-  cr_expect_eq(count_lines(text), 2, "%s", text);
-  expect_line(text,
-              "param group 0, ref 1 (\"base.weight\"): view %" PRIu64
-              " (\"base.weight\") is frozen (requires_grad=false)",
-              base->hdr.id);
+  cr_expect_eq(count_lines(text), 1, "%s", text);
   expect_line(text,
               "param group 1, ref 0 (\"block0\"): buffer %" PRIu64
               " (\"block0\") holds frozen views (requires_grad=false): view %" PRIu64
@@ -1446,20 +1460,69 @@ Test(validate, frozen_views_and_buffers_holding_them_are_refused) {
               b->hdr.id, base->hdr.id, bias->hdr.id);
   free(text);
 
-  /* the adapters alone are accepted, and own only their elements */
+  /* every view, frozen ones too, is accepted: each is its own segment
+   * (a step skips the frozen ones whole), and all 96 elements are owned */
   msg_init(&m, SHARDD_OPTIM_ADAMW, "peft");
   g = msg_group(&m);
+  msg_ref(&m, g, base->hdr.id, "base.weight");
+  msg_ref(&m, g, bias->hdr.id, "base.bias");
   msg_ref(&m, g, la->hdr.id, "lora_A");
   msg_ref(&m, g, lb->hdr.id, "lora_B");
   shardd__optim *o = accept(&m, NULL);
-  uint64_t owned = 0;
-  for (size_t i = 0; i < o->nshards; i++)
-    for (size_t k = 0; k < o->shards[i].nsegs; k++) {
-      uint64_t s = o->shards[i].rank * b->shard_numel + o->shards[i].segs[k].start;
-      cr_expect_geq(s, 72, "no segment reaches a frozen element");
-      owned += o->shards[i].segs[k].len;
-    }
-  cr_expect_eq(owned, 24);
+  cr_expect_eq(base->owner, o);
+  static const uint64_t ranges[][3] = {{0, 64, 0}, {64, 8, 0}, {72, 16, 0}, {88, 8, 0}};
+  expect_segments(o, b, ranges, 4);
+  for (size_t k = 0; k < o->nrefs; k++)
+    cr_expect_eq(o->ref_steps[k], 0, "ref %zu starts with no step", k);
+}
+
+/* Gradual unfreezing keeps the rules of registration: a view of a buffer
+ * held whole cannot be frozen (the whole buffer is one parameter), a stale
+ * generation is refused, and a view held by an optimizer stays held. */
+Test(validate, requires_grad_changes_keep_the_registration_rules) {
+  shardd__buffer *whole = buf_new(job, "whole", SHARDD_DTYPE_FP32, 16);
+  shardd__view *wv = view_new(whole, "whole.w", 0, 8);
+  msg m;
+  msg_init(&m, SHARDD_OPTIM_SGD, "w");
+  size_t g = msg_group(&m);
+  msg_ref(&m, g, whole->hdr.id, "whole");
+  accept(&m, NULL);
+  cr_expect_eq(shardd__view_set_requires_grad(&reg, job, wv->hdr.id, 0, 0, err,
+                                              sizeof err),
+               SHARDD_E_BUSY);
+  cr_expect(strstr(err, "is held whole by optimizer") != NULL, "%s", err);
+  cr_expect_eq(wv->requires_grad, 1);
+  cr_expect_eq(whole->nfrozen_ranges, 0);
+
+  shardd__buffer *b = buf_new(job, "block", SHARDD_DTYPE_FP32, 32);
+  shardd__view *base = view_frozen(b, "base", 0, 16);
+  shardd__view *ad = view_new(b, "adapter", 16, 16);
+  msg_init(&m, SHARDD_OPTIM_ADAMW, "peft");
+  g = msg_group(&m);
+  msg_ref(&m, g, base->hdr.id, "base");
+  msg_ref(&m, g, ad->hdr.id, "adapter");
+  shardd__optim *o = accept(&m, NULL);
+  cr_expect_eq(shardd__view_set_requires_grad(&reg, job, base->hdr.id, 7, 1, err,
+                                              sizeof err),
+               SHARDD_E_STALE);
+  cr_expect_eq(shardd__view_set_requires_grad(&reg, job, base->hdr.id,
+                                              base->hdr.generation, 1, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_expect_eq(base->requires_grad, 1);
+  cr_expect_eq(b->nfrozen, 0);
+  cr_expect_eq(b->nfrozen_ranges, 0);
+  cr_expect_eq(base->owner, o, "still held");
+  cr_expect_eq(shardd__view_set_requires_grad(&reg, job, ad->hdr.id, 0, 0, err,
+                                              sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_assert_eq(b->nfrozen_ranges, 1);
+  cr_expect_eq(b->frozen[0][0], 16);
+  cr_expect_eq(b->frozen[0][1], 16);
+  /* unchanged is a no-op */
+  cr_expect_eq(shardd__view_set_requires_grad(&reg, job, ad->hdr.id, 0, 0, err,
+                                              sizeof err),
+               SHARDD_OK);
+  cr_expect_eq(b->nfrozen, 1);
 }
 
 Test(validate, stale_refs_are_refused_naming_the_current_handle) {

@@ -166,17 +166,33 @@ class BindingTest(unittest.TestCase):
         self.assertFalse(base.requires_grad)
         self.assertTrue(lora.requires_grad)
         b.shard[:] = 1.0
-        with self.assertRaises(shardd.Error) as cm:
-            c.register_optimizer("sgd", [[base, lora]], name="both", lr=0.5)
-        self.assertIn('"base.weight"', cm.exception.message)
-        self.assertIn("frozen", cm.exception.message)
-        opt = c.register_optimizer("sgd", [[lora]], name="adapters", lr=0.5)
+        # torch accepts a frozen parameter in an optimizer and skips it
+        opt = c.register_optimizer("sgd", [[base, lora]], name="both", lr=0.5)
         b.grad[:] = 2.0
         c.scatter(b, "sum")
         c.step(opt)
         c.gather(b)
         np.testing.assert_array_equal(b.gather[:8], np.ones(8, np.float32))  # frozen
         np.testing.assert_array_equal(b.gather[8:], np.zeros(4, np.float32))  # 1 - 0.5*2
+        self.assertEqual(c.inspect(base)["steps"], 0)
+        self.assertEqual(c.inspect(lora)["steps"], 1)
+        # unfrozen, it is stepped from then on; a view without a gradient
+        # (no_grad) is skipped
+        c.set_requires_grad(base, True)
+        self.assertTrue(base.requires_grad)
+        self.assertTrue(c.inspect(base)["requires_grad"])
+        c.scatter(b, "sum", no_grad=[lora])
+        c.step(opt)
+        c.gather(b)
+        np.testing.assert_array_equal(b.gather[:8], np.zeros(8, np.float32))  # 1 - 0.5*2
+        np.testing.assert_array_equal(b.gather[8:], np.zeros(4, np.float32))  # skipped
+        self.assertEqual(c.inspect(base)["steps"], 1)
+        self.assertEqual(c.inspect(lora)["steps"], 1)
+        c.scatter(b, "sum", no_grad=True)  # nothing had a gradient: nothing moves
+        c.step(opt)
+        c.gather(b)
+        np.testing.assert_array_equal(b.gather, np.zeros(12, np.float32))
+        self.assertIn("steps 1", c.inspect(b, text=True))
 
     def test_refusal_names_the_ref(self):
         c = self.client("refuse")

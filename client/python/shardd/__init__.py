@@ -742,7 +742,8 @@ class Client:
         """Names elements [offset, offset+prod(shape)) of buffer. -> View.
 
         requires_grad=False registers a frozen range (LoRA base weights):
-        scatter skips it and no optimizer may name it."""
+        scatter skips it, and an optimizer naming it skips it while it stays
+        frozen (set_requires_grad changes it)."""
         self._check_open()
         shape = tuple(int(d) for d in shape)
         n = 1
@@ -918,8 +919,17 @@ class Client:
         self._sync_cuda()  # no kernel may still read the area being returned
         self._call(self._lib.shardd_release(self._c, buf.id))
 
-    def scatter(self, buffer, op="mean", accumulate=False):
+    def scatter(self, buffer, op="mean", no_grad=None, accumulate=False):
         """Reduce-scatter (collective) of every rank's grad area; op "sum"/"mean".
+
+        no_grad: torch's skip semantics. The views of buffer (View objects or
+        ids) whose gradient is None on this rank -- the grad area holds zeros
+        there -- or True for the whole buffer. A view no rank had a gradient
+        for (in any scatter since the last step) is skipped by the next step
+        (no weight decay, no moment update, its own step count stays), as
+        torch.optim skips a parameter whose .grad is None; one with a
+        gradient on some ranks is stepped. None (the default): every view
+        had one.
         accumulate=True: add the result to the reduced gradient the
         buffer's scatters since its last step left (a later backward of
         gradient accumulation, as torch's .grad adds up over backward
@@ -933,8 +943,36 @@ class Client:
             code = REDUCE_OPS[op.lower()]
         else:
             code = int(op)
-        fn = self._lib.shardd_scatter_accumulate if accumulate else self._lib.shardd_scatter
-        self._call(fn(self._c, _ids(buffer), code))
+        if (no_grad is None or no_grad is False) and not accumulate:
+            self._call(self._lib.shardd_scatter(self._c, _ids(buffer), code))
+            return
+        so = L.ScatterOpts()
+        so.size = ctypes.sizeof(L.ScatterOpts)
+        so.op = code
+        so.accumulate = 1 if accumulate else 0
+        if no_grad is True:
+            so.no_grad_all = 1
+        elif no_grad:
+            ids = [_ids(v) for v in no_grad]
+            if ids:
+                arr = (ctypes.c_uint64 * len(ids))(*ids)
+                so.no_grad = ctypes.cast(arr, ctypes.POINTER(ctypes.c_uint64))
+                so.nno_grad = len(ids)
+        self._call(self._lib.shardd_scatter_ex(self._c, _ids(buffer), ctypes.byref(so)))
+
+    def set_requires_grad(self, view, requires_grad):
+        """Freezes (False) or unfreezes (True) a view for the whole job:
+        gradual unfreezing. An optimizer holding it keeps it; its steps skip it
+        while it is frozen, and step it again, with its own step count, once
+        it is not. Any one rank of a node may say it for that node's daemon
+        (in a multi-node job a rank of every node must); it applies to
+        collectives not started yet, so call it before this rank's next
+        scatter."""
+        self._check_open()
+        self._call(self._lib.shardd_view_set_requires_grad(
+            self._c, _ids(view), 1 if requires_grad else 0))
+        if isinstance(view, View):
+            view.requires_grad = bool(requires_grad)
 
     def all_reduce(self, values, op="sum"):
         """All-reduce (collective) of a few float64 scalars over the job's

@@ -119,6 +119,18 @@ class ParamGroup(ctypes.Structure):
     ]
 
 
+class ScatterOpts(ctypes.Structure):
+    _fields_ = [
+        ("size", c_size_t),
+        ("op", c_int),
+        ("generation", c_uint64),
+        ("no_grad", ctypes.POINTER(c_uint64)),
+        ("nno_grad", c_size_t),
+        ("no_grad_all", c_int),
+        ("accumulate", c_int),
+    ]
+
+
 class StepOpts(ctypes.Structure):
     _fields_ = [("size", c_size_t), ("lr", c_double), ("max_norm", c_double),
                 ("groups", ctypes.POINTER(HParams)), ("ngroups", c_size_t)]
@@ -182,6 +194,8 @@ def _declare(lib):
         "shardd_release": (c_int, [client_p, c_uint64]),
         "shardd_scatter": (c_int, [client_p, c_uint64, c_int]),
         "shardd_scatter_accumulate": (c_int, [client_p, c_uint64, c_int]),
+        "shardd_scatter_ex": (c_int, [client_p, c_uint64, P(ScatterOpts)]),
+        "shardd_view_set_requires_grad": (c_int, [client_p, c_uint64, c_int]),
         "shardd_step": (c_int, [client_p, c_uint64, P(StepOpts), P(StepResult)]),
         "shardd_clip_grad_norm": (c_int, [client_p, c_uint64, c_double, P(c_double)]),
         "shardd_all_reduce": (c_int, [client_p, P(c_double), c_size_t, c_int]),

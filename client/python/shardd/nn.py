@@ -41,7 +41,15 @@ use runs and collects both uses' gradients in one:
   memory. If something replaced a ``.grad`` (e.g. ``zero_grad(set_to_none=True)``
   on the model after ours, or a hook), :meth:`scatter` copies it into the grad
   area first, so the result is right either way; a parameter without a
-  gradient contributes zeros.
+  gradient contributes zeros, and when no rank has one for it (its ``.grad``
+  is None everywhere: ``zero_grad(set_to_none=True)``) the daemon's step
+  skips it as torch's optimizers do -- no weight decay, no moment update, its
+  own step count stays;
+* frozen parameters (``requires_grad=False``, LoRA base weights) become
+  frozen views: scatter reduces nothing for them and a step skips them even
+  when the optimizer was given them. Setting ``requires_grad`` on a wrapped
+  parameter later (gradual unfreezing) is passed to the daemon before the
+  next scatter.
 
 The original parameter tensors are dropped from the module; the initial
 gather is done by the constructor (it is a collective: every rank of the job
@@ -93,7 +101,9 @@ Per unit, in the same order on every rank (each rank's graph is the same):
   reverse unit order: units still waiting for a gradient (a parameter that
   got none) are scattered as they are (the missing ones contribute zeros),
   and units that had no backward at all this time scatter a zeroed gradient
-  area, so that the step never applies a stale gradient.
+  area, so that the step never applies a stale gradient. Each scatter names
+  the parameters no gradient reached on this rank, and the step skips those
+  no rank had one for (torch's None ``.grad``).
 
 A rank holds at most 2 gather and 2 gradient areas at once: the hooks keep
 to that for a chain of units (one unit in backward at a time, plus the root
@@ -171,6 +181,7 @@ class FlatUnit:
         # a scatter since zero_grad(): the next one adds to the reduced
         # gradient (the daemon replaces it anyway once a step consumed it)
         self.accumulate = False
+        self.no_grad = []  # resident: the views sync_grads found without a .grad
 
     def __repr__(self):
         return "<FlatUnit %r buffer=%d numel=%d params=%d>" % (
@@ -179,7 +190,7 @@ class FlatUnit:
 
 class _Entry:
     __slots__ = ("name", "view", "param", "owners", "grad_view", "offset", "numel",
-                 "shape", "acc")
+                 "shape", "acc", "got")
 
     def __init__(self, name, view, owners):
         self.name = name          # qualified name of the (first) occurrence
@@ -191,6 +202,7 @@ class _Entry:
         self.numel = view.numel
         self.shape = view.shape
         self.acc = None           # transient: its AccumulateGrad node (hooked)
+        self.got = False          # transient: a gradient reached it this backward
 
 
 class _Saved:
@@ -359,7 +371,9 @@ class ShardedModule:
             entries = []
             off = 0
             for qn, p, owners in params:
-                view = client.register_view(buf, prefix + qn, off, tuple(p.shape))
+                # requires_grad=False: a frozen view, skipped by scatter and step
+                view = client.register_view(buf, prefix + qn, off, tuple(p.shape),
+                                            requires_grad=p.requires_grad)
                 e = _Entry(qn, view, owners)
                 n = p.numel()
                 if gat is None:  # empty until a gather points it at the area
@@ -435,12 +449,16 @@ class ShardedModule:
         for u in self.units:
             self.client.gather(u.buffer)
 
-    def zero_grad(self):
-        """Zero the grad areas and point every parameter's .grad at its slice.
-        Transient areas: sets every .grad to None and drops the reduced
-        gradients of the backwards since the last step (each backward
-        reduce-scatters per unit; until zero_grad() or a step, a later
-        backward adds its gradient to them, as autograd adds into .grad)."""
+    def zero_grad(self, set_to_none=False):
+        """Zero the grad areas and point every trainable parameter's .grad at
+        its slice (torch's zero_grad(set_to_none=False): a parameter backward
+        does not reach keeps a zero gradient and is stepped). set_to_none:
+        every .grad None instead, so one backward does not reach stays None and
+        the step skips it, as torch's. Transient areas: always None, and the
+        reduced gradients of the backwards since the last step are dropped
+        (each backward reduce-scatters per unit; until zero_grad() or a step,
+        a later backward adds its gradient to them, as autograd adds into
+        .grad)."""
         if self.transient:
             for u in self.units:
                 u.accumulate = False
@@ -451,7 +469,15 @@ class ShardedModule:
             for u in self.units:
                 u.buffer.grad_tensor.zero_()
                 for e in u.entries:
-                    e.param.grad = e.grad_view
+                    trainable = e.param.requires_grad and not set_to_none
+                    e.param.grad = e.grad_view if trainable else None
+
+    def _sync_requires_grad(self, u):
+        """Tell the daemon about parameters frozen or unfrozen since (gradual
+        unfreezing); every rank does before its scatter of u."""
+        for e in u.entries:
+            if e.param.requires_grad != e.view.requires_grad:
+                self.client.set_requires_grad(e.view, e.param.requires_grad)
 
     def sync_grads(self):
         """Make the grad areas hold the current .grad of every parameter
@@ -460,10 +486,15 @@ class ShardedModule:
         self._resident_only("sync_grads()")
         with torch.no_grad():
             for u in self.units:
+                self._sync_requires_grad(u)
+                u.no_grad = []  # views whose .grad is None: the step skips them
                 for e in u.entries:
                     g = e.param.grad
+                    if not e.param.requires_grad:
+                        continue  # frozen: scatter and step skip it
                     if g is None:
                         e.grad_view.zero_()
+                        u.no_grad.append(e.view)
                     elif g.data_ptr() != e.grad_view.data_ptr():
                         e.grad_view.copy_(g)
                         e.param.grad = e.grad_view
@@ -474,7 +505,7 @@ class ShardedModule:
         self._resident_only("scatter()")
         self.sync_grads()
         for u in self.units:
-            self.client.scatter(u.buffer, op)
+            self.client.scatter(u.buffer, op, no_grad=u.no_grad)
 
     def step(self, opt, lr=None, max_norm=None):
         return self.client.step(opt, lr=lr, max_norm=max_norm)
@@ -543,7 +574,7 @@ class ShardedModule:
                 # that autograd keeps using this one
                 with torch.enable_grad():
                     e.acc = p.expand_as(p).grad_fn.next_functions[0][0]
-                e.acc.register_hook(functools.partial(self._grad_ready, u))
+                e.acc.register_hook(functools.partial(self._grad_ready, u, e))
 
     def _empty(self, u):
         for e in u.entries:
@@ -585,6 +616,8 @@ class ShardedModule:
         if want:
             u.state = "backward"
             u.pending = self._trainable(u)
+            for e in u.entries:
+                e.got = False
         else:  # gathered for saved tensors only: released at the end
             u.state = "late"
         self._point(u, want)
@@ -594,17 +627,24 @@ class ShardedModule:
             self._pre_backward(u)
         return None
 
-    def _grad_ready(self, u, grad_inputs, grad_outputs):
+    def _grad_ready(self, u, e, grad_inputs, grad_outputs):
         if u.state != "backward":
             return
+        e.got = True
         u.pending -= 1
         if u.pending == 0:
             self._finish(u)
 
-    def _finish(self, u):
-        # consumes the gradient area; a later backward before the step adds
-        # its gradient to this one, as autograd adds into .grad
-        self.client.scatter(u.buffer, self.reduce_op, accumulate=u.accumulate)
+    def _finish(self, u, no_grad=None):
+        """Scatter u: no_grad None lists the trainable parameters no gradient
+        reached (the step skips them, as torch skips a None .grad). It
+        consumes the gradient area; a later backward before the step adds
+        its gradient to this one, as autograd adds into .grad."""
+        self._sync_requires_grad(u)
+        if no_grad is None:
+            no_grad = [e.view for e in u.entries if e.param.requires_grad and not e.got]
+        self.client.scatter(u.buffer, self.reduce_op, no_grad=no_grad,
+                            accumulate=u.accumulate)
         u.accumulate = True
         u.state = "done"
         self._release(u)
@@ -621,7 +661,7 @@ class ShardedModule:
                 # no backward reached the unit: a zeroed gradient, not the
                 # last step's
                 u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=True)
-                self._finish(u)
+                self._finish(u, no_grad=True)
             elif u.gather is not None:
                 self._release(u)
             u.state = "idle"

@@ -107,13 +107,10 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none=False):
-        """The module's gradients: zeroed, or None with set_to_none (the
-        daemon's gradient areas are zeroed either way)."""
-        self._module.zero_grad()
-        if set_to_none:
-            for g in self.param_groups:
-                for p in g["params"]:
-                    p.grad = None
+        """The module's gradients: zeroed, or None with set_to_none, so a
+        parameter no backward reaches is skipped by the step as torch's
+        (the daemon's gradient areas are zeroed either way)."""
+        self._module.zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
     def step(self, closure=None):
