@@ -173,13 +173,12 @@ class TrainGPTTest(unittest.TestCase):
         os.chmod(d, 0o755)
         ck = os.path.join(d, "ck")
         script = os.path.join(common.REPO, "examples", "train_gpt.py")
-        env = dict(os.environ, **{k: v for k, v in common.daemon_env().items() if v})
 
         def cli(*extra):
             out = os.path.join(d, "out-%d.npz" % len(os.listdir(d)))
             p = subprocess.run([sys.executable, script] + ARGS + list(extra) +
                                ["--start-daemon", "--out", out, "--timeout", "120"],
-                               capture_output=True, text=True, timeout=150, env=env)
+                               capture_output=True, text=True, timeout=150)
             self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
             z = np.load(out)
             got = {k: [None if math.isnan(v) else float(v) for v in z[k]]
