@@ -165,39 +165,43 @@ class TrainGPTTest(unittest.TestCase):
         self.assert_continues(again, "relaunch after kill -9")
 
     def test_checkpoint_then_restore_into_a_fresh_daemon_cli(self):
-        """The README's commands: --start-daemon, --checkpoint-every, then
-        --restore in another daemon."""
+        """--checkpoint-every in one daemon, then the README's command:
+        --start-daemon --restore (another daemon) continues the job."""
         full = self.uninterrupted()
         d = tempfile.mkdtemp(prefix="shardd-gpt-")
         self.addCleanup(subprocess.run, ["rm", "-rf", d])
         os.chmod(d, 0o755)
         ck = os.path.join(d, "ck")
-        script = os.path.join(common.REPO, "examples", "train_gpt.py")
-
-        def cli(*extra):
-            out = os.path.join(d, "out-%d.npz" % len(os.listdir(d)))
-            p = subprocess.run([sys.executable, script] + ARGS + list(extra) +
-                               ["--start-daemon", "--out", out, "--timeout", "120"],
-                               capture_output=True, text=True, timeout=150)
-            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-            z = np.load(out)
-            got = {k: [None if math.isnan(v) else float(v) for v in z[k]]
-                   for k in ("losses", "norms", "lrs")}
-            got["start"] = int(z["start"])
-            got["params"] = {k[6:]: z[k] for k in z.files if k.startswith("param/")}
-            return p.stdout, got
-
-        text, first = cli("--checkpoint-every", "5", "--checkpoint-dir", ck)
-        self.assertIn("checkpoint after step 5: %s/step-000005" % ck, text)
-        self.assertIn("checkpoint after step 10: %s/step-000010" % ck, text)
-        self.assertRegex(text, r"step +0  loss \d+\.\d+  tokens/s +\d+  lr \d\.\d+e-\d+")
+        os.mkdir(ck)
+        d1 = common.own_daemon(devices=2, extra_args=["--checkpoint-root", ck])
+        self.addCleanup(d1.cleanup)
+        self.addCleanup(d1.stop)
+        cfg = self.cfg("--checkpoint-every", "5", "--checkpoint-dir", ck)
+        lines = []
+        first = train_gpt.run(cfg, d1.socket, log=lines.append, timeout=120)
+        self.assertEqual(first["checkpoints"], [os.path.join(ck, "step-000005"),
+                                                os.path.join(ck, "step-000010")])
+        self.assertIn("checkpoint after step 5: %s/step-000005" % ck, lines)
         # checkpointing does not change the run
         self.assertEqual(first["losses"], full["losses"])
-        text, again = cli("--restore", os.path.join(ck, "step-000005"))
-        self.assertIn("resuming at step 5", text)
+        d1.stop()
+
+        out = os.path.join(d, "out.npz")
+        script = os.path.join(common.REPO, "examples", "train_gpt.py")
+        p = subprocess.run([sys.executable, script] + ARGS +
+                           ["--restore", os.path.join(ck, "step-000005"), "--start-daemon",
+                            "--out", out, "--timeout", "120"],
+                           capture_output=True, text=True, timeout=150)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn("resuming at step 5", p.stdout)
+        self.assertRegex(p.stdout, r"step +5  loss \d+\.\d+  tokens/s +\d+  lr \d\.\d+e-\d+")
+        z = np.load(out)
+        again = {k: [None if math.isnan(v) else float(v) for v in z[k]]
+                 for k in ("losses", "norms", "lrs")}
+        again["start"] = int(z["start"])
+        again["params"] = {k[6:]: z[k] for k in z.files if k.startswith("param/")}
         self.assertEqual(again["start"], 5)
         self.assert_continues(again, "restore of the step-5 checkpoint")
-
 
 if __name__ == "__main__":
     unittest.main()
