@@ -1477,6 +1477,109 @@ shardd_err shardd_seed_master(shardd_client_t *c, uint64_t buffer) {
   return call_status_only(c, &req);
 }
 
+/* One OptimState request; resp kept for the caller when out_resp. */
+static shardd_err optim_state_req(shardd_client_t *c, Shardwire__OptimState *os,
+                                  Shardwire__Response **out_resp) {
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  req.body_case = SHARDWIRE__REQUEST__BODY_OPTIM_STATE;
+  req.optim_state = os;
+  Shardwire__Response *resp;
+  shardd_err rc = call_expect(c, &req, SHARDWIRE__RESPONSE__BODY_OPTIM_STATE, &resp, NULL);
+  if (rc == SHARDD_OK && out_resp) {
+    *out_resp = resp;
+    return rc;
+  }
+  if (resp)
+    shardwire__response__free_unpacked(resp, NULL);
+  return rc;
+}
+
+#define OPTIM_STATE_CHUNK ((uint64_t)1 << 20) /* the daemon's per-request limit */
+
+shardd_err shardd_optim_state_get(shardd_client_t *c, uint64_t opt, uint64_t ref,
+                                  uint32_t array, uint64_t offset, uint64_t count,
+                                  float *out, shardd_optim_state_info *info) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+  if (count > 0 && out == NULL)
+    return set_err(c, SHARDD_E_INVAL, "shardd_optim_state_get: out is NULL");
+  uint64_t done = 0;
+  do {
+    uint64_t n = count - done < OPTIM_STATE_CHUNK ? count - done : OPTIM_STATE_CHUNK;
+    Shardwire__OptimState os = SHARDWIRE__OPTIM_STATE__INIT;
+    os.optimizer = opt;
+    os.ref = ref;
+    os.has_array = 1;
+    os.array = array;
+    os.has_offset = 1;
+    os.offset = offset + done;
+    os.has_count = 1;
+    os.count = n;
+    Shardwire__Response *resp = NULL;
+    shardd_err rc = optim_state_req(c, &os, &resp);
+    if (rc != SHARDD_OK)
+      return rc;
+    const Shardwire__OptimStateReply *r = resp->optim_state;
+    if (n > 0 && (!r->has_data || r->data.len != n * 4)) {
+      shardwire__response__free_unpacked(resp, NULL);
+      return set_err(c, SHARDD_E_PROTOCOL, "optimizer state: %zu bytes came back "
+                     "for %" PRIu64 " elements", r->has_data ? r->data.len : 0, n);
+    }
+    if (n > 0)
+      memcpy(out + done, r->data.data, n * 4);
+    if (info) {
+      info->nstate = r->nstate;
+      info->numel = r->numel;
+      info->steps = r->steps;
+      info->optimizer_steps = r->optimizer_steps;
+    }
+    shardwire__response__free_unpacked(resp, NULL);
+    done += n;
+  } while (done < count);
+  return SHARDD_OK;
+}
+
+shardd_err shardd_optim_state_set(shardd_client_t *c, uint64_t opt, uint64_t ref,
+                                  uint32_t array, uint64_t offset, uint64_t count,
+                                  const float *in) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+  if (count > 0 && in == NULL)
+    return set_err(c, SHARDD_E_INVAL, "shardd_optim_state_set: in is NULL");
+  for (uint64_t done = 0; done < count;) {
+    uint64_t n = count - done < OPTIM_STATE_CHUNK ? count - done : OPTIM_STATE_CHUNK;
+    Shardwire__OptimState os = SHARDWIRE__OPTIM_STATE__INIT;
+    os.optimizer = opt;
+    os.ref = ref;
+    os.has_array = 1;
+    os.array = array;
+    os.has_offset = 1;
+    os.offset = offset + done;
+    os.has_data = 1;
+    os.data.data = (uint8_t *)(in + done);
+    os.data.len = n * 4;
+    shardd_err rc = optim_state_req(c, &os, NULL);
+    if (rc != SHARDD_OK)
+      return rc;
+    done += n;
+  }
+  return SHARDD_OK;
+}
+
+shardd_err shardd_optim_steps_set(shardd_client_t *c, uint64_t opt, uint64_t ref,
+                                  uint64_t steps, uint64_t optimizer_steps) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+  Shardwire__OptimState os = SHARDWIRE__OPTIM_STATE__INIT;
+  os.optimizer = opt;
+  os.ref = ref;
+  os.has_set_steps = 1;
+  os.set_steps = steps;
+  os.has_set_optimizer_steps = 1;
+  os.set_optimizer_steps = optimizer_steps;
+  return optim_state_req(c, &os, NULL);
+}
+
 shardd_err shardd_barrier(shardd_client_t *c) {
   return shardd_all_reduce(c, NULL, 0, SHARDD_REDUCE_SUM);
 }

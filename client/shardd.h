@@ -489,6 +489,32 @@ shardd_err shardd_step(shardd_client_t *c, uint64_t opt,
 shardd_err shardd_clip_grad_norm(shardd_client_t *c, uint64_t opt,
                                  double max_norm, double *total_norm);
 
+/* One parameter's optimizer state as torch keeps it per parameter, for
+ * state_dict / load_state_dict: ref is a view or buffer opt holds; the
+ * state is over the whole parameter (every rank's shard of this node). */
+typedef struct {
+  uint32_t nstate;          /* Adam 2 (exp_avg, exp_avg_sq), amsgrad 3
+                               (max_exp_avg_sq); SGD with momentum 1
+                               (momentum_buffer); else 0 */
+  uint64_t numel;           /* the parameter's elements */
+  uint64_t steps;           /* its step count (torch's state["step"]) */
+  uint64_t optimizer_steps; /* the optimizer's */
+} shardd_optim_state_info;
+
+/* Reads count fp32 of state array `array` from element offset into out
+ * (count 0: info only; info may be NULL). SHARDD_E_BUSY while a step of
+ * opt is queued or running. */
+shardd_err shardd_optim_state_get(shardd_client_t *c, uint64_t opt, uint64_t ref,
+                                  uint32_t array, uint64_t offset, uint64_t count,
+                                  float *out, shardd_optim_state_info *info);
+/* Writes count fp32 from in into state array `array` from offset. */
+shardd_err shardd_optim_state_set(shardd_client_t *c, uint64_t opt, uint64_t ref,
+                                  uint32_t array, uint64_t offset, uint64_t count,
+                                  const float *in);
+/* Sets parameter ref's step count and the optimizer's. */
+shardd_err shardd_optim_steps_set(shardd_client_t *c, uint64_t opt, uint64_t ref,
+                                  uint64_t steps, uint64_t optimizer_steps);
+
 /* Writes the job's registry, every shard, optimizer state and step counts
  * to dir, a directory on the daemon's machine (created if missing), as files
  * with CRC32C-checked headers and a manifest written last. job NULL: the

@@ -801,6 +801,74 @@ static void on_seed_master(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   reply(d, c, seq, rc, rc == SHARDD_OK ? NULL : err);
 }
 
+/* at most this many elements per OptimState (4 MiB of data) */
+#define OPTIM_STATE_MAX ((uint64_t)1 << 20)
+
+static void on_optim_state(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                           const Shardwire__Request *req) {
+  const Shardwire__OptimState *os = req->optim_state;
+  char err[ERRLEN];
+  shardd__obj *o;
+  shardd_err rc = shardd__registry_resolve(&d->reg, c->m.job, os->optimizer,
+                                           SHARDD__OBJ_OPTIM, &o, err, sizeof err);
+  if (rc != SHARDD_OK) {
+    reply(d, c, seq, rc, err);
+    return;
+  }
+  int write = os->has_data;
+  uint64_t count = write ? os->data.len / 4 : (os->has_count ? os->count : 0);
+  if ((write && os->data.len % 4 != 0) || count > OPTIM_STATE_MAX) {
+    snprintf(err, sizeof err, "optimizer state: %" PRIu64 " elements per request "
+             "at most, whole fp32", OPTIM_STATE_MAX);
+    reply(d, c, seq, SHARDD_E_RANGE, err);
+    return;
+  }
+  float *io = write ? (float *)os->data.data : NULL;
+  float *mine = NULL;
+  if (!write && count > 0 && (io = mine = malloc(count * 4)) == NULL) {
+    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    return;
+  }
+  /* the wire's bytes carry no alignment: copied where it matters */
+  if (write && count > 0 && ((uintptr_t)io % _Alignof(float)) != 0) {
+    if ((mine = malloc(count * 4)) == NULL) {
+      reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+      return;
+    }
+    memcpy(mine, os->data.data, count * 4);
+    io = mine;
+  }
+  uint32_t nstate = 0;
+  uint64_t numel = 0, *steps = NULL;
+  shardd__optim *opt = (shardd__optim *)o;
+  rc = shardd__optim_state_io(&d->reg, opt, os->ref, os->has_array ? os->array : 0,
+                              os->has_offset ? os->offset : 0, count, io, write,
+                              &nstate, &numel, &steps, err, sizeof err);
+  if (rc == SHARDD_OK && os->has_set_steps)
+    *steps = os->set_steps;
+  if (rc == SHARDD_OK && os->has_set_optimizer_steps)
+    opt->steps = os->set_optimizer_steps;
+  if (rc != SHARDD_OK) {
+    free(mine);
+    reply(d, c, seq, rc, err);
+    return;
+  }
+  Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_OPTIM_STATE);
+  Shardwire__OptimStateReply sr = SHARDWIRE__OPTIM_STATE_REPLY__INIT;
+  sr.nstate = nstate;
+  sr.steps = *steps;
+  sr.numel = numel;
+  sr.optimizer_steps = opt->steps;
+  if (!write && count > 0) {
+    sr.has_data = 1;
+    sr.data.data = (uint8_t *)io;
+    sr.data.len = count * 4;
+  }
+  resp.optim_state = &sr;
+  send_resp(d, c, &resp, -1);
+  free(mine);
+}
+
 static void on_all_reduce(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                           const Shardwire__Request *req) {
   const Shardwire__AllReduce *ar = req->all_reduce;
@@ -886,6 +954,7 @@ static const struct {
     {SHARDWIRE__REQUEST__BODY_RELEASE, 1, 0, on_release},
     {SHARDWIRE__REQUEST__BODY_ALL_REDUCE, 1, 0, on_all_reduce},
     {SHARDWIRE__REQUEST__BODY_SEED_MASTER, 1, 1, on_seed_master},
+    {SHARDWIRE__REQUEST__BODY_OPTIM_STATE, 1, 1, on_optim_state},
 };
 
 void shardd__dispatch_frame(shardd__dispatch *d, shardd__conn *c,

@@ -297,3 +297,94 @@ void shardd__optim_release_hold(shardd__optim *o) {
   for (size_t i = 0; i < o->nshards; i++)
     shardd__buffer_release_hold(o->shards[i].buf);
 }
+
+/* ---- torch's per-parameter state ---------------------------------------- */
+
+shardd_err shardd__optim_state_io(shardd__registry *reg, shardd__optim *o,
+                                  uint64_t ref_id, uint32_t array,
+                                  uint64_t offset, uint64_t count, float *io,
+                                  int write, uint32_t *nstate, uint64_t *numel,
+                                  uint64_t **steps, char *err, size_t errlen) {
+  size_t i = 0;
+  while (i < o->nrefs && o->refs[i]->id != ref_id)
+    i++;
+  if (i == o->nrefs) {
+    snprintf(err, errlen, "optimizer \"%s\" holds no parameter %" PRIu64,
+             o->hdr.name, ref_id);
+    return SHARDD_E_NOT_FOUND;
+  }
+  if (o->inflight) {
+    snprintf(err, errlen, "optimizer \"%s\" has a step queued or running",
+             o->hdr.name);
+    return SHARDD_E_BUSY;
+  }
+  const shardd__obj *r = o->refs[i];
+  shardd__buffer *b;
+  uint64_t base, n;
+  if (r->kind == SHARDD__OBJ_VIEW) {
+    const shardd__view *v = (const shardd__view *)r;
+    b = v->buf;
+    base = v->offset;
+    n = v->numel;
+  } else {
+    b = (shardd__buffer *)r;
+    base = 0;
+    n = b->numel;
+  }
+  /* the parameter's group: of any of its segments (one group per ref) */
+  int k = 0;
+  for (size_t s = 0; s < o->nshards && k == 0; s++)
+    for (size_t j = 0; j < o->shards[s].nsegs; j++)
+      if (o->shards[s].segs[j].ref == i) {
+        k = shardd__optim_state_count(&o->groups[o->shards[s].segs[j].group]);
+        break;
+      }
+  *nstate = (uint32_t)k;
+  *numel = n;
+  *steps = &o->ref_steps[i];
+  if (count == 0)
+    return SHARDD_OK;
+  if (array >= (uint32_t)k || offset > n || count > n - offset) {
+    snprintf(err, errlen, "parameter %" PRIu64 " of optimizer \"%s\": array %" PRIu32
+             " elements [%" PRIu64 ", %" PRIu64 ") is outside its %d arrays of "
+             "%" PRIu64, ref_id, o->hdr.name, array, offset, offset + count, k, n);
+    return SHARDD_E_RANGE;
+  }
+  shardd__backend *be = reg->backend;
+  uint64_t s = b->shard_numel;
+  for (uint64_t e = base + offset, end = base + offset + count; e < end;) {
+    uint32_t rank = (uint32_t)(e / s);
+    uint64_t len = ((uint64_t)rank + 1) * s - e;
+    if (len > end - e)
+      len = end - e;
+    shardd__optim_shard *sh = NULL;
+    for (size_t q = 0; q < o->nshards && sh == NULL; q++)
+      if (o->shards[q].buf == b && o->shards[q].rank == rank)
+        sh = &o->shards[q];
+    if (sh == NULL || sh->state == NULL || (int)array >= sh->nstate) {
+      snprintf(err, errlen, "rank %" PRIu32 "'s shard of parameter %" PRIu64
+               " is not on this node", rank, ref_id);
+      return SHARDD_E_STATE;
+    }
+    size_t off = sh->state_offs[array] + (size_t)(e - (uint64_t)rank * s) * 4;
+    float *at = io + (e - base - offset);
+    shardd_err rc = SHARDD_OK;
+    if (be->ops->read == NULL) { /* host: the daemon's own memory */
+      char *p = (char *)sh->state->ptr + off;
+      if (write)
+        memcpy(p, at, len * 4);
+      else
+        memcpy(at, p, len * 4);
+    } else {
+      rc = write ? be->ops->write(be, sh->state, off, at, len * 4)
+                 : be->ops->read(be, sh->state, off, at, len * 4);
+    }
+    if (rc != SHARDD_OK) {
+      snprintf(err, errlen, "optimizer state of rank %" PRIu32 ": %s", rank,
+               shardd_strerror(rc));
+      return rc;
+    }
+    e += len;
+  }
+  return SHARDD_OK;
+}

@@ -376,6 +376,18 @@ void shardd__buffer_seed_drop(shardd__registry *reg, shardd__buffer *b);
 shardd_err shardd__optim_shard_seed(shardd__registry *reg,
                                     shardd__optim_shard *sh);
 
+/* One parameter's optimizer state (see OptimState on the wire): ref_id a
+ * view or buffer o holds; *nstate its state arrays, *numel its elements,
+ * *steps its step count. count > 0 fp32 elements of array at offset are
+ * copied into io (write 0) or from it (write 1), across the shards of the
+ * ranks of this node (SHARDD_E_STATE for another node's). SHARDD_E_BUSY
+ * while a step of o is queued or running. */
+shardd_err shardd__optim_state_io(shardd__registry *reg, shardd__optim *o,
+                                  uint64_t ref_id, uint32_t array,
+                                  uint64_t offset, uint64_t count, float *io,
+                                  int write, uint32_t *nstate, uint64_t *numel,
+                                  uint64_t **steps, char *err, size_t errlen);
+
 /* Allocates b's multi-node staging area (padded_numel fp32 on the device
  * of the job's first local rank) unless it has one; it counts towards the
  * job's bytes and is freed with b. */

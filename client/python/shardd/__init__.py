@@ -1024,6 +1024,47 @@ class Client:
         self._sync_cuda()
         self._call(self._lib.shardd_seed_master(self._c, buf.id))
 
+    def optim_state(self, opt, ref, arrays=True):
+        """One parameter's optimizer state as torch keeps it per parameter:
+        ref a View or Buffer (or id) opt holds. -> dict(nstate, numel,
+        steps (its step count), optimizer_steps, arrays: the nstate fp32
+        state arrays over the whole parameter -- Adam: exp_avg, exp_avg_sq
+        [, max_exp_avg_sq]; SGD with momentum: momentum_buffer -- as flat
+        numpy arrays, or [] with arrays=False)."""
+        import numpy as np
+        self._check_open()
+        info = L.OptimStateInfo()
+        oid, rid = _ids(opt), _ids(ref)
+        self._call(self._lib.shardd_optim_state_get(self._c, oid, rid, 0, 0, 0, None,
+                                                    ctypes.byref(info)))
+        out = []
+        for k in range(info.nstate if arrays else 0):
+            a = np.empty(info.numel, dtype=np.float32)
+            ptr = a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            self._call(self._lib.shardd_optim_state_get(self._c, oid, rid, k, 0, info.numel,
+                                                        ptr, None))
+            out.append(a)
+        return {"nstate": int(info.nstate), "numel": int(info.numel),
+                "steps": int(info.steps), "optimizer_steps": int(info.optimizer_steps),
+                "arrays": out}
+
+    def set_optim_state(self, opt, ref, arrays=(), steps=None, optimizer_steps=None):
+        """Writes a parameter's state arrays (flat fp32, numel each, in
+        optim_state's order) and, when given, its step count and the
+        optimizer's (optimizer_steps None: unchanged)."""
+        import numpy as np
+        self._check_open()
+        oid, rid = _ids(opt), _ids(ref)
+        for k, a in enumerate(arrays):
+            a = np.ascontiguousarray(np.asarray(a, dtype=np.float32).reshape(-1))
+            ptr = a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            self._call(self._lib.shardd_optim_state_set(self._c, oid, rid, k, 0, a.size, ptr))
+        if steps is not None:
+            if optimizer_steps is None:
+                optimizer_steps = self.optim_state(opt, ref, arrays=False)["optimizer_steps"]
+            self._call(self._lib.shardd_optim_steps_set(self._c, oid, rid, int(steps),
+                                                        int(optimizer_steps)))
+
     def barrier(self):
         """Returns once every rank of the job has called barrier()."""
         self._check_open()

@@ -73,6 +73,11 @@ class BufferInfo(ctypes.Structure):
     ]
 
 
+class OptimStateInfo(ctypes.Structure):
+    _fields_ = [("nstate", c_uint32), ("numel", c_uint64), ("steps", c_uint64),
+                ("optimizer_steps", c_uint64)]
+
+
 class BufferOpts(ctypes.Structure):
     _fields_ = [("size", c_size_t), ("has_init_checksum", c_int),
                 ("init_checksum", c_uint64)]
@@ -201,6 +206,11 @@ def _declare(lib):
         "shardd_all_reduce": (c_int, [client_p, P(c_double), c_size_t, c_int]),
         "shardd_barrier": (c_int, [client_p]),
         "shardd_seed_master": (c_int, [client_p, c_uint64]),
+        "shardd_optim_state_get": (c_int, [client_p, c_uint64, c_uint64, c_uint32, c_uint64,
+                                           c_uint64, P(ctypes.c_float), P(OptimStateInfo)]),
+        "shardd_optim_state_set": (c_int, [client_p, c_uint64, c_uint64, c_uint32, c_uint64,
+                                           c_uint64, P(ctypes.c_float)]),
+        "shardd_optim_steps_set": (c_int, [client_p, c_uint64, c_uint64, c_uint64, c_uint64]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)

@@ -25,10 +25,11 @@ optimizers in the same order (the daemon registers them by name, default
 
 The optimizer state (Adam's moments, the step counts) is the daemon's, not
 ``self.state``: it survives trainer restarts and daemon checkpoints.
-``state_dict()`` / ``load_state_dict()`` are not done yet and raise rather
-than return a state without the moments. ``add_param_group`` after
-construction is refused for the same reason (the daemon's state is laid out
-per registration): pass every group at construction.
+``state_dict()`` / ``load_state_dict()`` use torch's layout with each
+parameter's whole state (read from and written to the daemon), so
+torch.optim's optimizers and shardd.optim over another world size load
+them. ``add_param_group`` after construction is refused (the daemon's state
+is laid out per registration): pass every group at construction.
 """
 import math
 
@@ -131,20 +132,103 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         self.last_step = self._module.client.step(self._opt, groups=groups)
         return loss
 
+    # -- torch's state_dict, whole (world-independent) ----------------------
+    _state_keys = ()  # the names of the daemon's state arrays, in order
+
+    def _params(self):
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _view(self, p):
+        v = self._module.view_of(p)
+        if v is None:
+            raise ValueError("a parameter of this optimizer is not the module's")
+        return v
+
+    def _entry(self, st, view):
+        """torch's per-parameter state from the daemon's: None when the
+        parameter was never stepped (torch keeps no state for it)."""
+        if st["steps"] == 0:
+            return None
+        out = {}
+        for name, a in zip(self._state_keys, st["arrays"]):
+            out[name] = torch.from_numpy(a).view(view.shape)
+        return out
+
     def state_dict(self):
-        raise NotImplementedError(
-            "shardd.optim state_dict(): the optimizer state is the daemon's; save "
-            "it with a daemon checkpoint (shardctl checkpoint / shardd_checkpoint)")
+        """torch's layout, whole: {"state": {index: {...}}, "param_groups":
+        [...]} with each parameter's full state (every rank's shard of this
+        node), so torch.optim's own optimizer, or shardd.optim over another
+        world size, loads it. A collective only in that every rank may call
+        it (each gets the whole dict); no step may be in flight."""
+        client = self._module.client
+        state = {}
+        for i, p in enumerate(self._params()):
+            v = self._view(p)
+            e = self._entry(client.optim_state(self._opt, v), v)
+            if e is not None:
+                state[i] = e
+        groups, i = [], 0
+        for g in self.param_groups:
+            d = {k: v for k, v in g.items() if k != "params"}
+            d["params"] = list(range(i, i + len(g["params"])))
+            i += len(g["params"])
+            groups.append(d)
+        return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict):
-        raise NotImplementedError(
-            "shardd.optim load_state_dict(): restore a daemon checkpoint instead")
+        """torch's load_state_dict: the groups' hyperparameters from the
+        dict, and every parameter's state into the daemon (written by rank
+        0 of the job, the others wait for it at their next step; a
+        parameter without state starts afresh). Every rank calls it."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        for g, ng in zip(self.param_groups, groups):
+            if len(g["params"]) != len(ng["params"]):
+                raise ValueError("loaded state dict contains a parameter group that "
+                                 "doesn't match the size of optimizer's group")
+        index = {}
+        for g, ng in zip(self.param_groups, groups):
+            for p, k in zip(g["params"], ng["params"]):
+                index[p] = k
+            for key, val in ng.items():
+                if key != "params":
+                    g[key] = val
+        state = {int(k) if not isinstance(k, int) else k: v
+                 for k, v in state_dict["state"].items()}
+        client = self._module.client
+        if client.rank != 0:
+            return
+        writes, most = [], 0
+        for p in self._params():
+            v = self._view(p)
+            st = state.get(index[p])
+            steps = 0 if st is None else int(float(st.get("step", 1)))
+            arrays = []
+            for name in self._state_keys:
+                t = None if st is None else st.get(name)
+                arrays.append(torch.zeros(v.numel) if t is None
+                              else torch.as_tensor(t).detach().float().reshape(-1))
+            writes.append((v, arrays, steps))
+            most = max(most, steps)
+        for v, arrays, steps in writes:
+            have = client.optim_state(self._opt, v, arrays=False)["nstate"]
+            client.set_optim_state(self._opt, v, [a.numpy() for a in arrays[:have]],
+                                   steps=steps, optimizer_steps=most)
 
 
 class SGD(_ShardedOptimizer):
     """torch.optim.SGD over shardd shards (same arguments and defaults)."""
     _kind = "sgd"
     _keys = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")
+    _state_keys = ("momentum_buffer",)
+
+    def _entry(self, st, view):
+        if st["steps"] == 0:
+            return None
+        if not st["arrays"]:  # momentum 0: torch records None
+            return {"momentum_buffer": None}
+        return {"momentum_buffer": torch.from_numpy(st["arrays"][0]).view(view.shape)}
 
     def __init__(self, params, lr=_required, momentum=0, dampening=0,
                  weight_decay=0, nesterov=False, *, maximize=False, foreach=None,
@@ -162,6 +246,13 @@ class Adam(_ShardedOptimizer):
     """torch.optim.Adam over shardd shards (same arguments and defaults)."""
     _kind = "adam"
     _keys = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+    _state_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+    def _entry(self, st, view):
+        out = _ShardedOptimizer._entry(self, st, view)
+        if out is not None:
+            out = dict(step=torch.tensor(float(st["steps"])), **out)
+        return out
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0, amsgrad=False, *, foreach=None, maximize=False,
