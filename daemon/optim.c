@@ -20,6 +20,7 @@
 #include "optim.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -147,35 +148,22 @@ OPTIM_INLINE void sgd_loop(size_t n, float *restrict p,
   }
 }
 
-static void sgd_update(const shardd__hp *hp, uint64_t step, float *p,
-                       const float *g, float grad_scale, float *buf,
-                       size_t n) {
-  sgd_k k = {
-      .scale = hp->maximize ? -grad_scale : grad_scale,
-      .wd = (float)hp->weight_decay,
-      .mom = (float)hp->momentum,
-      .damp1 = (float)(1.0 - hp->dampening),
-      .neg_lr = (float)-hp->lr,
-  };
-  /* torch skips each op whose coefficient is 0; doing it anyway would
-   * differ for signed zeros and non-finite parameters. */
-  int wd = hp->weight_decay != 0;
-  if (hp->momentum == 0) {
-    if (wd)
-      sgd_loop(n, p, g, NULL, k, 1, 0, 0, 0);
-    else
-      sgd_loop(n, p, g, NULL, k, 0, 0, 0, 0);
-    return;
-  }
-  int v = (wd << 2) | ((step <= 1) << 1) | (hp->nesterov != 0);
+/* Every SGD loop variant: bit 3 momentum, bit 2 weight decay, bit 1 first
+ * step (buffer is None), bit 0 nesterov (bits 1-0 unused without momentum).
+ * Inlined into each instruction-set path, which instantiates all of them. */
+OPTIM_INLINE void sgd_run(int v, size_t n, float *restrict p,
+                          const float *restrict g, float *restrict buf,
+                          sgd_k k) {
   switch (v) {
-  case 0: sgd_loop(n, p, g, buf, k, 0, 1, 0, 0); break;
-  case 1: sgd_loop(n, p, g, buf, k, 0, 1, 0, 1); break;
-  case 2: sgd_loop(n, p, g, buf, k, 0, 1, 1, 0); break;
-  case 3: sgd_loop(n, p, g, buf, k, 0, 1, 1, 1); break;
-  case 4: sgd_loop(n, p, g, buf, k, 1, 1, 0, 0); break;
-  case 5: sgd_loop(n, p, g, buf, k, 1, 1, 0, 1); break;
-  case 6: sgd_loop(n, p, g, buf, k, 1, 1, 1, 0); break;
+  case 0: case 1: case 2: case 3: sgd_loop(n, p, g, NULL, k, 0, 0, 0, 0); break;
+  case 4: case 5: case 6: case 7: sgd_loop(n, p, g, NULL, k, 1, 0, 0, 0); break;
+  case 8: sgd_loop(n, p, g, buf, k, 0, 1, 0, 0); break;
+  case 9: sgd_loop(n, p, g, buf, k, 0, 1, 0, 1); break;
+  case 10: sgd_loop(n, p, g, buf, k, 0, 1, 1, 0); break;
+  case 11: sgd_loop(n, p, g, buf, k, 0, 1, 1, 1); break;
+  case 12: sgd_loop(n, p, g, buf, k, 1, 1, 0, 0); break;
+  case 13: sgd_loop(n, p, g, buf, k, 1, 1, 0, 1); break;
+  case 14: sgd_loop(n, p, g, buf, k, 1, 1, 1, 0); break;
   default: sgd_loop(n, p, g, buf, k, 1, 1, 1, 1); break;
   }
 }
@@ -226,6 +214,65 @@ OPTIM_INLINE void adam_loop(size_t n, float *restrict p,
   }
 }
 
+/* Every Adam loop variant: decay * 2 + amsgrad. */
+OPTIM_INLINE void adam_run(int variant, size_t n, float *restrict p,
+                           const float *restrict g, float *restrict m,
+                           float *restrict v, float *restrict vmax,
+                           adam_k k) {
+  switch (variant) {
+  case 0: adam_loop(n, p, g, m, v, vmax, k, DECAY_NONE, 0); break;
+  case 1: adam_loop(n, p, g, m, v, vmax, k, DECAY_NONE, 1); break;
+  case 2: adam_loop(n, p, g, m, v, vmax, k, DECAY_L2, 0); break;
+  case 3: adam_loop(n, p, g, m, v, vmax, k, DECAY_L2, 1); break;
+  case 4: adam_loop(n, p, g, m, v, vmax, k, DECAY_DECOUPLED, 0); break;
+  default: adam_loop(n, p, g, m, v, vmax, k, DECAY_DECOUPLED, 1); break;
+  }
+}
+
+/* Each path is the same C above, inlined into functions compiled for one
+ * instruction set (GCC's target attribute), so the binary stays portable
+ * (no -march) and the wider paths are picked at run time from cpuid. The
+ * paths give identical bits by construction: vectorizing keeps every float
+ * operation and its order (no -ffast-math; vsqrtps/vdivps round correctly
+ * as sqrtf and / do), and nothing may contract a*b+c into an FMA: -std=c11
+ * and the pragma at the top keep contraction off, and AVX-512F, which has
+ * FMA instructions of its own, is no exception (tests/test_optim.c checks
+ * every path the machine runs against the scalar one). bf16/fp16 narrowing
+ * is done by the integer forms above on every path, not by AVX512_BF16's
+ * vcvtneps2bf16 or F16C's vcvtps2ph: the former flushes subnormals, the
+ * latter quiets NaNs differently. */
+struct optim_path {
+  void (*sgd)(int v, size_t n, float *restrict p, const float *restrict g,
+              float *restrict buf, sgd_k k);
+  void (*adam)(int variant, size_t n, float *restrict p,
+               const float *restrict g, float *restrict m, float *restrict v,
+               float *restrict vmax, adam_k k);
+  double (*sumsq)(const float *restrict grad, size_t n);
+  void (*to_f32)(shardd_dtype dtype, float *restrict dst,
+                 const void *restrict src, size_t n);
+  void (*from_f32)(shardd_dtype dtype, void *restrict dst,
+                   const float *restrict src, size_t n);
+};
+
+static const struct optim_path *optim_path(void);
+
+static void sgd_update(const shardd__hp *hp, uint64_t step, float *p,
+                       const float *g, float grad_scale, float *buf,
+                       size_t n) {
+  sgd_k k = {
+      .scale = hp->maximize ? -grad_scale : grad_scale,
+      .wd = (float)hp->weight_decay,
+      .mom = (float)hp->momentum,
+      .damp1 = (float)(1.0 - hp->dampening),
+      .neg_lr = (float)-hp->lr,
+  };
+  /* torch skips each op whose coefficient is 0; doing it anyway would
+   * differ for signed zeros and non-finite parameters. */
+  int v = ((hp->momentum != 0) << 3) | ((hp->weight_decay != 0) << 2) |
+          ((step <= 1) << 1) | (hp->nesterov != 0);
+  optim_path()->sgd(v, n, p, g, buf, k);
+}
+
 static void adam_update(const shardd__hp *hp, uint64_t step, float *p,
                         const float *g, float grad_scale, float *const *state,
                         size_t n) {
@@ -250,14 +297,7 @@ static void adam_update(const shardd__hp *hp, uint64_t step, float *p,
     decay = hp->kind == SHARDD_OPTIM_ADAMW ? DECAY_DECOUPLED : DECAY_L2;
   float *m = state[0], *v = state[1];
   float *vmax = hp->amsgrad ? state[2] : NULL;
-  switch (decay * 2 + (hp->amsgrad != 0)) {
-  case 0: adam_loop(n, p, g, m, v, vmax, k, DECAY_NONE, 0); break;
-  case 1: adam_loop(n, p, g, m, v, vmax, k, DECAY_NONE, 1); break;
-  case 2: adam_loop(n, p, g, m, v, vmax, k, DECAY_L2, 0); break;
-  case 3: adam_loop(n, p, g, m, v, vmax, k, DECAY_L2, 1); break;
-  case 4: adam_loop(n, p, g, m, v, vmax, k, DECAY_DECOUPLED, 0); break;
-  default: adam_loop(n, p, g, m, v, vmax, k, DECAY_DECOUPLED, 1); break;
-  }
+  optim_path()->adam(decay * 2 + (hp->amsgrad != 0), n, p, g, m, v, vmax, k);
 }
 
 void shardd__optim_update(const shardd__hp *hp, uint64_t step, float *param,
@@ -279,13 +319,13 @@ void shardd__optim_update(const shardd__hp *hp, uint64_t step, float *param,
 
 /* ---- array helpers ------------------------------------------------------ */
 
-static inline float bits_f32(uint32_t u) {
+OPTIM_INLINE float bits_f32(uint32_t u) {
   float f;
   memcpy(&f, &u, sizeof f);
   return f;
 }
 
-static inline uint32_t f32_bits(float f) {
+OPTIM_INLINE uint32_t f32_bits(float f) {
   uint32_t u;
   memcpy(&u, &f, sizeof u);
   return u;
@@ -297,7 +337,7 @@ static inline uint32_t f32_bits(float f) {
  * they equal dtype.h's on every non-NaN input (NaN stays NaN, its payload may
  * differ) and no intermediate is a subnormal float, so FTZ/DAZ modes do not
  * change them. */
-static inline float f16_to_f32(uint16_t h) {
+OPTIM_INLINE float f16_to_f32(uint16_t h) {
   uint32_t w = (uint32_t)h << 16;
   uint32_t sign = w & 0x80000000u;
   uint32_t two_w = w + w;
@@ -312,7 +352,7 @@ static inline float f16_to_f32(uint16_t h) {
   return bits_f32(sign | mag);
 }
 
-static inline uint16_t f32_to_f16(float f) {
+OPTIM_INLINE uint16_t f32_to_f16(float f) {
   /* scaling by 2^112 then 2^-110 rounds away the bits fp16 cannot hold
    * (overflowing to inf where fp16 would) */
   float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
@@ -335,7 +375,7 @@ static inline uint16_t f32_to_f16(float f) {
  * products are exact in double. */
 #define SUMSQ_LANES 8
 
-double shardd__sumsq_f32(const float *restrict grad, size_t n) {
+OPTIM_INLINE double sumsq_run(const float *restrict grad, size_t n) {
   double acc[SUMSQ_LANES] = {0};
   size_t i = 0;
   for (; i + SUMSQ_LANES <= n; i += SUMSQ_LANES)
@@ -347,8 +387,8 @@ double shardd__sumsq_f32(const float *restrict grad, size_t n) {
          ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
-void shardd__to_f32(shardd_dtype dtype, float *restrict dst,
-                    const void *restrict src, size_t n) {
+OPTIM_INLINE void to_f32_run(shardd_dtype dtype, float *restrict dst,
+                             const void *restrict src, size_t n) {
   switch (dtype) {
   case SHARDD_DTYPE_FP32: {
     const float *restrict s = src;
@@ -371,8 +411,8 @@ void shardd__to_f32(shardd_dtype dtype, float *restrict dst,
   }
 }
 
-void shardd__from_f32(shardd_dtype dtype, void *restrict dst,
-                      const float *restrict src, size_t n) {
+OPTIM_INLINE void from_f32_run(shardd_dtype dtype, void *restrict dst,
+                               const float *restrict src, size_t n) {
   switch (dtype) {
   case SHARDD_DTYPE_FP32: {
     float *restrict d = dst;
@@ -393,4 +433,128 @@ void shardd__from_f32(shardd_dtype dtype, void *restrict dst,
     break;
   }
   }
+}
+
+/* ---- instruction-set paths and their dispatch --------------------------- */
+
+#define OPTIM_PATH(sfx, attr)                                                 \
+  attr static void sgd_##sfx(int v, size_t n, float *restrict p,              \
+                             const float *restrict g, float *restrict buf,    \
+                             sgd_k k) {                                       \
+    sgd_run(v, n, p, g, buf, k);                                              \
+  }                                                                           \
+  attr static void adam_##sfx(int variant, size_t n, float *restrict p,       \
+                              const float *restrict g, float *restrict m,     \
+                              float *restrict v, float *restrict vmax,        \
+                              adam_k k) {                                     \
+    adam_run(variant, n, p, g, m, v, vmax, k);                                \
+  }                                                                           \
+  attr static double sumsq_##sfx(const float *restrict grad, size_t n) {      \
+    return sumsq_run(grad, n);                                                \
+  }                                                                           \
+  attr static void to_f32_##sfx(shardd_dtype dtype, float *restrict dst,      \
+                                const void *restrict src, size_t n) {         \
+    to_f32_run(dtype, dst, src, n);                                           \
+  }                                                                           \
+  attr static void from_f32_##sfx(shardd_dtype dtype, void *restrict dst,     \
+                                  const float *restrict src, size_t n) {      \
+    from_f32_run(dtype, dst, src, n);                                         \
+  }                                                                           \
+  static const struct optim_path path_##sfx = {                               \
+      sgd_##sfx, adam_##sfx, sumsq_##sfx, to_f32_##sfx, from_f32_##sfx};
+
+/* the portable build: baseline x86-64 (SSE2) or whatever the target has */
+OPTIM_PATH(scalar, )
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define OPTIM_X86 1
+OPTIM_PATH(avx2, __attribute__((target("avx2"))))
+OPTIM_PATH(avx512,
+           __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"))))
+#endif
+
+static const struct optim_path *path_of(shardd__isa isa) {
+  switch (isa) {
+  case SHARDD__ISA_SCALAR: return &path_scalar;
+#if OPTIM_X86
+  case SHARDD__ISA_AVX2: return &path_avx2;
+  case SHARDD__ISA_AVX512: return &path_avx512;
+#else
+  case SHARDD__ISA_AVX2:
+  case SHARDD__ISA_AVX512: return NULL;
+#endif
+  case SHARDD__ISA_COUNT: break;
+  }
+  return NULL;
+}
+
+const char *shardd__isa_name(shardd__isa isa) {
+  switch (isa) {
+  case SHARDD__ISA_SCALAR: return "scalar";
+  case SHARDD__ISA_AVX2: return "avx2";
+  case SHARDD__ISA_AVX512: return "avx512";
+  case SHARDD__ISA_COUNT: break;
+  }
+  return "unknown";
+}
+
+int shardd__isa_runnable(shardd__isa isa) {
+  if (isa == SHARDD__ISA_SCALAR)
+    return 1;
+#if OPTIM_X86
+  /* libgcc's cpuid probe also checks (xgetbv) that the OS saves the wider
+   * registers, so a feature bit alone does not enable a path */
+  __builtin_cpu_init();
+  if (isa == SHARDD__ISA_AVX2)
+    return __builtin_cpu_supports("avx2");
+  if (isa == SHARDD__ISA_AVX512)
+    return __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vl");
+#endif
+  return 0;
+}
+
+/* The path in use, as a shardd__isa; -1 until first resolved. Worker
+ * threads may race to resolve it: they all store the same value. */
+static _Atomic int optim_isa = -1;
+
+shardd__isa shardd__optim_isa(void) {
+  int isa = atomic_load_explicit(&optim_isa, memory_order_relaxed);
+  if (isa < 0) {
+    isa = SHARDD__ISA_SCALAR;
+    for (int i = SHARDD__ISA_COUNT - 1; i > SHARDD__ISA_SCALAR; i--)
+      if (shardd__isa_runnable((shardd__isa)i)) {
+        isa = i;
+        break;
+      }
+    atomic_store_explicit(&optim_isa, isa, memory_order_relaxed);
+  }
+  return (shardd__isa)isa;
+}
+
+shardd_err shardd__optim_use_isa(shardd__isa isa) {
+  if ((int)isa < 0 || isa >= SHARDD__ISA_COUNT || !shardd__isa_runnable(isa))
+    return SHARDD_E_INVAL;
+  atomic_store_explicit(&optim_isa, (int)isa, memory_order_relaxed);
+  return SHARDD_OK;
+}
+
+static const struct optim_path *optim_path(void) {
+  return path_of(shardd__optim_isa());
+}
+
+double shardd__sumsq_f32(const float *grad, size_t n) {
+  return optim_path()->sumsq(grad, n);
+}
+
+void shardd__to_f32(shardd_dtype dtype, float *dst, const void *src,
+                    size_t n) {
+  optim_path()->to_f32(dtype, dst, src, n);
+}
+
+void shardd__from_f32(shardd_dtype dtype, void *dst, const float *src,
+                      size_t n) {
+  optim_path()->from_f32(dtype, dst, src, n);
 }

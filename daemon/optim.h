@@ -72,4 +72,29 @@ void shardd__to_f32(shardd_dtype dtype, float *dst, const void *src, size_t n);
 void shardd__from_f32(shardd_dtype dtype, void *dst, const float *src,
                       size_t n);
 
+/* The instruction-set paths of the kernels above (shardd__optim_update, the
+ * conversions and sumsq). Every path gives the bits SHARDD__ISA_SCALAR, the
+ * portable build, gives; the wider ones are only faster. */
+typedef enum {
+  SHARDD__ISA_SCALAR = 0, /* the build's baseline ISA (SSE2 on x86-64) */
+  SHARDD__ISA_AVX2 = 1,
+  SHARDD__ISA_AVX512 = 2, /* F, BW, DQ, VL */
+  SHARDD__ISA_COUNT
+} shardd__isa;
+
+/* "scalar", "avx2", "avx512"; "unknown" for anything else. */
+const char *shardd__isa_name(shardd__isa isa);
+
+/* Whether this build has the path and this CPU (and OS) can run it. */
+int shardd__isa_runnable(shardd__isa isa);
+
+/* The path the kernels use: the widest runnable one, chosen on first use,
+ * unless shardd__optim_use_isa() chose another. */
+shardd__isa shardd__optim_isa(void);
+
+/* Makes every later kernel call, in every thread, use isa (for tests and
+ * benches, which compare the paths). SHARDD_E_INVAL when isa is not
+ * runnable here; the path in use is then unchanged. */
+shardd_err shardd__optim_use_isa(shardd__isa isa);
+
 #endif /* SHARDD_OPTIM_H */
