@@ -256,26 +256,34 @@ struct optim_path {
 
 static const struct optim_path *optim_path(void);
 
-static void sgd_update(const shardd__hp *hp, uint64_t step, float *p,
-                       const float *g, float grad_scale, float *buf,
-                       size_t n) {
-  sgd_k k = {
-      .scale = hp->maximize ? -grad_scale : grad_scale,
-      .wd = (float)hp->weight_decay,
-      .mom = (float)hp->momentum,
-      .damp1 = (float)(1.0 - hp->dampening),
-      .neg_lr = (float)-hp->lr,
-  };
-  /* torch skips each op whose coefficient is 0; doing it anyway would
-   * differ for signed zeros and non-finite parameters. */
-  int v = ((hp->momentum != 0) << 3) | ((hp->weight_decay != 0) << 2) |
-          ((step <= 1) << 1) | (hp->nesterov != 0);
-  optim_path()->sgd(v, n, p, g, buf, k);
-}
+/* One step's per-step scalars and loop variant, computed once per call
+ * (pow, sqrt) however many blocks the elements are then run in. */
+typedef struct {
+  int adam;    /* Adam/AdamW, else SGD */
+  int variant; /* sgd_run's v or adam_run's variant */
+  sgd_k sk;
+  adam_k ak;
+} step_k;
 
-static void adam_update(const shardd__hp *hp, uint64_t step, float *p,
-                        const float *g, float grad_scale, float *const *state,
-                        size_t n) {
+static void step_prepare(const shardd__hp *hp, uint64_t step,
+                         float grad_scale, step_k *s) {
+  memset(s, 0, sizeof *s);
+  if (hp->kind == SHARDD_OPTIM_SGD) {
+    s->sk = (sgd_k){
+        .scale = hp->maximize ? -grad_scale : grad_scale,
+        .wd = (float)hp->weight_decay,
+        .mom = (float)hp->momentum,
+        .damp1 = (float)(1.0 - hp->dampening),
+        .neg_lr = (float)-hp->lr,
+    };
+    /* torch skips each op whose coefficient is 0; doing it anyway would
+     * differ for signed zeros and non-finite parameters. */
+    s->variant = ((hp->momentum != 0) << 3) |
+                 ((hp->weight_decay != 0) << 2) | ((step <= 1) << 1) |
+                 (hp->nesterov != 0);
+    return;
+  }
+  s->adam = 1;
   double t = (double)step;
   double bc1 = 1.0 - pow(hp->beta1, t);
   double bc2 = 1.0 - pow(hp->beta2, t);
@@ -295,25 +303,51 @@ static void adam_update(const shardd__hp *hp, uint64_t step, float *p,
   int decay = DECAY_NONE;
   if (hp->weight_decay != 0)
     decay = hp->kind == SHARDD_OPTIM_ADAMW ? DECAY_DECOUPLED : DECAY_L2;
-  float *m = state[0], *v = state[1];
-  float *vmax = hp->amsgrad ? state[2] : NULL;
-  optim_path()->adam(decay * 2 + (hp->amsgrad != 0), n, p, g, m, v, vmax, k);
+  s->ak = k;
+  s->variant = decay * 2 + (hp->amsgrad != 0);
+}
+
+/* Elements [off, off + n) of one prepared step on path pp. */
+static void step_run(const struct optim_path *pp, const step_k *s, float *p,
+                     const float *g, float *const *state, size_t off,
+                     size_t n) {
+  if (s->adam)
+    pp->adam(s->variant, n, p + off, g + off, state[0] + off, state[1] + off,
+             s->variant & 1 ? state[2] + off : NULL, s->ak);
+  else
+    pp->sgd(s->variant, n, p + off, g + off,
+            s->variant & 8 ? state[0] + off : NULL, s->sk);
 }
 
 void shardd__optim_update(const shardd__hp *hp, uint64_t step, float *param,
                           const float *grad, float grad_scale,
                           float *const *state, size_t n) {
-  if (n == 0)
+  if (n == 0 || !shardd__optim_supports(hp->kind, SHARDD_DTYPE_FP32))
     return;
-  switch (hp->kind) {
-  case SHARDD_OPTIM_SGD:
-    sgd_update(hp, step, param, grad, grad_scale,
-               hp->momentum != 0 ? state[0] : NULL, n);
-    break;
-  case SHARDD_OPTIM_ADAM:
-  case SHARDD_OPTIM_ADAMW:
-    adam_update(hp, step, param, grad, grad_scale, state, n);
-    break;
+  step_k s;
+  step_prepare(hp, step, grad_scale, &s);
+  step_run(optim_path(), &s, param, grad, state, 0, n);
+}
+
+/* Elements per block of shardd__optim_update_narrow: 8 KiB of fp32 master,
+ * so the narrowing reads it back from L1 rather than from memory. */
+#define NARROW_BLOCK 2048
+
+void shardd__optim_update_narrow(const shardd__hp *hp, uint64_t step,
+                                 shardd_dtype dtype, void *param,
+                                 float *master, const float *grad,
+                                 float grad_scale, float *const *state,
+                                 size_t n) {
+  if (n == 0 || !shardd__optim_supports(hp->kind, dtype))
+    return;
+  step_k s;
+  step_prepare(hp, step, grad_scale, &s);
+  const struct optim_path *pp = optim_path();
+  size_t esz = shardd_dtype_size(dtype);
+  for (size_t i = 0; i < n; i += NARROW_BLOCK) {
+    size_t len = n - i < NARROW_BLOCK ? n - i : NARROW_BLOCK;
+    step_run(pp, &s, master, grad, state, i, len);
+    pp->from_f32(dtype, (char *)param + i * esz, master + i, len);
   }
 }
 

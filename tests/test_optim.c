@@ -721,6 +721,90 @@ static void compare_sumsq(shardd__isa isa) {
   }
 }
 
+#define NN (2 * 2048 + 45) /* blocks of shardd__optim_update_narrow, and a tail */
+
+typedef struct {
+  float p[NN], g[NN], st[3][NN];
+  uint32_t p16[NN]; /* the parameter, room for any dtype */
+} narrow_arrays;
+
+/* shardd__optim_update_narrow on isa against shardd__optim_update then
+ * shardd__from_f32 on the scalar path, over 3 steps: the master and state
+ * as check_same compares them, the 16-bit parameter as exactly the
+ * narrowing of the master it came with. */
+static void compare_narrow(shardd__isa isa) {
+  use_isa_or_skip(isa);
+  rng_state = 0xa4093822299f31d0ULL + (uint64_t)isa;
+  static narrow_arrays ref, got, in;
+  static uint32_t want16[NN];
+  static const shardd_dtype dts[] = {SHARDD_DTYPE_BF16, SHARDD_DTYPE_FP16,
+                                     SHARDD_DTYPE_FP32};
+  static const shardd_optim_kind kinds_[] = {SHARDD_OPTIM_SGD,
+                                             SHARDD_OPTIM_ADAMW};
+  for (int d = 0; d < 3; d++)
+    for (int kk = 0; kk < 2; kk++) {
+      shardd__hp hp;
+      shardd__hp_defaults(kinds_[kk], &hp);
+      hp.momentum = kk ? 0 : 0.9;
+      hp.amsgrad = kk;
+      hp.weight_decay = 1e-2;
+      int ns = shardd__optim_state_count(&hp);
+      fill_mixed(ref.p, NN, 1.0f, 0);
+      for (int s = 0; s < 3; s++)
+        fill_mixed(ref.st[s], NN, 1e-2f, s > 0);
+      memset(ref.p16, 0, sizeof ref.p16);
+      got = ref;
+      for (uint64_t step = 1; step <= 3; step++) {
+        fill_mixed(ref.g, NN, 1e-2f, 0);
+        memcpy(got.g, ref.g, sizeof ref.g);
+        in = ref;
+        size_t off = step - 1, n = NN - 2 * off; /* starts 0, 1, 2 */
+        float *rs[3] = {ref.st[0] + off, ref.st[1] + off, ref.st[2] + off};
+        float *gs[3] = {got.st[0] + off, got.st[1] + off, got.st[2] + off};
+        size_t esz = shardd_dtype_size(dts[d]);
+        cr_assert_eq(shardd__optim_use_isa(SHARDD__ISA_SCALAR), SHARDD_OK);
+        shardd__optim_update(&hp, step, ref.p + off, ref.g + off, 0.5f, rs, n);
+        cr_assert_eq(shardd__optim_use_isa(isa), SHARDD_OK);
+        shardd__optim_update_narrow(&hp, step, dts[d],
+                                    (char *)got.p16 + off * esz, got.p + off,
+                                    got.g + off, 0.5f, gs, n);
+        cr_assert_eq(shardd__optim_use_isa(SHARDD__ISA_SCALAR), SHARDD_OK);
+        memcpy(want16, got.p16, sizeof want16); /* outside the window */
+        shardd__from_f32(dts[d], (char *)want16 + off * esz, got.p + off, n);
+        cr_assert_arr_eq(got.p16, want16, sizeof want16,
+                         "%s narrow %s kind %d step %d: param is not the "
+                         "narrowed master", shardd__isa_name(isa),
+                         shardd_dtype_name(dts[d]), (int)kinds_[kk], (int)step);
+        /* check_same's inputs are optim_arrays of PN elements: compare the
+         * NN elements in windows of PN */
+        for (size_t w = 0; w < NN; w += PN) {
+          static optim_arrays wi;
+          size_t len = NN - w < PN ? NN - w : PN;
+          memset(&wi, 0, sizeof wi);
+          memcpy(wi.p, in.p + w, len * 4);
+          memcpy(wi.g, in.g + w, len * 4);
+          for (int s = 0; s < 3; s++)
+            memcpy(wi.st[s], in.st[s] + w, len * 4);
+          static float gw[PN], rw[PN];
+          memset(gw, 0, sizeof gw);
+          memset(rw, 0, sizeof rw);
+          memcpy(gw, got.p + w, len * 4);
+          memcpy(rw, ref.p + w, len * 4);
+          check_same(isa, "narrow", step, -1, gw, rw, &wi);
+          for (int s = 0; s < ns; s++) {
+            memcpy(gw, got.st[s] + w, len * 4);
+            memcpy(rw, ref.st[s] + w, len * 4);
+            check_same(isa, "narrow", step, s, gw, rw, &wi);
+          }
+        }
+      }
+    }
+}
+
+Test(optim_isa, scalar_narrow_matches_update) {
+  compare_narrow(SHARDD__ISA_SCALAR);
+}
+
 #define ISA_TESTS(name, isa)                                                  \
   Test(optim_isa, name##_optimizers_match_scalar) {                           \
     compare_all_optimizers(isa);                                              \
@@ -728,7 +812,8 @@ static void compare_sumsq(shardd__isa isa) {
   Test(optim_isa, name##_conversions_match_scalar) {                          \
     compare_conversions(isa);                                                 \
   }                                                                           \
-  Test(optim_isa, name##_sumsq_matches_scalar) { compare_sumsq(isa); }
+  Test(optim_isa, name##_sumsq_matches_scalar) { compare_sumsq(isa); }     \
+  Test(optim_isa, name##_narrow_matches_scalar) { compare_narrow(isa); }
 
 ISA_TESTS(avx2, SHARDD__ISA_AVX2)
 ISA_TESTS(avx512, SHARDD__ISA_AVX512)
