@@ -117,6 +117,71 @@ int shardd__optim_state_count(const shardd__hp *hp) {
   return 0;
 }
 
+/* ---- element conversions ---------------------------------------------- */
+
+OPTIM_INLINE float bits_f32(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+OPTIM_INLINE uint32_t f32_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+/* dtype.h's fp16 conversions branch per element (a normalising loop for
+ * subnormals), which keeps the array loops scalar. These are the branch-free
+ * forms torch itself uses (c10 fp16_ieee_to_fp32_value / _from_fp32_value);
+ * they equal dtype.h's on every non-NaN input (NaN stays NaN, its payload may
+ * differ) and no intermediate is a subnormal float, so FTZ/DAZ modes do not
+ * change them. */
+OPTIM_INLINE float f16_to_f32(uint16_t h) {
+  uint32_t w = (uint32_t)h << 16;
+  uint32_t sign = w & 0x80000000u;
+  uint32_t two_w = w + w;
+  /* normals (and inf/NaN): rebias the exponent by 0xe0 then scale by 2^-112 */
+  float normal = bits_f32((two_w >> 4) + (0xe0u << 23)) * 0x1.0p-112f;
+  /* subnormals: the mantissa under the exponent of 0.5, minus 0.5 */
+  float denormal = bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
+  /* a mask, not ?:, so GCC does not sink either float op into a branch
+   * (it may not speculate a float op under -ftrapping-math) */
+  uint32_t is_den = 0u - (uint32_t)(two_w < (1u << 27));
+  uint32_t mag = (f32_bits(denormal) & is_den) | (f32_bits(normal) & ~is_den);
+  return bits_f32(sign | mag);
+}
+
+OPTIM_INLINE uint16_t f32_to_f16(float f) {
+  /* scaling by 2^112 then 2^-110 rounds away the bits fp16 cannot hold
+   * (overflowing to inf where fp16 would) */
+  float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  uint32_t w = f32_bits(f);
+  uint32_t shl1_w = w + w;
+  uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xff000000u;
+  bias = bias < 0x71000000u ? 0x71000000u : bias;
+  base = bits_f32((bias >> 1) + 0x07800000u) + base;
+  uint32_t bits = f32_bits(base);
+  uint32_t exp_bits = (bits >> 13) & 0x7c00u;
+  uint32_t mantissa_bits = bits & 0x0fffu;
+  uint32_t nonsign = exp_bits + mantissa_bits;
+  uint32_t is_nan = 0u - (uint32_t)(shl1_w > 0xff000000u); /* mask: see above */
+  return (uint16_t)((sign >> 16) | (0x7e00u & is_nan) | (nonsign & ~is_nan));
+}
+
+/* What a loop writes besides the fp32 parameter: nothing, or the same
+ * value narrowed into a bf16/fp16 parameter (as shardd__from_f32 would). */
+enum { NARROW_NONE = 0, NARROW_BF16 = 1, NARROW_FP16 = 2 };
+
+OPTIM_INLINE void narrow_store(uint16_t *restrict p16, size_t i, float x,
+                               const int narrow) {
+  if (narrow == NARROW_BF16)
+    p16[i] = shardd__f32_to_bf16(x);
+  if (narrow == NARROW_FP16)
+    p16[i] = f32_to_f16(x);
+}
+
 /* ---- SGD ---------------------------------------------------------------- */
 
 /* Per-step float scalars, each rounded from double once as torch does. */
@@ -133,8 +198,9 @@ typedef struct {
  * d_p = nesterov ? d_p + mom*buf : buf; param = param + (-lr)*d_p. */
 OPTIM_INLINE void sgd_loop(size_t n, float *restrict p,
                            const float *restrict g, float *restrict buf,
-                           sgd_k k, const int has_wd, const int has_mom,
-                           const int first, const int nesterov) {
+                           uint16_t *restrict p16, sgd_k k, const int has_wd,
+                           const int has_mom, const int first,
+                           const int nesterov, const int narrow) {
   for (size_t i = 0; i < n; i++) {
     float d = g[i] * k.scale;
     if (has_wd)
@@ -144,27 +210,48 @@ OPTIM_INLINE void sgd_loop(size_t n, float *restrict p,
       buf[i] = b;
       d = nesterov ? d + k.mom * b : b;
     }
-    p[i] = p[i] + k.neg_lr * d;
+    float np = p[i] + k.neg_lr * d;
+    p[i] = np;
+    narrow_store(p16, i, np, narrow);
   }
 }
 
 /* Every SGD loop variant: bit 3 momentum, bit 2 weight decay, bit 1 first
  * step (buffer is None), bit 0 nesterov (bits 1-0 unused without momentum).
  * Inlined into each instruction-set path, which instantiates all of them. */
-OPTIM_INLINE void sgd_run(int v, size_t n, float *restrict p,
+#define SGD_LOOPS(base, wd, mom, first, nest)                                  \
+  case (base) * 3 + NARROW_NONE:                                               \
+    sgd_loop(n, p, g, buf, p16, k, wd, mom, first, nest, NARROW_NONE);         \
+    break;                                                                     \
+  case (base) * 3 + NARROW_BF16:                                               \
+    sgd_loop(n, p, g, buf, p16, k, wd, mom, first, nest, NARROW_BF16);         \
+    break;                                                                     \
+  case (base) * 3 + NARROW_FP16:                                               \
+    sgd_loop(n, p, g, buf, p16, k, wd, mom, first, nest, NARROW_FP16);         \
+    break;
+
+/* Every SGD loop variant: v's bit 3 momentum, bit 2 weight decay, bit 1
+ * first step (buffer is None), bit 0 nesterov (bits 1-0 unused without
+ * momentum), times each narrowing. Inlined into each instruction-set path,
+ * which instantiates all of them. */
+OPTIM_INLINE void sgd_run(int v, int narrow, size_t n, float *restrict p,
                           const float *restrict g, float *restrict buf,
-                          sgd_k k) {
-  switch (v) {
-  case 0: case 1: case 2: case 3: sgd_loop(n, p, g, NULL, k, 0, 0, 0, 0); break;
-  case 4: case 5: case 6: case 7: sgd_loop(n, p, g, NULL, k, 1, 0, 0, 0); break;
-  case 8: sgd_loop(n, p, g, buf, k, 0, 1, 0, 0); break;
-  case 9: sgd_loop(n, p, g, buf, k, 0, 1, 0, 1); break;
-  case 10: sgd_loop(n, p, g, buf, k, 0, 1, 1, 0); break;
-  case 11: sgd_loop(n, p, g, buf, k, 0, 1, 1, 1); break;
-  case 12: sgd_loop(n, p, g, buf, k, 1, 1, 0, 0); break;
-  case 13: sgd_loop(n, p, g, buf, k, 1, 1, 0, 1); break;
-  case 14: sgd_loop(n, p, g, buf, k, 1, 1, 1, 0); break;
-  default: sgd_loop(n, p, g, buf, k, 1, 1, 1, 1); break;
+                          uint16_t *restrict p16, sgd_k k) {
+  if (!(v & 8))
+    v &= 4; /* without momentum only weight decay tells loops apart */
+  switch (v * 3 + narrow) {
+    SGD_LOOPS(0, 0, 0, 0, 0)
+    SGD_LOOPS(4, 1, 0, 0, 0)
+    SGD_LOOPS(8, 0, 1, 0, 0)
+    SGD_LOOPS(9, 0, 1, 0, 1)
+    SGD_LOOPS(10, 0, 1, 1, 0)
+    SGD_LOOPS(11, 0, 1, 1, 1)
+    SGD_LOOPS(12, 1, 1, 0, 0)
+    SGD_LOOPS(13, 1, 1, 0, 1)
+    SGD_LOOPS(14, 1, 1, 1, 0)
+    SGD_LOOPS(15, 1, 1, 1, 1)
+  default:
+    break; /* not a variant step_prepare makes */
   }
 }
 
@@ -190,7 +277,8 @@ typedef struct {
 OPTIM_INLINE void adam_loop(size_t n, float *restrict p,
                             const float *restrict g, float *restrict m,
                             float *restrict v, float *restrict vmax,
-                            adam_k k, const int decay, const int amsgrad) {
+                            uint16_t *restrict p16, adam_k k, const int decay,
+                            const int amsgrad, const int narrow) {
   for (size_t i = 0; i < n; i++) {
     float gi = g[i] * k.scale;
     float pi = p[i];
@@ -210,22 +298,38 @@ OPTIM_INLINE void adam_loop(size_t n, float *restrict p,
       s = mx;
     }
     float denom = sqrtf(s) / k.bc2_sqrt + k.eps;
-    p[i] = pi + k.neg_step * mi / denom;
+    float np = pi + k.neg_step * mi / denom;
+    p[i] = np;
+    narrow_store(p16, i, np, narrow);
   }
 }
 
-/* Every Adam loop variant: decay * 2 + amsgrad. */
-OPTIM_INLINE void adam_run(int variant, size_t n, float *restrict p,
-                           const float *restrict g, float *restrict m,
-                           float *restrict v, float *restrict vmax,
+#define ADAM_LOOPS(decay, ams)                                                 \
+  case ((decay) * 2 + (ams)) * 3 + NARROW_NONE:                                \
+    adam_loop(n, p, g, m, v, vmax, p16, k, decay, ams, NARROW_NONE);           \
+    break;                                                                     \
+  case ((decay) * 2 + (ams)) * 3 + NARROW_BF16:                                \
+    adam_loop(n, p, g, m, v, vmax, p16, k, decay, ams, NARROW_BF16);           \
+    break;                                                                     \
+  case ((decay) * 2 + (ams)) * 3 + NARROW_FP16:                                \
+    adam_loop(n, p, g, m, v, vmax, p16, k, decay, ams, NARROW_FP16);           \
+    break;
+
+/* Every Adam loop variant (decay * 2 + amsgrad) times each narrowing. */
+OPTIM_INLINE void adam_run(int variant, int narrow, size_t n,
+                           float *restrict p, const float *restrict g,
+                           float *restrict m, float *restrict v,
+                           float *restrict vmax, uint16_t *restrict p16,
                            adam_k k) {
-  switch (variant) {
-  case 0: adam_loop(n, p, g, m, v, vmax, k, DECAY_NONE, 0); break;
-  case 1: adam_loop(n, p, g, m, v, vmax, k, DECAY_NONE, 1); break;
-  case 2: adam_loop(n, p, g, m, v, vmax, k, DECAY_L2, 0); break;
-  case 3: adam_loop(n, p, g, m, v, vmax, k, DECAY_L2, 1); break;
-  case 4: adam_loop(n, p, g, m, v, vmax, k, DECAY_DECOUPLED, 0); break;
-  default: adam_loop(n, p, g, m, v, vmax, k, DECAY_DECOUPLED, 1); break;
+  switch (variant * 3 + narrow) {
+    ADAM_LOOPS(DECAY_NONE, 0)
+    ADAM_LOOPS(DECAY_NONE, 1)
+    ADAM_LOOPS(DECAY_L2, 0)
+    ADAM_LOOPS(DECAY_L2, 1)
+    ADAM_LOOPS(DECAY_DECOUPLED, 0)
+    ADAM_LOOPS(DECAY_DECOUPLED, 1)
+  default:
+    break; /* not a variant step_prepare makes */
   }
 }
 
@@ -242,11 +346,12 @@ OPTIM_INLINE void adam_run(int variant, size_t n, float *restrict p,
  * vcvtneps2bf16 or F16C's vcvtps2ph: the former flushes subnormals, the
  * latter quiets NaNs differently. */
 struct optim_path {
-  void (*sgd)(int v, size_t n, float *restrict p, const float *restrict g,
-              float *restrict buf, sgd_k k);
-  void (*adam)(int variant, size_t n, float *restrict p,
+  void (*sgd)(int v, int narrow, size_t n, float *restrict p,
+              const float *restrict g, float *restrict buf,
+              uint16_t *restrict p16, sgd_k k);
+  void (*adam)(int variant, int narrow, size_t n, float *restrict p,
                const float *restrict g, float *restrict m, float *restrict v,
-               float *restrict vmax, adam_k k);
+               float *restrict vmax, uint16_t *restrict p16, adam_k k);
   double (*sumsq)(const float *restrict grad, size_t n);
   void (*to_f32)(shardd_dtype dtype, float *restrict dst,
                  const void *restrict src, size_t n);
@@ -307,16 +412,17 @@ static void step_prepare(const shardd__hp *hp, uint64_t step,
   s->variant = decay * 2 + (hp->amsgrad != 0);
 }
 
-/* Elements [off, off + n) of one prepared step on path pp. */
+/* One prepared step on path pp; with narrow, p16 gets each new parameter
+ * narrowed in the same pass. */
 static void step_run(const struct optim_path *pp, const step_k *s, float *p,
-                     const float *g, float *const *state, size_t off,
-                     size_t n) {
+                     const float *g, float *const *state, int narrow,
+                     uint16_t *p16, size_t n) {
   if (s->adam)
-    pp->adam(s->variant, n, p + off, g + off, state[0] + off, state[1] + off,
-             s->variant & 1 ? state[2] + off : NULL, s->ak);
+    pp->adam(s->variant, narrow, n, p, g, state[0], state[1],
+             s->variant & 1 ? state[2] : NULL, p16, s->ak);
   else
-    pp->sgd(s->variant, n, p + off, g + off,
-            s->variant & 8 ? state[0] + off : NULL, s->sk);
+    pp->sgd(s->variant, narrow, n, p, g, s->variant & 8 ? state[0] : NULL,
+            p16, s->sk);
 }
 
 void shardd__optim_update(const shardd__hp *hp, uint64_t step, float *param,
@@ -326,12 +432,8 @@ void shardd__optim_update(const shardd__hp *hp, uint64_t step, float *param,
     return;
   step_k s;
   step_prepare(hp, step, grad_scale, &s);
-  step_run(optim_path(), &s, param, grad, state, 0, n);
+  step_run(optim_path(), &s, param, grad, state, NARROW_NONE, NULL, n);
 }
-
-/* Elements per block of shardd__optim_update_narrow: 8 KiB of fp32 master,
- * so the narrowing reads it back from L1 rather than from memory. */
-#define NARROW_BLOCK 2048
 
 void shardd__optim_update_narrow(const shardd__hp *hp, uint64_t step,
                                  shardd_dtype dtype, void *param,
@@ -343,66 +445,19 @@ void shardd__optim_update_narrow(const shardd__hp *hp, uint64_t step,
   step_k s;
   step_prepare(hp, step, grad_scale, &s);
   const struct optim_path *pp = optim_path();
-  size_t esz = shardd_dtype_size(dtype);
-  for (size_t i = 0; i < n; i += NARROW_BLOCK) {
-    size_t len = n - i < NARROW_BLOCK ? n - i : NARROW_BLOCK;
-    step_run(pp, &s, master, grad, state, i, len);
-    pp->from_f32(dtype, (char *)param + i * esz, master + i, len);
+  /* the narrowing is one more store in the update's own loop: the new
+   * value is still in a register, and the master is not read back */
+  if (dtype == SHARDD_DTYPE_BF16 || dtype == SHARDD_DTYPE_FP16) {
+    step_run(pp, &s, master, grad, state,
+             dtype == SHARDD_DTYPE_BF16 ? NARROW_BF16 : NARROW_FP16, param, n);
+    return;
   }
+  step_run(pp, &s, master, grad, state, NARROW_NONE, NULL, n);
+  memcpy(param, master, n * sizeof(float));
 }
+
 
 /* ---- array helpers ------------------------------------------------------ */
-
-OPTIM_INLINE float bits_f32(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-OPTIM_INLINE uint32_t f32_bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-/* dtype.h's fp16 conversions branch per element (a normalising loop for
- * subnormals), which keeps the array loops scalar. These are the branch-free
- * forms torch itself uses (c10 fp16_ieee_to_fp32_value / _from_fp32_value);
- * they equal dtype.h's on every non-NaN input (NaN stays NaN, its payload may
- * differ) and no intermediate is a subnormal float, so FTZ/DAZ modes do not
- * change them. */
-OPTIM_INLINE float f16_to_f32(uint16_t h) {
-  uint32_t w = (uint32_t)h << 16;
-  uint32_t sign = w & 0x80000000u;
-  uint32_t two_w = w + w;
-  /* normals (and inf/NaN): rebias the exponent by 0xe0 then scale by 2^-112 */
-  float normal = bits_f32((two_w >> 4) + (0xe0u << 23)) * 0x1.0p-112f;
-  /* subnormals: the mantissa under the exponent of 0.5, minus 0.5 */
-  float denormal = bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
-  /* a mask, not ?:, so GCC does not sink either float op into a branch
-   * (it may not speculate a float op under -ftrapping-math) */
-  uint32_t is_den = 0u - (uint32_t)(two_w < (1u << 27));
-  uint32_t mag = (f32_bits(denormal) & is_den) | (f32_bits(normal) & ~is_den);
-  return bits_f32(sign | mag);
-}
-
-OPTIM_INLINE uint16_t f32_to_f16(float f) {
-  /* scaling by 2^112 then 2^-110 rounds away the bits fp16 cannot hold
-   * (overflowing to inf where fp16 would) */
-  float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
-  uint32_t w = f32_bits(f);
-  uint32_t shl1_w = w + w;
-  uint32_t sign = w & 0x80000000u;
-  uint32_t bias = shl1_w & 0xff000000u;
-  bias = bias < 0x71000000u ? 0x71000000u : bias;
-  base = bits_f32((bias >> 1) + 0x07800000u) + base;
-  uint32_t bits = f32_bits(base);
-  uint32_t exp_bits = (bits >> 13) & 0x7c00u;
-  uint32_t mantissa_bits = bits & 0x0fffu;
-  uint32_t nonsign = exp_bits + mantissa_bits;
-  uint32_t is_nan = 0u - (uint32_t)(shl1_w > 0xff000000u); /* mask: see above */
-  return (uint16_t)((sign >> 16) | (0x7e00u & is_nan) | (nonsign & ~is_nan));
-}
 
 /* Eight independent partial sums: a fixed summation order the compiler may
  * vectorize without reassociating (it may not reorder one running sum). The
@@ -472,16 +527,17 @@ OPTIM_INLINE void from_f32_run(shardd_dtype dtype, void *restrict dst,
 /* ---- instruction-set paths and their dispatch --------------------------- */
 
 #define OPTIM_PATH(sfx, attr)                                                 \
-  attr static void sgd_##sfx(int v, size_t n, float *restrict p,              \
+  attr static void sgd_##sfx(int v, int narrow, size_t n, float *restrict p,  \
                              const float *restrict g, float *restrict buf,    \
-                             sgd_k k) {                                       \
-    sgd_run(v, n, p, g, buf, k);                                              \
+                             uint16_t *restrict p16, sgd_k k) {               \
+    sgd_run(v, narrow, n, p, g, buf, p16, k);                                 \
   }                                                                           \
-  attr static void adam_##sfx(int variant, size_t n, float *restrict p,       \
-                              const float *restrict g, float *restrict m,     \
-                              float *restrict v, float *restrict vmax,        \
+  attr static void adam_##sfx(int variant, int narrow, size_t n,              \
+                              float *restrict p, const float *restrict g,     \
+                              float *restrict m, float *restrict v,           \
+                              float *restrict vmax, uint16_t *restrict p16,   \
                               adam_k k) {                                     \
-    adam_run(variant, n, p, g, m, v, vmax, k);                                \
+    adam_run(variant, narrow, n, p, g, m, v, vmax, p16, k);                   \
   }                                                                           \
   attr static double sumsq_##sfx(const float *restrict grad, size_t n) {      \
     return sumsq_run(grad, n);                                                \

@@ -64,10 +64,9 @@ void shardd__optim_update(const shardd__hp *hp, uint64_t step, float *param,
 
 /* shardd__optim_update on the fp32 master copy of a bf16/fp16 parameter,
  * then param (n elements of dtype) = master rounded as shardd__from_f32
- * does; the same bits as those two calls, but in blocks small enough that
- * the narrowing reads the master back from cache, and with the per-step
- * scalars computed once. dtype fp32 updates master and also copies it to
- * param. Same requirements as shardd__optim_update, and param overlaps no
+ * does; the same bits as those two calls, in one pass (each new value is
+ * narrowed in the update's loop, the master is not read back). dtype fp32
+ * updates master and then copies it to param. Same requirements as shardd__optim_update, and param overlaps no
  * other array. An unknown dtype or kind does nothing. */
 void shardd__optim_update_narrow(const shardd__hp *hp, uint64_t step,
                                  shardd_dtype dtype, void *param,
