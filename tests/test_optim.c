@@ -714,7 +714,10 @@ static void compare_sumsq(shardd__isa isa) {
         double want = shardd__sumsq_f32(g + off, n);
         cr_assert_eq(shardd__optim_use_isa(isa), SHARDD_OK);
         double got = shardd__sumsq_f32(g + off, n);
-        cr_assert(memcmp(&got, &want, sizeof got) == 0,
+        /* a NaN sum only comes from a NaN input; which of several NaNs
+         * survives is open, as in check_same (seen at -O1) */
+        cr_assert(memcmp(&got, &want, sizeof got) == 0 ||
+                      (isnan(got) && isnan(want)),
                   "%s sumsq rep %d off %zu n %zu: %a, scalar %a",
                   shardd__isa_name(isa), rep, off, n, got, want);
       }
