@@ -14,7 +14,8 @@
  * The element loops are instantiated once per flag combination (the flags,
  * the 16-bit narrowing included, are compile-time constants of an
  * always-inline body) so that each loop is branch-free and vectorizes, and
- * once more per instruction set (see struct optim_path). Adam's sqrtf vectorizes only without errno
+ * once more per instruction set (see struct optim_path). Adam's sqrtf
+ * vectorizes only without errno
  * (-fno-math-errno, set for this file in the Makefile): with errno GCC keeps
  * a libm call for negative inputs, which ours never are.
  */
