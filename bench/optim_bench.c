@@ -1,7 +1,7 @@
 /* optim_bench.c — optimizer step throughput: SGD with momentum, Adam and
  * AdamW on fp32 and bf16 parameters, both as the in-process kernel the
- * daemon runs (shardd__optim_update, plus the fp32 -> bf16 write-back that
- * backend_host's update does for a 16-bit parameter) and through the daemon
+ * daemon runs (backend_host's update: shardd__optim_update, plus the
+ * blocked fp32 -> bf16 write-back for a 16-bit parameter) and through the daemon
  * (shardd_step on a 1-rank job), against streaming-memory floors measured
  * in the same run on arrays of the same length.
  *
@@ -61,6 +61,7 @@ typedef struct {
   uint64_t step;
   char *block, *state; /* the two regions behind the arrays */
   shardd__region *rblock, *rstate;
+  size_t goff, state_offs[3]; /* of grad in block, of the states in state */
 } kstate;
 
 static size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
@@ -103,7 +104,9 @@ static void kernel_setup(kstate *s, const kind_desc *k, shardd_dtype dt,
   } else {
     s->p = (float *)s->block;
   }
+  s->goff = goff;
   for (int i = 0; i < k->nstate; i++) {
+    s->state_offs[i] = off + (size_t)i * arr;
     s->st[i] = (float *)(s->state + off + (size_t)i * arr);
     memset(s->st[i], 0, n * 4);
   }
@@ -113,14 +116,18 @@ static void kernel_setup(kstate *s, const kind_desc *k, shardd_dtype dt,
     shardd__from_f32(dt, s->p16, s->p, n);
 }
 
-/* One step as backend_host's update runs it: the fp32 update, then for a
- * 16-bit parameter the write-back from the fp32 master. */
+/* One step as the daemon runs it: backend_host's update, which for a
+ * 16-bit parameter updates the fp32 master and narrows it into the
+ * parameter block by block (so the narrowing reads the master from L1). */
 static double kernel_step(kstate *s) {
   double t0 = bench_now();
-  shardd__optim_update(&s->hp, s->step++, s->p, s->g, 1.0f, s->st, s->n);
-  if (s->p16)
-    shardd__from_f32(s->dt, s->p16, s->p, s->n);
-  return bench_now() - t0;
+  shardd_err rc = be->ops->update(be, &s->hp, s->step++, s->dt, s->rblock, 0,
+                                  s->p16 ? s->rstate : NULL, 0, s->rblock,
+                                  s->goff, 1.0f, s->rstate, s->state_offs, s->n);
+  double t = bench_now() - t0;
+  if (rc != SHARDD_OK)
+    bench_die("host update: %s", shardd_strerror(rc));
+  return t;
 }
 
 static void kernel_free(kstate *s) {
@@ -176,6 +183,49 @@ static void daemon_free(dstate *s) {
   if (shardd_optimizer_unregister(s->c, s->opt) != SHARDD_OK ||
       shardd_buffer_unregister(s->c, s->b.id) != SHARDD_OK)
     bench_die("unregister %s: %s", s->name, shardd_last_error(s->c));
+}
+
+/* The same kernel step on each instruction-set path this machine runs
+ * (shardd__optim_use_isa), AdamW fp32 and bf16 at n elements, each paired
+ * per repetition with the 1-thread floor as the main table is. The main
+ * table runs the path the dispatch picks. */
+typedef struct {
+  shardd__isa isa;
+  shardd_dtype dt;
+  double step_s, ratio_1t;
+} isa_row;
+
+static int isa_compare(size_t n, int reps, isa_row *rows) {
+  const kind_desc *k = &kinds[2];
+  float *fa3 = bench_floor_arrays(n);
+  float *A = fa3, *B = fa3 + n, *C = fa3 + 2 * n;
+  double *ts = calloc((size_t)reps, sizeof(double));
+  double *rs = calloc((size_t)reps, sizeof(double));
+  shardd__isa chosen = shardd__optim_isa();
+  int nr = 0;
+  for (int di = 0; di < 2; di++)
+    for (int i = 0; i < SHARDD__ISA_COUNT; i++) {
+      if (shardd__optim_use_isa((shardd__isa)i) != SHARDD_OK)
+        continue; /* not runnable here */
+      kstate ks;
+      kernel_setup(&ks, k, dtypes[di], n);
+      kernel_step(&ks);
+      for (int r = 0; r < reps; r++) {
+        ts[r] = kernel_step(&ks);
+        double fl = fmax(bench_floor_on(FLOOR_TRIAD, A, B, C, n, 1, 1),
+                         bench_floor_on(FLOOR_RMW, A, B, C, n, 1, 1));
+        rs[r] = bytes_per_elem(k, dtypes[di]) * (double)n / GB / ts[r] / fl;
+      }
+      kernel_free(&ks);
+      rows[nr++] = (isa_row){(shardd__isa)i, dtypes[di],
+                             bench_median(ts, (size_t)reps),
+                             bench_median(rs, (size_t)reps)};
+    }
+  shardd__optim_use_isa(chosen);
+  free(ts);
+  free(rs);
+  free(fa3);
+  return nr;
 }
 
 typedef struct {
@@ -262,6 +312,8 @@ int main(int argc, char **argv) {
   }
   shardd_close(c);
   bench_daemon_stop(&d);
+  isa_row irows[2 * SHARDD__ISA_COUNT];
+  int nirows = isa_compare(maxn, reps_of[nsizes - 1], irows);
   be->ops->destroy(be);
 
   char cpu[256];
@@ -331,9 +383,26 @@ int main(int argc, char **argv) {
           first = 0;
         }
       }
-  printf("(kernel = shardd__optim_update in this process; daemon = shardd_step, 1 rank,\n"
+  printf("(kernel = the host backend's update in this process; daemon = shardd_step, 1 rank,\n"
          " including the round trip; floor = max(triad, in-place) at the same length,\n"
          " measured between steps; /floor = median of the per-repetition ratios)\n");
+  fprintf(f, "\n  ]");
+  printf("\nAdamW kernel per instruction-set path, %zuM elements (dispatch picks %s):\n",
+         maxn >> 20, shardd__isa_name(shardd__optim_isa()));
+  printf("%-8s %4s | %8s %7s %6s\n", "path", "type", "Melem/s", "GB/s", "1 thr");
+  fprintf(f, ",\n  \"isa_chosen\": \"%s\",\n  \"isa_rows\": [",
+          shardd__isa_name(shardd__optim_isa()));
+  for (int i = 0; i < nirows; i++) {
+    double el = (double)maxn / irows[i].step_s;
+    double gb = el * bytes_per_elem(&kinds[2], irows[i].dt) / GB;
+    printf("%-8s %4s | %8.1f %7.2f %5.2fx\n", shardd__isa_name(irows[i].isa),
+           shardd_dtype_name(irows[i].dt), el / 1e6, gb, irows[i].ratio_1t);
+    fprintf(f, "%s\n    {\"optimizer\": \"adamw\", \"isa\": \"%s\", \"dtype\": \"%s\", "
+               "\"numel\": %zu, \"step_s\": %.6g, \"effective_GBps\": %.4g, "
+               "\"ratio_floor_1t\": %.4f}",
+            i ? "," : "", shardd__isa_name(irows[i].isa), shardd_dtype_name(irows[i].dt),
+            maxn, irows[i].step_s, gb, irows[i].ratio_1t);
+  }
   fprintf(f, "\n  ]");
   bench_json_close(f, "optim");
   return 0;

@@ -266,20 +266,10 @@ static shardd_err host_update(shardd__backend *b, const shardd__hp *hp,
     shardd__optim_update(hp, step, p, g, grad_scale, st, n);
     return SHARDD_OK;
   }
-  /* 16-bit params: update the fp32 master and narrow it block by block, so
-   * the narrowing reads the master from L1 instead of streaming it from
-   * memory a second time. The update is elementwise, so blocks give the
-   * same bits as one pass. */
+  /* 16-bit params: the fp32 master is updated and narrowed into param block
+   * by block (see shardd__optim_update_narrow). */
   float *m = (float *)((char *)master->ptr + master_off);
-  const size_t blk = 2048;
-  size_t esz = shardd_dtype_size(dtype);
-  for (size_t i = 0; i < n; i += blk) {
-    size_t len = n - i < blk ? n - i : blk;
-    float *sti[3] = {st[0] ? st[0] + i : NULL, st[1] ? st[1] + i : NULL,
-                     st[2] ? st[2] + i : NULL};
-    shardd__optim_update(hp, step, m + i, g + i, grad_scale, sti, len);
-    shardd__from_f32(dtype, (char *)p + i * esz, m + i, len);
-  }
+  shardd__optim_update_narrow(hp, step, dtype, p, m, g, grad_scale, st, n);
   return SHARDD_OK;
 }
 

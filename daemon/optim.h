@@ -62,6 +62,18 @@ void shardd__optim_update(const shardd__hp *hp, uint64_t step, float *param,
                           const float *grad, float grad_scale,
                           float *const *state, size_t n);
 
+/* shardd__optim_update on the fp32 master copy of a bf16/fp16 parameter,
+ * then param (n elements of dtype) = master rounded as shardd__from_f32
+ * does; the same bits as those two calls, in one pass (each new value is
+ * narrowed in the update's loop, the master is not read back). dtype fp32
+ * updates master and then copies it to param. Same requirements as shardd__optim_update, and param overlaps no
+ * other array. An unknown dtype or kind does nothing. */
+void shardd__optim_update_narrow(const shardd__hp *hp, uint64_t step,
+                                 shardd_dtype dtype, void *param,
+                                 float *master, const float *grad,
+                                 float grad_scale, float *const *state,
+                                 size_t n);
+
 /* Sum of squares of grad[0..n), accumulated in double. */
 double shardd__sumsq_f32(const float *grad, size_t n);
 
@@ -71,5 +83,30 @@ double shardd__sumsq_f32(const float *grad, size_t n);
 void shardd__to_f32(shardd_dtype dtype, float *dst, const void *src, size_t n);
 void shardd__from_f32(shardd_dtype dtype, void *dst, const float *src,
                       size_t n);
+
+/* The instruction-set paths of the kernels above (shardd__optim_update, the
+ * conversions and sumsq). Every path gives the bits SHARDD__ISA_SCALAR, the
+ * portable build, gives; the wider ones are only faster. */
+typedef enum {
+  SHARDD__ISA_SCALAR = 0, /* the build's baseline ISA (SSE2 on x86-64) */
+  SHARDD__ISA_AVX2 = 1,
+  SHARDD__ISA_AVX512 = 2, /* F, BW, DQ, VL */
+  SHARDD__ISA_COUNT
+} shardd__isa;
+
+/* "scalar", "avx2", "avx512"; "unknown" for anything else. */
+const char *shardd__isa_name(shardd__isa isa);
+
+/* Whether this build has the path and this CPU (and OS) can run it. */
+int shardd__isa_runnable(shardd__isa isa);
+
+/* The path the kernels use: the widest runnable one, chosen on first use,
+ * unless shardd__optim_use_isa() chose another. */
+shardd__isa shardd__optim_isa(void);
+
+/* Makes every later kernel call, in every thread, use isa (for tests and
+ * benches, which compare the paths). SHARDD_E_INVAL when isa is not
+ * runnable here; the path in use is then unchanged. */
+shardd_err shardd__optim_use_isa(shardd__isa isa);
 
 #endif /* SHARDD_OPTIM_H */

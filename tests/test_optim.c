@@ -463,3 +463,380 @@ Test(optim, conversions_match_dtype_h) {
       cr_assert_eq(u32(f[i]), u32(want), "fp32 of fp16 0x%04zx", i);
   }
 }
+
+/* ---- instruction-set paths ---------------------------------------------- */
+
+/* Every path must give the scalar path's bits on every input: these run the
+ * same arrays through SHARDD__ISA_SCALAR and the path under test and compare
+ * with memcmp (NaN payloads included). A path this machine cannot run is
+ * skipped, not passed. */
+
+static uint64_t rng_state;
+
+static uint32_t rng32(void) {
+  /* xorshift64*: a fixed sequence, so a failure reproduces */
+  rng_state ^= rng_state >> 12;
+  rng_state ^= rng_state << 25;
+  rng_state ^= rng_state >> 27;
+  return (uint32_t)((rng_state * 0x2545F4914F6CDD1DULL) >> 32);
+}
+
+static float rng_uniform(float lo, float hi) {
+  return lo + (hi - lo) * (float)(rng32() >> 8) * 0x1.0p-24f;
+}
+
+/* The input classes: NaNs (quiet and signalling, both signs, payloads),
+ * infinities, signed zeros, subnormals, the float extremes, and values
+ * whose bf16 or fp16 rounding is an exact tie (to even, either way) or
+ * lands on fp16's overflow or subnormal edges. */
+static const uint32_t special_bits[] = {
+    0x7fc00000u, 0xffc00000u, 0x7fc12345u, 0xff812345u, 0x7f800001u,
+    0xff800001u, 0x7fbfffffu, 0x7f800000u, 0xff800000u, 0x00000000u,
+    0x80000000u, 0x00000001u, 0x80000001u, 0x007fffffu, 0x807fffffu,
+    0x00400000u, 0x00800000u, 0x80800000u, 0x7f7fffffu, 0xff7fffffu,
+    0x3f808000u, 0x3f818000u, 0xbf808000u, 0x3f807fffu, 0x3f808001u,
+    0x7f7f8000u, 0x00008000u, 0x00018000u, 0x3f801000u, 0x3f803000u,
+    0x477ff000u, 0x477fefffu, 0xc77ff000u, 0x477fe000u, 0x33000000u,
+    0x33400000u, 0x33c00000u, 0x387fc000u, 0x38800000u, 0x337fffffu,
+};
+#define NSPECIAL (sizeof special_bits / sizeof special_bits[0])
+
+/* Mostly ordinary values of magnitude ~scale, one in four from the classes
+ * above, one in sixteen random bits. */
+static void fill_mixed(float *a, size_t n, float scale, int nonneg) {
+  for (size_t i = 0; i < n; i++) {
+    uint32_t r = rng32() & 15;
+    if (r < 4)
+      a[i] = f32(special_bits[rng32() % NSPECIAL]);
+    else if (r == 4)
+      a[i] = f32(rng32());
+    else
+      a[i] = rng_uniform(nonneg ? 0.0f : -scale, scale);
+  }
+}
+
+static void use_isa_or_skip(shardd__isa isa) {
+  if (!shardd__isa_runnable(isa))
+    cr_skip_test("this build or CPU cannot run the %s path",
+                 shardd__isa_name(isa));
+  cr_assert_eq(shardd__optim_use_isa(isa), SHARDD_OK);
+}
+
+#define PN 1031 /* not a multiple of any vector width: epilogues run */
+
+typedef struct {
+  float p[PN], g[PN], st[3][PN];
+} optim_arrays;
+
+/* Whether element i of a step's inputs holds a NaN or an infinity. */
+static int nonfinite_input(const optim_arrays *in, size_t i) {
+  if (!isfinite(in->p[i]) || !isfinite(in->g[i]))
+    return 1;
+  for (int s = 0; s < 3; s++)
+    if (!isfinite(in->st[s][i]))
+      return 1;
+  return 0;
+}
+
+/* got must equal want bit for bit, with one exception IEEE 754 leaves open:
+ * where an element's inputs hold a NaN or an infinity, two NaNs (given, or
+ * made from inf - inf) can meet in one operation, and which one comes out
+ * depends on the operand order the compiler picked for that commutative
+ * operation, so both results must be NaN but their payloads may differ.
+ * The scalar path already does this to itself: Adam with p = a qNaN and
+ * g = an sNaN gives p's payload in its SSE2 loop body and g's in its scalar
+ * epilogue. */
+static void check_same(shardd__isa isa, const char *what, uint64_t step,
+                       int s, const float *got, const float *want,
+                       const optim_arrays *in) {
+  for (size_t i = 0; i < PN; i++) {
+    if (u32(got[i]) == u32(want[i]))
+      continue;
+    int nan_pair = isnan(got[i]) && isnan(want[i]) && nonfinite_input(in, i);
+    cr_assert(nan_pair,
+              "%s %s step %d %s%d[%zu]: 0x%08x, scalar 0x%08x (%g)",
+              shardd__isa_name(isa), what, (int)step,
+              s < 0 ? "param" : "state", s, i, u32(got[i]), u32(want[i]),
+              (double)want[i]);
+  }
+}
+
+/* Three steps of hp on the same arrays, over [off, off + n), through the
+ * scalar path and through isa; every array compared after each step. */
+static void compare_steps(shardd__isa isa, const shardd__hp *hp, size_t off,
+                          size_t n, const char *what) {
+  static optim_arrays ref, got;
+  int ns = shardd__optim_state_count(hp);
+  fill_mixed(ref.p, PN, 1.0f, 0);
+  for (int s = 0; s < 3; s++)
+    fill_mixed(ref.st[s], PN, 1e-2f, s > 0);
+  got = ref;
+  static optim_arrays in; /* the inputs of the step being compared */
+  in = ref;
+  static const float scales[3] = {1.0f, 0.5f, 3.0f};
+  for (uint64_t step = 1; step <= 3; step++) {
+    fill_mixed(ref.g, PN, 1e-2f, 0);
+    memcpy(got.g, ref.g, sizeof ref.g);
+    memcpy(in.g, ref.g, sizeof ref.g);
+    float *rs[3] = {ref.st[0] + off, ref.st[1] + off, ref.st[2] + off};
+    float *gs[3] = {got.st[0] + off, got.st[1] + off, got.st[2] + off};
+    cr_assert_eq(shardd__optim_use_isa(SHARDD__ISA_SCALAR), SHARDD_OK);
+    shardd__optim_update(hp, step, ref.p + off, ref.g + off,
+                         scales[step - 1], rs, n);
+    cr_assert_eq(shardd__optim_use_isa(isa), SHARDD_OK);
+    shardd__optim_update(hp, step, got.p + off, got.g + off,
+                         scales[step - 1], gs, n);
+    check_same(isa, what, step, -1, got.p, ref.p, &in);
+    for (int s = 0; s < ns; s++)
+      check_same(isa, what, step, s, got.st[s], ref.st[s], &in);
+    in = ref;
+  }
+}
+
+static void compare_all_optimizers(shardd__isa isa) {
+  use_isa_or_skip(isa);
+  rng_state = 0x9e3779b97f4a7c15ULL + (uint64_t)isa;
+  /* momentum, dampening, weight_decay, nesterov */
+  static const double sgd[][4] = {
+      {0, 0, 0, 0},    {0, 0, 1e-2, 0},    {0.9, 0, 0, 0},
+      {0.9, 0.1, 1e-2, 0}, {0.9, 0, 0, 1}, {0.9, 0, 1e-2, 1},
+  };
+  char what[128];
+  for (int maximize = 0; maximize <= 1; maximize++) {
+    for (size_t c = 0; c < sizeof sgd / sizeof sgd[0]; c++) {
+      shardd__hp hp;
+      shardd__hp_defaults(SHARDD_OPTIM_SGD, &hp);
+      hp.lr = 0.1;
+      hp.momentum = sgd[c][0];
+      hp.dampening = sgd[c][1];
+      hp.weight_decay = sgd[c][2];
+      hp.nesterov = (int)sgd[c][3];
+      hp.maximize = maximize;
+      cr_assert_eq(shardd__hp_check(&hp, NULL, 0), SHARDD_OK);
+      snprintf(what, sizeof what, "sgd m=%g d=%g wd=%g nesterov=%d max=%d",
+               hp.momentum, hp.dampening, hp.weight_decay, hp.nesterov,
+               maximize);
+      compare_steps(isa, &hp, 0, PN, what);
+      compare_steps(isa, &hp, 3, PN - 7, what); /* unaligned starts */
+    }
+    static const shardd_optim_kind adam[] = {SHARDD_OPTIM_ADAM,
+                                             SHARDD_OPTIM_ADAMW};
+    for (int a = 0; a < 2; a++)
+      for (int wd = 0; wd <= 1; wd++)
+        for (int ams = 0; ams <= 1; ams++) {
+          shardd__hp hp;
+          shardd__hp_defaults(adam[a], &hp);
+          hp.lr = 1e-2;
+          hp.weight_decay = wd ? 0.1 : 0.0;
+          hp.amsgrad = ams;
+          hp.maximize = maximize;
+          snprintf(what, sizeof what, "%s wd=%g amsgrad=%d max=%d",
+                   a ? "adamw" : "adam", hp.weight_decay, ams, maximize);
+          compare_steps(isa, &hp, 0, PN, what);
+          compare_steps(isa, &hp, 3, PN - 7, what);
+        }
+  }
+}
+
+/* Widening every 16-bit pattern; narrowing every float whose low bits make
+ * a bf16 tie, or an fp16 tie or its neighbours (all exponents and signs, so
+ * subnormal, overflow and NaN edges too), then random floats. */
+static void compare_conversions(shardd__isa isa) {
+  use_isa_or_skip(isa);
+  static const shardd_dtype dts[] = {SHARDD_DTYPE_FP32, SHARDD_DTYPE_BF16,
+                                     SHARDD_DTYPE_FP16};
+  size_t n16 = 65536 + 5;
+  uint16_t *h = malloc(n16 * 2);
+  float *w[2] = {malloc(n16 * 4), malloc(n16 * 4)};
+  cr_assert(h && w[0] && w[1]);
+  for (size_t i = 0; i < n16; i++)
+    h[i] = (uint16_t)i;
+  for (int d = 1; d < 3; d++) {
+    for (int k = 0; k < 2; k++) {
+      cr_assert_eq(shardd__optim_use_isa(k ? isa : SHARDD__ISA_SCALAR),
+                   SHARDD_OK);
+      shardd__to_f32(dts[d], w[k], h, n16);
+    }
+    cr_assert_arr_eq(w[1], w[0], n16 * 4, "%s widening %s",
+                     shardd__isa_name(isa), shardd_dtype_name(dts[d]));
+  }
+  static const uint32_t bf16_low[] = {0x0000, 0x0001, 0x7fff, 0x8000,
+                                      0x8001, 0xffff};
+  static const uint32_t fp16_low[] = {0x0000, 0x0fff, 0x1000, 0x1001};
+  size_t nb = 65536 * 6, nh = ((size_t)1 << 19) * 4, nr = (size_t)1 << 18;
+  size_t nf = nb + nh + nr;
+  float *f = malloc(nf * 4);
+  uint32_t *out[2] = {malloc(nf * 4), malloc(nf * 4)};
+  cr_assert(f && out[0] && out[1]);
+  size_t j = 0;
+  for (uint32_t hi = 0; hi < 65536; hi++)
+    for (size_t l = 0; l < 6; l++)
+      f[j++] = f32(hi << 16 | bf16_low[l]);
+  for (uint32_t hi = 0; hi < (1u << 19); hi++)
+    for (size_t l = 0; l < 4; l++)
+      f[j++] = f32(hi << 13 | fp16_low[l]);
+  rng_state = 0x243f6a8885a308d3ULL;
+  while (j < nf)
+    f[j++] = f32(rng32());
+  for (int d = 0; d < 3; d++) {
+    size_t esz = shardd_dtype_size(dts[d]);
+    for (int k = 0; k < 2; k++) {
+      cr_assert_eq(shardd__optim_use_isa(k ? isa : SHARDD__ISA_SCALAR),
+                   SHARDD_OK);
+      memset(out[k], 0xa5, nf * 4);
+      /* an odd start and length, so peeled and epilogue elements run */
+      shardd__from_f32(dts[d], (char *)out[k] + esz, f + 1, nf - 2);
+    }
+    cr_assert_arr_eq(out[1], out[0], nf * 4, "%s narrowing to %s",
+                     shardd__isa_name(isa), shardd_dtype_name(dts[d]));
+  }
+  free(f);
+  free(out[0]);
+  free(out[1]);
+  free(h);
+  free(w[0]);
+  free(w[1]);
+}
+
+static void compare_sumsq(shardd__isa isa) {
+  use_isa_or_skip(isa);
+  static float g[PN];
+  rng_state = 0x13198a2e03707344ULL;
+  for (int rep = 0; rep < 4; rep++) {
+    /* rep 0 ordinary values only; later ones add every class above */
+    for (size_t i = 0; i < PN; i++)
+      g[i] = rng_uniform(-1e-2f, 1e-2f);
+    if (rep > 0)
+      fill_mixed(g, PN, 1e-2f, 0);
+    for (size_t off = 0; off < 9; off++)
+      for (size_t n = 0; n + off <= PN; n += n < 40 ? 1 : 97) {
+        cr_assert_eq(shardd__optim_use_isa(SHARDD__ISA_SCALAR), SHARDD_OK);
+        double want = shardd__sumsq_f32(g + off, n);
+        cr_assert_eq(shardd__optim_use_isa(isa), SHARDD_OK);
+        double got = shardd__sumsq_f32(g + off, n);
+        /* a NaN sum only comes from a NaN input; which of several NaNs
+         * survives is open, as in check_same (seen at -O1) */
+        cr_assert(memcmp(&got, &want, sizeof got) == 0 ||
+                      (isnan(got) && isnan(want)),
+                  "%s sumsq rep %d off %zu n %zu: %a, scalar %a",
+                  shardd__isa_name(isa), rep, off, n, got, want);
+      }
+  }
+}
+
+#define NN (2 * 2048 + 45) /* blocks of shardd__optim_update_narrow, and a tail */
+
+typedef struct {
+  float p[NN], g[NN], st[3][NN];
+  uint32_t p16[NN]; /* the parameter, room for any dtype */
+} narrow_arrays;
+
+/* shardd__optim_update_narrow on isa against shardd__optim_update then
+ * shardd__from_f32 on the scalar path, over 3 steps: the master and state
+ * as check_same compares them, the 16-bit parameter as exactly the
+ * narrowing of the master it came with. */
+static void compare_narrow(shardd__isa isa) {
+  use_isa_or_skip(isa);
+  rng_state = 0xa4093822299f31d0ULL + (uint64_t)isa;
+  static narrow_arrays ref, got, in;
+  static uint32_t want16[NN];
+  static const shardd_dtype dts[] = {SHARDD_DTYPE_BF16, SHARDD_DTYPE_FP16,
+                                     SHARDD_DTYPE_FP32};
+  static const shardd_optim_kind kinds_[] = {SHARDD_OPTIM_SGD,
+                                             SHARDD_OPTIM_ADAMW};
+  for (int d = 0; d < 3; d++)
+    for (int kk = 0; kk < 2; kk++) {
+      shardd__hp hp;
+      shardd__hp_defaults(kinds_[kk], &hp);
+      hp.momentum = kk ? 0 : 0.9;
+      hp.amsgrad = kk;
+      hp.weight_decay = 1e-2;
+      int ns = shardd__optim_state_count(&hp);
+      fill_mixed(ref.p, NN, 1.0f, 0);
+      for (int s = 0; s < 3; s++)
+        fill_mixed(ref.st[s], NN, 1e-2f, s > 0);
+      memset(ref.p16, 0, sizeof ref.p16);
+      got = ref;
+      for (uint64_t step = 1; step <= 3; step++) {
+        fill_mixed(ref.g, NN, 1e-2f, 0);
+        memcpy(got.g, ref.g, sizeof ref.g);
+        in = ref;
+        size_t off = step - 1, n = NN - 2 * off; /* starts 0, 1, 2 */
+        float *rs[3] = {ref.st[0] + off, ref.st[1] + off, ref.st[2] + off};
+        float *gs[3] = {got.st[0] + off, got.st[1] + off, got.st[2] + off};
+        size_t esz = shardd_dtype_size(dts[d]);
+        cr_assert_eq(shardd__optim_use_isa(SHARDD__ISA_SCALAR), SHARDD_OK);
+        shardd__optim_update(&hp, step, ref.p + off, ref.g + off, 0.5f, rs, n);
+        cr_assert_eq(shardd__optim_use_isa(isa), SHARDD_OK);
+        shardd__optim_update_narrow(&hp, step, dts[d],
+                                    (char *)got.p16 + off * esz, got.p + off,
+                                    got.g + off, 0.5f, gs, n);
+        cr_assert_eq(shardd__optim_use_isa(SHARDD__ISA_SCALAR), SHARDD_OK);
+        memcpy(want16, got.p16, sizeof want16); /* outside the window */
+        shardd__from_f32(dts[d], (char *)want16 + off * esz, got.p + off, n);
+        cr_assert_arr_eq(got.p16, want16, sizeof want16,
+                         "%s narrow %s kind %d step %d: param is not the "
+                         "narrowed master", shardd__isa_name(isa),
+                         shardd_dtype_name(dts[d]), (int)kinds_[kk], (int)step);
+        /* check_same's inputs are optim_arrays of PN elements: compare the
+         * NN elements in windows of PN */
+        for (size_t w = 0; w < NN; w += PN) {
+          static optim_arrays wi;
+          size_t len = NN - w < PN ? NN - w : PN;
+          memset(&wi, 0, sizeof wi);
+          memcpy(wi.p, in.p + w, len * 4);
+          memcpy(wi.g, in.g + w, len * 4);
+          for (int s = 0; s < 3; s++)
+            memcpy(wi.st[s], in.st[s] + w, len * 4);
+          static float gw[PN], rw[PN];
+          memset(gw, 0, sizeof gw);
+          memset(rw, 0, sizeof rw);
+          memcpy(gw, got.p + w, len * 4);
+          memcpy(rw, ref.p + w, len * 4);
+          check_same(isa, "narrow", step, -1, gw, rw, &wi);
+          for (int s = 0; s < ns; s++) {
+            memcpy(gw, got.st[s] + w, len * 4);
+            memcpy(rw, ref.st[s] + w, len * 4);
+            check_same(isa, "narrow", step, s, gw, rw, &wi);
+          }
+        }
+      }
+    }
+}
+
+Test(optim_isa, scalar_narrow_matches_update) {
+  compare_narrow(SHARDD__ISA_SCALAR);
+}
+
+#define ISA_TESTS(name, isa)                                                  \
+  Test(optim_isa, name##_optimizers_match_scalar) {                           \
+    compare_all_optimizers(isa);                                              \
+  }                                                                           \
+  Test(optim_isa, name##_conversions_match_scalar) {                          \
+    compare_conversions(isa);                                                 \
+  }                                                                           \
+  Test(optim_isa, name##_sumsq_matches_scalar) { compare_sumsq(isa); }     \
+  Test(optim_isa, name##_narrow_matches_scalar) { compare_narrow(isa); }
+
+ISA_TESTS(avx2, SHARDD__ISA_AVX2)
+ISA_TESTS(avx512, SHARDD__ISA_AVX512)
+
+Test(optim_isa, dispatch_picks_widest_runnable) {
+  cr_assert(shardd__isa_runnable(SHARDD__ISA_SCALAR));
+  shardd__isa best = SHARDD__ISA_SCALAR;
+  for (int i = 0; i < SHARDD__ISA_COUNT; i++)
+    if (shardd__isa_runnable((shardd__isa)i))
+      best = (shardd__isa)i;
+  cr_assert_eq(shardd__optim_isa(), best, "in use %s, widest %s",
+               shardd__isa_name(shardd__optim_isa()), shardd__isa_name(best));
+  cr_assert_eq(shardd__optim_use_isa(SHARDD__ISA_COUNT), SHARDD_E_INVAL);
+  cr_assert_eq(shardd__optim_use_isa((shardd__isa)-1), SHARDD_E_INVAL);
+  cr_assert_eq(shardd__optim_isa(), best);
+  for (int i = 0; i < SHARDD__ISA_COUNT; i++)
+    if (!shardd__isa_runnable((shardd__isa)i))
+      cr_assert_eq(shardd__optim_use_isa((shardd__isa)i), SHARDD_E_INVAL);
+  cr_assert_eq(shardd__optim_use_isa(SHARDD__ISA_SCALAR), SHARDD_OK);
+  cr_assert_eq(shardd__optim_isa(), SHARDD__ISA_SCALAR);
+  cr_assert_str_eq(shardd__isa_name(SHARDD__ISA_AVX512), "avx512");
+  cr_assert_str_eq(shardd__isa_name(SHARDD__ISA_COUNT), "unknown");
+}
