@@ -36,6 +36,9 @@ else
   rm -f "$BENCH_RESULTS/torch_optim.json"
 fi
 "$BUILD/bench/registry_bench"
+if [ -n "$PY" ] && "$PY" -c 'import torch' 2>/dev/null; then
+  SHARDD_BIN="$BUILD/shardd" SHARDD_LIB="$BUILD/libshardd.so" "$PY" bench/fsdp_bench.py
+fi
 if [ -n "$PY" ]; then
   "$PY" bench/summary.py "$BENCH_RESULTS"
 fi

@@ -163,7 +163,7 @@ def rank_main(rank, world, sock, job, name, auto_wrap, transient, q, steps, accu
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         if rank == 0:
             q.put(("params", rank, {n: t.numpy().copy() for n, t in params.items()},
-                   [(u.name, u.buffer.numel) for u in sm.units], shapes))
+                   [(u.name, u.buffer.numel) for u in sm.units], shapes, sm.prefetches))
         client.close()
         q.put(("done", rank))
     except BaseException as e:
@@ -213,6 +213,7 @@ def run(sock, name, world, auto_wrap="children", transient=True, timeout=120,
                     out["used"][s] = got
             elif msg[0] == "params":
                 out["params"], out["units"], out["shapes"] = msg[2], msg[3], msg[4]
+                out["prefetches"] = msg[5]
             elif msg[0] == "done":
                 done.add(msg[1])
             elif msg[0] == "error":
@@ -288,6 +289,9 @@ class FSDPTest(unittest.TestCase):
             np.testing.assert_array_equal(res["params"][n], v, err_msg=n)
         # while the ranks ran, the parameters were empty between uses
         self.assertTrue(all(s == (0,) for s in res["shapes"].values()), res["shapes"])
+        # after the first forward learned the order, each unit's gather but
+        # the first was under way while the one before it computed
+        self.assertEqual(res["prefetches"], (STEPS - 1) * 15)
         P = sum(n for _, n in res["units"])
         U = max(n for _, n in res["units"])
         W = 4

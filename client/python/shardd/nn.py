@@ -109,8 +109,10 @@ A rank holds at most 2 gather and 2 gradient areas at once: the hooks keep
 to that for a chain of units (one unit in backward at a time, plus the root
 unit). ``gather()``, ``scatter()`` and ``sync_grads()`` are for resident
 clients only (E_STATE here); :meth:`ShardedModule.full_parameters` copies
-out the whole parameters on either kind. Not done yet: prefetching the next
-unit, ``no_sync()`` (keeping unsharded gradients instead of reducing per
+out the whole parameters on either kind. From the second forward on, the
+next unit's gather (in the first forward's order) runs while a unit
+computes, when the rank's 2 gather leases allow (``prefetch=``). Not done
+yet: backward prefetch, ``no_sync()`` (keeping unsharded gradients instead of reducing per
 backward: here the reduction is a local memory pass), activation
 checkpointing (a forward inside
 backward), and a forward that raises (the saved-tensor hooks stay pushed
@@ -299,10 +301,13 @@ class ShardedModule:
       optimizer state stays). "require_existing": refuse a new buffer
       (E_STATE), for a resume that must not start from scratch. Every rank
       passes the same.
+    prefetch: transient areas: while a unit's forward runs, the next unit's
+      gather (in the order the first forward met them) is already under way
+      (FSDP's forward_prefetch), when the rank's 2 gather leases allow it.
     """
 
     def __init__(self, client, module, auto_wrap="module", prefix="", dtype=None,
-                 initial_gather=True, reduce_op="mean", init="auto"):
+                 initial_gather=True, reduce_op="mean", init="auto", prefetch=True):
         if init not in INIT_POLICIES:
             raise ValueError("init %r: one of %s" % (init, ", ".join(INIT_POLICIES)))
         if reduce_op not in shardd.REDUCE_OPS:
@@ -400,6 +405,11 @@ class ShardedModule:
                     if b is not None and b.device != dev:
                         m._buffers[k] = b.to(dev)
         self._optims = []         # daemon optimizers registered through us
+        self.prefetch = bool(prefetch)
+        self._order = []          # units in the order the first forward met them
+        self._order_done = False
+        self._pending = None      # (unit, ticket) of the gather under way
+        self.prefetches = 0       # gathers that were under way when needed
         self._sth = None          # the saved-tensor hooks pushed for a forward
         self._final_queued = False
         if self.transient:
@@ -552,12 +562,42 @@ class ShardedModule:
 
     def _root_pre_forward(self, module, inputs):
         self._pop_saved_hooks()  # a forward that raised left them pushed
+        if self._pending is not None:  # likewise
+            self._drop_prefetch()
         if torch.is_grad_enabled():
             self._sth = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._sth.__enter__()
 
     def _root_post_forward(self, module, inputs, output):
         self._pop_saved_hooks()
+        if self._pending is not None:  # this forward did not reach that unit
+            self._drop_prefetch()
+        self._order_done = True
+
+    # -- forward prefetch (FSDP's forward_prefetch, limit_all_gathers) ------
+    _GATHER_LEASES = 2  # the daemon's default gather leases per rank
+
+    def _prefetch_after(self, u):
+        """Starts the next unit's gather while u's forward runs."""
+        if not self.prefetch or not self._order_done or self._pending is not None:
+            return
+        try:
+            i = self._order.index(u)
+        except ValueError:
+            return
+        if i + 1 >= len(self._order):
+            return
+        nxt = self._order[i + 1]
+        held = sum(1 for v in self.units if v.gather is not None)
+        if nxt.gather is not None or held >= self._GATHER_LEASES:
+            return
+        self._pending = (nxt, self.client.gather_async(nxt.buffer))
+
+    def _drop_prefetch(self):
+        nxt, ticket = self._pending
+        self._pending = None
+        self.client.wait_area(ticket, nxt.buffer)
+        self.client.release(nxt.buffer)
 
     def _point(self, u, with_grad):
         """Every parameter of u a view of u's gather area (and its .grad of
@@ -587,11 +627,22 @@ class ShardedModule:
         self.client.release(u.buffer)
 
     def _pre_forward(self, u, module, inputs):
-        # a gather of an area this rank holds (the root unit, a module
-        # called twice) keeps it and gathers again
-        u.gather, _ = self.client.gather_area(u.buffer)
+        if not self._order_done and u not in self._order:
+            self._order.append(u)
+        pend = self._pending
+        if pend is not None and pend[0] is u:
+            self._pending = None
+            u.gather, _ = self.client.wait_area(pend[1], u.buffer)
+            self.prefetches += 1
+        else:
+            if pend is not None:  # the order changed: not this one
+                self._drop_prefetch()
+            # a gather of an area this rank holds (the root unit, a module
+            # called twice) keeps it and gathers again
+            u.gather, _ = self.client.gather_area(u.buffer)
         u.state = "forward"
         self._point(u, False)
+        self._prefetch_after(u)
 
     def _post_forward(self, u, module, inputs, output):
         if torch.is_grad_enabled():
