@@ -4,6 +4,7 @@ scattering and releasing each unit. Ranks are processes (forkserver) of one
 job on the host backend, each with its slice of the global batch and mean
 reduction, against one process of plain torch.optim.AdamW on the full
 batch; and the daemon's peak bytes against FSDP's bound 16*P + 16*U*W."""
+import contextlib
 import multiprocessing as mp
 import queue
 import time
@@ -143,8 +144,11 @@ def rank_main(rank, world, sock, job, name, auto_wrap, transient, q, steps, accu
                 mb = per // accum
                 for k in range(accum):
                     a, b = lo + k * mb, lo + (k + 1) * mb
-                    part = nn.functional.mse_loss(model(x[s, a:b]), y[s, a:b]) / accum
-                    part.backward()
+                    # FSDP scripts put every backward but the last in no_sync()
+                    ctx = sm.no_sync() if k + 1 < accum else contextlib.nullcontext()
+                    with ctx:
+                        part = nn.functional.mse_loss(model(x[s, a:b]), y[s, a:b]) / accum
+                        part.backward()
                     loss += part.detach()
             else:  # the explicit loop of resident areas
                 sm.gather()

@@ -112,8 +112,8 @@ clients only (E_STATE here); :meth:`ShardedModule.full_parameters` copies
 out the whole parameters on either kind. From the second forward on, the
 next unit's gather (in the first forward's order) runs while a unit
 computes, when the rank's 2 gather leases allow (``prefetch=``). Not done
-yet: backward prefetch, ``no_sync()`` (keeping unsharded gradients instead of reducing per
-backward: here the reduction is a local memory pass), activation
+yet: backward prefetch, an unsharded ``no_sync()`` (:meth:`no_sync` is
+accepted and accumulates in the sharded gradient), activation
 checkpointing (a forward inside
 backward), and a forward that raises (the saved-tensor hooks stay pushed
 until the next forward of the root). A unit with a trainable parameter that
@@ -129,6 +129,7 @@ caller's to move). The client waits for the queued GPU work
 requests, so the daemon reads finished gradients and shards and overwrites
 no parameter a kernel still reads.
 """
+import contextlib
 import functools
 import math
 import weakref
@@ -798,6 +799,18 @@ class ShardedModule:
         if all(o.id != opt.id for o in self._optims):
             self._optims.append(opt)
         return opt
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """FSDP's no_sync(), for scripts that accumulate gradients with it:
+        backwards inside it and the synced one after all add up before the
+        step, as in torch. Here nothing is skipped: on transient clients
+        each backward's reduce-scatter adds into the sharded reduced
+        gradient (memory stays at the bound, where FSDP's no_sync keeps
+        unsharded gradients), and on one node that reduction is a local
+        memory pass, not communication; on resident ones autograd adds into
+        the grad areas and the explicit scatter() comes after."""
+        yield
 
     def checkpoint(self, directory):
         """A daemon checkpoint of the job (collective: every rank calls it,
