@@ -626,7 +626,9 @@ static void start_phase(coll *c) {
     c->step = c->opt->steps + (c->args.norm_only ? 0 : 1);
     /* a clip since the last step scales this one's gradients */
     c->grad_scale = c->opt->clip_pending ? c->opt->clip_scale : 1.0f;
-    if (!(c->args.max_norm > 0) && !c->args.norm_only)
+    /* a multi-node step always exchanges its header (the parameters each
+     * node steps with are compared), with the norms only when clipping */
+    if (!(c->args.max_norm > 0) && !c->args.norm_only && !shardd__coll_multi(c))
       c->phase = 1;
   }
   if (shardd__coll_multi(c) && c->args.kind == SHARDD__COLL_SCATTER && c->stage == 0 &&
@@ -880,13 +882,19 @@ static shardd_err step_hp(const shardd__optim *o, const shardd__coll_args *args,
       continue;
     shardd__hp_overlay(&hp[g], &args->group_hp[g]);
     char why[200];
-    shardd_err rc = SHARDD_OK;
-    if (hp[g].amsgrad != o->groups[g].amsgrad) {
+    shardd_err rc = shardd__hp_check(&hp[g], why, sizeof why);
+    if (rc == SHARDD_OK && hp[g].amsgrad != o->groups[g].amsgrad) {
       snprintf(why, sizeof why, "amsgrad cannot change after registration "
                "(its state is laid out then)");
       rc = SHARDD_E_INVAL;
-    } else {
-      rc = shardd__hp_check(&hp[g], why, sizeof why);
+    } else if (rc == SHARDD_OK && shardd__optim_state_count(&hp[g]) !=
+                                      shardd__optim_state_count(&o->groups[g])) {
+      /* SGD keeps a momentum buffer only when registered with momentum */
+      snprintf(why, sizeof why, "momentum %g where the group was registered with "
+               "%g: SGD's momentum buffer exists only when registered with "
+               "momentum, so it cannot turn on or off after registration",
+               hp[g].momentum, o->groups[g].momentum);
+      rc = SHARDD_E_INVAL;
     }
     if (rc != SHARDD_OK) {
       snprintf(err, errlen, "step of optimizer \"%s\": param group %zu: %s",

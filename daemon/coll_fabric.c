@@ -337,12 +337,39 @@ typedef struct {
   /* scatter: the buffer's views, whose gradient flags follow the data
    * (UINT64_MAX: this node could not list them) */
   uint64_t nviews;
+  /* step: every parameter a node could disagree on (-1: no lr given) */
+  double lr, max_norm;
+  uint64_t hp_digest; /* the groups' hyperparameters and the norm-only flag */
   double value; /* step: the node's sum of squares; not compared */
 } fab_hdr;
 
-#define FAB_MAGIC 0x53484632u /* "SHF2": bump when the header changes */
+#define FAB_MAGIC 0x53484633u /* "SHF3": bump when the header changes */
 
-_Static_assert(sizeof(fab_hdr) == 64, "fab_hdr must have no padding");
+_Static_assert(sizeof(fab_hdr) == 88, "fab_hdr must have no padding");
+
+/* FNV-1a over a step's resolved hyperparameters, field by field (a struct's
+ * padding bytes are not its value). */
+static uint64_t fnv(uint64_t h, const void *p, size_t n) {
+  const unsigned char *s = p;
+  for (size_t i = 0; i < n; i++)
+    h = (h ^ s[i]) * 0x100000001b3ull;
+  return h;
+}
+
+static uint64_t step_digest(const coll *c) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  int flag = c->args.norm_only;
+  h = fnv(h, &flag, sizeof flag);
+  for (size_t g = 0; c->hp && g < c->opt->ngroups; g++) {
+    const shardd__hp *p = &c->hp[g];
+    int ints[4] = {(int)p->kind, p->nesterov, p->maximize, p->amsgrad};
+    double d[7] = {p->lr, p->momentum, p->dampening, p->weight_decay,
+                   p->beta1, p->beta2, p->eps};
+    h = fnv(h, ints, sizeof ints);
+    h = fnv(h, d, sizeof d);
+  }
+  return h;
+}
 
 static const char *dtype_word(uint32_t dt) {
   const char *n = shardd_dtype_name((shardd_dtype)dt);
@@ -404,6 +431,23 @@ static int fab_check(const coll *c, const fab_hdr *h, uint32_t nodes,
                "node %" PRIu32 " reduces %s \"%s\" by %s, this node by %s: every "
                "rank must pass the same reduction",
                n, tw, c->name, op_word(o->op), op_word(m->op));
+    else if (o->lr != m->lr)
+      snprintf(msg, len,
+               "node %" PRIu32 " steps %s \"%s\" with lr %g, this node with %g "
+               "(-1: the registered rates): every rank must pass the same",
+               n, tw, c->name, o->lr, m->lr);
+    else if (o->max_norm != m->max_norm)
+      snprintf(msg, len,
+               "node %" PRIu32 " steps %s \"%s\" with max_norm %g, this node "
+               "with %g: every rank must clip alike",
+               n, tw, c->name, o->max_norm, m->max_norm);
+    else if (o->hp_digest != m->hp_digest)
+      snprintf(msg, len,
+               "node %" PRIu32 " steps %s \"%s\" with other per-group "
+               "hyperparameters (lr, betas, eps, weight_decay, momentum... of "
+               "some param group, as a scheduler set them) or a norm-only step "
+               "where this node steps: every rank must pass the same",
+               n, tw, c->name);
     else if (o->nviews == UINT64_MAX || m->nviews == UINT64_MAX)
       snprintf(msg, len, "node %" PRIu32 " could not list the views of %s \"%s\" "
                "(out of memory)", o->nviews == UINT64_MAX ? n : me, tw, c->name);
@@ -453,6 +497,9 @@ static void fabric_task(coll *c, task *t) {
       m->nviews = c->fab_mask ? c->nmask : UINT64_MAX;
   } else {
     m->value = c->sumsq_all;
+    m->lr = c->args.has_lr ? c->args.lr : -1.0;
+    m->max_norm = c->args.max_norm;
+    m->hp_digest = step_digest(c);
   }
   t->rc = shardd__fabric_allgather(f, h, sizeof *h, c->tag, c->fab_msg,
                                    sizeof c->fab_msg);

@@ -237,6 +237,9 @@ size_t shardd__coll_plan(coll *c, task *out) {
     }
     return n;
   }
+  if (c->args.kind == SHARDD__COLL_STEP && c->phase == 0 &&
+      !(c->args.max_norm > 0) && !c->args.norm_only)
+    return 0; /* multi-node, no clipping: only the header crosses nodes */
   if (c->args.kind == SHARDD__COLL_STEP) {
     /* A skipped ref has no norm and no update; at the first step of a
      * 16-bit shard it still has its master copy taken (a frozen view has

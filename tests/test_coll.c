@@ -1639,6 +1639,11 @@ Test(coll, step_group_hyperparameters_apply_to_that_step) {
   st.group_hp = &ams;
   submit(0, 4, st);
   expect_msg(expect_reply(0, 4, SHARDD_E_INVAL), "amsgrad cannot change");
+  /* registered without momentum: no buffer to update */
+  shardd__optspec_hp mom = {.has_momentum = 1, .momentum = 0.9};
+  st.group_hp = &mom;
+  submit(0, 40, st);
+  expect_msg(expect_reply(0, 40, SHARDD_E_INVAL), "momentum buffer exists only");
   /* ranks disagree on the lr: every one is refused, nothing changes */
   shardd__optspec_hp q1 = {.has_lr = 1, .lr = 0.25}, q2 = {.has_lr = 1, .lr = 0.125};
   st.group_hp = &q1;
@@ -1646,7 +1651,7 @@ Test(coll, step_group_hyperparameters_apply_to_that_step) {
   submit(1, 5, st);
   st.group_hp = &q2;
   submit(2, 5, st);
-  run_until(4 + W);
+  run_until(5 + W);
   for (uint32_t r = 0; r < W; r++)
     expect_reply(r, 5, SHARDD_E_MISMATCH);
   cr_assert_eq(o->steps, 0);
@@ -1659,7 +1664,7 @@ Test(coll, step_group_hyperparameters_apply_to_that_step) {
     submit(r, 6, a);
     mine.lr = 99; /* read during submit only */
   }
-  run_until(4 + 2 * W);
+  run_until(5 + 2 * W);
   for (uint32_t r = 0; r < W; r++)
     expect_reply(r, 6, SHARDD_OK);
   check_sgd(b, 0.25, "lr 0.25 for one step");

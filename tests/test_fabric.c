@@ -855,6 +855,56 @@ Test(fabric, disagreeing_nodes_fail_with_mismatch_and_fabric_stays_up, .timeout 
     for (size_t j = 0; j < 25; j++)
       cr_expect_eq(((float *)ok[r].reduced)[j], 2.5f, "rank %d reduced[%zu]", r, j);
   }
+  /* node 1 steps with another lr (no clipping, so no norm crosses nodes):
+   * refused naming the node and the field, no shard changed; then the
+   * per-group hyperparameters differ; then they agree */
+  uint64_t opt[W];
+  for (int r = 0; r < W; r++) {
+    shardd_param_ref ref = {okid[r], "ok"};
+    shardd_param_group g = {&ref, 1, {0}};
+    shardd_hparams hp = {SHARDD_HP_LR, 0.5, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    cr_assert_eq(shardd_optimizer_register(c[r], "sgd", SHARDD_OPTIM_SGD, &hp, &g, 1, &opt[r]),
+                 SHARDD_OK, "%s", shardd_last_error(c[r]));
+  }
+  for (int r = 0; r < W; r++)
+    memcpy(before[r], ok[r].shard, sizeof before[r]);
+  for (int round = 0; round < 3; round++) {
+    shardd_hparams g1 = {SHARDD_HP_WEIGHT_DECAY, 0, 0, 0, 0.01, 0, 0, 0, 0, 0, 0};
+    memset(k, 0, sizeof k);
+    for (int r = 0; r < W; r++) {
+      k[r].c = c[r];
+      k[r].kind = OP_STEP;
+      k[r].id = opt[r];
+      shardd_step_opts so = SHARDD_STEP_OPTS_INIT;
+      so.lr = round == 0 && r >= 2 ? 0.25 : 0.125;
+      if (round == 1 && r >= 2) {
+        so.groups = &g1;
+        so.ngroups = 1;
+      }
+      k[r].so = so;
+      cr_assert_eq(pthread_create(&k[r].th, NULL, call_main, &k[r]), 0);
+    }
+    for (int r = 0; r < W; r++)
+      pthread_join(k[r].th, NULL);
+    for (int r = 0; r < W; r++) {
+      if (round == 2) {
+        cr_assert_eq(k[r].rc, SHARDD_OK, "rank %d: %s", r, k[r].msg);
+        continue;
+      }
+      cr_expect_eq(k[r].rc, SHARDD_E_MISMATCH, "round %d rank %d: %s: %s", round, r,
+                   shardd_err_name(k[r].rc), k[r].msg);
+      const char *want = round == 0 ? (r < 2 ? "node 1 steps optimizer \"sgd\" with lr 0.25, "
+                                               "this node with 0.125"
+                                             : "node 0 steps optimizer \"sgd\" with lr 0.125, "
+                                               "this node with 0.25")
+                                    : "other per-group hyperparameters";
+      cr_expect(strstr(k[r].msg, want) != NULL, "round %d rank %d: %s", round, r, k[r].msg);
+      cr_expect(memcmp(before[r], ok[r].shard, sizeof before[r]) == 0,
+                "rank %d: a refused step changed the shard", r);
+    }
+  }
+  for (int r = 0; r < W; r++) /* the agreed step: 0.125 * the mean gradient 2.5 */
+    cr_expect_eq(((float *)ok[r].shard)[0], before[r][0] - 0.3125f, "rank %d", r);
   shardd_client_t *ctl = test_connect(&pair[0], NULL, 0, 0);
   char *text = NULL;
   cr_assert_eq(shardd_status_text(ctl, &text), SHARDD_OK);
