@@ -107,6 +107,11 @@ struct shardd__ckwrite {
   shardd__sb m;
   ck_file *files;
   size_t nfiles, cap;
+  /* a backend whose memory the daemon cannot read directly (cuda): host
+   * copies of the regions, read at prepare (the loop thread, so they are
+   * the state between steps), written from by run; owned */
+  void **copies;
+  size_t ncopies;
 };
 
 void shardd__checkpoint_wfree(shardd__ckwrite *w) {
@@ -116,7 +121,37 @@ void shardd__checkpoint_wfree(shardd__ckwrite *w) {
   free(w->home);
   shardd__sb_free(&w->m);
   free(w->files);
+  for (size_t i = 0; i < w->ncopies; i++)
+    free(w->copies[i]);
+  free(w->copies);
   free(w);
+}
+
+/* Where the payload of region r starts in host memory: r itself where the
+ * daemon maps it, else a host copy taken now (device -> host staging).
+ * NULL when out of memory or the read failed (err says which). */
+static const char *host_view(shardd__registry *reg, shardd__ckwrite *w,
+                             shardd__region *r, char *err, size_t errlen) {
+  shardd__backend *be = reg->backend;
+  if (be->ops->read == NULL)
+    return r->ptr;
+  void **nc = realloc(w->copies, (w->ncopies + 1) * sizeof *nc);
+  char *copy = nc ? malloc(r->bytes ? r->bytes : 1) : NULL;
+  if (nc)
+    w->copies = nc;
+  if (copy == NULL) {
+    snprintf(err, errlen, "out of memory staging %zu bytes of device memory",
+             r->bytes);
+    return NULL;
+  }
+  w->copies[w->ncopies++] = copy;
+  shardd_err rc = be->ops->read(be, r, 0, copy, r->bytes);
+  if (rc != SHARDD_OK) {
+    snprintf(err, errlen, "reading %zu bytes of device %d: %s", r->bytes,
+             r->device, shardd_strerror(rc));
+    return NULL;
+  }
+  return copy;
 }
 
 const char *shardd__checkpoint_wdir(const shardd__ckwrite *w) {
@@ -154,11 +189,6 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
                                       const char *home, shardd__ckwrite **out,
                                       char *err, size_t errlen) {
   *out = NULL;
-  /* payloads are read and written through the daemon's own mapping */
-  if (!(reg->backend->caps & SHARDD__BACKEND_CAP_HOST_MAPPED)) {
-    snprintf(err, errlen, "checkpoints support the host backend only");
-    return SHARDD_E_INVAL;
-  }
   shardd__ckwrite *w = calloc(1, sizeof *w);
   if (w == NULL || (w->dir = strdup(dirpath)) == NULL ||
       (home && (w->home = strdup(home)) == NULL)) {
@@ -209,9 +239,13 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
     for (uint32_t r = 0; r < b->world; r++) {
       snprintf(fname, sizeof fname, "b%zu-r%" PRIu32 "-%s.shard", i, r, tag);
       shardd__sb_printf(m, "shard %zu %" PRIu32 " %s ", i, r, fname);
+      const char *base = host_view(reg, w, b->blocks[r], err, errlen);
+      if (base == NULL) {
+        rc = SHARDD_E_IO;
+        goto fail;
+      }
       if (add_file(w, fname, (uint32_t)b->dtype, b->shard_numel,
-                   (uint64_t)r * b->shard_numel, b->hdr.name,
-                   (const char *)b->blocks[r]->ptr + b->shard_off,
+                   (uint64_t)r * b->shard_numel, b->hdr.name, base + b->shard_off,
                    b->shard_numel * esz) != SHARDD_OK)
         goto nomem;
       shardd__sb_printf(m, "\n");
@@ -275,10 +309,14 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
                sh->rank, tag);
       shardd__sb_printf(m, "state %zu %zu %" PRIu32 " %d %s ", i, bi, sh->rank,
                         sh->master_valid, fname);
+      const char *st = host_view(reg, w, sh->state, err, errlen);
+      if (st == NULL) {
+        rc = SHARDD_E_IO;
+        goto fail;
+      }
       if (add_file(w, fname, SHARDD_DTYPE_FP32, sh->state->bytes / 4,
                    (uint64_t)sh->rank * sh->buf->shard_numel,
-                   sh->buf->hdr.name, sh->state->ptr,
-                   sh->state->bytes) != SHARDD_OK)
+                   sh->buf->hdr.name, st, sh->state->bytes) != SHARDD_OK)
         goto nomem;
       shardd__sb_printf(m, " %zu %d\n", sh->state->bytes, sh->nstate);
     }

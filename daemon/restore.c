@@ -193,8 +193,39 @@ struct shardd__ckrestore {
   size_t nloads, capl;
   /* a registration's reason; kept across lines, as one buffer was */
   char sub[512];
+  /* a backend whose memory the daemon cannot write directly (cuda): the
+   * loads land in zeroed host copies of the regions, written to the
+   * device at the end of run (host -> device staging); owned */
+  struct {
+    shardd__region *r;
+    char *host;
+  } *shadows;
+  size_t nshadows;
 };
 typedef struct shardd__ckrestore restore;
+
+/* Where a load into region r goes in host memory: r itself where the
+ * daemon maps it, else r's host copy (made zeroed at first use, as r's
+ * memory starts). NULL when out of memory (c->err says so). */
+static char *host_base(restore *c, shardd__region *r) {
+  if (c->reg->backend->ops->write == NULL)
+    return r->ptr;
+  for (size_t i = 0; i < c->nshadows; i++)
+    if (c->shadows[i].r == r)
+      return c->shadows[i].host;
+  void *ns = realloc(c->shadows, (c->nshadows + 1) * sizeof *c->shadows);
+  char *host = ns ? calloc(1, r->bytes ? r->bytes : 1) : NULL;
+  if (ns)
+    c->shadows = ns;
+  if (host == NULL) {
+    snprintf(c->err, c->errlen, "out of memory staging %zu bytes for device %d",
+             r->bytes, r->device);
+    return NULL;
+  }
+  c->shadows[c->nshadows].r = r;
+  c->shadows[c->nshadows++].host = host;
+  return host;
+}
 
 /* Fails the current line: "PATH line N: WHY" in err, WHY cut at 511 bytes.
  * Returns rc where a call beneath already failed with it, else
@@ -264,12 +295,14 @@ static shardd_err plan_shard(restore *c, const char *file, uint32_t crc,
   size_t esz = shardd_dtype_size(b->dtype);
   uint64_t lo, hi, old_s;
   old_range(b, c->old_world, r, &lo, &hi, &old_s);
-  if (c->old_world == b->world)
-    return add_load(c, file, crc, bi, (uint32_t)b->dtype, b->shard_numel,
-                    (uint64_t)r * b->shard_numel, b->shard_numel * esz,
-                    (char *)b->blocks[r]->ptr + b->shard_off)
+  if (c->old_world == b->world) {
+    char *base = host_base(c, b->blocks[r]);
+    return base && add_load(c, file, crc, bi, (uint32_t)b->dtype, b->shard_numel,
+                            (uint64_t)r * b->shard_numel, b->shard_numel * esz,
+                            base + b->shard_off)
                ? SHARDD_OK
                : SHARDD_E_NO_MEMORY;
+  }
   ld *l = add_load(c, file, crc, bi, (uint32_t)b->dtype, old_s,
                    (uint64_t)r * old_s, old_s * esz, NULL);
   if (l == NULL)
@@ -277,8 +310,10 @@ static shardd_err plan_shard(restore *c, const char *file, uint32_t crc,
   for (uint64_t e = lo; e < hi;) {
     uint64_t q = e / b->shard_numel, off = e % b->shard_numel;
     uint64_t n = b->shard_numel - off < hi - e ? b->shard_numel - off : hi - e;
-    if (add_copy(c, l, (char *)b->blocks[q]->ptr + b->shard_off + off * esz,
-                 (e - lo) * esz, n * esz) != SHARDD_OK)
+    char *base = host_base(c, b->blocks[q]);
+    if (base == NULL ||
+        add_copy(c, l, base + b->shard_off + off * esz, (e - lo) * esz, n * esz) !=
+            SHARDD_OK)
       return SHARDD_E_NO_MEMORY;
     e += n;
   }
@@ -300,9 +335,10 @@ static shardd_err plan_state_same(restore *c, shardd__buffer *b,
              c->dd.path, ps->file, p->name);
     return SHARDD_E_INVAL;
   }
-  if (add_load(c, ps->file, ps->crc, ps->buf, SHARDD_DTYPE_FP32,
-               ps->bytes / 4, (uint64_t)ps->rank * b->shard_numel, ps->bytes,
-               sh->state->ptr) == NULL)
+  char *st = host_base(c, sh->state);
+  if (st == NULL ||
+      add_load(c, ps->file, ps->crc, ps->buf, SHARDD_DTYPE_FP32, ps->bytes / 4,
+               (uint64_t)ps->rank * b->shard_numel, ps->bytes, st) == NULL)
     return SHARDD_E_NO_MEMORY;
   p->mv[shard_index(p->created, sh)] = ps->master_valid;
   return SHARDD_OK;
@@ -335,7 +371,9 @@ static shardd_err plan_state_resharded(restore *c, shardd__buffer *b,
     shardd__optim_shard *sh = find_shard(p->created, b, q);
     if (sh && sh->state) {
       size_t src = (e - lo) * 4, dst = off * 4;
-      char *base = sh->state->ptr;
+      char *base = host_base(c, sh->state);
+      if (base == NULL)
+        return SHARDD_E_NO_MEMORY;
       if (wide && add_copy(c, l, base + sh->master_off + dst, omaster + src,
                            n * 4) != SHARDD_OK)
         return SHARDD_E_NO_MEMORY;
@@ -806,6 +844,9 @@ void shardd__checkpoint_restore_free(shardd__ckrestore *c) {
   free(c->seen);
   free(c->bnames);
   free(c->bufs);
+  for (size_t i = 0; i < c->nshadows; i++)
+    free(c->shadows[i].host);
+  free(c->shadows);
   free(c->line);
   if (c->f)
     fclose(c->f);
@@ -821,11 +862,6 @@ shardd_err shardd__checkpoint_restore_prepare(shardd__registry *reg,
                                               shardd__ckrestore **out,
                                               char *err, size_t errlen) {
   *out = NULL;
-  /* payloads are read and written through the daemon's own mapping */
-  if (!(reg->backend->caps & SHARDD__BACKEND_CAP_HOST_MAPPED)) {
-    snprintf(err, errlen, "checkpoints support the host backend only");
-    return SHARDD_E_INVAL;
-  }
   restore *c = calloc(1, sizeof *c);
   if (c == NULL || (c->dir = strdup(dir)) == NULL) {
     free(c);
@@ -883,6 +919,18 @@ shardd_err shardd__checkpoint_restore_run(shardd__ckrestore *c, char *err,
     free(tmp);
     if (rc != SHARDD_OK)
       return rc;
+  }
+  /* host -> device: the staged regions, whole (what no file filled is the
+   * zeros the region started with) */
+  shardd__backend *be = c->reg->backend;
+  for (size_t i = 0; i < c->nshadows; i++) {
+    shardd__region *r = c->shadows[i].r;
+    shardd_err rc = be->ops->write(be, r, 0, c->shadows[i].host, r->bytes);
+    if (rc != SHARDD_OK) {
+      snprintf(err, errlen, "writing %zu restored bytes to device %d: %s",
+               r->bytes, r->device, shardd_strerror(rc));
+      return rc;
+    }
   }
   return SHARDD_OK;
 }

@@ -4,6 +4,7 @@
  * into a new daemon continues training bit-identically to one that never
  * stopped. */
 #include <criterion/criterion.h>
+#include <inttypes.h>
 #include <dirent.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -224,6 +225,78 @@ Test(checkpoint, round_trip_keeps_every_byte) {
   cr_assert_eq(shardd__checkpoint_restore(&reg, dir, -1, 0, &again, err, sizeof err),
                SHARDD_E_BUSY);
   cr_assert_eq(shardd__job_find(&reg, 0, "llm 7b"), back);
+}
+
+/* A backend whose memory the daemon may not touch directly (as cuda's):
+ * the host backend with read and write ops that count their bytes and no
+ * HOST_MAPPED cap, so checkpoints stage through them. */
+static shardd__backend_ops staged_ops;
+static size_t staged_read_bytes, staged_write_bytes;
+
+static shardd_err staged_read(shardd__backend *b, shardd__region *r, size_t off,
+                              void *dst, size_t bytes) {
+  cr_assert_leq(off + bytes, r->bytes);
+  memcpy(dst, (const char *)r->ptr + off, bytes);
+  staged_read_bytes += bytes;
+  return SHARDD_OK;
+}
+
+static shardd_err staged_write(shardd__backend *b, shardd__region *r, size_t off,
+                               const void *src, size_t bytes) {
+  cr_assert_leq(off + bytes, r->bytes);
+  memcpy((char *)r->ptr + off, src, bytes);
+  staged_write_bytes += bytes;
+  return SHARDD_OK;
+}
+
+static void use_staged_backend(void) {
+  staged_ops = *be->ops;
+  staged_ops.read = staged_read;
+  staged_ops.write = staged_write;
+  be->ops = &staged_ops;
+  be->caps &= ~(unsigned)SHARDD__BACKEND_CAP_HOST_MAPPED;
+  staged_read_bytes = staged_write_bytes = 0;
+}
+
+/* Checkpoints of a backend without host mappings (cuda) stage device
+ * memory through the backend's read and write: the round trip keeps every
+ * byte, and a restore into another world reshards as on the host. */
+Test(checkpoint, device_memory_is_staged_through_the_backend) {
+  char err[1024];
+  use_staged_backend();
+  shardd__job *job = make_job("staged");
+  image before = snapshot(job);
+  cr_assert_eq(shardd__checkpoint_write(&reg, job, dir, -1, err, sizeof err), SHARDD_OK,
+               "%s", err);
+  cr_assert_gt(staged_read_bytes, 0, "the payloads were read through the backend");
+  shardd__job_release(&reg, job);
+  shardd__job *back;
+  cr_assert_eq(shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_assert_gt(staged_write_bytes, 0, "the loads were written through the backend");
+  image after = snapshot(back);
+  cr_assert_eq(after.len, before.len);
+  cr_assert(memcmp(after.bytes, before.bytes, before.len) == 0);
+  /* the shards, element by element, into a world of 2 */
+  shardd__buffer *a = shardd__map_get_str(&back->buffers, "layer 0/weights");
+  cr_assert_not_null(a);
+  float *whole = malloc(a->padded_numel * 4);
+  for (uint32_t r = 0; r < a->world; r++)
+    memcpy(whole + r * a->shard_numel, (char *)a->blocks[r]->ptr + a->shard_off,
+           a->shard_numel * 4);
+  shardd__job_release(&reg, back);
+  cr_assert_eq(shardd__checkpoint_restore(&reg, dir, -1, 2, &back, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  a = shardd__map_get_str(&back->buffers, "layer 0/weights");
+  cr_assert_eq(a->world, 2);
+  for (uint64_t e = 0; e < a->numel; e++) {
+    uint64_t r = e / a->shard_numel, i = e % a->shard_numel;
+    float got = ((float *)((char *)a->blocks[r]->ptr + a->shard_off))[i];
+    cr_assert_eq(memcmp(&got, &whole[e], 4), 0, "element %" PRIu64, e);
+  }
+  free(whole);
+  free(before.bytes);
+  free(after.bytes);
 }
 
 /* The name of in's data file that starts "prefix-" (each checkpoint tags

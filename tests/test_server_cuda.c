@@ -303,6 +303,38 @@ Test(server_cuda, reattach_and_status, .timeout = 120) {
   cr_assert_eq(test_daemon_stop(&d), 0);
 }
 
+/* A cuda job's checkpoint stages device memory to the host: written by a
+ * cuda daemon, restored by a host daemon (the files do not depend on the
+ * backend), the shards are the cuda run's bytes. */
+Test(server_cuda, checkpoint_stages_device_memory, .timeout = 120) {
+  need_gpu();
+  char ck[128] = "/tmp/shardd-cuda-ck-XXXXXX";
+  cr_assert_not_null(mkdtemp(ck));
+  strcat(ck, "/ck");
+  const char *const cuda_args[] = {"--backend", "cuda", "--devices", "1",
+                                   "--checkpoint-on-exit", ck, NULL};
+  rank_run cu[2];
+  run_job(cuda_args, 2, SHARDD_DTYPE_BF16, SHARDD_OPTIM_ADAM, 1001, cu);
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--backend", "host", "--devices", "1",
+                                              "--restore", ck, NULL});
+  for (uint32_t r = 0; r < 2; r++) {
+    shardd_client_t *c = test_connect(&d, "cuda-e2e", r, 2);
+    shardd_buffer_info b;
+    cr_assert_eq(shardd_buffer_register(c, "flat", SHARDD_DTYPE_BF16, 1001, &b),
+                 SHARDD_OK, "%s", shardd_last_error(c));
+    cr_assert_eq(b.created, 0, "attached to the restored buffer");
+    cr_assert_eq(memcmp(b.shard, cu[r].gathered + (size_t)r * b.shard_numel * 2,
+                        b.shard_numel * 2), 0, "rank %u's restored shard differs", r);
+    shardd_close(c);
+  }
+  cr_assert_eq(test_daemon_stop(&d), 0);
+  for (uint32_t r = 0; r < 2; r++) {
+    free(cu[r].gathered);
+    free(cu[r].reduced);
+  }
+}
+
 /* Without a GPU the cuda backend is refused at start with a clear message,
  * and auto falls back to host — the one part that runs here. */
 Test(server_cuda, no_gpu_refused_or_falls_back, .timeout = 120) {
