@@ -24,10 +24,9 @@ r = c.rank
 vals = json.loads(os.environ["TEST_VALUES"])[r]
 if r == 0:
     time.sleep(float(os.environ["TEST_LATE_S"]))
-t0 = time.monotonic()
+t_enter = time.time()
 c.barrier()
-waited = time.monotonic() - t0
-out = {"job": c.job, "rank": c.rank, "world": c.world, "waited": waited,
+out = {"job": c.job, "rank": c.rank, "world": c.world, "t_enter": t_enter,
        "t_after": time.time()}
 for op in ("sum", "mean", "max", "min"):
     out[op] = c.all_reduce(vals, op=op)
@@ -68,9 +67,11 @@ class TorchrunTest(unittest.TestCase):
             outs.append(json.loads(so.strip().splitlines()[-1]))
         for r, o in enumerate(outs):
             self.assertEqual((o["job"], o["rank"], o["world"]), (job, r, world))
-        # the barrier held the others until the late rank 0 came
+        # the barrier held the others until the late rank 0 came: none left
+        # it before rank 0 entered it (an order, not a duration: the
+        # processes start at their own pace on a loaded machine)
         for o in outs[1:]:
-            self.assertGreater(o["waited"], late * 0.8, o)
+            self.assertGreaterEqual(o["t_after"], outs[0]["t_enter"], o)
         if not common.HAVE_TORCH:
             self.skipTest("torch is not importable")
         import torch
