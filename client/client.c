@@ -1356,16 +1356,28 @@ shardd_err shardd_gather_area(shardd_client_t *c, uint64_t buffer,
   return rc;
 }
 
-shardd_err shardd_release(shardd_client_t *c, uint64_t buffer) {
+static shardd_err release_req(shardd_client_t *c, uint64_t buffer, int grad) {
   if (c == NULL)
     return SHARDD_E_INVAL; /* no client to hold a message */
 
   Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
   Shardwire__Release r = SHARDWIRE__RELEASE__INIT;
   r.buffer = buffer;
+  if (grad) {
+    r.has_grad = 1;
+    r.grad = 1;
+  }
   req.body_case = SHARDWIRE__REQUEST__BODY_RELEASE;
   req.release = &r;
   return call_status_only(c, &req);
+}
+
+shardd_err shardd_release(shardd_client_t *c, uint64_t buffer) {
+  return release_req(c, buffer, 0);
+}
+
+shardd_err shardd_release_all(shardd_client_t *c, uint64_t buffer) {
+  return release_req(c, buffer, 1);
 }
 
 shardd_err shardd_scatter(shardd_client_t *c, uint64_t buffer,

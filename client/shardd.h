@@ -377,6 +377,10 @@ shardd_err shardd_seed_master(shardd_client_t *c, uint64_t buffer);
  * areas. */
 shardd_err shardd_release(shardd_client_t *c, uint64_t buffer);
 
+/* shardd_release, and the gradient area this rank holds of buffer too
+ * (unscattered: an iteration abandoned after a peer was lost). */
+shardd_err shardd_release_all(shardd_client_t *c, uint64_t buffer);
+
 /* Reduce-scatter: each rank has written its full gradient into its grad
  * area; returns when the owners hold the reduced shards. */
 shardd_err shardd_scatter(shardd_client_t *c, uint64_t buffer,

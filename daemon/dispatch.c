@@ -902,12 +902,14 @@ static void on_release(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                                            req->release->buffer,
                                            SHARDD__OBJ_BUFFER, &o, err, sizeof err);
   shardd__buffer *b = (shardd__buffer *)o;
+  int grad = req->release->has_grad && req->release->grad;
   if (rc == SHARDD_OK && !c->m.job->transient) {
     snprintf(err, sizeof err, "job \"%s\" has resident areas: nothing to "
              "release", c->m.job->name);
     rc = SHARDD_E_STATE;
   } else if (rc == SHARDD_OK && !shardd__area_held(b, c->m.rank,
-                                                   SHARDD__AREA_GATHER, NULL)) {
+                                                   SHARDD__AREA_GATHER, NULL) &&
+             !(grad && shardd__area_held(b, c->m.rank, SHARDD__AREA_GRAD, NULL))) {
     snprintf(err, sizeof err, "rank %" PRIu32 " holds no gather area of buffer "
              "%" PRIu64 " (\"%s\")", c->m.rank, b->hdr.id, b->hdr.name);
     rc = SHARDD_E_STATE;
@@ -918,8 +920,11 @@ static void on_release(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
              "release it after the gather ends", b->hdr.id, b->hdr.name);
     rc = SHARDD_E_BUSY;
   }
-  if (rc == SHARDD_OK)
+  if (rc == SHARDD_OK) {
     shardd__area_return(b, c->m.rank, SHARDD__AREA_GATHER);
+    if (grad)
+      shardd__area_return(b, c->m.rank, SHARDD__AREA_GRAD);
+  }
   reply(d, c, seq, rc, rc == SHARDD_OK ? NULL : err);
 }
 

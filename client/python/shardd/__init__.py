@@ -909,6 +909,14 @@ class Client:
                                               ctypes.byref(area)))
         return self._areas(buf, area, False)
 
+    def release_all(self, buffer):
+        """release(), and the gradient area this rank holds of buffer too
+        (unscattered: an iteration abandoned after a peer was lost)."""
+        self._check_open()
+        buf = self._buffer_of(buffer)
+        self._sync_cuda()
+        self._call(self._lib.shardd_release_all(self._c, buf.id))
+
     def release(self, buffer):
         """Returns this rank's gather area of buffer to its pool (FSDP's
         reshard): the gather tensor gather_area() returned must not be used

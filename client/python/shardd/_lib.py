@@ -206,6 +206,7 @@ def _declare(lib):
         "shardd_all_reduce": (c_int, [client_p, P(c_double), c_size_t, c_int]),
         "shardd_barrier": (c_int, [client_p]),
         "shardd_seed_master": (c_int, [client_p, c_uint64]),
+        "shardd_release_all": (c_int, [client_p, c_uint64]),
         "shardd_optim_state_get": (c_int, [client_p, c_uint64, c_uint64, c_uint32, c_uint64,
                                            c_uint64, P(ctypes.c_float), P(OptimStateInfo)]),
         "shardd_optim_state_set": (c_int, [client_p, c_uint64, c_uint64, c_uint32, c_uint64,

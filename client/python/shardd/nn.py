@@ -800,6 +800,35 @@ class ShardedModule:
             self._optims.append(opt)
         return opt
 
+    def reset(self):
+        """After a collective failed mid-iteration (E_PEER_LOST: a rank died
+        and will be relaunched), drop this rank's part of the iteration:
+        every area it leases is returned, the prefetch and saved-tensor
+        hooks forgotten, .grad set to None. Then redo the iteration from
+        the daemon's step count (opt.steps): the failed one's scatters are
+        replaced by the redo's (zero_grad()), so nothing of it counts."""
+        self._pop_saved_hooks()
+        self._final_queued = False
+        pend, self._pending = self._pending, None
+        if pend is not None:
+            try:
+                self.client.wait_area(pend[1], pend[0].buffer)
+            except shardd.Error:
+                pass  # failed with the rest: it leased nothing
+        for u in self.units:
+            if self.transient and (u.gather is not None or u.grad is not None):
+                try:
+                    self.client.release_all(u.buffer)
+                except shardd.Error:
+                    pass  # the daemon took them back already
+            if self.transient:
+                u.gather = u.grad = None
+                self._empty(u)
+            u.state = "idle"
+            u.accumulate = False
+            for e in u.entries:
+                e.param.grad = None
+
     @contextlib.contextmanager
     def no_sync(self):
         """FSDP's no_sync(), for scripts that accumulate gradients with it:

@@ -1,0 +1,164 @@
+"""One rank of a job dies mid-iteration and is relaunched alone: its peers'
+collectives fail with E_PEER_LOST (after --peer-grace), they drop the
+iteration (sm.reset()) and retry it from the daemon's step count until the
+relaunched rank is back; the run then continues bit-identically to one
+that was never interrupted (shardd.nn attaches the relaunched rank to its
+trained shards, init="auto")."""
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+import unittest
+
+import common
+import shardd
+
+if common.HAVE_TORCH:
+    import numpy as np
+    import torch
+    from torch import nn
+    import shardd.nn
+    import shardd.optim
+
+STEPS = 8
+BATCH = 16
+WORLD = 2
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                         nn.Linear(32, 4))
+
+
+def make_data():
+    g = torch.Generator().manual_seed(5)
+    return (torch.randn(STEPS, BATCH, 8, generator=g),
+            torch.randn(STEPS, BATCH, 4, generator=g))
+
+
+def script(rank, sock, job, q, slow_after=None):
+    """The elastic loop: an iteration a lost peer broke is dropped and done
+    again from the daemon's step count."""
+    try:
+        torch.set_num_threads(1)
+        client = shardd.Client(sock, job=job, rank=rank, world=WORLD,
+                               transient_areas=True)
+        model = make_model()
+        sm = shardd.nn.ShardedModule(client, model, auto_wrap="children")
+        opt = shardd.optim.AdamW(model.parameters(), lr=1e-2, name="adamw")
+        x, y = make_data()
+        per = BATCH // WORLD
+        lo, hi = rank * per, (rank + 1) * per
+        q.put(("start", rank, opt.steps))
+        retries = 0
+        while opt.steps < STEPS:
+            s = opt.steps
+            try:
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(model(x[s, lo:hi]), y[s, lo:hi])
+                loss.backward()
+                opt.step()
+            except Exception as e:  # from a hook: autograd may wrap it
+                if "E_PEER_LOST" not in str(e):
+                    raise
+                retries += 1
+                sm.reset()
+                time.sleep(0.1)
+                continue
+            q.put(("loss", rank, s, loss.item()))
+            if slow_after is not None and s >= slow_after:
+                time.sleep(0.2)  # room for the parent's kill mid-run
+        params = sm.full_parameters()
+        if rank == 0:
+            q.put(("params", {n: t.numpy().copy() for n, t in params.items()}))
+        q.put(("retries", rank, retries))
+        client.close()
+        q.put(("done", rank))
+    except BaseException as e:
+        import traceback
+        q.put(("error", rank, "%s\n%s" % (e, traceback.format_exc())))
+
+
+@unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
+class RejoinTest(unittest.TestCase):
+    def run_ranks(self, sock, job, q, ctx, ranks, slow_rank0=False):
+        ps = {r: ctx.Process(target=script, args=(r, sock, job, q),
+                             kwargs={"slow_after": 2} if slow_rank0 and r == 0 else {})
+              for r in ranks}
+        for p in ps.values():
+            p.start()
+        return ps
+
+    def collect(self, q, until, timeout=90):
+        out = {"losses": {}, "params": None, "done": set(), "errors": [],
+               "starts": {}, "retries": {}}
+        deadline = time.monotonic() + timeout
+        while not until(out):
+            if time.monotonic() > deadline:
+                raise RuntimeError("timed out: %s" % out["errors"])
+            try:
+                m = q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if m[0] == "loss":
+                out["losses"].setdefault(m[2], {})[m[1]] = m[3]
+            elif m[0] == "params":
+                out["params"] = m[1]
+            elif m[0] == "done":
+                out["done"].add(m[1])
+            elif m[0] == "start":
+                out["starts"].setdefault(m[1], []).append(m[2])
+            elif m[0] == "retries":
+                out["retries"][m[1]] = m[2]
+            else:
+                out["errors"].append(m[1:])
+                raise RuntimeError("rank %d failed: %s" % (m[1], m[2]))
+        return out
+
+    def test_one_rank_killed_and_relaunched_alone_continues_bit_identically(self):
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "numpy"])
+        sock = common.socket()
+        q = ctx.Queue()
+        ref_job = common.job("rejoin-ref")
+        ps = self.run_ranks(sock, ref_job, q, ctx, range(WORLD))
+        ref = self.collect(q, lambda o: len(o["done"]) == WORLD)
+        for p in ps.values():
+            p.join(10)
+
+        q = ctx.Queue()
+        job = common.job("rejoin")
+        # rank 0 dawdles after each step, so rank 1 is already waiting in
+        # step 4's first gather when it is killed: its peer's collectives
+        # fail (E_PEER_LOST) and, relaunched only after --peer-grace (1 s),
+        # rank 0 has retried the iteration by then
+        ps = self.run_ranks(sock, job, q, ctx, range(WORLD), slow_rank0=True)
+        got = self.collect(q, lambda o: len(o["losses"].get(3, {})) == WORLD)
+        os.kill(ps[1].pid, signal.SIGKILL)
+        ps[1].join(10)
+        time.sleep(1.5)
+        ps[1] = ctx.Process(target=script, args=(1, sock, job, q))
+        ps[1].start()
+        more = self.collect(q, lambda o: len(o["done"]) == WORLD)
+        for p in ps.values():
+            p.join(10)
+        start = more["starts"][1][0]
+        print("\n  rank 1 killed after step 3, relaunched alone at step %d; rank 0 "
+              "retried its iteration %d times" % (start, more["retries"].get(0, -1)))
+        self.assertEqual(start, 4)
+        self.assertGreater(more["retries"].get(0, 0), 0, "rank 0 saw the loss and retried")
+        # every step's loss, from the first run or the continuation, and
+        # the final parameters equal the uninterrupted run's
+        losses = {**{s: v for s, v in got["losses"].items() if len(v) == WORLD},
+                  **{s: v for s, v in more["losses"].items() if len(v) == WORLD}}
+        for s in range(start, STEPS):
+            self.assertIn(s, losses, "step %d" % s)
+            self.assertEqual(losses[s], ref["losses"][s], "step %d" % s)
+        for n, v in ref["params"].items():
+            np.testing.assert_array_equal(more["params"][n], v, err_msg=n)
+
+
+if __name__ == "__main__":
+    unittest.main()
