@@ -48,6 +48,7 @@ typedef struct pool_map {
   uint64_t id;
   void *base;
   size_t len;
+  int device; /* -1: a host mapping; else opened by CUDA IPC on it */
 } pool_map;
 
 /* ---- CUDA IPC without linking CUDA --------------------------------------
@@ -319,15 +320,62 @@ static pool_map *find_pool(shardd_client_t *c, uint64_t id) {
   return NULL;
 }
 
+/* A cuda daemon's pool: its IPC handle opened once on its device. */
+static shardd_err pool_adopt_ipc(shardd_client_t *c,
+                                 const Shardwire__GatherReply *gr, char *why,
+                                 size_t whylen) {
+  pool_map *p = find_pool(c, gr->pool);
+  if (p && p->len >= gr->pool_bytes)
+    return SHARDD_OK; /* sent again: opened already */
+  if (gr->cuda_ipc_handle.len != CUDA_IPC_BYTES || !gr->has_device ||
+      gr->device > INT_MAX || gr->pool_bytes == 0 ||
+      (uint64_t)(size_t)gr->pool_bytes != gr->pool_bytes) {
+    snprintf(why, whylen, "pool %" PRIu64 ": a CUDA IPC handle of %zu bytes (not "
+             "%d) or a bad device or size in the daemon's reply", gr->pool,
+             gr->cuda_ipc_handle.len, CUDA_IPC_BYTES);
+    return SHARDD_E_PROTOCOL;
+  }
+  if (!cudart_ready()) {
+    snprintf(why, whylen, "pool %" PRIu64 " lives in GPU memory (cuda backend): "
+             "opening its CUDA IPC handle needs the CUDA runtime: %.300s",
+             gr->pool, cudart.why);
+    return SHARDD_E_NO_CUDA;
+  }
+  pool_map *n = malloc(sizeof *n);
+  if (n == NULL) {
+    snprintf(why, whylen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  const char *what = NULL;
+  int e = cuda_open(gr->cuda_ipc_handle.data, (int)gr->device, &n->base, &what);
+  if (e != 0) {
+    snprintf(why, whylen, "pool %" PRIu64 ": %s: %s", gr->pool, what, cuda_str(e));
+    free(n);
+    return SHARDD_E_NO_CUDA;
+  }
+  n->id = gr->pool;
+  n->len = (size_t)gr->pool_bytes;
+  n->device = (int)gr->device;
+  n->next = c->pools;
+  c->pools = n;
+  return SHARDD_OK;
+}
+
 /* Makes sure the pool a GatherReply names is mapped: the first reply naming
  * it on this connection brings its descriptor (fd, else -1; the caller
  * closes it), later ones do not. Done for every GatherReply whichever call
  * reads it (gather, gather_area, an async gather's reply read by another
  * call): the descriptor comes once, so one dropped would leave the pool
  * unreachable for the connection's life. On failure why holds the reason. */
+static shardd_err pool_adopt_ipc(shardd_client_t *c,
+                                 const Shardwire__GatherReply *gr, char *why,
+                                 size_t whylen);
+
 static shardd_err pool_adopt(shardd_client_t *c, const Shardwire__GatherReply *gr,
                              int fd, char *why, size_t whylen) {
   pool_map *p = find_pool(c, gr->pool);
+  if (fd < 0 && gr->has_cuda_ipc_handle)
+    return pool_adopt_ipc(c, gr, why, whylen);
   if (fd < 0) {
     if (p == NULL) {
       snprintf(why, whylen, "the daemon's gather reply names pool %" PRIu64
@@ -387,6 +435,7 @@ static shardd_err pool_adopt(shardd_client_t *c, const Shardwire__GatherReply *g
    * handed out from it may still be read by the caller. */
   n->id = gr->pool;
   n->len = (size_t)gr->pool_bytes;
+  n->device = -1;
   n->next = c->pools;
   c->pools = n;
   return SHARDD_OK;
@@ -727,7 +776,8 @@ void shardd_close(shardd_client_t *c) {
   while (c->pools) {
     pool_map *p = c->pools;
     c->pools = p->next;
-    munmap(p->base, p->len);
+    mapping m = {.base = p->base, .len = p->len, .device = p->device};
+    unmap(&m); /* munmap, or the CUDA IPC close on its device */
     free(p);
   }
   if (c->fd >= 0)

@@ -56,9 +56,11 @@ shardd_err shardd__job_set_transient(shardd__job *job, int on, char *err,
              on ? "transient" : "resident");
     return SHARDD_E_MISMATCH;
   }
-  if (on && !(job->reg->backend->caps & SHARDD__BACKEND_CAP_HOST_MAPPED)) {
-    snprintf(err, errlen, "transient areas need the host backend for now "
-             "(the %s backend keeps resident areas)", job->reg->backend->name);
+  const shardd__backend *be = job->reg->backend;
+  if (on && !(be->caps & SHARDD__BACKEND_CAP_HOST_MAPPED) && be->ops->export_ipc == NULL) {
+    /* a trainer maps a pool once: by descriptor (host) or IPC handle (cuda) */
+    snprintf(err, errlen, "transient areas need a backend whose pools trainers "
+             "can map (the %s backend keeps resident areas)", be->name);
     return SHARDD_E_STATE;
   }
   if (on && job->nodes > 1) {
@@ -240,9 +242,15 @@ shardd_err shardd__area_lease(shardd__registry *reg, shardd__buffer *b,
   b->lease[rank][kind] = i;
   job->nleased[rank][kind]++;
   fill(p, i, out);
-  if (kind == SHARDD__AREA_GRAD) /* a gradient starts at zero, as torch's */
-    memset((char *)out->pool->ptr + out->off, 0, need);
   *took = 1;
+  if (kind == SHARDD__AREA_GRAD) { /* a gradient starts at zero, as torch's */
+    shardd_err zrc = shardd__region_zero(reg->backend, out->pool, out->off, need);
+    if (zrc != SHARDD_OK) {
+      snprintf(err, errlen, "zeroing a gradient area on device %d: %s", dev,
+               shardd_strerror(zrc));
+      return zrc;
+    }
+  }
   return SHARDD_OK;
 }
 

@@ -714,8 +714,8 @@ shardd_err shardd__buffer_stage(shardd__registry *reg, shardd__buffer *b,
 
 /* ---- fp32 masters from exact values ------------------------------------ */
 
-static shardd_err zero_bytes(shardd__backend *be, shardd__region *r, size_t off,
-                             size_t bytes) {
+shardd_err shardd__region_zero(shardd__backend *be, shardd__region *r,
+                               size_t off, size_t bytes) {
   if (be->ops->write == NULL) { /* host memory the daemon maps */
     memset((char *)r->ptr + off, 0, bytes);
     return SHARDD_OK;
@@ -783,7 +783,7 @@ shardd_err shardd__buffer_seed(shardd__registry *reg, shardd__buffer *b,
   shardd_err rc = be->ops->copy(be, b->seed[rank], 0, b->blocks[rank],
                                 b->reduced_off, bytes);
   if (rc == SHARDD_OK)
-    rc = zero_bytes(be, b->blocks[rank], b->reduced_off, bytes);
+    rc = shardd__region_zero(be, b->blocks[rank], b->reduced_off, bytes);
   b->reduced_live = 0;
   shardd__optim **opts;
   size_t no;

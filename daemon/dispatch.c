@@ -1062,10 +1062,23 @@ static void reply_gather(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   while (i < c->npools_sent && c->pools_sent[i] != gr.pool)
     i++;
   int fd = -1;
+  uint8_t ipc[64];
+  size_t ipc_len = 0;
+  gr.has_device = 1;
+  gr.device = (uint32_t)res->gather.pool->device;
   if (i == c->npools_sent) {
     uint64_t *p = realloc(c->pools_sent, (i + 1) * sizeof *p);
-    shardd_err rc = p ? d->backend->ops->export_fd(d->backend, res->gather.pool, &fd)
-                      : SHARDD_E_NO_MEMORY;
+    shardd__backend *be = d->backend;
+    shardd_err rc = p == NULL ? SHARDD_E_NO_MEMORY
+                    : be->ops->export_ipc
+                        ? be->ops->export_ipc(be, res->gather.pool, ipc, sizeof ipc,
+                                              &ipc_len)
+                        : be->ops->export_fd(be, res->gather.pool, &fd);
+    if (rc == SHARDD_OK && ipc_len > 0) {
+      gr.has_cuda_ipc_handle = 1;
+      gr.cuda_ipc_handle.data = ipc;
+      gr.cuda_ipc_handle.len = ipc_len;
+    }
     if (p)
       c->pools_sent = p;
     if (rc != SHARDD_OK) {

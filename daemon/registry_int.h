@@ -85,4 +85,9 @@ shardd_err shardd__areas_buffer_init(shardd__buffer *b);
 void shardd__areas_buffer_fini(shardd__buffer *b);
 void shardd__areas_free(shardd__registry *reg, shardd__job *job);
 
+/* bytes zeros at off of r, directly where the daemon maps r (host), else
+ * through the backend's write (cuda). */
+shardd_err shardd__region_zero(shardd__backend *be, shardd__region *r,
+                               size_t off, size_t bytes);
+
 #endif /* SHARDD_REGISTRY_INT_H */

@@ -6,6 +6,9 @@
  * too small or cut off mid-frame. Each refusal must carry its reason, and
  * the client must stay usable (ping, status) and leak nothing (these also
  * run under ASan/LSan with `make check`). */
+#ifdef SHARDD_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
 #include <criterion/criterion.h>
 #include <dirent.h>
 #include <dlfcn.h>
@@ -63,6 +66,7 @@ typedef struct {
   int send_fd;          /* attach the pool's memfd */
   uint64_t memfd_bytes; /* the memfd's size when made; 0: pool_bytes */
   int want_grad;        /* what the request must ask for */
+  size_t ipc_len;       /* > 0: a (zero) CUDA IPC handle of this many bytes */
 } fake_gather;
 
 #define FAKE_MAX 8
@@ -265,6 +269,14 @@ static int fake_gather_reply(int fd, uint64_t seq, const Shardwire__Gather *rq,
   if (g->has_grad) {
     gr.has_grad_offset = 1;
     gr.grad_offset = g->grad_off;
+  }
+  uint8_t handle[128] = {0};
+  if (g->ipc_len > 0) { /* a cuda daemon's pool */
+    gr.has_cuda_ipc_handle = 1;
+    gr.cuda_ipc_handle.data = handle;
+    gr.cuda_ipc_handle.len = g->ipc_len < sizeof handle ? g->ipc_len : sizeof handle;
+    gr.has_device = 1;
+    gr.device = 0;
   }
   resp.body_case = SHARDWIRE__RESPONSE__BODY_GATHER;
   resp.gather = &gr;
@@ -986,6 +998,23 @@ Test(client, gather_reply_naming_an_unknown_pool_without_descriptor_is_refused,
   refuse_gather(pool_reply(5, 8192, 0, 0), SHARDD_E_PROTOCOL,
                 "names pool 5, which this connection has not mapped, and "
                 "carries no descriptor");
+}
+
+/* A cuda daemon's pool comes as a CUDA IPC handle, opened once: a handle
+ * of the wrong size is a protocol error, and where no GPU can open it the
+ * gather fails with SHARDD_E_NO_CUDA naming the pool (never a crash or a
+ * pointer into nothing). */
+Test(client, a_cuda_pool_handle_is_checked_and_needs_a_gpu, .timeout = 30) {
+  fake_gather g = pool_reply(4, 8192, 0, 0);
+  g.ipc_len = 63;
+  refuse_gather(g, SHARDD_E_PROTOCOL, "pool 4: a CUDA IPC handle of 63 bytes");
+#ifdef SHARDD_HAVE_CUDA
+  int n = 0;
+  if (cudaGetDeviceCount(&n) == cudaSuccess && n > 0)
+    cr_skip_test("a CUDA device is present: a zero handle is its driver's to refuse");
+#endif
+  g.ipc_len = 64;
+  refuse_gather(g, SHARDD_E_NO_CUDA, "pool 4");
 }
 
 Test(client, areas_outside_the_pool_are_refused, .timeout = 30) {

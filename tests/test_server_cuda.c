@@ -303,6 +303,83 @@ Test(server_cuda, reattach_and_status, .timeout = 120) {
   cr_assert_eq(test_daemon_stop(&d), 0);
 }
 
+/* Transient areas on the cuda backend: each pool is one cudaMalloc region
+ * a trainer opens once by IPC handle; a gather leases areas in it, the
+ * gradient area comes zeroed, and the scatter's mean lands in the reduced
+ * shards, as on the host backend. */
+typedef struct {
+  const char *sock;
+  uint32_t rank;
+  char err[512];
+  float gathered[1000];
+  float reduced[500];
+  int zero_grad, is_device;
+} tr_run;
+
+static void *tr_rank(void *p) {
+  tr_run *a = p;
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = "cuda-transient";
+  o.rank = a->rank;
+  o.world = 2;
+  o.transient_areas = 1;
+  shardd_client_t *c = NULL;
+  if (shardd_connect(a->sock, &o, &c, a->err, sizeof a->err) != SHARDD_OK)
+    return NULL;
+  shardd_buffer_info b;
+  shardd_area ar;
+  float vals[1000];
+  shardd_err rc = shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 1000, &b);
+  if (rc == SHARDD_OK) {
+    for (int i = 0; i < 500; i++)
+      vals[i] = (float)(a->rank * 500 + i);
+    put(&b, b.shard, vals, 500 * 4);
+    rc = shardd_gather_area(c, b.id, 1, &ar);
+  }
+  if (rc == SHARDD_OK) {
+    a->is_device = b.is_device;
+    get(&b, a->gathered, ar.gather, sizeof a->gathered);
+    get(&b, vals, ar.grad, sizeof vals);
+    a->zero_grad = 1;
+    for (int i = 0; i < 1000; i++)
+      a->zero_grad &= vals[i] == 0.0f;
+    for (int i = 0; i < 1000; i++)
+      vals[i] = (float)(a->rank + 1);
+    put(&b, ar.grad, vals, sizeof vals);
+    rc = shardd_scatter(c, b.id, SHARDD_REDUCE_MEAN);
+  }
+  if (rc == SHARDD_OK)
+    rc = shardd_release(c, b.id);
+  if (rc == SHARDD_OK)
+    get(&b, a->reduced, b.reduced, sizeof a->reduced);
+  if (rc != SHARDD_OK)
+    snprintf(a->err, sizeof a->err, "%s: %s", shardd_err_name(rc), shardd_last_error(c));
+  shardd_close(c);
+  return NULL;
+}
+
+Test(server_cuda, transient_areas_lease_from_an_ipc_pool, .timeout = 120) {
+  need_gpu();
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--backend", "cuda", "--devices", "1", NULL});
+  tr_run r[2] = {{.sock = d.sock, .rank = 0}, {.sock = d.sock, .rank = 1}};
+  pthread_t th[2];
+  for (int i = 0; i < 2; i++)
+    pthread_create(&th[i], NULL, tr_rank, &r[i]);
+  for (int i = 0; i < 2; i++)
+    pthread_join(th[i], NULL);
+  for (int i = 0; i < 2; i++) {
+    cr_assert_str_eq(r[i].err, "", "rank %d: %s", i, r[i].err);
+    cr_assert(r[i].is_device);
+    cr_assert(r[i].zero_grad, "rank %d: the gradient area came unzeroed", i);
+    for (int k = 0; k < 1000; k++)
+      cr_assert_eq(r[i].gathered[k], (float)k, "rank %d gathered[%d]", i, k);
+    for (int k = 0; k < 500; k++)
+      cr_assert_eq(r[i].reduced[k], 1.5f, "rank %d reduced[%d]", i, k);
+  }
+  cr_assert_eq(test_daemon_stop(&d), 0);
+}
+
 /* A cuda job's checkpoint stages device memory to the host: written by a
  * cuda daemon, restored by a host daemon (the files do not depend on the
  * backend), the shards are the cuda run's bytes. */
