@@ -1136,8 +1136,8 @@ shardd_err shardd_view_unregister(shardd_client_t *c, uint64_t view) {
 /* ---- batches of views ------------------------------------------------- */
 
 /* A request's share of the frame: a quarter of the limit, so the largest
- * names and shapes still fit and one request holds the daemon's loop for
- * a few ms at most (4096 views: ~3 ms). */
+ * names and shapes still fit (256 views of 255-byte names and 64
+ * dimensions are ~0.3 MiB; the count, not the bytes, cuts in practice). */
 #define VIEWS_REQ_BYTES (SHARDD_MAX_FRAME / 4)
 
 /* Entries [lo, *hi) of one request: at most SHARDD_VIEWS_PER_REQUEST, at

@@ -326,8 +326,10 @@ typedef struct {
  * (their names' generations then count that registration, and a rank
  * that attached to them meanwhile sees them go), and the requests after
  * it are not sent: their entries are reported as not checked
- * (SHARDD_E_STATE in errs, "and N entries not checked" in the message). */
-#define SHARDD_VIEWS_PER_REQUEST 4096
+ * (SHARDD_E_STATE in errs, "and N entries not checked" in the message).
+ * 256 entries per request keep each one near the daemon's 1 ms turn per
+ * session, so other clients wait for one request, not for the call. */
+#define SHARDD_VIEWS_PER_REQUEST 256
 shardd_err shardd_views_register(shardd_client_t *c, size_t n,
                                  const shardd_view_spec *specs,
                                  shardd_view_info *out, shardd_err *errs);

@@ -342,7 +342,7 @@ static void on_register_view(shardd__dispatch *d, shardd__conn *c,
 /* ---- batches of views ------------------------------------------------- */
 
 /* The reply's errors list refused entries while their text stays under
- * this (libshardd's requests of 4096 entries always fit: 512 bytes
+ * this (libshardd's requests of 256 entries always fit: 512 bytes
  * each); errors_total counts them all. A raw client's 100,000 bad entries
  * would not fit one frame. */
 #define BATCH_ERRORS_BYTES (8u << 20)

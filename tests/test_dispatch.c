@@ -139,7 +139,7 @@ Test(dispatch, refused_batch_names_every_bad_entry_and_keeps_nothing) {
   cr_assert_eq(one(&other, SHARDD_OK).created, 1, "ok2 was not kept trainable");
 }
 
-#define BIG 10000 /* three requests of SHARDD_VIEWS_PER_REQUEST */
+#define BIG 10000 /* many requests of SHARDD_VIEWS_PER_REQUEST */
 
 static char names[BIG][16];
 static shardd_view_spec big[BIG];
@@ -161,9 +161,13 @@ Test(dispatch, call_longer_than_a_request_is_undone_whole) {
   shardd_err rc = shardd_views_register(c, BIG, big, bigi, bige);
   cr_assert_eq(rc, SHARDD_E_MISMATCH, "%s: %s", shardd_err_name(rc),
                shardd_last_error(c));
+  /* the refused request's end: entries after it were not sent */
+  int end = (9000 / SHARDD_VIEWS_PER_REQUEST + 1) * SHARDD_VIEWS_PER_REQUEST;
+  cr_assert_lt(end, BIG);
   for (int i = 0; i < BIG; i++)
     cr_assert_eq(bige[i], i == 9000 ? SHARDD_E_MISMATCH
-                          : i == 9001 ? SHARDD_E_RANGE : SHARDD_OK,
+                          : i == 9001 ? SHARDD_E_RANGE
+                          : i >= end ? SHARDD_E_STATE : SHARDD_OK,
                  "entry %d: %s", i, shardd_err_name(bige[i]));
   const char *m = shardd_last_error(c);
   cr_assert(strstr(m, "[9000] E_MISMATCH") && strstr(m, "[9001] E_RANGE"),
@@ -329,19 +333,70 @@ Test(dispatch, malformed_batches_are_answered) {
   cr_assert(test_daemon_alive(&d));
 }
 
-/* More refused entries than the reply lists: the count is still right. */
-Test(dispatch, thousands_of_refusals_are_counted_and_bounded) {
+/* A refusal in the first request: its entries' codes, the rest not
+ * checked, and nothing kept. */
+Test(dispatch, refusal_in_the_first_request_leaves_the_rest_unchecked) {
   big_specs("z");
   for (int i = 0; i < 3000; i++)
     big[i].numel = 3; /* shape says 4 */
   shardd_err rc = shardd_views_register(c, 3000, big, NULL, bige);
   cr_assert_eq(rc, SHARDD_E_MISMATCH);
   const char *m = shardd_last_error(c);
-  cr_assert(strstr(m, "3000 of 3000 views refused"), "%.200s", m);
-  cr_assert(strstr(m, "more"), "the message is cut with a count: %.200s",
-            m + strlen(m) - (strlen(m) > 200 ? 200 : strlen(m)));
-  cr_assert_lt(strlen(m), 70 * 1024);
-  /* errs holds every entry's code, past what the message lists */
+  char want[96];
+  snprintf(want, sizeof want, "%d of %d views refused", SHARDD_VIEWS_PER_REQUEST,
+           SHARDD_VIEWS_PER_REQUEST);
+  cr_assert(strstr(m, want), "%.200s", m);
+  snprintf(want, sizeof want, "and %d entries after them not checked",
+           3000 - SHARDD_VIEWS_PER_REQUEST);
+  cr_assert(strstr(m, want), "%s", m + (strlen(m) > 300 ? strlen(m) - 300 : 0));
   for (int i = 0; i < 3000; i++)
-    cr_assert_eq(bige[i], SHARDD_E_MISMATCH, "entry %d", i);
+    cr_assert_eq(bige[i], i < SHARDD_VIEWS_PER_REQUEST ? SHARDD_E_MISMATCH
+                                                       : SHARDD_E_STATE,
+                 "entry %d: %s", i, shardd_err_name(bige[i]));
+}
+
+/* A raw request of more refused entries than the message has room for:
+ * every one in the reply's errors, the message cut with a count. */
+Test(dispatch, thousands_of_refusals_are_counted_and_bounded) {
+  test_raw r;
+  test_raw_open(&d, &r);
+  test_raw_hello(&r, "raw", 0, 1);
+  shardd_buffer_info rb;
+  test_raw_register_buffer(&r, "flat", SHARDD_DTYPE_FP32, 64, &rb);
+  enum { N = 3000 };
+  static Shardwire__RegisterView rv[N];
+  static Shardwire__RegisterView *rvp[N];
+  static char nm[N][16];
+  for (int i = 0; i < N; i++) {
+    shardwire__register_view__init(&rv[i]);
+    snprintf(nm[i], sizeof nm[i], "v%d", i);
+    rv[i].buffer = rb.id;
+    rv[i].name = nm[i];
+    rv[i].offset = 60;
+    rv[i].numel = 8; /* past the end of 64 */
+    rvp[i] = &rv[i];
+  }
+  Shardwire__RegisterViews rq = SHARDWIRE__REGISTER_VIEWS__INIT;
+  rq.n_views = N;
+  rq.views = rvp;
+  Shardwire__ViewsBatch vb = SHARDWIRE__VIEWS_BATCH__INIT;
+  vb.op_case = SHARDWIRE__VIEWS_BATCH__OP_REGISTER;
+  vb.register_ = &rq;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  req.body_case = SHARDWIRE__REQUEST__BODY_VIEWS_BATCH;
+  req.views_batch = &vb;
+  uint64_t seq = test_raw_send(&r, &req);
+  Shardwire__Response *resp = test_raw_expect(&r, seq, SHARDD_E_RANGE);
+  cr_assert(strstr(resp->message, "3000 of 3000 views refused"), "%.200s",
+            resp->message);
+  cr_assert(strstr(resp->message, "more"), "cut with a count: %s",
+            resp->message + strlen(resp->message) - 100);
+  cr_assert_lt(strlen(resp->message), 70 * 1024);
+  cr_assert_eq(resp->views_batch->errors_total, N);
+  cr_assert_eq(resp->views_batch->n_errors, N);
+  for (int i = 0; i < N; i++)
+    cr_assert_eq(resp->views_batch->errors[i]->index, (uint32_t)i);
+  shardwire__response__free_unpacked(resp, NULL);
+  test_raw_sync(&r);
+  test_raw_close(&r);
 }
