@@ -7,7 +7,11 @@
  * per area). Through the daemon: the same over one libshardd connection,
  * including a registration refused for one stray ref (validation only, the
  * whole list is checked and reported) and the accepted one (validation plus
- * optimizer state). FULL=1 repeats the in-process run more often. */
+ * optimizer state); then another 100,000 views of the same buffers in one
+ * shardd_views_register call (requests of 4096) and their unregistration
+ * in one shardd_views_unregister call, while a second connection pings
+ * the daemon: the longest ping is how long a batch holds the loop from
+ * other clients. FULL=1 repeats the in-process run more often. */
 #include <sys/resource.h>
 
 #include "bench.h"
@@ -138,10 +142,39 @@ static void run_inproc(double *t, char *create_err, size_t cel) {
   t[T_FREE] = t9 - t8;
 }
 
-enum { D_BUF, D_VIEW, D_REFUSED, D_ACCEPT, ND };
+enum { D_BUF, D_VIEW, D_REFUSED, D_ACCEPT, D_VIEW_BATCH, D_UNREG_BATCH, ND };
 static const char *dname[ND] = {
     "register 10,000 buffers (+ mmap)", "register 100,000 views",
-    "optimizer refused (1 stray ref)", "optimizer accepted (100,000 views)"};
+    "optimizer refused (1 stray ref)", "optimizer accepted (100,000 views)",
+    "register 100,000 views (batched)", "unregister 100,000 views (batched)"};
+
+static char *bvnames[NVIEW]; /* the batch's views */
+
+/* A second client's pings while the batches run. */
+typedef struct {
+  shardd_client_t *c;
+  volatile int stop;
+  double max_s, sum_s;
+  long n;
+} pinger;
+
+static void *ping_main(void *p) {
+  pinger *pg = p;
+  while (!pg->stop) {
+    double t0 = bench_now();
+    if (shardd_ping(pg->c) != SHARDD_OK)
+      bench_die("ping: %s", shardd_last_error(pg->c));
+    double dt = bench_now() - t0;
+    if (dt > pg->max_s)
+      pg->max_s = dt;
+    pg->sum_s += dt;
+    pg->n++;
+  }
+  return NULL;
+}
+
+static double ping_max_ms, ping_mean_us, idle_ping_max_ms, idle_ping_mean_us;
+static long ping_count;
 
 static void run_daemon(double *t, char *accept_err, size_t ael, char *refuse_msg,
                        size_t rml) {
@@ -184,10 +217,73 @@ static void run_daemon(double *t, char *accept_err, size_t ael, char *refuse_msg
   double t5 = bench_now();
   if (rc != SHARDD_OK)
     snprintf(accept_err, ael, "%s: %s", shardd_err_name(rc), shardd_last_error(c));
+  /* the same number of views again, one call; a ping alone first, for
+   * the latency the loop has without a batch */
+  shardd_view_spec *specs = calloc(NVIEW, sizeof *specs);
+  shardd_view_info *vinfo = calloc(NVIEW, sizeof *vinfo);
+  uint64_t *vids = calloc(NVIEW, sizeof *vids);
+  if (specs == NULL || vinfo == NULL || vids == NULL)
+    bench_die("out of memory");
+  for (int i = 0; i < NBUF; i++)
+    for (int j = 0; j < VPB; j++) {
+      shardd_view_spec e = SHARDD_VIEW_SPEC_INIT;
+      e.buffer = bid[i];
+      e.name = bvnames[i * VPB + j];
+      e.offset = (uint64_t)j * VNUMEL;
+      e.numel = VNUMEL;
+      e.shape = shape;
+      e.ndim = 2;
+      specs[i * VPB + j] = e;
+    }
+  pinger pg = {bench_connect(&d, "registry-bench-ping", 0, 1), 0, 0, 0, 0};
+  for (int i = 0; i < 2000; i++) {
+    double p0 = bench_now();
+    if (shardd_ping(pg.c) != SHARDD_OK)
+      bench_die("ping: %s", shardd_last_error(pg.c));
+    double dp = bench_now() - p0;
+    if (dp > idle_ping_max_ms / 1e3)
+      idle_ping_max_ms = dp * 1e3;
+    idle_ping_mean_us += dp * 1e6 / 2000;
+  }
+  /* timed alone (the pings would take CPU from it), then again with a
+   * second client pinging throughout, for the latency it sees */
+  double t6 = 0, t7 = 0, t8 = 0, t9 = 0;
+  pthread_t th;
+  for (int pass = 0; pass < 2; pass++) {
+    if (pass == 1)
+      pthread_create(&th, NULL, ping_main, &pg);
+    double a = bench_now();
+    if (shardd_views_register(c, NVIEW, specs, vinfo, NULL) != SHARDD_OK)
+      bench_die("views batch: %s", shardd_last_error(c));
+    double z = bench_now();
+    for (int i = 0; i < NVIEW; i++)
+      vids[i] = vinfo[i].id;
+    double u0 = bench_now();
+    if (shardd_views_unregister(c, NVIEW, vids, NULL, NULL) != SHARDD_OK)
+      bench_die("unregister batch: %s", shardd_last_error(c));
+    double u1 = bench_now();
+    if (pass == 0) {
+      t6 = a;
+      t7 = z;
+      t8 = u0;
+      t9 = u1;
+    }
+  }
+  pg.stop = 1;
+  pthread_join(th, NULL);
+  ping_max_ms = pg.max_s * 1e3;
+  ping_mean_us = pg.n ? pg.sum_s / (double)pg.n * 1e6 : 0;
+  ping_count = pg.n;
+  shardd_close(pg.c);
+  free(specs);
+  free(vinfo);
+  free(vids);
   t[D_BUF] = t1 - t0;
   t[D_VIEW] = t2 - t1;
   t[D_REFUSED] = t3 - t2;
   t[D_ACCEPT] = t5 - t4;
+  t[D_VIEW_BATCH] = t7 - t6;
+  t[D_UNREG_BATCH] = t9 - t8;
   shardd_close(c);
   free(refs);
   bench_daemon_stop(&d);
@@ -210,6 +306,8 @@ int main(int argc, char **argv) {
     for (int j = 0; j < VPB; j++) {
       snprintf(s, sizeof s, "layer%d.param%d.weight", i, j);
       vnames[i * VPB + j] = strdup(s);
+      snprintf(s, sizeof s, "layer%d.param%d.batched", i, j);
+      bvnames[i * VPB + j] = strdup(s);
     }
   }
   double tin[NT][16];
@@ -244,11 +342,20 @@ int main(int argc, char **argv) {
   fprintf(f, "\n  },\n  \"in_process_create_error\": \"%s\",\n  \"daemon_s\": {",
           create_err);
   printf("%-36s %10s %12s\n", "through the daemon (one run)", "ms", "us/object");
-  static const double dper[ND] = {NBUF, NVIEW, NVIEW, NVIEW};
+  static const double dper[ND] = {NBUF, NVIEW, NVIEW, NVIEW, NVIEW, NVIEW};
   for (int k = 0; k < ND; k++) {
     printf("%-36s %10.2f %12.3f\n", dname[k], td[k] * 1e3, td[k] / dper[k] * 1e6);
     fprintf(f, "%s\n    \"%s\": %.6g", k ? "," : "", dname[k], td[k]);
   }
+  printf("  one by one vs batched: %.1fx; another client's pings during the "
+         "batches: %ld, mean %.0f us, longest %.2f ms (idle: mean %.0f us, "
+         "longest %.2f ms)\n",
+         td[D_VIEW] / td[D_VIEW_BATCH], ping_count, ping_mean_us, ping_max_ms,
+         idle_ping_mean_us, idle_ping_max_ms);
+  fprintf(f, "\n  },\n  \"batch_ping\": {\"count\": %ld, \"mean_s\": %.6g, "
+             "\"max_s\": %.6g, \"idle_mean_s\": %.6g, \"idle_max_s\": %.6g}",
+          ping_count, ping_mean_us / 1e6, ping_max_ms / 1e3,
+          idle_ping_mean_us / 1e6, idle_ping_max_ms / 1e3);
   refuse_msg[strcspn(refuse_msg, "\n")] = '\0';
   printf("  refusal: %.160s\n", refuse_msg);
   if (accept_err[0])
@@ -259,12 +366,14 @@ int main(int argc, char **argv) {
   for (char *p = refuse_msg; *p; p++)
     if (*p == '"' || *p == '\\')
       *p = ' ';
-  fprintf(f, "\n  },\n  \"daemon_accept_error\": \"%s\",\n  \"daemon_refusal\": \"%.200s\"",
+  fprintf(f, ",\n  \"daemon_accept_error\": \"%s\",\n  \"daemon_refusal\": \"%.200s\"",
           accept_err, refuse_msg);
   bench_json_close(f, "registry");
   for (int i = 0; i < NBUF; i++)
     free(bnames[i]);
-  for (int i = 0; i < NVIEW; i++)
+  for (int i = 0; i < NVIEW; i++) {
     free(vnames[i]);
+    free(bvnames[i]);
+  }
   return 0;
 }

@@ -1183,6 +1183,257 @@ shardd_err shardd_view_unregister(shardd_client_t *c, uint64_t view) {
   return call_status_only(c, &req);
 }
 
+/* ---- batches of views ------------------------------------------------- */
+
+/* A request's share of the frame: a quarter of the limit, so the largest
+ * names and shapes still fit (256 views of 255-byte names and 64
+ * dimensions are ~0.3 MiB; the count, not the bytes, cuts in practice). */
+#define VIEWS_REQ_BYTES (SHARDD_MAX_FRAME / 4)
+
+/* Entries [lo, *hi) of one request: at most SHARDD_VIEWS_PER_REQUEST, at
+ * most VIEWS_REQ_BYTES packed (at least one). */
+static size_t views_chunk_end(Shardwire__RegisterView *rv, size_t lo, size_t n) {
+  size_t hi = lo, bytes = 0;
+  while (hi < n && hi - lo < SHARDD_VIEWS_PER_REQUEST) {
+    size_t b = shardwire__register_view__get_packed_size(&rv[hi]) + 8;
+    if (hi > lo && bytes + b > VIEWS_REQ_BYTES)
+      break;
+    bytes += b;
+    hi++;
+  }
+  return hi;
+}
+
+/* The refused entries' codes from a refusal's reply (indices count from
+ * the call's first entry). */
+static void batch_errs_fill(const Shardwire__Response *resp, size_t lo,
+                            size_t hi, shardd_err *errs) {
+  if (errs == NULL || resp == NULL ||
+      resp->body_case != SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH)
+    return;
+  const Shardwire__ViewsBatchReply *vb = resp->views_batch;
+  for (size_t k = 0; k < vb->n_errors; k++)
+    if (vb->errors[k]->index >= lo && vb->errors[k]->index < hi)
+      errs[vb->errors[k]->index] = (shardd_err)vb->errors[k]->code;
+}
+
+/* last_error after a refusal in the request of [lo, hi): the daemon's
+ * list (its indices count from the call's first entry) and what was not
+ * checked. */
+static void batch_err_note(shardd_client_t *c, shardd_err rc, size_t hi,
+                           size_t n, const char *verb) {
+  if (hi == n)
+    return;
+  char *copy = strdup(shardd_last_error(c));
+  if (copy == NULL)
+    return;
+  set_err(c, rc, "%s; and %zu entries after them not checked (%s)", copy,
+          n - hi, verb);
+  free(copy);
+}
+
+shardd_err shardd_views_register(shardd_client_t *c, size_t n,
+                                 const shardd_view_spec *specs,
+                                 shardd_view_info *out, shardd_err *errs) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+  if (out)
+    memset(out, 0, n * sizeof *out);
+  if (errs)
+    for (size_t i = 0; i < n; i++)
+      errs[i] = SHARDD_OK;
+  if (n == 0)
+    return SHARDD_OK;
+  if (specs == NULL)
+    return set_err(c, SHARDD_E_INVAL, "shardd_views_register: specs is NULL");
+  if (n > UINT32_MAX) /* the wire's entry indices */
+    return set_err(c, SHARDD_E_RANGE, "shardd_views_register: %zu views, at "
+                   "most %" PRIu32 " per call", n, UINT32_MAX);
+  size_t stride = specs->size;
+  if (stride < offsetof(shardd_view_spec, requires_grad) + sizeof(int))
+    return set_err(c, SHARDD_E_INVAL,
+                   "shardd_views_register: specs[0].size %zu is too small "
+                   "(use SHARDD_VIEW_SPEC_INIT)", stride);
+  Shardwire__RegisterView *rv = calloc(n, sizeof *rv);
+  Shardwire__RegisterView **rvp = calloc(n, sizeof *rvp);
+  /* the views created so far, for the undo of a later refusal */
+  uint64_t *made = malloc(n * sizeof *made);
+  shardd_err rc = SHARDD_OK;
+  size_t nmade = 0;
+  if (rv == NULL || rvp == NULL || made == NULL) {
+    rc = set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
+    goto done;
+  }
+  for (size_t i = 0; i < n; i++) {
+    shardd_view_spec e = SHARDD_VIEW_SPEC_INIT;
+    const shardd_view_spec *sp =
+        (const shardd_view_spec *)((const char *)specs + i * stride);
+    memcpy(&e, sp, stride < sizeof e ? stride : sizeof e);
+    if (e.size != stride) {
+      rc = set_err(c, SHARDD_E_INVAL, "views: entry %zu has size %zu, entry 0 "
+                   "%zu (every entry the same)", i, e.size, stride);
+      goto done;
+    }
+    if (e.name == NULL || e.ndim < 0 || (e.ndim > 0 && e.shape == NULL)) {
+      if (errs)
+        errs[i] = SHARDD_E_INVAL;
+      rc = set_err(c, SHARDD_E_INVAL, "views: entry %zu has a NULL name or "
+                   "shape; nothing was sent", i);
+      goto done;
+    }
+    shardwire__register_view__init(&rv[i]);
+    rv[i].buffer = e.buffer;
+    rv[i].name = (char *)e.name;
+    rv[i].offset = e.offset;
+    rv[i].numel = e.numel;
+    rv[i].n_shape = (size_t)e.ndim;
+    rv[i].shape = (int64_t *)e.shape;
+    if (!e.requires_grad) {
+      rv[i].has_requires_grad = 1;
+      rv[i].requires_grad = 0;
+    }
+    if (e.buffer_generation) {
+      rv[i].has_buffer_generation = 1;
+      rv[i].buffer_generation = e.buffer_generation;
+    }
+    rvp[i] = &rv[i];
+  }
+  for (size_t lo = 0; lo < n;) {
+    size_t hi = views_chunk_end(rv, lo, n);
+    Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+    Shardwire__ViewsBatch vb = SHARDWIRE__VIEWS_BATCH__INIT;
+    Shardwire__RegisterViews rq = SHARDWIRE__REGISTER_VIEWS__INIT;
+    rq.n_views = hi - lo;
+    rq.views = rvp + lo;
+    rq.has_first_index = lo > 0;
+    rq.first_index = (uint32_t)lo;
+    vb.op_case = SHARDWIRE__VIEWS_BATCH__OP_REGISTER;
+    vb.register_ = &rq;
+    req.body_case = SHARDWIRE__REQUEST__BODY_VIEWS_BATCH;
+    req.views_batch = &vb;
+    Shardwire__Response *resp;
+    rc = call_expect(c, &req, SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH, &resp, NULL);
+    if (rc == SHARDD_OK && resp->views_batch->n_views != hi - lo) {
+      rc = set_err(c, SHARDD_E_PROTOCOL, "the daemon answered %zu views for a "
+                   "request of %zu", resp->views_batch->n_views, hi - lo);
+      /* what it did create is unknown: nothing to undo by id */
+    } else if (rc == SHARDD_OK) {
+      for (size_t i = lo; i < hi; i++) {
+        const Shardwire__ViewReply *r = resp->views_batch->views[i - lo];
+        if (out) {
+          out[i].id = r->id;
+          out[i].generation = r->has_generation ? r->generation : 0;
+          out[i].created = r->created;
+        }
+        if (r->created)
+          made[nmade++] = r->id;
+      }
+    } else {
+      batch_errs_fill(resp, lo, hi, errs);
+      if (errs)
+        for (size_t i = hi; i < n; i++)
+          errs[i] = SHARDD_E_STATE;
+      batch_err_note(c, rc, hi, n, "no view of this call was kept");
+    }
+    if (resp)
+      shardwire__response__free_unpacked(resp, NULL);
+    if (rc != SHARDD_OK)
+      break;
+    lo = hi;
+  }
+  if (rc != SHARDD_OK && nmade > 0) {
+    /* the refusal's message is the call's error, not the undo's */
+    size_t ml = strlen(shardd_last_error(c));
+    char *msg = malloc(ml + 1);
+    if (msg)
+      memcpy(msg, shardd_last_error(c), ml + 1);
+    shardd_err urc = shardd_views_unregister(c, nmade, made, NULL, NULL);
+    if (msg && urc == SHARDD_OK)
+      set_err(c, rc, "%s", msg);
+    else if (msg)
+      set_err(c, rc, "%s; undoing the %zu views created by earlier requests "
+              "failed too: %s", msg, nmade, shardd_last_error(c));
+    free(msg);
+  }
+  if (rc != SHARDD_OK && out)
+    memset(out, 0, n * sizeof *out);
+
+done:
+  free(rv);
+  free(rvp);
+  free(made);
+  return rc;
+}
+
+shardd_err shardd_views_unregister(shardd_client_t *c, size_t n,
+                                   const uint64_t *views,
+                                   const uint64_t *generations,
+                                   shardd_err *errs) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+  if (errs)
+    for (size_t i = 0; i < n; i++)
+      errs[i] = SHARDD_OK;
+  if (n == 0)
+    return SHARDD_OK;
+  if (views == NULL)
+    return set_err(c, SHARDD_E_INVAL, "shardd_views_unregister: views is NULL");
+  if (n > UINT32_MAX)
+    return set_err(c, SHARDD_E_RANGE, "shardd_views_unregister: %zu views, at "
+                   "most %" PRIu32 " per call", n, UINT32_MAX);
+  size_t per = SHARDD_VIEWS_PER_REQUEST;
+  Shardwire__UnregisterView *uv = calloc(per, sizeof *uv);
+  Shardwire__UnregisterView **uvp = calloc(per, sizeof *uvp);
+  shardd_err rc = SHARDD_OK;
+  if (uv == NULL || uvp == NULL) {
+    rc = set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
+    goto done;
+  }
+  for (size_t lo = 0; lo < n; lo += per) {
+    size_t hi = n - lo < per ? n : lo + per;
+    for (size_t i = lo; i < hi; i++) {
+      Shardwire__UnregisterView *u = &uv[i - lo];
+      shardwire__unregister_view__init(u);
+      u->id = views[i];
+      if (generations && generations[i]) {
+        u->has_generation = 1;
+        u->generation = generations[i];
+      }
+      uvp[i - lo] = u;
+    }
+    Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+    Shardwire__ViewsBatch vb = SHARDWIRE__VIEWS_BATCH__INIT;
+    Shardwire__UnregisterViews rq = SHARDWIRE__UNREGISTER_VIEWS__INIT;
+    rq.n_views = hi - lo;
+    rq.views = uvp;
+    rq.has_first_index = lo > 0;
+    rq.first_index = (uint32_t)lo;
+    vb.op_case = SHARDWIRE__VIEWS_BATCH__OP_UNREGISTER;
+    vb.unregister = &rq;
+    req.body_case = SHARDWIRE__REQUEST__BODY_VIEWS_BATCH;
+    req.views_batch = &vb;
+    Shardwire__Response *resp;
+    rc = call_expect(c, &req, SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH, &resp, NULL);
+    if (rc != SHARDD_OK) {
+      batch_errs_fill(resp, lo, hi, errs);
+      if (errs)
+        for (size_t i = hi; i < n; i++)
+          errs[i] = SHARDD_E_STATE;
+      batch_err_note(c, rc, hi, n,
+                     "the views of the entries before these are unregistered");
+    }
+    if (resp)
+      shardwire__response__free_unpacked(resp, NULL);
+    if (rc != SHARDD_OK)
+      break;
+  }
+
+done:
+  free(uv);
+  free(uvp);
+  return rc;
+}
+
 static void hp_to_wire(const shardd_hparams *h, Shardwire__HyperParams *w) {
   shardwire__hyper_params__init(w);
   if (h == NULL)

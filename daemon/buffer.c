@@ -508,6 +508,26 @@ nomem:
 
 shardd_err shardd__view_unregister(shardd__registry *reg, shardd__job *job,
                                    uint64_t id, char *err, size_t errlen) {
+  shardd_err rc = shardd__view_unregister_check(reg, job, id, err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  shardd__obj *o;
+  shardd__registry_resolve(reg, job, id, SHARDD__OBJ_VIEW, &o, err, errlen);
+  shardd__view *v = (shardd__view *)o;
+  shardd__buffer *b = v->buf;
+  int frozen = !v->requires_grad;
+  shardd__map_del_str(&b->views, o->name);
+  view_destroy(reg, v);
+  if (frozen && frozen_rebuild(b) != SHARDD_OK) {
+    /* Out of memory: the old ranges stay, a superset, so scatter may skip
+     * elements that are trainable now, never reduce frozen ones. */
+  }
+  return SHARDD_OK;
+}
+
+shardd_err shardd__view_unregister_check(shardd__registry *reg,
+                                         shardd__job *job, uint64_t id,
+                                         char *err, size_t errlen) {
   shardd__obj *o;
   shardd_err rc = shardd__registry_resolve(reg, job, id, SHARDD__OBJ_VIEW, &o,
                                            err, errlen);
@@ -520,15 +540,30 @@ shardd_err shardd__view_unregister(shardd__registry *reg, shardd__job *job,
              id, o->name, v->owner->hdr.id);
     return SHARDD_E_BUSY;
   }
-  shardd__buffer *b = v->buf;
-  int frozen = !v->requires_grad;
-  shardd__map_del_str(&b->views, o->name);
-  view_destroy(reg, v);
-  if (frozen && frozen_rebuild(b) != SHARDD_OK) {
-    /* Out of memory: the old ranges stay, a superset, so scatter may skip
-     * elements that are trainable now, never reduce frozen ones. */
-  }
   return SHARDD_OK;
+}
+
+void shardd__view_abandon(shardd__registry *reg, shardd__view *v) {
+  shardd__buffer *b = v->buf;
+  shardd__job *job = b->hdr.job;
+  char *gkey = shardd__gen_key(b->hdr.name, v->hdr.name);
+  /* the key exists (the registration put it), so this replaces or
+   * deletes and allocates nothing */
+  if (gkey)
+    shardd__gen_put(job, gkey, v->hdr.generation - 1);
+  free(gkey);
+  int frozen = !v->requires_grad;
+  shardd__map_del_str(&b->views, v->hdr.name);
+  job->nviews--;
+  reg->nviews--;
+  if (frozen)
+    b->nfrozen--;
+  shardd__obj_fini(reg, &v->hdr);
+  free(v->shape);
+  free(v);
+  if (frozen && frozen_rebuild(b) != SHARDD_OK) {
+    /* as in view_unregister: the old ranges stay, a superset */
+  }
 }
 
 shardd_err shardd__view_set_requires_grad(shardd__registry *reg,

@@ -339,6 +339,265 @@ static void on_register_view(shardd__dispatch *d, shardd__conn *c,
   send_resp(d, c, &resp, -1);
 }
 
+/* ---- batches of views ------------------------------------------------- */
+
+/* The reply's errors list refused entries while their text stays under
+ * this (libshardd's requests of 256 entries always fit: 512 bytes
+ * each); errors_total counts them all. A raw client's 100,000 bad entries
+ * would not fit one frame. */
+#define BATCH_ERRORS_BYTES (8u << 20)
+/* The message's size: the entries it has room for, then "and N more". */
+#define BATCH_MSG_MAX (64 * 1024)
+
+typedef struct {
+  uint32_t base; /* the request's first_index */
+  Shardwire__BatchError *errs, **errp;
+  size_t n, total;
+  size_t bytes; /* of the errors' messages */
+  shardd_err first;
+  char *msg; /* BATCH_MSG_MAX bytes */
+  size_t len;
+  size_t listed; /* entries the message names */
+  int cut;   /* the message ran out of room */
+} batch_errs;
+
+static void batch_errs_free(batch_errs *b) {
+  for (size_t i = 0; i < b->n; i++)
+    free(b->errs[i].message);
+  free(b->errs);
+  free(b->errp);
+  free(b->msg);
+}
+
+/* Records entry i's refusal; out of memory only shortens the lists. */
+static void batch_err_add(batch_errs *b, size_t i, shardd_err rc,
+                          const char *why) {
+  i += b->base;
+  if (b->total++ == 0)
+    b->first = rc;
+  if (b->bytes < BATCH_ERRORS_BYTES) {
+    Shardwire__BatchError *e = &b->errs[b->n];
+    shardwire__batch_error__init(e);
+    e->index = (uint32_t)i;
+    e->code = (Shardwire__StatusCode)rc;
+    e->message = strdup(why);
+    if (e->message) {
+      b->errp[b->n] = e;
+      b->n++;
+      b->bytes += strlen(why) + 16;
+    }
+  }
+  if (b->msg && !b->cut) {
+    int k = snprintf(b->msg + b->len, BATCH_MSG_MAX - b->len, "%s[%zu] %s: %s",
+                     b->total > 1 ? "; " : "", i, shardd_err_name(rc), why);
+    if (k < 0 || (size_t)k >= BATCH_MSG_MAX - b->len - 64)
+      b->cut = 1; /* keeps the 64 bytes for the count */
+    else {
+      b->len += (size_t)k;
+      b->listed++;
+    }
+  }
+}
+
+/* The refusal: the first entry's code, every listed entry named. */
+static void batch_refuse(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                         size_t n, batch_errs *b, const char *what) {
+  char head[128];
+  if (b->base)
+    snprintf(head, sizeof head, "%zu of the %zu %s from entry %" PRIu32
+             " refused, none of them %s: ", b->total, n, what, b->base,
+             strcmp(what, "views") == 0 ? "registered" : "unregistered");
+  else
+    snprintf(head, sizeof head, "%zu of %zu %s refused, none %s: ", b->total,
+             n, what, strcmp(what, "views") == 0 ? "registered" : "unregistered");
+  size_t hl = strlen(head);
+  char *m = malloc(hl + b->len + 96);
+  if (m) {
+    memcpy(m, head, hl);
+    memcpy(m + hl, b->msg ? b->msg : "", b->len);
+    m[hl + b->len] = '\0';
+    if (b->listed < b->total)
+      snprintf(m + hl + b->len, 96, "%sand %zu more", b->listed ? "; " : "",
+               b->total - b->listed);
+  }
+  Shardwire__Response resp = SHARDWIRE__RESPONSE__INIT;
+  resp.seq = seq;
+  resp.code = (Shardwire__StatusCode)b->first;
+  resp.message = m ? m : (char *)shardd_strerror(b->first);
+  Shardwire__ViewsBatchReply vb = SHARDWIRE__VIEWS_BATCH_REPLY__INIT;
+  vb.n_errors = b->n;
+  vb.errors = b->errp;
+  vb.has_errors_total = 1;
+  vb.errors_total = (uint32_t)b->total;
+  resp.body_case = SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH;
+  resp.views_batch = &vb;
+  send_resp(d, c, &resp, -1);
+  free(m);
+}
+
+static shardd_err batch_errs_init(batch_errs *b, size_t n, uint32_t base) {
+  memset(b, 0, sizeof *b);
+  b->base = base;
+  b->errs = calloc(n ? n : 1, sizeof *b->errs);
+  b->errp = calloc(n ? n : 1, sizeof *b->errp);
+  b->msg = malloc(BATCH_MSG_MAX);
+  if (b->errs == NULL || b->errp == NULL || b->msg == NULL) {
+    batch_errs_free(b);
+    return SHARDD_E_NO_MEMORY;
+  }
+  b->msg[0] = '\0';
+  return SHARDD_OK;
+}
+
+/* Every entry is tried in order, so each is checked against the registry
+ * and the entries before it exactly as n single requests would be; when
+ * any is refused the ones this request created are abandoned, newest
+ * first, and nothing is left of the batch. */
+static void views_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                           const Shardwire__RegisterViews *rq) {
+  size_t n = rq->n_views;
+  char err[ERRLEN];
+  batch_errs be;
+  shardd__view **vs = calloc(n ? n : 1, sizeof *vs);
+  Shardwire__ViewReply *vr = calloc(n ? n : 1, sizeof *vr);
+  Shardwire__ViewReply **vrp = calloc(n ? n : 1, sizeof *vrp);
+  char *created = calloc(n ? n : 1, 1);
+  if (vs == NULL || vr == NULL || vrp == NULL || created == NULL ||
+      batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
+          SHARDD_OK) {
+    free(vs);
+    free(vr);
+    free(vrp);
+    free(created);
+    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    return;
+  }
+  for (size_t i = 0; i < n; i++) {
+    const Shardwire__RegisterView *rv = rq->views[i];
+    shardd_err rc;
+    int cr = 0;
+    if (rv->n_shape > 64) {
+      rc = SHARDD_E_RANGE;
+      snprintf(err, sizeof err, "view \"%s\" has over 64 dimensions", rv->name);
+    } else {
+      rc = shardd__view_register_ex(
+          &d->reg, c->m.job, rv->buffer,
+          rv->has_buffer_generation ? rv->buffer_generation : 0, rv->name,
+          rv->offset, rv->numel, rv->shape, (int)rv->n_shape,
+          rv->has_requires_grad ? rv->requires_grad : 1, &vs[i], &cr, err,
+          sizeof err);
+    }
+    if (rc != SHARDD_OK)
+      batch_err_add(&be, i, rc, err);
+    created[i] = (char)cr;
+  }
+  if (be.total > 0) {
+    for (size_t i = n; i-- > 0;)
+      if (created[i])
+        shardd__view_abandon(&d->reg, vs[i]);
+    batch_refuse(d, c, seq, n, &be, "views");
+  } else {
+    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH);
+    Shardwire__ViewsBatchReply vb = SHARDWIRE__VIEWS_BATCH_REPLY__INIT;
+    for (size_t i = 0; i < n; i++) {
+      shardwire__view_reply__init(&vr[i]);
+      vr[i].id = vs[i]->hdr.id;
+      vr[i].created = created[i];
+      vr[i].has_generation = 1;
+      vr[i].generation = vs[i]->hdr.generation;
+      vrp[i] = &vr[i];
+    }
+    vb.n_views = n;
+    vb.views = vrp;
+    resp.views_batch = &vb;
+    send_resp(d, c, &resp, -1);
+  }
+  batch_errs_free(&be);
+  free(vs);
+  free(vr);
+  free(vrp);
+  free(created);
+}
+
+static int cmp_u64(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* Every id is checked before any view goes: registered, held by no
+ * optimizer, generation current, named once. */
+static void views_unregister(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                             const Shardwire__UnregisterViews *rq) {
+  size_t n = rq->n_views;
+  char err[ERRLEN];
+  batch_errs be;
+  uint64_t *ids = malloc((n ? n : 1) * sizeof *ids);
+  if (ids == NULL ||
+      batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
+          SHARDD_OK) {
+    free(ids);
+    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    return;
+  }
+  shardd__registry *reg = &d->reg;
+  shardd__job *job = c->m.job;
+  for (size_t i = 0; i < n; i++) {
+    const Shardwire__UnregisterView *uv = rq->views[i];
+    shardd_err rc = SHARDD_OK;
+    uint64_t gen = uv->has_generation ? uv->generation : 0;
+    if (gen != 0 && shardd__registry_stale(reg, job, uv->id, gen, err, sizeof err))
+      rc = SHARDD_E_STALE;
+    else
+      rc = shardd__view_unregister_check(reg, job, uv->id, err, sizeof err);
+    if (rc != SHARDD_OK)
+      batch_err_add(&be, i, rc, err);
+    ids[i] = uv->id;
+  }
+  if (be.total == 0 && n > 1) {
+    qsort(ids, n, sizeof *ids, cmp_u64);
+    for (size_t i = 1; i < n; i++)
+      if (ids[i] == ids[i - 1]) {
+        /* name the later entries that repeat it */
+        size_t seen = 0;
+        for (size_t j = 0; j < n; j++)
+          if (rq->views[j]->id == ids[i] && seen++ > 0) {
+            snprintf(err, sizeof err, "view %" PRIu64 " is named twice",
+                     ids[i]);
+            batch_err_add(&be, j, SHARDD_E_INVAL, err);
+          }
+        while (i + 1 < n && ids[i + 1] == ids[i])
+          i++;
+      }
+  }
+  if (be.total > 0) {
+    batch_refuse(d, c, seq, n, &be, "view unregistrations");
+  } else {
+    for (size_t i = 0; i < n; i++)
+      if (shardd__view_unregister(reg, job, rq->views[i]->id, err, sizeof err) !=
+          SHARDD_OK)
+        /* checked above and nothing ran between: a bug, said loudly */
+        shardd__log(1, "job \"%s\": view %" PRIu64 " passed its check but: %s",
+                    job->name, rq->views[i]->id, err);
+    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH);
+    Shardwire__ViewsBatchReply vb = SHARDWIRE__VIEWS_BATCH_REPLY__INIT;
+    resp.views_batch = &vb;
+    send_resp(d, c, &resp, -1);
+  }
+  batch_errs_free(&be);
+  free(ids);
+}
+
+static void on_views_batch(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                           const Shardwire__Request *req) {
+  const Shardwire__ViewsBatch *vb = req->views_batch;
+  if (vb->op_case == SHARDWIRE__VIEWS_BATCH__OP_REGISTER)
+    views_register(d, c, seq, vb->register_);
+  else if (vb->op_case == SHARDWIRE__VIEWS_BATCH__OP_UNREGISTER)
+    views_unregister(d, c, seq, vb->unregister);
+  else
+    reply(d, c, seq, SHARDD_E_INVAL, "ViewsBatch names no operation");
+}
+
 static void on_register_optimizer(shardd__dispatch *d, shardd__conn *c,
                                   uint64_t seq, const Shardwire__Request *req) {
   char err[ERRLEN];
@@ -950,6 +1209,7 @@ static const struct {
     {SHARDWIRE__REQUEST__BODY_UNREGISTER_BUFFER, 1, 1, on_unregister_buffer},
     {SHARDWIRE__REQUEST__BODY_REGISTER_VIEW, 1, 1, on_register_view},
     {SHARDWIRE__REQUEST__BODY_UNREGISTER_VIEW, 1, 1, on_unregister_view},
+    {SHARDWIRE__REQUEST__BODY_VIEWS_BATCH, 1, 1, on_views_batch},
     {SHARDWIRE__REQUEST__BODY_REGISTER_OPTIMIZER, 1, 1, on_register_optimizer},
     {SHARDWIRE__REQUEST__BODY_UNREGISTER_OPTIMIZER, 1, 1, on_unregister_optimizer},
     {SHARDWIRE__REQUEST__BODY_GATHER, 1, 0, on_gather},

@@ -438,6 +438,16 @@ uint64_t shardd__job_pool_bytes(const shardd__job *job);
 
 shardd_err shardd__view_unregister(shardd__registry *reg, shardd__job *job,
                                    uint64_t id, char *err, size_t errlen);
+/* Whether view id could be unregistered now (registered in job, held by
+ * no optimizer), without doing it: a batch checks every entry first. */
+shardd_err shardd__view_unregister_check(shardd__registry *reg,
+                                         shardd__job *job, uint64_t id,
+                                         char *err, size_t errlen);
+/* Undoes the registration that created v (view_register_ex with *created
+ * 1), as if it never happened: its name's generation goes back and no
+ * freed handle is recorded, so a refused batch leaves no trace. Views
+ * created after v must be abandoned first (newest first). */
+void shardd__view_abandon(shardd__registry *reg, shardd__view *v);
 /* Freezes (requires_grad 0) or unfreezes a view: gradual unfreezing. The
  * rules of view_register_ex hold (a frozen view meets no trainable one and
  * lies in no buffer held whole: SHARDD_E_OVERLAP, SHARDD_E_BUSY); a view an

@@ -158,6 +158,48 @@ class BindingTest(unittest.TestCase):
                  for o in j["optimizers"]]
         self.assertEqual(names, ["sgd"])
 
+    def test_register_views_batch(self):
+        c = self.client("vbatch")
+        b = c.register_buffer("flat", "fp32", 20000)
+        specs = [(b, "p%d" % i, 2 * i, (2,)) for i in range(9000)]
+        specs.append((b, "frozen", 18000, (4, 2), False))
+        vs = c.register_views(specs)
+        self.assertEqual(len(vs), 9001)
+        self.assertEqual(len({v.id for v in vs}), 9001)
+        self.assertEqual([v.name for v in vs[:3]], ["p0", "p1", "p2"])
+        self.assertFalse(vs[-1].requires_grad)
+        self.assertEqual(vs[-1].shape, (4, 2))
+        self.assertEqual(vs[5].offset, 10)
+        # the single call attaches to what the batch made
+        self.assertEqual(c.register_view(b, "p7", 14, (2,)).id, vs[7].id)
+        b.shard[:] = 3.0
+        c.gather(b)
+        np.testing.assert_array_equal(vs[100].numpy(), np.full(2, 3.0, np.float32))
+        # refused: every bad entry named, nothing kept
+        bad = [(b, "q0", 0, (2,)), (b, "q1", 19999, (2,)), (b, "q2", 4, (3,)),
+               (b, "q3", 18000, (2,))]  # q3: trainable on frozen elements
+        with self.assertRaises(shardd.Error) as cm:
+            c.register_views(bad)
+        e = cm.exception
+        self.assertEqual(e.code_name, "E_RANGE")
+        self.assertEqual(e.errors, [(1, "E_RANGE"), (3, "E_OVERLAP")])
+        self.assertIn("[1] E_RANGE", e.message)
+        self.assertIn('"q3"', e.message)
+        q0 = c.register_view(b, "q0", 0, (2,))
+        self.assertEqual(q0.generation, 1)  # not kept by the refused batch
+        # unregister in one call; then they are gone
+        c.unregister_views(vs[:9000])
+        with self.assertRaises(shardd.Error) as cm:
+            c.unregister_view(vs[0])
+        self.assertEqual(cm.exception.code_name, "E_NOT_FOUND")
+        with self.assertRaises(shardd.Error) as cm:
+            c.unregister_views([vs[-1], vs[1]])
+        self.assertEqual(cm.exception.errors, [(1, "E_NOT_FOUND")])
+        c.unregister_view(vs[-1])  # the refused call left it
+        with self.assertRaises(ValueError):
+            c.register_views([(b, "x", 0)])
+        self.assertEqual(c.register_views([]), [])
+
     def test_frozen_view_lora(self):
         c = self.client("lora")
         b = c.register_buffer("flat", "fp32", 12)

@@ -764,6 +764,89 @@ class Client:
         self._check_open()
         self._call(self._lib.shardd_view_unregister(self._c, _ids(view)))
 
+    def register_views(self, views):
+        """Registers (or attaches to) many views in as few requests as fit
+        (256 views each): -> [View], in order. views: (buffer, name,
+        offset, shape) or (buffer, name, offset, shape, requires_grad)
+        tuples, each as register_view takes them.
+
+        All or nothing: when any entry is refused, no view of the call is
+        kept and Error.errors lists (index, code_name) of every refused
+        entry (its message names each, with the reason); entries after a
+        refused request are not checked ("E_STATE")."""
+        self._check_open()
+        items = list(views)
+        n = len(items)
+        if n == 0:
+            return []
+        specs = (L.ViewSpec * n)()
+        keep = []  # the names and shapes live until the call returns
+        bufs = []
+        for i, it in enumerate(items):
+            if len(it) == 4:
+                buffer, name, offset, shape = it
+                rg = True
+            elif len(it) == 5:
+                buffer, name, offset, shape, rg = it
+            else:
+                raise ValueError("views[%d]: (buffer, name, offset, shape[, "
+                                 "requires_grad]), not %r" % (i, it))
+            shape = tuple(int(d) for d in shape)
+            numel = 1
+            for d in shape:
+                numel *= d
+            arr = (ctypes.c_int64 * max(1, len(shape)))(*shape)
+            nb = _b(name)
+            keep.append((nb, arr))
+            e = specs[i]
+            e.size = ctypes.sizeof(L.ViewSpec)
+            e.buffer = _ids(buffer)
+            e.name = nb
+            e.offset = _u64(offset, "offset")
+            e.numel = numel
+            e.shape = arr
+            e.ndim = len(shape)
+            e.requires_grad = 1 if rg else 0
+            e.buffer_generation = 0
+            bufs.append((buffer, name, int(offset), shape, bool(rg)))
+        out = (L.ViewInfo * n)()
+        errs = (ctypes.c_int * n)()
+        rc = self._lib.shardd_views_register(self._c, n, specs, out, errs)
+        if rc != 0:
+            self._raise_batch(rc, errs, n)
+        views_out = []
+        for i, (buffer, name, offset, shape, rg) in enumerate(bufs):
+            if not isinstance(buffer, Buffer):
+                buffer = self.buffers[_ids(buffer)]
+            views_out.append(View(buffer, out[i].id, name, offset, shape, rg,
+                                  out[i].generation))
+        return views_out
+
+    def unregister_views(self, views):
+        """Unregisters many views (View objects or ids), each request of
+        256 all or nothing: every id is checked before any goes. A View's
+        generation is checked too (E_STALE when it is old). On a refusal,
+        Error.errors lists (index, code_name) of the refused entries; the
+        views of requests before it are gone."""
+        self._check_open()
+        items = list(views)
+        n = len(items)
+        if n == 0:
+            return
+        ids = (ctypes.c_uint64 * n)(*[_ids(v) for v in items])
+        gens = (ctypes.c_uint64 * n)(*[v.generation if isinstance(v, View) else 0
+                                       for v in items])
+        errs = (ctypes.c_int * n)()
+        rc = self._lib.shardd_views_unregister(self._c, n, ids, gens, errs)
+        if rc != 0:
+            self._raise_batch(rc, errs, n)
+
+    def _raise_batch(self, rc, errs, n):
+        msg = self._lib.shardd_last_error(self._c).decode(errors="replace")
+        e = Error(rc, msg or self._lib.shardd_strerror(rc).decode())
+        e.errors = [(i, _err_name(errs[i])) for i in range(n) if errs[i] != 0]
+        raise e
+
     def register_optimizer(self, kind, groups, name=None, **hyper):
         """Registers (or, when identical under the same name, attaches to) an
         optimizer. -> Optimizer.

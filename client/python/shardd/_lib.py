@@ -96,6 +96,13 @@ class ViewInfo(ctypes.Structure):
     _fields_ = [("id", c_uint64), ("generation", c_uint64), ("created", c_int)]
 
 
+class ViewSpec(ctypes.Structure):
+    _fields_ = [("size", c_size_t), ("buffer", c_uint64), ("name", c_char_p),
+                ("offset", c_uint64), ("numel", c_uint64), ("shape", ctypes.POINTER(c_int64)),
+                ("ndim", c_int), ("requires_grad", c_int),
+                ("buffer_generation", c_uint64)]
+
+
 class HParams(ctypes.Structure):
     _fields_ = [
         ("set", c_uint32),
@@ -188,6 +195,10 @@ def _declare(lib):
         "shardd_view_register_ex": (c_int, [client_p, c_uint64, c_char_p, c_uint64, c_uint64,
                                             P(c_int64), c_int, P(ViewOpts), P(ViewInfo)]),
         "shardd_view_unregister": (c_int, [client_p, c_uint64]),
+        "shardd_views_register": (c_int, [client_p, c_size_t, P(ViewSpec), P(ViewInfo),
+                                          P(c_int)]),
+        "shardd_views_unregister": (c_int, [client_p, c_size_t, P(c_uint64), P(c_uint64),
+                                            P(c_int)]),
         "shardd_optimizer_register": (c_int, [client_p, c_char_p, c_int, P(HParams),
                                               P(ParamGroup), c_size_t, P(c_uint64)]),
         "shardd_optimizer_unregister": (c_int, [client_p, c_uint64]),

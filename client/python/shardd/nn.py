@@ -325,6 +325,7 @@ class ShardedModule:
         self._orig_keep = []      # keeps originals alive so their ids stay unique
         rank = client.rank
         specs = _unit_modules(module, auto_wrap)
+        pending = []  # units whose buffers are registered, views not yet
         # every unit's parameters before any is replaced: a shared one is
         # replaced once, on every module that holds it
         for (uname, root), params in zip(specs, _collect(module, specs)):
@@ -374,12 +375,22 @@ class ShardedModule:
                         client.seed_master(buf, exact[lo:max(lo, hi)])
                         del exact
             del flat
+            pending.append((uname, root, params, buf, sh, gat, grd))
+        # every unit's views in one call (a request per 256): one round
+        # trip each cost 24 us, 2.4 s for a 7B model's 10^5 parameters.
+        # requires_grad=False: a frozen view, skipped by scatter and step
+        vspecs = []
+        for uname, root, params, buf, sh, gat, grd in pending:
+            off = 0
+            for qn, p, owners in params:
+                vspecs.append((buf, prefix + qn, off, tuple(p.shape), p.requires_grad))
+                off += p.numel()
+        views = iter(client.register_views(vspecs))
+        for uname, root, params, buf, sh, gat, grd in pending:
             entries = []
             off = 0
             for qn, p, owners in params:
-                # requires_grad=False: a frozen view, skipped by scatter and step
-                view = client.register_view(buf, prefix + qn, off, tuple(p.shape),
-                                            requires_grad=p.requires_grad)
+                view = next(views)
                 e = _Entry(qn, view, owners)
                 n = p.numel()
                 if gat is None:  # empty until a gather points it at the area

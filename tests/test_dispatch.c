@@ -1,0 +1,402 @@
+/* test_dispatch.c — the batched view requests (ViewsBatch) against a real
+ * shardd, through libshardd's shardd_views_register / _unregister and
+ * through raw frames: a batch registers what the single requests would,
+ * a refused batch names every bad entry and leaves nothing behind (names'
+ * generations included), a call longer than one request is undone whole,
+ * unregistering checks every id first, and malformed batches are answered,
+ * not fatal. Expected ids, codes and generations come from the single-view
+ * calls and the rules they document. */
+#include <criterion/criterion.h>
+#include <inttypes.h>
+#include <string.h>
+
+#include "harness.h"
+
+static test_daemon d;
+static shardd_client_t *c;
+static shardd_buffer_info b;
+
+static void start(void) {
+  const char *args[] = {"--devices", "1", NULL};
+  test_daemon_start(&d, args);
+  c = test_connect(&d, "batch", 0, 1);
+  cr_assert_eq(shardd_buffer_register(c, "flat", SHARDD_DTYPE_FP32, 1 << 20, &b),
+               SHARDD_OK, "%s", shardd_last_error(c));
+}
+
+static void stop(void) {
+  shardd_close(c);
+  c = NULL;
+  test_daemon_finish(&d);
+}
+
+TestSuite(dispatch, .init = start, .fini = stop);
+
+static const int64_t shape4[2] = {2, 2};
+
+static shardd_view_spec spec(const char *name, uint64_t off, uint64_t numel,
+                             const int64_t *shape, int ndim, int rg) {
+  shardd_view_spec s = SHARDD_VIEW_SPEC_INIT;
+  s.buffer = b.id;
+  s.name = name;
+  s.offset = off;
+  s.numel = numel;
+  s.shape = shape;
+  s.ndim = ndim;
+  s.requires_grad = rg;
+  return s;
+}
+
+/* Registers one view alone; its info. */
+static shardd_view_info one(const shardd_view_spec *s, shardd_err want) {
+  shardd_view_opts o = SHARDD_VIEW_OPTS_INIT;
+  o.requires_grad = s->requires_grad;
+  shardd_view_info vi;
+  shardd_err rc = shardd_view_register_ex(c, s->buffer, s->name, s->offset,
+                                          s->numel, s->shape, s->ndim, &o, &vi);
+  cr_assert_eq(rc, want, "%s: %s, expected %s (%s)", s->name,
+               shardd_err_name(rc), shardd_err_name(want), shardd_last_error(c));
+  return vi;
+}
+
+Test(dispatch, batch_registers_what_single_requests_would) {
+  int64_t sc[1] = {3};
+  shardd_view_spec s[3] = {spec("w", 0, 4, shape4, 2, 1),
+                           spec("frozen", 4, 3, sc, 1, 0),
+                           spec("scalar", 7, 1, NULL, 0, 1)};
+  shardd_view_info vi[3];
+  shardd_err errs[3];
+  cr_assert_eq(shardd_views_register(c, 3, s, vi, errs), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  for (int i = 0; i < 3; i++) {
+    cr_assert_eq(errs[i], SHARDD_OK);
+    cr_assert_neq(vi[i].id, 0);
+    cr_assert_eq(vi[i].created, 1);
+    cr_assert_eq(vi[i].generation, 1);
+    for (int j = 0; j < i; j++)
+      cr_assert_neq(vi[i].id, vi[j].id);
+  }
+  /* the single request attaches to the batch's views, same ids */
+  for (int i = 0; i < 3; i++) {
+    shardd_view_info a = one(&s[i], SHARDD_OK);
+    cr_assert_eq(a.id, vi[i].id);
+    cr_assert_eq(a.created, 0);
+  }
+  /* the frozen entry is frozen: attaching as trainable is a mismatch */
+  shardd_view_spec t = s[1];
+  t.requires_grad = 1;
+  one(&t, SHARDD_E_MISMATCH);
+  /* and the batch again attaches */
+  shardd_view_info again[3];
+  cr_assert_eq(shardd_views_register(c, 3, s, again, NULL), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  for (int i = 0; i < 3; i++) {
+    cr_assert_eq(again[i].id, vi[i].id);
+    cr_assert_eq(again[i].created, 0);
+  }
+  /* an empty call sends nothing and succeeds */
+  cr_assert_eq(shardd_views_register(c, 0, NULL, NULL, NULL), SHARDD_OK);
+}
+
+Test(dispatch, refused_batch_names_every_bad_entry_and_keeps_nothing) {
+  int64_t s3[1] = {3};
+  shardd_view_spec s[6] = {
+      spec("ok0", 0, 4, shape4, 2, 1),
+      spec("outside", (1 << 20) - 2, 4, shape4, 2, 1), /* past the end */
+      spec("ok2", 8, 4, shape4, 2, 1),
+      spec("badshape", 12, 4, s3, 1, 1),          /* 3 elements, numel 4 */
+      spec("frozen_on_ok0", 2, 4, shape4, 2, 0),  /* meets entry 0 */
+      spec("ok5", 16, 4, shape4, 2, 0),
+  };
+  shardd_view_info vi[6];
+  shardd_err errs[6];
+  shardd_err rc = shardd_views_register(c, 6, s, vi, errs);
+  cr_assert_eq(rc, SHARDD_E_RANGE, "the first refused entry's code, got %s",
+               shardd_err_name(rc));
+  shardd_err want[6] = {SHARDD_OK, SHARDD_E_RANGE, SHARDD_OK,
+                        SHARDD_E_MISMATCH, SHARDD_E_OVERLAP, SHARDD_OK};
+  for (int i = 0; i < 6; i++) {
+    cr_assert_eq(errs[i], want[i], "entry %d: %s, expected %s", i,
+                 shardd_err_name(errs[i]), shardd_err_name(want[i]));
+    cr_assert_eq(vi[i].id, 0, "no id is handed out on a refusal");
+  }
+  const char *m = shardd_last_error(c);
+  cr_assert(strstr(m, "3 of 6 views refused"), "%s", m);
+  cr_assert(strstr(m, "[1] E_RANGE") && strstr(m, "\"outside\""), "%s", m);
+  cr_assert(strstr(m, "[3] E_MISMATCH") && strstr(m, "\"badshape\""), "%s", m);
+  cr_assert(strstr(m, "[4] E_OVERLAP") && strstr(m, "\"frozen_on_ok0\""), "%s", m);
+  cr_assert_null(strstr(m, "[0]"), "%s", m);
+  /* nothing stayed: the good entries register anew, as the first of their
+   * names (generation 1, not 2), and a frozen view may now take the range
+   * entry 0 would have held trainable */
+  shardd_view_info a = one(&s[0], SHARDD_OK);
+  cr_assert_eq(a.created, 1);
+  cr_assert_eq(a.generation, 1);
+  shardd_view_info f = one(&s[5], SHARDD_OK);
+  cr_assert_eq(f.created, 1);
+  cr_assert_eq(f.generation, 1);
+  shardd_view_spec other = spec("ok2", 8, 4, shape4, 2, 0);
+  cr_assert_eq(one(&other, SHARDD_OK).created, 1, "ok2 was not kept trainable");
+}
+
+#define BIG 10000 /* many requests of SHARDD_VIEWS_PER_REQUEST */
+
+static char names[BIG][16];
+static shardd_view_spec big[BIG];
+static shardd_view_info bigi[BIG];
+static shardd_err bige[BIG];
+
+static void big_specs(const char *prefix) {
+  for (int i = 0; i < BIG; i++) {
+    snprintf(names[i], sizeof names[i], "%s%d", prefix, i);
+    big[i] = spec(names[i], (uint64_t)i * 4, 4, shape4, 2, 1);
+  }
+}
+
+Test(dispatch, call_longer_than_a_request_is_undone_whole) {
+  cr_assert_gt(BIG, 2 * SHARDD_VIEWS_PER_REQUEST);
+  big_specs("a");
+  big[9000].numel = 5; /* in the third request: shape says 4 */
+  big[9001].offset = 1 << 20;
+  shardd_err rc = shardd_views_register(c, BIG, big, bigi, bige);
+  cr_assert_eq(rc, SHARDD_E_MISMATCH, "%s: %s", shardd_err_name(rc),
+               shardd_last_error(c));
+  /* the refused request's end: entries after it were not sent */
+  int end = (9000 / SHARDD_VIEWS_PER_REQUEST + 1) * SHARDD_VIEWS_PER_REQUEST;
+  cr_assert_lt(end, BIG);
+  for (int i = 0; i < BIG; i++)
+    cr_assert_eq(bige[i], i == 9000 ? SHARDD_E_MISMATCH
+                          : i == 9001 ? SHARDD_E_RANGE
+                          : i >= end ? SHARDD_E_STATE : SHARDD_OK,
+                 "entry %d: %s", i, shardd_err_name(bige[i]));
+  const char *m = shardd_last_error(c);
+  cr_assert(strstr(m, "[9000] E_MISMATCH") && strstr(m, "[9001] E_RANGE"),
+            "indices count from the call's first entry: %s", m);
+  /* the first two requests' views were unregistered again */
+  cr_assert_eq(one(&big[0], SHARDD_OK).created, 1);
+  cr_assert_eq(one(&big[5000], SHARDD_OK).created, 1);
+  cr_assert_eq(one(&big[8999], SHARDD_OK).created, 1);
+
+  big_specs("b");
+  cr_assert_eq(shardd_views_register(c, BIG, big, bigi, bige), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  for (int i = 0; i < BIG; i++) {
+    cr_assert_eq(bigi[i].created, 1);
+    cr_assert(i == 0 || bigi[i].id != bigi[i - 1].id);
+    cr_assert_eq(bige[i], SHARDD_OK);
+  }
+  /* unregister them all in one call, then they are gone */
+  static uint64_t ids[BIG];
+  for (int i = 0; i < BIG; i++)
+    ids[i] = bigi[i].id;
+  cr_assert_eq(shardd_views_unregister(c, BIG, ids, NULL, NULL), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  cr_assert_eq(shardd_view_unregister(c, ids[0]), SHARDD_E_NOT_FOUND, "%s",
+               shardd_last_error(c));
+  cr_assert(strstr(shardd_last_error(c), "unregistered"), "%s",
+            shardd_last_error(c));
+  cr_assert_eq(shardd_view_unregister(c, ids[BIG - 1]), SHARDD_E_NOT_FOUND);
+}
+
+Test(dispatch, unregister_checks_every_id_before_any_goes) {
+  shardd_view_spec s[2] = {spec("u0", 0, 4, shape4, 2, 1),
+                           spec("u1", 4, 4, shape4, 2, 1)};
+  shardd_view_info vi[2];
+  cr_assert_eq(shardd_views_register(c, 2, s, vi, NULL), SHARDD_OK);
+  uint64_t ids[4] = {vi[0].id, 999999, vi[1].id, vi[0].id};
+  shardd_err errs[4];
+  shardd_err rc = shardd_views_unregister(c, 4, ids, NULL, errs);
+  cr_assert_eq(rc, SHARDD_E_NOT_FOUND, "%s: %s", shardd_err_name(rc),
+               shardd_last_error(c));
+  cr_assert_eq(errs[0], SHARDD_OK);
+  cr_assert_eq(errs[1], SHARDD_E_NOT_FOUND);
+  cr_assert(strstr(shardd_last_error(c), "[1] E_NOT_FOUND"), "%s",
+            shardd_last_error(c));
+  /* a repeated id is refused too, naming the repeat */
+  uint64_t dup[3] = {vi[0].id, vi[1].id, vi[0].id};
+  rc = shardd_views_unregister(c, 3, dup, NULL, errs);
+  cr_assert_eq(rc, SHARDD_E_INVAL, "%s", shardd_last_error(c));
+  cr_assert_eq(errs[2], SHARDD_E_INVAL);
+  cr_assert_eq(errs[0], SHARDD_OK);
+  /* a wrong generation */
+  uint64_t pair[2] = {vi[0].id, vi[1].id};
+  uint64_t gens[2] = {vi[0].generation, vi[1].generation + 1};
+  rc = shardd_views_unregister(c, 2, pair, gens, errs);
+  cr_assert_eq(rc, SHARDD_E_STALE, "%s", shardd_last_error(c));
+  cr_assert_eq(errs[1], SHARDD_E_STALE);
+  /* none went: both are still there (attach) */
+  cr_assert_eq(one(&s[0], SHARDD_OK).id, vi[0].id);
+  cr_assert_eq(one(&s[1], SHARDD_OK).id, vi[1].id);
+  uint64_t both[2] = {vi[0].id, vi[1].id};
+  uint64_t good[2] = {vi[0].generation, vi[1].generation};
+  cr_assert_eq(shardd_views_unregister(c, 2, both, good, NULL), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  cr_assert_eq(one(&s[0], SHARDD_OK).generation, 2);
+}
+
+Test(dispatch, view_held_by_an_optimizer_refuses_the_batch) {
+  shardd_view_spec s[2] = {spec("h0", 0, 4, shape4, 2, 1),
+                           spec("h1", 4, 4, shape4, 2, 1)};
+  shardd_view_info vi[2];
+  cr_assert_eq(shardd_views_register(c, 2, s, vi, NULL), SHARDD_OK);
+  shardd_param_ref ref = {vi[1].id, "h1"};
+  shardd_param_group g = {&ref, 1, {0}};
+  uint64_t opt;
+  cr_assert_eq(shardd_optimizer_register(c, "opt", SHARDD_OPTIM_SGD, NULL, &g, 1,
+                                         &opt),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  uint64_t ids[2] = {vi[0].id, vi[1].id};
+  shardd_err errs[2];
+  cr_assert_eq(shardd_views_unregister(c, 2, ids, NULL, errs), SHARDD_E_BUSY);
+  cr_assert_eq(errs[0], SHARDD_OK);
+  cr_assert_eq(errs[1], SHARDD_E_BUSY);
+  cr_assert(strstr(shardd_last_error(c), "optimizer"), "%s",
+            shardd_last_error(c));
+  cr_assert_eq(one(&s[0], SHARDD_OK).id, vi[0].id, "h0 stayed");
+}
+
+Test(dispatch, client_checks_arguments_before_sending) {
+  shardd_view_spec s[2] = {spec("n0", 0, 4, shape4, 2, 1),
+                           spec(NULL, 4, 4, shape4, 2, 1)};
+  shardd_err errs[2];
+  cr_assert_eq(shardd_views_register(c, 2, s, NULL, errs), SHARDD_E_INVAL);
+  cr_assert_eq(errs[1], SHARDD_E_INVAL);
+  cr_assert_eq(one(&s[0], SHARDD_OK).created, 1, "nothing was sent");
+  cr_assert_eq(shardd_views_register(c, 2, NULL, NULL, NULL), SHARDD_E_INVAL);
+  shardd_view_spec small = s[0];
+  small.size = sizeof(size_t);
+  cr_assert_eq(shardd_views_register(c, 1, &small, NULL, NULL), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_views_register(NULL, 1, s, NULL, NULL), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_views_unregister(c, 1, NULL, NULL, NULL), SHARDD_E_INVAL);
+}
+
+/* What libshardd never sends: no operation, too many dimensions, a
+ * missing body of an entry. Answered, and the daemon goes on. */
+Test(dispatch, malformed_batches_are_answered) {
+  test_raw r;
+  test_raw_open(&d, &r);
+  test_raw_hello(&r, "raw", 0, 1);
+  shardd_buffer_info rb;
+  test_raw_register_buffer(&r, "flat", SHARDD_DTYPE_FP32, 64, &rb);
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__ViewsBatch vb = SHARDWIRE__VIEWS_BATCH__INIT;
+  req.body_case = SHARDWIRE__REQUEST__BODY_VIEWS_BATCH;
+  req.views_batch = &vb;
+  uint64_t seq = test_raw_send(&r, &req);
+  shardwire__response__free_unpacked(test_raw_expect(&r, seq, SHARDD_E_INVAL),
+                                     NULL);
+
+  int64_t dims[65];
+  for (int i = 0; i < 65; i++)
+    dims[i] = 1;
+  Shardwire__RegisterView rv[2] = {SHARDWIRE__REGISTER_VIEW__INIT,
+                                   SHARDWIRE__REGISTER_VIEW__INIT};
+  rv[0].buffer = rb.id;
+  rv[0].name = "deep";
+  rv[0].numel = 1;
+  rv[0].n_shape = 65;
+  rv[0].shape = dims;
+  rv[1].buffer = 424242; /* no such buffer */
+  rv[1].name = "lost";
+  rv[1].numel = 1;
+  Shardwire__RegisterView *rvp[2] = {&rv[0], &rv[1]};
+  Shardwire__RegisterViews rq = SHARDWIRE__REGISTER_VIEWS__INIT;
+  rq.n_views = 2;
+  rq.views = rvp;
+  rq.has_first_index = 1;
+  rq.first_index = 100;
+  vb.op_case = SHARDWIRE__VIEWS_BATCH__OP_REGISTER;
+  vb.register_ = &rq;
+  req.seq = 0;
+  seq = test_raw_send(&r, &req);
+  Shardwire__Response *resp = test_raw_expect(&r, seq, SHARDD_E_RANGE);
+  cr_assert_eq(resp->body_case, SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH);
+  const Shardwire__ViewsBatchReply *rep = resp->views_batch;
+  cr_assert_eq(rep->errors_total, 2);
+  cr_assert_eq(rep->n_errors, 2);
+  cr_assert_eq(rep->errors[0]->index, 100);
+  cr_assert_eq(rep->errors[0]->code, SHARDWIRE__STATUS_CODE__E_RANGE);
+  cr_assert_eq(rep->errors[1]->index, 101);
+  cr_assert_eq(rep->errors[1]->code, SHARDWIRE__STATUS_CODE__E_NOT_FOUND);
+  cr_assert(strstr(resp->message, "from entry 100"), "%s", resp->message);
+  shardwire__response__free_unpacked(resp, NULL);
+
+  /* an empty batch registers nothing and says so */
+  rq.n_views = 0;
+  req.seq = 0;
+  seq = test_raw_send(&r, &req);
+  resp = test_raw_expect(&r, seq, SHARDD_OK);
+  cr_assert_eq(resp->views_batch->n_views, 0);
+  shardwire__response__free_unpacked(resp, NULL);
+  test_raw_sync(&r);
+  test_raw_close(&r);
+  cr_assert(test_daemon_alive(&d));
+}
+
+/* A refusal in the first request: its entries' codes, the rest not
+ * checked, and nothing kept. */
+Test(dispatch, refusal_in_the_first_request_leaves_the_rest_unchecked) {
+  big_specs("z");
+  for (int i = 0; i < 3000; i++)
+    big[i].numel = 3; /* shape says 4 */
+  shardd_err rc = shardd_views_register(c, 3000, big, NULL, bige);
+  cr_assert_eq(rc, SHARDD_E_MISMATCH);
+  const char *m = shardd_last_error(c);
+  char want[96];
+  snprintf(want, sizeof want, "%d of %d views refused", SHARDD_VIEWS_PER_REQUEST,
+           SHARDD_VIEWS_PER_REQUEST);
+  cr_assert(strstr(m, want), "%.200s", m);
+  snprintf(want, sizeof want, "and %d entries after them not checked",
+           3000 - SHARDD_VIEWS_PER_REQUEST);
+  cr_assert(strstr(m, want), "%s", m + (strlen(m) > 300 ? strlen(m) - 300 : 0));
+  for (int i = 0; i < 3000; i++)
+    cr_assert_eq(bige[i], i < SHARDD_VIEWS_PER_REQUEST ? SHARDD_E_MISMATCH
+                                                       : SHARDD_E_STATE,
+                 "entry %d: %s", i, shardd_err_name(bige[i]));
+}
+
+/* A raw request of more refused entries than the message has room for:
+ * every one in the reply's errors, the message cut with a count. */
+Test(dispatch, thousands_of_refusals_are_counted_and_bounded) {
+  test_raw r;
+  test_raw_open(&d, &r);
+  test_raw_hello(&r, "raw", 0, 1);
+  shardd_buffer_info rb;
+  test_raw_register_buffer(&r, "flat", SHARDD_DTYPE_FP32, 64, &rb);
+  enum { N = 3000 };
+  static Shardwire__RegisterView rv[N];
+  static Shardwire__RegisterView *rvp[N];
+  static char nm[N][16];
+  for (int i = 0; i < N; i++) {
+    shardwire__register_view__init(&rv[i]);
+    snprintf(nm[i], sizeof nm[i], "v%d", i);
+    rv[i].buffer = rb.id;
+    rv[i].name = nm[i];
+    rv[i].offset = 60;
+    rv[i].numel = 8; /* past the end of 64 */
+    rvp[i] = &rv[i];
+  }
+  Shardwire__RegisterViews rq = SHARDWIRE__REGISTER_VIEWS__INIT;
+  rq.n_views = N;
+  rq.views = rvp;
+  Shardwire__ViewsBatch vb = SHARDWIRE__VIEWS_BATCH__INIT;
+  vb.op_case = SHARDWIRE__VIEWS_BATCH__OP_REGISTER;
+  vb.register_ = &rq;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  req.body_case = SHARDWIRE__REQUEST__BODY_VIEWS_BATCH;
+  req.views_batch = &vb;
+  uint64_t seq = test_raw_send(&r, &req);
+  Shardwire__Response *resp = test_raw_expect(&r, seq, SHARDD_E_RANGE);
+  cr_assert(strstr(resp->message, "3000 of 3000 views refused"), "%.200s",
+            resp->message);
+  cr_assert(strstr(resp->message, "more"), "cut with a count: %s",
+            resp->message + strlen(resp->message) - 100);
+  cr_assert_lt(strlen(resp->message), 70 * 1024);
+  cr_assert_eq(resp->views_batch->errors_total, N);
+  cr_assert_eq(resp->views_batch->n_errors, N);
+  for (int i = 0; i < N; i++)
+    cr_assert_eq(resp->views_batch->errors[i]->index, (uint32_t)i);
+  shardwire__response__free_unpacked(resp, NULL);
+  test_raw_sync(&r);
+  test_raw_close(&r);
+}
