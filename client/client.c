@@ -673,6 +673,19 @@ shardd_err shardd_connect(const char *socket_path,
       shardwire__response__free_unpacked(resp, NULL);
     goto fail;
   }
+  /* A daemon of another protocol may read these messages differently:
+   * refusing here beats a wrong answer later. */
+  if (resp->hello->protocol_version != SHARDD_PROTOCOL_VERSION) {
+    rc = set_err(c, SHARDD_E_VERSION,
+                 "protocol version mismatch: the daemon at %s (shardd %s) "
+                 "speaks protocol %" PRIu32 ", this client (libshardd %s) "
+                 "speaks protocol %d; use a libshardd of the daemon's version",
+                 socket_path, resp->hello->daemon_version,
+                 resp->hello->protocol_version, SHARDD_VERSION,
+                 SHARDD_PROTOCOL_VERSION);
+    shardwire__response__free_unpacked(resp, NULL);
+    goto fail;
+  }
   c->max_async = opts && opts->size >= offsetof(shardd_connect_opts, max_inflight_gathers) +
                                         sizeof opts->max_inflight_gathers &&
                           opts->max_inflight_gathers

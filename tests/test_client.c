@@ -75,6 +75,8 @@ typedef struct {
   int ngathers;
   /* Hello.transient_areas: 0 not checked, 1 must be absent, 2 must be true */
   int hello_transient;
+  /* HelloReply.protocol_version: 0 is SHARDD_PROTOCOL_VERSION */
+  uint32_t hello_protocol;
 } fake_script;
 
 typedef struct {
@@ -345,7 +347,8 @@ static int fake_serve(int lfd, const fake_script *sc) {
       if (sc->hello_transient == 2 &&
           !(req->hello->has_transient_areas && req->hello->transient_areas))
         status = 15;
-      hr.protocol_version = SHARDD_PROTOCOL_VERSION;
+      hr.protocol_version =
+          sc->hello_protocol ? sc->hello_protocol : SHARDD_PROTOCOL_VERSION;
       hr.daemon_version = "fake";
       hr.session_id = 1;
       hr.backend = "cuda";
@@ -814,6 +817,34 @@ Test(client, null_arguments_are_refused_not_dereferenced, .timeout = 30) {
 /* The project's one version string is shardd.h's; the library reports it. */
 Test(client, library_version_is_the_header_s, .timeout = 30) {
   cr_assert_str_eq(shardd_version(), SHARDD_VERSION);
+}
+
+/* Issue 21 item 4: a daemon answering Hello with another protocol was used
+ * as if it spoke ours. The refusal names both versions and leaks nothing. */
+Test(client, hello_reply_of_another_protocol_is_refused, .timeout = 30) {
+  uint32_t theirs[] = {SHARDD_PROTOCOL_VERSION + 1, 0xffffffffu};
+  for (size_t i = 0; i < sizeof theirs / sizeof theirs[0]; i++) {
+    fake_script sc;
+    memset(&sc, 0, sizeof sc);
+    sc.hello_protocol = theirs[i];
+    fake_server s;
+    int before = count_fds();
+    fake_start(&s, &sc);
+    shardd_client_t *c = (shardd_client_t *)1;
+    char err[512] = "";
+    shardd_err rc = shardd_connect(s.sock, NULL, &c, err, sizeof err);
+    cr_assert_eq(rc, SHARDD_E_VERSION, "connect: %s (%s)", shardd_err_name(rc), err);
+    cr_assert_null(c);
+    char want[64];
+    snprintf(want, sizeof want, "speaks protocol %" PRIu32 ",", theirs[i]);
+    cr_assert_not_null(strstr(err, want), "\"%s\" lacks \"%s\"", err, want);
+    snprintf(want, sizeof want, "speaks protocol %d;", SHARDD_PROTOCOL_VERSION);
+    cr_assert_not_null(strstr(err, want), "\"%s\" lacks \"%s\"", err, want);
+    cr_assert_not_null(strstr(err, "shardd fake"), "daemon version: %s", err);
+    cr_assert_not_null(strstr(err, "libshardd " SHARDD_VERSION), "%s", err);
+    fake_stop(&s);
+    cr_assert_eq(count_fds(), before, "descriptors leaked");
+  }
 }
 
 /* ---- (e) transient areas: the Hello, the blocks, the pools ---------------- */
