@@ -1166,9 +1166,12 @@ shardd_err shardd__dispatch_init(shardd__dispatch *d, uv_loop_t *loop,
   return SHARDD_OK;
 }
 
-void shardd__dispatch_stop(shardd__dispatch *d) {
+void shardd__dispatch_stop(shardd__dispatch *d, const char *why) {
   d->jobs.stopping = 1;
   shardd__coll_engine_stop(d->coll);
+  /* before the transport closes the sessions: else the first rank closed
+   * fails the others' collectives as a lost peer */
+  shardd__coll_stop_waiting(d->coll, why);
 }
 
 void shardd__dispatch_free(shardd__dispatch *d) {

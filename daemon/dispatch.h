@@ -85,8 +85,10 @@ shardd_err shardd__dispatch_init(shardd__dispatch *d, uv_loop_t *loop,
                                  const char *socket_path,
                                  const shardd__dispatch_io *io, char *err,
                                  size_t errlen);
-/* The daemon is stopping: no job is released from here on. */
-void shardd__dispatch_stop(shardd__dispatch *d);
+/* The daemon is stopping (why, borrowed, says so: "daemon stopping
+ * (SIGTERM)"): no job is released from here on, and the collectives still
+ * waiting fail with SHARDD_E_SHUTDOWN naming why. */
+void shardd__dispatch_stop(shardd__dispatch *d, const char *why);
 /* Releases every job and frees the core; the backend stays the caller's. */
 void shardd__dispatch_free(shardd__dispatch *d);
 

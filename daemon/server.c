@@ -5,6 +5,7 @@
 #include "server.h"
 
 #include <errno.h>
+#include <signal.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdarg.h>
@@ -370,6 +371,7 @@ static void on_tick(uv_timer_t *t) {
 static void on_signal(uv_signal_t *h, int signum) {
   shardd__server *srv = h->data;
   shardd__log(2, "signal %d: shutting down", signum);
+  srv->stop_signal = signum;
   shardd__server_stop(srv);
 }
 
@@ -499,7 +501,10 @@ void shardd__server_stop(shardd__server *srv) {
   if (srv->stopping)
     return;
   srv->stopping = 1;
-  shardd__dispatch_stop(&srv->d);
+  const char *why = srv->stop_signal == SIGTERM  ? "daemon stopping (SIGTERM)"
+                    : srv->stop_signal == SIGINT ? "daemon stopping (SIGINT)"
+                                                 : "daemon stopping";
+  shardd__dispatch_stop(&srv->d, why);
   while (srv->sessions)
     shardd__session_close(srv->sessions);
   uv_close((uv_handle_t *)&srv->listener, NULL);

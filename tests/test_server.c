@@ -151,6 +151,40 @@ Test(server, sigterm_with_clients_and_pending_collective, .init = start_default,
   test_raw_close(&r);
 }
 
+/* Issue 21 item 6: ranks waiting in a gather when SIGTERM arrives were told
+ * "rank 1 disconnected" (the stop closes the sessions one by one, and the
+ * first closed failed the others' collectives as a lost peer). Each waiter
+ * must get E_SHUTDOWN naming the stop, whichever session closes first: two
+ * waiters, one on each side of the idle rank in the session list. */
+Test(server, sigterm_fails_waiting_gather_with_e_shutdown, .init = start_default,
+     .fini = stop_daemon) {
+  test_raw w[2];
+  uint64_t seq[2];
+  shardd_client_t *idle = NULL;
+  for (int i = 0; i < 2; i++) {
+    test_raw_open(&d, &w[i]);
+    test_raw_hello(&w[i], "stopjob", (uint32_t)(i * 2), 3);
+    if (i == 0) /* rank 1 joins between the two waiters, and never gathers */
+      idle = test_connect(&d, "stopjob", 1, 3);
+    shardd_buffer_info b;
+    test_raw_register_buffer(&w[i], "x", SHARDD_DTYPE_FP32, 64, &b);
+    seq[i] = test_raw_send_gather(&w[i], b.id);
+    test_raw_sync(&w[i]);
+  }
+  int code = test_daemon_terminate(&d);
+  cr_assert_eq(code, 0, "shardd exited %d on SIGTERM", code);
+  shardd_close(idle);
+  for (int i = 0; i < 2; i++) {
+    Shardwire__Response *resp = test_raw_expect(&w[i], seq[i], SHARDD_E_SHUTDOWN);
+    const char *msg = resp->message ? resp->message : "";
+    cr_assert_not_null(strstr(msg, "daemon stopping (SIGTERM)"), "rank %d: %s", i * 2, msg);
+    cr_assert_not_null(strstr(msg, "gather of buffer"), "rank %d: %s", i * 2, msg);
+    cr_assert_null(strstr(msg, "disconnected"), "rank %d: %s", i * 2, msg);
+    shardwire__response__free_unpacked(resp, NULL);
+    test_raw_close(&w[i]);
+  }
+}
+
 /* ---- many clients ------------------------------------------------------ */
 
 #define NCLIENTS 64
