@@ -58,6 +58,12 @@ typedef struct {
   int (*live)(void *ctx, const shardd__conn *c);
   /* bytes charged to the partial-frame budget now (status) */
   uint64_t (*partial_bytes)(void *ctx);
+  /* A Hello wants the rank connection id holds: closes that connection
+   * now (shardd__dispatch_closed runs inside) when its client is already
+   * gone but the transport has not read its end yet, and returns 1; else
+   * 0. Called only outside walks over shared state; the job the rank
+   * belongs to may be released inside (--job-linger 0). NULL: never. */
+  int (*reclaim)(void *ctx, uint64_t id);
 } shardd__dispatch_io;
 
 typedef struct {
