@@ -124,6 +124,17 @@ $(BUILD)/tests/%: tests/%.c $(DAEMONA) $(LIBA)
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_ALL) -Itests -o $@ $< $(DAEMONA) $(LIBA) $(LDFLAGS) -lcriterion $(LDLIBS_ALL)
 
+# Stand-in CUDA runtimes test_client loads from beside itself
+# (tests/fake_cudart.c): one with the driver's range call, one without.
+FAKE_CUDART := $(BUILD)/tests/libfake_cudart.so $(BUILD)/tests/libfake_cudart_norange.so
+$(BUILD)/tests/test_client: | $(FAKE_CUDART)
+$(BUILD)/tests/libfake_cudart.so: tests/fake_cudart.c
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS_ALL) -shared -o $@ $<
+$(BUILD)/tests/libfake_cudart_norange.so: tests/fake_cudart.c
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS_ALL) -DFAKE_NO_RANGE -shared -o $@ $<
+
 $(BUILD)/bench/%: bench/%.c $(DAEMONA) $(LIBA)
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_ALL) -O3 $(BENCH_MARCH) -o $@ $< $(DAEMONA) $(LIBA) $(LDFLAGS) $(LDLIBS_ALL)

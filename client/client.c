@@ -129,6 +129,26 @@ static void cudart_load(void) {
   }
 }
 
+/* The driver's cuMemGetAddressRange, which tells how large the allocation
+ * an opened IPC pointer lies in is (the runtime has no call for it): looked
+ * up in the runtime first, then in the libcuda.so.1 the runtime loaded to
+ * open a handle (RTLD_NOLOAD: this never loads a driver of its own). */
+static const char range_call[] = "cuMemGetAddressRange_v2";
+
+static struct {
+  pthread_once_t once;
+  int (*get_range)(unsigned long long *base, size_t *size, unsigned long long ptr);
+} cudrv = {PTHREAD_ONCE_INIT, NULL};
+
+static void cudrv_load(void) {
+  *(void **)&cudrv.get_range = dlsym(cudart.lib, "cuMemGetAddressRange_v2");
+  if (cudrv.get_range == NULL) {
+    void *drv = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+    if (drv != NULL) /* kept: the runtime holds it for the process's life */
+      *(void **)&cudrv.get_range = dlsym(drv, "cuMemGetAddressRange_v2");
+  }
+}
+
 static int cudart_ready(void) {
   pthread_once(&cudart.once, cudart_load);
   return cudart.lib != NULL;
@@ -139,9 +159,13 @@ static const char *cuda_str(int e) {
   return s ? s : "unknown CUDA error";
 }
 
-/* Opens handle on device dev (the caller's current device is kept). On
- * failure *what names the CUDA call that failed. */
-static int cuda_open(const void *handle, int dev, void **out,
+/* Opens handle on device dev (the caller's current device is kept) and
+ * says in *avail how many bytes the allocation holds from the pointer on
+ * (a block the daemon advertised larger than its memory would let the
+ * trainer write past it). On failure *what names the CUDA call that
+ * failed and the handle is closed; -1 is "no call to measure the mapping
+ * with". */
+static int cuda_open(const void *handle, int dev, void **out, size_t *avail,
                      const char **what) {
   cuda_ipc_handle h;
   memcpy(&h, handle, sizeof h);
@@ -155,6 +179,19 @@ static int cuda_open(const void *handle, int dev, void **out,
   if (e == 0) {
     *what = "cudaIpcOpenMemHandle";
     e = cudart.ipc_open(out, h, CUDA_IPC_LAZY_PEER);
+  }
+  if (e == 0) {
+    pthread_once(&cudrv.once, cudrv_load);
+    *what = range_call;
+    unsigned long long base = 0, p = (unsigned long long)(uintptr_t)*out;
+    size_t size = 0;
+    e = cudrv.get_range ? cudrv.get_range(&base, &size, p) : -1;
+    if (e == 0 && (p < base || p - base > size))
+      e = -2; /* not an address inside the range it reported */
+    if (e == 0)
+      *avail = size - (size_t)(p - base);
+    else
+      (void)cudart.ipc_close(*out);
   }
   if (cur >= 0 && cur != dev)
     (void)cudart.set_device(cur);
@@ -722,6 +759,19 @@ shardd_err shardd_connect(const char *socket_path,
       shardwire__response__free_unpacked(resp, NULL);
     goto fail;
   }
+  /* A daemon of another protocol may read these messages differently:
+   * refusing here beats a wrong answer later. */
+  if (resp->hello->protocol_version != SHARDD_PROTOCOL_VERSION) {
+    rc = set_err(c, SHARDD_E_VERSION,
+                 "protocol version mismatch: the daemon at %s (shardd %s) "
+                 "speaks protocol %" PRIu32 ", this client (libshardd %s) "
+                 "speaks protocol %d; use a libshardd of the daemon's version",
+                 socket_path, resp->hello->daemon_version,
+                 resp->hello->protocol_version, SHARDD_VERSION,
+                 SHARDD_PROTOCOL_VERSION);
+    shardwire__response__free_unpacked(resp, NULL);
+    goto fail;
+  }
   c->max_async = opts && opts->size >= offsetof(shardd_connect_opts, max_inflight_gathers) +
                                         sizeof opts->max_inflight_gathers &&
                           opts->max_inflight_gathers
@@ -1020,7 +1070,40 @@ shardd_err shardd_buffer_register_opts(shardd_client_t *c, const char *name,
     }
     if (device >= 0) {
       const char *what;
-      int e = cuda_open(br->cuda_ipc_handle.data, device, &base, &what);
+      size_t avail = 0;
+      int e = cuda_open(br->cuda_ipc_handle.data, device, &base, &avail, &what);
+      if (e == -1) {
+        free(m);
+        rc = set_err(c, SHARDD_E_NO_CUDA,
+                     "buffer %" PRIu64 ": the CUDA IPC handle opened, but its "
+                     "size cannot be checked against the %" PRIu64 " bytes "
+                     "advertised: neither the runtime nor libcuda.so.1 has "
+                     "cuMemGetAddressRange_v2", br->id, br->block_bytes);
+        goto done;
+      }
+      if (e == -2) {
+        free(m);
+        rc = set_err(c, SHARDD_E_IO,
+                     "buffer %" PRIu64 ": cuMemGetAddressRange_v2 gave a range "
+                     "that does not hold the opened pointer", br->id);
+        goto done;
+      }
+      if (e == 0 && avail < br->block_bytes) {
+        unmap(&(mapping){.base = base, .device = device});
+        free(m);
+        rc = set_err(c, SHARDD_E_PROTOCOL,
+                     "buffer %" PRIu64 ": the CUDA IPC handle maps %zu bytes, "
+                     "fewer than the %" PRIu64 " bytes the daemon advertised "
+                     "for its block", br->id, avail, br->block_bytes);
+        goto done;
+      }
+      if (e != 0 && what == range_call) { /* its CUresult is no cudaError_t */
+        free(m);
+        rc = set_err(c, SHARDD_E_IO,
+                     "buffer %" PRIu64 ": measuring its opened CUDA IPC mapping: "
+                     "%s failed (CUresult %d)", br->id, what, e);
+        goto done;
+      }
       if (e != 0) {
         free(m);
         rc = set_err(c, SHARDD_E_IO,

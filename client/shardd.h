@@ -54,7 +54,8 @@ extern "C" {
   XX(E_NO_CUDA, 21, "CUDA is not available")                                  \
   XX(E_STATE, 22, "not allowed in this session state")                        \
   XX(E_LIMIT, 23, "limit exceeded")                                           \
-  XX(E_INTERNAL, 24, "internal error")
+  XX(E_INTERNAL, 24, "internal error")                                        \
+  XX(E_SHUTDOWN, 25, "the daemon is stopping")
 
 typedef enum {
 #define XX(name, val, msg) SHARDD_##name = val,

@@ -1226,6 +1226,20 @@ typedef struct {
   double now;
 } tick_arg;
 
+static int pick_any(coll *c, void *arg) {
+  (void)c;
+  (void)arg;
+  return 1;
+}
+
+static void describe_stop(coll *c, void *arg, char *msg, size_t len) {
+  snprintf(msg, len,
+           "%s: %s of %s %" PRIu64 " failed before every rank arrived; no "
+           "shard was changed", (const char *)arg,
+           shardd__coll_kind_word(c->args.kind),
+           shardd__coll_target_word(c->args.kind), c->args.target);
+}
+
 static int pick_expired(coll *c, void *arg) {
   const tick_arg *t = arg;
   return c->arrived < c->job->local_ranks && t->now >= c->deadline;
@@ -1265,14 +1279,41 @@ static void collect_job(shardd__job *job, void *arg) {
     a->jobs[a->n++] = cj;
 }
 
+/* The jobs of e that have collective state, in the registry's order; the
+ * caller frees a->jobs. Out of memory, none. */
+static void collect_jobs(shardd__coll_engine *e, jobs_arg *a) {
+  size_t cap = shardd__map_count(&e->jobs);
+  *a = (jobs_arg){e, cap ? malloc(cap * sizeof(coll_job *)) : NULL, 0, cap};
+  if (a->jobs != NULL)
+    shardd__registry_each_job(e->cfg.reg, collect_job, a);
+}
+
+uint32_t shardd__coll_stop_waiting(shardd__coll_engine *e, const char *why) {
+  jobs_arg a;
+  collect_jobs(e, &a);
+  uint32_t total = 0;
+  for (size_t i = 0; i < a.n; i++) {
+    char first[512];
+    uint32_t n = fail_waiting(a.jobs[i], SHARDD_E_SHUTDOWN, pick_any,
+                              (void *)why, describe_stop, first, sizeof first);
+    if (n > 0)
+      shardd__log(SHARDD__LOG_WARN, "job \"%s\": %" PRIu32 " waiting "
+                  "collective(s) failed with E_SHUTDOWN: %s%s",
+                  a.jobs[i]->job->name, n, first, n > 1 ? " (and others)" : "");
+    total += n;
+    job_maybe_quiet(a.jobs[i]);
+  }
+  free(a.jobs);
+  return total;
+}
+
 void shardd__coll_tick(shardd__coll_engine *e, double now) {
   /* A quiet hook may release its job, and with it the job's entry in
    * e->jobs: the walk collects first, then fails and reports. */
-  size_t cap = shardd__map_count(&e->jobs);
-  jobs_arg a = {e, cap ? malloc(cap * sizeof(coll_job *)) : NULL, 0, cap};
+  jobs_arg a;
+  collect_jobs(e, &a);
   if (a.jobs == NULL)
     return;
-  shardd__registry_each_job(e->cfg.reg, collect_job, &a);
   tick_arg t = {now};
   for (size_t i = 0; i < a.n; i++) {
     fail_doomed(a.jobs[i], now);

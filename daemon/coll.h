@@ -133,6 +133,11 @@ shardd_err shardd__coll_engine_create(const shardd__coll_config *cfg,
                                       shardd__coll_engine **out);
 /* The loop is ending: from here fabrics are closed inline, not on the pool. */
 void shardd__coll_engine_stop(shardd__coll_engine *e);
+/* The daemon is stopping: every collective still waiting for ranks fails
+ * with SHARDD_E_SHUTDOWN and a message starting with why (borrowed), so a
+ * waiting rank hears of the stop, not of the ranks the stop then
+ * disconnects. Running ones are left to finish. Returns how many failed. */
+uint32_t shardd__coll_stop_waiting(shardd__coll_engine *e, const char *why);
 /* Frees the state of every job still known (none may have a collective in
  * flight) and the engine. */
 void shardd__coll_engine_destroy(shardd__coll_engine *e);

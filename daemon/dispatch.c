@@ -102,7 +102,9 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     reply(d, c, seq, SHARDD_E_VERSION, err);
     return;
   }
+  int reclaimed = 0;
   if (h->job && h->job[0]) {
+  again:;
     /* The peer's own job of that name, made when missing: another uid's
      * job of the same name is another job. Only root joins another's, by
      * naming it "UID/NAME". */
@@ -138,9 +140,22 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
       rc = shardd__job_set_transient(job, h->has_transient_areas && h->transient_areas,
                                      err, sizeof err);
     int32_t holder = 0;
-    if (rc == SHARDD_OK &&
-        (rc = shardd__jobs_claim(&d->jobs, job, rank, c->id, (int32_t)c->peer.pid,
-                                 &holder)) != SHARDD_OK) {
+    int claim_failed = rc == SHARDD_OK &&
+                       (rc = shardd__jobs_claim(&d->jobs, job, rank, c->id,
+                                                (int32_t)c->peer.pid, &holder)) !=
+                           SHARDD_OK;
+    /* A trainer that closes and reconnects at once can be here before the
+     * transport has read its old connection's end (that session is not
+     * being read: its frames wait their turn, its replies or the frame
+     * budget hold it back, or a failed reply closes it next turn). The old
+     * holder is closed now when its client is gone, and the Hello is
+     * taken again from the top: that close may have released the job. */
+    if (claim_failed && rc == SHARDD_E_STATE && !reclaimed && d->io.reclaim &&
+        d->io.reclaim(d->io.ctx, shardd__jobs_holder(&d->jobs, job, rank))) {
+      reclaimed = 1;
+      goto again;
+    }
+    if (claim_failed) {
       if (rc == SHARDD_E_STATE)
         snprintf(err, sizeof err,
                  "rank %" PRIu32 " of job \"%s\" is already connected (pid %d)",
@@ -1444,9 +1459,12 @@ shardd_err shardd__dispatch_init(shardd__dispatch *d, uv_loop_t *loop,
   return SHARDD_OK;
 }
 
-void shardd__dispatch_stop(shardd__dispatch *d) {
+void shardd__dispatch_stop(shardd__dispatch *d, const char *why) {
   d->jobs.stopping = 1;
   shardd__coll_engine_stop(d->coll);
+  /* before the transport closes the sessions: else the first rank closed
+   * fails the others' collectives as a lost peer */
+  shardd__coll_stop_waiting(d->coll, why);
 }
 
 void shardd__dispatch_free(shardd__dispatch *d) {

@@ -58,6 +58,12 @@ typedef struct {
   int (*live)(void *ctx, const shardd__conn *c);
   /* bytes charged to the partial-frame budget now (status) */
   uint64_t (*partial_bytes)(void *ctx);
+  /* A Hello wants the rank connection id holds: closes that connection
+   * now (shardd__dispatch_closed runs inside) when its client is already
+   * gone but the transport has not read its end yet, and returns 1; else
+   * 0. Called only outside walks over shared state; the job the rank
+   * belongs to may be released inside (--job-linger 0). NULL: never. */
+  int (*reclaim)(void *ctx, uint64_t id);
 } shardd__dispatch_io;
 
 typedef struct {
@@ -85,8 +91,10 @@ shardd_err shardd__dispatch_init(shardd__dispatch *d, uv_loop_t *loop,
                                  const char *socket_path,
                                  const shardd__dispatch_io *io, char *err,
                                  size_t errlen);
-/* The daemon is stopping: no job is released from here on. */
-void shardd__dispatch_stop(shardd__dispatch *d);
+/* The daemon is stopping (why, borrowed, says so: "daemon stopping
+ * (SIGTERM)"): no job is released from here on, and the collectives still
+ * waiting fail with SHARDD_E_SHUTDOWN naming why. */
+void shardd__dispatch_stop(shardd__dispatch *d, const char *why);
 /* Releases every job and frees the core; the backend stays the caller's. */
 void shardd__dispatch_free(shardd__dispatch *d);
 

@@ -215,6 +215,12 @@ shardd_err shardd__jobs_claim(shardd__jobs *j, shardd__job *job, uint32_t rank,
   return SHARDD_OK;
 }
 
+uint64_t shardd__jobs_holder(const shardd__jobs *j, const shardd__job *job,
+                             uint32_t rank) {
+  const slot *s = slot_get(j, job);
+  return s && rank < job->world ? s->owners[rank].owner : 0;
+}
+
 void shardd__jobs_leave(shardd__jobs *j, shardd__job *job, uint32_t rank,
                         uint64_t owner, double now) {
   slot *s = slot_get(j, job);

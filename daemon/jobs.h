@@ -62,6 +62,9 @@ shardd_err shardd__jobs_layout(shardd__jobs *j, shardd__job *job, uint32_t rank,
  * which process), SHARDD_E_NO_MEMORY. */
 shardd_err shardd__jobs_claim(shardd__jobs *j, shardd__job *job, uint32_t rank,
                               uint64_t owner, int32_t pid, int32_t *holder_pid);
+/* The owner holding rank of job, 0 when none does. */
+uint64_t shardd__jobs_holder(const shardd__jobs *j, const shardd__job *job,
+                             uint32_t rank);
 /* owner lets go of rank; the job may be released (linger 0). */
 void shardd__jobs_leave(shardd__jobs *j, shardd__job *job, uint32_t rank,
                         uint64_t owner, double now);

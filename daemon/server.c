@@ -5,6 +5,7 @@
 #include "server.h"
 
 #include <errno.h>
+#include <signal.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdarg.h>
@@ -12,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <time.h>
@@ -175,6 +177,44 @@ static int net_live(void *ctx, const shardd__conn *c) {
   const shardd__session *s =
       (const shardd__session *)((const char *)c - offsetof(shardd__session, conn));
   return !s->closing && !s->close_deferred;
+}
+
+/* Whether s's client has closed its end, with nothing unread behind it:
+ * the end of a session libuv is not reading now (its turn, its replies or
+ * the frame budget hold it back) waits in the socket. */
+static int peer_gone(shardd__session *s) {
+  uv_os_fd_t fd;
+  if (uv_fileno((const uv_handle_t *)&s->pipe, &fd) != 0)
+    return 0;
+  char b;
+  ssize_t n = recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+  return n == 0 || (n < 0 && (errno == ECONNRESET || errno == EPIPE));
+}
+
+/* The dispatcher's reclaim hook (dispatch.h). One already marked to close
+ * goes now instead of next turn (its frames are dropped either way). A
+ * session that may hold whole frames still to dispatch keeps its rank:
+ * they were sent before the close and are served (a Step among them is
+ * applied) as they would have been; one waiting for the frame budget holds
+ * a partial frame only (whole ones would have made it wait its turn). */
+static int net_reclaim(void *ctx, uint64_t id) {
+  shardd__server *srv = ctx;
+  if (srv->stopping)
+    return 0;
+  shardd__session *s = srv->sessions;
+  while (s && s->conn.id != id)
+    s = s->next;
+  if (s == NULL || s->closing)
+    return 0;
+  if (!s->close_deferred &&
+      (s->deferred ||
+       (shardd__frame_reader_pending(&s->rd) > 0 && !s->budget_wait) ||
+       !peer_gone(s)))
+    return 0;
+  shardd__log(3, "session %" PRIu64 ": closed for a new claim of its rank "
+              "(its client had gone)", s->conn.id);
+  shardd__session_close(s);
+  return 1;
 }
 
 static uint64_t net_partial_bytes(void *ctx) {
@@ -370,6 +410,7 @@ static void on_tick(uv_timer_t *t) {
 static void on_signal(uv_signal_t *h, int signum) {
   shardd__server *srv = h->data;
   shardd__log(2, "signal %d: shutting down", signum);
+  srv->stop_signal = signum;
   shardd__server_stop(srv);
 }
 
@@ -445,8 +486,8 @@ shardd_err shardd__server_init(shardd__server *srv, uv_loop_t *loop,
     return SHARDD_E_INVAL;
   }
   snprintf(srv->socket_path, sizeof srv->socket_path, "%s", path);
-  shardd__dispatch_io io = {srv, net_send, net_clients, net_live,
-                            net_partial_bytes};
+  shardd__dispatch_io io = {srv,    net_send,          net_clients,
+                            net_live, net_partial_bytes, net_reclaim};
   shardd_err rc = shardd__dispatch_init(&srv->d, loop, backend, opts,
                                         srv->socket_path, &io, err, errlen);
   if (rc != SHARDD_OK) {
@@ -499,7 +540,10 @@ void shardd__server_stop(shardd__server *srv) {
   if (srv->stopping)
     return;
   srv->stopping = 1;
-  shardd__dispatch_stop(&srv->d);
+  const char *why = srv->stop_signal == SIGTERM  ? "daemon stopping (SIGTERM)"
+                    : srv->stop_signal == SIGINT ? "daemon stopping (SIGINT)"
+                                                 : "daemon stopping";
+  shardd__dispatch_stop(&srv->d, why);
   while (srv->sessions)
     shardd__session_close(srv->sessions);
   uv_close((uv_handle_t *)&srv->listener, NULL);

@@ -76,6 +76,7 @@ struct shardd__server {
   uv_signal_t sigterm, sigint;
   int own_socket_file; /* unlink it on stop */
   int stopping;
+  int stop_signal; /* the signal that stopped the loop, 0 if none did */
   uint64_t next_session;
   uint32_t nclients;
   shardd__session *sessions;

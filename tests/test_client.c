@@ -79,6 +79,8 @@ typedef struct {
   int ngathers;
   /* Hello.transient_areas: 0 not checked, 1 must be absent, 2 must be true */
   int hello_transient;
+  /* HelloReply.protocol_version: 0 is SHARDD_PROTOCOL_VERSION */
+  uint32_t hello_protocol;
 } fake_script;
 
 typedef struct {
@@ -357,7 +359,8 @@ static int fake_serve(int lfd, const fake_script *sc) {
       if (sc->hello_transient == 2 &&
           !(req->hello->has_transient_areas && req->hello->transient_areas))
         status = 15;
-      hr.protocol_version = SHARDD_PROTOCOL_VERSION;
+      hr.protocol_version =
+          sc->hello_protocol ? sc->hello_protocol : SHARDD_PROTOCOL_VERSION;
       hr.daemon_version = "fake";
       hr.session_id = 1;
       hr.backend = "cuda";
@@ -606,6 +609,97 @@ Test(client, cuda_open_failure_carries_cudas_error, .timeout = 30) {
   cr_assert_eq(count_fds(), before, "descriptors leaked");
 }
 
+/* ---- (b2) the mapping's size, through a stand-in runtime ------------------ */
+
+/* Issue 21 item 4: an opened CUDA IPC handle was used as the block the
+ * daemon advertised, whatever memory it mapped. tests/fake_cudart.c opens
+ * "handles" on host memory and reports the allocation's range as told, so
+ * the check after the open runs here; the real runtime takes the same path
+ * on a GPU machine. */
+static void use_fake_cudart(const char *which) {
+  char exe[4096];
+  ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  cr_assert_gt(n, 0, "readlink /proc/self/exe: %s", strerror(errno));
+  exe[n] = '\0';
+  char *slash = strrchr(exe, '/');
+  cr_assert_not_null(slash);
+  *slash = '\0';
+  char path[4200];
+  snprintf(path, sizeof path, "%s/%s", exe, which);
+  cr_assert_eq(access(path, R_OK), 0, "%s: %s (built by make tests)", path,
+               strerror(errno));
+  setenv("SHARDD_CUDART", path, 1);
+}
+
+Test(client, cuda_mapping_as_large_as_advertised_is_used, .timeout = 30) {
+  use_fake_cudart("libfake_cudart.so");
+  char closes[] = "/tmp/shardd-closes-XXXXXX";
+  int cfd = mkstemp(closes);
+  cr_assert(cfd >= 0);
+  close(cfd);
+  setenv("FAKE_CUDART_CLOSES", closes, 1);
+  setenv("FAKE_CUDART_ALLOC", "8192", 1); /* rounded up past the block: fine */
+  fake_script sc = one(fake_cuda(64));
+  fake_server s;
+  fake_start(&s, &sc);
+  shardd_client_t *c = fake_connect(&s);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 16, &b), SHARDD_OK,
+               "%s", shardd_last_error(c));
+  cr_assert_eq(b.is_device, 1);
+  cr_assert_not_null(b.shard);
+  assert_usable(c);
+  shardd_close(c);
+  fake_stop(&s);
+  struct stat st;
+  cr_assert_eq(stat(closes, &st), 0);
+  cr_assert_eq(st.st_size, 1, "the handle was closed %jd times, not once",
+               (intmax_t)st.st_size);
+  unlink(closes);
+}
+
+Test(client, cuda_mapping_smaller_than_advertised_is_refused, .timeout = 30) {
+  use_fake_cudart("libfake_cudart.so");
+  char closes[] = "/tmp/shardd-closes-XXXXXX";
+  int cfd = mkstemp(closes);
+  cr_assert(cfd >= 0);
+  close(cfd);
+  setenv("FAKE_CUDART_CLOSES", closes, 1);
+  setenv("FAKE_CUDART_ALLOC", "2048", 1); /* the block is 4096 */
+  fake_script sc = one(fake_cuda(64));
+  REFUSED(&sc, SHARDD_E_PROTOCOL, "buffer 7", "maps 2048 bytes",
+          "fewer than the 4096 bytes the daemon advertised");
+  struct stat st;
+  cr_assert_eq(stat(closes, &st), 0);
+  cr_assert_eq(st.st_size, 1, "the refused handle was closed %jd times, not once",
+               (intmax_t)st.st_size);
+  unlink(closes);
+}
+
+Test(client, cuda_mapping_opened_inside_its_allocation_counts_from_the_pointer,
+     .timeout = 30) {
+  use_fake_cudart("libfake_cudart.so");
+  /* 4096 bytes in all, but the pointer is 1024 in: 3072 are the block's */
+  setenv("FAKE_CUDART_ALLOC", "4096", 1);
+  setenv("FAKE_CUDART_OFFSET", "1024", 1);
+  fake_script sc = one(fake_cuda(64));
+  REFUSED(&sc, SHARDD_E_PROTOCOL, "maps 3072 bytes");
+}
+
+Test(client, cuda_mapping_range_failure_carries_the_curesult, .timeout = 30) {
+  use_fake_cudart("libfake_cudart.so");
+  setenv("FAKE_CUDART_RANGE_ERR", "201", 1);
+  fake_script sc = one(fake_cuda(64));
+  REFUSED(&sc, SHARDD_E_IO, "cuMemGetAddressRange_v2 failed (CUresult 201)");
+}
+
+Test(client, cuda_mapping_that_cannot_be_measured_is_refused, .timeout = 30) {
+  use_fake_cudart("libfake_cudart_norange.so");
+  fake_script sc = one(fake_cuda(64));
+  REFUSED(&sc, SHARDD_E_NO_CUDA, "size cannot be checked against the 4096 bytes",
+          "cuMemGetAddressRange_v2");
+}
+
 /* ---- (c) malformed handles and layouts ------------------------------------ */
 
 Test(client, cuda_handle_of_wrong_length_is_refused, .timeout = 30) {
@@ -826,6 +920,34 @@ Test(client, null_arguments_are_refused_not_dereferenced, .timeout = 30) {
 /* The project's one version string is shardd.h's; the library reports it. */
 Test(client, library_version_is_the_header_s, .timeout = 30) {
   cr_assert_str_eq(shardd_version(), SHARDD_VERSION);
+}
+
+/* Issue 21 item 4: a daemon answering Hello with another protocol was used
+ * as if it spoke ours. The refusal names both versions and leaks nothing. */
+Test(client, hello_reply_of_another_protocol_is_refused, .timeout = 30) {
+  uint32_t theirs[] = {SHARDD_PROTOCOL_VERSION + 1, 0xffffffffu};
+  for (size_t i = 0; i < sizeof theirs / sizeof theirs[0]; i++) {
+    fake_script sc;
+    memset(&sc, 0, sizeof sc);
+    sc.hello_protocol = theirs[i];
+    fake_server s;
+    int before = count_fds();
+    fake_start(&s, &sc);
+    shardd_client_t *c = (shardd_client_t *)1;
+    char err[512] = "";
+    shardd_err rc = shardd_connect(s.sock, NULL, &c, err, sizeof err);
+    cr_assert_eq(rc, SHARDD_E_VERSION, "connect: %s (%s)", shardd_err_name(rc), err);
+    cr_assert_null(c);
+    char want[64];
+    snprintf(want, sizeof want, "speaks protocol %" PRIu32 ",", theirs[i]);
+    cr_assert_not_null(strstr(err, want), "\"%s\" lacks \"%s\"", err, want);
+    snprintf(want, sizeof want, "speaks protocol %d;", SHARDD_PROTOCOL_VERSION);
+    cr_assert_not_null(strstr(err, want), "\"%s\" lacks \"%s\"", err, want);
+    cr_assert_not_null(strstr(err, "shardd fake"), "daemon version: %s", err);
+    cr_assert_not_null(strstr(err, "libshardd " SHARDD_VERSION), "%s", err);
+    fake_stop(&s);
+    cr_assert_eq(count_fds(), before, "descriptors leaked");
+  }
 }
 
 /* ---- (e) transient areas: the Hello, the blocks, the pools ---------------- */

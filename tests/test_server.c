@@ -151,6 +151,40 @@ Test(server, sigterm_with_clients_and_pending_collective, .init = start_default,
   test_raw_close(&r);
 }
 
+/* Issue 21 item 6: ranks waiting in a gather when SIGTERM arrives were told
+ * "rank 1 disconnected" (the stop closes the sessions one by one, and the
+ * first closed failed the others' collectives as a lost peer). Each waiter
+ * must get E_SHUTDOWN naming the stop, whichever session closes first: two
+ * waiters, one on each side of the idle rank in the session list. */
+Test(server, sigterm_fails_waiting_gather_with_e_shutdown, .init = start_default,
+     .fini = stop_daemon) {
+  test_raw w[2];
+  uint64_t seq[2];
+  shardd_client_t *idle = NULL;
+  for (int i = 0; i < 2; i++) {
+    test_raw_open(&d, &w[i]);
+    test_raw_hello(&w[i], "stopjob", (uint32_t)(i * 2), 3);
+    if (i == 0) /* rank 1 joins between the two waiters, and never gathers */
+      idle = test_connect(&d, "stopjob", 1, 3);
+    shardd_buffer_info b;
+    test_raw_register_buffer(&w[i], "x", SHARDD_DTYPE_FP32, 64, &b);
+    seq[i] = test_raw_send_gather(&w[i], b.id);
+    test_raw_sync(&w[i]);
+  }
+  int code = test_daemon_terminate(&d);
+  cr_assert_eq(code, 0, "shardd exited %d on SIGTERM", code);
+  shardd_close(idle);
+  for (int i = 0; i < 2; i++) {
+    Shardwire__Response *resp = test_raw_expect(&w[i], seq[i], SHARDD_E_SHUTDOWN);
+    const char *msg = resp->message ? resp->message : "";
+    cr_assert_not_null(strstr(msg, "daemon stopping (SIGTERM)"), "rank %d: %s", i * 2, msg);
+    cr_assert_not_null(strstr(msg, "gather of buffer"), "rank %d: %s", i * 2, msg);
+    cr_assert_null(strstr(msg, "disconnected"), "rank %d: %s", i * 2, msg);
+    shardwire__response__free_unpacked(resp, NULL);
+    test_raw_close(&w[i]);
+  }
+}
+
 /* ---- many clients ------------------------------------------------------ */
 
 #define NCLIENTS 64
@@ -533,6 +567,126 @@ Test(server, same_rank_twice, .init = start_default, .fini = stop_daemon) {
     test_sleep_ms(10);
   }
   shardd_close(b);
+}
+
+/* Issue 21 item 4: a rank closed and claimed again at once was refused
+ * "already connected" while the daemon had not yet read the old session's
+ * end. Each reconnect must succeed on its first try, with or without a
+ * buffer registered on the old session (its areas are unmapped at close). */
+static void start_linger0(void);
+static double status_partial_bytes(void);
+
+static void reconnect_at_once(const char *job) {
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = job;
+  o.rank = 1;
+  o.world = 2;
+  shardd_client_t *c = NULL;
+  char err[512] = "";
+  cr_assert_eq(shardd_connect(d.sock, &o, &c, err, sizeof err), SHARDD_OK, "%s", err);
+  for (int i = 0; i < 200; i++) {
+    if (i % 2) {
+      shardd_buffer_info b;
+      cr_assert_eq(shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 256, &b), SHARDD_OK,
+                   "round %d: %s", i, shardd_last_error(c));
+    }
+    shardd_close(c);
+    c = NULL;
+    shardd_err rc = shardd_connect(d.sock, &o, &c, err, sizeof err);
+    cr_assert_eq(rc, SHARDD_OK, "round %d: reconnect right after close: %s (%s)", i,
+                 shardd_err_name(rc), err);
+  }
+  cr_assert_eq(shardd_ping(c), SHARDD_OK, "%s", shardd_last_error(c));
+  shardd_close(c);
+  expect_served();
+}
+
+/* The same after a session that closed with requests unanswered: its
+ * replies fail to send, which closes it on a later loop turn (deferred
+ * close), and until then it held the rank. */
+static void reconnect_after_unread_replies(const char *job) {
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = job;
+  o.rank = 1;
+  o.world = 2;
+  for (int i = 0; i < 100; i++) {
+    test_raw r;
+    test_raw_open(&d, &r);
+    if (i == 0) {
+      test_raw_hello(&r, job, 1, 2);
+    } else {
+      /* the previous holder's close must not be waited for either */
+      test_raw_send_hello(&r, SHARDD_PROTOCOL_VERSION, job, 1, 2);
+    }
+    for (int k = 0; k < 1 + i % 8; k++)
+      test_raw_send_ping(&r);
+    test_raw_close(&r); /* the replies are never read */
+    shardd_client_t *c = NULL;
+    char err[512] = "";
+    shardd_err rc = shardd_connect(d.sock, &o, &c, err, sizeof err);
+    cr_assert_eq(rc, SHARDD_OK, "round %d: reconnect right after close: %s (%s)", i,
+                 shardd_err_name(rc), err);
+    shardd_close(c);
+  }
+  expect_served();
+}
+
+Test(server, reconnect_after_unread_replies, .init = start_default,
+     .fini = stop_daemon) {
+  reconnect_after_unread_replies("unread");
+}
+
+/* The holder that made "already connected" last: its client sent the
+ * header of a frame the partial-frame budget has no room for, so the
+ * daemon stopped reading it, then closed. Nothing reads its end until the
+ * budget frees up; the new Hello must not wait for that. */
+Test(server, reconnect_while_the_old_session_waits_for_the_frame_budget,
+     .fini = stop_daemon) {
+  test_daemon_start(&d, (const char *const[]){"--max-partial-bytes", "1M", NULL});
+  /* another session fills most of the budget with one unfinished frame */
+  test_raw hog;
+  test_raw_open(&d, &hog);
+  uint32_t hog_len = (1u << 20) - (64u << 10);
+  uint8_t hdr[4] = {hog_len & 0xff, (hog_len >> 8) & 0xff, (hog_len >> 16) & 0xff,
+                    hog_len >> 24};
+  test_raw_send_bytes(&hog, hdr, sizeof hdr);
+  for (double end = test_mono_s() + TEST_HANG_S; status_partial_bytes() < hog_len;) {
+    cr_assert_lt(test_mono_s(), end, "the daemon never charged the first frame");
+    test_sleep_ms(10);
+  }
+  test_raw old;
+  test_raw_open(&d, &old);
+  test_raw_hello(&old, "held", 1, 2);
+  uint32_t big = 512u << 10; /* does not fit next to the hog's */
+  uint8_t h2[4] = {big & 0xff, (big >> 8) & 0xff, (big >> 16) & 0xff, big >> 24};
+  test_raw_send_bytes(&old, h2, sizeof h2);
+  for (double end = test_mono_s() + TEST_HANG_S;
+       !test_daemon_log_has(&d, "not read until partial frames finish");) {
+    cr_assert_lt(test_mono_s(), end, "the second session was never held back");
+    test_sleep_ms(10);
+  }
+  test_raw_close(&old);
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = "held";
+  o.rank = 1;
+  o.world = 2;
+  shardd_client_t *c = NULL;
+  char err[512] = "";
+  shardd_err rc = shardd_connect(d.sock, &o, &c, err, sizeof err);
+  cr_assert_eq(rc, SHARDD_OK, "reconnect after the holder closed: %s (%s)",
+               shardd_err_name(rc), err);
+  cr_assert_eq(shardd_ping(c), SHARDD_OK, "%s", shardd_last_error(c));
+  shardd_close(c);
+  test_raw_close(&hog);
+}
+
+Test(server, reconnect_right_after_close, .init = start_default, .fini = stop_daemon) {
+  reconnect_at_once("again");
+}
+
+Test(server, reconnect_right_after_close_linger0, .init = start_linger0,
+     .fini = stop_daemon) {
+  reconnect_at_once("again0");
 }
 
 Test(server, control_session_cannot_register, .init = start_default, .fini = stop_daemon) {
