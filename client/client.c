@@ -1683,7 +1683,8 @@ shardd_err shardd_clip_grad_norm(shardd_client_t *c, uint64_t opt,
 }
 
 static shardd_err checkpoint_req(shardd_client_t *c, const char *job,
-                                 const char *dir, int collective) {
+                                 const char *dir, int collective,
+                                 double wait_s) {
   if (c == NULL)
     return SHARDD_E_INVAL; /* no client to hold a message */
 
@@ -1697,6 +1698,10 @@ static shardd_err checkpoint_req(shardd_client_t *c, const char *job,
     cp.has_collective = 1;
     cp.collective = 1;
   }
+  if (wait_s > 0) {
+    cp.has_wait_s = 1;
+    cp.wait_s = wait_s;
+  }
   req.body_case = SHARDWIRE__REQUEST__BODY_CHECKPOINT;
   req.checkpoint = &cp;
   Shardwire__Response *resp;
@@ -1708,11 +1713,48 @@ static shardd_err checkpoint_req(shardd_client_t *c, const char *job,
 
 shardd_err shardd_checkpoint(shardd_client_t *c, const char *job,
                              const char *dir) {
-  return checkpoint_req(c, job, dir, 0);
+  return checkpoint_req(c, job, dir, 0, 0);
+}
+
+shardd_err shardd_checkpoint_wait(shardd_client_t *c, const char *job,
+                                  const char *dir, double timeout_s) {
+  if (c == NULL)
+    return SHARDD_E_INVAL;
+  if (!(timeout_s >= 0 && timeout_s <= 86400))
+    return set_err(c, SHARDD_E_RANGE, "checkpoint: timeout must be 0..86400 s");
+  return checkpoint_req(c, job, dir, 0, timeout_s);
 }
 
 shardd_err shardd_checkpoint_collective(shardd_client_t *c, const char *dir) {
-  return checkpoint_req(c, NULL, dir, 1);
+  return checkpoint_req(c, NULL, dir, 1, 0);
+}
+
+shardd_err shardd_release_job(shardd_client_t *c, const char *job,
+                              uint32_t *buffers, uint32_t *optimizers) {
+  if (c == NULL)
+    return SHARDD_E_INVAL;
+  if (buffers)
+    *buffers = 0;
+  if (optimizers)
+    *optimizers = 0;
+  if (job == NULL || job[0] == '\0')
+    return set_err(c, SHARDD_E_INVAL, "release: no job");
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__ReleaseJob rj = SHARDWIRE__RELEASE_JOB__INIT;
+  rj.job = (char *)job;
+  req.body_case = SHARDWIRE__REQUEST__BODY_RELEASE_JOB;
+  req.release_job = &rj;
+  Shardwire__Response *resp;
+  shardd_err rc = call_expect(c, &req, SHARDWIRE__RESPONSE__BODY_RELEASE_JOB, &resp, NULL);
+  if (rc == SHARDD_OK) {
+    if (buffers)
+      *buffers = resp->release_job->buffers;
+    if (optimizers)
+      *optimizers = resp->release_job->optimizers;
+  }
+  if (resp)
+    shardwire__response__free_unpacked(resp, NULL);
+  return rc;
 }
 
 shardd_err shardd_restore(shardd_client_t *c, const char *dir, uint32_t world,
