@@ -384,11 +384,23 @@ static shardd_err pool_adopt_ipc(shardd_client_t *c,
     return SHARDD_E_NO_MEMORY;
   }
   const char *what = NULL;
-  int e = cuda_open(gr->cuda_ipc_handle.data, (int)gr->device, &n->base, &what);
+  size_t avail = 0;
+  int e = cuda_open(gr->cuda_ipc_handle.data, (int)gr->device, &n->base, &avail,
+                    &what);
   if (e != 0) {
-    snprintf(why, whylen, "pool %" PRIu64 ": %s: %s", gr->pool, what, cuda_str(e));
+    snprintf(why, whylen, "pool %" PRIu64 ": %s: %s", gr->pool, what,
+             e == -1 ? "no cuMemGetAddressRange_v2 to check the mapping's size"
+             : e == -2 ? "a range that does not hold the opened pointer"
+                       : cuda_str(e));
     free(n);
-    return SHARDD_E_NO_CUDA;
+    return e == -2 ? SHARDD_E_IO : SHARDD_E_NO_CUDA;
+  }
+  if (avail < gr->pool_bytes) { /* trainers would write past the pool */
+    unmap(&(mapping){.base = n->base, .device = (int)gr->device});
+    snprintf(why, whylen, "pool %" PRIu64 ": the CUDA IPC handle maps %zu bytes, "
+             "not the %" PRIu64 " advertised", gr->pool, avail, gr->pool_bytes);
+    free(n);
+    return SHARDD_E_PROTOCOL;
   }
   n->id = gr->pool;
   n->len = (size_t)gr->pool_bytes;
@@ -2079,7 +2091,8 @@ shardd_err shardd_clip_grad_norm(shardd_client_t *c, uint64_t opt,
 }
 
 static shardd_err checkpoint_req(shardd_client_t *c, const char *job,
-                                 const char *dir, int collective) {
+                                 const char *dir, int collective,
+                                 double wait_s) {
   if (c == NULL)
     return SHARDD_E_INVAL; /* no client to hold a message */
 
@@ -2093,6 +2106,10 @@ static shardd_err checkpoint_req(shardd_client_t *c, const char *job,
     cp.has_collective = 1;
     cp.collective = 1;
   }
+  if (wait_s > 0) {
+    cp.has_wait_s = 1;
+    cp.wait_s = wait_s;
+  }
   req.body_case = SHARDWIRE__REQUEST__BODY_CHECKPOINT;
   req.checkpoint = &cp;
   Shardwire__Response *resp;
@@ -2104,11 +2121,48 @@ static shardd_err checkpoint_req(shardd_client_t *c, const char *job,
 
 shardd_err shardd_checkpoint(shardd_client_t *c, const char *job,
                              const char *dir) {
-  return checkpoint_req(c, job, dir, 0);
+  return checkpoint_req(c, job, dir, 0, 0);
+}
+
+shardd_err shardd_checkpoint_wait(shardd_client_t *c, const char *job,
+                                  const char *dir, double timeout_s) {
+  if (c == NULL)
+    return SHARDD_E_INVAL;
+  if (!(timeout_s >= 0 && timeout_s <= 86400))
+    return set_err(c, SHARDD_E_RANGE, "checkpoint: timeout must be 0..86400 s");
+  return checkpoint_req(c, job, dir, 0, timeout_s);
 }
 
 shardd_err shardd_checkpoint_collective(shardd_client_t *c, const char *dir) {
-  return checkpoint_req(c, NULL, dir, 1);
+  return checkpoint_req(c, NULL, dir, 1, 0);
+}
+
+shardd_err shardd_release_job(shardd_client_t *c, const char *job,
+                              uint32_t *buffers, uint32_t *optimizers) {
+  if (c == NULL)
+    return SHARDD_E_INVAL;
+  if (buffers)
+    *buffers = 0;
+  if (optimizers)
+    *optimizers = 0;
+  if (job == NULL || job[0] == '\0')
+    return set_err(c, SHARDD_E_INVAL, "release: no job");
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__ReleaseJob rj = SHARDWIRE__RELEASE_JOB__INIT;
+  rj.job = (char *)job;
+  req.body_case = SHARDWIRE__REQUEST__BODY_RELEASE_JOB;
+  req.release_job = &rj;
+  Shardwire__Response *resp;
+  shardd_err rc = call_expect(c, &req, SHARDWIRE__RESPONSE__BODY_RELEASE_JOB, &resp, NULL);
+  if (rc == SHARDD_OK) {
+    if (buffers)
+      *buffers = resp->release_job->buffers;
+    if (optimizers)
+      *optimizers = resp->release_job->optimizers;
+  }
+  if (resp)
+    shardwire__response__free_unpacked(resp, NULL);
+  return rc;
 }
 
 shardd_err shardd_restore(shardd_client_t *c, const char *dir, uint32_t world,

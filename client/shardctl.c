@@ -14,7 +14,10 @@ static void usage(FILE *f) {
           "  status              daemon, devices, jobs, optimizers\n"
           "  inspect ID|NAME     one buffer or view: layout, shards, views, owner\n"
           "  ping                round trip to the daemon\n"
-          "  checkpoint JOB DIR  write the job's shards, state and registry to DIR\n"
+          "  checkpoint JOB DIR [--timeout S]  write the job's shards, state and\n"
+          "                      registry to DIR; a live job's at its ranks' next\n"
+          "                      quiescent point, waiting up to S s (default 60)\n"
+          "  release JOB         free a job nobody is connected to (before a restore)\n"
           "  restore DIR [--world N]  recreate the job checkpointed in DIR (into\n"
           "                      N ranks: shards are keyed by offset, not rank)\n"
           "The socket is --socket, else $SHARDD_SOCKET, else %s.\n",
@@ -49,6 +52,7 @@ int main(int argc, char **argv) {
   /* Options may follow the command too (shardctl status --json). */
   const char *arg = NULL, *arg2 = NULL;
   long world = 0;
+  double timeout = 60;
   for (; i < argc; i++) {
     if (!strcmp(argv[i], "--json"))
       json = 1;
@@ -57,6 +61,15 @@ int main(int argc, char **argv) {
       world = strtol(argv[++i], &end, 10);
       if (*end || world < 1 || world > 65536) {
         fprintf(stderr, "shardctl: --world %s: must be 1..65536\n", argv[i]);
+        return 2;
+      }
+    }
+    else if (!strcmp(argv[i], "--timeout") && i + 1 < argc) {
+      char *end;
+      timeout = strtod(argv[++i], &end);
+      if (*end || end == argv[i] || !(timeout >= 0 && timeout <= 86400)) {
+        fprintf(stderr, "shardctl: --timeout %s: must be 0..86400 seconds\n",
+                argv[i]);
         return 2;
       }
     }
@@ -75,8 +88,9 @@ int main(int argc, char **argv) {
   }
   int is_status = !strcmp(cmd, "status"), is_inspect = !strcmp(cmd, "inspect"),
       is_ping = !strcmp(cmd, "ping"), is_ckpt = !strcmp(cmd, "checkpoint"),
-      is_restore = !strcmp(cmd, "restore");
-  if (!is_status && !is_inspect && !is_ping && !is_ckpt && !is_restore) {
+      is_restore = !strcmp(cmd, "restore"), is_release = !strcmp(cmd, "release");
+  if (!is_status && !is_inspect && !is_ping && !is_ckpt && !is_restore &&
+      !is_release) {
     fprintf(stderr, "shardctl: unknown command %s\n", cmd);
     usage(stderr);
     return 2;
@@ -85,12 +99,14 @@ int main(int argc, char **argv) {
     fprintf(stderr, "shardctl: inspect needs a buffer or view id or name\n");
     return 2;
   }
-  if ((is_ckpt && (arg == NULL || arg2 == NULL)) || (is_restore && arg == NULL)) {
+  if ((is_ckpt && (arg == NULL || arg2 == NULL)) ||
+      ((is_restore || is_release) && arg == NULL)) {
     fprintf(stderr, "shardctl: usage: %s\n",
-            is_ckpt ? "checkpoint JOB DIR" : "restore DIR");
+            is_ckpt ? "checkpoint JOB DIR [--timeout S]"
+                    : is_release ? "release JOB" : "restore DIR");
     return 2;
   }
-  if ((!is_inspect && !is_ckpt && !is_restore && arg != NULL) ||
+  if ((!is_inspect && !is_ckpt && !is_restore && !is_release && arg != NULL) ||
       (!is_ckpt && arg2 != NULL)) {
     fprintf(stderr, "shardctl: %s: too many arguments\n", cmd);
     return 2;
@@ -122,13 +138,24 @@ int main(int argc, char **argv) {
     rc = json ? shardd_status_json(c, &out) : shardd_status_text(c, &out);
   } else if (is_ckpt || is_restore) {
     char job[256];
-    rc = is_ckpt ? shardd_checkpoint(c, arg, dir)
+    rc = is_ckpt ? shardd_checkpoint_wait(c, arg, dir, timeout)
                  : shardd_restore(c, dir, (uint32_t)world, job, sizeof job);
     if (rc == SHARDD_OK) {
       char line[4600];
       snprintf(line, sizeof line, json ? "{\"job\":\"%s\",\"dir\":\"%s\"}\n"
                                        : "%s: %s\n",
                is_ckpt ? arg : job, dir);
+      out = strdup(line);
+    }
+  } else if (is_release) {
+    uint32_t nb = 0, no = 0;
+    rc = shardd_release_job(c, arg, &nb, &no);
+    if (rc == SHARDD_OK) {
+      char line[512];
+      snprintf(line, sizeof line,
+               json ? "{\"job\":\"%s\",\"buffers\":%u,\"optimizers\":%u}\n"
+                    : "%s: released (%u buffers, %u optimizers)\n",
+               arg, nb, no);
       out = strdup(line);
     }
   } else if (is_ping) {

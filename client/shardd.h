@@ -587,6 +587,27 @@ shardd_err shardd_optim_steps_set(shardd_client_t *c, uint64_t opt, uint64_t ref
 shardd_err shardd_checkpoint(shardd_client_t *c, const char *job,
                              const char *dir);
 
+/* shardd_checkpoint of a job whose ranks may be training (shardctl
+ * checkpoint): with collectives in flight it waits up to timeout_s seconds
+ * for the job's next quiescent point (no collective queued or running,
+ * e.g. between a step's reply and the next gather) and is taken there; the
+ * ranks' steps sent while the files are written wait for them, nothing of
+ * theirs fails. Past timeout_s: SHARDD_E_TIMEOUT, the message naming the
+ * collectives it waited on and the ranks that have and have not arrived.
+ * timeout_s 0 is shardd_checkpoint; at most 86400. */
+shardd_err shardd_checkpoint_wait(shardd_client_t *c, const char *job,
+                                  const char *dir, double timeout_s);
+
+/* Frees job (as named to shardd_checkpoint) in the daemon now: its
+ * buffers, views, optimizers and areas, so shardd_restore into its name
+ * can follow. Its uid or root only. Refused (SHARDD_E_BUSY, naming them)
+ * while any of its ranks is connected (release never ends a trainer:
+ * stop them first), or while it is being checkpointed or restored or has
+ * collectives in flight. buffers and optimizers (may be NULL) receive how
+ * many were freed. */
+shardd_err shardd_release_job(shardd_client_t *c, const char *job,
+                              uint32_t *buffers, uint32_t *optimizers);
+
 /* shardd_checkpoint as a job collective: every rank of the caller's job
  * calls it with the same dir; it is taken once all have, after the
  * collectives each rank sent before it (no SHARDD_E_BUSY for work of

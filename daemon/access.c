@@ -92,6 +92,15 @@ shardd_err shardd__access_checkpoint(const shardd__peer *p,
   return SHARDD_E_PERMISSION;
 }
 
+shardd_err shardd__access_release(const shardd__peer *p, const shardd__job *job,
+                                  char *err, size_t errlen) {
+  if (job->uid == p->uid || p->uid == 0)
+    return SHARDD_OK;
+  snprintf(err, errlen, "job \"%s\" belongs to another user; only it or root "
+           "may release it", job->name);
+  return SHARDD_E_PERMISSION;
+}
+
 shardd_err shardd__access_checkpoint_dir(const char *root, uint32_t uid,
                                          const char *dir, char *err,
                                          size_t errlen) {

@@ -45,6 +45,9 @@ shardd_err shardd__access_join(const shardd__peer *p, const shardd__job *job,
 shardd_err shardd__access_checkpoint(const shardd__peer *p,
                                      const shardd__job *job, char *err,
                                      size_t errlen);
+/* Only the job's owner or root may release it (shardctl release). */
+shardd_err shardd__access_release(const shardd__peer *p, const shardd__job *job,
+                                  char *err, size_t errlen);
 /* A client names the directory, the daemon writes or reads it: only
  * absolute paths without "." or ".." parts; when root (--checkpoint-root)
  * is not NULL, below root for uid 0 and below root/UID, that user's own

@@ -759,6 +759,8 @@ static void ckpt_wait_started(ckpt_wait *w, shardd_err rc, const char *err) {
   w->d->ckpt_waits = w;
 }
 
+static void after_ckpt(shardd__dispatch *d, shardd__job *job);
+
 static void ckpt_done(void *arg, shardd__job *job, shardd_err rc,
                       const char *err) {
   ckpt_wait *w = arg;
@@ -770,6 +772,14 @@ static void ckpt_done(void *arg, shardd__job *job, shardd_err rc,
     reply(d, w->c, w->seq, rc, err);
   free(w->dir);
   free(w);
+}
+
+/* A checkpoint (not a restore) ended: the job's held frames go on. */
+static void ckpt_done_job(void *arg, shardd__job *job, shardd_err rc,
+                          const char *err) {
+  shardd__dispatch *d = ((ckpt_wait *)arg)->d;
+  ckpt_done(arg, job, rc, err);
+  after_ckpt(d, job);
 }
 
 /* --checkpoint-root: a client other than root names directories below
@@ -845,7 +855,9 @@ static void ckpt_group_answer(ckpt_group *g, shardd_err rc, const char *err) {
 
 static void ckpt_group_done(void *arg, shardd__job *job, shardd_err rc,
                             const char *err) {
+  shardd__dispatch *d = ((ckpt_group *)arg)->d;
   ckpt_group_answer(arg, rc, err);
+  after_ckpt(d, job);
 }
 
 /* c's checkpoint barrier ended with code: held until every local rank's
@@ -922,6 +934,278 @@ static void on_checkpoint_collective(shardd__dispatch *d, shardd__conn *c,
   shardd__coll_submit(d->coll, &c->m, seq, &ca);
 }
 
+/* ---- operators' checkpoints of a live job ------------------------------
+ * `shardctl checkpoint` of a job whose ranks are training: collectives are
+ * in flight nearly always, and refusing with E_BUSY meant never. The
+ * request waits (a bounded wait the asker gives) for the job's next
+ * quiescent point, the moment its queue empties (between a step's reply
+ * and the next gather), and the checkpoint is taken right there, on the
+ * loop thread, before any later frame is read. Nothing is held while it
+ * waits: holding new collectives could hold the rank a queued one waits
+ * for. While the files are written, a step (which would change them) is
+ * held with everything its rank sends behind it, and dispatched in order
+ * when the checkpoint ends: training waits those milliseconds, is never
+ * refused, and computes what it would have without the checkpoint. */
+#define CKPT_WAIT_MAX 86400
+#define HELD_MAX_BYTES ((size_t)4 << 20) /* per connection */
+
+typedef struct shardd__ckpt_pend {
+  shardd__conn *c;
+  uint64_t seq;
+  shardd__job *job; /* pinned until the pend ends */
+  char *dir, *home; /* owned; home NULL when the asker is not confined */
+  int64_t as_uid;
+  double since, wait_s;
+  struct shardd__ckpt_pend *next;
+} ckpt_pend;
+
+typedef struct shardd__held_frame {
+  struct shardd__held_frame *next;
+  size_t len;
+  uint8_t data[];
+} held_frame;
+
+/* Whether job is at a point a checkpoint can start at. */
+static int pend_may_start(shardd__dispatch *d, const shardd__job *job) {
+  return shardd__coll_inflight(d->coll, job) == 0 &&
+         !shardd__jobs_checkpointing(&d->jobs, job);
+}
+
+static void pend_add(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                     shardd__job *job, const char *dir, const char *home,
+                     double wait_s) {
+  ckpt_pend *p = calloc(1, sizeof *p);
+  if (p == NULL || (p->dir = strdup(dir)) == NULL ||
+      (home && (p->home = strdup(home)) == NULL) ||
+      shardd__jobs_pin(&d->jobs, job) != SHARDD_OK) {
+    if (p) {
+      free(p->dir);
+      free(p->home);
+    }
+    free(p);
+    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    return;
+  }
+  p->c = c;
+  p->seq = seq;
+  p->job = job;
+  p->as_uid = (int64_t)c->peer.uid;
+  p->since = now_s(d);
+  p->wait_s = wait_s;
+  p->next = d->ckpt_pends;
+  d->ckpt_pends = p;
+  shardd__log(2, "session %" PRIu64 ": checkpoint of job \"%s\" waits up to "
+              "%.1f s for its ranks' next quiescent point", c->id, job->name,
+              wait_s);
+}
+
+/* Takes p off the list and frees it; its job may be released. */
+static void pend_end(shardd__dispatch *d, ckpt_pend *p) {
+  for (ckpt_pend **q = &d->ckpt_pends; *q; q = &(*q)->next)
+    if (*q == p) {
+      *q = p->next;
+      break;
+    }
+  shardd__job *job = p->job;
+  free(p->dir);
+  free(p->home);
+  free(p);
+  shardd__jobs_unpin(&d->jobs, job);
+}
+
+/* Starts the waiting checkpoints of job that can start now (one; the
+ * others wait for it to end, as they would for any checkpoint). */
+static void pends_kick(shardd__dispatch *d, shardd__job *job) {
+  for (ckpt_pend *p = d->ckpt_pends, *next; p; p = next) {
+    next = p->next;
+    if (p->job != job)
+      continue;
+    if (!pend_may_start(d, job))
+      return;
+    char err[ERRLEN];
+    ckpt_wait *w = ckpt_wait_new(d, p->c, p->seq, p->dir);
+    if (w) {
+      shardd_err rc = shardd__jobs_checkpoint_start(&d->jobs, job, p->dir,
+                                                    p->as_uid, p->home,
+                                                    ckpt_done_job, w, err,
+                                                    sizeof err);
+      if (rc == SHARDD_OK)
+        shardd__log(2, "job \"%s\" quiescent after %.3f s: checkpoint to %s "
+                    "started", job->name, now_s(d) - p->since, p->dir);
+      ckpt_wait_started(w, rc, err);
+    }
+    pend_end(d, p); /* job stays: it is being checkpointed, or has clients */
+  }
+}
+
+/* What p still waits on, for its timeout's message: the job's collectives
+ * (kind, target, how long, which ranks arrived and which did not, and
+ * whether those are connected), or the checkpoint being written. */
+static void pend_describe(shardd__dispatch *d, const ckpt_pend *p, char *out,
+                          size_t n) {
+  const shardd__job *job = p->job;
+  size_t len = (size_t)snprintf(out, n, "job \"%s\" reached no quiescent point "
+                                "(no collective queued or running) within %.1f s; ",
+                                job->name, p->wait_s);
+#define ADD(...)                                                               \
+  do {                                                                         \
+    if (len < n)                                                               \
+      len += (size_t)snprintf(out + len, n - len, __VA_ARGS__);                \
+  } while (0)
+  if (shardd__jobs_checkpointing(&d->jobs, job))
+    ADD("another checkpoint of it is being written; ");
+  uint32_t total = shardd__coll_inflight(d->coll, job);
+  uint8_t *arrived = calloc(job->world, 1);
+  ADD("%" PRIu32 " collective(s) in flight", total);
+  shardd__coll_info info;
+  for (size_t i = 0; arrived && i < 4 &&
+                     shardd__coll_describe(d->coll, job, i, &info, arrived) == SHARDD_OK;
+       i++) {
+    ADD("%s %s", i ? ";" : ":", shardd__coll_kind_word(info.kind));
+    if (info.name && info.name[0])
+      ADD(" of \"%s\"", info.name);
+    if (info.running) {
+      ADD(" running for %.1f s", info.waited_s);
+      continue;
+    }
+    ADD(" queued %.1f s, arrived: ", info.waited_s);
+    int any = 0;
+    for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++)
+      if (arrived[r]) {
+        ADD("%s%" PRIu32, any ? "," : "rank ", r);
+        any = 1;
+      }
+    if (!any)
+      ADD("none");
+    ADD(", waiting for: ");
+    any = 0;
+    for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++)
+      if (!arrived[r]) {
+        ADD("%srank %" PRIu32 "%s", any ? ", " : "", r,
+            shardd__jobs_rank_held(&d->jobs, job, r) ? "" : " (not connected)");
+        any = 1;
+      }
+  }
+  if (total > 4)
+    ADD("; and %" PRIu32 " more", total - 4);
+  ADD(" (a trainer that never lets its queue empty, e.g. one that sends the "
+      "next gather before the step's reply, checkpoints with sm.checkpoint)");
+#undef ADD
+  free(arrived);
+}
+
+/* The tick: waits past their bound end with what they waited on. */
+static void pends_expire(shardd__dispatch *d, double now) {
+  for (ckpt_pend *p = d->ckpt_pends, *next; p; p = next) {
+    next = p->next;
+    if (now - p->since < p->wait_s)
+      continue;
+    char msg[2048];
+    pend_describe(d, p, msg, sizeof msg);
+    shardd__log(1, "checkpoint of job \"%s\" to %s timed out: %s", p->job->name,
+                p->dir, msg);
+    reply(d, p->c, p->seq, SHARDD_E_TIMEOUT, msg);
+    pend_end(d, p);
+  }
+}
+
+/* c closed: its waits end unanswered. */
+static void pends_forget(shardd__dispatch *d, const shardd__conn *c) {
+  for (ckpt_pend *p = d->ckpt_pends, *next; p; p = next) {
+    next = p->next;
+    if (p->c == c)
+      pend_end(d, p);
+  }
+}
+
+static void held_unlist(shardd__dispatch *d, shardd__conn *c) {
+  for (size_t i = 0; i < d->nheld_conns; i++)
+    if (d->held_conns[i] == c) {
+      d->held_conns[i] = d->held_conns[--d->nheld_conns];
+      break;
+    }
+  c->held_listed = 0;
+}
+
+/* Keeps a copy of c's frame for later; 0 when it cannot (over the bound,
+ * out of memory): the caller refuses it then. */
+static int held_push(shardd__dispatch *d, shardd__conn *c,
+                     const uint8_t *payload, size_t len) {
+  if (c->held_bytes + len > HELD_MAX_BYTES)
+    return 0;
+  if (!c->held_listed) {
+    if (d->nheld_conns == d->cap_held_conns) {
+      size_t cap = d->cap_held_conns ? 2 * d->cap_held_conns : 8;
+      shardd__conn **a = realloc(d->held_conns, cap * sizeof *a);
+      if (a == NULL)
+        return 0;
+      d->held_conns = a;
+      d->cap_held_conns = cap;
+    }
+    d->held_conns[d->nheld_conns++] = c;
+    c->held_listed = 1;
+  }
+  held_frame *f = malloc(sizeof *f + len);
+  if (f == NULL)
+    return 0;
+  f->next = NULL;
+  f->len = len;
+  memcpy(f->data, payload, len);
+  if (c->held_last)
+    c->held_last->next = f;
+  else
+    c->held_first = f;
+  c->held_last = f;
+  c->held_bytes += len;
+  return 1;
+}
+
+static void held_drop(shardd__dispatch *d, shardd__conn *c) {
+  while (c->held_first) {
+    held_frame *f = c->held_first;
+    c->held_first = f->next;
+    free(f);
+  }
+  c->held_last = NULL;
+  c->held_bytes = 0;
+  if (c->held_listed)
+    held_unlist(d, c);
+}
+
+static void dispatch_one(shardd__dispatch *d, shardd__conn *c,
+                         const uint8_t *payload, size_t len);
+
+/* job's checkpoint ended: its ranks' held frames are dispatched, in order
+ * per rank, until one (a collective checkpoint) starts another. */
+static void held_replay(shardd__dispatch *d, shardd__job *job) {
+  for (;;) {
+    shardd__conn *c = NULL;
+    for (size_t i = 0; i < d->nheld_conns && c == NULL; i++)
+      if (d->held_conns[i]->m.job == job)
+        c = d->held_conns[i];
+    if (c == NULL)
+      return;
+    while (c->held_first && !shardd__jobs_checkpointing(&d->jobs, job)) {
+      held_frame *f = c->held_first;
+      if ((c->held_first = f->next) == NULL)
+        c->held_last = NULL;
+      c->held_bytes -= f->len;
+      dispatch_one(d, c, f->data, f->len);
+      free(f);
+    }
+    if (c->held_first)
+      return; /* held again until that one ends */
+    held_unlist(d, c);
+  }
+}
+
+static void after_ckpt(shardd__dispatch *d, shardd__job *job) {
+  if (job == NULL)
+    return;
+  held_replay(d, job);
+  pends_kick(d, job);
+}
+
 static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                           const Shardwire__Request *req) {
   const Shardwire__Checkpoint *cp = req->checkpoint;
@@ -969,6 +1253,17 @@ static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     reply(d, c, seq, rc, err);
     return;
   }
+  double wait_s = cp->has_wait_s ? cp->wait_s : 0;
+  if (!(wait_s >= 0 && wait_s <= CKPT_WAIT_MAX)) { /* NaN too */
+    snprintf(err, sizeof err, "checkpoint wait must be 0..%d s", CKPT_WAIT_MAX);
+    reply(d, c, seq, SHARDD_E_RANGE, err);
+    return;
+  }
+  if (wait_s > 0 && job->nodes == 1 && !shardd__jobs_restoring(&d->jobs, job) &&
+      !pend_may_start(d, job)) {
+    pend_add(d, c, seq, job, cp->dir, home[0] ? home : NULL, wait_s);
+    return;
+  }
   /* The files are written off the loop thread: a 1.6 GB checkpoint froze
    * every client for 4.9 s and made another job's gather time out. */
   ckpt_wait *w = ckpt_wait_new(d, c, seq, cp->dir);
@@ -976,7 +1271,7 @@ static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     return;
   rc = shardd__jobs_checkpoint_start(&d->jobs, job, cp->dir,
                                      (int64_t)c->peer.uid, home[0] ? home : NULL,
-                                     ckpt_done, w, err, sizeof err);
+                                     ckpt_done_job, w, err, sizeof err);
   ckpt_wait_started(w, rc, err);
 }
 
@@ -1202,6 +1497,58 @@ static void on_release(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   reply(d, c, seq, rc, rc == SHARDD_OK ? NULL : err);
 }
 
+/* `shardctl release JOB`: the job's memory is freed now, so a restore
+ * into its name can follow. Refused while a rank is connected: failing a
+ * live trainer's collectives and pulling its mappings is not an operator
+ * convenience (stop the trainers, then release). */
+static void on_release_job(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                           const Shardwire__Request *req) {
+  const char *name = req->release_job->job;
+  char err[ERRLEN];
+  shardd__job *job = shardd__access_find_job(&d->reg, &c->peer, name);
+  if (job == NULL) {
+    snprintf(err, sizeof err, "no job \"%s\"", name ? name : "");
+    reply(d, c, seq, SHARDD_E_NOT_FOUND, err);
+    return;
+  }
+  shardd_err rc = shardd__access_release(&c->peer, job, err, sizeof err);
+  if (rc != SHARDD_OK) {
+    reply(d, c, seq, rc, err);
+    return;
+  }
+  /* collective checkpoints some ranks asked for before all left can
+   * never be taken now; they go with the job */
+  if (shardd__jobs_clients(&d->jobs, job) == 0 &&
+      !shardd__jobs_checkpointing(&d->jobs, job))
+    for (ckpt_group *g = d->ckpt_groups, *next; g; g = next) {
+      next = g->next;
+      if (g->job == job)
+        ckpt_group_free(g);
+    }
+  char qualified[300];
+  if (job->uid != c->peer.uid)
+    snprintf(qualified, sizeof qualified, "%" PRIu32 "/%s", job->uid, job->name);
+  else
+    snprintf(qualified, sizeof qualified, "%s", job->name);
+  char jobname[256];
+  snprintf(jobname, sizeof jobname, "%s", job->name);
+  Shardwire__ReleaseJobReply rr = SHARDWIRE__RELEASE_JOB_REPLY__INIT;
+  rr.job = qualified;
+  rr.buffers = (uint32_t)shardd__map_count(&job->buffers);
+  rr.optimizers = (uint32_t)shardd__map_count(&job->optims);
+  rc = shardd__jobs_release_now(&d->jobs, job, err, sizeof err);
+  if (rc != SHARDD_OK) {
+    reply(d, c, seq, rc, err);
+    return;
+  }
+  shardd__log(2, "job \"%s\" released by uid %" PRIu32 " (%" PRIu32 " buffers, %"
+              PRIu32 " optimizers)", jobname, (uint32_t)c->peer.uid, rr.buffers,
+              rr.optimizers);
+  Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_RELEASE_JOB);
+  resp.release_job = &rr;
+  send_resp(d, c, &resp, -1);
+}
+
 /* ---- the command table ------------------------------------------------- */
 
 static const struct {
@@ -1235,10 +1582,36 @@ static const struct {
     {SHARDWIRE__REQUEST__BODY_ALL_REDUCE, 1, 0, on_all_reduce},
     {SHARDWIRE__REQUEST__BODY_SEED_MASTER, 1, 1, on_seed_master},
     {SHARDWIRE__REQUEST__BODY_OPTIM_STATE, 1, 1, on_optim_state},
+    {SHARDWIRE__REQUEST__BODY_RELEASE_JOB, 0, 0, on_release_job},
 };
+
+/* Refuses a frame that cannot be held behind c's held ones. */
+static void refuse_unheld(shardd__dispatch *d, shardd__conn *c,
+                          const uint8_t *payload, size_t len) {
+  Shardwire__Request *req = shardwire__request__unpack(NULL, len, payload);
+  char msg[ERRLEN];
+  snprintf(msg, sizeof msg, "job \"%s\" is being checkpointed and this "
+           "rank's requests behind its step are held; no room for more",
+           c->m.job ? c->m.job->name : "");
+  reply(d, c, req ? req->seq : 0, req ? SHARDD_E_BUSY : SHARDD_E_PROTOCOL,
+        req ? msg : "a frame is not a valid Request");
+  if (req)
+    shardwire__request__free_unpacked(req, NULL);
+}
 
 void shardd__dispatch_frame(shardd__dispatch *d, shardd__conn *c,
                             const uint8_t *payload, size_t len) {
+  /* behind a held step: held too, so the rank's order stays */
+  if (c->held_first) {
+    if (!held_push(d, c, payload, len))
+      refuse_unheld(d, c, payload, len);
+    return;
+  }
+  dispatch_one(d, c, payload, len);
+}
+
+static void dispatch_one(shardd__dispatch *d, shardd__conn *c,
+                         const uint8_t *payload, size_t len) {
   Shardwire__Request *req = shardwire__request__unpack(NULL, len, payload);
   if (req == NULL) {
     char msg[128];
@@ -1260,10 +1633,16 @@ void shardd__dispatch_frame(shardd__dispatch *d, shardd__conn *c,
   else if (i == n)
     reply(d, c, seq, SHARDD_E_PROTOCOL, "request has no body this daemon knows");
   else if (commands[i].changes_ckpt &&
-           shardd__jobs_checkpointing(&d->jobs, c->m.job)) {
-    /* Refused, not queued: a checkpoint is taken between steps (one is
-     * already refused while a collective is in flight), and holding a
-     * step back here would let a gather pipelined behind it overtake it. */
+           shardd__jobs_checkpointing(&d->jobs, c->m.job) &&
+           req->body_case == SHARDWIRE__REQUEST__BODY_STEP &&
+           held_push(d, c, payload, len)) {
+    /* A step is held (and every frame its rank sends behind it, so a
+     * pipelined gather cannot overtake it) until the files are written:
+     * an operator's checkpoint of a live job then never fails training. */
+  } else if (commands[i].changes_ckpt &&
+             shardd__jobs_checkpointing(&d->jobs, c->m.job)) {
+    /* Refused, not held: registrations and the like are not part of a
+     * training step, and their caller can say what to do. */
     char msg[ERRLEN];
     snprintf(msg, sizeof msg, "job \"%s\" is being checkpointed",
              c->m.job->name);
@@ -1289,6 +1668,8 @@ void shardd__dispatch_opened(shardd__dispatch *d, shardd__conn *c,
 }
 
 void shardd__dispatch_closed(shardd__dispatch *d, shardd__conn *c) {
+  pends_forget(d, c);
+  held_drop(d, c); /* a closed rank's steps would fail anyway */
   free(c->pools_sent);
   c->pools_sent = NULL;
   c->npools_sent = 0;
@@ -1313,6 +1694,7 @@ void shardd__dispatch_closed(shardd__dispatch *d, shardd__conn *c) {
 
 void shardd__dispatch_timeouts(shardd__dispatch *d, double now) {
   shardd__coll_tick(d->coll, now);
+  pends_expire(d, now);
 }
 
 void shardd__dispatch_expire(shardd__dispatch *d, double now) {
@@ -1403,6 +1785,7 @@ static void coll_done(void *ctx, shardd__coll_member *m, uint64_t seq,
 
 static void coll_quiet(void *ctx, shardd__job *job) {
   shardd__dispatch *d = ctx;
+  pends_kick(d, job); /* the quiescent point an operator's checkpoint waits for */
   shardd__jobs_idle(&d->jobs, job);
 }
 
@@ -1481,5 +1864,14 @@ void shardd__dispatch_free(shardd__dispatch *d) {
   }
   while (d->ckpt_groups) /* likewise */
     ckpt_group_free(d->ckpt_groups);
+  while (d->ckpt_pends) { /* every connection closed first: none is left */
+    ckpt_pend *p = d->ckpt_pends;
+    d->ckpt_pends = p->next;
+    free(p->dir);
+    free(p->home);
+    free(p);
+  }
+  free(d->held_conns);
+  d->held_conns = NULL;
   shardd__registry_free(&d->reg);
 }

@@ -42,6 +42,12 @@ typedef struct {
    * the directory (owned), until answered */
   uint64_t ckc_seq;
   char *ckc_dir;
+  /* frames held while its job is being checkpointed (a step, and every
+   * frame behind it, so the rank's order stays), in arrival order; owned,
+   * dispatched when the checkpoint ends, freed at close */
+  struct shardd__held_frame *held_first, *held_last;
+  size_t held_bytes;
+  int held_listed; /* on the dispatcher's held_conns list */
 } shardd__conn;
 
 typedef struct {
@@ -82,6 +88,11 @@ typedef struct {
   struct shardd__ckpt_wait *ckpt_waits;
   /* collective checkpoints whose barrier ended for some ranks */
   struct shardd__ckpt_group *ckpt_groups;
+  /* operators' checkpoints waiting for their job's next quiescent point */
+  struct shardd__ckpt_pend *ckpt_pends;
+  /* connections with held frames (at most max_clients) */
+  shardd__conn **held_conns;
+  size_t nheld_conns, cap_held_conns;
 } shardd__dispatch;
 
 /* socket_path is borrowed (it lives as long as d). */

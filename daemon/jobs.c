@@ -22,6 +22,7 @@ typedef struct {
   double empty_since; /* loop time the last client left; < 0 while held */
   int checkpointing;  /* a checkpoint of it is started and not done */
   int restoring;      /* it is being restored: its payloads are loading */
+  uint32_t pins;      /* shardd__jobs_pin: someone waits to use it */
 } slot;
 
 /* A checkpoint started and not done: what prepare took, and whom to tell. */
@@ -33,6 +34,7 @@ struct shardd__jobs_ckpt {
   void *arg;
   shardd_err rc;
   char err[512];
+  int kicked; /* queued on the pool */
   shardd__jobs_ckpt *next;
 };
 
@@ -260,7 +262,8 @@ void shardd__jobs_idle(shardd__jobs *j, shardd__job *job) {
    * collective that outlived it), not at the next tick. */
   if (shardd__jobs_clients(j, job) == 0 && j->linger == 0 && !j->stopping &&
       shardd__coll_inflight(j->coll, job) == 0 &&
-      !shardd__jobs_checkpointing(j, job) && !shardd__jobs_restoring(j, job)) {
+      !shardd__jobs_checkpointing(j, job) && !shardd__jobs_restoring(j, job) &&
+      !shardd__jobs_pinned(j, job)) {
     shardd__log(2, "job \"%s\" released (last client left)", job->name);
     release(j, job);
   }
@@ -280,7 +283,7 @@ static void find_lingering(shardd__job *job, void *arg) {
   slot *s = slot_get(a->j, job);
   if (s && s->nclients == 0 && s->empty_since >= 0 && a->j->linger >= 0 &&
       a->now - s->empty_since >= a->j->linger && !s->checkpointing &&
-      !s->restoring &&
+      !s->restoring && s->pins == 0 &&
       shardd__coll_inflight(a->j->coll, s->job) == 0 && a->n < a->cap)
     a->expired[a->n++] = s->job;
 }
@@ -299,6 +302,63 @@ void shardd__jobs_expire(shardd__jobs *j, double now) {
     release(j, a.expired[i]);
   }
   free(a.expired);
+}
+
+shardd_err shardd__jobs_pin(shardd__jobs *j, shardd__job *job) {
+  slot *s = slot_make(j, job);
+  if (s == NULL)
+    return SHARDD_E_NO_MEMORY;
+  s->pins++;
+  return SHARDD_OK;
+}
+
+void shardd__jobs_unpin(shardd__jobs *j, shardd__job *job) {
+  slot *s = slot_get(j, job);
+  if (s && s->pins > 0 && --s->pins == 0)
+    shardd__jobs_idle(j, job);
+}
+
+int shardd__jobs_pinned(const shardd__jobs *j, const shardd__job *job) {
+  const slot *s = slot_get(j, job);
+  return s != NULL && s->pins > 0;
+}
+
+shardd_err shardd__jobs_release_now(shardd__jobs *j, shardd__job *job,
+                                    char *err, size_t errlen) {
+  uint32_t n = shardd__jobs_clients(j, job);
+  if (n > 0) {
+    /* the ranks' handles, mappings and pending collectives would outlive
+     * the job under them; ending a trainer is its launcher's business */
+    char ranks[256] = "";
+    size_t len = 0;
+    const slot *s = slot_get(j, job);
+    for (uint32_t r = 0; r < job->world && len + 16 < sizeof ranks; r++)
+      if (s->owners[r].owner != 0)
+        len += (size_t)snprintf(ranks + len, sizeof ranks - len, "%s%" PRIu32
+                                " (pid %" PRId32 ")", len ? ", " : "", r,
+                                s->owners[r].pid);
+    snprintf(err, errlen,
+             "job \"%s\" has %" PRIu32 " connected rank(s): %s; stop its "
+             "trainers first (release never ends a connected rank)",
+             job->name, n, ranks);
+    return SHARDD_E_BUSY;
+  }
+  const char *what = NULL;
+  if (shardd__jobs_checkpointing(j, job))
+    what = "is being checkpointed";
+  else if (shardd__jobs_restoring(j, job))
+    what = "is being restored";
+  else if (shardd__jobs_pinned(j, job))
+    what = "has a checkpoint waiting for it";
+  else if (shardd__coll_inflight(j->coll, job) > 0)
+    what = "has collectives in flight";
+  if (what) {
+    snprintf(err, errlen, "job \"%s\" %s; release it after that ends",
+             job->name, what);
+    return SHARDD_E_BUSY;
+  }
+  release(j, job);
+  return SHARDD_OK;
 }
 
 int shardd__jobs_rank_held(const shardd__jobs *j, const shardd__job *job,
@@ -368,12 +428,16 @@ static void ckpt_work(uv_work_t *req) {
 
 static void ckpt_after(uv_work_t *req, int status);
 
-/* Starts writing the first queued checkpoint on the pool; 0, or
+/* Starts writing the first queued checkpoint on the pool (once); 0, or
  * uv_queue_work's error (it fails only on bad arguments). */
 static int ckpt_kick(shardd__jobs *j) {
   shardd__jobs_ckpt *k = j->ck_first;
+  if (k->kicked) /* a done hook started it (an operator's waiting one) */
+    return 0;
   k->req.data = j;
-  return uv_queue_work(j->loop, &k->req, ckpt_work, ckpt_after);
+  int e = uv_queue_work(j->loop, &k->req, ckpt_work, ckpt_after);
+  k->kicked = e == 0;
+  return e;
 }
 
 /* Takes the first checkpoint off the queue: the job is the registry's to

@@ -81,6 +81,20 @@ void shardd__jobs_idle(shardd__jobs *j, shardd__job *job);
 /* Releases every job nobody has held for --job-linger seconds. */
 void shardd__jobs_expire(shardd__jobs *j, double now);
 
+/* Someone waits to use job (an operator's checkpoint waiting for it to go
+ * quiet): not released until every pin is let go; unpin may release it
+ * (--job-linger 0, nobody holds it). SHARDD_E_NO_MEMORY. */
+shardd_err shardd__jobs_pin(shardd__jobs *j, shardd__job *job);
+void shardd__jobs_unpin(shardd__jobs *j, shardd__job *job);
+int shardd__jobs_pinned(const shardd__jobs *j, const shardd__job *job);
+
+/* Releases job now (`shardctl release`): SHARDD_E_BUSY, naming what holds
+ * it, while a client holds one of its ranks, or it is being checkpointed,
+ * restored, waited for, or has collectives in flight. On SHARDD_OK job is
+ * freed. */
+shardd_err shardd__jobs_release_now(shardd__jobs *j, shardd__job *job,
+                                    char *err, size_t errlen);
+
 uint32_t shardd__jobs_clients(const shardd__jobs *j, const shardd__job *job);
 /* Whether a client holds rank of job now. */
 int shardd__jobs_rank_held(const shardd__jobs *j, const shardd__job *job,

@@ -529,7 +529,8 @@ static shardd_err line_job(restore *c, char **tok) {
   if (shardd__job_find(c->reg, owner, tok[1])) {
     snprintf(c->err, c->errlen,
              "job \"%s\" of uid %" PRIu32 " exists already; release it "
-             "before restoring", tok[1], owner);
+             "before restoring (shardctl release, once its ranks left)",
+             tok[1], owner);
     return SHARDD_E_BUSY;
   }
   c->old_world = (uint32_t)strtoul(tok[2], NULL, 10);

@@ -1,7 +1,8 @@
 /* test_access.c — access control and limits of the server: a job belongs to
  * the uid that created it, and job names are per uid: another uid's Hello
  * of the same name is its own job; it cannot see root's in status, inspect
- * or checkpoint it (root and --admin-group may look, naming it "UID/NAME");
+ * checkpoint or release it (root and --admin-group may look, naming it
+ * "UID/NAME");
  * and
  * --job-memory-limit refuses allocations past the quota with a clear error.
  * The other uid is a forked child that drops to nobody (tests run as root;
@@ -33,6 +34,8 @@ typedef struct {
   int name_code;     /* inspect root's buffer by name */
   int ckpt_code;     /* checkpoint "root-job" (its own name for it) */
   int ckpt_uid_code; /* checkpoint "0/root-job" (root's, as an admin names it) */
+  int release_code;     /* shardctl release "root-job" */
+  int release_uid_code; /* shardctl release "0/root-job" */
   int join_code;     /* Hello "root-job": its own job of that name */
   int join_created;  /* registering "secret" there created it (not root's) */
   int join_uid_code; /* Hello "0/root-job" */
@@ -72,6 +75,8 @@ static void run_as_nobody(const test_daemon *d, uint64_t buf_id, probe *out) {
     shardd_free(txt);
     p.ckpt_code = shardd_checkpoint(c, "root-job", "/tmp/shardd-access-never");
     p.ckpt_uid_code = shardd_checkpoint(c, "0/root-job", "/tmp/shardd-access-never");
+    p.release_code = shardd_release_job(c, "root-job", NULL, NULL);
+    p.release_uid_code = shardd_release_job(c, "0/root-job", NULL, NULL);
     shardd_close(c);
     shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
     o.job = "root-job";
@@ -134,6 +139,8 @@ Test(access, another_uid_cannot_join_see_inspect_or_checkpoint) {
   cr_assert_eq(p.name_code, SHARDD_E_NOT_FOUND, "a name search must not reveal it");
   cr_assert_eq(p.ckpt_code, SHARDD_E_NOT_FOUND, "its own name reaches only its own jobs");
   cr_assert_eq(p.ckpt_uid_code, SHARDD_E_NOT_FOUND, "UID/NAME is for root and admins");
+  cr_assert_eq(p.release_code, SHARDD_E_NOT_FOUND);
+  cr_assert_eq(p.release_uid_code, SHARDD_E_NOT_FOUND);
   /* Job names are per uid (issue 20, item 8): its Hello "root-job" is its
    * own job of that name, where "secret" is a new buffer, not root's. */
   cr_assert_eq(p.join_code, SHARDD_OK);
@@ -176,6 +183,8 @@ Test(access, admin_group_may_look_but_not_join) {
   cr_assert_eq(p.name_code, SHARDD_OK);
   cr_assert_eq(p.ckpt_code, SHARDD_E_NOT_FOUND, "it has no \"root-job\" of its own");
   cr_assert_eq(p.ckpt_uid_code, SHARDD_E_PERMISSION, "looking is not writing");
+  cr_assert_eq(p.release_code, SHARDD_E_NOT_FOUND);
+  cr_assert_eq(p.release_uid_code, SHARDD_E_PERMISSION, "looking is not releasing");
   cr_assert_eq(p.join_code, SHARDD_OK, "its own \"root-job\"");
   cr_assert_eq(p.join_created, 1);
   cr_assert_eq(p.join_uid_code, SHARDD_E_PERMISSION, "only root joins another's job");

@@ -595,6 +595,7 @@ typedef struct {
   const char *ckpt; /* checkpoint after the steps (rank 0 asks) */
   float *out;     /* NUMEL + HALF floats: the gathered parameters at the end */
   pthread_barrier_t *bar;
+  int *progress;  /* not NULL: rank 0 stores the steps it has taken */
 } rank_arg;
 
 static void grad_for(int step, uint32_t rank, float *g, uint64_t n) {
@@ -663,6 +664,8 @@ static void *run_rank(void *p) {
     cr_assert_eq(shardd_scatter(c, b.id, op), SHARDD_OK);
     cr_assert_eq(shardd_scatter(c, h.id, op), SHARDD_OK);
     cr_assert_eq(shardd_step(c, opt, NULL, NULL), SHARDD_OK, "%s", shardd_last_error(c));
+    if (a->progress && a->rank == 0)
+      __atomic_store_n(a->progress, s + 1, __ATOMIC_RELEASE);
   }
   pthread_barrier_wait(a->bar);
   if (a->ckpt && a->rank == 0)
@@ -687,7 +690,7 @@ static void run_world(const test_daemon *d, uint32_t world, int global_grad,
   pthread_barrier_init(&bar, NULL, world);
   for (uint32_t r = 0; r < world; r++) {
     a[r] = (rank_arg){d, r, world, steps, first, global_grad, ckpt,
-                      r == 0 ? out : NULL, &bar};
+                      r == 0 ? out : NULL, &bar, NULL};
     pthread_create(&t[r], NULL, run_rank, &a[r]);
   }
   for (uint32_t r = 0; r < world; r++)
@@ -698,6 +701,121 @@ static void run_world(const test_daemon *d, uint32_t world, int global_grad,
 static void run_job(const test_daemon *d, int steps, int first, const char *ckpt,
                     float *out) {
   run_world(d, WORLD, 0, steps, first, ckpt, out);
+}
+
+/* ---- an operator's checkpoint of a live job (issue 19) ----------------- */
+
+#define LIVE_STEPS 400
+
+typedef struct {
+  const test_daemon *d;
+  int *progress;
+  char dirs[2][128];
+  int n;         /* checkpoints taken */
+  int last;      /* index into dirs of the last one */
+  int at_step;   /* rank 0's steps when the last one was asked for */
+  shardd_err rc; /* the first failure, or OK */
+  char msg[512];
+} operator_arg;
+
+/* While the ranks train: `shardctl checkpoint` (as libshardd calls it),
+ * again and again, alternating two directories, until 3/4 of the steps. */
+static void *operator_run(void *p) {
+  operator_arg *a = p;
+  shardd_client_t *c = test_connect(a->d, NULL, 0, 0);
+  while (__atomic_load_n(a->progress, __ATOMIC_ACQUIRE) < 5)
+    test_sleep_ms(1);
+  a->rc = SHARDD_OK;
+  int at;
+  while ((at = __atomic_load_n(a->progress, __ATOMIC_ACQUIRE)) < LIVE_STEPS * 3 / 4) {
+    int i = a->n % 2;
+    shardd_err rc = shardd_checkpoint_wait(c, "ckpt-job", a->dirs[i], 30);
+    if (rc != SHARDD_OK) {
+      a->rc = rc;
+      snprintf(a->msg, sizeof a->msg, "%s", shardd_last_error(c));
+      break;
+    }
+    a->n++;
+    a->last = i;
+    a->at_step = at;
+    test_sleep_ms(3);
+  }
+  shardd_close(c);
+  return NULL;
+}
+
+/* The steps of the (one) optimizer of the daemon's only job. */
+static uint64_t job_steps(const test_daemon *d) {
+  char cmd[256], *out = NULL, *errs = NULL;
+  snprintf(cmd, sizeof cmd, "--socket %s --json status", d->sock);
+  cr_assert_eq(test_shardctl(NULL, cmd, &out, &errs), 0, "%s", errs);
+  tj *j = tj_parse(out);
+  cr_assert_not_null(j, "%s", out);
+  const tj *jobs = tj_need(j, "jobs", TJ_ARR);
+  cr_assert_eq(jobs->n, 1, "%s", out);
+  const tj *opts = tj_need(jobs->kids[0], "optimizers", TJ_ARR);
+  cr_assert_eq(opts->n, 1, "%s", out);
+  uint64_t steps = (uint64_t)tj_need(opts->kids[0], "steps", TJ_NUM)->num;
+  tj_free(j);
+  free(out);
+  free(errs);
+  return steps;
+}
+
+/* Two ranks train LIVE_STEPS steps without a pause of their own while an
+ * operator checkpoints the job over and over: no checkpoint is refused,
+ * no step fails, the parameters equal an uninterrupted run's bit for bit,
+ * and the last checkpoint, restored into a new daemon and trained to
+ * LIVE_STEPS from the step it recorded, ends there too (it was a
+ * consistent cut, taken mid-run). */
+Test(checkpoint, operator_checkpoints_of_a_training_job_change_nothing, .timeout = 60) {
+  static float straight[NUMEL + HALF], live[NUMEL + HALF], resumed[NUMEL + HALF];
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--devices", "2", NULL});
+  run_job(&d, LIVE_STEPS, 0, NULL, straight);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+
+  test_daemon_start(&d, (const char *const[]){"--devices", "2", "--job-linger",
+                                              "600", NULL});
+  int progress = 0;
+  operator_arg op = {.d = &d, .progress = &progress};
+  snprintf(op.dirs[0], sizeof op.dirs[0], "%s/live-a", dir);
+  snprintf(op.dirs[1], sizeof op.dirs[1], "%s/live-b", dir);
+  pthread_t ot, t[WORLD];
+  pthread_create(&ot, NULL, operator_run, &op);
+  rank_arg a[WORLD];
+  pthread_barrier_t bar;
+  pthread_barrier_init(&bar, NULL, WORLD);
+  for (uint32_t r = 0; r < WORLD; r++) {
+    a[r] = (rank_arg){&d, r, WORLD, LIVE_STEPS, 0, 0, NULL, r == 0 ? live : NULL,
+                      &bar, &progress};
+    pthread_create(&t[r], NULL, run_rank, &a[r]);
+  }
+  for (uint32_t r = 0; r < WORLD; r++)
+    pthread_join(t[r], NULL);
+  pthread_join(ot, NULL);
+  pthread_barrier_destroy(&bar);
+  cr_assert_eq(op.rc, SHARDD_OK, "checkpoint %d of the live job: %s", op.n + 1, op.msg);
+  cr_assert_geq(op.n, 1, "no checkpoint was taken");
+  cr_assert_eq(test_daemon_stop(&d), 0);
+  for (int i = 0; i < NUMEL + HALF; i++)
+    cr_assert_eq(memcmp(&straight[i], &live[i], sizeof(float)), 0,
+                 "element %d: %.9g uninterrupted, %.9g with %d checkpoints", i,
+                 (double)straight[i], (double)live[i], op.n);
+
+  test_daemon_start(&d, (const char *const[]){"--devices", "2", "--restore",
+                                              op.dirs[op.last], NULL});
+  uint64_t k = job_steps(&d);
+  cr_assert(k >= (uint64_t)op.at_step && k < LIVE_STEPS,
+            "the last checkpoint recorded step %llu; asked at step %d of %d",
+            (unsigned long long)k, op.at_step, LIVE_STEPS);
+  run_job(&d, LIVE_STEPS - (int)k, (int)k, NULL, resumed);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+  for (int i = 0; i < NUMEL + HALF; i++)
+    cr_assert_eq(memcmp(&straight[i], &resumed[i], sizeof(float)), 0,
+                 "element %d: %.9g uninterrupted, %.9g resumed from step %llu", i,
+                 (double)straight[i], (double)resumed[i], (unsigned long long)k);
+  cr_assert(straight[700] != 7.0f, "the parameters moved");
 }
 
 /* W ranks train 3 steps and checkpoint; a new daemon restores into W' ranks
@@ -1762,4 +1880,166 @@ Test(checkpoint, an_unprivileged_daemon_keeps_uid_directories_as_its_own, .timeo
   cr_assert_eq(shardd__checkpoint_user_dir(root, 4243, 1, err, sizeof err),
                SHARDD_E_PERMISSION, "a root/UID of uid 4300, for a daemon that is root");
   cr_expect(strstr(err, "belongs to uid 4300"), "%s", err);
+}
+
+/* ---- an operator's checkpoint waits; steps wait for it (issue 19) ------ */
+
+/* An SGD optimizer over buffer buf on raw client r; its id. */
+static uint64_t raw_sgd(test_raw *r, uint64_t buf) {
+  Shardwire__ParamRef ref = SHARDWIRE__PARAM_REF__INIT, *rp = &ref;
+  ref.id = buf;
+  Shardwire__ParamGroup g = SHARDWIRE__PARAM_GROUP__INIT, *gp = &g;
+  g.refs = &rp;
+  g.n_refs = 1;
+  Shardwire__HyperParams hp = SHARDWIRE__HYPER_PARAMS__INIT;
+  hp.has_lr = 1;
+  hp.lr = 0.5;
+  Shardwire__RegisterOptimizer ro = SHARDWIRE__REGISTER_OPTIMIZER__INIT;
+  ro.name = "sgd";
+  ro.kind = SHARDWIRE__OPTIM_KIND__SGD;
+  ro.hyper = &hp;
+  ro.groups = &gp;
+  ro.n_groups = 1;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  req.body_case = SHARDWIRE__REQUEST__BODY_REGISTER_OPTIMIZER;
+  req.register_optimizer = &ro;
+  Shardwire__Response *resp = test_raw_expect(r, test_raw_send(r, &req), SHARDD_OK);
+  cr_assert_eq(resp->body_case, SHARDWIRE__RESPONSE__BODY_OPTIMIZER);
+  uint64_t id = resp->optimizer->id;
+  shardwire__response__free_unpacked(resp, NULL);
+  return id;
+}
+
+static uint64_t send_checkpoint_wait(test_raw *r, const char *job, const char *ck,
+                                     double wait_s) {
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Checkpoint cp = SHARDWIRE__CHECKPOINT__INIT;
+  cp.dir = (char *)ck;
+  cp.job = (char *)job;
+  if (wait_s > 0) {
+    cp.has_wait_s = 1;
+    cp.wait_s = wait_s;
+  }
+  req.body_case = SHARDWIRE__REQUEST__BODY_CHECKPOINT;
+  req.checkpoint = &cp;
+  return test_raw_send(r, &req);
+}
+
+#define LIVE_NUMEL ((uint64_t)24 << 20) /* fp32: 96 MiB, a write that takes a while */
+
+/* Rank 0's gather is queued (rank 1 has not sent its own): a plain
+ * checkpoint is E_BUSY at once, one that may wait does not answer (a Ping
+ * behind it on the same connection does). Rank 1's gather ends the
+ * collective, the job is quiescent, the checkpoint starts there; both
+ * ranks' steps, sent while its 96 MiB are written, are held instead of
+ * refused and run after it: each gets step 1, and the checkpoint holds the
+ * values from before the step. */
+Test(checkpoint, an_operator_checkpoint_waits_for_the_quiescent_point_and_holds_steps,
+     .timeout = 60) {
+  char ck[128], path[200];
+  snprintf(ck, sizeof ck, "%s/quiet", dir);
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--backend", "host", "--device-memory",
+                                              "2G", "--job-linger", "600", NULL});
+  test_raw a, b, e;
+  test_raw_open(&d, &a);
+  test_raw_open(&d, &b);
+  test_raw_open(&d, &e);
+  test_raw_hello(&a, "live", 0, 2);
+  test_raw_hello(&b, "live", 1, 2);
+  test_raw_hello(&e, NULL, 0, 0);
+  shardd_buffer_info ia, ib;
+  test_raw_register_buffer(&a, "flat", SHARDD_DTYPE_FP32, LIVE_NUMEL, &ia);
+  test_raw_register_buffer(&b, "flat", SHARDD_DTYPE_FP32, LIVE_NUMEL, &ib);
+  for (uint64_t i = 0; i < ia.shard_numel; i++) {
+    ((float *)ia.shard)[i] = 1.0f;
+    ((float *)ib.shard)[i] = 2.0f;
+  }
+  uint64_t opt = raw_sgd(&a, ia.id);
+  cr_assert_eq(raw_sgd(&b, ib.id), opt);
+
+  uint64_t g0 = test_raw_send_gather(&a, ia.id);
+  test_raw_sync(&a); /* queued, waiting for rank 1 */
+  Shardwire__Response *resp =
+      test_raw_expect(&e, send_checkpoint_wait(&e, "live", ck, 0), SHARDD_E_BUSY);
+  cr_expect(strstr(resp->message, "1 collective(s) in flight"), "%s", resp->message);
+  shardwire__response__free_unpacked(resp, NULL);
+  uint64_t s_ck = send_checkpoint_wait(&e, "live", ck, 30);
+  test_raw_sync(&e); /* the Pong first: the checkpoint waits */
+  snprintf(path, sizeof path, "%s/manifest", ck);
+  cr_assert_eq(access(path, F_OK), -1, "written while a gather was queued");
+
+  uint64_t g1 = test_raw_send_gather(&b, ib.id);
+  shardwire__response__free_unpacked(test_raw_expect(&a, g0, SHARDD_OK), NULL);
+  shardwire__response__free_unpacked(test_raw_expect(&b, g1, SHARDD_OK), NULL);
+  uint64_t t0 = test_raw_send_step(&a, opt), t1 = test_raw_send_step(&b, opt);
+  resp = test_raw_expect(&e, s_ck, SHARDD_OK);
+  cr_assert_eq(resp->body_case, SHARDWIRE__RESPONSE__BODY_CHECKPOINT);
+  cr_expect_str_eq(resp->checkpoint->job, "live");
+  shardwire__response__free_unpacked(resp, NULL);
+  /* no scatter ran: the step applies a zero reduced gradient; what counts
+   * is that it ran, once, after the files */
+  resp = test_raw_expect(&a, t0, SHARDD_OK);
+  cr_assert_eq(resp->body_case, SHARDWIRE__RESPONSE__BODY_STEP);
+  cr_expect_eq(resp->step->step, 1);
+  shardwire__response__free_unpacked(resp, NULL);
+  resp = test_raw_expect(&b, t1, SHARDD_OK);
+  cr_expect_eq(resp->step->step, 1);
+  shardwire__response__free_unpacked(resp, NULL);
+  cr_expect(test_daemon_log_has(&d, "quiescent after"), "no wait was logged");
+  test_raw_close(&a);
+  test_raw_close(&b);
+  test_raw_close(&e);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+
+  /* the checkpoint is the state before the step: 0 steps, rank 1's 2.0s */
+  test_daemon_start(&d, (const char *const[]){"--backend", "host", "--device-memory",
+                                              "2G", "--restore", ck, NULL});
+  cr_assert_eq(job_steps(&d), 0);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+}
+
+/* Nobody sends rank 1's gather: the wait ends at its bound with what it
+ * waited on, and the gather still completes afterwards. */
+Test(checkpoint, an_operator_checkpoint_that_times_out_names_what_it_waited_on,
+     .timeout = 60) {
+  char ck[128];
+  snprintf(ck, sizeof ck, "%s/never", dir);
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--job-linger", "600", NULL});
+  test_raw a, b;
+  test_raw_open(&d, &a);
+  test_raw_open(&d, &b);
+  test_raw_hello(&a, "stuck", 0, 2);
+  test_raw_hello(&b, "stuck", 1, 2);
+  shardd_buffer_info ia, ib;
+  test_raw_register_buffer(&a, "flat", SHARDD_DTYPE_FP32, 1000, &ia);
+  test_raw_register_buffer(&b, "flat", SHARDD_DTYPE_FP32, 1000, &ib);
+  uint64_t g0 = test_raw_send_gather(&a, ia.id);
+  test_raw_sync(&a);
+  char cmd[512], *out = NULL, *errs = NULL;
+  snprintf(cmd, sizeof cmd, "--socket %s checkpoint stuck %s --timeout 0.3", d.sock, ck);
+  double t = test_mono_s();
+  int rc = test_shardctl(NULL, cmd, &out, &errs);
+  double took = test_mono_s() - t;
+  cr_assert_eq(rc, 1, "shardctl %s: %s %s", cmd, out, errs);
+  cr_expect(took >= 0.3 && took < 5, "took %.2f s", took);
+  cr_expect(strstr(errs, "reached no quiescent point"), "%s", errs);
+  cr_expect(strstr(errs, "within 0.3 s"), "%s", errs);
+  cr_expect(strstr(errs, "gather of \"flat\" queued"), "%s", errs);
+  cr_expect(strstr(errs, "arrived: rank 0, waiting for: rank 1;") ||
+                strstr(errs, "arrived: rank 0, waiting for: rank 1 ("),
+            "%s", errs);
+  cr_expect(access(ck, F_OK) == -1 || access(ck, F_OK) == 0); /* made or not */
+  free(out);
+  free(errs);
+  /* a bad --timeout is a usage error */
+  snprintf(cmd, sizeof cmd, "--socket %s checkpoint stuck %s --timeout -1", d.sock, ck);
+  cr_expect_eq(test_shardctl(NULL, cmd, NULL, NULL), 2);
+  uint64_t g1 = test_raw_send_gather(&b, ib.id);
+  shardwire__response__free_unpacked(test_raw_expect(&a, g0, SHARDD_OK), NULL);
+  shardwire__response__free_unpacked(test_raw_expect(&b, g1, SHARDD_OK), NULL);
+  test_raw_close(&a);
+  test_raw_close(&b);
+  cr_assert_eq(test_daemon_stop(&d), 0);
 }

@@ -299,3 +299,96 @@ Test(shardctl, json_escapes_names, .init = start, .fini = stop) {
   free(err);
   shardd_close(c);
 }
+
+/* `shardctl release JOB` (issue 19): refused naming the connected ranks
+ * while a trainer holds one, and refused to another uid; once the ranks
+ * left (the job lingers), it frees the job now, and a restore into that
+ * name, refused while the job existed, goes through. */
+Test(shardctl, release_frees_a_job_nobody_holds_so_a_restore_can_follow) {
+  char ck[200], *out, *err;
+  test_daemon_start(&d, (const char *const[]){"--job-linger", "600", NULL});
+  snprintf(ck, sizeof ck, "%s/ck", d.dir);
+  shardd_client_t *c = test_connect(&d, "rel", 0, 1);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "flat", SHARDD_DTYPE_FP32, 100, &b), SHARDD_OK);
+  for (int i = 0; i < 100; i++)
+    ((float *)b.shard)[i] = (float)i;
+  cr_assert_eq(shardd_checkpoint(c, NULL, ck), SHARDD_OK, "%s", shardd_last_error(c));
+
+  cr_assert_eq(ctl(&out, &err, "--socket %s release rel%s", NULL), 1, "%s", out);
+  cr_expect(strstr(err, "shardctl: ") && strstr(err, "job \"rel\" has 1 connected "
+                                                     "rank(s): 0 (pid "),
+            "%s", err);
+  free(out);
+  free(err);
+  cr_assert_eq(ctl(&out, &err, "--socket %s release%s", NULL), 2);
+  free(out);
+  free(err);
+  cr_assert_eq(ctl(&out, &err, "--socket %s release nosuchjob%s", NULL), 1);
+  cr_expect(strstr(err, "no job \"nosuchjob\""), "%s", err);
+  free(out);
+  free(err);
+  shardd_close(c);
+
+  /* another uid does not even find it */
+  cr_assert_eq(chmod(d.dir, 0755), 0);
+  cr_assert_eq(chmod(d.sock, 0666), 0);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0) {
+    if (setgid(4250) != 0 || setuid(4250) != 0)
+      _exit(100);
+    shardd_client_t *o;
+    shardd_connect_opts opts = SHARDD_CONNECT_OPTS_INIT;
+    char e2[256];
+    if (shardd_connect(d.sock, &opts, &o, e2, sizeof e2) != SHARDD_OK)
+      _exit(101);
+    shardd_err rc = shardd_release_job(o, "0/rel", NULL, NULL);
+    _exit(rc == SHARDD_E_NOT_FOUND ? 0 : 102);
+  }
+  int st;
+  cr_assert(test_wait_exit(pid, &st));
+  if (geteuid() == 0) {
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "uid 4250's release: %d",
+              WEXITSTATUS(st));
+  }
+
+  /* the job lingers: a restore into its name is refused */
+  char args[512];
+  snprintf(args, sizeof args, "--socket %s restore %s", d.sock, ck);
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 1, "%s", out);
+  cr_expect(strstr(err, "release it before restoring"), "%s", err);
+  free(out);
+  free(err);
+
+  cr_assert_eq(ctl(&out, &err, "--socket %s release rel%s", NULL), 0, "%s", err);
+  cr_expect_str_eq(out, "rel: released (1 buffers, 0 optimizers)\n");
+  free(out);
+  free(err);
+  cr_assert_eq(ctl(&out, &err, "--socket %s --json status%s", NULL), 0, "%s", err);
+  tj *j = tj_parse(out);
+  cr_assert_not_null(j, "%s", out);
+  cr_expect_eq(tj_need(j, "jobs", TJ_ARR)->n, 0, "%s", out);
+  tj_free(j);
+  free(out);
+  free(err);
+  cr_expect(test_daemon_log_has(&d, "job \"rel\" released by uid 0"));
+
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  free(out);
+  free(err);
+  c = test_connect(&d, "rel", 0, 1);
+  cr_assert_eq(shardd_buffer_register(c, "flat", SHARDD_DTYPE_FP32, 100, &b), SHARDD_OK);
+  cr_expect_eq(b.created, 0, "the restored buffer was made anew");
+  for (int i = 0; i < 100; i++)
+    cr_assert_eq(((float *)b.shard)[i], (float)i, "element %d", i);
+  shardd_close(c);
+  cr_assert_eq(ctl(&out, &err, "--socket %s --json release rel%s", NULL), 0, "%s", err);
+  j = tj_parse(out);
+  cr_assert_not_null(j, "%s", out);
+  cr_expect_eq(tj_need(j, "buffers", TJ_NUM)->num, 1);
+  tj_free(j);
+  free(out);
+  free(err);
+  test_daemon_finish(&d);
+}

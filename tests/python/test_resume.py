@@ -197,15 +197,7 @@ class ResumeTest(unittest.TestCase):
         first.kill()  # the ranks are gone: the job is idle
         ckpt = os.path.join(root, "ck")
         ctl = shardd.Client(d1.socket)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                ctl.checkpoint(ckpt, job=job)
-                break
-            except shardd.Error as e:  # the last collectives still ending
-                if e.code_name != "E_BUSY" or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        ctl.checkpoint(ckpt, job=job, timeout=10)  # the last collectives still ending
         ctl.close()
         d1.stop()
         d2 = common.own_daemon(devices=2, extra_args=["--checkpoint-root", root])
@@ -246,6 +238,44 @@ class ResumeTest(unittest.TestCase):
         again = Launch(d2.socket, job, 2, True).finish()
         self.assertEqual(again.errors, [])
         self.assertEqual(set(again.starts.values()), {4})
+        self.assert_same_run(again.mean_losses(), again.params, ref)
+
+    def test_operator_checkpoint_while_training_then_release_and_restore(self):
+        """shardctl checkpoint (Client.checkpoint with a timeout) of the job
+        while its 2 ranks train: the run is the uninterrupted one; once the
+        ranks left, the lingering job refuses a restore into its name until
+        release_job frees it; then the restore and a plain relaunch continue
+        bit-identically from the step the checkpoint recorded."""
+        root = tempfile.mkdtemp(prefix="shardd-op-")
+        self.addCleanup(shutil.rmtree, root, True)
+        os.chmod(root, 0o755)
+        ref = self.reference(2, True)
+        d = common.own_daemon(devices=2, extra_args=["--checkpoint-root", root,
+                                                     "--job-linger", "600"])
+        self.addCleanup(d.cleanup)
+        self.addCleanup(d.stop)
+        job = common.job("resume-op")
+        run = Launch(d.socket, job, 2, True)
+        run.poll(lambda s: len(s.losses.get(1, {})) == 2)
+        ckpt = os.path.join(root, "op")
+        ctl = shardd.Client(d.socket)
+        ctl.checkpoint(ckpt, job=job, timeout=30)
+        run.finish()
+        self.assertEqual(run.errors, [])
+        self.assert_same_run(run.mean_losses(), run.params, ref)
+        with self.assertRaises(shardd.Error) as cm:
+            ctl.restore(ckpt)
+        self.assertEqual(cm.exception.code_name, "E_BUSY")
+        self.assertIn("release it before restoring", str(cm.exception))
+        buffers, optimizers = ctl.release_job(job)
+        self.assertGreaterEqual(buffers, 1)
+        self.assertEqual(optimizers, 1)
+        self.assertEqual(ctl.restore(ckpt), job)
+        ctl.close()
+        again = Launch(d.socket, job, 2, True).finish()
+        self.assertEqual(again.errors, [])
+        start = set(again.starts.values()).pop()
+        self.assertGreaterEqual(start, 2)
         self.assert_same_run(again.mean_losses(), again.params, ref)
 
     def test_ranks_with_other_initial_values_are_refused_naming_the_unit(self):

@@ -648,7 +648,7 @@ class Client:
     def status_text(self):
         return self._string_out(self._lib.shardd_status_text)
 
-    def checkpoint(self, directory, job=None, collective=False):
+    def checkpoint(self, directory, job=None, collective=False, timeout=0):
         """Writes the job's registry, shards, optimizer state and step
         counts to directory (absolute, on the daemon's machine, below its
         --checkpoint-root). job None: this client's own.
@@ -657,8 +657,11 @@ class Client:
         same directory; it is taken once all have, after the collectives
         each sent before it, and returns on every rank when the files are
         written — a checkpoint every k steps from inside the loop.
-        Otherwise one client asks, and gets E_BUSY while a collective of
-        the job is in flight (its ranks must be idle)."""
+        Otherwise one client asks (an operator: shardctl checkpoint): with
+        timeout > 0 it waits up to that many seconds for the job's next
+        quiescent point and is taken there while the ranks train
+        (E_TIMEOUT names what it waited on); with timeout 0 it gets E_BUSY
+        while a collective of the job is in flight."""
         self._check_open()
         if not os.path.isabs(directory):
             raise ValueError("checkpoint directory %r: must be an absolute path "
@@ -669,7 +672,21 @@ class Client:
             self._sync_cuda()
             self._call(self._lib.shardd_checkpoint_collective(self._c, _b(directory)))
             return
+        if timeout:
+            self._call(self._lib.shardd_checkpoint_wait(self._c, _b(job), _b(directory),
+                                                        float(timeout)))
+            return
         self._call(self._lib.shardd_checkpoint(self._c, _b(job), _b(directory)))
+
+    def release_job(self, job):
+        """Frees job in the daemon now (shardctl release), so a restore
+        into its name can follow: its uid or root only; E_BUSY naming the
+        ranks while any is connected. -> (buffers, optimizers) freed."""
+        self._check_open()
+        nb, no = ctypes.c_uint32(0), ctypes.c_uint32(0)
+        self._call(self._lib.shardd_release_job(self._c, _b(job), ctypes.byref(nb),
+                                                ctypes.byref(no)))
+        return nb.value, no.value
 
     def restore(self, directory, world=0):
         """Recreates the job recorded in directory (not in the daemon now)
