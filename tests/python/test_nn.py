@@ -139,3 +139,38 @@ class ShardedModuleTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+@unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
+class StateDictTest(unittest.TestCase):
+    """ShardedModule.state_dict() is torch's (tied weights under each name,
+    buffers kept) and load_state_dict() writes it into the shards."""
+
+    def model(self):
+        torch.manual_seed(3)
+        m = nn.Sequential(nn.Embedding(10, 4), nn.BatchNorm1d(4), nn.Linear(4, 10, bias=False))
+        m[2].weight = m[0].weight  # tied, as an LM's embedding and head
+        return m
+
+    def test_keys_values_and_a_round_trip(self):
+        for transient in (False, True):
+            c = shardd.Client(common.socket(), job=common.job("nn-sd"), rank=0, world=1,
+                              transient_areas=transient)
+            self.addCleanup(c.close)
+            ref, m = self.model(), self.model()
+            sm = shardd.nn.ShardedModule(c, m, auto_wrap="children")
+            sd = sm.state_dict()
+            want = ref.state_dict()
+            self.assertEqual(list(sd), list(want))  # both tied names, the buffers
+            for k, v in want.items():
+                torch.testing.assert_close(sd[k], v, rtol=0, atol=0, msg=k)
+            # other values in, and back out; plain torch loads them too
+            other = {k: (v + 1 if v.is_floating_point() else v) for k, v in want.items()}
+            other["2.weight"] = other["0.weight"]
+            sm.load_state_dict(other)
+            back = sm.state_dict()
+            for k, v in other.items():
+                torch.testing.assert_close(back[k], v, rtol=0, atol=0, msg=k)
+            ref.load_state_dict(back)
+            with self.assertRaises(RuntimeError):
+                sm.load_state_dict({k: v for k, v in other.items() if k != "1.bias"})

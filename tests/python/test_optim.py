@@ -204,9 +204,7 @@ def rank_split(rank, world, sock, job, recipe, transient, q, saved):
         torch.set_num_threads(1)
         client = shardd.Client(sock, job=job, rank=rank, world=world,
                                transient_areas=transient)
-        model = make_model()
-        if saved is not None:
-            model.load_state_dict({n: torch.from_numpy(v) for n, v in saved["model"].items()})
+        model = make_model()  # fresh init: the saved state replaces it
         x, y = make_data()
         per = BATCH // world
         lo, hi = rank * per, (rank + 1) * per
@@ -214,6 +212,7 @@ def rank_split(rank, world, sock, job, recipe, transient, q, saved):
         opt, sched, clip = RECIPES[recipe](model, shardd.optim)
         first = 0
         if saved is not None:
+            sm.load_state_dict(saved["model"])  # FSDP's full state dict, after wrapping
             opt.load_state_dict(saved["optim"])
             sched.load_state_dict(saved["sched"])
             first = SPLIT
@@ -230,11 +229,10 @@ def rank_split(rank, world, sock, job, recipe, transient, q, saved):
             sched.step()
             q.put(("step", rank, s, loss.item(), 0.0, [], 0))
         sd = opt.state_dict()  # every rank may ask
-        params = sm.full_parameters()
+        msd = sm.state_dict()  # a collective: every rank
         if rank == 0:  # what a torch script torch.save()s
             f = io.BytesIO()
-            torch.save({"model": {n: t.numpy().copy() for n, t in params.items()},
-                        "optim": sd, "sched": sched.state_dict()}, f)
+            torch.save({"model": msd, "optim": sd, "sched": sched.state_dict()}, f)
             q.put(("saved", f.getvalue()))
         client.close()
         q.put(("done", rank))
@@ -341,7 +339,9 @@ class StateDictTest(unittest.TestCase):
         for s in range(SPLIT, STEPS):
             self.assertEqual(losses[s], whole["losses"][s], "step %d" % s)
         for n, v in whole["params"].items():
-            np.testing.assert_array_equal(second["model"][n], v, err_msg=n)
+            np.testing.assert_array_equal(second["model"][n].numpy(), v, err_msg=n)
+        # the module's state dict is torch's: keys, order, shapes
+        self.assertEqual(list(first["model"]), list(make_model().state_dict()))
         # the dict is whole: 4 ranks load what 2 saved (their sums round
         # otherwise, so within the parity tolerance, not bit for bit)
         _, four = run_split(recipe, 4, False, first)
@@ -350,7 +350,7 @@ class StateDictTest(unittest.TestCase):
         # torch.optim.AdamW over the same parameters loads it as is
         torch.set_num_threads(1)
         model = make_model()
-        model.load_state_dict({n: torch.from_numpy(v) for n, v in first["model"].items()})
+        model.load_state_dict(first["model"])  # plain torch loads it as is
         opt, sched, clip = adamw_groups_lambdalr(model, torch.optim)
         opt.load_state_dict(sd)
         sched.load_state_dict(first["sched"])
@@ -363,8 +363,8 @@ class StateDictTest(unittest.TestCase):
             opt.step()
             sched.step()
             self.assertLessEqual(rel(loss.item(), losses[s]), TOL, "torch step %d" % s)
-        worst = max(float(np.abs(p.detach().numpy() - second["model"][n]).max()
-                          / max(np.abs(second["model"][n]).max(), 1e-30))
+        worst = max(float(np.abs(p.detach().numpy() - second["model"][n].numpy()).max()
+                          / max(np.abs(second["model"][n].numpy()).max(), 1e-30))
                     for n, p in model.named_parameters())
         print("\n  state_dict after %d steps: torch continuing from it, parameters rel %.3g"
               % (SPLIT, worst))

@@ -129,6 +129,7 @@ caller's to move). The client waits for the queued GPU work
 requests, so the daemon reads finished gradients and shards and overwrites
 no parameter a kernel still reads.
 """
+import collections
 import contextlib
 import functools
 import math
@@ -531,6 +532,75 @@ class ShardedModule:
 
     def step(self, opt, lr=None, max_norm=None):
         return self.client.step(opt, lr=lr, max_norm=max_norm)
+
+    def _aliases(self):
+        """{qualified name: entry} for every name a parameter has on the
+        module (a tied weight has one per holder, as torch's state_dict)."""
+        mods = {id(m): n for n, m in self.module.named_modules(remove_duplicate=False)}
+        out = {}
+        for u in self.units:
+            for e in u.entries:
+                for m, attr in e.owners:
+                    mn = mods.get(id(m))
+                    if mn is not None:
+                        out[mn + "." + attr if mn else attr] = e
+        return out
+
+    def state_dict(self):
+        """FSDP's full state dict: torch's module.state_dict() keys and
+        order, every parameter whole (a collective: every rank calls it,
+        and each gets the dict) and the module's buffers as this rank has
+        them, so plain torch loads it (model.load_state_dict)."""
+        full = self.full_parameters()
+        alias = self._aliases()
+        out = collections.OrderedDict()
+        for k, v in self.module.state_dict(keep_vars=True).items():
+            e = alias.get(k)
+            out[k] = full[e.name] if e is not None else v.detach().clone()
+        return out
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Writes a full state dict (torch's or state_dict()'s) into the
+        shards: each rank its slice of every unit (a 16-bit unit's fp32
+        master from the values given, as at construction), the buffers
+        into the module. Every rank calls it with the same dict; resident
+        clients then gather (a collective). The optimizer's state is its
+        own: shardd.optim's load_state_dict."""
+        alias = self._aliases()
+        keys = set(self.module.state_dict(keep_vars=True).keys())
+        missing = sorted(k for k in keys if k not in state_dict)
+        unexpected = sorted(k for k in state_dict if k not in keys)
+        if strict and (missing or unexpected):
+            raise RuntimeError("Error(s) in loading state_dict: missing keys %s, "
+                               "unexpected keys %s" % (missing, unexpected))
+        rank = self.client.rank
+        with torch.no_grad():
+            for u in self.units:
+                vals = []
+                for e in u.entries:
+                    v = next((state_dict[k] for k, a in alias.items()
+                              if a is e and k in state_dict), None)
+                    if v is None:
+                        raise RuntimeError("load_state_dict: no value for %r" % e.name)
+                    if tuple(v.shape) != tuple(e.shape):
+                        raise RuntimeError("load_state_dict: %r has shape %s, the model %s"
+                                           % (e.name, tuple(v.shape), tuple(e.shape)))
+                    vals.append(v.detach().reshape(-1))
+                flat = torch.cat(vals)
+                buf = u.buffer
+                sh = buf.shard_tensor
+                lo = rank * buf.shard_numel
+                hi = min(lo + buf.shard_numel, flat.numel())
+                sh.zero_()
+                if hi > lo:
+                    sh[:hi - lo].copy_(flat[lo:hi].to(sh.dtype).to(sh.device))
+                if sh.dtype != torch.float32:
+                    self.client.seed_master(buf, flat.float()[lo:max(lo, hi)])
+            for k, b in self.module.named_buffers():
+                if k in state_dict:
+                    b.copy_(state_dict[k])
+        if not self.transient:
+            self.gather()
 
     def full_parameters(self):
         """-> {qualified name: tensor}, copies of the whole parameters as the
