@@ -97,6 +97,14 @@ typedef struct {
                        size_t master_off, shardd__region *grad, size_t grad_off,
                        float grad_scale, shardd__region *state,
                        const size_t *state_offs, size_t n);
+  /* Where param's (dtype) bits are not master's (fp32) rounding -- the
+   * trainer wrote the shard since the last step -- master takes param's
+   * value: a write to a 16-bit shard is adopted, never undone by the next
+   * step. NULL: writes are not looked for (the step's rounding of the
+   * master wins). */
+  shardd_err (*adopt)(shardd__backend *b, shardd_dtype dtype,
+                      shardd__region *master, size_t master_off,
+                      shardd__region *param, size_t param_off, size_t n);
   /* master (fp32) = param (dtype), for the first step of a 16-bit param. */
   shardd_err (*widen)(shardd__backend *b, shardd_dtype dtype,
                       shardd__region *master, size_t master_off,

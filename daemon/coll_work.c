@@ -69,6 +69,12 @@ static void update_task(coll *c, task *t) {
                            blk, b->shard_off + first * esz, t->len);
     if (t->rc != SHARDD_OK)
       return;
+  } else if (wide && be->ops->adopt) {
+    /* a trainer's write to the shard since the last step stays */
+    t->rc = be->ops->adopt(be, b->dtype, sh->state, sh->master_off + first * 4,
+                           blk, b->shard_off + first * esz, t->len);
+    if (t->rc != SHARDD_OK)
+      return;
   }
   if (step == 0)
     return; /* skipped: only its master copy taken, for when it is stepped */

@@ -102,6 +102,16 @@ class MasterTest(unittest.TestCase):
         widened = (exact.bfloat16().float() - g.float()).bfloat16()
         self.assertTrue(bool(torch.any(seeded != widened)), "the case tells them apart")
         self.assertEqual(b.shard_tensor.tolist(), seeded.tolist())
+        # the trainer writes the 16-bit shard after a step: the next step
+        # starts from what it wrote (adopted into the master), never
+        # silently back from the master's old value
+        written = torch.tensor([0.5, 2.0, -4.0, 8.0]).bfloat16()
+        b.shard_tensor.copy_(written)
+        c.gather(b)
+        b.grad_tensor.zero_()
+        c.scatter(b, "sum")
+        c.step(opt)  # SGD, zero gradient: the values stay
+        self.assertEqual(b.shard_tensor.tolist(), written.tolist())
         f = c.register_buffer("f", "fp32", 4)
         with self.assertRaises(shardd.Error) as cm:
             c.seed_master(f, torch.zeros(4))
