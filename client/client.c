@@ -2006,6 +2006,24 @@ shardd_err shardd_view_set_requires_grad(shardd_client_t *c, uint64_t view,
   return call_status_only(c, &req);
 }
 
+/* One Step round trip (a step, or a norm-only one); out (may be NULL)
+ * gets the count and the norm the reply carries. */
+static shardd_err step_call(shardd_client_t *c, Shardwire__Step *st,
+                            shardd_step_result *out) {
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  req.body_case = SHARDWIRE__REQUEST__BODY_STEP;
+  req.step = st;
+  Shardwire__Response *resp;
+  shardd_err rc = call_expect(c, &req, SHARDWIRE__RESPONSE__BODY_STEP, &resp, NULL);
+  if (rc == SHARDD_OK && out) {
+    out->step = resp->step->step;
+    out->total_norm = resp->step->has_total_norm ? resp->step->total_norm : 0;
+  }
+  if (resp)
+    shardwire__response__free_unpacked(resp, NULL);
+  return rc;
+}
+
 shardd_err shardd_step(shardd_client_t *c, uint64_t opt,
                        const shardd_step_opts *opts, shardd_step_result *out) {
   if (c == NULL)
@@ -2013,7 +2031,6 @@ shardd_err shardd_step(shardd_client_t *c, uint64_t opt,
 
   if (out)
     memset(out, 0, sizeof *out);
-  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
   Shardwire__Step st = SHARDWIRE__STEP__INIT;
   st.optimizer = opt;
   if (opts && opts->lr >= 0) {
@@ -2046,18 +2063,9 @@ shardd_err shardd_step(shardd_client_t *c, uint64_t opt,
     st.n_groups = ng;
     st.groups = hp;
   }
-  req.body_case = SHARDWIRE__REQUEST__BODY_STEP;
-  req.step = &st;
-  Shardwire__Response *resp;
-  shardd_err rc = call_expect(c, &req, SHARDWIRE__RESPONSE__BODY_STEP, &resp, NULL);
+  shardd_err rc = step_call(c, &st, out);
   free(hw);
   free(hp);
-  if (rc == SHARDD_OK && out) {
-    out->step = resp->step->step;
-    out->total_norm = resp->step->has_total_norm ? resp->step->total_norm : 0;
-  }
-  if (resp)
-    shardwire__response__free_unpacked(resp, NULL);
   return rc;
 }
 
@@ -2070,7 +2078,6 @@ shardd_err shardd_clip_grad_norm(shardd_client_t *c, uint64_t opt,
   if (!(max_norm >= 0))
     return set_err(c, SHARDD_E_RANGE, "shardd_clip_grad_norm: max_norm %g must "
                    "be >= 0 (0 or inf: the norm only)", max_norm);
-  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
   Shardwire__Step st = SHARDWIRE__STEP__INIT;
   st.optimizer = opt;
   st.has_norm_only = 1;
@@ -2079,14 +2086,10 @@ shardd_err shardd_clip_grad_norm(shardd_client_t *c, uint64_t opt,
     st.has_max_norm = 1;
     st.max_norm = max_norm;
   }
-  req.body_case = SHARDWIRE__REQUEST__BODY_STEP;
-  req.step = &st;
-  Shardwire__Response *resp;
-  shardd_err rc = call_expect(c, &req, SHARDWIRE__RESPONSE__BODY_STEP, &resp, NULL);
+  shardd_step_result res;
+  shardd_err rc = step_call(c, &st, &res);
   if (rc == SHARDD_OK && total_norm)
-    *total_norm = resp->step->has_total_norm ? resp->step->total_norm : 0;
-  if (resp)
-    shardwire__response__free_unpacked(resp, NULL);
+    *total_norm = res.total_norm;
   return rc;
 }
 
