@@ -573,13 +573,18 @@ class ShardedModule:
         if strict and (missing or unexpected):
             raise RuntimeError("Error(s) in loading state_dict: missing keys %s, "
                                "unexpected keys %s" % (missing, unexpected))
+        # each parameter's value under the first of its names the dict has
+        # (one pass over the names, not one per parameter)
+        given = {}
+        for k, e in alias.items():
+            if k in state_dict:
+                given.setdefault(id(e), state_dict[k])
         rank = self.client.rank
         with torch.no_grad():
             for u in self.units:
                 vals = []
                 for e in u.entries:
-                    v = next((state_dict[k] for k, a in alias.items()
-                              if a is e and k in state_dict), None)
+                    v = given.get(id(e))
                     if v is None:
                         raise RuntimeError("load_state_dict: no value for %r" % e.name)
                     if tuple(v.shape) != tuple(e.shape):
