@@ -1,7 +1,12 @@
 /* gen_corpus.c — writes the fuzzer's seed corpus: client byte streams of
  * valid framed Requests (hello, register, views, optimizer, gather, scatter,
- * step, status, inspect), so mutation starts from inputs that reach deep
- * into dispatch. Usage: gen_corpus DIR */
+ * step, status, inspect, and the later bodies: batched views, frozen views,
+ * seeded masters, accumulating and masked scatters, per-group and norm-only
+ * steps, optimizer state, all-reduce, collective checkpoints, job release),
+ * so mutation starts from inputs that reach deep into dispatch.
+ * Usage: gen_corpus DIR. The seeds are committed; after adding one, rebuild
+ * and rerun it (cc -D_GNU_SOURCE -Iclient -Ibuild/gen tests/fuzz/gen_corpus.c
+ * client/frame.c build/gen/proto/shardd.pb-c.c -lprotobuf-c). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -124,6 +129,144 @@ static void simple(Shardwire__Request__BodyCase bc, uint64_t id) {
   emit(&r);
 }
 
+static void views_batch(uint64_t buf, uint64_t nviews, uint64_t each) {
+  Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
+  Shardwire__ViewsBatch vb = SHARDWIRE__VIEWS_BATCH__INIT;
+  Shardwire__RegisterViews rv = SHARDWIRE__REGISTER_VIEWS__INIT;
+  Shardwire__RegisterView v[4], *vp[4];
+  int64_t shape[4][1];
+  char names[4][8];
+  for (uint64_t i = 0; i < nviews && i < 4; i++) {
+    shardwire__register_view__init(&v[i]);
+    snprintf(names[i], sizeof names[i], "v%u", (unsigned)i);
+    shape[i][0] = (int64_t)each;
+    v[i].buffer = buf;
+    v[i].name = names[i];
+    v[i].offset = i * each;
+    v[i].numel = each;
+    v[i].n_shape = 1;
+    v[i].shape = shape[i];
+    vp[i] = &v[i];
+  }
+  rv.views = vp;
+  rv.n_views = nviews < 4 ? nviews : 4;
+  vb.op_case = SHARDWIRE__VIEWS_BATCH__OP_REGISTER;
+  vb.register_ = &rv;
+  r.body_case = SHARDWIRE__REQUEST__BODY_VIEWS_BATCH;
+  r.views_batch = &vb;
+  emit(&r);
+}
+
+static void set_requires_grad(uint64_t view, int on) {
+  Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
+  Shardwire__SetRequiresGrad s = SHARDWIRE__SET_REQUIRES_GRAD__INIT;
+  s.view = view;
+  s.requires_grad = on;
+  r.body_case = SHARDWIRE__REQUEST__BODY_SET_REQUIRES_GRAD;
+  r.set_requires_grad = &s;
+  emit(&r);
+}
+
+static void seed_master(uint64_t buf) {
+  Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
+  Shardwire__SeedMaster s = SHARDWIRE__SEED_MASTER__INIT;
+  s.buffer = buf;
+  r.body_case = SHARDWIRE__REQUEST__BODY_SEED_MASTER;
+  r.seed_master = &s;
+  emit(&r);
+}
+
+static void scatter_masked(uint64_t buf, uint64_t no_grad_view) {
+  Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Scatter s = SHARDWIRE__SCATTER__INIT;
+  s.buffer = buf;
+  s.has_accumulate = 1;
+  s.accumulate = 1;
+  s.n_no_grad = 1;
+  s.no_grad = &no_grad_view;
+  r.body_case = SHARDWIRE__REQUEST__BODY_SCATTER;
+  r.scatter = &s;
+  emit(&r);
+}
+
+static void step_groups(uint64_t optim, int norm_only) {
+  Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Step st = SHARDWIRE__STEP__INIT;
+  Shardwire__HyperParams hp = SHARDWIRE__HYPER_PARAMS__INIT;
+  Shardwire__HyperParams *hpp = &hp;
+  hp.has_lr = 1;
+  hp.lr = 0.5;
+  hp.has_weight_decay = 1;
+  hp.weight_decay = 0.1;
+  st.optimizer = optim;
+  st.groups = &hpp;
+  st.n_groups = 1;
+  st.has_max_norm = 1;
+  st.max_norm = 1.0 / 0.0;
+  st.has_norm_only = norm_only;
+  st.norm_only = norm_only;
+  r.body_case = SHARDWIRE__REQUEST__BODY_STEP;
+  r.step = &st;
+  emit(&r);
+}
+
+static void optim_state(uint64_t optim, uint64_t ref, int write) {
+  Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
+  Shardwire__OptimState o = SHARDWIRE__OPTIM_STATE__INIT;
+  static const float vals[4] = {1, -2, 0.5f, 3};
+  o.optimizer = optim;
+  o.ref = ref;
+  o.has_array = o.has_offset = o.has_count = 1;
+  o.array = 1;
+  o.offset = 2;
+  o.count = 4;
+  if (write) {
+    o.has_data = 1;
+    o.data.data = (uint8_t *)vals;
+    o.data.len = sizeof vals;
+    o.has_set_steps = 1;
+    o.set_steps = 3;
+  }
+  r.body_case = SHARDWIRE__REQUEST__BODY_OPTIM_STATE;
+  r.optim_state = &o;
+  emit(&r);
+}
+
+static void all_reduce(size_t n) {
+  Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
+  Shardwire__AllReduce a = SHARDWIRE__ALL_REDUCE__INIT;
+  double v[3] = {1.5, -2.0, 1e300};
+  a.has_op = 1;
+  a.op = SHARDWIRE__REDUCE_OP__MAX;
+  a.values = v;
+  a.n_values = n;
+  r.body_case = SHARDWIRE__REQUEST__BODY_ALL_REDUCE;
+  r.all_reduce = &a;
+  emit(&r);
+}
+
+static void checkpoint_collective(const char *dir) {
+  Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Checkpoint c = SHARDWIRE__CHECKPOINT__INIT;
+  c.dir = (char *)dir;
+  c.has_collective = 1;
+  c.collective = 1;
+  c.has_wait_s = 1;
+  c.wait_s = 0.01;
+  r.body_case = SHARDWIRE__REQUEST__BODY_CHECKPOINT;
+  r.checkpoint = &c;
+  emit(&r);
+}
+
+static void release_job(const char *job) {
+  Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
+  Shardwire__ReleaseJob j = SHARDWIRE__RELEASE_JOB__INIT;
+  j.job = (char *)job;
+  r.body_case = SHARDWIRE__REQUEST__BODY_RELEASE_JOB;
+  r.release_job = &j;
+  emit(&r);
+}
+
 static void open_seed(const char *dir, const char *name) {
   char path[512];
   snprintf(path, sizeof path, "%s/%s", dir, name);
@@ -175,6 +318,33 @@ int main(int argc, char **argv) {
   hello("", 0, 0);
   simple(SHARDWIRE__REQUEST__BODY_STATUS, 0);
   simple(SHARDWIRE__REQUEST__BODY_INSPECT, 5);
+  fclose(out);
+
+  /* The later bodies, on one job so ids line up: buffer 1, views 2..5. */
+  open_seed(dir, "train_extras");
+  hello("fuzz4", 0, 1);
+  reg_buffer("m", SHARDWIRE__DTYPE__BF16, 64);
+  views_batch(1, 4, 16);
+  set_requires_grad(3, 0);
+  seed_master(1);
+  uint64_t vids[4] = {2, 3, 4, 5};
+  reg_optim(SHARDWIRE__OPTIM_KIND__ADAMW, vids, 4);
+  simple(SHARDWIRE__REQUEST__BODY_GATHER, 1);
+  scatter_masked(1, 4);
+  step_groups(6, 1);
+  step_groups(6, 0);
+  optim_state(6, 2, 0);
+  optim_state(6, 5, 1);
+  all_reduce(3);
+  all_reduce(0);
+  set_requires_grad(3, 1);
+  checkpoint_collective("ck");
+  fclose(out);
+
+  open_seed(dir, "control_release");
+  hello("", 0, 0);
+  release_job("fuzz4");
+  release_job("");
   fclose(out);
   return 0;
 }
