@@ -107,6 +107,11 @@ static void job_waits_text(shardd__sb *sb, const Shardwire__JobStatus *j) {
     }
     shardd__sb_printf(sb, "\n");
   }
+  for (size_t k = 0; k < j->n_pending_checkpoints; k++) {
+    const Shardwire__PendingCheckpoint *p = j->pending_checkpoints[k];
+    shardd__sb_printf(sb, "  checkpoint to %s: waiting %.1f s of %.1f s for the "
+                      "job's quiescent point\n", p->dir, p->waited_s, p->wait_s);
+  }
 }
 
 static void json_key_str(shardd__sb *sb, const char *key, const char *val,
@@ -265,6 +270,17 @@ char *shardd__fmt_status_json(const Shardwire__StatusReply *st) {
       shardd__sb_printf(&sb, "}");
     }
     shardd__sb_printf(&sb, "]");
+    if (j->n_pending_checkpoints) {
+      shardd__sb_printf(&sb, ",\"pending_checkpoints\":[");
+      for (size_t k = 0; k < j->n_pending_checkpoints; k++) {
+        const Shardwire__PendingCheckpoint *p = j->pending_checkpoints[k];
+        shardd__sb_printf(&sb, "%s{", k ? "," : "");
+        json_key_str(&sb, "dir", p->dir, 0);
+        shardd__sb_printf(&sb, ",\"waited_s\":%.3f,\"wait_s\":%.3f}",
+                          p->waited_s, p->wait_s);
+      }
+      shardd__sb_printf(&sb, "]");
+    }
     if (j->has_nodes) {
       shardd__sb_printf(&sb, ",\"nodes\":%" PRIu32 ",\"node_rank\":%" PRIu32,
                         j->nodes, j->node_rank);

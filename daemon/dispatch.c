@@ -189,10 +189,13 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   send_resp(d, c, &resp, -1);
 }
 
+static int pending_checkpoint(void *arg, const shardd__job *job, size_t i,
+                              const char **dir, double *waited_s, double *wait_s);
+
 static shardd__status_ctx status_ctx(shardd__dispatch *d) {
   shardd__status_ctx ctx = {&d->reg, d->coll, &d->jobs, now_s(d) - d->started,
                             d->socket_path, d->io.clients(d->io.ctx),
-                            d->io.partial_bytes(d->io.ctx)};
+                            d->io.partial_bytes(d->io.ctx), pending_checkpoint, d};
   return ctx;
 }
 
@@ -997,6 +1000,27 @@ static void pend_add(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   shardd__log(2, "session %" PRIu64 ": checkpoint of job \"%s\" waits up to "
               "%.1f s for its ranks' next quiescent point", c->id, job->name,
               wait_s);
+}
+
+/* The status context's view of the waits: the list is newest first, so the
+ * i-th oldest is counted from its end. */
+static int pending_checkpoint(void *arg, const shardd__job *job, size_t i,
+                              const char **dir, double *waited_s, double *wait_s) {
+  shardd__dispatch *d = arg;
+  size_t n = 0;
+  for (const ckpt_pend *p = d->ckpt_pends; p; p = p->next)
+    n += p->job == job;
+  if (i >= n)
+    return 0;
+  size_t want = n - 1 - i;
+  for (const ckpt_pend *p = d->ckpt_pends; p; p = p->next)
+    if (p->job == job && want-- == 0) {
+      *dir = p->dir;
+      *waited_s = now_s(d) - p->since;
+      *wait_s = p->wait_s;
+      return 1;
+    }
+  return 0;
 }
 
 /* Takes p off the list and frees it; its job may be released. */

@@ -117,6 +117,34 @@ static void coll_states(const shardd__status_ctx *ctx, shardd__report *r,
   }
 }
 
+/* What an operator's waiting checkpoint waits for shows next to the
+ * collectives that keep the job from its quiescent point. */
+static void pending_checkpoints(const shardd__status_ctx *ctx, shardd__report *r,
+                                shardd__job *job, Shardwire__JobStatus *js) {
+  const char *dir;
+  double waited, wait;
+  size_t n = 0;
+  while (ctx->pending_checkpoint &&
+         ctx->pending_checkpoint(ctx->pending_arg, job, n, &dir, &waited, &wait))
+    n++;
+  if (n == 0 || (js->pending_checkpoints = ar_alloc(r, n * sizeof *js->pending_checkpoints)) == NULL)
+    return;
+  for (size_t i = 0; i < n &&
+                     ctx->pending_checkpoint(ctx->pending_arg, job, i, &dir, &waited, &wait);
+       i++) {
+    Shardwire__PendingCheckpoint *pc = ar_alloc(r, sizeof *pc);
+    if (pc == NULL)
+      return;
+    shardwire__pending_checkpoint__init(pc);
+    pc->dir = ar_strdup(r, dir);
+    pc->waited_s = waited;
+    pc->wait_s = wait;
+    if (pc->dir == NULL)
+      return;
+    js->pending_checkpoints[js->n_pending_checkpoints++] = pc;
+  }
+}
+
 static Shardwire__JobStatus *job_status(const shardd__status_ctx *ctx,
                                      shardd__report *r, shardd__job *job) {
   Shardwire__JobStatus *js = ar_alloc(r, sizeof *js);
@@ -139,6 +167,7 @@ static Shardwire__JobStatus *job_status(const shardd__status_ctx *ctx,
   js->collectives_in_flight = shardd__coll_inflight(ctx->coll, job);
   rank_states(ctx, r, job, js);
   coll_states(ctx, r, job, js);
+  pending_checkpoints(ctx, r, job, js);
   shardd__buffer **bufs;
   size_t nb;
   if (shardd__job_buffers(job, &bufs, &nb) == SHARDD_OK) {

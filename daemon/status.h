@@ -21,6 +21,12 @@ typedef struct {
   const char *socket_path;
   uint32_t clients; /* connections open now */
   uint64_t partial_frame_bytes; /* charged to --max-partial-bytes now */
+  /* The operators' checkpoints of job waiting for its quiescent point
+   * (kept above, in dispatch): the i-th oldest, or 0 past the last. dir
+   * stays valid while the report is built. NULL: none are listed. */
+  int (*pending_checkpoint)(void *arg, const shardd__job *job, size_t i,
+                            const char **dir, double *waited_s, double *wait_s);
+  void *pending_arg;
 } shardd__status_ctx;
 
 typedef struct shardd__report shardd__report;

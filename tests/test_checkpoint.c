@@ -1968,6 +1968,28 @@ Test(checkpoint, an_operator_checkpoint_waits_for_the_quiescent_point_and_holds_
   test_raw_sync(&e); /* the Pong first: the checkpoint waits */
   snprintf(path, sizeof path, "%s/manifest", ck);
   cr_assert_eq(access(path, F_OK), -1, "written while a gather was queued");
+  /* status shows the wait next to the gather that holds it up */
+  char cmd[256], *out = NULL, *errs = NULL;
+  snprintf(cmd, sizeof cmd, "--socket %s status", d.sock);
+  cr_assert_eq(test_shardctl(NULL, cmd, &out, &errs), 0, "%s", errs);
+  snprintf(path, sizeof path, "checkpoint to %s: waiting ", ck);
+  cr_expect(strstr(out, path) && strstr(out, "of 30.0 s for the job's quiescent point"),
+            "%s", out);
+  free(out);
+  free(errs);
+  snprintf(cmd, sizeof cmd, "--socket %s --json status", d.sock);
+  cr_assert_eq(test_shardctl(NULL, cmd, &out, &errs), 0, "%s", errs);
+  tj *j = tj_parse(out);
+  cr_assert_not_null(j, "%s", out);
+  const tj *pend = tj_need(tj_need(j, "jobs", TJ_ARR)->kids[0], "pending_checkpoints",
+                           TJ_ARR);
+  cr_assert_eq(pend->n, 1, "%s", out);
+  cr_expect_str_eq(tj_need(pend->kids[0], "dir", TJ_STR)->str, ck);
+  cr_expect_eq(tj_need(pend->kids[0], "wait_s", TJ_NUM)->num, 30.0);
+  tj_free(j);
+  free(out);
+  free(errs);
+  snprintf(path, sizeof path, "%s/manifest", ck);
 
   uint64_t g1 = test_raw_send_gather(&b, ib.id);
   shardwire__response__free_unpacked(test_raw_expect(&a, g0, SHARDD_OK), NULL);
