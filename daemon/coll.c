@@ -407,20 +407,23 @@ static void apply_grad_mask(coll *c) {
   shardd__map_each(&b->views, mask_view_cb, &a);
 }
 
+/* What a rank hears of c failing in its cross-node exchange for why. */
+static void fabric_failure(const coll *c, const char *why, char *msg, size_t len) {
+  snprintf(msg, len,
+           "%s of %s %" PRIu64 " failed across the nodes of job \"%s\" "
+           "(this daemon is node %" PRIu32 " of %" PRIu32 "): %s",
+           shardd__coll_kind_word(c->args.kind), shardd__coll_target_word(c->args.kind),
+           c->args.target, c->job->name, c->job->node_rank, c->job->nodes, why);
+}
+
 static void after_phase(coll *c) {
   for (size_t i = 0; i < c->ntasks; i++)
     if (c->tasks[i].rc != SHARDD_OK && c->rc == SHARDD_OK)
       c->rc = c->tasks[i].rc;
-  shardd__job *job = c->job;
   if (c->rc != SHARDD_OK) {
     char msg[512];
     if (c->fab_msg[0])
-      snprintf(msg, sizeof msg,
-               "%s of %s %" PRIu64 " failed across the nodes of job \"%s\" "
-               "(this daemon is node %" PRIu32 " of %" PRIu32 "): %s",
-               shardd__coll_kind_word(c->args.kind), shardd__coll_target_word(c->args.kind),
-               c->args.target, job->name, job->node_rank, job->nodes,
-               c->fab_msg);
+      fabric_failure(c, c->fab_msg, msg, sizeof msg);
     else
       snprintf(msg, sizeof msg, "%s of %s %" PRIu64 " failed in the backend: %s",
                shardd__coll_kind_word(c->args.kind), shardd__coll_target_word(c->args.kind),
@@ -1288,6 +1291,54 @@ static void collect_jobs(shardd__coll_engine *e, jobs_arg *a) {
     shardd__registry_each_job(e->cfg.reg, collect_job, a);
 }
 
+/* Whether started c (multi-node) has its exchange still ahead or in
+ * flight: gather and scatter before their local fan-out, a step before its
+ * updates. */
+static int before_fanout(const coll *c) {
+  return c->args.kind == SHARDD__COLL_STEP ? c->phase == 0 : c->stage < 2;
+}
+
+/* The stop aborts q's fabric. The started collectives whose exchange it
+ * ended, or that have theirs still ahead (it will fail at once), are
+ * answered now, while their ranks are still connected, and fail when their
+ * task comes back (c->rc set here, whatever the task says, so what the rank
+ * heard is what happened: a step answered here is never applied). One whose
+ * exchange had completed before the abort goes on (its rest is local and
+ * bounded). How many were answered. */
+static uint32_t abort_exchanges(coll_job *q, const char *why, char *first,
+                                size_t firstlen) {
+  int quiet = shardd__coll_fab_abort(q->fab, why, 2.0);
+  uint32_t n = 0;
+  for (coll *c = q->head; c; c = c->next) {
+    if (!c->started || !before_fanout(c) || c->rc != SHARDD_OK)
+      continue;
+    /* quiet: the fabric threads are out, their task rc and fab_msg final */
+    shardd_err rc = SHARDD_E_SHUTDOWN;
+    if (c->fab_busy && quiet)
+      rc = c->fab_task->rc;
+    if (rc == SHARDD_OK)
+      continue;
+    char msg[512], detail[256];
+    snprintf(detail, sizeof detail, "%s: the cross-node exchange was aborted", why);
+    fabric_failure(c, rc != SHARDD_E_SHUTDOWN && c->fab_msg[0] ? c->fab_msg : detail,
+                   msg, sizeof msg);
+    c->rc = rc;
+    const shardd__coll_hooks *h = &c->e->cfg.hooks;
+    for (uint32_t r = 0; r < c->job->world; r++) {
+      waiter *w = &c->waiters[r];
+      if (w->m == NULL)
+        continue;
+      h->done(h->ctx, w->m, w->seq, rc, msg, NULL);
+      /* as if it left: coll_free must not count it again */
+      w->m->pending--;
+      w->m = NULL;
+    }
+    if (n++ == 0 && first)
+      snprintf(first, firstlen, "%s", msg);
+  }
+  return n;
+}
+
 uint32_t shardd__coll_stop_waiting(shardd__coll_engine *e, const char *why) {
   jobs_arg a;
   collect_jobs(e, &a);
@@ -1301,6 +1352,14 @@ uint32_t shardd__coll_stop_waiting(shardd__coll_engine *e, const char *why) {
                   "collective(s) failed with E_SHUTDOWN: %s%s",
                   a.jobs[i]->job->name, n, first, n > 1 ? " (and others)" : "");
     total += n;
+    if (a.jobs[i]->fab) {
+      uint32_t k = abort_exchanges(a.jobs[i], why, first, sizeof first);
+      if (k > 0)
+        shardd__log(SHARDD__LOG_WARN, "job \"%s\": %" PRIu32 " collective(s) "
+                    "in a cross-node exchange aborted: %s%s",
+                    a.jobs[i]->job->name, k, first, k > 1 ? " (and others)" : "");
+      total += k;
+    }
     job_maybe_quiet(a.jobs[i]);
   }
   free(a.jobs);

@@ -66,12 +66,13 @@ static void write_spec(const scratch *s, const char *job, int node, char *out,
   fclose(f);
 }
 
-/* Starts the two daemons of a 2-node layout serving jobs[0..njobs). */
-static void start_pair(test_daemon d[2], const scratch *s, const char *const *jobs,
-                       int njobs, const char *timeout) {
+/* Starts the two daemons of a 2-node layout serving jobs[0..njobs), node
+ * 0's with the extra arguments extra0 (NULL-terminated; NULL: none). */
+static void start_pair_ex(test_daemon d[2], const scratch *s, const char *const *jobs,
+                          int njobs, const char *timeout, const char *const *extra0) {
   static char specs[2][4][256];
   for (int n = 0; n < 2; n++) {
-    const char *args[24];
+    const char *args[28];
     int k = 0;
     args[k++] = "--backend";
     args[k++] = "host";
@@ -86,9 +87,16 @@ static void start_pair(test_daemon d[2], const scratch *s, const char *const *jo
       args[k++] = "--job-spec";
       args[k++] = specs[n][j];
     }
+    for (const char *const *x = n == 0 ? extra0 : NULL; x && *x && k < 27; x++)
+      args[k++] = *x;
     args[k] = NULL;
     test_daemon_start(&d[n], args);
   }
+}
+
+static void start_pair(test_daemon d[2], const scratch *s, const char *const *jobs,
+                       int njobs, const char *timeout) {
+  start_pair_ex(d, s, jobs, njobs, timeout, NULL);
 }
 
 /* ---- ranks on threads --------------------------------------------------- */
@@ -655,6 +663,173 @@ Test(fabric, killed_daemon_fails_pending_collectives_survivor_serves, .timeout =
     shardd_close(c[r]);
   test_daemon_finish(&pair[0]);
   test_daemon_stop(&pair[1]);
+  scratch_remove(&s);
+}
+
+/* ---- stopping a daemon inside an exchange (issue 21) ---------------------- */
+
+/* Waits until node d's status shows buffer name's collective running (every
+ * local rank arrived: it is past its local part, in its exchange or about
+ * to be). */
+static void wait_running(const test_daemon *d, const char *name) {
+  char needle[96];
+  snprintf(needle, sizeof needle, "(%s): running", name);
+  shardd_client_t *ctl = test_connect(d, NULL, 0, 0);
+  for (double end = test_mono_s() + TEST_HANG_S;;) {
+    char *text = NULL;
+    cr_assert_eq(shardd_status_text(ctl, &text), SHARDD_OK);
+    int hit = strstr(text, needle) != NULL;
+    shardd_free(text);
+    if (hit)
+      break;
+    cr_assert(test_mono_s() < end, "%s never ran on %s", name, d->sock);
+    test_sleep_ms(20);
+  }
+  shardd_close(ctl);
+}
+
+static float stop_val(int rank, size_t j) { return (float)(rank * 10000 + (int)j); }
+
+/* Node 0's ranks gather "w" while node 1's ranks gather "v" instead: each
+ * node's exchange waits for a peer that never answers it. SIGTERM node 0
+ * (--checkpoint-on-exit): its ranks get E_SHUTDOWN naming the stop (not
+ * E_PEER_LOST), it runs --checkpoint-on-exit and exits well inside the
+ * collective timeout (30 s here; the promise is 5 s); node 1's ranks get
+ * E_PEER_LOST at once, not at the timeout, and later collectives of the job
+ * fail at once too. Node 0 also serves a one-node job, whose exit
+ * checkpoint restores into a fresh daemon with the values written before;
+ * the multi-node job's own checkpoint is written where multi-node
+ * checkpoints are supported, else refused with that reason (the exit
+ * status says so). */
+Test(fabric, sigterm_inside_an_exchange_aborts_it_checkpoints_and_exits, .timeout = 60) {
+  need_gloo();
+  scratch s;
+  scratch_make(&s);
+  char ck[128];
+  snprintf(ck, sizeof ck, "%s/exit", s.dir);
+  test_daemon pair[2];
+  const char *jobs[] = {"halt"};
+  const char *extra0[] = {"--checkpoint-on-exit", ck, NULL};
+  start_pair_ex(pair, &s, jobs, 1, "30", extra0);
+  shardd_client_t *c[W];
+  shardd_buffer_info w[W], v[W];
+  for (int r = 0; r < W; r++) {
+    c[r] = test_connect(&pair[r / 2], "halt", (uint32_t)r, W);
+    cr_assert_eq(shardd_buffer_register(c[r], "w", SHARDD_DTYPE_FP32, 4000, &w[r]), SHARDD_OK);
+    cr_assert_eq(shardd_buffer_register(c[r], "v", SHARDD_DTYPE_FP32, 4000, &v[r]), SHARDD_OK);
+    for (size_t j = 0; j < w[r].shard_numel; j++)
+      ((float *)w[r].shard)[j] = stop_val(r, j);
+  }
+  shardd_client_t *solo[2];
+  shardd_buffer_info so[2];
+  for (int r = 0; r < 2; r++) {
+    solo[r] = test_connect(&pair[0], "solo", (uint32_t)r, 2);
+    cr_assert_eq(shardd_buffer_register(solo[r], "p", SHARDD_DTYPE_FP32, 2000, &so[r]),
+                 SHARDD_OK);
+    for (size_t j = 0; j < so[r].shard_numel; j++)
+      ((float *)so[r].shard)[j] = stop_val(r + 7, j);
+  }
+  all_ranks(c, OP_GATHER, w[0].id, 0, NULL); /* the fabric is up */
+  for (int r = 0; r < W; r++)
+    cr_assert_eq(((float *)w[r].gather)[1000 + 3], stop_val(1, 3), "rank %d", r);
+
+  call calls[W];
+  memset(calls, 0, sizeof calls);
+  for (int r = 0; r < W; r++) {
+    calls[r].c = c[r];
+    calls[r].kind = OP_GATHER;
+    calls[r].id = r < 2 ? w[r].id : v[r].id;
+    cr_assert_eq(pthread_create(&calls[r].th, NULL, call_main, &calls[r]), 0);
+  }
+  wait_running(&pair[0], "w");
+  wait_running(&pair[1], "v");
+
+  double t0 = test_mono_s();
+  kill(pair[0].pid, SIGTERM);
+  int status = -1;
+  cr_assert(test_wait_exit(pair[0].pid, &status), "node 0 did not exit within %.0f s",
+            TEST_HANG_S);
+  double exit_s = test_mono_s() - t0;
+  pair[0].pid = 0;
+  for (int r = 0; r < W; r++)
+    pthread_join(calls[r].th, NULL);
+  double peer_s = test_mono_s() - t0;
+  cr_log_info("fabric: node 0 exited %.3f s after SIGTERM inside an exchange "
+              "(promise: 5 s; collective timeout 30 s); node 1's ranks answered "
+              "within %.3f s", exit_s, peer_s);
+  /* --checkpoint-on-exit ran: exit 0 when every job's checkpoint was
+   * written, 1 when one was refused (logged) */
+  char manifest[200];
+  snprintf(manifest, sizeof manifest, "%s/halt/manifest", ck);
+  int halt_written = access(manifest, R_OK) == 0;
+  int halt_refused = test_daemon_log_has(&pair[0], "checkpoint of job \"halt\" failed: "
+                                         "job \"halt\" spans 2 nodes; checkpoints of "
+                                         "multi-node jobs are not supported yet");
+  cr_expect(halt_written || halt_refused, "no %s, and no refusal logged", manifest);
+  cr_expect(WIFEXITED(status) && WEXITSTATUS(status) == (halt_written ? 0 : 1),
+            "node 0 exit status %d", status);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != (halt_written ? 0 : 1))
+    test_daemon_dump_log(&pair[0]);
+  cr_expect_lt(exit_s, 15.0, "node 0 took %.1f s to stop", exit_s);
+  for (int r = 0; r < 2; r++) {
+    cr_expect_eq(calls[r].rc, SHARDD_E_SHUTDOWN, "rank %d: %s: %s", r,
+                 shardd_err_name(calls[r].rc), calls[r].msg);
+    cr_expect(strstr(calls[r].msg, "daemon stopping (SIGTERM)") != NULL, "rank %d: %s", r,
+              calls[r].msg);
+    cr_expect(strstr(calls[r].msg, "failed across the nodes of job \"halt\"") != NULL,
+              "rank %d: %s", r, calls[r].msg);
+  }
+  cr_log_info("fabric: node 0's rank heard: %s", calls[0].msg);
+  for (int r = 2; r < W; r++) {
+    cr_expect_eq(calls[r].rc, SHARDD_E_PEER_LOST, "rank %d: %s: %s", r,
+                 shardd_err_name(calls[r].rc), calls[r].msg);
+    cr_expect(strstr(calls[r].msg, "failed across the nodes of job \"halt\"") != NULL,
+              "rank %d: %s", r, calls[r].msg);
+  }
+  cr_expect_lt(peer_s, 15.0, "node 1's ranks waited %.1f s", peer_s);
+  cr_log_info("fabric: node 1's rank heard: %s", calls[2].msg);
+
+  /* node 1 keeps serving; the job's next collective fails at once */
+  t0 = test_mono_s();
+  memset(calls, 0, sizeof calls);
+  for (int r = 2; r < W; r++) {
+    calls[r].c = c[r];
+    calls[r].kind = OP_GATHER;
+    calls[r].id = w[r].id;
+    cr_assert_eq(pthread_create(&calls[r].th, NULL, call_main, &calls[r]), 0);
+  }
+  for (int r = 2; r < W; r++)
+    pthread_join(calls[r].th, NULL);
+  for (int r = 2; r < W; r++)
+    cr_expect_eq(calls[r].rc, SHARDD_E_PEER_LOST, "rank %d again: %s: %s", r,
+                 shardd_err_name(calls[r].rc), calls[r].msg);
+  cr_expect_lt(test_mono_s() - t0, 15.0);
+  for (int r = 0; r < W; r++)
+    shardd_close(c[r]);
+  for (int r = 0; r < 2; r++)
+    shardd_close(solo[r]);
+
+  /* the one-node job's exit checkpoint is whole and restores its shards */
+  char solo_dir[160];
+  snprintf(solo_dir, sizeof solo_dir, "%s/solo", ck);
+  snprintf(manifest, sizeof manifest, "%s/manifest", solo_dir);
+  cr_assert_eq(access(manifest, R_OK), 0, "no %s", manifest);
+  test_daemon back;
+  test_daemon_start(&back, (const char *const[]){"--backend", "host", "--devices", "2",
+                                                 "--restore", solo_dir, NULL});
+  for (int r = 0; r < 2; r++) {
+    shardd_client_t *b = test_connect(&back, "solo", (uint32_t)r, 2);
+    shardd_buffer_info bi;
+    cr_assert_eq(shardd_buffer_register(b, "p", SHARDD_DTYPE_FP32, 2000, &bi), SHARDD_OK,
+                 "%s", shardd_last_error(b));
+    cr_assert_eq(bi.shard_numel, 1000);
+    for (size_t j = 0; j < bi.shard_numel; j++)
+      cr_assert_eq(((float *)bi.shard)[j], stop_val(r + 7, j), "restored rank %d [%zu]", r, j);
+    shardd_close(b);
+  }
+  test_daemon_finish(&back);
+  test_daemon_stop(&pair[0]);
+  test_daemon_finish(&pair[1]);
   scratch_remove(&s);
 }
 
