@@ -10,11 +10,15 @@
  * opposite orders by the two nodes and in two jobs, complete (they once
  * stalled the daemons' pools until the timeout); nodes that disagree on a
  * buffer's size or a reduction fail that collective with E_MISMATCH and
- * keep the fabric. The fabric itself, three nodes on threads of this
- * process: the ring reduce-scatter exact over several segments, two at
- * once, and a second meeting in a rendezvous directory that holds the
- * first one's files. Ranks are libshardd clients on threads. Skipped
- * (visibly) when the daemon was built without Gloo. */
+ * keep the fabric. SIGTERM while an exchange waits for a peer that never
+ * answers, or while the rendezvous waits for a node that never comes, stops
+ * the daemon at once (its ranks get E_SHUTDOWN, --checkpoint-on-exit runs;
+ * the peer's ranks get E_PEER_LOST, not at the timeout). The fabric itself,
+ * nodes on threads of this process: the ring reduce-scatter exact over
+ * several segments, two at once, a second meeting in a rendezvous directory
+ * that holds the first one's files, and an abort ending a wait at once.
+ * Ranks are libshardd clients on threads. Skipped (visibly) when the daemon
+ * was built without Gloo. */
 #include <criterion/criterion.h>
 #include <dirent.h>
 #include <math.h>
@@ -1289,5 +1293,139 @@ Test(fabric, three_nodes_ring_reduce_scatter_and_second_incarnation, .timeout = 
   for (uint32_t k = 0; k < FNODES; k++)
     for (int b = 0; b < 2; b++)
       free(n[k].buf[b]);
+  scratch_remove(&s);
+}
+
+/* ---- aborting the fabric (issue 21: a stopping daemon) ------------------- */
+
+typedef struct {
+  const char *rdv;
+  uint32_t node;
+  shardd__fabric *f;
+  shardd_err rc;
+  char msg[512];
+  pthread_t th;
+} anode;
+
+static void *anode_create(void *p) {
+  anode *a = p;
+  shardd__fabric_opts o = SHARDD__FABRIC_OPTS_INIT;
+  o.rendezvous = a->rdv;
+  o.prefix = "abort";
+  o.nodes = 2;
+  o.node_rank = a->node;
+  o.timeout_s = 30;
+  a->rc = shardd__fabric_create(&o, &a->f, a->msg, sizeof a->msg);
+  return NULL;
+}
+
+static void *anode_wait(void *p) { /* each node's tag: the other never joins */
+  anode *a = p;
+  float g[2 * 1000] = {0};
+  a->rc = shardd__fabric_allgather(a->f, g, 1000 * sizeof(float), 11 + a->node, a->msg,
+                                   sizeof a->msg);
+  return NULL;
+}
+
+/* Node 0 waits in an allgather its peer never makes; the abort ends it
+ * with E_SHUTDOWN and the reason, far inside the 30 s timeout, and every
+ * later operation (allgather, reduce-scatter) fails at once alike. The
+ * peer, waiting in an operation of its own, gets E_PEER_LOST when node 0's
+ * fabric is destroyed. */
+Test(fabric, abort_ends_waiting_operations_at_once, .timeout = 60) {
+  need_gloo();
+  scratch s;
+  scratch_make(&s);
+  anode a[2];
+  memset(a, 0, sizeof a);
+  for (uint32_t k = 0; k < 2; k++) {
+    a[k].rdv = s.rdv;
+    a[k].node = k;
+    cr_assert_eq(pthread_create(&a[k].th, NULL, anode_create, &a[k]), 0);
+  }
+  for (uint32_t k = 0; k < 2; k++) {
+    pthread_join(a[k].th, NULL);
+    cr_assert_eq(a[k].rc, SHARDD_OK, "node %u: %s", k, a[k].msg);
+  }
+  /* node 1 waits too, on another tag, so it has an operation to fail */
+  for (uint32_t k = 0; k < 2; k++)
+    cr_assert_eq(pthread_create(&a[k].th, NULL, anode_wait, &a[k]), 0);
+  test_sleep_ms(200); /* inside its wait, most likely; either way it must end */
+  double t0 = test_mono_s();
+  shardd__fabric_abort(a[0].f, "daemon stopping (test)");
+  shardd__fabric_abort(a[0].f, "a second abort changes nothing");
+  pthread_join(a[0].th, NULL);
+  double took = test_mono_s() - t0;
+  cr_expect_eq(a[0].rc, SHARDD_E_SHUTDOWN, "%s: %s", shardd_err_name(a[0].rc), a[0].msg);
+  cr_expect_str_eq(a[0].msg, "fabric allgather: daemon stopping (test)");
+  cr_expect_lt(took, 10.0, "the aborted wait took %.1f s", took);
+  cr_log_info("fabric: an aborted allgather returned %.6f s after the abort", took);
+
+  char msg[256];
+  float buf[4] = {0};
+  cr_expect_eq(shardd__fabric_allgather(a[0].f, buf, sizeof(float), 12, msg, sizeof msg),
+               SHARDD_E_SHUTDOWN, "%s", msg);
+  cr_expect_eq(shardd__fabric_reduce_scatter_f32(a[0].f, buf, 2, 13, msg, sizeof msg),
+               SHARDD_E_SHUTDOWN, "%s", msg);
+  cr_expect_str_eq(msg, "fabric reduce-scatter: daemon stopping (test)");
+
+  t0 = test_mono_s();
+  shardd__fabric_destroy(a[0].f);
+  pthread_join(a[1].th, NULL);
+  cr_expect_eq(a[1].rc, SHARDD_E_PEER_LOST, "%s: %s", shardd_err_name(a[1].rc), a[1].msg);
+  cr_expect_lt(test_mono_s() - t0, 10.0);
+  cr_log_info("fabric: the peer heard: %s", a[1].msg);
+  shardd__fabric_destroy(a[1].f);
+  scratch_remove(&s);
+}
+
+/* SIGTERM while the rendezvous waits for a node that never comes: the
+ * daemon stops at once (not at the 30 s timeout) and its ranks hear why. */
+Test(fabric, sigterm_during_the_rendezvous_exits_at_once, .timeout = 60) {
+  need_gloo();
+  scratch s;
+  scratch_make(&s);
+  char spec[256];
+  write_spec(&s, "alone", 0, spec, sizeof spec);
+  const char *args[] = {"--backend", "host", "--devices", "2", "--collective-timeout",
+                        "30", "--job-spec", spec, NULL};
+  test_daemon d;
+  test_daemon_start(&d, args);
+  shardd_client_t *c[2];
+  shardd_buffer_info info[2];
+  for (int r = 0; r < 2; r++) {
+    c[r] = test_connect(&d, "alone", (uint32_t)r, W);
+    cr_assert_eq(shardd_buffer_register(c[r], "w", SHARDD_DTYPE_FP32, 100, &info[r]), SHARDD_OK);
+  }
+  call calls[2];
+  memset(calls, 0, sizeof calls);
+  for (int r = 0; r < 2; r++) {
+    calls[r].c = c[r];
+    calls[r].kind = OP_GATHER;
+    calls[r].id = info[0].id;
+    cr_assert_eq(pthread_create(&calls[r].th, NULL, call_main, &calls[r]), 0);
+  }
+  for (double end = test_mono_s() + TEST_HANG_S; !announced(s.rdv, 0);) {
+    cr_assert_lt(test_mono_s(), end, "node 0 never began the rendezvous in %s", s.rdv);
+    test_sleep_ms(10);
+  }
+  double t0 = test_mono_s();
+  kill(d.pid, SIGTERM);
+  int status = -1;
+  cr_assert(test_wait_exit(d.pid, &status), "no exit within %.0f s", TEST_HANG_S);
+  double took = test_mono_s() - t0;
+  d.pid = 0;
+  cr_expect(WIFEXITED(status) && WEXITSTATUS(status) == 0, "exit status %d", status);
+  cr_expect_lt(took, 15.0, "stopped after %.1f s", took);
+  cr_log_info("fabric: stopped %.3f s after SIGTERM during the rendezvous", took);
+  for (int r = 0; r < 2; r++) {
+    pthread_join(calls[r].th, NULL);
+    cr_expect_eq(calls[r].rc, SHARDD_E_SHUTDOWN, "rank %d: %s: %s", r,
+                 shardd_err_name(calls[r].rc), calls[r].msg);
+    cr_expect(strstr(calls[r].msg, "daemon stopping (SIGTERM)") != NULL, "rank %d: %s", r,
+              calls[r].msg);
+    shardd_close(c[r]);
+  }
+  test_daemon_stop(&d);
   scratch_remove(&s);
 }
