@@ -53,6 +53,11 @@
  * in its network thread (which would abort the daemon). Every node sees
  * every header, so all decide alike, and the fabric stays up. The step's
  * sums of squares travel in the header: it is the step's whole exchange.
+ * A collective a node refused locally (a step's invalid per-group override
+ * or lr, its ranks disagreeing with each other) still sends its header,
+ * marked refused, and moves nothing: its ranks have their refusal, the
+ * other nodes' fail with SHARDD_E_MISMATCH naming the node, instead of
+ * waiting in the exchange until the timeout loses the fabric.
  *
  * Stop. A stopping daemon must not wait for a peer that never answers (up
  * to the collective timeout, past the unit's stop timeout, so systemd's
@@ -386,7 +391,7 @@ void shardd__coll_fabric_state(shardd__coll_engine *e, const shardd__job *job,
  * data moves only when all agree (see the top of the file). Fixed-width
  * fields and no padding, so the bytes compare as they are. */
 typedef struct {
-  uint32_t magic, kind;
+  uint32_t magic, kind; /* kind | FAB_KIND_REFUSED: refused on that node */
   uint64_t name;  /* fab_key */
   uint64_t seq;   /* exchanges of this kind and target the node made before */
   uint64_t numel; /* the buffer's (0 for step) */
@@ -401,7 +406,8 @@ typedef struct {
   double value; /* step: the node's sum of squares; not compared */
 } fab_hdr;
 
-#define FAB_MAGIC 0x53484633u /* "SHF3": bump when the header changes */
+#define FAB_MAGIC 0x53484634u /* "SHF4": bump when the header changes */
+#define FAB_KIND_REFUSED 0x10000u
 
 _Static_assert(sizeof(fab_hdr) == 88, "fab_hdr must have no padding");
 
@@ -458,7 +464,14 @@ static int fab_check(const coll *c, const fab_hdr *h, uint32_t nodes,
     const fab_hdr *o = &h[n];
     if (n == me || memcmp(o, m, offsetof(fab_hdr, value)) == 0)
       continue;
-    if (o->magic != m->magic)
+    if (o->magic == m->magic && (o->kind & FAB_KIND_REFUSED))
+      snprintf(msg, len,
+               "node %" PRIu32 " refused %s of %s \"%s\" locally (its ranks "
+               "were told why: an argument invalid there, or its ranks "
+               "disagreeing); nothing moved, and the fabric stays up",
+               n, shardd__coll_kind_word((shardd__coll_kind)(o->kind & ~FAB_KIND_REFUSED)),
+               tw, c->name);
+    else if (o->magic != m->magic)
       snprintf(msg, len,
                "node %" PRIu32 " speaks another version of the fabric protocol "
                "(header %#" PRIx32 ", this node %#" PRIx32 "): run the same "
@@ -539,7 +552,7 @@ static void fabric_task(coll *c, task *t) {
   }
   fab_hdr *m = &h[job->node_rank];
   m->magic = FAB_MAGIC;
-  m->kind = (uint32_t)c->args.kind;
+  m->kind = (uint32_t)c->args.kind | (c->refused != SHARDD_OK ? FAB_KIND_REFUSED : 0);
   m->name = c->name_key;
   m->seq = c->fab_seq;
   if (b) {
@@ -561,6 +574,13 @@ static void fabric_task(coll *c, task *t) {
   }
   t->rc = shardd__fabric_allgather(f, h, sizeof *h, c->tag, c->fab_msg,
                                    sizeof c->fab_msg);
+  if (t->rc == SHARDD_OK && c->refused != SHARDD_OK) {
+    /* the header told the others; the ranks here have their answer */
+    t->rc = c->refused;
+    snprintf(c->fab_msg, sizeof c->fab_msg, "%s", c->refused_msg);
+    free(h);
+    return;
+  }
   if (t->rc == SHARDD_OK &&
       fab_check(c, h, job->nodes, job->node_rank, c->fab_msg, sizeof c->fab_msg)) {
     /* every node saw the same headers and fails this one alike; the

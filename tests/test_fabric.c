@@ -1036,7 +1036,11 @@ Test(fabric, disagreeing_nodes_fail_with_mismatch_and_fabric_stays_up, .timeout 
   }
   /* node 1 steps with another lr (no clipping, so no norm crosses nodes):
    * refused naming the node and the field, no shard changed; then the
-   * per-group hyperparameters differ; then they agree */
+   * per-group hyperparameters differ; then node 0 refuses the step itself
+   * (a momentum override the SGD group was not registered with): its ranks
+   * hear why, node 1's get E_MISMATCH naming node 0 at once (they used to
+   * wait in the exchange until the timeout lost the fabric); then they
+   * agree */
   uint64_t opt[W];
   for (int r = 0; r < W; r++) {
     shardd_param_ref ref = {okid[r], "ok"};
@@ -1047,8 +1051,10 @@ Test(fabric, disagreeing_nodes_fail_with_mismatch_and_fabric_stays_up, .timeout 
   }
   for (int r = 0; r < W; r++)
     memcpy(before[r], ok[r].shard, sizeof before[r]);
-  for (int round = 0; round < 3; round++) {
+  for (int round = 0; round < 4; round++) {
     shardd_hparams g1 = {SHARDD_HP_WEIGHT_DECAY, 0, 0, 0, 0.01, 0, 0, 0, 0, 0, 0};
+    shardd_hparams bad = {SHARDD_HP_MOMENTUM, 0, 0.9, 0, 0, 0, 0, 0, 0, 0, 0};
+    t0 = test_mono_s();
     memset(k, 0, sizeof k);
     for (int r = 0; r < W; r++) {
       k[r].c = c[r];
@@ -1060,14 +1066,33 @@ Test(fabric, disagreeing_nodes_fail_with_mismatch_and_fabric_stays_up, .timeout 
         so.groups = &g1;
         so.ngroups = 1;
       }
+      if (round == 2 && r < 2) {
+        so.groups = &bad;
+        so.ngroups = 1;
+      }
       k[r].so = so;
       cr_assert_eq(pthread_create(&k[r].th, NULL, call_main, &k[r]), 0);
     }
     for (int r = 0; r < W; r++)
       pthread_join(k[r].th, NULL);
+    if (round == 2)
+      cr_log_info("fabric: a step refused on node 0, answered on node 1 in %.3f s: %s",
+                  test_mono_s() - t0, k[2].msg);
     for (int r = 0; r < W; r++) {
-      if (round == 2) {
+      if (round == 3) {
         cr_assert_eq(k[r].rc, SHARDD_OK, "rank %d: %s", r, k[r].msg);
+        continue;
+      }
+      if (round == 2) {
+        cr_expect_eq(k[r].rc, r < 2 ? SHARDD_E_INVAL : SHARDD_E_MISMATCH, "rank %d: %s: %s",
+                     r, shardd_err_name(k[r].rc), k[r].msg);
+        cr_expect(strstr(k[r].msg, r < 2 ? "param group 0: momentum 0.9 where the group "
+                                           "was registered with 0"
+                                         : "node 0 refused step of optimizer \"sgd\" "
+                                           "locally") != NULL,
+                  "rank %d: %s", r, k[r].msg);
+        cr_expect(memcmp(before[r], ok[r].shard, sizeof before[r]) == 0,
+                  "rank %d: a refused step changed the shard", r);
         continue;
       }
       cr_expect_eq(k[r].rc, SHARDD_E_MISMATCH, "round %d rank %d: %s: %s", round, r,
