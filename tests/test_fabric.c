@@ -1039,8 +1039,8 @@ Test(fabric, disagreeing_nodes_fail_with_mismatch_and_fabric_stays_up, .timeout 
    * per-group hyperparameters differ; then node 0 refuses the step itself
    * (a momentum override the SGD group was not registered with): its ranks
    * hear why, node 1's get E_MISMATCH naming node 0 at once (they used to
-   * wait in the exchange until the timeout lost the fabric); then they
-   * agree */
+   * wait in the exchange until the timeout lost the fabric); then node 0's
+   * two ranks disagree with each other on lr, alike; then they agree */
   uint64_t opt[W];
   for (int r = 0; r < W; r++) {
     shardd_param_ref ref = {okid[r], "ok"};
@@ -1051,7 +1051,7 @@ Test(fabric, disagreeing_nodes_fail_with_mismatch_and_fabric_stays_up, .timeout 
   }
   for (int r = 0; r < W; r++)
     memcpy(before[r], ok[r].shard, sizeof before[r]);
-  for (int round = 0; round < 4; round++) {
+  for (int round = 0; round < 5; round++) {
     shardd_hparams g1 = {SHARDD_HP_WEIGHT_DECAY, 0, 0, 0, 0.01, 0, 0, 0, 0, 0, 0};
     shardd_hparams bad = {SHARDD_HP_MOMENTUM, 0, 0.9, 0, 0, 0, 0, 0, 0, 0, 0};
     t0 = test_mono_s();
@@ -1061,7 +1061,7 @@ Test(fabric, disagreeing_nodes_fail_with_mismatch_and_fabric_stays_up, .timeout 
       k[r].kind = OP_STEP;
       k[r].id = opt[r];
       shardd_step_opts so = SHARDD_STEP_OPTS_INIT;
-      so.lr = round == 0 && r >= 2 ? 0.25 : 0.125;
+      so.lr = (round == 0 && r >= 2) || (round == 3 && r == 1) ? 0.25 : 0.125;
       if (round == 1 && r >= 2) {
         so.groups = &g1;
         so.ngroups = 1;
@@ -1079,18 +1079,20 @@ Test(fabric, disagreeing_nodes_fail_with_mismatch_and_fabric_stays_up, .timeout 
       cr_log_info("fabric: a step refused on node 0, answered on node 1 in %.3f s: %s",
                   test_mono_s() - t0, k[2].msg);
     for (int r = 0; r < W; r++) {
-      if (round == 3) {
+      if (round == 4) {
         cr_assert_eq(k[r].rc, SHARDD_OK, "rank %d: %s", r, k[r].msg);
         continue;
       }
-      if (round == 2) {
-        cr_expect_eq(k[r].rc, r < 2 ? SHARDD_E_INVAL : SHARDD_E_MISMATCH, "rank %d: %s: %s",
-                     r, shardd_err_name(k[r].rc), k[r].msg);
-        cr_expect(strstr(k[r].msg, r < 2 ? "param group 0: momentum 0.9 where the group "
-                                           "was registered with 0"
-                                         : "node 0 refused step of optimizer \"sgd\" "
-                                           "locally") != NULL,
-                  "rank %d: %s", r, k[r].msg);
+      if (round == 2 || round == 3) {
+        shardd_err want_rc = r >= 2 ? SHARDD_E_MISMATCH : round == 2 ? SHARDD_E_INVAL
+                                                                     : SHARDD_E_MISMATCH;
+        const char *want = r >= 2      ? "node 0 refused step of optimizer \"sgd\" locally"
+                           : round == 2 ? "param group 0: momentum 0.9 where the group "
+                                          "was registered with 0"
+                                        : "with other arguments than the ranks before it";
+        cr_expect_eq(k[r].rc, want_rc, "round %d rank %d: %s: %s", round, r,
+                     shardd_err_name(k[r].rc), k[r].msg);
+        cr_expect(strstr(k[r].msg, want) != NULL, "round %d rank %d: %s", round, r, k[r].msg);
         cr_expect(memcmp(before[r], ok[r].shard, sizeof before[r]) == 0,
                   "rank %d: a refused step changed the shard", r);
         continue;
