@@ -449,6 +449,8 @@ static void allgather(shardd__fabric *f, void *buf, size_t bytes_per_node,
     return; /* every node's header says the same size: all skip alike */
   auto ub = f->ctx->createUnboundBuffer(buf, N * bytes_per_node);
   watched w(f, ub.get());
+  /* several sends and receives pending on one buffer at once, on disjoint
+   * parts, as Gloo's own alltoall and ring allgather post them */
   for (size_t n = 0; n < N; n++) {
     if (n == r)
       continue;
