@@ -168,6 +168,8 @@ static void coll_free(coll *c) {
  * but a collective held this buffer then). */
 static void settle_areas(coll *c, shardd_err code) {
   shardd__job *job = c->job;
+  if (c->refused != SHARDD_OK) /* it ran the exchange's header at most */
+    return;
   for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++) {
     const waiter *w = &c->waiters[r];
     if (c->args.kind == SHARDD__COLL_GATHER && code != SHARDD_OK && c->took) {
@@ -407,20 +409,41 @@ static void apply_grad_mask(coll *c) {
   shardd__map_each(&b->views, mask_view_cb, &a);
 }
 
+/* Answers every rank of c still there with code/msg now and forgets them
+ * (as if they left), while c itself goes on: its exchange still runs for
+ * the other nodes' sake. How many were answered. */
+static uint32_t answer_now(coll *c, shardd_err code, const char *msg) {
+  const shardd__coll_hooks *h = &c->e->cfg.hooks;
+  uint32_t n = 0;
+  for (uint32_t r = 0; r < c->job->world; r++) {
+    waiter *w = &c->waiters[r];
+    if (w->m == NULL)
+      continue;
+    h->done(h->ctx, w->m, w->seq, code, msg, NULL);
+    w->m->pending--; /* coll_free must not count it again */
+    w->m = NULL;
+    n++;
+  }
+  return n;
+}
+
+/* What a rank hears of c failing in its cross-node exchange for why. */
+static void fabric_failure(const coll *c, const char *why, char *msg, size_t len) {
+  snprintf(msg, len,
+           "%s of %s %" PRIu64 " failed across the nodes of job \"%s\" "
+           "(this daemon is node %" PRIu32 " of %" PRIu32 "): %s",
+           shardd__coll_kind_word(c->args.kind), shardd__coll_target_word(c->args.kind),
+           c->args.target, c->job->name, c->job->node_rank, c->job->nodes, why);
+}
+
 static void after_phase(coll *c) {
   for (size_t i = 0; i < c->ntasks; i++)
     if (c->tasks[i].rc != SHARDD_OK && c->rc == SHARDD_OK)
       c->rc = c->tasks[i].rc;
-  shardd__job *job = c->job;
   if (c->rc != SHARDD_OK) {
     char msg[512];
     if (c->fab_msg[0])
-      snprintf(msg, sizeof msg,
-               "%s of %s %" PRIu64 " failed across the nodes of job \"%s\" "
-               "(this daemon is node %" PRIu32 " of %" PRIu32 "): %s",
-               shardd__coll_kind_word(c->args.kind), shardd__coll_target_word(c->args.kind),
-               c->args.target, job->name, job->node_rank, job->nodes,
-               c->fab_msg);
+      fabric_failure(c, c->fab_msg, msg, sizeof msg);
     else
       snprintf(msg, sizeof msg, "%s of %s %" PRIu64 " failed in the backend: %s",
                shardd__coll_kind_word(c->args.kind), shardd__coll_target_word(c->args.kind),
@@ -597,7 +620,17 @@ static shardd_err reduce_values(coll *c) {
   return SHARDD_OK;
 }
 
+static void run_phase(coll *c);
+
 static void start_phase(coll *c) {
+  if (c->refused != SHARDD_OK) {
+    /* multi-node, refused here (single-node refusals end at arrival): it
+     * still takes part in the exchange's header, marked refused, so the
+     * other nodes fail it naming this node instead of waiting for it */
+    c->stage = 1;
+    run_phase(c);
+    return;
+  }
   if (c->args.kind == SHARDD__COLL_ALL_REDUCE && reduce_values(c) != SHARDD_OK) {
     coll_job *q = c->cj;
     coll_finish(c, SHARDD_E_NO_MEMORY, "out of memory starting a collective");
@@ -661,7 +694,14 @@ static void start_phase(coll *c) {
       return;
     }
   }
-  c->bulk = c->args.kind != SHARDD__COLL_STEP && shardd__coll_bulk_ok(c);
+  run_phase(c);
+}
+
+/* Plans c's phase and starts its tasks (on the pool, or the exchange on a
+ * fabric thread). */
+static void run_phase(coll *c) {
+  c->bulk = c->args.kind != SHARDD__COLL_STEP && c->refused == SHARDD_OK &&
+            shardd__coll_bulk_ok(c);
   int planned = c->args.kind != SHARDD__COLL_ALL_REDUCE;
   size_t n = planned ? shardd__coll_plan(c, NULL) : 0;
   free(c->tasks);
@@ -989,15 +1029,26 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
   }
   if (vals && args->target)
     memcpy(vals, args->values, args->target * sizeof *vals);
+  /* A step refused here, in a multi-node job, is answered at once but still
+   * joins its collective, refused: the other nodes' ranks issued it too
+   * and wait in its exchange, whose header must come from this node. */
+  int multi = job->nodes > 1 && args->kind == SHARDD__COLL_STEP;
+  shardd_err local = SHARDD_OK;
+  char local_msg[256] = "";
   if (args->kind == SHARDD__COLL_STEP &&
       ((args->has_lr && !(args->lr >= 0 && isfinite(args->lr))) ||
        !(args->max_norm >= 0))) {
     /* max_norm inf: the norm is reported, the coefficient clamps to 1 */
     free(vals);
-    refuse(e, m, seq, SHARDD_E_RANGE,
-           "step: lr must be >= 0 and finite, max_norm >= 0 (inf: report the "
-           "norm only)");
-    return;
+    vals = NULL;
+    local = SHARDD_E_RANGE;
+    snprintf(local_msg, sizeof local_msg,
+             "step: lr must be >= 0 and finite, max_norm >= 0 (inf: report the "
+             "norm only)");
+    if (!multi) {
+      refuse(e, m, seq, local, local_msg);
+      return;
+    }
   }
   if (args->kind == SHARDD__COLL_SCATTER && args->accumulate &&
       e->be->ops->reduce_add == NULL) {
@@ -1037,11 +1088,16 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
     return;
   }
   shardd__hp *hp = NULL; /* a step's, until c owns it */
-  if (args->kind == SHARDD__COLL_STEP &&
+  if (args->kind == SHARDD__COLL_STEP && local == SHARDD_OK &&
       (rc = step_hp((const shardd__optim *)o, args, &hp, err, sizeof err)) != SHARDD_OK) {
     free(vals);
-    refuse(e, m, seq, rc, err);
-    return;
+    vals = NULL;
+    if (!multi) {
+      refuse(e, m, seq, rc, err);
+      return;
+    }
+    local = rc;
+    snprintf(local_msg, sizeof local_msg, "%s", err);
   }
 
   uint64_t *mask = NULL;
@@ -1066,9 +1122,9 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
     }
   }
   int same = c == NULL || args_equal(&c->args, args);
-  for (size_t g = 0; c && same && hp && g < c->opt->ngroups; g++)
+  for (size_t g = 0; c && same && hp && c->hp && g < c->opt->ngroups; g++)
     same = hp_equal(&c->hp[g], &hp[g]);
-  if (c && c->refused == SHARDD_OK && !same) {
+  if (c && c->refused == SHARDD_OK && local == SHARDD_OK && !same) {
     snprintf(c->refused_msg, sizeof c->refused_msg,
              "rank %" PRIu32 " called %s on %s %" PRIu64
              " with other arguments than the ranks before it",
@@ -1135,9 +1191,25 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
   mask = NULL;
   m->pending++;
   c->arrived++;
+  if (local != SHARDD_OK) {
+    /* answered now, as on one node; its peers here learn of it with the
+     * others when every local rank arrived */
+    if (c->refused == SHARDD_OK) {
+      c->refused = local;
+      snprintf(c->refused_msg, sizeof c->refused_msg, "rank %" PRIu32 "'s %s was "
+               "refused: %s", m->rank, shardd__coll_kind_word(args->kind), local_msg);
+    }
+    refuse(e, m, seq, local, local_msg);
+    w->m = NULL;
+    m->pending--;
+  }
   int64_t doom;
   if (c->arrived == job->local_ranks) {
-    if (c->refused != SHARDD_OK)
+    if (c->refused != SHARDD_OK && shardd__coll_multi(c))
+      /* answered now; the exchange's header still runs when schedule
+       * starts it (start_phase), so the other nodes hear of the refusal */
+      answer_now(c, c->refused, c->refused_msg);
+    else if (c->refused != SHARDD_OK)
       coll_finish(c, c->refused, c->refused_msg); /* it may have held back newer ones */
     schedule(q);
     job_maybe_quiet(q);
@@ -1288,6 +1360,44 @@ static void collect_jobs(shardd__coll_engine *e, jobs_arg *a) {
     shardd__registry_each_job(e->cfg.reg, collect_job, a);
 }
 
+/* Whether started c (multi-node) has its exchange still ahead or in
+ * flight: gather and scatter before their local fan-out, a step before its
+ * updates. */
+static int before_fanout(const coll *c) {
+  return c->args.kind == SHARDD__COLL_STEP ? c->phase == 0 : c->stage < 2;
+}
+
+/* The stop aborts q's fabric. The started collectives whose exchange it
+ * ended, or that have theirs still ahead (it will fail at once), are
+ * answered now, while their ranks are still connected, and fail when their
+ * task comes back (c->rc set here, whatever the task says, so what the rank
+ * heard is what happened: a step answered here is never applied). One whose
+ * exchange had completed before the abort goes on (its rest is local and
+ * bounded). How many were answered. */
+static uint32_t abort_exchanges(coll_job *q, const char *why, char *first,
+                                size_t firstlen) {
+  int quiet = shardd__coll_fab_abort(q->fab, why, 2.0);
+  uint32_t n = 0;
+  for (coll *c = q->head; c; c = c->next) {
+    if (!c->started || !before_fanout(c) || c->rc != SHARDD_OK)
+      continue;
+    /* quiet: the fabric threads are out, their task rc and fab_msg final */
+    shardd_err rc = SHARDD_E_SHUTDOWN;
+    if (c->fab_busy && quiet)
+      rc = c->fab_task->rc;
+    if (rc == SHARDD_OK)
+      continue;
+    char msg[512], detail[256];
+    snprintf(detail, sizeof detail, "%s: the cross-node exchange was aborted", why);
+    fabric_failure(c, rc != SHARDD_E_SHUTDOWN && c->fab_msg[0] ? c->fab_msg : detail,
+                   msg, sizeof msg);
+    c->rc = rc;
+    if (answer_now(c, rc, msg) > 0 && n++ == 0 && first)
+      snprintf(first, firstlen, "%s", msg);
+  }
+  return n;
+}
+
 uint32_t shardd__coll_stop_waiting(shardd__coll_engine *e, const char *why) {
   jobs_arg a;
   collect_jobs(e, &a);
@@ -1301,6 +1411,14 @@ uint32_t shardd__coll_stop_waiting(shardd__coll_engine *e, const char *why) {
                   "collective(s) failed with E_SHUTDOWN: %s%s",
                   a.jobs[i]->job->name, n, first, n > 1 ? " (and others)" : "");
     total += n;
+    if (a.jobs[i]->fab) {
+      uint32_t k = abort_exchanges(a.jobs[i], why, first, sizeof first);
+      if (k > 0)
+        shardd__log(SHARDD__LOG_WARN, "job \"%s\": %" PRIu32 " collective(s) "
+                    "in a cross-node exchange aborted: %s%s",
+                    a.jobs[i]->job->name, k, first, k > 1 ? " (and others)" : "");
+      total += k;
+    }
     job_maybe_quiet(a.jobs[i]);
   }
   free(a.jobs);

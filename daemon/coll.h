@@ -136,7 +136,11 @@ void shardd__coll_engine_stop(shardd__coll_engine *e);
 /* The daemon is stopping: every collective still waiting for ranks fails
  * with SHARDD_E_SHUTDOWN and a message starting with why (borrowed), so a
  * waiting rank hears of the stop, not of the ranks the stop then
- * disconnects. Running ones are left to finish. Returns how many failed. */
+ * disconnects. A multi-node job's fabric is aborted: collectives inside a
+ * cross-node exchange fail too (E_SHUTDOWN, their message naming why) and
+ * are answered now, without waiting for a peer (a bounded wait of the
+ * loop, milliseconds). Other running ones are left to finish (local work).
+ * Returns how many failed. */
 uint32_t shardd__coll_stop_waiting(shardd__coll_engine *e, const char *why);
 /* Frees the state of every job still known (none may have a collective in
  * flight) and the engine. */

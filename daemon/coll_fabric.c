@@ -53,14 +53,29 @@
  * in its network thread (which would abort the daemon). Every node sees
  * every header, so all decide alike, and the fabric stays up. The step's
  * sums of squares travel in the header: it is the step's whole exchange.
+ * A collective a node refused locally (a step's invalid per-group override
+ * or lr, its ranks disagreeing with each other) still sends its header,
+ * marked refused, and moves nothing: its ranks have their refusal, the
+ * other nodes' fail with SHARDD_E_MISMATCH naming the node, instead of
+ * waiting in the exchange until the timeout loses the fabric.
+ *
+ * Stop. A stopping daemon must not wait for a peer that never answers (up
+ * to the collective timeout, past the unit's stop timeout, so systemd's
+ * SIGKILL would skip --checkpoint-on-exit): shardd__coll_fab_abort aborts
+ * the job's fabric (its waits end at once, fabric.h), fails what is queued
+ * and every later exchange with SHARDD_E_SHUTDOWN, and waits a bounded time
+ * for the fabric threads to leave their exchanges, so the engine can answer
+ * those collectives before the sessions close (coll.c).
  */
 #include "coll_int.h"
 
+#include <errno.h>
 #include <inttypes.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "fabric.h"
 #include "log.h"
@@ -94,6 +109,10 @@ struct coll_fab {
   pthread_t *threads; /* [cap] */
   uint32_t nthreads, cap;
   int stop;
+  /* the daemon is stopping: the fabric is aborted, exchanges fail with
+   * SHARDD_E_SHUTDOWN and why */
+  int aborting;
+  char why[128];
   /* loop thread only: exchanges made so far per kind and target, by
    * fab_key (values: malloc'd uint64_t counts) */
   shardd__map counts;
@@ -107,7 +126,10 @@ static shardd_err jf_get(coll_fab *jf, shardd__fabric **out, char *err,
   while (jf->connecting)
     pthread_cond_wait(&jf->cv, &jf->mu);
   shardd_err rc = SHARDD_OK;
-  if (jf->state == FAB_FAILED) {
+  if (jf->aborting) {
+    rc = SHARDD_E_SHUTDOWN;
+    snprintf(err, errlen, "fabric: %s", jf->why);
+  } else if (jf->state == FAB_FAILED) {
     rc = jf->code;
     snprintf(err, errlen, "%s", jf->msg);
   } else if (jf->f == NULL) {
@@ -125,6 +147,8 @@ static shardd_err jf_get(coll_fab *jf, shardd__fabric **out, char *err,
     } else {
       jf->f = f;
       jf->state = FAB_UP;
+      if (jf->aborting) /* the stop came while it connected */
+        shardd__fabric_abort(f, jf->why);
     }
     pthread_cond_broadcast(&jf->cv);
   }
@@ -143,6 +167,43 @@ static void jf_broken(coll_fab *jf, shardd_err code, const char *msg) {
     snprintf(jf->msg, sizeof jf->msg, "%s", msg);
   }
   pthread_mutex_unlock(&jf->mu);
+}
+
+/* opts.stop: the rendezvous of a stopping daemon ends (any thread). */
+static int jf_stopping(void *arg) {
+  coll_fab *jf = arg;
+  pthread_mutex_lock(&jf->mu);
+  int v = jf->aborting;
+  pthread_mutex_unlock(&jf->mu);
+  return v;
+}
+
+int shardd__coll_fab_abort(coll_fab *jf, const char *why, double max_s) {
+  pthread_mutex_lock(&jf->mu);
+  if (!jf->aborting) {
+    jf->aborting = 1;
+    snprintf(jf->why, sizeof jf->why, "%s", why ? why : "daemon stopping");
+    if (jf->f)
+      shardd__fabric_abort(jf->f, jf->why);
+    pthread_cond_broadcast(&jf->cv);
+  }
+  /* Aborted waits end in microseconds; the bound only keeps a thread stuck
+   * where no abort reaches (Gloo's connect after the rendezvous, which
+   * every peer had reached) from holding the loop. */
+  struct timespec until;
+  clock_gettime(CLOCK_REALTIME, &until);
+  double end = (double)until.tv_sec + (double)until.tv_nsec / 1e9 + max_s;
+  until.tv_sec = (time_t)end;
+  until.tv_nsec = (long)((end - (double)until.tv_sec) * 1e9);
+  int quiet = 1;
+  while (jf->nrunning > 0 || jf->nqueued > 0) {
+    if (pthread_cond_timedwait(&jf->cv, &jf->mu, &until) == ETIMEDOUT) {
+      quiet = jf->nrunning == 0 && jf->nqueued == 0;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&jf->mu);
+  return quiet;
 }
 
 static void free_value(void *value, void *arg) { free(value); }
@@ -276,6 +337,8 @@ shardd_err shardd__coll_job_span(shardd__coll_engine *e, shardd__job *job,
   o.nodes = nodes;
   o.node_rank = node_rank;
   o.timeout_s = e->cfg.timeout;
+  o.stop = jf_stopping;
+  o.stop_arg = jf;
   jf->opts = o;
   cj->fab = jf;
   shardd__log(2,
@@ -328,7 +391,7 @@ void shardd__coll_fabric_state(shardd__coll_engine *e, const shardd__job *job,
  * data moves only when all agree (see the top of the file). Fixed-width
  * fields and no padding, so the bytes compare as they are. */
 typedef struct {
-  uint32_t magic, kind;
+  uint32_t magic, kind; /* kind | FAB_KIND_REFUSED: refused on that node */
   uint64_t name;  /* fab_key */
   uint64_t seq;   /* exchanges of this kind and target the node made before */
   uint64_t numel; /* the buffer's (0 for step) */
@@ -343,7 +406,8 @@ typedef struct {
   double value; /* step: the node's sum of squares; not compared */
 } fab_hdr;
 
-#define FAB_MAGIC 0x53484633u /* "SHF3": bump when the header changes */
+#define FAB_MAGIC 0x53484634u /* "SHF4": bump when the header changes */
+#define FAB_KIND_REFUSED 0x10000u
 
 _Static_assert(sizeof(fab_hdr) == 88, "fab_hdr must have no padding");
 
@@ -400,7 +464,14 @@ static int fab_check(const coll *c, const fab_hdr *h, uint32_t nodes,
     const fab_hdr *o = &h[n];
     if (n == me || memcmp(o, m, offsetof(fab_hdr, value)) == 0)
       continue;
-    if (o->magic != m->magic)
+    if (o->magic == m->magic && (o->kind & FAB_KIND_REFUSED))
+      snprintf(msg, len,
+               "node %" PRIu32 " refused %s of %s \"%s\" locally (its ranks "
+               "were told why: an argument invalid there, or its ranks "
+               "disagreeing); nothing moved, and the fabric stays up",
+               n, shardd__coll_kind_word((shardd__coll_kind)(o->kind & ~FAB_KIND_REFUSED)),
+               tw, c->name);
+    else if (o->magic != m->magic)
       snprintf(msg, len,
                "node %" PRIu32 " speaks another version of the fabric protocol "
                "(header %#" PRIx32 ", this node %#" PRIx32 "): run the same "
@@ -481,7 +552,7 @@ static void fabric_task(coll *c, task *t) {
   }
   fab_hdr *m = &h[job->node_rank];
   m->magic = FAB_MAGIC;
-  m->kind = (uint32_t)c->args.kind;
+  m->kind = (uint32_t)c->args.kind | (c->refused != SHARDD_OK ? FAB_KIND_REFUSED : 0);
   m->name = c->name_key;
   m->seq = c->fab_seq;
   if (b) {
@@ -503,6 +574,13 @@ static void fabric_task(coll *c, task *t) {
   }
   t->rc = shardd__fabric_allgather(f, h, sizeof *h, c->tag, c->fab_msg,
                                    sizeof c->fab_msg);
+  if (t->rc == SHARDD_OK && c->refused != SHARDD_OK) {
+    /* the header told the others; the ranks here have their answer */
+    t->rc = c->refused;
+    snprintf(c->fab_msg, sizeof c->fab_msg, "%s", c->refused_msg);
+    free(h);
+    return;
+  }
   if (t->rc == SHARDD_OK &&
       fab_check(c, h, job->nodes, job->node_rank, c->fab_msg, sizeof c->fab_msg)) {
     /* every node saw the same headers and fails this one alike; the
@@ -557,6 +635,7 @@ static void fabric_task(coll *c, task *t) {
 
 static void fab_closed_cb(uv_handle_t *h) {
   coll *c = h->data;
+  c->fab_busy = 0;
   shardd__coll_task_done(&c->fab_task->req, 0);
 }
 
@@ -616,6 +695,7 @@ void shardd__coll_fab_submit(coll *c, task *t) {
   coll_fab *jf = c->cj->fab;
   c->fab_task = t;
   c->fab_async.data = c;
+  c->fab_busy = 0;
   int e = uv_async_init(c->e->cfg.loop, &c->fab_async, fab_async_cb);
   if (e != 0) { /* cannot happen for a valid loop; fail it inline then */
     t->rc = SHARDD_E_INTERNAL;
@@ -623,6 +703,7 @@ void shardd__coll_fab_submit(coll *c, task *t) {
     shardd__coll_task_done(&t->req, 0);
     return;
   }
+  c->fab_busy = 1; /* until fab_closed_cb */
   int64_t seq = fab_next_seq(jf, c->name_key);
   if (seq < 0) {
     t->rc = SHARDD_E_NO_MEMORY;

@@ -123,6 +123,7 @@ struct coll {
   task *fab_task;
   coll *fab_next;
   uv_async_t fab_async;
+  int fab_busy; /* the exchange is queued or running: its end not back yet */
   int bulk; /* this phase is one bulk task (decided once, in start_phase) */
   /* gather and scatter: each rank's side of the buffer, the gather's
    * destination or the scatter's gradients: its block's resident area, or
@@ -171,5 +172,12 @@ uint32_t shardd__coll_fab_tag(uint64_t key);
  * always comes back through c->fab_async, failures too. */
 void shardd__coll_fab_submit(coll *c, task *t);
 void shardd__coll_fab_free(shardd__coll_engine *e, coll_fab *jf);
+/* The daemon is stopping: aborts the job's fabric, so every exchange queued
+ * or running ends at once with SHARDD_E_SHUTDOWN naming why (copied), and
+ * every later one too; then waits (loop thread, up to max_s) until no
+ * fabric thread is inside an exchange. 1 when none is: every busy
+ * exchange's task rc and fab_msg are final (their ends still come back
+ * through fab_async); 0 when one still runs. */
+int shardd__coll_fab_abort(coll_fab *jf, const char *why, double max_s);
 
 #endif /* SHARDD_COLL_INT_H */

@@ -29,6 +29,12 @@
  * timeout closes all of them -- so the caller fails every later operation
  * too. Messages name the operation and the peer where Gloo does.
  *
+ * Abort: shardd__fabric_abort (any thread) ends every wait of the fabric's
+ * operations at once, whatever the peers do, and fails them and every later
+ * one with SHARDD_E_SHUTDOWN; a rendezvous in progress ends when opts.stop
+ * says so. A stopping daemon uses it so that its stop is not held up by a
+ * peer that never answers (up to the timeout otherwise).
+ *
  * Ownership: a fabric is its creator's, freed with shardd__fabric_destroy.
  * Buffers are borrowed for the duration of a call. */
 #ifndef SHARDD_FABRIC_H
@@ -52,9 +58,14 @@ typedef struct {
   const char *host;       /* address this node listens on, e.g. 127.0.0.1 */
   uint32_t nodes, node_rank;
   double timeout_s; /* rendezvous, and every operation end to end */
+  /* polled (every 10 ms, any thread) while waiting for the other nodes at
+   * the rendezvous: nonzero ends it with SHARDD_E_SHUTDOWN. NULL: never */
+  int (*stop)(void *arg);
+  void *stop_arg;
 } shardd__fabric_opts;
 
-#define SHARDD__FABRIC_OPTS_INIT {sizeof(shardd__fabric_opts), NULL, NULL, "127.0.0.1", 1, 0, 300.0}
+#define SHARDD__FABRIC_OPTS_INIT \
+  {sizeof(shardd__fabric_opts), NULL, NULL, "127.0.0.1", 1, 0, 300.0, NULL, NULL}
 
 /* "gloo" when built with a fabric engine, NULL otherwise. Any thread. */
 const char *shardd__fabric_engine(void);
@@ -93,6 +104,13 @@ shardd_err shardd__fabric_allreduce_f64(shardd__fabric *f, double *v,
 
 shardd_err shardd__fabric_barrier(shardd__fabric *f, uint32_t tag, char *err,
                                   size_t errlen);
+
+/* Every operation of f waiting now ends (in milliseconds, not at the
+ * timeout) and fails with SHARDD_E_SHUTDOWN and a message ending in why
+ * (copied), and so does every later one: the data an aborted operation was
+ * moving is unspecified. Nothing is sent to the peers: they learn when f is
+ * destroyed. Any thread, while f lives; a second call does nothing. */
+void shardd__fabric_abort(shardd__fabric *f, const char *why);
 
 /* Closes the connections; pending operations of the peers fail. */
 void shardd__fabric_destroy(shardd__fabric *f);

@@ -30,7 +30,24 @@
  * received into two alternating scratch areas. After nodes-1 steps part r
  * holds the sum over nodes, added in ring order, which is fixed for a
  * fixed layout: (nodes-1)/nodes of the buffer crosses the wire per node,
- * half of what an allreduce would move. */
+ * half of what an allreduce would move.
+ *
+ * Allgather. Gloo's own collectives (gloo::allgather and the rest) make
+ * their unbound buffers inside the call, where nothing can abort their
+ * waits, and ignore a wait that returns aborted. So every operation here is
+ * made of tagged unbound-buffer sends and receives of this file: the
+ * allgather sends this node's part to every other node and receives each
+ * of theirs in place ((nodes-1) parts each way, as Gloo's ring moves), and
+ * the f64 allreduce and the barrier are allgathers.
+ *
+ * Abort. Every unbound buffer an operation waits on is listed in the
+ * fabric while it lives; shardd__fabric_abort marks the fabric aborted and
+ * calls abortWaitRecv/abortWaitSend on each listed one. Gloo keeps that
+ * mark until a wait consumes it (the wait returns false, at once), so a
+ * thread about to wait when the abort comes still ends; a buffer made after
+ * the abort is refused when it is listed. The sends and receives still
+ * posted stay with the pairs, which hold the buffers weakly (Gloo's
+ * WeakNonOwningPtr): the buffer's end drops them. */
 #include "fabric.h"
 
 #include <errno.h>
@@ -40,6 +57,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <chrono>
 #include <cinttypes>
@@ -48,24 +66,23 @@
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include <gloo/allgather.h>
-#include <gloo/allreduce.h>
-#include <gloo/barrier.h>
-#include <gloo/math.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
 #include <gloo/types.h>
 
 namespace {
 
-/* Gloo's collectives use slot prefixes 0x01..0x08; ours is far from them. */
+/* Gloo's collectives use slot prefixes 0x01..0x08; ours are far from them. */
 constexpr uint8_t kReduceScatterSlotPrefix = 0x53;
+constexpr uint8_t kAllgatherSlotPrefix = 0x54;
 /* Segments of the reduce-scatter: two of these are the only scratch. */
 constexpr size_t kSegmentBytes = size_t(4) << 20;
 
@@ -81,7 +98,52 @@ struct shardd__fabric {
   std::chrono::milliseconds timeout;
   uint32_t nodes, node_rank;
   std::vector<std::string> keys; /* this node's FileStore files */
+  /* the abort (see the top of the file): mu guards why and live */
+  std::mutex mu;
+  std::atomic<bool> aborted{false};
+  std::string why;
+  std::vector<gloo::transport::UnboundBuffer *> live;
 };
+
+/* Thrown where a wait ended because of shardd__fabric_abort. */
+struct aborted_error : std::exception {
+  const char *what() const noexcept override { return "aborted"; }
+};
+
+/* Lists buf in f->live for its lifetime, so an abort reaches its waits;
+ * declared after the buffer's unique_ptr, so it lets go of it first. */
+class watched {
+public:
+  watched(shardd__fabric *f, gloo::transport::UnboundBuffer *buf) : f_(f), buf_(buf) {
+    std::lock_guard<std::mutex> g(f_->mu);
+    if (f_->aborted)
+      throw aborted_error();
+    f_->live.push_back(buf_);
+  }
+  ~watched() {
+    std::lock_guard<std::mutex> g(f_->mu);
+    auto it = std::find(f_->live.begin(), f_->live.end(), buf_);
+    if (it != f_->live.end())
+      f_->live.erase(it);
+  }
+  watched(const watched &) = delete;
+  watched &operator=(const watched &) = delete;
+
+private:
+  shardd__fabric *f_;
+  gloo::transport::UnboundBuffer *buf_;
+};
+
+/* Waits of an operation of f: false from Gloo is the abort. */
+static void wait_recv(shardd__fabric *f, gloo::transport::UnboundBuffer *b) {
+  if (f->aborted || !b->waitRecv(f->timeout))
+    throw aborted_error();
+}
+
+static void wait_send(shardd__fabric *f, gloo::transport::UnboundBuffer *b) {
+  if (f->aborted || !b->waitSend(f->timeout))
+    throw aborted_error();
+}
 
 static void put(char *err, size_t errlen, const char *what, const char *msg) {
   if (err && errlen)
@@ -118,6 +180,25 @@ static shardd_err guarded(char *err, size_t errlen, const char *what,
     put(err, errlen, what, "unknown exception");
     return code;
   }
+}
+
+/* An operation of f: as guarded, and once f is aborted its failure is
+ * the abort's (a peer that closed meanwhile is not the reason). */
+template <typename F>
+static shardd_err fabric_op(shardd__fabric *f, char *err, size_t errlen,
+                            const char *what, F body) {
+  shardd_err rc = guarded(err, errlen, what, SHARDD_E_PEER_LOST, body);
+  if (rc != SHARDD_OK && f->aborted) {
+    std::string why;
+    try {
+      std::lock_guard<std::mutex> g(f->mu);
+      why = f->why;
+    } catch (...) {
+    }
+    put(err, errlen, what, why.empty() ? "aborted" : why.c_str());
+    rc = SHARDD_E_SHUTDOWN;
+  }
+  return rc;
 }
 
 extern "C" const char *shardd__fabric_engine(void) { return "gloo"; }
@@ -276,6 +357,11 @@ static shardd_err agree(const shardd__fabric_opts *o,
         return SHARDD_OK;
       }
     }
+    if (o->stop && o->stop(o->stop_arg)) {
+      snprintf(err, errlen, "fabric: rendezvous in %s abandoned: this daemon "
+               "is stopping", o->rendezvous);
+      return SHARDD_E_SHUTDOWN;
+    }
     if (std::chrono::steady_clock::now() >= deadline)
       break;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -354,20 +440,37 @@ extern "C" shardd_err shardd__fabric_create(const shardd__fabric_opts *o,
  * first error, and a timeout closes every pair of the context); the caller
  * marks the job's fabric broken. */
 
+/* The allgather of buf (nodes parts of bytes_per_node, this node's at its
+ * place) on slot; throws as Gloo does, and aborted_error. */
+static void allgather(shardd__fabric *f, void *buf, size_t bytes_per_node,
+                      uint64_t slot) {
+  const size_t N = f->nodes, r = f->node_rank;
+  if (bytes_per_node == 0)
+    return; /* every node's header says the same size: all skip alike */
+  auto ub = f->ctx->createUnboundBuffer(buf, N * bytes_per_node);
+  watched w(f, ub.get());
+  /* several sends and receives pending on one buffer at once, on disjoint
+   * parts, as Gloo's own alltoall and ring allgather post them */
+  for (size_t n = 0; n < N; n++) {
+    if (n == r)
+      continue;
+    ub->recv((int)n, slot, n * bytes_per_node, bytes_per_node);
+    ub->send((int)n, slot, r * bytes_per_node, bytes_per_node);
+  }
+  for (size_t k = 0; k + 1 < N; k++)
+    wait_recv(f, ub.get());
+  for (size_t k = 0; k + 1 < N; k++)
+    wait_send(f, ub.get());
+}
+
 extern "C" shardd_err shardd__fabric_allgather(shardd__fabric *f, void *buf,
                                                size_t bytes_per_node,
                                                uint32_t tag, char *err,
                                                size_t errlen) {
-  return guarded(err, errlen, "fabric allgather", SHARDD_E_PEER_LOST,
-                 [&]() -> shardd_err {
-                   gloo::AllgatherOptions opts(f->ctx);
-                   /* no input: in place, this node's part is already there */
-                   opts.setOutput(static_cast<uint8_t *>(buf), bytes_per_node * f->nodes);
-                   opts.setTag(tag);
-                   opts.setTimeout(f->timeout);
-                   gloo::allgather(opts);
-                   return SHARDD_OK;
-                 });
+  return fabric_op(f, err, errlen, "fabric allgather", [&]() -> shardd_err {
+    allgather(f, buf, bytes_per_node, gloo::Slot::build(kAllgatherSlotPrefix, tag));
+    return SHARDD_OK;
+  });
 }
 
 static void add_f32(float *dst, const float *src, size_t n) {
@@ -381,68 +484,82 @@ extern "C" shardd_err shardd__fabric_reduce_scatter_f32(shardd__fabric *f,
                                                         uint32_t tag,
                                                         char *err,
                                                         size_t errlen) {
-  return guarded(err, errlen, "fabric reduce-scatter", SHARDD_E_PEER_LOST,
-                 [&]() -> shardd_err {
-                   const size_t N = f->nodes, r = f->node_rank;
-                   const int next = (int)((r + 1) % N), prev = (int)((r + N - 1) % N);
-                   const uint64_t slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag);
-                   const size_t seg = std::max<size_t>(1, std::min(count, kSegmentBytes / 4));
-                   const size_t nseg = (count + seg - 1) / seg;
-                   /* declared before the buffers that point into it, so it
-                    * outlives them when an exception unwinds */
-                   std::vector<float> scratch(2 * seg);
-                   auto out = f->ctx->createUnboundBuffer(buf, N * count * 4);
-                   auto tmp = f->ctx->createUnboundBuffer(scratch.data(), scratch.size() * 4);
-                   auto len = [&](size_t k) { return std::min(seg, count - k * seg); };
-                   for (size_t s = 0; s + 1 < N; s++) {
-                     const size_t send_part = (r + 2 * N - s - 1) % N;
-                     const size_t recv_part = (r + 2 * N - s - 2) % N;
-                     /* this step reads send_part and writes recv_part only */
-                     for (size_t k = 0; k < nseg; k++)
-                       out->send(next, slot, (send_part * count + k * seg) * 4, len(k) * 4);
-                     for (size_t k = 0; k < nseg && k < 2; k++)
-                       tmp->recv(prev, slot, (k % 2) * seg * 4, len(k) * 4);
-                     for (size_t k = 0; k < nseg; k++) {
-                       /* one pair, one slot: segments complete in order */
-                       tmp->waitRecv(f->timeout);
-                       add_f32(buf + recv_part * count + k * seg, scratch.data() + (k % 2) * seg,
-                               len(k));
-                       if (k + 2 < nseg)
-                         tmp->recv(prev, slot, (k % 2) * seg * 4, len(k + 2) * 4);
-                     }
-                     for (size_t k = 0; k < nseg; k++)
-                       out->waitSend(f->timeout);
-                   }
-                   return SHARDD_OK;
-                 });
+  return fabric_op(f, err, errlen, "fabric reduce-scatter", [&]() -> shardd_err {
+    const size_t N = f->nodes, r = f->node_rank;
+    const int next = (int)((r + 1) % N), prev = (int)((r + N - 1) % N);
+    const uint64_t slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag);
+    const size_t seg = std::max<size_t>(1, std::min(count, kSegmentBytes / 4));
+    const size_t nseg = (count + seg - 1) / seg;
+    /* declared before the buffers that point into it, so it
+     * outlives them when an exception unwinds */
+    std::vector<float> scratch(2 * seg);
+    auto out = f->ctx->createUnboundBuffer(buf, N * count * 4);
+    watched wo(f, out.get());
+    auto tmp = f->ctx->createUnboundBuffer(scratch.data(), scratch.size() * 4);
+    watched wt(f, tmp.get());
+    auto len = [&](size_t k) { return std::min(seg, count - k * seg); };
+    for (size_t s = 0; s + 1 < N; s++) {
+      const size_t send_part = (r + 2 * N - s - 1) % N;
+      const size_t recv_part = (r + 2 * N - s - 2) % N;
+      /* this step reads send_part and writes recv_part only */
+      for (size_t k = 0; k < nseg; k++)
+        out->send(next, slot, (send_part * count + k * seg) * 4, len(k) * 4);
+      for (size_t k = 0; k < nseg && k < 2; k++)
+        tmp->recv(prev, slot, (k % 2) * seg * 4, len(k) * 4);
+      for (size_t k = 0; k < nseg; k++) {
+        /* one pair, one slot: segments complete in order */
+        wait_recv(f, tmp.get());
+        add_f32(buf + recv_part * count + k * seg, scratch.data() + (k % 2) * seg, len(k));
+        if (k + 2 < nseg)
+          tmp->recv(prev, slot, (k % 2) * seg * 4, len(k + 2) * 4);
+      }
+      for (size_t k = 0; k < nseg; k++)
+        wait_send(f, out.get());
+    }
+    return SHARDD_OK;
+  });
 }
 
 extern "C" shardd_err shardd__fabric_allreduce_f64(shardd__fabric *f,
                                                    double *v, uint32_t tag,
                                                    char *err, size_t errlen) {
-  return guarded(err, errlen, "fabric allreduce", SHARDD_E_PEER_LOST,
-                 [&]() -> shardd_err {
-                   gloo::AllreduceOptions opts(f->ctx);
-                   opts.setOutput(v, 1);
-                   void (*fn)(void *, const void *, const void *, size_t) = &gloo::sum<double>;
-                   opts.setReduceFunction(fn);
-                   opts.setTag(tag);
-                   opts.setTimeout(f->timeout);
-                   gloo::allreduce(opts);
-                   return SHARDD_OK;
-                 });
+  return fabric_op(f, err, errlen, "fabric allreduce", [&]() -> shardd_err {
+    std::vector<double> all(f->nodes);
+    all[f->node_rank] = *v;
+    allgather(f, all.data(), sizeof(double), gloo::Slot::build(kAllgatherSlotPrefix, tag));
+    double sum = 0; /* in node order on every node: the same bits */
+    for (double x : all)
+      sum += x;
+    *v = sum;
+    return SHARDD_OK;
+  });
 }
 
 extern "C" shardd_err shardd__fabric_barrier(shardd__fabric *f, uint32_t tag,
                                              char *err, size_t errlen) {
-  return guarded(err, errlen, "fabric barrier", SHARDD_E_PEER_LOST,
-                 [&]() -> shardd_err {
-                   gloo::BarrierOptions opts(f->ctx);
-                   opts.setTag(tag);
-                   opts.setTimeout(f->timeout);
-                   gloo::barrier(opts);
-                   return SHARDD_OK;
-                 });
+  return fabric_op(f, err, errlen, "fabric barrier", [&]() -> shardd_err {
+    std::vector<uint8_t> all(f->nodes);
+    allgather(f, all.data(), 1, gloo::Slot::build(kAllgatherSlotPrefix, tag));
+    return SHARDD_OK;
+  });
+}
+
+extern "C" void shardd__fabric_abort(shardd__fabric *f, const char *why) {
+  if (f == nullptr)
+    return;
+  std::lock_guard<std::mutex> g(f->mu);
+  if (f->aborted)
+    return;
+  try {
+    f->why = why ? why : "aborted";
+  } catch (...) {
+    /* no memory for the reason: the abort still happens, without it */
+  }
+  f->aborted = true;
+  for (auto *b : f->live) {
+    b->abortWaitRecv();
+    b->abortWaitSend();
+  }
 }
 
 extern "C" void shardd__fabric_destroy(shardd__fabric *f) {

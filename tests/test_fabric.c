@@ -10,11 +10,15 @@
  * opposite orders by the two nodes and in two jobs, complete (they once
  * stalled the daemons' pools until the timeout); nodes that disagree on a
  * buffer's size or a reduction fail that collective with E_MISMATCH and
- * keep the fabric. The fabric itself, three nodes on threads of this
- * process: the ring reduce-scatter exact over several segments, two at
- * once, and a second meeting in a rendezvous directory that holds the
- * first one's files. Ranks are libshardd clients on threads. Skipped
- * (visibly) when the daemon was built without Gloo. */
+ * keep the fabric. SIGTERM while an exchange waits for a peer that never
+ * answers, or while the rendezvous waits for a node that never comes, stops
+ * the daemon at once (its ranks get E_SHUTDOWN, --checkpoint-on-exit runs;
+ * the peer's ranks get E_PEER_LOST, not at the timeout). The fabric itself,
+ * nodes on threads of this process: the ring reduce-scatter exact over
+ * several segments, two at once, a second meeting in a rendezvous directory
+ * that holds the first one's files, and an abort ending a wait at once.
+ * Ranks are libshardd clients on threads. Skipped (visibly) when the daemon
+ * was built without Gloo. */
 #include <criterion/criterion.h>
 #include <dirent.h>
 #include <math.h>
@@ -66,12 +70,13 @@ static void write_spec(const scratch *s, const char *job, int node, char *out,
   fclose(f);
 }
 
-/* Starts the two daemons of a 2-node layout serving jobs[0..njobs). */
-static void start_pair(test_daemon d[2], const scratch *s, const char *const *jobs,
-                       int njobs, const char *timeout) {
+/* Starts the two daemons of a 2-node layout serving jobs[0..njobs), node
+ * 0's with the extra arguments extra0 (NULL-terminated; NULL: none). */
+static void start_pair_ex(test_daemon d[2], const scratch *s, const char *const *jobs,
+                          int njobs, const char *timeout, const char *const *extra0) {
   static char specs[2][4][256];
   for (int n = 0; n < 2; n++) {
-    const char *args[24];
+    const char *args[28];
     int k = 0;
     args[k++] = "--backend";
     args[k++] = "host";
@@ -86,9 +91,16 @@ static void start_pair(test_daemon d[2], const scratch *s, const char *const *jo
       args[k++] = "--job-spec";
       args[k++] = specs[n][j];
     }
+    for (const char *const *x = n == 0 ? extra0 : NULL; x && *x && k < 27; x++)
+      args[k++] = *x;
     args[k] = NULL;
     test_daemon_start(&d[n], args);
   }
+}
+
+static void start_pair(test_daemon d[2], const scratch *s, const char *const *jobs,
+                       int njobs, const char *timeout) {
+  start_pair_ex(d, s, jobs, njobs, timeout, NULL);
 }
 
 /* ---- ranks on threads --------------------------------------------------- */
@@ -658,6 +670,173 @@ Test(fabric, killed_daemon_fails_pending_collectives_survivor_serves, .timeout =
   scratch_remove(&s);
 }
 
+/* ---- stopping a daemon inside an exchange (issue 21) ---------------------- */
+
+/* Waits until node d's status shows buffer name's collective running (every
+ * local rank arrived: it is past its local part, in its exchange or about
+ * to be). */
+static void wait_running(const test_daemon *d, const char *name) {
+  char needle[96];
+  snprintf(needle, sizeof needle, "(%s): running", name);
+  shardd_client_t *ctl = test_connect(d, NULL, 0, 0);
+  for (double end = test_mono_s() + TEST_HANG_S;;) {
+    char *text = NULL;
+    cr_assert_eq(shardd_status_text(ctl, &text), SHARDD_OK);
+    int hit = strstr(text, needle) != NULL;
+    shardd_free(text);
+    if (hit)
+      break;
+    cr_assert(test_mono_s() < end, "%s never ran on %s", name, d->sock);
+    test_sleep_ms(20);
+  }
+  shardd_close(ctl);
+}
+
+static float stop_val(int rank, size_t j) { return (float)(rank * 10000 + (int)j); }
+
+/* Node 0's ranks gather "w" while node 1's ranks gather "v" instead: each
+ * node's exchange waits for a peer that never answers it. SIGTERM node 0
+ * (--checkpoint-on-exit): its ranks get E_SHUTDOWN naming the stop (not
+ * E_PEER_LOST), it runs --checkpoint-on-exit and exits well inside the
+ * collective timeout (30 s here; the promise is 5 s); node 1's ranks get
+ * E_PEER_LOST at once, not at the timeout, and later collectives of the job
+ * fail at once too. Node 0 also serves a one-node job, whose exit
+ * checkpoint restores into a fresh daemon with the values written before;
+ * the multi-node job's own checkpoint is written where multi-node
+ * checkpoints are supported, else refused with that reason (the exit
+ * status says so). */
+Test(fabric, sigterm_inside_an_exchange_aborts_it_checkpoints_and_exits, .timeout = 60) {
+  need_gloo();
+  scratch s;
+  scratch_make(&s);
+  char ck[128];
+  snprintf(ck, sizeof ck, "%s/exit", s.dir);
+  test_daemon pair[2];
+  const char *jobs[] = {"halt"};
+  const char *extra0[] = {"--checkpoint-on-exit", ck, NULL};
+  start_pair_ex(pair, &s, jobs, 1, "30", extra0);
+  shardd_client_t *c[W];
+  shardd_buffer_info w[W], v[W];
+  for (int r = 0; r < W; r++) {
+    c[r] = test_connect(&pair[r / 2], "halt", (uint32_t)r, W);
+    cr_assert_eq(shardd_buffer_register(c[r], "w", SHARDD_DTYPE_FP32, 4000, &w[r]), SHARDD_OK);
+    cr_assert_eq(shardd_buffer_register(c[r], "v", SHARDD_DTYPE_FP32, 4000, &v[r]), SHARDD_OK);
+    for (size_t j = 0; j < w[r].shard_numel; j++)
+      ((float *)w[r].shard)[j] = stop_val(r, j);
+  }
+  shardd_client_t *solo[2];
+  shardd_buffer_info so[2];
+  for (int r = 0; r < 2; r++) {
+    solo[r] = test_connect(&pair[0], "solo", (uint32_t)r, 2);
+    cr_assert_eq(shardd_buffer_register(solo[r], "p", SHARDD_DTYPE_FP32, 2000, &so[r]),
+                 SHARDD_OK);
+    for (size_t j = 0; j < so[r].shard_numel; j++)
+      ((float *)so[r].shard)[j] = stop_val(r + 7, j);
+  }
+  all_ranks(c, OP_GATHER, w[0].id, 0, NULL); /* the fabric is up */
+  for (int r = 0; r < W; r++)
+    cr_assert_eq(((float *)w[r].gather)[1000 + 3], stop_val(1, 3), "rank %d", r);
+
+  call calls[W];
+  memset(calls, 0, sizeof calls);
+  for (int r = 0; r < W; r++) {
+    calls[r].c = c[r];
+    calls[r].kind = OP_GATHER;
+    calls[r].id = r < 2 ? w[r].id : v[r].id;
+    cr_assert_eq(pthread_create(&calls[r].th, NULL, call_main, &calls[r]), 0);
+  }
+  wait_running(&pair[0], "w");
+  wait_running(&pair[1], "v");
+
+  double t0 = test_mono_s();
+  kill(pair[0].pid, SIGTERM);
+  int status = -1;
+  cr_assert(test_wait_exit(pair[0].pid, &status), "node 0 did not exit within %.0f s",
+            TEST_HANG_S);
+  double exit_s = test_mono_s() - t0;
+  pair[0].pid = 0;
+  for (int r = 0; r < W; r++)
+    pthread_join(calls[r].th, NULL);
+  double peer_s = test_mono_s() - t0;
+  cr_log_info("fabric: node 0 exited %.3f s after SIGTERM inside an exchange "
+              "(promise: 5 s; collective timeout 30 s); node 1's ranks answered "
+              "within %.3f s", exit_s, peer_s);
+  /* --checkpoint-on-exit ran: exit 0 when every job's checkpoint was
+   * written, 1 when one was refused (logged) */
+  char manifest[200];
+  snprintf(manifest, sizeof manifest, "%s/halt/manifest", ck);
+  int halt_written = access(manifest, R_OK) == 0;
+  int halt_refused = test_daemon_log_has(&pair[0], "checkpoint of job \"halt\" failed: "
+                                         "job \"halt\" spans 2 nodes; checkpoints of "
+                                         "multi-node jobs are not supported yet");
+  cr_expect(halt_written || halt_refused, "no %s, and no refusal logged", manifest);
+  cr_expect(WIFEXITED(status) && WEXITSTATUS(status) == (halt_written ? 0 : 1),
+            "node 0 exit status %d", status);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != (halt_written ? 0 : 1))
+    test_daemon_dump_log(&pair[0]);
+  cr_expect_lt(exit_s, 15.0, "node 0 took %.1f s to stop", exit_s);
+  for (int r = 0; r < 2; r++) {
+    cr_expect_eq(calls[r].rc, SHARDD_E_SHUTDOWN, "rank %d: %s: %s", r,
+                 shardd_err_name(calls[r].rc), calls[r].msg);
+    cr_expect(strstr(calls[r].msg, "daemon stopping (SIGTERM)") != NULL, "rank %d: %s", r,
+              calls[r].msg);
+    cr_expect(strstr(calls[r].msg, "failed across the nodes of job \"halt\"") != NULL,
+              "rank %d: %s", r, calls[r].msg);
+  }
+  cr_log_info("fabric: node 0's rank heard: %s", calls[0].msg);
+  for (int r = 2; r < W; r++) {
+    cr_expect_eq(calls[r].rc, SHARDD_E_PEER_LOST, "rank %d: %s: %s", r,
+                 shardd_err_name(calls[r].rc), calls[r].msg);
+    cr_expect(strstr(calls[r].msg, "failed across the nodes of job \"halt\"") != NULL,
+              "rank %d: %s", r, calls[r].msg);
+  }
+  cr_expect_lt(peer_s, 15.0, "node 1's ranks waited %.1f s", peer_s);
+  cr_log_info("fabric: node 1's rank heard: %s", calls[2].msg);
+
+  /* node 1 keeps serving; the job's next collective fails at once */
+  t0 = test_mono_s();
+  memset(calls, 0, sizeof calls);
+  for (int r = 2; r < W; r++) {
+    calls[r].c = c[r];
+    calls[r].kind = OP_GATHER;
+    calls[r].id = w[r].id;
+    cr_assert_eq(pthread_create(&calls[r].th, NULL, call_main, &calls[r]), 0);
+  }
+  for (int r = 2; r < W; r++)
+    pthread_join(calls[r].th, NULL);
+  for (int r = 2; r < W; r++)
+    cr_expect_eq(calls[r].rc, SHARDD_E_PEER_LOST, "rank %d again: %s: %s", r,
+                 shardd_err_name(calls[r].rc), calls[r].msg);
+  cr_expect_lt(test_mono_s() - t0, 15.0);
+  for (int r = 0; r < W; r++)
+    shardd_close(c[r]);
+  for (int r = 0; r < 2; r++)
+    shardd_close(solo[r]);
+
+  /* the one-node job's exit checkpoint is whole and restores its shards */
+  char solo_dir[160];
+  snprintf(solo_dir, sizeof solo_dir, "%s/solo", ck);
+  snprintf(manifest, sizeof manifest, "%s/manifest", solo_dir);
+  cr_assert_eq(access(manifest, R_OK), 0, "no %s", manifest);
+  test_daemon back;
+  test_daemon_start(&back, (const char *const[]){"--backend", "host", "--devices", "2",
+                                                 "--restore", solo_dir, NULL});
+  for (int r = 0; r < 2; r++) {
+    shardd_client_t *b = test_connect(&back, "solo", (uint32_t)r, 2);
+    shardd_buffer_info bi;
+    cr_assert_eq(shardd_buffer_register(b, "p", SHARDD_DTYPE_FP32, 2000, &bi), SHARDD_OK,
+                 "%s", shardd_last_error(b));
+    cr_assert_eq(bi.shard_numel, 1000);
+    for (size_t j = 0; j < bi.shard_numel; j++)
+      cr_assert_eq(((float *)bi.shard)[j], stop_val(r + 7, j), "restored rank %d [%zu]", r, j);
+    shardd_close(b);
+  }
+  test_daemon_finish(&back);
+  test_daemon_stop(&pair[0]);
+  test_daemon_finish(&pair[1]);
+  scratch_remove(&s);
+}
+
 /* ---- many cross-node collectives in flight at once ------------------------ */
 
 #define NB 8 /* buffers gathered at once: twice a pool of 4 */
@@ -857,7 +1036,11 @@ Test(fabric, disagreeing_nodes_fail_with_mismatch_and_fabric_stays_up, .timeout 
   }
   /* node 1 steps with another lr (no clipping, so no norm crosses nodes):
    * refused naming the node and the field, no shard changed; then the
-   * per-group hyperparameters differ; then they agree */
+   * per-group hyperparameters differ; then node 0 refuses the step itself
+   * (a momentum override the SGD group was not registered with): its ranks
+   * hear why, node 1's get E_MISMATCH naming node 0 at once (they used to
+   * wait in the exchange until the timeout lost the fabric); then node 0's
+   * two ranks disagree with each other on lr, alike; then they agree */
   uint64_t opt[W];
   for (int r = 0; r < W; r++) {
     shardd_param_ref ref = {okid[r], "ok"};
@@ -868,17 +1051,23 @@ Test(fabric, disagreeing_nodes_fail_with_mismatch_and_fabric_stays_up, .timeout 
   }
   for (int r = 0; r < W; r++)
     memcpy(before[r], ok[r].shard, sizeof before[r]);
-  for (int round = 0; round < 3; round++) {
+  for (int round = 0; round < 5; round++) {
     shardd_hparams g1 = {SHARDD_HP_WEIGHT_DECAY, 0, 0, 0, 0.01, 0, 0, 0, 0, 0, 0};
+    shardd_hparams bad = {SHARDD_HP_MOMENTUM, 0, 0.9, 0, 0, 0, 0, 0, 0, 0, 0};
+    t0 = test_mono_s();
     memset(k, 0, sizeof k);
     for (int r = 0; r < W; r++) {
       k[r].c = c[r];
       k[r].kind = OP_STEP;
       k[r].id = opt[r];
       shardd_step_opts so = SHARDD_STEP_OPTS_INIT;
-      so.lr = round == 0 && r >= 2 ? 0.25 : 0.125;
+      so.lr = (round == 0 && r >= 2) || (round == 3 && r == 1) ? 0.25 : 0.125;
       if (round == 1 && r >= 2) {
         so.groups = &g1;
+        so.ngroups = 1;
+      }
+      if (round == 2 && r < 2) {
+        so.groups = &bad;
         so.ngroups = 1;
       }
       k[r].so = so;
@@ -886,9 +1075,26 @@ Test(fabric, disagreeing_nodes_fail_with_mismatch_and_fabric_stays_up, .timeout 
     }
     for (int r = 0; r < W; r++)
       pthread_join(k[r].th, NULL);
+    if (round == 2)
+      cr_log_info("fabric: a step refused on node 0, answered on node 1 in %.3f s: %s",
+                  test_mono_s() - t0, k[2].msg);
     for (int r = 0; r < W; r++) {
-      if (round == 2) {
+      if (round == 4) {
         cr_assert_eq(k[r].rc, SHARDD_OK, "rank %d: %s", r, k[r].msg);
+        continue;
+      }
+      if (round == 2 || round == 3) {
+        shardd_err want_rc = r >= 2 ? SHARDD_E_MISMATCH : round == 2 ? SHARDD_E_INVAL
+                                                                     : SHARDD_E_MISMATCH;
+        const char *want = r >= 2      ? "node 0 refused step of optimizer \"sgd\" locally"
+                           : round == 2 ? "param group 0: momentum 0.9 where the group "
+                                          "was registered with 0"
+                                        : "with other arguments than the ranks before it";
+        cr_expect_eq(k[r].rc, want_rc, "round %d rank %d: %s: %s", round, r,
+                     shardd_err_name(k[r].rc), k[r].msg);
+        cr_expect(strstr(k[r].msg, want) != NULL, "round %d rank %d: %s", round, r, k[r].msg);
+        cr_expect(memcmp(before[r], ok[r].shard, sizeof before[r]) == 0,
+                  "rank %d: a refused step changed the shard", r);
         continue;
       }
       cr_expect_eq(k[r].rc, SHARDD_E_MISMATCH, "round %d rank %d: %s: %s", round, r,
@@ -1114,5 +1320,139 @@ Test(fabric, three_nodes_ring_reduce_scatter_and_second_incarnation, .timeout = 
   for (uint32_t k = 0; k < FNODES; k++)
     for (int b = 0; b < 2; b++)
       free(n[k].buf[b]);
+  scratch_remove(&s);
+}
+
+/* ---- aborting the fabric (issue 21: a stopping daemon) ------------------- */
+
+typedef struct {
+  const char *rdv;
+  uint32_t node;
+  shardd__fabric *f;
+  shardd_err rc;
+  char msg[512];
+  pthread_t th;
+} anode;
+
+static void *anode_create(void *p) {
+  anode *a = p;
+  shardd__fabric_opts o = SHARDD__FABRIC_OPTS_INIT;
+  o.rendezvous = a->rdv;
+  o.prefix = "abort";
+  o.nodes = 2;
+  o.node_rank = a->node;
+  o.timeout_s = 30;
+  a->rc = shardd__fabric_create(&o, &a->f, a->msg, sizeof a->msg);
+  return NULL;
+}
+
+static void *anode_wait(void *p) { /* each node's tag: the other never joins */
+  anode *a = p;
+  float g[2 * 1000] = {0};
+  a->rc = shardd__fabric_allgather(a->f, g, 1000 * sizeof(float), 11 + a->node, a->msg,
+                                   sizeof a->msg);
+  return NULL;
+}
+
+/* Node 0 waits in an allgather its peer never makes; the abort ends it
+ * with E_SHUTDOWN and the reason, far inside the 30 s timeout, and every
+ * later operation (allgather, reduce-scatter) fails at once alike. The
+ * peer, waiting in an operation of its own, gets E_PEER_LOST when node 0's
+ * fabric is destroyed. */
+Test(fabric, abort_ends_waiting_operations_at_once, .timeout = 60) {
+  need_gloo();
+  scratch s;
+  scratch_make(&s);
+  anode a[2];
+  memset(a, 0, sizeof a);
+  for (uint32_t k = 0; k < 2; k++) {
+    a[k].rdv = s.rdv;
+    a[k].node = k;
+    cr_assert_eq(pthread_create(&a[k].th, NULL, anode_create, &a[k]), 0);
+  }
+  for (uint32_t k = 0; k < 2; k++) {
+    pthread_join(a[k].th, NULL);
+    cr_assert_eq(a[k].rc, SHARDD_OK, "node %u: %s", k, a[k].msg);
+  }
+  /* node 1 waits too, on another tag, so it has an operation to fail */
+  for (uint32_t k = 0; k < 2; k++)
+    cr_assert_eq(pthread_create(&a[k].th, NULL, anode_wait, &a[k]), 0);
+  test_sleep_ms(200); /* inside its wait, most likely; either way it must end */
+  double t0 = test_mono_s();
+  shardd__fabric_abort(a[0].f, "daemon stopping (test)");
+  shardd__fabric_abort(a[0].f, "a second abort changes nothing");
+  pthread_join(a[0].th, NULL);
+  double took = test_mono_s() - t0;
+  cr_expect_eq(a[0].rc, SHARDD_E_SHUTDOWN, "%s: %s", shardd_err_name(a[0].rc), a[0].msg);
+  cr_expect_str_eq(a[0].msg, "fabric allgather: daemon stopping (test)");
+  cr_expect_lt(took, 10.0, "the aborted wait took %.1f s", took);
+  cr_log_info("fabric: an aborted allgather returned %.6f s after the abort", took);
+
+  char msg[256];
+  float buf[4] = {0};
+  cr_expect_eq(shardd__fabric_allgather(a[0].f, buf, sizeof(float), 12, msg, sizeof msg),
+               SHARDD_E_SHUTDOWN, "%s", msg);
+  cr_expect_eq(shardd__fabric_reduce_scatter_f32(a[0].f, buf, 2, 13, msg, sizeof msg),
+               SHARDD_E_SHUTDOWN, "%s", msg);
+  cr_expect_str_eq(msg, "fabric reduce-scatter: daemon stopping (test)");
+
+  t0 = test_mono_s();
+  shardd__fabric_destroy(a[0].f);
+  pthread_join(a[1].th, NULL);
+  cr_expect_eq(a[1].rc, SHARDD_E_PEER_LOST, "%s: %s", shardd_err_name(a[1].rc), a[1].msg);
+  cr_expect_lt(test_mono_s() - t0, 10.0);
+  cr_log_info("fabric: the peer heard: %s", a[1].msg);
+  shardd__fabric_destroy(a[1].f);
+  scratch_remove(&s);
+}
+
+/* SIGTERM while the rendezvous waits for a node that never comes: the
+ * daemon stops at once (not at the 30 s timeout) and its ranks hear why. */
+Test(fabric, sigterm_during_the_rendezvous_exits_at_once, .timeout = 60) {
+  need_gloo();
+  scratch s;
+  scratch_make(&s);
+  char spec[256];
+  write_spec(&s, "alone", 0, spec, sizeof spec);
+  const char *args[] = {"--backend", "host", "--devices", "2", "--collective-timeout",
+                        "30", "--job-spec", spec, NULL};
+  test_daemon d;
+  test_daemon_start(&d, args);
+  shardd_client_t *c[2];
+  shardd_buffer_info info[2];
+  for (int r = 0; r < 2; r++) {
+    c[r] = test_connect(&d, "alone", (uint32_t)r, W);
+    cr_assert_eq(shardd_buffer_register(c[r], "w", SHARDD_DTYPE_FP32, 100, &info[r]), SHARDD_OK);
+  }
+  call calls[2];
+  memset(calls, 0, sizeof calls);
+  for (int r = 0; r < 2; r++) {
+    calls[r].c = c[r];
+    calls[r].kind = OP_GATHER;
+    calls[r].id = info[0].id;
+    cr_assert_eq(pthread_create(&calls[r].th, NULL, call_main, &calls[r]), 0);
+  }
+  for (double end = test_mono_s() + TEST_HANG_S; !announced(s.rdv, 0);) {
+    cr_assert_lt(test_mono_s(), end, "node 0 never began the rendezvous in %s", s.rdv);
+    test_sleep_ms(10);
+  }
+  double t0 = test_mono_s();
+  kill(d.pid, SIGTERM);
+  int status = -1;
+  cr_assert(test_wait_exit(d.pid, &status), "no exit within %.0f s", TEST_HANG_S);
+  double took = test_mono_s() - t0;
+  d.pid = 0;
+  cr_expect(WIFEXITED(status) && WEXITSTATUS(status) == 0, "exit status %d", status);
+  cr_expect_lt(took, 15.0, "stopped after %.1f s", took);
+  cr_log_info("fabric: stopped %.3f s after SIGTERM during the rendezvous", took);
+  for (int r = 0; r < 2; r++) {
+    pthread_join(calls[r].th, NULL);
+    cr_expect_eq(calls[r].rc, SHARDD_E_SHUTDOWN, "rank %d: %s: %s", r,
+                 shardd_err_name(calls[r].rc), calls[r].msg);
+    cr_expect(strstr(calls[r].msg, "daemon stopping (SIGTERM)") != NULL, "rank %d: %s", r,
+              calls[r].msg);
+    shardd_close(c[r]);
+  }
+  test_daemon_stop(&d);
   scratch_remove(&s);
 }
