@@ -1304,6 +1304,98 @@ Test(collective, step_lr_override_applies_to_every_group, .init = start4, .fini 
   team_close(&t);
 }
 
+/* ---- a step a trainer can retry -------------------------------------------
+ * Step.expect_step: a retry of a step that ran (its reply lost) is answered
+ * at once on each rank alone, skipped, with the count now, and changes no
+ * byte; a count the optimizer is more than one step short of is refused;
+ * the next step, sent with its count, runs; in the end the parameters are
+ * two SGD steps' worth, not three. */
+Test(collective, step_with_expect_step_runs_once, .init = start4, .fini = stop_daemon,
+     .timeout = 60) {
+  team t;
+  team_open(&t, "once", 4);
+  shardd_buffer_info b[MAXW];
+  team_buffer(&t, "P", SHARDD_DTYPE_FP32, 777, b);
+  uint64_t v0;
+  int64_t s0[1] = {700};
+  team_view(&t, b[0].id, "p0", 0, 700, s0, 1, &v0);
+  ref_hp h = {SHARDD_OPTIM_SGD, 0.25, 0.5, 0, 0, 0, 0, 0, 0, 0, 0};
+  shardd_hparams top;
+  hp_set(&top, &h);
+  shardd_param_ref r0[] = {{v0, "p0"}};
+  shardd_param_group g[1] = {{r0, 1, {0}}};
+  uint64_t opt;
+  team_optimizer(&t, "o", SHARDD_OPTIM_SGD, &top, g, 1, &opt);
+  write_params(b);
+  float *want = malloc(b[0].padded_numel * 4), *buf = calloc(b[0].padded_numel, 4);
+  for (size_t j = 0; j < b[0].padded_numel; j++)
+    want[j] = init_param(j);
+  size_t sb = b[0].shard_numel * 4;
+  unsigned char *sv[MAXW];
+  for (int step = 1; step <= 2; step++) {
+    write_step_grads(b, step);
+    team_all(&t, OP_SCATTER, b[0].id, SHARDD_REDUCE_MEAN);
+    call calls[MAXW];
+    int skipped[MAXW];
+    memset(calls, 0, sizeof calls);
+    for (int r = 0; r < 4; r++) {
+      shardd_step_opts so = SHARDD_STEP_OPTS_INIT;
+      so.expect_step = (uint64_t)step;
+      skipped[r] = -1;
+      so.skipped = &skipped[r];
+      calls[r] = (call){.c = t.c[r], .kind = OP_STEP, .id = opt, .so = so};
+    }
+    run_calls(calls, 4);
+    for (int r = 0; r < 4; r++) {
+      cr_assert_eq(calls[r].rc, SHARDD_OK, "rank %d step %d: %s", r, step, calls[r].msg);
+      cr_assert_eq(skipped[r], 0, "rank %d: step %d was not run", r, step);
+      cr_assert_eq(calls[r].res.step, (uint64_t)step);
+    }
+    for (size_t j = 0; j < 700; j++)
+      ref_sgd(&h, step, &want[j], mean_grad(step, j), &buf[j]);
+    if (step == 2)
+      break;
+    /* every rank retries step 1, one after the other: none waits for the
+     * others (no collective runs) and no byte changes */
+    for (int r = 0; r < 4; r++) {
+      sv[r] = malloc(sb);
+      memcpy(sv[r], b[r].shard, sb);
+    }
+    for (int r = 0; r < 4; r++) {
+      shardd_step_opts so = SHARDD_STEP_OPTS_INIT;
+      shardd_step_result res;
+      int sk = -1;
+      so.expect_step = 1;
+      so.skipped = &sk;
+      cr_assert_eq(shardd_step(t.c[r], opt, &so, &res), SHARDD_OK, "rank %d: %s", r,
+                   shardd_last_error(t.c[r]));
+      cr_assert_eq(sk, 1, "rank %d's retry of step 1 ran", r);
+      cr_assert_eq(res.step, 1);
+    }
+    for (int r = 0; r < 4; r++) {
+      cr_assert_eq(memcmp(sv[r], b[r].shard, sb), 0, "rank %d's shard changed", r);
+      free(sv[r]);
+    }
+    /* a trainer two steps ahead of the daemon is told, nothing runs */
+    shardd_step_opts so = SHARDD_STEP_OPTS_INIT;
+    so.expect_step = 3;
+    cr_assert_eq(shardd_step(t.c[0], opt, &so, NULL), SHARDD_E_MISMATCH);
+    cr_assert_not_null(strstr(shardd_last_error(t.c[0]), "is at step 1"), "%s",
+                       shardd_last_error(t.c[0]));
+    double steps = -1;
+    cr_assert(status_steps("once", "o", &steps));
+    cr_assert_eq(steps, 1.0);
+  }
+  team_all(&t, OP_GATHER, b[0].id, 0);
+  check_params(b, want, "SGD, step 1 retried");
+  double steps = -1;
+  cr_assert(status_steps("once", "o", &steps));
+  cr_assert_eq(steps, 2.0);
+  free(want);
+  free(buf);
+  team_close(&t);
+}
+
 /* ---- a collective with no work ------------------------------------------
  * A scatter of a buffer whose every element is frozen has no task to run.
  * It used to complete inside the scheduler that started it, which then
