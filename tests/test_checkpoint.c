@@ -364,6 +364,106 @@ Test(checkpoint, truncated_shard_is_refused) {
   corrupt_and_expect("b0-r0", -100);
 }
 
+/* Files that are each whole and sealed (their own header and CRC are
+ * right) but in the wrong place. mutate changes dir and names, in needle,
+ * the file the refusal must name. */
+static void misplaced_and_expect(void (*mutate)(char *needle, size_t n)) {
+  char err[1024], needle[256];
+  shardd__job *job = make_job("j");
+  cr_assert_eq(shardd__checkpoint_write(&reg, job, dir, -1, err, sizeof err), SHARDD_OK);
+  shardd__job_release(&reg, job);
+  mutate(needle, sizeof needle);
+  size_t objects = shardd__map_count(&reg.objects);
+  shardd__device_info info;
+  be->ops->device_info(be, 0, &info);
+  uint64_t used0 = info.used_bytes;
+  shardd__job *back;
+  shardd_err rc = shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err);
+  cr_assert_neq(rc, SHARDD_OK, "a checkpoint with %s misplaced was restored", needle);
+  cr_log_info("refused: %s", err);
+  cr_assert(strstr(err, needle) != NULL, "message \"%s\" lacks \"%s\"", err, needle);
+  cr_assert_null(shardd__job_find(&reg, 0, "j"), "nothing may be registered");
+  cr_assert_eq(shardd__map_count(&reg.objects), objects);
+  be->ops->device_info(be, 0, &info);
+  cr_assert_eq(info.used_bytes, used0, "the refused restore freed what it took");
+  /* and the same registry still restores a sound checkpoint */
+  job = make_job("k");
+  char dir2[] = "/tmp/shardd-ckpt2-XXXXXX";
+  cr_assert_not_null(mkdtemp(dir2));
+  cr_assert_eq(shardd__checkpoint_write(&reg, job, dir2, -1, err, sizeof err), SHARDD_OK);
+  shardd__job_release(&reg, job);
+  cr_assert_eq(shardd__checkpoint_restore(&reg, dir2, -1, 0, &back, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  rm_tree(dir2);
+}
+
+/* Swaps the contents of data files a and b of dir (names stay). */
+static void swap_files(const char *pa, const char *pb) {
+  char fa[128], fb[128], a[512], b[512], t[600];
+  data_name(dir, pa, fa, sizeof fa);
+  data_name(dir, pb, fb, sizeof fb);
+  snprintf(a, sizeof a, "%s/%s", dir, fa);
+  snprintf(b, sizeof b, "%s/%s", dir, fb);
+  snprintf(t, sizeof t, "%s.swap", a);
+  struct stat sa, sb;
+  cr_assert_eq(stat(a, &sa), 0);
+  cr_assert_eq(stat(b, &sb), 0);
+  cr_assert_eq(sa.st_size, sb.st_size, "%s and %s differ in size: not a swap test", fa, fb);
+  cr_assert_eq(rename(a, t), 0);
+  cr_assert_eq(rename(b, a), 0);
+  cr_assert_eq(rename(t, b), 0);
+}
+
+/* the restore reads in rank order: the first of the two is named */
+static void swap_two_ranks_shards(char *needle, size_t n) {
+  swap_files("b0-r0", "b0-r1");
+  data_name(dir, "b0-r0", needle, n);
+}
+
+static void swap_two_ranks_state(char *needle, size_t n) {
+  swap_files("o0-b0-r1", "o0-b0-r2");
+  data_name(dir, "o0-b0-r1", needle, n);
+}
+
+Test(checkpoint, two_ranks_shard_files_swapped_are_refused_naming_the_file) {
+  misplaced_and_expect(swap_two_ranks_shards);
+}
+
+Test(checkpoint, two_ranks_state_files_swapped_are_refused_naming_the_file) {
+  misplaced_and_expect(swap_two_ranks_state);
+}
+
+/* b1-r2's file replaced by the same file of another checkpoint of the same
+ * job (same buffer, rank, size and header; its own CRC right, other data):
+ * the manifest's CRC for the file tells them apart. */
+static void file_from_another_checkpoint(char *needle, size_t n) {
+  char err[512], other[] = "/tmp/shardd-ckpt-other-XXXXXX";
+  cr_assert_not_null(mkdtemp(other));
+  shardd__job *job = make_job("j"); /* the same job, later: other random data */
+  cr_assert_eq(shardd__checkpoint_write(&reg, job, other, -1, err, sizeof err), SHARDD_OK);
+  shardd__job_release(&reg, job);
+  char mine[128], theirs[128], a[512], b[512];
+  data_name(dir, "b1-r2", mine, sizeof mine);
+  data_name(other, "b1-r2", theirs, sizeof theirs);
+  snprintf(a, sizeof a, "%s/%s", dir, mine);
+  snprintf(b, sizeof b, "%s/%s", other, theirs);
+  char *x = test_slurp(a), *y = test_slurp(b);
+  struct stat sa, sb;
+  cr_assert_eq(stat(a, &sa), 0);
+  cr_assert_eq(stat(b, &sb), 0);
+  cr_assert_eq(sa.st_size, sb.st_size);
+  cr_assert_neq(memcmp(x, y, (size_t)sa.st_size), 0, "the two checkpoints hold the same data");
+  free(x);
+  free(y);
+  cr_assert_eq(rename(b, a), 0);
+  rm_tree(other);
+  snprintf(needle, n, "%s", mine);
+}
+
+Test(checkpoint, a_shard_file_from_another_checkpoint_is_refused_naming_the_file) {
+  misplaced_and_expect(file_from_another_checkpoint);
+}
+
 Test(checkpoint, truncated_manifest_is_refused) {
   char err[1024], path[256];
   shardd__job *job = make_job("j");
@@ -895,6 +995,58 @@ Test(checkpoint, sigterm_with_checkpoint_on_exit_writes_every_job, .timeout = 60
   cr_assert_eq(test_daemon_stop(&d), 0);
   snprintf(manifest, sizeof manifest, "%s/ckpt-job/manifest", ck);
   cr_assert_eq(access(manifest, R_OK), 0, "no %s", manifest);
+}
+
+/* Through a daemon: a checkpoint whose two ranks' shard files were swapped
+ * (each whole, with its own right CRC) is refused naming the file; the
+ * daemon goes on serving, holds no half-restored job, and restores the
+ * same checkpoint once the files are back in place, training on from it. */
+Test(checkpoint, a_daemon_refuses_swapped_shard_files_and_serves_on, .timeout = 60) {
+  char ck[128];
+  snprintf(ck, sizeof ck, "%s/swap", dir);
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--devices", "2", NULL});
+  run_job(&d, 2, 0, ck, NULL);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+  char fa[128], fb[128], a[300], b[300], t[320];
+  data_name(ck, "b0-r0", fa, sizeof fa);
+  data_name(ck, "b0-r1", fb, sizeof fb);
+  snprintf(a, sizeof a, "%s/%s", ck, fa);
+  snprintf(b, sizeof b, "%s/%s", ck, fb);
+  snprintf(t, sizeof t, "%s.swap", a);
+  struct stat sa, sb;
+  cr_assert_eq(stat(a, &sa), 0);
+  cr_assert_eq(stat(b, &sb), 0);
+  cr_assert_eq(sa.st_size, sb.st_size);
+  cr_assert_eq(rename(a, t), 0);
+  cr_assert_eq(rename(b, a), 0);
+  cr_assert_eq(rename(t, b), 0);
+
+  test_daemon_start(&d, (const char *const[]){"--devices", "2", NULL});
+  shardd_client_t *ctl = test_connect(&d, NULL, 0, 1);
+  char job[64];
+  cr_assert_neq(shardd_restore(ctl, ck, 0, job, sizeof job), SHARDD_OK);
+  const char *why = shardd_last_error(ctl);
+  cr_log_info("swapped shard files: %s", why);
+  cr_assert(strstr(why, fa) != NULL, "\"%s\" does not name %s", why, fa);
+  cr_assert_eq(shardd_ping(ctl), SHARDD_OK);
+  char *js;
+  cr_assert_eq(shardd_status_json(ctl, &js), SHARDD_OK);
+  tj *j = tj_parse(js);
+  cr_assert_not_null(j);
+  cr_assert_eq(tj_need(j, "jobs", TJ_ARR)->n, 0, "a refused restore left a job: %s", js);
+  tj_free(j);
+  shardd_free(js);
+  /* put back: the same checkpoint restores, and the job trains on */
+  cr_assert_eq(rename(a, t), 0);
+  cr_assert_eq(rename(b, a), 0);
+  cr_assert_eq(rename(t, b), 0);
+  cr_assert_eq(shardd_restore(ctl, ck, 0, job, sizeof job), SHARDD_OK, "%s",
+               shardd_last_error(ctl));
+  cr_assert_str_eq(job, "ckpt-job");
+  shardd_close(ctl);
+  run_job(&d, 1, 2, NULL, NULL);
+  cr_assert_eq(test_daemon_stop(&d), 0);
 }
 
 Test(checkpoint, checkpoint_root_confines_client_paths, .timeout = 60) {
