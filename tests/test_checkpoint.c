@@ -2195,3 +2195,137 @@ Test(checkpoint, an_operator_checkpoint_that_times_out_names_what_it_waited_on,
   test_raw_close(&b);
   cr_assert_eq(test_daemon_stop(&d), 0);
 }
+
+/* ---- SIGTERM while a step runs (issue 21) --------------------------------
+ * Both ranks send a step of a 64 MiB buffer and the daemon is SIGTERMed
+ * right behind them, with --checkpoint-on-exit: depending on where the
+ * signal lands the step ran (and its reply may or may not have left) or
+ * it did not. Whichever: the checkpoint holds every element before the
+ * step or every element after it, with the matching count, never a torn
+ * mix; and after --restore each rank's retry with expect_step 1 (a
+ * scatter first where the step did not run) leaves exactly one step
+ * applied. No timing is asserted: every outcome is checked for what it
+ * must be. */
+
+#define RUN_NUMEL ((uint64_t)16 << 20)
+
+static uint64_t raw_step_expect(test_raw *r, uint64_t opt, uint64_t expect) {
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Step st = SHARDWIRE__STEP__INIT;
+  st.optimizer = opt;
+  st.has_expect_step = 1;
+  st.expect_step = expect;
+  req.body_case = SHARDWIRE__REQUEST__BODY_STEP;
+  req.step = &st;
+  return test_raw_send(r, &req);
+}
+
+/* The next reply, or NULL when the connection ended (closed or reset). */
+static Shardwire__Response *raw_next_or_gone(test_raw *r) {
+  const uint8_t *payload;
+  size_t len;
+  int fds[4], nfds = 0;
+  char err[256];
+  if (shardd__frame_recv(r->fd, &r->rd, &payload, &len, fds, 4, &nfds, err, sizeof err) !=
+      SHARDD_OK)
+    return NULL;
+  for (int i = 0; i < nfds; i++)
+    close(fds[i]);
+  return shardwire__response__unpack(NULL, len, payload);
+}
+
+static void fill_big(const shardd_buffer_info *b, float shard, float grad) {
+  for (uint64_t i = 0; i < b->shard_numel; i++)
+    ((float *)b->shard)[i] = shard;
+  for (uint64_t j = 0; j < b->padded_numel; j++)
+    ((float *)b->grad)[j] = grad;
+}
+
+/* every element of the shard is v: -> the first that is not, or -1 */
+static int64_t first_not(const shardd_buffer_info *b, float v) {
+  for (uint64_t i = 0; i < b->shard_numel; i++)
+    if (((const float *)b->shard)[i] != v)
+      return (int64_t)i;
+  return -1;
+}
+
+Test(checkpoint, sigterm_while_a_step_runs_checkpoints_it_whole_or_not_at_all,
+     .timeout = 60) {
+  char ck[128];
+  snprintf(ck, sizeof ck, "%s/running", dir);
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--backend", "host", "--device-memory", "2G",
+                                              "--checkpoint-on-exit", ck, NULL});
+  test_raw a, b;
+  test_raw_open(&d, &a);
+  test_raw_open(&d, &b);
+  test_raw_hello(&a, "run", 0, 2);
+  test_raw_hello(&b, "run", 1, 2);
+  shardd_buffer_info ia, ib;
+  test_raw_register_buffer(&a, "flat", SHARDD_DTYPE_FP32, RUN_NUMEL, &ia);
+  test_raw_register_buffer(&b, "flat", SHARDD_DTYPE_FP32, RUN_NUMEL, &ib);
+  /* mean gradient 2: SGD lr 0.5 takes 1 off every element */
+  fill_big(&ia, 1.0f, 1.0f);
+  fill_big(&ib, 2.0f, 3.0f);
+  uint64_t opt = raw_sgd(&a, ia.id);
+  cr_assert_eq(raw_sgd(&b, ib.id), opt);
+  uint64_t s0 = test_raw_send_scatter(&a, ia.id, SHARDD_REDUCE_MEAN);
+  uint64_t s1 = test_raw_send_scatter(&b, ib.id, SHARDD_REDUCE_MEAN);
+  shardwire__response__free_unpacked(test_raw_expect(&a, s0, SHARDD_OK), NULL);
+  shardwire__response__free_unpacked(test_raw_expect(&b, s1, SHARDD_OK), NULL);
+  uint64_t t[2] = {raw_step_expect(&a, opt, 1), raw_step_expect(&b, opt, 1)};
+  cr_assert_eq(test_daemon_stop(&d), 0); /* SIGTERM right behind the steps */
+  test_raw *rr[2] = {&a, &b};
+  int replied = 0;
+  for (int k = 0; k < 2; k++) {
+    Shardwire__Response *resp = raw_next_or_gone(rr[k]);
+    if (resp && resp->seq == t[k] && resp->code == SHARDWIRE__STATUS_CODE__OK)
+      replied++;
+    if (resp)
+      shardwire__response__free_unpacked(resp, NULL);
+    test_raw_close(rr[k]);
+  }
+
+  test_daemon_start(&d, (const char *const[]){"--backend", "host", "--device-memory", "2G",
+                                              "--restore", ck, NULL});
+  uint64_t steps = job_steps(&d);
+  cr_log_info("SIGTERM behind the steps: %d rank(s) had the reply; the checkpoint holds "
+              "%" PRIu64 " step(s)", replied, steps);
+  cr_assert(steps <= 1, "%" PRIu64 " steps from one", steps);
+  cr_assert(replied == 0 || steps == 1, "a rank was told the step ran; the checkpoint says not");
+  test_raw_open(&d, &a);
+  test_raw_open(&d, &b);
+  test_raw_hello(&a, "run", 0, 2);
+  test_raw_hello(&b, "run", 1, 2);
+  test_raw_register_buffer(&a, "flat", SHARDD_DTYPE_FP32, RUN_NUMEL, &ia);
+  test_raw_register_buffer(&b, "flat", SHARDD_DTYPE_FP32, RUN_NUMEL, &ib);
+  cr_assert(!ia.created && !ib.created);
+  cr_assert_eq(raw_sgd(&a, ia.id), raw_sgd(&b, ib.id));
+  int64_t i0 = first_not(&ia, steps ? 0.0f : 1.0f), i1 = first_not(&ib, steps ? 1.0f : 2.0f);
+  cr_assert_eq(i0, -1, "rank 0's shard is torn at %" PRId64 " (count %" PRIu64 ")", i0, steps);
+  cr_assert_eq(i1, -1, "rank 1's shard is torn at %" PRId64 " (count %" PRIu64 ")", i1, steps);
+  if (steps == 0) { /* the gradients are the trainer's to send again */
+    fill_big(&ia, 1.0f, 1.0f);
+    fill_big(&ib, 2.0f, 3.0f);
+    s0 = test_raw_send_scatter(&a, ia.id, SHARDD_REDUCE_MEAN);
+    s1 = test_raw_send_scatter(&b, ib.id, SHARDD_REDUCE_MEAN);
+    shardwire__response__free_unpacked(test_raw_expect(&a, s0, SHARDD_OK), NULL);
+    shardwire__response__free_unpacked(test_raw_expect(&b, s1, SHARDD_OK), NULL);
+  }
+  t[0] = raw_step_expect(&a, opt, 1);
+  t[1] = raw_step_expect(&b, opt, 1);
+  for (int k = 0; k < 2; k++) {
+    Shardwire__Response *resp = test_raw_expect(rr[k], t[k], SHARDD_OK);
+    cr_assert_eq(resp->body_case, SHARDWIRE__RESPONSE__BODY_STEP);
+    cr_assert_eq(resp->step->step, 1);
+    cr_assert_eq(resp->step->has_applied && !resp->step->applied, steps == 1,
+                 "rank %d: the retry %s", k, steps == 1 ? "ran again" : "was skipped");
+    shardwire__response__free_unpacked(resp, NULL);
+  }
+  cr_assert_eq(first_not(&ia, 0.0f), -1, "rank 0: not exactly one step");
+  cr_assert_eq(first_not(&ib, 1.0f), -1, "rank 1: not exactly one step");
+  cr_assert_eq(job_steps(&d), 1);
+  test_raw_close(&a);
+  test_raw_close(&b);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+}
