@@ -2009,7 +2009,7 @@ shardd_err shardd_view_set_requires_grad(shardd_client_t *c, uint64_t view,
 /* One Step round trip (a step, or a norm-only one); out (may be NULL)
  * gets the count and the norm the reply carries. */
 static shardd_err step_call(shardd_client_t *c, Shardwire__Step *st,
-                            shardd_step_result *out) {
+                            shardd_step_result *out, int *skipped) {
   Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
   req.body_case = SHARDWIRE__REQUEST__BODY_STEP;
   req.step = st;
@@ -2019,6 +2019,8 @@ static shardd_err step_call(shardd_client_t *c, Shardwire__Step *st,
     out->step = resp->step->step;
     out->total_norm = resp->step->has_total_norm ? resp->step->total_norm : 0;
   }
+  if (rc == SHARDD_OK && skipped)
+    *skipped = resp->step->has_applied && !resp->step->applied;
   if (resp)
     shardwire__response__free_unpacked(resp, NULL);
   return rc;
@@ -2063,7 +2065,17 @@ shardd_err shardd_step(shardd_client_t *c, uint64_t opt,
     st.n_groups = ng;
     st.groups = hp;
   }
-  shardd_err rc = step_call(c, &st, out);
+  int *skipped = NULL;
+  if (opts && opts->size >= offsetof(shardd_step_opts, skipped) + sizeof opts->skipped) {
+    if (opts->expect_step > 0) {
+      st.has_expect_step = 1;
+      st.expect_step = opts->expect_step;
+    }
+    skipped = opts->skipped;
+    if (skipped)
+      *skipped = 0;
+  }
+  shardd_err rc = step_call(c, &st, out, skipped);
   free(hw);
   free(hp);
   return rc;
@@ -2087,7 +2099,7 @@ shardd_err shardd_clip_grad_norm(shardd_client_t *c, uint64_t opt,
     st.max_norm = max_norm;
   }
   shardd_step_result res;
-  shardd_err rc = step_call(c, &st, &res);
+  shardd_err rc = step_call(c, &st, &res, NULL);
   if (rc == SHARDD_OK && total_norm)
     *total_norm = res.total_norm;
   return rc;

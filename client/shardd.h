@@ -531,8 +531,18 @@ typedef struct {
    * the same (SHARDD_E_MISMATCH). */
   const shardd_hparams *groups;
   size_t ngroups;
+  /* (Appended.) A step a trainer can retry after a lost reply (the daemon
+   * stopped or the connection broke mid-step): > 0 is the step count this
+   * step produces (the count before it + 1). When the optimizer has reached
+   * it already nothing runs, *skipped is 1 and out->step is the count now
+   * (total_norm 0): a retry never applies a step twice. A count the
+   * optimizer is more than one step short of is SHARDD_E_MISMATCH (e.g.
+   * restored from an older checkpoint). 0: not checked. Every rank should
+   * pass the same. */
+  uint64_t expect_step;
+  int *skipped; /* (Appended.) may be NULL; set to 0 or 1 on success */
 } shardd_step_opts;
-#define SHARDD_STEP_OPTS_INIT {sizeof(shardd_step_opts), -1.0, 0.0, NULL, 0}
+#define SHARDD_STEP_OPTS_INIT {sizeof(shardd_step_opts), -1.0, 0.0, NULL, 0, 0, NULL}
 
 typedef struct {
   uint64_t step;     /* the optimizer's step count after this step */
@@ -540,7 +550,9 @@ typedef struct {
 } shardd_step_result;
 
 /* Collective: updates every shard the optimizer owns from the reduced
- * gradients. opts and out may be NULL. */
+ * gradients. opts and out may be NULL. Whether a step whose reply never
+ * came ran: its retry with opts->expect_step says (skipped), and
+ * shardd_optim_state_get() (count 0) tells the count, info->optimizer_steps. */
 shardd_err shardd_step(shardd_client_t *c, uint64_t opt,
                        const shardd_step_opts *opts, shardd_step_result *out);
 

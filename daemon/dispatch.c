@@ -1357,9 +1357,48 @@ static void on_scatter(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   shardd__coll_submit(d->coll, &c->m, seq, &ca);
 }
 
+/* A step sent with the count it produces (Step.expect_step) that the
+ * optimizer has reached already: the retry of a step whose reply was lost
+ * (the daemon stopped, the connection broke). Answered here, alone, with
+ * the count now and nothing run; every rank's retry is answered the same,
+ * as no step can have run in between (a step needs every rank). -> 1 when
+ * answered (a skip, or a count the trainer is ahead of: E_MISMATCH). */
+static int step_answered(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                         const Shardwire__Step *st) {
+  if (!st->has_expect_step || st->expect_step == 0 ||
+      (st->has_norm_only && st->norm_only))
+    return 0;
+  char err[ERRLEN];
+  shardd__obj *o;
+  if (shardd__registry_resolve(&d->reg, c->m.job, st->optimizer, SHARDD__OBJ_OPTIM,
+                               &o, err, sizeof err) != SHARDD_OK)
+    return 0; /* the engine refuses it with its own words */
+  uint64_t now = ((const shardd__optim *)o)->steps;
+  if (now + 1 < st->expect_step) {
+    snprintf(err, sizeof err, "step: optimizer %" PRIu64 " is at step %" PRIu64
+             ", so this step would make %" PRIu64 ", not the %" PRIu64
+             " expected (restored from an older checkpoint?)", st->optimizer,
+             now, now + 1, st->expect_step);
+    reply(d, c, seq, SHARDD_E_MISMATCH, err);
+    return 1;
+  }
+  if (now < st->expect_step)
+    return 0; /* this is the step that makes it */
+  Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_STEP);
+  Shardwire__StepReply sr = SHARDWIRE__STEP_REPLY__INIT;
+  sr.step = now;
+  sr.has_applied = 1;
+  sr.applied = 0;
+  resp.step = &sr;
+  send_resp(d, c, &resp, -1);
+  return 1;
+}
+
 static void on_step(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                     const Shardwire__Request *req) {
   const Shardwire__Step *st = req->step;
+  if (step_answered(d, c, seq, st))
+    return;
   shardd__coll_args ca = {.kind = SHARDD__COLL_STEP,
                           .target = st->optimizer,
                           .has_lr = st->has_lr,

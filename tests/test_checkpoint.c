@@ -364,6 +364,106 @@ Test(checkpoint, truncated_shard_is_refused) {
   corrupt_and_expect("b0-r0", -100);
 }
 
+/* Files that are each whole and sealed (their own header and CRC are
+ * right) but in the wrong place. mutate changes dir and names, in needle,
+ * the file the refusal must name. */
+static void misplaced_and_expect(void (*mutate)(char *needle, size_t n)) {
+  char err[1024], needle[256];
+  shardd__job *job = make_job("j");
+  cr_assert_eq(shardd__checkpoint_write(&reg, job, dir, -1, err, sizeof err), SHARDD_OK);
+  shardd__job_release(&reg, job);
+  mutate(needle, sizeof needle);
+  size_t objects = shardd__map_count(&reg.objects);
+  shardd__device_info info;
+  be->ops->device_info(be, 0, &info);
+  uint64_t used0 = info.used_bytes;
+  shardd__job *back;
+  shardd_err rc = shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err);
+  cr_assert_neq(rc, SHARDD_OK, "a checkpoint with %s misplaced was restored", needle);
+  cr_log_info("refused: %s", err);
+  cr_assert(strstr(err, needle) != NULL, "message \"%s\" lacks \"%s\"", err, needle);
+  cr_assert_null(shardd__job_find(&reg, 0, "j"), "nothing may be registered");
+  cr_assert_eq(shardd__map_count(&reg.objects), objects);
+  be->ops->device_info(be, 0, &info);
+  cr_assert_eq(info.used_bytes, used0, "the refused restore freed what it took");
+  /* and the same registry still restores a sound checkpoint */
+  job = make_job("k");
+  char dir2[] = "/tmp/shardd-ckpt2-XXXXXX";
+  cr_assert_not_null(mkdtemp(dir2));
+  cr_assert_eq(shardd__checkpoint_write(&reg, job, dir2, -1, err, sizeof err), SHARDD_OK);
+  shardd__job_release(&reg, job);
+  cr_assert_eq(shardd__checkpoint_restore(&reg, dir2, -1, 0, &back, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  rm_tree(dir2);
+}
+
+/* Swaps the contents of data files a and b of dir (names stay). */
+static void swap_files(const char *pa, const char *pb) {
+  char fa[128], fb[128], a[512], b[512], t[600];
+  data_name(dir, pa, fa, sizeof fa);
+  data_name(dir, pb, fb, sizeof fb);
+  snprintf(a, sizeof a, "%s/%s", dir, fa);
+  snprintf(b, sizeof b, "%s/%s", dir, fb);
+  snprintf(t, sizeof t, "%s.swap", a);
+  struct stat sa, sb;
+  cr_assert_eq(stat(a, &sa), 0);
+  cr_assert_eq(stat(b, &sb), 0);
+  cr_assert_eq(sa.st_size, sb.st_size, "%s and %s differ in size: not a swap test", fa, fb);
+  cr_assert_eq(rename(a, t), 0);
+  cr_assert_eq(rename(b, a), 0);
+  cr_assert_eq(rename(t, b), 0);
+}
+
+/* the restore reads in rank order: the first of the two is named */
+static void swap_two_ranks_shards(char *needle, size_t n) {
+  swap_files("b0-r0", "b0-r1");
+  data_name(dir, "b0-r0", needle, n);
+}
+
+static void swap_two_ranks_state(char *needle, size_t n) {
+  swap_files("o0-b0-r1", "o0-b0-r2");
+  data_name(dir, "o0-b0-r1", needle, n);
+}
+
+Test(checkpoint, two_ranks_shard_files_swapped_are_refused_naming_the_file) {
+  misplaced_and_expect(swap_two_ranks_shards);
+}
+
+Test(checkpoint, two_ranks_state_files_swapped_are_refused_naming_the_file) {
+  misplaced_and_expect(swap_two_ranks_state);
+}
+
+/* b1-r2's file replaced by the same file of another checkpoint of the same
+ * job (same buffer, rank, size and header; its own CRC right, other data):
+ * the manifest's CRC for the file tells them apart. */
+static void file_from_another_checkpoint(char *needle, size_t n) {
+  char err[512], other[] = "/tmp/shardd-ckpt-other-XXXXXX";
+  cr_assert_not_null(mkdtemp(other));
+  shardd__job *job = make_job("j"); /* the same job, later: other random data */
+  cr_assert_eq(shardd__checkpoint_write(&reg, job, other, -1, err, sizeof err), SHARDD_OK);
+  shardd__job_release(&reg, job);
+  char mine[128], theirs[128], a[512], b[512];
+  data_name(dir, "b1-r2", mine, sizeof mine);
+  data_name(other, "b1-r2", theirs, sizeof theirs);
+  snprintf(a, sizeof a, "%s/%s", dir, mine);
+  snprintf(b, sizeof b, "%s/%s", other, theirs);
+  char *x = test_slurp(a), *y = test_slurp(b);
+  struct stat sa, sb;
+  cr_assert_eq(stat(a, &sa), 0);
+  cr_assert_eq(stat(b, &sb), 0);
+  cr_assert_eq(sa.st_size, sb.st_size);
+  cr_assert_neq(memcmp(x, y, (size_t)sa.st_size), 0, "the two checkpoints hold the same data");
+  free(x);
+  free(y);
+  cr_assert_eq(rename(b, a), 0);
+  rm_tree(other);
+  snprintf(needle, n, "%s", mine);
+}
+
+Test(checkpoint, a_shard_file_from_another_checkpoint_is_refused_naming_the_file) {
+  misplaced_and_expect(file_from_another_checkpoint);
+}
+
 Test(checkpoint, truncated_manifest_is_refused) {
   char err[1024], path[256];
   shardd__job *job = make_job("j");
@@ -895,6 +995,58 @@ Test(checkpoint, sigterm_with_checkpoint_on_exit_writes_every_job, .timeout = 60
   cr_assert_eq(test_daemon_stop(&d), 0);
   snprintf(manifest, sizeof manifest, "%s/ckpt-job/manifest", ck);
   cr_assert_eq(access(manifest, R_OK), 0, "no %s", manifest);
+}
+
+/* Through a daemon: a checkpoint whose two ranks' shard files were swapped
+ * (each whole, with its own right CRC) is refused naming the file; the
+ * daemon goes on serving, holds no half-restored job, and restores the
+ * same checkpoint once the files are back in place, training on from it. */
+Test(checkpoint, a_daemon_refuses_swapped_shard_files_and_serves_on, .timeout = 60) {
+  char ck[128];
+  snprintf(ck, sizeof ck, "%s/swap", dir);
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--devices", "2", NULL});
+  run_job(&d, 2, 0, ck, NULL);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+  char fa[128], fb[128], a[300], b[300], t[320];
+  data_name(ck, "b0-r0", fa, sizeof fa);
+  data_name(ck, "b0-r1", fb, sizeof fb);
+  snprintf(a, sizeof a, "%s/%s", ck, fa);
+  snprintf(b, sizeof b, "%s/%s", ck, fb);
+  snprintf(t, sizeof t, "%s.swap", a);
+  struct stat sa, sb;
+  cr_assert_eq(stat(a, &sa), 0);
+  cr_assert_eq(stat(b, &sb), 0);
+  cr_assert_eq(sa.st_size, sb.st_size);
+  cr_assert_eq(rename(a, t), 0);
+  cr_assert_eq(rename(b, a), 0);
+  cr_assert_eq(rename(t, b), 0);
+
+  test_daemon_start(&d, (const char *const[]){"--devices", "2", NULL});
+  shardd_client_t *ctl = test_connect(&d, NULL, 0, 1);
+  char job[64];
+  cr_assert_neq(shardd_restore(ctl, ck, 0, job, sizeof job), SHARDD_OK);
+  const char *why = shardd_last_error(ctl);
+  cr_log_info("swapped shard files: %s", why);
+  cr_assert(strstr(why, fa) != NULL, "\"%s\" does not name %s", why, fa);
+  cr_assert_eq(shardd_ping(ctl), SHARDD_OK);
+  char *js;
+  cr_assert_eq(shardd_status_json(ctl, &js), SHARDD_OK);
+  tj *j = tj_parse(js);
+  cr_assert_not_null(j);
+  cr_assert_eq(tj_need(j, "jobs", TJ_ARR)->n, 0, "a refused restore left a job: %s", js);
+  tj_free(j);
+  shardd_free(js);
+  /* put back: the same checkpoint restores, and the job trains on */
+  cr_assert_eq(rename(a, t), 0);
+  cr_assert_eq(rename(b, a), 0);
+  cr_assert_eq(rename(t, b), 0);
+  cr_assert_eq(shardd_restore(ctl, ck, 0, job, sizeof job), SHARDD_OK, "%s",
+               shardd_last_error(ctl));
+  cr_assert_str_eq(job, "ckpt-job");
+  shardd_close(ctl);
+  run_job(&d, 1, 2, NULL, NULL);
+  cr_assert_eq(test_daemon_stop(&d), 0);
 }
 
 Test(checkpoint, checkpoint_root_confines_client_paths, .timeout = 60) {
@@ -2061,6 +2213,140 @@ Test(checkpoint, an_operator_checkpoint_that_times_out_names_what_it_waited_on,
   uint64_t g1 = test_raw_send_gather(&b, ib.id);
   shardwire__response__free_unpacked(test_raw_expect(&a, g0, SHARDD_OK), NULL);
   shardwire__response__free_unpacked(test_raw_expect(&b, g1, SHARDD_OK), NULL);
+  test_raw_close(&a);
+  test_raw_close(&b);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+}
+
+/* ---- SIGTERM while a step runs (issue 21) --------------------------------
+ * Both ranks send a step of a 64 MiB buffer and the daemon is SIGTERMed
+ * right behind them, with --checkpoint-on-exit: depending on where the
+ * signal lands the step ran (and its reply may or may not have left) or
+ * it did not. Whichever: the checkpoint holds every element before the
+ * step or every element after it, with the matching count, never a torn
+ * mix; and after --restore each rank's retry with expect_step 1 (a
+ * scatter first where the step did not run) leaves exactly one step
+ * applied. No timing is asserted: every outcome is checked for what it
+ * must be. */
+
+#define RUN_NUMEL ((uint64_t)16 << 20)
+
+static uint64_t raw_step_expect(test_raw *r, uint64_t opt, uint64_t expect) {
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Step st = SHARDWIRE__STEP__INIT;
+  st.optimizer = opt;
+  st.has_expect_step = 1;
+  st.expect_step = expect;
+  req.body_case = SHARDWIRE__REQUEST__BODY_STEP;
+  req.step = &st;
+  return test_raw_send(r, &req);
+}
+
+/* The next reply, or NULL when the connection ended (closed or reset). */
+static Shardwire__Response *raw_next_or_gone(test_raw *r) {
+  const uint8_t *payload;
+  size_t len;
+  int fds[4], nfds = 0;
+  char err[256];
+  if (shardd__frame_recv(r->fd, &r->rd, &payload, &len, fds, 4, &nfds, err, sizeof err) !=
+      SHARDD_OK)
+    return NULL;
+  for (int i = 0; i < nfds; i++)
+    close(fds[i]);
+  return shardwire__response__unpack(NULL, len, payload);
+}
+
+static void fill_big(const shardd_buffer_info *b, float shard, float grad) {
+  for (uint64_t i = 0; i < b->shard_numel; i++)
+    ((float *)b->shard)[i] = shard;
+  for (uint64_t j = 0; j < b->padded_numel; j++)
+    ((float *)b->grad)[j] = grad;
+}
+
+/* every element of the shard is v: -> the first that is not, or -1 */
+static int64_t first_not(const shardd_buffer_info *b, float v) {
+  for (uint64_t i = 0; i < b->shard_numel; i++)
+    if (((const float *)b->shard)[i] != v)
+      return (int64_t)i;
+  return -1;
+}
+
+Test(checkpoint, sigterm_while_a_step_runs_checkpoints_it_whole_or_not_at_all,
+     .timeout = 60) {
+  char ck[128];
+  snprintf(ck, sizeof ck, "%s/running", dir);
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--backend", "host", "--device-memory", "2G",
+                                              "--checkpoint-on-exit", ck, NULL});
+  test_raw a, b;
+  test_raw_open(&d, &a);
+  test_raw_open(&d, &b);
+  test_raw_hello(&a, "run", 0, 2);
+  test_raw_hello(&b, "run", 1, 2);
+  shardd_buffer_info ia, ib;
+  test_raw_register_buffer(&a, "flat", SHARDD_DTYPE_FP32, RUN_NUMEL, &ia);
+  test_raw_register_buffer(&b, "flat", SHARDD_DTYPE_FP32, RUN_NUMEL, &ib);
+  /* mean gradient 2: SGD lr 0.5 takes 1 off every element */
+  fill_big(&ia, 1.0f, 1.0f);
+  fill_big(&ib, 2.0f, 3.0f);
+  uint64_t opt = raw_sgd(&a, ia.id);
+  cr_assert_eq(raw_sgd(&b, ib.id), opt);
+  uint64_t s0 = test_raw_send_scatter(&a, ia.id, SHARDD_REDUCE_MEAN);
+  uint64_t s1 = test_raw_send_scatter(&b, ib.id, SHARDD_REDUCE_MEAN);
+  shardwire__response__free_unpacked(test_raw_expect(&a, s0, SHARDD_OK), NULL);
+  shardwire__response__free_unpacked(test_raw_expect(&b, s1, SHARDD_OK), NULL);
+  uint64_t t[2] = {raw_step_expect(&a, opt, 1), raw_step_expect(&b, opt, 1)};
+  cr_assert_eq(test_daemon_stop(&d), 0); /* SIGTERM right behind the steps */
+  test_raw *rr[2] = {&a, &b};
+  int replied = 0;
+  for (int k = 0; k < 2; k++) {
+    Shardwire__Response *resp = raw_next_or_gone(rr[k]);
+    if (resp && resp->seq == t[k] && resp->code == SHARDWIRE__STATUS_CODE__OK)
+      replied++;
+    if (resp)
+      shardwire__response__free_unpacked(resp, NULL);
+    test_raw_close(rr[k]);
+  }
+
+  test_daemon_start(&d, (const char *const[]){"--backend", "host", "--device-memory", "2G",
+                                              "--restore", ck, NULL});
+  uint64_t steps = job_steps(&d);
+  cr_log_info("SIGTERM behind the steps: %d rank(s) had the reply; the checkpoint holds "
+              "%" PRIu64 " step(s)", replied, steps);
+  cr_assert(steps <= 1, "%" PRIu64 " steps from one", steps);
+  cr_assert(replied == 0 || steps == 1, "a rank was told the step ran; the checkpoint says not");
+  test_raw_open(&d, &a);
+  test_raw_open(&d, &b);
+  test_raw_hello(&a, "run", 0, 2);
+  test_raw_hello(&b, "run", 1, 2);
+  test_raw_register_buffer(&a, "flat", SHARDD_DTYPE_FP32, RUN_NUMEL, &ia);
+  test_raw_register_buffer(&b, "flat", SHARDD_DTYPE_FP32, RUN_NUMEL, &ib);
+  cr_assert(!ia.created && !ib.created);
+  cr_assert_eq(raw_sgd(&a, ia.id), raw_sgd(&b, ib.id));
+  int64_t i0 = first_not(&ia, steps ? 0.0f : 1.0f), i1 = first_not(&ib, steps ? 1.0f : 2.0f);
+  cr_assert_eq(i0, -1, "rank 0's shard is torn at %" PRId64 " (count %" PRIu64 ")", i0, steps);
+  cr_assert_eq(i1, -1, "rank 1's shard is torn at %" PRId64 " (count %" PRIu64 ")", i1, steps);
+  if (steps == 0) { /* the gradients are the trainer's to send again */
+    fill_big(&ia, 1.0f, 1.0f);
+    fill_big(&ib, 2.0f, 3.0f);
+    s0 = test_raw_send_scatter(&a, ia.id, SHARDD_REDUCE_MEAN);
+    s1 = test_raw_send_scatter(&b, ib.id, SHARDD_REDUCE_MEAN);
+    shardwire__response__free_unpacked(test_raw_expect(&a, s0, SHARDD_OK), NULL);
+    shardwire__response__free_unpacked(test_raw_expect(&b, s1, SHARDD_OK), NULL);
+  }
+  t[0] = raw_step_expect(&a, opt, 1);
+  t[1] = raw_step_expect(&b, opt, 1);
+  for (int k = 0; k < 2; k++) {
+    Shardwire__Response *resp = test_raw_expect(rr[k], t[k], SHARDD_OK);
+    cr_assert_eq(resp->body_case, SHARDWIRE__RESPONSE__BODY_STEP);
+    cr_assert_eq(resp->step->step, 1);
+    cr_assert_eq(resp->step->has_applied && !resp->step->applied, steps == 1,
+                 "rank %d: the retry %s", k, steps == 1 ? "ran again" : "was skipped");
+    shardwire__response__free_unpacked(resp, NULL);
+  }
+  cr_assert_eq(first_not(&ia, 0.0f), -1, "rank 0: not exactly one step");
+  cr_assert_eq(first_not(&ib, 1.0f), -1, "rank 1: not exactly one step");
+  cr_assert_eq(job_steps(&d), 1);
   test_raw_close(&a);
   test_raw_close(&b);
   cr_assert_eq(test_daemon_stop(&d), 0);

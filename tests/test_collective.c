@@ -1304,6 +1304,98 @@ Test(collective, step_lr_override_applies_to_every_group, .init = start4, .fini 
   team_close(&t);
 }
 
+/* ---- a step a trainer can retry -------------------------------------------
+ * Step.expect_step: a retry of a step that ran (its reply lost) is answered
+ * at once on each rank alone, skipped, with the count now, and changes no
+ * byte; a count the optimizer is more than one step short of is refused;
+ * the next step, sent with its count, runs; in the end the parameters are
+ * two SGD steps' worth, not three. */
+Test(collective, step_with_expect_step_runs_once, .init = start4, .fini = stop_daemon,
+     .timeout = 60) {
+  team t;
+  team_open(&t, "once", 4);
+  shardd_buffer_info b[MAXW];
+  team_buffer(&t, "P", SHARDD_DTYPE_FP32, 777, b);
+  uint64_t v0;
+  int64_t s0[1] = {700};
+  team_view(&t, b[0].id, "p0", 0, 700, s0, 1, &v0);
+  ref_hp h = {SHARDD_OPTIM_SGD, 0.25, 0.5, 0, 0, 0, 0, 0, 0, 0, 0};
+  shardd_hparams top;
+  hp_set(&top, &h);
+  shardd_param_ref r0[] = {{v0, "p0"}};
+  shardd_param_group g[1] = {{r0, 1, {0}}};
+  uint64_t opt;
+  team_optimizer(&t, "o", SHARDD_OPTIM_SGD, &top, g, 1, &opt);
+  write_params(b);
+  float *want = malloc(b[0].padded_numel * 4), *buf = calloc(b[0].padded_numel, 4);
+  for (size_t j = 0; j < b[0].padded_numel; j++)
+    want[j] = init_param(j);
+  size_t sb = b[0].shard_numel * 4;
+  unsigned char *sv[MAXW];
+  for (int step = 1; step <= 2; step++) {
+    write_step_grads(b, step);
+    team_all(&t, OP_SCATTER, b[0].id, SHARDD_REDUCE_MEAN);
+    call calls[MAXW];
+    int skipped[MAXW];
+    memset(calls, 0, sizeof calls);
+    for (int r = 0; r < 4; r++) {
+      shardd_step_opts so = SHARDD_STEP_OPTS_INIT;
+      so.expect_step = (uint64_t)step;
+      skipped[r] = -1;
+      so.skipped = &skipped[r];
+      calls[r] = (call){.c = t.c[r], .kind = OP_STEP, .id = opt, .so = so};
+    }
+    run_calls(calls, 4);
+    for (int r = 0; r < 4; r++) {
+      cr_assert_eq(calls[r].rc, SHARDD_OK, "rank %d step %d: %s", r, step, calls[r].msg);
+      cr_assert_eq(skipped[r], 0, "rank %d: step %d was not run", r, step);
+      cr_assert_eq(calls[r].res.step, (uint64_t)step);
+    }
+    for (size_t j = 0; j < 700; j++)
+      ref_sgd(&h, step, &want[j], mean_grad(step, j), &buf[j]);
+    if (step == 2)
+      break;
+    /* every rank retries step 1, one after the other: none waits for the
+     * others (no collective runs) and no byte changes */
+    for (int r = 0; r < 4; r++) {
+      sv[r] = malloc(sb);
+      memcpy(sv[r], b[r].shard, sb);
+    }
+    for (int r = 0; r < 4; r++) {
+      shardd_step_opts so = SHARDD_STEP_OPTS_INIT;
+      shardd_step_result res;
+      int sk = -1;
+      so.expect_step = 1;
+      so.skipped = &sk;
+      cr_assert_eq(shardd_step(t.c[r], opt, &so, &res), SHARDD_OK, "rank %d: %s", r,
+                   shardd_last_error(t.c[r]));
+      cr_assert_eq(sk, 1, "rank %d's retry of step 1 ran", r);
+      cr_assert_eq(res.step, 1);
+    }
+    for (int r = 0; r < 4; r++) {
+      cr_assert_eq(memcmp(sv[r], b[r].shard, sb), 0, "rank %d's shard changed", r);
+      free(sv[r]);
+    }
+    /* a trainer two steps ahead of the daemon is told, nothing runs */
+    shardd_step_opts so = SHARDD_STEP_OPTS_INIT;
+    so.expect_step = 3;
+    cr_assert_eq(shardd_step(t.c[0], opt, &so, NULL), SHARDD_E_MISMATCH);
+    cr_assert_not_null(strstr(shardd_last_error(t.c[0]), "is at step 1"), "%s",
+                       shardd_last_error(t.c[0]));
+    double steps = -1;
+    cr_assert(status_steps("once", "o", &steps));
+    cr_assert_eq(steps, 1.0);
+  }
+  team_all(&t, OP_GATHER, b[0].id, 0);
+  check_params(b, want, "SGD, step 1 retried");
+  double steps = -1;
+  cr_assert(status_steps("once", "o", &steps));
+  cr_assert_eq(steps, 2.0);
+  free(want);
+  free(buf);
+  team_close(&t);
+}
+
 /* ---- a collective with no work ------------------------------------------
  * A scatter of a buffer whose every element is frozen has no task to run.
  * It used to complete inside the scheduler that started it, which then
@@ -1714,4 +1806,248 @@ Test(collective, all_reduce_and_barrier_over_four_ranks, .init = start4,
   cr_assert_eq(shardd_all_reduce(t.c[0], big, SHARDD_ALL_REDUCE_MAX + 1, SHARDD_REDUCE_SUM),
                SHARDD_E_RANGE);
   team_close(&t);
+}
+
+/* ---- a trainer SIGKILLed mid-gather, mid-scatter, mid-step (issue 21) ----
+ * Job "killed", world 3: ranks 0 and 1 are raw clients of this process,
+ * rank 2 a process of its own, SIGKILLed mid-collective in one of two
+ * orders, both arranged without timing:
+ *  - victim_waits: rank 2 sends the collective and blocks in it; the
+ *    daemon's status shows it in flight; SIGKILL; then ranks 0 and 1
+ *    send theirs.
+ *  - others_wait: ranks 0 and 1 send theirs and are known queued (the
+ *    Pong after them); rank 2, connected and idle, is SIGKILLed.
+ * Ranks 0 and 1 get E_PEER_LOST naming rank 2; no byte of any rank's
+ * shard, reduced or gather area and no optimizer state or step count
+ * changes; another job is served meanwhile; a relaunched rank 2 finds its
+ * shard intact and the job runs the collective with it. */
+
+#define KILL_NUMEL 3001
+
+typedef struct {
+  int kind;
+  int victim_waits;
+} kill_case;
+
+static int job_inflight(const char *job) {
+  shardd_client_t *ctl = test_connect(&d, NULL, 0, 1);
+  char *js;
+  cr_assert_eq(shardd_status_json(ctl, &js), SHARDD_OK);
+  tj *j = tj_parse(js);
+  cr_assert_not_null(j);
+  int n = -1;
+  const tj *jobs = tj_need(j, "jobs", TJ_ARR);
+  for (size_t i = 0; i < jobs->n; i++)
+    if (!strcmp(tj_need(jobs->kids[i], "name", TJ_STR)->str, job))
+      n = (int)tj_need(jobs->kids[i], "collectives_in_flight", TJ_NUM)->num;
+  tj_free(j);
+  shardd_free(js);
+  shardd_close(ctl);
+  return n;
+}
+
+static shardd_client_t *connect_rank(const char *job, uint32_t rank, uint32_t world) {
+  for (double end = test_mono_s() + TEST_HANG_S;;) {
+    shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+    o.job = job;
+    o.rank = rank;
+    o.world = world;
+    shardd_client_t *c;
+    char err[256];
+    if (shardd_connect(d.sock, &o, &c, err, sizeof err) == SHARDD_OK)
+      return c;
+    cr_assert_lt(test_mono_s(), end, "rank %u of %s cannot connect: %s", rank, job, err);
+    test_sleep_ms(10);
+  }
+}
+
+/* rank 2: attach, say 'r'; on 'g' run the collective (blocks: the others
+ * have not sent theirs); killed before it returns */
+static void victim(int ready, int go, int kind, uint64_t opt) {
+  shardd_client_t *c = connect_rank("killed", 2, 3);
+  shardd_buffer_info b;
+  if (shardd_buffer_register(c, "P", SHARDD_DTYPE_FP32, KILL_NUMEL, &b) != SHARDD_OK)
+    _exit(11);
+  char ch;
+  if (write(ready, "r", 1) != 1 || read(go, &ch, 1) != 1)
+    _exit(12);
+  shardd_err rc = kind == OP_GATHER    ? shardd_gather(c, b.id)
+                  : kind == OP_SCATTER ? shardd_scatter(c, b.id, SHARDD_REDUCE_MEAN)
+                                       : shardd_step(c, opt, NULL, NULL);
+  _exit(rc == SHARDD_OK ? 13 : 14); /* it must not come back: killed inside */
+}
+
+static uint64_t kill_send(test_raw *r, int kind, uint64_t buf, uint64_t opt) {
+  return kind == OP_GATHER    ? test_raw_send_gather(r, buf)
+         : kind == OP_SCATTER ? test_raw_send_scatter(r, buf, SHARDD_REDUCE_MEAN)
+                              : test_raw_send_step(r, opt);
+}
+
+ParameterizedTestParameters(collective, rank_sigkilled_mid_collective) {
+  static kill_case cases[] = {{OP_GATHER, 1}, {OP_SCATTER, 1}, {OP_STEP, 1},
+                              {OP_GATHER, 0}, {OP_SCATTER, 0}, {OP_STEP, 0}};
+  return cr_make_param_array(kill_case, cases, sizeof cases / sizeof cases[0]);
+}
+
+ParameterizedTest(kill_case *kc, collective, rank_sigkilled_mid_collective,
+                  .init = start_grace1, .fini = stop_daemon, .timeout = 60) {
+  const char *what = kc->kind == OP_GATHER ? "gather" : kc->kind == OP_SCATTER ? "scatter" : "step";
+  /* a trained job: one scatter, SGD-momentum step and gather by all three */
+  team t;
+  team_open(&t, "killed", 3);
+  shardd_buffer_info tb[MAXW];
+  team_buffer(&t, "P", SHARDD_DTYPE_FP32, KILL_NUMEL, tb);
+  ref_hp h = {SHARDD_OPTIM_SGD, 0.25, 0.5, 0, 0, 0, 0, 0, 0, 0, 0};
+  shardd_hparams top;
+  hp_set(&top, &h);
+  shardd_param_ref refs[] = {{tb[0].id, "P"}};
+  shardd_param_group g = {refs, 1, {0}};
+  uint64_t opt, buf = tb[0].id;
+  team_optimizer(&t, "o", SHARDD_OPTIM_SGD, &top, &g, 1, &opt);
+  for (int r = 0; r < 3; r++)
+    for (size_t i = 0; i < tb[r].shard_numel; i++)
+      ((float *)tb[r].shard)[i] = init_param((size_t)r * tb[r].shard_numel + i);
+  for (int r = 0; r < 3; r++)
+    for (size_t j = 0; j < tb[r].padded_numel; j++)
+      ((float *)tb[r].grad)[j] = (float)grid_value(grad_hash(r, j, 1));
+  team_all(&t, OP_SCATTER, buf, SHARDD_REDUCE_MEAN);
+  team_all(&t, OP_STEP, opt, 0);
+  team_all(&t, OP_GATHER, buf, 0);
+  float *mom0 = malloc(KILL_NUMEL * 4), *mom1 = malloc(KILL_NUMEL * 4);
+  cr_assert_eq(shardd_optim_state_get(t.c[0], opt, buf, 0, 0, KILL_NUMEL, mom0, NULL),
+               SHARDD_OK, "%s", shardd_last_error(t.c[0]));
+  team_close(&t);
+
+  int ready[2], go[2];
+  cr_assert_eq(pipe(ready), 0);
+  cr_assert_eq(pipe(go), 0);
+  pid_t child = fork();
+  cr_assert(child >= 0);
+  if (child == 0) {
+    close(ready[0]);
+    close(go[1]);
+    victim(ready[1], go[0], kc->kind, opt);
+  }
+  close(ready[1]);
+  close(go[0]);
+  test_raw r[2];
+  shardd_buffer_info b[2];
+  for (int k = 0; k < 2; k++) {
+    for (double end = test_mono_s() + TEST_HANG_S;;) { /* until the team's rank left */
+      test_raw_open(&d, &r[k]);
+      uint64_t seq = test_raw_send_hello(&r[k], SHARDD_PROTOCOL_VERSION, "killed", (uint32_t)k, 3);
+      Shardwire__Response *resp = test_raw_recv(&r[k]);
+      cr_assert_not_null(resp);
+      cr_assert_eq(resp->seq, seq);
+      int ok = resp->code == SHARDWIRE__STATUS_CODE__OK;
+      shardwire__response__free_unpacked(resp, NULL);
+      if (ok)
+        break;
+      test_raw_close(&r[k]);
+      cr_assert_lt(test_mono_s(), end, "rank %d never freed", k);
+      test_sleep_ms(10);
+    }
+    test_raw_register_buffer(&r[k], "P", SHARDD_DTYPE_FP32, KILL_NUMEL, &b[k]);
+  }
+  char ch;
+  cr_assert_eq(read(ready[0], &ch, 1), 1, "rank 2 did not get ready");
+  /* new gradients, so a scatter or step that ran would change something */
+  for (int k = 0; k < 2; k++)
+    for (size_t j = 0; j < b[k].padded_numel; j++)
+      ((float *)b[k].grad)[j] = (float)grid_value(grad_hash(k, j, 2));
+  size_t sb = b[0].shard_numel * 4, gb = b[0].padded_numel * 4;
+  unsigned char *sv[2][3];
+  for (int k = 0; k < 2; k++) {
+    sv[k][0] = malloc(sb);
+    sv[k][1] = malloc(sb);
+    sv[k][2] = malloc(gb);
+    memcpy(sv[k][0], b[k].shard, sb);
+    memcpy(sv[k][1], b[k].reduced, sb);
+    memcpy(sv[k][2], b[k].gather, gb);
+  }
+  double steps0 = -1;
+  cr_assert(status_steps("killed", "o", &steps0));
+  cr_assert_eq(steps0, 1.0);
+
+  uint64_t seq[2];
+  if (kc->victim_waits) {
+    cr_assert_eq(write(go[1], "g", 1), 1);
+    for (double end = test_mono_s() + TEST_HANG_S; job_inflight("killed") < 1;) {
+      cr_assert_lt(test_mono_s(), end, "rank 2's %s never reached the daemon", what);
+      test_sleep_ms(5);
+    }
+    cr_assert_eq(kill(child, SIGKILL), 0); /* inside its call, waiting for 0 and 1 */
+    int st;
+    cr_assert_eq(waitpid(child, &st, 0), child);
+    cr_assert(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "rank 2 returned from its %s", what);
+    for (int k = 0; k < 2; k++)
+      seq[k] = kill_send(&r[k], kc->kind, buf, opt);
+  } else {
+    for (int k = 0; k < 2; k++) {
+      seq[k] = kill_send(&r[k], kc->kind, buf, opt);
+      test_raw_sync(&r[k]); /* queued: the Pong comes after */
+    }
+    cr_assert_eq(job_inflight("killed"), 1);
+    cr_assert_eq(kill(child, SIGKILL), 0);
+    int st;
+    cr_assert_eq(waitpid(child, &st, 0), child);
+    cr_assert(WIFSIGNALED(st), "rank 2 exited on its own");
+  }
+  close(ready[0]);
+  close(go[1]);
+  for (int k = 0; k < 2; k++) {
+    Shardwire__Response *resp = test_raw_expect(&r[k], seq[k], SHARDD_E_PEER_LOST);
+    cr_log_info("%s, %s: rank %d: %s", what, kc->victim_waits ? "victim waited" : "others waited",
+                k, resp->message);
+    cr_assert_not_null(strstr(resp->message, "rank 2"), "rank %d: \"%s\" does not name rank 2",
+                       k, resp->message);
+    shardwire__response__free_unpacked(resp, NULL);
+  }
+  for (int k = 0; k < 2; k++) {
+    cr_assert_eq(memcmp(sv[k][0], b[k].shard, sb), 0, "%s: rank %d's shard changed", what, k);
+    cr_assert_eq(memcmp(sv[k][1], b[k].reduced, sb), 0, "%s: rank %d's reduced changed", what, k);
+    cr_assert_eq(memcmp(sv[k][2], b[k].gather, gb), 0, "%s: rank %d's gather changed", what, k);
+  }
+  double steps = -1;
+  cr_assert(status_steps("killed", "o", &steps));
+  cr_assert_eq(steps, 1.0, "%s: the step count moved", what);
+
+  /* another job is served meanwhile */
+  shardd_client_t *other = test_connect(&d, "bystander", 0, 1);
+  shardd_buffer_info ob;
+  cr_assert_eq(shardd_buffer_register(other, "q", SHARDD_DTYPE_FP32, 100, &ob), SHARDD_OK);
+  ((float *)ob.shard)[7] = 7.0f;
+  cr_assert_eq(shardd_gather(other, ob.id), SHARDD_OK, "%s", shardd_last_error(other));
+  cr_assert_eq(((float *)ob.gather)[7], 7.0f);
+  shardd_close(other);
+
+  /* rank 2 relaunched: its shard and the optimizer state are as they were */
+  shardd_client_t *c2 = connect_rank("killed", 2, 3);
+  shardd_buffer_info b2;
+  cr_assert_eq(shardd_buffer_register(c2, "P", SHARDD_DTYPE_FP32, KILL_NUMEL, &b2), SHARDD_OK);
+  cr_assert(!b2.created);
+  cr_assert_eq(memcmp(b2.shard, (const float *)b[0].gather + 2 * b[0].shard_numel, sb), 0,
+               "%s: rank 2's shard changed", what);
+  cr_assert_eq(shardd_optim_state_get(c2, opt, buf, 0, 0, KILL_NUMEL, mom1, NULL), SHARDD_OK,
+               "%s", shardd_last_error(c2));
+  cr_assert_eq(memcmp(mom0, mom1, KILL_NUMEL * 4), 0, "%s: the momentum changed", what);
+  /* and the job runs the collective with it */
+  for (int k = 0; k < 2; k++)
+    seq[k] = kill_send(&r[k], kc->kind, buf, opt);
+  shardd_err rc = kc->kind == OP_GATHER    ? shardd_gather(c2, b2.id)
+                  : kc->kind == OP_SCATTER ? shardd_scatter(c2, b2.id, SHARDD_REDUCE_MEAN)
+                                           : shardd_step(c2, opt, NULL, NULL);
+  cr_assert_eq(rc, SHARDD_OK, "%s with the relaunched rank 2: %s", what, shardd_last_error(c2));
+  for (int k = 0; k < 2; k++)
+    shardwire__response__free_unpacked(test_raw_expect(&r[k], seq[k], SHARDD_OK), NULL);
+  cr_assert(status_steps("killed", "o", &steps));
+  cr_assert_eq(steps, kc->kind == OP_STEP ? 2.0 : 1.0);
+  for (int k = 0; k < 2; k++)
+    for (int a = 0; a < 3; a++)
+      free(sv[k][a]);
+  free(mom0);
+  free(mom1);
+  shardd_close(c2);
+  for (int k = 0; k < 2; k++)
+    test_raw_close(&r[k]);
 }

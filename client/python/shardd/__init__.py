@@ -122,7 +122,9 @@ def torchrun_defaults():
     return job, rank, _env_int("WORLD_SIZE", 1)
 
 
-StepResult = collections.namedtuple("StepResult", ["step", "total_norm"])
+# applied False: the step's expect_step had been reached, nothing ran (a retry)
+StepResult = collections.namedtuple("StepResult", ["step", "total_norm", "applied"],
+                                    defaults=(True,))
 
 # torch.optim param-group keys that have no meaning for the daemon; ignored
 # when false/None so that groups copied from a torch optimizer are accepted.
@@ -490,8 +492,9 @@ class Optimizer:
     def __repr__(self):
         return "<shardd.Optimizer %d %r %s>" % (self.id, self.name, self.kind)
 
-    def step(self, lr=None, max_norm=None, groups=None):
-        return self.client.step(self, lr=lr, max_norm=max_norm, groups=groups)
+    def step(self, lr=None, max_norm=None, groups=None, expect_step=None):
+        return self.client.step(self, lr=lr, max_norm=max_norm, groups=groups,
+                                expect_step=expect_step)
 
     def steps(self):
         """The daemon's step count of this optimizer now (a resumed or
@@ -1178,14 +1181,18 @@ class Client:
         self._check_open()
         self._call(self._lib.shardd_barrier(self._c))
 
-    def step(self, opt, lr=None, max_norm=None, groups=None):
+    def step(self, opt, lr=None, max_norm=None, groups=None, expect_step=None):
         """Optimizer step (collective). lr: override the registered rates for
         this step; max_norm: clip the global grad norm (inf: report it
         only); groups: None, or one dict per param group in registration
         order of torch-named hyperparameters for this step (lr, betas,
         weight_decay, ...: what a scheduler left in torch's param_groups),
-        overlaid after lr. -> StepResult(step, total_norm) (total_norm is
-        the pre-clip norm when max_norm is given)."""
+        overlaid after lr. expect_step: the step count this step makes (the
+        count before it + 1), so a retry after a lost reply (a stopped
+        daemon, a broken connection) never steps twice: if the optimizer
+        reached it already nothing runs and applied is False; more than one
+        step short of it raises E_MISMATCH. -> StepResult(step, total_norm,
+        applied) (total_norm is the pre-clip norm when max_norm is given)."""
         self._check_open()
         self._sync_cuda()
         so = L.StepOpts()
@@ -1205,9 +1212,15 @@ class Client:
                 arr[gi] = _hparams(g, "step: param group %d" % gi)
             so.groups = ctypes.cast(arr, ctypes.POINTER(L.HParams))
             so.ngroups = len(groups)
+        skipped = ctypes.c_int(0)
+        if expect_step is not None:
+            so.expect_step = _u64(expect_step, "expect_step")
+            if so.expect_step == 0:
+                raise ValueError("expect_step 0: a step makes count 1 at least")
+        so.skipped = ctypes.pointer(skipped)
         res = L.StepResult()
         self._call(self._lib.shardd_step(self._c, _ids(opt), ctypes.byref(so), ctypes.byref(res)))
-        return StepResult(int(res.step), float(res.total_norm))
+        return StepResult(int(res.step), float(res.total_norm), not skipped.value)
 
     def clip_grad_norm(self, opt, max_norm=math.inf):
         """FSDP's clip_grad_norm_ (collective): -> the global L2 norm of the

@@ -145,7 +145,8 @@ class ScatterOpts(ctypes.Structure):
 
 class StepOpts(ctypes.Structure):
     _fields_ = [("size", c_size_t), ("lr", c_double), ("max_norm", c_double),
-                ("groups", ctypes.POINTER(HParams)), ("ngroups", c_size_t)]
+                ("groups", ctypes.POINTER(HParams)), ("ngroups", c_size_t),
+                ("expect_step", c_uint64), ("skipped", ctypes.POINTER(ctypes.c_int))]
 
 
 class StepResult(ctypes.Structure):

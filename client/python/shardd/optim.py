@@ -83,6 +83,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             groups.append(d)
         self._opt = self._module.register_optimizer(self._kind, groups, name=self._name)
         self.last_step = None  # the daemon's StepResult of the last step
+        self._count = None  # the daemon's step count as this object knows it
 
     @property
     def steps(self):
@@ -114,11 +115,18 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         self._module.zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, expect_step=None):
         """One update of every shard (collective), with every param group's
         hyperparameters as they are now. Gradients must have been reduced:
         on transient clients the module's hooks did it in backward; on
-        resident ones call ``sm.scatter()`` first. Returns closure's loss."""
+        resident ones call ``sm.scatter()`` first. Returns closure's loss.
+
+        Each step is sent with the count it makes (``expect_step``: by
+        default the count this optimizer last saw + 1), so a retry of a step
+        whose reply was lost never applies it twice: the daemon answers it
+        with ``last_step.applied`` False and changes nothing. After a
+        reconnect (new Client, module and optimizer) pass your loop's
+        ``s + 1`` for the step of iteration ``s``."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -129,7 +137,13 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             if not (g["lr"] >= 0.0 and math.isfinite(g["lr"])):
                 raise ValueError("param group %d: Invalid learning rate: %r" % (gi, g["lr"]))
             groups.append(g)
-        self.last_step = self._module.client.step(self._opt, groups=groups)
+        if expect_step is None:
+            if self._count is None:
+                self._count = self._opt.steps()
+            expect_step = self._count + 1
+        self.last_step = self._module.client.step(self._opt, groups=groups,
+                                                  expect_step=expect_step)
+        self._count = self.last_step.step
         return loss
 
     # -- torch's state_dict, whole (world-independent) ----------------------
@@ -215,6 +229,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             have = client.optim_state(self._opt, v, arrays=False)["nstate"]
             client.set_optim_state(self._opt, v, [a.numpy() for a in arrays[:have]],
                                    steps=steps, optimizer_steps=most)
+        self._count = None  # the count changed: the next step reads it again
 
 
 class SGD(_ShardedOptimizer):
