@@ -1410,7 +1410,12 @@ static void on_optim_state(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   uint32_t nstate = 0;
   uint64_t numel = 0, *steps = NULL;
   shardd__optim *opt = (shardd__optim *)o;
-  rc = shardd__optim_state_io(&d->reg, opt, os->ref, os->has_array ? os->array : 0,
+  uint32_t array = os->has_array ? os->array : 0;
+  if (os->has_master && os->master)
+    array = SHARDD__OPTIM_MASTER;
+  else if (array == SHARDD__OPTIM_MASTER)
+    array = UINT32_MAX - 1; /* out of range, not the master by accident */
+  rc = shardd__optim_state_io(&d->reg, opt, os->ref, array,
                               os->has_offset ? os->offset : 0, count, io, write,
                               &nstate, &numel, &steps, err, sizeof err);
   if (rc == SHARDD_OK && os->has_set_steps)

@@ -118,6 +118,86 @@ class MasterTest(unittest.TestCase):
         self.assertEqual(cm.exception.code_name, "E_INVAL")
         self.assertIn("its own master", cm.exception.message)
 
+    def test_the_master_is_readable_and_writable(self):
+        """The fp32 master (a state dict of a bf16 run needs it): read as
+        an OptimState array, refused for fp32 and before it exists; a
+        write before the first step takes the rest from the shard."""
+        c = shardd.Client(common.socket(), job=common.job("master2"), rank=0, world=1)
+        self.addCleanup(c.close)
+        b = c.register_buffer("w", "bf16", 6)
+        v = c.register_view(b, "w.v", 0, (4,))
+        u = c.register_view(b, "w.u", 4, (2,))
+        opt = c.register_optimizer("sgd", [[v, u]], name="sgd", lr=1.0)
+        exact = torch.tensor([1.0029, -3.0117, 0.10003, 7.0313, 0.3333, -0.7777])
+        b.shard_tensor.copy_(exact.bfloat16())
+        with self.assertRaises(shardd.Error) as cm:
+            c.optim_master(opt, v)
+        self.assertEqual(cm.exception.code_name, "E_STATE")
+        self.assertIn("no fp32 master yet", cm.exception.message)
+        c.seed_master(b, exact)
+        self.assertEqual(c.optim_master(opt, v).tolist(), exact[:4].tolist())
+        self.assertEqual(c.optim_master(opt, u, offset=1).tolist(), exact[5:].tolist())
+        c.gather(b)
+        g = torch.tensor([0.0078, 0.0039, 0.0004, 0.03, 0.5, 0.25]).bfloat16()
+        b.grad_tensor.copy_(g)
+        c.scatter(b, "sum")
+        c.step(opt)
+        self.assertEqual(c.optim_master(opt, v).tolist(), (exact - g.float())[:4].tolist())
+        # written: the next step updates it
+        m = torch.tensor([0.1234567, 2.7182817])
+        c.set_optim_master(opt, u, m)
+        c.gather(b)
+        b.grad_tensor.zero_()
+        c.scatter(b, "sum")
+        c.step(opt)
+        self.assertEqual(c.optim_master(opt, u).tolist(), m.tolist())
+        # a second optimizer over the trained buffer has no master until a
+        # write takes it from the shard (then the written part)
+        opt2 = c.register_optimizer("sgd", [[v, u]], name="sgd2", lr=1.0)
+        with self.assertRaises(shardd.Error):
+            c.optim_master(opt2, v)
+        c.set_optim_master(opt2, u, m)
+        self.assertEqual(c.optim_master(opt2, u).tolist(), m.tolist())
+        self.assertEqual(c.optim_master(opt2, v).tolist(),
+                         b.shard_tensor[:4].float().tolist())
+        f = c.register_buffer("f", "fp32", 4)
+        fv = c.register_view(f, "f.v", 0, (4,))
+        fopt = c.register_optimizer("sgd", [[fv]], name="sgdf", lr=1.0)
+        with self.assertRaises(shardd.Error) as cm:
+            c.optim_master(fopt, fv, count=0)
+        self.assertEqual(cm.exception.code_name, "E_INVAL")
+        self.assertIn("its own master", cm.exception.message)
+
+    def test_a_write_to_a_frozen_view_is_adopted_when_it_is_unfrozen(self):
+        """Steps skip a frozen view (no adoption then); once unfrozen, the
+        value the trainer wrote into its 16-bit shard while it was frozen
+        is what the step starts from, not the master's old value."""
+        c = shardd.Client(common.socket(), job=common.job("master3"), rank=0, world=1)
+        self.addCleanup(c.close)
+        b = c.register_buffer("w", "bf16", 8)
+        live = c.register_view(b, "w.a", 0, (4,))
+        frozen = c.register_view(b, "w.b", 4, (4,), requires_grad=False)
+        opt = c.register_optimizer("sgd", [[live, frozen]], name="sgd", lr=1.0)
+        b.shard_tensor.copy_(torch.arange(8).float().bfloat16())
+
+        def step():
+            c.gather(b)
+            b.grad_tensor.zero_()
+            c.scatter(b, "sum")
+            c.step(opt)  # SGD, zero gradient: the values stay
+
+        step()
+        step()
+        written = torch.tensor([0.5, 2.0, -4.0, 8.0]).bfloat16()
+        b.shard_tensor[4:8].copy_(written)
+        step()  # frozen: skipped
+        self.assertEqual(b.shard_tensor[4:8].tolist(), written.tolist())
+        c.set_requires_grad(frozen, True)
+        step()
+        self.assertEqual(b.shard_tensor[4:8].tolist(), written.tolist())
+        self.assertEqual(c.optim_master(opt, frozen).tolist(), written.float().tolist())
+        self.assertEqual(c.optim_state(opt, frozen, arrays=False)["steps"], 1)
+
 
 if __name__ == "__main__":
     unittest.main()
