@@ -457,6 +457,13 @@ class ShardedModule:
         e = self._by_param.get(id(tensor))
         return e.view if e is not None else None
 
+    def name_of(self, tensor):
+        """A (replacement) parameter's fully qualified name (its first
+        occurrence's, for a tied one), or None: the key of sharded state
+        dicts, the same in every world size."""
+        e = self._by_param.get(id(tensor))
+        return e.name if e is not None else None
+
     # -- training loop -----------------------------------------------------
     def _resident_only(self, what):
         if self.transient:
@@ -885,6 +892,11 @@ class ShardedModule:
         if all(o.id != opt.id for o in self._optims):
             self._optims.append(opt)
         return opt
+
+    def _forget_optimizer(self, opt):
+        """opt was unregistered (shardd.optim's add_param_group registers
+        its groups anew)."""
+        self._optims = [o for o in self._optims if o.id != opt.id]
 
     def reset(self):
         """After a collective failed mid-iteration (E_PEER_LOST: a rank died
