@@ -87,7 +87,25 @@ def sgd_nesterov_steplr(model, O):
     return opt, sched, 0.5
 
 
-RECIPES = {f.__name__: f for f in (adamw_groups_lambdalr, adam_onecycle, sgd_nesterov_steplr)}
+def adamw_add_group(model, O):
+    """AdamW over the first two layers; add_param_group brings in the
+    others (their own lr, no decay) before step ADD_AT (StepLR drives
+    every group, the added one too)."""
+    first = list(model.inp.parameters()) + list(model.norm.parameters())
+    opt = O.AdamW(first, lr=2e-2, weight_decay=0.05)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return opt, sched, 0.8
+
+
+def added_group(model):
+    return {"params": list(model.mid.parameters()) + list(model.out.parameters()),
+            "lr": 5e-3, "weight_decay": 0.0}
+
+
+ADD_AT = {"adamw_add_group": 2}  # recipe -> the step before which it adds a group
+
+RECIPES = {f.__name__: f for f in (adamw_groups_lambdalr, adam_onecycle, sgd_nesterov_steplr,
+                                   adamw_add_group)}
 
 
 def reference(recipe):
@@ -97,10 +115,15 @@ def reference(recipe):
     opt, sched, clip = RECIPES[recipe](model, torch.optim)
     losses, norms, lrs = [], [], []
     for s in range(STEPS):
+        if ADD_AT.get(recipe) == s:
+            opt.add_param_group(added_group(model))
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x[s]), y[s])
         loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        # the norm of the optimizer's parameters (before the group is
+        # added, the others' gradients are no step's)
+        params = [p for g in opt.param_groups for p in g["params"]]
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
         opt.step()
         lrs.append([g["lr"] for g in opt.param_groups])
         sched.step()
@@ -121,6 +144,8 @@ def rank_main(rank, world, sock, job, recipe, transient, q):
         opt, sched, clip = RECIPES[recipe](model, shardd.optim)
         assert isinstance(opt, torch.optim.Optimizer)
         for s in range(STEPS):
+            if ADD_AT.get(recipe) == s:
+                opt.add_param_group(added_group(model))
             opt.zero_grad()
             if not transient:
                 sm.gather()
@@ -330,6 +355,13 @@ class OptimParityTest(unittest.TestCase):
     def test_sgd_nesterov_steplr(self):
         self.check("sgd_nesterov_steplr", 2, False)
 
+    def test_add_param_group_after_steps(self):
+        """add_param_group after 2 steps, as torch's: the first group's
+        state carries over, the added group starts afresh, its lr and
+        weight decay its own."""
+        self.check("adamw_add_group", 2, True)
+        self.check("adamw_add_group", 4, False)
+
 
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
 class StateDictTest(unittest.TestCase):
@@ -434,13 +466,40 @@ class OptimApiTest(unittest.TestCase):
         self.assertIn("param group 1 ref 0", cm.exception.message)
 
     def test_refusals_instead_of_silent_state_loss(self):
-        opt = shardd.optim.Adam(self.model.parameters())
-        with self.assertRaises(NotImplementedError):
-            opt.add_param_group({"params": []})
         with self.assertRaises(ValueError):
             shardd.optim.Adam(self.model.parameters(), capturable=True)
         with self.assertRaises(ValueError):
             shardd.optim.Adam([nn.Parameter(torch.zeros(2))])  # no ShardedModule
+
+    def test_add_param_group_refusals_leave_the_optimizer_as_it_was(self):
+        """torch's checks (a parameter twice), and the daemon's: a tensor
+        the module does not own is named; the optimizer keeps its groups,
+        registration and state."""
+        inp = list(self.model.inp.parameters())
+        opt = shardd.optim.Adam(inp, name="grow")
+        self.sm.zero_grad()
+        self.sm.gather()
+        self.model(torch.ones(1, 8)).sum().backward()
+        self.sm.scatter()
+        opt.step()
+        before = opt.full_state_dict()
+        with self.assertRaises(ValueError):
+            opt.add_param_group({"params": inp[:1]})  # torch: in two groups
+        stray = nn.Parameter(torch.zeros(3))
+        with self.assertRaises(shardd.Error) as cm:
+            opt.add_param_group({"params": list(self.model.out.parameters()) + [stray]})
+        self.assertEqual(cm.exception.code_name, "E_NOT_OWNED")
+        self.assertIn("param group 1 ref 2", cm.exception.message)
+        self.assertEqual(len(opt.param_groups), 1)
+        after = opt.full_state_dict()
+        self.assertEqual(after["param_groups"], before["param_groups"])
+        for k, st in before["state"].items():
+            for name, t in st.items():
+                self.assertTrue(torch.equal(after["state"][k][name], t), (k, name))
+        opt.add_param_group({"params": []})  # torch accepts an empty group
+        self.assertEqual(len(opt.param_groups), 2)
+        opt.step()
+        self.assertEqual(opt.last_step.step, 2)
 
     def test_amsgrad_cannot_change_and_a_bad_lr_is_refused(self):
         opt = shardd.optim.Adam(self.model.parameters(), name="ams")

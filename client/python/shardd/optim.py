@@ -136,7 +136,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             return  # an empty group: nothing for the daemon
         client = self._module.client
         try:
-            saved = self._save_local()
+            saved = self._save_local([p for g in self.param_groups[:n] for p in g["params"]])
         except BaseException:
             del self.param_groups[n:]
             raise
@@ -156,14 +156,14 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         self._restore_local(saved)
         client.barrier()  # no rank steps before every rank's state is back
 
-    def _save_local(self):
-        """This rank's shard of every parameter's state (a trainer's write
+    def _save_local(self, params):
+        """This rank's shard of each parameter's state (a trainer's write
         to a 16-bit shard since the last step wins over the master, as the
         next step's adoption would have it)."""
         import numpy as np
         client = self._module.client
         out = []
-        for p in self._params():
+        for p in params:
             v, lo, hi = self._local(p)
             st = client.optim_state(self._opt, v, offset=lo, count=hi - lo)
             m = self._master(v, lo, hi)
