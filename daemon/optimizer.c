@@ -335,7 +335,27 @@ shardd_err shardd__optim_state_io(shardd__registry *reg, shardd__optim *o,
   size_t i = 0;
   while (i < o->nrefs && o->refs[i]->id != ref_id)
     i++;
-  if (i == o->nrefs) {
+  shardd__obj *r = i < o->nrefs ? o->refs[i] : NULL;
+  if (r == NULL && array == SHARDD__OPTIM_MASTER && !write) {
+    /* The master covers o's whole shards, elements of views it does not
+     * hold too (the exact seed, kept): readable through those views, so a
+     * re-registration that adds them (add_param_group) keeps it. */
+    char ignored[8];
+    if (shardd__registry_resolve(reg, o->hdr.job, ref_id, SHARDD__OBJ_VIEW, &r,
+                                 ignored, sizeof ignored) != SHARDD_OK &&
+        shardd__registry_resolve(reg, o->hdr.job, ref_id, SHARDD__OBJ_BUFFER, &r,
+                                 ignored, sizeof ignored) != SHARDD_OK)
+      r = NULL;
+    const shardd__buffer *rb = r == NULL ? NULL
+                               : r->kind == SHARDD__OBJ_VIEW ? ((shardd__view *)r)->buf
+                                                             : (shardd__buffer *)r;
+    size_t q = 0;
+    while (rb != NULL && q < o->nshards && o->shards[q].buf != rb)
+      q++;
+    if (rb == NULL || q == o->nshards)
+      r = NULL;
+  }
+  if (r == NULL) {
     snprintf(err, errlen, "optimizer \"%s\" holds no parameter %" PRIu64,
              o->hdr.name, ref_id);
     return SHARDD_E_NOT_FOUND;
@@ -345,7 +365,6 @@ shardd_err shardd__optim_state_io(shardd__registry *reg, shardd__optim *o,
              o->hdr.name);
     return SHARDD_E_BUSY;
   }
-  const shardd__obj *r = o->refs[i];
   shardd__buffer *b;
   uint64_t base, n;
   if (r->kind == SHARDD__OBJ_VIEW) {
@@ -368,7 +387,7 @@ shardd_err shardd__optim_state_io(shardd__registry *reg, shardd__optim *o,
       }
   *nstate = (uint32_t)k;
   *numel = n;
-  *steps = &o->ref_steps[i];
+  *steps = i < o->nrefs ? &o->ref_steps[i] : NULL; /* NULL: not held */
   int master = array == SHARDD__OPTIM_MASTER;
   if (master && b->dtype == SHARDD_DTYPE_FP32) {
     snprintf(err, errlen, "parameter %" PRIu64 " of optimizer \"%s\" is fp32: "

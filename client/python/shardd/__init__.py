@@ -1186,13 +1186,18 @@ class Client:
         """The fp32 master of a 16-bit parameter (what opt's steps update
         and round into the shard, as FSDP's mixed precision keeps the fp32
         parameters), over its elements [offset, offset+count) -> flat
-        numpy fp32. E_INVAL for an fp32 parameter (its shard is its
-        master), E_STATE before the master exists (no step, no seed)."""
+        numpy fp32. ref may be a view of opt's buffers that opt does not
+        hold (their master is the seed or the shard's widening). E_INVAL
+        for an fp32 parameter (its shard is its master), E_STATE before the
+        master exists (no step, no seed)."""
         import numpy as np
         self._check_open()
         oid, rid = _ids(opt), _ids(ref)
-        if count is None:
-            count = self.optim_state(opt, ref, arrays=False)["numel"] - int(offset)
+        if count is None:  # what the master answers (a view opt does not hold too)
+            info = L.OptimStateInfo()
+            self._call(self._lib.shardd_optim_state_get(self._c, oid, rid, L.OPTIM_MASTER,
+                                                        0, 0, None, ctypes.byref(info)))
+            count = int(info.numel) - int(offset)
         a = np.empty(int(count), dtype=np.float32)
         ptr = a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
         # count 0 still asks: an fp32 parameter is refused even so

@@ -137,6 +137,10 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         client = self._module.client
         try:
             saved = self._save_local([p for g in self.param_groups[:n] for p in g["params"]])
+            # the added ones' fp32 master, where this optimizer's covers
+            # them (its shards' exact seeds): kept, not widened from 16 bits
+            saved += self._save_local([p for p in self.param_groups[-1]["params"]
+                                       if self._module.view_of(p) is not None], held=False)
         except BaseException:
             del self.param_groups[n:]
             raise
@@ -156,17 +160,23 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         self._restore_local(saved)
         client.barrier()  # no rank steps before every rank's state is back
 
-    def _save_local(self, params):
+    def _save_local(self, params, held=True):
         """This rank's shard of each parameter's state (a trainer's write
         to a 16-bit shard since the last step wins over the master, as the
-        next step's adoption would have it)."""
+        next step's adoption would have it); held False: parameters this
+        optimizer does not hold, their master only."""
         import numpy as np
         client = self._module.client
         out = []
         for p in params:
             v, lo, hi = self._local(p)
-            st = client.optim_state(self._opt, v, offset=lo, count=hi - lo)
+            if held:
+                st = client.optim_state(self._opt, v, offset=lo, count=hi - lo)
+            else:
+                st = {"arrays": [], "steps": 0, "optimizer_steps": None}
             m = self._master(v, lo, hi)
+            if m is None and not held:
+                continue
             if m is not None and hi > lo:
                 a = v.offset + lo - client.rank * v.buffer.shard_numel
                 sh = v.buffer.shard_tensor[a:a + hi - lo]
@@ -179,9 +189,10 @@ class _ShardedOptimizer(torch.optim.Optimizer):
     def _restore_local(self, saved):
         client = self._module.client
         for v, lo, arrays, steps, most, m in saved:
-            have = client.optim_state(self._opt, v, arrays=False)["nstate"]
-            client.set_optim_state(self._opt, v, arrays[:have], steps=steps,
-                                   optimizer_steps=most, offset=lo)
+            if most is not None:
+                have = client.optim_state(self._opt, v, arrays=False)["nstate"]
+                client.set_optim_state(self._opt, v, arrays[:have], steps=steps,
+                                       optimizer_steps=most, offset=lo)
             if m is not None and m.size:
                 client.set_optim_master(self._opt, v, m, offset=lo)
 
@@ -242,7 +253,9 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         try:
             return self._module.client.optim_master(self._opt, v, offset=lo, count=hi - lo)
         except shardd.Error as e:
-            if e.code_name == "E_STATE":  # no step, no seed: the shard is it
+            # E_STATE: no step, no seed (the shard is it); E_NOT_FOUND: a
+            # parameter outside this optimizer's buffers (add_param_group)
+            if e.code_name in ("E_STATE", "E_NOT_FOUND"):
                 return None
             raise
 
