@@ -377,6 +377,11 @@ class ShardedModule:
                         del exact
             del flat
             pending.append((uname, root, params, buf, sh, gat, grd))
+        if any(u[3].dtype_code != shardd._lib.DTYPE_FP32 for u in pending):
+            # no rank's first gather before every rank seeded its masters
+            # (the daemon refuses a seed, E_BUSY, while the buffer is in a
+            # collective)
+            client.barrier()
         # every unit's views in one call (a request per 256): one round
         # trip each cost 24 us, 2.4 s for a 7B model's 10^5 parameters.
         # requires_grad=False: a frozen view, skipped by scatter and step
