@@ -1902,6 +1902,17 @@ static shardd_err optim_state_req(shardd_client_t *c, Shardwire__OptimState *os,
   return rc;
 }
 
+/* the master is its own field on the wire, not an array index */
+static void set_array(Shardwire__OptimState *os, uint32_t array) {
+  if (array == SHARDD_OPTIM_MASTER) {
+    os->has_master = 1;
+    os->master = 1;
+  } else {
+    os->has_array = 1;
+    os->array = array;
+  }
+}
+
 #define OPTIM_STATE_CHUNK ((uint64_t)1 << 20) /* the daemon's per-request limit */
 
 shardd_err shardd_optim_state_get(shardd_client_t *c, uint64_t opt, uint64_t ref,
@@ -1917,8 +1928,7 @@ shardd_err shardd_optim_state_get(shardd_client_t *c, uint64_t opt, uint64_t ref
     Shardwire__OptimState os = SHARDWIRE__OPTIM_STATE__INIT;
     os.optimizer = opt;
     os.ref = ref;
-    os.has_array = 1;
-    os.array = array;
+    set_array(&os, array);
     os.has_offset = 1;
     os.offset = offset + done;
     os.has_count = 1;
@@ -1959,8 +1969,7 @@ shardd_err shardd_optim_state_set(shardd_client_t *c, uint64_t opt, uint64_t ref
     Shardwire__OptimState os = SHARDWIRE__OPTIM_STATE__INIT;
     os.optimizer = opt;
     os.ref = ref;
-    os.has_array = 1;
-    os.array = array;
+    set_array(&os, array);
     os.has_offset = 1;
     os.offset = offset + done;
     os.has_data = 1;

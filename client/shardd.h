@@ -577,6 +577,15 @@ typedef struct {
   uint64_t optimizer_steps; /* the optimizer's */
 } shardd_optim_state_info;
 
+/* As `array` of shardd_optim_state_get/_set: the parameter's fp32 master
+ * (16-bit buffers, as FSDP's mixed precision keeps the fp32 parameters),
+ * once it exists (the first step or shardd_seed_master made it;
+ * SHARDD_E_STATE before, SHARDD_E_INVAL for fp32). A written master is
+ * rounded into the 16-bit shard too, and is what the next step updates; a
+ * write before the master exists takes the rest of it from the shard
+ * first, as the first step would. */
+#define SHARDD_OPTIM_MASTER UINT32_MAX
+
 /* Reads count fp32 of state array `array` from element offset into out
  * (count 0: info only; info may be NULL). SHARDD_E_BUSY while a step of
  * opt is queued or running. */

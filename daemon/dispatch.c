@@ -1473,9 +1473,20 @@ static void on_optim_state(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   uint32_t nstate = 0;
   uint64_t numel = 0, *steps = NULL;
   shardd__optim *opt = (shardd__optim *)o;
-  rc = shardd__optim_state_io(&d->reg, opt, os->ref, os->has_array ? os->array : 0,
+  uint32_t array = os->has_array ? os->array : 0;
+  if (os->has_master && os->master)
+    array = SHARDD__OPTIM_MASTER;
+  else if (array == SHARDD__OPTIM_MASTER)
+    array = UINT32_MAX - 1; /* out of range, not the master by accident */
+  rc = shardd__optim_state_io(&d->reg, opt, os->ref, array,
                               os->has_offset ? os->offset : 0, count, io, write,
                               &nstate, &numel, &steps, err, sizeof err);
+  if (rc == SHARDD_OK && steps == NULL &&
+      (os->has_set_steps || os->has_set_optimizer_steps)) {
+    snprintf(err, sizeof err, "optimizer \"%s\" holds no parameter %" PRIu64,
+             opt->hdr.name, os->ref);
+    rc = SHARDD_E_NOT_FOUND;
+  }
   if (rc == SHARDD_OK && os->has_set_steps)
     *steps = os->set_steps;
   if (rc == SHARDD_OK && os->has_set_optimizer_steps)
@@ -1488,7 +1499,7 @@ static void on_optim_state(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_OPTIM_STATE);
   Shardwire__OptimStateReply sr = SHARDWIRE__OPTIM_STATE_REPLY__INIT;
   sr.nstate = nstate;
-  sr.steps = *steps;
+  sr.steps = steps != NULL ? *steps : 0;
   sr.numel = numel;
   sr.optimizer_steps = opt->steps;
   if (!write && count > 0) {

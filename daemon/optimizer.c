@@ -1,6 +1,7 @@
 /* optimizer.c — optimizers registered over buffers and views: turning a
  * validated plan into per-rank shards and segments, their state regions,
  * lookup, holds by steps, and unregistering. */
+#include "dtype.h"
 #include "registry.h"
 #include "registry_int.h"
 
@@ -300,6 +301,32 @@ void shardd__optim_release_hold(shardd__optim *o) {
 
 /* ---- torch's per-parameter state ---------------------------------------- */
 
+/* A written master's rounding into rank's 16-bit shard from element
+ * first: the shard then agrees with it, so the next step's adoption of
+ * trainer writes (a shard that is not the master's rounding) keeps the
+ * written master instead of taking the shard's old value back. */
+static shardd_err narrow_into_shard(shardd__backend *be, shardd__buffer *b,
+                                    uint32_t rank, uint64_t first,
+                                    const float *m, uint64_t n) {
+  uint16_t tmp[1024];
+  for (uint64_t i = 0; i < n;) {
+    uint64_t k = n - i < 1024 ? n - i : 1024;
+    for (uint64_t j = 0; j < k; j++)
+      tmp[j] = b->dtype == SHARDD_DTYPE_BF16 ? shardd__f32_to_bf16(m[i + j])
+                                             : shardd__f32_to_f16(m[i + j]);
+    size_t off = b->shard_off + (size_t)(first + i) * 2;
+    if (be->ops->write == NULL)
+      memcpy((char *)b->blocks[rank]->ptr + off, tmp, k * 2);
+    else {
+      shardd_err rc = be->ops->write(be, b->blocks[rank], off, tmp, k * 2);
+      if (rc != SHARDD_OK)
+        return rc;
+    }
+    i += k;
+  }
+  return SHARDD_OK;
+}
+
 shardd_err shardd__optim_state_io(shardd__registry *reg, shardd__optim *o,
                                   uint64_t ref_id, uint32_t array,
                                   uint64_t offset, uint64_t count, float *io,
@@ -308,7 +335,27 @@ shardd_err shardd__optim_state_io(shardd__registry *reg, shardd__optim *o,
   size_t i = 0;
   while (i < o->nrefs && o->refs[i]->id != ref_id)
     i++;
-  if (i == o->nrefs) {
+  shardd__obj *r = i < o->nrefs ? o->refs[i] : NULL;
+  if (r == NULL && array == SHARDD__OPTIM_MASTER && !write) {
+    /* The master covers o's whole shards, elements of views it does not
+     * hold too (the exact seed, kept): readable through those views, so a
+     * re-registration that adds them (add_param_group) keeps it. */
+    char ignored[8];
+    if (shardd__registry_resolve(reg, o->hdr.job, ref_id, SHARDD__OBJ_VIEW, &r,
+                                 ignored, sizeof ignored) != SHARDD_OK &&
+        shardd__registry_resolve(reg, o->hdr.job, ref_id, SHARDD__OBJ_BUFFER, &r,
+                                 ignored, sizeof ignored) != SHARDD_OK)
+      r = NULL;
+    const shardd__buffer *rb = r == NULL ? NULL
+                               : r->kind == SHARDD__OBJ_VIEW ? ((shardd__view *)r)->buf
+                                                             : (shardd__buffer *)r;
+    size_t q = 0;
+    while (rb != NULL && q < o->nshards && o->shards[q].buf != rb)
+      q++;
+    if (rb == NULL || q == o->nshards)
+      r = NULL;
+  }
+  if (r == NULL) {
     snprintf(err, errlen, "optimizer \"%s\" holds no parameter %" PRIu64,
              o->hdr.name, ref_id);
     return SHARDD_E_NOT_FOUND;
@@ -318,7 +365,6 @@ shardd_err shardd__optim_state_io(shardd__registry *reg, shardd__optim *o,
              o->hdr.name);
     return SHARDD_E_BUSY;
   }
-  const shardd__obj *r = o->refs[i];
   shardd__buffer *b;
   uint64_t base, n;
   if (r->kind == SHARDD__OBJ_VIEW) {
@@ -341,10 +387,16 @@ shardd_err shardd__optim_state_io(shardd__registry *reg, shardd__optim *o,
       }
   *nstate = (uint32_t)k;
   *numel = n;
-  *steps = &o->ref_steps[i];
+  *steps = i < o->nrefs ? &o->ref_steps[i] : NULL; /* NULL: not held */
+  int master = array == SHARDD__OPTIM_MASTER;
+  if (master && b->dtype == SHARDD_DTYPE_FP32) {
+    snprintf(err, errlen, "parameter %" PRIu64 " of optimizer \"%s\" is fp32: "
+             "its shard is its own master", ref_id, o->hdr.name);
+    return SHARDD_E_INVAL;
+  }
   if (count == 0)
     return SHARDD_OK;
-  if (array >= (uint32_t)k || offset > n || count > n - offset) {
+  if ((!master && array >= (uint32_t)k) || offset > n || count > n - offset) {
     snprintf(err, errlen, "parameter %" PRIu64 " of optimizer \"%s\": array %" PRIu32
              " elements [%" PRIu64 ", %" PRIu64 ") is outside its %d arrays of "
              "%" PRIu64, ref_id, o->hdr.name, array, offset, offset + count, k, n);
@@ -361,12 +413,32 @@ shardd_err shardd__optim_state_io(shardd__registry *reg, shardd__optim *o,
     for (size_t q = 0; q < o->nshards && sh == NULL; q++)
       if (o->shards[q].buf == b && o->shards[q].rank == rank)
         sh = &o->shards[q];
-    if (sh == NULL || sh->state == NULL || (int)array >= sh->nstate) {
+    if (sh == NULL || sh->state == NULL || (!master && (int)array >= sh->nstate)) {
       snprintf(err, errlen, "rank %" PRIu32 "'s shard of parameter %" PRIu64
                " is not on this node", rank, ref_id);
       return SHARDD_E_STATE;
     }
-    size_t off = sh->state_offs[array] + (size_t)(e - (uint64_t)rank * s) * 4;
+    if (master && !sh->master_valid && !write) {
+      snprintf(err, errlen, "rank %" PRIu32 "'s shard of parameter %" PRIu64
+               " has no fp32 master yet (before the first step, not seeded)",
+               rank, ref_id);
+      return SHARDD_E_STATE;
+    }
+    if (master && !sh->master_valid) {
+      /* the master is taken now from the 16-bit shard, as the first step
+       * would (no seed: a seed is copied in at registration), so the
+       * elements this write leaves alone keep their values */
+      shardd_err wr = be->ops->widen(be, b->dtype, sh->state, sh->master_off,
+                                     b->blocks[rank], b->shard_off, s);
+      if (wr != SHARDD_OK) {
+        snprintf(err, errlen, "fp32 master of rank %" PRIu32 ": %s", rank,
+                 shardd_strerror(wr));
+        return wr;
+      }
+      sh->master_valid = 1;
+    }
+    size_t off = (master ? sh->master_off : sh->state_offs[array]) +
+                 (size_t)(e - (uint64_t)rank * s) * 4;
     float *at = io + (e - base - offset);
     shardd_err rc = SHARDD_OK;
     if (be->ops->read == NULL) { /* host: the daemon's own memory */
@@ -379,6 +451,8 @@ shardd_err shardd__optim_state_io(shardd__registry *reg, shardd__optim *o,
       rc = write ? be->ops->write(be, sh->state, off, at, len * 4)
                  : be->ops->read(be, sh->state, off, at, len * 4);
     }
+    if (rc == SHARDD_OK && master && write)
+      rc = narrow_into_shard(be, b, rank, e - (uint64_t)rank * s, at, len);
     if (rc != SHARDD_OK) {
       snprintf(err, errlen, "optimizer state of rank %" PRIu32 ": %s", rank,
                shardd_strerror(rc));

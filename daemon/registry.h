@@ -380,8 +380,13 @@ shardd_err shardd__optim_shard_seed(shardd__registry *reg,
  * view or buffer o holds; *nstate its state arrays, *numel its elements,
  * *steps its step count. count > 0 fp32 elements of array at offset are
  * copied into io (write 0) or from it (write 1), across the shards of the
- * ranks of this node (SHARDD_E_STATE for another node's). SHARDD_E_BUSY
- * while a step of o is queued or running. */
+ * ranks of this node (SHARDD_E_STATE for another node's). array
+ * SHARDD__OPTIM_MASTER: the fp32 master of a 16-bit buffer instead
+ * (SHARDD_E_INVAL for fp32, SHARDD_E_STATE before a shard has one); its
+ * reads may name a view or buffer o does not hold, over o's shards (then
+ * *steps is NULL).
+ * SHARDD_E_BUSY while a step of o is queued or running. */
+#define SHARDD__OPTIM_MASTER UINT32_MAX
 shardd_err shardd__optim_state_io(shardd__registry *reg, shardd__optim *o,
                                   uint64_t ref_id, uint32_t array,
                                   uint64_t offset, uint64_t count, float *io,

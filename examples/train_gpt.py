@@ -40,9 +40,12 @@ to DIR/step-NNNNNN (``sm.checkpoint``, a job collective every rank calls
 after its step); --restore DIR recreates the
 job from one (in a daemon that does not hold it) and continues from there.
 
-Not here: 16-bit parameters (the daemon's fp32 master of a bf16 shard now
-starts from the exact values, tests/python/test_master.py, but a bf16
-recipe checked against torch's mixed precision over ranks is still to do).
+--bf16: the parameters are bf16 (forward and backward compute in bf16, the
+loss in fp32) and the daemon's AdamW steps an fp32 master of each shard,
+seeded from the exact fp32 initial values, as FSDP's mixed precision with
+bf16 parameters; gradients are reduced and accumulated in fp32. --check
+then compares with one process keeping fp32 master weights, copying them
+into a bf16 model every step and accumulating its gradients in fp32.
 
 Without --start-daemon the daemon at --socket (else $SHARDD_SOCKET, else
 /run/shardd/shardd.sock) is used; with it, build/shardd (or $SHARDD_BIN) is
@@ -225,13 +228,15 @@ def micro_rows(cfg, rank, k):
 
 def lm_loss(model, tok):
     from torch.nn import functional as F
-    logits = model(tok[:, :-1])
+    logits = model(tok[:, :-1]).float()  # bf16 compute: the loss in fp32
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tok[:, 1:].reshape(-1))
 
 
 def reference_train(cfg):
     """One process, the global batch, torch.optim.AdamW, the same recipe:
     the k-th micro-batch is every rank's k-th. -> (losses, norms, lrs, params)."""
+    if cfg.bf16:
+        return reference_train_bf16(cfg)
     import torch
     torch.set_num_threads(1)
     model = make_model(cfg)
@@ -256,6 +261,45 @@ def reference_train(cfg):
     return losses, norms, lrs, params
 
 
+def reference_train_bf16(cfg):
+    """--bf16's reference: torch.optim.AdamW over fp32 master weights,
+    copied into a bf16 model every step, whose bf16 gradients are
+    accumulated in fp32 into the masters' (the mixed precision the daemon
+    keeps). -> as reference_train, params the bf16 model's (as fp32)."""
+    import torch
+    torch.set_num_threads(1)
+    master = make_model(cfg)
+    half = make_model(cfg).to(torch.bfloat16)  # .to keeps the tie
+    tok = make_data(cfg)
+    opt = make_optimizer(master, cfg, torch.optim)
+    sched = make_scheduler(opt, cfg)
+    pairs = list(zip(master.parameters(), half.parameters()))
+    losses, norms, lrs = [], [], []
+    for s in range(cfg.steps):
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for m, h in pairs:
+                h.copy_(m)
+        total = 0.0
+        for k in range(cfg.accum):
+            half.zero_grad(set_to_none=True)
+            rows = torch.cat([torch.arange(*micro_rows(cfg, r, k)) for r in range(cfg.ranks)])
+            loss = lm_loss(half, tok[s][rows]) / cfg.accum
+            loss.backward()
+            total += loss.item()
+            for m, h in pairs:
+                g = h.grad.float()
+                m.grad = g if m.grad is None else m.grad + g
+        norms.append(float(torch.nn.utils.clip_grad_norm_(master.parameters(), cfg.clip)))
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+        losses.append(total)
+    params = {n: p.detach().bfloat16().float().numpy().copy()
+              for n, p in master.named_parameters()}
+    return losses, norms, lrs, params
+
+
 # ---- one rank ------------------------------------------------------------------
 
 def rank_main(rank, cfg, socket, q):
@@ -271,7 +315,8 @@ def rank_main(rank, cfg, socket, q):
         model = make_model(cfg)
         tok = make_data(cfg)
         # attaches to the job's shards when they exist (a relaunch, a restore)
-        sm = shardd.nn.ShardedModule(client, model, auto_wrap="children")
+        sm = shardd.nn.ShardedModule(client, model, auto_wrap="children",
+                                     dtype="bf16" if cfg.bf16 else None)
         opt = make_optimizer(model, cfg, shardd.optim)
         start = opt.steps
         sched = make_scheduler(opt, cfg, start)
@@ -305,7 +350,8 @@ def rank_main(rank, cfg, socket, q):
                 time.sleep(cfg.step_delay)
         params = sm.full_parameters()
         if rank == 0:
-            q.put(("params", rank, {n: t.cpu().numpy().copy() for n, t in params.items()}))
+            q.put(("params", rank, {n: t.float().cpu().numpy().copy()
+                                    for n, t in params.items()}))
         client.close()
         q.put(("done", rank))
     except BaseException as e:  # report, then fail the process
@@ -437,6 +483,8 @@ def parser():
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--clip", type=float, default=1.0, help="max gradient norm (inf: none)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bf16", action="store_true",
+                    help="bf16 parameters with the daemon's fp32 master (mixed precision)")
     ap.add_argument("--job", default=None,
                     help="job name (default: unique); relaunch with the same one to resume")
     ap.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
@@ -501,10 +549,10 @@ def main(argv=None):
             print("restored job %s from %s" % (cfg.job, cfg.restore))
         print("training: %d ranks, %d steps, global batch %d x %d tokens (%d per rank, "
               "%d backwards per step), GPT %d layers dim %d heads %d vocab %d (tied), "
-              "AdamW lr=%g wd=%g, warmup %d + cosine, clip %g"
+              "AdamW lr=%g wd=%g, warmup %d + cosine, clip %g%s"
               % (cfg.ranks, cfg.steps, cfg.batch, cfg.ctx, cfg.batch // cfg.ranks, cfg.accum,
                  cfg.layers, cfg.dim, cfg.heads, cfg.vocab, cfg.lr, cfg.weight_decay,
-                 cfg.warmup, cfg.clip))
+                 cfg.warmup, cfg.clip, ", bf16 with an fp32 master" if cfg.bf16 else ""))
         res = run(cfg, socket, timeout=cfg.timeout)
         done = [v for v in res["losses"] if v is not None]
         nparams = sum(v.size for v in res["params"].values())
@@ -516,8 +564,8 @@ def main(argv=None):
             ref_losses = reference_train(cfg)[0]
             worst = max(abs(a - b) / abs(b) for a, b in zip(res["losses"], ref_losses)
                         if a is not None)
-            print("check vs torch.optim.AdamW (1 process, global batch): max relative loss "
-                  "difference %.3g" % worst)
+            print("check vs torch.optim.AdamW (1 process, global batch%s): max relative "
+                  "loss difference %.3g" % (", fp32 master" if cfg.bf16 else "", worst))
         if cfg.out:
             import numpy as np
             nan = lambda k: np.array([math.nan if v is None else v for v in res[k]])  # noqa: E731

@@ -1211,6 +1211,39 @@ Test(collective, bf16_adam_keeps_an_fp32_master, .init = start4, .fini = stop_da
     cr_assert_leq(fabs((double)gf - want), ulp, "H[%zu] = %.9g, reference master %.9g", j,
                   (double)gf, (double)want);
   }
+  /* the master itself, read back (a state dict of a bf16 run needs it):
+   * the reference's to float rounding, and the shard its bf16 rounding */
+  float *got = malloc(1001 * 4);
+  cr_assert_eq(shardd_optim_state_get(t.c[0], opt, b[0].id, SHARDD_OPTIM_MASTER, 0, 1001,
+                                      got, NULL), SHARDD_OK, "%s", shardd_last_error(t.c[0]));
+  for (size_t j = 0; j < 1001; j++) {
+    cr_assert_leq(fabs((double)got[j] - master[j]), 1e-6 * fabs(master[j]) + 1e-12,
+                  "master[%zu] = %.9g, reference %.9g", j, (double)got[j], (double)master[j]);
+    uint16_t sh;
+    memcpy(&sh, (char *)b[0].gather + 2 * j, 2);
+    uint32_t u;
+    memcpy(&u, &got[j], 4);
+    cr_assert_eq(sh, (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16), "shard[%zu]", j);
+  }
+  /* a written master (across the shards of ranks 0 and 1) rounds into the
+   * shards too and is what is read back */
+  float w[8] = {0.1f, -0.2f, 0.3f, 1.0f / 3, 7.77f, -1e-3f, 42.5f, 0.0f};
+  size_t at = s - 4;
+  cr_assert_eq(shardd_optim_state_set(t.c[1], opt, b[0].id, SHARDD_OPTIM_MASTER, at, 8, w),
+               SHARDD_OK, "%s", shardd_last_error(t.c[1]));
+  cr_assert_eq(shardd_optim_state_get(t.c[2], opt, b[0].id, SHARDD_OPTIM_MASTER, at, 8,
+                                      got, NULL), SHARDD_OK);
+  cr_assert_eq(memcmp(got, w, sizeof w), 0);
+  for (int k = 0; k < 8; k++) {
+    int r = (int)((at + k) / s);
+    uint16_t sh;
+    memcpy(&sh, (char *)b[r].shard + 2 * ((at + k) % s), 2);
+    uint32_t u;
+    memcpy(&u, &w[k], 4);
+    cr_assert_eq(sh, (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16), "shard at %zu",
+                 at + k);
+  }
+  free(got);
   free(master);
   free(m);
   free(v);

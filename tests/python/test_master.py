@@ -28,16 +28,22 @@ def data():
     return torch.randn(STEPS, 32, 16, generator=g), torch.randn(STEPS, 32, 8, generator=g)
 
 
-def reference():
+ADD_AT = 2  # add_param_group: the last layer's group joins before this step
+
+
+def reference(add_group=False):
     """torch mixed precision: fp32 master weights stepped by AdamW on the
-    fp32 casts of bf16 gradients; the bf16 model is their rounding."""
+    fp32 casts of bf16 gradients; the bf16 model is their rounding.
+    add_group: AdamW over the first layer, the last joins at ADD_AT."""
     torch.set_num_threads(1)
     x, y = data()
     master = [p.detach().clone() for p in model().parameters()]
     rb = model().to(torch.bfloat16)
-    opt = torch.optim.AdamW(master, lr=1e-2, foreach=False)
+    opt = torch.optim.AdamW(master[:2] if add_group else master, lr=1e-2, foreach=False)
     out = []
     for s in range(STEPS):
+        if add_group and s == ADD_AT:
+            opt.add_param_group({"params": master[2:], "lr": 3e-3})
         with torch.no_grad():
             for p, q in zip(rb.parameters(), master):
                 p.copy_(q)
@@ -82,6 +88,63 @@ class MasterTest(unittest.TestCase):
     def test_bf16_transient_matches_torch_mixed_precision_bit_for_bit(self):
         self.run_bf16(True)
 
+    def train(self, c, sm, m, opt, steps, want, add_group=False):
+        x, y = data()
+        for s in steps:
+            if add_group and s == ADD_AT:
+                opt.add_param_group({"params": list(m[2].parameters()), "lr": 3e-3})
+            opt.zero_grad()
+            sm.gather()
+            loss = nn.functional.mse_loss(m(x[s].bfloat16()).float(), y[s])
+            loss.backward()
+            sm.scatter()
+            opt.step()
+            got = torch.cat([t.reshape(-1) for t in sm.full_parameters().values()])
+            self.assertEqual(loss.item(), want[s][0], "step %d's loss" % s)
+            diff = (got != want[s][1]).sum().item()
+            self.assertEqual(diff, 0, "step %d: %d of %d elements differ" % (s, diff, got.numel()))
+
+    def test_bf16_state_dicts_carry_the_master(self):
+        """A bf16 run's state dicts after 2 steps into a fresh job (fresh
+        init, model then optimizer loaded): the continuation is bit for bit
+        torch's mixed precision, because the optimizer's dict carries the
+        fp32 master (the model's holds only its bf16 rounding)."""
+        want = reference()
+        c = shardd.Client(common.socket(), job=common.job("master4"), rank=0, world=1)
+        self.addCleanup(c.close)
+        m = model()
+        sm = shardd.nn.ShardedModule(c, m, auto_wrap="children", dtype="bf16")
+        opt = shardd.optim.AdamW(m.parameters(), lr=1e-2)
+        self.train(c, sm, m, opt, range(2), want)
+        osd, msd = opt.state_dict(), sm.state_dict()
+        self.assertEqual(osd["state"]["0.weight"]["master"].dtype, torch.float32)
+        full = opt.full_state_dict()
+        self.assertEqual(full["state"][0]["master"].shape, m[0].weight.shape)
+        self.assertFalse(torch.equal(full["state"][0]["master"].bfloat16().float(),
+                                     full["state"][0]["master"]), "the master is not bf16")
+        c2 = shardd.Client(common.socket(), job=common.job("master5"), rank=0, world=1)
+        self.addCleanup(c2.close)
+        torch.manual_seed(7)  # another init: the dicts must replace it
+        m2 = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 8))
+        sm2 = shardd.nn.ShardedModule(c2, m2, auto_wrap="children", dtype="bf16")
+        opt2 = shardd.optim.AdamW(m2.parameters(), lr=1e-2)
+        sm2.load_state_dict(msd)
+        opt2.load_state_dict(osd)
+        self.train(c2, sm2, m2, opt2, range(2, STEPS), want)
+
+    def test_bf16_add_param_group_carries_the_master(self):
+        """add_param_group in a bf16 run re-registers the daemon's
+        optimizer: the first group's fp32 master goes with it (bit for bit
+        torch's mixed precision, which adds the group to the same
+        optimizer over its fp32 masters)."""
+        want = reference(add_group=True)
+        c = shardd.Client(common.socket(), job=common.job("master6"), rank=0, world=1)
+        self.addCleanup(c.close)
+        m = model()
+        sm = shardd.nn.ShardedModule(c, m, auto_wrap="module", dtype="bf16")
+        opt = shardd.optim.AdamW(m[0].parameters(), lr=1e-2)
+        self.train(c, sm, m, opt, range(STEPS), want, add_group=True)
+
     def test_seed_after_the_optimizer_and_fp32_refused(self):
         c = shardd.Client(common.socket(), job=common.job("master1"), rank=0, world=1)
         self.addCleanup(c.close)
@@ -117,6 +180,98 @@ class MasterTest(unittest.TestCase):
             c.seed_master(f, torch.zeros(4))
         self.assertEqual(cm.exception.code_name, "E_INVAL")
         self.assertIn("its own master", cm.exception.message)
+
+    def test_the_master_is_readable_and_writable(self):
+        """The fp32 master (a state dict of a bf16 run needs it): read as
+        an OptimState array, refused for fp32 and before it exists; a
+        write before the first step takes the rest from the shard."""
+        c = shardd.Client(common.socket(), job=common.job("master2"), rank=0, world=1)
+        self.addCleanup(c.close)
+        b = c.register_buffer("w", "bf16", 6)
+        v = c.register_view(b, "w.v", 0, (4,))
+        u = c.register_view(b, "w.u", 4, (2,))
+        opt = c.register_optimizer("sgd", [[v, u]], name="sgd", lr=1.0)
+        exact = torch.tensor([1.0029, -3.0117, 0.10003, 7.0313, 0.3333, -0.7777])
+        b.shard_tensor.copy_(exact.bfloat16())
+        with self.assertRaises(shardd.Error) as cm:
+            c.optim_master(opt, v)
+        self.assertEqual(cm.exception.code_name, "E_STATE")
+        self.assertIn("no fp32 master yet", cm.exception.message)
+        c.seed_master(b, exact)
+        self.assertEqual(c.optim_master(opt, v).tolist(), exact[:4].tolist())
+        self.assertEqual(c.optim_master(opt, u, offset=1).tolist(), exact[5:].tolist())
+        c.gather(b)
+        g = torch.tensor([0.0078, 0.0039, 0.0004, 0.03, 0.5, 0.25]).bfloat16()
+        b.grad_tensor.copy_(g)
+        c.scatter(b, "sum")
+        c.step(opt)
+        self.assertEqual(c.optim_master(opt, v).tolist(), (exact - g.float())[:4].tolist())
+        # written: the next step updates it
+        m = torch.tensor([0.1234567, 2.7182817])
+        c.set_optim_master(opt, u, m)
+        c.gather(b)
+        b.grad_tensor.zero_()
+        c.scatter(b, "sum")
+        c.step(opt)
+        self.assertEqual(c.optim_master(opt, u).tolist(), m.tolist())
+        # a view the optimizer does not hold: its master is readable
+        # (the exact seed), not writable, and has no step count to set
+        w = c.register_view(b, "w.w", 4, (2,))
+        self.assertEqual(c.optim_master(opt, w).tolist(), m.tolist())
+        with self.assertRaises(shardd.Error) as cm:
+            c.set_optim_master(opt, w, m)
+        self.assertEqual(cm.exception.code_name, "E_NOT_FOUND")
+        other = c.register_buffer("o", "bf16", 2)
+        with self.assertRaises(shardd.Error) as cm:
+            c.optim_master(opt, c.register_view(other, "o.v", 0, (2,)))
+        self.assertEqual(cm.exception.code_name, "E_NOT_FOUND")
+        # a new optimizer over the trained buffer has no master until a
+        # write takes it from the shard (then the written part)
+        c.unregister_optimizer(opt)
+        opt2 = c.register_optimizer("sgd", [[v, u]], name="sgd2", lr=1.0)
+        with self.assertRaises(shardd.Error):
+            c.optim_master(opt2, v)
+        c.set_optim_master(opt2, u, m)
+        self.assertEqual(c.optim_master(opt2, u).tolist(), m.tolist())
+        self.assertEqual(c.optim_master(opt2, v).tolist(),
+                         b.shard_tensor[:4].float().tolist())
+        f = c.register_buffer("f", "fp32", 4)
+        fv = c.register_view(f, "f.v", 0, (4,))
+        fopt = c.register_optimizer("sgd", [[fv]], name="sgdf", lr=1.0)
+        with self.assertRaises(shardd.Error) as cm:
+            c.optim_master(fopt, fv, count=0)
+        self.assertEqual(cm.exception.code_name, "E_INVAL")
+        self.assertIn("its own master", cm.exception.message)
+
+    def test_a_write_to_a_frozen_view_is_adopted_when_it_is_unfrozen(self):
+        """Steps skip a frozen view (no adoption then); once unfrozen, the
+        value the trainer wrote into its 16-bit shard while it was frozen
+        is what the step starts from, not the master's old value."""
+        c = shardd.Client(common.socket(), job=common.job("master3"), rank=0, world=1)
+        self.addCleanup(c.close)
+        b = c.register_buffer("w", "bf16", 8)
+        live = c.register_view(b, "w.a", 0, (4,))
+        frozen = c.register_view(b, "w.b", 4, (4,), requires_grad=False)
+        opt = c.register_optimizer("sgd", [[live, frozen]], name="sgd", lr=1.0)
+        b.shard_tensor.copy_(torch.arange(8).float().bfloat16())
+
+        def step():
+            c.gather(b)
+            b.grad_tensor.zero_()
+            c.scatter(b, "sum")
+            c.step(opt)  # SGD, zero gradient: the values stay
+
+        step()
+        step()
+        written = torch.tensor([0.5, 2.0, -4.0, 8.0]).bfloat16()
+        b.shard_tensor[4:8].copy_(written)
+        step()  # frozen: skipped
+        self.assertEqual(b.shard_tensor[4:8].tolist(), written.tolist())
+        c.set_requires_grad(frozen, True)
+        step()
+        self.assertEqual(b.shard_tensor[4:8].tolist(), written.tolist())
+        self.assertEqual(c.optim_master(opt, frozen).tolist(), written.float().tolist())
+        self.assertEqual(c.optim_state(opt, frozen, arrays=False)["steps"], 1)
 
 
 if __name__ == "__main__":

@@ -1135,46 +1135,89 @@ class Client:
         self._sync_cuda()
         self._call(self._lib.shardd_seed_master(self._c, buf.id))
 
-    def optim_state(self, opt, ref, arrays=True):
+    def optim_state(self, opt, ref, arrays=True, offset=0, count=None):
         """One parameter's optimizer state as torch keeps it per parameter:
         ref a View or Buffer (or id) opt holds. -> dict(nstate, numel,
         steps (its step count), optimizer_steps, arrays: the nstate fp32
-        state arrays over the whole parameter -- Adam: exp_avg, exp_avg_sq
-        [, max_exp_avg_sq]; SGD with momentum: momentum_buffer -- as flat
-        numpy arrays, or [] with arrays=False)."""
+        state arrays -- Adam: exp_avg, exp_avg_sq [, max_exp_avg_sq]; SGD
+        with momentum: momentum_buffer -- as flat numpy arrays over the
+        parameter's elements [offset, offset+count) (count None: to its
+        end; a rank's own shard of it for a sharded state dict), or []
+        with arrays=False)."""
         import numpy as np
         self._check_open()
         info = L.OptimStateInfo()
         oid, rid = _ids(opt), _ids(ref)
         self._call(self._lib.shardd_optim_state_get(self._c, oid, rid, 0, 0, 0, None,
                                                     ctypes.byref(info)))
+        offset = int(offset)
+        count = int(info.numel) - offset if count is None else int(count)
         out = []
         for k in range(info.nstate if arrays else 0):
-            a = np.empty(info.numel, dtype=np.float32)
-            ptr = a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-            self._call(self._lib.shardd_optim_state_get(self._c, oid, rid, k, 0, info.numel,
-                                                        ptr, None))
+            a = np.empty(count, dtype=np.float32)
+            if count > 0:
+                ptr = a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+                self._call(self._lib.shardd_optim_state_get(self._c, oid, rid, k, offset,
+                                                            count, ptr, None))
             out.append(a)
         return {"nstate": int(info.nstate), "numel": int(info.numel),
                 "steps": int(info.steps), "optimizer_steps": int(info.optimizer_steps),
                 "arrays": out}
 
-    def set_optim_state(self, opt, ref, arrays=(), steps=None, optimizer_steps=None):
-        """Writes a parameter's state arrays (flat fp32, numel each, in
-        optim_state's order) and, when given, its step count and the
-        optimizer's (optimizer_steps None: unchanged)."""
+    def set_optim_state(self, opt, ref, arrays=(), steps=None, optimizer_steps=None,
+                        offset=0):
+        """Writes a parameter's state arrays (flat fp32, in optim_state's
+        order, each over its elements from offset) and, when given, its
+        step count and the optimizer's (optimizer_steps None: unchanged)."""
         import numpy as np
         self._check_open()
         oid, rid = _ids(opt), _ids(ref)
         for k, a in enumerate(arrays):
             a = np.ascontiguousarray(np.asarray(a, dtype=np.float32).reshape(-1))
+            if a.size == 0:
+                continue
             ptr = a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-            self._call(self._lib.shardd_optim_state_set(self._c, oid, rid, k, 0, a.size, ptr))
+            self._call(self._lib.shardd_optim_state_set(self._c, oid, rid, k, int(offset),
+                                                        a.size, ptr))
         if steps is not None:
             if optimizer_steps is None:
                 optimizer_steps = self.optim_state(opt, ref, arrays=False)["optimizer_steps"]
             self._call(self._lib.shardd_optim_steps_set(self._c, oid, rid, int(steps),
                                                         int(optimizer_steps)))
+
+    def optim_master(self, opt, ref, offset=0, count=None):
+        """The fp32 master of a 16-bit parameter (what opt's steps update
+        and round into the shard, as FSDP's mixed precision keeps the fp32
+        parameters), over its elements [offset, offset+count) -> flat
+        numpy fp32. ref may be a view of opt's buffers that opt does not
+        hold (their master is the seed or the shard's widening). E_INVAL
+        for an fp32 parameter (its shard is its master), E_STATE before the
+        master exists (no step, no seed)."""
+        import numpy as np
+        self._check_open()
+        oid, rid = _ids(opt), _ids(ref)
+        if count is None:  # what the master answers (a view opt does not hold too)
+            info = L.OptimStateInfo()
+            self._call(self._lib.shardd_optim_state_get(self._c, oid, rid, L.OPTIM_MASTER,
+                                                        0, 0, None, ctypes.byref(info)))
+            count = int(info.numel) - int(offset)
+        a = np.empty(int(count), dtype=np.float32)
+        ptr = a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        # count 0 still asks: an fp32 parameter is refused even so
+        self._call(self._lib.shardd_optim_state_get(self._c, oid, rid, L.OPTIM_MASTER,
+                                                    int(offset), a.size, ptr, None))
+        return a
+
+    def set_optim_master(self, opt, ref, values, offset=0):
+        """Writes a 16-bit parameter's fp32 master from offset (a master
+        not taken yet is taken from the shard first, as the first step
+        would, so the elements not written keep their values)."""
+        import numpy as np
+        self._check_open()
+        a = np.ascontiguousarray(np.asarray(values, dtype=np.float32).reshape(-1))
+        ptr = a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        self._call(self._lib.shardd_optim_state_set(self._c, _ids(opt), _ids(ref),
+                                                    L.OPTIM_MASTER, int(offset), a.size, ptr))
 
     def barrier(self):
         """Returns once every rank of the job has called barrier()."""

@@ -21,6 +21,7 @@ c_double = ctypes.c_double
 
 # enums (values are wire values, see shardd.h)
 DTYPE_FP32, DTYPE_BF16, DTYPE_FP16 = 1, 2, 3
+OPTIM_MASTER = 0xFFFFFFFF  # SHARDD_OPTIM_MASTER: the fp32 master as a state array
 OPTIM_SGD, OPTIM_ADAM, OPTIM_ADAMW = 1, 2, 3
 REDUCE_SUM, REDUCE_MEAN, REDUCE_MAX, REDUCE_MIN = 0, 1, 2, 3
 ALL_REDUCE_MAX = 64  # SHARDD_ALL_REDUCE_MAX

@@ -377,6 +377,11 @@ class ShardedModule:
                         del exact
             del flat
             pending.append((uname, root, params, buf, sh, gat, grd))
+        if any(u[3].dtype_code != shardd._lib.DTYPE_FP32 for u in pending):
+            # no rank's first gather before every rank seeded its masters
+            # (the daemon refuses a seed, E_BUSY, while the buffer is in a
+            # collective)
+            client.barrier()
         # every unit's views in one call (a request per 256): one round
         # trip each cost 24 us, 2.4 s for a 7B model's 10^5 parameters.
         # requires_grad=False: a frozen view, skipped by scatter and step
@@ -456,6 +461,13 @@ class ShardedModule:
         """The shardd.View a (replacement) parameter is, or None."""
         e = self._by_param.get(id(tensor))
         return e.view if e is not None else None
+
+    def name_of(self, tensor):
+        """A (replacement) parameter's fully qualified name (its first
+        occurrence's, for a tied one), or None: the key of sharded state
+        dicts, the same in every world size."""
+        e = self._by_param.get(id(tensor))
+        return e.name if e is not None else None
 
     # -- training loop -----------------------------------------------------
     def _resident_only(self, what):
@@ -885,6 +897,11 @@ class ShardedModule:
         if all(o.id != opt.id for o in self._optims):
             self._optims.append(opt)
         return opt
+
+    def _forget_optimizer(self, opt):
+        """opt was unregistered (shardd.optim's add_param_group registers
+        its groups anew)."""
+        self._optims = [o for o in self._optims if o.id != opt.id]
 
     def reset(self):
         """After a collective failed mid-iteration (E_PEER_LOST: a rank died

@@ -23,13 +23,21 @@ daemon's refusal at construction. Every rank constructs the same
 optimizers in the same order (the daemon registers them by name, default
 ``shardd.optim.<Kind>#<n>``).
 
-The optimizer state (Adam's moments, the step counts) is the daemon's, not
-``self.state``: it survives trainer restarts and daemon checkpoints.
-``state_dict()`` / ``load_state_dict()`` use torch's layout with each
-parameter's whole state (read from and written to the daemon), so
-torch.optim's optimizers and shardd.optim over another world size load
-them. ``add_param_group`` after construction is refused (the daemon's state
-is laid out per registration): pass every group at construction.
+The optimizer state (Adam's moments, the step counts, the fp32 master of
+16-bit parameters) is the daemon's, not ``self.state``: it survives trainer
+restarts and daemon checkpoints. ``state_dict()`` is sharded per rank by
+default, as FSDP's ``optim_state_dict`` under ``SHARDED_STATE_DICT``: each
+rank's dict holds its shard of every state array, keyed by parameter FQN,
+with the flat range it covers and the parameter's numel and shape under
+``"shardd_sharded"``; ``load_state_dict`` takes a rank's own dict, or every
+rank's dicts (a list) to reshard into another world size.
+``full_state_dict(rank0_only=True)`` is torch.optim's layout with each
+parameter's whole state on rank 0 (FSDP's ``FullOptimStateDictConfig``),
+which torch.optim's optimizers load too; ``state_dict_type = "full"`` makes
+it ``state_dict()``'s. 16-bit parameters add ``"master"`` (their fp32
+master) to their state. ``add_param_group`` after construction registers
+the optimizer anew with every group, carrying the state over (every rank
+calls it, as torch scripts do).
 """
 import math
 
@@ -38,7 +46,12 @@ from torch.optim.optimizer import required as _required
 
 import shardd
 
-__all__ = ["SGD", "Adam", "AdamW"]
+__all__ = ["SGD", "Adam", "AdamW", "SHARDED_KEY"]
+
+# the sharded state dict's own key: this rank, the world, and each
+# parameter's range ({"rank", "world", "params": {fqn: {"range": (lo, hi),
+# "numel", "shape"}}})
+SHARDED_KEY = "shardd_sharded"
 
 _count = [0]  # optimizers made in this process: the default names
 
@@ -73,6 +86,15 @@ class _ShardedOptimizer(torch.optim.Optimizer):
                              "then pass model.parameters())")
         _count[0] += 1
         self._name = name or "shardd.optim.%s#%d" % (type(self).__name__, _count[0])
+        self._register()
+        self.last_step = None  # the daemon's StepResult of the last step
+
+    # state_dict()'s layout: "sharded" (each rank its shard) or "full"
+    # (full_state_dict(rank0_only=full_rank0_only)), as FSDP's state dict type
+    state_dict_type = "sharded"
+    full_rank0_only = True
+
+    def _register(self):
         # torch accepts an empty group; the daemon registers the others
         self._live = [i for i, g in enumerate(self.param_groups) if g["params"]]
         groups = []
@@ -82,7 +104,6 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             d.update(self._hyper(g))
             groups.append(d)
         self._opt = self._module.register_optimizer(self._kind, groups, name=self._name)
-        self.last_step = None  # the daemon's StepResult of the last step
         self._count = None  # the daemon's step count as this object knows it
 
     @property
@@ -101,12 +122,80 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         return out
 
     def add_param_group(self, param_group):
-        if self._opt is not None:
-            raise NotImplementedError(
-                "add_param_group after construction: shardd keeps this optimizer's "
-                "state in the daemon, laid out at registration; pass every param "
-                "group to the constructor")
+        """torch's add_param_group (its checks and defaults); after
+        construction the daemon's optimizer is registered anew with every
+        group, under the same name, and this rank's shard of each existing
+        parameter's state (moments, step count, fp32 master) carried over.
+        Every rank calls it (a collective), between steps. A tensor the
+        module does not own is refused by the daemon, naming it, and the
+        optimizer is left as it was."""
+        if self._opt is None:
+            return super().add_param_group(param_group)
+        n = len(self.param_groups)
         super().add_param_group(param_group)
+        if not self.param_groups[-1]["params"]:
+            return  # an empty group: nothing for the daemon
+        client = self._module.client
+        try:
+            saved = self._save_local([p for g in self.param_groups[:n] for p in g["params"]])
+            # the added ones' fp32 master, where this optimizer's covers
+            # them (its shards' exact seeds): kept, not widened from 16 bits
+            saved += self._save_local([p for p in self.param_groups[-1]["params"]
+                                       if self._module.view_of(p) is not None], held=False)
+        except BaseException:
+            del self.param_groups[n:]
+            raise
+        client.barrier()  # every rank read its state before it goes
+        if client.rank == 0:
+            client.unregister_optimizer(self._opt)
+        self._module._forget_optimizer(self._opt)
+        client.barrier()
+        try:
+            self._register()
+        except BaseException:
+            del self.param_groups[n:]
+            self._register()
+            self._restore_local(saved)
+            client.barrier()
+            raise
+        self._restore_local(saved)
+        client.barrier()  # no rank steps before every rank's state is back
+
+    def _save_local(self, params, held=True):
+        """This rank's shard of each parameter's state (a trainer's write
+        to a 16-bit shard since the last step wins over the master, as the
+        next step's adoption would have it); held False: parameters this
+        optimizer does not hold, their master only."""
+        import numpy as np
+        client = self._module.client
+        out = []
+        for p in params:
+            v, lo, hi = self._local(p)
+            if held:
+                st = client.optim_state(self._opt, v, offset=lo, count=hi - lo)
+            else:
+                st = {"arrays": [], "steps": 0, "optimizer_steps": None}
+            m = self._master(v, lo, hi)
+            if m is None and not held:
+                continue
+            if m is not None and hi > lo:
+                a = v.offset + lo - client.rank * v.buffer.shard_numel
+                sh = v.buffer.shard_tensor[a:a + hi - lo]
+                mine = sh.float().cpu().numpy()
+                rounded = torch.from_numpy(m).to(sh.dtype).float().numpy()
+                m = np.where(rounded != mine, mine, m)
+            out.append((v, lo, st["arrays"], st["steps"], st["optimizer_steps"], m))
+        return out
+
+    def _restore_local(self, saved):
+        client = self._module.client
+        for v, lo, arrays, steps, most, m in saved:
+            if most is not None:
+                have = client.optim_state(self._opt, v, arrays=False)["nstate"]
+                client.set_optim_state(self._opt, v, arrays[:have], steps=steps,
+                                       optimizer_steps=most, offset=lo)
+            if m is not None and m.size:
+                client.set_optim_master(self._opt, v, m, offset=lo)
 
     def zero_grad(self, set_to_none=False):
         """The module's gradients: zeroed, or None with set_to_none, so a
@@ -146,7 +235,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         self._count = self.last_step.step
         return loss
 
-    # -- torch's state_dict, whole (world-independent) ----------------------
+    # -- state dicts: sharded per rank (default) or full on rank 0 ----------
     _state_keys = ()  # the names of the daemon's state arrays, in order
 
     def _params(self):
@@ -158,78 +247,201 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("a parameter of this optimizer is not the module's")
         return v
 
-    def _entry(self, st, view):
+    def _fqn(self, p):
+        self._view(p)
+        return self._module.name_of(p)
+
+    def _local(self, p):
+        """p's view and the elements [lo, hi) of p in this rank's shard."""
+        v = self._view(p)
+        s, rank = v.buffer.shard_numel, self._module.client.rank
+        lo = min(max(rank * s - v.offset, 0), v.numel)
+        hi = max(min((rank + 1) * s - v.offset, v.numel), lo)
+        return v, lo, hi
+
+    def _master(self, v, lo, hi):
+        """The fp32 master of p's elements [lo, hi) (16-bit buffers, once
+        it exists), else None."""
+        if v.buffer.dtype_code == shardd._lib.DTYPE_FP32:
+            return None
+        try:
+            return self._module.client.optim_master(self._opt, v, offset=lo, count=hi - lo)
+        except shardd.Error as e:
+            # E_STATE: no step, no seed (the shard is it); E_NOT_FOUND: a
+            # parameter outside this optimizer's buffers (add_param_group)
+            if e.code_name in ("E_STATE", "E_NOT_FOUND"):
+                return None
+            raise
+
+    def _entry(self, st, shape):
         """torch's per-parameter state from the daemon's: None when the
         parameter was never stepped (torch keeps no state for it)."""
         if st["steps"] == 0:
             return None
         out = {}
         for name, a in zip(self._state_keys, st["arrays"]):
-            out[name] = torch.from_numpy(a).view(view.shape)
+            out[name] = torch.from_numpy(a).view(shape)
         return out
 
-    def state_dict(self):
-        """torch's layout, whole: {"state": {index: {...}}, "param_groups":
-        [...]} with each parameter's full state (every rank's shard of this
-        node), so torch.optim's own optimizer, or shardd.optim over another
-        world size, loads it. A collective only in that every rank may call
-        it (each gets the whole dict); no step may be in flight."""
-        client = self._module.client
-        state = {}
-        for i, p in enumerate(self._params()):
-            v = self._view(p)
-            e = self._entry(client.optim_state(self._opt, v), v)
-            if e is not None:
-                state[i] = e
+    def _groups(self, key):
         groups, i = [], 0
         for g in self.param_groups:
             d = {k: v for k, v in g.items() if k != "params"}
-            d["params"] = list(range(i, i + len(g["params"])))
+            d["params"] = [key(i + j, p) for j, p in enumerate(g["params"])]
             i += len(g["params"])
             groups.append(d)
-        return {"state": state, "param_groups": groups}
+        return groups
+
+    def state_dict(self):
+        """sharded_state_dict() (default), or full_state_dict() with
+        state_dict_type = "full" (as FSDP's optim_state_dict follows the
+        state dict type set on the model)."""
+        if self.state_dict_type == "full":
+            return self.full_state_dict(rank0_only=self.full_rank0_only)
+        if self.state_dict_type != "sharded":
+            raise ValueError("state_dict_type %r: \"sharded\" or \"full\""
+                             % (self.state_dict_type,))
+        return self.sharded_state_dict()
+
+    def sharded_state_dict(self):
+        """This rank's shard of the state (FSDP's sharded optim state
+        dict): {"state": {fqn: {"step", <array>: 1-D tensor of this rank's
+        elements of the parameter[, "master"]}}, "param_groups": [... with
+        "params" as FQNs], SHARDED_KEY: {"rank", "world", "params": {fqn:
+        {"range": (lo, hi), "numel", "shape"}}}}. Each rank saves its own;
+        no step may be in flight."""
+        client = self._module.client
+        state, ranges = {}, {}
+        for p in self._params():
+            v, lo, hi = self._local(p)
+            fqn = self._fqn(p)
+            ranges[fqn] = {"range": (lo, hi), "numel": v.numel, "shape": tuple(v.shape)}
+            e = self._entry(client.optim_state(self._opt, v, offset=lo, count=hi - lo),
+                            (hi - lo,))
+            if e is not None:
+                m = self._master(v, lo, hi)
+                if m is not None:
+                    e["master"] = torch.from_numpy(m)
+                state[fqn] = e
+        return {"state": state,
+                "param_groups": self._groups(lambda i, p: self._fqn(p)),
+                SHARDED_KEY: {"rank": client.rank, "world": client.world,
+                              "params": ranges}}
+
+    def full_state_dict(self, rank0_only=True):
+        """torch.optim's layout, whole: {"state": {index: {...}},
+        "param_groups": [...]} with each parameter's full state (every
+        rank's shard of this node), which torch.optim's own optimizer, or
+        shardd.optim over another world size, loads. rank0_only (FSDP's
+        FullOptimStateDictConfig): ranks other than 0 get {}."""
+        client = self._module.client
+        if rank0_only and client.rank != 0:
+            return {}
+        state = {}
+        for i, p in enumerate(self._params()):
+            v = self._view(p)
+            e = self._entry(client.optim_state(self._opt, v), v.shape)
+            if e is not None:
+                m = self._master(v, 0, v.numel)
+                if m is not None:
+                    e["master"] = torch.from_numpy(m).view(v.shape)
+                state[i] = e
+        return {"state": state, "param_groups": self._groups(lambda i, p: i)}
 
     def load_state_dict(self, state_dict):
-        """torch's load_state_dict: the groups' hyperparameters from the
-        dict, and every parameter's state into the daemon (written by rank
-        0 of the job, the others wait for it at their next step; a
-        parameter without state starts afresh). Every rank calls it."""
-        groups = state_dict["param_groups"]
+        """Loads a full dict (torch.optim's layout: full_state_dict's, or
+        torch.optim's own), a sharded one of this rank, or every rank's
+        sharded dicts as a list (to reshard into this world size): the
+        groups' hyperparameters from the dict, and this rank's shard of
+        every parameter's state into the daemon (a parameter without state
+        starts afresh). Every rank calls it (it ends in a barrier)."""
+        pieces = list(state_dict) if isinstance(state_dict, (list, tuple)) else [state_dict]
+        if not pieces or not all(isinstance(d, dict) for d in pieces):
+            raise ValueError("load_state_dict: a state dict, or a list of every rank's "
+                             "sharded state dicts")
+        sharded = [SHARDED_KEY in d for d in pieces]
+        if len(pieces) > 1 and not all(sharded):
+            raise ValueError("load_state_dict: a list must hold sharded state dicts only")
+        groups = pieces[0]["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
         for g, ng in zip(self.param_groups, groups):
             if len(g["params"]) != len(ng["params"]):
                 raise ValueError("loaded state dict contains a parameter group that "
                                  "doesn't match the size of optimizer's group")
-        index = {}
+        key = {}  # parameter -> its key in the dict (index or FQN)
         for g, ng in zip(self.param_groups, groups):
             for p, k in zip(g["params"], ng["params"]):
-                index[p] = k
-            for key, val in ng.items():
-                if key != "params":
-                    g[key] = val
-        state = {int(k) if not isinstance(k, int) else k: v
-                 for k, v in state_dict["state"].items()}
+                if sharded[0] and k != self._fqn(p):
+                    raise ValueError("loaded state dict: parameter %r where this "
+                                     "optimizer has %r" % (k, self._fqn(p)))
+                key[p] = k
+            for k2, val in ng.items():
+                if k2 != "params":
+                    g[k2] = val
+        srcs = []  # (state, ranges or None) per piece
+        for d in pieces:
+            st = d["state"]
+            if not sharded[0]:
+                st = {int(k) if not isinstance(k, int) else k: v for k, v in st.items()}
+            srcs.append((st, d[SHARDED_KEY]["params"] if sharded[0] else None))
         client = self._module.client
-        if client.rank != 0:
-            return
         writes, most = [], 0
         for p in self._params():
-            v = self._view(p)
-            st = state.get(index[p])
-            steps = 0 if st is None else int(float(st.get("step", 1)))
-            arrays = []
-            for name in self._state_keys:
-                t = None if st is None else st.get(name)
-                arrays.append(torch.zeros(v.numel) if t is None
-                              else torch.as_tensor(t).detach().float().reshape(-1))
-            writes.append((v, arrays, steps))
+            v, lo, hi = self._local(p)
+            got = []  # (piece lo, piece hi, entry)
+            for st, ranges in srcs:
+                e = st.get(key[p])
+                if ranges is None:
+                    got.append((0, v.numel, e))
+                    continue
+                r = ranges.get(key[p])
+                if r is None:
+                    raise ValueError("loaded state dict has no range for %r" % (key[p],))
+                if int(r["numel"]) != v.numel:
+                    raise ValueError("loaded state dict: %r has %d elements, this "
+                                     "parameter %d" % (key[p], r["numel"], v.numel))
+                got.append((int(r["range"][0]), int(r["range"][1]), e))
+            stepped = [e for _, _, e in got if e is not None]
+            steps = int(float(stepped[0].get("step", 1))) if stepped else 0
+            names = list(self._state_keys)
+            if v.buffer.dtype_code != shardd._lib.DTYPE_FP32:
+                names.append("master")  # when the dicts have it all: else kept
+            out = {}
+            for name in names:
+                a = torch.zeros(hi - lo)
+                have = torch.zeros(hi - lo, dtype=torch.bool)
+                for plo, phi, e in got:
+                    t = None if e is None else e.get(name)
+                    a0, a1 = max(lo, plo), min(hi, phi)
+                    if t is None or a1 <= a0:
+                        continue
+                    t = torch.as_tensor(t).detach().float().reshape(-1)
+                    a[a0 - lo:a1 - lo] = t[a0 - plo:a1 - plo]
+                    have[a0 - lo:a1 - lo] = True
+                if name == "master":
+                    if stepped and bool(have.all()):
+                        out[name] = a
+                    continue
+                if stepped and hi > lo and not bool(have.all()) and any(
+                        e.get(name) is not None for e in stepped):
+                    miss = int((~have).nonzero()[0]) + lo
+                    raise ValueError(
+                        "loaded state dict: %r %s: this rank's elements [%d, %d) are not "
+                        "all in the dicts given (element %d is missing; to reshard pass "
+                        "every rank's sharded dict as a list)" % (key[p], name, lo, hi, miss))
+                out[name] = a
+            writes.append((v, lo, out, steps))
             most = max(most, steps)
-        for v, arrays, steps in writes:
+        for v, lo, out, steps in writes:
             have = client.optim_state(self._opt, v, arrays=False)["nstate"]
-            client.set_optim_state(self._opt, v, [a.numpy() for a in arrays[:have]],
-                                   steps=steps, optimizer_steps=most)
+            arrays = [out[n].numpy() for n in self._state_keys][:have]
+            client.set_optim_state(self._opt, v, arrays, steps=steps,
+                                   optimizer_steps=most, offset=lo)
+            if "master" in out and out["master"].numel():
+                client.set_optim_master(self._opt, v, out["master"].numpy(), offset=lo)
         self._count = None  # the count changed: the next step reads it again
+        client.barrier()  # no rank steps before every rank's state is in
 
 
 class SGD(_ShardedOptimizer):
@@ -238,12 +450,12 @@ class SGD(_ShardedOptimizer):
     _keys = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")
     _state_keys = ("momentum_buffer",)
 
-    def _entry(self, st, view):
+    def _entry(self, st, shape):
         if st["steps"] == 0:
             return None
         if not st["arrays"]:  # momentum 0: torch records None
             return {"momentum_buffer": None}
-        return {"momentum_buffer": torch.from_numpy(st["arrays"][0]).view(view.shape)}
+        return {"momentum_buffer": torch.from_numpy(st["arrays"][0]).view(shape)}
 
     def __init__(self, params, lr=_required, momentum=0, dampening=0,
                  weight_decay=0, nesterov=False, *, maximize=False, foreach=None,
@@ -263,8 +475,8 @@ class Adam(_ShardedOptimizer):
     _keys = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
     _state_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
-    def _entry(self, st, view):
-        out = _ShardedOptimizer._entry(self, st, view)
+    def _entry(self, st, shape):
+        out = _ShardedOptimizer._entry(self, st, shape)
         if out is not None:
             out = dict(step=torch.tensor(float(st["steps"])), **out)
         return out
