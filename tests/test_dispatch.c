@@ -589,3 +589,57 @@ Test(dispatch, buffers_batch_checksum_refusal_puts_the_first_back) {
   shardd_close(r0);
   shardd_close(r1);
 }
+
+Test(dispatch, malformed_buffer_batches_are_answered) {
+  test_raw r;
+  test_raw_open(&d, &r);
+  test_raw_hello(&r, "rawb", 0, 1);
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__BuffersBatch bb = SHARDWIRE__BUFFERS_BATCH__INIT;
+  req.body_case = SHARDWIRE__REQUEST__BODY_BUFFERS_BATCH;
+  req.buffers_batch = &bb;
+  uint64_t seq = test_raw_send(&r, &req);
+  shardwire__response__free_unpacked(test_raw_expect(&r, seq, SHARDD_E_INVAL),
+                                     NULL);
+  /* over the per-request count: refused whole, nothing made */
+  enum { OVER = SHARDD_BUFFERS_PER_REQUEST + 1 };
+  static Shardwire__RegisterBuffer rb[OVER];
+  static Shardwire__RegisterBuffer *rbp[OVER];
+  static char nm[OVER][16];
+  for (int i = 0; i < OVER; i++) {
+    shardwire__register_buffer__init(&rb[i]);
+    snprintf(nm[i], sizeof nm[i], "o%d", i);
+    rb[i].name = nm[i];
+    rb[i].dtype = SHARDWIRE__DTYPE__FP32;
+    rb[i].numel = 4;
+    rbp[i] = &rb[i];
+  }
+  Shardwire__RegisterBuffers rq = SHARDWIRE__REGISTER_BUFFERS__INIT;
+  rq.n_buffers = OVER;
+  rq.buffers = rbp;
+  bb.op_case = SHARDWIRE__BUFFERS_BATCH__OP_REGISTER;
+  bb.register_ = &rq;
+  req.seq = 0;
+  seq = test_raw_send(&r, &req);
+  Shardwire__Response *resp = test_raw_expect(&r, seq, SHARDD_E_LIMIT);
+  cr_assert(strstr(resp->message, "at most 250"), "%s", resp->message);
+  shardwire__response__free_unpacked(resp, NULL);
+  /* an empty batch registers nothing and says so */
+  rq.n_buffers = 0;
+  req.seq = 0;
+  seq = test_raw_send(&r, &req);
+  resp = test_raw_expect(&r, seq, SHARDD_OK);
+  cr_assert_eq(resp->body_case, SHARDWIRE__RESPONSE__BODY_BUFFERS_BATCH);
+  cr_assert_eq(resp->buffers_batch->n_buffers, 0);
+  shardwire__response__free_unpacked(resp, NULL);
+  test_raw_sync(&r);
+  test_raw_close(&r);
+  cr_assert(test_daemon_alive(&d));
+  /* none of the 251 was made */
+  shardd_client_t *o = test_connect(&d, "rawb", 0, 1);
+  shardd_buffer_info x;
+  cr_assert_eq(shardd_buffer_register(o, "o0", SHARDD_DTYPE_FP32, 4, &x),
+               SHARDD_OK);
+  cr_assert_eq(x.created, 1);
+  shardd_close(o);
+}
