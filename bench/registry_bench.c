@@ -142,11 +142,16 @@ static void run_inproc(double *t, char *create_err, size_t cel) {
   t[T_FREE] = t9 - t8;
 }
 
-enum { D_BUF, D_VIEW, D_REFUSED, D_ACCEPT, D_VIEW_BATCH, D_UNREG_BATCH, ND };
+enum { D_BUF, D_VIEW, D_REFUSED, D_ACCEPT, D_VIEW_BATCH, D_UNREG_BATCH,
+       D_BUF_BATCH, D_BUF_UNREG_BATCH, ND };
 static const char *dname[ND] = {
     "register 10,000 buffers (+ mmap)", "register 100,000 views",
     "optimizer refused (1 stray ref)", "optimizer accepted (100,000 views)",
-    "register 100,000 views (batched)", "unregister 100,000 views (batched)"};
+    "register 100,000 views (batched)", "unregister 100,000 views (batched)",
+    "register 10,000 buffers (batched, + mmap)",
+    "unregister 10,000 buffers (batched)"};
+
+static char *bbnames[NBUF]; /* the batch's buffers */
 
 static char *bvnames[NVIEW]; /* the batch's views */
 
@@ -183,6 +188,37 @@ static void run_daemon(double *t, char *accept_err, size_t ael, char *refuse_msg
   shardd_client_t *c = bench_connect(&d, "registry-bench", 0, 1);
   static uint64_t bid[NBUF];
   shardd_param_ref *refs = calloc(NVIEW + 1, sizeof *refs);
+  double tb, tub;
+  /* 10,000 buffers in one call (mapped, as the one-by-one ones below),
+   * then unregistered in one: first, as the daemon's descriptors hold
+   * 20,000 regions at most and the one-by-one ones stay for the views */
+  shardd_buffer_spec *bs = calloc(NBUF, sizeof *bs);
+  shardd_buffer_info *binfo = calloc(NBUF, sizeof *binfo);
+  uint64_t *bids = calloc(NBUF, sizeof *bids);
+  if (bs == NULL || binfo == NULL || bids == NULL)
+    bench_die("out of memory");
+  for (int i = 0; i < NBUF; i++) {
+    shardd_buffer_spec e = SHARDD_BUFFER_SPEC_INIT;
+    e.name = bbnames[i];
+    e.dtype = SHARDD_DTYPE_FP32;
+    e.numel = VPB * VNUMEL;
+    bs[i] = e;
+  }
+  double b0 = bench_now();
+  if (shardd_buffers_register(c, NBUF, bs, binfo, NULL) != SHARDD_OK)
+    bench_die("buffers batch: %s", shardd_last_error(c));
+  double b1 = bench_now();
+  for (int i = 0; i < NBUF; i++)
+    bids[i] = binfo[i].id;
+  double b2 = bench_now();
+  if (shardd_buffers_unregister(c, NBUF, bids, NULL, NULL) != SHARDD_OK)
+    bench_die("buffers unregister batch: %s", shardd_last_error(c));
+  double b3 = bench_now();
+  tb = b1 - b0;
+  tub = b3 - b2;
+  free(bs);
+  free(binfo);
+  free(bids);
   double t0 = bench_now();
   for (int i = 0; i < NBUF; i++) {
     shardd_buffer_info b;
@@ -284,6 +320,8 @@ static void run_daemon(double *t, char *accept_err, size_t ael, char *refuse_msg
   t[D_ACCEPT] = t5 - t4;
   t[D_VIEW_BATCH] = t7 - t6;
   t[D_UNREG_BATCH] = t9 - t8;
+  t[D_BUF_BATCH] = tb;
+  t[D_BUF_UNREG_BATCH] = tub;
   shardd_close(c);
   free(refs);
   bench_daemon_stop(&d);
@@ -303,6 +341,8 @@ int main(int argc, char **argv) {
     char s[64];
     snprintf(s, sizeof s, "layer%d.flat", i);
     bnames[i] = strdup(s);
+    snprintf(s, sizeof s, "layer%d.batched", i);
+    bbnames[i] = strdup(s);
     for (int j = 0; j < VPB; j++) {
       snprintf(s, sizeof s, "layer%d.param%d.weight", i, j);
       vnames[i * VPB + j] = strdup(s);
@@ -342,7 +382,8 @@ int main(int argc, char **argv) {
   fprintf(f, "\n  },\n  \"in_process_create_error\": \"%s\",\n  \"daemon_s\": {",
           create_err);
   printf("%-36s %10s %12s\n", "through the daemon (one run)", "ms", "us/object");
-  static const double dper[ND] = {NBUF, NVIEW, NVIEW, NVIEW, NVIEW, NVIEW};
+  static const double dper[ND] = {NBUF, NVIEW, NVIEW, NVIEW, NVIEW, NVIEW,
+                                  NBUF, NBUF};
   for (int k = 0; k < ND; k++) {
     printf("%-36s %10.2f %12.3f\n", dname[k], td[k] * 1e3, td[k] / dper[k] * 1e6);
     fprintf(f, "%s\n    \"%s\": %.6g", k ? "," : "", dname[k], td[k]);
@@ -369,8 +410,10 @@ int main(int argc, char **argv) {
   fprintf(f, ",\n  \"daemon_accept_error\": \"%s\",\n  \"daemon_refusal\": \"%.200s\"",
           accept_err, refuse_msg);
   bench_json_close(f, "registry");
-  for (int i = 0; i < NBUF; i++)
+  for (int i = 0; i < NBUF; i++) {
     free(bnames[i]);
+    free(bbnames[i]);
+  }
   for (int i = 0; i < NVIEW; i++) {
     free(vnames[i]);
     free(bvnames[i]);

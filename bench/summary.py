@@ -145,10 +145,21 @@ def main():
                    "%.1f ms)" % (pg["count"], pg["mean_s"] * 1e6, pg["max_s"] * 1e3,
                                  pg["idle_mean_s"] * 1e6, pg["idle_max_s"] * 1e3),
                    pg["mean_s"] <= 1e-3)
-        target("register 10,000 buffers through the daemon", "<= 0.15 s",
-               "%.0f ms (one request per buffer: no batched buffer registration yet)"
-               % (dm["register 10,000 buffers (+ mmap)"] * 1e3),
-               dm["register 10,000 buffers (+ mmap)"] <= 0.15)
+        bb = dm.get("register 10,000 buffers (batched, + mmap)")
+        if bb is not None:
+            bone = dm["register 10,000 buffers (+ mmap)"]
+            target("register 10,000 buffers through the daemon, batched", "<= 0.15 s",
+                   "%.0f ms batched vs %.0f ms one by one (%.1fx); unregister batched "
+                   "%.0f ms; in process %.0f ms this run"
+                   % (bb * 1e3, bone * 1e3, bone / bb,
+                      dm["unregister 10,000 buffers (batched)"] * 1e3,
+                      ip["register 10,000 buffers"] * 1e3),
+                   bb <= 0.15)
+        else:
+            target("register 10,000 buffers through the daemon", "<= 0.15 s",
+                   "%.0f ms (one request per buffer: no batched buffer registration)"
+                   % (dm["register 10,000 buffers (+ mmap)"] * 1e3),
+                   dm["register 10,000 buffers (+ mmap)"] <= 0.15)
 
     if mem:
         # the FSDP-grade memory issue: peak over all devices <= 16*P + 16*U*W

@@ -546,17 +546,24 @@ static shardd_err send_req(shardd_client_t *c, Shardwire__Request *req) {
  * returned with its message in c->err and *out still set. A descriptor
  * that came with the reply is returned in *fd (else -1); a gather reply's
  * is the pool's and is never returned. */
-static shardd_err recv_for(shardd_client_t *c, uint64_t seq,
-                           Shardwire__Response **out, int *fd) {
+/* With many set, the descriptors of the reply to seq (at most maxmany) are
+ * returned there in order, counted in *nmany, instead of in *fd. */
+static shardd_err recv_for_many(shardd_client_t *c, uint64_t seq,
+                                Shardwire__Response **out, int *fd, int *many,
+                                int maxmany, int *nmany) {
   *out = NULL;
   if (fd)
     *fd = -1;
+  if (nmany)
+    *nmany = 0;
+  int local[4];
+  int *fds = many ? many : local;
+  int maxfds = many ? maxmany : 4;
   for (;;) {
     const uint8_t *payload;
     size_t len;
-    int fds[4];
     int nfds = 0;
-    shardd_err rc = shardd__frame_recv(c->fd, &c->rd, &payload, &len, fds, 4,
+    shardd_err rc = shardd__frame_recv(c->fd, &c->rd, &payload, &len, fds, maxfds,
                                        &nfds, c->err, sizeof c->err);
     if (rc != SHARDD_OK) {
       free(c->err_long); /* the reason is the frame layer's, in err */
@@ -609,23 +616,32 @@ static shardd_err recv_for(shardd_client_t *c, uint64_t seq,
       *out = resp;
       return set_err(c, pool_rc, "%s", why);
     }
-    for (int i = 0; i < nfds; i++) {
-      if (fd && *fd < 0)
-        *fd = fds[i];
-      else
-        close(fds[i]);
-    }
     *out = resp;
     rc = (shardd_err)resp->code;
-    if (rc != SHARDD_OK) {
-      set_err(c, rc, "%s", resp->message ? resp->message : shardd_strerror(rc));
-      if (fd && *fd >= 0) {
-        close(*fd);
-        *fd = -1;
+    if (many) {
+      if (rc != SHARDD_OK) {
+        for (int i = 0; i < nfds; i++)
+          close(fds[i]);
+        nfds = 0;
+      }
+      *nmany = nfds;
+    } else {
+      for (int i = 0; i < nfds; i++) {
+        if (fd && *fd < 0 && rc == SHARDD_OK)
+          *fd = fds[i];
+        else
+          close(fds[i]);
       }
     }
+    if (rc != SHARDD_OK)
+      set_err(c, rc, "%s", resp->message ? resp->message : shardd_strerror(rc));
     return rc;
   }
+}
+
+static shardd_err recv_for(shardd_client_t *c, uint64_t seq,
+                           Shardwire__Response **out, int *fd) {
+  return recv_for_many(c, seq, out, fd, NULL, 0, NULL);
 }
 
 /* Sends req and waits for the response to it (see recv_for). */
@@ -946,6 +962,195 @@ shardd_err shardd_inspect_text(shardd_client_t *c, uint64_t id,
   return inspect_fmt(c, id, name, out, 0);
 }
 
+/* Checks br's layout and maps (or finds the mapping of) its block from fd
+ * (host) or its CUDA IPC handle, filling out. fd stays the caller's. */
+static shardd_err buffer_adopt(shardd_client_t *c,
+                               const Shardwire__BufferReply *br, int fd,
+                               shardd_buffer_info *out) {
+  shardd_err rc = SHARDD_OK;
+  size_t esz = shardd_dtype_size((shardd_dtype)br->dtype);
+  int transient = br->has_transient && br->transient;
+  int device = -1; /* host mapping */
+  /* The reply is checked before anything is mapped: the pointers handed
+   * out are computed from it, so a wrong layout would have the caller
+   * write past the mapping. */
+  const char *bad = NULL;
+  if (esz == 0)
+    bad = "unknown dtype";
+  else if (br->world == 0 || br->rank >= br->world ||
+           br->numel > br->padded_numel ||
+           br->shard_numel > br->padded_numel / br->world ||
+           br->shard_numel * br->world != br->padded_numel)
+    bad = "element counts"; /* rank * shard_numel indexes the gather area */
+  else if (br->block_bytes == 0 ||
+           (uint64_t)(size_t)br->block_bytes != br->block_bytes)
+    bad = "block size";
+  else if (!area_ok(br->shard_offset, br->shard_numel, esz, br->block_bytes))
+    bad = "shard area";
+  /* a transient block has no gather or gradient area: its offsets are 0
+   * and unused, each gather's reply says where the areas are */
+  else if (!transient &&
+           !area_ok(br->gather_offset, br->padded_numel, esz, br->block_bytes))
+    bad = "gather area";
+  else if (!transient &&
+           !area_ok(br->grad_offset, br->padded_numel, esz, br->block_bytes))
+    bad = "gradient area";
+  else if (br->has_reduced_offset &&
+           !area_ok(br->reduced_offset, br->shard_numel, 4, br->block_bytes))
+    bad = "reduced-gradient area";
+  if (bad) {
+    rc = set_err(c, SHARDD_E_PROTOCOL,
+                 "buffer %" PRIu64 ": inconsistent layout (%s) in a block of "
+                 "%" PRIu64 " bytes", br->id, bad, br->block_bytes);
+    return rc;
+  }
+  if (fd < 0 && br->has_cuda_ipc_handle) {
+    if (br->cuda_ipc_handle.len != CUDA_IPC_BYTES) {
+      rc = set_err(c, SHARDD_E_PROTOCOL,
+                   "buffer %" PRIu64 ": CUDA IPC handle of %zu bytes, not %d",
+                   br->id, br->cuda_ipc_handle.len, CUDA_IPC_BYTES);
+      return rc;
+    }
+    /* -1 is the host marker of a mapping; larger ordinals wrap into it */
+    if (br->device > INT_MAX) {
+      rc = set_err(c, SHARDD_E_PROTOCOL,
+                   "buffer %" PRIu64 ": CUDA device %" PRIu32 " out of range",
+                   br->id, br->device);
+      return rc;
+    }
+    if (!cudart_ready()) {
+      rc = set_err(c, SHARDD_E_NO_CUDA,
+                   "buffer %" PRIu64 " lives in GPU memory (cuda backend): "
+                   "opening its CUDA IPC handle needs the CUDA runtime: %s; "
+                   "or run the daemon with --backend host to use host memory",
+                   br->id, cudart.why);
+      return rc;
+    }
+    device = (int)br->device;
+  } else if (fd < 0) {
+    rc = set_err(c, SHARDD_E_PROTOCOL,
+                 "the daemon sent no descriptor for buffer %" PRIu64
+                 " (is this a cuda backend? this call maps host memory)",
+                 br->id);
+    return rc;
+  } else {
+    intmax_t size;
+    int unfit = memfd_unfit(fd, br->block_bytes, &size);
+    if (unfit == 1) {
+      rc = set_err(c, SHARDD_E_PROTOCOL,
+                   "buffer %" PRIu64 ": the daemon's descriptor holds %jd "
+                   "bytes, not the %" PRIu64 " of its block", br->id, size,
+                   br->block_bytes);
+      return rc;
+    }
+    if (unfit == 2) {
+      rc = set_err(c, SHARDD_E_PROTOCOL,
+                   "buffer %" PRIu64 ": the daemon's descriptor is not a memfd "
+                   "sealed against shrinking (F_SEAL_SHRINK)", br->id);
+      return rc;
+    }
+  }
+  /* Registering again on one connection hands back the same mapping, so
+   * pointers from the first call stay valid as the header promises. */
+  void *base = NULL;
+  for (mapping *m = c->maps; m; m = m->next)
+    if (m->buffer == br->id && m->len == br->block_bytes && m->device == device)
+      base = m->base;
+  if (base == NULL) {
+    mapping *m = malloc(sizeof *m);
+    if (m == NULL) {
+      rc = set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
+      return rc;
+    }
+    if (device >= 0) {
+      const char *what;
+      size_t avail = 0;
+      int e = cuda_open(br->cuda_ipc_handle.data, device, &base, &avail, &what);
+      if (e == -1) {
+        free(m);
+        rc = set_err(c, SHARDD_E_NO_CUDA,
+                     "buffer %" PRIu64 ": the CUDA IPC handle opened, but its "
+                     "size cannot be checked against the %" PRIu64 " bytes "
+                     "advertised: neither the runtime nor libcuda.so.1 has "
+                     "cuMemGetAddressRange_v2", br->id, br->block_bytes);
+        return rc;
+      }
+      if (e == -2) {
+        free(m);
+        rc = set_err(c, SHARDD_E_IO,
+                     "buffer %" PRIu64 ": cuMemGetAddressRange_v2 gave a range "
+                     "that does not hold the opened pointer", br->id);
+        return rc;
+      }
+      if (e == 0 && avail < br->block_bytes) {
+        unmap(&(mapping){.base = base, .device = device});
+        free(m);
+        rc = set_err(c, SHARDD_E_PROTOCOL,
+                     "buffer %" PRIu64 ": the CUDA IPC handle maps %zu bytes, "
+                     "fewer than the %" PRIu64 " bytes the daemon advertised "
+                     "for its block", br->id, avail, br->block_bytes);
+        return rc;
+      }
+      if (e != 0 && what == range_call) { /* its CUresult is no cudaError_t */
+        free(m);
+        rc = set_err(c, SHARDD_E_IO,
+                     "buffer %" PRIu64 ": measuring its opened CUDA IPC mapping: "
+                     "%s failed (CUresult %d)", br->id, what, e);
+        return rc;
+      }
+      if (e != 0) {
+        free(m);
+        rc = set_err(c, SHARDD_E_IO,
+                     "opening the CUDA IPC handle of buffer %" PRIu64
+                     " (%" PRIu64 " bytes on CUDA device %d): %s: %s "
+                     "(error %d); the trainer "
+                     "must see the daemon's GPUs under the same ordinals "
+                     "(CUDA_VISIBLE_DEVICES) and be another process",
+                     br->id, br->block_bytes, device, what, cuda_str(e), e);
+        return rc;
+      }
+    } else {
+      base = mmap(NULL, br->block_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (base == MAP_FAILED) {
+        free(m);
+        rc = set_err(c, SHARDD_E_IO, "mmap of buffer %" PRIu64 " (%" PRIu64
+                     " bytes): %s", br->id, br->block_bytes, strerror(errno));
+        return rc;
+      }
+    }
+    m->buffer = br->id;
+    m->base = base;
+    m->len = br->block_bytes;
+    m->device = device;
+    m->transient = transient;
+    m->gather_off = br->gather_offset;
+    m->grad_off = br->grad_offset;
+    m->padded_numel = br->padded_numel;
+    m->esz = esz;
+    m->next = c->maps;
+    c->maps = m;
+  }
+  out->id = br->id;
+  out->dtype = (shardd_dtype)br->dtype;
+  out->numel = br->numel;
+  out->padded_numel = br->padded_numel;
+  out->shard_numel = br->shard_numel;
+  out->world = br->world;
+  out->rank = br->rank;
+  out->device = br->device;
+  out->created = br->created;
+  out->shard = (char *)base + br->shard_offset;
+  out->gather = transient ? NULL : (char *)base + br->gather_offset;
+  out->grad = transient ? NULL : (char *)base + br->grad_offset;
+  out->reduced = br->has_reduced_offset ? (char *)base + br->reduced_offset : NULL;
+  out->generation = br->has_generation ? br->generation : 0;
+  out->is_device = device >= 0;
+  out->transient = transient;
+  out->existing = br->has_existing && br->existing;
+
+  return rc;
+}
+
 shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
                                   shardd_dtype dtype, uint64_t numel,
                                   shardd_buffer_info *out) {
@@ -985,188 +1190,9 @@ shardd_err shardd_buffer_register_opts(shardd_client_t *c, const char *name,
       shardwire__response__free_unpacked(resp, NULL);
     return rc;
   }
-  const Shardwire__BufferReply *br = resp->buffer;
-  size_t esz = shardd_dtype_size((shardd_dtype)br->dtype);
-  int transient = br->has_transient && br->transient;
-  int device = -1; /* host mapping */
-  /* The reply is checked before anything is mapped: the pointers handed
-   * out are computed from it, so a wrong layout would have the caller
-   * write past the mapping. */
-  const char *bad = NULL;
-  if (esz == 0)
-    bad = "unknown dtype";
-  else if (br->world == 0 || br->rank >= br->world ||
-           br->numel > br->padded_numel ||
-           br->shard_numel > br->padded_numel / br->world ||
-           br->shard_numel * br->world != br->padded_numel)
-    bad = "element counts"; /* rank * shard_numel indexes the gather area */
-  else if (br->block_bytes == 0 ||
-           (uint64_t)(size_t)br->block_bytes != br->block_bytes)
-    bad = "block size";
-  else if (!area_ok(br->shard_offset, br->shard_numel, esz, br->block_bytes))
-    bad = "shard area";
-  /* a transient block has no gather or gradient area: its offsets are 0
-   * and unused, each gather's reply says where the areas are */
-  else if (!transient &&
-           !area_ok(br->gather_offset, br->padded_numel, esz, br->block_bytes))
-    bad = "gather area";
-  else if (!transient &&
-           !area_ok(br->grad_offset, br->padded_numel, esz, br->block_bytes))
-    bad = "gradient area";
-  else if (br->has_reduced_offset &&
-           !area_ok(br->reduced_offset, br->shard_numel, 4, br->block_bytes))
-    bad = "reduced-gradient area";
-  if (bad) {
-    rc = set_err(c, SHARDD_E_PROTOCOL,
-                 "buffer %" PRIu64 ": inconsistent layout (%s) in a block of "
-                 "%" PRIu64 " bytes", br->id, bad, br->block_bytes);
-    goto done;
-  }
-  if (fd < 0 && br->has_cuda_ipc_handle) {
-    if (br->cuda_ipc_handle.len != CUDA_IPC_BYTES) {
-      rc = set_err(c, SHARDD_E_PROTOCOL,
-                   "buffer %" PRIu64 ": CUDA IPC handle of %zu bytes, not %d",
-                   br->id, br->cuda_ipc_handle.len, CUDA_IPC_BYTES);
-      goto done;
-    }
-    /* -1 is the host marker of a mapping; larger ordinals wrap into it */
-    if (br->device > INT_MAX) {
-      rc = set_err(c, SHARDD_E_PROTOCOL,
-                   "buffer %" PRIu64 ": CUDA device %" PRIu32 " out of range",
-                   br->id, br->device);
-      goto done;
-    }
-    if (!cudart_ready()) {
-      rc = set_err(c, SHARDD_E_NO_CUDA,
-                   "buffer %" PRIu64 " lives in GPU memory (cuda backend): "
-                   "opening its CUDA IPC handle needs the CUDA runtime: %s; "
-                   "or run the daemon with --backend host to use host memory",
-                   br->id, cudart.why);
-      goto done;
-    }
-    device = (int)br->device;
-  } else if (fd < 0) {
-    rc = set_err(c, SHARDD_E_PROTOCOL,
-                 "the daemon sent no descriptor for buffer %" PRIu64
-                 " (is this a cuda backend? this call maps host memory)",
-                 br->id);
-    goto done;
-  } else {
-    intmax_t size;
-    int unfit = memfd_unfit(fd, br->block_bytes, &size);
-    if (unfit == 1) {
-      rc = set_err(c, SHARDD_E_PROTOCOL,
-                   "buffer %" PRIu64 ": the daemon's descriptor holds %jd "
-                   "bytes, not the %" PRIu64 " of its block", br->id, size,
-                   br->block_bytes);
-      goto done;
-    }
-    if (unfit == 2) {
-      rc = set_err(c, SHARDD_E_PROTOCOL,
-                   "buffer %" PRIu64 ": the daemon's descriptor is not a memfd "
-                   "sealed against shrinking (F_SEAL_SHRINK)", br->id);
-      goto done;
-    }
-  }
-  /* Registering again on one connection hands back the same mapping, so
-   * pointers from the first call stay valid as the header promises. */
-  void *base = NULL;
-  for (mapping *m = c->maps; m; m = m->next)
-    if (m->buffer == br->id && m->len == br->block_bytes && m->device == device)
-      base = m->base;
-  if (base == NULL) {
-    mapping *m = malloc(sizeof *m);
-    if (m == NULL) {
-      rc = set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
-      goto done;
-    }
-    if (device >= 0) {
-      const char *what;
-      size_t avail = 0;
-      int e = cuda_open(br->cuda_ipc_handle.data, device, &base, &avail, &what);
-      if (e == -1) {
-        free(m);
-        rc = set_err(c, SHARDD_E_NO_CUDA,
-                     "buffer %" PRIu64 ": the CUDA IPC handle opened, but its "
-                     "size cannot be checked against the %" PRIu64 " bytes "
-                     "advertised: neither the runtime nor libcuda.so.1 has "
-                     "cuMemGetAddressRange_v2", br->id, br->block_bytes);
-        goto done;
-      }
-      if (e == -2) {
-        free(m);
-        rc = set_err(c, SHARDD_E_IO,
-                     "buffer %" PRIu64 ": cuMemGetAddressRange_v2 gave a range "
-                     "that does not hold the opened pointer", br->id);
-        goto done;
-      }
-      if (e == 0 && avail < br->block_bytes) {
-        unmap(&(mapping){.base = base, .device = device});
-        free(m);
-        rc = set_err(c, SHARDD_E_PROTOCOL,
-                     "buffer %" PRIu64 ": the CUDA IPC handle maps %zu bytes, "
-                     "fewer than the %" PRIu64 " bytes the daemon advertised "
-                     "for its block", br->id, avail, br->block_bytes);
-        goto done;
-      }
-      if (e != 0 && what == range_call) { /* its CUresult is no cudaError_t */
-        free(m);
-        rc = set_err(c, SHARDD_E_IO,
-                     "buffer %" PRIu64 ": measuring its opened CUDA IPC mapping: "
-                     "%s failed (CUresult %d)", br->id, what, e);
-        goto done;
-      }
-      if (e != 0) {
-        free(m);
-        rc = set_err(c, SHARDD_E_IO,
-                     "opening the CUDA IPC handle of buffer %" PRIu64
-                     " (%" PRIu64 " bytes on CUDA device %d): %s: %s "
-                     "(error %d); the trainer "
-                     "must see the daemon's GPUs under the same ordinals "
-                     "(CUDA_VISIBLE_DEVICES) and be another process",
-                     br->id, br->block_bytes, device, what, cuda_str(e), e);
-        goto done;
-      }
-    } else {
-      base = mmap(NULL, br->block_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-      if (base == MAP_FAILED) {
-        free(m);
-        rc = set_err(c, SHARDD_E_IO, "mmap of buffer %" PRIu64 " (%" PRIu64
-                     " bytes): %s", br->id, br->block_bytes, strerror(errno));
-        goto done;
-      }
-    }
-    m->buffer = br->id;
-    m->base = base;
-    m->len = br->block_bytes;
-    m->device = device;
-    m->transient = transient;
-    m->gather_off = br->gather_offset;
-    m->grad_off = br->grad_offset;
-    m->padded_numel = br->padded_numel;
-    m->esz = esz;
-    m->next = c->maps;
-    c->maps = m;
-  }
-  out->id = br->id;
-  out->dtype = (shardd_dtype)br->dtype;
-  out->numel = br->numel;
-  out->padded_numel = br->padded_numel;
-  out->shard_numel = br->shard_numel;
-  out->world = br->world;
-  out->rank = br->rank;
-  out->device = br->device;
-  out->created = br->created;
-  out->shard = (char *)base + br->shard_offset;
-  out->gather = transient ? NULL : (char *)base + br->gather_offset;
-  out->grad = transient ? NULL : (char *)base + br->grad_offset;
-  out->reduced = br->has_reduced_offset ? (char *)base + br->reduced_offset : NULL;
-  out->generation = br->has_generation ? br->generation : 0;
-  out->is_device = device >= 0;
-  out->transient = transient;
-  out->existing = br->has_existing && br->existing;
-
-done:
+  rc = buffer_adopt(c, resp->buffer, fd, out);
+  if (rc != SHARDD_OK)
+    memset(out, 0, sizeof *out);
   if (fd >= 0)
     close(fd);
   shardwire__response__free_unpacked(resp, NULL);
@@ -1526,6 +1552,219 @@ shardd_err shardd_views_unregister(shardd_client_t *c, size_t n,
 done:
   free(uv);
   free(uvp);
+  return rc;
+}
+
+/* ---- batches of buffers ----------------------------------------------- */
+
+static void buffers_errs_fill(const Shardwire__Response *resp, size_t lo,
+                              size_t hi, shardd_err *errs) {
+  if (errs == NULL || resp == NULL ||
+      resp->body_case != SHARDWIRE__RESPONSE__BODY_BUFFERS_BATCH)
+    return;
+  const Shardwire__BuffersBatchReply *bb = resp->buffers_batch;
+  for (size_t k = 0; k < bb->n_errors; k++)
+    if (bb->errors[k]->index >= lo && bb->errors[k]->index < hi)
+      errs[bb->errors[k]->index] = (shardd_err)bb->errors[k]->code;
+}
+
+shardd_err shardd_buffers_register(shardd_client_t *c, size_t n,
+                                   const shardd_buffer_spec *specs,
+                                   shardd_buffer_info *out, shardd_err *errs) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+  if (out)
+    memset(out, 0, n * sizeof *out);
+  if (errs)
+    for (size_t i = 0; i < n; i++)
+      errs[i] = SHARDD_OK;
+  if (n == 0)
+    return SHARDD_OK;
+  if (specs == NULL || out == NULL)
+    return set_err(c, SHARDD_E_INVAL,
+                   "shardd_buffers_register: specs or out is NULL");
+  if (n > UINT32_MAX)
+    return set_err(c, SHARDD_E_RANGE, "shardd_buffers_register: %zu buffers, "
+                   "at most %" PRIu32 " per call", n, UINT32_MAX);
+  size_t stride = specs->size;
+  if (stride < offsetof(shardd_buffer_spec, init_checksum) + sizeof(uint64_t))
+    return set_err(c, SHARDD_E_INVAL,
+                   "shardd_buffers_register: specs[0].size %zu is too small "
+                   "(use SHARDD_BUFFER_SPEC_INIT)", stride);
+  Shardwire__RegisterBuffer *rb = calloc(n, sizeof *rb);
+  Shardwire__RegisterBuffer **rbp = calloc(n, sizeof *rbp);
+  uint64_t *made = malloc(n * sizeof *made); /* for the undo */
+  int fds[SHARDD_BUFFERS_PER_REQUEST];
+  shardd_err rc = SHARDD_OK;
+  size_t nmade = 0;
+  if (rb == NULL || rbp == NULL || made == NULL) {
+    rc = set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
+    goto done;
+  }
+  for (size_t i = 0; i < n; i++) {
+    shardd_buffer_spec e = SHARDD_BUFFER_SPEC_INIT;
+    const shardd_buffer_spec *sp =
+        (const shardd_buffer_spec *)((const char *)specs + i * stride);
+    memcpy(&e, sp, stride < sizeof e ? stride : sizeof e);
+    if (e.size != stride) {
+      rc = set_err(c, SHARDD_E_INVAL, "buffers: entry %zu has size %zu, entry "
+                   "0 %zu (every entry the same)", i, e.size, stride);
+      goto done;
+    }
+    if (e.name == NULL) {
+      if (errs)
+        errs[i] = SHARDD_E_INVAL;
+      rc = set_err(c, SHARDD_E_INVAL, "buffers: entry %zu has a NULL name; "
+                   "nothing was sent", i);
+      goto done;
+    }
+    shardwire__register_buffer__init(&rb[i]);
+    rb[i].name = (char *)e.name;
+    rb[i].dtype = (Shardwire__DType)e.dtype;
+    rb[i].numel = e.numel;
+    if (e.has_init_checksum) {
+      rb[i].has_init_checksum = 1;
+      rb[i].init_checksum = e.init_checksum;
+    }
+    rbp[i] = &rb[i];
+  }
+  for (size_t lo = 0; lo < n && rc == SHARDD_OK;) {
+    size_t hi = n - lo < SHARDD_BUFFERS_PER_REQUEST ? n
+                                                    : lo + SHARDD_BUFFERS_PER_REQUEST;
+    Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+    Shardwire__BuffersBatch bb = SHARDWIRE__BUFFERS_BATCH__INIT;
+    Shardwire__RegisterBuffers rq = SHARDWIRE__REGISTER_BUFFERS__INIT;
+    rq.n_buffers = hi - lo;
+    rq.buffers = rbp + lo;
+    rq.has_first_index = lo > 0;
+    rq.first_index = (uint32_t)lo;
+    bb.op_case = SHARDWIRE__BUFFERS_BATCH__OP_REGISTER;
+    bb.register_ = &rq;
+    req.body_case = SHARDWIRE__REQUEST__BODY_BUFFERS_BATCH;
+    req.buffers_batch = &bb;
+    Shardwire__Response *resp = NULL;
+    int nfds = 0;
+    clear_err(c);
+    rc = send_req(c, &req);
+    if (rc == SHARDD_OK)
+      rc = recv_for_many(c, req.seq, &resp, NULL, fds,
+                         SHARDD_BUFFERS_PER_REQUEST, &nfds);
+    if (rc == SHARDD_OK &&
+        resp->body_case != SHARDWIRE__RESPONSE__BODY_BUFFERS_BATCH)
+      rc = set_err(c, SHARDD_E_PROTOCOL, "the daemon answered with body %d to "
+                   "a batch of buffers", (int)resp->body_case);
+    else if (rc == SHARDD_OK && resp->buffers_batch->n_buffers != hi - lo)
+      rc = set_err(c, SHARDD_E_PROTOCOL, "the daemon answered %zu buffers for "
+                   "a request of %zu", resp->buffers_batch->n_buffers, hi - lo);
+    else if (rc == SHARDD_OK && nfds != 0 && (size_t)nfds != hi - lo)
+      rc = set_err(c, SHARDD_E_PROTOCOL, "the daemon sent %d descriptors for "
+                   "%zu buffers", nfds, hi - lo);
+    if (rc == SHARDD_OK) {
+      for (size_t i = lo; i < hi; i++) {
+        const Shardwire__BufferReply *br = resp->buffers_batch->buffers[i - lo];
+        if (br->created)
+          made[nmade++] = br->id;
+      }
+      for (size_t i = lo; i < hi && rc == SHARDD_OK; i++)
+        rc = buffer_adopt(c, resp->buffers_batch->buffers[i - lo],
+                          nfds ? fds[i - lo] : -1, &out[i]);
+    } else {
+      buffers_errs_fill(resp, lo, hi, errs);
+      if (errs)
+        for (size_t i = hi; i < n; i++)
+          errs[i] = SHARDD_E_STATE;
+      batch_err_note(c, rc, hi, n, "no buffer of this call was kept");
+    }
+    for (int k = 0; k < nfds; k++)
+      close(fds[k]);
+    if (resp)
+      shardwire__response__free_unpacked(resp, NULL);
+    lo = hi;
+  }
+  if (rc != SHARDD_OK && nmade > 0) {
+    /* the refusal's message is the call's error, not the undo's */
+    char *msg = strdup(shardd_last_error(c));
+    shardd_err urc = shardd_buffers_unregister(c, nmade, made, NULL, NULL);
+    if (msg && urc == SHARDD_OK)
+      set_err(c, rc, "%s", msg);
+    else if (msg)
+      set_err(c, rc, "%s; undoing the %zu buffers created by earlier requests "
+              "failed too: %s", msg, nmade, shardd_last_error(c));
+    free(msg);
+  }
+  if (rc != SHARDD_OK)
+    memset(out, 0, n * sizeof *out);
+
+done:
+  free(rb);
+  free(rbp);
+  free(made);
+  return rc;
+}
+
+shardd_err shardd_buffers_unregister(shardd_client_t *c, size_t n,
+                                     const uint64_t *buffers,
+                                     const uint64_t *generations,
+                                     shardd_err *errs) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+  if (errs)
+    for (size_t i = 0; i < n; i++)
+      errs[i] = SHARDD_OK;
+  if (n == 0)
+    return SHARDD_OK;
+  if (buffers == NULL)
+    return set_err(c, SHARDD_E_INVAL,
+                   "shardd_buffers_unregister: buffers is NULL");
+  if (n > UINT32_MAX)
+    return set_err(c, SHARDD_E_RANGE, "shardd_buffers_unregister: %zu buffers, "
+                   "at most %" PRIu32 " per call", n, UINT32_MAX);
+  size_t per = SHARDD_BUFFERS_PER_REQUEST;
+  Shardwire__UnregisterBuffer ub[SHARDD_BUFFERS_PER_REQUEST];
+  Shardwire__UnregisterBuffer *ubp[SHARDD_BUFFERS_PER_REQUEST];
+  shardd_err rc = SHARDD_OK;
+  for (size_t lo = 0; lo < n; lo += per) {
+    size_t hi = n - lo < per ? n : lo + per;
+    for (size_t i = lo; i < hi; i++) {
+      Shardwire__UnregisterBuffer *u = &ub[i - lo];
+      shardwire__unregister_buffer__init(u);
+      u->id = buffers[i];
+      if (generations && generations[i]) {
+        u->has_generation = 1;
+        u->generation = generations[i];
+      }
+      ubp[i - lo] = u;
+    }
+    Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+    Shardwire__BuffersBatch bb = SHARDWIRE__BUFFERS_BATCH__INIT;
+    Shardwire__UnregisterBuffers rq = SHARDWIRE__UNREGISTER_BUFFERS__INIT;
+    rq.n_buffers = hi - lo;
+    rq.buffers = ubp;
+    rq.has_first_index = lo > 0;
+    rq.first_index = (uint32_t)lo;
+    bb.op_case = SHARDWIRE__BUFFERS_BATCH__OP_UNREGISTER;
+    bb.unregister = &rq;
+    req.body_case = SHARDWIRE__REQUEST__BODY_BUFFERS_BATCH;
+    req.buffers_batch = &bb;
+    Shardwire__Response *resp;
+    rc = call_expect(c, &req, SHARDWIRE__RESPONSE__BODY_BUFFERS_BATCH, &resp,
+                     NULL);
+    if (rc == SHARDD_OK) {
+      for (size_t i = lo; i < hi; i++)
+        unmap_buffer(c, buffers[i]);
+    } else {
+      buffers_errs_fill(resp, lo, hi, errs);
+      if (errs)
+        for (size_t i = hi; i < n; i++)
+          errs[i] = SHARDD_E_STATE;
+      batch_err_note(c, rc, hi, n,
+                     "the buffers of the entries before these are unregistered");
+    }
+    if (resp)
+      shardwire__response__free_unpacked(resp, NULL);
+    if (rc != SHARDD_OK)
+      break;
+  }
   return rc;
 }
 

@@ -244,6 +244,51 @@ shardd_err shardd_buffer_register_opts(shardd_client_t *c, const char *name,
  * optimizer names it or a collective on it is in flight). */
 shardd_err shardd_buffer_unregister(shardd_client_t *c, uint64_t buffer);
 
+/* One entry of shardd_buffers_register(): the arguments and options of
+ * shardd_buffer_register_opts(). Created with SHARDD_BUFFER_SPEC_INIT;
+ * fields are only ever appended, and size (the same in every entry) is
+ * the array's stride. name is borrowed for the call. */
+typedef struct {
+  size_t size;
+  const char *name;
+  shardd_dtype dtype;
+  uint64_t numel;
+  int has_init_checksum;
+  uint64_t init_checksum;
+} shardd_buffer_spec;
+#define SHARDD_BUFFER_SPEC_INIT {sizeof(shardd_buffer_spec), NULL, SHARDD_DTYPE_FP32, 0, 0, 0}
+
+/* Entries per request of shardd_buffers_register / _unregister: each
+ * reply brings one descriptor per buffer, under the kernel's 253 per
+ * message (SCM_MAX_FD). */
+#define SHARDD_BUFFERS_PER_REQUEST 250
+
+/* Registers (or attaches to) n buffers at once, all or nothing: one request
+ * per up to SHARDD_BUFFERS_PER_REQUEST entries instead of one per buffer,
+ * each entry handled as shardd_buffer_register_opts would (out[i] as its
+ * out; mappings are shared with the single call's). When an entry is
+ * refused nothing of that request is kept, the buffers created by the
+ * call's earlier requests are unregistered again, and the error names
+ * every refused entry of the request ("[index] CODE: why"); errs (NULL,
+ * or n entries) gets each entry's code, SHARDD_E_STATE for the entries
+ * after the refused request (not checked). One thing is not undone across
+ * requests: the initial checksum an earlier request recorded on a buffer
+ * it attached to (the next registration of that rank records its own). */
+shardd_err shardd_buffers_register(shardd_client_t *c, size_t n,
+                                   const shardd_buffer_spec *specs,
+                                   shardd_buffer_info *out, shardd_err *errs);
+
+/* Unregisters n buffers, all or nothing per request (up to
+ * SHARDD_BUFFERS_PER_REQUEST ids): every id is checked first (registered,
+ * not held by an optimizer, no collective in flight, generation current
+ * when generations[i] is not 0, named once) and none of the request goes
+ * when any fails; the requests before a refused one stay done. errs as in
+ * shardd_buffers_register. generations may be NULL. */
+shardd_err shardd_buffers_unregister(shardd_client_t *c, size_t n,
+                                     const uint64_t *buffers,
+                                     const uint64_t *generations,
+                                     shardd_err *errs);
+
 /* Names elements [offset, offset+numel) of a buffer as an original
  * parameter of the given shape (product == numel; ndim 0 is a scalar).
  * Attaches when the same view exists already. */

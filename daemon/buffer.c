@@ -202,6 +202,18 @@ fail:
 
 shardd_err shardd__buffer_unregister(shardd__registry *reg, shardd__job *job,
                                      uint64_t id, char *err, size_t errlen) {
+  shardd_err rc = shardd__buffer_unregister_check(reg, job, id, err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  shardd__obj *o;
+  shardd__registry_resolve(reg, job, id, SHARDD__OBJ_BUFFER, &o, err, errlen);
+  shardd__buffer_destroy(reg, (shardd__buffer *)o);
+  return SHARDD_OK;
+}
+
+shardd_err shardd__buffer_unregister_check(shardd__registry *reg,
+                                           shardd__job *job, uint64_t id,
+                                           char *err, size_t errlen) {
   shardd__obj *o;
   shardd_err rc = shardd__registry_resolve(reg, job, id, SHARDD__OBJ_BUFFER, &o,
                                            err, errlen);
@@ -222,8 +234,23 @@ shardd_err shardd__buffer_unregister(shardd__registry *reg, shardd__job *job,
              id, o->name, b->inflight);
     return SHARDD_E_BUSY;
   }
-  shardd__buffer_destroy(reg, b);
   return SHARDD_OK;
+}
+
+void shardd__buffer_abandon(shardd__registry *reg, shardd__buffer *b) {
+  shardd__job *job = b->hdr.job;
+  char *gkey = shardd__gen_key(b->hdr.name, NULL);
+  /* the registration put the key, so this replaces or deletes */
+  if (gkey)
+    shardd__gen_put(job, gkey, b->hdr.generation - 1);
+  free(gkey);
+  shardd__map_free(&b->views); /* a buffer just created has none */
+  shardd__map_del_str(&job->buffers, b->hdr.name);
+  shardd__areas_buffer_fini(b);
+  buffer_free_blocks(reg, b);
+  shardd__obj_fini(reg, &b->hdr);
+  free(b->frozen);
+  free(b);
 }
 
 void shardd__buffer_hold(shardd__buffer *b) { b->inflight++; }

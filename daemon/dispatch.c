@@ -58,6 +58,27 @@ static void send_resp(shardd__dispatch *d, shardd__conn *c,
   d->io.send(d->io.ctx, c, frame, n, fd);
 }
 
+/* As send_resp, with n descriptors in order (all >= 0); they are the
+ * hook's from here, or closed. */
+static void send_resp_fds(shardd__dispatch *d, shardd__conn *c,
+                          const Shardwire__Response *resp, int *fds, size_t n) {
+  if (n <= 1) {
+    send_resp(d, c, resp, n == 1 ? fds[0] : -1);
+    return;
+  }
+  size_t len = shardwire__response__get_packed_size(resp);
+  if (!d->io.live(d->io.ctx, c) || len > SHARDD_MAX_FRAME) {
+    for (size_t i = 0; i < n; i++)
+      close(fds[i]);
+    send_resp(d, c, resp, -1); /* says why, or nothing */
+    return;
+  }
+  uint8_t *frame = malloc(SHARDD_FRAME_HEADER + len);
+  if (frame)
+    shardwire__response__pack(resp, frame + SHARDD_FRAME_HEADER);
+  d->io.send_fds(d->io.ctx, c, frame, len, fds, n);
+}
+
 /* A successful reply of body case bc; the caller sets the body. */
 static Shardwire__Response ok_resp(uint64_t seq, Shardwire__Response__BodyCase bc) {
   Shardwire__Response resp = SHARDWIRE__RESPONSE__INIT;
@@ -235,96 +256,155 @@ static void on_inspect(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   shardd__report_free(r);
 }
 
-static void on_register_buffer(shardd__dispatch *d, shardd__conn *c,
-                               uint64_t seq, const Shardwire__Request *req) {
-  const Shardwire__RegisterBuffer *rb = req->register_buffer;
-  shardd__backend *be = d->backend;
-  uint32_t rank = c->m.rank;
-  char err[ERRLEN];
+/* What registering one buffer changed in a buffer it attached to, so a
+ * refused batch can put it back. */
+typedef struct {
   shardd__buffer *b;
   int created;
+  int touched; /* the checksum fields below were b's before */
+  int had_sum;
+  uint64_t sum;
+  uint32_t rank;
+} buf_undo;
+
+/* Creates or attaches to rb's buffer for c's rank, with the initial
+ * checksum rule (RegisterBuffer). */
+static shardd_err buffer_register_one(shardd__dispatch *d, shardd__conn *c,
+                                      const Shardwire__RegisterBuffer *rb,
+                                      buf_undo *u, char *err, size_t errlen) {
+  uint32_t rank = c->m.rank;
+  memset(u, 0, sizeof *u);
+  shardd__buffer *b;
   shardd_err rc = shardd__buffer_register(&d->reg, c->m.job, rb->name,
                                           (shardd_dtype)rb->dtype, rb->numel,
-                                          &b, &created, err, sizeof err);
-  if (rc != SHARDD_OK) {
-    reply(d, c, seq, rc, err);
-    return;
-  }
+                                          &b, &u->created, err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  u->b = b;
   if (rb->has_init_checksum && !b->settled) {
     if (!b->has_init_sum || b->init_rank == rank) {
       /* the first, or that rank again (relaunched, maybe reseeded) */
+      u->touched = 1;
+      u->had_sum = b->has_init_sum;
+      u->sum = b->init_sum;
+      u->rank = b->init_rank;
       b->has_init_sum = 1;
       b->init_sum = rb->init_checksum;
       b->init_rank = rank;
     } else if (b->init_sum != rb->init_checksum) {
-      snprintf(err, sizeof err,
+      snprintf(err, errlen,
                "buffer \"%s\": rank %" PRIu32 "'s initial values differ from "
                "rank %" PRIu32 "'s (checksum %016" PRIx64 " vs %016" PRIx64 "): "
                "every rank must build the model identically (same seed), as "
                "each writes its own slice",
                b->hdr.name, rank, b->init_rank, rb->init_checksum, b->init_sum);
-      reply(d, c, seq, SHARDD_E_MISMATCH, err);
-      return;
+      return SHARDD_E_MISMATCH;
     }
   }
-  int fd = -1;
-  uint8_t ipc[64];
+  return SHARDD_OK;
+}
+
+static void buffer_undo(shardd__dispatch *d, const buf_undo *u) {
+  if (u->b == NULL)
+    return;
+  if (u->created) {
+    shardd__buffer_abandon(&d->reg, u->b);
+  } else if (u->touched) {
+    u->b->has_init_sum = u->had_sum;
+    u->b->init_sum = u->sum;
+    u->b->init_rank = u->rank;
+  }
+}
+
+/* Exports c's rank block of b (a descriptor in *fd, or a CUDA IPC handle
+ * in ipc) and fills br, which borrows from b and ipc. */
+static shardd_err buffer_reply_fill(shardd__dispatch *d, shardd__conn *c,
+                                    shardd__buffer *b, int created,
+                                    Shardwire__BufferReply *br, uint8_t ipc[64],
+                                    int *fd, char *err, size_t errlen) {
+  shardd__backend *be = d->backend;
+  uint32_t rank = c->m.rank;
   size_t ipc_len = 0;
+  shardd_err rc;
+  *fd = -1;
   if (be->ops->export_ipc) { /* cuda: a handle, no descriptor */
-    rc = be->ops->export_ipc(be, b->blocks[rank], ipc, sizeof ipc, &ipc_len);
+    rc = be->ops->export_ipc(be, b->blocks[rank], ipc, 64, &ipc_len);
     if (rc != SHARDD_OK) {
-      snprintf(err, sizeof err,
+      snprintf(err, errlen,
                "exporting rank %" PRIu32 "'s block as a CUDA IPC handle: %s",
                rank, shardd_strerror(rc));
-      reply(d, c, seq, rc, err);
-      return;
+      return rc;
     }
   } else {
-    rc = be->ops->export_fd(be, b->blocks[rank], &fd);
+    rc = be->ops->export_fd(be, b->blocks[rank], fd);
     if (rc != SHARDD_OK) {
-      snprintf(err, sizeof err, "exporting rank %" PRIu32 "'s block: %s",
+      snprintf(err, errlen, "exporting rank %" PRIu32 "'s block: %s",
                rank, shardd_strerror(rc));
-      reply(d, c, seq, rc, err);
-      return;
+      return rc;
     }
   }
-  Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_BUFFER);
-  Shardwire__BufferReply br = SHARDWIRE__BUFFER_REPLY__INIT;
+  shardwire__buffer_reply__init(br);
   if (ipc_len > 0) {
-    br.has_cuda_ipc_handle = 1;
-    br.cuda_ipc_handle.data = ipc;
-    br.cuda_ipc_handle.len = ipc_len;
+    br->has_cuda_ipc_handle = 1;
+    br->cuda_ipc_handle.data = ipc;
+    br->cuda_ipc_handle.len = ipc_len;
   }
-  br.id = b->hdr.id;
-  br.name = b->hdr.name;
-  br.dtype = (Shardwire__DType)b->dtype;
-  br.numel = b->numel;
-  br.padded_numel = b->padded_numel;
-  br.shard_numel = b->shard_numel;
-  br.world = b->world;
-  br.rank = rank;
-  br.device = (uint32_t)shardd__rank_device(&d->reg, rank);
-  br.block_bytes = b->blocks[rank]->bytes;
-  br.shard_offset = b->shard_off;
-  br.gather_offset = b->gather_off;
-  br.grad_offset = b->grad_off;
-  br.has_reduced_offset = 1;
-  br.reduced_offset = b->reduced_off;
-  br.created = created;
-  br.has_existing = 1;
-  br.existing = b->settled != 0;
-  br.has_generation = 1;
-  br.generation = b->hdr.generation;
+  br->id = b->hdr.id;
+  br->name = b->hdr.name;
+  br->dtype = (Shardwire__DType)b->dtype;
+  br->numel = b->numel;
+  br->padded_numel = b->padded_numel;
+  br->shard_numel = b->shard_numel;
+  br->world = b->world;
+  br->rank = rank;
+  br->device = (uint32_t)shardd__rank_device(&d->reg, rank);
+  br->block_bytes = b->blocks[rank]->bytes;
+  br->shard_offset = b->shard_off;
+  br->gather_offset = b->gather_off;
+  br->grad_offset = b->grad_off;
+  br->has_reduced_offset = 1;
+  br->reduced_offset = b->reduced_off;
+  br->created = created;
+  br->has_existing = 1;
+  br->existing = b->settled != 0;
+  br->has_generation = 1;
+  br->generation = b->hdr.generation;
   if (b->hdr.job->transient) {
-    br.has_transient = 1;
-    br.transient = 1;
+    br->has_transient = 1;
+    br->transient = 1;
   }
+  return SHARDD_OK;
+}
+
+static void log_created(const shardd__conn *c, const shardd__buffer *b) {
+  shardd__log(3, "job \"%s\": buffer %" PRIu64 " \"%s\" %s[%" PRIu64 "]",
+              c->m.job->name, b->hdr.id, b->hdr.name,
+              shardd_dtype_name(b->dtype), b->numel);
+}
+
+static void on_register_buffer(shardd__dispatch *d, shardd__conn *c,
+                               uint64_t seq, const Shardwire__Request *req) {
+  char err[ERRLEN];
+  buf_undo u;
+  shardd_err rc = buffer_register_one(d, c, req->register_buffer, &u, err,
+                                      sizeof err);
+  if (rc != SHARDD_OK) {
+    reply(d, c, seq, rc, err);
+    return;
+  }
+  int fd;
+  uint8_t ipc[64];
+  Shardwire__BufferReply br;
+  rc = buffer_reply_fill(d, c, u.b, u.created, &br, ipc, &fd, err, sizeof err);
+  if (rc != SHARDD_OK) {
+    reply(d, c, seq, rc, err);
+    return;
+  }
+  Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_BUFFER);
   resp.buffer = &br;
   send_resp(d, c, &resp, fd);
-  if (created)
-    shardd__log(3, "job \"%s\": buffer %" PRIu64 " \"%s\" %s[%" PRIu64 "]",
-                c->m.job->name, b->hdr.id, b->hdr.name,
-                shardd_dtype_name(b->dtype), b->numel);
+  if (u.created)
+    log_created(c, u.b);
 }
 
 static void on_register_view(shardd__dispatch *d, shardd__conn *c,
@@ -421,13 +501,14 @@ static void batch_err_add(batch_errs *b, size_t i, shardd_err rc,
 static void batch_refuse(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                          size_t n, batch_errs *b, const char *what) {
   char head[128];
+  int reg = strcmp(what, "views") == 0 || strcmp(what, "buffers") == 0;
   if (b->base)
     snprintf(head, sizeof head, "%zu of the %zu %s from entry %" PRIu32
              " refused, none of them %s: ", b->total, n, what, b->base,
-             strcmp(what, "views") == 0 ? "registered" : "unregistered");
+             reg ? "registered" : "unregistered");
   else
     snprintf(head, sizeof head, "%zu of %zu %s refused, none %s: ", b->total,
-             n, what, strcmp(what, "views") == 0 ? "registered" : "unregistered");
+             n, what, reg ? "registered" : "unregistered");
   size_t hl = strlen(head);
   char *m = malloc(hl + b->len + 96);
   if (m) {
@@ -443,12 +524,22 @@ static void batch_refuse(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   resp.code = (Shardwire__StatusCode)b->first;
   resp.message = m ? m : (char *)shardd_strerror(b->first);
   Shardwire__ViewsBatchReply vb = SHARDWIRE__VIEWS_BATCH_REPLY__INIT;
-  vb.n_errors = b->n;
-  vb.errors = b->errp;
-  vb.has_errors_total = 1;
-  vb.errors_total = (uint32_t)b->total;
-  resp.body_case = SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH;
-  resp.views_batch = &vb;
+  Shardwire__BuffersBatchReply bb = SHARDWIRE__BUFFERS_BATCH_REPLY__INIT;
+  if (strncmp(what, "buffer", 6) == 0) {
+    bb.n_errors = b->n;
+    bb.errors = b->errp;
+    bb.has_errors_total = 1;
+    bb.errors_total = (uint32_t)b->total;
+    resp.body_case = SHARDWIRE__RESPONSE__BODY_BUFFERS_BATCH;
+    resp.buffers_batch = &bb;
+  } else {
+    vb.n_errors = b->n;
+    vb.errors = b->errp;
+    vb.has_errors_total = 1;
+    vb.errors_total = (uint32_t)b->total;
+    resp.body_case = SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH;
+    resp.views_batch = &vb;
+  }
   send_resp(d, c, &resp, -1);
   free(m);
 }
@@ -614,6 +705,167 @@ static void on_views_batch(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     views_unregister(d, c, seq, vb->unregister);
   else
     reply(d, c, seq, SHARDD_E_INVAL, "ViewsBatch names no operation");
+}
+
+/* ---- batches of buffers ----------------------------------------------- */
+
+/* At most this many entries per request: the reply brings a descriptor per
+ * entry, and a client may pass them on in one message (SCM_MAX_FD 253). */
+#define BUFFERS_PER_REQUEST 250
+
+/* Every entry is tried in order, as that many RegisterBuffer requests
+ * would be; when any is refused (or a block cannot be exported) what the
+ * request did is undone, newest first, and nothing is left of it. */
+static void buffers_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                             const Shardwire__RegisterBuffers *rq) {
+  size_t n = rq->n_buffers;
+  char err[ERRLEN];
+  if (n > BUFFERS_PER_REQUEST) {
+    snprintf(err, sizeof err, "%zu buffers in one request, at most %d", n,
+             BUFFERS_PER_REQUEST);
+    reply(d, c, seq, SHARDD_E_LIMIT, err);
+    return;
+  }
+  batch_errs be;
+  buf_undo *u = calloc(n ? n : 1, sizeof *u);
+  Shardwire__BufferReply *br = calloc(n ? n : 1, sizeof *br);
+  Shardwire__BufferReply **brp = calloc(n ? n : 1, sizeof *brp);
+  uint8_t *ipc = malloc((n ? n : 1) * 64);
+  int *fds = malloc((n ? n : 1) * sizeof *fds);
+  if (u == NULL || br == NULL || brp == NULL || ipc == NULL || fds == NULL ||
+      batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
+          SHARDD_OK) {
+    free(u);
+    free(br);
+    free(brp);
+    free(ipc);
+    free(fds);
+    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    return;
+  }
+  for (size_t i = 0; i < n; i++) {
+    fds[i] = -1;
+    shardd_err rc = buffer_register_one(d, c, rq->buffers[i], &u[i], err,
+                                        sizeof err);
+    if (rc != SHARDD_OK)
+      batch_err_add(&be, i, rc, err);
+  }
+  size_t nfds = 0;
+  for (size_t i = 0; i < n && be.total == 0; i++) {
+    shardd_err rc = buffer_reply_fill(d, c, u[i].b, u[i].created, &br[i],
+                                      ipc + 64 * i, &fds[i], err, sizeof err);
+    if (rc != SHARDD_OK)
+      batch_err_add(&be, i, rc, err);
+    else if (fds[i] >= 0)
+      nfds++;
+    brp[i] = &br[i];
+  }
+  if (be.total > 0) {
+    for (size_t i = 0; i < n; i++)
+      if (fds[i] >= 0)
+        close(fds[i]);
+    for (size_t i = n; i-- > 0;)
+      buffer_undo(d, &u[i]);
+    batch_refuse(d, c, seq, n, &be, "buffers");
+  } else if (nfds != 0 && nfds != n) {
+    /* a backend exports every block alike: a bug, said loudly */
+    for (size_t i = 0; i < n; i++)
+      if (fds[i] >= 0)
+        close(fds[i]);
+    for (size_t i = n; i-- > 0;)
+      buffer_undo(d, &u[i]);
+    reply(d, c, seq, SHARDD_E_INTERNAL, "some blocks exported a descriptor, "
+          "some not");
+  } else {
+    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_BUFFERS_BATCH);
+    Shardwire__BuffersBatchReply bb = SHARDWIRE__BUFFERS_BATCH_REPLY__INIT;
+    bb.n_buffers = n;
+    bb.buffers = brp;
+    resp.buffers_batch = &bb;
+    send_resp_fds(d, c, &resp, fds, nfds);
+    for (size_t i = 0; i < n; i++)
+      if (u[i].created)
+        log_created(c, u[i].b);
+  }
+  batch_errs_free(&be);
+  free(u);
+  free(br);
+  free(brp);
+  free(ipc);
+  free(fds);
+}
+
+/* Every id is checked before any buffer goes: registered, held by no
+ * optimizer, no collective in flight, generation current, named once. */
+static void buffers_unregister(shardd__dispatch *d, shardd__conn *c,
+                               uint64_t seq,
+                               const Shardwire__UnregisterBuffers *rq) {
+  size_t n = rq->n_buffers;
+  char err[ERRLEN];
+  batch_errs be;
+  uint64_t *ids = malloc((n ? n : 1) * sizeof *ids);
+  if (ids == NULL ||
+      batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
+          SHARDD_OK) {
+    free(ids);
+    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    return;
+  }
+  shardd__registry *reg = &d->reg;
+  shardd__job *job = c->m.job;
+  for (size_t i = 0; i < n; i++) {
+    const Shardwire__UnregisterBuffer *ub = rq->buffers[i];
+    shardd_err rc;
+    uint64_t gen = ub->has_generation ? ub->generation : 0;
+    if (gen != 0 && shardd__registry_stale(reg, job, ub->id, gen, err, sizeof err))
+      rc = SHARDD_E_STALE;
+    else
+      rc = shardd__buffer_unregister_check(reg, job, ub->id, err, sizeof err);
+    if (rc != SHARDD_OK)
+      batch_err_add(&be, i, rc, err);
+    ids[i] = ub->id;
+  }
+  if (be.total == 0 && n > 1) {
+    qsort(ids, n, sizeof *ids, cmp_u64);
+    for (size_t i = 1; i < n; i++)
+      if (ids[i] == ids[i - 1]) {
+        size_t seen = 0;
+        for (size_t j = 0; j < n; j++)
+          if (rq->buffers[j]->id == ids[i] && seen++ > 0) {
+            snprintf(err, sizeof err, "buffer %" PRIu64 " is named twice",
+                     ids[i]);
+            batch_err_add(&be, j, SHARDD_E_INVAL, err);
+          }
+        while (i + 1 < n && ids[i + 1] == ids[i])
+          i++;
+      }
+  }
+  if (be.total > 0) {
+    batch_refuse(d, c, seq, n, &be, "buffer unregistrations");
+  } else {
+    for (size_t i = 0; i < n; i++)
+      if (shardd__buffer_unregister(reg, job, rq->buffers[i]->id, err,
+                                    sizeof err) != SHARDD_OK)
+        shardd__log(1, "job \"%s\": buffer %" PRIu64 " passed its check but: %s",
+                    job->name, rq->buffers[i]->id, err);
+    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_BUFFERS_BATCH);
+    Shardwire__BuffersBatchReply bb = SHARDWIRE__BUFFERS_BATCH_REPLY__INIT;
+    resp.buffers_batch = &bb;
+    send_resp(d, c, &resp, -1);
+  }
+  batch_errs_free(&be);
+  free(ids);
+}
+
+static void on_buffers_batch(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                             const Shardwire__Request *req) {
+  const Shardwire__BuffersBatch *bb = req->buffers_batch;
+  if (bb->op_case == SHARDWIRE__BUFFERS_BATCH__OP_REGISTER)
+    buffers_register(d, c, seq, bb->register_);
+  else if (bb->op_case == SHARDWIRE__BUFFERS_BATCH__OP_UNREGISTER)
+    buffers_unregister(d, c, seq, bb->unregister);
+  else
+    reply(d, c, seq, SHARDD_E_INVAL, "BuffersBatch names no operation");
 }
 
 static void on_register_optimizer(shardd__dispatch *d, shardd__conn *c,
@@ -1646,6 +1898,7 @@ static const struct {
     {SHARDWIRE__REQUEST__BODY_REGISTER_VIEW, 1, 1, on_register_view},
     {SHARDWIRE__REQUEST__BODY_UNREGISTER_VIEW, 1, 1, on_unregister_view},
     {SHARDWIRE__REQUEST__BODY_VIEWS_BATCH, 1, 1, on_views_batch},
+    {SHARDWIRE__REQUEST__BODY_BUFFERS_BATCH, 1, 1, on_buffers_batch},
     {SHARDWIRE__REQUEST__BODY_REGISTER_OPTIMIZER, 1, 1, on_register_optimizer},
     {SHARDWIRE__REQUEST__BODY_UNREGISTER_OPTIMIZER, 1, 1, on_unregister_optimizer},
     {SHARDWIRE__REQUEST__BODY_GATHER, 1, 0, on_gather},

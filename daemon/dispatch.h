@@ -70,6 +70,11 @@ typedef struct {
    * 0. Called only outside walks over shared state; the job the rank
    * belongs to may be released inside (--job-linger 0). NULL: never. */
   int (*reclaim)(void *ctx, uint64_t id);
+  /* As send, with nfds descriptors (fds[k] >= 0) travelling with the
+   * frame in order; the descriptors are the hook's from here (it sets
+   * the entries it took to -1 and closes any it could not send). */
+  void (*send_fds)(void *ctx, shardd__conn *c, uint8_t *frame, size_t len,
+                   int *fds, size_t nfds);
 } shardd__dispatch_io;
 
 typedef struct {

@@ -331,6 +331,16 @@ shardd_err shardd__buffer_register(shardd__registry *reg, shardd__job *job,
                                    int *created, char *err, size_t errlen);
 shardd_err shardd__buffer_unregister(shardd__registry *reg, shardd__job *job,
                                      uint64_t id, char *err, size_t errlen);
+/* Whether buffer id could be unregistered now (registered in job, held by
+ * no optimizer, no collective in flight), without doing it: a batch checks
+ * every entry first. */
+shardd_err shardd__buffer_unregister_check(shardd__registry *reg,
+                                           shardd__job *job, uint64_t id,
+                                           char *err, size_t errlen);
+/* Undoes the registration that created b (buffer_register with *created
+ * 1), as if it never happened: its name's generation goes back and no
+ * freed handle is recorded, so a refused batch leaves no trace. */
+void shardd__buffer_abandon(shardd__registry *reg, shardd__buffer *b);
 /* Pins b while a collective is queued or running on it: buffer_unregister
  * refuses it with SHARDD_E_BUSY until every hold is released. Holds count,
  * and each is undone by one release_hold; releasing one never taken is the

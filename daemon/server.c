@@ -31,11 +31,19 @@ double shardd__server_now(const shardd__server *srv) {
 
 /* ---- writes ----------------------------------------------------------- */
 
+/* A frame sent as several writes (one per descriptor) shares its bytes:
+ * the last write to finish, or to be cancelled, frees them. */
+typedef struct {
+  char *buf;
+  size_t refs;
+} shared_buf;
+
 typedef struct {
   uv_write_t req;
   uv_pipe_t *fd_handle; /* wraps the descriptor sent with this write */
   shardd__session *s;
   uv_buf_t buf;
+  shared_buf *sb; /* NULL: buf.base is this write's own */
 } write_req;
 
 void shardd__session_close(shardd__session *s);
@@ -66,7 +74,12 @@ static void write_done(uv_write_t *req, int status) {
   if (w->fd_handle)
     uv_close((uv_handle_t *)w->fd_handle, fd_handle_closed);
   shardd__session *s = w->s;
-  free(w->buf.base);
+  if (w->sb == NULL) {
+    free(w->buf.base);
+  } else if (--w->sb->refs == 0) {
+    free(w->sb->buf);
+    free(w->sb);
+  }
   free(w);
   s->writes--;
   if (status < 0 && status != UV_ECANCELED) {
@@ -166,6 +179,97 @@ fail:
   shardd__log(0, "session %" PRIu64 ": out of memory replying; closing it",
               s->conn.id);
   session_close_later(s);
+}
+
+/* The dispatcher's send_fds hook: a write carries one descriptor (libuv's
+ * uv_write2), so the frame goes out as nfds writes, descriptor k with
+ * byte k and the last with the rest. They are queued back to back, so
+ * nothing comes between them in the stream; the kernel never merges two
+ * writes' descriptors into one read, and the client reads up to the
+ * frame's end, so every descriptor reaches the frame they were sent with,
+ * in order. */
+static void net_send_fds(void *ctx, shardd__conn *c, uint8_t *frame, size_t n,
+                         int *fds, size_t nfds) {
+  if (nfds <= 1) {
+    net_send(ctx, c, frame, n, nfds == 1 ? fds[0] : -1);
+    return;
+  }
+  shardd__session *s = session_of(c);
+  size_t total = SHARDD_FRAME_HEADER + n;
+  size_t k = 0;
+  shared_buf *sb = NULL;
+  write_req **ws = NULL;
+  if (s->closing || s->close_deferred)
+    goto drop;
+  if (frame == NULL || total < nfds || reply_fault(s->srv) ||
+      (sb = calloc(1, sizeof *sb)) == NULL ||
+      (ws = calloc(nfds, sizeof *ws)) == NULL)
+    goto oom;
+  for (k = 0; k < nfds; k++) {
+    if ((ws[k] = calloc(1, sizeof *ws[k])) == NULL ||
+        (ws[k]->fd_handle = malloc(sizeof *ws[k]->fd_handle)) == NULL)
+      goto oom;
+    uv_pipe_init(s->srv->loop, ws[k]->fd_handle, 0);
+    int e = uv_pipe_open(ws[k]->fd_handle, fds[k]);
+    if (e != 0) {
+      /* not opened: the handle needs no close, the descriptor is ours */
+      free(ws[k]->fd_handle);
+      ws[k]->fd_handle = NULL;
+      shardd__log(0, "wrapping a descriptor: %s", uv_strerror(e));
+      goto oom;
+    }
+    fds[k] = -1; /* the handle owns it now */
+  }
+  shardd__frame_put_header(frame, (uint32_t)n);
+  sb->buf = (char *)frame;
+  sb->refs = nfds;
+  frame = NULL;
+  for (k = 0; k < nfds; k++) {
+    write_req *w = ws[k];
+    w->s = s;
+    w->sb = sb;
+    w->buf = uv_buf_init(sb->buf + k, (unsigned)(k + 1 < nfds ? 1 : total - k));
+    int e = uv_write2(&w->req, (uv_stream_t *)&s->pipe, &w->buf, 1,
+                      (uv_stream_t *)w->fd_handle, write_done);
+    if (e != 0) {
+      /* the queued writes hold the bytes; the rest are dropped here */
+      shardd__log(3, "session %" PRIu64 ": write: %s", s->conn.id,
+                  uv_strerror(e));
+      for (size_t j = k; j < nfds; j++) {
+        uv_close((uv_handle_t *)ws[j]->fd_handle, fd_handle_closed);
+        free(ws[j]);
+        if (--sb->refs == 0) {
+          free(sb->buf);
+          free(sb);
+        }
+      }
+      free(ws);
+      session_close_later(s);
+      return;
+    }
+    s->writes++;
+  }
+  free(ws);
+  return;
+
+oom:
+  shardd__log(0, "session %" PRIu64 ": out of memory replying; closing it",
+              s->conn.id);
+  session_close_later(s);
+  if (ws)
+    for (size_t j = 0; j < nfds; j++)
+      if (ws[j]) {
+        if (ws[j]->fd_handle)
+          uv_close((uv_handle_t *)ws[j]->fd_handle, fd_handle_closed);
+        free(ws[j]);
+      }
+  free(ws);
+  free(sb);
+drop:
+  for (size_t j = 0; j < nfds; j++)
+    if (fds[j] >= 0)
+      close(fds[j]);
+  free(frame);
 }
 
 static uint32_t net_clients(void *ctx) {
@@ -486,8 +590,9 @@ shardd_err shardd__server_init(shardd__server *srv, uv_loop_t *loop,
     return SHARDD_E_INVAL;
   }
   snprintf(srv->socket_path, sizeof srv->socket_path, "%s", path);
-  shardd__dispatch_io io = {srv,    net_send,          net_clients,
-                            net_live, net_partial_bytes, net_reclaim};
+  shardd__dispatch_io io = {srv,      net_send,          net_clients,
+                            net_live, net_partial_bytes, net_reclaim,
+                            net_send_fds};
   shardd_err rc = shardd__dispatch_init(&srv->d, loop, backend, opts,
                                         srv->socket_path, &io, err, errlen);
   if (rc != SHARDD_OK) {

@@ -400,3 +400,246 @@ Test(dispatch, thousands_of_refusals_are_counted_and_bounded) {
   test_raw_sync(&r);
   test_raw_close(&r);
 }
+
+/* ---- batches of buffers (BuffersBatch) -------------------------------- */
+
+static shardd_buffer_spec bspec(const char *name, shardd_dtype dt,
+                                uint64_t numel) {
+  shardd_buffer_spec s = SHARDD_BUFFER_SPEC_INIT;
+  s.name = name;
+  s.dtype = dt;
+  s.numel = numel;
+  return s;
+}
+
+Test(dispatch, buffers_batch_maps_each_buffer_s_own_block) {
+  /* every entry's descriptor is its own: a pattern written through each
+   * shard comes back in that buffer's gather area (world 1: the gather
+   * copies the rank's shard) */
+  enum { N = 7 };
+  shardd_buffer_spec s[N];
+  char bnm[N][16];
+  for (int i = 0; i < N; i++) {
+    snprintf(bnm[i], sizeof bnm[i], "bb%d", i);
+    s[i] = bspec(bnm[i], SHARDD_DTYPE_FP32, 100 + 37 * (uint64_t)i);
+  }
+  shardd_buffer_info bi[N];
+  shardd_err errs[N];
+  cr_assert_eq(shardd_buffers_register(c, N, s, bi, errs), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  for (int i = 0; i < N; i++) {
+    cr_assert_eq(errs[i], SHARDD_OK);
+    cr_assert_eq(bi[i].created, 1);
+    cr_assert_eq(bi[i].numel, 100 + 37 * (uint64_t)i);
+    cr_assert_eq(bi[i].generation, 1);
+    cr_assert(i == 0 || bi[i].id != bi[i - 1].id);
+    float *p = bi[i].shard;
+    for (uint64_t k = 0; k < bi[i].numel; k++)
+      p[k] = (float)(i * 1000 + (int)k);
+  }
+  for (int i = 0; i < N; i++) {
+    cr_assert_eq(shardd_gather(c, bi[i].id), SHARDD_OK, "%s",
+                 shardd_last_error(c));
+    const float *g = bi[i].gather;
+    for (uint64_t k = 0; k < bi[i].numel; k++)
+      cr_assert_eq(g[k], (float)(i * 1000 + (int)k), "buffer %d elem %" PRIu64,
+                   i, k);
+  }
+  /* attaching again, one by one, finds the same buffers and mappings */
+  shardd_buffer_info one_b;
+  cr_assert_eq(shardd_buffer_register(c, "bb3", SHARDD_DTYPE_FP32, 100 + 37 * 3,
+                                      &one_b), SHARDD_OK);
+  cr_assert_eq(one_b.id, bi[3].id);
+  cr_assert_eq(one_b.created, 0);
+  cr_assert_eq(one_b.shard, bi[3].shard);
+  /* and a batch attaching to them says so */
+  shardd_buffer_info again[N];
+  cr_assert_eq(shardd_buffers_register(c, N, s, again, NULL), SHARDD_OK);
+  for (int i = 0; i < N; i++) {
+    cr_assert_eq(again[i].id, bi[i].id);
+    cr_assert_eq(again[i].created, 0);
+  }
+  cr_assert_eq(shardd_buffers_register(c, 0, NULL, NULL, NULL), SHARDD_OK);
+}
+
+#define BBIG 600 /* three requests of SHARDD_BUFFERS_PER_REQUEST */
+static char bbnames[BBIG][24];
+static shardd_buffer_spec bbig[BBIG];
+static shardd_buffer_info bbi[BBIG];
+static shardd_err bbe[BBIG];
+
+Test(dispatch, buffers_call_longer_than_a_request_is_undone_whole) {
+  cr_assert_gt(BBIG, 2 * SHARDD_BUFFERS_PER_REQUEST);
+  for (int i = 0; i < BBIG; i++) {
+    snprintf(bbnames[i], sizeof bbnames[i], "big%d", i);
+    bbig[i] = bspec(bbnames[i], SHARDD_DTYPE_BF16, 64);
+  }
+  bbig[520].dtype = (shardd_dtype)77; /* in the third request */
+  bbig[521].numel = 0;
+  shardd_err rc = shardd_buffers_register(c, BBIG, bbig, bbi, bbe);
+  cr_assert_eq(rc, SHARDD_E_DTYPE, "%s: %s", shardd_err_name(rc),
+               shardd_last_error(c));
+  for (int i = 0; i < BBIG; i++)
+    cr_assert_eq(bbe[i], i == 520 ? SHARDD_E_DTYPE
+                         : i == 521 ? SHARDD_E_RANGE : SHARDD_OK,
+                 "entry %d: %s", i, shardd_err_name(bbe[i]));
+  const char *m = shardd_last_error(c);
+  cr_assert(strstr(m, "[520] E_DTYPE") && strstr(m, "[521] E_RANGE") &&
+                strstr(m, "2 of the 100 buffers from entry 500 refused"),
+            "indices count from the call's first entry: %s", m);
+  /* nothing is left: the refused request's buffers were abandoned (their
+   * generation back to none), the earlier requests' unregistered */
+  shardd_buffer_info x;
+  cr_assert_eq(shardd_buffer_register(c, "big519", SHARDD_DTYPE_BF16, 64, &x),
+               SHARDD_OK);
+  cr_assert_eq(x.created, 1);
+  cr_assert_eq(x.generation, 1);
+  cr_assert_eq(shardd_buffer_register(c, "big0", SHARDD_DTYPE_BF16, 64, &x),
+               SHARDD_OK);
+  cr_assert_eq(x.created, 1);
+  cr_assert_eq(x.generation, 2); /* it was registered, then unregistered */
+  uint64_t two[2] = {x.id, 0};
+  cr_assert_eq(shardd_buffer_register(c, "big519", SHARDD_DTYPE_BF16, 64, &x),
+               SHARDD_OK);
+  two[1] = x.id;
+  cr_assert_eq(shardd_buffers_unregister(c, 2, two, NULL, NULL), SHARDD_OK, "%s",
+               shardd_last_error(c));
+
+  bbig[520].dtype = SHARDD_DTYPE_BF16;
+  bbig[521].numel = 64;
+  cr_assert_eq(shardd_buffers_register(c, BBIG, bbig, bbi, bbe), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  static uint64_t ids[BBIG];
+  for (int i = 0; i < BBIG; i++) {
+    cr_assert_eq(bbi[i].created, 1);
+    cr_assert_neq(bbi[i].shard, NULL);
+    ((uint16_t *)bbi[i].shard)[0] = (uint16_t)i; /* mapped, writable */
+    ids[i] = bbi[i].id;
+  }
+  cr_assert_eq(shardd_buffers_unregister(c, BBIG, ids, NULL, NULL), SHARDD_OK,
+               "%s", shardd_last_error(c));
+  cr_assert_eq(shardd_buffer_unregister(c, ids[0]), SHARDD_E_NOT_FOUND);
+  cr_assert_eq(shardd_buffer_unregister(c, ids[BBIG - 1]), SHARDD_E_NOT_FOUND);
+}
+
+Test(dispatch, buffers_unregister_checks_every_id_before_any_goes) {
+  shardd_buffer_spec s[3] = {bspec("u0", SHARDD_DTYPE_FP32, 8),
+                             bspec("u1", SHARDD_DTYPE_FP32, 8),
+                             bspec("u2", SHARDD_DTYPE_FP32, 8)};
+  shardd_buffer_info bi[3];
+  cr_assert_eq(shardd_buffers_register(c, 3, s, bi, NULL), SHARDD_OK);
+  uint64_t ids[4] = {bi[0].id, bi[1].id, 999999, bi[0].id};
+  shardd_err errs[4];
+  shardd_err rc = shardd_buffers_unregister(c, 4, ids, NULL, errs);
+  cr_assert_eq(rc, SHARDD_E_NOT_FOUND, "%s: %s", shardd_err_name(rc),
+               shardd_last_error(c));
+  cr_assert_eq(errs[0], SHARDD_OK);
+  cr_assert_eq(errs[2], SHARDD_E_NOT_FOUND);
+  /* a repeated id, and a stale generation */
+  uint64_t gens[3] = {0, bi[1].generation + 1, 0};
+  uint64_t rep[3] = {bi[0].id, bi[1].id, bi[0].id};
+  rc = shardd_buffers_unregister(c, 3, rep, gens, errs);
+  cr_assert_eq(rc, SHARDD_E_STALE, "%s", shardd_last_error(c));
+  cr_assert_eq(errs[1], SHARDD_E_STALE);
+  rc = shardd_buffers_unregister(c, 3, rep, NULL, errs);
+  cr_assert_eq(rc, SHARDD_E_INVAL, "%s", shardd_last_error(c));
+  cr_assert_eq(errs[2], SHARDD_E_INVAL);
+  cr_assert(strstr(shardd_last_error(c), "named twice"), "%s",
+            shardd_last_error(c));
+  /* none went: all three still attach */
+  shardd_buffer_info again[3];
+  cr_assert_eq(shardd_buffers_register(c, 3, s, again, NULL), SHARDD_OK);
+  for (int i = 0; i < 3; i++)
+    cr_assert_eq(again[i].created, 0);
+  uint64_t all[3] = {bi[0].id, bi[1].id, bi[2].id};
+  cr_assert_eq(shardd_buffers_unregister(c, 3, all, NULL, NULL), SHARDD_OK);
+}
+
+Test(dispatch, buffers_batch_checksum_refusal_puts_the_first_back) {
+  /* rank 0 records a checksum, then a refused batch of rank 0 records
+   * another on the attached buffer: the refusal puts the first back, so
+   * rank 1 sending the first is accepted (with the second it would be
+   * E_MISMATCH) */
+  shardd_client_t *r0 = test_connect(&d, "ck", 0, 2);
+  shardd_client_t *r1 = test_connect(&d, "ck", 1, 2);
+  shardd_buffer_opts o = SHARDD_BUFFER_OPTS_INIT;
+  o.has_init_checksum = 1;
+  o.init_checksum = 0x1111;
+  shardd_buffer_info x;
+  cr_assert_eq(shardd_buffer_register_opts(r0, "ck", SHARDD_DTYPE_FP32, 16, &o,
+                                           &x), SHARDD_OK, "%s",
+               shardd_last_error(r0));
+  shardd_buffer_spec s[2] = {bspec("ck", SHARDD_DTYPE_FP32, 16),
+                             bspec("ck2", SHARDD_DTYPE_FP32, 0)};
+  s[0].has_init_checksum = 1;
+  s[0].init_checksum = 0x2222;
+  shardd_buffer_info bi[2];
+  cr_assert_eq(shardd_buffers_register(r0, 2, s, bi, NULL), SHARDD_E_RANGE);
+  cr_assert_eq(shardd_buffer_register_opts(r1, "ck", SHARDD_DTYPE_FP32, 16, &o,
+                                           &x), SHARDD_OK, "%s",
+               shardd_last_error(r1));
+  cr_assert_eq(x.created, 0);
+  /* and the rule itself holds in a batch: rank 1 with another checksum */
+  s[0].init_checksum = 0x3333;
+  s[1].numel = 4;
+  shardd_err errs[2];
+  cr_assert_eq(shardd_buffers_register(r1, 2, s, bi, errs), SHARDD_E_MISMATCH);
+  cr_assert_eq(errs[0], SHARDD_E_MISMATCH);
+  cr_assert_eq(errs[1], SHARDD_OK);
+  shardd_close(r0);
+  shardd_close(r1);
+}
+
+Test(dispatch, malformed_buffer_batches_are_answered) {
+  test_raw r;
+  test_raw_open(&d, &r);
+  test_raw_hello(&r, "rawb", 0, 1);
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__BuffersBatch bb = SHARDWIRE__BUFFERS_BATCH__INIT;
+  req.body_case = SHARDWIRE__REQUEST__BODY_BUFFERS_BATCH;
+  req.buffers_batch = &bb;
+  uint64_t seq = test_raw_send(&r, &req);
+  shardwire__response__free_unpacked(test_raw_expect(&r, seq, SHARDD_E_INVAL),
+                                     NULL);
+  /* over the per-request count: refused whole, nothing made */
+  enum { OVER = SHARDD_BUFFERS_PER_REQUEST + 1 };
+  static Shardwire__RegisterBuffer rb[OVER];
+  static Shardwire__RegisterBuffer *rbp[OVER];
+  static char nm[OVER][16];
+  for (int i = 0; i < OVER; i++) {
+    shardwire__register_buffer__init(&rb[i]);
+    snprintf(nm[i], sizeof nm[i], "o%d", i);
+    rb[i].name = nm[i];
+    rb[i].dtype = SHARDWIRE__DTYPE__FP32;
+    rb[i].numel = 4;
+    rbp[i] = &rb[i];
+  }
+  Shardwire__RegisterBuffers rq = SHARDWIRE__REGISTER_BUFFERS__INIT;
+  rq.n_buffers = OVER;
+  rq.buffers = rbp;
+  bb.op_case = SHARDWIRE__BUFFERS_BATCH__OP_REGISTER;
+  bb.register_ = &rq;
+  req.seq = 0;
+  seq = test_raw_send(&r, &req);
+  Shardwire__Response *resp = test_raw_expect(&r, seq, SHARDD_E_LIMIT);
+  cr_assert(strstr(resp->message, "at most 250"), "%s", resp->message);
+  shardwire__response__free_unpacked(resp, NULL);
+  /* an empty batch registers nothing and says so */
+  rq.n_buffers = 0;
+  req.seq = 0;
+  seq = test_raw_send(&r, &req);
+  resp = test_raw_expect(&r, seq, SHARDD_OK);
+  cr_assert_eq(resp->body_case, SHARDWIRE__RESPONSE__BODY_BUFFERS_BATCH);
+  cr_assert_eq(resp->buffers_batch->n_buffers, 0);
+  shardwire__response__free_unpacked(resp, NULL);
+  test_raw_sync(&r);
+  test_raw_close(&r);
+  cr_assert(test_daemon_alive(&d));
+  /* none of the 251 was made */
+  shardd_client_t *o = test_connect(&d, "rawb", 0, 1);
+  shardd_buffer_info x;
+  cr_assert_eq(shardd_buffer_register(o, "o0", SHARDD_DTYPE_FP32, 4, &x),
+               SHARDD_OK);
+  cr_assert_eq(x.created, 1);
+  shardd_close(o);
+}

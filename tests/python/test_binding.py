@@ -200,6 +200,48 @@ class BindingTest(unittest.TestCase):
             c.register_views([(b, "x", 0)])
         self.assertEqual(c.register_views([]), [])
 
+    def test_register_buffers_batch(self):
+        c = self.client("bbatch")
+        first = c.register_buffer("pre", "fp32", 8)
+        specs = [("b%d" % i, "fp32" if i % 2 else "bf16", 10 + i) for i in range(600)]
+        specs.append(("pre", "fp32", 8))  # held already: the same object
+        bs = c.register_buffers(specs)
+        self.assertEqual(len(bs), 601)
+        self.assertIs(bs[-1], first)
+        self.assertEqual(len({b.id for b in bs}), 601)
+        self.assertEqual([b.numel for b in bs[:3]], [10, 11, 12])
+        # each buffer maps its own block: a value written to each shard
+        # comes back in its own gather area
+        for i, b in enumerate(bs[:600]):
+            b.shard[:] = i
+        for i in (0, 1, 299, 599):
+            c.gather(bs[i])
+            self.assertEqual(float(bs[i].gather[0]), float(i))
+        # the single call attaches to what the batch made
+        self.assertIs(c.register_buffer("b7", "fp32", 17), bs[7])
+        # refused: every bad entry named, nothing kept
+        bad = [("n0", "fp32", 4), ("n1", "fp32", 0), ("b3", "fp32", 99)]
+        with self.assertRaises(shardd.Error) as cm:
+            c.register_buffers(bad)
+        e = cm.exception
+        self.assertEqual(e.code_name, "E_RANGE")
+        self.assertEqual(e.errors, [(1, "E_RANGE"), (2, "E_MISMATCH")])
+        self.assertIn("[2] E_MISMATCH", e.message)
+        n0 = c.register_buffer("n0", "fp32", 4)
+        self.assertTrue(n0.created)
+        self.assertEqual(n0.generation, 1)  # not kept by the refused batch
+        c.unregister_buffers(bs[:600])
+        with self.assertRaises(shardd.Error) as cm:
+            c.unregister_buffer(bs[0].id)
+        self.assertEqual(cm.exception.code_name, "E_NOT_FOUND")
+        with self.assertRaises(shardd.Error) as cm:
+            c.unregister_buffers([n0, bs[1].id])
+        self.assertEqual(cm.exception.errors, [(1, "E_NOT_FOUND")])
+        c.unregister_buffer(n0)  # the refused call left it
+        with self.assertRaises(ValueError):
+            c.register_buffers([("x", "fp32")])
+        self.assertEqual(c.register_buffers([]), [])
+
     def test_frozen_view_lora(self):
         c = self.client("lora")
         b = c.register_buffer("flat", "fp32", 12)

@@ -758,6 +758,101 @@ class Client:
         if b is not None:
             b._forget()
 
+    def register_buffers(self, buffers):
+        """Creates or attaches to many buffers in as few requests as fit
+        (250 each, every reply bringing the buffers' descriptors): ->
+        [Buffer], in order. buffers: (name, dtype, numel) or (name, dtype,
+        numel, init_checksum) tuples, each as register_buffer takes them
+        (init_checksum None: none); one this client holds already is
+        returned as is, without a request.
+
+        All or nothing: when any entry is refused, no buffer of the call is
+        kept and Error.errors lists (index, code_name) of every refused
+        entry; entries after a refused request are not checked
+        ("E_STATE")."""
+        self._check_open()
+        items = list(buffers)
+        result = [None] * len(items)
+        send = []  # (index, name, code, numel, checksum)
+        for i, it in enumerate(items):
+            if len(it) == 3:
+                name, dtype, numel = it
+                ck = None
+            elif len(it) == 4:
+                name, dtype, numel, ck = it
+            else:
+                raise ValueError("buffers[%d]: (name, dtype, numel[, init_checksum]), "
+                                 "not %r" % (i, it))
+            code = _dtype_code(dtype)
+            for b in self.buffers.values():
+                if b.name == name and b.dtype_code == code and b.numel == int(numel):
+                    result[i] = b
+                    break
+            else:
+                send.append((i, name, code, _u64(numel, "numel"),
+                             None if ck is None else _u64(ck, "init_checksum")))
+        n = len(send)
+        if n == 0:
+            return result
+        specs = (L.BufferSpec * n)()
+        keep = []
+        for k, (i, name, code, numel, ck) in enumerate(send):
+            nb = _b(name)
+            keep.append(nb)
+            e = specs[k]
+            e.size = ctypes.sizeof(L.BufferSpec)
+            e.name = nb
+            e.dtype = code
+            e.numel = numel
+            e.has_init_checksum = 0 if ck is None else 1
+            e.init_checksum = 0 if ck is None else ck
+        out = (L.BufferInfo * n)()
+        errs = (ctypes.c_int * n)()
+        rc = self._lib.shardd_buffers_register(self._c, n, specs, out, errs)
+        if rc != 0:
+            msg = self._lib.shardd_last_error(self._c).decode(errors="replace")
+            e = Error(rc, msg or self._lib.shardd_strerror(rc).decode())
+            e.errors = [(send[k][0], _err_name(errs[k])) for k in range(n) if errs[k] != 0]
+            raise e
+        for k, (i, name, code, numel, ck) in enumerate(send):
+            info = out[k]
+            b = self.buffers.get(info.id)
+            if b is None or b.name != name:
+                b = Buffer(self, name, info)
+                self.buffers[b.id] = b
+            result[i] = b
+        return result
+
+    def unregister_buffers(self, buffers):
+        """Unregisters many buffers (Buffer objects or ids), each request of
+        250 all or nothing: every id is checked before any goes (a Buffer's
+        generation too: E_STALE when it is old). On a refusal,
+        Error.errors lists (index, code_name) of the refused entries; the
+        buffers of requests before it are gone."""
+        self._check_open()
+        items = list(buffers)
+        n = len(items)
+        if n == 0:
+            return
+        self._sync_cuda()
+        ids = [_ids(b) for b in items]
+        arr = (ctypes.c_uint64 * n)(*ids)
+        gens = (ctypes.c_uint64 * n)(*[getattr(b, "generation", 0) or 0
+                                       if isinstance(b, Buffer) else 0 for b in items])
+        errs = (ctypes.c_int * n)()
+        rc = self._lib.shardd_buffers_unregister(self._c, n, arr, gens, errs)
+        # the requests before a refused one are done: forget what is gone
+        done = n
+        if rc != 0:
+            done = next((k for k in range(n) if errs[k] != 0), n)
+            done -= done % 250
+        for bid in ids[:done]:
+            b = self.buffers.pop(bid, None)
+            if b is not None:
+                b._forget()
+        if rc != 0:
+            self._raise_batch(rc, errs, n)
+
     def register_view(self, buffer, name, offset, shape, requires_grad=True):
         """Names elements [offset, offset+prod(shape)) of buffer. -> View.
 

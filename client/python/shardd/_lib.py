@@ -84,6 +84,12 @@ class BufferOpts(ctypes.Structure):
                 ("init_checksum", c_uint64)]
 
 
+class BufferSpec(ctypes.Structure):
+    _fields_ = [("size", c_size_t), ("name", c_char_p), ("dtype", c_int),
+                ("numel", c_uint64), ("has_init_checksum", c_int),
+                ("init_checksum", c_uint64)]
+
+
 class Area(ctypes.Structure):
     _fields_ = [("gather", c_void_p), ("grad", c_void_p), ("pool", c_uint64)]
 
@@ -194,6 +200,10 @@ def _declare(lib):
         "shardd_buffer_register_opts": (c_int, [client_p, c_char_p, c_int, c_uint64,
                                                 P(BufferOpts), P(BufferInfo)]),
         "shardd_buffer_unregister": (c_int, [client_p, c_uint64]),
+        "shardd_buffers_register": (c_int, [client_p, c_size_t, P(BufferSpec),
+                                            P(BufferInfo), P(c_int)]),
+        "shardd_buffers_unregister": (c_int, [client_p, c_size_t, P(c_uint64),
+                                              P(c_uint64), P(c_int)]),
         "shardd_view_register": (c_int, [client_p, c_uint64, c_char_p, c_uint64, c_uint64,
                                          P(c_int64), c_int, P(c_uint64)]),
         "shardd_view_register_ex": (c_int, [client_p, c_uint64, c_char_p, c_uint64, c_uint64,

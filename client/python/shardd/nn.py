@@ -327,6 +327,10 @@ class ShardedModule:
         rank = client.rank
         specs = _unit_modules(module, auto_wrap)
         pending = []  # units whose buffers are registered, views not yet
+        # every unit's buffer in one call (a request per 250), as its views
+        # below: each unit's flattened values are made once for the
+        # checksum and again only when they are written
+        units = []
         # every unit's parameters before any is replaced: a shared one is
         # replaced once, on every module that holds it
         for (uname, root), params in zip(specs, _collect(module, specs)):
@@ -347,7 +351,11 @@ class ShardedModule:
             with torch.no_grad():
                 flat = torch.cat([p.detach().reshape(-1).to(_DTYPE_OF[udt])
                                   for _, p, _ in params])
-            buf = client.register_buffer(bname, udt, total, init_checksum=_checksum(flat))
+            units.append((uname, root, params, udt, total, bname, _checksum(flat)))
+            del flat
+        bufs = client.register_buffers([(bname, udt, total, ck)
+                                        for _, _, _, udt, total, bname, ck in units])
+        for (uname, root, params, udt, total, bname, ck), buf in zip(units, bufs):
             if init == "require_existing" and not buf.existing:
                 raise shardd.Error(22, "unit %r: buffer %r holds no trained or restored "
                                    "values (init=\"require_existing\")"
@@ -362,6 +370,8 @@ class ShardedModule:
             # shards hold trained or restored ones
             if init == "overwrite" or not buf.existing:
                 with torch.no_grad():
+                    flat = torch.cat([p.detach().reshape(-1).to(_DTYPE_OF[udt])
+                                      for _, p, _ in params])
                     lo = rank * buf.shard_numel
                     hi = min(lo + buf.shard_numel, total)
                     sh.zero_()
@@ -375,7 +385,7 @@ class ShardedModule:
                                            for _, p, _ in params])
                         client.seed_master(buf, exact[lo:max(lo, hi)])
                         del exact
-            del flat
+                    del flat
             pending.append((uname, root, params, buf, sh, gat, grd))
         if any(u[3].dtype_code != shardd._lib.DTYPE_FP32 for u in pending):
             # no rank's first gather before every rank seeded its masters
