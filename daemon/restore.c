@@ -326,9 +326,19 @@ static size_t shard_index(const shardd__optim *o, const shardd__optim_shard *sh)
 
 /* One state file of the same world: it covers its rank's shard region for
  * region, and no other file may have covered it already. */
+static shardd_err plan_state_resharded(restore *c, shardd__buffer *b,
+                                       pending_optim *p,
+                                       const pending_state *ps);
+
 static shardd_err plan_state_same(restore *c, shardd__buffer *b,
                                   pending_optim *p, const pending_state *ps) {
   shardd__optim_shard *sh = find_shard(p->created, b, ps->rank);
+  /* A file records its region's allocated size, which backends round
+   * differently (cuda to its grain): written by one and restored into the
+   * other, the arrays are copied one by one from the file's layout. */
+  if (sh != NULL && sh->state != NULL && sh->state->bytes != ps->bytes &&
+      p->mv[shard_index(p->created, sh)] == -1)
+    return plan_state_resharded(c, b, p, ps);
   if (sh == NULL || sh->state == NULL || sh->state->bytes != ps->bytes ||
       p->mv[shard_index(p->created, sh)] != -1) {
     snprintf(c->err, c->errlen, "%s/%s: does not fit optimizer \"%s\"",
