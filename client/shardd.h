@@ -559,7 +559,7 @@ shardd_err shardd_scatter_checked(shardd_client_t *c, uint64_t buffer,
  * reduced gradient is added to what the scatters since the buffer's last
  * step left (torch's .grad accumulating over backward calls), or replaces
  * it when a step has consumed it since (or no scatter ran yet). Every rank
- * must pass the same. Host backend only (SHARDD_E_INVAL on cuda). */
+ * must pass the same. */
 shardd_err shardd_scatter_accumulate(shardd_client_t *c, uint64_t buffer,
                                      shardd_reduce_op op);
 

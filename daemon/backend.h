@@ -78,8 +78,9 @@ typedef struct {
                        int nsrc, size_t n);
   /* reduce, added to what dst holds: dst += (sum over i of srcs[i]) /
    * divisor, the division before the addition, as a second backward adds
-   * its reduced gradient to the first's. NULL where unsupported (cuda):
-   * callers refuse an accumulating scatter then. */
+   * its reduced gradient to the first's. NULL where unsupported (a
+   * backend may leave it out): callers refuse an accumulating scatter
+   * then. */
   shardd_err (*reduce_add)(shardd__backend *b, shardd_dtype dtype,
                            float divisor, shardd__region *dst, size_t dst_off,
                            shardd__region *const *srcs, const size_t *src_offs,

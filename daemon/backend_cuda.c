@@ -315,6 +315,45 @@ static shardd_err cuda_reduce(shardd__backend *b, shardd_dtype dtype,
   return SHARDD_OK;
 }
 
+/* dst += the sources' reduce: the reduce goes to a stream-ordered fp32
+ * scratch area first, then one addition, so each element is
+ * acc + (sum / divisor) rounded as the host's reduce_add rounds it. */
+static shardd_err cuda_reduce_add(shardd__backend *b, shardd_dtype dtype,
+                                  float divisor, shardd__region *dst,
+                                  size_t dst_off, shardd__region *const *srcs,
+                                  const size_t *src_offs, int nsrc, size_t n) {
+  if (shardd_dtype_size(dtype) == 0)
+    return SHARDD_E_DTYPE;
+  if (n == 0 || nsrc == 0)
+    return SHARDD_OK;
+  cudaStream_t st = cudaStreamPerThread;
+  CU("cudaSetDevice", cudaSetDevice(dst->device));
+  float *tmp = NULL;
+  CU("cudaMallocAsync (accumulating reduce)",
+     cudaMallocAsync((void **)&tmp, n * sizeof *tmp, st));
+  shardd__region scratch = {.device = dst->device, .bytes = n * sizeof *tmp,
+                            .ptr = tmp, .fd = -1};
+  shardd_err rc = cuda_reduce(b, dtype, divisor, &scratch, 0, srcs, src_offs,
+                              nsrc, n);
+  cudaError_t e = cudaSuccess;
+  const char *what = "add kernel";
+  if (rc == SHARDD_OK)
+    e = (cudaError_t)shardd__cuda_add(at(dst, dst_off), tmp, n, st);
+  cudaError_t e2 = cudaFreeAsync(tmp, st);
+  if (e == cudaSuccess && e2 != cudaSuccess) {
+    e = e2;
+    what = "cudaFreeAsync (accumulating reduce)";
+  }
+  cudaError_t e3 = cudaStreamSynchronize(st);
+  if (e == cudaSuccess && e3 != cudaSuccess) {
+    e = e3;
+    what = "accumulating reduce";
+  }
+  if (rc != SHARDD_OK)
+    return rc;
+  return e == cudaSuccess ? SHARDD_OK : fail(what, e);
+}
+
 static shardd_err cuda_sumsq(shardd__backend *b, shardd__region *r, size_t off,
                              size_t n, double *out) {
   *out = 0;
@@ -390,6 +429,21 @@ static shardd_err cuda_widen(shardd__backend *b, shardd_dtype dtype,
                                      at(param, param_off), n,
                                      cudaStreamPerThread));
   CU("widen", cudaStreamSynchronize(cudaStreamPerThread));
+  return SHARDD_OK;
+}
+
+static shardd_err cuda_adopt(shardd__backend *b, shardd_dtype dtype,
+                             shardd__region *master, size_t master_off,
+                             shardd__region *param, size_t param_off,
+                             size_t n) {
+  if (n == 0 || dtype == SHARDD_DTYPE_FP32)
+    return SHARDD_OK;
+  CU("cudaSetDevice", cudaSetDevice(master->device));
+  CU("adopt kernel",
+     (cudaError_t)shardd__cuda_adopt((int)dtype, at(master, master_off),
+                                     at(param, param_off), n,
+                                     cudaStreamPerThread));
+  CU("adopt", cudaStreamSynchronize(cudaStreamPerThread));
   return SHARDD_OK;
 }
 
@@ -730,6 +784,8 @@ static const shardd__backend_ops cuda_ops = {
     .write = cuda_write,
     .copy = cuda_copy,
     .reduce = cuda_reduce,
+    .reduce_add = cuda_reduce_add,
+    .adopt = cuda_adopt,
     .sumsq = cuda_sumsq,
     .update = cuda_update,
     .widen = cuda_widen,

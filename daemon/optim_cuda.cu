@@ -239,7 +239,56 @@ cudaError_t launch_widen(float *dst, const void *src, size_t n,
   return cudaGetLastError();
 }
 
+/* ---- add, adopt ------------------------------------------------------- */
+
+__global__ void add_kernel(float *acc, const float *x, size_t nvec, size_t n) {
+  for (size_t j = gtid(); j < nvec; j += gstride()) {
+    float4 a = reinterpret_cast<float4 *>(acc)[j];
+    float4 b = reinterpret_cast<const float4 *>(x)[j];
+    reinterpret_cast<float4 *>(acc)[j] =
+        make_float4(shardd__elem_acc(a.x, b.x), shardd__elem_acc(a.y, b.y),
+                    shardd__elem_acc(a.z, b.z), shardd__elem_acc(a.w, b.w));
+  }
+  for (size_t i = nvec * 4 + gtid(); i < n; i += gstride())
+    acc[i] = shardd__elem_acc(acc[i], x[i]);
+}
+
+/* Scalar only: a step runs it once over its shard, and each element is one
+ * 6-byte read and, rarely, a write. */
+template <int DT>
+__global__ void adopt_kernel(float *master, const uint16_t *p, size_t n) {
+  for (size_t i = gtid(); i < n; i += gstride())
+    master[i] = shardd__elem_adopt(DT, master[i], p[i]);
+}
+
 } // namespace
+
+extern "C" int shardd__cuda_add(float *acc, const float *x, size_t n,
+                                void *stream) {
+  if (n == 0)
+    return 0;
+  size_t nvec = aligned(acc, 16) && aligned(x, 16) ? n / 4 : 0;
+  size_t work = nvec > n - nvec * 4 ? nvec : n - nvec * 4;
+  add_kernel<<<grid_for(work), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      acc, x, nvec, n);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int shardd__cuda_adopt(int dtype, float *master,
+                                  const void *param16, size_t n,
+                                  void *stream) {
+  if (n == 0)
+    return 0;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const uint16_t *p = static_cast<const uint16_t *>(param16);
+  if (dtype == kDtBf16)
+    adopt_kernel<kDtBf16><<<grid_for(n), kThreads, 0, st>>>(master, p, n);
+  else if (dtype == kDtF16)
+    adopt_kernel<kDtF16><<<grid_for(n), kThreads, 0, st>>>(master, p, n);
+  else
+    return (int)cudaErrorInvalidValue;
+  return (int)cudaGetLastError();
+}
 
 extern "C" int shardd__cuda_reduce(int dtype, float *acc,
                                    const void *const *srcs, int nsrc,

@@ -82,6 +82,16 @@ int shardd__cuda_update(const shardd__cuda_upd *k, float *p, const float *g,
                         float *m, float *v, float *vmax, int dtype,
                         void *param16, size_t n, void *stream);
 
+/* acc[0..n) += x[0..n), each an fp32 addition (an accumulating scatter's
+ * second half: x holds the new gradients' reduced sum). */
+int shardd__cuda_add(float *acc, const float *x, size_t n, void *stream);
+
+/* master[i] = param16[i] widened wherever param16[i] (dtype 2 bf16, 3 fp16)
+ * is not master[i]'s rounding: the trainer's write since the last step is
+ * adopted (shardd__elem_adopt). */
+int shardd__cuda_adopt(int dtype, float *master, const void *param16,
+                       size_t n, void *stream);
+
 /* dst[0..n) (fp32) = src (dtype, widened exactly). */
 int shardd__cuda_widen(int dtype, float *dst, const void *src, size_t n,
                        void *stream);

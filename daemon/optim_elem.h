@@ -68,6 +68,13 @@ SHARDD_HD float shardd__elem_div(float a, float divisor) {
   return shardd__fdiv(a, divisor);
 }
 
+/* Adopt: the fp32 master m keeps its value where the 16-bit param p (dtype
+ * dt, in the low half) is m's rounding; elsewhere the trainer wrote p since
+ * the last step and the master takes it, exactly (backend_host's adopt). */
+SHARDD_HD float shardd__elem_adopt(int dt, float m, uint32_t p) {
+  return shardd__elem_narrow(dt, m) == p ? m : shardd__elem_widen(dt, p);
+}
+
 /* One element of an update: p is the fp32 param or master copy, g the
  * reduced gradient; m, v, vmax the state the kind uses (SGD's momentum
  * buffer, Adam's exp_avg, exp_avg_sq, max_exp_avg_sq); the others are

@@ -207,8 +207,8 @@ static const char *dt_name(shardd_dtype dt) {
 /* nsrc sources (each in its own region, on devices round-robin so peer
  * copies or staging are exercised where there are several GPUs) reduced
  * into one fp32 destination on device 0; offsets aligned or not. */
-static void check_reduce(shardd_dtype dt, int nsrc, float divisor,
-                         int misaligned, size_t n) {
+static void check_reduce_op(shardd_dtype dt, int nsrc, float divisor,
+                            int misaligned, size_t n, int add) {
   size_t esz = shardd_dtype_size(dt);
   size_t soff = misaligned ? 3 * esz : 64;
   size_t doff = misaligned ? 4 : 128;
@@ -226,15 +226,19 @@ static void check_reduce(shardd_dtype dt, int nsrc, float divisor,
     offs[i] = soff;
   }
   pair dst = pair_alloc(0, doff + n * 4 + 256);
-  pair_push(&dst); /* all poison */
-  shardd_err rc = g_host->ops->reduce(g_host, dt, divisor, dst.h, doff, hs,
-                                      offs, nsrc, n);
+  if (add) /* the earlier backwards' reduced gradient to add to */
+    fill(SHARDD_DTYPE_FP32, hat(&dst, doff), n);
+  pair_push(&dst); /* all poison, or that gradient */
+  shardd_err rc = (add ? g_host->ops->reduce_add : g_host->ops->reduce)(
+      g_host, dt, divisor, dst.h, doff, hs, offs, nsrc, n);
   cr_assert_eq(rc, SHARDD_OK);
-  rc = g_cuda->ops->reduce(g_cuda, dt, divisor, dst.c, doff, cs, offs, nsrc, n);
+  cr_assert_not_null(g_cuda->ops->reduce_add);
+  rc = (add ? g_cuda->ops->reduce_add : g_cuda->ops->reduce)(
+      g_cuda, dt, divisor, dst.c, doff, cs, offs, nsrc, n);
   cr_assert_eq(rc, SHARDD_OK, "cuda reduce: %s", shardd_strerror(rc));
   char what[128];
-  snprintf(what, sizeof what, "reduce %s nsrc=%d divisor=%g %s n=%zu",
-           dt_name(dt), nsrc, (double)divisor,
+  snprintf(what, sizeof what, "%s %s nsrc=%d divisor=%g %s n=%zu",
+           add ? "reduce_add" : "reduce", dt_name(dt), nsrc, (double)divisor,
            misaligned ? "misaligned" : "aligned", n);
   pair_expect_same(&dst, what);
   for (int i = 0; i < nsrc; i++) /* sources untouched */
@@ -246,6 +250,11 @@ static void check_reduce(shardd_dtype dt, int nsrc, float divisor,
   free(hs);
   free(cs);
   free(offs);
+}
+
+static void check_reduce(shardd_dtype dt, int nsrc, float divisor,
+                         int misaligned, size_t n) {
+  check_reduce_op(dt, nsrc, divisor, misaligned, n, 0);
 }
 
 Test(backend_cuda, reduce_fp32) {
@@ -272,6 +281,52 @@ Test(backend_cuda, reduce_fp16) {
   check_reduce(SHARDD_DTYPE_FP16, 4, 4.0f, 0, 100003);
   check_reduce(SHARDD_DTYPE_FP16, 5, 5.0f, 1, 100003);
   check_reduce(SHARDD_DTYPE_FP16, 17, 1.0f, 0, 65537);
+}
+
+/* An accumulating scatter's reduce: added to what the destination holds,
+ * the sum divided before the addition, bit for bit as the host. */
+Test(backend_cuda, reduce_add) {
+  need_cuda();
+  check_reduce_op(SHARDD_DTYPE_FP32, 2, 2.0f, 0, 100003, 1);
+  check_reduce_op(SHARDD_DTYPE_FP32, 3, 1.0f, 1, 4099, 1);
+  check_reduce_op(SHARDD_DTYPE_FP32, 11, 11.0f, 0, 65537, 1); /* > 8 sources */
+  check_reduce_op(SHARDD_DTYPE_BF16, 4, 4.0f, 1, 100003, 1);
+  check_reduce_op(SHARDD_DTYPE_FP16, 5, 5.0f, 0, 70001, 1);
+  check_reduce_op(SHARDD_DTYPE_FP32, 0, 2.0f, 0, 1000, 1); /* nothing added */
+}
+
+/* A trainer's write to a 16-bit shard is adopted into the master, as the
+ * host does: params that are the master's rounding keep it, others
+ * (every third) replace it. */
+Test(backend_cuda, adopt) {
+  need_cuda();
+  shardd_dtype dts[2] = {SHARDD_DTYPE_BF16, SHARDD_DTYPE_FP16};
+  for (int d = 0; d < 2; d++) {
+    for (int mis = 0; mis < 2; mis++) {
+      size_t n = 70001, moff = 64 + (mis ? 4 : 0), poff = 32 + (mis ? 2 : 0);
+      pair m = pair_alloc(0, moff + n * 4 + 64);
+      pair p = pair_alloc(0, poff + n * 2 + 64);
+      float *mf = hat(&m, moff);
+      uint16_t *pu = hat(&p, poff);
+      fill(SHARDD_DTYPE_FP32, mf, n);
+      fill(dts[d], pu, n);
+      for (size_t i = 0; i < n; i++)
+        if (i % 3 != 0)
+          pu[i] = dts[d] == SHARDD_DTYPE_BF16 ? shardd__f32_to_bf16(mf[i])
+                                               : shardd__f32_to_f16(mf[i]);
+      pair_push(&m);
+      pair_push(&p);
+      cr_assert_eq(g_host->ops->adopt(g_host, dts[d], m.h, moff, p.h, poff, n),
+                   SHARDD_OK);
+      cr_assert_not_null(g_cuda->ops->adopt);
+      cr_assert_eq(g_cuda->ops->adopt(g_cuda, dts[d], m.c, moff, p.c, poff, n),
+                   SHARDD_OK);
+      pair_expect_same(&m, dts[d] == SHARDD_DTYPE_BF16 ? "adopt bf16" : "adopt fp16");
+      pair_expect_same(&p, "adopt leaves the param");
+      pair_free(&m);
+      pair_free(&p);
+    }
+  }
 }
 
 /* Several worker threads reducing at once, as collective.c's tasks do. */

@@ -469,6 +469,52 @@ Test(optim_cuda, reduce_matches_backend_host, .timeout = TMO) {
   b->ops->destroy(b);
 }
 
+/* Adopt: the element rule the device runs (shardd__elem_adopt) against
+ * backend_host's adopt, over masters with special values and params that
+ * are the master's rounding, or any other pattern (a trainer's write). */
+Test(optim_cuda, adopt_matches_backend_host, .timeout = TMO) {
+  enum { AN = 4099 };
+  char err[256];
+  shardd__backend *b = NULL;
+  cr_assert_eq(shardd__backend_host_create(1, 64u << 20, &b, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  shardd__region *m = NULL, *p = NULL;
+  cr_assert_eq(b->ops->alloc(b, 0, AN * sizeof(float), "master", &m, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_assert_eq(b->ops->alloc(b, 0, AN * sizeof(uint16_t), "param", &p, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  static const float special[] = {INFINITY, -INFINITY, NAN, 0x1p-149f, -0.0f,
+                                  3.0e38f, 0x1p-126f};
+  static float want[AN];
+  rng_seed(11);
+  for (int di = 1; di < 3; di++) { /* bf16, fp16 */
+    int dt = dts[di];
+    float *mf = m->ptr;
+    uint16_t *pu = p->ptr;
+    size_t changed = 0;
+    for (size_t i = 0; i < AN; i++) {
+      mf[i] = i % 89 < 7 ? special[i % 89] : rnd(-30, 16);
+      pu[i] = i % 5 == 0 ? (uint16_t)rng32()
+                         : (uint16_t)shardd__elem_narrow(dt, mf[i]);
+      want[i] = mf[i];
+    }
+    cr_assert_eq(b->ops->adopt(b, (shardd_dtype)dt, m, 0, p, 0, AN), SHARDD_OK);
+    for (size_t i = 0; i < AN; i++) {
+      float got = shardd__elem_adopt(dt, want[i], pu[i]);
+      changed += shardd__f32_bits(got) != shardd__f32_bits(want[i]);
+      want[i] = got;
+    }
+    char cfg[64];
+    snprintf(cfg, sizeof cfg, "adopt %s", dt_name(dt));
+    same_f32(want, mf, AN, "master", cfg);
+    /* about a fifth of the params were written: the rule did adopt them */
+    cr_assert(changed > AN / 8, "%s: only %zu of %d adopted", cfg, changed, AN);
+  }
+  b->ops->free(b, m);
+  b->ops->free(b, p);
+  b->ops->destroy(b);
+}
+
 /* ---- conversions -------------------------------------------------------- */
 
 /* Every 16-bit pattern widens as optim.c's shardd__to_f32 (backend_host's

@@ -98,6 +98,12 @@ static void fill(uint64_t *s, void *dst, shardd_dtype dt, size_t n) {
 
 #define WORLD_MAX 2
 #define STEPS 4
+/* A second backward per step, scattered with accumulate (needs the
+ * backend's reduce_add). */
+#define RUN_ACCUMULATE 1
+/* The trainer writes new values into its shard after step 1's gather (a
+ * 16-bit shard's write is adopted into the master by the next step). */
+#define RUN_REWRITE 2
 
 typedef struct {
   const char *sock;
@@ -107,6 +113,7 @@ typedef struct {
   shardd_optim_kind kind;
   uint64_t numel;
   uint64_t seed;
+  int flags; /* RUN_* */
   /* out: what the rank saw after the last step */
   unsigned char *gathered; /* padded_numel * esz */
   unsigned char *reduced;  /* shard_numel * 4 */
@@ -170,10 +177,19 @@ static void *run_rank(void *p) {
     fill(&st, host, a->dtype, b.padded_numel);
     put(&b, b.grad, host, full);
     rc = shardd_scatter(c, b.id, SHARDD_REDUCE_MEAN);
+    if (rc == SHARDD_OK && (a->flags & RUN_ACCUMULATE)) {
+      fill(&st, host, a->dtype, b.padded_numel);
+      put(&b, b.grad, host, full);
+      rc = shardd_scatter_accumulate(c, b.id, SHARDD_REDUCE_MEAN);
+    }
     if (rc == SHARDD_OK)
       rc = shardd_step(c, opt, NULL, NULL);
     if (rc == SHARDD_OK)
       rc = shardd_gather(c, b.id);
+    if (rc == SHARDD_OK && s == 1 && (a->flags & RUN_REWRITE)) {
+      fill(&st, host, a->dtype, b.shard_numel);
+      put(&b, b.shard, host, shard_bytes);
+    }
   }
   if (rc != SHARDD_OK) {
     snprintf(a->err, sizeof a->err, "step loop: %s: %s", shardd_err_name(rc),
@@ -190,8 +206,9 @@ static void *run_rank(void *p) {
 }
 
 /* Runs the job on a daemon with args, world ranks as threads. */
-static void run_job(const char *const *args, uint32_t world, shardd_dtype dt,
-                    shardd_optim_kind kind, uint64_t numel, rank_run *out) {
+static void run_job_flags(const char *const *args, uint32_t world,
+                          shardd_dtype dt, shardd_optim_kind kind,
+                          uint64_t numel, int flags, rank_run *out) {
   test_daemon d;
   test_daemon_start(&d, args);
   pthread_t th[WORLD_MAX];
@@ -199,7 +216,7 @@ static void run_job(const char *const *args, uint32_t world, shardd_dtype dt,
     memset(&out[r], 0, sizeof out[r]);
     out[r] = (rank_run){.sock = d.sock, .job = "cuda-e2e", .rank = r,
                         .world = world, .dtype = dt, .kind = kind,
-                        .numel = numel, .seed = 7};
+                        .numel = numel, .seed = 7, .flags = flags};
     pthread_create(&th[r], NULL, run_rank, &out[r]);
   }
   for (uint32_t r = 0; r < world; r++)
@@ -213,16 +230,21 @@ static void run_job(const char *const *args, uint32_t world, shardd_dtype dt,
                        out[r].err);
 }
 
-static void compare(shardd_dtype dt, shardd_optim_kind kind, uint32_t world,
-                    uint64_t numel) {
+static void run_job(const char *const *args, uint32_t world, shardd_dtype dt,
+                    shardd_optim_kind kind, uint64_t numel, rank_run *out) {
+  run_job_flags(args, world, dt, kind, numel, 0, out);
+}
+
+static void compare_flags(shardd_dtype dt, shardd_optim_kind kind,
+                          uint32_t world, uint64_t numel, int flags) {
   need_gpu();
   static const char *const cuda_args[] = {"--backend", "cuda", "--devices",
                                           "1", NULL};
   static const char *const host_args[] = {"--backend", "host", "--devices",
                                           "1", NULL};
   rank_run cu[WORLD_MAX], ho[WORLD_MAX];
-  run_job(cuda_args, world, dt, kind, numel, cu);
-  run_job(host_args, world, dt, kind, numel, ho);
+  run_job_flags(cuda_args, world, dt, kind, numel, flags, cu);
+  run_job_flags(host_args, world, dt, kind, numel, flags, ho);
   uint64_t shard = (numel + world - 1) / world;
   size_t full = shard * world * shardd_dtype_size(dt);
   for (uint32_t r = 0; r < world; r++) {
@@ -242,6 +264,23 @@ static void compare(shardd_dtype dt, shardd_optim_kind kind, uint32_t world,
     free(ho[r].gathered);
     free(ho[r].reduced);
   }
+}
+
+static void compare(shardd_dtype dt, shardd_optim_kind kind, uint32_t world,
+                    uint64_t numel) {
+  compare_flags(dt, kind, world, numel, 0);
+}
+
+/* Gradient accumulation (two backwards a step) and a trainer's write into
+ * its 16-bit shard after a step: the cuda backend adds and adopts as the
+ * host does, every byte. */
+Test(server_cuda, accumulate_and_adopt_bf16_two_ranks_match_host, .timeout = 120) {
+  compare_flags(SHARDD_DTYPE_BF16, SHARDD_OPTIM_ADAMW, 2, 100003,
+                RUN_ACCUMULATE | RUN_REWRITE);
+}
+
+Test(server_cuda, accumulate_fp32_one_rank_matches_host, .timeout = 120) {
+  compare_flags(SHARDD_DTYPE_FP32, SHARDD_OPTIM_SGD, 1, 30001, RUN_ACCUMULATE);
 }
 
 Test(server_cuda, adamw_fp32_one_rank_matches_host, .timeout = 120) {

@@ -290,6 +290,25 @@ class CudaTest(unittest.TestCase):
             np.testing.assert_allclose(cu_l, ho_l, rtol=1e-4, err_msg=label)
             self.assertLess(cu_l[-1], 0.8 * cu_l[0], "it trains: " + label)
 
+    def test_transient_accumulation_matches_torch(self):
+        """The plain torch loop over transient areas (FSDP's hooks, the cuda
+        backend's IPC pools) with two backwards a step, whose second scatter
+        adds to the first's reduced gradient (the backend's reduce_add):
+        test_fsdp's 16-unit MLP, ranks as processes (as threads they would
+        share autograd's one CUDA thread per device, and one rank's hook
+        waiting in a collective would hold the other's backward), against
+        single-process torch on the CPU."""
+        import test_fsdp
+        for world in (1, 2):
+            out = test_fsdp.run(self.sock, "mlp16", world, accum=2, timeout=180)
+            params, losses = test_fsdp.reference("mlp16", accum=2, world=world)
+            dl = test_fsdp.rel_loss_diff(out["losses"], losses)
+            dp = test_fsdp.rel_param_diff(out["params"], params)
+            print("\n  transient cuda, %d rank(s), 2 backwards a step, vs torch on the "
+                  "CPU: losses %.3g, parameters %.3g (relative)" % (world, dl, dp))
+            self.assertLess(dl, 1e-4, "world %d losses" % world)
+            self.assertLess(dp, 1e-3, "world %d parameters" % world)
+
     def test_half_precision_round_trip(self):
         c = self.client("half")
         for dtype, tdt in (("bf16", torch.bfloat16), ("fp16", torch.float16)):

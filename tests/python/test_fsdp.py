@@ -134,6 +134,7 @@ def rank_main(rank, world, sock, job, name, auto_wrap, transient, q, steps, accu
         per = BATCH // world
         lo, hi = rank * per, (rank + 1) * per
         sm = shardd.nn.ShardedModule(client, model, auto_wrap=auto_wrap)
+        x, y = x.to(sm.device), y.to(sm.device)  # a cuda daemon's (test_cuda)
         opt = sm.register_optimizer("adamw", model.parameters(), name="adamw", **HYPER)
         for s in range(steps):
             if transient:  # the plain torch loop
@@ -166,7 +167,7 @@ def rank_main(rank, world, sock, job, name, auto_wrap, transient, q, steps, accu
         params = sm.full_parameters()
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         if rank == 0:
-            q.put(("params", rank, {n: t.numpy().copy() for n, t in params.items()},
+            q.put(("params", rank, {n: t.cpu().numpy().copy() for n, t in params.items()},
                    [(u.name, u.buffer.numel) for u in sm.units], shapes, sm.prefetches))
         client.close()
         q.put(("done", rank))

@@ -1140,7 +1140,7 @@ class Client:
         buffer's scatters since its last step left (a later backward of
         gradient accumulation, as torch's .grad adds up over backward
         calls); it replaces it when a step consumed it since. Every rank
-        passes the same. Host backend only."""
+        passes the same."""
         self._check_open()
         self._sync_cuda()
         if isinstance(op, str):
