@@ -873,7 +873,10 @@ shardd_err shardd__coll_describe(const shardd__coll_engine *e,
   out->target = c->args.target;
   out->name = c->name;
   out->running = c->started;
+  /* (arrival + timeout) - timeout may round above arrival: never below 0 */
   out->waited_s = loop_now(e) - (c->deadline - e->cfg.timeout);
+  if (!(out->waited_s > 0))
+    out->waited_s = 0;
   for (uint32_t r = 0; r < job->world; r++)
     arrived[r] = c->waiters[r].arrived != 0;
   return SHARDD_OK;
