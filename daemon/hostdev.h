@@ -1,14 +1,18 @@
 /* hostdev.h — what lets one piece of element arithmetic build both as CUDA
  * device code (optim_cuda.cu) and as plain C on the host (dtype.h's users,
  * tests/test_optim_cuda.c), so the host can run, and test, the very code
- * the kernels run: SHARDD_HD, float <-> bits casts, a leading-zero count and
- * the four separately rounded float operations the optimizers use.
+ * the kernels run: SHARDD_HD, float <-> bits casts, a leading-zero count,
+ * the four separately rounded float operations the optimizers use and the
+ * fused multiply-add (one rounding) where torch's CPU kernels fuse.
  *
  * Device: the _rn intrinsics, which nvcc never contracts into an FMA
  * whatever -fmad says, and which keep denormals unless built with -ftz=true
- * (the Makefile's nvcc rule does not, nor --use_fast_math).
+ * (the Makefile's nvcc rule does not, nor --use_fast_math); __fmaf_rn for
+ * the fused one.
  *
- * Host: the plain IEEE operations, each in a function of its own so that no
+ * Host: the plain IEEE operations and C99's fmaf (correctly rounded on
+ * every target: an instruction where the ISA has one, glibc's exact
+ * software fma where it does not), each in a function of its own so that no
  * source expression holds both a multiply and an add (clang, by default,
  * contracts only within one expression). GCC contracts across statements
  * in its GNU dialects and in C++, and so does clang with
@@ -101,6 +105,15 @@ SHARDD_HD float shardd__fsqrt(float a) {
   return __fsqrt_rn(a);
 #else
   return sqrtf(a);
+#endif
+}
+
+/* a * b + c with one rounding. */
+SHARDD_HD float shardd__ffma(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return fmaf(a, b, c);
 #endif
 }
 

@@ -2,14 +2,29 @@
  * helpers around a step: gradient sum of squares and bf16/fp16 conversion.
  *
  * Bit-for-bit goal: torch.optim 1.13, single-tensor path, on torch's
- * non-SIMD CPU kernels. Each torch tensor op is one float operation here,
- * with its scalar argument computed in double and rounded to float exactly
- * where torch hands a Python float to a float tensor op. torch's AVX2/AVX512
- * kernels fuse some multiply-adds (add with alpha is an fmadd there); we keep
- * every operation separately rounded so results do not depend on the host
- * CPU. Against those kernels we differ by an ULP or so per operation, which
- * grows in relative terms where an update nearly cancels the parameter
- * (measured: <= 2.8e-6 relative, 36 ULPs, over the golden cases).
+ * AVX2 / AVX-512 CPU kernels (what torch runs on any x86 CPU with AVX2).
+ * Each torch tensor op is one float operation here, with its scalar
+ * argument computed in double and rounded to float exactly where torch
+ * hands a Python float to a float tensor op, and each op whose torch kernel
+ * is a multiply-add is one fmaf (one rounding):
+ *   - add / add_ with alpha, self + alpha*other: the vectorised loop is
+ *     vec::fmadd(other, alpha, self);
+ *   - addcmul_, self + value*t1*t2: fma(value*t1, t2, self);
+ * and nothing else (mul_, addcdiv_, sqrt, div by a scalar and add_ of eps
+ * are single operations, and a multiply-add with alpha 1 rounds as the add).
+ * torch fuses in the scalar tail of its loops too, not only in the vector
+ * body: those kernel files are C++ built with -mavx2 -mfma (-mavx512f...)
+ * and GCC's default -ffp-contract=fast for C++, so the tail's
+ * `self + alpha*other` becomes an FMA as well. Measured with Debian's torch
+ * 1.13 (GCC 12): every element of every tensor size, SGD (momentum,
+ * dampening, nesterov, weight decay), Adam, AdamW, amsgrad, ATEN_CPU_-
+ * CAPABILITY avx2 and avx512, 1 and 2 threads: identical bits; no element
+ * depends on its place in the tensor, so a shard cut anywhere in a
+ * parameter is updated as torch updates the whole parameter.
+ * torch's non-SIMD kernels (ATEN_CPU_CAPABILITY=default, or a CPU without
+ * AVX2) round every operation; against those we differ by an ULP or so per
+ * fused operation. Every path here fuses the same operations whatever the
+ * host CPU, so results never depend on it (see struct optim_path).
  *
  * The element loops are instantiated once per flag combination (the flags,
  * the 16-bit narrowing included, are compile-time constants of an
@@ -28,9 +43,10 @@
 
 #include "dtype.h"
 
-/* Contracting a*b+c into an FMA would change results (and make them depend
- * on the host CPU). GCC contracts in its gnu dialects (-std=c11 turns that
- * off, this keeps it off in a gnu11 build), clang within an expression. */
+/* The fused operations are the explicit fmaf calls; contracting any other
+ * a*b+c into an FMA would change results (and make them depend on the host
+ * CPU). GCC contracts in its gnu dialects (-std=c11 turns that off, this
+ * keeps it off in a gnu11 build), clang within an expression. */
 #if defined(__clang__)
 #pragma STDC FP_CONTRACT OFF
 #elif defined(__GNUC__)
@@ -195,9 +211,10 @@ typedef struct {
   float neg_lr; /* -lr */
 } sgd_k;
 
-/* torch: d_p = grad (negated if maximize); d_p = d_p + wd*param;
- * buf = d_p on the first step, else buf = buf*mom + (1-damp)*d_p;
- * d_p = nesterov ? d_p + mom*buf : buf; param = param + (-lr)*d_p. */
+/* torch: d_p = grad (negated if maximize); d_p = d_p.add(param, alpha=wd);
+ * buf = d_p on the first step, else buf.mul_(mom).add_(d_p, alpha=1-damp);
+ * d_p = nesterov ? d_p.add(buf, alpha=mom) : buf;
+ * param.add_(d_p, alpha=-lr). Each add with alpha is one fmaf. */
 OPTIM_INLINE void sgd_loop(size_t n, float *restrict p,
                            const float *restrict g, float *restrict buf,
                            uint16_t *restrict p16, sgd_k k, const int has_wd,
@@ -206,13 +223,13 @@ OPTIM_INLINE void sgd_loop(size_t n, float *restrict p,
   for (size_t i = 0; i < n; i++) {
     float d = g[i] * k.scale;
     if (has_wd)
-      d = d + k.wd * p[i];
+      d = fmaf(k.wd, p[i], d);
     if (has_mom) {
-      float b = first ? d : buf[i] * k.mom + k.damp1 * d;
+      float b = first ? d : fmaf(k.damp1, d, buf[i] * k.mom);
       buf[i] = b;
-      d = nesterov ? d + k.mom * b : b;
+      d = nesterov ? fmaf(k.mom, b, d) : b;
     }
-    float np = p[i] + k.neg_lr * d;
+    float np = fmaf(k.neg_lr, d, p[i]);
     p[i] = np;
     narrow_store(p16, i, np, narrow);
   }
@@ -272,10 +289,12 @@ typedef struct {
   float neg_step; /* -lr / (1 - beta1^step) */
 } adam_k;
 
-/* torch: grad (negated if maximize); Adam: grad = grad + wd*param; AdamW:
- * param = param*(1 - lr*wd); m = m*b1 + (1-b1)*grad;
- * v = v*b2 + ((1-b2)*grad)*grad; vmax = maximum(vmax, v) (amsgrad);
- * denom = sqrt(v or vmax)/bc2_sqrt + eps; param = param + (-step_size*m)/denom. */
+/* torch: grad (negated if maximize); Adam: grad = grad.add(param, alpha=wd)
+ * (one fmaf); AdamW: param.mul_(1 - lr*wd);
+ * m.mul_(b1).add_(grad, alpha=1-b1) (one fmaf);
+ * v.mul_(b2).addcmul_(grad, grad, value=1-b2): fmaf((1-b2)*grad, grad, v*b2);
+ * vmax = maximum(vmax, v) (amsgrad); denom = sqrt(v or vmax)/bc2_sqrt + eps;
+ * param.addcdiv_(m, denom, value=-step_size): param + (-step_size*m)/denom. */
 OPTIM_INLINE void adam_loop(size_t n, float *restrict p,
                             const float *restrict g, float *restrict m,
                             float *restrict v, float *restrict vmax,
@@ -285,11 +304,11 @@ OPTIM_INLINE void adam_loop(size_t n, float *restrict p,
     float gi = g[i] * k.scale;
     float pi = p[i];
     if (decay == DECAY_L2)
-      gi = gi + k.wd * pi;
+      gi = fmaf(k.wd, pi, gi);
     if (decay == DECAY_DECOUPLED)
       pi = pi * k.keep;
-    float mi = m[i] * k.b1 + k.omb1 * gi;
-    float vi = v[i] * k.b2 + k.omb2 * gi * gi;
+    float mi = fmaf(k.omb1, gi, m[i] * k.b1);
+    float vi = fmaf(k.omb2 * gi, gi, v[i] * k.b2);
     m[i] = mi;
     v[i] = vi;
     float s = vi;
@@ -340,10 +359,13 @@ OPTIM_INLINE void adam_run(int variant, int narrow, size_t n,
  * (no -march) and the wider paths are picked at run time from cpuid. The
  * paths give identical bits by construction: vectorizing keeps every float
  * operation and its order (no -ffast-math; vsqrtps/vdivps round correctly
- * as sqrtf and / do), and nothing may contract a*b+c into an FMA: -std=c11
- * and the pragma at the top keep contraction off, and AVX-512F, which has
- * FMA instructions of its own, is no exception (tests/test_optim.c checks
- * every path the machine runs against the scalar one). bf16/fp16 narrowing
+ * as sqrtf and / do), fmaf is the one correctly rounded a*b+c everywhere
+ * (vfmadd on the AVX2 and AVX-512 paths, which therefore also need the FMA
+ * extension; on the baseline path a libm call, glibc's own FMA or its exact
+ * software fma on a CPU without one: slower, not vectorized, the same
+ * bits), and nothing else may contract a*b+c into an FMA: -std=c11 and the
+ * pragma at the top keep contraction off (tests/test_optim.c checks every
+ * path the machine runs against the scalar one). bf16/fp16 narrowing
  * is done by the integer forms above on every path, not by AVX512_BF16's
  * vcvtneps2bf16 or F16C's vcvtps2ph: the former flushes subnormals, the
  * latter quiets NaNs differently. */
@@ -560,9 +582,9 @@ OPTIM_PATH(scalar, )
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #define OPTIM_X86 1
-OPTIM_PATH(avx2, __attribute__((target("avx2"))))
+OPTIM_PATH(avx2, __attribute__((target("avx2,fma"))))
 OPTIM_PATH(avx512,
-           __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"))))
+           __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma"))))
 #endif
 
 static const struct optim_path *path_of(shardd__isa isa) {
@@ -597,10 +619,13 @@ int shardd__isa_runnable(shardd__isa isa) {
   /* libgcc's cpuid probe also checks (xgetbv) that the OS saves the wider
    * registers, so a feature bit alone does not enable a path */
   __builtin_cpu_init();
+  /* fmaf is vfmadd on both paths: an AVX2 CPU without FMA (none ships,
+   * but a hypervisor may hide it) takes the baseline path */
   if (isa == SHARDD__ISA_AVX2)
-    return __builtin_cpu_supports("avx2");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (isa == SHARDD__ISA_AVX512)
-    return __builtin_cpu_supports("avx512f") &&
+    return __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("avx512f") &&
            __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512dq") &&
            __builtin_cpu_supports("avx512vl");

@@ -5,9 +5,11 @@
  *
  * Numerics follow torch.optim 1.13's single-tensor (foreach=False) path:
  * per-step scalars are computed in double and rounded to float once, every
- * per-element operation is one float operation in torch's order, each
- * rounded on its own (no fused multiply-add). The module owns no memory; the
- * caller owns parameters, gradients and state.
+ * per-element operation is one float operation in torch's order, and the
+ * ones torch's AVX2/AVX-512 CPU kernels fuse (add with alpha, addcmul_) are
+ * one fused multiply-add on every path and CPU (see optim.c), so results
+ * match torch.optim on such a CPU bit for bit. The module owns no memory;
+ * the caller owns parameters, gradients and state.
  */
 #ifndef SHARDD_OPTIM_H
 #define SHARDD_OPTIM_H
@@ -86,7 +88,8 @@ void shardd__from_f32(shardd_dtype dtype, void *dst, const float *src,
 
 /* The instruction-set paths of the kernels above (shardd__optim_update, the
  * conversions and sumsq). Every path gives the bits SHARDD__ISA_SCALAR, the
- * portable build, gives; the wider ones are only faster. */
+ * portable build, gives; the wider ones are only faster. AVX2 and AVX-512
+ * also need the CPU's FMA extension. */
 typedef enum {
   SHARDD__ISA_SCALAR = 0, /* the build's baseline ISA (SSE2 on x86-64) */
   SHARDD__ISA_AVX2 = 1,

@@ -5,8 +5,9 @@
  * accesses, used only when the wrapper found every pointer aligned for them,
  * then a scalar tail. Per element they call optim_elem.h, which is optim.c's
  * arithmetic operation by operation with explicit round-to-nearest
- * intrinsics (no multiply-add is ever fused), and which the host build runs
- * in tests/test_optim_cuda.c against optim.c itself. */
+ * intrinsics (a multiply-add is fused, __fmaf_rn, exactly where optim.c
+ * calls fmaf, and nowhere else), and which the host build runs in
+ * tests/test_optim_cuda.c against optim.c itself. */
 #include <cuda_runtime.h>
 #include <stdint.h>
 

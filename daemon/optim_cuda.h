@@ -6,7 +6,9 @@
  * computed on the host in double and rounded to float once
  * (shardd__cuda_fill_upd, optim_cuda_host.c, fills shardd__cuda_upd exactly
  * as optim.c fills its sgd_k / adam_k), and every per-element operation is
- * one separately rounded IEEE float operation in optim.c's order. That
+ * one IEEE float operation in optim.c's order: separately rounded, or one
+ * fused multiply-add where optim.c has fmaf (torch's CPU kernels fuse
+ * those). That
  * element arithmetic lives in optim_elem.h, which builds for the host too,
  * so tests/test_optim_cuda.c checks it against optim.c bit for bit where no
  * GPU is; bf16/fp16 conversions are dtype.h's own code.

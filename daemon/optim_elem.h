@@ -7,7 +7,9 @@
  * device compute the same bits).
  *
  * Each update is optim.c's sgd_loop / adam_loop body, operation by
- * operation and in its order, driven by the shardd__cuda_upd that
+ * operation and in its order, with a fused multiply-add (shardd__ffma, one
+ * rounding) exactly where optim.c has fmaf (see optim.c for why those),
+ * driven by the shardd__cuda_upd that
  * shardd__cuda_fill_upd() computes as optim.c computes its sgd_k / adam_k.
  * The flags are tested per element: uniform over a launch, so they cost the
  * device a predictable branch rather than one kernel per combination. */
@@ -84,26 +86,24 @@ SHARDD_HD void shardd__elem_update(const shardd__cuda_upd *k, float *p,
   if (k->kind == SHARDD__CUDA_SGD) {
     float d = shardd__fmul(g, k->scale);
     if (k->has_wd)
-      d = shardd__fadd(d, shardd__fmul(k->wd, *p));
+      d = shardd__ffma(k->wd, *p, d);
     if (k->has_mom) {
-      float b = k->first ? d
-                         : shardd__fadd(shardd__fmul(*m, k->mom),
-                                        shardd__fmul(k->damp1, d));
+      float b =
+          k->first ? d : shardd__ffma(k->damp1, d, shardd__fmul(*m, k->mom));
       *m = b;
-      d = k->nesterov ? shardd__fadd(d, shardd__fmul(k->mom, b)) : b;
+      d = k->nesterov ? shardd__ffma(k->mom, b, d) : b;
     }
-    *p = shardd__fadd(*p, shardd__fmul(k->neg_lr, d));
+    *p = shardd__ffma(k->neg_lr, d, *p);
     return;
   }
   float gi = shardd__fmul(g, k->scale);
   float pi = *p;
   if (k->decay == SHARDD__CUDA_DECAY_L2)
-    gi = shardd__fadd(gi, shardd__fmul(k->wd, pi));
+    gi = shardd__ffma(k->wd, pi, gi);
   if (k->decay == SHARDD__CUDA_DECAY_DECOUPLED)
     pi = shardd__fmul(pi, k->keep);
-  float mi = shardd__fadd(shardd__fmul(*m, k->b1), shardd__fmul(k->omb1, gi));
-  float vi = shardd__fadd(shardd__fmul(*v, k->b2),
-                          shardd__fmul(shardd__fmul(k->omb2, gi), gi));
+  float mi = shardd__ffma(k->omb1, gi, shardd__fmul(*m, k->b1));
+  float vi = shardd__ffma(shardd__fmul(k->omb2, gi), gi, shardd__fmul(*v, k->b2));
   *m = mi;
   *v = vi;
   float s = vi;

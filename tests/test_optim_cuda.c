@@ -14,9 +14,10 @@
  * which sm_90 canonicalises (see hostdev.h), and the memory plumbing of the
  * kernels (tests/test_backend_cuda.c does that on a GPU). */
 
-/* As optim.c: contracting a*b+c into an FMA here would test other numerics
- * than the device's separately rounded intrinsics. Before the includes so
- * the inline element functions are covered. */
+/* As optim.c: contracting any a*b+c into an FMA here would test other
+ * numerics than the device's intrinsics (separately rounded, and
+ * __fmaf_rn exactly where the host has fmaf). Before the includes so the
+ * inline element functions are covered. */
 #if defined(__clang__)
 #pragma STDC FP_CONTRACT OFF
 #elif defined(__GNUC__)
@@ -212,13 +213,16 @@ static void same_u16(const uint16_t *got, const uint16_t *want, size_t n,
  * while fma = 2^-11 + 2^-24. Volatile so nothing folds at compile time. */
 Test(optim_cuda, host_ops_round_each_operation, .timeout = TMO) {
   volatile float a = 1.0f + 0x1p-12f, b = 1.0f + 0x1p-12f, c = -1.0f;
-  cr_assert_neq(shardd__f32_bits(fmaf(a, b, c)), shardd__f32_bits(0x1p-11f));
+  cr_assert_eq(shardd__f32_bits(shardd__ffma(a, b, c)),
+               shardd__f32_bits(0x1p-11f + 0x1p-24f));
   cr_assert_eq(shardd__f32_bits(shardd__fadd(shardd__fmul(a, b), c)), shardd__f32_bits(0x1p-11f));
-  /* and through an element update: SGD's p + (-lr)*d */
+  /* and through an element update: SGD's param.add_(d_p, alpha=-lr) is
+   * one FMA, as torch's CPU kernel (optim.c) */
   shardd__cuda_upd k = {.kind = SHARDD__CUDA_SGD, .scale = 1.0f, .neg_lr = a};
   float p = c, dummy = 0;
   shardd__elem_update(&k, &p, b, &dummy, &dummy, &dummy);
-  cr_assert_eq(shardd__f32_bits(p), shardd__f32_bits(0x1p-11f), "got %a", (double)p);
+  cr_assert_eq(shardd__f32_bits(p), shardd__f32_bits(0x1p-11f + 0x1p-24f),
+               "got %a", (double)p);
   /* sqrt and div are the correctly rounded ones */
   volatile float two = 2.0f, three = 3.0f;
   cr_assert_eq(shardd__f32_bits(shardd__fsqrt(two)), shardd__f32_bits((float)sqrt(2.0)));

@@ -18,20 +18,22 @@ printing:
     the fp32 values those convert back to.
 
 Determinism: the data come from a seeded numpy Generator and torch runs on
-one thread with ATEN_CPU_CAPABILITY=default. The default (non-SIMD) kernels
-do every multiply and add separately rounded, which is what C11 code compiled
-with -std=c11 (fp-contract off) does, so the golden values do not depend on
-whether the generating machine has FMA. Pass --capability avx2 (or avx512)
-to generate against torch's SIMD kernels instead, for measuring how far those
-are from the default ones (they fuse some multiply-adds).
+one thread with ATEN_CPU_CAPABILITY=avx2, the kernels torch picks on any x86
+CPU with AVX2 (AVX-512 ones give the same bits here): they fuse add-with-alpha
+and addcmul_ into one fused multiply-add, in the vector body and the scalar
+tail alike, and so does daemon/optim.c on every path, so test_optim asserts
+these values bit for bit. The generating machine must have AVX2 and FMA: the
+script refuses to write when torch reports another capability (torch falls
+back silently). --capability default writes torch's non-SIMD values (every
+operation rounded on its own), for measuring how far those are from ours.
 """
 import argparse
 import os
 import sys
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-ap.add_argument("--capability", default="default",
-                help="ATEN_CPU_CAPABILITY for torch (default: default)")
+ap.add_argument("--capability", default="avx2",
+                help="ATEN_CPU_CAPABILITY for torch (default: avx2)")
 args = ap.parse_args()
 os.environ["ATEN_CPU_CAPABILITY"] = args.capability
 
@@ -39,6 +41,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+_used = [ln.split(":", 1)[1].strip() for ln in torch.__config__.show().splitlines()
+         if "CPU capability usage" in ln]
+if _used != [{"default": "NO AVX"}.get(args.capability, args.capability.upper())]:
+    sys.exit("optim_golden.py: torch uses CPU capability %s, not %s (no AVX2/FMA here?)"
+             % (_used, args.capability.upper()))
 
 N = 37
 STEPS = 5
