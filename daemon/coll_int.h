@@ -108,6 +108,9 @@ struct coll {
    * and every rank, including those still to arrive, gets this error */
   shardd_err refused;
   char refused_msg[256];
+  /* refused because the ranks' buckets differ: every rank is answered as
+   * it arrives, and the other entries of its bucket fail with it */
+  int bucket_bad;
   /* multi-node: stage 0 local, 1 fabric, 2 local fan-out (gather, scatter);
    * step: 1 while the sum of squares crosses nodes */
   int stage;
