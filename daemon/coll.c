@@ -702,6 +702,92 @@ static void start_phase(coll *c) {
   run_phase(c);
 }
 
+/* ---- batches of small collectives ------------------------------------- */
+
+/* Pool turns one batch is split over: the copies of a bucket still use
+ * several workers, without one turn per collective. */
+#define BATCH_TURNS 4
+
+typedef struct {
+  uv_work_t req;
+  size_t n;
+  coll *colls[]; /* [n], each with its tasks grouped on tasks[0] */
+} coll_batch;
+
+static void batch_work(uv_work_t *req) {
+  coll_batch *b = req->data;
+  for (size_t i = 0; i < b->n; i++)
+    shardd__coll_work(&b->colls[i]->tasks[0].req);
+}
+
+static void batch_done(uv_work_t *req, int status) {
+  coll_batch *b = req->data;
+  /* each completion may free its coll and start others: b is the list */
+  for (size_t i = 0; i < b->n; i++)
+    shardd__coll_task_done(&b->colls[i]->tasks[0].req, status);
+  free(b);
+}
+
+void shardd__coll_batch_begin(shardd__coll_engine *e) { e->batching++; }
+
+void shardd__coll_batch_end(shardd__coll_engine *e) {
+  if (e->batching == 0 || --e->batching > 0 || e->batch_head == NULL)
+    return;
+  size_t n = e->nbatch, turns = n < BATCH_TURNS ? n : BATCH_TURNS;
+  coll *list = e->batch_head;
+  e->batch_head = NULL;
+  e->nbatch = 0;
+  coll_batch *bs[BATCH_TURNS] = {NULL};
+  for (size_t k = 0; k < turns; k++) {
+    size_t m = n / turns + (k < n % turns);
+    bs[k] = malloc(sizeof *bs[k] + m * sizeof(coll *));
+    if (bs[k]) {
+      bs[k]->req.data = bs[k];
+      bs[k]->n = 0;
+    }
+  }
+  /* in start order (the list is newest first), round robin */
+  coll **order = malloc(n * sizeof *order);
+  size_t i = n;
+  for (coll *c = list; c; c = c->batch_next)
+    if (order)
+      order[--i] = c;
+  for (size_t j = 0; j < n; j++) {
+    coll *c = order ? order[j] : list;
+    if (!order)
+      list = list->batch_next;
+    coll_batch *b = bs[j % turns];
+    if (b)
+      b->colls[b->n++] = c;
+    else if (uv_queue_work(e->cfg.loop, &c->tasks[0].req, shardd__coll_work,
+                           shardd__coll_task_done) != 0) {
+      shardd__coll_work(&c->tasks[0].req); /* out of memory: alone */
+      shardd__coll_task_done(&c->tasks[0].req, 0);
+    }
+  }
+  free(order);
+  for (size_t k = 0; k < turns; k++)
+    if (bs[k] && uv_queue_work(e->cfg.loop, &bs[k]->req, batch_work, batch_done) != 0) {
+      batch_work(&bs[k]->req); /* cannot happen for a valid loop */
+      batch_done(&bs[k]->req, 0);
+    }
+}
+
+/* Bytes a collective may move and still run as one pool task: below it
+ * the per-task cost (a pool wake-up and a loop wake-up each) outweighs
+ * spreading the copies over the workers. */
+#define SMALL_COLL_BYTES ((uint64_t)256 << 10)
+
+/* Whether c is a single-node gather or scatter of a small buffer (every
+ * rank's side of it together under SMALL_COLL_BYTES). */
+static int small_coll(const coll *c) {
+  if (c->buf == NULL || shardd__coll_multi(c) || c->bulk ||
+      (c->args.kind != SHARDD__COLL_GATHER && c->args.kind != SHARDD__COLL_SCATTER))
+    return 0;
+  uint64_t bytes = c->buf->padded_numel * shardd_dtype_size(c->buf->dtype);
+  return bytes * c->job->world <= SMALL_COLL_BYTES;
+}
+
 /* Plans c's phase and starts its tasks (on the pool, or the exchange on a
  * fabric thread). */
 static void run_phase(coll *c) {
@@ -734,9 +820,30 @@ static void run_phase(coll *c) {
     return;
   }
   for (size_t i = 0; i < n; i++) {
+    c->tasks[i].c = c;
+    c->tasks[i].req.data = &c->tasks[i];
+  }
+  if (small_coll(c)) {
+    /* one pool turn runs them all: for a small buffer the pool's round
+     * trip per task cost more than the copies (issue 17's buckets of
+     * small buffers are many such collectives at once) */
+    c->left = 1;
+    c->tasks[0].group = n;
+    if (c->e->batching) {
+      c->batch_next = c->e->batch_head;
+      c->e->batch_head = c;
+      c->e->nbatch++;
+      return;
+    }
+    if (uv_queue_work(c->e->cfg.loop, &c->tasks[0].req, shardd__coll_work,
+                      shardd__coll_task_done) != 0) {
+      shardd__coll_work(&c->tasks[0].req);
+      shardd__coll_task_done(&c->tasks[0].req, 0);
+    }
+    return;
+  }
+  for (size_t i = 0; i < n; i++) {
     task *t = &c->tasks[i];
-    t->c = c;
-    t->req.data = t;
     if (t->fabric) {
       shardd__coll_fab_submit(c, t);
       continue;

@@ -165,6 +165,15 @@ void shardd__coll_engine_destroy(shardd__coll_engine *e);
 void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
                          uint64_t seq, const shardd__coll_args *args);
 
+/* Several submits in a row (a bucket's entries): the small collectives
+ * they start (a buffer of at most 256 KiB over all ranks) are handed to
+ * the pool together at _end, split over a few pool turns, instead of one
+ * pool turn each: with many small buffers the pool's round trips, not
+ * the copies, were the cost. Nests; completion is unchanged (done hooks
+ * on later loop turns). */
+void shardd__coll_batch_begin(shardd__coll_engine *e);
+void shardd__coll_batch_end(shardd__coll_engine *e);
+
 /* m (its job and rank set) now holds its rank: a rank lost before is back,
  * and the collectives still waiting for it wait on. Call before m's first
  * submit after each claim of the rank. */

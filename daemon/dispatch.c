@@ -2110,6 +2110,7 @@ static void on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   shardd__coll_kind kind = gather ? SHARDD__COLL_GATHER : SHARDD__COLL_SCATTER;
   uint64_t sig = bucket_hash(kind, w->ids, n);
   size_t i = 0;
+  shardd__coll_batch_begin(d->coll);
   for (; i < n && w->fails.total == 0; i++) {
     shardd__coll_args ca = {.kind = kind, .target = w->ids[i], .bucket = sig,
                             .bucket_n = (uint32_t)n, .bucket_index = (uint32_t)i};
@@ -2126,6 +2127,7 @@ static void on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     }
     shardd__coll_submit(d->coll, &c->m, seq, &ca);
   }
+  shardd__coll_batch_end(d->coll);
   /* an entry refused at once (a bucket the ranks before disagree with):
    * the rest are not submitted, so nothing waits for them */
   w->left -= n - i;
