@@ -13,13 +13,25 @@
  *
  * GB/s counts payload: gather = world x buffer bytes delivered into gather
  * areas; scatter = world x buffer bytes of gradient reduced. Repetitions of
- * daemon and floor alternate; medians are reported. */
+ * daemon and floor alternate; medians are reported.
+ *
+ * Small buffers (issue 17): 1 MiB in SMALL_N buffers of 16 KiB (a model's
+ * norms and biases), gathered and scattered one request per buffer and as
+ * buckets (shardd_gather_many / shardd_scatter_many, one request per 64),
+ * against the same floors over the same buffers. */
 #include "bench.h"
 
 #define MAX_RANKS 4
 
 typedef enum { CMD_REGISTER, CMD_GATHER, CMD_SCATTER, CMD_FLOOR_GATHER,
-               CMD_FLOOR_SUM, CMD_RECONNECT } cmd_t;
+               CMD_FLOOR_SUM, CMD_RECONNECT, CMD_SMALL_REGISTER,
+               CMD_SMALL_GATHER, CMD_BUCKET_GATHER, CMD_SMALL_FLOOR_GATHER,
+               CMD_SMALL_SCATTER, CMD_BUCKET_SCATTER, CMD_SMALL_FLOOR_SUM,
+               CMD_SMALL_UNREGISTER } cmd_t;
+
+/* the small-buffer figure: SMALL_N buffers of SMALL_BYTES */
+#define SMALL_N 64
+#define SMALL_BYTES (16 * 1024)
 
 static bench_daemon dmn;
 static int world;
@@ -29,17 +41,21 @@ static uint64_t cur_numel;
 static shardd_client_t *cl[MAX_RANKS];
 static shardd_buffer_info info[MAX_RANKS];
 
+static shardd_buffer_info small[MAX_RANKS][SMALL_N];
+static uint64_t small_ids[MAX_RANKS][SMALL_N];
+
 static void check(shardd_err rc, int r, const char *what) {
   if (rc != SHARDD_OK)
     bench_die("rank %d: %s: %s", r, what, shardd_last_error(cl[r]));
 }
 
-static void floor_sum(int r) {
-  size_t n = info[r].shard_numel;
-  float *restrict acc = info[r].reduced;
+/* rank r's sum of its shard of buffer in[] over every rank */
+static void floor_sum_of(int r, const shardd_buffer_info *in) {
+  size_t n = in[r].shard_numel;
+  float *restrict acc = in[r].reduced;
   const float *g[MAX_RANKS];
   for (int q = 0; q < world; q++)
-    g[q] = (const float *)info[q].grad + (size_t)r * n;
+    g[q] = (const float *)in[q].grad + (size_t)r * n;
   switch (world) {
   case 1:
     for (size_t i = 0; i < n; i++)
@@ -56,20 +72,91 @@ static void floor_sum(int r) {
   }
 }
 
+static void floor_sum(int r) { floor_sum_of(r, info); }
+
+static void fill(const shardd_buffer_info *b, int r) {
+  float *sh = b->shard, *g = b->grad;
+  for (size_t i = 0; i < b->shard_numel; i++)
+    sh[i] = (float)((i + (size_t)r) & 255) * 0.25f;
+  for (size_t i = 0; i < b->padded_numel; i++)
+    g[i] = (float)(i & 127) * 0.5f;
+  memset(b->gather, 0, b->padded_numel * 4);
+  memset(b->reduced, 0, b->shard_numel * 4);
+}
+
+static void small_body(int r, cmd_t c) {
+  switch (c) {
+  case CMD_SMALL_REGISTER: {
+    shardd_buffer_spec sp[SMALL_N];
+    char names[SMALL_N][16];
+    for (int k = 0; k < SMALL_N; k++) {
+      shardd_buffer_spec e = SHARDD_BUFFER_SPEC_INIT;
+      snprintf(names[k], sizeof names[k], "small%d", k);
+      e.name = names[k];
+      e.numel = SMALL_BYTES / 4;
+      sp[k] = e;
+    }
+    check(shardd_buffers_register(cl[r], SMALL_N, sp, small[r], NULL), r,
+          "register small buffers");
+    for (int k = 0; k < SMALL_N; k++) {
+      small_ids[r][k] = small[r][k].id;
+      fill(&small[r][k], r);
+    }
+    break;
+  }
+  case CMD_SMALL_GATHER:
+    for (int k = 0; k < SMALL_N; k++)
+      check(shardd_gather(cl[r], small_ids[r][k]), r, "gather");
+    break;
+  case CMD_BUCKET_GATHER:
+    check(shardd_gather_many(cl[r], SMALL_N, small_ids[r], NULL), r, "gather_many");
+    break;
+  case CMD_SMALL_FLOOR_GATHER:
+    for (int k = 0; k < SMALL_N; k++) {
+      size_t bytes = small[r][k].shard_numel * 4;
+      for (int q = 0; q < world; q++)
+        memcpy((char *)small[r][k].gather + (size_t)q * bytes, small[q][k].shard,
+               bytes);
+    }
+    break;
+  case CMD_SMALL_SCATTER:
+    for (int k = 0; k < SMALL_N; k++)
+      check(shardd_scatter(cl[r], small_ids[r][k], SHARDD_REDUCE_SUM), r, "scatter");
+    break;
+  case CMD_BUCKET_SCATTER:
+    check(shardd_scatter_many(cl[r], SMALL_N, small_ids[r], SHARDD_REDUCE_SUM, NULL),
+          r, "scatter_many");
+    break;
+  case CMD_SMALL_FLOOR_SUM: {
+    shardd_buffer_info col[MAX_RANKS];
+    for (int k = 0; k < SMALL_N; k++) {
+      for (int q = 0; q < world; q++)
+        col[q] = small[q][k];
+      floor_sum_of(r, col);
+    }
+    break;
+  }
+  case CMD_SMALL_UNREGISTER:
+    if (r == 0)
+      check(shardd_buffers_unregister(cl[0], SMALL_N, small_ids[0], NULL, NULL),
+            0, "unregister small buffers");
+    break;
+  default:
+    break;
+  }
+}
+
 static void rank_body(int r, int c) {
+  if (c >= CMD_SMALL_REGISTER) {
+    small_body(r, (cmd_t)c);
+    return;
+  }
   switch ((cmd_t)c) {
   case CMD_REGISTER: {
     check(shardd_buffer_register(cl[r], "flat", SHARDD_DTYPE_FP32, cur_numel,
                                  &info[r]),
           r, "register");
-    /* fill (and fault in) every area once */
-    float *s = info[r].shard, *g = info[r].grad;
-    for (size_t i = 0; i < info[r].shard_numel; i++)
-      s[i] = (float)((i + (size_t)r) & 255) * 0.25f;
-    for (size_t i = 0; i < info[r].padded_numel; i++)
-      g[i] = (float)(i & 127) * 0.5f;
-    memset(info[r].gather, 0, info[r].padded_numel * 4);
-    memset(info[r].reduced, 0, info[r].shard_numel * 4);
+    fill(&info[r], r); /* fill (and fault in) every area once */
     break;
   }
   case CMD_GATHER:
@@ -92,6 +179,8 @@ static void rank_body(int r, int c) {
     shardd_close(cl[r]);
     cl[r] = bench_connect(&dmn, job, (uint32_t)r, (uint32_t)world);
     break;
+  default:
+    break;
   }
 }
 
@@ -105,6 +194,38 @@ typedef struct {
   double gather_s, gfloor_s, scatter_s, sfloor_s;
 } row_t;
 
+/* the small-buffer figure of one device count: medians of one request per
+ * buffer, of buckets and of the floor, gather then scatter */
+typedef struct {
+  int devices;
+  int reps;
+  double t[6];
+} small_row_t;
+
+static const cmd_t small_order[6] = {CMD_SMALL_GATHER, CMD_BUCKET_GATHER,
+                                     CMD_SMALL_FLOOR_GATHER, CMD_SMALL_SCATTER,
+                                     CMD_BUCKET_SCATTER, CMD_SMALL_FLOOR_SUM};
+
+static void small_figure(small_row_t *row, int reps) {
+  run_cmd(CMD_SMALL_REGISTER);
+  row->devices = world;
+  row->reps = reps;
+  double *t[6];
+  for (int k = 0; k < 6; k++)
+    t[k] = calloc((size_t)reps, sizeof(double));
+  for (int k = 0; k < 6; k++) /* warm-up */
+    run_cmd(small_order[k]);
+  for (int rep = 0; rep < reps; rep++)
+    for (int k = 0; k < 6; k++)
+      t[k][rep] = run_cmd(small_order[k]);
+  for (int k = 0; k < 6; k++) {
+    row->t[k] = bench_median(t[k], (size_t)reps);
+    free(t[k]);
+  }
+  run_cmd(CMD_SMALL_UNREGISTER);
+  run_cmd(CMD_RECONNECT);
+}
+
 int main(int argc, char **argv) {
   int full = bench_full(argc, argv);
   static const double sizes_short[] = {1, 4, 16, 64};
@@ -114,6 +235,7 @@ int main(int argc, char **argv) {
   static const int devs[] = {1, 2, 4};
   double budget = (full ? 16384.0 : 2048.0) * MiB; /* gathered bytes per config */
   row_t rows[3 * 6];
+  small_row_t smalls[3];
   int nrows = 0;
   double maxn = sizes[nsizes - 1] * MiB;
 
@@ -167,6 +289,7 @@ int main(int argc, char **argv) {
         bench_die("unregister: %s", shardd_last_error(cl[0]));
       run_cmd(CMD_RECONNECT);
     }
+    small_figure(&smalls[di], full ? 100 : 30);
     bench_ranks_stop(&ranks);
     for (int r = 0; r < world; r++)
       shardd_close(cl[r]);
@@ -210,6 +333,38 @@ int main(int argc, char **argv) {
   }
   printf("(GB/s = world x buffer bytes per collective / median time; floors run by the\n"
          " same rank threads on the same mapped memory; ratio = daemon / floor)\n");
+  fprintf(f, "\n  ],\n  \"small_buffers\": %d, \"small_buffer_bytes\": %d, "
+             "\"bucket\": %d,\n  \"small_rows\": [", SMALL_N, SMALL_BYTES,
+          SHARDD_BUCKET_PER_REQUEST);
+  printf("\nSmall buffers — %d of %d KiB (%.0f MiB), one request each vs buckets "
+         "(shardd_gather_many / _scatter_many)\n", SMALL_N, SMALL_BYTES / 1024,
+         SMALL_N * (double)SMALL_BYTES / MiB);
+  printf("%3s | %9s %9s %9s %6s %6s | %9s %9s %9s %6s %6s\n", "dev", "gather",
+         "bucketed", "memcpy", "each", "bucket", "scatter", "bucketed", "sum loop",
+         "each", "bucket");
+  printf("%3s | %9s %9s %9s %6s %6s | %9s %9s %9s %6s %6s\n", "", "GB/s", "GB/s",
+         "GB/s", "ratio", "ratio", "GB/s", "GB/s", "GB/s", "ratio", "ratio");
+  for (int i = 0; i < 3; i++) {
+    const small_row_t *r = &smalls[i];
+    double moved = (double)SMALL_N * SMALL_BYTES * r->devices / GB;
+    double v[6];
+    for (int k = 0; k < 6; k++)
+      v[k] = moved / r->t[k];
+    printf("%3d | %9.2f %9.2f %9.2f %5.2fx %5.2fx | %9.2f %9.2f %9.2f %5.2fx %5.2fx\n",
+           r->devices, v[0], v[1], v[2], v[0] / v[2], v[1] / v[2], v[3], v[4], v[5],
+           v[3] / v[5], v[4] / v[5]);
+    fprintf(f, "%s\n    {\"devices\": %d, \"reps\": %d, \"gather_each_s\": %.6g, "
+               "\"gather_bucket_s\": %.6g, \"memcpy_s\": %.6g, "
+               "\"gather_each_ratio\": %.4f, \"gather_bucket_ratio\": %.4f, "
+               "\"scatter_each_s\": %.6g, \"scatter_bucket_s\": %.6g, "
+               "\"sum_loop_s\": %.6g, \"scatter_each_ratio\": %.4f, "
+               "\"scatter_bucket_ratio\": %.4f}",
+            i ? "," : "", r->devices, r->reps, r->t[0], r->t[1], r->t[2],
+            v[0] / v[2], v[1] / v[2], r->t[3], r->t[4], r->t[5], v[3] / v[5],
+            v[4] / v[5]);
+  }
+  printf("(the same bytes as one 1 MiB buffer; ratio = daemon / floor over the same "
+         "buffers)\n");
   fprintf(f, "\n  ]");
   bench_json_close(f, "coll");
   return 0;

@@ -57,6 +57,23 @@ def main():
             target("scatter vs sum loop, >= 64 MiB (no target)", "report",
                    ", ".join("%dd/%dM %.2fx" % (x["devices"], x["buffer_bytes"] // 2**20,
                                                 x["scatter_ratio"]) for x in big), None)
+        # issue 17: small buffers (norms, biases) cost a round trip each;
+        # buckets (shardd_gather_many / _scatter_many) send many at once
+        small = {x["devices"]: x for x in coll.get("small_rows", [])}
+        if 4 in small:
+            x = small[4]
+            what = "%d buffers of %d KiB, 4 dev" % (coll["small_buffers"],
+                                                     coll["small_buffer_bytes"] // 1024)
+            target("bucketed gather of small buffers vs memcpy (%s)" % what, ">= 0.60x",
+                   "%.2fx bucketed, %.2fx one request each (%.1fx faster)"
+                   % (x["gather_bucket_ratio"], x["gather_each_ratio"],
+                      x["gather_each_s"] / x["gather_bucket_s"]),
+                   x["gather_bucket_ratio"] >= 0.6)
+            target("bucketed scatter of small buffers vs sum loop (%s)" % what, ">= 0.60x",
+                   "%.2fx bucketed, %.2fx one request each (%.1fx faster)"
+                   % (x["scatter_bucket_ratio"], x["scatter_each_ratio"],
+                      x["scatter_each_s"] / x["scatter_bucket_s"]),
+                   x["scatter_bucket_ratio"] >= 0.6)
     if pre and pre.get("rows"):
         # no target in issue 7: how close prefetch comes to full overlap
         target("prefetch overlap, %d layers, compute = gather (no target)" % pre["layers"],
@@ -196,7 +213,7 @@ def main():
                   hp["step_ms"], r["gather-everything"]["step_ms"], fsdp["ranks"],
                   fsdp["units"]),
                hp["vs_gather_everything"] <= 1.25)
-    print("\nTargets (issue 7), this run:")
+    print("\nTargets (issues 7 and 17), this run:")
     for t in targets:
         mark = {True: "MET   ", False: "MISSED", None: "      "}[t["met"]]
         print("  %s %s [%s]: %s" % (mark, t["target"], t["goal"], t["measured"]))

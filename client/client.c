@@ -2083,6 +2083,192 @@ shardd_err shardd_scatter_accumulate(shardd_client_t *c, uint64_t buffer,
   return scatter_req(c, buffer, 0, op, 1);
 }
 
+/* ---- buckets ------------------------------------------------------------ */
+
+/* A bucket request's packed bytes stay under this (scatter entries carry
+ * their no_grad lists): a quarter of the frame limit, as for views. */
+#define BUCKET_REQ_BYTES (SHARDD_MAX_FRAME / 4)
+
+/* The refused or failed entries' codes from a bucket's reply. */
+static void bucket_errs_fill(const Shardwire__Response *resp, size_t lo,
+                             size_t hi, shardd_err *errs) {
+  if (errs == NULL || resp == NULL ||
+      resp->body_case != SHARDWIRE__RESPONSE__BODY_BUCKET)
+    return;
+  const Shardwire__BucketReply *kb = resp->bucket;
+  for (size_t k = 0; k < kb->n_errors; k++)
+    if (kb->errors[k]->index >= lo && kb->errors[k]->index < hi)
+      errs[kb->errors[k]->index] = (shardd_err)kb->errors[k]->code;
+}
+
+/* One bucket call: gathers (sc NULL) or scatters (sc[i] each entry's). */
+static shardd_err bucket_call(shardd_client_t *c, size_t n,
+                              const uint64_t *buffers,
+                              Shardwire__Scatter *sc, shardd_err *errs,
+                              const char *fn) {
+  if (errs)
+    for (size_t i = 0; i < n; i++)
+      errs[i] = SHARDD_OK;
+  if (n == 0)
+    return SHARDD_OK;
+  if (buffers == NULL)
+    return set_err(c, SHARDD_E_INVAL, "%s: buffers is NULL", fn);
+  if (n > UINT32_MAX)
+    return set_err(c, SHARDD_E_RANGE, "%s: %zu buffers, at most %" PRIu32
+                   " per call", fn, n, UINT32_MAX);
+  Shardwire__Gather *g = NULL;
+  void **ptrs = calloc(n, sizeof *ptrs);
+  if (ptrs == NULL || (sc == NULL && (g = calloc(n, sizeof *g)) == NULL)) {
+    free(ptrs);
+    return set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
+  }
+  for (size_t i = 0; i < n; i++) {
+    if (sc) {
+      ptrs[i] = &sc[i];
+    } else {
+      shardwire__gather__init(&g[i]);
+      g[i].buffer = buffers[i];
+      ptrs[i] = &g[i];
+    }
+  }
+  shardd_err rc = SHARDD_OK;
+  for (size_t lo = 0; lo < n && rc == SHARDD_OK;) {
+    /* [lo, hi): at most SHARDD_BUCKET_PER_REQUEST entries and
+     * BUCKET_REQ_BYTES packed (at least one); every rank cuts the same
+     * list the same way */
+    size_t hi = lo, bytes = 0;
+    while (hi < n && hi - lo < SHARDD_BUCKET_PER_REQUEST) {
+      size_t b = (sc ? shardwire__scatter__get_packed_size(&sc[hi])
+                     : shardwire__gather__get_packed_size(&g[hi])) + 8;
+      if (hi > lo && bytes + b > BUCKET_REQ_BYTES)
+        break;
+      bytes += b;
+      hi++;
+    }
+    Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+    Shardwire__Bucket bk = SHARDWIRE__BUCKET__INIT;
+    Shardwire__GatherMany gm = SHARDWIRE__GATHER_MANY__INIT;
+    Shardwire__ScatterMany sm = SHARDWIRE__SCATTER_MANY__INIT;
+    if (sc) {
+      sm.n_scatters = hi - lo;
+      sm.scatters = (Shardwire__Scatter **)ptrs + lo;
+      sm.has_first_index = lo > 0;
+      sm.first_index = (uint32_t)lo;
+      bk.op_case = SHARDWIRE__BUCKET__OP_SCATTER;
+      bk.scatter = &sm;
+    } else {
+      gm.n_gathers = hi - lo;
+      gm.gathers = (Shardwire__Gather **)ptrs + lo;
+      gm.has_first_index = lo > 0;
+      gm.first_index = (uint32_t)lo;
+      bk.op_case = SHARDWIRE__BUCKET__OP_GATHER;
+      bk.gather = &gm;
+    }
+    req.body_case = SHARDWIRE__REQUEST__BODY_BUCKET;
+    req.bucket = &bk;
+    Shardwire__Response *resp = NULL;
+    rc = call(c, &req, &resp, NULL);
+    if (rc == SHARDD_OK && resp->body_case != SHARDWIRE__RESPONSE__BODY_BUCKET)
+      rc = set_err(c, SHARDD_E_PROTOCOL, "the daemon answered with body %d to "
+                   "a bucket", (int)resp->body_case);
+    if (rc != SHARDD_OK) {
+      bucket_errs_fill(resp, lo, hi, errs);
+      if (errs)
+        for (size_t i = hi; i < n; i++)
+          errs[i] = SHARDD_E_STATE;
+      if (hi < n) {
+        char *copy = strdup(shardd_last_error(c));
+        if (copy)
+          set_err(c, rc, "%s; and the %zu entries after them were not sent",
+                  copy, n - hi);
+        free(copy);
+      }
+    }
+    if (resp)
+      shardwire__response__free_unpacked(resp, NULL);
+    lo = hi;
+  }
+  free(g);
+  free(ptrs);
+  return rc;
+}
+
+shardd_err shardd_gather_many(shardd_client_t *c, size_t n,
+                              const uint64_t *buffers, shardd_err *errs) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+  return bucket_call(c, n, buffers, NULL, errs, "shardd_gather_many");
+}
+
+shardd_err shardd_scatter_many(shardd_client_t *c, size_t n,
+                               const uint64_t *buffers, shardd_reduce_op op,
+                               shardd_err *errs) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+  shardd_scatter_opts o = SHARDD_SCATTER_OPTS_INIT;
+  o.op = op;
+  o.size = 0; /* the same options for every entry: a stride of 0 */
+  return shardd_scatter_many_ex(c, n, buffers, &o, errs);
+}
+
+shardd_err shardd_scatter_many_ex(shardd_client_t *c, size_t n,
+                                  const uint64_t *buffers,
+                                  const shardd_scatter_opts *opts,
+                                  shardd_err *errs) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+  /* opts->size 0 (shardd_scatter_many's): one struct for all entries */
+  size_t stride = opts ? opts->size : 0;
+  if (opts && stride != 0 &&
+      stride < offsetof(shardd_scatter_opts, no_grad_all) + sizeof(int))
+    return set_err(c, SHARDD_E_INVAL, "shardd_scatter_many_ex: opts[0].size "
+                   "%zu is too small (use SHARDD_SCATTER_OPTS_INIT)", stride);
+  Shardwire__Scatter *sc = calloc(n ? n : 1, sizeof *sc);
+  if (sc == NULL)
+    return set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
+  for (size_t i = 0; i < n; i++) {
+    shardd_scatter_opts o = SHARDD_SCATTER_OPTS_INIT;
+    if (opts) {
+      const shardd_scatter_opts *e =
+          (const shardd_scatter_opts *)((const char *)opts + i * stride);
+      size_t k = stride ? stride : sizeof o;
+      memcpy(&o, e, k < sizeof o ? k : sizeof o);
+      if (stride && e->size != stride) {
+        free(sc);
+        return set_err(c, SHARDD_E_INVAL, "shardd_scatter_many_ex: entry %zu "
+                       "has size %zu, entry 0 %zu (every entry the same)", i,
+                       e->size, stride);
+      }
+    }
+    if (o.nno_grad > 0 && o.no_grad == NULL) {
+      free(sc);
+      return set_err(c, SHARDD_E_INVAL, "shardd_scatter_many_ex: entry %zu: "
+                     "nno_grad without no_grad", i);
+    }
+    shardwire__scatter__init(&sc[i]);
+    sc[i].buffer = buffers ? buffers[i] : 0;
+    sc[i].has_op = 1;
+    sc[i].op = (Shardwire__ReduceOp)o.op;
+    if (o.generation) {
+      sc[i].has_generation = 1;
+      sc[i].generation = o.generation;
+    }
+    sc[i].n_no_grad = o.nno_grad;
+    sc[i].no_grad = (uint64_t *)o.no_grad;
+    if (o.no_grad_all) {
+      sc[i].has_no_grad_all = 1;
+      sc[i].no_grad_all = 1;
+    }
+    if (o.accumulate) {
+      sc[i].has_accumulate = 1;
+      sc[i].accumulate = 1;
+    }
+  }
+  shardd_err rc = bucket_call(c, n, buffers, sc, errs, "shardd_scatter_many");
+  free(sc);
+  return rc;
+}
+
 shardd_err shardd_all_reduce(shardd_client_t *c, double *values, size_t n,
                              shardd_reduce_op op) {
   if (c == NULL)

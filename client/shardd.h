@@ -533,6 +533,47 @@ typedef struct {
 shardd_err shardd_scatter_ex(shardd_client_t *c, uint64_t buffer,
                              const shardd_scatter_opts *opts);
 
+/* Bucketed collectives (issue 17): several small gathers or scatters in
+ * one request, so a model's small tensors (norms, biases) cost one round
+ * trip per bucket instead of one each, as DDP's buckets and ZeRO's
+ * reduce_bucket_size do. Entries per request: the daemon's limit (its
+ * --max-pending default); a longer list goes as several requests, one
+ * after the other. */
+#define SHARDD_BUCKET_PER_REQUEST 64
+
+/* All-gathers n buffers (resident areas: each lands in its block's gather
+ * area, as shardd_gather would put it), one request per up to
+ * SHARDD_BUCKET_PER_REQUEST of them; returns when all have completed.
+ * Every rank must pass the same buffers in the same order: a rank whose
+ * bucket differs fails the buckets involved at once with
+ * SHARDD_E_MISMATCH, on every rank. Each request is all or nothing up
+ * front: when an entry is refused (an unknown or stale buffer, one named
+ * twice) none of that request runs and the error names every refused
+ * entry ("[index] CODE: why"). A request that failed while running (a
+ * peer lost, a mismatch, a timeout) names each failed entry; its other
+ * entries ran. The requests after a failed one are not sent. errs (NULL,
+ * or n entries) gets each entry's code, SHARDD_E_STATE for those not
+ * sent. Jobs with transient areas refuse gather buckets (SHARDD_E_STATE):
+ * each gather leases a slot as large as the largest unit, 2 per rank.
+ * Single-node jobs only (SHARDD_E_STATE). */
+shardd_err shardd_gather_many(shardd_client_t *c, size_t n,
+                              const uint64_t *buffers, shardd_err *errs);
+
+/* Reduce-scatters n buffers with op, as shardd_gather_many gathers them
+ * (transient areas too: a scatter leases nothing). */
+shardd_err shardd_scatter_many(shardd_client_t *c, size_t n,
+                               const uint64_t *buffers, shardd_reduce_op op,
+                               shardd_err *errs);
+
+/* shardd_scatter_many with each entry's options: opts is NULL (the
+ * defaults) or n shardd_scatter_opts, made with SHARDD_SCATTER_OPTS_INIT,
+ * opts[0].size being the array's stride (every entry the same size; a
+ * size of 0 makes that one struct every entry's, with today's layout). */
+shardd_err shardd_scatter_many_ex(shardd_client_t *c, size_t n,
+                                  const uint64_t *buffers,
+                                  const shardd_scatter_opts *opts,
+                                  shardd_err *errs);
+
 /* Freezes (requires_grad 0) or unfreezes a view for the whole job:
  * gradual unfreezing. A view an optimizer holds stays held and its steps
  * skip it while it is frozen; unfrozen, it is stepped again with its own

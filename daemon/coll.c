@@ -198,6 +198,7 @@ static void coll_finish(coll *c, shardd_err code, const char *msg) {
     shardd__coll_result res;
     memset(&res, 0, sizeof res);
     res.kind = c->args.kind;
+    res.target = c->args.target;
     if (code == SHARDD_OK && c->args.kind == SHARDD__COLL_ALL_REDUCE) {
       res.values = c->reduced;
       res.nvalues = (uint32_t)c->args.target;
@@ -213,7 +214,7 @@ static void coll_finish(coll *c, shardd_err code, const char *msg) {
       res.has_grad = shardd__area_held(c->buf, r, SHARDD__AREA_GRAD, &res.grad);
       h->done(h->ctx, w->m, w->seq, code, NULL, &res);
     } else {
-      h->done(h->ctx, w->m, w->seq, code, msg, NULL);
+      h->done(h->ctx, w->m, w->seq, code, msg, c->args.bucket ? &res : NULL);
     }
   }
   if (c->buf && c->job->transient)
@@ -419,7 +420,11 @@ static uint32_t answer_now(coll *c, shardd_err code, const char *msg) {
     waiter *w = &c->waiters[r];
     if (w->m == NULL)
       continue;
-    h->done(h->ctx, w->m, w->seq, code, msg, NULL);
+    shardd__coll_result res;
+    memset(&res, 0, sizeof res);
+    res.kind = c->args.kind;
+    res.target = c->args.target;
+    h->done(h->ctx, w->m, w->seq, code, msg, c->args.bucket ? &res : NULL);
     w->m->pending--; /* coll_free must not count it again */
     w->m = NULL;
     n++;
@@ -697,6 +702,92 @@ static void start_phase(coll *c) {
   run_phase(c);
 }
 
+/* ---- batches of small collectives ------------------------------------- */
+
+/* Pool turns one batch is split over: the copies of a bucket still use
+ * several workers, without one turn per collective. */
+#define BATCH_TURNS 4
+
+typedef struct {
+  uv_work_t req;
+  size_t n;
+  coll *colls[]; /* [n], each with its tasks grouped on tasks[0] */
+} coll_batch;
+
+static void batch_work(uv_work_t *req) {
+  coll_batch *b = req->data;
+  for (size_t i = 0; i < b->n; i++)
+    shardd__coll_work(&b->colls[i]->tasks[0].req);
+}
+
+static void batch_done(uv_work_t *req, int status) {
+  coll_batch *b = req->data;
+  /* each completion may free its coll and start others: b is the list */
+  for (size_t i = 0; i < b->n; i++)
+    shardd__coll_task_done(&b->colls[i]->tasks[0].req, status);
+  free(b);
+}
+
+void shardd__coll_batch_begin(shardd__coll_engine *e) { e->batching++; }
+
+void shardd__coll_batch_end(shardd__coll_engine *e) {
+  if (e->batching == 0 || --e->batching > 0 || e->batch_head == NULL)
+    return;
+  size_t n = e->nbatch, turns = n < BATCH_TURNS ? n : BATCH_TURNS;
+  coll *list = e->batch_head;
+  e->batch_head = NULL;
+  e->nbatch = 0;
+  coll_batch *bs[BATCH_TURNS] = {NULL};
+  for (size_t k = 0; k < turns; k++) {
+    size_t m = n / turns + (k < n % turns);
+    bs[k] = malloc(sizeof *bs[k] + m * sizeof(coll *));
+    if (bs[k]) {
+      bs[k]->req.data = bs[k];
+      bs[k]->n = 0;
+    }
+  }
+  /* in start order (the list is newest first), round robin */
+  coll **order = malloc(n * sizeof *order);
+  size_t i = n;
+  for (coll *c = list; c; c = c->batch_next)
+    if (order)
+      order[--i] = c;
+  for (size_t j = 0; j < n; j++) {
+    coll *c = order ? order[j] : list;
+    if (!order)
+      list = list->batch_next;
+    coll_batch *b = bs[j % turns];
+    if (b)
+      b->colls[b->n++] = c;
+    else if (uv_queue_work(e->cfg.loop, &c->tasks[0].req, shardd__coll_work,
+                           shardd__coll_task_done) != 0) {
+      shardd__coll_work(&c->tasks[0].req); /* out of memory: alone */
+      shardd__coll_task_done(&c->tasks[0].req, 0);
+    }
+  }
+  free(order);
+  for (size_t k = 0; k < turns; k++)
+    if (bs[k] && uv_queue_work(e->cfg.loop, &bs[k]->req, batch_work, batch_done) != 0) {
+      batch_work(&bs[k]->req); /* cannot happen for a valid loop */
+      batch_done(&bs[k]->req, 0);
+    }
+}
+
+/* Bytes a collective may move and still run as one pool task: below it
+ * the per-task cost (a pool wake-up and a loop wake-up each) outweighs
+ * spreading the copies over the workers. */
+#define SMALL_COLL_BYTES ((uint64_t)256 << 10)
+
+/* Whether c is a single-node gather or scatter of a small buffer (every
+ * rank's side of it together under SMALL_COLL_BYTES). */
+static int small_coll(const coll *c) {
+  if (c->buf == NULL || shardd__coll_multi(c) || c->bulk ||
+      (c->args.kind != SHARDD__COLL_GATHER && c->args.kind != SHARDD__COLL_SCATTER))
+    return 0;
+  uint64_t bytes = c->buf->padded_numel * shardd_dtype_size(c->buf->dtype);
+  return bytes * c->job->world <= SMALL_COLL_BYTES;
+}
+
 /* Plans c's phase and starts its tasks (on the pool, or the exchange on a
  * fabric thread). */
 static void run_phase(coll *c) {
@@ -729,9 +820,30 @@ static void run_phase(coll *c) {
     return;
   }
   for (size_t i = 0; i < n; i++) {
+    c->tasks[i].c = c;
+    c->tasks[i].req.data = &c->tasks[i];
+  }
+  if (small_coll(c)) {
+    /* one pool turn runs them all: for a small buffer the pool's round
+     * trip per task cost more than the copies (issue 17's buckets of
+     * small buffers are many such collectives at once) */
+    c->left = 1;
+    c->tasks[0].group = n;
+    if (c->e->batching) {
+      c->batch_next = c->e->batch_head;
+      c->e->batch_head = c;
+      c->e->nbatch++;
+      return;
+    }
+    if (uv_queue_work(c->e->cfg.loop, &c->tasks[0].req, shardd__coll_work,
+                      shardd__coll_task_done) != 0) {
+      shardd__coll_work(&c->tasks[0].req);
+      shardd__coll_task_done(&c->tasks[0].req, 0);
+    }
+    return;
+  }
+  for (size_t i = 0; i < n; i++) {
     task *t = &c->tasks[i];
-    t->c = c;
-    t->req.data = t;
     if (t->fabric) {
       shardd__coll_fab_submit(c, t);
       continue;
@@ -888,7 +1000,8 @@ static int args_equal(const shardd__coll_args *a, const shardd__coll_args *b) {
   return a->kind == b->kind && a->target == b->target && a->op == b->op &&
          a->has_lr == b->has_lr && (!a->has_lr || a->lr == b->lr) &&
          a->max_norm == b->max_norm && a->accumulate == b->accumulate &&
-         a->norm_only == b->norm_only;
+         a->norm_only == b->norm_only && a->bucket == b->bucket &&
+         a->bucket_n == b->bucket_n;
 }
 
 static int hp_equal(const shardd__hp *a, const shardd__hp *b) {
@@ -950,9 +1063,63 @@ static shardd_err step_hp(const shardd__optim *o, const shardd__coll_args *args,
   return SHARDD_OK;
 }
 
+/* c's ranks disagree on their buckets: answers every rank waiting in c now
+ * (a later one as it arrives: c stays queued, refused, until all have) and
+ * fails every unstarted collective holding an entry of those ranks'
+ * buckets (their seq), so no bucket waits for an entry the disagreeing
+ * rank never sends. */
+static void bucket_fail(coll *c) {
+  coll_job *q = c->cj;
+  uint32_t world = c->job->world, n = 0;
+  /* out of memory: c's ranks are still answered; their other entries
+   * then wait for the timeout */
+  uint64_t *seqs = malloc(world * sizeof *seqs);
+  shardd__coll_member **ms = malloc(world * sizeof *ms);
+  for (uint32_t r = 0; r < world && seqs && ms; r++)
+    if (c->waiters[r].m) {
+      ms[n] = c->waiters[r].m;
+      seqs[n++] = c->waiters[r].seq;
+    }
+  answer_now(c, c->refused, c->refused_msg);
+  char msg[384];
+  for (coll *it = q->head, *next; it; it = next) {
+    next = it->next;
+    if (it == c || it->started || it->args.bucket == 0)
+      continue;
+    int hit = 0;
+    for (uint32_t r = 0; r < world && !hit; r++)
+      for (uint32_t k = 0; k < n && !hit; k++)
+        hit = it->waiters[r].m == ms[k] && it->waiters[r].seq == seqs[k];
+    if (!hit)
+      continue;
+    snprintf(msg, sizeof msg, "%s of buffer %" PRIu64 " (\"%s\") did not run: "
+             "its bucket failed at buffer %" PRIu64 ": %s",
+             shardd__coll_kind_word(it->args.kind), it->args.target, it->name,
+             c->args.target, c->refused_msg);
+    coll_finish(it, SHARDD_E_MISMATCH, msg); /* unlinks it only; next stays */
+  }
+  free(seqs);
+  free(ms);
+}
+
+/* How a rank sent a collective, for a bucket mismatch's message. */
+static void bucket_word(const shardd__coll_args *a, char *out, size_t len) {
+  if (a->bucket == 0)
+    snprintf(out, len, "alone");
+  else
+    snprintf(out, len, "as entry %" PRIu32 " of a bucket of %" PRIu32
+             " (list %016" PRIx64 ")", a->bucket_index, a->bucket_n, a->bucket);
+}
+
 static void refuse(shardd__coll_engine *e, shardd__coll_member *m,
-                   uint64_t seq, shardd_err code, const char *msg) {
-  e->cfg.hooks.done(e->cfg.hooks.ctx, m, seq, code, msg, NULL);
+                   uint64_t seq, const shardd__coll_args *args,
+                   shardd_err code, const char *msg) {
+  shardd__coll_result res;
+  memset(&res, 0, sizeof res);
+  res.kind = args->kind;
+  res.target = args->target;
+  e->cfg.hooks.done(e->cfg.hooks.ctx, m, seq, code, msg,
+                    args->bucket ? &res : NULL);
 }
 
 static double loop_now(const shardd__coll_engine *e) {
@@ -1021,13 +1188,13 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
                                       want, &o, err, sizeof err);
   }
   if (rc != SHARDD_OK) {
-    refuse(e, m, seq, rc, err);
+    refuse(e, m, seq, args, rc, err);
     return;
   }
   double *vals = NULL;
   if (scalars &&
       (vals = malloc((args->target ? args->target : 1) * sizeof *vals)) == NULL) {
-    refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    refuse(e, m, seq, args, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
   if (vals && args->target)
@@ -1049,7 +1216,7 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
              "step: lr must be >= 0 and finite, max_norm >= 0 (inf: report the "
              "norm only)");
     if (!multi) {
-      refuse(e, m, seq, local, local_msg);
+      refuse(e, m, seq, args, local, local_msg);
       return;
     }
   }
@@ -1059,21 +1226,23 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
              "scatter: the %s backend cannot add to a reduced gradient "
              "(accumulating scatter): scatter once per step",
              e->be->name);
-    refuse(e, m, seq, SHARDD_E_INVAL, err);
+    refuse(e, m, seq, args, SHARDD_E_INVAL, err);
     return;
   }
   coll_job *q = shardd__coll_job_of(e, job, 0);
   if (args->kind == SHARDD__COLL_GATHER && e->cfg.max_inflight_gathers > 0) {
     uint32_t n = 0;
+    /* a bucket is one request (and one round trip): it counts once */
     for (coll *it = q ? q->head : NULL; it; it = it->next)
-      n += it->args.kind == SHARDD__COLL_GATHER && it->waiters[m->rank].m == m;
-    if (n >= e->cfg.max_inflight_gathers) {
+      n += it->args.kind == SHARDD__COLL_GATHER && it->waiters[m->rank].m == m &&
+           it->args.bucket_index == 0;
+    if (args->bucket_index == 0 && n >= e->cfg.max_inflight_gathers) {
       snprintf(err, sizeof err,
                "rank %" PRIu32 " has %" PRIu32 " gathers in flight "
                "(--max-inflight-gathers %" PRIu32 ")",
                m->rank, n, e->cfg.max_inflight_gathers);
       free(vals);
-      refuse(e, m, seq, SHARDD_E_LIMIT, err);
+      refuse(e, m, seq, args, SHARDD_E_LIMIT, err);
       return;
     }
   }
@@ -1082,12 +1251,12 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
              "session has %" PRIu32 " collectives queued (limit %" PRIu32 ")",
              m->pending, e->cfg.max_pending);
     free(vals);
-    refuse(e, m, seq, SHARDD_E_LIMIT, err);
+    refuse(e, m, seq, args, SHARDD_E_LIMIT, err);
     return;
   }
   if (q == NULL && (q = shardd__coll_job_of(e, job, 1)) == NULL) {
     free(vals);
-    refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    refuse(e, m, seq, args, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
   shardd__hp *hp = NULL; /* a step's, until c owns it */
@@ -1096,7 +1265,7 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
     free(vals);
     vals = NULL;
     if (!multi) {
-      refuse(e, m, seq, rc, err);
+      refuse(e, m, seq, args, rc, err);
       return;
     }
     local = rc;
@@ -1109,7 +1278,7 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
       !args->no_grad_all) {
     if ((rc = copy_mask(e, (const shardd__buffer *)o, args, &mask, &nmask, err,
                         sizeof err)) != SHARDD_OK) {
-      refuse(e, m, seq, rc, err);
+      refuse(e, m, seq, args, rc, err);
       return;
     }
   }
@@ -1127,7 +1296,19 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
   int same = c == NULL || args_equal(&c->args, args);
   for (size_t g = 0; c && same && hp && c->hp && g < c->opt->ngroups; g++)
     same = hp_equal(&c->hp[g], &hp[g]);
-  if (c && c->refused == SHARDD_OK && local == SHARDD_OK && !same) {
+  if (c && c->refused == SHARDD_OK && local == SHARDD_OK && !same &&
+      (c->args.bucket != args->bucket || c->args.bucket_n != args->bucket_n)) {
+    char mine[64], theirs[64];
+    bucket_word(args, mine, sizeof mine);
+    bucket_word(&c->args, theirs, sizeof theirs);
+    snprintf(c->refused_msg, sizeof c->refused_msg,
+             "rank %" PRIu32 " sent %s of buffer %" PRIu64 " %s, the ranks "
+             "before it %s: every rank must send the same buffers in the same "
+             "order", m->rank, shardd__coll_kind_word(args->kind), args->target,
+             mine, theirs);
+    c->refused = SHARDD_E_MISMATCH;
+    c->bucket_bad = 1;
+  } else if (c && c->refused == SHARDD_OK && local == SHARDD_OK && !same) {
     snprintf(c->refused_msg, sizeof c->refused_msg,
              "rank %" PRIu32 " called %s on %s %" PRIu64
              " with other arguments than the ranks before it",
@@ -1147,7 +1328,7 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
       free(hp);
       free(vals);
       free(mask);
-      refuse(e, m, seq, SHARDD_E_NO_MEMORY, "out of memory");
+      refuse(e, m, seq, args, SHARDD_E_NO_MEMORY, "out of memory");
       return;
     }
     c->e = e;
@@ -1202,10 +1383,12 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
       snprintf(c->refused_msg, sizeof c->refused_msg, "rank %" PRIu32 "'s %s was "
                "refused: %s", m->rank, shardd__coll_kind_word(args->kind), local_msg);
     }
-    refuse(e, m, seq, local, local_msg);
+    refuse(e, m, seq, args, local, local_msg);
     w->m = NULL;
     m->pending--;
   }
+  if (c->bucket_bad)
+    bucket_fail(c);
   int64_t doom;
   if (c->arrived == job->local_ranks) {
     if (c->refused != SHARDD_OK && shardd__coll_multi(c))

@@ -72,6 +72,17 @@ typedef struct {
   const uint64_t *no_grad;
   size_t nno_grad;
   int no_grad_all;
+  /* gather, scatter: one entry of a bucket (several collectives a rank
+   * sent in one request, all submitted with its seq): bucket identifies
+   * the bucket's list (kind and buffers, in order; 0: not in a bucket),
+   * bucket_n its entries, bucket_index this one's place. Ranks must agree
+   * on it: a rank whose bucket differs from the ranks before it fails the
+   * collective and every unstarted one the ranks involved sent with those
+   * buckets, at once (E_MISMATCH), so no bucket waits for an entry that
+   * another rank never sends. A bucket counts as one gather against
+   * max_inflight_gathers (its first entry is the one checked). */
+  uint64_t bucket;
+  uint32_t bucket_n, bucket_index;
 } shardd__coll_args;
 
 /* One rank of a job as the engine sees it. The caller sets job and rank
@@ -99,12 +110,15 @@ typedef struct {
   /* all_reduce: the reduction ([nvalues], borrowed for the hook's call) */
   const double *values;
   uint32_t nvalues;
+  uint64_t target; /* the buffer or optimizer (an entry of a bucket) */
 } shardd__coll_result;
 
 typedef struct {
   void *ctx;
   /* m's request seq ended: code (and msg, NULL for a plain OK), res for a
-   * successful step or transient gather (else NULL). Called from inside submit, member_lost,
+   * successful step or transient gather (else NULL); an entry of a bucket
+   * (args.bucket set) always has res, its kind and target telling the
+   * entries of one seq apart. Called from inside submit, member_lost,
    * tick and completions; it must not free m or call into the engine
    * (queue what it needs for later). */
   void (*done)(void *ctx, shardd__coll_member *m, uint64_t seq,
@@ -150,6 +164,15 @@ void shardd__coll_engine_destroy(shardd__coll_engine *e);
  * Refusals that need no waiting are answered at once (still through done). */
 void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
                          uint64_t seq, const shardd__coll_args *args);
+
+/* Several submits in a row (a bucket's entries): the small collectives
+ * they start (a buffer of at most 256 KiB over all ranks) are handed to
+ * the pool together at _end, split over a few pool turns, instead of one
+ * pool turn each: with many small buffers the pool's round trips, not
+ * the copies, were the cost. Nests; completion is unchanged (done hooks
+ * on later loop turns). */
+void shardd__coll_batch_begin(shardd__coll_engine *e);
+void shardd__coll_batch_end(shardd__coll_engine *e);
 
 /* m (its job and rank set) now holds its rank: a rank lost before is back,
  * and the collectives still waiting for it wait on. Call before m's first

@@ -42,6 +42,10 @@ typedef struct {
   shardd_err rc;
   int fabric; /* the collective's exchange, on a fabric thread */
   int bulk;   /* the whole collective through the backend's comm ops */
+  /* > 1: this task's pool turn runs tasks [0, group) of its collective
+   * one after the other (a small collective: one pool round trip, not
+   * one per rank; coll.c's run_phase decides) */
+  size_t group;
 } task;
 
 #define CHUNK_ELEMS ((uint64_t)1 << 18)
@@ -78,6 +82,12 @@ struct shardd__coll_engine {
   int stopping;
   uint64_t epoch; /* counts joins and losses, to order them */
   shardd__map jobs; /* job address -> coll_job */
+  /* between shardd__coll_batch_begin and _end: small collectives started
+   * are listed here (by batch_next) and go to the pool together at the
+   * end, a few pool turns for the lot instead of one each */
+  int batching;
+  coll *batch_head;
+  size_t nbatch;
 };
 
 struct coll {
@@ -108,6 +118,9 @@ struct coll {
    * and every rank, including those still to arrive, gets this error */
   shardd_err refused;
   char refused_msg[256];
+  /* refused because the ranks' buckets differ: every rank is answered as
+   * it arrives, and the other entries of its bucket fail with it */
+  int bucket_bad;
   /* multi-node: stage 0 local, 1 fabric, 2 local fan-out (gather, scatter);
    * step: 1 while the sum of squares crosses nodes */
   int stage;
@@ -138,6 +151,7 @@ struct coll {
   uint8_t *fab_mask;
   uint64_t *fab_mask_ids;
   size_t nmask;
+  coll *batch_next; /* on the engine's batch list (small, started) */
 };
 
 static inline int shardd__coll_multi(const coll *c) { return c->job->nodes > 1; }

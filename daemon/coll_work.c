@@ -145,11 +145,23 @@ static void mscatter_own(coll *c, task *t) {
       &src, &off, 1, t->len);
 }
 
+static void work_one(task *t);
+
 void shardd__coll_work(uv_work_t *req) {
   task *t = req->data;
   coll *c = t->c;
   if (c->ntasks == 0) /* the empty task of a collective with no work */
     return;
+  if (t->group > 1) {
+    for (size_t i = 0; i < t->group; i++)
+      work_one(&c->tasks[i]);
+    return;
+  }
+  work_one(t);
+}
+
+static void work_one(task *t) {
+  coll *c = t->c;
   if (t->bulk) {
     shardd__coll_bulk_task(c, t);
     return;

@@ -502,7 +502,11 @@ static void batch_refuse(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                          size_t n, batch_errs *b, const char *what) {
   char head[128];
   int reg = strcmp(what, "views") == 0 || strcmp(what, "buffers") == 0;
-  if (b->base)
+  if (strncmp(what, "bucket", 6) == 0)
+    /* what: "bucket gathers" or "bucket scatters" */
+    snprintf(head, sizeof head, "%zu of the %zu entries of a %s refused, "
+             "none submitted: ", b->total, n, what);
+  else if (b->base)
     snprintf(head, sizeof head, "%zu of the %zu %s from entry %" PRIu32
              " refused, none of them %s: ", b->total, n, what, b->base,
              reg ? "registered" : "unregistered");
@@ -525,7 +529,15 @@ static void batch_refuse(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   resp.message = m ? m : (char *)shardd_strerror(b->first);
   Shardwire__ViewsBatchReply vb = SHARDWIRE__VIEWS_BATCH_REPLY__INIT;
   Shardwire__BuffersBatchReply bb = SHARDWIRE__BUFFERS_BATCH_REPLY__INIT;
-  if (strncmp(what, "buffer", 6) == 0) {
+  Shardwire__BucketReply kb = SHARDWIRE__BUCKET_REPLY__INIT;
+  if (strncmp(what, "bucket", 6) == 0) {
+    kb.n_errors = b->n;
+    kb.errors = b->errp;
+    kb.has_errors_total = 1;
+    kb.errors_total = (uint32_t)b->total;
+    resp.body_case = SHARDWIRE__RESPONSE__BODY_BUCKET;
+    resp.bucket = &kb;
+  } else if (strncmp(what, "buffer", 6) == 0) {
     bb.n_errors = b->n;
     bb.errors = b->errp;
     bb.has_errors_total = 1;
@@ -1875,6 +1887,255 @@ static void on_release_job(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   send_resp(d, c, &resp, -1);
 }
 
+/* ---- buckets: several gathers or scatters in one request ------------- */
+
+/* Entries per request: --max-pending's default, so a bucket fits a rank
+ * that waits in nothing else (libshardd cuts a longer list). */
+#define BUCKET_MAX 64
+
+/* A bucket of one connection whose entries have not all ended: each entry
+ * is its own collective, submitted with the request's seq; the engine's
+ * done hook tells them apart by target, and the one reply goes when the
+ * last has ended. */
+typedef struct shardd__bucket_wait {
+  struct shardd__bucket_wait *next;
+  shardd__conn *c;
+  uint64_t seq;
+  const char *what; /* "bucket gathers" | "bucket scatters" */
+  size_t n, left;
+  int submitting; /* the handler's loop runs: the reply waits for it */
+  uint64_t *ids;  /* [n] the entries' buffers */
+  batch_errs fails;
+} bucket_wait;
+
+static void bucket_free(bucket_wait *w) {
+  batch_errs_free(&w->fails);
+  free(w->ids);
+  free(w);
+}
+
+static void bucket_unlink(shardd__dispatch *d, bucket_wait *w) {
+  for (bucket_wait **pp = &d->buckets; *pp; pp = &(*pp)->next)
+    if (*pp == w) {
+      *pp = w->next;
+      return;
+    }
+}
+
+static bucket_wait *bucket_find(shardd__dispatch *d, const shardd__conn *c,
+                                uint64_t seq) {
+  for (bucket_wait *w = d->buckets; w; w = w->next)
+    if (w->c == c && w->seq == seq)
+      return w;
+  return NULL;
+}
+
+/* The one reply, once every entry has ended; w is freed. */
+static void bucket_answer(shardd__dispatch *d, bucket_wait *w) {
+  bucket_unlink(d, w);
+  if (w->fails.total == 0) {
+    Shardwire__Response resp = ok_resp(w->seq, SHARDWIRE__RESPONSE__BODY_BUCKET);
+    Shardwire__BucketReply kb = SHARDWIRE__BUCKET_REPLY__INIT;
+    resp.bucket = &kb;
+    send_resp(d, w->c, &resp, -1);
+    bucket_free(w);
+    return;
+  }
+  batch_errs *b = &w->fails;
+  char head[160];
+  snprintf(head, sizeof head, "%zu of the %zu entries of a %s failed "
+           "(the others ran): ", b->total, w->n, w->what);
+  size_t hl = strlen(head);
+  char *m = malloc(hl + b->len + 96);
+  if (m) {
+    memcpy(m, head, hl);
+    memcpy(m + hl, b->msg ? b->msg : "", b->len);
+    m[hl + b->len] = '\0';
+    if (b->listed < b->total)
+      snprintf(m + hl + b->len, 96, "%sand %zu more", b->listed ? "; " : "",
+               b->total - b->listed);
+  }
+  Shardwire__Response resp = SHARDWIRE__RESPONSE__INIT;
+  resp.seq = w->seq;
+  resp.code = (Shardwire__StatusCode)b->first;
+  resp.message = m ? m : (char *)shardd_strerror(b->first);
+  Shardwire__BucketReply kb = SHARDWIRE__BUCKET_REPLY__INIT;
+  kb.n_errors = b->n;
+  kb.errors = b->errp;
+  kb.has_errors_total = 1;
+  kb.errors_total = (uint32_t)b->total;
+  resp.body_case = SHARDWIRE__RESPONSE__BODY_BUCKET;
+  resp.bucket = &kb;
+  send_resp(d, w->c, &resp, -1);
+  free(m);
+  bucket_free(w);
+}
+
+/* One entry of w ended (the engine's done hook). */
+static void bucket_note(shardd__dispatch *d, bucket_wait *w, shardd_err code,
+                        const char *msg, const shardd__coll_result *res) {
+  if (code != SHARDD_OK) {
+    size_t i = 0;
+    while (res && i < w->n && w->ids[i] != res->target)
+      i++;
+    batch_err_add(&w->fails, i < w->n ? i : 0, code,
+                  msg ? msg : shardd_strerror(code));
+  }
+  if (w->left > 0)
+    w->left--;
+  if (w->left == 0 && !w->submitting)
+    bucket_answer(d, w);
+}
+
+/* A 64-bit name of the bucket's list (kind, count, buffers in order), for
+ * the engine to see that every rank sent the same bucket (FNV-1a). */
+static uint64_t bucket_hash(shardd__coll_kind kind, const uint64_t *ids,
+                            size_t n) {
+  uint64_t h = 1469598103934665603ull;
+  uint64_t words[2] = {(uint64_t)kind, (uint64_t)n};
+  for (size_t k = 0; k < 2 + n; k++) {
+    uint64_t v = k < 2 ? words[k] : ids[k - 2];
+    for (int b = 0; b < 8; b++) {
+      h ^= (v >> (8 * b)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  }
+  return h ? h : 1; /* 0 means "not in a bucket" */
+}
+
+static void on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                      const Shardwire__Request *req) {
+  const Shardwire__Bucket *bk = req->bucket;
+  int gather = bk->op_case == SHARDWIRE__BUCKET__OP_GATHER;
+  if (!gather && bk->op_case != SHARDWIRE__BUCKET__OP_SCATTER) {
+    reply(d, c, seq, SHARDD_E_INVAL, "Bucket names no operation");
+    return;
+  }
+  size_t n = gather ? bk->gather->n_gathers : bk->scatter->n_scatters;
+  uint32_t base = gather ? (bk->gather->has_first_index ? bk->gather->first_index : 0)
+                         : (bk->scatter->has_first_index ? bk->scatter->first_index : 0);
+  const char *what = gather ? "bucket gathers" : "bucket scatters";
+  shardd__job *job = c->m.job;
+  char err[ERRLEN];
+  if (n == 0) {
+    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_BUCKET);
+    Shardwire__BucketReply kb = SHARDWIRE__BUCKET_REPLY__INIT;
+    resp.bucket = &kb;
+    send_resp(d, c, &resp, -1);
+    return;
+  }
+  if (job->nodes > 1) {
+    snprintf(err, sizeof err, "job \"%s\" spans %" PRIu32 " nodes; buckets "
+             "are single-node for now (send each gather or scatter alone)",
+             job->name, job->nodes);
+    reply(d, c, seq, SHARDD_E_STATE, err);
+    return;
+  }
+  if (gather && job->transient) {
+    /* each gathered buffer would lease its own slot, as large as the
+     * job's largest unit, of the 2 a rank may hold: the memory bound */
+    snprintf(err, sizeof err, "job \"%s\" has transient areas: each gather "
+             "leases a slot as large as its largest unit, %" PRIu32 " per "
+             "rank, so gathers are not bucketed (gather each unit alone; "
+             "scatter buckets are fine)", job->name,
+             d->reg.leases_per_rank[SHARDD__AREA_GATHER]);
+    reply(d, c, seq, SHARDD_E_STATE, err);
+    return;
+  }
+  uint32_t room = d->opts.max_pending > c->m.pending
+                      ? d->opts.max_pending - c->m.pending : 0;
+  if (n > BUCKET_MAX || n > room) {
+    snprintf(err, sizeof err, "a bucket of %zu entries: at most %d per "
+             "request, and this rank may queue %" PRIu32 " more collectives "
+             "(--max-pending %" PRIu32 ")", n, BUCKET_MAX, room,
+             d->opts.max_pending);
+    reply(d, c, seq, SHARDD_E_LIMIT, err);
+    return;
+  }
+  bucket_wait *w = calloc(1, sizeof *w);
+  if (w == NULL || (w->ids = calloc(n, sizeof *w->ids)) == NULL ||
+      batch_errs_init(&w->fails, n, base) != SHARDD_OK) {
+    if (w)
+      free(w->ids);
+    free(w);
+    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    return;
+  }
+  batch_errs be;
+  if (batch_errs_init(&be, n, base) != SHARDD_OK) {
+    bucket_free(w);
+    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    return;
+  }
+  /* every entry checked before any is submitted: all or nothing */
+  for (size_t i = 0; i < n; i++) {
+    uint64_t id = gather ? bk->gather->gathers[i]->buffer
+                         : bk->scatter->scatters[i]->buffer;
+    uint64_t gen = gather ? bk->gather->gathers[i]->generation
+                          : bk->scatter->scatters[i]->generation;
+    w->ids[i] = id;
+    shardd__obj *o;
+    shardd_err rc = shardd__registry_resolve_gen(&d->reg, job, id, gen,
+                                                 SHARDD__OBJ_BUFFER, &o, err,
+                                                 sizeof err);
+    if (rc == SHARDD_OK && !gather &&
+        bk->scatter->scatters[i]->op != SHARDWIRE__REDUCE_OP__SUM &&
+        bk->scatter->scatters[i]->op != SHARDWIRE__REDUCE_OP__MEAN) {
+      snprintf(err, sizeof err, "scatter op must be sum or mean");
+      rc = SHARDD_E_INVAL;
+    }
+    for (size_t j = 0; rc == SHARDD_OK && j < i; j++)
+      if (w->ids[j] == id) {
+        snprintf(err, sizeof err, "buffer %" PRIu64 " is named twice (entry %"
+                 PRIu64 " too)", id, (uint64_t)(j + base));
+        rc = SHARDD_E_DUPLICATE;
+      }
+    if (rc != SHARDD_OK)
+      batch_err_add(&be, i, rc, err);
+  }
+  if (be.total > 0) {
+    batch_refuse(d, c, seq, n, &be, what);
+    batch_errs_free(&be);
+    bucket_free(w);
+    return;
+  }
+  batch_errs_free(&be);
+  w->c = c;
+  w->seq = seq;
+  w->what = what;
+  w->n = w->left = n;
+  w->submitting = 1;
+  w->next = d->buckets;
+  d->buckets = w;
+  shardd__coll_kind kind = gather ? SHARDD__COLL_GATHER : SHARDD__COLL_SCATTER;
+  uint64_t sig = bucket_hash(kind, w->ids, n);
+  size_t i = 0;
+  shardd__coll_batch_begin(d->coll);
+  for (; i < n && w->fails.total == 0; i++) {
+    shardd__coll_args ca = {.kind = kind, .target = w->ids[i], .bucket = sig,
+                            .bucket_n = (uint32_t)n, .bucket_index = (uint32_t)i};
+    if (gather) {
+      ca.generation = bk->gather->gathers[i]->generation;
+    } else {
+      const Shardwire__Scatter *sc = bk->scatter->scatters[i];
+      ca.generation = sc->generation;
+      ca.op = (shardd_reduce_op)sc->op;
+      ca.accumulate = sc->has_accumulate && sc->accumulate;
+      ca.no_grad = sc->no_grad;
+      ca.nno_grad = sc->n_no_grad;
+      ca.no_grad_all = sc->has_no_grad_all && sc->no_grad_all;
+    }
+    shardd__coll_submit(d->coll, &c->m, seq, &ca);
+  }
+  shardd__coll_batch_end(d->coll);
+  /* an entry refused at once (a bucket the ranks before disagree with):
+   * the rest are not submitted, so nothing waits for them */
+  w->left -= n - i;
+  w->submitting = 0;
+  if (w->left == 0)
+    bucket_answer(d, w);
+}
+
 /* ---- the command table ------------------------------------------------- */
 
 static const struct {
@@ -1903,6 +2164,7 @@ static const struct {
     {SHARDWIRE__REQUEST__BODY_UNREGISTER_OPTIMIZER, 1, 1, on_unregister_optimizer},
     {SHARDWIRE__REQUEST__BODY_GATHER, 1, 0, on_gather},
     {SHARDWIRE__REQUEST__BODY_SCATTER, 1, 0, on_scatter},
+    {SHARDWIRE__REQUEST__BODY_BUCKET, 1, 0, on_bucket},
     {SHARDWIRE__REQUEST__BODY_STEP, 1, 1, on_step},
     {SHARDWIRE__REQUEST__BODY_SET_REQUIRES_GRAD, 1, 1, on_set_requires_grad},
     {SHARDWIRE__REQUEST__BODY_RELEASE, 1, 0, on_release},
@@ -2012,6 +2274,16 @@ void shardd__dispatch_closed(shardd__dispatch *d, shardd__conn *c) {
   if (job == NULL)
     return;
   shardd__coll_member_lost(d->coll, &c->m);
+  /* its buckets' waiting entries were answered just now; running ones
+   * forget c: nobody is left to answer */
+  for (bucket_wait **pp = &d->buckets; *pp;) {
+    bucket_wait *w = *pp;
+    if (w->c == c) {
+      *pp = w->next;
+      bucket_free(w);
+    } else
+      pp = &w->next;
+  }
   shardd__area_return_rank(job, c->m.rank); /* the rest when collectives end */
   shardd__log(2, "session %" PRIu64 ": rank %" PRIu32 " of job \"%s\" left",
               c->id, c->m.rank, job->name);
@@ -2082,6 +2354,11 @@ static void coll_done(void *ctx, shardd__coll_member *m, uint64_t seq,
   shardd__conn *c = (shardd__conn *)m;
   if (c->ckc_dir && seq == c->ckc_seq) {
     ckpt_barrier_done(d, c, seq, code, msg);
+    return;
+  }
+  bucket_wait *w;
+  if (d->buckets && (w = bucket_find(d, c, seq)) != NULL) {
+    bucket_note(d, w, code, msg, res);
     return;
   }
   if (res == NULL) {
@@ -2197,6 +2474,11 @@ void shardd__dispatch_free(shardd__dispatch *d) {
     free(p->dir);
     free(p->home);
     free(p);
+  }
+  while (d->buckets) { /* every connection closed first: none is left */
+    bucket_wait *w = d->buckets;
+    d->buckets = w->next;
+    bucket_free(w);
   }
   free(d->held_conns);
   d->held_conns = NULL;

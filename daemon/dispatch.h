@@ -95,6 +95,8 @@ typedef struct {
   struct shardd__ckpt_group *ckpt_groups;
   /* operators' checkpoints waiting for their job's next quiescent point */
   struct shardd__ckpt_pend *ckpt_pends;
+  /* bucket requests whose entries' collectives have not all ended */
+  struct shardd__bucket_wait *buckets;
   /* connections with held frames (at most max_clients) */
   shardd__conn **held_conns;
   size_t nheld_conns, cap_held_conns;

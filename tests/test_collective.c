@@ -2084,3 +2084,210 @@ ParameterizedTest(kill_case *kc, collective, rank_sigkilled_mid_collective,
   for (int k = 0; k < 2; k++)
     test_raw_close(&r[k]);
 }
+
+/* ---- buckets: shardd_gather_many / shardd_scatter_many ------------------ */
+
+#define NBK 70 /* more than one request's SHARDD_BUCKET_PER_REQUEST */
+
+typedef struct {
+  shardd_client_t *c;
+  int scatter;
+  const uint64_t *ids;
+  size_t n;
+  shardd_reduce_op op;
+  shardd_err errs[NBK];
+  shardd_err rc;
+  char msg[4096];
+  double took;
+  pthread_t th;
+} bucket_call;
+
+static void *bucket_main(void *p) {
+  bucket_call *k = p;
+  double t0 = test_mono_s();
+  k->rc = k->scatter ? shardd_scatter_many(k->c, k->n, k->ids, k->op, k->errs)
+                     : shardd_gather_many(k->c, k->n, k->ids, k->errs);
+  k->took = test_mono_s() - t0;
+  snprintf(k->msg, sizeof k->msg, "%s", k->rc ? shardd_last_error(k->c) : "");
+  return NULL;
+}
+
+/* every rank's bucket call at once (ids[r] its list), joined */
+static void run_buckets(bucket_call *k, int world) {
+  for (int r = 0; r < world; r++)
+    cr_assert_eq(pthread_create(&k[r].th, NULL, bucket_main, &k[r]), 0);
+  for (int r = 0; r < world; r++)
+    pthread_join(k[r].th, NULL);
+}
+
+/* Buffers of every layout the single gather and scatter tests use, and
+ * more of them than one request carries: each lands exactly as its own
+ * gather and scatter would put it (concatenation, exact sums). */
+Test(collective, bucket_gathers_and_scatters_many_buffers, .init = start4,
+     .fini = stop_daemon, .timeout = 120) {
+  static const struct {
+    shardd_dtype dt;
+    uint64_t numel;
+  } kinds[] = {{SHARDD_DTYPE_FP32, 4099}, {SHARDD_DTYPE_BF16, 1001},
+               {SHARDD_DTYPE_FP32, 1},    {SHARDD_DTYPE_FP16, 4097},
+               {SHARDD_DTYPE_FP32, 37}};
+  team t;
+  team_open(&t, "bucket", 4);
+  static shardd_buffer_info b[NBK][MAXW];
+  uint64_t ids[NBK];
+  for (int i = 0; i < NBK; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "p%d", i);
+    team_buffer(&t, name, kinds[i % 5].dt, kinds[i % 5].numel, b[i]);
+    ids[i] = b[i][0].id;
+    fill_shards(b[i], 4, 100u + (uint32_t)i);
+  }
+  bucket_call k[MAXW];
+  memset(k, 0, sizeof k);
+  for (int r = 0; r < 4; r++) {
+    k[r].c = t.c[r];
+    k[r].ids = ids;
+    k[r].n = NBK;
+  }
+  run_buckets(k, 4);
+  for (int r = 0; r < 4; r++) {
+    cr_assert_eq(k[r].rc, SHARDD_OK, "rank %d: %s", r, k[r].msg);
+    for (int i = 0; i < NBK; i++)
+      cr_assert_eq(k[r].errs[i], SHARDD_OK);
+  }
+  for (int i = 0; i < NBK; i++)
+    check_gathered(b[i], 4);
+
+  /* scatter: fp32 buffers (the exact-sum values are fp32 grid values) */
+  uint64_t fids[NBK];
+  size_t nf = 0;
+  for (int i = 0; i < NBK; i++)
+    if (kinds[i % 5].dt == SHARDD_DTYPE_FP32) {
+      fill_grads(b[i], 4, 200u + (uint32_t)i);
+      fids[nf++] = ids[i];
+    }
+  for (int op = 0; op < 2; op++) {
+    memset(k, 0, sizeof k);
+    for (int r = 0; r < 4; r++) {
+      k[r].c = t.c[r];
+      k[r].scatter = 1;
+      k[r].ids = fids;
+      k[r].n = nf;
+      k[r].op = op ? SHARDD_REDUCE_MEAN : SHARDD_REDUCE_SUM;
+    }
+    run_buckets(k, 4);
+    for (int r = 0; r < 4; r++)
+      cr_assert_eq(k[r].rc, SHARDD_OK, "rank %d: %s", r, k[r].msg);
+    for (int i = 0; i < NBK; i++)
+      if (kinds[i % 5].dt == SHARDD_DTYPE_FP32)
+        check_reduced(b[i], 4, 200u + (uint32_t)i,
+                      op ? SHARDD_REDUCE_MEAN : SHARDD_REDUCE_SUM);
+  }
+  /* nothing is left queued, and an empty bucket is a no-op */
+  cr_assert_eq(job_inflight("bucket"), 0);
+  cr_assert_eq(shardd_gather_many(t.c[0], 0, NULL, NULL), SHARDD_OK);
+  team_close(&t);
+}
+
+/* All or nothing: every bad entry is named, and none of the good ones was
+ * submitted (rank 1 never calls: a submitted gather would wait for it). */
+Test(collective, bucket_refusal_names_every_bad_entry_and_runs_none,
+     .init = start4, .fini = stop_daemon, .timeout = 60) {
+  team t;
+  team_open(&t, "bucketbad", 2);
+  shardd_buffer_info a[MAXW], b2[MAXW];
+  team_buffer(&t, "a", SHARDD_DTYPE_FP32, 64, a);
+  team_buffer(&t, "b", SHARDD_DTYPE_FP32, 64, b2);
+  uint64_t ids[5] = {a[0].id, 987654321, b2[0].id, a[0].id, 0};
+  shardd_err errs[5];
+  shardd_err rc = shardd_gather_many(t.c[0], 5, ids, errs);
+  const char *msg = shardd_last_error(t.c[0]);
+  cr_assert_eq(rc, SHARDD_E_NOT_FOUND, "%s: %s", shardd_err_name(rc), msg);
+  cr_assert_eq(errs[0], SHARDD_OK);
+  cr_assert_eq(errs[1], SHARDD_E_NOT_FOUND);
+  cr_assert_eq(errs[2], SHARDD_OK);
+  cr_assert_eq(errs[3], SHARDD_E_DUPLICATE);
+  cr_assert_eq(errs[4], SHARDD_E_NOT_FOUND);
+  cr_assert_not_null(strstr(msg, "3 of the 5 entries"), "%s", msg);
+  cr_assert_not_null(strstr(msg, "[1] "), "%s", msg);
+  cr_assert_not_null(strstr(msg, "[3] "), "%s", msg);
+  cr_assert_not_null(strstr(msg, "[4] "), "%s", msg);
+  cr_assert_eq(job_inflight("bucketbad"), 0, "a refused bucket queued something");
+  /* a scatter op other than sum or mean is refused per entry too */
+  cr_assert_eq(shardd_scatter_many(t.c[0], 2, ids + 2, SHARDD_REDUCE_MAX, errs),
+               SHARDD_E_INVAL, "%s", shardd_last_error(t.c[0]));
+  cr_assert_eq(errs[0], SHARDD_E_INVAL);
+  cr_assert_eq(errs[1], SHARDD_E_INVAL);
+  cr_assert_eq(job_inflight("bucketbad"), 0);
+  team_close(&t);
+}
+
+/* Ranks that disagree on the bucket (another buffer, another order, a
+ * lone gather) all fail at once with E_MISMATCH, long before the
+ * collective timeout, leave nothing queued, and the next agreeing bucket
+ * works. */
+Test(collective, bucket_mismatch_fails_every_rank_at_once, .init = start4,
+     .fini = stop_daemon, .timeout = 60) {
+  team t;
+  team_open(&t, "bucketmm", 3);
+  shardd_buffer_info a[MAXW], b2[MAXW], c3[MAXW];
+  team_buffer(&t, "a", SHARDD_DTYPE_FP32, 300, a);
+  team_buffer(&t, "b", SHARDD_DTYPE_FP32, 300, b2);
+  team_buffer(&t, "c", SHARDD_DTYPE_FP32, 300, c3);
+  uint64_t ab[2] = {a[0].id, b2[0].id}, ac[2] = {a[0].id, c3[0].id},
+           ba[2] = {b2[0].id, a[0].id}, lone[1] = {a[0].id};
+  const uint64_t *odd[3] = {ac, ba, lone};
+  size_t oddn[3] = {2, 2, 1};
+  for (int round = 0; round < 3; round++) {
+    for (int who = 0; who < 3; who++) {
+      bucket_call k[MAXW];
+      memset(k, 0, sizeof k);
+      for (int r = 0; r < 3; r++) {
+        k[r].c = t.c[r];
+        k[r].ids = r == who ? odd[round] : ab;
+        k[r].n = r == who ? oddn[round] : 2;
+      }
+      run_buckets(k, 3);
+      for (int r = 0; r < 3; r++) {
+        cr_assert_eq(k[r].rc, SHARDD_E_MISMATCH, "round %d, odd rank %d: rank %d: %s: %s",
+                     round, who, r, shardd_err_name(k[r].rc), k[r].msg);
+        cr_assert_lt(k[r].took, 20.0, "rank %d waited %.1f s", r, k[r].took);
+      }
+      fill_shards(a, 3, 7u + (uint32_t)round);
+      cr_assert_eq(job_inflight("bucketmm"), 0, "round %d, odd rank %d", round, who);
+    }
+  }
+  /* the one that disagreed says so */
+  {
+    bucket_call k[MAXW];
+    memset(k, 0, sizeof k);
+    for (int r = 0; r < 3; r++) {
+      k[r].c = t.c[r];
+      k[r].ids = r == 2 ? ba : ab;
+      k[r].n = 2;
+    }
+    run_buckets(k, 3);
+    int named = 0;
+    for (int r = 0; r < 3; r++)
+      named += strstr(k[r].msg, "every rank must send the same buffers in the "
+                                "same order") != NULL;
+    cr_assert_geq(named, 1, "%s | %s | %s", k[0].msg, k[1].msg, k[2].msg);
+  }
+  cr_assert_eq(job_inflight("bucketmm"), 0);
+  /* agreeing now: it runs */
+  fill_shards(a, 3, 31);
+  fill_shards(b2, 3, 32);
+  bucket_call k[MAXW];
+  memset(k, 0, sizeof k);
+  for (int r = 0; r < 3; r++) {
+    k[r].c = t.c[r];
+    k[r].ids = ab;
+    k[r].n = 2;
+  }
+  run_buckets(k, 3);
+  for (int r = 0; r < 3; r++)
+    cr_assert_eq(k[r].rc, SHARDD_OK, "rank %d: %s", r, k[r].msg);
+  check_gathered(a, 3);
+  check_gathered(b2, 3);
+  team_close(&t);
+}

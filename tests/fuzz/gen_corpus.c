@@ -2,7 +2,8 @@
  * valid framed Requests (hello, register, views, optimizer, gather, scatter,
  * step, status, inspect, and the later bodies: batched views, frozen views,
  * seeded masters, accumulating and masked scatters, per-group and norm-only
- * steps, optimizer state, all-reduce, collective checkpoints, job release),
+ * steps, optimizer state, all-reduce, collective checkpoints, job release,
+ * buckets of gathers and scatters),
  * so mutation starts from inputs that reach deep into dispatch.
  * Usage: gen_corpus DIR. The seeds are committed; after adding one, rebuild
  * and rerun it (cc -D_GNU_SOURCE -Iclient -Ibuild/gen tests/fuzz/gen_corpus.c
@@ -267,6 +268,45 @@ static void release_job(const char *job) {
   emit(&r);
 }
 
+/* A Bucket of gathers (scatter 0) or scatters over ids, the scatters' first
+ * entry masking view no_grad_view (0: none). */
+static void bucket(int scatter, const uint64_t *ids, size_t n,
+                   uint64_t no_grad_view) {
+  Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Bucket bk = SHARDWIRE__BUCKET__INIT;
+  Shardwire__GatherMany gm = SHARDWIRE__GATHER_MANY__INIT;
+  Shardwire__ScatterMany sm = SHARDWIRE__SCATTER_MANY__INIT;
+  Shardwire__Gather g[8];
+  Shardwire__Scatter sc[8];
+  void *p[8];
+  for (size_t i = 0; i < n && i < 8; i++) {
+    shardwire__gather__init(&g[i]);
+    shardwire__scatter__init(&sc[i]);
+    g[i].buffer = sc[i].buffer = ids[i];
+    sc[i].has_op = 1;
+    sc[i].op = SHARDWIRE__REDUCE_OP__MEAN;
+    p[i] = scatter ? (void *)&sc[i] : (void *)&g[i];
+  }
+  if (scatter && no_grad_view) {
+    sc[0].n_no_grad = 1;
+    sc[0].no_grad = &no_grad_view;
+  }
+  if (scatter) {
+    sm.n_scatters = n;
+    sm.scatters = (Shardwire__Scatter **)p;
+    bk.op_case = SHARDWIRE__BUCKET__OP_SCATTER;
+    bk.scatter = &sm;
+  } else {
+    gm.n_gathers = n;
+    gm.gathers = (Shardwire__Gather **)p;
+    bk.op_case = SHARDWIRE__BUCKET__OP_GATHER;
+    bk.gather = &gm;
+  }
+  r.body_case = SHARDWIRE__REQUEST__BODY_BUCKET;
+  r.bucket = &bk;
+  emit(&r);
+}
+
 static void open_seed(const char *dir, const char *name) {
   char path[512];
   snprintf(path, sizeof path, "%s/%s", dir, name);
@@ -345,6 +385,20 @@ int main(int argc, char **argv) {
   hello("", 0, 0);
   release_job("fuzz4");
   release_job("");
+  fclose(out);
+
+  /* Buckets (issue 17): buffers 1..3, view 4 of buffer 1; a good gather
+   * and scatter bucket, then one with a duplicate and an unknown id. */
+  open_seed(dir, "buckets");
+  hello("fuzz5", 0, 1);
+  reg_buffer("k1", SHARDWIRE__DTYPE__FP32, 40);
+  reg_buffer("k2", SHARDWIRE__DTYPE__BF16, 7);
+  reg_buffer("k3", SHARDWIRE__DTYPE__FP32, 1);
+  reg_view(1, "kv", 0, 8);
+  uint64_t kids[3] = {1, 2, 3}, kbad[3] = {1, 1, 999};
+  bucket(0, kids, 3, 0);
+  bucket(1, kids, 3, 4);
+  bucket(0, kbad, 3, 0);
   fclose(out);
   return 0;
 }

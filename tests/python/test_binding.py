@@ -200,6 +200,38 @@ class BindingTest(unittest.TestCase):
             c.register_views([(b, "x", 0)])
         self.assertEqual(c.register_views([]), [])
 
+    def test_gather_and_scatter_many(self):
+        """Buckets on one rank: every buffer gathered and scattered as its
+        own call would; a refused bucket names every bad entry (Error.errors)
+        and runs none; a transient job refuses gather buckets."""
+        c = self.client("bucketpy")
+        bs = c.register_buffers([("k%d" % i, "fp32", 5 + i) for i in range(70)])
+        for i, b in enumerate(bs):
+            b.shard[:] = i + 0.5
+            b.grad[:] = 2 * i
+        c.gather_many(bs)
+        for i, b in enumerate(bs):
+            self.assertTrue(all(float(v) == i + 0.5 for v in b.gather[:b.numel]), i)
+        c.scatter_many(bs, "sum", no_grad=[None] * 70)
+        for i, b in enumerate(bs):
+            self.assertTrue(all(float(v) == 2 * i for v in b.reduced), i)
+        with self.assertRaises(shardd.Error) as cm:
+            c.gather_many([bs[0], 123456789, bs[1], bs[0]])
+        e = cm.exception
+        self.assertEqual(e.code_name, "E_NOT_FOUND")
+        self.assertEqual(e.errors, [(1, "E_NOT_FOUND"), (3, "E_DUPLICATE")])
+        self.assertIn("[3] E_DUPLICATE", e.message)
+        with self.assertRaises(ValueError):
+            c.scatter_many(bs[:2], "sum", no_grad=[None])
+        c.gather_many([])
+        t = shardd.Client(self.sock, job=common.job("bucketpyt"), transient_areas=True)
+        self.addCleanup(t.close)
+        tb = t.register_buffers([("a", "fp32", 8), ("b", "fp32", 8)])
+        with self.assertRaises(shardd.Error) as cm:
+            t.gather_many(tb)
+        self.assertEqual(cm.exception.code_name, "E_STATE")
+        self.assertIn("transient areas", cm.exception.message)
+
     def test_register_buffers_batch(self):
         c = self.client("bbatch")
         first = c.register_buffer("pre", "fp32", 8)

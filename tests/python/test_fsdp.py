@@ -123,7 +123,8 @@ def _device_bytes(client):
             sum(d["allocs"] for d in st["devices"]))
 
 
-def rank_main(rank, world, sock, job, name, auto_wrap, transient, q, steps, accum):
+def rank_main(rank, world, sock, job, name, auto_wrap, transient, q, steps, accum,
+              extra=None):
     try:
         torch.set_num_threads(1)
         client = shardd.Client(sock, job=job, rank=rank, world=world,
@@ -133,7 +134,9 @@ def rank_main(rank, world, sock, job, name, auto_wrap, transient, q, steps, accu
         x, y = make_data(name, steps)
         per = BATCH // world
         lo, hi = rank * per, (rank + 1) * per
-        sm = shardd.nn.ShardedModule(client, model, auto_wrap=auto_wrap)
+        extra = extra or {}
+        kw = {"bucket_bytes": extra["bucket_bytes"]} if "bucket_bytes" in extra else {}
+        sm = shardd.nn.ShardedModule(client, model, auto_wrap=auto_wrap, **kw)
         x, y = x.to(sm.device), y.to(sm.device)  # a cuda daemon's (test_cuda)
         opt = sm.register_optimizer("adamw", model.parameters(), name="adamw", **HYPER)
         for s in range(steps):
@@ -154,7 +157,7 @@ def rank_main(rank, world, sock, job, name, auto_wrap, transient, q, steps, accu
             else:  # the explicit loop of resident areas
                 sm.gather()
                 loss = nn.functional.mse_loss(model(x[s, lo:hi]), y[s, lo:hi])
-                sm.zero_grad()
+                sm.zero_grad(set_to_none=extra.get("set_to_none", False))
                 loss.backward()
                 sm.scatter("mean")
             res = sm.step(opt)
@@ -178,16 +181,17 @@ def rank_main(rank, world, sock, job, name, auto_wrap, transient, q, steps, accu
 
 
 def run(sock, name, world, auto_wrap="children", transient=True, timeout=120,
-        steps=STEPS, accum=1):
+        steps=STEPS, accum=1, extra=None):
     """-> dict(losses (mean over ranks per step), peaks, allocs, used, params,
-    units). accum: backwards per step (transient)."""
+    units). accum: backwards per step (transient). extra: bucket_bytes (the
+    module's), set_to_none (the resident loop's zero_grad)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "numpy"])
     q = ctx.Queue()
     job = common.job("fsdp")
     procs = [ctx.Process(target=rank_main, name="rank%d" % r,
                          args=(r, world, sock, job, name, auto_wrap, transient, q,
-                               steps, accum))
+                               steps, accum, extra))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -374,6 +378,31 @@ class FSDPTest(unittest.TestCase):
         res = self.resident_mlp16()
         self.check(res, "mlp16", "4 ranks, 16 units, resident, explicit loop")
         self.assertTrue(all(s != (0,) for s in res["shapes"].values()))
+
+    def test_resident_buckets_match_one_request_per_unit(self):
+        """gather() and scatter() in buckets (the default: all 16 units of
+        64 KiB in one bucket; and cut into buckets of 3 units) compute
+        exactly what one request per unit does, and match torch."""
+        bucketed = self.resident_mlp16()
+        each = run(common.socket(), "mlp16", 4, transient=False,
+                   extra={"bucket_bytes": 0})
+        threes = run(common.socket(), "mlp16", 4, transient=False,
+                     extra={"bucket_bytes": 3 * 128 * 128 * 4})
+        self.check(each, "mlp16", "4 ranks, 16 units, resident, one request per unit")
+        for label, res in (("one bucket", bucketed), ("buckets of 3", threes)):
+            self.check(res, "mlp16", "4 ranks, 16 units, resident, " + label)
+            self.assertEqual(res["losses"], each["losses"], label)
+            for n, v in each["params"].items():
+                np.testing.assert_array_equal(res["params"][n], v, err_msg=label + ": " + n)
+
+    def test_resident_buckets_skip_a_unit_without_gradient(self):
+        """A bucket whose entries carry their no_grad views (the unit no
+        gradient reaches, .grad None after zero_grad(set_to_none=True)):
+        the step skips it, as torch skips a None .grad."""
+        res = run(common.socket(), "rootnet", 2, transient=False,
+                  extra={"set_to_none": True})
+        self.assertEqual([u for u, _ in res["units"]], ["a", "head", "never", "root"])
+        self.check(res, "rootnet", "2 ranks, root unit, resident, buckets")
 
 
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")

@@ -1166,6 +1166,77 @@ class Client:
                 so.nno_grad = len(ids)
         self._call(self._lib.shardd_scatter_ex(self._c, _ids(buffer), ctypes.byref(so)))
 
+    def _reduce_code(self, op):
+        if isinstance(op, str):
+            if op.lower() not in REDUCE_OPS:
+                raise ValueError("reduce op %r: one of %s" % (op, ", ".join(sorted(REDUCE_OPS))))
+            return REDUCE_OPS[op.lower()]
+        return int(op)
+
+    def gather_many(self, buffers):
+        """Bucketed all-gather (collective): gathers every buffer (Buffer
+        objects or ids) with one request per up to 64 of them instead of
+        one each, as gather() would (resident areas: each buffer's
+        gather_tensor). Every rank passes the same buffers in the same
+        order; a rank that differs fails the buckets involved at once with
+        E_MISMATCH on every rank. Each request is all or nothing up front:
+        a refused entry (unknown, stale, named twice) runs none of it and
+        Error.errors lists (index, code_name) of every refused entry.
+        Transient jobs refuse gather buckets (E_STATE: each gather leases a
+        slot of the 2 a rank may hold)."""
+        self._check_open()
+        items = list(buffers)
+        n = len(items)
+        if n == 0:
+            return
+        self._sync_cuda()
+        arr = (ctypes.c_uint64 * n)(*[_ids(b) for b in items])
+        errs = (ctypes.c_int * n)()
+        rc = self._lib.shardd_gather_many(self._c, n, arr, errs)
+        if rc != 0:
+            self._raise_batch(rc, errs, n)
+
+    def scatter_many(self, buffers, op="mean", no_grad=None, accumulate=False):
+        """Bucketed reduce-scatter (collective) of every buffer's grad area,
+        as gather_many() gathers them (transient areas too: a scatter leases
+        nothing). no_grad: None, or one entry per buffer, each what
+        scatter()'s no_grad takes (None, True, or the views without a
+        gradient on this rank). accumulate as in scatter(), for all."""
+        self._check_open()
+        items = list(buffers)
+        n = len(items)
+        if n == 0:
+            return
+        self._sync_cuda()
+        code = self._reduce_code(op)
+        if no_grad is not None and len(no_grad) != n:
+            raise ValueError("no_grad: %d entries for %d buffers" % (len(no_grad), n))
+        arr = (ctypes.c_uint64 * n)(*[_ids(b) for b in items])
+        errs = (ctypes.c_int * n)()
+        if no_grad is None and not accumulate:
+            rc = self._lib.shardd_scatter_many(self._c, n, arr, code, errs)
+        else:
+            opts = (L.ScatterOpts * n)()
+            keep = []
+            for i in range(n):
+                so = opts[i]
+                so.size = ctypes.sizeof(L.ScatterOpts)
+                so.op = code
+                so.accumulate = 1 if accumulate else 0
+                ng = None if no_grad is None else no_grad[i]
+                if ng is True:
+                    so.no_grad_all = 1
+                elif ng:
+                    ids = [_ids(v) for v in ng]
+                    if ids:
+                        a = (ctypes.c_uint64 * len(ids))(*ids)
+                        keep.append(a)
+                        so.no_grad = ctypes.cast(a, ctypes.POINTER(ctypes.c_uint64))
+                        so.nno_grad = len(ids)
+            rc = self._lib.shardd_scatter_many_ex(self._c, n, arr, opts, errs)
+        if rc != 0:
+            self._raise_batch(rc, errs, n)
+
     def set_requires_grad(self, view, requires_grad):
         """Freezes (False) or unfreezes (True) a view for the whole job:
         gradual unfreezing. An optimizer holding it keeps it; its steps skip it

@@ -306,10 +306,18 @@ class ShardedModule:
     prefetch: transient areas: while a unit's forward runs, the next unit's
       gather (in the order the first forward met them) is already under way
       (FSDP's forward_prefetch), when the rank's 2 gather leases allow it.
+    bucket_bytes: resident areas: gather() and scatter() send consecutive
+      units together, one request per bucket of at most this many bytes of
+      units (a larger unit goes alone), as DDP's bucket_cap_mb (25 MiB) and
+      ZeRO's reduce_bucket_size group small tensors: a model of many small
+      units pays one round trip per bucket, not per unit. 0: one request
+      per unit. Transient areas gather each unit in its hook (each gather
+      leases a slot of the 2 a rank may hold, so those are not bucketed).
     """
 
     def __init__(self, client, module, auto_wrap="module", prefix="", dtype=None,
-                 initial_gather=True, reduce_op="mean", init="auto", prefetch=True):
+                 initial_gather=True, reduce_op="mean", init="auto", prefetch=True,
+                 bucket_bytes=25 << 20):
         if init not in INIT_POLICIES:
             raise ValueError("init %r: one of %s" % (init, ", ".join(INIT_POLICIES)))
         if reduce_op not in shardd.REDUCE_OPS:
@@ -318,6 +326,9 @@ class ShardedModule:
         self.client = client
         self.module = module
         self.prefix = prefix
+        if int(bucket_bytes) < 0:
+            raise ValueError("bucket_bytes must be >= 0, not %r" % (bucket_bytes,))
+        self.bucket_bytes = int(bucket_bytes)
         self.reduce_op = reduce_op
         self.transient = bool(getattr(client, "transient_areas", False))
         self.units = []
@@ -487,12 +498,52 @@ class ShardedModule:
                                "(call model(x), loss.backward() and step() only)" % what,
                                "E_STATE")
 
+    def _buckets(self):
+        """The units in order, cut into buckets of at most bucket_bytes (a
+        larger unit alone); every rank cuts its (identical) list alike."""
+        out, cur, size = [], [], 0
+        for u in self.units:
+            t = u.buffer.gather_tensor
+            n = t.numel() * t.element_size()
+            if cur and size + n > self.bucket_bytes:
+                out.append(cur)
+                cur, size = [], 0
+            cur.append(u)
+            size += n
+        if cur:
+            out.append(cur)
+        return out
+
+    def _bucketed(self, run_many, run_one):
+        """run_many(bucket) per bucket of units, or run_one(unit) per unit
+        when buckets are off or one bucket has fewer than 2 units. A job the
+        daemon does not bucket for (one over several nodes) refuses the
+        first bucket whole, before any of it ran (E_STATE): this module
+        then sends one request per unit from there on."""
+        buckets = self._buckets() if self.bucket_bytes > 0 else [[u] for u in self.units]
+        for i, bk in enumerate(buckets):
+            if len(bk) < 2 or self.bucket_bytes == 0:
+                for u in bk:
+                    run_one(u)
+                continue
+            try:
+                run_many(bk)
+            except shardd.Error as e:
+                # refused whole: no entry of its first request (64) is
+                # named; the later ones are only "not sent"
+                first = getattr(e, "errors", None) or []
+                if e.code != 22 or any(k < 64 for k, _ in first):
+                    raise
+                self.bucket_bytes = 0
+                for u in bk:
+                    run_one(u)
+
     def gather(self):
         """All-gather every unit (collective): parameters now hold the shards.
-        Resident areas only."""
+        Resident areas only. Units go in buckets (bucket_bytes)."""
         self._resident_only("gather()")
-        for u in self.units:
-            self.client.gather(u.buffer)
+        self._bucketed(lambda bk: self.client.gather_many([u.buffer for u in bk]),
+                       lambda u: self.client.gather(u.buffer))
 
     def zero_grad(self, set_to_none=False):
         """Zero the grad areas and point every trainable parameter's .grad at
@@ -549,8 +600,10 @@ class ShardedModule:
         areas only."""
         self._resident_only("scatter()")
         self.sync_grads()
-        for u in self.units:
-            self.client.scatter(u.buffer, op, no_grad=u.no_grad)
+        self._bucketed(
+            lambda bk: self.client.scatter_many([u.buffer for u in bk], op,
+                                                no_grad=[u.no_grad for u in bk]),
+            lambda u: self.client.scatter(u.buffer, op, no_grad=u.no_grad))
 
     def step(self, opt, lr=None, max_norm=None):
         return self.client.step(opt, lr=lr, max_norm=max_norm)
