@@ -1080,6 +1080,7 @@ typedef struct shardd__ckpt_group {
   shardd__job *job;
   uint32_t arrived;
   int mismatch;
+  uint32_t other_dir; /* multi-node: 1 + a node that named another dir; 0 none */
   shardd__conn **conns; /* [world]: the held ranks (NULL once closed) */
   uint64_t *seqs;
   char *dir; /* the first rank's (the group's) */
@@ -1101,6 +1102,16 @@ typedef struct shardd__ckpt_group {
   int deferring; /* the job is pinned until it ran */
   struct shardd__ckpt_group *next;
 } ckpt_group;
+
+/* A collective checkpoint directory's fingerprint across nodes: FNV-1a
+ * folded to 32 bits, + 1 (0 is "no word from that node"); exact as a
+ * double. */
+static double dir_print(const char *dir) {
+  uint64_t h = 14695981039346656037ull;
+  for (const char *p = dir; *p; p++)
+    h = (h ^ (unsigned char)*p) * 1099511628211ull;
+  return (double)(uint32_t)(h ^ (h >> 32)) + 1.0;
+}
 
 static void ckpt_group_free(ckpt_group *g) {
   for (ckpt_group **p = &g->d->ckpt_groups; *p; p = &(*p)->next)
@@ -1142,7 +1153,8 @@ static void ckpt_seal_start(ckpt_group *g, shardd_err rc, const char *err) {
   g->phase = 1;
   g->arrived = 0;
   g->part_rc = rc;
-  snprintf(g->part_err, sizeof g->part_err, "%s", rc == SHARDD_OK ? "" : err);
+  if (err != g->part_err) /* a deferred start passes the group's own */
+    snprintf(g->part_err, sizeof g->part_err, "%s", rc == SHARDD_OK ? "" : err);
   uint32_t seal = shardd__jobs_last_seal(&g->d->jobs, job);
   double vals[SHARDD_ALL_REDUCE_MAX] = {0};
   uint32_t lo = job->local_first, hi = lo + job->local_ranks;
@@ -1286,11 +1298,24 @@ static void ckpt_barrier_done(shardd__dispatch *d, shardd__conn *c,
   g->conns[c->m.rank] = c;
   g->seqs[c->m.rank] = seq;
   g->mismatch |= strcmp(g->dir, c->ckc_dir) != 0;
+  /* the other nodes' directories (every rank gets the same values) */
+  int other = -1;
+  if (job->nodes > 1 && res && res->nvalues == job->nodes)
+    for (uint32_t n = 0; n < job->nodes && other < 0; n++)
+      if (res->values[n] != dir_print(g->dir))
+        other = (int)n;
+  if (other >= 0 && g->other_dir == 0)
+    g->other_dir = 1 + (uint32_t)other;
   if (++g->arrived < job->local_ranks)
     return;
   char err[ERRLEN], home[4096];
   shardd_err rc = SHARDD_OK;
-  if (g->mismatch) {
+  if (g->other_dir && !g->mismatch) {
+    snprintf(err, sizeof err, "the ranks of node %" PRIu32 " of job \"%s\" asked "
+             "for a checkpoint into another directory than this node's (%s): "
+             "every rank must name the same", g->other_dir - 1, job->name, g->dir);
+    rc = SHARDD_E_MISMATCH;
+  } else if (g->mismatch) {
     snprintf(err, sizeof err, "the ranks of job \"%s\" asked for a checkpoint "
              "into different directories", job->name);
     rc = SHARDD_E_MISMATCH;
@@ -1337,9 +1362,20 @@ static void on_checkpoint_collective(shardd__dispatch *d, shardd__conn *c,
     return;
   }
   c->ckc_seq = seq;
+  /* A multi-node job's barrier also compares the directory across nodes
+   * (the local ranks' are compared at the barrier's end): [nodes] values,
+   * this node's slot its first local rank's fingerprint of dir, as the seal
+   * exchange carries seals (see CKPT_SEAL_OP). Parts written into two
+   * directories would each lack the other. */
+  const shardd__job *job = c->m.job;
+  double vals[SHARDD_ALL_REDUCE_MAX] = {0};
+  int multi = job->nodes > 1 && job->nodes <= SHARDD_ALL_REDUCE_MAX;
+  if (multi && c->m.rank == job->local_first)
+    vals[job->node_rank] = dir_print(dir);
   shardd__coll_args ca = {.kind = SHARDD__COLL_ALL_REDUCE,
-                          .target = 0,
-                          .op = (shardd_reduce_op)CKPT_BARRIER_OP};
+                          .target = multi ? job->nodes : 0,
+                          .op = (shardd_reduce_op)CKPT_BARRIER_OP,
+                          .values = multi ? vals : NULL};
   shardd__coll_submit(d->coll, &c->m, seq, &ca);
 }
 

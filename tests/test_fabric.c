@@ -1702,3 +1702,89 @@ Test(fabric, collective_checkpoint_of_two_nodes_restores_bit_for_bit, .timeout =
   test_daemon_finish(&pair[1]);
   scratch_remove(&s);
 }
+
+/* Each rank's sm.checkpoint into dirs[rank / 2] (node 0's, node 1's),
+ * on threads; the calls' results in k. */
+static void ck_collective_into(ck_job *j, const char *const dirs[2], call k[W]) {
+  memset(k, 0, W * sizeof *k);
+  for (int r = 0; r < W; r++) {
+    k[r].c = j->c[r];
+    k[r].kind = OP_CHECKPOINT;
+    k[r].dir = dirs[r / 2];
+    cr_assert_eq(pthread_create(&k[r].th, NULL, call_main, &k[r]), 0);
+  }
+  for (int r = 0; r < W; r++)
+    pthread_join(k[r].th, NULL);
+}
+
+/* A collective checkpoint of a multi-node job that cannot be whole writes
+ * no job manifest, every rank hears which node is at fault, and the job
+ * trains and checkpoints on: the nodes' ranks naming two directories
+ * (compared across nodes by the barrier), and node 1 unable to write its
+ * part (DIR/node-1 is a file). */
+Test(fabric, collective_checkpoint_that_cannot_be_whole_names_the_node, .timeout = 120) {
+  need_gloo();
+  scratch s;
+  scratch_make(&s);
+  const char *jobs[] = {"ckf"};
+  test_daemon pair[2];
+  start_pair(pair, &s, jobs, 1, "30");
+  ck_job j;
+  ck_attach(pair, "ckf", 1, &j);
+  ck_steps(&j, 1, 1);
+
+  char da[160], db[160], path[300];
+  snprintf(da, sizeof da, "%s/a", s.dir);
+  snprintf(db, sizeof db, "%s/b", s.dir);
+  call k[W];
+  ck_collective_into(&j, (const char *const[]){da, db}, k);
+  for (int r = 0; r < W; r++) {
+    cr_expect_eq(k[r].rc, SHARDD_E_MISMATCH, "rank %d: %s: %s", r,
+                 shardd_err_name(k[r].rc), k[r].msg);
+    char want[64];
+    snprintf(want, sizeof want, "the ranks of node %d of job \"ckf\"", r < 2 ? 1 : 0);
+    cr_expect(strstr(k[r].msg, want) != NULL, "rank %d: %s", r, k[r].msg);
+  }
+  cr_log_info("fabric: two directories: %s", k[0].msg);
+  snprintf(path, sizeof path, "%s/manifest", da);
+  cr_expect_neq(access(path, F_OK), 0, "%s written", path);
+  snprintf(path, sizeof path, "%s/manifest", db);
+  cr_expect_neq(access(path, F_OK), 0, "%s written", path);
+
+  char dc[160];
+  snprintf(dc, sizeof dc, "%s/c", s.dir);
+  cr_assert_eq(mkdir(dc, 0700), 0);
+  snprintf(path, sizeof path, "%s/node-1", dc);
+  FILE *f = fopen(path, "w"); /* node 1's part cannot be a directory */
+  cr_assert_not_null(f);
+  fclose(f);
+  ck_collective_into(&j, (const char *const[]){dc, dc}, k);
+  for (int r = 0; r < W; r++)
+    cr_expect_neq(k[r].rc, SHARDD_OK, "rank %d", r);
+  for (int r = 0; r < 2; r++) {
+    cr_expect_eq(k[r].rc, SHARDD_E_IO, "rank %d: %s", r, shardd_err_name(k[r].rc));
+    cr_expect(strstr(k[r].msg, "node 1 could not write its part") != NULL, "rank %d: %s",
+              r, k[r].msg);
+  }
+  for (int r = 2; r < W; r++)
+    cr_expect(strstr(k[r].msg, "node 1's part of the checkpoint") != NULL, "rank %d: %s",
+              r, k[r].msg);
+  cr_log_info("fabric: node 1 cannot write: node 0 hears: %s", k[0].msg);
+  cr_log_info("fabric: node 1 cannot write: node 1 hears: %s", k[2].msg);
+  snprintf(path, sizeof path, "%s/manifest", dc);
+  cr_expect_neq(access(path, F_OK), 0, "%s written", path);
+
+  /* the job goes on: a step, then a whole checkpoint */
+  ck_steps(&j, 2, 2);
+  ck_collective_into(&j, (const char *const[]){da, da}, k);
+  for (int r = 0; r < W; r++)
+    cr_expect_eq(k[r].rc, SHARDD_OK, "rank %d: %s: %s", r, shardd_err_name(k[r].rc),
+                 k[r].msg);
+  snprintf(path, sizeof path, "%s/manifest", da);
+  cr_expect_eq(access(path, R_OK), 0, "no %s", path);
+  for (int r = 0; r < W; r++)
+    shardd_close(j.c[r]);
+  test_daemon_finish(&pair[0]);
+  test_daemon_finish(&pair[1]);
+  scratch_remove(&s);
+}
