@@ -1713,6 +1713,17 @@ static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     reply(d, c, seq, SHARDD_E_NOT_OWNED, err);
     return;
   }
+  /* One node's daemon cannot vouch for the other nodes' parts: a job
+   * manifest needs every node's, which the ranks' collective checkpoint
+   * gathers. (--checkpoint-on-exit writes the part alone, and says so.) */
+  if (job->nodes > 1) {
+    snprintf(err, sizeof err, "job \"%s\" spans %" PRIu32 " nodes: it is "
+             "checkpointed collectively, by its ranks (sm.checkpoint(dir), "
+             "shardd_checkpoint_collective) on every node, which writes each "
+             "node's part and the job manifest over them", job->name, job->nodes);
+    reply(d, c, seq, SHARDD_E_STATE, err);
+    return;
+  }
   /* the user's directory is made only for a checkpoint it may take */
   if (home[0] && (rc = checkpoint_dir_ok(d, c, cp->dir, 1, home, sizeof home,
                                          err, sizeof err)) != SHARDD_OK) {

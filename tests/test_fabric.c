@@ -1774,6 +1774,13 @@ Test(fabric, collective_checkpoint_that_cannot_be_whole_names_the_node, .timeout
   snprintf(path, sizeof path, "%s/manifest", dc);
   cr_expect_neq(access(path, F_OK), 0, "%s written", path);
 
+  /* an operator's checkpoint on one node cannot vouch for the other's */
+  shardd_client_t *ctl = test_connect(&pair[0], NULL, 0, 0);
+  cr_expect_eq(shardd_checkpoint(ctl, "ckf", da), SHARDD_E_STATE);
+  cr_expect(strstr(shardd_last_error(ctl), "checkpointed collectively") != NULL, "%s",
+            shardd_last_error(ctl));
+  shardd_close(ctl);
+
   /* the job goes on: a step, then a whole checkpoint */
   ck_steps(&j, 2, 2);
   ck_collective_into(&j, (const char *const[]){da, da}, k);
