@@ -1087,7 +1087,9 @@ typedef struct shardd__ckpt_group {
   /* multi-node: 1 once this node's part is written (or failed) and the
    * seal exchange runs; what the job manifest needs then */
   int phase;
-  uint32_t expect; /* ranks that submitted the seal exchange */
+  uint32_t expect; /* ranks that submitted the seal exchange, less those
+                     that closed before its end reached them */
+  uint8_t *seal_in; /* [world]: that rank's end of it came */
   shardd_err part_rc; /* this node's part */
   char part_err[ERRLEN];
   shardd_err seal_rc; /* the exchange's first failure */
@@ -1126,6 +1128,7 @@ static void ckpt_group_free(ckpt_group *g) {
     }
   free(g->conns);
   free(g->seqs);
+  free(g->seal_in);
   free(g->dir);
   free(g->home);
   free(g);
@@ -1158,6 +1161,10 @@ static void ckpt_seal_start(ckpt_group *g, shardd_err rc, const char *err) {
   uint32_t seal = shardd__jobs_last_seal(&g->d->jobs, job);
   double vals[SHARDD_ALL_REDUCE_MAX] = {0};
   uint32_t lo = job->local_first, hi = lo + job->local_ranks;
+  if (g->seal_in == NULL && (g->seal_in = calloc(job->world, 1)) == NULL) {
+    ckpt_group_answer(g, SHARDD_E_NO_MEMORY, "out of memory");
+    return; /* the other nodes time out */
+  }
   /* copied: a refusal inside submit may end the group (and free g) */
   shardd__conn **held = calloc(job->local_ranks, sizeof *held);
   uint64_t *seqs = calloc(job->local_ranks, sizeof *seqs);
@@ -1202,6 +1209,8 @@ static void ckpt_defer_after(uv_work_t *req, int status) {
 /* c's part of the seal exchange ended: once every rank's has, the job
  * manifest is written when every node's part is there, and the ranks are
  * answered. */
+static void ckpt_seal_finish(ckpt_group *g);
+
 static void ckpt_seal_done(ckpt_group *g, shardd__conn *c, shardd_err code,
                            const char *msg, const shardd__coll_result *res) {
   shardd__job *job = g->job;
@@ -1211,8 +1220,15 @@ static void ckpt_seal_done(ckpt_group *g, shardd__conn *c, shardd_err code,
   } else if (code == SHARDD_OK && res && res->nvalues == job->nodes) {
     memcpy(g->seals, res->values, job->nodes * sizeof *g->seals);
   }
+  g->seal_in[c->m.rank] = 1;
   if (++g->arrived < g->expect)
     return;
+  ckpt_seal_finish(g);
+}
+
+/* Every rank still held has its end of the seal exchange. */
+static void ckpt_seal_finish(ckpt_group *g) {
+  shardd__job *job = g->job;
   char err[2 * ERRLEN];
   shardd_err rc = SHARDD_OK;
   if (g->part_rc != SHARDD_OK) {
@@ -2204,9 +2220,20 @@ void shardd__dispatch_closed(shardd__dispatch *d, shardd__conn *c) {
   for (ckpt_wait *w = d->ckpt_waits; w; w = w->next)
     if (w->c == c)
       w->c = NULL; /* its files are still written; the reply is dropped */
-  for (ckpt_group *g = d->ckpt_groups; g; g = g->next)
-    if (c->m.job == g->job && g->conns[c->m.rank] == c)
-      g->conns[c->m.rank] = NULL; /* the checkpoint goes on, unanswered */
+  for (ckpt_group *g = d->ckpt_groups, *next; g; g = next) {
+    next = g->next;
+    if (c->m.job != g->job || g->conns[c->m.rank] != c)
+      continue;
+    g->conns[c->m.rank] = NULL; /* the checkpoint goes on, unanswered */
+    /* in the seal exchange, its end will not reach the group (its
+     * ckc_dir goes below): the others' will, and decide */
+    if (g->phase == 1 && !g->seal_in[c->m.rank]) {
+      if (--g->expect == 0)
+        ckpt_group_free(g);
+      else if (g->arrived >= g->expect)
+        ckpt_seal_finish(g);
+    }
+  }
   free(c->ckc_dir);
   c->ckc_dir = NULL;
   shardd__job *job = c->m.job;
