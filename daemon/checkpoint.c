@@ -98,7 +98,9 @@ typedef struct {
 } ck_file;
 
 struct shardd__ckwrite {
-  char *dir;
+  char *dir; /* where the files go: DIR/node-N for a node's part */
+  char *jobdir; /* a node's part: DIR (made first); NULL otherwise */
+  uint32_t seal; /* the manifest's, once run wrote it */
   int64_t as_uid;
   char *home; /* the client's ROOT/UID it is confined to; NULL none */
   char tag[16];
@@ -118,6 +120,7 @@ void shardd__checkpoint_wfree(shardd__ckwrite *w) {
   if (w == NULL)
     return;
   free(w->dir);
+  free(w->jobdir);
   free(w->home);
   shardd__sb_free(&w->m);
   free(w->files);
@@ -155,8 +158,10 @@ static const char *host_view(shardd__registry *reg, shardd__ckwrite *w,
 }
 
 const char *shardd__checkpoint_wdir(const shardd__ckwrite *w) {
-  return w->dir;
+  return w->jobdir ? w->jobdir : w->dir;
 }
+
+uint32_t shardd__checkpoint_wseal(const shardd__ckwrite *w) { return w->seal; }
 
 /* Appends a data file; its manifest line is the text written so far up to
  * "... FNAME " and then the CRC, which the caller's next text follows. */
@@ -189,11 +194,25 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
                                       const char *home, shardd__ckwrite **out,
                                       char *err, size_t errlen) {
   *out = NULL;
+  /* A multi-node job: this node writes its ranks' part into DIR/node-N,
+   * its manifest saying which node of how many it is; the job-level
+   * manifest in DIR (shardd__checkpoint_write_job) vouches for every part
+   * once all are written. */
+  char part[4096];
+  int multi = job->nodes > 1;
+  if (multi && (size_t)snprintf(part, sizeof part, "%s/node-%" PRIu32, dirpath,
+                                job->node_rank) >= sizeof part) {
+    snprintf(err, errlen, "%s: path too long", dirpath);
+    return SHARDD_E_INVAL;
+  }
   shardd__ckwrite *w = calloc(1, sizeof *w);
-  if (w == NULL || (w->dir = strdup(dirpath)) == NULL ||
+  if (w == NULL || (w->dir = strdup(multi ? part : dirpath)) == NULL ||
+      (multi && (w->jobdir = strdup(dirpath)) == NULL) ||
       (home && (w->home = strdup(home)) == NULL)) {
-    if (w)
+    if (w) {
       free(w->dir);
+      free(w->jobdir);
+    }
     free(w);
     snprintf(err, errlen, "out of memory");
     return SHARDD_E_NO_MEMORY;
@@ -224,6 +243,10 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
   shardd__sb_printf(m, "shardd-checkpoint %d\njob ", SHARDD_MANIFEST_VERSION);
   shardd__manifest_enc_name(m, job->name);
   shardd__sb_printf(m, " %" PRIu32 " %" PRIu32 "\n", job->world, job->uid);
+  /* a node's part: only this node's ranks have shard and state lines */
+  if (multi)
+    shardd__sb_printf(m, "node %" PRIu32 " %" PRIu32 "\n", job->node_rank,
+                      job->nodes);
   /* restored so: its trainers ask for the same areas again */
   if (job->transient)
     shardd__sb_printf(m, "areas transient\n");
@@ -236,7 +259,8 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
     shardd__manifest_enc_name(m, b->hdr.name);
     shardd__sb_printf(m, " %d %" PRIu64 " %" PRIu64 "\n", (int)b->dtype,
                       b->numel, b->hdr.generation);
-    for (uint32_t r = 0; r < b->world; r++) {
+    for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks;
+         r++) {
       snprintf(fname, sizeof fname, "b%zu-r%" PRIu32 "-%s.shard", i, r, tag);
       shardd__sb_printf(m, "shard %zu %" PRIu32 " %s ", i, r, fname);
       const char *base = host_view(reg, w, b->blocks[r], err, errlen);
@@ -342,8 +366,16 @@ shardd_err shardd__checkpoint_run(shardd__ckwrite *w, char *err,
                                   size_t errlen) {
   shardd__ckdir dd = {-1, w->dir, w->as_uid};
   const shardd__ckdir *dir = &dd;
-  shardd_err rc =
-      shardd__ck_open_write_dir(w->dir, w->as_uid, w->home, &dd.fd, err, errlen);
+  shardd_err rc;
+  if (w->jobdir) { /* DIR first, under the same rules; any node may make it */
+    int jfd;
+    rc = shardd__ck_open_write_dir(w->jobdir, w->as_uid, w->home, &jfd, err,
+                                   errlen);
+    if (rc != SHARDD_OK)
+      return rc;
+    close(jfd);
+  }
+  rc = shardd__ck_open_write_dir(w->dir, w->as_uid, w->home, &dd.fd, err, errlen);
   if (rc != SHARDD_OK)
     return rc;
   int manifest_in = 0;
@@ -362,7 +394,8 @@ shardd_err shardd__checkpoint_run(shardd__ckwrite *w, char *err,
   /* The checksum seals every byte before it: an edited step count,
    * master_valid or owner was accepted, and an edited offset surfaced only
    * when ranks re-attached, blaming the trainers. */
-  shardd__sb_printf(m, "end %08" PRIx32 "\n", shardd__crc32c(0, m->s, m->len));
+  w->seal = shardd__crc32c(0, m->s, m->len);
+  shardd__sb_printf(m, "end %08" PRIx32 "\n", w->seal);
   if (m->failed) {
     rc = SHARDD_E_NO_MEMORY;
     snprintf(err, errlen, "out of memory");
@@ -402,5 +435,67 @@ shardd_err shardd__checkpoint_write_in(shardd__registry *reg, shardd__job *job,
     return rc;
   rc = shardd__checkpoint_run(w, err, errlen);
   shardd__checkpoint_wfree(w);
+  return rc;
+}
+
+/* The job-level manifest of a multi-node checkpoint. Every node writes the
+ * same bytes (the seals came from the exchange that follows the parts), each
+ * under a name of its own in its own part (a shared temporary name would let
+ * one node rename another's half-written file), then renames it over
+ * DIR/manifest: whichever rename lands last, DIR/manifest is whole, and it
+ * exists before any node's ranks hear their checkpoint is taken. */
+shardd_err shardd__checkpoint_write_job(const char *dirpath, int64_t as_uid,
+                                        const char *home, const shardd__job *job,
+                                        const uint32_t *seals, uint32_t *seal,
+                                        char *err, size_t errlen) {
+  *seal = 0;
+  char part[4096];
+  if ((size_t)snprintf(part, sizeof part, "%s/node-%" PRIu32, dirpath,
+                       job->node_rank) >= sizeof part) {
+    snprintf(err, errlen, "%s: path too long", dirpath);
+    return SHARDD_E_INVAL;
+  }
+  shardd__sb m;
+  shardd__sb_init(&m);
+  shardd__sb_printf(&m, "%s %d\njob ", SHARDD__JOB_MANIFEST_MAGIC,
+                    SHARDD__JOB_MANIFEST_VERSION);
+  shardd__manifest_enc_name(&m, job->name);
+  shardd__sb_printf(&m, " %" PRIu32 " %" PRIu32 "\nnodes %" PRIu32 "\n",
+                    job->world, job->uid, job->nodes);
+  for (uint32_t n = 0; n < job->nodes; n++)
+    shardd__sb_printf(&m, "part %" PRIu32 " node-%" PRIu32 " %08" PRIx32 "\n", n,
+                      n, seals[n]);
+  uint32_t crc = shardd__crc32c(0, m.s, m.len);
+  shardd__sb_printf(&m, "end %08" PRIx32 "\n", crc);
+  if (m.failed) {
+    shardd__sb_free(&m);
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  int jfd = -1;
+  shardd__ckdir pd = {-1, part, as_uid}, jd = {-1, dirpath, as_uid};
+  shardd_err rc =
+      shardd__ck_open_write_dir(dirpath, as_uid, home, &jfd, err, errlen);
+  if (rc == SHARDD_OK)
+    rc = shardd__ck_open_write_dir(part, as_uid, home, &pd.fd, err, errlen);
+  jd.fd = jfd;
+  if (rc == SHARDD_OK)
+    rc = shardd__ck_write_file(&pd, "job-manifest", NULL, 0, m.s, m.len, err,
+                               errlen);
+  if (rc == SHARDD_OK &&
+      renameat(pd.fd, "job-manifest", jd.fd, SHARDD__MANIFEST_FILE) != 0) {
+    snprintf(err, errlen, "rename %s/job-manifest to %s/%s: %s", part, dirpath,
+             SHARDD__MANIFEST_FILE, strerror(errno));
+    rc = SHARDD_E_IO;
+  }
+  if (rc == SHARDD_OK)
+    rc = shardd__ck_fsync_dir(&jd, err, errlen);
+  if (rc == SHARDD_OK)
+    *seal = crc;
+  if (pd.fd >= 0)
+    close(pd.fd);
+  if (jfd >= 0)
+    close(jfd);
+  shardd__sb_free(&m);
   return rc;
 }

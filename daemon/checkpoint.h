@@ -37,6 +37,9 @@
 #include "registry.h"
 
 #define SHARDD_CHECKPOINT_VERSION 1
+/* A job-level manifest lists at most this many nodes (the seals cross the
+ * nodes in one all_reduce of SHARDD_ALL_REDUCE_MAX values). */
+#define SHARDD__CKJOB_MAX_NODES 64
 /* The manifest's own version: 2 records each buffer's and view's
  * generation and each view's requires_grad; version 1 manifests (no
  * generations: taken as 1; every view trainable) still restore. Data file
@@ -100,6 +103,55 @@ shardd_err shardd__checkpoint_run(shardd__ckwrite *w, char *err,
 void shardd__checkpoint_wfree(shardd__ckwrite *w);
 /* The directory w writes into, as it was asked for; borrowed from w. */
 const char *shardd__checkpoint_wdir(const shardd__ckwrite *w);
+/* After a successful run: the seal (CRC32C on the "end" line) of the
+ * manifest w wrote; 0 before. */
+uint32_t shardd__checkpoint_wseal(const shardd__ckwrite *w);
+
+typedef struct shardd__ckrestore shardd__ckrestore;
+
+/* Multi-node jobs. A checkpoint of a job over several nodes is DIR/node-N
+ * for each node N (written by prepare and run on that node: an ordinary
+ * manifest with a "node N NODES" line and the shard and state lines of
+ * that node's ranks only) and the job-level manifest DIR/manifest:
+ *   shardd-job-checkpoint 1
+ *   job NAME WORLD UID
+ *   nodes N
+ *   part K node-K SEAL     (one per node: its part manifest's seal)
+ *   end CRC
+ * written by write_job once every node's part is sealed (the seals are
+ * exchanged across the nodes first). A part without the job manifest, or
+ * one whose seal is not the job manifest's, is refused at restore, naming
+ * the node. seals: [job->nodes]; *seal: the job manifest's own, which the
+ * restored job keeps as its origin. Blocking, small: one file. */
+shardd_err shardd__checkpoint_write_job(const char *dir, int64_t as_uid,
+                                        const char *home, const shardd__job *job,
+                                        const uint32_t *seals, uint32_t *seal,
+                                        char *err, size_t errlen);
+
+/* What a job-level manifest says (see write_job); nodes 0 when the
+ * manifest in dir is an ordinary single-node one. */
+typedef struct {
+  char name[256];
+  uint32_t world, uid, nodes;
+  uint32_t seals[SHARDD__CKJOB_MAX_NODES];
+  uint32_t seal; /* the job manifest's own */
+} shardd__ckjob;
+
+/* Reads and checks (seal, owner: as restore does) the manifest in dir; a
+ * job-level one fills *out, an ordinary one gives nodes 0. */
+shardd_err shardd__checkpoint_read_job(const char *dir, int64_t as_uid,
+                                       shardd__ckjob *out, char *err,
+                                       size_t errlen);
+
+/* Node node_rank's part of the job checkpoint in dir, described by job (from
+ * read_job): every node's part must be there, sealed as job says (refused
+ * naming the node otherwise), and this node's is restored as
+ * checkpoint_restore_prepare does into a new job laid out over job->nodes
+ * (world as recorded), holding this node's ranks, with origin job->seal. */
+shardd_err shardd__checkpoint_restore_prepare_part(
+    shardd__registry *reg, const char *dir, int64_t as_uid,
+    const shardd__ckjob *job, uint32_t node_rank, shardd__ckrestore **out,
+    char *err, size_t errlen);
 
 /* Creates the job recorded in dir (it must not exist yet), owned by the uid
  * recorded with it. as_uid is who asks: < 0 the daemon itself (--restore),

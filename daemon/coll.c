@@ -459,7 +459,8 @@ static void after_phase(coll *c) {
     job_maybe_quiet(q);
     return;
   }
-  if (shardd__coll_multi(c) && c->args.kind != SHARDD__COLL_STEP && c->stage < 2) {
+  if (shardd__coll_multi(c) && c->args.kind != SHARDD__COLL_STEP &&
+      c->args.kind != SHARDD__COLL_ALL_REDUCE && c->stage < 2) {
     c->stage++;
     coll_job *q = c->cj; /* c may be freed by start_phase */
     start_phase(c);
@@ -636,12 +637,17 @@ static void start_phase(coll *c) {
     run_phase(c);
     return;
   }
-  if (c->args.kind == SHARDD__COLL_ALL_REDUCE && reduce_values(c) != SHARDD_OK) {
+  if (c->args.kind == SHARDD__COLL_ALL_REDUCE && c->reduced == NULL &&
+      reduce_values(c) != SHARDD_OK) {
     coll_job *q = c->cj;
     coll_finish(c, SHARDD_E_NO_MEMORY, "out of memory starting a collective");
     schedule(q);
     return;
   }
+  /* multi-node: the local reduction is this node's part of the exchange,
+   * which is all there is to do (no fan-out: the result is c->reduced) */
+  if (c->args.kind == SHARDD__COLL_ALL_REDUCE && shardd__coll_multi(c))
+    c->stage = 1;
   if (c->args.kind == SHARDD__COLL_STEP && c->phase == 0 && c->ref_step == NULL) {
     shardd__optim *o = c->opt;
     c->ref_step = calloc(o->nrefs ? o->nrefs : 1, sizeof *c->ref_step);
@@ -793,7 +799,7 @@ static int small_coll(const coll *c) {
 static void run_phase(coll *c) {
   c->bulk = c->args.kind != SHARDD__COLL_STEP && c->refused == SHARDD_OK &&
             shardd__coll_bulk_ok(c);
-  int planned = c->args.kind != SHARDD__COLL_ALL_REDUCE;
+  int planned = c->args.kind != SHARDD__COLL_ALL_REDUCE || shardd__coll_multi(c);
   size_t n = planned ? shardd__coll_plan(c, NULL) : 0;
   free(c->tasks);
   c->tasks = calloc(n ? n : 1, sizeof *c->tasks);
@@ -1172,11 +1178,9 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
   shardd__obj_kind want = args->kind == SHARDD__COLL_STEP ? SHARDD__OBJ_OPTIM
                                                           : SHARDD__OBJ_BUFFER;
   shardd_err rc = SHARDD_OK;
-  if (scalars && job->nodes > 1) {
-    snprintf(err, sizeof err, "all_reduce and barrier do not cross nodes yet "
-             "(job \"%s\" spans %" PRIu32 ")", job->name, job->nodes);
-    rc = SHARDD_E_STATE;
-  } else if (scalars && (args->target > SHARDD_ALL_REDUCE_MAX ||
+  /* In a multi-node job an all_reduce (a barrier: no values) reduces over
+   * the local ranks, then crosses nodes in its exchange (coll_fabric.c). */
+  if (scalars && (args->target > SHARDD_ALL_REDUCE_MAX ||
                          (args->target > 0 && args->values == NULL))) {
     snprintf(err, sizeof err, "all_reduce of %" PRIu64 " values: at most %d",
              args->target, SHARDD_ALL_REDUCE_MAX);

@@ -70,6 +70,7 @@
 #include "coll_int.h"
 
 #include <errno.h>
+#include <math.h>
 #include <inttypes.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -315,7 +316,10 @@ shardd_err shardd__coll_job_span(shardd__coll_engine *e, shardd__job *job,
     snprintf(err, errlen, "out of memory");
     return SHARDD_E_NO_MEMORY;
   }
-  shardd_err rc = shardd__job_set_layout(job, nodes, node_rank, err, errlen);
+  /* a restored part was laid out by restore (before its buffers) */
+  shardd_err rc = job->nodes == nodes && job->node_rank == node_rank
+                      ? SHARDD_OK
+                      : shardd__job_set_layout(job, nodes, node_rank, err, errlen);
   if (rc != SHARDD_OK) {
     free(jf->rendezvous);
     free(jf->prefix);
@@ -403,13 +407,18 @@ typedef struct {
   /* step: every parameter a node could disagree on (-1: no lr given) */
   double lr, max_norm;
   uint64_t hp_digest; /* the groups' hyperparameters and the norm-only flag */
+  /* the job-level checkpoint the node's job was restored from (its seal,
+   * job->origin; 0 none): nodes that restored different checkpoints, or
+   * one restored and one fresh, fail their first exchange instead of
+   * training on mixed state */
+  uint64_t origin;
   double value; /* step: the node's sum of squares; not compared */
 } fab_hdr;
 
-#define FAB_MAGIC 0x53484634u /* "SHF4": bump when the header changes */
+#define FAB_MAGIC 0x53484635u /* "SHF5": bump when the header changes */
 #define FAB_KIND_REFUSED 0x10000u
 
-_Static_assert(sizeof(fab_hdr) == 88, "fab_hdr must have no padding");
+_Static_assert(sizeof(fab_hdr) == 96, "fab_hdr must have no padding");
 
 /* FNV-1a over a step's resolved hyperparameters, field by field (a struct's
  * padding bytes are not its value). */
@@ -450,7 +459,9 @@ static const char *op_word(uint32_t op) {
   case SHARDD_REDUCE_SUM: return "sum";
   case SHARDD_REDUCE_MEAN | FAB_OP_ADDING: return "mean, accumulating";
   case SHARDD_REDUCE_SUM | FAB_OP_ADDING: return "sum, accumulating";
-  default: return "?";
+  case SHARDD_REDUCE_MAX: return "max";
+  case SHARDD_REDUCE_MIN: return "min";
+  default: return "the daemon's own (a collective checkpoint)";
   }
 }
 
@@ -477,6 +488,16 @@ static int fab_check(const coll *c, const fab_hdr *h, uint32_t nodes,
                "(header %#" PRIx32 ", this node %#" PRIx32 "): run the same "
                "shardd on every node",
                n, o->magic, m->magic);
+    else if (o->origin != m->origin)
+      snprintf(msg, len,
+               "node %" PRIu32 " restored job \"%s\" from %s%08" PRIx64 "%s, "
+               "this node from %s%08" PRIx64 "%s: every node must restore its "
+               "part of the same job checkpoint (release the job and restore "
+               "it again on every node)",
+               n, c->job->name, o->origin ? "the checkpoint sealed " : "",
+               o->origin & 0xffffffffu, o->origin ? "" : " (no checkpoint: a fresh job)",
+               m->origin ? "the checkpoint sealed " : "", m->origin & 0xffffffffu,
+               m->origin ? "" : " (no checkpoint: a fresh job)");
     else if (o->kind != m->kind || o->name != m->name)
       snprintf(msg, len,
                "node %" PRIu32 " exchanged %s of another target where this node "
@@ -532,6 +553,45 @@ static int fab_check(const coll *c, const fab_hdr *h, uint32_t nodes,
   return 0;
 }
 
+/* acc (op) v, element-wise as the local reduction does (coll.c): a NaN
+ * anywhere stays NaN. Ops outside the wire's (the daemon's own, such as a
+ * checkpoint's) add. */
+static double fab_combine(uint32_t op, double acc, double v) {
+  if (op == SHARDD_REDUCE_MAX)
+    return (v > acc || isnan(v)) && !isnan(acc) ? v : acc;
+  if (op == SHARDD_REDUCE_MIN)
+    return (v < acc || isnan(v)) && !isnan(acc) ? v : acc;
+  return acc + v;
+}
+
+/* An all_reduce across nodes: each node's local reduction (c->reduced;
+ * a mean is already divided by the whole world) is allgathered and
+ * combined in node order, so every node gets the same bits. A barrier
+ * (no values) is its header alone. */
+static shardd_err fab_all_reduce(coll *c, shardd__fabric *f, char *msg,
+                                 size_t len) {
+  size_t n = (size_t)c->args.target;
+  if (n == 0)
+    return SHARDD_OK;
+  const shardd__job *job = c->job;
+  double *all = calloc((size_t)job->nodes * n, sizeof *all);
+  if (all == NULL) {
+    snprintf(msg, len, "out of memory for the all_reduce exchange");
+    return SHARDD_E_NO_MEMORY;
+  }
+  memcpy(all + (size_t)job->node_rank * n, c->reduced, n * sizeof *all);
+  shardd_err rc = shardd__fabric_allgather(f, all, n * sizeof *all, c->tag, msg, len);
+  if (rc == SHARDD_OK)
+    for (size_t i = 0; i < n; i++) {
+      double acc = all[i];
+      for (uint32_t k = 1; k < job->nodes; k++)
+        acc = fab_combine((uint32_t)c->args.op, acc, all[(size_t)k * n + i]);
+      c->reduced[i] = acc;
+    }
+  free(all);
+  return rc;
+}
+
 /* The exchange of c, on a fabric thread: header, check, data. */
 static void fabric_task(coll *c, task *t) {
   coll_fab *jf = c->cj->fab;
@@ -555,7 +615,14 @@ static void fabric_task(coll *c, task *t) {
   m->kind = (uint32_t)c->args.kind | (c->refused != SHARDD_OK ? FAB_KIND_REFUSED : 0);
   m->name = c->name_key;
   m->seq = c->fab_seq;
-  if (b) {
+  m->origin = job->origin;
+  if (c->args.kind == SHARDD__COLL_ALL_REDUCE) {
+    /* the values' count and the op are compared; the checkpoint barrier's
+     * op is its own, so it never pairs with a plain barrier */
+    m->numel = c->args.target;
+    m->bytes = c->args.target * sizeof(double);
+    m->op = (uint32_t)c->args.op;
+  } else if (b) {
     m->numel = b->numel;
     m->dtype = (uint32_t)b->dtype;
     m->bytes = part * (c->args.kind == SHARDD__COLL_SCATTER
@@ -623,7 +690,8 @@ static void fabric_task(coll *c, task *t) {
       break;
     }
     case SHARDD__COLL_ALL_REDUCE:
-      break; /* refused at submit in a multi-node job: never here */
+      t->rc = fab_all_reduce(c, f, c->fab_msg, sizeof c->fab_msg);
+      break;
     }
   }
   free(h);

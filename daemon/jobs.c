@@ -23,6 +23,7 @@ typedef struct {
   int checkpointing;  /* a checkpoint of it is started and not done */
   int restoring;      /* it is being restored: its payloads are loading */
   uint32_t pins;      /* shardd__jobs_pin: someone waits to use it */
+  uint32_t last_seal; /* the seal of its last checkpoint written here */
 } slot;
 
 /* A checkpoint started and not done: what prepare took, and whom to tell. */
@@ -46,6 +47,7 @@ struct shardd__jobs_restore {
   shardd__job *job; /* r's until finish */
   shardd__jobs_restore_done done;
   void *arg;
+  const shardd__jobspec *sp; /* a node's part: the job's spec */
   shardd_err rc;
   char err[512];
   shardd__jobs_restore *next;
@@ -375,12 +377,12 @@ uint32_t shardd__jobs_clients(const shardd__jobs *j, const shardd__job *job) {
 /* What refuses a checkpoint of job now, into err; SHARDD_OK when none. */
 static shardd_err may_checkpoint(const shardd__jobs *j, const shardd__job *job,
                                  char *err, size_t errlen) {
-  if (job->nodes > 1) {
+  if (job->nodes > SHARDD__CKJOB_MAX_NODES) {
     snprintf(err, errlen,
-             "job \"%s\" spans %" PRIu32 " nodes; checkpoints of multi-node "
-             "jobs are not supported yet",
-             job->name, job->nodes);
-    return SHARDD_E_STATE;
+             "job \"%s\" spans %" PRIu32 " nodes; checkpoints of jobs over "
+             "more than %d nodes are not supported",
+             job->name, job->nodes, SHARDD__CKJOB_MAX_NODES);
+    return SHARDD_E_LIMIT;
   }
   if (shardd__jobs_checkpointing(j, job)) {
     snprintf(err, errlen, "job \"%s\" is being checkpointed", job->name);
@@ -408,8 +410,35 @@ shardd_err shardd__jobs_checkpoint(shardd__jobs *j, shardd__job *job,
   if (rc != SHARDD_OK)
     return rc;
   rc = shardd__checkpoint_write_in(j->reg, job, dir, as_uid, home, err, errlen);
-  if (rc == SHARDD_OK)
+  if (rc == SHARDD_OK && job->nodes > 1)
+    /* the other nodes cannot take part (this is the daemon's own exit, or
+     * a blocking caller): the part alone, which restore refuses for want
+     * of the job manifest, saying so */
+    shardd__log(1, "job \"%s\": node %" PRIu32 "'s part written to "
+                "%s/node-%" PRIu32 " without a job manifest (only a collective "
+                "checkpoint writes one); it is not restorable by itself",
+                job->name, job->node_rank, dir, job->node_rank);
+  else if (rc == SHARDD_OK)
     shardd__log(2, "job \"%s\" checkpointed to %s", job->name, dir);
+  return rc;
+}
+
+uint32_t shardd__jobs_last_seal(const shardd__jobs *j, const shardd__job *job) {
+  const slot *s = slot_get(j, job);
+  return s ? s->last_seal : 0;
+}
+
+shardd_err shardd__jobs_checkpoint_job(shardd__jobs *j, shardd__job *job,
+                                       const char *dir, int64_t as_uid,
+                                       const char *home, const uint32_t *seals,
+                                       char *err, size_t errlen) {
+  uint32_t seal;
+  shardd_err rc = shardd__checkpoint_write_job(dir, as_uid, home, job, seals,
+                                               &seal, err, errlen);
+  if (rc == SHARDD_OK)
+    shardd__log(2, "job \"%s\" checkpointed to %s (node %" PRIu32 " of %" PRIu32
+                ", job manifest sealed %08" PRIx32 ")",
+                job->name, dir, job->node_rank, job->nodes, seal);
   return rc;
 }
 
@@ -449,9 +478,15 @@ static shardd__job *ckpt_finish(shardd__jobs *j) {
     j->ck_last = NULL;
   shardd__job *job = k->job;
   slot *s = slot_get(j, job);
-  if (s)
+  if (s) {
     s->checkpointing = 0;
-  if (k->rc == SHARDD_OK)
+    s->last_seal = k->rc == SHARDD_OK ? shardd__checkpoint_wseal(k->w) : 0;
+  }
+  if (k->rc == SHARDD_OK && job->nodes > 1)
+    shardd__log(2, "job \"%s\": node %" PRIu32 "'s part written to %s/node-%"
+                PRIu32, job->name, job->node_rank, shardd__checkpoint_wdir(k->w),
+                job->node_rank);
+  else if (k->rc == SHARDD_OK)
     shardd__log(2, "job \"%s\" checkpointed to %s", job->name,
                 shardd__checkpoint_wdir(k->w));
   k->done(k->arg, job, k->rc, k->err);
@@ -529,6 +564,10 @@ static void restore_work(uv_work_t *req) {
   k->rc = shardd__checkpoint_restore_run(k->r, k->err, sizeof k->err);
 }
 
+static shardd_err restore_span(shardd__jobs *j, shardd__job *job,
+                               const shardd__jobspec *sp, char *err,
+                               size_t errlen);
+
 /* On the loop thread, once the files are read: the job is handed over
  * and lingers like one whose clients left, or a failed one is released;
  * the caller hears. A stopping daemon ran the loop until here. */
@@ -546,6 +585,9 @@ static void restore_after(uv_work_t *req, int status) {
              uv_strerror(status));
   }
   shardd__job *job = NULL;
+  if (k->rc == SHARDD_OK &&
+      (k->rc = restore_span(j, k->job, k->sp, k->err, sizeof k->err)) != SHARDD_OK)
+    shardd__coll_job_free(j->coll, k->job);
   if (k->rc == SHARDD_OK) {
     job = shardd__checkpoint_restore_finish(k->r);
     slot_get(j, job)->restoring = 0;
@@ -560,6 +602,87 @@ static void restore_after(uv_work_t *req, int status) {
   free(k);
 }
 
+/* Prepares the restore of dir: an ordinary checkpoint, or this node's
+ * part of a multi-node job's (which needs the job's --job-spec here, with
+ * the recorded nodes and world: the spec says which node this daemon is).
+ * *sp: the spec for a multi-node one (its fabric state is made once the
+ * restore succeeded), NULL otherwise. */
+static shardd_err restore_prepare(shardd__jobs *j, const char *dir,
+                                  int64_t as_uid, uint32_t world,
+                                  shardd__ckrestore **out,
+                                  const shardd__jobspec **sp, char *err,
+                                  size_t errlen) {
+  *sp = NULL;
+  shardd__ckjob cj;
+  shardd_err rc = shardd__checkpoint_read_job(dir, as_uid, &cj, err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  if (cj.nodes == 0)
+    return shardd__checkpoint_restore_prepare(j->reg, dir, as_uid, world, out,
+                                              err, errlen);
+  const shardd__jobspec *s = shardd__jobspec_find(j->specs, j->nspecs, cj.uid,
+                                                  cj.name);
+  if (s == NULL || s->nodes != cj.nodes || s->world != cj.world) {
+    char have[160] = "no --job-spec for it";
+    if (s)
+      snprintf(have, sizeof have, "its job spec %s says world %" PRIu32
+               " over %" PRIu32 " nodes", s->path, s->world, s->nodes);
+    snprintf(err, errlen,
+             "%s is a checkpoint of job \"%s\" over %" PRIu32 " nodes (world %"
+             PRIu32 "), but this daemon has %s: restore it on every node, each "
+             "daemon started with the job's spec", dir, cj.name, cj.nodes,
+             cj.world, have);
+    return SHARDD_E_MISMATCH;
+  }
+  if (world != 0 && world != cj.world) {
+    snprintf(err, errlen, "%s: a checkpoint of job \"%s\" over %" PRIu32
+             " nodes restores into its own world (%" PRIu32 ") only, not %"
+             PRIu32, dir, cj.name, cj.nodes, cj.world, world);
+    return SHARDD_E_RANGE;
+  }
+  rc = shardd__checkpoint_restore_prepare_part(j->reg, dir, as_uid, &cj,
+                                               s->node_rank, out, err, errlen);
+  if (rc == SHARDD_OK)
+    *sp = s;
+  return rc;
+}
+
+/* A restored part's job gets the cross-node state a Hello under its spec
+ * gives (the layout it has already). */
+static shardd_err restore_span(shardd__jobs *j, shardd__job *job,
+                               const shardd__jobspec *sp, char *err,
+                               size_t errlen) {
+  if (sp == NULL)
+    return SHARDD_OK;
+  if (shardd__fabric_engine() == NULL) {
+    snprintf(err, errlen, "job \"%s\" spans %" PRIu32 " nodes, but this shardd "
+             "was built without Gloo (install libgloo-dev and rebuild)",
+             job->name, sp->nodes);
+    return SHARDD_E_STATE;
+  }
+  return shardd__coll_job_span(j->coll, job, sp->nodes, sp->node_rank,
+                               sp->rendezvous, sp->host, err, errlen);
+}
+
+shardd_err shardd__jobs_restore_now(shardd__jobs *j, const char *dir,
+                                int64_t as_uid, uint32_t world,
+                                shardd__job **out, char *err, size_t errlen) {
+  *out = NULL;
+  shardd__ckrestore *r;
+  const shardd__jobspec *sp;
+  shardd_err rc = restore_prepare(j, dir, as_uid, world, &r, &sp, err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  if ((rc = shardd__checkpoint_restore_run(r, err, errlen)) == SHARDD_OK &&
+      (rc = restore_span(j, shardd__checkpoint_restore_job(r), sp, err,
+                         errlen)) == SHARDD_OK)
+    *out = shardd__checkpoint_restore_finish(r);
+  else if (sp && rc != SHARDD_OK)
+    shardd__coll_job_free(j->coll, shardd__checkpoint_restore_job(r));
+  shardd__checkpoint_restore_free(r); /* releases the job unless finished */
+  return rc;
+}
+
 shardd_err shardd__jobs_restore_start(shardd__jobs *j, const char *dir,
                                       int64_t as_uid, uint32_t world,
                                       shardd__jobs_restore_done done, void *arg,
@@ -569,8 +692,8 @@ shardd_err shardd__jobs_restore_start(shardd__jobs *j, const char *dir,
     snprintf(err, errlen, "out of memory");
     return SHARDD_E_NO_MEMORY;
   }
-  shardd_err rc = shardd__checkpoint_restore_prepare(j->reg, dir, as_uid,
-                                                     world, &k->r, err, errlen);
+  shardd_err rc = restore_prepare(j, dir, as_uid, world, &k->r, &k->sp, err,
+                                  errlen);
   if (rc != SHARDD_OK) {
     free(k);
     return rc;

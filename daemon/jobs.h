@@ -109,6 +109,19 @@ shardd_err shardd__jobs_checkpoint(shardd__jobs *j, shardd__job *job,
                                    const char *dir, int64_t as_uid,
                                    const char *home, char *err, size_t errlen);
 
+/* The seal of the last checkpoint of job written here (a multi-node
+ * job's: this node's part), 0 when the last one failed or none was. */
+uint32_t shardd__jobs_last_seal(const shardd__jobs *j, const shardd__job *job);
+
+/* A multi-node job's collective checkpoint, once every node's part is
+ * written: the job-level manifest in dir, from every node's part seal
+ * (seals: [job->nodes]), as shardd__checkpoint_write_job. Blocks the loop
+ * for one small file. */
+shardd_err shardd__jobs_checkpoint_job(shardd__jobs *j, shardd__job *job,
+                                       const char *dir, int64_t as_uid,
+                                       const char *home, const uint32_t *seals,
+                                       char *err, size_t errlen);
+
 /* Told on the loop thread when a checkpoint started by
  * shardd__jobs_checkpoint_start is written (rc OK) or failed (err says
  * why). job is still there; it may be released once the hook returns. */
@@ -147,6 +160,15 @@ shardd_err shardd__jobs_restore_start(shardd__jobs *j, const char *dir,
                                       int64_t as_uid, uint32_t world,
                                       shardd__jobs_restore_done done, void *arg,
                                       char *err, size_t errlen);
+/* As restore_start, loading on the calling thread (--restore at start,
+ * before the loop serves): the restored job into *out, lingering is the
+ * caller's to start. A multi-node job's checkpoint (a job manifest over
+ * node parts) restores this node's part, as the job's --job-spec places
+ * it, after checking every node's part against the job manifest. */
+shardd_err shardd__jobs_restore_now(shardd__jobs *j, const char *dir,
+                                int64_t as_uid, uint32_t world,
+                                shardd__job **out, char *err, size_t errlen);
+
 /* Whether job is being restored (started and not loaded). */
 int shardd__jobs_restoring(const shardd__jobs *j, const shardd__job *job);
 

@@ -61,7 +61,7 @@ static void checkpoint_job(shardd__job *job, void *arg) {
 static int restore_one(shardd__server *srv, const char *dir) {
   char err[1024];
   shardd__job *job;
-  if (shardd__checkpoint_restore(&srv->d.reg, dir, -1, 0, &job, err, sizeof err) !=
+  if (shardd__jobs_restore_now(&srv->d.jobs, dir, -1, 0, &job, err, sizeof err) !=
       SHARDD_OK) {
     shardd__log(0, "restore refused: %s", err);
     return -1;

@@ -85,6 +85,14 @@ shardd__line_rc shardd__manifest_read_line(FILE *f, char **buf, size_t *cap,
  * parser, which names them. */
 shardd_err shardd__manifest_verify(FILE *f, const char *path, char *err,
                                    size_t errlen) {
+  uint32_t seal;
+  return shardd__manifest_verify_seal(f, path, &seal, err, errlen);
+}
+
+shardd_err shardd__manifest_verify_seal(FILE *f, const char *path,
+                                        uint32_t *seal, char *err,
+                                        size_t errlen) {
+  *seal = 0;
   char *line = NULL;
   size_t cap = 0;
   uint32_t crc = 0;
@@ -96,8 +104,12 @@ shardd_err shardd__manifest_verify(FILE *f, const char *path, char *err,
     if (lr != SHARDD__LINE_OK)
       break;
     lineno++;
-    if (lineno == 1 && sscanf(line, "shardd-checkpoint %d", &version) != 1)
-      break;
+    /* a job-level manifest (several nodes) is sealed from its version 1 */
+    if (lineno == 1 && sscanf(line, "shardd-checkpoint %d", &version) != 1) {
+      if (sscanf(line, SHARDD__JOB_MANIFEST_MAGIC " %d", &version) != 1)
+        break;
+      version = 3;
+    }
     if (version < 3)
       break;
     unsigned want;
@@ -108,6 +120,8 @@ shardd_err shardd__manifest_verify(FILE *f, const char *path, char *err,
                  "give %08" PRIx32 " (edited or corrupt)", path, lineno,
                  line[3] ? line + 4 : "missing", crc);
         rc = SHARDD_E_INVAL;
+      } else {
+        *seal = crc;
       }
       break;
     }

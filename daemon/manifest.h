@@ -7,12 +7,17 @@
 #define SHARDD_MANIFEST_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 
 #include "shardd.h"
 #include "strbuf.h"
 
 #define SHARDD__MANIFEST_FILE "manifest"
+/* The first word of a multi-node job's job-level manifest (checkpoint.h);
+ * a node's part is an ordinary manifest in DIR/node-N. */
+#define SHARDD__JOB_MANIFEST_MAGIC "shardd-job-checkpoint"
+#define SHARDD__JOB_MANIFEST_VERSION 1
 
 /* The longest manifest line restore reads (and write produces). The
  * longest one is an optimizer's: its RegisterOptimizer in hex, with its
@@ -50,5 +55,10 @@ shardd__line_rc shardd__manifest_read_line(FILE *f, char **buf, size_t *cap,
  * naming path and line when it does not match. */
 shardd_err shardd__manifest_verify(FILE *f, const char *path, char *err,
                                    size_t errlen);
+/* As manifest_verify; *seal is the checked CRC of the "end" line (0 when
+ * the manifest has none: older, or truncated -- the parser says which). */
+shardd_err shardd__manifest_verify_seal(FILE *f, const char *path,
+                                        uint32_t *seal, char *err,
+                                        size_t errlen);
 
 #endif /* SHARDD_MANIFEST_H */

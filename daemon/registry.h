@@ -60,6 +60,11 @@ struct shardd__job {
    * This daemon holds ranks [local_first, local_first + local_ranks); a
    * single-node job has nodes 1, local_first 0, local_ranks world. */
   uint32_t nodes, node_rank, local_first, local_ranks;
+  /* read-only after a restore: a multi-node job restored from a job-level
+   * checkpoint (checkpoint.h) holds that checkpoint's seal, nonzero; 0 a
+   * job not restored so. Every cross-node exchange compares it, so nodes
+   * that restored different checkpoints never train on mixed state. */
+  uint64_t origin;
   /* read-only once the job has a buffer (shardd__job_set_transient):
    * gather and gradient areas are leased from per-device pools (areas.c)
    * instead of resident in every rank block */

@@ -169,6 +169,11 @@ struct shardd__ckrestore {
   char *dir;
   int64_t as_uid;   /* who asks; see shardd__checkpoint_restore */
   uint32_t world;   /* the new job's; 0: the checkpoint's */
+  /* a node's part of a multi-node checkpoint: the layout the new job gets
+   * (nodes 0: an ordinary checkpoint), the "node" line seen, the origin */
+  uint32_t nodes, node_rank;
+  int node_seen;
+  uint64_t origin;
   char *err;
   size_t errlen;
   char path[4096];  /* the manifest's, as messages name it */
@@ -486,8 +491,10 @@ static shardd_err open_manifest(restore *c) {
       close(mfd);
     } else if (e == ENOENT) {
       snprintf(c->err, c->errlen,
-               "%s: %s (an incomplete checkpoint has no manifest)", c->path,
-               strerror(e));
+               "%s: %s (an incomplete checkpoint has no manifest; a "
+               "multi-node job's checkpoint not taken collectively -- "
+               "--checkpoint-on-exit -- has only node parts, node-N, and no "
+               "job manifest to vouch for them)", c->path, strerror(e));
     }
     close(c->dd.fd);
     return e == EPERM || e == ELOOP ? SHARDD_E_PERMISSION : SHARDD_E_IO;
@@ -551,6 +558,35 @@ static shardd_err line_job(restore *c, char **tok) {
                                   &c->job, c->sub, sizeof c->sub);
   if (rc != SHARDD_OK)
     return bad(c, rc, "%s", c->sub);
+  /* a node's part: laid out before any buffer, as a Hello under the job's
+   * spec would have; the origin is compared by every exchange */
+  if (c->nodes > 1) {
+    rc = shardd__job_set_layout(c->job, c->nodes, c->node_rank, c->sub,
+                                sizeof c->sub);
+    if (rc != SHARDD_OK)
+      return bad(c, rc, "%s", c->sub);
+    c->job->origin = c->origin;
+  }
+  return SHARDD_OK;
+}
+
+/* "node N NODES": the manifest is node N's part of a checkpoint over NODES
+ * nodes; it must be the part this restore asked for. */
+static shardd_err line_node(restore *c, char **tok) {
+  uint32_t n = (uint32_t)strtoul(tok[1], NULL, 10),
+           nodes = (uint32_t)strtoul(tok[2], NULL, 10);
+  if (c->nodes <= 1)
+    return bad(c, SHARDD_E_INVAL,
+               "this is node %" PRIu32 "'s part of a checkpoint over %" PRIu32
+               " nodes: restore the job checkpoint above it (its directory "
+               "holds the job manifest), on every node",
+               n, nodes);
+  if (n != c->node_rank || nodes != c->nodes || c->node_seen)
+    return bad(c, SHARDD_E_MISMATCH,
+               "part of node %" PRIu32 " of %" PRIu32 " where node %" PRIu32
+               " of %" PRIu32 "'s was expected (parts swapped?)",
+               n, nodes, c->node_rank, c->nodes);
+  c->node_seen = 1;
   return SHARDD_OK;
 }
 
@@ -602,6 +638,10 @@ static shardd_err line_shard(restore *c, char **tok) {
   if (bi >= c->nb || r >= c->old_world || strchr(tok[3], '/'))
     return bad(c, SHARDD_E_INVAL, "shard of unknown buffer %zu rank %" PRIu32,
                bi, r);
+  if (c->nodes > 1 && !shardd__job_rank_local(c->job, r))
+    return bad(c, SHARDD_E_MISMATCH,
+               "shard of rank %" PRIu32 ", which is not node %" PRIu32 "'s",
+               r, c->node_rank);
   if (c->seen[bi][r / 8] & (1u << (r % 8)))
     return bad(c, SHARDD_E_INVAL,
                "shard of buffer %zu rank %" PRIu32 " listed twice", bi, r);
@@ -736,6 +776,11 @@ static shardd_err parse_line(restore *c, char **tok, int nt) {
     return line_job(c, tok);
   if (c->job == NULL)
     return bad(c, SHARDD_E_INVAL, "\"%s\" before the job line", tok[0]);
+  if (!strcmp(tok[0], "node") && nt == 3)
+    return line_node(c, tok);
+  if (c->nodes > 1 && !c->node_seen)
+    return bad(c, SHARDD_E_INVAL, "no \"node\" line after the job line (not "
+               "a node's part of a multi-node checkpoint)");
   if (!strcmp(tok[0], "areas") && nt == 2 && !strcmp(tok[1], "transient")) {
     /* before any buffer line (set_transient refuses a job with buffers) */
     shardd_err rc = shardd__job_set_transient(c->job, 1, c->sub, sizeof c->sub);
@@ -802,8 +847,16 @@ static shardd_err check_complete(restore *c) {
              c->nb == 1 ? "" : "s");
     return SHARDD_E_INVAL;
   }
+  if (c->nodes > 1 && !c->node_seen) {
+    snprintf(c->err, c->errlen, "%s: no \"node\" line (not a node's part "
+             "of a multi-node checkpoint)", c->path);
+    return SHARDD_E_INVAL;
+  }
+  /* a node's part holds its own ranks' shards only */
+  uint32_t lo = c->nodes > 1 ? c->job->local_first : 0,
+           hi = c->nodes > 1 ? lo + c->job->local_ranks : c->old_world;
   for (size_t i = 0; i < c->nb; i++)
-    for (uint32_t r = 0; r < c->old_world; r++)
+    for (uint32_t r = lo; r < hi; r++)
       if (!(c->seen[i][r / 8] & (1u << (r % 8)))) {
         snprintf(c->err, c->errlen, "%s: no shard of buffer \"%s\" rank %" PRIu32
                  " (a corrupt or truncated manifest)", c->path,
@@ -867,11 +920,10 @@ void shardd__checkpoint_restore_free(shardd__ckrestore *c) {
   free(c);
 }
 
-shardd_err shardd__checkpoint_restore_prepare(shardd__registry *reg,
-                                              const char *dir, int64_t as_uid,
-                                              uint32_t world,
-                                              shardd__ckrestore **out,
-                                              char *err, size_t errlen) {
+static shardd_err prepare(shardd__registry *reg, const char *dir,
+                          int64_t as_uid, uint32_t world, uint32_t nodes,
+                          uint32_t node_rank, uint64_t origin,
+                          shardd__ckrestore **out, char *err, size_t errlen) {
   *out = NULL;
   restore *c = calloc(1, sizeof *c);
   if (c == NULL || (c->dir = strdup(dir)) == NULL) {
@@ -882,6 +934,9 @@ shardd_err shardd__checkpoint_restore_prepare(shardd__registry *reg,
   c->reg = reg;
   c->as_uid = as_uid;
   c->world = world;
+  c->nodes = nodes;
+  c->node_rank = node_rank;
+  c->origin = origin;
   c->err = err;
   c->errlen = errlen;
   c->dd.fd = -1;
@@ -907,6 +962,156 @@ shardd_err shardd__checkpoint_restore_prepare(shardd__registry *reg,
   c->f = NULL;
   *out = c;
   return SHARDD_OK;
+}
+
+shardd_err shardd__checkpoint_restore_prepare(shardd__registry *reg,
+                                              const char *dir, int64_t as_uid,
+                                              uint32_t world,
+                                              shardd__ckrestore **out,
+                                              char *err, size_t errlen) {
+  return prepare(reg, dir, as_uid, world, 0, 0, 0, out, err, errlen);
+}
+
+/* Opens dir/manifest as restore does (no symlink, the asker's or the
+ * daemon's directory and file) and checks its seal into *seal. *f is the
+ * caller's to fclose. */
+static shardd_err open_sealed(const char *dir, int64_t as_uid, FILE **f,
+                              uint32_t *seal, char *err, size_t errlen) {
+  restore c = {0};
+  c.dir = (char *)dir;
+  c.as_uid = as_uid;
+  c.err = err;
+  c.errlen = errlen;
+  shardd_err rc = open_manifest(&c);
+  if (rc != SHARDD_OK)
+    return rc;
+  close(c.dd.fd);
+  rc = shardd__manifest_verify_seal(c.f, c.path, seal, err, errlen);
+  if (rc != SHARDD_OK) {
+    fclose(c.f);
+    return rc;
+  }
+  *f = c.f;
+  return SHARDD_OK;
+}
+
+shardd_err shardd__checkpoint_read_job(const char *dir, int64_t as_uid,
+                                       shardd__ckjob *out, char *err,
+                                       size_t errlen) {
+  memset(out, 0, sizeof *out);
+  FILE *f;
+  uint32_t seal;
+  shardd_err rc = open_sealed(dir, as_uid, &f, &seal, err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  char *line = NULL, *tok[8];
+  size_t cap = 0;
+  int lineno = 0, ended = 0, version = 0;
+  uint32_t parts = 0;
+  rc = SHARDD_OK;
+  while (rc == SHARDD_OK && !ended &&
+         shardd__manifest_read_line(f, &line, &cap, 4096) == SHARDD__LINE_OK) {
+    lineno++;
+    int nt = 0;
+    for (char *save, *t = strtok_r(line, " ", &save); t && nt < 8;
+         t = strtok_r(NULL, " ", &save))
+      tok[nt++] = t;
+    if (lineno == 1) {
+      if (nt != 2 || strcmp(tok[0], SHARDD__JOB_MANIFEST_MAGIC))
+        break; /* an ordinary manifest: nodes stays 0 */
+      version = atoi(tok[1]);
+      if (version < 1 || version > SHARDD__JOB_MANIFEST_VERSION || seal == 0)
+        goto malformed;
+      continue;
+    }
+    if (nt == 4 && !strcmp(tok[0], "job") && out->name[0] == '\0' &&
+        shardd__manifest_dec_name(tok[1]) && strlen(tok[1]) < sizeof out->name) {
+      snprintf(out->name, sizeof out->name, "%s", tok[1]);
+      out->world = (uint32_t)strtoul(tok[2], NULL, 10);
+      out->uid = (uint32_t)strtoul(tok[3], NULL, 10);
+    } else if (nt == 2 && !strcmp(tok[0], "nodes") && out->nodes == 0) {
+      out->nodes = (uint32_t)strtoul(tok[1], NULL, 10);
+      if (out->nodes < 2 || out->nodes > SHARDD__CKJOB_MAX_NODES)
+        goto malformed;
+    } else if (nt == 4 && !strcmp(tok[0], "part") && out->nodes > 0 &&
+               (uint32_t)strtoul(tok[1], NULL, 10) == parts && parts < out->nodes) {
+      char want[32];
+      snprintf(want, sizeof want, "node-%" PRIu32, parts);
+      if (strcmp(tok[2], want))
+        goto malformed;
+      out->seals[parts++] = (uint32_t)strtoul(tok[3], NULL, 16);
+    } else if (nt == 2 && !strcmp(tok[0], "end")) {
+      ended = 1;
+    } else {
+      goto malformed;
+    }
+  }
+  if (version == 0) { /* an ordinary checkpoint */
+    out->nodes = 0;
+    goto done;
+  }
+  if (!ended || out->name[0] == '\0' || out->world == 0 || out->nodes == 0 ||
+      parts != out->nodes || out->world % out->nodes)
+    goto malformed;
+  if (as_uid > 0 && (uint32_t)as_uid != out->uid) {
+    snprintf(err, errlen, "job \"%s\" in %s belongs to another user; only it "
+             "or root may restore it", out->name, dir);
+    rc = SHARDD_E_PERMISSION;
+    goto done;
+  }
+  out->seal = seal;
+  goto done;
+malformed:
+  snprintf(err, errlen, "%s/%s line %d: not a job manifest shardd wrote "
+           "(malformed or incomplete)", dir, SHARDD__MANIFEST_FILE, lineno);
+  rc = SHARDD_E_INVAL;
+done:
+  free(line);
+  fclose(f);
+  return rc;
+}
+
+shardd_err shardd__checkpoint_restore_prepare_part(
+    shardd__registry *reg, const char *dir, int64_t as_uid,
+    const shardd__ckjob *job, uint32_t node_rank, shardd__ckrestore **out,
+    char *err, size_t errlen) {
+  *out = NULL;
+  char part[4096];
+  if (node_rank >= job->nodes) {
+    snprintf(err, errlen, "%s: a checkpoint of job \"%s\" over %" PRIu32
+             " nodes has no part for node %" PRIu32, dir, job->name, job->nodes,
+             node_rank);
+    return SHARDD_E_MISMATCH;
+  }
+  /* Every node's part, not only this one: a part missing or replaced by a
+   * later checkpoint's is found here, on every node, before any of them
+   * loads anything, and named. */
+  for (uint32_t n = 0; n < job->nodes; n++) {
+    snprintf(part, sizeof part, "%s/node-%" PRIu32, dir, n);
+    FILE *f;
+    uint32_t seal;
+    char why[768];
+    shardd_err rc = open_sealed(part, as_uid, &f, &seal, why, sizeof why);
+    if (rc == SHARDD_OK)
+      fclose(f);
+    if (rc != SHARDD_OK) {
+      snprintf(err, errlen, "job checkpoint %s: node %" PRIu32 "'s part is "
+               "missing or unreadable: %s", dir, n, why);
+      return rc == SHARDD_E_PERMISSION ? rc : SHARDD_E_MISMATCH;
+    }
+    if (seal != job->seals[n]) {
+      snprintf(err, errlen, "job checkpoint %s: node %" PRIu32 "'s part %s is "
+               "sealed %08" PRIx32 ", the job manifest says %08" PRIx32 " (a "
+               "part of another checkpoint, or one rewritten since)",
+               dir, n, part, seal, job->seals[n]);
+      return SHARDD_E_MISMATCH;
+    }
+  }
+  snprintf(part, sizeof part, "%s/node-%" PRIu32, dir, node_rank);
+  /* origin: nonzero even where the CRC is 0, so "restored" stays apart
+   * from "fresh" in the exchange header */
+  return prepare(reg, part, as_uid, 0, job->nodes, node_rank,
+                 (uint64_t)job->seal | 1ull << 32, out, err, errlen);
 }
 
 shardd__job *shardd__checkpoint_restore_job(const shardd__ckrestore *c) {

@@ -72,8 +72,9 @@ static void write_spec(const scratch *s, const char *job, int node, char *out,
 
 /* Starts the two daemons of a 2-node layout serving jobs[0..njobs), node
  * 0's with the extra arguments extra0 (NULL-terminated; NULL: none). */
-static void start_pair_ex(test_daemon d[2], const scratch *s, const char *const *jobs,
-                          int njobs, const char *timeout, const char *const *extra0) {
+static void start_pair_each(test_daemon d[2], const scratch *s, const char *const *jobs,
+                            int njobs, const char *timeout, const char *const *extra0,
+                            const char *const *extra1) {
   static char specs[2][4][256];
   for (int n = 0; n < 2; n++) {
     const char *args[28];
@@ -91,11 +92,16 @@ static void start_pair_ex(test_daemon d[2], const scratch *s, const char *const 
       args[k++] = "--job-spec";
       args[k++] = specs[n][j];
     }
-    for (const char *const *x = n == 0 ? extra0 : NULL; x && *x && k < 27; x++)
+    for (const char *const *x = n == 0 ? extra0 : extra1; x && *x && k < 27; x++)
       args[k++] = *x;
     args[k] = NULL;
     test_daemon_start(&d[n], args);
   }
+}
+
+static void start_pair_ex(test_daemon d[2], const scratch *s, const char *const *jobs,
+                          int njobs, const char *timeout, const char *const *extra0) {
+  start_pair_each(d, s, jobs, njobs, timeout, extra0, NULL);
 }
 
 static void start_pair(test_daemon d[2], const scratch *s, const char *const *jobs,
@@ -105,7 +111,7 @@ static void start_pair(test_daemon d[2], const scratch *s, const char *const *jo
 
 /* ---- ranks on threads --------------------------------------------------- */
 
-enum { OP_GATHER, OP_SCATTER, OP_STEP };
+enum { OP_GATHER, OP_SCATTER, OP_STEP, OP_CHECKPOINT };
 
 typedef struct {
   shardd_client_t *c;
@@ -116,6 +122,7 @@ typedef struct {
   int sum; /* scatter with SHARDD_REDUCE_SUM instead of MEAN */
   const uint64_t *no_grad; /* scatter: this rank's views without a gradient */
   size_t nno_grad;
+  const char *dir; /* checkpoint */
   shardd_err rc;
   char msg[1024];
   pthread_t th;
@@ -132,6 +139,8 @@ static void *call_main(void *p) {
     o.nno_grad = k->nno_grad;
     k->rc = shardd_scatter_ex(k->c, k->id, &o);
   }
+  else if (k->kind == OP_CHECKPOINT)
+    k->rc = shardd_checkpoint_collective(k->c, k->dir);
   else
     k->rc = shardd_step(k->c, k->id, &k->so, &k->res);
   snprintf(k->msg, sizeof k->msg, "%s", k->rc ? shardd_last_error(k->c) : "");
@@ -763,16 +772,19 @@ Test(fabric, sigterm_inside_an_exchange_aborts_it_checkpoints_and_exits, .timeou
               "within %.3f s", exit_s, peer_s);
   /* --checkpoint-on-exit ran: exit 0 when every job's checkpoint was
    * written, 1 when one was refused (logged) */
+  /* the multi-node job: node 0's part alone (the other node cannot take
+   * part in a daemon's exit), and no job manifest, which is logged */
   char manifest[200];
+  snprintf(manifest, sizeof manifest, "%s/halt/node-0/manifest", ck);
+  cr_expect_eq(access(manifest, R_OK), 0, "no %s", manifest);
   snprintf(manifest, sizeof manifest, "%s/halt/manifest", ck);
-  int halt_written = access(manifest, R_OK) == 0;
-  int halt_refused = test_daemon_log_has(&pair[0], "checkpoint of job \"halt\" failed: "
-                                         "job \"halt\" spans 2 nodes; checkpoints of "
-                                         "multi-node jobs are not supported yet");
-  cr_expect(halt_written || halt_refused, "no %s, and no refusal logged", manifest);
-  cr_expect(WIFEXITED(status) && WEXITSTATUS(status) == (halt_written ? 0 : 1),
-            "node 0 exit status %d", status);
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != (halt_written ? 0 : 1))
+  cr_expect_neq(access(manifest, F_OK), 0, "%s written by one node's exit", manifest);
+  cr_expect(test_daemon_log_has(&pair[0], "part written to ") &&
+                test_daemon_log_has(&pair[0], "without a job manifest"),
+            "the part without a job manifest is not logged");
+  cr_expect(WIFEXITED(status) && WEXITSTATUS(status) == 0, "node 0 exit status %d",
+            status);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
     test_daemon_dump_log(&pair[0]);
   cr_expect_lt(exit_s, 15.0, "node 0 took %.1f s to stop", exit_s);
   for (int r = 0; r < 2; r++) {
@@ -821,6 +833,16 @@ Test(fabric, sigterm_inside_an_exchange_aborts_it_checkpoints_and_exits, .timeou
   test_daemon back;
   test_daemon_start(&back, (const char *const[]){"--backend", "host", "--devices", "2",
                                                  "--restore", solo_dir, NULL});
+  { /* the multi-node job's part alone is refused, saying what is missing */
+    char halt_dir[160];
+    snprintf(halt_dir, sizeof halt_dir, "%s/halt", ck);
+    shardd_client_t *ctl = test_connect(&back, NULL, 0, 0);
+    cr_expect_eq(shardd_restore(ctl, halt_dir, 0, NULL, 0), SHARDD_E_IO);
+    cr_expect(strstr(shardd_last_error(ctl), "no job manifest") != NULL, "%s",
+              shardd_last_error(ctl));
+    cr_log_info("fabric: restoring the exit part alone: %s", shardd_last_error(ctl));
+    shardd_close(ctl);
+  }
   for (int r = 0; r < 2; r++) {
     shardd_client_t *b = test_connect(&back, "solo", (uint32_t)r, 2);
     shardd_buffer_info bi;
@@ -1454,5 +1476,322 @@ Test(fabric, sigterm_during_the_rendezvous_exits_at_once, .timeout = 60) {
     shardd_close(c[r]);
   }
   test_daemon_stop(&d);
+  scratch_remove(&s);
+}
+
+/* ---- collective checkpoints of a multi-node job -------------------------- */
+
+#define CK_AT 3 /* the checkpoint is taken after this step */
+#define CK_N 6  /* steps in all */
+
+typedef struct {
+  shardd_client_t *c[W];
+  shardd_buffer_info info[2][W];
+  uint64_t opt;
+} ck_job;
+
+/* Connects the ranks of job to the pair (ranks 0-1 node 0, 2-3 node 1) and
+ * registers train()'s buffers and AdamW; fresh: each rank writes its shard
+ * of the initial values (a restored job keeps the restored ones). */
+static void ck_attach(const test_daemon *d, const char *job, int fresh, ck_job *j) {
+  memset(j, 0, sizeof *j);
+  const uint64_t numel[2] = {N_BIG, N_SMALL};
+  const char *names[2] = {"big", "small"};
+  for (int r = 0; r < W; r++)
+    j->c[r] = test_connect(&d[r / 2], job, (uint32_t)r, W);
+  for (int b = 0; b < 2; b++)
+    for (int r = 0; r < W; r++) {
+      shardd_buffer_info *in = &j->info[b][r];
+      cr_assert_eq(shardd_buffer_register(j->c[r], names[b], SHARDD_DTYPE_FP32,
+                                          numel[b], in),
+                   SHARDD_OK, "rank %d: register %s: %s", r, names[b],
+                   shardd_last_error(j->c[r]));
+      for (size_t k = 0; fresh && k < in->shard_numel; k++) {
+        size_t g = (size_t)r * in->shard_numel + k;
+        ((float *)in->shard)[k] = g < numel[b] ? init_param(b, g) : 0.0f;
+      }
+    }
+  shardd_hparams hp = {0};
+  hp.set = SHARDD_HP_LR | SHARDD_HP_WEIGHT_DECAY;
+  hp.lr = 0.01;
+  hp.weight_decay = 0.05;
+  shardd_param_ref refs[2] = {{j->info[0][0].id, "big"}, {j->info[1][0].id, "small"}};
+  shardd_param_group g = {refs, 2, {0}};
+  for (int r = 0; r < W; r++) {
+    uint64_t id;
+    cr_assert_eq(shardd_optimizer_register(j->c[r], "adamw", SHARDD_OPTIM_ADAMW, &hp,
+                                           &g, 1, &id),
+                 SHARDD_OK, "rank %d: optimizer: %s", r, shardd_last_error(j->c[r]));
+    j->opt = id;
+  }
+}
+
+/* Steps from..to of train()'s recipe (clipping every other step); each
+ * step's count must be the loop's: a restore brought the count back. */
+static void ck_steps(ck_job *j, int from, int to) {
+  const uint64_t numel[2] = {N_BIG, N_SMALL};
+  for (int step = from; step <= to; step++) {
+    for (int b = 0; b < 2; b++) {
+      for (int r = 0; r < W; r++) {
+        float *gr = j->info[b][r].grad;
+        for (size_t k = 0; k < j->info[b][r].padded_numel; k++)
+          gr[k] = k < numel[b] ? grad_of(b, step, r, k) : 0.0f;
+      }
+      all_ranks(j->c, OP_SCATTER, j->info[b][0].id, 0, NULL);
+    }
+    shardd_step_result res[W];
+    all_ranks(j->c, OP_STEP, j->opt, step % 2 ? 10.0 : 0.0, res);
+    for (int r = 0; r < W; r++)
+      cr_assert_eq(res[r].step, (uint64_t)step, "rank %d", r);
+  }
+}
+
+/* sm.checkpoint(dir) on every rank, each on its own thread. */
+static void ck_collective(ck_job *j, const char *dir) {
+  call calls[W];
+  memset(calls, 0, sizeof calls);
+  for (int r = 0; r < W; r++) {
+    calls[r].c = j->c[r];
+    calls[r].kind = OP_CHECKPOINT;
+    calls[r].dir = dir;
+    cr_assert_eq(pthread_create(&calls[r].th, NULL, call_main, &calls[r]), 0);
+  }
+  for (int r = 0; r < W; r++)
+    pthread_join(calls[r].th, NULL);
+  for (int r = 0; r < W; r++)
+    cr_assert_eq(calls[r].rc, SHARDD_OK, "rank %d: checkpoint: %s: %s", r,
+                 shardd_err_name(calls[r].rc), calls[r].msg);
+}
+
+/* Every rank's gathered copy of both buffers, then the ranks close. */
+static void ck_final(ck_job *j, float *out[2][W]) {
+  for (int b = 0; b < 2; b++) {
+    all_ranks(j->c, OP_GATHER, j->info[b][0].id, 0, NULL);
+    for (int r = 0; r < W; r++)
+      out[b][r] = copy_floats(j->info[b][r].gather, j->info[b][r].padded_numel);
+  }
+  for (int r = 0; r < W; r++)
+    shardd_close(j->c[r]);
+}
+
+static void ck_sh(const char *cmd) { cr_assert_eq(system(cmd), 0, "%s", cmd); }
+
+/* Issue 19 (c) on 2 nodes x 2 ranks: sm.checkpoint every so often while
+ * training (step 3, and step 6 into another directory), each node writing
+ * its part and the job manifest over both; then fresh daemons --restore
+ * the step-3 checkpoint on both nodes, the ranks relaunch from step 4 and
+ * end bit for bit where the uninterrupted run ended (the reference is that
+ * run, continued past its checkpoint). Refused before anything loads: a
+ * node's part missing, the parts swapped, a part restored alone; and nodes
+ * that restored different checkpoints fail their first collective with
+ * E_MISMATCH naming the other node. */
+Test(fabric, collective_checkpoint_of_two_nodes_restores_bit_for_bit, .timeout = 120) {
+  need_gloo();
+  scratch s;
+  scratch_make(&s);
+  char cka[160], ckb[160];
+  snprintf(cka, sizeof cka, "%s/ck-a", s.dir);
+  snprintf(ckb, sizeof ckb, "%s/ck-b", s.dir);
+  const char *jobs[] = {"ck"};
+  test_daemon pair[2];
+  start_pair(pair, &s, jobs, 1, "30");
+  ck_job j;
+  ck_attach(pair, "ck", 1, &j);
+  ck_steps(&j, 1, CK_AT);
+  ck_collective(&j, cka);
+  ck_steps(&j, CK_AT + 1, CK_N);
+  ck_collective(&j, ckb);
+  float *ref[2][W];
+  ck_final(&j, ref);
+  test_daemon_finish(&pair[0]);
+  test_daemon_finish(&pair[1]);
+
+  /* the layout: a part per node and the job manifest naming both */
+  char path[300];
+  for (int n = 0; n < 2; n++) {
+    snprintf(path, sizeof path, "%s/node-%d/manifest", cka, n);
+    cr_assert_eq(access(path, R_OK), 0, "no %s", path);
+  }
+  snprintf(path, sizeof path, "%s/manifest", cka);
+  char *top = test_slurp(path);
+  cr_assert_not_null(top, "no %s", path);
+  cr_expect(strncmp(top, "shardd-job-checkpoint 1\njob ck 4 ", 33) == 0, "%s", top);
+  cr_expect(strstr(top, "\nnodes 2\npart 0 node-0 ") && strstr(top, "\npart 1 node-1 "),
+            "%s", top);
+  free(top);
+
+  /* fresh daemons restore it at start; the relaunch continues at step 4 */
+  const char *rest[] = {"--restore", cka, NULL};
+  start_pair_each(pair, &s, jobs, 1, "30", rest, rest);
+  ck_attach(pair, "ck", 0, &j);
+  ck_steps(&j, CK_AT + 1, CK_N);
+  float *got[2][W];
+  ck_final(&j, got);
+  for (int b = 0; b < 2; b++)
+    for (int r = 0; r < W; r++) {
+      char what[64];
+      snprintf(what, sizeof what, "restored buffer %d rank %d", b, r);
+      compare(ref[b][r], got[b][r], j.info[b][r].padded_numel, 1, what);
+      free(got[b][r]);
+    }
+  cr_log_info("fabric: 2 nodes x 2 ranks, checkpoint at step %d restored into fresh "
+              "daemons, steps %d..%d bit for bit", CK_AT, CK_AT + 1, CK_N);
+  test_daemon_finish(&pair[0]);
+  test_daemon_finish(&pair[1]);
+
+  /* refusals, before any job exists */
+  start_pair(pair, &s, jobs, 1, "30");
+  shardd_client_t *ctl[2] = {test_connect(&pair[0], NULL, 0, 0),
+                             test_connect(&pair[1], NULL, 0, 0)};
+  char sw[160], miss[160];
+  snprintf(sw, sizeof sw, "%s/swapped", s.dir);
+  snprintf(miss, sizeof miss, "%s/missing", s.dir);
+  char cmd[900];
+  snprintf(cmd, sizeof cmd, "cp -a '%s' '%s' && cd '%s' && mv node-0 x && "
+           "mv node-1 node-0 && mv x node-1", cka, sw, sw);
+  ck_sh(cmd);
+  snprintf(cmd, sizeof cmd, "cp -a '%s' '%s' && rm -rf '%s/node-1'", cka, miss, miss);
+  ck_sh(cmd);
+  cr_expect_eq(shardd_restore(ctl[0], sw, 0, NULL, 0), SHARDD_E_MISMATCH);
+  const char *e = shardd_last_error(ctl[0]);
+  cr_expect(strstr(e, "node 0's part") && strstr(e, "the job manifest says"), "%s", e);
+  cr_log_info("fabric: swapped parts: %s", e);
+  cr_expect_eq(shardd_restore(ctl[1], miss, 0, NULL, 0), SHARDD_E_MISMATCH);
+  e = shardd_last_error(ctl[1]);
+  cr_expect(strstr(e, "node 1's part is missing") != NULL, "%s", e);
+  cr_log_info("fabric: a missing part: %s", e);
+  snprintf(path, sizeof path, "%s/node-0", cka);
+  cr_expect_eq(shardd_restore(ctl[0], path, 0, NULL, 0), SHARDD_E_INVAL);
+  e = shardd_last_error(ctl[0]);
+  cr_expect(strstr(e, "restore the job checkpoint above it") != NULL, "%s", e);
+
+  /* node 0 restores step 3, node 1 step 6: the first exchange says so */
+  char job[64];
+  cr_assert_eq(shardd_restore(ctl[0], cka, 0, job, sizeof job), SHARDD_OK, "%s",
+               shardd_last_error(ctl[0]));
+  cr_assert_eq(shardd_restore(ctl[1], ckb, 0, job, sizeof job), SHARDD_OK, "%s",
+               shardd_last_error(ctl[1]));
+  ck_attach(pair, "ck", 0, &j);
+  call calls[W];
+  memset(calls, 0, sizeof calls);
+  for (int r = 0; r < W; r++) {
+    calls[r].c = j.c[r];
+    calls[r].kind = OP_GATHER;
+    calls[r].id = j.info[0][r].id;
+    cr_assert_eq(pthread_create(&calls[r].th, NULL, call_main, &calls[r]), 0);
+  }
+  for (int r = 0; r < W; r++)
+    pthread_join(calls[r].th, NULL);
+  for (int r = 0; r < W; r++) {
+    cr_expect_eq(calls[r].rc, SHARDD_E_MISMATCH, "rank %d: %s: %s", r,
+                 shardd_err_name(calls[r].rc), calls[r].msg);
+    char want[64];
+    snprintf(want, sizeof want, "node %d restored job \"ck\" from the checkpoint sealed",
+             r < 2 ? 1 : 0);
+    cr_expect(strstr(calls[r].msg, want) != NULL, "rank %d: %s", r, calls[r].msg);
+  }
+  cr_log_info("fabric: different checkpoints on the nodes: %s", calls[0].msg);
+  for (int r = 0; r < W; r++)
+    shardd_close(j.c[r]);
+  shardd_close(ctl[0]);
+  shardd_close(ctl[1]);
+  for (int b = 0; b < 2; b++)
+    for (int r = 0; r < W; r++)
+      free(ref[b][r]);
+  test_daemon_finish(&pair[0]);
+  test_daemon_finish(&pair[1]);
+  scratch_remove(&s);
+}
+
+/* Each rank's sm.checkpoint into dirs[rank / 2] (node 0's, node 1's),
+ * on threads; the calls' results in k. */
+static void ck_collective_into(ck_job *j, const char *const dirs[2], call k[W]) {
+  memset(k, 0, W * sizeof *k);
+  for (int r = 0; r < W; r++) {
+    k[r].c = j->c[r];
+    k[r].kind = OP_CHECKPOINT;
+    k[r].dir = dirs[r / 2];
+    cr_assert_eq(pthread_create(&k[r].th, NULL, call_main, &k[r]), 0);
+  }
+  for (int r = 0; r < W; r++)
+    pthread_join(k[r].th, NULL);
+}
+
+/* A collective checkpoint of a multi-node job that cannot be whole writes
+ * no job manifest, every rank hears which node is at fault, and the job
+ * trains and checkpoints on: the nodes' ranks naming two directories
+ * (compared across nodes by the barrier), and node 1 unable to write its
+ * part (DIR/node-1 is a file). */
+Test(fabric, collective_checkpoint_that_cannot_be_whole_names_the_node, .timeout = 120) {
+  need_gloo();
+  scratch s;
+  scratch_make(&s);
+  const char *jobs[] = {"ckf"};
+  test_daemon pair[2];
+  start_pair(pair, &s, jobs, 1, "30");
+  ck_job j;
+  ck_attach(pair, "ckf", 1, &j);
+  ck_steps(&j, 1, 1);
+
+  char da[160], db[160], path[300];
+  snprintf(da, sizeof da, "%s/a", s.dir);
+  snprintf(db, sizeof db, "%s/b", s.dir);
+  call k[W];
+  ck_collective_into(&j, (const char *const[]){da, db}, k);
+  for (int r = 0; r < W; r++) {
+    cr_expect_eq(k[r].rc, SHARDD_E_MISMATCH, "rank %d: %s: %s", r,
+                 shardd_err_name(k[r].rc), k[r].msg);
+    char want[64];
+    snprintf(want, sizeof want, "the ranks of node %d of job \"ckf\"", r < 2 ? 1 : 0);
+    cr_expect(strstr(k[r].msg, want) != NULL, "rank %d: %s", r, k[r].msg);
+  }
+  cr_log_info("fabric: two directories: %s", k[0].msg);
+  snprintf(path, sizeof path, "%s/manifest", da);
+  cr_expect_neq(access(path, F_OK), 0, "%s written", path);
+  snprintf(path, sizeof path, "%s/manifest", db);
+  cr_expect_neq(access(path, F_OK), 0, "%s written", path);
+
+  char dc[160];
+  snprintf(dc, sizeof dc, "%s/c", s.dir);
+  cr_assert_eq(mkdir(dc, 0700), 0);
+  snprintf(path, sizeof path, "%s/node-1", dc);
+  FILE *f = fopen(path, "w"); /* node 1's part cannot be a directory */
+  cr_assert_not_null(f);
+  fclose(f);
+  ck_collective_into(&j, (const char *const[]){dc, dc}, k);
+  for (int r = 0; r < W; r++)
+    cr_expect_neq(k[r].rc, SHARDD_OK, "rank %d", r);
+  for (int r = 0; r < 2; r++) {
+    cr_expect_eq(k[r].rc, SHARDD_E_IO, "rank %d: %s", r, shardd_err_name(k[r].rc));
+    cr_expect(strstr(k[r].msg, "node 1 could not write its part") != NULL, "rank %d: %s",
+              r, k[r].msg);
+  }
+  for (int r = 2; r < W; r++)
+    cr_expect(strstr(k[r].msg, "node 1's part of the checkpoint") != NULL, "rank %d: %s",
+              r, k[r].msg);
+  cr_log_info("fabric: node 1 cannot write: node 0 hears: %s", k[0].msg);
+  cr_log_info("fabric: node 1 cannot write: node 1 hears: %s", k[2].msg);
+  snprintf(path, sizeof path, "%s/manifest", dc);
+  cr_expect_neq(access(path, F_OK), 0, "%s written", path);
+
+  /* an operator's checkpoint on one node cannot vouch for the other's */
+  shardd_client_t *ctl = test_connect(&pair[0], NULL, 0, 0);
+  cr_expect_eq(shardd_checkpoint(ctl, "ckf", da), SHARDD_E_STATE);
+  cr_expect(strstr(shardd_last_error(ctl), "checkpointed collectively") != NULL, "%s",
+            shardd_last_error(ctl));
+  shardd_close(ctl);
+
+  /* the job goes on: a step, then a whole checkpoint */
+  ck_steps(&j, 2, 2);
+  ck_collective_into(&j, (const char *const[]){da, da}, k);
+  for (int r = 0; r < W; r++)
+    cr_expect_eq(k[r].rc, SHARDD_OK, "rank %d: %s: %s", r, shardd_err_name(k[r].rc),
+                 k[r].msg);
+  snprintf(path, sizeof path, "%s/manifest", da);
+  cr_expect_eq(access(path, R_OK), 0, "no %s", path);
+  for (int r = 0; r < W; r++)
+    shardd_close(j.c[r]);
+  test_daemon_finish(&pair[0]);
+  test_daemon_finish(&pair[1]);
   scratch_remove(&s);
 }
