@@ -1385,7 +1385,7 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
     if (c->refused == SHARDD_OK) {
       c->refused = local;
       snprintf(c->refused_msg, sizeof c->refused_msg, "rank %" PRIu32 "'s %s was "
-               "refused: %s", m->rank, shardd__coll_kind_word(args->kind), local_msg);
+               "refused: %.200s", m->rank, shardd__coll_kind_word(args->kind), local_msg);
     }
     refuse(e, m, seq, args, local, local_msg);
     w->m = NULL;
