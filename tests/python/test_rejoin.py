@@ -141,7 +141,14 @@ class RejoinTest(unittest.TestCase):
         time.sleep(1.5)
         ps[1] = ctx.Process(target=script, args=(1, sock, job, q))
         ps[1].start()
-        more = self.collect(q, lambda o: len(o["done"]) == WORLD)
+        try:
+            more = self.collect(q, lambda o: len(o["done"]) == WORLD)
+        except RuntimeError as e:
+            # seen once under heavy load: say what the job waited on
+            with shardd.Client(sock) as c:
+                st = c.status_text()
+            raise RuntimeError("%s\nranks alive: %s\ndaemon status:\n%s" % (
+                e, {r: p.is_alive() for r, p in ps.items()}, st)) from e
         for p in ps.values():
             p.join(10)
         start = more["starts"][1][0]
