@@ -4,7 +4,7 @@
 #
 # Each program prints a table and writes bench/results/<name>.json
 # (BENCH_RESULTS overrides the folder); bench/summary.py then checks the
-# targets of issue 7 against the figures of this very run. Benchmarks are
+# targets (bench/summary.py) against the figures of this very run. Benchmarks are
 # not tests: nothing here fails on a slow figure, only on a broken program.
 # Run from the repository root after `make` (make bench builds first).
 set -e

@@ -246,17 +246,8 @@ static shardd_err host_reduce_add(shardd__backend *b, shardd_dtype dtype,
 static shardd_err host_adopt(shardd__backend *b, shardd_dtype dtype,
                              shardd__region *master, size_t master_off,
                              shardd__region *param, size_t param_off, size_t n) {
-  float *restrict m = (float *)((char *)master->ptr + master_off);
-  const uint16_t *restrict p = (const uint16_t *)((const char *)param->ptr + param_off);
-  if (dtype == SHARDD_DTYPE_BF16) {
-    for (size_t i = 0; i < n; i++)
-      if (p[i] != shardd__f32_to_bf16(m[i]))
-        m[i] = shardd__bf16_to_f32(p[i]);
-  } else if (dtype == SHARDD_DTYPE_FP16) {
-    for (size_t i = 0; i < n; i++)
-      if (p[i] != shardd__f32_to_f16(m[i]))
-        m[i] = shardd__f16_to_f32(p[i]);
-  }
+  shardd__optim_adopt(dtype, (float *)((char *)master->ptr + master_off),
+                      (const char *)param->ptr + param_off, n);
   return SHARDD_OK;
 }
 

@@ -381,6 +381,8 @@ struct optim_path {
                  const void *restrict src, size_t n);
   void (*from_f32)(shardd_dtype dtype, void *restrict dst,
                    const float *restrict src, size_t n);
+  void (*adopt)(shardd_dtype dtype, float *restrict master,
+                const uint16_t *restrict p16, size_t n);
 };
 
 static const struct optim_path *optim_path(void);
@@ -548,6 +550,26 @@ OPTIM_INLINE void from_f32_run(shardd_dtype dtype, void *restrict dst,
   }
 }
 
+/* A 16-bit parameter whose bits are not its master's rounding was written
+ * by the trainer since the last step: the master takes its value. A select,
+ * not a branch, so it vectorizes like the narrowing it repeats (the same
+ * integer forms narrow_store uses, hence the same bits as
+ * shardd__from_f32). */
+OPTIM_INLINE void adopt_run(shardd_dtype dtype, float *restrict m,
+                            const uint16_t *restrict p16, size_t n) {
+  if (dtype == SHARDD_DTYPE_BF16) {
+    for (size_t i = 0; i < n; i++) {
+      float w = shardd__bf16_to_f32(p16[i]);
+      m[i] = shardd__f32_to_bf16(m[i]) == p16[i] ? m[i] : w;
+    }
+  } else if (dtype == SHARDD_DTYPE_FP16) {
+    for (size_t i = 0; i < n; i++) {
+      float w = f16_to_f32(p16[i]);
+      m[i] = f32_to_f16(m[i]) == p16[i] ? m[i] : w;
+    }
+  }
+}
+
 /* ---- instruction-set paths and their dispatch --------------------------- */
 
 #define OPTIM_PATH(sfx, attr)                                                 \
@@ -574,8 +596,13 @@ OPTIM_INLINE void from_f32_run(shardd_dtype dtype, void *restrict dst,
                                   const float *restrict src, size_t n) {      \
     from_f32_run(dtype, dst, src, n);                                         \
   }                                                                           \
+  attr static void adopt_##sfx(shardd_dtype dtype, float *restrict m,         \
+                               const uint16_t *restrict p16, size_t n) {      \
+    adopt_run(dtype, m, p16, n);                                              \
+  }                                                                           \
   static const struct optim_path path_##sfx = {                               \
-      sgd_##sfx, adam_##sfx, sumsq_##sfx, to_f32_##sfx, from_f32_##sfx};
+      sgd_##sfx,    adam_##sfx,     sumsq_##sfx,                              \
+      to_f32_##sfx, from_f32_##sfx, adopt_##sfx};
 
 /* the portable build: baseline x86-64 (SSE2) or whatever the target has */
 OPTIM_PATH(scalar, )
@@ -660,6 +687,11 @@ shardd_err shardd__optim_use_isa(shardd__isa isa) {
 
 static const struct optim_path *optim_path(void) {
   return path_of(shardd__optim_isa());
+}
+
+void shardd__optim_adopt(shardd_dtype dtype, float *master, const void *param,
+                         size_t n) {
+  optim_path()->adopt(dtype, master, param, n);
 }
 
 double shardd__sumsq_f32(const float *grad, size_t n) {

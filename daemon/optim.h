@@ -70,6 +70,14 @@ void shardd__optim_update(const shardd__hp *hp, uint64_t step, float *param,
  * narrowed in the update's loop, the master is not read back). dtype fp32
  * updates master and then copies it to param. Same requirements as shardd__optim_update, and param overlaps no
  * other array. An unknown dtype or kind does nothing. */
+/* For the n elements of a bf16/fp16 param and its fp32 master: where
+ * param's bits are not master's rounding (the trainer wrote the shard since
+ * the last step), master takes param's value, exactly; elsewhere master is
+ * left as it is. dtype fp32 (or unknown) does nothing. The same bits on
+ * every instruction-set path. */
+void shardd__optim_adopt(shardd_dtype dtype, float *master, const void *param,
+                         size_t n);
+
 void shardd__optim_update_narrow(const shardd__hp *hp, uint64_t step,
                                  shardd_dtype dtype, void *param,
                                  float *master, const float *grad,

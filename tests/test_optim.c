@@ -821,6 +821,49 @@ static void compare_narrow(shardd__isa isa) {
     }
 }
 
+/* shardd__optim_adopt on isa against the rule written with dtype.h's own
+ * conversions: where the 16-bit param is not the master's rounding (every
+ * fifth element here, any bit pattern, NaNs included) the master becomes
+ * the param widened; elsewhere it keeps its bits, special values included. */
+static void compare_adopt(shardd__isa isa) {
+  use_isa_or_skip(isa);
+  rng_state = 0x6c8e9cf570932bd5ULL + (uint64_t)isa;
+  enum { AN = 4099 };
+  static float m[AN], want[AN];
+  static uint16_t p16[AN];
+  static const float special[] = {INFINITY, -INFINITY, NAN, 0x1p-149f, -0.0f,
+                                  3.0e38f, 0x1p-126f, 65520.0f, 1.0f + 0x1p-8f};
+  static const shardd_dtype dts[] = {SHARDD_DTYPE_BF16, SHARDD_DTYPE_FP16};
+  for (int d = 0; d < 2; d++)
+    for (size_t off = 0; off < 3; off++) {
+      size_t adopted = 0, n = AN - 2 * off;
+      for (size_t i = 0; i < AN; i++) {
+        m[i] = i % 97 < 9 ? special[i % 97] : rng_uniform(-4.0f, 4.0f);
+        uint16_t own = dts[d] == SHARDD_DTYPE_BF16 ? shardd__f32_to_bf16(m[i])
+                                                   : shardd__f32_to_f16(m[i]);
+        p16[i] = i % 5 == 2 ? (uint16_t)rng32() : own;
+        float w = dts[d] == SHARDD_DTYPE_BF16 ? shardd__bf16_to_f32(p16[i])
+                                              : shardd__f16_to_f32(p16[i]);
+        int in = i >= off && i < off + n;
+        want[i] = in && p16[i] != own ? w : m[i];
+        adopted += in && p16[i] != own;
+      }
+      shardd__optim_adopt(dts[d], m + off, p16 + off, n);
+      for (size_t i = 0; i < AN; i++) {
+        uint32_t a, b;
+        memcpy(&a, &m[i], 4);
+        memcpy(&b, &want[i], 4);
+        cr_assert_eq(a, b, "%s adopt %s off %zu [%zu]: 0x%08x, want 0x%08x",
+                     shardd__isa_name(isa), shardd_dtype_name(dts[d]), off, i,
+                     a, b);
+      }
+      cr_assert(adopted > n / 8, "only %zu adopted", adopted);
+    }
+  cr_assert_eq(shardd__optim_use_isa(SHARDD__ISA_SCALAR), SHARDD_OK);
+}
+
+Test(optim_isa, scalar_adopt_matches_rule) { compare_adopt(SHARDD__ISA_SCALAR); }
+
 Test(optim_isa, scalar_narrow_matches_update) {
   compare_narrow(SHARDD__ISA_SCALAR);
 }
@@ -833,7 +876,8 @@ Test(optim_isa, scalar_narrow_matches_update) {
     compare_conversions(isa);                                                 \
   }                                                                           \
   Test(optim_isa, name##_sumsq_matches_scalar) { compare_sumsq(isa); }     \
-  Test(optim_isa, name##_narrow_matches_scalar) { compare_narrow(isa); }
+  Test(optim_isa, name##_narrow_matches_scalar) { compare_narrow(isa); }      \
+  Test(optim_isa, name##_adopt_matches_rule) { compare_adopt(isa); }
 
 ISA_TESTS(avx2, SHARDD__ISA_AVX2)
 ISA_TESTS(avx512, SHARDD__ISA_AVX512)
