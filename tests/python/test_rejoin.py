@@ -83,24 +83,37 @@ def script(rank, sock, job, q, slow_after=None):
 
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
 class RejoinTest(unittest.TestCase):
-    def run_ranks(self, sock, job, q, ctx, ranks, slow_rank0=False):
-        ps = {r: ctx.Process(target=script, args=(r, sock, job, q),
-                             kwargs={"slow_after": 2} if slow_rank0 and r == 0 else {})
-              for r in ranks}
+    def run_ranks(self, sock, job, qs, ctx, ranks, slow_rank0=False):
+        """Each rank process gets a queue of its own (appended to qs): a
+        rank SIGKILLed while its queue's feeder thread holds the queue's
+        write lock (between sending a message and releasing the lock) would
+        leave that lock held for good, and every other writer of a shared
+        queue blocked -- the test then saw nothing more until its timeout."""
+        ps = {}
+        for r in ranks:
+            q = ctx.Queue()
+            qs.append(q)
+            ps[r] = ctx.Process(target=script, args=(r, sock, job, q),
+                                kwargs={"slow_after": 2} if slow_rank0 and r == 0 else {})
         for p in ps.values():
             p.start()
         return ps
 
-    def collect(self, q, until, timeout=90):
+    def collect(self, qs, until, timeout=90):
         out = {"losses": {}, "params": None, "done": set(), "errors": [],
                "starts": {}, "retries": {}}
         deadline = time.monotonic() + timeout
         while not until(out):
             if time.monotonic() > deadline:
                 raise RuntimeError("timed out: %s" % out["errors"])
-            try:
-                m = q.get(timeout=0.2)
-            except queue.Empty:
+            m = None
+            for q in qs:
+                try:
+                    m = q.get(timeout=0.05)
+                    break
+                except queue.Empty:
+                    pass
+            if m is None:
                 continue
             if m[0] == "loss":
                 out["losses"].setdefault(m[2], {})[m[1]] = m[3]
@@ -121,28 +134,28 @@ class RejoinTest(unittest.TestCase):
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "numpy"])
         sock = common.socket()
-        q = ctx.Queue()
+        qs = []
         ref_job = common.job("rejoin-ref")
-        ps = self.run_ranks(sock, ref_job, q, ctx, range(WORLD))
-        ref = self.collect(q, lambda o: len(o["done"]) == WORLD)
+        ps = self.run_ranks(sock, ref_job, qs, ctx, range(WORLD))
+        ref = self.collect(qs, lambda o: len(o["done"]) == WORLD)
         for p in ps.values():
             p.join(10)
 
-        q = ctx.Queue()
+        qs = []
         job = common.job("rejoin")
         # rank 0 dawdles after each step, so rank 1 is already waiting in
         # step 4's first gather when it is killed: its peer's collectives
         # fail (E_PEER_LOST) and, relaunched only after --peer-grace (1 s),
         # rank 0 has retried the iteration by then
-        ps = self.run_ranks(sock, job, q, ctx, range(WORLD), slow_rank0=True)
-        got = self.collect(q, lambda o: len(o["losses"].get(3, {})) == WORLD)
+        ps = self.run_ranks(sock, job, qs, ctx, range(WORLD), slow_rank0=True)
+        got = self.collect(qs, lambda o: len(o["losses"].get(3, {})) == WORLD)
         os.kill(ps[1].pid, signal.SIGKILL)
         ps[1].join(10)
         time.sleep(1.5)
-        ps[1] = ctx.Process(target=script, args=(1, sock, job, q))
-        ps[1].start()
+        del qs[1]  # the killed rank's queue may be wedged (see run_ranks)
+        ps.update(self.run_ranks(sock, job, qs, ctx, [1]))
         try:
-            more = self.collect(q, lambda o: len(o["done"]) == WORLD)
+            more = self.collect(qs, lambda o: len(o["done"]) == WORLD)
         except RuntimeError as e:
             # seen once under heavy load: say what the job waited on
             with shardd.Client(sock) as c:
