@@ -128,6 +128,15 @@ struct coll {
   uint32_t tag;      /* Gloo's, from name_key */
   const char *name;  /* the target's (it outlives c: the hold keeps it) */
   uint64_t fab_seq;  /* exchanges of this kind and target before this one */
+  /* the job's fabric epoch at submit (coll_fabric.c: an exchange submitted
+   * after the fabric failed may re-form it; one submitted before fails
+   * with the failure), and what this node's state looked like then when
+   * the fabric was not up (fab_join_ok): compared at the (re)forming */
+  uint64_t fab_epoch;
+  int fab_join_ok;
+  struct {
+    uint64_t nbufs, bufs_digest, nopts, opts_digest, steps_min, steps_max;
+  } fab_state;
   double sumsq_all;
   double *reduced; /* all_reduce: the result ([args.target], owned) */
   char fab_msg[384]; /* written by the fabric thread, read after it */
