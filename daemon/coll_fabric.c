@@ -59,6 +59,29 @@
  * other nodes' fail with SHARDD_E_MISMATCH naming the node, instead of
  * waiting in the exchange until the timeout loses the fabric.
  *
+ * Recovery. A fabric error leaves the fabric unusable (fabric.h), and the
+ * job's exchanges submitted before it fail with its reason: they are the
+ * iteration it broke. The first exchange submitted after it -- a
+ * trainer's retry -- re-forms the fabric: the dead one is aborted and
+ * destroyed once no exchange is inside it, and a new one is made, which
+ * waits at most the collective timeout for every node (a node whose
+ * daemon restarted joins with its first exchange; one that does not come
+ * back is named: E_PEER_LOST). Each failure starts a new epoch, and the
+ * header's exchange counts restart with it on every node, as they start
+ * at 0 on a restarted daemon. Every new fabric first allgathers a join
+ * header (fab_join): the job's fabric lineage (node 0's random proposal
+ * when the job's first fabric forms, kept by every later one and recorded
+ * in each node's checkpoint part), whether the node rejoins from its own
+ * exit part (restore.c), and a summary of its state (buffers: name, numel,
+ * dtype; optimizers: name, step count) taken on the loop thread when the
+ * exchange was submitted. The lineages must agree, and where any node has
+ * one or rejoins, so must the states: a node restored from a part of
+ * another step, or fresh, or of another run of the job, fails the join
+ * with SHARDD_E_MISMATCH on every node, naming it, before anything moves.
+ * A step one node applied and the other did not (steps without clipping
+ * are node-local) is refused the same way: the other node lost the reduced
+ * gradient it would need, so training on would mix two steps' parameters.
+ *
  * Stop. A stopping daemon must not wait for a peer that never answers (up
  * to the collective timeout, past the unit's stop timeout, so systemd's
  * SIGKILL would skip --checkpoint-on-exit): shardd__coll_fab_abort aborts
