@@ -60,9 +60,10 @@
  * waiting in the exchange until the timeout loses the fabric.
  *
  * Recovery. A fabric error leaves the fabric unusable (fabric.h), and the
- * job's exchanges submitted before it fail with its reason: they are the
- * iteration it broke. The first exchange submitted after it -- a
- * trainer's retry -- re-forms the fabric: the dead one is aborted and
+ * job's collectives made before it fail with its reason when they reach
+ * their exchange, even after a re-forming: they are the iteration it
+ * broke (a bucket's later entries, a prefetch). The first exchange of a
+ * collective made after it -- a trainer's retry -- re-forms the fabric: the dead one is aborted and
  * destroyed once no exchange is inside it, and a new one is made, which
  * waits at most the collective timeout for every node (a node whose
  * daemon restarted joins with its first exchange; one that does not come
@@ -128,7 +129,7 @@ struct coll_fab {
   char msg[384];
   /* Recovery (see the top of the file). epoch: +1 each time the fabric
    * fails (an operation, or a (re)forming); an exchange submitted in the
-   * current epoch of a failed fabric re-forms it, one submitted before
+   * current epoch of a failed fabric re-forms it, one made before
    * fails with the failure. gen: +1 at each fabric formed; a failure of an
    * exchange of an older fabric does not fail the new one. inuse:
    * exchanges inside an operation of f (a re-forming waits for them after
@@ -230,8 +231,8 @@ static shardd_err jf_connect(coll_fab *jf, const coll *c, char *err,
 /* The job's fabric for c's exchange, counted in inuse until jf_put. The
  * first exchange that needs it connects it; the others wait for that one
  * on the condition variable, not on the mutex. A failed fabric is
- * re-formed by an exchange submitted after the failure (a retry); the
- * exchanges that were submitted before fail with its reason. */
+ * re-formed by the exchange of a collective made after the failure (a
+ * retry); those made before fail with its reason. */
 static shardd_err jf_get(coll_fab *jf, const coll *c, shardd__fabric **out,
                          uint64_t *gen, char *err, size_t errlen) {
   pthread_mutex_lock(&jf->mu);
@@ -241,7 +242,8 @@ static shardd_err jf_get(coll_fab *jf, const coll *c, shardd__fabric **out,
   if (jf->aborting) {
     rc = SHARDD_E_SHUTDOWN;
     snprintf(err, errlen, "fabric: %s", jf->why);
-  } else if (jf->state == FAB_FAILED && c->fab_epoch != jf->epoch) {
+  } else if (c->fab_epoch != jf->epoch) {
+    /* made before the last failure (the fabric may be up again since) */
     rc = jf->code;
     snprintf(err, errlen, "%s", jf->msg);
   } else if (jf->state != FAB_UP && !c->fab_join_ok) {
@@ -268,7 +270,7 @@ static void jf_put(coll_fab *jf) {
 }
 
 /* A fabric error latches: Gloo's connections do not recover, so every
- * exchange submitted before it fails at once with the first reason, and
+ * collective made before it fails at once with the first reason, and
  * the next one re-forms the fabric (jf_get). An exchange of an older
  * fabric (gen) that fails after the re-forming aborted it leaves the new
  * one alone, and its ranks get the old failure instead of the abort's
@@ -479,6 +481,13 @@ shardd_err shardd__coll_job_span(shardd__coll_engine *e, shardd__job *job,
 static coll_fab *fab_of(shardd__coll_engine *e, const shardd__job *job) {
   coll_job *cj = shardd__coll_job_of(e, (shardd__job *)job, 0);
   return cj ? cj->fab : NULL;
+}
+
+uint64_t shardd__coll_fab_epoch(coll_fab *jf) {
+  pthread_mutex_lock(&jf->mu);
+  uint64_t v = jf->epoch;
+  pthread_mutex_unlock(&jf->mu);
+  return v;
 }
 
 uint64_t shardd__coll_job_lineage(shardd__coll_engine *e,
@@ -1090,23 +1099,25 @@ void shardd__coll_fab_submit(coll *c, task *t) {
     return;
   }
   c->fab_busy = 1; /* until fab_closed_cb */
-  /* the epoch and, while the fabric is not up, the state its (re)forming
-   * compares; counts restart with each epoch on every node (a restarted
-   * node's start at 0, as the survivor's do after the failure) */
+  /* while the fabric is not up, the state its (re)forming compares;
+   * counts restart with each epoch on every node (a restarted node's start
+   * at 0, as the survivor's do after the failure). A collective made
+   * before the failure takes no count of the new epoch: it fails in
+   * jf_get, and a count taken would put the retry's out of step. */
   pthread_mutex_lock(&jf->mu);
-  c->fab_epoch = jf->epoch;
+  uint64_t now = jf->epoch;
   int up = jf->state == FAB_UP;
   pthread_mutex_unlock(&jf->mu);
-  if (jf->counts_epoch != c->fab_epoch) {
+  if (jf->counts_epoch != now) {
     shardd__map_each(&jf->counts, free_value, NULL);
     shardd__map_free(&jf->counts);
     shardd__map_init(&jf->counts);
-    jf->counts_epoch = c->fab_epoch;
+    jf->counts_epoch = now;
   }
   c->fab_join_ok = 0;
-  if (!up)
+  if (!up && c->fab_epoch == now)
     fab_state_of(c);
-  int64_t seq = fab_next_seq(jf, c->name_key);
+  int64_t seq = c->fab_epoch == now ? fab_next_seq(jf, c->name_key) : 0;
   if (seq < 0) {
     t->rc = SHARDD_E_NO_MEMORY;
     snprintf(c->fab_msg, sizeof c->fab_msg, "out of memory queueing the exchange");
