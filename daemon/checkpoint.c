@@ -247,6 +247,12 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
   if (multi)
     shardd__sb_printf(m, "node %" PRIu32 " %" PRIu32 "\n", job->node_rank,
                       job->nodes);
+  /* and the job's fabric lineage and origin: what a restart of this daemon
+   * from this part alone (its --checkpoint-on-exit part, without a job
+   * manifest) needs to rejoin the live nodes of the job (restore.c) */
+  if (multi)
+    shardd__sb_printf(m, "lineage %016" PRIx64 " %016" PRIx64 "\n",
+                      job->lineage, job->origin);
   /* restored so: its trainers ask for the same areas again */
   if (job->transient)
     shardd__sb_printf(m, "areas transient\n");

@@ -153,6 +153,19 @@ shardd_err shardd__checkpoint_restore_prepare_part(
     const shardd__ckjob *job, uint32_t node_rank, shardd__ckrestore **out,
     char *err, size_t errlen);
 
+/* This node's part of a live multi-node job that one daemon wrote alone
+ * (--checkpoint-on-exit: dir/node-N, no job manifest), for a restart of
+ * that daemon: the part must be of job name (else SHARDD_E_NOT_FOUND: the
+ * caller tries another spec), over nodes, world as the spec says, and
+ * carry the job's fabric lineage ("lineage" line). The restored job gets
+ * that lineage and origin and is marked rejoining: its fabric's join
+ * (coll_fabric.c) lets it meet only the live nodes of that lineage whose
+ * states fit; nothing else checks the other nodes here. */
+shardd_err shardd__checkpoint_restore_prepare_exit_part(
+    shardd__registry *reg, const char *dir, int64_t as_uid, const char *name,
+    uint32_t world, uint32_t nodes, uint32_t node_rank,
+    shardd__ckrestore **out, char *err, size_t errlen);
+
 /* Creates the job recorded in dir (it must not exist yet), owned by the uid
  * recorded with it. as_uid is who asks: < 0 the daemon itself (--restore),
  * 0 root, else it must be the recorded owner (SHARDD_E_PERMISSION), dir

@@ -1349,6 +1349,10 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
     c->name = o ? o->name : (args->target ? "scalars" : "barrier");
     c->name_key = shardd__coll_fab_key(args->kind, c->name);
     c->tag = shardd__coll_fab_tag(c->name_key);
+    /* made before a fabric failure: of the iteration it broke, so it must
+     * fail, not re-form the fabric (coll_fabric.c) */
+    if (q->fab)
+      c->fab_epoch = shardd__coll_fab_epoch(q->fab);
     if (scalars) {
       /* no registry object to hold */
     } else if (args->kind == SHARDD__COLL_STEP) {

@@ -202,6 +202,12 @@ shardd_err shardd__coll_job_span(shardd__coll_engine *e, shardd__job *job,
                                  const char *rendezvous, const char *host,
                                  char *err, size_t errlen);
 
+/* The job's fabric lineage (registry.h: shardd__job.lineage): the one its
+ * fabric formed with, or job->lineage when none formed since it was
+ * made; 0 for a single-node job. Loop thread. */
+uint64_t shardd__coll_job_lineage(shardd__coll_engine *e,
+                                  const shardd__job *job);
+
 /* For status: node n's state in a multi-node job ("this daemon", "not
  * contacted", "up", "unreachable", "lost"), and the fabric's engine and last
  * error (msg may be ""). */

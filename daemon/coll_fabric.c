@@ -59,6 +59,30 @@
  * other nodes' fail with SHARDD_E_MISMATCH naming the node, instead of
  * waiting in the exchange until the timeout loses the fabric.
  *
+ * Recovery. A fabric error leaves the fabric unusable (fabric.h), and the
+ * job's collectives made before it fail with its reason when they reach
+ * their exchange, even after a re-forming: they are the iteration it
+ * broke (a bucket's later entries, a prefetch). The first exchange of a
+ * collective made after it -- a trainer's retry -- re-forms the fabric: the dead one is aborted and
+ * destroyed once no exchange is inside it, and a new one is made, which
+ * waits at most the collective timeout for every node (a node whose
+ * daemon restarted joins with its first exchange; one that does not come
+ * back is named: E_PEER_LOST). Each failure starts a new epoch, and the
+ * header's exchange counts restart with it on every node, as they start
+ * at 0 on a restarted daemon. Every new fabric first allgathers a join
+ * header (fab_join): the job's fabric lineage (node 0's random proposal
+ * when the job's first fabric forms, kept by every later one and recorded
+ * in each node's checkpoint part), whether the node rejoins from its own
+ * exit part (restore.c), and a summary of its state (buffers: name, numel,
+ * dtype; optimizers: name, step count) taken on the loop thread when the
+ * exchange was submitted. The lineages must agree, and where any node has
+ * one or rejoins, so must the states: a node restored from a part of
+ * another step, or fresh, or of another run of the job, fails the join
+ * with SHARDD_E_MISMATCH on every node, naming it, before anything moves.
+ * A step one node applied and the other did not (steps without clipping
+ * are node-local) is refused the same way: the other node lost the reduced
+ * gradient it would need, so training on would mix two steps' parameters.
+ *
  * Stop. A stopping daemon must not wait for a peer that never answers (up
  * to the collective timeout, past the unit's stop timeout, so systemd's
  * SIGKILL would skip --checkpoint-on-exit): shardd__coll_fab_abort aborts
@@ -77,6 +101,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "fabric.h"
 #include "log.h"
@@ -102,6 +127,22 @@ struct coll_fab {
   int connecting;    /* a fabric thread is in shardd__fabric_create */
   shardd_err code;
   char msg[384];
+  /* Recovery (see the top of the file). epoch: +1 each time the fabric
+   * fails (an operation, or a (re)forming); an exchange submitted in the
+   * current epoch of a failed fabric re-forms it, one made before
+   * fails with the failure. gen: +1 at each fabric formed; a failure of an
+   * exchange of an older fabric does not fail the new one. inuse:
+   * exchanges inside an operation of f (a re-forming waits for them after
+   * aborting f). formed: fabrics formed so far. lineage: the one the
+   * nodes agreed on (0 none yet); rejoining: the job was restored from
+   * this node's exit part (registry.h). */
+  uint64_t epoch, gen;
+  uint32_t inuse;
+  uint64_t formed;
+  uint64_t lineage;
+  int rejoining;
+  /* loop thread only: the epoch the counts below belong to */
+  uint64_t counts_epoch;
   /* the job's fabric threads (see the top of the file) */
   coll *queue; /* exchanges no thread has taken yet, oldest first */
   uint32_t nqueued;
@@ -119,10 +160,81 @@ struct coll_fab {
   shardd__map counts;
 };
 
-/* The job's fabric. The first exchange that needs it connects it; the
- * others wait for that one on the condition variable, not on the mutex. */
-static shardd_err jf_get(coll_fab *jf, shardd__fabric **out, char *err,
-                         size_t errlen) {
+static shardd_err fab_join(coll_fab *jf, const coll *c, shardd__fabric *f,
+                           uint64_t lineage, int rejoining, uint64_t *out,
+                           char *err, size_t errlen);
+
+/* Forms the job's fabric, or re-forms it after a failure: the dead one is
+ * aborted (its exchanges, all of an older epoch, end at once), waited for
+ * and destroyed; then a new one is created (a fresh namespace in the
+ * rendezvous directory, fabric_gloo.cc) and the nodes compare their
+ * states (fab_join). Called and returns under mu, with connecting clear;
+ * sets it meanwhile, so other exchanges wait on the condition. */
+static shardd_err jf_connect(coll_fab *jf, const coll *c, char *err,
+                             size_t errlen) {
+  shardd__fabric *old = jf->f;
+  int reform = jf->formed > 0, rejoining = jf->rejoining;
+  uint64_t had = jf->lineage;
+  jf->f = NULL;
+  jf->connecting = 1;
+  if (old) {
+    shardd__fabric_abort(old, "the job's fabric failed and is being re-formed");
+    while (jf->inuse > 0)
+      pthread_cond_wait(&jf->cv, &jf->mu);
+  }
+  pthread_mutex_unlock(&jf->mu);
+  shardd__fabric_destroy(old);
+  shardd__fabric *f = NULL;
+  uint64_t lineage = 0;
+  int at_rdv = 0;
+  char why[640];
+  shardd_err rc = shardd__fabric_create(&jf->opts, &f, why, sizeof why);
+  if (rc != SHARDD_OK)
+    at_rdv = 1;
+  else if ((rc = fab_join(jf, c, f, had, rejoining, &lineage, why,
+                          sizeof why)) != SHARDD_OK) {
+    shardd__fabric_destroy(f);
+    f = NULL;
+  }
+  if (rc == SHARDD_OK)
+    snprintf(err, errlen, "%s", "");
+  else if (reform && at_rdv && rc == SHARDD_E_PEER_LOST)
+    snprintf(err, errlen, "re-forming the fabric of job \"%.32s\": %.200s "
+             "(restart its daemon with --restore of its exit checkpoint, then "
+             "relaunch its ranks)", c->job->name, why);
+  else
+    snprintf(err, errlen, "%.380s", why);
+  pthread_mutex_lock(&jf->mu);
+  jf->connecting = 0;
+  if (rc != SHARDD_OK) {
+    jf->state = FAB_FAILED;
+    jf->at_rendezvous = at_rdv;
+    jf->code = rc;
+    jf->epoch++;
+    snprintf(jf->msg, sizeof jf->msg, "%s", err);
+  } else {
+    jf->f = f;
+    jf->state = FAB_UP;
+    jf->gen++;
+    jf->formed++;
+    jf->lineage = lineage;
+    if (reform)
+      shardd__log(2, "job \"%s\": fabric re-formed (fabric %" PRIu64 ", lineage "
+                  "%016" PRIx64 ")", c->job->name, jf->formed, lineage);
+    if (jf->aborting) /* the stop came while it connected */
+      shardd__fabric_abort(f, jf->why);
+  }
+  pthread_cond_broadcast(&jf->cv);
+  return rc;
+}
+
+/* The job's fabric for c's exchange, counted in inuse until jf_put. The
+ * first exchange that needs it connects it; the others wait for that one
+ * on the condition variable, not on the mutex. A failed fabric is
+ * re-formed by the exchange of a collective made after the failure (a
+ * retry); those made before fail with its reason. */
+static shardd_err jf_get(coll_fab *jf, const coll *c, shardd__fabric **out,
+                         uint64_t *gen, char *err, size_t errlen) {
   pthread_mutex_lock(&jf->mu);
   while (jf->connecting)
     pthread_cond_wait(&jf->cv, &jf->mu);
@@ -130,42 +242,52 @@ static shardd_err jf_get(coll_fab *jf, shardd__fabric **out, char *err,
   if (jf->aborting) {
     rc = SHARDD_E_SHUTDOWN;
     snprintf(err, errlen, "fabric: %s", jf->why);
-  } else if (jf->state == FAB_FAILED) {
+  } else if (c->fab_epoch != jf->epoch) {
+    /* made before the last failure (the fabric may be up again since) */
     rc = jf->code;
     snprintf(err, errlen, "%s", jf->msg);
-  } else if (jf->f == NULL) {
-    jf->connecting = 1;
-    pthread_mutex_unlock(&jf->mu);
-    shardd__fabric *f = NULL;
-    rc = shardd__fabric_create(&jf->opts, &f, err, errlen);
-    pthread_mutex_lock(&jf->mu);
-    jf->connecting = 0;
-    if (rc != SHARDD_OK) {
-      jf->state = FAB_FAILED;
-      jf->at_rendezvous = 1;
-      jf->code = rc;
-      snprintf(jf->msg, sizeof jf->msg, "%s", err);
-    } else {
-      jf->f = f;
-      jf->state = FAB_UP;
-      if (jf->aborting) /* the stop came while it connected */
-        shardd__fabric_abort(f, jf->why);
-    }
-    pthread_cond_broadcast(&jf->cv);
+  } else if (jf->state != FAB_UP && !c->fab_join_ok) {
+    rc = SHARDD_E_NO_MEMORY;
+    snprintf(err, errlen, "out of memory listing the job's state for the "
+             "fabric's join");
+  } else if (jf->state != FAB_UP) {
+    rc = jf_connect(jf, c, err, errlen);
   }
-  *out = jf->f;
+  if (rc == SHARDD_OK) {
+    *out = jf->f;
+    *gen = jf->gen;
+    jf->inuse++;
+  }
   pthread_mutex_unlock(&jf->mu);
   return rc;
 }
 
-/* A fabric error latches: Gloo's connections do not recover, so every
- * later collective of the job fails at once with the first reason. */
-static void jf_broken(coll_fab *jf, shardd_err code, const char *msg) {
+static void jf_put(coll_fab *jf) {
   pthread_mutex_lock(&jf->mu);
-  if (jf->state != FAB_FAILED) {
+  jf->inuse--;
+  pthread_cond_broadcast(&jf->cv);
+  pthread_mutex_unlock(&jf->mu);
+}
+
+/* A fabric error latches: Gloo's connections do not recover, so every
+ * collective made before it fails at once with the first reason, and
+ * the next one re-forms the fabric (jf_get). An exchange of an older
+ * fabric (gen) that fails after the re-forming aborted it leaves the new
+ * one alone, and its ranks get the old failure instead of the abort's
+ * SHARDD_E_SHUTDOWN (the daemon is not stopping). */
+static void jf_broken(coll_fab *jf, uint64_t gen, shardd_err *code, char *msg,
+                      size_t len) {
+  pthread_mutex_lock(&jf->mu);
+  if (gen == jf->gen && jf->state == FAB_UP) {
     jf->state = FAB_FAILED;
-    jf->code = code;
+    jf->at_rendezvous = 0;
+    jf->code = *code;
+    jf->epoch++;
     snprintf(jf->msg, sizeof jf->msg, "%s", msg);
+  } else if (gen != jf->gen || (!jf->aborting && *code == SHARDD_E_SHUTDOWN)) {
+    *code = SHARDD_E_PEER_LOST;
+    snprintf(msg, len, "the job's fabric failed while this exchange ran "
+             "(it is being re-formed): retry");
   }
   pthread_mutex_unlock(&jf->mu);
 }
@@ -344,6 +466,8 @@ shardd_err shardd__coll_job_span(shardd__coll_engine *e, shardd__job *job,
   o.stop = jf_stopping;
   o.stop_arg = jf;
   jf->opts = o;
+  jf->lineage = job->lineage;
+  jf->rejoining = job->rejoining;
   cj->fab = jf;
   shardd__log(2,
               "job \"%s\": node %" PRIu32 " of %" PRIu32 ", ranks %" PRIu32
@@ -357,6 +481,24 @@ shardd_err shardd__coll_job_span(shardd__coll_engine *e, shardd__job *job,
 static coll_fab *fab_of(shardd__coll_engine *e, const shardd__job *job) {
   coll_job *cj = shardd__coll_job_of(e, (shardd__job *)job, 0);
   return cj ? cj->fab : NULL;
+}
+
+uint64_t shardd__coll_fab_epoch(coll_fab *jf) {
+  pthread_mutex_lock(&jf->mu);
+  uint64_t v = jf->epoch;
+  pthread_mutex_unlock(&jf->mu);
+  return v;
+}
+
+uint64_t shardd__coll_job_lineage(shardd__coll_engine *e,
+                                  const shardd__job *job) {
+  coll_fab *jf = fab_of(e, job);
+  if (jf == NULL)
+    return job->lineage;
+  pthread_mutex_lock(&jf->mu);
+  uint64_t l = jf->lineage;
+  pthread_mutex_unlock(&jf->mu);
+  return l;
 }
 
 void shardd__coll_node_state(shardd__coll_engine *e, const shardd__job *job,
@@ -592,14 +734,184 @@ static shardd_err fab_all_reduce(coll *c, shardd__fabric *f, char *msg,
   return rc;
 }
 
-/* The exchange of c, on a fabric thread: header, check, data. */
-static void fabric_task(coll *c, task *t) {
-  coll_fab *jf = c->cj->fab;
-  shardd__job *job = c->job;
-  shardd__fabric *f;
-  t->rc = jf_get(jf, &f, c->fab_msg, sizeof c->fab_msg);
-  if (t->rc != SHARDD_OK)
+/* ---- forming and re-forming: the join (see the top of the file) ------- */
+
+/* What each node says when a fabric (re)forms, allgathered once on it
+ * before any exchange: fixed-width fields, no padding. */
+typedef struct {
+  uint32_t magic, flags;
+  uint64_t lineage;  /* the job's (0: never formed, not restored so) */
+  uint64_t proposal; /* a new lineage, taken from node 0 when all are 0 */
+  uint64_t origin;   /* job->origin, for the message only */
+  /* the node's state when the exchange was submitted (coll.fab_state) */
+  uint64_t nbufs, bufs_digest, nopts, opts_digest, steps_min, steps_max;
+} fab_join_hdr;
+
+#define FAB_JOIN_MAGIC 0x53484a31u /* "SHJ1": bump when it changes */
+#define FAB_JOIN_REJOINING 1u
+/* the join runs before any exchange of the new fabric on either node, so
+ * a tag an exchange may also fold to is no conflict */
+#define FAB_JOIN_TAG 0x7fffffffu
+
+_Static_assert(sizeof(fab_join_hdr) == 80, "fab_join_hdr must have no padding");
+
+/* c->fab_state: this node's buffers (name, numel, dtype) and optimizers
+ * (name, step count), summed as hashes so that the order of ids (which
+ * differs between a survivor and a restored node) does not count. Loop
+ * thread; c->fab_join_ok says whether it could be listed. */
+static void fab_state_of(coll *c) {
+  shardd__buffer **bufs = NULL;
+  shardd__optim **opts = NULL;
+  size_t nb = 0, no = 0;
+  memset(&c->fab_state, 0, sizeof c->fab_state);
+  c->fab_join_ok = 0;
+  if (shardd__job_buffers(c->job, &bufs, &nb) != SHARDD_OK ||
+      shardd__job_optims(c->job, &opts, &no) != SHARDD_OK) {
+    free(bufs);
     return;
+  }
+  c->fab_state.nbufs = nb;
+  for (size_t i = 0; i < nb; i++) {
+    uint64_t h = fnv(0xcbf29ce484222325ull, bufs[i]->hdr.name, strlen(bufs[i]->hdr.name) + 1);
+    uint64_t nd[2] = {bufs[i]->numel, (uint64_t)bufs[i]->dtype};
+    c->fab_state.bufs_digest += fnv(h, nd, sizeof nd);
+  }
+  c->fab_state.nopts = no;
+  c->fab_state.steps_min = no ? UINT64_MAX : 0;
+  for (size_t i = 0; i < no; i++) {
+    uint64_t h = fnv(0xcbf29ce484222325ull, opts[i]->hdr.name, strlen(opts[i]->hdr.name) + 1);
+    c->fab_state.opts_digest += fnv(h, &opts[i]->steps, sizeof opts[i]->steps);
+    if (opts[i]->steps < c->fab_state.steps_min)
+      c->fab_state.steps_min = opts[i]->steps;
+    if (opts[i]->steps > c->fab_state.steps_max)
+      c->fab_state.steps_max = opts[i]->steps;
+  }
+  free(bufs);
+  free(opts);
+  c->fab_join_ok = 1;
+}
+
+static uint64_t fresh_lineage(void) {
+  struct timespec now;
+  clock_gettime(CLOCK_REALTIME, &now);
+  uint64_t seed[3] = {(uint64_t)now.tv_sec, (uint64_t)now.tv_nsec,
+                      (uint64_t)getpid() << 32 ^ (uint64_t)(uintptr_t)&now};
+  uint64_t h = fnv(0xcbf29ce484222325ull, seed, sizeof seed);
+  return h ? h : 1;
+}
+
+static void steps_words(const fab_join_hdr *h, char *out, size_t len) {
+  if (h->nopts == 0)
+    snprintf(out, len, "no optimizer");
+  else if (h->steps_min == h->steps_max)
+    snprintf(out, len, "%" PRIu64 " optimizer%s at step %" PRIu64, h->nopts,
+             h->nopts == 1 ? "" : "s", h->steps_min);
+  else
+    snprintf(out, len, "%" PRIu64 " optimizers at steps %" PRIu64 "..%" PRIu64,
+             h->nopts, h->steps_min, h->steps_max);
+}
+
+static const char *lineage_words(const fab_join_hdr *h) {
+  return h->flags & FAB_JOIN_REJOINING ? "restored from its exit checkpoint"
+         : h->lineage                  ? "live state"
+                                       : "a fresh job";
+}
+
+/* 0 when every node's join header fits this node's; else -1, msg naming
+ * the first node that differs and what. */
+static int join_check(const char *job, const fab_join_hdr *h, uint32_t nodes,
+                      uint32_t me, char *msg, size_t len) {
+  const fab_join_hdr *m = &h[me];
+  int check_state = 0;
+  for (uint32_t n = 0; n < nodes; n++)
+    check_state |= h[n].lineage != 0 || (h[n].flags & FAB_JOIN_REJOINING);
+  for (uint32_t n = 0; n < nodes; n++) {
+    const fab_join_hdr *o = &h[n];
+    if (n == me)
+      continue;
+    if (o->magic != m->magic) {
+      snprintf(msg, len, "node %" PRIu32 " speaks another version of the fabric "
+               "protocol (join %#" PRIx32 ", this node %#" PRIx32 "): run the "
+               "same shardd on every node", n, o->magic, m->magic);
+      return -1;
+    }
+    if (o->lineage != m->lineage) {
+      snprintf(msg, len, "node %" PRIu32 " holds job \"%.32s\" as %s (fabric "
+               "lineage %016" PRIx64 "), this node as %s (lineage %016" PRIx64
+               "): their states do not belong together. Restart a stopped "
+               "node's daemon with --restore of its --checkpoint-on-exit part, "
+               "or release the job on every node and restore a collective "
+               "checkpoint", n, job, lineage_words(o), o->lineage,
+               lineage_words(m), m->lineage);
+      return -1;
+    }
+    if (!check_state)
+      continue;
+    if (o->nbufs != m->nbufs || o->bufs_digest != m->bufs_digest) {
+      snprintf(msg, len, "node %" PRIu32 " holds %" PRIu64 " buffers of job \"%.32s\""
+               ", this node %" PRIu64 " (or their names, sizes or dtypes "
+               "differ): the nodes' states do not fit together, refusing to "
+               "train on them", n, o->nbufs, job, m->nbufs);
+      return -1;
+    }
+    if (o->nopts != m->nopts || o->opts_digest != m->opts_digest) {
+      char ow[64], mw[64];
+      steps_words(o, ow, sizeof ow);
+      steps_words(m, mw, sizeof mw);
+      snprintf(msg, len, "node %" PRIu32 " holds job \"%.32s\" with %.60s (%s), "
+               "this node with %.60s: a node restored a checkpoint of another "
+               "step, or applied a step the other did not; refusing to train "
+               "on mixed state (release the job on every node and restore a "
+               "collective checkpoint)", n, job, ow, lineage_words(o), mw);
+      return -1;
+    }
+  }
+  return 0;
+}
+
+/* The first allgather on a new fabric: the nodes' lineages must agree
+ * (all 0 the first time: node 0's proposal becomes the job's), and where
+ * any node has a lineage or rejoins, their states too. A refusal is
+ * SHARDD_E_MISMATCH on every node alike (each sees every header). */
+static shardd_err fab_join(coll_fab *jf, const coll *c, shardd__fabric *f,
+                           uint64_t lineage, int rejoining, uint64_t *out,
+                           char *err, size_t errlen) {
+  (void)jf;
+  const shardd__job *job = c->job;
+  fab_join_hdr *h = calloc(job->nodes, sizeof *h);
+  if (h == NULL) {
+    snprintf(err, errlen, "out of memory for the fabric's join");
+    return SHARDD_E_NO_MEMORY;
+  }
+  fab_join_hdr *m = &h[job->node_rank];
+  m->magic = FAB_JOIN_MAGIC;
+  m->flags = rejoining ? FAB_JOIN_REJOINING : 0;
+  m->lineage = lineage;
+  m->proposal = fresh_lineage();
+  m->origin = job->origin;
+  m->nbufs = c->fab_state.nbufs;
+  m->bufs_digest = c->fab_state.bufs_digest;
+  m->nopts = c->fab_state.nopts;
+  m->opts_digest = c->fab_state.opts_digest;
+  m->steps_min = c->fab_state.steps_min;
+  m->steps_max = c->fab_state.steps_max;
+  char why[384];
+  shardd_err rc = shardd__fabric_allgather(f, h, sizeof *h, FAB_JOIN_TAG, why,
+                                           sizeof why);
+  if (rc != SHARDD_OK)
+    snprintf(err, errlen, "fabric: join: %.300s", why);
+  else if (join_check(job->name, h, job->nodes, job->node_rank, err, errlen))
+    rc = SHARDD_E_MISMATCH;
+  else
+    *out = m->lineage ? m->lineage : h[0].proposal;
+  free(h);
+  return rc;
+}
+
+/* The exchange of c on fabric f: header, check, data. A failure that
+ * leaves f unusable is t->rc with *lost set. */
+static void fabric_exchange(coll *c, task *t, shardd__fabric *f, int *lost) {
+  shardd__job *job = c->job;
   shardd__buffer *b = c->buf;
   uint64_t part = b ? (uint64_t)job->local_ranks * b->shard_numel : 0;
   fab_hdr *h = calloc(job->nodes, sizeof *h);
@@ -607,7 +919,7 @@ static void fabric_task(coll *c, task *t) {
     /* the peers wait for this node's header in vain: the fabric is lost */
     t->rc = SHARDD_E_NO_MEMORY;
     snprintf(c->fab_msg, sizeof c->fab_msg, "out of memory for the exchange header");
-    jf_broken(jf, t->rc, c->fab_msg);
+    *lost = 1;
     return;
   }
   fab_hdr *m = &h[job->node_rank];
@@ -696,7 +1008,22 @@ static void fabric_task(coll *c, task *t) {
   }
   free(h);
   if (t->rc != SHARDD_OK)
-    jf_broken(jf, t->rc, c->fab_msg);
+    *lost = 1;
+}
+
+/* The exchange of c, on a fabric thread. */
+static void fabric_task(coll *c, task *t) {
+  coll_fab *jf = c->cj->fab;
+  shardd__fabric *f;
+  uint64_t gen;
+  t->rc = jf_get(jf, c, &f, &gen, c->fab_msg, sizeof c->fab_msg);
+  if (t->rc != SHARDD_OK)
+    return;
+  int lost = 0;
+  fabric_exchange(c, t, f, &lost);
+  if (lost)
+    jf_broken(jf, gen, &t->rc, c->fab_msg, sizeof c->fab_msg);
+  jf_put(jf);
 }
 
 /* ---- fabric threads (see the top of the file) ------------------------- */
@@ -772,7 +1099,25 @@ void shardd__coll_fab_submit(coll *c, task *t) {
     return;
   }
   c->fab_busy = 1; /* until fab_closed_cb */
-  int64_t seq = fab_next_seq(jf, c->name_key);
+  /* while the fabric is not up, the state its (re)forming compares;
+   * counts restart with each epoch on every node (a restarted node's start
+   * at 0, as the survivor's do after the failure). A collective made
+   * before the failure takes no count of the new epoch: it fails in
+   * jf_get, and a count taken would put the retry's out of step. */
+  pthread_mutex_lock(&jf->mu);
+  uint64_t now = jf->epoch;
+  int up = jf->state == FAB_UP;
+  pthread_mutex_unlock(&jf->mu);
+  if (jf->counts_epoch != now) {
+    shardd__map_each(&jf->counts, free_value, NULL);
+    shardd__map_free(&jf->counts);
+    shardd__map_init(&jf->counts);
+    jf->counts_epoch = now;
+  }
+  c->fab_join_ok = 0;
+  if (!up && c->fab_epoch == now)
+    fab_state_of(c);
+  int64_t seq = c->fab_epoch == now ? fab_next_seq(jf, c->name_key) : 0;
   if (seq < 0) {
     t->rc = SHARDD_E_NO_MEMORY;
     snprintf(c->fab_msg, sizeof c->fab_msg, "out of memory queueing the exchange");

@@ -128,6 +128,16 @@ struct coll {
   uint32_t tag;      /* Gloo's, from name_key */
   const char *name;  /* the target's (it outlives c: the hold keeps it) */
   uint64_t fab_seq;  /* exchanges of this kind and target before this one */
+  /* the job's fabric epoch when the collective was made (coll_fabric.c:
+   * one made after the fabric failed may re-form it; one made before
+   * fails with the failure, wherever it is then), and what this node's
+   * state looked like at its exchange's submit when the fabric was not up
+   * (fab_join_ok): compared at the (re)forming */
+  uint64_t fab_epoch;
+  int fab_join_ok;
+  struct {
+    uint64_t nbufs, bufs_digest, nopts, opts_digest, steps_min, steps_max;
+  } fab_state;
   double sumsq_all;
   double *reduced; /* all_reduce: the result ([args.target], owned) */
   char fab_msg[384]; /* written by the fabric thread, read after it */
@@ -186,6 +196,8 @@ uint32_t shardd__coll_fab_tag(uint64_t key);
  * always comes back through c->fab_async, failures too. */
 void shardd__coll_fab_submit(coll *c, task *t);
 void shardd__coll_fab_free(shardd__coll_engine *e, coll_fab *jf);
+/* The fabric's epoch now (+1 at each failure); any thread. */
+uint64_t shardd__coll_fab_epoch(coll_fab *jf);
 /* The daemon is stopping: aborts the job's fabric, so every exchange queued
  * or running ends at once with SHARDD_E_SHUTDOWN naming why (copied), and
  * every later one too; then waits (loop thread, up to max_s) until no

@@ -26,8 +26,10 @@
  *
  * Errors: an operation that fails (a peer gone, a timeout) leaves the
  * fabric unusable -- Gloo's connections latch their first error, and a
- * timeout closes all of them -- so the caller fails every later operation
- * too. Messages name the operation and the peer where Gloo does.
+ * timeout closes all of them -- so the caller fails the operations that
+ * were meant for it too, and makes a new fabric (coll_fabric.c re-forms
+ * it for the next collective). Messages name the operation and the peer
+ * where Gloo does.
  *
  * Abort: shardd__fabric_abort (any thread) ends every wait of the fabric's
  * operations at once, whatever the peers do, and fails them and every later

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "checkpoint.h"
 #include "fabric.h"
@@ -409,6 +410,8 @@ shardd_err shardd__jobs_checkpoint(shardd__jobs *j, shardd__job *job,
   shardd_err rc = may_checkpoint(j, job, err, errlen);
   if (rc != SHARDD_OK)
     return rc;
+  if (job->nodes > 1) /* its part records the lineage (registry.h) */
+    job->lineage = shardd__coll_job_lineage(j->coll, job);
   rc = shardd__checkpoint_write_in(j->reg, job, dir, as_uid, home, err, errlen);
   if (rc == SHARDD_OK && job->nodes > 1)
     /* the other nodes cannot take part (this is the daemon's own exit, or
@@ -525,6 +528,8 @@ shardd_err shardd__jobs_checkpoint_start(shardd__jobs *j, shardd__job *job,
     snprintf(err, errlen, "out of memory");
     return SHARDD_E_NO_MEMORY;
   }
+  if (job->nodes > 1) /* its part records the lineage (registry.h) */
+    job->lineage = shardd__coll_job_lineage(j->coll, job);
   rc = shardd__checkpoint_prepare(j->reg, job, dir, as_uid, home, &k->w, err,
                                   errlen);
   if (rc != SHARDD_OK) {
@@ -607,14 +612,58 @@ static void restore_after(uv_work_t *req, int status) {
  * the recorded nodes and world: the spec says which node this daemon is).
  * *sp: the spec for a multi-node one (its fabric state is made once the
  * restore succeeded), NULL otherwise. */
+/* dir without a manifest of its own: this node's exit part of a live
+ * multi-node job (dir/node-N, --checkpoint-on-exit), for the spec whose
+ * job and node it is. *found 0: no spec has a part there (the caller goes
+ * on, and refuses the directory for its missing manifest). */
+static shardd_err restore_prepare_exit(shardd__jobs *j, const char *dir,
+                                       int64_t as_uid, uint32_t world,
+                                       shardd__ckrestore **out,
+                                       const shardd__jobspec **sp, int *found,
+                                       char *err, size_t errlen) {
+  *found = 0;
+  char path[4096];
+  if ((size_t)snprintf(path, sizeof path, "%s/manifest", dir) >= sizeof path ||
+      access(path, F_OK) == 0)
+    return SHARDD_OK;
+  for (size_t i = 0; i < j->nspecs; i++) {
+    const shardd__jobspec *s = &j->specs[i];
+    snprintf(path, sizeof path, "%s/node-%" PRIu32 "/manifest", dir, s->node_rank);
+    if (s->nodes < 2 || access(path, F_OK) != 0)
+      continue;
+    if (world != 0 && world != s->world) {
+      *found = 1;
+      snprintf(err, errlen, "%s: this node's part of job \"%s\" restores into "
+               "its own world (%" PRIu32 ") only, not %" PRIu32, dir, s->job,
+               s->world, world);
+      return SHARDD_E_RANGE;
+    }
+    shardd_err rc = shardd__checkpoint_restore_prepare_exit_part(
+        j->reg, dir, as_uid, s->job, s->world, s->nodes, s->node_rank, out, err,
+        errlen);
+    if (rc == SHARDD_E_NOT_FOUND) /* another job's part */
+      continue;
+    *found = 1;
+    if (rc == SHARDD_OK)
+      *sp = s;
+    return rc;
+  }
+  return SHARDD_OK;
+}
+
 static shardd_err restore_prepare(shardd__jobs *j, const char *dir,
                                   int64_t as_uid, uint32_t world,
                                   shardd__ckrestore **out,
                                   const shardd__jobspec **sp, char *err,
                                   size_t errlen) {
   *sp = NULL;
+  int found;
+  shardd_err rc = restore_prepare_exit(j, dir, as_uid, world, out, sp, &found,
+                                       err, errlen);
+  if (found)
+    return rc;
   shardd__ckjob cj;
-  shardd_err rc = shardd__checkpoint_read_job(dir, as_uid, &cj, err, errlen);
+  rc = shardd__checkpoint_read_job(dir, as_uid, &cj, err, errlen);
   if (rc != SHARDD_OK)
     return rc;
   if (cj.nodes == 0)

@@ -2,6 +2,7 @@
  * readiness, --restore), the loop's run, and --checkpoint-on-exit and
  * teardown after it. The command line is cli.c. */
 #include <errno.h>
+#include <inttypes.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -73,12 +74,28 @@ static int restore_one(shardd__server *srv, const char *dir) {
   return 0;
 }
 
-/* DIR itself, or each DIR/JOB that holds a manifest. */
+/* Whether dir holds this daemon's part of a multi-node job (node-N, N
+ * its spec's node) without a job manifest: an exit part, which a daemon
+ * restarted with the job's spec restores to rejoin the live nodes. */
+static int has_exit_part(const shardd__server *srv, const char *dir) {
+  char path[4096];
+  struct stat st;
+  for (size_t i = 0; i < srv->d.jobs.nspecs; i++) {
+    snprintf(path, sizeof path, "%s/node-%" PRIu32 "/manifest", dir,
+             srv->d.jobs.specs[i].node_rank);
+    if (srv->d.jobs.specs[i].nodes > 1 && stat(path, &st) == 0)
+      return 1;
+  }
+  return 0;
+}
+
+/* DIR itself, or each DIR/JOB that holds a manifest (or this node's exit
+ * part of a multi-node job). */
 static int restore_all(shardd__server *srv, const char *dir) {
   char path[4096];
   struct stat st;
   snprintf(path, sizeof path, "%s/manifest", dir);
-  if (stat(path, &st) == 0)
+  if (stat(path, &st) == 0 || has_exit_part(srv, dir))
     return restore_one(srv, dir);
   DIR *d = opendir(dir);
   if (d == NULL) {
@@ -90,7 +107,9 @@ static int restore_all(shardd__server *srv, const char *dir) {
     if (e->d_name[0] == '.')
       continue;
     snprintf(path, sizeof path, "%s/%s/manifest", dir, e->d_name);
-    if (stat(path, &st) != 0) {
+    char sub[4096];
+    snprintf(sub, sizeof sub, "%s/%s", dir, e->d_name);
+    if (stat(path, &st) != 0 && !has_exit_part(srv, sub)) {
       /* A job whose checkpoint vanished must not vanish without a word. */
       snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
       if (stat(path, &st) == 0 && S_ISDIR(st.st_mode))

@@ -65,6 +65,16 @@ struct shardd__job {
    * job not restored so. Every cross-node exchange compares it, so nodes
    * that restored different checkpoints never train on mixed state. */
   uint64_t origin;
+  /* The fabric lineage: a random id the nodes agree on when a fabric of
+   * the job first forms, kept by every re-formed fabric (coll_fabric.c)
+   * and recorded in each node's checkpoint part. 0: none yet. jobs.c
+   * copies the engine's into it before a checkpoint is written (loop
+   * thread); restore sets it from an exit part, with rejoining set: the
+   * job was restored from this node's part of a live job (written by
+   * --checkpoint-on-exit), and may only rejoin nodes of that lineage
+   * whose states fit (step counts, buffers). */
+  uint64_t lineage;
+  int rejoining;
   /* read-only once the job has a buffer (shardd__job_set_transient):
    * gather and gradient areas are leased from per-device pools (areas.c)
    * instead of resident in every rank block */

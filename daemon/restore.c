@@ -174,6 +174,12 @@ struct shardd__ckrestore {
   uint32_t nodes, node_rank;
   int node_seen;
   uint64_t origin;
+  /* this node's exit part of a live job (--checkpoint-on-exit, no job
+   * manifest): the job its spec names, with the spec's world; the
+   * "lineage" line seen */
+  const char *exit_name;
+  uint32_t exit_world;
+  int lineage_seen;
   char *err;
   size_t errlen;
   char path[4096];  /* the manifest's, as messages name it */
@@ -494,7 +500,9 @@ static shardd_err open_manifest(restore *c) {
                "%s: %s (an incomplete checkpoint has no manifest; a "
                "multi-node job's checkpoint not taken collectively -- "
                "--checkpoint-on-exit -- has only node parts, node-N, and no "
-               "job manifest to vouch for them)", c->path, strerror(e));
+               "job manifest to vouch for them: only a daemon with the job's "
+               "--job-spec restores its node's part, to rejoin the live job)",
+               c->path, strerror(e));
     }
     close(c->dd.fd);
     return e == EPERM || e == ELOOP ? SHARDD_E_PERMISSION : SHARDD_E_IO;
@@ -537,6 +545,15 @@ static shardd_err line_header(restore *c, char **tok, int nt) {
 static shardd_err line_job(restore *c, char **tok) {
   if (!shardd__manifest_dec_name(tok[1]))
     return bad(c, SHARDD_E_INVAL, "bad job name");
+  if (c->exit_name && strcmp(tok[1], c->exit_name)) {
+    /* another spec's job may have its part here: the caller looks on */
+    snprintf(c->err, c->errlen, "%s: a part of job \"%s\", not \"%s\"",
+             c->path, tok[1], c->exit_name);
+    return SHARDD_E_NOT_FOUND;
+  }
+  if (c->exit_name && strtoul(tok[2], NULL, 10) != c->exit_world)
+    return bad(c, SHARDD_E_MISMATCH, "job \"%s\" of world %s, but its job "
+               "spec here says world %" PRIu32, tok[1], tok[2], c->exit_world);
   uint32_t owner = (uint32_t)strtoul(tok[3], NULL, 10);
   if (c->as_uid > 0 && (uint32_t)c->as_uid != owner) {
     snprintf(c->err, c->errlen, "job \"%s\" in %s belongs to another user; "
@@ -781,6 +798,17 @@ static shardd_err parse_line(restore *c, char **tok, int nt) {
   if (c->nodes > 1 && !c->node_seen)
     return bad(c, SHARDD_E_INVAL, "no \"node\" line after the job line (not "
                "a node's part of a multi-node checkpoint)");
+  if (!strcmp(tok[0], "lineage") && nt == 3 && c->nodes > 1) {
+    /* a collective part's lineage is not kept: its restore forms a new
+     * fabric on every node; an exit part rejoins the live one */
+    if (c->exit_name) {
+      c->job->lineage = strtoull(tok[1], NULL, 16);
+      c->job->origin = strtoull(tok[2], NULL, 16);
+      c->job->rejoining = 1;
+      c->lineage_seen = 1;
+    }
+    return SHARDD_OK;
+  }
   if (!strcmp(tok[0], "areas") && nt == 2 && !strcmp(tok[1], "transient")) {
     /* before any buffer line (set_transient refuses a job with buffers) */
     shardd_err rc = shardd__job_set_transient(c->job, 1, c->sub, sizeof c->sub);
@@ -850,6 +878,12 @@ static shardd_err check_complete(restore *c) {
   if (c->nodes > 1 && !c->node_seen) {
     snprintf(c->err, c->errlen, "%s: no \"node\" line (not a node's part "
              "of a multi-node checkpoint)", c->path);
+    return SHARDD_E_INVAL;
+  }
+  if (c->exit_name && !c->lineage_seen) {
+    snprintf(c->err, c->errlen, "%s: no \"lineage\" line (written by a "
+             "shardd that could not rejoin a live job with it): restore a "
+             "collective checkpoint on every node", c->path);
     return SHARDD_E_INVAL;
   }
   /* a node's part holds its own ranks' shards only */
@@ -923,7 +957,8 @@ void shardd__checkpoint_restore_free(shardd__ckrestore *c) {
 static shardd_err prepare(shardd__registry *reg, const char *dir,
                           int64_t as_uid, uint32_t world, uint32_t nodes,
                           uint32_t node_rank, uint64_t origin,
-                          shardd__ckrestore **out, char *err, size_t errlen) {
+                          const char *exit_name, shardd__ckrestore **out,
+                          char *err, size_t errlen) {
   *out = NULL;
   restore *c = calloc(1, sizeof *c);
   if (c == NULL || (c->dir = strdup(dir)) == NULL) {
@@ -937,6 +972,8 @@ static shardd_err prepare(shardd__registry *reg, const char *dir,
   c->nodes = nodes;
   c->node_rank = node_rank;
   c->origin = origin;
+  c->exit_name = exit_name;
+  c->exit_world = world;
   c->err = err;
   c->errlen = errlen;
   c->dd.fd = -1;
@@ -969,7 +1006,7 @@ shardd_err shardd__checkpoint_restore_prepare(shardd__registry *reg,
                                               uint32_t world,
                                               shardd__ckrestore **out,
                                               char *err, size_t errlen) {
-  return prepare(reg, dir, as_uid, world, 0, 0, 0, out, err, errlen);
+  return prepare(reg, dir, as_uid, world, 0, 0, 0, NULL, out, err, errlen);
 }
 
 /* Opens dir/manifest as restore does (no symlink, the asker's or the
@@ -1111,7 +1148,24 @@ shardd_err shardd__checkpoint_restore_prepare_part(
   /* origin: nonzero even where the CRC is 0, so "restored" stays apart
    * from "fresh" in the exchange header */
   return prepare(reg, part, as_uid, 0, job->nodes, node_rank,
-                 (uint64_t)job->seal | 1ull << 32, out, err, errlen);
+                 (uint64_t)job->seal | 1ull << 32, NULL, out, err, errlen);
+}
+
+shardd_err shardd__checkpoint_restore_prepare_exit_part(
+    shardd__registry *reg, const char *dir, int64_t as_uid, const char *name,
+    uint32_t world, uint32_t nodes, uint32_t node_rank,
+    shardd__ckrestore **out, char *err, size_t errlen) {
+  *out = NULL;
+  char part[4096];
+  if ((size_t)snprintf(part, sizeof part, "%s/node-%" PRIu32, dir, node_rank) >=
+      sizeof part) {
+    snprintf(err, errlen, "%s: path too long", dir);
+    return SHARDD_E_INVAL;
+  }
+  /* world: the spec's, which the part must have (line_job); a restore into
+   * it is no resharding */
+  return prepare(reg, part, as_uid, world, nodes, node_rank, 0, name, out, err,
+                 errlen);
 }
 
 shardd__job *shardd__checkpoint_restore_job(const shardd__ckrestore *c) {

@@ -84,6 +84,59 @@ def script(rank, world, sock, job, transient, q, seed=0, init="auto",
         q.put(("error", rank, type(e).__name__, "%s\n%s" % (e, traceback.format_exc())))
 
 
+def elastic(rank, socks, job, q, pause_after=None):
+    """One rank per node of a 2-node job, the elastic loop of
+    test_rejoin.py: an iteration a lost peer (here: the other node's
+    daemon) broke is dropped (sm.reset()) and done again from the daemon's
+    step count."""
+    try:
+        torch.set_num_threads(1)
+        # resident areas: transient ones are single-node for now
+        client = shardd.Client(socks[rank], job=job, rank=rank, world=2)
+        model = make_model()
+        # no constructor gather: the loop gathers, and a relaunched rank's
+        # constructor gather would have no partner in the survivor's retry
+        sm = shardd.nn.ShardedModule(client, model, auto_wrap="children",
+                                     initial_gather=False)
+        opt = shardd.optim.AdamW(model.parameters(), lr=1e-2, name="adamw")
+        x, y = make_data()
+        per = BATCH // 2
+        lo, hi = rank * per, (rank + 1) * per
+        q.put(("start", rank, opt.steps))
+        retries = 0
+        while opt.steps < STEPS:
+            s = opt.steps
+            try:
+                opt.zero_grad()
+                sm.gather()
+                loss = nn.functional.mse_loss(model(x[s, lo:hi]), y[s, lo:hi])
+                loss.backward()
+                sm.scatter("mean")
+                opt.step()
+            except Exception as e:  # from a hook: autograd may wrap it
+                if "E_PEER_LOST" not in str(e):
+                    raise
+                retries += 1
+                q.put(("why", rank, s, time.monotonic(), str(e)[:400]))
+                sm.reset()
+                time.sleep(0.1)
+                continue
+            q.put(("loss", rank, s, loss.item()))
+            if pause_after is not None and s >= pause_after:
+                time.sleep(1.0)  # room for the parent's SIGTERM between steps
+        params = sm.full_parameters()
+        if rank == 0:
+            q.put(("params", {n: t.numpy().copy() for n, t in params.items()}))
+        q.put(("retries", rank, retries))
+        client.close()
+        q.put(("done", rank))
+    except shardd.Error as e:
+        q.put(("error", rank, e.code_name, e.message))
+    except BaseException as e:
+        import traceback
+        q.put(("error", rank, type(e).__name__, "%s\n%s" % (e, traceback.format_exc())))
+
+
 class Launch:
     """world rank processes of script(); collects what they report."""
 
@@ -295,6 +348,104 @@ class ResumeTest(unittest.TestCase):
         self.assert_same_run(again.mean_losses(), again.params, run)
         print("\n  2 nodes x 1 rank: sm.checkpoint every 2 steps, step 4 restored "
               "on both nodes, relaunched: steps 4..%d bit-identical" % (STEPS - 1))
+
+
+    def test_a_node_daemon_restart_rejoins_the_two_node_job(self):
+        """Issue 21 item 2 in Python: 2 nodes x 1 rank (resident areas).
+        Node 1's daemon is stopped (SIGTERM, --checkpoint-on-exit) between
+        its rank's steps 2 and 3, while rank 0 waits in step 3's first
+        gather: rank 0 gets E_PEER_LOST, sm.reset()s and retries, which
+        re-forms the fabric once node 1's daemon is back with --restore of
+        its exit part and its rank relaunched (attaching, init="auto").
+        Every step's loss and the final parameters equal the uninterrupted
+        one-daemon run bit for bit."""
+        ref = self.reference(2, False)
+        root = tempfile.mkdtemp(prefix="shardd-rejoin2n-")
+        self.addCleanup(shutil.rmtree, root, True)
+        os.chmod(root, 0o755)
+        rdv = os.path.join(root, "rdv")
+        ex = os.path.join(root, "exit")
+        os.mkdir(rdv)
+        job = common.job("rejoin-2n")
+        specs = []
+        for n in range(2):
+            specs.append(os.path.join(root, "node%d.spec" % n))
+            with open(specs[-1], "w") as f:
+                f.write("job = %s\nworld = 2\nnodes = 2\nnode_rank = %d\n"
+                        "rendezvous = %s\nhost = 127.0.0.1\n" % (job, n, rdv))
+
+        def node(n, *more):
+            d = common.own_daemon(devices=1, extra_args=[
+                "--job-spec", specs[n], "--checkpoint-on-exit", ex] + list(more))
+            self.addCleanup(d.cleanup)
+            return d
+
+        d0, d1 = node(0), node(1)
+        self.addCleanup(d0.stop)
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "numpy"])
+        q = ctx.Queue()
+        losses, errors, done, retries, params, whys = {}, [], set(), {}, [None], []
+
+        def launch(rank, socks, **kw):
+            p = ctx.Process(target=elastic, args=(rank, socks, job, q), kwargs=kw)
+            p.start()
+            return p
+
+        def poll(until, timeout=90):
+            deadline = time.monotonic() + timeout
+            while not until():
+                self.assertLess(time.monotonic(), deadline, "timed out: %s" % errors)
+                try:
+                    msg = q.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                if msg[0] == "loss":
+                    losses.setdefault(msg[2], {})[msg[1]] = msg[3]
+                elif msg[0] == "params":
+                    params[0] = msg[1]
+                elif msg[0] == "retries":
+                    retries[msg[1]] = msg[2]
+                elif msg[0] == "done":
+                    done.add(msg[1])
+                elif msg[0] == "error":
+                    errors.append(msg[1:])
+                elif msg[0] == "why":
+                    whys.append(msg[1:])
+
+        p0 = launch(0, [d0.socket, d1.socket])
+        p1 = launch(1, [d0.socket, d1.socket], pause_after=2)
+        poll(lambda: 1 in losses.get(2, {}) or errors)
+        self.assertEqual(errors, [])
+        t0 = time.monotonic()
+        self.assertEqual(d1.stop(), 0)  # SIGTERM: its exit part is written
+        self.assertTrue(os.path.exists(os.path.join(ex, job, "node-1", "manifest")))
+        poll(lambda: any(e[0] == 1 for e in errors))  # rank 1 lost its daemon
+        p1.join(10)
+        errors.clear()
+        d1b = node(1, "--restore", ex)
+        self.addCleanup(d1b.stop)
+        back = time.monotonic()
+        p1 = launch(1, [d0.socket, d1b.socket])
+        poll(lambda: len(done) + len(errors) >= 2)
+        ended = time.monotonic()
+        for p in (p0, p1):
+            p.join(10)
+        self.assertEqual(errors, [])
+        self.assertGreater(retries.get(0, 0), 0)
+        # the survivor's ranks retried because node 1 went, not for a
+        # re-forming gone wrong (a timeout)
+        for rank, step, _, why in whys:
+            self.assertEqual((rank, step), (0, 3), why)
+            self.assertIn("E_PEER_LOST", why)
+            self.assertNotIn("Timed out", why)
+        mean = {s: sum(v.values()) / 2 for s, v in losses.items() if len(v) == 2}
+        self.assertEqual(sorted(mean), list(range(STEPS)))
+        self.assert_same_run(mean, params[0], ref)
+        print("\n  2 nodes x 1 rank: node 1's daemon restarted after step 2 (%.2f s "
+              "down), rank 0 retried %d time(s), the run ended %.2f s after: steps "
+              "0..%d bit-identical" % (back - t0, retries[0], ended - back, STEPS - 1))
+
 
     def test_operator_checkpoint_while_training_then_release_and_restore(self):
         """shardctl checkpoint (Client.checkpoint with a timeout) of the job
