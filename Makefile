@@ -191,6 +191,7 @@ test: deps
 check: deps
 	@$(MAKE) --no-print-directory BUILD=build/check SAN=1 OPT="-O1 -g" tests
 	@BUILD=build/check ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+	  LSAN_OPTIONS=suppressions=$(CURDIR)/tests/lsan.supp \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  sh scripts/run_tests.sh $(TEST_BIN:$(BUILD)/%=build/check/%)
 
