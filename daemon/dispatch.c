@@ -497,22 +497,12 @@ static void batch_err_add(batch_errs *b, size_t i, shardd_err rc,
   }
 }
 
-/* The refusal: the first entry's code, every listed entry named. */
-static void batch_refuse(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                         size_t n, batch_errs *b, const char *what) {
-  char head[128];
-  int reg = strcmp(what, "views") == 0 || strcmp(what, "buffers") == 0;
-  if (strncmp(what, "bucket", 6) == 0)
-    /* what: "bucket gathers" or "bucket scatters" */
-    snprintf(head, sizeof head, "%zu of the %zu entries of a %s refused, "
-             "none submitted: ", b->total, n, what);
-  else if (b->base)
-    snprintf(head, sizeof head, "%zu of the %zu %s from entry %" PRIu32
-             " refused, none of them %s: ", b->total, n, what, b->base,
-             reg ? "registered" : "unregistered");
-  else
-    snprintf(head, sizeof head, "%zu of %zu %s refused, none %s: ", b->total,
-             n, what, reg ? "registered" : "unregistered");
+/* The reply of a batch some of whose entries were refused or failed: the
+ * first entry's code, head then every listed entry named, and the entries
+ * in the reply body that what names ("views", "buffers", "bucket ..."). */
+static void batch_send(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                       const batch_errs *b, const char *head,
+                       const char *what) {
   size_t hl = strlen(head);
   char *m = malloc(hl + b->len + 96);
   if (m) {
@@ -554,6 +544,25 @@ static void batch_refuse(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   }
   send_resp(d, c, &resp, -1);
   free(m);
+}
+
+/* The refusal: the first entry's code, every listed entry named. */
+static void batch_refuse(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                         size_t n, batch_errs *b, const char *what) {
+  char head[128];
+  int reg = strcmp(what, "views") == 0 || strcmp(what, "buffers") == 0;
+  if (strncmp(what, "bucket", 6) == 0)
+    /* what: "bucket gathers" or "bucket scatters" */
+    snprintf(head, sizeof head, "%zu of the %zu entries of a %s refused, "
+             "none submitted: ", b->total, n, what);
+  else if (b->base)
+    snprintf(head, sizeof head, "%zu of the %zu %s from entry %" PRIu32
+             " refused, none of them %s: ", b->total, n, what, b->base,
+             reg ? "registered" : "unregistered");
+  else
+    snprintf(head, sizeof head, "%zu of %zu %s refused, none %s: ", b->total,
+             n, what, reg ? "registered" : "unregistered");
+  batch_send(d, c, seq, b, head, what);
 }
 
 static shardd_err batch_errs_init(batch_errs *b, size_t n, uint32_t base) {
@@ -2158,33 +2167,10 @@ static void bucket_answer(shardd__dispatch *d, bucket_wait *w) {
     bucket_free(w);
     return;
   }
-  batch_errs *b = &w->fails;
   char head[160];
   snprintf(head, sizeof head, "%zu of the %zu entries of a %s failed "
-           "(the others ran): ", b->total, w->n, w->what);
-  size_t hl = strlen(head);
-  char *m = malloc(hl + b->len + 96);
-  if (m) {
-    memcpy(m, head, hl);
-    memcpy(m + hl, b->msg ? b->msg : "", b->len);
-    m[hl + b->len] = '\0';
-    if (b->listed < b->total)
-      snprintf(m + hl + b->len, 96, "%sand %zu more", b->listed ? "; " : "",
-               b->total - b->listed);
-  }
-  Shardwire__Response resp = SHARDWIRE__RESPONSE__INIT;
-  resp.seq = w->seq;
-  resp.code = (Shardwire__StatusCode)b->first;
-  resp.message = m ? m : (char *)shardd_strerror(b->first);
-  Shardwire__BucketReply kb = SHARDWIRE__BUCKET_REPLY__INIT;
-  kb.n_errors = b->n;
-  kb.errors = b->errp;
-  kb.has_errors_total = 1;
-  kb.errors_total = (uint32_t)b->total;
-  resp.body_case = SHARDWIRE__RESPONSE__BODY_BUCKET;
-  resp.bucket = &kb;
-  send_resp(d, w->c, &resp, -1);
-  free(m);
+           "(the others ran): ", w->fails.total, w->n, w->what);
+  batch_send(d, w->c, w->seq, &w->fails, head, "bucket");
   bucket_free(w);
 }
 
