@@ -1325,17 +1325,34 @@ static size_t views_chunk_end(Shardwire__RegisterView *rv, size_t lo, size_t n) 
   return hi;
 }
 
-/* The refused entries' codes from a refusal's reply (indices count from
- * the call's first entry). */
+/* The refused (or, for a bucket, failed) entries' codes from a batch
+ * reply of any kind: views, buffers or bucket (indices count from the
+ * call's first entry; only those of [lo, hi), the request's, are taken). */
 static void batch_errs_fill(const Shardwire__Response *resp, size_t lo,
                             size_t hi, shardd_err *errs) {
-  if (errs == NULL || resp == NULL ||
-      resp->body_case != SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH)
+  if (errs == NULL || resp == NULL)
     return;
-  const Shardwire__ViewsBatchReply *vb = resp->views_batch;
-  for (size_t k = 0; k < vb->n_errors; k++)
-    if (vb->errors[k]->index >= lo && vb->errors[k]->index < hi)
-      errs[vb->errors[k]->index] = (shardd_err)vb->errors[k]->code;
+  size_t n = 0;
+  Shardwire__BatchError **e = NULL;
+  switch (resp->body_case) {
+  case SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH:
+    n = resp->views_batch->n_errors;
+    e = resp->views_batch->errors;
+    break;
+  case SHARDWIRE__RESPONSE__BODY_BUFFERS_BATCH:
+    n = resp->buffers_batch->n_errors;
+    e = resp->buffers_batch->errors;
+    break;
+  case SHARDWIRE__RESPONSE__BODY_BUCKET:
+    n = resp->bucket->n_errors;
+    e = resp->bucket->errors;
+    break;
+  default:
+    return;
+  }
+  for (size_t k = 0; k < n; k++)
+    if (e[k]->index >= lo && e[k]->index < hi)
+      errs[e[k]->index] = (shardd_err)e[k]->code;
 }
 
 /* last_error after a refusal in the request of [lo, hi): the daemon's
@@ -1557,17 +1574,6 @@ done:
 
 /* ---- batches of buffers ----------------------------------------------- */
 
-static void buffers_errs_fill(const Shardwire__Response *resp, size_t lo,
-                              size_t hi, shardd_err *errs) {
-  if (errs == NULL || resp == NULL ||
-      resp->body_case != SHARDWIRE__RESPONSE__BODY_BUFFERS_BATCH)
-    return;
-  const Shardwire__BuffersBatchReply *bb = resp->buffers_batch;
-  for (size_t k = 0; k < bb->n_errors; k++)
-    if (bb->errors[k]->index >= lo && bb->errors[k]->index < hi)
-      errs[bb->errors[k]->index] = (shardd_err)bb->errors[k]->code;
-}
-
 shardd_err shardd_buffers_register(shardd_client_t *c, size_t n,
                                    const shardd_buffer_spec *specs,
                                    shardd_buffer_info *out, shardd_err *errs) {
@@ -1669,7 +1675,7 @@ shardd_err shardd_buffers_register(shardd_client_t *c, size_t n,
         rc = buffer_adopt(c, resp->buffers_batch->buffers[i - lo],
                           nfds ? fds[i - lo] : -1, &out[i]);
     } else {
-      buffers_errs_fill(resp, lo, hi, errs);
+      batch_errs_fill(resp, lo, hi, errs);
       if (errs)
         for (size_t i = hi; i < n; i++)
           errs[i] = SHARDD_E_STATE;
@@ -1753,7 +1759,7 @@ shardd_err shardd_buffers_unregister(shardd_client_t *c, size_t n,
       for (size_t i = lo; i < hi; i++)
         unmap_buffer(c, buffers[i]);
     } else {
-      buffers_errs_fill(resp, lo, hi, errs);
+      batch_errs_fill(resp, lo, hi, errs);
       if (errs)
         for (size_t i = hi; i < n; i++)
           errs[i] = SHARDD_E_STATE;
@@ -2089,18 +2095,6 @@ shardd_err shardd_scatter_accumulate(shardd_client_t *c, uint64_t buffer,
  * their no_grad lists): a quarter of the frame limit, as for views. */
 #define BUCKET_REQ_BYTES (SHARDD_MAX_FRAME / 4)
 
-/* The refused or failed entries' codes from a bucket's reply. */
-static void bucket_errs_fill(const Shardwire__Response *resp, size_t lo,
-                             size_t hi, shardd_err *errs) {
-  if (errs == NULL || resp == NULL ||
-      resp->body_case != SHARDWIRE__RESPONSE__BODY_BUCKET)
-    return;
-  const Shardwire__BucketReply *kb = resp->bucket;
-  for (size_t k = 0; k < kb->n_errors; k++)
-    if (kb->errors[k]->index >= lo && kb->errors[k]->index < hi)
-      errs[kb->errors[k]->index] = (shardd_err)kb->errors[k]->code;
-}
-
 /* One bucket call: gathers (sc NULL) or scatters (sc[i] each entry's). */
 static shardd_err bucket_call(shardd_client_t *c, size_t n,
                               const uint64_t *buffers,
@@ -2172,7 +2166,7 @@ static shardd_err bucket_call(shardd_client_t *c, size_t n,
       rc = set_err(c, SHARDD_E_PROTOCOL, "the daemon answered with body %d to "
                    "a bucket", (int)resp->body_case);
     if (rc != SHARDD_OK) {
-      bucket_errs_fill(resp, lo, hi, errs);
+      batch_errs_fill(resp, lo, hi, errs);
       if (errs)
         for (size_t i = hi; i < n; i++)
           errs[i] = SHARDD_E_STATE;
