@@ -1,7 +1,10 @@
 """Shared fixtures of the Python tests: paths, one daemon for the run, job names."""
 import itertools
+import multiprocessing as mp
 import os
+import queue
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -73,3 +76,46 @@ def stop_daemon():
 
 def job(tag):
     return "pytest-%d-%s-%d" % (os.getpid(), tag, next(_jobs))
+
+
+def launch_ranks(target, args_of, world, on_msg, timeout=120):
+    """Runs target(*args_of(rank, q)) for every rank as a forkserver process
+    (torch and numpy preloaded) and hands each message the ranks put on q
+    to on_msg, until every rank has sent ("done", rank). A rank's
+    ("error", rank, text), a rank exiting non-zero or the timeout raises
+    RuntimeError, after the ranks still running are terminated."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "numpy"])
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, name="rank%d" % r, args=args_of(r, q))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    done, error = set(), None
+    deadline = time.monotonic() + timeout
+    try:
+        while len(done) < world and error is None:
+            try:
+                msg = q.get(timeout=0.5)
+            except queue.Empty:
+                for p in procs:
+                    if p.exitcode not in (None, 0):
+                        error = "%s exited with %s" % (p.name, p.exitcode)
+                if time.monotonic() > deadline:
+                    error = "timed out after %.0fs" % timeout
+                continue
+            if msg[0] == "done":
+                done.add(msg[1])
+            elif msg[0] == "error":
+                error = "rank %d failed: %s" % (msg[1], msg[2])
+            else:
+                on_msg(msg)
+    finally:
+        if error is not None:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+        for p in procs:
+            p.join(10)
+    if error is not None:
+        raise RuntimeError(error)

@@ -5,9 +5,6 @@ job on the host backend, each with its slice of the global batch and mean
 reduction, against one process of plain torch.optim.AdamW on the full
 batch; and the daemon's peak bytes against FSDP's bound 16*P + 16*U*W."""
 import contextlib
-import multiprocessing as mp
-import queue
-import time
 import unittest
 
 import common
@@ -185,57 +182,28 @@ def run(sock, name, world, auto_wrap="children", transient=True, timeout=120,
     """-> dict(losses (mean over ranks per step), peaks, allocs, used, params,
     units). accum: backwards per step (transient). extra: bucket_bytes (the
     module's), set_to_none (the resident loop's zero_grad)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "numpy"])
-    q = ctx.Queue()
     job = common.job("fsdp")
-    procs = [ctx.Process(target=rank_main, name="rank%d" % r,
-                         args=(r, world, sock, job, name, auto_wrap, transient, q,
-                               steps, accum, extra))
-             for r in range(world)]
-    for p in procs:
-        p.start()
     seen = {}
     out = {k: [None] * steps for k in ("losses", "peaks", "allocs", "used")}
-    done, error = set(), None
-    deadline = time.monotonic() + timeout
-    try:
-        while len(done) < world and error is None:
-            try:
-                msg = q.get(timeout=0.5)
-            except queue.Empty:
-                for p in procs:
-                    if p.exitcode not in (None, 0):
-                        error = "%s exited with %s" % (p.name, p.exitcode)
-                if time.monotonic() > deadline:
-                    error = "timed out after %.0fs" % timeout
-                continue
-            if msg[0] == "loss":
-                _, r, s, loss, peak, used, allocs = msg
-                seen.setdefault(s, {})[r] = (loss, peak, used, allocs)
-                if len(seen[s]) == world:
-                    got = seen.pop(s)
-                    out["losses"][s] = sum(v[0] for v in got.values()) / world
-                    # the last rank to ask saw every rank's step s
-                    out["peaks"][s] = max(v[1] for v in got.values())
-                    out["allocs"][s] = max(v[3] for v in got.values())
-                    out["used"][s] = got
-            elif msg[0] == "params":
-                out["params"], out["units"], out["shapes"] = msg[2], msg[3], msg[4]
-                out["prefetches"] = msg[5]
-            elif msg[0] == "done":
-                done.add(msg[1])
-            elif msg[0] == "error":
-                error = "rank %d failed: %s" % (msg[1], msg[2])
-    finally:
-        if error is not None:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-        for p in procs:
-            p.join(10)
-    if error is not None:
-        raise RuntimeError(error)
+
+    def on_msg(msg):
+        if msg[0] == "loss":
+            _, r, s, loss, peak, used, allocs = msg
+            seen.setdefault(s, {})[r] = (loss, peak, used, allocs)
+            if len(seen[s]) == world:
+                got = seen.pop(s)
+                out["losses"][s] = sum(v[0] for v in got.values()) / world
+                # the last rank to ask saw every rank's step s
+                out["peaks"][s] = max(v[1] for v in got.values())
+                out["allocs"][s] = max(v[3] for v in got.values())
+                out["used"][s] = got
+        elif msg[0] == "params":
+            out["params"], out["units"], out["shapes"] = msg[2], msg[3], msg[4]
+            out["prefetches"] = msg[5]
+
+    common.launch_ranks(rank_main, lambda r, q: (r, world, sock, job, name, auto_wrap,
+                                                 transient, q, steps, accum, extra),
+                        world, on_msg, timeout)
     return out
 
 

@@ -6,9 +6,6 @@ each rank on its slice of the batch. Losses, clipped norms and the final
 parameters must agree (fp32, rel <= 1e-5 on losses and norms)."""
 import io
 import math
-import multiprocessing as mp
-import queue
-import time
 import unittest
 
 import common
@@ -170,50 +167,22 @@ def rank_main(rank, world, sock, job, recipe, transient, q):
 
 
 def run(recipe, world, transient, timeout=120):
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "numpy"])
-    q = ctx.Queue()
     job = common.job("optim")
-    procs = [ctx.Process(target=rank_main, args=(r, world, common.socket(), job, recipe,
-                                                 transient, q))
-             for r in range(world)]
-    for p in procs:
-        p.start()
     out = {"losses": [0.0] * STEPS, "norms": {}, "lrs": {}, "steps": {}}
-    done, error = set(), None
-    deadline = time.monotonic() + timeout
-    try:
-        while len(done) < world and error is None:
-            try:
-                msg = q.get(timeout=0.5)
-            except queue.Empty:
-                for p in procs:
-                    if p.exitcode not in (None, 0):
-                        error = "%s exited with %s" % (p.name, p.exitcode)
-                if time.monotonic() > deadline:
-                    error = "timed out after %.0fs" % timeout
-                continue
-            if msg[0] == "step":
-                _, r, s, loss, norm, lrs, n = msg
-                out["losses"][s] += loss / world
-                out["norms"].setdefault(s, set()).add(norm)
-                out["lrs"].setdefault(s, []).append(lrs)
-                out["steps"].setdefault(s, set()).add(n)
-            elif msg[0] == "params":
-                out["params"] = msg[1]
-            elif msg[0] == "done":
-                done.add(msg[1])
-            else:
-                error = "rank %d failed: %s" % (msg[1], msg[2])
-    finally:
-        if error is not None:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-        for p in procs:
-            p.join(10)
-    if error is not None:
-        raise RuntimeError(error)
+
+    def on_msg(msg):
+        if msg[0] == "step":
+            _, r, s, loss, norm, lrs, n = msg
+            out["losses"][s] += loss / world
+            out["norms"].setdefault(s, set()).add(norm)
+            out["lrs"].setdefault(s, []).append(lrs)
+            out["steps"].setdefault(s, set()).add(n)
+        elif msg[0] == "params":
+            out["params"] = msg[1]
+
+    common.launch_ranks(rank_main, lambda r, q: (r, world, common.socket(), job, recipe,
+                                                 transient, q),
+                        world, on_msg, timeout)
     return out
 
 
@@ -277,42 +246,21 @@ def rank_split(rank, world, sock, job, recipe, transient, q, saved):
 
 
 def run_split(recipe, world, transient, saved, timeout=120):
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "numpy"])
-    q = ctx.Queue()
     job = common.job("optim-sd")
-    procs = [ctx.Process(target=rank_split, args=(r, world, common.socket(), job, recipe,
-                                                  transient, q, saved))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    out, losses, done, error, shards = None, {}, set(), None, {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(done) < world and error is None:
-            try:
-                msg = q.get(timeout=0.5)
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    error = "timed out"
-                continue
-            if msg[0] == "step":
-                losses.setdefault(msg[2], []).append(msg[3])
-            elif msg[0] == "saved":
-                out = torch.load(io.BytesIO(msg[1]))
-            elif msg[0] == "shard":
-                shards[msg[1]] = torch.load(io.BytesIO(msg[2]))
-            elif msg[0] == "done":
-                done.add(msg[1])
-            else:
-                error = "rank %d failed: %s" % (msg[1], msg[2])
-    finally:
-        for p in procs:
-            if error is not None and p.is_alive():
-                p.terminate()
-            p.join(10)
-    if error is not None:
-        raise RuntimeError(error)
+    got, losses, shards = {"out": None}, {}, {}
+
+    def on_msg(msg):
+        if msg[0] == "step":
+            losses.setdefault(msg[2], []).append(msg[3])
+        elif msg[0] == "saved":
+            got["out"] = torch.load(io.BytesIO(msg[1]))
+        elif msg[0] == "shard":
+            shards[msg[1]] = torch.load(io.BytesIO(msg[2]))
+
+    common.launch_ranks(rank_split, lambda r, q: (r, world, common.socket(), job, recipe,
+                                                  transient, q, saved),
+                        world, on_msg, timeout)
+    out = got["out"]
     out["optim_shards"] = [shards[r] for r in range(world)]
     return out, {s: sum(v) / len(v) for s, v in losses.items()}
 
@@ -618,42 +566,15 @@ def ulp_rank(rank, world, sock, jobs, q):
 
 
 def ulp_run(world, timeout=120):
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "numpy"])
-    q = ctx.Queue()
     jobs = [(name, common.job("ulp")) for name in ULP_CONFIGS]
-    procs = [ctx.Process(target=ulp_rank, args=(r, world, common.socket(), jobs, q))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    out, done, error = {}, set(), None
-    deadline = time.monotonic() + timeout
-    try:
-        while len(done) < world and error is None:
-            try:
-                msg = q.get(timeout=0.5)
-            except queue.Empty:
-                for p in procs:
-                    if p.exitcode not in (None, 0):
-                        error = "%s exited with %s" % (p.name, p.exitcode)
-                if time.monotonic() > deadline:
-                    error = "timed out after %.0fs" % timeout
-                continue
-            if msg[0] == "params":
-                out[msg[1]] = (msg[2], msg[3])
-            elif msg[0] == "done":
-                done.add(msg[1])
-            else:
-                error = "rank %d failed: %s" % (msg[1], msg[2])
-    finally:
-        if error is not None:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-        for p in procs:
-            p.join(10)
-    if error is not None:
-        raise RuntimeError(error)
+    out = {}
+
+    def on_msg(msg):
+        if msg[0] == "params":
+            out[msg[1]] = (msg[2], msg[3])
+
+    common.launch_ranks(ulp_rank, lambda r, q: (r, world, common.socket(), jobs, q),
+                        world, on_msg, timeout)
     return out
 
 
