@@ -610,14 +610,8 @@ static shardd_err reduce_values(coll *c) {
     double acc = 0;
     for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++) {
       double v = c->waiters[r].vals[i];
-      if (r == job->local_first)
-        acc = v;
-      else if (c->args.op == SHARDD_REDUCE_MAX)
-        acc = (v > acc || isnan(v)) && !isnan(acc) ? v : acc;
-      else if (c->args.op == SHARDD_REDUCE_MIN)
-        acc = (v < acc || isnan(v)) && !isnan(acc) ? v : acc;
-      else
-        acc += v;
+      acc = r == job->local_first ? v
+                                  : shardd__coll_combine((int)c->args.op, acc, v);
     }
     if (c->args.op == SHARDD_REDUCE_MEAN)
       acc /= (double)job->world;

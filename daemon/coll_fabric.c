@@ -695,17 +695,6 @@ static int fab_check(const coll *c, const fab_hdr *h, uint32_t nodes,
   return 0;
 }
 
-/* acc (op) v, element-wise as the local reduction does (coll.c): a NaN
- * anywhere stays NaN. Ops outside the wire's (the daemon's own, such as a
- * checkpoint's) add. */
-static double fab_combine(uint32_t op, double acc, double v) {
-  if (op == SHARDD_REDUCE_MAX)
-    return (v > acc || isnan(v)) && !isnan(acc) ? v : acc;
-  if (op == SHARDD_REDUCE_MIN)
-    return (v < acc || isnan(v)) && !isnan(acc) ? v : acc;
-  return acc + v;
-}
-
 /* An all_reduce across nodes: each node's local reduction (c->reduced;
  * a mean is already divided by the whole world) is allgathered and
  * combined in node order, so every node gets the same bits. A barrier
@@ -727,7 +716,7 @@ static shardd_err fab_all_reduce(coll *c, shardd__fabric *f, char *msg,
     for (size_t i = 0; i < n; i++) {
       double acc = all[i];
       for (uint32_t k = 1; k < job->nodes; k++)
-        acc = fab_combine((uint32_t)c->args.op, acc, all[(size_t)k * n + i]);
+        acc = shardd__coll_combine((int)c->args.op, acc, all[(size_t)k * n + i]);
       c->reduced[i] = acc;
     }
   free(all);

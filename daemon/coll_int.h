@@ -5,6 +5,7 @@
 #ifndef SHARDD_COLL_INT_H
 #define SHARDD_COLL_INT_H
 
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 
@@ -165,6 +166,18 @@ struct coll {
 };
 
 static inline int shardd__coll_multi(const coll *c) { return c->job->nodes > 1; }
+
+/* acc (op) v for the scalar all_reduce, over local ranks (coll.c) and then
+ * nodes (coll_fabric.c) alike: a NaN anywhere stays NaN, as in
+ * torch.distributed. Sum, mean (divided by the caller) and any op outside
+ * the wire's (the daemon's own, such as a checkpoint's) add. */
+static inline double shardd__coll_combine(int op, double acc, double v) {
+  if (op == SHARDD_REDUCE_MAX)
+    return (v > acc || isnan(v)) && !isnan(acc) ? v : acc;
+  if (op == SHARDD_REDUCE_MIN)
+    return (v < acc || isnan(v)) && !isnan(acc) ? v : acc;
+  return acc + v;
+}
 
 const char *shardd__coll_target_word(shardd__coll_kind k);
 
