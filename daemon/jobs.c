@@ -607,11 +607,6 @@ static void restore_after(uv_work_t *req, int status) {
   free(k);
 }
 
-/* Prepares the restore of dir: an ordinary checkpoint, or this node's
- * part of a multi-node job's (which needs the job's --job-spec here, with
- * the recorded nodes and world: the spec says which node this daemon is).
- * *sp: the spec for a multi-node one (its fabric state is made once the
- * restore succeeded), NULL otherwise. */
 /* dir without a manifest of its own: this node's exit part of a live
  * multi-node job (dir/node-N, --checkpoint-on-exit), for the spec whose
  * job and node it is. *found 0: no spec has a part there (the caller goes
@@ -651,6 +646,12 @@ static shardd_err restore_prepare_exit(shardd__jobs *j, const char *dir,
   return SHARDD_OK;
 }
 
+/* Prepares the restore of dir: an ordinary checkpoint, this node's exit
+ * part, or this node's part of a multi-node job's collective checkpoint
+ * (which needs the job's --job-spec here, with the recorded nodes and
+ * world: the spec says which node this daemon is).
+ * *sp: the spec for a multi-node one (its fabric state is made once the
+ * restore succeeded), NULL otherwise. */
 static shardd_err restore_prepare(shardd__jobs *j, const char *dir,
                                   int64_t as_uid, uint32_t world,
                                   shardd__ckrestore **out,
