@@ -242,7 +242,10 @@ struct shardd_client {
   char *err_long; /* NULL unless the last error is longer than err */
   char version[64];
   char backend[32];
-  mapping *maps;
+  /* the buffers' mappings, chained by buffer id: a model registers 10^4
+   * buffers and every gather looks its own up, so no list walk */
+  mapping **maps;
+  size_t maps_cap, maps_n; /* cap a power of 2 (or 0), n <= cap */
   pool_map *pools; /* newest first */
   async_op *async; /* oldest first */
   uint32_t max_async;
@@ -823,13 +826,58 @@ fail:
   return rc;
 }
 
+static size_t maps_slot(const shardd_client_t *c, uint64_t id) {
+  /* Fibonacci hashing: ids are consecutive, the multiply spreads them */
+  return (size_t)((id * UINT64_C(0x9E3779B97F4A7C15)) >> 32) & (c->maps_cap - 1);
+}
+
+/* Links m into c's table; fails (E_NO_MEMORY) only when growing it does. */
+static shardd_err maps_put(shardd_client_t *c, mapping *m) {
+  if (c->maps_n >= c->maps_cap) {
+    size_t ncap = c->maps_cap ? c->maps_cap * 2 : 64;
+    mapping **nt = calloc(ncap, sizeof *nt);
+    if (nt == NULL)
+      return SHARDD_E_NO_MEMORY;
+    size_t ocap = c->maps_cap;
+    mapping **ot = c->maps;
+    c->maps = nt;
+    c->maps_cap = ncap;
+    for (size_t i = 0; i < ocap; i++)
+      while (ot[i]) {
+        mapping *x = ot[i];
+        ot[i] = x->next;
+        size_t k = maps_slot(c, x->buffer);
+        x->next = nt[k];
+        nt[k] = x;
+      }
+    free(ot);
+  }
+  size_t k = maps_slot(c, m->buffer);
+  m->next = c->maps[k];
+  c->maps[k] = m;
+  c->maps_n++;
+  return SHARDD_OK;
+}
+
+static mapping *maps_get(const shardd_client_t *c, uint64_t id) {
+  if (c->maps_cap == 0)
+    return NULL;
+  for (mapping *m = c->maps[maps_slot(c, id)]; m; m = m->next)
+    if (m->buffer == id)
+      return m;
+  return NULL;
+}
+
 static void unmap_buffer(shardd_client_t *c, uint64_t id) {
-  for (mapping **pp = &c->maps; *pp;) {
+  if (c->maps_cap == 0)
+    return;
+  for (mapping **pp = &c->maps[maps_slot(c, id)]; *pp;) {
     mapping *m = *pp;
     if (m->buffer == id) {
       *pp = m->next;
       unmap(m);
       free(m);
+      c->maps_n--;
     } else {
       pp = &m->next;
     }
@@ -845,12 +893,14 @@ void shardd_close(shardd_client_t *c) {
     free(a->msg);
     free(a);
   }
-  while (c->maps) {
-    mapping *m = c->maps;
-    c->maps = m->next;
-    unmap(m);
-    free(m);
-  }
+  for (size_t i = 0; i < c->maps_cap; i++)
+    while (c->maps[i]) {
+      mapping *m = c->maps[i];
+      c->maps[i] = m->next;
+      unmap(m);
+      free(m);
+    }
+  free(c->maps);
   while (c->pools) {
     pool_map *p = c->pools;
     c->pools = p->next;
@@ -1053,9 +1103,9 @@ static shardd_err buffer_adopt(shardd_client_t *c,
   /* Registering again on one connection hands back the same mapping, so
    * pointers from the first call stay valid as the header promises. */
   void *base = NULL;
-  for (mapping *m = c->maps; m; m = m->next)
-    if (m->buffer == br->id && m->len == br->block_bytes && m->device == device)
-      base = m->base;
+  const mapping *had = maps_get(c, br->id);
+  if (had && had->len == br->block_bytes && had->device == device)
+    base = had->base;
   if (base == NULL) {
     mapping *m = malloc(sizeof *m);
     if (m == NULL) {
@@ -1127,8 +1177,11 @@ static shardd_err buffer_adopt(shardd_client_t *c,
     m->grad_off = br->grad_offset;
     m->padded_numel = br->padded_numel;
     m->esz = esz;
-    m->next = c->maps;
-    c->maps = m;
+    if (maps_put(c, m) != SHARDD_OK) {
+      unmap(m);
+      free(m);
+      return set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
+    }
   }
   out->id = br->id;
   out->dtype = (shardd_dtype)br->dtype;
@@ -1903,13 +1956,6 @@ shardd_err shardd_gather_checked(shardd_client_t *c, uint64_t buffer,
   return call_status_only(c, &req);
 }
 
-static const mapping *find_block(const shardd_client_t *c, uint64_t buffer) {
-  for (const mapping *m = c->maps; m; m = m->next)
-    if (m->buffer == buffer)
-      return m;
-  return NULL;
-}
-
 /* Fills *out with buffer's areas after a gather whose reply was gr (NULL:
  * a status-only reply, a job with resident areas). The offsets are checked
  * against the pool before any pointer is made of them: the caller writes
@@ -1917,7 +1963,7 @@ static const mapping *find_block(const shardd_client_t *c, uint64_t buffer) {
 static shardd_err area_fill(shardd_client_t *c, uint64_t buffer,
                             const Shardwire__GatherReply *gr, int want_grad,
                             shardd_area *out) {
-  const mapping *m = find_block(c, buffer);
+  const mapping *m = maps_get(c, buffer);
   if (gr == NULL) {
     if (m == NULL)
       return set_err(c, SHARDD_E_STATE,
