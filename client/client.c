@@ -242,6 +242,7 @@ struct shardd_client {
   char *err_long; /* NULL unless the last error is longer than err */
   char version[64];
   char backend[32];
+  uint32_t bucket_max; /* entries per bucket request: the daemon's --max-pending, at most 64 */
   /* the buffers' mappings, chained by buffer id: a model registers 10^4
    * buffers and every gather looks its own up, so no list walk */
   mapping **maps;
@@ -810,6 +811,10 @@ shardd_err shardd_connect(const char *socket_path,
                       : 2;
   snprintf(c->version, sizeof c->version, "%s", resp->hello->daemon_version);
   snprintf(c->backend, sizeof c->backend, "%s", resp->hello->backend);
+  c->bucket_max = SHARDD_BUCKET_PER_REQUEST;
+  if (resp->hello->has_max_pending && resp->hello->max_pending > 0 &&
+      resp->hello->max_pending < c->bucket_max)
+    c->bucket_max = resp->hello->max_pending;
   shardwire__response__free_unpacked(resp, NULL);
   clear_err(c);
   *out = c;
@@ -2173,11 +2178,12 @@ static shardd_err bucket_call(shardd_client_t *c, size_t n,
   }
   shardd_err rc = SHARDD_OK;
   for (size_t lo = 0; lo < n && rc == SHARDD_OK;) {
-    /* [lo, hi): at most SHARDD_BUCKET_PER_REQUEST entries and
-     * BUCKET_REQ_BYTES packed (at least one); every rank cuts the same
-     * list the same way */
+    /* [lo, hi): at most SHARDD_BUCKET_PER_REQUEST entries (fewer under
+     * a daemon's smaller --max-pending, which every rank of the node
+     * shares) and BUCKET_REQ_BYTES packed (at least one); every rank cuts
+     * the same list the same way */
     size_t hi = lo, bytes = 0;
-    while (hi < n && hi - lo < SHARDD_BUCKET_PER_REQUEST) {
+    while (hi < n && hi - lo < c->bucket_max) {
       size_t b = (sc ? shardwire__scatter__get_packed_size(&sc[hi])
                      : shardwire__gather__get_packed_size(&g[hi])) + 8;
       if (hi > lo && bytes + b > BUCKET_REQ_BYTES)

@@ -536,14 +536,15 @@ shardd_err shardd_scatter_ex(shardd_client_t *c, uint64_t buffer,
 /* Bucketed collectives (issue 17): several small gathers or scatters in
  * one request, so a model's small tensors (norms, biases) cost one round
  * trip per bucket instead of one each, as DDP's buckets and ZeRO's
- * reduce_bucket_size do. Entries per request: the daemon's limit (its
- * --max-pending default); a longer list goes as several requests, one
+ * reduce_bucket_size do. Entries per request: at most 64 (the daemon's
+ * --max-pending default), fewer when the daemon says at connect that its
+ * --max-pending is smaller; a longer list goes as several requests, one
  * after the other. */
 #define SHARDD_BUCKET_PER_REQUEST 64
 
 /* All-gathers n buffers (resident areas: each lands in its block's gather
  * area, as shardd_gather would put it), one request per up to
- * SHARDD_BUCKET_PER_REQUEST of them; returns when all have completed.
+ * SHARDD_BUCKET_PER_REQUEST of them (or the daemon's --max-pending); returns when all have completed.
  * Every rank must pass the same buffers in the same order: a rank whose
  * bucket differs fails the buckets involved at once with
  * SHARDD_E_MISMATCH, on every rank. Each request is all or nothing up

@@ -41,6 +41,8 @@ static void usage(FILE *f) {
           "  --max-views-per-uid N     views one user (not root) may hold (default a\n"
           "                            quarter of --max-views)\n"
           "  --max-inflight-gathers N  gathers one rank may have queued (default 16)\n"
+          "  --max-pending N           collectives one rank may have queued, bucket\n"
+          "                            entries included (default 64)\n"
           "  --checkpoint-root DIR     clients may checkpoint/restore only below DIR\n"
           "                            (root) or DIR/UID (any other uid; made for it)\n"
           "  --checkpoint-on-exit DIR  on SIGTERM/SIGINT, checkpoint every job to DIR/JOB\n"
@@ -132,7 +134,7 @@ static int parse_level(const char *s) {
 enum {
   O_SOCKET = 256, O_BACKEND, O_DEVICES, O_DEVMEM, O_TIMEOUT, O_LINGER,
   O_MAXCLIENTS, O_LOGLEVEL, O_FOREGROUND, O_VERSION, O_HELP,
-  O_CKPT_EXIT, O_RESTORE, O_JOBMEM, O_UIDMEM, O_ADMIN, O_CKPT_ROOT, O_JOBSPEC, O_MAXGATHERS, O_MAXJOBS,
+  O_CKPT_EXIT, O_RESTORE, O_JOBMEM, O_UIDMEM, O_ADMIN, O_CKPT_ROOT, O_JOBSPEC, O_MAXGATHERS, O_MAXPENDING, O_MAXJOBS,
   O_HELLO_TO, O_FRAME_TO, O_MAXCLI_UID, O_MAXJOBS_UID, O_MAXPARTIAL,
   O_MAXVIEWS, O_MAXVIEWS_UID, O_PEER_GRACE
 };
@@ -156,6 +158,7 @@ static const struct option longopts[] = {
     {"checkpoint-root", required_argument, NULL, O_CKPT_ROOT},
     {"job-spec", required_argument, NULL, O_JOBSPEC},
     {"max-inflight-gathers", required_argument, NULL, O_MAXGATHERS},
+    {"max-pending", required_argument, NULL, O_MAXPENDING},
     {"max-jobs", required_argument, NULL, O_MAXJOBS},
     {"hello-timeout", required_argument, NULL, O_HELLO_TO},
     {"frame-timeout", required_argument, NULL, O_FRAME_TO},
@@ -271,6 +274,8 @@ static int server_option(int c, const char *arg, shardd__server_opts *o) {
     return set_count("max-views-per-uid", arg, 1L << 30, &o->max_views_per_uid);
   case O_MAXGATHERS:
     return set_count("max-inflight-gathers", arg, 1024, &o->max_inflight_gathers);
+  case O_MAXPENDING:
+    return set_count("max-pending", arg, 4096, &o->max_pending);
   case O_LOGLEVEL:
     if ((o->log_level = parse_level(arg)) < 0) {
       fprintf(stderr, "shardd: --log-level %s: error|warn|info|debug\n", arg);

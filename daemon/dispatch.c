@@ -206,6 +206,8 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   hr.session_id = c->id;
   hr.backend = (char *)d->backend->name;
   hr.devices = (uint32_t)d->backend->ndevices;
+  hr.has_max_pending = 1;
+  hr.max_pending = d->opts.max_pending;
   resp.hello = &hr;
   send_resp(d, c, &resp, -1);
 }

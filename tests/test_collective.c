@@ -2189,6 +2189,51 @@ Test(collective, bucket_gathers_and_scatters_many_buffers, .init = start4,
   team_close(&t);
 }
 
+static void start4_pending8(void) {
+  const char *args[] = {"--devices", "4", "--max-pending", "8", NULL};
+  test_daemon_start(&d, args);
+}
+
+/* A daemon whose --max-pending is under a bucket's 64 entries says so at
+ * connect, and libshardd cuts its buckets to fit: before, every full
+ * bucket was refused E_LIMIT. */
+Test(collective, buckets_fit_a_smaller_max_pending, .init = start4_pending8,
+     .fini = stop_daemon, .timeout = 60) {
+  enum { N = 20 };
+  team t;
+  team_open(&t, "bucketpend", 2);
+  static shardd_buffer_info b[N][MAXW];
+  uint64_t ids[N];
+  for (int i = 0; i < N; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "q%d", i);
+    team_buffer(&t, name, SHARDD_DTYPE_FP32, 33 + (uint64_t)i, b[i]);
+    ids[i] = b[i][0].id;
+    fill_shards(b[i], 2, 300u + (uint32_t)i);
+    fill_grads(b[i], 2, 400u + (uint32_t)i);
+  }
+  bucket_call k[MAXW];
+  for (int scatter = 0; scatter < 2; scatter++) {
+    memset(k, 0, sizeof k);
+    for (int r = 0; r < 2; r++) {
+      k[r].c = t.c[r];
+      k[r].ids = ids;
+      k[r].n = N;
+      k[r].scatter = scatter;
+      k[r].op = SHARDD_REDUCE_SUM;
+    }
+    run_buckets(k, 2);
+    for (int r = 0; r < 2; r++)
+      cr_assert_eq(k[r].rc, SHARDD_OK, "rank %d: %s", r, k[r].msg);
+  }
+  for (int i = 0; i < N; i++) {
+    check_gathered(b[i], 2);
+    check_reduced(b[i], 2, 400u + (uint32_t)i, SHARDD_REDUCE_SUM);
+  }
+  cr_assert_eq(job_inflight("bucketpend"), 0);
+  team_close(&t);
+}
+
 /* All or nothing: every bad entry is named, and none of the good ones was
  * submitted (rank 1 never calls: a submitted gather would wait for it). */
 Test(collective, bucket_refusal_names_every_bad_entry_and_runs_none,
