@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "log.h"
 #include "validate.h"
@@ -58,6 +59,11 @@ shardd_err shardd__coll_engine_create(const shardd__coll_config *cfg,
     return SHARDD_E_NO_MEMORY;
   e->cfg = *cfg;
   e->be = cfg->reg->backend;
+  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  const char *tp = getenv("UV_THREADPOOL_SIZE");
+  long pool = tp ? strtol(tp, NULL, 10) : 0;
+  e->cpus = (size_t)(cpus < 1 ? 1 : cpus);
+  e->workers = (size_t)(pool >= 1 ? pool : 4); /* libuv's default: 4 */
   shardd__map_init(&e->jobs);
   return SHARDD_OK;
 }
@@ -538,7 +544,9 @@ static void after_phase(coll *c) {
 void shardd__coll_task_done(uv_work_t *req, int status) {
   task *t = req->data;
   coll *c = t->c;
-  if (status != 0 && t->rc == SHARDD_OK)
+  /* a claiming turn the loop cancelled found every task claimed (run_claimed) */
+  if (status != 0 && !(c->claiming && status == UV_ECANCELED) &&
+      t->rc == SHARDD_OK)
     t->rc = SHARDD_E_INTERNAL;
   if (--c->left == 0)
     after_phase(c);
@@ -702,29 +710,91 @@ static void start_phase(coll *c) {
   run_phase(c);
 }
 
-/* ---- batches of small collectives ------------------------------------- */
+/* ---- running the tasks ------------------------------------------------ */
 
-/* Pool turns one batch is split over: the copies of a bucket still use
- * several workers, without one turn per collective. */
+/* Bytes a collective may move and still run as one pool task: below it
+ * the per-task cost (a pool wake-up and a loop wake-up each) outweighs
+ * spreading the copies over the workers. */
+#define SMALL_COLL_BYTES ((uint64_t)256 << 10)
+
+/* Bytes up to which the loop thread claims a collective's tasks too, on a
+ * backend whose memory it can touch: it is awake when the last rank
+ * arrives, while a pool thread takes a wake-up (tens of microseconds on a
+ * virtual machine, as long as copying a few hundred KiB) to start, and
+ * the loop another to hear it ended. Bounded, as the loop serves every
+ * other session meanwhile: about 0.2 ms of copying. */
+#define LOOP_HELP_BYTES ((uint64_t)4 << 20)
+
+/* The bytes c's gather or scatter moves over all its ranks; 0 otherwise. */
+static uint64_t coll_bytes(const coll *c) {
+  if (c->buf == NULL || shardd__coll_multi(c) || c->bulk ||
+      (c->args.kind != SHARDD__COLL_GATHER && c->args.kind != SHARDD__COLL_SCATTER))
+    return 0;
+  return c->buf->padded_numel * shardd_dtype_size(c->buf->dtype) * c->job->world;
+}
+
+/* Whether c is a single-node gather or scatter of a small buffer (every
+ * rank's side of it together under SMALL_COLL_BYTES). */
+static int small_coll(const coll *c) {
+  uint64_t bytes = coll_bytes(c);
+  return bytes > 0 && bytes <= SMALL_COLL_BYTES;
+}
+
+static int loop_helps(const shardd__coll_engine *e, uint64_t bytes) {
+  return (e->be->caps & SHARDD__BACKEND_CAP_HOST_MAPPED) && bytes > 0 &&
+         bytes <= LOOP_HELP_BYTES;
+}
+
+/* Starts c's tasks as claims: `turns` pool turns (queued on the reqs of
+ * tasks[0..turns)) each run the next unclaimed task until none is left,
+ * and so does the loop thread first when help is set; the turns no pool
+ * thread had started by then are cancelled (their after-work callback
+ * comes on the next loop turn, UV_ECANCELED). Completion stays on a later
+ * loop turn, never inside schedule(). */
+static void run_claimed(coll *c, size_t turns, int help) {
+  c->claiming = 1;
+  atomic_store(&c->claim, 0);
+  c->left = turns;
+  for (size_t i = 0; i < turns; i++)
+    /* fails only without a work callback (UV_EINVAL) */
+    (void)uv_queue_work(c->e->cfg.loop, &c->tasks[i].req, shardd__coll_work,
+                        shardd__coll_task_done);
+  if (!help)
+    return;
+  shardd__coll_claim_run(c);
+  for (size_t i = 0; i < turns; i++)
+    uv_cancel((uv_req_t *)&c->tasks[i].req);
+}
+
+/* A bucket's small collectives, started together (shardd__coll_batch_end):
+ * like one collective's claimed tasks, each turn runs the next unclaimed
+ * collective's tasks until none is left; the collectives complete when
+ * every turn has ended (or was cancelled). */
 #define BATCH_TURNS 4
 
 typedef struct {
-  uv_work_t req;
-  size_t n;
-  coll *colls[]; /* [n], each with its tasks grouped on tasks[0] */
+  uv_work_t turns[BATCH_TURNS];
+  size_t nturns, left, n;
+  atomic_size_t claim;
+  coll *colls[]; /* [n], in start order */
 } coll_batch;
 
-static void batch_work(uv_work_t *req) {
-  coll_batch *b = req->data;
-  for (size_t i = 0; i < b->n; i++)
+static void batch_run(coll_batch *b) {
+  size_t i;
+  while ((i = atomic_fetch_add_explicit(&b->claim, 1, memory_order_relaxed)) < b->n)
     shardd__coll_work(&b->colls[i]->tasks[0].req);
 }
 
+static void batch_work(uv_work_t *req) { batch_run(req->data); }
+
 static void batch_done(uv_work_t *req, int status) {
   coll_batch *b = req->data;
+  (void)status; /* a cancelled turn found every collective claimed */
+  if (--b->left > 0)
+    return;
   /* each completion may free its coll and start others: b is the list */
   for (size_t i = 0; i < b->n; i++)
-    shardd__coll_task_done(&b->colls[i]->tasks[0].req, status);
+    shardd__coll_task_done(&b->colls[i]->tasks[0].req, 0);
   free(b);
 }
 
@@ -733,59 +803,41 @@ void shardd__coll_batch_begin(shardd__coll_engine *e) { e->batching++; }
 void shardd__coll_batch_end(shardd__coll_engine *e) {
   if (e->batching == 0 || --e->batching > 0 || e->batch_head == NULL)
     return;
-  size_t n = e->nbatch, turns = n < BATCH_TURNS ? n : BATCH_TURNS;
+  size_t n = e->nbatch;
   coll *list = e->batch_head;
   e->batch_head = NULL;
   e->nbatch = 0;
-  coll_batch *bs[BATCH_TURNS] = {NULL};
-  for (size_t k = 0; k < turns; k++) {
-    size_t m = n / turns + (k < n % turns);
-    bs[k] = malloc(sizeof *bs[k] + m * sizeof(coll *));
-    if (bs[k]) {
-      bs[k]->req.data = bs[k];
-      bs[k]->n = 0;
-    }
+  coll_batch *b = malloc(sizeof *b + n * sizeof(coll *));
+  if (b == NULL) {
+    /* out of memory: each alone, its tasks grouped on tasks[0] */
+    for (coll *c = list; c; c = c->batch_next)
+      (void)uv_queue_work(e->cfg.loop, &c->tasks[0].req, shardd__coll_work,
+                          shardd__coll_task_done);
+    return;
   }
-  /* in start order (the list is newest first), round robin */
-  coll **order = malloc(n * sizeof *order);
+  /* in start order (the list is newest first) */
+  uint64_t bytes = 0;
   size_t i = n;
-  for (coll *c = list; c; c = c->batch_next)
-    if (order)
-      order[--i] = c;
-  for (size_t j = 0; j < n; j++) {
-    coll *c = order ? order[j] : list;
-    if (!order)
-      list = list->batch_next;
-    coll_batch *b = bs[j % turns];
-    if (b)
-      b->colls[b->n++] = c;
-    else if (uv_queue_work(e->cfg.loop, &c->tasks[0].req, shardd__coll_work,
-                           shardd__coll_task_done) != 0) {
-      shardd__coll_work(&c->tasks[0].req); /* out of memory: alone */
-      shardd__coll_task_done(&c->tasks[0].req, 0);
-    }
+  for (coll *c = list; c; c = c->batch_next) {
+    b->colls[--i] = c;
+    bytes += coll_bytes(c);
   }
-  free(order);
-  for (size_t k = 0; k < turns; k++)
-    if (bs[k] && uv_queue_work(e->cfg.loop, &bs[k]->req, batch_work, batch_done) != 0) {
-      batch_work(&bs[k]->req); /* cannot happen for a valid loop */
-      batch_done(&bs[k]->req, 0);
-    }
-}
-
-/* Bytes a collective may move and still run as one pool task: below it
- * the per-task cost (a pool wake-up and a loop wake-up each) outweighs
- * spreading the copies over the workers. */
-#define SMALL_COLL_BYTES ((uint64_t)256 << 10)
-
-/* Whether c is a single-node gather or scatter of a small buffer (every
- * rank's side of it together under SMALL_COLL_BYTES). */
-static int small_coll(const coll *c) {
-  if (c->buf == NULL || shardd__coll_multi(c) || c->bulk ||
-      (c->args.kind != SHARDD__COLL_GATHER && c->args.kind != SHARDD__COLL_SCATTER))
-    return 0;
-  uint64_t bytes = c->buf->padded_numel * shardd_dtype_size(c->buf->dtype);
-  return bytes * c->job->world <= SMALL_COLL_BYTES;
+  b->n = n;
+  atomic_init(&b->claim, 0);
+  b->nturns = n < BATCH_TURNS ? n : BATCH_TURNS;
+  if (b->nturns > e->cpus)
+    b->nturns = e->cpus;
+  b->left = b->nturns;
+  for (size_t k = 0; k < b->nturns; k++) {
+    b->turns[k].data = b;
+    /* fails only without a work callback (UV_EINVAL) */
+    (void)uv_queue_work(e->cfg.loop, &b->turns[k], batch_work, batch_done);
+  }
+  if (!loop_helps(e, bytes))
+    return;
+  batch_run(b);
+  for (size_t k = 0; k < b->nturns; k++)
+    uv_cancel((uv_req_t *)&b->turns[k]);
 }
 
 /* Plans c's phase and starts its tasks (on the pool, or the exchange on a
@@ -793,6 +845,7 @@ static int small_coll(const coll *c) {
 static void run_phase(coll *c) {
   c->bulk = c->args.kind != SHARDD__COLL_STEP && c->refused == SHARDD_OK &&
             shardd__coll_bulk_ok(c);
+  c->claiming = 0;
   int planned = c->args.kind != SHARDD__COLL_ALL_REDUCE || shardd__coll_multi(c);
   size_t n = planned ? shardd__coll_plan(c, NULL) : 0;
   free(c->tasks);
@@ -823,23 +876,22 @@ static void run_phase(coll *c) {
     c->tasks[i].c = c;
     c->tasks[i].req.data = &c->tasks[i];
   }
-  if (small_coll(c)) {
-    /* one pool turn runs them all: for a small buffer the pool's round
-     * trip per task cost more than the copies (issue 17's buckets of
-     * small buffers are many such collectives at once) */
+  if (small_coll(c) && c->e->batching) {
+    /* a bucket's entry: it runs with the bucket's other small collectives
+     * (shardd__coll_batch_end), its tasks grouped on tasks[0] */
     c->left = 1;
     c->tasks[0].group = n;
-    if (c->e->batching) {
-      c->batch_next = c->e->batch_head;
-      c->e->batch_head = c;
-      c->e->nbatch++;
-      return;
-    }
-    if (uv_queue_work(c->e->cfg.loop, &c->tasks[0].req, shardd__coll_work,
-                      shardd__coll_task_done) != 0) {
-      shardd__coll_work(&c->tasks[0].req);
-      shardd__coll_task_done(&c->tasks[0].req, 0);
-    }
+    c->batch_next = c->e->batch_head;
+    c->e->batch_head = c;
+    c->e->nbatch++;
+    return;
+  }
+  if (!shardd__coll_multi(c) && !c->bulk) {
+    /* one claiming turn for a small buffer (the pool's round trip per
+     * task cost more than its copies), else one per worker */
+    int help = loop_helps(c->e, coll_bytes(c));
+    size_t turns = small_coll(c) ? 1 : help ? c->e->cpus : c->e->workers;
+    run_claimed(c, n < turns ? n : turns, help);
     return;
   }
   for (size_t i = 0; i < n; i++) {

@@ -50,6 +50,8 @@ typedef struct {
 } task;
 
 #define CHUNK_ELEMS ((uint64_t)1 << 18)
+/* a single-node gather's or scatter's (claimed) chunk */
+#define COPY_CHUNK_ELEMS ((uint64_t)1 << 16)
 
 enum { BULK_NONE, BULK_UP, BULK_FAILED };
 
@@ -89,6 +91,10 @@ struct shardd__coll_engine {
   int batching;
   coll *batch_head;
   size_t nbatch;
+  /* pool turns a collective's claimed tasks are spread over: the pool's
+   * threads; and, when the loop claims too (a small collective), the CPUs,
+   * as more turns would only preempt the loop */
+  size_t workers, cpus;
 };
 
 struct coll {
@@ -107,6 +113,11 @@ struct coll {
   int adding; /* scatter: args.accumulate and a live reduced gradient */
   size_t ntasks, left;
   task *tasks;
+  /* claimed tasks (run_phase): the pool turns queued on tasks[0..left)'s
+   * reqs, and the loop thread, each run the next unclaimed task until
+   * none is left; a turn the loop cancels before it started ran none */
+  int claiming;
+  atomic_size_t claim;
   float grad_scale;
   double total_norm;
   uint64_t step;
@@ -194,6 +205,8 @@ void shardd__coll_task_done(uv_work_t *req, int status);
 /* coll_work.c */
 size_t shardd__coll_plan(coll *c, task *out); /* out NULL: count only */
 void shardd__coll_work(uv_work_t *req);       /* a pool thread runs a task */
+/* runs c's unclaimed tasks until none is left (c->claiming); any thread */
+void shardd__coll_claim_run(coll *c);
 void shardd__coll_gather_unit(coll *c, task *t);
 void shardd__coll_scatter_unit(coll *c, task *t);
 

@@ -147,11 +147,22 @@ static void mscatter_own(coll *c, task *t) {
 
 static void work_one(task *t);
 
+void shardd__coll_claim_run(coll *c) {
+  size_t i;
+  while ((i = atomic_fetch_add_explicit(&c->claim, 1, memory_order_relaxed)) <
+         c->ntasks)
+    work_one(&c->tasks[i]);
+}
+
 void shardd__coll_work(uv_work_t *req) {
   task *t = req->data;
   coll *c = t->c;
   if (c->ntasks == 0) /* the empty task of a collective with no work */
     return;
+  if (c->claiming) {
+    shardd__coll_claim_run(c);
+    return;
+  }
   if (t->group > 1) {
     for (size_t i = 0; i < t->group; i++)
       work_one(&c->tasks[i]);
@@ -200,32 +211,37 @@ static void work_one(task *t) {
 
 /* Cuts unit (ua, ub) of len elements into chunk tasks; with out NULL only
  * counts them. */
-static size_t add_unit(task *out, size_t n, size_t ua, size_t ub, uint64_t len) {
-  for (uint64_t st = 0; st < len; st += CHUNK_ELEMS, n++) {
+static size_t add_unit_by(task *out, size_t n, size_t ua, size_t ub,
+                          uint64_t len, uint64_t chunk) {
+  for (uint64_t st = 0; st < len; st += chunk, n++) {
     if (out) {
       out[n].a = ua;
       out[n].b = ub;
       out[n].start = st;
-      out[n].len = len - st < CHUNK_ELEMS ? len - st : CHUNK_ELEMS;
+      out[n].len = len - st < chunk ? len - st : chunk;
     }
   }
   return n;
+}
+
+static size_t add_unit(task *out, size_t n, size_t ua, size_t ub, uint64_t len) {
+  return add_unit_by(out, n, ua, ub, len, CHUNK_ELEMS);
 }
 
 /* Scatter units of owner rank r: its shard's trainable ranges (unit b =
  * the range's first element in the shard). Frozen elements get no work,
  * and a wholly frozen shard none at all. */
 static size_t add_trainable_units(task *out, size_t n, const shardd__buffer *b,
-                                  uint32_t r) {
+                                  uint32_t r, uint64_t chunk) {
   uint64_t lo = (uint64_t)r * b->shard_numel, hi = lo + b->shard_numel;
   if (b->nfrozen_ranges == 0)
-    return add_unit(out, n, r, 0, b->shard_numel);
+    return add_unit_by(out, n, r, 0, b->shard_numel, chunk);
   uint64_t rs[64][2];
   for (uint64_t pos = lo; pos < hi;) {
     size_t k = shardd__buffer_trainable(b, pos, hi, rs, 64);
     size_t m = k < 64 ? k : 64;
     for (size_t i = 0; i < m; i++)
-      n = add_unit(out, n, r, rs[i][0] - lo, rs[i][1]);
+      n = add_unit_by(out, n, r, rs[i][0] - lo, rs[i][1], chunk);
     if (k <= 64)
       break;
     pos = rs[63][0] + rs[63][1];
@@ -249,7 +265,7 @@ size_t shardd__coll_plan(coll *c, task *out) {
       if (c->args.kind == SHARDD__COLL_GATHER && c->stage == 2)
         n = r == lo ? n : add_unit(out, n, r, 0, b->padded_numel);
       else if (c->args.kind == SHARDD__COLL_SCATTER)
-        n = add_trainable_units(out, n, b, r);
+        n = add_trainable_units(out, n, b, r, CHUNK_ELEMS);
       else
         n = add_unit(out, n, r, 0, b->shard_numel);
     }
@@ -293,10 +309,15 @@ size_t shardd__coll_plan(coll *c, task *out) {
     return 1;
   } else {
     shardd__buffer *b = c->buf;
+    /* claimed tasks (coll.c's run_claimed) cost an atomic each, not a
+     * pool round trip: cut finer, the threads that happen to be awake
+     * share the copies evenly (host memory: a device copy costs a call) */
+    uint64_t chunk = c->e->be->caps & SHARDD__BACKEND_CAP_HOST_MAPPED
+                         ? COPY_CHUNK_ELEMS : CHUNK_ELEMS;
     for (uint32_t r = 0; r < b->world; r++)
       n = c->args.kind == SHARDD__COLL_GATHER
-              ? add_unit(out, n, r, 0, b->padded_numel)
-              : add_trainable_units(out, n, b, r);
+              ? add_unit_by(out, n, r, 0, b->padded_numel, chunk)
+              : add_trainable_units(out, n, b, r, chunk);
   }
   return n;
 }

@@ -272,6 +272,9 @@ ParameterizedTestParameters(collective, gather) {
       {3, 4099, SHARDD_DTYPE_FP16, 0}, {4, 4097, SHARDD_DTYPE_FP16, 0},
       {4, 1, SHARDD_DTYPE_FP32, 0},    {3, 2, SHARDD_DTYPE_BF16, 0},
       {2, 300001, SHARDD_DTYPE_FP32, 0},
+      /* many claimed chunks (coll.c's run_claimed): with the loop thread
+       * claiming too (2 MiB over the ranks), and without (16 MiB) */
+      {4, 250001, SHARDD_DTYPE_BF16, 0}, {4, 1000003, SHARDD_DTYPE_FP32, 0},
   };
   return cr_make_param_array(layout, cases, sizeof cases / sizeof cases[0]);
 }
@@ -355,6 +358,9 @@ ParameterizedTestParameters(collective, scatter) {
       {3, 4097, SHARDD_DTYPE_FP16, SHARDD_REDUCE_MEAN},
       {4, 1, SHARDD_DTYPE_FP32, SHARDD_REDUCE_SUM},
       {2, 200003, SHARDD_DTYPE_BF16, SHARDD_REDUCE_SUM},
+      /* many claimed chunks, with and without the loop thread claiming */
+      {4, 200003, SHARDD_DTYPE_FP32, SHARDD_REDUCE_MEAN},
+      {4, 1000003, SHARDD_DTYPE_FP32, SHARDD_REDUCE_SUM},
   };
   return cr_make_param_array(layout, cases, sizeof cases / sizeof cases[0]);
 }
