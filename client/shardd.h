@@ -556,7 +556,11 @@ shardd_err shardd_scatter_ex(shardd_client_t *c, uint64_t buffer,
  * or n entries) gets each entry's code, SHARDD_E_STATE for those not
  * sent. Jobs with transient areas refuse gather buckets (SHARDD_E_STATE):
  * each gather leases a slot as large as the largest unit, 2 per rank.
- * Single-node jobs only (SHARDD_E_STATE). */
+ * Over several nodes each entry crosses them as its own exchange, paired
+ * by the buffer's name (a node's ranks may order their bucket otherwise
+ * than another node's); ranks of one node that disagree fail every entry
+ * of their buckets on every node (E_MISMATCH) when the buckets hold the
+ * same buffers, and at the collective timeout when they do not. */
 shardd_err shardd_gather_many(shardd_client_t *c, size_t n,
                               const uint64_t *buffers, shardd_err *errs);
 

@@ -1116,10 +1116,10 @@ static shardd_err step_hp(const shardd__optim *o, const shardd__coll_args *args,
 }
 
 /* c's ranks disagree on their buckets: answers every rank waiting in c now
- * (a later one as it arrives: c stays queued, refused, until all have) and
- * fails every unstarted collective holding an entry of those ranks'
- * buckets (their seq), so no bucket waits for an entry the disagreeing
- * rank never sends. */
+ * (a later one as it arrives: c stays queued, refused, until all have) and,
+ * on one node, fails every unstarted collective holding an entry of those
+ * ranks' buckets (their seq), so no bucket waits for an entry the
+ * disagreeing rank never sends. */
 static void bucket_fail(coll *c) {
   coll_job *q = c->cj;
   uint32_t world = c->job->world, n = 0;
@@ -1133,6 +1133,16 @@ static void bucket_fail(coll *c) {
       seqs[n++] = c->waiters[r].seq;
     }
   answer_now(c, c->refused, c->refused_msg);
+  if (shardd__coll_multi(c)) {
+    /* every entry must still cross the nodes (a refused one as a header
+     * that fails it there too), or the other nodes' exchanges of it wait
+     * until the fabric times out and is lost: each rank sends its whole
+     * bucket (dispatch), and the entries that disagree are refused one by
+     * one as they meet */
+    free(seqs);
+    free(ms);
+    return;
+  }
   char msg[384];
   for (coll *it = q->head, *next; it; it = next) {
     next = it->next;

@@ -2229,13 +2229,6 @@ static void on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     send_resp(d, c, &resp, -1);
     return;
   }
-  if (job->nodes > 1) {
-    snprintf(err, sizeof err, "job \"%s\" spans %" PRIu32 " nodes; buckets "
-             "are single-node for now (send each gather or scatter alone)",
-             job->name, job->nodes);
-    reply(d, c, seq, SHARDD_E_STATE, err);
-    return;
-  }
   if (gather && job->transient) {
     /* each gathered buffer would lease its own slot, as large as the
      * job's largest unit, of the 2 a rank may hold: the memory bound */
@@ -2316,7 +2309,12 @@ static void on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   uint64_t sig = bucket_hash(kind, w->ids, n);
   size_t i = 0;
   shardd__coll_batch_begin(d->coll);
-  for (; i < n && w->fails.total == 0; i++) {
+  /* an entry refused at once (a bucket the ranks before disagree with)
+   * ends the submitting on one node, so nothing waits for the rest; over
+   * several nodes every entry goes, its exchange telling the other nodes
+   * (coll.c's bucket_fail) */
+  int all = job->nodes > 1;
+  for (; i < n && (all || w->fails.total == 0); i++) {
     shardd__coll_args ca = {.kind = kind, .target = w->ids[i], .bucket = sig,
                             .bucket_n = (uint32_t)n, .bucket_index = (uint32_t)i};
     if (gather) {
@@ -2333,9 +2331,7 @@ static void on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     shardd__coll_submit(d->coll, &c->m, seq, &ca);
   }
   shardd__coll_batch_end(d->coll);
-  /* an entry refused at once (a bucket the ranks before disagree with):
-   * the rest are not submitted, so nothing waits for them */
-  w->left -= n - i;
+  w->left -= n - i; /* the entries not submitted */
   w->submitting = 0;
   if (w->left == 0)
     bucket_answer(d, w);

@@ -516,9 +516,9 @@ class ShardedModule:
 
     def _bucketed(self, run_many, run_one):
         """run_many(bucket) per bucket of units, or run_one(unit) per unit
-        when buckets are off or one bucket has fewer than 2 units. A job the
-        daemon does not bucket for (one over several nodes) refuses the
-        first bucket whole, before any of it ran (E_STATE): this module
+        when buckets are off or one bucket has fewer than 2 units. A job an
+        older daemon does not bucket for (one over several nodes) refuses
+        the first bucket whole, before any of it ran (E_STATE): this module
         then sends one request per unit from there on."""
         buckets = self._buckets() if self.bucket_bytes > 0 else [[u] for u in self.units]
         for i, bk in enumerate(buckets):
