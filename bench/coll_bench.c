@@ -27,7 +27,7 @@ typedef enum { CMD_REGISTER, CMD_GATHER, CMD_SCATTER, CMD_FLOOR_GATHER,
                CMD_FLOOR_SUM, CMD_RECONNECT, CMD_SMALL_REGISTER,
                CMD_SMALL_GATHER, CMD_BUCKET_GATHER, CMD_SMALL_FLOOR_GATHER,
                CMD_SMALL_SCATTER, CMD_BUCKET_SCATTER, CMD_SMALL_FLOOR_SUM,
-               CMD_SMALL_UNREGISTER } cmd_t;
+               CMD_SMALL_UNREGISTER, CMD_TINY_GATHER, CMD_TINY_FLOOR } cmd_t;
 
 /* the small-buffer figure: SMALL_N buffers of SMALL_BYTES */
 #define SMALL_N 64
@@ -43,6 +43,9 @@ static shardd_buffer_info info[MAX_RANKS];
 
 static shardd_buffer_info small[MAX_RANKS][SMALL_N];
 static uint64_t small_ids[MAX_RANKS][SMALL_N];
+/* a collective's fixed cost: a gather of TINY_NUMEL floats */
+#define TINY_NUMEL 64
+static shardd_buffer_info tiny[MAX_RANKS];
 
 static void check(shardd_err rc, int r, const char *what) {
   if (rc != SHARDD_OK)
@@ -102,6 +105,19 @@ static void small_body(int r, cmd_t c) {
       small_ids[r][k] = small[r][k].id;
       fill(&small[r][k], r);
     }
+    check(shardd_buffer_register(cl[r], "tiny", SHARDD_DTYPE_FP32, TINY_NUMEL,
+                                 &tiny[r]), r, "register tiny buffer");
+    fill(&tiny[r], r);
+    break;
+  }
+  case CMD_TINY_GATHER:
+    check(shardd_gather(cl[r], tiny[r].id), r, "gather tiny");
+    break;
+  case CMD_TINY_FLOOR: {
+    /* the same bytes copied: what is left is the harness's own round */
+    size_t bytes = tiny[r].shard_numel * 4;
+    for (int q = 0; q < world; q++)
+      memcpy((char *)tiny[r].gather + (size_t)q * bytes, tiny[q].shard, bytes);
     break;
   }
   case CMD_SMALL_GATHER:
@@ -137,9 +153,11 @@ static void small_body(int r, cmd_t c) {
     break;
   }
   case CMD_SMALL_UNREGISTER:
-    if (r == 0)
+    if (r == 0) {
       check(shardd_buffers_unregister(cl[0], SMALL_N, small_ids[0], NULL, NULL),
             0, "unregister small buffers");
+      check(shardd_buffer_unregister(cl[0], tiny[0].id), 0, "unregister tiny buffer");
+    }
     break;
   default:
     break;
@@ -199,26 +217,28 @@ typedef struct {
 typedef struct {
   int devices;
   int reps;
-  double t[6];
+  double t[8];
 } small_row_t;
 
-static const cmd_t small_order[6] = {CMD_SMALL_GATHER, CMD_BUCKET_GATHER,
-                                     CMD_SMALL_FLOOR_GATHER, CMD_SMALL_SCATTER,
-                                     CMD_BUCKET_SCATTER, CMD_SMALL_FLOOR_SUM};
+#define NSMALL 8
+static const cmd_t small_order[NSMALL] = {
+    CMD_SMALL_GATHER,  CMD_BUCKET_GATHER,  CMD_SMALL_FLOOR_GATHER,
+    CMD_SMALL_SCATTER, CMD_BUCKET_SCATTER, CMD_SMALL_FLOOR_SUM,
+    CMD_TINY_GATHER,   CMD_TINY_FLOOR};
 
 static void small_figure(small_row_t *row, int reps) {
   run_cmd(CMD_SMALL_REGISTER);
   row->devices = world;
   row->reps = reps;
-  double *t[6];
-  for (int k = 0; k < 6; k++)
+  double *t[NSMALL];
+  for (int k = 0; k < NSMALL; k++)
     t[k] = calloc((size_t)reps, sizeof(double));
-  for (int k = 0; k < 6; k++) /* warm-up */
+  for (int k = 0; k < NSMALL; k++) /* warm-up */
     run_cmd(small_order[k]);
   for (int rep = 0; rep < reps; rep++)
-    for (int k = 0; k < 6; k++)
+    for (int k = 0; k < NSMALL; k++)
       t[k][rep] = run_cmd(small_order[k]);
-  for (int k = 0; k < 6; k++) {
+  for (int k = 0; k < NSMALL; k++) {
     row->t[k] = bench_median(t[k], (size_t)reps);
     free(t[k]);
   }
@@ -358,13 +378,22 @@ int main(int argc, char **argv) {
                "\"gather_each_ratio\": %.4f, \"gather_bucket_ratio\": %.4f, "
                "\"scatter_each_s\": %.6g, \"scatter_bucket_s\": %.6g, "
                "\"sum_loop_s\": %.6g, \"scatter_each_ratio\": %.4f, "
-               "\"scatter_bucket_ratio\": %.4f}",
+               "\"scatter_bucket_ratio\": %.4f, \"tiny_gather_s\": %.6g, "
+               "\"tiny_floor_s\": %.6g}",
             i ? "," : "", r->devices, r->reps, r->t[0], r->t[1], r->t[2],
             v[0] / v[2], v[1] / v[2], r->t[3], r->t[4], r->t[5], v[3] / v[5],
-            v[4] / v[5]);
+            v[4] / v[5], r->t[6], r->t[7]);
   }
   printf("(the same bytes as one 1 MiB buffer; ratio = daemon / floor over the same "
          "buffers)\n");
+  printf("\nFixed cost of a collective — a gather of %d floats (median of a round of "
+         "every rank)\n%3s | %9s %9s %9s\n%3s | %9s %9s %9s\n", TINY_NUMEL, "dev",
+         "gather", "harness", "cost", "", "us", "us", "us");
+  for (int i = 0; i < 3; i++)
+    printf("%3d | %9.1f %9.1f %9.1f\n", smalls[i].devices, smalls[i].t[6] * 1e6,
+           smalls[i].t[7] * 1e6, (smalls[i].t[6] - smalls[i].t[7]) * 1e6);
+  printf("(harness = the rank threads' round with the same copies and no daemon; "
+         "cost = gather - harness)\n");
   fprintf(f, "\n  ]");
   bench_json_close(f, "coll");
   return 0;

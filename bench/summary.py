@@ -74,6 +74,14 @@ def main():
                    % (x["scatter_bucket_ratio"], x["scatter_each_ratio"],
                       x["scatter_each_s"] / x["scatter_bucket_s"]),
                    x["scatter_bucket_ratio"] >= 0.6)
+        # what a collective costs with nothing to copy: the floor under
+        # every small-buffer ratio above
+        tiny = [x for x in coll.get("small_rows", []) if "tiny_gather_s" in x]
+        if tiny:
+            target("fixed cost of a collective, gather of 64 floats (no target)", "report",
+                   ", ".join("%dd %.0f us (harness %.0f us)"
+                             % (x["devices"], x["tiny_gather_s"] * 1e6,
+                                x["tiny_floor_s"] * 1e6) for x in tiny), None)
     if pre and pre.get("rows"):
         # no target in issue 7: how close prefetch comes to full overlap
         target("prefetch overlap, %d layers, compute = gather (no target)" % pre["layers"],

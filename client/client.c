@@ -836,13 +836,16 @@ static size_t maps_slot(const shardd_client_t *c, uint64_t id) {
   return (size_t)((id * UINT64_C(0x9E3779B97F4A7C15)) >> 32) & (c->maps_cap - 1);
 }
 
-/* Links m into c's table; fails (E_NO_MEMORY) only when growing it does. */
+/* Links m into c's table (one mapping per buffer id: buffer_adopt drops a
+ * stale one first); fails (E_NO_MEMORY) only when no table can be made: one
+ * that cannot grow takes longer chains. */
 static shardd_err maps_put(shardd_client_t *c, mapping *m) {
-  if (c->maps_n >= c->maps_cap) {
-    size_t ncap = c->maps_cap ? c->maps_cap * 2 : 64;
-    mapping **nt = calloc(ncap, sizeof *nt);
-    if (nt == NULL)
-      return SHARDD_E_NO_MEMORY;
+  mapping **nt = NULL;
+  size_t ncap = c->maps_cap ? c->maps_cap * 2 : 64;
+  if (c->maps_n >= c->maps_cap && (nt = calloc(ncap, sizeof *nt)) == NULL &&
+      c->maps_cap == 0)
+    return SHARDD_E_NO_MEMORY;
+  if (nt) {
     size_t ocap = c->maps_cap;
     mapping **ot = c->maps;
     c->maps = nt;
@@ -1111,6 +1114,15 @@ static shardd_err buffer_adopt(shardd_client_t *c,
   const mapping *had = maps_get(c, br->id);
   if (had && had->len == br->block_bytes && had->device == device)
     base = had->base;
+  else if (had)
+    /* ids are never reused: another block under one id is the daemon's
+     * error, and unmapping the first would pull memory from under the
+     * pointers handed out for it */
+    return set_err(c, SHARDD_E_PROTOCOL,
+                   "buffer %" PRIu64 ": the daemon sent a block of %" PRIu64
+                   " bytes on device %d; this connection mapped it as %zu "
+                   "bytes on device %d", br->id, br->block_bytes, device,
+                   had->len, had->device);
   if (base == NULL) {
     mapping *m = malloc(sizeof *m);
     if (m == NULL) {

@@ -560,7 +560,10 @@ shardd_err shardd_scatter_ex(shardd_client_t *c, uint64_t buffer,
  * by the buffer's name (a node's ranks may order their bucket otherwise
  * than another node's); ranks of one node that disagree fail every entry
  * of their buckets on every node (E_MISMATCH) when the buckets hold the
- * same buffers, and at the collective timeout when they do not. */
+ * same buffers. When they do not, an entry no other local rank sent waits,
+ * as for a rank that never calls, until the collective timeout; the other
+ * nodes' exchanges of it time out too, and they lose the fabric
+ * (E_PEER_LOST). */
 shardd_err shardd_gather_many(shardd_client_t *c, size_t n,
                               const uint64_t *buffers, shardd_err *errs);
 

@@ -6,9 +6,11 @@
  * target it has not joined yet, so a rank that runs ahead queues behind.
  * Once every rank has arrived, it starts when no older collective in the
  * job's queue touches the same buffers, so one buffer's collectives run in
- * submission order. The work is split into tasks (one per rank shard) on
- * libuv's thread pool; tasks only touch region memory, and the completion
- * count is kept on the loop thread (shardd__coll_task_done).
+ * submission order. The work is split into tasks (chunks of the rank
+ * shards) that libuv's pool turns claim one by one, and for a small
+ * collective on host memory the loop thread too (run_claimed); tasks only
+ * touch region memory, and the completion count is kept on the loop thread
+ * (shardd__coll_task_done).
  *
  * coll_work.c plans and runs the tasks, coll_bulk.c runs a whole
  * collective through the backend, coll_fabric.c crosses nodes. */
@@ -16,6 +18,7 @@
 
 #include <inttypes.h>
 #include <math.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,11 +62,17 @@ shardd_err shardd__coll_engine_create(const shardd__coll_config *cfg,
     return SHARDD_E_NO_MEMORY;
   e->cfg = *cfg;
   e->be = cfg->reg->backend;
-  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  /* the CPUs this process may run on, and the pool's threads as libuv
+   * counts them (atoi of UV_THREADPOOL_SIZE, 0 as 1, at most 1024;
+   * unset: 4) */
+  cpu_set_t set;
+  int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 0;
+  if (cpus < 1)
+    cpus = (int)sysconf(_SC_NPROCESSORS_ONLN);
   const char *tp = getenv("UV_THREADPOOL_SIZE");
-  long pool = tp ? strtol(tp, NULL, 10) : 0;
+  int pool = tp ? atoi(tp) : 4;
   e->cpus = (size_t)(cpus < 1 ? 1 : cpus);
-  e->workers = (size_t)(pool >= 1 ? pool : 4); /* libuv's default: 4 */
+  e->workers = (size_t)(pool < 1 ? 1 : pool > 1024 ? 1024 : pool);
   shardd__map_init(&e->jobs);
   return SHARDD_OK;
 }
@@ -740,9 +749,19 @@ static int small_coll(const coll *c) {
   return bytes > 0 && bytes <= SMALL_COLL_BYTES;
 }
 
-static int loop_helps(const shardd__coll_engine *e, uint64_t bytes) {
-  return (e->be->caps & SHARDD__BACKEND_CAP_HOST_MAPPED) && bytes > 0 &&
-         bytes <= LOOP_HELP_BYTES;
+/* Whether the loop thread claims tasks of a collective of bytes, taking
+ * them from its budget: LOOP_HELP_BYTES for the request being submitted
+ * (the last rank's arrival starts the collective), over every collective
+ * it starts, a bucket's entries included (64 entries of 4 MiB would
+ * otherwise copy hundreds of MiB there while every other session waits).
+ * Collectives started by another's completion get none: the pool runs
+ * them, as their ranks are not the ones waiting on this callback. */
+static int loop_helps(shardd__coll_engine *e, uint64_t bytes) {
+  if (!(e->be->caps & SHARDD__BACKEND_CAP_HOST_MAPPED) || bytes == 0 ||
+      bytes > e->help_left)
+    return 0;
+  e->help_left -= bytes;
+  return 1;
 }
 
 /* Starts c's tasks as claims: `turns` pool turns (queued on the reqs of
@@ -762,8 +781,9 @@ static void run_claimed(coll *c, size_t turns, int help) {
   if (!help)
     return;
   shardd__coll_claim_run(c);
+  /* UV_EBUSY for a turn a pool thread took: it finds no task left */
   for (size_t i = 0; i < turns; i++)
-    uv_cancel((uv_req_t *)&c->tasks[i].req);
+    (void)uv_cancel((uv_req_t *)&c->tasks[i].req);
 }
 
 /* A bucket's small collectives, started together (shardd__coll_batch_end):
@@ -771,6 +791,8 @@ static void run_claimed(coll *c, size_t turns, int help) {
  * collective's tasks until none is left; the collectives complete when
  * every turn has ended (or was cancelled). */
 #define BATCH_TURNS 4
+
+static void batch_start(shardd__coll_engine *e);
 
 typedef struct {
   uv_work_t turns[BATCH_TURNS];
@@ -798,10 +820,22 @@ static void batch_done(uv_work_t *req, int status) {
   free(b);
 }
 
-void shardd__coll_batch_begin(shardd__coll_engine *e) { e->batching++; }
+void shardd__coll_batch_begin(shardd__coll_engine *e) {
+  if (e->batching++ == 0)
+    e->help_left = LOOP_HELP_BYTES; /* the bucket's request's budget */
+}
 
 void shardd__coll_batch_end(shardd__coll_engine *e) {
-  if (e->batching == 0 || --e->batching > 0 || e->batch_head == NULL)
+  if (e->batching == 0 || --e->batching > 0)
+    return;
+  batch_start(e);
+  e->help_left = 0;
+}
+
+/* Starts the small collectives listed while batching (their request's
+ * budget still set). */
+static void batch_start(shardd__coll_engine *e) {
+  if (e->batch_head == NULL)
     return;
   size_t n = e->nbatch;
   coll *list = e->batch_head;
@@ -836,8 +870,9 @@ void shardd__coll_batch_end(shardd__coll_engine *e) {
   if (!loop_helps(e, bytes))
     return;
   batch_run(b);
+  /* UV_EBUSY for a turn a pool thread took: it finds nothing left */
   for (size_t k = 0; k < b->nturns; k++)
-    uv_cancel((uv_req_t *)&b->turns[k]);
+    (void)uv_cancel((uv_req_t *)&b->turns[k]);
 }
 
 /* Plans c's phase and starts its tasks (on the pool, or the exchange on a
@@ -1225,8 +1260,22 @@ static shardd_err copy_mask(shardd__coll_engine *e, const shardd__buffer *b,
   return SHARDD_OK;
 }
 
+static void submit(shardd__coll_engine *e, shardd__coll_member *m, uint64_t seq,
+                   const shardd__coll_args *args);
+
 void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
                          uint64_t seq, const shardd__coll_args *args) {
+  /* the loop's copying budget for this request (loop_helps); a bucket's
+   * entries share their request's */
+  if (!e->batching)
+    e->help_left = LOOP_HELP_BYTES;
+  submit(e, m, seq, args);
+  if (!e->batching)
+    e->help_left = 0;
+}
+
+static void submit(shardd__coll_engine *e, shardd__coll_member *m, uint64_t seq,
+                   const shardd__coll_args *args) {
   shardd__job *job = m->job;
   char err[256];
   shardd__obj *o = NULL;

@@ -95,6 +95,9 @@ struct shardd__coll_engine {
    * threads; and, when the loop claims too (a small collective), the CPUs,
    * as more turns would only preempt the loop */
   size_t workers, cpus;
+  /* bytes the loop thread may still copy for the request being submitted
+   * (coll.c's loop_helps); 0 outside shardd__coll_submit and a batch */
+  uint64_t help_left;
 };
 
 struct coll {
@@ -113,9 +116,10 @@ struct coll {
   int adding; /* scatter: args.accumulate and a live reduced gradient */
   size_t ntasks, left;
   task *tasks;
-  /* claimed tasks (run_phase): the pool turns queued on tasks[0..left)'s
-   * reqs, and the loop thread, each run the next unclaimed task until
-   * none is left; a turn the loop cancels before it started ran none */
+  /* claimed tasks (run_claimed): the pool turns queued on the reqs of
+   * tasks[0..turns), and maybe the loop thread, each run the next
+   * unclaimed task until none is left; a turn the loop cancelled before a
+   * thread took it ran none */
   int claiming;
   atomic_size_t claim;
   float grad_scale;

@@ -800,6 +800,32 @@ Test(client, close_unmaps_host_blocks, .timeout = 30) {
   cr_assert_eq(count_fds(), before);
 }
 
+/* Ids are never reused, so another block under an id this connection
+ * mapped is the daemon's error: refused, and the first mapping, whose
+ * pointers the caller holds, stays. */
+Test(client, another_block_under_a_mapped_id_is_refused, .timeout = 30) {
+  fake_script sc = one(fake_host());
+  sc.bufs[1] = fake_host();
+  sc.bufs[1].block_bytes = 8192;
+  sc.bufs[1].memfd_bytes = 8192;
+  sc.nbufs = 2;
+  fake_server s;
+  fake_start(&s, &sc);
+  shardd_client_t *c = fake_connect(&s);
+  shardd_buffer_info b, again;
+  cr_assert_eq(shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 16, &b), SHARDD_OK,
+               "%s", shardd_last_error(c));
+  cr_assert_eq(shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 16, &again),
+               SHARDD_E_PROTOCOL);
+  cr_assert(strstr(shardd_last_error(c), "block of 8192 bytes") != NULL, "%s",
+            shardd_last_error(c));
+  long page = sysconf(_SC_PAGESIZE);
+  cr_assert_eq(msync(b.shard, (size_t)page, MS_ASYNC), 0, "the first mapping went");
+  ((float *)b.shard)[0] = 1.0f;
+  shardd_close(c);
+  fake_stop(&s);
+}
+
 Test(client, unregister_unmaps_the_block, .timeout = 30) {
   fake_script sc = one(fake_host());
   fake_server s;

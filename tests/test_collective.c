@@ -2195,6 +2195,45 @@ Test(collective, bucket_gathers_and_scatters_many_buffers, .init = start4,
   team_close(&t);
 }
 
+/* A bucket of entries too large to batch (each its own claimed collective,
+ * the loop thread helping with the first until its per-turn budget is
+ * spent, the pool alone with the rest): every byte lands as alone. */
+Test(collective, bucket_of_large_entries_lands_exactly, .init = start4,
+     .fini = stop_daemon, .timeout = 120) {
+  enum { N = 5 };
+  team t;
+  team_open(&t, "bucketbig", 2);
+  static shardd_buffer_info b[N][MAXW];
+  uint64_t ids[N];
+  for (int i = 0; i < N; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "big%d", i);
+    team_buffer(&t, name, SHARDD_DTYPE_FP32, 300001 + 2 * (uint64_t)i, b[i]);
+    ids[i] = b[i][0].id;
+    fill_shards(b[i], 2, 500u + (uint32_t)i);
+    fill_grads(b[i], 2, 600u + (uint32_t)i);
+  }
+  bucket_call k[MAXW];
+  for (int scatter = 0; scatter < 2; scatter++) {
+    memset(k, 0, sizeof k);
+    for (int r = 0; r < 2; r++) {
+      k[r].c = t.c[r];
+      k[r].ids = ids;
+      k[r].n = N;
+      k[r].scatter = scatter;
+      k[r].op = SHARDD_REDUCE_SUM;
+    }
+    run_buckets(k, 2);
+    for (int r = 0; r < 2; r++)
+      cr_assert_eq(k[r].rc, SHARDD_OK, "rank %d: %s", r, k[r].msg);
+  }
+  for (int i = 0; i < N; i++) {
+    check_gathered(b[i], 2);
+    check_reduced(b[i], 2, 600u + (uint32_t)i, SHARDD_REDUCE_SUM);
+  }
+  team_close(&t);
+}
+
 static void start4_pending8(void) {
   const char *args[] = {"--devices", "4", "--max-pending", "8", NULL};
   test_daemon_start(&d, args);
