@@ -240,7 +240,8 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
   if (shardd__job_buffers(job, &bufs, &nb) != SHARDD_OK ||
       shardd__job_optims(job, &opts, &no) != SHARDD_OK)
     goto nomem;
-  shardd__sb_printf(m, "shardd-checkpoint %d\njob ", SHARDD_MANIFEST_VERSION);
+  shardd__sb_printf(m, "shardd-checkpoint %d\njob ",
+                    multi ? SHARDD_MANIFEST_VERSION : SHARDD_MANIFEST_VERSION_SINGLE);
   shardd__manifest_enc_name(m, job->name);
   shardd__sb_printf(m, " %" PRIu32 " %" PRIu32 "\n", job->world, job->uid);
   /* a node's part: only this node's ranks have shard and state lines */

@@ -44,13 +44,17 @@
  * generation and each view's requires_grad; version 1 manifests (no
  * generations: taken as 1; every view trainable) still restore. Data file
  * headers keep SHARDD_CHECKPOINT_VERSION. */
-#define SHARDD_MANIFEST_VERSION 4
+#define SHARDD_MANIFEST_VERSION 5
 /* Version 3 seals the manifest: its "end" line carries the CRC32C of every
  * byte before it, checked before any line is acted upon. Version 4 ends
  * each "ref" line with the steps that ref took (torch's per-parameter
  * state["step"]; a skipped parameter's stays); before it every ref was
  * stepped by every step, so older manifests restore each ref with its
- * optimizer's count. */
+ * optimizer's count. Version 5 is a node's part of a multi-node checkpoint
+ * ("node" and "lineage" lines after the job line), so a daemon that reads
+ * up to 4 refuses it at its header; single-node manifests are still
+ * written as 4, which such a daemon restores. */
+#define SHARDD_MANIFEST_VERSION_SINGLE 4
 
 /* The job must have no collective in flight (the caller checks). as_uid is
  * who asks: < 0 the daemon itself (--checkpoint-on-exit), 0 root; any other
