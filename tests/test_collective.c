@@ -2195,23 +2195,24 @@ Test(collective, bucket_gathers_and_scatters_many_buffers, .init = start4,
   team_close(&t);
 }
 
-/* A bucket of entries too large to batch (each its own claimed collective,
- * the loop thread helping with the first until its per-turn budget is
- * spent, the pool alone with the rest): every byte lands as alone. */
-Test(collective, bucket_of_large_entries_lands_exactly, .init = start4,
-     .fini = stop_daemon, .timeout = 120) {
-  enum { N = 5 };
+/* On 2 ranks of job: n fp32 buffers of numel0 + step * i elements, each
+ * gathered and reduce-scattered (sum) in buckets; every byte lands as the
+ * collective alone would put it. */
+static void bucket_round(const char *job, int n, uint64_t numel0, uint64_t step,
+                         uint32_t salt) {
+  enum { NMAX = 20 };
+  cr_assert_leq(n, NMAX);
   team t;
-  team_open(&t, "bucketbig", 2);
-  static shardd_buffer_info b[N][MAXW];
-  uint64_t ids[N];
-  for (int i = 0; i < N; i++) {
+  team_open(&t, job, 2);
+  static shardd_buffer_info b[NMAX][MAXW];
+  uint64_t ids[NMAX];
+  for (int i = 0; i < n; i++) {
     char name[32];
-    snprintf(name, sizeof name, "big%d", i);
-    team_buffer(&t, name, SHARDD_DTYPE_FP32, 300001 + 2 * (uint64_t)i, b[i]);
+    snprintf(name, sizeof name, "p%d", i);
+    team_buffer(&t, name, SHARDD_DTYPE_FP32, numel0 + step * (uint64_t)i, b[i]);
     ids[i] = b[i][0].id;
-    fill_shards(b[i], 2, 500u + (uint32_t)i);
-    fill_grads(b[i], 2, 600u + (uint32_t)i);
+    fill_shards(b[i], 2, salt + (uint32_t)i);
+    fill_grads(b[i], 2, salt + 100u + (uint32_t)i);
   }
   bucket_call k[MAXW];
   for (int scatter = 0; scatter < 2; scatter++) {
@@ -2219,7 +2220,7 @@ Test(collective, bucket_of_large_entries_lands_exactly, .init = start4,
     for (int r = 0; r < 2; r++) {
       k[r].c = t.c[r];
       k[r].ids = ids;
-      k[r].n = N;
+      k[r].n = (size_t)n;
       k[r].scatter = scatter;
       k[r].op = SHARDD_REDUCE_SUM;
     }
@@ -2227,11 +2228,20 @@ Test(collective, bucket_of_large_entries_lands_exactly, .init = start4,
     for (int r = 0; r < 2; r++)
       cr_assert_eq(k[r].rc, SHARDD_OK, "rank %d: %s", r, k[r].msg);
   }
-  for (int i = 0; i < N; i++) {
+  for (int i = 0; i < n; i++) {
     check_gathered(b[i], 2);
-    check_reduced(b[i], 2, 600u + (uint32_t)i, SHARDD_REDUCE_SUM);
+    check_reduced(b[i], 2, salt + 100u + (uint32_t)i, SHARDD_REDUCE_SUM);
   }
+  cr_assert_eq(job_inflight(job), 0);
   team_close(&t);
+}
+
+/* A bucket of entries too large to batch (each its own claimed collective,
+ * the loop thread helping with the first until its request's budget is
+ * spent, the pool alone with the rest). */
+Test(collective, bucket_of_large_entries_lands_exactly, .init = start4,
+     .fini = stop_daemon, .timeout = 120) {
+  bucket_round("bucketbig", 5, 300001, 2, 500);
 }
 
 static void start4_pending8(void) {
@@ -2244,39 +2254,7 @@ static void start4_pending8(void) {
  * bucket was refused E_LIMIT. */
 Test(collective, buckets_fit_a_smaller_max_pending, .init = start4_pending8,
      .fini = stop_daemon, .timeout = 60) {
-  enum { N = 20 };
-  team t;
-  team_open(&t, "bucketpend", 2);
-  static shardd_buffer_info b[N][MAXW];
-  uint64_t ids[N];
-  for (int i = 0; i < N; i++) {
-    char name[32];
-    snprintf(name, sizeof name, "q%d", i);
-    team_buffer(&t, name, SHARDD_DTYPE_FP32, 33 + (uint64_t)i, b[i]);
-    ids[i] = b[i][0].id;
-    fill_shards(b[i], 2, 300u + (uint32_t)i);
-    fill_grads(b[i], 2, 400u + (uint32_t)i);
-  }
-  bucket_call k[MAXW];
-  for (int scatter = 0; scatter < 2; scatter++) {
-    memset(k, 0, sizeof k);
-    for (int r = 0; r < 2; r++) {
-      k[r].c = t.c[r];
-      k[r].ids = ids;
-      k[r].n = N;
-      k[r].scatter = scatter;
-      k[r].op = SHARDD_REDUCE_SUM;
-    }
-    run_buckets(k, 2);
-    for (int r = 0; r < 2; r++)
-      cr_assert_eq(k[r].rc, SHARDD_OK, "rank %d: %s", r, k[r].msg);
-  }
-  for (int i = 0; i < N; i++) {
-    check_gathered(b[i], 2);
-    check_reduced(b[i], 2, 400u + (uint32_t)i, SHARDD_REDUCE_SUM);
-  }
-  cr_assert_eq(job_inflight("bucketpend"), 0);
-  team_close(&t);
+  bucket_round("bucketpend", 20, 33, 1, 300);
 }
 
 /* All or nothing: every bad entry is named, and none of the good ones was

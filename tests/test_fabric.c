@@ -2161,20 +2161,47 @@ static void *bcall_main(void *p) {
   return NULL;
 }
 
+/* every rank's bucket call (k[r], filled in) at once, joined */
+static void run_bcalls(bcall k[W]) {
+  for (int r = 0; r < W; r++)
+    cr_assert_eq(pthread_create(&k[r].th, NULL, bcall_main, &k[r]), 0);
+  for (int r = 0; r < W; r++)
+    pthread_join(k[r].th, NULL);
+}
+
+/* Two node daemons serving job, and its W ranks connected (2 per node). */
+typedef struct {
+  scratch s;
+  test_daemon pair[2];
+  shardd_client_t *c[W];
+} two_nodes;
+
+static void two_nodes_open(two_nodes *t, const char *job, const char *timeout) {
+  need_gloo();
+  scratch_make(&t->s);
+  const char *jobs[] = {job};
+  start_pair(t->pair, &t->s, jobs, 1, timeout);
+  for (int r = 0; r < W; r++)
+    t->c[r] = test_connect(&t->pair[r / 2], job, (uint32_t)r, W);
+}
+
+static void two_nodes_close(two_nodes *t) {
+  for (int r = 0; r < W; r++)
+    shardd_close(t->c[r]);
+  test_daemon_finish(&t->pair[0]);
+  test_daemon_finish(&t->pair[1]);
+  scratch_remove(&t->s);
+}
+
 /* A bucket's entries cross nodes each as its own exchange, paired by the
  * buffer's name: node 0's ranks send the list first to last, node 1's last
  * to first, and every gathered and reduced element is exact. */
 Test(fabric, buckets_of_a_two_node_job_gather_and_scatter_exactly, .timeout = 60) {
-  need_gloo();
-  scratch s;
-  scratch_make(&s);
-  test_daemon pair[2];
-  const char *jobs[] = {"bkt"};
-  start_pair(pair, &s, jobs, 1, "10");
-  shardd_client_t *c[W];
+  two_nodes t;
+  two_nodes_open(&t, "bkt", "10");
+  shardd_client_t **c = t.c;
   static shardd_buffer_info b[W][NBF];
   for (int r = 0; r < W; r++) {
-    c[r] = test_connect(&pair[r / 2], "bkt", (uint32_t)r, W);
     for (int i = 0; i < NBF; i++) {
       char name[16];
       snprintf(name, sizeof name, "p%d", i);
@@ -2198,10 +2225,8 @@ Test(fabric, buckets_of_a_two_node_job_gather_and_scatter_exactly, .timeout = 60
       k[r].n = NBF;
       for (int i = 0; i < NBF; i++)
         k[r].ids[i] = b[r][r < 2 ? i : NBF - 1 - i].id;
-      cr_assert_eq(pthread_create(&k[r].th, NULL, bcall_main, &k[r]), 0);
     }
-    for (int r = 0; r < W; r++)
-      pthread_join(k[r].th, NULL);
+    run_bcalls(k);
     for (int r = 0; r < W; r++)
       cr_assert_eq(k[r].rc, SHARDD_OK, "%s rank %d: %s: %s", scatter ? "scatter" : "gather",
                    r, shardd_err_name(k[r].rc), k[r].msg);
@@ -2219,11 +2244,7 @@ Test(fabric, buckets_of_a_two_node_job_gather_and_scatter_exactly, .timeout = 60
                      "rank %d p%d reduced[%zu]", r, i, e);
       }
     }
-  for (int r = 0; r < W; r++)
-    shardd_close(c[r]);
-  test_daemon_finish(&pair[0]);
-  test_daemon_finish(&pair[1]);
-  scratch_remove(&s);
+  two_nodes_close(&t);
 }
 
 /* Node 0's two ranks send one bucket in two orders: every rank of both
@@ -2231,16 +2252,11 @@ Test(fabric, buckets_of_a_two_node_job_gather_and_scatter_exactly, .timeout = 60
  * bucket goes through. */
 Test(fabric, a_bucket_node_0_disagrees_on_fails_both_nodes_and_the_next_runs,
      .timeout = 90) {
-  need_gloo();
-  scratch s;
-  scratch_make(&s);
-  test_daemon pair[2];
-  const char *jobs[] = {"bktbad"};
-  start_pair(pair, &s, jobs, 1, "5");
-  shardd_client_t *c[W];
+  two_nodes t;
+  two_nodes_open(&t, "bktbad", "5");
+  shardd_client_t **c = t.c;
   static shardd_buffer_info b[W][2];
   for (int r = 0; r < W; r++) {
-    c[r] = test_connect(&pair[r / 2], "bktbad", (uint32_t)r, W);
     for (int i = 0; i < 2; i++) {
       char name[16];
       snprintf(name, sizeof name, "q%d", i);
@@ -2258,10 +2274,8 @@ Test(fabric, a_bucket_node_0_disagrees_on_fails_both_nodes_and_the_next_runs,
       int flip = round == 0 && r == 1;
       k[r].ids[0] = b[r][flip].id;
       k[r].ids[1] = b[r][!flip].id;
-      cr_assert_eq(pthread_create(&k[r].th, NULL, bcall_main, &k[r]), 0);
     }
-    for (int r = 0; r < W; r++)
-      pthread_join(k[r].th, NULL);
+    run_bcalls(k);
     double took = test_mono_s() - t0;
     for (int r = 0; r < W; r++) {
       cr_assert_eq(k[r].rc, round == 0 ? SHARDD_E_MISMATCH : SHARDD_OK,
@@ -2282,9 +2296,5 @@ Test(fabric, a_bucket_node_0_disagrees_on_fails_both_nodes_and_the_next_runs,
     }
     cr_log_info("fabric: a bucket node 0's ranks disagree on, round %d: %.3f s", round, took);
   }
-  for (int r = 0; r < W; r++)
-    shardd_close(c[r]);
-  test_daemon_finish(&pair[0]);
-  test_daemon_finish(&pair[1]);
-  scratch_remove(&s);
+  two_nodes_close(&t);
 }
