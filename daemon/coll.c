@@ -146,6 +146,8 @@ static void coll_unlink(coll *c) {
   for (coll **pp = &q->head; *pp; pp = &(*pp)->next) {
     if (*pp == c) {
       *pp = c->next;
+      if (q->tailp == &c->next)
+        q->tailp = pp;
       if (--q->count == 0)
         q->quiet_due = 1;
       break;
@@ -1339,13 +1341,15 @@ static void submit(shardd__coll_engine *e, shardd__coll_member *m, uint64_t seq,
     return;
   }
   coll_job *q = shardd__coll_job_of(e, job, 0);
-  if (args->kind == SHARDD__COLL_GATHER && e->cfg.max_inflight_gathers > 0) {
+  /* a bucket is one request (and one round trip): it counts once, checked
+   * at its first entry (not for each: that walked the queue 64 times) */
+  if (args->kind == SHARDD__COLL_GATHER && e->cfg.max_inflight_gathers > 0 &&
+      args->bucket_index == 0) {
     uint32_t n = 0;
-    /* a bucket is one request (and one round trip): it counts once */
     for (coll *it = q ? q->head : NULL; it; it = it->next)
       n += it->args.kind == SHARDD__COLL_GATHER && it->waiters[m->rank].m == m &&
            it->args.bucket_index == 0;
-    if (args->bucket_index == 0 && n >= e->cfg.max_inflight_gathers) {
+    if (n >= e->cfg.max_inflight_gathers) {
       snprintf(err, sizeof err,
                "rank %" PRIu32 " has %" PRIu32 " gathers in flight "
                "(--max-inflight-gathers %" PRIu32 ")",
@@ -1469,10 +1473,12 @@ static void submit(shardd__coll_engine *e, shardd__coll_member *m, uint64_t seq,
       c->buf = (shardd__buffer *)o;
       shardd__buffer_hold(c->buf);
     }
-    coll **tail = &q->head;
-    while (*tail)
-      tail = &(*tail)->next;
-    *tail = c;
+    /* appended in O(1): a bucket's 64 entries make as many collectives */
+    if (q->tailp == NULL)
+      for (q->tailp = &q->head; *q->tailp; q->tailp = &(*q->tailp)->next)
+        ;
+    *q->tailp = c;
+    q->tailp = &c->next;
     q->count++;
   }
   free(hp); /* a later rank's, compared above */

@@ -61,6 +61,7 @@ typedef struct {
   shardd__coll_engine *e;
   shardd__job *job;
   coll *head;
+  coll **tailp; /* the last one's next, or &head (NULL: not set yet) */
   uint32_t count;
   int quiet_due; /* count fell to 0 since job_quiet was last called */
   /* the backend communicator of the job (comm_create). Only pool threads

@@ -591,6 +591,21 @@ Test(coll, max_inflight_gathers_refused) {
   cr_assert_eq(nreplies, 1, "neither is refused");
   cr_assert_eq(mem[0].pending, 3);
   cr_assert_eq(mem[1].pending, 1);
+  /* a bucket is one request: its 3 entries count once (checked at its
+   * first), so rank 2 holds 2 and a third gather is refused */
+  shardd__buffer *bk[3] = {buf_new("c", 300), buf_new("d", 300), buf_new("e", 300)};
+  for (uint32_t i = 0; i < 3; i++) {
+    shardd__coll_args g = gather_args(bk[i]);
+    g.bucket = 0x5eed;
+    g.bucket_n = 3;
+    g.bucket_index = i;
+    submit(2, 1, g);
+  }
+  shardd__buffer *f = buf_new("f", 300);
+  submit(2, 2, gather_args(f));
+  cr_assert_eq(nreplies, 1, "the bucket and one gather fit 2");
+  submit(2, 3, gather_args(f));
+  expect_msg(expect_reply(2, 3, SHARDD_E_LIMIT), "rank 2 has 2 gathers in flight");
 }
 
 Test(coll, unknown_and_wrong_targets_refused) {
