@@ -1425,18 +1425,24 @@ static void batch_errs_fill(const Shardwire__Response *resp, size_t lo,
       errs[e[k]->index] = (shardd_err)e[k]->code;
 }
 
-/* last_error after a refusal in the request of [lo, hi): the daemon's
- * list (its indices count from the call's first entry) and what was not
- * checked. */
-static void batch_err_note(shardd_client_t *c, shardd_err rc, size_t hi,
-                           size_t n, const char *verb) {
+/* A request of [lo, hi) of a call of n entries failed with rc (resp: its
+ * reply, or NULL): errs gets the daemon's per-entry codes and E_STATE for
+ * the entries after the request (never sent), and last_error, which lists
+ * the daemon's refusals (indices from the call's first entry), says what
+ * became of those: "and N entries after them <after>". */
+static void batch_fail(shardd_client_t *c, shardd_err rc,
+                       const Shardwire__Response *resp, size_t lo, size_t hi,
+                       size_t n, shardd_err *errs, const char *after) {
+  batch_errs_fill(resp, lo, hi, errs);
+  if (errs)
+    for (size_t i = hi; i < n; i++)
+      errs[i] = SHARDD_E_STATE;
   if (hi == n)
     return;
   char *copy = strdup(shardd_last_error(c));
   if (copy == NULL)
     return;
-  set_err(c, rc, "%s; and %zu entries after them not checked (%s)", copy,
-          n - hi, verb);
+  set_err(c, rc, "%s; and %zu entries after them %s", copy, n - hi, after);
   free(copy);
 }
 
@@ -1537,11 +1543,8 @@ shardd_err shardd_views_register(shardd_client_t *c, size_t n,
           made[nmade++] = r->id;
       }
     } else {
-      batch_errs_fill(resp, lo, hi, errs);
-      if (errs)
-        for (size_t i = hi; i < n; i++)
-          errs[i] = SHARDD_E_STATE;
-      batch_err_note(c, rc, hi, n, "no view of this call was kept");
+      batch_fail(c, rc, resp, lo, hi, n, errs,
+                 "not checked (no view of this call was kept)");
     }
     if (resp)
       shardwire__response__free_unpacked(resp, NULL);
@@ -1623,12 +1626,9 @@ shardd_err shardd_views_unregister(shardd_client_t *c, size_t n,
     Shardwire__Response *resp;
     rc = call_expect(c, &req, SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH, &resp, NULL);
     if (rc != SHARDD_OK) {
-      batch_errs_fill(resp, lo, hi, errs);
-      if (errs)
-        for (size_t i = hi; i < n; i++)
-          errs[i] = SHARDD_E_STATE;
-      batch_err_note(c, rc, hi, n,
-                     "the views of the entries before these are unregistered");
+      batch_fail(c, rc, resp, lo, hi, n, errs,
+                 "not checked (the views of the entries before these are "
+                 "unregistered)");
     }
     if (resp)
       shardwire__response__free_unpacked(resp, NULL);
@@ -1745,11 +1745,8 @@ shardd_err shardd_buffers_register(shardd_client_t *c, size_t n,
         rc = buffer_adopt(c, resp->buffers_batch->buffers[i - lo],
                           nfds ? fds[i - lo] : -1, &out[i]);
     } else {
-      batch_errs_fill(resp, lo, hi, errs);
-      if (errs)
-        for (size_t i = hi; i < n; i++)
-          errs[i] = SHARDD_E_STATE;
-      batch_err_note(c, rc, hi, n, "no buffer of this call was kept");
+      batch_fail(c, rc, resp, lo, hi, n, errs,
+                 "not checked (no buffer of this call was kept)");
     }
     for (int k = 0; k < nfds; k++)
       close(fds[k]);
@@ -1829,12 +1826,9 @@ shardd_err shardd_buffers_unregister(shardd_client_t *c, size_t n,
       for (size_t i = lo; i < hi; i++)
         unmap_buffer(c, buffers[i]);
     } else {
-      batch_errs_fill(resp, lo, hi, errs);
-      if (errs)
-        for (size_t i = hi; i < n; i++)
-          errs[i] = SHARDD_E_STATE;
-      batch_err_note(c, rc, hi, n,
-                     "the buffers of the entries before these are unregistered");
+      batch_fail(c, rc, resp, lo, hi, n, errs,
+                 "not checked (the buffers of the entries before these are "
+                 "unregistered)");
     }
     if (resp)
       shardwire__response__free_unpacked(resp, NULL);
@@ -2230,17 +2224,7 @@ static shardd_err bucket_call(shardd_client_t *c, size_t n,
       rc = set_err(c, SHARDD_E_PROTOCOL, "the daemon answered with body %d to "
                    "a bucket", (int)resp->body_case);
     if (rc != SHARDD_OK) {
-      batch_errs_fill(resp, lo, hi, errs);
-      if (errs)
-        for (size_t i = hi; i < n; i++)
-          errs[i] = SHARDD_E_STATE;
-      if (hi < n) {
-        char *copy = strdup(shardd_last_error(c));
-        if (copy)
-          set_err(c, rc, "%s; and the %zu entries after them were not sent",
-                  copy, n - hi);
-        free(copy);
-      }
+      batch_fail(c, rc, resp, lo, hi, n, errs, "were not sent");
     }
     if (resp)
       shardwire__response__free_unpacked(resp, NULL);
