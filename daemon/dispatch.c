@@ -522,28 +522,25 @@ static void batch_send(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   Shardwire__ViewsBatchReply vb = SHARDWIRE__VIEWS_BATCH_REPLY__INIT;
   Shardwire__BuffersBatchReply bb = SHARDWIRE__BUFFERS_BATCH_REPLY__INIT;
   Shardwire__BucketReply kb = SHARDWIRE__BUCKET_REPLY__INIT;
+  /* the three reply types carry the same error fields under their own
+   * generated names */
+#define BATCH_ERRORS(r)                                                       \
+  ((r).n_errors = b->n, (r).errors = b->errp, (r).has_errors_total = 1,      \
+   (r).errors_total = (uint32_t)b->total)
   if (strncmp(what, "bucket", 6) == 0) {
-    kb.n_errors = b->n;
-    kb.errors = b->errp;
-    kb.has_errors_total = 1;
-    kb.errors_total = (uint32_t)b->total;
+    BATCH_ERRORS(kb);
     resp.body_case = SHARDWIRE__RESPONSE__BODY_BUCKET;
     resp.bucket = &kb;
   } else if (strncmp(what, "buffer", 6) == 0) {
-    bb.n_errors = b->n;
-    bb.errors = b->errp;
-    bb.has_errors_total = 1;
-    bb.errors_total = (uint32_t)b->total;
+    BATCH_ERRORS(bb);
     resp.body_case = SHARDWIRE__RESPONSE__BODY_BUFFERS_BATCH;
     resp.buffers_batch = &bb;
   } else {
-    vb.n_errors = b->n;
-    vb.errors = b->errp;
-    vb.has_errors_total = 1;
-    vb.errors_total = (uint32_t)b->total;
+    BATCH_ERRORS(vb);
     resp.body_case = SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH;
     resp.views_batch = &vb;
   }
+#undef BATCH_ERRORS
   send_resp(d, c, &resp, -1);
   free(m);
 }
