@@ -8,9 +8,6 @@ decay, no moment update, and its own state["step"] does not advance. Ranks
 are processes (forkserver) of one job, each with its slice of the global
 batch and mean reduction, resident areas (the explicit loop with
 zero_grad(set_to_none=True)) and transient ones (the plain torch loop)."""
-import multiprocessing as mp
-import queue
-import time
 import unittest
 
 import common
@@ -203,45 +200,18 @@ def rank_main(rank, world, sock, job, case, model_name, kind, transient, auto_wr
 
 
 def run(case, model_name, kind, world, transient, auto_wrap="children", timeout=60):
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "numpy"])
-    q = ctx.Queue()
     job = common.job("skip")
-    procs = [ctx.Process(target=rank_main, name="rank%d" % r,
-                         args=(r, world, common.socket(), job, case, model_name, kind,
-                               transient, auto_wrap, q))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    out, done, error = None, set(), None
-    deadline = time.monotonic() + timeout
-    try:
-        while len(done) < world and error is None:
-            try:
-                msg = q.get(timeout=0.5)
-            except queue.Empty:
-                for p in procs:
-                    if p.exitcode not in (None, 0):
-                        error = "%s exited with %s" % (p.name, p.exitcode)
-                if time.monotonic() > deadline:
-                    error = "timed out after %.0fs" % timeout
-                continue
-            if msg[0] == "params":
-                out = (msg[1], msg[2])
-            elif msg[0] == "done":
-                done.add(msg[1])
-            elif msg[0] == "error":
-                error = "rank %d failed: %s" % (msg[1], msg[2])
-    finally:
-        if error is not None:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-        for p in procs:
-            p.join(10)
-    if error is not None:
-        raise RuntimeError(error)
-    return out
+    sock = common.socket()
+    out = []
+
+    def on_msg(msg):
+        if msg[0] == "params":
+            out.append((msg[1], msg[2]))
+
+    common.launch_ranks(rank_main, lambda r, q: (r, world, sock, job, case, model_name,
+                                                 kind, transient, auto_wrap, q),
+                        world, on_msg, timeout)
+    return out[-1] if out else None
 
 
 def rel(got, want):

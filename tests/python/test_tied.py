@@ -5,9 +5,6 @@ rule puts such a parameter in the unit of the users' lowest common ancestor
 replacement parameter, and training matches one process of plain
 torch.optim.AdamW on the full batch, resident and transient, 2 and 4 ranks.
 Ranks are processes (forkserver) of one job on the host backend."""
-import multiprocessing as mp
-import queue
-import time
 import unittest
 
 import common
@@ -178,50 +175,23 @@ def rank_main(rank, world, sock, job, name, auto_wrap, transient, q):
 
 def run(name, world, auto_wrap, transient, timeout=150):
     """-> dict(losses (mean over ranks per step), params, units, tied)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "numpy"])
-    q = ctx.Queue()
     job = common.job("tied")
-    procs = [ctx.Process(target=rank_main, name="rank%d" % r,
-                         args=(r, world, common.socket(), job, name, auto_wrap, transient, q))
-             for r in range(world)]
-    for p in procs:
-        p.start()
+    sock = common.socket()
     steps = {}
     out = {"losses": [None] * STEPS}
-    done, error = set(), None
-    deadline = time.monotonic() + timeout
-    try:
-        while len(done) < world and error is None:
-            try:
-                msg = q.get(timeout=0.5)
-            except queue.Empty:
-                for p in procs:
-                    if p.exitcode not in (None, 0):
-                        error = "%s exited with %s" % (p.name, p.exitcode)
-                if time.monotonic() > deadline:
-                    error = "timed out after %.0fs" % timeout
-                continue
-            if msg[0] == "loss":
-                _, r, s, loss = msg
-                steps.setdefault(s, {})[r] = loss
-                if len(steps[s]) == world:
-                    out["losses"][s] = sum(steps.pop(s).values()) / world
-            elif msg[0] == "params":
-                out["params"], out["units"], out["tied"] = msg[1], msg[2], msg[3]
-            elif msg[0] == "done":
-                done.add(msg[1])
-            elif msg[0] == "error":
-                error = "rank %d failed: %s" % (msg[1], msg[2])
-    finally:
-        if error is not None:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-        for p in procs:
-            p.join(10)
-    if error is not None:
-        raise RuntimeError(error)
+
+    def on_msg(msg):
+        if msg[0] == "loss":
+            _, r, s, loss = msg
+            steps.setdefault(s, {})[r] = loss
+            if len(steps[s]) == world:
+                out["losses"][s] = sum(steps.pop(s).values()) / world
+        elif msg[0] == "params":
+            out["params"], out["units"], out["tied"] = msg[1], msg[2], msg[3]
+
+    common.launch_ranks(rank_main, lambda r, q: (r, world, sock, job, name, auto_wrap,
+                                                 transient, q),
+                        world, on_msg, timeout)
     return out
 
 
