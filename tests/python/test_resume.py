@@ -295,6 +295,23 @@ class ResumeTest(unittest.TestCase):
         self.assertEqual(set(again.starts.values()), {4})
         self.assert_same_run(again.mean_losses(), again.params, ref)
 
+    def two_node_specs(self, prefix, job):
+        """A scratch root (removed at cleanup) with a rendezvous directory
+        and one --job-spec per node of a 2-node, 1-rank-each job:
+        -> (root, [spec of node 0, spec of node 1])."""
+        root = tempfile.mkdtemp(prefix=prefix)
+        self.addCleanup(shutil.rmtree, root, True)
+        os.chmod(root, 0o755)
+        rdv = os.path.join(root, "rdv")
+        os.mkdir(rdv)
+        specs = []
+        for n in range(2):
+            specs.append(os.path.join(root, "node%d.spec" % n))
+            with open(specs[-1], "w") as f:
+                f.write("job = %s\nworld = 2\nnodes = 2\nnode_rank = %d\n"
+                        "rendezvous = %s\nhost = 127.0.0.1\n" % (job, n, rdv))
+        return root, specs
+
     def test_collective_checkpoints_of_two_nodes_then_restore_and_relaunch(self):
         """Issue 19 (c) on 2 nodes: two daemons (one --job-spec each, a
         shared rendezvous and checkpoint directory), one rank on each;
@@ -302,20 +319,10 @@ class ResumeTest(unittest.TestCase):
         manifest; fresh daemons restore the step-4 checkpoint (each its own
         part, Client.restore) and a plain relaunch continues from step 4
         bit-identically to the uninterrupted 2-node run."""
-        root = tempfile.mkdtemp(prefix="shardd-ckpt2n-")
-        self.addCleanup(shutil.rmtree, root, True)
-        os.chmod(root, 0o755)
-        rdv = os.path.join(root, "rdv")
-        ck = os.path.join(root, "ck")
-        os.mkdir(rdv)
-        os.mkdir(ck)
         job = common.job("resume-2n")
-        specs = []
-        for n in range(2):
-            specs.append(os.path.join(root, "node%d.spec" % n))
-            with open(specs[-1], "w") as f:
-                f.write("job = %s\nworld = 2\nnodes = 2\nnode_rank = %d\n"
-                        "rendezvous = %s\nhost = 127.0.0.1\n" % (job, n, rdv))
+        root, specs = self.two_node_specs("shardd-ckpt2n-", job)
+        ck = os.path.join(root, "ck")
+        os.mkdir(ck)
 
         def pair():
             ds = [common.own_daemon(devices=1, extra_args=[
@@ -360,19 +367,9 @@ class ResumeTest(unittest.TestCase):
         Every step's loss and the final parameters equal the uninterrupted
         one-daemon run bit for bit."""
         ref = self.reference(2, False)
-        root = tempfile.mkdtemp(prefix="shardd-rejoin2n-")
-        self.addCleanup(shutil.rmtree, root, True)
-        os.chmod(root, 0o755)
-        rdv = os.path.join(root, "rdv")
-        ex = os.path.join(root, "exit")
-        os.mkdir(rdv)
         job = common.job("rejoin-2n")
-        specs = []
-        for n in range(2):
-            specs.append(os.path.join(root, "node%d.spec" % n))
-            with open(specs[-1], "w") as f:
-                f.write("job = %s\nworld = 2\nnodes = 2\nnode_rank = %d\n"
-                        "rendezvous = %s\nhost = 127.0.0.1\n" % (job, n, rdv))
+        root, specs = self.two_node_specs("shardd-rejoin2n-", job)
+        ex = os.path.join(root, "exit")
 
         def node(n, *more):
             d = common.own_daemon(devices=1, extra_args=[
