@@ -90,17 +90,25 @@ static int has_exit_part(const shardd__server *srv, const char *dir) {
 }
 
 /* DIR itself, or each DIR/JOB that holds a manifest (or this node's exit
- * part of a multi-node job). */
+ * part of a multi-node job). Returns how many jobs could not be restored:
+ * each is logged and skipped, because one damaged job must not keep the
+ * others from serving (under Restart=on-failure an exit would be a restart
+ * loop). A DIR that does not exist yet (the first start of a unit that
+ * restores its own exit checkpoint) restores nothing. */
 static int restore_all(shardd__server *srv, const char *dir) {
   char path[4096];
   struct stat st;
   snprintf(path, sizeof path, "%s/manifest", dir);
   if (stat(path, &st) == 0 || has_exit_part(srv, dir))
-    return restore_one(srv, dir);
+    return restore_one(srv, dir) != 0;
   DIR *d = opendir(dir);
   if (d == NULL) {
+    if (errno == ENOENT) {
+      shardd__log(1, "--restore %s: no such directory; nothing restored", dir);
+      return 0;
+    }
     shardd__log(0, "--restore %s: %s", dir, strerror(errno));
-    return -1;
+    return 1;
   }
   int rc = 0, n = 0;
   for (struct dirent *e; (e = readdir(d)) != NULL;) {
@@ -120,7 +128,7 @@ static int restore_all(shardd__server *srv, const char *dir) {
     snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
     n++;
     if (restore_one(srv, path) != 0)
-      rc = -1;
+      rc++;
   }
   closedir(d);
   if (n == 0)
@@ -208,11 +216,11 @@ static shardd_err start_server(shardd__server *srv, uv_loop_t *loop,
   shardd_err rc = shardd__server_init(srv, loop, backend, &cli->opts, err, sizeof err);
   if (rc != SHARDD_OK) {
     fprintf(stderr, "shardd: %s\n", err);
-  } else if (cli->restore && restore_all(srv, cli->restore) != 0) {
-    fprintf(stderr, "shardd: --restore %s failed; not serving\n", cli->restore);
-    shardd__server_stop(srv);
-    rc = SHARDD_E_INVAL;
   } else {
+    int failed = cli->restore ? restore_all(srv, cli->restore) : 0;
+    if (failed > 0)
+      shardd__log(0, "--restore %s: %d job%s not restored (each named above); "
+                  "serving the others", cli->restore, failed, failed == 1 ? "" : "s");
     return SHARDD_OK;
   }
   uv_run(loop, UV_RUN_DEFAULT);

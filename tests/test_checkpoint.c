@@ -1329,7 +1329,7 @@ Test(checkpoint, manifest_without_a_job_line_is_refused) {
   }
 }
 
-Test(checkpoint, jobless_manifest_neither_kills_a_daemon_nor_loops_its_start,
+Test(checkpoint, jobless_manifest_neither_kills_a_daemon_nor_stops_its_start,
      .timeout = 60) {
   char path[256];
   snprintf(path, sizeof path, "%s/manifest", dir);
@@ -1343,23 +1343,56 @@ Test(checkpoint, jobless_manifest_neither_kills_a_daemon_nor_loops_its_start,
   cr_assert_eq(shardd_ping(c), SHARDD_OK, "the daemon died of a jobless manifest");
   shardd_close(c);
   cr_assert_eq(test_daemon_stop(&d), 0);
-  /* at start: refused with an exit code, not a signal (a crash loop) */
-  pid_t pid = fork();
-  cr_assert(pid >= 0);
-  if (pid == 0) {
-    char sock[300];
-    snprintf(sock, sizeof sock, "%s/s.sock", dir);
-    int nul = open("/dev/null", O_WRONLY);
-    dup2(nul, 2);
-    execl(test_bin("SHARDD_BIN", "build/shardd"), "shardd", "--socket", sock,
-          "--restore", dir, (char *)NULL);
-    _exit(127);
-  }
-  int st;
-  cr_assert(test_wait_exit(pid, &st), "shardd --restore did not exit");
-  cr_assert(WIFEXITED(st), "shardd --restore died of signal %d", WTERMSIG(st));
-  cr_assert_neq(WEXITSTATUS(st), 0);
-  cr_assert_neq(WEXITSTATUS(st), 127);
+  /* at start: skipped and named, and the daemon serves (an exit would be
+   * a restart loop under Restart=on-failure) */
+  test_daemon_start(&d, (const char *const[]){"--restore", dir, NULL});
+  c = test_connect(&d, "alive", 0, 1);
+  cr_assert_eq(shardd_ping(c), SHARDD_OK, "%s", shardd_last_error(c));
+  shardd_close(c);
+  cr_assert(test_daemon_log_has(&d, "1 job not restored"), "the refusal was not logged");
+  cr_assert_eq(test_daemon_stop(&d), 0);
+}
+
+/* One damaged job in a --restore directory of several costs that job
+ * only: the healthy one is restored and continues bit for bit, the other
+ * is named in the log, and the daemon serves. A --restore directory that
+ * does not exist yet (a unit restoring its own exit checkpoint on its
+ * first start) restores nothing and serves. */
+Test(checkpoint, a_damaged_job_at_start_costs_only_that_job, .timeout = 60) {
+  static float uninterrupted[NUMEL + HALF], resumed[NUMEL + HALF];
+  char all[128], ck[160], bad[160], path[200];
+  snprintf(all, sizeof all, "%s/exit", dir);
+  snprintf(ck, sizeof ck, "%s/good", all);
+  snprintf(bad, sizeof bad, "%s/bad", all);
+  cr_assert_eq(mkdir(all, 0700), 0);
+  cr_assert_eq(mkdir(bad, 0700), 0);
+  snprintf(path, sizeof path, "%s/manifest", bad);
+  write_text(path, "shardd-checkpoint 2\nend\n");
+
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--devices", "2", NULL});
+  run_job(&d, 5, 0, NULL, uninterrupted);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+  test_daemon_start(&d, (const char *const[]){"--devices", "2", NULL});
+  run_job(&d, 3, 0, ck, NULL);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+
+  test_daemon_start(&d, (const char *const[]){"--devices", "2", "--restore", all, NULL});
+  cr_assert(test_daemon_log_has(&d, "/bad"), "the damaged job was not named");
+  cr_assert(test_daemon_log_has(&d, "1 job not restored"));
+  run_job(&d, 2, 3, NULL, resumed);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+  for (int i = 0; i < NUMEL + HALF; i++)
+    cr_assert_eq(memcmp(&uninterrupted[i], &resumed[i], sizeof(float)), 0,
+                 "element %d: %.9g uninterrupted, %.9g resumed", i,
+                 (double)uninterrupted[i], (double)resumed[i]);
+
+  snprintf(path, sizeof path, "%s/not-yet", dir);
+  test_daemon_start(&d, (const char *const[]){"--restore", path, NULL});
+  shardd_client_t *c = test_connect(&d, "fresh", 0, 1);
+  cr_assert_eq(shardd_ping(c), SHARDD_OK, "%s", shardd_last_error(c));
+  shardd_close(c);
+  cr_assert_eq(test_daemon_stop(&d), 0);
 }
 
 /* A new checkpoint into the directory of the last one used to unlink the
