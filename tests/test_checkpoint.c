@@ -2351,3 +2351,132 @@ Test(checkpoint, sigterm_while_a_step_runs_checkpoints_it_whole_or_not_at_all,
   test_raw_close(&b);
   cr_assert_eq(test_daemon_stop(&d), 0);
 }
+
+/* ---- collective checkpoints: replies by what the daemon issued --------- */
+
+static uint64_t send_collective_checkpoint(test_raw *r, const char *ck) {
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Checkpoint cp = SHARDWIRE__CHECKPOINT__INIT;
+  cp.dir = (char *)ck;
+  cp.has_collective = 1;
+  cp.collective = 1;
+  req.body_case = SHARDWIRE__REQUEST__BODY_CHECKPOINT;
+  req.checkpoint = &cp;
+  return test_raw_send(r, &req);
+}
+
+/* A gather sent with a seq of the test's choosing (libshardd never reuses
+ * one; a hostile client may). */
+static void send_gather_as(test_raw *r, uint64_t buf, uint64_t seq) {
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Gather g = SHARDWIRE__GATHER__INIT;
+  g.buffer = buf;
+  req.seq = seq;
+  req.body_case = SHARDWIRE__REQUEST__BODY_GATHER;
+  req.gather = &g;
+  test_raw_send(r, &req);
+}
+
+/* Hello as rank of job until the daemon takes it (the job of that name
+ * before it may still be going away); fails the test after the hang guard. */
+static void hello_when_free(const test_daemon *d, test_raw *r, const char *job,
+                            uint32_t rank, uint32_t world) {
+  for (double end = test_mono_s() + TEST_HANG_S;;) {
+    test_raw_open(d, r);
+    uint64_t seq = test_raw_send_hello(r, SHARDD_PROTOCOL_VERSION, job, rank, world);
+    Shardwire__Response *resp = test_raw_recv(r);
+    cr_assert_not_null(resp, "the daemon closed the connection at Hello");
+    cr_assert_eq(resp->seq, seq);
+    int ok = resp->code == SHARDWIRE__STATUS_CODE__OK;
+    shardwire__response__free_unpacked(resp, NULL);
+    if (ok)
+      return;
+    test_raw_close(r);
+    cr_assert(test_mono_s() < end, "job \"%s\" was never released", job);
+    test_sleep_ms(10);
+  }
+}
+
+/* Rank 0 asks for a collective checkpoint, then sends a gather with that
+ * request's seq. The gather is refused (E_PROTOCOL, naming the seq): it
+ * used to be taken, and its end, routed by the seq alone, stood in for the
+ * checkpoint barrier's, leaving a half-arrived checkpoint group that
+ * outlived the job (--job-linger 0: released when both ranks left). The
+ * next job of that name, world 4, found that group by the freed job's
+ * address and wrote its ranks past the group's [2] (a heap overflow, or
+ * under ASan the freed job read at exit). Here the new job's collective
+ * checkpoint is written and the daemon exits clean. */
+Test(checkpoint, a_gather_reusing_a_collective_checkpoints_seq_strands_nothing,
+     .timeout = 90) {
+  char ck[128], ck2[128], path[200];
+  snprintf(ck, sizeof ck, "%s/first", dir);
+  snprintf(ck2, sizeof ck2, "%s/second", dir);
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--job-linger", "0", NULL});
+  test_raw a, b;
+  test_raw_open(&d, &a);
+  test_raw_open(&d, &b);
+  test_raw_hello(&a, "reuse", 0, 2);
+  test_raw_hello(&b, "reuse", 1, 2);
+  shardd_buffer_info ia, ib;
+  test_raw_register_buffer(&a, "flat", SHARDD_DTYPE_FP32, 1000, &ia);
+  test_raw_register_buffer(&b, "flat", SHARDD_DTYPE_FP32, 1000, &ib);
+
+  uint64_t s = send_collective_checkpoint(&a, ck); /* waits for rank 1 */
+  send_gather_as(&a, ia.id, s);
+  Shardwire__Response *early;
+  test_raw_sync_keep(&a, &early);
+  int refused = early != NULL;
+  cr_expect(refused, "a gather reusing the seq of the rank's pending collective "
+            "checkpoint was taken");
+  if (early) {
+    cr_expect_eq(early->seq, s);
+    cr_expect_eq((int)early->code, (int)SHARDD_E_PROTOCOL, "%s: %s",
+                 shardd_err_name((shardd_err)early->code),
+                 early->message ? early->message : "");
+    char want[64];
+    snprintf(want, sizeof want, "seq %" PRIu64, s);
+    cr_expect(early->message && strstr(early->message, want) &&
+                  strstr(early->message, "collective checkpoint"),
+              "%s", early->message ? early->message : "");
+    shardwire__response__free_unpacked(early, NULL);
+  }
+  /* rank 1's gather pairs with rank 0's: the refused one's replacement, or
+   * (before) the one taken under the checkpoint's seq */
+  uint64_t gb = test_raw_send_gather(&b, ib.id);
+  if (refused) {
+    uint64_t ga = test_raw_send_gather(&a, ia.id);
+    shardwire__response__free_unpacked(test_raw_expect(&a, ga, SHARDD_OK), NULL);
+  }
+  shardwire__response__free_unpacked(test_raw_expect(&b, gb, SHARDD_OK), NULL);
+  test_raw_close(&a); /* its checkpoint never had rank 1's request */
+  test_raw_close(&b);
+
+  /* the next job of that name, another world: its ranks' checkpoint */
+  test_raw r[4];
+  hello_when_free(&d, &r[0], "reuse", 0, 4);
+  for (uint32_t k = 1; k < 4; k++) {
+    test_raw_open(&d, &r[k]);
+    test_raw_hello(&r[k], "reuse", k, 4);
+  }
+  uint64_t seqs[4];
+  for (uint32_t k = 0; k < 4; k++) {
+    shardd_buffer_info bi;
+    test_raw_register_buffer(&r[k], "flat", SHARDD_DTYPE_FP32, 1000, &bi);
+    seqs[k] = send_collective_checkpoint(&r[k], ck2);
+  }
+  for (uint32_t k = 0; k < 4; k++) {
+    Shardwire__Response *resp = test_raw_recv(&r[k]);
+    cr_assert_not_null(resp, "rank %u's connection closed (the daemon died?)", k);
+    cr_expect_eq(resp->seq, seqs[k]);
+    cr_expect_eq((int)resp->code, (int)SHARDD_OK, "rank %u: %s (%s)", k,
+                 shardd_err_name((shardd_err)resp->code),
+                 resp->message ? resp->message : "");
+    shardwire__response__free_unpacked(resp, NULL);
+  }
+  snprintf(path, sizeof path, "%s/manifest", ck2);
+  cr_expect_eq(access(path, R_OK), 0, "no %s", path);
+  for (uint32_t k = 0; k < 4; k++)
+    test_raw_close(&r[k]);
+  test_daemon_finish(&d);
+}
