@@ -1469,6 +1469,12 @@ static void on_checkpoint_collective(shardd__dispatch *d, shardd__conn *c,
  * refused, and computes what it would have without the checkpoint. */
 #define CKPT_WAIT_MAX 86400
 #define HELD_MAX_BYTES ((size_t)4 << 20) /* per connection */
+/* Waiting checkpoints each hold their paths (PATH_MAX at most) and a pin
+ * of their job, and they used to pile up without a bound: one connection's
+ * OOM-killed the daemon. A job's are taken one after another, so a few
+ * are all an operator needs; past these, E_LIMIT (README, security). */
+#define CKPT_PENDS_PER_SESSION 16
+#define CKPT_PENDS_PER_UID 64 /* uids other than root */
 
 typedef struct shardd__ckpt_pend {
   shardd__conn *c;
@@ -1495,6 +1501,28 @@ static int pend_may_start(shardd__dispatch *d, const shardd__job *job) {
 static void pend_add(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                      shardd__job *job, const char *dir, const char *home,
                      double wait_s) {
+  /* a walk over every wait: they are few (the bounds), and one is added
+   * only by an operator's request */
+  uint32_t mine = 0, uids = 0;
+  for (const ckpt_pend *q = d->ckpt_pends; q; q = q->next) {
+    mine += q->c == c;
+    uids += q->as_uid == (int64_t)c->peer.uid;
+  }
+  char err[ERRLEN];
+  if (mine >= CKPT_PENDS_PER_SESSION) {
+    snprintf(err, sizeof err, "this session has %d checkpoints waiting for "
+             "their job's quiescent point, the bound per session; ask again "
+             "once one has ended", CKPT_PENDS_PER_SESSION);
+    reply(d, c, seq, SHARDD_E_LIMIT, err);
+    return;
+  }
+  if (c->peer.uid != 0 && uids >= CKPT_PENDS_PER_UID) {
+    snprintf(err, sizeof err, "uid %" PRIu32 " has %d checkpoints waiting for "
+             "their job's quiescent point, the bound per uid; ask again once "
+             "one has ended", (uint32_t)c->peer.uid, CKPT_PENDS_PER_UID);
+    reply(d, c, seq, SHARDD_E_LIMIT, err);
+    return;
+  }
   ckpt_pend *p = calloc(1, sizeof *p);
   if (p == NULL || (p->dir = strdup(dir)) == NULL ||
       (home && (p->home = strdup(home)) == NULL) ||

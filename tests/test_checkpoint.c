@@ -2480,3 +2480,161 @@ Test(checkpoint, a_gather_reusing_a_collective_checkpoints_seq_strands_nothing,
     test_raw_close(&r[k]);
   test_daemon_finish(&d);
 }
+
+/* ---- operators' checkpoints waiting: bounded -------------------------- */
+
+/* the daemon's bounds (README, security) */
+#define PEND_PER_SESSION 16
+#define PEND_PER_UID 64
+
+/* A checkpoint dir of len bytes: dir/ then 'a's. */
+static char *long_dir(size_t len) {
+  char *p = malloc(len + 1);
+  cr_assert_not_null(p);
+  int n = snprintf(p, len + 1, "%s/", dir);
+  memset(p + n, 'a', len - (size_t)n);
+  p[len] = '\0';
+  return p;
+}
+
+/* In a child as uid: job "busy" whose rank 0 waits in a gather, then
+ * sessions asking for checkpoints of it that may wait 60 s. A dir longer
+ * than PATH_MAX is refused at once; 16 per session wait and the 17th is
+ * refused; four sessions' 64 wait and a fifth session's first is refused
+ * naming the bound per uid. Then it keeps everything open until the
+ * parent writes to go_fd. Exit code 0, else the check that failed (its
+ * reply in msg_fd). */
+static int pend_as(const test_daemon *d, uid_t uid, int msg_fd, int go_fd) {
+  if (setgid(uid) != 0 || setuid(uid) != 0)
+    return 100;
+  test_raw job, s[5];
+  test_raw_open(d, &job);
+  test_raw_hello(&job, "busy", 0, 2);
+  shardd_buffer_info bi;
+  test_raw_register_buffer(&job, "flat", SHARDD_DTYPE_FP32, 1000, &bi);
+  test_raw_send_gather(&job, bi.id);
+  test_raw_sync(&job);
+  char *path = long_dir(4000), *huge = long_dir((size_t)1 << 20);
+  Shardwire__Response *early;
+  int code = 0;
+#define PEND_FAIL(n, resp)                                                     \
+  do {                                                                         \
+    const char *m_ = (resp) && (resp)->message ? (resp)->message : "(no reply)"; \
+    if (write(msg_fd, m_, strlen(m_)) < 0) {                                   \
+    }                                                                          \
+    code = (n);                                                                \
+    goto out;                                                                  \
+  } while (0)
+  for (int k = 0; k < 5; k++) {
+    test_raw_open(d, &s[k]);
+    test_raw_hello(&s[k], NULL, 0, 0);
+  }
+  /* a path past PATH_MAX is never stored */
+  uint64_t seq = send_checkpoint_wait(&s[0], "busy", huge, 60);
+  test_raw_sync_keep(&s[0], &early);
+  if (early == NULL || early->seq != seq ||
+      early->code != SHARDWIRE__STATUS_CODE__E_RANGE ||
+      !strstr(early->message, "PATH_MAX"))
+    PEND_FAIL(1, early);
+  shardwire__response__free_unpacked(early, NULL);
+  for (int k = 0; k < 4; k++) {
+    for (int i = 0; i < PEND_PER_SESSION; i++)
+      send_checkpoint_wait(&s[k], "busy", path, 60);
+    test_raw_sync_keep(&s[k], &early);
+    if (early)
+      PEND_FAIL(2, early); /* all of them wait */
+  }
+  seq = send_checkpoint_wait(&s[0], "busy", path, 60);
+  test_raw_sync_keep(&s[0], &early);
+  if (early == NULL || early->seq != seq ||
+      early->code != SHARDWIRE__STATUS_CODE__E_LIMIT ||
+      !strstr(early->message, "16") || !strstr(early->message, "per session"))
+    PEND_FAIL(3, early);
+  shardwire__response__free_unpacked(early, NULL);
+  seq = send_checkpoint_wait(&s[4], "busy", path, 60);
+  test_raw_sync_keep(&s[4], &early);
+  if (early == NULL || early->seq != seq ||
+      early->code != SHARDWIRE__STATUS_CODE__E_LIMIT ||
+      !strstr(early->message, "64") || !strstr(early->message, "per uid"))
+    PEND_FAIL(4, early);
+  shardwire__response__free_unpacked(early, NULL);
+#undef PEND_FAIL
+  if (write(msg_fd, "ok", 2) < 0)
+    code = 101;
+  char go;
+  if (read(go_fd, &go, 1) != 1)
+    code = 102;
+out:
+  free(path);
+  free(huge);
+  return code;
+}
+
+/* One uid's operator checkpoints waiting for a quiescent point used to pile
+ * up without a bound, each holding its path (a connection sending 1 MiB
+ * paths OOM-killed the daemon in 24 s). Now a path is bounded by PATH_MAX
+ * before it is stored, and the waits by 16 per session and 64 per uid
+ * other than root (E_LIMIT naming the bound); meanwhile another client's
+ * Ping is answered and root's own checkpoint of a busy job still waits. */
+Test(checkpoint, waiting_operator_checkpoints_are_bounded_per_session_and_uid,
+     .timeout = 120) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as a second uid");
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--job-linger", "600", NULL});
+  cr_assert_eq(chmod(d.dir, 0755), 0);
+  cr_assert_eq(chmod(d.sock, 0666), 0);
+  int msg[2], go[2];
+  cr_assert_eq(pipe(msg), 0);
+  cr_assert_eq(pipe(go), 0);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0) {
+    close(msg[0]);
+    close(go[1]);
+    _exit(pend_as(&d, 4242, msg[1], go[0]));
+  }
+  close(msg[1]);
+  close(go[0]);
+  char text[512];
+  ssize_t n = read(msg[0], text, sizeof text - 1);
+  text[n > 0 ? n : 0] = '\0';
+  if (strcmp(text, "ok") != 0) { /* it has exited */
+    int st;
+    cr_assert(test_wait_exit(pid, &st), "the uid 4242 child did not finish");
+    cr_assert_fail("the uid 4242 child: step %d: %s",
+                   WIFEXITED(st) ? WEXITSTATUS(st) : -1, text);
+  }
+
+  /* another client is served, and root's own job may still wait */
+  test_raw p, rk;
+  test_raw_open(&d, &p);
+  test_raw_hello(&p, NULL, 0, 0);
+  test_raw_sync(&p);
+  test_raw_open(&d, &rk);
+  test_raw_hello(&rk, "rootjob", 0, 2);
+  shardd_buffer_info bi;
+  test_raw_register_buffer(&rk, "flat", SHARDD_DTYPE_FP32, 1000, &bi);
+  test_raw_send_gather(&rk, bi.id);
+  test_raw_sync(&rk);
+  char ck[128];
+  snprintf(ck, sizeof ck, "%s/rootck", dir);
+  send_checkpoint_wait(&p, "rootjob", ck, 60);
+  Shardwire__Response *early;
+  test_raw_sync_keep(&p, &early);
+  cr_expect_null(early, "root's checkpoint was refused: %s",
+                 early && early->message ? early->message : "");
+  if (early)
+    shardwire__response__free_unpacked(early, NULL);
+
+  cr_assert_eq(write(go[1], "g", 1), 1);
+  close(go[1]);
+  close(msg[0]);
+  int st;
+  cr_assert(test_wait_exit(pid, &st), "the uid 4242 child did not finish");
+  cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the uid 4242 child: step %d, %s",
+            WIFEXITED(st) ? WEXITSTATUS(st) : -1, text);
+  test_raw_close(&p);
+  test_raw_close(&rk);
+  test_daemon_finish(&d);
+}
