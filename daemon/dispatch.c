@@ -1185,7 +1185,8 @@ static void ckpt_group_answer(ckpt_group *g, shardd_err rc, const char *err) {
 
 /* jobs.c releases job: its collective checkpoints that never started (some
  * ranks asked, then every rank left) go with it; a rank still held would
- * have kept the job, but is answered if there is one. */
+ * have kept the job, but is answered if there is one. (None is deferring
+ * or being written: either keeps the job.) */
 static void job_released(void *arg, shardd__job *job) {
   shardd__dispatch *d = arg;
   for (ckpt_group *g = d->ckpt_groups, *next; g; g = next) {
