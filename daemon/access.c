@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -108,6 +109,12 @@ shardd_err shardd__access_checkpoint_dir(const char *root, uint32_t uid,
     snprintf(err, errlen, "checkpoint directory \"%s\" is not an absolute path",
              dir ? dir : "");
     return SHARDD_E_PERMISSION;
+  }
+  /* bounded before anything keeps a copy (a wait holds it for minutes) */
+  if (strnlen(dir, PATH_MAX) >= PATH_MAX) {
+    snprintf(err, errlen, "checkpoint directory \"%.64s...\" is %zu bytes, "
+             "longer than PATH_MAX (%d) allows", dir, strlen(dir), PATH_MAX - 1);
+    return SHARDD_E_RANGE;
   }
   for (const char *p = dir; (p = strchr(p, '/')) != NULL; p++) {
     if ((p[1] == '.' && (p[2] == '/' || p[2] == '\0')) ||

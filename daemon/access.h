@@ -52,7 +52,8 @@ shardd_err shardd__access_release(const shardd__peer *p, const shardd__job *job,
  * absolute paths without "." or ".." parts; when root (--checkpoint-root)
  * is not NULL, below root for uid 0 and below root/UID, that user's own
  * directory (see shardd__checkpoint_user_dir), for any other uid.
- * SHARDD_E_PERMISSION with the reason otherwise. */
+ * SHARDD_E_PERMISSION with the reason otherwise; SHARDD_E_RANGE for a
+ * path of PATH_MAX bytes or more. */
 shardd_err shardd__access_checkpoint_dir(const char *root, uint32_t uid,
                                          const char *dir, char *err,
                                          size_t errlen);

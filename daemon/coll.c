@@ -113,6 +113,15 @@ int shardd__coll_gathering(const shardd__coll_engine *e,
   return 0;
 }
 
+int shardd__coll_member_waits(const shardd__coll_engine *e,
+                              const shardd__coll_member *m, uint64_t seq) {
+  const coll_job *cj = m->job ? shardd__map_get_id(&e->jobs, job_key(m->job)) : NULL;
+  for (const coll *c = cj ? cj->head : NULL; c; c = c->next)
+    if (c->waiters[m->rank].m == m && c->waiters[m->rank].seq == seq)
+      return 1;
+  return 0;
+}
+
 void shardd__coll_job_free(shardd__coll_engine *e, shardd__job *job) {
   coll_job *cj = shardd__map_del_id(&e->jobs, job_key(job));
   if (cj)

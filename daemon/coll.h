@@ -223,6 +223,13 @@ void shardd__coll_fabric_state(shardd__coll_engine *e, const shardd__job *job,
 int shardd__coll_gathering(const shardd__coll_engine *e,
                            const shardd__buffer *b);
 
+/* Whether m waits in a collective it submitted with seq (queued, or
+ * running and not yet answered): the caller keeps state by a request's
+ * seq only for seqs no collective of m will also end with. O(the job's
+ * queue). */
+int shardd__coll_member_waits(const shardd__coll_engine *e,
+                              const shardd__coll_member *m, uint64_t seq);
+
 /* "gather", "scatter", "step" (messages, status). */
 const char *shardd__coll_kind_word(shardd__coll_kind k);
 

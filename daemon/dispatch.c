@@ -108,6 +108,19 @@ void shardd__dispatch_refuse(shardd__dispatch *d, shardd__conn *c,
 typedef void (*handler)(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                         const Shardwire__Request *req);
 
+/* The collective engine answers by a request's seq, and the daemon keeps
+ * what a collective checkpoint or a bucket waits for by it: a request that
+ * reuses the seq of one still being answered (what) would have its end
+ * taken for theirs, or theirs for its, so it is refused. */
+static void seq_refuse(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                       const char *what) {
+  char msg[ERRLEN];
+  snprintf(msg, sizeof msg, "seq %" PRIu64 " is the seq of this session's "
+           "%s: every request needs a seq of its own until it is answered",
+           seq, what);
+  reply(d, c, seq, SHARDD_E_PROTOCOL, msg);
+}
+
 static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                      const Shardwire__Request *req) {
   const Shardwire__Hello *h = req->hello;
@@ -1097,7 +1110,10 @@ static shardd_err checkpoint_dir_ok(shardd__dispatch *d, const shardd__conn *c,
 
 typedef struct shardd__ckpt_group {
   shardd__dispatch *d;
+  /* the job it belongs to: it is failed and freed as the job is released
+   * (job_released), so no later job at that address finds it */
   shardd__job *job;
+  uint32_t world; /* job's, the length of conns and seqs */
   uint32_t arrived;
   int mismatch;
   uint32_t other_dir; /* multi-node: 1 + a node that named another dir; 0 none */
@@ -1141,7 +1157,7 @@ static void ckpt_group_free(ckpt_group *g) {
       *p = g->next;
       break;
     }
-  for (uint32_t r = 0; r < g->job->world; r++)
+  for (uint32_t r = 0; r < g->world; r++)
     if (g->conns[r]) {
       free(g->conns[r]->ckc_dir);
       g->conns[r]->ckc_dir = NULL;
@@ -1155,7 +1171,7 @@ static void ckpt_group_free(ckpt_group *g) {
 }
 
 static void ckpt_group_answer(ckpt_group *g, shardd_err rc, const char *err) {
-  for (uint32_t r = 0; r < g->job->world; r++) {
+  for (uint32_t r = 0; r < g->world; r++) {
     shardd__conn *c = g->conns[r];
     if (c == NULL)
       continue;
@@ -1165,6 +1181,24 @@ static void ckpt_group_answer(ckpt_group *g, shardd_err rc, const char *err) {
       reply(g->d, c, g->seqs[r], rc, err);
   }
   ckpt_group_free(g);
+}
+
+/* jobs.c releases job: its collective checkpoints that never started (some
+ * ranks asked, then every rank left) go with it; a rank still held would
+ * have kept the job, but is answered if there is one. (None is deferring
+ * or being written: either keeps the job.) */
+static void job_released(void *arg, shardd__job *job) {
+  shardd__dispatch *d = arg;
+  for (ckpt_group *g = d->ckpt_groups, *next; g; g = next) {
+    next = g->next;
+    if (g->job != job)
+      continue;
+    char err[ERRLEN];
+    snprintf(err, sizeof err, "job \"%s\" was released before every rank "
+             "asked for its collective checkpoint into %s", job->name, g->dir);
+    shardd__log(2, "%s; the checkpoint is dropped", err);
+    ckpt_group_answer(g, SHARDD_E_STATE, err);
+  }
 }
 
 /* A multi-node job's part is written (or failed) here: the seal exchange
@@ -1328,6 +1362,7 @@ static void ckpt_barrier_done(shardd__dispatch *d, shardd__conn *c,
     }
     g->d = d;
     g->job = job;
+    g->world = job->world;
     g->next = d->ckpt_groups;
     d->ckpt_groups = g;
   }
@@ -1393,6 +1428,12 @@ static void on_checkpoint_collective(shardd__dispatch *d, shardd__conn *c,
           "this rank's collective checkpoint is still being taken");
     return;
   }
+  /* its barrier's end is told apart from the rank's other collectives by
+   * the seq: one they will also end with is refused */
+  if (shardd__coll_member_waits(d->coll, &c->m, seq)) {
+    seq_refuse(d, c, seq, "collective still in flight");
+    return;
+  }
   if ((c->ckc_dir = strdup(dir)) == NULL) {
     reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
@@ -1429,6 +1470,12 @@ static void on_checkpoint_collective(shardd__dispatch *d, shardd__conn *c,
  * refused, and computes what it would have without the checkpoint. */
 #define CKPT_WAIT_MAX 86400
 #define HELD_MAX_BYTES ((size_t)4 << 20) /* per connection */
+/* Waiting checkpoints each hold their paths (PATH_MAX at most) and a pin
+ * of their job, and they used to pile up without a bound: one connection's
+ * OOM-killed the daemon. A job's are taken one after another, so a few
+ * are all an operator needs; past these, E_LIMIT (README, security). */
+#define CKPT_PENDS_PER_SESSION 16
+#define CKPT_PENDS_PER_UID 64 /* uids other than root */
 
 typedef struct shardd__ckpt_pend {
   shardd__conn *c;
@@ -1455,6 +1502,28 @@ static int pend_may_start(shardd__dispatch *d, const shardd__job *job) {
 static void pend_add(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                      shardd__job *job, const char *dir, const char *home,
                      double wait_s) {
+  /* a walk over every wait: they are few (the bounds), and one is added
+   * only by an operator's request */
+  uint32_t mine = 0, uids = 0;
+  for (const ckpt_pend *q = d->ckpt_pends; q; q = q->next) {
+    mine += q->c == c;
+    uids += q->as_uid == (int64_t)c->peer.uid;
+  }
+  char err[ERRLEN];
+  if (mine >= CKPT_PENDS_PER_SESSION) {
+    snprintf(err, sizeof err, "this session has %d checkpoints waiting for "
+             "their job's quiescent point, the bound per session; ask again "
+             "once one has ended", CKPT_PENDS_PER_SESSION);
+    reply(d, c, seq, SHARDD_E_LIMIT, err);
+    return;
+  }
+  if (c->peer.uid != 0 && uids >= CKPT_PENDS_PER_UID) {
+    snprintf(err, sizeof err, "uid %" PRIu32 " has %d checkpoints waiting for "
+             "their job's quiescent point, the bound per uid; ask again once "
+             "one has ended", (uint32_t)c->peer.uid, CKPT_PENDS_PER_UID);
+    reply(d, c, seq, SHARDD_E_LIMIT, err);
+    return;
+  }
   ckpt_pend *p = calloc(1, sizeof *p);
   if (p == NULL || (p->dir = strdup(dir)) == NULL ||
       (home && (p->home = strdup(home)) == NULL) ||
@@ -2079,15 +2148,8 @@ static void on_release_job(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     reply(d, c, seq, rc, err);
     return;
   }
-  /* collective checkpoints some ranks asked for before all left can
-   * never be taken now; they go with the job */
-  if (shardd__jobs_clients(&d->jobs, job) == 0 &&
-      !shardd__jobs_checkpointing(&d->jobs, job))
-    for (ckpt_group *g = d->ckpt_groups, *next; g; g = next) {
-      next = g->next;
-      if (g->job == job && !g->deferring)
-        ckpt_group_free(g);
-    }
+  /* collective checkpoints some ranks asked for before all left go with
+   * the job (job_released) */
   char qualified[300];
   if (job->uid != c->peer.uid)
     snprintf(qualified, sizeof qualified, "%" PRIu32 "/%s", job->uid, job->name);
@@ -2235,6 +2297,10 @@ static void on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
              "scatter buckets are fine)", job->name,
              d->reg.leases_per_rank[SHARDD__AREA_GATHER]);
     reply(d, c, seq, SHARDD_E_STATE, err);
+    return;
+  }
+  if (shardd__coll_member_waits(d->coll, &c->m, seq)) {
+    seq_refuse(d, c, seq, "collective still in flight");
     return;
   }
   uint32_t room = d->opts.max_pending > c->m.pending
@@ -2413,6 +2479,10 @@ static void dispatch_one(shardd__dispatch *d, shardd__conn *c,
     i++;
   if (req->body_case != SHARDWIRE__REQUEST__BODY_HELLO && !c->hello_done)
     reply(d, c, seq, SHARDD_E_STATE, "the first request must be Hello");
+  else if (c->ckc_dir && seq == c->ckc_seq)
+    seq_refuse(d, c, seq, "collective checkpoint, still being taken");
+  else if (d->buckets && bucket_find(d, c, seq))
+    seq_refuse(d, c, seq, "bucket, still running");
   else if ((i == n || commands[i].needs_job) && c->m.job == NULL)
     reply(d, c, seq, SHARDD_E_STATE,
           "this is a control session (Hello without a job); it cannot "
@@ -2651,7 +2721,7 @@ shardd_err shardd__dispatch_init(shardd__dispatch *d, uv_loop_t *loop,
     return SHARDD_E_NO_MEMORY;
   }
   shardd__jobs_init(&d->jobs, loop, &d->reg, d->coll, opts->job_linger,
-                    opts->jobspecs, opts->njobspecs);
+                    opts->jobspecs, opts->njobspecs, job_released, d);
   return SHARDD_OK;
 }
 

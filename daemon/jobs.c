@@ -90,8 +90,11 @@ static void slot_free(slot *s) {
 
 void shardd__jobs_init(shardd__jobs *j, uv_loop_t *loop, shardd__registry *reg,
                        shardd__coll_engine *coll, double linger,
-                       const shardd__jobspec *specs, size_t nspecs) {
+                       const shardd__jobspec *specs, size_t nspecs,
+                       shardd__jobs_released released, void *released_arg) {
   memset(j, 0, sizeof *j);
+  j->released = released;
+  j->released_arg = released_arg;
   j->loop = loop;
   j->reg = reg;
   j->coll = coll;
@@ -124,6 +127,8 @@ void shardd__jobs_free(shardd__jobs *j) {
 }
 
 static void release(shardd__jobs *j, shardd__job *job) {
+  if (j->released)
+    j->released(j->released_arg, job);
   slot_free(shardd__map_del_id(&j->slots, key(job)));
   shardd__coll_job_free(j->coll, job);
   shardd__job_release(j->reg, job);

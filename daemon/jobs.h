@@ -23,6 +23,11 @@
 typedef struct shardd__jobs_ckpt shardd__jobs_ckpt;
 typedef struct shardd__jobs_restore shardd__jobs_restore;
 
+/* Told on the loop thread as this module releases job, before the job is
+ * freed: what an upper layer keeps by job (its address) must go with it,
+ * or a later job allocated at that address would find it. */
+typedef void (*shardd__jobs_released)(void *arg, shardd__job *job);
+
 typedef struct {
   /* read-only after init */
   uv_loop_t *loop;
@@ -31,6 +36,8 @@ typedef struct {
   double linger; /* seconds a job outlives its last client; < 0 never */
   const shardd__jobspec *specs;
   size_t nspecs;
+  shardd__jobs_released released; /* NULL: nobody to tell */
+  void *released_arg;
   /* public: set once the daemon stops (no job is released from then on) */
   int stopping;
   /* private */
@@ -43,9 +50,12 @@ typedef struct {
   shardd__jobs_restore *restores;
 } shardd__jobs;
 
+/* released (may be NULL) is called with released_arg for every job this
+ * module releases. */
 void shardd__jobs_init(shardd__jobs *j, uv_loop_t *loop, shardd__registry *reg,
                        shardd__coll_engine *coll, double linger,
-                       const shardd__jobspec *specs, size_t nspecs);
+                       const shardd__jobspec *specs, size_t nspecs,
+                       shardd__jobs_released released, void *released_arg);
 /* Frees the lifetime state; the jobs stay the registry's. The loop has
  * run dry first (no checkpoint is being written). */
 void shardd__jobs_free(shardd__jobs *j);

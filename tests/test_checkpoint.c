@@ -2384,3 +2384,290 @@ Test(checkpoint, sigterm_while_a_step_runs_checkpoints_it_whole_or_not_at_all,
   test_raw_close(&b);
   cr_assert_eq(test_daemon_stop(&d), 0);
 }
+
+/* ---- collective checkpoints: replies by what the daemon issued --------- */
+
+static uint64_t send_collective_checkpoint(test_raw *r, const char *ck) {
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Checkpoint cp = SHARDWIRE__CHECKPOINT__INIT;
+  cp.dir = (char *)ck;
+  cp.has_collective = 1;
+  cp.collective = 1;
+  req.body_case = SHARDWIRE__REQUEST__BODY_CHECKPOINT;
+  req.checkpoint = &cp;
+  return test_raw_send(r, &req);
+}
+
+/* A gather sent with a seq of the test's choosing (libshardd never reuses
+ * one; a hostile client may). */
+static void send_gather_as(test_raw *r, uint64_t buf, uint64_t seq) {
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Gather g = SHARDWIRE__GATHER__INIT;
+  g.buffer = buf;
+  req.seq = seq;
+  req.body_case = SHARDWIRE__REQUEST__BODY_GATHER;
+  req.gather = &g;
+  test_raw_send(r, &req);
+}
+
+/* Hello as rank of job until the daemon takes it (the job of that name
+ * before it may still be going away); fails the test after the hang guard. */
+static void hello_when_free(const test_daemon *d, test_raw *r, const char *job,
+                            uint32_t rank, uint32_t world) {
+  for (double end = test_mono_s() + TEST_HANG_S;;) {
+    test_raw_open(d, r);
+    uint64_t seq = test_raw_send_hello(r, SHARDD_PROTOCOL_VERSION, job, rank, world);
+    Shardwire__Response *resp = test_raw_recv(r);
+    cr_assert_not_null(resp, "the daemon closed the connection at Hello");
+    cr_assert_eq(resp->seq, seq);
+    int ok = resp->code == SHARDWIRE__STATUS_CODE__OK;
+    shardwire__response__free_unpacked(resp, NULL);
+    if (ok)
+      return;
+    test_raw_close(r);
+    cr_assert(test_mono_s() < end, "job \"%s\" was never released", job);
+    test_sleep_ms(10);
+  }
+}
+
+/* Rank 0 asks for a collective checkpoint, then sends a gather with that
+ * request's seq. The gather is refused (E_PROTOCOL, naming the seq): it
+ * used to be taken, and its end, routed by the seq alone, stood in for the
+ * checkpoint barrier's, leaving a half-arrived checkpoint group that
+ * outlived the job (--job-linger 0: released when both ranks left). The
+ * next job of that name, world 4, found that group by the freed job's
+ * address and wrote its ranks past the group's [2] (a heap overflow, or
+ * under ASan the freed job read at exit). Here the new job's collective
+ * checkpoint is written and the daemon exits clean. */
+Test(checkpoint, a_gather_reusing_a_collective_checkpoints_seq_strands_nothing,
+     .timeout = 90) {
+  char ck[128], ck2[128], path[200];
+  snprintf(ck, sizeof ck, "%s/first", dir);
+  snprintf(ck2, sizeof ck2, "%s/second", dir);
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--job-linger", "0", NULL});
+  test_raw a, b;
+  test_raw_open(&d, &a);
+  test_raw_open(&d, &b);
+  test_raw_hello(&a, "reuse", 0, 2);
+  test_raw_hello(&b, "reuse", 1, 2);
+  shardd_buffer_info ia, ib;
+  test_raw_register_buffer(&a, "flat", SHARDD_DTYPE_FP32, 1000, &ia);
+  test_raw_register_buffer(&b, "flat", SHARDD_DTYPE_FP32, 1000, &ib);
+
+  uint64_t s = send_collective_checkpoint(&a, ck); /* waits for rank 1 */
+  send_gather_as(&a, ia.id, s);
+  Shardwire__Response *early;
+  test_raw_sync_keep(&a, &early);
+  int refused = early != NULL;
+  cr_expect(refused, "a gather reusing the seq of the rank's pending collective "
+            "checkpoint was taken");
+  if (early) {
+    cr_expect_eq(early->seq, s);
+    cr_expect_eq((int)early->code, (int)SHARDD_E_PROTOCOL, "%s: %s",
+                 shardd_err_name((shardd_err)early->code),
+                 early->message ? early->message : "");
+    char want[64];
+    snprintf(want, sizeof want, "seq %" PRIu64, s);
+    cr_expect(early->message && strstr(early->message, want) &&
+                  strstr(early->message, "collective checkpoint"),
+              "%s", early->message ? early->message : "");
+    shardwire__response__free_unpacked(early, NULL);
+  }
+  /* rank 1's gather pairs with rank 0's: the refused one's replacement, or
+   * (before) the one taken under the checkpoint's seq */
+  uint64_t gb = test_raw_send_gather(&b, ib.id);
+  if (refused) {
+    uint64_t ga = test_raw_send_gather(&a, ia.id);
+    shardwire__response__free_unpacked(test_raw_expect(&a, ga, SHARDD_OK), NULL);
+  }
+  shardwire__response__free_unpacked(test_raw_expect(&b, gb, SHARDD_OK), NULL);
+  test_raw_close(&a); /* its checkpoint never had rank 1's request */
+  test_raw_close(&b);
+
+  /* the next job of that name, another world: its ranks' checkpoint */
+  test_raw r[4];
+  hello_when_free(&d, &r[0], "reuse", 0, 4);
+  for (uint32_t k = 1; k < 4; k++) {
+    test_raw_open(&d, &r[k]);
+    test_raw_hello(&r[k], "reuse", k, 4);
+  }
+  uint64_t seqs[4];
+  for (uint32_t k = 0; k < 4; k++) {
+    shardd_buffer_info bi;
+    test_raw_register_buffer(&r[k], "flat", SHARDD_DTYPE_FP32, 1000, &bi);
+    seqs[k] = send_collective_checkpoint(&r[k], ck2);
+  }
+  for (uint32_t k = 0; k < 4; k++) {
+    Shardwire__Response *resp = test_raw_recv(&r[k]);
+    cr_assert_not_null(resp, "rank %u's connection closed (the daemon died?)", k);
+    cr_expect_eq(resp->seq, seqs[k]);
+    cr_expect_eq((int)resp->code, (int)SHARDD_OK, "rank %u: %s (%s)", k,
+                 shardd_err_name((shardd_err)resp->code),
+                 resp->message ? resp->message : "");
+    shardwire__response__free_unpacked(resp, NULL);
+  }
+  snprintf(path, sizeof path, "%s/manifest", ck2);
+  cr_expect_eq(access(path, R_OK), 0, "no %s", path);
+  for (uint32_t k = 0; k < 4; k++)
+    test_raw_close(&r[k]);
+  test_daemon_finish(&d);
+}
+
+/* ---- operators' checkpoints waiting: bounded -------------------------- */
+
+/* the daemon's bounds (README, security) */
+#define PEND_PER_SESSION 16
+#define PEND_PER_UID 64
+
+/* A checkpoint dir of len bytes: dir/ then 'a's. */
+static char *long_dir(size_t len) {
+  char *p = malloc(len + 1);
+  cr_assert_not_null(p);
+  int n = snprintf(p, len + 1, "%s/", dir);
+  memset(p + n, 'a', len - (size_t)n);
+  p[len] = '\0';
+  return p;
+}
+
+/* In a child as uid: job "busy" whose rank 0 waits in a gather, then
+ * sessions asking for checkpoints of it that may wait 60 s. A dir longer
+ * than PATH_MAX is refused at once; 16 per session wait and the 17th is
+ * refused; four sessions' 64 wait and a fifth session's first is refused
+ * naming the bound per uid. Then it keeps everything open until the
+ * parent writes to go_fd. Exit code 0, else the check that failed (its
+ * reply in msg_fd). */
+static int pend_as(const test_daemon *d, uid_t uid, int msg_fd, int go_fd) {
+  if (setgid(uid) != 0 || setuid(uid) != 0)
+    return 100;
+  test_raw job, s[5];
+  test_raw_open(d, &job);
+  test_raw_hello(&job, "busy", 0, 2);
+  shardd_buffer_info bi;
+  test_raw_register_buffer(&job, "flat", SHARDD_DTYPE_FP32, 1000, &bi);
+  test_raw_send_gather(&job, bi.id);
+  test_raw_sync(&job);
+  char *path = long_dir(4000), *huge = long_dir((size_t)1 << 20);
+  Shardwire__Response *early;
+  int code = 0;
+#define PEND_FAIL(n, resp)                                                     \
+  do {                                                                         \
+    const char *m_ = (resp) && (resp)->message ? (resp)->message : "(no reply)"; \
+    if (write(msg_fd, m_, strlen(m_)) < 0) {                                   \
+    }                                                                          \
+    code = (n);                                                                \
+    goto out;                                                                  \
+  } while (0)
+  for (int k = 0; k < 5; k++) {
+    test_raw_open(d, &s[k]);
+    test_raw_hello(&s[k], NULL, 0, 0);
+  }
+  /* a path past PATH_MAX is never stored */
+  uint64_t seq = send_checkpoint_wait(&s[0], "busy", huge, 60);
+  test_raw_sync_keep(&s[0], &early);
+  if (early == NULL || early->seq != seq ||
+      early->code != SHARDWIRE__STATUS_CODE__E_RANGE ||
+      !strstr(early->message, "PATH_MAX"))
+    PEND_FAIL(1, early);
+  shardwire__response__free_unpacked(early, NULL);
+  for (int k = 0; k < 4; k++) {
+    for (int i = 0; i < PEND_PER_SESSION; i++)
+      send_checkpoint_wait(&s[k], "busy", path, 60);
+    test_raw_sync_keep(&s[k], &early);
+    if (early)
+      PEND_FAIL(2, early); /* all of them wait */
+  }
+  seq = send_checkpoint_wait(&s[0], "busy", path, 60);
+  test_raw_sync_keep(&s[0], &early);
+  if (early == NULL || early->seq != seq ||
+      early->code != SHARDWIRE__STATUS_CODE__E_LIMIT ||
+      !strstr(early->message, "16") || !strstr(early->message, "per session"))
+    PEND_FAIL(3, early);
+  shardwire__response__free_unpacked(early, NULL);
+  seq = send_checkpoint_wait(&s[4], "busy", path, 60);
+  test_raw_sync_keep(&s[4], &early);
+  if (early == NULL || early->seq != seq ||
+      early->code != SHARDWIRE__STATUS_CODE__E_LIMIT ||
+      !strstr(early->message, "64") || !strstr(early->message, "per uid"))
+    PEND_FAIL(4, early);
+  shardwire__response__free_unpacked(early, NULL);
+#undef PEND_FAIL
+  if (write(msg_fd, "ok", 2) < 0)
+    code = 101;
+  char go;
+  if (read(go_fd, &go, 1) != 1)
+    code = 102;
+out:
+  free(path);
+  free(huge);
+  return code;
+}
+
+/* One uid's operator checkpoints waiting for a quiescent point used to pile
+ * up without a bound, each holding its path (a connection sending 1 MiB
+ * paths OOM-killed the daemon in 24 s). Now a path is bounded by PATH_MAX
+ * before it is stored, and the waits by 16 per session and 64 per uid
+ * other than root (E_LIMIT naming the bound); meanwhile another client's
+ * Ping is answered and root's own checkpoint of a busy job still waits. */
+Test(checkpoint, waiting_operator_checkpoints_are_bounded_per_session_and_uid,
+     .timeout = 120) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as a second uid");
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--job-linger", "600", NULL});
+  cr_assert_eq(chmod(d.dir, 0755), 0);
+  cr_assert_eq(chmod(d.sock, 0666), 0);
+  int msg[2], go[2];
+  cr_assert_eq(pipe(msg), 0);
+  cr_assert_eq(pipe(go), 0);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0) {
+    close(msg[0]);
+    close(go[1]);
+    _exit(pend_as(&d, 4242, msg[1], go[0]));
+  }
+  close(msg[1]);
+  close(go[0]);
+  char text[512];
+  ssize_t n = read(msg[0], text, sizeof text - 1);
+  text[n > 0 ? n : 0] = '\0';
+  if (strcmp(text, "ok") != 0) { /* it has exited */
+    int st;
+    cr_assert(test_wait_exit(pid, &st), "the uid 4242 child did not finish");
+    cr_assert_fail("the uid 4242 child: step %d: %s",
+                   WIFEXITED(st) ? WEXITSTATUS(st) : -1, text);
+  }
+
+  /* another client is served, and root's own job may still wait */
+  test_raw p, rk;
+  test_raw_open(&d, &p);
+  test_raw_hello(&p, NULL, 0, 0);
+  test_raw_sync(&p);
+  test_raw_open(&d, &rk);
+  test_raw_hello(&rk, "rootjob", 0, 2);
+  shardd_buffer_info bi;
+  test_raw_register_buffer(&rk, "flat", SHARDD_DTYPE_FP32, 1000, &bi);
+  test_raw_send_gather(&rk, bi.id);
+  test_raw_sync(&rk);
+  char ck[128];
+  snprintf(ck, sizeof ck, "%s/rootck", dir);
+  send_checkpoint_wait(&p, "rootjob", ck, 60);
+  Shardwire__Response *early;
+  test_raw_sync_keep(&p, &early);
+  cr_expect_null(early, "root's checkpoint was refused: %s",
+                 early && early->message ? early->message : "");
+  if (early)
+    shardwire__response__free_unpacked(early, NULL);
+
+  cr_assert_eq(write(go[1], "g", 1), 1);
+  close(go[1]);
+  close(msg[0]);
+  int st;
+  cr_assert(test_wait_exit(pid, &st), "the uid 4242 child did not finish");
+  cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the uid 4242 child: step %d, %s",
+            WIFEXITED(st) ? WEXITSTATUS(st) : -1, text);
+  test_raw_close(&p);
+  test_raw_close(&rk);
+  test_daemon_finish(&d);
+}

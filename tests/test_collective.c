@@ -2359,3 +2359,101 @@ Test(collective, bucket_mismatch_fails_every_rank_at_once, .init = start4,
   check_gathered(b2, 3);
   team_close(&t);
 }
+
+/* A bucket of gathers sent with a seq of the caller's choosing. */
+static void raw_gather_bucket(test_raw *r, uint64_t seq, const uint64_t *ids, size_t n) {
+  Shardwire__Gather g[4], *gp[4];
+  cr_assert_leq(n, 4);
+  for (size_t i = 0; i < n; i++) {
+    shardwire__gather__init(&g[i]);
+    g[i].buffer = ids[i];
+    gp[i] = &g[i];
+  }
+  Shardwire__GatherMany gm = SHARDWIRE__GATHER_MANY__INIT;
+  gm.gathers = gp;
+  gm.n_gathers = n;
+  Shardwire__Bucket bk = SHARDWIRE__BUCKET__INIT;
+  bk.op_case = SHARDWIRE__BUCKET__OP_GATHER;
+  bk.gather = &gm;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  req.seq = seq;
+  req.body_case = SHARDWIRE__REQUEST__BODY_BUCKET;
+  req.bucket = &bk;
+  test_raw_send(r, &req);
+}
+
+/* A bucket's entries are told apart from the rank's other collectives by
+ * the request's seq: a bucket sent with the seq of the rank's gather still
+ * waiting is refused (E_PROTOCOL naming the seq), and a gather with the seq
+ * of a bucket still running too. The bucket used to be taken: the gather's
+ * end counted as one of its entries, the bucket was answered and freed
+ * early, and its last entry's end, routed as a plain gather, read an area
+ * pool that was never set (the daemon crashed). */
+Test(collective, a_request_reusing_a_running_requests_seq_is_refused, .init = start4,
+     .fini = stop_daemon, .timeout = 60) {
+  test_raw a, b;
+  test_raw_open(&d, &a);
+  test_raw_open(&d, &b);
+  test_raw_hello(&a, "seqs", 0, 2);
+  test_raw_hello(&b, "seqs", 1, 2);
+  shardd_buffer_info ax, ay, bx, by;
+  test_raw_register_buffer(&a, "x", SHARDD_DTYPE_FP32, 1000, &ax);
+  test_raw_register_buffer(&a, "y", SHARDD_DTYPE_FP32, 1000, &ay);
+  test_raw_register_buffer(&b, "x", SHARDD_DTYPE_FP32, 1000, &bx);
+  test_raw_register_buffer(&b, "y", SHARDD_DTYPE_FP32, 1000, &by);
+  const uint64_t ids[2] = {ax.id, ay.id};
+  const uint64_t s = 1000, t = 2000;
+
+  /* a bucket behind a waiting gather of the same seq */
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Gather g = SHARDWIRE__GATHER__INIT;
+  g.buffer = ax.id;
+  req.seq = s;
+  req.body_case = SHARDWIRE__REQUEST__BODY_GATHER;
+  req.gather = &g;
+  test_raw_send(&a, &req);
+  raw_gather_bucket(&a, s, ids, 2);
+  Shardwire__Response *early;
+  test_raw_sync_keep(&a, &early);
+  int refused = early != NULL;
+  cr_expect(refused, "a bucket reusing the seq of a waiting gather was taken");
+  if (early) {
+    cr_expect_eq(early->seq, s);
+    cr_expect_eq((int)early->code, (int)SHARDD_E_PROTOCOL, "%s",
+                 early->message ? early->message : "");
+    cr_expect(early->message && strstr(early->message, "seq 1000") &&
+                  strstr(early->message, "collective still in flight"),
+              "%s", early->message ? early->message : "");
+    shardwire__response__free_unpacked(early, NULL);
+  }
+  uint64_t gb = test_raw_send_gather(&b, bx.id);
+  shardwire__response__free_unpacked(test_raw_expect(&b, gb, SHARDD_OK), NULL);
+  if (refused) /* the gather's own reply */
+    shardwire__response__free_unpacked(test_raw_expect(&a, s, SHARDD_OK), NULL);
+  const uint64_t bids[2] = {bx.id, by.id};
+  raw_gather_bucket(&b, 3000, bids, 2);
+  if (refused) { /* a's bucket, sent again under a seq of its own */
+    raw_gather_bucket(&a, t, ids, 2);
+    shardwire__response__free_unpacked(test_raw_expect(&a, t, SHARDD_OK), NULL);
+  }
+  shardwire__response__free_unpacked(test_raw_expect(&b, 3000, SHARDD_OK), NULL);
+
+  /* a gather while a bucket of that seq waits for rank 1 */
+  raw_gather_bucket(&a, t + 1, ids, 2);
+  g.buffer = ay.id;
+  req.seq = t + 1;
+  test_raw_send(&a, &req);
+  test_raw_sync_keep(&a, &early);
+  cr_assert_not_null(early, "a gather reusing the seq of a waiting bucket was taken");
+  cr_expect_eq(early->seq, t + 1);
+  cr_expect_eq((int)early->code, (int)SHARDD_E_PROTOCOL, "%s",
+               early->message ? early->message : "");
+  cr_expect(early->message && strstr(early->message, "bucket"), "%s",
+            early->message ? early->message : "");
+  shardwire__response__free_unpacked(early, NULL);
+  raw_gather_bucket(&b, 3001, bids, 2);
+  shardwire__response__free_unpacked(test_raw_expect(&a, t + 1, SHARDD_OK), NULL);
+  shardwire__response__free_unpacked(test_raw_expect(&b, 3001, SHARDD_OK), NULL);
+  test_raw_close(&a);
+  test_raw_close(&b);
+}
