@@ -25,8 +25,11 @@
 #include <math.h>
 #include <pthread.h>
 
+#include "backend.h"
+#include "checkpoint.h"
 #include "fabric.h"
 #include "harness.h"
+#include "registry.h"
 
 #define W 4
 #define STEPS 20
@@ -494,6 +497,167 @@ Test(fabric, a_spec_without_uid_lays_out_one_users_job, .timeout = 60) {
   shardd_close(c);
   test_daemon_finish(&pair[0]);
   test_daemon_finish(&pair[1]);
+  scratch_remove(&s);
+}
+
+/* ---- a job spec is its uid's only, restored or not ----------------------- */
+
+/* Node 0's spec of job for uid (< 0: none given), its path in out. */
+static void write_spec_uid(const scratch *s, const char *job, int uid, char *out,
+                           size_t len) {
+  write_spec(s, job, 0, out, len);
+  if (uid >= 0) {
+    FILE *f = fopen(out, "a");
+    cr_assert_not_null(f);
+    fprintf(f, "uid = %d\n", uid);
+    fclose(f);
+  }
+}
+
+/* What an attacker can hold: a genuine exit part (DIR/job/node-0, with
+ * its lineage) of its own job of that name, laid out as node 0 of 2 like
+ * the spec's, written for uid into dir. */
+static void write_own_part(const char *dir, const char *job, uint32_t uid) {
+  char err[512];
+  shardd__backend *be;
+  cr_assert_eq(shardd__backend_host_create(2, 16u << 20, &be, err, sizeof err), SHARDD_OK,
+               "%s", err);
+  shardd__registry reg;
+  shardd__registry_init(&reg, be);
+  shardd__job *j;
+  cr_assert_eq(shardd__job_get(&reg, job, W, uid, &j, err, sizeof err), SHARDD_OK, "%s",
+               err);
+  cr_assert_eq(shardd__job_set_layout(j, 2, 0, err, sizeof err), SHARDD_OK, "%s", err);
+  j->lineage = 0x5eed;
+  shardd__buffer *b;
+  int created;
+  cr_assert_eq(shardd__buffer_register(&reg, j, "w", SHARDD_DTYPE_FP32, 64, &b, &created,
+                                       err, sizeof err),
+               SHARDD_OK, "%s", err);
+  char path[256];
+  snprintf(path, sizeof path, "%s/%s", dir, job);
+  cr_assert_eq(shardd__checkpoint_write(&reg, j, path, uid, err, sizeof err), SHARDD_OK,
+               "%s", err);
+  shardd__job_release(&reg, j);
+  shardd__registry_free(&reg);
+  be->ops->destroy(be);
+}
+
+/* Uid 1001 asks node 0's daemon (sock) to restore its part of job from
+ * dir; 0 when refused with want and a message holding needle. */
+static int attacker_restore(const char *sock, const char *dir, const char *job,
+                            shardd_err want, const char *needle) {
+  if (setgid(1001) != 0 || setuid(1001) != 0)
+    return 10;
+  shardd_client_t *c = NULL;
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  char err[512], path[256];
+  if (shardd_connect(sock, &o, &c, err, sizeof err) != SHARDD_OK)
+    return 11;
+  snprintf(path, sizeof path, "%s/%s", dir, job);
+  shardd_err rc = shardd_restore(c, path, 0, NULL, 0);
+  int bad = rc != want ? 12 : strstr(shardd_last_error(c), needle) ? 0 : 13;
+  if (bad)
+    fprintf(stderr, "attacker's restore of %s: %s: %s\n", path, shardd_err_name(rc),
+            shardd_last_error(c));
+  shardd_close(c);
+  return bad;
+}
+
+static void expect_child(pid_t pid, const char *what) {
+  int st;
+  cr_assert(test_wait_exit(pid, &st), "%s hangs", what);
+  cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s: step %d failed", what,
+            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+}
+
+/* The victim, uid 1002, holds rank 0 of job "open" (spec without a uid) on
+ * node 0 until a byte comes on go; a byte on ready once it does. */
+static int victim_holds(const char *sock, int ready, int go) {
+  if (setgid(1002) != 0 || setuid(1002) != 0)
+    return 10;
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = "open";
+  o.rank = 0;
+  o.world = W;
+  shardd_client_t *c = NULL;
+  char err[512], b = 1;
+  if (shardd_connect(sock, &o, &c, err, sizeof err) != SHARDD_OK) {
+    fprintf(stderr, "victim: %s\n", err);
+    return 11;
+  }
+  if (write(ready, &b, 1) != 1 || read(go, &b, 1) != 1)
+    return 12;
+  shardd_close(c);
+  return 0;
+}
+
+/* A job spec that names uid 1002 lays out (and joins over the fabric, by
+ * the job's name) uid 1002's job only. Uid 1001 holds an exit part of its
+ * own job "vj" (node 0 of 2, world 4, as the spec says) and asks node 0's
+ * daemon to restore it: the daemon once gave that job the spec's layout,
+ * so it met the victim's node 1 in the rendezvous, its gathers read the
+ * victim's shards and the victim's gather areas got its values. Refused
+ * now, naming the spec; and a spec without a uid is taken by a restore as
+ * by a Hello, one uid's job at a time: while uid 1002's "open" holds it,
+ * uid 1001's restored "open" is refused. */
+Test(fabric, a_restore_gets_a_job_spec_only_for_the_specs_uid, .timeout = 60) {
+  need_gloo();
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as two uids");
+  scratch s;
+  scratch_make(&s);
+  cr_assert_eq(chmod(s.dir, 0755), 0);
+  char att[128], spec_vj[256], spec_open[256];
+  snprintf(att, sizeof att, "%s/att", s.dir);
+  cr_assert_eq(mkdir(att, 0700), 0);
+  cr_assert_eq(chown(att, 1001, 1001), 0);
+  write_own_part(att, "vj", 1001);
+  write_own_part(att, "open", 1001);
+  write_spec_uid(&s, "vj", 1002, spec_vj, sizeof spec_vj);
+  write_spec_uid(&s, "open", -1, spec_open, sizeof spec_open);
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--backend", "host", "--devices", "2",
+                                              "--job-spec", spec_vj, "--job-spec",
+                                              spec_open, NULL});
+  cr_assert_eq(chmod(d.dir, 0755), 0);
+  cr_assert_eq(chmod(d.sock, 0666), 0);
+
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0)
+    _exit(attacker_restore(d.sock, att, "vj", SHARDD_E_PERMISSION, "for uid 1002's job"));
+  expect_child(pid, "uid 1001 restoring \"vj\" under uid 1002's spec");
+
+  int ready[2], go[2];
+  cr_assert_eq(pipe(ready), 0);
+  cr_assert_eq(pipe(go), 0);
+  pid_t victim = fork();
+  cr_assert(victim >= 0);
+  if (victim == 0)
+    _exit(victim_holds(d.sock, ready[1], go[0]));
+  char b;
+  cr_assert_eq(read(ready[0], &b, 1), 1, "the victim never joined \"open\"");
+  pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0)
+    _exit(attacker_restore(d.sock, att, "open", SHARDD_E_BUSY, "gives no uid"));
+  expect_child(pid, "uid 1001 restoring \"open\" while uid 1002's holds its spec");
+  cr_assert_eq(write(go[1], &b, 1), 1);
+  expect_child(victim, "the victim");
+  close(ready[0]);
+  close(ready[1]);
+  close(go[0]);
+  close(go[1]);
+
+  /* the daemon kept none of the attacker's jobs */
+  shardd_client_t *ctl = test_connect(&d, NULL, 0, 0);
+  char *text = NULL;
+  cr_assert_eq(shardd_status_text(ctl, &text), SHARDD_OK);
+  cr_expect(strstr(text, "uid 1001") == NULL, "%s", text);
+  shardd_free(text);
+  shardd_close(ctl);
+  test_daemon_finish(&d);
   scratch_remove(&s);
 }
 
