@@ -564,6 +564,26 @@ static int attacker_restore(const char *sock, const char *dir, const char *job,
   return bad;
 }
 
+/* Uid 1001's Hello of "vj" rank 2 (node 1's under the spec) on node 0: its
+ * own job, which the spec does not lay out, so the rank is node 0's; 0 if
+ * so. */
+static int attacker_hello(const char *sock) {
+  if (setgid(1001) != 0 || setuid(1001) != 0)
+    return 10;
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = "vj";
+  o.rank = 2;
+  o.world = W;
+  shardd_client_t *c = NULL;
+  char err[512];
+  shardd_err rc = shardd_connect(sock, &o, &c, err, sizeof err);
+  if (rc != SHARDD_OK)
+    fprintf(stderr, "attacker's Hello: %s: %s\n", shardd_err_name(rc), err);
+  if (c)
+    shardd_close(c);
+  return rc == SHARDD_OK ? 0 : 11;
+}
+
 static void expect_child(pid_t pid, const char *what) {
   int st;
   cr_assert(test_wait_exit(pid, &st), "%s hangs", what);
@@ -598,7 +618,8 @@ static int victim_holds(const char *sock, int ready, int go) {
  * daemon to restore it: the daemon once gave that job the spec's layout,
  * so it met the victim's node 1 in the rendezvous, its gathers read the
  * victim's shards and the victim's gather areas got its values. Refused
- * now, naming the spec; and a spec without a uid is taken by a restore as
+ * now, naming the spec (as its Hello of "vj" gets a job of its own that
+ * the spec does not lay out); and a spec without a uid is taken by a restore as
  * by a Hello, one uid's job at a time: while uid 1002's "open" holds it,
  * uid 1001's restored "open" is refused. */
 Test(fabric, a_restore_gets_a_job_spec_only_for_the_specs_uid, .timeout = 60) {
@@ -618,8 +639,8 @@ Test(fabric, a_restore_gets_a_job_spec_only_for_the_specs_uid, .timeout = 60) {
   write_spec_uid(&s, "open", -1, spec_open, sizeof spec_open);
   test_daemon d;
   test_daemon_start(&d, (const char *const[]){"--backend", "host", "--devices", "2",
-                                              "--job-spec", spec_vj, "--job-spec",
-                                              spec_open, NULL});
+                                              "--job-linger", "0", "--job-spec", spec_vj,
+                                              "--job-spec", spec_open, NULL});
   cr_assert_eq(chmod(d.dir, 0755), 0);
   cr_assert_eq(chmod(d.sock, 0666), 0);
 
@@ -628,6 +649,11 @@ Test(fabric, a_restore_gets_a_job_spec_only_for_the_specs_uid, .timeout = 60) {
   if (pid == 0)
     _exit(attacker_restore(d.sock, att, "vj", SHARDD_E_PERMISSION, "for uid 1002's job"));
   expect_child(pid, "uid 1001 restoring \"vj\" under uid 1002's spec");
+  pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0)
+    _exit(attacker_hello(d.sock));
+  expect_child(pid, "uid 1001's Hello of \"vj\", which uid 1002's spec does not lay out");
 
   int ready[2], go[2];
   cr_assert_eq(pipe(ready), 0);
@@ -1618,6 +1644,142 @@ Test(fabric, sigterm_during_the_rendezvous_exits_at_once, .timeout = 60) {
     shardd_close(c[r]);
   }
   test_daemon_stop(&d);
+  scratch_remove(&s);
+}
+
+/* ---- the rendezvous directory is the daemon's alone ----------------------- */
+
+/* fabric_gloo.cc's name for a job's files: shardd-PREFIX-FNV32 (prefix
+ * plain here). */
+static void rdv_base(const char *prefix, char *out, size_t len) {
+  uint64_t h = 14695981039346656037ull;
+  for (const unsigned char *p = (const unsigned char *)prefix; *p; p++) {
+    h ^= *p;
+    h *= 1099511628211ull;
+  }
+  snprintf(out, len, "shardd-%s-%08x", prefix, (unsigned)(h & 0xffffffffu));
+}
+
+/* Uid 1001 plants, in rdv, a symlink to target at node 0's announcement
+ * (and at its temporary name for pid) and a directory at node 1's. */
+static int plant(const char *rdv, const char *target, pid_t pid) {
+  if (setgid(1001) != 0 || setuid(1001) != 0)
+    return 10;
+  char base[64], path[512];
+  rdv_base("job", base, sizeof base);
+  snprintf(path, sizeof path, "%s/%s.node0.tmp%d", rdv, base, (int)pid);
+  if (symlink(target, path) != 0)
+    return 11;
+  snprintf(path, sizeof path, "%s/%s.node0", rdv, base);
+  if (symlink(target, path) != 0)
+    return 12;
+  snprintf(path, sizeof path, "%s/%s.node1", rdv, base);
+  return mkdir(path, 0755) == 0 ? 0 : 13;
+}
+
+static shardd_err node0_create(const char *rdv, shardd__fabric **f, char *msg,
+                               size_t len) {
+  shardd__fabric_opts o = SHARDD__FABRIC_OPTS_INIT;
+  o.rendezvous = rdv;
+  o.prefix = "job";
+  o.nodes = 2;
+  o.node_rank = 0;
+  o.timeout_s = 1;
+  *f = NULL;
+  return shardd__fabric_create(&o, f, msg, len);
+}
+
+/* The daemon (root) writes and reads files in the rendezvous directory. In
+ * one uid 1001 may write (world-writable, sticky or not), uid 1001 planted
+ * a symlink where the daemon writes node 0's announcement, and the daemon
+ * truncated and overwrote the root-owned file it named; a directory it
+ * planted at node 1's blocked the rendezvous. Such a directory -- or one
+ * another uid owns, or a symlink to a good one -- is refused now before
+ * any file is touched, naming it; the daemon's own directory (mode 0700)
+ * still forms the fabric, and leaves no key file behind. */
+Test(fabric, a_rendezvous_directory_another_uid_can_write_is_refused, .timeout = 60) {
+  need_gloo();
+  if (geteuid() != 0)
+    cr_skip_test("needs root to stand for the daemon and another uid");
+  scratch s;
+  scratch_make(&s);
+  cr_assert_eq(chmod(s.dir, 0755), 0);
+  char precious[128], msg[512];
+  snprintf(precious, sizeof precious, "%s/precious", s.dir);
+  FILE *pf = fopen(precious, "w");
+  cr_assert_not_null(pf);
+  fputs("root's own\n", pf);
+  fclose(pf);
+  const mode_t modes[] = {0777, 01777};
+  for (size_t m = 0; m < 2; m++) {
+    char cmd[320];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s' && mkdir '%s'", s.rdv, s.rdv);
+    cr_assert_eq(system(cmd), 0);
+    cr_assert_eq(chmod(s.rdv, modes[m]), 0);
+    pid_t me = getpid(), pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0)
+      _exit(plant(s.rdv, precious, me));
+    int st;
+    cr_assert(test_wait_exit(pid, &st));
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "planting failed: %d",
+              WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+    shardd__fabric *f;
+    shardd_err rc = node0_create(s.rdv, &f, msg, sizeof msg);
+    if (f)
+      shardd__fabric_destroy(f);
+    char *text = test_slurp(precious);
+    cr_assert_not_null(text);
+    cr_expect_str_eq(text, "root's own\n", "mode %04o: the planted symlink was followed",
+                     (unsigned)modes[m]);
+    free(text);
+    cr_assert_eq(rc, SHARDD_E_PERMISSION, "mode %04o: %s: %s", (unsigned)modes[m],
+                 shardd_err_name(rc), msg);
+    cr_assert(strstr(msg, s.rdv) && strstr(msg, "group or others") &&
+                  strstr(msg, "refused"),
+              "%s", msg);
+  }
+  cr_log_info("fabric: a world-writable rendezvous directory: %s", msg);
+  char cmd[320];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s' && mkdir -m 0755 '%s'", s.rdv, s.rdv);
+  cr_assert_eq(system(cmd), 0);
+  shardd__fabric *f;
+  cr_assert_eq(chown(s.rdv, 1001, 1001), 0); /* another uid's, not writable by us all */
+  cr_assert_eq(node0_create(s.rdv, &f, msg, sizeof msg), SHARDD_E_PERMISSION, "%s", msg);
+  cr_assert(strstr(msg, "its owner"), "%s", msg);
+  cr_assert_eq(chown(s.rdv, 0, 0), 0);
+  char link[160];
+  snprintf(link, sizeof link, "%s/via", s.dir);
+  cr_assert_eq(symlink(s.rdv, link), 0);
+  cr_assert_eq(node0_create(link, &f, msg, sizeof msg), SHARDD_E_PERMISSION, "%s", msg);
+  cr_assert(strstr(msg, "symlink"), "%s", msg);
+
+  /* the daemon's own directory: two nodes meet, and take their keys away */
+  cr_assert_eq(chmod(s.rdv, 0700), 0);
+  anode a[2];
+  memset(a, 0, sizeof a);
+  for (uint32_t k = 0; k < 2; k++) {
+    a[k].rdv = s.rdv;
+    a[k].node = k;
+    cr_assert_eq(pthread_create(&a[k].th, NULL, anode_create, &a[k]), 0);
+  }
+  for (uint32_t k = 0; k < 2; k++) {
+    pthread_join(a[k].th, NULL);
+    cr_assert_eq(a[k].rc, SHARDD_OK, "node %u: %s", k, a[k].msg);
+  }
+  for (uint32_t k = 0; k < 2; k++)
+    shardd__fabric_destroy(a[k].f);
+  DIR *d = opendir(s.rdv);
+  cr_assert_not_null(d);
+  int files = 0;
+  for (struct dirent *e; (e = readdir(d)) != NULL;) {
+    if (e->d_name[0] == '.')
+      continue;
+    files++;
+    cr_expect(strncmp(e->d_name, "shardd-kv-", 10) != 0, "left behind: %s", e->d_name);
+  }
+  closedir(d);
+  cr_expect_eq(files, 4, "the two nodes' announcements and .seen files");
   scratch_remove(&s);
 }
 
