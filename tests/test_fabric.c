@@ -687,6 +687,103 @@ Test(fabric, a_restore_gets_a_job_spec_only_for_the_specs_uid, .timeout = 60) {
   scratch_remove(&s);
 }
 
+/* Node node's spec of job x for uid, its path in out (one file per uid). */
+static void write_x_spec(const scratch *s, int node, int uid, char *out, size_t len) {
+  snprintf(out, len, "%s/x.%d.node%d.spec", s->dir, uid, node);
+  FILE *f = fopen(out, "w");
+  cr_assert_not_null(f);
+  fprintf(f, "job = x\nworld = %d\nnodes = 2\nnode_rank = %d\nlocal_ranks = %d\n"
+             "rendezvous = %s\nhost = 127.0.0.1\nuid = %d\n",
+          W, node, W / 2, s->rdv, uid);
+  fclose(f);
+}
+
+/* Uid uid's two ranks of its job "x" on node (sock): each shard holds
+ * mark, and both gather. 0 when the gather never met another node (E_PEER_LOST
+ * at the collective timeout); 20 when it met the other uid's job (the
+ * other node's part holds other), 21 when it met something else. */
+static int x_ranks(const char *sock, uid_t uid, int node, float mark, float other) {
+  if (setgid(uid) != 0 || setuid(uid) != 0)
+    return 10;
+  shardd_client_t *c[2];
+  shardd_buffer_info b[2];
+  for (int k = 0; k < 2; k++) {
+    shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+    o.job = "x";
+    o.rank = (uint32_t)(2 * node + k);
+    o.world = W;
+    char err[512];
+    if (shardd_connect(sock, &o, &c[k], err, sizeof err) != SHARDD_OK) {
+      fprintf(stderr, "uid %d: %s\n", (int)uid, err);
+      return 11;
+    }
+    if (shardd_buffer_register(c[k], "w", SHARDD_DTYPE_FP32, 8, &b[k]) != SHARDD_OK)
+      return 12;
+    for (size_t j = 0; j < b[k].shard_numel; j++)
+      ((float *)b[k].shard)[j] = mark;
+  }
+  shardd_ticket t[2];
+  for (int k = 0; k < 2; k++)
+    if (shardd_gather_async(c[k], b[k].id, &t[k]) != SHARDD_OK)
+      return 13;
+  shardd_err rc[2];
+  for (int k = 0; k < 2; k++)
+    rc[k] = shardd_wait(c[k], t[k]);
+  int out = 0;
+  if (rc[0] == SHARDD_OK) {
+    float seen = ((float *)b[0].gather)[node == 0 ? 4 : 0]; /* the other node's part */
+    fprintf(stderr, "uid %d's gather met another node: it holds %g\n", (int)uid, seen);
+    out = seen == other ? 20 : 21;
+  } else if (rc[0] != SHARDD_E_PEER_LOST) {
+    fprintf(stderr, "uid %d: %s: %s\n", (int)uid, shardd_err_name(rc[0]),
+            shardd_last_error(c[0]));
+    out = 22;
+  }
+  for (int k = 0; k < 2; k++)
+    shardd_close(c[k]);
+  return out;
+}
+
+/* Job names are per uid, so two specs may name one job for two uids, and
+ * share a rendezvous directory. Uid 1001's "x" on node 0 and uid 1002's
+ * "x" on node 1 once met there (the files were named by the job's name
+ * alone): one fabric, each gather returning the other user's shards. Now
+ * the files are named by uid and name: neither finds a peer, and each
+ * gather fails at the collective timeout. */
+Test(fabric, two_uids_jobs_of_one_name_never_meet_in_a_rendezvous, .timeout = 60) {
+  need_gloo();
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as two uids");
+  scratch s;
+  scratch_make(&s);
+  cr_assert_eq(chmod(s.dir, 0755), 0);
+  test_daemon d[2];
+  static char spec[2][2][256];
+  for (int n = 0; n < 2; n++) {
+    write_x_spec(&s, n, 1001, spec[n][0], sizeof spec[n][0]);
+    write_x_spec(&s, n, 1002, spec[n][1], sizeof spec[n][1]);
+    test_daemon_start(&d[n], (const char *const[]){
+                                 "--backend", "host", "--devices", "2",
+                                 "--collective-timeout", "2", "--job-linger", "0",
+                                 "--job-spec", spec[n][0], "--job-spec", spec[n][1], NULL});
+    cr_assert_eq(chmod(d[n].dir, 0755), 0);
+    cr_assert_eq(chmod(d[n].sock, 0666), 0);
+  }
+  pid_t a = fork();
+  cr_assert(a >= 0);
+  if (a == 0)
+    _exit(x_ranks(d[0].sock, 1001, 0, 1.0f, 2.0f));
+  pid_t v = fork();
+  cr_assert(v >= 0);
+  if (v == 0)
+    _exit(x_ranks(d[1].sock, 1002, 1, 2.0f, 1.0f));
+  expect_child(a, "uid 1001's \"x\" on node 0");
+  expect_child(v, "uid 1002's \"x\" on node 1");
+  test_daemon_finish(&d[0]);
+  test_daemon_finish(&d[1]);
+  scratch_remove(&s);
+}
+
 /* Whether node's announcement is in the rendezvous directory: its daemon
  * has begun the rendezvous (fabric_gloo.cc writes shardd-*.node<N>). */
 static int announced(const char *rdv, int node) {
