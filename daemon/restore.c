@@ -623,9 +623,8 @@ static shardd_err line_job(restore *c, char **tok) {
   c->old_world = (uint32_t)strtoul(tok[2], NULL, 10);
   if (c->old_world == 0)
     return bad(c, SHARDD_E_INVAL, "world 0");
-  rc = shardd__job_get(c->reg, tok[1],
-                                  c->world ? c->world : c->old_world, owner,
-                                  &c->job, c->sub, sizeof c->sub);
+  rc = shardd__job_get(c->reg, tok[1], c->world ? c->world : c->old_world,
+                       owner, &c->job, c->sub, sizeof c->sub);
   if (rc != SHARDD_OK)
     return bad(c, rc, "%s", c->sub);
   /* a node's part: laid out before any buffer, as a Hello under the job's
