@@ -1625,6 +1625,40 @@ Test(checkpoint, root_believes_a_recorded_owner_only_from_that_owners_files) {
   cr_assert_null(shardd__job_find(&reg, 1002, "weights"));
 }
 
+/* A multi-node job manifest's owner likewise: root reads the job (and
+ * picks the job's --job-spec by it) only from a directory and manifest of
+ * that owner or the daemon. */
+Test(checkpoint, a_job_manifest_records_an_owner_only_from_that_owners_files) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to stand for two uids and the daemon");
+  char jd[128], path[200], err[1024];
+  snprintf(jd, sizeof jd, "%s/job", dir);
+  cr_assert_eq(mkdir(jd, 0700), 0);
+  snprintf(path, sizeof path, "%s/manifest", jd);
+  write_text(path, "shardd-job-checkpoint 1\njob vj 4 1002\nnodes 2\n"
+                   "part 0 node-0 0badc0de\npart 1 node-1 0badc0de\nend 00000000\n");
+  reseal(path);
+  shardd__ckjob cj;
+  cr_assert_eq(chown(jd, 1001, 1001), 0);
+  cr_assert_eq(chown(path, 1001, 1001), 0);
+  for (int64_t as = -1; as <= 0; as++) {
+    shardd_err rc = shardd__checkpoint_read_job(jd, as, &cj, err, sizeof err);
+    cr_assert_eq(rc, SHARDD_E_PERMISSION, "as %d: %s: %s", (int)as, shardd_err_name(rc),
+                 err);
+    cr_assert(strstr(err, "uid 1002") && strstr(err, "uid 1001"), "%s", err);
+  }
+  /* the daemon's manifest in uid 1001's directory: still not uid 1002's */
+  cr_assert_eq(chown(path, 0, 0), 0);
+  cr_assert_eq(shardd__checkpoint_read_job(jd, 0, &cj, err, sizeof err),
+               SHARDD_E_PERMISSION, "%s", err);
+  /* uid 1002's directory: its job */
+  cr_assert_eq(chown(jd, 1002, 1002), 0);
+  cr_assert_eq(shardd__checkpoint_read_job(jd, 0, &cj, err, sizeof err), SHARDD_OK, "%s",
+               err);
+  cr_assert_eq(cj.uid, 1002u);
+  cr_assert_eq(cj.nodes, 2u);
+}
+
 /* Item 3: a client checkpoints its own job only into a directory of its
  * own (or one the daemon makes inside one of its own). */
 Test(checkpoint, a_client_cannot_checkpoint_into_another_users_directory) {
