@@ -17,6 +17,10 @@
  * nodes on threads of this process: the ring reduce-scatter exact over
  * several segments, two at once, a second meeting in a rendezvous directory
  * that holds the first one's files, and an abort ending a wait at once.
+ * Across uids: a job spec goes to its uid's job only, a restored exit part
+ * included; two uids' jobs of one name never meet in one rendezvous
+ * directory; and a rendezvous directory another uid can write (or a
+ * symlink) is refused before the daemon touches a file in it.
  * Ranks are libshardd clients on threads. Skipped (visibly) when the daemon
  * was built without Gloo. */
 #include <criterion/criterion.h>
