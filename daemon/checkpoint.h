@@ -164,18 +164,26 @@ shardd_err shardd__checkpoint_restore_prepare_part(
  * carry the job's fabric lineage ("lineage" line). The restored job gets
  * that lineage and origin and is marked rejoining: its fabric's join
  * (coll_fabric.c) lets it meet only the live nodes of that lineage whose
- * states fit; nothing else checks the other nodes here. */
+ * states fit; nothing else checks the other nodes here. spec_uid >= 0:
+ * the spec (spec_path, for the message) is that uid's job's only, and a
+ * part recording another owner is refused (SHARDD_E_PERMISSION). */
 shardd_err shardd__checkpoint_restore_prepare_exit_part(
     shardd__registry *reg, const char *dir, int64_t as_uid, const char *name,
-    uint32_t world, uint32_t nodes, uint32_t node_rank,
-    shardd__ckrestore **out, char *err, size_t errlen);
+    uint32_t world, uint32_t nodes, uint32_t node_rank, int64_t spec_uid,
+    const char *spec_path, shardd__ckrestore **out, char *err, size_t errlen);
 
 /* Creates the job recorded in dir (it must not exist yet), owned by the uid
  * recorded with it. as_uid is who asks: < 0 the daemon itself (--restore),
  * 0 root, else it must be the recorded owner (SHARDD_E_PERMISSION), dir
  * must be its own or the daemon's, and every file in it a regular file of
  * one link owned by it or the daemon, opened without following symlinks: a
- * client cannot make the daemon read another user's file for it. */
+ * client cannot make the daemon read another user's file for it. For
+ * every asker, root included, the recorded owner is believed only where
+ * the directory, the manifest and each data file (one link) belong to that
+ * owner or to the daemon: a directory another user wrote cannot make root
+ * create the victim's job (SHARDD_E_PERMISSION, naming what belongs to
+ * whom). The same holds for a job manifest (read_job) and its parts, whose
+ * owner must be the job manifest's. */
 /* world 0 keeps the recorded world; another world reshards: shards and
  * optimizer state are keyed by element offset, not by rank. */
 /* prepare, run, finish and restore_free in one call, on the loop thread

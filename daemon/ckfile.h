@@ -18,7 +18,9 @@
  * opened relative to fd with O_NOFOLLOW, so no symlink planted in a
  * client's directory (or on the way to it) redirects the daemon's own
  * rights to another user's file. path is for messages only. as_uid is who
- * asks (< 0 the daemon itself, 0 root). */
+ * asks (< 0 the daemon itself, 0 root); a restore for the daemon or root
+ * sets it to the job's recorded owner once that is known (restore.c), so
+ * its data files too must be that owner's or the daemon's. */
 typedef struct {
   int fd;
   const char *path;

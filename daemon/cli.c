@@ -50,7 +50,8 @@ static void usage(FILE *f) {
           "                            DIR/JOB holding one)\n"
           "  --job-spec FILE           a job spanning several nodes: its world, nodes,\n"
           "                            this daemon's node_rank and rendezvous directory\n"
-          "                            (repeatable, one file per job)\n"
+          "                            (the daemon's uid's or root's, writable by no\n"
+          "                            other uid); repeatable, one file per job\n"
           "  --log-level LEVEL         error|warn|info|debug (default info)\n"
           "  --foreground              run in the foreground (the only mode; for systemd)\n"
           "  --version, --help\n",

@@ -422,9 +422,14 @@ shardd_err shardd__coll_job_span(shardd__coll_engine *e, shardd__job *job,
   /* one thread per exchange in flight, and a started collective holds
    * every local rank's member, each in max_pending collectives at most */
   uint32_t cap = e->cfg.max_pending ? e->cfg.max_pending : 1;
+  /* the files' namespace in the rendezvous directory: job names are per
+   * uid, and two uids' jobs of one name (two specs giving uids, one
+   * directory) must never meet there */
+  char prefix[300];
+  snprintf(prefix, sizeof prefix, "%" PRIu32 ".%s", job->uid, job->name);
   coll_fab *jf = cj ? calloc(1, sizeof *jf) : NULL;
   if (jf == NULL || (jf->rendezvous = strdup(rendezvous)) == NULL ||
-      (jf->prefix = strdup(job->name)) == NULL ||
+      (jf->prefix = strdup(prefix)) == NULL ||
       (jf->host = strdup(host)) == NULL ||
       (jf->running = calloc(cap, sizeof *jf->running)) == NULL ||
       (jf->threads = calloc(cap, sizeof *jf->threads)) == NULL) {

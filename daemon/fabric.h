@@ -6,7 +6,9 @@
  * fabric threads, then the local fan-out on the pool.
  *
  * Implementations: fabric_gloo.cc (Gloo's TCP transport, rendezvous through
- * a shared directory with gloo::rendezvous::FileStore) for host memory.
+ * a shared directory, which must be the daemon's uid's or root's and
+ * writable by no other uid: SHARDD_E_PERMISSION naming it otherwise) for
+ * host memory.
  * fabric_stub.c answers SHARDD_E_STATE when the daemon was built without
  * Gloo. A cuda fabric (NCCL: ncclCommInitRank with one rank per GPU, the
  * ncclUniqueId exchanged through the same rendezvous) would implement this
@@ -77,8 +79,12 @@ const char *shardd__fabric_engine(void);
  * run, or a daemon restarted) are no obstacle: the nodes agree on a fresh
  * namespace first (fabric_gloo.cc). Fails with SHARDD_E_PEER_LOST and a
  * message naming the nodes that did not join within the timeout,
- * SHARDD_E_STATE without an engine, SHARDD_E_IO when the rendezvous files
- * or the transport cannot be set up. */
+ * SHARDD_E_STATE without an engine, SHARDD_E_PERMISSION naming the
+ * rendezvous directory when it is a symlink, or belongs to another uid
+ * than the daemon's or root, or its group or others may write it (every
+ * file in it is opened relative to it, without following symlinks),
+ * SHARDD_E_IO when the rendezvous files or the transport cannot be set
+ * up. */
 shardd_err shardd__fabric_create(const shardd__fabric_opts *opts,
                                  shardd__fabric **out, char *err,
                                  size_t errlen);

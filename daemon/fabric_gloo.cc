@@ -1,23 +1,24 @@
 /* fabric_gloo.cc — the fabric (fabric.h) on Gloo: TCP transport, one
  * gloo::rendezvous::Context per job with one member per node, connected
- * through gloo::rendezvous::FileStore in the job's rendezvous directory.
+ * through a key-value store of files in the job's rendezvous directory
+ * (dir_store: Gloo's FileStore, opened safely; see "rendezvous files").
  * Every entry point catches everything (Gloo throws on IO errors, timeouts
  * and failed checks; the standard library throws bad_alloc) and turns it
  * into a shardd_err with its message; nothing C++ crosses the C interface.
  *
- * Rendezvous. Gloo's FileStore refuses to set a key that exists, so a
- * second incarnation of a job in the same directory (the job released and
- * made again while the daemons run, or a daemon restarted) would meet the
- * files of the first one and fail, or read addresses that are gone. So the
- * nodes first agree on a fresh namespace with files of their own, which
- * they replace rather than add to: node r writes PREFIX.node<r> with a
+ * Rendezvous. A second incarnation of a job in the same directory (the
+ * job released and made again while the daemons run, or a daemon
+ * restarted) would meet the key files of the first one and read addresses
+ * that are gone (Gloo's own FileStore refused to set a key that exists,
+ * and failed). So the nodes first agree on a fresh namespace with files of
+ * their own, which they replace rather than add to: node r writes PREFIX.node<r> with a
  * random nonce, reads every other node's, and writes PREFIX.node<r>.seen
  * with the nonces it read (its own current one in its place); when every
  * node's .seen equals its own, each node has read every other node's
  * current nonce (its own is new, so no older file can hold it), and the
- * hash of that list names the FileStore namespace of this incarnation.
+ * hash of that list names the key namespace of this incarnation.
  * A node whose files are missing or never confirm is named in the timeout
- * message. This node's FileStore keys are removed when the fabric is
+ * message. This node's key files are removed when the fabric is
  * destroyed (by then every peer has read them).
  *
  * Reduce-scatter. This Gloo snapshot (Debian 0.0~git20220518) has no
@@ -53,6 +54,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -67,12 +69,12 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <gloo/rendezvous/context.h>
-#include <gloo/rendezvous/file_store.h>
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
@@ -97,7 +99,8 @@ struct shardd__fabric {
   std::shared_ptr<gloo::rendezvous::Context> ctx;
   std::chrono::milliseconds timeout;
   uint32_t nodes, node_rank;
-  std::vector<std::string> keys; /* this node's FileStore files */
+  int dir = -1;                  /* the rendezvous directory (open_rendezvous) */
+  std::vector<std::string> keys; /* this node's key files in it */
   /* the abort (see the top of the file): mu guards why and live */
   std::mutex mu;
   std::atomic<bool> aborted{false};
@@ -232,11 +235,66 @@ static uint64_t fresh_nonce() {
   return v ? v : 1;
 }
 
-/* Writes path whole or not at all (a reader never sees half of it); 0 or
- * an errno. */
-static int write_atomic(const std::string &path, const std::string &text) {
-  std::string tmp = path + ".tmp" + std::to_string(getpid());
-  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+/* The rendezvous directory. Every node's daemon, usually root, writes and
+ * reads files in it, so a user who may write into it could plant a symlink
+ * where the daemon writes (a root-owned file truncated and overwritten), a
+ * directory or FIFO where it reads (the fabric blocked), or a key file of
+ * its own (the daemon connecting to the user's address). All names here are
+ * predictable from the job's name and the nonces the directory shows, so
+ * no per-file check could make a shared-writable directory safe -- a file
+ * planted first wins, sticky bit or not. Hence: the directory is opened
+ * once (not through a symlink), it must belong to the daemon's uid or root
+ * and be writable by nobody else (no group or other write), else the
+ * fabric is refused naming it; and every file in it is then opened
+ * relative to that descriptor, without following symlinks, made with
+ * O_EXCL and read only when it is a regular file, Gloo's key-value files
+ * included (dir_store below replaces its FileStore, which writes through
+ * paths with a truncating open). */
+static shardd_err open_rendezvous(const char *path, int *out, char *err,
+                                  size_t errlen) {
+  *out = -1;
+  int fd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) {
+    int e = errno;
+    snprintf(err, errlen, "fabric: rendezvous directory %s: %s", path,
+             e == ELOOP || e == ENOTDIR ? "a symlink or not a directory (name "
+                                          "the directory itself)"
+                                        : strerror(e));
+    return e == ELOOP || e == ENOTDIR ? SHARDD_E_PERMISSION : SHARDD_E_IO;
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    snprintf(err, errlen, "fabric: rendezvous directory %s: %s", path,
+             strerror(errno));
+    close(fd);
+    return SHARDD_E_IO;
+  }
+  uid_t me = geteuid();
+  if ((st.st_uid != me && st.st_uid != 0) || (st.st_mode & (S_IWGRP | S_IWOTH))) {
+    snprintf(err, errlen, "fabric: rendezvous directory %s (uid %u, mode %04o) "
+             "can be written by %s: another user could plant files or "
+             "symlinks in it; refused (make it owned by uid %u or root, "
+             "chmod go-w)", path, (unsigned)st.st_uid,
+             (unsigned)(st.st_mode & 07777),
+             st.st_uid != me && st.st_uid != 0 ? "its owner, not this daemon's uid"
+                                               : "its group or others",
+             (unsigned)me);
+    close(fd);
+    return SHARDD_E_PERMISSION;
+  }
+  *out = fd;
+  return SHARDD_OK;
+}
+
+/* Writes dfd/name whole or not at all (a reader never sees half of it),
+ * through a temporary name made anew (a stale one removed first); 0 or an
+ * errno. */
+static int write_atomic(int dfd, const std::string &name, const std::string &text) {
+  std::string tmp = "." + name + ".tmp" + std::to_string(getpid());
+  if (unlinkat(dfd, tmp.c_str(), 0) != 0 && errno != ENOENT)
+    return errno;
+  int fd = openat(dfd, tmp.c_str(),
+                  O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd < 0)
     return errno;
   size_t done = 0;
@@ -247,25 +305,31 @@ static int write_atomic(const std::string &path, const std::string &text) {
     if (n <= 0) {
       int e = n < 0 ? errno : EIO;
       close(fd);
-      unlink(tmp.c_str());
+      unlinkat(dfd, tmp.c_str(), 0);
       return e;
     }
     done += (size_t)n;
   }
-  if (close(fd) != 0 || rename(tmp.c_str(), path.c_str()) != 0) {
+  if (close(fd) != 0 || renameat(dfd, tmp.c_str(), dfd, name.c_str()) != 0) {
     int e = errno;
-    unlink(tmp.c_str());
+    unlinkat(dfd, tmp.c_str(), 0);
     return e;
   }
   return 0;
 }
 
-/* The file's text, or "" when it is missing or unreadable (a node that
- * has not written it yet). */
-static std::string read_small(const std::string &path) {
-  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+/* The text of dfd/name when it is a regular file (no symlink, no FIFO:
+ * the open does not wait for a writer), "" when it is missing or not one
+ * (a node that has not written it yet). */
+static std::string read_small(int dfd, const std::string &name) {
+  int fd = openat(dfd, name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0)
     return "";
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    close(fd);
+    return "";
+  }
   char buf[4096];
   std::string out;
   for (;;) {
@@ -282,6 +346,69 @@ static std::string read_small(const std::string &path) {
   return out;
 }
 
+/* Gloo's key-value store on the rendezvous directory's descriptor: what
+ * gloo::rendezvous::FileStore does (a key is a file, written whole, waited
+ * for by polling, which works on NFS), with the files opened as above.
+ * Keys (Gloo's, under the job's namespace) map to hashed names. */
+class dir_store : public gloo::rendezvous::Store {
+public:
+  dir_store(int dfd, std::string path) : dfd_(dfd), path_(std::move(path)) {}
+
+  void set(const std::string &key, const std::vector<char> &data) override {
+    std::string name = name_of(key);
+    names_.push_back(name);
+    int e = write_atomic(dfd_, name, std::string(data.begin(), data.end()));
+    if (e != 0)
+      throw std::runtime_error("cannot write " + path_ + "/" + name + ": " +
+                               strerror(e));
+  }
+
+  std::vector<char> get(const std::string &key) override {
+    wait({key});
+    std::string text = read_small(dfd_, name_of(key));
+    if (text.empty())
+      throw std::runtime_error("cannot read " + path_ + "/" + name_of(key));
+    return std::vector<char>(text.begin(), text.end());
+  }
+
+  void wait(const std::vector<std::string> &keys) override {
+    wait(keys, kDefaultTimeout);
+  }
+
+  void wait(const std::vector<std::string> &keys,
+            const std::chrono::milliseconds &timeout) override {
+    auto end = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      bool all = true;
+      for (const auto &k : keys) {
+        struct stat st;
+        if (fstatat(dfd_, name_of(k).c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+            !S_ISREG(st.st_mode) || st.st_size == 0) {
+          all = false;
+          break;
+        }
+      }
+      if (all)
+        return;
+      if (std::chrono::steady_clock::now() >= end)
+        throw std::runtime_error("timed out waiting in " + path_ +
+                                 " for another node's address");
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+
+  /* the files this node wrote, removed with the fabric */
+  const std::vector<std::string> &names() const { return names_; }
+
+private:
+  static std::string name_of(const std::string &key) {
+    return "shardd-kv-" + hex64(fnv64(key)) + hex64(fnv64("kv:" + key));
+  }
+  int dfd_;
+  std::string path_;
+  std::vector<std::string> names_;
+};
+
 static const char kMagic[] = "shardd-rendezvous 1 ";
 
 /* The nonce in an announcement file, "" when it is not one. */
@@ -295,13 +422,13 @@ static std::string nonce_of(const std::string &text) {
 
 /* A file name for the job: readable, and distinct even where the
  * sanitizing maps two names alike. */
-static std::string file_base(const std::string &dir, const std::string &prefix) {
+static std::string file_base(const std::string &prefix) {
   std::string clean;
   for (char ch : prefix.substr(0, 64))
     clean += isalnum((unsigned char)ch) || ch == '-' || ch == '_' || ch == '.' ? ch : '_';
   char h[9];
   snprintf(h, sizeof h, "%08x", (unsigned)(fnv64(prefix) & 0xffffffffu));
-  return dir + "/shardd-" + clean + "-" + h;
+  return "shardd-" + clean + "-" + h;
 }
 
 static std::string node_list(const std::vector<uint32_t> &v) {
@@ -313,17 +440,17 @@ static std::string node_list(const std::vector<uint32_t> &v) {
 
 /* Agrees with the other nodes on this incarnation's namespace (see the top
  * of the file); SHARDD_OK and *epoch, or an error in err. */
-static shardd_err agree(const shardd__fabric_opts *o,
+static shardd_err agree(const shardd__fabric_opts *o, int dfd,
                         std::chrono::steady_clock::time_point deadline,
                         std::string *epoch, char *err, size_t errlen) {
-  const std::string base = file_base(o->rendezvous, o->prefix);
+  const std::string base = file_base(o->prefix);
   auto ann = [&](uint32_t n) { return base + ".node" + std::to_string(n); };
   const std::string mine = hex64(fresh_nonce());
   const char *host = o->host && o->host[0] ? o->host : "127.0.0.1";
-  int e = write_atomic(ann(o->node_rank), kMagic + mine + " " + host + "\n");
+  int e = write_atomic(dfd, ann(o->node_rank), kMagic + mine + " " + host + "\n");
   if (e != 0) {
-    snprintf(err, errlen, "fabric: rendezvous: cannot write %s: %s",
-             ann(o->node_rank).c_str(), strerror(e));
+    snprintf(err, errlen, "fabric: rendezvous: cannot write %s/%s: %s",
+             o->rendezvous, ann(o->node_rank).c_str(), strerror(e));
     return SHARDD_E_IO;
   }
   std::string written; /* the .seen text last written */
@@ -333,7 +460,7 @@ static shardd_err agree(const shardd__fabric_opts *o,
     unconfirmed.clear();
     std::string list;
     for (uint32_t n = 0; n < o->nodes; n++) {
-      std::string v = n == o->node_rank ? mine : nonce_of(read_small(ann(n)));
+      std::string v = n == o->node_rank ? mine : nonce_of(read_small(dfd, ann(n)));
       if (v.empty())
         absent.push_back(n);
       list += (n ? "," : "") + v;
@@ -341,16 +468,16 @@ static shardd_err agree(const shardd__fabric_opts *o,
     if (absent.empty()) {
       std::string seen = kMagic + list + "\n";
       if (seen != written) {
-        e = write_atomic(ann(o->node_rank) + ".seen", seen);
+        e = write_atomic(dfd, ann(o->node_rank) + ".seen", seen);
         if (e != 0) {
-          snprintf(err, errlen, "fabric: rendezvous: cannot write %s.seen: %s",
-                   ann(o->node_rank).c_str(), strerror(e));
+          snprintf(err, errlen, "fabric: rendezvous: cannot write %s/%s.seen: %s",
+                   o->rendezvous, ann(o->node_rank).c_str(), strerror(e));
           return SHARDD_E_IO;
         }
         written = seen;
       }
       for (uint32_t n = 0; n < o->nodes; n++)
-        if (n != o->node_rank && read_small(ann(n) + ".seen") != seen)
+        if (n != o->node_rank && read_small(dfd, ann(n) + ".seen") != seen)
           unconfirmed.push_back(n);
       if (unconfirmed.empty()) {
         *epoch = hex64(fnv64(list));
@@ -407,12 +534,16 @@ extern "C" shardd_err shardd__fabric_create(const shardd__fabric_opts *o,
                             });
     if (rc != SHARDD_OK)
       return rc;
-    std::string epoch;
-    if ((rc = agree(o, deadline, &epoch, err, errlen)) != SHARDD_OK)
+    if ((rc = open_rendezvous(o->rendezvous, &f->dir, err, errlen)) != SHARDD_OK)
       return rc;
+    std::string epoch;
+    if ((rc = agree(o, f->dir, deadline, &epoch, err, errlen)) != SHARDD_OK) {
+      close(f->dir);
+      return rc;
+    }
     rc = guarded(err, errlen, "fabric: rendezvous", SHARDD_E_PEER_LOST,
                  [&]() -> shardd_err {
-                   gloo::rendezvous::FileStore fs(o->rendezvous);
+                   dir_store fs(f->dir, o->rendezvous);
                    gloo::rendezvous::PrefixStore store(std::string(o->prefix) + "/" + epoch, fs);
                    f->ctx = std::make_shared<gloo::rendezvous::Context>(
                        (int)o->node_rank, (int)o->nodes);
@@ -420,15 +551,16 @@ extern "C" shardd_err shardd__fabric_create(const shardd__fabric_opts *o,
                    try {
                      f->ctx->connectFullMesh(store, f->dev);
                    } catch (...) {
-                     f->keys = fs.getAllKeyFilePaths();
+                     f->keys = fs.names();
                      throw;
                    }
-                   f->keys = fs.getAllKeyFilePaths();
+                   f->keys = fs.names();
                    return SHARDD_OK;
                  });
     if (rc != SHARDD_OK) {
       for (const auto &k : f->keys)
-        unlink(k.c_str());
+        unlinkat(f->dir, k.c_str(), 0);
+      close(f->dir);
       return rc;
     }
     *out = f.release();
@@ -570,8 +702,9 @@ extern "C" void shardd__fabric_destroy(shardd__fabric *f) {
     f->ctx.reset();
     f->dev.reset();
     for (const auto &k : f->keys)
-      unlink(k.c_str());
+      unlinkat(f->dir, k.c_str(), 0);
   } catch (...) {
   }
+  close(f->dir);
   delete f;
 }

@@ -614,8 +614,12 @@ static void restore_after(uv_work_t *req, int status) {
 
 /* dir without a manifest of its own: this node's exit part of a live
  * multi-node job (dir/node-N, --checkpoint-on-exit), for the spec whose
- * job and node it is. *found 0: no spec has a part there (the caller goes
- * on, and refuses the directory for its missing manifest). */
+ * job and node it is, and whose uid (where it gives one) owns the part:
+ * a part of another uid's job of the name is refused, whoever asks, so no
+ * forged part joins a user's fabric. A spec refusing it does not stop the
+ * search (two specs may name one job for two uids); the first refusal is
+ * reported when no spec takes it. *found 0: no spec has a part there (the
+ * caller goes on, and refuses the directory for its missing manifest). */
 static shardd_err restore_prepare_exit(shardd__jobs *j, const char *dir,
                                        int64_t as_uid, uint32_t world,
                                        shardd__ckrestore **out,
@@ -626,6 +630,7 @@ static shardd_err restore_prepare_exit(shardd__jobs *j, const char *dir,
   if ((size_t)snprintf(path, sizeof path, "%s/manifest", dir) >= sizeof path ||
       access(path, F_OK) == 0)
     return SHARDD_OK;
+  shardd_err refused = SHARDD_OK;
   for (size_t i = 0; i < j->nspecs; i++) {
     const shardd__jobspec *s = &j->specs[i];
     snprintf(path, sizeof path, "%s/node-%" PRIu32 "/manifest", dir, s->node_rank);
@@ -638,17 +643,28 @@ static shardd_err restore_prepare_exit(shardd__jobs *j, const char *dir,
                s->world, world);
       return SHARDD_E_RANGE;
     }
+    char why[1024];
     shardd_err rc = shardd__checkpoint_restore_prepare_exit_part(
-        j->reg, dir, as_uid, s->job, s->world, s->nodes, s->node_rank, out, err,
-        errlen);
+        j->reg, dir, as_uid, s->job, s->world, s->nodes, s->node_rank, s->uid,
+        s->path, out, why, sizeof why);
     if (rc == SHARDD_E_NOT_FOUND) /* another job's part */
       continue;
+    if (rc == SHARDD_E_PERMISSION) { /* maybe another spec's uid's */
+      if (refused == SHARDD_OK) {
+        refused = rc;
+        snprintf(err, errlen, "%s", why);
+      }
+      continue;
+    }
     *found = 1;
     if (rc == SHARDD_OK)
       *sp = s;
+    else
+      snprintf(err, errlen, "%s", why);
     return rc;
   }
-  return SHARDD_OK;
+  *found = refused != SHARDD_OK;
+  return refused;
 }
 
 /* Prepares the restore of dir: an ordinary checkpoint, this node's exit
@@ -709,6 +725,17 @@ static shardd_err restore_span(shardd__jobs *j, shardd__job *job,
                                size_t errlen) {
   if (sp == NULL)
     return SHARDD_OK;
+  if (sp->uid < 0) { /* as a Hello: one uid's job at a time (jobs_layout) */
+    spanning_arg a = {job, NULL};
+    shardd__registry_each_job(j->reg, find_spanning, &a);
+    if (a.other) {
+      snprintf(err, errlen,
+               "job spec %s for \"%s\" gives no uid and another user's job "
+               "of that name holds it; an admin can give the spec a uid",
+               sp->path, job->name);
+      return SHARDD_E_BUSY;
+    }
+  }
   if (shardd__fabric_engine() == NULL) {
     snprintf(err, errlen, "job \"%s\" spans %" PRIu32 " nodes, but this shardd "
              "was built without Gloo (install libgloo-dev and rebuild)",

@@ -180,6 +180,11 @@ struct shardd__ckrestore {
   const char *exit_name;
   uint32_t exit_world;
   int lineage_seen;
+  /* the owner the job line must name, -1 any: the uid an exit part's job
+   * spec gives (spec_path names the spec), or the job manifest's uid for
+   * one of its parts (spec_path NULL) */
+  int64_t want_uid;
+  const char *spec_path;
   char *err;
   size_t errlen;
   char path[4096];  /* the manifest's, as messages name it */
@@ -540,6 +545,33 @@ static shardd_err line_header(restore *c, char **tok, int nt) {
   return SHARDD_OK;
 }
 
+/* Whether the files that record owner as a job's owner may say so: the
+ * directory (dirfd) and the manifest (filefd) must be owner's or the
+ * daemon's. The owner line is only text; without this, root restoring a
+ * directory another user wrote (an operator's --restore or Restore)
+ * created the victim's job, the victim's own spec and quotas applying,
+ * with the writer's weights. */
+static shardd_err vouched(int dirfd, int filefd, uint32_t owner,
+                          const char *path, const char *job, char *err,
+                          size_t errlen) {
+  struct stat ds, fs;
+  if (fstat(dirfd, &ds) != 0 || fstat(filefd, &fs) != 0) {
+    snprintf(err, errlen, "%s: %s", path, strerror(errno));
+    return SHARDD_E_IO;
+  }
+  uid_t me = geteuid();
+  uid_t bad = ds.st_uid != owner && ds.st_uid != me   ? ds.st_uid
+              : fs.st_uid != owner && fs.st_uid != me ? fs.st_uid
+                                                      : (uid_t)-1;
+  if (bad == (uid_t)-1)
+    return SHARDD_OK;
+  snprintf(err, errlen, "%s records job \"%s\" as uid %" PRIu32 "'s, but %s "
+           "belongs to uid %u: only the job's owner or the daemon writes its "
+           "checkpoints; refused", path, job, owner,
+           ds.st_uid == bad ? "its directory" : "the file", (unsigned)bad);
+  return SHARDD_E_PERMISSION;
+}
+
 /* "job NAME WORLD OWNER": creates the new job. A job of that name that is
  * live already is refused, never touched. */
 static shardd_err line_job(restore *c, char **tok) {
@@ -560,6 +592,27 @@ static shardd_err line_job(restore *c, char **tok) {
              "only it or root may restore it", tok[1], c->dir);
     return SHARDD_E_PERMISSION;
   }
+  /* a job spec that names a uid lays out (and joins over the fabric) that
+   * uid's job only: another uid's part of that name never gets it */
+  if (c->want_uid >= 0 && owner != (uint64_t)c->want_uid) {
+    if (c->spec_path)
+      snprintf(c->err, c->errlen, "%s: a part of uid %" PRIu32 "'s job \"%s\", "
+               "but its job spec %s is for uid %" PRId64 "'s job of that name "
+               "only; refused", c->path, owner, tok[1], c->spec_path,
+               c->want_uid);
+    else
+      snprintf(c->err, c->errlen, "%s: a part of uid %" PRIu32 "'s job \"%s\", "
+               "but the job manifest above it is uid %" PRId64 "'s; refused",
+               c->path, owner, tok[1], c->want_uid);
+    return SHARDD_E_PERMISSION;
+  }
+  shardd_err rc = vouched(c->dd.fd, fileno(c->f), owner, c->path, tok[1],
+                          c->err, c->errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  /* the data files likewise: the owner's or the daemon's, one link each */
+  if (c->as_uid <= 0 && owner > 0)
+    c->dd.as_uid = owner;
   if (shardd__job_find(c->reg, owner, tok[1])) {
     snprintf(c->err, c->errlen,
              "job \"%s\" of uid %" PRIu32 " exists already; release it "
@@ -570,9 +623,8 @@ static shardd_err line_job(restore *c, char **tok) {
   c->old_world = (uint32_t)strtoul(tok[2], NULL, 10);
   if (c->old_world == 0)
     return bad(c, SHARDD_E_INVAL, "world 0");
-  shardd_err rc = shardd__job_get(c->reg, tok[1],
-                                  c->world ? c->world : c->old_world, owner,
-                                  &c->job, c->sub, sizeof c->sub);
+  rc = shardd__job_get(c->reg, tok[1], c->world ? c->world : c->old_world,
+                       owner, &c->job, c->sub, sizeof c->sub);
   if (rc != SHARDD_OK)
     return bad(c, rc, "%s", c->sub);
   /* a node's part: laid out before any buffer, as a Hello under the job's
@@ -957,7 +1009,8 @@ void shardd__checkpoint_restore_free(shardd__ckrestore *c) {
 static shardd_err prepare(shardd__registry *reg, const char *dir,
                           int64_t as_uid, uint32_t world, uint32_t nodes,
                           uint32_t node_rank, uint64_t origin,
-                          const char *exit_name, shardd__ckrestore **out,
+                          const char *exit_name, int64_t want_uid,
+                          const char *spec_path, shardd__ckrestore **out,
                           char *err, size_t errlen) {
   *out = NULL;
   restore *c = calloc(1, sizeof *c);
@@ -974,6 +1027,8 @@ static shardd_err prepare(shardd__registry *reg, const char *dir,
   c->origin = origin;
   c->exit_name = exit_name;
   c->exit_world = world;
+  c->want_uid = want_uid;
+  c->spec_path = spec_path;
   c->err = err;
   c->errlen = errlen;
   c->dd.fd = -1;
@@ -1006,14 +1061,17 @@ shardd_err shardd__checkpoint_restore_prepare(shardd__registry *reg,
                                               uint32_t world,
                                               shardd__ckrestore **out,
                                               char *err, size_t errlen) {
-  return prepare(reg, dir, as_uid, world, 0, 0, 0, NULL, out, err, errlen);
+  return prepare(reg, dir, as_uid, world, 0, 0, 0, NULL, -1, NULL, out, err,
+                 errlen);
 }
 
 /* Opens dir/manifest as restore does (no symlink, the asker's or the
  * daemon's directory and file) and checks its seal into *seal. *f is the
- * caller's to fclose. */
+ * caller's to fclose; so is *dirfd, the directory, where dirfd is not NULL
+ * (else it is closed). */
 static shardd_err open_sealed(const char *dir, int64_t as_uid, FILE **f,
-                              uint32_t *seal, char *err, size_t errlen) {
+                              int *dirfd, uint32_t *seal, char *err,
+                              size_t errlen) {
   restore c = {0};
   c.dir = (char *)dir;
   c.as_uid = as_uid;
@@ -1022,12 +1080,15 @@ static shardd_err open_sealed(const char *dir, int64_t as_uid, FILE **f,
   shardd_err rc = open_manifest(&c);
   if (rc != SHARDD_OK)
     return rc;
-  close(c.dd.fd);
   rc = shardd__manifest_verify_seal(c.f, c.path, seal, err, errlen);
+  if (rc != SHARDD_OK || dirfd == NULL)
+    close(c.dd.fd);
   if (rc != SHARDD_OK) {
     fclose(c.f);
     return rc;
   }
+  if (dirfd)
+    *dirfd = c.dd.fd;
   *f = c.f;
   return SHARDD_OK;
 }
@@ -1038,7 +1099,8 @@ shardd_err shardd__checkpoint_read_job(const char *dir, int64_t as_uid,
   memset(out, 0, sizeof *out);
   FILE *f;
   uint32_t seal;
-  shardd_err rc = open_sealed(dir, as_uid, &f, &seal, err, errlen);
+  int dfd;
+  shardd_err rc = open_sealed(dir, as_uid, &f, &dfd, &seal, err, errlen);
   if (rc != SHARDD_OK)
     return rc;
   char *line = NULL, *tok[8];
@@ -1096,6 +1158,11 @@ shardd_err shardd__checkpoint_read_job(const char *dir, int64_t as_uid,
     rc = SHARDD_E_PERMISSION;
     goto done;
   }
+  char path[4096];
+  snprintf(path, sizeof path, "%s/%s", dir, SHARDD__MANIFEST_FILE);
+  if ((rc = vouched(dfd, fileno(f), out->uid, path, out->name, err, errlen)) !=
+      SHARDD_OK)
+    goto done;
   out->seal = seal;
   goto done;
 malformed:
@@ -1105,6 +1172,7 @@ malformed:
 done:
   free(line);
   fclose(f);
+  close(dfd);
   return rc;
 }
 
@@ -1128,7 +1196,7 @@ shardd_err shardd__checkpoint_restore_prepare_part(
     FILE *f;
     uint32_t seal;
     char why[768];
-    shardd_err rc = open_sealed(part, as_uid, &f, &seal, why, sizeof why);
+    shardd_err rc = open_sealed(part, as_uid, &f, NULL, &seal, why, sizeof why);
     if (rc == SHARDD_OK)
       fclose(f);
     if (rc != SHARDD_OK) {
@@ -1148,13 +1216,14 @@ shardd_err shardd__checkpoint_restore_prepare_part(
   /* origin: nonzero even where the CRC is 0, so "restored" stays apart
    * from "fresh" in the exchange header */
   return prepare(reg, part, as_uid, 0, job->nodes, node_rank,
-                 (uint64_t)job->seal | 1ull << 32, NULL, out, err, errlen);
+                 (uint64_t)job->seal | 1ull << 32, NULL, job->uid, NULL, out,
+                 err, errlen);
 }
 
 shardd_err shardd__checkpoint_restore_prepare_exit_part(
     shardd__registry *reg, const char *dir, int64_t as_uid, const char *name,
-    uint32_t world, uint32_t nodes, uint32_t node_rank,
-    shardd__ckrestore **out, char *err, size_t errlen) {
+    uint32_t world, uint32_t nodes, uint32_t node_rank, int64_t spec_uid,
+    const char *spec_path, shardd__ckrestore **out, char *err, size_t errlen) {
   *out = NULL;
   char part[4096];
   if ((size_t)snprintf(part, sizeof part, "%s/node-%" PRIu32, dir, node_rank) >=
@@ -1164,8 +1233,8 @@ shardd_err shardd__checkpoint_restore_prepare_exit_part(
   }
   /* world: the spec's, which the part must have (line_job); a restore into
    * it is no resharding */
-  return prepare(reg, part, as_uid, world, nodes, node_rank, 0, name, out, err,
-                 errlen);
+  return prepare(reg, part, as_uid, world, nodes, node_rank, 0, name, spec_uid,
+                 spec_path, out, err, errlen);
 }
 
 shardd__job *shardd__checkpoint_restore_job(const shardd__ckrestore *c) {

@@ -1562,6 +1562,136 @@ Test(checkpoint, a_linked_data_file_is_not_read_for_a_client) {
                SHARDD_E_PERMISSION, "%s", err);
 }
 
+/* The owner line of a manifest is only text. Uid 1001 checkpoints its own
+ * job "weights" into its own directory, then rewrites the manifest to say
+ * the job is uid 1002's: root restoring that directory (an operator's
+ * --restore, or root's Restore) must not create uid 1002's job with uid
+ * 1001's weights. The recorded owner is believed where the directory and
+ * the files are that owner's or the daemon's (this process stands for the
+ * daemon: root); the same checkpoint in the victim's own directory, or the
+ * attacker's claiming the attacker, restores. */
+static shardd__job *owned_job(const char *name, uint32_t uid) {
+  char err[512];
+  shardd__job *job;
+  cr_assert_eq(shardd__job_get(&reg, name, 2, uid, &job, err, sizeof err), SHARDD_OK,
+               "%s", err);
+  shardd__buffer *b;
+  int created;
+  cr_assert_eq(shardd__buffer_register(&reg, job, "w", SHARDD_DTYPE_FP32, 64, &b,
+                                       &created, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  for (uint32_t k = 0; k < 2; k++)
+    fill_random((char *)b->blocks[k]->ptr + b->shard_off, b->shard_numel * 4);
+  return job;
+}
+
+/* Rewrites the owner on path's job line (" FROM\n" -> " TO\n"), sealed
+ * again, the file then owned by file_uid. */
+static void claim_owner(const char *path, unsigned from, unsigned to, uid_t file_uid) {
+  char *text = test_slurp(path);
+  cr_assert_not_null(text);
+  char was[32];
+  snprintf(was, sizeof was, " %u\n", from);
+  char *at = strstr(text, was);
+  cr_assert_not_null(at, "%s", text);
+  size_t len = strlen(text) + 32;
+  char *fixed = malloc(len);
+  snprintf(fixed, len, "%.*s %u\n%s", (int)(at - text), text, to, at + strlen(was));
+  unlink(path); /* the daemon's file, in the writer's directory: replaced */
+  write_text(path, fixed);
+  reseal(path);
+  cr_assert_eq(chown(path, file_uid, file_uid), 0);
+  free(fixed);
+  free(text);
+}
+
+Test(checkpoint, root_believes_a_recorded_owner_only_from_that_owners_files) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to stand for two uids and the daemon");
+  char mine[128], manifest[200], err[1024];
+  snprintf(mine, sizeof mine, "%s/mine", dir);
+  cr_assert_eq(mkdir(mine, 0700), 0);
+  cr_assert_eq(chown(mine, 1001, 1001), 0);
+  shardd__job *job = owned_job("weights", 1001);
+  cr_assert_eq(shardd__checkpoint_write(&reg, job, mine, 1001, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  shardd__job_release(&reg, job);
+  snprintf(manifest, sizeof manifest, "%s/manifest", mine);
+  claim_owner(manifest, 1001, 1002, 1001);
+  for (int64_t as = -1; as <= 0; as++) { /* --restore at start; root's Restore */
+    shardd__job *back = NULL;
+    shardd_err rc = shardd__checkpoint_restore(&reg, mine, as, 0, &back, err, sizeof err);
+    cr_assert_eq(rc, SHARDD_E_PERMISSION, "as %d: %s: %s", (int)as, shardd_err_name(rc),
+                 err);
+    cr_assert(strstr(err, "uid 1002") && strstr(err, "uid 1001"), "%s", err);
+    cr_assert_null(shardd__job_find(&reg, 1002, "weights"));
+  }
+  /* the manifest put back as the daemon's file: the directory still says
+   * whose checkpoint it is */
+  cr_assert_eq(chown(manifest, 0, 0), 0);
+  shardd__job *back = NULL;
+  cr_assert_eq(shardd__checkpoint_restore(&reg, mine, 0, 0, &back, err, sizeof err),
+               SHARDD_E_PERMISSION, "%s", err);
+  cr_assert(strstr(err, "its directory belongs to uid 1001"), "%s", err);
+  cr_assert_null(shardd__job_find(&reg, 1002, "weights"));
+  /* the claim honest (the attacker's own job): restores, as uid 1001's */
+  claim_owner(manifest, 1002, 1001, 1001);
+  cr_assert_eq(shardd__checkpoint_restore(&reg, mine, 0, 0, &back, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_assert_eq(back->uid, 1001u);
+  shardd__job_release(&reg, back);
+  /* and a directory and files that are uid 1002's restore as 1002's */
+  claim_owner(manifest, 1001, 1002, 1002);
+  cr_assert_eq(chown(mine, 1002, 1002), 0);
+  cr_assert_eq(shardd__checkpoint_restore(&reg, mine, 0, 0, &back, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_assert_eq(back->uid, 1002u);
+  shardd__job_release(&reg, back);
+  /* but not with a data file of another uid's in it */
+  char name[128], path[300];
+  data_name(mine, "b0-r1", name, sizeof name);
+  snprintf(path, sizeof path, "%s/%s", mine, name);
+  cr_assert_eq(chown(path, 1001, 1001), 0);
+  cr_assert_eq(shardd__checkpoint_restore(&reg, mine, -1, 0, &back, err, sizeof err),
+               SHARDD_E_PERMISSION, "%s", err);
+  cr_assert(strstr(err, name), "%s", err);
+  cr_assert_null(shardd__job_find(&reg, 1002, "weights"));
+}
+
+/* A multi-node job manifest's owner likewise: root reads the job (and
+ * picks the job's --job-spec by it) only from a directory and manifest of
+ * that owner or the daemon. */
+Test(checkpoint, a_job_manifest_records_an_owner_only_from_that_owners_files) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to stand for two uids and the daemon");
+  char jd[128], path[200], err[1024];
+  snprintf(jd, sizeof jd, "%s/job", dir);
+  cr_assert_eq(mkdir(jd, 0700), 0);
+  snprintf(path, sizeof path, "%s/manifest", jd);
+  write_text(path, "shardd-job-checkpoint 1\njob vj 4 1002\nnodes 2\n"
+                   "part 0 node-0 0badc0de\npart 1 node-1 0badc0de\nend 00000000\n");
+  reseal(path);
+  shardd__ckjob cj;
+  cr_assert_eq(chown(jd, 1001, 1001), 0);
+  cr_assert_eq(chown(path, 1001, 1001), 0);
+  for (int64_t as = -1; as <= 0; as++) {
+    shardd_err rc = shardd__checkpoint_read_job(jd, as, &cj, err, sizeof err);
+    cr_assert_eq(rc, SHARDD_E_PERMISSION, "as %d: %s: %s", (int)as, shardd_err_name(rc),
+                 err);
+    cr_assert(strstr(err, "uid 1002") && strstr(err, "uid 1001"), "%s", err);
+  }
+  /* the daemon's manifest in uid 1001's directory: still not uid 1002's */
+  cr_assert_eq(chown(path, 0, 0), 0);
+  cr_assert_eq(shardd__checkpoint_read_job(jd, 0, &cj, err, sizeof err),
+               SHARDD_E_PERMISSION, "%s", err);
+  /* uid 1002's directory: its job */
+  cr_assert_eq(chown(jd, 1002, 1002), 0);
+  cr_assert_eq(shardd__checkpoint_read_job(jd, 0, &cj, err, sizeof err), SHARDD_OK, "%s",
+               err);
+  cr_assert_eq(cj.uid, 1002u);
+  cr_assert_eq(cj.nodes, 2u);
+}
+
 /* Item 3: a client checkpoints its own job only into a directory of its
  * own (or one the daemon makes inside one of its own). */
 Test(checkpoint, a_client_cannot_checkpoint_into_another_users_directory) {
