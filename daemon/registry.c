@@ -101,9 +101,9 @@ shardd_err shardd__job_get(shardd__registry *reg, const char *name,
   *out = NULL;
   if (!shardd__name_ok(name, "job", err, errlen))
     return SHARDD_E_INVAL;
-  if (world < 1 || world > 65536) {
-    snprintf(err, errlen, "world %" PRIu32 " is out of range [1, 65536]",
-             world);
+  if (world < 1 || world > SHARDD__WORLD_MAX) {
+    snprintf(err, errlen, "world %" PRIu32 " is out of range [1, %u]", world,
+             SHARDD__WORLD_MAX);
     return SHARDD_E_RANGE;
   }
   shardd__job *job = shardd__job_find(reg, uid, name);

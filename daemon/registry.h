@@ -273,6 +273,9 @@ struct shardd__registry {
   shardd__map jobs;    /* "UID/NAME" -> job: a job is (owner, name) */
 };
 
+/* The most ranks a job may have (job_get refuses more). */
+#define SHARDD__WORLD_MAX 65536u
+
 void shardd__registry_init(shardd__registry *reg, shardd__backend *backend);
 /* Sizes max_blocks from the process's descriptor limit (on the host
  * backend each rank block is a descriptor), leaving keep of them to the

@@ -48,6 +48,8 @@ typedef struct {
   size_t nids;
   pending_state *states;
   size_t nstates;
+  /* (buffer, old rank) of each state line, once: key buf << 17 | rank */
+  shardd__map state_seen;
   shardd__optim *created;
   /* master_valid of each of created's shards once its state is loaded;
    * set on them by finish */
@@ -159,6 +161,13 @@ static shardd__optim_shard *find_shard(shardd__optim *o, const shardd__buffer *b
 
 #define MAX_TOK 64
 
+/* The recorded registrations of one manifest's optimizers, together: a
+ * client sends each in one frame (restore repacks it with longer ids, so
+ * one may reach two); eight frames' worth is more than any job keeps, and
+ * a manifest of nothing but optimizer lines held one copy of every line
+ * until the last was read. */
+#define SPECS_MAX ((size_t)8 * SHARDD_MAX_FRAME)
+
 /* One restore in progress: the manifest being read, what its lines have
  * named so far and the payload loads they planned. Everything here is the
  * restore's own and freed by shardd__checkpoint_restore_free, job included
@@ -189,6 +198,12 @@ struct shardd__ckrestore {
   size_t cap;
   int lineno, mversion, ended;
   uint32_t old_world;
+  /* What the lines have asked to be kept until the optimizers register,
+   * bounded by what the daemon registered for the lines above: one ref
+   * line per buffer or view (reffed: by object id), at most as many
+   * optimizers as buffers and views, their specs SPECS_MAX together. */
+  size_t nviews, spec_bytes;
+  shardd__map reffed;
   shardd__job *job; /* created by the job line */
   shardd__buffer **bufs; /* borrowed from job; the array is ours */
   size_t nb;
@@ -567,9 +582,13 @@ static shardd_err line_job(restore *c, char **tok) {
              tok[1], owner);
     return SHARDD_E_BUSY;
   }
-  c->old_world = (uint32_t)strtoul(tok[2], NULL, 10);
-  if (c->old_world == 0)
-    return bad(c, SHARDD_E_INVAL, "world 0");
+  /* every buffer line keeps a bit per old rank: a world past any job's
+   * cost 512 MiB a line */
+  unsigned long ow = strtoul(tok[2], NULL, 10);
+  if (ow == 0 || ow > SHARDD__WORLD_MAX)
+    return bad(c, SHARDD_E_INVAL, "world %s is out of range [1, %u]", tok[2],
+               SHARDD__WORLD_MAX);
+  c->old_world = (uint32_t)ow;
   shardd_err rc = shardd__job_get(c->reg, tok[1],
                                   c->world ? c->world : c->old_world, owner,
                                   &c->job, c->sub, sizeof c->sub);
@@ -688,6 +707,9 @@ static shardd_err line_view(restore *c, char **tok, int nt) {
       requires_grad, &v, &created, c->sub, sizeof c->sub);
   if (rc != SHARDD_OK)
     return bad(c, rc, "%s", c->sub);
+  if (!created)
+    return bad(c, SHARDD_E_INVAL, "view \"%s\" listed twice", tok[2]);
+  c->nviews++;
   shardd__obj_set_generation(&v->hdr, gen + 1);
   return SHARDD_OK;
 }
@@ -698,6 +720,17 @@ static shardd_err line_optimizer(restore *c, char **tok) {
   if ((size_t)strtoul(tok[1], NULL, 10) != c->npo ||
       !shardd__manifest_dec_name(tok[2]))
     return bad(c, SHARDD_E_INVAL, "optimizers out of order");
+  /* each optimizer owns buffers or views of its own, registered above */
+  if (c->npo >= c->nb + c->nviews)
+    return bad(c, SHARDD_E_INVAL, "optimizer %zu, but the lines above "
+               "registered %zu buffers and views for optimizers to own",
+               c->npo, c->nb + c->nviews);
+  size_t hl = strlen(tok[4]);
+  if (hl / 2 > SPECS_MAX - c->spec_bytes)
+    return bad(c, SHARDD_E_INVAL, "optimizer registrations of %zu bytes "
+               "together, more than the %zu a manifest may hold", c->spec_bytes
+               + hl / 2, SPECS_MAX);
+  c->spec_bytes += hl / 2;
   pending_optim *np = realloc(c->po, (c->npo + 1) * sizeof *c->po);
   if (np == NULL)
     return bad(c, SHARDD_E_INVAL, "out of memory");
@@ -706,7 +739,6 @@ static shardd_err line_optimizer(restore *c, char **tok) {
   memset(p, 0, sizeof *p);
   p->name = strdup(tok[2]);
   p->steps = strtoull(tok[3], NULL, 10);
-  size_t hl = strlen(tok[4]);
   p->spec = malloc(hl / 2 + 1);
   if (p->name == NULL || p->spec == NULL || hl % 2)
     return bad(c, SHARDD_E_INVAL, "bad optimizer spec");
@@ -738,6 +770,13 @@ static shardd_err line_ref(restore *c, char **tok, int nt) {
   } else if (strcmp(tok[3], "buffer") || nt != 5 + extra) {
     return bad(c, SHARDD_E_INVAL, "malformed ref");
   }
+  /* an object is owned by one optimizer: one ref line, so their count is
+   * bounded by what the lines above registered */
+  if (shardd__map_get_id(&c->reffed, o->id))
+    return bad(c, SHARDD_E_INVAL, "a second ref line to buffer %zu's %s",
+               bi, o->name);
+  if (shardd__map_put_id(&c->reffed, o->id, o) != SHARDD_OK)
+    return bad(c, SHARDD_E_NO_MEMORY, "out of memory");
   pending_optim *p = &c->po[oi];
   id_map *ni = realloc(p->ids, (p->nids + 1) * sizeof *ni);
   if (ni == NULL)
@@ -757,6 +796,38 @@ static shardd_err line_state(restore *c, char **tok) {
   if (oi >= c->npo || bi >= c->nb || strchr(tok[5], '/'))
     return bad(c, SHARDD_E_INVAL, "state of unknown optimizer or buffer");
   pending_optim *p = &c->po[oi];
+  unsigned long rank = strtoul(tok[3], NULL, 10);
+  int nstate = atoi(tok[8]);
+  if (rank >= c->old_world || nstate < 0 || nstate > 3)
+    return bad(c, SHARDD_E_INVAL, "state of rank %s of a world of %" PRIu32
+               ", or a bad state count", tok[3], c->old_world);
+  uint64_t key = (uint64_t)bi << 17 | rank;
+  if (shardd__map_get_id(&p->state_seen, key))
+    return bad(c, SHARDD_E_INVAL, "state of buffer %zu rank %lu listed twice",
+               bi, rank);
+  if (shardd__map_put_id(&p->state_seen, key, p) != SHARDD_OK)
+    return bad(c, SHARDD_E_NO_MEMORY, "out of memory");
+  /* The file is read into memory of its stated size: the size must be the
+   * state this rank's shard of the buffer keeps (its arrays' layout, plus
+   * at most a backend's rounding), checked before anything is allocated.
+   * A sparse file claiming 3 GiB for a buffer of 8 elements was read whole
+   * and the daemon was OOM-killed. */
+  shardd__buffer *b = c->bufs[bi];
+  uint64_t lo, hi, old_s;
+  old_range(b, c->old_world, (uint32_t)rank, &lo, &hi, &old_s);
+  size_t omaster, ooffs[3];
+  size_t used = shardd__optim_state_layout(b->dtype, old_s, nstate, &omaster,
+                                           ooffs);
+  errno = 0;
+  unsigned long long bytes = strtoull(tok[7], NULL, 10);
+  if (errno || bytes < used || bytes - used >= SHARDD__REGION_GRAIN_MAX ||
+      bytes % 4)
+    return bad(c, SHARDD_E_INVAL, "%s/%s states %s bytes, but buffer \"%s\" "
+               "rank %lu of a world of %" PRIu32 " holds %zu bytes of state in "
+               "%d arrays (%zu with a backend's rounding, at most); refused "
+               "unread", c->dd.path, tok[5], tok[7], b->hdr.name, rank,
+               c->old_world, used, nstate,
+               used + SHARDD__REGION_GRAIN_MAX - 1);
   pending_state *ns = realloc(p->states, (p->nstates + 1) * sizeof *ns);
   if (ns == NULL)
     return bad(c, SHARDD_E_INVAL, "out of memory");
@@ -764,13 +835,11 @@ static shardd_err line_state(restore *c, char **tok) {
   pending_state *ps = &p->states[p->nstates++];
   memset(ps, 0, sizeof *ps);
   ps->buf = bi;
-  ps->rank = (uint32_t)strtoul(tok[3], NULL, 10);
+  ps->rank = (uint32_t)rank;
   ps->master_valid = atoi(tok[4]) != 0;
   ps->crc = (uint32_t)strtoul(tok[6], NULL, 16);
-  ps->bytes = strtoul(tok[7], NULL, 10);
-  ps->nstate = atoi(tok[8]);
-  if (ps->nstate < 0 || ps->nstate > 3)
-    return bad(c, SHARDD_E_INVAL, "bad state count");
+  ps->bytes = (size_t)bytes;
+  ps->nstate = nstate;
   if ((ps->file = strdup(tok[5])) == NULL)
     return bad(c, SHARDD_E_INVAL, "out of memory");
   return SHARDD_OK;
@@ -928,8 +997,10 @@ void shardd__checkpoint_restore_free(shardd__ckrestore *c) {
     for (size_t k = 0; k < c->po[i].nstates; k++)
       free(c->po[i].states[k].file);
     free(c->po[i].states);
+    shardd__map_free(&c->po[i].state_seen);
   }
   free(c->po);
+  shardd__map_free(&c->reffed);
   for (size_t i = 0; i < c->nloads; i++) {
     free(c->loads[i].file);
     free(c->loads[i].copies);
@@ -960,6 +1031,14 @@ static shardd_err prepare(shardd__registry *reg, const char *dir,
                           const char *exit_name, shardd__ckrestore **out,
                           char *err, size_t errlen) {
   *out = NULL;
+  /* a request's path may be as long as its frame: messages and the
+   * part names below are built in fixed buffers, and a cut one named
+   * another directory */
+  size_t longest = sizeof ((restore *)0)->path - sizeof "/" SHARDD__MANIFEST_FILE;
+  if (strlen(dir) > longest) {
+    snprintf(err, errlen, "%.256s...: path longer than %zu bytes", dir, longest);
+    return SHARDD_E_INVAL;
+  }
   restore *c = calloc(1, sizeof *c);
   if (c == NULL || (c->dir = strdup(dir)) == NULL) {
     free(c);
@@ -1124,7 +1203,11 @@ shardd_err shardd__checkpoint_restore_prepare_part(
    * later checkpoint's is found here, on every node, before any of them
    * loads anything, and named. */
   for (uint32_t n = 0; n < job->nodes; n++) {
-    snprintf(part, sizeof part, "%s/node-%" PRIu32, dir, n);
+    if ((size_t)snprintf(part, sizeof part, "%s/node-%" PRIu32, dir, n) >=
+        sizeof part) {
+      snprintf(err, errlen, "%.256s...: path too long", dir);
+      return SHARDD_E_INVAL;
+    }
     FILE *f;
     uint32_t seal;
     char why[768];

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -1439,6 +1440,95 @@ Test(checkpoint, an_edited_manifest_is_refused_by_its_checksum) {
   reseal(path);
   cr_assert_eq(shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err),
                SHARDD_OK, "%s", err);
+}
+
+/* ---- sizes a checkpoint states ------------------------------------------
+ * Every size read from a manifest or a data file is checked against what
+ * the daemon holds before anything is allocated or read: a state line
+ * claiming 3 GiB for a buffer of 8 elements (the file sparse, its header
+ * agreeing) made a restore into another world allocate and read all of it,
+ * and the OOM killer took the daemon. */
+
+static long max_rss_kib(void) {
+  struct rusage ru;
+  cr_assert_eq(getrusage(RUSAGE_SELF, &ru), 0);
+  return ru.ru_maxrss;
+}
+
+/* Rewrites the manifest's state line of optimizer 0, buffer 0, rank 0 to
+ * claim `claim` bytes and replaces its file with a sparse one whose header
+ * says the same; returns the file's name in file. */
+static void claim_state_bytes(uint64_t claim, char *file, size_t n) {
+  char err[1024], path[512];
+  shardd__job *job = make_job("j");
+  cr_assert_eq(shardd__checkpoint_write(&reg, job, dir, -1, err, sizeof err), SHARDD_OK,
+               "%s", err);
+  shardd__job_release(&reg, job);
+  snprintf(path, sizeof path, "%s/manifest", dir);
+  char *text = test_slurp(path);
+  cr_assert_not_null(text);
+  FILE *f = fopen(path, "w");
+  cr_assert_not_null(f);
+  int found = 0;
+  for (char *save, *line = strtok_r(text, "\n", &save); line;
+       line = strtok_r(NULL, "\n", &save)) {
+    char fname[128];
+    unsigned mv, nstate;
+    if (sscanf(line, "state 0 0 0 %u %127s %*x %*u %u", &mv, fname, &nstate) == 3) {
+      fprintf(f, "state 0 0 0 %u %s 00000000 %" PRIu64 " %u\n", mv, fname, claim,
+              nstate);
+      snprintf(file, n, "%s", fname);
+      found = 1;
+    } else {
+      fprintf(f, "%s\n", line);
+    }
+  }
+  cr_assert_eq(fclose(f), 0);
+  free(text);
+  cr_assert(found, "no state line of buffer 0 rank 0");
+  reseal(path);
+  /* the file: a header that agrees with the claim, then a hole */
+  const char *name = "layer 0/weights";
+  uint8_t head[64] = {0};
+  memcpy(head, "SHRDCKPT", 8);
+  uint64_t v[5] = {SHARDD_CHECKPOINT_VERSION | (uint64_t)SHARDD_DTYPE_FP32 << 32,
+                   claim / 4, 0, claim, (uint64_t)strlen(name) << 32};
+  for (int i = 0; i < 5; i++)
+    for (int k = 0; k < 8; k++)
+      head[8 + 8 * i + k] = (uint8_t)(v[i] >> (8 * k));
+  snprintf(path, sizeof path, "%s/%s", dir, file);
+  int fd = open(path, O_WRONLY | O_TRUNC);
+  cr_assert(fd >= 0, "%s", path);
+  cr_assert_eq(write(fd, head, sizeof head), (ssize_t)sizeof head);
+  cr_assert_eq(write(fd, name, strlen(name)), (ssize_t)strlen(name));
+  cr_assert_eq(ftruncate(fd, (off_t)(sizeof head + strlen(name) + claim)), 0);
+  close(fd);
+}
+
+Test(checkpoint, a_state_file_claiming_more_than_its_buffer_is_refused_unread) {
+  const uint64_t claim = 256ull << 20;
+  char file[128], want[64];
+  claim_state_bytes(claim, file, sizeof file);
+  snprintf(want, sizeof want, "%" PRIu64 " bytes", claim);
+  /* into another world (where the file was read whole into a buffer of
+   * its size) and into the same one */
+  uint32_t worlds[2] = {2, 0};
+  for (int i = 0; i < 2; i++) {
+    char err[1024];
+    long before = max_rss_kib();
+    shardd__job *back;
+    shardd_err rc =
+        shardd__checkpoint_restore(&reg, dir, -1, worlds[i], &back, err, sizeof err);
+    cr_assert_eq(rc, SHARDD_E_INVAL, "world %u: %s (%s)", worlds[i],
+                 shardd_err_name(rc), err);
+    cr_assert(strstr(err, file) && strstr(err, want) && strstr(err, "holds"),
+              "world %u: the message names neither the file nor both sizes: %s",
+              worlds[i], err);
+    cr_assert_lt(max_rss_kib() - before, 32 << 10,
+                 "world %u: the restore grew by %ld KiB for a refused file", worlds[i],
+                 max_rss_kib() - before);
+    cr_assert_null(shardd__job_find(&reg, 0, "j"));
+  }
 }
 
 /* A symlink anywhere in the path (here: inside what would be the root)
