@@ -1531,6 +1531,35 @@ Test(checkpoint, a_state_file_claiming_more_than_its_buffer_is_refused_unread) {
   }
 }
 
+static int huge_world(const char *line, FILE *out, void *arg) {
+  if (strncmp(line, "job ", 4))
+    return 1;
+  fprintf(out, "job j 4294967295 0\n"); /* a bit per old rank per buffer line */
+  return 0;
+}
+
+static int ref_twice(const char *line, FILE *out, void *arg) {
+  if (!strncmp(line, "ref 0 ", 6))
+    fprintf(out, "%s\n", line);
+  return 1;
+}
+
+/* What a restore keeps per line is bounded by what the daemon registered:
+ * an old world past any job's, or a ref line repeated, is refused. */
+Test(checkpoint, a_manifest_asking_more_than_its_job_holds_is_refused) {
+  char err[1024];
+  shardd__job *back;
+  rewrite_manifest(huge_world, NULL);
+  shardd_err rc = shardd__checkpoint_restore(&reg, dir, -1, 2, &back, err, sizeof err);
+  cr_assert_eq(rc, SHARDD_E_INVAL, "%s (%s)", shardd_err_name(rc), err);
+  cr_assert(strstr(err, "world 4294967295 is out of range"), "%s", err);
+  rewrite_manifest(ref_twice, NULL);
+  rc = shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err);
+  cr_assert_eq(rc, SHARDD_E_INVAL, "%s (%s)", shardd_err_name(rc), err);
+  cr_assert(strstr(err, "a second ref line"), "%s", err);
+  cr_assert_null(shardd__job_find(&reg, 0, "j"));
+}
+
 /* A symlink anywhere in the path (here: inside what would be the root)
  * points the daemon's rights elsewhere; the walk refuses it, both ways. */
 Test(checkpoint, a_symlink_in_the_path_is_refused) {
