@@ -197,6 +197,7 @@ struct shardd__ckrestore {
   char *line;
   size_t cap;
   int lineno, mversion, ended;
+  int seal_line; /* the "end" line whose checksum was checked; 0 none */
   uint32_t old_world;
   /* What the lines have asked to be kept until the optimizers register,
    * bounded by what the daemon registered for the lines above: one ref
@@ -550,8 +551,17 @@ static shardd_err line_header(restore *c, char **tok, int nt) {
   if (nt != 2 || strcmp(tok[0], "shardd-checkpoint") ||
       (c->mversion = atoi(tok[1])) < 1 || c->mversion > SHARDD_MANIFEST_VERSION)
     return bad(c, SHARDD_E_INVAL,
-               "not a shardd checkpoint manifest of version 1 to %d",
-               SHARDD_MANIFEST_VERSION);
+               "not a shardd checkpoint manifest of version %d to %d",
+               SHARDD_MANIFEST_SEALED, SHARDD_MANIFEST_VERSION);
+  /* Versions 1 and 2 carry no checksum: an edited step count or view
+   * offset in one cannot be told from what shardd wrote. */
+  if (c->mversion < SHARDD_MANIFEST_SEALED)
+    return bad(c, SHARDD_E_INVAL,
+               "manifest version %d is not sealed (versions before %d carry "
+               "no checksum, so an edit cannot be detected); restore refuses "
+               "it: take a new checkpoint of the job with a shardd that "
+               "writes version %d or later",
+               c->mversion, SHARDD_MANIFEST_SEALED, SHARDD_MANIFEST_SEALED);
   return SHARDD_OK;
 }
 
@@ -641,8 +651,8 @@ static shardd_err line_buffer(restore *c, char **tok) {
     return bad(c, SHARDD_E_INVAL, "buffer \"%s\" listed twice", tok[1]);
   b->settled = 1; /* trainers attach to the restored values */
   /* A restored handle is a new generation: one kept from before the
-   * checkpoint is refused as stale (version 1 recorded none: 1). */
-  uint64_t gen = c->mversion >= 2 ? strtoull(tok[4], NULL, 10) : 1;
+   * checkpoint is refused as stale. */
+  uint64_t gen = strtoull(tok[4], NULL, 10);
   shardd__obj_set_generation(&b->hdr, gen + 1);
   shardd__buffer **nbufs = realloc(c->bufs, (c->nb + 1) * sizeof *c->bufs);
   if (nbufs == NULL)
@@ -686,19 +696,18 @@ static shardd_err line_shard(restore *c, char **tok) {
   return plan_shard(c, tok[3], (uint32_t)strtoul(tok[4], NULL, 16), bi, r);
 }
 
-/* "view BUF NAME OFFSET NUMEL NDIM DIM... [GEN REQUIRES_GRAD]". */
+/* "view BUF NAME OFFSET NUMEL NDIM DIM... GEN REQUIRES_GRAD". */
 static shardd_err line_view(restore *c, char **tok, int nt) {
   size_t bi = strtoul(tok[1], NULL, 10);
   int ndim = atoi(tok[5]);
-  int extra = c->mversion >= 2 ? 2 : 0; /* generation, requires_grad */
-  if (bi >= c->nb || ndim < 0 || ndim > 16 || nt != 6 + ndim + extra ||
+  if (bi >= c->nb || ndim < 0 || ndim > 16 || nt != 8 + ndim ||
       !shardd__manifest_dec_name(tok[2]))
     return bad(c, SHARDD_E_INVAL, "malformed view");
   int64_t shape[16];
   for (int d = 0; d < ndim; d++)
     shape[d] = strtoll(tok[6 + d], NULL, 10);
-  uint64_t gen = extra ? strtoull(tok[6 + ndim], NULL, 10) : 1;
-  int requires_grad = extra ? atoi(tok[7 + ndim]) != 0 : 1;
+  uint64_t gen = strtoull(tok[6 + ndim], NULL, 10);
+  int requires_grad = atoi(tok[7 + ndim]) != 0;
   shardd__view *v;
   int created;
   shardd_err rc = shardd__view_register_ex(
@@ -853,8 +862,13 @@ static shardd_err parse_line(restore *c, char **tok, int nt) {
   if (c->ended)
     return bad(c, SHARDD_E_INVAL, "text after \"end\"");
   if (!strcmp(tok[0], "end")) {
-    if (nt != (c->mversion >= 3 ? 2 : 1))
+    if (nt != 2)
       return bad(c, SHARDD_E_INVAL, "malformed \"end\" line");
+    /* the seal was checked on the line that starts "end ": one that only
+     * splits into "end" (a leading space) ended the manifest unchecked */
+    if (c->lineno != c->seal_line)
+      return bad(c, SHARDD_E_INVAL, "an \"end\" line whose checksum was not "
+                 "checked (not a manifest shardd wrote)");
     c->ended = 1;
     return SHARDD_OK;
   }
@@ -883,7 +897,7 @@ static shardd_err parse_line(restore *c, char **tok, int nt) {
     shardd_err rc = shardd__job_set_transient(c->job, 1, c->sub, sizeof c->sub);
     return rc == SHARDD_OK ? SHARDD_OK : bad(c, rc, "%s", c->sub);
   }
-  if (!strcmp(tok[0], "buffer") && nt == (c->mversion >= 2 ? 5 : 4))
+  if (!strcmp(tok[0], "buffer") && nt == 5)
     return line_buffer(c, tok);
   if (!strcmp(tok[0], "shard") && nt == 5)
     return line_shard(c, tok);
@@ -1063,7 +1077,9 @@ static shardd_err prepare(shardd__registry *reg, const char *dir,
     shardd__checkpoint_restore_free(c);
     return rc;
   }
-  if ((rc = shardd__manifest_verify(c->f, c->path, err, errlen)) == SHARDD_OK &&
+  uint32_t seal;
+  if ((rc = shardd__manifest_verify_seal(c->f, c->path, &seal, &c->seal_line,
+                                         err, errlen)) == SHARDD_OK &&
       (rc = parse_manifest(c)) == SHARDD_OK &&
       (rc = check_complete(c)) == SHARDD_OK)
     rc = restore_optimizers(c);
@@ -1092,7 +1108,8 @@ shardd_err shardd__checkpoint_restore_prepare(shardd__registry *reg,
  * daemon's directory and file) and checks its seal into *seal. *f is the
  * caller's to fclose. */
 static shardd_err open_sealed(const char *dir, int64_t as_uid, FILE **f,
-                              uint32_t *seal, char *err, size_t errlen) {
+                              uint32_t *seal, int *end_line, char *err,
+                              size_t errlen) {
   restore c = {0};
   c.dir = (char *)dir;
   c.as_uid = as_uid;
@@ -1102,7 +1119,7 @@ static shardd_err open_sealed(const char *dir, int64_t as_uid, FILE **f,
   if (rc != SHARDD_OK)
     return rc;
   close(c.dd.fd);
-  rc = shardd__manifest_verify_seal(c.f, c.path, seal, err, errlen);
+  rc = shardd__manifest_verify_seal(c.f, c.path, seal, end_line, err, errlen);
   if (rc != SHARDD_OK) {
     fclose(c.f);
     return rc;
@@ -1117,7 +1134,8 @@ shardd_err shardd__checkpoint_read_job(const char *dir, int64_t as_uid,
   memset(out, 0, sizeof *out);
   FILE *f;
   uint32_t seal;
-  shardd_err rc = open_sealed(dir, as_uid, &f, &seal, err, errlen);
+  int end_line;
+  shardd_err rc = open_sealed(dir, as_uid, &f, &seal, &end_line, err, errlen);
   if (rc != SHARDD_OK)
     return rc;
   char *line = NULL, *tok[8];
@@ -1136,7 +1154,7 @@ shardd_err shardd__checkpoint_read_job(const char *dir, int64_t as_uid,
       if (nt != 2 || strcmp(tok[0], SHARDD__JOB_MANIFEST_MAGIC))
         break; /* an ordinary manifest: nodes stays 0 */
       version = atoi(tok[1]);
-      if (version < 1 || version > SHARDD__JOB_MANIFEST_VERSION || seal == 0)
+      if (version < 1 || version > SHARDD__JOB_MANIFEST_VERSION || end_line == 0)
         goto malformed;
       continue;
     }
@@ -1156,7 +1174,7 @@ shardd_err shardd__checkpoint_read_job(const char *dir, int64_t as_uid,
       if (strcmp(tok[2], want))
         goto malformed;
       out->seals[parts++] = (uint32_t)strtoul(tok[3], NULL, 16);
-    } else if (nt == 2 && !strcmp(tok[0], "end")) {
+    } else if (nt == 2 && !strcmp(tok[0], "end") && lineno == end_line) {
       ended = 1;
     } else {
       goto malformed;
@@ -1210,8 +1228,10 @@ shardd_err shardd__checkpoint_restore_prepare_part(
     }
     FILE *f;
     uint32_t seal;
+    int end_line;
     char why[768];
-    shardd_err rc = open_sealed(part, as_uid, &f, &seal, why, sizeof why);
+    shardd_err rc = open_sealed(part, as_uid, &f, &seal, &end_line, why,
+                                sizeof why);
     if (rc == SHARDD_OK)
       fclose(f);
     if (rc != SHARDD_OK) {

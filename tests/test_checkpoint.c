@@ -1138,39 +1138,83 @@ Test(checkpoint, restore_bumps_generations_and_keeps_frozen_views) {
   expect_restored_lora(back, 3, 2, 1);
 }
 
-Test(checkpoint, version_1_manifest_still_restores) {
-  char err[1024];
-  shardd__job *job = make_lora_job();
-  cr_assert_eq(shardd__checkpoint_write(&reg, job, dir, -1, err, sizeof err), SHARDD_OK, "%s", err);
-  shardd__job_release(&reg, job);
-  /* rewrite the manifest as version 1 wrote it: no generation on buffer
-   * lines, no generation and requires_grad after a view's shape */
-  char path[256];
-  snprintf(path, sizeof path, "%s/manifest", dir);
-  char *text = test_slurp(path);
-  cr_assert_not_null(text);
-  FILE *f = fopen(path, "w");
-  cr_assert_not_null(f);
-  for (char *save, *line = strtok_r(text, "\n", &save); line;
-       line = strtok_r(NULL, "\n", &save)) {
-    if (!strncmp(line, "shardd-checkpoint ", 18)) {
-      fprintf(f, "shardd-checkpoint 1\n");
-      continue;
-    }
-    int drop = !strncmp(line, "buffer ", 7) ? 1 : !strncmp(line, "view ", 5) ? 2
-               : !strncmp(line, "end ", 4)                              ? 1
-                                                                        : 0;
+/* Rewrites the manifest as version 1 wrote it (no generation on buffer
+ * lines, no generation and requires_grad after a view's shape, a bare
+ * "end") or as version 2 did (the generations, a bare "end"), with the
+ * optimizer's step count edited. */
+static int as_unsealed(const char *line, FILE *out, void *arg) {
+  int version = *(int *)arg;
+  char *copy = strdup(line);
+  if (!strncmp(copy, "shardd-checkpoint ", 18)) {
+    fprintf(out, "shardd-checkpoint %d\n", version);
+  } else if (!strncmp(copy, "optimizer ", 10)) {
+    char *steps = strchr(copy + 12, ' '); /* " STEPS SPEC" after the name */
+    fprintf(out, "%.*s 1000%s\n", (int)(steps - copy), copy, strchr(steps + 1, ' '));
+  } else {
+    int drop = !strncmp(copy, "end ", 4)                      ? 1
+               : version == 2                                 ? 0
+               : !strncmp(copy, "buffer ", 7)                 ? 1
+               : !strncmp(copy, "view ", 5)                   ? 2
+                                                              : 0;
     for (int k = 0; k < drop; k++)
-      *strrchr(line, ' ') = '\0';
-    fprintf(f, "%s\n", line);
+      *strrchr(copy, ' ') = '\0';
+    if (!strncmp(copy, "ref ", 4)) /* version 4's per-ref steps */
+      *strrchr(copy, ' ') = '\0';
+    fprintf(out, "%s\n", copy);
   }
-  fclose(f);
-  free(text);
-  shardd__job *back;
-  cr_assert_eq(shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err),
-               SHARDD_OK, "%s", err);
-  /* version 1 knew no generations (taken as 1) and no frozen views */
-  expect_restored_lora(back, 2, 2, 0);
+  free(copy);
+  return 0;
+}
+
+/* Versions 1 and 2 carry no seal, so their step counts (or offsets) could
+ * be edited and were restored as written: they are refused, saying so. */
+Test(checkpoint, an_unsealed_manifest_is_refused_at_every_version) {
+  for (int version = 1; version <= 2; version++) {
+    char err[1024];
+    shardd__job *job = make_job("j");
+    cr_assert_eq(shardd__checkpoint_write(&reg, job, dir, -1, err, sizeof err),
+                 SHARDD_OK, "%s", err);
+    shardd__job_release(&reg, job);
+    char path[256];
+    snprintf(path, sizeof path, "%s/manifest", dir);
+    char *text = test_slurp(path);
+    FILE *f = fopen(path, "w");
+    for (char *save, *line = strtok_r(text, "\n", &save); line;
+         line = strtok_r(NULL, "\n", &save))
+      as_unsealed(line, f, &version);
+    fclose(f);
+    free(text);
+    shardd__job *back;
+    shardd_err rc = shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err);
+    cr_assert_eq(rc, SHARDD_E_INVAL, "version %d: %s (%s)", version,
+                 shardd_err_name(rc), err);
+    char want[64];
+    snprintf(want, sizeof want, "manifest version %d is not sealed", version);
+    cr_assert(strstr(err, want) && strstr(err, "manifest line 1"), "%s", err);
+    cr_assert_eq(shardd__map_count(&reg.jobs), 0);
+  }
+}
+
+static int end_unchecked(const char *line, FILE *out, void *arg) {
+  if (!strncmp(line, "optimizer 0 ", 12)) {
+    const char *steps = strchr(line + 12, ' ');
+    fprintf(out, "%.*s 1000%s\n", (int)(steps - line), line, strchr(steps + 1, ' '));
+    return 0;
+  }
+  if (!strncmp(line, "end ", 4)) {
+    fprintf(out, " %s\n", line); /* splits into "end CRC" all the same */
+    return 0;
+  }
+  return 1;
+}
+
+/* The seal is checked on the line that starts "end "; a line with a
+ * leading space split into the same words and ended the manifest with no
+ * checksum checked at all. */
+Test(checkpoint, an_end_line_the_seal_check_did_not_see_is_refused) {
+  rewrite_manifest(end_unchecked, NULL); /* reseal finds no "\nend " */
+  const char *needles[] = {"manifest line", "checksum was not checked", NULL};
+  expect_manifest_refused(needles);
 }
 
 /* ---- a hostile checkpoint directory ----------------------------------------
@@ -1315,13 +1359,21 @@ static void write_text(const char *path, const char *text) {
 
 /* A manifest with no job line restored nothing and returned OK; both
  * callers then used the NULL job and the daemon died (SIGSEGV). */
+/* text, then its seal: "end CRC" as shardd writes it */
+static void write_sealed(const char *path, const char *text) {
+  FILE *f = fopen(path, "w");
+  cr_assert_not_null(f, "%s", path);
+  fprintf(f, "%send %08x\n", text, shardd__crc32c(0, text, strlen(text)));
+  fclose(f);
+}
+
 Test(checkpoint, manifest_without_a_job_line_is_refused) {
-  const char *texts[] = {"shardd-checkpoint 2\nend\n", "shardd-checkpoint 1\nend\n",
-                         "shardd-checkpoint 2\n\n\nend\n"};
+  const char *texts[] = {"shardd-checkpoint 4\n", "shardd-checkpoint 3\n",
+                         "shardd-checkpoint 4\n\n\n"};
   char path[256], err[1024];
   snprintf(path, sizeof path, "%s/manifest", dir);
   for (size_t i = 0; i < sizeof texts / sizeof *texts; i++) {
-    write_text(path, texts[i]);
+    write_sealed(path, texts[i]);
     shardd__job *back = (shardd__job *)1;
     shardd_err rc = shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err);
     cr_assert_eq(rc, SHARDD_E_INVAL, "manifest %zu: %s (%s)", i, shardd_err_name(rc), err);
@@ -1334,7 +1386,7 @@ Test(checkpoint, jobless_manifest_neither_kills_a_daemon_nor_loops_its_start,
      .timeout = 60) {
   char path[256];
   snprintf(path, sizeof path, "%s/manifest", dir);
-  write_text(path, "shardd-checkpoint 2\nend\n");
+  write_sealed(path, "shardd-checkpoint 4\n");
   /* through a client: refused, and the daemon goes on serving */
   test_daemon d;
   test_daemon_start(&d, NULL);
