@@ -408,7 +408,7 @@ ParameterizedTest(big_len *bl, server, oversized_frame, .init = start_default,
 
 Test(server, names_with_control_bytes_cannot_forge_a_log_line, .init = start_default,
      .fini = stop_daemon) {
-  const char *job = "vj\n<3>shardd: error: uid 0 ran rm -rf /";
+  const char *job = "vj\n<3>shardd: error: uid 0 ran rm -rf ~";
   shardd_client_t *c = test_connect(&d, job, 0, 1);
   shardd_buffer_info b;
   cr_assert_eq(shardd_buffer_register(c, "w\r\n<3>shardd: error: forged\x1b[2J", SHARDD_DTYPE_FP32,
