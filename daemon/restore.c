@@ -50,6 +50,9 @@ typedef struct {
   size_t nstates;
   /* (buffer, old rank) of each state line, once: key buf << 17 | rank */
   shardd__map state_seen;
+  /* the buffers its ref lines named (themselves or a view of them), key
+   * index + 1: a state line must be of one of them */
+  shardd__map bufs_reffed;
   shardd__optim *created;
   /* master_valid of each of created's shards once its state is loaded;
    * set on them by finish */
@@ -787,6 +790,8 @@ static shardd_err line_ref(restore *c, char **tok, int nt) {
   if (shardd__map_put_id(&c->reffed, o->id, o) != SHARDD_OK)
     return bad(c, SHARDD_E_NO_MEMORY, "out of memory");
   pending_optim *p = &c->po[oi];
+  if (shardd__map_put_id(&p->bufs_reffed, (uint64_t)bi + 1, p) != SHARDD_OK)
+    return bad(c, SHARDD_E_NO_MEMORY, "out of memory");
   id_map *ni = realloc(p->ids, (p->nids + 1) * sizeof *ni);
   if (ni == NULL)
     return bad(c, SHARDD_E_INVAL, "out of memory");
@@ -810,6 +815,11 @@ static shardd_err line_state(restore *c, char **tok) {
   if (rank >= c->old_world || nstate < 0 || nstate > 3)
     return bad(c, SHARDD_E_INVAL, "state of rank %s of a world of %" PRIu32
                ", or a bad state count", tok[3], c->old_world);
+  /* shardd writes an optimizer's ref lines before its state lines: each
+   * state is of a buffer it owns, so their count is bounded by the refs */
+  if (!shardd__map_get_id(&p->bufs_reffed, (uint64_t)bi + 1))
+    return bad(c, SHARDD_E_INVAL, "state of buffer %zu, which no ref line of "
+               "optimizer %zu above names", bi, oi);
   uint64_t key = (uint64_t)bi << 17 | rank;
   if (shardd__map_get_id(&p->state_seen, key))
     return bad(c, SHARDD_E_INVAL, "state of buffer %zu rank %lu listed twice",
@@ -1012,6 +1022,7 @@ void shardd__checkpoint_restore_free(shardd__ckrestore *c) {
       free(c->po[i].states[k].file);
     free(c->po[i].states);
     shardd__map_free(&c->po[i].state_seen);
+    shardd__map_free(&c->po[i].bufs_reffed);
   }
   free(c->po);
   shardd__map_free(&c->reffed);

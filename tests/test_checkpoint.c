@@ -1596,8 +1596,24 @@ static int ref_twice(const char *line, FILE *out, void *arg) {
   return 1;
 }
 
+/* Moves each optimizer's ref lines below its state lines (arg: a
+ * char[8192] holding the refs withheld so far). */
+static int states_first(const char *line, FILE *out, void *arg) {
+  char *held = arg;
+  if (!strncmp(line, "ref ", 4)) {
+    snprintf(held + strlen(held), 8192 - strlen(held), "%s\n", line);
+    return 0;
+  }
+  if (strncmp(line, "state ", 6)) {
+    fputs(held, out);
+    held[0] = '\0';
+  }
+  return 1;
+}
+
 /* What a restore keeps per line is bounded by what the daemon registered:
- * an old world past any job's, or a ref line repeated, is refused. */
+ * an old world past any job's, a ref line repeated, or state lines of
+ * buffers no ref line above named, are refused. */
 Test(checkpoint, a_manifest_asking_more_than_its_job_holds_is_refused) {
   char err[1024];
   shardd__job *back;
@@ -1610,6 +1626,12 @@ Test(checkpoint, a_manifest_asking_more_than_its_job_holds_is_refused) {
   cr_assert_eq(rc, SHARDD_E_INVAL, "%s (%s)", shardd_err_name(rc), err);
   cr_assert(strstr(err, "a second ref line"), "%s", err);
   cr_assert_null(shardd__job_find(&reg, 0, "j"));
+  /* each optimizer's states moved above its refs */
+  char held[8192] = "";
+  rewrite_manifest(states_first, held);
+  rc = shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err);
+  cr_assert_eq(rc, SHARDD_E_INVAL, "%s (%s)", shardd_err_name(rc), err);
+  cr_assert(strstr(err, "which no ref line of optimizer 0 above names"), "%s", err);
 }
 
 /* A symlink anywhere in the path (here: inside what would be the root)
