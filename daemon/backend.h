@@ -17,6 +17,12 @@
 
 typedef struct shardd__backend shardd__backend;
 
+/* No backend rounds a region's size up by this much: the host backend
+ * rounds to the page (at most 64 KiB, arm64's largest), cuda to 512 bytes.
+ * A size read back from a file (a checkpoint's optimizer state records its
+ * region's rounded size) is at most what it describes plus this. */
+#define SHARDD__REGION_GRAIN_MAX ((size_t)64 << 10)
+
 typedef struct {
   /* read-only after alloc */
   int device;

@@ -144,6 +144,9 @@ shardd_err shardd__jobspec_parse(const char *path, const char *text,
   ln = 0;
   if (out->job == NULL)
     BAD("no job = NAME");
+  if (strchr(out->job, '/') != NULL) /* as a Hello would be (registry.h) */
+    BAD("job = %s: a job name may not hold a '/' (an admin names uid N's "
+        "job NAME as \"N/NAME\")", out->job);
   if (!have_world || !have_nodes || !have_node)
     BAD("world, nodes and node_rank are all required");
   if (out->nodes < 1 || out->world < out->nodes || out->world % out->nodes)

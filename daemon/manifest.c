@@ -79,20 +79,16 @@ shardd__line_rc shardd__manifest_read_line(FILE *f, char **buf, size_t *cap,
   return SHARDD__LINE_OK;
 }
 
-/* Checks the checksum on the "end" line of a version 3 manifest against
- * the bytes before it, before any line is acted upon; rewinds f. Older
- * versions have none. Lines too long or with a NUL byte are left to the
- * parser, which names them. */
-shardd_err shardd__manifest_verify(FILE *f, const char *path, char *err,
-                                   size_t errlen) {
-  uint32_t seal;
-  return shardd__manifest_verify_seal(f, path, &seal, err, errlen);
-}
-
+/* Checks the checksum on the "end" line of a sealed manifest (version 3
+ * on, or a job manifest) against the bytes before it, before any line is
+ * acted upon; rewinds f. An unsealed one (older, or without the line) is
+ * told by *end_line 0: the parser refuses it, naming why. Lines too long or
+ * with a NUL byte are left to the parser, which names them. */
 shardd_err shardd__manifest_verify_seal(FILE *f, const char *path,
-                                        uint32_t *seal, char *err,
-                                        size_t errlen) {
+                                        uint32_t *seal, int *end_line,
+                                        char *err, size_t errlen) {
   *seal = 0;
+  *end_line = 0;
   char *line = NULL;
   size_t cap = 0;
   uint32_t crc = 0;
@@ -122,6 +118,7 @@ shardd_err shardd__manifest_verify_seal(FILE *f, const char *path,
         rc = SHARDD_E_INVAL;
       } else {
         *seal = crc;
+        *end_line = lineno;
       }
       break;
     }

@@ -50,15 +50,16 @@ typedef enum {
 shardd__line_rc shardd__manifest_read_line(FILE *f, char **buf, size_t *cap,
                                            size_t max);
 
-/* Checks the seal of a version 3 manifest (the CRC32C on its "end" line)
- * before any line is acted upon, then rewinds f. SHARDD_E_INVAL with err
- * naming path and line when it does not match. */
-shardd_err shardd__manifest_verify(FILE *f, const char *path, char *err,
-                                   size_t errlen);
-/* As manifest_verify; *seal is the checked CRC of the "end" line (0 when
- * the manifest has none: older, or truncated -- the parser says which). */
+/* Checks the seal of a manifest (the CRC32C on its "end" line) before any
+ * line is acted upon, then rewinds f: SHARDD_E_INVAL with err naming path
+ * and line when it does not match. *seal is the checked CRC and *end_line
+ * the number of the line it was checked on; 0 when the manifest has no
+ * such line (an unsealed version, or truncated: the parser says which).
+ * A reader takes the manifest as sealed only when its own "end" line is
+ * line *end_line: another line it reads as "end" (" end 0", say) was not
+ * checked. */
 shardd_err shardd__manifest_verify_seal(FILE *f, const char *path,
-                                        uint32_t *seal, char *err,
-                                        size_t errlen);
+                                        uint32_t *seal, int *end_line,
+                                        char *err, size_t errlen);
 
 #endif /* SHARDD_MANIFEST_H */

@@ -101,9 +101,18 @@ shardd_err shardd__job_get(shardd__registry *reg, const char *name,
   *out = NULL;
   if (!shardd__name_ok(name, "job", err, errlen))
     return SHARDD_E_INVAL;
-  if (world < 1 || world > 65536) {
-    snprintf(err, errlen, "world %" PRIu32 " is out of range [1, 65536]",
-             world);
+  /* Root and the admin group name uid N's job NAME as "N/NAME": uid 1001's
+   * job called "1002/vj" read as uid 1002's "vj", and root's release of it
+   * released the victim's. No job name holds a '/', so each such string
+   * names one job. */
+  if (strchr(name, '/') != NULL) {
+    snprintf(err, errlen, "job name \"%s\" holds a '/': job names may not "
+             "(an admin names uid N's job NAME as \"N/NAME\")", name);
+    return SHARDD_E_INVAL;
+  }
+  if (world < 1 || world > SHARDD__WORLD_MAX) {
+    snprintf(err, errlen, "world %" PRIu32 " is out of range [1, %u]", world,
+             SHARDD__WORLD_MAX);
     return SHARDD_E_RANGE;
   }
   shardd__job *job = shardd__job_find(reg, uid, name);

@@ -273,6 +273,9 @@ struct shardd__registry {
   shardd__map jobs;    /* "UID/NAME" -> job: a job is (owner, name) */
 };
 
+/* The most ranks a job may have (job_get refuses more). */
+#define SHARDD__WORLD_MAX 65536u
+
 void shardd__registry_init(shardd__registry *reg, shardd__backend *backend);
 /* Sizes max_blocks from the process's descriptor limit (on the host
  * backend each rank block is a descriptor), leaving keep of them to the
@@ -284,7 +287,9 @@ void shardd__registry_free(shardd__registry *reg);
 
 /* Finds uid's job called name or creates it for uid with world ranks
  * (mismatching world: SHARDD_E_MISMATCH). Job names are per uid: another
- * uid's job of the same name is another job, never this one. */
+ * uid's job of the same name is another job, never this one. A name with
+ * a '/' is refused (SHARDD_E_INVAL): "N/NAME" is how an admin names uid N's
+ * job, and must name that job only. */
 shardd_err shardd__job_get(shardd__registry *reg, const char *name,
                            uint32_t world, uint32_t uid, shardd__job **out,
                            char *err, size_t errlen);

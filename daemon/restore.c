@@ -48,6 +48,11 @@ typedef struct {
   size_t nids;
   pending_state *states;
   size_t nstates;
+  /* (buffer, old rank) of each state line, once: key buf << 17 | rank */
+  shardd__map state_seen;
+  /* the buffers its ref lines named (themselves or a view of them), key
+   * index + 1: a state line must be of one of them */
+  shardd__map bufs_reffed;
   shardd__optim *created;
   /* master_valid of each of created's shards once its state is loaded;
    * set on them by finish */
@@ -159,6 +164,13 @@ static shardd__optim_shard *find_shard(shardd__optim *o, const shardd__buffer *b
 
 #define MAX_TOK 64
 
+/* The recorded registrations of one manifest's optimizers, together: a
+ * client sends each in one frame (restore repacks it with longer ids, so
+ * one may reach two); eight frames' worth is more than any job keeps, and
+ * a manifest of nothing but optimizer lines held one copy of every line
+ * until the last was read. */
+#define SPECS_MAX ((size_t)8 * SHARDD_MAX_FRAME)
+
 /* One restore in progress: the manifest being read, what its lines have
  * named so far and the payload loads they planned. Everything here is the
  * restore's own and freed by shardd__checkpoint_restore_free, job included
@@ -193,7 +205,14 @@ struct shardd__ckrestore {
   char *line;
   size_t cap;
   int lineno, mversion, ended;
+  int seal_line; /* the "end" line whose checksum was checked; 0 none */
   uint32_t old_world;
+  /* What the lines have asked to be kept until the optimizers register,
+   * bounded by what the daemon registered for the lines above: one ref
+   * line per buffer or view (reffed: by object id), at most as many
+   * optimizers as buffers and views, their specs SPECS_MAX together. */
+  size_t nviews, spec_bytes;
+  shardd__map reffed;
   shardd__job *job; /* created by the job line */
   shardd__buffer **bufs; /* borrowed from job; the array is ours */
   size_t nb;
@@ -540,8 +559,17 @@ static shardd_err line_header(restore *c, char **tok, int nt) {
   if (nt != 2 || strcmp(tok[0], "shardd-checkpoint") ||
       (c->mversion = atoi(tok[1])) < 1 || c->mversion > SHARDD_MANIFEST_VERSION)
     return bad(c, SHARDD_E_INVAL,
-               "not a shardd checkpoint manifest of version 1 to %d",
-               SHARDD_MANIFEST_VERSION);
+               "not a shardd checkpoint manifest of version %d to %d",
+               SHARDD_MANIFEST_SEALED, SHARDD_MANIFEST_VERSION);
+  /* Versions 1 and 2 carry no checksum: an edited step count or view
+   * offset in one cannot be told from what shardd wrote. */
+  if (c->mversion < SHARDD_MANIFEST_SEALED)
+    return bad(c, SHARDD_E_INVAL,
+               "manifest version %d is not sealed (versions before %d carry "
+               "no checksum, so an edit cannot be detected); restore refuses "
+               "it: take a new checkpoint of the job with a shardd that "
+               "writes version %d or later",
+               c->mversion, SHARDD_MANIFEST_SEALED, SHARDD_MANIFEST_SEALED);
   return SHARDD_OK;
 }
 
@@ -620,9 +648,13 @@ static shardd_err line_job(restore *c, char **tok) {
              tok[1], owner);
     return SHARDD_E_BUSY;
   }
-  c->old_world = (uint32_t)strtoul(tok[2], NULL, 10);
-  if (c->old_world == 0)
-    return bad(c, SHARDD_E_INVAL, "world 0");
+  /* every buffer line keeps a bit per old rank: a world past any job's
+   * cost 512 MiB a line */
+  unsigned long ow = strtoul(tok[2], NULL, 10);
+  if (ow == 0 || ow > SHARDD__WORLD_MAX)
+    return bad(c, SHARDD_E_INVAL, "world %s is out of range [1, %u]", tok[2],
+               SHARDD__WORLD_MAX);
+  c->old_world = (uint32_t)ow;
   rc = shardd__job_get(c->reg, tok[1], c->world ? c->world : c->old_world,
                        owner, &c->job, c->sub, sizeof c->sub);
   if (rc != SHARDD_OK)
@@ -674,8 +706,8 @@ static shardd_err line_buffer(restore *c, char **tok) {
     return bad(c, SHARDD_E_INVAL, "buffer \"%s\" listed twice", tok[1]);
   b->settled = 1; /* trainers attach to the restored values */
   /* A restored handle is a new generation: one kept from before the
-   * checkpoint is refused as stale (version 1 recorded none: 1). */
-  uint64_t gen = c->mversion >= 2 ? strtoull(tok[4], NULL, 10) : 1;
+   * checkpoint is refused as stale. */
+  uint64_t gen = strtoull(tok[4], NULL, 10);
   shardd__obj_set_generation(&b->hdr, gen + 1);
   shardd__buffer **nbufs = realloc(c->bufs, (c->nb + 1) * sizeof *c->bufs);
   if (nbufs == NULL)
@@ -719,19 +751,18 @@ static shardd_err line_shard(restore *c, char **tok) {
   return plan_shard(c, tok[3], (uint32_t)strtoul(tok[4], NULL, 16), bi, r);
 }
 
-/* "view BUF NAME OFFSET NUMEL NDIM DIM... [GEN REQUIRES_GRAD]". */
+/* "view BUF NAME OFFSET NUMEL NDIM DIM... GEN REQUIRES_GRAD". */
 static shardd_err line_view(restore *c, char **tok, int nt) {
   size_t bi = strtoul(tok[1], NULL, 10);
   int ndim = atoi(tok[5]);
-  int extra = c->mversion >= 2 ? 2 : 0; /* generation, requires_grad */
-  if (bi >= c->nb || ndim < 0 || ndim > 16 || nt != 6 + ndim + extra ||
+  if (bi >= c->nb || ndim < 0 || ndim > 16 || nt != 8 + ndim ||
       !shardd__manifest_dec_name(tok[2]))
     return bad(c, SHARDD_E_INVAL, "malformed view");
   int64_t shape[16];
   for (int d = 0; d < ndim; d++)
     shape[d] = strtoll(tok[6 + d], NULL, 10);
-  uint64_t gen = extra ? strtoull(tok[6 + ndim], NULL, 10) : 1;
-  int requires_grad = extra ? atoi(tok[7 + ndim]) != 0 : 1;
+  uint64_t gen = strtoull(tok[6 + ndim], NULL, 10);
+  int requires_grad = atoi(tok[7 + ndim]) != 0;
   shardd__view *v;
   int created;
   shardd_err rc = shardd__view_register_ex(
@@ -740,6 +771,9 @@ static shardd_err line_view(restore *c, char **tok, int nt) {
       requires_grad, &v, &created, c->sub, sizeof c->sub);
   if (rc != SHARDD_OK)
     return bad(c, rc, "%s", c->sub);
+  if (!created)
+    return bad(c, SHARDD_E_INVAL, "view \"%s\" listed twice", tok[2]);
+  c->nviews++;
   shardd__obj_set_generation(&v->hdr, gen + 1);
   return SHARDD_OK;
 }
@@ -750,6 +784,17 @@ static shardd_err line_optimizer(restore *c, char **tok) {
   if ((size_t)strtoul(tok[1], NULL, 10) != c->npo ||
       !shardd__manifest_dec_name(tok[2]))
     return bad(c, SHARDD_E_INVAL, "optimizers out of order");
+  /* each optimizer owns buffers or views of its own, registered above */
+  if (c->npo >= c->nb + c->nviews)
+    return bad(c, SHARDD_E_INVAL, "optimizer %zu, but the lines above "
+               "registered %zu buffers and views for optimizers to own",
+               c->npo, c->nb + c->nviews);
+  size_t hl = strlen(tok[4]);
+  if (hl / 2 > SPECS_MAX - c->spec_bytes)
+    return bad(c, SHARDD_E_INVAL, "optimizer registrations of %zu bytes "
+               "together, more than the %zu a manifest may hold", c->spec_bytes
+               + hl / 2, SPECS_MAX);
+  c->spec_bytes += hl / 2;
   pending_optim *np = realloc(c->po, (c->npo + 1) * sizeof *c->po);
   if (np == NULL)
     return bad(c, SHARDD_E_INVAL, "out of memory");
@@ -758,7 +803,6 @@ static shardd_err line_optimizer(restore *c, char **tok) {
   memset(p, 0, sizeof *p);
   p->name = strdup(tok[2]);
   p->steps = strtoull(tok[3], NULL, 10);
-  size_t hl = strlen(tok[4]);
   p->spec = malloc(hl / 2 + 1);
   if (p->name == NULL || p->spec == NULL || hl % 2)
     return bad(c, SHARDD_E_INVAL, "bad optimizer spec");
@@ -790,7 +834,16 @@ static shardd_err line_ref(restore *c, char **tok, int nt) {
   } else if (strcmp(tok[3], "buffer") || nt != 5 + extra) {
     return bad(c, SHARDD_E_INVAL, "malformed ref");
   }
+  /* an object is owned by one optimizer: one ref line, so their count is
+   * bounded by what the lines above registered */
+  if (shardd__map_get_id(&c->reffed, o->id))
+    return bad(c, SHARDD_E_INVAL, "a second ref line to buffer %zu's %s",
+               bi, o->name);
+  if (shardd__map_put_id(&c->reffed, o->id, o) != SHARDD_OK)
+    return bad(c, SHARDD_E_NO_MEMORY, "out of memory");
   pending_optim *p = &c->po[oi];
+  if (shardd__map_put_id(&p->bufs_reffed, (uint64_t)bi + 1, p) != SHARDD_OK)
+    return bad(c, SHARDD_E_NO_MEMORY, "out of memory");
   id_map *ni = realloc(p->ids, (p->nids + 1) * sizeof *ni);
   if (ni == NULL)
     return bad(c, SHARDD_E_INVAL, "out of memory");
@@ -809,6 +862,43 @@ static shardd_err line_state(restore *c, char **tok) {
   if (oi >= c->npo || bi >= c->nb || strchr(tok[5], '/'))
     return bad(c, SHARDD_E_INVAL, "state of unknown optimizer or buffer");
   pending_optim *p = &c->po[oi];
+  unsigned long rank = strtoul(tok[3], NULL, 10);
+  int nstate = atoi(tok[8]);
+  if (rank >= c->old_world || nstate < 0 || nstate > 3)
+    return bad(c, SHARDD_E_INVAL, "state of rank %s of a world of %" PRIu32
+               ", or a bad state count", tok[3], c->old_world);
+  /* shardd writes an optimizer's ref lines before its state lines: each
+   * state is of a buffer it owns, so their count is bounded by the refs */
+  if (!shardd__map_get_id(&p->bufs_reffed, (uint64_t)bi + 1))
+    return bad(c, SHARDD_E_INVAL, "state of buffer %zu, which no ref line of "
+               "optimizer %zu above names", bi, oi);
+  uint64_t key = (uint64_t)bi << 17 | rank;
+  if (shardd__map_get_id(&p->state_seen, key))
+    return bad(c, SHARDD_E_INVAL, "state of buffer %zu rank %lu listed twice",
+               bi, rank);
+  if (shardd__map_put_id(&p->state_seen, key, p) != SHARDD_OK)
+    return bad(c, SHARDD_E_NO_MEMORY, "out of memory");
+  /* The file is read into memory of its stated size: the size must be the
+   * state this rank's shard of the buffer keeps (its arrays' layout, plus
+   * at most a backend's rounding), checked before anything is allocated.
+   * A sparse file claiming 3 GiB for a buffer of 8 elements was read whole
+   * and the daemon was OOM-killed. */
+  shardd__buffer *b = c->bufs[bi];
+  uint64_t lo, hi, old_s;
+  old_range(b, c->old_world, (uint32_t)rank, &lo, &hi, &old_s);
+  size_t omaster, ooffs[3];
+  size_t used = shardd__optim_state_layout(b->dtype, old_s, nstate, &omaster,
+                                           ooffs);
+  errno = 0;
+  unsigned long long bytes = strtoull(tok[7], NULL, 10);
+  if (errno || bytes < used || bytes - used >= SHARDD__REGION_GRAIN_MAX ||
+      bytes % 4)
+    return bad(c, SHARDD_E_INVAL, "%s/%s states %s bytes, but buffer \"%s\" "
+               "rank %lu of a world of %" PRIu32 " holds %zu bytes of state in "
+               "%d arrays (%zu with a backend's rounding, at most); refused "
+               "unread", c->dd.path, tok[5], tok[7], b->hdr.name, rank,
+               c->old_world, used, nstate,
+               used + SHARDD__REGION_GRAIN_MAX - 1);
   pending_state *ns = realloc(p->states, (p->nstates + 1) * sizeof *ns);
   if (ns == NULL)
     return bad(c, SHARDD_E_INVAL, "out of memory");
@@ -816,13 +906,11 @@ static shardd_err line_state(restore *c, char **tok) {
   pending_state *ps = &p->states[p->nstates++];
   memset(ps, 0, sizeof *ps);
   ps->buf = bi;
-  ps->rank = (uint32_t)strtoul(tok[3], NULL, 10);
+  ps->rank = (uint32_t)rank;
   ps->master_valid = atoi(tok[4]) != 0;
   ps->crc = (uint32_t)strtoul(tok[6], NULL, 16);
-  ps->bytes = strtoul(tok[7], NULL, 10);
-  ps->nstate = atoi(tok[8]);
-  if (ps->nstate < 0 || ps->nstate > 3)
-    return bad(c, SHARDD_E_INVAL, "bad state count");
+  ps->bytes = (size_t)bytes;
+  ps->nstate = nstate;
   if ((ps->file = strdup(tok[5])) == NULL)
     return bad(c, SHARDD_E_INVAL, "out of memory");
   return SHARDD_OK;
@@ -836,8 +924,13 @@ static shardd_err parse_line(restore *c, char **tok, int nt) {
   if (c->ended)
     return bad(c, SHARDD_E_INVAL, "text after \"end\"");
   if (!strcmp(tok[0], "end")) {
-    if (nt != (c->mversion >= 3 ? 2 : 1))
+    if (nt != 2)
       return bad(c, SHARDD_E_INVAL, "malformed \"end\" line");
+    /* the seal was checked on the line that starts "end ": one that only
+     * splits into "end" (a leading space) ended the manifest unchecked */
+    if (c->lineno != c->seal_line)
+      return bad(c, SHARDD_E_INVAL, "an \"end\" line whose checksum was not "
+                 "checked (not a manifest shardd wrote)");
     c->ended = 1;
     return SHARDD_OK;
   }
@@ -866,7 +959,7 @@ static shardd_err parse_line(restore *c, char **tok, int nt) {
     shardd_err rc = shardd__job_set_transient(c->job, 1, c->sub, sizeof c->sub);
     return rc == SHARDD_OK ? SHARDD_OK : bad(c, rc, "%s", c->sub);
   }
-  if (!strcmp(tok[0], "buffer") && nt == (c->mversion >= 2 ? 5 : 4))
+  if (!strcmp(tok[0], "buffer") && nt == 5)
     return line_buffer(c, tok);
   if (!strcmp(tok[0], "shard") && nt == 5)
     return line_shard(c, tok);
@@ -980,8 +1073,11 @@ void shardd__checkpoint_restore_free(shardd__ckrestore *c) {
     for (size_t k = 0; k < c->po[i].nstates; k++)
       free(c->po[i].states[k].file);
     free(c->po[i].states);
+    shardd__map_free(&c->po[i].state_seen);
+    shardd__map_free(&c->po[i].bufs_reffed);
   }
   free(c->po);
+  shardd__map_free(&c->reffed);
   for (size_t i = 0; i < c->nloads; i++) {
     free(c->loads[i].file);
     free(c->loads[i].copies);
@@ -1013,6 +1109,14 @@ static shardd_err prepare(shardd__registry *reg, const char *dir,
                           const char *spec_path, shardd__ckrestore **out,
                           char *err, size_t errlen) {
   *out = NULL;
+  /* a request's path may be as long as its frame: messages and the
+   * part names below are built in fixed buffers, and a cut one named
+   * another directory */
+  size_t longest = sizeof ((restore *)0)->path - sizeof "/" SHARDD__MANIFEST_FILE;
+  if (strlen(dir) > longest) {
+    snprintf(err, errlen, "%.256s...: path longer than %zu bytes", dir, longest);
+    return SHARDD_E_INVAL;
+  }
   restore *c = calloc(1, sizeof *c);
   if (c == NULL || (c->dir = strdup(dir)) == NULL) {
     free(c);
@@ -1039,7 +1143,9 @@ static shardd_err prepare(shardd__registry *reg, const char *dir,
     shardd__checkpoint_restore_free(c);
     return rc;
   }
-  if ((rc = shardd__manifest_verify(c->f, c->path, err, errlen)) == SHARDD_OK &&
+  uint32_t seal;
+  if ((rc = shardd__manifest_verify_seal(c->f, c->path, &seal, &c->seal_line,
+                                         err, errlen)) == SHARDD_OK &&
       (rc = parse_manifest(c)) == SHARDD_OK &&
       (rc = check_complete(c)) == SHARDD_OK)
     rc = restore_optimizers(c);
@@ -1070,7 +1176,7 @@ shardd_err shardd__checkpoint_restore_prepare(shardd__registry *reg,
  * caller's to fclose; so is *dirfd, the directory, where dirfd is not NULL
  * (else it is closed). */
 static shardd_err open_sealed(const char *dir, int64_t as_uid, FILE **f,
-                              int *dirfd, uint32_t *seal, char *err,
+                              int *dirfd, uint32_t *seal, int *end_line, char *err,
                               size_t errlen) {
   restore c = {0};
   c.dir = (char *)dir;
@@ -1080,7 +1186,7 @@ static shardd_err open_sealed(const char *dir, int64_t as_uid, FILE **f,
   shardd_err rc = open_manifest(&c);
   if (rc != SHARDD_OK)
     return rc;
-  rc = shardd__manifest_verify_seal(c.f, c.path, seal, err, errlen);
+  rc = shardd__manifest_verify_seal(c.f, c.path, seal, end_line, err, errlen);
   if (rc != SHARDD_OK || dirfd == NULL)
     close(c.dd.fd);
   if (rc != SHARDD_OK) {
@@ -1099,8 +1205,8 @@ shardd_err shardd__checkpoint_read_job(const char *dir, int64_t as_uid,
   memset(out, 0, sizeof *out);
   FILE *f;
   uint32_t seal;
-  int dfd;
-  shardd_err rc = open_sealed(dir, as_uid, &f, &dfd, &seal, err, errlen);
+  int dfd, end_line;
+  shardd_err rc = open_sealed(dir, as_uid, &f, &dfd, &seal, &end_line, err, errlen);
   if (rc != SHARDD_OK)
     return rc;
   char *line = NULL, *tok[8];
@@ -1119,7 +1225,7 @@ shardd_err shardd__checkpoint_read_job(const char *dir, int64_t as_uid,
       if (nt != 2 || strcmp(tok[0], SHARDD__JOB_MANIFEST_MAGIC))
         break; /* an ordinary manifest: nodes stays 0 */
       version = atoi(tok[1]);
-      if (version < 1 || version > SHARDD__JOB_MANIFEST_VERSION || seal == 0)
+      if (version < 1 || version > SHARDD__JOB_MANIFEST_VERSION || end_line == 0)
         goto malformed;
       continue;
     }
@@ -1139,7 +1245,7 @@ shardd_err shardd__checkpoint_read_job(const char *dir, int64_t as_uid,
       if (strcmp(tok[2], want))
         goto malformed;
       out->seals[parts++] = (uint32_t)strtoul(tok[3], NULL, 16);
-    } else if (nt == 2 && !strcmp(tok[0], "end")) {
+    } else if (nt == 2 && !strcmp(tok[0], "end") && lineno == end_line) {
       ended = 1;
     } else {
       goto malformed;
@@ -1192,11 +1298,17 @@ shardd_err shardd__checkpoint_restore_prepare_part(
    * later checkpoint's is found here, on every node, before any of them
    * loads anything, and named. */
   for (uint32_t n = 0; n < job->nodes; n++) {
-    snprintf(part, sizeof part, "%s/node-%" PRIu32, dir, n);
+    if ((size_t)snprintf(part, sizeof part, "%s/node-%" PRIu32, dir, n) >=
+        sizeof part) {
+      snprintf(err, errlen, "%.256s...: path too long", dir);
+      return SHARDD_E_INVAL;
+    }
     FILE *f;
     uint32_t seal;
+    int end_line;
     char why[768];
-    shardd_err rc = open_sealed(part, as_uid, &f, NULL, &seal, why, sizeof why);
+    shardd_err rc = open_sealed(part, as_uid, &f, NULL, &seal, &end_line, why,
+                                sizeof why);
     if (rc == SHARDD_OK)
       fclose(f);
     if (rc != SHARDD_OK) {

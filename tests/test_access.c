@@ -145,8 +145,9 @@ Test(access, another_uid_cannot_join_see_inspect_or_checkpoint) {
    * own job of that name, where "secret" is a new buffer, not root's. */
   cr_assert_eq(p.join_code, SHARDD_OK);
   cr_assert_eq(p.join_created, 1, "nobody's \"root-job\" attached to root's buffer");
-  cr_assert_eq(p.join_uid_code, SHARDD_OK, "\"0/root-job\" is its own literal name: %s",
-               p.join_msg);
+  cr_assert_eq(p.join_uid_code, SHARDD_E_INVAL,
+               "\"0/root-job\" would be a job name that reads as root's: %s", p.join_msg);
+  cr_assert(strstr(p.join_msg, "holds a '/'"), "%s", p.join_msg);
   cr_assert_eq(p.own_job_code, SHARDD_OK, "its own job works");
 
   /* Root sees both jobs. */
@@ -162,6 +163,80 @@ Test(access, another_uid_cannot_join_see_inspect_or_checkpoint) {
   shardd_free(json);
   shardd_close(ctl);
   shardd_close(c);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+}
+
+/* A Hello as uid for job; the daemon's code, its message in msg. */
+static shardd_err hello_as(const test_daemon *d, uid_t uid, const char *job, char *msg,
+                           size_t n) {
+  int fds[2];
+  cr_assert_eq(pipe(fds), 0);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0) {
+    char err[512] = "";
+    if (setgroups(0, NULL) != 0 || setgid(uid) != 0 || setuid(uid) != 0)
+      _exit(3);
+    shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+    o.job = job;
+    shardd_client_t *c;
+    int32_t rc = shardd_connect(d->sock, &o, &c, err, sizeof err);
+    if (rc == SHARDD_OK) {
+      shardd_buffer_info b;
+      shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 10, &b);
+      shardd_close(c); /* the job lingers */
+    }
+    if (write(fds[1], &rc, sizeof rc) != sizeof rc ||
+        write(fds[1], err, sizeof err) != sizeof err)
+      _exit(4);
+    _exit(0);
+  }
+  close(fds[1]);
+  int32_t rc;
+  char err[512];
+  cr_assert_eq(read(fds[0], &rc, sizeof rc), (ssize_t)sizeof rc, "the child did not report");
+  cr_assert_eq(read(fds[0], err, sizeof err), (ssize_t)sizeof err);
+  close(fds[0]);
+  snprintf(msg, n, "%s", err);
+  int st;
+  waitpid(pid, &st, 0);
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child failed (%d)", st);
+  return (shardd_err)rc;
+}
+
+/* Root names uid N's job NAME as "N/NAME". uid 4242 named its own job
+ * "4243/vj", and root's release of "4243/vj" (meant for what status
+ * listed) could act on uid 4243's "vj", or the other way round. No job
+ * name may hold a '/', so the string names one job. */
+Test(access, a_job_name_cannot_read_as_another_uids_job) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as other uids");
+  test_daemon d;
+  test_daemon_start(&d, base_args());
+  open_up(&d);
+  char msg[512];
+  cr_assert_eq(hello_as(&d, 4243, "vj", msg, sizeof msg), SHARDD_OK, "%s", msg);
+  shardd_err rc = hello_as(&d, 4242, "4243/vj", msg, sizeof msg);
+  cr_assert_eq(rc, SHARDD_E_INVAL, "uid 4242's job \"4243/vj\": %s (%s)",
+               shardd_err_name(rc), msg);
+  cr_assert(strstr(msg, "holds a '/'") && strstr(msg, "N/NAME"), "%s", msg);
+  /* root may not make one either: its "4243/nothing" is no job of uid 4243 */
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = "4243/nothing";
+  shardd_client_t *c;
+  char err[512];
+  cr_assert_eq(shardd_connect(d.sock, &o, &c, err, sizeof err), SHARDD_E_INVAL, "%s", err);
+  /* so root's "4243/vj" is uid 4243's "vj", the one job status lists */
+  shardd_client_t *ctl = test_connect(&d, NULL, 0, 0);
+  char *json = NULL;
+  cr_assert_eq(shardd_status_json(ctl, &json), SHARDD_OK);
+  cr_assert(strstr(json, "4243/vj") == NULL, "a job named \"4243/vj\" exists: %s", json);
+  shardd_free(json);
+  uint32_t buffers = 0;
+  cr_assert_eq(shardd_release_job(ctl, "4243/vj", &buffers, NULL), SHARDD_OK, "%s",
+               shardd_last_error(ctl));
+  cr_assert_eq(buffers, 1, "the victim's job, with its one buffer");
+  shardd_close(ctl);
   cr_assert_eq(test_daemon_stop(&d), 0);
 }
 

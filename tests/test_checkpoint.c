@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -1137,39 +1138,83 @@ Test(checkpoint, restore_bumps_generations_and_keeps_frozen_views) {
   expect_restored_lora(back, 3, 2, 1);
 }
 
-Test(checkpoint, version_1_manifest_still_restores) {
-  char err[1024];
-  shardd__job *job = make_lora_job();
-  cr_assert_eq(shardd__checkpoint_write(&reg, job, dir, -1, err, sizeof err), SHARDD_OK, "%s", err);
-  shardd__job_release(&reg, job);
-  /* rewrite the manifest as version 1 wrote it: no generation on buffer
-   * lines, no generation and requires_grad after a view's shape */
-  char path[256];
-  snprintf(path, sizeof path, "%s/manifest", dir);
-  char *text = test_slurp(path);
-  cr_assert_not_null(text);
-  FILE *f = fopen(path, "w");
-  cr_assert_not_null(f);
-  for (char *save, *line = strtok_r(text, "\n", &save); line;
-       line = strtok_r(NULL, "\n", &save)) {
-    if (!strncmp(line, "shardd-checkpoint ", 18)) {
-      fprintf(f, "shardd-checkpoint 1\n");
-      continue;
-    }
-    int drop = !strncmp(line, "buffer ", 7) ? 1 : !strncmp(line, "view ", 5) ? 2
-               : !strncmp(line, "end ", 4)                              ? 1
-                                                                        : 0;
+/* Rewrites the manifest as version 1 wrote it (no generation on buffer
+ * lines, no generation and requires_grad after a view's shape, a bare
+ * "end") or as version 2 did (the generations, a bare "end"), with the
+ * optimizer's step count edited. */
+static int as_unsealed(const char *line, FILE *out, void *arg) {
+  int version = *(int *)arg;
+  char *copy = strdup(line);
+  if (!strncmp(copy, "shardd-checkpoint ", 18)) {
+    fprintf(out, "shardd-checkpoint %d\n", version);
+  } else if (!strncmp(copy, "optimizer ", 10)) {
+    char *steps = strchr(copy + 12, ' '); /* " STEPS SPEC" after the name */
+    fprintf(out, "%.*s 1000%s\n", (int)(steps - copy), copy, strchr(steps + 1, ' '));
+  } else {
+    int drop = !strncmp(copy, "end ", 4)                      ? 1
+               : version == 2                                 ? 0
+               : !strncmp(copy, "buffer ", 7)                 ? 1
+               : !strncmp(copy, "view ", 5)                   ? 2
+                                                              : 0;
     for (int k = 0; k < drop; k++)
-      *strrchr(line, ' ') = '\0';
-    fprintf(f, "%s\n", line);
+      *strrchr(copy, ' ') = '\0';
+    if (!strncmp(copy, "ref ", 4)) /* version 4's per-ref steps */
+      *strrchr(copy, ' ') = '\0';
+    fprintf(out, "%s\n", copy);
   }
-  fclose(f);
-  free(text);
-  shardd__job *back;
-  cr_assert_eq(shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err),
-               SHARDD_OK, "%s", err);
-  /* version 1 knew no generations (taken as 1) and no frozen views */
-  expect_restored_lora(back, 2, 2, 0);
+  free(copy);
+  return 0;
+}
+
+/* Versions 1 and 2 carry no seal, so their step counts (or offsets) could
+ * be edited and were restored as written: they are refused, saying so. */
+Test(checkpoint, an_unsealed_manifest_is_refused_at_every_version) {
+  for (int version = 1; version <= 2; version++) {
+    char err[1024];
+    shardd__job *job = make_job("j");
+    cr_assert_eq(shardd__checkpoint_write(&reg, job, dir, -1, err, sizeof err),
+                 SHARDD_OK, "%s", err);
+    shardd__job_release(&reg, job);
+    char path[256];
+    snprintf(path, sizeof path, "%s/manifest", dir);
+    char *text = test_slurp(path);
+    FILE *f = fopen(path, "w");
+    for (char *save, *line = strtok_r(text, "\n", &save); line;
+         line = strtok_r(NULL, "\n", &save))
+      as_unsealed(line, f, &version);
+    fclose(f);
+    free(text);
+    shardd__job *back;
+    shardd_err rc = shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err);
+    cr_assert_eq(rc, SHARDD_E_INVAL, "version %d: %s (%s)", version,
+                 shardd_err_name(rc), err);
+    char want[64];
+    snprintf(want, sizeof want, "manifest version %d is not sealed", version);
+    cr_assert(strstr(err, want) && strstr(err, "manifest line 1"), "%s", err);
+    cr_assert_eq(shardd__map_count(&reg.jobs), 0);
+  }
+}
+
+static int end_unchecked(const char *line, FILE *out, void *arg) {
+  if (!strncmp(line, "optimizer 0 ", 12)) {
+    const char *steps = strchr(line + 12, ' ');
+    fprintf(out, "%.*s 1000%s\n", (int)(steps - line), line, strchr(steps + 1, ' '));
+    return 0;
+  }
+  if (!strncmp(line, "end ", 4)) {
+    fprintf(out, " %s\n", line); /* splits into "end CRC" all the same */
+    return 0;
+  }
+  return 1;
+}
+
+/* The seal is checked on the line that starts "end "; a line with a
+ * leading space split into the same words and ended the manifest with no
+ * checksum checked at all. */
+Test(checkpoint, an_end_line_the_seal_check_did_not_see_is_refused) {
+  rewrite_manifest(end_unchecked, NULL); /* reseal finds no "\nend " */
+  const char *needles[] = {"manifest line", "checksum was not checked", NULL};
+  expect_manifest_refused(needles);
 }
 
 /* ---- a hostile checkpoint directory ----------------------------------------
@@ -1314,13 +1359,21 @@ static void write_text(const char *path, const char *text) {
 
 /* A manifest with no job line restored nothing and returned OK; both
  * callers then used the NULL job and the daemon died (SIGSEGV). */
+/* text, then its seal: "end CRC" as shardd writes it */
+static void write_sealed(const char *path, const char *text) {
+  FILE *f = fopen(path, "w");
+  cr_assert_not_null(f, "%s", path);
+  fprintf(f, "%send %08x\n", text, shardd__crc32c(0, text, strlen(text)));
+  fclose(f);
+}
+
 Test(checkpoint, manifest_without_a_job_line_is_refused) {
-  const char *texts[] = {"shardd-checkpoint 2\nend\n", "shardd-checkpoint 1\nend\n",
-                         "shardd-checkpoint 2\n\n\nend\n"};
+  const char *texts[] = {"shardd-checkpoint 4\n", "shardd-checkpoint 3\n",
+                         "shardd-checkpoint 4\n\n\n"};
   char path[256], err[1024];
   snprintf(path, sizeof path, "%s/manifest", dir);
   for (size_t i = 0; i < sizeof texts / sizeof *texts; i++) {
-    write_text(path, texts[i]);
+    write_sealed(path, texts[i]);
     shardd__job *back = (shardd__job *)1;
     shardd_err rc = shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err);
     cr_assert_eq(rc, SHARDD_E_INVAL, "manifest %zu: %s (%s)", i, shardd_err_name(rc), err);
@@ -1333,7 +1386,7 @@ Test(checkpoint, jobless_manifest_neither_kills_a_daemon_nor_stops_its_start,
      .timeout = 60) {
   char path[256];
   snprintf(path, sizeof path, "%s/manifest", dir);
-  write_text(path, "shardd-checkpoint 2\nend\n");
+  write_sealed(path, "shardd-checkpoint 4\n");
   /* through a client: refused, and the daemon goes on serving */
   test_daemon d;
   test_daemon_start(&d, NULL);
@@ -1472,6 +1525,146 @@ Test(checkpoint, an_edited_manifest_is_refused_by_its_checksum) {
   reseal(path);
   cr_assert_eq(shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err),
                SHARDD_OK, "%s", err);
+}
+
+/* ---- sizes a checkpoint states ------------------------------------------
+ * Every size read from a manifest or a data file is checked against what
+ * the daemon holds before anything is allocated or read: a state line
+ * claiming 3 GiB for a buffer of 8 elements (the file sparse, its header
+ * agreeing) made a restore into another world allocate and read all of it,
+ * and the OOM killer took the daemon. */
+
+static long max_rss_kib(void) {
+  struct rusage ru;
+  cr_assert_eq(getrusage(RUSAGE_SELF, &ru), 0);
+  return ru.ru_maxrss;
+}
+
+/* Rewrites the manifest's state line of optimizer 0, buffer 0, rank 0 to
+ * claim `claim` bytes and replaces its file with a sparse one whose header
+ * says the same; returns the file's name in file. */
+static void claim_state_bytes(uint64_t claim, char *file, size_t n) {
+  char err[1024], path[512];
+  shardd__job *job = make_job("j");
+  cr_assert_eq(shardd__checkpoint_write(&reg, job, dir, -1, err, sizeof err), SHARDD_OK,
+               "%s", err);
+  shardd__job_release(&reg, job);
+  snprintf(path, sizeof path, "%s/manifest", dir);
+  char *text = test_slurp(path);
+  cr_assert_not_null(text);
+  FILE *f = fopen(path, "w");
+  cr_assert_not_null(f);
+  int found = 0;
+  for (char *save, *line = strtok_r(text, "\n", &save); line;
+       line = strtok_r(NULL, "\n", &save)) {
+    char fname[128];
+    unsigned mv, nstate;
+    if (sscanf(line, "state 0 0 0 %u %127s %*x %*u %u", &mv, fname, &nstate) == 3) {
+      fprintf(f, "state 0 0 0 %u %s 00000000 %" PRIu64 " %u\n", mv, fname, claim,
+              nstate);
+      snprintf(file, n, "%s", fname);
+      found = 1;
+    } else {
+      fprintf(f, "%s\n", line);
+    }
+  }
+  cr_assert_eq(fclose(f), 0);
+  free(text);
+  cr_assert(found, "no state line of buffer 0 rank 0");
+  reseal(path);
+  /* the file: a header that agrees with the claim, then a hole */
+  const char *name = "layer 0/weights";
+  uint8_t head[64] = {0};
+  memcpy(head, "SHRDCKPT", 8);
+  uint64_t v[5] = {SHARDD_CHECKPOINT_VERSION | (uint64_t)SHARDD_DTYPE_FP32 << 32,
+                   claim / 4, 0, claim, (uint64_t)strlen(name) << 32};
+  for (int i = 0; i < 5; i++)
+    for (int k = 0; k < 8; k++)
+      head[8 + 8 * i + k] = (uint8_t)(v[i] >> (8 * k));
+  snprintf(path, sizeof path, "%s/%s", dir, file);
+  int fd = open(path, O_WRONLY | O_TRUNC);
+  cr_assert(fd >= 0, "%s", path);
+  cr_assert_eq(write(fd, head, sizeof head), (ssize_t)sizeof head);
+  cr_assert_eq(write(fd, name, strlen(name)), (ssize_t)strlen(name));
+  cr_assert_eq(ftruncate(fd, (off_t)(sizeof head + strlen(name) + claim)), 0);
+  close(fd);
+}
+
+Test(checkpoint, a_state_file_claiming_more_than_its_buffer_is_refused_unread) {
+  const uint64_t claim = 256ull << 20;
+  char file[128], want[64];
+  claim_state_bytes(claim, file, sizeof file);
+  snprintf(want, sizeof want, "%" PRIu64 " bytes", claim);
+  /* into another world (where the file was read whole into a buffer of
+   * its size) and into the same one */
+  uint32_t worlds[2] = {2, 0};
+  for (int i = 0; i < 2; i++) {
+    char err[1024];
+    long before = max_rss_kib();
+    shardd__job *back;
+    shardd_err rc =
+        shardd__checkpoint_restore(&reg, dir, -1, worlds[i], &back, err, sizeof err);
+    cr_assert_eq(rc, SHARDD_E_INVAL, "world %u: %s (%s)", worlds[i],
+                 shardd_err_name(rc), err);
+    cr_assert(strstr(err, file) && strstr(err, want) && strstr(err, "holds"),
+              "world %u: the message names neither the file nor both sizes: %s",
+              worlds[i], err);
+    cr_assert_lt(max_rss_kib() - before, 32 << 10,
+                 "world %u: the restore grew by %ld KiB for a refused file", worlds[i],
+                 max_rss_kib() - before);
+    cr_assert_null(shardd__job_find(&reg, 0, "j"));
+  }
+}
+
+static int huge_world(const char *line, FILE *out, void *arg) {
+  if (strncmp(line, "job ", 4))
+    return 1;
+  fprintf(out, "job j 4294967295 0\n"); /* a bit per old rank per buffer line */
+  return 0;
+}
+
+static int ref_twice(const char *line, FILE *out, void *arg) {
+  if (!strncmp(line, "ref 0 ", 6))
+    fprintf(out, "%s\n", line);
+  return 1;
+}
+
+/* Moves each optimizer's ref lines below its state lines (arg: a
+ * char[8192] holding the refs withheld so far). */
+static int states_first(const char *line, FILE *out, void *arg) {
+  char *held = arg;
+  if (!strncmp(line, "ref ", 4)) {
+    snprintf(held + strlen(held), 8192 - strlen(held), "%s\n", line);
+    return 0;
+  }
+  if (strncmp(line, "state ", 6)) {
+    fputs(held, out);
+    held[0] = '\0';
+  }
+  return 1;
+}
+
+/* What a restore keeps per line is bounded by what the daemon registered:
+ * an old world past any job's, a ref line repeated, or state lines of
+ * buffers no ref line above named, are refused. */
+Test(checkpoint, a_manifest_asking_more_than_its_job_holds_is_refused) {
+  char err[1024];
+  shardd__job *back;
+  rewrite_manifest(huge_world, NULL);
+  shardd_err rc = shardd__checkpoint_restore(&reg, dir, -1, 2, &back, err, sizeof err);
+  cr_assert_eq(rc, SHARDD_E_INVAL, "%s (%s)", shardd_err_name(rc), err);
+  cr_assert(strstr(err, "world 4294967295 is out of range"), "%s", err);
+  rewrite_manifest(ref_twice, NULL);
+  rc = shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err);
+  cr_assert_eq(rc, SHARDD_E_INVAL, "%s (%s)", shardd_err_name(rc), err);
+  cr_assert(strstr(err, "a second ref line"), "%s", err);
+  cr_assert_null(shardd__job_find(&reg, 0, "j"));
+  /* each optimizer's states moved above its refs */
+  char held[8192] = "";
+  rewrite_manifest(states_first, held);
+  rc = shardd__checkpoint_restore(&reg, dir, -1, 0, &back, err, sizeof err);
+  cr_assert_eq(rc, SHARDD_E_INVAL, "%s (%s)", shardd_err_name(rc), err);
+  cr_assert(strstr(err, "which no ref line of optimizer 0 above names"), "%s", err);
 }
 
 /* A symlink anywhere in the path (here: inside what would be the root)

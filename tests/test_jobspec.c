@@ -53,6 +53,7 @@ ParameterizedTestParameters(jobspec, bad_specs_are_refused_naming_the_line) {
       {"job = x\nworld = 2\nnodes = 1\n", "t.spec:0: world, nodes and node_rank"},
       {"job = x\nworld\n", "t.spec:2: expected key = value"},
       {"world = 2\nnodes = 1\nnode_rank = 0\n", "no job = NAME"},
+      {"job = 1002/vj\nworld = 2\nnodes = 1\nnode_rank = 0\n", "may not hold a '/'"},
   };
   return cr_make_param_array(bad_spec, rows, sizeof rows / sizeof rows[0]);
 }

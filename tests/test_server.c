@@ -402,6 +402,37 @@ ParameterizedTest(big_len *bl, server, oversized_frame, .init = start_default,
   shardd_close(keep);
 }
 
+/* ---- client-chosen names in the log --------------------------------------
+ * Job and buffer names are a client's bytes: a newline in one wrote a log
+ * line of the client's own, here one that reads as the daemon's error. */
+
+Test(server, names_with_control_bytes_cannot_forge_a_log_line, .init = start_default,
+     .fini = stop_daemon) {
+  const char *job = "vj\n<3>shardd: error: uid 0 ran rm -rf ~";
+  shardd_client_t *c = test_connect(&d, job, 0, 1);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "w\r\n<3>shardd: error: forged\x1b[2J", SHARDD_DTYPE_FP32,
+                                      8, &b),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  cr_assert_eq(shardd_ping(c), SHARDD_OK);
+  shardd_close(c);
+  expect_served(); /* the session's "left" line is written by now */
+  char *log = test_slurp(d.log);
+  cr_assert_not_null(log);
+  for (char *save, *line = strtok_r(log, "\n", &save); line;
+       line = strtok_r(NULL, "\n", &save)) {
+    cr_assert(strncmp(line, "<3>shardd: error: ", 18) != 0,
+              "a client's name forged a log line: %s", line);
+    cr_assert(strchr(line, '\r') == NULL && strchr(line, '\x1b') == NULL,
+              "a control byte reached the log: %s", line);
+  }
+  free(log);
+  cr_assert(test_daemon_log_has(&d, "of job \"vj\\x0a<3>shardd: error: uid 0"),
+            "the joining rank's line does not show the name escaped");
+  cr_assert(test_daemon_log_has(&d, "\"w\\x0d\\x0a<3>shardd: error: forged\\x1b[2J\""),
+            "the buffer's line does not show the name escaped");
+}
+
 /* ---- handshake ----------------------------------------------------------- */
 
 typedef struct {
