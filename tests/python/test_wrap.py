@@ -56,11 +56,20 @@ if common.HAVE_TORCH:
             self.read = read
             if read == "early":
                 self.scale = nn.Parameter(torch.ones(dim))
+            if read == "gains":  # a gain per pair, and one of the root's own
+                self.scale = nn.Parameter(torch.ones(dim))
+                self.gains = nn.ParameterList([nn.Parameter(torch.full((dim,), 1.0 + i))
+                                               for i in range(pairs)])
 
         def forward(self, x):
             if self.read == "early":
                 w = self.out.weight
                 x = x * self.scale
+            if self.read == "gains":
+                x = x * self.scale
+                for g, p in zip(self.gains, self.pairs):
+                    x = torch.tanh(p.b(torch.tanh(p.a(x * g))))
+                return self.out(x)
             for p in self.pairs:
                 x = torch.tanh(p.b(torch.tanh(p.a(x))))
             if self.read == "late":
@@ -81,7 +90,8 @@ def wrap_module_lists(module, recurse, nonwrapped_numel):
 
 
 MODELS = {"gpt": models.nano_gpt, "mlp": models.mlp, "direct": direct_net,
-          "read": functools.partial(direct_net, read="late")} if common.HAVE_TORCH else {}
+          "read": functools.partial(direct_net, read="late"),
+          "gains": functools.partial(direct_net, read="gains")} if common.HAVE_TORCH else {}
 
 
 def batch(name, step, rank=0, world=1):
@@ -304,6 +314,16 @@ class WrapPolicyTrainingTest(unittest.TestCase):
         reduced, though out's forward never runs."""
         res = self.check("read", 2, "children")
         self.assertEqual([n for n, _, _ in res["units"]], ["pairs.0", "pairs.1", "out"])
+
+    def test_children_leaves_a_parameter_list_to_the_root(self):
+        """A ParameterList child (no forward: the root reads its parameters
+        between the pairs' forwards) is no unit of its own under
+        "children": its parameters are the root's unit's."""
+        res = self.check("gains", 2, "children")
+        self.assertEqual([(n, c) for n, c, _ in res["units"]],
+                         [("pairs.0", "Pair"), ("pairs.1", "Pair"), ("out", "Linear"),
+                          ("root", "DirectNet")])
+        self.assertEqual(res["units"][-1][2], ["scale", "gains.0", "gains.1"])
 
     def test_nested_units_resident(self):
         """Units nest (FSDP's nested wrapping): each Block's unit holds the

@@ -14,7 +14,8 @@ What the wrapper does, per *unit*. ``auto_wrap`` picks the units as FSDP's
 auto-wrap policies do, plus the root's unit for every parameter no other
 unit holds: "module" (the root's alone); "children" (each child of the
 root, descending through ``nn.ModuleList`` / ``nn.ModuleDict``, which have
-no forward: nanoGPT's ``transformer.h`` gives a unit per Block); a set of
+no forward: nanoGPT's ``transformer.h`` gives a unit per Block; an
+``nn.ParameterList`` / ``nn.ParameterDict`` stays the root's); a set of
 module classes (every instance at any depth: FSDP's
 ``transformer_auto_wrap_policy``, e.g. ``{Block}``); or a callable
 ``(module, recurse, nonwrapped_numel) -> bool`` walked as FSDP's
@@ -252,6 +253,9 @@ class _Saved:
 # descends through them (torch's size_based_auto_wrap_policy excludes
 # them likewise, EXCLUDE_WRAP_MODULES)
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+# nor these: the parent's forward reads their parameters, so "children"
+# leaves them to the root's unit (gathered all through its forward)
+_PARAM_CONTAINERS = (nn.ParameterList, nn.ParameterDict)
 
 
 def size_based_auto_wrap_policy(module, recurse, nonwrapped_numel, min_num_params=int(1e8),
@@ -286,7 +290,7 @@ def _policy(module, auto_wrap):
             m = todo.pop()
             if isinstance(m, _CONTAINERS):
                 todo.extend(m.children())
-            else:
+            elif not isinstance(m, _PARAM_CONTAINERS):
                 wrap.add(id(m))
         return lambda m, recurse, numel: recurse or id(m) in wrap
     if isinstance(auto_wrap, (set, frozenset, tuple, list)) and auto_wrap and all(
