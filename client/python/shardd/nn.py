@@ -129,7 +129,8 @@ A rank holds at most 2 gather and 2 gradient areas at once: the hooks keep
 to that for a chain of units (one unit in backward at a time, plus the root
 unit). So with transient areas units other than the root's do not nest
 (refused at construction, naming both), and a unit that a read holds
-beside the root's makes the next unit's gather fail, naming the read. ``gather()``, ``scatter()`` and ``sync_grads()`` are for resident
+beside the root's makes the next unit's gather fail, naming the read.
+``gather()``, ``scatter()`` and ``sync_grads()`` are for resident
 clients only (E_STATE here); :meth:`ShardedModule.full_parameters` copies
 out the whole parameters on either kind. From the second forward on, the
 next unit's gather (in the first forward's order) runs while a unit
