@@ -119,9 +119,9 @@ def make_model(cfg):
             super().__init__()
             self.wte = nn.Embedding(cfg.vocab, cfg.dim)
             self.wpe = nn.Embedding(cfg.ctx, cfg.dim)
-            # blocks are direct children (h0, h1, ...), not a ModuleList: a
-            # ModuleList has no forward, so as a unit its hooks would never
-            # fire; this way auto_wrap="children" makes one unit per block
+            # blocks are direct children (h0, h1, ...); a ModuleList of them
+            # (nanoGPT's transformer.h) gives the same units, as
+            # auto_wrap="children" descends through containers
             for i in range(cfg.layers):
                 self.add_module("h%d" % i, Block())
             self.ln_f = nn.LayerNorm(cfg.dim)

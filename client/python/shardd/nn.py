@@ -10,13 +10,23 @@
         sm.scatter("mean")          # reduce-scatter (collective)
         sm.step(opt)                # optimizer on the daemon (collective)
 
-What the wrapper does, per *unit* (the whole module, or with
-``auto_wrap="children"`` each top-level child holding parameters plus one unit
-for the root's own parameters — FSDP's auto-wrap at depth 1). A parameter
-that modules of different units share (tied embedding and output weights)
-belongs, as in FSDP, to the unit of their lowest common ancestor: with
-``auto_wrap="children"`` the root's unit, which stays gathered while either
-use runs and collects both uses' gradients in one:
+What the wrapper does, per *unit*. ``auto_wrap`` picks the units as FSDP's
+auto-wrap policies do, plus the root's unit for every parameter no other
+unit holds: "module" (the root's alone); "children" (each child of the
+root, descending through ``nn.ModuleList`` / ``nn.ModuleDict``, which have
+no forward: nanoGPT's ``transformer.h`` gives a unit per Block; an
+``nn.ParameterList`` / ``nn.ParameterDict`` stays the root's); a set of
+module classes (every instance at any depth: FSDP's
+``transformer_auto_wrap_policy``, e.g. ``{Block}``); or a callable
+``(module, recurse, nonwrapped_numel) -> bool`` walked as FSDP's
+``_recursive_wrap`` walks it (:func:`size_based_auto_wrap_policy` with
+``functools.partial(..., min_num_params=N)``). Units nest: a unit holds
+its module's parameters that no unit inside it holds. A parameter that
+modules of different units share (tied embedding and output weights)
+belongs, as in FSDP, to the unit of their lowest common ancestor (nanoGPT's
+lm_head / wte: the root's), which stays gathered while either use runs and
+collects both uses' gradients in one; a parameter shared with a module
+outside the wrapped one is refused (wrapping would untie it):
 
 * flattens the unit's parameters (``named_parameters`` order, shared
   parameters once) into one flat buffer ``<prefix><unit>.flat_param`` of the
@@ -71,7 +81,11 @@ gather or scatter:
 
 Per unit, in the same order on every rank (each rank's graph is the same):
 
-* forward pre-hook: gather the unit (``Client.gather_area``) and point every
+* forward pre-hook (on the unit's module and on every module holding one
+  of its parameters, so that a unit whose module's forward never runs, a
+  container or a module whose submodules the root calls directly, is
+  gathered all the same; the outermost of those forwards gathers and
+  releases): gather the unit (``Client.gather_area``) and point every
   parameter's ``.data`` at its slice of the leased gather area;
 * forward post-hook: register a hook on the unit's output tensors (it fires
   when the gradient w.r.t. them is computed, before the unit's backward), then
@@ -105,9 +119,18 @@ Per unit, in the same order on every rank (each rank's graph is the same):
   the parameters no gradient reached on this rank, and the step skips those
   no rank had one for (torch's None ``.grad``).
 
+A parameter the root's forward reads from a module itself
+(``F.linear(x, self.wte.weight)``), outside every forward that gathers its
+unit, gathers the unit at the read (the module's class becomes a subclass
+of the same name whose ``__getattr__`` reports parameter reads) and holds
+it until the root's forward ends; its gradient starts the unit's backward.
+
 A rank holds at most 2 gather and 2 gradient areas at once: the hooks keep
 to that for a chain of units (one unit in backward at a time, plus the root
-unit). ``gather()``, ``scatter()`` and ``sync_grads()`` are for resident
+unit). So with transient areas units other than the root's do not nest
+(refused at construction, naming both), and a unit that a read holds
+beside the root's makes the next unit's gather fail, naming the read.
+``gather()``, ``scatter()`` and ``sync_grads()`` are for resident
 clients only (E_STATE here); :meth:`ShardedModule.full_parameters` copies
 out the whole parameters on either kind. From the second forward on, the
 next unit's gather (in the first forward's order) runs while a unit
@@ -132,6 +155,7 @@ no parameter a kernel still reads.
 import collections
 import contextlib
 import functools
+import gc
 import math
 import weakref
 import zlib
@@ -182,6 +206,10 @@ class FlatUnit:
         self.grad = None
         self.state = "idle"
         self.pending = 0
+        # forwards of the unit's hooked modules (its own, and every module
+        # holding one of its parameters) now running: gathered on the first,
+        # released when the outermost returns
+        self.depth = 0
         # a scatter since zero_grad(): the next one adds to the reduced
         # gradient (the daemon replaces it anyway once a step consumed it)
         self.accumulate = False
@@ -221,38 +249,122 @@ class _Saved:
         self.stride = stride
 
 
+# FSDP's auto-wrap never makes these units of their own: they have no
+# forward (their parent's forward calls their children), so "children"
+# descends through them (torch's size_based_auto_wrap_policy excludes
+# them likewise, EXCLUDE_WRAP_MODULES)
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+# nor these: the parent's forward reads their parameters, so "children"
+# leaves them to the root's unit (gathered all through its forward)
+_PARAM_CONTAINERS = (nn.ParameterList, nn.ParameterDict)
+
+
+def size_based_auto_wrap_policy(module, recurse, nonwrapped_numel, min_num_params=int(1e8),
+                                force_leaf_modules=None, exclude_wrap_modules=None):
+    """FSDP's size_based_auto_wrap_policy, for auto_wrap (with
+    functools.partial for min_num_params): recurse into a module of at least
+    min_num_params parameters (not into force_leaf_modules: MultiheadAttention,
+    whose forward reads its parameters directly), and wrap one whose
+    parameters not wrapped below are at least min_num_params (never a
+    container: exclude_wrap_modules, ModuleList and ModuleDict)."""
+    if force_leaf_modules is None:
+        force_leaf_modules = (nn.MultiheadAttention,)
+    if exclude_wrap_modules is None:
+        exclude_wrap_modules = _CONTAINERS
+    large = nonwrapped_numel >= min_num_params
+    if recurse:
+        return large and not isinstance(module, tuple(force_leaf_modules))
+    return large and not isinstance(module, tuple(exclude_wrap_modules))
+
+
+def _policy(module, auto_wrap):
+    """auto_wrap -> FSDP's policy, a callable (module, recurse,
+    nonwrapped_numel) -> bool, or None for one unit."""
+    if auto_wrap is None or auto_wrap is False or (
+            isinstance(auto_wrap, str) and auto_wrap in ("module", "none")):
+        return None
+    if isinstance(auto_wrap, str) and auto_wrap == "children":
+        # each child of the root, and through containers each of theirs
+        wrap = set()
+        todo = list(module.children())
+        while todo:
+            m = todo.pop()
+            if isinstance(m, _CONTAINERS):
+                todo.extend(m.children())
+            elif not isinstance(m, _PARAM_CONTAINERS):
+                wrap.add(id(m))
+        return lambda m, recurse, numel: recurse or id(m) in wrap
+    if isinstance(auto_wrap, (set, frozenset, tuple, list)) and auto_wrap and all(
+            isinstance(c, type) and issubclass(c, nn.Module) for c in auto_wrap):
+        # ModuleWrapPolicy / transformer_auto_wrap_policy: every instance
+        classes = tuple(auto_wrap)
+        return lambda m, recurse, numel: recurse or isinstance(m, classes)
+    if callable(auto_wrap) and not isinstance(auto_wrap, type):
+        return auto_wrap  # positional: torch 1.13 names the third unwrapped_params
+    raise ValueError("auto_wrap must be 'module', 'children', a set of nn.Module "
+                     "classes or a callable (module, recurse, nonwrapped_numel) -> bool, "
+                     "not %r" % (auto_wrap,))
+
+
 def _unit_modules(module, auto_wrap):
-    """-> [(unit name, module whose forward is the unit's)]: the root alone,
-    or each top-level child and then the root (for its direct parameters and
-    the ones its children share)."""
-    if auto_wrap in (None, False, "module", "none"):
+    """-> [(unit name, module whose forward is the unit's)]: the modules
+    auto_wrap's policy wraps, as FSDP's _recursive_wrap walks them (a
+    module is asked whether to recurse into it, then, after its children,
+    whether to wrap it with the parameters its wrapped descendants left),
+    nested ones before their parent, and then the root (for the rest)."""
+    policy = _policy(module, auto_wrap)
+    if policy is None:
         return [("", module)]
-    if auto_wrap != "children":
-        raise ValueError("auto_wrap must be 'module' or 'children', not %r" % (auto_wrap,))
-    units = [(cname, child) for cname, child in module.named_children()]
+    units = []
+    seen = {id(module)}  # a module under two names is one unit
+
+    def walk(m, name):
+        numel = sum(p.numel() for p in m.parameters())
+        if not policy(m, True, numel):
+            return 0
+        wrapped = 0
+        for cname, c in m.named_children():
+            wrapped += walk(c, name + "." + cname if name else cname)
+        if id(m) in seen or not policy(m, False, numel - wrapped):
+            return wrapped
+        seen.add(id(m))
+        units.append((name, m))
+        return numel
+
+    walk(module, "")
     units.append(("", module))
     return units
 
 
 def _collect(module, units):
     """Every parameter of `module`, once, assigned to one of `units` (from
-    _unit_modules) by FSDP's rule for shared parameters: a parameter that
-    modules of different units use belongs to the unit of their lowest common
-    ancestor (units are at most one level deep, so that is the root's unit).
-    Only that unit's gather is live whenever any of its users runs, and its
-    one gradient collects every use before the unit's reduce-scatter; a copy
-    per unit would leave one use on stale values and drop its gradient.
-    -> per unit [(qualified name, param, [(module, attr)])] in the order of
-    first use; the name is the first one (as module.named_parameters() gives
+    _unit_modules) by FSDP's rule: the unit of the innermost wrapped module
+    holding it, and for a parameter that modules of different units share
+    (a tied embedding and output weight) the unit of their lowest common
+    ancestor. Only that unit's gather is live whenever any of its users
+    runs, and its one gradient collects every use before the unit's
+    reduce-scatter; a copy per unit would leave one use on stale values and
+    drop its gradient.
+    -> (per unit [(qualified name, param, [(module, attr)])] in the order of
+    first use, per unit the index of the unit it is nested in (None for the
+    root's)); the name is the first one (as module.named_parameters() gives
     it), the owners are every module attribute that holds the parameter."""
-    root_i = next(i for i, (_, r) in enumerate(units) if r is module)
-    child_unit = {id(r): i for i, (_, r) in enumerate(units) if r is not module}
+    index = {}
+    for i, (_, r) in enumerate(units):
+        index.setdefault(id(r), i)
+    root_i = index[id(module)]
+    parent = [None] * len(units)
+    at = {"": root_i}  # module occurrence (qualified name) -> its unit
     found = {}   # id(param) -> [name, param, owners, unit indices of its users]
     order = []
     for mname, m in module.named_modules(remove_duplicate=False):
         ui = root_i
-        if mname and child_unit:  # the unit of the top-level child it sits in
-            ui = child_unit[id(module._modules[mname.split(".", 1)[0]])]
+        if mname:
+            up = at[mname.rsplit(".", 1)[0] if "." in mname else ""]
+            ui = index.get(id(m), up)
+            if ui != up and parent[ui] is None:
+                parent[ui] = up
+        at[mname] = ui
         for pname, p in m._parameters.items():
             if p is None:
                 continue
@@ -262,10 +374,162 @@ def _collect(module, units):
                 order.append(rec)
             rec[2].append((m, pname))
             rec[3].add(ui)
+
+    def chain(i):
+        out = [i]
+        while parent[out[-1]] is not None:
+            out.append(parent[out[-1]])
+        return out
+
     out = [[] for _ in units]
     for qn, p, owners, users in order:
-        out[users.pop() if len(users) == 1 else root_i].append((qn, p, owners))
-    return out
+        if len(users) == 1:
+            ui = users.pop()
+        else:  # the innermost unit on every user's chain
+            chains = [chain(u) for u in users]
+            common = set(chains[0]).intersection(*chains[1:])
+            ui = next(u for u in chains[0] if u in common)
+        out[ui].append((qn, p, owners))
+    return out, parent
+
+
+def _check_nesting(specs, per_unit, parent):
+    """Transient areas: a rank leases 2 gather (and 2 gradient) areas, the
+    root unit's all through forward and backward and one more, so a unit
+    with parameters inside another non-root one (gathered while its parent
+    is) would run into E_LIMIT in the first forward: refused here, naming
+    both."""
+    def holder(i):  # the nearest enclosing unit that holds parameters
+        i = parent[i]
+        while i is not None and not per_unit[i]:
+            i = parent[i]
+        return i
+
+    for i, params in enumerate(per_unit):
+        if not params:
+            continue
+        chain = [i]
+        while holder(chain[-1]) is not None:
+            chain.append(holder(chain[-1]))
+        if len(chain) > 2:
+            raise ValueError(
+                "auto_wrap: unit %r is nested in unit %r: with transient areas a "
+                "rank holds 2 gather areas (the root unit's and one more while "
+                "the root holds parameters), and this nesting needs %d at once "
+                "(%s); wrap only one of the two, or use resident areas"
+                % (specs[i][0], specs[chain[1]][0], len(chain),
+                   " in ".join(repr(specs[j][0] or "root") for j in chain)))
+
+
+def _check_outside_holders(module, per_unit):
+    """Refuses a parameter that a module outside `module` holds too (nanoGPT's
+    transformer wrapped alone: wte.weight is lm_head.weight): the wrapper
+    replaces it only inside, which would silently untie the two. One pass
+    over the objects the garbage collector tracks (every nn.Module), at
+    construction only."""
+    mine = {id(p): qn for params in per_unit for qn, p, _ in params}
+    inside = {id(m) for m in module.modules()}
+    # type(), not isinstance(): no __class__ of a lazy or deprecated object runs
+    mods = [o for o in gc.get_objects() if issubclass(type(o), nn.Module)]
+    for m in mods:
+        if id(m) in inside:
+            continue
+        for attr, p in m._parameters.items():
+            if p is not None and id(p) in mine:
+                raise ValueError(
+                    "auto_wrap: parameter %r of the wrapped module is also %s, outside "
+                    "it: wrapping would untie them; wrap their common ancestor"
+                    % (mine[id(p)], _name_outside(mods, module, m, attr)))
+
+
+def _name_outside(mods, module, holder, attr):
+    """holder.attr named in the lowest module that holds both it and the
+    wrapped module, else by its class."""
+    parents = collections.defaultdict(list)
+    for x in mods:
+        for c in x._modules.values():
+            if c is not None:
+                parents[id(c)].append(x)
+
+    def ancestors(x):  # nearest first
+        out, todo, seen = [], [x], {id(x)}
+        while todo:
+            y = todo.pop(0)
+            out.append(y)
+            for up in parents[id(y)]:
+                if id(up) not in seen:
+                    seen.add(id(up))
+                    todo.append(up)
+        return out
+
+    above = {id(a) for a in ancestors(module)}
+    for top in ancestors(holder):
+        if id(top) in above:
+            names = {id(x): n for n, x in top.named_modules()}
+            inner = names[id(module)]
+            return "%r of the %s holding both (the wrapped module is its %r)" % (
+                (names[id(holder)] + "." if names[id(holder)] else "") + attr,
+                type(top).__name__, inner)
+    return "the %r of a %s" % (attr, type(holder).__name__)
+
+
+# module -> {attribute: (weak ShardedModule, unit)}: the parameters whose
+# read _Watched reports; weak, so a module dropped is forgotten
+_WATCH = weakref.WeakKeyDictionary()
+_WATCHED = {}  # module class -> its _Watched subclass
+
+
+def _watch(module, attr, sm, u):
+    """Reports reads of module.attr (a parameter of unit u) to sm._read: the
+    module's class becomes a subclass of it (same name, so repr and
+    isinstance stay; FSDP2's fully_shard swaps the class likewise) whose
+    __getattr__ -- the lookup nn.Module answers parameters with --
+    reports the read first."""
+    base = type(module)
+    if base not in _WATCHED.values():
+        cls = _WATCHED.get(base)
+        if cls is None:
+            cls = _WATCHED[base] = _watched_class(base)
+        module.__class__ = cls
+    _WATCH.setdefault(module, {})[attr] = (weakref.ref(sm), u)
+
+
+def _watched_class(base):
+    def __getattr__(self, name):
+        got = _WATCH.get(self, {}).get(name)
+        if got is not None:
+            sm = got[0]()
+            if sm is not None:
+                sm._read(got[1], self, name)
+        return base.__getattr__(self, name)
+
+    def __reduce_ex__(self, protocol):
+        # pickled and copied as the class it was built as
+        cls = type(self)
+        self.__class__ = base
+        try:
+            return self.__reduce_ex__(protocol)
+        finally:
+            self.__class__ = cls
+
+    return type(base.__name__, (base,), {
+        "__getattr__": __getattr__, "__reduce_ex__": __reduce_ex__,
+        "__module__": base.__module__, "__qualname__": base.__qualname__})
+
+
+def _hooked_modules(u):
+    """The modules whose forward gathers unit u: its own, and for a unit
+    other than the root's (gathered all through the root's forward) every
+    module holding one of its parameters, so that a forward that calls
+    them without the unit's module (the unit is a container, or the root
+    calls a child's submodules directly, as nanoGPT calls the blocks of
+    transformer.h) still computes with the gathered values."""
+    out = {id(u.module): u.module}
+    if not u.is_root:
+        for e in u.entries:
+            for m, _ in e.owners:
+                out.setdefault(id(m), m)
+    return list(out.values())
 
 
 def _tensors(obj):
@@ -284,8 +548,12 @@ class ShardedModule:
     """Wraps `module` in place over the client's job; see the module docstring.
 
     client: a shardd.Client of this rank (job, rank, world).
-    auto_wrap: "module" (one flat buffer) or "children" (one per top-level
-      child with parameters, plus one for the root's direct parameters).
+    auto_wrap: which modules are units (each one flat buffer), besides the
+      root's unit for the rest: "module" (none), "children" (each child,
+      through ModuleList / ModuleDict), a set of nn.Module classes (every
+      instance), or a policy callable (module, recurse, nonwrapped_numel)
+      -> bool as FSDP's (size_based_auto_wrap_policy). See the module
+      docstring for nesting and shared parameters.
     prefix: prepended to buffer and view names (names are per job).
     dtype: "fp32", "bf16", "fp16" or a torch dtype; default: the parameters'
       dtype (they must all have one dtype).
@@ -337,6 +605,10 @@ class ShardedModule:
         self._orig_keep = []      # keeps originals alive so their ids stay unique
         rank = client.rank
         specs = _unit_modules(module, auto_wrap)
+        per_unit, parent = _collect(module, specs)
+        if self.transient:
+            _check_nesting(specs, per_unit, parent)
+        _check_outside_holders(module, per_unit)
         pending = []  # units whose buffers are registered, views not yet
         # every unit's buffer in one call (a request per 250), as its views
         # below: each unit's flattened values are made once for the
@@ -344,7 +616,7 @@ class ShardedModule:
         units = []
         # every unit's parameters before any is replaced: a shared one is
         # replaced once, on every module that holds it
-        for (uname, root), params in zip(specs, _collect(module, specs)):
+        for (uname, root), params in zip(specs, per_unit):
             if not params:
                 continue
             udt = dtype
@@ -450,6 +722,8 @@ class ShardedModule:
         self._pending = None      # (unit, ticket) of the gather under way
         self.prefetches = 0       # gathers that were under way when needed
         self._sth = None          # the saved-tensor hooks pushed for a forward
+        self._in_forward = False  # the root's forward is running
+        self._read_held = []      # units a parameter read gathered this forward
         self._final_queued = False
         if self.transient:
             self._install_hooks()
@@ -713,8 +987,20 @@ class ShardedModule:
         # root unit's post-forward (hooks run in registration order)
         root.register_forward_pre_hook(self._root_pre_forward)
         for u in self.units:
-            u.module.register_forward_pre_hook(functools.partial(self._pre_forward, u))
-            u.module.register_forward_hook(functools.partial(self._post_forward, u))
+            for m in _hooked_modules(u):
+                m.register_forward_pre_hook(functools.partial(self._pre_forward, u))
+                m.register_forward_hook(functools.partial(self._post_forward, u))
+            if u.is_root:
+                continue
+            # a parameter the root's forward reads from its module itself
+            # (F.linear(x, self.wte.weight)), outside every forward that
+            # gathers its unit: the read gathers the unit (held until the
+            # root's forward ends), its gradient starts the unit's backward
+            for e in u.entries:
+                for m, attr in e.owners:
+                    _watch(m, attr, self, u)
+                if e.param.requires_grad:
+                    e.param.register_hook(functools.partial(self._output_grad, u))
         root.register_forward_hook(self._root_post_forward)
 
     def _pop_saved_hooks(self):
@@ -724,6 +1010,9 @@ class ShardedModule:
 
     def _root_pre_forward(self, module, inputs):
         self._pop_saved_hooks()  # a forward that raised left them pushed
+        for u in self.units:  # likewise
+            u.depth = 0
+        self._in_forward = True
         if self._pending is not None:  # likewise
             self._drop_prefetch()
         if torch.is_grad_enabled():
@@ -731,10 +1020,45 @@ class ShardedModule:
             self._sth.__enter__()
 
     def _root_post_forward(self, module, inputs, output):
+        self._in_forward = False
+        for u, _ in self._read_held:  # gathered by a read of its parameter
+            if u.gather is not None and u.depth == 0 and u.state == "forward":
+                u.state = "idle"
+                self._release(u)
+        self._read_held = []
         self._pop_saved_hooks()
         if self._pending is not None:  # this forward did not reach that unit
             self._drop_prefetch()
         self._order_done = True
+
+    def _read(self, u, module, attr):
+        """A parameter of u was read from `module` (its attribute `attr`)."""
+        if not self._in_forward or u.depth > 0 or u.gather is not None:
+            return  # outside the root's forward, or u is gathered
+        if self._pending is not None and self._pending[0] is not u:
+            self._drop_prefetch()
+        self._check_leases(u, "for a read of its parameter %r" % attr)
+        self._pre_forward(u, module, ())
+        u.depth = 0  # held by the read, not by a forward: until the root's ends
+        self._read_held.append((u, attr))
+
+    def _check_leases(self, u, what):
+        """Before u's gather beside a unit a read holds, or for a read: a
+        refusal that says why, where the daemon would answer E_LIMIT."""
+        held = sorted(v.name for v in self.units if v.gather is not None)
+        if len(held) < self._GATHER_LEASES:
+            return
+        reads = ["%r by a read of its parameter %r" % (v.name, a)
+                 for v, a in self._read_held if v.gather is not None]
+        raise shardd.Error(
+            22, "unit %r needs a gather area %s, and this rank's %d are held by "
+            "units %s%s: a parameter read outside the forwards that gather its "
+            "unit (its module's, or one holding the parameter) holds the unit "
+            "until the root's forward ends; read it inside such a forward, or "
+            "wrap it with the module whose forward reads it (an auto_wrap that "
+            "leaves it to the root's unit)" % (
+                u.name, what, self._GATHER_LEASES, held,
+                " (%s)" % ", ".join(reads) if reads else ""), "E_LIMIT")
 
     # -- forward prefetch (FSDP's forward_prefetch, limit_all_gathers) ------
     _GATHER_LEASES = 2  # the daemon's default gather leases per rank
@@ -789,6 +1113,9 @@ class ShardedModule:
         self.client.release(u.buffer)
 
     def _pre_forward(self, u, module, inputs):
+        u.depth += 1
+        if u.depth > 1:  # inside another of its hooked modules: gathered
+            return
         if not self._order_done and u not in self._order:
             self._order.append(u)
         pend = self._pending
@@ -799,6 +1126,8 @@ class ShardedModule:
         else:
             if pend is not None:  # the order changed: not this one
                 self._drop_prefetch()
+            if self._read_held and u.gather is None:
+                self._check_leases(u, "for its forward")
             # a gather of an area this rank holds (the root unit, a module
             # called twice) keeps it and gathers again
             u.gather, _ = self.client.gather_area(u.buffer)
@@ -807,6 +1136,9 @@ class ShardedModule:
         self._prefetch_after(u)
 
     def _post_forward(self, u, module, inputs, output):
+        u.depth = max(u.depth - 1, 0)
+        if u.depth > 0:  # the outermost one's outputs get the hook
+            return
         if torch.is_grad_enabled():
             hook = functools.partial(self._output_grad, u)
             for t in _tensors(output):
