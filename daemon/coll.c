@@ -541,9 +541,15 @@ static void after_phase(coll *c) {
       shardd__buffer_seed_drop(c->e->cfg.reg, c->opt->shards[i].buf);
       c->opt->shards[i].buf->reduced_live = 0;
     }
-    for (size_t i = 0; i < c->opt->nrefs; i++)
+    for (size_t i = 0; i < c->opt->nrefs; i++) {
+      const shardd__obj *r = c->opt->refs[i];
       if (c->ref_step[i])
         c->opt->ref_steps[i] = c->ref_step[i];
+      /* consumed: the next step applies only a newer scatter's gradient */
+      c->opt->ref_scatters[i] = r->kind == SHARDD__OBJ_VIEW
+                                    ? ((const shardd__view *)r)->buf->scatters
+                                    : ((const shardd__buffer *)r)->scatters;
+    }
     c->opt->steps = c->step;
   }
   coll_job *q = c->cj;
@@ -672,10 +678,16 @@ static void start_phase(coll *c) {
     }
     for (size_t i = 0; i < o->nrefs; i++) {
       const shardd__obj *r = o->refs[i];
+      const shardd__buffer *b = r->kind == SHARDD__OBJ_VIEW
+                                    ? ((const shardd__view *)r)->buf
+                                    : (const shardd__buffer *)r;
       int on = r->kind == SHARDD__OBJ_VIEW
                    ? ((const shardd__view *)r)->requires_grad &&
                          ((const shardd__view *)r)->grad_seen
-                   : ((const shardd__buffer *)r)->grad_seen;
+                   : b->grad_seen;
+      /* no scatter since its last step: its reduced gradient was applied
+       * already (torch: .grad is None after zero_grad) */
+      on = on && b->scatters != o->ref_scatters[i];
       c->ref_step[i] = on ? o->ref_steps[i] + 1 : 0;
     }
   }

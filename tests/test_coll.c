@@ -1181,6 +1181,51 @@ Test(coll, accumulating_scatter_refused_without_reduce_add) {
   expect_pending_zero();
 }
 
+/* A step consumes the reduced gradient: a second step with no scatter
+ * since skips the buffer as torch skips a parameter whose .grad is None
+ * (no update, its step count stays; the optimizer's count moves), and the
+ * next scatter makes it trainable again. */
+Test(coll, step_without_a_scatter_since_the_last_changes_nothing) {
+  shardd__buffer *b = buf_new("p", 1000);
+  shardd__optim *o = sgd_over(b);
+  fill_shards(b, 0);
+  fill_grads(b);
+  uint64_t s = b->shard_numel, seq = 0;
+  shardd__coll_args st = {.kind = SHARDD__COLL_STEP, .target = o->hdr.id};
+  float *after1 = malloc(W * s * sizeof *after1);
+  cr_assert_not_null(after1);
+  for (int round = 0; round < 2; round++) {
+    seq++;
+    for (uint32_t r = 0; r < W; r++)
+      submit(r, seq, scatter_args(b, SHARDD_REDUCE_MEAN));
+    run_until(nreplies + W);
+    seq++;
+    for (uint32_t r = 0; r < W; r++)
+      submit(r, seq, st);
+    run_until(nreplies + W);
+    for (uint32_t r = 0; r < W; r++)
+      expect_reply(r, seq, SHARDD_OK);
+    cr_assert_eq(shardd__ref_steps(&b->hdr), (uint64_t)round + 1);
+    for (uint32_t a = 0; a < W; a++)
+      memcpy(after1 + a * s, shard_of(b, a), s * sizeof *after1);
+    seq++;
+    for (uint32_t r = 0; r < W; r++)
+      submit(r, seq, st); /* no scatter since the step above */
+    run_until(nreplies + W);
+    for (uint32_t r = 0; r < W; r++)
+      cr_assert_eq(expect_reply(r, seq, SHARDD_OK)->res.step, (uint64_t)round * 2 + 2);
+    for (uint32_t a = 0; a < W; a++)
+      cr_assert_eq(memcmp(after1 + a * s, shard_of(b, a), s * sizeof *after1), 0,
+                   "round %d: rank %" PRIu32 "'s shard changed by a step with "
+                   "no fresh gradient", round, a);
+    cr_assert_eq(shardd__ref_steps(&b->hdr), (uint64_t)round + 1,
+                 "a skipped parameter's step count stays");
+  }
+  cr_assert_eq(o->steps, 4);
+  free(after1);
+  expect_pending_zero();
+}
+
 /* scatter (mean) then step: every shard is p - lr * g with g the mean
  * gradient; with max_norm below the norm, the update is scaled by
  * max_norm / (norm + 1e-6) and the reported norm is that of the reduced
