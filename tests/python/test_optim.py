@@ -391,7 +391,8 @@ class StateDictTest(unittest.TestCase):
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
 class OptimApiTest(unittest.TestCase):
     def setUp(self):
-        self.c = shardd.Client(common.socket(), job=common.job("optim1"), rank=0, world=1)
+        self.c = shardd.Client(common.socket(), job=common.job("optim1"), rank=0, world=1,
+                               transient_areas=False)
         self.addCleanup(self.c.close)
         self.model = make_model()
         self.sm = shardd.nn.ShardedModule(self.c, self.model, auto_wrap="children")
@@ -542,7 +543,7 @@ def ulp_rank(rank, world, sock, jobs, q):
         torch.set_num_threads(1)
         for name, job in jobs:
             cls, kw = ULP_CONFIGS[name]
-            client = shardd.Client(sock, job=job, rank=rank, world=world)
+            client = shardd.Client(sock, job=job, rank=rank, world=world, transient_areas=False)
             model = UlpModel()
             sm = shardd.nn.ShardedModule(client, model)
             u = sm.units[0]

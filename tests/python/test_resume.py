@@ -92,7 +92,7 @@ def elastic(rank, socks, job, q, pause_after=None):
     try:
         torch.set_num_threads(1)
         # resident areas: transient ones are single-node for now
-        client = shardd.Client(socks[rank], job=job, rank=rank, world=2)
+        client = shardd.Client(socks[rank], job=job, rank=rank, world=2, transient_areas=False)
         model = make_model()
         # no constructor gather: the loop gathers, and a relaunched rank's
         # constructor gather would have no partner in the survivor's retry
@@ -514,7 +514,8 @@ class ResumeTest(unittest.TestCase):
         self.assertIn("same seed", message)
 
     def test_require_existing_refuses_a_new_buffer(self):
-        c = shardd.Client(common.socket(), job=common.job("resume-req"), rank=0, world=1)
+        c = shardd.Client(common.socket(), job=common.job("resume-req"), rank=0, world=1,
+                          transient_areas=False)
         self.addCleanup(c.close)
         with self.assertRaises(shardd.Error) as cm:
             shardd.nn.ShardedModule(c, make_model(), init="require_existing")

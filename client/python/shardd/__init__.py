@@ -1,7 +1,8 @@
 """shardd — Python binding of libshardd (ctypes, no compiled extension).
 
     import shardd
-    with shardd.Client(socket, job="run-1", rank=r, world=4) as c:
+    with shardd.Client(socket, job="run-1", rank=r, world=4,
+                       reshard_after_forward=False) as c:  # resident areas
         buf = c.register_buffer("layer0.flat", "fp32", numel)
         buf.shard[:] = my_slice            # numpy view of this rank's shard
         c.gather(buf)                      # collective
@@ -20,7 +21,8 @@ is unregistered on this client or the client is closed; touching one after
 that is a use-after-unmap (a crash). bf16 areas are uint16 in numpy (numpy has
 no bfloat16) and torch.bfloat16 in torch.
 
-Transient areas (``Client(..., transient_areas=True)``, FSDP's reshard): a
+Transient areas (the default, FSDP's FULL_SHARD reshard; resident areas
+need ``reshard_after_forward=False``, as the example above): a
 buffer's block holds only the shard and the reduced-gradient shard
 (``buf.transient``); ``buf.gather``/``buf.grad`` and their tensors are not
 available (they raise E_STATE). Instead each gather leases this rank's areas
@@ -109,6 +111,34 @@ def _env_int(name, low):
     if n < low:
         raise ValueError("$%s=%d: must be >= %d" % (name, n, low))
     return n
+
+
+_STRATEGIES = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
+
+
+def _memory_model(transient_areas, reshard_after_forward, sharding_strategy):
+    """Transient areas (True) or resident (False) from Client's three
+    spellings of it; FULL_SHARD (transient) when none is given."""
+    said = []
+    for name, v in (("transient_areas", transient_areas),
+                    ("reshard_after_forward", reshard_after_forward)):
+        if v is None:
+            continue
+        if v not in (True, False):  # also 0 and 1
+            raise TypeError("%s must be a bool, not %r" % (name, v))
+        said.append((name, bool(v)))
+    if sharding_strategy is not None:
+        key = getattr(sharding_strategy, "name", sharding_strategy)
+        if key not in _STRATEGIES:
+            raise ValueError("sharding_strategy %r: shardd has FULL_SHARD (transient "
+                             "areas, the default) and SHARD_GRAD_OP (resident areas)"
+                             % (sharding_strategy,))
+        said.append(("sharding_strategy", _STRATEGIES[key]))
+    if len({v for _, v in said}) > 1:
+        raise ValueError("conflicting memory models: %s" % ", ".join(
+            "%s says %s" % (n, "transient (FULL_SHARD)" if v else "resident (SHARD_GRAD_OP)")
+            for n, v in said))
+    return said[0][1] if said else True
 
 
 def torchrun_defaults():
@@ -522,20 +552,25 @@ class Client:
     control session when that is unset), rank not given is $RANK (else
     $LOCAL_RANK, else 0) and world not given is $WORLD_SIZE (else 1). The
     daemon picks the rank's device from the rank, as always.
-    transient_areas=True asks for a job with transient areas (FSDP's
-    reshard): buffers keep only the shard and the reduced shard, and
-    gather_area() leases the whole-buffer areas per gather (see the module
-    docstring). The Hello that creates the job decides; a rank asking
-    otherwise is refused (E_MISMATCH).
+    The memory model is FSDP's default, FULL_SHARD: transient areas
+    (buffers keep only the shard and the reduced shard, and gather_area()
+    leases the whole-buffer areas per gather; see the module docstring).
+    Resident areas (every block keeps its gather and gradient areas, FSDP's
+    SHARD_GRAD_OP: no re-gather in backward, more memory) are opt-in under
+    FSDP's names, reshard_after_forward=False or
+    sharding_strategy="SHARD_GRAD_OP" (a torch ShardingStrategy is taken
+    too); transient_areas=True/False says the same in shardd's words. The
+    Hello that creates the job decides; a rank asking otherwise is refused
+    (E_MISMATCH).
     Not thread-safe: use one Client per thread/rank.
     """
 
     def __init__(self, socket=None, job=_FROM_ENV, rank=None, world=None, client_name=None,
-                 transient_areas=False):
+                 transient_areas=None, reshard_after_forward=None, sharding_strategy=None):
         self._lib = L.load()
         self._c = None
-        if transient_areas not in (True, False):  # also 0 and 1
-            raise TypeError("transient_areas must be a bool, not %r" % (transient_areas,))
+        transient_areas = _memory_model(transient_areas, reshard_after_forward,
+                                        sharding_strategy)
         env_job, env_rank, env_world = torchrun_defaults()
         if job is _FROM_ENV:
             job = env_job
