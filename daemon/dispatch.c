@@ -300,6 +300,9 @@ static shardd_err buffer_register_one(shardd__dispatch *d, shardd__conn *c,
                "every rank must build the model identically (same seed), as "
                "each writes its own slice",
                b->hdr.name, rank, b->init_rank, rb->init_checksum, b->init_sum);
+      /* the ranks that registered first are in (or on their way to) a
+       * collective: they hear this, not a lost peer once this rank exits */
+      shardd__coll_job_break(d->coll, c->m.job, rank, SHARDD_E_MISMATCH, err);
       return SHARDD_E_MISMATCH;
     }
   }
