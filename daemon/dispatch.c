@@ -108,6 +108,30 @@ void shardd__dispatch_refuse(shardd__dispatch *d, shardd__conn *c,
 typedef void (*handler)(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                         const Shardwire__Request *req);
 
+/* Whether job holds trained or restored state (a buffer a step ran on or
+ * a restore made), which a rank joining it resumes; *step: the most steps
+ * one of its optimizers took. A fresh launch's ranks all connect before
+ * any step can run, so they are never told they resume. */
+static int job_resumed(shardd__job *job, uint64_t *step) {
+  *step = 0;
+  shardd__buffer **bufs;
+  shardd__optim **opts;
+  size_t nb, no;
+  int settled = 0;
+  if (shardd__job_buffers(job, &bufs, &nb) == SHARDD_OK) {
+    for (size_t i = 0; i < nb && !settled; i++)
+      settled = bufs[i]->settled;
+    free(bufs);
+  }
+  if (settled && shardd__job_optims(job, &opts, &no) == SHARDD_OK) {
+    for (size_t i = 0; i < no; i++)
+      if (opts[i]->steps > *step)
+        *step = opts[i]->steps;
+    free(opts);
+  }
+  return settled;
+}
+
 static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                      const Shardwire__Request *req) {
   const Shardwire__Hello *h = req->hello;
@@ -201,6 +225,12 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   c->hello_done = 1;
   Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_HELLO);
   Shardwire__HelloReply hr = SHARDWIRE__HELLO_REPLY__INIT;
+  if (c->m.job && job_resumed(c->m.job, &hr.resumed_step)) {
+    hr.has_resumed = hr.has_resumed_step = hr.resumed = 1;
+    shardd__log(2, "session %" PRIu64 ": rank %" PRIu32 " resumes job \"%s\" "
+                "at step %" PRIu64, c->id, c->m.rank, c->m.job->name,
+                hr.resumed_step);
+  }
   hr.protocol_version = SHARDD_PROTOCOL_VERSION;
   hr.daemon_version = SHARDD_VERSION;
   hr.session_id = c->id;
@@ -214,6 +244,13 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
 
 static int pending_checkpoint(void *arg, const shardd__job *job, size_t i,
                               const char **dir, double *waited_s, double *wait_s);
+
+/* The rank is finished: its close will be a clean one (jobs_leave). */
+static void on_goodbye(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                       const Shardwire__Request *req) {
+  c->bye = 1;
+  reply(d, c, seq, SHARDD_OK, NULL);
+}
 
 static shardd__status_ctx status_ctx(shardd__dispatch *d) {
   shardd__status_ctx ctx = {&d->reg, d->coll, &d->jobs, now_s(d) - d->started,
@@ -2373,6 +2410,7 @@ static const struct {
     {SHARDWIRE__REQUEST__BODY_SEED_MASTER, 1, 1, on_seed_master},
     {SHARDWIRE__REQUEST__BODY_OPTIM_STATE, 1, 1, on_optim_state},
     {SHARDWIRE__REQUEST__BODY_RELEASE_JOB, 0, 0, on_release_job},
+    {SHARDWIRE__REQUEST__BODY_GOODBYE, 0, 0, on_goodbye},
 };
 
 /* Refuses a frame that cannot be held behind c's held ones. */
@@ -2500,7 +2538,7 @@ void shardd__dispatch_closed(shardd__dispatch *d, shardd__conn *c) {
   shardd__log(2, "session %" PRIu64 ": rank %" PRIu32 " of job \"%s\" left",
               c->id, c->m.rank, job->name);
   c->m.job = NULL;
-  shardd__jobs_leave(&d->jobs, job, c->m.rank, c->id, now_s(d));
+  shardd__jobs_leave(&d->jobs, job, c->m.rank, c->id, now_s(d), c->bye);
 }
 
 void shardd__dispatch_timeouts(shardd__dispatch *d, double now) {

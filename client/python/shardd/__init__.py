@@ -59,6 +59,7 @@ import ctypes
 import math
 import os
 import json as _json
+import warnings
 
 from . import _lib as L
 
@@ -114,6 +115,29 @@ def _env_int(name, low):
 
 
 _STRATEGIES = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
+
+
+class ResumedJobWarning(UserWarning):
+    """A Client joined a job that holds trained state (a relaunch after its
+    ranks died, a rank rejoining, a restored job): it resumes it."""
+
+
+def _job_from_env(run_id):
+    """Client's job when none is given: $TORCHELASTIC_RUN_ID when it names
+    this launch (torchrun --rdzv-id=ID, or --standalone's fresh id; its
+    elastic restarts share it and resume), None (a control session) when
+    it is unset. torchrun's default "none" names no launch: as a job name
+    every such launch would be one job, a rerun continuing the last run's
+    weights, so it is refused."""
+    if run_id is not None and run_id.strip().lower() == "none":
+        raise ValueError(
+            "$TORCHELASTIC_RUN_ID is %r (torchrun's default without --rdzv-id): "
+            "it does not identify this run, so shardd will not use it as the job "
+            "name (every such launch would share one job, and a rerun would "
+            "resume the previous run). Pass job=NAME (the same on every rank, "
+            "new for each run), or launch with torchrun --standalone or "
+            "--rdzv-id=RUN_ID" % run_id)
+    return run_id
 
 
 def _memory_model(transient_areas, reshard_after_forward, sharding_strategy):
@@ -549,9 +573,16 @@ class Client:
     job None or "" opens a control session (status/inspect only).
     Under torchrun the defaults come from its environment
     (:func:`torchrun_defaults`): job not given is $TORCHELASTIC_RUN_ID (a
-    control session when that is unset), rank not given is $RANK (else
-    $LOCAL_RANK, else 0) and world not given is $WORLD_SIZE (else 1). The
-    daemon picks the rank's device from the rank, as always.
+    control session when that is unset; torchrun's "none", its value
+    without --rdzv-id or --standalone, is refused: it names no run), rank
+    not given is $RANK (else $LOCAL_RANK, else 0) and world not given is
+    $WORLD_SIZE (else 1). The daemon picks the rank's device from the rank,
+    as always.
+    A job whose ranks all close() is finished: the daemon frees it, and a
+    new run of its name starts fresh. A job whose ranks died (or were
+    closed with finished=False) lingers for the daemon's --job-linger; a
+    relaunch resumes it, and each rank's Client says so (resumed_step, and
+    a ResumedJobWarning "resuming job NAME at step N").
     The memory model is FSDP's default, FULL_SHARD: transient areas
     (buffers keep only the shard and the reduced shard, and gather_area()
     leases the whole-buffer areas per gather; see the module docstring).
@@ -573,7 +604,7 @@ class Client:
                                         sharding_strategy)
         env_job, env_rank, env_world = torchrun_defaults()
         if job is _FROM_ENV:
-            job = env_job
+            job = _job_from_env(env_job)
         if rank is None:
             rank = env_rank if env_rank is not None else 0
         if world is None:
@@ -604,10 +635,25 @@ class Client:
             msg = errbuf.value.decode(errors="replace") or self._lib.shardd_strerror(rc).decode()
             raise Error(rc, msg)
         self._c = out
+        step = ctypes.c_uint64()
+        # None: a fresh job; else the step the job is resumed at
+        self.resumed_step = (int(step.value) if self._lib.shardd_resumed(out, ctypes.byref(step))
+                             else None)
+        if self.resumed_step is not None:
+            warnings.warn("shardd: resuming job %r at step %d (rank %d): it holds the "
+                          "weights and optimizer state of a run whose ranks did not "
+                          "finish (close()); a new run needs another job name"
+                          % (job, self.resumed_step, rank), ResumedJobWarning, stacklevel=2)
 
     # -- lifecycle -------------------------------------------------------
-    def close(self):
-        """Closes the connection; every area mapped on it is unmapped."""
+    def close(self, finished=True):
+        """Closes the connection; every area mapped on it is unmapped.
+        finished (the default): this rank is done with its job and says so
+        (shardd_finish); once every rank has, the daemon releases the job
+        at once and a new run of its name starts fresh. finished=False
+        leaves as a crashed rank does: the job lingers (--job-linger) for a
+        relaunch to resume. A with block that ends in an exception, and a
+        client garbage-collected without close(), leave that way too."""
         if self._c:
             try:  # no kernel may still use the device areas being closed
                 self._sync_cuda()
@@ -615,18 +661,21 @@ class Client:
                 pass
             for b in self.buffers.values():
                 b._forget()
-            self._lib.shardd_close(self._c)
-            self._c = None
+            c, self._c = self._c, None
+            if finished and self.job:
+                self._lib.shardd_finish(c)  # closes c whatever the daemon says
+            else:
+                self._lib.shardd_close(c)
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, *exc):
+        self.close(finished=exc_type is None)
 
     def __del__(self):
         try:
-            self.close()
+            self.close(finished=False)
         except Exception:
             pass
 
