@@ -473,7 +473,12 @@ class OptimApiTest(unittest.TestCase):
         opt.param_groups[0]["lr"] = 1e-3
         opt.step()
         self.assertEqual(opt.last_step.step, 1)
-        # the norm only: no update, the count stays
+        # the norm only: no update, the count stays (of a new gradient: the
+        # step consumed the last one)
+        self.sm.zero_grad()
+        self.sm.gather()
+        self.model(torch.ones(1, 8)).sum().backward()
+        self.sm.scatter()
         before = {n: p.detach().clone() for n, p in self.sm.full_parameters().items()}
         n = self.sm.clip_grad_norm_(float("inf"))
         self.assertGreater(float(n), 0.0)

@@ -640,9 +640,9 @@ class Client:
         self.resumed_step = (int(step.value) if self._lib.shardd_resumed(out, ctypes.byref(step))
                              else None)
         if self.resumed_step is not None:
-            warnings.warn("shardd: resuming job %r at step %d (rank %d): it holds the "
-                          "weights and optimizer state of a run whose ranks did not "
-                          "finish (close()); a new run needs another job name"
+            warnings.warn("shardd: resuming job %r at step %d (rank %d): the job holds "
+                          "trained state (a run whose ranks did not finish with close(), "
+                          "or a restore); a new run needs a job name of its own"
                           % (job, self.resumed_step, rank), ResumedJobWarning, stacklevel=2)
 
     # -- lifecycle -------------------------------------------------------
