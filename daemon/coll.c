@@ -1358,7 +1358,7 @@ static void submit(shardd__coll_engine *e, shardd__coll_member *m, uint64_t seq,
     return;
   }
   coll_job *q = shardd__coll_job_of(e, job, 0);
-  if (q && q->broken != SHARDD_OK) {
+  if (q && q->broken != SHARDD_OK && m->joined <= q->broken_epoch) {
     free(vals);
     refuse(e, m, seq, args, q->broken, q->broken_msg);
     return;
@@ -1768,6 +1768,7 @@ void shardd__coll_job_break(shardd__coll_engine *e, shardd__job *job,
     return;
   q->broken = code;
   q->broken_rank = rank;
+  q->broken_epoch = e->epoch; /* a relaunch's members join after it */
   snprintf(q->broken_msg, sizeof q->broken_msg, "%s", msg);
   uint32_t n = fail_waiting(q, code, pick_any, q, describe_broken, NULL, 0);
   shardd__log(SHARDD__LOG_WARN, "job \"%s\": rank %" PRIu32 " was refused "

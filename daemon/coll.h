@@ -192,8 +192,9 @@ void shardd__coll_member_lost(shardd__coll_engine *e, shardd__coll_member *m);
 /* A refusal every collective of job depends on, of rank's (its initial
  * values differ from the other ranks', so each rank trains another model):
  * every collective of the job still waiting fails with code and msg now,
- * and each submitted later is refused with them at once, until a member
- * joins for rank again (a relaunch). So the ranks already waiting hear the
+ * and each submitted later by a member that joined before this is refused
+ * with them at once (until a member joins for rank again); a relaunch's
+ * members, joining after, are not. So the ranks already waiting hear the
  * real cause, not a lost peer once the refused rank exits. */
 void shardd__coll_job_break(shardd__coll_engine *e, shardd__job *job,
                             uint32_t rank, shardd_err code, const char *msg);

@@ -869,8 +869,14 @@ Test(coll, a_broken_job_fails_every_rank_with_the_refusal) {
   submit(2, 1, gather_args(b));
   expect_msg(expect_reply(2, 1, SHARDD_E_MISMATCH), "rank 1's initial values differ");
   expect_pending_zero();
+  /* a relaunch: its members joined after the refusal and are not refused
+   * (the one of rank 1 last, after the others submitted) */
+  rejoin(0);
+  rejoin(2);
+  submit(0, 2, gather_args(b));
+  cr_assert_eq(nreplies, 2, "a relaunched rank is not refused");
   rejoin(1);
-  for (uint32_t r = 0; r < W; r++)
+  for (uint32_t r = 1; r < W; r++)
     submit(r, 2, gather_args(b));
   run_until(nreplies + W);
   for (uint32_t r = 0; r < W; r++)
