@@ -103,11 +103,6 @@ void shardd__dispatch_refuse(shardd__dispatch *d, shardd__conn *c,
   reply(d, c, 0, code, msg);
 }
 
-/* ---- handlers ---------------------------------------------------------- */
-
-typedef void (*handler)(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                        const Shardwire__Request *req);
-
 /* Whether job holds trained or restored state (a buffer a step ran on or
  * a restore made), which a rank joining it resumes; *step: the most steps
  * one of its optimizers took. A fresh launch's ranks all connect before
@@ -131,6 +126,11 @@ static int job_resumed(shardd__job *job, uint64_t *step) {
   }
   return settled;
 }
+
+/* ---- handlers ---------------------------------------------------------- */
+
+typedef void (*handler)(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                        const Shardwire__Request *req);
 
 static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                      const Shardwire__Request *req) {
