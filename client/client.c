@@ -243,6 +243,8 @@ struct shardd_client {
   char version[64];
   char backend[32];
   uint32_t bucket_max; /* entries per bucket request: the daemon's --max-pending, at most 64 */
+  int resumed;          /* the Hello reply: the job is resumed, at resumed_step */
+  uint64_t resumed_step;
   /* the buffers' mappings, chained by buffer id: a model registers 10^4
    * buffers and every gather looks its own up, so no list walk */
   mapping **maps;
@@ -815,6 +817,8 @@ shardd_err shardd_connect(const char *socket_path,
   if (resp->hello->has_max_pending && resp->hello->max_pending > 0 &&
       resp->hello->max_pending < c->bucket_max)
     c->bucket_max = resp->hello->max_pending;
+  c->resumed = resp->hello->has_resumed && resp->hello->resumed;
+  c->resumed_step = resp->hello->resumed_step;
   shardwire__response__free_unpacked(resp, NULL);
   clear_err(c);
   *out = c;
@@ -921,6 +925,25 @@ void shardd_close(shardd_client_t *c) {
   shardd__frame_reader_free(&c->rd);
   free(c->err_long);
   free(c);
+}
+
+shardd_err shardd_finish(shardd_client_t *c) {
+  if (c == NULL)
+    return SHARDD_OK;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Goodbye bye = SHARDWIRE__GOODBYE__INIT;
+  req.body_case = SHARDWIRE__REQUEST__BODY_GOODBYE;
+  req.goodbye = &bye;
+  /* answered: the daemon has read it before the close it precedes */
+  shardd_err rc = call_status_only(c, &req);
+  shardd_close(c);
+  return rc;
+}
+
+int shardd_resumed(const shardd_client_t *c, uint64_t *step) {
+  if (step)
+    *step = c && c->resumed ? c->resumed_step : 0;
+  return c != NULL && c->resumed;
 }
 
 shardd_err shardd_ping(shardd_client_t *c) {

@@ -133,8 +133,24 @@ shardd_err shardd_connect(const char *socket_path,
                           shardd_client_t **out, char *errbuf, size_t errlen);
 
 /* Closes the connection, unmaps every area handed out on it and frees c.
- * NULL is a no-op. */
+ * NULL is a no-op. To the daemon this is a rank that went away (as if it
+ * crashed): its job lingers for --job-linger, for a relaunch to resume.
+ * A trainer that is done says so with shardd_finish(). */
 void shardd_close(shardd_client_t *c);
+
+/* A clean close: tells the daemon this rank is finished with its job (a
+ * Goodbye), then closes as shardd_close(c). Once every rank of the job has
+ * finished, the daemon releases the job at once (memory back) and a new
+ * run of its name starts fresh instead of resuming it. Returns the
+ * Goodbye's result (c is closed and freed whatever it is); NULL is a
+ * no-op (SHARDD_OK). */
+shardd_err shardd_finish(shardd_client_t *c);
+
+/* 1 when the job this client joined holds trained or restored state that
+ * this rank resumes (its ranks died and were relaunched, a rank rejoining,
+ * a restored job), with *step (when not NULL) the most steps one of its
+ * optimizers took; 0 for a fresh job (and control sessions). */
+int shardd_resumed(const shardd_client_t *c, uint64_t *step);
 
 /* Detail of the last failed call on c (the daemon's message when it sent
  * one, whole, however long: a refused optimizer's lists every bad ref).

@@ -550,9 +550,15 @@ static void after_phase(coll *c) {
       shardd__buffer_seed_drop(c->e->cfg.reg, c->opt->shards[i].buf);
       c->opt->shards[i].buf->reduced_live = 0;
     }
-    for (size_t i = 0; i < c->opt->nrefs; i++)
+    for (size_t i = 0; i < c->opt->nrefs; i++) {
+      const shardd__obj *r = c->opt->refs[i];
       if (c->ref_step[i])
         c->opt->ref_steps[i] = c->ref_step[i];
+      /* consumed: the next step applies only a newer scatter's gradient */
+      c->opt->ref_scatters[i] = r->kind == SHARDD__OBJ_VIEW
+                                    ? ((const shardd__view *)r)->buf->scatters
+                                    : ((const shardd__buffer *)r)->scatters;
+    }
     c->opt->steps = c->step;
   }
   coll_job *q = c->cj;
@@ -681,10 +687,16 @@ static void start_phase(coll *c) {
     }
     for (size_t i = 0; i < o->nrefs; i++) {
       const shardd__obj *r = o->refs[i];
+      const shardd__buffer *b = r->kind == SHARDD__OBJ_VIEW
+                                    ? ((const shardd__view *)r)->buf
+                                    : (const shardd__buffer *)r;
       int on = r->kind == SHARDD__OBJ_VIEW
                    ? ((const shardd__view *)r)->requires_grad &&
                          ((const shardd__view *)r)->grad_seen
-                   : ((const shardd__buffer *)r)->grad_seen;
+                   : b->grad_seen;
+      /* no scatter since its last step: its reduced gradient was applied
+       * already (torch: .grad is None after zero_grad) */
+      on = on && b->scatters != o->ref_scatters[i];
       c->ref_step[i] = on ? o->ref_steps[i] + 1 : 0;
     }
   }
@@ -1025,6 +1037,11 @@ static int fail_doomed(coll_job *q, double now) {
 void shardd__coll_member_joined(shardd__coll_engine *e, shardd__coll_member *m) {
   m->joined = ++e->epoch;
   coll_job *q = m->job ? shardd__coll_job_of(e, m->job, 0) : NULL;
+  if (q && q->broken != SHARDD_OK && q->broken_rank == m->rank) {
+    shardd__log(SHARDD__LOG_INFO, "job \"%s\": rank %" PRIu32 " joined again; "
+                "its collectives are no longer refused", m->job->name, m->rank);
+    q->broken = SHARDD_OK;
+  }
   if (q == NULL || q->lost_at == NULL || q->lost_at[m->rank] < 0)
     return;
   shardd__log(SHARDD__LOG_INFO, "job \"%s\": rank %" PRIu32 " is back after "
@@ -1350,6 +1367,11 @@ static void submit(shardd__coll_engine *e, shardd__coll_member *m, uint64_t seq,
     return;
   }
   coll_job *q = shardd__coll_job_of(e, job, 0);
+  if (q && q->broken != SHARDD_OK && m->joined <= q->broken_epoch) {
+    free(vals);
+    refuse(e, m, seq, args, q->broken, q->broken_msg);
+    return;
+  }
   /* a bucket is one request (and one round trip): it counts once, checked
    * at its first entry (not for each: that walked the queue 64 times) */
   if (args->kind == SHARDD__COLL_GATHER && e->cfg.max_inflight_gathers > 0 &&
@@ -1381,6 +1403,7 @@ static void submit(shardd__coll_engine *e, shardd__coll_member *m, uint64_t seq,
     refuse(e, m, seq, args, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
+  q->last_submit = loop_now(e);
   shardd__hp *hp = NULL; /* a step's, until c owns it */
   if (args->kind == SHARDD__COLL_STEP && local == SHARDD_OK &&
       (rc = step_hp((const shardd__optim *)o, args, &hp, err, sizeof err)) != SHARDD_OK) {
@@ -1739,6 +1762,134 @@ uint32_t shardd__coll_stop_waiting(shardd__coll_engine *e, const char *why) {
   return total;
 }
 
+static void describe_broken(coll *c, void *arg, char *msg, size_t len) {
+  const coll_job *q = arg;
+  snprintf(msg, len, "%s of %s %" PRIu64 " (\"%s\") cannot run: %s",
+           shardd__coll_kind_word(c->args.kind),
+           shardd__coll_target_word(c->args.kind), c->args.target, c->name,
+           q->broken_msg);
+}
+
+void shardd__coll_job_break(shardd__coll_engine *e, shardd__job *job,
+                            uint32_t rank, shardd_err code, const char *msg) {
+  coll_job *q = shardd__coll_job_of(e, job, 1);
+  if (q == NULL) /* its ranks hear of it when that rank leaves, as before */
+    return;
+  q->broken = code;
+  q->broken_rank = rank;
+  q->broken_epoch = e->epoch; /* a relaunch's members join after it */
+  snprintf(q->broken_msg, sizeof q->broken_msg, "%s", msg);
+  uint32_t n = fail_waiting(q, code, pick_any, q, describe_broken, NULL, 0);
+  shardd__log(SHARDD__LOG_WARN, "job \"%s\": rank %" PRIu32 " was refused "
+              "(%s); %" PRIu32 " waiting collective(s) failed with it, and the "
+              "job's collectives are refused until that rank joins again",
+              job->name, rank, shardd_err_name(code), n);
+  job_maybe_quiet(q);
+}
+
+/* Whether local rank r of q is stuck for c, which it has not called:
+ * connected and waiting only in unstarted collectives, each of which
+ * misses a rank that waits in c, so neither can run before the other;
+ * *in: the oldest of them. */
+static int stuck_for(const coll_job *q, const coll *c, uint32_t r, const coll **in) {
+  const shardd__job *job = q->job;
+  uint32_t lo = job->local_first, hi = lo + job->local_ranks;
+  const shardd__coll_member *m = NULL;
+  uint32_t n = 0;
+  *in = NULL;
+  for (const coll *d = q->head; d; d = d->next) {
+    const waiter *w = &d->waiters[r];
+    if (!w->arrived)
+      continue;
+    if (w->m == NULL || d->started)
+      return 0;
+    int waits = 0;
+    for (uint32_t k = lo; k < hi && !waits; k++)
+      waits = !d->waiters[k].arrived && c->waiters[k].m != NULL;
+    if (!waits)
+      return 0;
+    m = w->m;
+    n++;
+    if (*in == NULL)
+      *in = d;
+  }
+  return m != NULL && n == m->pending; /* none running, none elsewhere */
+}
+
+/* The message for c when every local rank it misses is stuck in another
+ * collective (stuck_for), into msg; 0 when one is not (or is lost: that
+ * is the grace's and doomed_by's). */
+static int stuck_msg(const coll_job *q, const coll *c, double now, char *msg,
+                     size_t len) {
+  const shardd__job *job = c->job;
+  uint32_t lo = job->local_first, hi = lo + job->local_ranks;
+  char called[96] = "", missing[96] = "", where[256] = "";
+  size_t nc = 0, nm = 0, nw = 0;
+  for (uint32_t r = lo; r < hi; r++) {
+    if (c->waiters[r].arrived) {
+      if (nc < sizeof called)
+        nc += (size_t)snprintf(called + nc, sizeof called - nc, "%s%" PRIu32,
+                               nc ? ", " : "", r);
+      continue;
+    }
+    const coll *d;
+    if ((q->lost_at && q->lost_at[r] >= 0) || !stuck_for(q, c, r, &d))
+      return 0;
+    if (nm < sizeof missing)
+      nm += (size_t)snprintf(missing + nm, sizeof missing - nm, "%s%" PRIu32,
+                             nm ? ", " : "", r);
+    if (nw < sizeof where)
+      nw += (size_t)snprintf(where + nw, sizeof where - nw,
+                             "%srank %" PRIu32 " waits in %s of %s %" PRIu64
+                             " (\"%s\")", nw ? "; " : "", r,
+                             shardd__coll_kind_word(d->args.kind),
+                             shardd__coll_target_word(d->args.kind),
+                             d->args.target, d->name);
+  }
+  if (nm == 0)
+    return 0;
+  snprintf(msg, len,
+           "%s of %s %" PRIu64 " (\"%s\") was called by rank(s) %s of job "
+           "\"%s\" but not by rank(s) %s, which wait in other collectives "
+           "that wait for it (%s); no rank can go on (no request for %.1f s, "
+           "--peer-grace %g s): every rank must make the same collective "
+           "calls (e.g. state_dict() on every rank, not rank 0 only); no shard "
+           "was changed",
+           shardd__coll_kind_word(c->args.kind),
+           shardd__coll_target_word(c->args.kind), c->args.target, c->name,
+           called, job->name, missing, where, now - q->last_submit,
+           q->e->cfg.peer_grace);
+  return 1;
+}
+
+/* Fails the collectives of q whose missing ranks are all stuck in others
+ * (stuck_msg), once no rank submitted anything for the grace: each is
+ * judged before any fails, as failing one frees the ranks of the others. */
+static void fail_stuck(coll_job *q, double now) {
+  if (q->count < 2 || now < q->last_submit + q->e->cfg.peer_grace)
+    return;
+  size_t n = 0;
+  for (coll *c = q->head; c; c = c->next)
+    n++;
+  coll **hit = malloc(n * sizeof *hit);
+  char (*msgs)[768] = malloc(n * sizeof *msgs);
+  size_t k = 0;
+  for (coll *c = q->head; c && hit && msgs; c = c->next)
+    if (!c->started && c->arrived < c->job->local_ranks &&
+        stuck_msg(q, c, now, msgs[k], sizeof msgs[k]))
+      hit[k++] = c;
+  for (size_t i = 0; i < k; i++) {
+    if (i == 0)
+      shardd__log(SHARDD__LOG_WARN, "job \"%s\": %zu collective(s) failed: "
+                  "%s%s", q->job->name, k, msgs[0], k > 1 ? " (and others)" : "");
+    coll_finish(hit[i], SHARDD_E_MISMATCH, msgs[i]);
+  }
+  free(hit);
+  free(msgs);
+  if (k > 0)
+    schedule(q);
+}
+
 void shardd__coll_tick(shardd__coll_engine *e, double now) {
   /* A quiet hook may release its job, and with it the job's entry in
    * e->jobs: the walk collects first, then fails and reports. */
@@ -1749,6 +1900,7 @@ void shardd__coll_tick(shardd__coll_engine *e, double now) {
   tick_arg t = {now};
   for (size_t i = 0; i < a.n; i++) {
     fail_doomed(a.jobs[i], now);
+    fail_stuck(a.jobs[i], now);
     char first[512];
     uint32_t n = fail_waiting(a.jobs[i], SHARDD_E_PEER_LOST, pick_expired, &t,
                               describe_expired, first, sizeof first);

@@ -189,8 +189,23 @@ void shardd__coll_member_joined(shardd__coll_engine *e, shardd__coll_member *m);
  * up to the timeout. */
 void shardd__coll_member_lost(shardd__coll_engine *e, shardd__coll_member *m);
 
+/* A refusal every collective of job depends on, of rank's (its initial
+ * values differ from the other ranks', so each rank trains another model):
+ * every collective of the job still waiting fails with code and msg now,
+ * and each submitted later by a member that joined before this is refused
+ * with them at once (until a member joins for rank again); a relaunch's
+ * members, joining after, are not. So the ranks already waiting hear the
+ * real cause, not a lost peer once the refused rank exits. */
+void shardd__coll_job_break(shardd__coll_engine *e, shardd__job *job,
+                            uint32_t rank, shardd_err code, const char *msg);
+
 /* Fails collectives that waited past the timeout, and those a rank missing
- * past peer_grace dooms (now: loop seconds). Both are logged. */
+ * past peer_grace dooms (now: loop seconds). Both are logged. A waiting
+ * collective whose missing ranks are all stuck in other collectives of the
+ * job that wait for one of its own ranks (no rank can move), while no rank
+ * submitted anything for peer_grace, fails with SHARDD_E_MISMATCH naming
+ * the ranks that did not call it and what they wait in instead; a rank
+ * with no collective queued (computing) or one running is never stuck. */
 void shardd__coll_tick(shardd__coll_engine *e, double now);
 
 /* Makes job span sp->nodes daemons, this one node sp->node_rank

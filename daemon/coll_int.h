@@ -78,6 +78,18 @@ typedef struct {
   double *lost_at;
   uint64_t *lost_epoch;
   uint8_t *lost_told;
+  /* a refusal every collective of the job depends on (a rank's initial
+   * values differ: shardd__coll_job_break), SHARDD_OK none: each later
+   * collective of a member that joined before it (the engine's epoch then)
+   * is refused with it at once, until broken_rank joins again */
+  shardd_err broken;
+  uint32_t broken_rank;
+  uint64_t broken_epoch;
+  char broken_msg[384];
+  /* loop seconds of the last submission to the job: ranks waiting in each
+   * other's collectives count as stuck only after --peer-grace without
+   * one (shardd__coll_tick) */
+  double last_submit;
 } coll_job;
 
 struct shardd__coll_engine {

@@ -103,6 +103,30 @@ void shardd__dispatch_refuse(shardd__dispatch *d, shardd__conn *c,
   reply(d, c, 0, code, msg);
 }
 
+/* Whether job holds trained or restored state (a buffer a step ran on or
+ * a restore made), which a rank joining it resumes; *step: the most steps
+ * one of its optimizers took. A fresh launch's ranks all connect before
+ * any step can run, so they are never told they resume. */
+static int job_resumed(shardd__job *job, uint64_t *step) {
+  *step = 0;
+  shardd__buffer **bufs;
+  shardd__optim **opts;
+  size_t nb, no;
+  int settled = 0;
+  if (shardd__job_buffers(job, &bufs, &nb) == SHARDD_OK) {
+    for (size_t i = 0; i < nb && !settled; i++)
+      settled = bufs[i]->settled;
+    free(bufs);
+  }
+  if (settled && shardd__job_optims(job, &opts, &no) == SHARDD_OK) {
+    for (size_t i = 0; i < no; i++)
+      if (opts[i]->steps > *step)
+        *step = opts[i]->steps;
+    free(opts);
+  }
+  return settled;
+}
+
 /* ---- handlers ---------------------------------------------------------- */
 
 typedef void (*handler)(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
@@ -214,6 +238,12 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   c->hello_done = 1;
   Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_HELLO);
   Shardwire__HelloReply hr = SHARDWIRE__HELLO_REPLY__INIT;
+  if (c->m.job && job_resumed(c->m.job, &hr.resumed_step)) {
+    hr.has_resumed = hr.has_resumed_step = hr.resumed = 1;
+    shardd__log(2, "session %" PRIu64 ": rank %" PRIu32 " resumes job \"%s\" "
+                "at step %" PRIu64, c->id, c->m.rank, c->m.job->name,
+                hr.resumed_step);
+  }
   hr.protocol_version = SHARDD_PROTOCOL_VERSION;
   hr.daemon_version = SHARDD_VERSION;
   hr.session_id = c->id;
@@ -227,6 +257,13 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
 
 static int pending_checkpoint(void *arg, const shardd__job *job, size_t i,
                               const char **dir, double *waited_s, double *wait_s);
+
+/* The rank is finished: its close will be a clean one (jobs_leave). */
+static void on_goodbye(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                       const Shardwire__Request *req) {
+  c->bye = 1;
+  reply(d, c, seq, SHARDD_OK, NULL);
+}
 
 static shardd__status_ctx status_ctx(shardd__dispatch *d) {
   shardd__status_ctx ctx = {&d->reg, d->coll, &d->jobs, now_s(d) - d->started,
@@ -313,6 +350,9 @@ static shardd_err buffer_register_one(shardd__dispatch *d, shardd__conn *c,
                "every rank must build the model identically (same seed), as "
                "each writes its own slice",
                b->hdr.name, rank, b->init_rank, rb->init_checksum, b->init_sum);
+      /* the ranks that registered first are in (or on their way to) a
+       * collective: they hear this, not a lost peer once this rank exits */
+      shardd__coll_job_break(d->coll, c->m.job, rank, SHARDD_E_MISMATCH, err);
       return SHARDD_E_MISMATCH;
     }
   }
@@ -2436,6 +2476,7 @@ static const struct {
     {SHARDWIRE__REQUEST__BODY_SEED_MASTER, 1, 1, on_seed_master},
     {SHARDWIRE__REQUEST__BODY_OPTIM_STATE, 1, 1, on_optim_state},
     {SHARDWIRE__REQUEST__BODY_RELEASE_JOB, 0, 0, on_release_job},
+    {SHARDWIRE__REQUEST__BODY_GOODBYE, 0, 0, on_goodbye},
 };
 
 /* Refuses a frame that cannot be held behind c's held ones. */
@@ -2567,7 +2608,7 @@ void shardd__dispatch_closed(shardd__dispatch *d, shardd__conn *c) {
   shardd__log(2, "session %" PRIu64 ": rank %" PRIu32 " of job \"%s\" left",
               c->id, c->m.rank, job->name);
   c->m.job = NULL;
-  shardd__jobs_leave(&d->jobs, job, c->m.rank, c->id, now_s(d));
+  shardd__jobs_leave(&d->jobs, job, c->m.rank, c->id, now_s(d), c->bye);
 }
 
 void shardd__dispatch_timeouts(shardd__dispatch *d, double now) {

@@ -34,6 +34,7 @@ typedef struct {
   shardd__peer peer;
   uint64_t id;
   int hello_done;
+  int bye; /* it said Goodbye: its close is a clean finish of its rank */
   /* transient areas: the pool ids whose descriptor this connection was
    * sent (a trainer maps each pool once); owned, freed at close */
   uint64_t *pools_sent;

@@ -25,6 +25,9 @@ typedef struct {
   int restoring;      /* it is being restored: its payloads are loading */
   uint32_t pins;      /* shardd__jobs_pin: someone waits to use it */
   uint32_t last_seal; /* the seal of its last checkpoint written here */
+  uint8_t *bye;       /* [world]: the rank's last client said Goodbye */
+  uint32_t nbye;
+  int finished;       /* every local rank said Goodbye and none holds it */
 } slot;
 
 /* A checkpoint started and not done: what prepare took, and whom to tell. */
@@ -67,7 +70,10 @@ static slot *slot_make(shardd__jobs *j, shardd__job *job) {
   if (s)
     return s;
   if ((s = calloc(1, sizeof *s)) == NULL ||
-      (s->owners = calloc(job->world, sizeof *s->owners)) == NULL) {
+      (s->owners = calloc(job->world, sizeof *s->owners)) == NULL ||
+      (s->bye = calloc(job->world, 1)) == NULL) {
+    if (s)
+      free(s->owners);
     free(s);
     return NULL;
   }
@@ -75,6 +81,7 @@ static slot *slot_make(shardd__jobs *j, shardd__job *job) {
   s->empty_since = -1;
   if (shardd__map_put_id(&j->slots, key(job), s) != SHARDD_OK) {
     free(s->owners);
+    free(s->bye);
     free(s);
     return NULL;
   }
@@ -84,6 +91,7 @@ static slot *slot_make(shardd__jobs *j, shardd__job *job) {
 static void slot_free(slot *s) {
   if (s) {
     free(s->owners);
+    free(s->bye);
     free(s);
   }
 }
@@ -222,6 +230,11 @@ shardd_err shardd__jobs_claim(shardd__jobs *j, shardd__job *job, uint32_t rank,
   s->owners[rank].pid = pid;
   s->nclients++;
   s->empty_since = -1;
+  if (s->bye[rank]) { /* a rank rejoining: not finished after all */
+    s->bye[rank] = 0;
+    s->nbye--;
+  }
+  s->finished = 0;
   return SHARDD_OK;
 }
 
@@ -232,14 +245,21 @@ uint64_t shardd__jobs_holder(const shardd__jobs *j, const shardd__job *job,
 }
 
 void shardd__jobs_leave(shardd__jobs *j, shardd__job *job, uint32_t rank,
-                        uint64_t owner, double now) {
+                        uint64_t owner, double now, int finished) {
   slot *s = slot_get(j, job);
   if (s == NULL)
     return;
-  if (s->owners[rank].owner == owner)
+  if (s->owners[rank].owner == owner) {
     s->owners[rank].owner = 0;
-  if (--s->nclients == 0)
+    if (finished && !s->bye[rank]) {
+      s->bye[rank] = 1;
+      s->nbye++;
+    }
+  }
+  if (--s->nclients == 0) {
     s->empty_since = now;
+    s->finished = s->nbye == job->local_ranks;
+  }
   shardd__jobs_idle(j, job);
 }
 
@@ -266,13 +286,17 @@ shardd_err shardd__jobs_unclaimed(shardd__jobs *j, shardd__job *job, double now,
 }
 
 void shardd__jobs_idle(shardd__jobs *j, shardd__job *job) {
-  /* --job-linger 0: a job ends with its last client (or with the last
-   * collective that outlived it), not at the next tick. */
-  if (shardd__jobs_clients(j, job) == 0 && j->linger == 0 && !j->stopping &&
-      shardd__coll_inflight(j->coll, job) == 0 &&
+  /* --job-linger 0, or a finished job (every rank said Goodbye): a job
+   * ends with its last client (or with the last collective that outlived
+   * it), not at the next tick. */
+  const slot *s = slot_get(j, job);
+  int finished = s != NULL && s->finished;
+  if (shardd__jobs_clients(j, job) == 0 && (j->linger == 0 || finished) &&
+      !j->stopping && shardd__coll_inflight(j->coll, job) == 0 &&
       !shardd__jobs_checkpointing(j, job) && !shardd__jobs_restoring(j, job) &&
       !shardd__jobs_pinned(j, job)) {
-    shardd__log(2, "job \"%s\" released (last client left)", job->name);
+    shardd__log(2, "job \"%s\" released (%s)", job->name,
+                finished ? "every rank finished" : "last client left");
     release(j, job);
   }
 }

@@ -75,9 +75,13 @@ shardd_err shardd__jobs_claim(shardd__jobs *j, shardd__job *job, uint32_t rank,
 /* The owner holding rank of job, 0 when none does. */
 uint64_t shardd__jobs_holder(const shardd__jobs *j, const shardd__job *job,
                              uint32_t rank);
-/* owner lets go of rank; the job may be released (linger 0). */
+/* owner lets go of rank; finished: it said Goodbye first (a clean close)
+ * instead of dropping its connection. Once every local rank's last client
+ * finished and none holds the job, it is released at once (a finished run
+ * is never resumed: its name starts fresh), at the latest when its
+ * collectives, checkpoints and pins end; otherwise under --job-linger 0. */
 void shardd__jobs_leave(shardd__jobs *j, shardd__job *job, uint32_t rank,
-                        uint64_t owner, double now);
+                        uint64_t owner, double now, int finished);
 /* A job nobody has claimed (a restore, a refused Hello that created it)
  * starts its linger clock now; with release_now, one that was not
  * lingering yet is released at once under --job-linger 0 (job may be

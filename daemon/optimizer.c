@@ -54,6 +54,7 @@ void shardd__optim_destroy(shardd__registry *reg, shardd__optim *o) {
   shardd__obj_fini(reg, &o->hdr);
   free(o->refs);
   free(o->ref_steps);
+  free(o->ref_scatters);
   free(o->groups);
   free(o->spec);
   free(o);
@@ -208,7 +209,8 @@ shardd_err shardd__optim_create(shardd__registry *reg, shardd__job *job,
 
   o->refs = malloc((plan->nrefs ? plan->nrefs : 1) * sizeof *o->refs);
   o->ref_steps = calloc(plan->nrefs ? plan->nrefs : 1, sizeof *o->ref_steps);
-  if (o->refs == NULL || o->ref_steps == NULL)
+  o->ref_scatters = calloc(plan->nrefs ? plan->nrefs : 1, sizeof *o->ref_scatters);
+  if (o->refs == NULL || o->ref_steps == NULL || o->ref_scatters == NULL)
     goto nomem;
   if (shardd__obj_init(reg, &o->hdr, SHARDD__OBJ_OPTIM, plan->name, job) !=
       SHARDD_OK)
@@ -246,6 +248,7 @@ fail:
     optim_free_shards(reg, o);
     free(o->refs);
     free(o->ref_steps);
+    free(o->ref_scatters);
     free(o);
   }
   return rc;

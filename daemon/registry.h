@@ -229,6 +229,11 @@ struct shardd__optim {
    * parameter skipped (frozen, or no gradient) does not advance; its bias
    * correction uses its own count */
   uint64_t *ref_steps;
+  /* each ref's buffer's scatters count when the last step ran ([nrefs]):
+   * a step consumes the reduced gradient, so a ref whose buffer had no
+   * scatter since is skipped as torch skips a .grad that is None, never
+   * given the old gradient again (engine, loop thread) */
+  uint64_t *ref_scatters;
   uint64_t steps; /* steps of the optimizer (each one counts, skips or not) */
   /* a clip_grad_norm_ since the last step (engine, loop thread): the
    * next step multiplies the gradients by clip_scale */

@@ -486,7 +486,8 @@ def parser():
     ap.add_argument("--bf16", action="store_true",
                     help="bf16 parameters with the daemon's fp32 master (mixed precision)")
     ap.add_argument("--job", default=None,
-                    help="job name (default: unique); relaunch with the same one to resume")
+                    help="job name (default: unique); relaunch an interrupted run with "
+                         "the same one to resume it (a run that finished is gone)")
     ap.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
                     help="daemon checkpoint every K steps into --checkpoint-dir")
     ap.add_argument("--checkpoint-dir", default=None, metavar="DIR",

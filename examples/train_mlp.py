@@ -97,7 +97,9 @@ def rank_main(rank, cfg, socket, q):
         shardd = import_shardd()
         import shardd.nn
         t0 = time.monotonic()
+        # resident areas (SHARD_GRAD_OP): this loop gathers and scatters itself
         client = shardd.Client(socket, job=cfg.job, rank=rank, world=cfg.ranks,
+                               reshard_after_forward=False,
                                client_name="train_mlp rank %d" % rank)
         model = make_model(cfg)
         x, y = make_data(cfg)

@@ -811,6 +811,78 @@ Test(coll, lost_between_collectives_fails_the_next_at_once) {
   cr_assert_eq(b->gathers, 0);
 }
 
+/* Rank 0 calls a collective the others never make (state_dict() on rank 0
+ * only) while they wait in their next one: past the grace both sides fail
+ * with E_MISMATCH, each naming the ranks that did not call theirs, instead
+ * of waiting for the collective timeout. */
+Test(coll, collective_some_ranks_skipped_fails_within_the_grace_naming_them) {
+  use_grace(1.0);
+  shardd__buffer *a = buf_new("a", 300), *b = buf_new("b", 300);
+  double t0 = loop_s();
+  submit(0, 1, gather_args(a));
+  submit(1, 1, gather_args(b));
+  submit(2, 1, gather_args(b));
+  shardd__coll_tick(eng, t0 + 0.5);
+  cr_assert_eq(nreplies, 0, "inside the grace nothing fails");
+  shardd__coll_tick(eng, t0 + 1.5);
+  cr_assert_eq(nreplies, W);
+  const reply *rp = expect_reply(0, 1, SHARDD_E_MISMATCH);
+  expect_msg(rp, "gather of buffer");
+  expect_msg(rp, "(\"a\") was called by rank(s) 0 ");
+  expect_msg(rp, "not by rank(s) 1, 2");
+  expect_msg(rp, "rank 1 waits in gather of buffer");
+  for (uint32_t r = 1; r < W; r++) {
+    rp = expect_reply(r, 1, SHARDD_E_MISMATCH);
+    expect_msg(rp, "(\"b\") was called by rank(s) 1, 2 ");
+    expect_msg(rp, "not by rank(s) 0,");
+  }
+  cr_assert_eq(shardd__coll_inflight(eng, job), 0);
+  expect_pending_zero();
+}
+
+/* A rank with nothing queued may be computing (a slow rank): what waits
+ * for it is never failed early, even while another rank waits elsewhere,
+ * only at the collective timeout. */
+Test(coll, a_rank_with_nothing_queued_is_never_failed_early) {
+  use_grace(0.2);
+  shardd__buffer *a = buf_new("a", 300), *b = buf_new("b", 300);
+  double t0 = loop_s();
+  submit(0, 1, gather_args(a));
+  submit(1, 1, gather_args(b));
+  shardd__coll_tick(eng, t0 + 1.0);
+  shardd__coll_tick(eng, t0 + TIMEOUT - 1);
+  cr_assert_eq(nreplies, 0, "rank 2 may be computing: nothing fails early");
+  shardd__coll_tick(eng, t0 + TIMEOUT + 1);
+  expect_msg(expect_reply(0, 1, SHARDD_E_PEER_LOST), "timed out");
+  expect_msg(expect_reply(1, 1, SHARDD_E_PEER_LOST), "timed out");
+  expect_pending_zero();
+}
+
+/* A rank refused for something every collective depends on (its initial
+ * values): the ranks already waiting fail with that refusal at once, and
+ * the job's later collectives too, until the rank joins again. */
+Test(coll, a_broken_job_fails_every_rank_with_the_refusal) {
+  shardd__buffer *b = buf_new("w", 300);
+  submit(0, 1, gather_args(b));
+  shardd__coll_job_break(eng, job, 1, SHARDD_E_MISMATCH, "rank 1's initial values differ");
+  expect_msg(expect_reply(0, 1, SHARDD_E_MISMATCH), "rank 1's initial values differ");
+  submit(2, 1, gather_args(b));
+  expect_msg(expect_reply(2, 1, SHARDD_E_MISMATCH), "rank 1's initial values differ");
+  expect_pending_zero();
+  /* a relaunch: its members joined after the refusal and are not refused
+   * (the one of rank 1 last, after the others submitted) */
+  rejoin(0);
+  rejoin(2);
+  submit(0, 2, gather_args(b));
+  cr_assert_eq(nreplies, 2, "a relaunched rank is not refused");
+  rejoin(1);
+  for (uint32_t r = 1; r < W; r++)
+    submit(r, 2, gather_args(b));
+  run_until(nreplies + W);
+  for (uint32_t r = 0; r < W; r++)
+    expect_reply(r, 2, SHARDD_OK);
+}
+
 /* Grace 2 s: what waits when the rank goes, and what is submitted in the
  * grace, fails at the first tick past it, not before. */
 Test(coll, lost_rank_fails_its_peers_past_the_grace) {
@@ -1178,6 +1250,51 @@ Test(coll, accumulating_scatter_refused_without_reduce_add) {
   cr_assert_eq(nreplies, 1, "refused without waiting for the other ranks");
   const reply *rp = expect_reply(0, 1, SHARDD_E_INVAL);
   expect_msg(rp, "host backend cannot add");
+  expect_pending_zero();
+}
+
+/* A step consumes the reduced gradient: a second step with no scatter
+ * since skips the buffer as torch skips a parameter whose .grad is None
+ * (no update, its step count stays; the optimizer's count moves), and the
+ * next scatter makes it trainable again. */
+Test(coll, step_without_a_scatter_since_the_last_changes_nothing) {
+  shardd__buffer *b = buf_new("p", 1000);
+  shardd__optim *o = sgd_over(b);
+  fill_shards(b, 0);
+  fill_grads(b);
+  uint64_t s = b->shard_numel, seq = 0;
+  shardd__coll_args st = {.kind = SHARDD__COLL_STEP, .target = o->hdr.id};
+  float *after1 = malloc(W * s * sizeof *after1);
+  cr_assert_not_null(after1);
+  for (int round = 0; round < 2; round++) {
+    seq++;
+    for (uint32_t r = 0; r < W; r++)
+      submit(r, seq, scatter_args(b, SHARDD_REDUCE_MEAN));
+    run_until(nreplies + W);
+    seq++;
+    for (uint32_t r = 0; r < W; r++)
+      submit(r, seq, st);
+    run_until(nreplies + W);
+    for (uint32_t r = 0; r < W; r++)
+      expect_reply(r, seq, SHARDD_OK);
+    cr_assert_eq(shardd__ref_steps(&b->hdr), (uint64_t)round + 1);
+    for (uint32_t a = 0; a < W; a++)
+      memcpy(after1 + a * s, shard_of(b, a), s * sizeof *after1);
+    seq++;
+    for (uint32_t r = 0; r < W; r++)
+      submit(r, seq, st); /* no scatter since the step above */
+    run_until(nreplies + W);
+    for (uint32_t r = 0; r < W; r++)
+      cr_assert_eq(expect_reply(r, seq, SHARDD_OK)->res.step, (uint64_t)round * 2 + 2);
+    for (uint32_t a = 0; a < W; a++)
+      cr_assert_eq(memcmp(after1 + a * s, shard_of(b, a), s * sizeof *after1), 0,
+                   "round %d: rank %" PRIu32 "'s shard changed by a step with "
+                   "no fresh gradient", round, a);
+    cr_assert_eq(shardd__ref_steps(&b->hdr), (uint64_t)round + 1,
+                 "a skipped parameter's step count stays");
+  }
+  cr_assert_eq(o->steps, 4);
+  free(after1);
   expect_pending_zero();
 }
 

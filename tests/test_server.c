@@ -955,6 +955,94 @@ Test(server, job_lingers_then_is_released, .init = start_linger, .fini = stop_da
   tj_free(st);
 }
 
+/* One rank of a world-1 job "name" that trains `steps` SGD steps on a
+ * buffer "p" (shard 1.0, gradient 0.5, lr 1): the client, still open. */
+static shardd_client_t *trained(const char *name, int steps) {
+  shardd_client_t *c = test_connect(&d, name, 0, 1);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "p", SHARDD_DTYPE_FP32, 8, &b), SHARDD_OK);
+  shardd_param_ref ref = {b.id, "p"};
+  shardd_param_group g = {&ref, 1, {0}};
+  shardd_hparams hp = {.set = SHARDD_HP_LR, .lr = 1.0};
+  uint64_t opt;
+  cr_assert_eq(shardd_optimizer_register(c, "sgd", SHARDD_OPTIM_SGD, &hp, &g, 1, &opt),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  if (b.created)
+    for (uint64_t i = 0; i < b.shard_numel; i++)
+      ((float *)b.shard)[i] = 1.0f;
+  for (int s = 0; s < steps; s++) {
+    for (uint64_t i = 0; i < b.padded_numel; i++)
+      ((float *)b.grad)[i] = 0.5f;
+    cr_assert_eq(shardd_scatter(c, b.id, SHARDD_REDUCE_MEAN), SHARDD_OK);
+    cr_assert_eq(shardd_step(c, opt, NULL, NULL), SHARDD_OK);
+  }
+  return c;
+}
+
+/* The job count once it settles (a close is read after its last reply). */
+static size_t job_count_becomes(size_t want) {
+  size_t n = job_count();
+  for (double end = test_mono_s() + 5; n != want && test_mono_s() < end;) {
+    test_sleep_ms(20);
+    n = job_count();
+  }
+  return n;
+}
+
+/* A job whose ranks all finished (shardd_finish: a Goodbye, then the close)
+ * is done: released at once under a long --job-linger, memory back, and a
+ * new run of its name starts fresh, not resuming the finished one. */
+Test(server, finished_job_is_released_at_once_and_its_name_starts_fresh,
+     .init = start_long_linger, .fini = stop_daemon) {
+  cr_assert_eq(shardd_finish(trained("fin", 2)), SHARDD_OK);
+  cr_assert_eq(job_count_becomes(0), 0, "a finished job lingered");
+  tj *st = shardctl_status();
+  const tj *devs = tj_need(st, "devices", TJ_ARR);
+  for (size_t i = 0; i < devs->n; i++)
+    cr_assert_eq(tj_need(devs->kids[i], "used_bytes", TJ_NUM)->num, 0);
+  tj_free(st);
+  shardd_client_t *c = test_connect(&d, "fin", 0, 1);
+  uint64_t step = 99;
+  cr_assert_eq(shardd_resumed(c, &step), 0, "a new run is told it resumes");
+  cr_assert_eq(step, 0);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "p", SHARDD_DTYPE_FP32, 8, &b), SHARDD_OK);
+  cr_assert_eq(b.created, 1, "the new run attached to the finished run's buffer");
+  cr_assert_eq(shardd_finish(c), SHARDD_OK);
+
+  /* two ranks: one finishing is not enough, the job waits for the other */
+  shardd_client_t *r0 = test_connect(&d, "fin2", 0, 2), *r1 = test_connect(&d, "fin2", 1, 2);
+  cr_assert_eq(shardd_finish(r0), SHARDD_OK);
+  shardd_close(r1); /* it died: the job lingers for a relaunch */
+  test_sleep_ms(200);
+  cr_assert_eq(job_count_becomes(1), 1);
+  r1 = test_connect(&d, "fin2", 1, 2);
+  r0 = test_connect(&d, "fin2", 0, 2);
+  cr_assert_eq(shardd_finish(r1), SHARDD_OK);
+  cr_assert_eq(shardd_finish(r0), SHARDD_OK);
+  cr_assert_eq(job_count_becomes(0), 0, "every rank finished: released");
+}
+
+/* A job whose rank died (its connection closed without a Goodbye) lingers,
+ * and the relaunch is told it resumes it and at which step. */
+Test(server, died_job_lingers_and_the_relaunch_is_told_it_resumes,
+     .init = start_long_linger, .fini = stop_daemon) {
+  shardd_close(trained("died", 3));
+  test_sleep_ms(200);
+  cr_assert_eq(job_count_becomes(1), 1, "the job of a rank that died went");
+  shardd_client_t *c = test_connect(&d, "died", 0, 1);
+  uint64_t step = 0;
+  cr_assert_eq(shardd_resumed(c, &step), 1, "the relaunch is not told it resumes");
+  cr_assert_eq(step, 3);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "p", SHARDD_DTYPE_FP32, 8, &b), SHARDD_OK);
+  cr_assert_eq(b.created, 0);
+  cr_assert_eq(b.existing, 1);
+  cr_assert_eq(((float *)b.shard)[0], 1.0f - 3 * 0.5f);
+  cr_assert_eq(shardd_finish(c), SHARDD_OK);
+  cr_assert_eq(job_count_becomes(0), 0);
+}
+
 /* A client that pipelines collectives nobody else joins is held to the
  * per-session limit (64): the rest are refused at once with E_LIMIT
  * instead of queueing without bound. */

@@ -124,14 +124,35 @@ class TransientAreasTest(unittest.TestCase):
         self.addCleanup(c0.close)
         c0.register_buffer("x", "fp32", 64)
         with self.assertRaises(shardd.Error) as cm:
-            shardd.Client(self.sock, job=job, rank=1, world=2)
+            shardd.Client(self.sock, job=job, rank=1, world=2, transient_areas=False)
         self.assertEqual(cm.exception.code_name, "E_MISMATCH")
+
+    def test_the_default_is_fsdps_full_shard_and_resident_is_opt_in(self):
+        """A plain Client is FULL_SHARD (transient areas), as FSDP's default;
+        resident areas are asked for under FSDP's names or shardd's."""
+        def made(**kw):
+            c = shardd.Client(self.sock, job=common.job("model"), rank=0, world=1, **kw)
+            self.addCleanup(c.close)
+            return c.transient_areas, c.register_buffer("w", "fp32", 8).transient
+        self.assertEqual(made(), (True, True))
+        self.assertEqual(made(reshard_after_forward=False), (False, False))
+        self.assertEqual(made(sharding_strategy="SHARD_GRAD_OP"), (False, False))
+        self.assertEqual(made(sharding_strategy="FULL_SHARD"), (True, True))
+        self.assertEqual(made(transient_areas=False), (False, False))
+        with self.assertRaises(ValueError) as cm:
+            made(reshard_after_forward=True, sharding_strategy="SHARD_GRAD_OP")
+        self.assertIn("conflicting", str(cm.exception))
+        with self.assertRaises(ValueError):
+            made(sharding_strategy="NO_SHARD")
+        with self.assertRaises(TypeError):
+            made(reshard_after_forward="no")
 
 
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
 class ResidentGatherAreaTest(unittest.TestCase):
     def test_resident_areas_are_the_blocks(self):
-        c = shardd.Client(common.socket(), job=common.job("res"), rank=0, world=1)
+        c = shardd.Client(common.socket(), job=common.job("res"), rank=0, world=1,
+                          transient_areas=False)
         self.addCleanup(c.close)
         self.assertFalse(c.transient_areas)
         b = c.register_buffer("w", "fp32", 100)

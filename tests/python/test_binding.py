@@ -40,7 +40,7 @@ def zero_copy_peer(sock, job, numel, q_in, q_out):
     """Rank 1 of test_zero_copy_across_processes, in its own process."""
     try:
         import numpy as np_
-        with shardd.Client(sock, job=job, rank=1, world=2) as c:
+        with shardd.Client(sock, job=job, rank=1, world=2, transient_areas=False) as c:
             b = c.register_buffer("zc", "fp32", numel)
             q_out.put(("registered", b.shard_numel))
             c.gather(b)  # collective with rank 0
@@ -56,7 +56,8 @@ class BindingTest(unittest.TestCase):
         self.sock = common.socket()
 
     def client(self, tag, rank=0, world=1):
-        c = shardd.Client(self.sock, job=common.job(tag), rank=rank, world=world)
+        c = shardd.Client(self.sock, job=common.job(tag), rank=rank, world=world,
+                          transient_areas=False)
         self.addCleanup(c.close)
         return c
 
@@ -150,6 +151,7 @@ class BindingTest(unittest.TestCase):
         self.assertAlmostEqual(res.total_norm, 10 ** 0.5, places=5)
         c.gather(b)
         np.testing.assert_allclose(b.gather, np.full(10, 0.5, np.float32))
+        c.scatter(b, "mean")  # a step consumes its gradient: the next needs a scatter
         res = opt.step(lr=0.25)  # lr override for this step
         self.assertEqual(res.step, 2)
         c.gather(b)
@@ -391,7 +393,7 @@ class BindingTest(unittest.TestCase):
         job = common.job("reduce")
 
         def rank(r):
-            with shardd.Client(self.sock, job=job, rank=r, world=2) as c:
+            with shardd.Client(self.sock, job=job, rank=r, world=2, transient_areas=False) as c:
                 b = c.register_buffer("g", "fp32", 7)  # padded to 8
                 self.assertEqual((b.padded_numel, b.shard_numel), (8, 4))
                 b.grad[:] = r + 1.0
@@ -415,7 +417,7 @@ class BindingTest(unittest.TestCase):
         peer = ctx.Process(target=zero_copy_peer, args=(self.sock, job, 10, q_in, q_out))
         peer.start()
         try:
-            with shardd.Client(self.sock, job=job, rank=0, world=2) as c:
+            with shardd.Client(self.sock, job=job, rank=0, world=2, transient_areas=False) as c:
                 b = c.register_buffer("zc", "fp32", 10)
                 msg = q_out.get(timeout=30)
                 self.assertEqual(msg[0], "registered", msg)
@@ -440,7 +442,7 @@ class BindingTest(unittest.TestCase):
         self.assertEqual(peer.exitcode, 0)
 
     def test_closed_client_raises(self):
-        c = shardd.Client(self.sock, job=common.job("closed"))
+        c = shardd.Client(self.sock, job=common.job("closed"), transient_areas=False)
         b = c.register_buffer("x", "fp32", 4)
         c.close()
         self.assertTrue(c.closed)

@@ -108,7 +108,8 @@ class CudaTest(unittest.TestCase):
             self.addCleanup(torch.set_float32_matmul_precision, old)
 
     def client(self, tag, rank=0, world=1, sock=None, job=None):
-        c = shardd.Client(sock or self.sock, job=job or common.job(tag), rank=rank, world=world)
+        c = shardd.Client(sock or self.sock, job=job or common.job(tag), rank=rank, world=world,
+                          transient_areas=False)
         self.addCleanup(c.close)
         return c
 
@@ -180,7 +181,7 @@ class CudaTest(unittest.TestCase):
         job = common.job("two")
 
         def rank(r):
-            with shardd.Client(self.sock, job=job, rank=r, world=2) as c:
+            with shardd.Client(self.sock, job=job, rank=r, world=2, transient_areas=False) as c:
                 b = c.register_buffer("g", "fp32", 1001)  # padded to 1002
                 self.assertEqual((b.padded_numel, b.shard_numel), (1002, 501))
                 dev = b.shard_tensor.device
@@ -205,7 +206,7 @@ class CudaTest(unittest.TestCase):
         job = common.job("steps")
 
         def rank(r):
-            with shardd.Client(sock, job=job, rank=r, world=world) as c:
+            with shardd.Client(sock, job=job, rank=r, world=world, transient_areas=False) as c:
                 b = c.register_buffer("flat", dtype, 3001)
                 w = c.register_view(b, "w.weight", 0, (60, 50))
                 bias = c.register_view(b, "w.bias", 3000, (1,))
@@ -244,7 +245,7 @@ class CudaTest(unittest.TestCase):
         job = common.job("train")
 
         def rank(r):
-            with shardd.Client(sock, job=job, rank=r, world=world) as c:
+            with shardd.Client(sock, job=job, rank=r, world=world, transient_areas=False) as c:
                 model = models[r]
                 sm = shardd.nn.ShardedModule(c, model, auto_wrap=auto_wrap)
                 dev = sm.device
@@ -333,7 +334,7 @@ class CudaTest(unittest.TestCase):
 @unittest.skipUnless(common.HAVE_TORCH and common.HAVE_NUMPY, "torch or numpy is not importable")
 class ArrayInterfaceTest(unittest.TestCase):
     def test_interface_describes_the_area(self):
-        c = shardd.Client(common.socket(), job=common.job("cai"))
+        c = shardd.Client(common.socket(), job=common.job("cai"), transient_areas=False)
         self.addCleanup(c.close)
         lib = shardd._lib.load()
 
@@ -380,7 +381,7 @@ class NoCudaTorchTest(unittest.TestCase):
         """A cuda daemon's areas under a torch without CUDA: tensor(), numpy()
         and memoryview() refuse with E_NO_CUDA naming the area. (Played on a
         host buffer marked as a device one: nothing may touch its memory.)"""
-        c = shardd.Client(common.socket(), job=common.job("nocuda"))
+        c = shardd.Client(common.socket(), job=common.job("nocuda"), transient_areas=False)
         self.addCleanup(c.close)
         b = c.register_buffer("dev", "bf16", 16)
         b.is_device = True

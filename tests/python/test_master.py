@@ -110,7 +110,8 @@ class MasterTest(unittest.TestCase):
         torch's mixed precision, because the optimizer's dict carries the
         fp32 master (the model's holds only its bf16 rounding)."""
         want = reference()
-        c = shardd.Client(common.socket(), job=common.job("master4"), rank=0, world=1)
+        c = shardd.Client(common.socket(), job=common.job("master4"), rank=0, world=1,
+                          transient_areas=False)
         self.addCleanup(c.close)
         m = model()
         sm = shardd.nn.ShardedModule(c, m, auto_wrap="children", dtype="bf16")
@@ -122,7 +123,8 @@ class MasterTest(unittest.TestCase):
         self.assertEqual(full["state"][0]["master"].shape, m[0].weight.shape)
         self.assertFalse(torch.equal(full["state"][0]["master"].bfloat16().float(),
                                      full["state"][0]["master"]), "the master is not bf16")
-        c2 = shardd.Client(common.socket(), job=common.job("master5"), rank=0, world=1)
+        c2 = shardd.Client(common.socket(), job=common.job("master5"), rank=0, world=1,
+                           transient_areas=False)
         self.addCleanup(c2.close)
         torch.manual_seed(7)  # another init: the dicts must replace it
         m2 = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 8))
@@ -138,7 +140,8 @@ class MasterTest(unittest.TestCase):
         torch's mixed precision, which adds the group to the same
         optimizer over its fp32 masters)."""
         want = reference(add_group=True)
-        c = shardd.Client(common.socket(), job=common.job("master6"), rank=0, world=1)
+        c = shardd.Client(common.socket(), job=common.job("master6"), rank=0, world=1,
+                          transient_areas=False)
         self.addCleanup(c.close)
         m = model()
         sm = shardd.nn.ShardedModule(c, m, auto_wrap="module", dtype="bf16")
@@ -146,7 +149,8 @@ class MasterTest(unittest.TestCase):
         self.train(c, sm, m, opt, range(STEPS), want, add_group=True)
 
     def test_seed_after_the_optimizer_and_fp32_refused(self):
-        c = shardd.Client(common.socket(), job=common.job("master1"), rank=0, world=1)
+        c = shardd.Client(common.socket(), job=common.job("master1"), rank=0, world=1,
+                          transient_areas=False)
         self.addCleanup(c.close)
         b = c.register_buffer("w", "bf16", 4)
         v = c.register_view(b, "w.v", 0, (4,))
@@ -185,7 +189,8 @@ class MasterTest(unittest.TestCase):
         """The fp32 master (a state dict of a bf16 run needs it): read as
         an OptimState array, refused for fp32 and before it exists; a
         write before the first step takes the rest from the shard."""
-        c = shardd.Client(common.socket(), job=common.job("master2"), rank=0, world=1)
+        c = shardd.Client(common.socket(), job=common.job("master2"), rank=0, world=1,
+                          transient_areas=False)
         self.addCleanup(c.close)
         b = c.register_buffer("w", "bf16", 6)
         v = c.register_view(b, "w.v", 0, (4,))
@@ -247,7 +252,8 @@ class MasterTest(unittest.TestCase):
         """Steps skip a frozen view (no adoption then); once unfrozen, the
         value the trainer wrote into its 16-bit shard while it was frozen
         is what the step starts from, not the master's old value."""
-        c = shardd.Client(common.socket(), job=common.job("master3"), rank=0, world=1)
+        c = shardd.Client(common.socket(), job=common.job("master3"), rank=0, world=1,
+                          transient_areas=False)
         self.addCleanup(c.close)
         b = c.register_buffer("w", "bf16", 8)
         live = c.register_view(b, "w.a", 0, (4,))

@@ -27,7 +27,8 @@ def in_area(t, buf, area):
 class ShardedModuleTest(unittest.TestCase):
     def setUp(self):
         self.sock = common.socket()
-        self.c = shardd.Client(self.sock, job=common.job("nn"), rank=0, world=1)
+        self.c = shardd.Client(self.sock, job=common.job("nn"), rank=0, world=1,
+                               transient_areas=False)
         self.addCleanup(self.c.close)
 
     def test_params_are_gather_views(self):

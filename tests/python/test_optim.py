@@ -391,7 +391,8 @@ class StateDictTest(unittest.TestCase):
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
 class OptimApiTest(unittest.TestCase):
     def setUp(self):
-        self.c = shardd.Client(common.socket(), job=common.job("optim1"), rank=0, world=1)
+        self.c = shardd.Client(common.socket(), job=common.job("optim1"), rank=0, world=1,
+                               transient_areas=False)
         self.addCleanup(self.c.close)
         self.model = make_model()
         self.sm = shardd.nn.ShardedModule(self.c, self.model, auto_wrap="children")
@@ -472,7 +473,12 @@ class OptimApiTest(unittest.TestCase):
         opt.param_groups[0]["lr"] = 1e-3
         opt.step()
         self.assertEqual(opt.last_step.step, 1)
-        # the norm only: no update, the count stays
+        # the norm only: no update, the count stays (of a new gradient: the
+        # step consumed the last one)
+        self.sm.zero_grad()
+        self.sm.gather()
+        self.model(torch.ones(1, 8)).sum().backward()
+        self.sm.scatter()
         before = {n: p.detach().clone() for n, p in self.sm.full_parameters().items()}
         n = self.sm.clip_grad_norm_(float("inf"))
         self.assertGreater(float(n), 0.0)
@@ -542,7 +548,7 @@ def ulp_rank(rank, world, sock, jobs, q):
         torch.set_num_threads(1)
         for name, job in jobs:
             cls, kw = ULP_CONFIGS[name]
-            client = shardd.Client(sock, job=job, rank=rank, world=world)
+            client = shardd.Client(sock, job=job, rank=rank, world=world, transient_areas=False)
             model = UlpModel()
             sm = shardd.nn.ShardedModule(client, model)
             u = sm.units[0]

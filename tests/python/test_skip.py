@@ -107,6 +107,13 @@ ACCUM_USES = {0: (True, True), 1: (False, True), 2: (False, False),
               3: (True, False), 4: (False, False)}
 
 
+# case "nobackward": steps that run no forward, backward or scatter on any
+# rank and still call the step: torch's .grad is None there (zero_grad), so
+# nothing changes and no step count moves; the daemon must not apply the
+# previous step's reduced gradient again
+NO_BACKWARD = (2, 3)
+
+
 def uses_b_mb(step, k):
     return ACCUM_USES.get(step, (True, True))[k]
 
@@ -128,6 +135,9 @@ def reference(case, model_name, kind, world):
     for s in range(STEPS):
         maybe_unfreeze(case, model, s)
         opt.zero_grad(set_to_none=True)
+        if case == "nobackward" and s in NO_BACKWARD:
+            opt.step()
+            continue
         if case == "accum":
             mb = per // 2
             for k in range(2):
@@ -167,7 +177,9 @@ def rank_main(rank, world, sock, job, case, model_name, kind, transient, auto_wr
         for s in range(STEPS):
             maybe_unfreeze(case, model, s)
             use = uses_b(case, s, rank)
-            if case == "accum":  # transient: the hooks' scatters accumulate
+            if case == "nobackward" and s in NO_BACKWARD:
+                pass  # no backward, no scatter: the step has no fresh gradient
+            elif case == "accum":  # transient: the hooks' scatters accumulate
                 sm.zero_grad()
                 mb = per // 2
                 for k in range(2):
@@ -278,6 +290,12 @@ class SkipTest(unittest.TestCase):
         # transient: every rank gathers every unit it calls (a collective), so
         # the branch lives in the one unit all ranks gather, unused on rank 1
         self.check("one_rank", "branchy", "adam", 2, True, "module")
+
+    def test_a_step_without_a_backward_since_the_last_changes_nothing(self):
+        """Resident areas: no scatter since the last step; transient: no
+        backward. Both as torch's step with every .grad None."""
+        self.check("nobackward", "branchy", "adamw", 2, False)
+        self.check("nobackward", "branchy", "sgd", 2, True)
 
 
 if __name__ == "__main__":

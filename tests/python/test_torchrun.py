@@ -97,7 +97,7 @@ class TorchrunTest(unittest.TestCase):
                 self.assertIsNone(c.job)
                 self.assertIsInstance(c.status(), dict)
             job = common.job("explicit")
-            with shardd.Client(self.sock, job=job, rank=0, world=1) as c:
+            with shardd.Client(self.sock, job=job, rank=0, world=1, transient_areas=False) as c:
                 self.assertEqual((c.job, c.rank, c.world), (job, 0, 1))
                 self.assertEqual(c.all_reduce([2.0, -1.0], op="max"), [2.0, -1.0])
                 c.barrier()
@@ -122,7 +122,8 @@ class TorchrunTest(unittest.TestCase):
                 shardd.Client(self.sock)
 
     def test_all_reduce_refusals(self):
-        with shardd.Client(self.sock, job=common.job("arlim"), rank=0, world=1) as c:
+        with shardd.Client(self.sock, job=common.job("arlim"), rank=0, world=1,
+                           transient_areas=False) as c:
             with self.assertRaisesRegex(ValueError, "at most 64"):
                 c.all_reduce([1.0] * 65)
             with self.assertRaisesRegex(ValueError, "all_reduce op 'prod'"):

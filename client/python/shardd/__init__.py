@@ -1,7 +1,8 @@
 """shardd — Python binding of libshardd (ctypes, no compiled extension).
 
     import shardd
-    with shardd.Client(socket, job="run-1", rank=r, world=4) as c:
+    with shardd.Client(socket, job="run-1", rank=r, world=4,
+                       reshard_after_forward=False) as c:  # resident areas
         buf = c.register_buffer("layer0.flat", "fp32", numel)
         buf.shard[:] = my_slice            # numpy view of this rank's shard
         c.gather(buf)                      # collective
@@ -20,7 +21,8 @@ is unregistered on this client or the client is closed; touching one after
 that is a use-after-unmap (a crash). bf16 areas are uint16 in numpy (numpy has
 no bfloat16) and torch.bfloat16 in torch.
 
-Transient areas (``Client(..., transient_areas=True)``, FSDP's reshard): a
+Transient areas (the default, FSDP's FULL_SHARD reshard; resident areas
+need ``reshard_after_forward=False``, as the example above): a
 buffer's block holds only the shard and the reduced-gradient shard
 (``buf.transient``); ``buf.gather``/``buf.grad`` and their tensors are not
 available (they raise E_STATE). Instead each gather leases this rank's areas
@@ -57,6 +59,7 @@ import ctypes
 import math
 import os
 import json as _json
+import warnings
 
 from . import _lib as L
 
@@ -109,6 +112,57 @@ def _env_int(name, low):
     if n < low:
         raise ValueError("$%s=%d: must be >= %d" % (name, n, low))
     return n
+
+
+_STRATEGIES = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
+
+
+class ResumedJobWarning(UserWarning):
+    """A Client joined a job that holds trained state (a relaunch after its
+    ranks died, a rank rejoining, a restored job): it resumes it."""
+
+
+def _job_from_env(run_id):
+    """Client's job when none is given: $TORCHELASTIC_RUN_ID when it names
+    this launch (torchrun --rdzv-id=ID, or --standalone's fresh id; its
+    elastic restarts share it and resume), None (a control session) when
+    it is unset. torchrun's default "none" names no launch: as a job name
+    every such launch would be one job, a rerun continuing the last run's
+    weights, so it is refused."""
+    if run_id is not None and run_id.strip().lower() == "none":
+        raise ValueError(
+            "$TORCHELASTIC_RUN_ID is %r (torchrun's default without --rdzv-id): "
+            "it does not identify this run, so shardd will not use it as the job "
+            "name (every such launch would share one job, and a rerun would "
+            "resume the previous run). Pass job=NAME (the same on every rank, "
+            "new for each run), or launch with torchrun --standalone or "
+            "--rdzv-id=RUN_ID" % run_id)
+    return run_id
+
+
+def _memory_model(transient_areas, reshard_after_forward, sharding_strategy):
+    """Transient areas (True) or resident (False) from Client's three
+    spellings of it; FULL_SHARD (transient) when none is given."""
+    said = []
+    for name, v in (("transient_areas", transient_areas),
+                    ("reshard_after_forward", reshard_after_forward)):
+        if v is None:
+            continue
+        if v not in (True, False):  # also 0 and 1
+            raise TypeError("%s must be a bool, not %r" % (name, v))
+        said.append((name, bool(v)))
+    if sharding_strategy is not None:
+        key = getattr(sharding_strategy, "name", sharding_strategy)
+        if key not in _STRATEGIES:
+            raise ValueError("sharding_strategy %r: shardd has FULL_SHARD (transient "
+                             "areas, the default) and SHARD_GRAD_OP (resident areas)"
+                             % (sharding_strategy,))
+        said.append(("sharding_strategy", _STRATEGIES[key]))
+    if len({v for _, v in said}) > 1:
+        raise ValueError("conflicting memory models: %s" % ", ".join(
+            "%s says %s" % (n, "transient (FULL_SHARD)" if v else "resident (SHARD_GRAD_OP)")
+            for n, v in said))
+    return said[0][1] if said else True
 
 
 def torchrun_defaults():
@@ -519,26 +573,38 @@ class Client:
     job None or "" opens a control session (status/inspect only).
     Under torchrun the defaults come from its environment
     (:func:`torchrun_defaults`): job not given is $TORCHELASTIC_RUN_ID (a
-    control session when that is unset), rank not given is $RANK (else
-    $LOCAL_RANK, else 0) and world not given is $WORLD_SIZE (else 1). The
-    daemon picks the rank's device from the rank, as always.
-    transient_areas=True asks for a job with transient areas (FSDP's
-    reshard): buffers keep only the shard and the reduced shard, and
-    gather_area() leases the whole-buffer areas per gather (see the module
-    docstring). The Hello that creates the job decides; a rank asking
-    otherwise is refused (E_MISMATCH).
+    control session when that is unset; torchrun's "none", its value
+    without --rdzv-id or --standalone, is refused: it names no run), rank
+    not given is $RANK (else $LOCAL_RANK, else 0) and world not given is
+    $WORLD_SIZE (else 1). The daemon picks the rank's device from the rank,
+    as always.
+    A job whose ranks all close() is finished: the daemon frees it, and a
+    new run of its name starts fresh. A job whose ranks died (or were
+    closed with finished=False) lingers for the daemon's --job-linger; a
+    relaunch resumes it, and each rank's Client says so (resumed_step, and
+    a ResumedJobWarning "resuming job NAME at step N").
+    The memory model is FSDP's default, FULL_SHARD: transient areas
+    (buffers keep only the shard and the reduced shard, and gather_area()
+    leases the whole-buffer areas per gather; see the module docstring).
+    Resident areas (every block keeps its gather and gradient areas, FSDP's
+    SHARD_GRAD_OP: no re-gather in backward, more memory) are opt-in under
+    FSDP's names, reshard_after_forward=False or
+    sharding_strategy="SHARD_GRAD_OP" (a torch ShardingStrategy is taken
+    too); transient_areas=True/False says the same in shardd's words. The
+    Hello that creates the job decides; a rank asking otherwise is refused
+    (E_MISMATCH).
     Not thread-safe: use one Client per thread/rank.
     """
 
     def __init__(self, socket=None, job=_FROM_ENV, rank=None, world=None, client_name=None,
-                 transient_areas=False):
+                 transient_areas=None, reshard_after_forward=None, sharding_strategy=None):
         self._lib = L.load()
         self._c = None
-        if transient_areas not in (True, False):  # also 0 and 1
-            raise TypeError("transient_areas must be a bool, not %r" % (transient_areas,))
+        transient_areas = _memory_model(transient_areas, reshard_after_forward,
+                                        sharding_strategy)
         env_job, env_rank, env_world = torchrun_defaults()
         if job is _FROM_ENV:
-            job = env_job
+            job = _job_from_env(env_job)
         if rank is None:
             rank = env_rank if env_rank is not None else 0
         if world is None:
@@ -569,10 +635,25 @@ class Client:
             msg = errbuf.value.decode(errors="replace") or self._lib.shardd_strerror(rc).decode()
             raise Error(rc, msg)
         self._c = out
+        step = ctypes.c_uint64()
+        # None: a fresh job; else the step the job is resumed at
+        self.resumed_step = (int(step.value) if self._lib.shardd_resumed(out, ctypes.byref(step))
+                             else None)
+        if self.resumed_step is not None:
+            warnings.warn("shardd: resuming job %r at step %d (rank %d): the job holds "
+                          "trained state (a run whose ranks did not finish with close(), "
+                          "or a restore); a new run needs a job name of its own"
+                          % (job, self.resumed_step, rank), ResumedJobWarning, stacklevel=2)
 
     # -- lifecycle -------------------------------------------------------
-    def close(self):
-        """Closes the connection; every area mapped on it is unmapped."""
+    def close(self, finished=True):
+        """Closes the connection; every area mapped on it is unmapped.
+        finished (the default): this rank is done with its job and says so
+        (shardd_finish); once every rank has, the daemon releases the job
+        at once and a new run of its name starts fresh. finished=False
+        leaves as a crashed rank does: the job lingers (--job-linger) for a
+        relaunch to resume. A with block that ends in an exception, and a
+        client garbage-collected without close(), leave that way too."""
         if self._c:
             try:  # no kernel may still use the device areas being closed
                 self._sync_cuda()
@@ -580,18 +661,21 @@ class Client:
                 pass
             for b in self.buffers.values():
                 b._forget()
-            self._lib.shardd_close(self._c)
-            self._c = None
+            c, self._c = self._c, None
+            if finished and self.job:
+                self._lib.shardd_finish(c)  # closes c whatever the daemon says
+            else:
+                self._lib.shardd_close(c)
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, *exc):
+        self.close(finished=exc_type is None)
 
     def __del__(self):
         try:
-            self.close()
+            self.close(finished=False)
         except Exception:
             pass
 

@@ -181,6 +181,8 @@ def _declare(lib):
         "shardd_dtype_name": (c_char_p, [c_int]),
         "shardd_connect": (c_int, [c_char_p, P(ConnectOpts), P(client_p), c_char_p, c_size_t]),
         "shardd_close": (None, [client_p]),
+        "shardd_finish": (c_int, [client_p]),
+        "shardd_resumed": (c_int, [client_p, P(c_uint64)]),
         "shardd_last_error": (c_char_p, [client_p]),
         "shardd_version": (c_char_p, []),
         "shardd_daemon_version": (c_char_p, [client_p]),
