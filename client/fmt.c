@@ -134,6 +134,12 @@ char *shardd__fmt_status_text(const Shardwire__StatusReply *st) {
   if (st->has_partial_frame_bytes)
     shardd__sb_printf(&sb, "partial_frame_bytes: %" PRIu64 "\n",
                       st->partial_frame_bytes);
+  if (st->has_unread_reply_bytes)
+    shardd__sb_printf(&sb, "unread_reply_bytes: %" PRIu64 "\n",
+                      st->unread_reply_bytes);
+  if (st->has_unread_reply_fds)
+    shardd__sb_printf(&sb, "unread_reply_fds: %" PRIu64 "\n",
+                      st->unread_reply_fds);
   shardd__sb_printf(&sb, "devices: %zu\n", st->n_devices);
   for (size_t i = 0; i < st->n_devices; i++) {
     const Shardwire__DeviceStatus *d = st->devices[i];
@@ -206,6 +212,12 @@ char *shardd__fmt_status_json(const Shardwire__StatusReply *st) {
   if (st->has_partial_frame_bytes)
     shardd__sb_printf(&sb, ",\"partial_frame_bytes\":%" PRIu64,
                       st->partial_frame_bytes);
+  if (st->has_unread_reply_bytes)
+    shardd__sb_printf(&sb, ",\"unread_reply_bytes\":%" PRIu64,
+                      st->unread_reply_bytes);
+  if (st->has_unread_reply_fds)
+    shardd__sb_printf(&sb, ",\"unread_reply_fds\":%" PRIu64,
+                      st->unread_reply_fds);
   shardd__sb_printf(&sb, ",\"devices\":[");
   for (size_t i = 0; i < st->n_devices; i++) {
     const Shardwire__DeviceStatus *d = st->devices[i];

@@ -218,7 +218,12 @@ static int pending_checkpoint(void *arg, const shardd__job *job, size_t i,
 static shardd__status_ctx status_ctx(shardd__dispatch *d) {
   shardd__status_ctx ctx = {&d->reg, d->coll, &d->jobs, now_s(d) - d->started,
                             d->socket_path, d->io.clients(d->io.ctx),
-                            d->io.partial_bytes(d->io.ctx), pending_checkpoint, d};
+                            d->io.partial_bytes(d->io.ctx), pending_checkpoint, d,
+                            0, 0, 0};
+  if (d->io.unread_replies) {
+    ctx.has_unread_replies = 1;
+    d->io.unread_replies(d->io.ctx, &ctx.unread_reply_bytes, &ctx.unread_reply_fds);
+  }
   return ctx;
 }
 

@@ -268,6 +268,11 @@ shardd_err shardd__status_build(const shardd__status_ctx *ctx,
   st->clients = ctx->clients;
   st->has_partial_frame_bytes = 1;
   st->partial_frame_bytes = ctx->partial_frame_bytes;
+  if (ctx->has_unread_replies) {
+    st->has_unread_reply_bytes = st->has_unread_reply_fds = 1;
+    st->unread_reply_bytes = ctx->unread_reply_bytes;
+    st->unread_reply_fds = ctx->unread_reply_fds;
+  }
 
   shardd__backend *be = ctx->reg->backend;
   int nd = be->ndevices;

@@ -27,6 +27,9 @@ typedef struct {
   int (*pending_checkpoint)(void *arg, const shardd__job *job, size_t i,
                             const char **dir, double *waited_s, double *wait_s);
   void *pending_arg;
+  /* what replies unread by their clients hold now (when has_) */
+  int has_unread_replies;
+  uint64_t unread_reply_bytes, unread_reply_fds;
 } shardd__status_ctx;
 
 typedef struct shardd__report shardd__report;

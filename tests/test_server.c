@@ -1001,7 +1001,8 @@ Test(server, job_count_is_capped, .init = start_max_jobs, .fini = stop_daemon) {
  * A client that sends and never reads must not make the daemon queue its
  * replies without bound. Without backpressure the daemon read every Ping
  * and held every 4 MiB Pong in memory (here up to 1 GiB); with it, the
- * session is not read past 64 MiB of unwritten replies, so the client's
+ * session is not read past 16 MiB of unwritten replies (--max-reply-bytes;
+ * a uid's sessions together 64 MiB, below), so the client's
  * sends stall soon after, the daemon serves others meanwhile, and once the
  * client reads, every reply comes, in order. */
 
@@ -1230,7 +1231,7 @@ Test(server, unread_descriptor_replies_are_bounded, .init = start_one_device,
  * it got). It must exit 2 at once, naming the flag, the value and why. */
 
 typedef struct {
-  char flag[24];
+  char flag[32];
   char value[24];
   char why[24];
 } bad_size;
@@ -1252,6 +1253,11 @@ ParameterizedTestParameters(server, size_flag_refused) {
       {"--peer-grace", "-1", "must be 0..86400"},
       {"--peer-grace", "nan", "must be 0..86400"},
       {"--peer-grace", "1e9", "must be 0..86400"},
+      /* the bounds on unread replies */
+      {"--max-reply-bytes", "0", "at least 1 byte"},
+      {"--max-reply-bytes-per-uid", "1e30", "out of range"},
+      {"--max-reply-fds", "0", "must be 1..1000000"},
+      {"--max-reply-fds-per-uid", "-3", "must be 1..1000000"},
   };
   return cr_make_param_array(bad_size, cases, sizeof cases / sizeof cases[0]);
 }
@@ -2199,6 +2205,310 @@ Test(server, one_uid_holds_at_most_its_share_of_partial_frames, .timeout = 120) 
   cr_assert_eq(left, 0.0, "%.0f bytes still charged after the hog left", left);
   test_raw_sync(&r);
   test_raw_close(&r);
+  test_daemon_finish(&d);
+}
+
+/* ---- unread replies, per uid ----------------------------------------------
+ * The per-connection bound alone let each connection hold ~90 MiB of
+ * replies and 313 descriptors, so one uid's 256 connections that never
+ * read could hold 23 GiB and 80k descriptors. Here uid 4242 opens
+ * HOG_CONNS connections that ping 1 MiB and never read, and uid 4243
+ * HOG_BATCHERS that register a batch of HOG_BATCH buffers again and again
+ * and never read: with the per-uid bounds (defaults 64M and 256 descriptors)
+ * the daemon grows by about one uid's bound of bytes and holds about one
+ * uid's bound of descriptors plus one batch, not every connection's
+ * worth (the kernel's socket buffer takes part of each reply's
+ * descriptors, so the registering uid needs more connections to show it), and uid 4244's pings are answered meanwhile. */
+
+#define HOG_CONNS 8    /* pinging */
+#define HOG_BATCHERS 24 /* registering: the kernel takes most descriptors */
+#define HOG_MAX 24
+#define HOG_PING ((size_t)1 << 20)
+#define HOG_BATCH 100
+
+/* A hog child and its two pipes (the test's ends: ready[0], go[1]). */
+typedef struct {
+  pid_t pid;
+  int ready[2], go[2];
+} hog;
+
+/* A raw connection past its Hello for job (NULL: none) as rank 0 of 1, for
+ * a child without Criterion; -1 on any failure. */
+static int hog_hello(const char *sock, const char *job) {
+  int fd = raw_connect(sock);
+  if (fd < 0)
+    return -1;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Hello h = SHARDWIRE__HELLO__INIT;
+  h.protocol_version = SHARDD_PROTOCOL_VERSION;
+  if (job) {
+    h.job = (char *)job;
+    h.has_rank = h.has_world = 1;
+    h.rank = 0;
+    h.world = 1;
+  }
+  req.seq = 1;
+  req.body_case = SHARDWIRE__REQUEST__BODY_HELLO;
+  req.hello = &h;
+  uint8_t buf[256];
+  size_t n = shardwire__request__get_packed_size(&req);
+  if (n > sizeof buf || shardwire__request__pack(&req, buf) != n ||
+      shardd__frame_send(fd, buf, n, NULL, 0) != SHARDD_OK) {
+    close(fd);
+    return -1;
+  }
+  shardd__frame_reader rd;
+  shardd__frame_reader_init(&rd, SHARDD_MAX_FRAME);
+  const uint8_t *p;
+  size_t len;
+  int nfds;
+  shardd_err rc = shardd__frame_recv(fd, &rd, &p, &len, NULL, 0, &nfds, NULL, 0);
+  Shardwire__Response *resp = rc == SHARDD_OK ? shardwire__response__unpack(NULL, len, p) : NULL;
+  int ok = resp && (int)resp->code == SHARDD_OK;
+  if (resp)
+    shardwire__response__free_unpacked(resp, NULL);
+  shardd__frame_reader_free(&rd);
+  if (!ok) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+/* The frame of a RegisterBuffers of HOG_BATCH one-element buffers b0..
+ * (caller frees), or a Ping of HOG_PING bytes; its length in *n. */
+static uint8_t *hog_frame(int batch, size_t *n) {
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__RegisterBuffer rb[HOG_BATCH], *rbp[HOG_BATCH];
+  char names[HOG_BATCH][8];
+  Shardwire__RegisterBuffers rbs = SHARDWIRE__REGISTER_BUFFERS__INIT;
+  Shardwire__BuffersBatch bb = SHARDWIRE__BUFFERS_BATCH__INIT;
+  Shardwire__Ping ping = SHARDWIRE__PING__INIT;
+  static uint8_t payload[HOG_PING];
+  req.seq = 2;
+  if (batch) {
+    for (int i = 0; i < HOG_BATCH; i++) {
+      shardwire__register_buffer__init(&rb[i]);
+      snprintf(names[i], sizeof names[i], "b%d", i);
+      rb[i].name = names[i];
+      rb[i].dtype = SHARDWIRE__DTYPE__FP32;
+      rb[i].numel = 1;
+      rbp[i] = &rb[i];
+    }
+    rbs.n_buffers = HOG_BATCH;
+    rbs.buffers = rbp;
+    bb.op_case = SHARDWIRE__BUFFERS_BATCH__OP_REGISTER;
+    bb.register_ = &rbs;
+    req.body_case = SHARDWIRE__REQUEST__BODY_BUFFERS_BATCH;
+    req.buffers_batch = &bb;
+  } else {
+    ping.has_payload = 1;
+    ping.payload.data = payload;
+    ping.payload.len = HOG_PING;
+    req.body_case = SHARDWIRE__REQUEST__BODY_PING;
+    req.ping = &ping;
+  }
+  size_t len = shardwire__request__get_packed_size(&req);
+  uint8_t *f = malloc(SHARDD_FRAME_HEADER + len);
+  if (f == NULL)
+    return NULL;
+  shardd__frame_put_header(f, (uint32_t)len);
+  shardwire__request__pack(&req, f + SHARDD_FRAME_HEADER);
+  *n = SHARDD_FRAME_HEADER + len;
+  return f;
+}
+
+/* As uid: conns connections (each its own job when batch, its
+ * buffers registered once and that reply read) are opened, which hog_ready
+ * says ("s"); once hog_go says to ("f") they send their frame over and
+ * over without reading, round robin, until none moved for a second; then
+ * hog_ready says so ("r") and everything is held until hog_go says to
+ * leave. Exit code: 0 as expected, else the step that failed. */
+static int reply_hog(const char *sock, uid_t uid, int batch, int conns,
+                     const hog *h) {
+  if (setgid(uid) != 0 || setuid(uid) != 0)
+    return 10;
+  int fds[HOG_MAX];
+  size_t n;
+  uint8_t *f = hog_frame(batch, &n);
+  if (f == NULL)
+    return 11;
+  for (int i = 0; i < conns; i++) {
+    char job[16];
+    snprintf(job, sizeof job, "hog%d", i);
+    if ((fds[i] = hog_hello(sock, batch ? job : NULL)) < 0)
+      return 12;
+    if (!batch)
+      continue;
+    /* registered once, read: the blocks' own descriptors are not replies */
+    if (send(fds[i], f, n, MSG_NOSIGNAL) != (ssize_t)n)
+      return 13;
+    shardd__frame_reader rd;
+    shardd__frame_reader_init(&rd, SHARDD_MAX_FRAME);
+    const uint8_t *p;
+    size_t len;
+    int got[HOG_BATCH], ngot = 0;
+    shardd_err rc = shardd__frame_recv(fds[i], &rd, &p, &len, got, HOG_BATCH,
+                                       &ngot, NULL, 0);
+    for (int k = 0; k < ngot && k < HOG_BATCH; k++)
+      close(got[k]);
+    Shardwire__Response *resp = rc == SHARDD_OK ? shardwire__response__unpack(NULL, len, p) : NULL;
+    int ok = resp && (int)resp->code == SHARDD_OK && ngot == HOG_BATCH;
+    if (resp)
+      shardwire__response__free_unpacked(resp, NULL);
+    shardd__frame_reader_free(&rd);
+    if (!ok)
+      return 14;
+  }
+  char b;
+  if (write(h->ready[1], "s", 1) != 1 || read(h->go[0], &b, 1) != 1)
+    return 18;
+  size_t offs[HOG_MAX] = {0};
+  for (int i = 0; i < conns; i++)
+    fcntl(fds[i], F_SETFL, fcntl(fds[i], F_GETFL) | O_NONBLOCK);
+  for (double moved = test_mono_s(); test_mono_s() - moved < 1.0;) {
+    int progress = 0;
+    for (int i = 0; i < conns; i++) {
+      ssize_t w = send(fds[i], f + offs[i], n - offs[i], MSG_NOSIGNAL);
+      if (w > 0) {
+        offs[i] = (offs[i] + (size_t)w) % n;
+        progress = 1;
+      } else if (w < 0 && errno != EAGAIN && errno != EINTR) {
+        return 15; /* the daemon dropped us */
+      }
+    }
+    if (progress)
+      moved = test_mono_s();
+    else
+      test_sleep_ms(5);
+  }
+  free(f);
+  if (write(h->ready[1], "r", 1) != 1)
+    return 16;
+  if (read(h->go[0], &b, 1) != 1)
+    return 17; /* the test gave up on us */
+  return 0; /* exit closes every connection, replies unread */
+}
+
+/* Forks reply_hog as uid into h; returns once its connections are open,
+ * the daemon's descriptors then in *fds0 (when not NULL). */
+static void start_reply_hog(hog *h, uid_t uid, int batch, int conns, int *fds0) {
+  cr_assert_eq(pipe(h->ready), 0);
+  cr_assert_eq(pipe(h->go), 0);
+  h->pid = fork();
+  cr_assert(h->pid >= 0);
+  if (h->pid == 0) {
+    /* only the test's ends stay open there: if the test fails, the hog
+     * reads EOF and leaves instead of outliving it */
+    close(h->ready[0]);
+    close(h->go[1]);
+    _exit(reply_hog(d.sock, uid, batch, conns, h));
+  }
+  close(h->ready[1]);
+  close(h->go[0]);
+  char ch;
+  cr_assert_eq(read(h->ready[0], &ch, 1), 1, "uid %d's hog stopped early",
+               (int)uid);
+  if (fds0)
+    *fds0 = count_fds(d.pid);
+}
+
+/* Lets h flood and waits until it stalled. */
+static void hog_flood(hog *h) {
+  char ch;
+  cr_assert_eq(write(h->go[1], "f", 1), 1);
+  cr_assert_eq(read(h->ready[0], &ch, 1), 1, "a hog stopped early");
+}
+
+/* Tells h to leave and checks it did, as expected. */
+static void hog_leave(hog *h, const char *who) {
+  cr_assert_eq(write(h->go[1], "l", 1), 1);
+  int st;
+  cr_assert(test_wait_exit(h->pid, &st), "the %s did not finish", who);
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s step %d failed", who,
+            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  close(h->ready[0]);
+  close(h->go[1]);
+}
+
+/* Status's count of what unread replies hold (key: bytes or fds). */
+static double status_unread(const char *key) {
+  tj *j = shardctl_status();
+  double n = tj_need(j, key, TJ_NUM)->num;
+  tj_free(j);
+  return n;
+}
+
+/* uid 4244 pings through libshardd. Exit code: 0 answered. */
+static int third_uid_pings(const char *sock) {
+  if (setgid(4244) != 0 || setuid(4244) != 0)
+    return 10;
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  shardd_client_t *c;
+  char err[512];
+  if (shardd_connect(sock, &o, &c, err, sizeof err) != SHARDD_OK)
+    return 11;
+  shardd_err rc = shardd_ping(c);
+  shardd_close(c);
+  return rc == SHARDD_OK ? 0 : 12;
+}
+
+Test(server, connections_that_never_read_hold_at_most_their_uids_bound,
+     .timeout = 120) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as other uids");
+  test_daemon_start(&d, (const char *const[]){"--devices", "1", NULL});
+  cr_assert_eq(chmod(d.dir, 0755), 0);
+  cr_assert_eq(chmod(d.sock, 0666), 0);
+  hog pinger, batcher;
+  start_reply_hog(&pinger, 4242, 0, HOG_CONNS, NULL);
+  long rss0 = daemon_rss_kib(d.pid);
+  hog_flood(&pinger);
+  long grew = daemon_rss_kib(d.pid) - rss0;
+  /* uid 4242's bound (64 MiB) and one 1 MiB Pong past it, plus a partial
+   * frame per connection, not HOG_CONNS connections' 64 MiB each */
+  cr_assert_lt(grew, 112L << 10, "the daemon grew by %ld KiB holding the "
+               "Pongs of %d connections of one uid that read none", grew,
+               HOG_CONNS);
+  cr_assert(test_daemon_log_has(&d, "--max-reply-bytes-per-uid"),
+            "the uid's bound was not logged");
+  double unread = status_unread("unread_reply_bytes");
+  cr_assert_gt(unread, 0.0);
+  cr_assert_leq(unread, (64.0 + 2) * 1024 * 1024, "Status: %.0f bytes of "
+                "unread replies held for one uid", unread);
+
+  /* every block registered: what the batches' replies hold comes on top */
+  int fds0;
+  start_reply_hog(&batcher, 4243, 1, HOG_BATCHERS, &fds0);
+  hog_flood(&batcher);
+  int held = count_fds(d.pid) - fds0;
+  /* uid 4243's bound (256) and one batch past it, not a batch per connection */
+  cr_assert_leq(held, 256 + HOG_BATCH, "the daemon holds %d descriptors for "
+                "the unread replies of %d connections of one uid", held,
+                HOG_BATCHERS);
+
+  /* another uid, and root, are served meanwhile */
+  run_as_other_uid(third_uid_pings, "third uid's ping");
+  shardd_client_t *c = test_connect(&d, NULL, 0, 1);
+  cr_assert_eq(shardd_ping(c), SHARDD_OK);
+  shardd_close(c);
+
+  hog_leave(&pinger, "pinging hog");
+  hog_leave(&batcher, "registering hog");
+  /* their connections closed: the replies' descriptors went with them
+   * (the lingering jobs keep their blocks), and nothing is charged */
+  int left = 0;
+  double bytes = -1, fds = -1;
+  for (double end = test_mono_s() + TEST_HANG_S; test_mono_s() < end;
+       test_sleep_ms(50))
+    if ((left = count_fds(d.pid) - fds0) <= -HOG_BATCHERS &&
+        (bytes = status_unread("unread_reply_bytes")) == 0 &&
+        (fds = status_unread("unread_reply_fds")) == 0)
+      break;
+  cr_assert_leq(left, -HOG_BATCHERS, "%d descriptors still held after the "
+                "hogs left", left + HOG_BATCHERS);
+  cr_assert_eq(bytes, 0.0, "%.0f bytes still charged after the hogs left", bytes);
+  cr_assert_eq(fds, 0.0, "%.0f descriptors still charged after the hogs left", fds);
   test_daemon_finish(&d);
 }
 
