@@ -232,7 +232,9 @@ static void on_status(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   shardd__report *r;
   Shardwire__StatusReply *st;
   shardd__status_ctx ctx = status_ctx(d);
-  shardd_err rc = shardd__status_build(&ctx, &c->peer, &r, &st);
+  const Shardwire__StatusRequest *sr = req->status;
+  uint32_t first = sr && sr->has_first_job ? sr->first_job : 0;
+  shardd_err rc = shardd__status_build(&ctx, &c->peer, first, &r, &st);
   if (rc != SHARDD_OK) {
     reply(d, c, seq, rc, "out of memory building status");
   } else {

@@ -2208,6 +2208,87 @@ Test(server, one_uid_holds_at_most_its_share_of_partial_frames, .timeout = 120) 
   test_daemon_finish(&d);
 }
 
+/* ---- status of many jobs of huge worlds ---------------------------------
+ * One status listed every rank of every job: 512 jobs of world 65536 froze
+ * the daemon for a minute and took it to 13.5 GB, for a reply past the
+ * frame limit. A status now lists at most 256 jobs (jobs_more counts the
+ * rest; first_job pages on) and 64 ranks of each kind per job (the _more
+ * fields count the rest), so its cost follows what it shows. */
+
+#define HUGE_WORLD 65536
+#define HUGE_JOBS 40
+#define SMALL_JOBS 230 /* with the huge ones, past the 256 of one status */
+
+Test(server, status_of_many_huge_jobs_is_summarized_and_paged, .timeout = 120) {
+  test_daemon_start(&d, (const char *const[]){"--devices", "1", NULL});
+  for (int i = 0; i < HUGE_JOBS + SMALL_JOBS; i++) {
+    char name[32];
+    /* "a-" sorts the huge jobs first, into the first page */
+    snprintf(name, sizeof name, i < HUGE_JOBS ? "a-huge-%03d" : "b-small-%03d", i);
+    shardd_client_t *c = test_connect(&d, name, 0, i < HUGE_JOBS ? HUGE_WORLD : 1);
+    shardd_close(c); /* the job lingers, every rank missing */
+  }
+  long rss0 = daemon_rss_kib(d.pid);
+  shardd_client_t *c = test_connect(&d, NULL, 0, 1);
+  char *s = NULL;
+  double t0 = test_mono_s();
+  cr_assert_eq(shardd_status_json(c, &s), SHARDD_OK, "%s", shardd_last_error(c));
+  double took = test_mono_s() - t0;
+  long grew = daemon_rss_kib(d.pid) - rss0;
+  cr_assert_lt(took, 2.0, "one status took %.2f s", took);
+  cr_assert_lt(grew, 64L << 10, "one status grew the daemon by %ld KiB", grew);
+  cr_assert_lt(strlen(s), (size_t)4 << 20, "status is %zu bytes", strlen(s));
+  tj *j = tj_parse(s);
+  cr_assert_not_null(j);
+  const tj *jobs = tj_need(j, "jobs", TJ_ARR);
+  cr_assert_eq(jobs->n, 256u);
+  cr_assert_eq(tj_need(j, "jobs_more", TJ_NUM)->num,
+               (double)(HUGE_JOBS + SMALL_JOBS - 256));
+  for (size_t i = 0; i < HUGE_JOBS; i++) {
+    const tj *job = jobs->kids[i];
+    cr_assert_eq(tj_need(job, "world", TJ_NUM)->num, (double)HUGE_WORLD);
+    size_t listed = tj_need(job, "missing_ranks", TJ_ARR)->n;
+    cr_assert_leq(listed, 64u);
+    cr_assert_eq(tj_need(job, "connected_ranks", TJ_ARR)->n, 0u);
+    cr_assert_eq(listed + tj_need(job, "missing_ranks_more", TJ_NUM)->num,
+                 (double)HUGE_WORLD, "the ranks not listed are not counted");
+    cr_assert_eq(tj_get(job, "connected_ranks_more"), NULL);
+  }
+  tj_free(j);
+  shardd_free(s);
+
+  /* the next page: the rest, and nothing after it */
+  cr_assert_eq(shardd_status_json_from(c, 256, &s), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  j = tj_parse(s);
+  cr_assert_not_null(j);
+  jobs = tj_need(j, "jobs", TJ_ARR);
+  cr_assert_eq(jobs->n, (size_t)(HUGE_JOBS + SMALL_JOBS - 256));
+  cr_assert_eq(tj_need(j, "first_job", TJ_NUM)->num, 256.0);
+  cr_assert_eq(tj_get(j, "jobs_more"), NULL);
+  cr_assert_str_eq(tj_need(jobs->kids[jobs->n - 1], "name", TJ_STR)->str,
+                   "b-small-269");
+  tj_free(j);
+  shardd_free(s);
+  char args[256], *out, *err;
+  snprintf(args, sizeof args, "--socket %s status --from 266 --json", d.sock);
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  j = tj_parse(out);
+  cr_assert_not_null(j, "%s", out);
+  cr_assert_eq(tj_need(j, "jobs", TJ_ARR)->n, 4u);
+  tj_free(j);
+  free(out);
+  free(err);
+
+  /* text says what it left out, and how to see it */
+  cr_assert_eq(shardd_status_text(c, &s), SHARDD_OK);
+  cr_assert(strstr(s, "(and 65472 more)") != NULL, "%.400s", s);
+  cr_assert(strstr(s, "and 14 more jobs: shardctl status --from 256") != NULL);
+  shardd_free(s);
+  shardd_close(c);
+  test_daemon_finish(&d);
+}
+
 /* ---- unread replies, per uid ----------------------------------------------
  * The per-connection bound alone let each connection hold ~90 MiB of
  * replies and 313 descriptors, so one uid's 256 connections that never
