@@ -2593,6 +2593,59 @@ Test(server, connections_that_never_read_hold_at_most_their_uids_bound,
   test_daemon_finish(&d);
 }
 
+/* ---- memory of a freed region --------------------------------------------
+ * A client that kept its mapping of a block after unregistering the
+ * buffer kept the block's pages alive while the daemon counted them free,
+ * so --uid-memory-limit never applied: register, touch, unregister, again,
+ * until the daemon was OOM-killed. The daemon now takes a freed region's
+ * pages back from every mapping. */
+
+#define KEPT_NUMEL ((uint64_t)16 << 20) /* 64 MiB of fp32 */
+
+/* Resident shared memory of this process, KiB (RssShmem). */
+static long self_rss_shmem_kib(void) {
+  FILE *f = fopen("/proc/self/status", "r");
+  cr_assert_not_null(f);
+  char line[256];
+  long kib = -1;
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "RssShmem: %ld kB", &kib) == 1)
+      break;
+  fclose(f);
+  cr_assert_geq(kib, 0, "no RssShmem in /proc/self/status");
+  return kib;
+}
+
+Test(server, a_block_kept_mapped_after_unregister_holds_no_memory,
+     .init = start_one_device, .fini = stop_daemon, .timeout = 60) {
+  test_raw r;
+  test_raw_open(&d, &r);
+  test_raw_hello(&r, "kept", 0, 1);
+  shardd_buffer_info b;
+  test_raw_register_buffer(&r, "big", SHARDD_DTYPE_FP32, KEPT_NUMEL, &b);
+  long base = self_rss_shmem_kib();
+  memset(b.shard, 0x5a, KEPT_NUMEL * 4);
+  long touched = self_rss_shmem_kib();
+  cr_assert_geq(touched - base, 60L << 10, "writing the shard made %ld KiB "
+                "resident", touched - base);
+
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__UnregisterBuffer ub = SHARDWIRE__UNREGISTER_BUFFER__INIT;
+  ub.id = b.id;
+  req.body_case = SHARDWIRE__REQUEST__BODY_UNREGISTER_BUFFER;
+  req.unregister_buffer = &ub;
+  uint64_t seq = test_raw_send(&r, &req);
+  shardwire__response__free_unpacked(test_raw_expect(&r, seq, SHARDD_OK), NULL);
+  /* the mapping is still this client's (r.map), its pages are not */
+  long kept = self_rss_shmem_kib() - base;
+  cr_assert_lt(kept, 4L << 10, "%ld KiB of an unregistered buffer stay "
+               "resident in a mapping its client kept", kept);
+  cr_assert_eq(((volatile uint8_t *)b.shard)[12345], 0,
+               "the kept mapping still reads the buffer's values");
+  test_raw_sync(&r);
+  test_raw_close(&r);
+}
+
 /* ---- the view caps, through the socket (issue 20, item 9) --------------- */
 
 /* The views Status reports for job name; -1 when it lists no such job. */
