@@ -65,8 +65,9 @@ static void read_cb(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
  * queued session resumes without waiting for I/O. A session leaves the
  * queue when its turn ends with no whole frame left (it is read again if
  * nothing else holds it), when its replies (or its uid's) back up
- * (replybudget.c resumes it through a turn once they drain), or when it closes (session_close unlinks it before anything
- * else, so no turn touches a closed session). */
+ * (replybudget.c resumes it through a turn once they drain), or when it
+ * closes (session_close unlinks it before anything else, so no turn
+ * touches a closed session). */
 #define TURN_NS ((uint64_t)1000000)
 
 static void on_spin(uv_idle_t *h) { (void)h; }
