@@ -112,7 +112,7 @@ static void uid_resume(shardd__server *srv, shardd__reply_uid *u) {
     }
   if (u->warned) {
     u->warned = 0;
-    shardd__log(2, "uid %" PRIu32 "'s unread replies drained below half "
+    shardd__log(3, "uid %" PRIu32 "'s unread replies drained below half "
                 "their bounds; its connections are read again", u->uid);
   }
 }
@@ -167,9 +167,15 @@ int shardd__replies_hold(shardd__session *s) {
   }
   uv_read_stop((uv_stream_t *)&s->pipe);
   if (!u->warned) {
-    /* once per episode, not per session: there may be hundreds */
+    /* once per episode, not per session: there may be hundreds; and a
+     * warning at most every 10 s, as a client reading in bursts makes
+     * episode after episode */
+    double now = shardd__server_now(srv);
+    int loud = now >= u->loud_next;
+    if (loud)
+      u->loud_next = now + 10;
     u->warned = 1;
-    shardd__log(1, "uid %" PRIu32 "'s connections leave %" PRIu64 " bytes "
+    shardd__log(loud ? 1 : 3, "uid %" PRIu32 "'s connections leave %" PRIu64 " bytes "
                 "and %" PRIu32 " descriptors of replies unread (--max-reply-"
                 "bytes-per-uid %" PRIu64 ", --max-reply-fds-per-uid %" PRIu32
                 "); none of them is read until those drain", u->uid, u->bytes,

@@ -36,6 +36,7 @@ struct shardd__reply_uid {
   uint32_t fds;     /* descriptors held for those replies */
   uint32_t waiters; /* sessions not read until these drain */
   int warned;       /* this episode of waiting was logged */
+  double loud_next; /* server clock: the next episode logged as a warning */
   shardd__reply_uid *next;
 };
 
