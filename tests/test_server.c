@@ -2361,7 +2361,7 @@ static int hog_hello(const char *sock, const char *job) {
 static uint8_t *hog_frame(int batch, size_t *n) {
   Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
   Shardwire__RegisterBuffer rb[HOG_BATCH], *rbp[HOG_BATCH];
-  char names[HOG_BATCH][8];
+  char names[HOG_BATCH][16];
   Shardwire__RegisterBuffers rbs = SHARDWIRE__REGISTER_BUFFERS__INIT;
   Shardwire__BuffersBatch bb = SHARDWIRE__BUFFERS_BATCH__INIT;
   Shardwire__Ping ping = SHARDWIRE__PING__INIT;
