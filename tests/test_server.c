@@ -2289,6 +2289,34 @@ Test(server, status_of_many_huge_jobs_is_summarized_and_paged, .timeout = 120) {
   test_daemon_finish(&d);
 }
 
+/* Inspect of a buffer of a wide job lists 64 shards and counts the rest;
+ * its resident bytes still count every block. */
+Test(server, inspect_of_a_wide_buffer_lists_64_shards, .timeout = 60) {
+  test_daemon_start(&d, (const char *const[]){"--devices", "1", NULL});
+  shardd_client_t *c = test_connect(&d, "wide", 0, 100);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 1000, &b),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  char *s = NULL;
+  cr_assert_eq(shardd_inspect_json(c, b.id, NULL, &s), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  tj *j = tj_parse(s);
+  cr_assert_not_null(j, "%s", s);
+  const tj *shards = tj_need(j, "shards", TJ_ARR);
+  cr_assert_eq(shards->n, 64u);
+  cr_assert_eq(tj_need(j, "shards_more", TJ_NUM)->num, 36.0);
+  cr_assert_eq(tj_need(shards->kids[63], "rank", TJ_NUM)->num, 63.0);
+  /* every rank's block, listed or not, is resident */
+  cr_assert_geq(tj_need(j, "resident_bytes", TJ_NUM)->num, 100.0 * 4096);
+  tj_free(j);
+  shardd_free(s);
+  cr_assert_eq(shardd_inspect_text(c, b.id, NULL, &s), SHARDD_OK);
+  cr_assert(strstr(s, "and 36 more shards") != NULL, "%s", s);
+  shardd_free(s);
+  shardd_close(c);
+  test_daemon_finish(&d);
+}
+
 /* ---- unread replies, per uid ----------------------------------------------
  * The per-connection bound alone let each connection hold ~90 MiB of
  * replies and 313 descriptors, so one uid's 256 connections that never
