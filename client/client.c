@@ -957,18 +957,24 @@ shardd_err shardd_ping(shardd_client_t *c) {
   return call_status_only(c, &req);
 }
 
-static shardd_err get_status(shardd_client_t *c, Shardwire__Response **resp) {
+static shardd_err get_status(shardd_client_t *c, uint32_t first_job,
+                             Shardwire__Response **resp) {
   Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
   Shardwire__StatusRequest st = SHARDWIRE__STATUS_REQUEST__INIT;
+  if (first_job > 0) {
+    st.has_first_job = 1;
+    st.first_job = first_job;
+  }
   req.body_case = SHARDWIRE__REQUEST__BODY_STATUS;
   req.status = &st;
   return call_expect(c, &req, SHARDWIRE__RESPONSE__BODY_STATUS, resp, NULL);
 }
 
-static shardd_err status_fmt(shardd_client_t *c, char **out, int json) {
+static shardd_err status_fmt(shardd_client_t *c, uint32_t first_job,
+                             char **out, int json) {
   *out = NULL;
   Shardwire__Response *resp;
-  shardd_err rc = get_status(c, &resp);
+  shardd_err rc = get_status(c, first_job, &resp);
   if (rc == SHARDD_OK) {
     *out = json ? shardd__fmt_status_json(resp->status)
                 : shardd__fmt_status_text(resp->status);
@@ -986,7 +992,25 @@ shardd_err shardd_status_json(shardd_client_t *c, char **out) {
   if (out == NULL)
     return set_err(c, SHARDD_E_INVAL, "shardd_status_json: out is NULL");
 
-  return status_fmt(c, out, 1);
+  return status_fmt(c, 0, out, 1);
+}
+
+shardd_err shardd_status_json_from(shardd_client_t *c, uint32_t first_job,
+                                   char **out) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+  if (out == NULL)
+    return set_err(c, SHARDD_E_INVAL, "shardd_status_json_from: out is NULL");
+  return status_fmt(c, first_job, out, 1);
+}
+
+shardd_err shardd_status_text_from(shardd_client_t *c, uint32_t first_job,
+                                   char **out) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+  if (out == NULL)
+    return set_err(c, SHARDD_E_INVAL, "shardd_status_text_from: out is NULL");
+  return status_fmt(c, first_job, out, 0);
 }
 
 shardd_err shardd_status_text(shardd_client_t *c, char **out) {
@@ -995,7 +1019,7 @@ shardd_err shardd_status_text(shardd_client_t *c, char **out) {
   if (out == NULL)
     return set_err(c, SHARDD_E_INVAL, "shardd_status_text: out is NULL");
 
-  return status_fmt(c, out, 0);
+  return status_fmt(c, 0, out, 0);
 }
 
 static shardd_err inspect_fmt(shardd_client_t *c, uint64_t id,

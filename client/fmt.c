@@ -74,6 +74,18 @@ static void json_u32s(shardd__sb *sb, const char *key, const uint32_t *r, size_t
   shardd__sb_printf(sb, "]");
 }
 
+/* A list the daemon cut (a huge world's ranks): how many it left out. */
+static void more_note(shardd__sb *sb, int has, uint32_t n) {
+  if (has && n > 0)
+    shardd__sb_printf(sb, " (and %" PRIu32 " more)", n);
+}
+
+/* The same in JSON: "key":n when the daemon cut the list. */
+static void json_more(shardd__sb *sb, const char *key, int has, uint32_t n) {
+  if (has)
+    shardd__sb_printf(sb, ",\"%s\":%" PRIu32, key, n);
+}
+
 /* Who holds the job's ranks, and what each collective waits on: why a
  * job is stuck, read off one status. Nothing from a daemon that predates
  * the fields (it sends no ranks at all). */
@@ -81,8 +93,10 @@ static void job_waits_text(shardd__sb *sb, const Shardwire__JobStatus *j) {
   if (j->n_connected_ranks + j->n_missing_ranks > 0) {
     shardd__sb_printf(sb, "  ranks connected: ");
     rank_list(sb, j->connected_ranks, j->n_connected_ranks);
+    more_note(sb, j->has_connected_ranks_more, j->connected_ranks_more);
     shardd__sb_printf(sb, " missing: ");
     rank_list(sb, j->missing_ranks, j->n_missing_ranks);
+    more_note(sb, j->has_missing_ranks_more, j->missing_ranks_more);
     shardd__sb_printf(sb, "\n");
     for (size_t k = 0; k < j->n_missing_ranks && k < j->n_missing_for_s; k++)
       if (j->missing_for_s[k] >= 0)
@@ -101,9 +115,11 @@ static void job_waits_text(shardd__sb *sb, const Shardwire__JobStatus *j) {
     shardd__sb_printf(sb, ": %s %.1f s, arrived ", c->running ? "running" : "waiting",
                       c->waited_s);
     rank_list(sb, c->arrived, c->n_arrived);
+    more_note(sb, c->has_arrived_more, c->arrived_more);
     if (!c->running) {
       shardd__sb_printf(sb, ", waiting for ");
       rank_list(sb, c->waiting_for, c->n_waiting_for);
+      more_note(sb, c->has_waiting_for_more, c->waiting_for_more);
     }
     shardd__sb_printf(sb, "\n");
   }
@@ -134,6 +150,12 @@ char *shardd__fmt_status_text(const Shardwire__StatusReply *st) {
   if (st->has_partial_frame_bytes)
     shardd__sb_printf(&sb, "partial_frame_bytes: %" PRIu64 "\n",
                       st->partial_frame_bytes);
+  if (st->has_unread_reply_bytes)
+    shardd__sb_printf(&sb, "unread_reply_bytes: %" PRIu64 "\n",
+                      st->unread_reply_bytes);
+  if (st->has_unread_reply_fds)
+    shardd__sb_printf(&sb, "unread_reply_fds: %" PRIu64 "\n",
+                      st->unread_reply_fds);
   shardd__sb_printf(&sb, "devices: %zu\n", st->n_devices);
   for (size_t i = 0; i < st->n_devices; i++) {
     const Shardwire__DeviceStatus *d = st->devices[i];
@@ -188,7 +210,13 @@ char *shardd__fmt_status_text(const Shardwire__StatusReply *st) {
                         " steps %" PRIu64 "\n",
                         o->id, o->name, kind_word(o->kind), o->params, o->steps);
     }
+    if (j->has_optimizers_more && j->optimizers_more > 0)
+      shardd__sb_printf(&sb, "  and %" PRIu32 " more optimizers\n", j->optimizers_more);
   }
+  if (st->has_jobs_more && st->jobs_more > 0)
+    shardd__sb_printf(&sb, "and %" PRIu32 " more jobs: shardctl status --from %"
+                      PRIu64 "\n", st->jobs_more,
+                      (uint64_t)(st->has_first_job ? st->first_job : 0) + st->n_jobs);
   return shardd__sb_take(&sb);
 }
 
@@ -206,6 +234,12 @@ char *shardd__fmt_status_json(const Shardwire__StatusReply *st) {
   if (st->has_partial_frame_bytes)
     shardd__sb_printf(&sb, ",\"partial_frame_bytes\":%" PRIu64,
                       st->partial_frame_bytes);
+  if (st->has_unread_reply_bytes)
+    shardd__sb_printf(&sb, ",\"unread_reply_bytes\":%" PRIu64,
+                      st->unread_reply_bytes);
+  if (st->has_unread_reply_fds)
+    shardd__sb_printf(&sb, ",\"unread_reply_fds\":%" PRIu64,
+                      st->unread_reply_fds);
   shardd__sb_printf(&sb, ",\"devices\":[");
   for (size_t i = 0; i < st->n_devices; i++) {
     const Shardwire__DeviceStatus *d = st->devices[i];
@@ -248,6 +282,11 @@ char *shardd__fmt_status_json(const Shardwire__StatusReply *st) {
                         o->params, o->steps);
     }
     shardd__sb_printf(&sb, "]");
+    json_more(&sb, "optimizers_more", j->has_optimizers_more, j->optimizers_more);
+    json_more(&sb, "connected_ranks_more", j->has_connected_ranks_more,
+              j->connected_ranks_more);
+    json_more(&sb, "missing_ranks_more", j->has_missing_ranks_more,
+              j->missing_ranks_more);
     if (j->n_connected_ranks + j->n_missing_ranks > 0) {
       json_u32s(&sb, "connected_ranks", j->connected_ranks, j->n_connected_ranks);
       json_u32s(&sb, "missing_ranks", j->missing_ranks, j->n_missing_ranks);
@@ -267,6 +306,9 @@ char *shardd__fmt_status_json(const Shardwire__StatusReply *st) {
                         c->running ? "true" : "false", c->waited_s);
       json_u32s(&sb, "arrived", c->arrived, c->n_arrived);
       json_u32s(&sb, "waiting_for", c->waiting_for, c->n_waiting_for);
+      json_more(&sb, "arrived_more", c->has_arrived_more, c->arrived_more);
+      json_more(&sb, "waiting_for_more", c->has_waiting_for_more,
+                c->waiting_for_more);
       shardd__sb_printf(&sb, "}");
     }
     shardd__sb_printf(&sb, "]");
@@ -300,7 +342,11 @@ char *shardd__fmt_status_json(const Shardwire__StatusReply *st) {
     }
     shardd__sb_printf(&sb, "}");
   }
-  shardd__sb_printf(&sb, "]}\n");
+  shardd__sb_printf(&sb, "]");
+  if (st->has_first_job)
+    shardd__sb_printf(&sb, ",\"first_job\":%" PRIu32, st->first_job);
+  json_more(&sb, "jobs_more", st->has_jobs_more, st->jobs_more);
+  shardd__sb_printf(&sb, "}\n");
   return shardd__sb_take(&sb);
 }
 
@@ -342,8 +388,11 @@ char *shardd__fmt_inspect_text(const Shardwire__InspectReply *ir) {
     uint64_t nf = 0;
     for (size_t i = 0; i < ir->n_frozen; i++)
       nf += ir->frozen[i]->numel;
-    shardd__sb_printf(&sb, "frozen: %zu range%s, %" PRIu64 " elements\n",
+    shardd__sb_printf(&sb, "frozen: %zu range%s, %" PRIu64 " elements",
                       ir->n_frozen, ir->n_frozen == 1 ? "" : "s", nf);
+    if (ir->has_frozen_more && ir->frozen_more > 0)
+      shardd__sb_printf(&sb, " (%" PRIu32 " more ranges not listed)", ir->frozen_more);
+    shardd__sb_printf(&sb, "\n");
     for (size_t i = 0; i < ir->n_frozen; i++)
       shardd__sb_printf(&sb, "frozen range: [%" PRIu64 ", %" PRIu64 ")\n",
                         ir->frozen[i]->offset,
@@ -362,9 +411,11 @@ char *shardd__fmt_inspect_text(const Shardwire__InspectReply *ir) {
     shardd__sb_printf(&sb, "leased gather areas: ranks");
     for (size_t i = 0; i < ir->n_gather_leases; i++)
       shardd__sb_printf(&sb, " %" PRIu32, ir->gather_leases[i]);
+    more_note(&sb, ir->has_gather_leases_more, ir->gather_leases_more);
     shardd__sb_printf(&sb, "\nleased gradient areas: ranks");
     for (size_t i = 0; i < ir->n_grad_leases; i++)
       shardd__sb_printf(&sb, " %" PRIu32, ir->grad_leases[i]);
+    more_note(&sb, ir->has_grad_leases_more, ir->grad_leases_more);
     shardd__sb_printf(&sb, "\n");
   }
   if (ir->has_resident_bytes) {
@@ -380,8 +431,11 @@ char *shardd__fmt_inspect_text(const Shardwire__InspectReply *ir) {
                       " elements [%" PRIu64 ", %" PRIu64 ")\n",
                       s->rank, s->device, s->offset, s->offset + s->numel);
   }
+  if (ir->has_shards_more && ir->shards_more > 0)
+    shardd__sb_printf(&sb, "and %" PRIu32 " more shards\n", ir->shards_more);
   if (!strcmp(ir->kind, "buffer"))
-    shardd__sb_printf(&sb, "views: %zu\n", ir->n_views);
+    shardd__sb_printf(&sb, "views: %zu\n", ir->n_views +
+                      (ir->has_views_more ? ir->views_more : 0));
   for (size_t i = 0; i < ir->n_views; i++) {
     const Shardwire__ViewInfo *v = ir->views[i];
     shardd__sb_printf(&sb, "view %" PRIu64 " %s: [%" PRIu64 ", %" PRIu64 ") shape ",
@@ -395,6 +449,8 @@ char *shardd__fmt_inspect_text(const Shardwire__InspectReply *ir) {
       shardd__sb_printf(&sb, " steps %" PRIu64, v->steps);
     shardd__sb_printf(&sb, "\n");
   }
+  if (ir->has_views_more && ir->views_more > 0)
+    shardd__sb_printf(&sb, "and %" PRIu32 " more views\n", ir->views_more);
   return shardd__sb_take(&sb);
 }
 
@@ -484,6 +540,14 @@ char *shardd__fmt_inspect_json(const Shardwire__InspectReply *ir) {
       shardd__sb_printf(&sb, ",\"steps\":%" PRIu64, v->steps);
     shardd__sb_printf(&sb, "}");
   }
-  shardd__sb_printf(&sb, "]}\n");
+  shardd__sb_printf(&sb, "]");
+  json_more(&sb, "shards_more", ir->has_shards_more, ir->shards_more);
+  json_more(&sb, "views_more", ir->has_views_more, ir->views_more);
+  json_more(&sb, "frozen_more", ir->has_frozen_more, ir->frozen_more);
+  json_more(&sb, "gather_leases_more", ir->has_gather_leases_more,
+            ir->gather_leases_more);
+  json_more(&sb, "grad_leases_more", ir->has_grad_leases_more,
+            ir->grad_leases_more);
+  shardd__sb_printf(&sb, "}\n");
   return shardd__sb_take(&sb);
 }

@@ -11,7 +11,8 @@
 static void usage(FILE *f) {
   fprintf(f,
           "usage: shardctl [--socket PATH] [--json] COMMAND\n"
-          "  status              daemon, devices, jobs, optimizers\n"
+          "  status [--from N]   daemon, devices, jobs, optimizers (256 jobs at most,\n"
+          "                      from the N-th in name order; it says how many follow)\n"
           "  inspect ID|NAME     one buffer or view: layout, shards, views, owner\n"
           "  ping                round trip to the daemon\n"
           "  checkpoint JOB DIR [--timeout S]  write the job's shards, state and\n"
@@ -51,7 +52,7 @@ int main(int argc, char **argv) {
   const char *cmd = argv[i++];
   /* Options may follow the command too (shardctl status --json). */
   const char *arg = NULL, *arg2 = NULL;
-  long world = 0;
+  long world = 0, from = 0;
   double timeout = 60;
   for (; i < argc; i++) {
     if (!strcmp(argv[i], "--json"))
@@ -61,6 +62,14 @@ int main(int argc, char **argv) {
       world = strtol(argv[++i], &end, 10);
       if (*end || world < 1 || world > 65536) {
         fprintf(stderr, "shardctl: --world %s: must be 1..65536\n", argv[i]);
+        return 2;
+      }
+    }
+    else if (!strcmp(argv[i], "--from") && i + 1 < argc) {
+      char *end;
+      from = strtol(argv[++i], &end, 10);
+      if (*end || end == argv[i] || from < 0 || from > 1000000000) {
+        fprintf(stderr, "shardctl: --from %s: must be 0..1000000000\n", argv[i]);
         return 2;
       }
     }
@@ -135,7 +144,8 @@ int main(int argc, char **argv) {
   }
   char *out = NULL;
   if (is_status) {
-    rc = json ? shardd_status_json(c, &out) : shardd_status_text(c, &out);
+    rc = json ? shardd_status_json_from(c, (uint32_t)from, &out)
+              : shardd_status_text_from(c, (uint32_t)from, &out);
   } else if (is_ckpt || is_restore) {
     char job[256];
     rc = is_ckpt ? shardd_checkpoint_wait(c, arg, dir, timeout)

@@ -174,6 +174,14 @@ shardd_err shardd_ping(shardd_client_t *c);
  * caller-freed with shardd_free(). */
 shardd_err shardd_status_json(shardd_client_t *c, char **out);
 shardd_err shardd_status_text(shardd_client_t *c, char **out);
+/* As above, listing jobs from the first_job-th on (sorted by name, then
+ * owner): a status lists at most 256 jobs, and says how many follow
+ * (`jobs_more`); a job of a huge world lists 64 of each kind of rank and
+ * counts the rest (`*_more`). */
+shardd_err shardd_status_json_from(shardd_client_t *c, uint32_t first_job,
+                                   char **out);
+shardd_err shardd_status_text_from(shardd_client_t *c, uint32_t first_job,
+                                   char **out);
 
 /* One buffer or view, by id (name NULL) or by name (id 0), as JSON or text.
  * *out is caller-freed with shardd_free(). */

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "dtype.h"
+#include "log.h"
 
 typedef struct {
   pthread_mutex_t lock;
@@ -133,8 +134,20 @@ static void host_free(shardd__backend *b, shardd__region *r) {
   if (r == NULL)
     return;
   munmap(r->ptr, r->bytes);
-  if (r->fd >= 0)
+  if (r->fd >= 0) {
+    /* A client that keeps its mapping (or its descriptor) after the
+     * region is freed kept every page alive, charged to the daemon while
+     * it counted them free: registered and unregistered again and again,
+     * that escaped --uid-memory-limit until the daemon was OOM-killed.
+     * Punching the whole file out takes the pages back now, out of every
+     * mapping (a client reading its stale mapping reads zeros; a page it
+     * writes there is new memory of its own, charged where it faults). */
+    if (fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0,
+                  (off_t)r->bytes) != 0)
+      shardd__log(1, "freeing a region: punching out its %zu bytes: %s",
+                  r->bytes, strerror(errno));
     close(r->fd);
+  }
   pthread_mutex_lock(&hp->lock);
   hp->used[r->device] -= r->bytes;
   pthread_mutex_unlock(&hp->lock);

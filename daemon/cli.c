@@ -32,6 +32,13 @@ static void usage(FILE *f) {
           "  --max-partial-bytes SIZE  bytes held in unfinished frames, all clients together\n"
           "                            (default 256M; one user, not root or --admin-group,\n"
           "                            a quarter); past it clients are read no further\n"
+          "  --max-reply-bytes SIZE    bytes of replies one connection may leave unread\n"
+          "                            before it is read no further (default 16M)\n"
+          "  --max-reply-fds N         descriptors of replies it may leave unread (default 64)\n"
+          "  --max-reply-bytes-per-uid SIZE\n"
+          "                            the same for all connections of one user, not root\n"
+          "                            or --admin-group (default 64M)\n"
+          "  --max-reply-fds-per-uid N the same for descriptors (default 256)\n"
           "  --job-memory-limit SIZE   bytes one job may hold over all devices (default none)\n"
           "  --uid-memory-limit SIZE   bytes all jobs of one user (not root) may hold\n"
           "                            (default a quarter of the devices' memory; 0 none)\n"
@@ -138,7 +145,8 @@ enum {
   O_MAXCLIENTS, O_LOGLEVEL, O_FOREGROUND, O_VERSION, O_HELP,
   O_CKPT_EXIT, O_RESTORE, O_JOBMEM, O_UIDMEM, O_ADMIN, O_CKPT_ROOT, O_JOBSPEC, O_MAXGATHERS, O_MAXPENDING, O_MAXJOBS,
   O_HELLO_TO, O_FRAME_TO, O_MAXCLI_UID, O_MAXJOBS_UID, O_MAXPARTIAL,
-  O_MAXVIEWS, O_MAXVIEWS_UID, O_PEER_GRACE
+  O_MAXVIEWS, O_MAXVIEWS_UID, O_PEER_GRACE,
+  O_MAXREPLY, O_MAXREPLYFDS, O_MAXREPLY_UID, O_MAXREPLYFDS_UID
 };
 
 static const struct option longopts[] = {
@@ -167,6 +175,10 @@ static const struct option longopts[] = {
     {"max-clients-per-uid", required_argument, NULL, O_MAXCLI_UID},
     {"max-jobs-per-uid", required_argument, NULL, O_MAXJOBS_UID},
     {"max-partial-bytes", required_argument, NULL, O_MAXPARTIAL},
+    {"max-reply-bytes", required_argument, NULL, O_MAXREPLY},
+    {"max-reply-fds", required_argument, NULL, O_MAXREPLYFDS},
+    {"max-reply-bytes-per-uid", required_argument, NULL, O_MAXREPLY_UID},
+    {"max-reply-fds-per-uid", required_argument, NULL, O_MAXREPLYFDS_UID},
     {"max-views", required_argument, NULL, O_MAXVIEWS},
     {"max-views-per-uid", required_argument, NULL, O_MAXVIEWS_UID},
     {"version", no_argument, NULL, O_VERSION},
@@ -309,6 +321,20 @@ static int server_option(int c, const char *arg, shardd__server_opts *o) {
     return parse_size("max-partial-bytes", arg, &o->max_partial_bytes) != 0
                ? 2
                : SHARDD__CLI_RUN;
+  case O_MAXREPLY:
+    return parse_size("max-reply-bytes", arg, &o->max_reply_bytes) != 0
+               ? 2
+               : SHARDD__CLI_RUN;
+  case O_MAXREPLY_UID:
+    return parse_size("max-reply-bytes-per-uid", arg,
+                      &o->max_reply_bytes_per_uid) != 0
+               ? 2
+               : SHARDD__CLI_RUN;
+  case O_MAXREPLYFDS:
+    return set_count("max-reply-fds", arg, 1000000, &o->max_reply_fds);
+  case O_MAXREPLYFDS_UID:
+    return set_count("max-reply-fds-per-uid", arg, 1000000,
+                     &o->max_reply_fds_per_uid);
   default:
     usage(stderr); /* getopt_long has named the bad option */
     return 2;

@@ -268,7 +268,12 @@ static void on_goodbye(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
 static shardd__status_ctx status_ctx(shardd__dispatch *d) {
   shardd__status_ctx ctx = {&d->reg, d->coll, &d->jobs, now_s(d) - d->started,
                             d->socket_path, d->io.clients(d->io.ctx),
-                            d->io.partial_bytes(d->io.ctx), pending_checkpoint, d};
+                            d->io.partial_bytes(d->io.ctx), pending_checkpoint, d,
+                            0, 0, 0};
+  if (d->io.unread_replies) {
+    ctx.has_unread_replies = 1;
+    d->io.unread_replies(d->io.ctx, &ctx.unread_reply_bytes, &ctx.unread_reply_fds);
+  }
   return ctx;
 }
 
@@ -277,7 +282,9 @@ static void on_status(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   shardd__report *r;
   Shardwire__StatusReply *st;
   shardd__status_ctx ctx = status_ctx(d);
-  shardd_err rc = shardd__status_build(&ctx, &c->peer, &r, &st);
+  const Shardwire__StatusRequest *sr = req->status;
+  uint32_t first = sr && sr->has_first_job ? sr->first_job : 0;
+  shardd_err rc = shardd__status_build(&ctx, &c->peer, first, &r, &st);
   if (rc != SHARDD_OK) {
     reply(d, c, seq, rc, "out of memory building status");
   } else {

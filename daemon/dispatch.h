@@ -76,6 +76,9 @@ typedef struct {
    * the entries it took to -1 and closes any it could not send). */
   void (*send_fds)(void *ctx, shardd__conn *c, uint8_t *frame, size_t len,
                    int *fds, size_t nfds);
+  /* what unread replies hold now, bytes and descriptors (status); NULL:
+   * nothing is said */
+  void (*unread_replies)(void *ctx, uint64_t *bytes, uint64_t *fds);
 } shardd__dispatch_io;
 
 typedef struct {

@@ -27,7 +27,7 @@
 
 int shardd__session_may_read(const shardd__session *s) {
   return !s->closing && !s->close_after_write && !s->close_deferred &&
-         !s->read_paused && !s->budget_wait && !s->deferred;
+         !s->read_paused && !s->reply_wait && !s->budget_wait && !s->deferred;
 }
 
 static uint64_t uid_charged(const shardd__server *srv, uint32_t uid) {

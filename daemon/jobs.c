@@ -404,6 +404,27 @@ uint32_t shardd__jobs_clients(const shardd__jobs *j, const shardd__job *job) {
   return s ? s->nclients : 0;
 }
 
+uint32_t shardd__jobs_ranks(const shardd__jobs *j, const shardd__job *job,
+                            uint32_t *held, uint32_t *missing, size_t max,
+                            size_t *nheld, size_t *nmissing) {
+  const slot *s = slot_get(j, job);
+  uint32_t total = 0, first = job->local_first, end = first + job->local_ranks;
+  uint32_t clients = s ? s->nclients : 0;
+  *nheld = *nmissing = 0;
+  for (uint32_t k = first; k < end; k++) {
+    if (s && s->owners[k].owner != 0) {
+      total++;
+      if (*nheld < max)
+        held[(*nheld)++] = k;
+    } else if (*nmissing < max) {
+      missing[(*nmissing)++] = k;
+    } else if (total >= clients) {
+      break; /* both lists are what they will be */
+    }
+  }
+  return total > clients ? total : clients;
+}
+
 /* What refuses a checkpoint of job now, into err; SHARDD_OK when none. */
 static shardd_err may_checkpoint(const shardd__jobs *j, const shardd__job *job,
                                  char *err, size_t errlen) {

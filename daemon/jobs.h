@@ -113,6 +113,13 @@ uint32_t shardd__jobs_clients(const shardd__jobs *j, const shardd__job *job);
 /* Whether a client holds rank of job now. */
 int shardd__jobs_rank_held(const shardd__jobs *j, const shardd__job *job,
                            uint32_t rank);
+/* This daemon's ranks of job, lowest first: the first max held ones into
+ * held (*nheld of them), the first max others into missing (*nmissing);
+ * returns how many are held in all. One pass, which stops once both lists
+ * are full and every held rank was seen (status of a huge world). */
+uint32_t shardd__jobs_ranks(const shardd__jobs *j, const shardd__job *job,
+                            uint32_t *held, uint32_t *missing, size_t max,
+                            size_t *nheld, size_t *nmissing);
 
 /* Checkpoints job to dir between steps (SHARDD_E_BUSY with collectives in
  * flight or while it is being checkpointed or restored, SHARDD_E_STATE for a

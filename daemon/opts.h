@@ -55,6 +55,16 @@ typedef struct {
    * before its peers' collectives fail (they waited the whole collective
    * timeout for a rank the daemon had seen go) */
   double peer_grace;
+  /* Unread replies: a client that sent requests and never read made the
+   * daemon hold ~90 MiB and 313 descriptors per connection, 256
+   * connections of one uid 23 GiB and 80k descriptors. A session whose
+   * unwritten replies hold max_reply_bytes or max_reply_fds is not read
+   * until they drain below half; all sessions of one uid other than root
+   * and --admin-group, likewise at the _per_uid bounds. */
+  uint64_t max_reply_bytes;
+  uint32_t max_reply_fds;
+  uint64_t max_reply_bytes_per_uid;
+  uint32_t max_reply_fds_per_uid;
 } shardd__server_opts;
 
 #define SHARDD__UID_MEMORY_DEFAULT UINT64_MAX
@@ -64,6 +74,7 @@ typedef struct {
 #define SHARDD__ADMIN_RESERVE 8u
 
 #define SHARDD__SERVER_OPTS_INIT \
-  {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2, -1, 0, NULL, NULL, 0, 16, 4096, 10.0, 30.0, 256, 512, SHARDD__UID_MEMORY_DEFAULT, (uint64_t)256 << 20, 4194304, 0, 1.0}
+  {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2, -1, 0, NULL, NULL, 0, 16, 4096, 10.0, 30.0, 256, 512, SHARDD__UID_MEMORY_DEFAULT, (uint64_t)256 << 20, 4194304, 0, 1.0, \
+   (uint64_t)16 << 20, 64, (uint64_t)64 << 20, 256}
 
 #endif /* SHARDD_OPTS_H */

@@ -64,9 +64,10 @@ static void read_cb(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
  * other sessions' I/O is served between two turns of one session and a
  * queued session resumes without waiting for I/O. A session leaves the
  * queue when its turn ends with no whole frame left (it is read again if
- * nothing else holds it), when its replies back up (read_paused: write_done
- * resumes it), or when it closes (session_close unlinks it before anything
- * else, so no turn touches a closed session). */
+ * nothing else holds it), when its replies (or its uid's) back up
+ * (replybudget.c resumes it through a turn once they drain), or when it
+ * closes (session_close unlinks it before anything else, so no turn
+ * touches a closed session). */
 #define TURN_NS ((uint64_t)1000000)
 
 static void on_spin(uv_idle_t *h) { (void)h; }
@@ -89,6 +90,13 @@ static void turn_queue(shardd__session *s) {
     uv_check_start(&srv->turns, on_turns);
     uv_idle_start(&srv->spin, on_spin);
   }
+}
+
+void shardd__session_resume(shardd__session *s) {
+  if (s->closing || s->close_after_write || s->close_deferred ||
+      s->read_paused || s->reply_wait)
+    return;
+  turn_queue(s);
 }
 
 void shardd__turn_unlink(shardd__session *s) {
@@ -128,15 +136,8 @@ static int dispatch_frames(shardd__session *s) {
   for (int n = 0;; n++) {
     if (s->closing || s->close_deferred)
       return 0; /* a reply failed (or the session ended) meanwhile */
-    if (shardd__session_backlog(s, 1)) {
-      if (!s->read_paused)
-        shardd__log(3, "session %" PRIu64 ": %" PRIu32 " replies (%zu "
-                    "bytes) unread by the client; not reading it until they drain",
-                    s->conn.id, s->writes, uv_stream_get_write_queue_size(stream));
-      s->read_paused = 1;
-      uv_read_stop(stream);
-      return 0;
-    }
+    if (shardd__replies_hold(s))
+      return 0; /* its replies, or its uid's, back up: write_done resumes it */
     if (n > 0 && uv_hrtime() - start >= TURN_NS)
       return shardd__frame_reader_pending(&s->rd) > 0;
     const uint8_t *payload;

@@ -44,33 +44,25 @@ typedef struct {
   shardd__session *s;
   uv_buf_t buf;
   shared_buf *sb; /* NULL: buf.base is this write's own */
+  uint64_t charged; /* bytes charged to the reply bounds (replybudget.c) */
 } write_req;
+
+/* Charges s a write just handed to libuv: its bytes, the request and the
+ * descriptor's handle, all held until write_done. */
+static void write_charge(shardd__session *s, write_req *w) {
+  w->charged = w->buf.len + sizeof *w + (w->fd_handle ? sizeof *w->fd_handle : 0);
+  shardd__replies_charge(s, w->charged, w->fd_handle != NULL);
+}
 
 void shardd__session_close(shardd__session *s);
 static void session_close_later(shardd__session *s);
-
-/* Backpressure. A client that sends requests and never reads the replies
- * made the daemon queue them without end: a Ping echoes up to 16 MiB, and
- * every RegisterBuffer reply holds a descriptor until written, so one
- * client could exhaust the daemon's memory or descriptors for everyone.
- * Past the high marks the session is not read (its requests wait in the
- * kernel, then in the client) until its replies drain below the low ones. */
-#define WQ_HIGH_BYTES ((size_t)64 << 20)
-#define WQ_LOW_BYTES ((size_t)16 << 20)
-#define WQ_HIGH_WRITES 64u
-#define WQ_LOW_WRITES 16u
-
-int shardd__session_backlog(shardd__session *s, int high) {
-  size_t bytes = uv_stream_get_write_queue_size((uv_stream_t *)&s->pipe);
-  if (high)
-    return s->writes >= WQ_HIGH_WRITES || bytes >= WQ_HIGH_BYTES;
-  return s->writes > WQ_LOW_WRITES || bytes > WQ_LOW_BYTES;
-}
 
 static void fd_handle_closed(uv_handle_t *h) { free(h); }
 
 static void write_done(uv_write_t *req, int status) {
   write_req *w = (write_req *)req;
+  uint64_t charged = w->charged;
+  uint32_t fds = w->fd_handle != NULL;
   if (w->fd_handle)
     uv_close((uv_handle_t *)w->fd_handle, fd_handle_closed);
   shardd__session *s = w->s;
@@ -89,15 +81,10 @@ static void write_done(uv_write_t *req, int status) {
   } else if (s->close_after_write &&
              uv_stream_get_write_queue_size((uv_stream_t *)&s->pipe) == 0) {
     shardd__session_close(s);
-  } else if (s->read_paused && !s->closing && !s->close_after_write &&
-             !s->close_deferred && !shardd__session_backlog(s, 0)) {
-    s->read_paused = 0;
-    shardd__log(3, "session %" PRIu64 ": replies drained; reading again",
-                s->conn.id);
-    if (shardd__session_may_read(s)) /* else the partial-frame budget holds it */
-      shardd__session_read_start(s);
-    shardd__session_read_frames(s); /* requests that arrived before the pause */
   }
+  /* resumes s, or its uid's sessions, once drained (through a turn: the
+   * requests that arrived before the pause are dispatched there) */
+  shardd__replies_release(s, charged, fds);
 }
 
 void shardd__server_fail_replies(shardd__server *srv, unsigned n) {
@@ -160,6 +147,7 @@ static void net_send(void *ctx, shardd__conn *c, uint8_t *frame, size_t n,
   }
   if (e == 0) {
     s->writes++;
+    write_charge(s, w);
   } else {
     shardd__log(3, "session %" PRIu64 ": write: %s", s->conn.id,
                 uv_strerror(e));
@@ -248,6 +236,7 @@ static void net_send_fds(void *ctx, shardd__conn *c, uint8_t *frame, size_t n,
       return;
     }
     s->writes++;
+    write_charge(s, w);
   }
   free(ws);
   return;
@@ -326,6 +315,12 @@ static uint64_t net_partial_bytes(void *ctx) {
   return srv->partial_bytes;
 }
 
+static void net_unread_replies(void *ctx, uint64_t *bytes, uint64_t *fds) {
+  const shardd__server *srv = ctx;
+  *bytes = srv->reply_bytes;
+  *fds = srv->reply_fds;
+}
+
 /* A status-only reply from the transport itself. */
 void shardd__session_refuse(shardd__session *s, shardd_err code, const char *msg) {
   shardd__dispatch_refuse(&s->srv->d, &s->conn, code, msg);
@@ -335,6 +330,7 @@ void shardd__session_refuse(shardd__session *s, shardd_err code, const char *msg
 
 static void session_freed(uv_handle_t *h) {
   shardd__session *s = (shardd__session *)h;
+  shardd__replies_leave(s); /* every write has called back by now */
   shardd__frame_reader_free(&s->rd);
   free(s);
 }
@@ -347,6 +343,7 @@ void shardd__session_close(shardd__session *s) {
   if (s->deferred)
     shardd__turn_unlink(s); /* its frames are dropped with it; no turn touches it */
   shardd__dispatch_closed(&srv->d, &s->conn);
+  shardd__replies_closed(s); /* its writes give their charges back as libuv cancels them */
   int released = shardd__budget_account(s); /* closing: gives its charge back */
   if (s->prev)
     s->prev->next = s->next;
@@ -440,7 +437,10 @@ static void session_begin(shardd__server *srv, shardd__session *s) {
     for (shardd__session *o = srv->sessions; o; o = o->next)
       mine += o->conn.peer.uid == s->conn.peer.uid && !o->closing;
   char msg[160] = "";
-  if (srv->nclients > srv->opts.max_clients + (s->conn.peer.admin ? SHARDD__ADMIN_RESERVE : 0))
+  shardd_err why = SHARDD_E_LIMIT;
+  if (shardd__replies_join(s) != SHARDD_OK)
+    why = SHARDD_E_NO_MEMORY, snprintf(msg, sizeof msg, "out of memory");
+  else if (srv->nclients > srv->opts.max_clients + (s->conn.peer.admin ? SHARDD__ADMIN_RESERVE : 0))
     snprintf(msg, sizeof msg, "the daemon serves at most %" PRIu32 " clients",
              srv->opts.max_clients);
   else if (!s->conn.peer.admin && mine > srv->opts.max_clients_per_uid)
@@ -450,7 +450,7 @@ static void session_begin(shardd__server *srv, shardd__session *s) {
   if (msg[0]) {
     shardd__log(1, "connection of uid %" PRIu32 " pid %" PRId32 " refused: %s",
                 (uint32_t)s->conn.peer.uid, (int32_t)s->conn.peer.pid, msg);
-    shardd__session_refuse(s, SHARDD_E_LIMIT, msg);
+    shardd__session_refuse(s, why, msg);
     s->close_after_write = 1;
     return;
   }
@@ -483,7 +483,7 @@ static void reap_idle_sessions(shardd__server *srv, double now) {
     /* a session the daemon does not read (its replies back up, the
      * partial-frame budget is full, or its frames wait for their turn) is
      * not slow: its clock stops */
-    if (!s->read_paused && !s->budget_wait && !s->deferred &&
+    if (!s->read_paused && !s->reply_wait && !s->budget_wait && !s->deferred &&
         shardd__frame_reader_pending(&s->rd) > 0) {
       if (s->partial_since < 0)
         s->partial_since = now;
@@ -592,7 +592,7 @@ shardd_err shardd__server_init(shardd__server *srv, uv_loop_t *loop,
   snprintf(srv->socket_path, sizeof srv->socket_path, "%s", path);
   shardd__dispatch_io io = {srv,      net_send,          net_clients,
                             net_live, net_partial_bytes, net_reclaim,
-                            net_send_fds};
+                            net_send_fds,      net_unread_replies};
   shardd_err rc = shardd__dispatch_init(&srv->d, loop, backend, opts,
                                         srv->socket_path, &io, err, errlen);
   if (rc != SHARDD_OK) {
@@ -663,6 +663,11 @@ void shardd__server_stop(shardd__server *srv) {
 }
 
 void shardd__server_free(shardd__server *srv) {
+  while (srv->reply_uids) { /* none, once every close callback has run */
+    shardd__reply_uid *u = srv->reply_uids;
+    srv->reply_uids = u->next;
+    free(u);
+  }
   shardd__dispatch_free(&srv->d);
   if (srv->backend)
     srv->backend->ops->destroy(srv->backend);

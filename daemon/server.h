@@ -24,6 +24,21 @@
 
 typedef struct shardd__session shardd__session;
 typedef struct shardd__server shardd__server;
+typedef struct shardd__reply_uid shardd__reply_uid;
+
+/* What the unwritten replies of one uid's sessions hold (replybudget.c):
+ * one per uid other than root and --admin-group with a session, its
+ * sessions' reference kept until their last write is done. */
+struct shardd__reply_uid {
+  uint32_t uid;
+  uint32_t refs;    /* sessions pointing here, closed or not */
+  uint64_t bytes;   /* reply bytes queued, with their write requests */
+  uint32_t fds;     /* descriptors held for those replies */
+  uint32_t waiters; /* sessions not read until these drain */
+  int warned;       /* this episode of waiting was logged */
+  double loud_next; /* server clock: the next episode logged as a warning */
+  shardd__reply_uid *next;
+};
 
 struct shardd__session {
   uv_pipe_t pipe; /* first: the handle's address is the session's */
@@ -37,7 +52,16 @@ struct shardd__session {
    * turn (server.c), never inside the caller that was answering it. */
   int close_deferred;
   uint32_t writes; /* replies handed to libuv whose write_done has not run */
-  int read_paused; /* not read until its replies drain (server.c) */
+  /* Unread replies (replybudget.c): the bytes and descriptors this
+   * session's unwritten replies hold; read_paused: not read until they
+   * drain below half of --max-reply-bytes / --max-reply-fds; reply_wait:
+   * not read until its uid's (reply_uid, NULL for root and --admin-group)
+   * drain below half of the per-uid bounds. */
+  uint64_t reply_bytes;
+  uint32_t reply_fds;
+  int read_paused;
+  int reply_wait;
+  shardd__reply_uid *reply_uid;
   double since;         /* connected (server clock, seconds) */
   double partial_since; /* a partial frame is buffered since; < 0 none */
   /* The partial-frame budget (server.c): bytes of it this session holds
@@ -87,6 +111,10 @@ struct shardd__server {
   uint64_t partial_share;
   uint32_t budget_waiters;
   int budget_warned;
+  /* unread replies over every session (bytes, descriptors), and by uid */
+  uint64_t reply_bytes;
+  uint64_t reply_fds;
+  shardd__reply_uid *reply_uids;
   atomic_uint fail_replies; /* shardd__server_fail_replies */
 };
 

@@ -53,52 +53,88 @@ void shardd__report_free(shardd__report *r) {
 
 static Shardwire__DType wire_dtype(shardd_dtype d) { return (Shardwire__DType)d; }
 
-/* Collectives listed per job: a stuck job shows what it waits on without
- * a deep pipeline of prefetched gathers filling the reply. */
+/* What a report lists is bounded, and its cost follows what it lists: one
+ * status of 512 jobs of world 65536 built per-rank arrays of every job
+ * (13.5 GB, the loop frozen for a minute) to send a reply the client would
+ * refuse anyway. Past these, lists are cut and a _more field counts the
+ * rest. Collectives listed per job: a stuck job shows what it waits on
+ * without a deep pipeline of prefetched gathers filling the reply. */
 #define MAX_STATUS_COLLECTIVES 32
+#define MAX_STATUS_RANKS 64  /* in each list of ranks */
+#define MAX_STATUS_OPTIMIZERS 64
+#define MAX_STATUS_CHECKPOINTS 16
+/* jobs per reply (StatusRequest.first_job pages on), and about the bytes
+ * they may take: half the frame limit */
+#define MAX_STATUS_JOBS 256
+#define MAX_STATUS_JOB_BYTES ((size_t)8 << 20)
+/* collectives described per reply: each reads its world's arrivals */
+#define MAX_STATUS_DESCRIBED 1024
+#define MAX_INSPECT_SHARDS 64
+#define MAX_INSPECT_VIEWS 1024
 
 /* This daemon's ranks of job, held and not (with how long each has been
- * gone), so an operator sees who is missing when collectives wait. */
+ * gone), so an operator sees who is missing when collectives wait; the
+ * first MAX_STATUS_RANKS of each, the rest counted. */
 static void rank_states(const shardd__status_ctx *ctx, shardd__report *r,
                         shardd__job *job, Shardwire__JobStatus *js) {
   uint32_t n = job->local_ranks;
-  js->connected_ranks = ar_alloc(r, n * sizeof *js->connected_ranks);
-  js->missing_ranks = ar_alloc(r, n * sizeof *js->missing_ranks);
-  js->missing_for_s = ar_alloc(r, n * sizeof *js->missing_for_s);
+  size_t max = n < MAX_STATUS_RANKS ? n : MAX_STATUS_RANKS;
+  js->connected_ranks = ar_alloc(r, max * sizeof *js->connected_ranks);
+  js->missing_ranks = ar_alloc(r, max * sizeof *js->missing_ranks);
+  js->missing_for_s = ar_alloc(r, max * sizeof *js->missing_for_s);
   if (!js->connected_ranks || !js->missing_ranks || !js->missing_for_s)
     return;
-  for (uint32_t k = job->local_first; k < job->local_first + n; k++) {
-    if (shardd__jobs_rank_held(ctx->jobs, job, k)) {
-      js->connected_ranks[js->n_connected_ranks++] = k;
-      continue;
-    }
-    js->missing_ranks[js->n_missing_ranks++] = k;
+  uint32_t held = shardd__jobs_ranks(ctx->jobs, job, js->connected_ranks,
+                                     js->missing_ranks, max,
+                                     &js->n_connected_ranks, &js->n_missing_ranks);
+  if (held > n)
+    held = n;
+  for (size_t k = 0; k < js->n_missing_ranks; k++)
     js->missing_for_s[js->n_missing_for_s++] =
-        shardd__coll_rank_missing_s(ctx->coll, job, k);
+        shardd__coll_rank_missing_s(ctx->coll, job, js->missing_ranks[k]);
+  if (held > js->n_connected_ranks) {
+    js->has_connected_ranks_more = 1;
+    js->connected_ranks_more = held - (uint32_t)js->n_connected_ranks;
+  }
+  if (n - held > js->n_missing_ranks) {
+    js->has_missing_ranks_more = 1;
+    js->missing_ranks_more = n - held - (uint32_t)js->n_missing_ranks;
   }
 }
 
 /* The job's collectives, oldest first, each with the ranks that arrived
- * and those it waits on. */
+ * and those it waits on (the first MAX_STATUS_RANKS of each); *budget
+ * counts down the collectives this report may still describe. */
 static void coll_states(const shardd__status_ctx *ctx, shardd__report *r,
-                        shardd__job *job, Shardwire__JobStatus *js) {
+                        shardd__job *job, Shardwire__JobStatus *js,
+                        size_t *budget) {
   uint32_t n = shardd__coll_inflight(ctx->coll, job);
   if (n == 0)
     return;
   if (n > MAX_STATUS_COLLECTIVES)
     n = MAX_STATUS_COLLECTIVES;
-  uint8_t *arrived = ar_alloc(r, job->world);
-  js->collectives = ar_alloc(r, n * sizeof *js->collectives);
-  if (arrived == NULL || js->collectives == NULL)
+  if (n > *budget)
+    n = (uint32_t)*budget;
+  if (n == 0)
     return;
+  /* scratch, not the report's: freed before the next job */
+  uint8_t *arrived = malloc(job->world ? job->world : 1);
+  js->collectives = ar_alloc(r, n * sizeof *js->collectives);
+  if (arrived == NULL || js->collectives == NULL) {
+    r->failed |= arrived == NULL;
+    free(arrived);
+    return;
+  }
+  uint32_t lr = job->local_ranks;
+  size_t max = lr < MAX_STATUS_RANKS ? lr : MAX_STATUS_RANKS;
   shardd__coll_info info;
   for (size_t i = 0; i < n && shardd__coll_describe(ctx->coll, job, i, &info,
                                                     arrived) == SHARDD_OK; i++) {
+    --*budget;
     Shardwire__CollectiveStatus *cs = ar_alloc(r, sizeof *cs);
-    uint32_t lr = job->local_ranks;
-    uint32_t *in = ar_alloc(r, lr * sizeof *in), *out = ar_alloc(r, lr * sizeof *out);
+    uint32_t *in = ar_alloc(r, max * sizeof *in), *out = ar_alloc(r, max * sizeof *out);
     if (cs == NULL || in == NULL || out == NULL)
-      return;
+      break;
     shardwire__collective_status__init(cs);
     cs->kind = ar_strdup(r, shardd__coll_kind_word(info.kind));
     cs->target = info.target;
@@ -107,14 +143,27 @@ static void coll_states(const shardd__status_ctx *ctx, shardd__report *r,
     cs->waited_s = info.waited_s;
     cs->arrived = in;
     cs->waiting_for = out;
+    uint32_t nin = 0, nout = 0;
     for (uint32_t k = job->local_first; k < job->local_first + lr; k++) {
-      if (arrived[k])
-        in[cs->n_arrived++] = k;
-      else if (!info.running)
-        out[cs->n_waiting_for++] = k;
+      if (arrived[k]) {
+        if (nin++ < max)
+          in[cs->n_arrived++] = k;
+      } else if (!info.running) {
+        if (nout++ < max)
+          out[cs->n_waiting_for++] = k;
+      }
+    }
+    if (nin > cs->n_arrived) {
+      cs->has_arrived_more = 1;
+      cs->arrived_more = nin - (uint32_t)cs->n_arrived;
+    }
+    if (nout > cs->n_waiting_for) {
+      cs->has_waiting_for_more = 1;
+      cs->waiting_for_more = nout - (uint32_t)cs->n_waiting_for;
     }
     js->collectives[js->n_collectives++] = cs;
   }
+  free(arrived);
 }
 
 /* What an operator's waiting checkpoint waits for shows next to the
@@ -124,7 +173,7 @@ static void pending_checkpoints(const shardd__status_ctx *ctx, shardd__report *r
   const char *dir;
   double waited, wait;
   size_t n = 0;
-  while (ctx->pending_checkpoint &&
+  while (n < MAX_STATUS_CHECKPOINTS && ctx->pending_checkpoint &&
          ctx->pending_checkpoint(ctx->pending_arg, job, n, &dir, &waited, &wait))
     n++;
   if (n == 0 || (js->pending_checkpoints = ar_alloc(r, n * sizeof *js->pending_checkpoints)) == NULL)
@@ -146,7 +195,8 @@ static void pending_checkpoints(const shardd__status_ctx *ctx, shardd__report *r
 }
 
 static Shardwire__JobStatus *job_status(const shardd__status_ctx *ctx,
-                                     shardd__report *r, shardd__job *job) {
+                                     shardd__report *r, shardd__job *job,
+                                     size_t *described) {
   Shardwire__JobStatus *js = ar_alloc(r, sizeof *js);
   if (js == NULL)
     return NULL;
@@ -166,19 +216,19 @@ static Shardwire__JobStatus *job_status(const shardd__status_ctx *ctx,
   }
   js->collectives_in_flight = shardd__coll_inflight(ctx->coll, job);
   rank_states(ctx, r, job, js);
-  coll_states(ctx, r, job, js);
+  coll_states(ctx, r, job, js, described);
   pending_checkpoints(ctx, r, job, js);
-  shardd__buffer **bufs;
-  size_t nb;
-  if (shardd__job_buffers(job, &bufs, &nb) == SHARDD_OK) {
-    js->buffers = (uint32_t)nb;
-    free(bufs);
-  }
+  js->buffers = (uint32_t)shardd__map_count(&job->buffers);
   shardd__optim **opts;
   size_t no;
   if (shardd__job_optims(job, &opts, &no) == SHARDD_OK) {
-    js->optimizers = ar_alloc(r, (no ? no : 1) * sizeof *js->optimizers);
-    for (size_t i = 0; js->optimizers && i < no; i++) {
+    size_t listed = no < MAX_STATUS_OPTIMIZERS ? no : MAX_STATUS_OPTIMIZERS;
+    if (no > listed) {
+      js->has_optimizers_more = 1;
+      js->optimizers_more = (uint32_t)(no - listed);
+    }
+    js->optimizers = ar_alloc(r, (listed ? listed : 1) * sizeof *js->optimizers);
+    for (size_t i = 0; js->optimizers && i < listed; i++) {
       Shardwire__OptimizerStatus *os = ar_alloc(r, sizeof *os);
       if (os == NULL)
         break;
@@ -221,33 +271,65 @@ static Shardwire__JobStatus *job_status(const shardd__status_ctx *ctx,
 }
 
 typedef struct {
-  shardd__report *r;
-  Shardwire__StatusReply *st;
-  size_t cap;
+  shardd__job **jobs;
+  size_t n, cap;
   const shardd__peer *viewer;
-  const shardd__status_ctx *ctx;
 } jobs_arg;
 
 static void add_job(shardd__job *job, void *arg) {
   jobs_arg *a = arg;
   if (a->viewer && !shardd__access_may_see(a->viewer, job))
     return;
-  if (a->st->n_jobs < a->cap) {
-    Shardwire__JobStatus *js = job_status(a->ctx, a->r, job);
-    if (js)
-      a->st->jobs[a->st->n_jobs++] = js;
-  }
+  if (a->n < a->cap)
+    a->jobs[a->n++] = job;
 }
 
 static int cmp_job(const void *x, const void *y) {
-  const Shardwire__JobStatus *a = *(Shardwire__JobStatus *const *)x;
-  const Shardwire__JobStatus *b = *(Shardwire__JobStatus *const *)y;
+  const shardd__job *a = *(shardd__job *const *)x;
+  const shardd__job *b = *(shardd__job *const *)y;
   int k = strcmp(a->name, b->name);
-  return k ? k : (a->owner_uid > b->owner_uid) - (a->owner_uid < b->owner_uid);
+  return k ? k : (a->uid > b->uid) - (a->uid < b->uid);
+}
+
+/* The jobs viewer may see, sorted by name then owner; from the first_job-th
+ * on, as many as fit MAX_STATUS_JOBS and MAX_STATUS_JOB_BYTES are listed,
+ * the rest counted in jobs_more. Only listed jobs cost more than a
+ * pointer and a comparison. */
+static void list_jobs(const shardd__status_ctx *ctx, shardd__report *r,
+                      Shardwire__StatusReply *st, const shardd__peer *viewer,
+                      uint32_t first_job) {
+  jobs_arg a = {NULL, 0, shardd__map_count(&ctx->reg->jobs), viewer};
+  a.jobs = malloc((a.cap ? a.cap : 1) * sizeof *a.jobs);
+  st->jobs = ar_alloc(r, MAX_STATUS_JOBS * sizeof *st->jobs);
+  if (a.jobs == NULL || st->jobs == NULL) {
+    r->failed = 1;
+    free(a.jobs);
+    return;
+  }
+  shardd__registry_each_job(ctx->reg, add_job, &a);
+  qsort(a.jobs, a.n, sizeof *a.jobs, cmp_job);
+  size_t i = first_job < a.n ? first_job : a.n, bytes = 0;
+  size_t described = MAX_STATUS_DESCRIBED;
+  if (first_job > 0) {
+    st->has_first_job = 1;
+    st->first_job = (uint32_t)i;
+  }
+  for (; i < a.n && st->n_jobs < MAX_STATUS_JOBS && bytes < MAX_STATUS_JOB_BYTES; i++) {
+    Shardwire__JobStatus *js = job_status(ctx, r, a.jobs[i], &described);
+    if (js == NULL)
+      break;
+    bytes += shardwire__job_status__get_packed_size(js);
+    st->jobs[st->n_jobs++] = js;
+  }
+  if (i < a.n) {
+    st->has_jobs_more = 1;
+    st->jobs_more = (uint32_t)(a.n - i);
+  }
+  free(a.jobs);
 }
 
 shardd_err shardd__status_build(const shardd__status_ctx *ctx,
-                                const shardd__peer *viewer,
+                                const shardd__peer *viewer, uint32_t first_job,
                                 shardd__report **out,
                                 Shardwire__StatusReply **reply) {
   shardd__report *r = calloc(1, sizeof *r);
@@ -268,6 +350,11 @@ shardd_err shardd__status_build(const shardd__status_ctx *ctx,
   st->clients = ctx->clients;
   st->has_partial_frame_bytes = 1;
   st->partial_frame_bytes = ctx->partial_frame_bytes;
+  if (ctx->has_unread_replies) {
+    st->has_unread_reply_bytes = st->has_unread_reply_fds = 1;
+    st->unread_reply_bytes = ctx->unread_reply_bytes;
+    st->unread_reply_fds = ctx->unread_reply_fds;
+  }
 
   shardd__backend *be = ctx->reg->backend;
   int nd = be->ndevices;
@@ -292,11 +379,7 @@ shardd_err shardd__status_build(const shardd__status_ctx *ctx,
     st->devices[st->n_devices++] = ds;
   }
 
-  jobs_arg a = {r, st, shardd__map_count(&ctx->reg->jobs), viewer, ctx};
-  st->jobs = ar_alloc(r, (a.cap ? a.cap : 1) * sizeof *st->jobs);
-  if (st->jobs)
-    shardd__registry_each_job(ctx->reg, add_job, &a);
-  qsort(st->jobs, st->n_jobs, sizeof *st->jobs, cmp_job);
+  list_jobs(ctx, r, st, viewer, first_job);
   if (r->failed)
     return SHARDD_E_NO_MEMORY;
   *reply = st;
@@ -359,9 +442,14 @@ static shardd_err fill_buffer(shardd__report *r, const shardd__status_ctx *ctx,
   ir->resident_bytes = 0;
   ir->has_generation = 1;
   ir->generation = b->hdr.generation;
-  ir->frozen = ar_alloc(r, (b->nfrozen_ranges ? b->nfrozen_ranges : 1) *
-                               sizeof *ir->frozen);
-  for (size_t k = 0; ir->frozen && k < b->nfrozen_ranges; k++) {
+  size_t nfr = b->nfrozen_ranges < MAX_INSPECT_VIEWS ? b->nfrozen_ranges
+                                                     : MAX_INSPECT_VIEWS;
+  if (b->nfrozen_ranges > nfr) {
+    ir->has_frozen_more = 1;
+    ir->frozen_more = (uint32_t)(b->nfrozen_ranges - nfr);
+  }
+  ir->frozen = ar_alloc(r, (nfr ? nfr : 1) * sizeof *ir->frozen);
+  for (size_t k = 0; ir->frozen && k < nfr; k++) {
     Shardwire__ElemRange *er = ar_alloc(r, sizeof *er);
     if (er == NULL)
       return SHARDD_E_NO_MEMORY;
@@ -370,8 +458,16 @@ static shardd_err fill_buffer(shardd__report *r, const shardd__status_ctx *ctx,
     er->numel = b->frozen[k][1];
     ir->frozen[ir->n_frozen++] = er;
   }
-  ir->shards = ar_alloc(r, b->world * sizeof *ir->shards);
-  for (uint32_t k = 0; ir->shards && k < b->world; k++) {
+  uint32_t nsh = b->world < MAX_INSPECT_SHARDS ? b->world : MAX_INSPECT_SHARDS;
+  if (b->world > nsh) {
+    ir->has_shards_more = 1;
+    ir->shards_more = b->world - nsh;
+  }
+  for (uint32_t k = 0; k < b->world; k++) /* a pass, no allocation */
+    if (b->blocks[k]) /* NULL: another node's rank */
+      ir->resident_bytes += b->blocks[k]->bytes;
+  ir->shards = ar_alloc(r, nsh * sizeof *ir->shards);
+  for (uint32_t k = 0; ir->shards && k < nsh; k++) {
     Shardwire__ShardInfo *si = ar_alloc(r, sizeof *si);
     if (si == NULL)
       return SHARDD_E_NO_MEMORY;
@@ -381,8 +477,6 @@ static shardd_err fill_buffer(shardd__report *r, const shardd__status_ctx *ctx,
     si->offset = (uint64_t)k * b->shard_numel;
     si->numel = b->shard_numel;
     ir->shards[ir->n_shards++] = si;
-    if (b->blocks[k]) /* NULL: another node's rank */
-      ir->resident_bytes += b->blocks[k]->bytes;
   }
   shardd__optim *owner = b->owner;
   if (owner) {
@@ -393,8 +487,17 @@ static shardd_err fill_buffer(shardd__report *r, const shardd__status_ctx *ctx,
   size_t nv;
   if (shardd__buffer_views(b, &views, &nv) != SHARDD_OK)
     return SHARDD_E_NO_MEMORY;
-  ir->views = ar_alloc(r, (nv ? nv : 1) * sizeof *ir->views);
-  for (size_t i = 0; ir->views && i < nv; i++) {
+  size_t listed = nv < MAX_INSPECT_VIEWS ? nv : MAX_INSPECT_VIEWS;
+  if (nv > listed) {
+    ir->has_views_more = 1;
+    ir->views_more = (uint32_t)(nv - listed);
+  }
+  /* the owner of a buffer held through its views only is the first such
+   * view's, listed or not */
+  for (size_t i = listed; owner == NULL && i < nv; i++)
+    owner = views[i]->owner;
+  ir->views = ar_alloc(r, (listed ? listed : 1) * sizeof *ir->views);
+  for (size_t i = 0; ir->views && i < listed; i++) {
     Shardwire__ViewInfo *vi = ar_alloc(r, sizeof *vi);
     if (vi == NULL)
       break;
@@ -421,13 +524,22 @@ static shardd_err fill_buffer(shardd__report *r, const shardd__status_ctx *ctx,
   }
   free(views);
   if (b->hdr.job->transient) {
-    ir->gather_leases = ar_alloc(r, b->world * sizeof *ir->gather_leases);
-    ir->grad_leases = ar_alloc(r, b->world * sizeof *ir->grad_leases);
+    ir->gather_leases = ar_alloc(r, nsh * sizeof *ir->gather_leases);
+    ir->grad_leases = ar_alloc(r, nsh * sizeof *ir->grad_leases);
+    uint32_t ngather = 0, ngrad = 0;
     for (uint32_t k = 0; ir->gather_leases && ir->grad_leases && k < b->world; k++) {
-      if (shardd__area_held(b, k, SHARDD__AREA_GATHER, NULL))
+      if (shardd__area_held(b, k, SHARDD__AREA_GATHER, NULL) && ngather++ < nsh)
         ir->gather_leases[ir->n_gather_leases++] = k;
-      if (shardd__area_held(b, k, SHARDD__AREA_GRAD, NULL))
+      if (shardd__area_held(b, k, SHARDD__AREA_GRAD, NULL) && ngrad++ < nsh)
         ir->grad_leases[ir->n_grad_leases++] = k;
+    }
+    if (ngather > ir->n_gather_leases) {
+      ir->has_gather_leases_more = 1;
+      ir->gather_leases_more = ngather - (uint32_t)ir->n_gather_leases;
+    }
+    if (ngrad > ir->n_grad_leases) {
+      ir->has_grad_leases_more = 1;
+      ir->grad_leases_more = ngrad - (uint32_t)ir->n_grad_leases;
     }
   }
   if (owner) {
@@ -533,6 +645,11 @@ shardd_err shardd__inspect_build(const shardd__status_ctx *ctx,
     /* Which ranks hold it: the shards its range crosses. */
     uint64_t s0 = v->offset / v->buf->shard_numel;
     uint64_t s1 = (v->offset + v->numel - 1) / v->buf->shard_numel;
+    if (s1 - s0 >= MAX_INSPECT_SHARDS) {
+      ir->has_shards_more = 1;
+      ir->shards_more = (uint32_t)(s1 - s0 + 1 - MAX_INSPECT_SHARDS);
+      s1 = s0 + MAX_INSPECT_SHARDS - 1;
+    }
     ir->shards = ar_alloc(r, (size_t)(s1 - s0 + 1) * sizeof *ir->shards);
     for (uint64_t k = s0; ir->shards && k <= s1; k++) {
       Shardwire__ShardInfo *si = ar_alloc(r, sizeof *si);

@@ -27,14 +27,20 @@ typedef struct {
   int (*pending_checkpoint)(void *arg, const shardd__job *job, size_t i,
                             const char **dir, double *waited_s, double *wait_s);
   void *pending_arg;
+  /* what replies unread by their clients hold now (when has_) */
+  int has_unread_replies;
+  uint64_t unread_reply_bytes, unread_reply_fds;
 } shardd__status_ctx;
 
 typedef struct shardd__report shardd__report;
 
-/* Lists the jobs viewer may see (shardd__access_may_see); viewer NULL:
- * every job. */
+/* Lists the jobs viewer may see (shardd__access_may_see; viewer NULL:
+ * every job), sorted by name and owner, from the first_job-th on: at most
+ * 256 of them (jobs_more counts the rest), each summarized (ranks,
+ * collectives and optimizers cut, their _more fields counting the rest),
+ * so the reply fits a frame and costs what it lists. */
 shardd_err shardd__status_build(const shardd__status_ctx *ctx,
-                                const shardd__peer *viewer,
+                                const shardd__peer *viewer, uint32_t first_job,
                                 shardd__report **out,
                                 Shardwire__StatusReply **reply);
 /* By id (when id != 0) or by name, searched in own_job first (may be

@@ -62,6 +62,7 @@ PACKAGES = {
     "registry_int": "registry", "buffer": "registry", "optimizer": "registry",
     "areas": "registry",
     "framebudget": "server", "server_int": "server", "reads": "server",
+    "replybudget": "server",
     "ckfile": "checkpoint", "manifest": "checkpoint", "restore": "checkpoint",
     "backend_host": "backend", "backend_cuda": "backend",
     "fabric_gloo": "fabric", "fabric_stub": "fabric",

@@ -728,12 +728,15 @@ class Client:
         finally:
             self._lib.shardd_free(p)
 
-    def status(self):
-        """Daemon status, parsed from its JSON document."""
-        return _json.loads(self._string_out(self._lib.shardd_status_json))
+    def status(self, first_job=0):
+        """Daemon status, parsed from its JSON document. It lists at most
+        256 jobs (sorted by name, then owner) from the first_job-th on;
+        "jobs_more" says how many follow."""
+        return _json.loads(self._string_out(self._lib.shardd_status_json_from,
+                                            first_job))
 
-    def status_text(self):
-        return self._string_out(self._lib.shardd_status_text)
+    def status_text(self, first_job=0):
+        return self._string_out(self._lib.shardd_status_text_from, first_job)
 
     def checkpoint(self, directory, job=None, collective=False, timeout=0):
         """Writes the job's registry, shards, optimizer state and step
