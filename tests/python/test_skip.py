@@ -168,7 +168,9 @@ def rank_main(rank, world, sock, job, case, model_name, kind, transient, auto_wr
             maybe_unfreeze(case, model, s)
             use = uses_b(case, s, rank)
             if case == "accum":  # transient: the hooks' scatters accumulate
-                sm.zero_grad()
+                # None, as the reference's (zero_grad() keeps zero gradients,
+                # which a step applies, as torch's)
+                sm.zero_grad(set_to_none=True)
                 mb = per // 2
                 for k in range(2):
                     a, b = lo + k * mb, lo + (k + 1) * mb
@@ -176,7 +178,7 @@ def rank_main(rank, world, sock, job, case, model_name, kind, transient, auto_wr
                                                   y[s, a:b]) / 2
                     loss.backward()
             elif transient:  # the plain torch loop
-                sm.zero_grad()
+                sm.zero_grad(set_to_none=True)
                 loss = nn.functional.mse_loss(model(x[s, lo:hi], use), y[s, lo:hi])
                 loss.backward()
             else:

@@ -202,6 +202,7 @@ class FlatUnit:
         # torch.optim can step it: fp32, so its parameters' .grad can be
         # their parts of the (fp32) reduced-gradient shard
         self.torch_grads = buffer.dtype_code == shardd._lib.DTYPE_FP32
+        self.ran = False  # transient: a backward reached it (this backward)
         self.no_grad = []  # resident: the views sync_grads found without a .grad
 
     def __repr__(self):
@@ -627,11 +628,12 @@ class ShardedModule:
         its slice (torch's zero_grad(set_to_none=False): a parameter backward
         does not reach keeps a zero gradient and is stepped). set_to_none:
         every .grad None instead, so one backward does not reach stays None and
-        the step skips it, as torch's. Transient areas: always None, and the
-        reduced gradients of the backwards since the last step are dropped
-        (each backward reduce-scatters per unit; until zero_grad() or a step,
-        a later backward adds its gradient to them, as autograd adds into
-        .grad)."""
+        the step skips it, as torch's. Transient areas: .grad is each
+        parameter's part of the reduced-gradient shard; set_to_none sets it
+        None, otherwise it is zeroed in place (a .grad that is None stays
+        None, as torch's). Until then every backward adds to it (after a
+        step too), as autograd adds into .grad; torch.optim's zero_grad()
+        does the same to it."""
         if self.transient:
             with torch.no_grad():
                 for u in self.units:
@@ -640,11 +642,10 @@ class ShardedModule:
                         if set_to_none or not p.requires_grad:
                             p.grad = None
                             continue
+                        # torch's: a .grad that is None stays None
                         e.rpart.zero_()
-                        if p.grad is None and u.gather is None:
-                            p.grad = self._grad_of(u, e)
-                        elif p.grad is not None and p.grad.data_ptr() != e.rpart.data_ptr() \
-                                and not isinstance(p.grad, _Grad16):
+                        if p.grad is not None and not isinstance(p.grad, _Grad16) \
+                                and p.grad.data_ptr() != e.rpart.data_ptr():
                             p.grad.zero_()  # the script's own tensor, zeroed as torch does
             return
         with torch.no_grad():
@@ -1030,6 +1031,7 @@ class ShardedModule:
         u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=want)
         if want:
             u.state = "backward"
+            u.ran = True
             u.pending = self._trainable(u)
             for e in u.entries:
                 e.got = False
@@ -1061,8 +1063,8 @@ class ShardedModule:
         those no rank had one for, as torch skips a None .grad). It
         consumes the gradient area. Then every parameter is its part of the
         shard again and every trainable one's .grad its part of the reduced
-        gradient (FSDP's: zeros where it got none), or after no backward
-        only those that had one."""
+        gradient, but for those that neither got a gradient nor had one
+        (None, as torch's; _final makes that the same on every rank)."""
         self._sync_requires_grad(u)
         train = [e for e in u.entries if e.param.requires_grad]
         kept = [e for e in train if e.kept]
@@ -1089,11 +1091,39 @@ class ShardedModule:
         u.state = "done"
         self._release(u)
         for e in train:
-            e.param.grad = self._grad_of(u, e) if ran or e.kept else None
+            e.param.grad = self._grad_of(u, e) if (ran and e.got) or e.kept else None
 
     def _final(self):
         """End of backward: every unit scattered once, in reverse order."""
         self._final_queued = False
+        self._scatter_rest()
+        try:
+            self._same_none_grads()
+        finally:
+            for u in self.units:
+                u.ran = False
+
+    def _same_none_grads(self):
+        """A .grad left None (no gradient reached the parameter here) must be
+        None on every rank, or torch.optim would step some ranks' parts of
+        a parameter and not the others' (whose reduced gradient has the
+        other ranks' contributions): one small all-reduce compares the
+        ranks' sets; where they differ (a graph that depends on the rank),
+        every trainable parameter of the units that had a backward gets its
+        .grad (zeros where no rank had a gradient, as FSDP's)."""
+        none = [(ui, ei) for ui, u in enumerate(self.units) for ei, e in enumerate(u.entries)
+                if e.param.requires_grad and e.param.grad is None]
+        sig = float(zlib.crc32(repr(none).encode()))
+        n = float(len(none))
+        mx = self.client.all_reduce([n, -n, sig, -sig], "max")
+        if mx[0] == -mx[1] and mx[2] == -mx[3]:
+            return
+        for ui, ei in none:
+            u = self.units[ui]
+            if u.live_at == self.client.steps_requested and u.ran:
+                u.entries[ei].param.grad = self._grad_of(u, u.entries[ei])
+
+    def _scatter_rest(self):
         for u in reversed(self.units):
             if u.state == "backward":
                 self._finish(u)  # a parameter got no gradient: zeros
