@@ -75,8 +75,9 @@ Per unit, in the same order on every rank (each rank's graph is the same):
   parameter's ``.data`` at its slice of the leased gather area;
 * forward post-hook: register a hook on the unit's output tensors (it fires
   when the gradient w.r.t. them is computed, before the unit's backward), then
-  release the unit (FSDP's reshard after forward) and leave its parameters
-  empty (0 elements, as FSDP's resharded ones), except the *root unit* (the
+  release the unit (FSDP's reshard after forward) and point its parameters
+  back at their parts of this rank's shard (1-D, possibly empty: FSDP1's
+  sharded views with use_orig_params), except the *root unit* (the
   one holding the root module's own parameters), which stays gathered until
   the end of backward as FSDP keeps it;
 * while the root module's forward runs, saved-tensor hooks record every
@@ -91,12 +92,16 @@ Per unit, in the same order on every rank (each rank's graph is the same):
 * once autograd has accumulated the gradient of every trainable parameter of
   the unit (post-hooks on their AccumulateGrad nodes): reduce-scatter
   (``reduce_op``, "mean" by default), which consumes the gradient area, and
-  release; ``.grad`` is set back to None (the reduced gradient is the
-  daemon's, in ``buffer.reduced_tensor``). Gradient accumulation works as in
-  torch: a later backward before the step adds its reduced gradient to the
-  earlier ones' (an accumulating scatter), until :meth:`zero_grad` or a
-  step consumes them — the memory stays the bound's, as FSDP's sharded
-  gradient accumulation (not ``no_sync``'s unsharded one);
+  release; each parameter is its part of the shard again and its ``.grad``
+  its part of the reduced-gradient shard (``buffer.reduced_tensor``, the
+  daemon's memory; a 16-bit unit's is a stand-in that refuses torch.optim,
+  the fp32 master being the daemon's), so a torch.optim optimizer built
+  after wrapping steps the shards in place, as under FSDP. Gradient
+  accumulation works as in torch: a later backward adds its reduced
+  gradient to a ``.grad`` that is set (after a step too), until a
+  ``zero_grad()`` (ours, shardd.optim's or torch's) zeroes it or sets it
+  None — the memory stays the bound's, as FSDP's sharded gradient
+  accumulation (not ``no_sync``'s unsharded one);
 * at the end of backward (a callback queued on autograd's engine), in
   reverse unit order: units still waiting for a gradient (a parameter that
   got none) are scattered as they are (the missing ones contribute zeros),
