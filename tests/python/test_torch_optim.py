@@ -118,13 +118,45 @@ def reference(name, mode):
 
 # ---- one rank ------------------------------------------------------------------
 
-def rank_main(rank, world, sock, job, name, mode, mid, q):
+def rank_main(rank, world, sock, job, name, mode, mid, kind, q):
     try:
         torch.set_num_threads(1)
-        client = shardd.Client(sock, job=job, rank=rank, world=world, transient_areas=True,
+        client = shardd.Client(sock, job=job, rank=rank, world=world,
+                               transient_areas=mode != "resident",
                                client_name="test_torch_optim rank %d" % rank)
         model = make_model(name)
         auto_wrap = "module" if name == "gpt" else "children"
+        if mode == "resident":
+            sm = shardd.nn.ShardedModule(client, model, auto_wrap=auto_wrap)
+            opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+            x, y = batch(name, 0, rank, world)
+            before = {k: v.clone() for k, v in sm.full_parameters().items()}
+            errs = []
+            for explicit in (False, True):  # the plain torch loop, the explicit one
+                if explicit:
+                    sm.gather()
+                opt.zero_grad()
+                loss_of(name, model, x, y).backward()
+                if explicit:
+                    sm.scatter()
+                try:
+                    opt.step()
+                    errs.append(None)
+                except RuntimeError as e:
+                    errs.append(str(e))
+            gathered = {n: p.detach().clone() for n, p in model.named_parameters()}
+            after = sm.full_parameters()
+            same = all(torch.equal(before[k], after[k]) and torch.equal(before[k], gathered[k])
+                       for k in before)
+            try:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                clip_err = None
+            except RuntimeError as e:
+                clip_err = str(e)
+            q.put(("refused", rank, errs, same, clip_err))
+            client.close()
+            q.put(("done", rank))
+            return
         if mode == "bf16":
             model = model.bfloat16()
             sm = shardd.nn.ShardedModule(client, model, auto_wrap=auto_wrap)
@@ -151,7 +183,10 @@ def rank_main(rank, world, sock, job, name, mode, mid, q):
             return
         sm = shardd.nn.ShardedModule(client, model, auto_wrap=auto_wrap)
         # FSDP's order: the optimizer over the wrapped model's parameters
-        opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+        if kind == "shardd":  # the daemon's AdamW
+            opt = shardd.optim.AdamW(model.parameters(), **HYPER)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
         shapes = [tuple(p.shape) for p in model.parameters()]
         losses = []
         if mode == "load":
@@ -173,7 +208,7 @@ def rank_main(rank, world, sock, job, name, mode, mid, q):
         raise SystemExit(1)
 
 
-def run(name, world, mode, mid=None, timeout=150):
+def run(name, world, mode, mid=None, kind="torch", timeout=150):
     job = common.job("torchopt")
     sock = common.socket()
     per = {}
@@ -190,7 +225,7 @@ def run(name, world, mode, mid=None, timeout=150):
         elif msg[0] == "refused":
             out["refused"][msg[1]] = msg[2:]
 
-    common.launch_ranks(rank_main, lambda r, q: (r, world, sock, job, name, mode, mid, q),
+    common.launch_ranks(rank_main, lambda r, q: (r, world, sock, job, name, mode, mid, kind, q),
                         world, on_msg, timeout)
     out["losses"] = [out["losses"][i] for i in sorted(out["losses"])]
     return out
@@ -221,24 +256,24 @@ def rel_diff(got, want):
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
 class TorchOptimTest(unittest.TestCase):
 
-    def check(self, name, mode, worlds=(2, 4)):
+    def check(self, name, mode, worlds=(2, 4), kind="torch"):
         ref, want_losses, mid = reference(name, mode)
         want = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
         for world in worlds:
-            label = "%s, %s, %d ranks" % (name, mode, world)
-            res = run(name, world, mode, mid)
+            label = "%s, %s, %d ranks, %s optimizer" % (name, mode, world, kind)
+            res = run(name, world, mode, mid, kind)
             got = res["losses"]
             self.assertEqual(len(got), len(want_losses), label)
             lr = max(abs(a - b) / abs(b) for a, b in zip(got, want_losses))
+            print("\n  %s: max relative loss difference %.3g" % (label, lr))
+            self.assertLessEqual(lr, TOL, label)
             # torch's keys in torch's order (both names of the tied weight),
             # shapes and values
             self.assertEqual(res["keys"], list(ref.state_dict()), label)
             for k, v in want.items():
                 self.assertEqual(res["state"][k].shape, v.shape, "%s: %s" % (label, k))
             pr, at = rel_diff(res["state"], want)
-            print("\n  %s: max relative loss difference %.3g, parameters %.3g (%s)"
-                  % (label, lr, pr, at))
-            self.assertLessEqual(lr, TOL, label)
+            print("  %s: parameters %.3g (%s)" % (label, pr, at))
             self.assertLessEqual(pr, PTOL, label)
             # outside forward each parameter is its 1-D part of the shard
             self.assertTrue(all(len(s) == 1 for s in res["shapes"]), res["shapes"])
@@ -261,6 +296,22 @@ class TorchOptimTest(unittest.TestCase):
     def test_backward_without_zero_grad_adds_up_as_torch(self):
         self.check("gpt", "accumulate")
         self.check("chain", "accumulate", worlds=(2,))
+
+    def test_shardd_optim_without_zero_grad_adds_up_as_torch(self):
+        """The daemon's step consumes the reduced gradient it applied; the
+        next backward still adds to the .grad the parameters kept."""
+        self.check("gpt", "accumulate", kind="shardd")
+
+    def test_torch_optim_on_resident_client_refused(self):
+        res = run("chain", 2, "resident")
+        for rank, (errs, same, clip_err) in res["refused"].items():
+            for err in errs:
+                self.assertIsNotNone(err, "rank %d: torch.optim stepped a resident model" % rank)
+                self.assertIn("resident areas", err)
+                self.assertIn("transient_areas=True", err)
+                self.assertIn("'0.weight'", err)
+            self.assertTrue(same, "rank %d: the refused step changed the parameters" % rank)
+            self.assertIn("clip_grad_norm_", clip_err or "")
 
     def test_load_state_dict_of_torch_trains_on(self):
         self.check("gpt", "load", worlds=(2,))

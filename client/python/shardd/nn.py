@@ -291,6 +291,46 @@ class _Grad16(torch.Tensor):
                name or func))
 
 
+def _torch_caller():
+    """The torch function of torch.optim (but its zero_grad) or of torch's
+    clip_grad_norm_ that the current tensor operation is part of, or None."""
+    import sys
+    f = sys._getframe(2)
+    for _ in range(12):
+        if f is None:
+            return None
+        mod = f.f_globals.get("__name__", "")
+        if mod.startswith("torch.optim"):
+            return None if f.f_code.co_name == "zero_grad" else "%s.%s" % (mod, f.f_code.co_name)
+        if mod == "torch.nn.utils.clip_grad":
+            return "torch.nn.utils.%s" % f.f_code.co_name
+        f = f.f_back
+    return None
+
+
+class _ResidentGrad(torch.Tensor):
+    """The .grad of a parameter of a resident client: its slice of the grad
+    area, where autograd accumulates this rank's unreduced gradient while
+    the parameter is the gathered copy. torch.optim would step that copy
+    with it, and torch's clip_grad_norm_ scale it by a per-rank norm: both
+    raise, naming the parameter. Every other use is a plain tensor's."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        who = _torch_caller()
+        if who is not None:
+            me = next((a for a in args if isinstance(a, _ResidentGrad)), None)
+            raise RuntimeError(
+                "shardd: %s on %r: the client has resident areas, where a parameter "
+                "is the gathered copy and its .grad this rank's unreduced gradient "
+                "(torch.optim would step the copy, not the shard); use shardd.optim "
+                "(e.g. shardd.optim.AdamW(model.parameters())) and sm.clip_grad_norm_, "
+                "or a client with transient_areas=True (FSDP's FULL_SHARD), where "
+                "torch.optim steps the shards" % (who, getattr(me, "_name", "?")))
+        with torch._C.DisableTorchFunction():
+            return func(*args, **(kwargs or {}))
+
+
 def _unit_modules(module, auto_wrap):
     """-> [(unit name, module whose forward is the unit's)]: the root alone,
     or each top-level child and then the root (for its direct parameters and
@@ -536,7 +576,9 @@ class ShardedModule:
         module._register_load_state_dict_pre_hook(self._load_state_dict_pre_hook)
         if self.transient:
             self._install_hooks()
-        elif initial_gather:
+        else:
+            self._hook_resident()
+        if not self.transient and initial_gather:
             self.gather()
 
     # -- introspection ---------------------------------------------------
@@ -658,7 +700,37 @@ class ShardedModule:
                 u.buffer.grad_tensor.zero_()
                 for e in u.entries:
                     trainable = e.param.requires_grad and not set_to_none
-                    e.param.grad = e.grad_view if trainable else None
+                    e.param.grad = self._resident_grad(e) if trainable else None
+
+    def _resident_grad(self, e):
+        """A resident parameter's .grad: its grad-area slice as _ResidentGrad."""
+        if e.grad16 is None:
+            e.grad16 = e.grad_view.as_subclass(_ResidentGrad)
+            e.grad16._name = e.name
+        return e.grad16
+
+    def _resident_grad_ready(self, e, grad_inputs, grad_outputs):
+        """After autograd accumulated into a resident parameter's .grad: a
+        .grad autograd made (the first backward after a None) is copied into
+        the grad area and replaced by it, so that it is a _ResidentGrad
+        too (the scatter reads the area: the same values)."""
+        g = e.param.grad
+        if g is None or isinstance(g, _ResidentGrad):
+            return
+        if g.data_ptr() != e.grad_view.data_ptr():
+            with torch.no_grad():
+                e.grad_view.copy_(g)
+        e.param.grad = self._resident_grad(e)
+
+    def _hook_resident(self):
+        for u in self.units:
+            for e in u.entries:
+                p = e.param
+                if e.acc is not None or not p.requires_grad:
+                    continue  # a frozen one is hooked once unfrozen (sync_grads)
+                with torch.enable_grad():
+                    e.acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                e.acc.register_hook(functools.partial(self._resident_grad_ready, e))
 
     def _sync_requires_grad(self, u):
         """Tell the daemon about parameters frozen or unfrozen since (gradual
@@ -672,6 +744,7 @@ class ShardedModule:
         (copies only where autograd did not accumulate in place). Resident
         areas only."""
         self._resident_only("sync_grads()")
+        self._hook_resident()  # parameters unfrozen since
         with torch.no_grad():
             for u in self.units:
                 self._sync_requires_grad(u)
@@ -685,7 +758,7 @@ class ShardedModule:
                         u.no_grad.append(e.view)
                     elif g.data_ptr() != e.grad_view.data_ptr():
                         e.grad_view.copy_(g)
-                        e.param.grad = e.grad_view
+                        e.param.grad = self._resident_grad(e)
 
     def scatter(self, op="mean"):
         """sync_grads(), then reduce-scatter every unit (collective). Resident
