@@ -51,6 +51,17 @@ use runs and collects both uses' gradients in one:
   parameter later (gradual unfreezing) is passed to the daemon before the
   next scatter.
 
+Resident clients: a parameter is the gathered copy and its ``.grad`` this
+rank's unreduced gradient, so torch.optim (and torch's clip_grad_norm_)
+raise on them, naming the parameter: use shardd.optim, or transient areas
+where torch.optim steps the shards.
+
+``model.state_dict()`` / ``model.load_state_dict()`` (torch's state-dict
+hooks on the module) give and take FSDP's full state dict: torch's keys,
+every parameter whole (a collective); :meth:`ShardedModule.state_dict_type`
+selects FullStateDictConfig's options or the "local" form (each rank's
+1-D parts).
+
 The original parameter tensors are dropped from the module; the initial
 gather is done by the constructor (it is a collective: every rank of the job
 must construct the same wrapper). Mapped tensors alias libshardd mappings:
@@ -271,8 +282,16 @@ class _Grad16(torch.Tensor):
         name = getattr(func, "__name__", "")
         if name == "__get__":
             name = getattr(getattr(func, "__self__", None), "__name__", "")
-            if name in _GRAD16_GETS:
+            if name in _GRAD16_GETS or (name == "is_sparse" and _in_zero_grad()):
                 return super().__torch_function__(func, types, args, kwargs or {})
+        if name == "_foreach_zero_" and args:  # zero_grad of foreach optimizers
+            for t in args[0]:
+                if isinstance(t, _Grad16):
+                    t._rpart.zero_()
+                else:
+                    with torch._C.DisableTorchFunction():
+                        t.zero_()
+            return None
         me = args[0] if args and isinstance(args[0], _Grad16) else None
         if me is not None and name == "zero_":
             me._rpart.zero_()  # a plain tensor: no torch function of ours
@@ -289,6 +308,21 @@ class _Grad16(torch.Tensor):
             "sm.clip_grad_norm_, or wrap the unit in fp32"
             % (getattr(who, "_name", "?"), getattr(who, "_dtype16", "16-bit"),
                name or func))
+
+
+def _in_zero_grad():
+    """Whether the current tensor operation is part of a zero_grad() of
+    torch's optimizers or modules."""
+    import sys
+    f = sys._getframe(2)
+    for _ in range(6):
+        if f is None:
+            return False
+        if f.f_code.co_name == "zero_grad" and f.f_globals.get("__name__", "").startswith(
+                ("torch.optim", "torch.nn.modules")):
+            return True
+        f = f.f_back
+    return False
 
 
 def _torch_caller():
@@ -902,7 +936,12 @@ class ShardedModule:
                         o = e.offset + lo - s0
                         exact[o:o + hi - lo].copy_(flat.float().to(sh.device))
                 if exact is not None:
+                    # the seed goes through the reduced-gradient shard, which
+                    # it leaves zeroed: the gradients kept are gone
                     self.client.seed_master(buf, exact)
+                    u.live_at = None
+                    for e in u.entries:
+                        e.param.grad = None
         if not self.transient:
             self.gather()
 
