@@ -197,6 +197,15 @@ def rank_main(rank, world, sock, job, name, mode, mid, kind, q):
         for i, v in enumerate(losses):
             q.put(("loss", rank, i, v))
         sd = model.state_dict()  # collective: every rank
+        # FullStateDictConfig's rank0_only: the others get nothing of it;
+        # "local": each rank's own 1-D parts
+        with sm.state_dict_type("full", shardd.nn.FullStateDictConfig(
+                offload_to_cpu=True, rank0_only=True)):
+            only0 = model.state_dict()
+        with sm.state_dict_type("local"):
+            local = model.state_dict()
+        q.put(("configs", rank, len(only0), all(torch.equal(only0[k], sd[k]) for k in only0),
+               sorted(local) == sorted(sd), all(v.dim() == 1 for v in local.values())))
         if rank == 0:
             q.put(("state", {k: v.detach().numpy().copy() for k, v in sd.items()},
                    list(sd), shapes))
@@ -222,6 +231,8 @@ def run(name, world, mode, mid=None, kind="torch", timeout=150):
                 out["losses"][i] = sum(per.pop(i).values()) / world
         elif msg[0] == "state":
             out["state"], out["keys"], out["shapes"] = msg[1], msg[2], msg[3]
+        elif msg[0] == "configs":
+            out.setdefault("configs", {})[msg[1]] = msg[2:]
         elif msg[0] == "refused":
             out["refused"][msg[1]] = msg[2:]
 
@@ -275,6 +286,9 @@ class TorchOptimTest(unittest.TestCase):
             pr, at = rel_diff(res["state"], want)
             print("  %s: parameters %.3g (%s)" % (label, pr, at))
             self.assertLessEqual(pr, PTOL, label)
+            for r, (n0, same0, local_keys, local_1d) in res["configs"].items():
+                self.assertEqual(n0, len(want) if r == 0 else 0, "%s: rank0_only" % label)
+                self.assertTrue(same0 and local_keys and local_1d, label)
             # outside forward each parameter is its 1-D part of the shard
             self.assertTrue(all(len(s) == 1 for s in res["shapes"]), res["shapes"])
             self.assertGreater(sum(s[0] for s in res["shapes"]), 0)
