@@ -36,9 +36,30 @@ CLIP = 0.5
 LOAD_AT = 2       # "load": the wrapped model takes torch's state dict after this many steps
 
 
+if common.HAVE_TORCH:
+    class _Branchy(nn.Module):
+        """b is a branch only rank 0 takes ("one_rank"): its gradient comes
+        from rank 0's rows alone."""
+
+        def __init__(self):
+            super().__init__()
+            # a, b, head: b's 72 elements straddle the two ranks' shards
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 8)
+
+        def forward(self, x, use_b=True):
+            if use_b:
+                x = x + self.b(x)
+            return self.head(torch.tanh(self.a(x)))
+
+
 def make_model(name):
     if name == "gpt":
         return models.nano_gpt()
+    if name == "branchy":
+        torch.manual_seed(0)
+        return _Branchy()
     torch.manual_seed(0)  # a chain of children each unit of "children" gathers
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
                          nn.Linear(16, 8))
@@ -81,6 +102,17 @@ def train(name, mode, model, opt, sm, rank, world, steps=STEPS):
                 loss = loss_of(name, model, x, y) / 2
                 loss.backward()
                 losses.append(loss.item())
+        elif mode == "one_rank":
+            opt.zero_grad()
+            if sm is None:  # the reference: every rank's loss, rank 0's with b
+                loss = sum(nn.functional.mse_loss(model(x, r == 0), y)
+                           for r in range(world)
+                           for x, y in [batch(name, s, r, world)]) / world
+            else:
+                x, y = batch(name, s, rank, world)
+                loss = nn.functional.mse_loss(model(x, rank == 0), y)
+            loss.backward()
+            losses.append(loss.item())  # the ranks' mean is the reference's
         else:
             opt.zero_grad()
             x, y = batch(name, s, rank, world)
@@ -97,7 +129,7 @@ def train(name, mode, model, opt, sm, rank, world, steps=STEPS):
     return losses
 
 
-def reference(name, mode):
+def reference(name, mode, world=1):
     """One process, the whole batch, torch.optim.AdamW -> (model, losses,
     mid). "load": mid is the state dict after LOAD_AT steps, and the model
     goes on from it with a new optimizer for STEPS - LOAD_AT steps."""
@@ -111,7 +143,7 @@ def reference(name, mode):
         model = make_model(name)
         model.load_state_dict(mid)
     opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
-    losses = train(name, "plain" if mode == "load" else mode, model, opt, None, 0, 1,
+    losses = train(name, "plain" if mode == "load" else mode, model, opt, None, 0, world,
                    STEPS - LOAD_AT if mode == "load" else STEPS)
     return model, losses, mid
 
@@ -125,7 +157,9 @@ def rank_main(rank, world, sock, job, name, mode, mid, kind, q):
                                transient_areas=mode != "resident",
                                client_name="test_torch_optim rank %d" % rank)
         model = make_model(name)
-        auto_wrap = "module" if name == "gpt" else "children"
+        # transient: every rank gathers every unit it calls (a collective),
+        # so the branch one rank takes lives in the unit all ranks gather
+        auto_wrap = "children" if name == "chain" else "module"
         if mode == "resident":
             sm = shardd.nn.ShardedModule(client, model, auto_wrap=auto_wrap)
             opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
@@ -268,9 +302,9 @@ def rel_diff(got, want):
 class TorchOptimTest(unittest.TestCase):
 
     def check(self, name, mode, worlds=(2, 4), kind="torch"):
-        ref, want_losses, mid = reference(name, mode)
-        want = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
         for world in worlds:
+            ref, want_losses, mid = reference(name, mode, world)
+            want = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
             label = "%s, %s, %d ranks, %s optimizer" % (name, mode, world, kind)
             res = run(name, world, mode, mid, kind)
             got = res["losses"]
@@ -310,6 +344,11 @@ class TorchOptimTest(unittest.TestCase):
     def test_backward_without_zero_grad_adds_up_as_torch(self):
         self.check("gpt", "accumulate")
         self.check("chain", "accumulate", worlds=(2,))
+
+    def test_a_parameter_one_rank_reaches_is_stepped_on_every_rank(self):
+        """Its .grad is set on every rank (its reduced gradient has rank 0's
+        part everywhere), so every rank's part of it is stepped."""
+        self.check("branchy", "one_rank", worlds=(2,))
 
     def test_shardd_optim_without_zero_grad_adds_up_as_torch(self):
         """The daemon's step consumes the reduced gradient it applied; the
