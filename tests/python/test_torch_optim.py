@@ -131,7 +131,7 @@ def train(name, mode, model, opt, sm, rank, world, steps=STEPS):
 
 def reference(name, mode, world=1):
     """One process, the whole batch, torch.optim.AdamW -> (model, losses,
-    mid). "load": mid is the state dict after LOAD_AT steps, and the model
+    mid). world: the ranks the run it is compared with has. "load": mid is the state dict after LOAD_AT steps, and the model
     goes on from it with a new optimizer for STEPS - LOAD_AT steps."""
     torch.set_num_threads(1)
     model = make_model(name)
@@ -143,7 +143,10 @@ def reference(name, mode, world=1):
         model = make_model(name)
         model.load_state_dict(mid)
     opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
-    losses = train(name, "plain" if mode == "load" else mode, model, opt, None, 0, world,
+    # world: "one_rank"'s reference computes each rank's loss (the others
+    # take the whole micro-batch)
+    losses = train(name, "plain" if mode == "load" else mode, model, opt, None, 0,
+                   world if mode == "one_rank" else 1,
                    STEPS - LOAD_AT if mode == "load" else STEPS)
     return model, losses, mid
 

@@ -145,7 +145,6 @@ caller's to move). The client waits for the queued GPU work
 requests, so the daemon reads finished gradients and shards and overwrites
 no parameter a kernel still reads.
 """
-import collections
 import contextlib
 import functools
 import math
