@@ -264,8 +264,11 @@ class FSDPTest(unittest.TestCase):
         self.assertEqual(res["losses"], resident["losses"])
         for n, v in resident["params"].items():
             np.testing.assert_array_equal(res["params"][n], v, err_msg=n)
-        # while the ranks ran, the parameters were empty between uses
-        self.assertTrue(all(s == (0,) for s in res["shapes"].values()), res["shapes"])
+        # between uses each parameter is its 1-D part of rank 0's shard
+        # (FSDP's use_orig_params views)
+        self.assertTrue(all(len(s) == 1 for s in res["shapes"].values()), res["shapes"])
+        self.assertEqual(sum(s[0] for s in res["shapes"].values()),
+                         sum(n for _, n in res["units"]) // 4)
         # after the first forward learned the order, each unit's gather but
         # the first was under way while the one before it computed
         self.assertEqual(res["prefetches"], (STEPS - 1) * 15)
@@ -423,10 +426,15 @@ class FSDPOneRankTest(unittest.TestCase):
         self.model[-1].weight.register_hook(probe)
         out.square().sum().backward()
         self.assertEqual(seen, [(True, True)])
-        # scattered and released: .grad is None, the parameters empty
-        for p in self.model.parameters():
-            self.assertIsNone(p.grad)
-            self.assertEqual(p.numel(), 0)
+        # scattered and released: each parameter is its part of the shard
+        # (one rank: all of it, 1-D) and its .grad its part of the reduced
+        # gradient, as FSDP's use_orig_params
+        for u in self.sm.units:
+            for e in u.entries:
+                p = e.param
+                self.assertEqual(tuple(p.shape), (e.numel,))
+                self.assertEqual(p.data_ptr(), e.part.data_ptr())
+                self.assertEqual(p.grad.data_ptr(), e.rpart.data_ptr())
 
 
     def test_saved_tensors_follow_the_area_of_backward(self):

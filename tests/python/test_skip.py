@@ -180,7 +180,9 @@ def rank_main(rank, world, sock, job, case, model_name, kind, transient, auto_wr
             if case == "nobackward" and s in NO_BACKWARD:
                 pass  # no backward, no scatter: the step has no fresh gradient
             elif case == "accum":  # transient: the hooks' scatters accumulate
-                sm.zero_grad()
+                # None, as the reference's (zero_grad() keeps zero gradients,
+                # which a step applies, as torch's)
+                sm.zero_grad(set_to_none=True)
                 mb = per // 2
                 for k in range(2):
                     a, b = lo + k * mb, lo + (k + 1) * mb
@@ -188,7 +190,7 @@ def rank_main(rank, world, sock, job, case, model_name, kind, transient, auto_wr
                                                   y[s, a:b]) / 2
                     loss.backward()
             elif transient:  # the plain torch loop
-                sm.zero_grad()
+                sm.zero_grad(set_to_none=True)
                 loss = nn.functional.mse_loss(model(x[s, lo:hi], use), y[s, lo:hi])
                 loss.backward()
             else:

@@ -620,6 +620,10 @@ class Client:
         self.transient_areas = bool(transient_areas)
         self.buffers = {}
         self._cuda_devices = set()  # GPUs of the device areas handed out as tensors
+        # steps this client requested: a step consumes the reduced gradients
+        # of its buffers (the daemon's next scatter replaces them), which
+        # shardd.nn needs to know to accumulate as torch's .grad does
+        self.steps_requested = 0
         opts = L.ConnectOpts()
         opts.size = ctypes.sizeof(L.ConnectOpts)
         opts.job = _b(job)
@@ -1515,6 +1519,7 @@ class Client:
                 raise ValueError("expect_step 0: a step makes count 1 at least")
         so.skipped = ctypes.pointer(skipped)
         res = L.StepResult()
+        self.steps_requested += 1
         self._call(self._lib.shardd_step(self._c, _ids(opt), ctypes.byref(so), ctypes.byref(res)))
         return StepResult(int(res.step), float(res.total_norm), not skipped.value)
 

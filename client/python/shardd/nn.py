@@ -61,6 +61,17 @@ outside the wrapped one is refused (wrapping would untie it):
   parameter later (gradual unfreezing) is passed to the daemon before the
   next scatter.
 
+Resident clients: a parameter is the gathered copy and its ``.grad`` this
+rank's unreduced gradient, so torch.optim (and torch's clip_grad_norm_)
+raise on them, naming the parameter: use shardd.optim, or transient areas
+where torch.optim steps the shards.
+
+``model.state_dict()`` / ``model.load_state_dict()`` (torch's state-dict
+hooks on the module) give and take FSDP's full state dict: torch's keys,
+every parameter whole (a collective); :meth:`ShardedModule.state_dict_type`
+selects FullStateDictConfig's options or the "local" form (each rank's
+1-D parts).
+
 The original parameter tensors are dropped from the module; the initial
 gather is done by the constructor (it is a collective: every rank of the job
 must construct the same wrapper). Mapped tensors alias libshardd mappings:
@@ -89,8 +100,9 @@ Per unit, in the same order on every rank (each rank's graph is the same):
   parameter's ``.data`` at its slice of the leased gather area;
 * forward post-hook: register a hook on the unit's output tensors (it fires
   when the gradient w.r.t. them is computed, before the unit's backward), then
-  release the unit (FSDP's reshard after forward) and leave its parameters
-  empty (0 elements, as FSDP's resharded ones), except the *root unit* (the
+  release the unit (FSDP's reshard after forward) and point its parameters
+  back at their parts of this rank's shard (1-D, possibly empty: FSDP1's
+  sharded views with use_orig_params), except the *root unit* (the
   one holding the root module's own parameters), which stays gathered until
   the end of backward as FSDP keeps it;
 * while the root module's forward runs, saved-tensor hooks record every
@@ -105,12 +117,16 @@ Per unit, in the same order on every rank (each rank's graph is the same):
 * once autograd has accumulated the gradient of every trainable parameter of
   the unit (post-hooks on their AccumulateGrad nodes): reduce-scatter
   (``reduce_op``, "mean" by default), which consumes the gradient area, and
-  release; ``.grad`` is set back to None (the reduced gradient is the
-  daemon's, in ``buffer.reduced_tensor``). Gradient accumulation works as in
-  torch: a later backward before the step adds its reduced gradient to the
-  earlier ones' (an accumulating scatter), until :meth:`zero_grad` or a
-  step consumes them — the memory stays the bound's, as FSDP's sharded
-  gradient accumulation (not ``no_sync``'s unsharded one);
+  release; each parameter is its part of the shard again and its ``.grad``
+  its part of the reduced-gradient shard (``buffer.reduced_tensor``, the
+  daemon's memory; a 16-bit unit's is a stand-in that refuses torch.optim,
+  the fp32 master being the daemon's), so a torch.optim optimizer built
+  after wrapping steps the shards in place, as under FSDP. Gradient
+  accumulation works as in torch: a later backward adds its reduced
+  gradient to a ``.grad`` that is set (after a step too), until a
+  ``zero_grad()`` (ours, shardd.optim's or torch's) zeroes it or sets it
+  None — the memory stays the bound's, as FSDP's sharded gradient
+  accumulation (not ``no_sync``'s unsharded one);
 * at the end of backward (a callback queued on autograd's engine), in
   reverse unit order: units still waiting for a gradient (a parameter that
   got none) are scattered as they are (the missing ones contribute zeros),
@@ -189,6 +205,18 @@ def owner_of(param):
     return got[1]()
 
 
+class FullStateDictConfig:
+    """FSDP's FullStateDictConfig: what model.state_dict() of a wrapped
+    model gives (ShardedModule.state_dict_type("full", config)).
+    offload_to_cpu: the values on the CPU (the cuda backend's parameters
+    are on the GPU); rank0_only: only rank 0 gets the values, the other
+    ranks an empty dict (every rank still calls it: it is a collective)."""
+
+    def __init__(self, offload_to_cpu=False, rank0_only=False):
+        self.offload_to_cpu = bool(offload_to_cpu)
+        self.rank0_only = bool(rank0_only)
+
+
 class FlatUnit:
     """One flat buffer and the original parameters it holds."""
 
@@ -210,9 +238,15 @@ class FlatUnit:
         # holding one of its parameters) now running: gathered on the first,
         # released when the outermost returns
         self.depth = 0
-        # a scatter since zero_grad(): the next one adds to the reduced
-        # gradient (the daemon replaces it anyway once a step consumed it)
-        self.accumulate = False
+        # the client's step count at the unit's last scatter: while it is
+        # the same, the reduced gradient is the daemon's live one (an
+        # accumulating scatter adds to it); a step since consumed it (the
+        # daemon's next scatter replaces it), None: never scattered
+        self.live_at = None
+        # torch.optim can step it: fp32, so its parameters' .grad can be
+        # their parts of the (fp32) reduced-gradient shard
+        self.torch_grads = buffer.dtype_code == shardd._lib.DTYPE_FP32
+        self.ran = False  # transient: a backward reached it (this backward)
         self.no_grad = []  # resident: the views sync_grads found without a .grad
 
     def __repr__(self):
@@ -222,7 +256,7 @@ class FlatUnit:
 
 class _Entry:
     __slots__ = ("name", "view", "param", "owners", "grad_view", "offset", "numel",
-                 "shape", "acc", "got")
+                 "shape", "acc", "got", "part", "rpart", "kept", "grad16")
 
     def __init__(self, name, view, owners):
         self.name = name          # qualified name of the (first) occurrence
@@ -235,6 +269,12 @@ class _Entry:
         self.shape = view.shape
         self.acc = None           # transient: its AccumulateGrad node (hooked)
         self.got = False          # transient: a gradient reached it this backward
+        # its part of this rank's shard and of the reduced-gradient shard
+        # (1-D, possibly empty: FSDP's sharded views with use_orig_params)
+        self.part = None
+        self.rpart = None
+        self.kept = False         # transient: its .grad was set when backward began
+        self.grad16 = None        # a 16-bit unit's .grad stand-in (_Grad16)
 
 
 class _Saved:
@@ -304,6 +344,110 @@ def _policy(module, auto_wrap):
     raise ValueError("auto_wrap must be 'module', 'children', a set of nn.Module "
                      "classes or a callable (module, recurse, nonwrapped_numel) -> bool, "
                      "not %r" % (auto_wrap,))
+
+
+# what a 16-bit parameter's .grad stand-in lets through: the zeroing of
+# torch's and nn.Module's zero_grad() (on the reduced gradient) and the
+# attribute reads around it
+_GRAD16_GETS = frozenset(("grad_fn", "requires_grad", "shape", "dtype", "device",
+                          "is_leaf", "is_cuda", "layout"))
+
+
+class _Grad16(torch.Tensor):
+    """The .grad of a 16-bit unit's parameter outside backward. The reduced
+    gradient is fp32 in the daemon and the fp32 master of the parameter is
+    the daemon's, so torch.optim cannot step it (it would step the 16-bit
+    shard and the next daemon step would overwrite it from the master):
+    every use but zero_grad() raises, naming the parameter, before an
+    optimizer changed anything. zero_() zeroes its part of the reduced
+    gradient; set it to None as torch's zero_grad(set_to_none=True) does."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name == "__get__":
+            name = getattr(getattr(func, "__self__", None), "__name__", "")
+            if name in _GRAD16_GETS or (name == "is_sparse" and _in_zero_grad()):
+                return super().__torch_function__(func, types, args, kwargs or {})
+        if name == "_foreach_zero_" and args:  # zero_grad of foreach optimizers
+            for t in args[0]:
+                if isinstance(t, _Grad16):
+                    t._rpart.zero_()
+                else:
+                    with torch._C.DisableTorchFunction():
+                        t.zero_()
+            return None
+        me = args[0] if args and isinstance(args[0], _Grad16) else None
+        if me is not None and name == "zero_":
+            me._rpart.zero_()  # a plain tensor: no torch function of ours
+            return me
+        if me is not None and name in ("requires_grad_", "detach_"):
+            return me
+        who = next((a for a in list(args) + list((kwargs or {}).values())
+                    if isinstance(a, _Grad16)), None)
+        raise RuntimeError(
+            "shardd: %r is a %s parameter whose fp32 master and reduced gradient "
+            "live in the daemon: torch.optim optimizers and torch's "
+            "clip_grad_norm_ cannot use its .grad (%s); use shardd.optim "
+            "(e.g. shardd.optim.AdamW(model.parameters())) and "
+            "sm.clip_grad_norm_, or wrap the unit in fp32"
+            % (getattr(who, "_name", "?"), getattr(who, "_dtype16", "16-bit"),
+               name or func))
+
+
+def _in_zero_grad():
+    """Whether the current tensor operation is part of a zero_grad() of
+    torch's optimizers or modules."""
+    import sys
+    f = sys._getframe(2)
+    for _ in range(6):
+        if f is None:
+            return False
+        if f.f_code.co_name == "zero_grad" and f.f_globals.get("__name__", "").startswith(
+                ("torch.optim", "torch.nn.modules")):
+            return True
+        f = f.f_back
+    return False
+
+
+def _torch_caller():
+    """The torch function of torch.optim (but its zero_grad) or of torch's
+    clip_grad_norm_ that the current tensor operation is part of, or None."""
+    import sys
+    f = sys._getframe(2)
+    for _ in range(12):
+        if f is None:
+            return None
+        mod = f.f_globals.get("__name__", "")
+        if mod.startswith("torch.optim"):
+            return None if f.f_code.co_name == "zero_grad" else "%s.%s" % (mod, f.f_code.co_name)
+        if mod == "torch.nn.utils.clip_grad":
+            return "torch.nn.utils.%s" % f.f_code.co_name
+        f = f.f_back
+    return None
+
+
+class _ResidentGrad(torch.Tensor):
+    """The .grad of a parameter of a resident client: its slice of the grad
+    area, where autograd accumulates this rank's unreduced gradient while
+    the parameter is the gathered copy. torch.optim would step that copy
+    with it, and torch's clip_grad_norm_ scale it by a per-rank norm: both
+    raise, naming the parameter. Every other use is a plain tensor's."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        who = _torch_caller()
+        if who is not None:
+            me = next((a for a in args if isinstance(a, _ResidentGrad)), None)
+            raise RuntimeError(
+                "shardd: %s on %r: the client has resident areas, where a parameter "
+                "is the gathered copy and its .grad this rank's unreduced gradient "
+                "(torch.optim would step the copy, not the shard); use shardd.optim "
+                "(e.g. shardd.optim.AdamW(model.parameters())) and sm.clip_grad_norm_, "
+                "or a client with transient_areas=True (FSDP's FULL_SHARD), where "
+                "torch.optim steps the shards" % (who, getattr(me, "_name", "?")))
+        with torch._C.DisableTorchFunction():
+            return func(*args, **(kwargs or {}))
 
 
 def _unit_modules(module, auto_wrap):
@@ -688,12 +832,19 @@ class ShardedModule:
         for uname, root, params, buf, sh, gat, grd in pending:
             entries = []
             off = 0
+            red = buf.reduced_tensor
+            s0 = rank * buf.shard_numel
             for qn, p, owners in params:
                 view = next(views)
                 e = _Entry(qn, view, owners)
                 n = p.numel()
-                if gat is None:  # empty until a gather points it at the area
-                    newp = nn.Parameter(sh.new_empty(0), requires_grad=p.requires_grad)
+                # [a, b): the part of the parameter in this rank's shard
+                a = min(max(off - s0, 0), buf.shard_numel)
+                b = min(max(off + n - s0, 0), buf.shard_numel)
+                e.part = sh[a:b]
+                e.rpart = red[a:b]
+                if gat is None:  # its part of the shard until a gather
+                    newp = nn.Parameter(e.part, requires_grad=p.requires_grad)
                 else:
                     newp = nn.Parameter(gat[off:off + n].view(p.shape),
                                         requires_grad=p.requires_grad)
@@ -725,9 +876,17 @@ class ShardedModule:
         self._in_forward = False  # the root's forward is running
         self._read_held = []      # units a parameter read gathered this forward
         self._final_queued = False
+        # model.state_dict() / load_state_dict(): FSDP's full state dict
+        self._sd_raw = 0
+        self._sd_type = "full"
+        self._sd_config = FullStateDictConfig()
+        module._register_state_dict_hook(self._state_dict_hook)
+        module._register_load_state_dict_pre_hook(self._load_state_dict_pre_hook)
         if self.transient:
             self._install_hooks()
-        elif initial_gather:
+        else:
+            self._hook_resident()
+        if not self.transient and initial_gather:
             self.gather()
 
     # -- introspection ---------------------------------------------------
@@ -824,23 +983,62 @@ class ShardedModule:
         its slice (torch's zero_grad(set_to_none=False): a parameter backward
         does not reach keeps a zero gradient and is stepped). set_to_none:
         every .grad None instead, so one backward does not reach stays None and
-        the step skips it, as torch's. Transient areas: always None, and the
-        reduced gradients of the backwards since the last step are dropped
-        (each backward reduce-scatters per unit; until zero_grad() or a step,
-        a later backward adds its gradient to them, as autograd adds into
-        .grad)."""
+        the step skips it, as torch's. Transient areas: .grad is each
+        parameter's part of the reduced-gradient shard; set_to_none sets it
+        None, otherwise it is zeroed in place (a .grad that is None stays
+        None, as torch's). Until then every backward adds to it (after a
+        step too), as autograd adds into .grad; torch.optim's zero_grad()
+        does the same to it."""
         if self.transient:
-            for u in self.units:
-                u.accumulate = False
-                for e in u.entries:
-                    e.param.grad = None
+            with torch.no_grad():
+                for u in self.units:
+                    for e in u.entries:
+                        p = e.param
+                        if set_to_none or not p.requires_grad:
+                            p.grad = None
+                            continue
+                        # torch's: a .grad that is None stays None
+                        e.rpart.zero_()
+                        if p.grad is not None and not isinstance(p.grad, _Grad16) \
+                                and p.grad.data_ptr() != e.rpart.data_ptr():
+                            p.grad.zero_()  # the script's own tensor, zeroed as torch does
             return
         with torch.no_grad():
             for u in self.units:
                 u.buffer.grad_tensor.zero_()
                 for e in u.entries:
                     trainable = e.param.requires_grad and not set_to_none
-                    e.param.grad = e.grad_view if trainable else None
+                    e.param.grad = self._resident_grad(e) if trainable else None
+
+    def _resident_grad(self, e):
+        """A resident parameter's .grad: its grad-area slice as _ResidentGrad."""
+        if e.grad16 is None:
+            e.grad16 = e.grad_view.as_subclass(_ResidentGrad)
+            e.grad16._name = e.name
+        return e.grad16
+
+    def _resident_grad_ready(self, e, grad_inputs, grad_outputs):
+        """After autograd accumulated into a resident parameter's .grad: a
+        .grad autograd made (the first backward after a None) is copied into
+        the grad area and replaced by it, so that it is a _ResidentGrad
+        too (the scatter reads the area: the same values)."""
+        g = e.param.grad
+        if g is None or isinstance(g, _ResidentGrad):
+            return
+        if g.data_ptr() != e.grad_view.data_ptr():
+            with torch.no_grad():
+                e.grad_view.copy_(g)
+        e.param.grad = self._resident_grad(e)
+
+    def _hook_resident(self):
+        for u in self.units:
+            for e in u.entries:
+                p = e.param
+                if e.acc is not None or not p.requires_grad:
+                    continue  # a frozen one is hooked once unfrozen (sync_grads)
+                with torch.enable_grad():
+                    e.acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                e.acc.register_hook(functools.partial(self._resident_grad_ready, e))
 
     def _sync_requires_grad(self, u):
         """Tell the daemon about parameters frozen or unfrozen since (gradual
@@ -854,6 +1052,7 @@ class ShardedModule:
         (copies only where autograd did not accumulate in place). Resident
         areas only."""
         self._resident_only("sync_grads()")
+        self._hook_resident()  # parameters unfrozen since
         with torch.no_grad():
             for u in self.units:
                 self._sync_requires_grad(u)
@@ -867,7 +1066,7 @@ class ShardedModule:
                         u.no_grad.append(e.view)
                     elif g.data_ptr() != e.grad_view.data_ptr():
                         e.grad_view.copy_(g)
-                        e.param.grad = e.grad_view
+                        e.param.grad = self._resident_grad(e)
 
     def scatter(self, op="mean"):
         """sync_grads(), then reduce-scatter every unit (collective). Resident
@@ -895,66 +1094,151 @@ class ShardedModule:
                         out[mn + "." + attr if mn else attr] = e
         return out
 
-    def state_dict(self):
-        """FSDP's full state dict: torch's module.state_dict() keys and
-        order, every parameter whole (a collective: every rank calls it,
-        and each gets the dict) and the module's buffers as this rank has
-        them, so plain torch loads it (model.load_state_dict)."""
-        full = self.full_parameters()
+    # -- state dicts: model.state_dict() / load_state_dict() (FSDP's) -------
+    @contextlib.contextmanager
+    def _raw_state_dict(self):
+        """The module's own state_dict()/load_state_dict(), without the
+        hooks (each parameter as it is now)."""
+        self._sd_raw += 1
+        try:
+            yield
+        finally:
+            self._sd_raw -= 1
+
+    @contextlib.contextmanager
+    def state_dict_type(self, kind, config=None):
+        """FSDP's state_dict_type context: what model.state_dict() gives and
+        model.load_state_dict() takes inside it. "full" (the default,
+        FSDP's FULL_STATE_DICT): every parameter whole under torch's keys,
+        config a FullStateDictConfig (offload_to_cpu, rank0_only); "local":
+        each parameter as it is outside forward, its 1-D part of this
+        rank's shard (FSDP's LOCAL_STATE_DICT; a rank's own, loadable only
+        into the same world size)."""
+        if kind not in ("full", "local"):
+            raise ValueError("state_dict_type %r: 'full' or 'local'" % (kind,))
+        old = self._sd_type, self._sd_config
+        self._sd_type = kind
+        if config is not None:
+            self._sd_config = config
+        try:
+            yield
+        finally:
+            self._sd_type, self._sd_config = old
+
+    def _local_keys(self, sd, prefix):
+        """{key in sd: entry} for the parameters' keys under prefix."""
         alias = self._aliases()
-        out = collections.OrderedDict()
-        for k, v in self.module.state_dict(keep_vars=True).items():
-            e = alias.get(k)
-            out[k] = full[e.name] if e is not None else v.detach().clone()
+        out = {}
+        for k in sd:
+            if k.startswith(prefix) and k[len(prefix):] in alias:
+                out[k] = alias[k[len(prefix):]]
         return out
 
-    def load_state_dict(self, state_dict, strict=True):
-        """Writes a full state dict (torch's or state_dict()'s) into the
-        shards: each rank its slice of every unit (a 16-bit unit's fp32
-        master from the values given, as at construction), the buffers
-        into the module. Every rank calls it with the same dict; resident
-        clients then gather (a collective). The optimizer's state is its
-        own: shardd.optim's load_state_dict."""
-        alias = self._aliases()
-        keys = set(self.module.state_dict(keep_vars=True).keys())
-        missing = sorted(k for k in keys if k not in state_dict)
-        unexpected = sorted(k for k in state_dict if k not in keys)
-        if strict and (missing or unexpected):
-            raise RuntimeError("Error(s) in loading state_dict: missing keys %s, "
-                               "unexpected keys %s" % (missing, unexpected))
-        # each parameter's value under the first of its names the dict has
-        # (one pass over the names, not one per parameter)
+    def _state_dict_hook(self, module, state_dict, prefix, local_metadata):
+        """torch's state_dict() hook on the wrapped module: the parameters'
+        values (their shard parts) replaced as the state dict type says."""
+        if self._sd_raw:
+            return None
+        keys = self._local_keys(state_dict, prefix)
+        if self._sd_type == "local":
+            for k, e in keys.items():
+                state_dict[k] = e.part.detach().clone()
+            return None
+        cfg = self._sd_config
+        full = self.full_parameters()  # collective: every rank is here
+        if cfg.rank0_only and self.client.rank != 0:
+            for k in list(state_dict):
+                if k.startswith(prefix):
+                    del state_dict[k]
+            return None
+        for k, e in keys.items():
+            state_dict[k] = full[e.name]
+        if cfg.offload_to_cpu:
+            for k in list(state_dict):
+                if k.startswith(prefix) and isinstance(state_dict[k], torch.Tensor):
+                    state_dict[k] = state_dict[k].cpu()
+        return None
+
+    def _load_state_dict_pre_hook(self, state_dict, prefix, local_metadata, strict,
+                                  missing_keys, unexpected_keys, error_msgs):
+        """torch's load_state_dict() pre-hook on the wrapped module (torch
+        calls it before the module loads anything): a full state dict's
+        parameters are written into the shards (each rank its parts), and
+        their entries replaced by what the parameters then are, so that
+        torch's own copy (and its key and shape checks) finds them."""
+        if self._sd_raw or self._sd_type == "local":
+            return
+        keys = self._local_keys(state_dict, prefix)
         given = {}
-        for k, e in alias.items():
-            if k in state_dict:
-                given.setdefault(id(e), state_dict[k])
+        for k, e in keys.items():
+            v = state_dict[k]
+            if tuple(v.shape) != tuple(e.shape):
+                error_msgs.append("size mismatch for %s: copying a param with shape %s "
+                                  "from checkpoint, the shape in current model is %s."
+                                  % (k, tuple(v.shape), tuple(e.shape)))
+                return
+            given.setdefault(id(e), v)
+        self._write_full(given)
+        for k, e in keys.items():
+            state_dict[k] = e.param.detach().clone()
+
+    def _write_full(self, given):
+        """given {id(entry): whole value}: each rank writes its parts into
+        its shard (a 16-bit unit's fp32 master from the values given, as at
+        construction); resident clients then gather (a collective). Entries
+        not given keep theirs."""
+        held = [u.name for u in self.units if self.transient and u.gather is not None]
+        if held:
+            raise shardd.Error(22, "load_state_dict(): units %s are gathered by a "
+                               "forward or backward still" % held, "E_STATE")
         rank = self.client.rank
         with torch.no_grad():
             for u in self.units:
-                vals = []
+                buf = u.buffer
+                sh = buf.shard_tensor
+                s0 = rank * buf.shard_numel
+                exact = None if u.torch_grads else sh.float()
                 for e in u.entries:
                     v = given.get(id(e))
                     if v is None:
-                        raise RuntimeError("load_state_dict: no value for %r" % e.name)
-                    if tuple(v.shape) != tuple(e.shape):
-                        raise RuntimeError("load_state_dict: %r has shape %s, the model %s"
-                                           % (e.name, tuple(v.shape), tuple(e.shape)))
-                    vals.append(v.detach().reshape(-1))
-                flat = torch.cat(vals)
-                buf = u.buffer
-                sh = buf.shard_tensor
-                lo = rank * buf.shard_numel
-                hi = min(lo + buf.shard_numel, flat.numel())
-                sh.zero_()
-                if hi > lo:
-                    sh[:hi - lo].copy_(flat[lo:hi].to(sh.dtype).to(sh.device))
-                if sh.dtype != torch.float32:
-                    self.client.seed_master(buf, flat.float()[lo:max(lo, hi)])
-            for k, b in self.module.named_buffers():
-                if k in state_dict:
-                    b.copy_(state_dict[k])
+                        continue
+                    lo = min(max(s0 - e.offset, 0), e.numel)
+                    hi = lo + e.part.numel()
+                    flat = v.detach().reshape(-1)[lo:hi]
+                    e.part.copy_(flat.to(sh.dtype).to(sh.device))
+                    if exact is not None and hi > lo:
+                        o = e.offset + lo - s0
+                        exact[o:o + hi - lo].copy_(flat.float().to(sh.device))
+                if exact is not None:
+                    # the seed goes through the reduced-gradient shard, which
+                    # it leaves zeroed: the gradients kept are gone
+                    self.client.seed_master(buf, exact)
+                    u.live_at = None
+                    for e in u.entries:
+                        e.param.grad = None
         if not self.transient:
             self.gather()
+
+    def state_dict(self, rank0_only=False, offload_to_cpu=False):
+        """FSDP's full state dict: torch's module.state_dict() keys and
+        order (both names of a tied weight), every parameter whole (a
+        collective: every rank calls it, and each gets the dict, or only
+        rank 0 with rank0_only) and the module's buffers as this rank has
+        them, so plain torch loads it (model.load_state_dict). What
+        model.state_dict() gives in the default state dict type."""
+        with self.state_dict_type("full", FullStateDictConfig(offload_to_cpu, rank0_only)):
+            return self.module.state_dict()
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Writes a full state dict (torch's or state_dict()'s) into the
+        shards: each rank its parts of every unit (a 16-bit unit's fp32
+        master from the values given, as at construction), the buffers
+        into the module. Every rank calls it with the same dict; resident
+        clients then gather (a collective). What model.load_state_dict()
+        does in the default state dict type. The optimizer's state is its
+        own: shardd.optim's load_state_dict."""
+        with self.state_dict_type("full"):
+            return self.module.load_state_dict(state_dict, strict=strict)
 
     def full_parameters(self):
         """-> {qualified name: tensor}, copies of the whole parameters as the
@@ -1091,6 +1375,8 @@ class ShardedModule:
         g = u.gather
         for e in u.entries:
             p = e.param
+            if with_grad and p.requires_grad:
+                e.kept = self._held_grad(e)
             p.data = g[e.offset:e.offset + e.numel].view(e.shape)
             if with_grad and p.requires_grad:
                 p.grad = u.grad[e.offset:e.offset + e.numel].view(e.shape)
@@ -1102,14 +1388,48 @@ class ShardedModule:
                     e.acc = p.expand_as(p).grad_fn.next_functions[0][0]
                 e.acc.register_hook(functools.partial(self._grad_ready, u, e))
 
-    def _empty(self, u):
+    def _held_grad(self, e):
+        """Whether e's parameter has a .grad as backward begins (its part of
+        the reduced gradient, or a tensor the script put there, copied into
+        that part): the unit's scatter then adds to it, as autograd adds to
+        an existing .grad."""
+        g = e.param.grad
+        if g is None:
+            return False
+        if isinstance(g, _Grad16):
+            return True
+        if g.numel() != e.rpart.numel():
+            raise RuntimeError(
+                "shardd: %r's .grad has %d elements; outside forward and backward "
+                "a parameter is its part of this rank's shard (%d elements) and "
+                "its .grad must be that too (or None)" % (e.name, g.numel(), e.rpart.numel()))
+        if g.numel() and g.data_ptr() != e.rpart.data_ptr():
+            with torch.no_grad():
+                e.rpart.copy_(g.reshape(-1))
+        return True
+
+    def _grad_of(self, u, e):
+        """What e's parameter's .grad is outside backward: its part of the
+        reduced-gradient shard (fp32 units), or a 16-bit unit's stand-in
+        that refuses torch.optim."""
+        if u.torch_grads:
+            return e.rpart
+        if e.grad16 is None:
+            e.grad16 = e.part.detach().as_subclass(_Grad16)
+            e.grad16._rpart = e.rpart
+            e.grad16._name = e.name
+            e.grad16._dtype16 = u.buffer.dtype
+        return e.grad16
+
+    def _to_shard(self, u):
+        """Every parameter of u its part of this rank's shard (FSDP's
+        sharded views): what an optimizer outside forward steps in place."""
         for e in u.entries:
-            e.param.grad = None
-            e.param.data = e.param.data.new_empty(0)
+            e.param.data = e.part
 
     def _release(self, u):
         u.gather = u.grad = None
-        self._empty(u)
+        self._to_shard(u)
         self.client.release(u.buffer)
 
     def _pre_forward(self, u, module, inputs):
@@ -1160,6 +1480,7 @@ class ShardedModule:
         u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=want)
         if want:
             u.state = "backward"
+            u.ran = True
             u.pending = self._trainable(u)
             for e in u.entries:
                 e.got = False
@@ -1180,23 +1501,78 @@ class ShardedModule:
         if u.pending == 0:
             self._finish(u)
 
-    def _finish(self, u, no_grad=None):
-        """Scatter u: no_grad None lists the trainable parameters no gradient
-        reached (the step skips them, as torch skips a None .grad). It
-        consumes the gradient area; a later backward before the step adds
-        its gradient to this one, as autograd adds into .grad."""
+    def _finish(self, u, ran=True):
+        """Scatter u (ran False: no backward reached it, its gradient area
+        is zeros). As autograd adds into an existing .grad, the result adds
+        to the reduced gradient of the parameters whose .grad was set when
+        backward began (the last scatter's, not zeroed or set to None since
+        -- after a step too, as torch keeps .grad until zero_grad()); the
+        others start from zero. The trainable parameters no gradient
+        reached and that had none are named to the daemon (its step skips
+        those no rank had one for, as torch skips a None .grad). It
+        consumes the gradient area. Then every parameter is its part of the
+        shard again and every trainable one's .grad its part of the reduced
+        gradient, but for those that neither got a gradient nor had one
+        (None, as torch's; _final makes that the same on every rank)."""
         self._sync_requires_grad(u)
-        if no_grad is None:
-            no_grad = [e.view for e in u.entries if e.param.requires_grad and not e.got]
-        self.client.scatter(u.buffer, self.reduce_op, no_grad=no_grad,
-                            accumulate=u.accumulate)
-        u.accumulate = True
+        train = [e for e in u.entries if e.param.requires_grad]
+        kept = [e for e in train if e.kept]
+        no_grad = [e.view for e in train if not e.kept and not (ran and e.got)]
+        acc, save = False, None
+        if kept:
+            with torch.no_grad():
+                for e in train:
+                    if not e.kept:
+                        e.rpart.zero_()
+                if u.live_at is not None and u.live_at == self.client.steps_requested:
+                    acc = True  # the daemon adds to its live reduced gradient
+                else:
+                    # a step consumed it: the daemon would replace it, so
+                    # what the parameters kept is added back here
+                    save = u.buffer.reduced_tensor.clone()
+        self.client.scatter(u.buffer, self.reduce_op,
+                            no_grad=(True if len(no_grad) == len(train) else no_grad),
+                            accumulate=acc)
+        if save is not None:
+            with torch.no_grad():
+                u.buffer.reduced_tensor.add_(save)
+        u.live_at = self.client.steps_requested
         u.state = "done"
         self._release(u)
+        for e in train:
+            e.param.grad = self._grad_of(u, e) if (ran and e.got) or e.kept else None
 
     def _final(self):
         """End of backward: every unit scattered once, in reverse order."""
         self._final_queued = False
+        self._scatter_rest()
+        try:
+            self._same_none_grads()
+        finally:
+            for u in self.units:
+                u.ran = False
+
+    def _same_none_grads(self):
+        """A .grad left None (no gradient reached the parameter here) must be
+        None on every rank, or torch.optim would step some ranks' parts of
+        a parameter and not the others' (whose reduced gradient has the
+        other ranks' contributions): one small all-reduce compares the
+        ranks' sets; where they differ (a graph that depends on the rank),
+        every trainable parameter of the units that had a backward gets its
+        .grad (zeros where no rank had a gradient, as FSDP's)."""
+        none = [(ui, ei) for ui, u in enumerate(self.units) for ei, e in enumerate(u.entries)
+                if e.param.requires_grad and e.param.grad is None]
+        sig = float(zlib.crc32(repr(none).encode()))
+        n = float(len(none))
+        mx = self.client.all_reduce([n, -n, sig, -sig], "max")
+        if mx[0] == -mx[1] and mx[2] == -mx[3]:
+            return
+        for ui, ei in none:
+            u = self.units[ui]
+            if u.live_at == self.client.steps_requested and u.ran:
+                u.entries[ei].param.grad = self._grad_of(u, u.entries[ei])
+
+    def _scatter_rest(self):
         for u in reversed(self.units):
             if u.state == "backward":
                 self._finish(u)  # a parameter got no gradient: zeros
@@ -1206,7 +1582,10 @@ class ShardedModule:
                 # no backward reached the unit: a zeroed gradient, not the
                 # last step's
                 u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=True)
-                self._finish(u, no_grad=True)
+                for e in u.entries:
+                    if e.param.requires_grad:
+                        e.kept = self._held_grad(e)
+                self._finish(u, ran=False)
             elif u.gather is not None:
                 self._release(u)
             u.state = "idle"
@@ -1321,9 +1700,9 @@ class ShardedModule:
                     pass  # the daemon took them back already
             if self.transient:
                 u.gather = u.grad = None
-                self._empty(u)
+                self._to_shard(u)
             u.state = "idle"
-            u.accumulate = False
+            u.live_at = None
             for e in u.entries:
                 e.param.grad = None
 
@@ -1354,19 +1733,26 @@ class ShardedModule:
     def clip_grad_norm_(self, max_norm, norm_type=2.0, optimizer=None):
         """FSDP's clip_grad_norm_ (collective): -> the total L2 norm of the
         reduced gradients over every shard of every rank, as a torch scalar
-        (torch's plain clip_grad_norm_ would see only this rank's, and on
-        transient clients .grad is None by then: the gradients are the
-        daemon's). The optimizer's next step scales the gradients by
-        min(1, max_norm / (norm + 1e-6)), as torch's clipping in place
-        does; max_norm=inf reports the norm only. optimizer: the one whose
-        parameters count (a shardd.optim optimizer or a registered one);
-        needed only when several were registered through this module.
-        Resident clients call scatter() first."""
+        (torch's plain clip_grad_norm_ over model.parameters() sees only
+        this rank's parts: a per-rank norm, as under FSDP). Gradients are
+        scaled by min(1, max_norm / (norm + 1e-6)), as torch's clipping in
+        place does; max_norm=inf reports the norm only.
+        optimizer: whose parameters count. A shardd.optim optimizer or a
+        registered one (the default when exactly one was registered through
+        this module): the daemon computes the norm and its next step
+        scales. A torch.optim optimizer (the default when none was
+        registered): the norm of its parameters' .grad parts (all-reduced
+        over the ranks) and the parts are scaled in place. Resident
+        clients call scatter() first."""
         if float(norm_type) != 2.0:
             raise NotImplementedError("clip_grad_norm_: norm_type %r (shardd computes "
                                       "the L2 norm only)" % (norm_type,))
         if optimizer is not None and hasattr(optimizer, "_opt"):
             optimizer = optimizer._opt
+        if isinstance(optimizer, torch.optim.Optimizer) or (optimizer is None and not self._optims):
+            params = (list(self.parameters()) if optimizer is None else
+                      [p for g in optimizer.param_groups for p in g["params"]])
+            return self._clip_grads(params, float(max_norm))
         if optimizer is None:
             if len(self._optims) != 1:
                 raise ValueError("clip_grad_norm_: %d optimizers are registered through "
@@ -1374,4 +1760,39 @@ class ShardedModule:
             optimizer = self._optims[0]
         mn = float(max_norm)
         total = self.client.clip_grad_norm(optimizer, mn if math.isfinite(mn) else math.inf)
+        return torch.tensor(total)
+
+    def _clip_grads(self, params, max_norm):
+        """clip_grad_norm_ over the .grad parts of params (each parameter
+        once), every rank's summed (a collective)."""
+        seen, grads = set(), []
+        for p in params:
+            e = self._by_param.get(id(p))
+            if e is None or id(e) in seen:
+                continue
+            seen.add(id(e))
+            g = p.grad
+            if g is None:
+                continue
+            if isinstance(g, _Grad16):
+                g = g._rpart
+            elif g.numel() != e.rpart.numel():
+                raise shardd.Error(22, "clip_grad_norm_: %r's .grad is not its part of the "
+                                   "reduced gradient (call it after backward, outside "
+                                   "forward and backward%s)" % (
+                                       e.name, "" if self.transient else ", after scatter()"),
+                                   "E_STATE")
+            grads.append(g)
+        local = 0.0
+        with torch.no_grad():
+            for g in grads:
+                if g.numel():
+                    local += float(g.double().pow(2).sum())
+        total = math.sqrt(self.client.all_reduce(local, "sum"))
+        if math.isfinite(max_norm) and max_norm > 0:
+            coef = max_norm / (total + 1e-6)
+            if coef < 1.0:
+                with torch.no_grad():
+                    for g in grads:
+                        g.mul_(coef)
         return torch.tensor(total)

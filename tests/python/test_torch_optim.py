@@ -1,0 +1,386 @@
+"""Torch habits on a wrapped model train as in torch, against one process of
+plain torch on the full batch (transient areas, 2 and 4 ranks): as FSDP's
+use_orig_params, outside forward and backward each parameter is its part of
+the rank's shard and, after backward, its .grad its part of the reduced
+gradient, so torch.optim.AdamW built after wrapping steps the shards (and
+sm.clip_grad_norm_ clips them as torch's clip_grad_norm_ the whole model);
+model.state_dict() is torch's full state dict, loadable into the unwrapped
+model, and model.load_state_dict() takes one; without zero_grad() a second
+backward adds to the gradient (after a step too), and either zero_grad()
+resets it; torch.optim on a 16-bit unit (fp32 master in the daemon) is
+refused by name. Ranks are processes (forkserver) of one job on the host
+backend."""
+import unittest
+
+import common
+import shardd
+
+if common.HAVE_TORCH:
+    import numpy as np
+    import torch
+    from torch import nn
+    import models
+    import shardd.nn
+    import shardd.optim
+
+STEPS = 5
+TOL = 1e-5        # losses, relative
+# parameters, per tensor |a-b| / |b|: the nano GPT's attention biases (near
+# zero) differ up to 5.2e-5 from one process of torch, exactly as much with
+# shardd.optim's daemon AdamW (the reduction's rounding of gradients near
+# zero, amplified by Adam's first steps), so the optimizer adds nothing
+PTOL = 1e-4
+ROWS = 16         # rows of a micro-batch, cut among the ranks
+HYPER = dict(lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+CLIP = 0.5
+LOAD_AT = 2       # "load": the wrapped model takes torch's state dict after this many steps
+
+
+if common.HAVE_TORCH:
+    class _Branchy(nn.Module):
+        """b is a branch only rank 0 takes ("one_rank"): its gradient comes
+        from rank 0's rows alone."""
+
+        def __init__(self):
+            super().__init__()
+            # a, b, head: b's 72 elements straddle the two ranks' shards
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 8)
+
+        def forward(self, x, use_b=True):
+            if use_b:
+                x = x + self.b(x)
+            return self.head(torch.tanh(self.a(x)))
+
+
+def make_model(name):
+    if name == "gpt":
+        return models.nano_gpt()
+    if name == "branchy":
+        torch.manual_seed(0)
+        return _Branchy()
+    torch.manual_seed(0)  # a chain of children each unit of "children" gathers
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 8))
+
+
+def batch(name, k, rank, world):
+    """Micro-batch k (ROWS rows): rank r's slice of world (world 1: all)."""
+    per = ROWS // world
+    if name == "gpt":
+        return models.gpt_batch(models.GPTConfig(), k, rank, world, rows=per)
+    g = torch.Generator().manual_seed(100 + k)
+    x = torch.randn(ROWS, 8, generator=g)
+    y = torch.randn(ROWS, 8, generator=g)
+    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+
+
+def loss_of(name, model, x, y):
+    if name == "gpt":
+        return models.gpt_loss(model, x, y)
+    return nn.functional.mse_loss(model(x), y)
+
+
+def zero_at(s):
+    """"accumulate": which steps begin with a zero_grad, and which kind
+    (None: none, gradients add up over steps as torch's do)."""
+    return {2: False, 4: True}.get(s)
+
+
+def train(name, mode, model, opt, sm, rank, world, steps=STEPS):
+    """The loop every rank and the reference (world 1, sm None) run;
+    -> losses (this rank's)."""
+    losses = []
+    for s in range(steps):
+        if mode == "accumulate":
+            z = zero_at(s)
+            if z is not None:
+                opt.zero_grad(set_to_none=z)
+            for k in (2 * s, 2 * s + 1):  # two backwards per step
+                x, y = batch(name, k, rank, world)
+                loss = loss_of(name, model, x, y) / 2
+                loss.backward()
+                losses.append(loss.item())
+        elif mode == "one_rank":
+            opt.zero_grad()
+            if sm is None:  # the reference: every rank's loss, rank 0's with b
+                loss = sum(nn.functional.mse_loss(model(x, r == 0), y)
+                           for r in range(world)
+                           for x, y in [batch(name, s, r, world)]) / world
+            else:
+                x, y = batch(name, s, rank, world)
+                loss = nn.functional.mse_loss(model(x, rank == 0), y)
+            loss.backward()
+            losses.append(loss.item())  # the ranks' mean is the reference's
+        else:
+            opt.zero_grad()
+            x, y = batch(name, s, rank, world)
+            loss = loss_of(name, model, x, y)
+            loss.backward()
+            losses.append(loss.item())
+            if mode == "clip":
+                if sm is None:
+                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+                else:
+                    norm = sm.clip_grad_norm_(CLIP)
+                losses.append(float(norm))  # every rank's is the global norm
+        opt.step()
+    return losses
+
+
+def reference(name, mode, world=1):
+    """One process, the whole batch, torch.optim.AdamW -> (model, losses,
+    mid). world: the ranks the run it is compared with has. "load": mid is the state dict after LOAD_AT steps, and the model
+    goes on from it with a new optimizer for STEPS - LOAD_AT steps."""
+    torch.set_num_threads(1)
+    model = make_model(name)
+    mid = None
+    if mode == "load":
+        opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+        train(name, "plain", model, opt, None, 0, 1, LOAD_AT)
+        mid = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        model = make_model(name)
+        model.load_state_dict(mid)
+    opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+    # world: "one_rank"'s reference computes each rank's loss (the others
+    # take the whole micro-batch)
+    losses = train(name, "plain" if mode == "load" else mode, model, opt, None, 0,
+                   world if mode == "one_rank" else 1,
+                   STEPS - LOAD_AT if mode == "load" else STEPS)
+    return model, losses, mid
+
+
+# ---- one rank ------------------------------------------------------------------
+
+def rank_main(rank, world, sock, job, name, mode, mid, kind, q):
+    try:
+        torch.set_num_threads(1)
+        client = shardd.Client(sock, job=job, rank=rank, world=world,
+                               transient_areas=mode != "resident",
+                               client_name="test_torch_optim rank %d" % rank)
+        model = make_model(name)
+        # transient: every rank gathers every unit it calls (a collective),
+        # so the branch one rank takes lives in the unit all ranks gather
+        auto_wrap = "children" if name == "chain" else "module"
+        if mode == "resident":
+            sm = shardd.nn.ShardedModule(client, model, auto_wrap=auto_wrap)
+            opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+            x, y = batch(name, 0, rank, world)
+            before = {k: v.clone() for k, v in sm.full_parameters().items()}
+            errs = []
+            for explicit in (False, True):  # the plain torch loop, the explicit one
+                if explicit:
+                    sm.gather()
+                opt.zero_grad()
+                loss_of(name, model, x, y).backward()
+                if explicit:
+                    sm.scatter()
+                try:
+                    opt.step()
+                    errs.append(None)
+                except RuntimeError as e:
+                    errs.append(str(e))
+            gathered = {n: p.detach().clone() for n, p in model.named_parameters()}
+            after = sm.full_parameters()
+            same = all(torch.equal(before[k], after[k]) and torch.equal(before[k], gathered[k])
+                       for k in before)
+            try:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                clip_err = None
+            except RuntimeError as e:
+                clip_err = str(e)
+            q.put(("refused", rank, errs, same, clip_err))
+            client.close()
+            q.put(("done", rank))
+            return
+        if mode == "bf16":
+            model = model.bfloat16()
+            sm = shardd.nn.ShardedModule(client, model, auto_wrap=auto_wrap)
+            opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+            x, y = batch(name, 0, rank, world)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()
+            before = {k: v.clone() for k, v in sm.full_parameters().items()}
+            try:
+                opt.step()
+                err = None
+            except RuntimeError as e:
+                err = str(e)
+            after = sm.full_parameters()
+            same = all(torch.equal(before[k], after[k]) for k in before)
+            try:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                clip_err = None
+            except RuntimeError as e:
+                clip_err = str(e)
+            q.put(("refused", rank, err, same, clip_err))
+            client.close()
+            q.put(("done", rank))
+            return
+        sm = shardd.nn.ShardedModule(client, model, auto_wrap=auto_wrap)
+        # FSDP's order: the optimizer over the wrapped model's parameters
+        if kind == "shardd":  # the daemon's AdamW
+            opt = shardd.optim.AdamW(model.parameters(), **HYPER)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+        shapes = [tuple(p.shape) for p in model.parameters()]
+        losses = []
+        if mode == "load":
+            model.load_state_dict(mid)  # torch's own state dict, whole
+            losses = train(name, "plain", model, opt, sm, rank, world, STEPS - LOAD_AT)
+        else:
+            losses = train(name, mode, model, opt, sm, rank, world)
+        for i, v in enumerate(losses):
+            q.put(("loss", rank, i, v))
+        sd = model.state_dict()  # collective: every rank
+        # FullStateDictConfig's rank0_only: the others get nothing of it;
+        # "local": each rank's own 1-D parts
+        with sm.state_dict_type("full", shardd.nn.FullStateDictConfig(
+                offload_to_cpu=True, rank0_only=True)):
+            only0 = model.state_dict()
+        with sm.state_dict_type("local"):
+            local = model.state_dict()
+        q.put(("configs", rank, len(only0), all(torch.equal(only0[k], sd[k]) for k in only0),
+               sorted(local) == sorted(sd), all(v.dim() == 1 for v in local.values())))
+        if rank == 0:
+            q.put(("state", {k: v.detach().numpy().copy() for k, v in sd.items()},
+                   list(sd), shapes))
+        client.close()
+        q.put(("done", rank))
+    except BaseException as e:
+        import traceback
+        q.put(("error", rank, "%s\n%s" % (e, traceback.format_exc())))
+        raise SystemExit(1)
+
+
+def run(name, world, mode, mid=None, kind="torch", timeout=150):
+    job = common.job("torchopt")
+    sock = common.socket()
+    per = {}
+    out = {"losses": {}, "refused": {}}
+
+    def on_msg(msg):
+        if msg[0] == "loss":
+            _, r, i, v = msg
+            per.setdefault(i, {})[r] = v
+            if len(per[i]) == world:
+                out["losses"][i] = sum(per.pop(i).values()) / world
+        elif msg[0] == "state":
+            out["state"], out["keys"], out["shapes"] = msg[1], msg[2], msg[3]
+        elif msg[0] == "configs":
+            out.setdefault("configs", {})[msg[1]] = msg[2:]
+        elif msg[0] == "refused":
+            out["refused"][msg[1]] = msg[2:]
+
+    common.launch_ranks(rank_main, lambda r, q: (r, world, sock, job, name, mode, mid, kind, q),
+                        world, on_msg, timeout)
+    out["losses"] = [out["losses"][i] for i in sorted(out["losses"])]
+    return out
+
+
+def rel_diff(got, want):
+    """max over tensors of |a-b| / |b| (L2 norms) -> (worst, its key). Per
+    tensor, not per element: Adam turns the rounding of an element whose
+    gradient is near zero into a relative difference of up to 3e-5 of the
+    tensor's largest value (wte, one element of 2048, exactly as much with
+    shardd.optim: it is the reduction's rounding, not the optimizer's).
+    The attention's key bias is left out: its gradient is zero but for
+    rounding (softmax ignores a shift of all keys), which Adam turns into
+    +-lr of either sign."""
+    worst, at = 0.0, None
+    for n, b in want.items():
+        b = np.asarray(b, dtype=np.float64)
+        a = np.asarray(got[n], dtype=np.float64)
+        if n.endswith("attn.c_attn.bias"):
+            third = b.shape[0] // 3
+            a, b = np.delete(a, np.s_[third:2 * third]), np.delete(b, np.s_[third:2 * third])
+        d = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+        if d > worst:
+            worst, at = d, n
+    return worst, at
+
+
+@unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
+class TorchOptimTest(unittest.TestCase):
+
+    def check(self, name, mode, worlds=(2, 4), kind="torch"):
+        for world in worlds:
+            ref, want_losses, mid = reference(name, mode, world)
+            want = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
+            label = "%s, %s, %d ranks, %s optimizer" % (name, mode, world, kind)
+            res = run(name, world, mode, mid, kind)
+            got = res["losses"]
+            self.assertEqual(len(got), len(want_losses), label)
+            lr = max(abs(a - b) / abs(b) for a, b in zip(got, want_losses))
+            print("\n  %s: max relative loss difference %.3g" % (label, lr))
+            self.assertLessEqual(lr, TOL, label)
+            # torch's keys in torch's order (both names of the tied weight),
+            # shapes and values
+            self.assertEqual(res["keys"], list(ref.state_dict()), label)
+            for k, v in want.items():
+                self.assertEqual(res["state"][k].shape, v.shape, "%s: %s" % (label, k))
+            pr, at = rel_diff(res["state"], want)
+            print("  %s: parameters %.3g (%s)" % (label, pr, at))
+            self.assertLessEqual(pr, PTOL, label)
+            for r, (n0, same0, local_keys, local_1d) in res["configs"].items():
+                self.assertEqual(n0, len(want) if r == 0 else 0, "%s: rank0_only" % label)
+                self.assertTrue(same0 and local_keys and local_1d, label)
+            # outside forward each parameter is its 1-D part of the shard
+            self.assertTrue(all(len(s) == 1 for s in res["shapes"]), res["shapes"])
+            self.assertGreater(sum(s[0] for s in res["shapes"]), 0)
+            # it loads into the unwrapped model
+            fresh = make_model(name)
+            fresh.load_state_dict({k: torch.from_numpy(v) for k, v in res["state"].items()})
+            x, _ = batch(name, 99, 0, 1)
+            with torch.no_grad():
+                a, b = fresh(x), ref(x)
+                self.assertLessEqual(float((a - b).norm() / b.norm()), PTOL, label)
+
+    def test_torch_adamw_after_wrapping_trains_as_torch(self):
+        self.check("gpt", "plain")
+        self.check("chain", "plain", worlds=(2,))
+
+    def test_clip_grad_norm_over_every_shard_as_torch(self):
+        self.check("gpt", "clip", worlds=(2,))
+
+    def test_backward_without_zero_grad_adds_up_as_torch(self):
+        self.check("gpt", "accumulate")
+        self.check("chain", "accumulate", worlds=(2,))
+
+    def test_a_parameter_one_rank_reaches_is_stepped_on_every_rank(self):
+        """Its .grad is set on every rank (its reduced gradient has rank 0's
+        part everywhere), so every rank's part of it is stepped."""
+        self.check("branchy", "one_rank", worlds=(2,))
+
+    def test_shardd_optim_without_zero_grad_adds_up_as_torch(self):
+        """The daemon's step consumes the reduced gradient it applied; the
+        next backward still adds to the .grad the parameters kept."""
+        self.check("gpt", "accumulate", kind="shardd")
+
+    def test_torch_optim_on_resident_client_refused(self):
+        res = run("chain", 2, "resident")
+        for rank, (errs, same, clip_err) in res["refused"].items():
+            for err in errs:
+                self.assertIsNotNone(err, "rank %d: torch.optim stepped a resident model" % rank)
+                self.assertIn("resident areas", err)
+                self.assertIn("transient_areas=True", err)
+                self.assertIn("'0.weight'", err)
+            self.assertTrue(same, "rank %d: the refused step changed the parameters" % rank)
+            self.assertIn("clip_grad_norm_", clip_err or "")
+
+    def test_load_state_dict_of_torch_trains_on(self):
+        self.check("gpt", "load", worlds=(2,))
+
+    def test_torch_optim_on_16_bit_unit_refused_by_name(self):
+        res = run("chain", 2, "bf16")
+        for rank, (err, same, clip_err) in res["refused"].items():
+            self.assertIsNotNone(err, "rank %d: torch.optim stepped a bf16 unit" % rank)
+            self.assertIn("'0.weight'", err)
+            self.assertIn("shardd.optim", err)
+            self.assertTrue(same, "rank %d: the refused step changed the shards" % rank)
+            self.assertIn("sm.clip_grad_norm_", clip_err or "")
+
+
+if __name__ == "__main__":
+    unittest.main()
