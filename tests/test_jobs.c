@@ -92,9 +92,9 @@ Test(jobs, the_last_client_leaving_under_linger_0_tells_the_released_hook) {
   shardd__job *job = job_of("a", 2);
   claim(job, 0, 11);
   claim(job, 1, 12);
-  shardd__jobs_leave(&jobs, job, 0, 11, 1.0);
+  shardd__jobs_leave(&jobs, job, 0, 11, 1.0, 0);
   cr_assert_eq(ntold, 0, "released while rank 1 holds it");
-  shardd__jobs_leave(&jobs, job, 1, 12, 1.0);
+  shardd__jobs_leave(&jobs, job, 1, 12, 1.0, 0);
   cr_assert_eq(ntold, 1, "the release was not told");
   cr_expect_eq(told[0], job);
   cr_expect_str_eq(told_name[0], "a");
@@ -104,7 +104,7 @@ Test(jobs, a_linger_running_out_tells_the_released_hook) {
   make_jobs(600);
   shardd__job *job = job_of("b", 1);
   claim(job, 0, 21);
-  shardd__jobs_leave(&jobs, job, 0, 21, 10.0);
+  shardd__jobs_leave(&jobs, job, 0, 21, 10.0, 0);
   shardd__jobs_expire(&jobs, 609.0);
   cr_assert_eq(ntold, 0, "released before its linger ran out");
   shardd__jobs_expire(&jobs, 611.0);
@@ -119,7 +119,7 @@ Test(jobs, release_now_tells_the_released_hook_and_a_refused_one_does_not) {
   claim(job, 0, 31);
   cr_assert_eq(shardd__jobs_release_now(&jobs, job, err, sizeof err), SHARDD_E_BUSY);
   cr_assert_eq(ntold, 0, "a refused release was told");
-  shardd__jobs_leave(&jobs, job, 0, 31, 1.0);
+  shardd__jobs_leave(&jobs, job, 0, 31, 1.0, 0);
   cr_assert_eq(shardd__jobs_release_now(&jobs, job, err, sizeof err), SHARDD_OK, "%s",
                err);
   cr_assert_eq(ntold, 1, "the release was not told");
