@@ -359,15 +359,16 @@ static shardd_err fill_buffer(shardd__report *r, const shardd__status_ctx *ctx,
   ir->resident_bytes = 0;
   ir->has_generation = 1;
   ir->generation = b->hdr.generation;
-  ir->frozen = ar_alloc(r, (b->nfrozen_ranges ? b->nfrozen_ranges : 1) *
-                               sizeof *ir->frozen);
-  for (size_t k = 0; ir->frozen && k < b->nfrozen_ranges; k++) {
+  uint64_t(*fr)[2];
+  size_t nfr = shardd__buffer_frozen(b, &fr);
+  ir->frozen = ar_alloc(r, (nfr ? nfr : 1) * sizeof *ir->frozen);
+  for (size_t k = 0; ir->frozen && k < nfr; k++) {
     Shardwire__ElemRange *er = ar_alloc(r, sizeof *er);
     if (er == NULL)
       return SHARDD_E_NO_MEMORY;
     shardwire__elem_range__init(er);
-    er->offset = b->frozen[k][0];
-    er->numel = b->frozen[k][1];
+    er->offset = fr[k][0];
+    er->numel = fr[k][1];
     ir->frozen[ir->n_frozen++] = er;
   }
   ir->shards = ar_alloc(r, b->world * sizeof *ir->shards);
