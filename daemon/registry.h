@@ -289,6 +289,9 @@ struct shardd__registry {
   uint64_t next_id;
   shardd__map objects; /* id -> shardd__obj */
   shardd__map jobs;    /* "UID/NAME" -> job: a job is (owner, name) */
+  /* uid -> the last pool id handed to that uid's jobs (areas.c): a pool id
+   * counts the uid's own pools only, never another uid's */
+  shardd__map pool_ids;
 };
 
 void shardd__registry_init(shardd__registry *reg, shardd__backend *backend);
@@ -329,8 +332,21 @@ void shardd__registry_each_job(shardd__registry *reg,
 shardd__obj *shardd__registry_get(const shardd__registry *reg, uint64_t id);
 /* Whether id was handed out once (and so, if not live, was freed). */
 int shardd__registry_issued(const shardd__registry *reg, uint64_t id);
+/* Ids are one counter for every uid, so what a uid is told of an id it
+ * does not hold must not depend on whether another uid holds it, or held
+ * it. Visible: whether the holder of job (NULL: none) may learn that o
+ * exists, its kind or its name (o is its uid's, or job is root's).
+ * Known_freed: whether it may be told that id, not live, was issued and
+ * freed (root's jobs: any issued id; others: an id freed from job itself,
+ * among the freed handles it remembers). Elsewhere ids read as never
+ * issued. */
+int shardd__registry_visible(const shardd__job *job, const shardd__obj *o);
+int shardd__registry_known_freed(const shardd__registry *reg,
+                                 const shardd__job *job, uint64_t id);
 /* Resolves id to an object of kind in job, with a message naming what is
- * wrong otherwise (unknown, freed, another job, another kind). */
+ * wrong otherwise (unknown, freed, another job of the uid, another kind);
+ * an id of another uid's object is answered as one never issued (the same
+ * code and message). */
 shardd_err shardd__registry_resolve(const shardd__registry *reg,
                                     const shardd__job *job, uint64_t id,
                                     shardd__obj_kind kind, shardd__obj **out,

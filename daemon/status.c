@@ -453,11 +453,15 @@ shardd_err shardd__inspect_build(const shardd__status_ctx *ctx,
   shardd__obj *o = NULL;
   if (id != 0) {
     o = shardd__registry_get(ctx->reg, id);
+    if (o && !shardd__access_may_see(viewer, o->job))
+      o = NULL; /* another user's id reads as one never issued */
     if (o == NULL) {
+      int freed = viewer->admin ? shardd__registry_issued(ctx->reg, id)
+                                : shardd__registry_known_freed(ctx->reg,
+                                                               own_job, id);
       snprintf(err, errlen,
-               shardd__registry_issued(ctx->reg, id)
-                   ? "id %" PRIu64 " no longer exists (unregistered)"
-                   : "no buffer or view has id %" PRIu64,
+               freed ? "id %" PRIu64 " no longer exists (unregistered)"
+                     : "no buffer or view has id %" PRIu64,
                id);
       return SHARDD_E_NOT_FOUND;
     }
