@@ -32,8 +32,6 @@ struct shardd__pool {
   slot *slots;
 };
 
-/* Pool ids only tell a client's mappings apart; loop thread only. */
-static uint64_t next_pool_id = 1;
 
 static const char *kind_word(int kind) {
   return kind == SHARDD__AREA_GATHER ? "gather" : "gradient";
@@ -132,6 +130,16 @@ static shardd_err pool_make(shardd__registry *reg, shardd__job *job, int dev,
     snprintf(err, errlen, "out of memory");
     return SHARDD_E_NO_MEMORY;
   }
+  /* Pool ids tell a client's mappings apart, so they are never reused
+   * within a uid; counted per uid, they say nothing of other uids' jobs. */
+  uint64_t pid = (uint64_t)(uintptr_t)shardd__map_get_id(&reg->pool_ids, job->uid) + 1;
+  if (shardd__map_put_id(&reg->pool_ids, job->uid, (void *)(uintptr_t)pid) !=
+      SHARDD_OK) {
+    free(p->slots);
+    free(p);
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
   p->slot_bytes = a.max;
   p->nslots = n;
   size_t bytes = (size_t)n * a.max;
@@ -151,7 +159,7 @@ static shardd_err pool_make(shardd__registry *reg, shardd__job *job, int dev,
     free(p);
     return rc;
   }
-  p->id = next_pool_id++;
+  p->id = pid;
   job->bytes += p->region->bytes;
   job->pools[dev] = p;
   return SHARDD_OK;

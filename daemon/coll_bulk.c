@@ -34,7 +34,7 @@ int shardd__coll_bulk_ok(const coll *c) {
     return 0; /* world <= ndevices: rank r alone on device r */
   if (c->args.kind == SHARDD__COLL_GATHER ? be->ops->allgather == NULL
                                           : be->ops->reduce_scatter == NULL ||
-                                                b->nfrozen_ranges != 0)
+                                                b->nfrozen != 0)
     return 0;
   coll_job *q = c->cj;
   return atomic_load(&q->bulk_state) != BULK_FAILED;

@@ -231,10 +231,10 @@ static size_t add_unit(task *out, size_t n, size_t ua, size_t ub, uint64_t len) 
 /* Scatter units of owner rank r: its shard's trainable ranges (unit b =
  * the range's first element in the shard). Frozen elements get no work,
  * and a wholly frozen shard none at all. */
-static size_t add_trainable_units(task *out, size_t n, const shardd__buffer *b,
+static size_t add_trainable_units(task *out, size_t n, shardd__buffer *b,
                                   uint32_t r, uint64_t chunk) {
   uint64_t lo = (uint64_t)r * b->shard_numel, hi = lo + b->shard_numel;
-  if (b->nfrozen_ranges == 0)
+  if (b->nfrozen == 0)
     return add_unit_by(out, n, r, 0, b->shard_numel, chunk);
   uint64_t rs[64][2];
   for (uint64_t pos = lo; pos < hi;) {

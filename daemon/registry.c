@@ -22,6 +22,7 @@ void shardd__registry_init(shardd__registry *reg, shardd__backend *backend) {
   reg->leases_per_rank[SHARDD__AREA_GRAD] = 2;
   shardd__map_init(&reg->objects);
   shardd__map_init(&reg->jobs);
+  shardd__map_init(&reg->pool_ids);
 }
 
 static void collect_job_cb(void *value, void *arg) {
@@ -51,6 +52,7 @@ void shardd__registry_free(shardd__registry *reg) {
   }
   shardd__map_free(&reg->objects);
   shardd__map_free(&reg->jobs);
+  shardd__map_free(&reg->pool_ids);
 }
 
 int shardd__name_ok(const char *name, const char *what, char *err,
@@ -200,6 +202,19 @@ int shardd__registry_issued(const shardd__registry *reg, uint64_t id) {
   return id > 0 && id < reg->next_id;
 }
 
+int shardd__registry_visible(const shardd__job *job, const shardd__obj *o) {
+  return job && o->job && (job->uid == 0 || o->job->uid == job->uid);
+}
+
+int shardd__registry_known_freed(const shardd__registry *reg,
+                                 const shardd__job *job, uint64_t id) {
+  if (job == NULL || shardd__registry_get(reg, id))
+    return 0;
+  if (job->uid == 0)
+    return shardd__registry_issued(reg, id);
+  return shardd__map_get_id(&job->freed, id) != NULL;
+}
+
 static const char *kind_name(shardd__obj_kind kind) {
   switch (kind) {
   case SHARDD__OBJ_BUFFER:
@@ -218,10 +233,12 @@ shardd_err shardd__registry_resolve(const shardd__registry *reg,
                                     char *err, size_t errlen) {
   *out = NULL;
   shardd__obj *o = shardd__registry_get(reg, id);
+  if (o && !shardd__registry_visible(job, o))
+    o = NULL;
   if (o == NULL) {
     if (shardd__registry_stale(reg, job, id, 0, err, errlen))
       return SHARDD_E_STALE;
-    if (shardd__registry_issued(reg, id))
+    if (shardd__registry_known_freed(reg, job, id))
       snprintf(err, errlen, "%s %" PRIu64 " no longer exists (unregistered)",
                kind_name(kind), id);
     else

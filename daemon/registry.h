@@ -146,11 +146,25 @@ struct shardd__buffer {
    * the registry's own rule */
   uint32_t inflight;
   shardd__map views; /* by name */
-  /* read-only: views with requires_grad false, and the union of their
-   * ranges, merged, in offset order ((start, len) pairs) */
+  /* read-only: views with requires_grad false (their merged ranges:
+   * shardd__buffer_frozen) */
   uint32_t nfrozen;
-  uint64_t (*frozen)[2];
-  size_t nfrozen_ranges;
+  /* index nodes and ranges looked at by the frozen bookkeeping (treaps of
+   * frozen and trainable views, merging the ranges): tests bound it, so a
+   * registration, change or removal is shown to cost O(log n) and a read
+   * after changes one pass, never a sort of every frozen view per change */
+  uint64_t frozen_probes;
+  /* private: frozen ([0]) and trainable ([1]) views by offset, treaps
+   * through the views' kind_* links, each node knowing the furthest end
+   * below it, so "does [s, e) meet a view of this kind" is O(log n); and
+   * the union of the frozen ranges, merged, in offset order, recomputed
+   * from kind_root[0] at the first read after a change (frozen_stale;
+   * read it through shardd__buffer_frozen).
+   * frozen_cap >= nfrozen always, so that read cannot fail. */
+  shardd__view *kind_root[2];
+  uint64_t (*frozen_union)[2];
+  size_t nfrozen_union, frozen_cap;
+  int frozen_stale;
   /* the views optimizers hold, by offset: a treap through the views' own
    * held_* links, so the held check is O(log n) instead of listing every
    * view of the buffer per registration (70k optimizers took 969 s).
@@ -193,6 +207,10 @@ struct shardd__view {
   /* private: links in buf->held_root while owner is set */
   shardd__view *held_l, *held_r;
   uint64_t held_prio;
+  /* private: links in buf->kind_root[requires_grad], and the furthest end
+   * of a view in the subtree under this one */
+  shardd__view *kind_l, *kind_r;
+  uint64_t kind_max;
 };
 
 typedef struct {
@@ -276,6 +294,9 @@ struct shardd__registry {
   uint64_t next_id;
   shardd__map objects; /* id -> shardd__obj */
   shardd__map jobs;    /* "UID/NAME" -> job: a job is (owner, name) */
+  /* uid -> the last pool id handed to that uid's jobs (areas.c): a pool id
+   * counts the uid's own pools only, never another uid's */
+  shardd__map pool_ids;
 };
 
 /* The most ranks a job may have (job_get refuses more). */
@@ -321,8 +342,21 @@ void shardd__registry_each_job(shardd__registry *reg,
 shardd__obj *shardd__registry_get(const shardd__registry *reg, uint64_t id);
 /* Whether id was handed out once (and so, if not live, was freed). */
 int shardd__registry_issued(const shardd__registry *reg, uint64_t id);
+/* Ids are one counter for every uid, so what a uid is told of an id it
+ * does not hold must not depend on whether another uid holds it, or held
+ * it. Visible: whether the holder of job (NULL: none) may learn that o
+ * exists, its kind or its name (o is its uid's, or job is root's).
+ * Known_freed: whether it may be told that id, not live, was issued and
+ * freed (root's jobs: any issued id; others: an id freed from job itself,
+ * among the freed handles it remembers). Elsewhere ids read as never
+ * issued. */
+int shardd__registry_visible(const shardd__job *job, const shardd__obj *o);
+int shardd__registry_known_freed(const shardd__registry *reg,
+                                 const shardd__job *job, uint64_t id);
 /* Resolves id to an object of kind in job, with a message naming what is
- * wrong otherwise (unknown, freed, another job, another kind). */
+ * wrong otherwise (unknown, freed, another job of the uid, another kind);
+ * an id of another uid's object is answered as one never issued (the same
+ * code and message). */
 shardd_err shardd__registry_resolve(const shardd__registry *reg,
                                     const shardd__job *job, uint64_t id,
                                     shardd__obj_kind kind, shardd__obj **out,
@@ -393,9 +427,14 @@ shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
 /* Elements of buf with gradients: the complement of its frozen views,
  * clipped to [lo, hi), as up to cap (start, len) pairs in out; returns how
  * many there are (may exceed cap: then call again with more room). */
-size_t shardd__buffer_trainable(const shardd__buffer *buf, uint64_t lo,
+size_t shardd__buffer_trainable(shardd__buffer *buf, uint64_t lo,
                                 uint64_t hi,
                                 uint64_t (*out)[2], size_t cap);
+/* The union of buf's frozen views' ranges, merged, in offset order: sets
+ * *ranges to that many (start, len) pairs, borrowed, valid until buf's
+ * views change, and returns how many. The first read after changes merges
+ * the frozen views in one pass (O(frozen views), no sort); cannot fail. */
+size_t shardd__buffer_frozen(shardd__buffer *buf, uint64_t (**ranges)[2]);
 
 /* Takes rank's fp32 values, written into its reduced-gradient area, as
  * the exact initial values of b's 16-bit shard: the master of every

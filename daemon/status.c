@@ -442,11 +442,12 @@ static shardd_err fill_buffer(shardd__report *r, const shardd__status_ctx *ctx,
   ir->resident_bytes = 0;
   ir->has_generation = 1;
   ir->generation = b->hdr.generation;
-  size_t nfr = b->nfrozen_ranges < MAX_INSPECT_VIEWS ? b->nfrozen_ranges
-                                                     : MAX_INSPECT_VIEWS;
-  if (b->nfrozen_ranges > nfr) {
+  uint64_t(*fr)[2];
+  size_t nfr_all = shardd__buffer_frozen(b, &fr);
+  size_t nfr = nfr_all < MAX_INSPECT_VIEWS ? nfr_all : MAX_INSPECT_VIEWS;
+  if (nfr_all > nfr) {
     ir->has_frozen_more = 1;
-    ir->frozen_more = (uint32_t)(b->nfrozen_ranges - nfr);
+    ir->frozen_more = (uint32_t)(nfr_all - nfr);
   }
   ir->frozen = ar_alloc(r, (nfr ? nfr : 1) * sizeof *ir->frozen);
   for (size_t k = 0; ir->frozen && k < nfr; k++) {
@@ -454,8 +455,8 @@ static shardd_err fill_buffer(shardd__report *r, const shardd__status_ctx *ctx,
     if (er == NULL)
       return SHARDD_E_NO_MEMORY;
     shardwire__elem_range__init(er);
-    er->offset = b->frozen[k][0];
-    er->numel = b->frozen[k][1];
+    er->offset = fr[k][0];
+    er->numel = fr[k][1];
     ir->frozen[ir->n_frozen++] = er;
   }
   uint32_t nsh = b->world < MAX_INSPECT_SHARDS ? b->world : MAX_INSPECT_SHARDS;
@@ -564,11 +565,15 @@ shardd_err shardd__inspect_build(const shardd__status_ctx *ctx,
   shardd__obj *o = NULL;
   if (id != 0) {
     o = shardd__registry_get(ctx->reg, id);
+    if (o && !shardd__access_may_see(viewer, o->job))
+      o = NULL; /* another user's id reads as one never issued */
     if (o == NULL) {
+      int freed = viewer->admin ? shardd__registry_issued(ctx->reg, id)
+                                : shardd__registry_known_freed(ctx->reg,
+                                                               own_job, id);
       snprintf(err, errlen,
-               shardd__registry_issued(ctx->reg, id)
-                   ? "id %" PRIu64 " no longer exists (unregistered)"
-                   : "no buffer or view has id %" PRIu64,
+               freed ? "id %" PRIu64 " no longer exists (unregistered)"
+                     : "no buffer or view has id %" PRIu64,
                id);
       return SHARDD_E_NOT_FOUND;
     }

@@ -303,6 +303,8 @@ shardd_err shardd__validate_optimizer(const shardd__registry *reg,
       const shardd__optspec_ref *ref = &grp->refs[i];
       uint64_t id = ref->id;
       const shardd__obj *o = shardd__registry_get(reg, id);
+      if (o && !shardd__registry_visible(job, o))
+        o = NULL; /* another uid's: as if never issued */
       const char *label = ref->name && ref->name[0] ? ref->name
                           : o                       ? o->name
                                                     : "";
@@ -319,7 +321,7 @@ shardd_err shardd__validate_optimizer(const shardd__registry *reg,
                   AT "not a shardd buffer or view (a tensor the daemon does "
                      "not own)",
                   g, i, label);
-        else if (shardd__registry_issued(reg, id))
+        else if (shardd__registry_known_freed(reg, job, id))
           problem(&p, SHARDD_E_NOT_FOUND,
                   AT "id %" PRIu64 " no longer exists (unregistered)", g, i,
                   label, id);

@@ -2,16 +2,19 @@
  * the uid that created it, and job names are per uid: another uid's Hello
  * of the same name is its own job; it cannot see root's in status, inspect
  * checkpoint or release it (root and --admin-group may look, naming it
- * "UID/NAME");
+ * "UID/NAME"); the ids another uid holds are answered as ids never issued,
+ * in every request that takes one, and pool ids count a uid's own pools;
  * and
  * --job-memory-limit refuses allocations past the quota with a clear error.
  * The other uid is a forked child that drops to nobody (tests run as root;
  * elsewhere they skip). */
 #include <criterion/criterion.h>
 #include <grp.h>
+#include <inttypes.h>
 #include <pwd.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -135,7 +138,7 @@ Test(access, another_uid_cannot_join_see_inspect_or_checkpoint) {
   probe p;
   run_as_nobody(&d, id, &p);
   cr_assert_eq(p.status_lists, 0, "another user's job shows in status");
-  cr_assert_eq(p.inspect_code, SHARDD_E_PERMISSION);
+  cr_assert_eq(p.inspect_code, SHARDD_E_NOT_FOUND, "its id reads as never issued");
   cr_assert_eq(p.name_code, SHARDD_E_NOT_FOUND, "a name search must not reveal it");
   cr_assert_eq(p.ckpt_code, SHARDD_E_NOT_FOUND, "its own name reaches only its own jobs");
   cr_assert_eq(p.ckpt_uid_code, SHARDD_E_NOT_FOUND, "UID/NAME is for root and admins");
@@ -361,5 +364,307 @@ Test(access, uid_memory_limit_spans_a_users_jobs) {
   test_daemon_start(&d, (const char *const[]){"--uid-memory-limit", "1M", NULL});
   open_up(&d);
   expect_child(&d, 1);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+}
+
+/* ---- ids of another uid ------------------------------------------------
+ * Ids are one counter for the daemon, so an attacker can name ids another
+ * uid holds. What it is told for them must be what it is told for an id
+ * never issued: the same code and the same message but for the number, in
+ * every request that takes an id (a distinct answer showed that the id was
+ * live, and its kind). The victim (uid 4242) holds a buffer, a view, an
+ * optimizer and a freed buffer id; the attacker (uid 4243) probes each of
+ * them and an id never issued. */
+
+#define VICTIM_UID 4242
+#define ATTACKER_UID 4243
+#define NPROBE 18
+#define NIDS 5 /* buffer, view, optimizer, freed buffer, never issued */
+#define UNUSED_ID 1000000007ull
+
+typedef struct {
+  int code[NIDS][NPROBE];
+  char msg[NIDS][NPROBE][200];
+} id_answers;
+
+static const char *const probe_name[NPROBE] = {
+    "gather", "scatter", "view register on it", "buffer unregister",
+    "view unregister", "optimizer unregister", "step", "set requires_grad",
+    "inspect", "optimizer register over it", "optim state get",
+    "optim state get (ref)", "seed master", "clip grad norm", "release",
+    "gather checked", "buffers unregister", "optim steps set"};
+
+static int become(uid_t uid) {
+  return setgroups(0, NULL) == 0 && setgid(uid) == 0 && setuid(uid) == 0;
+}
+
+static int write_full(int fd, const void *p, size_t n) {
+  for (size_t done = 0; done < n;) {
+    ssize_t k = write(fd, (const char *)p + done, n - done);
+    if (k <= 0)
+      return 0;
+    done += (size_t)k;
+  }
+  return 1;
+}
+
+static int read_full(int fd, void *p, size_t n) {
+  for (size_t done = 0; done < n;) {
+    ssize_t k = read(fd, (char *)p + done, n - done);
+    if (k <= 0)
+      return 0;
+    done += (size_t)k;
+  }
+  return 1;
+}
+
+/* The victim: its objects' ids down ids_fd, then it waits (holding them)
+ * until go_fd closes. */
+static int victim_main(const char *sock, int ids_fd, int go_fd) {
+  if (!become(VICTIM_UID))
+    return 10;
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = "victim-job";
+  shardd_client_t *c;
+  char err[512];
+  if (shardd_connect(sock, &o, &c, err, sizeof err) != SHARDD_OK)
+    return 11;
+  shardd_buffer_info b, g;
+  uint64_t ids[4];
+  int64_t shape[1] = {8};
+  shardd_param_ref ref = {0, "w.v"};
+  shardd_param_group grp = {&ref, 1, {0}};
+  if (shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 64, &b) != SHARDD_OK ||
+      shardd_view_register(c, b.id, "w.v", 0, 8, shape, 1, &ids[1]) != SHARDD_OK)
+    return 12;
+  ref.id = ids[1];
+  if (shardd_optimizer_register(c, "opt", SHARDD_OPTIM_SGD, NULL, &grp, 1,
+                                &ids[2]) != SHARDD_OK ||
+      shardd_buffer_register(c, "gone", SHARDD_DTYPE_FP32, 64, &g) != SHARDD_OK ||
+      shardd_buffer_unregister(c, g.id) != SHARDD_OK)
+    return 13;
+  ids[0] = b.id;
+  ids[3] = g.id;
+  if (!write_full(ids_fd, ids, sizeof ids))
+    return 14;
+  char byte;
+  (void)read(go_fd, &byte, 1); /* EOF: the attacker is done */
+  shardd_close(c);
+  return 0;
+}
+
+/* msg with every decimal occurrence of id replaced by "#". */
+static void unnumbered(const char *msg, uint64_t id, char *out, size_t len) {
+  char num[32];
+  int k = snprintf(num, sizeof num, "%" PRIu64, id);
+  size_t o = 0;
+  for (const char *p = msg; *p && o + 1 < len;) {
+    if (strncmp(p, num, (size_t)k) == 0 && (p == msg || p[-1] < '0' || p[-1] > '9') &&
+        (p[k] < '0' || p[k] > '9')) {
+      out[o++] = '#';
+      p += k;
+    } else {
+      out[o++] = *p++;
+    }
+  }
+  out[o] = '\0';
+}
+
+static void probe_id(shardd_client_t *c, uint64_t own_opt, uint64_t id, int *code,
+                     char (*msg)[200]) {
+  int64_t shape[1] = {1};
+  uint64_t vid;
+  shardd_param_ref ref = {id, "t"};
+  shardd_param_group grp = {&ref, 1, {0}};
+  shardd_step_opts so = SHARDD_STEP_OPTS_INIT;
+  shardd_optim_state_info info;
+  double norm;
+  uint64_t oid;
+  char *txt = NULL;
+  shardd_err errs[1];
+  for (int k = 0; k < NPROBE; k++) {
+    shardd_err rc = SHARDD_OK;
+    switch (k) {
+    case 0: rc = shardd_gather(c, id); break;
+    case 1: rc = shardd_scatter(c, id, SHARDD_REDUCE_SUM); break;
+    case 2: rc = shardd_view_register(c, id, "v", 0, 1, shape, 1, &vid); break;
+    case 3: rc = shardd_buffer_unregister(c, id); break;
+    case 4: rc = shardd_view_unregister(c, id); break;
+    case 5: rc = shardd_optimizer_unregister(c, id); break;
+    case 6: rc = shardd_step(c, id, &so, NULL); break;
+    case 7: rc = shardd_view_set_requires_grad(c, id, 0); break;
+    case 8: rc = shardd_inspect_text(c, id, NULL, &txt); shardd_free(txt); txt = NULL; break;
+    case 9: rc = shardd_optimizer_register(c, "t", SHARDD_OPTIM_SGD, NULL, &grp, 1, &oid); break;
+    case 10: rc = shardd_optim_state_get(c, id, id, 0, 0, 0, NULL, &info); break;
+    case 11: rc = shardd_optim_state_get(c, own_opt, id, 0, 0, 0, NULL, &info); break;
+    case 12: rc = shardd_seed_master(c, id); break;
+    case 13: rc = shardd_clip_grad_norm(c, id, 0, &norm); break;
+    case 14: rc = shardd_release(c, id); break;
+    case 15: rc = shardd_gather_checked(c, id, 1); break;
+    case 16: rc = shardd_buffers_unregister(c, 1, &id, NULL, errs); break;
+    case 17: rc = shardd_optim_steps_set(c, id, id, 1, 1); break;
+    }
+    code[k] = rc;
+    unnumbered(rc == SHARDD_OK ? "" : shardd_last_error(c), id, msg[k], sizeof msg[k]);
+  }
+}
+
+/* The attacker: in a job of its own, every probe of every id. */
+static int attacker_main(const char *sock, const uint64_t *ids, int out_fd) {
+  if (!become(ATTACKER_UID))
+    return 20;
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = "attacker-job";
+  shardd_client_t *c;
+  char err[512];
+  if (shardd_connect(sock, &o, &c, err, sizeof err) != SHARDD_OK)
+    return 21;
+  shardd_buffer_info b;
+  uint64_t opt;
+  shardd_param_ref ref = {0, "mine"};
+  shardd_param_group grp = {&ref, 1, {0}};
+  if (shardd_buffer_register(c, "mine", SHARDD_DTYPE_FP32, 64, &b) != SHARDD_OK)
+    return 22;
+  ref.id = b.id;
+  if (shardd_optimizer_register(c, "own", SHARDD_OPTIM_SGD, NULL, &grp, 1, &opt) !=
+      SHARDD_OK)
+    return 23;
+  static id_answers a;
+  for (int i = 0; i < NIDS; i++)
+    probe_id(c, opt, ids[i], a.code[i], a.msg[i]);
+  shardd_close(c);
+  return write_full(out_fd, &a, sizeof a) ? 0 : 24;
+}
+
+Test(access, ids_of_another_uid_read_as_never_issued) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as two other uids");
+  test_daemon d;
+  test_daemon_start(&d, base_args());
+  open_up(&d);
+  /* root's objects first, so the victim's ids are not numbers like the
+   * counts of a message ("1 of 1 ...") */
+  shardd_client_t *rc0 = test_connect(&d, "root-job", 0, 1);
+  shardd_buffer_info rb;
+  cr_assert_eq(shardd_buffer_register(rc0, "pad", SHARDD_DTYPE_FP32, 1000, &rb), SHARDD_OK);
+  for (int i = 0; i < 100; i++) {
+    char n[16];
+    int64_t one[1] = {1};
+    uint64_t vid;
+    snprintf(n, sizeof n, "p%d", i);
+    cr_assert_eq(shardd_view_register(rc0, rb.id, n, (uint64_t)i, 1, one, 1, &vid),
+                 SHARDD_OK);
+  }
+  int idp[2], gop[2], outp[2];
+  cr_assert(pipe(idp) == 0 && pipe(gop) == 0 && pipe(outp) == 0);
+  pid_t victim = fork();
+  cr_assert(victim >= 0);
+  if (victim == 0) {
+    close(gop[1]);
+    _exit(victim_main(d.sock, idp[1], gop[0]));
+  }
+  close(gop[0]);
+  close(idp[1]);
+  uint64_t ids[NIDS];
+  cr_assert(read_full(idp[0], ids, 4 * sizeof ids[0]), "the victim did not report");
+  ids[4] = UNUSED_ID;
+  pid_t attacker = fork();
+  cr_assert(attacker >= 0);
+  if (attacker == 0) {
+    close(outp[0]);
+    _exit(attacker_main(d.sock, ids, outp[1]));
+  }
+  close(outp[1]);
+  static id_answers a;
+  int got = read_full(outp[0], &a, sizeof a);
+  int st;
+  cr_assert(test_wait_exit(attacker, &st), "the attacker did not finish");
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "attacker step %d failed",
+            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  cr_assert(got, "the attacker did not report");
+  close(gop[1]); /* the victim may go */
+  cr_assert(test_wait_exit(victim, &st), "the victim did not finish");
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "victim step %d failed",
+            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  static const char *const what[NIDS - 1] = {"buffer", "view", "optimizer",
+                                             "freed buffer"};
+  for (int k = 0; k < NPROBE; k++) {
+    cr_expect_neq(a.code[NIDS - 1][k], SHARDD_OK, "%s of an unused id", probe_name[k]);
+    for (int i = 0; i < NIDS - 1; i++) {
+      cr_expect_eq(a.code[i][k], a.code[NIDS - 1][k],
+                   "%s of the victim's %s: %s (\"%s\"), of an unused id %s (\"%s\")",
+                   probe_name[k], what[i], shardd_err_name(a.code[i][k]),
+                   a.msg[i][k], shardd_err_name(a.code[NIDS - 1][k]),
+                   a.msg[NIDS - 1][k]);
+      cr_expect_str_eq(a.msg[i][k], a.msg[NIDS - 1][k],
+                       "%s of the victim's %s: \"%s\", of an unused id \"%s\"",
+                       probe_name[k], what[i], a.msg[i][k], a.msg[NIDS - 1][k]);
+    }
+  }
+  close(idp[0]);
+  close(outp[0]);
+  shardd_close(rc0);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+}
+
+/* Pool ids count the uid's own pools: another uid's transient jobs do not
+ * move them (a global counter told how many pools others had made). */
+static int first_pool_as(const char *sock, uid_t uid, const char *job, int hold_fd) {
+  if (!become(uid))
+    return 30;
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = job;
+  o.transient_areas = 1;
+  shardd_client_t *c;
+  char err[512];
+  if (shardd_connect(sock, &o, &c, err, sizeof err) != SHARDD_OK)
+    return 31;
+  shardd_buffer_info b;
+  shardd_area area;
+  if (shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 1024, &b) != SHARDD_OK ||
+      shardd_gather_area(c, b.id, 0, &area) != SHARDD_OK)
+    return 32;
+  uint64_t pool = area.pool;
+  if (!write_full(hold_fd, &pool, sizeof pool))
+    return 33;
+  char byte;
+  (void)read(hold_fd, &byte, 1); /* hold the pool until told */
+  shardd_close(c);
+  return 0;
+}
+
+Test(access, pool_ids_count_only_the_uid_s_own_pools) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as two other uids");
+  test_daemon d;
+  test_daemon_start(&d, base_args());
+  open_up(&d);
+  uint64_t pool[3];
+  pid_t pid[3];
+  int sp[3][2];
+  const uid_t uid[3] = {VICTIM_UID, VICTIM_UID, ATTACKER_UID};
+  const char *job[3] = {"first", "second", "attacker"};
+  for (int i = 0; i < 3; i++) {
+    cr_assert_eq(socketpair(AF_UNIX, SOCK_STREAM, 0, sp[i]), 0);
+    pid[i] = fork();
+    cr_assert(pid[i] >= 0);
+    if (pid[i] == 0) {
+      for (int j = 0; j <= i; j++)
+        close(sp[j][0]); /* the earlier children see EOF when the test closes */
+      _exit(first_pool_as(d.sock, uid[i], job[i], sp[i][1]));
+    }
+    close(sp[i][1]);
+    cr_assert(read_full(sp[i][0], &pool[i], sizeof pool[i]), "child %d did not report", i);
+  }
+  for (int i = 0; i < 3; i++) {
+    close(sp[i][0]);
+    int st;
+    cr_assert(test_wait_exit(pid[i], &st), "child %d did not finish", i);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child %d step %d failed", i,
+              WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  }
+  cr_expect_eq(pool[0], 1, "the victim's first pool");
+  cr_expect_eq(pool[1], 2, "its second job's pool is another one");
+  cr_expect_eq(pool[2], 1, "the attacker's first pool is its first, whatever others hold");
   cr_assert_eq(test_daemon_stop(&d), 0);
 }

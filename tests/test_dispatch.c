@@ -234,6 +234,57 @@ Test(dispatch, unregister_checks_every_id_before_any_goes) {
   cr_assert_eq(one(&s[0], SHARDD_OK).generation, 2);
 }
 
+/* Frozen and trainable views in batches: the merged frozen ranges inspect
+ * shows are those of the views kept, after a batch refused for a view
+ * meeting the other kind (its good entries abandoned) and a batched
+ * unregistering. Group g (32 elements from 32g): frozen [0,8) and [4,16),
+ * trainable [16,24) and [20,32). */
+#define FG 40
+Test(dispatch, frozen_views_in_batches_merge_as_single_requests_would) {
+  static const uint64_t o[4] = {0, 4, 16, 20}, l[4] = {8, 12, 8, 12};
+  static char nm[4 * FG + 2][16];
+  static int64_t sh[4 * FG + 2][1];
+  static shardd_view_spec s[4 * FG + 2];
+  static shardd_view_info vi[4 * FG + 2];
+  for (int i = 0; i < 4 * FG; i++) {
+    snprintf(nm[i], sizeof nm[i], "g%d.%d", i / 4, i % 4);
+    sh[i][0] = (int64_t)l[i % 4];
+    s[i] = spec(nm[i], (uint64_t)(i / 4) * 32 + o[i % 4], l[i % 4], sh[i], 1,
+                i % 4 >= 2);
+  }
+  cr_assert_eq(shardd_views_register(c, 4 * FG, s, vi, NULL), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  /* a good frozen view past the groups, then one meeting trainable [16,24)
+   * of group 3: the batch goes whole */
+  shardd_view_spec bad[2];
+  int64_t b4[1] = {4};
+  bad[0] = spec("late", 32 * FG, 4, b4, 1, 0);
+  bad[1] = spec("meets", 3 * 32 + 14, 4, b4, 1, 0);
+  shardd_err errs[2];
+  cr_assert_eq(shardd_views_register(c, 2, bad, NULL, errs), SHARDD_E_OVERLAP);
+  cr_assert_eq(errs[0], SHARDD_OK);
+  /* odd groups lose their frozen [4,16) */
+  uint64_t un[FG / 2];
+  for (int g = 1; g < FG; g += 2)
+    un[g / 2] = vi[4 * g + 1].id;
+  cr_assert_eq(shardd_views_unregister(c, FG / 2, un, NULL, NULL), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  char *js = NULL;
+  cr_assert_eq(shardd_inspect_json(c, b.id, NULL, &js), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  tj *j = tj_parse(js);
+  cr_assert_not_null(j, "%s", js);
+  const tj *fr = tj_need(j, "frozen", TJ_ARR);
+  cr_assert_eq(fr->n, FG, "one frozen range per group, \"late\" abandoned");
+  for (int g = 0; g < FG; g++) {
+    cr_expect_eq(tj_need(fr->kids[g], "offset", TJ_NUM)->num, 32 * g, "group %d", g);
+    cr_expect_eq(tj_need(fr->kids[g], "numel", TJ_NUM)->num, g % 2 ? 8 : 16,
+                 "group %d", g);
+  }
+  tj_free(j);
+  shardd_free(js);
+}
+
 Test(dispatch, view_held_by_an_optimizer_refuses_the_batch) {
   shardd_view_spec s[2] = {spec("h0", 0, 4, shape4, 2, 1),
                            spec("h1", 4, 4, shape4, 2, 1)};

@@ -3,7 +3,10 @@
  * step, status, inspect, and the later bodies: batched views, frozen views,
  * seeded masters, accumulating and masked scatters, per-group and norm-only
  * steps, optimizer state, all-reduce, collective checkpoints, job release,
- * buckets of gathers and scatters),
+ * buckets of gathers and scatters; frozen views in batches and batched
+ * unregistering, buffers in batches, optimizer state and masters of every
+ * shape, releases by UID/NAME, a seq reused under a collective
+ * checkpoint),
  * so mutation starts from inputs that reach deep into dispatch.
  * Usage: gen_corpus DIR. The seeds are committed; after adding one, rebuild
  * and rerun it (cc -D_GNU_SOURCE -Iclient -Ibuild/gen tests/fuzz/gen_corpus.c
@@ -17,9 +20,11 @@
 
 static FILE *out;
 
-static void emit(Shardwire__Request *r) {
-  static uint64_t seq;
-  r->seq = ++seq;
+static uint64_t last_seq;
+
+/* Writes r framed, with seq (0: the next one). */
+static void emit_seq(Shardwire__Request *r, uint64_t seq) {
+  r->seq = seq ? seq : ++last_seq;
   size_t n = shardwire__request__get_packed_size(r);
   uint8_t *buf = malloc(n + 4);
   shardd__frame_put_header(buf, (uint32_t)n);
@@ -27,6 +32,8 @@ static void emit(Shardwire__Request *r) {
   fwrite(buf, 1, n + 4, out);
   free(buf);
 }
+
+static void emit(Shardwire__Request *r) { emit_seq(r, 0); }
 
 static void hello(const char *job, uint32_t rank, uint32_t world) {
   Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
@@ -307,6 +314,155 @@ static void bucket(int scatter, const uint64_t *ids, size_t n,
   emit(&r);
 }
 
+/* A ViewsBatch registering n views of buf: [off[i], off[i]+len[i]),
+ * frozen where rg[i] is 0 (frozen and trainable ranges, overlapping their
+ * own kind, refused where they meet the other). */
+static void views_batch_rg(uint64_t buf, size_t n, const uint64_t *off,
+                           const uint64_t *len, const int *rg) {
+  Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
+  Shardwire__ViewsBatch vb = SHARDWIRE__VIEWS_BATCH__INIT;
+  Shardwire__RegisterViews rv = SHARDWIRE__REGISTER_VIEWS__INIT;
+  Shardwire__RegisterView v[8], *vp[8];
+  int64_t shape[8][1];
+  char names[8][8];
+  for (size_t i = 0; i < n && i < 8; i++) {
+    shardwire__register_view__init(&v[i]);
+    snprintf(names[i], sizeof names[i], "f%u", (unsigned)i);
+    shape[i][0] = (int64_t)len[i];
+    v[i].buffer = buf;
+    v[i].name = names[i];
+    v[i].offset = off[i];
+    v[i].numel = len[i];
+    v[i].n_shape = 1;
+    v[i].shape = shape[i];
+    v[i].has_requires_grad = 1;
+    v[i].requires_grad = rg[i];
+    vp[i] = &v[i];
+  }
+  rv.views = vp;
+  rv.n_views = n < 8 ? n : 8;
+  rv.has_first_index = 1;
+  rv.first_index = 0;
+  vb.op_case = SHARDWIRE__VIEWS_BATCH__OP_REGISTER;
+  vb.register_ = &rv;
+  r.body_case = SHARDWIRE__REQUEST__BODY_VIEWS_BATCH;
+  r.views_batch = &vb;
+  emit(&r);
+}
+
+/* A ViewsBatch unregistering ids (generation gen[i], 0: unchecked). */
+static void views_unbatch(size_t n, const uint64_t *ids, const uint64_t *gen) {
+  Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
+  Shardwire__ViewsBatch vb = SHARDWIRE__VIEWS_BATCH__INIT;
+  Shardwire__UnregisterViews uv = SHARDWIRE__UNREGISTER_VIEWS__INIT;
+  Shardwire__UnregisterView v[8], *vp[8];
+  for (size_t i = 0; i < n && i < 8; i++) {
+    shardwire__unregister_view__init(&v[i]);
+    v[i].id = ids[i];
+    v[i].has_generation = gen[i] != 0;
+    v[i].generation = gen[i];
+    vp[i] = &v[i];
+  }
+  uv.views = vp;
+  uv.n_views = n < 8 ? n : 8;
+  vb.op_case = SHARDWIRE__VIEWS_BATCH__OP_UNREGISTER;
+  vb.unregister = &uv;
+  r.body_case = SHARDWIRE__REQUEST__BODY_VIEWS_BATCH;
+  r.views_batch = &vb;
+  emit(&r);
+}
+
+/* A BuffersBatch registering n buffers (dtype dt[i], numel numel[i]). */
+static void buffers_batch(size_t n, const char *const *names,
+                          const Shardwire__DType *dt, const uint64_t *numel) {
+  Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
+  Shardwire__BuffersBatch bb = SHARDWIRE__BUFFERS_BATCH__INIT;
+  Shardwire__RegisterBuffers rb = SHARDWIRE__REGISTER_BUFFERS__INIT;
+  Shardwire__RegisterBuffer b[8], *bp[8];
+  for (size_t i = 0; i < n && i < 8; i++) {
+    shardwire__register_buffer__init(&b[i]);
+    b[i].name = (char *)names[i];
+    b[i].dtype = dt[i];
+    b[i].numel = numel[i];
+    bp[i] = &b[i];
+  }
+  rb.buffers = bp;
+  rb.n_buffers = n < 8 ? n : 8;
+  bb.op_case = SHARDWIRE__BUFFERS_BATCH__OP_REGISTER;
+  bb.register_ = &rb;
+  r.body_case = SHARDWIRE__REQUEST__BODY_BUFFERS_BATCH;
+  r.buffers_batch = &bb;
+  emit(&r);
+}
+
+static void buffers_unbatch(size_t n, const uint64_t *ids) {
+  Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
+  Shardwire__BuffersBatch bb = SHARDWIRE__BUFFERS_BATCH__INIT;
+  Shardwire__UnregisterBuffers ub = SHARDWIRE__UNREGISTER_BUFFERS__INIT;
+  Shardwire__UnregisterBuffer b[8], *bp[8];
+  for (size_t i = 0; i < n && i < 8; i++) {
+    shardwire__unregister_buffer__init(&b[i]);
+    b[i].id = ids[i];
+    bp[i] = &b[i];
+  }
+  ub.buffers = bp;
+  ub.n_buffers = n < 8 ? n : 8;
+  bb.op_case = SHARDWIRE__BUFFERS_BATCH__OP_UNREGISTER;
+  bb.unregister = &ub;
+  r.body_case = SHARDWIRE__REQUEST__BODY_BUFFERS_BATCH;
+  r.buffers_batch = &bb;
+  emit(&r);
+}
+
+/* OptimState of every shape: info only (count 0), a read or a write of
+ * array, the master (array UINT32_MAX or master set), step counts. */
+static void optim_state_ex(uint64_t optim, uint64_t ref, uint32_t array,
+                           uint64_t count, int write, int master,
+                           uint64_t steps, uint64_t optim_steps) {
+  Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
+  Shardwire__OptimState o = SHARDWIRE__OPTIM_STATE__INIT;
+  static const float vals[8] = {1, -2, 0.5f, 3, 0, -0.0f, 1e30f, 7};
+  o.optimizer = optim;
+  o.ref = ref;
+  o.has_array = o.has_offset = o.has_count = 1;
+  o.array = array;
+  o.offset = 0;
+  o.count = count;
+  if (write) {
+    o.has_data = 1;
+    o.data.data = (uint8_t *)vals;
+    o.data.len = (count < 8 ? count : 8) * sizeof(float);
+  }
+  o.has_master = master;
+  o.master = master;
+  o.has_set_steps = steps != 0;
+  o.set_steps = steps;
+  o.has_set_optimizer_steps = optim_steps != 0;
+  o.set_optimizer_steps = optim_steps;
+  r.body_case = SHARDWIRE__REQUEST__BODY_OPTIM_STATE;
+  r.optim_state = &o;
+  emit(&r);
+}
+
+/* A collective checkpoint sent with seq, and a gather of buf reusing it. */
+static void checkpoint_then_same_seq(const char *dir, uint64_t buf,
+                                     uint64_t seq) {
+  Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Checkpoint c = SHARDWIRE__CHECKPOINT__INIT;
+  c.dir = (char *)dir;
+  c.has_collective = 1;
+  c.collective = 1;
+  r.body_case = SHARDWIRE__REQUEST__BODY_CHECKPOINT;
+  r.checkpoint = &c;
+  emit_seq(&r, seq);
+  Shardwire__Request g = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Gather ga = SHARDWIRE__GATHER__INIT;
+  ga.buffer = buf;
+  g.body_case = SHARDWIRE__REQUEST__BODY_GATHER;
+  g.gather = &ga;
+  emit_seq(&g, seq);
+}
+
 static void open_seed(const char *dir, const char *name) {
   char path[512];
   snprintf(path, sizeof path, "%s/%s", dir, name);
@@ -399,6 +555,100 @@ int main(int argc, char **argv) {
   bucket(0, kids, 3, 0);
   bucket(1, kids, 3, 4);
   bucket(0, kbad, 3, 0);
+  fclose(out);
+
+  /* Frozen and trainable views in batches: buffer 1, views 2..6 (frozen
+   * [0,32) and [16,48), trainable [64,96) and [80,128), frozen [200,256));
+   * a batch refused for meeting the other kind, freezing and unfreezing,
+   * collectives over the frozen ranges, inspect, batched unregistering. */
+  open_seed(dir, "views_frozen");
+  hello("fuzz6", 0, 1);
+  reg_buffer("f", SHARDWIRE__DTYPE__FP32, 256);
+  {
+    uint64_t off[5] = {0, 16, 64, 80, 200}, len[5] = {32, 32, 32, 48, 56};
+    int rg[5] = {0, 0, 1, 1, 0};
+    views_batch_rg(1, 5, off, len, rg);
+    uint64_t boff[3] = {130, 90, 20}, blen[3] = {10, 10, 10};
+    int brg[3] = {0, 0, 1}; /* the last two meet the other kind */
+    views_batch_rg(1, 3, boff, blen, brg);
+  }
+  set_requires_grad(2, 1); /* meets frozen view 3: refused */
+  set_requires_grad(6, 1);
+  set_requires_grad(4, 0); /* meets trainable view 5: refused */
+  simple(SHARDWIRE__REQUEST__BODY_GATHER, 1);
+  simple(SHARDWIRE__REQUEST__BODY_SCATTER, 1);
+  scatter_masked(1, 4);
+  simple(SHARDWIRE__REQUEST__BODY_INSPECT, 1);
+  {
+    uint64_t un[3] = {3, 2, 999}, gen[3] = {1, 7, 0};
+    views_unbatch(3, un, gen);
+    uint64_t ok[2] = {3, 2}, nogen[2] = {0, 0};
+    views_unbatch(2, ok, nogen);
+  }
+  simple(SHARDWIRE__REQUEST__BODY_SCATTER, 1);
+  simple(SHARDWIRE__REQUEST__BODY_STATUS, 0);
+  fclose(out);
+
+  /* Buffers in batches: attach, a bad dtype refusing the batch, and
+   * batched unregistering with an unknown id. */
+  open_seed(dir, "buffers_batch");
+  hello("fuzz7", 0, 2);
+  {
+    const char *names[4] = {"p", "q", "p", "bad"};
+    Shardwire__DType dt[4] = {SHARDWIRE__DTYPE__FP32, SHARDWIRE__DTYPE__BF16,
+                              SHARDWIRE__DTYPE__FP32, (Shardwire__DType)99};
+    uint64_t numel[4] = {10, 20, 10, 5};
+    buffers_batch(4, names, dt, numel);
+    buffers_batch(3, names, dt, numel);
+    uint64_t un[3] = {1, 2, 999}, ok[2] = {1, 2};
+    buffers_unbatch(3, un);
+    buffers_unbatch(2, ok);
+  }
+  fclose(out);
+
+  /* Optimizer state and seeded masters: bf16 buffer 1 seeded before its
+   * first step, view 2, Adam 3 over it; state read, written, the master,
+   * step counts; an fp32 buffer 4 seeded (refused). */
+  open_seed(dir, "optim_state");
+  hello("fuzz8", 0, 1);
+  reg_buffer("o", SHARDWIRE__DTYPE__BF16, 64);
+  seed_master(1);
+  reg_view(1, "ov", 0, 32);
+  {
+    uint64_t v = 2;
+    reg_optim(SHARDWIRE__OPTIM_KIND__ADAM, &v, 1);
+  }
+  reg_buffer("o32", SHARDWIRE__DTYPE__FP32, 8);
+  seed_master(4);
+  optim_state_ex(3, 2, 0, 0, 0, 0, 0, 0);
+  simple(SHARDWIRE__REQUEST__BODY_GATHER, 1);
+  simple(SHARDWIRE__REQUEST__BODY_SCATTER, 1);
+  simple(SHARDWIRE__REQUEST__BODY_STEP, 3);
+  optim_state_ex(3, 2, 1, 8, 0, 0, 0, 0);
+  optim_state_ex(3, 2, 0, 8, 1, 0, 5, 9);
+  optim_state_ex(3, 2, 0xffffffffu, 4, 1, 0, 0, 0);
+  optim_state_ex(3, 2, 0, 4, 0, 1, 0, 0);
+  optim_state_ex(3, 2, 7, 1u << 30, 0, 0, 0, 0);
+  optim_state_ex(3, 999, 0, 1, 0, 0, 0, 0);
+  optim_state_ex(1, 2, 0, 1, 0, 0, 0, 0);
+  fclose(out);
+
+  /* Releasing jobs by UID/NAME and names with a slash. */
+  open_seed(dir, "release_names");
+  hello("", 0, 0);
+  release_job("0/fuzz6");
+  release_job("fuzz6/x");
+  release_job("4294967296/fuzz6");
+  fclose(out);
+
+  /* A collective checkpoint and a request reusing its seq, then the job
+   * goes with the connection and the next input's job takes its place. */
+  open_seed(dir, "checkpoint_seq");
+  hello("fuzz9", 0, 1);
+  reg_buffer("c", SHARDWIRE__DTYPE__FP32, 16);
+  checkpoint_then_same_seq("ckseq", 1, 1000);
+  checkpoint_collective("ck2");
+  simple(SHARDWIRE__REQUEST__BODY_GATHER, 1);
   fclose(out);
   return 0;
 }
