@@ -585,7 +585,8 @@ Test(areas, regather_while_a_peer_releases, .init = start, .fini = stop,
  * fails at the end of --peer-grace; the relaunched rank gathers two other
  * units first, as a fresh trainer does, and both are within its 2 leases
  * (the dead rank's lease stayed booked, and the second was E_LIMIT "holds 2
- * gather areas"). */
+ * gather areas"); its gradient area of the unit starts at zero (the booked
+ * one, handed back unzeroed, held the dead rank's partial gradient). */
 
 #define LEAVE_SYNCS 4
 
@@ -595,8 +596,12 @@ static int leave_body(rank_ctx *r) {
   if (!register_and_fill(r, "lv", 3))
     return 0;
   shardd_area a;
-  CHECK_OK(r, shardd_gather_area(r->c, r->b[0].id, 0, &a));
-  sync_point(r); /* 1: both hold lv0's gather area */
+  /* rank 0 is in lv0's backward: its gradient area holds a partial sum */
+  CHECK_OK(r, shardd_gather_area(r->c, r->b[0].id, r->rank == 0, &a));
+  if (r->rank == 0)
+    for (uint64_t i = 0; i < NUMEL; i++)
+      ((float *)a.grad)[i] = grad(0, 0, i);
+  sync_point(r); /* 1: both hold lv0's gather area, rank 0 its gradient area */
   if (r->rank == 1) {
     shardd_err rc = shardd_gather_area(r->c, r->b[0].id, 0, &a);
     CHECK(r, rc == SHARDD_E_PEER_LOST, "gather waiting for the killed rank: %s (%s)",
@@ -624,10 +629,16 @@ static int leave_body(rank_ctx *r) {
   }
   for (int b = 1; b < 3; b++)
     CHECK_OK(r, shardd_release(r->c, r->b[b].id));
-  CHECK_OK(r, shardd_gather_area(r->c, r->b[0].id, 0, &a));
+  /* the relaunch's backward starts from a zero gradient, not the dead
+   * rank's partial one */
+  CHECK_OK(r, shardd_gather_area(r->c, r->b[0].id, r->rank == 0, &a));
   if (!check_gathered(r, 0, a.gather))
     return 0;
-  CHECK_OK(r, shardd_release(r->c, r->b[0].id));
+  for (uint64_t i = 0; r->rank == 0 && i < NUMEL; i++)
+    CHECK(r, ((float *)a.grad)[i] == 0.0f, "lv0's new gradient area[%" PRIu64 "] = %g",
+          i, (double)((float *)a.grad)[i]);
+  CHECK_OK(r, r->rank == 0 ? shardd_release_all(r->c, r->b[0].id)
+                           : shardd_release(r->c, r->b[0].id));
   sync_point(r); /* 4 */
   return 1;
 }
