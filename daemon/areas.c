@@ -278,13 +278,32 @@ typedef struct {
   uint32_t rank;
 } rank_arg;
 
+/* Queued collectives (b->inflight counts them too) lease when they start,
+ * so only a running one keeps a departed rank's areas booked. */
 static void return_rank(void *value, void *arg) {
   shardd__buffer *b = value;
   const rank_arg *a = arg;
-  if (b->inflight == 0) {
-    shardd__area_return(b, a->rank, SHARDD__AREA_GATHER);
-    shardd__area_return(b, a->rank, SHARDD__AREA_GRAD);
+  if (b->lease == NULL)
+    return;
+  if (b->areas_busy > 0) {
+    b->lease_left[a->rank] = 1;
+    return;
   }
+  shardd__area_return(b, a->rank, SHARDD__AREA_GATHER);
+  shardd__area_return(b, a->rank, SHARDD__AREA_GRAD);
+}
+
+void shardd__areas_busy(shardd__buffer *b) { b->areas_busy++; }
+
+void shardd__areas_idle(shardd__buffer *b) {
+  if (--b->areas_busy > 0 || b->lease == NULL)
+    return;
+  for (uint32_t r = 0; r < b->world; r++)
+    if (b->lease_left[r]) {
+      b->lease_left[r] = 0;
+      shardd__area_return(b, r, SHARDD__AREA_GATHER);
+      shardd__area_return(b, r, SHARDD__AREA_GRAD);
+    }
 }
 
 void shardd__area_return_rank(shardd__job *job, uint32_t rank) {
@@ -306,8 +325,14 @@ uint64_t shardd__job_pool_bytes(const shardd__job *job) {
 /* A transient buffer's lease table, every slot free (buffer.c). */
 shardd_err shardd__areas_buffer_init(shardd__buffer *b) {
   b->lease = malloc(b->world * sizeof *b->lease);
-  if (b->lease == NULL)
+  b->lease_left = calloc(b->world, 1);
+  if (b->lease == NULL || b->lease_left == NULL) {
+    free(b->lease);
+    free(b->lease_left);
+    b->lease = NULL;
+    b->lease_left = NULL;
     return SHARDD_E_NO_MEMORY;
+  }
   for (uint32_t r = 0; r < b->world; r++)
     b->lease[r][0] = b->lease[r][1] = -1;
   return SHARDD_OK;
@@ -322,5 +347,7 @@ void shardd__areas_buffer_fini(shardd__buffer *b) {
     shardd__area_return(b, r, SHARDD__AREA_GRAD);
   }
   free(b->lease);
+  free(b->lease_left);
   b->lease = NULL;
+  b->lease_left = NULL;
 }

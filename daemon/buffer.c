@@ -196,6 +196,7 @@ fail:
   shardd__obj_fini(reg, &b->hdr);
   shardd__map_free(&b->views);
   free(b->lease);
+  free(b->lease_left);
   free(b);
   return rc;
 }

@@ -245,6 +245,8 @@ static void coll_finish(coll *c, shardd_err code, const char *msg) {
   }
   if (c->buf && c->job->transient)
     settle_areas(c, code);
+  if (c->areas_busy) /* its tasks ended: a rank that left gets its areas */
+    shardd__areas_idle(c->buf);
   coll_free(c);
 }
 
@@ -737,6 +739,10 @@ static void start_phase(coll *c) {
       coll_finish(c, rc, msg);
       schedule(q);
       return;
+    }
+    if (c->job->transient) {
+      shardd__areas_busy(c->buf);
+      c->areas_busy = 1;
     }
   }
   run_phase(c);

@@ -183,6 +183,7 @@ struct coll {
   shardd__region **area_reg;
   size_t *area_off;
   uint8_t *took; /* transient gather: 1 gather lease taken, 2 gradient too */
+  int areas_busy; /* transient: set_areas succeeded (shardd__areas_busy) */
   /* multi-node scatter: which views (the buffer's, in offset order, by id)
    * had a gradient on some rank of each node: [nodes][nmask + 1] flags,
    * the last one the whole buffer's; this node's row is set on the loop

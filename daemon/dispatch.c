@@ -2611,7 +2611,8 @@ void shardd__dispatch_closed(shardd__dispatch *d, shardd__conn *c) {
     } else
       pp = &w->next;
   }
-  shardd__area_return_rank(job, c->m.rank); /* the rest when collectives end */
+  /* its areas, at once or when the collective using them ends */
+  shardd__area_return_rank(job, c->m.rank);
   shardd__log(2, "session %" PRIu64 ": rank %" PRIu32 " of job \"%s\" left",
               c->id, c->m.rank, job->name);
   c->m.job = NULL;

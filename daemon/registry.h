@@ -125,6 +125,11 @@ struct shardd__buffer {
    * grad_off are 0); each rank's leased areas, as slot numbers in the pool
    * of its device, -1 none ([world][kind]; areas.c) */
   int32_t (*lease)[2];
+  /* transient jobs: running collectives that read or write its areas
+   * (shardd__areas_busy), and the ranks that left meanwhile, whose areas
+   * of it go back when the last of those ends ([world]; areas.c) */
+  uint32_t areas_busy;
+  uint8_t *lease_left;
   /* public counters */
   uint32_t nowned;   /* optimizer refs to it or its views */
   uint64_t gathers, scatters;
@@ -509,9 +514,16 @@ int shardd__area_held(const shardd__buffer *b, uint32_t rank,
 /* Returns rank's area of kind for b (nothing when it holds none). */
 void shardd__area_return(shardd__buffer *b, uint32_t rank,
                          shardd__area_kind kind);
-/* Returns every area rank holds in job on buffers no collective holds
- * (a rank that left); the rest are returned when those end. */
+/* Returns every area rank holds in job (a rank that left), whatever is
+ * queued on its buffers: at once, or, on a buffer whose areas a running
+ * collective uses, when the last of those ends (shardd__areas_idle), so no
+ * pool task writes into an area leased again meanwhile. */
 void shardd__area_return_rank(shardd__job *job, uint32_t rank);
+/* A collective starts using b's areas (the ones it found leased at its
+ * start) / has ended (failed or not): the areas of ranks that left in
+ * between are returned by the last idle. Loop thread; paired. */
+void shardd__areas_busy(shardd__buffer *b);
+void shardd__areas_idle(shardd__buffer *b);
 /* Bytes the job's pools hold now (persistent = job->bytes - this). */
 uint64_t shardd__job_pool_bytes(const shardd__job *job);
 

@@ -4,7 +4,9 @@
  * reduced shard; gathers lease areas from the per-device pools, which are
  * mapped once per connection; scatters consume the gradient areas and
  * releases return the gather areas; the lease limit refuses a third
- * gather (asked by every rank) with E_LIMIT naming what each holds; shardctl status shows
+ * gather (asked by every rank) with E_LIMIT naming what each holds; a rank
+ * killed while its peer waits in a gather of a buffer it holds gets its
+ * areas back, so its relaunch has all its leases; shardctl status shows
  * the persistent bytes, the pools on top, and no growth in steady state.
  * Values are computed here from the formulas the ranks wrote, never read
  * back from the code under test. */
@@ -574,4 +576,76 @@ Test(areas, regather_while_a_peer_releases, .init = start, .fini = stop,
   ranks rs;
   ranks_start(&rs, "regather", REGATHER_SYNCS, regather_body);
   ranks_join(&rs, REGATHER_SYNCS);
+}
+
+/* ---- a rank that leaves holding an area --------------------------------------
+ * A trainer killed while it holds a gather area of a buffer on which its
+ * peer waits in a gather: its areas go back when it leaves, the queued
+ * gather notwithstanding (it leases when it starts). The peer's gather
+ * fails at the end of --peer-grace; the relaunched rank gathers two other
+ * units first, as a fresh trainer does, and both are within its 2 leases
+ * (the dead rank's lease stayed booked, and the second was E_LIMIT "holds 2
+ * gather areas"); its gradient area of the unit starts at zero (the booked
+ * one, handed back unzeroed, held the dead rank's partial gradient). */
+
+#define LEAVE_SYNCS 4
+
+static int leave_body(rank_ctx *r) {
+  if (connect_rank(r, 1) != SHARDD_OK)
+    return 0;
+  if (!register_and_fill(r, "lv", 3))
+    return 0;
+  shardd_area a;
+  /* rank 0 is in lv0's backward: its gradient area holds a partial sum */
+  CHECK_OK(r, shardd_gather_area(r->c, r->b[0].id, r->rank == 0, &a));
+  if (r->rank == 0)
+    for (uint64_t i = 0; i < NUMEL; i++)
+      ((float *)a.grad)[i] = grad(0, 0, i);
+  sync_point(r); /* 1: both hold lv0's gather area, rank 0 its gradient area */
+  if (r->rank == 1) {
+    shardd_err rc = shardd_gather_area(r->c, r->b[0].id, 0, &a);
+    CHECK(r, rc == SHARDD_E_PEER_LOST, "gather waiting for the killed rank: %s (%s)",
+          shardd_err_name(rc), shardd_last_error(r->c));
+    CHECK_OK(r, shardd_release(r->c, r->b[0].id));
+  } else {
+    if (!wait_queued(r))
+      return 0;
+    shardd_close(r->c); /* killed: its connection closes under the daemon */
+    r->c = NULL;
+  }
+  sync_point(r); /* 2: the peer's gather failed */
+  if (r->rank == 0) { /* the relaunch */
+    if (connect_rank(r, 1) != SHARDD_OK)
+      return 0;
+    if (!register_and_fill(r, "lv", 3))
+      return 0;
+  }
+  sync_point(r); /* 3: rank 0 is back (a gather sent before would be the
+                  * peer's, doomed by the rank still missing) */
+  for (int b = 1; b < 3; b++) {
+    CHECK_OK(r, shardd_gather_area(r->c, r->b[b].id, 0, &a));
+    if (!check_gathered(r, b, a.gather))
+      return 0;
+  }
+  for (int b = 1; b < 3; b++)
+    CHECK_OK(r, shardd_release(r->c, r->b[b].id));
+  /* the relaunch's backward starts from a zero gradient, not the dead
+   * rank's partial one */
+  CHECK_OK(r, shardd_gather_area(r->c, r->b[0].id, r->rank == 0, &a));
+  if (!check_gathered(r, 0, a.gather))
+    return 0;
+  for (uint64_t i = 0; r->rank == 0 && i < NUMEL; i++)
+    CHECK(r, ((float *)a.grad)[i] == 0.0f, "lv0's new gradient area[%" PRIu64 "] = %g",
+          i, (double)((float *)a.grad)[i]);
+  CHECK_OK(r, r->rank == 0 ? shardd_release_all(r->c, r->b[0].id)
+                           : shardd_release(r->c, r->b[0].id));
+  sync_point(r); /* 4 */
+  return 1;
+}
+
+Test(areas, a_rank_killed_while_its_peer_waits_returns_its_areas, .init = start,
+     .fini = stop, .timeout = 60) {
+  ranks rs;
+  ranks_start(&rs, "leave", LEAVE_SYNCS, leave_body);
+  ranks_join(&rs, LEAVE_SYNCS);
 }

@@ -1982,6 +1982,13 @@ static void ck_final(ck_job *j, float *out[2][W]) {
 
 static void ck_sh(const char *cmd) { cr_assert_eq(system(cmd), 0, "%s", cmd); }
 
+/* A restored job lingers like one whose clients left: under the pair's
+ * --job-linger 0 the daemon's next tick (100 ms) releases it before the
+ * relaunched ranks attach whenever they are slower than that (a loaded
+ * machine), and they get a fresh job instead. Daemons that restore a job
+ * keep it until its ranks come (the last --job-linger given counts). */
+#define KEEP_RESTORED "--job-linger", "600"
+
 /* Issue 19 (c) on 2 nodes x 2 ranks: sm.checkpoint every so often while
  * training (step 3, and step 6 into another directory), each node writing
  * its part and the job manifest over both; then fresh daemons --restore
@@ -2032,7 +2039,7 @@ Test(fabric, collective_checkpoint_of_two_nodes_restores_bit_for_bit, .timeout =
   free(top);
 
   /* fresh daemons restore it at start; the relaunch continues at step 4 */
-  const char *rest[] = {"--restore", cka, NULL};
+  const char *rest[] = {KEEP_RESTORED, "--restore", cka, NULL};
   start_pair_each(pair, &s, jobs, 1, "30", rest, rest);
   ck_attach(pair, "ck", 0, &j);
   ck_steps(&j, CK_AT + 1, CK_N);
@@ -2051,7 +2058,8 @@ Test(fabric, collective_checkpoint_of_two_nodes_restores_bit_for_bit, .timeout =
   test_daemon_finish(&pair[1]);
 
   /* refusals, before any job exists */
-  start_pair(pair, &s, jobs, 1, "30");
+  const char *keep[] = {KEEP_RESTORED, NULL};
+  start_pair_each(pair, &s, jobs, 1, "30", keep, keep);
   shardd_client_t *ctl[2] = {test_connect(&pair[0], NULL, 0, 0),
                              test_connect(&pair[1], NULL, 0, 0)};
   char sw[160], miss[160];
@@ -2422,7 +2430,8 @@ Test(fabric, a_node_daemon_restart_rejoins_the_job_bit_for_bit, .timeout = 120) 
   cr_assert_neq(access(path, F_OK), 0, "a job manifest at %s", path);
 
   /* node 1's daemon restarts from its exit part; its ranks relaunch */
-  const char *back[] = {"--checkpoint-on-exit", ex, "--restore", ex, NULL};
+  const char *back[] = {"--checkpoint-on-exit", ex, KEEP_RESTORED, "--restore", ex,
+                        NULL};
   start_node(&pair[1], &s, "rj", 1, "30", back);
   double t_back = test_mono_s();
   rj_attach(pair, "rj", 0, &j, 1);
@@ -2495,7 +2504,8 @@ Test(fabric, a_node_that_rejoins_with_other_state_or_never_is_named, .timeout = 
   char cmd[400];
   snprintf(cmd, sizeof cmd, "cp -a '%s' '%s'", ex, old); /* step 2's part */
   ck_sh(cmd);
-  const char *back[] = {"--checkpoint-on-exit", ex, "--restore", ex, NULL};
+  const char *back[] = {"--checkpoint-on-exit", ex, KEEP_RESTORED, "--restore", ex,
+                        NULL};
   start_node(&pair[1], &s, "rf", 1, "4", back);
   rj_attach(pair, "rf", 0, &j, 1);
   for (int r = 0; r < W; r++)
@@ -2507,7 +2517,7 @@ Test(fabric, a_node_that_rejoins_with_other_state_or_never_is_named, .timeout = 
 
   /* node 1 restarts from step 2's part while node 0 holds step 4 */
   rj_stop_node1(pair, &j);
-  const char *stale[] = {"--restore", old, NULL};
+  const char *stale[] = {KEEP_RESTORED, "--restore", old, NULL};
   start_node(&pair[1], &s, "rf", 1, "4", stale);
   rj_attach(pair, "rf", 0, &j, 1);
   for (int r = 0; r < W; r++)
