@@ -354,6 +354,14 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
   }
   if (m->failed)
     goto nomem;
+  /* with its "end" line: no checkpoint restore would refuse on its size */
+  if (m->len > SHARDD__MANIFEST_MAX - 64) {
+    snprintf(err, errlen, "job \"%s\": its manifest would be %zu bytes, more "
+             "than the %zu MiB restore reads; not written", job->name, m->len,
+             SHARDD__MANIFEST_MAX >> 20);
+    rc = SHARDD_E_LIMIT;
+    goto fail;
+  }
   free(bufs);
   free(opts);
   *out = w;

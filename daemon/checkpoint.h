@@ -20,9 +20,13 @@
  * registry says (the manifest's text, where each payload lies) and run,
  * on any thread, does the file I/O, so a daemon can write a 1.6 GB job
  * without freezing its clients (jobs.c runs it on libuv's pool). A restore
- * comes in three: prepare, on the loop thread, replays the registrations
- * and plans the payload loads; run, on any thread, loads them; finish, on
- * the loop thread, sets what the loads vouched for and hands the job over.
+ * comes in four: read, on any thread, reads the manifest (bounded by
+ * SHARDD__MANIFEST_MAX, manifest.h), checks its seal, splits its lines and
+ * checks its job line against who asks; apply, on the loop thread,
+ * replays the registrations and plans the payload loads; run, on any
+ * thread, loads them; finish, on the loop thread, sets what the loads
+ * vouched for and hands the job over. A 1.5 GB manifest read and checked
+ * on the loop thread froze every client for 4-6 s.
  * Host backend only (payloads are read and written through the daemon's
  * own mapping).
  *
@@ -151,17 +155,19 @@ shardd_err shardd__checkpoint_read_job(const char *dir, int64_t as_uid,
 
 /* Node node_rank's part of the job checkpoint in dir, described by job (from
  * read_job): every node's part must be there, sealed as job says (refused
- * naming the node otherwise), and this node's is restored as
- * checkpoint_restore_prepare does into a new job laid out over job->nodes
- * (world as recorded), holding this node's ranks, with origin job->seal. */
-shardd_err shardd__checkpoint_restore_prepare_part(
+ * naming the node otherwise), and this node's is read as
+ * checkpoint_restore_read does, to be applied into a new job laid out over
+ * job->nodes (world as recorded), holding this node's ranks, with origin
+ * job->seal. Any thread, as read_job. */
+shardd_err shardd__checkpoint_restore_read_part(
     shardd__registry *reg, const char *dir, int64_t as_uid,
     const shardd__ckjob *job, uint32_t node_rank, shardd__ckrestore **out,
     char *err, size_t errlen);
 
 /* This node's part of a live multi-node job that one daemon wrote alone
  * (--checkpoint-on-exit: dir/node-N, no job manifest), for a restart of
- * that daemon: the part must be of job name (else SHARDD_E_NOT_FOUND: the
+ * that daemon, read as checkpoint_restore_read does (any thread): the part
+ * must be of job name (else SHARDD_E_NOT_FOUND: the
  * caller tries another spec), over nodes, world as the spec says, and
  * carry the job's fabric lineage ("lineage" line). The restored job gets
  * that lineage and origin and is marked rejoining: its fabric's join
@@ -169,7 +175,7 @@ shardd_err shardd__checkpoint_restore_prepare_part(
  * states fit; nothing else checks the other nodes here. spec_uid >= 0:
  * the spec (spec_path, for the message) is that uid's job's only, and a
  * part recording another owner is refused (SHARDD_E_PERMISSION). */
-shardd_err shardd__checkpoint_restore_prepare_exit_part(
+shardd_err shardd__checkpoint_restore_read_exit_part(
     shardd__registry *reg, const char *dir, int64_t as_uid, const char *name,
     uint32_t world, uint32_t nodes, uint32_t node_rank, int64_t spec_uid,
     const char *spec_path, shardd__ckrestore **out, char *err, size_t errlen);
@@ -199,19 +205,34 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
 /* A restore being loaded: the new job and the loads prepare planned. */
 typedef struct shardd__ckrestore shardd__ckrestore;
 
-/* The loop-thread half of checkpoint_restore (same rules, same refusals):
- * opens dir, verifies and parses the manifest, creates the job with its
- * buffers, views and optimizers, and plans every payload load, into *out
- * (freed with shardd__checkpoint_restore_free). Refusals that need no
- * payload (a malformed line, a missing shard line, an optimizer refused,
- * a state file that does not fit) come from here; a failure releases the
- * job. Reads no data file. Until free, nobody may use or release the job
- * (jobs.c marks it restoring): the loads write its memory. */
+/* read then apply, on the loop thread (tests): same rules, same refusals;
+ * on failure nothing is left (*out NULL). */
 shardd_err shardd__checkpoint_restore_prepare(shardd__registry *reg,
                                               const char *dir, int64_t as_uid,
                                               uint32_t world,
                                               shardd__ckrestore **out,
                                               char *err, size_t errlen);
+/* The reading half of prepare, on any thread (it touches no registry
+ * struct; reg is kept for apply): opens dir (checked as
+ * checkpoint_restore says), refuses a manifest larger than
+ * SHARDD__MANIFEST_MAX before reading it (SHARDD_E_LIMIT, naming the
+ * bound), reads it whole, checks its seal and its job line against as_uid,
+ * into *out (freed with shardd__checkpoint_restore_free; nothing is left
+ * on failure). Reads no data file. */
+shardd_err shardd__checkpoint_restore_read(shardd__registry *reg,
+                                           const char *dir, int64_t as_uid,
+                                           uint32_t world,
+                                           shardd__ckrestore **out, char *err,
+                                           size_t errlen);
+/* The loop-thread half: replays r's manifest into a new job (buffers,
+ * views, optimizers) and plans every payload load. Refusals that need no
+ * payload (a malformed line, a missing shard line, an optimizer refused, a
+ * state file that does not fit, a job of that name live already) come from
+ * here; on failure the caller frees r, which releases the job. Until free,
+ * nobody may use or release the job (jobs.c marks it restoring): the loads
+ * write its memory. Once per r, after read. */
+shardd_err shardd__checkpoint_restore_apply(shardd__ckrestore *r, char *err,
+                                            size_t errlen);
 /* The job r creates; r's until finish. */
 shardd__job *shardd__checkpoint_restore_job(const shardd__ckrestore *r);
 /* The I/O half: reads and checks every data file into the new job's

@@ -43,12 +43,17 @@ struct shardd__jobs_ckpt {
   shardd__jobs_ckpt *next;
 };
 
-/* A restore whose payloads are loading: the plan, and whom to tell. */
+/* A restore being read or loaded: what was asked, the plan, and whom to
+ * tell. */
 struct shardd__jobs_restore {
   uv_work_t req; /* req.data: this */
   shardd__jobs *j;
+  /* asked for; read on the pool (dir is the restore's own) */
+  char *dir;
+  int64_t as_uid;
+  uint32_t world;
   shardd__ckrestore *r;
-  shardd__job *job; /* r's until finish */
+  shardd__job *job; /* r's until finish; NULL while the manifest is read */
   shardd__jobs_restore_done done;
   void *arg;
   const shardd__jobspec *sp; /* a node's part: the job's spec */
@@ -128,6 +133,7 @@ void shardd__jobs_free(shardd__jobs *j) {
     shardd__jobs_restore *k = j->restores;
     j->restores = k->next;
     shardd__checkpoint_restore_free(k->r);
+    free(k->dir);
     free(k);
   }
   shardd__map_each(&j->slots, free_slot_cb, NULL);
@@ -654,6 +660,7 @@ static void restore_after(uv_work_t *req, int status) {
   }
   shardd__checkpoint_restore_free(k->r); /* releases a failed one's job */
   k->done(k->arg, job, k->rc, k->err);
+  free(k->dir);
   free(k);
 }
 
@@ -665,7 +672,7 @@ static void restore_after(uv_work_t *req, int status) {
  * search (two specs may name one job for two uids); the first refusal is
  * reported when no spec takes it. *found 0: no spec has a part there (the
  * caller goes on, and refuses the directory for its missing manifest). */
-static shardd_err restore_prepare_exit(shardd__jobs *j, const char *dir,
+static shardd_err restore_read_exit(shardd__jobs *j, const char *dir,
                                        int64_t as_uid, uint32_t world,
                                        shardd__ckrestore **out,
                                        const shardd__jobspec **sp, int *found,
@@ -689,7 +696,7 @@ static shardd_err restore_prepare_exit(shardd__jobs *j, const char *dir,
       return SHARDD_E_RANGE;
     }
     char why[1024];
-    shardd_err rc = shardd__checkpoint_restore_prepare_exit_part(
+    shardd_err rc = shardd__checkpoint_restore_read_exit_part(
         j->reg, dir, as_uid, s->job, s->world, s->nodes, s->node_rank, s->uid,
         s->path, out, why, sizeof why);
     if (rc == SHARDD_E_NOT_FOUND) /* another job's part */
@@ -712,20 +719,22 @@ static shardd_err restore_prepare_exit(shardd__jobs *j, const char *dir,
   return refused;
 }
 
-/* Prepares the restore of dir: an ordinary checkpoint, this node's exit
+/* Reads the restore of dir: an ordinary checkpoint, this node's exit
  * part, or this node's part of a multi-node job's collective checkpoint
  * (which needs the job's --job-spec here, with the recorded nodes and
- * world: the spec says which node this daemon is).
+ * world: the spec says which node this daemon is), its manifests read and
+ * their seals checked. Any thread: it reads the specs (fixed since init)
+ * and the files, no registry struct; the loop applies *out.
  * *sp: the spec for a multi-node one (its fabric state is made once the
  * restore succeeded), NULL otherwise. */
-static shardd_err restore_prepare(shardd__jobs *j, const char *dir,
+static shardd_err restore_read(shardd__jobs *j, const char *dir,
                                   int64_t as_uid, uint32_t world,
                                   shardd__ckrestore **out,
                                   const shardd__jobspec **sp, char *err,
                                   size_t errlen) {
   *sp = NULL;
   int found;
-  shardd_err rc = restore_prepare_exit(j, dir, as_uid, world, out, sp, &found,
+  shardd_err rc = restore_read_exit(j, dir, as_uid, world, out, sp, &found,
                                        err, errlen);
   if (found)
     return rc;
@@ -734,8 +743,8 @@ static shardd_err restore_prepare(shardd__jobs *j, const char *dir,
   if (rc != SHARDD_OK)
     return rc;
   if (cj.nodes == 0)
-    return shardd__checkpoint_restore_prepare(j->reg, dir, as_uid, world, out,
-                                              err, errlen);
+    return shardd__checkpoint_restore_read(j->reg, dir, as_uid, world, out,
+                                           err, errlen);
   const shardd__jobspec *s = shardd__jobspec_find(j->specs, j->nspecs, cj.uid,
                                                   cj.name);
   if (s == NULL || s->nodes != cj.nodes || s->world != cj.world) {
@@ -756,10 +765,22 @@ static shardd_err restore_prepare(shardd__jobs *j, const char *dir,
              PRIu32, dir, cj.name, cj.nodes, cj.world, world);
     return SHARDD_E_RANGE;
   }
-  rc = shardd__checkpoint_restore_prepare_part(j->reg, dir, as_uid, &cj,
-                                               s->node_rank, out, err, errlen);
+  rc = shardd__checkpoint_restore_read_part(j->reg, dir, as_uid, &cj,
+                                            s->node_rank, out, err, errlen);
   if (rc == SHARDD_OK)
     *sp = s;
+  return rc;
+}
+
+/* restore_read, then the registrations it read applied (the loop thread):
+ * what both restores share once the manifest is read. */
+static shardd_err restore_apply(shardd__ckrestore **r, char *err,
+                                size_t errlen) {
+  shardd_err rc = shardd__checkpoint_restore_apply(*r, err, errlen);
+  if (rc != SHARDD_OK) {
+    shardd__checkpoint_restore_free(*r); /* releases the job */
+    *r = NULL;
+  }
   return rc;
 }
 
@@ -797,7 +818,9 @@ shardd_err shardd__jobs_restore_now(shardd__jobs *j, const char *dir,
   *out = NULL;
   shardd__ckrestore *r;
   const shardd__jobspec *sp;
-  shardd_err rc = restore_prepare(j, dir, as_uid, world, &r, &sp, err, errlen);
+  shardd_err rc = restore_read(j, dir, as_uid, world, &r, &sp, err, errlen);
+  if (rc == SHARDD_OK)
+    rc = restore_apply(&r, err, errlen);
   if (rc != SHARDD_OK)
     return rc;
   if ((rc = shardd__checkpoint_restore_run(r, err, errlen)) == SHARDD_OK &&
@@ -810,43 +833,85 @@ shardd_err shardd__jobs_restore_now(shardd__jobs *j, const char *dir,
   return rc;
 }
 
+/* On a pool thread: the manifests, read and checked (restore_read). */
+static void restore_read_work(uv_work_t *req) {
+  shardd__jobs_restore *k = req->data;
+  k->rc = restore_read(k->j, k->dir, k->as_uid, k->world, &k->r, &k->sp,
+                       k->err, sizeof k->err);
+}
+
+/* On the loop thread, once the manifest is read: its registrations are
+ * applied (the registry is the loop's) and the payloads queued to load; a
+ * refusal is told to the caller. */
+static void restore_read_after(uv_work_t *req, int status) {
+  shardd__jobs_restore *k = req->data;
+  shardd__jobs *j = k->j;
+  if (status != 0 && k->rc == SHARDD_OK) { /* cancelled: never read */
+    k->rc = SHARDD_E_INVAL;
+    snprintf(k->err, sizeof k->err, "the restore was cancelled: %s",
+             uv_strerror(status));
+  }
+  if (k->rc == SHARDD_OK && j->stopping) {
+    k->rc = SHARDD_E_SHUTDOWN;
+    snprintf(k->err, sizeof k->err, "the daemon is stopping; %s was not "
+             "restored", k->dir);
+  }
+  if (k->rc == SHARDD_OK)
+    k->rc = restore_apply(&k->r, k->err, sizeof k->err);
+  slot *s = NULL;
+  if (k->rc == SHARDD_OK) {
+    k->job = shardd__checkpoint_restore_job(k->r);
+    /* tracked from now, so linger and joins see it is being restored */
+    if ((s = slot_make(j, k->job)) == NULL) {
+      k->rc = SHARDD_E_NO_MEMORY;
+      snprintf(k->err, sizeof k->err, "out of memory tracking the restored job");
+    }
+  }
+  if (k->rc == SHARDD_OK) {
+    int e = uv_queue_work(j->loop, &k->req, restore_work, restore_after);
+    if (e == 0) {
+      s->restoring = 1;
+      return; /* restore_after tells the caller */
+    }
+    slot_free(shardd__map_del_id(&j->slots, key(k->job)));
+    k->rc = SHARDD_E_INVAL;
+    snprintf(k->err, sizeof k->err, "cannot start the restore: %s",
+             uv_strerror(e));
+  }
+  for (shardd__jobs_restore **p = &j->restores; *p; p = &(*p)->next)
+    if (*p == k) {
+      *p = k->next;
+      break;
+    }
+  shardd__checkpoint_restore_free(k->r); /* releases the job, if any */
+  k->done(k->arg, NULL, k->rc, k->err);
+  free(k->dir);
+  free(k);
+}
+
 shardd_err shardd__jobs_restore_start(shardd__jobs *j, const char *dir,
                                       int64_t as_uid, uint32_t world,
                                       shardd__jobs_restore_done done, void *arg,
                                       char *err, size_t errlen) {
   shardd__jobs_restore *k = calloc(1, sizeof *k);
-  if (k == NULL) {
+  if (k == NULL || (k->dir = strdup(dir)) == NULL) {
+    free(k);
     snprintf(err, errlen, "out of memory");
     return SHARDD_E_NO_MEMORY;
   }
-  shardd_err rc = restore_prepare(j, dir, as_uid, world, &k->r, &k->sp, err,
-                                  errlen);
-  if (rc != SHARDD_OK) {
-    free(k);
-    return rc;
-  }
   k->j = j;
-  k->job = shardd__checkpoint_restore_job(k->r);
+  k->as_uid = as_uid;
+  k->world = world;
   k->done = done;
   k->arg = arg;
   k->req.data = k;
-  /* tracked from now, so linger and joins see it is being restored */
-  slot *s = slot_make(j, k->job);
-  if (s == NULL) {
-    shardd__checkpoint_restore_free(k->r);
-    free(k);
-    snprintf(err, errlen, "out of memory tracking the restored job");
-    return SHARDD_E_NO_MEMORY;
-  }
-  int e = uv_queue_work(j->loop, &k->req, restore_work, restore_after);
+  int e = uv_queue_work(j->loop, &k->req, restore_read_work, restore_read_after);
   if (e != 0) {
-    slot_free(shardd__map_del_id(&j->slots, key(k->job)));
-    shardd__checkpoint_restore_free(k->r);
+    free(k->dir);
     free(k);
     snprintf(err, errlen, "cannot start the restore: %s", uv_strerror(e));
     return SHARDD_E_INVAL;
   }
-  s->restoring = 1;
   k->next = j->restores;
   j->restores = k;
   return SHARDD_OK;

@@ -171,18 +171,22 @@ typedef void (*shardd__jobs_restore_done)(void *arg, shardd__job *job,
                                           shardd_err rc, const char *err);
 
 /* Restores the job recorded in dir (as shardd__checkpoint_restore, same
- * refusals) with the payloads read on libuv's pool: the manifest is
- * parsed and the job registered now, and done(arg, ...) is called once the
- * data files are loaded. Until then the job is being restored: nobody may
- * join, checkpoint or use it (see jobs_restoring) and it is not released;
- * a stopping daemon waits for the load. A refusal is returned here, and
- * done is then never called. */
+ * refusals) with the files read on libuv's pool: the manifests are read,
+ * bounded and their seals checked there; back on the loop thread the job
+ * is registered from them and its data files are loaded on the pool, and
+ * done(arg, ...) is called once they are, or when any of it refused (never
+ * from within this call). While loading, the job is being restored: nobody
+ * may join, checkpoint or use it (see jobs_restoring) and it is not
+ * released; a stopping daemon waits for the load, and refuses a restore
+ * whose manifest it had not applied yet (SHARDD_E_SHUTDOWN). A refusal
+ * returned here (out of memory) means done is never called. */
 shardd_err shardd__jobs_restore_start(shardd__jobs *j, const char *dir,
                                       int64_t as_uid, uint32_t world,
                                       shardd__jobs_restore_done done, void *arg,
                                       char *err, size_t errlen);
-/* As restore_start, loading on the calling thread (--restore at start,
- * before the loop serves): the restored job into *out, lingering is the
+/* As restore_start, the same reading, applying and loading all on the
+ * calling thread (--restore at start, before the loop serves): the
+ * restored job into *out, lingering is the
  * caller's to start. A multi-node job's checkpoint (a job manifest over
  * node parts) restores this node's part, as the job's --job-spec places
  * it, after checking every node's part against the job manifest. */

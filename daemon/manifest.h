@@ -29,6 +29,16 @@
  * line held: a planted manifest without newlines cost its size in memory. */
 #define SHARDD__MANIFEST_LINE_MAX ((size_t)4 * SHARDD_MAX_FRAME + 4096)
 
+/* The largest manifest restore reads, checked on its size before a byte is
+ * read (write refuses to leave a larger one). Restore holds the text whole
+ * while it checks the seal and splits the lines off the loop thread, then
+ * the loads and states its lines plan (about three times the text): the
+ * cap keeps one restore near 1 GiB. A manifest takes about 40 bytes per
+ * shard file and 80 per optimizer state file: 256 MiB is millions of data
+ * files, each a file of its own in the directory. A planted 1.5 GB
+ * manifest held the loop 4-6 s, and its plans would have held ~4.5 GB. */
+#define SHARDD__MANIFEST_MAX ((size_t)256 << 20)
+
 /* Appends s to sb percent-encoded (bytes <= 0x20, >= 0x7f and '%'). */
 void shardd__manifest_enc_name(shardd__sb *sb, const char *s);
 /* Decodes s in place; returns 0 on a malformed escape or an escaped NUL. */

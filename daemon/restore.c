@@ -1,11 +1,14 @@
 /* restore.c — restores a job from a checkpoint directory (see
- * checkpoint.h), in three phases: prepare, on the loop thread, checks,
- * parses and replays the manifest into a new job (buffers, views, then each
- * optimizer through the registration use case) and lists every payload
- * load; run, on any thread, loads and checks the payloads, touching only
- * the new job's region memory and the files; finish, on the loop thread
- * again, sets what the loads vouched for (master_valid, step counts) and
- * hands the job over. Any failure releases the new job. */
+ * checkpoint.h), in four phases: read, on any thread, opens the directory,
+ * reads the manifest whole (bounded by its size), checks its seal, splits
+ * its lines and checks its job line against who asks, touching no
+ * registry struct; apply, on the loop thread, replays the lines into a new
+ * job (buffers, views, then each optimizer through the registration use
+ * case) and lists every payload load; run, on any thread, loads and checks
+ * the payloads, touching only the new job's region memory and the files;
+ * finish, on the loop thread again, sets what the loads vouched for
+ * (master_valid, step counts) and hands the job over. Any failure releases
+ * the new job. */
 #include "checkpoint.h"
 
 #include <errno.h>
@@ -202,8 +205,16 @@ struct shardd__ckrestore {
   char path[4096];  /* the manifest's, as messages name it */
   shardd__ckdir dd; /* fd -1 until opened */
   FILE *f;          /* the manifest; owns its descriptor */
-  char *line;
-  size_t cap;
+  /* The manifest's text, read whole by read_text, each line ended by a
+   * NUL where its newline was (text_len bytes and a NUL); freed once
+   * applied. stop_line: the first line the reader refused (too long, a
+   * NUL byte: stop_rc), where apply stops with that error; 0 none. */
+  char *text;
+  size_t text_len;
+  int stop_line;
+  shardd__line_rc stop_rc;
+  /* the job line was checked against who asks (job_check) by read */
+  int job_checked;
   int lineno, mversion, ended;
   int seal_line; /* the "end" line whose checksum was checked; 0 none */
   uint32_t old_world;
@@ -513,6 +524,18 @@ static shardd_err open_manifest(restore *c) {
   }
   int mfd = shardd__ck_open_regular(&c->dd, SHARDD__MANIFEST_FILE, c->err,
                                     c->errlen);
+  /* bounded before a byte is read: restore holds the text and what its
+   * lines plan (manifest.h) */
+  struct stat mst;
+  if (mfd >= 0 && fstat(mfd, &mst) == 0 &&
+      (uint64_t)mst.st_size > SHARDD__MANIFEST_MAX) {
+    snprintf(c->err, c->errlen, "%s: %jd bytes, more than the %zu MiB a "
+             "manifest may have (shardd writes none larger); refused unread",
+             c->path, (intmax_t)mst.st_size, SHARDD__MANIFEST_MAX >> 20);
+    close(mfd);
+    close(c->dd.fd);
+    return SHARDD_E_LIMIT;
+  }
   c->f = mfd >= 0 ? fdopen(mfd, "r") : NULL;
   if (c->f == NULL) {
     int e = errno;
@@ -600,11 +623,11 @@ static shardd_err vouched(int dirfd, int filefd, uint32_t owner,
   return SHARDD_E_PERMISSION;
 }
 
-/* "job NAME WORLD OWNER": creates the new job. A job of that name that is
- * live already is refused, never touched. */
-static shardd_err line_job(restore *c, char **tok) {
-  if (!shardd__manifest_dec_name(tok[1]))
-    return bad(c, SHARDD_E_INVAL, "bad job name");
+/* The job line ("job NAME WORLD OWNER", NAME decoded) against who asks
+ * and what the caller wants, from the files alone (no registry struct: on
+ * the reading thread): another job's part (SHARDD_E_NOT_FOUND), another
+ * owner's. */
+static shardd_err job_check(restore *c, char **tok) {
   if (c->exit_name && strcmp(tok[1], c->exit_name)) {
     /* another spec's job may have its part here: the caller looks on */
     snprintf(c->err, c->errlen, "%s: a part of job \"%s\", not \"%s\"",
@@ -641,6 +664,19 @@ static shardd_err line_job(restore *c, char **tok) {
   /* the data files likewise: the owner's or the daemon's, one link each */
   if (c->as_uid <= 0 && owner > 0)
     c->dd.as_uid = owner;
+  c->job_checked = 1;
+  return SHARDD_OK;
+}
+
+/* "job NAME WORLD OWNER": creates the new job. A job of that name that is
+ * live already is refused, never touched. */
+static shardd_err line_job(restore *c, char **tok) {
+  if (!shardd__manifest_dec_name(tok[1]))
+    return bad(c, SHARDD_E_INVAL, "bad job name");
+  shardd_err rc;
+  if (!c->job_checked && (rc = job_check(c, tok)) != SHARDD_OK)
+    return rc;
+  uint32_t owner = (uint32_t)strtoul(tok[3], NULL, 10);
   if (shardd__job_find(c->reg, owner, tok[1])) {
     snprintf(c->err, c->errlen,
              "job \"%s\" of uid %" PRIu32 " exists already; release it "
@@ -974,29 +1010,159 @@ static shardd_err parse_line(restore *c, char **tok, int nt) {
   return bad(c, SHARDD_E_INVAL, "unknown or malformed line \"%s\"", tok[0]);
 }
 
-/* Reads the manifest to its end, line by line: the job, buffers and views
- * are registered and each shard's load planned as its line comes;
- * optimizers are only collected. Words past the MAX_TOK-th are not looked at. */
-static shardd_err parse_manifest(restore *c) {
-  for (;;) {
-    shardd__line_rc lr = shardd__manifest_read_line(c->f, &c->line, &c->cap,
-                                                    SHARDD__MANIFEST_LINE_MAX);
-    if (lr == SHARDD__LINE_EOF)
-      return SHARDD_OK;
-    c->lineno++;
-    if (lr != SHARDD__LINE_OK)
-      return line_error(c, lr);
+/* Splits line (NUL-ended) into its words, at most MAX_TOK of them (words
+ * past the MAX_TOK-th are not looked at); the number of words. */
+static int split_words(char *line, char **tok) {
+  int nt = 0;
+  for (char *save, *t = strtok_r(line, " ", &save); t && nt < MAX_TOK;
+       t = strtok_r(NULL, " ", &save))
+    tok[nt++] = t;
+  return nt;
+}
+
+/* Reads the manifest whole into c->text (its size was bounded when it was
+ * opened), ends each line with a NUL where its newline was, and checks the
+ * seal (the CRC32C on its "end" line, of every byte before it) as
+ * shardd__manifest_verify_seal does: a mismatch refuses the manifest
+ * before any line is acted upon. A line the line reader would refuse (too
+ * long, a NUL byte) stops the split: apply reports it when it gets there,
+ * after the lines above it, as a reader line by line would. Touches no
+ * registry struct (any thread). */
+static shardd_err read_text(restore *c) {
+  struct stat st;
+  if (fstat(fileno(c->f), &st) != 0) {
+    snprintf(c->err, c->errlen, "%s: %s", c->path, strerror(errno));
+    return SHARDD_E_IO;
+  }
+  size_t want = (size_t)st.st_size; /* <= SHARDD__MANIFEST_MAX (open) */
+  if ((c->text = malloc(want + 2)) == NULL) {
+    snprintf(c->err, c->errlen, "%s: out of memory reading %zu bytes", c->path,
+             want);
+    return SHARDD_E_NO_MEMORY;
+  }
+  /* one byte more than its size: a file grown since is not read past */
+  size_t n = fread(c->text, 1, want + 1, c->f);
+  if (ferror(c->f) || n > want) {
+    snprintf(c->err, c->errlen, "%s: %s", c->path,
+             ferror(c->f) ? strerror(errno) : "changed while being read");
+    return SHARDD_E_IO;
+  }
+  c->text[n] = '\0';
+  c->text_len = n;
+  uint32_t crc = 0;
+  int version = 0, sealing = 1;
+  for (size_t pos = 0, lineno = 1; pos < n; lineno++) {
+    char *line = c->text + pos;
+    char *nl = memchr(line, '\n', n - pos);
+    size_t len = nl ? (size_t)(nl - line) : n - pos;
+    size_t head = len < SHARDD__MANIFEST_LINE_MAX ? len : SHARDD__MANIFEST_LINE_MAX;
+    if (memchr(line, '\0', head) || len > SHARDD__MANIFEST_LINE_MAX) {
+      c->stop_line = (int)lineno;
+      c->stop_rc = memchr(line, '\0', head) ? SHARDD__LINE_NUL
+                                             : SHARDD__LINE_LONG;
+      break;
+    }
+    line[len] = '\0';
+    pos += len + 1;
+    if (!sealing)
+      continue;
+    /* a job-level manifest (several nodes) is sealed from its version 1 */
+    if (lineno == 1 && sscanf(line, "shardd-checkpoint %d", &version) != 1) {
+      if (sscanf(line, SHARDD__JOB_MANIFEST_MAGIC " %d", &version) != 1)
+        version = 0;
+      else
+        version = 3;
+    }
+    if (version < 3) { /* unsealed: the header line refuses it */
+      sealing = 0;
+      continue;
+    }
+    if (!strncmp(line, "end", 3) && (line[3] == ' ' || line[3] == '\0')) {
+      unsigned want_crc;
+      char extra;
+      if (sscanf(line, "end %8x%c", &want_crc, &extra) != 1 ||
+          (uint32_t)want_crc != crc) {
+        snprintf(c->err, c->errlen, "%s line %zu: checksum %s, the manifest's "
+                 "bytes give %08" PRIx32 " (edited or corrupt)", c->path,
+                 lineno, line[3] ? line + 4 : "missing", crc);
+        return SHARDD_E_INVAL;
+      }
+      c->seal_line = (int)lineno;
+      sealing = 0;
+      continue;
+    }
+    crc = shardd__crc32c(crc, line, len);
+    crc = shardd__crc32c(crc, "\n", 1);
+  }
+  return SHARDD_OK;
+}
+
+/* Calls fn on each line of the text with words, in order, up to the first
+ * the reader refused (its error then); blank lines are skipped. fn's
+ * first failure ends it. The words are split in place. */
+static shardd_err each_line(restore *c,
+                            shardd_err (*fn)(restore *c, char **tok, int nt)) {
+  size_t pos = 0;
+  for (c->lineno = 1; pos < c->text_len; c->lineno++) {
+    if (c->lineno == c->stop_line)
+      return line_error(c, c->stop_rc);
+    char *line = c->text + pos;
+    pos += strlen(line) + 1;
     char *tok[MAX_TOK];
-    int nt = 0;
-    for (char *save, *t = strtok_r(c->line, " ", &save); t && nt < MAX_TOK;
-         t = strtok_r(NULL, " ", &save))
-      tok[nt++] = t;
+    int nt = split_words(line, tok);
     if (nt == 0)
       continue;
-    shardd_err rc = parse_line(c, tok, nt);
+    shardd_err rc = fn(c, tok, nt);
     if (rc != SHARDD_OK)
       return rc;
   }
+  return SHARDD_OK; /* a refused line holds a byte: the loop met it */
+}
+
+/* Checks the header and the job line against who asks and what the caller
+ * wants, from the text alone, before any registry struct is touched
+ * (jobs.c tries each candidate part off the loop: another job's part is
+ * SHARDD_E_NOT_FOUND). Whatever else is wrong there apply reports, as it
+ * would have. Splits copies of the lines: apply splits the text itself. */
+static shardd_err precheck(restore *c) {
+  size_t pos = 0;
+  shardd_err rc = SHARDD_OK;
+  for (c->lineno = 1; pos < c->text_len && c->lineno != c->stop_line;
+       c->lineno++) {
+    const char *line = c->text + pos;
+    size_t len = strlen(line);
+    pos += len + 1;
+    char *copy = malloc(len + 1), *tok[MAX_TOK];
+    if (copy == NULL) {
+      snprintf(c->err, c->errlen, "out of memory");
+      rc = SHARDD_E_NO_MEMORY;
+      break;
+    }
+    memcpy(copy, line, len + 1);
+    int nt = split_words(copy, tok);
+    if (nt > 0 && c->lineno == 1) {
+      rc = line_header(c, tok, nt);
+      free(copy);
+      if (rc != SHARDD_OK)
+        break;
+      continue;
+    }
+    if (nt > 0 && !strcmp(tok[0], "job") && nt == 4 &&
+        shardd__manifest_dec_name(tok[1]))
+      rc = job_check(c, tok);
+    free(copy);
+    if (nt > 0)
+      break; /* only the first line after the header may be the job's */
+  }
+  c->lineno = 0;
+  c->mversion = 0;
+  return rc;
+}
+
+/* Replays the lines: the job, buffers and views are registered and each
+ * shard's load planned as its line comes; optimizers are only collected. */
+static shardd_err parse_manifest(restore *c) {
+  return each_line(c, parse_line);
 }
 
 /* What a whole manifest must have: an "end" line, a job line, and a shard
@@ -1093,7 +1259,7 @@ void shardd__checkpoint_restore_free(shardd__ckrestore *c) {
   for (size_t i = 0; i < c->nshadows; i++)
     free(c->shadows[i].host);
   free(c->shadows);
-  free(c->line);
+  free(c->text);
   if (c->f)
     fclose(c->f);
   if (c->dd.fd >= 0)
@@ -1102,7 +1268,7 @@ void shardd__checkpoint_restore_free(shardd__ckrestore *c) {
   free(c);
 }
 
-static shardd_err prepare(shardd__registry *reg, const char *dir,
+static shardd_err read_restore(shardd__registry *reg, const char *dir,
                           int64_t as_uid, uint32_t world, uint32_t nodes,
                           uint32_t node_rank, uint64_t origin,
                           const char *exit_name, int64_t want_uid,
@@ -1143,23 +1309,55 @@ static shardd_err prepare(shardd__registry *reg, const char *dir,
     shardd__checkpoint_restore_free(c);
     return rc;
   }
-  uint32_t seal;
-  if ((rc = shardd__manifest_verify_seal(c->f, c->path, &seal, &c->seal_line,
-                                         err, errlen)) == SHARDD_OK &&
-      (rc = parse_manifest(c)) == SHARDD_OK &&
-      (rc = check_complete(c)) == SHARDD_OK)
-    rc = restore_optimizers(c);
-  c->err = NULL; /* the caller's, during prepare only */
+  if ((rc = read_text(c)) == SHARDD_OK)
+    rc = precheck(c);
+  c->err = NULL; /* the caller's, during each phase only */
   c->errlen = 0;
   if (rc != SHARDD_OK) {
     shardd__checkpoint_restore_free(c);
     return rc;
   }
-  /* the manifest is read: only the directory stays open, for run */
-  fclose(c->f);
-  c->f = NULL;
   *out = c;
   return SHARDD_OK;
+}
+
+shardd_err shardd__checkpoint_restore_apply(shardd__ckrestore *c, char *err,
+                                            size_t errlen) {
+  c->err = err;
+  c->errlen = errlen;
+  shardd_err rc;
+  if ((rc = parse_manifest(c)) == SHARDD_OK &&
+      (rc = check_complete(c)) == SHARDD_OK)
+    rc = restore_optimizers(c);
+  c->err = NULL;
+  c->errlen = 0;
+  /* the manifest is applied: only the directory stays open, for run */
+  free(c->text);
+  c->text = NULL;
+  fclose(c->f);
+  c->f = NULL;
+  return rc;
+}
+
+/* read, then apply: the loop-thread restore of before (tests, the fuzzer) */
+static shardd_err prepare(shardd__ckrestore *c, shardd__ckrestore **out,
+                          char *err, size_t errlen) {
+  shardd_err rc = shardd__checkpoint_restore_apply(c, err, errlen);
+  if (rc != SHARDD_OK) {
+    shardd__checkpoint_restore_free(c);
+    return rc;
+  }
+  *out = c;
+  return SHARDD_OK;
+}
+
+shardd_err shardd__checkpoint_restore_read(shardd__registry *reg,
+                                           const char *dir, int64_t as_uid,
+                                           uint32_t world,
+                                           shardd__ckrestore **out, char *err,
+                                           size_t errlen) {
+  return read_restore(reg, dir, as_uid, world, 0, 0, 0, NULL, -1, NULL, out,
+                      err, errlen);
 }
 
 shardd_err shardd__checkpoint_restore_prepare(shardd__registry *reg,
@@ -1167,8 +1365,11 @@ shardd_err shardd__checkpoint_restore_prepare(shardd__registry *reg,
                                               uint32_t world,
                                               shardd__ckrestore **out,
                                               char *err, size_t errlen) {
-  return prepare(reg, dir, as_uid, world, 0, 0, 0, NULL, -1, NULL, out, err,
-                 errlen);
+  shardd__ckrestore *c;
+  *out = NULL;
+  shardd_err rc = shardd__checkpoint_restore_read(reg, dir, as_uid, world, &c,
+                                                  err, errlen);
+  return rc == SHARDD_OK ? prepare(c, out, err, errlen) : rc;
 }
 
 /* Opens dir/manifest as restore does (no symlink, the asker's or the
@@ -1282,7 +1483,7 @@ done:
   return rc;
 }
 
-shardd_err shardd__checkpoint_restore_prepare_part(
+shardd_err shardd__checkpoint_restore_read_part(
     shardd__registry *reg, const char *dir, int64_t as_uid,
     const shardd__ckjob *job, uint32_t node_rank, shardd__ckrestore **out,
     char *err, size_t errlen) {
@@ -1327,12 +1528,12 @@ shardd_err shardd__checkpoint_restore_prepare_part(
   snprintf(part, sizeof part, "%s/node-%" PRIu32, dir, node_rank);
   /* origin: nonzero even where the CRC is 0, so "restored" stays apart
    * from "fresh" in the exchange header */
-  return prepare(reg, part, as_uid, 0, job->nodes, node_rank,
-                 (uint64_t)job->seal | 1ull << 32, NULL, job->uid, NULL, out,
-                 err, errlen);
+  return read_restore(reg, part, as_uid, 0, job->nodes, node_rank,
+                      (uint64_t)job->seal | 1ull << 32, NULL, job->uid, NULL,
+                      out, err, errlen);
 }
 
-shardd_err shardd__checkpoint_restore_prepare_exit_part(
+shardd_err shardd__checkpoint_restore_read_exit_part(
     shardd__registry *reg, const char *dir, int64_t as_uid, const char *name,
     uint32_t world, uint32_t nodes, uint32_t node_rank, int64_t spec_uid,
     const char *spec_path, shardd__ckrestore **out, char *err, size_t errlen) {
@@ -1345,8 +1546,8 @@ shardd_err shardd__checkpoint_restore_prepare_exit_part(
   }
   /* world: the spec's, which the part must have (line_job); a restore into
    * it is no resharding */
-  return prepare(reg, part, as_uid, world, nodes, node_rank, 0, name, spec_uid,
-                 spec_path, out, err, errlen);
+  return read_restore(reg, part, as_uid, world, nodes, node_rank, 0, name,
+                      spec_uid, spec_path, out, err, errlen);
 }
 
 shardd__job *shardd__checkpoint_restore_job(const shardd__ckrestore *c) {

@@ -18,6 +18,7 @@
 
 #include "checkpoint.h"
 #include "harness.h"
+#include "manifest.h"
 #include "optcodec.h"
 #include "proto/shardd.pb-c.h"
 #include "registry.h"
@@ -1484,6 +1485,10 @@ Test(checkpoint, a_damaged_job_at_start_costs_only_that_job, .timeout = 60) {
   cr_assert_eq(test_daemon_stop(&d), 0);
 
   test_daemon_start(&d, (const char *const[]){"--devices", "2", "--restore", all, NULL});
+  /* the socket listens before --restore runs: its last line is waited for */
+  for (double end = test_mono_s() + TEST_HANG_S;
+       !test_daemon_log_has(&d, "not restored"); test_sleep_ms(10))
+    cr_assert_lt(test_mono_s(), end, "--restore never said what it skipped");
   cr_assert(test_daemon_log_has(&d, "/bad"), "the damaged job was not named");
   cr_assert(test_daemon_log_has(&d, "1 job not restored"));
   run_job(&d, 2, 3, NULL, resumed);
@@ -2174,6 +2179,25 @@ static uint64_t send_restore(test_raw *r, const char *path) {
   return test_raw_send(r, &req);
 }
 
+/* Waits until r's Status lists job: a restore's manifest is read on the
+ * pool, and its job registered (as being restored) once it is read. */
+static void wait_job_listed(test_raw *r, const char *job) {
+  for (double end = test_mono_s() + TEST_HANG_S;; test_sleep_ms(2)) {
+    Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+    Shardwire__StatusRequest st = SHARDWIRE__STATUS_REQUEST__INIT;
+    req.body_case = SHARDWIRE__REQUEST__BODY_STATUS;
+    req.status = &st;
+    Shardwire__Response *resp = test_raw_expect(r, test_raw_send(r, &req), SHARDD_OK);
+    int found = 0;
+    for (size_t i = 0; i < resp->status->n_jobs; i++)
+      found |= !strcmp(resp->status->jobs[i]->name, job);
+    shardwire__response__free_unpacked(resp, NULL);
+    if (found)
+      return;
+    cr_assert_lt(test_mono_s(), end, "job \"%s\" was never registered", job);
+  }
+}
+
 Test(checkpoint, a_large_restore_leaves_the_loop_to_other_clients, .timeout = 60) {
   char ck[128], ck2[128];
   snprintf(ck, sizeof ck, "%s/bigr", dir);
@@ -2205,12 +2229,14 @@ Test(checkpoint, a_large_restore_leaves_the_loop_to_other_clients, .timeout = 60
   test_raw_open(&d, &e);
   test_raw_hello(&e, NULL, 0, 0);
   /* the Restore, then a Ping behind it on the same connection: the Pong
-   * says the manifest was taken and the load started */
+   * says the restore was taken; once Status lists the job, its manifest
+   * was read and applied and the load started */
   uint64_t s_rs = send_restore(&a, ck);
   uint64_t s_ping = test_raw_send_ping(&a);
   Shardwire__Response *resp = test_raw_expect(&a, s_ping, SHARDD_OK);
   cr_assert_eq(resp->body_case, SHARDWIRE__RESPONSE__BODY_PONG);
   shardwire__response__free_unpacked(resp, NULL);
+  wait_job_listed(&e, "bigr");
   /* while the 256 MiB load: nobody joins the job, nobody checkpoints it */
   resp = test_raw_expect(&b, test_raw_send_hello(&b, SHARDD_PROTOCOL_VERSION,
                                                  "bigr", 0, 1),
@@ -2253,6 +2279,104 @@ Test(checkpoint, a_large_restore_leaves_the_loop_to_other_clients, .timeout = 60
   test_raw_sync(&a);
   cr_assert_eq(test_daemon_stop(&d), 0, "a daemon stopped mid-restore failed");
   test_raw_close(&a);
+}
+
+/* A manifest is read, its seal checked and its lines split on libuv's
+ * pool, not on the loop thread: a 1.5 GB manifest froze every client for
+ * 4-6 s. Here 96 MiB of lines under a wrong seal, which used to be read
+ * and refused on the loop thread before the next frame was looked at: the
+ * Ping sent behind the Restore is answered first now, and another client's
+ * Ping too, while the manifest is still being read. Orders, never times. */
+static void write_big_manifest(const char *path, size_t bytes) {
+  FILE *f = fopen(path, "w");
+  cr_assert_not_null(f);
+  fputs("shardd-checkpoint 4\n", f);
+  char line[128];
+  int n = snprintf(line, sizeof line, "view 0 filler 0 1 1 1 0 0 %*s\n", 60, "x");
+  for (size_t done = 0; done < bytes; done += (size_t)n)
+    fwrite(line, 1, (size_t)n, f);
+  fputs("end 00000000\n", f);
+  cr_assert_eq(fclose(f), 0);
+}
+
+Test(checkpoint, a_large_manifest_is_read_off_the_loop, .timeout = 120) {
+  char ck[128], man[160];
+  snprintf(ck, sizeof ck, "%s/bigman", dir);
+  cr_assert_eq(mkdir(ck, 0700), 0);
+  snprintf(man, sizeof man, "%s/manifest", ck);
+  write_big_manifest(man, (size_t)96 << 20);
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--backend", "host", NULL});
+  test_raw a, e;
+  test_raw_open(&d, &a);
+  test_raw_hello(&a, NULL, 0, 0);
+  test_raw_open(&d, &e);
+  test_raw_hello(&e, NULL, 0, 0);
+  /* both frames in flight at once: the loop takes the Restore first */
+  uint64_t s_rs = send_restore(&a, ck);
+  uint64_t s_ping = test_raw_send_ping(&a);
+  Shardwire__Response *resp = test_raw_recv(&a);
+  cr_assert_not_null(resp);
+  cr_assert_eq(resp->seq, s_ping, "the Restore's reply (%s) came before the "
+               "Ping sent behind it: the manifest was read on the loop thread",
+               resp->message ? resp->message : "ok");
+  cr_assert_eq(resp->body_case, SHARDWIRE__RESPONSE__BODY_PONG);
+  shardwire__response__free_unpacked(resp, NULL);
+  /* another client is served while the manifest is read */
+  test_raw_sync(&e);
+  struct pollfd pf = {a.fd, POLLIN, 0};
+  cr_expect_eq(poll(&pf, 1, 0), 0,
+               "the restore's reply came before another client's Pong");
+  resp = test_raw_expect(&a, s_rs, SHARDD_E_INVAL);
+  cr_expect(strstr(resp->message, "checksum 00000000") != NULL,
+            "not refused by its seal: %s", resp->message);
+  shardwire__response__free_unpacked(resp, NULL);
+  /* the refused restore left nothing: the daemon serves on */
+  test_raw_sync(&e);
+  test_raw_close(&a);
+  test_raw_close(&e);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+}
+
+/* A manifest larger than SHARDD__MANIFEST_MAX is refused on its size,
+ * before a byte of it is read or held, naming the bound; so is one part of
+ * a multi-node job's checkpoint. Sparse files: a terabyte costs nothing
+ * on disk, and a daemon that read it would run out of memory instead. */
+Test(checkpoint, a_manifest_past_the_bound_is_refused_unread, .timeout = 60) {
+  char ck[128], man[160], want[64];
+  snprintf(ck, sizeof ck, "%s/hugeman", dir);
+  cr_assert_eq(mkdir(ck, 0700), 0);
+  snprintf(man, sizeof man, "%s/manifest", ck);
+  snprintf(want, sizeof want, "the %zu MiB a manifest may have",
+           SHARDD__MANIFEST_MAX >> 20);
+  const off_t sizes[] = {(off_t)SHARDD__MANIFEST_MAX + 1, (off_t)1 << 40};
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--backend", "host", NULL});
+  test_raw a;
+  test_raw_open(&d, &a);
+  test_raw_hello(&a, NULL, 0, 0);
+  for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+    int fd = open(man, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    cr_assert_geq(fd, 0);
+    const char head[] = "shardd-checkpoint 4\njob big 1 0\n";
+    cr_assert_eq(write(fd, head, sizeof head - 1), (ssize_t)sizeof head - 1);
+    cr_assert_eq(ftruncate(fd, sizes[i]), 0);
+    close(fd);
+    Shardwire__Response *resp =
+        test_raw_expect(&a, send_restore(&a, ck), SHARDD_E_LIMIT);
+    cr_expect(strstr(resp->message, want) != NULL && strstr(resp->message, man),
+              "the refusal names neither the bound nor the file: %s",
+              resp->message);
+    shardwire__response__free_unpacked(resp, NULL);
+  }
+  test_raw_close(&a);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+  /* in process, as --restore at start reads it: the same refusal */
+  char err[512];
+  shardd__job *back;
+  cr_assert_eq(shardd__checkpoint_restore(&reg, ck, -1, 0, &back, err, sizeof err),
+               SHARDD_E_LIMIT, "%s", err);
+  cr_expect(strstr(err, want) != NULL, "%s", err);
 }
 
 /* ---- --checkpoint-root per uid (issue 20, item 4) ----------------------- */
