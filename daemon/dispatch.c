@@ -1861,7 +1861,8 @@ static void restore_done(void *arg, shardd__job *job, shardd_err rc,
                          const char *err) {
   const ckpt_wait *w = arg;
   if (rc == SHARDD_OK)
-    shardd__log(2, "job \"%s\" restored from %s", job->name, w->dir);
+    shardd__log(2, "job \"%s\" restored from %s at step %" PRIu64, job->name,
+                w->dir, shardd__jobs_step(job));
   ckpt_done(arg, job, rc, err);
 }
 
@@ -1957,6 +1958,8 @@ static void on_step(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   const Shardwire__Step *st = req->step;
   if (step_answered(d, c, seq, st))
     return;
+  if (!(st->has_norm_only && st->norm_only)) /* it changes the state */
+    shardd__jobs_advancing(&d->jobs, c->m.job);
   shardd__coll_args ca = {.kind = SHARDD__COLL_STEP,
                           .target = st->optimizer,
                           .has_lr = st->has_lr,

@@ -998,6 +998,117 @@ Test(checkpoint, sigterm_with_checkpoint_on_exit_writes_every_job, .timeout = 60
   cr_assert_eq(access(manifest, R_OK), 0, "no %s", manifest);
 }
 
+/* kill -9: no exit checkpoint, nothing cleaned up; the log is kept for
+ * the caller to read (test_daemon_stop removes it). */
+static void kill_daemon(test_daemon *d) {
+  int st;
+  kill(d->pid, SIGKILL);
+  waitpid(d->pid, &st, 0);
+  d->pid = 0;
+}
+
+/* The daemon's only job, or none: its optimizer's steps, -1 without one. */
+static int64_t steps_if_any(const test_daemon *d) {
+  char cmd[256], *out = NULL, *errs = NULL;
+  snprintf(cmd, sizeof cmd, "--socket %s --json status", d->sock);
+  cr_assert_eq(test_shardctl(NULL, cmd, &out, &errs), 0, "%s", errs);
+  tj *j = tj_parse(out);
+  cr_assert_not_null(j, "%s", out);
+  const tj *jobs = tj_need(j, "jobs", TJ_ARR);
+  int64_t steps = -1;
+  if (jobs->n > 0) {
+    const tj *opts = tj_need(jobs->kids[0], "optimizers", TJ_ARR);
+    steps = (int64_t)tj_need(opts->kids[0], "steps", TJ_NUM)->num;
+  }
+  tj_free(j);
+  free(out);
+  free(errs);
+  return steps;
+}
+
+/* The shipped unit's flags, --checkpoint-on-exit DIR --restore DIR: a
+ * restart after SIGTERM resumes at the step the exit checkpoint holds and
+ * says so; a kill -9 before any step since restores that checkpoint again
+ * (nothing moved past it) and training continues bit for bit; but once the
+ * job has stepped past it, a kill -9 (no newer exit checkpoint) must not
+ * bring it back in silence: it is not restored, and the log names the job,
+ * its step and how to restore it anyway. A later exit checkpoint into the
+ * same directory restores normally, even where the marker survived (a
+ * crash between the new manifest and the marker's removal). */
+Test(checkpoint, an_exit_checkpoint_stepped_past_is_not_restored_silently,
+     .timeout = 90) {
+  static float uninterrupted[NUMEL + HALF], resumed[NUMEL + HALF];
+  char ck[128], job[200], marker[240], line[512];
+  snprintf(ck, sizeof ck, "%s/exit", dir);
+  snprintf(job, sizeof job, "%s/ckpt-job", ck);
+  snprintf(marker, sizeof marker, "%s/superseded", job);
+  const char *const flags[] = {"--devices", "2", "--checkpoint-on-exit", ck,
+                               "--restore", ck, NULL};
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--devices", "2", NULL});
+  run_job(&d, 5, 0, NULL, uninterrupted);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+
+  /* 3 steps; systemctl restart (SIGTERM) */
+  test_daemon_start(&d, flags);
+  run_job(&d, 3, 0, NULL, NULL);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+  test_daemon_start(&d, flags);
+  cr_assert_eq(steps_if_any(&d), 3); /* served: the restore is logged */
+  snprintf(line, sizeof line, "job \"ckpt-job\" restored from %s at step 3", job);
+  cr_assert(test_daemon_log_has(&d, line), "no \"%s\" in the log", line);
+  /* the trainers attach and leave without a step; kill -9 */
+  run_job(&d, 0, 3, NULL, NULL);
+  kill_daemon(&d);
+  test_daemon_stop(&d);
+  cr_assert_neq(access(marker, F_OK), 0, "marked superseded without a step");
+
+  /* nothing moved past it: restored again, and training goes on exactly */
+  test_daemon_start(&d, flags);
+  cr_assert_eq(steps_if_any(&d), 3);
+  cr_assert(test_daemon_log_has(&d, line), "no \"%s\" in the log", line);
+  run_job(&d, 2, 3, NULL, resumed);
+  for (int i = 0; i < NUMEL + HALF; i++)
+    cr_assert_eq(memcmp(&uninterrupted[i], &resumed[i], sizeof(float)), 0,
+                 "element %d: %.9g uninterrupted, %.9g resumed", i,
+                 (double)uninterrupted[i], (double)resumed[i]);
+  cr_assert(test_daemon_log_has(&d, "marked superseded"));
+  /* at step 5 now; kill -9: the exit checkpoint still holds step 3 */
+  kill_daemon(&d);
+  test_daemon_stop(&d);
+  cr_assert_eq(access(marker, F_OK), 0, "the step did not mark %s", job);
+
+  test_daemon_start(&d, flags);
+  cr_assert_eq(steps_if_any(&d), -1, "the superseded step-3 checkpoint came back");
+  snprintf(line, sizeof line, "job \"ckpt-job\" in %s not restored", job);
+  cr_assert(test_daemon_log_has(&d, line), "no \"%s\" in the log", line);
+  cr_assert(test_daemon_log_has(&d, "holds step 3"));
+  snprintf(line, sizeof line, "shardctl restore %s", job);
+  cr_assert(test_daemon_log_has(&d, line), "no \"%s\" in the log", line);
+  cr_assert(test_daemon_log_has(&d, "1 job not restored"));
+  /* and again: the marker stays until a newer checkpoint replaces it */
+  kill_daemon(&d);
+  test_daemon_stop(&d);
+  test_daemon_start(&d, flags);
+  cr_assert_eq(steps_if_any(&d), -1);
+
+  /* a new job of the name, 1 step, a clean stop: its exit checkpoint
+   * replaces the old one and restores, marker or not */
+  char *saved = test_slurp(marker);
+  cr_assert_not_null(saved);
+  run_job(&d, 1, 0, NULL, NULL);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+  FILE *f = fopen(marker, "w");
+  cr_assert_not_null(f);
+  fputs(saved, f);
+  fclose(f);
+  free(saved);
+  test_daemon_start(&d, flags);
+  cr_assert_eq(steps_if_any(&d), 1, "a newer exit checkpoint was not restored");
+  cr_assert_eq(test_daemon_stop(&d), 0);
+  cr_assert_neq(access(marker, F_OK), 0, "a stale marker was kept");
+}
+
 /* Through a daemon: a checkpoint whose two ranks' shard files were swapped
  * (each whole, with its own right CRC) is refused naming the file; the
  * daemon goes on serving, holds no half-restored job, and restores the
