@@ -60,9 +60,23 @@ static int is_data_name(const char *fname) {
   return strcmp(p, ext) == 0;
 }
 
+/* Whether fname is ".NAME.tmp" for a data file NAME (ckfile.c's
+ * temporary name). */
+static int is_data_temp(const char *fname) {
+  size_t n = strlen(fname);
+  char inner[256];
+  if (fname[0] != '.' || n < 6 || n - 5 >= sizeof inner ||
+      strcmp(fname + n - 4, ".tmp") != 0)
+    return 0;
+  memcpy(inner, fname + 1, n - 5);
+  inner[n - 5] = '\0';
+  return is_data_name(inner);
+}
+
 /* Removes the data files of d whose name holds (keep == 0) or does not hold
  * (keep == 1) "-TAG.": after a new manifest is in place, the previous
- * generation's files; after a failed write, the new generation's. */
+ * generation's files; after a failed write, the new generation's; either
+ * way every stale temporary of a data file. */
 static void remove_generation(const shardd__ckdir *d, const char *tag,
                               int keep) {
   int fd = dup(d->fd);
@@ -75,6 +89,13 @@ static void remove_generation(const shardd__ckdir *d, const char *tag,
   char needle[32];
   snprintf(needle, sizeof needle, "-%s.", tag);
   for (struct dirent *e; (e = readdir(dh)) != NULL;) {
+    /* and the temporaries of a data file a killed write left (".NAME.tmp",
+     * any generation: checkpoints into one directory are written one at
+     * a time, and this one's are renamed or removed by now) */
+    if (is_data_temp(e->d_name)) {
+      unlinkat(d->fd, e->d_name, 0);
+      continue;
+    }
     if (!is_data_name(e->d_name) || (strstr(e->d_name, needle) != NULL) == keep)
       continue;
     struct stat st;

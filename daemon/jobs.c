@@ -426,12 +426,16 @@ shardd_err shardd__jobs_checkpoint(shardd__jobs *j, shardd__job *job,
   rc = shardd__checkpoint_write_in(j->reg, job, dir, as_uid, home, err, errlen);
   if (rc == SHARDD_OK && job->nodes > 1)
     /* the other nodes cannot take part (this is the daemon's own exit, or
-     * a blocking caller): the part alone, which restore refuses for want
-     * of the job manifest, saying so */
-    shardd__log(1, "job \"%s\": node %" PRIu32 "'s part written to "
+     * a blocking caller): the part alone, which only this node's daemon
+     * restores (its job spec says which part is its own), to rejoin the
+     * live nodes of the job; anywhere else it is refused for want of the
+     * job manifest */
+    shardd__log(2, "job \"%s\": node %" PRIu32 "'s part written to "
                 "%s/node-%" PRIu32 " without a job manifest (only a collective "
-                "checkpoint writes one); it is not restorable by itself",
-                job->name, job->node_rank, dir, job->node_rank);
+                "checkpoint writes one): a daemon of this node started with the "
+                "job's --job-spec and --restore %s restores it to rejoin the "
+                "job's live nodes",
+                job->name, job->node_rank, dir, job->node_rank, dir);
   else if (rc == SHARDD_OK)
     shardd__log(2, "job \"%s\" checkpointed to %s", job->name, dir);
   return rc;
@@ -557,6 +561,9 @@ static shardd__job *ckpt_finish(shardd__jobs *j) {
   else if (k->rc == SHARDD_OK)
     shardd__log(2, "job \"%s\" checkpointed to %s", job->name,
                 shardd__checkpoint_wdir(k->w));
+  else /* the asker hears it too, but an operator reads the log */
+    shardd__log(1, "checkpoint of job \"%s\" to %s failed: %s", job->name,
+                shardd__checkpoint_wdir(k->w), k->err);
   k->done(k->arg, job, k->rc, k->err);
   shardd__checkpoint_wfree(k->w);
   free(k);

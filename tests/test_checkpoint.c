@@ -2059,6 +2059,57 @@ Test(checkpoint, replacing_a_checkpoint_removes_only_its_own_files) {
                SHARDD_OK, "%s", err);
 }
 
+/* A write killed mid-file leaves its data file's temporary (".NAME.tmp":
+ * a generation of its own, which no later write names): the next
+ * checkpoint into the directory removes it, and only such temporaries. */
+Test(checkpoint, a_killed_writes_temporaries_go_with_the_next_checkpoint) {
+  char ck[128], path[300], err[1024];
+  snprintf(ck, sizeof ck, "%s/ck", dir);
+  cr_assert_eq(mkdir(ck, 0750), 0);
+  const char *stale[] = {".b0-r0-0badf00d.shard.tmp", ".o0-b1-r1-0badf00d.state.tmp"};
+  const char *mine[] = {".notes.tmp", ".b0-r0-notes.shard.tmp", "b0-r0-0badf00d.shard.tmp"};
+  for (size_t i = 0; i < 2; i++) {
+    snprintf(path, sizeof path, "%s/%s", ck, stale[i]);
+    write_text(path, "half\n");
+  }
+  for (size_t i = 0; i < 3; i++) {
+    snprintf(path, sizeof path, "%s/%s", ck, mine[i]);
+    write_text(path, "mine\n");
+  }
+  shardd__job *job = make_job("killed");
+  cr_assert_eq(shardd__checkpoint_write(&reg, job, ck, -1, err, sizeof err), SHARDD_OK, "%s", err);
+  for (size_t i = 0; i < 2; i++) {
+    snprintf(path, sizeof path, "%s/%s", ck, stale[i]);
+    cr_assert_eq(access(path, F_OK), -1, "the killed write's %s stayed", stale[i]);
+  }
+  for (size_t i = 0; i < 3; i++) {
+    snprintf(path, sizeof path, "%s/%s", ck, mine[i]);
+    cr_assert_eq(access(path, F_OK), 0, "the client's %s was removed", mine[i]);
+  }
+  shardd__job_release(&reg, job);
+}
+
+/* A checkpoint that fails on the pool (here: its directory is a file)
+ * is logged, naming the job, the directory and why, not only answered. */
+Test(checkpoint, a_failed_checkpoint_is_logged, .timeout = 60) {
+  char file[128], cmd[512], *out = NULL, *errs = NULL;
+  snprintf(file, sizeof file, "%s/not-a-dir", dir);
+  write_text(file, "x\n");
+  test_daemon d;
+  test_daemon_start(&d, NULL);
+  shardd_client_t *c = test_connect(&d, "failing", 0, 1);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "flat", SHARDD_DTYPE_FP32, 100, &b), SHARDD_OK);
+  snprintf(cmd, sizeof cmd, "--socket %s checkpoint failing %s/sub", d.sock, file);
+  cr_assert_neq(test_shardctl(NULL, cmd, &out, &errs), 0, "%s", out);
+  free(out);
+  free(errs);
+  snprintf(cmd, sizeof cmd, "checkpoint of job \"failing\" to %s/sub failed", file);
+  cr_assert(test_daemon_log_has(&d, cmd), "no \"%s\" in the log", cmd);
+  shardd_close(c);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+}
+
 /* ---- the loop is not held up by a checkpoint (issue 20, item 10) ------- */
 
 /* A 1.6 GB checkpoint froze every client for 4.9 s (the file I/O ran on
