@@ -2736,6 +2736,17 @@ void shardd__dispatch_stop(shardd__dispatch *d, const char *why) {
   shardd__coll_stop_waiting(d->coll, why);
 }
 
+int shardd__dispatch_awaits_files(const shardd__dispatch *d,
+                                  const shardd__conn *c) {
+  for (const ckpt_pend *p = d->ckpt_pends; p; p = p->next)
+    if (p->c == c) /* waits for a quiet job, which a stop never gives */
+      return 0;
+  for (const ckpt_wait *w = d->ckpt_waits; w; w = w->next)
+    if (w->c == c)
+      return 1;
+  return 0;
+}
+
 void shardd__dispatch_free(shardd__dispatch *d) {
   if (d->coll == NULL) /* never initialised, or freed */
     return;

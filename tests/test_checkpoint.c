@@ -2274,6 +2274,84 @@ Test(checkpoint, a_client_leaving_mid_checkpoint_keeps_its_job_until_written,
  * whoever would join or checkpoint it. Orders of replies, never times.
  * The restored values are the checkpoint's, byte for byte, and a daemon
  * stopped mid-load still exits cleanly. */
+/* Whether dir holds a data file's temporary: a write on the pool is under
+ * way. */
+static int writing_in(const char *path) {
+  DIR *dh = opendir(path);
+  int hit = 0;
+  if (dh == NULL)
+    return 0;
+  for (struct dirent *e; !hit && (e = readdir(dh)) != NULL;)
+    hit = e->d_name[0] == '.' && strstr(e->d_name, ".tmp") != NULL;
+  closedir(dh);
+  return hit;
+}
+
+/* SIGTERM while `shardctl checkpoint` waits for its files: the checkpoint
+ * is written whole, and shardctl says so and exits 0 (it printed E_CLOSED
+ * and exited 3 for a valid checkpoint); the daemon then exits 0 and the
+ * checkpoint restores byte for byte. */
+Test(checkpoint, sigterm_during_an_operators_checkpoint_still_answers_it,
+     .timeout = 60) {
+  char ck[128], outp[160], cmd[512];
+  snprintf(ck, sizeof ck, "%s/term", dir);
+  snprintf(outp, sizeof outp, "%s/shardctl.out", dir);
+  const uint64_t numel = BIG_NUMEL;
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--backend", "host", "--device-memory",
+                                              "2G", NULL});
+  test_raw a;
+  test_raw_open(&d, &a);
+  test_raw_hello(&a, "term", 0, 1);
+  shardd_buffer_info info;
+  test_raw_register_buffer(&a, "flat", SHARDD_DTYPE_FP32, numel, &info);
+  for (uint64_t i = 0; i < numel; i++)
+    ((uint32_t *)info.shard)[i] = big_word(i);
+  pid_t ctl = fork();
+  cr_assert_geq(ctl, 0);
+  if (ctl == 0) {
+    snprintf(cmd, sizeof cmd, "exec %s --socket %s checkpoint term %s >%s 2>&1",
+             test_bin("SHARDCTL_BIN", "build/shardctl"), d.sock, ck, outp);
+    execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+    _exit(127);
+  }
+  int st;
+  for (double end = test_mono_s() + TEST_HANG_S; !writing_in(ck);) {
+    cr_assert_eq(waitpid(ctl, &st, WNOHANG), 0, "shardctl ended before the "
+                 "write was seen under way");
+    cr_assert_lt(test_mono_s(), end, "the checkpoint never started writing");
+    test_sleep_ms(1);
+  }
+  kill(d.pid, SIGTERM);
+  cr_assert(test_wait_exit(ctl, &st), "shardctl hangs");
+  char *said = test_slurp(outp);
+  cr_assert_not_null(said);
+  cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "shardctl exited %d: %s",
+            WIFEXITED(st) ? WEXITSTATUS(st) : -1, said);
+  snprintf(cmd, sizeof cmd, "term: %s", ck);
+  cr_expect(strstr(said, cmd) != NULL, "shardctl said: %s", said);
+  free(said);
+  int code = -1;
+  cr_assert(test_wait_exit(d.pid, &st), "the daemon did not exit");
+  code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  d.pid = 0;
+  cr_assert_eq(code, 0, "the daemon exited %d", code);
+  test_raw_close(&a);
+  test_daemon_stop(&d);
+
+  test_daemon_start(&d, (const char *const[]){"--backend", "host", "--device-memory",
+                                              "2G", "--restore", ck, NULL});
+  test_raw_open(&d, &a);
+  test_raw_hello(&a, "term", 0, 1);
+  test_raw_register_buffer(&a, "flat", SHARDD_DTYPE_FP32, numel, &info);
+  uint64_t bad = 0;
+  for (uint64_t i = 0; i < numel; i++)
+    bad += ((uint32_t *)info.shard)[i] != big_word(i);
+  cr_expect_eq(bad, 0, "%llu words differ after restore", (unsigned long long)bad);
+  test_raw_close(&a);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+}
+
 static uint64_t send_restore(test_raw *r, const char *path) {
   Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
   Shardwire__Restore rs = SHARDWIRE__RESTORE__INIT;
