@@ -1032,9 +1032,10 @@ static int64_t steps_if_any(const test_daemon *d) {
  * (nothing moved past it) and training continues bit for bit; but once the
  * job has stepped past it, a kill -9 (no newer exit checkpoint) must not
  * bring it back in silence: it is not restored, and the log names the job,
- * its step and how to restore it anyway. A later exit checkpoint into the
- * same directory restores normally, even where the marker survived (a
- * crash between the new manifest and the marker's removal). */
+ * its step and how to restore it anyway, which works (shardctl restore).
+ * A later exit checkpoint into the same directory restores normally, even
+ * where the marker survived (a crash between the new manifest and the
+ * marker's removal). */
 Test(checkpoint, an_exit_checkpoint_stepped_past_is_not_restored_silently,
      .timeout = 90) {
   static float uninterrupted[NUMEL + HALF], resumed[NUMEL + HALF];
@@ -1092,11 +1093,17 @@ Test(checkpoint, an_exit_checkpoint_stepped_past_is_not_restored_silently,
   test_daemon_start(&d, flags);
   cr_assert_eq(steps_if_any(&d), -1);
 
-  /* a new job of the name, 1 step, a clean stop: its exit checkpoint
+  /* the operator accepts the rollback, as the log says: shardctl restore;
+   * the job trains 1 step and stops cleanly: its new exit checkpoint
    * replaces the old one and restores, marker or not */
-  char *saved = test_slurp(marker);
+  char *saved = test_slurp(marker), *out = NULL, *errs = NULL;
   cr_assert_not_null(saved);
-  run_job(&d, 1, 0, NULL, NULL);
+  snprintf(line, sizeof line, "--socket %s restore %s", d.sock, job);
+  cr_assert_eq(test_shardctl(NULL, line, &out, &errs), 0, "%s%s", out, errs);
+  free(out);
+  free(errs);
+  cr_assert_eq(steps_if_any(&d), 3);
+  run_job(&d, 1, 3, NULL, NULL);
   cr_assert_eq(test_daemon_stop(&d), 0);
   FILE *f = fopen(marker, "w");
   cr_assert_not_null(f);
@@ -1104,7 +1111,7 @@ Test(checkpoint, an_exit_checkpoint_stepped_past_is_not_restored_silently,
   fclose(f);
   free(saved);
   test_daemon_start(&d, flags);
-  cr_assert_eq(steps_if_any(&d), 1, "a newer exit checkpoint was not restored");
+  cr_assert_eq(steps_if_any(&d), 4, "a newer exit checkpoint was not restored");
   cr_assert_eq(test_daemon_stop(&d), 0);
   cr_assert_neq(access(marker, F_OK), 0, "a stale marker was kept");
 }
