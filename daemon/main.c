@@ -64,8 +64,9 @@ static void checkpoint_job(shardd__job *job, void *arg) {
 }
 
 /* An exit checkpoint in dir that its job stepped past after the last
- * restore from it (shardd__checkpoint_supersede), the daemon then ending
- * without a newer one (kill -9, a crash, a stop cut short): 1, logged
+ * restore from it (shardd__checkpoint_supersede), no newer one written
+ * since (kill -9, a crash, a stop cut short, the job gone before the
+ * stop): 1, logged
  * naming the job, its step and how to restore it anyway. A marker naming
  * another seal is stale (a newer checkpoint replaced the one it names)
  * and is removed. */
@@ -95,9 +96,10 @@ static int superseded(const char *dir) {
   }
   shardd__log(0, "--restore: job \"%s\" in %s not restored: this exit "
               "checkpoint holds step %" PRIu64 ", and the job had stepped past "
-              "it since it was restored from it, then the daemon ended without "
-              "writing a newer one (kill -9, a crash, or a stop cut short by "
-              "SIGKILL); restoring it would roll the job back unannounced. To "
+              "it since it was restored from it, but no newer exit checkpoint "
+              "replaced it (the daemon was killed or crashed, its stop was cut "
+              "short by SIGKILL, or the job ended or was released before the "
+              "stop); restoring it would roll the job back unannounced. To "
               "resume from step %" PRIu64 " anyway: shardctl restore %s, or "
               "remove %s and restart",
               m.job, dir, m.step, m.step, dir, path);
