@@ -60,9 +60,23 @@ static int is_data_name(const char *fname) {
   return strcmp(p, ext) == 0;
 }
 
+/* Whether fname is ".NAME.tmp" for a data file NAME (ckfile.c's
+ * temporary name). */
+static int is_data_temp(const char *fname) {
+  size_t n = strlen(fname);
+  char inner[256];
+  if (fname[0] != '.' || n < 6 || n - 5 >= sizeof inner ||
+      strcmp(fname + n - 4, ".tmp") != 0)
+    return 0;
+  memcpy(inner, fname + 1, n - 5);
+  inner[n - 5] = '\0';
+  return is_data_name(inner);
+}
+
 /* Removes the data files of d whose name holds (keep == 0) or does not hold
  * (keep == 1) "-TAG.": after a new manifest is in place, the previous
- * generation's files; after a failed write, the new generation's. */
+ * generation's files; after a failed write, the new generation's; either
+ * way every stale temporary of a data file. */
 static void remove_generation(const shardd__ckdir *d, const char *tag,
                               int keep) {
   int fd = dup(d->fd);
@@ -75,6 +89,13 @@ static void remove_generation(const shardd__ckdir *d, const char *tag,
   char needle[32];
   snprintf(needle, sizeof needle, "-%s.", tag);
   for (struct dirent *e; (e = readdir(dh)) != NULL;) {
+    /* and the temporaries of a data file a killed write left (".NAME.tmp",
+     * any generation: checkpoints into one directory are written one at
+     * a time, and this one's are renamed or removed by now) */
+    if (is_data_temp(e->d_name)) {
+      unlinkat(d->fd, e->d_name, 0);
+      continue;
+    }
     if (!is_data_name(e->d_name) || (strstr(e->d_name, needle) != NULL) == keep)
       continue;
     struct stat st;
@@ -513,4 +534,89 @@ shardd_err shardd__checkpoint_write_job(const char *dirpath, int64_t as_uid,
     close(jfd);
   shardd__sb_free(&m);
   return rc;
+}
+
+/* ---- superseded exit checkpoints -------------------------------------- */
+
+shardd_err shardd__checkpoint_supersede(const char *dirpath,
+                                        const shardd__cksuperseded *m,
+                                        char *err, size_t errlen) {
+  shardd__sb sb;
+  shardd__sb_init(&sb);
+  shardd__sb_printf(&sb, "shardd-superseded 1\njob ");
+  shardd__manifest_enc_name(&sb, m->job);
+  shardd__sb_printf(&sb, "\npart %s\nseal %08" PRIx32 "\nstep %" PRIu64 "\n",
+                    m->part, m->seal, m->step);
+  if (sb.failed) {
+    shardd__sb_free(&sb);
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  shardd__ckdir d = {-1, dirpath, -1};
+  d.fd = shardd__ck_open_dir(dirpath, err, errlen);
+  shardd_err rc = d.fd < 0 ? SHARDD_E_IO : SHARDD_OK;
+  if (rc == SHARDD_OK &&
+      (rc = shardd__ck_write_file(&d, SHARDD__SUPERSEDED_FILE, NULL, 0, sb.s,
+                                  sb.len, err, errlen)) == SHARDD_OK)
+    rc = shardd__ck_fsync_dir(&d, err, errlen);
+  if (d.fd >= 0)
+    close(d.fd);
+  shardd__sb_free(&sb);
+  return rc;
+}
+
+shardd_err shardd__checkpoint_superseded(const char *dirpath,
+                                         shardd__cksuperseded *m, char *err,
+                                         size_t errlen) {
+  memset(m, 0, sizeof *m);
+  shardd__ckdir d = {-1, dirpath, -1};
+  d.fd = shardd__ck_open_dir(dirpath, err, errlen);
+  if (d.fd < 0)
+    return errno == ENOENT ? SHARDD_E_NOT_FOUND : SHARDD_E_IO;
+  int fd = shardd__ck_open_regular(&d, SHARDD__SUPERSEDED_FILE, err, errlen);
+  int e = errno;
+  close(d.fd);
+  if (fd < 0)
+    return e == ENOENT ? SHARDD_E_NOT_FOUND : SHARDD_E_IO;
+  FILE *f = fdopen(fd, "r");
+  if (f == NULL) {
+    close(fd);
+    snprintf(err, errlen, "%s/%s: %s", dirpath, SHARDD__SUPERSEDED_FILE,
+             strerror(errno));
+    return SHARDD_E_IO;
+  }
+  char line[512];
+  int have = 0, lineno = 0;
+  while (fgets(line, sizeof line, f)) {
+    lineno++;
+    line[strcspn(line, "\n")] = '\0';
+    char val[300];
+    unsigned seal;
+    unsigned long long step;
+    if (lineno == 1) {
+      if (strcmp(line, "shardd-superseded 1") != 0)
+        break;
+      have |= 1;
+    } else if (sscanf(line, "job %299s", val) == 1 &&
+               shardd__manifest_dec_name(val) && strlen(val) < sizeof m->job) {
+      snprintf(m->job, sizeof m->job, "%s", val);
+      have |= 2;
+    } else if (sscanf(line, "part %63s", m->part) == 1) {
+      have |= 4;
+    } else if (sscanf(line, "seal %8x", &seal) == 1) {
+      m->seal = seal;
+      have |= 8;
+    } else if (sscanf(line, "step %llu", &step) == 1) {
+      m->step = step;
+      have |= 16;
+    }
+  }
+  fclose(f);
+  /* the part is a path below the directory, one component */
+  if (have != 31 || strchr(m->part, '/') || !strcmp(m->part, "..")) {
+    snprintf(err, errlen, "%s/%s: not a marker shardd wrote (malformed)",
+             dirpath, SHARDD__SUPERSEDED_FILE);
+    return SHARDD_E_INVAL;
+  }
+  return SHARDD_OK;
 }

@@ -246,6 +246,42 @@ shardd__job *shardd__checkpoint_restore_finish(shardd__ckrestore *r);
 /* Frees r; a job finish did not hand over is released. NULL: nothing. */
 void shardd__checkpoint_restore_free(shardd__ckrestore *r);
 
+/* Exit checkpoints superseded (--checkpoint-on-exit DIR --restore DIR).
+ * A job restored at start from its exit checkpoint in DIR/JOB and then
+ * stepped has moved past it: DIR/JOB/superseded, written before that first
+ * step runs, names the manifest it supersedes by its seal, so a restart
+ * after a kill -9 (no new exit checkpoint written) refuses to roll the job
+ * back in silence. A newer checkpoint in DIR/JOB has another seal: the
+ * marker no longer applies to it. Text, one "key value" a line:
+ *   shardd-superseded 1
+ *   job NAME          (percent-encoded as in a manifest)
+ *   part P            (where that manifest is: "." DIR/JOB itself, or this
+ *                     node's exit part "node-N" of a multi-node job)
+ *   seal XXXXXXXX     (that manifest's seal)
+ *   step N            (the step it holds) */
+#define SHARDD__SUPERSEDED_FILE "superseded"
+typedef struct {
+  char job[256];
+  char part[64];
+  uint32_t seal;
+  uint64_t step;
+} shardd__cksuperseded;
+
+/* Writes dir/superseded for what m says (atomically: temporary name,
+ * fsync, rename, the directory fsync'ed). The daemon's own directory. */
+shardd_err shardd__checkpoint_supersede(const char *dir,
+                                        const shardd__cksuperseded *m,
+                                        char *err, size_t errlen);
+/* Reads dir/superseded into *m: SHARDD_OK, SHARDD_E_NOT_FOUND when there
+ * is none, SHARDD_E_INVAL (err says why) when it is not one shardd wrote. */
+shardd_err shardd__checkpoint_superseded(const char *dir,
+                                         shardd__cksuperseded *m, char *err,
+                                         size_t errlen);
+/* The seal of dir/manifest, checked as restore checks it (the daemon's
+ * own files). */
+shardd_err shardd__checkpoint_seal(const char *dir, uint32_t *seal, char *err,
+                                   size_t errlen);
+
 /* CRC32C (Castagnoli) of n bytes, continuing from crc (0 to start). */
 uint32_t shardd__crc32c(uint32_t crc, const void *data, size_t n);
 

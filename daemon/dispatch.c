@@ -1908,7 +1908,8 @@ static void restore_done(void *arg, shardd__job *job, shardd_err rc,
                          const char *err) {
   const ckpt_wait *w = arg;
   if (rc == SHARDD_OK)
-    shardd__log(2, "job \"%s\" restored from %s", job->name, w->dir);
+    shardd__log(2, "job \"%s\" restored from %s at step %" PRIu64, job->name,
+                w->dir, shardd__jobs_step(job));
   ckpt_done(arg, job, rc, err);
 }
 
@@ -2004,6 +2005,8 @@ static void on_step(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   const Shardwire__Step *st = req->step;
   if (step_answered(d, c, seq, st))
     return;
+  if (!(st->has_norm_only && st->norm_only)) /* it changes the state */
+    shardd__jobs_advancing(&d->jobs, c->m.job);
   shardd__coll_args ca = {.kind = SHARDD__COLL_STEP,
                           .target = st->optimizer,
                           .has_lr = st->has_lr,
@@ -2780,6 +2783,17 @@ void shardd__dispatch_stop(shardd__dispatch *d, const char *why) {
   /* before the transport closes the sessions: else the first rank closed
    * fails the others' collectives as a lost peer */
   shardd__coll_stop_waiting(d->coll, why);
+}
+
+int shardd__dispatch_awaits_files(const shardd__dispatch *d,
+                                  const shardd__conn *c) {
+  for (const ckpt_pend *p = d->ckpt_pends; p; p = p->next)
+    if (p->c == c) /* waits for a quiet job, which a stop never gives */
+      return 0;
+  for (const ckpt_wait *w = d->ckpt_waits; w; w = w->next)
+    if (w->c == c)
+      return 1;
+  return 0;
 }
 
 void shardd__dispatch_free(shardd__dispatch *d) {

@@ -130,6 +130,12 @@ void shardd__dispatch_frame(shardd__dispatch *d, shardd__conn *c,
  * connection, a frame over the limit, a descriptor sent to the daemon). */
 void shardd__dispatch_refuse(shardd__dispatch *d, shardd__conn *c,
                              shardd_err code, const char *msg);
+/* Whether c waits only for the files of a checkpoint or restore it asked
+ * for (being written or read on libuv's pool, which ends by itself): a
+ * stopping transport answers it before closing it, as the files will be
+ * whole (an operator's checkpoint is not reported E_CLOSED). */
+int shardd__dispatch_awaits_files(const shardd__dispatch *d,
+                                  const shardd__conn *c);
 /* c is going away: its collectives are failed or forgotten, its rank let
  * go (its job may be released). */
 void shardd__dispatch_closed(shardd__dispatch *d, shardd__conn *c);

@@ -28,6 +28,11 @@ typedef struct {
   uint8_t *bye;       /* [world]: the rank's last client said Goodbye */
   uint32_t nbye;
   int finished;       /* every local rank said Goodbye and none holds it */
+  /* restored at start from its exit checkpoint (shardd__jobs_resumed) and
+   * not stepped since: that checkpoint's marker, written before the first
+   * step; NULL once written, or for any other job */
+  char *resume_dir;
+  shardd__cksuperseded resume;
 } slot;
 
 /* A checkpoint started and not done: what prepare took, and whom to tell. */
@@ -95,6 +100,7 @@ static slot *slot_make(shardd__jobs *j, shardd__job *job) {
 
 static void slot_free(slot *s) {
   if (s) {
+    free(s->resume_dir);
     free(s->owners);
     free(s->bye);
     free(s);
@@ -471,15 +477,73 @@ shardd_err shardd__jobs_checkpoint(shardd__jobs *j, shardd__job *job,
   rc = shardd__checkpoint_write_in(j->reg, job, dir, as_uid, home, err, errlen);
   if (rc == SHARDD_OK && job->nodes > 1)
     /* the other nodes cannot take part (this is the daemon's own exit, or
-     * a blocking caller): the part alone, which restore refuses for want
-     * of the job manifest, saying so */
-    shardd__log(1, "job \"%s\": node %" PRIu32 "'s part written to "
+     * a blocking caller): the part alone, which only this node's daemon
+     * restores (its job spec says which part is its own), to rejoin the
+     * live nodes of the job; anywhere else it is refused for want of the
+     * job manifest */
+    shardd__log(2, "job \"%s\": node %" PRIu32 "'s part written to "
                 "%s/node-%" PRIu32 " without a job manifest (only a collective "
-                "checkpoint writes one); it is not restorable by itself",
-                job->name, job->node_rank, dir, job->node_rank);
+                "checkpoint writes one): a daemon of this node started with the "
+                "job's --job-spec and --restore %s restores it to rejoin the "
+                "job's live nodes",
+                job->name, job->node_rank, dir, job->node_rank, dir);
   else if (rc == SHARDD_OK)
     shardd__log(2, "job \"%s\" checkpointed to %s", job->name, dir);
   return rc;
+}
+
+uint64_t shardd__jobs_step(shardd__job *job) {
+  shardd__optim **opts;
+  size_t n;
+  uint64_t step = 0;
+  if (shardd__job_optims(job, &opts, &n) != SHARDD_OK)
+    return 0;
+  for (size_t i = 0; i < n; i++)
+    if (opts[i]->steps > step)
+      step = opts[i]->steps;
+  free(opts);
+  return step;
+}
+
+shardd_err shardd__jobs_resumed(shardd__jobs *j, shardd__job *job,
+                                const char *dir, const char *part,
+                                uint32_t seal) {
+  slot *s = slot_make(j, job);
+  char *d = s ? strdup(dir) : NULL;
+  if (d == NULL)
+    return SHARDD_E_NO_MEMORY;
+  free(s->resume_dir);
+  s->resume_dir = d;
+  snprintf(s->resume.job, sizeof s->resume.job, "%s", job->name);
+  snprintf(s->resume.part, sizeof s->resume.part, "%s", part);
+  s->resume.seal = seal;
+  s->resume.step = shardd__jobs_step(job);
+  return SHARDD_OK;
+}
+
+void shardd__jobs_advancing(shardd__jobs *j, shardd__job *job) {
+  slot *s = slot_get(j, job);
+  if (s == NULL || s->resume_dir == NULL)
+    return;
+  char err[1024];
+  /* Written before the step runs: a kill -9 between the step and the
+   * marker would otherwise bring the checkpoint back one step behind
+   * the trainers, unannounced. Blocks the loop for one small file, once
+   * per restored job. */
+  if (shardd__checkpoint_supersede(s->resume_dir, &s->resume, err, sizeof err) ==
+      SHARDD_OK)
+    shardd__log(2, "job \"%s\" steps past step %" PRIu64 ": its exit checkpoint "
+                "in %s is marked superseded (%s/%s); a restart restores it only "
+                "once a newer exit checkpoint replaces it",
+                job->name, s->resume.step, s->resume_dir, s->resume_dir,
+                SHARDD__SUPERSEDED_FILE);
+  else
+    shardd__log(0, "job \"%s\" steps past its exit checkpoint in %s (step %"
+                PRIu64 "), which could not be marked superseded: %s; a restart "
+                "after a crash would restore it and roll the job back",
+                job->name, s->resume_dir, s->resume.step, err);
+  free(s->resume_dir); /* tried once: the step goes on either way */
+  s->resume_dir = NULL;
 }
 
 uint32_t shardd__jobs_last_seal(const shardd__jobs *j, const shardd__job *job) {
@@ -548,6 +612,9 @@ static shardd__job *ckpt_finish(shardd__jobs *j) {
   else if (k->rc == SHARDD_OK)
     shardd__log(2, "job \"%s\" checkpointed to %s", job->name,
                 shardd__checkpoint_wdir(k->w));
+  else /* the asker hears it too, but an operator reads the log */
+    shardd__log(1, "checkpoint of job \"%s\" to %s failed: %s", job->name,
+                shardd__checkpoint_wdir(k->w), k->err);
   k->done(k->arg, job, k->rc, k->err);
   shardd__checkpoint_wfree(k->w);
   free(k);

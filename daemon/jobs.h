@@ -130,6 +130,23 @@ shardd_err shardd__jobs_checkpoint(shardd__jobs *j, shardd__job *job,
                                    const char *dir, int64_t as_uid,
                                    const char *home, char *err, size_t errlen);
 
+/* The step job is at: the highest step count of its optimizers (0 with
+ * none), as a restore and the log report it. */
+uint64_t shardd__jobs_step(shardd__job *job);
+
+/* job was restored at start (--restore) from its exit checkpoint in dir
+ * (--checkpoint-on-exit wrote it there; part as in shardd__cksuperseded,
+ * seal its manifest's): the first step of job marks that checkpoint
+ * superseded (shardd__jobs_advancing). SHARDD_E_NO_MEMORY. */
+shardd_err shardd__jobs_resumed(shardd__jobs *j, shardd__job *job,
+                                const char *dir, const char *part,
+                                uint32_t seal);
+/* A step of job is about to change its state (called before it runs):
+ * the first one after shardd__jobs_resumed writes the superseded marker
+ * into the exit checkpoint's directory and logs it (a failure to write it
+ * is logged too; the step goes on). Once per restore; nothing otherwise. */
+void shardd__jobs_advancing(shardd__jobs *j, shardd__job *job);
+
 /* The seal of the last checkpoint of job written here (a multi-node
  * job's: this node's part), 0 when the last one failed or none was. */
 uint32_t shardd__jobs_last_seal(const shardd__jobs *j, const shardd__job *job);

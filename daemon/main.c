@@ -55,13 +55,65 @@ static void checkpoint_job(shardd__job *job, void *arg) {
     shardd__log(0, "checkpoint of job \"%s\" failed: %s", job->name,
                 d ? err : "out of memory");
     a->failed = 1;
+  } else { /* a marker of the checkpoint this one replaced is stale */
+    char marker[4096];
+    snprintf(marker, sizeof marker, "%s/%s", d, SHARDD__SUPERSEDED_FILE);
+    unlink(marker);
   }
   free(d);
 }
 
-static int restore_one(shardd__server *srv, const char *dir) {
+/* An exit checkpoint in dir that its job stepped past after the last
+ * restore from it (shardd__checkpoint_supersede), no newer one written
+ * since (kill -9, a crash, a stop cut short, the job gone before the
+ * stop): 1, logged
+ * naming the job, its step and how to restore it anyway. A marker naming
+ * another seal is stale (a newer checkpoint replaced the one it names)
+ * and is removed. */
+static int superseded(const char *dir) {
+  char err[1024], path[4096];
+  shardd__cksuperseded m;
+  shardd_err rc = shardd__checkpoint_superseded(dir, &m, err, sizeof err);
+  if (rc == SHARDD_E_NOT_FOUND)
+    return 0;
+  snprintf(path, sizeof path, "%s/%s", dir, SHARDD__SUPERSEDED_FILE);
+  if (rc != SHARDD_OK) {
+    shardd__log(0, "--restore: %s; %s not restored (remove %s to restore it)",
+                err, dir, path);
+    return 1;
+  }
+  char part[4096];
+  uint32_t seal;
+  snprintf(part, sizeof part, "%s/%s", dir, m.part);
+  if (shardd__checkpoint_seal(part, &seal, err, sizeof err) != SHARDD_OK)
+    return 0; /* the restore refuses it, naming the file */
+  if (seal != m.seal) {
+    shardd__log(2, "--restore: %s names the checkpoint sealed %08" PRIx32
+                ", replaced since (now sealed %08" PRIx32 "); removed", path,
+                m.seal, seal);
+    unlink(path);
+    return 0;
+  }
+  shardd__log(0, "--restore: job \"%s\" in %s not restored: this exit "
+              "checkpoint holds step %" PRIu64 ", and the job had stepped past "
+              "it since it was restored from it, but no newer exit checkpoint "
+              "replaced it (the daemon was killed or crashed, its stop was cut "
+              "short by SIGKILL, or the job ended or was released before the "
+              "stop); restoring it would roll the job back unannounced. To "
+              "resume from step %" PRIu64 " anyway: shardctl restore %s, or "
+              "remove %s and restart",
+              m.job, dir, m.step, m.step, dir, path);
+  return 1;
+}
+
+/* own_exit: dir is an exit checkpoint (--restore names the directory
+ * --checkpoint-on-exit writes): skipped when superseded, and marked so at
+ * the job's first step. */
+static int restore_one(shardd__server *srv, const char *dir, int own_exit) {
   char err[1024];
   shardd__job *job;
+  if (own_exit && superseded(dir))
+    return -1;
   if (shardd__jobs_restore_now(&srv->d.jobs, dir, -1, 0, &job, err, sizeof err) !=
       SHARDD_OK) {
     shardd__log(0, "restore refused: %s", err);
@@ -70,7 +122,26 @@ static int restore_one(shardd__server *srv, const char *dir) {
   if (shardd__jobs_unclaimed(&srv->d.jobs, job, shardd__server_now(srv), 0) !=
       SHARDD_OK)
     return -1; /* released again, and logged */
-  shardd__log(2, "job \"%s\" restored from %s", job->name, dir);
+  uint64_t step = shardd__jobs_step(job);
+  shardd__log(2, "job \"%s\" restored from %s at step %" PRIu64, job->name, dir,
+              step);
+  if (!own_exit)
+    return 0;
+  /* the manifest restored: dir's own, or this node's exit part */
+  char part[32], path[4096];
+  uint32_t seal;
+  snprintf(path, sizeof path, "%s/manifest", dir);
+  if (access(path, F_OK) == 0)
+    snprintf(part, sizeof part, ".");
+  else
+    snprintf(part, sizeof part, "node-%" PRIu32, job->node_rank);
+  snprintf(path, sizeof path, "%s/%s", dir, part);
+  if (shardd__checkpoint_seal(path, &seal, err, sizeof err) != SHARDD_OK ||
+      shardd__jobs_resumed(&srv->d.jobs, job, dir, part, seal) != SHARDD_OK)
+    shardd__log(0, "job \"%s\": its exit checkpoint in %s cannot be marked "
+                "superseded at its first step (%s); a restart after a crash "
+                "would roll it back to step %" PRIu64, job->name, dir,
+                err[0] ? err : "out of memory", step);
   return 0;
 }
 
@@ -94,13 +165,14 @@ static int has_exit_part(const shardd__server *srv, const char *dir) {
  * each is logged and skipped, because one damaged job must not keep the
  * others from serving (under Restart=on-failure an exit would be a restart
  * loop). A DIR that does not exist yet (the first start of a unit that
- * restores its own exit checkpoint) restores nothing. */
-static int restore_all(shardd__server *srv, const char *dir) {
+ * restores its own exit checkpoint) restores nothing. own_exit: DIR is
+ * the --checkpoint-on-exit directory (see restore_one). */
+static int restore_all(shardd__server *srv, const char *dir, int own_exit) {
   char path[4096];
   struct stat st;
   snprintf(path, sizeof path, "%s/manifest", dir);
   if (stat(path, &st) == 0 || has_exit_part(srv, dir))
-    return restore_one(srv, dir) != 0;
+    return restore_one(srv, dir, own_exit) != 0;
   DIR *d = opendir(dir);
   if (d == NULL) {
     if (errno == ENOENT) {
@@ -127,13 +199,27 @@ static int restore_all(shardd__server *srv, const char *dir) {
     }
     snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
     n++;
-    if (restore_one(srv, path) != 0)
+    if (restore_one(srv, path, own_exit) != 0)
       rc++;
   }
   closedir(d);
   if (n == 0)
     shardd__log(1, "--restore %s: no checkpoint found", dir);
   return rc;
+}
+
+/* Whether --restore a names the directory --checkpoint-on-exit b writes
+ * (b may be NULL): what it restores are the daemon's own exit checkpoints,
+ * which a step of their job supersedes. Any other --restore, like
+ * `shardctl restore`, restores an operator's checkpoint, on purpose, as
+ * often as asked. */
+static int same_dir(const char *a, const char *b) {
+  struct stat sa, sb;
+  if (b == NULL)
+    return 0;
+  if (stat(a, &sa) == 0 && stat(b, &sb) == 0)
+    return sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+  return strcmp(a, b) == 0;
 }
 
 /* Process-wide settings, before the loop or its thread pool exists. */
@@ -217,7 +303,10 @@ static shardd_err start_server(shardd__server *srv, uv_loop_t *loop,
   if (rc != SHARDD_OK) {
     fprintf(stderr, "shardd: %s\n", err);
   } else {
-    int failed = cli->restore ? restore_all(srv, cli->restore) : 0;
+    int failed = cli->restore ? restore_all(srv, cli->restore,
+                                            same_dir(cli->restore,
+                                                     cli->checkpoint_on_exit))
+                              : 0;
     if (failed > 0)
       shardd__log(0, "--restore %s: %d job%s not restored (each named above); "
                   "serving the others", cli->restore, failed, failed == 1 ? "" : "s");

@@ -1616,3 +1616,13 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
   shardd__checkpoint_restore_free(c);
   return rc;
 }
+
+shardd_err shardd__checkpoint_seal(const char *dir, uint32_t *seal, char *err,
+                                   size_t errlen) {
+  FILE *f;
+  int end_line;
+  shardd_err rc = open_sealed(dir, -1, &f, NULL, seal, &end_line, err, errlen);
+  if (rc == SHARDD_OK)
+    fclose(f);
+  return rc;
+}

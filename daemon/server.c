@@ -353,6 +353,10 @@ void shardd__session_close(shardd__session *s) {
     s->next->prev = s->prev;
   srv->nclients--;
   uv_close((uv_handle_t *)&s->pipe, session_freed);
+  /* a stopping server kept the reaper for sessions kept for a reply */
+  if (srv->stopping && srv->sessions == NULL && srv->reaper.data == srv &&
+      !uv_is_closing((uv_handle_t *)&srv->reaper))
+    uv_close((uv_handle_t *)&srv->reaper, NULL);
   if (released && srv->budget_waiters > 0)
     shardd__budget_resume(srv);
 }
@@ -370,7 +374,9 @@ static void session_close_later(shardd__session *s) {
     return;
   s->close_deferred = 1;
   uv_read_stop((uv_stream_t *)&s->pipe);
-  if (!s->srv->stopping) /* else server_stop closes every session itself */
+  /* a stopping server closes every session itself, except those kept for
+   * a checkpoint's reply: the reaper stays for them */
+  if (!uv_is_closing((uv_handle_t *)&s->srv->reaper))
     uv_idle_start(&s->srv->reaper, on_reap);
 }
 
@@ -649,11 +655,28 @@ void shardd__server_stop(shardd__server *srv) {
                     : srv->stop_signal == SIGINT ? "daemon stopping (SIGINT)"
                                                  : "daemon stopping";
   shardd__dispatch_stop(&srv->d, why);
-  while (srv->sessions)
-    shardd__session_close(srv->sessions);
+  /* A session whose checkpoint is being written is answered once the files
+   * are (they will be whole: `shardctl checkpoint` printed E_CLOSED for a
+   * valid checkpoint), then closed by its write_done; it reads no more. */
+  for (;;) {
+    shardd__session *s = srv->sessions;
+    while (s && (s->kept || (!s->close_deferred &&
+                             shardd__dispatch_awaits_files(&srv->d, &s->conn)))) {
+      if (!s->kept) {
+        s->kept = 1;
+        s->close_after_write = 1;
+        uv_read_stop((uv_stream_t *)&s->pipe);
+      }
+      s = s->next;
+    }
+    if (s == NULL)
+      break;
+    shardd__session_close(s);
+  }
   uv_close((uv_handle_t *)&srv->listener, NULL);
   uv_close((uv_handle_t *)&srv->tick, NULL);
-  uv_close((uv_handle_t *)&srv->reaper, NULL);
+  if (srv->sessions == NULL && !uv_is_closing((uv_handle_t *)&srv->reaper))
+    uv_close((uv_handle_t *)&srv->reaper, NULL); /* else the last one's close */
   uv_close((uv_handle_t *)&srv->turns, NULL);
   uv_close((uv_handle_t *)&srv->spin, NULL);
   uv_close((uv_handle_t *)&srv->sigterm, NULL);

@@ -48,6 +48,8 @@ struct shardd__session {
   shardd__frame_reader rd;
   int closing;
   int close_after_write;
+  /* kept open by a stopping server until its checkpoint's reply is out */
+  int kept;
   /* A reply could not be sent: the session is dropped on the next loop
    * turn (server.c), never inside the caller that was answering it. */
   int close_deferred;

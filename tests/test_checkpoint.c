@@ -999,6 +999,124 @@ Test(checkpoint, sigterm_with_checkpoint_on_exit_writes_every_job, .timeout = 60
   cr_assert_eq(access(manifest, R_OK), 0, "no %s", manifest);
 }
 
+/* kill -9: no exit checkpoint, nothing cleaned up; the log is kept for
+ * the caller to read (test_daemon_stop removes it). */
+static void kill_daemon(test_daemon *d) {
+  int st;
+  kill(d->pid, SIGKILL);
+  waitpid(d->pid, &st, 0);
+  d->pid = 0;
+}
+
+/* The daemon's only job, or none: its optimizer's steps, -1 without one. */
+static int64_t steps_if_any(const test_daemon *d) {
+  char cmd[256], *out = NULL, *errs = NULL;
+  snprintf(cmd, sizeof cmd, "--socket %s --json status", d->sock);
+  cr_assert_eq(test_shardctl(NULL, cmd, &out, &errs), 0, "%s", errs);
+  tj *j = tj_parse(out);
+  cr_assert_not_null(j, "%s", out);
+  const tj *jobs = tj_need(j, "jobs", TJ_ARR);
+  int64_t steps = -1;
+  if (jobs->n > 0) {
+    const tj *opts = tj_need(jobs->kids[0], "optimizers", TJ_ARR);
+    steps = (int64_t)tj_need(opts->kids[0], "steps", TJ_NUM)->num;
+  }
+  tj_free(j);
+  free(out);
+  free(errs);
+  return steps;
+}
+
+/* The shipped unit's flags, --checkpoint-on-exit DIR --restore DIR: a
+ * restart after SIGTERM resumes at the step the exit checkpoint holds and
+ * says so; a kill -9 before any step since restores that checkpoint again
+ * (nothing moved past it) and training continues bit for bit; but once the
+ * job has stepped past it, a kill -9 (no newer exit checkpoint) must not
+ * bring it back in silence: it is not restored, and the log names the job,
+ * its step and how to restore it anyway, which works (shardctl restore).
+ * A later exit checkpoint into the same directory restores normally, even
+ * where the marker survived (a crash between the new manifest and the
+ * marker's removal). */
+Test(checkpoint, an_exit_checkpoint_stepped_past_is_not_restored_silently,
+     .timeout = 90) {
+  static float uninterrupted[NUMEL + HALF], resumed[NUMEL + HALF];
+  char ck[128], job[200], marker[240], line[512];
+  snprintf(ck, sizeof ck, "%s/exit", dir);
+  snprintf(job, sizeof job, "%s/ckpt-job", ck);
+  snprintf(marker, sizeof marker, "%s/superseded", job);
+  const char *const flags[] = {"--devices", "2", "--checkpoint-on-exit", ck,
+                               "--restore", ck, NULL};
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--devices", "2", NULL});
+  run_job(&d, 5, 0, NULL, uninterrupted);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+
+  /* 3 steps; systemctl restart (SIGTERM) */
+  test_daemon_start(&d, flags);
+  run_job(&d, 3, 0, NULL, NULL);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+  test_daemon_start(&d, flags);
+  cr_assert_eq(steps_if_any(&d), 3); /* served: the restore is logged */
+  snprintf(line, sizeof line, "job \"ckpt-job\" restored from %s at step 3", job);
+  cr_assert(test_daemon_log_has(&d, line), "no \"%s\" in the log", line);
+  /* the trainers attach and leave without a step; kill -9 */
+  run_job(&d, 0, 3, NULL, NULL);
+  kill_daemon(&d);
+  test_daemon_stop(&d);
+  cr_assert_neq(access(marker, F_OK), 0, "marked superseded without a step");
+
+  /* nothing moved past it: restored again, and training goes on exactly */
+  test_daemon_start(&d, flags);
+  cr_assert_eq(steps_if_any(&d), 3);
+  cr_assert(test_daemon_log_has(&d, line), "no \"%s\" in the log", line);
+  run_job(&d, 2, 3, NULL, resumed);
+  for (int i = 0; i < NUMEL + HALF; i++)
+    cr_assert_eq(memcmp(&uninterrupted[i], &resumed[i], sizeof(float)), 0,
+                 "element %d: %.9g uninterrupted, %.9g resumed", i,
+                 (double)uninterrupted[i], (double)resumed[i]);
+  cr_assert(test_daemon_log_has(&d, "marked superseded"));
+  /* at step 5 now; kill -9: the exit checkpoint still holds step 3 */
+  kill_daemon(&d);
+  test_daemon_stop(&d);
+  cr_assert_eq(access(marker, F_OK), 0, "the step did not mark %s", job);
+
+  test_daemon_start(&d, flags);
+  cr_assert_eq(steps_if_any(&d), -1, "the superseded step-3 checkpoint came back");
+  snprintf(line, sizeof line, "job \"ckpt-job\" in %s not restored", job);
+  cr_assert(test_daemon_log_has(&d, line), "no \"%s\" in the log", line);
+  cr_assert(test_daemon_log_has(&d, "holds step 3"));
+  snprintf(line, sizeof line, "shardctl restore %s", job);
+  cr_assert(test_daemon_log_has(&d, line), "no \"%s\" in the log", line);
+  cr_assert(test_daemon_log_has(&d, "1 job not restored"));
+  /* and again: the marker stays until a newer checkpoint replaces it */
+  kill_daemon(&d);
+  test_daemon_stop(&d);
+  test_daemon_start(&d, flags);
+  cr_assert_eq(steps_if_any(&d), -1);
+
+  /* the operator accepts the rollback, as the log says: shardctl restore;
+   * the job trains 1 step and stops cleanly: its new exit checkpoint
+   * replaces the old one and restores, marker or not */
+  char *saved = test_slurp(marker), *out = NULL, *errs = NULL;
+  cr_assert_not_null(saved);
+  snprintf(line, sizeof line, "--socket %s restore %s", d.sock, job);
+  cr_assert_eq(test_shardctl(NULL, line, &out, &errs), 0, "%s%s", out, errs);
+  free(out);
+  free(errs);
+  cr_assert_eq(steps_if_any(&d), 3);
+  run_job(&d, 1, 3, NULL, NULL);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+  FILE *f = fopen(marker, "w");
+  cr_assert_not_null(f);
+  fputs(saved, f);
+  fclose(f);
+  free(saved);
+  test_daemon_start(&d, flags);
+  cr_assert_eq(steps_if_any(&d), 4, "a newer exit checkpoint was not restored");
+  cr_assert_eq(test_daemon_stop(&d), 0);
+  cr_assert_neq(access(marker, F_OK), 0, "a stale marker was kept");
+}
+
 /* Through a daemon: a checkpoint whose two ranks' shard files were swapped
  * (each whole, with its own right CRC) is refused naming the file; the
  * daemon goes on serving, holds no half-restored job, and restores the
@@ -2006,6 +2124,57 @@ Test(checkpoint, replacing_a_checkpoint_removes_only_its_own_files) {
                SHARDD_OK, "%s", err);
 }
 
+/* A write killed mid-file leaves its data file's temporary (".NAME.tmp":
+ * a generation of its own, which no later write names): the next
+ * checkpoint into the directory removes it, and only such temporaries. */
+Test(checkpoint, a_killed_writes_temporaries_go_with_the_next_checkpoint) {
+  char ck[128], path[300], err[1024];
+  snprintf(ck, sizeof ck, "%s/ck", dir);
+  cr_assert_eq(mkdir(ck, 0750), 0);
+  const char *stale[] = {".b0-r0-0badf00d.shard.tmp", ".o0-b1-r1-0badf00d.state.tmp"};
+  const char *mine[] = {".notes.tmp", ".b0-r0-notes.shard.tmp", "b0-r0-0badf00d.shard.tmp"};
+  for (size_t i = 0; i < 2; i++) {
+    snprintf(path, sizeof path, "%s/%s", ck, stale[i]);
+    write_text(path, "half\n");
+  }
+  for (size_t i = 0; i < 3; i++) {
+    snprintf(path, sizeof path, "%s/%s", ck, mine[i]);
+    write_text(path, "mine\n");
+  }
+  shardd__job *job = make_job("killed");
+  cr_assert_eq(shardd__checkpoint_write(&reg, job, ck, -1, err, sizeof err), SHARDD_OK, "%s", err);
+  for (size_t i = 0; i < 2; i++) {
+    snprintf(path, sizeof path, "%s/%s", ck, stale[i]);
+    cr_assert_eq(access(path, F_OK), -1, "the killed write's %s stayed", stale[i]);
+  }
+  for (size_t i = 0; i < 3; i++) {
+    snprintf(path, sizeof path, "%s/%s", ck, mine[i]);
+    cr_assert_eq(access(path, F_OK), 0, "the client's %s was removed", mine[i]);
+  }
+  shardd__job_release(&reg, job);
+}
+
+/* A checkpoint that fails on the pool (here: its directory is a file)
+ * is logged, naming the job, the directory and why, not only answered. */
+Test(checkpoint, a_failed_checkpoint_is_logged, .timeout = 60) {
+  char file[128], cmd[512], *out = NULL, *errs = NULL;
+  snprintf(file, sizeof file, "%s/not-a-dir", dir);
+  write_text(file, "x\n");
+  test_daemon d;
+  test_daemon_start(&d, NULL);
+  shardd_client_t *c = test_connect(&d, "failing", 0, 1);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "flat", SHARDD_DTYPE_FP32, 100, &b), SHARDD_OK);
+  snprintf(cmd, sizeof cmd, "--socket %s checkpoint failing %s/sub", d.sock, file);
+  cr_assert_neq(test_shardctl(NULL, cmd, &out, &errs), 0, "%s", out);
+  free(out);
+  free(errs);
+  snprintf(cmd, sizeof cmd, "checkpoint of job \"failing\" to %s/sub failed", file);
+  cr_assert(test_daemon_log_has(&d, cmd), "no \"%s\" in the log", cmd);
+  shardd_close(c);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+}
+
 /* ---- the loop is not held up by a checkpoint (issue 20, item 10) ------- */
 
 /* A 1.6 GB checkpoint froze every client for 4.9 s (the file I/O ran on
@@ -2170,6 +2339,84 @@ Test(checkpoint, a_client_leaving_mid_checkpoint_keeps_its_job_until_written,
  * whoever would join or checkpoint it. Orders of replies, never times.
  * The restored values are the checkpoint's, byte for byte, and a daemon
  * stopped mid-load still exits cleanly. */
+/* Whether dir holds a data file's temporary: a write on the pool is under
+ * way. */
+static int writing_in(const char *path) {
+  DIR *dh = opendir(path);
+  int hit = 0;
+  if (dh == NULL)
+    return 0;
+  for (struct dirent *e; !hit && (e = readdir(dh)) != NULL;)
+    hit = e->d_name[0] == '.' && strstr(e->d_name, ".tmp") != NULL;
+  closedir(dh);
+  return hit;
+}
+
+/* SIGTERM while `shardctl checkpoint` waits for its files: the checkpoint
+ * is written whole, and shardctl says so and exits 0 (it printed E_CLOSED
+ * and exited 3 for a valid checkpoint); the daemon then exits 0 and the
+ * checkpoint restores byte for byte. */
+Test(checkpoint, sigterm_during_an_operators_checkpoint_still_answers_it,
+     .timeout = 60) {
+  char ck[128], outp[160], cmd[512];
+  snprintf(ck, sizeof ck, "%s/term", dir);
+  snprintf(outp, sizeof outp, "%s/shardctl.out", dir);
+  const uint64_t numel = BIG_NUMEL;
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--backend", "host", "--device-memory",
+                                              "2G", NULL});
+  test_raw a;
+  test_raw_open(&d, &a);
+  test_raw_hello(&a, "term", 0, 1);
+  shardd_buffer_info info;
+  test_raw_register_buffer(&a, "flat", SHARDD_DTYPE_FP32, numel, &info);
+  for (uint64_t i = 0; i < numel; i++)
+    ((uint32_t *)info.shard)[i] = big_word(i);
+  pid_t ctl = fork();
+  cr_assert_geq(ctl, 0);
+  if (ctl == 0) {
+    snprintf(cmd, sizeof cmd, "exec %s --socket %s checkpoint term %s >%s 2>&1",
+             test_bin("SHARDCTL_BIN", "build/shardctl"), d.sock, ck, outp);
+    execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+    _exit(127);
+  }
+  int st;
+  for (double end = test_mono_s() + TEST_HANG_S; !writing_in(ck);) {
+    cr_assert_eq(waitpid(ctl, &st, WNOHANG), 0, "shardctl ended before the "
+                 "write was seen under way");
+    cr_assert_lt(test_mono_s(), end, "the checkpoint never started writing");
+    test_sleep_ms(1);
+  }
+  kill(d.pid, SIGTERM);
+  cr_assert(test_wait_exit(ctl, &st), "shardctl hangs");
+  char *said = test_slurp(outp);
+  cr_assert_not_null(said);
+  cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "shardctl exited %d: %s",
+            WIFEXITED(st) ? WEXITSTATUS(st) : -1, said);
+  snprintf(cmd, sizeof cmd, "term: %s", ck);
+  cr_expect(strstr(said, cmd) != NULL, "shardctl said: %s", said);
+  free(said);
+  int code = -1;
+  cr_assert(test_wait_exit(d.pid, &st), "the daemon did not exit");
+  code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  d.pid = 0;
+  cr_assert_eq(code, 0, "the daemon exited %d", code);
+  test_raw_close(&a);
+  test_daemon_stop(&d);
+
+  test_daemon_start(&d, (const char *const[]){"--backend", "host", "--device-memory",
+                                              "2G", "--restore", ck, NULL});
+  test_raw_open(&d, &a);
+  test_raw_hello(&a, "term", 0, 1);
+  test_raw_register_buffer(&a, "flat", SHARDD_DTYPE_FP32, numel, &info);
+  uint64_t bad = 0;
+  for (uint64_t i = 0; i < numel; i++)
+    bad += ((uint32_t *)info.shard)[i] != big_word(i);
+  cr_expect_eq(bad, 0, "%llu words differ after restore", (unsigned long long)bad);
+  test_raw_close(&a);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+}
+
 static uint64_t send_restore(test_raw *r, const char *path) {
   Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
   Shardwire__Restore rs = SHARDWIRE__RESTORE__INIT;

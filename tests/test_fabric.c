@@ -2367,14 +2367,24 @@ static void rj_wait_pending(const test_daemon *d, const char *needle) {
 }
 
 /* SIGTERM node 1's daemon (exit 0 and its exit part written), close its
- * ranks; returns when it is gone. */
-static void rj_stop_node1(test_daemon pair[2], ck_job *j) {
+ * ranks; returns when it is gone. wrote_part: it had --checkpoint-on-exit
+ * and a job, so it logs its part as what its restart restores, not as
+ * unrestorable. */
+static void rj_stop_node1_as(test_daemon pair[2], ck_job *j, int wrote_part) {
   cr_assert_eq(test_daemon_terminate(&pair[1]), 0, "node 1's daemon on SIGTERM");
+  if (wrote_part) {
+    cr_assert(test_daemon_log_has(&pair[1], "restores it to rejoin the job's live nodes"));
+    cr_assert_not(test_daemon_log_has(&pair[1], "not restorable"));
+  }
   test_daemon_stop(&pair[1]);
   for (int r = 2; r < W; r++) {
     shardd_close(j->c[r]);
     j->c[r] = NULL;
   }
+}
+
+static void rj_stop_node1(test_daemon pair[2], ck_job *j) {
+  rj_stop_node1_as(pair, j, 0);
 }
 
 /* Issue 21 item 2 on 2 nodes x 2 ranks, AdamW with clipping every other
@@ -2422,7 +2432,7 @@ Test(fabric, a_node_daemon_restart_rejoins_the_job_bit_for_bit, .timeout = 120) 
     rj_start(&k[r], &j, r, RJ_AT + 1, RJ_N);
   rj_wait_pending(&pair[0], "(big): running");
   double t0 = test_mono_s();
-  rj_stop_node1(pair, &j);
+  rj_stop_node1_as(pair, &j, 1);
   char path[300];
   snprintf(path, sizeof path, "%s/rj/node-1/manifest", ex);
   cr_assert_eq(access(path, R_OK), 0, "no exit part %s", path);

@@ -15,6 +15,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "harness.h"
 #include "shardd.h"
 
 #define SERVICE_IN "systemd/shardd.service.in"
@@ -541,4 +542,143 @@ Test(systemd, sysusers_then_tmpfiles, .fini = root_cleanup) {
   cr_assert_eq(st.st_mode & 07777, 0750, "mode %o", st.st_mode & 07777);
   cr_assert_eq((long)st.st_uid, uid);
   cr_assert_eq((long)st.st_gid, gid);
+}
+
+/* ---- the service's own ExecStart=, run: a restart keeps every job ---- */
+
+/* The state directory's tree, gone (the daemon's checkpoints). */
+static void rm_rf(const char *path) {
+  char cmd[PATH_MAX + 16];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", path);
+  cr_assert_eq(system(cmd), 0, "%s", cmd);
+}
+
+/* ExecStart='s arguments after the binary, split at spaces, with
+ * /var/lib/<StateDirectory> moved to state: into argv (NULL-terminated),
+ * the strings in buf. */
+static void exec_start_args(const char *exec, const char *state_dir,
+                            const char *state, const char **argv, int max,
+                            char *buf, size_t cap) {
+  char from[PATH_MAX], *save = NULL, *tok;
+  char *words = strdup(exec);
+  int n = 0;
+  size_t used = 0;
+  snprintf(from, sizeof from, "/var/lib/%s", state_dir);
+  cr_assert_not_null(words);
+  for (tok = strtok_r(words, " ", &save); tok; tok = strtok_r(NULL, " ", &save)) {
+    if (tok == words)
+      continue; /* @BINDIR@/shardd: the harness runs the built one */
+    cr_assert_lt(n, max - 1);
+    argv[n++] = buf + used;
+    if (!strncmp(tok, from, strlen(from)))
+      used += (size_t)snprintf(buf + used, cap - used, "%s%s", state,
+                               tok + strlen(from)) + 1;
+    else
+      used += (size_t)snprintf(buf + used, cap - used, "%s", tok) + 1;
+    cr_assert_lt(used, cap);
+  }
+  argv[n] = NULL;
+  free(words);
+}
+
+/* The value after flag in argv, NULL when it is not there. */
+static const char *arg_of(const char *const *argv, const char *flag) {
+  for (; *argv; argv++)
+    if (!strcmp(*argv, flag) && argv[1])
+      return argv[1];
+  return NULL;
+}
+
+#define UNIT_NUMEL 1000
+
+/* One rank of job "unit-job" registers (or attaches), then takes steps
+ * SGD steps. */
+static void unit_train(const test_daemon *d, int steps) {
+  shardd_client_t *c = test_connect(d, "unit-job", 0, 1);
+  shardd_buffer_info b;
+  uint64_t v, opt;
+  int64_t shape[1] = {UNIT_NUMEL};
+  cr_assert_eq(shardd_buffer_register(c, "flat", SHARDD_DTYPE_FP32, UNIT_NUMEL, &b),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  cr_assert_eq(shardd_view_register(c, b.id, "w", 0, UNIT_NUMEL, shape, 1, &v),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  shardd_param_ref refs[1] = {{v, "w"}};
+  shardd_param_group g = {refs, 1, {0}};
+  shardd_hparams hp = {.set = SHARDD_HP_LR, .lr = 0.1};
+  cr_assert_eq(shardd_optimizer_register(c, "sgd", SHARDD_OPTIM_SGD, &hp, &g, 1, &opt),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  for (int s = 0; s < steps; s++) {
+    cr_assert_eq(shardd_gather(c, b.id), SHARDD_OK, "%s", shardd_last_error(c));
+    for (uint64_t i = 0; i < b.padded_numel; i++)
+      ((float *)b.grad)[i] = 1.0f;
+    cr_assert_eq(shardd_scatter(c, b.id, SHARDD_REDUCE_MEAN), SHARDD_OK, "%s",
+                 shardd_last_error(c));
+    cr_assert_eq(shardd_step(c, opt, NULL, NULL), SHARDD_OK, "%s",
+                 shardd_last_error(c));
+  }
+  shardd_close(c);
+}
+
+/* The daemon's job "unit-job": its optimizer's steps, -1 when it has none. */
+static int64_t unit_steps(const test_daemon *d) {
+  char cmd[256], *out = NULL, *errs = NULL;
+  snprintf(cmd, sizeof cmd, "--socket %s --json status", d->sock);
+  cr_assert_eq(test_shardctl(NULL, cmd, &out, &errs), 0, "%s", errs);
+  tj *j = tj_parse(out);
+  cr_assert_not_null(j, "%s", out);
+  const tj *jobs = tj_need(j, "jobs", TJ_ARR);
+  int64_t steps = -1;
+  for (size_t i = 0; i < jobs->n; i++)
+    if (!strcmp(tj_need(jobs->kids[i], "name", TJ_STR)->str, "unit-job")) {
+      const tj *opts = tj_need(jobs->kids[i], "optimizers", TJ_ARR);
+      cr_assert_eq(opts->n, 1, "%s", out);
+      steps = (int64_t)tj_need(opts->kids[0], "steps", TJ_NUM)->num;
+    }
+  tj_free(j);
+  free(out);
+  free(errs);
+  return steps;
+}
+
+/* systemctl restart (an upgrade, Restart=on-failure after a clean stop) of
+ * the shipped unit: the daemon run with ExecStart='s flags (its state
+ * directory moved to a scratch one) keeps the job and its step count
+ * across the stop, and says at which step it resumed. */
+Test(systemd, a_restart_of_the_unit_keeps_every_job, .timeout = 60) {
+  const char *argv[32];
+  char buf[4096], state[] = "/tmp/shardd-unit-XXXXXX";
+  test_daemon d;
+
+  parse_unit(SERVICE_IN, &svc_u);
+  const char *exec = get(&svc_u, "Service", "ExecStart");
+  const char *sd = get(&svc_u, "Service", "StateDirectory");
+  cr_assert_not_null(exec);
+  cr_assert_not_null(sd, "StateDirectory= is missing");
+  cr_assert_not_null(mkdtemp(state));
+  exec_start_args(exec, sd, state, argv, 32, buf, sizeof buf);
+  const char *out = arg_of(argv, "--checkpoint-on-exit");
+  const char *in = arg_of(argv, "--restore");
+  cr_assert_not_null(out, "ExecStart=%s: no --checkpoint-on-exit, a stop drops "
+                     "every job", exec);
+  cr_assert_not_null(in, "ExecStart=%s: no --restore, a start brings back no "
+                     "job", exec);
+  cr_assert_str_eq(out, in, "ExecStart=%s: --restore must read what "
+                   "--checkpoint-on-exit writes", exec);
+  cr_assert_eq(strncmp(out, state, strlen(state)), 0, "ExecStart=%s: the exit "
+               "checkpoint must be below StateDirectory= (the only place "
+               "ProtectSystem=strict lets the daemon write)", exec);
+
+  test_daemon_start(&d, argv);
+  unit_train(&d, 3);
+  cr_assert_eq(test_daemon_terminate(&d), 0, "the stop failed");
+  test_daemon_stop(&d);
+
+  test_daemon_start(&d, argv);
+  cr_assert_eq(unit_steps(&d), 3, "the restart lost the job's steps");
+  cr_assert(test_daemon_log_has(&d, "job \"unit-job\" restored from"));
+  cr_assert(test_daemon_log_has(&d, "at step 3"));
+  unit_train(&d, 1); /* the trainers attach and go on */
+  cr_assert_eq(unit_steps(&d), 4);
+  cr_assert_eq(test_daemon_stop(&d), 0);
+  rm_rf(state);
 }
