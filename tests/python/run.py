@@ -25,6 +25,9 @@ WATCHDOG_S = float(os.environ.get("SHARDD_PY_TEST_TIMEOUT",
                                   "1200" if os.environ.get("SHARDD_PY_ASAN_REEXEC") else "600"))
 
 
+_running = [None, 0.0]  # the test now running and when it began, for the watchdog
+
+
 class Result(unittest.TextTestResult):
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
@@ -34,6 +37,7 @@ class Result(unittest.TextTestResult):
 
     def startTest(self, test):
         self._t0 = time.monotonic()
+        _running[:] = [test.id(), self._t0]
         super().startTest(test)
 
     def stopTest(self, test):
@@ -47,7 +51,9 @@ class Result(unittest.TextTestResult):
 
 def watchdog():
     time.sleep(WATCHDOG_S)
-    sys.stderr.write("\npython tests: watchdog: still running after %.0fs, giving up\n" % WATCHDOG_S)
+    sys.stderr.write("\npython tests: watchdog: still running after %.0fs, giving up; "
+                     "running for %.0f s: %s\n" % (WATCHDOG_S, time.monotonic() - _running[1],
+                                                  _running[0]))
     sys.stderr.flush()
     print("python: 0 passed, 1 failed, 0 skipped", flush=True)
     os._exit(2)
