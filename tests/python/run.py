@@ -51,9 +51,10 @@ class Result(unittest.TextTestResult):
 
 def watchdog():
     time.sleep(WATCHDOG_S)
-    sys.stderr.write("\npython tests: watchdog: still running after %.0fs, giving up; "
-                     "running for %.0f s: %s\n" % (WATCHDOG_S, time.monotonic() - _running[1],
-                                                  _running[0]))
+    now = ("%s, running for %.0f s" % (_running[0], time.monotonic() - _running[1])
+           if _running[0] else "no test started")
+    sys.stderr.write("\npython tests: watchdog: still running after %.0fs, giving up (%s)\n"
+                     % (WATCHDOG_S, now))
     sys.stderr.flush()
     print("python: 0 passed, 1 failed, 0 skipped", flush=True)
     os._exit(2)
