@@ -72,7 +72,9 @@ every parameter whole (a collective); :meth:`ShardedModule.state_dict_type`
 selects FullStateDictConfig's options or the "local" form (each rank's
 1-D parts).
 
-The original parameter tensors are dropped from the module; the initial
+The original parameter tensors are dropped from the module and their
+storage freed once their values are in the shards (the objects stay,
+empty, so their ids stay unique); the initial
 gather is done by the constructor (it is a collective: every rank of the job
 must construct the same wrapper). Mapped tensors alias libshardd mappings:
 don't use the module after the client is closed.
@@ -746,7 +748,11 @@ class ShardedModule:
         self.units = []
         self._by_param = {}       # id(replacement param) -> _Entry
         self._orig_names = {}     # id(original param) -> qualified name
-        self._orig_keep = []      # keeps originals alive so their ids stay unique
+        # the original parameter objects, kept so that their ids stay
+        # unique (_orig_names names one passed to register_optimizer), but
+        # each emptied once its values are in the shards: a rank holds no
+        # copy of the model beside the daemon's (FSDP frees them too)
+        self._orig_keep = []
         rank = client.rank
         specs = _unit_modules(module, auto_wrap)
         per_unit, parent = _collect(module, specs)
@@ -852,6 +858,9 @@ class ShardedModule:
                 e.param = newp
                 self._orig_names[id(p)] = qn
                 self._orig_keep.append(p)
+                with torch.no_grad():
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                p.grad = None
                 for m, attr in owners:
                     m._parameters[attr] = newp
                 self._by_param[id(newp)] = e
