@@ -137,6 +137,17 @@ Per unit, in the same order on every rank (each rank's graph is the same):
   the parameters no gradient reached on this rank, and the step skips those
   no rank had one for (torch's None ``.grad``).
 
+Activation checkpointing (``torch.utils.checkpoint``, reentrant or not)
+of a unit's forward: the recomputation in backward runs the unit's forward
+again; a forward of a unit while backward runs (autograd's engine accepts a
+callback) gathers nothing more and releases nothing: the unit is gathered
+for its backward (non-reentrant: its outputs' hook came first; reentrant:
+the recomputation gathers it so), and the tensors the recomputation saves
+(checkpoint's saved-tensor hooks hold them, not ours) stay valid until the
+unit's gradient is reduced and the unit released. A checkpointed region
+spanning several units holds each until its backward, within the rank's
+2 gather leases.
+
 A parameter the root's forward reads from a module itself
 (``F.linear(x, self.wte.weight)``), outside every forward that gathers its
 unit, gathers the unit at the read (the module's class becomes a subclass
@@ -154,9 +165,7 @@ out the whole parameters on either kind. From the second forward on, the
 next unit's gather (in the first forward's order) runs while a unit
 computes, when the rank's 2 gather leases allow (``prefetch=``). Not done
 yet: backward prefetch, an unsharded ``no_sync()`` (:meth:`no_sync` is
-accepted and accumulates in the sharded gradient), activation
-checkpointing (a forward inside
-backward), and a forward that raises (the saved-tensor hooks stay pushed
+accepted and accumulates in the sharded gradient), and a forward that raises (the saved-tensor hooks stay pushed
 until the next forward of the root). A unit with a trainable parameter that
 gets no gradient holds its areas until the end of backward, so two such
 units (or one and the root unit) in one backward run into the lease limit
@@ -240,6 +249,9 @@ class FlatUnit:
         # holding one of its parameters) now running: gathered on the first,
         # released when the outermost returns
         self.depth = 0
+        # the outermost running forward is a recomputation in backward
+        # (activation checkpointing): the unit stays gathered after it
+        self.recompute = False
         # the client's step count at the unit's last scatter: while it is
         # the same, the reduced gradient is the daemon's live one (an
         # accumulating scatter adds to it); a step since consumed it (the
@@ -1305,6 +1317,7 @@ class ShardedModule:
         self._pop_saved_hooks()  # a forward that raised left them pushed
         for u in self.units:  # likewise
             u.depth = 0
+            u.recompute = False
         self._in_forward = True
         if self._pending is not None:  # likewise
             self._drop_prefetch()
@@ -1441,9 +1454,34 @@ class ShardedModule:
         self._to_shard(u)
         self.client.release(u.buffer)
 
+    def _in_backward(self):
+        """Whether autograd's engine is running a backward of ours: a forward
+        now is activation checkpointing's recomputation."""
+        if self._final_queued:
+            return True
+        if self._in_forward:
+            return False
+        try:  # refused outside a backward
+            torch.autograd.Variable._execution_engine.queue_callback(self._final)
+        except RuntimeError:
+            return False
+        self._final_queued = True
+        return True
+
     def _pre_forward(self, u, module, inputs):
         u.depth += 1
         if u.depth > 1:  # inside another of its hooked modules: gathered
+            return
+        if torch.is_grad_enabled() and self._in_backward():
+            # activation checkpointing recomputes the unit's forward in
+            # backward: the tensors it saves (kept by checkpoint's own
+            # saved-tensor hooks, not ours) lie in the area the unit's
+            # backward uses, which stays gathered until the unit's gradient
+            # is reduced. Non-reentrant: the outputs' hook gathered it
+            # already; reentrant: the recomputation comes first
+            u.recompute = True
+            if u.state not in ("backward", "late"):
+                self._pre_backward(u)
             return
         if not self._order_done and u not in self._order:
             self._order.append(u)
@@ -1467,6 +1505,9 @@ class ShardedModule:
     def _post_forward(self, u, module, inputs, output):
         u.depth = max(u.depth - 1, 0)
         if u.depth > 0:  # the outermost one's outputs get the hook
+            return
+        if u.recompute:  # held for its backward (see _pre_forward)
+            u.recompute = False
             return
         if torch.is_grad_enabled():
             hook = functools.partial(self._output_grad, u)
