@@ -72,7 +72,9 @@ every parameter whole (a collective); :meth:`ShardedModule.state_dict_type`
 selects FullStateDictConfig's options or the "local" form (each rank's
 1-D parts).
 
-The original parameter tensors are dropped from the module; the initial
+The original parameter tensors are dropped from the module and their
+storage freed once their values are in the shards (the objects stay,
+empty, so their ids stay unique); the initial
 gather is done by the constructor (it is a collective: every rank of the job
 must construct the same wrapper). Mapped tensors alias libshardd mappings:
 don't use the module after the client is closed.
@@ -135,6 +137,17 @@ Per unit, in the same order on every rank (each rank's graph is the same):
   the parameters no gradient reached on this rank, and the step skips those
   no rank had one for (torch's None ``.grad``).
 
+Activation checkpointing (``torch.utils.checkpoint``, reentrant or not)
+of a unit's forward: the recomputation in backward runs the unit's forward
+again; a forward of a unit while backward runs (autograd's engine accepts a
+callback) gathers nothing more and releases nothing: the unit is gathered
+for its backward (non-reentrant: its outputs' hook came first; reentrant:
+the recomputation gathers it so), and the tensors the recomputation saves
+(checkpoint's saved-tensor hooks hold them, not ours) stay valid until the
+unit's gradient is reduced and the unit released. A checkpointed region
+spanning several units holds each until its backward, within the rank's
+2 gather leases.
+
 A parameter the root's forward reads from a module itself
 (``F.linear(x, self.wte.weight)``), outside every forward that gathers its
 unit, gathers the unit at the read (the module's class becomes a subclass
@@ -152,9 +165,7 @@ out the whole parameters on either kind. From the second forward on, the
 next unit's gather (in the first forward's order) runs while a unit
 computes, when the rank's 2 gather leases allow (``prefetch=``). Not done
 yet: backward prefetch, an unsharded ``no_sync()`` (:meth:`no_sync` is
-accepted and accumulates in the sharded gradient), activation
-checkpointing (a forward inside
-backward), and a forward that raises (the saved-tensor hooks stay pushed
+accepted and accumulates in the sharded gradient), and a forward that raises (the saved-tensor hooks stay pushed
 until the next forward of the root). A unit with a trainable parameter that
 gets no gradient holds its areas until the end of backward, so two such
 units (or one and the root unit) in one backward run into the lease limit
@@ -238,6 +249,9 @@ class FlatUnit:
         # holding one of its parameters) now running: gathered on the first,
         # released when the outermost returns
         self.depth = 0
+        # the outermost running forward is a recomputation in backward
+        # (activation checkpointing): the unit stays gathered after it
+        self.recompute = False
         # the client's step count at the unit's last scatter: while it is
         # the same, the reduced gradient is the daemon's live one (an
         # accumulating scatter adds to it); a step since consumed it (the
@@ -661,6 +675,58 @@ def _watched_class(base):
         "__module__": base.__module__, "__qualname__": base.__qualname__})
 
 
+def _materialize(module, init_fn, sink):
+    """Materializes every parameter and buffer of `module` on the meta device
+    on the CPU, one module at a time in registration order (module.modules()):
+    the module's own meta tensors become empty CPU tensors, then
+    init_fn(module) (default: the module's reset_parameters()) initializes
+    them, as building the model on the CPU does when its constructors
+    initialize through reset_parameters in that order. Buffers stay
+    materialized on the module; each parameter's values go to
+    sink(original parameter, values) right after its first owner's init
+    and the module gets its (meta) parameter back, so that no more than one
+    module's parameters are materialized at a time. A parameter tied after
+    construction (``head.weight = emb.weight``) has the values of the
+    module it was taken from, the first owner: a later owner's init runs
+    on a scratch tensor (it draws from the RNG as on the CPU, where it
+    initialized a parameter the tie then dropped). A parameter not on the
+    meta device goes to the sink as it is."""
+    done = set()  # ids of the parameters already sunk
+    for name, m in module.named_modules():
+        own = [(k, p) for k, p in m._parameters.items() if p is not None]
+        metas = [(k, p) for k, p in own if p.is_meta]
+        mbufs = [(k, b) for k, b in m._buffers.items() if b is not None and b.is_meta]
+        made = {}
+        if metas or mbufs:
+            if init_fn is None and not callable(getattr(m, "reset_parameters", None)):
+                raise ValueError(
+                    "module %r (%s) has parameters or buffers on the meta device and no "
+                    "reset_parameters(): pass param_init_fn= to initialize them"
+                    % (name or "<root>", type(m).__name__))
+            for k, p in metas:
+                t = made.get(id(p))
+                if t is None:
+                    t = made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                                   requires_grad=p.requires_grad)
+                m._parameters[k] = t
+            for k, b in mbufs:
+                m._buffers[k] = torch.empty(b.shape, dtype=b.dtype)
+            try:
+                with torch.no_grad():
+                    if init_fn is not None:
+                        init_fn(m)
+                    else:
+                        m.reset_parameters()
+            finally:
+                for k, p in metas:
+                    m._parameters[k] = p
+        for k, p in own:
+            if id(p) not in done:
+                done.add(id(p))
+                sink(p, made[id(p)].detach() if p.is_meta else p.detach())
+        made = None
+
+
 def _hooked_modules(u):
     """The modules whose forward gathers unit u: its own, and for a unit
     other than the root's (gathered all through the root's forward) every
@@ -725,11 +791,28 @@ class ShardedModule:
       units pays one round trip per bucket, not per unit. 0: one request
       per unit. Transient areas gather each unit in its hook (each gather
       leases a slot of the 2 a rank may hold, so those are not bucketed).
+    param_init_fn: for a module built on the meta device (``nn.Linear(...,
+      device="meta")``; torch 1.13 has no ``with torch.device("meta")``):
+      the model is materialized one module at a time, in registration order
+      (``module.modules()``): the module's own meta parameters and buffers
+      become empty CPU tensors, then ``param_init_fn(m)`` (default:
+      ``m.reset_parameters()``) initializes them in place (unlike FSDP's,
+      it must not materialize submodules: each gets its own call), and
+      each parameter's part of this rank's shard is written from them (a
+      tied one's from its first owner's init: ``head.weight = emb.weight``
+      keeps emb's values, as on the CPU, ``wte.weight = lm_head.weight``
+      does not); buffers stay on the module. So
+      no rank holds more than a module's parameters beyond its shards, and a
+      model whose constructors initialize through reset_parameters() in
+      registration order gets the values (and leaves the RNG state) of
+      building it on the CPU with the same seed, in any world size. The
+      model is materialized twice (the checksums, then the shards; the
+      RNG state put back in between).
     """
 
     def __init__(self, client, module, auto_wrap="module", prefix="", dtype=None,
                  initial_gather=True, reduce_op="mean", init="auto", prefetch=True,
-                 bucket_bytes=25 << 20):
+                 bucket_bytes=25 << 20, param_init_fn=None):
         if init not in INIT_POLICIES:
             raise ValueError("init %r: one of %s" % (init, ", ".join(INIT_POLICIES)))
         if reduce_op not in shardd.REDUCE_OPS:
@@ -746,10 +829,18 @@ class ShardedModule:
         self.units = []
         self._by_param = {}       # id(replacement param) -> _Entry
         self._orig_names = {}     # id(original param) -> qualified name
-        self._orig_keep = []      # keeps originals alive so their ids stay unique
+        # the original parameter objects, kept so that their ids stay
+        # unique (_orig_names names one passed to register_optimizer), but
+        # each emptied once its values are in the shards: a rank holds no
+        # copy of the model beside the daemon's (FSDP frees them too)
+        self._orig_keep = []
         rank = client.rank
         specs = _unit_modules(module, auto_wrap)
         per_unit, parent = _collect(module, specs)
+        # a model built on the meta device (nn.Linear(..., device="meta")):
+        # materialized one module at a time, straight into the shards
+        meta = any(t.is_meta for t in module.parameters()) or \
+            any(t.is_meta for t in module.buffers())
         if self.transient:
             _check_nesting(specs, per_unit, parent)
         _check_outside_holders(module, per_unit)
@@ -775,13 +866,24 @@ class ShardedModule:
                 udt = _TORCH_DTYPES[udt]
             total = sum(p.numel() for _, p, _ in params)
             bname = "%s%s.flat_param" % (prefix, uname if uname else "root")
+            if meta:  # the checksums come from a materialization below
+                units.append([uname, root, params, udt, total, bname, None])
+                continue
             with torch.no_grad():
                 flat = torch.cat([p.detach().reshape(-1).to(_DTYPE_OF[udt])
                                   for _, p, _ in params])
-            units.append((uname, root, params, udt, total, bname, _checksum(flat)))
+            units.append([uname, root, params, udt, total, bname, _checksum(flat)])
             del flat
+        if meta:
+            # a first materialization for the checksums, the RNG state put
+            # back after it: the second writes the shards and leaves the RNG
+            # as building the model on the CPU does
+            with torch.random.fork_rng(devices=[]):
+                for u, ck in zip(units, self._meta_checksums(module, units, param_init_fn)):
+                    u[6] = ck
         bufs = client.register_buffers([(bname, udt, total, ck)
                                         for _, _, _, udt, total, bname, ck in units])
+        writes = []  # meta: (params, udt, total, buf, sh) of the units to write
         for (uname, root, params, udt, total, bname, ck), buf in zip(units, bufs):
             if init == "require_existing" and not buf.existing:
                 raise shardd.Error(22, "unit %r: buffer %r holds no trained or restored "
@@ -795,7 +897,10 @@ class ShardedModule:
                 grd = buf.grad_tensor
             # this rank's slice of the flattened initial values, unless the
             # shards hold trained or restored ones
-            if init == "overwrite" or not buf.existing:
+            if meta:
+                if init == "overwrite" or not buf.existing:
+                    writes.append((params, udt, total, buf, sh))
+            elif init == "overwrite" or not buf.existing:
                 with torch.no_grad():
                     flat = torch.cat([p.detach().reshape(-1).to(_DTYPE_OF[udt])
                                       for _, p, _ in params])
@@ -814,6 +919,8 @@ class ShardedModule:
                         del exact
                     del flat
             pending.append((uname, root, params, buf, sh, gat, grd))
+        if meta:
+            self._meta_write(module, writes, param_init_fn)
         if any(u[3].dtype_code != shardd._lib.DTYPE_FP32 for u in pending):
             # no rank's first gather before every rank seeded its masters
             # (the daemon refuses a seed, E_BUSY, while the buffer is in a
@@ -852,6 +959,9 @@ class ShardedModule:
                 e.param = newp
                 self._orig_names[id(p)] = qn
                 self._orig_keep.append(p)
+                with torch.no_grad():
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                p.grad = None
                 for m, attr in owners:
                     m._parameters[attr] = newp
                 self._by_param[id(newp)] = e
@@ -888,6 +998,71 @@ class ShardedModule:
             self._hook_resident()
         if not self.transient and initial_gather:
             self.gather()
+
+    # -- meta-device init --------------------------------------------------
+    def _meta_checksums(self, module, units, init_fn):
+        """The crc32 of each unit's flattened initial values (what
+        _checksum gives for a CPU-built model), from one materialization:
+        a unit's values are checksummed in the unit's order, those that
+        come early (a tied weight waits for its last owner) held until
+        their turn."""
+        where = {}
+        for ui, u in enumerate(units):
+            for k, (_, p, _) in enumerate(u[2]):
+                where[id(p)] = (ui, k)
+        crc = [0] * len(units)
+        nxt = [0] * len(units)
+        held = [{} for _ in units]
+
+        def sink(p, v):
+            if id(p) not in where:
+                return
+            ui, k = where[id(p)]
+            held[ui][k] = v
+            dt = _DTYPE_OF[units[ui][3]]
+            while nxt[ui] in held[ui]:
+                t = held[ui].pop(nxt[ui]).reshape(-1).to(dt).contiguous()
+                crc[ui] = zlib.crc32(t.view(torch.uint8).numpy(), crc[ui])
+                nxt[ui] += 1
+
+        _materialize(module, init_fn, sink)
+        return crc
+
+    def _meta_write(self, module, writes, init_fn):
+        """Materializes the model again (the buffers stay on the module)
+        and writes each parameter's part of this rank's shard as it comes;
+        16-bit units' fp32 masters from the exact values."""
+        rank = self.client.rank
+        where = {}
+        exact = []
+        for wi, (params, udt, total, buf, sh) in enumerate(writes):
+            off = 0
+            for _, p, _ in params:
+                where[id(p)] = (wi, off)
+                off += p.numel()
+            sh.zero_()
+            n = max(0, min(buf.shard_numel, total - rank * buf.shard_numel))
+            exact.append(torch.zeros(n) if udt != "fp32" else None)
+
+        def sink(p, v):
+            if id(p) not in where:
+                return
+            wi, off = where[id(p)]
+            _, _, _, buf, sh = writes[wi]
+            s0 = rank * buf.shard_numel
+            a = max(off, s0)
+            b = min(off + v.numel(), s0 + buf.shard_numel)
+            if b <= a:
+                return
+            v = v.reshape(-1)[a - off:b - off]
+            sh[a - s0:b - s0].copy_(v.to(sh.dtype).to(sh.device))
+            if exact[wi] is not None:
+                exact[wi][a - s0:b - s0].copy_(v.float())
+
+        _materialize(module, init_fn, sink)
+        for (params, udt, total, buf, sh), ex in zip(writes, exact):
+            if ex is not None:
+                self.client.seed_master(buf, ex)
 
     # -- introspection ---------------------------------------------------
     @property
@@ -1296,6 +1471,7 @@ class ShardedModule:
         self._pop_saved_hooks()  # a forward that raised left them pushed
         for u in self.units:  # likewise
             u.depth = 0
+            u.recompute = False
         self._in_forward = True
         if self._pending is not None:  # likewise
             self._drop_prefetch()
@@ -1432,9 +1608,34 @@ class ShardedModule:
         self._to_shard(u)
         self.client.release(u.buffer)
 
+    def _in_backward(self):
+        """Whether autograd's engine is running a backward of ours: a forward
+        now is activation checkpointing's recomputation."""
+        if self._final_queued:
+            return True
+        if self._in_forward:
+            return False
+        try:  # refused outside a backward
+            torch.autograd.Variable._execution_engine.queue_callback(self._final)
+        except RuntimeError:
+            return False
+        self._final_queued = True
+        return True
+
     def _pre_forward(self, u, module, inputs):
         u.depth += 1
         if u.depth > 1:  # inside another of its hooked modules: gathered
+            return
+        if torch.is_grad_enabled() and self._in_backward():
+            # activation checkpointing recomputes the unit's forward in
+            # backward: the tensors it saves (kept by checkpoint's own
+            # saved-tensor hooks, not ours) lie in the area the unit's
+            # backward uses, which stays gathered until the unit's gradient
+            # is reduced. Non-reentrant: the outputs' hook gathered it
+            # already; reentrant: the recomputation comes first
+            u.recompute = True
+            if u.state not in ("backward", "late"):
+                self._pre_backward(u)
             return
         if not self._order_done and u not in self._order:
             self._order.append(u)
@@ -1458,6 +1659,9 @@ class ShardedModule:
     def _post_forward(self, u, module, inputs, output):
         u.depth = max(u.depth - 1, 0)
         if u.depth > 0:  # the outermost one's outputs get the hook
+            return
+        if u.recompute:  # held for its backward (see _pre_forward)
+            u.recompute = False
             return
         if torch.is_grad_enabled():
             hook = functools.partial(self._output_grad, u)
