@@ -657,9 +657,10 @@ static shardd_err recv_for_many(shardd_client_t *c, uint64_t seq,
       /* the request stays outstanding: a reply that comes later is
        * dropped as one nobody waits for, so the connection stays usable */
       return set_err(c, SHARDD_E_TIMEOUT, "daemon at %s did not answer for "
-                     "%g s (a Ping went unanswered too: is it stopped or "
-                     "hung?); the request's outcome is unknown",
-                     c->socket_path, c->timeout);
+                     "%g s (%s: is it stopped or hung?); the request's "
+                     "outcome is unknown", c->socket_path, c->timeout,
+                     probe ? "a Ping went unanswered too"
+                           : "it did not read a Ping either");
     }
     if (rc != SHARDD_OK) {
       free(c->err_long); /* the reason is the frame layer's, in err */
