@@ -271,16 +271,20 @@ shardd_err shardd__frame_recv_within(int fd, shardd__frame_reader *r,
     msg.msg_iovlen = 1;
     msg.msg_control = ctl.space;
     msg.msg_controllen = sizeof ctl.space;
-    if (timeout_ms >= 0 && shardd__frame_wait(fd, POLLIN, timeout_ms) ==
-                               SHARDD_E_TIMEOUT) {
-      if (err)
-        snprintf(err, errlen, "recv: nothing arrived for %d ms", timeout_ms);
-      return SHARDD_E_TIMEOUT;
-    }
-    ssize_t got = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+    /* with a timeout: read what is there, and wait (poll) only when
+     * nothing is, so a reply already in the socket costs no extra call */
+    ssize_t got = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC |
+                                        (timeout_ms >= 0 ? MSG_DONTWAIT : 0));
     if (got < 0) {
       if (errno == EINTR)
         continue;
+      if (timeout_ms >= 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        if (shardd__frame_wait(fd, POLLIN, timeout_ms) == SHARDD_OK)
+          continue;
+        if (err)
+          snprintf(err, errlen, "recv: nothing arrived for %d ms", timeout_ms);
+        return SHARDD_E_TIMEOUT;
+      }
       if (err)
         snprintf(err, errlen, "recv: %s", strerror(errno));
       return errno == ECONNRESET ? SHARDD_E_CLOSED : SHARDD_E_IO;
