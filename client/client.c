@@ -18,6 +18,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "frame.h"
@@ -252,6 +253,11 @@ struct shardd_client {
   pool_map *pools; /* newest first */
   async_op *async; /* oldest first */
   uint32_t max_async;
+  /* Seconds of silence from the daemon a call waits before it pings, and
+   * then before it fails with SHARDD_E_TIMEOUT (<= 0: forever); the path
+   * is for that message. */
+  double timeout;
+  char socket_path[sizeof ((struct sockaddr_un *)0)->sun_path];
 };
 
 static shardd_err set_err(shardd_client_t *c, shardd_err rc, const char *fmt,
@@ -518,6 +524,48 @@ static void async_note(async_op *a, const Shardwire__Response *resp,
   }
 }
 
+static double mono_now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+/* c->timeout in ms for the frame layer (-1: none). */
+static int timeout_ms(const shardd_client_t *c) {
+  if (!(c->timeout > 0))
+    return -1;
+  return c->timeout >= INT_MAX / 1000 ? INT_MAX : (int)(c->timeout * 1000.0 + 0.5);
+}
+
+/* The liveness probe: a Ping sent while a call waits. The daemon answers a
+ * session's requests as each completes, not in order, so its Pong comes
+ * back while a collective of the session still waits for a slow peer: it
+ * proves the daemon alive without failing the collective. Returns its seq,
+ * 0 when it could not be sent (the wait goes on; a daemon that is gone
+ * shows as the connection closing). */
+static uint64_t send_probe(shardd_client_t *c) {
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Ping ping = SHARDWIRE__PING__INIT;
+  req.body_case = SHARDWIRE__REQUEST__BODY_PING;
+  req.ping = &ping;
+  req.seq = ++c->seq;
+  uint8_t buf[64];
+  size_t n = shardwire__request__get_packed_size(&req);
+  if (n > sizeof buf)
+    return 0;
+  shardwire__request__pack(&req, buf);
+  char why[128];
+  /* a tiny frame: a socket buffer with no room for it means the daemon has
+   * read nothing for a while, and the wait below decides */
+  shardd_err rc = shardd__frame_send_within(c->fd, buf, n, 0, why, sizeof why);
+  if (rc == SHARDD_E_TIMEOUT) {
+    /* nothing of it was written (a socket write of a few bytes is whole
+     * or nothing), so the stream is intact */
+    return 0;
+  }
+  return rc == SHARDD_OK ? req.seq : 0;
+}
+
 /* Sends req with the next seq. */
 static shardd_err send_req(shardd_client_t *c, Shardwire__Request *req) {
   if (c->fd < 0)
@@ -532,11 +580,20 @@ static shardd_err send_req(shardd_client_t *c, Shardwire__Request *req) {
   if (buf == NULL)
     return set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
   shardwire__request__pack(req, buf);
-  shardd_err rc = shardd__frame_send(c->fd, buf, n, c->err, sizeof c->err);
+  shardd_err rc = shardd__frame_send_within(c->fd, buf, n, timeout_ms(c),
+                                            c->err, sizeof c->err);
   free(buf);
   if (rc != SHARDD_OK) { /* the reason is the frame layer's, in err */
     free(c->err_long);
     c->err_long = NULL;
+  }
+  if (rc == SHARDD_E_TIMEOUT) {
+    /* part of the frame may be written: the stream cannot go on */
+    close(c->fd);
+    c->fd = -1;
+    return set_err(c, rc, "daemon at %s did not answer for %g s: it read "
+                   "none of a request for that long (stopped or hung?); "
+                   "the connection is closed", c->socket_path, c->timeout);
   }
   if (rc == SHARDD_E_CLOSED)
     rc = closed_reason(c, rc);
@@ -565,12 +622,46 @@ static shardd_err recv_for_many(shardd_client_t *c, uint64_t seq,
   int local[4];
   int *fds = many ? many : local;
   int maxfds = many ? maxmany : 4;
+  if (c->fd < 0)
+    return set_err(c, SHARDD_E_CLOSED, "the connection was closed earlier");
+  /* Liveness: after half the timeout without a frame, a Ping goes out;
+   * silence for the whole timeout (the Ping unanswered for at least half
+   * of it) fails the call. Any frame restarts the clock, so a collective
+   * waiting on a slow peer for as long as --collective-timeout lasts. */
+  double heard = mono_now();
+  uint64_t probe = 0; /* the Ping's seq while its Pong is awaited */
+  int pinged = 0;     /* a Ping went out (or could not) since the last Pong */
   for (;;) {
     const uint8_t *payload;
     size_t len;
     int nfds = 0;
-    shardd_err rc = shardd__frame_recv(c->fd, &c->rd, &payload, &len, fds, maxfds,
-                                       &nfds, c->err, sizeof c->err);
+    int wait_ms = -1;
+    if (c->timeout > 0) {
+      double left = heard + (pinged ? c->timeout : c->timeout / 2) - mono_now();
+      wait_ms = left <= 0 ? 0 : left >= INT_MAX / 1000 ? INT_MAX
+                                                       : (int)(left * 1000.0) + 1;
+    }
+    shardd_err rc = shardd__frame_recv_within(c->fd, &c->rd, &payload, &len, fds,
+                                              maxfds, &nfds, wait_ms, c->err,
+                                              sizeof c->err);
+    if (rc == SHARDD_E_TIMEOUT) {
+      for (int i = 0; i < nfds; i++)
+        close(fds[i]);
+      if (!pinged) {
+        pinged = 1;
+        probe = send_probe(c);
+        continue;
+      }
+      if (mono_now() - heard < c->timeout)
+        continue;
+      /* the request stays outstanding: a reply that comes later is
+       * dropped as one nobody waits for, so the connection stays usable */
+      return set_err(c, SHARDD_E_TIMEOUT, "daemon at %s did not answer for "
+                     "%g s (%s: is it stopped or hung?); the request's "
+                     "outcome is unknown", c->socket_path, c->timeout,
+                     probe ? "a Ping went unanswered too"
+                           : "it did not read a Ping either");
+    }
     if (rc != SHARDD_OK) {
       free(c->err_long); /* the reason is the frame layer's, in err */
       c->err_long = NULL;
@@ -585,6 +676,7 @@ static shardd_err recv_for_many(shardd_client_t *c, uint64_t seq,
       }
       return rc;
     }
+    heard = mono_now();
     Shardwire__Response *resp = shardwire__response__unpack(NULL, len, payload);
     if (resp == NULL) {
       for (int i = 0; i < nfds; i++)
@@ -592,6 +684,8 @@ static shardd_err recv_for_many(shardd_client_t *c, uint64_t seq,
       return set_err(c, SHARDD_E_PROTOCOL,
                      "the daemon's %zu-byte reply could not be decoded", len);
     }
+    if (probe != 0 && resp->seq == probe)
+      probe = 0, pinged = 0; /* the daemon lives: the next silence pings */
     /* A gather's reply may bring a pool's descriptor, its only one: mapped
      * here for every reply, the one waited for or not. */
     shardd_err pool_rc = SHARDD_OK;
@@ -724,6 +818,32 @@ static shardd_err connect_error(shardd_client_t *c, const char *socket_path,
   return set_err(c, SHARDD_E_CONNECT, "%s %s: %s", pre, socket_path, strerror(e));
 }
 
+/* c->timeout from opts (when the caller's struct reaches the field), else
+ * $SHARDD_TIMEOUT, else the default. */
+static shardd_err pick_timeout(shardd_client_t *c,
+                               const shardd_connect_opts *opts) {
+  c->timeout = SHARDD_DEFAULT_TIMEOUT;
+  if (opts && opts->size >= offsetof(shardd_connect_opts, timeout_s) +
+                                sizeof opts->timeout_s &&
+      opts->timeout_s != 0) {
+    if (isnan(opts->timeout_s))
+      return set_err(c, SHARDD_E_INVAL, "timeout_s is NaN");
+    c->timeout = opts->timeout_s;
+    return SHARDD_OK;
+  }
+  const char *env = getenv("SHARDD_TIMEOUT");
+  if (env && env[0]) {
+    char *end;
+    errno = 0;
+    double v = strtod(env, &end);
+    if (errno != 0 || *end != '\0' || end == env || isnan(v) || v < 0)
+      return set_err(c, SHARDD_E_INVAL, "SHARDD_TIMEOUT=%s is not a number of "
+                     "seconds (0: no timeout)", env);
+    c->timeout = v == 0 ? -1 : v;
+  }
+  return SHARDD_OK;
+}
+
 shardd_err shardd_connect(const char *socket_path,
                           const shardd_connect_opts *opts,
                           shardd_client_t **out, char *errbuf, size_t errlen) {
@@ -753,6 +873,10 @@ shardd_err shardd_connect(const char *socket_path,
     goto fail;
   }
   snprintf(sa.sun_path, sizeof sa.sun_path, "%s", socket_path);
+  snprintf(c->socket_path, sizeof c->socket_path, "%s", socket_path);
+  rc = pick_timeout(c, opts);
+  if (rc != SHARDD_OK)
+    goto fail;
   c->fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (c->fd < 0) {
     rc = set_err(c, SHARDD_E_IO, "socket: %s", strerror(errno));
@@ -833,6 +957,12 @@ fail:
   free(c->err_long);
   free(c);
   return rc;
+}
+
+void shardd_set_timeout(shardd_client_t *c, double timeout_s) {
+  if (c == NULL || isnan(timeout_s))
+    return;
+  c->timeout = timeout_s == 0 ? SHARDD_DEFAULT_TIMEOUT : timeout_s;
 }
 
 static size_t maps_slot(const shardd_client_t *c, uint64_t id) {

@@ -4,8 +4,10 @@
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <poll.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 void shardd__frame_reader_init(shardd__frame_reader *r, size_t max_frame) {
@@ -115,7 +117,8 @@ void shardd__frame_put_header(uint8_t out[SHARDD_FRAME_HEADER], uint32_t len) {
 /* Sends header and payload with one sendmsg (one wakeup of the peer per
  * frame), continuing after short writes. */
 static shardd_err send_frame(int fd, const uint8_t *hdr, const void *payload,
-                             size_t n, char *err, size_t errlen) {
+                             size_t n, int timeout_ms, char *err,
+                             size_t errlen) {
   struct iovec iov[2] = {{(void *)hdr, SHARDD_FRAME_HEADER},
                          {(void *)payload, n}};
   struct iovec *v = iov;
@@ -124,10 +127,20 @@ static shardd_err send_frame(int fd, const uint8_t *hdr, const void *payload,
     struct msghdr msg = {0};
     msg.msg_iov = v;
     msg.msg_iovlen = (size_t)cnt;
-    ssize_t w = sendmsg(fd, &msg, MSG_NOSIGNAL);
+    ssize_t w = sendmsg(fd, &msg,
+                        MSG_NOSIGNAL | (timeout_ms >= 0 ? MSG_DONTWAIT : 0));
     if (w < 0) {
       if (errno == EINTR)
         continue;
+      if (timeout_ms >= 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        shardd_err rc = shardd__frame_wait(fd, POLLOUT, timeout_ms);
+        if (rc == SHARDD_OK)
+          continue;
+        if (err)
+          snprintf(err, errlen, "send: the peer read nothing for %d ms",
+                   timeout_ms);
+        return rc;
+      }
       if (err)
         snprintf(err, errlen, "send: %s", strerror(errno));
       return errno == EPIPE || errno == ECONNRESET ? SHARDD_E_CLOSED
@@ -147,8 +160,36 @@ static shardd_err send_frame(int fd, const uint8_t *hdr, const void *payload,
   return SHARDD_OK;
 }
 
+shardd_err shardd__frame_wait(int fd, short events, int timeout_ms) {
+  struct timespec t0;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (;;) {
+    struct pollfd p = {.fd = fd, .events = events};
+    int left = timeout_ms;
+    if (timeout_ms > 0) { /* an EINTR does not restart the wait's clock */
+      struct timespec t;
+      clock_gettime(CLOCK_MONOTONIC, &t);
+      long spent = (long)(t.tv_sec - t0.tv_sec) * 1000 +
+                   (t.tv_nsec - t0.tv_nsec) / 1000000;
+      left = spent >= timeout_ms ? 0 : timeout_ms - (int)spent;
+    }
+    int n = poll(&p, 1, left);
+    if (n > 0)
+      return SHARDD_OK; /* ready, or an error/hangup the next call reports */
+    if (n == 0)
+      return SHARDD_E_TIMEOUT;
+    if (errno != EINTR)
+      return SHARDD_OK; /* let the read or write itself report it */
+  }
+}
+
 shardd_err shardd__frame_send(int fd, const void *payload, size_t len,
                               char *err, size_t errlen) {
+  return shardd__frame_send_within(fd, payload, len, -1, err, errlen);
+}
+
+shardd_err shardd__frame_send_within(int fd, const void *payload, size_t len,
+                                     int timeout_ms, char *err, size_t errlen) {
   if (len > UINT32_MAX) {
     if (err)
       snprintf(err, errlen, "frame of %zu bytes cannot be encoded", len);
@@ -156,7 +197,7 @@ shardd_err shardd__frame_send(int fd, const void *payload, size_t len,
   }
   uint8_t hdr[SHARDD_FRAME_HEADER];
   shardd__frame_put_header(hdr, (uint32_t)len);
-  return send_frame(fd, hdr, payload, len, err, errlen);
+  return send_frame(fd, hdr, payload, len, timeout_ms, err, errlen);
 }
 
 static void take_fds(struct msghdr *msg, int *fds, int maxfds, int *nfds) {
@@ -180,6 +221,14 @@ static void take_fds(struct msghdr *msg, int *fds, int maxfds, int *nfds) {
 shardd_err shardd__frame_recv(int fd, shardd__frame_reader *r,
                               const uint8_t **payload, size_t *len, int *fds,
                               int maxfds, int *nfds, char *err, size_t errlen) {
+  return shardd__frame_recv_within(fd, r, payload, len, fds, maxfds, nfds, -1,
+                                   err, errlen);
+}
+
+shardd_err shardd__frame_recv_within(int fd, shardd__frame_reader *r,
+                                     const uint8_t **payload, size_t *len,
+                                     int *fds, int maxfds, int *nfds,
+                                     int timeout_ms, char *err, size_t errlen) {
   *nfds = 0;
   for (;;) {
     shardd_err rc = shardd__frame_reader_next(r, payload, len);
@@ -222,10 +271,20 @@ shardd_err shardd__frame_recv(int fd, shardd__frame_reader *r,
     msg.msg_iovlen = 1;
     msg.msg_control = ctl.space;
     msg.msg_controllen = sizeof ctl.space;
-    ssize_t got = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+    /* with a timeout: read what is there, and wait (poll) only when
+     * nothing is, so a reply already in the socket costs no extra call */
+    ssize_t got = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC |
+                                        (timeout_ms >= 0 ? MSG_DONTWAIT : 0));
     if (got < 0) {
       if (errno == EINTR)
         continue;
+      if (timeout_ms >= 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        if (shardd__frame_wait(fd, POLLIN, timeout_ms) == SHARDD_OK)
+          continue;
+        if (err)
+          snprintf(err, errlen, "recv: nothing arrived for %d ms", timeout_ms);
+        return SHARDD_E_TIMEOUT;
+      }
       if (err)
         snprintf(err, errlen, "recv: %s", strerror(errno));
       return errno == ECONNRESET ? SHARDD_E_CLOSED : SHARDD_E_IO;

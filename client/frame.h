@@ -68,4 +68,23 @@ shardd_err shardd__frame_recv(int fd, shardd__frame_reader *r,
                               const uint8_t **payload, size_t *len, int *fds,
                               int maxfds, int *nfds, char *err, size_t errlen);
 
+/* As above, but each wait for the socket gives up after timeout_ms without
+ * progress (< 0: never): SHARDD_E_TIMEOUT, the reason in err. Progress
+ * restarts the clock, so this bounds silence, not the whole transfer. A
+ * frame partly received stays in r for the next call (descriptors that
+ * came with it are returned in fds like any error's, the caller closes
+ * them); a frame partly sent cannot be resumed, so after a send's timeout
+ * the stream is unusable (the caller closes it). */
+shardd_err shardd__frame_send_within(int fd, const void *payload, size_t len,
+                                     int timeout_ms, char *err, size_t errlen);
+shardd_err shardd__frame_recv_within(int fd, shardd__frame_reader *r,
+                                     const uint8_t **payload, size_t *len,
+                                     int *fds, int maxfds, int *nfds,
+                                     int timeout_ms, char *err, size_t errlen);
+
+/* Waits up to timeout_ms (< 0: forever) for fd to be ready for events
+ * (POLLIN, POLLOUT): SHARDD_OK when ready or in error (the next read or
+ * write reports it), SHARDD_E_TIMEOUT when not. */
+shardd_err shardd__frame_wait(int fd, short events, int timeout_ms);
+
 #endif /* SHARDD_FRAME_H */

@@ -10,7 +10,7 @@
 
 static void usage(FILE *f) {
   fprintf(f,
-          "usage: shardctl [--socket PATH] [--json] COMMAND\n"
+          "usage: shardctl [--socket PATH] [--json] [--timeout S] COMMAND\n"
           "  status [--from N]   daemon, devices, jobs, optimizers (256 jobs at most,\n"
           "                      from the N-th in name order; it says how many follow)\n"
           "  inspect ID|NAME     one buffer or view: layout, shards, views, owner\n"
@@ -21,17 +21,35 @@ static void usage(FILE *f) {
           "  release JOB         free a job nobody is connected to (before a restore)\n"
           "  restore DIR [--world N]  recreate the job checkpointed in DIR (into\n"
           "                      N ranks: shards are keyed by offset, not rank)\n"
-          "The socket is --socket, else $SHARDD_SOCKET, else %s.\n",
-          SHARDD_DEFAULT_SOCKET);
+          "The socket is --socket, else $SHARDD_SOCKET, else %s.\n"
+          "--timeout S: a daemon that answers nothing for S s (stopped, hung)\n"
+          "fails the command with exit code 3 (default $SHARDD_TIMEOUT, else %g;\n"
+          "0: wait forever). checkpoint waits for the write itself without it.\n",
+          SHARDD_DEFAULT_SOCKET, SHARDD_DEFAULT_TIMEOUT);
+}
+
+/* --timeout's value: 0..86400 seconds, else a usage error (-1). */
+static double parse_timeout(const char *v) {
+  char *end;
+  double t = strtod(v, &end);
+  if (*end || end == v || !(t >= 0 && t <= 86400)) {
+    fprintf(stderr, "shardctl: --timeout %s: must be 0..86400 seconds\n", v);
+    return -1;
+  }
+  return t;
 }
 
 int main(int argc, char **argv) {
   const char *sock = NULL;
   int json = 0;
+  double timeout = -1; /* -1: not given */
   int i = 1;
   for (; i < argc && argv[i][0] == '-'; i++) {
     if (!strcmp(argv[i], "--json")) {
       json = 1;
+    } else if (!strcmp(argv[i], "--timeout") && i + 1 < argc) {
+      if ((timeout = parse_timeout(argv[++i])) < 0)
+        return 2;
     } else if (!strcmp(argv[i], "--socket") && i + 1 < argc) {
       sock = argv[++i];
     } else if (!strncmp(argv[i], "--socket=", 9)) {
@@ -53,7 +71,6 @@ int main(int argc, char **argv) {
   /* Options may follow the command too (shardctl status --json). */
   const char *arg = NULL, *arg2 = NULL;
   long world = 0, from = 0;
-  double timeout = 60;
   for (; i < argc; i++) {
     if (!strcmp(argv[i], "--json"))
       json = 1;
@@ -74,13 +91,8 @@ int main(int argc, char **argv) {
       }
     }
     else if (!strcmp(argv[i], "--timeout") && i + 1 < argc) {
-      char *end;
-      timeout = strtod(argv[++i], &end);
-      if (*end || end == argv[i] || !(timeout >= 0 && timeout <= 86400)) {
-        fprintf(stderr, "shardctl: --timeout %s: must be 0..86400 seconds\n",
-                argv[i]);
+      if ((timeout = parse_timeout(argv[++i])) < 0)
         return 2;
-      }
     }
     else if (!strcmp(argv[i], "--socket") && i + 1 < argc)
       sock = argv[++i];
@@ -137,10 +149,15 @@ int main(int argc, char **argv) {
   shardd_client_t *c;
   shardd_connect_opts opts = SHARDD_CONNECT_OPTS_INIT;
   opts.client_name = "shardctl";
+  /* not given: the library's ($SHARDD_TIMEOUT, else its default); 0: none */
+  opts.timeout_s = timeout < 0 ? 0 : timeout == 0 ? -1 : timeout;
   shardd_err rc = shardd_connect(sock, &opts, &c, err, sizeof err);
   if (rc != SHARDD_OK) {
     fprintf(stderr, "shardctl: %s\n", err);
-    return rc == SHARDD_E_CONNECT || rc == SHARDD_E_INVAL || rc == SHARDD_E_IO ? 3 : 1;
+    return rc == SHARDD_E_CONNECT || rc == SHARDD_E_INVAL || rc == SHARDD_E_IO ||
+                   rc == SHARDD_E_TIMEOUT || rc == SHARDD_E_CLOSED
+               ? 3
+               : 1;
   }
   char *out = NULL;
   if (is_status) {
@@ -148,7 +165,13 @@ int main(int argc, char **argv) {
               : shardd_status_text_from(c, (uint32_t)from, &out);
   } else if (is_ckpt || is_restore) {
     char job[256];
-    rc = is_ckpt ? shardd_checkpoint_wait(c, arg, dir, timeout)
+    /* --timeout is also how long a checkpoint waits for the job's quiescent
+     * point (as it always was); the write that follows runs on the
+     * daemon's loop, silent for as long as the data takes, so the call
+     * itself has no silence deadline (the connect had one) */
+    if (is_ckpt)
+      shardd_set_timeout(c, -1);
+    rc = is_ckpt ? shardd_checkpoint_wait(c, arg, dir, timeout < 0 ? 60 : timeout)
                  : shardd_restore(c, dir, (uint32_t)world, job, sizeof job);
     if (rc == SHARDD_OK) {
       char line[4600];
@@ -186,7 +209,9 @@ int main(int argc, char **argv) {
   int code = 0;
   if (rc != SHARDD_OK) {
     fprintf(stderr, "shardctl: %s: %s\n", shardd_err_name(rc), shardd_last_error(c));
-    code = rc == SHARDD_E_CLOSED ? 3 : 1;
+    /* a checkpoint's E_TIMEOUT is the daemon's (no quiescent point in
+     * time); any other is the daemon not answering */
+    code = rc == SHARDD_E_CLOSED || (rc == SHARDD_E_TIMEOUT && !is_ckpt) ? 3 : 1;
   } else if (out) {
     fputs(out, stdout);
   }

@@ -121,8 +121,25 @@ typedef struct {
    * is refused (SHARDD_E_MISMATCH). (Appended; a caller built against an
    * older header, whose size ends before it, gets resident areas.) */
   int transient_areas;
+  /* Seconds the daemon may stay silent before a call on this client fails
+   * with SHARDD_E_TIMEOUT, "daemon at SOCKET did not answer for N s": a
+   * stopped or hung daemon is reported instead of blocking forever. After
+   * half of it without a reply, the call sends a Ping; the daemon answers
+   * it while a collective still waits for a slow peer, so a collective
+   * lasts as long as the daemon's --collective-timeout lets it, and only
+   * a daemon that answers nothing for timeout_s fails the call. The
+   * request stays outstanding (its outcome unknown; a later reply to it is
+   * dropped) and the client stays usable. Also bounds the Hello.
+   * 0: $SHARDD_TIMEOUT when set (seconds), else SHARDD_DEFAULT_TIMEOUT;
+   * negative (or $SHARDD_TIMEOUT 0): wait forever, as before. (Appended.) */
+  double timeout_s;
 } shardd_connect_opts;
-#define SHARDD_CONNECT_OPTS_INIT {sizeof(shardd_connect_opts), NULL, 0, 1, NULL, 0, 0}
+#define SHARDD_CONNECT_OPTS_INIT {sizeof(shardd_connect_opts), NULL, 0, 1, NULL, 0, 0, 0.0}
+
+/* shardd_connect_opts.timeout_s's default, in seconds: far below any
+ * sensible --collective-timeout (300 s by default), far above one turn of
+ * a daemon that is alive. */
+#define SHARDD_DEFAULT_TIMEOUT 60.0
 
 /* Connects to the daemon at socket_path (NULL: $SHARDD_SOCKET, then
  * SHARDD_DEFAULT_SOCKET) and performs the Hello handshake. On success *out
@@ -131,6 +148,11 @@ typedef struct {
 shardd_err shardd_connect(const char *socket_path,
                           const shardd_connect_opts *opts,
                           shardd_client_t **out, char *errbuf, size_t errlen);
+
+/* Changes c's silence deadline (shardd_connect_opts.timeout_s; here 0 is
+ * the default and negative none) for the calls that follow: e.g. none
+ * around a call known to keep the daemon's loop busy for long. */
+void shardd_set_timeout(shardd_client_t *c, double timeout_s);
 
 /* Closes the connection, unmaps every area handed out on it and frees c.
  * NULL is a no-op. To the daemon this is a rank that went away (as if it

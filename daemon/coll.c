@@ -1896,13 +1896,47 @@ static void fail_stuck(coll_job *q, double now) {
     schedule(q);
 }
 
+/* Ticks further apart than this (the server ticks every 100 ms) mean the
+ * loop itself did not run: the daemon was stopped (SIGSTOP), swapped out
+ * or busy on its loop thread. */
+#define STALL_S 2.0
+
+/* The daemon's own stall of stall seconds is nobody's delay: the ranks'
+ * requests sent meanwhile wait unread in their sockets, so the clocks the
+ * tick judges ranks by (collective deadlines, the peer grace of lost
+ * ranks, the stuck check's last submission) are moved on by it. Without
+ * this the first tick after the stall failed the collectives with
+ * E_PEER_LOST naming ranks that had arrived in time. */
+static void forgive_stall(const jobs_arg *a, double stall) {
+  for (size_t i = 0; i < a->n; i++) {
+    coll_job *q = a->jobs[i];
+    for (coll *c = q->head; c; c = c->next)
+      c->deadline += stall;
+    if (q->lost_at)
+      for (uint32_t r = 0; r < q->job->world; r++)
+        if (q->lost_at[r] >= 0)
+          q->lost_at[r] += stall;
+    q->last_submit += stall;
+  }
+}
+
 void shardd__coll_tick(shardd__coll_engine *e, double now) {
+  double real = (double)uv_hrtime() / 1e9;
+  double stall = e->last_tick > 0 ? real - e->last_tick : 0;
+  e->last_tick = real;
   /* A quiet hook may release its job, and with it the job's entry in
    * e->jobs: the walk collects first, then fails and reports. */
   jobs_arg a;
   collect_jobs(e, &a);
   if (a.jobs == NULL)
     return;
+  if (stall > STALL_S && a.n > 0) {
+    forgive_stall(&a, stall);
+    shardd__log(SHARDD__LOG_WARN, "the daemon's loop stalled for %.1f s "
+                "(stopped, swapped out or busy): the collective timeouts of "
+                "%zu job(s) are extended by it, no rank is blamed for it",
+                stall, a.n);
+  }
   tick_arg t = {now};
   for (size_t i = 0; i < a.n; i++) {
     fail_doomed(a.jobs[i], now);

@@ -111,6 +111,10 @@ struct shardd__coll_engine {
   /* bytes the loop thread may still copy for the request being submitted
    * (coll.c's loop_helps); 0 outside shardd__coll_submit and a batch */
   uint64_t help_left;
+  /* monotonic seconds (uv_hrtime, not the tick's argument, which tests
+   * drive by hand) of the last shardd__coll_tick, 0 before the first: a
+   * gap far longer than the tick's period is the daemon's own stall */
+  double last_tick;
 };
 
 struct coll {

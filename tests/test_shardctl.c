@@ -392,3 +392,42 @@ Test(shardctl, release_frees_a_job_nobody_holds_so_a_restore_can_follow) {
   free(err);
   test_daemon_finish(&d);
 }
+
+/* A stopped daemon (SIGSTOP): --timeout bounds the wait, the exit code is
+ * 3 (cannot reach the daemon) and the message names the socket; once the
+ * daemon runs again, the same command succeeds. */
+Test(shardctl, stopped_daemon_exits_3_within_the_timeout, .init = start,
+     .fini = stop, .timeout = 60) {
+  cr_assert_eq(kill(d.pid, SIGSTOP), 0);
+  char *out, *err;
+  double t0 = test_mono_s();
+  int rc = ctl(&out, &err, "--socket %s --timeout 1 status%s", NULL);
+  double took = test_mono_s() - t0;
+  char want[256];
+  snprintf(want, sizeof want, "daemon at %s did not answer for 1 s", d.sock);
+  char env[256];
+  snprintf(env, sizeof env, "SHARDD_TIMEOUT=1 SHARDD_SOCKET=%s", d.sock);
+  char *out2, *err2;
+  int rc3 = test_shardctl(env, "ping", &out2, &err2);
+  kill(d.pid, SIGCONT);
+  cr_assert_eq(rc, 3, "exit %d: %s", rc, err);
+  cr_assert(took < 20, "took %.2f s", took);
+  cr_assert_eq(strncmp(err, "shardctl: ", 10), 0, "%s", err);
+  cr_assert_not_null(strstr(err, want), "%s", err);
+  cr_assert_eq(rc3, 3, "SHARDD_TIMEOUT: exit %d: %s", rc3, err2);
+  cr_assert_not_null(strstr(err2, want), "%s", err2);
+  free(out);
+  free(err);
+  free(out2);
+  free(err2);
+  cr_assert_eq(ctl(&out, &err, "--socket %s status --timeout 1%s", NULL), 0, "%s", err);
+  free(out);
+  free(err);
+}
+
+Test(shardctl, bad_timeout_is_a_usage_error) {
+  char *err;
+  cr_assert_eq(test_shardctl(NULL, "--timeout soon status", NULL, &err), 2);
+  cr_assert_not_null(strstr(err, "--timeout soon: must be 0..86400 seconds"), "%s", err);
+  free(err);
+}

@@ -455,3 +455,34 @@ class BindingTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class LivenessTest(unittest.TestCase):
+    """A stopped daemon (SIGSTOP) fails a call with E_TIMEOUT naming its
+    socket within the client's timeout, instead of blocking forever."""
+
+    def test_stopped_daemon_times_out_naming_the_socket(self):
+        import signal
+        import time
+        d = common.own_daemon(devices=1)
+        try:
+            c = shardd.Client(d.socket, job=None, timeout=1)
+            c.ping()
+            os.kill(d.proc.pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                with self.assertRaises(shardd.Error) as cm:
+                    c.ping()
+                took = time.monotonic() - t0
+            finally:
+                os.kill(d.proc.pid, signal.SIGCONT)
+            self.assertEqual(cm.exception.code_name, "E_TIMEOUT")
+            self.assertIn("daemon at %s did not answer for 1 s" % d.socket,
+                          str(cm.exception))
+            self.assertLess(took, 20)
+            c.ping()  # served again
+            c.close()
+            with self.assertRaises(ValueError):
+                shardd.Client(d.socket, job=None, timeout=-1)
+        finally:
+            d.stop()

@@ -593,11 +593,17 @@ class Client:
     too); transient_areas=True/False says the same in shardd's words. The
     Hello that creates the job decides; a rank asking otherwise is refused
     (E_MISMATCH).
+    timeout: seconds the daemon may stay silent before a call fails with
+    Error E_TIMEOUT ("daemon at SOCKET did not answer for N s": stopped or
+    hung) instead of blocking forever; None: $SHARDD_TIMEOUT, else 60; 0:
+    wait forever. A collective waiting for a slow peer is not failed by it
+    (the client pings the daemon meanwhile, and the daemon answers).
     Not thread-safe: use one Client per thread/rank.
     """
 
     def __init__(self, socket=None, job=_FROM_ENV, rank=None, world=None, client_name=None,
-                 transient_areas=None, reshard_after_forward=None, sharding_strategy=None):
+                 transient_areas=None, reshard_after_forward=None, sharding_strategy=None,
+                 timeout=None):
         self._lib = L.load()
         self._c = None
         transient_areas = _memory_model(transient_areas, reshard_after_forward,
@@ -631,6 +637,10 @@ class Client:
         opts.world = world
         opts.client_name = _b(client_name if client_name is not None else "python")
         opts.transient_areas = 1 if transient_areas else 0
+        if timeout is not None and not timeout >= 0:
+            raise ValueError("timeout %r: must be seconds >= 0 (0: none)" % (timeout,))
+        # the C API's 0 is "the default" and negative "none"
+        opts.timeout_s = 0.0 if timeout is None else -1.0 if timeout == 0 else float(timeout)
         out = ctypes.c_void_p()
         errbuf = ctypes.create_string_buffer(1024)
         rc = self._lib.shardd_connect(_b(socket), ctypes.byref(opts), ctypes.byref(out),

@@ -49,6 +49,7 @@ class ConnectOpts(ctypes.Structure):
         ("client_name", c_char_p),
         ("max_inflight_gathers", c_uint32),
         ("transient_areas", c_int),
+        ("timeout_s", ctypes.c_double),
     ]
 
 
