@@ -13,6 +13,7 @@ rank's micro-batch gradient as data parallelism groups it (bit for bit the
 daemon's reduce-scatter); one process of torch on the whole batch is a
 looser sanity check of that reference. Ranks are processes (forkserver) of
 one job on the host backend."""
+import math
 import unittest
 
 import common
@@ -30,9 +31,10 @@ STEPS = 5
 TOL = 1e-5        # losses and parameters (per tensor |a-b| / |b|), relative
 # the whole-batch reference against the ranks' mean one: the full batch's one
 # gradient rounds otherwise than the mean of the ranks' gradients, and Adam's
-# first steps (update ~ lr * g / |g|) turn that rounding into up to 5.2e-5 on
-# the nano GPT's attention biases (near zero)
-WHOLE_PTOL = 1e-4
+# first steps (update ~ lr * g / |g|) turn that rounding into up to 6.5e-5 on
+# the nano GPT's attention biases (near zero) and 1.1e-5 on the gradient's
+# norm ("clip", 4 ranks; the losses 1.7e-7)
+WHOLE_TOL = 1e-4
 ROWS = 16         # rows of a micro-batch, cut among the ranks
 HYPER = dict(lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 CLIP = 0.5
@@ -141,6 +143,20 @@ def backward(name, model, sm, k, rank, world, split=True, div=1, one_rank=False)
     return sum(losses) / world
 
 
+def clip_norm64(params, max_norm):
+    """torch's clip_grad_norm_ as sm.clip_grad_norm_ computes it (the
+    reference of "clip64"): the squares summed in double (torch: the fp32
+    norm of the parameters' fp32 norms), the coefficient a double."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:
+        with torch.no_grad():
+            for g in grads:
+                g.mul_(coef)
+    return torch.tensor(total)
+
+
 def train(name, mode, model, opt, sm, rank, world, steps=STEPS, split=True):
     """The loop every rank and the reference (sm None; world: the ranks
     it stands for) run; -> losses (this rank's, or the ranks' mean)."""
@@ -156,8 +172,10 @@ def train(name, mode, model, opt, sm, rank, world, steps=STEPS, split=True):
             opt.zero_grad()
             losses.append(backward(name, model, sm, s, rank, world, split,
                                    one_rank=mode == "one_rank"))
-            if mode == "clip":
-                if sm is None:
+            if mode in ("clip", "clip64"):
+                if mode == "clip64":
+                    norm = clip_norm64(model.parameters(), CLIP)
+                elif sm is None:
                     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
                 else:
                     norm = sm.clip_grad_norm_(CLIP)
@@ -340,9 +358,10 @@ def rel_diff(got, want, key_bias=True):
 class TorchOptimTest(unittest.TestCase):
 
     def check(self, name, mode, worlds=(2, 4), kind="torch", exact=True):
-        """exact: losses and parameters equal the reference's bit for bit
-        (the ranks compute what it computes, in the same order); else
-        within TOL, the attention's key bias left out (see rel_diff)."""
+        """exact True: losses and parameters equal the reference's bit for
+        bit (the ranks compute what it computes, in the same order); a
+        mode: those of that mode's reference, and within TOL of this
+        mode's, the attention's key bias left out (see rel_diff)."""
         for world in worlds:
             ref, want_losses, mid = reference(name, mode, world)
             want = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
@@ -359,8 +378,8 @@ class TorchOptimTest(unittest.TestCase):
                                   key_bias=False)
                 print("\n  %s: reference against the whole batch: losses %.3g, "
                       "parameters %.3g (%s)" % (label, lr, pr, at))
-                self.assertLessEqual(lr, TOL, label)
-                self.assertLessEqual(pr, WHOLE_PTOL, label)
+                self.assertLessEqual(lr, WHOLE_TOL, label)
+                self.assertLessEqual(pr, WHOLE_TOL, label)
             res = run(name, world, mode, mid, kind)
             got = res["losses"]
             self.assertEqual(len(got), len(want_losses), label)
@@ -373,14 +392,20 @@ class TorchOptimTest(unittest.TestCase):
             self.assertEqual(res["keys"], list(ref.state_dict()), label)
             for k, v in want.items():
                 self.assertEqual(res["state"][k].shape, v.shape, "%s: %s" % (label, k))
-            pr, at = rel_diff(res["state"], want, key_bias=exact)
+            pr, at = rel_diff(res["state"], want, key_bias=exact is True)
             same = [k for k, v in want.items() if np.array_equal(res["state"][k], v)]
             print("  %s: parameters %.3g (%s)%s" % (
                 label, pr, at, ", bit for bit" if len(same) == len(want) else ""))
             self.assertLessEqual(pr, TOL, label)
-            if exact:
-                self.assertEqual(got, want_losses, label)
-                self.assertEqual(sorted(set(want) - set(same)), [], label)
+            if exact is not True:
+                ref2, want_losses, _ = reference(name, exact, world)
+                want = {k: v.detach().numpy() for k, v in ref2.state_dict().items()}
+                same = [k for k, v in want.items() if np.array_equal(res["state"][k], v)]
+                print("  %s: %s's reference: losses %s, parameters %s" % (
+                    label, exact, "bit for bit" if got == want_losses else "differ",
+                    "bit for bit" if len(same) == len(want) else "differ"))
+            self.assertEqual(got, want_losses, label)
+            self.assertEqual(sorted(set(want) - set(same)), [], label)
             for r, (n0, same0, local_keys, local_1d) in res["configs"].items():
                 self.assertEqual(n0, len(want) if r == 0 else 0, "%s: rank0_only" % label)
                 self.assertTrue(same0 and local_keys and local_1d, label)
@@ -403,8 +428,9 @@ class TorchOptimTest(unittest.TestCase):
         """sm.clip_grad_norm_ sums the squares in double, torch's the fp32
         norms of the parameters' norms: the clipped gradients differ by an
         ulp (parameters 1.4e-7), and the key bias's pure-rounding gradient
-        with them (see rel_diff: 2.2e-5 there)."""
-        self.check("gpt", "clip", worlds=(2,), exact=False)
+        with them (see rel_diff: 2.2e-5 there). With the norm in double
+        the reference equals the ranks bit for bit."""
+        self.check("gpt", "clip", exact="clip64")
 
     def test_backward_without_zero_grad_adds_up_as_torch(self):
         self.check("gpt", "accumulate")
