@@ -3,7 +3,9 @@ training recipe below runs twice with the same code: once in one process
 with torch.optim's class on the full batch, once over N ranks (processes
 of one job, host backend) with shardd.optim's class and a ShardedModule,
 each rank on its slice of the batch. Losses, clipped norms and the final
-parameters must agree (fp32, rel <= 1e-5 on losses and norms)."""
+parameters must agree (fp32, rel <= 1e-5; measured 2.6e-7 at most: this
+net has no element whose gradient is zero but for rounding, which Adam's
+first steps would amplify)."""
 import io
 import math
 import unittest
@@ -20,9 +22,7 @@ if common.HAVE_TORCH:
 
 STEPS = 6
 BATCH = 16
-TOL = 1e-5
-# parameters, per tensor max|a-b| / max|b| (see test_fsdp.PARAM_TOL)
-PARAM_TOL = 1e-4
+TOL = 1e-5        # losses, norms and parameters (per tensor max|a-b| / max|b|)
 
 
 class Net(nn.Module):
@@ -287,7 +287,7 @@ class OptimParityTest(unittest.TestCase):
         print("\n  %s: losses rel %.3g, norms rel %.3g, parameters %.3g" % (label, lr, nr, pr))
         self.assertLessEqual(lr, TOL, label)
         self.assertLessEqual(nr, TOL, label)
-        self.assertLessEqual(pr, PARAM_TOL, label)
+        self.assertLessEqual(pr, TOL, label)
         for s in range(STEPS):  # the scheduler drove every group's lr alike
             for lrs in got["lrs"][s]:
                 self.assertEqual(lrs, wlrs[s], "step %d" % s)
@@ -385,7 +385,7 @@ class StateDictTest(unittest.TestCase):
                     for n, p in model.named_parameters())
         print("\n  state_dict after %d steps: torch continuing from it, parameters rel %.3g"
               % (SPLIT, worst))
-        self.assertLessEqual(worst, PARAM_TOL)
+        self.assertLessEqual(worst, TOL)
 
 
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
