@@ -2960,6 +2960,54 @@ Test(server, a_block_kept_mapped_after_unregister_holds_no_memory,
   test_raw_close(&r);
 }
 
+/* Unregistering is the job's, not the asking rank's: rank 0's unregister
+ * frees every rank's block, so rank 1's mapping of its gather area reads
+ * zeros from then on (the soak test read its last gather after rank 0 had
+ * unregistered and saw zeros: a rank must not unregister a buffer other
+ * ranks still read). */
+Test(server, a_rank_unregistering_a_buffer_zeroes_every_ranks_mapping,
+     .init = start_one_device, .fini = stop_daemon, .timeout = 60) {
+  test_raw r0, r1;
+  test_raw_open(&d, &r0);
+  test_raw_hello(&r0, "two", 0, 2);
+  test_raw_open(&d, &r1);
+  test_raw_hello(&r1, "two", 1, 2);
+  shardd_buffer_info b0, b1;
+  test_raw_register_buffer(&r0, "w", SHARDD_DTYPE_FP32, 64, &b0);
+  test_raw_register_buffer(&r1, "w", SHARDD_DTYPE_FP32, 64, &b1);
+  cr_assert_eq(b0.id, b1.id);
+  for (uint64_t i = 0; i < b0.shard_numel; i++) {
+    ((float *)b0.shard)[i] = 16.0f + (float)i;
+    ((float *)b1.shard)[i] = 16.0f + (float)(b1.shard_numel + i);
+  }
+  uint64_t g0 = test_raw_send_gather(&r0, b0.id);
+  uint64_t g1 = test_raw_send_gather(&r1, b1.id);
+  shardwire__response__free_unpacked(test_raw_expect(&r0, g0, SHARDD_OK), NULL);
+  shardwire__response__free_unpacked(test_raw_expect(&r1, g1, SHARDD_OK), NULL);
+  const volatile float *seen = b1.gather;
+  for (uint64_t i = 0; i < 64; i++)
+    cr_assert_eq(seen[i], 16.0f + (float)i, "rank 1 gathered %g at %llu",
+                 (double)seen[i], (unsigned long long)i);
+
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__UnregisterBuffer ub = SHARDWIRE__UNREGISTER_BUFFER__INIT;
+  ub.id = b0.id;
+  req.body_case = SHARDWIRE__REQUEST__BODY_UNREGISTER_BUFFER;
+  req.unregister_buffer = &ub;
+  uint64_t seq = test_raw_send(&r0, &req);
+  shardwire__response__free_unpacked(test_raw_expect(&r0, seq, SHARDD_OK), NULL);
+  for (uint64_t i = 0; i < 64; i++)
+    cr_assert_eq(seen[i], 0.0f, "rank 1's kept mapping still reads %g at %llu "
+                 "after rank 0 unregistered the buffer", (double)seen[i],
+                 (unsigned long long)i);
+  /* and the buffer is gone for rank 1 too */
+  g1 = test_raw_send_gather(&r1, b1.id);
+  shardwire__response__free_unpacked(test_raw_expect(&r1, g1, SHARDD_E_NOT_FOUND),
+                                     NULL);
+  test_raw_close(&r0);
+  test_raw_close(&r1);
+}
+
 /* ---- the view caps, through the socket (issue 20, item 9) --------------- */
 
 /* The views Status reports for job name; -1 when it lists no such job. */

@@ -158,18 +158,19 @@ static void rank_main(const char *sock, const char *job, uint32_t rank,
       atomic_fetch_add(&shm->steps, 1);
       shift += grad;
     }
-    if (rank == 0) {
-      CALL(shardd_optimizer_unregister(c, opt));
-      CALL(shardd_buffer_unregister(c, b.id));
-    }
-    /* Everyone waits for rank 0's unregisters through one more collective
-     * on a per-iteration barrier buffer. */
+    /* Rank 0 unregisters only once every rank is done reading: one more
+     * collective on a per-iteration barrier buffer says so. Unregistering
+     * frees every rank's block, punched out of every mapping, so a rank
+     * still checking its last gather would read zeros. */
     snprintf(name, sizeof name, "sync%d", iter);
     shardd_buffer_info sb;
     CALL(shardd_buffer_register(c, name, SHARDD_DTYPE_FP32, 1, &sb));
     CALL(shardd_gather(c, sb.id));
-    if (rank == 0)
+    if (rank == 0) {
+      CALL(shardd_optimizer_unregister(c, opt));
+      CALL(shardd_buffer_unregister(c, b.id));
       CALL(shardd_buffer_unregister(c, sb.id));
+    }
   }
   shardd_close(c);
   _exit(RANK_OK);
