@@ -1,6 +1,7 @@
-/* dispatch.c — the command table, its handlers and the reply builder (see
+/* dispatch.c — the command table and its handlers (see
  * dispatch.h). */
 #include "dispatch.h"
+#include "dispatch_int.h"
 
 #include <inttypes.h>
 #include <stdio.h>
@@ -16,92 +17,6 @@
 #include "proto/shardd.pb-c.h"
 #include "status.h"
 
-#define ERRLEN 512
-
-static double now_s(const shardd__dispatch *d) {
-  return (double)uv_now(d->loop) / 1000.0;
-}
-
-/* ---- the reply builder ------------------------------------------------- */
-
-static void reply(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                  shardd_err code, const char *msg);
-
-/* The frame is packed here, with room for the transport's header in
- * front, so a reply is copied once. A connection that is going away gets
- * nothing (not even the frame-limit check's log line). */
-static void send_resp(shardd__dispatch *d, shardd__conn *c,
-                      const Shardwire__Response *resp, int fd) {
-  if (!d->io.live(d->io.ctx, c)) {
-    if (fd >= 0)
-      close(fd);
-    return;
-  }
-  size_t n = shardwire__response__get_packed_size(resp);
-  if (n > SHARDD_MAX_FRAME) {
-    /* The client refuses a frame past the limit and drops the connection:
-     * status with ~60k optimizers failed even for root, inspect of a
-     * buffer with 200k views for its owner. Say so instead. */
-    if (fd >= 0)
-      close(fd);
-    char msg[256];
-    snprintf(msg, sizeof msg, "the reply would be %zu bytes, over the %u-byte "
-             "frame limit; ask for less (one job's status, one buffer)", n,
-             SHARDD_MAX_FRAME);
-    shardd__log(1, "session %" PRIu64 ": %s", c->id, msg);
-    reply(d, c, resp->seq, SHARDD_E_LIMIT, msg);
-    return;
-  }
-  uint8_t *frame = malloc(SHARDD_FRAME_HEADER + n);
-  if (frame)
-    shardwire__response__pack(resp, frame + SHARDD_FRAME_HEADER);
-  d->io.send(d->io.ctx, c, frame, n, fd);
-}
-
-/* As send_resp, with n descriptors in order (all >= 0); they are the
- * hook's from here, or closed. */
-static void send_resp_fds(shardd__dispatch *d, shardd__conn *c,
-                          const Shardwire__Response *resp, int *fds, size_t n) {
-  if (n <= 1) {
-    send_resp(d, c, resp, n == 1 ? fds[0] : -1);
-    return;
-  }
-  size_t len = shardwire__response__get_packed_size(resp);
-  if (!d->io.live(d->io.ctx, c) || len > SHARDD_MAX_FRAME) {
-    for (size_t i = 0; i < n; i++)
-      close(fds[i]);
-    send_resp(d, c, resp, -1); /* says why, or nothing */
-    return;
-  }
-  uint8_t *frame = malloc(SHARDD_FRAME_HEADER + len);
-  if (frame)
-    shardwire__response__pack(resp, frame + SHARDD_FRAME_HEADER);
-  d->io.send_fds(d->io.ctx, c, frame, len, fds, n);
-}
-
-/* A successful reply of body case bc; the caller sets the body. */
-static Shardwire__Response ok_resp(uint64_t seq, Shardwire__Response__BodyCase bc) {
-  Shardwire__Response resp = SHARDWIRE__RESPONSE__INIT;
-  resp.seq = seq;
-  resp.code = SHARDWIRE__STATUS_CODE__OK;
-  resp.body_case = bc;
-  return resp;
-}
-
-/* A status-only reply (msg NULL: the code's own words). */
-static void reply(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                  shardd_err code, const char *msg) {
-  Shardwire__Response resp = SHARDWIRE__RESPONSE__INIT;
-  resp.seq = seq;
-  resp.code = (Shardwire__StatusCode)code;
-  resp.message = (char *)(msg ? msg : shardd_strerror(code));
-  send_resp(d, c, &resp, -1);
-}
-
-void shardd__dispatch_refuse(shardd__dispatch *d, shardd__conn *c,
-                             shardd_err code, const char *msg) {
-  reply(d, c, 0, code, msg);
-}
 
 /* Whether job holds trained or restored state (a buffer a step ran on or
  * a restore made), which a rank joining it resumes; *step: the most steps
@@ -129,35 +44,20 @@ static int job_resumed(shardd__job *job, uint64_t *step) {
 
 /* ---- handlers ---------------------------------------------------------- */
 
-typedef void (*handler)(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                        const Shardwire__Request *req);
-
-/* The collective engine answers by a request's seq, and the daemon keeps
- * what a collective checkpoint or a bucket waits for by it: a request that
- * reuses the seq of one still being answered (what) would have its end
- * taken for theirs, or theirs for its, so it is refused. */
-static void seq_refuse(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                       const char *what) {
-  char msg[ERRLEN];
-  snprintf(msg, sizeof msg, "seq %" PRIu64 " is the seq of this session's "
-           "%s: every request needs a seq of its own until it is answered",
-           seq, what);
-  reply(d, c, seq, SHARDD_E_PROTOCOL, msg);
-}
 
 static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                      const Shardwire__Request *req) {
   const Shardwire__Hello *h = req->hello;
   char err[ERRLEN];
   if (c->hello_done) {
-    reply(d, c, seq, SHARDD_E_STATE, "Hello was already sent");
+    shardd__reply(d, c, seq, SHARDD_E_STATE, "Hello was already sent");
     return;
   }
   if (h->protocol_version != SHARDD_PROTOCOL_VERSION) {
     snprintf(err, sizeof err, "client speaks protocol %" PRIu32
              ", this daemon speaks %d", h->protocol_version,
              SHARDD_PROTOCOL_VERSION);
-    reply(d, c, seq, SHARDD_E_VERSION, err);
+    shardd__reply(d, c, seq, SHARDD_E_VERSION, err);
     return;
   }
   int reclaimed = 0;
@@ -170,20 +70,20 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     shardd_err rc;
     if (job && (rc = shardd__access_join(&c->peer, job, err, sizeof err)) !=
                    SHARDD_OK) {
-      reply(d, c, seq, rc, err);
+      shardd__reply(d, c, seq, rc, err);
       return;
     }
     if (job && shardd__jobs_restoring(&d->jobs, job)) {
       /* its payloads are still loading on the pool */
       snprintf(err, sizeof err, "job \"%s\" is being restored", job->name);
-      reply(d, c, seq, SHARDD_E_BUSY, err);
+      shardd__reply(d, c, seq, SHARDD_E_BUSY, err);
       return;
     }
     uint32_t world = h->has_world ? h->world : 1;
     rc = shardd__job_get(&d->reg, job ? job->name : h->job, world,
                          job ? job->uid : c->peer.uid, &job, err, sizeof err);
     if (rc != SHARDD_OK) {
-      reply(d, c, seq, rc, err);
+      shardd__reply(d, c, seq, rc, err);
       return;
     }
     uint32_t rank = h->has_rank ? h->rank : 0;
@@ -222,7 +122,7 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
         snprintf(err, sizeof err, "out of memory");
     }
     if (rc != SHARDD_OK) {
-      reply(d, c, seq, rc, err);
+      shardd__reply(d, c, seq, rc, err);
       shardd__jobs_unclaimed(&d->jobs, job, now_s(d), 1);
       return;
     }
@@ -252,7 +152,7 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   hr.has_max_pending = 1;
   hr.max_pending = d->opts.max_pending;
   resp.hello = &hr;
-  send_resp(d, c, &resp, -1);
+  shardd__send_resp(d, c, &resp, -1);
 }
 
 static int pending_checkpoint(void *arg, const shardd__job *job, size_t i,
@@ -262,7 +162,7 @@ static int pending_checkpoint(void *arg, const shardd__job *job, size_t i,
 static void on_goodbye(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                        const Shardwire__Request *req) {
   c->bye = 1;
-  reply(d, c, seq, SHARDD_OK, NULL);
+  shardd__reply(d, c, seq, SHARDD_OK, NULL);
 }
 
 static shardd__status_ctx status_ctx(shardd__dispatch *d) {
@@ -286,11 +186,11 @@ static void on_status(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   uint32_t first = sr && sr->has_first_job ? sr->first_job : 0;
   shardd_err rc = shardd__status_build(&ctx, &c->peer, first, &r, &st);
   if (rc != SHARDD_OK) {
-    reply(d, c, seq, rc, "out of memory building status");
+    shardd__reply(d, c, seq, rc, "out of memory building status");
   } else {
     Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_STATUS);
     resp.status = st;
-    send_resp(d, c, &resp, -1);
+    shardd__send_resp(d, c, &resp, -1);
   }
   shardd__report_free(r);
 }
@@ -306,11 +206,11 @@ static void on_inspect(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                                         in->has_id ? in->id : 0, in->name, &r,
                                         &ir, err, sizeof err);
   if (rc != SHARDD_OK) {
-    reply(d, c, seq, rc, err);
+    shardd__reply(d, c, seq, rc, err);
   } else {
     Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_INSPECT);
     resp.inspect = ir;
-    send_resp(d, c, &resp, -1);
+    shardd__send_resp(d, c, &resp, -1);
   }
   shardd__report_free(r);
 }
@@ -451,7 +351,7 @@ static void on_register_buffer(shardd__dispatch *d, shardd__conn *c,
   shardd_err rc = buffer_register_one(d, c, req->register_buffer, &u, err,
                                       sizeof err);
   if (rc != SHARDD_OK) {
-    reply(d, c, seq, rc, err);
+    shardd__reply(d, c, seq, rc, err);
     return;
   }
   int fd;
@@ -459,12 +359,12 @@ static void on_register_buffer(shardd__dispatch *d, shardd__conn *c,
   Shardwire__BufferReply br;
   rc = buffer_reply_fill(d, c, u.b, u.created, &br, ipc, &fd, err, sizeof err);
   if (rc != SHARDD_OK) {
-    reply(d, c, seq, rc, err);
+    shardd__reply(d, c, seq, rc, err);
     return;
   }
   Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_BUFFER);
   resp.buffer = &br;
-  send_resp(d, c, &resp, fd);
+  shardd__send_resp(d, c, &resp, fd);
   if (u.created)
     log_created(c, u.b);
 }
@@ -476,7 +376,7 @@ static void on_register_view(shardd__dispatch *d, shardd__conn *c,
   shardd__view *v;
   int created;
   if (rv->n_shape > 64) {
-    reply(d, c, seq, SHARDD_E_RANGE, "view has over 64 dimensions");
+    shardd__reply(d, c, seq, SHARDD_E_RANGE, "view has over 64 dimensions");
     return;
   }
   shardd_err rc = shardd__view_register_ex(
@@ -486,7 +386,7 @@ static void on_register_view(shardd__dispatch *d, shardd__conn *c,
       rv->has_requires_grad ? rv->requires_grad : 1, &v, &created, err,
       sizeof err);
   if (rc != SHARDD_OK) {
-    reply(d, c, seq, rc, err);
+    shardd__reply(d, c, seq, rc, err);
     return;
   }
   Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_VIEW);
@@ -496,7 +396,7 @@ static void on_register_view(shardd__dispatch *d, shardd__conn *c,
   vr.has_generation = 1;
   vr.generation = v->hdr.generation;
   resp.view = &vr;
-  send_resp(d, c, &resp, -1);
+  shardd__send_resp(d, c, &resp, -1);
 }
 
 /* ---- batches of views ------------------------------------------------- */
@@ -601,7 +501,7 @@ static void batch_send(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     resp.views_batch = &vb;
   }
 #undef BATCH_ERRORS
-  send_resp(d, c, &resp, -1);
+  shardd__send_resp(d, c, &resp, -1);
   free(m);
 }
 
@@ -658,7 +558,7 @@ static void views_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     free(vr);
     free(vrp);
     free(created);
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
   for (size_t i = 0; i < n; i++) {
@@ -699,7 +599,7 @@ static void views_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     vb.n_views = n;
     vb.views = vrp;
     resp.views_batch = &vb;
-    send_resp(d, c, &resp, -1);
+    shardd__send_resp(d, c, &resp, -1);
   }
   batch_errs_free(&be);
   free(vs);
@@ -725,7 +625,7 @@ static void views_unregister(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
       batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
           SHARDD_OK) {
     free(ids);
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
   shardd__registry *reg = &d->reg;
@@ -770,7 +670,7 @@ static void views_unregister(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH);
     Shardwire__ViewsBatchReply vb = SHARDWIRE__VIEWS_BATCH_REPLY__INIT;
     resp.views_batch = &vb;
-    send_resp(d, c, &resp, -1);
+    shardd__send_resp(d, c, &resp, -1);
   }
   batch_errs_free(&be);
   free(ids);
@@ -784,7 +684,7 @@ static void on_views_batch(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   else if (vb->op_case == SHARDWIRE__VIEWS_BATCH__OP_UNREGISTER)
     views_unregister(d, c, seq, vb->unregister);
   else
-    reply(d, c, seq, SHARDD_E_INVAL, "ViewsBatch names no operation");
+    shardd__reply(d, c, seq, SHARDD_E_INVAL, "ViewsBatch names no operation");
 }
 
 /* ---- batches of buffers ----------------------------------------------- */
@@ -803,7 +703,7 @@ static void buffers_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   if (n > BUFFERS_PER_REQUEST) {
     snprintf(err, sizeof err, "%zu buffers in one request, at most %d", n,
              BUFFERS_PER_REQUEST);
-    reply(d, c, seq, SHARDD_E_LIMIT, err);
+    shardd__reply(d, c, seq, SHARDD_E_LIMIT, err);
     return;
   }
   batch_errs be;
@@ -820,7 +720,7 @@ static void buffers_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     free(brp);
     free(ipc);
     free(fds);
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
   for (size_t i = 0; i < n; i++) {
@@ -854,7 +754,7 @@ static void buffers_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
         close(fds[i]);
     for (size_t i = n; i-- > 0;)
       buffer_undo(d, &u[i]);
-    reply(d, c, seq, SHARDD_E_INTERNAL, "some blocks exported a descriptor, "
+    shardd__reply(d, c, seq, SHARDD_E_INTERNAL, "some blocks exported a descriptor, "
           "some not");
   } else {
     Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_BUFFERS_BATCH);
@@ -862,7 +762,7 @@ static void buffers_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     bb.n_buffers = n;
     bb.buffers = brp;
     resp.buffers_batch = &bb;
-    send_resp_fds(d, c, &resp, fds, nfds);
+    shardd__send_resp_fds(d, c, &resp, fds, nfds);
     for (size_t i = 0; i < n; i++)
       if (u[i].created)
         log_created(c, u[i].b);
@@ -888,7 +788,7 @@ static void buffers_unregister(shardd__dispatch *d, shardd__conn *c,
       batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
           SHARDD_OK) {
     free(ids);
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
   shardd__registry *reg = &d->reg;
@@ -931,7 +831,7 @@ static void buffers_unregister(shardd__dispatch *d, shardd__conn *c,
     Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_BUFFERS_BATCH);
     Shardwire__BuffersBatchReply bb = SHARDWIRE__BUFFERS_BATCH_REPLY__INIT;
     resp.buffers_batch = &bb;
-    send_resp(d, c, &resp, -1);
+    shardd__send_resp(d, c, &resp, -1);
   }
   batch_errs_free(&be);
   free(ids);
@@ -945,7 +845,7 @@ static void on_buffers_batch(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   else if (bb->op_case == SHARDWIRE__BUFFERS_BATCH__OP_UNREGISTER)
     buffers_unregister(d, c, seq, bb->unregister);
   else
-    reply(d, c, seq, SHARDD_E_INVAL, "BuffersBatch names no operation");
+    shardd__reply(d, c, seq, SHARDD_E_INVAL, "BuffersBatch names no operation");
 }
 
 static void on_register_optimizer(shardd__dispatch *d, shardd__conn *c,
@@ -953,7 +853,7 @@ static void on_register_optimizer(shardd__dispatch *d, shardd__conn *c,
   char err[ERRLEN];
   shardd__optspec spec;
   if (shardd__optspec_from_wire(req->register_optimizer, &spec) != SHARDD_OK) {
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
   shardd__optreg_result res;
@@ -967,13 +867,13 @@ static void on_register_optimizer(shardd__dispatch *d, shardd__conn *c,
     orp.id = res.optim->hdr.id;
     orp.created = res.created;
     resp.optimizer = &orp;
-    send_resp(d, c, &resp, -1);
+    shardd__send_resp(d, c, &resp, -1);
   } else if (res.refused) {
-    reply(d, c, seq, rc, res.list ? res.list : "optimizer refused");
+    shardd__reply(d, c, seq, rc, res.list ? res.list : "optimizer refused");
     shardd__log(3, "job \"%s\": optimizer refused: %s", c->m.job->name,
                 res.list ? res.list : "");
   } else {
-    reply(d, c, seq, rc, err);
+    shardd__reply(d, c, seq, rc, err);
   }
   free(res.list);
 }
@@ -992,7 +892,7 @@ static void unregister(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     rc = shardd__view_unregister(reg, job, id, err, sizeof err);
   else
     rc = shardd__optim_unregister(reg, job, id, err, sizeof err);
-  reply(d, c, seq, rc, rc == SHARDD_OK ? NULL : err);
+  shardd__reply(d, c, seq, rc, rc == SHARDD_OK ? NULL : err);
 }
 
 static void on_unregister_buffer(shardd__dispatch *d, shardd__conn *c,
@@ -1022,7 +922,7 @@ static void on_ping(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     pong.payload = p->payload;
   }
   resp.pong = &pong;
-  send_resp(d, c, &resp, -1);
+  shardd__send_resp(d, c, &resp, -1);
 }
 
 static void reply_checkpoint(shardd__dispatch *d, shardd__conn *c,
@@ -1041,7 +941,7 @@ static void reply_checkpoint(shardd__dispatch *d, shardd__conn *c,
   cr.buffers = (uint32_t)shardd__map_count(&job->buffers);
   cr.optimizers = (uint32_t)shardd__map_count(&job->optims);
   resp.checkpoint = &cr;
-  send_resp(d, c, &resp, -1);
+  shardd__send_resp(d, c, &resp, -1);
 }
 
 /* A checkpoint or restore whose reply waits for its files (written or
@@ -1072,7 +972,7 @@ static ckpt_wait *ckpt_wait_new(shardd__dispatch *d, shardd__conn *c,
   ckpt_wait *w = calloc(1, sizeof *w);
   if (w == NULL || (w->dir = strdup(dir)) == NULL) {
     free(w);
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return NULL;
   }
   w->d = d;
@@ -1085,7 +985,7 @@ static ckpt_wait *ckpt_wait_new(shardd__dispatch *d, shardd__conn *c,
  * the refusal and drops w (its done hook is never called then). */
 static void ckpt_wait_started(ckpt_wait *w, shardd_err rc, const char *err) {
   if (rc != SHARDD_OK) {
-    reply(w->d, w->c, w->seq, rc, err);
+    shardd__reply(w->d, w->c, w->seq, rc, err);
     free(w->dir);
     free(w);
     return;
@@ -1104,7 +1004,7 @@ static void ckpt_done(void *arg, shardd__job *job, shardd_err rc,
   if (w->c && rc == SHARDD_OK)
     reply_checkpoint(d, w->c, w->seq, job, w->dir);
   else if (w->c)
-    reply(d, w->c, w->seq, rc, err);
+    shardd__reply(d, w->c, w->seq, rc, err);
   free(w->dir);
   free(w);
 }
@@ -1225,7 +1125,7 @@ static void ckpt_group_answer(ckpt_group *g, shardd_err rc, const char *err) {
     if (rc == SHARDD_OK)
       reply_checkpoint(g->d, c, g->seqs[r], g->job, g->dir);
     else
-      reply(g->d, c, g->seqs[r], rc, err);
+      shardd__reply(g->d, c, g->seqs[r], rc, err);
   }
   ckpt_group_free(g);
 }
@@ -1385,7 +1285,7 @@ static void ckpt_barrier_done(shardd__dispatch *d, shardd__conn *c,
   if (code != SHARDD_OK) {
     free(c->ckc_dir);
     c->ckc_dir = NULL;
-    reply(d, c, seq, code, msg);
+    shardd__reply(d, c, seq, code, msg);
     return;
   }
   shardd__job *job = c->m.job;
@@ -1404,7 +1304,7 @@ static void ckpt_barrier_done(shardd__dispatch *d, shardd__conn *c,
       }
       free(c->ckc_dir);
       c->ckc_dir = NULL;
-      reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+      shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
       return;
     }
     g->d = d;
@@ -1471,18 +1371,18 @@ static void ckpt_barrier_done(shardd__dispatch *d, shardd__conn *c,
 static void on_checkpoint_collective(shardd__dispatch *d, shardd__conn *c,
                                      uint64_t seq, const char *dir) {
   if (c->ckc_dir) {
-    reply(d, c, seq, SHARDD_E_STATE,
+    shardd__reply(d, c, seq, SHARDD_E_STATE,
           "this rank's collective checkpoint is still being taken");
     return;
   }
   /* its barrier's end is told apart from the rank's other collectives by
    * the seq: one they will also end with is refused */
   if (shardd__coll_member_waits(d->coll, &c->m, seq)) {
-    seq_refuse(d, c, seq, "collective still in flight");
+    shardd__seq_refuse(d, c, seq, "collective still in flight");
     return;
   }
   if ((c->ckc_dir = strdup(dir)) == NULL) {
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
   c->ckc_seq = seq;
@@ -1561,14 +1461,14 @@ static void pend_add(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     snprintf(err, sizeof err, "this session has %d checkpoints waiting for "
              "their job's quiescent point, the bound per session; ask again "
              "once one has ended", CKPT_PENDS_PER_SESSION);
-    reply(d, c, seq, SHARDD_E_LIMIT, err);
+    shardd__reply(d, c, seq, SHARDD_E_LIMIT, err);
     return;
   }
   if (c->peer.uid != 0 && uids >= CKPT_PENDS_PER_UID) {
     snprintf(err, sizeof err, "uid %" PRIu32 " has %d checkpoints waiting for "
              "their job's quiescent point, the bound per uid; ask again once "
              "one has ended", (uint32_t)c->peer.uid, CKPT_PENDS_PER_UID);
-    reply(d, c, seq, SHARDD_E_LIMIT, err);
+    shardd__reply(d, c, seq, SHARDD_E_LIMIT, err);
     return;
   }
   ckpt_pend *p = calloc(1, sizeof *p);
@@ -1580,7 +1480,7 @@ static void pend_add(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
       free(p->home);
     }
     free(p);
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
   p->c = c;
@@ -1722,7 +1622,7 @@ static void pends_expire(shardd__dispatch *d, double now) {
     pend_describe(d, p, msg, sizeof msg);
     shardd__log(1, "checkpoint of job \"%s\" to %s timed out: %s", p->job->name,
                 p->dir, msg);
-    reply(d, p->c, p->seq, SHARDD_E_TIMEOUT, msg);
+    shardd__reply(d, p->c, p->seq, SHARDD_E_TIMEOUT, msg);
     pend_end(d, p);
   }
 }
@@ -1831,15 +1731,15 @@ static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   shardd_err rc = checkpoint_dir_ok(d, c, cp->dir, 0, home, sizeof home, err,
                                     sizeof err);
   if (rc != SHARDD_OK) {
-    reply(d, c, seq, rc, err);
+    shardd__reply(d, c, seq, rc, err);
     return;
   }
   if (cp->has_collective && cp->collective) {
     if (c->m.job == NULL)
-      reply(d, c, seq, SHARDD_E_STATE, "a collective checkpoint is asked for by "
+      shardd__reply(d, c, seq, SHARDD_E_STATE, "a collective checkpoint is asked for by "
             "every rank of a job, not by a control session");
     else if (cp->job && cp->job[0] && strcmp(cp->job, c->m.job->name) != 0)
-      reply(d, c, seq, SHARDD_E_NOT_OWNED, "a collective checkpoint is of the "
+      shardd__reply(d, c, seq, SHARDD_E_NOT_OWNED, "a collective checkpoint is of the "
             "rank's own job");
     else
       on_checkpoint_collective(d, c, seq, cp->dir);
@@ -1850,19 +1750,19 @@ static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     job = shardd__access_find_job(&d->reg, &c->peer, cp->job);
     if (job == NULL) {
       snprintf(err, sizeof err, "no job \"%s\"", cp->job ? cp->job : "");
-      reply(d, c, seq, SHARDD_E_NOT_FOUND, err);
+      shardd__reply(d, c, seq, SHARDD_E_NOT_FOUND, err);
       return;
     }
     if ((rc = shardd__access_checkpoint(&c->peer, job, err, sizeof err)) !=
         SHARDD_OK) {
-      reply(d, c, seq, rc, err);
+      shardd__reply(d, c, seq, rc, err);
       return;
     }
   } else if (cp->job && cp->job[0] && strcmp(cp->job, job->name) != 0 &&
              shardd__access_find_job(&d->reg, &c->peer, cp->job) != job) {
     snprintf(err, sizeof err, "a session of job \"%s\" cannot checkpoint job \"%s\"",
              job->name, cp->job);
-    reply(d, c, seq, SHARDD_E_NOT_OWNED, err);
+    shardd__reply(d, c, seq, SHARDD_E_NOT_OWNED, err);
     return;
   }
   /* One node's daemon cannot vouch for the other nodes' parts: a job
@@ -1873,19 +1773,19 @@ static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
              "checkpointed collectively, by its ranks (sm.checkpoint(dir), "
              "shardd_checkpoint_collective) on every node, which writes each "
              "node's part and the job manifest over them", job->name, job->nodes);
-    reply(d, c, seq, SHARDD_E_STATE, err);
+    shardd__reply(d, c, seq, SHARDD_E_STATE, err);
     return;
   }
   /* the user's directory is made only for a checkpoint it may take */
   if (home[0] && (rc = checkpoint_dir_ok(d, c, cp->dir, 1, home, sizeof home,
                                          err, sizeof err)) != SHARDD_OK) {
-    reply(d, c, seq, rc, err);
+    shardd__reply(d, c, seq, rc, err);
     return;
   }
   double wait_s = cp->has_wait_s ? cp->wait_s : 0;
   if (!(wait_s >= 0 && wait_s <= CKPT_WAIT_MAX)) { /* NaN too */
     snprintf(err, sizeof err, "checkpoint wait must be 0..%d s", CKPT_WAIT_MAX);
-    reply(d, c, seq, SHARDD_E_RANGE, err);
+    shardd__reply(d, c, seq, SHARDD_E_RANGE, err);
     return;
   }
   if (wait_s > 0 && job->nodes == 1 && !shardd__jobs_restoring(&d->jobs, job) &&
@@ -1920,7 +1820,7 @@ static void on_restore(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   shardd_err rc = checkpoint_dir_ok(d, c, rs->dir, 0, home, sizeof home, err,
                                     sizeof err);
   if (rc != SHARDD_OK) {
-    reply(d, c, seq, rc, err);
+    shardd__reply(d, c, seq, rc, err);
     return;
   }
   /* The payloads are read off the loop thread, as a checkpoint's are
@@ -1957,7 +1857,7 @@ static void on_scatter(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                           .no_grad_all = req->scatter->has_no_grad_all &&
                                          req->scatter->no_grad_all};
   if (ca.op != SHARDD_REDUCE_SUM && ca.op != SHARDD_REDUCE_MEAN) {
-    reply(d, c, seq, SHARDD_E_INVAL, "scatter op must be sum or mean");
+    shardd__reply(d, c, seq, SHARDD_E_INVAL, "scatter op must be sum or mean");
     return;
   }
   shardd__coll_submit(d->coll, &c->m, seq, &ca);
@@ -1985,7 +1885,7 @@ static int step_answered(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
              ", so this step would make %" PRIu64 ", not the %" PRIu64
              " expected (restored from an older checkpoint?)", st->optimizer,
              now, now + 1, st->expect_step);
-    reply(d, c, seq, SHARDD_E_MISMATCH, err);
+    shardd__reply(d, c, seq, SHARDD_E_MISMATCH, err);
     return 1;
   }
   if (now < st->expect_step)
@@ -1996,7 +1896,7 @@ static int step_answered(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   sr.has_applied = 1;
   sr.applied = 0;
   resp.step = &sr;
-  send_resp(d, c, &resp, -1);
+  shardd__send_resp(d, c, &resp, -1);
   return 1;
 }
 
@@ -2016,7 +1916,7 @@ static void on_step(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   shardd__optspec_hp *ghp = NULL;
   if (st->n_groups > 0) {
     if ((ghp = calloc(st->n_groups, sizeof *ghp)) == NULL) {
-      reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+      shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
       return;
     }
     for (size_t g = 0; g < st->n_groups; g++)
@@ -2038,7 +1938,7 @@ static void on_seed_master(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   if (rc == SHARDD_OK)
     rc = shardd__buffer_seed(&d->reg, (shardd__buffer *)o, c->m.rank, err,
                              sizeof err);
-  reply(d, c, seq, rc, rc == SHARDD_OK ? NULL : err);
+  shardd__reply(d, c, seq, rc, rc == SHARDD_OK ? NULL : err);
 }
 
 /* at most this many elements per OptimState (4 MiB of data) */
@@ -2052,7 +1952,7 @@ static void on_optim_state(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   shardd_err rc = shardd__registry_resolve(&d->reg, c->m.job, os->optimizer,
                                            SHARDD__OBJ_OPTIM, &o, err, sizeof err);
   if (rc != SHARDD_OK) {
-    reply(d, c, seq, rc, err);
+    shardd__reply(d, c, seq, rc, err);
     return;
   }
   int write = os->has_data;
@@ -2060,19 +1960,19 @@ static void on_optim_state(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   if ((write && os->data.len % 4 != 0) || count > OPTIM_STATE_MAX) {
     snprintf(err, sizeof err, "optimizer state: %" PRIu64 " elements per request "
              "at most, whole fp32", OPTIM_STATE_MAX);
-    reply(d, c, seq, SHARDD_E_RANGE, err);
+    shardd__reply(d, c, seq, SHARDD_E_RANGE, err);
     return;
   }
   float *io = write ? (float *)os->data.data : NULL;
   float *mine = NULL;
   if (!write && count > 0 && (io = mine = malloc(count * 4)) == NULL) {
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
   /* the wire's bytes carry no alignment: copied where it matters */
   if (write && count > 0 && ((uintptr_t)io % _Alignof(float)) != 0) {
     if ((mine = malloc(count * 4)) == NULL) {
-      reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+      shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
       return;
     }
     memcpy(mine, os->data.data, count * 4);
@@ -2101,7 +2001,7 @@ static void on_optim_state(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     opt->steps = os->set_optimizer_steps;
   if (rc != SHARDD_OK) {
     free(mine);
-    reply(d, c, seq, rc, err);
+    shardd__reply(d, c, seq, rc, err);
     return;
   }
   Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_OPTIM_STATE);
@@ -2116,7 +2016,7 @@ static void on_optim_state(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     sr.data.len = count * 4;
   }
   resp.optim_state = &sr;
-  send_resp(d, c, &resp, -1);
+  shardd__send_resp(d, c, &resp, -1);
   free(mine);
 }
 
@@ -2129,7 +2029,7 @@ static void on_all_reduce(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                           .values = ar->values};
   if (ca.op != SHARDD_REDUCE_SUM && ca.op != SHARDD_REDUCE_MEAN &&
       ca.op != SHARDD_REDUCE_MAX && ca.op != SHARDD_REDUCE_MIN) {
-    reply(d, c, seq, SHARDD_E_INVAL, "all_reduce op must be sum, mean, max or min");
+    shardd__reply(d, c, seq, SHARDD_E_INVAL, "all_reduce op must be sum, mean, max or min");
     return;
   }
   shardd__coll_submit(d->coll, &c->m, seq, &ca);
@@ -2142,7 +2042,7 @@ static void on_set_requires_grad(shardd__dispatch *d, shardd__conn *c,
   shardd_err rc = shardd__view_set_requires_grad(
       &d->reg, c->m.job, sr->view, sr->has_generation ? sr->generation : 0,
       sr->requires_grad, err, sizeof err);
-  reply(d, c, seq, rc, rc == SHARDD_OK ? NULL : err);
+  shardd__reply(d, c, seq, rc, rc == SHARDD_OK ? NULL : err);
 }
 
 static void on_release(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
@@ -2176,7 +2076,7 @@ static void on_release(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     if (grad)
       shardd__area_return(b, c->m.rank, SHARDD__AREA_GRAD);
   }
-  reply(d, c, seq, rc, rc == SHARDD_OK ? NULL : err);
+  shardd__reply(d, c, seq, rc, rc == SHARDD_OK ? NULL : err);
 }
 
 /* `shardctl release JOB`: the job's memory is freed now, so a restore
@@ -2190,12 +2090,12 @@ static void on_release_job(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   shardd__job *job = shardd__access_find_job(&d->reg, &c->peer, name);
   if (job == NULL) {
     snprintf(err, sizeof err, "no job \"%s\"", name ? name : "");
-    reply(d, c, seq, SHARDD_E_NOT_FOUND, err);
+    shardd__reply(d, c, seq, SHARDD_E_NOT_FOUND, err);
     return;
   }
   shardd_err rc = shardd__access_release(&c->peer, job, err, sizeof err);
   if (rc != SHARDD_OK) {
-    reply(d, c, seq, rc, err);
+    shardd__reply(d, c, seq, rc, err);
     return;
   }
   /* collective checkpoints some ranks asked for before all left go with
@@ -2213,7 +2113,7 @@ static void on_release_job(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   rr.optimizers = (uint32_t)shardd__map_count(&job->optims);
   rc = shardd__jobs_release_now(&d->jobs, job, err, sizeof err);
   if (rc != SHARDD_OK) {
-    reply(d, c, seq, rc, err);
+    shardd__reply(d, c, seq, rc, err);
     return;
   }
   shardd__log(2, "job \"%s\" released by uid %" PRIu32 " (%" PRIu32 " buffers, %"
@@ -2221,7 +2121,7 @@ static void on_release_job(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
               rr.optimizers);
   Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_RELEASE_JOB);
   resp.release_job = &rr;
-  send_resp(d, c, &resp, -1);
+  shardd__send_resp(d, c, &resp, -1);
 }
 
 /* ---- buckets: several gathers or scatters in one request ------------- */
@@ -2274,7 +2174,7 @@ static void bucket_answer(shardd__dispatch *d, bucket_wait *w) {
     Shardwire__Response resp = ok_resp(w->seq, SHARDWIRE__RESPONSE__BODY_BUCKET);
     Shardwire__BucketReply kb = SHARDWIRE__BUCKET_REPLY__INIT;
     resp.bucket = &kb;
-    send_resp(d, w->c, &resp, -1);
+    shardd__send_resp(d, w->c, &resp, -1);
     bucket_free(w);
     return;
   }
@@ -2322,7 +2222,7 @@ static void on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   const Shardwire__Bucket *bk = req->bucket;
   int gather = bk->op_case == SHARDWIRE__BUCKET__OP_GATHER;
   if (!gather && bk->op_case != SHARDWIRE__BUCKET__OP_SCATTER) {
-    reply(d, c, seq, SHARDD_E_INVAL, "Bucket names no operation");
+    shardd__reply(d, c, seq, SHARDD_E_INVAL, "Bucket names no operation");
     return;
   }
   size_t n = gather ? bk->gather->n_gathers : bk->scatter->n_scatters;
@@ -2335,7 +2235,7 @@ static void on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_BUCKET);
     Shardwire__BucketReply kb = SHARDWIRE__BUCKET_REPLY__INIT;
     resp.bucket = &kb;
-    send_resp(d, c, &resp, -1);
+    shardd__send_resp(d, c, &resp, -1);
     return;
   }
   if (gather && job->transient) {
@@ -2346,11 +2246,11 @@ static void on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
              "rank, so gathers are not bucketed (gather each unit alone; "
              "scatter buckets are fine)", job->name,
              d->reg.leases_per_rank[SHARDD__AREA_GATHER]);
-    reply(d, c, seq, SHARDD_E_STATE, err);
+    shardd__reply(d, c, seq, SHARDD_E_STATE, err);
     return;
   }
   if (shardd__coll_member_waits(d->coll, &c->m, seq)) {
-    seq_refuse(d, c, seq, "collective still in flight");
+    shardd__seq_refuse(d, c, seq, "collective still in flight");
     return;
   }
   uint32_t room = d->opts.max_pending > c->m.pending
@@ -2360,7 +2260,7 @@ static void on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
              "request, and this rank may queue %" PRIu32 " more collectives "
              "(--max-pending %" PRIu32 ")", n, BUCKET_MAX, room,
              d->opts.max_pending);
-    reply(d, c, seq, SHARDD_E_LIMIT, err);
+    shardd__reply(d, c, seq, SHARDD_E_LIMIT, err);
     return;
   }
   bucket_wait *w = calloc(1, sizeof *w);
@@ -2369,13 +2269,13 @@ static void on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     if (w)
       free(w->ids);
     free(w);
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
   batch_errs be;
   if (batch_errs_init(&be, n, base) != SHARDD_OK) {
     bucket_free(w);
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
   /* every entry checked before any is submitted: all or nothing */
@@ -2497,7 +2397,7 @@ static void refuse_unheld(shardd__dispatch *d, shardd__conn *c,
   snprintf(msg, sizeof msg, "job \"%s\" is being checkpointed and this "
            "rank's requests behind its step are held; no room for more",
            c->m.job ? c->m.job->name : "");
-  reply(d, c, req ? req->seq : 0, req ? SHARDD_E_BUSY : SHARDD_E_PROTOCOL,
+  shardd__reply(d, c, req ? req->seq : 0, req ? SHARDD_E_BUSY : SHARDD_E_PROTOCOL,
         req ? msg : "a frame is not a valid Request");
   if (req)
     shardwire__request__free_unpacked(req, NULL);
@@ -2521,7 +2421,7 @@ static void dispatch_one(shardd__dispatch *d, shardd__conn *c,
     char msg[128];
     snprintf(msg, sizeof msg, "a %zu-byte frame is not a valid Request", len);
     shardd__log(1, "session %" PRIu64 ": %s", c->id, msg);
-    reply(d, c, 0, SHARDD_E_PROTOCOL, msg);
+    shardd__reply(d, c, 0, SHARDD_E_PROTOCOL, msg);
     return;
   }
   uint64_t seq = req->seq;
@@ -2529,17 +2429,17 @@ static void dispatch_one(shardd__dispatch *d, shardd__conn *c,
   while (i < n && commands[i].body != req->body_case)
     i++;
   if (req->body_case != SHARDWIRE__REQUEST__BODY_HELLO && !c->hello_done)
-    reply(d, c, seq, SHARDD_E_STATE, "the first request must be Hello");
+    shardd__reply(d, c, seq, SHARDD_E_STATE, "the first request must be Hello");
   else if (c->ckc_dir && seq == c->ckc_seq)
-    seq_refuse(d, c, seq, "collective checkpoint, still being taken");
+    shardd__seq_refuse(d, c, seq, "collective checkpoint, still being taken");
   else if (d->buckets && bucket_find(d, c, seq))
-    seq_refuse(d, c, seq, "bucket, still running");
+    shardd__seq_refuse(d, c, seq, "bucket, still running");
   else if ((i == n || commands[i].needs_job) && c->m.job == NULL)
-    reply(d, c, seq, SHARDD_E_STATE,
+    shardd__reply(d, c, seq, SHARDD_E_STATE,
           "this is a control session (Hello without a job); it cannot "
           "register or train");
   else if (i == n)
-    reply(d, c, seq, SHARDD_E_PROTOCOL, "request has no body this daemon knows");
+    shardd__reply(d, c, seq, SHARDD_E_PROTOCOL, "request has no body this daemon knows");
   else if (commands[i].changes_ckpt &&
            shardd__jobs_checkpointing(&d->jobs, c->m.job) &&
            req->body_case == SHARDWIRE__REQUEST__BODY_STEP &&
@@ -2554,13 +2454,13 @@ static void dispatch_one(shardd__dispatch *d, shardd__conn *c,
     char msg[ERRLEN];
     snprintf(msg, sizeof msg, "job \"%s\" is being checkpointed",
              c->m.job->name);
-    reply(d, c, seq, SHARDD_E_BUSY, msg);
+    shardd__reply(d, c, seq, SHARDD_E_BUSY, msg);
   } else if (c->m.job && shardd__jobs_restoring(&d->jobs, c->m.job)) {
     /* cannot happen (nobody joins a job being restored); kept so no
      * request ever reaches memory the pool is loading */
     char msg[ERRLEN];
     snprintf(msg, sizeof msg, "job \"%s\" is being restored", c->m.job->name);
-    reply(d, c, seq, SHARDD_E_BUSY, msg);
+    shardd__reply(d, c, seq, SHARDD_E_BUSY, msg);
   } else
     commands[i].fn(d, c, seq, req);
   shardwire__request__free_unpacked(req, NULL);
@@ -2669,12 +2569,12 @@ static void reply_gather(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     if (p)
       c->pools_sent = p;
     if (rc != SHARDD_OK) {
-      reply(d, c, seq, rc, "exporting the area pool's descriptor failed");
+      shardd__reply(d, c, seq, rc, "exporting the area pool's descriptor failed");
       return;
     }
     c->pools_sent[c->npools_sent++] = gr.pool;
   }
-  send_resp(d, c, &resp, fd);
+  shardd__send_resp(d, c, &resp, fd);
 }
 
 /* The member is the first field of its connection. */
@@ -2693,7 +2593,7 @@ static void coll_done(void *ctx, shardd__coll_member *m, uint64_t seq,
     return;
   }
   if (res == NULL) {
-    reply(d, c, seq, code, msg);
+    shardd__reply(d, c, seq, code, msg);
     return;
   }
   if (res->kind == SHARDD__COLL_GATHER) {
@@ -2706,7 +2606,7 @@ static void coll_done(void *ctx, shardd__coll_member *m, uint64_t seq,
     ar.n_values = res->nvalues;
     ar.values = (double *)res->values;
     resp.all_reduce = &ar;
-    send_resp(d, c, &resp, -1);
+    shardd__send_resp(d, c, &resp, -1);
     return;
   }
   Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_STEP);
@@ -2715,7 +2615,7 @@ static void coll_done(void *ctx, shardd__coll_member *m, uint64_t seq,
   sr.has_total_norm = res->has_total_norm;
   sr.total_norm = res->has_total_norm ? res->total_norm : 0;
   resp.step = &sr;
-  send_resp(d, c, &resp, -1);
+  shardd__send_resp(d, c, &resp, -1);
 }
 
 static void coll_quiet(void *ctx, shardd__job *job) {
