@@ -755,7 +755,7 @@ static void buffers_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     for (size_t i = n; i-- > 0;)
       buffer_undo(d, &u[i]);
     shardd__reply(d, c, seq, SHARDD_E_INTERNAL, "some blocks exported a descriptor, "
-          "some not");
+                  "some not");
   } else {
     Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_BUFFERS_BATCH);
     Shardwire__BuffersBatchReply bb = SHARDWIRE__BUFFERS_BATCH_REPLY__INIT;
@@ -1372,7 +1372,7 @@ static void on_checkpoint_collective(shardd__dispatch *d, shardd__conn *c,
                                      uint64_t seq, const char *dir) {
   if (c->ckc_dir) {
     shardd__reply(d, c, seq, SHARDD_E_STATE,
-          "this rank's collective checkpoint is still being taken");
+                  "this rank's collective checkpoint is still being taken");
     return;
   }
   /* its barrier's end is told apart from the rank's other collectives by
@@ -1737,10 +1737,10 @@ static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   if (cp->has_collective && cp->collective) {
     if (c->m.job == NULL)
       shardd__reply(d, c, seq, SHARDD_E_STATE, "a collective checkpoint is asked for by "
-            "every rank of a job, not by a control session");
+                    "every rank of a job, not by a control session");
     else if (cp->job && cp->job[0] && strcmp(cp->job, c->m.job->name) != 0)
       shardd__reply(d, c, seq, SHARDD_E_NOT_OWNED, "a collective checkpoint is of the "
-            "rank's own job");
+                    "rank's own job");
     else
       on_checkpoint_collective(d, c, seq, cp->dir);
     return;
@@ -2398,7 +2398,7 @@ static void refuse_unheld(shardd__dispatch *d, shardd__conn *c,
            "rank's requests behind its step are held; no room for more",
            c->m.job ? c->m.job->name : "");
   shardd__reply(d, c, req ? req->seq : 0, req ? SHARDD_E_BUSY : SHARDD_E_PROTOCOL,
-        req ? msg : "a frame is not a valid Request");
+                req ? msg : "a frame is not a valid Request");
   if (req)
     shardwire__request__free_unpacked(req, NULL);
 }
@@ -2436,8 +2436,8 @@ static void dispatch_one(shardd__dispatch *d, shardd__conn *c,
     shardd__seq_refuse(d, c, seq, "bucket, still running");
   else if ((i == n || commands[i].needs_job) && c->m.job == NULL)
     shardd__reply(d, c, seq, SHARDD_E_STATE,
-          "this is a control session (Hello without a job); it cannot "
-          "register or train");
+                  "this is a control session (Hello without a job); it cannot "
+                  "register or train");
   else if (i == n)
     shardd__reply(d, c, seq, SHARDD_E_PROTOCOL, "request has no body this daemon knows");
   else if (commands[i].changes_ckpt &&
