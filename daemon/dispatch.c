@@ -155,9 +155,6 @@ static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   shardd__send_resp(d, c, &resp, -1);
 }
 
-static int pending_checkpoint(void *arg, const shardd__job *job, size_t i,
-                              const char **dir, double *waited_s, double *wait_s);
-
 /* The rank is finished: its close will be a clean one (jobs_leave). */
 static void on_goodbye(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                        const Shardwire__Request *req) {
@@ -168,7 +165,7 @@ static void on_goodbye(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
 static shardd__status_ctx status_ctx(shardd__dispatch *d) {
   shardd__status_ctx ctx = {&d->reg, d->coll, &d->jobs, now_s(d) - d->started,
                             d->socket_path, d->io.clients(d->io.ctx),
-                            d->io.partial_bytes(d->io.ctx), pending_checkpoint, d,
+                            d->io.partial_bytes(d->io.ctx), shardd__ckpt_pending, d,
                             0, 0, 0};
   if (d->io.unread_replies) {
     ctx.has_unread_replies = 1;
@@ -925,915 +922,6 @@ static void on_ping(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   shardd__send_resp(d, c, &resp, -1);
 }
 
-static void reply_checkpoint(shardd__dispatch *d, shardd__conn *c,
-                             uint64_t seq, shardd__job *job, const char *dir) {
-  Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_CHECKPOINT);
-  Shardwire__CheckpointReply cr = SHARDWIRE__CHECKPOINT_REPLY__INIT;
-  /* the name the asker would use for it: root restoring uid 1000's
-   * checkpoint gets "1000/NAME" */
-  char qualified[300];
-  cr.job = job->name;
-  if (job->uid != c->peer.uid) {
-    snprintf(qualified, sizeof qualified, "%" PRIu32 "/%s", job->uid, job->name);
-    cr.job = qualified;
-  }
-  cr.dir = (char *)dir;
-  cr.buffers = (uint32_t)shardd__map_count(&job->buffers);
-  cr.optimizers = (uint32_t)shardd__map_count(&job->optims);
-  resp.checkpoint = &cr;
-  shardd__send_resp(d, c, &resp, -1);
-}
-
-/* A checkpoint or restore whose reply waits for its files (written or
- * read on libuv's pool by jobs.c): the request's seq and dir, and its
- * connection until that closes -- the reply is then dropped, as the engine
- * drops a collective's. */
-typedef struct shardd__ckpt_wait {
-  shardd__dispatch *d;
-  shardd__conn *c; /* NULL once closed */
-  uint64_t seq;
-  char *dir;
-  struct shardd__ckpt_wait *next;
-} ckpt_wait;
-
-/* Takes w off the waiting list. */
-static void ckpt_unwait(ckpt_wait *w) {
-  for (ckpt_wait **p = &w->d->ckpt_waits; *p; p = &(*p)->next)
-    if (*p == w) {
-      *p = w->next;
-      break;
-    }
-}
-
-/* A waiting reply for c's request seq about dir; NULL (and c answered)
- * when out of memory. */
-static ckpt_wait *ckpt_wait_new(shardd__dispatch *d, shardd__conn *c,
-                                uint64_t seq, const char *dir) {
-  ckpt_wait *w = calloc(1, sizeof *w);
-  if (w == NULL || (w->dir = strdup(dir)) == NULL) {
-    free(w);
-    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
-    return NULL;
-  }
-  w->d = d;
-  w->c = c;
-  w->seq = seq;
-  return w;
-}
-
-/* After the start of w's work: waits for it when rc is OK, else answers
- * the refusal and drops w (its done hook is never called then). */
-static void ckpt_wait_started(ckpt_wait *w, shardd_err rc, const char *err) {
-  if (rc != SHARDD_OK) {
-    shardd__reply(w->d, w->c, w->seq, rc, err);
-    free(w->dir);
-    free(w);
-    return;
-  }
-  w->next = w->d->ckpt_waits;
-  w->d->ckpt_waits = w;
-}
-
-static void after_ckpt(shardd__dispatch *d, shardd__job *job);
-
-static void ckpt_done(void *arg, shardd__job *job, shardd_err rc,
-                      const char *err) {
-  ckpt_wait *w = arg;
-  shardd__dispatch *d = w->d;
-  ckpt_unwait(w);
-  if (w->c && rc == SHARDD_OK)
-    reply_checkpoint(d, w->c, w->seq, job, w->dir);
-  else if (w->c)
-    shardd__reply(d, w->c, w->seq, rc, err);
-  free(w->dir);
-  free(w);
-}
-
-/* A checkpoint (not a restore) ended: the job's held frames go on. */
-static void ckpt_done_job(void *arg, shardd__job *job, shardd_err rc,
-                          const char *err) {
-  shardd__dispatch *d = ((ckpt_wait *)arg)->d;
-  ckpt_done(arg, job, rc, err);
-  after_ckpt(d, job);
-}
-
-/* --checkpoint-root: a client other than root names directories below
- * its own root/UID only; that directory is checked (and, with create,
- * made) before anything in it is touched, and its path left in home
- * (empty when the client is not confined to one). */
-static shardd_err checkpoint_dir_ok(shardd__dispatch *d, const shardd__conn *c,
-                                    const char *dir, int create, char *home,
-                                    size_t homelen, char *err, size_t errlen) {
-  const char *root = d->opts.checkpoint_root;
-  home[0] = '\0';
-  shardd_err rc = shardd__access_checkpoint_dir(root, (uint32_t)c->peer.uid,
-                                                dir, err, errlen);
-  if (rc != SHARDD_OK || root == NULL || c->peer.uid == 0)
-    return rc;
-  rc = shardd__checkpoint_user_dir(root, (uint32_t)c->peer.uid, create, err,
-                                   errlen);
-  if (rc == SHARDD_OK)
-    snprintf(home, homelen, "%.*s/%" PRIu32, (int)shardd__access_root_len(root),
-             root, (uint32_t)c->peer.uid);
-  return rc;
-}
-
-/* ---- collective checkpoints --------------------------------------------
- * Each rank's request is a barrier of the engine (an all_reduce of no
- * values, with an op of its own so a plain barrier() does not pair with
- * it), so it comes after the collectives the rank sent before it. When
- * the barrier ends for every local rank, their replies are held and the
- * checkpoint starts (the ranks wait for it: nothing of theirs runs); every
- * rank is answered when its files are written. */
-#define CKPT_BARRIER_OP 0x636b /* "ck": no reduce op of the wire */
-/* A multi-node job's collective checkpoint has a second exchange, after
- * each node wrote its part: every node's part seal (or that it failed),
- * so each node writes the same job manifest, or none. Each local rank
- * submits it (the engine pairs collectives by rank), with the values
- * [nodes]: this node's slot holds seal + 1 (0: its part failed) from its
- * first local rank, 0 elsewhere, and the engine adds them up (an op of the
- * daemon's own adds), so every slot ends as its node's word. */
-#define CKPT_SEAL_OP 0x636c
-
-typedef struct shardd__ckpt_group {
-  shardd__dispatch *d;
-  /* the job it belongs to: it is failed and freed as the job is released
-   * (job_released), so no later job at that address finds it */
-  shardd__job *job;
-  uint32_t world; /* job's, the length of conns and seqs */
-  uint32_t arrived;
-  int mismatch;
-  uint32_t other_dir; /* multi-node: 1 + a node that named another dir; 0 none */
-  shardd__conn **conns; /* [world]: the held ranks (NULL once closed) */
-  uint64_t *seqs;
-  char *dir; /* the first rank's (the group's) */
-  /* multi-node: 1 once this node's part is written (or failed) and the
-   * seal exchange runs; what the job manifest needs then */
-  int phase;
-  uint32_t expect; /* ranks that submitted the seal exchange, less those
-                     that closed before its end reached them */
-  uint8_t *seal_in; /* [world]: that rank's end of it came */
-  shardd_err part_rc; /* this node's part */
-  char part_err[ERRLEN];
-  shardd_err seal_rc; /* the exchange's first failure */
-  char seal_err[ERRLEN];
-  double seals[SHARDD_ALL_REDUCE_MAX];
-  int64_t as_uid;
-  char *home; /* NULL: none */
-  /* a part refused before it started, from inside the engine's done hook
-   * (which must not call the engine): the seal exchange starts a loop turn
-   * later, through an empty work item */
-  uv_work_t defer;
-  int deferring; /* the job is pinned until it ran */
-  struct shardd__ckpt_group *next;
-} ckpt_group;
-
-/* A collective checkpoint directory's fingerprint across nodes: FNV-1a
- * folded to 32 bits, + 1 (0 is "no word from that node"); exact as a
- * double. */
-static double dir_print(const char *dir) {
-  uint64_t h = 14695981039346656037ull;
-  for (const char *p = dir; *p; p++)
-    h = (h ^ (unsigned char)*p) * 1099511628211ull;
-  return (double)(uint32_t)(h ^ (h >> 32)) + 1.0;
-}
-
-static void ckpt_group_free(ckpt_group *g) {
-  for (ckpt_group **p = &g->d->ckpt_groups; *p; p = &(*p)->next)
-    if (*p == g) {
-      *p = g->next;
-      break;
-    }
-  for (uint32_t r = 0; r < g->world; r++)
-    if (g->conns[r]) {
-      free(g->conns[r]->ckc_dir);
-      g->conns[r]->ckc_dir = NULL;
-    }
-  free(g->conns);
-  free(g->seqs);
-  free(g->seal_in);
-  free(g->dir);
-  free(g->home);
-  free(g);
-}
-
-static void ckpt_group_answer(ckpt_group *g, shardd_err rc, const char *err) {
-  for (uint32_t r = 0; r < g->world; r++) {
-    shardd__conn *c = g->conns[r];
-    if (c == NULL)
-      continue;
-    if (rc == SHARDD_OK)
-      reply_checkpoint(g->d, c, g->seqs[r], g->job, g->dir);
-    else
-      shardd__reply(g->d, c, g->seqs[r], rc, err);
-  }
-  ckpt_group_free(g);
-}
-
-/* jobs.c releases job: its collective checkpoints that never started (some
- * ranks asked, then every rank left) go with it; a rank still held would
- * have kept the job, but is answered if there is one. (None is deferring
- * or being written: either keeps the job.) */
-static void job_released(void *arg, shardd__job *job) {
-  shardd__dispatch *d = arg;
-  for (ckpt_group *g = d->ckpt_groups, *next; g; g = next) {
-    next = g->next;
-    if (g->job != job)
-      continue;
-    char err[ERRLEN];
-    snprintf(err, sizeof err, "job \"%s\" was released before every rank "
-             "asked for its collective checkpoint into %s", job->name, g->dir);
-    shardd__log(2, "%s; the checkpoint is dropped", err);
-    ckpt_group_answer(g, SHARDD_E_STATE, err);
-  }
-}
-
-/* A multi-node job's part is written (or failed) here: the seal exchange
- * starts on every local rank still held (see CKPT_SEAL_OP). Its end comes
- * back through coll_done, to ckpt_seal_done. */
-static void ckpt_seal_start(ckpt_group *g, shardd_err rc, const char *err) {
-  shardd__job *job = g->job;
-  shardd__dispatch *d = g->d;
-  g->phase = 1;
-  g->arrived = 0;
-  g->part_rc = rc;
-  if (err != g->part_err) /* a deferred start passes the group's own */
-    snprintf(g->part_err, sizeof g->part_err, "%s", rc == SHARDD_OK ? "" : err);
-  uint32_t seal = shardd__jobs_last_seal(&g->d->jobs, job);
-  double vals[SHARDD_ALL_REDUCE_MAX] = {0};
-  uint32_t lo = job->local_first, hi = lo + job->local_ranks;
-  if (g->seal_in == NULL && (g->seal_in = calloc(job->world, 1)) == NULL) {
-    ckpt_group_answer(g, SHARDD_E_NO_MEMORY, "out of memory");
-    return; /* the other nodes time out */
-  }
-  /* copied: a refusal inside submit may end the group (and free g) */
-  shardd__conn **held = calloc(job->local_ranks, sizeof *held);
-  uint64_t *seqs = calloc(job->local_ranks, sizeof *seqs);
-  uint32_t n = 0;
-  for (uint32_t r = lo; held && seqs && r < hi; r++)
-    if (g->conns[r]) {
-      seqs[n] = g->seqs[r];
-      held[n++] = g->conns[r];
-    }
-  g->expect = n;
-  if (held == NULL || seqs == NULL) { /* the other nodes time out */
-    ckpt_group_answer(g, SHARDD_E_NO_MEMORY, "out of memory");
-    n = 0;
-  } else if (n == 0) { /* every rank left: nobody to answer, nothing to pair */
-    ckpt_group_free(g);
-  }
-  for (uint32_t k = 0; k < n; k++) {
-    shardd__conn *c = held[k];
-    vals[job->node_rank] =
-        c->m.rank == lo && rc == SHARDD_OK ? (double)seal + 1.0 : 0.0;
-    shardd__coll_args ca = {.kind = SHARDD__COLL_ALL_REDUCE,
-                            .target = job->nodes,
-                            .op = (shardd_reduce_op)CKPT_SEAL_OP,
-                            .values = vals};
-    shardd__coll_submit(d->coll, &c->m, seqs[k], &ca);
-  }
-  free(held);
-  free(seqs);
-}
-
-static void ckpt_defer_work(uv_work_t *req) { (void)req; }
-
-static void ckpt_defer_after(uv_work_t *req, int status) {
-  ckpt_group *g = req->data;
-  shardd__dispatch *d = g->d;
-  shardd__job *job = g->job;
-  g->deferring = 0;
-  ckpt_seal_start(g, g->part_rc, g->part_err); /* may free g */
-  shardd__jobs_unpin(&d->jobs, job);           /* may release job */
-}
-
-/* c's part of the seal exchange ended: once every rank's has, the job
- * manifest is written when every node's part is there, and the ranks are
- * answered. */
-static void ckpt_seal_finish(ckpt_group *g);
-
-static void ckpt_seal_done(ckpt_group *g, shardd__conn *c, shardd_err code,
-                           const char *msg, const shardd__coll_result *res) {
-  shardd__job *job = g->job;
-  if (code != SHARDD_OK && g->seal_rc == SHARDD_OK) {
-    g->seal_rc = code;
-    snprintf(g->seal_err, sizeof g->seal_err, "%s", msg ? msg : "");
-  } else if (code == SHARDD_OK && res && res->nvalues == job->nodes) {
-    memcpy(g->seals, res->values, job->nodes * sizeof *g->seals);
-  }
-  g->seal_in[c->m.rank] = 1;
-  if (++g->arrived < g->expect)
-    return;
-  ckpt_seal_finish(g);
-}
-
-/* Every rank still held has its end of the seal exchange. */
-static void ckpt_seal_finish(ckpt_group *g) {
-  shardd__job *job = g->job;
-  char err[2 * ERRLEN];
-  shardd_err rc = SHARDD_OK;
-  if (g->part_rc != SHARDD_OK) {
-    rc = g->part_rc;
-    snprintf(err, sizeof err, "node %" PRIu32 "'s part of the checkpoint: %s; "
-             "no job manifest written", job->node_rank, g->part_err);
-  } else if (g->seal_rc != SHARDD_OK) {
-    rc = g->seal_rc;
-    snprintf(err, sizeof err, "the nodes could not confirm each other's part "
-             "of the checkpoint: %s; no job manifest written", g->seal_err);
-  } else {
-    uint32_t seals[SHARDD__CKJOB_MAX_NODES];
-    for (uint32_t n = 0; n < job->nodes && rc == SHARDD_OK; n++) {
-      if (!(g->seals[n] >= 1.0)) {
-        rc = SHARDD_E_IO;
-        snprintf(err, sizeof err, "node %" PRIu32 " could not write its part of "
-                 "the checkpoint into %s/node-%" PRIu32 " (its ranks were told "
-                 "why); no job manifest written", n, g->dir, n);
-      }
-      seals[n] = (uint32_t)(g->seals[n] - 1.0);
-    }
-    if (rc == SHARDD_OK)
-      rc = shardd__jobs_checkpoint_job(&g->d->jobs, job, g->dir, g->as_uid,
-                                       g->home, seals, err, sizeof err);
-  }
-  ckpt_group_answer(g, rc, err);
-}
-
-static void ckpt_group_done(void *arg, shardd__job *job, shardd_err rc,
-                            const char *err) {
-  ckpt_group *g = arg;
-  shardd__dispatch *d = g->d;
-  if (job->nodes > 1)
-    ckpt_seal_start(g, rc, err); /* before the held frames: every node's ranks
-                                    submit it first */
-  else
-    ckpt_group_answer(g, rc, err);
-  after_ckpt(d, job);
-}
-
-/* c's checkpoint barrier ended with code: held until every local rank's
- * has, then the checkpoint starts. In a multi-node job the barrier crosses
- * nodes, so every rank of every node has asked, and each node writes its
- * part; then the seal exchange (ckpt_seal_start) ends here too. */
-static void ckpt_barrier_done(shardd__dispatch *d, shardd__conn *c,
-                              uint64_t seq, shardd_err code, const char *msg,
-                              const shardd__coll_result *res) {
-  for (ckpt_group *sg = d->ckpt_groups; sg; sg = sg->next)
-    if (sg->job == c->m.job && sg->phase == 1) {
-      ckpt_seal_done(sg, c, code, msg, res);
-      return;
-    }
-  if (code != SHARDD_OK) {
-    free(c->ckc_dir);
-    c->ckc_dir = NULL;
-    shardd__reply(d, c, seq, code, msg);
-    return;
-  }
-  shardd__job *job = c->m.job;
-  ckpt_group *g = d->ckpt_groups;
-  while (g && g->job != job)
-    g = g->next;
-  if (g == NULL) {
-    g = calloc(1, sizeof *g);
-    if (g == NULL || (g->conns = calloc(job->world, sizeof *g->conns)) == NULL ||
-        (g->seqs = calloc(job->world, sizeof *g->seqs)) == NULL ||
-        (g->dir = strdup(c->ckc_dir)) == NULL) {
-      if (g) {
-        free(g->conns);
-        free(g->seqs);
-        free(g);
-      }
-      free(c->ckc_dir);
-      c->ckc_dir = NULL;
-      shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
-      return;
-    }
-    g->d = d;
-    g->job = job;
-    g->world = job->world;
-    g->next = d->ckpt_groups;
-    d->ckpt_groups = g;
-  }
-  g->conns[c->m.rank] = c;
-  g->seqs[c->m.rank] = seq;
-  g->mismatch |= strcmp(g->dir, c->ckc_dir) != 0;
-  /* the other nodes' directories (every rank gets the same values) */
-  int other = -1;
-  if (job->nodes > 1 && res && res->nvalues == job->nodes)
-    for (uint32_t n = 0; n < job->nodes && other < 0; n++)
-      if (res->values[n] != dir_print(g->dir))
-        other = (int)n;
-  if (other >= 0 && g->other_dir == 0)
-    g->other_dir = 1 + (uint32_t)other;
-  if (++g->arrived < job->local_ranks)
-    return;
-  char err[ERRLEN], home[4096];
-  shardd_err rc = SHARDD_OK;
-  if (g->other_dir && !g->mismatch) {
-    snprintf(err, sizeof err, "the ranks of node %" PRIu32 " of job \"%s\" asked "
-             "for a checkpoint into another directory than this node's (%s): "
-             "every rank must name the same", g->other_dir - 1, job->name, g->dir);
-    rc = SHARDD_E_MISMATCH;
-  } else if (g->mismatch) {
-    snprintf(err, sizeof err, "the ranks of job \"%s\" asked for a checkpoint "
-             "into different directories", job->name);
-    rc = SHARDD_E_MISMATCH;
-  } else {
-    rc = checkpoint_dir_ok(d, c, g->dir, 1, home, sizeof home, err, sizeof err);
-  }
-  g->as_uid = (int64_t)c->peer.uid;
-  if (rc == SHARDD_OK && home[0] && (g->home = strdup(home)) == NULL) {
-    rc = SHARDD_E_NO_MEMORY;
-    snprintf(err, sizeof err, "out of memory");
-  }
-  if (rc == SHARDD_OK)
-    rc = shardd__jobs_checkpoint_start(&d->jobs, job, g->dir, (int64_t)c->peer.uid,
-                                       home[0] ? home : NULL, ckpt_group_done, g,
-                                       err, sizeof err);
-  /* multi-node: the other nodes' ranks wait in the seal exchange, which
-   * must hear that this node has no part */
-  if (rc != SHARDD_OK && job->nodes > 1) {
-    g->part_rc = rc;
-    snprintf(g->part_err, sizeof g->part_err, "%s", err);
-    g->defer.data = g;
-    if (shardd__jobs_pin(&d->jobs, job) == SHARDD_OK) {
-      if (uv_queue_work(d->jobs.loop, &g->defer, ckpt_defer_work,
-                        ckpt_defer_after) == 0) {
-        g->deferring = 1;
-        return;
-      }
-      shardd__jobs_unpin(&d->jobs, job);
-    }
-  }
-  if (rc != SHARDD_OK)
-    ckpt_group_answer(g, rc, err);
-}
-
-static void on_checkpoint_collective(shardd__dispatch *d, shardd__conn *c,
-                                     uint64_t seq, const char *dir) {
-  if (c->ckc_dir) {
-    shardd__reply(d, c, seq, SHARDD_E_STATE,
-                  "this rank's collective checkpoint is still being taken");
-    return;
-  }
-  /* its barrier's end is told apart from the rank's other collectives by
-   * the seq: one they will also end with is refused */
-  if (shardd__coll_member_waits(d->coll, &c->m, seq)) {
-    shardd__seq_refuse(d, c, seq, "collective still in flight");
-    return;
-  }
-  if ((c->ckc_dir = strdup(dir)) == NULL) {
-    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
-    return;
-  }
-  c->ckc_seq = seq;
-  /* A multi-node job's barrier also compares the directory across nodes
-   * (the local ranks' are compared at the barrier's end): [nodes] values,
-   * this node's slot its first local rank's fingerprint of dir, as the seal
-   * exchange carries seals (see CKPT_SEAL_OP). Parts written into two
-   * directories would each lack the other. */
-  const shardd__job *job = c->m.job;
-  double vals[SHARDD_ALL_REDUCE_MAX] = {0};
-  int multi = job->nodes > 1 && job->nodes <= SHARDD_ALL_REDUCE_MAX;
-  if (multi && c->m.rank == job->local_first)
-    vals[job->node_rank] = dir_print(dir);
-  shardd__coll_args ca = {.kind = SHARDD__COLL_ALL_REDUCE,
-                          .target = multi ? job->nodes : 0,
-                          .op = (shardd_reduce_op)CKPT_BARRIER_OP,
-                          .values = multi ? vals : NULL};
-  shardd__coll_submit(d->coll, &c->m, seq, &ca);
-}
-
-/* ---- operators' checkpoints of a live job ------------------------------
- * `shardctl checkpoint` of a job whose ranks are training: collectives are
- * in flight nearly always, and refusing with E_BUSY meant never. The
- * request waits (a bounded wait the asker gives) for the job's next
- * quiescent point, the moment its queue empties (between a step's reply
- * and the next gather), and the checkpoint is taken right there, on the
- * loop thread, before any later frame is read. Nothing is held while it
- * waits: holding new collectives could hold the rank a queued one waits
- * for. While the files are written, a step (which would change them) is
- * held with everything its rank sends behind it, and dispatched in order
- * when the checkpoint ends: training waits those milliseconds, is never
- * refused, and computes what it would have without the checkpoint. */
-#define CKPT_WAIT_MAX 86400
-#define HELD_MAX_BYTES ((size_t)4 << 20) /* per connection */
-/* Waiting checkpoints each hold their paths (PATH_MAX at most) and a pin
- * of their job, and they used to pile up without a bound: one connection's
- * OOM-killed the daemon. A job's are taken one after another, so a few
- * are all an operator needs; past these, E_LIMIT (README, security). */
-#define CKPT_PENDS_PER_SESSION 16
-#define CKPT_PENDS_PER_UID 64 /* uids other than root */
-
-typedef struct shardd__ckpt_pend {
-  shardd__conn *c;
-  uint64_t seq;
-  shardd__job *job; /* pinned until the pend ends */
-  char *dir, *home; /* owned; home NULL when the asker is not confined */
-  int64_t as_uid;
-  double since, wait_s;
-  struct shardd__ckpt_pend *next;
-} ckpt_pend;
-
-typedef struct shardd__held_frame {
-  struct shardd__held_frame *next;
-  size_t len;
-  uint8_t data[];
-} held_frame;
-
-/* Whether job is at a point a checkpoint can start at. */
-static int pend_may_start(shardd__dispatch *d, const shardd__job *job) {
-  return shardd__coll_inflight(d->coll, job) == 0 &&
-         !shardd__jobs_checkpointing(&d->jobs, job);
-}
-
-static void pend_add(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                     shardd__job *job, const char *dir, const char *home,
-                     double wait_s) {
-  /* a walk over every wait: they are few (the bounds), and one is added
-   * only by an operator's request */
-  uint32_t mine = 0, uids = 0;
-  for (const ckpt_pend *q = d->ckpt_pends; q; q = q->next) {
-    mine += q->c == c;
-    uids += q->as_uid == (int64_t)c->peer.uid;
-  }
-  char err[ERRLEN];
-  if (mine >= CKPT_PENDS_PER_SESSION) {
-    snprintf(err, sizeof err, "this session has %d checkpoints waiting for "
-             "their job's quiescent point, the bound per session; ask again "
-             "once one has ended", CKPT_PENDS_PER_SESSION);
-    shardd__reply(d, c, seq, SHARDD_E_LIMIT, err);
-    return;
-  }
-  if (c->peer.uid != 0 && uids >= CKPT_PENDS_PER_UID) {
-    snprintf(err, sizeof err, "uid %" PRIu32 " has %d checkpoints waiting for "
-             "their job's quiescent point, the bound per uid; ask again once "
-             "one has ended", (uint32_t)c->peer.uid, CKPT_PENDS_PER_UID);
-    shardd__reply(d, c, seq, SHARDD_E_LIMIT, err);
-    return;
-  }
-  ckpt_pend *p = calloc(1, sizeof *p);
-  if (p == NULL || (p->dir = strdup(dir)) == NULL ||
-      (home && (p->home = strdup(home)) == NULL) ||
-      shardd__jobs_pin(&d->jobs, job) != SHARDD_OK) {
-    if (p) {
-      free(p->dir);
-      free(p->home);
-    }
-    free(p);
-    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
-    return;
-  }
-  p->c = c;
-  p->seq = seq;
-  p->job = job;
-  p->as_uid = (int64_t)c->peer.uid;
-  p->since = now_s(d);
-  p->wait_s = wait_s;
-  p->next = d->ckpt_pends;
-  d->ckpt_pends = p;
-  shardd__log(2, "session %" PRIu64 ": checkpoint of job \"%s\" waits up to "
-              "%.1f s for its ranks' next quiescent point", c->id, job->name,
-              wait_s);
-}
-
-/* The status context's view of the waits: the list is newest first, so the
- * i-th oldest is counted from its end. */
-static int pending_checkpoint(void *arg, const shardd__job *job, size_t i,
-                              const char **dir, double *waited_s, double *wait_s) {
-  shardd__dispatch *d = arg;
-  size_t n = 0;
-  for (const ckpt_pend *p = d->ckpt_pends; p; p = p->next)
-    n += p->job == job;
-  if (i >= n)
-    return 0;
-  size_t want = n - 1 - i;
-  for (const ckpt_pend *p = d->ckpt_pends; p; p = p->next)
-    if (p->job == job && want-- == 0) {
-      *dir = p->dir;
-      *waited_s = now_s(d) - p->since;
-      *wait_s = p->wait_s;
-      return 1;
-    }
-  return 0;
-}
-
-/* Takes p off the list and frees it; its job may be released. */
-static void pend_end(shardd__dispatch *d, ckpt_pend *p) {
-  for (ckpt_pend **q = &d->ckpt_pends; *q; q = &(*q)->next)
-    if (*q == p) {
-      *q = p->next;
-      break;
-    }
-  shardd__job *job = p->job;
-  free(p->dir);
-  free(p->home);
-  free(p);
-  shardd__jobs_unpin(&d->jobs, job);
-}
-
-/* Starts the waiting checkpoints of job that can start now (one; the
- * others wait for it to end, as they would for any checkpoint). */
-static void pends_kick(shardd__dispatch *d, shardd__job *job) {
-  for (ckpt_pend *p = d->ckpt_pends, *next; p; p = next) {
-    next = p->next;
-    if (p->job != job)
-      continue;
-    if (!pend_may_start(d, job))
-      return;
-    char err[ERRLEN];
-    ckpt_wait *w = ckpt_wait_new(d, p->c, p->seq, p->dir);
-    if (w) {
-      shardd_err rc = shardd__jobs_checkpoint_start(&d->jobs, job, p->dir,
-                                                    p->as_uid, p->home,
-                                                    ckpt_done_job, w, err,
-                                                    sizeof err);
-      if (rc == SHARDD_OK)
-        shardd__log(2, "job \"%s\" quiescent after %.3f s: checkpoint to %s "
-                    "started", job->name, now_s(d) - p->since, p->dir);
-      ckpt_wait_started(w, rc, err);
-    }
-    pend_end(d, p); /* job stays: it is being checkpointed, or has clients */
-  }
-}
-
-/* What p still waits on, for its timeout's message: the job's collectives
- * (kind, target, how long, which ranks arrived and which did not, and
- * whether those are connected), or the checkpoint being written. */
-static void pend_describe(shardd__dispatch *d, const ckpt_pend *p, char *out,
-                          size_t n) {
-  const shardd__job *job = p->job;
-  size_t len = (size_t)snprintf(out, n, "job \"%s\" reached no quiescent point "
-                                "(no collective queued or running) within %.1f s; ",
-                                job->name, p->wait_s);
-#define ADD(...)                                                               \
-  do {                                                                         \
-    if (len < n)                                                               \
-      len += (size_t)snprintf(out + len, n - len, __VA_ARGS__);                \
-  } while (0)
-  if (shardd__jobs_checkpointing(&d->jobs, job))
-    ADD("another checkpoint of it is being written; ");
-  uint32_t total = shardd__coll_inflight(d->coll, job);
-  uint8_t *arrived = calloc(job->world, 1);
-  ADD("%" PRIu32 " collective(s) in flight", total);
-  shardd__coll_info info;
-  for (size_t i = 0; arrived && i < 4 &&
-                     shardd__coll_describe(d->coll, job, i, &info, arrived) == SHARDD_OK;
-       i++) {
-    ADD("%s %s", i ? ";" : ":", shardd__coll_kind_word(info.kind));
-    if (info.name && info.name[0])
-      ADD(" of \"%s\"", info.name);
-    if (info.running) {
-      ADD(" running for %.1f s", info.waited_s);
-      continue;
-    }
-    ADD(" queued %.1f s, arrived: ", info.waited_s);
-    int any = 0;
-    for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++)
-      if (arrived[r]) {
-        ADD("%s%" PRIu32, any ? "," : "rank ", r);
-        any = 1;
-      }
-    if (!any)
-      ADD("none");
-    ADD(", waiting for: ");
-    any = 0;
-    for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++)
-      if (!arrived[r]) {
-        ADD("%srank %" PRIu32 "%s", any ? ", " : "", r,
-            shardd__jobs_rank_held(&d->jobs, job, r) ? "" : " (not connected)");
-        any = 1;
-      }
-  }
-  if (total > 4)
-    ADD("; and %" PRIu32 " more", total - 4);
-  ADD(" (a trainer that never lets its queue empty, e.g. one that sends the "
-      "next gather before the step's reply, checkpoints with sm.checkpoint)");
-#undef ADD
-  free(arrived);
-}
-
-/* The tick: waits past their bound end with what they waited on. */
-static void pends_expire(shardd__dispatch *d, double now) {
-  for (ckpt_pend *p = d->ckpt_pends, *next; p; p = next) {
-    next = p->next;
-    if (now - p->since < p->wait_s)
-      continue;
-    char msg[2048];
-    pend_describe(d, p, msg, sizeof msg);
-    shardd__log(1, "checkpoint of job \"%s\" to %s timed out: %s", p->job->name,
-                p->dir, msg);
-    shardd__reply(d, p->c, p->seq, SHARDD_E_TIMEOUT, msg);
-    pend_end(d, p);
-  }
-}
-
-/* c closed: its waits end unanswered. */
-static void pends_forget(shardd__dispatch *d, const shardd__conn *c) {
-  for (ckpt_pend *p = d->ckpt_pends, *next; p; p = next) {
-    next = p->next;
-    if (p->c == c)
-      pend_end(d, p);
-  }
-}
-
-static void held_unlist(shardd__dispatch *d, shardd__conn *c) {
-  for (size_t i = 0; i < d->nheld_conns; i++)
-    if (d->held_conns[i] == c) {
-      d->held_conns[i] = d->held_conns[--d->nheld_conns];
-      break;
-    }
-  c->held_listed = 0;
-}
-
-/* Keeps a copy of c's frame for later; 0 when it cannot (over the bound,
- * out of memory): the caller refuses it then. */
-static int held_push(shardd__dispatch *d, shardd__conn *c,
-                     const uint8_t *payload, size_t len) {
-  if (c->held_bytes + len > HELD_MAX_BYTES)
-    return 0;
-  if (!c->held_listed) {
-    if (d->nheld_conns == d->cap_held_conns) {
-      size_t cap = d->cap_held_conns ? 2 * d->cap_held_conns : 8;
-      shardd__conn **a = realloc(d->held_conns, cap * sizeof *a);
-      if (a == NULL)
-        return 0;
-      d->held_conns = a;
-      d->cap_held_conns = cap;
-    }
-    d->held_conns[d->nheld_conns++] = c;
-    c->held_listed = 1;
-  }
-  held_frame *f = malloc(sizeof *f + len);
-  if (f == NULL)
-    return 0;
-  f->next = NULL;
-  f->len = len;
-  memcpy(f->data, payload, len);
-  if (c->held_last)
-    c->held_last->next = f;
-  else
-    c->held_first = f;
-  c->held_last = f;
-  c->held_bytes += len;
-  return 1;
-}
-
-static void held_drop(shardd__dispatch *d, shardd__conn *c) {
-  while (c->held_first) {
-    held_frame *f = c->held_first;
-    c->held_first = f->next;
-    free(f);
-  }
-  c->held_last = NULL;
-  c->held_bytes = 0;
-  if (c->held_listed)
-    held_unlist(d, c);
-}
-
-static void dispatch_one(shardd__dispatch *d, shardd__conn *c,
-                         const uint8_t *payload, size_t len);
-
-/* job's checkpoint ended: its ranks' held frames are dispatched, in order
- * per rank, until one (a collective checkpoint) starts another. */
-static void held_replay(shardd__dispatch *d, shardd__job *job) {
-  for (;;) {
-    shardd__conn *c = NULL;
-    for (size_t i = 0; i < d->nheld_conns && c == NULL; i++)
-      if (d->held_conns[i]->m.job == job)
-        c = d->held_conns[i];
-    if (c == NULL)
-      return;
-    while (c->held_first && !shardd__jobs_checkpointing(&d->jobs, job)) {
-      held_frame *f = c->held_first;
-      if ((c->held_first = f->next) == NULL)
-        c->held_last = NULL;
-      c->held_bytes -= f->len;
-      dispatch_one(d, c, f->data, f->len);
-      free(f);
-    }
-    if (c->held_first)
-      return; /* held again until that one ends */
-    held_unlist(d, c);
-  }
-}
-
-static void after_ckpt(shardd__dispatch *d, shardd__job *job) {
-  if (job == NULL)
-    return;
-  held_replay(d, job);
-  pends_kick(d, job);
-}
-
-static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                          const Shardwire__Request *req) {
-  const Shardwire__Checkpoint *cp = req->checkpoint;
-  char err[ERRLEN], home[4096];
-  shardd_err rc = checkpoint_dir_ok(d, c, cp->dir, 0, home, sizeof home, err,
-                                    sizeof err);
-  if (rc != SHARDD_OK) {
-    shardd__reply(d, c, seq, rc, err);
-    return;
-  }
-  if (cp->has_collective && cp->collective) {
-    if (c->m.job == NULL)
-      shardd__reply(d, c, seq, SHARDD_E_STATE, "a collective checkpoint is asked for by "
-                    "every rank of a job, not by a control session");
-    else if (cp->job && cp->job[0] && strcmp(cp->job, c->m.job->name) != 0)
-      shardd__reply(d, c, seq, SHARDD_E_NOT_OWNED, "a collective checkpoint is of the "
-                    "rank's own job");
-    else
-      on_checkpoint_collective(d, c, seq, cp->dir);
-    return;
-  }
-  shardd__job *job = c->m.job;
-  if (job == NULL) {
-    job = shardd__access_find_job(&d->reg, &c->peer, cp->job);
-    if (job == NULL) {
-      snprintf(err, sizeof err, "no job \"%s\"", cp->job ? cp->job : "");
-      shardd__reply(d, c, seq, SHARDD_E_NOT_FOUND, err);
-      return;
-    }
-    if ((rc = shardd__access_checkpoint(&c->peer, job, err, sizeof err)) !=
-        SHARDD_OK) {
-      shardd__reply(d, c, seq, rc, err);
-      return;
-    }
-  } else if (cp->job && cp->job[0] && strcmp(cp->job, job->name) != 0 &&
-             shardd__access_find_job(&d->reg, &c->peer, cp->job) != job) {
-    snprintf(err, sizeof err, "a session of job \"%s\" cannot checkpoint job \"%s\"",
-             job->name, cp->job);
-    shardd__reply(d, c, seq, SHARDD_E_NOT_OWNED, err);
-    return;
-  }
-  /* One node's daemon cannot vouch for the other nodes' parts: a job
-   * manifest needs every node's, which the ranks' collective checkpoint
-   * gathers. (--checkpoint-on-exit writes the part alone, and says so.) */
-  if (job->nodes > 1) {
-    snprintf(err, sizeof err, "job \"%s\" spans %" PRIu32 " nodes: it is "
-             "checkpointed collectively, by its ranks (sm.checkpoint(dir), "
-             "shardd_checkpoint_collective) on every node, which writes each "
-             "node's part and the job manifest over them", job->name, job->nodes);
-    shardd__reply(d, c, seq, SHARDD_E_STATE, err);
-    return;
-  }
-  /* the user's directory is made only for a checkpoint it may take */
-  if (home[0] && (rc = checkpoint_dir_ok(d, c, cp->dir, 1, home, sizeof home,
-                                         err, sizeof err)) != SHARDD_OK) {
-    shardd__reply(d, c, seq, rc, err);
-    return;
-  }
-  double wait_s = cp->has_wait_s ? cp->wait_s : 0;
-  if (!(wait_s >= 0 && wait_s <= CKPT_WAIT_MAX)) { /* NaN too */
-    snprintf(err, sizeof err, "checkpoint wait must be 0..%d s", CKPT_WAIT_MAX);
-    shardd__reply(d, c, seq, SHARDD_E_RANGE, err);
-    return;
-  }
-  if (wait_s > 0 && job->nodes == 1 && !shardd__jobs_restoring(&d->jobs, job) &&
-      !pend_may_start(d, job)) {
-    pend_add(d, c, seq, job, cp->dir, home[0] ? home : NULL, wait_s);
-    return;
-  }
-  /* The files are written off the loop thread: a 1.6 GB checkpoint froze
-   * every client for 4.9 s and made another job's gather time out. */
-  ckpt_wait *w = ckpt_wait_new(d, c, seq, cp->dir);
-  if (w == NULL)
-    return;
-  rc = shardd__jobs_checkpoint_start(&d->jobs, job, cp->dir,
-                                     (int64_t)c->peer.uid, home[0] ? home : NULL,
-                                     ckpt_done_job, w, err, sizeof err);
-  ckpt_wait_started(w, rc, err);
-}
-
-static void restore_done(void *arg, shardd__job *job, shardd_err rc,
-                         const char *err) {
-  const ckpt_wait *w = arg;
-  if (rc == SHARDD_OK)
-    shardd__log(2, "job \"%s\" restored from %s at step %" PRIu64, job->name,
-                w->dir, shardd__jobs_step(job));
-  ckpt_done(arg, job, rc, err);
-}
-
-static void on_restore(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                       const Shardwire__Request *req) {
-  const Shardwire__Restore *rs = req->restore;
-  char err[ERRLEN], home[4096];
-  shardd_err rc = checkpoint_dir_ok(d, c, rs->dir, 0, home, sizeof home, err,
-                                    sizeof err);
-  if (rc != SHARDD_OK) {
-    shardd__reply(d, c, seq, rc, err);
-    return;
-  }
-  /* The payloads are read off the loop thread, as a checkpoint's are
-   * written: a large restore froze every client. */
-  ckpt_wait *w = ckpt_wait_new(d, c, seq, rs->dir);
-  if (w == NULL)
-    return;
-  rc = shardd__jobs_restore_start(&d->jobs, rs->dir, (int64_t)c->peer.uid,
-                                  rs->has_world ? rs->world : 0, restore_done,
-                                  w, err, sizeof err);
-  ckpt_wait_started(w, rc, err);
-}
-
 static void on_gather(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                       const Shardwire__Request *req) {
   shardd__coll_args ca = {.kind = SHARDD__COLL_GATHER,
@@ -2099,7 +1187,7 @@ static void on_release_job(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     return;
   }
   /* collective checkpoints some ranks asked for before all left go with
-   * the job (job_released) */
+   * the job (shardd__ckpt_collective_released) */
   char qualified[300];
   if (job->uid != c->peer.uid)
     snprintf(qualified, sizeof qualified, "%" PRIu32 "/%s", job->uid, job->name);
@@ -2366,8 +1454,8 @@ static const struct {
     {SHARDWIRE__REQUEST__BODY_STATUS, 0, 0, on_status},
     {SHARDWIRE__REQUEST__BODY_INSPECT, 0, 0, on_inspect},
     {SHARDWIRE__REQUEST__BODY_PING, 0, 0, on_ping},
-    {SHARDWIRE__REQUEST__BODY_CHECKPOINT, 0, 0, on_checkpoint},
-    {SHARDWIRE__REQUEST__BODY_RESTORE, 0, 0, on_restore},
+    {SHARDWIRE__REQUEST__BODY_CHECKPOINT, 0, 0, shardd__on_checkpoint},
+    {SHARDWIRE__REQUEST__BODY_RESTORE, 0, 0, shardd__on_restore},
     {SHARDWIRE__REQUEST__BODY_REGISTER_BUFFER, 1, 1, on_register_buffer},
     {SHARDWIRE__REQUEST__BODY_UNREGISTER_BUFFER, 1, 1, on_unregister_buffer},
     {SHARDWIRE__REQUEST__BODY_REGISTER_VIEW, 1, 1, on_register_view},
@@ -2407,15 +1495,15 @@ void shardd__dispatch_frame(shardd__dispatch *d, shardd__conn *c,
                             const uint8_t *payload, size_t len) {
   /* behind a held step: held too, so the rank's order stays */
   if (c->held_first) {
-    if (!held_push(d, c, payload, len))
+    if (!shardd__held_push(d, c, payload, len))
       refuse_unheld(d, c, payload, len);
     return;
   }
-  dispatch_one(d, c, payload, len);
+  shardd__dispatch_one(d, c, payload, len);
 }
 
-static void dispatch_one(shardd__dispatch *d, shardd__conn *c,
-                         const uint8_t *payload, size_t len) {
+void shardd__dispatch_one(shardd__dispatch *d, shardd__conn *c,
+                          const uint8_t *payload, size_t len) {
   Shardwire__Request *req = shardwire__request__unpack(NULL, len, payload);
   if (req == NULL) {
     char msg[128];
@@ -2443,7 +1531,7 @@ static void dispatch_one(shardd__dispatch *d, shardd__conn *c,
   else if (commands[i].changes_ckpt &&
            shardd__jobs_checkpointing(&d->jobs, c->m.job) &&
            req->body_case == SHARDWIRE__REQUEST__BODY_STEP &&
-           held_push(d, c, payload, len)) {
+           shardd__held_push(d, c, payload, len)) {
     /* A step is held (and every frame its rank sends behind it, so a
      * pipelined gather cannot overtake it) until the files are written:
      * an operator's checkpoint of a live job then never fails training. */
@@ -2476,30 +1564,11 @@ void shardd__dispatch_opened(shardd__dispatch *d, shardd__conn *c,
 }
 
 void shardd__dispatch_closed(shardd__dispatch *d, shardd__conn *c) {
-  pends_forget(d, c);
-  held_drop(d, c); /* a closed rank's steps would fail anyway */
+  shardd__ckpt_closed(d, c);
   free(c->pools_sent);
   c->pools_sent = NULL;
   c->npools_sent = 0;
-  for (ckpt_wait *w = d->ckpt_waits; w; w = w->next)
-    if (w->c == c)
-      w->c = NULL; /* its files are still written; the reply is dropped */
-  for (ckpt_group *g = d->ckpt_groups, *next; g; g = next) {
-    next = g->next;
-    if (c->m.job != g->job || g->conns[c->m.rank] != c)
-      continue;
-    g->conns[c->m.rank] = NULL; /* the checkpoint goes on, unanswered */
-    /* in the seal exchange, its end will not reach the group (its
-     * ckc_dir goes below): the others' will, and decide */
-    if (g->phase == 1 && !g->seal_in[c->m.rank]) {
-      if (--g->expect == 0)
-        ckpt_group_free(g);
-      else if (g->arrived >= g->expect)
-        ckpt_seal_finish(g);
-    }
-  }
-  free(c->ckc_dir);
-  c->ckc_dir = NULL;
+  shardd__ckpt_collective_closed(d, c);
   shardd__job *job = c->m.job;
   if (job == NULL)
     return;
@@ -2524,7 +1593,7 @@ void shardd__dispatch_closed(shardd__dispatch *d, shardd__conn *c) {
 
 void shardd__dispatch_timeouts(shardd__dispatch *d, double now) {
   shardd__coll_tick(d->coll, now);
-  pends_expire(d, now);
+  shardd__ckpt_pends_expire(d, now);
 }
 
 void shardd__dispatch_expire(shardd__dispatch *d, double now) {
@@ -2584,7 +1653,7 @@ static void coll_done(void *ctx, shardd__coll_member *m, uint64_t seq,
   shardd__dispatch *d = ctx;
   shardd__conn *c = (shardd__conn *)m;
   if (c->ckc_dir && seq == c->ckc_seq) {
-    ckpt_barrier_done(d, c, seq, code, msg, res);
+    shardd__ckpt_collective_done(d, c, seq, code, msg, res);
     return;
   }
   bucket_wait *w;
@@ -2620,7 +1689,7 @@ static void coll_done(void *ctx, shardd__coll_member *m, uint64_t seq,
 
 static void coll_quiet(void *ctx, shardd__job *job) {
   shardd__dispatch *d = ctx;
-  pends_kick(d, job); /* the quiescent point an operator's checkpoint waits for */
+  shardd__ckpt_pends_kick(d, job); /* the quiescent point an operator's checkpoint waits for */
   shardd__jobs_idle(&d->jobs, job);
 }
 
@@ -2673,7 +1742,7 @@ shardd_err shardd__dispatch_init(shardd__dispatch *d, uv_loop_t *loop,
     return SHARDD_E_NO_MEMORY;
   }
   shardd__jobs_init(&d->jobs, loop, &d->reg, d->coll, opts->job_linger,
-                    opts->jobspecs, opts->njobspecs, job_released, d);
+                    opts->jobspecs, opts->njobspecs, shardd__ckpt_collective_released, d);
   return SHARDD_OK;
 }
 
@@ -2685,38 +1754,14 @@ void shardd__dispatch_stop(shardd__dispatch *d, const char *why) {
   shardd__coll_stop_waiting(d->coll, why);
 }
 
-int shardd__dispatch_awaits_files(const shardd__dispatch *d,
-                                  const shardd__conn *c) {
-  for (const ckpt_pend *p = d->ckpt_pends; p; p = p->next)
-    if (p->c == c) /* waits for a quiet job, which a stop never gives */
-      return 0;
-  for (const ckpt_wait *w = d->ckpt_waits; w; w = w->next)
-    if (w->c == c)
-      return 1;
-  return 0;
-}
-
 void shardd__dispatch_free(shardd__dispatch *d) {
   if (d->coll == NULL) /* never initialised, or freed */
     return;
   shardd__coll_engine_destroy(d->coll);
   d->coll = NULL;
   shardd__jobs_free(&d->jobs);
-  while (d->ckpt_waits) { /* only if the loop was not run dry */
-    ckpt_wait *w = d->ckpt_waits;
-    d->ckpt_waits = w->next;
-    free(w->dir);
-    free(w);
-  }
-  while (d->ckpt_groups) /* likewise */
-    ckpt_group_free(d->ckpt_groups);
-  while (d->ckpt_pends) { /* every connection closed first: none is left */
-    ckpt_pend *p = d->ckpt_pends;
-    d->ckpt_pends = p->next;
-    free(p->dir);
-    free(p->home);
-    free(p);
-  }
+  shardd__ckpt_free(d);
+  shardd__ckpt_collective_free(d);
   while (d->buckets) { /* every connection closed first: none is left */
     bucket_wait *w = d->buckets;
     d->buckets = w->next;

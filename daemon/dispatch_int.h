@@ -50,4 +50,59 @@ void shardd__reply(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
 void shardd__seq_refuse(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                         const char *what);
 
+/* ---- the command table (dispatch.c) ------------------------------------- */
+
+/* Decodes one frame's Request and runs its handler (a held frame too,
+ * when its job's checkpoint ended). */
+void shardd__dispatch_one(shardd__dispatch *d, shardd__conn *c,
+                          const uint8_t *payload, size_t len);
+
+/* ---- checkpoints and restores (ckpt_operator.c) ------------------------- */
+
+void shardd__on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                           const Shardwire__Request *req);
+void shardd__on_restore(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                        const Shardwire__Request *req);
+/* The Checkpoint reply to c for job's checkpoint in dir. */
+void shardd__reply_checkpoint(shardd__dispatch *d, shardd__conn *c,
+                              uint64_t seq, shardd__job *job, const char *dir);
+/* --checkpoint-root: whether c may name dir (with create, its user's
+ * directory is made); home gets that directory (empty: not confined). */
+shardd_err shardd__checkpoint_dir_ok(shardd__dispatch *d, const shardd__conn *c,
+                                     const char *dir, int create, char *home,
+                                     size_t homelen, char *err, size_t errlen);
+/* A checkpoint of job ended (job NULL: none): its held frames go on, and
+ * the next operator's checkpoint waiting for it may start. */
+void shardd__ckpt_after(shardd__dispatch *d, shardd__job *job);
+/* The engine found job quiet: an operator's checkpoint waiting may start. */
+void shardd__ckpt_pends_kick(shardd__dispatch *d, shardd__job *job);
+/* The operators' checkpoints that waited past their bound are refused. */
+void shardd__ckpt_pends_expire(shardd__dispatch *d, double now);
+/* status' view of the i-th operator's checkpoint waiting for job (arg is
+ * the dispatcher); 0 past the last. */
+int shardd__ckpt_pending(void *arg, const shardd__job *job, size_t i,
+                         const char **dir, double *waited_s, double *wait_s);
+/* Keeps a copy of c's frame until its job's checkpoint ends; 0 when it
+ * cannot (over the bound, out of memory): the caller refuses it then. */
+int shardd__held_push(shardd__dispatch *d, shardd__conn *c,
+                      const uint8_t *payload, size_t len);
+/* c is going away: what it waits for is dropped or forgotten. */
+void shardd__ckpt_closed(shardd__dispatch *d, shardd__conn *c);
+void shardd__ckpt_free(shardd__dispatch *d);
+
+/* ---- collective checkpoints (ckpt_collective.c) ------------------------- */
+
+/* c (a rank) asks for its job's collective checkpoint into dir. */
+void shardd__ckpt_collective_start(shardd__dispatch *d, shardd__conn *c,
+                                   uint64_t seq, const char *dir);
+/* The engine ended c's collective checkpoint request seq (its barrier, or
+ * its seal exchange). */
+void shardd__ckpt_collective_done(shardd__dispatch *d, shardd__conn *c,
+                                  uint64_t seq, shardd_err code, const char *msg,
+                                  const shardd__coll_result *res);
+/* jobs.c's released hook (arg is the dispatcher). */
+void shardd__ckpt_collective_released(void *arg, shardd__job *job);
+void shardd__ckpt_collective_closed(shardd__dispatch *d, shardd__conn *c);
+void shardd__ckpt_collective_free(shardd__dispatch *d);
+
 #endif /* SHARDD_DISPATCH_INT_H */

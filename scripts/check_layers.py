@@ -58,6 +58,7 @@ LAYERS = {
 # files -> module, where the module is not the file's stem
 PACKAGES = {
     "dispatch_int": "dispatch", "reply": "dispatch",
+    "ckpt_operator": "dispatch", "ckpt_collective": "dispatch",
     "coll_int": "coll", "coll_work": "coll", "coll_bulk": "coll",
     "coll_fabric": "coll",
     "registry_int": "registry", "buffer": "registry", "optimizer": "registry",
