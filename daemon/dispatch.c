@@ -398,143 +398,6 @@ static void on_register_view(shardd__dispatch *d, shardd__conn *c,
 
 /* ---- batches of views ------------------------------------------------- */
 
-/* The reply's errors list refused entries while their text stays under
- * this (libshardd's requests of 256 entries always fit: 512 bytes
- * each); errors_total counts them all. A raw client's 100,000 bad entries
- * would not fit one frame. */
-#define BATCH_ERRORS_BYTES (8u << 20)
-/* The message's size: the entries it has room for, then "and N more". */
-#define BATCH_MSG_MAX (64 * 1024)
-
-typedef struct {
-  uint32_t base; /* the request's first_index */
-  Shardwire__BatchError *errs, **errp;
-  size_t n, total;
-  size_t bytes; /* of the errors' messages */
-  shardd_err first;
-  char *msg; /* BATCH_MSG_MAX bytes */
-  size_t len;
-  size_t listed; /* entries the message names */
-  int cut;   /* the message ran out of room */
-} batch_errs;
-
-static void batch_errs_free(batch_errs *b) {
-  for (size_t i = 0; i < b->n; i++)
-    free(b->errs[i].message);
-  free(b->errs);
-  free(b->errp);
-  free(b->msg);
-}
-
-/* Records entry i's refusal; out of memory only shortens the lists. */
-static void batch_err_add(batch_errs *b, size_t i, shardd_err rc,
-                          const char *why) {
-  i += b->base;
-  if (b->total++ == 0)
-    b->first = rc;
-  if (b->bytes < BATCH_ERRORS_BYTES) {
-    Shardwire__BatchError *e = &b->errs[b->n];
-    shardwire__batch_error__init(e);
-    e->index = (uint32_t)i;
-    e->code = (Shardwire__StatusCode)rc;
-    e->message = strdup(why);
-    if (e->message) {
-      b->errp[b->n] = e;
-      b->n++;
-      b->bytes += strlen(why) + 16;
-    }
-  }
-  if (b->msg && !b->cut) {
-    int k = snprintf(b->msg + b->len, BATCH_MSG_MAX - b->len, "%s[%zu] %s: %s",
-                     b->total > 1 ? "; " : "", i, shardd_err_name(rc), why);
-    if (k < 0 || (size_t)k >= BATCH_MSG_MAX - b->len - 64)
-      b->cut = 1; /* keeps the 64 bytes for the count */
-    else {
-      b->len += (size_t)k;
-      b->listed++;
-    }
-  }
-}
-
-/* The reply of a batch some of whose entries were refused or failed: the
- * first entry's code, head then every listed entry named, and the entries
- * in the reply body that what names ("views", "buffers", "bucket ..."). */
-static void batch_send(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                       const batch_errs *b, const char *head,
-                       const char *what) {
-  size_t hl = strlen(head);
-  char *m = malloc(hl + b->len + 96);
-  if (m) {
-    memcpy(m, head, hl);
-    memcpy(m + hl, b->msg ? b->msg : "", b->len);
-    m[hl + b->len] = '\0';
-    if (b->listed < b->total)
-      snprintf(m + hl + b->len, 96, "%sand %zu more", b->listed ? "; " : "",
-               b->total - b->listed);
-  }
-  Shardwire__Response resp = SHARDWIRE__RESPONSE__INIT;
-  resp.seq = seq;
-  resp.code = (Shardwire__StatusCode)b->first;
-  resp.message = m ? m : (char *)shardd_strerror(b->first);
-  Shardwire__ViewsBatchReply vb = SHARDWIRE__VIEWS_BATCH_REPLY__INIT;
-  Shardwire__BuffersBatchReply bb = SHARDWIRE__BUFFERS_BATCH_REPLY__INIT;
-  Shardwire__BucketReply kb = SHARDWIRE__BUCKET_REPLY__INIT;
-  /* the three reply types carry the same error fields under their own
-   * generated names */
-#define BATCH_ERRORS(r)                                                       \
-  ((r).n_errors = b->n, (r).errors = b->errp, (r).has_errors_total = 1,      \
-   (r).errors_total = (uint32_t)b->total)
-  if (strncmp(what, "bucket", 6) == 0) {
-    BATCH_ERRORS(kb);
-    resp.body_case = SHARDWIRE__RESPONSE__BODY_BUCKET;
-    resp.bucket = &kb;
-  } else if (strncmp(what, "buffer", 6) == 0) {
-    BATCH_ERRORS(bb);
-    resp.body_case = SHARDWIRE__RESPONSE__BODY_BUFFERS_BATCH;
-    resp.buffers_batch = &bb;
-  } else {
-    BATCH_ERRORS(vb);
-    resp.body_case = SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH;
-    resp.views_batch = &vb;
-  }
-#undef BATCH_ERRORS
-  shardd__send_resp(d, c, &resp, -1);
-  free(m);
-}
-
-/* The refusal: the first entry's code, every listed entry named. */
-static void batch_refuse(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                         size_t n, batch_errs *b, const char *what) {
-  char head[128];
-  int reg = strcmp(what, "views") == 0 || strcmp(what, "buffers") == 0;
-  if (strncmp(what, "bucket", 6) == 0)
-    /* what: "bucket gathers" or "bucket scatters" */
-    snprintf(head, sizeof head, "%zu of the %zu entries of a %s refused, "
-             "none submitted: ", b->total, n, what);
-  else if (b->base)
-    snprintf(head, sizeof head, "%zu of the %zu %s from entry %" PRIu32
-             " refused, none of them %s: ", b->total, n, what, b->base,
-             reg ? "registered" : "unregistered");
-  else
-    snprintf(head, sizeof head, "%zu of %zu %s refused, none %s: ", b->total,
-             n, what, reg ? "registered" : "unregistered");
-  batch_send(d, c, seq, b, head, what);
-}
-
-static shardd_err batch_errs_init(batch_errs *b, size_t n, uint32_t base) {
-  memset(b, 0, sizeof *b);
-  b->base = base;
-  b->errs = calloc(n ? n : 1, sizeof *b->errs);
-  b->errp = calloc(n ? n : 1, sizeof *b->errp);
-  b->msg = malloc(BATCH_MSG_MAX);
-  if (b->errs == NULL || b->errp == NULL || b->msg == NULL) {
-    batch_errs_free(b);
-    return SHARDD_E_NO_MEMORY;
-  }
-  b->msg[0] = '\0';
-  return SHARDD_OK;
-}
-
 /* Every entry is tried in order, so each is checked against the registry
  * and the entries before it exactly as n single requests would be; when
  * any is refused the ones this request created are abandoned, newest
@@ -549,7 +412,7 @@ static void views_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   Shardwire__ViewReply **vrp = calloc(n ? n : 1, sizeof *vrp);
   char *created = calloc(n ? n : 1, 1);
   if (vs == NULL || vr == NULL || vrp == NULL || created == NULL ||
-      batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
+      shardd__batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
           SHARDD_OK) {
     free(vs);
     free(vr);
@@ -574,14 +437,14 @@ static void views_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
           sizeof err);
     }
     if (rc != SHARDD_OK)
-      batch_err_add(&be, i, rc, err);
+      shardd__batch_err_add(&be, i, rc, err);
     created[i] = (char)cr;
   }
   if (be.total > 0) {
     for (size_t i = n; i-- > 0;)
       if (created[i])
         shardd__view_abandon(&d->reg, vs[i]);
-    batch_refuse(d, c, seq, n, &be, "views");
+    shardd__batch_refuse(d, c, seq, n, &be, "views");
   } else {
     Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH);
     Shardwire__ViewsBatchReply vb = SHARDWIRE__VIEWS_BATCH_REPLY__INIT;
@@ -598,7 +461,7 @@ static void views_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     resp.views_batch = &vb;
     shardd__send_resp(d, c, &resp, -1);
   }
-  batch_errs_free(&be);
+  shardd__batch_errs_free(&be);
   free(vs);
   free(vr);
   free(vrp);
@@ -619,7 +482,7 @@ static void views_unregister(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   batch_errs be;
   uint64_t *ids = malloc((n ? n : 1) * sizeof *ids);
   if (ids == NULL ||
-      batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
+      shardd__batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
           SHARDD_OK) {
     free(ids);
     shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
@@ -636,7 +499,7 @@ static void views_unregister(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     else
       rc = shardd__view_unregister_check(reg, job, uv->id, err, sizeof err);
     if (rc != SHARDD_OK)
-      batch_err_add(&be, i, rc, err);
+      shardd__batch_err_add(&be, i, rc, err);
     ids[i] = uv->id;
   }
   if (be.total == 0 && n > 1) {
@@ -649,14 +512,14 @@ static void views_unregister(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
           if (rq->views[j]->id == ids[i] && seen++ > 0) {
             snprintf(err, sizeof err, "view %" PRIu64 " is named twice",
                      ids[i]);
-            batch_err_add(&be, j, SHARDD_E_INVAL, err);
+            shardd__batch_err_add(&be, j, SHARDD_E_INVAL, err);
           }
         while (i + 1 < n && ids[i + 1] == ids[i])
           i++;
       }
   }
   if (be.total > 0) {
-    batch_refuse(d, c, seq, n, &be, "view unregistrations");
+    shardd__batch_refuse(d, c, seq, n, &be, "view unregistrations");
   } else {
     for (size_t i = 0; i < n; i++)
       if (shardd__view_unregister(reg, job, rq->views[i]->id, err, sizeof err) !=
@@ -669,7 +532,7 @@ static void views_unregister(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     resp.views_batch = &vb;
     shardd__send_resp(d, c, &resp, -1);
   }
-  batch_errs_free(&be);
+  shardd__batch_errs_free(&be);
   free(ids);
 }
 
@@ -710,7 +573,7 @@ static void buffers_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   uint8_t *ipc = malloc((n ? n : 1) * 64);
   int *fds = malloc((n ? n : 1) * sizeof *fds);
   if (u == NULL || br == NULL || brp == NULL || ipc == NULL || fds == NULL ||
-      batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
+      shardd__batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
           SHARDD_OK) {
     free(u);
     free(br);
@@ -725,14 +588,14 @@ static void buffers_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     shardd_err rc = buffer_register_one(d, c, rq->buffers[i], &u[i], err,
                                         sizeof err);
     if (rc != SHARDD_OK)
-      batch_err_add(&be, i, rc, err);
+      shardd__batch_err_add(&be, i, rc, err);
   }
   size_t nfds = 0;
   for (size_t i = 0; i < n && be.total == 0; i++) {
     shardd_err rc = buffer_reply_fill(d, c, u[i].b, u[i].created, &br[i],
                                       ipc + 64 * i, &fds[i], err, sizeof err);
     if (rc != SHARDD_OK)
-      batch_err_add(&be, i, rc, err);
+      shardd__batch_err_add(&be, i, rc, err);
     else if (fds[i] >= 0)
       nfds++;
     brp[i] = &br[i];
@@ -743,7 +606,7 @@ static void buffers_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
         close(fds[i]);
     for (size_t i = n; i-- > 0;)
       buffer_undo(d, &u[i]);
-    batch_refuse(d, c, seq, n, &be, "buffers");
+    shardd__batch_refuse(d, c, seq, n, &be, "buffers");
   } else if (nfds != 0 && nfds != n) {
     /* a backend exports every block alike: a bug, said loudly */
     for (size_t i = 0; i < n; i++)
@@ -764,7 +627,7 @@ static void buffers_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
       if (u[i].created)
         log_created(c, u[i].b);
   }
-  batch_errs_free(&be);
+  shardd__batch_errs_free(&be);
   free(u);
   free(br);
   free(brp);
@@ -782,7 +645,7 @@ static void buffers_unregister(shardd__dispatch *d, shardd__conn *c,
   batch_errs be;
   uint64_t *ids = malloc((n ? n : 1) * sizeof *ids);
   if (ids == NULL ||
-      batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
+      shardd__batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
           SHARDD_OK) {
     free(ids);
     shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
@@ -799,7 +662,7 @@ static void buffers_unregister(shardd__dispatch *d, shardd__conn *c,
     else
       rc = shardd__buffer_unregister_check(reg, job, ub->id, err, sizeof err);
     if (rc != SHARDD_OK)
-      batch_err_add(&be, i, rc, err);
+      shardd__batch_err_add(&be, i, rc, err);
     ids[i] = ub->id;
   }
   if (be.total == 0 && n > 1) {
@@ -811,14 +674,14 @@ static void buffers_unregister(shardd__dispatch *d, shardd__conn *c,
           if (rq->buffers[j]->id == ids[i] && seen++ > 0) {
             snprintf(err, sizeof err, "buffer %" PRIu64 " is named twice",
                      ids[i]);
-            batch_err_add(&be, j, SHARDD_E_INVAL, err);
+            shardd__batch_err_add(&be, j, SHARDD_E_INVAL, err);
           }
         while (i + 1 < n && ids[i + 1] == ids[i])
           i++;
       }
   }
   if (be.total > 0) {
-    batch_refuse(d, c, seq, n, &be, "buffer unregistrations");
+    shardd__batch_refuse(d, c, seq, n, &be, "buffer unregistrations");
   } else {
     for (size_t i = 0; i < n; i++)
       if (shardd__buffer_unregister(reg, job, rq->buffers[i]->id, err,
@@ -830,7 +693,7 @@ static void buffers_unregister(shardd__dispatch *d, shardd__conn *c,
     resp.buffers_batch = &bb;
     shardd__send_resp(d, c, &resp, -1);
   }
-  batch_errs_free(&be);
+  shardd__batch_errs_free(&be);
   free(ids);
 }
 
@@ -1234,7 +1097,7 @@ typedef struct shardd__bucket_wait {
 } bucket_wait;
 
 static void bucket_free(bucket_wait *w) {
-  batch_errs_free(&w->fails);
+  shardd__batch_errs_free(&w->fails);
   free(w->ids);
   free(w);
 }
@@ -1269,7 +1132,7 @@ static void bucket_answer(shardd__dispatch *d, bucket_wait *w) {
   char head[160];
   snprintf(head, sizeof head, "%zu of the %zu entries of a %s failed "
            "(the others ran): ", w->fails.total, w->n, w->what);
-  batch_send(d, w->c, w->seq, &w->fails, head, "bucket");
+  shardd__batch_send(d, w->c, w->seq, &w->fails, head, "bucket");
   bucket_free(w);
 }
 
@@ -1280,8 +1143,8 @@ static void bucket_note(shardd__dispatch *d, bucket_wait *w, shardd_err code,
     size_t i = 0;
     while (res && i < w->n && w->ids[i] != res->target)
       i++;
-    batch_err_add(&w->fails, i < w->n ? i : 0, code,
-                  msg ? msg : shardd_strerror(code));
+    shardd__batch_err_add(&w->fails, i < w->n ? i : 0, code,
+                          msg ? msg : shardd_strerror(code));
   }
   if (w->left > 0)
     w->left--;
@@ -1353,7 +1216,7 @@ static void on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   }
   bucket_wait *w = calloc(1, sizeof *w);
   if (w == NULL || (w->ids = calloc(n, sizeof *w->ids)) == NULL ||
-      batch_errs_init(&w->fails, n, base) != SHARDD_OK) {
+      shardd__batch_errs_init(&w->fails, n, base) != SHARDD_OK) {
     if (w)
       free(w->ids);
     free(w);
@@ -1361,7 +1224,7 @@ static void on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     return;
   }
   batch_errs be;
-  if (batch_errs_init(&be, n, base) != SHARDD_OK) {
+  if (shardd__batch_errs_init(&be, n, base) != SHARDD_OK) {
     bucket_free(w);
     shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
@@ -1390,15 +1253,15 @@ static void on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
         rc = SHARDD_E_DUPLICATE;
       }
     if (rc != SHARDD_OK)
-      batch_err_add(&be, i, rc, err);
+      shardd__batch_err_add(&be, i, rc, err);
   }
   if (be.total > 0) {
-    batch_refuse(d, c, seq, n, &be, what);
-    batch_errs_free(&be);
+    shardd__batch_refuse(d, c, seq, n, &be, what);
+    shardd__batch_errs_free(&be);
     bucket_free(w);
     return;
   }
-  batch_errs_free(&be);
+  shardd__batch_errs_free(&be);
   w->c = c;
   w->seq = seq;
   w->what = what;

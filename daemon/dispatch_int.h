@@ -50,6 +50,37 @@ void shardd__reply(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
 void shardd__seq_refuse(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                         const char *what);
 
+/* A batch's refused or failed entries (ViewsBatch, BuffersBatch, Bucket):
+ * the reply's errors list and its message. */
+typedef struct {
+  uint32_t base; /* the request's first_index */
+  Shardwire__BatchError *errs, **errp;
+  size_t n, total;
+  size_t bytes; /* of the errors' messages */
+  shardd_err first;
+  char *msg; /* BATCH_MSG_MAX bytes */
+  size_t len;
+  size_t listed; /* entries the message names */
+  int cut;   /* the message ran out of room */
+} batch_errs;
+
+/* For n entries, the first numbered base; E_NO_MEMORY when it cannot. */
+shardd_err shardd__batch_errs_init(batch_errs *b, size_t n, uint32_t base);
+void shardd__batch_errs_free(batch_errs *b);
+/* Records entry i's refusal; out of memory only shortens the lists. */
+void shardd__batch_err_add(batch_errs *b, size_t i, shardd_err rc,
+                           const char *why);
+/* The reply of a batch some of whose entries were refused or failed: the
+ * first entry's code, head then every listed entry named, and the entries
+ * in the reply body that what names ("views", "buffers", "bucket ..."). */
+void shardd__batch_send(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                        const batch_errs *b, const char *head,
+                        const char *what);
+/* The refusal of a whole batch of n entries: the first entry's code, every
+ * listed entry named. */
+void shardd__batch_refuse(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                          size_t n, batch_errs *b, const char *what);
+
 /* ---- the command table (dispatch.c) ------------------------------------- */
 
 /* Decodes one frame's Request and runs its handler (a held frame too,
