@@ -136,4 +136,21 @@ void shardd__ckpt_collective_released(void *arg, shardd__job *job);
 void shardd__ckpt_collective_closed(shardd__dispatch *d, shardd__conn *c);
 void shardd__ckpt_collective_free(shardd__dispatch *d);
 
+/* ---- buckets (buckets.c) ------------------------------------------------- */
+
+void shardd__on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                       const Shardwire__Request *req);
+/* c's bucket answered by seq; NULL: none. */
+struct shardd__bucket_wait *shardd__bucket_find(shardd__dispatch *d,
+                                                const shardd__conn *c,
+                                                uint64_t seq);
+/* One entry of w ended (the engine's done hook): the bucket's reply goes
+ * when it was the last. */
+void shardd__bucket_note(shardd__dispatch *d, struct shardd__bucket_wait *w,
+                         shardd_err code, const char *msg,
+                         const shardd__coll_result *res);
+/* c is going away (after the engine lost its member). */
+void shardd__buckets_closed(shardd__dispatch *d, const shardd__conn *c);
+void shardd__buckets_free(shardd__dispatch *d);
+
 #endif /* SHARDD_DISPATCH_INT_H */
