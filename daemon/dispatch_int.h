@@ -153,4 +153,23 @@ void shardd__bucket_note(shardd__dispatch *d, struct shardd__bucket_wait *w,
 void shardd__buckets_closed(shardd__dispatch *d, const shardd__conn *c);
 void shardd__buckets_free(shardd__dispatch *d);
 
+/* ---- registration (register.c) ----------------------------------------- */
+
+void shardd__on_buffers_batch(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                              const Shardwire__Request *req);
+void shardd__on_register_buffer(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                                const Shardwire__Request *req);
+void shardd__on_register_optimizer(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                                   const Shardwire__Request *req);
+void shardd__on_register_view(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                              const Shardwire__Request *req);
+void shardd__on_unregister_buffer(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                                  const Shardwire__Request *req);
+void shardd__on_unregister_optimizer(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                                     const Shardwire__Request *req);
+void shardd__on_unregister_view(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                                const Shardwire__Request *req);
+void shardd__on_views_batch(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                            const Shardwire__Request *req);
+
 #endif /* SHARDD_DISPATCH_INT_H */
