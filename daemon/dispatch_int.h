@@ -172,4 +172,21 @@ void shardd__on_unregister_view(shardd__dispatch *d, shardd__conn *c, uint64_t s
 void shardd__on_views_batch(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                             const Shardwire__Request *req);
 
+/* ---- training requests (training.c) ------------------------------------ */
+
+void shardd__on_all_reduce(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                           const Shardwire__Request *req);
+void shardd__on_gather(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                       const Shardwire__Request *req);
+void shardd__on_optim_state(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                            const Shardwire__Request *req);
+void shardd__on_scatter(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                        const Shardwire__Request *req);
+void shardd__on_seed_master(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                            const Shardwire__Request *req);
+void shardd__on_set_requires_grad(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                                  const Shardwire__Request *req);
+void shardd__on_step(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                     const Shardwire__Request *req);
+
 #endif /* SHARDD_DISPATCH_INT_H */
