@@ -153,6 +153,23 @@ void shardd__bucket_note(shardd__dispatch *d, struct shardd__bucket_wait *w,
 void shardd__buckets_closed(shardd__dispatch *d, const shardd__conn *c);
 void shardd__buckets_free(shardd__dispatch *d);
 
+/* ---- session requests (session.c) -------------------------------------- */
+
+void shardd__on_goodbye(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                        const Shardwire__Request *req);
+void shardd__on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                      const Shardwire__Request *req);
+void shardd__on_inspect(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                        const Shardwire__Request *req);
+void shardd__on_ping(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                     const Shardwire__Request *req);
+void shardd__on_release(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                        const Shardwire__Request *req);
+void shardd__on_release_job(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                            const Shardwire__Request *req);
+void shardd__on_status(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                       const Shardwire__Request *req);
+
 /* ---- registration (register.c) ----------------------------------------- */
 
 void shardd__on_buffers_batch(shardd__dispatch *d, shardd__conn *c, uint64_t seq,

@@ -60,6 +60,7 @@ PACKAGES = {
     "dispatch_int": "dispatch", "reply": "dispatch",
     "ckpt_operator": "dispatch", "ckpt_collective": "dispatch",
     "buckets": "dispatch", "register": "dispatch", "training": "dispatch",
+    "session": "dispatch",
     "coll_int": "coll", "coll_work": "coll", "coll_bulk": "coll",
     "coll_fabric": "coll",
     "registry_int": "registry", "buffer": "registry", "optimizer": "registry",
