@@ -1,5 +1,7 @@
-/* dispatch.c — the command table and its handlers (see
- * dispatch.h). */
+/* dispatch.c — the command table from a Request's body to its handler,
+ * the connections' hooks, the collective engine's hooks (its replies), and
+ * building and freeing the core (see dispatch.h). The handlers live in
+ * the files dispatch_int.h lists, one per kind of request. */
 #include "dispatch.h"
 #include "dispatch_int.h"
 
@@ -9,14 +11,9 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "checkpoint.h"
 #include "frame.h"
 #include "log.h"
-#include "optcodec.h"
-#include "optreg.h"
 #include "proto/shardd.pb-c.h"
-#include "status.h"
-
 
 /* ---- the command table ------------------------------------------------- */
 
