@@ -5,7 +5,8 @@ ARCHITECTURE.md gives the layers; LAYERS below is the same table, and the
 test keeps the two honest. Two graphs are checked, between the modules of
 daemon/ (a module is one .c/.h pair, or the files of one package: the
 engine's coll*.c, the registry's registry/buffer/optimizer, the
-checkpoint's ckfile/manifest/checkpoint/restore):
+checkpoint's ckfile/manifest/checkpoint/restore, the dispatcher's
+dispatch/reply/session/register/training/buckets/ckpt_*):
 
   includes  every #include "x.h" in daemon/*.{c,h,cc,cu}
   calls     every undefined symbol of an object in BUILD/daemon/*.o that
