@@ -343,8 +343,8 @@ void shardd__ckpt_collective_done(shardd__dispatch *d, shardd__conn *c,
     ckpt_group_answer(g, rc, err);
 }
 
-void shardd__ckpt_collective_start(shardd__dispatch *d, shardd__conn *c,
-                                   uint64_t seq, const char *dir) {
+static void ckpt_start(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                       const char *dir) {
   if (c->ckc_dir) {
     shardd__reply(d, c, seq, SHARDD_E_STATE,
                   "this rank's collective checkpoint is still being taken");
@@ -403,4 +403,25 @@ void shardd__ckpt_collective_closed(shardd__dispatch *d, shardd__conn *c) {
 void shardd__ckpt_collective_free(shardd__dispatch *d) {
   while (d->ckpt_groups)
     ckpt_group_free(d->ckpt_groups);
+}
+
+void shardd__on_checkpoint_collective(shardd__dispatch *d, shardd__conn *c,
+                                      uint64_t seq,
+                                      const Shardwire__Request *req) {
+  const Shardwire__Checkpoint *cp = req->checkpoint;
+  char err[ERRLEN], home[4096];
+  shardd_err rc = shardd__checkpoint_dir_ok(d, c, cp->dir, 0, home, sizeof home, err,
+                                            sizeof err);
+  if (rc != SHARDD_OK) {
+    shardd__reply(d, c, seq, rc, err);
+    return;
+  }
+  if (c->m.job == NULL)
+    shardd__reply(d, c, seq, SHARDD_E_STATE, "a collective checkpoint is asked for by "
+                  "every rank of a job, not by a control session");
+  else if (cp->job && cp->job[0] && strcmp(cp->job, c->m.job->name) != 0)
+    shardd__reply(d, c, seq, SHARDD_E_NOT_OWNED, "a collective checkpoint is of the "
+                  "rank's own job");
+  else
+    ckpt_start(d, c, seq, cp->dir);
 }

@@ -1,8 +1,7 @@
 /* ckpt_operator.c — checkpoint and restore requests whose replies wait
  * for their files (written or read on libuv's pool by jobs.c); operators'
- * checkpoints of a live job, waiting for its next quiescent point; the
- * steps (and what their rank sends behind them) held while a checkpoint is
- * written (see dispatch_int.h). */
+ * checkpoints of a live job, waiting for its next quiescent point (the
+ * steps held while one is written are dispatch.c's); see dispatch_int.h. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -136,7 +135,6 @@ shardd_err shardd__checkpoint_dir_ok(shardd__dispatch *d, const shardd__conn *c,
  * when the checkpoint ends: training waits those milliseconds, is never
  * refused, and computes what it would have without the checkpoint. */
 #define CKPT_WAIT_MAX 86400
-#define HELD_MAX_BYTES ((size_t)4 << 20) /* per connection */
 /* Waiting checkpoints each hold their paths (PATH_MAX at most) and a pin
  * of their job, and they used to pile up without a bound: one connection's
  * OOM-killed the daemon. A job's are taken one after another, so a few
@@ -153,12 +151,6 @@ typedef struct shardd__ckpt_pend {
   double since, wait_s;
   struct shardd__ckpt_pend *next;
 } ckpt_pend;
-
-typedef struct shardd__held_frame {
-  struct shardd__held_frame *next;
-  size_t len;
-  uint8_t data[];
-} held_frame;
 
 /* Whether job is at a point a checkpoint can start at. */
 static int pend_may_start(shardd__dispatch *d, const shardd__job *job) {
@@ -356,91 +348,6 @@ static void pends_forget(shardd__dispatch *d, const shardd__conn *c) {
   }
 }
 
-static void held_unlist(shardd__dispatch *d, shardd__conn *c) {
-  for (size_t i = 0; i < d->nheld_conns; i++)
-    if (d->held_conns[i] == c) {
-      d->held_conns[i] = d->held_conns[--d->nheld_conns];
-      break;
-    }
-  c->held_listed = 0;
-}
-
-/* Keeps a copy of c's frame for later; 0 when it cannot (over the bound,
- * out of memory): the caller refuses it then. */
-int shardd__held_push(shardd__dispatch *d, shardd__conn *c,
-                      const uint8_t *payload, size_t len) {
-  if (c->held_bytes + len > HELD_MAX_BYTES)
-    return 0;
-  if (!c->held_listed) {
-    if (d->nheld_conns == d->cap_held_conns) {
-      size_t cap = d->cap_held_conns ? 2 * d->cap_held_conns : 8;
-      shardd__conn **a = realloc(d->held_conns, cap * sizeof *a);
-      if (a == NULL)
-        return 0;
-      d->held_conns = a;
-      d->cap_held_conns = cap;
-    }
-    d->held_conns[d->nheld_conns++] = c;
-    c->held_listed = 1;
-  }
-  held_frame *f = malloc(sizeof *f + len);
-  if (f == NULL)
-    return 0;
-  f->next = NULL;
-  f->len = len;
-  memcpy(f->data, payload, len);
-  if (c->held_last)
-    c->held_last->next = f;
-  else
-    c->held_first = f;
-  c->held_last = f;
-  c->held_bytes += len;
-  return 1;
-}
-
-static void held_drop(shardd__dispatch *d, shardd__conn *c) {
-  while (c->held_first) {
-    held_frame *f = c->held_first;
-    c->held_first = f->next;
-    free(f);
-  }
-  c->held_last = NULL;
-  c->held_bytes = 0;
-  if (c->held_listed)
-    held_unlist(d, c);
-}
-
-/* job's checkpoint ended: its ranks' held frames are dispatched, in order
- * per rank, until one (a collective checkpoint) starts another. */
-static void held_replay(shardd__dispatch *d, shardd__job *job) {
-  for (;;) {
-    shardd__conn *c = NULL;
-    for (size_t i = 0; i < d->nheld_conns && c == NULL; i++)
-      if (d->held_conns[i]->m.job == job)
-        c = d->held_conns[i];
-    if (c == NULL)
-      return;
-    while (c->held_first && !shardd__jobs_checkpointing(&d->jobs, job)) {
-      held_frame *f = c->held_first;
-      if ((c->held_first = f->next) == NULL)
-        c->held_last = NULL;
-      c->held_bytes -= f->len;
-      shardd__dispatch_one(d, c, f->data, f->len);
-      free(f);
-    }
-    if (c->held_first)
-      return; /* held again until that one ends */
-    held_unlist(d, c);
-  }
-}
-
-void shardd__ckpt_after(shardd__dispatch *d, shardd__job *job) {
-  if (job == NULL)
-    return;
-  held_replay(d, job);
-  shardd__ckpt_pends_kick(d, job);
-}
-
 void shardd__on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                            const Shardwire__Request *req) {
   const Shardwire__Checkpoint *cp = req->checkpoint;
@@ -449,17 +356,6 @@ void shardd__on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                                             sizeof err);
   if (rc != SHARDD_OK) {
     shardd__reply(d, c, seq, rc, err);
-    return;
-  }
-  if (cp->has_collective && cp->collective) {
-    if (c->m.job == NULL)
-      shardd__reply(d, c, seq, SHARDD_E_STATE, "a collective checkpoint is asked for by "
-                    "every rank of a job, not by a control session");
-    else if (cp->job && cp->job[0] && strcmp(cp->job, c->m.job->name) != 0)
-      shardd__reply(d, c, seq, SHARDD_E_NOT_OWNED, "a collective checkpoint is of the "
-                    "rank's own job");
-    else
-      shardd__ckpt_collective_start(d, c, seq, cp->dir);
     return;
   }
   shardd__job *job = c->m.job;
@@ -551,12 +447,10 @@ void shardd__on_restore(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   ckpt_wait_started(w, rc, err);
 }
 
-/* c is going away: its waiting checkpoints are forgotten, its held frames
- * dropped, and the replies its checkpoints and restores still wait for
- * are dropped as they end. */
+/* c is going away: its waiting checkpoints are forgotten, and the replies
+ * its checkpoints and restores still wait for are dropped as they end. */
 void shardd__ckpt_closed(shardd__dispatch *d, shardd__conn *c) {
   pends_forget(d, c);
-  held_drop(d, c); /* a closed rank's steps would fail anyway */
   for (ckpt_wait *w = d->ckpt_waits; w; w = w->next)
     if (w->c == c)
       w->c = NULL; /* its files are still written; the reply is dropped */

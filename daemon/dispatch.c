@@ -15,6 +15,116 @@
 #include "log.h"
 #include "proto/shardd.pb-c.h"
 
+/* ---- frames held while their job is checkpointed ------------------------
+ * While a checkpoint's files are written, a step (which would change them)
+ * is held with everything its rank sends behind it, and dispatched in
+ * order when the checkpoint ends (see ckpt_operator.c). */
+#define HELD_MAX_BYTES ((size_t)4 << 20) /* per connection */
+
+typedef struct shardd__held_frame {
+  struct shardd__held_frame *next;
+  size_t len;
+  uint8_t data[];
+} held_frame;
+
+static void held_unlist(shardd__dispatch *d, shardd__conn *c) {
+  for (size_t i = 0; i < d->nheld_conns; i++)
+    if (d->held_conns[i] == c) {
+      d->held_conns[i] = d->held_conns[--d->nheld_conns];
+      break;
+    }
+  c->held_listed = 0;
+}
+
+/* Keeps a copy of c's frame for later; 0 when it cannot (over the bound,
+ * out of memory): the caller refuses it then. */
+static int held_push(shardd__dispatch *d, shardd__conn *c,
+                     const uint8_t *payload, size_t len) {
+  if (c->held_bytes + len > HELD_MAX_BYTES)
+    return 0;
+  if (!c->held_listed) {
+    if (d->nheld_conns == d->cap_held_conns) {
+      size_t cap = d->cap_held_conns ? 2 * d->cap_held_conns : 8;
+      shardd__conn **a = realloc(d->held_conns, cap * sizeof *a);
+      if (a == NULL)
+        return 0;
+      d->held_conns = a;
+      d->cap_held_conns = cap;
+    }
+    d->held_conns[d->nheld_conns++] = c;
+    c->held_listed = 1;
+  }
+  held_frame *f = malloc(sizeof *f + len);
+  if (f == NULL)
+    return 0;
+  f->next = NULL;
+  f->len = len;
+  memcpy(f->data, payload, len);
+  if (c->held_last)
+    c->held_last->next = f;
+  else
+    c->held_first = f;
+  c->held_last = f;
+  c->held_bytes += len;
+  return 1;
+}
+
+static void held_drop(shardd__dispatch *d, shardd__conn *c) {
+  while (c->held_first) {
+    held_frame *f = c->held_first;
+    c->held_first = f->next;
+    free(f);
+  }
+  c->held_last = NULL;
+  c->held_bytes = 0;
+  if (c->held_listed)
+    held_unlist(d, c);
+}
+
+/* job's checkpoint ended: its ranks' held frames are dispatched, in order
+ * per rank, until one (a collective checkpoint) starts another. */
+static void held_replay(shardd__dispatch *d, shardd__job *job) {
+  for (;;) {
+    shardd__conn *c = NULL;
+    for (size_t i = 0; i < d->nheld_conns && c == NULL; i++)
+      if (d->held_conns[i]->m.job == job)
+        c = d->held_conns[i];
+    if (c == NULL)
+      return;
+    while (c->held_first && !shardd__jobs_checkpointing(&d->jobs, job)) {
+      held_frame *f = c->held_first;
+      if ((c->held_first = f->next) == NULL)
+        c->held_last = NULL;
+      c->held_bytes -= f->len;
+      shardd__dispatch_one(d, c, f->data, f->len);
+      free(f);
+    }
+    if (c->held_first)
+      return; /* held again until that one ends */
+    held_unlist(d, c);
+  }
+}
+
+/* The dispatcher's ckpt_ended hook: a checkpoint of job ended (job NULL:
+ * none), so its held frames go on, then an operator's checkpoint waiting
+ * for the job may start. */
+static void ckpt_ended(shardd__dispatch *d, shardd__job *job) {
+  if (job == NULL)
+    return;
+  held_replay(d, job);
+  shardd__ckpt_pends_kick(d, job);
+}
+
+/* Checkpoint: an operator's (ckpt_operator.c), or a collective one asked
+ * for by every rank (ckpt_collective.c). */
+static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                          const Shardwire__Request *req) {
+  if (req->checkpoint->has_collective && req->checkpoint->collective)
+    shardd__on_checkpoint_collective(d, c, seq, req);
+  else
+    shardd__on_checkpoint(d, c, seq, req);
+}
+
 /* ---- the command table ------------------------------------------------- */
 
 static const struct {
@@ -31,7 +141,7 @@ static const struct {
     {SHARDWIRE__REQUEST__BODY_STATUS, 0, 0, shardd__on_status},
     {SHARDWIRE__REQUEST__BODY_INSPECT, 0, 0, shardd__on_inspect},
     {SHARDWIRE__REQUEST__BODY_PING, 0, 0, shardd__on_ping},
-    {SHARDWIRE__REQUEST__BODY_CHECKPOINT, 0, 0, shardd__on_checkpoint},
+    {SHARDWIRE__REQUEST__BODY_CHECKPOINT, 0, 0, on_checkpoint},
     {SHARDWIRE__REQUEST__BODY_RESTORE, 0, 0, shardd__on_restore},
     {SHARDWIRE__REQUEST__BODY_REGISTER_BUFFER, 1, 1, shardd__on_register_buffer},
     {SHARDWIRE__REQUEST__BODY_UNREGISTER_BUFFER, 1, 1, shardd__on_unregister_buffer},
@@ -72,7 +182,7 @@ void shardd__dispatch_frame(shardd__dispatch *d, shardd__conn *c,
                             const uint8_t *payload, size_t len) {
   /* behind a held step: held too, so the rank's order stays */
   if (c->held_first) {
-    if (!shardd__held_push(d, c, payload, len))
+    if (!held_push(d, c, payload, len))
       refuse_unheld(d, c, payload, len);
     return;
   }
@@ -108,7 +218,7 @@ void shardd__dispatch_one(shardd__dispatch *d, shardd__conn *c,
   else if (commands[i].changes_ckpt &&
            shardd__jobs_checkpointing(&d->jobs, c->m.job) &&
            req->body_case == SHARDWIRE__REQUEST__BODY_STEP &&
-           shardd__held_push(d, c, payload, len)) {
+           held_push(d, c, payload, len)) {
     /* A step is held (and every frame its rank sends behind it, so a
      * pipelined gather cannot overtake it) until the files are written:
      * an operator's checkpoint of a live job then never fails training. */
@@ -142,6 +252,7 @@ void shardd__dispatch_opened(shardd__dispatch *d, shardd__conn *c,
 
 void shardd__dispatch_closed(shardd__dispatch *d, shardd__conn *c) {
   shardd__ckpt_closed(d, c);
+  held_drop(d, c); /* a closed rank's steps would fail anyway */
   free(c->pools_sent);
   c->pools_sent = NULL;
   c->npools_sent = 0;
@@ -278,6 +389,7 @@ shardd_err shardd__dispatch_init(shardd__dispatch *d, uv_loop_t *loop,
   d->loop = loop;
   d->socket_path = socket_path;
   d->started = now_s(d);
+  d->ckpt_ended = ckpt_ended;
   shardd__registry_init(&d->reg, backend);
   d->reg.job_memory_limit = opts->job_memory_limit;
   d->reg.uid_memory_limit = opts->uid_memory_limit;

@@ -103,8 +103,11 @@ shardd_err shardd__checkpoint_dir_ok(shardd__dispatch *d, const shardd__conn *c,
                                      const char *dir, int create, char *home,
                                      size_t homelen, char *err, size_t errlen);
 /* A checkpoint of job ended (job NULL: none): its held frames go on, and
- * the next operator's checkpoint waiting for it may start. */
-void shardd__ckpt_after(shardd__dispatch *d, shardd__job *job);
+ * the next operator's checkpoint waiting for it may start (dispatch.c's
+ * hook, so the checkpoint files do not call back up into the table). */
+static inline void shardd__ckpt_after(shardd__dispatch *d, shardd__job *job) {
+  d->ckpt_ended(d, job);
+}
 /* The engine found job quiet: an operator's checkpoint waiting may start. */
 void shardd__ckpt_pends_kick(shardd__dispatch *d, shardd__job *job);
 /* The operators' checkpoints that waited past their bound are refused. */
@@ -113,19 +116,17 @@ void shardd__ckpt_pends_expire(shardd__dispatch *d, double now);
  * the dispatcher); 0 past the last. */
 int shardd__ckpt_pending(void *arg, const shardd__job *job, size_t i,
                          const char **dir, double *waited_s, double *wait_s);
-/* Keeps a copy of c's frame until its job's checkpoint ends; 0 when it
- * cannot (over the bound, out of memory): the caller refuses it then. */
-int shardd__held_push(shardd__dispatch *d, shardd__conn *c,
-                      const uint8_t *payload, size_t len);
 /* c is going away: what it waits for is dropped or forgotten. */
 void shardd__ckpt_closed(shardd__dispatch *d, shardd__conn *c);
 void shardd__ckpt_free(shardd__dispatch *d);
 
 /* ---- collective checkpoints (ckpt_collective.c) ------------------------- */
 
-/* c (a rank) asks for its job's collective checkpoint into dir. */
-void shardd__ckpt_collective_start(shardd__dispatch *d, shardd__conn *c,
-                                   uint64_t seq, const char *dir);
+/* A Checkpoint with collective set: c (a rank) asks for its job's
+ * collective checkpoint. */
+void shardd__on_checkpoint_collective(shardd__dispatch *d, shardd__conn *c,
+                                      uint64_t seq,
+                                      const Shardwire__Request *req);
 /* The engine ended c's collective checkpoint request seq (its barrier, or
  * its seal exchange). */
 void shardd__ckpt_collective_done(shardd__dispatch *d, shardd__conn *c,
