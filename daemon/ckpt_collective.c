@@ -250,7 +250,8 @@ static void ckpt_group_done(void *arg, shardd__job *job, shardd_err rc,
  * nodes, so every rank of every node has asked, and each node writes its
  * part; then the seal exchange (ckpt_seal_start) ends here too. */
 void shardd__ckpt_collective_done(shardd__dispatch *d, shardd__conn *c,
-                                  uint64_t seq, shardd_err code, const char *msg,
+                                  uint64_t seq, shardd_err code,
+                                  const char *msg,
                                   const shardd__coll_result *res) {
   for (ckpt_group *sg = d->ckpt_groups; sg; sg = sg->next)
     if (sg->job == c->m.job && sg->phase == 1) {

@@ -61,7 +61,7 @@ typedef struct {
   char *msg; /* BATCH_MSG_MAX bytes */
   size_t len;
   size_t listed; /* entries the message names */
-  int cut;   /* the message ran out of room */
+  int cut;       /* the message ran out of room */
 } batch_errs;
 
 /* For n entries, the first numbered base; E_NO_MEMORY when it cannot. */
@@ -130,7 +130,8 @@ void shardd__on_checkpoint_collective(shardd__dispatch *d, shardd__conn *c,
 /* The engine ended c's collective checkpoint request seq (its barrier, or
  * its seal exchange). */
 void shardd__ckpt_collective_done(shardd__dispatch *d, shardd__conn *c,
-                                  uint64_t seq, shardd_err code, const char *msg,
+                                  uint64_t seq, shardd_err code,
+                                  const char *msg,
                                   const shardd__coll_result *res);
 /* jobs.c's released hook (arg is the dispatcher). */
 void shardd__ckpt_collective_released(void *arg, shardd__job *job);
@@ -142,9 +143,8 @@ void shardd__ckpt_collective_free(shardd__dispatch *d);
 void shardd__on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                        const Shardwire__Request *req);
 /* c's bucket answered by seq; NULL: none. */
-struct shardd__bucket_wait *shardd__bucket_find(shardd__dispatch *d,
-                                                const shardd__conn *c,
-                                                uint64_t seq);
+struct shardd__bucket_wait *
+shardd__bucket_find(shardd__dispatch *d, const shardd__conn *c, uint64_t seq);
 /* One entry of w ended (the engine's done hook): the bucket's reply goes
  * when it was the last. */
 void shardd__bucket_note(shardd__dispatch *d, struct shardd__bucket_wait *w,
@@ -173,20 +173,21 @@ void shardd__on_status(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
 
 /* ---- registration (register.c) ----------------------------------------- */
 
-void shardd__on_buffers_batch(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                              const Shardwire__Request *req);
-void shardd__on_register_buffer(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                                const Shardwire__Request *req);
-void shardd__on_register_optimizer(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                                   const Shardwire__Request *req);
-void shardd__on_register_view(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                              const Shardwire__Request *req);
-void shardd__on_unregister_buffer(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                                  const Shardwire__Request *req);
-void shardd__on_unregister_optimizer(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+void shardd__on_buffers_batch(shardd__dispatch *d, shardd__conn *c,
+                              uint64_t seq, const Shardwire__Request *req);
+void shardd__on_register_buffer(shardd__dispatch *d, shardd__conn *c,
+                                uint64_t seq, const Shardwire__Request *req);
+void shardd__on_register_optimizer(shardd__dispatch *d, shardd__conn *c,
+                                   uint64_t seq, const Shardwire__Request *req);
+void shardd__on_register_view(shardd__dispatch *d, shardd__conn *c,
+                              uint64_t seq, const Shardwire__Request *req);
+void shardd__on_unregister_buffer(shardd__dispatch *d, shardd__conn *c,
+                                  uint64_t seq, const Shardwire__Request *req);
+void shardd__on_unregister_optimizer(shardd__dispatch *d, shardd__conn *c,
+                                     uint64_t seq,
                                      const Shardwire__Request *req);
-void shardd__on_unregister_view(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                                const Shardwire__Request *req);
+void shardd__on_unregister_view(shardd__dispatch *d, shardd__conn *c,
+                                uint64_t seq, const Shardwire__Request *req);
 void shardd__on_views_batch(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                             const Shardwire__Request *req);
 
@@ -202,8 +203,8 @@ void shardd__on_scatter(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                         const Shardwire__Request *req);
 void shardd__on_seed_master(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                             const Shardwire__Request *req);
-void shardd__on_set_requires_grad(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                                  const Shardwire__Request *req);
+void shardd__on_set_requires_grad(shardd__dispatch *d, shardd__conn *c,
+                                  uint64_t seq, const Shardwire__Request *req);
 void shardd__on_step(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                      const Shardwire__Request *req);
 

@@ -496,8 +496,8 @@ static void buffers_unregister(shardd__dispatch *d, shardd__conn *c,
   free(ids);
 }
 
-void shardd__on_buffers_batch(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                              const Shardwire__Request *req) {
+void shardd__on_buffers_batch(shardd__dispatch *d, shardd__conn *c,
+                              uint64_t seq, const Shardwire__Request *req) {
   const Shardwire__BuffersBatch *bb = req->buffers_batch;
   if (bb->op_case == SHARDWIRE__BUFFERS_BATCH__OP_REGISTER)
     buffers_register(d, c, seq, bb->register_);
@@ -508,7 +508,8 @@ void shardd__on_buffers_batch(shardd__dispatch *d, shardd__conn *c, uint64_t seq
 }
 
 void shardd__on_register_optimizer(shardd__dispatch *d, shardd__conn *c,
-                                   uint64_t seq, const Shardwire__Request *req) {
+                                   uint64_t seq,
+                                   const Shardwire__Request *req) {
   char err[ERRLEN];
   shardd__optspec spec;
   if (shardd__optspec_from_wire(req->register_optimizer, &spec) != SHARDD_OK) {
@@ -567,6 +568,7 @@ void shardd__on_unregister_view(shardd__dispatch *d, shardd__conn *c,
 }
 
 void shardd__on_unregister_optimizer(shardd__dispatch *d, shardd__conn *c,
-                                     uint64_t seq, const Shardwire__Request *req) {
+                                     uint64_t seq,
+                                     const Shardwire__Request *req) {
   unregister(d, c, seq, SHARDD__OBJ_OPTIM, req->unregister_optimizer->id, 0);
 }

@@ -45,7 +45,8 @@ void shardd__send_resp(shardd__dispatch *d, shardd__conn *c,
 /* As send_resp, with n descriptors in order (all >= 0); they are the
  * hook's from here, or closed. */
 void shardd__send_resp_fds(shardd__dispatch *d, shardd__conn *c,
-                           const Shardwire__Response *resp, int *fds, size_t n) {
+                           const Shardwire__Response *resp, int *fds,
+                           size_t n) {
   if (n <= 1) {
     shardd__send_resp(d, c, resp, n == 1 ? fds[0] : -1);
     return;
