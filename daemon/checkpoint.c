@@ -261,7 +261,7 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
   if (shardd__job_buffers(job, &bufs, &nb) != SHARDD_OK ||
       shardd__job_optims(job, &opts, &no) != SHARDD_OK)
     goto nomem;
-  shardd__sb_printf(m, "shardd-checkpoint %d\njob ",
+  shardd__sb_printf(m, SHARDD__MANIFEST_MAGIC " %d\njob ",
                     multi ? SHARDD_MANIFEST_VERSION : SHARDD_MANIFEST_VERSION_SINGLE);
   shardd__manifest_enc_name(m, job->name);
   shardd__sb_printf(m, " %" PRIu32 " %" PRIu32 "\n", job->world, job->uid);

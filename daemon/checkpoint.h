@@ -44,23 +44,7 @@
 /* A job-level manifest lists at most this many nodes (the seals cross the
  * nodes in one all_reduce of SHARDD_ALL_REDUCE_MAX values). */
 #define SHARDD__CKJOB_MAX_NODES 64
-/* The manifest's own version. 2 recorded each buffer's and view's
- * generation and each view's requires_grad. Version 3 seals the manifest:
- * its "end" line carries the CRC32C of every byte before it, checked before
- * any line is acted upon; restore refuses versions 1 and 2, which carry no
- * seal (an edited step count in one was taken as written). Version 4 ends
- * each "ref" line with the steps that ref took (torch's per-parameter
- * state["step"]; a skipped parameter's stays); before it every ref was
- * stepped by every step, so a version 3 manifest restores each ref with its
- * optimizer's count. Version 5 is a node's part of a multi-node checkpoint
- * ("node" and "lineage" lines after the job line), so a daemon that reads
- * up to 4 refuses it at its header; single-node manifests are still
- * written as 4, which such a daemon restores. Data file headers keep
- * SHARDD_CHECKPOINT_VERSION. */
-#define SHARDD_MANIFEST_VERSION 5
-/* The oldest version restore accepts: the first that is sealed. */
-#define SHARDD_MANIFEST_SEALED 3
-#define SHARDD_MANIFEST_VERSION_SINGLE 4
+/* The manifest's versions are manifest.h's (the format in one place). */
 
 /* The job must have no collective in flight (the caller checks). as_uid is
  * who asks: < 0 the daemon itself (--checkpoint-on-exit), 0 root; any other

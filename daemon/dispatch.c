@@ -1,6 +1,9 @@
-/* dispatch.c — the command table, its handlers and the reply builder (see
- * dispatch.h). */
+/* dispatch.c — the command table from a Request's body to its handler,
+ * the connections' hooks, the collective engine's hooks (its replies), and
+ * building and freeing the core (see dispatch.h). The handlers live in
+ * the files dispatch_int.h lists, one per kind of request. */
 #include "dispatch.h"
+#include "dispatch_int.h"
 
 #include <inttypes.h>
 #include <stdio.h>
@@ -8,1733 +11,21 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "checkpoint.h"
 #include "frame.h"
 #include "log.h"
-#include "optcodec.h"
-#include "optreg.h"
 #include "proto/shardd.pb-c.h"
-#include "status.h"
 
-#define ERRLEN 512
-
-static double now_s(const shardd__dispatch *d) {
-  return (double)uv_now(d->loop) / 1000.0;
-}
-
-/* ---- the reply builder ------------------------------------------------- */
-
-static void reply(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                  shardd_err code, const char *msg);
-
-/* The frame is packed here, with room for the transport's header in
- * front, so a reply is copied once. A connection that is going away gets
- * nothing (not even the frame-limit check's log line). */
-static void send_resp(shardd__dispatch *d, shardd__conn *c,
-                      const Shardwire__Response *resp, int fd) {
-  if (!d->io.live(d->io.ctx, c)) {
-    if (fd >= 0)
-      close(fd);
-    return;
-  }
-  size_t n = shardwire__response__get_packed_size(resp);
-  if (n > SHARDD_MAX_FRAME) {
-    /* The client refuses a frame past the limit and drops the connection:
-     * status with ~60k optimizers failed even for root, inspect of a
-     * buffer with 200k views for its owner. Say so instead. */
-    if (fd >= 0)
-      close(fd);
-    char msg[256];
-    snprintf(msg, sizeof msg, "the reply would be %zu bytes, over the %u-byte "
-             "frame limit; ask for less (one job's status, one buffer)", n,
-             SHARDD_MAX_FRAME);
-    shardd__log(1, "session %" PRIu64 ": %s", c->id, msg);
-    reply(d, c, resp->seq, SHARDD_E_LIMIT, msg);
-    return;
-  }
-  uint8_t *frame = malloc(SHARDD_FRAME_HEADER + n);
-  if (frame)
-    shardwire__response__pack(resp, frame + SHARDD_FRAME_HEADER);
-  d->io.send(d->io.ctx, c, frame, n, fd);
-}
-
-/* As send_resp, with n descriptors in order (all >= 0); they are the
- * hook's from here, or closed. */
-static void send_resp_fds(shardd__dispatch *d, shardd__conn *c,
-                          const Shardwire__Response *resp, int *fds, size_t n) {
-  if (n <= 1) {
-    send_resp(d, c, resp, n == 1 ? fds[0] : -1);
-    return;
-  }
-  size_t len = shardwire__response__get_packed_size(resp);
-  if (!d->io.live(d->io.ctx, c) || len > SHARDD_MAX_FRAME) {
-    for (size_t i = 0; i < n; i++)
-      close(fds[i]);
-    send_resp(d, c, resp, -1); /* says why, or nothing */
-    return;
-  }
-  uint8_t *frame = malloc(SHARDD_FRAME_HEADER + len);
-  if (frame)
-    shardwire__response__pack(resp, frame + SHARDD_FRAME_HEADER);
-  d->io.send_fds(d->io.ctx, c, frame, len, fds, n);
-}
-
-/* A successful reply of body case bc; the caller sets the body. */
-static Shardwire__Response ok_resp(uint64_t seq, Shardwire__Response__BodyCase bc) {
-  Shardwire__Response resp = SHARDWIRE__RESPONSE__INIT;
-  resp.seq = seq;
-  resp.code = SHARDWIRE__STATUS_CODE__OK;
-  resp.body_case = bc;
-  return resp;
-}
-
-/* A status-only reply (msg NULL: the code's own words). */
-static void reply(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                  shardd_err code, const char *msg) {
-  Shardwire__Response resp = SHARDWIRE__RESPONSE__INIT;
-  resp.seq = seq;
-  resp.code = (Shardwire__StatusCode)code;
-  resp.message = (char *)(msg ? msg : shardd_strerror(code));
-  send_resp(d, c, &resp, -1);
-}
-
-void shardd__dispatch_refuse(shardd__dispatch *d, shardd__conn *c,
-                             shardd_err code, const char *msg) {
-  reply(d, c, 0, code, msg);
-}
-
-/* Whether job holds trained or restored state (a buffer a step ran on or
- * a restore made), which a rank joining it resumes; *step: the most steps
- * one of its optimizers took. A fresh launch's ranks all connect before
- * any step can run, so they are never told they resume. */
-static int job_resumed(shardd__job *job, uint64_t *step) {
-  *step = 0;
-  shardd__buffer **bufs;
-  shardd__optim **opts;
-  size_t nb, no;
-  int settled = 0;
-  if (shardd__job_buffers(job, &bufs, &nb) == SHARDD_OK) {
-    for (size_t i = 0; i < nb && !settled; i++)
-      settled = bufs[i]->settled;
-    free(bufs);
-  }
-  if (settled && shardd__job_optims(job, &opts, &no) == SHARDD_OK) {
-    for (size_t i = 0; i < no; i++)
-      if (opts[i]->steps > *step)
-        *step = opts[i]->steps;
-    free(opts);
-  }
-  return settled;
-}
-
-/* ---- handlers ---------------------------------------------------------- */
-
-typedef void (*handler)(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                        const Shardwire__Request *req);
-
-/* The collective engine answers by a request's seq, and the daemon keeps
- * what a collective checkpoint or a bucket waits for by it: a request that
- * reuses the seq of one still being answered (what) would have its end
- * taken for theirs, or theirs for its, so it is refused. */
-static void seq_refuse(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                       const char *what) {
-  char msg[ERRLEN];
-  snprintf(msg, sizeof msg, "seq %" PRIu64 " is the seq of this session's "
-           "%s: every request needs a seq of its own until it is answered",
-           seq, what);
-  reply(d, c, seq, SHARDD_E_PROTOCOL, msg);
-}
-
-static void on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                     const Shardwire__Request *req) {
-  const Shardwire__Hello *h = req->hello;
-  char err[ERRLEN];
-  if (c->hello_done) {
-    reply(d, c, seq, SHARDD_E_STATE, "Hello was already sent");
-    return;
-  }
-  if (h->protocol_version != SHARDD_PROTOCOL_VERSION) {
-    snprintf(err, sizeof err, "client speaks protocol %" PRIu32
-             ", this daemon speaks %d", h->protocol_version,
-             SHARDD_PROTOCOL_VERSION);
-    reply(d, c, seq, SHARDD_E_VERSION, err);
-    return;
-  }
-  int reclaimed = 0;
-  if (h->job && h->job[0]) {
-  again:;
-    /* The peer's own job of that name, made when missing: another uid's
-     * job of the same name is another job. Only root joins another's, by
-     * naming it "UID/NAME". */
-    shardd__job *job = shardd__access_find_job(&d->reg, &c->peer, h->job);
-    shardd_err rc;
-    if (job && (rc = shardd__access_join(&c->peer, job, err, sizeof err)) !=
-                   SHARDD_OK) {
-      reply(d, c, seq, rc, err);
-      return;
-    }
-    if (job && shardd__jobs_restoring(&d->jobs, job)) {
-      /* its payloads are still loading on the pool */
-      snprintf(err, sizeof err, "job \"%s\" is being restored", job->name);
-      reply(d, c, seq, SHARDD_E_BUSY, err);
-      return;
-    }
-    uint32_t world = h->has_world ? h->world : 1;
-    rc = shardd__job_get(&d->reg, job ? job->name : h->job, world,
-                         job ? job->uid : c->peer.uid, &job, err, sizeof err);
-    if (rc != SHARDD_OK) {
-      reply(d, c, seq, rc, err);
-      return;
-    }
-    uint32_t rank = h->has_rank ? h->rank : 0;
-    /* --job-spec: a multi-node job holds its node's ranks only */
-    rc = shardd__jobs_layout(&d->jobs, job, rank, err, sizeof err);
-    if (rc == SHARDD_OK && rank >= job->world) {
-      snprintf(err, sizeof err, "rank %" PRIu32 " is outside world %" PRIu32,
-               rank, job->world);
-      rc = SHARDD_E_RANGE;
-    }
-    if (rc == SHARDD_OK)
-      rc = shardd__job_set_transient(job, h->has_transient_areas && h->transient_areas,
-                                     err, sizeof err);
-    int32_t holder = 0;
-    int claim_failed = rc == SHARDD_OK &&
-                       (rc = shardd__jobs_claim(&d->jobs, job, rank, c->id,
-                                                (int32_t)c->peer.pid, &holder)) !=
-                           SHARDD_OK;
-    /* A trainer that closes and reconnects at once can be here before the
-     * transport has read its old connection's end (that session is not
-     * being read: its frames wait their turn, its replies or the frame
-     * budget hold it back, or a failed reply closes it next turn). The old
-     * holder is closed now when its client is gone, and the Hello is
-     * taken again from the top: that close may have released the job. */
-    if (claim_failed && rc == SHARDD_E_STATE && !reclaimed && d->io.reclaim &&
-        d->io.reclaim(d->io.ctx, shardd__jobs_holder(&d->jobs, job, rank))) {
-      reclaimed = 1;
-      goto again;
-    }
-    if (claim_failed) {
-      if (rc == SHARDD_E_STATE)
-        snprintf(err, sizeof err,
-                 "rank %" PRIu32 " of job \"%s\" is already connected (pid %d)",
-                 rank, job->name, (int)holder);
-      else
-        snprintf(err, sizeof err, "out of memory");
-    }
-    if (rc != SHARDD_OK) {
-      reply(d, c, seq, rc, err);
-      shardd__jobs_unclaimed(&d->jobs, job, now_s(d), 1);
-      return;
-    }
-    c->m.job = job;
-    c->m.rank = rank;
-    shardd__coll_member_joined(d->coll, &c->m);
-    shardd__log(2,
-                "session %" PRIu64 ": rank %" PRIu32 "/%" PRIu32
-                " of job \"%s\" (pid %d uid %d)",
-                c->id, rank, job->world, job->name, (int)c->peer.pid,
-                (int)c->peer.uid);
-  }
-  c->hello_done = 1;
-  Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_HELLO);
-  Shardwire__HelloReply hr = SHARDWIRE__HELLO_REPLY__INIT;
-  if (c->m.job && job_resumed(c->m.job, &hr.resumed_step)) {
-    hr.has_resumed = hr.has_resumed_step = hr.resumed = 1;
-    shardd__log(2, "session %" PRIu64 ": rank %" PRIu32 " resumes job \"%s\" "
-                "at step %" PRIu64, c->id, c->m.rank, c->m.job->name,
-                hr.resumed_step);
-  }
-  hr.protocol_version = SHARDD_PROTOCOL_VERSION;
-  hr.daemon_version = SHARDD_VERSION;
-  hr.session_id = c->id;
-  hr.backend = (char *)d->backend->name;
-  hr.devices = (uint32_t)d->backend->ndevices;
-  hr.has_max_pending = 1;
-  hr.max_pending = d->opts.max_pending;
-  resp.hello = &hr;
-  send_resp(d, c, &resp, -1);
-}
-
-static int pending_checkpoint(void *arg, const shardd__job *job, size_t i,
-                              const char **dir, double *waited_s, double *wait_s);
-
-/* The rank is finished: its close will be a clean one (jobs_leave). */
-static void on_goodbye(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                       const Shardwire__Request *req) {
-  c->bye = 1;
-  reply(d, c, seq, SHARDD_OK, NULL);
-}
-
-static shardd__status_ctx status_ctx(shardd__dispatch *d) {
-  shardd__status_ctx ctx = {&d->reg, d->coll, &d->jobs, now_s(d) - d->started,
-                            d->socket_path, d->io.clients(d->io.ctx),
-                            d->io.partial_bytes(d->io.ctx), pending_checkpoint, d,
-                            0, 0, 0};
-  if (d->io.unread_replies) {
-    ctx.has_unread_replies = 1;
-    d->io.unread_replies(d->io.ctx, &ctx.unread_reply_bytes, &ctx.unread_reply_fds);
-  }
-  return ctx;
-}
-
-static void on_status(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                      const Shardwire__Request *req) {
-  shardd__report *r;
-  Shardwire__StatusReply *st;
-  shardd__status_ctx ctx = status_ctx(d);
-  const Shardwire__StatusRequest *sr = req->status;
-  uint32_t first = sr && sr->has_first_job ? sr->first_job : 0;
-  shardd_err rc = shardd__status_build(&ctx, &c->peer, first, &r, &st);
-  if (rc != SHARDD_OK) {
-    reply(d, c, seq, rc, "out of memory building status");
-  } else {
-    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_STATUS);
-    resp.status = st;
-    send_resp(d, c, &resp, -1);
-  }
-  shardd__report_free(r);
-}
-
-static void on_inspect(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                       const Shardwire__Request *req) {
-  const Shardwire__Inspect *in = req->inspect;
-  char err[ERRLEN];
-  shardd__report *r;
-  Shardwire__InspectReply *ir;
-  shardd__status_ctx ctx = status_ctx(d);
-  shardd_err rc = shardd__inspect_build(&ctx, &c->peer, c->m.job,
-                                        in->has_id ? in->id : 0, in->name, &r,
-                                        &ir, err, sizeof err);
-  if (rc != SHARDD_OK) {
-    reply(d, c, seq, rc, err);
-  } else {
-    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_INSPECT);
-    resp.inspect = ir;
-    send_resp(d, c, &resp, -1);
-  }
-  shardd__report_free(r);
-}
-
-/* What registering one buffer changed in a buffer it attached to, so a
- * refused batch can put it back. */
-typedef struct {
-  shardd__buffer *b;
-  int created;
-  int touched; /* the checksum fields below were b's before */
-  int had_sum;
-  uint64_t sum;
-  uint32_t rank;
-} buf_undo;
-
-/* Creates or attaches to rb's buffer for c's rank, with the initial
- * checksum rule (RegisterBuffer). */
-static shardd_err buffer_register_one(shardd__dispatch *d, shardd__conn *c,
-                                      const Shardwire__RegisterBuffer *rb,
-                                      buf_undo *u, char *err, size_t errlen) {
-  uint32_t rank = c->m.rank;
-  memset(u, 0, sizeof *u);
-  shardd__buffer *b;
-  shardd_err rc = shardd__buffer_register(&d->reg, c->m.job, rb->name,
-                                          (shardd_dtype)rb->dtype, rb->numel,
-                                          &b, &u->created, err, errlen);
-  if (rc != SHARDD_OK)
-    return rc;
-  u->b = b;
-  if (rb->has_init_checksum && !b->settled) {
-    if (!b->has_init_sum || b->init_rank == rank) {
-      /* the first, or that rank again (relaunched, maybe reseeded) */
-      u->touched = 1;
-      u->had_sum = b->has_init_sum;
-      u->sum = b->init_sum;
-      u->rank = b->init_rank;
-      b->has_init_sum = 1;
-      b->init_sum = rb->init_checksum;
-      b->init_rank = rank;
-    } else if (b->init_sum != rb->init_checksum) {
-      snprintf(err, errlen,
-               "buffer \"%s\": rank %" PRIu32 "'s initial values differ from "
-               "rank %" PRIu32 "'s (checksum %016" PRIx64 " vs %016" PRIx64 "): "
-               "every rank must build the model identically (same seed), as "
-               "each writes its own slice",
-               b->hdr.name, rank, b->init_rank, rb->init_checksum, b->init_sum);
-      /* the ranks that registered first are in (or on their way to) a
-       * collective: they hear this, not a lost peer once this rank exits */
-      shardd__coll_job_break(d->coll, c->m.job, rank, SHARDD_E_MISMATCH, err);
-      return SHARDD_E_MISMATCH;
-    }
-  }
-  return SHARDD_OK;
-}
-
-static void buffer_undo(shardd__dispatch *d, const buf_undo *u) {
-  if (u->b == NULL)
-    return;
-  if (u->created) {
-    shardd__buffer_abandon(&d->reg, u->b);
-  } else if (u->touched) {
-    u->b->has_init_sum = u->had_sum;
-    u->b->init_sum = u->sum;
-    u->b->init_rank = u->rank;
-  }
-}
-
-/* Exports c's rank block of b (a descriptor in *fd, or a CUDA IPC handle
- * in ipc) and fills br, which borrows from b and ipc. */
-static shardd_err buffer_reply_fill(shardd__dispatch *d, shardd__conn *c,
-                                    shardd__buffer *b, int created,
-                                    Shardwire__BufferReply *br, uint8_t ipc[64],
-                                    int *fd, char *err, size_t errlen) {
-  shardd__backend *be = d->backend;
-  uint32_t rank = c->m.rank;
-  size_t ipc_len = 0;
-  shardd_err rc;
-  *fd = -1;
-  if (be->ops->export_ipc) { /* cuda: a handle, no descriptor */
-    rc = be->ops->export_ipc(be, b->blocks[rank], ipc, 64, &ipc_len);
-    if (rc != SHARDD_OK) {
-      snprintf(err, errlen,
-               "exporting rank %" PRIu32 "'s block as a CUDA IPC handle: %s",
-               rank, shardd_strerror(rc));
-      return rc;
-    }
-  } else {
-    rc = be->ops->export_fd(be, b->blocks[rank], fd);
-    if (rc != SHARDD_OK) {
-      snprintf(err, errlen, "exporting rank %" PRIu32 "'s block: %s",
-               rank, shardd_strerror(rc));
-      return rc;
-    }
-  }
-  shardwire__buffer_reply__init(br);
-  if (ipc_len > 0) {
-    br->has_cuda_ipc_handle = 1;
-    br->cuda_ipc_handle.data = ipc;
-    br->cuda_ipc_handle.len = ipc_len;
-  }
-  br->id = b->hdr.id;
-  br->name = b->hdr.name;
-  br->dtype = (Shardwire__DType)b->dtype;
-  br->numel = b->numel;
-  br->padded_numel = b->padded_numel;
-  br->shard_numel = b->shard_numel;
-  br->world = b->world;
-  br->rank = rank;
-  br->device = (uint32_t)shardd__rank_device(&d->reg, rank);
-  br->block_bytes = b->blocks[rank]->bytes;
-  br->shard_offset = b->shard_off;
-  br->gather_offset = b->gather_off;
-  br->grad_offset = b->grad_off;
-  br->has_reduced_offset = 1;
-  br->reduced_offset = b->reduced_off;
-  br->created = created;
-  br->has_existing = 1;
-  br->existing = b->settled != 0;
-  br->has_generation = 1;
-  br->generation = b->hdr.generation;
-  if (b->hdr.job->transient) {
-    br->has_transient = 1;
-    br->transient = 1;
-  }
-  return SHARDD_OK;
-}
-
-static void log_created(const shardd__conn *c, const shardd__buffer *b) {
-  shardd__log(3, "job \"%s\": buffer %" PRIu64 " \"%s\" %s[%" PRIu64 "]",
-              c->m.job->name, b->hdr.id, b->hdr.name,
-              shardd_dtype_name(b->dtype), b->numel);
-}
-
-static void on_register_buffer(shardd__dispatch *d, shardd__conn *c,
-                               uint64_t seq, const Shardwire__Request *req) {
-  char err[ERRLEN];
-  buf_undo u;
-  shardd_err rc = buffer_register_one(d, c, req->register_buffer, &u, err,
-                                      sizeof err);
-  if (rc != SHARDD_OK) {
-    reply(d, c, seq, rc, err);
-    return;
-  }
-  int fd;
-  uint8_t ipc[64];
-  Shardwire__BufferReply br;
-  rc = buffer_reply_fill(d, c, u.b, u.created, &br, ipc, &fd, err, sizeof err);
-  if (rc != SHARDD_OK) {
-    reply(d, c, seq, rc, err);
-    return;
-  }
-  Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_BUFFER);
-  resp.buffer = &br;
-  send_resp(d, c, &resp, fd);
-  if (u.created)
-    log_created(c, u.b);
-}
-
-static void on_register_view(shardd__dispatch *d, shardd__conn *c,
-                             uint64_t seq, const Shardwire__Request *req) {
-  const Shardwire__RegisterView *rv = req->register_view;
-  char err[ERRLEN];
-  shardd__view *v;
-  int created;
-  if (rv->n_shape > 64) {
-    reply(d, c, seq, SHARDD_E_RANGE, "view has over 64 dimensions");
-    return;
-  }
-  shardd_err rc = shardd__view_register_ex(
-      &d->reg, c->m.job, rv->buffer,
-      rv->has_buffer_generation ? rv->buffer_generation : 0, rv->name,
-      rv->offset, rv->numel, rv->shape, (int)rv->n_shape,
-      rv->has_requires_grad ? rv->requires_grad : 1, &v, &created, err,
-      sizeof err);
-  if (rc != SHARDD_OK) {
-    reply(d, c, seq, rc, err);
-    return;
-  }
-  Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_VIEW);
-  Shardwire__ViewReply vr = SHARDWIRE__VIEW_REPLY__INIT;
-  vr.id = v->hdr.id;
-  vr.created = created;
-  vr.has_generation = 1;
-  vr.generation = v->hdr.generation;
-  resp.view = &vr;
-  send_resp(d, c, &resp, -1);
-}
-
-/* ---- batches of views ------------------------------------------------- */
-
-/* The reply's errors list refused entries while their text stays under
- * this (libshardd's requests of 256 entries always fit: 512 bytes
- * each); errors_total counts them all. A raw client's 100,000 bad entries
- * would not fit one frame. */
-#define BATCH_ERRORS_BYTES (8u << 20)
-/* The message's size: the entries it has room for, then "and N more". */
-#define BATCH_MSG_MAX (64 * 1024)
-
-typedef struct {
-  uint32_t base; /* the request's first_index */
-  Shardwire__BatchError *errs, **errp;
-  size_t n, total;
-  size_t bytes; /* of the errors' messages */
-  shardd_err first;
-  char *msg; /* BATCH_MSG_MAX bytes */
-  size_t len;
-  size_t listed; /* entries the message names */
-  int cut;   /* the message ran out of room */
-} batch_errs;
-
-static void batch_errs_free(batch_errs *b) {
-  for (size_t i = 0; i < b->n; i++)
-    free(b->errs[i].message);
-  free(b->errs);
-  free(b->errp);
-  free(b->msg);
-}
-
-/* Records entry i's refusal; out of memory only shortens the lists. */
-static void batch_err_add(batch_errs *b, size_t i, shardd_err rc,
-                          const char *why) {
-  i += b->base;
-  if (b->total++ == 0)
-    b->first = rc;
-  if (b->bytes < BATCH_ERRORS_BYTES) {
-    Shardwire__BatchError *e = &b->errs[b->n];
-    shardwire__batch_error__init(e);
-    e->index = (uint32_t)i;
-    e->code = (Shardwire__StatusCode)rc;
-    e->message = strdup(why);
-    if (e->message) {
-      b->errp[b->n] = e;
-      b->n++;
-      b->bytes += strlen(why) + 16;
-    }
-  }
-  if (b->msg && !b->cut) {
-    int k = snprintf(b->msg + b->len, BATCH_MSG_MAX - b->len, "%s[%zu] %s: %s",
-                     b->total > 1 ? "; " : "", i, shardd_err_name(rc), why);
-    if (k < 0 || (size_t)k >= BATCH_MSG_MAX - b->len - 64)
-      b->cut = 1; /* keeps the 64 bytes for the count */
-    else {
-      b->len += (size_t)k;
-      b->listed++;
-    }
-  }
-}
-
-/* The reply of a batch some of whose entries were refused or failed: the
- * first entry's code, head then every listed entry named, and the entries
- * in the reply body that what names ("views", "buffers", "bucket ..."). */
-static void batch_send(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                       const batch_errs *b, const char *head,
-                       const char *what) {
-  size_t hl = strlen(head);
-  char *m = malloc(hl + b->len + 96);
-  if (m) {
-    memcpy(m, head, hl);
-    memcpy(m + hl, b->msg ? b->msg : "", b->len);
-    m[hl + b->len] = '\0';
-    if (b->listed < b->total)
-      snprintf(m + hl + b->len, 96, "%sand %zu more", b->listed ? "; " : "",
-               b->total - b->listed);
-  }
-  Shardwire__Response resp = SHARDWIRE__RESPONSE__INIT;
-  resp.seq = seq;
-  resp.code = (Shardwire__StatusCode)b->first;
-  resp.message = m ? m : (char *)shardd_strerror(b->first);
-  Shardwire__ViewsBatchReply vb = SHARDWIRE__VIEWS_BATCH_REPLY__INIT;
-  Shardwire__BuffersBatchReply bb = SHARDWIRE__BUFFERS_BATCH_REPLY__INIT;
-  Shardwire__BucketReply kb = SHARDWIRE__BUCKET_REPLY__INIT;
-  /* the three reply types carry the same error fields under their own
-   * generated names */
-#define BATCH_ERRORS(r)                                                       \
-  ((r).n_errors = b->n, (r).errors = b->errp, (r).has_errors_total = 1,      \
-   (r).errors_total = (uint32_t)b->total)
-  if (strncmp(what, "bucket", 6) == 0) {
-    BATCH_ERRORS(kb);
-    resp.body_case = SHARDWIRE__RESPONSE__BODY_BUCKET;
-    resp.bucket = &kb;
-  } else if (strncmp(what, "buffer", 6) == 0) {
-    BATCH_ERRORS(bb);
-    resp.body_case = SHARDWIRE__RESPONSE__BODY_BUFFERS_BATCH;
-    resp.buffers_batch = &bb;
-  } else {
-    BATCH_ERRORS(vb);
-    resp.body_case = SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH;
-    resp.views_batch = &vb;
-  }
-#undef BATCH_ERRORS
-  send_resp(d, c, &resp, -1);
-  free(m);
-}
-
-/* The refusal: the first entry's code, every listed entry named. */
-static void batch_refuse(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                         size_t n, batch_errs *b, const char *what) {
-  char head[128];
-  int reg = strcmp(what, "views") == 0 || strcmp(what, "buffers") == 0;
-  if (strncmp(what, "bucket", 6) == 0)
-    /* what: "bucket gathers" or "bucket scatters" */
-    snprintf(head, sizeof head, "%zu of the %zu entries of a %s refused, "
-             "none submitted: ", b->total, n, what);
-  else if (b->base)
-    snprintf(head, sizeof head, "%zu of the %zu %s from entry %" PRIu32
-             " refused, none of them %s: ", b->total, n, what, b->base,
-             reg ? "registered" : "unregistered");
-  else
-    snprintf(head, sizeof head, "%zu of %zu %s refused, none %s: ", b->total,
-             n, what, reg ? "registered" : "unregistered");
-  batch_send(d, c, seq, b, head, what);
-}
-
-static shardd_err batch_errs_init(batch_errs *b, size_t n, uint32_t base) {
-  memset(b, 0, sizeof *b);
-  b->base = base;
-  b->errs = calloc(n ? n : 1, sizeof *b->errs);
-  b->errp = calloc(n ? n : 1, sizeof *b->errp);
-  b->msg = malloc(BATCH_MSG_MAX);
-  if (b->errs == NULL || b->errp == NULL || b->msg == NULL) {
-    batch_errs_free(b);
-    return SHARDD_E_NO_MEMORY;
-  }
-  b->msg[0] = '\0';
-  return SHARDD_OK;
-}
-
-/* Every entry is tried in order, so each is checked against the registry
- * and the entries before it exactly as n single requests would be; when
- * any is refused the ones this request created are abandoned, newest
- * first, and nothing is left of the batch. */
-static void views_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                           const Shardwire__RegisterViews *rq) {
-  size_t n = rq->n_views;
-  char err[ERRLEN];
-  batch_errs be;
-  shardd__view **vs = calloc(n ? n : 1, sizeof *vs);
-  Shardwire__ViewReply *vr = calloc(n ? n : 1, sizeof *vr);
-  Shardwire__ViewReply **vrp = calloc(n ? n : 1, sizeof *vrp);
-  char *created = calloc(n ? n : 1, 1);
-  if (vs == NULL || vr == NULL || vrp == NULL || created == NULL ||
-      batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
-          SHARDD_OK) {
-    free(vs);
-    free(vr);
-    free(vrp);
-    free(created);
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
-    return;
-  }
-  for (size_t i = 0; i < n; i++) {
-    const Shardwire__RegisterView *rv = rq->views[i];
-    shardd_err rc;
-    int cr = 0;
-    if (rv->n_shape > 64) {
-      rc = SHARDD_E_RANGE;
-      snprintf(err, sizeof err, "view \"%s\" has over 64 dimensions", rv->name);
-    } else {
-      rc = shardd__view_register_ex(
-          &d->reg, c->m.job, rv->buffer,
-          rv->has_buffer_generation ? rv->buffer_generation : 0, rv->name,
-          rv->offset, rv->numel, rv->shape, (int)rv->n_shape,
-          rv->has_requires_grad ? rv->requires_grad : 1, &vs[i], &cr, err,
-          sizeof err);
-    }
-    if (rc != SHARDD_OK)
-      batch_err_add(&be, i, rc, err);
-    created[i] = (char)cr;
-  }
-  if (be.total > 0) {
-    for (size_t i = n; i-- > 0;)
-      if (created[i])
-        shardd__view_abandon(&d->reg, vs[i]);
-    batch_refuse(d, c, seq, n, &be, "views");
-  } else {
-    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH);
-    Shardwire__ViewsBatchReply vb = SHARDWIRE__VIEWS_BATCH_REPLY__INIT;
-    for (size_t i = 0; i < n; i++) {
-      shardwire__view_reply__init(&vr[i]);
-      vr[i].id = vs[i]->hdr.id;
-      vr[i].created = created[i];
-      vr[i].has_generation = 1;
-      vr[i].generation = vs[i]->hdr.generation;
-      vrp[i] = &vr[i];
-    }
-    vb.n_views = n;
-    vb.views = vrp;
-    resp.views_batch = &vb;
-    send_resp(d, c, &resp, -1);
-  }
-  batch_errs_free(&be);
-  free(vs);
-  free(vr);
-  free(vrp);
-  free(created);
-}
-
-static int cmp_u64(const void *a, const void *b) {
-  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-  return x < y ? -1 : x > y;
-}
-
-/* Every id is checked before any view goes: registered, held by no
- * optimizer, generation current, named once. */
-static void views_unregister(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                             const Shardwire__UnregisterViews *rq) {
-  size_t n = rq->n_views;
-  char err[ERRLEN];
-  batch_errs be;
-  uint64_t *ids = malloc((n ? n : 1) * sizeof *ids);
-  if (ids == NULL ||
-      batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
-          SHARDD_OK) {
-    free(ids);
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
-    return;
-  }
-  shardd__registry *reg = &d->reg;
-  shardd__job *job = c->m.job;
-  for (size_t i = 0; i < n; i++) {
-    const Shardwire__UnregisterView *uv = rq->views[i];
-    shardd_err rc = SHARDD_OK;
-    uint64_t gen = uv->has_generation ? uv->generation : 0;
-    if (gen != 0 && shardd__registry_stale(reg, job, uv->id, gen, err, sizeof err))
-      rc = SHARDD_E_STALE;
-    else
-      rc = shardd__view_unregister_check(reg, job, uv->id, err, sizeof err);
-    if (rc != SHARDD_OK)
-      batch_err_add(&be, i, rc, err);
-    ids[i] = uv->id;
-  }
-  if (be.total == 0 && n > 1) {
-    qsort(ids, n, sizeof *ids, cmp_u64);
-    for (size_t i = 1; i < n; i++)
-      if (ids[i] == ids[i - 1]) {
-        /* name the later entries that repeat it */
-        size_t seen = 0;
-        for (size_t j = 0; j < n; j++)
-          if (rq->views[j]->id == ids[i] && seen++ > 0) {
-            snprintf(err, sizeof err, "view %" PRIu64 " is named twice",
-                     ids[i]);
-            batch_err_add(&be, j, SHARDD_E_INVAL, err);
-          }
-        while (i + 1 < n && ids[i + 1] == ids[i])
-          i++;
-      }
-  }
-  if (be.total > 0) {
-    batch_refuse(d, c, seq, n, &be, "view unregistrations");
-  } else {
-    for (size_t i = 0; i < n; i++)
-      if (shardd__view_unregister(reg, job, rq->views[i]->id, err, sizeof err) !=
-          SHARDD_OK)
-        /* checked above and nothing ran between: a bug, said loudly */
-        shardd__log(1, "job \"%s\": view %" PRIu64 " passed its check but: %s",
-                    job->name, rq->views[i]->id, err);
-    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH);
-    Shardwire__ViewsBatchReply vb = SHARDWIRE__VIEWS_BATCH_REPLY__INIT;
-    resp.views_batch = &vb;
-    send_resp(d, c, &resp, -1);
-  }
-  batch_errs_free(&be);
-  free(ids);
-}
-
-static void on_views_batch(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                           const Shardwire__Request *req) {
-  const Shardwire__ViewsBatch *vb = req->views_batch;
-  if (vb->op_case == SHARDWIRE__VIEWS_BATCH__OP_REGISTER)
-    views_register(d, c, seq, vb->register_);
-  else if (vb->op_case == SHARDWIRE__VIEWS_BATCH__OP_UNREGISTER)
-    views_unregister(d, c, seq, vb->unregister);
-  else
-    reply(d, c, seq, SHARDD_E_INVAL, "ViewsBatch names no operation");
-}
-
-/* ---- batches of buffers ----------------------------------------------- */
-
-/* At most this many entries per request: the reply brings a descriptor per
- * entry, and a client may pass them on in one message (SCM_MAX_FD 253). */
-#define BUFFERS_PER_REQUEST 250
-
-/* Every entry is tried in order, as that many RegisterBuffer requests
- * would be; when any is refused (or a block cannot be exported) what the
- * request did is undone, newest first, and nothing is left of it. */
-static void buffers_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                             const Shardwire__RegisterBuffers *rq) {
-  size_t n = rq->n_buffers;
-  char err[ERRLEN];
-  if (n > BUFFERS_PER_REQUEST) {
-    snprintf(err, sizeof err, "%zu buffers in one request, at most %d", n,
-             BUFFERS_PER_REQUEST);
-    reply(d, c, seq, SHARDD_E_LIMIT, err);
-    return;
-  }
-  batch_errs be;
-  buf_undo *u = calloc(n ? n : 1, sizeof *u);
-  Shardwire__BufferReply *br = calloc(n ? n : 1, sizeof *br);
-  Shardwire__BufferReply **brp = calloc(n ? n : 1, sizeof *brp);
-  uint8_t *ipc = malloc((n ? n : 1) * 64);
-  int *fds = malloc((n ? n : 1) * sizeof *fds);
-  if (u == NULL || br == NULL || brp == NULL || ipc == NULL || fds == NULL ||
-      batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
-          SHARDD_OK) {
-    free(u);
-    free(br);
-    free(brp);
-    free(ipc);
-    free(fds);
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
-    return;
-  }
-  for (size_t i = 0; i < n; i++) {
-    fds[i] = -1;
-    shardd_err rc = buffer_register_one(d, c, rq->buffers[i], &u[i], err,
-                                        sizeof err);
-    if (rc != SHARDD_OK)
-      batch_err_add(&be, i, rc, err);
-  }
-  size_t nfds = 0;
-  for (size_t i = 0; i < n && be.total == 0; i++) {
-    shardd_err rc = buffer_reply_fill(d, c, u[i].b, u[i].created, &br[i],
-                                      ipc + 64 * i, &fds[i], err, sizeof err);
-    if (rc != SHARDD_OK)
-      batch_err_add(&be, i, rc, err);
-    else if (fds[i] >= 0)
-      nfds++;
-    brp[i] = &br[i];
-  }
-  if (be.total > 0) {
-    for (size_t i = 0; i < n; i++)
-      if (fds[i] >= 0)
-        close(fds[i]);
-    for (size_t i = n; i-- > 0;)
-      buffer_undo(d, &u[i]);
-    batch_refuse(d, c, seq, n, &be, "buffers");
-  } else if (nfds != 0 && nfds != n) {
-    /* a backend exports every block alike: a bug, said loudly */
-    for (size_t i = 0; i < n; i++)
-      if (fds[i] >= 0)
-        close(fds[i]);
-    for (size_t i = n; i-- > 0;)
-      buffer_undo(d, &u[i]);
-    reply(d, c, seq, SHARDD_E_INTERNAL, "some blocks exported a descriptor, "
-          "some not");
-  } else {
-    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_BUFFERS_BATCH);
-    Shardwire__BuffersBatchReply bb = SHARDWIRE__BUFFERS_BATCH_REPLY__INIT;
-    bb.n_buffers = n;
-    bb.buffers = brp;
-    resp.buffers_batch = &bb;
-    send_resp_fds(d, c, &resp, fds, nfds);
-    for (size_t i = 0; i < n; i++)
-      if (u[i].created)
-        log_created(c, u[i].b);
-  }
-  batch_errs_free(&be);
-  free(u);
-  free(br);
-  free(brp);
-  free(ipc);
-  free(fds);
-}
-
-/* Every id is checked before any buffer goes: registered, held by no
- * optimizer, no collective in flight, generation current, named once. */
-static void buffers_unregister(shardd__dispatch *d, shardd__conn *c,
-                               uint64_t seq,
-                               const Shardwire__UnregisterBuffers *rq) {
-  size_t n = rq->n_buffers;
-  char err[ERRLEN];
-  batch_errs be;
-  uint64_t *ids = malloc((n ? n : 1) * sizeof *ids);
-  if (ids == NULL ||
-      batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
-          SHARDD_OK) {
-    free(ids);
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
-    return;
-  }
-  shardd__registry *reg = &d->reg;
-  shardd__job *job = c->m.job;
-  for (size_t i = 0; i < n; i++) {
-    const Shardwire__UnregisterBuffer *ub = rq->buffers[i];
-    shardd_err rc;
-    uint64_t gen = ub->has_generation ? ub->generation : 0;
-    if (gen != 0 && shardd__registry_stale(reg, job, ub->id, gen, err, sizeof err))
-      rc = SHARDD_E_STALE;
-    else
-      rc = shardd__buffer_unregister_check(reg, job, ub->id, err, sizeof err);
-    if (rc != SHARDD_OK)
-      batch_err_add(&be, i, rc, err);
-    ids[i] = ub->id;
-  }
-  if (be.total == 0 && n > 1) {
-    qsort(ids, n, sizeof *ids, cmp_u64);
-    for (size_t i = 1; i < n; i++)
-      if (ids[i] == ids[i - 1]) {
-        size_t seen = 0;
-        for (size_t j = 0; j < n; j++)
-          if (rq->buffers[j]->id == ids[i] && seen++ > 0) {
-            snprintf(err, sizeof err, "buffer %" PRIu64 " is named twice",
-                     ids[i]);
-            batch_err_add(&be, j, SHARDD_E_INVAL, err);
-          }
-        while (i + 1 < n && ids[i + 1] == ids[i])
-          i++;
-      }
-  }
-  if (be.total > 0) {
-    batch_refuse(d, c, seq, n, &be, "buffer unregistrations");
-  } else {
-    for (size_t i = 0; i < n; i++)
-      if (shardd__buffer_unregister(reg, job, rq->buffers[i]->id, err,
-                                    sizeof err) != SHARDD_OK)
-        shardd__log(1, "job \"%s\": buffer %" PRIu64 " passed its check but: %s",
-                    job->name, rq->buffers[i]->id, err);
-    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_BUFFERS_BATCH);
-    Shardwire__BuffersBatchReply bb = SHARDWIRE__BUFFERS_BATCH_REPLY__INIT;
-    resp.buffers_batch = &bb;
-    send_resp(d, c, &resp, -1);
-  }
-  batch_errs_free(&be);
-  free(ids);
-}
-
-static void on_buffers_batch(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                             const Shardwire__Request *req) {
-  const Shardwire__BuffersBatch *bb = req->buffers_batch;
-  if (bb->op_case == SHARDWIRE__BUFFERS_BATCH__OP_REGISTER)
-    buffers_register(d, c, seq, bb->register_);
-  else if (bb->op_case == SHARDWIRE__BUFFERS_BATCH__OP_UNREGISTER)
-    buffers_unregister(d, c, seq, bb->unregister);
-  else
-    reply(d, c, seq, SHARDD_E_INVAL, "BuffersBatch names no operation");
-}
-
-static void on_register_optimizer(shardd__dispatch *d, shardd__conn *c,
-                                  uint64_t seq, const Shardwire__Request *req) {
-  char err[ERRLEN];
-  shardd__optspec spec;
-  if (shardd__optspec_from_wire(req->register_optimizer, &spec) != SHARDD_OK) {
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
-    return;
-  }
-  shardd__optreg_result res;
-  shardd_err rc = shardd__optreg_register(&d->reg, c->m.job, &spec,
-                                          SHARDD__OPTREG_ATTACH, &res, err,
-                                          sizeof err);
-  shardd__optspec_free(&spec);
-  if (rc == SHARDD_OK) {
-    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_OPTIMIZER);
-    Shardwire__OptimizerReply orp = SHARDWIRE__OPTIMIZER_REPLY__INIT;
-    orp.id = res.optim->hdr.id;
-    orp.created = res.created;
-    resp.optimizer = &orp;
-    send_resp(d, c, &resp, -1);
-  } else if (res.refused) {
-    reply(d, c, seq, rc, res.list ? res.list : "optimizer refused");
-    shardd__log(3, "job \"%s\": optimizer refused: %s", c->m.job->name,
-                res.list ? res.list : "");
-  } else {
-    reply(d, c, seq, rc, err);
-  }
-  free(res.list);
-}
-
-static void unregister(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                       shardd__obj_kind kind, uint64_t id, uint64_t gen) {
-  char err[ERRLEN];
-  shardd_err rc;
-  shardd__registry *reg = &d->reg;
-  shardd__job *job = c->m.job;
-  if (gen != 0 && shardd__registry_stale(reg, job, id, gen, err, sizeof err))
-    rc = SHARDD_E_STALE;
-  else if (kind == SHARDD__OBJ_BUFFER)
-    rc = shardd__buffer_unregister(reg, job, id, err, sizeof err);
-  else if (kind == SHARDD__OBJ_VIEW)
-    rc = shardd__view_unregister(reg, job, id, err, sizeof err);
-  else
-    rc = shardd__optim_unregister(reg, job, id, err, sizeof err);
-  reply(d, c, seq, rc, rc == SHARDD_OK ? NULL : err);
-}
-
-static void on_unregister_buffer(shardd__dispatch *d, shardd__conn *c,
-                                 uint64_t seq, const Shardwire__Request *req) {
-  unregister(d, c, seq, SHARDD__OBJ_BUFFER, req->unregister_buffer->id,
-             req->unregister_buffer->generation);
-}
-
-static void on_unregister_view(shardd__dispatch *d, shardd__conn *c,
-                               uint64_t seq, const Shardwire__Request *req) {
-  unregister(d, c, seq, SHARDD__OBJ_VIEW, req->unregister_view->id,
-             req->unregister_view->generation);
-}
-
-static void on_unregister_optimizer(shardd__dispatch *d, shardd__conn *c,
-                                    uint64_t seq, const Shardwire__Request *req) {
-  unregister(d, c, seq, SHARDD__OBJ_OPTIM, req->unregister_optimizer->id, 0);
-}
-
-static void on_ping(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                    const Shardwire__Request *req) {
-  const Shardwire__Ping *p = req->ping;
-  Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_PONG);
-  Shardwire__Pong pong = SHARDWIRE__PONG__INIT;
-  if (p->has_payload) {
-    pong.has_payload = 1;
-    pong.payload = p->payload;
-  }
-  resp.pong = &pong;
-  send_resp(d, c, &resp, -1);
-}
-
-static void reply_checkpoint(shardd__dispatch *d, shardd__conn *c,
-                             uint64_t seq, shardd__job *job, const char *dir) {
-  Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_CHECKPOINT);
-  Shardwire__CheckpointReply cr = SHARDWIRE__CHECKPOINT_REPLY__INIT;
-  /* the name the asker would use for it: root restoring uid 1000's
-   * checkpoint gets "1000/NAME" */
-  char qualified[300];
-  cr.job = job->name;
-  if (job->uid != c->peer.uid) {
-    snprintf(qualified, sizeof qualified, "%" PRIu32 "/%s", job->uid, job->name);
-    cr.job = qualified;
-  }
-  cr.dir = (char *)dir;
-  cr.buffers = (uint32_t)shardd__map_count(&job->buffers);
-  cr.optimizers = (uint32_t)shardd__map_count(&job->optims);
-  resp.checkpoint = &cr;
-  send_resp(d, c, &resp, -1);
-}
-
-/* A checkpoint or restore whose reply waits for its files (written or
- * read on libuv's pool by jobs.c): the request's seq and dir, and its
- * connection until that closes -- the reply is then dropped, as the engine
- * drops a collective's. */
-typedef struct shardd__ckpt_wait {
-  shardd__dispatch *d;
-  shardd__conn *c; /* NULL once closed */
-  uint64_t seq;
-  char *dir;
-  struct shardd__ckpt_wait *next;
-} ckpt_wait;
-
-/* Takes w off the waiting list. */
-static void ckpt_unwait(ckpt_wait *w) {
-  for (ckpt_wait **p = &w->d->ckpt_waits; *p; p = &(*p)->next)
-    if (*p == w) {
-      *p = w->next;
-      break;
-    }
-}
-
-/* A waiting reply for c's request seq about dir; NULL (and c answered)
- * when out of memory. */
-static ckpt_wait *ckpt_wait_new(shardd__dispatch *d, shardd__conn *c,
-                                uint64_t seq, const char *dir) {
-  ckpt_wait *w = calloc(1, sizeof *w);
-  if (w == NULL || (w->dir = strdup(dir)) == NULL) {
-    free(w);
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
-    return NULL;
-  }
-  w->d = d;
-  w->c = c;
-  w->seq = seq;
-  return w;
-}
-
-/* After the start of w's work: waits for it when rc is OK, else answers
- * the refusal and drops w (its done hook is never called then). */
-static void ckpt_wait_started(ckpt_wait *w, shardd_err rc, const char *err) {
-  if (rc != SHARDD_OK) {
-    reply(w->d, w->c, w->seq, rc, err);
-    free(w->dir);
-    free(w);
-    return;
-  }
-  w->next = w->d->ckpt_waits;
-  w->d->ckpt_waits = w;
-}
-
-static void after_ckpt(shardd__dispatch *d, shardd__job *job);
-
-static void ckpt_done(void *arg, shardd__job *job, shardd_err rc,
-                      const char *err) {
-  ckpt_wait *w = arg;
-  shardd__dispatch *d = w->d;
-  ckpt_unwait(w);
-  if (w->c && rc == SHARDD_OK)
-    reply_checkpoint(d, w->c, w->seq, job, w->dir);
-  else if (w->c)
-    reply(d, w->c, w->seq, rc, err);
-  free(w->dir);
-  free(w);
-}
-
-/* A checkpoint (not a restore) ended: the job's held frames go on. */
-static void ckpt_done_job(void *arg, shardd__job *job, shardd_err rc,
-                          const char *err) {
-  shardd__dispatch *d = ((ckpt_wait *)arg)->d;
-  ckpt_done(arg, job, rc, err);
-  after_ckpt(d, job);
-}
-
-/* --checkpoint-root: a client other than root names directories below
- * its own root/UID only; that directory is checked (and, with create,
- * made) before anything in it is touched, and its path left in home
- * (empty when the client is not confined to one). */
-static shardd_err checkpoint_dir_ok(shardd__dispatch *d, const shardd__conn *c,
-                                    const char *dir, int create, char *home,
-                                    size_t homelen, char *err, size_t errlen) {
-  const char *root = d->opts.checkpoint_root;
-  home[0] = '\0';
-  shardd_err rc = shardd__access_checkpoint_dir(root, (uint32_t)c->peer.uid,
-                                                dir, err, errlen);
-  if (rc != SHARDD_OK || root == NULL || c->peer.uid == 0)
-    return rc;
-  rc = shardd__checkpoint_user_dir(root, (uint32_t)c->peer.uid, create, err,
-                                   errlen);
-  if (rc == SHARDD_OK)
-    snprintf(home, homelen, "%.*s/%" PRIu32, (int)shardd__access_root_len(root),
-             root, (uint32_t)c->peer.uid);
-  return rc;
-}
-
-/* ---- collective checkpoints --------------------------------------------
- * Each rank's request is a barrier of the engine (an all_reduce of no
- * values, with an op of its own so a plain barrier() does not pair with
- * it), so it comes after the collectives the rank sent before it. When
- * the barrier ends for every local rank, their replies are held and the
- * checkpoint starts (the ranks wait for it: nothing of theirs runs); every
- * rank is answered when its files are written. */
-#define CKPT_BARRIER_OP 0x636b /* "ck": no reduce op of the wire */
-/* A multi-node job's collective checkpoint has a second exchange, after
- * each node wrote its part: every node's part seal (or that it failed),
- * so each node writes the same job manifest, or none. Each local rank
- * submits it (the engine pairs collectives by rank), with the values
- * [nodes]: this node's slot holds seal + 1 (0: its part failed) from its
- * first local rank, 0 elsewhere, and the engine adds them up (an op of the
- * daemon's own adds), so every slot ends as its node's word. */
-#define CKPT_SEAL_OP 0x636c
-
-typedef struct shardd__ckpt_group {
-  shardd__dispatch *d;
-  /* the job it belongs to: it is failed and freed as the job is released
-   * (job_released), so no later job at that address finds it */
-  shardd__job *job;
-  uint32_t world; /* job's, the length of conns and seqs */
-  uint32_t arrived;
-  int mismatch;
-  uint32_t other_dir; /* multi-node: 1 + a node that named another dir; 0 none */
-  shardd__conn **conns; /* [world]: the held ranks (NULL once closed) */
-  uint64_t *seqs;
-  char *dir; /* the first rank's (the group's) */
-  /* multi-node: 1 once this node's part is written (or failed) and the
-   * seal exchange runs; what the job manifest needs then */
-  int phase;
-  uint32_t expect; /* ranks that submitted the seal exchange, less those
-                     that closed before its end reached them */
-  uint8_t *seal_in; /* [world]: that rank's end of it came */
-  shardd_err part_rc; /* this node's part */
-  char part_err[ERRLEN];
-  shardd_err seal_rc; /* the exchange's first failure */
-  char seal_err[ERRLEN];
-  double seals[SHARDD_ALL_REDUCE_MAX];
-  int64_t as_uid;
-  char *home; /* NULL: none */
-  /* a part refused before it started, from inside the engine's done hook
-   * (which must not call the engine): the seal exchange starts a loop turn
-   * later, through an empty work item */
-  uv_work_t defer;
-  int deferring; /* the job is pinned until it ran */
-  struct shardd__ckpt_group *next;
-} ckpt_group;
-
-/* A collective checkpoint directory's fingerprint across nodes: FNV-1a
- * folded to 32 bits, + 1 (0 is "no word from that node"); exact as a
- * double. */
-static double dir_print(const char *dir) {
-  uint64_t h = 14695981039346656037ull;
-  for (const char *p = dir; *p; p++)
-    h = (h ^ (unsigned char)*p) * 1099511628211ull;
-  return (double)(uint32_t)(h ^ (h >> 32)) + 1.0;
-}
-
-static void ckpt_group_free(ckpt_group *g) {
-  for (ckpt_group **p = &g->d->ckpt_groups; *p; p = &(*p)->next)
-    if (*p == g) {
-      *p = g->next;
-      break;
-    }
-  for (uint32_t r = 0; r < g->world; r++)
-    if (g->conns[r]) {
-      free(g->conns[r]->ckc_dir);
-      g->conns[r]->ckc_dir = NULL;
-    }
-  free(g->conns);
-  free(g->seqs);
-  free(g->seal_in);
-  free(g->dir);
-  free(g->home);
-  free(g);
-}
-
-static void ckpt_group_answer(ckpt_group *g, shardd_err rc, const char *err) {
-  for (uint32_t r = 0; r < g->world; r++) {
-    shardd__conn *c = g->conns[r];
-    if (c == NULL)
-      continue;
-    if (rc == SHARDD_OK)
-      reply_checkpoint(g->d, c, g->seqs[r], g->job, g->dir);
-    else
-      reply(g->d, c, g->seqs[r], rc, err);
-  }
-  ckpt_group_free(g);
-}
-
-/* jobs.c releases job: its collective checkpoints that never started (some
- * ranks asked, then every rank left) go with it; a rank still held would
- * have kept the job, but is answered if there is one. (None is deferring
- * or being written: either keeps the job.) */
-static void job_released(void *arg, shardd__job *job) {
-  shardd__dispatch *d = arg;
-  for (ckpt_group *g = d->ckpt_groups, *next; g; g = next) {
-    next = g->next;
-    if (g->job != job)
-      continue;
-    char err[ERRLEN];
-    snprintf(err, sizeof err, "job \"%s\" was released before every rank "
-             "asked for its collective checkpoint into %s", job->name, g->dir);
-    shardd__log(2, "%s; the checkpoint is dropped", err);
-    ckpt_group_answer(g, SHARDD_E_STATE, err);
-  }
-}
-
-/* A multi-node job's part is written (or failed) here: the seal exchange
- * starts on every local rank still held (see CKPT_SEAL_OP). Its end comes
- * back through coll_done, to ckpt_seal_done. */
-static void ckpt_seal_start(ckpt_group *g, shardd_err rc, const char *err) {
-  shardd__job *job = g->job;
-  shardd__dispatch *d = g->d;
-  g->phase = 1;
-  g->arrived = 0;
-  g->part_rc = rc;
-  if (err != g->part_err) /* a deferred start passes the group's own */
-    snprintf(g->part_err, sizeof g->part_err, "%s", rc == SHARDD_OK ? "" : err);
-  uint32_t seal = shardd__jobs_last_seal(&g->d->jobs, job);
-  double vals[SHARDD_ALL_REDUCE_MAX] = {0};
-  uint32_t lo = job->local_first, hi = lo + job->local_ranks;
-  if (g->seal_in == NULL && (g->seal_in = calloc(job->world, 1)) == NULL) {
-    ckpt_group_answer(g, SHARDD_E_NO_MEMORY, "out of memory");
-    return; /* the other nodes time out */
-  }
-  /* copied: a refusal inside submit may end the group (and free g) */
-  shardd__conn **held = calloc(job->local_ranks, sizeof *held);
-  uint64_t *seqs = calloc(job->local_ranks, sizeof *seqs);
-  uint32_t n = 0;
-  for (uint32_t r = lo; held && seqs && r < hi; r++)
-    if (g->conns[r]) {
-      seqs[n] = g->seqs[r];
-      held[n++] = g->conns[r];
-    }
-  g->expect = n;
-  if (held == NULL || seqs == NULL) { /* the other nodes time out */
-    ckpt_group_answer(g, SHARDD_E_NO_MEMORY, "out of memory");
-    n = 0;
-  } else if (n == 0) { /* every rank left: nobody to answer, nothing to pair */
-    ckpt_group_free(g);
-  }
-  for (uint32_t k = 0; k < n; k++) {
-    shardd__conn *c = held[k];
-    vals[job->node_rank] =
-        c->m.rank == lo && rc == SHARDD_OK ? (double)seal + 1.0 : 0.0;
-    shardd__coll_args ca = {.kind = SHARDD__COLL_ALL_REDUCE,
-                            .target = job->nodes,
-                            .op = (shardd_reduce_op)CKPT_SEAL_OP,
-                            .values = vals};
-    shardd__coll_submit(d->coll, &c->m, seqs[k], &ca);
-  }
-  free(held);
-  free(seqs);
-}
-
-static void ckpt_defer_work(uv_work_t *req) { (void)req; }
-
-static void ckpt_defer_after(uv_work_t *req, int status) {
-  ckpt_group *g = req->data;
-  shardd__dispatch *d = g->d;
-  shardd__job *job = g->job;
-  g->deferring = 0;
-  ckpt_seal_start(g, g->part_rc, g->part_err); /* may free g */
-  shardd__jobs_unpin(&d->jobs, job);           /* may release job */
-}
-
-/* c's part of the seal exchange ended: once every rank's has, the job
- * manifest is written when every node's part is there, and the ranks are
- * answered. */
-static void ckpt_seal_finish(ckpt_group *g);
-
-static void ckpt_seal_done(ckpt_group *g, shardd__conn *c, shardd_err code,
-                           const char *msg, const shardd__coll_result *res) {
-  shardd__job *job = g->job;
-  if (code != SHARDD_OK && g->seal_rc == SHARDD_OK) {
-    g->seal_rc = code;
-    snprintf(g->seal_err, sizeof g->seal_err, "%s", msg ? msg : "");
-  } else if (code == SHARDD_OK && res && res->nvalues == job->nodes) {
-    memcpy(g->seals, res->values, job->nodes * sizeof *g->seals);
-  }
-  g->seal_in[c->m.rank] = 1;
-  if (++g->arrived < g->expect)
-    return;
-  ckpt_seal_finish(g);
-}
-
-/* Every rank still held has its end of the seal exchange. */
-static void ckpt_seal_finish(ckpt_group *g) {
-  shardd__job *job = g->job;
-  char err[2 * ERRLEN];
-  shardd_err rc = SHARDD_OK;
-  if (g->part_rc != SHARDD_OK) {
-    rc = g->part_rc;
-    snprintf(err, sizeof err, "node %" PRIu32 "'s part of the checkpoint: %s; "
-             "no job manifest written", job->node_rank, g->part_err);
-  } else if (g->seal_rc != SHARDD_OK) {
-    rc = g->seal_rc;
-    snprintf(err, sizeof err, "the nodes could not confirm each other's part "
-             "of the checkpoint: %s; no job manifest written", g->seal_err);
-  } else {
-    uint32_t seals[SHARDD__CKJOB_MAX_NODES];
-    for (uint32_t n = 0; n < job->nodes && rc == SHARDD_OK; n++) {
-      if (!(g->seals[n] >= 1.0)) {
-        rc = SHARDD_E_IO;
-        snprintf(err, sizeof err, "node %" PRIu32 " could not write its part of "
-                 "the checkpoint into %s/node-%" PRIu32 " (its ranks were told "
-                 "why); no job manifest written", n, g->dir, n);
-      }
-      seals[n] = (uint32_t)(g->seals[n] - 1.0);
-    }
-    if (rc == SHARDD_OK)
-      rc = shardd__jobs_checkpoint_job(&g->d->jobs, job, g->dir, g->as_uid,
-                                       g->home, seals, err, sizeof err);
-  }
-  ckpt_group_answer(g, rc, err);
-}
-
-static void ckpt_group_done(void *arg, shardd__job *job, shardd_err rc,
-                            const char *err) {
-  ckpt_group *g = arg;
-  shardd__dispatch *d = g->d;
-  if (job->nodes > 1)
-    ckpt_seal_start(g, rc, err); /* before the held frames: every node's ranks
-                                    submit it first */
-  else
-    ckpt_group_answer(g, rc, err);
-  after_ckpt(d, job);
-}
-
-/* c's checkpoint barrier ended with code: held until every local rank's
- * has, then the checkpoint starts. In a multi-node job the barrier crosses
- * nodes, so every rank of every node has asked, and each node writes its
- * part; then the seal exchange (ckpt_seal_start) ends here too. */
-static void ckpt_barrier_done(shardd__dispatch *d, shardd__conn *c,
-                              uint64_t seq, shardd_err code, const char *msg,
-                              const shardd__coll_result *res) {
-  for (ckpt_group *sg = d->ckpt_groups; sg; sg = sg->next)
-    if (sg->job == c->m.job && sg->phase == 1) {
-      ckpt_seal_done(sg, c, code, msg, res);
-      return;
-    }
-  if (code != SHARDD_OK) {
-    free(c->ckc_dir);
-    c->ckc_dir = NULL;
-    reply(d, c, seq, code, msg);
-    return;
-  }
-  shardd__job *job = c->m.job;
-  ckpt_group *g = d->ckpt_groups;
-  while (g && g->job != job)
-    g = g->next;
-  if (g == NULL) {
-    g = calloc(1, sizeof *g);
-    if (g == NULL || (g->conns = calloc(job->world, sizeof *g->conns)) == NULL ||
-        (g->seqs = calloc(job->world, sizeof *g->seqs)) == NULL ||
-        (g->dir = strdup(c->ckc_dir)) == NULL) {
-      if (g) {
-        free(g->conns);
-        free(g->seqs);
-        free(g);
-      }
-      free(c->ckc_dir);
-      c->ckc_dir = NULL;
-      reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
-      return;
-    }
-    g->d = d;
-    g->job = job;
-    g->world = job->world;
-    g->next = d->ckpt_groups;
-    d->ckpt_groups = g;
-  }
-  g->conns[c->m.rank] = c;
-  g->seqs[c->m.rank] = seq;
-  g->mismatch |= strcmp(g->dir, c->ckc_dir) != 0;
-  /* the other nodes' directories (every rank gets the same values) */
-  int other = -1;
-  if (job->nodes > 1 && res && res->nvalues == job->nodes)
-    for (uint32_t n = 0; n < job->nodes && other < 0; n++)
-      if (res->values[n] != dir_print(g->dir))
-        other = (int)n;
-  if (other >= 0 && g->other_dir == 0)
-    g->other_dir = 1 + (uint32_t)other;
-  if (++g->arrived < job->local_ranks)
-    return;
-  char err[ERRLEN], home[4096];
-  shardd_err rc = SHARDD_OK;
-  if (g->other_dir && !g->mismatch) {
-    snprintf(err, sizeof err, "the ranks of node %" PRIu32 " of job \"%s\" asked "
-             "for a checkpoint into another directory than this node's (%s): "
-             "every rank must name the same", g->other_dir - 1, job->name, g->dir);
-    rc = SHARDD_E_MISMATCH;
-  } else if (g->mismatch) {
-    snprintf(err, sizeof err, "the ranks of job \"%s\" asked for a checkpoint "
-             "into different directories", job->name);
-    rc = SHARDD_E_MISMATCH;
-  } else {
-    rc = checkpoint_dir_ok(d, c, g->dir, 1, home, sizeof home, err, sizeof err);
-  }
-  g->as_uid = (int64_t)c->peer.uid;
-  if (rc == SHARDD_OK && home[0] && (g->home = strdup(home)) == NULL) {
-    rc = SHARDD_E_NO_MEMORY;
-    snprintf(err, sizeof err, "out of memory");
-  }
-  if (rc == SHARDD_OK)
-    rc = shardd__jobs_checkpoint_start(&d->jobs, job, g->dir, (int64_t)c->peer.uid,
-                                       home[0] ? home : NULL, ckpt_group_done, g,
-                                       err, sizeof err);
-  /* multi-node: the other nodes' ranks wait in the seal exchange, which
-   * must hear that this node has no part */
-  if (rc != SHARDD_OK && job->nodes > 1) {
-    g->part_rc = rc;
-    snprintf(g->part_err, sizeof g->part_err, "%s", err);
-    g->defer.data = g;
-    if (shardd__jobs_pin(&d->jobs, job) == SHARDD_OK) {
-      if (uv_queue_work(d->jobs.loop, &g->defer, ckpt_defer_work,
-                        ckpt_defer_after) == 0) {
-        g->deferring = 1;
-        return;
-      }
-      shardd__jobs_unpin(&d->jobs, job);
-    }
-  }
-  if (rc != SHARDD_OK)
-    ckpt_group_answer(g, rc, err);
-}
-
-static void on_checkpoint_collective(shardd__dispatch *d, shardd__conn *c,
-                                     uint64_t seq, const char *dir) {
-  if (c->ckc_dir) {
-    reply(d, c, seq, SHARDD_E_STATE,
-          "this rank's collective checkpoint is still being taken");
-    return;
-  }
-  /* its barrier's end is told apart from the rank's other collectives by
-   * the seq: one they will also end with is refused */
-  if (shardd__coll_member_waits(d->coll, &c->m, seq)) {
-    seq_refuse(d, c, seq, "collective still in flight");
-    return;
-  }
-  if ((c->ckc_dir = strdup(dir)) == NULL) {
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
-    return;
-  }
-  c->ckc_seq = seq;
-  /* A multi-node job's barrier also compares the directory across nodes
-   * (the local ranks' are compared at the barrier's end): [nodes] values,
-   * this node's slot its first local rank's fingerprint of dir, as the seal
-   * exchange carries seals (see CKPT_SEAL_OP). Parts written into two
-   * directories would each lack the other. */
-  const shardd__job *job = c->m.job;
-  double vals[SHARDD_ALL_REDUCE_MAX] = {0};
-  int multi = job->nodes > 1 && job->nodes <= SHARDD_ALL_REDUCE_MAX;
-  if (multi && c->m.rank == job->local_first)
-    vals[job->node_rank] = dir_print(dir);
-  shardd__coll_args ca = {.kind = SHARDD__COLL_ALL_REDUCE,
-                          .target = multi ? job->nodes : 0,
-                          .op = (shardd_reduce_op)CKPT_BARRIER_OP,
-                          .values = multi ? vals : NULL};
-  shardd__coll_submit(d->coll, &c->m, seq, &ca);
-}
-
-/* ---- operators' checkpoints of a live job ------------------------------
- * `shardctl checkpoint` of a job whose ranks are training: collectives are
- * in flight nearly always, and refusing with E_BUSY meant never. The
- * request waits (a bounded wait the asker gives) for the job's next
- * quiescent point, the moment its queue empties (between a step's reply
- * and the next gather), and the checkpoint is taken right there, on the
- * loop thread, before any later frame is read. Nothing is held while it
- * waits: holding new collectives could hold the rank a queued one waits
- * for. While the files are written, a step (which would change them) is
- * held with everything its rank sends behind it, and dispatched in order
- * when the checkpoint ends: training waits those milliseconds, is never
- * refused, and computes what it would have without the checkpoint. */
-#define CKPT_WAIT_MAX 86400
+/* ---- frames held while their job is checkpointed ------------------------
+ * While a checkpoint's files are written, a step (which would change them)
+ * is held with everything its rank sends behind it, and dispatched in
+ * order when the checkpoint ends (see ckpt_operator.c). */
 #define HELD_MAX_BYTES ((size_t)4 << 20) /* per connection */
-/* Waiting checkpoints each hold their paths (PATH_MAX at most) and a pin
- * of their job, and they used to pile up without a bound: one connection's
- * OOM-killed the daemon. A job's are taken one after another, so a few
- * are all an operator needs; past these, E_LIMIT (README, security). */
-#define CKPT_PENDS_PER_SESSION 16
-#define CKPT_PENDS_PER_UID 64 /* uids other than root */
-
-typedef struct shardd__ckpt_pend {
-  shardd__conn *c;
-  uint64_t seq;
-  shardd__job *job; /* pinned until the pend ends */
-  char *dir, *home; /* owned; home NULL when the asker is not confined */
-  int64_t as_uid;
-  double since, wait_s;
-  struct shardd__ckpt_pend *next;
-} ckpt_pend;
 
 typedef struct shardd__held_frame {
   struct shardd__held_frame *next;
   size_t len;
   uint8_t data[];
 } held_frame;
-
-/* Whether job is at a point a checkpoint can start at. */
-static int pend_may_start(shardd__dispatch *d, const shardd__job *job) {
-  return shardd__coll_inflight(d->coll, job) == 0 &&
-         !shardd__jobs_checkpointing(&d->jobs, job);
-}
-
-static void pend_add(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                     shardd__job *job, const char *dir, const char *home,
-                     double wait_s) {
-  /* a walk over every wait: they are few (the bounds), and one is added
-   * only by an operator's request */
-  uint32_t mine = 0, uids = 0;
-  for (const ckpt_pend *q = d->ckpt_pends; q; q = q->next) {
-    mine += q->c == c;
-    uids += q->as_uid == (int64_t)c->peer.uid;
-  }
-  char err[ERRLEN];
-  if (mine >= CKPT_PENDS_PER_SESSION) {
-    snprintf(err, sizeof err, "this session has %d checkpoints waiting for "
-             "their job's quiescent point, the bound per session; ask again "
-             "once one has ended", CKPT_PENDS_PER_SESSION);
-    reply(d, c, seq, SHARDD_E_LIMIT, err);
-    return;
-  }
-  if (c->peer.uid != 0 && uids >= CKPT_PENDS_PER_UID) {
-    snprintf(err, sizeof err, "uid %" PRIu32 " has %d checkpoints waiting for "
-             "their job's quiescent point, the bound per uid; ask again once "
-             "one has ended", (uint32_t)c->peer.uid, CKPT_PENDS_PER_UID);
-    reply(d, c, seq, SHARDD_E_LIMIT, err);
-    return;
-  }
-  ckpt_pend *p = calloc(1, sizeof *p);
-  if (p == NULL || (p->dir = strdup(dir)) == NULL ||
-      (home && (p->home = strdup(home)) == NULL) ||
-      shardd__jobs_pin(&d->jobs, job) != SHARDD_OK) {
-    if (p) {
-      free(p->dir);
-      free(p->home);
-    }
-    free(p);
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
-    return;
-  }
-  p->c = c;
-  p->seq = seq;
-  p->job = job;
-  p->as_uid = (int64_t)c->peer.uid;
-  p->since = now_s(d);
-  p->wait_s = wait_s;
-  p->next = d->ckpt_pends;
-  d->ckpt_pends = p;
-  shardd__log(2, "session %" PRIu64 ": checkpoint of job \"%s\" waits up to "
-              "%.1f s for its ranks' next quiescent point", c->id, job->name,
-              wait_s);
-}
-
-/* The status context's view of the waits: the list is newest first, so the
- * i-th oldest is counted from its end. */
-static int pending_checkpoint(void *arg, const shardd__job *job, size_t i,
-                              const char **dir, double *waited_s, double *wait_s) {
-  shardd__dispatch *d = arg;
-  size_t n = 0;
-  for (const ckpt_pend *p = d->ckpt_pends; p; p = p->next)
-    n += p->job == job;
-  if (i >= n)
-    return 0;
-  size_t want = n - 1 - i;
-  for (const ckpt_pend *p = d->ckpt_pends; p; p = p->next)
-    if (p->job == job && want-- == 0) {
-      *dir = p->dir;
-      *waited_s = now_s(d) - p->since;
-      *wait_s = p->wait_s;
-      return 1;
-    }
-  return 0;
-}
-
-/* Takes p off the list and frees it; its job may be released. */
-static void pend_end(shardd__dispatch *d, ckpt_pend *p) {
-  for (ckpt_pend **q = &d->ckpt_pends; *q; q = &(*q)->next)
-    if (*q == p) {
-      *q = p->next;
-      break;
-    }
-  shardd__job *job = p->job;
-  free(p->dir);
-  free(p->home);
-  free(p);
-  shardd__jobs_unpin(&d->jobs, job);
-}
-
-/* Starts the waiting checkpoints of job that can start now (one; the
- * others wait for it to end, as they would for any checkpoint). */
-static void pends_kick(shardd__dispatch *d, shardd__job *job) {
-  for (ckpt_pend *p = d->ckpt_pends, *next; p; p = next) {
-    next = p->next;
-    if (p->job != job)
-      continue;
-    if (!pend_may_start(d, job))
-      return;
-    char err[ERRLEN];
-    ckpt_wait *w = ckpt_wait_new(d, p->c, p->seq, p->dir);
-    if (w) {
-      shardd_err rc = shardd__jobs_checkpoint_start(&d->jobs, job, p->dir,
-                                                    p->as_uid, p->home,
-                                                    ckpt_done_job, w, err,
-                                                    sizeof err);
-      if (rc == SHARDD_OK)
-        shardd__log(2, "job \"%s\" quiescent after %.3f s: checkpoint to %s "
-                    "started", job->name, now_s(d) - p->since, p->dir);
-      ckpt_wait_started(w, rc, err);
-    }
-    pend_end(d, p); /* job stays: it is being checkpointed, or has clients */
-  }
-}
-
-/* What p still waits on, for its timeout's message: the job's collectives
- * (kind, target, how long, which ranks arrived and which did not, and
- * whether those are connected), or the checkpoint being written. */
-static void pend_describe(shardd__dispatch *d, const ckpt_pend *p, char *out,
-                          size_t n) {
-  const shardd__job *job = p->job;
-  size_t len = (size_t)snprintf(out, n, "job \"%s\" reached no quiescent point "
-                                "(no collective queued or running) within %.1f s; ",
-                                job->name, p->wait_s);
-#define ADD(...)                                                               \
-  do {                                                                         \
-    if (len < n)                                                               \
-      len += (size_t)snprintf(out + len, n - len, __VA_ARGS__);                \
-  } while (0)
-  if (shardd__jobs_checkpointing(&d->jobs, job))
-    ADD("another checkpoint of it is being written; ");
-  uint32_t total = shardd__coll_inflight(d->coll, job);
-  uint8_t *arrived = calloc(job->world, 1);
-  ADD("%" PRIu32 " collective(s) in flight", total);
-  shardd__coll_info info;
-  for (size_t i = 0; arrived && i < 4 &&
-                     shardd__coll_describe(d->coll, job, i, &info, arrived) == SHARDD_OK;
-       i++) {
-    ADD("%s %s", i ? ";" : ":", shardd__coll_kind_word(info.kind));
-    if (info.name && info.name[0])
-      ADD(" of \"%s\"", info.name);
-    if (info.running) {
-      ADD(" running for %.1f s", info.waited_s);
-      continue;
-    }
-    ADD(" queued %.1f s, arrived: ", info.waited_s);
-    int any = 0;
-    for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++)
-      if (arrived[r]) {
-        ADD("%s%" PRIu32, any ? "," : "rank ", r);
-        any = 1;
-      }
-    if (!any)
-      ADD("none");
-    ADD(", waiting for: ");
-    any = 0;
-    for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++)
-      if (!arrived[r]) {
-        ADD("%srank %" PRIu32 "%s", any ? ", " : "", r,
-            shardd__jobs_rank_held(&d->jobs, job, r) ? "" : " (not connected)");
-        any = 1;
-      }
-  }
-  if (total > 4)
-    ADD("; and %" PRIu32 " more", total - 4);
-  ADD(" (a trainer that never lets its queue empty, e.g. one that sends the "
-      "next gather before the step's reply, checkpoints with sm.checkpoint)");
-#undef ADD
-  free(arrived);
-}
-
-/* The tick: waits past their bound end with what they waited on. */
-static void pends_expire(shardd__dispatch *d, double now) {
-  for (ckpt_pend *p = d->ckpt_pends, *next; p; p = next) {
-    next = p->next;
-    if (now - p->since < p->wait_s)
-      continue;
-    char msg[2048];
-    pend_describe(d, p, msg, sizeof msg);
-    shardd__log(1, "checkpoint of job \"%s\" to %s timed out: %s", p->job->name,
-                p->dir, msg);
-    reply(d, p->c, p->seq, SHARDD_E_TIMEOUT, msg);
-    pend_end(d, p);
-  }
-}
-
-/* c closed: its waits end unanswered. */
-static void pends_forget(shardd__dispatch *d, const shardd__conn *c) {
-  for (ckpt_pend *p = d->ckpt_pends, *next; p; p = next) {
-    next = p->next;
-    if (p->c == c)
-      pend_end(d, p);
-  }
-}
 
 static void held_unlist(shardd__dispatch *d, shardd__conn *c) {
   for (size_t i = 0; i < d->nheld_conns; i++)
@@ -1790,9 +81,6 @@ static void held_drop(shardd__dispatch *d, shardd__conn *c) {
     held_unlist(d, c);
 }
 
-static void dispatch_one(shardd__dispatch *d, shardd__conn *c,
-                         const uint8_t *payload, size_t len);
-
 /* job's checkpoint ended: its ranks' held frames are dispatched, in order
  * per rank, until one (a collective checkpoint) starts another. */
 static void held_replay(shardd__dispatch *d, shardd__job *job) {
@@ -1808,7 +96,7 @@ static void held_replay(shardd__dispatch *d, shardd__job *job) {
       if ((c->held_first = f->next) == NULL)
         c->held_last = NULL;
       c->held_bytes -= f->len;
-      dispatch_one(d, c, f->data, f->len);
+      shardd__dispatch_one(d, c, f->data, f->len);
       free(f);
     }
     if (c->held_first)
@@ -1817,637 +105,24 @@ static void held_replay(shardd__dispatch *d, shardd__job *job) {
   }
 }
 
-static void after_ckpt(shardd__dispatch *d, shardd__job *job) {
+/* The dispatcher's ckpt_ended hook: a checkpoint of job ended (job NULL:
+ * none), so its held frames go on, then an operator's checkpoint waiting
+ * for the job may start. */
+static void ckpt_ended(shardd__dispatch *d, shardd__job *job) {
   if (job == NULL)
     return;
   held_replay(d, job);
-  pends_kick(d, job);
+  shardd__ckpt_pends_kick(d, job);
 }
 
+/* Checkpoint: an operator's (ckpt_operator.c), or a collective one asked
+ * for by every rank (ckpt_collective.c). */
 static void on_checkpoint(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                           const Shardwire__Request *req) {
-  const Shardwire__Checkpoint *cp = req->checkpoint;
-  char err[ERRLEN], home[4096];
-  shardd_err rc = checkpoint_dir_ok(d, c, cp->dir, 0, home, sizeof home, err,
-                                    sizeof err);
-  if (rc != SHARDD_OK) {
-    reply(d, c, seq, rc, err);
-    return;
-  }
-  if (cp->has_collective && cp->collective) {
-    if (c->m.job == NULL)
-      reply(d, c, seq, SHARDD_E_STATE, "a collective checkpoint is asked for by "
-            "every rank of a job, not by a control session");
-    else if (cp->job && cp->job[0] && strcmp(cp->job, c->m.job->name) != 0)
-      reply(d, c, seq, SHARDD_E_NOT_OWNED, "a collective checkpoint is of the "
-            "rank's own job");
-    else
-      on_checkpoint_collective(d, c, seq, cp->dir);
-    return;
-  }
-  shardd__job *job = c->m.job;
-  if (job == NULL) {
-    job = shardd__access_find_job(&d->reg, &c->peer, cp->job);
-    if (job == NULL) {
-      snprintf(err, sizeof err, "no job \"%s\"", cp->job ? cp->job : "");
-      reply(d, c, seq, SHARDD_E_NOT_FOUND, err);
-      return;
-    }
-    if ((rc = shardd__access_checkpoint(&c->peer, job, err, sizeof err)) !=
-        SHARDD_OK) {
-      reply(d, c, seq, rc, err);
-      return;
-    }
-  } else if (cp->job && cp->job[0] && strcmp(cp->job, job->name) != 0 &&
-             shardd__access_find_job(&d->reg, &c->peer, cp->job) != job) {
-    snprintf(err, sizeof err, "a session of job \"%s\" cannot checkpoint job \"%s\"",
-             job->name, cp->job);
-    reply(d, c, seq, SHARDD_E_NOT_OWNED, err);
-    return;
-  }
-  /* One node's daemon cannot vouch for the other nodes' parts: a job
-   * manifest needs every node's, which the ranks' collective checkpoint
-   * gathers. (--checkpoint-on-exit writes the part alone, and says so.) */
-  if (job->nodes > 1) {
-    snprintf(err, sizeof err, "job \"%s\" spans %" PRIu32 " nodes: it is "
-             "checkpointed collectively, by its ranks (sm.checkpoint(dir), "
-             "shardd_checkpoint_collective) on every node, which writes each "
-             "node's part and the job manifest over them", job->name, job->nodes);
-    reply(d, c, seq, SHARDD_E_STATE, err);
-    return;
-  }
-  /* the user's directory is made only for a checkpoint it may take */
-  if (home[0] && (rc = checkpoint_dir_ok(d, c, cp->dir, 1, home, sizeof home,
-                                         err, sizeof err)) != SHARDD_OK) {
-    reply(d, c, seq, rc, err);
-    return;
-  }
-  double wait_s = cp->has_wait_s ? cp->wait_s : 0;
-  if (!(wait_s >= 0 && wait_s <= CKPT_WAIT_MAX)) { /* NaN too */
-    snprintf(err, sizeof err, "checkpoint wait must be 0..%d s", CKPT_WAIT_MAX);
-    reply(d, c, seq, SHARDD_E_RANGE, err);
-    return;
-  }
-  if (wait_s > 0 && job->nodes == 1 && !shardd__jobs_restoring(&d->jobs, job) &&
-      !pend_may_start(d, job)) {
-    pend_add(d, c, seq, job, cp->dir, home[0] ? home : NULL, wait_s);
-    return;
-  }
-  /* The files are written off the loop thread: a 1.6 GB checkpoint froze
-   * every client for 4.9 s and made another job's gather time out. */
-  ckpt_wait *w = ckpt_wait_new(d, c, seq, cp->dir);
-  if (w == NULL)
-    return;
-  rc = shardd__jobs_checkpoint_start(&d->jobs, job, cp->dir,
-                                     (int64_t)c->peer.uid, home[0] ? home : NULL,
-                                     ckpt_done_job, w, err, sizeof err);
-  ckpt_wait_started(w, rc, err);
-}
-
-static void restore_done(void *arg, shardd__job *job, shardd_err rc,
-                         const char *err) {
-  const ckpt_wait *w = arg;
-  if (rc == SHARDD_OK)
-    shardd__log(2, "job \"%s\" restored from %s at step %" PRIu64, job->name,
-                w->dir, shardd__jobs_step(job));
-  ckpt_done(arg, job, rc, err);
-}
-
-static void on_restore(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                       const Shardwire__Request *req) {
-  const Shardwire__Restore *rs = req->restore;
-  char err[ERRLEN], home[4096];
-  shardd_err rc = checkpoint_dir_ok(d, c, rs->dir, 0, home, sizeof home, err,
-                                    sizeof err);
-  if (rc != SHARDD_OK) {
-    reply(d, c, seq, rc, err);
-    return;
-  }
-  /* The payloads are read off the loop thread, as a checkpoint's are
-   * written: a large restore froze every client. */
-  ckpt_wait *w = ckpt_wait_new(d, c, seq, rs->dir);
-  if (w == NULL)
-    return;
-  rc = shardd__jobs_restore_start(&d->jobs, rs->dir, (int64_t)c->peer.uid,
-                                  rs->has_world ? rs->world : 0, restore_done,
-                                  w, err, sizeof err);
-  ckpt_wait_started(w, rc, err);
-}
-
-static void on_gather(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                      const Shardwire__Request *req) {
-  shardd__coll_args ca = {.kind = SHARDD__COLL_GATHER,
-                          .target = req->gather->buffer,
-                          .generation = req->gather->generation,
-                          .want_grad = req->gather->has_want_grad &&
-                                       req->gather->want_grad};
-  shardd__coll_submit(d->coll, &c->m, seq, &ca);
-}
-
-static void on_scatter(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                       const Shardwire__Request *req) {
-  shardd__coll_args ca = {.kind = SHARDD__COLL_SCATTER,
-                          .target = req->scatter->buffer,
-                          .generation = req->scatter->generation,
-                          .op = (shardd_reduce_op)req->scatter->op,
-                          .accumulate = req->scatter->has_accumulate &&
-                                        req->scatter->accumulate,
-                          .no_grad = req->scatter->no_grad,
-                          .nno_grad = req->scatter->n_no_grad,
-                          .no_grad_all = req->scatter->has_no_grad_all &&
-                                         req->scatter->no_grad_all};
-  if (ca.op != SHARDD_REDUCE_SUM && ca.op != SHARDD_REDUCE_MEAN) {
-    reply(d, c, seq, SHARDD_E_INVAL, "scatter op must be sum or mean");
-    return;
-  }
-  shardd__coll_submit(d->coll, &c->m, seq, &ca);
-}
-
-/* A step sent with the count it produces (Step.expect_step) that the
- * optimizer has reached already: the retry of a step whose reply was lost
- * (the daemon stopped, the connection broke). Answered here, alone, with
- * the count now and nothing run; every rank's retry is answered the same,
- * as no step can have run in between (a step needs every rank). -> 1 when
- * answered (a skip, or a count the trainer is ahead of: E_MISMATCH). */
-static int step_answered(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                         const Shardwire__Step *st) {
-  if (!st->has_expect_step || st->expect_step == 0 ||
-      (st->has_norm_only && st->norm_only))
-    return 0;
-  char err[ERRLEN];
-  shardd__obj *o;
-  if (shardd__registry_resolve(&d->reg, c->m.job, st->optimizer, SHARDD__OBJ_OPTIM,
-                               &o, err, sizeof err) != SHARDD_OK)
-    return 0; /* the engine refuses it with its own words */
-  uint64_t now = ((const shardd__optim *)o)->steps;
-  if (now + 1 < st->expect_step) {
-    snprintf(err, sizeof err, "step: optimizer %" PRIu64 " is at step %" PRIu64
-             ", so this step would make %" PRIu64 ", not the %" PRIu64
-             " expected (restored from an older checkpoint?)", st->optimizer,
-             now, now + 1, st->expect_step);
-    reply(d, c, seq, SHARDD_E_MISMATCH, err);
-    return 1;
-  }
-  if (now < st->expect_step)
-    return 0; /* this is the step that makes it */
-  Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_STEP);
-  Shardwire__StepReply sr = SHARDWIRE__STEP_REPLY__INIT;
-  sr.step = now;
-  sr.has_applied = 1;
-  sr.applied = 0;
-  resp.step = &sr;
-  send_resp(d, c, &resp, -1);
-  return 1;
-}
-
-static void on_step(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                    const Shardwire__Request *req) {
-  const Shardwire__Step *st = req->step;
-  if (step_answered(d, c, seq, st))
-    return;
-  if (!(st->has_norm_only && st->norm_only)) /* it changes the state */
-    shardd__jobs_advancing(&d->jobs, c->m.job);
-  shardd__coll_args ca = {.kind = SHARDD__COLL_STEP,
-                          .target = st->optimizer,
-                          .has_lr = st->has_lr,
-                          .lr = st->lr,
-                          .max_norm = st->has_max_norm ? st->max_norm : 0,
-                          .norm_only = st->has_norm_only && st->norm_only};
-  shardd__optspec_hp *ghp = NULL;
-  if (st->n_groups > 0) {
-    if ((ghp = calloc(st->n_groups, sizeof *ghp)) == NULL) {
-      reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
-      return;
-    }
-    for (size_t g = 0; g < st->n_groups; g++)
-      shardd__optspec_hp_from_wire(st->groups[g], &ghp[g]);
-    ca.group_hp = ghp;
-    ca.ngroup_hp = st->n_groups;
-  }
-  shardd__coll_submit(d->coll, &c->m, seq, &ca);
-  free(ghp);
-}
-
-static void on_seed_master(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                           const Shardwire__Request *req) {
-  char err[ERRLEN];
-  shardd__obj *o;
-  shardd_err rc = shardd__registry_resolve(&d->reg, c->m.job,
-                                           req->seed_master->buffer,
-                                           SHARDD__OBJ_BUFFER, &o, err, sizeof err);
-  if (rc == SHARDD_OK)
-    rc = shardd__buffer_seed(&d->reg, (shardd__buffer *)o, c->m.rank, err,
-                             sizeof err);
-  reply(d, c, seq, rc, rc == SHARDD_OK ? NULL : err);
-}
-
-/* at most this many elements per OptimState (4 MiB of data) */
-#define OPTIM_STATE_MAX ((uint64_t)1 << 20)
-
-static void on_optim_state(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                           const Shardwire__Request *req) {
-  const Shardwire__OptimState *os = req->optim_state;
-  char err[ERRLEN];
-  shardd__obj *o;
-  shardd_err rc = shardd__registry_resolve(&d->reg, c->m.job, os->optimizer,
-                                           SHARDD__OBJ_OPTIM, &o, err, sizeof err);
-  if (rc != SHARDD_OK) {
-    reply(d, c, seq, rc, err);
-    return;
-  }
-  int write = os->has_data;
-  uint64_t count = write ? os->data.len / 4 : (os->has_count ? os->count : 0);
-  if ((write && os->data.len % 4 != 0) || count > OPTIM_STATE_MAX) {
-    snprintf(err, sizeof err, "optimizer state: %" PRIu64 " elements per request "
-             "at most, whole fp32", OPTIM_STATE_MAX);
-    reply(d, c, seq, SHARDD_E_RANGE, err);
-    return;
-  }
-  float *io = write ? (float *)os->data.data : NULL;
-  float *mine = NULL;
-  if (!write && count > 0 && (io = mine = malloc(count * 4)) == NULL) {
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
-    return;
-  }
-  /* the wire's bytes carry no alignment: copied where it matters */
-  if (write && count > 0 && ((uintptr_t)io % _Alignof(float)) != 0) {
-    if ((mine = malloc(count * 4)) == NULL) {
-      reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
-      return;
-    }
-    memcpy(mine, os->data.data, count * 4);
-    io = mine;
-  }
-  uint32_t nstate = 0;
-  uint64_t numel = 0, *steps = NULL;
-  shardd__optim *opt = (shardd__optim *)o;
-  uint32_t array = os->has_array ? os->array : 0;
-  if (os->has_master && os->master)
-    array = SHARDD__OPTIM_MASTER;
-  else if (array == SHARDD__OPTIM_MASTER)
-    array = UINT32_MAX - 1; /* out of range, not the master by accident */
-  rc = shardd__optim_state_io(&d->reg, opt, os->ref, array,
-                              os->has_offset ? os->offset : 0, count, io, write,
-                              &nstate, &numel, &steps, err, sizeof err);
-  if (rc == SHARDD_OK && steps == NULL &&
-      (os->has_set_steps || os->has_set_optimizer_steps)) {
-    snprintf(err, sizeof err, "optimizer \"%s\" holds no parameter %" PRIu64,
-             opt->hdr.name, os->ref);
-    rc = SHARDD_E_NOT_FOUND;
-  }
-  if (rc == SHARDD_OK && os->has_set_steps)
-    *steps = os->set_steps;
-  if (rc == SHARDD_OK && os->has_set_optimizer_steps)
-    opt->steps = os->set_optimizer_steps;
-  if (rc != SHARDD_OK) {
-    free(mine);
-    reply(d, c, seq, rc, err);
-    return;
-  }
-  Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_OPTIM_STATE);
-  Shardwire__OptimStateReply sr = SHARDWIRE__OPTIM_STATE_REPLY__INIT;
-  sr.nstate = nstate;
-  sr.steps = steps != NULL ? *steps : 0;
-  sr.numel = numel;
-  sr.optimizer_steps = opt->steps;
-  if (!write && count > 0) {
-    sr.has_data = 1;
-    sr.data.data = (uint8_t *)io;
-    sr.data.len = count * 4;
-  }
-  resp.optim_state = &sr;
-  send_resp(d, c, &resp, -1);
-  free(mine);
-}
-
-static void on_all_reduce(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                          const Shardwire__Request *req) {
-  const Shardwire__AllReduce *ar = req->all_reduce;
-  shardd__coll_args ca = {.kind = SHARDD__COLL_ALL_REDUCE,
-                          .target = ar->n_values,
-                          .op = ar->has_op ? (shardd_reduce_op)ar->op : SHARDD_REDUCE_SUM,
-                          .values = ar->values};
-  if (ca.op != SHARDD_REDUCE_SUM && ca.op != SHARDD_REDUCE_MEAN &&
-      ca.op != SHARDD_REDUCE_MAX && ca.op != SHARDD_REDUCE_MIN) {
-    reply(d, c, seq, SHARDD_E_INVAL, "all_reduce op must be sum, mean, max or min");
-    return;
-  }
-  shardd__coll_submit(d->coll, &c->m, seq, &ca);
-}
-
-static void on_set_requires_grad(shardd__dispatch *d, shardd__conn *c,
-                                 uint64_t seq, const Shardwire__Request *req) {
-  char err[ERRLEN];
-  const Shardwire__SetRequiresGrad *sr = req->set_requires_grad;
-  shardd_err rc = shardd__view_set_requires_grad(
-      &d->reg, c->m.job, sr->view, sr->has_generation ? sr->generation : 0,
-      sr->requires_grad, err, sizeof err);
-  reply(d, c, seq, rc, rc == SHARDD_OK ? NULL : err);
-}
-
-static void on_release(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                       const Shardwire__Request *req) {
-  char err[ERRLEN];
-  shardd__obj *o;
-  shardd_err rc = shardd__registry_resolve(&d->reg, c->m.job,
-                                           req->release->buffer,
-                                           SHARDD__OBJ_BUFFER, &o, err, sizeof err);
-  shardd__buffer *b = (shardd__buffer *)o;
-  int grad = req->release->has_grad && req->release->grad;
-  if (rc == SHARDD_OK && !c->m.job->transient) {
-    snprintf(err, sizeof err, "job \"%s\" has resident areas: nothing to "
-             "release", c->m.job->name);
-    rc = SHARDD_E_STATE;
-  } else if (rc == SHARDD_OK && !shardd__area_held(b, c->m.rank,
-                                                   SHARDD__AREA_GATHER, NULL) &&
-             !(grad && shardd__area_held(b, c->m.rank, SHARDD__AREA_GRAD, NULL))) {
-    snprintf(err, sizeof err, "rank %" PRIu32 " holds no gather area of buffer "
-             "%" PRIu64 " (\"%s\")", c->m.rank, b->hdr.id, b->hdr.name);
-    rc = SHARDD_E_STATE;
-  } else if (rc == SHARDD_OK && shardd__coll_gathering(d->coll, b)) {
-    /* a running gather writes into the area being given back (a queued
-     * one is fine: it leases again when it starts) */
-    snprintf(err, sizeof err, "buffer %" PRIu64 " (\"%s\") is being gathered; "
-             "release it after the gather ends", b->hdr.id, b->hdr.name);
-    rc = SHARDD_E_BUSY;
-  }
-  if (rc == SHARDD_OK) {
-    shardd__area_return(b, c->m.rank, SHARDD__AREA_GATHER);
-    if (grad)
-      shardd__area_return(b, c->m.rank, SHARDD__AREA_GRAD);
-  }
-  reply(d, c, seq, rc, rc == SHARDD_OK ? NULL : err);
-}
-
-/* `shardctl release JOB`: the job's memory is freed now, so a restore
- * into its name can follow. Refused while a rank is connected: failing a
- * live trainer's collectives and pulling its mappings is not an operator
- * convenience (stop the trainers, then release). */
-static void on_release_job(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                           const Shardwire__Request *req) {
-  const char *name = req->release_job->job;
-  char err[ERRLEN];
-  shardd__job *job = shardd__access_find_job(&d->reg, &c->peer, name);
-  if (job == NULL) {
-    snprintf(err, sizeof err, "no job \"%s\"", name ? name : "");
-    reply(d, c, seq, SHARDD_E_NOT_FOUND, err);
-    return;
-  }
-  shardd_err rc = shardd__access_release(&c->peer, job, err, sizeof err);
-  if (rc != SHARDD_OK) {
-    reply(d, c, seq, rc, err);
-    return;
-  }
-  /* collective checkpoints some ranks asked for before all left go with
-   * the job (job_released) */
-  char qualified[300];
-  if (job->uid != c->peer.uid)
-    snprintf(qualified, sizeof qualified, "%" PRIu32 "/%s", job->uid, job->name);
+  if (req->checkpoint->has_collective && req->checkpoint->collective)
+    shardd__on_checkpoint_collective(d, c, seq, req);
   else
-    snprintf(qualified, sizeof qualified, "%s", job->name);
-  char jobname[256];
-  snprintf(jobname, sizeof jobname, "%s", job->name);
-  Shardwire__ReleaseJobReply rr = SHARDWIRE__RELEASE_JOB_REPLY__INIT;
-  rr.job = qualified;
-  rr.buffers = (uint32_t)shardd__map_count(&job->buffers);
-  rr.optimizers = (uint32_t)shardd__map_count(&job->optims);
-  rc = shardd__jobs_release_now(&d->jobs, job, err, sizeof err);
-  if (rc != SHARDD_OK) {
-    reply(d, c, seq, rc, err);
-    return;
-  }
-  shardd__log(2, "job \"%s\" released by uid %" PRIu32 " (%" PRIu32 " buffers, %"
-              PRIu32 " optimizers)", jobname, (uint32_t)c->peer.uid, rr.buffers,
-              rr.optimizers);
-  Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_RELEASE_JOB);
-  resp.release_job = &rr;
-  send_resp(d, c, &resp, -1);
-}
-
-/* ---- buckets: several gathers or scatters in one request ------------- */
-
-/* Entries per request: --max-pending's default, so a bucket fits a rank
- * that waits in nothing else (libshardd cuts a longer list). */
-#define BUCKET_MAX 64
-
-/* A bucket of one connection whose entries have not all ended: each entry
- * is its own collective, submitted with the request's seq; the engine's
- * done hook tells them apart by target, and the one reply goes when the
- * last has ended. */
-typedef struct shardd__bucket_wait {
-  struct shardd__bucket_wait *next;
-  shardd__conn *c;
-  uint64_t seq;
-  const char *what; /* "bucket gathers" | "bucket scatters" */
-  size_t n, left;
-  int submitting; /* the handler's loop runs: the reply waits for it */
-  uint64_t *ids;  /* [n] the entries' buffers */
-  batch_errs fails;
-} bucket_wait;
-
-static void bucket_free(bucket_wait *w) {
-  batch_errs_free(&w->fails);
-  free(w->ids);
-  free(w);
-}
-
-static void bucket_unlink(shardd__dispatch *d, bucket_wait *w) {
-  for (bucket_wait **pp = &d->buckets; *pp; pp = &(*pp)->next)
-    if (*pp == w) {
-      *pp = w->next;
-      return;
-    }
-}
-
-static bucket_wait *bucket_find(shardd__dispatch *d, const shardd__conn *c,
-                                uint64_t seq) {
-  for (bucket_wait *w = d->buckets; w; w = w->next)
-    if (w->c == c && w->seq == seq)
-      return w;
-  return NULL;
-}
-
-/* The one reply, once every entry has ended; w is freed. */
-static void bucket_answer(shardd__dispatch *d, bucket_wait *w) {
-  bucket_unlink(d, w);
-  if (w->fails.total == 0) {
-    Shardwire__Response resp = ok_resp(w->seq, SHARDWIRE__RESPONSE__BODY_BUCKET);
-    Shardwire__BucketReply kb = SHARDWIRE__BUCKET_REPLY__INIT;
-    resp.bucket = &kb;
-    send_resp(d, w->c, &resp, -1);
-    bucket_free(w);
-    return;
-  }
-  char head[160];
-  snprintf(head, sizeof head, "%zu of the %zu entries of a %s failed "
-           "(the others ran): ", w->fails.total, w->n, w->what);
-  batch_send(d, w->c, w->seq, &w->fails, head, "bucket");
-  bucket_free(w);
-}
-
-/* One entry of w ended (the engine's done hook). */
-static void bucket_note(shardd__dispatch *d, bucket_wait *w, shardd_err code,
-                        const char *msg, const shardd__coll_result *res) {
-  if (code != SHARDD_OK) {
-    size_t i = 0;
-    while (res && i < w->n && w->ids[i] != res->target)
-      i++;
-    batch_err_add(&w->fails, i < w->n ? i : 0, code,
-                  msg ? msg : shardd_strerror(code));
-  }
-  if (w->left > 0)
-    w->left--;
-  if (w->left == 0 && !w->submitting)
-    bucket_answer(d, w);
-}
-
-/* A 64-bit name of the bucket's list (kind, count, buffers in order), for
- * the engine to see that every rank sent the same bucket (FNV-1a). */
-static uint64_t bucket_hash(shardd__coll_kind kind, const uint64_t *ids,
-                            size_t n) {
-  uint64_t h = 1469598103934665603ull;
-  uint64_t words[2] = {(uint64_t)kind, (uint64_t)n};
-  for (size_t k = 0; k < 2 + n; k++) {
-    uint64_t v = k < 2 ? words[k] : ids[k - 2];
-    for (int b = 0; b < 8; b++) {
-      h ^= (v >> (8 * b)) & 0xff;
-      h *= 1099511628211ull;
-    }
-  }
-  return h ? h : 1; /* 0 means "not in a bucket" */
-}
-
-static void on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                      const Shardwire__Request *req) {
-  const Shardwire__Bucket *bk = req->bucket;
-  int gather = bk->op_case == SHARDWIRE__BUCKET__OP_GATHER;
-  if (!gather && bk->op_case != SHARDWIRE__BUCKET__OP_SCATTER) {
-    reply(d, c, seq, SHARDD_E_INVAL, "Bucket names no operation");
-    return;
-  }
-  size_t n = gather ? bk->gather->n_gathers : bk->scatter->n_scatters;
-  uint32_t base = gather ? (bk->gather->has_first_index ? bk->gather->first_index : 0)
-                         : (bk->scatter->has_first_index ? bk->scatter->first_index : 0);
-  const char *what = gather ? "bucket gathers" : "bucket scatters";
-  shardd__job *job = c->m.job;
-  char err[ERRLEN];
-  if (n == 0) {
-    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_BUCKET);
-    Shardwire__BucketReply kb = SHARDWIRE__BUCKET_REPLY__INIT;
-    resp.bucket = &kb;
-    send_resp(d, c, &resp, -1);
-    return;
-  }
-  if (gather && job->transient) {
-    /* each gathered buffer would lease its own slot, as large as the
-     * job's largest unit, of the 2 a rank may hold: the memory bound */
-    snprintf(err, sizeof err, "job \"%s\" has transient areas: each gather "
-             "leases a slot as large as its largest unit, %" PRIu32 " per "
-             "rank, so gathers are not bucketed (gather each unit alone; "
-             "scatter buckets are fine)", job->name,
-             d->reg.leases_per_rank[SHARDD__AREA_GATHER]);
-    reply(d, c, seq, SHARDD_E_STATE, err);
-    return;
-  }
-  if (shardd__coll_member_waits(d->coll, &c->m, seq)) {
-    seq_refuse(d, c, seq, "collective still in flight");
-    return;
-  }
-  uint32_t room = d->opts.max_pending > c->m.pending
-                      ? d->opts.max_pending - c->m.pending : 0;
-  if (n > BUCKET_MAX || n > room) {
-    snprintf(err, sizeof err, "a bucket of %zu entries: at most %d per "
-             "request, and this rank may queue %" PRIu32 " more collectives "
-             "(--max-pending %" PRIu32 ")", n, BUCKET_MAX, room,
-             d->opts.max_pending);
-    reply(d, c, seq, SHARDD_E_LIMIT, err);
-    return;
-  }
-  bucket_wait *w = calloc(1, sizeof *w);
-  if (w == NULL || (w->ids = calloc(n, sizeof *w->ids)) == NULL ||
-      batch_errs_init(&w->fails, n, base) != SHARDD_OK) {
-    if (w)
-      free(w->ids);
-    free(w);
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
-    return;
-  }
-  batch_errs be;
-  if (batch_errs_init(&be, n, base) != SHARDD_OK) {
-    bucket_free(w);
-    reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
-    return;
-  }
-  /* every entry checked before any is submitted: all or nothing */
-  for (size_t i = 0; i < n; i++) {
-    uint64_t id = gather ? bk->gather->gathers[i]->buffer
-                         : bk->scatter->scatters[i]->buffer;
-    uint64_t gen = gather ? bk->gather->gathers[i]->generation
-                          : bk->scatter->scatters[i]->generation;
-    w->ids[i] = id;
-    shardd__obj *o;
-    shardd_err rc = shardd__registry_resolve_gen(&d->reg, job, id, gen,
-                                                 SHARDD__OBJ_BUFFER, &o, err,
-                                                 sizeof err);
-    if (rc == SHARDD_OK && !gather &&
-        bk->scatter->scatters[i]->op != SHARDWIRE__REDUCE_OP__SUM &&
-        bk->scatter->scatters[i]->op != SHARDWIRE__REDUCE_OP__MEAN) {
-      snprintf(err, sizeof err, "scatter op must be sum or mean");
-      rc = SHARDD_E_INVAL;
-    }
-    for (size_t j = 0; rc == SHARDD_OK && j < i; j++)
-      if (w->ids[j] == id) {
-        snprintf(err, sizeof err, "buffer %" PRIu64 " is named twice (entry %"
-                 PRIu64 " too)", id, (uint64_t)(j + base));
-        rc = SHARDD_E_DUPLICATE;
-      }
-    if (rc != SHARDD_OK)
-      batch_err_add(&be, i, rc, err);
-  }
-  if (be.total > 0) {
-    batch_refuse(d, c, seq, n, &be, what);
-    batch_errs_free(&be);
-    bucket_free(w);
-    return;
-  }
-  batch_errs_free(&be);
-  w->c = c;
-  w->seq = seq;
-  w->what = what;
-  w->n = w->left = n;
-  w->submitting = 1;
-  w->next = d->buckets;
-  d->buckets = w;
-  shardd__coll_kind kind = gather ? SHARDD__COLL_GATHER : SHARDD__COLL_SCATTER;
-  uint64_t sig = bucket_hash(kind, w->ids, n);
-  size_t i = 0;
-  shardd__coll_batch_begin(d->coll);
-  /* an entry refused at once (a bucket the ranks before disagree with)
-   * ends the submitting on one node, so nothing waits for the rest; over
-   * several nodes every entry goes, its exchange telling the other nodes
-   * (coll.c's bucket_fail) */
-  int all = job->nodes > 1;
-  for (; i < n && (all || w->fails.total == 0); i++) {
-    shardd__coll_args ca = {.kind = kind, .target = w->ids[i], .bucket = sig,
-                            .bucket_n = (uint32_t)n, .bucket_index = (uint32_t)i};
-    if (gather) {
-      ca.generation = bk->gather->gathers[i]->generation;
-    } else {
-      const Shardwire__Scatter *sc = bk->scatter->scatters[i];
-      ca.generation = sc->generation;
-      ca.op = (shardd_reduce_op)sc->op;
-      ca.accumulate = sc->has_accumulate && sc->accumulate;
-      ca.no_grad = sc->no_grad;
-      ca.nno_grad = sc->n_no_grad;
-      ca.no_grad_all = sc->has_no_grad_all && sc->no_grad_all;
-    }
-    shardd__coll_submit(d->coll, &c->m, seq, &ca);
-  }
-  shardd__coll_batch_end(d->coll);
-  w->left -= n - i; /* the entries not submitted */
-  w->submitting = 0;
-  if (w->left == 0)
-    bucket_answer(d, w);
+    shardd__on_checkpoint(d, c, seq, req);
 }
 
 /* ---- the command table ------------------------------------------------- */
@@ -2462,31 +137,31 @@ static const struct {
   int changes_ckpt;
   handler fn;
 } commands[] = {
-    {SHARDWIRE__REQUEST__BODY_HELLO, 0, 0, on_hello},
-    {SHARDWIRE__REQUEST__BODY_STATUS, 0, 0, on_status},
-    {SHARDWIRE__REQUEST__BODY_INSPECT, 0, 0, on_inspect},
-    {SHARDWIRE__REQUEST__BODY_PING, 0, 0, on_ping},
+    {SHARDWIRE__REQUEST__BODY_HELLO, 0, 0, shardd__on_hello},
+    {SHARDWIRE__REQUEST__BODY_STATUS, 0, 0, shardd__on_status},
+    {SHARDWIRE__REQUEST__BODY_INSPECT, 0, 0, shardd__on_inspect},
+    {SHARDWIRE__REQUEST__BODY_PING, 0, 0, shardd__on_ping},
     {SHARDWIRE__REQUEST__BODY_CHECKPOINT, 0, 0, on_checkpoint},
-    {SHARDWIRE__REQUEST__BODY_RESTORE, 0, 0, on_restore},
-    {SHARDWIRE__REQUEST__BODY_REGISTER_BUFFER, 1, 1, on_register_buffer},
-    {SHARDWIRE__REQUEST__BODY_UNREGISTER_BUFFER, 1, 1, on_unregister_buffer},
-    {SHARDWIRE__REQUEST__BODY_REGISTER_VIEW, 1, 1, on_register_view},
-    {SHARDWIRE__REQUEST__BODY_UNREGISTER_VIEW, 1, 1, on_unregister_view},
-    {SHARDWIRE__REQUEST__BODY_VIEWS_BATCH, 1, 1, on_views_batch},
-    {SHARDWIRE__REQUEST__BODY_BUFFERS_BATCH, 1, 1, on_buffers_batch},
-    {SHARDWIRE__REQUEST__BODY_REGISTER_OPTIMIZER, 1, 1, on_register_optimizer},
-    {SHARDWIRE__REQUEST__BODY_UNREGISTER_OPTIMIZER, 1, 1, on_unregister_optimizer},
-    {SHARDWIRE__REQUEST__BODY_GATHER, 1, 0, on_gather},
-    {SHARDWIRE__REQUEST__BODY_SCATTER, 1, 0, on_scatter},
-    {SHARDWIRE__REQUEST__BODY_BUCKET, 1, 0, on_bucket},
-    {SHARDWIRE__REQUEST__BODY_STEP, 1, 1, on_step},
-    {SHARDWIRE__REQUEST__BODY_SET_REQUIRES_GRAD, 1, 1, on_set_requires_grad},
-    {SHARDWIRE__REQUEST__BODY_RELEASE, 1, 0, on_release},
-    {SHARDWIRE__REQUEST__BODY_ALL_REDUCE, 1, 0, on_all_reduce},
-    {SHARDWIRE__REQUEST__BODY_SEED_MASTER, 1, 1, on_seed_master},
-    {SHARDWIRE__REQUEST__BODY_OPTIM_STATE, 1, 1, on_optim_state},
-    {SHARDWIRE__REQUEST__BODY_RELEASE_JOB, 0, 0, on_release_job},
-    {SHARDWIRE__REQUEST__BODY_GOODBYE, 0, 0, on_goodbye},
+    {SHARDWIRE__REQUEST__BODY_RESTORE, 0, 0, shardd__on_restore},
+    {SHARDWIRE__REQUEST__BODY_REGISTER_BUFFER, 1, 1, shardd__on_register_buffer},
+    {SHARDWIRE__REQUEST__BODY_UNREGISTER_BUFFER, 1, 1, shardd__on_unregister_buffer},
+    {SHARDWIRE__REQUEST__BODY_REGISTER_VIEW, 1, 1, shardd__on_register_view},
+    {SHARDWIRE__REQUEST__BODY_UNREGISTER_VIEW, 1, 1, shardd__on_unregister_view},
+    {SHARDWIRE__REQUEST__BODY_VIEWS_BATCH, 1, 1, shardd__on_views_batch},
+    {SHARDWIRE__REQUEST__BODY_BUFFERS_BATCH, 1, 1, shardd__on_buffers_batch},
+    {SHARDWIRE__REQUEST__BODY_REGISTER_OPTIMIZER, 1, 1, shardd__on_register_optimizer},
+    {SHARDWIRE__REQUEST__BODY_UNREGISTER_OPTIMIZER, 1, 1, shardd__on_unregister_optimizer},
+    {SHARDWIRE__REQUEST__BODY_GATHER, 1, 0, shardd__on_gather},
+    {SHARDWIRE__REQUEST__BODY_SCATTER, 1, 0, shardd__on_scatter},
+    {SHARDWIRE__REQUEST__BODY_BUCKET, 1, 0, shardd__on_bucket},
+    {SHARDWIRE__REQUEST__BODY_STEP, 1, 1, shardd__on_step},
+    {SHARDWIRE__REQUEST__BODY_SET_REQUIRES_GRAD, 1, 1, shardd__on_set_requires_grad},
+    {SHARDWIRE__REQUEST__BODY_RELEASE, 1, 0, shardd__on_release},
+    {SHARDWIRE__REQUEST__BODY_ALL_REDUCE, 1, 0, shardd__on_all_reduce},
+    {SHARDWIRE__REQUEST__BODY_SEED_MASTER, 1, 1, shardd__on_seed_master},
+    {SHARDWIRE__REQUEST__BODY_OPTIM_STATE, 1, 1, shardd__on_optim_state},
+    {SHARDWIRE__REQUEST__BODY_RELEASE_JOB, 0, 0, shardd__on_release_job},
+    {SHARDWIRE__REQUEST__BODY_GOODBYE, 0, 0, shardd__on_goodbye},
 };
 
 /* Refuses a frame that cannot be held behind c's held ones. */
@@ -2497,8 +172,8 @@ static void refuse_unheld(shardd__dispatch *d, shardd__conn *c,
   snprintf(msg, sizeof msg, "job \"%s\" is being checkpointed and this "
            "rank's requests behind its step are held; no room for more",
            c->m.job ? c->m.job->name : "");
-  reply(d, c, req ? req->seq : 0, req ? SHARDD_E_BUSY : SHARDD_E_PROTOCOL,
-        req ? msg : "a frame is not a valid Request");
+  shardd__reply(d, c, req ? req->seq : 0, req ? SHARDD_E_BUSY : SHARDD_E_PROTOCOL,
+                req ? msg : "a frame is not a valid Request");
   if (req)
     shardwire__request__free_unpacked(req, NULL);
 }
@@ -2511,17 +186,17 @@ void shardd__dispatch_frame(shardd__dispatch *d, shardd__conn *c,
       refuse_unheld(d, c, payload, len);
     return;
   }
-  dispatch_one(d, c, payload, len);
+  shardd__dispatch_one(d, c, payload, len);
 }
 
-static void dispatch_one(shardd__dispatch *d, shardd__conn *c,
-                         const uint8_t *payload, size_t len) {
+void shardd__dispatch_one(shardd__dispatch *d, shardd__conn *c,
+                          const uint8_t *payload, size_t len) {
   Shardwire__Request *req = shardwire__request__unpack(NULL, len, payload);
   if (req == NULL) {
     char msg[128];
     snprintf(msg, sizeof msg, "a %zu-byte frame is not a valid Request", len);
     shardd__log(1, "session %" PRIu64 ": %s", c->id, msg);
-    reply(d, c, 0, SHARDD_E_PROTOCOL, msg);
+    shardd__reply(d, c, 0, SHARDD_E_PROTOCOL, msg);
     return;
   }
   uint64_t seq = req->seq;
@@ -2529,17 +204,17 @@ static void dispatch_one(shardd__dispatch *d, shardd__conn *c,
   while (i < n && commands[i].body != req->body_case)
     i++;
   if (req->body_case != SHARDWIRE__REQUEST__BODY_HELLO && !c->hello_done)
-    reply(d, c, seq, SHARDD_E_STATE, "the first request must be Hello");
+    shardd__reply(d, c, seq, SHARDD_E_STATE, "the first request must be Hello");
   else if (c->ckc_dir && seq == c->ckc_seq)
-    seq_refuse(d, c, seq, "collective checkpoint, still being taken");
-  else if (d->buckets && bucket_find(d, c, seq))
-    seq_refuse(d, c, seq, "bucket, still running");
+    shardd__seq_refuse(d, c, seq, "collective checkpoint, still being taken");
+  else if (d->buckets && shardd__bucket_find(d, c, seq))
+    shardd__seq_refuse(d, c, seq, "bucket, still running");
   else if ((i == n || commands[i].needs_job) && c->m.job == NULL)
-    reply(d, c, seq, SHARDD_E_STATE,
-          "this is a control session (Hello without a job); it cannot "
-          "register or train");
+    shardd__reply(d, c, seq, SHARDD_E_STATE,
+                  "this is a control session (Hello without a job); it cannot "
+                  "register or train");
   else if (i == n)
-    reply(d, c, seq, SHARDD_E_PROTOCOL, "request has no body this daemon knows");
+    shardd__reply(d, c, seq, SHARDD_E_PROTOCOL, "request has no body this daemon knows");
   else if (commands[i].changes_ckpt &&
            shardd__jobs_checkpointing(&d->jobs, c->m.job) &&
            req->body_case == SHARDWIRE__REQUEST__BODY_STEP &&
@@ -2554,13 +229,13 @@ static void dispatch_one(shardd__dispatch *d, shardd__conn *c,
     char msg[ERRLEN];
     snprintf(msg, sizeof msg, "job \"%s\" is being checkpointed",
              c->m.job->name);
-    reply(d, c, seq, SHARDD_E_BUSY, msg);
+    shardd__reply(d, c, seq, SHARDD_E_BUSY, msg);
   } else if (c->m.job && shardd__jobs_restoring(&d->jobs, c->m.job)) {
     /* cannot happen (nobody joins a job being restored); kept so no
      * request ever reaches memory the pool is loading */
     char msg[ERRLEN];
     snprintf(msg, sizeof msg, "job \"%s\" is being restored", c->m.job->name);
-    reply(d, c, seq, SHARDD_E_BUSY, msg);
+    shardd__reply(d, c, seq, SHARDD_E_BUSY, msg);
   } else
     commands[i].fn(d, c, seq, req);
   shardwire__request__free_unpacked(req, NULL);
@@ -2576,44 +251,19 @@ void shardd__dispatch_opened(shardd__dispatch *d, shardd__conn *c,
 }
 
 void shardd__dispatch_closed(shardd__dispatch *d, shardd__conn *c) {
-  pends_forget(d, c);
+  shardd__ckpt_closed(d, c);
   held_drop(d, c); /* a closed rank's steps would fail anyway */
   free(c->pools_sent);
   c->pools_sent = NULL;
   c->npools_sent = 0;
-  for (ckpt_wait *w = d->ckpt_waits; w; w = w->next)
-    if (w->c == c)
-      w->c = NULL; /* its files are still written; the reply is dropped */
-  for (ckpt_group *g = d->ckpt_groups, *next; g; g = next) {
-    next = g->next;
-    if (c->m.job != g->job || g->conns[c->m.rank] != c)
-      continue;
-    g->conns[c->m.rank] = NULL; /* the checkpoint goes on, unanswered */
-    /* in the seal exchange, its end will not reach the group (its
-     * ckc_dir goes below): the others' will, and decide */
-    if (g->phase == 1 && !g->seal_in[c->m.rank]) {
-      if (--g->expect == 0)
-        ckpt_group_free(g);
-      else if (g->arrived >= g->expect)
-        ckpt_seal_finish(g);
-    }
-  }
-  free(c->ckc_dir);
-  c->ckc_dir = NULL;
+  shardd__ckpt_collective_closed(d, c);
   shardd__job *job = c->m.job;
   if (job == NULL)
     return;
   shardd__coll_member_lost(d->coll, &c->m);
   /* its buckets' waiting entries were answered just now; running ones
    * forget c: nobody is left to answer */
-  for (bucket_wait **pp = &d->buckets; *pp;) {
-    bucket_wait *w = *pp;
-    if (w->c == c) {
-      *pp = w->next;
-      bucket_free(w);
-    } else
-      pp = &w->next;
-  }
+  shardd__buckets_closed(d, c);
   /* its areas, at once or when the collective using them ends */
   shardd__area_return_rank(job, c->m.rank);
   shardd__log(2, "session %" PRIu64 ": rank %" PRIu32 " of job \"%s\" left",
@@ -2624,7 +274,7 @@ void shardd__dispatch_closed(shardd__dispatch *d, shardd__conn *c) {
 
 void shardd__dispatch_timeouts(shardd__dispatch *d, double now) {
   shardd__coll_tick(d->coll, now);
-  pends_expire(d, now);
+  shardd__ckpt_pends_expire(d, now);
 }
 
 void shardd__dispatch_expire(shardd__dispatch *d, double now) {
@@ -2669,12 +319,12 @@ static void reply_gather(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     if (p)
       c->pools_sent = p;
     if (rc != SHARDD_OK) {
-      reply(d, c, seq, rc, "exporting the area pool's descriptor failed");
+      shardd__reply(d, c, seq, rc, "exporting the area pool's descriptor failed");
       return;
     }
     c->pools_sent[c->npools_sent++] = gr.pool;
   }
-  send_resp(d, c, &resp, fd);
+  shardd__send_resp(d, c, &resp, fd);
 }
 
 /* The member is the first field of its connection. */
@@ -2684,16 +334,16 @@ static void coll_done(void *ctx, shardd__coll_member *m, uint64_t seq,
   shardd__dispatch *d = ctx;
   shardd__conn *c = (shardd__conn *)m;
   if (c->ckc_dir && seq == c->ckc_seq) {
-    ckpt_barrier_done(d, c, seq, code, msg, res);
+    shardd__ckpt_collective_done(d, c, seq, code, msg, res);
     return;
   }
-  bucket_wait *w;
-  if (d->buckets && (w = bucket_find(d, c, seq)) != NULL) {
-    bucket_note(d, w, code, msg, res);
+  struct shardd__bucket_wait *w;
+  if (d->buckets && (w = shardd__bucket_find(d, c, seq)) != NULL) {
+    shardd__bucket_note(d, w, code, msg, res);
     return;
   }
   if (res == NULL) {
-    reply(d, c, seq, code, msg);
+    shardd__reply(d, c, seq, code, msg);
     return;
   }
   if (res->kind == SHARDD__COLL_GATHER) {
@@ -2706,7 +356,7 @@ static void coll_done(void *ctx, shardd__coll_member *m, uint64_t seq,
     ar.n_values = res->nvalues;
     ar.values = (double *)res->values;
     resp.all_reduce = &ar;
-    send_resp(d, c, &resp, -1);
+    shardd__send_resp(d, c, &resp, -1);
     return;
   }
   Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_STEP);
@@ -2715,12 +365,12 @@ static void coll_done(void *ctx, shardd__coll_member *m, uint64_t seq,
   sr.has_total_norm = res->has_total_norm;
   sr.total_norm = res->has_total_norm ? res->total_norm : 0;
   resp.step = &sr;
-  send_resp(d, c, &resp, -1);
+  shardd__send_resp(d, c, &resp, -1);
 }
 
 static void coll_quiet(void *ctx, shardd__job *job) {
   shardd__dispatch *d = ctx;
-  pends_kick(d, job); /* the quiescent point an operator's checkpoint waits for */
+  shardd__ckpt_pends_kick(d, job); /* the quiescent point an operator's checkpoint waits for */
   shardd__jobs_idle(&d->jobs, job);
 }
 
@@ -2739,6 +389,7 @@ shardd_err shardd__dispatch_init(shardd__dispatch *d, uv_loop_t *loop,
   d->loop = loop;
   d->socket_path = socket_path;
   d->started = now_s(d);
+  d->ckpt_ended = ckpt_ended;
   shardd__registry_init(&d->reg, backend);
   d->reg.job_memory_limit = opts->job_memory_limit;
   d->reg.uid_memory_limit = opts->uid_memory_limit;
@@ -2773,7 +424,7 @@ shardd_err shardd__dispatch_init(shardd__dispatch *d, uv_loop_t *loop,
     return SHARDD_E_NO_MEMORY;
   }
   shardd__jobs_init(&d->jobs, loop, &d->reg, d->coll, opts->job_linger,
-                    opts->jobspecs, opts->njobspecs, job_released, d);
+                    opts->jobspecs, opts->njobspecs, shardd__ckpt_collective_released, d);
   return SHARDD_OK;
 }
 
@@ -2785,43 +436,15 @@ void shardd__dispatch_stop(shardd__dispatch *d, const char *why) {
   shardd__coll_stop_waiting(d->coll, why);
 }
 
-int shardd__dispatch_awaits_files(const shardd__dispatch *d,
-                                  const shardd__conn *c) {
-  for (const ckpt_pend *p = d->ckpt_pends; p; p = p->next)
-    if (p->c == c) /* waits for a quiet job, which a stop never gives */
-      return 0;
-  for (const ckpt_wait *w = d->ckpt_waits; w; w = w->next)
-    if (w->c == c)
-      return 1;
-  return 0;
-}
-
 void shardd__dispatch_free(shardd__dispatch *d) {
   if (d->coll == NULL) /* never initialised, or freed */
     return;
   shardd__coll_engine_destroy(d->coll);
   d->coll = NULL;
   shardd__jobs_free(&d->jobs);
-  while (d->ckpt_waits) { /* only if the loop was not run dry */
-    ckpt_wait *w = d->ckpt_waits;
-    d->ckpt_waits = w->next;
-    free(w->dir);
-    free(w);
-  }
-  while (d->ckpt_groups) /* likewise */
-    ckpt_group_free(d->ckpt_groups);
-  while (d->ckpt_pends) { /* every connection closed first: none is left */
-    ckpt_pend *p = d->ckpt_pends;
-    d->ckpt_pends = p->next;
-    free(p->dir);
-    free(p->home);
-    free(p);
-  }
-  while (d->buckets) { /* every connection closed first: none is left */
-    bucket_wait *w = d->buckets;
-    d->buckets = w->next;
-    bucket_free(w);
-  }
+  shardd__ckpt_free(d);
+  shardd__ckpt_collective_free(d);
+  shardd__buckets_free(d);
   free(d->held_conns);
   d->held_conns = NULL;
   shardd__registry_free(&d->reg);

@@ -81,7 +81,7 @@ typedef struct {
   void (*unread_replies)(void *ctx, uint64_t *bytes, uint64_t *fds);
 } shardd__dispatch_io;
 
-typedef struct {
+typedef struct shardd__dispatch {
   /* read-only after init */
   shardd__server_opts opts;
   shardd__backend *backend;
@@ -101,6 +101,9 @@ typedef struct {
   struct shardd__ckpt_pend *ckpt_pends;
   /* bucket requests whose entries' collectives have not all ended */
   struct shardd__bucket_wait *buckets;
+  /* a checkpoint of a job ended: its held frames go on (set at init; the
+   * checkpoint files call it, so they never call up into the table) */
+  void (*ckpt_ended)(struct shardd__dispatch *d, shardd__job *job);
   /* connections with held frames (at most max_clients) */
   shardd__conn **held_conns;
   size_t nheld_conns, cap_held_conns;

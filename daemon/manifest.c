@@ -1,6 +1,7 @@
 /* manifest.c — a checkpoint manifest's text (see manifest.h). */
 #include "manifest.h"
 
+#include <errno.h>
 #include <inttypes.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -101,7 +102,7 @@ shardd_err shardd__manifest_verify_seal(FILE *f, const char *path,
       break;
     lineno++;
     /* a job-level manifest (several nodes) is sealed from its version 1 */
-    if (lineno == 1 && sscanf(line, "shardd-checkpoint %d", &version) != 1) {
+    if (lineno == 1 && sscanf(line, SHARDD__MANIFEST_MAGIC " %d", &version) != 1) {
       if (sscanf(line, SHARDD__JOB_MANIFEST_MAGIC " %d", &version) != 1)
         break;
       version = 3;
@@ -129,4 +130,112 @@ shardd_err shardd__manifest_verify_seal(FILE *f, const char *path,
   free(line);
   rewind(f);
   return rc;
+}
+
+/* Splits line (NUL-ended) into its words, at most SHARDD__MANIFEST_MAX_TOK of them (words
+ * past the SHARDD__MANIFEST_MAX_TOK-th are not looked at); the number of words. */
+int shardd__manifest_split_words(char *line, char **tok) {
+  int nt = 0;
+  for (char *save, *t = strtok_r(line, " ", &save); t && nt < SHARDD__MANIFEST_MAX_TOK;
+       t = strtok_r(NULL, " ", &save))
+    tok[nt++] = t;
+  return nt;
+}
+
+/* The manifest's text, read whole: each line ended by a NUL where its
+ * newline was, and the seal checked as shardd__manifest_verify_seal does. */
+shardd_err shardd__manifest_split_text(char *text, size_t n, const char *path,
+                                       int *stop_line, shardd__line_rc *stop_rc,
+                                       int *seal_line, char *err,
+                                       size_t errlen) {
+  uint32_t crc = 0;
+  int version = 0, sealing = 1;
+  for (size_t pos = 0, lineno = 1; pos < n; lineno++) {
+    char *line = text + pos;
+    char *nl = memchr(line, '\n', n - pos);
+    size_t len = nl ? (size_t)(nl - line) : n - pos;
+    size_t head = len < SHARDD__MANIFEST_LINE_MAX ? len : SHARDD__MANIFEST_LINE_MAX;
+    if (memchr(line, '\0', head) || len > SHARDD__MANIFEST_LINE_MAX) {
+      *stop_line = (int)lineno;
+      *stop_rc = memchr(line, '\0', head) ? SHARDD__LINE_NUL
+                                             : SHARDD__LINE_LONG;
+      break;
+    }
+    line[len] = '\0';
+    pos += len + 1;
+    if (!sealing)
+      continue;
+    /* a job-level manifest (several nodes) is sealed from its version 1 */
+    if (lineno == 1 && sscanf(line, SHARDD__MANIFEST_MAGIC " %d", &version) != 1) {
+      if (sscanf(line, SHARDD__JOB_MANIFEST_MAGIC " %d", &version) != 1)
+        version = 0;
+      else
+        version = 3;
+    }
+    if (version < 3) { /* unsealed: the header line refuses it */
+      sealing = 0;
+      continue;
+    }
+    if (!strncmp(line, "end", 3) && (line[3] == ' ' || line[3] == '\0')) {
+      unsigned want_crc;
+      char extra;
+      if (sscanf(line, "end %8x%c", &want_crc, &extra) != 1 ||
+          (uint32_t)want_crc != crc) {
+        snprintf(err, errlen, "%s line %zu: checksum %s, the manifest's "
+                 "bytes give %08" PRIx32 " (edited or corrupt)", path,
+                 lineno, line[3] ? line + 4 : "missing", crc);
+        return SHARDD_E_INVAL;
+      }
+      *seal_line = (int)lineno;
+      sealing = 0;
+      continue;
+    }
+    crc = shardd__crc32c(crc, line, len);
+    crc = shardd__crc32c(crc, "\n", 1);
+  }
+  return SHARDD_OK;
+}
+
+/* A line the reader refused (too long, a NUL, no memory, a read error). */
+shardd_err shardd__manifest_line_error(shardd__line_rc lr, const char *path,
+                                       int lineno, char *err, size_t errlen) {
+  if (lr == SHARDD__LINE_LONG)
+    snprintf(err, errlen,
+             "%s line %d: longer than %zu bytes (not a "
+             "manifest shardd wrote); not reading further",
+             path, lineno, SHARDD__MANIFEST_LINE_MAX);
+  else if (lr == SHARDD__LINE_NUL)
+    snprintf(err, errlen, "%s line %d: holds a NUL byte (not a manifest "
+             "shardd wrote)", path, lineno);
+  else if (lr == SHARDD__LINE_NOMEM)
+    snprintf(err, errlen, "%s line %d: out of memory", path,
+             lineno);
+  else
+    snprintf(err, errlen, "%s line %d: %s", path, lineno,
+             strerror(errno));
+  return lr == SHARDD__LINE_NOMEM ? SHARDD_E_NO_MEMORY
+         : lr == SHARDD__LINE_IO  ? SHARDD_E_IO
+                                  : SHARDD_E_INVAL;
+}
+
+shardd_err shardd__manifest_header(char **tok, int nt, int *version, char *why,
+                                   size_t whylen) {
+  if (nt != 2 || strcmp(tok[0], SHARDD__MANIFEST_MAGIC) ||
+      (*version = atoi(tok[1])) < 1 || *version > SHARDD_MANIFEST_VERSION) {
+    snprintf(why, whylen, "not a shardd checkpoint manifest of version %d to %d",
+             SHARDD_MANIFEST_SEALED, SHARDD_MANIFEST_VERSION);
+    return SHARDD_E_INVAL;
+  }
+  /* Versions 1 and 2 carry no checksum: an edited step count or view
+   * offset in one cannot be told from what shardd wrote. */
+  if (*version < SHARDD_MANIFEST_SEALED) {
+    snprintf(why, whylen,
+             "manifest version %d is not sealed (versions before %d carry "
+             "no checksum, so an edit cannot be detected); restore refuses "
+             "it: take a new checkpoint of the job with a shardd that "
+             "writes version %d or later",
+             *version, SHARDD_MANIFEST_SEALED, SHARDD_MANIFEST_SEALED);
+    return SHARDD_E_INVAL;
+  }
+  return SHARDD_OK;
 }

@@ -14,6 +14,25 @@
 #include "strbuf.h"
 
 #define SHARDD__MANIFEST_FILE "manifest"
+/* The first word of a manifest (of one node's job, or of a node's part). */
+#define SHARDD__MANIFEST_MAGIC "shardd-checkpoint"
+/* The manifest's own version. 2 recorded each buffer's and view's
+ * generation and each view's requires_grad. Version 3 seals the manifest:
+ * its "end" line carries the CRC32C of every byte before it, checked before
+ * any line is acted upon; restore refuses versions 1 and 2, which carry no
+ * seal (an edited step count in one was taken as written). Version 4 ends
+ * each "ref" line with the steps that ref took (torch's per-parameter
+ * state["step"]; a skipped parameter's stays); before it every ref was
+ * stepped by every step, so a version 3 manifest restores each ref with its
+ * optimizer's count. Version 5 is a node's part of a multi-node checkpoint
+ * ("node" and "lineage" lines after the job line), so a daemon that reads
+ * up to 4 refuses it at its header; single-node manifests are still
+ * written as 4, which such a daemon restores. Data file headers keep
+ * SHARDD_CHECKPOINT_VERSION. */
+#define SHARDD_MANIFEST_VERSION 5
+/* The oldest version restore accepts: the first that is sealed. */
+#define SHARDD_MANIFEST_SEALED 3
+#define SHARDD_MANIFEST_VERSION_SINGLE 4
 /* The first word of a multi-node job's job-level manifest (checkpoint.h);
  * a node's part is an ordinary manifest in DIR/node-N. */
 #define SHARDD__JOB_MANIFEST_MAGIC "shardd-job-checkpoint"
@@ -71,5 +90,31 @@ shardd__line_rc shardd__manifest_read_line(FILE *f, char **buf, size_t *cap,
 shardd_err shardd__manifest_verify_seal(FILE *f, const char *path,
                                         uint32_t *seal, int *end_line,
                                         char *err, size_t errlen);
+
+/* A line's words: at most this many are looked at. */
+#define SHARDD__MANIFEST_MAX_TOK 64
+/* Splits line (NUL-ended) into its words, in place, at most
+ * SHARDD__MANIFEST_MAX_TOK of them; the number of words. */
+int shardd__manifest_split_words(char *line, char **tok);
+
+/* text (n bytes and a NUL) is a manifest read whole: ends each line with a
+ * NUL where its newline was and checks the seal (the CRC32C on its "end"
+ * line, of every byte before it): SHARDD_E_INVAL with err naming path and
+ * line on a mismatch, before any line is acted upon; *seal_line is the
+ * "end" line checked (untouched when none). A line the line reader would
+ * refuse (too long, a NUL byte) stops the split: *stop_line is its number
+ * and *stop_rc why (untouched when none). */
+shardd_err shardd__manifest_split_text(char *text, size_t n, const char *path,
+                                       int *stop_line, shardd__line_rc *stop_rc,
+                                       int *seal_line, char *err,
+                                       size_t errlen);
+/* Why line lineno of path was refused by the reader, in err; the code. */
+shardd_err shardd__manifest_line_error(shardd__line_rc lr, const char *path,
+                                       int lineno, char *err, size_t errlen);
+/* Checks a manifest's header line's words (the magic, a version restore
+ * reads and sealed): SHARDD_OK with *version, or SHARDD_E_INVAL with why
+ * (*version set once the magic matched). */
+shardd_err shardd__manifest_header(char **tok, int nt, int *version, char *why,
+                                   size_t whylen);
 
 #endif /* SHARDD_MANIFEST_H */

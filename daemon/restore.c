@@ -165,8 +165,6 @@ static shardd__optim_shard *find_shard(shardd__optim *o, const shardd__buffer *b
   return NULL;
 }
 
-#define MAX_TOK 64
-
 /* The recorded registrations of one manifest's optimizers, together: a
  * client sends each in one frame (restore repacks it with longer ids, so
  * one may reach two); eight frames' worth is more than any job keeps, and
@@ -559,40 +557,14 @@ static shardd_err open_manifest(restore *c) {
 
 /* A line the reader refused (too long, a NUL, no memory, a read error). */
 static shardd_err line_error(restore *c, shardd__line_rc lr) {
-  if (lr == SHARDD__LINE_LONG)
-    snprintf(c->err, c->errlen,
-             "%s line %d: longer than %zu bytes (not a "
-             "manifest shardd wrote); not reading further",
-             c->path, c->lineno, SHARDD__MANIFEST_LINE_MAX);
-  else if (lr == SHARDD__LINE_NUL)
-    snprintf(c->err, c->errlen, "%s line %d: holds a NUL byte (not a manifest "
-             "shardd wrote)", c->path, c->lineno);
-  else if (lr == SHARDD__LINE_NOMEM)
-    snprintf(c->err, c->errlen, "%s line %d: out of memory", c->path,
-             c->lineno);
-  else
-    snprintf(c->err, c->errlen, "%s line %d: %s", c->path, c->lineno,
-             strerror(errno));
-  return lr == SHARDD__LINE_NOMEM ? SHARDD_E_NO_MEMORY
-         : lr == SHARDD__LINE_IO  ? SHARDD_E_IO
-                                  : SHARDD_E_INVAL;
+  return shardd__manifest_line_error(lr, c->path, c->lineno, c->err, c->errlen);
 }
 
 static shardd_err line_header(restore *c, char **tok, int nt) {
-  if (nt != 2 || strcmp(tok[0], "shardd-checkpoint") ||
-      (c->mversion = atoi(tok[1])) < 1 || c->mversion > SHARDD_MANIFEST_VERSION)
-    return bad(c, SHARDD_E_INVAL,
-               "not a shardd checkpoint manifest of version %d to %d",
-               SHARDD_MANIFEST_SEALED, SHARDD_MANIFEST_VERSION);
-  /* Versions 1 and 2 carry no checksum: an edited step count or view
-   * offset in one cannot be told from what shardd wrote. */
-  if (c->mversion < SHARDD_MANIFEST_SEALED)
-    return bad(c, SHARDD_E_INVAL,
-               "manifest version %d is not sealed (versions before %d carry "
-               "no checksum, so an edit cannot be detected); restore refuses "
-               "it: take a new checkpoint of the job with a shardd that "
-               "writes version %d or later",
-               c->mversion, SHARDD_MANIFEST_SEALED, SHARDD_MANIFEST_SEALED);
+  char why[512];
+  if (shardd__manifest_header(tok, nt, &c->mversion, why, sizeof why) !=
+      SHARDD_OK)
+    return bad(c, SHARDD_E_INVAL, "%s", why);
   return SHARDD_OK;
 }
 
@@ -1010,16 +982,6 @@ static shardd_err parse_line(restore *c, char **tok, int nt) {
   return bad(c, SHARDD_E_INVAL, "unknown or malformed line \"%s\"", tok[0]);
 }
 
-/* Splits line (NUL-ended) into its words, at most MAX_TOK of them (words
- * past the MAX_TOK-th are not looked at); the number of words. */
-static int split_words(char *line, char **tok) {
-  int nt = 0;
-  for (char *save, *t = strtok_r(line, " ", &save); t && nt < MAX_TOK;
-       t = strtok_r(NULL, " ", &save))
-    tok[nt++] = t;
-  return nt;
-}
-
 /* Reads the manifest whole into c->text (its size was bounded when it was
  * opened), ends each line with a NUL where its newline was, and checks the
  * seal (the CRC32C on its "end" line, of every byte before it) as
@@ -1049,52 +1011,9 @@ static shardd_err read_text(restore *c) {
   }
   c->text[n] = '\0';
   c->text_len = n;
-  uint32_t crc = 0;
-  int version = 0, sealing = 1;
-  for (size_t pos = 0, lineno = 1; pos < n; lineno++) {
-    char *line = c->text + pos;
-    char *nl = memchr(line, '\n', n - pos);
-    size_t len = nl ? (size_t)(nl - line) : n - pos;
-    size_t head = len < SHARDD__MANIFEST_LINE_MAX ? len : SHARDD__MANIFEST_LINE_MAX;
-    if (memchr(line, '\0', head) || len > SHARDD__MANIFEST_LINE_MAX) {
-      c->stop_line = (int)lineno;
-      c->stop_rc = memchr(line, '\0', head) ? SHARDD__LINE_NUL
-                                             : SHARDD__LINE_LONG;
-      break;
-    }
-    line[len] = '\0';
-    pos += len + 1;
-    if (!sealing)
-      continue;
-    /* a job-level manifest (several nodes) is sealed from its version 1 */
-    if (lineno == 1 && sscanf(line, "shardd-checkpoint %d", &version) != 1) {
-      if (sscanf(line, SHARDD__JOB_MANIFEST_MAGIC " %d", &version) != 1)
-        version = 0;
-      else
-        version = 3;
-    }
-    if (version < 3) { /* unsealed: the header line refuses it */
-      sealing = 0;
-      continue;
-    }
-    if (!strncmp(line, "end", 3) && (line[3] == ' ' || line[3] == '\0')) {
-      unsigned want_crc;
-      char extra;
-      if (sscanf(line, "end %8x%c", &want_crc, &extra) != 1 ||
-          (uint32_t)want_crc != crc) {
-        snprintf(c->err, c->errlen, "%s line %zu: checksum %s, the manifest's "
-                 "bytes give %08" PRIx32 " (edited or corrupt)", c->path,
-                 lineno, line[3] ? line + 4 : "missing", crc);
-        return SHARDD_E_INVAL;
-      }
-      c->seal_line = (int)lineno;
-      sealing = 0;
-      continue;
-    }
-    crc = shardd__crc32c(crc, line, len);
-    crc = shardd__crc32c(crc, "\n", 1);
-  }
-  return SHARDD_OK;
+  return shardd__manifest_split_text(c->text, n, c->path, &c->stop_line,
+                                     &c->stop_rc, &c->seal_line, c->err,
+                                     c->errlen);
 }
 
 /* Calls fn on each line of the text with words, in order, up to the first
@@ -1108,8 +1027,8 @@ static shardd_err each_line(restore *c,
       return line_error(c, c->stop_rc);
     char *line = c->text + pos;
     pos += strlen(line) + 1;
-    char *tok[MAX_TOK];
-    int nt = split_words(line, tok);
+    char *tok[SHARDD__MANIFEST_MAX_TOK];
+    int nt = shardd__manifest_split_words(line, tok);
     if (nt == 0)
       continue;
     shardd_err rc = fn(c, tok, nt);
@@ -1132,14 +1051,14 @@ static shardd_err precheck(restore *c) {
     const char *line = c->text + pos;
     size_t len = strlen(line);
     pos += len + 1;
-    char *copy = malloc(len + 1), *tok[MAX_TOK];
+    char *copy = malloc(len + 1), *tok[SHARDD__MANIFEST_MAX_TOK];
     if (copy == NULL) {
       snprintf(c->err, c->errlen, "out of memory");
       rc = SHARDD_E_NO_MEMORY;
       break;
     }
     memcpy(copy, line, len + 1);
-    int nt = split_words(copy, tok);
+    int nt = shardd__manifest_split_words(copy, tok);
     if (nt > 0 && c->lineno == 1) {
       rc = line_header(c, tok, nt);
       free(copy);

@@ -1,0 +1,574 @@
+/* register.c — registration requests: buffers, views and optimizers one
+ * at a time and in batches (a batch all or nothing, its refused entries
+ * listed), and their unregistration (see dispatch_int.h). */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dispatch_int.h"
+#include "log.h"
+#include "optcodec.h"
+#include "optreg.h"
+
+/* What registering one buffer changed in a buffer it attached to, so a
+ * refused batch can put it back. */
+typedef struct {
+  shardd__buffer *b;
+  int created;
+  int touched; /* the checksum fields below were b's before */
+  int had_sum;
+  uint64_t sum;
+  uint32_t rank;
+} buf_undo;
+
+/* Creates or attaches to rb's buffer for c's rank, with the initial
+ * checksum rule (RegisterBuffer). */
+static shardd_err buffer_register_one(shardd__dispatch *d, shardd__conn *c,
+                                      const Shardwire__RegisterBuffer *rb,
+                                      buf_undo *u, char *err, size_t errlen) {
+  uint32_t rank = c->m.rank;
+  memset(u, 0, sizeof *u);
+  shardd__buffer *b;
+  shardd_err rc = shardd__buffer_register(&d->reg, c->m.job, rb->name,
+                                          (shardd_dtype)rb->dtype, rb->numel,
+                                          &b, &u->created, err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  u->b = b;
+  if (rb->has_init_checksum && !b->settled) {
+    if (!b->has_init_sum || b->init_rank == rank) {
+      /* the first, or that rank again (relaunched, maybe reseeded) */
+      u->touched = 1;
+      u->had_sum = b->has_init_sum;
+      u->sum = b->init_sum;
+      u->rank = b->init_rank;
+      b->has_init_sum = 1;
+      b->init_sum = rb->init_checksum;
+      b->init_rank = rank;
+    } else if (b->init_sum != rb->init_checksum) {
+      snprintf(err, errlen,
+               "buffer \"%s\": rank %" PRIu32 "'s initial values differ from "
+               "rank %" PRIu32 "'s (checksum %016" PRIx64 " vs %016" PRIx64 "): "
+               "every rank must build the model identically (same seed), as "
+               "each writes its own slice",
+               b->hdr.name, rank, b->init_rank, rb->init_checksum, b->init_sum);
+      /* the ranks that registered first are in (or on their way to) a
+       * collective: they hear this, not a lost peer once this rank exits */
+      shardd__coll_job_break(d->coll, c->m.job, rank, SHARDD_E_MISMATCH, err);
+      return SHARDD_E_MISMATCH;
+    }
+  }
+  return SHARDD_OK;
+}
+
+static void buffer_undo(shardd__dispatch *d, const buf_undo *u) {
+  if (u->b == NULL)
+    return;
+  if (u->created) {
+    shardd__buffer_abandon(&d->reg, u->b);
+  } else if (u->touched) {
+    u->b->has_init_sum = u->had_sum;
+    u->b->init_sum = u->sum;
+    u->b->init_rank = u->rank;
+  }
+}
+
+/* Exports c's rank block of b (a descriptor in *fd, or a CUDA IPC handle
+ * in ipc) and fills br, which borrows from b and ipc. */
+static shardd_err buffer_reply_fill(shardd__dispatch *d, shardd__conn *c,
+                                    shardd__buffer *b, int created,
+                                    Shardwire__BufferReply *br, uint8_t ipc[64],
+                                    int *fd, char *err, size_t errlen) {
+  shardd__backend *be = d->backend;
+  uint32_t rank = c->m.rank;
+  size_t ipc_len = 0;
+  shardd_err rc;
+  *fd = -1;
+  if (be->ops->export_ipc) { /* cuda: a handle, no descriptor */
+    rc = be->ops->export_ipc(be, b->blocks[rank], ipc, 64, &ipc_len);
+    if (rc != SHARDD_OK) {
+      snprintf(err, errlen,
+               "exporting rank %" PRIu32 "'s block as a CUDA IPC handle: %s",
+               rank, shardd_strerror(rc));
+      return rc;
+    }
+  } else {
+    rc = be->ops->export_fd(be, b->blocks[rank], fd);
+    if (rc != SHARDD_OK) {
+      snprintf(err, errlen, "exporting rank %" PRIu32 "'s block: %s",
+               rank, shardd_strerror(rc));
+      return rc;
+    }
+  }
+  shardwire__buffer_reply__init(br);
+  if (ipc_len > 0) {
+    br->has_cuda_ipc_handle = 1;
+    br->cuda_ipc_handle.data = ipc;
+    br->cuda_ipc_handle.len = ipc_len;
+  }
+  br->id = b->hdr.id;
+  br->name = b->hdr.name;
+  br->dtype = (Shardwire__DType)b->dtype;
+  br->numel = b->numel;
+  br->padded_numel = b->padded_numel;
+  br->shard_numel = b->shard_numel;
+  br->world = b->world;
+  br->rank = rank;
+  br->device = (uint32_t)shardd__rank_device(&d->reg, rank);
+  br->block_bytes = b->blocks[rank]->bytes;
+  br->shard_offset = b->shard_off;
+  br->gather_offset = b->gather_off;
+  br->grad_offset = b->grad_off;
+  br->has_reduced_offset = 1;
+  br->reduced_offset = b->reduced_off;
+  br->created = created;
+  br->has_existing = 1;
+  br->existing = b->settled != 0;
+  br->has_generation = 1;
+  br->generation = b->hdr.generation;
+  if (b->hdr.job->transient) {
+    br->has_transient = 1;
+    br->transient = 1;
+  }
+  return SHARDD_OK;
+}
+
+static void log_created(const shardd__conn *c, const shardd__buffer *b) {
+  shardd__log(3, "job \"%s\": buffer %" PRIu64 " \"%s\" %s[%" PRIu64 "]",
+              c->m.job->name, b->hdr.id, b->hdr.name,
+              shardd_dtype_name(b->dtype), b->numel);
+}
+
+void shardd__on_register_buffer(shardd__dispatch *d, shardd__conn *c,
+                                uint64_t seq, const Shardwire__Request *req) {
+  char err[ERRLEN];
+  buf_undo u;
+  shardd_err rc = buffer_register_one(d, c, req->register_buffer, &u, err,
+                                      sizeof err);
+  if (rc != SHARDD_OK) {
+    shardd__reply(d, c, seq, rc, err);
+    return;
+  }
+  int fd;
+  uint8_t ipc[64];
+  Shardwire__BufferReply br;
+  rc = buffer_reply_fill(d, c, u.b, u.created, &br, ipc, &fd, err, sizeof err);
+  if (rc != SHARDD_OK) {
+    shardd__reply(d, c, seq, rc, err);
+    return;
+  }
+  Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_BUFFER);
+  resp.buffer = &br;
+  shardd__send_resp(d, c, &resp, fd);
+  if (u.created)
+    log_created(c, u.b);
+}
+
+void shardd__on_register_view(shardd__dispatch *d, shardd__conn *c,
+                              uint64_t seq, const Shardwire__Request *req) {
+  const Shardwire__RegisterView *rv = req->register_view;
+  char err[ERRLEN];
+  shardd__view *v;
+  int created;
+  if (rv->n_shape > 64) {
+    shardd__reply(d, c, seq, SHARDD_E_RANGE, "view has over 64 dimensions");
+    return;
+  }
+  shardd_err rc = shardd__view_register_ex(
+      &d->reg, c->m.job, rv->buffer,
+      rv->has_buffer_generation ? rv->buffer_generation : 0, rv->name,
+      rv->offset, rv->numel, rv->shape, (int)rv->n_shape,
+      rv->has_requires_grad ? rv->requires_grad : 1, &v, &created, err,
+      sizeof err);
+  if (rc != SHARDD_OK) {
+    shardd__reply(d, c, seq, rc, err);
+    return;
+  }
+  Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_VIEW);
+  Shardwire__ViewReply vr = SHARDWIRE__VIEW_REPLY__INIT;
+  vr.id = v->hdr.id;
+  vr.created = created;
+  vr.has_generation = 1;
+  vr.generation = v->hdr.generation;
+  resp.view = &vr;
+  shardd__send_resp(d, c, &resp, -1);
+}
+
+/* ---- batches of views ------------------------------------------------- */
+
+/* Every entry is tried in order, so each is checked against the registry
+ * and the entries before it exactly as n single requests would be; when
+ * any is refused the ones this request created are abandoned, newest
+ * first, and nothing is left of the batch. */
+static void views_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                           const Shardwire__RegisterViews *rq) {
+  size_t n = rq->n_views;
+  char err[ERRLEN];
+  batch_errs be;
+  shardd__view **vs = calloc(n ? n : 1, sizeof *vs);
+  Shardwire__ViewReply *vr = calloc(n ? n : 1, sizeof *vr);
+  Shardwire__ViewReply **vrp = calloc(n ? n : 1, sizeof *vrp);
+  char *created = calloc(n ? n : 1, 1);
+  if (vs == NULL || vr == NULL || vrp == NULL || created == NULL ||
+      shardd__batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
+          SHARDD_OK) {
+    free(vs);
+    free(vr);
+    free(vrp);
+    free(created);
+    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    return;
+  }
+  for (size_t i = 0; i < n; i++) {
+    const Shardwire__RegisterView *rv = rq->views[i];
+    shardd_err rc;
+    int cr = 0;
+    if (rv->n_shape > 64) {
+      rc = SHARDD_E_RANGE;
+      snprintf(err, sizeof err, "view \"%s\" has over 64 dimensions", rv->name);
+    } else {
+      rc = shardd__view_register_ex(
+          &d->reg, c->m.job, rv->buffer,
+          rv->has_buffer_generation ? rv->buffer_generation : 0, rv->name,
+          rv->offset, rv->numel, rv->shape, (int)rv->n_shape,
+          rv->has_requires_grad ? rv->requires_grad : 1, &vs[i], &cr, err,
+          sizeof err);
+    }
+    if (rc != SHARDD_OK)
+      shardd__batch_err_add(&be, i, rc, err);
+    created[i] = (char)cr;
+  }
+  if (be.total > 0) {
+    for (size_t i = n; i-- > 0;)
+      if (created[i])
+        shardd__view_abandon(&d->reg, vs[i]);
+    shardd__batch_refuse(d, c, seq, n, &be, "views");
+  } else {
+    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH);
+    Shardwire__ViewsBatchReply vb = SHARDWIRE__VIEWS_BATCH_REPLY__INIT;
+    for (size_t i = 0; i < n; i++) {
+      shardwire__view_reply__init(&vr[i]);
+      vr[i].id = vs[i]->hdr.id;
+      vr[i].created = created[i];
+      vr[i].has_generation = 1;
+      vr[i].generation = vs[i]->hdr.generation;
+      vrp[i] = &vr[i];
+    }
+    vb.n_views = n;
+    vb.views = vrp;
+    resp.views_batch = &vb;
+    shardd__send_resp(d, c, &resp, -1);
+  }
+  shardd__batch_errs_free(&be);
+  free(vs);
+  free(vr);
+  free(vrp);
+  free(created);
+}
+
+static int cmp_u64(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* Every id is checked before any view goes: registered, held by no
+ * optimizer, generation current, named once. */
+static void views_unregister(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                             const Shardwire__UnregisterViews *rq) {
+  size_t n = rq->n_views;
+  char err[ERRLEN];
+  batch_errs be;
+  uint64_t *ids = malloc((n ? n : 1) * sizeof *ids);
+  if (ids == NULL ||
+      shardd__batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
+          SHARDD_OK) {
+    free(ids);
+    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    return;
+  }
+  shardd__registry *reg = &d->reg;
+  shardd__job *job = c->m.job;
+  for (size_t i = 0; i < n; i++) {
+    const Shardwire__UnregisterView *uv = rq->views[i];
+    shardd_err rc = SHARDD_OK;
+    uint64_t gen = uv->has_generation ? uv->generation : 0;
+    if (gen != 0 && shardd__registry_stale(reg, job, uv->id, gen, err, sizeof err))
+      rc = SHARDD_E_STALE;
+    else
+      rc = shardd__view_unregister_check(reg, job, uv->id, err, sizeof err);
+    if (rc != SHARDD_OK)
+      shardd__batch_err_add(&be, i, rc, err);
+    ids[i] = uv->id;
+  }
+  if (be.total == 0 && n > 1) {
+    qsort(ids, n, sizeof *ids, cmp_u64);
+    for (size_t i = 1; i < n; i++)
+      if (ids[i] == ids[i - 1]) {
+        /* name the later entries that repeat it */
+        size_t seen = 0;
+        for (size_t j = 0; j < n; j++)
+          if (rq->views[j]->id == ids[i] && seen++ > 0) {
+            snprintf(err, sizeof err, "view %" PRIu64 " is named twice",
+                     ids[i]);
+            shardd__batch_err_add(&be, j, SHARDD_E_INVAL, err);
+          }
+        while (i + 1 < n && ids[i + 1] == ids[i])
+          i++;
+      }
+  }
+  if (be.total > 0) {
+    shardd__batch_refuse(d, c, seq, n, &be, "view unregistrations");
+  } else {
+    for (size_t i = 0; i < n; i++)
+      if (shardd__view_unregister(reg, job, rq->views[i]->id, err, sizeof err) !=
+          SHARDD_OK)
+        /* checked above and nothing ran between: a bug, said loudly */
+        shardd__log(1, "job \"%s\": view %" PRIu64 " passed its check but: %s",
+                    job->name, rq->views[i]->id, err);
+    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH);
+    Shardwire__ViewsBatchReply vb = SHARDWIRE__VIEWS_BATCH_REPLY__INIT;
+    resp.views_batch = &vb;
+    shardd__send_resp(d, c, &resp, -1);
+  }
+  shardd__batch_errs_free(&be);
+  free(ids);
+}
+
+void shardd__on_views_batch(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                            const Shardwire__Request *req) {
+  const Shardwire__ViewsBatch *vb = req->views_batch;
+  if (vb->op_case == SHARDWIRE__VIEWS_BATCH__OP_REGISTER)
+    views_register(d, c, seq, vb->register_);
+  else if (vb->op_case == SHARDWIRE__VIEWS_BATCH__OP_UNREGISTER)
+    views_unregister(d, c, seq, vb->unregister);
+  else
+    shardd__reply(d, c, seq, SHARDD_E_INVAL, "ViewsBatch names no operation");
+}
+
+/* ---- batches of buffers ----------------------------------------------- */
+
+/* At most this many entries per request: the reply brings a descriptor per
+ * entry, and a client may pass them on in one message (SCM_MAX_FD 253). */
+#define BUFFERS_PER_REQUEST 250
+
+/* Every entry is tried in order, as that many RegisterBuffer requests
+ * would be; when any is refused (or a block cannot be exported) what the
+ * request did is undone, newest first, and nothing is left of it. */
+static void buffers_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                             const Shardwire__RegisterBuffers *rq) {
+  size_t n = rq->n_buffers;
+  char err[ERRLEN];
+  if (n > BUFFERS_PER_REQUEST) {
+    snprintf(err, sizeof err, "%zu buffers in one request, at most %d", n,
+             BUFFERS_PER_REQUEST);
+    shardd__reply(d, c, seq, SHARDD_E_LIMIT, err);
+    return;
+  }
+  batch_errs be;
+  buf_undo *u = calloc(n ? n : 1, sizeof *u);
+  Shardwire__BufferReply *br = calloc(n ? n : 1, sizeof *br);
+  Shardwire__BufferReply **brp = calloc(n ? n : 1, sizeof *brp);
+  uint8_t *ipc = malloc((n ? n : 1) * 64);
+  int *fds = malloc((n ? n : 1) * sizeof *fds);
+  if (u == NULL || br == NULL || brp == NULL || ipc == NULL || fds == NULL ||
+      shardd__batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
+          SHARDD_OK) {
+    free(u);
+    free(br);
+    free(brp);
+    free(ipc);
+    free(fds);
+    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    return;
+  }
+  for (size_t i = 0; i < n; i++) {
+    fds[i] = -1;
+    shardd_err rc = buffer_register_one(d, c, rq->buffers[i], &u[i], err,
+                                        sizeof err);
+    if (rc != SHARDD_OK)
+      shardd__batch_err_add(&be, i, rc, err);
+  }
+  size_t nfds = 0;
+  for (size_t i = 0; i < n && be.total == 0; i++) {
+    shardd_err rc = buffer_reply_fill(d, c, u[i].b, u[i].created, &br[i],
+                                      ipc + 64 * i, &fds[i], err, sizeof err);
+    if (rc != SHARDD_OK)
+      shardd__batch_err_add(&be, i, rc, err);
+    else if (fds[i] >= 0)
+      nfds++;
+    brp[i] = &br[i];
+  }
+  if (be.total > 0) {
+    for (size_t i = 0; i < n; i++)
+      if (fds[i] >= 0)
+        close(fds[i]);
+    for (size_t i = n; i-- > 0;)
+      buffer_undo(d, &u[i]);
+    shardd__batch_refuse(d, c, seq, n, &be, "buffers");
+  } else if (nfds != 0 && nfds != n) {
+    /* a backend exports every block alike: a bug, said loudly */
+    for (size_t i = 0; i < n; i++)
+      if (fds[i] >= 0)
+        close(fds[i]);
+    for (size_t i = n; i-- > 0;)
+      buffer_undo(d, &u[i]);
+    shardd__reply(d, c, seq, SHARDD_E_INTERNAL, "some blocks exported a descriptor, "
+                  "some not");
+  } else {
+    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_BUFFERS_BATCH);
+    Shardwire__BuffersBatchReply bb = SHARDWIRE__BUFFERS_BATCH_REPLY__INIT;
+    bb.n_buffers = n;
+    bb.buffers = brp;
+    resp.buffers_batch = &bb;
+    shardd__send_resp_fds(d, c, &resp, fds, nfds);
+    for (size_t i = 0; i < n; i++)
+      if (u[i].created)
+        log_created(c, u[i].b);
+  }
+  shardd__batch_errs_free(&be);
+  free(u);
+  free(br);
+  free(brp);
+  free(ipc);
+  free(fds);
+}
+
+/* Every id is checked before any buffer goes: registered, held by no
+ * optimizer, no collective in flight, generation current, named once. */
+static void buffers_unregister(shardd__dispatch *d, shardd__conn *c,
+                               uint64_t seq,
+                               const Shardwire__UnregisterBuffers *rq) {
+  size_t n = rq->n_buffers;
+  char err[ERRLEN];
+  batch_errs be;
+  uint64_t *ids = malloc((n ? n : 1) * sizeof *ids);
+  if (ids == NULL ||
+      shardd__batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
+          SHARDD_OK) {
+    free(ids);
+    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    return;
+  }
+  shardd__registry *reg = &d->reg;
+  shardd__job *job = c->m.job;
+  for (size_t i = 0; i < n; i++) {
+    const Shardwire__UnregisterBuffer *ub = rq->buffers[i];
+    shardd_err rc;
+    uint64_t gen = ub->has_generation ? ub->generation : 0;
+    if (gen != 0 && shardd__registry_stale(reg, job, ub->id, gen, err, sizeof err))
+      rc = SHARDD_E_STALE;
+    else
+      rc = shardd__buffer_unregister_check(reg, job, ub->id, err, sizeof err);
+    if (rc != SHARDD_OK)
+      shardd__batch_err_add(&be, i, rc, err);
+    ids[i] = ub->id;
+  }
+  if (be.total == 0 && n > 1) {
+    qsort(ids, n, sizeof *ids, cmp_u64);
+    for (size_t i = 1; i < n; i++)
+      if (ids[i] == ids[i - 1]) {
+        size_t seen = 0;
+        for (size_t j = 0; j < n; j++)
+          if (rq->buffers[j]->id == ids[i] && seen++ > 0) {
+            snprintf(err, sizeof err, "buffer %" PRIu64 " is named twice",
+                     ids[i]);
+            shardd__batch_err_add(&be, j, SHARDD_E_INVAL, err);
+          }
+        while (i + 1 < n && ids[i + 1] == ids[i])
+          i++;
+      }
+  }
+  if (be.total > 0) {
+    shardd__batch_refuse(d, c, seq, n, &be, "buffer unregistrations");
+  } else {
+    for (size_t i = 0; i < n; i++)
+      if (shardd__buffer_unregister(reg, job, rq->buffers[i]->id, err,
+                                    sizeof err) != SHARDD_OK)
+        shardd__log(1, "job \"%s\": buffer %" PRIu64 " passed its check but: %s",
+                    job->name, rq->buffers[i]->id, err);
+    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_BUFFERS_BATCH);
+    Shardwire__BuffersBatchReply bb = SHARDWIRE__BUFFERS_BATCH_REPLY__INIT;
+    resp.buffers_batch = &bb;
+    shardd__send_resp(d, c, &resp, -1);
+  }
+  shardd__batch_errs_free(&be);
+  free(ids);
+}
+
+void shardd__on_buffers_batch(shardd__dispatch *d, shardd__conn *c,
+                              uint64_t seq, const Shardwire__Request *req) {
+  const Shardwire__BuffersBatch *bb = req->buffers_batch;
+  if (bb->op_case == SHARDWIRE__BUFFERS_BATCH__OP_REGISTER)
+    buffers_register(d, c, seq, bb->register_);
+  else if (bb->op_case == SHARDWIRE__BUFFERS_BATCH__OP_UNREGISTER)
+    buffers_unregister(d, c, seq, bb->unregister);
+  else
+    shardd__reply(d, c, seq, SHARDD_E_INVAL, "BuffersBatch names no operation");
+}
+
+void shardd__on_register_optimizer(shardd__dispatch *d, shardd__conn *c,
+                                   uint64_t seq,
+                                   const Shardwire__Request *req) {
+  char err[ERRLEN];
+  shardd__optspec spec;
+  if (shardd__optspec_from_wire(req->register_optimizer, &spec) != SHARDD_OK) {
+    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    return;
+  }
+  shardd__optreg_result res;
+  shardd_err rc = shardd__optreg_register(&d->reg, c->m.job, &spec,
+                                          SHARDD__OPTREG_ATTACH, &res, err,
+                                          sizeof err);
+  shardd__optspec_free(&spec);
+  if (rc == SHARDD_OK) {
+    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_OPTIMIZER);
+    Shardwire__OptimizerReply orp = SHARDWIRE__OPTIMIZER_REPLY__INIT;
+    orp.id = res.optim->hdr.id;
+    orp.created = res.created;
+    resp.optimizer = &orp;
+    shardd__send_resp(d, c, &resp, -1);
+  } else if (res.refused) {
+    shardd__reply(d, c, seq, rc, res.list ? res.list : "optimizer refused");
+    shardd__log(3, "job \"%s\": optimizer refused: %s", c->m.job->name,
+                res.list ? res.list : "");
+  } else {
+    shardd__reply(d, c, seq, rc, err);
+  }
+  free(res.list);
+}
+
+static void unregister(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                       shardd__obj_kind kind, uint64_t id, uint64_t gen) {
+  char err[ERRLEN];
+  shardd_err rc;
+  shardd__registry *reg = &d->reg;
+  shardd__job *job = c->m.job;
+  if (gen != 0 && shardd__registry_stale(reg, job, id, gen, err, sizeof err))
+    rc = SHARDD_E_STALE;
+  else if (kind == SHARDD__OBJ_BUFFER)
+    rc = shardd__buffer_unregister(reg, job, id, err, sizeof err);
+  else if (kind == SHARDD__OBJ_VIEW)
+    rc = shardd__view_unregister(reg, job, id, err, sizeof err);
+  else
+    rc = shardd__optim_unregister(reg, job, id, err, sizeof err);
+  shardd__reply(d, c, seq, rc, rc == SHARDD_OK ? NULL : err);
+}
+
+void shardd__on_unregister_buffer(shardd__dispatch *d, shardd__conn *c,
+                                  uint64_t seq, const Shardwire__Request *req) {
+  unregister(d, c, seq, SHARDD__OBJ_BUFFER, req->unregister_buffer->id,
+             req->unregister_buffer->generation);
+}
+
+void shardd__on_unregister_view(shardd__dispatch *d, shardd__conn *c,
+                                uint64_t seq, const Shardwire__Request *req) {
+  unregister(d, c, seq, SHARDD__OBJ_VIEW, req->unregister_view->id,
+             req->unregister_view->generation);
+}
+
+void shardd__on_unregister_optimizer(shardd__dispatch *d, shardd__conn *c,
+                                     uint64_t seq,
+                                     const Shardwire__Request *req) {
+  unregister(d, c, seq, SHARDD__OBJ_OPTIM, req->unregister_optimizer->id, 0);
+}
