@@ -150,6 +150,7 @@ def rank_main(rank, world, sock, job, q):
 
 
 @unittest.skipUnless(common.HAVE_TORCH, "torch not installed")
+@unittest.skipIf(common.UNDER_ASAN, common.ASAN_MEMORY)
 class TrainerMemoryTest(unittest.TestCase):
     def test_wrapping_keeps_no_copy_of_the_parameters(self):
         world = 2

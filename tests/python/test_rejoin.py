@@ -202,6 +202,7 @@ class RejoinTest(unittest.TestCase):
         for n, v in ref["params"].items():
             np.testing.assert_array_equal(more["params"][n], v, err_msg=n)
 
+    @unittest.skipIf(common.UNDER_ASAN, common.ASAN_CXX_THROW)
     def test_a_rank_killed_at_random_points_and_relaunched_continues_bit_identically(self):
         """Each trial kills one rank (chosen by a seeded RNG) at a random
         moment of the iteration after one of steps 1..4. That rank's
