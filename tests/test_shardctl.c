@@ -300,6 +300,40 @@ Test(shardctl, json_escapes_names, .init = start, .fini = stop) {
   shardd_close(c);
 }
 
+/* Names are any bytes but NUL and come from other uids: the text form
+ * shows control bytes as \xNN, so a job named with an escape sequence or a
+ * newline neither drives the operator's terminal nor forges a report line. */
+Test(shardctl, text_escapes_control_bytes_in_names, .init = start,
+     .fini = stop) {
+  const char *job = "evil\x1b[2J\njob forged: world 9";
+  shardd_client_t *c = test_connect(&d, job, 0, 1);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "bu\rf", SHARDD_DTYPE_FP32, 8, &b),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  int64_t shape[1] = {8};
+  uint64_t vid;
+  cr_assert_eq(shardd_view_register(c, b.id, "v\x07iew\\", 0, 8, shape, 1, &vid),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  char *out, *err, idarg[32];
+  cr_assert_eq(ctl(&out, &err, "--socket %s status%s", NULL), 0, "%s", err);
+  for (const char *p = out; *p; p++)
+    cr_assert(*p == '\n' || ((unsigned char)*p >= 0x20 && *p != 0x7f),
+              "control byte 0x%02x in: %s", (unsigned char)*p, out);
+  cr_assert_not_null(strstr(out, "job evil\\x1b[2J\\x0ajob forged: world 9: "
+                                 "world 1"), "%s", out);
+  cr_assert_null(strstr(out, "\njob forged"), "%s", out);
+  free(out);
+  free(err);
+  snprintf(idarg, sizeof idarg, " %llu", (unsigned long long)b.id);
+  cr_assert_eq(ctl(&out, &err, "--socket %s inspect%s", idarg), 0, "%s", err);
+  cr_assert_not_null(strstr(out, "name: bu\\x0df\n"), "%s", out);
+  cr_assert_not_null(strstr(out, "job: evil\\x1b[2J\\x0ajob forged"), "%s", out);
+  cr_assert_not_null(strstr(out, " v\\x07iew\\\\: ["), "%s", out);
+  free(out);
+  free(err);
+  shardd_close(c);
+}
+
 /* `shardctl release JOB` (issue 19): refused naming the connected ranks
  * while a trainer holds one, and refused to another uid; once the ranks
  * left (the job lingers), it frees the job now, and a restore into that
