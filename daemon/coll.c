@@ -1398,7 +1398,7 @@ static void submit(shardd__coll_engine *e, shardd__coll_member *m, uint64_t seq,
   }
   if (m->pending >= e->cfg.max_pending) {
     snprintf(err, sizeof err,
-             "session has %" PRIu32 " collectives queued (limit %" PRIu32 ")",
+             "session has %" PRIu32 " collectives queued (--max-pending %" PRIu32 ")",
              m->pending, e->cfg.max_pending);
     free(vals);
     refuse(e, m, seq, args, SHARDD_E_LIMIT, err);

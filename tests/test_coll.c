@@ -558,7 +558,7 @@ Test(coll, max_pending_refused) {
   submit(0, 99, scatter_args(b, SHARDD_REDUCE_SUM));
   cr_assert_eq(nreplies, 1, "answered at once");
   const reply *rp = expect_reply(0, 99, SHARDD_E_LIMIT);
-  expect_msg(rp, "limit 4");
+  expect_msg(rp, "(--max-pending 4)");
   cr_assert_eq(mem[0].pending, MAX_PENDING, "a refusal is not pending");
   cr_assert_eq(shardd__coll_inflight(eng, job), MAX_PENDING);
   /* the others are not limited by rank 0's queue, and the queued ones
