@@ -36,7 +36,6 @@ ROWS = 2  # rows per rank per step: memory is the point, not compute
 
 def cases():
     """name -> (build, auto_wrap, dtype, batch(rank, world), loss)."""
-    import torch
     from torch import nn
     import models
     gpt = models.GPTConfig(vocab=2048, ctx=32, dim=256, heads=8, layers=4)
