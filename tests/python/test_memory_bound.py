@@ -333,8 +333,13 @@ class MemoryBoundTest(unittest.TestCase):
                      res["used"][0] / nominal, nominal, want, res["peaks"][-1],
                      res["peaks"][-1] / nominal, res["registered"][1], lr,
                      res["losses"], want_losses))
+            # after the first step: the bound, exactly, and it stays
             self.assertEqual(res["used"][0], want, label)
             self.assertEqual(res["used"][-1], want, label)
+            # the peak: the daemon kept each unit's exact fp32 initial
+            # values (the master's seed, 4*P) from registration to the first
+            # step, beside the rest (22*P + 8*U*W); without that copy the
+            # peak is the bound
             self.assertIn(res["peaks"][-1], (want, seeded), label)
             self.assertLessEqual(lr, TOL, label)
             if not common.UNDER_ASAN:
