@@ -3,12 +3,12 @@ with a default Client (transient areas, FSDP's FULL_SHARD) and fp32 AdamW
 in the daemon, the peak over every device is FSDP's bound 16*P + 16*U*W --
 per rank its shard, reduced-gradient shard and AdamW's two moments of
 every unit (16*P in all), and per rank 2 gather and 2 gradient slots of
-the largest unit U (16*U*W) -- with the daemon's 4 KiB page per region,
-computed from the wrapped model's units as the daemon lays them out
+the largest unit U (16*U*W) -- in the daemon's whole 4 KiB pages per
+region (and 19 more after an area of 1 MiB or more), computed from the wrapped model's units as the daemon lays them out
 (daemon_bytes), for the nanoGPT-shaped GPT per Block, the LLaMA-shaped model
 per decoder layer and the ResNet-18-shaped CNN per BasicBlock, 2 and 4
 ranks; the losses are single-process torch's, and a rank's private memory
-(RssAnon) grows by far less than the model (the shards are the daemon's,
+(RssAnon) grows by less than half the model's fp32 bytes (the shards are the daemon's,
 the areas shared mappings). A bf16 LLaMA with its fp32 master has its own
 bound, 18*P + 8*U*W (see bf16_bound). Ranks are processes (forkserver) of
 one job on a daemon of the test's own (host backend, a device per rank)."""
