@@ -38,6 +38,9 @@ fi
 "$BUILD/bench/registry_bench"
 if [ -n "$PY" ] && "$PY" -c 'import torch' 2>/dev/null; then
   SHARDD_BIN="$BUILD/shardd" SHARDD_LIB="$BUILD/libshardd.so" "$PY" bench/fsdp_bench.py
+  SHARDD_BIN="$BUILD/shardd" SHARDD_LIB="$BUILD/libshardd.so" "$PY" bench/model_memory_bench.py
+else
+  rm -f "$BENCH_RESULTS/fsdp.json" "$BENCH_RESULTS/model_memory.json"
 fi
 if [ -n "$PY" ]; then
   "$PY" bench/summary.py "$BENCH_RESULTS"
