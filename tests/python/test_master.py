@@ -282,3 +282,97 @@ class MasterTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+def _page(n):
+    return (n + 4095) // 4096 * 4096
+
+
+def _job_bytes(c):
+    st = c.status()
+    (job,) = [j for j in st["jobs"] if j["name"] == c.job]
+    return (job["bytes"], sum(d["used_bytes"] for d in st["devices"]),
+            sum(d["peak_bytes"] for d in st["devices"]))
+
+
+@unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
+class MasterMemoryTest(unittest.TestCase):
+    """A 16-bit unit holds its 16-bit shard, its fp32 reduced gradient and
+    the optimizer's state (the fp32 master, the moments): no fp32 copy of
+    the initial values beside the master, before the first step or after,
+    and the move of that copy into the master at the optimizer's
+    registration never holds both (the device's peak)."""
+
+    def test_bf16_unit_holds_no_copy_beside_its_master(self):
+        d = common.own_daemon(devices=1)
+        self.addCleanup(d.cleanup)
+        self.addCleanup(d.stop)
+        c = shardd.Client(d.socket, job=common.job("master-mem"), rank=0, world=1)
+        self.addCleanup(c.close)
+        m = model()
+        sm = shardd.nn.ShardedModule(c, m, dtype="bf16")
+        (b,) = sm.buffers
+        n = b.shard_numel  # one rank: the whole unit
+        block = _page(2 * n) + _page(4 * n)  # bf16 shard, fp32 reduced gradient
+        arr = _page(4 * n)                   # one fp32 array of the shard
+        # wrapped, no optimizer: the exact fp32 values wait in one array
+        self.assertEqual(_job_bytes(c), (block + arr,) * 3)
+        opt = shardd.optim.AdamW(m.parameters(), lr=1e-2)
+        # the optimizer's master took them: master + exp_avg + exp_avg_sq,
+        # and the device never held both
+        state = 3 * arr
+        self.assertEqual(_job_bytes(c), (block + state,) * 3)
+        pool = 2 * _page(2 * n) * 2  # 2 gather and 2 gradient slots of the unit
+        x, y = data()
+        want = reference()
+        for s in range(STEPS):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(m(x[s].bfloat16()).float(), y[s])
+            loss.backward()
+            opt.step()
+            self.assertEqual(loss.item(), want[s][0], "step %d's loss" % s)
+            self.assertEqual(_job_bytes(c), (block + state + pool,) * 3, "step %d" % s)
+        got = torch.cat([t.reshape(-1) for t in sm.full_parameters().values()])
+        self.assertEqual((got != want[-1][1]).sum().item(), 0)
+
+    def test_the_seed_moves_between_optimizers_before_the_first_step(self):
+        """Seeded before any optimizer: a region of its own until the first
+        optimizer's master takes it; a second optimizer over the same shard
+        copies that master; unregistering both gives it back; the
+        optimizer registered then still starts from the exact values."""
+        d = common.own_daemon(devices=1)
+        self.addCleanup(d.cleanup)
+        self.addCleanup(d.stop)
+        c = shardd.Client(d.socket, job=common.job("master-move"), rank=0, world=1,
+                          transient_areas=False)
+        self.addCleanup(c.close)
+        b = c.register_buffer("w", "bf16", 4)
+        v = c.register_view(b, "w.v", 0, (2,))
+        u = c.register_view(b, "w.u", 2, (2,))
+        block = _job_bytes(c)[0]
+        page = 4096  # 4 fp32 values: one page
+        exact = torch.tensor([1.0029, -3.0117, 0.10003, 7.0313])  # not bf16 values
+        b.shard_tensor.copy_(exact.bfloat16())
+        c.seed_master(b, exact)
+        self.assertEqual(_job_bytes(c), (block + page,) * 3)
+        o1 = c.register_optimizer("sgd", [[v]], name="o1", lr=1.0)
+        self.assertEqual(_job_bytes(c), (block + page,) * 3, "moved, not copied")
+        o2 = c.register_optimizer("sgd", [[u]], name="o2", lr=1.0)
+        self.assertEqual(_job_bytes(c)[0], block + 2 * page)
+        self.assertEqual(c.optim_master(o1, v).tolist(), exact[:2].tolist())
+        self.assertEqual(c.optim_master(o2, u).tolist(), exact[2:].tolist())
+        c.unregister_optimizer(o1)
+        self.assertEqual(c.optim_master(o2, u).tolist(), exact[2:].tolist())
+        c.unregister_optimizer(o2)
+        self.assertEqual(_job_bytes(c)[:2], (block + page,) * 2, "back in its own region")
+        o3 = c.register_optimizer("sgd", [[v, u]], name="o3", lr=1.0)
+        self.assertEqual(_job_bytes(c)[:2], (block + page,) * 2)
+        self.assertEqual(c.optim_master(o3, v).tolist(), exact[:2].tolist())
+        c.gather(b)
+        g = torch.tensor([0.0078, 0.0039, 0.0004, 0.03]).bfloat16()
+        b.grad_tensor.copy_(g)
+        c.scatter(b, "sum")
+        c.step(o3)
+        # SGD lr 1: from the exact master, not from its bf16 rounding
+        self.assertEqual(b.shard_tensor.tolist(), (exact - g.float()).bfloat16().tolist())
+        self.assertEqual(_job_bytes(c)[:2], (block + page,) * 2)
