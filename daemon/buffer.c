@@ -69,6 +69,7 @@ void shardd__buffer_destroy(shardd__registry *reg, shardd__buffer *b) {
   }
   shardd__map_free(&b->views);
   shardd__map_del_str(&b->hdr.job->buffers, b->hdr.name);
+  shardd__areas_unit_removed(b);
   shardd__areas_buffer_fini(b);
   buffer_free_blocks(reg, b);
   shardd__record_freed(&b->hdr, NULL);
@@ -141,9 +142,20 @@ shardd_err shardd__buffer_register(shardd__registry *reg, shardd__job *job,
     snprintf(err, errlen, "out of memory");
     goto fail;
   }
-  if (!shardd__within_quota(reg, job, (uint64_t)job->local_ranks * b->block_bytes,
-                            err, errlen))
+  /* its rank blocks, and what its unit adds to the pools of transient
+   * areas: reserved now, so a limit is met here, not at a first gather */
+  uint64_t blocks = (uint64_t)job->local_ranks * b->block_bytes;
+  uint64_t pools = shardd__areas_reserve(job, b) - shardd__areas_reserve(job, NULL);
+  if (!shardd__within_quota(reg, job, blocks + pools, err, errlen)) {
+    size_t used = strlen(err);
+    if (used < errlen)
+      snprintf(err + used, errlen - used, "; buffer \"%s\" would take %" PRIu64
+               " bytes of rank blocks", name, blocks);
+    if (pools && (used = strlen(err)) < errlen)
+      snprintf(err + used, errlen - used, " and reserve %" PRIu64 " for its "
+               "gather and gradient areas", pools);
     goto fail;
+  }
   if (!shardd__within_blocks(reg, job, job->local_ranks, err, errlen)) {
     rc = SHARDD_E_LIMIT;
     goto fail;
@@ -186,6 +198,8 @@ shardd_err shardd__buffer_register(shardd__registry *reg, shardd__job *job,
     goto fail;
   }
   free(gkey);
+  if (job->transient)
+    shardd__areas_unit_added(b);
   *out = b;
   *created = 1;
   return SHARDD_OK;
@@ -247,6 +261,7 @@ void shardd__buffer_abandon(shardd__registry *reg, shardd__buffer *b) {
   free(gkey);
   shardd__map_free(&b->views); /* a buffer just created has none */
   shardd__map_del_str(&job->buffers, b->hdr.name);
+  shardd__areas_unit_removed(b);
   shardd__areas_buffer_fini(b);
   buffer_free_blocks(reg, b);
   shardd__obj_fini(reg, &b->hdr);

@@ -85,6 +85,11 @@ struct shardd__job {
   shardd__map buffers; /* by name */
   shardd__map optims;  /* by name */
   uint64_t bytes;      /* resident, over every region of the job */
+  /* transient jobs: the largest unit's slot bytes (areas.c), for the pool
+   * memory reserved at registration; recomputed when stale (the largest
+   * was unregistered) */
+  size_t max_unit;
+  int max_unit_stale;
   uint32_t nviews;
   /* generations: the last generation handed out per buffer name ("b:NAME")
    * and per view ("vLEN:BUFNAME" VIEWNAME), values cast from uint64_t; they
@@ -551,6 +556,15 @@ void shardd__areas_busy(shardd__buffer *b);
 void shardd__areas_idle(shardd__buffer *b);
 /* Bytes the job's pools hold now (persistent = job->bytes - this). */
 uint64_t shardd__job_pool_bytes(const shardd__job *job);
+/* Bytes the job's pools will take beyond what they hold, once each is
+ * sized for the job's largest unit, or for b when larger (b: a buffer
+ * being registered, NULL none). The memory limits count them from the
+ * registration that makes them needed (shardd__within_quota), so a job
+ * learns it is over one when it registers, not at its first gather. */
+uint64_t shardd__areas_reserve(shardd__job *job, const shardd__buffer *b);
+/* b joins / leaves its transient job's units (buffer.c). */
+void shardd__areas_unit_added(shardd__buffer *b);
+void shardd__areas_unit_removed(shardd__buffer *b);
 
 shardd_err shardd__view_unregister(shardd__registry *reg, shardd__job *job,
                                    uint64_t id, char *err, size_t errlen);
