@@ -376,3 +376,115 @@ class MasterMemoryTest(unittest.TestCase):
         # SGD lr 1: from the exact master, not from its bf16 rounding
         self.assertEqual(b.shard_tensor.tolist(), (exact - g.float()).bfloat16().tolist())
         self.assertEqual(_job_bytes(c)[:2], (block + page,) * 2)
+
+
+class _Scaled(nn.Module):
+    """model()'s layers and a floating buffer (FSDP's buffer_dtype casts it)
+    and an integer one (never cast)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 8))
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8) + 1e-3)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        return self.net(x) * self.scale
+
+
+class _MP:  # what torch's MixedPrecision holds (its module does not import here)
+    def __init__(self, **kw):
+        self.param_dtype = self.reduce_dtype = self.buffer_dtype = None
+        self.keep_low_precision_grads = False
+        self.__dict__.update(kw)
+
+
+def scaled_reference():
+    """torch's bf16 recipe, FSDP's MixedPrecision(param_dtype=bf16,
+    reduce_dtype=fp32, buffer_dtype=bf16): fp32 master weights stepped by
+    AdamW on the fp32 casts of the bf16 gradients; the model's bf16 copy
+    and buffer compute on bf16 casts of the inputs."""
+    torch.set_num_threads(1)
+    x, y = data()
+    master = [p.detach().clone() for p in _Scaled().parameters()]
+    rb = _Scaled().to(torch.bfloat16)
+    opt = torch.optim.AdamW(master, lr=1e-2, foreach=False)
+    out = []
+    for s in range(STEPS):
+        with torch.no_grad():
+            for p, q in zip(rb.parameters(), master):
+                p.copy_(q)
+                p.grad = None
+        loss = nn.functional.mse_loss(rb(x[s].bfloat16()).float(), y[s])
+        loss.backward()
+        for q, p in zip(master, rb.parameters()):
+            q.grad = p.grad.float()
+        opt.step()
+        out.append((loss.item(), torch.cat([q.detach().bfloat16().reshape(-1) for q in master])))
+    return out
+
+
+@unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
+class MixedPrecisionTest(unittest.TestCase):
+    """FSDP's MixedPrecision knobs as ShardedModule options."""
+
+    def run_knobs(self, **kw):
+        c = shardd.Client(common.socket(), job=common.job("mp"), rank=0, world=1)
+        self.addCleanup(c.close)
+        m = _Scaled()
+        sm = shardd.nn.ShardedModule(c, m, auto_wrap="children", **kw)
+        self.assertEqual(m.scale.dtype, torch.bfloat16, "buffer_dtype casts the buffer")
+        self.assertEqual(m.calls.dtype, torch.long, "not an integer one")
+        self.assertEqual(sm.buffers[0].dtype, "bf16")
+        opt = shardd.optim.AdamW(m.parameters(), lr=1e-2)
+        x, y = data()
+        want = scaled_reference()
+        for s in range(STEPS):
+            opt.zero_grad()
+            out = m(x[s])  # fp32 inputs: cast to param_dtype, as FSDP casts them
+            self.assertEqual(out.dtype, torch.bfloat16)
+            loss = nn.functional.mse_loss(out.float(), y[s])
+            loss.backward()
+            opt.step()
+            got = torch.cat([t.reshape(-1) for t in sm.full_parameters().values()])
+            self.assertEqual(loss.item(), want[s][0], "step %d's loss" % s)
+            diff = (got != want[s][1]).sum().item()
+            self.assertEqual(diff, 0, "step %d: %d of %d elements differ" % (s, diff, got.numel()))
+        sd = m.state_dict()
+        self.assertEqual(sd["scale"].dtype, torch.float32, "full precision in a full state dict")
+        self.assertEqual(sd["scale"].tolist(), _Scaled().scale.bfloat16().float().tolist())
+        self.assertEqual(m.scale.dtype, torch.bfloat16, "and bf16 on the module still")
+
+    def test_param_reduce_buffer_dtype_match_torchs_bf16_recipe(self):
+        self.run_knobs(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                       buffer_dtype=torch.bfloat16)
+
+    def test_a_mixed_precision_object_is_taken(self):
+        self.run_knobs(mixed_precision=_MP(param_dtype=torch.bfloat16,
+                                           buffer_dtype=torch.bfloat16))
+
+    def test_what_the_daemon_does_not_do_is_refused(self):
+        c = shardd.Client(common.socket(), job=common.job("mp-no"), rank=0, world=1)
+        self.addCleanup(c.close)
+        cases = [
+            (dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16), "reduce_dtype"),
+            (dict(reduce_dtype=torch.float16), "reduces gradients in fp32"),
+            (dict(dtype="fp16", param_dtype=torch.bfloat16), "differ"),
+            (dict(param_dtype=torch.float64), "not supported"),
+            (dict(mixed_precision=_MP(param_dtype=torch.bfloat16), param_dtype=torch.bfloat16),
+             "given twice"),
+            (dict(mixed_precision=_MP(param_dtype=torch.bfloat16,
+                                      keep_low_precision_grads=True)),
+             "keep_low_precision_grads"),
+        ]
+        for kw, words in cases:
+            m = _Scaled()
+            with self.assertRaises(ValueError, msg=str(kw)) as cm:
+                shardd.nn.ShardedModule(c, m, **kw)
+            self.assertIn(words, str(cm.exception))
+            self.assertEqual(m.scale.dtype, torch.float32, "nothing was changed")
+        # fp32 units reduce in fp32: reduce_dtype fp32 with fp32 params is taken
+        m = _Scaled()
+        shardd.nn.ShardedModule(c, m, param_dtype=torch.float32, reduce_dtype=torch.float32)
+        self.assertEqual(m.net[0].weight.dtype, torch.float32)

@@ -198,6 +198,74 @@ _DTYPE_OF = {v: k for k, v in _TORCH_DTYPES.items()}
 INIT_POLICIES = ("auto", "overwrite", "require_existing")
 
 
+def _dtype_name(dt, what):
+    """"fp32" / "bf16" / "fp16" of a torch dtype or of one of those names."""
+    if isinstance(dt, torch.dtype):
+        if dt not in _TORCH_DTYPES:
+            raise ValueError("%s %s is not supported by shardd (torch.float32, "
+                             "torch.bfloat16 or torch.float16)" % (what, dt))
+        return _TORCH_DTYPES[dt]
+    if dt not in _DTYPE_OF:
+        raise ValueError("%s %r: fp32, bf16, fp16 or a torch dtype" % (what, dt))
+    return dt
+
+
+def _mixed_precision(dtype, mixed_precision, param_dtype, reduce_dtype, buffer_dtype):
+    """FSDP's MixedPrecision knobs (given as an object with those attributes,
+    such as torch's MixedPrecision, or one by one) mapped onto shardd:
+    -> (the units' dtype or None, buffer dtype or None, input dtype or None).
+
+    param_dtype is the units' dtype (a 16-bit unit computes in it; its fp32
+    master and reduced gradient are the daemon's), and the root's floating
+    inputs are cast to it, as FSDP casts them. The daemon reduces every
+    gradient in fp32 into the fp32 reduced-gradient shard (16-bit gradients
+    widened first): FSDP's reduce_dtype=torch.float32, so that, None, or the
+    param_dtype when it is fp32 are taken; a 16-bit reduce_dtype is refused.
+    buffer_dtype casts the module's floating buffers (full precision again
+    in a full state dict, as FSDP's)."""
+    if mixed_precision is not None:
+        for k, v in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype),
+                     ("buffer_dtype", buffer_dtype)):
+            if v is not None:
+                raise ValueError("%s given twice: in mixed_precision and as an "
+                                 "argument" % k)
+        param_dtype = getattr(mixed_precision, "param_dtype", None)
+        reduce_dtype = getattr(mixed_precision, "reduce_dtype", None)
+        buffer_dtype = getattr(mixed_precision, "buffer_dtype", None)
+        if getattr(mixed_precision, "keep_low_precision_grads", False):
+            raise ValueError("keep_low_precision_grads: a 16-bit unit's reduced "
+                             "gradient is the daemon's fp32 one")
+    pdt = None if param_dtype is None else _dtype_name(param_dtype, "param_dtype")
+    if pdt is not None and dtype is not None and _dtype_name(dtype, "dtype") != pdt:
+        raise ValueError("dtype %r and param_dtype %r differ (param_dtype is the "
+                         "units' dtype: pass one)" % (dtype, param_dtype))
+    if reduce_dtype is not None:
+        rdt = _dtype_name(reduce_dtype, "reduce_dtype")
+        if rdt != "fp32":
+            raise ValueError(
+                "reduce_dtype %s: shardd reduces gradients in fp32 (a 16-bit unit's "
+                "widened) into the fp32 reduced-gradient shard, FSDP's "
+                "reduce_dtype=torch.float32; a %s reduction is not offered "
+                "(pass torch.float32 or None)" % (reduce_dtype, rdt))
+    bdt = None if buffer_dtype is None else _DTYPE_OF[_dtype_name(buffer_dtype, "buffer_dtype")]
+    return (pdt if pdt is not None else dtype, bdt,
+            None if pdt is None else _DTYPE_OF[pdt])
+
+
+def _cast_floats(obj, dt):
+    """obj with its floating tensors (in tuples, lists, dicts) cast to dt."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dt) if obj.is_floating_point() and obj.dtype != dt else obj
+    if isinstance(obj, tuple):
+        return type(obj)(*[_cast_floats(x, dt) for x in obj]) if hasattr(obj, "_fields") \
+            else tuple(_cast_floats(x, dt) for x in obj)
+    if isinstance(obj, list):
+        return [_cast_floats(x, dt) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dt) for k, v in obj.items()}
+    return obj
+
+
 def _checksum(flat):
     """crc32 of the flattened initial values' bytes: equal on every rank
     exactly when the ranks built the same model."""
@@ -767,6 +835,16 @@ class ShardedModule:
     prefix: prepended to buffer and view names (names are per job).
     dtype: "fp32", "bf16", "fp16" or a torch dtype; default: the parameters'
       dtype (they must all have one dtype).
+    mixed_precision, or param_dtype, reduce_dtype, buffer_dtype: FSDP's
+      MixedPrecision (an object with those attributes, such as torch's, or
+      the knobs one by one; torch dtypes or "fp32"/"bf16"/"fp16").
+      param_dtype: the units' dtype (as dtype=; a 16-bit unit keeps its
+      fp32 master and reduced gradient in the daemon), and the root's
+      floating inputs are cast to it, as FSDP casts them. reduce_dtype: the
+      daemon reduces in fp32 (16-bit gradients widened first), FSDP's
+      reduce_dtype=torch.float32; that or None is taken, a 16-bit one is a
+      ValueError. buffer_dtype: the module's floating buffers are cast to it
+      (a full state dict gives them in their original dtype, as FSDP's).
     initial_gather: resident areas: gather every unit at the end (a
       collective). Transient areas gather per unit in the hooks instead.
     reduce_op: transient areas: the hooks' reduce-scatter, "mean" or "sum".
@@ -812,7 +890,10 @@ class ShardedModule:
 
     def __init__(self, client, module, auto_wrap="module", prefix="", dtype=None,
                  initial_gather=True, reduce_op="mean", init="auto", prefetch=True,
-                 bucket_bytes=25 << 20, param_init_fn=None):
+                 bucket_bytes=25 << 20, param_init_fn=None, mixed_precision=None,
+                 param_dtype=None, reduce_dtype=None, buffer_dtype=None):
+        dtype, buffer_dtype, input_dtype = _mixed_precision(
+            dtype, mixed_precision, param_dtype, reduce_dtype, buffer_dtype)
         if init not in INIT_POLICIES:
             raise ValueError("init %r: one of %s" % (init, ", ".join(INIT_POLICIES)))
         if reduce_op not in shardd.REDUCE_OPS:
@@ -970,6 +1051,19 @@ class ShardedModule:
                 off += n
             self.units.append(FlatUnit(uname or "root", buf, entries, module=root,
                                        is_root=root is module))
+        # FSDP's buffer_dtype: floating buffers cast (a full state dict
+        # gives them back in their own dtype)
+        self._buffer_dtypes = {}
+        if buffer_dtype is not None:
+            for mname, m in module.named_modules():
+                for k, b in m._buffers.items():
+                    if b is not None and b.is_floating_point() and b.dtype != buffer_dtype:
+                        self._buffer_dtypes[(mname + "." if mname else "") + k] = b.dtype
+                        m._buffers[k] = b.to(buffer_dtype)
+        self._input_dtype = input_dtype
+        if input_dtype is not None:
+            module.register_forward_pre_hook(
+                lambda _m, inputs: _cast_floats(inputs, input_dtype))
         dev = self.device
         if dev.type == "cuda":  # the forward must find the module's buffers there
             for m in module.modules():
@@ -1328,6 +1422,9 @@ class ShardedModule:
             return None
         for k, e in keys.items():
             state_dict[k] = full[e.name]
+        for k, dt in self._buffer_dtypes.items():  # buffer_dtype's casts undone
+            if prefix + k in state_dict:
+                state_dict[prefix + k] = state_dict[prefix + k].to(dt)
         if cfg.offload_to_cpu:
             for k in list(state_dict):
                 if k.startswith(prefix) and isinstance(state_dict[k], torch.Tensor):
