@@ -428,8 +428,14 @@ char *shardd__fmt_inspect_text(const Shardwire__InspectReply *ir) {
     const Shardwire__ShardInfo *s = ir->shards[i];
     shardd__sb_printf(&sb,
                       "shard rank %" PRIu32 ": device %" PRIu32
-                      " elements [%" PRIu64 ", %" PRIu64 ")\n",
+                      " elements [%" PRIu64 ", %" PRIu64 ")",
                       s->rank, s->device, s->offset, s->offset + s->numel);
+    if (s->has_bytes) {
+      char a[32];
+      human(a, sizeof a, s->bytes);
+      shardd__sb_printf(&sb, ", holds %s (%" PRIu64 " bytes)", a, s->bytes);
+    }
+    shardd__sb_printf(&sb, "\n");
   }
   if (ir->has_shards_more && ir->shards_more > 0)
     shardd__sb_printf(&sb, "and %" PRIu32 " more shards\n", ir->shards_more);
@@ -521,8 +527,11 @@ char *shardd__fmt_inspect_json(const Shardwire__InspectReply *ir) {
     const Shardwire__ShardInfo *s = ir->shards[i];
     shardd__sb_printf(&sb,
                       "%s{\"rank\":%" PRIu32 ",\"device\":%" PRIu32
-                      ",\"offset\":%" PRIu64 ",\"numel\":%" PRIu64 "}",
+                      ",\"offset\":%" PRIu64 ",\"numel\":%" PRIu64,
                       i ? "," : "", s->rank, s->device, s->offset, s->numel);
+    if (s->has_bytes)
+      shardd__sb_printf(&sb, ",\"bytes\":%" PRIu64, s->bytes);
+    shardd__sb_printf(&sb, "}");
   }
   shardd__sb_printf(&sb, "],\"views\":[");
   for (size_t i = 0; i < ir->n_views; i++) {

@@ -317,11 +317,13 @@ class MasterMemoryTest(unittest.TestCase):
         arr = _page(4 * n)                   # one fp32 array of the shard
         # wrapped, no optimizer: the exact fp32 values wait in one array
         self.assertEqual(_job_bytes(c), (block + arr,) * 3)
+        self.assertEqual(sm.memory_stats()["shard_bytes"], block + arr)
         opt = shardd.optim.AdamW(m.parameters(), lr=1e-2)
         # the optimizer's master took them: master + exp_avg + exp_avg_sq,
         # and the device never held both
         state = 3 * arr
         self.assertEqual(_job_bytes(c), (block + state,) * 3)
+        self.assertEqual(sm.memory_stats()["shard_bytes"], block + state)
         pool = 2 * _page(2 * n) * 2  # 2 gather and 2 gradient slots of the unit
         x, y = data()
         want = reference()
@@ -332,6 +334,7 @@ class MasterMemoryTest(unittest.TestCase):
             opt.step()
             self.assertEqual(loss.item(), want[s][0], "step %d's loss" % s)
             self.assertEqual(_job_bytes(c), (block + state + pool,) * 3, "step %d" % s)
+            self.assertEqual(sm.memory_stats()["trainer_bytes"], 0)
         got = torch.cat([t.reshape(-1) for t in sm.full_parameters().values()])
         self.assertEqual((got != want[-1][1]).sum().item(), 0)
 

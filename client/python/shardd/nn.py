@@ -184,6 +184,7 @@ import contextlib
 import functools
 import gc
 import math
+import os
 import weakref
 import zlib
 
@@ -1170,6 +1171,104 @@ class ShardedModule:
         for u in self.units:
             return u.buffer.shard_tensor.device
         return torch.device("cpu")
+
+    def memory_stats(self):
+        """This rank's memory for the wrapped model, in bytes (torch's
+        memory_stats() in spirit; memory_summary() prints it). Not a
+        collective: one status and one inspect per unit.
+
+        shard_bytes: what the daemon holds for this rank's shards of the
+          units (the same as inspect's per-shard "bytes": rank blocks,
+          optimizer state, a 16-bit unit's seed before its optimizer);
+        leased_bytes: the transient areas this rank holds leased now (slots
+          of its job's pool, as large as the largest unit);
+        job_bytes, job_pool_bytes, job_persistent_bytes: the whole job's,
+          as `shardctl status` shows them (the pool is shared by the job's
+          ranks on a device);
+        trainer_bytes: what this process holds for the model outside the
+          daemon: the module's buffers, and any parameter, .grad or kept
+          original parameter whose storage is not the daemon's;
+        units: per unit its name, dtype, numel, shard_numel, bytes (its
+          share of shard_bytes) and the areas this rank leases of it."""
+        rank = self.client.rank
+        job, first = None, 0
+        while job is None:  # status lists 256 jobs at a time
+            st = self.client.status(first)
+            jobs = st.get("jobs", [])
+            job = next((j for j in jobs if j.get("name") == self.client.job and
+                        j.get("owner_uid", os.geteuid()) == os.geteuid()), None)
+            if not jobs or not st.get("jobs_more"):
+                break
+            first += len(jobs)
+        esize = {"fp32": 4, "bf16": 2, "fp16": 2}
+        slot = max([(u.buffer.padded_numel * esize.get(u.buffer.dtype, 4) + 4095)
+                    // 4096 * 4096 for u in self.units] or [0])
+        units, shard_bytes, leases = [], 0, 0
+        daemon = set()  # storages in the daemon's memory
+        for u in self.units:
+            b = u.buffer
+            info = self.client.inspect(b)
+            mine = [sh for sh in info.get("shards", []) if sh["rank"] == rank]
+            nbytes = mine[0].get("bytes", 0) if mine else 0
+            leased = [k for k, key in (("gather", "gather_leases"), ("gradient", "grad_leases"))
+                      if rank in info.get(key, [])]
+            units.append({"name": u.name, "dtype": b.dtype, "numel": b.numel,
+                          "shard_numel": b.shard_numel, "bytes": nbytes, "leased": leased})
+            shard_bytes += nbytes
+            leases += len(leased)
+            areas = [b.shard_tensor, b.reduced_tensor, u.gather, u.grad]
+            if not b.transient:
+                areas += [b.gather_tensor, b.grad_tensor]
+            areas += list(b._leased.values())
+            daemon.update(t.storage().data_ptr() for t in areas if t is not None)
+        seen, trainer = set(), 0
+        tensors = list(self.module.buffers())
+        for p in list(self.module.parameters()) + self._orig_keep:
+            tensors += [p, p.grad] if isinstance(p.grad, torch.Tensor) else [p]
+        for t in tensors:
+            if t is None or t.device.type == "meta" or isinstance(t, (_Grad16, _ResidentGrad)):
+                continue  # the stand-ins are views of the daemon's areas
+            stg = t.storage()
+            if stg.data_ptr() in daemon or stg.data_ptr() in seen:
+                continue
+            seen.add(stg.data_ptr())
+            trainer += stg.nbytes()
+        return {"rank": rank, "units": units, "shard_bytes": shard_bytes,
+                "leased_bytes": leases * slot,
+                "job_bytes": job["bytes"] if job else None,
+                "job_pool_bytes": job.get("pool_bytes", 0) if job else None,
+                "job_persistent_bytes": job.get("persistent_bytes", job["bytes"]) if job else None,
+                "trainer_bytes": trainer}
+
+    def memory_summary(self):
+        """memory_stats() as a table to print (torch.cuda.memory_summary)."""
+        m = self.memory_stats()
+
+        def h(n):
+            if n is None:
+                return "?"
+            for unit in ("B", "KiB", "MiB", "GiB"):
+                if n < 1024 or unit == "GiB":
+                    return ("%d %s" % (n, unit)) if unit == "B" else ("%.1f %s" % (n, unit))
+                n /= 1024.0
+
+        lines = ["shardd memory of job %r, rank %d" % (self.client.job, m["rank"]),
+                 "  %-32s %6s %12s %12s %12s  %s" % ("unit", "dtype", "numel", "shard numel",
+                                                    "daemon", "leased")]
+        for u in m["units"]:
+            lines.append("  %-32s %6s %12d %12d %12s  %s" % (
+                u["name"][:32], u["dtype"], u["numel"], u["shard_numel"], h(u["bytes"]),
+                ",".join(u["leased"]) or "-"))
+        lines += [
+            "  this rank's shards (blocks, optimizer state): %s (%d bytes)"
+            % (h(m["shard_bytes"]), m["shard_bytes"]),
+            "  this rank's leased areas now: %s (%d bytes)" % (h(m["leased_bytes"]),
+                                                              m["leased_bytes"]),
+            "  trainer-side (buffers, tensors outside the daemon): %s (%d bytes)"
+            % (h(m["trainer_bytes"]), m["trainer_bytes"]),
+            "  the job in the daemon: %s, of it pool %s and persistent %s"
+            % (h(m["job_bytes"]), h(m["job_pool_bytes"]), h(m["job_persistent_bytes"]))]
+        return "\n".join(lines) + "\n"
 
     def named_parameters(self):
         for u in self.units:
