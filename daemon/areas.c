@@ -366,9 +366,21 @@ uint64_t shardd__areas_reserve(shardd__job *job, const shardd__buffer *b) {
     unit = unit_bytes(b);
   if (unit == 0)
     return 0;
+  /* dev_reserve over the devices, in one pass over the ranks: quotas
+   * sum it over every job of a uid at each registration */
+  const shardd__registry *reg = job->reg;
+  uint64_t per_rank = (uint64_t)(reg->leases_per_rank[0] + reg->leases_per_rank[1]) * unit;
   uint64_t n = 0;
-  for (int d = 0; d < job->reg->backend->ndevices; d++)
-    n += dev_reserve(job, d, unit);
+  for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++) {
+    const struct shardd__pool *p = job->pools[shardd__rank_device(reg, r)];
+    if (p == NULL || p->slot_bytes < unit)
+      n += per_rank;
+  }
+  for (int d = 0; d < reg->backend->ndevices; d++) {
+    const struct shardd__pool *p = job->pools[d];
+    if (p && p->slot_bytes < unit) /* made anew once this one is freed */
+      n -= p->region->bytes < n ? p->region->bytes : n;
+  }
   return n;
 }
 

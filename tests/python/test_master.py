@@ -491,3 +491,84 @@ class MixedPrecisionTest(unittest.TestCase):
         m = _Scaled()
         shardd.nn.ShardedModule(c, m, param_dtype=torch.float32, reduce_dtype=torch.float32)
         self.assertEqual(m.net[0].weight.dtype, torch.float32)
+
+
+def two_rank_reference(world):
+    """scaled_reference() on world ranks' slices of each batch: each
+    rank's bf16 gradients cast to fp32 and their mean taken in fp32
+    (FSDP's reduce_dtype=torch.float32), summed in rank order."""
+    torch.set_num_threads(1)
+    x, y = data()
+    per = x.shape[1] // world
+    master = [p.detach().clone() for p in _Scaled().parameters()]
+    rb = _Scaled().to(torch.bfloat16)
+    opt = torch.optim.AdamW(master, lr=1e-2, foreach=False)
+    out = []
+    for s in range(STEPS):
+        total = [None] * len(master)
+        losses = []
+        for r in range(world):
+            with torch.no_grad():
+                for p, q in zip(rb.parameters(), master):
+                    p.copy_(q)
+                    p.grad = None
+            xs, ys = x[s, r * per:(r + 1) * per], y[s, r * per:(r + 1) * per]
+            loss = nn.functional.mse_loss(rb(xs.bfloat16()).float(), ys)
+            loss.backward()
+            losses.append(loss.item())
+            for i, p in enumerate(rb.parameters()):
+                g = p.grad.float()
+                total[i] = g if total[i] is None else total[i] + g
+        for q, t in zip(master, total):
+            q.grad = t / world
+        opt.step()
+        out.append((losses, torch.cat([q.detach().bfloat16().reshape(-1) for q in master])))
+    return out
+
+
+def mp_rank_main(rank, world, sock, job, q):
+    try:
+        torch.set_num_threads(1)
+        c = shardd.Client(sock, job=job, rank=rank, world=world)
+        m = _Scaled()
+        sm = shardd.nn.ShardedModule(c, m, auto_wrap="children", param_dtype=torch.bfloat16,
+                                     reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
+        opt = shardd.optim.AdamW(m.parameters(), lr=1e-2)
+        x, y = data()
+        per = x.shape[1] // world
+        losses, params = [], []
+        for s in range(STEPS):
+            opt.zero_grad()
+            xs, ys = x[s, rank * per:(rank + 1) * per], y[s, rank * per:(rank + 1) * per]
+            loss = nn.functional.mse_loss(m(xs).float(), ys)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            # plain lists: a tensor on the queue outlives its rank's process badly
+            params.append(torch.cat([t.reshape(-1) for t in sm.full_parameters().values()])
+                          .float().tolist())
+        q.put(("result", rank, losses, params))
+        c.close()
+        q.put(("done", rank))
+    except BaseException as e:  # noqa: BLE001
+        import traceback
+        q.put(("error", rank, traceback.format_exc()))
+        raise SystemExit(1) from e
+
+
+@unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
+class MixedPrecisionRanksTest(unittest.TestCase):
+    def test_two_ranks_match_torchs_bf16_recipe_with_an_fp32_reduce(self):
+        """2 ranks: the daemon's fp32 reduction of the ranks' bf16
+        gradients is FSDP's reduce_dtype=torch.float32, bit for bit."""
+        world, job, sock = 2, common.job("mp2"), common.socket()
+        got = {}
+        common.launch_ranks(mp_rank_main, lambda r, q: (r, world, sock, job, q), world,
+                            lambda msg: got.__setitem__(msg[1], msg[2:]))
+        want = two_rank_reference(world)
+        for r in range(world):
+            losses, params = got[r]
+            for s in range(STEPS):
+                self.assertEqual(losses[s], want[s][0][r], "rank %d step %d's loss" % (r, s))
+                diff = (torch.tensor(params[s]) != want[s][1].float()).sum().item()
+                self.assertEqual(diff, 0, "rank %d step %d: %d elements differ" % (r, s, diff))
