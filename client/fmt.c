@@ -186,7 +186,12 @@ char *shardd__fmt_status_text(const Shardwire__StatusReply *st) {
     if (j->has_transient && j->transient) {
       human(a, sizeof a, j->has_pool_bytes ? j->pool_bytes : 0);
       human(b, sizeof b, j->bytes - (j->has_pool_bytes ? j->pool_bytes : 0));
-      shardd__sb_printf(&sb, "  transient areas: pools %s, persistent %s\n", a, b);
+      shardd__sb_printf(&sb, "  transient areas: pools %s, persistent %s", a, b);
+      if (j->has_pool_reserved_bytes && j->pool_reserved_bytes) {
+        human(a, sizeof a, j->pool_reserved_bytes);
+        shardd__sb_printf(&sb, ", reserved for pools %s", a);
+      }
+      shardd__sb_printf(&sb, "\n");
     }
     if (j->has_nodes) {
       shardd__sb_printf(&sb, "  nodes %" PRIu32 " (this daemon: node %" PRIu32
@@ -266,6 +271,9 @@ char *shardd__fmt_status_json(const Shardwire__StatusReply *st) {
       shardd__sb_printf(&sb, ",\"transient\":true,\"pool_bytes\":%" PRIu64
                         ",\"persistent_bytes\":%" PRIu64,
                         j->pool_bytes, j->bytes - j->pool_bytes);
+    if (j->has_transient && j->transient && j->has_pool_reserved_bytes)
+      shardd__sb_printf(&sb, ",\"pool_reserved_bytes\":%" PRIu64,
+                        j->pool_reserved_bytes);
     shardd__sb_printf(&sb,
                       ",\"world\":%" PRIu32 ",\"clients\":%" PRIu32
                       ",\"buffers\":%" PRIu32 ",\"views\":%" PRIu32

@@ -213,6 +213,8 @@ static Shardwire__JobStatus *job_status(const shardd__status_ctx *ctx,
     js->transient = 1;
     js->has_pool_bytes = 1;
     js->pool_bytes = shardd__job_pool_bytes(job);
+    js->has_pool_reserved_bytes = 1;
+    js->pool_reserved_bytes = shardd__areas_reserve(job, NULL);
   }
   js->collectives_in_flight = shardd__coll_inflight(ctx->coll, job);
   rank_states(ctx, r, job, js);

@@ -47,6 +47,9 @@ def rank_main(rank, world, sock, job, q):
         m = Net()
         sm = shardd.nn.ShardedModule(c, m, auto_wrap="children")
         opt = shardd.optim.AdamW(m.parameters(), lr=1e-2)
+        c.barrier()  # every rank wrapped, none gathered yet
+        before = sm.memory_stats()
+        c.barrier()
         inside = []
         # after the wrapper's pre-hook (hooks run in registration order): gathered
         m.a.register_forward_pre_hook(lambda *_: inside.append(sm.memory_stats()))
@@ -64,7 +67,7 @@ def rank_main(rank, world, sock, job, q):
             ctl = [j for j in json.loads(out)["jobs"] if j["name"] == job]
         q.put(("stats", rank, after, inside[0], sm.memory_summary(),
                [(u.name, u.buffer.shard_numel, u.buffer.padded_numel) for u in sm.units],
-               ctl))
+               ctl, before))
         c.barrier()  # no rank closes before every rank read the status
         c.close()
         q.put(("done", rank))
@@ -93,7 +96,12 @@ class MemoryReportTest(unittest.TestCase):
         slot = max(_page(4 * p) for _, _, p in units)
         pool = world * 4 * slot  # 2 gather and 2 gradient slots per rank
         for r in range(world):
-            after, inside, text, _, _ = got[r]
+            after, inside, text, _, _, before = got[r]
+            # before the first gather the pool is reserved, not held
+            self.assertEqual((before["job_pool_bytes"], before["job_pool_reserved_bytes"]),
+                             (0, pool))
+            self.assertEqual(before["job_bytes"], world * per_rank)
+            self.assertEqual(after["job_pool_reserved_bytes"], 0)
             self.assertEqual(after["rank"], r)
             self.assertEqual(after["shard_bytes"], per_rank)
             self.assertEqual(sum(u["bytes"] for u in after["units"]), per_rank)
@@ -109,5 +117,6 @@ class MemoryReportTest(unittest.TestCase):
             self.assertIn("(%d bytes)" % per_rank, text)
         # and shardctl status says the same of the job
         (ctl,) = got[0][4]
-        self.assertEqual((ctl["bytes"], ctl["pool_bytes"], ctl["persistent_bytes"]),
-                         (got[0][0]["job_bytes"], pool, world * per_rank))
+        self.assertEqual((ctl["bytes"], ctl["pool_bytes"], ctl["persistent_bytes"],
+                          ctl["pool_reserved_bytes"]),
+                         (got[0][0]["job_bytes"], pool, world * per_rank, 0))

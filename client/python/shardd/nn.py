@@ -1182,9 +1182,11 @@ class ShardedModule:
           optimizer state, a 16-bit unit's seed before its optimizer);
         leased_bytes: the transient areas this rank holds leased now (slots
           of its job's pool, as large as the largest unit);
-        job_bytes, job_pool_bytes, job_persistent_bytes: the whole job's,
-          as `shardctl status` shows them (the pool is shared by the job's
-          ranks on a device);
+        job_bytes, job_pool_bytes, job_persistent_bytes,
+          job_pool_reserved_bytes: the whole job's, as `shardctl status`
+          shows them (the pool is shared by the job's ranks on a device;
+          reserved: what it will take beyond what it holds, before the
+          first gather all of it, counted by the memory limits);
         trainer_bytes: what this process holds for the model outside the
           daemon: the module's buffers, and any parameter, .grad or kept
           original parameter whose storage is not the daemon's;
@@ -1238,6 +1240,7 @@ class ShardedModule:
                 "job_bytes": job["bytes"] if job else None,
                 "job_pool_bytes": job.get("pool_bytes", 0) if job else None,
                 "job_persistent_bytes": job.get("persistent_bytes", job["bytes"]) if job else None,
+                "job_pool_reserved_bytes": job.get("pool_reserved_bytes", 0) if job else None,
                 "trainer_bytes": trainer}
 
     def memory_summary(self):
@@ -1266,8 +1269,10 @@ class ShardedModule:
                                                               m["leased_bytes"]),
             "  trainer-side (buffers, tensors outside the daemon): %s (%d bytes)"
             % (h(m["trainer_bytes"]), m["trainer_bytes"]),
-            "  the job in the daemon: %s, of it pool %s and persistent %s"
-            % (h(m["job_bytes"]), h(m["job_pool_bytes"]), h(m["job_persistent_bytes"]))]
+            "  the job in the daemon: %s, of it pool %s and persistent %s; "
+            "reserved for pools %s"
+            % (h(m["job_bytes"]), h(m["job_pool_bytes"]), h(m["job_persistent_bytes"]),
+               h(m["job_pool_reserved_bytes"]))]
         return "\n".join(lines) + "\n"
 
     def named_parameters(self):
