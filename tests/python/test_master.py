@@ -572,3 +572,41 @@ class MixedPrecisionRanksTest(unittest.TestCase):
                 self.assertEqual(losses[s], want[s][0][r], "rank %d step %d's loss" % (r, s))
                 diff = (torch.tensor(params[s]) != want[s][1].float()).sum().item()
                 self.assertEqual(diff, 0, "rank %d step %d: %d elements differ" % (r, s, diff))
+
+
+@unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
+class MasterQuotaTest(unittest.TestCase):
+    def test_a_refused_optimizer_leaves_the_seeds_and_a_smaller_one_fits(self):
+        """Under --job-memory-limit 90K, two seeded bf16 buffers (resident
+        blocks of 16 KiB and 40 KiB, seeds of 4 and 16 KiB: 76 KiB held).
+        AdamW over both fits the first shard's state (its seed moved into
+        it) but not the second's: refused, and both seeds are back where
+        they were, the job at 76 KiB. SGD's masters then fit only because a
+        seed moves into its master instead of staying beside it (76 KiB:
+        a copy would make it 96) and start from the exact values."""
+        d = common.own_daemon(devices=1, extra_args=["--job-memory-limit", "90K"])
+        self.addCleanup(d.cleanup)
+        self.addCleanup(d.stop)
+        c = shardd.Client(d.socket, job=common.job("master-quota"), rank=0, world=1,
+                          transient_areas=False)
+        self.addCleanup(c.close)
+        K = 1024
+        bufs, views, exact = [], [], []
+        for name, n in (("a", 1024), ("b", 4096)):
+            b = c.register_buffer(name, "bf16", n)
+            views.append(c.register_view(b, name + ".v", 0, (n,)))
+            e = torch.linspace(-3.0117, 7.0313, n) + 1e-4  # not bf16 values
+            b.shard_tensor.copy_(e.bfloat16())
+            c.seed_master(b, e)
+            bufs.append(b)
+            exact.append(e)
+        self.assertEqual(_job_bytes(c)[0], 76 * K)
+        with self.assertRaises(shardd.Error) as cm:
+            c.register_optimizer("adamw", [views], name="adamw", lr=1e-3)
+        self.assertEqual(cm.exception.code_name, "E_NO_MEMORY")
+        self.assertIn("--job-memory-limit", cm.exception.message)
+        self.assertEqual(_job_bytes(c)[:2], (76 * K,) * 2)
+        sgd = c.register_optimizer("sgd", [views], name="sgd", lr=1.0)
+        self.assertEqual(_job_bytes(c)[:2], (76 * K,) * 2)
+        for v, e in zip(views, exact):
+            self.assertEqual(c.optim_master(sgd, v).tolist(), e.tolist())
