@@ -216,7 +216,12 @@ char *shardd__fmt_status_text(const Shardwire__StatusReply *st) {
     if (j->has_transient && j->transient) {
       human(a, sizeof a, j->has_pool_bytes ? j->pool_bytes : 0);
       human(b, sizeof b, j->bytes - (j->has_pool_bytes ? j->pool_bytes : 0));
-      shardd__sb_printf(&sb, "  transient areas: pools %s, persistent %s\n", a, b);
+      shardd__sb_printf(&sb, "  transient areas: pools %s, persistent %s", a, b);
+      if (j->has_pool_reserved_bytes && j->pool_reserved_bytes) {
+        human(a, sizeof a, j->pool_reserved_bytes);
+        shardd__sb_printf(&sb, ", reserved for pools %s", a);
+      }
+      shardd__sb_printf(&sb, "\n");
     }
     if (j->has_nodes) {
       shardd__sb_printf(&sb, "  nodes %" PRIu32 " (this daemon: node %" PRIu32
@@ -297,6 +302,9 @@ char *shardd__fmt_status_json(const Shardwire__StatusReply *st) {
       shardd__sb_printf(&sb, ",\"transient\":true,\"pool_bytes\":%" PRIu64
                         ",\"persistent_bytes\":%" PRIu64,
                         j->pool_bytes, j->bytes - j->pool_bytes);
+    if (j->has_transient && j->transient && j->has_pool_reserved_bytes)
+      shardd__sb_printf(&sb, ",\"pool_reserved_bytes\":%" PRIu64,
+                        j->pool_reserved_bytes);
     shardd__sb_printf(&sb,
                       ",\"world\":%" PRIu32 ",\"clients\":%" PRIu32
                       ",\"buffers\":%" PRIu32 ",\"views\":%" PRIu32
@@ -461,8 +469,14 @@ char *shardd__fmt_inspect_text(const Shardwire__InspectReply *ir) {
     const Shardwire__ShardInfo *s = ir->shards[i];
     shardd__sb_printf(&sb,
                       "shard rank %" PRIu32 ": device %" PRIu32
-                      " elements [%" PRIu64 ", %" PRIu64 ")\n",
+                      " elements [%" PRIu64 ", %" PRIu64 ")",
                       s->rank, s->device, s->offset, s->offset + s->numel);
+    if (s->has_bytes) {
+      char a[32];
+      human(a, sizeof a, s->bytes);
+      shardd__sb_printf(&sb, ", holds %s (%" PRIu64 " bytes)", a, s->bytes);
+    }
+    shardd__sb_printf(&sb, "\n");
   }
   if (ir->has_shards_more && ir->shards_more > 0)
     shardd__sb_printf(&sb, "and %" PRIu32 " more shards\n", ir->shards_more);
@@ -554,8 +568,11 @@ char *shardd__fmt_inspect_json(const Shardwire__InspectReply *ir) {
     const Shardwire__ShardInfo *s = ir->shards[i];
     shardd__sb_printf(&sb,
                       "%s{\"rank\":%" PRIu32 ",\"device\":%" PRIu32
-                      ",\"offset\":%" PRIu64 ",\"numel\":%" PRIu64 "}",
+                      ",\"offset\":%" PRIu64 ",\"numel\":%" PRIu64,
                       i ? "," : "", s->rank, s->device, s->offset, s->numel);
+    if (s->has_bytes)
+      shardd__sb_printf(&sb, ",\"bytes\":%" PRIu64, s->bytes);
+    shardd__sb_printf(&sb, "}");
   }
   shardd__sb_printf(&sb, "],\"views\":[");
   for (size_t i = 0; i < ir->n_views; i++) {

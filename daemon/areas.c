@@ -114,6 +114,9 @@ static void max_unit(void *value, void *arg) {
     a->max = n;
 }
 
+static size_t job_max_unit(shardd__job *job);
+static uint64_t dev_reserve(const shardd__job *job, int dev, size_t unit);
+
 /* The pool of device dev, sized for every unit registered now. */
 static shardd_err pool_make(shardd__registry *reg, shardd__job *job, int dev,
                             size_t need, char *err, size_t errlen) {
@@ -143,7 +146,10 @@ static shardd_err pool_make(shardd__registry *reg, shardd__job *job, int dev,
   p->slot_bytes = a.max;
   p->nslots = n;
   size_t bytes = (size_t)n * a.max;
-  if (!shardd__within_quota(reg, job, bytes, err, errlen)) {
+  /* the registrations reserved it: only what they did not is checked */
+  uint64_t reserved = dev_reserve(job, dev, job_max_unit(job));
+  if (!shardd__within_quota(reg, job, bytes > reserved ? bytes - reserved : 0,
+                            err, errlen)) {
     free(p->slots);
     free(p);
     return SHARDD_E_NO_MEMORY;
@@ -320,6 +326,74 @@ uint64_t shardd__job_pool_bytes(const shardd__job *job) {
       if (job->pools[d])
         n += job->pools[d]->region->bytes;
   return n;
+}
+
+/* The job's largest unit's slot bytes, recomputed after the largest was
+ * unregistered. */
+static size_t job_max_unit(shardd__job *job) {
+  if (job->max_unit_stale) {
+    max_arg a = {0};
+    shardd__map_each(&job->buffers, max_unit, &a);
+    job->max_unit = a.max;
+    job->max_unit_stale = 0;
+  }
+  return job->max_unit;
+}
+
+/* What dev's pool takes once sized for units of unit bytes, beyond what it
+ * holds (a smaller pool is freed before it is made anew). */
+static uint64_t dev_reserve(const shardd__job *job, int dev, size_t unit) {
+  const shardd__registry *reg = job->reg;
+  uint32_t ranks = 0;
+  for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++)
+    ranks += shardd__rank_device(reg, r) == dev;
+  uint64_t want = (uint64_t)ranks *
+                  (reg->leases_per_rank[0] + reg->leases_per_rank[1]) * unit;
+  const struct shardd__pool *p = job->pools[dev];
+  if (p == NULL)
+    return want; /* made at the next lease */
+  if (p->slot_bytes >= unit)
+    return 0;
+  /* made anew at the next lease, once the smaller one is freed */
+  return want > p->region->bytes ? want - p->region->bytes : 0;
+}
+
+uint64_t shardd__areas_reserve(shardd__job *job, const shardd__buffer *b) {
+  if (!job->transient || job->pools == NULL)
+    return 0;
+  size_t unit = job_max_unit(job);
+  if (b && unit_bytes(b) > unit)
+    unit = unit_bytes(b);
+  if (unit == 0)
+    return 0;
+  /* dev_reserve over the devices, in one pass over the ranks: quotas
+   * sum it over every job of a uid at each registration */
+  const shardd__registry *reg = job->reg;
+  uint64_t per_rank = (uint64_t)(reg->leases_per_rank[0] + reg->leases_per_rank[1]) * unit;
+  uint64_t n = 0;
+  for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++) {
+    const struct shardd__pool *p = job->pools[shardd__rank_device(reg, r)];
+    if (p == NULL || p->slot_bytes < unit)
+      n += per_rank;
+  }
+  for (int d = 0; d < reg->backend->ndevices; d++) {
+    const struct shardd__pool *p = job->pools[d];
+    if (p && p->slot_bytes < unit) /* made anew once this one is freed */
+      n -= p->region->bytes < n ? p->region->bytes : n;
+  }
+  return n;
+}
+
+void shardd__areas_unit_added(shardd__buffer *b) {
+  shardd__job *job = b->hdr.job;
+  if (job->transient && !job->max_unit_stale && unit_bytes(b) > job->max_unit)
+    job->max_unit = unit_bytes(b);
+}
+
+void shardd__areas_unit_removed(shardd__buffer *b) {
+  shardd__job *job = b->hdr.job;
+  if (job->transient && !job->releasing && unit_bytes(b) >= job->max_unit)
+    job->max_unit_stale = 1;
 }
 
 /* A transient buffer's lease table, every slot free (buffer.c). */

@@ -23,6 +23,7 @@ void shardd__optim_plan_free(shardd__optim_plan *plan) {
 static void optim_free_shards(shardd__registry *reg, shardd__optim *o) {
   for (size_t i = 0; i < o->nshards; i++) {
     shardd__optim_shard *s = &o->shards[i];
+    shardd__optim_shard_unseed(reg, s);
     if (s->state) {
       o->hdr.job->bytes -= s->state->bytes;
       reg->backend->ops->free(reg->backend, s->state);
@@ -182,7 +183,11 @@ shardd_err shardd__optim_create(shardd__registry *reg, shardd__job *job,
                                             k, &sh->master_off, sh->state_offs);
     if (off == 0)
       continue; /* plain SGD on fp32 keeps no state */
+    /* a 16-bit shard's seed moves into its master: never both held */
+    int parked = shardd__optim_shard_seed_park(reg, sh);
     if (!shardd__within_quota(reg, job, off, err, errlen)) {
+      if (parked)
+        shardd__optim_shard_seed_unpark(reg, sh);
       rc = SHARDD_E_NO_MEMORY;
       goto fail;
     }
@@ -194,13 +199,15 @@ shardd_err shardd__optim_create(shardd__registry *reg, shardd__job *job,
         reg->backend, shardd__rank_device(reg, sh->rank), off, label, &sh->state,
         why, sizeof why);
     if (rc != SHARDD_OK) {
+      if (parked)
+        shardd__optim_shard_seed_unpark(reg, sh);
       snprintf(err, errlen, "optimizer state for buffer \"%s\" rank %" PRIu32 ": %s",
                sh->buf->hdr.name, sh->rank, why);
       goto fail;
     }
     job->bytes += sh->state->bytes;
     /* exact fp32 initial values a trainer gave before this registration */
-    if ((rc = shardd__optim_shard_seed(reg, sh)) != SHARDD_OK) {
+    if ((rc = shardd__optim_shard_seed(reg, sh, parked)) != SHARDD_OK) {
       snprintf(err, errlen, "seeding the master of buffer \"%s\" rank %" PRIu32,
                sh->buf->hdr.name, sh->rank);
       goto fail;

@@ -441,39 +441,52 @@ void shardd__obj_fini(shardd__registry *reg, shardd__obj *o) {
 
 typedef struct {
   uint32_t uid;
-  uint64_t bytes;
+  uint64_t bytes, reserved;
 } uid_bytes;
 
 static void count_uid_bytes(void *value, void *arg) {
-  const shardd__job *job = value;
+  shardd__job *job = value;
   uid_bytes *a = arg;
-  if (job->uid == a->uid)
-    a->bytes += job->bytes;
+  if (job->uid == a->uid) {
+    uint64_t r = shardd__areas_reserve(job, NULL);
+    a->bytes += job->bytes + r;
+    a->reserved += r;
+  }
 }
 
 /* --job-memory-limit: what the job holds plus what it asks for; and
  * --uid-memory-limit: the same over every job of its owner (not root). */
-int shardd__within_quota(const shardd__registry *reg, const shardd__job *job,
+int shardd__within_quota(const shardd__registry *reg, shardd__job *job,
                          uint64_t more, char *err, size_t errlen) {
   uint64_t lim = reg->job_memory_limit;
-  if (lim != 0 && !(job->bytes <= lim && more <= lim - job->bytes)) {
+  uint64_t reserved = shardd__areas_reserve(job, NULL);
+  uint64_t have = job->bytes + reserved;
+  char pool[128] = "";
+  if (reserved)
+    snprintf(pool, sizeof pool, " (%" PRIu64 " of them reserved for its "
+             "transient areas' pools)", reserved);
+  if (lim != 0 && !(have <= lim && more <= lim - have)) {
     snprintf(err, errlen,
-             "job \"%s\" would hold %" PRIu64 " bytes, over its limit of %" PRIu64
+             "job \"%s\" would hold %" PRIu64 " bytes%s, over its limit of %" PRIu64
              " (--job-memory-limit)",
-             job->name, job->bytes + more, lim);
+             job->name, have + more, pool, lim);
     return 0;
   }
   lim = reg->uid_memory_limit;
   if (lim == 0 || job->uid == 0)
     return 1;
-  uid_bytes a = {job->uid, 0};
+  uid_bytes a = {job->uid, 0, 0};
   shardd__map_each(&reg->jobs, count_uid_bytes, &a);
   if (a.bytes <= lim && more <= lim - a.bytes)
     return 1;
+  pool[0] = 0;
+  if (a.reserved)
+    snprintf(pool, sizeof pool, " (%" PRIu64 " of them reserved for their "
+             "transient areas' pools)", a.reserved);
   snprintf(err, errlen,
-           "uid %" PRIu32 " would hold %" PRIu64 " bytes over all its jobs, over "
+           "uid %" PRIu32 " would hold %" PRIu64 " bytes over all its jobs%s, over "
            "its limit of %" PRIu64 " (--uid-memory-limit)",
-           job->uid, a.bytes + more, lim);
+           job->uid, a.bytes + more, pool, lim);
   return 0;
 }
 

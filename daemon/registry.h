@@ -85,6 +85,11 @@ struct shardd__job {
   shardd__map buffers; /* by name */
   shardd__map optims;  /* by name */
   uint64_t bytes;      /* resident, over every region of the job */
+  /* transient jobs: the largest unit's slot bytes (areas.c), for the pool
+   * memory reserved at registration; recomputed when stale (the largest
+   * was unregistered) */
+  size_t max_unit;
+  int max_unit_stale;
   uint32_t nviews;
   /* generations: the last generation handed out per buffer name ("b:NAME")
    * and per view ("vLEN:BUFNAME" VIEWNAME), values cast from uint64_t; they
@@ -187,11 +192,16 @@ struct shardd__buffer {
   /* the shards hold trained (a step ran) or restored values; until then
    * the first init checksum a rank gave (dispatch) */
   int settled;
-  /* 16-bit buffers: per rank, fp32 shard_numel of exact initial values a
-   * trainer gave (shardd__buffer_seed), copied into the master of every
-   * optimizer shard over it; NULL entries none; freed at the buffer's
-   * first step (the masters hold them then) */
+  /* 16-bit buffers until their first step, per rank: the exact fp32
+   * initial values a trainer gave (shardd__buffer_seed), the master of
+   * every optimizer shard over (b, rank). They are in one place only:
+   * seed[rank] (fp32 shard_numel) while no optimizer shard over (b, rank)
+   * holds them, else the master of seed_holder[rank], which a shard
+   * registered later copies; so a 16-bit unit holds no fp32 copy beside
+   * its masters. NULL arrays or entries: none. Both go at the buffer's
+   * first step (shardd__buffer_seed_drop). */
   shardd__region **seed;
+  struct shardd__optim_shard **seed_holder;
   int has_init_sum;
   uint64_t init_sum;
   uint32_t init_rank;
@@ -227,7 +237,7 @@ typedef struct {
 } shardd__seg;
 
 /* The part of an optimizer that lives on one rank's shard of one buffer. */
-typedef struct {
+typedef struct shardd__optim_shard {
   shardd__buffer *buf;
   uint32_t rank;
   shardd__region *state; /* fp32: [master if 16-bit][state arrays] */
@@ -444,16 +454,36 @@ size_t shardd__buffer_frozen(shardd__buffer *buf, uint64_t (**ranges)[2]);
 /* Takes rank's fp32 values, written into its reduced-gradient area, as
  * the exact initial values of b's 16-bit shard: the master of every
  * optimizer shard over (b, rank) now, and of those registered later until
- * b's first step (shardd__buffer_seed_drop). The reduced area is zeroed.
- * SHARDD_E_INVAL for an fp32 buffer (its shard is its master),
- * SHARDD_E_BUSY while a collective holds b. */
+ * b's first step (shardd__buffer_seed_drop). A region of their own holds
+ * them only while no optimizer shard over (b, rank) exists. The reduced
+ * area is zeroed. SHARDD_E_INVAL for an fp32 buffer (its shard is its
+ * master), SHARDD_E_BUSY while a collective holds b, SHARDD_E_NO_MEMORY
+ * past a memory limit (err names its flag). */
 shardd_err shardd__buffer_seed(shardd__registry *reg, shardd__buffer *b,
                                uint32_t rank, char *err, size_t errlen);
 /* Frees b's seeds (its first step made the masters authoritative). */
 void shardd__buffer_seed_drop(shardd__registry *reg, shardd__buffer *b);
-/* Copies b's seed of sh's rank, if any, into sh's master (validating it). */
+/* Registering sh (its state not yet allocated): moves the seed of its
+ * buffer's rank, if it has a region of its own and no gradient lives in
+ * the reduced area, into that area and frees its region, so it and sh's
+ * state are never held together. Returns whether it did (then pass 1 to
+ * shardd__optim_shard_seed, or call shardd__optim_shard_seed_unpark when
+ * the state cannot be had). */
+int shardd__optim_shard_seed_park(shardd__registry *reg,
+                                  shardd__optim_shard *sh);
+void shardd__optim_shard_seed_unpark(shardd__registry *reg,
+                                     shardd__optim_shard *sh);
+/* Copies the seed of sh's buffer and rank, if any (parked, in a region of
+ * its own, which is then freed, or in another shard's master), into sh's
+ * master (validating it); sh holds it then if no other shard did. */
 shardd_err shardd__optim_shard_seed(shardd__registry *reg,
-                                    shardd__optim_shard *sh);
+                                    shardd__optim_shard *sh, int parked);
+/* Before sh's state is freed (its optimizer unregistered, or its
+ * registration failed): if sh holds its buffer's seed, another shard over
+ * the same rank that has it takes over, else it goes back into a region
+ * of its own (sh's state freed first when it can go through the reduced
+ * area). Nothing while the job is released. */
+void shardd__optim_shard_unseed(shardd__registry *reg, shardd__optim_shard *sh);
 
 /* One parameter's optimizer state (see OptimState on the wire): ref_id a
  * view or buffer o holds; *nstate its state arrays, *numel its elements,
@@ -526,6 +556,15 @@ void shardd__areas_busy(shardd__buffer *b);
 void shardd__areas_idle(shardd__buffer *b);
 /* Bytes the job's pools hold now (persistent = job->bytes - this). */
 uint64_t shardd__job_pool_bytes(const shardd__job *job);
+/* Bytes the job's pools will take beyond what they hold, once each is
+ * sized for the job's largest unit, or for b when larger (b: a buffer
+ * being registered, NULL none). The memory limits count them from the
+ * registration that makes them needed (shardd__within_quota), so a job
+ * learns it is over one when it registers, not at its first gather. */
+uint64_t shardd__areas_reserve(shardd__job *job, const shardd__buffer *b);
+/* b joins / leaves its transient job's units (buffer.c). */
+void shardd__areas_unit_added(shardd__buffer *b);
+void shardd__areas_unit_removed(shardd__buffer *b);
 
 shardd_err shardd__view_unregister(shardd__registry *reg, shardd__job *job,
                                    uint64_t id, char *err, size_t errlen);

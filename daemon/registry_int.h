@@ -48,8 +48,10 @@ void shardd__record_freed(shardd__obj *o, const char *buf_name);
 shardd_err shardd__obj_values(const shardd__map *m, void ***out, size_t *n);
 
 /* Whether job may take more bytes under --job-memory-limit and its owner
- * under --uid-memory-limit; else err naming the flag. */
-int shardd__within_quota(const shardd__registry *reg, const shardd__job *job,
+ * under --uid-memory-limit; else err naming the flag. What a job holds
+ * counts the pool bytes its registered units reserve (see
+ * shardd__areas_reserve). */
+int shardd__within_quota(const shardd__registry *reg, shardd__job *job,
                          uint64_t more, char *err, size_t errlen);
 /* Whether job may take need more rank blocks (see max_blocks); else err. */
 int shardd__within_blocks(shardd__registry *reg, shardd__job *job,

@@ -213,6 +213,8 @@ static Shardwire__JobStatus *job_status(const shardd__status_ctx *ctx,
     js->transient = 1;
     js->has_pool_bytes = 1;
     js->pool_bytes = shardd__job_pool_bytes(job);
+    js->has_pool_reserved_bytes = 1;
+    js->pool_reserved_bytes = shardd__areas_reserve(job, NULL);
   }
   js->collectives_in_flight = shardd__coll_inflight(ctx->coll, job);
   rank_states(ctx, r, job, js);
@@ -426,6 +428,21 @@ static void find_in_job(shardd__job *job, void *arg) {
   free(bufs);
 }
 
+/* What the daemon holds for rank k's shard of b (see ShardInfo.bytes):
+ * its block, its seed and every optimizer's state over it. */
+static uint64_t shard_bytes(shardd__buffer *b, uint32_t k, shardd__optim **opts,
+                            size_t no) {
+  uint64_t n = b->blocks[k] ? b->blocks[k]->bytes : 0;
+  if (b->seed && b->seed[k])
+    n += b->seed[k]->bytes;
+  for (size_t i = 0; i < no; i++)
+    for (size_t j = 0; j < opts[i]->nshards; j++)
+      if (opts[i]->shards[j].buf == b && opts[i]->shards[j].rank == k &&
+          opts[i]->shards[j].state)
+        n += opts[i]->shards[j].state->bytes;
+  return n;
+}
+
 static shardd_err fill_buffer(shardd__report *r, const shardd__status_ctx *ctx,
                               shardd__buffer *b, Shardwire__InspectReply *ir) {
   ir->has_dtype = 1;
@@ -464,21 +481,34 @@ static shardd_err fill_buffer(shardd__report *r, const shardd__status_ctx *ctx,
     ir->has_shards_more = 1;
     ir->shards_more = b->world - nsh;
   }
-  for (uint32_t k = 0; k < b->world; k++) /* a pass, no allocation */
-    if (b->blocks[k]) /* NULL: another node's rank */
-      ir->resident_bytes += b->blocks[k]->bytes;
+  /* every optimizer over b counts, not only its owner (another holds
+   * views of it), and so do 16-bit seeds */
+  shardd__optim **opts = NULL;
+  size_t no = 0;
+  if (shardd__job_optims(b->hdr.job, &opts, &no) != SHARDD_OK)
+    return SHARDD_E_NO_MEMORY;
+  for (uint32_t k = 0; k < b->world; k++) /* NULL block: another node's rank */
+    if (b->blocks[k])
+      ir->resident_bytes += shard_bytes(b, k, opts, no);
   ir->shards = ar_alloc(r, nsh * sizeof *ir->shards);
   for (uint32_t k = 0; ir->shards && k < nsh; k++) {
     Shardwire__ShardInfo *si = ar_alloc(r, sizeof *si);
-    if (si == NULL)
+    if (si == NULL) {
+      free(opts);
       return SHARDD_E_NO_MEMORY;
+    }
     shardwire__shard_info__init(si);
     si->rank = k;
     si->device = (uint32_t)shardd__rank_device(ctx->reg, k);
     si->offset = (uint64_t)k * b->shard_numel;
     si->numel = b->shard_numel;
+    if (b->blocks[k]) {
+      si->has_bytes = 1;
+      si->bytes = shard_bytes(b, k, opts, no);
+    }
     ir->shards[ir->n_shards++] = si;
   }
+  free(opts);
   shardd__optim *owner = b->owner;
   if (owner) {
     ir->has_steps = 1;
@@ -546,9 +576,6 @@ static shardd_err fill_buffer(shardd__report *r, const shardd__status_ctx *ctx,
   if (owner) {
     ir->has_optimizer = 1;
     ir->optimizer = owner->hdr.id;
-    for (size_t i = 0; i < owner->nshards; i++)
-      if (owner->shards[i].buf == b && owner->shards[i].state)
-        ir->resident_bytes += owner->shards[i].state->bytes;
   }
   return r->failed ? SHARDD_E_NO_MEMORY : SHARDD_OK;
 }

@@ -367,6 +367,68 @@ Test(access, uid_memory_limit_spans_a_users_jobs) {
   cr_assert_eq(test_daemon_stop(&d), 0);
 }
 
+/* A transient job's gather and gradient areas come from one pool per
+ * device, made at its first gather and sized for its largest unit. The
+ * memory limits count that pool from the registration that needs it, so
+ * a job over a limit is refused when it registers the buffer, naming the
+ * flag, and never learns it at its first gather. 48 Ki fp32: rank blocks
+ * of 384 KiB (shard and reduced gradient) fit 1 MiB, but with the pool's
+ * 4 areas of 192 KiB (768 KiB) they do not; 16 Ki: 128 KiB and 256 KiB
+ * fit, and gather. Exit code: 0 as expected, else the step that failed. */
+static int pooled_job_over_a_limit(const char *sock, uid_t uid, const char *flag) {
+  if (uid != 0 && (setgroups(0, NULL) != 0 || setgid(uid) != 0 || setuid(uid) != 0))
+    return 10;
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = "pooled";
+  o.transient_areas = 1;
+  shardd_client_t *c;
+  char err[512];
+  if (shardd_connect(sock, &o, &c, err, sizeof err) != SHARDD_OK)
+    return 11;
+  shardd_buffer_info b;
+  if (shardd_buffer_register(c, "big", SHARDD_DTYPE_FP32, 49152, &b) != SHARDD_E_NO_MEMORY)
+    return 12;
+  const char *why = shardd_last_error(c);
+  if (strstr(why, flag) == NULL || strstr(why, "gather and gradient areas") == NULL)
+    return 13;
+  if (shardd_buffer_register(c, "small", SHARDD_DTYPE_FP32, 16384, &b) != SHARDD_OK)
+    return 14;
+  shardd_area a;
+  if (shardd_gather_area(c, b.id, 1, &a) != SHARDD_OK || shardd_release(c, b.id) != SHARDD_OK)
+    return 15;
+  /* another unit of that size needs no larger pool: its blocks alone */
+  if (shardd_buffer_register(c, "small2", SHARDD_DTYPE_FP32, 16384, &b) != SHARDD_OK)
+    return 16;
+  shardd_close(c);
+  return 0;
+}
+
+static void expect_pooled(const test_daemon *d, uid_t uid, const char *flag) {
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0)
+    _exit(pooled_job_over_a_limit(d->sock, uid, flag));
+  int st;
+  cr_assert(test_wait_exit(pid, &st), "the child did not finish");
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "uid %d step %d failed", (int)uid,
+            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+}
+
+Test(access, a_transient_jobs_areas_count_against_the_limits_at_registration) {
+  test_daemon d;
+  test_daemon_start(&d, (const char *const[]){"--job-memory-limit", "1M", NULL});
+  expect_pooled(&d, geteuid(), "--job-memory-limit");
+  cr_assert_eq(test_daemon_stop(&d), 0);
+  if (geteuid() != 0)
+    return; /* the per-uid limit needs a second uid */
+  /* 4 MiB of device memory: the default share of a uid is 1 MiB */
+  test_daemon_start(&d, (const char *const[]){"--devices", "1", "--device-memory", "4M",
+                                              NULL});
+  open_up(&d);
+  expect_pooled(&d, 4242, "--uid-memory-limit");
+  cr_assert_eq(test_daemon_stop(&d), 0);
+}
+
 /* ---- ids of another uid ------------------------------------------------
  * Ids are one counter for the daemon, so an attacker can name ids another
  * uid holds. What it is told for them must be what it is told for an id

@@ -282,3 +282,331 @@ class MasterTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+def _page(n):
+    return (n + 4095) // 4096 * 4096
+
+
+def _job_bytes(c):
+    st = c.status()
+    (job,) = [j for j in st["jobs"] if j["name"] == c.job]
+    return (job["bytes"], sum(d["used_bytes"] for d in st["devices"]),
+            sum(d["peak_bytes"] for d in st["devices"]))
+
+
+@unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
+class MasterMemoryTest(unittest.TestCase):
+    """A 16-bit unit holds its 16-bit shard, its fp32 reduced gradient and
+    the optimizer's state (the fp32 master, the moments): no fp32 copy of
+    the initial values beside the master, before the first step or after,
+    and the move of that copy into the master at the optimizer's
+    registration never holds both (the device's peak)."""
+
+    def test_bf16_unit_holds_no_copy_beside_its_master(self):
+        d = common.own_daemon(devices=1)
+        self.addCleanup(d.cleanup)
+        self.addCleanup(d.stop)
+        c = shardd.Client(d.socket, job=common.job("master-mem"), rank=0, world=1)
+        self.addCleanup(c.close)
+        m = model()
+        sm = shardd.nn.ShardedModule(c, m, dtype="bf16")
+        (b,) = sm.buffers
+        n = b.shard_numel  # one rank: the whole unit
+        block = _page(2 * n) + _page(4 * n)  # bf16 shard, fp32 reduced gradient
+        arr = _page(4 * n)                   # one fp32 array of the shard
+        # wrapped, no optimizer: the exact fp32 values wait in one array
+        self.assertEqual(_job_bytes(c), (block + arr,) * 3)
+        self.assertEqual(sm.memory_stats()["shard_bytes"], block + arr)
+        opt = shardd.optim.AdamW(m.parameters(), lr=1e-2)
+        # the optimizer's master took them: master + exp_avg + exp_avg_sq,
+        # and the device never held both
+        state = 3 * arr
+        self.assertEqual(_job_bytes(c), (block + state,) * 3)
+        self.assertEqual(sm.memory_stats()["shard_bytes"], block + state)
+        pool = 2 * _page(2 * n) * 2  # 2 gather and 2 gradient slots of the unit
+        x, y = data()
+        want = reference()
+        for s in range(STEPS):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(m(x[s].bfloat16()).float(), y[s])
+            loss.backward()
+            opt.step()
+            self.assertEqual(loss.item(), want[s][0], "step %d's loss" % s)
+            self.assertEqual(_job_bytes(c), (block + state + pool,) * 3, "step %d" % s)
+            self.assertEqual(sm.memory_stats()["trainer_bytes"], 0)
+        got = torch.cat([t.reshape(-1) for t in sm.full_parameters().values()])
+        self.assertEqual((got != want[-1][1]).sum().item(), 0)
+
+    def test_the_seed_moves_between_optimizers_before_the_first_step(self):
+        """Seeded before any optimizer: a region of its own until the first
+        optimizer's master takes it; a second optimizer over the same shard
+        copies that master; unregistering both gives it back; the
+        optimizer registered then still starts from the exact values."""
+        d = common.own_daemon(devices=1)
+        self.addCleanup(d.cleanup)
+        self.addCleanup(d.stop)
+        c = shardd.Client(d.socket, job=common.job("master-move"), rank=0, world=1,
+                          transient_areas=False)
+        self.addCleanup(c.close)
+        b = c.register_buffer("w", "bf16", 4)
+        v = c.register_view(b, "w.v", 0, (2,))
+        u = c.register_view(b, "w.u", 2, (2,))
+        block = _job_bytes(c)[0]
+        page = 4096  # 4 fp32 values: one page
+        exact = torch.tensor([1.0029, -3.0117, 0.10003, 7.0313])  # not bf16 values
+        b.shard_tensor.copy_(exact.bfloat16())
+        c.seed_master(b, exact)
+        self.assertEqual(_job_bytes(c), (block + page,) * 3)
+        o1 = c.register_optimizer("sgd", [[v]], name="o1", lr=1.0)
+        self.assertEqual(_job_bytes(c), (block + page,) * 3, "moved, not copied")
+        o2 = c.register_optimizer("sgd", [[u]], name="o2", lr=1.0)
+        self.assertEqual(_job_bytes(c)[0], block + 2 * page)
+        self.assertEqual(c.optim_master(o1, v).tolist(), exact[:2].tolist())
+        self.assertEqual(c.optim_master(o2, u).tolist(), exact[2:].tolist())
+        c.unregister_optimizer(o1)
+        self.assertEqual(c.optim_master(o2, u).tolist(), exact[2:].tolist())
+        c.unregister_optimizer(o2)
+        self.assertEqual(_job_bytes(c)[:2], (block + page,) * 2, "back in its own region")
+        o3 = c.register_optimizer("sgd", [[v, u]], name="o3", lr=1.0)
+        self.assertEqual(_job_bytes(c)[:2], (block + page,) * 2)
+        self.assertEqual(c.optim_master(o3, v).tolist(), exact[:2].tolist())
+        c.gather(b)
+        g = torch.tensor([0.0078, 0.0039, 0.0004, 0.03]).bfloat16()
+        b.grad_tensor.copy_(g)
+        c.scatter(b, "sum")
+        c.step(o3)
+        # SGD lr 1: from the exact master, not from its bf16 rounding
+        self.assertEqual(b.shard_tensor.tolist(), (exact - g.float()).bfloat16().tolist())
+        self.assertEqual(_job_bytes(c)[:2], (block + page,) * 2)
+
+
+class _Scaled(nn.Module):
+    """model()'s layers and a floating buffer (FSDP's buffer_dtype casts it)
+    and an integer one (never cast)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 8))
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8) + 1e-3)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        return self.net(x) * self.scale
+
+
+class _MP:  # what torch's MixedPrecision holds (its module does not import here)
+    def __init__(self, **kw):
+        self.param_dtype = self.reduce_dtype = self.buffer_dtype = None
+        self.keep_low_precision_grads = False
+        self.__dict__.update(kw)
+
+
+def scaled_reference():
+    """torch's bf16 recipe, FSDP's MixedPrecision(param_dtype=bf16,
+    reduce_dtype=fp32, buffer_dtype=bf16): fp32 master weights stepped by
+    AdamW on the fp32 casts of the bf16 gradients; the model's bf16 copy
+    and buffer compute on bf16 casts of the inputs."""
+    torch.set_num_threads(1)
+    x, y = data()
+    master = [p.detach().clone() for p in _Scaled().parameters()]
+    rb = _Scaled().to(torch.bfloat16)
+    opt = torch.optim.AdamW(master, lr=1e-2, foreach=False)
+    out = []
+    for s in range(STEPS):
+        with torch.no_grad():
+            for p, q in zip(rb.parameters(), master):
+                p.copy_(q)
+                p.grad = None
+        loss = nn.functional.mse_loss(rb(x[s].bfloat16()).float(), y[s])
+        loss.backward()
+        for q, p in zip(master, rb.parameters()):
+            q.grad = p.grad.float()
+        opt.step()
+        out.append((loss.item(), torch.cat([q.detach().bfloat16().reshape(-1) for q in master])))
+    return out
+
+
+@unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
+class MixedPrecisionTest(unittest.TestCase):
+    """FSDP's MixedPrecision knobs as ShardedModule options."""
+
+    def run_knobs(self, **kw):
+        c = shardd.Client(common.socket(), job=common.job("mp"), rank=0, world=1)
+        self.addCleanup(c.close)
+        m = _Scaled()
+        sm = shardd.nn.ShardedModule(c, m, auto_wrap="children", **kw)
+        self.assertEqual(m.scale.dtype, torch.bfloat16, "buffer_dtype casts the buffer")
+        self.assertEqual(m.calls.dtype, torch.long, "not an integer one")
+        self.assertEqual(sm.buffers[0].dtype, "bf16")
+        opt = shardd.optim.AdamW(m.parameters(), lr=1e-2)
+        x, y = data()
+        want = scaled_reference()
+        for s in range(STEPS):
+            opt.zero_grad()
+            out = m(x[s])  # fp32 inputs: cast to param_dtype, as FSDP casts them
+            self.assertEqual(out.dtype, torch.bfloat16)
+            loss = nn.functional.mse_loss(out.float(), y[s])
+            loss.backward()
+            opt.step()
+            got = torch.cat([t.reshape(-1) for t in sm.full_parameters().values()])
+            self.assertEqual(loss.item(), want[s][0], "step %d's loss" % s)
+            diff = (got != want[s][1]).sum().item()
+            self.assertEqual(diff, 0, "step %d: %d of %d elements differ" % (s, diff, got.numel()))
+        sd = m.state_dict()
+        self.assertEqual(sd["scale"].dtype, torch.float32, "full precision in a full state dict")
+        self.assertEqual(sd["scale"].tolist(), _Scaled().scale.bfloat16().float().tolist())
+        self.assertEqual(m.scale.dtype, torch.bfloat16, "and bf16 on the module still")
+
+    def test_param_reduce_buffer_dtype_match_torchs_bf16_recipe(self):
+        self.run_knobs(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                       buffer_dtype=torch.bfloat16)
+
+    def test_a_mixed_precision_object_is_taken(self):
+        self.run_knobs(mixed_precision=_MP(param_dtype=torch.bfloat16,
+                                           buffer_dtype=torch.bfloat16))
+
+    def test_what_the_daemon_does_not_do_is_refused(self):
+        c = shardd.Client(common.socket(), job=common.job("mp-no"), rank=0, world=1)
+        self.addCleanup(c.close)
+        cases = [
+            (dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16), "reduce_dtype"),
+            (dict(reduce_dtype=torch.float16), "reduces gradients in fp32"),
+            (dict(dtype="fp16", param_dtype=torch.bfloat16), "differ"),
+            (dict(param_dtype=torch.float64), "not supported"),
+            (dict(mixed_precision=_MP(param_dtype=torch.bfloat16), param_dtype=torch.bfloat16),
+             "given twice"),
+            (dict(mixed_precision=_MP(param_dtype=torch.bfloat16,
+                                      keep_low_precision_grads=True)),
+             "keep_low_precision_grads"),
+        ]
+        for kw, words in cases:
+            m = _Scaled()
+            with self.assertRaises(ValueError, msg=str(kw)) as cm:
+                shardd.nn.ShardedModule(c, m, **kw)
+            self.assertIn(words, str(cm.exception))
+            self.assertEqual(m.scale.dtype, torch.float32, "nothing was changed")
+        # fp32 units reduce in fp32: reduce_dtype fp32 with fp32 params is taken
+        m = _Scaled()
+        shardd.nn.ShardedModule(c, m, param_dtype=torch.float32, reduce_dtype=torch.float32)
+        self.assertEqual(m.net[0].weight.dtype, torch.float32)
+
+
+def two_rank_reference(world):
+    """scaled_reference() on world ranks' slices of each batch: each
+    rank's bf16 gradients cast to fp32 and their mean taken in fp32
+    (FSDP's reduce_dtype=torch.float32), summed in rank order."""
+    torch.set_num_threads(1)
+    x, y = data()
+    per = x.shape[1] // world
+    master = [p.detach().clone() for p in _Scaled().parameters()]
+    rb = _Scaled().to(torch.bfloat16)
+    opt = torch.optim.AdamW(master, lr=1e-2, foreach=False)
+    out = []
+    for s in range(STEPS):
+        total = [None] * len(master)
+        losses = []
+        for r in range(world):
+            with torch.no_grad():
+                for p, q in zip(rb.parameters(), master):
+                    p.copy_(q)
+                    p.grad = None
+            xs, ys = x[s, r * per:(r + 1) * per], y[s, r * per:(r + 1) * per]
+            loss = nn.functional.mse_loss(rb(xs.bfloat16()).float(), ys)
+            loss.backward()
+            losses.append(loss.item())
+            for i, p in enumerate(rb.parameters()):
+                g = p.grad.float()
+                total[i] = g if total[i] is None else total[i] + g
+        for q, t in zip(master, total):
+            q.grad = t / world
+        opt.step()
+        out.append((losses, torch.cat([q.detach().bfloat16().reshape(-1) for q in master])))
+    return out
+
+
+def mp_rank_main(rank, world, sock, job, q):
+    try:
+        torch.set_num_threads(1)
+        c = shardd.Client(sock, job=job, rank=rank, world=world)
+        m = _Scaled()
+        sm = shardd.nn.ShardedModule(c, m, auto_wrap="children", param_dtype=torch.bfloat16,
+                                     reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
+        opt = shardd.optim.AdamW(m.parameters(), lr=1e-2)
+        x, y = data()
+        per = x.shape[1] // world
+        losses, params = [], []
+        for s in range(STEPS):
+            opt.zero_grad()
+            xs, ys = x[s, rank * per:(rank + 1) * per], y[s, rank * per:(rank + 1) * per]
+            loss = nn.functional.mse_loss(m(xs).float(), ys)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            # plain lists: a tensor on the queue outlives its rank's process badly
+            params.append(torch.cat([t.reshape(-1) for t in sm.full_parameters().values()])
+                          .float().tolist())
+        q.put(("result", rank, losses, params))
+        c.close()
+        q.put(("done", rank))
+    except BaseException as e:  # noqa: BLE001
+        import traceback
+        q.put(("error", rank, traceback.format_exc()))
+        raise SystemExit(1) from e
+
+
+@unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
+class MixedPrecisionRanksTest(unittest.TestCase):
+    def test_two_ranks_match_torchs_bf16_recipe_with_an_fp32_reduce(self):
+        """2 ranks: the daemon's fp32 reduction of the ranks' bf16
+        gradients is FSDP's reduce_dtype=torch.float32, bit for bit."""
+        world, job, sock = 2, common.job("mp2"), common.socket()
+        got = {}
+        common.launch_ranks(mp_rank_main, lambda r, q: (r, world, sock, job, q), world,
+                            lambda msg: got.__setitem__(msg[1], msg[2:]))
+        want = two_rank_reference(world)
+        for r in range(world):
+            losses, params = got[r]
+            for s in range(STEPS):
+                self.assertEqual(losses[s], want[s][0][r], "rank %d step %d's loss" % (r, s))
+                diff = (torch.tensor(params[s]) != want[s][1].float()).sum().item()
+                self.assertEqual(diff, 0, "rank %d step %d: %d elements differ" % (r, s, diff))
+
+
+@unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
+class MasterQuotaTest(unittest.TestCase):
+    def test_a_refused_optimizer_leaves_the_seeds_and_a_smaller_one_fits(self):
+        """Under --job-memory-limit 90K, two seeded bf16 buffers (resident
+        blocks of 16 KiB and 40 KiB, seeds of 4 and 16 KiB: 76 KiB held).
+        AdamW over both fits the first shard's state (its seed moved into
+        it) but not the second's: refused, and both seeds are back where
+        they were, the job at 76 KiB. SGD's masters then fit only because a
+        seed moves into its master instead of staying beside it (76 KiB:
+        a copy would make it 96) and start from the exact values."""
+        d = common.own_daemon(devices=1, extra_args=["--job-memory-limit", "90K"])
+        self.addCleanup(d.cleanup)
+        self.addCleanup(d.stop)
+        c = shardd.Client(d.socket, job=common.job("master-quota"), rank=0, world=1,
+                          transient_areas=False)
+        self.addCleanup(c.close)
+        K = 1024
+        bufs, views, exact = [], [], []
+        for name, n in (("a", 1024), ("b", 4096)):
+            b = c.register_buffer(name, "bf16", n)
+            views.append(c.register_view(b, name + ".v", 0, (n,)))
+            e = torch.linspace(-3.0117, 7.0313, n) + 1e-4  # not bf16 values
+            b.shard_tensor.copy_(e.bfloat16())
+            c.seed_master(b, e)
+            bufs.append(b)
+            exact.append(e)
+        self.assertEqual(_job_bytes(c)[0], 76 * K)
+        with self.assertRaises(shardd.Error) as cm:
+            c.register_optimizer("adamw", [views], name="adamw", lr=1e-3)
+        self.assertEqual(cm.exception.code_name, "E_NO_MEMORY")
+        self.assertIn("--job-memory-limit", cm.exception.message)
+        self.assertEqual(_job_bytes(c)[:2], (76 * K,) * 2)
+        sgd = c.register_optimizer("sgd", [views], name="sgd", lr=1.0)
+        self.assertEqual(_job_bytes(c)[:2], (76 * K,) * 2)
+        for v, e in zip(views, exact):
+            self.assertEqual(c.optim_master(sgd, v).tolist(), e.tolist())

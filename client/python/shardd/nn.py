@@ -184,6 +184,7 @@ import contextlib
 import functools
 import gc
 import math
+import os
 import weakref
 import zlib
 
@@ -196,6 +197,74 @@ import shardd
 _TORCH_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _DTYPE_OF = {v: k for k, v in _TORCH_DTYPES.items()}
 INIT_POLICIES = ("auto", "overwrite", "require_existing")
+
+
+def _dtype_name(dt, what):
+    """"fp32" / "bf16" / "fp16" of a torch dtype or of one of those names."""
+    if isinstance(dt, torch.dtype):
+        if dt not in _TORCH_DTYPES:
+            raise ValueError("%s %s is not supported by shardd (torch.float32, "
+                             "torch.bfloat16 or torch.float16)" % (what, dt))
+        return _TORCH_DTYPES[dt]
+    if dt not in _DTYPE_OF:
+        raise ValueError("%s %r: fp32, bf16, fp16 or a torch dtype" % (what, dt))
+    return dt
+
+
+def _mixed_precision(dtype, mixed_precision, param_dtype, reduce_dtype, buffer_dtype):
+    """FSDP's MixedPrecision knobs (given as an object with those attributes,
+    such as torch's MixedPrecision, or one by one) mapped onto shardd:
+    -> (the units' dtype or None, buffer dtype or None, input dtype or None).
+
+    param_dtype is the units' dtype (a 16-bit unit computes in it; its fp32
+    master and reduced gradient are the daemon's), and the root's floating
+    inputs are cast to it, as FSDP casts them. The daemon reduces every
+    gradient in fp32 into the fp32 reduced-gradient shard (16-bit gradients
+    widened first): FSDP's reduce_dtype=torch.float32, so that, None, or the
+    param_dtype when it is fp32 are taken; a 16-bit reduce_dtype is refused.
+    buffer_dtype casts the module's floating buffers (full precision again
+    in a full state dict, as FSDP's)."""
+    if mixed_precision is not None:
+        for k, v in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype),
+                     ("buffer_dtype", buffer_dtype)):
+            if v is not None:
+                raise ValueError("%s given twice: in mixed_precision and as an "
+                                 "argument" % k)
+        param_dtype = getattr(mixed_precision, "param_dtype", None)
+        reduce_dtype = getattr(mixed_precision, "reduce_dtype", None)
+        buffer_dtype = getattr(mixed_precision, "buffer_dtype", None)
+        if getattr(mixed_precision, "keep_low_precision_grads", False):
+            raise ValueError("keep_low_precision_grads: a 16-bit unit's reduced "
+                             "gradient is the daemon's fp32 one")
+    pdt = None if param_dtype is None else _dtype_name(param_dtype, "param_dtype")
+    if pdt is not None and dtype is not None and _dtype_name(dtype, "dtype") != pdt:
+        raise ValueError("dtype %r and param_dtype %r differ (param_dtype is the "
+                         "units' dtype: pass one)" % (dtype, param_dtype))
+    if reduce_dtype is not None:
+        rdt = _dtype_name(reduce_dtype, "reduce_dtype")
+        if rdt != "fp32":
+            raise ValueError(
+                "reduce_dtype %s: shardd reduces gradients in fp32 (a 16-bit unit's "
+                "widened) into the fp32 reduced-gradient shard, FSDP's "
+                "reduce_dtype=torch.float32; a %s reduction is not offered "
+                "(pass torch.float32 or None)" % (reduce_dtype, rdt))
+    bdt = None if buffer_dtype is None else _DTYPE_OF[_dtype_name(buffer_dtype, "buffer_dtype")]
+    return (pdt if pdt is not None else dtype, bdt,
+            None if pdt is None else _DTYPE_OF[pdt])
+
+
+def _cast_floats(obj, dt):
+    """obj with its floating tensors (in tuples, lists, dicts) cast to dt."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dt) if obj.is_floating_point() and obj.dtype != dt else obj
+    if isinstance(obj, tuple):
+        return type(obj)(*[_cast_floats(x, dt) for x in obj]) if hasattr(obj, "_fields") \
+            else tuple(_cast_floats(x, dt) for x in obj)
+    if isinstance(obj, list):
+        return [_cast_floats(x, dt) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dt) for k, v in obj.items()}
+    return obj
 
 
 def _checksum(flat):
@@ -767,6 +836,16 @@ class ShardedModule:
     prefix: prepended to buffer and view names (names are per job).
     dtype: "fp32", "bf16", "fp16" or a torch dtype; default: the parameters'
       dtype (they must all have one dtype).
+    mixed_precision, or param_dtype, reduce_dtype, buffer_dtype: FSDP's
+      MixedPrecision (an object with those attributes, such as torch's, or
+      the knobs one by one; torch dtypes or "fp32"/"bf16"/"fp16").
+      param_dtype: the units' dtype (as dtype=; a 16-bit unit keeps its
+      fp32 master and reduced gradient in the daemon), and the root's
+      floating inputs are cast to it, as FSDP casts them. reduce_dtype: the
+      daemon reduces in fp32 (16-bit gradients widened first), FSDP's
+      reduce_dtype=torch.float32; that or None is taken, a 16-bit one is a
+      ValueError. buffer_dtype: the module's floating buffers are cast to it
+      (a full state dict gives them in their original dtype, as FSDP's).
     initial_gather: resident areas: gather every unit at the end (a
       collective). Transient areas gather per unit in the hooks instead.
     reduce_op: transient areas: the hooks' reduce-scatter, "mean" or "sum".
@@ -812,7 +891,10 @@ class ShardedModule:
 
     def __init__(self, client, module, auto_wrap="module", prefix="", dtype=None,
                  initial_gather=True, reduce_op="mean", init="auto", prefetch=True,
-                 bucket_bytes=25 << 20, param_init_fn=None):
+                 bucket_bytes=25 << 20, param_init_fn=None, mixed_precision=None,
+                 param_dtype=None, reduce_dtype=None, buffer_dtype=None):
+        dtype, buffer_dtype, input_dtype = _mixed_precision(
+            dtype, mixed_precision, param_dtype, reduce_dtype, buffer_dtype)
         if init not in INIT_POLICIES:
             raise ValueError("init %r: one of %s" % (init, ", ".join(INIT_POLICIES)))
         if reduce_op not in shardd.REDUCE_OPS:
@@ -970,6 +1052,19 @@ class ShardedModule:
                 off += n
             self.units.append(FlatUnit(uname or "root", buf, entries, module=root,
                                        is_root=root is module))
+        # FSDP's buffer_dtype: floating buffers cast (a full state dict
+        # gives them back in their own dtype)
+        self._buffer_dtypes = {}
+        if buffer_dtype is not None:
+            for mname, m in module.named_modules():
+                for k, b in m._buffers.items():
+                    if b is not None and b.is_floating_point() and b.dtype != buffer_dtype:
+                        self._buffer_dtypes[(mname + "." if mname else "") + k] = b.dtype
+                        m._buffers[k] = b.to(buffer_dtype)
+        self._input_dtype = input_dtype
+        if input_dtype is not None:
+            module.register_forward_pre_hook(
+                lambda _m, inputs: _cast_floats(inputs, input_dtype))
         dev = self.device
         if dev.type == "cuda":  # the forward must find the module's buffers there
             for m in module.modules():
@@ -1076,6 +1171,109 @@ class ShardedModule:
         for u in self.units:
             return u.buffer.shard_tensor.device
         return torch.device("cpu")
+
+    def memory_stats(self):
+        """This rank's memory for the wrapped model, in bytes (torch's
+        memory_stats() in spirit; memory_summary() prints it). Not a
+        collective: one status and one inspect per unit.
+
+        shard_bytes: what the daemon holds for this rank's shards of the
+          units (the same as inspect's per-shard "bytes": rank blocks,
+          optimizer state, a 16-bit unit's seed before its optimizer);
+        leased_bytes: the transient areas this rank holds leased now (slots
+          of its job's pool, as large as the largest unit);
+        job_bytes, job_pool_bytes, job_persistent_bytes,
+          job_pool_reserved_bytes: the whole job's, as `shardctl status`
+          shows them (the pool is shared by the job's ranks on a device;
+          reserved: what it will take beyond what it holds, before the
+          first gather all of it, counted by the memory limits);
+        trainer_bytes: what this process holds for the model outside the
+          daemon: the module's buffers, and any parameter, .grad or kept
+          original parameter whose storage is not the daemon's;
+        units: per unit its name, dtype, numel, shard_numel, bytes (its
+          share of shard_bytes) and the areas this rank leases of it."""
+        rank = self.client.rank
+        job, first = None, 0
+        while job is None:  # status lists 256 jobs at a time
+            st = self.client.status(first)
+            jobs = st.get("jobs", [])
+            job = next((j for j in jobs if j.get("name") == self.client.job and
+                        j.get("owner_uid", os.geteuid()) == os.geteuid()), None)
+            if not jobs or not st.get("jobs_more"):
+                break
+            first += len(jobs)
+        esize = {"fp32": 4, "bf16": 2, "fp16": 2}
+        slot = max([(u.buffer.padded_numel * esize.get(u.buffer.dtype, 4) + 4095)
+                    // 4096 * 4096 for u in self.units] or [0])
+        units, shard_bytes, leases = [], 0, 0
+        daemon = set()  # storages in the daemon's memory
+        for u in self.units:
+            b = u.buffer
+            info = self.client.inspect(b)
+            mine = [sh for sh in info.get("shards", []) if sh["rank"] == rank]
+            nbytes = mine[0].get("bytes", 0) if mine else 0
+            leased = [k for k, key in (("gather", "gather_leases"), ("gradient", "grad_leases"))
+                      if rank in info.get(key, [])]
+            units.append({"name": u.name, "dtype": b.dtype, "numel": b.numel,
+                          "shard_numel": b.shard_numel, "bytes": nbytes, "leased": leased})
+            shard_bytes += nbytes
+            leases += len(leased)
+            areas = [b.shard_tensor, b.reduced_tensor, u.gather, u.grad]
+            if not b.transient:
+                areas += [b.gather_tensor, b.grad_tensor]
+            areas += list(b._leased.values())
+            daemon.update(t.storage().data_ptr() for t in areas if t is not None)
+        seen, trainer = set(), 0
+        tensors = list(self.module.buffers())
+        for p in list(self.module.parameters()) + self._orig_keep:
+            tensors += [p, p.grad] if isinstance(p.grad, torch.Tensor) else [p]
+        for t in tensors:
+            if t is None or t.device.type == "meta" or isinstance(t, (_Grad16, _ResidentGrad)):
+                continue  # the stand-ins are views of the daemon's areas
+            stg = t.storage()
+            if stg.data_ptr() in daemon or stg.data_ptr() in seen:
+                continue
+            seen.add(stg.data_ptr())
+            trainer += stg.nbytes()
+        return {"rank": rank, "units": units, "shard_bytes": shard_bytes,
+                "leased_bytes": leases * slot,
+                "job_bytes": job["bytes"] if job else None,
+                "job_pool_bytes": job.get("pool_bytes", 0) if job else None,
+                "job_persistent_bytes": job.get("persistent_bytes", job["bytes"]) if job else None,
+                "job_pool_reserved_bytes": job.get("pool_reserved_bytes", 0) if job else None,
+                "trainer_bytes": trainer}
+
+    def memory_summary(self):
+        """memory_stats() as a table to print (torch.cuda.memory_summary)."""
+        m = self.memory_stats()
+
+        def h(n):
+            if n is None:
+                return "?"
+            for unit in ("B", "KiB", "MiB", "GiB"):
+                if n < 1024 or unit == "GiB":
+                    return ("%d %s" % (n, unit)) if unit == "B" else ("%.1f %s" % (n, unit))
+                n /= 1024.0
+
+        lines = ["shardd memory of job %r, rank %d" % (self.client.job, m["rank"]),
+                 "  %-32s %6s %12s %12s %12s  %s" % ("unit", "dtype", "numel", "shard numel",
+                                                    "daemon", "leased")]
+        for u in m["units"]:
+            lines.append("  %-32s %6s %12d %12d %12s  %s" % (
+                u["name"][:32], u["dtype"], u["numel"], u["shard_numel"], h(u["bytes"]),
+                ",".join(u["leased"]) or "-"))
+        lines += [
+            "  this rank's shards (blocks, optimizer state): %s (%d bytes)"
+            % (h(m["shard_bytes"]), m["shard_bytes"]),
+            "  this rank's leased areas now: %s (%d bytes)" % (h(m["leased_bytes"]),
+                                                              m["leased_bytes"]),
+            "  trainer-side (buffers, tensors outside the daemon): %s (%d bytes)"
+            % (h(m["trainer_bytes"]), m["trainer_bytes"]),
+            "  the job in the daemon: %s, of it pool %s and persistent %s; "
+            "reserved for pools %s"
+            % (h(m["job_bytes"]), h(m["job_pool_bytes"]), h(m["job_persistent_bytes"]),
+               h(m["job_pool_reserved_bytes"]))]
+        return "\n".join(lines) + "\n"
 
     def named_parameters(self):
         for u in self.units:
@@ -1328,6 +1526,9 @@ class ShardedModule:
             return None
         for k, e in keys.items():
             state_dict[k] = full[e.name]
+        for k, dt in self._buffer_dtypes.items():  # buffer_dtype's casts undone
+            if prefix + k in state_dict:
+                state_dict[prefix + k] = state_dict[prefix + k].to(dt)
         if cfg.offload_to_cpu:
             for k in list(state_dict):
                 if k.startswith(prefix) and isinstance(state_dict[k], torch.Tensor):
