@@ -28,6 +28,8 @@
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 
 #include "backend.h"
 #include "checkpoint.h"
@@ -980,6 +982,122 @@ static void wait_running(const test_daemon *d, const char *name) {
     test_sleep_ms(20);
   }
   shardd_close(ctl);
+}
+
+/* ---- a node's daemon killed: its survivors' jobs released --------------- */
+
+/* Closes every connection this process holds to the daemon at sock
+ * (shutdown: the daemon reads EOF at once, a thread blocked in a call on
+ * it returns), as killing the trainers of that node would. */
+static int cut_connections_to(const char *sock) {
+  int n = 0;
+  for (int fd = 3; fd < 4096; fd++) {
+    struct sockaddr_un sa;
+    socklen_t len = sizeof sa;
+    memset(&sa, 0, sizeof sa);
+    if (getpeername(fd, (struct sockaddr *)&sa, &len) == 0 &&
+        sa.sun_family == AF_UNIX && strcmp(sa.sun_path, sock) == 0) {
+      shutdown(fd, SHUT_RDWR);
+      n++;
+    }
+  }
+  return n;
+}
+
+/* `shardctl release job` on d, again every 100 ms while it is refused,
+ * for at most max_s: the seconds it took until the release went through,
+ * or -1 (the last refusal in last). */
+static double release_within(const test_daemon *d, const char *job, double max_s,
+                             char *last, size_t lastlen) {
+  char cmd[300];
+  snprintf(cmd, sizeof cmd, "--socket %s release %s", d->sock, job);
+  double t0 = test_mono_s();
+  for (;;) {
+    char *out = NULL, *errs = NULL;
+    int rc = test_shardctl(NULL, cmd, &out, &errs);
+    snprintf(last, lastlen, "%s%s", out ? out : "", errs ? errs : "");
+    free(out);
+    free(errs);
+    if (rc == 0)
+      return test_mono_s() - t0;
+    if (test_mono_s() - t0 > max_s)
+      return -1;
+    test_sleep_ms(100);
+  }
+}
+
+/* kill -9 of node 1's daemon while the job trains (the OOM killer, a
+ * crash, power loss): node 1's shards are gone, so the job cannot go on
+ * and must be released on the survivors and restored from a collective
+ * checkpoint. Node 0's ranks get E_PEER_LOST and retry (as a trainer
+ * does), which re-forms the fabric, a wait for node 1 of up to the
+ * collective timeout (60 s here). The operator then stops node 0's
+ * trainers: with them gone for --peer-grace (1 s), the re-forming nobody
+ * waits for any more is abandoned, and `shardctl release` goes through
+ * within the grace, not at the collective timeout. */
+Test(fabric, a_killed_nodes_survivor_releases_its_job_within_the_peer_grace,
+     .timeout = 120) {
+  need_gloo();
+  scratch s;
+  scratch_make(&s);
+  test_daemon pair[2];
+  const char *jobs[] = {"kj"};
+  const char *linger[] = {"--job-linger", "600", NULL};
+  start_pair_each(pair, &s, jobs, 1, "60", linger, linger);
+  shardd_client_t *c[W];
+  shardd_buffer_info info[W];
+  for (int r = 0; r < W; r++) {
+    c[r] = test_connect(&pair[r / 2], "kj", (uint32_t)r, W);
+    cr_assert_eq(shardd_buffer_register(c[r], "w", SHARDD_DTYPE_FP32, 4000, &info[r]),
+                 SHARDD_OK);
+  }
+  all_ranks(c, OP_GATHER, info[0].id, 0, NULL); /* the fabric is up */
+  kill(pair[1].pid, SIGKILL);
+  waitpid(pair[1].pid, NULL, 0);
+  pair[1].pid = 0;
+
+  /* node 0's ranks: the next gather fails on the dead fabric; the retry
+   * re-forms it and waits for node 1 */
+  call calls[2];
+  for (int attempt = 0; attempt < 2; attempt++) {
+    memset(calls, 0, sizeof calls);
+    for (int r = 0; r < 2; r++) {
+      calls[r].c = c[r];
+      calls[r].kind = OP_GATHER;
+      calls[r].id = info[0].id;
+      pthread_create(&calls[r].th, NULL, call_main, &calls[r]);
+    }
+    if (attempt == 1)
+      break;
+    for (int r = 0; r < 2; r++) {
+      pthread_join(calls[r].th, NULL);
+      cr_assert_eq(calls[r].rc, SHARDD_E_PEER_LOST, "rank %d: %s: %s", r,
+                   shardd_err_name(calls[r].rc), calls[r].msg);
+    }
+  }
+  wait_running(&pair[0], "w");
+  test_sleep_ms(300); /* inside the re-forming's rendezvous */
+
+  /* the operator stops node 0's trainers, then releases the job */
+  double t0 = test_mono_s();
+  cr_assert_eq(cut_connections_to(pair[0].sock), 2);
+  for (int r = 0; r < 2; r++)
+    pthread_join(calls[r].th, NULL);
+  char last[1024];
+  double took = release_within(&pair[0], "kj", 50, last, sizeof last);
+  cr_log_info("fabric: node 1 killed: node 0's job released %.2f s after its "
+              "trainers stopped (--peer-grace 1 s, collective timeout 60 s)",
+              test_mono_s() - t0);
+  cr_assert(took >= 0, "node 0 still refuses the release after 50 s: %s", last);
+  cr_expect_lt(test_mono_s() - t0, 1 + 4, "released %.1f s after the trainers "
+               "stopped (--peer-grace 1 s): %s", test_mono_s() - t0, last);
+  cr_expect(test_daemon_log_has(&pair[0], "abandoned"),
+            "the log does not say the re-forming was abandoned");
+  for (int r = 0; r < W; r++)
+    shardd_close(c[r]);
+  test_daemon_finish(&pair[0]);
+  test_daemon_stop(&pair[1]);
+  scratch_remove(&s);
 }
 
 static float stop_val(int rank, size_t j) { return (float)(rank * 10000 + (int)j); }
