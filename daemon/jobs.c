@@ -395,6 +395,11 @@ shardd_err shardd__jobs_release_now(shardd__jobs *j, shardd__job *job,
     what = "is being restored";
   else if (shardd__jobs_pinned(j, job))
     what = "has a checkpoint waiting for it";
+  else if (shardd__coll_inflight(j->coll, job) > 0 && job->nodes > 1)
+    /* the wait of a re-forming for a dead node ends with the ranks gone */
+    what = "has collectives in flight (a cross-node exchange or fabric "
+           "re-forming is abandoned --peer-grace after this node's last rank "
+           "of the job left: retry then)";
   else if (shardd__coll_inflight(j->coll, job) > 0)
     what = "has collectives in flight";
   if (what) {
