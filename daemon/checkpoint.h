@@ -103,7 +103,9 @@ uint64_t shardd__checkpoint_wbytes(const shardd__ckwrite *w);
 /* run for n checkpoints at once (each into a directory of its own), on the
  * thread that runs loop (blocking it: --checkpoint-on-exit, where the loop
  * has stopped, and the bench): every data file of every one is a task for
- * libuv's pool, in ws's order, so the files' writes and fsyncs overlap
+ * libuv's pool, in ws's order, written in one pass (their write-back
+ * started) and fsync'ed and renamed in a second, so the files' writes and
+ * the disk's overlap
  * on all of the pool's threads; then, on this thread, each manifest once
  * its own files are all written. rcs[k] and errs + k * errlen (n of each)
  * say how ws[k] went, as run would have; one failing leaves the others be.

@@ -264,6 +264,15 @@ Test(checkpoint, several_jobs_written_at_once_each_keep_every_byte) {
   cr_assert_neq(rcs[1], SHARDD_OK);
   cr_assert(strstr(errs[1], block) != NULL, "\"%s\" does not name %s",
             errs[1], block);
+  /* every file written in the first pass was made durable and renamed */
+  for (int k = 0; k < 3; k += 2) {
+    DIR *dh = opendir(paths[k]);
+    cr_assert_not_null(dh);
+    for (struct dirent *e; (e = readdir(dh)) != NULL;)
+      cr_assert(strstr(e->d_name, ".tmp") == NULL, "%s/%s left behind",
+                paths[k], e->d_name);
+    closedir(dh);
+  }
   for (int k = 0; k < 3; k++) {
     cr_assert_eq(shardd__checkpoint_wbytes(ws[k]) > before[k].len / 2, 1);
     shardd__checkpoint_wfree(ws[k]);
