@@ -105,8 +105,8 @@ uint64_t shardd__checkpoint_wbytes(const shardd__ckwrite *w);
  * has stopped, and the bench): every data file of every one is a task for
  * libuv's pool, in ws's order, written in one pass (their write-back
  * started) and fsync'ed and renamed in a second, so the files' writes and
- * the disk's overlap
- * on all of the pool's threads; then, on this thread, each manifest once
+ * the disk's overlap on all of the pool's threads; then, on this thread,
+ * each manifest once
  * its own files are all written. rcs[k] and errs + k * errlen (n of each)
  * say how ws[k] went, as run would have; one failing leaves the others be.
  * Other callbacks of loop may run meanwhile. */
