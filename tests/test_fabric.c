@@ -1008,14 +1008,17 @@ static int cut_connections_to(const char *sock) {
  * for at most max_s: the seconds it took until the release went through,
  * or -1 (the last refusal in last). */
 static double release_within(const test_daemon *d, const char *job, double max_s,
-                             char *last, size_t lastlen) {
+                             char *first, char *last, size_t lastlen) {
   char cmd[300];
   snprintf(cmd, sizeof cmd, "--socket %s release %s", d->sock, job);
   double t0 = test_mono_s();
+  first[0] = '\0';
   for (;;) {
     char *out = NULL, *errs = NULL;
     int rc = test_shardctl(NULL, cmd, &out, &errs);
     snprintf(last, lastlen, "%s%s", out ? out : "", errs ? errs : "");
+    if (!first[0])
+      snprintf(first, lastlen, "%s", last);
     free(out);
     free(errs);
     if (rc == 0)
@@ -1083,8 +1086,8 @@ Test(fabric, a_killed_nodes_survivor_releases_its_job_within_the_peer_grace,
   cr_assert_eq(cut_connections_to(pair[0].sock), 2);
   for (int r = 0; r < 2; r++)
     pthread_join(calls[r].th, NULL);
-  char last[1024];
-  double took = release_within(&pair[0], "kj", 50, last, sizeof last);
+  char first[1024], last[1024];
+  double took = release_within(&pair[0], "kj", 50, first, last, sizeof last);
   cr_log_info("fabric: node 1 killed: node 0's job released %.2f s after its "
               "trainers stopped (--peer-grace 1 s, collective timeout 60 s)",
               test_mono_s() - t0);
@@ -1093,6 +1096,12 @@ Test(fabric, a_killed_nodes_survivor_releases_its_job_within_the_peer_grace,
                "stopped (--peer-grace 1 s): %s", test_mono_s() - t0, last);
   cr_expect(test_daemon_log_has(&pair[0], "abandoned"),
             "the log does not say the re-forming was abandoned");
+  /* the refusal before the grace ran out says when to try again */
+  cr_expect(strstr(first, "released") != NULL ||
+                strstr(first, "abandoned --peer-grace after this node's last "
+                              "rank of the job left") != NULL,
+            "first refusal: %s", first);
+  cr_log_info("fabric: the release refused within the grace: %s", first);
   for (int r = 0; r < W; r++)
     shardd_close(c[r]);
   test_daemon_finish(&pair[0]);
