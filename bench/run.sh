@@ -24,7 +24,7 @@ fi
 
 start=$(date +%s)
 echo "shardd benchmarks ($( [ "$FULL" = 1 ] && echo full || echo short)) — $(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //'), $(nproc) CPUs, $(date -u '+%Y-%m-%d %H:%M UTC')"
-for b in rpc_bench coll_bench prefetch_bench optim_bench memory_bench; do
+for b in rpc_bench coll_bench prefetch_bench optim_bench memory_bench ckpt_bench; do
   [ -x "$BUILD/bench/$b" ] || { echo "bench/run.sh: $BUILD/bench/$b is not built (run make bench)" >&2; exit 1; }
   "$BUILD/bench/$b"
 done

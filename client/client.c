@@ -344,6 +344,29 @@ static shardd_err closed_reason(shardd_client_t *c, shardd_err rc) {
   return rc;
 }
 
+/* The daemon's end of the connection is gone (EOF, ECONNRESET, EPIPE):
+ * unless a last frame of its own says why (closed_reason), it stopped or
+ * died, which the trainer must hear as such -- naming the daemon and what
+ * to do -- rather than as the socket layer's "recv: Connection reset by
+ * peer". */
+static shardd_err daemon_gone(shardd_client_t *c, shardd_err rc) {
+  char was[128]; /* the socket layer's few words */
+  snprintf(was, sizeof was, "%.100s", c->err);
+  rc = closed_reason(c, rc);
+  if (rc != SHARDD_E_CLOSED)
+    return rc;
+  /* the frame layer's words for an end of stream repeat what this says */
+  if (strcmp(was, "the daemon closed the connection") == 0)
+    snprintf(was, sizeof was, "end of stream");
+  return set_err(c, rc, "daemon at %s closed the connection (%s): it stopped "
+                 "or died (a stop or restart, a crash, kill -9, the OOM "
+                 "killer); the request's outcome is unknown. Find why in its "
+                 "log (journalctl -u shardd), then reconnect once it serves "
+                 "again: a daemon restarted with --restore brings the job back "
+                 "at the step its log names, and relaunched ranks are told it",
+                 c->socket_path, was);
+}
+
 /* Why a descriptor from the daemon cannot back a mapping of bytes: 0 when
  * it can, 1 when the file is smaller (*size its size, -1 unknown), 2 when
  * it is not a memfd sealed against shrinking. A mapping past the end of
@@ -596,7 +619,7 @@ static shardd_err send_req(shardd_client_t *c, Shardwire__Request *req) {
                    "the connection is closed", c->socket_path, c->timeout);
   }
   if (rc == SHARDD_E_CLOSED)
-    rc = closed_reason(c, rc);
+    rc = daemon_gone(c, rc);
   return rc;
 }
 
@@ -674,7 +697,7 @@ static shardd_err recv_for_many(shardd_client_t *c, uint64_t seq,
         close(c->fd);
         c->fd = -1;
       }
-      return rc;
+      return rc == SHARDD_E_CLOSED ? daemon_gone(c, rc) : rc;
     }
     heard = mono_now();
     Shardwire__Response *resp = shardwire__response__unpack(NULL, len, payload);

@@ -37,6 +37,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <uv.h>
 
 #include "registry.h"
 
@@ -97,6 +98,21 @@ shardd_err shardd__checkpoint_run(shardd__ckwrite *w, char *err,
 void shardd__checkpoint_wfree(shardd__ckwrite *w);
 /* The directory w writes into, as it was asked for; borrowed from w. */
 const char *shardd__checkpoint_wdir(const shardd__ckwrite *w);
+/* The bytes w writes: its data files' payloads and the manifest. */
+uint64_t shardd__checkpoint_wbytes(const shardd__ckwrite *w);
+/* run for n checkpoints at once (each into a directory of its own), on the
+ * thread that runs loop (blocking it: --checkpoint-on-exit, where the loop
+ * has stopped, and the bench): every data file of every one is a task for
+ * libuv's pool, in ws's order, written in one pass (their write-back
+ * started) and fsync'ed and renamed in a second, so the files' writes and
+ * the disk's overlap on all of the pool's threads; then, on this thread,
+ * each manifest once
+ * its own files are all written. rcs[k] and errs + k * errlen (n of each)
+ * say how ws[k] went, as run would have; one failing leaves the others be.
+ * Other callbacks of loop may run meanwhile. */
+void shardd__checkpoint_run_many(uv_loop_t *loop, shardd__ckwrite **ws,
+                                 size_t n, shardd_err *rcs, char *errs,
+                                 size_t errlen);
 /* After a successful run: the seal (CRC32C on the "end" line) of the
  * manifest w wrote; 0 before. */
 uint32_t shardd__checkpoint_wseal(const shardd__ckwrite *w);

@@ -343,12 +343,12 @@ shardd_err shardd__ck_fsync_dir(const shardd__ckdir *d, char *err,
   return SHARDD_OK;
 }
 
-/* Writes d/fname through a temporary name: head (may be NULL), then
- * payload, fsync, rename. */
-shardd_err shardd__ck_write_file(const shardd__ckdir *d, const char *fname,
-                                 const void *head, size_t head_len,
-                                 const void *payload, size_t bytes, char *err,
-                                 size_t errlen) {
+/* Writes d/.fname.tmp: head (may be NULL), then payload; with sync
+ * fsync'ed too. Removed again on failure. */
+static shardd_err write_temp(const shardd__ckdir *d, const char *fname,
+                             const void *head, size_t head_len,
+                             const void *payload, size_t bytes, int sync,
+                             char *err, size_t errlen) {
   char tmp[256];
   snprintf(tmp, sizeof tmp, ".%s.tmp", fname);
   /* The directory may be the client's and the daemon writes with its own
@@ -367,16 +367,16 @@ shardd_err shardd__ck_write_file(const shardd__ckdir *d, const char *fname,
   }
   shardd_err rc = SHARDD_OK;
   if ((head && write_all(fd, head, head_len) != SHARDD_OK) ||
-      write_all(fd, payload, bytes) != SHARDD_OK || fsync(fd) != 0) {
+      write_all(fd, payload, bytes) != SHARDD_OK || (sync && fsync(fd) != 0)) {
     snprintf(err, errlen, "write %s/%s: %s", d->path, tmp, strerror(errno));
     rc = SHARDD_E_IO;
   }
+  if (rc == SHARDD_OK && !sync)
+    /* start the write-back now, without waiting for it: the commit's
+     * fsync then finds most of it done */
+    sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE);
   if (close(fd) != 0 && rc == SHARDD_OK) {
     snprintf(err, errlen, "close %s/%s: %s", d->path, tmp, strerror(errno));
-    rc = SHARDD_E_IO;
-  }
-  if (rc == SHARDD_OK && renameat(d->fd, tmp, d->fd, fname) != 0) {
-    snprintf(err, errlen, "rename %s/%s: %s", d->path, fname, strerror(errno));
     rc = SHARDD_E_IO;
   }
   if (rc != SHARDD_OK)
@@ -384,12 +384,57 @@ shardd_err shardd__ck_write_file(const shardd__ckdir *d, const char *fname,
   return rc;
 }
 
+/* Renames d/.fname.tmp to fname; removes it on failure. */
+static shardd_err rename_temp(const shardd__ckdir *d, const char *fname,
+                              char *err, size_t errlen) {
+  char tmp[256];
+  snprintf(tmp, sizeof tmp, ".%s.tmp", fname);
+  if (renameat(d->fd, tmp, d->fd, fname) != 0) {
+    snprintf(err, errlen, "rename %s/%s: %s", d->path, fname, strerror(errno));
+    unlinkat(d->fd, tmp, 0);
+    return SHARDD_E_IO;
+  }
+  return SHARDD_OK;
+}
+
+/* Writes d/fname through a temporary name: head (may be NULL), then
+ * payload, fsync, rename. */
+shardd_err shardd__ck_write_file(const shardd__ckdir *d, const char *fname,
+                                 const void *head, size_t head_len,
+                                 const void *payload, size_t bytes, char *err,
+                                 size_t errlen) {
+  shardd_err rc = write_temp(d, fname, head, head_len, payload, bytes, 1, err,
+                             errlen);
+  return rc == SHARDD_OK ? rename_temp(d, fname, err, errlen) : rc;
+}
+
+shardd_err shardd__ck_commit_data(const shardd__ckdir *d, const char *fname,
+                                  char *err, size_t errlen) {
+  char tmp[256];
+  snprintf(tmp, sizeof tmp, ".%s.tmp", fname);
+  /* the daemon's own file, just written: opened without following links */
+  int fd = openat(d->fd, tmp, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) {
+    snprintf(err, errlen, "open %s/%s: %s", d->path, tmp, strerror(errno));
+    return SHARDD_E_IO;
+  }
+  int bad = fsync(fd) != 0;
+  int e = errno;
+  close(fd);
+  if (bad) {
+    snprintf(err, errlen, "fsync %s/%s: %s", d->path, tmp, strerror(e));
+    unlinkat(d->fd, tmp, 0);
+    return SHARDD_E_IO;
+  }
+  return rename_temp(d, fname, err, errlen);
+}
+
 /* A data file: header (64 bytes), the buffer's name, the payload. */
-shardd_err shardd__ck_write_data(const shardd__ckdir *dir, const char *fname,
-                                 uint32_t dtype, uint64_t numel,
-                                 uint64_t offset, const char *name,
-                                 const void *payload, size_t bytes,
-                                 uint32_t *crc, char *err, size_t errlen) {
+static shardd_err write_data(const shardd__ckdir *dir, const char *fname,
+                             uint32_t dtype, uint64_t numel, uint64_t offset,
+                             const char *name, const void *payload,
+                             size_t bytes, uint32_t *crc, int staged, char *err,
+                             size_t errlen) {
   size_t nlen = strlen(name);
   uint8_t *head = calloc(1, HEADER_BYTES + nlen);
   if (head == NULL) {
@@ -406,10 +451,31 @@ shardd_err shardd__ck_write_data(const shardd__ckdir *dir, const char *fname,
   put_u32(head + 40, *crc);
   put_u32(head + 44, (uint32_t)nlen);
   memcpy(head + HEADER_BYTES, name, nlen);
-  shardd_err rc = shardd__ck_write_file(dir, fname, head, HEADER_BYTES + nlen,
-                                        payload, bytes, err, errlen);
+  shardd_err rc = staged ? write_temp(dir, fname, head, HEADER_BYTES + nlen,
+                                       payload, bytes, 0, err, errlen)
+                         : shardd__ck_write_file(dir, fname, head,
+                                                 HEADER_BYTES + nlen, payload,
+                                                 bytes, err, errlen);
   free(head);
   return rc;
+}
+
+shardd_err shardd__ck_write_data(const shardd__ckdir *dir, const char *fname,
+                                 uint32_t dtype, uint64_t numel,
+                                 uint64_t offset, const char *name,
+                                 const void *payload, size_t bytes,
+                                 uint32_t *crc, char *err, size_t errlen) {
+  return write_data(dir, fname, dtype, numel, offset, name, payload, bytes,
+                    crc, 0, err, errlen);
+}
+
+shardd_err shardd__ck_stage_data(const shardd__ckdir *dir, const char *fname,
+                                 uint32_t dtype, uint64_t numel,
+                                 uint64_t offset, const char *name,
+                                 const void *payload, size_t bytes,
+                                 uint32_t *crc, char *err, size_t errlen) {
+  return write_data(dir, fname, dtype, numel, offset, name, payload, bytes,
+                    crc, 1, err, errlen);
 }
 
 /* Opens path for reading if it is a regular file; else -1 with err set.

@@ -58,6 +58,18 @@ shardd_err shardd__ck_write_data(const shardd__ckdir *dir, const char *fname,
                                  const void *payload, size_t bytes,
                                  uint32_t *crc, char *err, size_t errlen);
 
+/* As ck_write_data in two halves, so that many files' write-back overlaps
+ * (checkpoint_run_many): stage writes d/.fname.tmp and starts its
+ * write-back without waiting for it; commit fsyncs it and renames it to
+ * fname. A temporary either fails is removed. */
+shardd_err shardd__ck_stage_data(const shardd__ckdir *dir, const char *fname,
+                                 uint32_t dtype, uint64_t numel,
+                                 uint64_t offset, const char *name,
+                                 const void *payload, size_t bytes,
+                                 uint32_t *crc, char *err, size_t errlen);
+shardd_err shardd__ck_commit_data(const shardd__ckdir *d, const char *fname,
+                                  char *err, size_t errlen);
+
 /* Opens d/fname for reading if it is a regular file the asker may have
  * read (one link, its own or the daemon's); the descriptor is the
  * caller's. -1 with err and errno set: EPERM or ELOOP refused, EINVAL not

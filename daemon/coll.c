@@ -1920,6 +1920,41 @@ static void forgive_stall(const jobs_arg *a, double stall) {
   }
 }
 
+/* A multi-node job all of whose ranks on this node left (trainers
+ * stopped, typically to release the job after a peer node's daemon was
+ * killed) and stayed away for --peer-grace: nobody waits for the
+ * exchange or fabric re-forming its started collectives are in, which
+ * could wait for a dead node up to the collective timeout and hold the
+ * job (refusing `shardctl release`) all that time. It is abandoned (once
+ * per such loss); the collectives end with E_PEER_LOST. */
+static void abandon_fabric(coll_job *q, double now) {
+  const shardd__job *job = q->job;
+  if (q->fab == NULL || q->lost_at == NULL)
+    return;
+  uint64_t latest = 0;
+  for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++) {
+    if (q->lost_at[r] < 0 || now < q->lost_at[r] + q->e->cfg.peer_grace)
+      return; /* a rank is here, or may still come back */
+    latest = q->lost_epoch[r] > latest ? q->lost_epoch[r] : latest;
+  }
+  if (latest == q->fab_abandoned)
+    return;
+  int started = 0;
+  for (coll *c = q->head; c && !started; c = c->next)
+    started = c->started && before_fanout(c);
+  if (!started)
+    return;
+  q->fab_abandoned = latest;
+  char why[160];
+  snprintf(why, sizeof why, "every rank of job \"%.64s\" on this node left "
+           "(over --peer-grace %g s ago)", job->name, q->e->cfg.peer_grace);
+  if (shardd__coll_fab_cancel(q->fab, why, 1.0))
+    shardd__log(SHARDD__LOG_WARN, "job \"%s\": its cross-node exchange or "
+                "fabric re-forming abandoned: %s; nobody waits for it, and it "
+                "held the job (no release) up to the collective timeout",
+                job->name, why);
+}
+
 void shardd__coll_tick(shardd__coll_engine *e, double now) {
   double real = (double)uv_hrtime() / 1e9;
   double stall = e->last_tick > 0 ? real - e->last_tick : 0;
@@ -1941,6 +1976,7 @@ void shardd__coll_tick(shardd__coll_engine *e, double now) {
   for (size_t i = 0; i < a.n; i++) {
     fail_doomed(a.jobs[i], now);
     fail_stuck(a.jobs[i], now);
+    abandon_fabric(a.jobs[i], now);
     char first[512];
     uint32_t n = fail_waiting(a.jobs[i], SHARDD_E_PEER_LOST, pick_expired, &t,
                               describe_expired, first, sizeof first);

@@ -83,6 +83,14 @@
  * are node-local) is refused the same way: the other node lost the reduced
  * gradient it would need, so training on would mix two steps' parameters.
  *
+ * Abandoned. Every rank of this node gone for --peer-grace (its trainers
+ * stopped after a peer node's daemon was killed, so that the job can be
+ * released and restored) leaves nobody waiting for the exchange or
+ * re-forming in flight, which would otherwise hold the job (and refuse
+ * its release) up to the collective timeout for a node that cannot come
+ * back: shardd__coll_fab_cancel ends it at once with SHARDD_E_PEER_LOST,
+ * the fabric stays failed, and a rank that comes back re-forms it.
+ *
  * Stop. A stopping daemon must not wait for a peer that never answers (up
  * to the collective timeout, past the unit's stop timeout, so systemd's
  * SIGKILL would skip --checkpoint-on-exit): shardd__coll_fab_abort aborts
@@ -155,6 +163,13 @@ struct coll_fab {
    * SHARDD_E_SHUTDOWN and why */
   int aborting;
   char why[128];
+  /* this node's ranks of the job all left (shardd__coll_fab_cancel): what
+   * the fabric is doing now -- a re-forming's rendezvous waiting for a
+   * node that was killed, an exchange waiting for a dead peer -- is
+   * abandoned with SHARDD_E_PEER_LOST and why; cleared once no exchange
+   * is queued or running, so a rank that comes back re-forms it */
+  int cancel;
+  char cancel_why[160];
   /* loop thread only: exchanges made so far per kind and target, by
    * fab_key (values: malloc'd uint64_t counts) */
   shardd__map counts;
@@ -196,7 +211,12 @@ static shardd_err jf_connect(coll_fab *jf, const coll *c, char *err,
     shardd__fabric_destroy(f);
     f = NULL;
   }
-  if (rc == SHARDD_OK)
+  pthread_mutex_lock(&jf->mu);
+  if (rc != SHARDD_OK && jf->cancel && !jf->aborting) {
+    rc = SHARDD_E_PEER_LOST;
+    snprintf(err, errlen, "%s the fabric of job \"%.32s\" abandoned: %.200s",
+             reform ? "re-forming" : "forming", c->job->name, jf->cancel_why);
+  } else if (rc == SHARDD_OK)
     snprintf(err, errlen, "%s", "");
   else if (reform && at_rdv && rc == SHARDD_E_PEER_LOST)
     snprintf(err, errlen, "re-forming the fabric of job \"%.32s\": %.200s "
@@ -204,7 +224,6 @@ static shardd_err jf_connect(coll_fab *jf, const coll *c, char *err,
              "relaunch its ranks)", c->job->name, why);
   else
     snprintf(err, errlen, "%.380s", why);
-  pthread_mutex_lock(&jf->mu);
   jf->connecting = 0;
   if (rc != SHARDD_OK) {
     jf->state = FAB_FAILED;
@@ -278,6 +297,11 @@ static void jf_put(coll_fab *jf) {
 static void jf_broken(coll_fab *jf, uint64_t gen, shardd_err *code, char *msg,
                       size_t len) {
   pthread_mutex_lock(&jf->mu);
+  if (jf->cancel && !jf->aborting && *code == SHARDD_E_SHUTDOWN) {
+    *code = SHARDD_E_PEER_LOST;
+    snprintf(msg, len, "the cross-node exchange was abandoned: %s",
+             jf->cancel_why);
+  }
   if (gen == jf->gen && jf->state == FAB_UP) {
     jf->state = FAB_FAILED;
     jf->at_rendezvous = 0;
@@ -296,9 +320,36 @@ static void jf_broken(coll_fab *jf, uint64_t gen, shardd_err *code, char *msg,
 static int jf_stopping(void *arg) {
   coll_fab *jf = arg;
   pthread_mutex_lock(&jf->mu);
-  int v = jf->aborting;
+  int v = jf->aborting || jf->cancel;
   pthread_mutex_unlock(&jf->mu);
   return v;
+}
+
+int shardd__coll_fab_cancel(coll_fab *jf, const char *why, double max_s) {
+  pthread_mutex_lock(&jf->mu);
+  if (jf->aborting || (jf->nrunning == 0 && jf->nqueued == 0)) {
+    pthread_mutex_unlock(&jf->mu);
+    return 0;
+  }
+  jf->cancel = 1;
+  snprintf(jf->cancel_why, sizeof jf->cancel_why, "%s", why);
+  if (jf->f)
+    shardd__fabric_abort(jf->f, jf->cancel_why);
+  pthread_cond_broadcast(&jf->cv);
+  /* as shardd__coll_fab_abort: aborted waits end in microseconds, a
+   * rendezvous within its 10 ms poll */
+  struct timespec until;
+  clock_gettime(CLOCK_REALTIME, &until);
+  double end = (double)until.tv_sec + (double)until.tv_nsec / 1e9 + max_s;
+  until.tv_sec = (time_t)end;
+  until.tv_nsec = (long)((end - (double)until.tv_sec) * 1e9);
+  while (jf->nrunning > 0 || jf->nqueued > 0)
+    if (pthread_cond_timedwait(&jf->cv, &jf->mu, &until) == ETIMEDOUT)
+      break;
+  if (jf->nrunning == 0 && jf->nqueued == 0)
+    jf->cancel = 0;
+  pthread_mutex_unlock(&jf->mu);
+  return 1;
 }
 
 int shardd__coll_fab_abort(coll_fab *jf, const char *why, double max_s) {
@@ -1070,6 +1121,8 @@ static void *fab_thread(void *arg) {
         jf->running[i] = jf->running[--jf->nrunning];
         break;
       }
+    if (jf->nrunning == 0 && jf->nqueued == 0)
+      jf->cancel = 0; /* what it abandoned has ended */
     pthread_cond_broadcast(&jf->cv); /* one of the same tag may go now */
     /* the last touch of c: from here the loop may free it */
     uv_async_send(&c->fab_async);

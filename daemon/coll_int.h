@@ -78,6 +78,9 @@ typedef struct {
   double *lost_at;
   uint64_t *lost_epoch;
   uint8_t *lost_told;
+  /* a multi-node job: the latest lost_epoch of this node's ranks when its
+   * fabric's work was last abandoned for their all being gone (0 never) */
+  uint64_t fab_abandoned;
   /* a refusal every collective of the job depends on (a rank's initial
    * values differ: shardd__coll_job_break), SHARDD_OK none: each later
    * collective of a member that joined before it (the engine's epoch then)
@@ -253,5 +256,12 @@ uint64_t shardd__coll_fab_epoch(coll_fab *jf);
  * exchange's task rc and fab_msg are final (their ends still come back
  * through fab_async); 0 when one still runs. */
 int shardd__coll_fab_abort(coll_fab *jf, const char *why, double max_s);
+/* Every rank of this node left the job (coll.c's tick, past --peer-grace):
+ * what the job's fabric is doing -- an exchange, a (re-)forming's
+ * rendezvous -- is abandoned, ending with SHARDD_E_PEER_LOST naming why
+ * (copied); waits (loop thread, up to max_s) for the fabric threads to
+ * leave. Later exchanges re-form the fabric as after any failure. 1 when
+ * there was something to abandon, 0 when nothing was in flight. */
+int shardd__coll_fab_cancel(coll_fab *jf, const char *why, double max_s);
 
 #endif /* SHARDD_COLL_INT_H */

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "checkpoint.h"
@@ -394,6 +395,11 @@ shardd_err shardd__jobs_release_now(shardd__jobs *j, shardd__job *job,
     what = "is being restored";
   else if (shardd__jobs_pinned(j, job))
     what = "has a checkpoint waiting for it";
+  else if (shardd__coll_inflight(j->coll, job) > 0 && job->nodes > 1)
+    /* the wait of a re-forming for a dead node ends with the ranks gone */
+    what = "has collectives in flight (a cross-node exchange or fabric "
+           "re-forming is abandoned --peer-grace after this node's last rank "
+           "of the job left: retry then)";
   else if (shardd__coll_inflight(j->coll, job) > 0)
     what = "has collectives in flight";
   if (what) {
@@ -466,16 +472,9 @@ static shardd_err may_checkpoint(const shardd__jobs *j, const shardd__job *job,
   return SHARDD_OK;
 }
 
-shardd_err shardd__jobs_checkpoint(shardd__jobs *j, shardd__job *job,
-                                   const char *dir, int64_t as_uid,
-                                   const char *home, char *err, size_t errlen) {
-  shardd_err rc = may_checkpoint(j, job, err, errlen);
-  if (rc != SHARDD_OK)
-    return rc;
-  if (job->nodes > 1) /* its part records the lineage (registry.h) */
-    job->lineage = shardd__coll_job_lineage(j->coll, job);
-  rc = shardd__checkpoint_write_in(j->reg, job, dir, as_uid, home, err, errlen);
-  if (rc == SHARDD_OK && job->nodes > 1)
+/* The log line of a checkpoint that one daemon wrote alone, between steps. */
+static void log_written(const shardd__job *job, const char *dir) {
+  if (job->nodes > 1)
     /* the other nodes cannot take part (this is the daemon's own exit, or
      * a blocking caller): the part alone, which only this node's daemon
      * restores (its job spec says which part is its own), to rejoin the
@@ -487,9 +486,77 @@ shardd_err shardd__jobs_checkpoint(shardd__jobs *j, shardd__job *job,
                 "job's --job-spec and --restore %s restores it to rejoin the "
                 "job's live nodes",
                 job->name, job->node_rank, dir, job->node_rank, dir);
-  else if (rc == SHARDD_OK)
+  else
     shardd__log(2, "job \"%s\" checkpointed to %s", job->name, dir);
+}
+
+shardd_err shardd__jobs_checkpoint(shardd__jobs *j, shardd__job *job,
+                                   const char *dir, int64_t as_uid,
+                                   const char *home, char *err, size_t errlen) {
+  shardd_err rc = may_checkpoint(j, job, err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  if (job->nodes > 1) /* its part records the lineage (registry.h) */
+    job->lineage = shardd__coll_job_lineage(j->coll, job);
+  rc = shardd__checkpoint_write_in(j->reg, job, dir, as_uid, home, err, errlen);
+  if (rc == SHARDD_OK)
+    log_written(job, dir);
   return rc;
+}
+
+void shardd__jobs_checkpoint_many(shardd__jobs *j, shardd__job **jobs,
+                                  char **dirs, size_t n, shardd_err *rcs,
+                                  char *errs, size_t errlen, uint64_t *bytes) {
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  *bytes = 0;
+  shardd__ckwrite **ws = calloc(n ? n : 1, sizeof *ws);
+  size_t *at = calloc(n ? n : 1, sizeof *at); /* ws[i] is jobs[at[i]]'s */
+  shardd_err *wrc = calloc(n ? n : 1, sizeof *wrc);
+  char *werr = calloc(n ? n : 1, errlen);
+  size_t nw = 0, ok = 0;
+  for (size_t k = 0; k < n; k++) {
+    char *err = errs + k * errlen;
+    err[0] = '\0';
+    if (ws == NULL || at == NULL || wrc == NULL || werr == NULL) {
+      rcs[k] = SHARDD_E_NO_MEMORY;
+      snprintf(err, errlen, "out of memory");
+      continue;
+    }
+    rcs[k] = may_checkpoint(j, jobs[k], err, errlen);
+    if (rcs[k] != SHARDD_OK)
+      continue;
+    if (jobs[k]->nodes > 1) /* its part records the lineage (registry.h) */
+      jobs[k]->lineage = shardd__coll_job_lineage(j->coll, jobs[k]);
+    rcs[k] = shardd__checkpoint_prepare(j->reg, jobs[k], dirs[k], -1, NULL,
+                                        &ws[nw], err, errlen);
+    if (rcs[k] == SHARDD_OK)
+      at[nw++] = k;
+  }
+  if (nw > 0)
+    shardd__checkpoint_run_many(j->loop, ws, nw, wrc, werr, errlen);
+  for (size_t i = 0; i < nw; i++) {
+    size_t k = at[i];
+    rcs[k] = wrc[i];
+    memcpy(errs + k * errlen, werr + i * errlen, errlen);
+    if (rcs[k] == SHARDD_OK) {
+      ok++;
+      *bytes += shardd__checkpoint_wbytes(ws[i]);
+      log_written(jobs[k], dirs[k]);
+    }
+    shardd__checkpoint_wfree(ws[i]);
+  }
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  double s = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
+  if (n > 0)
+    shardd__log(2, "exit checkpoint: %zu of %zu job%s written, %.1f MiB in "
+                "%.2f s (%.0f MiB/s)", ok, n, n == 1 ? "" : "s",
+                (double)*bytes / 1048576.0, s,
+                s > 0 ? (double)*bytes / 1048576.0 / s : 0.0);
+  free(ws);
+  free(at);
+  free(wrc);
+  free(werr);
 }
 
 uint64_t shardd__jobs_step(shardd__job *job) {

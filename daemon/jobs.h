@@ -130,6 +130,18 @@ shardd_err shardd__jobs_checkpoint(shardd__jobs *j, shardd__job *job,
                                    const char *dir, int64_t as_uid,
                                    const char *home, char *err, size_t errlen);
 
+/* As shardd__jobs_checkpoint for n jobs (as_uid -1, no home: the
+ * daemon's own), jobs[k] to dirs[k], with every data file of every job
+ * written at once on libuv's pool (shardd__checkpoint_run_many): the
+ * --checkpoint-on-exit of a stopped daemon, where the loop has stopped.
+ * rcs[k] and errs + k * errlen say how jobs[k] went (each also logged as
+ * jobs_checkpoint logs it), and one line logs the whole: jobs, MiB,
+ * seconds and MiB/s, what TimeoutStopSec must cover. *bytes: what was
+ * written in all. */
+void shardd__jobs_checkpoint_many(shardd__jobs *j, shardd__job **jobs,
+                                  char **dirs, size_t n, shardd_err *rcs,
+                                  char *errs, size_t errlen, uint64_t *bytes);
+
 /* The step job is at: the highest step count of its optimizers (0 with
  * none), as a restore and the log report it. */
 uint64_t shardd__jobs_step(shardd__job *job);

@@ -38,29 +38,33 @@ static char *job_dir(const char *dir, const char *job) {
 }
 
 typedef struct {
-  shardd__server *srv;
-  const char *dir;
-  int failed;
-} exit_ckpt;
+  shardd__job **jobs;
+  size_t n, cap;
+  int failed; /* out of memory collecting them */
+} job_list;
+
+static void collect_job(shardd__job *job, void *arg) {
+  job_list *l = arg;
+  if (l->n == l->cap) {
+    size_t ncap = l->cap ? 2 * l->cap : 16;
+    shardd__job **p = realloc(l->jobs, ncap * sizeof *p);
+    if (p == NULL) {
+      l->failed = 1;
+      return;
+    }
+    l->jobs = p;
+    l->cap = ncap;
+  }
+  l->jobs[l->n++] = job;
+}
 
 /* DIR/JOB for root's jobs, DIR/UID%2fJOB for another uid's ("UID/JOB",
  * the name root gives it, as one component): job names are per uid, so
  * two users' jobs of one name need two directories. */
-static void checkpoint_job(shardd__job *job, void *arg) {
-  exit_ckpt *a = arg;
-  char err[512], qualified[300];
+static char *exit_dir(const char *dir, const shardd__job *job) {
+  char qualified[300];
   snprintf(qualified, sizeof qualified, "%u/%s", (unsigned)job->uid, job->name);
-  char *d = job_dir(a->dir, job->uid == 0 ? job->name : qualified);
-  if (d == NULL || shardd__jobs_checkpoint(&a->srv->d.jobs, job, d, -1, NULL, err, sizeof err) != SHARDD_OK) {
-    shardd__log(0, "checkpoint of job \"%s\" failed: %s", job->name,
-                d ? err : "out of memory");
-    a->failed = 1;
-  } else { /* a marker of the checkpoint this one replaced is stale */
-    char marker[4096];
-    snprintf(marker, sizeof marker, "%s/%s", d, SHARDD__SUPERSEDED_FILE);
-    unlink(marker);
-  }
-  free(d);
+  return job_dir(dir, job->uid == 0 ? job->name : qualified);
 }
 
 /* An exit checkpoint in dir that its job stepped past after the last
@@ -332,8 +336,9 @@ static void announce(const shardd__server *srv, const shardd__backend *backend,
     shardd__log(1, "sd_notify: %s", err);
 }
 
-/* --checkpoint-on-exit DIR: every job to DIR/JOB. 0, or 1 when DIR could
- * not be made or any job failed (each is logged). */
+/* --checkpoint-on-exit DIR: every job to DIR/JOB, all at once (their
+ * files on libuv's pool: shardd__jobs_checkpoint_many). 0, or 1 when DIR
+ * could not be made or any job failed (each is logged). */
 static int checkpoint_on_exit(shardd__server *srv, const char *dir) {
   /* The loop has drained: no collective runs, every session is closed,
    * and the jobs are still there (no release while stopping). */
@@ -341,9 +346,47 @@ static int checkpoint_on_exit(shardd__server *srv, const char *dir) {
     shardd__log(0, "--checkpoint-on-exit %s: %s", dir, strerror(errno));
     return 1;
   }
-  exit_ckpt a = {srv, dir, 0};
-  shardd__registry_each_job(&srv->d.reg, checkpoint_job, &a);
-  return a.failed;
+  job_list l = {0};
+  shardd__registry_each_job(&srv->d.reg, collect_job, &l);
+  size_t n = l.n;
+  enum { ERRLEN = 1024 };
+  char **dirs = calloc(n ? n : 1, sizeof *dirs);
+  shardd_err *rcs = calloc(n ? n : 1, sizeof *rcs);
+  char *errs = calloc(n ? n : 1, ERRLEN);
+  int failed = l.failed;
+  if (l.failed || dirs == NULL || rcs == NULL || errs == NULL) {
+    shardd__log(0, "--checkpoint-on-exit %s: out of memory; no job written",
+                dir);
+    failed = 1;
+    n = 0;
+  }
+  for (size_t k = 0; k < n; k++)
+    if ((dirs[k] = exit_dir(dir, l.jobs[k])) == NULL)
+      failed = 1;
+  if (!failed) {
+    uint64_t bytes;
+    shardd__jobs_checkpoint_many(&srv->d.jobs, l.jobs, dirs, n, rcs, errs,
+                                 ERRLEN, &bytes);
+  }
+  for (size_t k = 0; k < n; k++) {
+    if (failed || rcs[k] != SHARDD_OK) {
+      shardd__log(0, "checkpoint of job \"%s\" failed: %s", l.jobs[k]->name,
+                  failed ? "out of memory" : errs + k * ERRLEN);
+      failed = 1;
+      continue;
+    }
+    /* a marker of the checkpoint this one replaced is stale */
+    char marker[4096];
+    snprintf(marker, sizeof marker, "%s/%s", dirs[k], SHARDD__SUPERSEDED_FILE);
+    unlink(marker);
+  }
+  for (size_t k = 0; k < n; k++)
+    free(dirs[k]);
+  free(dirs);
+  free(rcs);
+  free(errs);
+  free(l.jobs);
+  return failed;
 }
 
 int main(int argc, char **argv) {

@@ -229,6 +229,71 @@ Test(checkpoint, round_trip_keeps_every_byte) {
   cr_assert_eq(shardd__job_find(&reg, 0, "llm 7b"), back);
 }
 
+/* The exit checkpoint's way: several jobs at once, their files on libuv's
+ * pool (shardd__checkpoint_run_many). Each restores every byte; one whose
+ * directory cannot be made fails alone, naming its path, and leaves no
+ * file behind it in the others. */
+Test(checkpoint, several_jobs_written_at_once_each_keep_every_byte) {
+  char err[1024], paths[3][256], block[200];
+  const char *names[3] = {"job a", "job b", "job c"};
+  snprintf(block, sizeof block, "%s/not-a-directory", dir);
+  FILE *f = fopen(block, "w");
+  cr_assert_not_null(f);
+  fclose(f);
+  snprintf(paths[0], sizeof paths[0], "%s/a", dir);
+  snprintf(paths[1], sizeof paths[1], "%s/c", block); /* cannot be made */
+  snprintf(paths[2], sizeof paths[2], "%s/b", dir);
+  shardd__job *jobs[3];
+  shardd__ckwrite *ws[3];
+  image before[3];
+  for (int k = 0; k < 3; k++) {
+    jobs[k] = make_job(names[k]);
+    before[k] = snapshot(jobs[k]);
+    cr_assert_eq(shardd__checkpoint_prepare(&reg, jobs[k], paths[k], -1, NULL,
+                                            &ws[k], err, sizeof err),
+                 SHARDD_OK, "%s", err);
+  }
+  uv_loop_t loop;
+  cr_assert_eq(uv_loop_init(&loop), 0);
+  shardd_err rcs[3];
+  static char errs[3][1024];
+  shardd__checkpoint_run_many(&loop, ws, 3, rcs, &errs[0][0], sizeof errs[0]);
+  cr_assert_eq(uv_loop_close(&loop), 0, "work left on the loop");
+  cr_assert_eq(rcs[0], SHARDD_OK, "%s", errs[0]);
+  cr_assert_eq(rcs[2], SHARDD_OK, "%s", errs[2]);
+  cr_assert_neq(rcs[1], SHARDD_OK);
+  cr_assert(strstr(errs[1], block) != NULL, "\"%s\" does not name %s",
+            errs[1], block);
+  /* every file written in the first pass was made durable and renamed */
+  for (int k = 0; k < 3; k += 2) {
+    DIR *dh = opendir(paths[k]);
+    cr_assert_not_null(dh);
+    for (struct dirent *e; (e = readdir(dh)) != NULL;)
+      cr_assert(strstr(e->d_name, ".tmp") == NULL, "%s/%s left behind",
+                paths[k], e->d_name);
+    closedir(dh);
+  }
+  for (int k = 0; k < 3; k++) {
+    cr_assert_eq(shardd__checkpoint_wbytes(ws[k]) > before[k].len / 2, 1);
+    shardd__checkpoint_wfree(ws[k]);
+    shardd__job_release(&reg, jobs[k]);
+  }
+  for (int k = 0; k < 3; k += 2) {
+    shardd__job *back;
+    cr_assert_eq(shardd__checkpoint_restore(&reg, paths[k], -1, 0, &back, err,
+                                            sizeof err),
+                 SHARDD_OK, "%s", err);
+    cr_assert_str_eq(back->name, names[k]);
+    image after = snapshot(back);
+    cr_assert_eq(after.len, before[k].len);
+    cr_assert(memcmp(after.bytes, before[k].bytes, after.len) == 0,
+              "%s restored other bytes", names[k]);
+    free(after.bytes);
+  }
+  for (int k = 0; k < 3; k++)
+    free(before[k].bytes);
+}
+
 /* A backend whose memory the daemon may not touch directly (as cuda's):
  * the host backend with read and write ops that count their bytes and no
  * HOST_MAPPED cap, so checkpoints stage through them. */
@@ -721,6 +786,19 @@ static float from_bf16(uint16_t h) {
 static void *run_rank(void *p) {
   rank_arg *a = p;
   shardd_client_t *c = test_connect(a->d, "ckpt-job", a->rank, a->world);
+  /* every resume (a restore at start, shardctl restore, a relaunch onto
+   * the lingering job) tells each rank the step it resumes at; a fresh
+   * job is told nothing */
+  uint64_t resumed_at;
+  int resumed = shardd_resumed(c, &resumed_at);
+  cr_assert_eq(resumed, a->first_step > 0, "rank %u: resumed %d at step %" PRIu64
+               ", expected %s step %d", a->rank, resumed, resumed_at,
+               a->first_step > 0 ? "a resume at" : "no resume before",
+               a->first_step);
+  if (resumed)
+    cr_assert_eq(resumed_at, (uint64_t)a->first_step,
+                 "rank %u told it resumes at step %" PRIu64 ", not %d", a->rank,
+                 resumed_at, a->first_step);
   shardd_buffer_info b, h;
   cr_assert_eq(shardd_buffer_register(c, "flat", SHARDD_DTYPE_FP32, NUMEL, &b), SHARDD_OK,
                "%s", shardd_last_error(c));
@@ -994,7 +1072,12 @@ Test(checkpoint, sigterm_with_checkpoint_on_exit_writes_every_job, .timeout = 60
   test_daemon d;
   test_daemon_start(&d, (const char *const[]){"--checkpoint-on-exit", ck, NULL});
   run_job(&d, 1, 0, NULL, NULL);
-  cr_assert_eq(test_daemon_stop(&d), 0);
+  cr_assert_eq(test_daemon_terminate(&d), 0);
+  /* the size and pace of the whole, what TimeoutStopSec must cover */
+  cr_assert(test_daemon_log_has(&d, "exit checkpoint: 1 of 1 job written, "),
+            "no summary line of the exit checkpoint in the log");
+  cr_assert(test_daemon_log_has(&d, " MiB/s)"));
+  test_daemon_stop(&d);
   snprintf(manifest, sizeof manifest, "%s/ckpt-job/manifest", ck);
   cr_assert_eq(access(manifest, R_OK), 0, "no %s", manifest);
 }

@@ -28,6 +28,8 @@
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 
 #include "backend.h"
 #include "checkpoint.h"
@@ -980,6 +982,131 @@ static void wait_running(const test_daemon *d, const char *name) {
     test_sleep_ms(20);
   }
   shardd_close(ctl);
+}
+
+/* ---- a node's daemon killed: its survivors' jobs released --------------- */
+
+/* Closes every connection this process holds to the daemon at sock
+ * (shutdown: the daemon reads EOF at once, a thread blocked in a call on
+ * it returns), as killing the trainers of that node would. */
+static int cut_connections_to(const char *sock) {
+  int n = 0;
+  for (int fd = 3; fd < 4096; fd++) {
+    struct sockaddr_un sa;
+    socklen_t len = sizeof sa;
+    memset(&sa, 0, sizeof sa);
+    if (getpeername(fd, (struct sockaddr *)&sa, &len) == 0 &&
+        sa.sun_family == AF_UNIX && strcmp(sa.sun_path, sock) == 0) {
+      shutdown(fd, SHUT_RDWR);
+      n++;
+    }
+  }
+  return n;
+}
+
+/* `shardctl release job` on d, again every 100 ms while it is refused,
+ * for at most max_s: the seconds it took until the release went through,
+ * or -1 (the last refusal in last). */
+static double release_within(const test_daemon *d, const char *job, double max_s,
+                             char *first, char *last, size_t lastlen) {
+  char cmd[300];
+  snprintf(cmd, sizeof cmd, "--socket %s release %s", d->sock, job);
+  double t0 = test_mono_s();
+  first[0] = '\0';
+  for (;;) {
+    char *out = NULL, *errs = NULL;
+    int rc = test_shardctl(NULL, cmd, &out, &errs);
+    snprintf(last, lastlen, "%s%s", out ? out : "", errs ? errs : "");
+    if (!first[0])
+      snprintf(first, lastlen, "%s", last);
+    free(out);
+    free(errs);
+    if (rc == 0)
+      return test_mono_s() - t0;
+    if (test_mono_s() - t0 > max_s)
+      return -1;
+    test_sleep_ms(100);
+  }
+}
+
+/* kill -9 of node 1's daemon while the job trains (the OOM killer, a
+ * crash, power loss): node 1's shards are gone, so the job cannot go on
+ * and must be released on the survivors and restored from a collective
+ * checkpoint. Node 0's ranks get E_PEER_LOST and retry (as a trainer
+ * does), which re-forms the fabric, a wait for node 1 of up to the
+ * collective timeout (60 s here). The operator then stops node 0's
+ * trainers: with them gone for --peer-grace (1 s), the re-forming nobody
+ * waits for any more is abandoned, and `shardctl release` goes through
+ * within the grace, not at the collective timeout. */
+Test(fabric, a_killed_nodes_survivor_releases_its_job_within_the_peer_grace,
+     .timeout = 120) {
+  need_gloo();
+  scratch s;
+  scratch_make(&s);
+  test_daemon pair[2];
+  const char *jobs[] = {"kj"};
+  const char *linger[] = {"--job-linger", "600", NULL};
+  start_pair_each(pair, &s, jobs, 1, "60", linger, linger);
+  shardd_client_t *c[W];
+  shardd_buffer_info info[W];
+  for (int r = 0; r < W; r++) {
+    c[r] = test_connect(&pair[r / 2], "kj", (uint32_t)r, W);
+    cr_assert_eq(shardd_buffer_register(c[r], "w", SHARDD_DTYPE_FP32, 4000, &info[r]),
+                 SHARDD_OK);
+  }
+  all_ranks(c, OP_GATHER, info[0].id, 0, NULL); /* the fabric is up */
+  kill(pair[1].pid, SIGKILL);
+  waitpid(pair[1].pid, NULL, 0);
+  pair[1].pid = 0;
+
+  /* node 0's ranks: the next gather fails on the dead fabric; the retry
+   * re-forms it and waits for node 1 */
+  call calls[2];
+  for (int attempt = 0; attempt < 2; attempt++) {
+    memset(calls, 0, sizeof calls);
+    for (int r = 0; r < 2; r++) {
+      calls[r].c = c[r];
+      calls[r].kind = OP_GATHER;
+      calls[r].id = info[0].id;
+      pthread_create(&calls[r].th, NULL, call_main, &calls[r]);
+    }
+    if (attempt == 1)
+      break;
+    for (int r = 0; r < 2; r++) {
+      pthread_join(calls[r].th, NULL);
+      cr_assert_eq(calls[r].rc, SHARDD_E_PEER_LOST, "rank %d: %s: %s", r,
+                   shardd_err_name(calls[r].rc), calls[r].msg);
+    }
+  }
+  wait_running(&pair[0], "w");
+  test_sleep_ms(300); /* inside the re-forming's rendezvous */
+
+  /* the operator stops node 0's trainers, then releases the job */
+  double t0 = test_mono_s();
+  cr_assert_eq(cut_connections_to(pair[0].sock), 2);
+  for (int r = 0; r < 2; r++)
+    pthread_join(calls[r].th, NULL);
+  char first[1024], last[1024];
+  double took = release_within(&pair[0], "kj", 50, first, last, sizeof last);
+  cr_log_info("fabric: node 1 killed: node 0's job released %.2f s after its "
+              "trainers stopped (--peer-grace 1 s, collective timeout 60 s)",
+              test_mono_s() - t0);
+  cr_assert(took >= 0, "node 0 still refuses the release after 50 s: %s", last);
+  cr_expect_lt(test_mono_s() - t0, 1 + 4, "released %.1f s after the trainers "
+               "stopped (--peer-grace 1 s): %s", test_mono_s() - t0, last);
+  cr_expect(test_daemon_log_has(&pair[0], "abandoned"),
+            "the log does not say the re-forming was abandoned");
+  /* the refusal before the grace ran out says when to try again */
+  cr_expect(strstr(first, "released") != NULL ||
+                strstr(first, "abandoned --peer-grace after this node's last "
+                              "rank of the job left") != NULL,
+            "first refusal: %s", first);
+  cr_log_info("fabric: the release refused within the grace: %s", first);
+  for (int r = 0; r < W; r++)
+    shardd_close(c[r]);
+  test_daemon_finish(&pair[0]);
+  test_daemon_stop(&pair[1]);
+  scratch_remove(&s);
 }
 
 static float stop_val(int rank, size_t j) { return (float)(rank * 10000 + (int)j); }
@@ -2582,6 +2709,137 @@ Test(fabric, a_node_that_rejoins_with_other_state_or_never_is_named, .timeout = 
   for (int r = 0; r < 2; r++)
     shardd_close(j.c[r]);
   test_daemon_finish(&pair[0]);
+  scratch_remove(&s);
+}
+
+/* README "A node's daemon killed", its procedure as scripts/recover_job.sh
+ * runs it: 2 nodes x 2 ranks train, sm.checkpoint at step 3, on to step 6;
+ * the ranks relaunch and gather; node 1's daemon is killed (kill -9) and
+ * node 0's ranks retry (a re-forming that waits for node 1). Node 0's
+ * trainers are stopped, node 1's daemon comes back (fresh: its shards are
+ * gone), and the script runs on each node: node 0's release goes through
+ * within --peer-grace of its trainers leaving, node 1 has nothing to
+ * release, both restore step 3. The relaunched ranks are told they resume
+ * at step 3 and steps 4-6 end bit for bit where the first run did. */
+Test(fabric, a_killed_nodes_job_recovers_with_the_scripted_procedure,
+     .timeout = 120) {
+  need_gloo();
+  scratch s;
+  scratch_make(&s);
+  char cka[160];
+  snprintf(cka, sizeof cka, "%s/ck-a", s.dir);
+  const char *jobs[] = {"ck"};
+  const char *keep[] = {KEEP_RESTORED, NULL};
+  test_daemon pair[2];
+  start_pair_each(pair, &s, jobs, 1, "60", keep, keep);
+  ck_job j;
+  ck_attach(pair, "ck", 1, &j);
+  ck_steps(&j, 1, CK_AT);
+  ck_collective(&j, cka);
+  ck_steps(&j, CK_AT + 1, CK_N);
+  float *ref[2][W];
+  ck_final(&j, ref);
+
+  /* the ranks come back (the job lingered) and the fabric is up again;
+   * then node 1's daemon is killed and node 0's ranks retry a gather */
+  ck_attach(pair, "ck", 0, &j);
+  all_ranks(j.c, OP_GATHER, j.info[0][0].id, 0, NULL);
+  kill(pair[1].pid, SIGKILL);
+  waitpid(pair[1].pid, NULL, 0);
+  pair[1].pid = 0;
+  call calls[2];
+  for (int attempt = 0; attempt < 2; attempt++) {
+    memset(calls, 0, sizeof calls);
+    for (int r = 0; r < 2; r++) {
+      calls[r].c = j.c[r];
+      calls[r].kind = OP_GATHER;
+      calls[r].id = j.info[0][r].id;
+      pthread_create(&calls[r].th, NULL, call_main, &calls[r]);
+    }
+    if (attempt == 1)
+      break;
+    for (int r = 0; r < 2; r++)
+      pthread_join(calls[r].th, NULL);
+  }
+  wait_running(&pair[0], "big");
+
+  /* node 0's trainers stop; node 1's daemon restarts (Restart=) */
+  double t0 = test_mono_s();
+  cr_assert_eq(cut_connections_to(pair[0].sock), 2);
+  for (int r = 0; r < 2; r++)
+    pthread_join(calls[r].th, NULL);
+  for (int r = 0; r < W; r++)
+    shardd_close(j.c[r]);
+  test_daemon_stop(&pair[1]);
+  start_node(&pair[1], &s, "ck", 1, "60", keep);
+
+  /* the procedure on each node */
+  for (int n = 0; n < 2; n++) {
+    char cmd[900], *out = NULL;
+    snprintf(cmd, sizeof cmd, "SHARDCTL=%s scripts/recover_job.sh --socket %s "
+             "ck %s 2>&1", getenv("SHARDCTL_BIN") ? getenv("SHARDCTL_BIN")
+                                                   : "build/shardctl",
+             pair[n].sock, cka);
+    FILE *p = popen(cmd, "r");
+    cr_assert_not_null(p);
+    char buf[4096];
+    size_t len = fread(buf, 1, sizeof buf - 1, p);
+    buf[len] = '\0';
+    int st = pclose(p);
+    out = buf;
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "node %d: %s", n, out);
+    cr_assert(strstr(out, n == 0 ? "ck: released" : "no job \"ck\" here") != NULL,
+              "node %d: %s", n, out);
+    cr_assert(strstr(out, "restored ck: ") != NULL, "node %d: %s", n, out);
+    if (n == 0) {
+      double took = test_mono_s() - t0;
+      cr_log_info("fabric: node 1 killed: recover_job.sh on node 0 done %.2f s "
+                  "after its trainers stopped (--peer-grace 1 s, timeout 60 s)",
+                  took);
+      cr_expect_lt(took, 1 + 4, "node 0's release took %.1f s", took);
+    }
+  }
+
+  /* the trainers relaunch: told step 3, steps 4-6 as the first run (each
+   * node's ids are its own now: node 0's restore numbered anew) */
+  memset(&j, 0, sizeof j);
+  rj_attach(pair, "ck", 0, &j, 0);
+  rj_attach(pair, "ck", 0, &j, 1);
+  for (int r = 0; r < W; r++) {
+    uint64_t at = 0;
+    cr_assert(shardd_resumed(j.c[r], &at), "rank %d is not told it resumes", r);
+    cr_assert_eq(at, CK_AT, "rank %d told it resumes at step %" PRIu64, r, at);
+  }
+  rj_rank k[W];
+  for (int r = 0; r < W; r++)
+    rj_start_n(&k[r], &j, r, CK_AT + 1, CK_N, 0);
+  for (int r = 0; r < W; r++) {
+    pthread_join(k[r].th, NULL);
+    cr_assert_eq(k[r].rc, SHARDD_OK, "rank %d: %s", r, k[r].msg);
+  }
+  for (int b = 0; b < 2; b++) {
+    call g[W];
+    memset(g, 0, sizeof g);
+    for (int r = 0; r < W; r++) {
+      g[r].c = j.c[r];
+      g[r].kind = OP_GATHER;
+      g[r].id = j.info[b][r].id;
+      pthread_create(&g[r].th, NULL, call_main, &g[r]);
+    }
+    for (int r = 0; r < W; r++)
+      pthread_join(g[r].th, NULL);
+    for (int r = 0; r < W; r++) {
+      cr_assert_eq(g[r].rc, SHARDD_OK, "rank %d: gather: %s", r, g[r].msg);
+      char what[64];
+      snprintf(what, sizeof what, "recovered buffer %d rank %d", b, r);
+      compare(ref[b][r], j.info[b][r].gather, j.info[b][r].padded_numel, 1, what);
+      free(ref[b][r]);
+    }
+  }
+  for (int r = 0; r < W; r++)
+    shardd_close(j.c[r]);
+  test_daemon_finish(&pair[0]);
+  test_daemon_finish(&pair[1]);
   scratch_remove(&s);
 }
 

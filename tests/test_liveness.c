@@ -72,6 +72,59 @@ Test(liveness, stopped_daemon_fails_a_call_naming_the_socket, .init = start,
   shardd_close(c);
 }
 
+typedef struct {
+  shardd_client_t *c;
+  uint64_t id;
+  shardd_err rc;
+  char msg[1024];
+} death_arg;
+
+static void *death_gather(void *p) {
+  death_arg *a = p;
+  a->rc = shardd_gather(a->c, a->id);
+  snprintf(a->msg, sizeof a->msg, "%s", shardd_last_error(a->c));
+  return NULL;
+}
+
+static void expect_death_message(const char *msg) {
+  char want[256];
+  snprintf(want, sizeof want, "daemon at %s closed the connection", d.sock);
+  cr_assert_not_null(strstr(msg, want), "message: %s", msg);
+  cr_assert_not_null(strstr(msg, "stopped or died"), "message: %s", msg);
+  cr_assert_not_null(strstr(msg, "reconnect"), "message: %s", msg);
+}
+
+/* A daemon killed (kill -9, the OOM killer, a crash) under a trainer: the
+ * call waiting in it, and the next call of an idle client, fail with
+ * E_CLOSED saying which daemon went and what to do -- not a bare "recv:
+ * Connection reset by peer". */
+Test(liveness, killed_daemon_fails_calls_naming_the_socket_and_what_to_do,
+     .init = start, .fini = stop, .timeout = 60) {
+  shardd_client_t *idle = connect_within(NULL, 0, 1, 0);
+  shardd_client_t *c = connect_within("gone", 0, 2, 0);
+  shardd_buffer_info info;
+  cr_assert_eq(shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 64, &info),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  death_arg a = {c, info.id, SHARDD_OK, ""};
+  pthread_t th;
+  cr_assert_eq(pthread_create(&th, NULL, death_gather, &a), 0);
+  test_sleep_ms(300); /* the gather waits for rank 1 */
+  cr_assert_eq(kill(d.pid, SIGKILL), 0);
+  waitpid(d.pid, NULL, 0);
+  d.pid = 0;
+  pthread_join(th, NULL);
+  cr_assert_eq(a.rc, SHARDD_E_CLOSED, "%s: %s", shardd_err_name(a.rc), a.msg);
+  expect_death_message(a.msg);
+  cr_log_info("liveness: a call waiting in a killed daemon: %s", a.msg);
+  shardd_err rc = shardd_ping(idle);
+  cr_assert_eq(rc, SHARDD_E_CLOSED, "%s: %s", shardd_err_name(rc),
+               shardd_last_error(idle));
+  expect_death_message(shardd_last_error(idle));
+  cr_log_info("liveness: an idle client's next call: %s", shardd_last_error(idle));
+  shardd_close(c);
+  shardd_close(idle);
+}
+
 Test(liveness, stopped_daemon_fails_the_connect, .init = start, .fini = stop,
      .timeout = 60) {
   cr_assert_eq(kill(d.pid, SIGSTOP), 0);
