@@ -5,6 +5,7 @@ job on the host backend, each with its slice of the global batch and mean
 reduction, against one process of plain torch.optim.AdamW on the full
 batch; and the daemon's peak bytes against FSDP's bound 16*P + 16*U*W."""
 import contextlib
+import os
 import unittest
 
 import common
@@ -148,7 +149,9 @@ def rank_main(rank, world, sock, job, name, auto_wrap, transient, q, steps, accu
         per = BATCH // world
         lo, hi = rank * per, (rank + 1) * per
         extra = extra or {}
-        kw = {"bucket_bytes": extra["bucket_bytes"]} if "bucket_bytes" in extra else {}
+        kw = {k: extra[k] for k in ("bucket_bytes", "prefetch") if k in extra}
+        if "cpus" in extra:  # the CPUs this rank may run on
+            os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:extra["cpus"]])
         sm = shardd.nn.ShardedModule(client, model, auto_wrap=auto_wrap, **kw)
         x, y = x.to(sm.device), y.to(sm.device)  # a cuda daemon's (test_cuda)
         opt = sm.register_optimizer("adamw", model.parameters(), name="adamw", **HYPER)
@@ -184,7 +187,8 @@ def rank_main(rank, world, sock, job, name, auto_wrap, transient, q, steps, accu
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         if rank == 0:
             q.put(("params", rank, {n: t.cpu().numpy().copy() for n, t in params.items()},
-                   [(u.name, u.buffer.numel) for u in sm.units], shapes, sm.prefetches))
+                   [(u.name, u.buffer.numel) for u in sm.units], shapes, sm.prefetches,
+                   sm.prefetch))
         client.close()
         q.put(("done", rank))
     except BaseException as e:
@@ -196,8 +200,9 @@ def rank_main(rank, world, sock, job, name, auto_wrap, transient, q, steps, accu
 def run(sock, name, world, auto_wrap="children", transient=True, timeout=120,
         steps=STEPS, accum=1, extra=None):
     """-> dict(losses (mean over ranks per step), peaks, allocs, used, params,
-    units). accum: backwards per step (transient). extra: bucket_bytes (the
-    module's), set_to_none (the resident loop's zero_grad)."""
+    units). accum: backwards per step (transient). extra: bucket_bytes and
+    prefetch (the module's), set_to_none (the resident loop's zero_grad),
+    cpus (how many CPUs each rank may run on)."""
     job = common.job("fsdp")
     seen = {}
     out = {k: [None] * steps for k in ("losses", "peaks", "allocs", "used")}
@@ -215,7 +220,7 @@ def run(sock, name, world, auto_wrap="children", transient=True, timeout=120,
                 out["used"][s] = got
         elif msg[0] == "params":
             out["params"], out["units"], out["shapes"] = msg[2], msg[3], msg[4]
-            out["prefetches"] = msg[5]
+            out["prefetches"], out["prefetch"] = msg[5], msg[6]
 
     common.launch_ranks(rank_main, lambda r, q: (r, world, sock, job, name, auto_wrap,
                                                  transient, q, steps, accum, extra),
@@ -273,7 +278,7 @@ class FSDPTest(unittest.TestCase):
         d = common.own_daemon(devices=4)
         self.addCleanup(d.cleanup)
         self.addCleanup(d.stop)
-        res = run(d.socket, "mlp16", 4)
+        res = run(d.socket, "mlp16", 4, extra={"prefetch": True})
         self.assertEqual(len(res["units"]), 16)
         self.check(res, "mlp16", "4 ranks, 16 units, transient", 4)
         # the hooks compute what the explicit loop does, to the bit
@@ -303,6 +308,24 @@ class FSDPTest(unittest.TestCase):
         # number of pages here
         self.assertEqual(peaks[-1], bound)
         self.assertEqual(peaks[1], peaks[-1], "peak grew after step 2: %s" % peaks)
+
+    def test_prefetch_auto_only_with_a_spare_cpu(self):
+        """prefetch="auto" (the default) prefetches only where the daemon's
+        copy has a CPU no rank computes on: 2 ranks of one thread each,
+        both on one CPU, gather each unit when it is needed (a prefetch
+        would take its CPU from the forward it overlaps); one rank of one
+        thread on 2 CPUs prefetches every unit but the first. Both match
+        torch."""
+        res = run(common.socket(), "mlp16", 2, extra={"cpus": 1})
+        self.assertFalse(res["prefetch"])
+        self.assertEqual(res["prefetches"], 0)
+        self.check(res, "mlp16", "2 ranks on one CPU, prefetch auto", 2)
+        if len(os.sched_getaffinity(0)) < 2:
+            self.skipTest("one CPU: no machine here with a spare one")
+        res = run(common.socket(), "mlp16", 1, extra={"cpus": 2})
+        self.assertTrue(res["prefetch"])
+        self.assertEqual(res["prefetches"], (STEPS - 1) * 15)
+        self.check(res, "mlp16", "1 rank on 2 CPUs, prefetch auto", 1)
 
     def test_gradient_accumulation_adds_the_backwards(self):
         """Two backwards per step, each on half of every rank's slice with
