@@ -123,7 +123,10 @@ def main():
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     rows = {m: {"step_ms": med([x["step_ms"] for x in runs[m]]),
                 "cpu_ms": med([x["cpu_ms"] for x in runs[m]]),
-                "prefetches": runs[m][0]["prefetches"], "prefetch": runs[m][0]["prefetch"]}
+                "prefetches": runs[m][0]["prefetches"],
+                # the choice in each run (auto's may differ between runs)
+                "prefetch": sum(x["prefetch"] for x in runs[m]) * 2 > len(runs[m]),
+                "prefetch_runs": [x["prefetch"] for x in runs[m]]}
             for m in MODES}
     base = rows["gather-everything"]
     for r in rows.values():
@@ -134,10 +137,10 @@ def main():
     except OSError:
         cpus = os.cpu_count()
     print("\nshardd.nn step time, %d ranks on %d CPUs, %d units of %d x %d fp32, AdamW "
-          "(median of %d steps%s); prefetch auto chose %s"
+          "(median of %d steps%s); prefetch auto chose it in %d of %d runs"
           % (args.ranks, cpus, args.units, args.width, args.width, args.steps,
              ", %d runs" % args.repeat if args.repeat > 1 else "",
-             "on" if rows["hooked+auto"]["prefetch"] else "off"))
+             sum(rows["hooked+auto"]["prefetch_runs"]), args.repeat))
     print("%-20s %10s %12s %9s %12s %11s" % ("loop", "step ms", "vs gather-all", "CPU ms",
                                              "vs gather-all", "prefetches"))
     for mode, r in rows.items():

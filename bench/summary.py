@@ -229,8 +229,10 @@ def main():
         if au:
             target("hooked loop with prefetch=\"auto\" (the default) after its trial, "
                    "vs without prefetch", "report",
-                   "chose %s: %.2fx the loop without prefetch, %.2fx gather-everything"
-                   % ("prefetch" if au["prefetch"] else "no prefetch",
+                   "chose prefetch in %d of %d runs: %.2fx the loop without prefetch, "
+                   "%.2fx gather-everything"
+                   % (sum(au.get("prefetch_runs", [au["prefetch"]])),
+                      len(au.get("prefetch_runs", [au["prefetch"]])),
                       au["step_ms"] / r["hooked"]["step_ms"], au["vs_gather_everything"]),
                    None)
     if ddp and ddp.get("rows"):
