@@ -1,6 +1,7 @@
 #!/bin/sh
 # bench/run.sh — every shardd benchmark, with the ratios that matter, in one
-# run: `make bench` (short, under 2 minutes) or `make bench FULL=1`.
+# run: `make bench` (short: a few minutes, most of it the end-to-end
+# comparison with torch DDP) or `make bench FULL=1`.
 #
 # Each program prints a table and writes bench/results/<name>.json
 # (BENCH_RESULTS overrides the folder); bench/summary.py then checks the
@@ -37,10 +38,19 @@ else
 fi
 "$BUILD/bench/registry_bench"
 if [ -n "$PY" ] && "$PY" -c 'import torch' 2>/dev/null; then
-  SHARDD_BIN="$BUILD/shardd" SHARDD_LIB="$BUILD/libshardd.so" "$PY" bench/fsdp_bench.py
+  SHARDD_BIN="$BUILD/shardd" SHARDD_LIB="$BUILD/libshardd.so" "$PY" bench/fsdp_bench.py \
+    $( [ "$FULL" = 1 ] && echo --repeat 3 )
   SHARDD_BIN="$BUILD/shardd" SHARDD_LIB="$BUILD/libshardd.so" "$PY" bench/model_memory_bench.py
+  # end to end against torch DDP (gloo) and DDP + ZeroRedundancyOptimizer
+  if "$PY" -c 'import torch.distributed as d; assert d.is_available() and d.is_gloo_available()' 2>/dev/null; then
+    SHARDD_BIN="$BUILD/shardd" SHARDD_LIB="$BUILD/libshardd.so" "$PY" bench/ddp_bench.py \
+      $( [ "$FULL" = 1 ] && echo --steps 10 --repeat 3 || echo --steps 4 )
+  else
+    echo "(torch.distributed with gloo is not available to $PY: no DDP comparison)"
+    rm -f "$BENCH_RESULTS/ddp.json"
+  fi
 else
-  rm -f "$BENCH_RESULTS/fsdp.json" "$BENCH_RESULTS/model_memory.json"
+  rm -f "$BENCH_RESULTS/fsdp.json" "$BENCH_RESULTS/model_memory.json" "$BENCH_RESULTS/ddp.json"
 fi
 if [ -n "$PY" ]; then
   "$PY" bench/summary.py "$BENCH_RESULTS"

@@ -1,6 +1,6 @@
 #!/usr/bin/python3
-"""Reads the JSON the bench programs wrote in one run and checks issue 7's
-targets against them: prints one line per target with the measured figure,
+"""Reads the JSON the bench programs wrote in one run and checks the
+targets of issues 7, 17 and 33 against them: prints one line per target with the measured figure,
 and writes summary.json beside the inputs. Never fails on a missed target:
 benchmarks report, tests judge.
 
@@ -21,9 +21,10 @@ def load(d, name):
 
 def main():
     d = sys.argv[1] if len(sys.argv) > 1 else "bench/results"
-    rpc, coll, pre, optim, torch, reg, mem, fsdp, models, ckpt = (
+    rpc, coll, pre, optim, torch, reg, mem, fsdp, models, ckpt, ddp = (
         load(d, n) for n in ("rpc", "coll", "prefetch", "optim", "torch_optim",
-                             "registry", "memory", "fsdp", "model_memory", "ckpt"))
+                             "registry", "memory", "fsdp", "model_memory", "ckpt",
+                             "ddp"))
     targets = []
 
     def target(name, goal, measured, met, detail=""):
@@ -212,15 +213,57 @@ def main():
                    "1 MiB or more (against cache aliasing in the step)")
     if fsdp:
         r = fsdp["rows"]
-        h, hp = r["hooked"], r["hooked+prefetch"]
-        target("shardd.nn hooked loop (transient, prefetch) step time vs the "
-               "gather-everything loop", "<= 1.25x",
-               "%.2fx with prefetch (%d gathers under way when needed), %.2fx without; "
-               "%.1f vs %.1f ms, %d ranks, %d units"
-               % (hp["vs_gather_everything"], hp["prefetches"], h["vs_gather_everything"],
-                  hp["step_ms"], r["gather-everything"]["step_ms"], fsdp["ranks"],
-                  fsdp["units"]),
-               hp["vs_gather_everything"] <= 1.25)
+        ge = r["gather-everything"]
+        parts, ok = [], True
+        for name, label in (("hooked+prefetch", "with prefetch"),
+                            ("hooked", "without prefetch")):
+            x = r[name]
+            ok = ok and x["vs_gather_everything"] <= 1.25
+            parts.append("%s %.2fx (CPU %.2fx)" % (label, x["vs_gather_everything"],
+                                                   x.get("cpu_vs_gather_everything", 0)))
+        target("shardd.nn hooked loop (transient) step time vs the gather-everything "
+               "loop, with prefetch and without", "<= 1.25x each",
+               "%s; %.1f ms gather-everything, %d ranks on %s CPUs, %d units"
+               % ("; ".join(parts), ge["step_ms"], fsdp["ranks"], fsdp.get("cpus", "?"),
+                  fsdp["units"]), ok)
+        au = r.get("hooked+auto")
+        if au:
+            target("hooked loop with prefetch=\"auto\" (the default) after its trial, "
+                   "vs without prefetch", "report",
+                   "chose prefetch in %d of %d runs: %.2fx the loop without prefetch, "
+                   "%.2fx gather-everything"
+                   % (sum(au.get("prefetch_runs", [au["prefetch"]])),
+                      len(au.get("prefetch_runs", [au["prefetch"]])),
+                      au["step_ms"] / r["hooked"]["step_ms"], au["vs_gather_everything"]),
+                   None)
+    if ddp and ddp.get("rows"):
+        # issue 33: what a CPU user would run instead, same model and batch
+        steps, mems, zero, ok_step, ok_mem = [], [], [], True, True
+        for row in ddp["rows"]:
+            lp = row["loops"]
+            tag = "%s %.1fM W%d" % (row["size"], row["params"] / 1e6, row["ranks"])
+            # prefetch="auto" keeps the faster of the two after its trial
+            dl = min(("shardd", "shardd+prefetch"), key=lambda m: lp[m]["step_ms"])
+            other = "shardd+prefetch" if dl == "shardd" else "shardd"
+            ok_step = ok_step and lp[dl]["step_vs_ddp"] <= 1.0
+            steps.append("%s %.2fx %s (CPU %.2fx; %s %.2fx)" % (
+                tag, lp[dl]["step_vs_ddp"], "with prefetch" if dl != "shardd" else
+                "without prefetch", lp[dl]["cpu_vs_ddp"], "without" if dl != "shardd"
+                else "with", lp[other]["step_vs_ddp"]))
+            worst = max(lp["shardd"]["mem_vs_ddp"], lp["shardd+prefetch"]["mem_vs_ddp"])
+            ok_mem = ok_mem and worst <= row["sharded_bound_vs_ddp"]
+            mems.append("%s %.2fx (bound %.2fx; FSDP's, with the gathered unit, %.2fx)"
+                        % (tag, worst, row["sharded_bound_vs_ddp"],
+                           row.get("fsdp_bound_vs_ddp", 0)))
+            zero.append("%s step %.2fx, memory %.2fx" % (
+                tag, lp["ddp+zero"]["step_vs_ddp"], lp["ddp+zero"]["mem_vs_ddp"]))
+        target("end to end: shardd.nn hooked loop step time vs torch DDP (gloo), "
+               "nanoGPT, the faster of prefetch and none (what auto keeps)", "<= 1.00x",
+               "; ".join(steps), ok_step)
+        target("end to end: memory per rank (private + the daemon's / W) vs DDP",
+               "<= (16P/W + A)/(16P + A)", "; ".join(mems), ok_mem)
+        target("DDP + ZeroRedundancyOptimizer vs DDP (no target)", "report",
+               "; ".join(zero), None)
     if models and models.get("rows"):
         # the FSDP memory issue's done-when on model shapes: the daemon's
         # bytes at the bound as the daemon lays it out (4 KiB pages, 19
@@ -254,7 +297,7 @@ def main():
                   ckpt["serial_s"] / ckpt["parallel_s"],
                   ckpt["dd_s"] / ckpt["parallel_s"], gbps / ckpt["memcpy_gbps"],
                   gbps * 1e9 * 30 / 2**30), None)
-    print("\nTargets (issues 7 and 17), this run:")
+    print("\nTargets (issues 7, 17 and 33), this run:")
     for t in targets:
         mark = {True: "MET   ", False: "MISSED", None: "      "}[t["met"]]
         print("  %s %s [%s]: %s" % (mark, t["target"], t["goal"], t["measured"]))

@@ -148,7 +148,7 @@ def rank_main(rank, world, sock, job, name, auto_wrap, transient, q, steps, accu
         per = BATCH // world
         lo, hi = rank * per, (rank + 1) * per
         extra = extra or {}
-        kw = {"bucket_bytes": extra["bucket_bytes"]} if "bucket_bytes" in extra else {}
+        kw = {k: extra[k] for k in ("bucket_bytes", "prefetch") if k in extra}
         sm = shardd.nn.ShardedModule(client, model, auto_wrap=auto_wrap, **kw)
         x, y = x.to(sm.device), y.to(sm.device)  # a cuda daemon's (test_cuda)
         opt = sm.register_optimizer("adamw", model.parameters(), name="adamw", **HYPER)
@@ -180,11 +180,13 @@ def rank_main(rank, world, sock, job, name, auto_wrap, transient, q, steps, accu
             # the peak can only have grown in step s
             peak, used, allocs = _device_bytes(client)
             q.put(("loss", rank, s, loss.item(), peak, used, allocs))
+        q.put(("prefetch", rank, sm.prefetch, sm.prefetch_trial))
         params = sm.full_parameters()
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         if rank == 0:
             q.put(("params", rank, {n: t.cpu().numpy().copy() for n, t in params.items()},
-                   [(u.name, u.buffer.numel) for u in sm.units], shapes, sm.prefetches))
+                   [(u.name, u.buffer.numel) for u in sm.units], shapes, sm.prefetches,
+                   sm.prefetch))
         client.close()
         q.put(("done", rank))
     except BaseException as e:
@@ -196,8 +198,10 @@ def rank_main(rank, world, sock, job, name, auto_wrap, transient, q, steps, accu
 def run(sock, name, world, auto_wrap="children", transient=True, timeout=120,
         steps=STEPS, accum=1, extra=None):
     """-> dict(losses (mean over ranks per step), peaks, allocs, used, params,
-    units). accum: backwards per step (transient). extra: bucket_bytes (the
-    module's), set_to_none (the resident loop's zero_grad)."""
+    units, prefetch and prefetches (rank 0's), trials (each rank's
+    prefetch and prefetch_trial)). accum: backwards per step (transient).
+    extra: bucket_bytes and prefetch (the module's), set_to_none (the
+    resident loop's zero_grad)."""
     job = common.job("fsdp")
     seen = {}
     out = {k: [None] * steps for k in ("losses", "peaks", "allocs", "used")}
@@ -215,7 +219,9 @@ def run(sock, name, world, auto_wrap="children", transient=True, timeout=120,
                 out["used"][s] = got
         elif msg[0] == "params":
             out["params"], out["units"], out["shapes"] = msg[2], msg[3], msg[4]
-            out["prefetches"] = msg[5]
+            out["prefetches"], out["prefetch"] = msg[5], msg[6]
+        elif msg[0] == "prefetch":
+            out.setdefault("trials", {})[msg[1]] = (msg[2], msg[3])
 
     common.launch_ranks(rank_main, lambda r, q: (r, world, sock, job, name, auto_wrap,
                                                  transient, q, steps, accum, extra),
@@ -273,7 +279,7 @@ class FSDPTest(unittest.TestCase):
         d = common.own_daemon(devices=4)
         self.addCleanup(d.cleanup)
         self.addCleanup(d.stop)
-        res = run(d.socket, "mlp16", 4)
+        res = run(d.socket, "mlp16", 4, extra={"prefetch": True})
         self.assertEqual(len(res["units"]), 16)
         self.check(res, "mlp16", "4 ranks, 16 units, transient", 4)
         # the hooks compute what the explicit loop does, to the bit
@@ -303,6 +309,28 @@ class FSDPTest(unittest.TestCase):
         # number of pages here
         self.assertEqual(peaks[-1], bound)
         self.assertEqual(peaks[1], peaks[-1], "peak grew after step 2: %s" % peaks)
+
+    def test_prefetch_auto_trial_on_every_rank(self):
+        """prefetch="auto" (the default) on the host backend, 2 ranks: the
+        steps after the first alternate with and without prefetch, 3 of
+        each, then each rank keeps what its own timings favour (the ranks
+        may choose differently: they gather the same units in the same
+        order either way); the loop matches torch throughout."""
+        steps = 9  # the first, 6 of trial, 2 after the choice
+        res = run(common.socket(), "mlp16", 2, steps=steps)
+        trials = res["trials"]
+        self.assertEqual(sorted(trials), [0, 1])
+        for p, t in trials.values():
+            self.assertEqual((len(t["on"]), len(t["off"])), (3, 3), t)
+            self.assertEqual(t["prefetch"], p)
+            self.assertEqual(p, t["on_median"] < t["off_median"])
+        # rank 0: 15 of the 16 units prefetched in each of the 3 trial
+        # steps with, and in the 2 after the choice if prefetching won
+        self.assertEqual(res["prefetches"], 15 * (3 + (2 if trials[0][0] else 0)))
+        # the first steps are the 5-step run's (its data are drawn step by
+        # step): torch's losses
+        _, want = self.ref("mlp16", 2)
+        self.assertLessEqual(rel_loss_diff(res["losses"][:STEPS], want), TOL)
 
     def test_gradient_accumulation_adds_the_backwards(self):
         """Two backwards per step, each on half of every rank's slice with
@@ -408,6 +436,49 @@ class FSDPOneRankTest(unittest.TestCase):
                 call()
             self.assertEqual(cm.exception.code_name, "E_STATE")
             self.assertIn("transient", cm.exception.message)
+
+    def trial(self, cost):
+        """Ten training steps of the default prefetch="auto" under a clock
+        on which a step with prefetch takes cost["on"] and one without
+        cost["off"], each step a training forward and backward and a
+        forward without grad (which prefetches as its step does, and is
+        not timed). -> (prefetches counted after each step)."""
+        sm = self.sm
+        t = [0.0]
+
+        def clock():
+            tr = sm._trial
+            if tr is not None and tr["mode"] is not None:
+                t[0] += cost[tr["mode"]]  # the step since the last forward
+            return t[0]
+
+        sm._clock = clock
+        x = torch.randn(4, 128)
+        counts = []
+        for _ in range(10):
+            self.model(x).square().mean().backward()
+            with torch.no_grad():  # not a training step: not timed
+                self.model(x)
+            counts.append(sm.prefetches)
+        return counts
+
+    def test_prefetch_auto_keeps_prefetch_where_it_is_faster(self):
+        counts = self.trial({"on": 1.0, "off": 2.0})
+        self.assertTrue(self.sm.prefetch)
+        tr = self.sm.prefetch_trial
+        self.assertEqual((tr["on"], tr["off"]), ([1.0] * 3, [2.0] * 3))
+        # step 1 learns the order; 2, 4 and 6 prefetch 15 units in each of
+        # their 2 forwards, 3, 5 and 7 none; from step 8 on every step does
+        self.assertEqual(counts, [0, 30, 30, 60, 60, 90, 90, 120, 150, 180])
+
+    def test_prefetch_auto_drops_prefetch_where_it_is_slower(self):
+        """Where prefetching made steps slower (no CPU left for the
+        daemon's copy), the steps after the trial gather each unit when it
+        is needed, as prefetch=False does."""
+        counts = self.trial({"on": 2.0, "off": 1.0})
+        self.assertFalse(self.sm.prefetch)
+        self.assertFalse(self.sm.prefetch_trial["prefetch"])
+        self.assertEqual(counts, [0, 30, 30, 60, 60, 90, 90, 90, 90, 90])
 
     def test_forward_without_grad_releases_every_unit(self):
         x = torch.randn(2, 128)
