@@ -245,103 +245,200 @@ void shardd__unmap_buffer(shardd_client_t *c, uint64_t id) {
   }
 }
 
-/* Checks br's layout and maps (or finds the mapping of) its block from fd
- * (host) or its CUDA IPC handle, filling out. fd stays the caller's. */
-shardd_err shardd__buffer_adopt(shardd_client_t *c,
-                                const Shardwire__BufferReply *br, int fd,
-                                shardd_buffer_info *out) {
-  shardd_err rc = SHARDD_OK;
-  size_t esz = shardd_dtype_size((shardd_dtype)br->dtype);
-  int transient = br->has_transient && br->transient;
-  int device = -1; /* host mapping */
-  /* The reply is checked before anything is mapped: the pointers handed
-   * out are computed from it, so a wrong layout would have the caller
-   * write past the mapping. */
-  const char *bad = NULL;
+/* What is wrong with br's layout (NULL: nothing). The reply is checked
+ * before anything is mapped: the pointers handed out are computed from it,
+ * so a wrong layout would have the caller write past the mapping. */
+static const char *layout_bad(const Shardwire__BufferReply *br, size_t esz,
+                              int transient) {
   if (esz == 0)
-    bad = "unknown dtype";
-  else if (br->world == 0 || br->rank >= br->world ||
-           br->numel > br->padded_numel ||
-           br->shard_numel > br->padded_numel / br->world ||
-           br->shard_numel * br->world != br->padded_numel)
-    bad = "element counts"; /* rank * shard_numel indexes the gather area */
-  else if (br->block_bytes == 0 ||
-           (uint64_t)(size_t)br->block_bytes != br->block_bytes)
-    bad = "block size";
-  else if (!area_ok(br->shard_offset, br->shard_numel, esz, br->block_bytes))
-    bad = "shard area";
+    return "unknown dtype";
+  if (br->world == 0 || br->rank >= br->world ||
+      br->numel > br->padded_numel ||
+      br->shard_numel > br->padded_numel / br->world ||
+      br->shard_numel * br->world != br->padded_numel)
+    return "element counts"; /* rank * shard_numel indexes the gather area */
+  if (br->block_bytes == 0 ||
+      (uint64_t)(size_t)br->block_bytes != br->block_bytes)
+    return "block size";
+  if (!area_ok(br->shard_offset, br->shard_numel, esz, br->block_bytes))
+    return "shard area";
   /* a transient block has no gather or gradient area: its offsets are 0
    * and unused, each gather's reply says where the areas are */
-  else if (!transient &&
-           !area_ok(br->gather_offset, br->padded_numel, esz, br->block_bytes))
-    bad = "gather area";
-  else if (!transient &&
-           !area_ok(br->grad_offset, br->padded_numel, esz, br->block_bytes))
-    bad = "gradient area";
-  else if (br->has_reduced_offset &&
-           !area_ok(br->reduced_offset, br->shard_numel, 4, br->block_bytes))
-    bad = "reduced-gradient area";
-  if (bad) {
-    rc = shardd__set_err(c, SHARDD_E_PROTOCOL,
-                         "buffer %" PRIu64
-                         ": inconsistent layout (%s) in a block of "
-                         "%" PRIu64 " bytes",
-                         br->id, bad, br->block_bytes);
-    return rc;
-  }
+  if (!transient &&
+      !area_ok(br->gather_offset, br->padded_numel, esz, br->block_bytes))
+    return "gather area";
+  if (!transient &&
+      !area_ok(br->grad_offset, br->padded_numel, esz, br->block_bytes))
+    return "gradient area";
+  if (br->has_reduced_offset &&
+      !area_ok(br->reduced_offset, br->shard_numel, 4, br->block_bytes))
+    return "reduced-gradient area";
+  return NULL;
+}
+
+/* Checks what br's block comes through: a CUDA IPC handle (*device its
+ * device, the runtime loaded) or fd, a memfd large enough (*device -1). */
+static shardd_err block_source(shardd_client_t *c,
+                               const Shardwire__BufferReply *br, int fd,
+                               int *device) {
+  *device = -1; /* host mapping */
   if (fd < 0 && br->has_cuda_ipc_handle) {
-    if (br->cuda_ipc_handle.len != CUDA_IPC_BYTES) {
-      rc = shardd__set_err(c, SHARDD_E_PROTOCOL,
-                           "buffer %" PRIu64
-                           ": CUDA IPC handle of %zu bytes, not %d",
-                           br->id, br->cuda_ipc_handle.len, CUDA_IPC_BYTES);
-      return rc;
-    }
+    if (br->cuda_ipc_handle.len != CUDA_IPC_BYTES)
+      return shardd__set_err(c, SHARDD_E_PROTOCOL,
+                             "buffer %" PRIu64
+                             ": CUDA IPC handle of %zu bytes, not %d",
+                             br->id, br->cuda_ipc_handle.len, CUDA_IPC_BYTES);
     /* -1 is the host marker of a mapping; larger ordinals wrap into it */
-    if (br->device > INT_MAX) {
-      rc = shardd__set_err(c, SHARDD_E_PROTOCOL,
-                           "buffer %" PRIu64 ": CUDA device %" PRIu32
-                           " out of range",
-                           br->id, br->device);
-      return rc;
-    }
-    if (!shardd__cudart_ready()) {
-      rc = shardd__set_err(
+    if (br->device > INT_MAX)
+      return shardd__set_err(c, SHARDD_E_PROTOCOL,
+                             "buffer %" PRIu64 ": CUDA device %" PRIu32
+                             " out of range",
+                             br->id, br->device);
+    if (!shardd__cudart_ready())
+      return shardd__set_err(
           c, SHARDD_E_NO_CUDA,
           "buffer %" PRIu64 " lives in GPU memory (cuda backend): "
           "opening its CUDA IPC handle needs the CUDA runtime: %s; "
           "or run the daemon with --backend host to use host memory",
           br->id, shardd__cudart_why());
-      return rc;
-    }
-    device = (int)br->device;
-  } else if (fd < 0) {
-    rc =
-        shardd__set_err(c, SHARDD_E_PROTOCOL,
-                        "the daemon sent no descriptor for buffer %" PRIu64
-                        " (is this a cuda backend? this call maps host memory)",
-                        br->id);
-    return rc;
-  } else {
-    intmax_t size;
-    int unfit = memfd_unfit(fd, br->block_bytes, &size);
-    if (unfit == 1) {
-      rc = shardd__set_err(c, SHARDD_E_PROTOCOL,
+    *device = (int)br->device;
+    return SHARDD_OK;
+  }
+  if (fd < 0)
+    return shardd__set_err(
+        c, SHARDD_E_PROTOCOL,
+        "the daemon sent no descriptor for buffer %" PRIu64
+        " (is this a cuda backend? this call maps host memory)",
+        br->id);
+  intmax_t size;
+  int unfit = memfd_unfit(fd, br->block_bytes, &size);
+  if (unfit == 1)
+    return shardd__set_err(c, SHARDD_E_PROTOCOL,
                            "buffer %" PRIu64
                            ": the daemon's descriptor holds %jd "
                            "bytes, not the %" PRIu64 " of its block",
                            br->id, size, br->block_bytes);
-      return rc;
-    }
-    if (unfit == 2) {
-      rc = shardd__set_err(c, SHARDD_E_PROTOCOL,
+  if (unfit == 2)
+    return shardd__set_err(c, SHARDD_E_PROTOCOL,
                            "buffer %" PRIu64
                            ": the daemon's descriptor is not a memfd "
                            "sealed against shrinking (F_SEAL_SHRINK)",
                            br->id);
+  return SHARDD_OK;
+}
+
+/* Opens br's CUDA IPC handle on device into *base, its size checked
+ * against the block's. */
+static shardd_err block_open_ipc(shardd_client_t *c,
+                                 const Shardwire__BufferReply *br, int device,
+                                 void **base) {
+  const char *what;
+  size_t avail = 0;
+  int e = shardd__cudart_ipc_open(br->cuda_ipc_handle.data, device, base,
+                                  &avail, &what);
+  if (e == -1)
+    return shardd__set_err(
+        c, SHARDD_E_NO_CUDA,
+        "buffer %" PRIu64 ": the CUDA IPC handle opened, but its "
+        "size cannot be checked against the %" PRIu64 " bytes "
+        "advertised: neither the runtime nor libcuda.so.1 has "
+        "cuMemGetAddressRange_v2",
+        br->id, br->block_bytes);
+  if (e == -2)
+    return shardd__set_err(c, SHARDD_E_IO,
+                           "buffer %" PRIu64
+                           ": cuMemGetAddressRange_v2 gave a range "
+                           "that does not hold the opened pointer",
+                           br->id);
+  if (e == 0 && avail < br->block_bytes) {
+    unmap(&(mapping){.base = *base, .device = device});
+    return shardd__set_err(
+        c, SHARDD_E_PROTOCOL,
+        "buffer %" PRIu64 ": the CUDA IPC handle maps %zu bytes, "
+        "fewer than the %" PRIu64 " bytes the daemon advertised "
+        "for its block",
+        br->id, avail, br->block_bytes);
+  }
+  /* the driver's CUresult is no cudaError_t */
+  if (e != 0 && what == shardd__cudart_range_call)
+    return shardd__set_err(c, SHARDD_E_IO,
+                           "buffer %" PRIu64
+                           ": measuring its opened CUDA IPC mapping: "
+                           "%s failed (CUresult %d)",
+                           br->id, what, e);
+  if (e != 0)
+    return shardd__set_err(
+        c, SHARDD_E_IO,
+        "opening the CUDA IPC handle of buffer %" PRIu64 " (%" PRIu64
+        " bytes on CUDA device %d): %s: %s "
+        "(error %d); the trainer "
+        "must see the daemon's GPUs under the same ordinals "
+        "(CUDA_VISIBLE_DEVICES) and be another process",
+        br->id, br->block_bytes, device, what, shardd__cudart_str(e), e);
+  return SHARDD_OK;
+}
+
+/* Maps br's block (from fd, or its IPC handle on device >= 0) and links
+ * the mapping into c's table; *base is where it starts. */
+static shardd_err block_map(shardd_client_t *c,
+                            const Shardwire__BufferReply *br, int fd,
+                            int device, int transient, size_t esz,
+                            void **base) {
+  mapping *m = malloc(sizeof *m);
+  if (m == NULL)
+    return shardd__set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
+  if (device >= 0) {
+    shardd_err rc = block_open_ipc(c, br, device, base);
+    if (rc != SHARDD_OK) {
+      free(m);
       return rc;
     }
+  } else {
+    *base = mmap(NULL, br->block_bytes, PROT_READ | PROT_WRITE, MAP_SHARED,
+                 fd, 0);
+    if (*base == MAP_FAILED) {
+      free(m);
+      return shardd__set_err(c, SHARDD_E_IO,
+                             "mmap of buffer %" PRIu64 " (%" PRIu64
+                             " bytes): %s",
+                             br->id, br->block_bytes, strerror(errno));
+    }
   }
+  m->buffer = br->id;
+  m->base = *base;
+  m->len = br->block_bytes;
+  m->device = device;
+  m->transient = transient;
+  m->gather_off = br->gather_offset;
+  m->grad_off = br->grad_offset;
+  m->padded_numel = br->padded_numel;
+  m->esz = esz;
+  if (maps_put(c, m) != SHARDD_OK) {
+    unmap(m);
+    free(m);
+    return shardd__set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
+  }
+  return SHARDD_OK;
+}
+
+/* Checks br's layout and maps (or finds the mapping of) its block from fd
+ * (host) or its CUDA IPC handle, filling out. fd stays the caller's. */
+shardd_err shardd__buffer_adopt(shardd_client_t *c,
+                                const Shardwire__BufferReply *br, int fd,
+                                shardd_buffer_info *out) {
+  size_t esz = shardd_dtype_size((shardd_dtype)br->dtype);
+  int transient = br->has_transient && br->transient;
+  const char *bad = layout_bad(br, esz, transient);
+  if (bad)
+    return shardd__set_err(c, SHARDD_E_PROTOCOL,
+                           "buffer %" PRIu64
+                           ": inconsistent layout (%s) in a block of "
+                           "%" PRIu64 " bytes",
+                           br->id, bad, br->block_bytes);
+  int device;
+  shardd_err rc = block_source(c, br, fd, &device);
+  if (rc != SHARDD_OK)
+    return rc;
   /* Registering again on one connection hands back the same mapping, so
    * pointers from the first call stay valid as the header promises. */
   void *base = NULL;
@@ -359,95 +456,9 @@ shardd_err shardd__buffer_adopt(shardd_client_t *c,
         "bytes on device %d",
         br->id, br->block_bytes, device, had->len, had->device);
   if (base == NULL) {
-    mapping *m = malloc(sizeof *m);
-    if (m == NULL) {
-      rc = shardd__set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
+    rc = block_map(c, br, fd, device, transient, esz, &base);
+    if (rc != SHARDD_OK)
       return rc;
-    }
-    if (device >= 0) {
-      const char *what;
-      size_t avail = 0;
-      int e = shardd__cudart_ipc_open(br->cuda_ipc_handle.data, device, &base,
-                                      &avail, &what);
-      if (e == -1) {
-        free(m);
-        rc = shardd__set_err(
-            c, SHARDD_E_NO_CUDA,
-            "buffer %" PRIu64 ": the CUDA IPC handle opened, but its "
-            "size cannot be checked against the %" PRIu64 " bytes "
-            "advertised: neither the runtime nor libcuda.so.1 has "
-            "cuMemGetAddressRange_v2",
-            br->id, br->block_bytes);
-        return rc;
-      }
-      if (e == -2) {
-        free(m);
-        rc = shardd__set_err(c, SHARDD_E_IO,
-                             "buffer %" PRIu64
-                             ": cuMemGetAddressRange_v2 gave a range "
-                             "that does not hold the opened pointer",
-                             br->id);
-        return rc;
-      }
-      if (e == 0 && avail < br->block_bytes) {
-        unmap(&(mapping){.base = base, .device = device});
-        free(m);
-        rc = shardd__set_err(
-            c, SHARDD_E_PROTOCOL,
-            "buffer %" PRIu64 ": the CUDA IPC handle maps %zu bytes, "
-            "fewer than the %" PRIu64 " bytes the daemon advertised "
-            "for its block",
-            br->id, avail, br->block_bytes);
-        return rc;
-      }
-      if (e != 0 &&
-          what ==
-              shardd__cudart_range_call) { /* its CUresult is no cudaError_t */
-        free(m);
-        rc = shardd__set_err(c, SHARDD_E_IO,
-                             "buffer %" PRIu64
-                             ": measuring its opened CUDA IPC mapping: "
-                             "%s failed (CUresult %d)",
-                             br->id, what, e);
-        return rc;
-      }
-      if (e != 0) {
-        free(m);
-        rc = shardd__set_err(
-            c, SHARDD_E_IO,
-            "opening the CUDA IPC handle of buffer %" PRIu64 " (%" PRIu64
-            " bytes on CUDA device %d): %s: %s "
-            "(error %d); the trainer "
-            "must see the daemon's GPUs under the same ordinals "
-            "(CUDA_VISIBLE_DEVICES) and be another process",
-            br->id, br->block_bytes, device, what, shardd__cudart_str(e), e);
-        return rc;
-      }
-    } else {
-      base = mmap(NULL, br->block_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-      if (base == MAP_FAILED) {
-        free(m);
-        rc = shardd__set_err(c, SHARDD_E_IO,
-                             "mmap of buffer %" PRIu64 " (%" PRIu64
-                             " bytes): %s",
-                             br->id, br->block_bytes, strerror(errno));
-        return rc;
-      }
-    }
-    m->buffer = br->id;
-    m->base = base;
-    m->len = br->block_bytes;
-    m->device = device;
-    m->transient = transient;
-    m->gather_off = br->gather_offset;
-    m->grad_off = br->grad_offset;
-    m->padded_numel = br->padded_numel;
-    m->esz = esz;
-    if (maps_put(c, m) != SHARDD_OK) {
-      unmap(m);
-      free(m);
-      return shardd__set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
-    }
   }
   out->id = br->id;
   out->dtype = (shardd_dtype)br->dtype;
@@ -461,13 +472,13 @@ shardd_err shardd__buffer_adopt(shardd_client_t *c,
   out->shard = (char *)base + br->shard_offset;
   out->gather = transient ? NULL : (char *)base + br->gather_offset;
   out->grad = transient ? NULL : (char *)base + br->grad_offset;
-  out->reduced = br->has_reduced_offset ? (char *)base + br->reduced_offset : NULL;
+  out->reduced =
+      br->has_reduced_offset ? (char *)base + br->reduced_offset : NULL;
   out->generation = br->has_generation ? br->generation : 0;
   out->is_device = device >= 0;
   out->transient = transient;
   out->existing = br->has_existing && br->existing;
-
-  return rc;
+  return SHARDD_OK;
 }
 
 /* Fills *out with buffer's areas after a gather whose reply was gr (NULL:
