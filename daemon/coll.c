@@ -1308,59 +1308,92 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
     e->help_left = 0;
 }
 
-static void submit(shardd__coll_engine *e, shardd__coll_member *m, uint64_t seq,
-                   const shardd__coll_args *args) {
-  shardd__job *job = m->job;
+/* One rank's request on its way through submit's four steps: its
+ * arguments checked, admitted to the job's queue, matched to a collective
+ * (or one made for it), its arrival recorded. vals, hp and mask are its
+ * own until a waiter or the collective takes them. */
+typedef struct {
+  shardd__coll_engine *e;
+  shardd__coll_member *m;
+  uint64_t seq;
+  const shardd__coll_args *args;
+  shardd__job *job;
+  shardd__obj *o; /* the target: a buffer, an optimizer; NULL: scalars */
+  int scalars;    /* an all_reduce */
+  /* A step refused here, in a multi-node job, is answered at once but still
+   * joins its collective, refused: the other nodes' ranks issued it too
+   * and wait in its exchange, whose header must come from this node. */
+  int multi;
+  shardd_err local;
+  char local_msg[256];
+  coll_job *q;
+  double *vals;
+  shardd__hp *hp; /* a step's, until c owns it */
+  uint64_t *mask;
+  size_t nmask;
+} submission;
+
+/* Answers s's rank with code and msg and drops what s holds. */
+static void submit_refuse(submission *s, shardd_err code, const char *msg) {
+  free(s->vals);
+  free(s->hp);
+  free(s->mask);
+  s->vals = NULL;
+  s->hp = NULL;
+  s->mask = NULL;
+  refuse(s->e, s->m, s->seq, s->args, code, msg);
+}
+
+/* The arguments on their own: the target resolved (or the values'
+ * count), a step's lr and max_norm, an accumulating scatter's backend.
+ * 0 to go on; -1 when refused (answered). */
+static int submit_check(submission *s) {
+  const shardd__coll_args *args = s->args;
+  shardd__coll_engine *e = s->e;
   char err[256];
-  shardd__obj *o = NULL;
-  int scalars = args->kind == SHARDD__COLL_ALL_REDUCE;
   shardd__obj_kind want = args->kind == SHARDD__COLL_STEP ? SHARDD__OBJ_OPTIM
                                                           : SHARDD__OBJ_BUFFER;
   shardd_err rc = SHARDD_OK;
   /* In a multi-node job an all_reduce (a barrier: no values) reduces over
    * the local ranks, then crosses nodes in its exchange (coll_fabric.c). */
-  if (scalars && (args->target > SHARDD_ALL_REDUCE_MAX ||
-                         (args->target > 0 && args->values == NULL))) {
+  if (s->scalars && (args->target > SHARDD_ALL_REDUCE_MAX ||
+                     (args->target > 0 && args->values == NULL))) {
     snprintf(err, sizeof err, "all_reduce of %" PRIu64 " values: at most %d",
              args->target, SHARDD_ALL_REDUCE_MAX);
     rc = SHARDD_E_RANGE;
-  } else if (!scalars) {
-    rc = shardd__registry_resolve_gen(e->cfg.reg, job, args->target,
-                                      args->kind == SHARDD__COLL_STEP ? 0
-                                                                      : args->generation,
-                                      want, &o, err, sizeof err);
+  } else if (!s->scalars) {
+    rc = shardd__registry_resolve_gen(e->cfg.reg, s->job, args->target,
+                                      args->kind == SHARDD__COLL_STEP
+                                          ? 0
+                                          : args->generation,
+                                      want, &s->o, err, sizeof err);
   }
   if (rc != SHARDD_OK) {
-    refuse(e, m, seq, args, rc, err);
-    return;
+    submit_refuse(s, rc, err);
+    return -1;
   }
-  double *vals = NULL;
-  if (scalars &&
-      (vals = malloc((args->target ? args->target : 1) * sizeof *vals)) == NULL) {
-    refuse(e, m, seq, args, SHARDD_E_NO_MEMORY, "out of memory");
-    return;
+  if (s->scalars &&
+      (s->vals = malloc((args->target ? args->target : 1) * sizeof *s->vals)) ==
+          NULL) {
+    submit_refuse(s, SHARDD_E_NO_MEMORY, "out of memory");
+    return -1;
   }
-  if (vals && args->target)
-    memcpy(vals, args->values, args->target * sizeof *vals);
-  /* A step refused here, in a multi-node job, is answered at once but still
-   * joins its collective, refused: the other nodes' ranks issued it too
-   * and wait in its exchange, whose header must come from this node. */
-  int multi = job->nodes > 1 && args->kind == SHARDD__COLL_STEP;
-  shardd_err local = SHARDD_OK;
-  char local_msg[256] = "";
+  if (s->vals && args->target)
+    memcpy(s->vals, args->values, args->target * sizeof *s->vals);
+  s->multi = s->job->nodes > 1 && args->kind == SHARDD__COLL_STEP;
   if (args->kind == SHARDD__COLL_STEP &&
       ((args->has_lr && !(args->lr >= 0 && isfinite(args->lr))) ||
        !(args->max_norm >= 0))) {
     /* max_norm inf: the norm is reported, the coefficient clamps to 1 */
-    free(vals);
-    vals = NULL;
-    local = SHARDD_E_RANGE;
-    snprintf(local_msg, sizeof local_msg,
+    free(s->vals);
+    s->vals = NULL;
+    s->local = SHARDD_E_RANGE;
+    snprintf(s->local_msg, sizeof s->local_msg,
              "step: lr must be >= 0 and finite, max_norm >= 0 (inf: report the "
              "norm only)");
-    if (!multi) {
-      refuse(e, m, seq, args, local, local_msg);
-      return;
+    if (!s->multi) {
+      submit_refuse(s, s->local, s->local_msg);
+      return -1;
     }
   }
   if (args->kind == SHARDD__COLL_SCATTER && args->accumulate &&
@@ -1369,14 +1402,26 @@ static void submit(shardd__coll_engine *e, shardd__coll_member *m, uint64_t seq,
              "scatter: the %s backend cannot add to a reduced gradient "
              "(accumulating scatter): scatter once per step",
              e->be->name);
-    refuse(e, m, seq, args, SHARDD_E_INVAL, err);
-    return;
+    submit_refuse(s, SHARDD_E_INVAL, err);
+    return -1;
   }
-  coll_job *q = shardd__coll_job_of(e, job, 0);
+  return 0;
+}
+
+/* Admission to the job's queue: a job broken since the rank joined, the
+ * rank's gathers in flight, the session's pending collectives; then what
+ * the admitted request brings resolved (a step's hyperparameters, a
+ * scatter's no-gradient views). 0 to go on; -1 when refused. */
+static int submit_admit(submission *s) {
+  const shardd__coll_args *args = s->args;
+  shardd__coll_engine *e = s->e;
+  shardd__coll_member *m = s->m;
+  char err[256];
+  shardd_err rc;
+  coll_job *q = shardd__coll_job_of(e, s->job, 0);
   if (q && q->broken != SHARDD_OK && m->joined <= q->broken_epoch) {
-    free(vals);
-    refuse(e, m, seq, args, q->broken, q->broken_msg);
-    return;
+    submit_refuse(s, q->broken, q->broken_msg);
+    return -1;
   }
   /* a bucket is one request (and one round trip): it counts once, checked
    * at its first entry (not for each: that walked the queue 64 times) */
@@ -1391,63 +1436,120 @@ static void submit(shardd__coll_engine *e, shardd__coll_member *m, uint64_t seq,
                "rank %" PRIu32 " has %" PRIu32 " gathers in flight "
                "(--max-inflight-gathers %" PRIu32 ")",
                m->rank, n, e->cfg.max_inflight_gathers);
-      free(vals);
-      refuse(e, m, seq, args, SHARDD_E_LIMIT, err);
-      return;
+      submit_refuse(s, SHARDD_E_LIMIT, err);
+      return -1;
     }
   }
   if (m->pending >= e->cfg.max_pending) {
     snprintf(err, sizeof err,
              "session has %" PRIu32 " collectives queued (limit %" PRIu32 ")",
              m->pending, e->cfg.max_pending);
-    free(vals);
-    refuse(e, m, seq, args, SHARDD_E_LIMIT, err);
-    return;
+    submit_refuse(s, SHARDD_E_LIMIT, err);
+    return -1;
   }
-  if (q == NULL && (q = shardd__coll_job_of(e, job, 1)) == NULL) {
-    free(vals);
-    refuse(e, m, seq, args, SHARDD_E_NO_MEMORY, "out of memory");
-    return;
+  if (q == NULL && (q = shardd__coll_job_of(e, s->job, 1)) == NULL) {
+    submit_refuse(s, SHARDD_E_NO_MEMORY, "out of memory");
+    return -1;
   }
+  s->q = q;
   q->last_submit = loop_now(e);
-  shardd__hp *hp = NULL; /* a step's, until c owns it */
-  if (args->kind == SHARDD__COLL_STEP && local == SHARDD_OK &&
-      (rc = step_hp((const shardd__optim *)o, args, &hp, err, sizeof err)) != SHARDD_OK) {
-    free(vals);
-    vals = NULL;
-    if (!multi) {
-      refuse(e, m, seq, args, rc, err);
-      return;
+  if (args->kind == SHARDD__COLL_STEP && s->local == SHARDD_OK &&
+      (rc = step_hp((const shardd__optim *)s->o, args, &s->hp, err,
+                    sizeof err)) != SHARDD_OK) {
+    free(s->vals);
+    s->vals = NULL;
+    if (!s->multi) {
+      submit_refuse(s, rc, err);
+      return -1;
     }
-    local = rc;
-    snprintf(local_msg, sizeof local_msg, "%s", err);
+    s->local = rc;
+    snprintf(s->local_msg, sizeof s->local_msg, "%s", err);
   }
-
-  uint64_t *mask = NULL;
-  size_t nmask = 0;
   if (args->kind == SHARDD__COLL_SCATTER && args->nno_grad > 0 &&
       !args->no_grad_all) {
-    if ((rc = copy_mask(e, (const shardd__buffer *)o, args, &mask, &nmask, err,
-                        sizeof err)) != SHARDD_OK) {
-      refuse(e, m, seq, args, rc, err);
-      return;
+    if ((rc = copy_mask(e, (const shardd__buffer *)s->o, args, &s->mask,
+                        &s->nmask, err, sizeof err)) != SHARDD_OK) {
+      submit_refuse(s, rc, err);
+      return -1;
     }
   }
+  return 0;
+}
+
+/* A new collective for s, queued at the tail of its job's; NULL when out
+ * of memory (s refused). */
+static coll *submit_new(submission *s) {
+  const shardd__coll_args *args = s->args;
+  shardd__coll_engine *e = s->e;
+  coll_job *q = s->q;
+  coll *c = calloc(1, sizeof *c);
+  if (c == NULL ||
+      (c->waiters = calloc(s->job->world, sizeof *c->waiters)) == NULL) {
+    free(c);
+    submit_refuse(s, SHARDD_E_NO_MEMORY, "out of memory");
+    return NULL;
+  }
+  c->e = e;
+  c->job = s->job;
+  c->cj = q;
+  c->args = *args;
+  c->args.group_hp = NULL; /* the caller's: resolved into c->hp */
+  c->args.ngroup_hp = 0;
+  c->args.values = NULL; /* borrowed for the submit only: each waiter has its copy */
+  c->args.no_grad = NULL; /* each rank's mask is its waiter's */
+  c->args.nno_grad = 0;
+  c->args.no_grad_all = 0;
+  c->deadline = loop_now(e) + e->cfg.timeout;
+  c->name = s->o ? s->o->name : (args->target ? "scalars" : "barrier");
+  c->name_key = shardd__coll_fab_key(args->kind, c->name);
+  c->tag = shardd__coll_fab_tag(c->name_key);
+  /* made before a fabric failure: of the iteration it broke, so it must
+   * fail, not re-form the fabric (coll_fabric.c) */
+  if (q->fab)
+    c->fab_epoch = shardd__coll_fab_epoch(q->fab);
+  if (s->scalars) {
+    /* no registry object to hold */
+  } else if (args->kind == SHARDD__COLL_STEP) {
+    c->opt = (shardd__optim *)s->o;
+    c->hp = s->hp;
+    s->hp = NULL;
+    shardd__optim_hold(c->opt);
+  } else {
+    c->buf = (shardd__buffer *)s->o;
+    shardd__buffer_hold(c->buf);
+  }
+  /* appended in O(1): a bucket's 64 entries make as many collectives */
+  if (q->tailp == NULL)
+    for (q->tailp = &q->head; *q->tailp; q->tailp = &(*q->tailp)->next)
+      ;
+  *q->tailp = c;
+  q->tailp = &c->next;
+  q->count++;
+  return c;
+}
+
+/* Matching: the oldest unstarted collective of the same kind and target
+ * the rank has not joined, refused when its arguments differ from those
+ * the ranks before it sent; else a new one. NULL when refused. */
+static coll *submit_match(submission *s) {
+  const shardd__coll_args *args = s->args;
+  shardd__coll_member *m = s->m;
   coll *c = NULL;
-  for (coll *it = q->head; it; it = it->next) {
+  for (coll *it = s->q->head; it; it = it->next) {
     /* all_reduces match whatever their count: one of another count is a
      * mismatch that fails them all, not a collective of its own to wait
      * for ranks that never come */
-    if (it->args.kind == args->kind && (scalars || it->args.target == args->target) &&
-        !it->started && !it->waiters[m->rank].arrived) {
+    if (it->args.kind == args->kind &&
+        (s->scalars || it->args.target == args->target) && !it->started &&
+        !it->waiters[m->rank].arrived) {
       c = it;
       break;
     }
   }
   int same = c == NULL || args_equal(&c->args, args);
-  for (size_t g = 0; c && same && hp && c->hp && g < c->opt->ngroups; g++)
-    same = hp_equal(&c->hp[g], &hp[g]);
-  if (c && c->refused == SHARDD_OK && local == SHARDD_OK && !same &&
+  for (size_t g = 0; c && same && s->hp && c->hp && g < c->opt->ngroups; g++)
+    same = hp_equal(&c->hp[g], &s->hp[g]);
+  if (c && c->refused == SHARDD_OK && s->local == SHARDD_OK && !same &&
       (c->args.bucket != args->bucket || c->args.bucket_n != args->bucket_n)) {
     char mine[64], theirs[64];
     bucket_word(args, mine, sizeof mine);
@@ -1459,7 +1561,7 @@ static void submit(shardd__coll_engine *e, shardd__coll_member *m, uint64_t seq,
              mine, theirs);
     c->refused = SHARDD_E_MISMATCH;
     c->bucket_bad = 1;
-  } else if (c && c->refused == SHARDD_OK && local == SHARDD_OK && !same) {
+  } else if (c && c->refused == SHARDD_OK && s->local == SHARDD_OK && !same) {
     snprintf(c->refused_msg, sizeof c->refused_msg,
              "rank %" PRIu32 " called %s on %s %" PRIu64
              " with other arguments than the ranks before it",
@@ -1472,82 +1574,50 @@ static void submit(shardd__coll_engine *e, shardd__coll_member *m, uint64_t seq,
      * for ranks that already moved on. */
     c->refused = SHARDD_E_MISMATCH;
   }
-  if (c == NULL) {
-    c = calloc(1, sizeof *c);
-    if (c == NULL || (c->waiters = calloc(job->world, sizeof *c->waiters)) == NULL) {
-      free(c);
-      free(hp);
-      free(vals);
-      free(mask);
-      refuse(e, m, seq, args, SHARDD_E_NO_MEMORY, "out of memory");
-      return;
-    }
-    c->e = e;
-    c->job = job;
-    c->cj = q;
-    c->args = *args;
-    c->args.group_hp = NULL; /* the caller's: resolved into c->hp */
-    c->args.ngroup_hp = 0;
-    c->args.values = NULL; /* borrowed for the submit only: each waiter has its copy */
-    c->args.no_grad = NULL; /* each rank's mask is its waiter's */
-    c->args.nno_grad = 0;
-    c->args.no_grad_all = 0;
-    c->deadline = loop_now(e) + e->cfg.timeout;
-    c->name = o ? o->name : (args->target ? "scalars" : "barrier");
-    c->name_key = shardd__coll_fab_key(args->kind, c->name);
-    c->tag = shardd__coll_fab_tag(c->name_key);
-    /* made before a fabric failure: of the iteration it broke, so it must
-     * fail, not re-form the fabric (coll_fabric.c) */
-    if (q->fab)
-      c->fab_epoch = shardd__coll_fab_epoch(q->fab);
-    if (scalars) {
-      /* no registry object to hold */
-    } else if (args->kind == SHARDD__COLL_STEP) {
-      c->opt = (shardd__optim *)o;
-      c->hp = hp;
-      hp = NULL;
-      shardd__optim_hold(c->opt);
-    } else {
-      c->buf = (shardd__buffer *)o;
-      shardd__buffer_hold(c->buf);
-    }
-    /* appended in O(1): a bucket's 64 entries make as many collectives */
-    if (q->tailp == NULL)
-      for (q->tailp = &q->head; *q->tailp; q->tailp = &(*q->tailp)->next)
-        ;
-    *q->tailp = c;
-    q->tailp = &c->next;
-    q->count++;
-  }
-  free(hp); /* a later rank's, compared above */
+  if (c == NULL)
+    c = submit_new(s);
+  return c;
+}
+
+/* Arrival: s's rank waits in c (a rank refused here answered at once);
+ * once every local rank has arrived c is scheduled, or failed now when a
+ * rank gone past the grace will never come. */
+static void submit_arrive(submission *s, coll *c) {
+  const shardd__coll_args *args = s->args;
+  shardd__coll_member *m = s->m;
+  coll_job *q = s->q;
+  free(s->hp); /* a later rank's, compared above */
+  s->hp = NULL;
   waiter *w = &c->waiters[m->rank];
   w->m = m;
-  w->seq = seq;
+  w->seq = s->seq;
   w->arrived = 1;
   w->want_grad = args->want_grad;
-  w->vals = vals;
+  w->vals = s->vals;
   w->none_all = args->no_grad_all;
-  w->no_grad = mask;
-  w->nno_grad = nmask;
-  mask = NULL;
+  w->no_grad = s->mask;
+  w->nno_grad = s->nmask;
+  s->vals = NULL;
+  s->mask = NULL;
   m->pending++;
   c->arrived++;
-  if (local != SHARDD_OK) {
+  if (s->local != SHARDD_OK) {
     /* answered now, as on one node; its peers here learn of it with the
      * others when every local rank arrived */
     if (c->refused == SHARDD_OK) {
-      c->refused = local;
+      c->refused = s->local;
       snprintf(c->refused_msg, sizeof c->refused_msg, "rank %" PRIu32 "'s %s was "
-               "refused: %.200s", m->rank, shardd__coll_kind_word(args->kind), local_msg);
+               "refused: %.200s", m->rank, shardd__coll_kind_word(args->kind),
+               s->local_msg);
     }
-    refuse(e, m, seq, args, local, local_msg);
+    refuse(s->e, m, s->seq, args, s->local, s->local_msg);
     w->m = NULL;
     m->pending--;
   }
   if (c->bucket_bad)
     bucket_fail(c);
   int64_t doom;
-  if (c->arrived == job->local_ranks) {
+  if (c->arrived == s->job->local_ranks) {
     if (c->refused != SHARDD_OK && shardd__coll_multi(c))
       /* answered now; the exchange's header still runs when schedule
        * starts it (start_phase), so the other nodes hear of the refusal */
@@ -1556,13 +1626,29 @@ static void submit(shardd__coll_engine *e, shardd__coll_member *m, uint64_t seq,
       coll_finish(c, c->refused, c->refused_msg); /* it may have held back newer ones */
     schedule(q);
     job_maybe_quiet(q);
-  } else if ((doom = doomed_by(c, loop_now(e))) >= 0) {
+  } else if ((doom = doomed_by(c, loop_now(s->e))) >= 0) {
     /* a rank gone past the grace will not submit it: say so now, not at
      * the timeout */
-    fail_doomed_one(c, (uint32_t)doom, loop_now(e));
+    fail_doomed_one(c, (uint32_t)doom, loop_now(s->e));
     schedule(q);
     job_maybe_quiet(q);
   }
+}
+
+static void submit(shardd__coll_engine *e, shardd__coll_member *m, uint64_t seq,
+                   const shardd__coll_args *args) {
+  submission s = {.e = e,
+                  .m = m,
+                  .seq = seq,
+                  .args = args,
+                  .job = m->job,
+                  .scalars = args->kind == SHARDD__COLL_ALL_REDUCE,
+                  .local = SHARDD_OK};
+  if (submit_check(&s) != 0 || submit_admit(&s) != 0)
+    return;
+  coll *c = submit_match(&s);
+  if (c != NULL)
+    submit_arrive(&s, c);
 }
 
 /* Fails the waiting collectives of q that pick chooses; how many, and
