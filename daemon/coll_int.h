@@ -10,6 +10,7 @@
 #include <stdatomic.h>
 
 #include "coll.h"
+#include "fabric.h"
 #include "map.h"
 
 typedef struct coll coll;
@@ -284,6 +285,28 @@ void shardd__coll_scatter_unit(coll *c, task *t);
 int shardd__coll_bulk_ok(const coll *c);
 void shardd__coll_bulk_task(coll *c, task *t);
 void shardd__coll_bulk_free(coll_job *cj);
+
+/* FNV-1a of p's n bytes, from h (0xcbf29ce484222325: the start). */
+static inline uint64_t shardd__coll_fnv(uint64_t h, const void *p, size_t n) {
+  const unsigned char *s = p;
+  for (size_t i = 0; i < n; i++)
+    h = (h ^ s[i]) * 0x100000001b3ull;
+  return h;
+}
+
+/* coll_exchange.c: the exchange of c on fabric f (a fabric thread): header,
+ * check, data. A failure that leaves f unusable is t->rc with *lost set. */
+void shardd__coll_fab_exchange(coll *c, task *t, shardd__fabric *f, int *lost);
+
+/* coll_join.c: c->fab_state, this node's state summed for the join; loop
+ * thread (c->fab_join_ok says whether it could be listed). */
+void shardd__coll_fab_state_of(coll *c);
+/* coll_join.c: the join of new fabric f (jf's, for c): the nodes' lineage
+ * (this node's: lineage, 0 none) and states compared; *out the lineage
+ * they agreed on. */
+shardd_err shardd__coll_fab_join(coll_fab *jf, const coll *c, shardd__fabric *f,
+                                 uint64_t lineage, int rejoining, uint64_t *out,
+                                 char *err, size_t errlen);
 
 /* coll_fabric.c */
 uint64_t shardd__coll_fab_key(shardd__coll_kind kind, const char *name);
