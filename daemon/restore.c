@@ -8,7 +8,8 @@
  * the payloads, touching only the new job's region memory and the files;
  * finish, on the loop thread again, sets what the loads vouched for
  * (master_valid, step counts) and hands the job over. Any failure releases
- * the new job. */
+ * the new job. The loads apply plans, and the optimizers registered again,
+ * are restore_plan.c's; the manifest's lines are parsed by manifest.c. */
 #include "checkpoint.h"
 
 #include <errno.h>
@@ -22,254 +23,7 @@
 
 #include "ckfile.h"
 #include "manifest.h"
-#include "optcodec.h"
-#include "optreg.h"
-
-typedef struct {
-  uint64_t old_id;
-  shardd__obj *obj;
-  uint64_t steps; /* the ref's own step count */
-} id_map;
-
-typedef struct {
-  size_t buf;
-  uint32_t rank;
-  int master_valid;
-  char *file;
-  uint32_t crc;
-  size_t bytes;
-  int nstate;
-  int loaded;
-} pending_state;
-
-typedef struct {
-  char *name;
-  uint64_t steps;
-  uint8_t *spec;
-  size_t spec_len;
-  id_map *ids;
-  size_t nids;
-  pending_state *states;
-  size_t nstates;
-  /* (buffer, old rank) of each state line, once: key buf << 17 | rank */
-  shardd__map state_seen;
-  /* the buffers its ref lines named (themselves or a view of them), key
-   * index + 1: a state line must be of one of them */
-  shardd__map bufs_reffed;
-  shardd__optim *created;
-  /* master_valid of each of created's shards once its state is loaded;
-   * set on them by finish */
-  int *mv;
-  /* each of created's refs' step count (in its refs' order), from the
-   * ref lines; set on it by finish */
-  uint64_t *ref_steps;
-} pending_optim;
-
-/* One part of a payload copied from where its file was read to where it
- * goes. */
-typedef struct {
-  char *dst;  /* region memory of the new job */
-  size_t src; /* offset in the file's payload */
-  size_t n;
-} ld_copy;
-
-/* One payload load, as prepare planned it: the file and what its header
- * must say, read straight into region memory (direct) or into a buffer of
- * its own and copied from there. Touches no registry struct. */
-typedef struct {
-  char *file;
-  const char *name; /* the buffer's, a copy the restore owns */
-  uint32_t crc, dtype;
-  uint64_t numel, offset;
-  size_t bytes;
-  char *direct; /* NULL: read into a temporary, then the copies */
-  ld_copy *copies;
-  size_t ncopies;
-} ld;
-
-static int cmp_id_map(const void *a, const void *b) {
-  const id_map *x = a, *y = b;
-  return x->old_id < y->old_id ? -1 : x->old_id > y->old_id;
-}
-
-/* Registers a recorded optimizer: its own registration with every ref id
- * replaced by the restored object's, through the same use case a client's
- * registration takes (optreg.h). */
-static shardd_err register_pending(shardd__registry *reg, shardd__job *job,
-                                   pending_optim *p, char *err, size_t errlen) {
-  shardd__optspec spec;
-  shardd_err rc = shardd__optspec_decode(p->spec, p->spec_len, &spec);
-  if (rc != SHARDD_OK) {
-    if (rc == SHARDD_E_NO_MEMORY)
-      snprintf(err, errlen, "out of memory");
-    else
-      snprintf(err, errlen, "optimizer \"%s\": spec does not decode", p->name);
-    return rc;
-  }
-  /* sorted for lookup: a scan per ref was quadratic, and 200k refs in a
-   * manifest held the loop thread for minutes */
-  if (p->nids > 0) /* qsort(NULL, 0) is undefined */
-    qsort(p->ids, p->nids, sizeof *p->ids, cmp_id_map);
-  for (size_t g = 0; g < spec.ngroups && rc == SHARDD_OK; g++) {
-    for (size_t i = 0; i < spec.groups[g].nrefs; i++) {
-      shardd__optspec_ref *ref = &spec.groups[g].refs[i];
-      uint64_t id = 0, gen = 0;
-      id_map key = {ref->id, NULL, 0};
-      const id_map *hit = p->nids ? bsearch(&key, p->ids, p->nids, sizeof *p->ids,
-                                            cmp_id_map)
-                                  : NULL;
-      if (hit) {
-        id = hit->obj->id;
-        gen = hit->obj->generation;
-      }
-      if (id == 0) {
-        snprintf(err, errlen, "optimizer \"%s\": ref %" PRIu64 " has no ref line",
-                 p->name, ref->id);
-        rc = SHARDD_E_INVAL;
-        break;
-      }
-      ref->id = id;
-      if (ref->has_generation) /* the handle the trainer registers anew */
-        ref->generation = gen;
-    }
-  }
-  if (rc == SHARDD_OK) {
-    shardd__optreg_result res;
-    rc = shardd__optreg_register(reg, job, &spec, 0, &res, err, errlen);
-    if (rc != SHARDD_OK && res.refused)
-      snprintf(err, errlen, "optimizer \"%s\" refused: %s", p->name,
-               res.list ? res.list : shardd_strerror(rc));
-    free(res.list);
-    p->created = res.optim;
-  }
-  shardd__optspec_free(&spec);
-  return rc; /* steps are set by finish, once the state is loaded */
-}
-
-/* Elements [lo, hi) of buffer b, as rank `rank` of a world of `world`
- * holds them: its shard's slice of the unpadded range. */
-static void old_range(const shardd__buffer *b, uint32_t world, uint32_t rank,
-                      uint64_t *lo, uint64_t *hi, uint64_t *old_s) {
-  *old_s = (b->numel + world - 1) / world;
-  *lo = (uint64_t)rank * *old_s;
-  *hi = *lo + *old_s < b->numel ? *lo + *old_s : b->numel;
-  if (*lo > *hi)
-    *lo = *hi;
-}
-
-static shardd__optim_shard *find_shard(shardd__optim *o, const shardd__buffer *b,
-                                       uint32_t rank) {
-  for (size_t k = 0; k < o->nshards; k++)
-    if (o->shards[k].buf == b && o->shards[k].rank == rank)
-      return &o->shards[k];
-  return NULL;
-}
-
-/* The recorded registrations of one manifest's optimizers, together: a
- * client sends each in one frame (restore repacks it with longer ids, so
- * one may reach two); eight frames' worth is more than any job keeps, and
- * a manifest of nothing but optimizer lines held one copy of every line
- * until the last was read. */
-#define SPECS_MAX ((size_t)8 * SHARDD_MAX_FRAME)
-
-/* One restore in progress: the manifest being read, what its lines have
- * named so far and the payload loads they planned. Everything here is the
- * restore's own and freed by shardd__checkpoint_restore_free, job included
- * until finish hands it over (a failed restore releases it); reg is
- * borrowed from the caller, and err during prepare only. */
-struct shardd__ckrestore {
-  shardd__registry *reg;
-  char *dir;
-  int64_t as_uid;   /* who asks; see shardd__checkpoint_restore */
-  uint32_t world;   /* the new job's; 0: the checkpoint's */
-  /* a node's part of a multi-node checkpoint: the layout the new job gets
-   * (nodes 0: an ordinary checkpoint), the "node" line seen, the origin */
-  uint32_t nodes, node_rank;
-  int node_seen;
-  uint64_t origin;
-  /* this node's exit part of a live job (--checkpoint-on-exit, no job
-   * manifest): the job its spec names, with the spec's world; the
-   * "lineage" line seen */
-  const char *exit_name;
-  uint32_t exit_world;
-  int lineage_seen;
-  /* the owner the job line must name, -1 any: the uid an exit part's job
-   * spec gives (spec_path names the spec), or the job manifest's uid for
-   * one of its parts (spec_path NULL) */
-  int64_t want_uid;
-  const char *spec_path;
-  char *err;
-  size_t errlen;
-  char path[4096];  /* the manifest's, as messages name it */
-  shardd__ckdir dd; /* fd -1 until opened */
-  FILE *f;          /* the manifest; owns its descriptor */
-  /* The manifest's text, read whole by read_text, each line ended by a
-   * NUL where its newline was (text_len bytes and a NUL); freed once
-   * applied. stop_line: the first line the reader refused (too long, a
-   * NUL byte: stop_rc), where apply stops with that error; 0 none. */
-  char *text;
-  size_t text_len;
-  int stop_line;
-  shardd__line_rc stop_rc;
-  /* the job line was checked against who asks (job_check) by read */
-  int job_checked;
-  int lineno, mversion, ended;
-  int seal_line; /* the "end" line whose checksum was checked; 0 none */
-  uint32_t old_world;
-  /* What the lines have asked to be kept until the optimizers register,
-   * bounded by what the daemon registered for the lines above: one ref
-   * line per buffer or view (reffed: by object id), at most as many
-   * optimizers as buffers and views, their specs SPECS_MAX together. */
-  size_t nviews, spec_bytes;
-  shardd__map reffed;
-  shardd__job *job; /* created by the job line */
-  shardd__buffer **bufs; /* borrowed from job; the array is ours */
-  size_t nb;
-  /* seen[i]: bit r set once buffer i's shard of old rank r was loaded. A
-   * buffer line registers zeroed memory; only its shard lines fill it, so
-   * one without them restored zeros as if they were the checkpoint. */
-  uint8_t **seen;
-  size_t nshard_lines;
-  char **bnames; /* [nb]: each buffer's name, for the loads' headers */
-  pending_optim *po;
-  size_t npo;
-  ld *loads; /* in manifest order: shards, then each optimizer's states */
-  size_t nloads, capl;
-  /* a registration's reason; kept across lines, as one buffer was */
-  char sub[512];
-  /* a backend whose memory the daemon cannot write directly (cuda): the
-   * loads land in zeroed host copies of the regions, written to the
-   * device at the end of run (host -> device staging); owned */
-  struct {
-    shardd__region *r;
-    char *host;
-  } *shadows;
-  size_t nshadows;
-};
-typedef struct shardd__ckrestore restore;
-
-/* Where a load into region r goes in host memory: r itself where the
- * daemon maps it, else r's host copy (made zeroed at first use, as r's
- * memory starts). NULL when out of memory (c->err says so). */
-static char *host_base(restore *c, shardd__region *r) {
-  if (c->reg->backend->ops->write == NULL)
-    return r->ptr;
-  for (size_t i = 0; i < c->nshadows; i++)
-    if (c->shadows[i].r == r)
-      return c->shadows[i].host;
-  void *ns = realloc(c->shadows, (c->nshadows + 1) * sizeof *c->shadows);
-  char *host = ns ? calloc(1, r->bytes ? r->bytes : 1) : NULL;
-  if (ns)
-    c->shadows = ns;
-  if (host == NULL) {
-    snprintf(c->err, c->errlen, "out of memory staging %zu bytes for device %d",
-             r->bytes, r->device);
-    return NULL;
-  }
-  c->shadows[c->nshadows].r = r;
-  c->shadows[c->nshadows++].host = host;
-  return host;
-}
+#include "restore_int.h"
 
 /* Fails the current line: "PATH line N: WHY" in err, WHY cut at 511 bytes.
  * Returns rc where a call beneath already failed with it, else
@@ -285,221 +39,6 @@ static shardd_err bad(restore *c, shardd_err rc, const char *fmt, ...) {
   va_end(ap);
   snprintf(c->err, c->errlen, "%s line %d: %s", c->path, c->lineno, why);
   return rc == SHARDD_OK ? SHARDD_E_INVAL : rc;
-}
-
-/* Appends a load of file (copied) for a payload of buffer bi; NULL out of
- * memory (err says so). */
-static ld *add_load(restore *c, const char *file, uint32_t crc, size_t bi,
-                    uint32_t dtype, uint64_t numel, uint64_t offset,
-                    size_t bytes, char *direct) {
-  if (c->nloads == c->capl) {
-    size_t ncap = c->capl ? c->capl * 2 : 16;
-    ld *nl = realloc(c->loads, ncap * sizeof *nl);
-    if (nl == NULL)
-      goto nomem;
-    c->loads = nl;
-    c->capl = ncap;
-  }
-  ld *l = &c->loads[c->nloads];
-  memset(l, 0, sizeof *l);
-  if ((l->file = strdup(file)) == NULL)
-    goto nomem;
-  c->nloads++;
-  l->name = c->bnames[bi];
-  l->crc = crc;
-  l->dtype = dtype;
-  l->numel = numel;
-  l->offset = offset;
-  l->bytes = bytes;
-  l->direct = direct;
-  return l;
-nomem:
-  snprintf(c->err, c->errlen, "out of memory");
-  return NULL;
-}
-
-static shardd_err add_copy(restore *c, ld *l, char *dst, size_t src, size_t n) {
-  ld_copy *nc = realloc(l->copies, (l->ncopies + 1) * sizeof *nc);
-  if (nc == NULL) {
-    snprintf(c->err, c->errlen, "out of memory");
-    return SHARDD_E_NO_MEMORY;
-  }
-  l->copies = nc;
-  l->copies[l->ncopies++] = (ld_copy){dst, src, n};
-  return SHARDD_OK;
-}
-
-/* One shard file of a world of old_world ranks into buffer bi: straight
- * into the rank's block when the world is the same, else element ranges
- * copied to whichever new rank holds them (shards are keyed by element
- * offset, so a checkpoint of W ranks restores into W'). */
-static shardd_err plan_shard(restore *c, const char *file, uint32_t crc,
-                             size_t bi, uint32_t r) {
-  shardd__buffer *b = c->bufs[bi];
-  size_t esz = shardd_dtype_size(b->dtype);
-  uint64_t lo, hi, old_s;
-  old_range(b, c->old_world, r, &lo, &hi, &old_s);
-  if (c->old_world == b->world) {
-    char *base = host_base(c, b->blocks[r]);
-    return base && add_load(c, file, crc, bi, (uint32_t)b->dtype, b->shard_numel,
-                            (uint64_t)r * b->shard_numel, b->shard_numel * esz,
-                            base + b->shard_off)
-               ? SHARDD_OK
-               : SHARDD_E_NO_MEMORY;
-  }
-  ld *l = add_load(c, file, crc, bi, (uint32_t)b->dtype, old_s,
-                   (uint64_t)r * old_s, old_s * esz, NULL);
-  if (l == NULL)
-    return SHARDD_E_NO_MEMORY;
-  for (uint64_t e = lo; e < hi;) {
-    uint64_t q = e / b->shard_numel, off = e % b->shard_numel;
-    uint64_t n = b->shard_numel - off < hi - e ? b->shard_numel - off : hi - e;
-    char *base = host_base(c, b->blocks[q]);
-    if (base == NULL ||
-        add_copy(c, l, base + b->shard_off + off * esz, (e - lo) * esz, n * esz) !=
-            SHARDD_OK)
-      return SHARDD_E_NO_MEMORY;
-    e += n;
-  }
-  return SHARDD_OK;
-}
-
-static size_t shard_index(const shardd__optim *o, const shardd__optim_shard *sh) {
-  return (size_t)(sh - o->shards);
-}
-
-/* One state file of the same world: it covers its rank's shard region for
- * region, and no other file may have covered it already. */
-static shardd_err plan_state_resharded(restore *c, shardd__buffer *b,
-                                       pending_optim *p,
-                                       const pending_state *ps);
-
-static shardd_err plan_state_same(restore *c, shardd__buffer *b,
-                                  pending_optim *p, const pending_state *ps) {
-  shardd__optim_shard *sh = find_shard(p->created, b, ps->rank);
-  /* A file records its region's allocated size, which backends round
-   * differently (cuda to its grain): written by one and restored into the
-   * other, the arrays are copied one by one from the file's layout. */
-  if (sh != NULL && sh->state != NULL && sh->state->bytes != ps->bytes &&
-      p->mv[shard_index(p->created, sh)] == -1)
-    return plan_state_resharded(c, b, p, ps);
-  if (sh == NULL || sh->state == NULL || sh->state->bytes != ps->bytes ||
-      p->mv[shard_index(p->created, sh)] != -1) {
-    snprintf(c->err, c->errlen, "%s/%s: does not fit optimizer \"%s\"",
-             c->dd.path, ps->file, p->name);
-    return SHARDD_E_INVAL;
-  }
-  char *st = host_base(c, sh->state);
-  if (st == NULL ||
-      add_load(c, ps->file, ps->crc, ps->buf, SHARDD_DTYPE_FP32, ps->bytes / 4,
-               (uint64_t)ps->rank * b->shard_numel, ps->bytes, st) == NULL)
-    return SHARDD_E_NO_MEMORY;
-  p->mv[shard_index(p->created, sh)] = ps->master_valid;
-  return SHARDD_OK;
-}
-
-/* One state file of another world: its elements go to the new shards that
- * hold them, array by array (master copy, then the arrays both layouts
- * have). */
-static shardd_err plan_state_resharded(restore *c, shardd__buffer *b,
-                                       pending_optim *p,
-                                       const pending_state *ps) {
-  uint64_t lo, hi, old_s;
-  old_range(b, c->old_world, ps->rank, &lo, &hi, &old_s);
-  size_t omaster, ooffs[3] = {0, 0, 0};
-  size_t used = shardd__optim_state_layout(b->dtype, old_s, ps->nstate, &omaster, ooffs);
-  if (ps->rank >= c->old_world || used == 0 || used > ps->bytes) {
-    snprintf(c->err, c->errlen, "%s/%s: does not fit optimizer \"%s\"",
-             c->dd.path, ps->file, p->name);
-    return SHARDD_E_INVAL;
-  }
-  ld *l = add_load(c, ps->file, ps->crc, ps->buf, SHARDD_DTYPE_FP32,
-                   ps->bytes / 4, (uint64_t)ps->rank * old_s, ps->bytes, NULL);
-  if (l == NULL)
-    return SHARDD_E_NO_MEMORY;
-  int wide = b->dtype != SHARDD_DTYPE_FP32;
-  for (uint64_t e = lo; e < hi;) {
-    uint32_t q = (uint32_t)(e / b->shard_numel);
-    uint64_t off = e % b->shard_numel;
-    uint64_t n = b->shard_numel - off < hi - e ? b->shard_numel - off : hi - e;
-    shardd__optim_shard *sh = find_shard(p->created, b, q);
-    if (sh && sh->state) {
-      size_t src = (e - lo) * 4, dst = off * 4;
-      char *base = host_base(c, sh->state);
-      if (base == NULL)
-        return SHARDD_E_NO_MEMORY;
-      if (wide && add_copy(c, l, base + sh->master_off + dst, omaster + src,
-                           n * 4) != SHARDD_OK)
-        return SHARDD_E_NO_MEMORY;
-      for (int j = 0; j < ps->nstate && j < sh->nstate; j++)
-        if (add_copy(c, l, base + sh->state_offs[j] + dst, ooffs[j] + src,
-                     n * 4) != SHARDD_OK)
-          return SHARDD_E_NO_MEMORY;
-      int *mv = &p->mv[shard_index(p->created, sh)];
-      *mv = *mv == -1 ? ps->master_valid : *mv && ps->master_valid;
-    }
-    e += n;
-  }
-  return SHARDD_OK;
-}
-
-/* Each of p's created refs' step count, from its ref line (by object: the
- * optimizer's refs are in its own order), into p->ref_steps. */
-static shardd_err ref_steps_of(restore *c, pending_optim *p) {
-  shardd__optim *o = p->created;
-  shardd__map by_obj;
-  shardd__map_init(&by_obj);
-  p->ref_steps = malloc((o->nrefs ? o->nrefs : 1) * sizeof *p->ref_steps);
-  shardd_err rc = p->ref_steps ? SHARDD_OK : SHARDD_E_NO_MEMORY;
-  for (size_t j = 0; rc == SHARDD_OK && j < p->nids; j++)
-    rc = shardd__map_put_id(&by_obj, p->ids[j].obj->id, &p->ids[j]);
-  for (size_t k = 0; rc == SHARDD_OK && k < o->nrefs; k++) {
-    const id_map *hit = shardd__map_get_id(&by_obj, o->refs[k]->id);
-    p->ref_steps[k] = hit ? hit->steps : p->steps;
-  }
-  shardd__map_free(&by_obj);
-  if (rc != SHARDD_OK)
-    snprintf(c->err, c->errlen, "out of memory");
-  return rc;
-}
-
-/* Plans the load of every recorded state into the registered optimizer.
- * Same world: each shard that keeps state is covered by exactly one file,
- * region for region. Another world: each file's elements go to the new
- * shards that hold them, and every new shard that keeps state must
- * receive some. */
-static shardd_err plan_states(restore *c, pending_optim *p) {
-  shardd__optim *o = p->created;
-  if ((p->mv = malloc((o->nshards ? o->nshards : 1) * sizeof *p->mv)) == NULL) {
-    snprintf(c->err, c->errlen, "out of memory");
-    return SHARDD_E_NO_MEMORY;
-  }
-  for (size_t k = 0; k < o->nshards; k++)
-    p->mv[k] = -1; /* not yet seen */
-  shardd_err rc = ref_steps_of(c, p);
-  if (rc != SHARDD_OK)
-    return rc;
-  for (size_t i = 0; i < p->nstates; i++) {
-    pending_state *ps = &p->states[i];
-    shardd__buffer *b = c->bufs[ps->buf];
-    rc = c->old_world == b->world ? plan_state_same(c, b, p, ps)
-                                  : plan_state_resharded(c, b, p, ps);
-    if (rc != SHARDD_OK)
-      return rc;
-  }
-  for (size_t k = 0; k < o->nshards; k++) {
-    shardd__optim_shard *sh = &o->shards[k];
-    if (p->mv[k] == -1) {
-      if (sh->state) {
-        snprintf(c->err, c->errlen,
-                 "optimizer \"%s\": no state in the checkpoint for buffer \"%s\" "
-                 "rank %" PRIu32, p->name, sh->buf->hdr.name, sh->rank);
-        return SHARDD_E_INVAL;
-      }
-      p->mv[k] = 0;
-    }
-  }
-  return SHARDD_OK;
 }
 
 /* Opens the checkpoint directory (no symlink on the way; for a client, one
@@ -757,7 +296,8 @@ static shardd_err line_shard(restore *c, const shardd__mline *ml) {
                "shard of buffer %zu rank %" PRIu32 " listed twice", bi, r);
   c->seen[bi][r / 8] |= (uint8_t)(1u << (r % 8));
   c->nshard_lines++;
-  return plan_shard(c, ml->u.shard.file, ml->u.shard.crc, bi, r);
+  return shardd__restore_plan_shard(c, ml->u.shard.file, ml->u.shard.crc, bi,
+                                    r);
 }
 
 /* "view BUF NAME OFFSET NUMEL NDIM DIM... GEN REQUIRES_GRAD". */
@@ -882,7 +422,7 @@ static shardd_err line_state(restore *c, const shardd__mline *ml) {
    * and the daemon was OOM-killed. */
   shardd__buffer *b = c->bufs[bi];
   uint64_t lo, hi, old_s;
-  old_range(b, c->old_world, (uint32_t)rank, &lo, &hi, &old_s);
+  shardd__restore_old_range(b, c->old_world, (uint32_t)rank, &lo, &hi, &old_s);
   size_t omaster, ooffs[3];
   size_t used = shardd__optim_state_layout(b->dtype, old_s, nstate, &omaster,
                                            ooffs);
@@ -1132,10 +672,10 @@ static shardd_err check_complete(restore *c) {
  * loads of its state files. */
 static shardd_err restore_optimizers(restore *c) {
   for (size_t i = 0; i < c->npo; i++) {
-    shardd_err rc = register_pending(c->reg, c->job, &c->po[i], c->err,
-                                     c->errlen);
+    shardd_err rc = shardd__restore_register_pending(c->reg, c->job, &c->po[i],
+                                                     c->err, c->errlen);
     if (rc == SHARDD_OK)
-      rc = plan_states(c, &c->po[i]);
+      rc = shardd__restore_plan_states(c, &c->po[i]);
     if (rc != SHARDD_OK)
       return rc;
   }
@@ -1499,3 +1039,4 @@ shardd_err shardd__checkpoint_seal(const char *dir, uint32_t *seal, char *err,
     fclose(f);
   return rc;
 }
+

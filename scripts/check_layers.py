@@ -71,6 +71,7 @@ PACKAGES = {
     "framebudget": "server", "server_int": "server", "reads": "server",
     "replybudget": "server",
     "ckfile": "checkpoint", "manifest": "checkpoint", "restore": "checkpoint",
+    "restore_int": "checkpoint", "restore_plan": "checkpoint",
     "backend_host": "backend", "backend_cuda": "backend",
     "fabric_gloo": "fabric", "fabric_stub": "fabric",
     "optim_elem": "optim", "optim_cuda": "optim", "optim_cuda_host": "optim",
