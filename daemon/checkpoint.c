@@ -210,11 +210,12 @@ static shardd_err add_file(shardd__ckwrite *w, const char *fname,
   return SHARDD_OK;
 }
 
-shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
-                                      const char *dirpath, int64_t as_uid,
-                                      const char *home, shardd__ckwrite **out,
-                                      char *err, size_t errlen) {
-  *out = NULL;
+/* A writer for job's checkpoint into dirpath (a node's part: DIR/node-N)
+ * with a fresh tag for its data files; NULL with *rc and err on failure. */
+static shardd__ckwrite *ckwrite_new(const shardd__job *job,
+                                    const char *dirpath, int64_t as_uid,
+                                    const char *home, shardd_err *rc,
+                                    char *err, size_t errlen) {
   /* A multi-node job: this node writes its ranks' part into DIR/node-N,
    * its manifest saying which node of how many it is; the job-level
    * manifest in DIR (shardd__checkpoint_write_job) vouches for every part
@@ -224,7 +225,8 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
   if (multi && (size_t)snprintf(part, sizeof part, "%s/node-%" PRIu32, dirpath,
                                 job->node_rank) >= sizeof part) {
     snprintf(err, errlen, "%s: path too long", dirpath);
-    return SHARDD_E_INVAL;
+    *rc = SHARDD_E_INVAL;
+    return NULL;
   }
   shardd__ckwrite *w = calloc(1, sizeof *w);
   if (w == NULL || (w->dir = strdup(multi ? part : dirpath)) == NULL ||
@@ -236,7 +238,8 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
     }
     free(w);
     snprintf(err, errlen, "out of memory");
-    return SHARDD_E_NO_MEMORY;
+    *rc = SHARDD_E_NO_MEMORY;
+    return NULL;
   }
   w->as_uid = as_uid;
   shardd__sb_init(&w->m);
@@ -251,31 +254,15 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
                       (uint64_t)getpid() << 32 | ++counter};
   snprintf(w->tag, sizeof w->tag, "%08" PRIx32,
            shardd__crc32c(0, seed, sizeof seed));
-  const char *tag = w->tag;
+  return w;
+}
+
+/* The buffers' lines (each buffer, its local ranks' shards with their data
+ * files, its views). SHARDD_E_NO_MEMORY leaves err to the caller. */
+static shardd_err put_buffers(shardd__registry *reg, shardd__ckwrite *w,
+                              const shardd__job *job, shardd__buffer **bufs,
+                              size_t nb, char *err, size_t errlen) {
   shardd__sb *m = &w->m;
-
-  shardd__buffer **bufs = NULL;
-  shardd__optim **opts = NULL;
-  size_t nb = 0, no = 0;
-  shardd_err rc = SHARDD_E_NO_MEMORY;
-  if (shardd__job_buffers(job, &bufs, &nb) != SHARDD_OK ||
-      shardd__job_optims(job, &opts, &no) != SHARDD_OK)
-    goto nomem;
-  shardd__manifest_put_head(
-      m, multi ? SHARDD_MANIFEST_VERSION : SHARDD_MANIFEST_VERSION_SINGLE,
-      job->name, job->world, job->uid);
-  /* a node's part: only this node's ranks have shard and state lines */
-  if (multi)
-    shardd__manifest_put_node(m, job->node_rank, job->nodes);
-  /* and the job's fabric lineage and origin: what a restart of this daemon
-   * from this part alone (its --checkpoint-on-exit part, without a job
-   * manifest) needs to rejoin the live nodes of the job (restore.c) */
-  if (multi)
-    shardd__manifest_put_lineage(m, job->lineage, job->origin);
-  /* restored so: its trainers ask for the same areas again */
-  if (job->transient)
-    shardd__manifest_put_transient(m);
-
   char fname[128];
   for (size_t i = 0; i < nb; i++) {
     shardd__buffer *b = bufs[i];
@@ -284,22 +271,21 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
                                 b->hdr.generation);
     for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks;
          r++) {
-      snprintf(fname, sizeof fname, "b%zu-r%" PRIu32 "-%s.shard", i, r, tag);
+      snprintf(fname, sizeof fname, "b%zu-r%" PRIu32 "-%s.shard", i, r,
+               w->tag);
       const char *base = host_view(reg, w, b->blocks[r], err, errlen);
-      if (base == NULL) {
-        rc = SHARDD_E_IO;
-        goto fail;
-      }
+      if (base == NULL)
+        return SHARDD_E_IO;
       size_t crc_at = shardd__manifest_put_shard(m, i, r, fname);
       if (add_file(w, fname, (uint32_t)b->dtype, b->shard_numel,
                    (uint64_t)r * b->shard_numel, b->hdr.name, base + b->shard_off,
                    b->shard_numel * esz, crc_at) != SHARDD_OK)
-        goto nomem;
+        return SHARDD_E_NO_MEMORY;
     }
     shardd__view **views;
     size_t nv;
     if (shardd__buffer_views(b, &views, &nv) != SHARDD_OK)
-      goto nomem;
+      return SHARDD_E_NO_MEMORY;
     for (size_t k = 0; k < nv; k++) {
       shardd__view *v = views[k];
       shardd__manifest_put_view(m, i, v->hdr.name, v->offset, v->numel,
@@ -308,7 +294,17 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
     }
     free(views);
   }
+  return SHARDD_OK;
+}
 
+/* The optimizers' lines (each optimizer, its refs, its shards' states with
+ * their data files). SHARDD_E_NO_MEMORY leaves err to the caller. */
+static shardd_err put_optimizers(shardd__registry *reg, shardd__ckwrite *w,
+                                 shardd__optim **opts, size_t no,
+                                 shardd__buffer **bufs, size_t nb, char *err,
+                                 size_t errlen) {
+  shardd__sb *m = &w->m;
+  char fname[128];
   for (size_t i = 0; i < no; i++) {
     shardd__optim *o = opts[i];
     /* name: 3 bytes a byte at most when encoded; index and steps: 40 */
@@ -318,8 +314,7 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
                "optimizer \"%s\": its registration (%zu bytes) "
                "does not fit a manifest line (%zu bytes)",
                o->hdr.name, o->spec_len, SHARDD__MANIFEST_LINE_MAX);
-      rc = SHARDD_E_LIMIT;
-      goto fail;
+      return SHARDD_E_LIMIT;
     }
     shardd__manifest_put_optimizer(m, i, o->hdr.name, o->steps, o->spec,
                                    o->spec_len);
@@ -340,12 +335,10 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
         continue;
       size_t bi = buffer_index(bufs, nb, sh->buf);
       snprintf(fname, sizeof fname, "o%zu-b%zu-r%" PRIu32 "-%s.state", i, bi,
-               sh->rank, tag);
+               sh->rank, w->tag);
       const char *st = host_view(reg, w, sh->state, err, errlen);
-      if (st == NULL) {
-        rc = SHARDD_E_IO;
-        goto fail;
-      }
+      if (st == NULL)
+        return SHARDD_E_IO;
       size_t crc_at = shardd__manifest_put_state(m, i, bi, sh->rank,
                                                  sh->master_valid, fname,
                                                  sh->state->bytes, sh->nstate);
@@ -353,9 +346,52 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
                    (uint64_t)sh->rank * sh->buf->shard_numel,
                    sh->buf->hdr.name, st, sh->state->bytes,
                    crc_at) != SHARDD_OK)
-        goto nomem;
+        return SHARDD_E_NO_MEMORY;
     }
   }
+  return SHARDD_OK;
+}
+
+shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
+                                      const char *dirpath, int64_t as_uid,
+                                      const char *home, shardd__ckwrite **out,
+                                      char *err, size_t errlen) {
+  *out = NULL;
+  shardd_err rc;
+  shardd__ckwrite *w =
+      ckwrite_new(job, dirpath, as_uid, home, &rc, err, errlen);
+  if (w == NULL)
+    return rc;
+  int multi = job->nodes > 1;
+  shardd__sb *m = &w->m;
+
+  shardd__buffer **bufs = NULL;
+  shardd__optim **opts = NULL;
+  size_t nb = 0, no = 0;
+  if (shardd__job_buffers(job, &bufs, &nb) != SHARDD_OK ||
+      shardd__job_optims(job, &opts, &no) != SHARDD_OK)
+    goto nomem;
+  shardd__manifest_put_head(
+      m, multi ? SHARDD_MANIFEST_VERSION : SHARDD_MANIFEST_VERSION_SINGLE,
+      job->name, job->world, job->uid);
+  /* a node's part: only this node's ranks have shard and state lines */
+  if (multi)
+    shardd__manifest_put_node(m, job->node_rank, job->nodes);
+  /* and the job's fabric lineage and origin: what a restart of this daemon
+   * from this part alone (its --checkpoint-on-exit part, without a job
+   * manifest) needs to rejoin the live nodes of the job (restore.c) */
+  if (multi)
+    shardd__manifest_put_lineage(m, job->lineage, job->origin);
+  /* restored so: its trainers ask for the same areas again */
+  if (job->transient)
+    shardd__manifest_put_transient(m);
+  rc = put_buffers(reg, w, job, bufs, nb, err, errlen);
+  if (rc == SHARDD_OK)
+    rc = put_optimizers(reg, w, opts, no, bufs, nb, err, errlen);
+  if (rc == SHARDD_E_NO_MEMORY)
+    goto nomem;
+  if (rc != SHARDD_OK)
+    goto fail;
   if (m->failed)
     goto nomem;
   /* with its "end" line: no checkpoint restore would refuse on its size */
