@@ -39,21 +39,33 @@ static double parse_timeout(const char *v) {
   return t;
 }
 
-int main(int argc, char **argv) {
-  const char *sock = NULL;
-  int json = 0;
-  double timeout = -1; /* -1: not given */
+/* A command line, read. */
+typedef struct {
+  const char *sock;
+  int json;
+  double timeout; /* -1: not given */
+  const char *cmd, *arg, *arg2;
+  long world, from;
+  int is_status, is_inspect, is_ping, is_ckpt, is_restore, is_release;
+  const char *dir; /* a checkpoint's or restore's, made absolute */
+  char absdir[4096];
+} cli;
+
+/* Reads the options before the command, the command, and what follows it
+ * (options may follow the command too: shardctl status --json). -1 to go
+ * on, else the exit code. */
+static int cli_parse(int argc, char **argv, cli *a) {
   int i = 1;
   for (; i < argc && argv[i][0] == '-'; i++) {
     if (!strcmp(argv[i], "--json")) {
-      json = 1;
+      a->json = 1;
     } else if (!strcmp(argv[i], "--timeout") && i + 1 < argc) {
-      if ((timeout = parse_timeout(argv[++i])) < 0)
+      if ((a->timeout = parse_timeout(argv[++i])) < 0)
         return 2;
     } else if (!strcmp(argv[i], "--socket") && i + 1 < argc) {
-      sock = argv[++i];
+      a->sock = argv[++i];
     } else if (!strncmp(argv[i], "--socket=", 9)) {
-      sock = argv[i] + 9;
+      a->sock = argv[i] + 9;
     } else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
       usage(stdout);
       return 0;
@@ -67,120 +79,122 @@ int main(int argc, char **argv) {
     usage(stderr);
     return 2;
   }
-  const char *cmd = argv[i++];
-  /* Options may follow the command too (shardctl status --json). */
-  const char *arg = NULL, *arg2 = NULL;
-  long world = 0, from = 0;
+  a->cmd = argv[i++];
   for (; i < argc; i++) {
     if (!strcmp(argv[i], "--json"))
-      json = 1;
+      a->json = 1;
     else if (!strcmp(argv[i], "--world") && i + 1 < argc) {
       char *end;
-      world = strtol(argv[++i], &end, 10);
-      if (*end || world < 1 || world > 65536) {
+      a->world = strtol(argv[++i], &end, 10);
+      if (*end || a->world < 1 || a->world > 65536) {
         fprintf(stderr, "shardctl: --world %s: must be 1..65536\n", argv[i]);
         return 2;
       }
     }
     else if (!strcmp(argv[i], "--from") && i + 1 < argc) {
       char *end;
-      from = strtol(argv[++i], &end, 10);
-      if (*end || end == argv[i] || from < 0 || from > 1000000000) {
+      a->from = strtol(argv[++i], &end, 10);
+      if (*end || end == argv[i] || a->from < 0 || a->from > 1000000000) {
         fprintf(stderr, "shardctl: --from %s: must be 0..1000000000\n", argv[i]);
         return 2;
       }
     }
     else if (!strcmp(argv[i], "--timeout") && i + 1 < argc) {
-      if ((timeout = parse_timeout(argv[++i])) < 0)
+      if ((a->timeout = parse_timeout(argv[++i])) < 0)
         return 2;
     }
     else if (!strcmp(argv[i], "--socket") && i + 1 < argc)
-      sock = argv[++i];
+      a->sock = argv[++i];
     else if (!strncmp(argv[i], "--socket=", 9))
-      sock = argv[i] + 9;
-    else if (arg == NULL && argv[i][0] != '-')
-      arg = argv[i];
-    else if (arg2 == NULL && argv[i][0] != '-')
-      arg2 = argv[i];
+      a->sock = argv[i] + 9;
+    else if (a->arg == NULL && argv[i][0] != '-')
+      a->arg = argv[i];
+    else if (a->arg2 == NULL && argv[i][0] != '-')
+      a->arg2 = argv[i];
     else {
       fprintf(stderr, "shardctl: unexpected argument %s\n", argv[i]);
       return 2;
     }
   }
-  int is_status = !strcmp(cmd, "status"), is_inspect = !strcmp(cmd, "inspect"),
-      is_ping = !strcmp(cmd, "ping"), is_ckpt = !strcmp(cmd, "checkpoint"),
-      is_restore = !strcmp(cmd, "restore"), is_release = !strcmp(cmd, "release");
-  if (!is_status && !is_inspect && !is_ping && !is_ckpt && !is_restore &&
-      !is_release) {
+  return -1;
+}
+
+/* Checks the command and its arguments, and makes a directory argument
+ * absolute. -1 to go on, else the exit code. */
+static int cli_check(cli *a) {
+  const char *cmd = a->cmd, *arg = a->arg, *arg2 = a->arg2;
+  a->is_status = !strcmp(cmd, "status");
+  a->is_inspect = !strcmp(cmd, "inspect");
+  a->is_ping = !strcmp(cmd, "ping");
+  a->is_ckpt = !strcmp(cmd, "checkpoint");
+  a->is_restore = !strcmp(cmd, "restore");
+  a->is_release = !strcmp(cmd, "release");
+  if (!a->is_status && !a->is_inspect && !a->is_ping && !a->is_ckpt &&
+      !a->is_restore && !a->is_release) {
     fprintf(stderr, "shardctl: unknown command %s\n", cmd);
     usage(stderr);
     return 2;
   }
-  if (is_inspect && arg == NULL) {
+  if (a->is_inspect && arg == NULL) {
     fprintf(stderr, "shardctl: inspect needs a buffer or view id or name\n");
     return 2;
   }
-  if ((is_ckpt && (arg == NULL || arg2 == NULL)) ||
-      ((is_restore || is_release) && arg == NULL)) {
+  if ((a->is_ckpt && (arg == NULL || arg2 == NULL)) ||
+      ((a->is_restore || a->is_release) && arg == NULL)) {
     fprintf(stderr, "shardctl: usage: %s\n",
-            is_ckpt ? "checkpoint JOB DIR [--timeout S]"
-                    : is_release ? "release JOB" : "restore DIR");
+            a->is_ckpt ? "checkpoint JOB DIR [--timeout S]"
+                       : a->is_release ? "release JOB" : "restore DIR");
     return 2;
   }
-  if ((!is_inspect && !is_ckpt && !is_restore && !is_release && arg != NULL) ||
-      (!is_ckpt && arg2 != NULL)) {
+  if ((!a->is_inspect && !a->is_ckpt && !a->is_restore && !a->is_release &&
+       arg != NULL) ||
+      (!a->is_ckpt && arg2 != NULL)) {
     fprintf(stderr, "shardctl: %s: too many arguments\n", cmd);
     return 2;
   }
   /* The daemon resolves paths from its own working directory. */
-  char absdir[4096];
-  const char *dir = is_ckpt ? arg2 : is_restore ? arg : NULL;
-  if (dir && dir[0] != '/') {
+  a->dir = a->is_ckpt ? arg2 : a->is_restore ? arg : NULL;
+  if (a->dir && a->dir[0] != '/') {
     char cwd[2048];
     if (getcwd(cwd, sizeof cwd) == NULL) {
       fprintf(stderr, "shardctl: getcwd failed\n");
       return 1;
     }
-    snprintf(absdir, sizeof absdir, "%s/%s", cwd, dir);
-    dir = absdir;
+    snprintf(a->absdir, sizeof a->absdir, "%s/%s", cwd, a->dir);
+    a->dir = a->absdir;
   }
+  return -1;
+}
 
-  char err[1024];
-  shardd_client_t *c;
-  shardd_connect_opts opts = SHARDD_CONNECT_OPTS_INIT;
-  opts.client_name = "shardctl";
-  /* not given: the library's ($SHARDD_TIMEOUT, else its default); 0: none */
-  opts.timeout_s = timeout < 0 ? 0 : timeout == 0 ? -1 : timeout;
-  shardd_err rc = shardd_connect(sock, &opts, &c, err, sizeof err);
-  if (rc != SHARDD_OK) {
-    fprintf(stderr, "shardctl: %s\n", err);
-    return rc == SHARDD_E_CONNECT || rc == SHARDD_E_INVAL || rc == SHARDD_E_IO ||
-                   rc == SHARDD_E_TIMEOUT || rc == SHARDD_E_CLOSED
-               ? 3
-               : 1;
-  }
-  char *out = NULL;
-  if (is_status) {
-    rc = json ? shardd_status_json_from(c, (uint32_t)from, &out)
-              : shardd_status_text_from(c, (uint32_t)from, &out);
-  } else if (is_ckpt || is_restore) {
+/* Runs the command on c; what it prints in *out (shardd_free it). */
+static shardd_err cli_run(shardd_client_t *c, const cli *a, char **out) {
+  shardd_err rc;
+  const char *arg = a->arg, *dir = a->dir;
+  int json = a->json;
+  *out = NULL;
+  if (a->is_status) {
+    rc = json ? shardd_status_json_from(c, (uint32_t)a->from, out)
+              : shardd_status_text_from(c, (uint32_t)a->from, out);
+  } else if (a->is_ckpt || a->is_restore) {
     char job[256];
     /* --timeout is also how long a checkpoint waits for the job's quiescent
      * point (as it always was); the write that follows runs on the
      * daemon's loop, silent for as long as the data takes, so the call
      * itself has no silence deadline (the connect had one) */
-    if (is_ckpt)
+    if (a->is_ckpt)
       shardd_set_timeout(c, -1);
-    rc = is_ckpt ? shardd_checkpoint_wait(c, arg, dir, timeout < 0 ? 60 : timeout)
-                 : shardd_restore(c, dir, (uint32_t)world, job, sizeof job);
+    rc = a->is_ckpt
+             ? shardd_checkpoint_wait(c, arg, dir,
+                                      a->timeout < 0 ? 60 : a->timeout)
+             : shardd_restore(c, dir, (uint32_t)a->world, job, sizeof job);
     if (rc == SHARDD_OK) {
       char line[4600];
       snprintf(line, sizeof line, json ? "{\"job\":\"%s\",\"dir\":\"%s\"}\n"
                                        : "%s: %s\n",
-               is_ckpt ? arg : job, dir);
-      out = strdup(line);
+               a->is_ckpt ? arg : job, dir);
+      *out = strdup(line);
     }
-  } else if (is_release) {
+  } else if (a->is_release) {
     uint32_t nb = 0, no = 0;
     rc = shardd_release_job(c, arg, &nb, &no);
     if (rc == SHARDD_OK) {
@@ -189,12 +203,12 @@ int main(int argc, char **argv) {
                json ? "{\"job\":\"%s\",\"buffers\":%u,\"optimizers\":%u}\n"
                     : "%s: released (%u buffers, %u optimizers)\n",
                arg, nb, no);
-      out = strdup(line);
+      *out = strdup(line);
     }
-  } else if (is_ping) {
+  } else if (a->is_ping) {
     rc = shardd_ping(c);
     if (rc == SHARDD_OK)
-      out = strdup(json ? "{\"ok\":true}\n" : "pong\n");
+      *out = strdup(json ? "{\"ok\":true}\n" : "pong\n");
   } else {
     char *end;
     unsigned long long id = strtoull(arg, &end, 10);
@@ -203,15 +217,42 @@ int main(int argc, char **argv) {
       id = 0;
       name = arg;
     }
-    rc = json ? shardd_inspect_json(c, id, name, &out)
-              : shardd_inspect_text(c, id, name, &out);
+    rc = json ? shardd_inspect_json(c, id, name, out)
+              : shardd_inspect_text(c, id, name, out);
   }
-  int code = 0;
+  return rc;
+}
+
+int main(int argc, char **argv) {
+  static cli a = {.timeout = -1};
+  int code = cli_parse(argc, argv, &a);
+  if (code < 0)
+    code = cli_check(&a);
+  if (code >= 0)
+    return code;
+
+  char err[1024];
+  shardd_client_t *c;
+  shardd_connect_opts opts = SHARDD_CONNECT_OPTS_INIT;
+  opts.client_name = "shardctl";
+  /* not given: the library's ($SHARDD_TIMEOUT, else its default); 0: none */
+  opts.timeout_s = a.timeout < 0 ? 0 : a.timeout == 0 ? -1 : a.timeout;
+  shardd_err rc = shardd_connect(a.sock, &opts, &c, err, sizeof err);
+  if (rc != SHARDD_OK) {
+    fprintf(stderr, "shardctl: %s\n", err);
+    return rc == SHARDD_E_CONNECT || rc == SHARDD_E_INVAL || rc == SHARDD_E_IO ||
+                   rc == SHARDD_E_TIMEOUT || rc == SHARDD_E_CLOSED
+               ? 3
+               : 1;
+  }
+  char *out = NULL;
+  rc = cli_run(c, &a, &out);
+  code = 0;
   if (rc != SHARDD_OK) {
     fprintf(stderr, "shardctl: %s: %s\n", shardd_err_name(rc), shardd_last_error(c));
     /* a checkpoint's E_TIMEOUT is the daemon's (no quiescent point in
      * time); any other is the daemon not answering */
-    code = rc == SHARDD_E_CLOSED || (rc == SHARDD_E_TIMEOUT && !is_ckpt) ? 3 : 1;
+    code = rc == SHARDD_E_CLOSED || (rc == SHARDD_E_TIMEOUT && !a.is_ckpt) ? 3 : 1;
   } else if (out) {
     fputs(out, stdout);
   }

@@ -188,11 +188,12 @@ const char *shardd__checkpoint_wdir(const shardd__ckwrite *w) {
 
 uint32_t shardd__checkpoint_wseal(const shardd__ckwrite *w) { return w->seal; }
 
-/* Appends a data file; its manifest line is the text written so far up to
- * "... FNAME " and then the CRC, which the caller's next text follows. */
+/* Appends a data file; its manifest line's CRC is at crc_at in the
+ * manifest (written as 00000000 until the file is). */
 static shardd_err add_file(shardd__ckwrite *w, const char *fname,
                            uint32_t dtype, uint64_t numel, uint64_t offset,
-                           const char *name, const void *data, size_t bytes) {
+                           const char *name, const void *data, size_t bytes,
+                           size_t crc_at) {
   if (w->nfiles == w->cap) {
     size_t ncap = w->cap ? w->cap * 2 : 16;
     ck_file *p = realloc(w->files, ncap * sizeof *p);
@@ -209,16 +210,16 @@ static shardd_err add_file(shardd__ckwrite *w, const char *fname,
   f->name = name;
   f->data = data;
   f->bytes = bytes;
-  f->crc_at = w->m.len;
-  shardd__sb_printf(&w->m, "00000000");
+  f->crc_at = crc_at;
   return SHARDD_OK;
 }
 
-shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
-                                      const char *dirpath, int64_t as_uid,
-                                      const char *home, shardd__ckwrite **out,
-                                      char *err, size_t errlen) {
-  *out = NULL;
+/* A writer for job's checkpoint into dirpath (a node's part: DIR/node-N)
+ * with a fresh tag for its data files; NULL with *rc and err on failure. */
+static shardd__ckwrite *ckwrite_new(const shardd__job *job,
+                                    const char *dirpath, int64_t as_uid,
+                                    const char *home, shardd_err *rc,
+                                    char *err, size_t errlen) {
   /* A multi-node job: this node writes its ranks' part into DIR/node-N,
    * its manifest saying which node of how many it is; the job-level
    * manifest in DIR (shardd__checkpoint_write_job) vouches for every part
@@ -228,7 +229,8 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
   if (multi && (size_t)snprintf(part, sizeof part, "%s/node-%" PRIu32, dirpath,
                                 job->node_rank) >= sizeof part) {
     snprintf(err, errlen, "%s: path too long", dirpath);
-    return SHARDD_E_INVAL;
+    *rc = SHARDD_E_INVAL;
+    return NULL;
   }
   shardd__ckwrite *w = calloc(1, sizeof *w);
   if (w == NULL || (w->dir = strdup(multi ? part : dirpath)) == NULL ||
@@ -240,7 +242,8 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
     }
     free(w);
     snprintf(err, errlen, "out of memory");
-    return SHARDD_E_NO_MEMORY;
+    *rc = SHARDD_E_NO_MEMORY;
+    return NULL;
   }
   w->as_uid = as_uid;
   shardd__sb_init(&w->m);
@@ -255,75 +258,57 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
                       (uint64_t)getpid() << 32 | ++counter};
   snprintf(w->tag, sizeof w->tag, "%08" PRIx32,
            shardd__crc32c(0, seed, sizeof seed));
-  const char *tag = w->tag;
+  return w;
+}
+
+/* The buffers' lines (each buffer, its local ranks' shards with their data
+ * files, its views). SHARDD_E_NO_MEMORY leaves err to the caller. */
+static shardd_err put_buffers(shardd__registry *reg, shardd__ckwrite *w,
+                              const shardd__job *job, shardd__buffer **bufs,
+                              size_t nb, char *err, size_t errlen) {
   shardd__sb *m = &w->m;
-
-  shardd__buffer **bufs = NULL;
-  shardd__optim **opts = NULL;
-  size_t nb = 0, no = 0;
-  shardd_err rc = SHARDD_E_NO_MEMORY;
-  if (shardd__job_buffers(job, &bufs, &nb) != SHARDD_OK ||
-      shardd__job_optims(job, &opts, &no) != SHARDD_OK)
-    goto nomem;
-  shardd__sb_printf(m, SHARDD__MANIFEST_MAGIC " %d\njob ",
-                    multi ? SHARDD_MANIFEST_VERSION : SHARDD_MANIFEST_VERSION_SINGLE);
-  shardd__manifest_enc_name(m, job->name);
-  shardd__sb_printf(m, " %" PRIu32 " %" PRIu32 "\n", job->world, job->uid);
-  /* a node's part: only this node's ranks have shard and state lines */
-  if (multi)
-    shardd__sb_printf(m, "node %" PRIu32 " %" PRIu32 "\n", job->node_rank,
-                      job->nodes);
-  /* and the job's fabric lineage and origin: what a restart of this daemon
-   * from this part alone (its --checkpoint-on-exit part, without a job
-   * manifest) needs to rejoin the live nodes of the job (restore.c) */
-  if (multi)
-    shardd__sb_printf(m, "lineage %016" PRIx64 " %016" PRIx64 "\n",
-                      job->lineage, job->origin);
-  /* restored so: its trainers ask for the same areas again */
-  if (job->transient)
-    shardd__sb_printf(m, "areas transient\n");
-
   char fname[128];
   for (size_t i = 0; i < nb; i++) {
     shardd__buffer *b = bufs[i];
     size_t esz = shardd_dtype_size(b->dtype);
-    shardd__sb_printf(m, "buffer ");
-    shardd__manifest_enc_name(m, b->hdr.name);
-    shardd__sb_printf(m, " %d %" PRIu64 " %" PRIu64 "\n", (int)b->dtype,
-                      b->numel, b->hdr.generation);
+    shardd__manifest_put_buffer(m, b->hdr.name, (int)b->dtype, b->numel,
+                                b->hdr.generation);
     for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks;
          r++) {
-      snprintf(fname, sizeof fname, "b%zu-r%" PRIu32 "-%s.shard", i, r, tag);
-      shardd__sb_printf(m, "shard %zu %" PRIu32 " %s ", i, r, fname);
+      snprintf(fname, sizeof fname, "b%zu-r%" PRIu32 "-%s.shard", i, r,
+               w->tag);
       const char *base = host_view(reg, w, b->blocks[r], err, errlen);
-      if (base == NULL) {
-        rc = SHARDD_E_IO;
-        goto fail;
-      }
+      if (base == NULL)
+        return SHARDD_E_IO;
+      size_t crc_at = shardd__manifest_put_shard(m, i, r, fname);
       if (add_file(w, fname, (uint32_t)b->dtype, b->shard_numel,
                    (uint64_t)r * b->shard_numel, b->hdr.name, base + b->shard_off,
-                   b->shard_numel * esz) != SHARDD_OK)
-        goto nomem;
-      shardd__sb_printf(m, "\n");
+                   b->shard_numel * esz, crc_at) != SHARDD_OK)
+        return SHARDD_E_NO_MEMORY;
     }
     shardd__view **views;
     size_t nv;
     if (shardd__buffer_views(b, &views, &nv) != SHARDD_OK)
-      goto nomem;
+      return SHARDD_E_NO_MEMORY;
     for (size_t k = 0; k < nv; k++) {
       shardd__view *v = views[k];
-      shardd__sb_printf(m, "view %zu ", i);
-      shardd__manifest_enc_name(m, v->hdr.name);
-      shardd__sb_printf(m, " %" PRIu64 " %" PRIu64 " %d", v->offset, v->numel,
-                        v->ndim);
-      for (int d = 0; d < v->ndim; d++)
-        shardd__sb_printf(m, " %" PRId64, v->shape[d]);
-      shardd__sb_printf(m, " %" PRIu64 " %d\n", v->hdr.generation,
-                        v->requires_grad);
+      shardd__manifest_put_view(m, i, v->hdr.name, v->offset, v->numel,
+                                v->ndim, v->shape, v->hdr.generation,
+                                v->requires_grad);
     }
     free(views);
   }
+  return SHARDD_OK;
+}
 
+/* The optimizers' lines (each optimizer, its refs, its shards' states with
+ * their data files). SHARDD_E_NO_MEMORY leaves err to the caller. */
+static shardd_err put_optimizers(shardd__registry *reg, shardd__ckwrite *w,
+                                 shardd__optim **opts, size_t no,
+                                 shardd__buffer **bufs, size_t nb, char *err,
+                                 size_t errlen) {
+  shardd__sb *m = &w->m;
+  char fname[128];
   for (size_t i = 0; i < no; i++) {
     shardd__optim *o = opts[i];
     /* name: 3 bytes a byte at most when encoded; index and steps: 40 */
@@ -333,28 +318,20 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
                "optimizer \"%s\": its registration (%zu bytes) "
                "does not fit a manifest line (%zu bytes)",
                o->hdr.name, o->spec_len, SHARDD__MANIFEST_LINE_MAX);
-      rc = SHARDD_E_LIMIT;
-      goto fail;
+      return SHARDD_E_LIMIT;
     }
-    shardd__sb_printf(m, "optimizer %zu ", i);
-    shardd__manifest_enc_name(m, o->hdr.name);
-    shardd__sb_printf(m, " %" PRIu64 " ", o->steps);
-    for (size_t k = 0; k < o->spec_len; k++)
-      shardd__sb_printf(m, "%02x", o->spec[k]);
-    shardd__sb_printf(m, "\n");
+    shardd__manifest_put_optimizer(m, i, o->hdr.name, o->steps, o->spec,
+                                   o->spec_len);
     for (size_t k = 0; k < o->nrefs; k++) {
       shardd__obj *r = o->refs[k];
-      if (r->kind == SHARDD__OBJ_VIEW) {
-        shardd__view *v = (shardd__view *)r;
-        shardd__sb_printf(m, "ref %zu %" PRIu64 " view %zu ", i, r->id,
-                          buffer_index(bufs, nb, v->buf));
-        shardd__manifest_enc_name(m, r->name);
-        shardd__sb_printf(m, " %" PRIu64 "\n", o->ref_steps[k]);
-      } else {
-        shardd__sb_printf(m, "ref %zu %" PRIu64 " buffer %zu %" PRIu64 "\n", i,
-                          r->id, buffer_index(bufs, nb, (shardd__buffer *)r),
-                          o->ref_steps[k]);
-      }
+      if (r->kind == SHARDD__OBJ_VIEW)
+        shardd__manifest_put_ref(
+            m, i, r->id, buffer_index(bufs, nb, ((shardd__view *)r)->buf),
+            r->name, o->ref_steps[k]);
+      else
+        shardd__manifest_put_ref(m, i, r->id,
+                                 buffer_index(bufs, nb, (shardd__buffer *)r),
+                                 NULL, o->ref_steps[k]);
     }
     for (size_t k = 0; k < o->nshards; k++) {
       shardd__optim_shard *sh = &o->shards[k];
@@ -362,21 +339,63 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
         continue;
       size_t bi = buffer_index(bufs, nb, sh->buf);
       snprintf(fname, sizeof fname, "o%zu-b%zu-r%" PRIu32 "-%s.state", i, bi,
-               sh->rank, tag);
-      shardd__sb_printf(m, "state %zu %zu %" PRIu32 " %d %s ", i, bi, sh->rank,
-                        sh->master_valid, fname);
+               sh->rank, w->tag);
       const char *st = host_view(reg, w, sh->state, err, errlen);
-      if (st == NULL) {
-        rc = SHARDD_E_IO;
-        goto fail;
-      }
+      if (st == NULL)
+        return SHARDD_E_IO;
+      size_t crc_at = shardd__manifest_put_state(m, i, bi, sh->rank,
+                                                 sh->master_valid, fname,
+                                                 sh->state->bytes, sh->nstate);
       if (add_file(w, fname, SHARDD_DTYPE_FP32, sh->state->bytes / 4,
                    (uint64_t)sh->rank * sh->buf->shard_numel,
-                   sh->buf->hdr.name, st, sh->state->bytes) != SHARDD_OK)
-        goto nomem;
-      shardd__sb_printf(m, " %zu %d\n", sh->state->bytes, sh->nstate);
+                   sh->buf->hdr.name, st, sh->state->bytes,
+                   crc_at) != SHARDD_OK)
+        return SHARDD_E_NO_MEMORY;
     }
   }
+  return SHARDD_OK;
+}
+
+shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
+                                      const char *dirpath, int64_t as_uid,
+                                      const char *home, shardd__ckwrite **out,
+                                      char *err, size_t errlen) {
+  *out = NULL;
+  shardd_err rc;
+  shardd__ckwrite *w =
+      ckwrite_new(job, dirpath, as_uid, home, &rc, err, errlen);
+  if (w == NULL)
+    return rc;
+  int multi = job->nodes > 1;
+  shardd__sb *m = &w->m;
+
+  shardd__buffer **bufs = NULL;
+  shardd__optim **opts = NULL;
+  size_t nb = 0, no = 0;
+  if (shardd__job_buffers(job, &bufs, &nb) != SHARDD_OK ||
+      shardd__job_optims(job, &opts, &no) != SHARDD_OK)
+    goto nomem;
+  shardd__manifest_put_head(
+      m, multi ? SHARDD_MANIFEST_VERSION : SHARDD_MANIFEST_VERSION_SINGLE,
+      job->name, job->world, job->uid);
+  /* a node's part: only this node's ranks have shard and state lines */
+  if (multi)
+    shardd__manifest_put_node(m, job->node_rank, job->nodes);
+  /* and the job's fabric lineage and origin: what a restart of this daemon
+   * from this part alone (its --checkpoint-on-exit part, without a job
+   * manifest) needs to rejoin the live nodes of the job (restore.c) */
+  if (multi)
+    shardd__manifest_put_lineage(m, job->lineage, job->origin);
+  /* restored so: its trainers ask for the same areas again */
+  if (job->transient)
+    shardd__manifest_put_transient(m);
+  rc = put_buffers(reg, w, job, bufs, nb, err, errlen);
+  if (rc == SHARDD_OK)
+    rc = put_optimizers(reg, w, opts, no, bufs, nb, err, errlen);
+  if (rc == SHARDD_E_NO_MEMORY)
+    goto nomem;
+  if (rc != SHARDD_OK)
+    goto fail;
   if (m->failed)
     goto nomem;
   /* with its "end" line: no checkpoint restore would refuse on its size */
@@ -459,7 +478,7 @@ static shardd_err run_end(shardd__ckwrite *w, shardd_err rc, char *err,
    * master_valid or owner was accepted, and an edited offset surfaced only
    * when ranks re-attached, blaming the trainers. */
   w->seal = shardd__crc32c(0, m->s, m->len);
-  shardd__sb_printf(m, "end %08" PRIx32 "\n", w->seal);
+  shardd__manifest_put_end(m, w->seal);
   if (m->failed) {
     rc = SHARDD_E_NO_MEMORY;
     snprintf(err, errlen, "out of memory");
@@ -662,16 +681,8 @@ shardd_err shardd__checkpoint_write_job(const char *dirpath, int64_t as_uid,
   }
   shardd__sb m;
   shardd__sb_init(&m);
-  shardd__sb_printf(&m, "%s %d\njob ", SHARDD__JOB_MANIFEST_MAGIC,
-                    SHARDD__JOB_MANIFEST_VERSION);
-  shardd__manifest_enc_name(&m, job->name);
-  shardd__sb_printf(&m, " %" PRIu32 " %" PRIu32 "\nnodes %" PRIu32 "\n",
-                    job->world, job->uid, job->nodes);
-  for (uint32_t n = 0; n < job->nodes; n++)
-    shardd__sb_printf(&m, "part %" PRIu32 " node-%" PRIu32 " %08" PRIx32 "\n", n,
-                      n, seals[n]);
-  uint32_t crc = shardd__crc32c(0, m.s, m.len);
-  shardd__sb_printf(&m, "end %08" PRIx32 "\n", crc);
+  uint32_t crc = shardd__manifest_put_job(&m, job->name, job->world, job->uid,
+                                          job->nodes, seals);
   if (m.failed) {
     shardd__sb_free(&m);
     snprintf(err, errlen, "out of memory");

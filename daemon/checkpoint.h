@@ -140,7 +140,7 @@ shardd_err shardd__checkpoint_write_job(const char *dir, int64_t as_uid,
 
 /* What a job-level manifest says (see write_job); nodes 0 when the
  * manifest in dir is an ordinary single-node one. */
-typedef struct {
+typedef struct shardd__ckjob {
   char name[256];
   uint32_t world, uid, nodes;
   uint32_t seals[SHARDD__CKJOB_MAX_NODES];

@@ -98,6 +98,10 @@
  * and every later exchange with SHARDD_E_SHUTDOWN, and waits a bounded time
  * for the fabric threads to leave their exchanges, so the engine can answer
  * those collectives before the sessions close (coll.c).
+ *
+ * This file keeps the job's fabric state and its threads; the exchange (its
+ * header, the checks, the data) is coll_exchange.c's, the join of a formed
+ * fabric (lineage and states compared) coll_join.c's.
  */
 #include "coll_int.h"
 
@@ -175,10 +179,6 @@ struct coll_fab {
   shardd__map counts;
 };
 
-static shardd_err fab_join(coll_fab *jf, const coll *c, shardd__fabric *f,
-                           uint64_t lineage, int rejoining, uint64_t *out,
-                           char *err, size_t errlen);
-
 /* Forms the job's fabric, or re-forms it after a failure: the dead one is
  * aborted (its exchanges, all of an older epoch, end at once), waited for
  * and destroyed; then a new one is created (a fresh namespace in the
@@ -206,8 +206,8 @@ static shardd_err jf_connect(coll_fab *jf, const coll *c, char *err,
   shardd_err rc = shardd__fabric_create(&jf->opts, &f, why, sizeof why);
   if (rc != SHARDD_OK)
     at_rdv = 1;
-  else if ((rc = fab_join(jf, c, f, had, rejoining, &lineage, why,
-                          sizeof why)) != SHARDD_OK) {
+  else if ((rc = shardd__coll_fab_join(jf, c, f, had, rejoining, &lineage, why,
+                                       sizeof why)) != SHARDD_OK) {
     shardd__fabric_destroy(f);
     f = NULL;
   }
@@ -592,471 +592,7 @@ void shardd__coll_fabric_state(shardd__coll_engine *e, const shardd__job *job,
 /* What a node is about to exchange; every node's is allgathered first and
  * data moves only when all agree (see the top of the file). Fixed-width
  * fields and no padding, so the bytes compare as they are. */
-typedef struct {
-  uint32_t magic, kind; /* kind | FAB_KIND_REFUSED: refused on that node */
-  uint64_t name;  /* fab_key */
-  uint64_t seq;   /* exchanges of this kind and target the node made before */
-  uint64_t numel; /* the buffer's (0 for step) */
-  uint64_t bytes; /* payload per node */
-  uint32_t dtype, op;
-  /* scatter: the buffer's views, whose gradient flags follow the data
-   * (UINT64_MAX: this node could not list them) */
-  uint64_t nviews;
-  /* step: every parameter a node could disagree on (-1: no lr given) */
-  double lr, max_norm;
-  uint64_t hp_digest; /* the groups' hyperparameters and the norm-only flag */
-  /* the job-level checkpoint the node's job was restored from (its seal,
-   * job->origin; 0 none): nodes that restored different checkpoints, or
-   * one restored and one fresh, fail their first exchange instead of
-   * training on mixed state */
-  uint64_t origin;
-  double value; /* step: the node's sum of squares; not compared */
-} fab_hdr;
 
-#define FAB_MAGIC 0x53484635u /* "SHF5": bump when the header changes */
-#define FAB_KIND_REFUSED 0x10000u
-
-_Static_assert(sizeof(fab_hdr) == 96, "fab_hdr must have no padding");
-
-/* FNV-1a over a step's resolved hyperparameters, field by field (a struct's
- * padding bytes are not its value). */
-static uint64_t fnv(uint64_t h, const void *p, size_t n) {
-  const unsigned char *s = p;
-  for (size_t i = 0; i < n; i++)
-    h = (h ^ s[i]) * 0x100000001b3ull;
-  return h;
-}
-
-static uint64_t step_digest(const coll *c) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  int flag = c->args.norm_only;
-  h = fnv(h, &flag, sizeof flag);
-  for (size_t g = 0; c->hp && g < c->opt->ngroups; g++) {
-    const shardd__hp *p = &c->hp[g];
-    int ints[4] = {(int)p->kind, p->nesterov, p->maximize, p->amsgrad};
-    double d[7] = {p->lr, p->momentum, p->dampening, p->weight_decay,
-                   p->beta1, p->beta2, p->eps};
-    h = fnv(h, ints, sizeof ints);
-    h = fnv(h, d, sizeof d);
-  }
-  return h;
-}
-
-static const char *dtype_word(uint32_t dt) {
-  const char *n = shardd_dtype_name((shardd_dtype)dt);
-  return n ? n : "?";
-}
-
-/* a scatter header's op: the reduce op, FAB_OP_ADDING set when it adds to
- * the reduced gradient held */
-#define FAB_OP_ADDING 0x100u
-
-static const char *op_word(uint32_t op) {
-  switch (op) {
-  case SHARDD_REDUCE_MEAN: return "mean";
-  case SHARDD_REDUCE_SUM: return "sum";
-  case SHARDD_REDUCE_MEAN | FAB_OP_ADDING: return "mean, accumulating";
-  case SHARDD_REDUCE_SUM | FAB_OP_ADDING: return "sum, accumulating";
-  case SHARDD_REDUCE_MAX: return "max";
-  case SHARDD_REDUCE_MIN: return "min";
-  default: return "the daemon's own (a collective checkpoint)";
-  }
-}
-
-/* 0 when every node's header matches this node's; else -1 and msg says
- * what the first node that differs has instead. */
-static int fab_check(const coll *c, const fab_hdr *h, uint32_t nodes,
-                     uint32_t me, char *msg, size_t len) {
-  const fab_hdr *m = &h[me];
-  const char *kw = shardd__coll_kind_word(c->args.kind), *tw = shardd__coll_target_word(c->args.kind);
-  for (uint32_t n = 0; n < nodes; n++) {
-    const fab_hdr *o = &h[n];
-    if (n == me || memcmp(o, m, offsetof(fab_hdr, value)) == 0)
-      continue;
-    if (o->magic == m->magic && (o->kind & FAB_KIND_REFUSED))
-      snprintf(msg, len,
-               "node %" PRIu32 " refused %s of %s \"%s\" locally (its ranks "
-               "were told why: an argument invalid there, or its ranks "
-               "disagreeing); nothing moved, and the fabric stays up",
-               n, shardd__coll_kind_word((shardd__coll_kind)(o->kind & ~FAB_KIND_REFUSED)),
-               tw, c->name);
-    else if (o->magic != m->magic)
-      snprintf(msg, len,
-               "node %" PRIu32 " speaks another version of the fabric protocol "
-               "(header %#" PRIx32 ", this node %#" PRIx32 "): run the same "
-               "shardd on every node",
-               n, o->magic, m->magic);
-    else if (o->origin != m->origin)
-      snprintf(msg, len,
-               "node %" PRIu32 " restored job \"%s\" from %s%08" PRIx64 "%s, "
-               "this node from %s%08" PRIx64 "%s: every node must restore its "
-               "part of the same job checkpoint (release the job and restore "
-               "it again on every node)",
-               n, c->job->name, o->origin ? "the checkpoint sealed " : "",
-               o->origin & 0xffffffffu, o->origin ? "" : " (no checkpoint: a fresh job)",
-               m->origin ? "the checkpoint sealed " : "", m->origin & 0xffffffffu,
-               m->origin ? "" : " (no checkpoint: a fresh job)");
-    else if (o->kind != m->kind || o->name != m->name)
-      snprintf(msg, len,
-               "node %" PRIu32 " exchanged %s of another target where this node "
-               "exchanged %s of %s \"%s\": two names share fabric tag %" PRIu32
-               " and the nodes ran them in different orders",
-               n, shardd__coll_kind_word((shardd__coll_kind)o->kind), kw, tw, c->name, c->tag);
-    else if (o->seq != m->seq)
-      snprintf(msg, len,
-               "node %" PRIu32 " is at its %s #%" PRIu64 " of %s \"%s\", this "
-               "node at #%" PRIu64 ": the nodes' exchanges of it are out of "
-               "step (one node skipped one), so they would pair the wrong "
-               "calls; restart the job",
-               n, kw, o->seq + 1, tw, c->name, m->seq + 1);
-    else if (o->numel != m->numel || o->dtype != m->dtype || o->bytes != m->bytes)
-      snprintf(msg, len,
-               "node %" PRIu32 " has %s \"%s\" as %" PRIu64 " %s elements (%" PRIu64
-               " bytes per node), this node as %" PRIu64 " %s (%" PRIu64 "): "
-               "register it alike on every node",
-               n, tw, c->name, o->numel, dtype_word(o->dtype), o->bytes, m->numel,
-               dtype_word(m->dtype), m->bytes);
-    else if (o->op != m->op)
-      snprintf(msg, len,
-               "node %" PRIu32 " reduces %s \"%s\" by %s, this node by %s: every "
-               "rank must pass the same reduction",
-               n, tw, c->name, op_word(o->op), op_word(m->op));
-    else if (o->lr != m->lr)
-      snprintf(msg, len,
-               "node %" PRIu32 " steps %s \"%s\" with lr %g, this node with %g "
-               "(-1: the registered rates): every rank must pass the same",
-               n, tw, c->name, o->lr, m->lr);
-    else if (o->max_norm != m->max_norm)
-      snprintf(msg, len,
-               "node %" PRIu32 " steps %s \"%s\" with max_norm %g, this node "
-               "with %g: every rank must clip alike",
-               n, tw, c->name, o->max_norm, m->max_norm);
-    else if (o->hp_digest != m->hp_digest)
-      snprintf(msg, len,
-               "node %" PRIu32 " steps %s \"%s\" with other per-group "
-               "hyperparameters (lr, betas, eps, weight_decay, momentum... of "
-               "some param group, as a scheduler set them) or a norm-only step "
-               "where this node steps: every rank must pass the same",
-               n, tw, c->name);
-    else if (o->nviews == UINT64_MAX || m->nviews == UINT64_MAX)
-      snprintf(msg, len, "node %" PRIu32 " could not list the views of %s \"%s\" "
-               "(out of memory)", o->nviews == UINT64_MAX ? n : me, tw, c->name);
-    else
-      snprintf(msg, len,
-               "node %" PRIu32 " has %" PRIu64 " views of %s \"%s\", this node %"
-               PRIu64 ": register them alike on every node",
-               n, o->nviews, tw, c->name, m->nviews);
-    return -1;
-  }
-  return 0;
-}
-
-/* An all_reduce across nodes: each node's local reduction (c->reduced;
- * a mean is already divided by the whole world) is allgathered and
- * combined in node order, so every node gets the same bits. A barrier
- * (no values) is its header alone. */
-static shardd_err fab_all_reduce(coll *c, shardd__fabric *f, char *msg,
-                                 size_t len) {
-  size_t n = (size_t)c->args.target;
-  if (n == 0)
-    return SHARDD_OK;
-  const shardd__job *job = c->job;
-  double *all = calloc((size_t)job->nodes * n, sizeof *all);
-  if (all == NULL) {
-    snprintf(msg, len, "out of memory for the all_reduce exchange");
-    return SHARDD_E_NO_MEMORY;
-  }
-  memcpy(all + (size_t)job->node_rank * n, c->reduced, n * sizeof *all);
-  shardd_err rc = shardd__fabric_allgather(f, all, n * sizeof *all, c->tag, msg, len);
-  if (rc == SHARDD_OK)
-    for (size_t i = 0; i < n; i++) {
-      double acc = all[i];
-      for (uint32_t k = 1; k < job->nodes; k++)
-        acc = shardd__coll_combine((int)c->args.op, acc, all[(size_t)k * n + i]);
-      c->reduced[i] = acc;
-    }
-  free(all);
-  return rc;
-}
-
-/* ---- forming and re-forming: the join (see the top of the file) ------- */
-
-/* What each node says when a fabric (re)forms, allgathered once on it
- * before any exchange: fixed-width fields, no padding. */
-typedef struct {
-  uint32_t magic, flags;
-  uint64_t lineage;  /* the job's (0: never formed, not restored so) */
-  uint64_t proposal; /* a new lineage, taken from node 0 when all are 0 */
-  uint64_t origin;   /* job->origin, for the message only */
-  /* the node's state when the exchange was submitted (coll.fab_state) */
-  uint64_t nbufs, bufs_digest, nopts, opts_digest, steps_min, steps_max;
-} fab_join_hdr;
-
-#define FAB_JOIN_MAGIC 0x53484a31u /* "SHJ1": bump when it changes */
-#define FAB_JOIN_REJOINING 1u
-/* the join runs before any exchange of the new fabric on either node, so
- * a tag an exchange may also fold to is no conflict */
-#define FAB_JOIN_TAG 0x7fffffffu
-
-_Static_assert(sizeof(fab_join_hdr) == 80, "fab_join_hdr must have no padding");
-
-/* c->fab_state: this node's buffers (name, numel, dtype) and optimizers
- * (name, step count), summed as hashes so that the order of ids (which
- * differs between a survivor and a restored node) does not count. Loop
- * thread; c->fab_join_ok says whether it could be listed. */
-static void fab_state_of(coll *c) {
-  shardd__buffer **bufs = NULL;
-  shardd__optim **opts = NULL;
-  size_t nb = 0, no = 0;
-  memset(&c->fab_state, 0, sizeof c->fab_state);
-  c->fab_join_ok = 0;
-  if (shardd__job_buffers(c->job, &bufs, &nb) != SHARDD_OK ||
-      shardd__job_optims(c->job, &opts, &no) != SHARDD_OK) {
-    free(bufs);
-    return;
-  }
-  c->fab_state.nbufs = nb;
-  for (size_t i = 0; i < nb; i++) {
-    uint64_t h = fnv(0xcbf29ce484222325ull, bufs[i]->hdr.name, strlen(bufs[i]->hdr.name) + 1);
-    uint64_t nd[2] = {bufs[i]->numel, (uint64_t)bufs[i]->dtype};
-    c->fab_state.bufs_digest += fnv(h, nd, sizeof nd);
-  }
-  c->fab_state.nopts = no;
-  c->fab_state.steps_min = no ? UINT64_MAX : 0;
-  for (size_t i = 0; i < no; i++) {
-    uint64_t h = fnv(0xcbf29ce484222325ull, opts[i]->hdr.name, strlen(opts[i]->hdr.name) + 1);
-    c->fab_state.opts_digest += fnv(h, &opts[i]->steps, sizeof opts[i]->steps);
-    if (opts[i]->steps < c->fab_state.steps_min)
-      c->fab_state.steps_min = opts[i]->steps;
-    if (opts[i]->steps > c->fab_state.steps_max)
-      c->fab_state.steps_max = opts[i]->steps;
-  }
-  free(bufs);
-  free(opts);
-  c->fab_join_ok = 1;
-}
-
-static uint64_t fresh_lineage(void) {
-  struct timespec now;
-  clock_gettime(CLOCK_REALTIME, &now);
-  uint64_t seed[3] = {(uint64_t)now.tv_sec, (uint64_t)now.tv_nsec,
-                      (uint64_t)getpid() << 32 ^ (uint64_t)(uintptr_t)&now};
-  uint64_t h = fnv(0xcbf29ce484222325ull, seed, sizeof seed);
-  return h ? h : 1;
-}
-
-static void steps_words(const fab_join_hdr *h, char *out, size_t len) {
-  if (h->nopts == 0)
-    snprintf(out, len, "no optimizer");
-  else if (h->steps_min == h->steps_max)
-    snprintf(out, len, "%" PRIu64 " optimizer%s at step %" PRIu64, h->nopts,
-             h->nopts == 1 ? "" : "s", h->steps_min);
-  else
-    snprintf(out, len, "%" PRIu64 " optimizers at steps %" PRIu64 "..%" PRIu64,
-             h->nopts, h->steps_min, h->steps_max);
-}
-
-static const char *lineage_words(const fab_join_hdr *h) {
-  return h->flags & FAB_JOIN_REJOINING ? "restored from its exit checkpoint"
-         : h->lineage                  ? "live state"
-                                       : "a fresh job";
-}
-
-/* 0 when every node's join header fits this node's; else -1, msg naming
- * the first node that differs and what. */
-static int join_check(const char *job, const fab_join_hdr *h, uint32_t nodes,
-                      uint32_t me, char *msg, size_t len) {
-  const fab_join_hdr *m = &h[me];
-  int check_state = 0;
-  for (uint32_t n = 0; n < nodes; n++)
-    check_state |= h[n].lineage != 0 || (h[n].flags & FAB_JOIN_REJOINING);
-  for (uint32_t n = 0; n < nodes; n++) {
-    const fab_join_hdr *o = &h[n];
-    if (n == me)
-      continue;
-    if (o->magic != m->magic) {
-      snprintf(msg, len, "node %" PRIu32 " speaks another version of the fabric "
-               "protocol (join %#" PRIx32 ", this node %#" PRIx32 "): run the "
-               "same shardd on every node", n, o->magic, m->magic);
-      return -1;
-    }
-    if (o->lineage != m->lineage) {
-      snprintf(msg, len, "node %" PRIu32 " holds job \"%.32s\" as %s (fabric "
-               "lineage %016" PRIx64 "), this node as %s (lineage %016" PRIx64
-               "): their states do not belong together. Restart a stopped "
-               "node's daemon with --restore of its --checkpoint-on-exit part, "
-               "or release the job on every node and restore a collective "
-               "checkpoint", n, job, lineage_words(o), o->lineage,
-               lineage_words(m), m->lineage);
-      return -1;
-    }
-    if (!check_state)
-      continue;
-    if (o->nbufs != m->nbufs || o->bufs_digest != m->bufs_digest) {
-      snprintf(msg, len, "node %" PRIu32 " holds %" PRIu64 " buffers of job \"%.32s\""
-               ", this node %" PRIu64 " (or their names, sizes or dtypes "
-               "differ): the nodes' states do not fit together, refusing to "
-               "train on them", n, o->nbufs, job, m->nbufs);
-      return -1;
-    }
-    if (o->nopts != m->nopts || o->opts_digest != m->opts_digest) {
-      char ow[64], mw[64];
-      steps_words(o, ow, sizeof ow);
-      steps_words(m, mw, sizeof mw);
-      snprintf(msg, len, "node %" PRIu32 " holds job \"%.32s\" with %.60s (%s), "
-               "this node with %.60s: a node restored a checkpoint of another "
-               "step, or applied a step the other did not; refusing to train "
-               "on mixed state (release the job on every node and restore a "
-               "collective checkpoint)", n, job, ow, lineage_words(o), mw);
-      return -1;
-    }
-  }
-  return 0;
-}
-
-/* The first allgather on a new fabric: the nodes' lineages must agree
- * (all 0 the first time: node 0's proposal becomes the job's), and where
- * any node has a lineage or rejoins, their states too. A refusal is
- * SHARDD_E_MISMATCH on every node alike (each sees every header). */
-static shardd_err fab_join(coll_fab *jf, const coll *c, shardd__fabric *f,
-                           uint64_t lineage, int rejoining, uint64_t *out,
-                           char *err, size_t errlen) {
-  (void)jf;
-  const shardd__job *job = c->job;
-  fab_join_hdr *h = calloc(job->nodes, sizeof *h);
-  if (h == NULL) {
-    snprintf(err, errlen, "out of memory for the fabric's join");
-    return SHARDD_E_NO_MEMORY;
-  }
-  fab_join_hdr *m = &h[job->node_rank];
-  m->magic = FAB_JOIN_MAGIC;
-  m->flags = rejoining ? FAB_JOIN_REJOINING : 0;
-  m->lineage = lineage;
-  m->proposal = fresh_lineage();
-  m->origin = job->origin;
-  m->nbufs = c->fab_state.nbufs;
-  m->bufs_digest = c->fab_state.bufs_digest;
-  m->nopts = c->fab_state.nopts;
-  m->opts_digest = c->fab_state.opts_digest;
-  m->steps_min = c->fab_state.steps_min;
-  m->steps_max = c->fab_state.steps_max;
-  char why[384];
-  shardd_err rc = shardd__fabric_allgather(f, h, sizeof *h, FAB_JOIN_TAG, why,
-                                           sizeof why);
-  if (rc != SHARDD_OK)
-    snprintf(err, errlen, "fabric: join: %.300s", why);
-  else if (join_check(job->name, h, job->nodes, job->node_rank, err, errlen))
-    rc = SHARDD_E_MISMATCH;
-  else
-    *out = m->lineage ? m->lineage : h[0].proposal;
-  free(h);
-  return rc;
-}
-
-/* The exchange of c on fabric f: header, check, data. A failure that
- * leaves f unusable is t->rc with *lost set. */
-static void fabric_exchange(coll *c, task *t, shardd__fabric *f, int *lost) {
-  shardd__job *job = c->job;
-  shardd__buffer *b = c->buf;
-  uint64_t part = b ? (uint64_t)job->local_ranks * b->shard_numel : 0;
-  fab_hdr *h = calloc(job->nodes, sizeof *h);
-  if (h == NULL) {
-    /* the peers wait for this node's header in vain: the fabric is lost */
-    t->rc = SHARDD_E_NO_MEMORY;
-    snprintf(c->fab_msg, sizeof c->fab_msg, "out of memory for the exchange header");
-    *lost = 1;
-    return;
-  }
-  fab_hdr *m = &h[job->node_rank];
-  m->magic = FAB_MAGIC;
-  m->kind = (uint32_t)c->args.kind | (c->refused != SHARDD_OK ? FAB_KIND_REFUSED : 0);
-  m->name = c->name_key;
-  m->seq = c->fab_seq;
-  m->origin = job->origin;
-  if (c->args.kind == SHARDD__COLL_ALL_REDUCE) {
-    /* the values' count and the op are compared; the checkpoint barrier's
-     * op is its own, so it never pairs with a plain barrier */
-    m->numel = c->args.target;
-    m->bytes = c->args.target * sizeof(double);
-    m->op = (uint32_t)c->args.op;
-  } else if (b) {
-    m->numel = b->numel;
-    m->dtype = (uint32_t)b->dtype;
-    m->bytes = part * (c->args.kind == SHARDD__COLL_SCATTER
-                           ? 4 /* the fp32 staging area */
-                           : shardd_dtype_size(b->dtype));
-    m->op = c->args.kind == SHARDD__COLL_SCATTER
-                ? (uint32_t)c->args.op | (c->adding ? FAB_OP_ADDING : 0)
-                : 0;
-    if (c->args.kind == SHARDD__COLL_SCATTER)
-      m->nviews = c->fab_mask ? c->nmask : UINT64_MAX;
-  } else {
-    m->value = c->sumsq_all;
-    m->lr = c->args.has_lr ? c->args.lr : -1.0;
-    m->max_norm = c->args.max_norm;
-    m->hp_digest = step_digest(c);
-  }
-  t->rc = shardd__fabric_allgather(f, h, sizeof *h, c->tag, c->fab_msg,
-                                   sizeof c->fab_msg);
-  if (t->rc == SHARDD_OK && c->refused != SHARDD_OK) {
-    /* the header told the others; the ranks here have their answer */
-    t->rc = c->refused;
-    snprintf(c->fab_msg, sizeof c->fab_msg, "%s", c->refused_msg);
-    free(h);
-    return;
-  }
-  if (t->rc == SHARDD_OK &&
-      fab_check(c, h, job->nodes, job->node_rank, c->fab_msg, sizeof c->fab_msg)) {
-    /* every node saw the same headers and fails this one alike; the
-     * connections are fine, so the fabric stays up */
-    t->rc = SHARDD_E_MISMATCH;
-    free(h);
-    return;
-  }
-  if (t->rc == SHARDD_OK) {
-    switch (c->args.kind) {
-    case SHARDD__COLL_GATHER: {
-      shardd__region *r = b->blocks[job->local_first];
-      t->rc = shardd__fabric_allgather(f, (char *)r->ptr + b->gather_off,
-                                       part * shardd_dtype_size(b->dtype), c->tag,
-                                       c->fab_msg, sizeof c->fab_msg);
-      break;
-    }
-    case SHARDD__COLL_SCATTER:
-      if (c->fab_mask == NULL) { /* every node could not list its views */
-        t->rc = SHARDD_E_NO_MEMORY;
-        snprintf(c->fab_msg, sizeof c->fab_msg, "out of memory listing the views "
-                 "of buffer \"%s\"", c->name);
-        break;
-      }
-      t->rc = shardd__fabric_reduce_scatter_f32(f, (float *)b->stage->ptr, part,
-                                                c->tag, c->fab_msg,
-                                                sizeof c->fab_msg);
-      /* which views had a gradient on which node: a view no rank of any
-       * node had one for is skipped by the step (coll.c) */
-      if (t->rc == SHARDD_OK)
-        t->rc = shardd__fabric_allgather(f, c->fab_mask, c->nmask + 1, c->tag,
-                                         c->fab_msg, sizeof c->fab_msg);
-      break;
-    case SHARDD__COLL_STEP: {
-      /* in node order on every node, so all get the same bits */
-      double sum = 0;
-      for (uint32_t n = 0; n < job->nodes; n++)
-        sum += h[n].value;
-      c->sumsq_all = sum;
-      break;
-    }
-    case SHARDD__COLL_ALL_REDUCE:
-      t->rc = fab_all_reduce(c, f, c->fab_msg, sizeof c->fab_msg);
-      break;
-    }
-  }
-  free(h);
-  if (t->rc != SHARDD_OK)
-    *lost = 1;
-}
-
-/* The exchange of c, on a fabric thread. */
 static void fabric_task(coll *c, task *t) {
   coll_fab *jf = c->cj->fab;
   shardd__fabric *f;
@@ -1065,7 +601,7 @@ static void fabric_task(coll *c, task *t) {
   if (t->rc != SHARDD_OK)
     return;
   int lost = 0;
-  fabric_exchange(c, t, f, &lost);
+  shardd__coll_fab_exchange(c, t, f, &lost);
   if (lost)
     jf_broken(jf, gen, &t->rc, c->fab_msg, sizeof c->fab_msg);
   jf_put(jf);
@@ -1163,7 +699,7 @@ void shardd__coll_fab_submit(coll *c, task *t) {
   }
   c->fab_join_ok = 0;
   if (!up && c->fab_epoch == now)
-    fab_state_of(c);
+    shardd__coll_fab_state_of(c);
   int64_t seq = c->fab_epoch == now ? fab_next_seq(jf, c->name_key) : 0;
   if (seq < 0) {
     t->rc = SHARDD_E_NO_MEMORY;
@@ -1202,3 +738,5 @@ void shardd__coll_fab_submit(coll *c, task *t) {
   pthread_cond_broadcast(&jf->cv);
   pthread_mutex_unlock(&jf->mu);
 }
+
+

@@ -10,6 +10,7 @@
 #include <stdatomic.h>
 
 #include "coll.h"
+#include "fabric.h"
 #include "map.h"
 
 typedef struct coll coll;
@@ -217,14 +218,62 @@ static inline double shardd__coll_combine(int op, double acc, double v) {
 
 const char *shardd__coll_target_word(shardd__coll_kind k);
 
+/* Jobs are kept by address: the engine's state of a job lives from its
+ * first collective (or span) to shardd__coll_job_free, which the owner of
+ * the job calls before every release, so an address is never reused while
+ * its entry exists. */
+static inline uint64_t shardd__coll_job_key(const shardd__job *job) {
+  return (uint64_t)(uintptr_t)job;
+}
+
+/* Bytes up to which the loop thread claims a collective's tasks too, on a
+ * backend whose memory it can touch: it is awake when the last rank
+ * arrives, while a pool thread takes a wake-up (tens of microseconds on a
+ * virtual machine, as long as copying a few hundred KiB) to start, and
+ * the loop another to hear it ended. Bounded, as the loop serves every
+ * other session meanwhile: about 0.2 ms of copying. */
+#define LOOP_HELP_BYTES ((uint64_t)4 << 20)
+
+/* coll.c: the loop's clock, in seconds. */
+double shardd__coll_loop_now(const shardd__coll_engine *e);
+/* coll.c: answers every rank still there with code/msg and forgets the
+ * collective. */
+void shardd__coll_finish(coll *c, shardd_err code, const char *msg);
+/* coll.c: answers every rank of c still there with code/msg now and
+ * forgets them, while c goes on (its exchange still runs for the other
+ * nodes); how many were answered. */
+uint32_t shardd__coll_answer_now(coll *c, shardd_err code, const char *msg);
+/* coll.c: starts every collective of q whose ranks all arrived and that
+ * no older one conflicts with. */
+void shardd__coll_schedule(coll_job *q);
+/* coll.c: tells the owner of q's job its last collective ended; last in
+ * each entry point. */
+void shardd__coll_job_maybe_quiet(coll_job *q);
+
+/* coll_phase.c: starts c's next phase (its first: c just started). */
+void shardd__coll_start_phase(coll *c);
+/* coll_phase.c: what a rank hears of c failing in its cross-node exchange
+ * for why. */
+void shardd__coll_fabric_failure(const coll *c, const char *why, char *msg,
+                                 size_t len);
+
+/* coll_run.c: runs the tasks of c's phase (the pool, the loop, a batch). */
+void shardd__coll_run_phase(coll *c);
+
+/* coll_members.c: the missing rank that dooms unstarted c at now, or -1. */
+int64_t shardd__coll_doomed_by(const coll *c, double now);
+/* coll_members.c: fails c for rank r, missing past the grace at now. */
+void shardd__coll_fail_doomed_one(coll *c, uint32_t r, double now);
+
 /* coll.c: the engine's state of job (created when create and missing;
  * NULL when out of memory or, without create, missing). */
 coll_job *shardd__coll_job_of(shardd__coll_engine *e, shardd__job *job,
                               int create);
-/* coll.c: this node's row of c->fab_mask (multi-node scatter), on the
+/* coll_phase.c: this node's row of c->fab_mask (multi-node scatter), on the
  * loop thread before the exchange; SHARDD_E_NO_MEMORY leaves it NULL. */
 shardd_err shardd__coll_mask_row(coll *c);
-/* coll.c: a task of c ended (pool or fabric thread done); loop thread. */
+/* coll_phase.c: a task of c ended (pool or fabric thread done); loop
+ * thread. */
 void shardd__coll_task_done(uv_work_t *req, int status);
 
 /* coll_work.c */
@@ -239,6 +288,28 @@ void shardd__coll_scatter_unit(coll *c, task *t);
 int shardd__coll_bulk_ok(const coll *c);
 void shardd__coll_bulk_task(coll *c, task *t);
 void shardd__coll_bulk_free(coll_job *cj);
+
+/* FNV-1a of p's n bytes, from h (0xcbf29ce484222325: the start). */
+static inline uint64_t shardd__coll_fnv(uint64_t h, const void *p, size_t n) {
+  const unsigned char *s = p;
+  for (size_t i = 0; i < n; i++)
+    h = (h ^ s[i]) * 0x100000001b3ull;
+  return h;
+}
+
+/* coll_exchange.c: the exchange of c on fabric f (a fabric thread): header,
+ * check, data. A failure that leaves f unusable is t->rc with *lost set. */
+void shardd__coll_fab_exchange(coll *c, task *t, shardd__fabric *f, int *lost);
+
+/* coll_join.c: c->fab_state, this node's state summed for the join; loop
+ * thread (c->fab_join_ok says whether it could be listed). */
+void shardd__coll_fab_state_of(coll *c);
+/* coll_join.c: the join of new fabric f (jf's, for c): the nodes' lineage
+ * (this node's: lineage, 0 none) and states compared; *out the lineage
+ * they agreed on. */
+shardd_err shardd__coll_fab_join(coll_fab *jf, const coll *c, shardd__fabric *f,
+                                 uint64_t lineage, int rejoining, uint64_t *out,
+                                 char *err, size_t errlen);
 
 /* coll_fabric.c */
 uint64_t shardd__coll_fab_key(shardd__coll_kind kind, const char *name);

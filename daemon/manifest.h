@@ -1,7 +1,9 @@
 /* manifest.h — the text of a checkpoint's manifest, below write and
  * restore (inside the checkpoint module; checkpoint.h is its public
- * interface): name encoding, bounded line reading and the seal check.
- * Names are percent-encoded so any byte string survives the
+ * interface): the one place that knows the format, writing and parsing
+ * every line (checkpoint.c and restore.c deal in what the lines say),
+ * name encoding, bounded line reading and the seal check; the job
+ * manifest of a multi-node job. Names are percent-encoded so any byte string survives the
  * space-separated format. */
 #ifndef SHARDD_MANIFEST_H
 #define SHARDD_MANIFEST_H
@@ -116,5 +118,176 @@ shardd_err shardd__manifest_line_error(shardd__line_rc lr, const char *path,
  * (*version set once the magic matched). */
 shardd_err shardd__manifest_header(char **tok, int nt, int *version, char *why,
                                    size_t whylen);
+
+/* ---- the lines, written ------------------------------------------------
+ * The writer's side of the format (checkpoint.c gathers what they say).
+ * A data file's line carries its CRC32C, known only once the file is
+ * written: the line is written with 00000000 there, and the function
+ * returns the offset in sb of those 8 digits for the writer to fill. */
+
+/* "shardd-checkpoint VERSION" and "job NAME WORLD OWNER". */
+void shardd__manifest_put_head(shardd__sb *sb, int version, const char *job,
+                               uint32_t world, uint32_t owner);
+/* "node N NODES" (a node's part of a multi-node checkpoint). */
+void shardd__manifest_put_node(shardd__sb *sb, uint32_t node, uint32_t nodes);
+/* "lineage LINEAGE ORIGIN" (the job's fabric, in hex). */
+void shardd__manifest_put_lineage(shardd__sb *sb, uint64_t lineage,
+                                  uint64_t origin);
+/* "areas transient". */
+void shardd__manifest_put_transient(shardd__sb *sb);
+/* "buffer NAME DTYPE NUMEL GEN". */
+void shardd__manifest_put_buffer(shardd__sb *sb, const char *name, int dtype,
+                                 uint64_t numel, uint64_t generation);
+/* "shard BUF RANK FILE CRC": the offset of CRC. */
+size_t shardd__manifest_put_shard(shardd__sb *sb, size_t buf, uint32_t rank,
+                                  const char *file);
+/* "view BUF NAME OFFSET NUMEL NDIM DIM... GEN REQUIRES_GRAD". */
+void shardd__manifest_put_view(shardd__sb *sb, size_t buf, const char *name,
+                               uint64_t offset, uint64_t numel, int ndim,
+                               const int64_t *shape, uint64_t generation,
+                               int requires_grad);
+/* "optimizer INDEX NAME STEPS SPEC_HEX". */
+void shardd__manifest_put_optimizer(shardd__sb *sb, size_t index,
+                                    const char *name, uint64_t steps,
+                                    const uint8_t *spec, size_t spec_len);
+/* "ref OPT OLD_ID view BUF NAME STEPS" (view NULL: "ref OPT OLD_ID buffer
+ * BUF STEPS"). */
+void shardd__manifest_put_ref(shardd__sb *sb, size_t opt, uint64_t old_id,
+                              size_t buf, const char *view, uint64_t steps);
+/* "state OPT BUF RANK MASTER_VALID FILE CRC BYTES NSTATE": the offset of
+ * CRC. */
+size_t shardd__manifest_put_state(shardd__sb *sb, size_t opt, size_t buf,
+                                  uint32_t rank, int master_valid,
+                                  const char *file, size_t bytes, int nstate);
+/* "end SEAL": the CRC32C of every byte before it. */
+void shardd__manifest_put_end(shardd__sb *sb, uint32_t seal);
+
+/* ---- the lines, parsed -------------------------------------------------
+ * The reader's side: a line's words (split by shardd__manifest_split_words)
+ * as what they say. Only the words are read here; whether a line fits the
+ * lines above it (a buffer index in range, a job line first) is restore's
+ * to say, and so is every refusal: a parsed line keeps the words its
+ * messages quote as written. */
+
+typedef enum {
+  SHARDD__ML_UNKNOWN, /* no line of the format, or not its word count */
+  SHARDD__ML_END,     /* any word count: restore says when it is wrong */
+  SHARDD__ML_JOB,
+  SHARDD__ML_NODE,
+  SHARDD__ML_LINEAGE,
+  SHARDD__ML_TRANSIENT,
+  SHARDD__ML_BUFFER,
+  SHARDD__ML_SHARD,
+  SHARDD__ML_VIEW,
+  SHARDD__ML_OPTIMIZER,
+  SHARDD__ML_REF,
+  SHARDD__ML_STATE
+} shardd__mline_kind;
+
+/* The most dimensions a view line may have. */
+#define SHARDD__MANIFEST_VIEW_DIMS 16
+
+/* One line. Names are decoded in place in the words (name_ok 0: a
+ * malformed escape); numbers are read as restore always read them
+ * (strtoul and friends: what does not parse is 0). */
+typedef struct {
+  shardd__mline_kind kind;
+  union {
+    struct {
+      char *name; /* decoded when name_ok */
+      int name_ok;
+      const char *world_word; /* as written, for messages */
+      unsigned long world;
+      uint32_t owner;
+    } job;
+    struct {
+      uint32_t node, nodes;
+    } node;
+    struct {
+      uint64_t lineage, origin;
+    } lineage;
+    struct {
+      char *name;
+      int name_ok;
+      int dtype;
+      uint64_t numel, generation;
+    } buffer;
+    struct {
+      size_t buf;
+      uint32_t rank;
+      const char *file;
+      int file_ok; /* a plain name, no '/' */
+      uint32_t crc;
+    } shard;
+    struct {
+      size_t buf;
+      int ok; /* its dimensions and word count agree, its name decoded */
+      char *name;
+      uint64_t offset, numel;
+      int ndim;
+      int64_t shape[SHARDD__MANIFEST_VIEW_DIMS];
+      uint64_t generation;
+      int requires_grad;
+    } view;
+    struct {
+      size_t index;
+      char *name;
+      int name_ok;
+      uint64_t steps;
+      const char *spec_hex; /* the registration, in hex (manifest_unhex) */
+    } optimizer;
+    struct {
+      size_t opt, buf;
+      uint64_t old_id;
+      int is_view; /* else "buffer" (ok says whether it is that) */
+      int ok;      /* its word count is the kind's, a view's name decoded */
+      char *view;
+      int has_steps; /* version 4 on */
+      uint64_t steps;
+    } ref;
+    struct {
+      size_t opt, buf;
+      const char *rank_word; /* as written, for messages */
+      unsigned long rank;
+      int master_valid;
+      const char *file;
+      int file_ok;
+      uint32_t crc;
+      const char *bytes_word;
+      unsigned long long bytes;
+      int bytes_ok; /* it parsed without overflow */
+      int nstate;
+    } state;
+  } u;
+} shardd__mline;
+
+/* The kind of a line of words (nt of them, nt > 0) in a manifest of
+ * version (the header's; "ref" lines end with steps from version 4). */
+shardd__mline_kind shardd__manifest_kind(char **tok, int nt);
+/* Parses the words of a line of that kind into *ml (in place: names are
+ * decoded in tok). */
+void shardd__manifest_parse(char **tok, int nt, int version,
+                            shardd__mline *ml);
+/* Decodes hex (lowercase, an even count of digits) into out (room for
+ * strlen(hex) / 2 bytes); 0 on a bad digit or an odd count. */
+int shardd__manifest_unhex(const char *hex, uint8_t *out);
+
+/* ---- the job manifest --------------------------------------------------
+ * A multi-node job's manifest in DIR, over its nodes' parts in DIR/node-N:
+ * "shardd-job-checkpoint VERSION", "job NAME WORLD OWNER", "nodes NODES",
+ * "part N node-N SEAL" for every node, "end SEAL". */
+
+struct shardd__ckjob;
+/* Writes the whole job manifest into sb (seals[n]: node n's part's);
+ * returns its seal, the CRC32C on its "end" line. */
+uint32_t shardd__manifest_put_job(shardd__sb *sb, const char *name,
+                                  uint32_t world, uint32_t owner,
+                                  uint32_t nodes, const uint32_t *seals);
+/* Reads the manifest in f, its seal checked on line end_line (0: none),
+ * as a job manifest into *out (zeroed by the caller): 1 when it is one,
+ * complete; 0 when it is an ordinary manifest (out->nodes 0); -1 when it
+ * is malformed or incomplete, *lineno the line where that showed. */
+int shardd__manifest_read_job(FILE *f, int end_line, struct shardd__ckjob *out,
+                              int *lineno);
 
 #endif /* SHARDD_MANIFEST_H */

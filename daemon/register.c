@@ -272,66 +272,112 @@ static int cmp_u64(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
-/* Every id is checked before any view goes: registered, held by no
- * optimizer, generation current, named once. */
-static void views_unregister(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
-                             const Shardwire__UnregisterViews *rq) {
-  size_t n = rq->n_views;
+/* What unregistering a batch of views and one of buffers differ in. */
+typedef struct unreg_kind {
+  const char *one;  /* "view", "buffer" */
+  const char *what; /* the refusal's word for the entries */
+  shardd_err (*check)(shardd__registry *reg, shardd__job *job, uint64_t id,
+                      char *err, size_t errlen);
+  shardd_err (*unregister)(shardd__registry *reg, shardd__job *job,
+                           uint64_t id, char *err, size_t errlen);
+  Shardwire__Response__BodyCase body;
+} unreg_kind;
+
+static const unreg_kind views_unreg = {
+    "view", "view unregistrations", shardd__view_unregister_check,
+    shardd__view_unregister, SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH};
+
+static const unreg_kind buffers_unreg = {
+    "buffer", "buffer unregistrations", shardd__buffer_unregister_check,
+    shardd__buffer_unregister, SHARDWIRE__RESPONSE__BODY_BUFFERS_BATCH};
+
+/* Unregisters the n ids of a batch (gens: each one's generation, 0:
+ * unchecked; first: the request's first index). Every id is checked before
+ * any goes: registered, held by nothing that keeps it (k->check), its
+ * generation current, named once; any refusal refuses the batch. */
+static void batch_unregister(shardd__dispatch *d, shardd__conn *c,
+                             uint64_t seq, const unreg_kind *k, size_t n,
+                             uint32_t first, const uint64_t *ids,
+                             const uint64_t *gens) {
   char err[ERRLEN];
   batch_errs be;
-  uint64_t *ids = malloc((n ? n : 1) * sizeof *ids);
-  if (ids == NULL ||
-      shardd__batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
-          SHARDD_OK) {
-    free(ids);
+  uint64_t *sorted = malloc((n ? n : 1) * sizeof *sorted);
+  if (sorted == NULL || shardd__batch_errs_init(&be, n, first) != SHARDD_OK) {
+    free(sorted);
     shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
   shardd__registry *reg = &d->reg;
   shardd__job *job = c->m.job;
   for (size_t i = 0; i < n; i++) {
-    const Shardwire__UnregisterView *uv = rq->views[i];
-    shardd_err rc = SHARDD_OK;
-    uint64_t gen = uv->has_generation ? uv->generation : 0;
-    if (gen != 0 && shardd__registry_stale(reg, job, uv->id, gen, err, sizeof err))
+    shardd_err rc;
+    if (gens[i] != 0 &&
+        shardd__registry_stale(reg, job, ids[i], gens[i], err, sizeof err))
       rc = SHARDD_E_STALE;
     else
-      rc = shardd__view_unregister_check(reg, job, uv->id, err, sizeof err);
+      rc = k->check(reg, job, ids[i], err, sizeof err);
     if (rc != SHARDD_OK)
       shardd__batch_err_add(&be, i, rc, err);
-    ids[i] = uv->id;
+    sorted[i] = ids[i];
   }
   if (be.total == 0 && n > 1) {
-    qsort(ids, n, sizeof *ids, cmp_u64);
+    qsort(sorted, n, sizeof *sorted, cmp_u64);
     for (size_t i = 1; i < n; i++)
-      if (ids[i] == ids[i - 1]) {
+      if (sorted[i] == sorted[i - 1]) {
         /* name the later entries that repeat it */
         size_t seen = 0;
         for (size_t j = 0; j < n; j++)
-          if (rq->views[j]->id == ids[i] && seen++ > 0) {
-            snprintf(err, sizeof err, "view %" PRIu64 " is named twice",
-                     ids[i]);
+          if (ids[j] == sorted[i] && seen++ > 0) {
+            snprintf(err, sizeof err, "%s %" PRIu64 " is named twice", k->one,
+                     sorted[i]);
             shardd__batch_err_add(&be, j, SHARDD_E_INVAL, err);
           }
-        while (i + 1 < n && ids[i + 1] == ids[i])
+        while (i + 1 < n && sorted[i + 1] == sorted[i])
           i++;
       }
   }
   if (be.total > 0) {
-    shardd__batch_refuse(d, c, seq, n, &be, "view unregistrations");
+    shardd__batch_refuse(d, c, seq, n, &be, k->what);
   } else {
     for (size_t i = 0; i < n; i++)
-      if (shardd__view_unregister(reg, job, rq->views[i]->id, err, sizeof err) !=
-          SHARDD_OK)
+      if (k->unregister(reg, job, ids[i], err, sizeof err) != SHARDD_OK)
         /* checked above and nothing ran between: a bug, said loudly */
-        shardd__log(1, "job \"%s\": view %" PRIu64 " passed its check but: %s",
-                    job->name, rq->views[i]->id, err);
-    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH);
+        shardd__log(1, "job \"%s\": %s %" PRIu64 " passed its check but: %s",
+                    job->name, k->one, ids[i], err);
+    Shardwire__Response resp = ok_resp(seq, k->body);
     Shardwire__ViewsBatchReply vb = SHARDWIRE__VIEWS_BATCH_REPLY__INIT;
-    resp.views_batch = &vb;
+    Shardwire__BuffersBatchReply bb = SHARDWIRE__BUFFERS_BATCH_REPLY__INIT;
+    if (k->body == SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH)
+      resp.views_batch = &vb;
+    else
+      resp.buffers_batch = &bb;
     shardd__send_resp(d, c, &resp, -1);
   }
   shardd__batch_errs_free(&be);
+  free(sorted);
+}
+
+/* The ids and generations of a batch's entries, in two arrays of n (one
+ * allocation: ids, then gens), or NULL when out of memory. */
+static uint64_t *unreg_arrays(size_t n) {
+  return malloc(2 * (n ? n : 1) * sizeof(uint64_t));
+}
+
+static void views_unregister(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                             const Shardwire__UnregisterViews *rq) {
+  size_t n = rq->n_views;
+  uint64_t *ids = unreg_arrays(n);
+  if (ids == NULL) {
+    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    return;
+  }
+  for (size_t i = 0; i < n; i++) {
+    const Shardwire__UnregisterView *uv = rq->views[i];
+    ids[i] = uv->id;
+    ids[n + i] = uv->has_generation ? uv->generation : 0;
+  }
+  batch_unregister(d, c, seq, &views_unreg, n,
+                   rq->has_first_index ? rq->first_index : 0, ids, ids + n);
   free(ids);
 }
 
@@ -434,65 +480,22 @@ static void buffers_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   free(fds);
 }
 
-/* Every id is checked before any buffer goes: registered, held by no
- * optimizer, no collective in flight, generation current, named once. */
 static void buffers_unregister(shardd__dispatch *d, shardd__conn *c,
                                uint64_t seq,
                                const Shardwire__UnregisterBuffers *rq) {
   size_t n = rq->n_buffers;
-  char err[ERRLEN];
-  batch_errs be;
-  uint64_t *ids = malloc((n ? n : 1) * sizeof *ids);
-  if (ids == NULL ||
-      shardd__batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
-          SHARDD_OK) {
-    free(ids);
+  uint64_t *ids = unreg_arrays(n);
+  if (ids == NULL) {
     shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
-  shardd__registry *reg = &d->reg;
-  shardd__job *job = c->m.job;
   for (size_t i = 0; i < n; i++) {
     const Shardwire__UnregisterBuffer *ub = rq->buffers[i];
-    shardd_err rc;
-    uint64_t gen = ub->has_generation ? ub->generation : 0;
-    if (gen != 0 && shardd__registry_stale(reg, job, ub->id, gen, err, sizeof err))
-      rc = SHARDD_E_STALE;
-    else
-      rc = shardd__buffer_unregister_check(reg, job, ub->id, err, sizeof err);
-    if (rc != SHARDD_OK)
-      shardd__batch_err_add(&be, i, rc, err);
     ids[i] = ub->id;
+    ids[n + i] = ub->has_generation ? ub->generation : 0;
   }
-  if (be.total == 0 && n > 1) {
-    qsort(ids, n, sizeof *ids, cmp_u64);
-    for (size_t i = 1; i < n; i++)
-      if (ids[i] == ids[i - 1]) {
-        size_t seen = 0;
-        for (size_t j = 0; j < n; j++)
-          if (rq->buffers[j]->id == ids[i] && seen++ > 0) {
-            snprintf(err, sizeof err, "buffer %" PRIu64 " is named twice",
-                     ids[i]);
-            shardd__batch_err_add(&be, j, SHARDD_E_INVAL, err);
-          }
-        while (i + 1 < n && ids[i + 1] == ids[i])
-          i++;
-      }
-  }
-  if (be.total > 0) {
-    shardd__batch_refuse(d, c, seq, n, &be, "buffer unregistrations");
-  } else {
-    for (size_t i = 0; i < n; i++)
-      if (shardd__buffer_unregister(reg, job, rq->buffers[i]->id, err,
-                                    sizeof err) != SHARDD_OK)
-        shardd__log(1, "job \"%s\": buffer %" PRIu64 " passed its check but: %s",
-                    job->name, rq->buffers[i]->id, err);
-    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_BUFFERS_BATCH);
-    Shardwire__BuffersBatchReply bb = SHARDWIRE__BUFFERS_BATCH_REPLY__INIT;
-    resp.buffers_batch = &bb;
-    shardd__send_resp(d, c, &resp, -1);
-  }
-  shardd__batch_errs_free(&be);
+  batch_unregister(d, c, seq, &buffers_unreg, n,
+                   rq->has_first_index ? rq->first_index : 0, ids, ids + n);
   free(ids);
 }
 

@@ -8,7 +8,8 @@
  * the payloads, touching only the new job's region memory and the files;
  * finish, on the loop thread again, sets what the loads vouched for
  * (master_valid, step counts) and hands the job over. Any failure releases
- * the new job. */
+ * the new job. The loads apply plans, and the optimizers registered again,
+ * are restore_plan.c's; the manifest's lines are parsed by manifest.c. */
 #include "checkpoint.h"
 
 #include <errno.h>
@@ -22,254 +23,7 @@
 
 #include "ckfile.h"
 #include "manifest.h"
-#include "optcodec.h"
-#include "optreg.h"
-
-typedef struct {
-  uint64_t old_id;
-  shardd__obj *obj;
-  uint64_t steps; /* the ref's own step count */
-} id_map;
-
-typedef struct {
-  size_t buf;
-  uint32_t rank;
-  int master_valid;
-  char *file;
-  uint32_t crc;
-  size_t bytes;
-  int nstate;
-  int loaded;
-} pending_state;
-
-typedef struct {
-  char *name;
-  uint64_t steps;
-  uint8_t *spec;
-  size_t spec_len;
-  id_map *ids;
-  size_t nids;
-  pending_state *states;
-  size_t nstates;
-  /* (buffer, old rank) of each state line, once: key buf << 17 | rank */
-  shardd__map state_seen;
-  /* the buffers its ref lines named (themselves or a view of them), key
-   * index + 1: a state line must be of one of them */
-  shardd__map bufs_reffed;
-  shardd__optim *created;
-  /* master_valid of each of created's shards once its state is loaded;
-   * set on them by finish */
-  int *mv;
-  /* each of created's refs' step count (in its refs' order), from the
-   * ref lines; set on it by finish */
-  uint64_t *ref_steps;
-} pending_optim;
-
-/* One part of a payload copied from where its file was read to where it
- * goes. */
-typedef struct {
-  char *dst;  /* region memory of the new job */
-  size_t src; /* offset in the file's payload */
-  size_t n;
-} ld_copy;
-
-/* One payload load, as prepare planned it: the file and what its header
- * must say, read straight into region memory (direct) or into a buffer of
- * its own and copied from there. Touches no registry struct. */
-typedef struct {
-  char *file;
-  const char *name; /* the buffer's, a copy the restore owns */
-  uint32_t crc, dtype;
-  uint64_t numel, offset;
-  size_t bytes;
-  char *direct; /* NULL: read into a temporary, then the copies */
-  ld_copy *copies;
-  size_t ncopies;
-} ld;
-
-static int cmp_id_map(const void *a, const void *b) {
-  const id_map *x = a, *y = b;
-  return x->old_id < y->old_id ? -1 : x->old_id > y->old_id;
-}
-
-/* Registers a recorded optimizer: its own registration with every ref id
- * replaced by the restored object's, through the same use case a client's
- * registration takes (optreg.h). */
-static shardd_err register_pending(shardd__registry *reg, shardd__job *job,
-                                   pending_optim *p, char *err, size_t errlen) {
-  shardd__optspec spec;
-  shardd_err rc = shardd__optspec_decode(p->spec, p->spec_len, &spec);
-  if (rc != SHARDD_OK) {
-    if (rc == SHARDD_E_NO_MEMORY)
-      snprintf(err, errlen, "out of memory");
-    else
-      snprintf(err, errlen, "optimizer \"%s\": spec does not decode", p->name);
-    return rc;
-  }
-  /* sorted for lookup: a scan per ref was quadratic, and 200k refs in a
-   * manifest held the loop thread for minutes */
-  if (p->nids > 0) /* qsort(NULL, 0) is undefined */
-    qsort(p->ids, p->nids, sizeof *p->ids, cmp_id_map);
-  for (size_t g = 0; g < spec.ngroups && rc == SHARDD_OK; g++) {
-    for (size_t i = 0; i < spec.groups[g].nrefs; i++) {
-      shardd__optspec_ref *ref = &spec.groups[g].refs[i];
-      uint64_t id = 0, gen = 0;
-      id_map key = {ref->id, NULL, 0};
-      const id_map *hit = p->nids ? bsearch(&key, p->ids, p->nids, sizeof *p->ids,
-                                            cmp_id_map)
-                                  : NULL;
-      if (hit) {
-        id = hit->obj->id;
-        gen = hit->obj->generation;
-      }
-      if (id == 0) {
-        snprintf(err, errlen, "optimizer \"%s\": ref %" PRIu64 " has no ref line",
-                 p->name, ref->id);
-        rc = SHARDD_E_INVAL;
-        break;
-      }
-      ref->id = id;
-      if (ref->has_generation) /* the handle the trainer registers anew */
-        ref->generation = gen;
-    }
-  }
-  if (rc == SHARDD_OK) {
-    shardd__optreg_result res;
-    rc = shardd__optreg_register(reg, job, &spec, 0, &res, err, errlen);
-    if (rc != SHARDD_OK && res.refused)
-      snprintf(err, errlen, "optimizer \"%s\" refused: %s", p->name,
-               res.list ? res.list : shardd_strerror(rc));
-    free(res.list);
-    p->created = res.optim;
-  }
-  shardd__optspec_free(&spec);
-  return rc; /* steps are set by finish, once the state is loaded */
-}
-
-/* Elements [lo, hi) of buffer b, as rank `rank` of a world of `world`
- * holds them: its shard's slice of the unpadded range. */
-static void old_range(const shardd__buffer *b, uint32_t world, uint32_t rank,
-                      uint64_t *lo, uint64_t *hi, uint64_t *old_s) {
-  *old_s = (b->numel + world - 1) / world;
-  *lo = (uint64_t)rank * *old_s;
-  *hi = *lo + *old_s < b->numel ? *lo + *old_s : b->numel;
-  if (*lo > *hi)
-    *lo = *hi;
-}
-
-static shardd__optim_shard *find_shard(shardd__optim *o, const shardd__buffer *b,
-                                       uint32_t rank) {
-  for (size_t k = 0; k < o->nshards; k++)
-    if (o->shards[k].buf == b && o->shards[k].rank == rank)
-      return &o->shards[k];
-  return NULL;
-}
-
-/* The recorded registrations of one manifest's optimizers, together: a
- * client sends each in one frame (restore repacks it with longer ids, so
- * one may reach two); eight frames' worth is more than any job keeps, and
- * a manifest of nothing but optimizer lines held one copy of every line
- * until the last was read. */
-#define SPECS_MAX ((size_t)8 * SHARDD_MAX_FRAME)
-
-/* One restore in progress: the manifest being read, what its lines have
- * named so far and the payload loads they planned. Everything here is the
- * restore's own and freed by shardd__checkpoint_restore_free, job included
- * until finish hands it over (a failed restore releases it); reg is
- * borrowed from the caller, and err during prepare only. */
-struct shardd__ckrestore {
-  shardd__registry *reg;
-  char *dir;
-  int64_t as_uid;   /* who asks; see shardd__checkpoint_restore */
-  uint32_t world;   /* the new job's; 0: the checkpoint's */
-  /* a node's part of a multi-node checkpoint: the layout the new job gets
-   * (nodes 0: an ordinary checkpoint), the "node" line seen, the origin */
-  uint32_t nodes, node_rank;
-  int node_seen;
-  uint64_t origin;
-  /* this node's exit part of a live job (--checkpoint-on-exit, no job
-   * manifest): the job its spec names, with the spec's world; the
-   * "lineage" line seen */
-  const char *exit_name;
-  uint32_t exit_world;
-  int lineage_seen;
-  /* the owner the job line must name, -1 any: the uid an exit part's job
-   * spec gives (spec_path names the spec), or the job manifest's uid for
-   * one of its parts (spec_path NULL) */
-  int64_t want_uid;
-  const char *spec_path;
-  char *err;
-  size_t errlen;
-  char path[4096];  /* the manifest's, as messages name it */
-  shardd__ckdir dd; /* fd -1 until opened */
-  FILE *f;          /* the manifest; owns its descriptor */
-  /* The manifest's text, read whole by read_text, each line ended by a
-   * NUL where its newline was (text_len bytes and a NUL); freed once
-   * applied. stop_line: the first line the reader refused (too long, a
-   * NUL byte: stop_rc), where apply stops with that error; 0 none. */
-  char *text;
-  size_t text_len;
-  int stop_line;
-  shardd__line_rc stop_rc;
-  /* the job line was checked against who asks (job_check) by read */
-  int job_checked;
-  int lineno, mversion, ended;
-  int seal_line; /* the "end" line whose checksum was checked; 0 none */
-  uint32_t old_world;
-  /* What the lines have asked to be kept until the optimizers register,
-   * bounded by what the daemon registered for the lines above: one ref
-   * line per buffer or view (reffed: by object id), at most as many
-   * optimizers as buffers and views, their specs SPECS_MAX together. */
-  size_t nviews, spec_bytes;
-  shardd__map reffed;
-  shardd__job *job; /* created by the job line */
-  shardd__buffer **bufs; /* borrowed from job; the array is ours */
-  size_t nb;
-  /* seen[i]: bit r set once buffer i's shard of old rank r was loaded. A
-   * buffer line registers zeroed memory; only its shard lines fill it, so
-   * one without them restored zeros as if they were the checkpoint. */
-  uint8_t **seen;
-  size_t nshard_lines;
-  char **bnames; /* [nb]: each buffer's name, for the loads' headers */
-  pending_optim *po;
-  size_t npo;
-  ld *loads; /* in manifest order: shards, then each optimizer's states */
-  size_t nloads, capl;
-  /* a registration's reason; kept across lines, as one buffer was */
-  char sub[512];
-  /* a backend whose memory the daemon cannot write directly (cuda): the
-   * loads land in zeroed host copies of the regions, written to the
-   * device at the end of run (host -> device staging); owned */
-  struct {
-    shardd__region *r;
-    char *host;
-  } *shadows;
-  size_t nshadows;
-};
-typedef struct shardd__ckrestore restore;
-
-/* Where a load into region r goes in host memory: r itself where the
- * daemon maps it, else r's host copy (made zeroed at first use, as r's
- * memory starts). NULL when out of memory (c->err says so). */
-static char *host_base(restore *c, shardd__region *r) {
-  if (c->reg->backend->ops->write == NULL)
-    return r->ptr;
-  for (size_t i = 0; i < c->nshadows; i++)
-    if (c->shadows[i].r == r)
-      return c->shadows[i].host;
-  void *ns = realloc(c->shadows, (c->nshadows + 1) * sizeof *c->shadows);
-  char *host = ns ? calloc(1, r->bytes ? r->bytes : 1) : NULL;
-  if (ns)
-    c->shadows = ns;
-  if (host == NULL) {
-    snprintf(c->err, c->errlen, "out of memory staging %zu bytes for device %d",
-             r->bytes, r->device);
-    return NULL;
-  }
-  c->shadows[c->nshadows].r = r;
-  c->shadows[c->nshadows++].host = host;
-  return host;
-}
+#include "restore_int.h"
 
 /* Fails the current line: "PATH line N: WHY" in err, WHY cut at 511 bytes.
  * Returns rc where a call beneath already failed with it, else
@@ -285,221 +39,6 @@ static shardd_err bad(restore *c, shardd_err rc, const char *fmt, ...) {
   va_end(ap);
   snprintf(c->err, c->errlen, "%s line %d: %s", c->path, c->lineno, why);
   return rc == SHARDD_OK ? SHARDD_E_INVAL : rc;
-}
-
-/* Appends a load of file (copied) for a payload of buffer bi; NULL out of
- * memory (err says so). */
-static ld *add_load(restore *c, const char *file, uint32_t crc, size_t bi,
-                    uint32_t dtype, uint64_t numel, uint64_t offset,
-                    size_t bytes, char *direct) {
-  if (c->nloads == c->capl) {
-    size_t ncap = c->capl ? c->capl * 2 : 16;
-    ld *nl = realloc(c->loads, ncap * sizeof *nl);
-    if (nl == NULL)
-      goto nomem;
-    c->loads = nl;
-    c->capl = ncap;
-  }
-  ld *l = &c->loads[c->nloads];
-  memset(l, 0, sizeof *l);
-  if ((l->file = strdup(file)) == NULL)
-    goto nomem;
-  c->nloads++;
-  l->name = c->bnames[bi];
-  l->crc = crc;
-  l->dtype = dtype;
-  l->numel = numel;
-  l->offset = offset;
-  l->bytes = bytes;
-  l->direct = direct;
-  return l;
-nomem:
-  snprintf(c->err, c->errlen, "out of memory");
-  return NULL;
-}
-
-static shardd_err add_copy(restore *c, ld *l, char *dst, size_t src, size_t n) {
-  ld_copy *nc = realloc(l->copies, (l->ncopies + 1) * sizeof *nc);
-  if (nc == NULL) {
-    snprintf(c->err, c->errlen, "out of memory");
-    return SHARDD_E_NO_MEMORY;
-  }
-  l->copies = nc;
-  l->copies[l->ncopies++] = (ld_copy){dst, src, n};
-  return SHARDD_OK;
-}
-
-/* One shard file of a world of old_world ranks into buffer bi: straight
- * into the rank's block when the world is the same, else element ranges
- * copied to whichever new rank holds them (shards are keyed by element
- * offset, so a checkpoint of W ranks restores into W'). */
-static shardd_err plan_shard(restore *c, const char *file, uint32_t crc,
-                             size_t bi, uint32_t r) {
-  shardd__buffer *b = c->bufs[bi];
-  size_t esz = shardd_dtype_size(b->dtype);
-  uint64_t lo, hi, old_s;
-  old_range(b, c->old_world, r, &lo, &hi, &old_s);
-  if (c->old_world == b->world) {
-    char *base = host_base(c, b->blocks[r]);
-    return base && add_load(c, file, crc, bi, (uint32_t)b->dtype, b->shard_numel,
-                            (uint64_t)r * b->shard_numel, b->shard_numel * esz,
-                            base + b->shard_off)
-               ? SHARDD_OK
-               : SHARDD_E_NO_MEMORY;
-  }
-  ld *l = add_load(c, file, crc, bi, (uint32_t)b->dtype, old_s,
-                   (uint64_t)r * old_s, old_s * esz, NULL);
-  if (l == NULL)
-    return SHARDD_E_NO_MEMORY;
-  for (uint64_t e = lo; e < hi;) {
-    uint64_t q = e / b->shard_numel, off = e % b->shard_numel;
-    uint64_t n = b->shard_numel - off < hi - e ? b->shard_numel - off : hi - e;
-    char *base = host_base(c, b->blocks[q]);
-    if (base == NULL ||
-        add_copy(c, l, base + b->shard_off + off * esz, (e - lo) * esz, n * esz) !=
-            SHARDD_OK)
-      return SHARDD_E_NO_MEMORY;
-    e += n;
-  }
-  return SHARDD_OK;
-}
-
-static size_t shard_index(const shardd__optim *o, const shardd__optim_shard *sh) {
-  return (size_t)(sh - o->shards);
-}
-
-/* One state file of the same world: it covers its rank's shard region for
- * region, and no other file may have covered it already. */
-static shardd_err plan_state_resharded(restore *c, shardd__buffer *b,
-                                       pending_optim *p,
-                                       const pending_state *ps);
-
-static shardd_err plan_state_same(restore *c, shardd__buffer *b,
-                                  pending_optim *p, const pending_state *ps) {
-  shardd__optim_shard *sh = find_shard(p->created, b, ps->rank);
-  /* A file records its region's allocated size, which backends round
-   * differently (cuda to its grain): written by one and restored into the
-   * other, the arrays are copied one by one from the file's layout. */
-  if (sh != NULL && sh->state != NULL && sh->state->bytes != ps->bytes &&
-      p->mv[shard_index(p->created, sh)] == -1)
-    return plan_state_resharded(c, b, p, ps);
-  if (sh == NULL || sh->state == NULL || sh->state->bytes != ps->bytes ||
-      p->mv[shard_index(p->created, sh)] != -1) {
-    snprintf(c->err, c->errlen, "%s/%s: does not fit optimizer \"%s\"",
-             c->dd.path, ps->file, p->name);
-    return SHARDD_E_INVAL;
-  }
-  char *st = host_base(c, sh->state);
-  if (st == NULL ||
-      add_load(c, ps->file, ps->crc, ps->buf, SHARDD_DTYPE_FP32, ps->bytes / 4,
-               (uint64_t)ps->rank * b->shard_numel, ps->bytes, st) == NULL)
-    return SHARDD_E_NO_MEMORY;
-  p->mv[shard_index(p->created, sh)] = ps->master_valid;
-  return SHARDD_OK;
-}
-
-/* One state file of another world: its elements go to the new shards that
- * hold them, array by array (master copy, then the arrays both layouts
- * have). */
-static shardd_err plan_state_resharded(restore *c, shardd__buffer *b,
-                                       pending_optim *p,
-                                       const pending_state *ps) {
-  uint64_t lo, hi, old_s;
-  old_range(b, c->old_world, ps->rank, &lo, &hi, &old_s);
-  size_t omaster, ooffs[3] = {0, 0, 0};
-  size_t used = shardd__optim_state_layout(b->dtype, old_s, ps->nstate, &omaster, ooffs);
-  if (ps->rank >= c->old_world || used == 0 || used > ps->bytes) {
-    snprintf(c->err, c->errlen, "%s/%s: does not fit optimizer \"%s\"",
-             c->dd.path, ps->file, p->name);
-    return SHARDD_E_INVAL;
-  }
-  ld *l = add_load(c, ps->file, ps->crc, ps->buf, SHARDD_DTYPE_FP32,
-                   ps->bytes / 4, (uint64_t)ps->rank * old_s, ps->bytes, NULL);
-  if (l == NULL)
-    return SHARDD_E_NO_MEMORY;
-  int wide = b->dtype != SHARDD_DTYPE_FP32;
-  for (uint64_t e = lo; e < hi;) {
-    uint32_t q = (uint32_t)(e / b->shard_numel);
-    uint64_t off = e % b->shard_numel;
-    uint64_t n = b->shard_numel - off < hi - e ? b->shard_numel - off : hi - e;
-    shardd__optim_shard *sh = find_shard(p->created, b, q);
-    if (sh && sh->state) {
-      size_t src = (e - lo) * 4, dst = off * 4;
-      char *base = host_base(c, sh->state);
-      if (base == NULL)
-        return SHARDD_E_NO_MEMORY;
-      if (wide && add_copy(c, l, base + sh->master_off + dst, omaster + src,
-                           n * 4) != SHARDD_OK)
-        return SHARDD_E_NO_MEMORY;
-      for (int j = 0; j < ps->nstate && j < sh->nstate; j++)
-        if (add_copy(c, l, base + sh->state_offs[j] + dst, ooffs[j] + src,
-                     n * 4) != SHARDD_OK)
-          return SHARDD_E_NO_MEMORY;
-      int *mv = &p->mv[shard_index(p->created, sh)];
-      *mv = *mv == -1 ? ps->master_valid : *mv && ps->master_valid;
-    }
-    e += n;
-  }
-  return SHARDD_OK;
-}
-
-/* Each of p's created refs' step count, from its ref line (by object: the
- * optimizer's refs are in its own order), into p->ref_steps. */
-static shardd_err ref_steps_of(restore *c, pending_optim *p) {
-  shardd__optim *o = p->created;
-  shardd__map by_obj;
-  shardd__map_init(&by_obj);
-  p->ref_steps = malloc((o->nrefs ? o->nrefs : 1) * sizeof *p->ref_steps);
-  shardd_err rc = p->ref_steps ? SHARDD_OK : SHARDD_E_NO_MEMORY;
-  for (size_t j = 0; rc == SHARDD_OK && j < p->nids; j++)
-    rc = shardd__map_put_id(&by_obj, p->ids[j].obj->id, &p->ids[j]);
-  for (size_t k = 0; rc == SHARDD_OK && k < o->nrefs; k++) {
-    const id_map *hit = shardd__map_get_id(&by_obj, o->refs[k]->id);
-    p->ref_steps[k] = hit ? hit->steps : p->steps;
-  }
-  shardd__map_free(&by_obj);
-  if (rc != SHARDD_OK)
-    snprintf(c->err, c->errlen, "out of memory");
-  return rc;
-}
-
-/* Plans the load of every recorded state into the registered optimizer.
- * Same world: each shard that keeps state is covered by exactly one file,
- * region for region. Another world: each file's elements go to the new
- * shards that hold them, and every new shard that keeps state must
- * receive some. */
-static shardd_err plan_states(restore *c, pending_optim *p) {
-  shardd__optim *o = p->created;
-  if ((p->mv = malloc((o->nshards ? o->nshards : 1) * sizeof *p->mv)) == NULL) {
-    snprintf(c->err, c->errlen, "out of memory");
-    return SHARDD_E_NO_MEMORY;
-  }
-  for (size_t k = 0; k < o->nshards; k++)
-    p->mv[k] = -1; /* not yet seen */
-  shardd_err rc = ref_steps_of(c, p);
-  if (rc != SHARDD_OK)
-    return rc;
-  for (size_t i = 0; i < p->nstates; i++) {
-    pending_state *ps = &p->states[i];
-    shardd__buffer *b = c->bufs[ps->buf];
-    rc = c->old_world == b->world ? plan_state_same(c, b, p, ps)
-                                  : plan_state_resharded(c, b, p, ps);
-    if (rc != SHARDD_OK)
-      return rc;
-  }
-  for (size_t k = 0; k < o->nshards; k++) {
-    shardd__optim_shard *sh = &o->shards[k];
-    if (p->mv[k] == -1) {
-      if (sh->state) {
-        snprintf(c->err, c->errlen,
-                 "optimizer \"%s\": no state in the checkpoint for buffer \"%s\" "
-                 "rank %" PRIu32, p->name, sh->buf->hdr.name, sh->rank);
-        return SHARDD_E_INVAL;
-      }
-      p->mv[k] = 0;
-    }
-  }
-  return SHARDD_OK;
 }
 
 /* Opens the checkpoint directory (no symlink on the way; for a client, one
@@ -595,24 +134,25 @@ static shardd_err vouched(int dirfd, int filefd, uint32_t owner,
   return SHARDD_E_PERMISSION;
 }
 
-/* The job line ("job NAME WORLD OWNER", NAME decoded) against who asks
- * and what the caller wants, from the files alone (no registry struct: on
- * the reading thread): another job's part (SHARDD_E_NOT_FOUND), another
- * owner's. */
-static shardd_err job_check(restore *c, char **tok) {
-  if (c->exit_name && strcmp(tok[1], c->exit_name)) {
+/* The job line (its name decoded) against who asks and what the caller
+ * wants, from the files alone (no registry struct: on the reading thread):
+ * another job's part (SHARDD_E_NOT_FOUND), another owner's. */
+static shardd_err job_check(restore *c, const shardd__mline *ml) {
+  const char *name = ml->u.job.name;
+  if (c->exit_name && strcmp(name, c->exit_name)) {
     /* another spec's job may have its part here: the caller looks on */
     snprintf(c->err, c->errlen, "%s: a part of job \"%s\", not \"%s\"",
-             c->path, tok[1], c->exit_name);
+             c->path, name, c->exit_name);
     return SHARDD_E_NOT_FOUND;
   }
-  if (c->exit_name && strtoul(tok[2], NULL, 10) != c->exit_world)
+  if (c->exit_name && ml->u.job.world != c->exit_world)
     return bad(c, SHARDD_E_MISMATCH, "job \"%s\" of world %s, but its job "
-               "spec here says world %" PRIu32, tok[1], tok[2], c->exit_world);
-  uint32_t owner = (uint32_t)strtoul(tok[3], NULL, 10);
+               "spec here says world %" PRIu32, name, ml->u.job.world_word,
+               c->exit_world);
+  uint32_t owner = ml->u.job.owner;
   if (c->as_uid > 0 && (uint32_t)c->as_uid != owner) {
     snprintf(c->err, c->errlen, "job \"%s\" in %s belongs to another user; "
-             "only it or root may restore it", tok[1], c->dir);
+             "only it or root may restore it", name, c->dir);
     return SHARDD_E_PERMISSION;
   }
   /* a job spec that names a uid lays out (and joins over the fabric) that
@@ -621,15 +161,15 @@ static shardd_err job_check(restore *c, char **tok) {
     if (c->spec_path)
       snprintf(c->err, c->errlen, "%s: a part of uid %" PRIu32 "'s job \"%s\", "
                "but its job spec %s is for uid %" PRId64 "'s job of that name "
-               "only; refused", c->path, owner, tok[1], c->spec_path,
+               "only; refused", c->path, owner, name, c->spec_path,
                c->want_uid);
     else
       snprintf(c->err, c->errlen, "%s: a part of uid %" PRIu32 "'s job \"%s\", "
                "but the job manifest above it is uid %" PRId64 "'s; refused",
-               c->path, owner, tok[1], c->want_uid);
+               c->path, owner, name, c->want_uid);
     return SHARDD_E_PERMISSION;
   }
-  shardd_err rc = vouched(c->dd.fd, fileno(c->f), owner, c->path, tok[1],
+  shardd_err rc = vouched(c->dd.fd, fileno(c->f), owner, c->path, name,
                           c->err, c->errlen);
   if (rc != SHARDD_OK)
     return rc;
@@ -642,28 +182,29 @@ static shardd_err job_check(restore *c, char **tok) {
 
 /* "job NAME WORLD OWNER": creates the new job. A job of that name that is
  * live already is refused, never touched. */
-static shardd_err line_job(restore *c, char **tok) {
-  if (!shardd__manifest_dec_name(tok[1]))
+static shardd_err line_job(restore *c, const shardd__mline *ml) {
+  if (!ml->u.job.name_ok)
     return bad(c, SHARDD_E_INVAL, "bad job name");
   shardd_err rc;
-  if (!c->job_checked && (rc = job_check(c, tok)) != SHARDD_OK)
+  if (!c->job_checked && (rc = job_check(c, ml)) != SHARDD_OK)
     return rc;
-  uint32_t owner = (uint32_t)strtoul(tok[3], NULL, 10);
-  if (shardd__job_find(c->reg, owner, tok[1])) {
+  const char *name = ml->u.job.name;
+  uint32_t owner = ml->u.job.owner;
+  if (shardd__job_find(c->reg, owner, name)) {
     snprintf(c->err, c->errlen,
              "job \"%s\" of uid %" PRIu32 " exists already; release it "
              "before restoring (shardctl release, once its ranks left)",
-             tok[1], owner);
+             name, owner);
     return SHARDD_E_BUSY;
   }
   /* every buffer line keeps a bit per old rank: a world past any job's
    * cost 512 MiB a line */
-  unsigned long ow = strtoul(tok[2], NULL, 10);
+  unsigned long ow = ml->u.job.world;
   if (ow == 0 || ow > SHARDD__WORLD_MAX)
-    return bad(c, SHARDD_E_INVAL, "world %s is out of range [1, %u]", tok[2],
-               SHARDD__WORLD_MAX);
+    return bad(c, SHARDD_E_INVAL, "world %s is out of range [1, %u]",
+               ml->u.job.world_word, SHARDD__WORLD_MAX);
   c->old_world = (uint32_t)ow;
-  rc = shardd__job_get(c->reg, tok[1], c->world ? c->world : c->old_world,
+  rc = shardd__job_get(c->reg, name, c->world ? c->world : c->old_world,
                        owner, &c->job, c->sub, sizeof c->sub);
   if (rc != SHARDD_OK)
     return bad(c, rc, "%s", c->sub);
@@ -681,9 +222,8 @@ static shardd_err line_job(restore *c, char **tok) {
 
 /* "node N NODES": the manifest is node N's part of a checkpoint over NODES
  * nodes; it must be the part this restore asked for. */
-static shardd_err line_node(restore *c, char **tok) {
-  uint32_t n = (uint32_t)strtoul(tok[1], NULL, 10),
-           nodes = (uint32_t)strtoul(tok[2], NULL, 10);
+static shardd_err line_node(restore *c, const shardd__mline *ml) {
+  uint32_t n = ml->u.node.node, nodes = ml->u.node.nodes;
   if (c->nodes <= 1)
     return bad(c, SHARDD_E_INVAL,
                "this is node %" PRIu32 "'s part of a checkpoint over %" PRIu32
@@ -700,23 +240,23 @@ static shardd_err line_node(restore *c, char **tok) {
 }
 
 /* "buffer NAME DTYPE NUMEL [GEN]": registers it, zeroed until its shards. */
-static shardd_err line_buffer(restore *c, char **tok) {
+static shardd_err line_buffer(restore *c, const shardd__mline *ml) {
   shardd__buffer *b;
   int created;
-  if (!shardd__manifest_dec_name(tok[1]))
+  if (!ml->u.buffer.name_ok)
     return bad(c, SHARDD_E_INVAL, "bad buffer name");
   shardd_err rc = shardd__buffer_register(
-      c->reg, c->job, tok[1], (shardd_dtype)atoi(tok[2]),
-      strtoull(tok[3], NULL, 10), &b, &created, c->sub, sizeof c->sub);
+      c->reg, c->job, ml->u.buffer.name, (shardd_dtype)ml->u.buffer.dtype,
+      ml->u.buffer.numel, &b, &created, c->sub, sizeof c->sub);
   if (rc != SHARDD_OK)
     return bad(c, rc, "%s", c->sub);
   if (!created)
-    return bad(c, SHARDD_E_INVAL, "buffer \"%s\" listed twice", tok[1]);
+    return bad(c, SHARDD_E_INVAL, "buffer \"%s\" listed twice",
+               ml->u.buffer.name);
   b->settled = 1; /* trainers attach to the restored values */
   /* A restored handle is a new generation: one kept from before the
    * checkpoint is refused as stale. */
-  uint64_t gen = strtoull(tok[4], NULL, 10);
-  shardd__obj_set_generation(&b->hdr, gen + 1);
+  shardd__obj_set_generation(&b->hdr, ml->u.buffer.generation + 1);
   shardd__buffer **nbufs = realloc(c->bufs, (c->nb + 1) * sizeof *c->bufs);
   if (nbufs == NULL)
     return bad(c, SHARDD_E_INVAL, "out of memory");
@@ -741,10 +281,10 @@ static shardd_err line_buffer(restore *c, char **tok) {
 
 /* "shard BUF RANK FILE CRC": plans the payload's load into the buffer the
  * lines above registered (run loads it). */
-static shardd_err line_shard(restore *c, char **tok) {
-  size_t bi = strtoul(tok[1], NULL, 10);
-  uint32_t r = (uint32_t)strtoul(tok[2], NULL, 10);
-  if (bi >= c->nb || r >= c->old_world || strchr(tok[3], '/'))
+static shardd_err line_shard(restore *c, const shardd__mline *ml) {
+  size_t bi = ml->u.shard.buf;
+  uint32_t r = ml->u.shard.rank;
+  if (bi >= c->nb || r >= c->old_world || !ml->u.shard.file_ok)
     return bad(c, SHARDD_E_INVAL, "shard of unknown buffer %zu rank %" PRIu32,
                bi, r);
   if (c->nodes > 1 && !shardd__job_rank_local(c->job, r))
@@ -756,48 +296,42 @@ static shardd_err line_shard(restore *c, char **tok) {
                "shard of buffer %zu rank %" PRIu32 " listed twice", bi, r);
   c->seen[bi][r / 8] |= (uint8_t)(1u << (r % 8));
   c->nshard_lines++;
-  return plan_shard(c, tok[3], (uint32_t)strtoul(tok[4], NULL, 16), bi, r);
+  return shardd__restore_plan_shard(c, ml->u.shard.file, ml->u.shard.crc, bi,
+                                    r);
 }
 
 /* "view BUF NAME OFFSET NUMEL NDIM DIM... GEN REQUIRES_GRAD". */
-static shardd_err line_view(restore *c, char **tok, int nt) {
-  size_t bi = strtoul(tok[1], NULL, 10);
-  int ndim = atoi(tok[5]);
-  if (bi >= c->nb || ndim < 0 || ndim > 16 || nt != 8 + ndim ||
-      !shardd__manifest_dec_name(tok[2]))
+static shardd_err line_view(restore *c, const shardd__mline *ml) {
+  size_t bi = ml->u.view.buf;
+  if (bi >= c->nb || !ml->u.view.ok)
     return bad(c, SHARDD_E_INVAL, "malformed view");
-  int64_t shape[16];
-  for (int d = 0; d < ndim; d++)
-    shape[d] = strtoll(tok[6 + d], NULL, 10);
-  uint64_t gen = strtoull(tok[6 + ndim], NULL, 10);
-  int requires_grad = atoi(tok[7 + ndim]) != 0;
   shardd__view *v;
   int created;
   shardd_err rc = shardd__view_register_ex(
-      c->reg, c->job, c->bufs[bi]->hdr.id, 0, tok[2],
-      strtoull(tok[3], NULL, 10), strtoull(tok[4], NULL, 10), shape, ndim,
-      requires_grad, &v, &created, c->sub, sizeof c->sub);
+      c->reg, c->job, c->bufs[bi]->hdr.id, 0, ml->u.view.name,
+      ml->u.view.offset, ml->u.view.numel, ml->u.view.shape, ml->u.view.ndim,
+      ml->u.view.requires_grad, &v, &created, c->sub, sizeof c->sub);
   if (rc != SHARDD_OK)
     return bad(c, rc, "%s", c->sub);
   if (!created)
-    return bad(c, SHARDD_E_INVAL, "view \"%s\" listed twice", tok[2]);
+    return bad(c, SHARDD_E_INVAL, "view \"%s\" listed twice",
+               ml->u.view.name);
   c->nviews++;
-  shardd__obj_set_generation(&v->hdr, gen + 1);
+  shardd__obj_set_generation(&v->hdr, ml->u.view.generation + 1);
   return SHARDD_OK;
 }
 
 /* "optimizer INDEX NAME STEPS SPEC_HEX": pending until every ref and state
  * line is read; registered after the last line. */
-static shardd_err line_optimizer(restore *c, char **tok) {
-  if ((size_t)strtoul(tok[1], NULL, 10) != c->npo ||
-      !shardd__manifest_dec_name(tok[2]))
+static shardd_err line_optimizer(restore *c, const shardd__mline *ml) {
+  if (ml->u.optimizer.index != c->npo || !ml->u.optimizer.name_ok)
     return bad(c, SHARDD_E_INVAL, "optimizers out of order");
   /* each optimizer owns buffers or views of its own, registered above */
   if (c->npo >= c->nb + c->nviews)
     return bad(c, SHARDD_E_INVAL, "optimizer %zu, but the lines above "
                "registered %zu buffers and views for optimizers to own",
                c->npo, c->nb + c->nviews);
-  size_t hl = strlen(tok[4]);
+  size_t hl = strlen(ml->u.optimizer.spec_hex);
   if (hl / 2 > SPECS_MAX - c->spec_bytes)
     return bad(c, SHARDD_E_INVAL, "optimizer registrations of %zu bytes "
                "together, more than the %zu a manifest may hold", c->spec_bytes
@@ -809,18 +343,12 @@ static shardd_err line_optimizer(restore *c, char **tok) {
   c->po = np;
   pending_optim *p = &c->po[c->npo++];
   memset(p, 0, sizeof *p);
-  p->name = strdup(tok[2]);
-  p->steps = strtoull(tok[3], NULL, 10);
+  p->name = strdup(ml->u.optimizer.name);
+  p->steps = ml->u.optimizer.steps;
   p->spec = malloc(hl / 2 + 1);
-  if (p->name == NULL || p->spec == NULL || hl % 2)
+  if (p->name == NULL || p->spec == NULL ||
+      !shardd__manifest_unhex(ml->u.optimizer.spec_hex, p->spec))
     return bad(c, SHARDD_E_INVAL, "bad optimizer spec");
-  for (size_t k = 0; k < hl / 2; k++) {
-    int hi = shardd__manifest_hexval(tok[4][2 * k]),
-        lo = shardd__manifest_hexval(tok[4][2 * k + 1]);
-    if (hi < 0 || lo < 0)
-      return bad(c, SHARDD_E_INVAL, "bad optimizer spec");
-    p->spec[k] = (uint8_t)(hi << 4 | lo);
-  }
   p->spec_len = hl / 2;
   return SHARDD_OK;
 }
@@ -828,18 +356,18 @@ static shardd_err line_optimizer(restore *c, char **tok) {
 /* "ref OPT OLD_ID buffer BUF [STEPS]" or "ref OPT OLD_ID view BUF NAME
  * [STEPS]" (STEPS from version 4): maps an id in the optimizer's recorded
  * spec to the restored object, and gives that ref its step count. */
-static shardd_err line_ref(restore *c, char **tok, int nt) {
-  int extra = c->mversion >= 4; /* the steps word */
-  size_t oi = strtoul(tok[1], NULL, 10);
-  size_t bi = strtoul(tok[4], NULL, 10);
+static shardd_err line_ref(restore *c, const shardd__mline *ml) {
+  size_t oi = ml->u.ref.opt;
+  size_t bi = ml->u.ref.buf;
   if (oi >= c->npo || bi >= c->nb)
     return bad(c, SHARDD_E_INVAL, "ref to unknown optimizer or buffer");
   shardd__obj *o = &c->bufs[bi]->hdr;
-  if (!strcmp(tok[3], "view")) {
-    if (nt != 6 + extra || !shardd__manifest_dec_name(tok[5]) ||
-        (o = shardd__map_get_str(&c->bufs[bi]->views, tok[5])) == NULL)
+  if (ml->u.ref.is_view) {
+    if (!ml->u.ref.ok ||
+        (o = shardd__map_get_str(&c->bufs[bi]->views, ml->u.ref.view)) ==
+            NULL)
       return bad(c, SHARDD_E_INVAL, "ref to unknown view");
-  } else if (strcmp(tok[3], "buffer") || nt != 5 + extra) {
+  } else if (!ml->u.ref.ok) {
     return bad(c, SHARDD_E_INVAL, "malformed ref");
   }
   /* an object is owned by one optimizer: one ref line, so their count is
@@ -857,24 +385,25 @@ static shardd_err line_ref(restore *c, char **tok, int nt) {
     return bad(c, SHARDD_E_INVAL, "out of memory");
   p->ids = ni;
   /* before version 4 every step stepped every ref */
-  uint64_t steps = extra ? strtoull(tok[nt - 1], NULL, 10) : p->steps;
-  p->ids[p->nids++] = (id_map){strtoull(tok[2], NULL, 10), o, steps};
+  uint64_t steps = ml->u.ref.has_steps ? ml->u.ref.steps : p->steps;
+  p->ids[p->nids++] = (id_map){ml->u.ref.old_id, o, steps};
   return SHARDD_OK;
 }
 
 /* "state OPT BUF RANK MASTER_VALID FILE CRC BYTES NSTATE": a payload
  * planned once its optimizer is registered. */
-static shardd_err line_state(restore *c, char **tok) {
-  size_t oi = strtoul(tok[1], NULL, 10);
-  size_t bi = strtoul(tok[2], NULL, 10);
-  if (oi >= c->npo || bi >= c->nb || strchr(tok[5], '/'))
+static shardd_err line_state(restore *c, const shardd__mline *ml) {
+  size_t oi = ml->u.state.opt;
+  size_t bi = ml->u.state.buf;
+  if (oi >= c->npo || bi >= c->nb || !ml->u.state.file_ok)
     return bad(c, SHARDD_E_INVAL, "state of unknown optimizer or buffer");
   pending_optim *p = &c->po[oi];
-  unsigned long rank = strtoul(tok[3], NULL, 10);
-  int nstate = atoi(tok[8]);
+  unsigned long rank = ml->u.state.rank;
+  int nstate = ml->u.state.nstate;
   if (rank >= c->old_world || nstate < 0 || nstate > 3)
     return bad(c, SHARDD_E_INVAL, "state of rank %s of a world of %" PRIu32
-               ", or a bad state count", tok[3], c->old_world);
+               ", or a bad state count", ml->u.state.rank_word,
+               c->old_world);
   /* shardd writes an optimizer's ref lines before its state lines: each
    * state is of a buffer it owns, so their count is bounded by the refs */
   if (!shardd__map_get_id(&p->bufs_reffed, (uint64_t)bi + 1))
@@ -893,18 +422,18 @@ static shardd_err line_state(restore *c, char **tok) {
    * and the daemon was OOM-killed. */
   shardd__buffer *b = c->bufs[bi];
   uint64_t lo, hi, old_s;
-  old_range(b, c->old_world, (uint32_t)rank, &lo, &hi, &old_s);
+  shardd__restore_old_range(b, c->old_world, (uint32_t)rank, &lo, &hi, &old_s);
   size_t omaster, ooffs[3];
   size_t used = shardd__optim_state_layout(b->dtype, old_s, nstate, &omaster,
                                            ooffs);
-  errno = 0;
-  unsigned long long bytes = strtoull(tok[7], NULL, 10);
-  if (errno || bytes < used || bytes - used >= SHARDD__REGION_GRAIN_MAX ||
-      bytes % 4)
+  unsigned long long bytes = ml->u.state.bytes;
+  if (!ml->u.state.bytes_ok || bytes < used ||
+      bytes - used >= SHARDD__REGION_GRAIN_MAX || bytes % 4)
     return bad(c, SHARDD_E_INVAL, "%s/%s states %s bytes, but buffer \"%s\" "
                "rank %lu of a world of %" PRIu32 " holds %zu bytes of state in "
                "%d arrays (%zu with a backend's rounding, at most); refused "
-               "unread", c->dd.path, tok[5], tok[7], b->hdr.name, rank,
+               "unread", c->dd.path, ml->u.state.file, ml->u.state.bytes_word,
+               b->hdr.name, rank,
                c->old_world, used, nstate,
                used + SHARDD__REGION_GRAIN_MAX - 1);
   pending_state *ns = realloc(p->states, (p->nstates + 1) * sizeof *ns);
@@ -915,23 +444,26 @@ static shardd_err line_state(restore *c, char **tok) {
   memset(ps, 0, sizeof *ps);
   ps->buf = bi;
   ps->rank = (uint32_t)rank;
-  ps->master_valid = atoi(tok[4]) != 0;
-  ps->crc = (uint32_t)strtoul(tok[6], NULL, 16);
+  ps->master_valid = ml->u.state.master_valid;
+  ps->crc = ml->u.state.crc;
   ps->bytes = (size_t)bytes;
   ps->nstate = nstate;
-  if ((ps->file = strdup(tok[5])) == NULL)
+  if ((ps->file = strdup(ml->u.state.file)) == NULL)
     return bad(c, SHARDD_E_INVAL, "out of memory");
   return SHARDD_OK;
 }
 
-/* One manifest line, split into words: the header first, then nothing but
- * the job line until it came, nothing at all after "end". */
-static shardd_err parse_line(restore *c, char **tok, int nt) {
+/* One manifest line, split into words and parsed (manifest.c): the header
+ * first, then nothing but the job line until it came, nothing at all after
+ * "end". */
+static shardd_err apply_line(restore *c, char **tok, int nt) {
   if (c->lineno == 1)
     return line_header(c, tok, nt);
   if (c->ended)
     return bad(c, SHARDD_E_INVAL, "text after \"end\"");
-  if (!strcmp(tok[0], "end")) {
+  shardd__mline ml;
+  shardd__manifest_parse(tok, nt, c->mversion, &ml);
+  if (ml.kind == SHARDD__ML_END) {
     if (nt != 2)
       return bad(c, SHARDD_E_INVAL, "malformed \"end\" line");
     /* the seal was checked on the line that starts "end ": one that only
@@ -942,44 +474,47 @@ static shardd_err parse_line(restore *c, char **tok, int nt) {
     c->ended = 1;
     return SHARDD_OK;
   }
-  if (!strcmp(tok[0], "job") && nt == 4 && c->job == NULL)
-    return line_job(c, tok);
+  if (ml.kind == SHARDD__ML_JOB && c->job == NULL)
+    return line_job(c, &ml);
   if (c->job == NULL)
     return bad(c, SHARDD_E_INVAL, "\"%s\" before the job line", tok[0]);
-  if (!strcmp(tok[0], "node") && nt == 3)
-    return line_node(c, tok);
+  if (ml.kind == SHARDD__ML_NODE)
+    return line_node(c, &ml);
   if (c->nodes > 1 && !c->node_seen)
     return bad(c, SHARDD_E_INVAL, "no \"node\" line after the job line (not "
                "a node's part of a multi-node checkpoint)");
-  if (!strcmp(tok[0], "lineage") && nt == 3 && c->nodes > 1) {
+  if (ml.kind == SHARDD__ML_LINEAGE && c->nodes > 1) {
     /* a collective part's lineage is not kept: its restore forms a new
      * fabric on every node; an exit part rejoins the live one */
     if (c->exit_name) {
-      c->job->lineage = strtoull(tok[1], NULL, 16);
-      c->job->origin = strtoull(tok[2], NULL, 16);
+      c->job->lineage = ml.u.lineage.lineage;
+      c->job->origin = ml.u.lineage.origin;
       c->job->rejoining = 1;
       c->lineage_seen = 1;
     }
     return SHARDD_OK;
   }
-  if (!strcmp(tok[0], "areas") && nt == 2 && !strcmp(tok[1], "transient")) {
+  if (ml.kind == SHARDD__ML_TRANSIENT) {
     /* before any buffer line (set_transient refuses a job with buffers) */
     shardd_err rc = shardd__job_set_transient(c->job, 1, c->sub, sizeof c->sub);
     return rc == SHARDD_OK ? SHARDD_OK : bad(c, rc, "%s", c->sub);
   }
-  if (!strcmp(tok[0], "buffer") && nt == 5)
-    return line_buffer(c, tok);
-  if (!strcmp(tok[0], "shard") && nt == 5)
-    return line_shard(c, tok);
-  if (!strcmp(tok[0], "view") && nt >= 6)
-    return line_view(c, tok, nt);
-  if (!strcmp(tok[0], "optimizer") && nt == 5)
-    return line_optimizer(c, tok);
-  if (!strcmp(tok[0], "ref") && nt >= 5 && nt <= 7)
-    return line_ref(c, tok, nt);
-  if (!strcmp(tok[0], "state") && nt == 9)
-    return line_state(c, tok);
-  return bad(c, SHARDD_E_INVAL, "unknown or malformed line \"%s\"", tok[0]);
+  switch (ml.kind) {
+  case SHARDD__ML_BUFFER:
+    return line_buffer(c, &ml);
+  case SHARDD__ML_SHARD:
+    return line_shard(c, &ml);
+  case SHARDD__ML_VIEW:
+    return line_view(c, &ml);
+  case SHARDD__ML_OPTIMIZER:
+    return line_optimizer(c, &ml);
+  case SHARDD__ML_REF:
+    return line_ref(c, &ml);
+  case SHARDD__ML_STATE:
+    return line_state(c, &ml);
+  default:
+    return bad(c, SHARDD_E_INVAL, "unknown or malformed line \"%s\"", tok[0]);
+  }
 }
 
 /* Reads the manifest whole into c->text (its size was bounded when it was
@@ -1066,9 +601,12 @@ static shardd_err precheck(restore *c) {
         break;
       continue;
     }
-    if (nt > 0 && !strcmp(tok[0], "job") && nt == 4 &&
-        shardd__manifest_dec_name(tok[1]))
-      rc = job_check(c, tok);
+    if (nt > 0) {
+      shardd__mline ml;
+      shardd__manifest_parse(tok, nt, 0, &ml);
+      if (ml.kind == SHARDD__ML_JOB && ml.u.job.name_ok)
+        rc = job_check(c, &ml);
+    }
     free(copy);
     if (nt > 0)
       break; /* only the first line after the header may be the job's */
@@ -1081,7 +619,7 @@ static shardd_err precheck(restore *c) {
 /* Replays the lines: the job, buffers and views are registered and each
  * shard's load planned as its line comes; optimizers are only collected. */
 static shardd_err parse_manifest(restore *c) {
-  return each_line(c, parse_line);
+  return each_line(c, apply_line);
 }
 
 /* What a whole manifest must have: an "end" line, a job line, and a shard
@@ -1134,10 +672,10 @@ static shardd_err check_complete(restore *c) {
  * loads of its state files. */
 static shardd_err restore_optimizers(restore *c) {
   for (size_t i = 0; i < c->npo; i++) {
-    shardd_err rc = register_pending(c->reg, c->job, &c->po[i], c->err,
-                                     c->errlen);
+    shardd_err rc = shardd__restore_register_pending(c->reg, c->job, &c->po[i],
+                                                     c->err, c->errlen);
     if (rc == SHARDD_OK)
-      rc = plan_states(c, &c->po[i]);
+      rc = shardd__restore_plan_states(c, &c->po[i]);
     if (rc != SHARDD_OK)
       return rc;
   }
@@ -1329,54 +867,11 @@ shardd_err shardd__checkpoint_read_job(const char *dir, int64_t as_uid,
   shardd_err rc = open_sealed(dir, as_uid, &f, &dfd, &seal, &end_line, err, errlen);
   if (rc != SHARDD_OK)
     return rc;
-  char *line = NULL, *tok[8];
-  size_t cap = 0;
-  int lineno = 0, ended = 0, version = 0;
-  uint32_t parts = 0;
-  rc = SHARDD_OK;
-  while (rc == SHARDD_OK && !ended &&
-         shardd__manifest_read_line(f, &line, &cap, 4096) == SHARDD__LINE_OK) {
-    lineno++;
-    int nt = 0;
-    for (char *save, *t = strtok_r(line, " ", &save); t && nt < 8;
-         t = strtok_r(NULL, " ", &save))
-      tok[nt++] = t;
-    if (lineno == 1) {
-      if (nt != 2 || strcmp(tok[0], SHARDD__JOB_MANIFEST_MAGIC))
-        break; /* an ordinary manifest: nodes stays 0 */
-      version = atoi(tok[1]);
-      if (version < 1 || version > SHARDD__JOB_MANIFEST_VERSION || end_line == 0)
-        goto malformed;
-      continue;
-    }
-    if (nt == 4 && !strcmp(tok[0], "job") && out->name[0] == '\0' &&
-        shardd__manifest_dec_name(tok[1]) && strlen(tok[1]) < sizeof out->name) {
-      snprintf(out->name, sizeof out->name, "%s", tok[1]);
-      out->world = (uint32_t)strtoul(tok[2], NULL, 10);
-      out->uid = (uint32_t)strtoul(tok[3], NULL, 10);
-    } else if (nt == 2 && !strcmp(tok[0], "nodes") && out->nodes == 0) {
-      out->nodes = (uint32_t)strtoul(tok[1], NULL, 10);
-      if (out->nodes < 2 || out->nodes > SHARDD__CKJOB_MAX_NODES)
-        goto malformed;
-    } else if (nt == 4 && !strcmp(tok[0], "part") && out->nodes > 0 &&
-               (uint32_t)strtoul(tok[1], NULL, 10) == parts && parts < out->nodes) {
-      char want[32];
-      snprintf(want, sizeof want, "node-%" PRIu32, parts);
-      if (strcmp(tok[2], want))
-        goto malformed;
-      out->seals[parts++] = (uint32_t)strtoul(tok[3], NULL, 16);
-    } else if (nt == 2 && !strcmp(tok[0], "end") && lineno == end_line) {
-      ended = 1;
-    } else {
-      goto malformed;
-    }
-  }
-  if (version == 0) { /* an ordinary checkpoint */
-    out->nodes = 0;
+  int lineno;
+  int kind = shardd__manifest_read_job(f, end_line, out, &lineno);
+  if (kind == 0) /* an ordinary checkpoint */
     goto done;
-  }
-  if (!ended || out->name[0] == '\0' || out->world == 0 || out->nodes == 0 ||
-      parts != out->nodes || out->world % out->nodes)
+  if (kind < 0)
     goto malformed;
   if (as_uid > 0 && (uint32_t)as_uid != out->uid) {
     snprintf(err, errlen, "job \"%s\" in %s belongs to another user; only it "
@@ -1396,7 +891,6 @@ malformed:
            "(malformed or incomplete)", dir, SHARDD__MANIFEST_FILE, lineno);
   rc = SHARDD_E_INVAL;
 done:
-  free(line);
   fclose(f);
   close(dfd);
   return rc;
@@ -1545,3 +1039,4 @@ shardd_err shardd__checkpoint_seal(const char *dir, uint32_t *seal, char *err,
     fclose(f);
   return rc;
 }
+

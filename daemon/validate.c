@@ -253,6 +253,162 @@ static const char *kind_word(shardd_optim_kind k) {
   return "?";
 }
 
+/* The message prefix naming ref i of param group g by its label. */
+#define AT "param group %zu, ref %zu (\"%s\"): "
+
+/* Checks ref i of param group g (the request's ref) on its own and against
+ * the refs before it (seen, by id); an acceptable one is written to slot
+ * and put in seen: 1. 0: refused (a problem recorded), -1: out of memory,
+ * validation ends. */
+static int check_ref(problems *p, const shardd__registry *reg,
+                     const shardd__job *job, shardd_optim_kind kind,
+                     shardd__map *seen, size_t g, size_t i,
+                     const shardd__optspec_ref *ref, located *slot) {
+  uint64_t id = ref->id;
+  const shardd__obj *o = shardd__registry_get(reg, id);
+  if (o && !shardd__registry_visible(job, o))
+    o = NULL; /* another uid's: as if never issued */
+  const char *label = ref->name && ref->name[0] ? ref->name : o ? o->name : "";
+  uint64_t gen = ref->has_generation ? ref->generation : 0;
+  char stale[512];
+  if (id != 0 &&
+      shardd__registry_stale(reg, job, id, gen, stale, sizeof stale)) {
+    problem(p, SHARDD_E_STALE, AT "%s", g, i, label, stale);
+    return 0;
+  }
+  if (o == NULL) {
+    if (id == 0)
+      problem(p, SHARDD_E_NOT_OWNED,
+              AT "not a shardd buffer or view (a tensor the daemon does "
+                 "not own)",
+              g, i, label);
+    else if (shardd__registry_known_freed(reg, job, id))
+      problem(p, SHARDD_E_NOT_FOUND,
+              AT "id %" PRIu64 " no longer exists (unregistered)", g, i, label,
+              id);
+    else
+      problem(p, SHARDD_E_NOT_FOUND, AT "no buffer or view has id %" PRIu64, g,
+              i, label, id);
+    return 0;
+  }
+  if (o->kind == SHARDD__OBJ_OPTIM) {
+    problem(p, SHARDD_E_INVAL,
+            AT "id %" PRIu64 " is an optimizer, not a buffer or view", g, i,
+            label, id);
+    return 0;
+  }
+  if (o->job != job) {
+    problem(p, SHARDD_E_NOT_OWNED,
+            AT "%s %" PRIu64 " is not owned by job \"%s\"", g, i, label,
+            obj_kind_word(o), id, job->name);
+    return 0;
+  }
+  located *prev = shardd__map_get_id(seen, id);
+  if (prev) {
+    problem(p, SHARDD_E_DUPLICATE,
+            AT "%s %" PRIu64 " already appears at param group %zu, ref %zu", g,
+            i, label, obj_kind_word(o), id, prev->group, prev->index);
+    return 0;
+  }
+  located *l = slot;
+  l->group = g;
+  l->index = i;
+  l->label = label;
+  l->ref.obj = (shardd__obj *)o;
+  l->ref.group = (uint32_t)g;
+  const shardd__optim *owner;
+  if (o->kind == SHARDD__OBJ_VIEW) {
+    const shardd__view *v = (const shardd__view *)o;
+    l->ref.buf = v->buf;
+    l->ref.offset = v->offset;
+    l->ref.numel = v->numel;
+    owner = v->owner;
+  } else {
+    const shardd__buffer *b = (const shardd__buffer *)o;
+    l->ref.buf = (shardd__buffer *)b;
+    l->ref.offset = 0;
+    l->ref.numel = b->numel;
+    owner = b->owner;
+  }
+  if (owner) {
+    problem(p, SHARDD_E_DUPLICATE,
+            AT "%s %" PRIu64 " already belongs to optimizer %" PRIu64
+               " (\"%s\")",
+            g, i, label, obj_kind_word(o), id, owner->hdr.id, owner->hdr.name);
+    return 0;
+  }
+  /* A frozen view is accepted, as torch accepts a parameter with
+   * requires_grad=False: its steps skip it while it stays frozen. A
+   * whole buffer holding frozen views is one parameter part frozen,
+   * which torch has no meaning for. */
+  if (o->kind == SHARDD__OBJ_BUFFER && l->ref.buf->nfrozen > 0) {
+    if (!frozen_buffer_problem(p, g, i, label, l->ref.buf))
+      return -1;
+    return 0;
+  }
+  if (!shardd__optim_supports(kind, l->ref.buf->dtype)) {
+    problem(p, SHARDD_E_DTYPE, AT "dtype %s is not supported by %s", g, i,
+            label, shardd_dtype_name(l->ref.buf->dtype), kind_word(kind));
+    return 0;
+  }
+  if (shardd__map_put_id(seen, id, l) != SHARDD_OK) {
+    problem(p, SHARDD_E_NO_MEMORY, "out of memory validating refs");
+    return -1;
+  }
+  return 1;
+}
+
+/* Overlap: sorted by (buffer, offset), a ref overlaps an earlier one when
+ * it starts before the furthest end seen so far in its buffer. */
+static void check_overlaps(problems *p, located *locs, size_t nlocs) {
+  qsort(locs, nlocs, sizeof *locs, cmp_located);
+  size_t reach = 0; /* index of the ref reaching furthest in this buffer */
+  for (size_t i = 1; i < nlocs; i++) {
+    const located *a = &locs[reach], *b = &locs[i];
+    if (a->ref.buf != b->ref.buf) {
+      reach = i;
+      continue;
+    }
+    if (b->ref.offset < a->ref.offset + a->ref.numel) {
+      if (a->ref.obj->kind == SHARDD__OBJ_BUFFER)
+        problem(p, SHARDD_E_OVERLAP,
+                "param group %zu, ref %zu (\"%s\"): buffer %" PRIu64
+                " is registered whole at param group %zu, ref %zu and also "
+                "through %s %" PRIu64,
+                b->group, b->index, b->label, a->ref.buf->hdr.id, a->group,
+                a->index, obj_kind_word(b->ref.obj), b->ref.obj->id);
+      else
+        problem(p, SHARDD_E_OVERLAP,
+                "param group %zu, ref %zu (\"%s\"): view %" PRIu64
+                " [%" PRIu64 ", %" PRIu64 ") overlaps view %" PRIu64
+                " [%" PRIu64 ", %" PRIu64 ") at param group %zu, ref %zu",
+                b->group, b->index, b->label, b->ref.obj->id, b->ref.offset,
+                b->ref.offset + b->ref.numel, a->ref.obj->id, a->ref.offset,
+                a->ref.offset + a->ref.numel, a->group, a->index);
+    }
+    if (b->ref.offset + b->ref.numel > a->ref.offset + a->ref.numel)
+      reach = i;
+  }
+}
+
+/* Memory other optimizers hold. The per-ref owner check only sees the
+ * object named; without this a buffer held whole by one optimizer could be
+ * registered again through its views, or a held view's elements through
+ * the whole buffer or an overlapping view, and two optimizers would update
+ * the same elements (tests/test_validate.c:
+ * memory_held_by_another_optimizer). Only buffers with nowned > 0 are
+ * looked at, so the common case costs nothing. locs: sorted by buffer. */
+static void check_held_all(problems *p, const located *locs, size_t nlocs) {
+  for (size_t i = 0; i < nlocs;) {
+    size_t end = i;
+    while (end < nlocs && locs[end].ref.buf == locs[i].ref.buf)
+      end++;
+    if (locs[i].ref.buf->nowned > 0)
+      check_held(p, locs[i].ref.buf, locs + i, end - i);
+    i = end;
+  }
+}
+
 shardd_err shardd__validate_optimizer(const shardd__registry *reg,
                                       const shardd__job *job,
                                       const shardd__optspec *req,
@@ -300,151 +456,16 @@ shardd_err shardd__validate_optimizer(const shardd__registry *reg,
       problem(&p, SHARDD_E_INVAL, "param group %zu is empty", g);
 
     for (size_t i = 0; i < grp->nrefs; i++) {
-      const shardd__optspec_ref *ref = &grp->refs[i];
-      uint64_t id = ref->id;
-      const shardd__obj *o = shardd__registry_get(reg, id);
-      if (o && !shardd__registry_visible(job, o))
-        o = NULL; /* another uid's: as if never issued */
-      const char *label = ref->name && ref->name[0] ? ref->name
-                          : o                       ? o->name
-                                                    : "";
-#define AT "param group %zu, ref %zu (\"%s\"): "
-      uint64_t gen = ref->has_generation ? ref->generation : 0;
-      char stale[512];
-      if (id != 0 && shardd__registry_stale(reg, job, id, gen, stale, sizeof stale)) {
-        problem(&p, SHARDD_E_STALE, AT "%s", g, i, label, stale);
-        continue;
-      }
-      if (o == NULL) {
-        if (id == 0)
-          problem(&p, SHARDD_E_NOT_OWNED,
-                  AT "not a shardd buffer or view (a tensor the daemon does "
-                     "not own)",
-                  g, i, label);
-        else if (shardd__registry_known_freed(reg, job, id))
-          problem(&p, SHARDD_E_NOT_FOUND,
-                  AT "id %" PRIu64 " no longer exists (unregistered)", g, i,
-                  label, id);
-        else
-          problem(&p, SHARDD_E_NOT_FOUND,
-                  AT "no buffer or view has id %" PRIu64, g, i, label, id);
-        continue;
-      }
-      if (o->kind == SHARDD__OBJ_OPTIM) {
-        problem(&p, SHARDD_E_INVAL,
-                AT "id %" PRIu64 " is an optimizer, not a buffer or view", g,
-                i, label, id);
-        continue;
-      }
-      if (o->job != job) {
-        problem(&p, SHARDD_E_NOT_OWNED,
-                AT "%s %" PRIu64 " is not owned by job \"%s\"", g, i, label,
-                obj_kind_word(o), id, job->name);
-        continue;
-      }
-      located *prev = shardd__map_get_id(&seen, id);
-      if (prev) {
-        problem(&p, SHARDD_E_DUPLICATE,
-                AT "%s %" PRIu64 " already appears at param group %zu, ref %zu",
-                g, i, label, obj_kind_word(o), id, prev->group, prev->index);
-        continue;
-      }
-      located *l = &locs[nlocs];
-      l->group = g;
-      l->index = i;
-      l->label = label;
-      l->ref.obj = (shardd__obj *)o;
-      l->ref.group = (uint32_t)g;
-      const shardd__optim *owner;
-      if (o->kind == SHARDD__OBJ_VIEW) {
-        const shardd__view *v = (const shardd__view *)o;
-        l->ref.buf = v->buf;
-        l->ref.offset = v->offset;
-        l->ref.numel = v->numel;
-        owner = v->owner;
-      } else {
-        const shardd__buffer *b = (const shardd__buffer *)o;
-        l->ref.buf = (shardd__buffer *)b;
-        l->ref.offset = 0;
-        l->ref.numel = b->numel;
-        owner = b->owner;
-      }
-      if (owner) {
-        problem(&p, SHARDD_E_DUPLICATE,
-                AT "%s %" PRIu64 " already belongs to optimizer %" PRIu64
-                   " (\"%s\")",
-                g, i, label, obj_kind_word(o), id, owner->hdr.id,
-                owner->hdr.name);
-        continue;
-      }
-      /* A frozen view is accepted, as torch accepts a parameter with
-       * requires_grad=False: its steps skip it while it stays frozen. A
-       * whole buffer holding frozen views is one parameter part frozen,
-       * which torch has no meaning for. */
-      if (o->kind == SHARDD__OBJ_BUFFER && l->ref.buf->nfrozen > 0) {
-        if (!frozen_buffer_problem(&p, g, i, label, l->ref.buf))
-          goto done;
-        continue;
-      }
-      if (!shardd__optim_supports(kind, l->ref.buf->dtype)) {
-        problem(&p, SHARDD_E_DTYPE, AT "dtype %s is not supported by %s", g, i,
-                label, shardd_dtype_name(l->ref.buf->dtype), kind_word(kind));
-        continue;
-      }
-      if (shardd__map_put_id(&seen, id, l) != SHARDD_OK) {
-        problem(&p, SHARDD_E_NO_MEMORY, "out of memory validating refs");
+      int r = check_ref(&p, reg, job, kind, &seen, g, i, &grp->refs[i],
+                        &locs[nlocs]);
+      if (r < 0)
         goto done;
-      }
-      nlocs++;
+      nlocs += (size_t)r;
     }
   }
 
-  /* Overlap: sorted by (buffer, offset), a ref overlaps an earlier one when
-   * it starts before the furthest end seen so far in its buffer. */
-  qsort(locs, nlocs, sizeof *locs, cmp_located);
-  size_t reach = 0; /* index of the ref reaching furthest in this buffer */
-  for (size_t i = 1; i < nlocs; i++) {
-    const located *a = &locs[reach], *b = &locs[i];
-    if (a->ref.buf != b->ref.buf) {
-      reach = i;
-      continue;
-    }
-    if (b->ref.offset < a->ref.offset + a->ref.numel) {
-      if (a->ref.obj->kind == SHARDD__OBJ_BUFFER)
-        problem(&p, SHARDD_E_OVERLAP,
-                "param group %zu, ref %zu (\"%s\"): buffer %" PRIu64
-                " is registered whole at param group %zu, ref %zu and also "
-                "through %s %" PRIu64,
-                b->group, b->index, b->label, a->ref.buf->hdr.id, a->group,
-                a->index, obj_kind_word(b->ref.obj), b->ref.obj->id);
-      else
-        problem(&p, SHARDD_E_OVERLAP,
-                "param group %zu, ref %zu (\"%s\"): view %" PRIu64
-                " [%" PRIu64 ", %" PRIu64 ") overlaps view %" PRIu64
-                " [%" PRIu64 ", %" PRIu64 ") at param group %zu, ref %zu",
-                b->group, b->index, b->label, b->ref.obj->id, b->ref.offset,
-                b->ref.offset + b->ref.numel, a->ref.obj->id, a->ref.offset,
-                a->ref.offset + a->ref.numel, a->group, a->index);
-    }
-    if (b->ref.offset + b->ref.numel > a->ref.offset + a->ref.numel)
-      reach = i;
-  }
-
-  /* Memory other optimizers hold. The per-ref owner check above only sees
-   * the object named; without this a buffer held whole by one optimizer
-   * could be registered again through its views, or a held view's elements
-   * through the whole buffer or an overlapping view, and two optimizers
-   * would update the same elements (tests/test_validate.c:
-   * memory_held_by_another_optimizer). Only buffers with nowned > 0 are
-   * looked at, so the common case costs nothing. */
-  for (size_t i = 0; i < nlocs;) {
-    size_t end = i;
-    while (end < nlocs && locs[end].ref.buf == locs[i].ref.buf)
-      end++;
-    if (locs[i].ref.buf->nowned > 0)
-      check_held(&p, locs[i].ref.buf, locs + i, end - i);
-    i = end;
-  }
+  check_overlaps(&p, locs, nlocs);
+  check_held_all(&p, locs, nlocs);
 
 done:
   shardd__map_free(&seen);

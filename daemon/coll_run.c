@@ -1,0 +1,224 @@
+/* coll_run.c — running a phase's tasks: on libuv's pool, by the loop
+ * thread for a small collective on host memory, and small collectives
+ * handed to the pool together in batches. */
+#include "coll_int.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* Bytes a collective may move and still run as one pool task: below it
+ * the per-task cost (a pool wake-up and a loop wake-up each) outweighs
+ * spreading the copies over the workers. */
+#define SMALL_COLL_BYTES ((uint64_t)256 << 10)
+
+/* The bytes c's gather or scatter moves over all its ranks; 0 otherwise. */
+static uint64_t coll_bytes(const coll *c) {
+  if (c->buf == NULL || shardd__coll_multi(c) || c->bulk ||
+      (c->args.kind != SHARDD__COLL_GATHER && c->args.kind != SHARDD__COLL_SCATTER))
+    return 0;
+  return c->buf->padded_numel * shardd_dtype_size(c->buf->dtype) * c->job->world;
+}
+
+/* Whether c is a single-node gather or scatter of a small buffer (every
+ * rank's side of it together under SMALL_COLL_BYTES). */
+static int small_coll(const coll *c) {
+  uint64_t bytes = coll_bytes(c);
+  return bytes > 0 && bytes <= SMALL_COLL_BYTES;
+}
+
+/* Whether the loop thread claims tasks of a collective of bytes, taking
+ * them from its budget: LOOP_HELP_BYTES for the request being submitted
+ * (the last rank's arrival starts the collective), over every collective
+ * it starts, a bucket's entries included (64 entries of 4 MiB would
+ * otherwise copy hundreds of MiB there while every other session waits).
+ * Collectives started by another's completion get none: the pool runs
+ * them, as their ranks are not the ones waiting on this callback. */
+static int loop_helps(shardd__coll_engine *e, uint64_t bytes) {
+  if (!(e->be->caps & SHARDD__BACKEND_CAP_HOST_MAPPED) || bytes == 0 ||
+      bytes > e->help_left)
+    return 0;
+  e->help_left -= bytes;
+  return 1;
+}
+
+/* Starts c's tasks as claims: `turns` pool turns (queued on the reqs of
+ * tasks[0..turns)) each run the next unclaimed task until none is left,
+ * and so does the loop thread first when help is set; the turns no pool
+ * thread had started by then are cancelled (their after-work callback
+ * comes on the next loop turn, UV_ECANCELED). Completion stays on a later
+ * loop turn, never inside shardd__coll_schedule(). */
+static void run_claimed(coll *c, size_t turns, int help) {
+  c->claiming = 1;
+  atomic_store(&c->claim, 0);
+  c->left = turns;
+  for (size_t i = 0; i < turns; i++)
+    /* fails only without a work callback (UV_EINVAL) */
+    (void)uv_queue_work(c->e->cfg.loop, &c->tasks[i].req, shardd__coll_work,
+                        shardd__coll_task_done);
+  if (!help)
+    return;
+  shardd__coll_claim_run(c);
+  /* UV_EBUSY for a turn a pool thread took: it finds no task left */
+  for (size_t i = 0; i < turns; i++)
+    (void)uv_cancel((uv_req_t *)&c->tasks[i].req);
+}
+
+/* A bucket's small collectives, started together (shardd__coll_batch_end):
+ * like one collective's claimed tasks, each turn runs the next unclaimed
+ * collective's tasks until none is left; the collectives complete when
+ * every turn has ended (or was cancelled). */
+#define BATCH_TURNS 4
+
+static void batch_start(shardd__coll_engine *e);
+
+typedef struct {
+  uv_work_t turns[BATCH_TURNS];
+  size_t nturns, left, n;
+  atomic_size_t claim;
+  coll *colls[]; /* [n], in start order */
+} coll_batch;
+
+static void batch_run(coll_batch *b) {
+  size_t i;
+  while ((i = atomic_fetch_add_explicit(&b->claim, 1, memory_order_relaxed)) < b->n)
+    shardd__coll_work(&b->colls[i]->tasks[0].req);
+}
+
+static void batch_work(uv_work_t *req) { batch_run(req->data); }
+
+static void batch_done(uv_work_t *req, int status) {
+  coll_batch *b = req->data;
+  (void)status; /* a cancelled turn found every collective claimed */
+  if (--b->left > 0)
+    return;
+  /* each completion may free its coll and start others: b is the list */
+  for (size_t i = 0; i < b->n; i++)
+    shardd__coll_task_done(&b->colls[i]->tasks[0].req, 0);
+  free(b);
+}
+
+void shardd__coll_batch_begin(shardd__coll_engine *e) {
+  if (e->batching++ == 0)
+    e->help_left = LOOP_HELP_BYTES; /* the bucket's request's budget */
+}
+
+void shardd__coll_batch_end(shardd__coll_engine *e) {
+  if (e->batching == 0 || --e->batching > 0)
+    return;
+  batch_start(e);
+  e->help_left = 0;
+}
+
+/* Starts the small collectives listed while batching (their request's
+ * budget still set). */
+static void batch_start(shardd__coll_engine *e) {
+  if (e->batch_head == NULL)
+    return;
+  size_t n = e->nbatch;
+  coll *list = e->batch_head;
+  e->batch_head = NULL;
+  e->nbatch = 0;
+  coll_batch *b = malloc(sizeof *b + n * sizeof(coll *));
+  if (b == NULL) {
+    /* out of memory: each alone, its tasks grouped on tasks[0] */
+    for (coll *c = list; c; c = c->batch_next)
+      (void)uv_queue_work(e->cfg.loop, &c->tasks[0].req, shardd__coll_work,
+                          shardd__coll_task_done);
+    return;
+  }
+  /* in start order (the list is newest first) */
+  uint64_t bytes = 0;
+  size_t i = n;
+  for (coll *c = list; c; c = c->batch_next) {
+    b->colls[--i] = c;
+    bytes += coll_bytes(c);
+  }
+  b->n = n;
+  atomic_init(&b->claim, 0);
+  b->nturns = n < BATCH_TURNS ? n : BATCH_TURNS;
+  if (b->nturns > e->cpus)
+    b->nturns = e->cpus;
+  b->left = b->nturns;
+  for (size_t k = 0; k < b->nturns; k++) {
+    b->turns[k].data = b;
+    /* fails only without a work callback (UV_EINVAL) */
+    (void)uv_queue_work(e->cfg.loop, &b->turns[k], batch_work, batch_done);
+  }
+  if (!loop_helps(e, bytes))
+    return;
+  batch_run(b);
+  /* UV_EBUSY for a turn a pool thread took: it finds nothing left */
+  for (size_t k = 0; k < b->nturns; k++)
+    (void)uv_cancel((uv_req_t *)&b->turns[k]);
+}
+
+/* Plans c's phase and starts its tasks (on the pool, or the exchange on a
+ * fabric thread). */
+void shardd__coll_run_phase(coll *c) {
+  c->bulk = c->args.kind != SHARDD__COLL_STEP && c->refused == SHARDD_OK &&
+            shardd__coll_bulk_ok(c);
+  c->claiming = 0;
+  int planned = c->args.kind != SHARDD__COLL_ALL_REDUCE || shardd__coll_multi(c);
+  size_t n = planned ? shardd__coll_plan(c, NULL) : 0;
+  free(c->tasks);
+  c->tasks = calloc(n ? n : 1, sizeof *c->tasks);
+  if (c->tasks == NULL) {
+    coll_job *q = c->cj;
+    shardd__coll_finish(c, SHARDD_E_NO_MEMORY,
+                        "out of memory starting a collective");
+    shardd__coll_schedule(q);
+    return;
+  }
+  if (planned)
+    shardd__coll_plan(c, c->tasks);
+  c->ntasks = n;
+  c->left = n;
+  if (n == 0) {
+    /* Nothing to run (a wholly frozen scatter, an all_reduce): one empty task
+     * still goes through the pool, so completion (which may free c, and release
+     * the job) happens on a later loop turn, never inside
+     * shardd__coll_schedule(). */
+    c->left = 1;
+    c->tasks[0].c = c;
+    c->tasks[0].req.data = &c->tasks[0];
+    if (uv_queue_work(c->e->cfg.loop, &c->tasks[0].req, shardd__coll_work,
+                      shardd__coll_task_done) != 0)
+      shardd__coll_task_done(&c->tasks[0].req, 0);
+    return;
+  }
+  for (size_t i = 0; i < n; i++) {
+    c->tasks[i].c = c;
+    c->tasks[i].req.data = &c->tasks[i];
+  }
+  if (small_coll(c) && c->e->batching) {
+    /* a bucket's entry: it runs with the bucket's other small collectives
+     * (shardd__coll_batch_end), its tasks grouped on tasks[0] */
+    c->left = 1;
+    c->tasks[0].group = n;
+    c->batch_next = c->e->batch_head;
+    c->e->batch_head = c;
+    c->e->nbatch++;
+    return;
+  }
+  if (!shardd__coll_multi(c) && !c->bulk) {
+    /* one claiming turn for a small buffer (the pool's round trip per
+     * task cost more than its copies), else one per worker */
+    int help = loop_helps(c->e, coll_bytes(c));
+    size_t turns = small_coll(c) ? 1 : help ? c->e->cpus : c->e->workers;
+    run_claimed(c, n < turns ? n : turns, help);
+    return;
+  }
+  for (size_t i = 0; i < n; i++) {
+    task *t = &c->tasks[i];
+    if (t->fabric) {
+      shardd__coll_fab_submit(c, t);
+      continue;
+    }
+    if (uv_queue_work(c->e->cfg.loop, &t->req, shardd__coll_work,
+                      shardd__coll_task_done) != 0) {
+      /* cannot happen for a valid loop; run inline then */
+      shardd__coll_work(&t->req);
+      shardd__coll_task_done(&t->req, 0);
+    }
+  }
+}
