@@ -453,6 +453,13 @@ done:
   return rc;
 }
 
+const char *shardd__checkpoint_wmanifest(shardd__ckwrite *w, size_t *len) {
+  w->seal = shardd__crc32c(0, w->m.s, w->m.len);
+  shardd__sb_printf(&w->m, "end %08" PRIx32 "\n", w->seal);
+  *len = w->m.len;
+  return w->m.failed ? NULL : w->m.s;
+}
+
 shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
                                     const char *dirpath, int64_t as_uid,
                                     char *err, size_t errlen) {

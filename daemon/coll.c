@@ -215,6 +215,11 @@ static void settle_areas(coll *c, shardd_err code) {
 
 /* Answers every rank still there with code/msg and forgets the collective. */
 static void coll_finish(coll *c, shardd_err code, const char *msg) {
+  if (c->step_begun && c->e->cfg.hooks.step_end) {
+    c->step_begun = 0;
+    c->e->cfg.hooks.step_end(c->e->cfg.hooks.ctx, c->job, c->opt, c->step,
+                             code);
+  }
   coll_unlink(c);
   for (uint32_t r = 0; r < c->job->world; r++) {
     waiter *w = &c->waiters[r];
@@ -907,6 +912,13 @@ static void batch_start(shardd__coll_engine *e) {
 /* Plans c's phase and starts its tasks (on the pool, or the exchange on a
  * fabric thread). */
 static void run_phase(coll *c) {
+  /* before the first update touches a byte: a crash from here on may
+   * leave the step half applied, and whoever listens records that */
+  if (c->args.kind == SHARDD__COLL_STEP && c->phase == 1 && !c->step_begun &&
+      c->refused == SHARDD_OK && c->e->cfg.hooks.step_begin) {
+    c->step_begun = 1;
+    c->e->cfg.hooks.step_begin(c->e->cfg.hooks.ctx, c->job, c->opt, c->step);
+  }
   c->bulk = c->args.kind != SHARDD__COLL_STEP && c->refused == SHARDD_OK &&
             shardd__coll_bulk_ok(c);
   c->claiming = 0;

@@ -65,6 +65,11 @@ typedef struct {
   uint32_t max_reply_fds;
   uint64_t max_reply_bytes_per_uid;
   uint32_t max_reply_fds_per_uid;
+  /* keep every single-node job's memory and description in the service
+   * manager's file descriptor store (fdstore.h); main decides, from
+   * $NOTIFY_SOCKET and $FDSTORE, with the host backend in
+   * SHARDD__PERSIST_ON */
+  int fd_store;
 } shardd__server_opts;
 
 #define SHARDD__UID_MEMORY_DEFAULT UINT64_MAX
