@@ -335,8 +335,18 @@ shardd_err shardd__checkpoint_prepare(shardd__registry *reg, shardd__job *job,
     shardd__sb_printf(m, "optimizer %zu ", i);
     shardd__manifest_enc_name(m, o->hdr.name);
     shardd__sb_printf(m, " %" PRIu64 " ", o->steps);
-    for (size_t k = 0; k < o->spec_len; k++)
-      shardd__sb_printf(m, "%02x", o->spec[k]);
+    /* in chunks: a printf per byte cost the fd store's per-step
+     * description most of its time */
+    for (size_t k = 0; k < o->spec_len;) {
+      static const char hx[] = "0123456789abcdef";
+      char chunk[512];
+      size_t c = 0;
+      for (; k < o->spec_len && c < sizeof chunk; k++) {
+        chunk[c++] = hx[o->spec[k] >> 4];
+        chunk[c++] = hx[o->spec[k] & 15];
+      }
+      shardd__sb_printf(m, "%.*s", (int)c, chunk);
+    }
     shardd__sb_printf(m, "\n");
     for (size_t k = 0; k < o->nrefs; k++) {
       shardd__obj *r = o->refs[k];

@@ -240,8 +240,11 @@ void shardd__dispatch_one(shardd__dispatch *d, shardd__conn *c,
     /* the job's description in the fd store is rewritten before the loop
      * waits again (a Hello may have made a job: every job is looked at) */
     if (d->fdstore)
-      shardd__fdstore_touch(d->fdstore, commands[i].changes_ckpt ? c->m.job
-                                                                 : NULL);
+      shardd__fdstore_touch(d->fdstore,
+                            commands[i].changes_ckpt &&
+                                    req->body_case != SHARDWIRE__REQUEST__BODY_STEP
+                                ? c->m.job
+                                : NULL); /* a step's own hooks describe it */
     commands[i].fn(d, c, seq, req);
   }
   shardwire__request__free_unpacked(req, NULL);
