@@ -352,6 +352,31 @@ class DaemonRestartTest(unittest.TestCase):
             for s, v in run.mean_losses().items():
                 self.assertEqual(v, ref.mean_losses()[s], "step %d's loss" % s)
 
+    def test_stop_and_start_resumes_from_the_store_before_the_exit_checkpoint(self):
+        """A clean stop (SIGTERM) writes the exit checkpoint and leaves the
+        store as it is; the start resumes from the store and says the exit
+        checkpoint of that job was not restored."""
+        ref = self.reference()
+        m = self.manager()
+        m.start()
+        job = common.job("restart-stop")
+        first = Run(m.sock_path, job, pause_s=0.3)
+        first.poll(lambda s: len(s.losses.get(2, {})) == 2)
+        m.stop()
+        first.kill()
+        reached = max(s for s, v in first.losses.items() if len(v) == 2) + 1
+        exit_dir = os.path.join(m.root, "state", "exit", job)
+        self.assertTrue(os.path.exists(os.path.join(exit_dir, "manifest")))
+        m.start()
+        log = m.read_log()
+        self.assertIn("job \"%s\" resumed from the fd store at step %d" % (job, reached), log)
+        self.assertIn("--restore: job \"%s\" in %s not restored: the fd store held it"
+                      % (job, exit_dir), log)
+        again = Run(m.sock_path, job).finish()
+        self.assertEqual(again.errors, [])
+        self.assertEqual(set(again.starts.values()), {reached})
+        self.assert_continues(again, ref, reached)
+
     def test_sigkill_inside_a_step_refuses_naming_it(self):
         m = self.manager()
         # a test-only pause inside every step, after its journal record
