@@ -14,6 +14,7 @@ import array
 import multiprocessing as mp
 import os
 import queue
+import random
 import shlex
 import shutil
 import signal
@@ -183,6 +184,8 @@ class Manager:
         self.pump()
 
     def close(self):
+        if self.closing:
+            return
         self.stop()
         self.closing = True
         self.reader.join(5)
@@ -376,6 +379,48 @@ class DaemonRestartTest(unittest.TestCase):
         self.assertEqual(again.errors, [])
         self.assertEqual(set(again.starts.values()), {reached})
         self.assert_continues(again, ref, reached)
+
+    def test_sigkill_at_random_instants_never_resumes_half_a_step(self):
+        """SIGKILL at random instants of a run without pauses (between
+        steps, inside one, in a gather or scatter), several times: each
+        relaunch either resumes and ends bit-identical to the uninterrupted
+        run, or is refused as torn naming the step the kill landed in."""
+        ref = self.reference()
+        rnd = random.Random(int(os.environ.get("SHARDD_TEST_SEED", "32")))
+        outcomes = []
+        for trial in range(4):
+            m = self.manager()
+            m.start()
+            job = common.job("restart-rnd")
+            first = Run(m.sock_path, job)
+            k = rnd.randrange(0, 5)
+            first.poll(lambda s: len(s.losses.get(k, {})) == 2)
+            time.sleep(rnd.uniform(0.0, 0.1))  # a step takes some 50-100 ms here
+            m.kill()
+            first.kill()
+            done = max((s for s, v in first.losses.items() if len(v) == 2), default=-1) + 1
+            m.start()
+            again = Run(m.sock_path, job).finish()
+            if again.errors:
+                codes = {e[1] for e in again.errors}
+                self.assertEqual(codes, {"E_STATE"}, again.errors)
+                msg = again.errors[0][2]
+                self.assertIn("torn", msg)
+                step = int(msg.split("during step ")[1].split()[0])
+                # the step in progress: past every one the ranks saw end
+                self.assertGreaterEqual(step, done + 1, msg)
+                outcomes.append("torn in step %d" % step)
+            else:
+                start = set(again.starts.values())
+                self.assertEqual(len(start), 1)
+                start = start.pop()
+                # at least what the ranks saw end (a loss in their queue
+                # may not have reached us before the kill)
+                self.assertGreaterEqual(start, done, m.read_log())
+                self.assert_continues(again, ref, start)
+                outcomes.append("resumed at %d" % start)
+            m.close()
+        print("\n  random SIGKILLs: %s" % ", ".join(outcomes))
 
     def test_sigkill_inside_a_step_refuses_naming_it(self):
         m = self.manager()
