@@ -74,6 +74,8 @@ typedef struct torn {
   uint64_t step;
   char opt[112];
   int anonymous; /* only the overflow counter says a step ran */
+  /* not torn by a step: its description could not be adopted (why) */
+  char *why;
   shardd__fdstore_fd *fds; /* its memory, kept in the store until forgotten */
   char **names;
   size_t nfds;
@@ -524,6 +526,7 @@ static void free_torn(torn *t) {
   free(t->key);
   free(t->name);
   free(t->hint);
+  free(t->why);
   free(t);
 }
 
@@ -560,7 +563,9 @@ void shardd__fdstore_free(shardd__fdstore *fs) {
 typedef struct {
   shardd__fdstore_fd *fds;
   size_t n;
-  uint8_t *taken; /* [n]: kept by a job (adopted region or description) */
+  /* [n]: 1 a region swapped in (through a descriptor of its own), 2 a
+   * description's, owned by its entry */
+  uint8_t *taken;
   uint8_t *kept;  /* [n]: kept open for a torn job */
 } pool;
 
@@ -729,6 +734,28 @@ static void keep_torn(shardd__fdstore *fs, pool *p, const char *base,
   (void)fs;
 }
 
+/* Marks uid's job jname torn (why NULL: killed in step in_step of
+ * optimizer in_opt, 0 an unnamed one; else its description could not be
+ * adopted, for that reason), keeping its fds in the store. */
+static void add_torn(shardd__fdstore *fs, pool *p, const char *base,
+                     const char *text, uint32_t uid, const char *jname,
+                     uint64_t in_step, const char *in_opt, const char *why) {
+  torn *tn = calloc(1, sizeof *tn);
+  if (tn && (tn->key = key_of(uid, jname)) && (tn->name = strdup(jname)) &&
+      (why == NULL || (tn->why = strdup(why)))) {
+    tn->step = in_step;
+    tn->anonymous = in_step == 0;
+    snprintf(tn->opt, sizeof tn->opt, "%s", in_opt ? in_opt : "");
+    keep_torn(fs, p, base, text, tn);
+    tn->next = fs->torn;
+    fs->torn = tn;
+  } else if (tn) {
+    free(tn->key);
+    free(tn->name);
+    free(tn);
+  }
+}
+
 /* One job's description (its three fds, any of them missing): adopted,
  * torn or refused. 0 adopted, 1 refused (logged). */
 static int adopt_one(shardd__fdstore *fs, pool *p, const char *base,
@@ -788,18 +815,7 @@ static int adopt_one(shardd__fdstore *fs, pool *p, const char *base,
     munmap((void *)j, JRNL_BYTES);
   }
   if (in_step || overflow) {
-    torn *tn = calloc(1, sizeof *tn);
-    if (tn && (tn->key = key_of(uid, jname)) && (tn->name = strdup(jname))) {
-      tn->step = in_step;
-      tn->anonymous = in_step == 0;
-      memcpy(tn->opt, in_opt, sizeof tn->opt);
-      keep_torn(fs, p, base, t, tn);
-      tn->next = fs->torn;
-      fs->torn = tn;
-    } else if (tn) {
-      free(tn->key);
-      free(tn);
-    }
+    add_torn(fs, p, base, t, uid, jname, in_step, in_opt, NULL);
     if (in_step)
       shardd__log(0, "fd store: job \"%s\" (uid %" PRIu32 ") is torn: the "
                   "daemon died during step %" PRIu64 " of optimizer \"%s\", "
@@ -833,12 +849,18 @@ static int adopt_one(shardd__fdstore *fs, pool *p, const char *base,
     }
   }
   shardd__checkpoint_restore_free(r);
-  free(t);
   if (rc != SHARDD_OK) {
-    shardd__log(0, "fd store: job \"%s\" (uid %" PRIu32 ") not resumed: %s",
-                jname, uid, err);
+    /* refused as a torn job is: a relaunch must not start it afresh in
+     * silence (a kill between a buffer's free and its description's
+     * rewrite leaves a description naming memory no longer stored) */
+    shardd__log(0, "fd store: job \"%s\" (uid %" PRIu32 ") not resumed: %s; "
+                "every attach is refused until it is released (shardctl "
+                "release) or restored from a checkpoint", jname, uid, err);
+    add_torn(fs, p, base, t, uid, jname, 0, NULL, err);
+    free(t);
     return 1;
   }
+  free(t);
   /* the description goes on in the same three memfds */
   fs_job *e = calloc(1, sizeof *e);
   char *ekey = key_of(uid, jname);
@@ -849,7 +871,7 @@ static int adopt_one(shardd__fdstore *fs, pool *p, const char *base,
     for (int q = 0; q < 3; q++) {
       e->fd[q] = idx[q] >= 0 ? p->fds[idx[q]].fd : -1;
       if (idx[q] >= 0)
-        p->taken[idx[q]] = 1;
+        p->taken[idx[q]] = 2; /* the entry's own from here */
     }
     if (e->fd[1 - k] < 0) { /* a slot lost: a new one, stored */
       fd_name(e, 1 - k, name, sizeof name);
@@ -900,15 +922,17 @@ int shardd__fdstore_adopt(shardd__fdstore *fs, shardd__fdstore_fd *fds,
     base[l - 2] = '\0';
     refused += adopt_one(fs, &p, base, adopted, arg);
   }
-  /* what no job took: out of the store */
+  /* what no job took: out of the store; a region taken is mapped through
+   * a descriptor of its own, so the one handed back is closed too */
   size_t dropped = 0;
   for (size_t i = 0; i < p.n; i++) {
-    if (p.taken && p.kept && (p.taken[i] || p.kept[i]))
+    if (p.taken && p.kept && (p.taken[i] == 2 || p.kept[i]))
       continue;
-    if (p.taken && !p.taken[i])
+    if (p.taken && !p.taken[i]) {
       unstore_fd(fds[i].name);
+      dropped++;
+    }
     close(fds[i].fd);
-    dropped++;
   }
   if (dropped)
     shardd__log(2, "fd store: %zu descriptor%s no job holds removed", dropped,
@@ -957,7 +981,10 @@ int shardd__fdstore_torn(const shardd__fdstore *fs, uint32_t uid,
     snprintf(where, sizeof where, "no checkpoint of it is known to this "
              "daemon: restore one you wrote after `shardctl release %s`, or "
              "release it to start afresh", name);
-  if (t->anonymous)
+  if (t->why)
+    snprintf(msg, len, "job \"%s\" could not be resumed from the fd store "
+             "(%s); not resumed. %s", name, t->why, where);
+  else if (t->anonymous)
     snprintf(msg, len, "job \"%s\" is torn: the daemon died during one of "
              "its steps, and its memory may hold half of it; not resumed. %s",
              name, where);

@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import queue
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -421,6 +422,37 @@ class DaemonRestartTest(unittest.TestCase):
                 outcomes.append("resumed at %d" % start)
             m.close()
         print("\n  random SIGKILLs: %s" % ", ".join(outcomes))
+
+    def test_a_description_naming_memory_not_handed_back_is_refused(self):
+        """A region the description names is missing from the store (a
+        kill between a buffer's free and its description's rewrite, or a
+        store that lost one): the job is not started afresh in silence;
+        every attach is refused saying so until it is released."""
+        m = self.manager()
+        m.start()
+        job = common.job("restart-lost")
+        first = Run(m.sock_path, job, pause_s=0.3)
+        self.kill_between_steps(m, first, 1)
+        with m.lock:  # a buffer's region, as its description names it
+            named = set()
+            for n, fd in m.store.items():
+                if n.startswith("shardd-m") and n[-2:] in ("-a", "-b"):
+                    text = os.pread(fd, 1 << 20, 4096).decode(errors="replace")
+                    named |= set(re.findall(r"^region buffer \S+ \d+ (\S+)$", text, re.M))
+            lost = sorted(named & set(m.store))[0]
+            os.close(m.store.pop(lost))
+        m.start()
+        self.assertIn("not resumed: region %s was not handed back" % lost, m.read_log())
+        with self.assertRaises(shardd.Error) as cm:
+            shardd.Client(m.sock_path, job=job, rank=0, world=2).close()
+        self.assertEqual(cm.exception.code_name, "E_STATE")
+        self.assertIn("could not be resumed from the fd store", cm.exception.message)
+        ctl = shardd.Client(m.sock_path)
+        ctl.release_job(job)
+        ctl.close()
+        again = Run(m.sock_path, job).finish()
+        self.assertEqual(again.errors, [])
+        self.assertEqual(set(again.starts.values()), {0})
 
     def test_sigkill_inside_a_step_refuses_naming_it(self):
         m = self.manager()
