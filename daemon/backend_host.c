@@ -46,7 +46,10 @@ static void store_region(host_priv *hp, shardd__region *r) {
   snprintf(name, sizeof name, "%s%s-%" PRIx64, SHARDD__STORE_REGION_PREFIX,
            hp->store_prefix, n);
   snprintf(state, sizeof state, "FDSTORE=1\nFDNAME=%s", name);
-  if (shardd__sd_notify_fd(state, r->fd, err, sizeof err) != SHARDD_OK) {
+  if (!shardd__sd_fdname_valid(name))
+    snprintf(err, sizeof err, "\"%s\" is no valid FDNAME", name);
+  if (!shardd__sd_fdname_valid(name) ||
+      shardd__sd_notify_fd(state, r->fd, err, sizeof err) != SHARDD_OK) {
     shardd__log(1, "fd store: region of %zu bytes not stored (it will not "
                 "outlive this daemon): %s", r->bytes, err);
     return;

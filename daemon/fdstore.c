@@ -109,6 +109,10 @@ static char *key_of(uint32_t uid, const char *name) {
 
 static void store_fd(int fd, const char *name) {
   char state[128], err[256];
+  if (!shardd__sd_fdname_valid(name)) { /* systemd would refuse it */
+    shardd__log(1, "fd store: \"%s\" is no valid FDNAME; not stored", name);
+    return;
+  }
   snprintf(state, sizeof state, "FDSTORE=1\nFDNAME=%s", name);
   if (shardd__sd_notify_fd(state, fd, err, sizeof err) != SHARDD_OK)
     shardd__log(1, "fd store: %s not stored: %s", name, err);
