@@ -149,6 +149,19 @@ static int held_by_fd_store(shardd__server *srv, const char *dir) {
     shardd__log(2, "--restore: job \"%s\" in %s not restored: the fd store "
                 "held it (resumed from there, as logged above; the fd store "
                 "takes precedence over an exit checkpoint)", name, dir);
+    /* its first step supersedes this checkpoint as it would after a
+     * restore from it: a later start without the store (a reboot) must
+     * not roll the job back to it in silence */
+    shardd__job *job = shardd__job_find(&srv->d.reg, uid, name);
+    char err[1024] = "";
+    uint32_t seal;
+    if (job && (shardd__checkpoint_seal(dir, &seal, err, sizeof err) !=
+                    SHARDD_OK ||
+                shardd__jobs_resumed(&srv->d.jobs, job, dir, ".", seal) !=
+                    SHARDD_OK))
+      shardd__log(0, "job \"%s\": its exit checkpoint in %s cannot be "
+                  "marked superseded at its first step (%s)", name, dir,
+                  err[0] ? err : "out of memory");
   }
   return 1;
 }

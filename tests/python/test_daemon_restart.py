@@ -380,6 +380,10 @@ class DaemonRestartTest(unittest.TestCase):
         self.assertEqual(again.errors, [])
         self.assertEqual(set(again.starts.values()), {reached})
         self.assert_continues(again, ref, reached)
+        # stepped past it: a start without the store (a reboot) must not
+        # bring the exit checkpoint back in silence
+        self.assertTrue(os.path.exists(os.path.join(exit_dir, "superseded")),
+                        m.read_log())
 
     def test_sigkill_at_random_instants_never_resumes_half_a_step(self):
         """SIGKILL at random instants of a run without pauses (between
