@@ -189,6 +189,9 @@ class Manager:
             return
         self.stop()
         self.closing = True
+        log = self.read_log() if os.path.exists(self.log) else ""
+        if "Sanitizer" in log:  # a sanitizer build's report (make check)
+            raise AssertionError("the daemon's log holds a sanitizer report:\n" + log[-8000:])
         self.reader.join(5)
         for fd in self.store.values():
             os.close(fd)
