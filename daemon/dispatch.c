@@ -238,13 +238,18 @@ void shardd__dispatch_one(shardd__dispatch *d, shardd__conn *c,
     shardd__reply(d, c, seq, SHARDD_E_BUSY, msg);
   } else {
     /* the job's description in the fd store is rewritten before the loop
-     * waits again (a Hello may have made a job: every job is looked at) */
-    if (d->fdstore)
-      shardd__fdstore_touch(d->fdstore,
-                            commands[i].changes_ckpt &&
-                                    req->body_case != SHARDWIRE__REQUEST__BODY_STEP
-                                ? c->m.job
-                                : NULL); /* a step's own hooks describe it */
+     * waits again; a Hello or restore may make a job, a release end one
+     * (every job is looked at then); a step's own hooks describe it, and
+     * gathers, scatters and reports change nothing described */
+    Shardwire__Request__BodyCase b = req->body_case;
+    if (d->fdstore && commands[i].changes_ckpt &&
+        b != SHARDWIRE__REQUEST__BODY_STEP)
+      shardd__fdstore_touch(d->fdstore, c->m.job);
+    else if (d->fdstore && (b == SHARDWIRE__REQUEST__BODY_HELLO ||
+                            b == SHARDWIRE__REQUEST__BODY_RESTORE ||
+                            b == SHARDWIRE__REQUEST__BODY_RELEASE ||
+                            b == SHARDWIRE__REQUEST__BODY_RELEASE_JOB))
+      shardd__fdstore_touch(d->fdstore, NULL);
     commands[i].fn(d, c, seq, req);
   }
   shardwire__request__free_unpacked(req, NULL);
