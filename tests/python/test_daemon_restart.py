@@ -388,6 +388,30 @@ class DaemonRestartTest(unittest.TestCase):
         self.assertTrue(os.path.exists(os.path.join(exit_dir, "superseded")),
                         m.read_log())
 
+    def test_a_job_restored_by_an_operator_is_kept_before_any_rank_attaches(self):
+        """shardctl restore makes a job no rank has touched yet: it is in
+        the store once its files are loaded, so a SIGKILL right after
+        loses nothing."""
+        m = self.manager()
+        m.start()
+        job = common.job("restart-restored")
+        first = Run(m.sock_path, job, pause_s=0.3)
+        first.poll(lambda s: len(s.losses.get(1, {})) == 2)
+        first.kill()
+        ckpt = os.path.join(m.root, "state", "ck")
+        ctl = shardd.Client(m.sock_path)
+        ctl.checkpoint(ckpt, job=job, timeout=10)
+        ctl.release_job(job)
+        self.assertEqual(ctl.restore(ckpt), job)
+        ctl.close()
+        log = m.read_log()
+        step = int(log.split("restored from %s at step " % ckpt)[1].split()[0])
+        time.sleep(0.3)
+        m.kill()
+        m.start()
+        self.assertIn("job \"%s\" resumed from the fd store at step %d" % (job, step),
+                      m.read_log())
+
     def test_sigkill_at_random_instants_never_resumes_half_a_step(self):
         """SIGKILL at random instants of a run without pauses (between
         steps, inside one, in a gather or scatter), several times: each
