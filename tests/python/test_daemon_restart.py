@@ -167,6 +167,27 @@ class Manager:
                 raise RuntimeError("no READY=1; log:\n" + self.read_log())
             time.sleep(0.02)
 
+    def wait_journal_record(self, timeout):
+        """Waits until a job's step journal (its "-j" memfd, read through
+        the store's descriptor) holds a step in progress: -> (step,
+        optimizer name). Layout (daemon/fdstore.c): magic[8], overflow
+        u64, then records of a u64 step + 1 and a 112-byte name."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                pages = [os.pread(fd, 4096, 0) for n, fd in self.store.items()
+                         if n.startswith("shardd-m") and n.endswith("-j")]
+            for page in pages:
+                if page[:8] != b"SHDJRNL1":
+                    continue
+                for off in range(16, 16 + 31 * 120, 120):
+                    step1 = int.from_bytes(page[off:off + 8], "little")
+                    if step1:
+                        name = page[off + 8:off + 120].split(b"\0")[0].decode()
+                        return step1 - 1, name
+            time.sleep(0.01)
+        raise RuntimeError("no step in progress in any journal")
+
     def kill(self):
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
@@ -496,10 +517,12 @@ class DaemonRestartTest(unittest.TestCase):
         job = common.job("torn")
         first = Run(m.sock_path, job)
         first.poll(lambda s: len(s.losses.get(1, {})) == 2)
-        time.sleep(0.5)  # step 3 (count 3) is in its pause now
+        # the step journal, as the store holds it, says step 3 is running
+        in_step = m.wait_journal_record(timeout=20)
+        self.assertEqual(in_step, (3, "adamw"))
         m.kill()
         first.kill()
-        done = max(s for s, v in first.losses.items() if len(v) == 2) + 1
+        done = 2
         m.start()
         self.assertIn("is torn", m.read_log())
         c = None
