@@ -475,9 +475,12 @@ void shardd__fdstore_step_begin(shardd__fdstore *fs, shardd__job *job,
     e->rec_opt[i] = opt;
     snprintf(e->j->rec[i].name, sizeof e->j->rec[i].name, "%s",
              opt->hdr.name);
-    /* the name before the mark; the pool's queue orders the mark before
-     * the first update */
+    /* the name before the mark (release), the mark before the first
+     * update (the fence: the loop thread runs small steps' tasks itself,
+     * and a release alone lets later stores move above it; the pool's
+     * queue orders them for its threads) */
     atomic_store_explicit(&e->j->rec[i].step1, step + 1, memory_order_release);
+    atomic_thread_fence(memory_order_seq_cst);
     if (fs->pause_ms)
       usleep(fs->pause_ms * 1000u);
     return;
