@@ -485,7 +485,9 @@ void shardd__fdstore_step_begin(shardd__fdstore *fs, shardd__job *job,
       usleep(fs->pause_ms * 1000u);
     return;
   }
-  atomic_fetch_add_explicit(&e->j->overflow, 1, memory_order_release);
+  atomic_fetch_add_explicit(&e->j->overflow, 1, memory_order_seq_cst);
+  if (fs->pause_ms)
+    usleep(fs->pause_ms * 1000u);
 }
 
 void shardd__fdstore_step_end(shardd__fdstore *fs, shardd__job *job,
