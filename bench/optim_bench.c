@@ -16,6 +16,8 @@
  * CPUs (what the machine can do). torch's CPU AdamW is timed on the same
  * sizes by bench/torch_optim.py; bench/summary.py forms those ratios. */
 #include <math.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 
 #include "bench.h"
 #include "backend.h"
@@ -185,6 +187,181 @@ static void daemon_free(dstate *s) {
     bench_die("unregister %s: %s", s->name, shardd_last_error(s->c));
 }
 
+/* ---- crash consistency: the fd store's cost on a step -------------------
+
+ * The same AdamW steps (fp32, 1 rank) through two daemons started alike,
+ * one of them with a file descriptor store ($NOTIFY_SOCKET and $FDSTORE, a
+ * datagram socket this process drains, closing what it receives): there
+ * every step sets its journal record before its first update, rewrites
+ * the job's description (its manifest, regions) after its last and clears
+ * the record. Two shapes: one buffer of n elements, and a model's: nbuf
+ * buffers of n / nbuf elements under one optimizer (the description grows
+ * with the buffers, the step with the elements). Steps alternate between
+ * the daemons; the ratio is the median of the per-repetition ratios. */
+typedef struct {
+  int fd;
+  volatile int stop;
+} notify_drain;
+
+static void *drain_notify(void *arg) {
+  notify_drain *nd = arg;
+  char buf[4096];
+  union {
+    char b[CMSG_SPACE(64 * sizeof(int))];
+    struct cmsghdr align;
+  } ctl;
+  while (!nd->stop) {
+    struct iovec iov = {buf, sizeof buf};
+    struct msghdr mh = {0};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = ctl.b;
+    mh.msg_controllen = sizeof ctl.b;
+    if (recvmsg(nd->fd, &mh, MSG_CMSG_CLOEXEC) < 0)
+      continue; /* the receive timeout: look at stop again */
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm; cm = CMSG_NXTHDR(&mh, cm))
+      if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
+        int *fds = (int *)CMSG_DATA(cm);
+        size_t k = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < k; i++)
+          close(fds[i]);
+      }
+  }
+  return NULL;
+}
+
+typedef struct {
+  shardd_buffer_info *b;
+  int nbuf;
+  uint64_t opt;
+  shardd_client_t *c;
+} mstate;
+
+static void model_setup(mstate *s, shardd_client_t *c, size_t n, int nbuf) {
+  s->c = c;
+  s->nbuf = nbuf;
+  s->b = calloc((size_t)nbuf, sizeof *s->b);
+  shardd_param_ref *refs = calloc((size_t)nbuf, sizeof *refs);
+  char (*names)[32] = calloc((size_t)nbuf, sizeof *names);
+  for (int i = 0; i < nbuf; i++) {
+    snprintf(names[i], sizeof names[i], "p%d", i);
+    if (shardd_buffer_register(c, names[i], SHARDD_DTYPE_FP32, n / (size_t)nbuf,
+                               &s->b[i]) != SHARDD_OK)
+      bench_die("register %s: %s", names[i], shardd_last_error(c));
+    fill(s->b[i].shard, s->b[i].shard_numel, 1e-3f);
+    fill(s->b[i].reduced, s->b[i].shard_numel, 1e-4f);
+    refs[i] = (shardd_param_ref){s->b[i].id, names[i]};
+  }
+  shardd_hparams h = {.set = SHARDD_HP_LR, .lr = 1e-3};
+  shardd_param_group g = {refs, (size_t)nbuf, {0}};
+  if (shardd_optimizer_register(c, "adamw", SHARDD_OPTIM_ADAMW, &h, &g, 1,
+                                &s->opt) != SHARDD_OK)
+    bench_die("optimizer: %s", shardd_last_error(c));
+  free(refs);
+  free(names);
+}
+
+static double model_step(mstate *s) {
+  /* a new gradient in every buffer, untimed: a step without one since the
+   * last skips the buffer (torch: .grad is None after zero_grad) */
+  for (int i = 0; i < s->nbuf; i++)
+    if (shardd_scatter(s->c, s->b[i].id, SHARDD_REDUCE_SUM) != SHARDD_OK)
+      bench_die("scatter: %s", shardd_last_error(s->c));
+  double t0 = bench_now();
+  if (shardd_step(s->c, s->opt, NULL, NULL) != SHARDD_OK)
+    bench_die("step: %s", shardd_last_error(s->c));
+  return bench_now() - t0;
+}
+
+typedef struct {
+  size_t n;
+  int nbuf;
+  double plain_s, store_s, ratio;
+} crash_row;
+
+static int crash_bench(const size_t *sizes, int nsizes, const char *devmem,
+                       crash_row *rows) {
+  char path[108];
+  snprintf(path, sizeof path, "/tmp/shardd-bench-notify-%d", (int)getpid());
+  unlink(path);
+  notify_drain nd = {socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0), 0};
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  snprintf(sa.sun_path, sizeof sa.sun_path, "%s", path);
+  struct timeval tv = {0, 100000};
+  if (nd.fd < 0 || bind(nd.fd, (struct sockaddr *)&sa, sizeof sa) != 0 ||
+      setsockopt(nd.fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) != 0)
+    bench_die("notify socket %s: %s", path, strerror(errno));
+  pthread_t th;
+  pthread_create(&th, NULL, drain_notify, &nd);
+  bench_daemon plain, store;
+  bench_daemon_start(&plain, 1, devmem);
+  setenv("NOTIFY_SOCKET", path, 1);
+  setenv("FDSTORE", "65536", 1);
+  bench_daemon_start(&store, 1, devmem);
+  unsetenv("NOTIFY_SOCKET");
+  unsetenv("FDSTORE");
+  int nrows = 0;
+  static const int shapes[] = {1, 64};
+  for (int si = 0; si < nsizes; si++)
+    for (int sh = 0; sh < 2; sh++) {
+      size_t n = sizes[si];
+      char job[64];
+      snprintf(job, sizeof job, "crash-%zu-%d", n, shapes[sh]);
+      shardd_client_t *c0 = bench_connect(&plain, job, 0, 1);
+      shardd_client_t *c1 = bench_connect(&store, job, 0, 1);
+      mstate m0, m1;
+      model_setup(&m0, c0, n, shapes[sh]);
+      model_setup(&m1, c1, n, shapes[sh]);
+      int reps = (int)(1.5e9 / ((double)n * 28.0));
+      reps = reps < 9 ? 9 : reps > 60 ? 60 : reps;
+      double *t0 = calloc((size_t)reps, sizeof *t0),
+             *t1 = calloc((size_t)reps, sizeof *t1),
+             *r = calloc((size_t)reps, sizeof *r);
+      for (int w = 0; w < 2; w++) {
+        model_step(&m0);
+        model_step(&m1);
+      }
+      for (int k = 0; k < reps; k++) {
+        /* the order alternates too: neither runs always on a warm cache */
+        if (k % 2) {
+          t1[k] = model_step(&m1);
+          t0[k] = model_step(&m0);
+        } else {
+          t0[k] = model_step(&m0);
+          t1[k] = model_step(&m1);
+        }
+        r[k] = t1[k] / t0[k];
+      }
+      rows[nrows++] = (crash_row){n, shapes[sh], bench_median(t0, (size_t)reps),
+                                  bench_median(t1, (size_t)reps),
+                                  bench_median(r, (size_t)reps)};
+      free(t0);
+      free(t1);
+      free(r);
+      free(m0.b);
+      free(m1.b);
+      shardd_close(c0);
+      shardd_close(c1);
+      /* its memory back before the next shape's */
+      const bench_daemon *ds[2] = {&plain, &store};
+      for (int k = 0; k < 2; k++) {
+        shardd_client_t *ctl = bench_connect(ds[k], NULL, 0, 0);
+        for (int tries = 0; tries < 100 &&
+                            shardd_release_job(ctl, job, NULL, NULL) == SHARDD_E_BUSY;
+             tries++)
+          usleep(10000);
+        shardd_close(ctl);
+      }
+    }
+  bench_daemon_stop(&plain);
+  bench_daemon_stop(&store);
+  nd.stop = 1;
+  pthread_join(th, NULL);
+  close(nd.fd);
+  unlink(path);
+  return nrows;
+}
+
 /* The same kernel step on each instruction-set path this machine runs
  * (shardd__optim_use_isa), AdamW fp32 and bf16 at n elements, each paired
  * per repetition with the 1-thread floor as the main table is. The main
@@ -314,6 +491,8 @@ int main(int argc, char **argv) {
   bench_daemon_stop(&d);
   isa_row irows[2 * SHARDD__ISA_COUNT];
   int nirows = isa_compare(maxn, reps_of[nsizes - 1], irows);
+  crash_row crows[8];
+  int ncrows = crash_bench(sizes, nsizes < 4 ? nsizes : 4, devmem, crows);
   be->ops->destroy(be);
 
   char cpu[256];
@@ -403,6 +582,22 @@ int main(int argc, char **argv) {
             i ? "," : "", shardd__isa_name(irows[i].isa), shardd_dtype_name(irows[i].dt),
             maxn, irows[i].step_s, gb, irows[i].ratio_1t);
   }
+  fprintf(f, "\n  ]");
+  printf("\nCrash consistency (the fd store: journal record + description per "
+         "step), AdamW fp32 through the daemon:\n");
+  printf("%9s %8s | %10s %10s %7s\n", "elements", "buffers", "plain ms",
+         "store ms", "ratio");
+  fprintf(f, ",\n  \"crash_rows\": [");
+  for (int i = 0; i < ncrows; i++) {
+    printf("%9zu %8d | %10.3f %10.3f %6.3fx\n", crows[i].n, crows[i].nbuf,
+           crows[i].plain_s * 1e3, crows[i].store_s * 1e3, crows[i].ratio);
+    fprintf(f, "%s\n    {\"optimizer\": \"adamw\", \"dtype\": \"fp32\", "
+               "\"numel\": %zu, \"buffers\": %d, \"plain_step_s\": %.6g, "
+               "\"fdstore_step_s\": %.6g, \"ratio\": %.4f}",
+            i ? "," : "", crows[i].n, crows[i].nbuf, crows[i].plain_s,
+            crows[i].store_s, crows[i].ratio);
+  }
+  printf("(ratio: median of per-repetition fd-store / plain step times; target <= 1.10)\n");
   fprintf(f, "\n  ]");
   bench_json_close(f, "optim");
   return 0;

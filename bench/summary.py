@@ -108,6 +108,22 @@ def main():
                                     x["ratio_floor_all"], x["effective_GBps"],
                                     x["floor_1t_GBps"]) for x in rows),
                        all(x["ratio_floor_1t"] >= 0.7 for x in rows))
+    if optim and optim.get("crash_rows"):
+        # the fd store's crash consistency (issue 32): steps big enough to
+        # be a model's; the description's fixed cost shows on tiny ones
+        rows = optim["crash_rows"]
+        big = [x for x in rows if x["numel"] >= 2**22]
+        target("AdamW step with the fd store (journal + description) vs without",
+               "<= 1.10x",
+               "; ".join("%s in %d buffer%s: %.3fx (%.3f vs %.3f ms)"
+                         % ("%dK" % (x["numel"] >> 10) if x["numel"] < 2**20
+                            else "%dM" % (x["numel"] >> 20), x["buffers"],
+                            "" if x["buffers"] == 1 else "s", x["ratio"],
+                            x["fdstore_step_s"] * 1e3, x["plain_step_s"] * 1e3)
+                         for x in rows),
+               bool(big) and all(x["ratio"] <= 1.10 for x in big),
+               "target on steps of 4M+ elements; a smaller step pays the "
+               "description's fixed cost (about 3 us a buffer here)")
     if optim and torch and torch.get("rows"):
         # the target is for 64 MiB+ shards; smaller sizes are listed as context
         for big in (True, False):

@@ -118,6 +118,14 @@ typedef struct {
                       shardd__region *param, size_t param_off, size_t n);
   void (*device_info)(shardd__backend *b, int device, shardd__device_info *out);
   void (*destroy)(shardd__backend *b);
+  /* A region of device around fd, a memfd a previous daemon allocated and
+   * the service manager kept (its fd store, under store_name): mapped,
+   * never copied, counted as used; *out owns fd from here (also on
+   * failure, where fd is closed). The size is the file's. NULL on
+   * backends whose memory no descriptor holds (cuda). */
+  shardd_err (*wrap_fd)(shardd__backend *b, int device, int fd,
+                        const char *store_name, shardd__region **out,
+                        char *err, size_t errlen);
 
   /* ---- whole-collective ops (cuda: NCCL). All four NULL on backends
    * without them (host): collective.c then copies and reduces rank by rank
@@ -171,6 +179,23 @@ struct shardd__backend {
 shardd_err shardd__backend_host_create(int ndevices, uint64_t capacity,
                                        shardd__backend **out, char *err,
                                        size_t errlen);
+
+/* The host backend and the service manager's file descriptor store
+ * (fdstore.h): SHARDD__PERSIST_OFF, as without one; _ON: every region is a
+ * memfd (optimizer state too) handed to the store when allocated
+ * (FDSTORE=1, a name of its own) and taken out of it when freed
+ * (FDSTOREREMOVE=1); _DETACHED: the daemon is stopping and its memory
+ * outlives it in the store, so a free neither takes a region out nor
+ * punches its pages away. */
+#define SHARDD__PERSIST_OFF 0
+#define SHARDD__PERSIST_ON 1
+#define SHARDD__PERSIST_DETACHED 2
+void shardd__backend_host_persist(shardd__backend *b, int mode);
+/* The name r has in the fd store, NULL none (not stored; borrowed, lives
+ * as r). */
+const char *shardd__backend_region_store_name(const shardd__region *r);
+/* The prefix of every region's name in the fd store ("shardd-r"). */
+#define SHARDD__STORE_REGION_PREFIX "shardd-r"
 
 /* Number of CUDA devices, 0 when CUDA is absent or finds none. */
 int shardd__cuda_device_count(void);

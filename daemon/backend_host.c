@@ -5,6 +5,9 @@
 #include "backend.h"
 
 #include <errno.h>
+#include <inttypes.h>
+#include <sys/stat.h>
+#include <time.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -15,6 +18,7 @@
 
 #include "dtype.h"
 #include "log.h"
+#include "sdnotify.h"
 
 typedef struct {
   pthread_mutex_t lock;
@@ -22,7 +26,50 @@ typedef struct {
   uint64_t *used; /* per device */
   uint64_t *peak; /* per device: the high-water of used */
   uint64_t *allocs; /* per device: regions allocated */
+  /* SHARDD__PERSIST_*: read by alloc and free, set on the loop thread
+   * while no region is being allocated or freed */
+  int persist;
+  /* names given to regions in the fd store: prefix (unique to this
+   * process's start) and a counter, under lock */
+  char store_prefix[32];
+  uint64_t stored;
 } host_priv;
+
+/* Hands r's memfd to the service manager's fd store under a name of its
+ * own (kept in r->priv). A refusal costs the region its survival of a
+ * restart, not its use: logged. */
+static void store_region(host_priv *hp, shardd__region *r) {
+  char name[64], state[128], err[256];
+  pthread_mutex_lock(&hp->lock);
+  uint64_t n = ++hp->stored;
+  pthread_mutex_unlock(&hp->lock);
+  snprintf(name, sizeof name, "%s%s-%" PRIx64, SHARDD__STORE_REGION_PREFIX,
+           hp->store_prefix, n);
+  snprintf(state, sizeof state, "FDSTORE=1\nFDNAME=%s", name);
+  if (!shardd__sd_fdname_valid(name))
+    snprintf(err, sizeof err, "\"%s\" is no valid FDNAME", name);
+  if (!shardd__sd_fdname_valid(name) ||
+      shardd__sd_notify_fd(state, r->fd, err, sizeof err) != SHARDD_OK) {
+    shardd__log(1, "fd store: region of %zu bytes not stored (it will not "
+                "outlive this daemon): %s", r->bytes, err);
+    return;
+  }
+  r->priv = strdup(name);
+}
+
+static void unstore_region(host_priv *hp, shardd__region *r) {
+  char state[128], err[256];
+  if (r->priv == NULL)
+    return;
+  if (hp->persist == SHARDD__PERSIST_ON) {
+    snprintf(state, sizeof state, "FDSTOREREMOVE=1\nFDNAME=%s",
+             (const char *)r->priv);
+    if (shardd__sd_notify(state, err, sizeof err) != SHARDD_OK)
+      shardd__log(1, "fd store: %s", err);
+  }
+  free(r->priv);
+  r->priv = NULL;
+}
 
 static size_t page_round(size_t n) {
   size_t pg = (size_t)sysconf(_SC_PAGESIZE);
@@ -64,6 +111,9 @@ static shardd_err host_alloc_impl(shardd__backend *b, int device, size_t bytes,
   shardd_err rc = SHARDD_E_NO_MEMORY;
   shardd__region *r = calloc(1, sizeof *r);
   int fd = -1;
+  /* kept across a restart, optimizer state must live in a memfd too */
+  if (hp->persist == SHARDD__PERSIST_ON)
+    exportable = 1;
   if (r != NULL && !exportable) {
     void *p = mmap(NULL, sz, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) {
@@ -103,6 +153,8 @@ static shardd_err host_alloc_impl(shardd__backend *b, int device, size_t bytes,
   r->bytes = sz;
   r->ptr = p;
   r->fd = fd;
+  if (hp->persist == SHARDD__PERSIST_ON)
+    store_region(hp, r);
   *out = r;
   return SHARDD_OK;
 
@@ -134,7 +186,11 @@ static void host_free(shardd__backend *b, shardd__region *r) {
   if (r == NULL)
     return;
   munmap(r->ptr, r->bytes);
-  if (r->fd >= 0) {
+  unstore_region(hp, r);
+  /* stopping with the fd store: the pages are the next start's */
+  if (r->fd >= 0 && hp->persist == SHARDD__PERSIST_DETACHED) {
+    close(r->fd);
+  } else if (r->fd >= 0) {
     /* A client that keeps its mapping (or its descriptor) after the
      * region is freed kept every page alive, charged to the daemon while
      * it counted them free: registered and unregistered again and again,
@@ -330,6 +386,63 @@ static void host_destroy(shardd__backend *b) {
   free(b);
 }
 
+static shardd_err host_wrap_fd(shardd__backend *b, int device, int fd,
+                               const char *store_name, shardd__region **out,
+                               char *err, size_t errlen) {
+  host_priv *hp = b->priv;
+  struct stat st;
+  *out = NULL;
+  shardd__region *r = calloc(1, sizeof *r);
+  if (r == NULL || (r->priv = strdup(store_name)) == NULL) {
+    snprintf(err, errlen, "out of memory");
+    goto fail;
+  }
+  if (device < 0 || device >= b->ndevices) {
+    snprintf(err, errlen, "no device %d (host backend has %d)", device,
+             b->ndevices);
+    goto fail;
+  }
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size <= 0) {
+    snprintf(err, errlen, "%s: not a memory file", store_name);
+    goto fail;
+  }
+  void *p = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED,
+                 fd, 0);
+  if (p == MAP_FAILED) {
+    snprintf(err, errlen, "%s: mmap: %s", store_name, strerror(errno));
+    goto fail;
+  }
+  r->device = device;
+  r->bytes = (size_t)st.st_size;
+  r->ptr = p;
+  r->fd = fd;
+  pthread_mutex_lock(&hp->lock);
+  hp->used[device] += r->bytes;
+  hp->allocs[device]++;
+  if (hp->used[device] > hp->peak[device])
+    hp->peak[device] = hp->used[device];
+  pthread_mutex_unlock(&hp->lock);
+  *out = r;
+  return SHARDD_OK;
+fail:
+  close(fd);
+  if (r)
+    free(r->priv);
+  free(r);
+  return SHARDD_E_INVAL;
+}
+
+void shardd__backend_host_persist(shardd__backend *b, int mode) {
+  if (b->ops->wrap_fd == NULL)
+    return; /* not the host backend */
+  host_priv *hp = b->priv;
+  hp->persist = mode;
+}
+
+const char *shardd__backend_region_store_name(const shardd__region *r) {
+  return r->fd >= 0 ? r->priv : NULL;
+}
+
 static const shardd__backend_ops host_ops = {
     .alloc = host_alloc,
     .alloc_private = host_alloc_private,
@@ -344,6 +457,7 @@ static const shardd__backend_ops host_ops = {
     .widen = host_widen,
     .device_info = host_device_info,
     .destroy = host_destroy,
+    .wrap_fd = host_wrap_fd,
 };
 
 shardd_err shardd__backend_host_create(int ndevices, uint64_t capacity,
@@ -375,6 +489,13 @@ shardd_err shardd__backend_host_create(int ndevices, uint64_t capacity,
     return SHARDD_E_NO_MEMORY;
   }
   pthread_mutex_init(&hp->lock, NULL);
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  /* unique to this start: the names a previous daemon stored are taken
+   * over with their regions and must not meet a new one's */
+  snprintf(hp->store_prefix, sizeof hp->store_prefix, "%" PRIx64 "-%x",
+           (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec,
+           (unsigned)getpid());
   hp->capacity = capacity;
   hp->used = used;
   hp->peak = peak;

@@ -641,6 +641,13 @@ void shardd__checkpoint_run_many(uv_loop_t *loop, shardd__ckwrite **ws,
   pthread_mutex_destroy(&m.mu);
 }
 
+const char *shardd__checkpoint_wmanifest(shardd__ckwrite *w, size_t *len) {
+  w->seal = shardd__crc32c(0, w->m.s, w->m.len);
+  shardd__manifest_put_end(&w->m, w->seal);
+  *len = w->m.len;
+  return w->m.failed ? NULL : w->m.s;
+}
+
 shardd_err shardd__checkpoint_write(shardd__registry *reg, shardd__job *job,
                                     const char *dirpath, int64_t as_uid,
                                     char *err, size_t errlen) {

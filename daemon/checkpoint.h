@@ -202,6 +202,24 @@ shardd_err shardd__checkpoint_restore(shardd__registry *reg, const char *dir,
                                       shardd__job **out, char *err,
                                       size_t errlen);
 
+/* The manifest prepare built, sealed as run would seal it but with every
+ * data file's CRC left 0 (*len bytes, borrowed from w; NULL out of
+ * memory): the description of the job the fd store keeps (fdstore.h),
+ * whose payloads are the regions themselves, never files. Instead of
+ * run, once per w. */
+const char *shardd__checkpoint_wmanifest(shardd__ckwrite *w, size_t *len);
+
+/* As shardd__checkpoint_restore_read, from a manifest given as text (the
+ * daemon's own, from the fd store: no owner to vouch, no data file to
+ * read; label names it in messages). apply then registers the job; its
+ * regions are the caller's to fill or replace before finish (run would
+ * read files that do not exist). */
+shardd_err shardd__checkpoint_restore_read_text(shardd__registry *reg,
+                                                const char *label,
+                                                const char *text, size_t len,
+                                                shardd__ckrestore **out,
+                                                char *err, size_t errlen);
+
 /* A restore being loaded: the new job and the loads prepare planned. */
 typedef struct shardd__ckrestore shardd__ckrestore;
 

@@ -423,6 +423,8 @@ static void restore_done(void *arg, shardd__job *job, shardd_err rc,
   if (rc == SHARDD_OK)
     shardd__log(2, "job \"%s\" restored from %s at step %" PRIu64, job->name,
                 w->dir, shardd__jobs_step(job));
+  if (rc == SHARDD_OK) /* a new job: into the fd store (when in use) */
+    shardd__fdstore_touch(w->d->fdstore, NULL);
   ckpt_done(arg, job, rc, err);
 }
 

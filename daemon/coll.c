@@ -204,6 +204,11 @@ static void settle_areas(coll *c, shardd_err code) {
 
 /* Answers every rank still there with code/msg and forgets the collective. */
 void shardd__coll_finish(coll *c, shardd_err code, const char *msg) {
+  if (c->step_begun && c->e->cfg.hooks.step_end) {
+    c->step_begun = 0;
+    c->e->cfg.hooks.step_end(c->e->cfg.hooks.ctx, c->job, c->opt, c->step,
+                             code);
+  }
   coll_unlink(c);
   for (uint32_t r = 0; r < c->job->world; r++) {
     waiter *w = &c->waiters[r];

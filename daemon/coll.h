@@ -127,6 +127,17 @@ typedef struct {
   /* job's last collective ended: nothing of the engine holds it now. Called
    * last, so the hook may release the job (after shardd__coll_job_free). */
   void (*job_quiet)(void *ctx, shardd__job *job);
+  /* A step of opt is about to change its first byte (its updates are
+   * planned, none has run): step is the count it will reach. Loop
+   * thread; must not call into the engine. NULL: nobody asks. */
+  void (*step_begin)(void *ctx, shardd__job *job, shardd__optim *opt,
+                     uint64_t step);
+  /* That step ended, before any rank hears of it: code SHARDD_OK when
+   * every update ran (opt's step count is step now), else the error it
+   * failed with (some updates may have run). Paired with each
+   * step_begin. NULL: nobody asks. */
+  void (*step_end)(void *ctx, shardd__job *job, shardd__optim *opt,
+                   uint64_t step, shardd_err code);
 } shardd__coll_hooks;
 
 typedef struct {

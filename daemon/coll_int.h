@@ -134,6 +134,7 @@ struct coll {
   double deadline;
   int started;
   int phase; /* step: 0 norms, 1 updates */
+  int step_begun; /* step: the step_begin hook was told (step_end is due) */
   int adding; /* scatter: args.accumulate and a live reduced gradient */
   size_t ntasks, left;
   task *tasks;

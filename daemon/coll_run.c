@@ -155,6 +155,13 @@ static void batch_start(shardd__coll_engine *e) {
 /* Plans c's phase and starts its tasks (on the pool, or the exchange on a
  * fabric thread). */
 void shardd__coll_run_phase(coll *c) {
+  /* before the first update touches a byte: a crash from here on may
+   * leave the step half applied, and whoever listens records that */
+  if (c->args.kind == SHARDD__COLL_STEP && c->phase == 1 && !c->step_begun &&
+      c->refused == SHARDD_OK && c->e->cfg.hooks.step_begin) {
+    c->step_begun = 1;
+    c->e->cfg.hooks.step_begin(c->e->cfg.hooks.ctx, c->job, c->opt, c->step);
+  }
   c->bulk = c->args.kind != SHARDD__COLL_STEP && c->refused == SHARDD_OK &&
             shardd__coll_bulk_ok(c);
   c->claiming = 0;

@@ -236,8 +236,22 @@ void shardd__dispatch_one(shardd__dispatch *d, shardd__conn *c,
     char msg[ERRLEN];
     snprintf(msg, sizeof msg, "job \"%s\" is being restored", c->m.job->name);
     shardd__reply(d, c, seq, SHARDD_E_BUSY, msg);
-  } else
+  } else {
+    /* the job's description in the fd store is rewritten before the loop
+     * waits again; a Hello or restore may make a job, a release end one
+     * (every job is looked at then); a step's own hooks describe it, and
+     * gathers, scatters and reports change nothing described */
+    Shardwire__Request__BodyCase b = req->body_case;
+    if (d->fdstore && commands[i].changes_ckpt &&
+        b != SHARDWIRE__REQUEST__BODY_STEP)
+      shardd__fdstore_touch(d->fdstore, c->m.job);
+    else if (d->fdstore && (b == SHARDWIRE__REQUEST__BODY_HELLO ||
+                            b == SHARDWIRE__REQUEST__BODY_RESTORE ||
+                            b == SHARDWIRE__REQUEST__BODY_RELEASE ||
+                            b == SHARDWIRE__REQUEST__BODY_RELEASE_JOB))
+      shardd__fdstore_touch(d->fdstore, NULL);
     commands[i].fn(d, c, seq, req);
+  }
   shardwire__request__free_unpacked(req, NULL);
 }
 
@@ -374,6 +388,30 @@ static void coll_quiet(void *ctx, shardd__job *job) {
   shardd__jobs_idle(&d->jobs, job);
 }
 
+static void coll_step_begin(void *ctx, shardd__job *job, shardd__optim *opt,
+                            uint64_t step) {
+  shardd__dispatch *d = ctx;
+  shardd__fdstore_step_begin(d->fdstore, job, opt, step);
+}
+
+static void coll_step_end(void *ctx, shardd__job *job, shardd__optim *opt,
+                          uint64_t step, shardd_err code) {
+  shardd__dispatch *d = ctx;
+  shardd__fdstore_step_end(d->fdstore, job, opt, step, code);
+}
+
+/* A job being restored is not described: its memory is still loading. */
+static int fdstore_skip(void *arg, shardd__job *job) {
+  shardd__dispatch *d = arg;
+  return shardd__jobs_restoring(&d->jobs, job);
+}
+
+static void job_released(void *arg, shardd__job *job) {
+  shardd__dispatch *d = arg;
+  shardd__fdstore_job_gone(d->fdstore, job);
+  shardd__ckpt_collective_released(arg, job);
+}
+
 /* ---- init / free ------------------------------------------------------- */
 
 shardd_err shardd__dispatch_init(shardd__dispatch *d, uv_loop_t *loop,
@@ -417,19 +455,29 @@ shardd_err shardd__dispatch_init(shardd__dispatch *d, uv_loop_t *loop,
                             .peer_grace = opts->peer_grace,
                             .max_pending = opts->max_pending,
                             .max_inflight_gathers = opts->max_inflight_gathers,
-                            .hooks = {d, coll_done, coll_quiet}};
+                            .hooks = {d, coll_done, coll_quiet,
+                                      opts->fd_store ? coll_step_begin : NULL,
+                                      opts->fd_store ? coll_step_end : NULL}};
   if (shardd__coll_engine_create(&cc, &d->coll) != SHARDD_OK) {
     shardd__registry_free(&d->reg);
     snprintf(err, errlen, "out of memory");
     return SHARDD_E_NO_MEMORY;
   }
   shardd__jobs_init(&d->jobs, loop, &d->reg, d->coll, opts->job_linger,
-                    opts->jobspecs, opts->njobspecs, shardd__ckpt_collective_released, d);
+                    opts->jobspecs, opts->njobspecs, job_released, d);
+  if (opts->fd_store &&
+      shardd__fdstore_create(loop, &d->reg, fdstore_skip, d, &d->fdstore) !=
+          SHARDD_OK) {
+    shardd__dispatch_free(d);
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
   return SHARDD_OK;
 }
 
 void shardd__dispatch_stop(shardd__dispatch *d, const char *why) {
   d->jobs.stopping = 1;
+  shardd__fdstore_stop(d->fdstore);
   shardd__coll_engine_stop(d->coll);
   /* before the transport closes the sessions: else the first rank closed
    * fails the others' collectives as a lost peer */
@@ -448,4 +496,6 @@ void shardd__dispatch_free(shardd__dispatch *d) {
   free(d->held_conns);
   d->held_conns = NULL;
   shardd__registry_free(&d->reg);
+  shardd__fdstore_free(d->fdstore);
+  d->fdstore = NULL;
 }

@@ -22,6 +22,7 @@
 
 #include "access.h"
 #include "coll.h"
+#include "fdstore.h"
 #include "jobs.h"
 #include "opts.h"
 #include "registry.h"
@@ -93,6 +94,9 @@ typedef struct shardd__dispatch {
   shardd__registry reg;
   shardd__coll_engine *coll;
   shardd__jobs jobs;
+  /* opts.fd_store: the jobs kept in the service manager's fd store; NULL
+   * without one (owned) */
+  shardd__fdstore *fdstore;
   /* private: checkpoints and restores whose replies wait for their files */
   struct shardd__ckpt_wait *ckpt_waits;
   /* collective checkpoints whose barrier ended for some ranks */

@@ -18,7 +18,9 @@
 #include "backend.h"
 #include "checkpoint.h"
 #include "cli.h"
+#include "fdstore.h"
 #include "log.h"
+#include "manifest.h"
 #include "strbuf.h"
 #include "sdnotify.h"
 #include "server.h"
@@ -110,12 +112,72 @@ static int superseded(const char *dir) {
   return 1;
 }
 
+/* The job line of dir/manifest: its name (decoded) and owner; 0 when
+ * there is none to read (the restore says why, if it is tried). */
+static int manifest_job(const char *dir, char *name, size_t len, uint32_t *uid) {
+  char path[4096], line[2048], tok[1024];
+  unsigned world, u;
+  snprintf(path, sizeof path, "%s/%s", dir, SHARDD__MANIFEST_FILE);
+  FILE *f = fopen(path, "r");
+  int ok = 0;
+  if (f == NULL)
+    return 0;
+  while (!ok && fgets(line, sizeof line, f))
+    ok = sscanf(line, "job %1023s %u %u", tok, &world, &u) == 3 &&
+         shardd__manifest_dec_name(tok) && strlen(tok) < len;
+  fclose(f);
+  if (ok) {
+    memcpy(name, tok, strlen(tok) + 1);
+    *uid = u;
+  }
+  return ok;
+}
+
+/* With the fd store: a job it held at start (resumed from it, or torn)
+ * is not restored from its exit checkpoint, which is at best as new; a
+ * torn job's refusals name that checkpoint. 1 when held (logged). */
+static int held_by_fd_store(shardd__server *srv, const char *dir) {
+  char name[256];
+  uint32_t uid;
+  if (srv->d.fdstore == NULL || !manifest_job(dir, name, sizeof name, &uid) ||
+      !shardd__fdstore_held(srv->d.fdstore, uid, name))
+    return 0;
+  char msg[8];
+  if (shardd__fdstore_torn(srv->d.fdstore, uid, name, msg, sizeof msg)) {
+    shardd__fdstore_set_hint(srv->d.fdstore, uid, name, dir);
+    shardd__log(1, "--restore: job \"%s\" in %s not restored: the fd store "
+                "held it torn; its trainers are refused, naming this "
+                "checkpoint, until an operator releases or restores it",
+                name, dir);
+  } else {
+    shardd__log(2, "--restore: job \"%s\" in %s not restored: the fd store "
+                "held it (resumed from there, as logged above; the fd store "
+                "takes precedence over an exit checkpoint)", name, dir);
+    /* its first step supersedes this checkpoint as it would after a
+     * restore from it: a later start without the store (a reboot) must
+     * not roll the job back to it in silence */
+    shardd__job *job = shardd__job_find(&srv->d.reg, uid, name);
+    char err[1024] = "";
+    uint32_t seal;
+    if (job && (shardd__checkpoint_seal(dir, &seal, err, sizeof err) !=
+                    SHARDD_OK ||
+                shardd__jobs_resumed(&srv->d.jobs, job, dir, ".", seal) !=
+                    SHARDD_OK))
+      shardd__log(0, "job \"%s\": its exit checkpoint in %s cannot be "
+                  "marked superseded at its first step (%s)", name, dir,
+                  err[0] ? err : "out of memory");
+  }
+  return 1;
+}
+
 /* own_exit: dir is an exit checkpoint (--restore names the directory
  * --checkpoint-on-exit writes): skipped when superseded, and marked so at
  * the job's first step. */
 static int restore_one(shardd__server *srv, const char *dir, int own_exit) {
   char err[1024];
   shardd__job *job;
+  if (own_exit && held_by_fd_store(srv, dir))
+    return 0;
   if (own_exit && superseded(dir))
     return -1;
   if (shardd__jobs_restore_now(&srv->d.jobs, dir, -1, 0, &job, err, sizeof err) !=
@@ -271,42 +333,119 @@ static shardd_err create_backend(const shardd__cli *cli, shardd__backend **out) 
   return rc;
 }
 
+/* Whether the service manager keeps a file descriptor store for this
+ * daemon: $NOTIFY_SOCKET to send to, and $FDSTORE (systemd 254 and later
+ * set it to FileDescriptorStoreMax=) above 0; and a backend whose memory
+ * memfds hold (host). Without one the daemon runs as it always did. */
+static int fd_store_wanted(const shardd__backend *backend) {
+  const char *n = getenv("NOTIFY_SOCKET"), *m = getenv("FDSTORE");
+  return backend->ops->wrap_fd != NULL && n && n[0] && m &&
+         strtoul(m, NULL, 10) > 0;
+}
+
+/* What the service manager passed at start (LISTEN_FDS): a listener
+ * systemd's socket unit made, and with the fd store, the descriptors a
+ * previous daemon stored (adopted later, into *kept: *nkept of them,
+ * with their names). */
+typedef struct {
+  shardd__fdstore_fd *kept;
+  size_t nkept;
+  char **names;
+  int n;
+} passed_fds;
+
 /* Socket activation: a listener systemd passed becomes opts->listen_fd,
  * and the path it is bound to opts->socket_path (borrowed from a static
  * buffer, live until exit). *activated says whether one was passed. More
- * than one fd, or one that is no unix stream listener, is refused with
- * the reason on stderr. */
-static shardd_err adopt_activated_socket(shardd__server_opts *opts, int *activated) {
+ * than one listener, or (without the fd store) any other fd, is refused
+ * with the reason on stderr. */
+static shardd_err adopt_activated_socket(shardd__server_opts *opts, int *activated,
+                                         int fd_store, passed_fds *pf) {
   static char activated_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
-  int nfds = shardd__sd_listen_fds(1);
-  *activated = nfds > 0;
-  if (nfds <= 0)
-    return SHARDD_OK;
-  if (nfds > 1 || !shardd__sd_is_unix_listener(3)) {
+  char **names = NULL;
+  int nfds = shardd__sd_listen_fds_names(1, &names);
+  int listener = -1, others = 0;
+  *activated = 0;
+  pf->names = names;
+  pf->n = nfds;
+  if (nfds < 0) {
+    fprintf(stderr, "shardd: malformed LISTEN_PID or LISTEN_FDS\n");
+    return SHARDD_E_INVAL;
+  }
+  if (nfds > 0 && fd_store &&
+      (pf->kept = calloc((size_t)nfds, sizeof *pf->kept)) == NULL) {
+    fprintf(stderr, "shardd: out of memory\n");
+    return SHARDD_E_NO_MEMORY;
+  }
+  for (int i = 0; i < nfds; i++) {
+    int fd = SHARDD_SD_LISTEN_FDS_START + i;
+    if (shardd__sd_is_unix_listener(fd) && listener < 0) {
+      listener = fd;
+    } else if (fd_store && !shardd__sd_is_unix_listener(fd)) {
+      pf->kept[pf->nkept++] =
+          (shardd__fdstore_fd){fd, names ? names[i] : "unknown"};
+    } else {
+      others++;
+    }
+  }
+  if (others > 0 || (nfds > 0 && listener < 0 && !fd_store)) {
     fprintf(stderr, "shardd: socket activation passed %d fds; want one unix "
             "stream listener\n", nfds);
     return SHARDD_E_INVAL;
   }
-  opts->listen_fd = 3;
+  if (listener < 0)
+    return SHARDD_OK;
+  *activated = 1;
+  opts->listen_fd = listener;
   struct sockaddr_un sa;
   socklen_t len = sizeof sa;
-  if (getsockname(3, (struct sockaddr *)&sa, &len) == 0 && sa.sun_path[0])
+  if (getsockname(listener, (struct sockaddr *)&sa, &len) == 0 && sa.sun_path[0])
     snprintf(activated_path, sizeof activated_path, "%s", sa.sun_path);
   if (activated_path[0])
     opts->socket_path = activated_path;
   return SHARDD_OK;
 }
 
+static void passed_free(passed_fds *pf) {
+  for (int i = 0; pf->names && i < pf->n; i++)
+    free(pf->names[i]);
+  free(pf->names);
+  free(pf->kept);
+}
+
+/* A job rebuilt from the fd store waits for its trainers as a restored
+ * one does. */
+static void fdstore_adopted(void *arg, shardd__job *job, uint64_t step) {
+  shardd__server *srv = arg;
+  shardd__log(2, "job \"%s\" resumed from the fd store at step %" PRIu64
+              " (its memory kept by the service manager, not copied)",
+              job->name, step);
+  shardd__jobs_unclaimed(&srv->d.jobs, job, shardd__server_now(srv), 0);
+}
+
 /* Starts the server on loop and restores --restore into it. On failure
  * the reason is on stderr and the server is stopped, drained and freed
  * with the loop closed: the caller only exits 1. */
 static shardd_err start_server(shardd__server *srv, uv_loop_t *loop,
-                               shardd__backend *backend, const shardd__cli *cli) {
+                               shardd__backend *backend, const shardd__cli *cli,
+                               passed_fds *pf) {
   char err[512];
   shardd_err rc = shardd__server_init(srv, loop, backend, &cli->opts, err, sizeof err);
   if (rc != SHARDD_OK) {
     fprintf(stderr, "shardd: %s\n", err);
+    for (size_t i = 0; i < pf->nkept; i++)
+      close(pf->kept[i].fd);
   } else {
+    /* the fd store first: it takes precedence over exit checkpoints */
+    if (srv->d.fdstore && pf->nkept > 0) {
+      shardd__log(2, "fd store: %zu descriptor%s handed back", pf->nkept,
+                  pf->nkept == 1 ? "" : "s");
+      int refused = shardd__fdstore_adopt(srv->d.fdstore, pf->kept, pf->nkept,
+                                          fdstore_adopted, srv);
+      if (refused > 0)
+        shardd__log(0, "fd store: %d job%s not resumed (each named above); "
+                    "serving the others", refused, refused == 1 ? "" : "s");
+    }
     int failed = cli->restore ? restore_all(srv, cli->restore,
                                             same_dir(cli->restore,
                                                      cli->checkpoint_on_exit))
@@ -399,22 +538,37 @@ int main(int argc, char **argv) {
 
   shardd__backend *backend;
   int activated;
+  passed_fds pf = {NULL, 0, NULL, 0};
   if (create_backend(&cli, &backend) != SHARDD_OK)
     return 1;
-  if (adopt_activated_socket(&cli.opts, &activated) != SHARDD_OK) {
+  cli.opts.fd_store = fd_store_wanted(backend);
+  if (adopt_activated_socket(&cli.opts, &activated, cli.opts.fd_store, &pf) !=
+      SHARDD_OK) {
+    for (size_t i = 0; i < pf.nkept; i++)
+      close(pf.kept[i].fd);
+    passed_free(&pf);
     backend->ops->destroy(backend);
     return 1;
   }
+  /* from the first region on: every one is stored as it is made */
+  if (cli.opts.fd_store)
+    shardd__backend_host_persist(backend, SHARDD__PERSIST_ON);
 
   uv_loop_t *loop = uv_default_loop();
   shardd__server srv;
-  if (start_server(&srv, loop, backend, &cli) != SHARDD_OK)
+  shardd_err started = start_server(&srv, loop, backend, &cli, &pf);
+  passed_free(&pf);
+  if (started != SHARDD_OK)
     return 1;
   announce(&srv, backend, activated);
 
   uv_run(loop, UV_RUN_DEFAULT);
 
   char err[512];
+  /* what the jobs hold stays in the store for the next start: freeing it
+   * now neither takes it out nor punches its pages away */
+  if (cli.opts.fd_store)
+    shardd__backend_host_persist(backend, SHARDD__PERSIST_DETACHED);
   shardd__sd_notify("STOPPING=1", err, sizeof err);
   int status = cli.checkpoint_on_exit ? checkpoint_on_exit(&srv, cli.checkpoint_on_exit) : 0;
   shardd__server_free(&srv);

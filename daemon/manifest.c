@@ -12,12 +12,27 @@
 #include "checkpoint.h"
 
 void shardd__manifest_enc_name(shardd__sb *sb, const char *s) {
+  /* encoded into a chunk and printed once per chunk: a printf per byte
+   * made a job's description (rewritten at every step with the fd store)
+   * cost a millisecond for 64 buffers */
+  static const char hex[] = "0123456789abcdef";
+  char out[256];
+  size_t n = 0;
   for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
-    if (*p <= 0x20 || *p >= 0x7f || *p == '%')
-      shardd__sb_printf(sb, "%%%02x", *p);
-    else
-      shardd__sb_printf(sb, "%c", *p);
+    if (n > sizeof out - 4) {
+      shardd__sb_printf(sb, "%.*s", (int)n, out);
+      n = 0;
+    }
+    if (*p <= 0x20 || *p >= 0x7f || *p == '%') {
+      out[n++] = '%';
+      out[n++] = hex[*p >> 4];
+      out[n++] = hex[*p & 15];
+    } else {
+      out[n++] = (char)*p;
+    }
   }
+  if (n)
+    shardd__sb_printf(sb, "%.*s", (int)n, out);
 }
 
 /* Decodes in place; returns 0 on a malformed escape. */
@@ -305,8 +320,18 @@ void shardd__manifest_put_optimizer(shardd__sb *sb, size_t index,
   shardd__sb_printf(sb, "optimizer %zu ", index);
   shardd__manifest_enc_name(sb, name);
   shardd__sb_printf(sb, " %" PRIu64 " ", steps);
-  for (size_t k = 0; k < spec_len; k++)
-    shardd__sb_printf(sb, "%02x", spec[k]);
+  /* in chunks: a printf per byte cost the fd store's per-step
+   * description most of its time */
+  for (size_t k = 0; k < spec_len;) {
+    static const char hx[] = "0123456789abcdef";
+    char chunk[512];
+    size_t c = 0;
+    for (; k < spec_len && c < sizeof chunk; k++) {
+      chunk[c++] = hx[spec[k] >> 4];
+      chunk[c++] = hx[spec[k] & 15];
+    }
+    shardd__sb_printf(sb, "%.*s", (int)c, chunk);
+  }
   shardd__sb_printf(sb, "\n");
 }
 

@@ -65,6 +65,11 @@ typedef struct {
   uint32_t max_reply_fds;
   uint64_t max_reply_bytes_per_uid;
   uint32_t max_reply_fds_per_uid;
+  /* keep every single-node job's memory and description in the service
+   * manager's file descriptor store (fdstore.h); main decides, from
+   * $NOTIFY_SOCKET and $FDSTORE, with the host backend in
+   * SHARDD__PERSIST_ON */
+  int fd_store;
 } shardd__server_opts;
 
 #define SHARDD__UID_MEMORY_DEFAULT UINT64_MAX
@@ -75,6 +80,6 @@ typedef struct {
 
 #define SHARDD__SERVER_OPTS_INIT \
   {sizeof(shardd__server_opts), SHARDD_DEFAULT_SOCKET, -1, 300.0, 600.0, 1024, 64, 2, -1, 0, NULL, NULL, 0, 16, 4096, 10.0, 30.0, 256, 512, SHARDD__UID_MEMORY_DEFAULT, (uint64_t)256 << 20, 4194304, 0, 1.0, \
-   (uint64_t)16 << 20, 64, (uint64_t)64 << 20, 256}
+   (uint64_t)16 << 20, 64, (uint64_t)64 << 20, 256, 0}
 
 #endif /* SHARDD_OPTS_H */

@@ -791,7 +791,8 @@ shardd_err shardd__checkpoint_restore_apply(shardd__ckrestore *c, char *err,
   /* the manifest is applied: only the directory stays open, for run */
   free(c->text);
   c->text = NULL;
-  fclose(c->f);
+  if (c->f) /* none for a manifest given as text */
+    fclose(c->f);
   c->f = NULL;
   return rc;
 }
@@ -961,6 +962,47 @@ shardd_err shardd__checkpoint_restore_read_exit_part(
    * it is no resharding */
   return read_restore(reg, part, as_uid, world, nodes, node_rank, 0, name,
                       spec_uid, spec_path, out, err, errlen);
+}
+
+shardd_err shardd__checkpoint_restore_read_text(shardd__registry *reg,
+                                                const char *label,
+                                                const char *text, size_t len,
+                                                shardd__ckrestore **out,
+                                                char *err, size_t errlen) {
+  *out = NULL;
+  if (len > SHARDD__MANIFEST_MAX) {
+    snprintf(err, errlen, "%s: %zu bytes, more than the %zu MiB a manifest "
+             "may have", label, len, SHARDD__MANIFEST_MAX >> 20);
+    return SHARDD_E_LIMIT;
+  }
+  restore *c = calloc(1, sizeof *c);
+  if (c == NULL || (c->dir = strdup(label)) == NULL ||
+      (c->text = malloc(len + 2)) == NULL) {
+    if (c)
+      free(c->dir);
+    free(c);
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  c->reg = reg;
+  c->as_uid = -1;
+  c->want_uid = -1;
+  c->dd = (shardd__ckdir){-1, c->dir, -1};
+  /* the daemon's own record: no file whose owner could vouch for it */
+  c->job_checked = 1;
+  snprintf(c->path, sizeof c->path, "%s", label);
+  memcpy(c->text, text, len);
+  c->text[len] = '\0';
+  c->text_len = len;
+  shardd_err rc = shardd__manifest_split_text(c->text, len, c->path,
+                                              &c->stop_line, &c->stop_rc,
+                                              &c->seal_line, err, errlen);
+  if (rc != SHARDD_OK) {
+    shardd__checkpoint_restore_free(c);
+    return rc;
+  }
+  *out = c;
+  return SHARDD_OK;
 }
 
 shardd__job *shardd__checkpoint_restore_job(const shardd__ckrestore *c) {

@@ -63,6 +63,11 @@ static shardd_err notify_addr(const char *env, struct sockaddr_un *sa,
 }
 
 shardd_err shardd__sd_notify(const char *state, char *err, size_t errlen) {
+  return shardd__sd_notify_fd(state, -1, err, errlen);
+}
+
+shardd_err shardd__sd_notify_fd(const char *state, int pass_fd, char *err,
+                                size_t errlen) {
   const char *env;
   struct sockaddr_un sa;
   socklen_t salen;
@@ -93,9 +98,31 @@ shardd_err shardd__sd_notify(const char *state, char *err, size_t errlen) {
   len = strlen(state);
   /* One datagram: systemd reads each message as one unit of assignments, so
    * it is sent whole or not at all. NOSIGNAL keeps a vanished manager from
-   * killing the daemon with SIGPIPE. */
+   * killing the daemon with SIGPIPE. A descriptor rides in the same
+   * datagram (the manager pairs FDSTORE=1 with the fds of its message). */
+  struct iovec iov = {(void *)state, len};
+  union {
+    char buf[CMSG_SPACE(sizeof(int))];
+    struct cmsghdr align;
+  } ctl;
+  struct msghdr mh;
+  memset(&mh, 0, sizeof mh);
+  mh.msg_name = &sa;
+  mh.msg_namelen = salen;
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  if (pass_fd >= 0) {
+    memset(&ctl, 0, sizeof ctl);
+    mh.msg_control = ctl.buf;
+    mh.msg_controllen = sizeof ctl.buf;
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(cm), &pass_fd, sizeof(int));
+  }
   do {
-    sent = sendto(fd, state, len, MSG_NOSIGNAL, (struct sockaddr *)&sa, salen);
+    sent = sendmsg(fd, &mh, MSG_NOSIGNAL);
   } while (sent < 0 && errno == EINTR);
   if (sent < 0) {
     set_err(err, errlen, "send to NOTIFY_SOCKET %s: %s", env, strerror(errno));
@@ -133,6 +160,42 @@ static int parse_count(const char *s, long max, long *out) {
   }
   *out = v;
   return 0;
+}
+
+int shardd__sd_fdname_valid(const char *name) {
+  size_t n = 0;
+  for (const unsigned char *p = (const unsigned char *)name; *p; p++, n++)
+    if (*p < 0x20 || *p >= 0x7f || *p == ':')
+      return 0;
+  return n >= 1 && n <= 255;
+}
+
+int shardd__sd_listen_fds_names(int unset_env, char ***names) {
+  const char *e = getenv("LISTEN_FDNAMES");
+  char *copy = e ? strdup(e) : NULL;
+  int n = shardd__sd_listen_fds(unset_env);
+  char **out = NULL;
+  if (names)
+    *names = NULL;
+  if (names && n > 0 && (out = calloc((size_t)n, sizeof *out)) != NULL) {
+    char *save = NULL, *tok = copy ? strtok_r(copy, ":", &save) : NULL;
+    int ok = 1;
+    for (int i = 0; i < n && ok; i++) {
+      /* strtok_r folds empty names away; systemd never writes one */
+      out[i] = strdup(tok ? tok : "unknown");
+      ok = out[i] != NULL;
+      tok = tok ? strtok_r(NULL, ":", &save) : NULL;
+    }
+    if (!ok) {
+      for (int i = 0; i < n; i++)
+        free(out[i]);
+      free(out);
+      out = NULL;
+    }
+    *names = out;
+  }
+  free(copy);
+  return n;
 }
 
 int shardd__sd_listen_fds(int unset_env) {

@@ -31,6 +31,25 @@ shardd_err shardd__sd_notify(const char *state, char *err, size_t errlen);
  * mistake them for their own. */
 int shardd__sd_listen_fds(int unset_env);
 
+/* As shardd__sd_notify, with fd passed along (SCM_RIGHTS) in the same
+ * datagram: "FDSTORE=1\nFDNAME=NAME" hands the service manager a
+ * duplicate of fd to keep for the next start (its file descriptor store).
+ * fd < 0 sends no descriptor. SHARDD_OK and nothing sent without
+ * $NOTIFY_SOCKET. fd stays the caller's. */
+shardd_err shardd__sd_notify_fd(const char *state, int fd, char *err,
+                                size_t errlen);
+
+/* Whether name may be an FDNAME: 1..255 printable ASCII bytes without
+ * ':' (LISTEN_FDNAMES' separator), as systemd's fdname_is_valid. */
+int shardd__sd_fdname_valid(const char *name);
+
+/* As shardd__sd_listen_fds, and *names (when not NULL) a malloc'd array
+ * of the count's malloc'd names from $LISTEN_FDNAMES (missing ones
+ * "unknown", as sd_listen_fds_with_names gives them), read before the
+ * variables are unset; the caller frees each and the array. *names is
+ * NULL when the result is <= 0 or out of memory. */
+int shardd__sd_listen_fds_names(int unset_env, char ***names);
+
 /* 1 when fd is a listening AF_UNIX SOCK_STREAM socket, else 0 (including
  * fd < 0 and fds that are not sockets); validates an activated fd before the
  * daemon serves it. */

@@ -35,6 +35,35 @@ static int job_resumed(shardd__job *job, uint64_t *step) {
 }
 
 
+/* The uid and name a job is named by: the peer's own, or for root
+ * "UID/NAME" another uid's. name points into job. */
+static uint32_t named_uid(const shardd__conn *c, const char *job,
+                          const char **name) {
+  const char *slash = strchr(job, '/');
+  *name = job;
+  if (c->peer.uid == 0 && slash && slash > job &&
+      strspn(job, "0123456789") == (size_t)(slash - job)) {
+    *name = slash + 1;
+    return (uint32_t)strtoul(job, NULL, 10);
+  }
+  return (uint32_t)c->peer.uid;
+}
+
+/* A job the fd store held torn at start (the daemon died inside one of
+ * its steps): no rank attaches to it, and the refusal names the step and
+ * the checkpoint to restore. 1 when refused. */
+static int torn_refused(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                        const char *job) {
+  char msg[ERRLEN];
+  const char *name;
+  uint32_t uid = named_uid(c, job, &name);
+  if (d->fdstore == NULL || shardd__job_find(&d->reg, uid, name) != NULL ||
+      !shardd__fdstore_torn(d->fdstore, uid, name, msg, sizeof msg))
+    return 0;
+  shardd__reply(d, c, seq, SHARDD_E_STATE, msg);
+  return 1;
+}
+
 void shardd__on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                       const Shardwire__Request *req) {
   const Shardwire__Hello *h = req->hello;
@@ -51,6 +80,8 @@ void shardd__on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     return;
   }
   int reclaimed = 0;
+  if (h->job && h->job[0] && torn_refused(d, c, seq, h->job))
+    return;
   if (h->job && h->job[0]) {
   again:;
     /* The peer's own job of that name, made when missing: another uid's
@@ -258,6 +289,19 @@ void shardd__on_release_job(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   const char *name = req->release_job->job;
   char err[ERRLEN];
   shardd__job *job = shardd__access_find_job(&d->reg, &c->peer, name);
+  const char *torn_name;
+  uint32_t torn_uid = name ? named_uid(c, name, &torn_name) : 0;
+  if (job == NULL && name &&
+      shardd__fdstore_forget_torn(d->fdstore, torn_uid, torn_name)) {
+    /* a torn job held nothing but its memory in the store, gone now */
+    Shardwire__ReleaseJobReply rr = SHARDWIRE__RELEASE_JOB_REPLY__INIT;
+    rr.job = (char *)name;
+    Shardwire__Response resp =
+        ok_resp(seq, SHARDWIRE__RESPONSE__BODY_RELEASE_JOB);
+    resp.release_job = &rr;
+    shardd__send_resp(d, c, &resp, -1);
+    return;
+  }
   if (job == NULL) {
     snprintf(err, sizeof err, "no job \"%s\"", name ? name : "");
     shardd__reply(d, c, seq, SHARDD_E_NOT_FOUND, err);

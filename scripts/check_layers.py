@@ -44,6 +44,9 @@ LAYERS = {
     "checkpoint": 7,
     # the collective engine
     "coll": 8,
+    # the fd store's descriptions of jobs (beside the engine, told of its
+    # steps through dispatch)
+    "fdstore": 8,
     # job lifetime (asks the engine whether a job is busy, frees its state)
     "jobs": 9,
     # reports

@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -379,4 +380,110 @@ Test(sdnotify, unix_listener_false) {
       cr_assert_eq(shardd__sd_is_unix_listener(fd), 0);
     close(fd);
   }
+}
+
+/* ---- the file descriptor store ---- */
+
+/* FDSTORE=1 carries the fd in the same datagram (SCM_RIGHTS), as systemd
+ * reads it: the receiver gets the bytes and a descriptor of the same
+ * file. */
+Test(sdnotify, fdstore_datagram_carries_the_fd) {
+  static const char msg[] = "FDSTORE=1\nFDNAME=shardd-r1";
+  char buf[256], err[256] = "";
+  union {
+    char b[CMSG_SPACE(sizeof(int))];
+    struct cmsghdr align;
+  } ctl;
+  struct iovec iov = {buf, sizeof buf};
+  struct msghdr mh;
+  struct stat a, b;
+  int mfd, got = -1;
+
+  rx = bind_dgram(sockpath, 0);
+  cr_assert_eq(setenv("NOTIFY_SOCKET", sockpath, 1), 0);
+  mfd = memfd_create("sdnotify-test", MFD_CLOEXEC);
+  cr_assert_geq(mfd, 0, "memfd_create: %s", strerror(errno));
+  cr_assert_eq(shardd__sd_notify_fd(msg, mfd, err, sizeof err), SHARDD_OK,
+               "%s", err);
+  memset(&mh, 0, sizeof mh);
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  mh.msg_control = ctl.b;
+  mh.msg_controllen = sizeof ctl.b;
+  ssize_t n = recvmsg(rx, &mh, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+  cr_assert_eq(n, (ssize_t)(sizeof msg - 1), "datagram: %zd", n);
+  cr_assert_eq(memcmp(buf, msg, sizeof msg - 1), 0);
+  for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm; cm = CMSG_NXTHDR(&mh, cm))
+    if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS)
+      memcpy(&got, CMSG_DATA(cm), sizeof got);
+  cr_assert_geq(got, 0, "no descriptor came with the datagram");
+  cr_assert_eq(fstat(mfd, &a), 0);
+  cr_assert_eq(fstat(got, &b), 0);
+  cr_assert(a.st_ino == b.st_ino && a.st_dev == b.st_dev,
+            "the descriptor is not of the file sent");
+  close(got);
+  close(mfd);
+  assert_nothing_more(rx);
+}
+
+Test(sdnotify, fdstore_without_notify_socket_sends_nothing) {
+  char err[64] = "";
+  unsetenv("NOTIFY_SOCKET");
+  cr_assert_eq(shardd__sd_notify_fd("FDSTORE=1\nFDNAME=x", 0, err, sizeof err),
+               SHARDD_OK);
+}
+
+Test(sdnotify, fdname_rules) {
+  char longest[257];
+  memset(longest, 'a', 255);
+  longest[255] = '\0';
+  cr_assert(shardd__sd_fdname_valid("shardd-r1a2b-3"));
+  cr_assert(shardd__sd_fdname_valid(longest));
+  longest[255] = 'a';
+  longest[256] = '\0';
+  cr_assert_not(shardd__sd_fdname_valid(longest), "256 bytes");
+  cr_assert_not(shardd__sd_fdname_valid(""));
+  cr_assert_not(shardd__sd_fdname_valid("a:b"), "':' separates LISTEN_FDNAMES");
+  cr_assert_not(shardd__sd_fdname_valid("a\nb"));
+}
+
+/* The names come back in LISTEN_FDNAMES' order, read before the
+ * variables are unset; one missing reads "unknown". In a child: fds at
+ * 3.. (see activation_child). */
+static void names_child(void) {
+  char s[32], **names = NULL;
+  for (int fd = 3; fd < 6; fd++) {
+    int m = memfd_create("names", 0);
+    if (m < 0 || (m != fd && dup2(m, fd) != fd))
+      _exit(10);
+    if (m != fd)
+      close(m);
+  }
+  snprintf(s, sizeof s, "%ld", (long)getpid());
+  setenv("LISTEN_PID", s, 1);
+  setenv("LISTEN_FDS", "3", 1);
+  setenv("LISTEN_FDNAMES", "shardd.socket:shardd-m1-j", 1);
+  if (shardd__sd_listen_fds_names(1, &names) != 3 || names == NULL)
+    _exit(11);
+  if (strcmp(names[0], "shardd.socket") || strcmp(names[1], "shardd-m1-j") ||
+      strcmp(names[2], "unknown"))
+    _exit(12);
+  if (getenv("LISTEN_FDNAMES"))
+    _exit(13);
+  for (int i = 0; i < 3; i++)
+    free(names[i]);
+  free(names);
+  _exit(0);
+}
+
+Test(sdnotify, listen_fds_names) {
+  int status;
+  pid_t pid = fork();
+  cr_assert_geq(pid, 0, "fork: %s", strerror(errno));
+  if (pid == 0)
+    names_child();
+  cr_assert_eq(waitpid(pid, &status, 0), pid);
+  cr_assert(WIFEXITED(status), "child died (status 0x%x)", status);
+  cr_assert_eq(WEXITSTATUS(status), 0, "names check %d failed (see names_child)",
+               WEXITSTATUS(status));
 }

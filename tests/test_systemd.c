@@ -140,6 +140,10 @@ static int log_lines(const char *tool, const char *path, int flag) {
   for (line = strtok_r(log, "\n", &save); line != NULL;
        line = strtok_r(NULL, "\n", &save)) {
     int ours = strstr(line, "shardd") != NULL;
+    /* FileDescriptorStorePreserve= is systemd 254's: an older one warns
+     * and ignores it, as the unit's comment says */
+    if (strstr(line, "Unknown key 'FileDescriptorStorePreserve'"))
+      ours = 0;
     if (ours && flag)
       cr_log_warn("%s: %s", tool, line);
     else
@@ -358,6 +362,10 @@ Test(systemd, service_keys) {
   ASSERT_KEY(&svc_u, "Service", "PrivateTmp", "yes");
   ASSERT_KEY(&svc_u, "Service", "LimitMEMLOCK", "infinity");
   ASSERT_KEY(&svc_u, "Service", "Restart", "on-failure");
+  /* the fd store: every region a memfd, so the descriptor limit bounds it */
+  ASSERT_KEY(&svc_u, "Service", "FileDescriptorStoreMax",
+             get(&svc_u, "Service", "LimitNOFILE"));
+  ASSERT_KEY(&svc_u, "Service", "FileDescriptorStorePreserve", "yes");
   /* PrivateDevices=yes would hide /dev/nvidia*; not even =no is wanted, so
    * a later edit cannot flip it by changing one word. */
   cr_assert_not(has_key_anywhere(&svc_u, "PrivateDevices"),

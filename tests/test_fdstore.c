@@ -1,0 +1,275 @@
+/* test_fdstore.c — suite fdstore: the fd store's descriptions in process,
+ * against a receiver that keeps what the daemon stores (as systemd's fd
+ * store does): a job adopted from them maps the very memory that was
+ * stored (same file, not a copy, its bytes as written) at the step its
+ * description records; a step still in progress, named or only counted
+ * past the journal's records, makes the job torn. The daemon-level
+ * protocol (LISTEN_FDS, SIGKILL, trainers) is tests/python/
+ * test_daemon_restart.py. */
+#include <criterion/criterion.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+#include <uv.h>
+
+#include "backend.h"
+#include "fdstore.h"
+#include "registry.h"
+
+#define MAXFD 256
+
+static char dir[64], path[96];
+static int rx = -1;
+/* what the receiver keeps: FDNAME -> fd */
+static char *names[MAXFD];
+static int fds[MAXFD];
+static size_t nfds;
+
+static void init(void) {
+  strcpy(dir, "/tmp/shardd-fdstore-XXXXXX");
+  cr_assert_not_null(mkdtemp(dir));
+  snprintf(path, sizeof path, "%s/notify", dir);
+  rx = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  snprintf(sa.sun_path, sizeof sa.sun_path, "%s", path);
+  cr_assert_eq(bind(rx, (struct sockaddr *)&sa, sizeof sa), 0, "%s",
+               strerror(errno));
+  int big = 4 << 20;
+  setsockopt(rx, SOL_SOCKET, SO_RCVBUF, &big, sizeof big);
+  setenv("NOTIFY_SOCKET", path, 1);
+  nfds = 0;
+}
+
+static void fini(void) {
+  for (size_t i = 0; i < nfds; i++) {
+    close(fds[i]);
+    free(names[i]);
+  }
+  close(rx);
+  unlink(path);
+  rmdir(dir);
+}
+
+/* Reads every datagram sent so far, keeping FDSTORE's fds by name and
+ * dropping FDSTOREREMOVE's. */
+static void pump(void) {
+  for (;;) {
+    char buf[512];
+    union {
+      char b[CMSG_SPACE(sizeof(int))];
+      struct cmsghdr align;
+    } ctl;
+    struct iovec iov = {buf, sizeof buf - 1};
+    struct msghdr mh = {0};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = ctl.b;
+    mh.msg_controllen = sizeof ctl.b;
+    ssize_t n = recvmsg(rx, &mh, MSG_CMSG_CLOEXEC);
+    if (n < 0)
+      return;
+    buf[n] = '\0';
+    int fd = -1;
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm; cm = CMSG_NXTHDR(&mh, cm))
+      if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS)
+        memcpy(&fd, CMSG_DATA(cm), sizeof fd);
+    char *name = strstr(buf, "FDNAME=");
+    cr_assert_not_null(name, "a datagram without FDNAME: %s", buf);
+    name += 7;
+    if (strncmp(buf, "FDSTORE=1", 9) == 0) {
+      cr_assert_geq(fd, 0, "FDSTORE=1 without its descriptor");
+      cr_assert_lt(nfds, (size_t)MAXFD);
+      names[nfds] = strdup(name);
+      fds[nfds++] = fd;
+    } else if (strncmp(buf, "FDSTOREREMOVE=1", 15) == 0) {
+      for (size_t i = 0; i < nfds; i++)
+        if (strcmp(names[i], name) == 0) {
+          close(fds[i]);
+          free(names[i]);
+          fds[i] = fds[--nfds];
+          names[i] = names[nfds];
+          break;
+        }
+    }
+  }
+}
+
+/* One daemon's worth: a host backend keeping every region in the store, a
+ * registry, a loop and the fd store. */
+typedef struct {
+  shardd__backend *be;
+  shardd__registry reg;
+  uv_loop_t loop;
+  shardd__fdstore *fs;
+} daemon_t;
+
+static void daemon_up(daemon_t *d) {
+  char err[256];
+  cr_assert_eq(shardd__backend_host_create(1, 64 << 20, &d->be, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  shardd__backend_host_persist(d->be, SHARDD__PERSIST_ON);
+  shardd__registry_init(&d->reg, d->be);
+  uv_loop_init(&d->loop);
+  cr_assert_eq(shardd__fdstore_create(&d->loop, &d->reg, NULL, NULL, &d->fs),
+               SHARDD_OK);
+}
+
+/* A crash leaves the store as it is: nothing is taken out. */
+static void daemon_crash(daemon_t *d) {
+  shardd__fdstore_stop(d->fs);
+  shardd__backend_host_persist(d->be, SHARDD__PERSIST_DETACHED);
+  uv_run(&d->loop, UV_RUN_DEFAULT); /* the handle's close */
+  shardd__registry_free(&d->reg);
+  shardd__fdstore_free(d->fs);
+  uv_loop_close(&d->loop);
+  d->be->ops->destroy(d->be);
+}
+
+static shardd__job *adopted_job;
+static uint64_t adopted_step;
+
+static void on_adopted(void *arg, shardd__job *job, uint64_t step) {
+  adopted_job = job;
+  adopted_step = step;
+}
+
+/* Hands every kept fd to d (dups: the receiver keeps its own). */
+static int adopt_all(daemon_t *d) {
+  shardd__fdstore_fd in[MAXFD];
+  for (size_t i = 0; i < nfds; i++)
+    in[i] = (shardd__fdstore_fd){fcntl(fds[i], F_DUPFD_CLOEXEC, 0), names[i]};
+  adopted_job = NULL;
+  return shardd__fdstore_adopt(d->fs, in, nfds, on_adopted, NULL);
+}
+
+/* An optimizer as the step hooks see it: only its address and name. */
+static shardd__optim *fake_optim(const char *name) {
+  shardd__optim *o = calloc(1, sizeof *o);
+  o->hdr.name = strdup(name);
+  return o;
+}
+
+static void free_fake(shardd__optim *o) {
+  free(o->hdr.name);
+  free(o);
+}
+
+static shardd__job *job_with_buffer(daemon_t *d, shardd__buffer **b) {
+  char err[256];
+  shardd__job *job;
+  int created;
+  cr_assert_eq(shardd__job_get(&d->reg, "j", 2, 0, &job, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_assert_eq(shardd__buffer_register(&d->reg, job, "w", SHARDD_DTYPE_FP32,
+                                       1000, b, &created, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  for (uint32_t r = 0; r < 2; r++) {
+    float *p = (float *)((char *)(*b)->blocks[r]->ptr + (*b)->shard_off);
+    for (uint64_t i = 0; i < (*b)->shard_numel; i++)
+      p[i] = (float)(r * 10000 + i);
+  }
+  return job;
+}
+
+TestSuite(fdstore, .init = init, .fini = fini);
+
+Test(fdstore, adopted_job_maps_the_stored_memory) {
+  daemon_t a, b;
+  shardd__buffer *buf;
+  daemon_up(&a);
+  shardd__job *job = job_with_buffer(&a, &buf);
+  shardd__optim *o = fake_optim("adamw");
+  /* a step begun and ended: its description written, its record cleared */
+  shardd__fdstore_step_begin(a.fs, job, o, 1);
+  shardd__fdstore_step_end(a.fs, job, o, 1, SHARDD_OK);
+  struct stat before[2];
+  for (int r = 0; r < 2; r++)
+    cr_assert_eq(fstat(buf->blocks[r]->fd, &before[r]), 0);
+  pump();
+  daemon_crash(&a);
+  free_fake(o);
+  pump();
+  cr_assert_geq(nfds, 5, "2 regions and 3 description memfds: %zu", nfds);
+
+  daemon_up(&b);
+  cr_assert_eq(adopt_all(&b), 0, "a job was refused");
+  cr_assert_not_null(adopted_job);
+  shardd__buffer *w = shardd__map_get_str(&adopted_job->buffers, "w");
+  cr_assert_not_null(w);
+  for (uint32_t r = 0; r < 2; r++) {
+    struct stat st;
+    cr_assert_eq(fstat(w->blocks[r]->fd, &st), 0);
+    cr_assert(st.st_ino == before[r].st_ino && st.st_dev == before[r].st_dev,
+              "rank %u: not the stored memory (a copy?)", r);
+    const float *p = (const float *)((char *)w->blocks[r]->ptr + w->shard_off);
+    for (uint64_t i = 0; i < w->shard_numel; i++)
+      cr_assert_eq(p[i], (float)(r * 10000 + i), "rank %u element %lu", r,
+                   (unsigned long)i);
+  }
+  cr_assert_not(shardd__fdstore_torn(b.fs, 0, "j", (char[8]){0}, 8));
+  cr_assert(shardd__fdstore_held(b.fs, 0, "j"));
+  pump();
+  daemon_crash(&b);
+}
+
+Test(fdstore, a_step_in_progress_makes_the_job_torn) {
+  daemon_t a, b;
+  shardd__buffer *buf;
+  daemon_up(&a);
+  shardd__job *job = job_with_buffer(&a, &buf);
+  shardd__optim *o = fake_optim("adamw");
+  shardd__fdstore_step_begin(a.fs, job, o, 7);
+  pump();
+  daemon_crash(&a);
+  free_fake(o);
+  pump();
+
+  daemon_up(&b);
+  cr_assert_eq(adopt_all(&b), 1);
+  cr_assert_null(adopted_job);
+  char msg[1024];
+  cr_assert(shardd__fdstore_torn(b.fs, 0, "j", msg, sizeof msg));
+  cr_assert_not_null(strstr(msg, "step 7 of optimizer \"adamw\""), "%s", msg);
+  cr_assert(shardd__fdstore_forget_torn(b.fs, 0, "j"));
+  cr_assert_not(shardd__fdstore_torn(b.fs, 0, "j", msg, sizeof msg));
+  pump();
+  daemon_crash(&b);
+}
+
+/* 31 records; a 32nd step at once is only counted, and still tears the
+ * job when it is the one left running. */
+Test(fdstore, a_step_past_the_records_is_counted_and_tears_too) {
+  daemon_t a, b;
+  shardd__buffer *buf;
+  shardd__optim *o[32];
+  daemon_up(&a);
+  shardd__job *job = job_with_buffer(&a, &buf);
+  for (int i = 0; i < 32; i++) {
+    char name[16];
+    snprintf(name, sizeof name, "o%d", i);
+    o[i] = fake_optim(name);
+    shardd__fdstore_step_begin(a.fs, job, o[i], 1);
+  }
+  for (int i = 0; i < 31; i++)
+    shardd__fdstore_step_end(a.fs, job, o[i], 1, SHARDD_OK);
+  pump();
+  daemon_crash(&a);
+  for (int i = 0; i < 32; i++)
+    free_fake(o[i]);
+  pump();
+
+  daemon_up(&b);
+  cr_assert_eq(adopt_all(&b), 1);
+  char msg[1024];
+  cr_assert(shardd__fdstore_torn(b.fs, 0, "j", msg, sizeof msg));
+  cr_assert_not_null(strstr(msg, "during one of its steps"), "%s", msg);
+  pump();
+  daemon_crash(&b);
+}
