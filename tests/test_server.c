@@ -1063,7 +1063,7 @@ Test(server, pipelined_collectives_are_bounded, .init = start_default, .fini = s
     cr_assert_eq(resp->seq, seqs[i]);
     cr_assert_eq(resp->code, SHARDWIRE__STATUS_CODE__E_LIMIT, "%s",
                  resp->message ? resp->message : "");
-    cr_assert(strstr(resp->message, "limit 64") != NULL, "%s", resp->message);
+    cr_assert(strstr(resp->message, "(--max-pending 64)") != NULL, "%s", resp->message);
     shardwire__response__free_unpacked(resp, NULL);
   }
   tj *st = shardctl_status();
