@@ -63,6 +63,7 @@ shardd_err shardd__coll_engine_create(const shardd__coll_config *cfg,
   e->cpus = (size_t)(cpus < 1 ? 1 : cpus);
   e->workers = (size_t)(pool < 1 ? 1 : pool > 1024 ? 1024 : pool);
   shardd__map_init(&e->jobs);
+  e->fin_tailp = &e->fin_head;
   return SHARDD_OK;
 }
 

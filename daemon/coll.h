@@ -181,7 +181,7 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
  * the pool together at _end, split over a few pool turns, instead of one
  * pool turn each: with many small buffers the pool's round trips, not
  * the copies, were the cost. Nests; completion is unchanged (done hooks
- * on later loop turns). */
+ * after the submit returned, never inside it). */
 void shardd__coll_batch_begin(shardd__coll_engine *e);
 void shardd__coll_batch_end(shardd__coll_engine *e);
 
