@@ -187,6 +187,26 @@ static void batch_start(shardd__coll_engine *e) {
   coll *list = e->batch_head;
   e->batch_head = NULL;
   e->nbatch = 0;
+  uint64_t total = 0;
+  for (coll *c = list; c; c = c->batch_next)
+    total += coll_bytes(c);
+  if (total <= SMALL_COLL_BYTES && loop_helps(e, total)) {
+    /* as small as one small collective: the loop runs them all, in start
+     * order (the list, newest first, reversed), and no pool turn is
+     * queued */
+    coll *first = NULL;
+    while (list) {
+      coll *next = list->batch_next;
+      list->batch_next = first;
+      first = list;
+      list = next;
+    }
+    for (coll *c = first; c; c = c->batch_next) {
+      shardd__coll_work(&c->tasks[0].req);
+      fin_defer(c);
+    }
+    return;
+  }
   coll_batch *b = malloc(sizeof *b + n * sizeof(coll *));
   if (b == NULL) {
     /* out of memory: each alone, its tasks grouped on tasks[0] */

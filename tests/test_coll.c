@@ -362,6 +362,42 @@ Test(coll, small_gather_runs_on_the_loop_without_a_pool_turn) {
   run_idle(); /* the engine's handles close once nothing is due */
 }
 
+/* A bucket of small buffers (each rank's entries submitted between
+ * batch_begin and batch_end, as one request) is, all ranks' sides
+ * together, no bigger than one small collective: the loop thread runs
+ * every entry at the last rank's batch_end, with no pool turn queued, and
+ * each entry is answered after it, in order. */
+Test(coll, small_bucket_runs_on_the_loop_without_a_pool_turn) {
+  shardd__buffer *b[3] = {buf_new("n0", 96), buf_new("n1", 30), buf_new("n2", 300)};
+  for (int k = 0; k < 3; k++)
+    fill_shards(b[k], k);
+  for (uint32_t r = 0; r < W; r++) {
+    shardd__coll_batch_begin(eng);
+    for (uint32_t k = 0; k < 3; k++) {
+      shardd__coll_args a = gather_args(b[k]);
+      a.bucket = 0xb0c;
+      a.bucket_n = 3;
+      a.bucket_index = k;
+      submit(r, 5, a);
+    }
+    shardd__coll_batch_end(eng);
+  }
+  cr_assert_eq(nreplies, 0, "never answered inside the submit");
+  for (int k = 0; k < 3; k++)
+    check_gathered(b[k], k);
+  cr_assert_eq(pool_requests(), 0, "no pool work queued for a small bucket");
+  uv_run(&loop, UV_RUN_NOWAIT);
+  cr_assert_eq(nreplies, 3 * W, "every entry answered on the same loop turn");
+  for (size_t i = 0; i < nreplies; i++) {
+    cr_assert_eq(replies[i].code, SHARDD_OK);
+    cr_assert(replies[i].has_res, "a bucket's entry has its result");
+    cr_assert_eq(replies[i].res.target, b[i / W]->hdr.id,
+                 "entries answered in start order");
+  }
+  expect_pending_zero();
+  run_idle();
+}
+
 static shardd__buffer *check_buf;
 static int check_calls, timer_fired;
 static uv_idle_t first_turn; /* only so the first poll does not block */
