@@ -252,12 +252,17 @@ int main(int argc, char **argv) {
   static const double sizes_full[] = {1, 4, 16, 64, 256, 1024};
   const double *sizes = full ? sizes_full : sizes_short;
   int nsizes = full ? 6 : 4;
+  /* --small: only the small-buffer and fixed-cost figures (seconds, not
+   * minutes: for comparing two builds of the daemon) */
+  for (int i = 1; i < argc; i++)
+    if (strcmp(argv[i], "--small") == 0)
+      nsizes = 0;
   static const int devs[] = {1, 2, 4};
   double budget = (full ? 16384.0 : 2048.0) * MiB; /* gathered bytes per config */
   row_t rows[3 * 6];
   small_row_t smalls[3];
   int nrows = 0;
-  double maxn = sizes[nsizes - 1] * MiB;
+  double maxn = sizes[(full ? 6 : 4) - 1] * MiB;
 
   for (int di = 0; di < 3; di++) {
     world = devs[di];

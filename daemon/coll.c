@@ -10,7 +10,8 @@
  * collectives run in submission order (shardd__coll_schedule). Its phases
  * (coll_phase.c) are split into tasks (chunks of the rank shards) that
  * libuv's pool turns claim one by one, and for a small collective on host
- * memory the loop thread too (coll_run.c); tasks only touch region memory,
+ * memory the loop thread too, or alone, completing it on the same loop
+ * turn (coll_run.c); tasks only touch region memory,
  * and the completion count is kept on the loop thread
  * (shardd__coll_task_done). Ranks lost, the grace, timeouts and the stop
  * are coll_members.c's.
@@ -63,6 +64,7 @@ shardd_err shardd__coll_engine_create(const shardd__coll_config *cfg,
   e->cpus = (size_t)(cpus < 1 ? 1 : cpus);
   e->workers = (size_t)(pool < 1 ? 1 : pool > 1024 ? 1024 : pool);
   shardd__map_init(&e->jobs);
+  e->fin_tailp = &e->fin_head;
   return SHARDD_OK;
 }
 

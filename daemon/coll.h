@@ -168,7 +168,10 @@ void shardd__coll_engine_stop(shardd__coll_engine *e);
  * Returns how many failed. */
 uint32_t shardd__coll_stop_waiting(shardd__coll_engine *e, const char *why);
 /* Frees the state of every job still known (none may have a collective in
- * flight) and the engine. */
+ * flight) and the engine. The engine's own handles (coll_run.c: a small
+ * collective's completion on the loop turn it ran) are open only while a
+ * completion is due and closed on that same turn, so once the loop has run
+ * past the last completion none is left for uv_loop_close. */
 void shardd__coll_engine_destroy(shardd__coll_engine *e);
 
 /* Queues m's part of a collective; done comes when it completes or fails.
@@ -181,7 +184,7 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
  * the pool together at _end, split over a few pool turns, instead of one
  * pool turn each: with many small buffers the pool's round trips, not
  * the copies, were the cost. Nests; completion is unchanged (done hooks
- * on later loop turns). */
+ * after the submit returned, never inside it). */
 void shardd__coll_batch_begin(shardd__coll_engine *e);
 void shardd__coll_batch_end(shardd__coll_engine *e);
 

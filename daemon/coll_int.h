@@ -115,6 +115,16 @@ struct shardd__coll_engine {
   /* bytes the loop thread may still copy for the request being submitted
    * (coll.c's loop_helps); 0 outside shardd__coll_submit and a batch */
   uint64_t help_left;
+  /* collectives whose whole phase the loop thread ran (a small one of the
+   * request being submitted, or one with nothing to run): their completion
+   * is due later in this loop turn (coll_run.c's fin_check), not after a
+   * pool round trip; oldest first, by fin_next. The two handles are open
+   * only while some are listed (fin_state 1; 2 while closing, 0 closed),
+   * so the engine leaves none open when idle. */
+  coll *fin_head, **fin_tailp;
+  uv_check_t fin_check; /* completes them after this turn's callbacks */
+  uv_idle_t fin_spin;   /* keeps the poll from blocking meanwhile */
+  int fin_state, fin_closing;
   /* monotonic seconds (uv_hrtime, not the tick's argument, which tests
    * drive by hand) of the last shardd__coll_tick, 0 before the first: a
    * gap far longer than the tick's period is the daemon's own stall */
@@ -201,6 +211,7 @@ struct coll {
   uint64_t *fab_mask_ids;
   size_t nmask;
   coll *batch_next; /* on the engine's batch list (small, started) */
+  coll *fin_next;   /* on the engine's list of completions due (fin_head) */
 };
 
 static inline int shardd__coll_multi(const coll *c) { return c->job->nodes > 1; }

@@ -41,15 +41,84 @@ static int loop_helps(shardd__coll_engine *e, uint64_t bytes) {
   return 1;
 }
 
+/* ---- completion on the loop's own turn ------------------------------- */
+
+/* A collective whose whole phase the loop thread ran, or that had nothing
+ * to run, completes after the callback that started it returns, in the
+ * check phase of this very loop turn: no pool turn is queued for it (a
+ * futex wake of a worker) and no cancelled turn's end comes back through
+ * libuv's async (an eventfd write and read, one more poll). Never inside
+ * shardd__coll_schedule() still: completion may free c and release the
+ * job. Started from a check or closing callback (the server's fair turns
+ * submit from one), the check handle runs on the next turn, and the idle
+ * handle keeps that turn's poll from waiting for other I/O meanwhile. */
+
+static void fin_open(shardd__coll_engine *e);
+
+static void fin_spin(uv_idle_t *h) { (void)h; }
+
+static void fin_closed(uv_handle_t *h) {
+  shardd__coll_engine *e = h->data;
+  if (--e->fin_closing > 0)
+    return;
+  e->fin_state = 0;
+  if (e->fin_head != NULL) /* listed while the handles closed */
+    fin_open(e);
+}
+
+static void fin_run(uv_check_t *h) {
+  shardd__coll_engine *e = h->data;
+  /* a completion may start and list others (the job's next ones): they
+   * complete here too, in the order they were listed */
+  coll *c;
+  while ((c = e->fin_head) != NULL) {
+    if ((e->fin_head = c->fin_next) == NULL)
+      e->fin_tailp = &e->fin_head;
+    shardd__coll_task_done(&c->tasks[0].req, 0);
+  }
+  /* closed when idle, so a stopped engine leaves no handle open */
+  e->fin_state = 2;
+  e->fin_closing = 2;
+  uv_close((uv_handle_t *)&e->fin_check, fin_closed);
+  uv_close((uv_handle_t *)&e->fin_spin, fin_closed);
+}
+
+static void fin_open(shardd__coll_engine *e) {
+  uv_check_init(e->cfg.loop, &e->fin_check);
+  uv_idle_init(e->cfg.loop, &e->fin_spin);
+  e->fin_check.data = e->fin_spin.data = e;
+  uv_check_start(&e->fin_check, fin_run);
+  uv_idle_start(&e->fin_spin, fin_spin);
+  e->fin_state = 1;
+}
+
+/* Lists c (its phase run, or empty) for completion on this loop turn. */
+static void fin_defer(coll *c) {
+  shardd__coll_engine *e = c->e;
+  c->left = 1;
+  c->fin_next = NULL;
+  *e->fin_tailp = c;
+  e->fin_tailp = &c->fin_next;
+  if (e->fin_state == 0)
+    fin_open(e);
+}
+
 /* Starts c's tasks as claims: `turns` pool turns (queued on the reqs of
  * tasks[0..turns)) each run the next unclaimed task until none is left,
  * and so does the loop thread first when help is set; the turns no pool
  * thread had started by then are cancelled (their after-work callback
- * comes on the next loop turn, UV_ECANCELED). Completion stays on a later
- * loop turn, never inside shardd__coll_schedule(). */
+ * comes on the next loop turn, UV_ECANCELED). With help and no turns the
+ * loop runs them all and c completes through fin_defer. Completion is
+ * never inside shardd__coll_schedule(). */
 static void run_claimed(coll *c, size_t turns, int help) {
   c->claiming = 1;
   atomic_store(&c->claim, 0);
+  if (help && turns == 0) {
+    /* the loop runs it whole: no pool turn, completion this loop turn */
+    shardd__coll_claim_run(c);
+    fin_defer(c);
+    return;
+  }
   c->left = turns;
   for (size_t i = 0; i < turns; i++)
     /* fails only without a work callback (UV_EINVAL) */
@@ -118,6 +187,26 @@ static void batch_start(shardd__coll_engine *e) {
   coll *list = e->batch_head;
   e->batch_head = NULL;
   e->nbatch = 0;
+  uint64_t total = 0;
+  for (coll *c = list; c; c = c->batch_next)
+    total += coll_bytes(c);
+  if (total <= SMALL_COLL_BYTES && loop_helps(e, total)) {
+    /* as small as one small collective: the loop runs them all, in start
+     * order (the list, newest first, reversed), and no pool turn is
+     * queued */
+    coll *first = NULL;
+    while (list) {
+      coll *next = list->batch_next;
+      list->batch_next = first;
+      first = list;
+      list = next;
+    }
+    for (coll *c = first; c; c = c->batch_next) {
+      shardd__coll_work(&c->tasks[0].req);
+      fin_defer(c);
+    }
+    return;
+  }
   coll_batch *b = malloc(sizeof *b + n * sizeof(coll *));
   if (b == NULL) {
     /* out of memory: each alone, its tasks grouped on tasks[0] */
@@ -181,16 +270,13 @@ void shardd__coll_run_phase(coll *c) {
   c->ntasks = n;
   c->left = n;
   if (n == 0) {
-    /* Nothing to run (a wholly frozen scatter, an all_reduce): one empty task
-     * still goes through the pool, so completion (which may free c, and release
-     * the job) happens on a later loop turn, never inside
-     * shardd__coll_schedule(). */
-    c->left = 1;
+    /* Nothing to run (a wholly frozen scatter, an all_reduce): it completes
+     * later in this loop turn (fin_defer), never inside
+     * shardd__coll_schedule(), as completion may free c and release the
+     * job. */
     c->tasks[0].c = c;
     c->tasks[0].req.data = &c->tasks[0];
-    if (uv_queue_work(c->e->cfg.loop, &c->tasks[0].req, shardd__coll_work,
-                      shardd__coll_task_done) != 0)
-      shardd__coll_task_done(&c->tasks[0].req, 0);
+    fin_defer(c);
     return;
   }
   for (size_t i = 0; i < n; i++) {
@@ -208,10 +294,13 @@ void shardd__coll_run_phase(coll *c) {
     return;
   }
   if (!shardd__coll_multi(c) && !c->bulk) {
-    /* one claiming turn for a small buffer (the pool's round trip per
-     * task cost more than its copies), else one per worker */
+    /* a small buffer: the loop alone when it helps (any pool turn costs
+     * a worker's wake-up and the loop's, more than its copies), else one
+     * claiming turn; a larger one: a turn per worker */
     int help = loop_helps(c->e, coll_bytes(c));
-    size_t turns = small_coll(c) ? 1 : help ? c->e->cpus : c->e->workers;
+    size_t turns = small_coll(c) ? (help ? 0 : 1)
+                   : help        ? c->e->cpus
+                                 : c->e->workers;
     run_claimed(c, n < turns ? n : turns, help);
     return;
   }

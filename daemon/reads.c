@@ -38,8 +38,8 @@ static void read_cb(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
   if (s->closing || s->close_after_write || s->close_deferred)
     return;
   if (uv_pipe_pending_count(&s->pipe) > 0) {
+    s->close_after_write = 1; /* before the reply: net_send's fast path */
     shardd__session_refuse(s, SHARDD_E_PROTOCOL, "clients may not send descriptors to the daemon");
-    s->close_after_write = 1;
     uv_read_stop(stream);
     return;
   }
@@ -148,8 +148,8 @@ static int dispatch_frames(shardd__session *s) {
       snprintf(msg, sizeof msg, "frame over the %u-byte limit; closing",
                SHARDD_MAX_FRAME);
       shardd__log(1, "session %" PRIu64 ": %s", s->conn.id, msg);
+      s->close_after_write = 1; /* before the reply: net_send's fast path */
       shardd__session_refuse(s, SHARDD_E_FRAME_TOO_LARGE, msg);
-      s->close_after_write = 1;
       uv_read_stop(stream);
       return 0;
     }

@@ -43,7 +43,8 @@ typedef struct {
   uv_pipe_t *fd_handle; /* wraps the descriptor sent with this write */
   shardd__session *s;
   uv_buf_t buf;
-  shared_buf *sb; /* NULL: buf.base is this write's own */
+  shared_buf *sb; /* NULL: buf.base - sent is this write's own */
+  size_t sent;    /* the frame's first bytes net_send wrote itself */
   uint64_t charged; /* bytes charged to the reply bounds (replybudget.c) */
 } write_req;
 
@@ -67,7 +68,7 @@ static void write_done(uv_write_t *req, int status) {
     uv_close((uv_handle_t *)w->fd_handle, fd_handle_closed);
   shardd__session *s = w->s;
   if (w->sb == NULL) {
-    free(w->buf.base);
+    free(w->buf.base - w->sent);
   } else if (--w->sb->refs == 0) {
     free(w->sb->buf);
     free(w->sb);
@@ -143,6 +144,27 @@ static void net_send(void *ctx, shardd__conn *c, uint8_t *frame, size_t n,
     e = uv_write2(&w->req, (uv_stream_t *)&s->pipe, &w->buf, 1,
                   (uv_stream_t *)w->fd_handle, write_done);
   } else {
+    /* Written at once when nothing is queued before it (uv_try_write
+     * refuses otherwise, so replies keep their order): no request, no
+     * write_done on a later turn, and no epoll_ctl re-arming the socket
+     * after it. Not for a session to be closed once its replies are out
+     * (close_after_write, set before the reply that ends it): its closing
+     * is write_done's. A part written is skipped by the uv_write of the
+     * rest; an error (UV_EAGAIN, or the peer gone) leaves it all to
+     * uv_write, which reports it as before. */
+    if (!s->close_after_write) {
+      int k = uv_try_write((uv_stream_t *)&s->pipe, &w->buf, 1);
+      if (k >= 0 && (size_t)k == w->buf.len) {
+        free(buf);
+        free(w);
+        return;
+      }
+      if (k > 0) {
+        w->sent = (size_t)k;
+        w->buf.base += k;
+        w->buf.len -= (size_t)k;
+      }
+    }
     e = uv_write(&w->req, (uv_stream_t *)&s->pipe, &w->buf, 1, write_done);
   }
   if (e == 0) {
@@ -456,8 +478,8 @@ static void session_begin(shardd__server *srv, shardd__session *s) {
   if (msg[0]) {
     shardd__log(1, "connection of uid %" PRIu32 " pid %" PRId32 " refused: %s",
                 (uint32_t)s->conn.peer.uid, (int32_t)s->conn.peer.pid, msg);
+    s->close_after_write = 1; /* before the reply: net_send's fast path */
     shardd__session_refuse(s, why, msg);
-    s->close_after_write = 1;
     return;
   }
   shardd__session_read_start(s);

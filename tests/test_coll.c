@@ -334,6 +334,119 @@ Test(coll, gather_waits_for_every_rank_then_concatenates) {
   expect_pending_zero();
 }
 
+/* Requests libuv's pool holds for the loop (queued work, its completion
+ * not yet delivered): a field of uv_loop_t's public struct, counted by
+ * uv_queue_work until its after-work callback has run. */
+static unsigned pool_requests(void) { return loop.active_reqs.count; }
+
+/* A small gather on host memory is run whole by the loop thread during the
+ * last rank's submit: no pool turn is queued for it (a worker's wake-up,
+ * then the loop's through libuv's async), yet its answers still come after
+ * the submit returns, on that very loop turn. */
+Test(coll, small_gather_runs_on_the_loop_without_a_pool_turn) {
+  shardd__buffer *b = buf_new("small", 300);
+  fill_shards(b, 0);
+  submit(0, 1, gather_args(b));
+  submit(1, 1, gather_args(b));
+  submit(2, 1, gather_args(b));
+  cr_assert_eq(nreplies, 0, "never answered inside the submit");
+  check_gathered(b, 0); /* the loop thread copied it in the submit */
+  cr_assert_eq(pool_requests(), 0, "no pool work queued for a small gather");
+  uv_run(&loop, UV_RUN_NOWAIT);
+  cr_assert_eq(nreplies, W, "answered on the same loop turn");
+  for (uint32_t r = 0; r < W; r++)
+    expect_reply(r, 1, SHARDD_OK);
+  cr_assert_eq(b->gathers, 1);
+  cr_assert_eq(shardd__coll_inflight(eng, job), 0);
+  expect_pending_zero();
+  run_idle(); /* the engine's handles close once nothing is due */
+}
+
+/* A bucket of small buffers (each rank's entries submitted between
+ * batch_begin and batch_end, as one request) is, all ranks' sides
+ * together, no bigger than one small collective: the loop thread runs
+ * every entry at the last rank's batch_end, with no pool turn queued, and
+ * each entry is answered after it, in order. */
+Test(coll, small_bucket_runs_on_the_loop_without_a_pool_turn) {
+  shardd__buffer *b[3] = {buf_new("n0", 96), buf_new("n1", 30), buf_new("n2", 300)};
+  for (int k = 0; k < 3; k++)
+    fill_shards(b[k], k);
+  for (uint32_t r = 0; r < W; r++) {
+    shardd__coll_batch_begin(eng);
+    for (uint32_t k = 0; k < 3; k++) {
+      shardd__coll_args a = gather_args(b[k]);
+      a.bucket = 0xb0c;
+      a.bucket_n = 3;
+      a.bucket_index = k;
+      submit(r, 5, a);
+    }
+    shardd__coll_batch_end(eng);
+  }
+  cr_assert_eq(nreplies, 0, "never answered inside the submit");
+  for (int k = 0; k < 3; k++)
+    check_gathered(b[k], k);
+  cr_assert_eq(pool_requests(), 0, "no pool work queued for a small bucket");
+  uv_run(&loop, UV_RUN_NOWAIT);
+  cr_assert_eq(nreplies, 3 * W, "every entry answered on the same loop turn");
+  for (size_t i = 0; i < nreplies; i++) {
+    cr_assert_eq(replies[i].code, SHARDD_OK);
+    cr_assert(replies[i].has_res, "a bucket's entry has its result");
+    cr_assert_eq(replies[i].res.target, b[i / W]->hdr.id,
+                 "entries answered in start order");
+  }
+  expect_pending_zero();
+  run_idle();
+}
+
+static shardd__buffer *check_buf;
+static int check_calls, timer_fired;
+static uv_idle_t first_turn; /* only so the first poll does not block */
+
+static void on_first_turn(uv_idle_t *h) { (void)h; }
+
+static void submit_in_check(uv_check_t *h) {
+  if (check_calls++ > 0)
+    return;
+  uv_check_stop(h);
+  uv_idle_stop(&first_turn);
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 7, gather_args(check_buf));
+}
+
+static void on_long_timer(uv_timer_t *t) {
+  timer_fired = 1;
+  uv_timer_stop(t);
+}
+
+/* The server's fair turns dispatch requests from a check callback: a small
+ * collective submitted there still completes on the next loop turn, and
+ * that turn's poll does not wait for unrelated I/O (here a timer due in
+ * 3 s) first. */
+Test(coll, small_gather_submitted_in_a_check_callback_completes_at_once, .timeout = 10) {
+  check_buf = buf_new("small", 300);
+  fill_shards(check_buf, 1);
+  check_calls = timer_fired = 0;
+  uv_check_t chk;
+  uv_timer_t tm;
+  uv_check_init(&loop, &chk);
+  uv_timer_init(&loop, &tm);
+  uv_idle_init(&loop, &first_turn);
+  uv_check_start(&chk, submit_in_check);
+  uv_idle_start(&first_turn, on_first_turn);
+  uv_timer_start(&tm, on_long_timer, 3000, 0);
+  for (int i = 0; i < 4 && nreplies < W; i++)
+    uv_run(&loop, UV_RUN_ONCE);
+  cr_assert_eq(timer_fired, 0, "the answers did not wait for the timer");
+  cr_assert_eq(nreplies, W, "answered within a few loop turns");
+  for (uint32_t r = 0; r < W; r++)
+    expect_reply(r, 7, SHARDD_OK);
+  check_gathered(check_buf, 1);
+  uv_close((uv_handle_t *)&chk, NULL);
+  uv_close((uv_handle_t *)&tm, NULL);
+  uv_close((uv_handle_t *)&first_turn, NULL);
+  run_idle();
+}
+
 Test(coll, scatter_sum_then_mean) {
   /* shard 333334: two scatter chunks per owner */
   shardd__buffer *b = buf_new("g", 1000001);
@@ -1109,6 +1222,23 @@ Test(coll, barrier_waits_for_every_rank) {
   run_until(W);
   for (uint32_t r = 0; r < W; r++)
     cr_assert_eq(expect_reply(r, 1, SHARDD_OK)->res.nvalues, 0);
+  expect_pending_zero();
+}
+
+/* An all_reduce has nothing for the pool to run: it completes on the
+ * loop turn of its last rank's submit, with no pool work queued. */
+Test(coll, all_reduce_completes_without_a_pool_turn) {
+  double v = 2.0;
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 1, allreduce_args(&v, 1, SHARDD_REDUCE_SUM));
+  cr_assert_eq(nreplies, 0, "never answered inside the submit");
+  cr_assert_eq(pool_requests(), 0, "no pool work queued for an all_reduce");
+  uv_run(&loop, UV_RUN_NOWAIT);
+  cr_assert_eq(nreplies, W);
+  for (uint32_t r = 0; r < W; r++) {
+    const reply *rp = expect_reply(r, 1, SHARDD_OK);
+    cr_assert_eq(rp->res.nvalues, 1);
+  }
   expect_pending_zero();
 }
 
