@@ -241,7 +241,7 @@ $(GLOO_STAMP):
 	@rm -f $(BUILD)/.gloo*
 	@touch $@
 # the objects that see SHARDD_HAVE_GLOO rebuild when it flips
-$(BUILD)/daemon/fabric_stub.o $(BUILD)/daemon/collective.o: $(GLOO_STAMP)
+$(BUILD)/daemon/fabric_stub.o: $(GLOO_STAMP)
 ifeq ($(GLOO),1)
 CFLAGS_ALL += -DSHARDD_HAVE_GLOO=1
 LDLIBS_ALL += -lgloo -lstdc++
