@@ -132,9 +132,13 @@ $(BUILD)/tests/%: tests/unit/%.c $(DAEMONA) $(LIBA)
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_ALL) -Itests/harness -o $@ $< $(DAEMONA) $(LIBA) $(LDFLAGS) -lcriterion $(LDLIBS_ALL)
 
-$(BUILD)/tests/%: tests/system/%.c $(DAEMONA) $(LIBA)
+# The system tests' helpers, compiled once (kept: make would delete it as an
+# intermediate of the pattern rule below).
+HARNESS_OBJ := $(patsubst %.c,$(BUILD)/%.o,$(wildcard tests/harness/harness*.c))
+.SECONDARY: $(HARNESS_OBJ)
+$(BUILD)/tests/%: tests/system/%.c $(HARNESS_OBJ) $(DAEMONA) $(LIBA)
 	@mkdir -p $(@D)
-	$(CC) $(CFLAGS_ALL) -Itests/harness -o $@ $< $(DAEMONA) $(LIBA) $(LDFLAGS) -lcriterion $(LDLIBS_ALL)
+	$(CC) $(CFLAGS_ALL) -Itests/harness -o $@ $< $(HARNESS_OBJ) $(DAEMONA) $(LIBA) $(LDFLAGS) -lcriterion $(LDLIBS_ALL)
 
 # Stand-in CUDA runtimes test_client loads from beside itself
 # (tests/harness/fake_cudart.c): one with the driver's range call, one without.
