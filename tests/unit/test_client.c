@@ -1,5 +1,5 @@
 /* test_client.c — libshardd against a fake daemon: a forked process on a
- * temporary socket that speaks the real framing (client/frame.h) and
+ * temporary socket that speaks the real framing (common/frame.h) and
  * protobuf messages, and answers RegisterBuffer with replies no real daemon
  * on this machine can send: CUDA IPC handles (there is no GPU here),
  * handles of the wrong length, layouts that overflow, descriptors that are
