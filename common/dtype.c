@@ -29,15 +29,19 @@ const char *shardd_dtype_name(shardd_dtype dtype) {
   return NULL;
 }
 
+/* Every spelling any caller accepts: the Python binding parses through this
+ * too, so "f32" and "f16", which it accepted alone before, are here rather
+ * than refused where they used to work. */
 shardd_err shardd_dtype_parse(const char *s, shardd_dtype *out) {
   static const struct {
     const char *name;
     shardd_dtype dtype;
   } names[] = {
-      {"fp32", SHARDD_DTYPE_FP32},    {"float32", SHARDD_DTYPE_FP32},
-      {"float", SHARDD_DTYPE_FP32},   {"bf16", SHARDD_DTYPE_BF16},
-      {"bfloat16", SHARDD_DTYPE_BF16}, {"fp16", SHARDD_DTYPE_FP16},
-      {"float16", SHARDD_DTYPE_FP16}, {"half", SHARDD_DTYPE_FP16},
+      {"fp32", SHARDD_DTYPE_FP32},     {"float32", SHARDD_DTYPE_FP32},
+      {"float", SHARDD_DTYPE_FP32},    {"f32", SHARDD_DTYPE_FP32},
+      {"bf16", SHARDD_DTYPE_BF16},     {"bfloat16", SHARDD_DTYPE_BF16},
+      {"fp16", SHARDD_DTYPE_FP16},     {"float16", SHARDD_DTYPE_FP16},
+      {"half", SHARDD_DTYPE_FP16},     {"f16", SHARDD_DTYPE_FP16},
   };
   if (s == NULL || out == NULL)
     return SHARDD_E_INVAL;

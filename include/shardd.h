@@ -79,7 +79,9 @@ typedef enum {
 size_t shardd_dtype_size(shardd_dtype dtype);
 /* "fp32", "bf16", "fp16" or NULL. */
 const char *shardd_dtype_name(shardd_dtype dtype);
-/* Parses "fp32"/"float32"/..., returns SHARDD_E_DTYPE when unknown. */
+/* Parses a dtype's name, case-insensitively: fp32, float32, float, f32; bf16,
+ * bfloat16; fp16, float16, half, f16. SHARDD_E_DTYPE when unknown (*out
+ * untouched). */
 shardd_err shardd_dtype_parse(const char *s, shardd_dtype *out);
 
 typedef enum {

@@ -18,6 +18,7 @@ ParameterizedTestParameters(dtype, parse_known) {
       {"bf16", SHARDD_DTYPE_BF16},     {"bfloat16", SHARDD_DTYPE_BF16},
       {"BFloat16", SHARDD_DTYPE_BF16}, {"fp16", SHARDD_DTYPE_FP16},
       {"float16", SHARDD_DTYPE_FP16},  {"half", SHARDD_DTYPE_FP16},
+      {"f32", SHARDD_DTYPE_FP32},      {"F16", SHARDD_DTYPE_FP16},
   };
   return cr_make_param_array(dtype_row, rows, sizeof rows / sizeof rows[0]);
 }
