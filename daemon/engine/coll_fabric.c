@@ -104,6 +104,7 @@
 #include <unistd.h>
 
 #include "fabric.h"
+#include "hash.h"
 #include "log.h"
 
 /* ---- cross-node state of a job ------------------------------------------
@@ -385,14 +386,10 @@ void shardd__coll_fab_free(shardd__coll_engine *e, coll_fab *jf) {
 /* FNV-1a 64 over the kind and the name: what names an exchange across
  * nodes (the header's name, and the tag folded from it). */
 uint64_t shardd__coll_fab_key(shardd__coll_kind kind, const char *name) {
-  uint64_t h = 14695981039346656037ull;
-  h ^= (uint64_t)kind;
-  h *= 1099511628211ull;
-  for (const char *p = name ? name : ""; *p; p++) {
-    h ^= (unsigned char)*p;
-    h *= 1099511628211ull;
-  }
-  return h;
+  /* the kind folded in as one word, as it always was: the key is on the
+   * wire, so nodes of older versions must compute the same */
+  uint64_t h = (SHARDD__FNV1A_BASIS ^ (uint64_t)kind) * SHARDD__FNV1A_PRIME;
+  return shardd__fnv1a_str(h, name ? name : "");
 }
 
 uint32_t shardd__coll_fab_tag(uint64_t key) {
@@ -569,24 +566,17 @@ _Static_assert(sizeof(fab_hdr) == 96, "fab_hdr must have no padding");
 
 /* FNV-1a over a step's resolved hyperparameters, field by field (a struct's
  * padding bytes are not its value). */
-static uint64_t fnv(uint64_t h, const void *p, size_t n) {
-  const unsigned char *s = p;
-  for (size_t i = 0; i < n; i++)
-    h = (h ^ s[i]) * 0x100000001b3ull;
-  return h;
-}
-
 static uint64_t step_digest(const coll *c) {
-  uint64_t h = 0xcbf29ce484222325ull;
+  uint64_t h = SHARDD__FNV1A_BASIS;
   int flag = c->args.norm_only;
-  h = fnv(h, &flag, sizeof flag);
+  h = shardd__fnv1a(h, &flag, sizeof flag);
   for (size_t g = 0; c->hp && g < c->opt->ngroups; g++) {
     const shardd__hp *p = &c->hp[g];
     int ints[4] = {(int)p->kind, p->nesterov, p->maximize, p->amsgrad};
     double d[7] = {p->lr, p->momentum, p->dampening, p->weight_decay,
                    p->beta1, p->beta2, p->eps};
-    h = fnv(h, ints, sizeof ints);
-    h = fnv(h, d, sizeof d);
+    h = shardd__fnv1a(h, ints, sizeof ints);
+    h = shardd__fnv1a(h, d, sizeof d);
   }
   return h;
 }
@@ -766,15 +756,18 @@ static void fab_state_of(coll *c) {
   }
   c->fab_state.nbufs = nb;
   for (size_t i = 0; i < nb; i++) {
-    uint64_t h = fnv(0xcbf29ce484222325ull, bufs[i]->hdr.name, strlen(bufs[i]->hdr.name) + 1);
+    uint64_t h = shardd__fnv1a(SHARDD__FNV1A_BASIS, bufs[i]->hdr.name,
+                               strlen(bufs[i]->hdr.name) + 1);
     uint64_t nd[2] = {bufs[i]->numel, (uint64_t)bufs[i]->dtype};
-    c->fab_state.bufs_digest += fnv(h, nd, sizeof nd);
+    c->fab_state.bufs_digest += shardd__fnv1a(h, nd, sizeof nd);
   }
   c->fab_state.nopts = no;
   c->fab_state.steps_min = no ? UINT64_MAX : 0;
   for (size_t i = 0; i < no; i++) {
-    uint64_t h = fnv(0xcbf29ce484222325ull, opts[i]->hdr.name, strlen(opts[i]->hdr.name) + 1);
-    c->fab_state.opts_digest += fnv(h, &opts[i]->steps, sizeof opts[i]->steps);
+    uint64_t h = shardd__fnv1a(SHARDD__FNV1A_BASIS, opts[i]->hdr.name,
+                               strlen(opts[i]->hdr.name) + 1);
+    c->fab_state.opts_digest +=
+        shardd__fnv1a(h, &opts[i]->steps, sizeof opts[i]->steps);
     if (opts[i]->steps < c->fab_state.steps_min)
       c->fab_state.steps_min = opts[i]->steps;
     if (opts[i]->steps > c->fab_state.steps_max)
@@ -790,7 +783,7 @@ static uint64_t fresh_lineage(void) {
   clock_gettime(CLOCK_REALTIME, &now);
   uint64_t seed[3] = {(uint64_t)now.tv_sec, (uint64_t)now.tv_nsec,
                       (uint64_t)getpid() << 32 ^ (uint64_t)(uintptr_t)&now};
-  uint64_t h = fnv(0xcbf29ce484222325ull, seed, sizeof seed);
+  uint64_t h = shardd__fnv1a(SHARDD__FNV1A_BASIS, seed, sizeof seed);
   return h ? h : 1;
 }
 

@@ -50,6 +50,7 @@
  * posted stay with the pairs, which hold the buffers weakly (Gloo's
  * WeakNonOwningPtr): the buffer's end drops them. */
 #include "fabric.h"
+#include "hash.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -209,12 +210,7 @@ extern "C" const char *shardd__fabric_engine(void) { return "gloo"; }
 /* ---- rendezvous files ---------------------------------------------------- */
 
 static uint64_t fnv64(const std::string &s) {
-  uint64_t h = 14695981039346656037ull;
-  for (unsigned char ch : s) {
-    h ^= ch;
-    h *= 1099511628211ull;
-  }
-  return h;
+  return shardd__fnv1a(SHARDD__FNV1A_BASIS, s.data(), s.size());
 }
 
 static std::string hex64(uint64_t v) {

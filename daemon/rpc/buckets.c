@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "dispatch_int.h"
+#include "hash.h"
 #include "log.h"
 
 /* Entries per request: --max-pending's default, so a bucket fits a rank
@@ -85,17 +86,21 @@ void shardd__bucket_note(shardd__dispatch *d, bucket_wait *w, shardd_err code,
 }
 
 /* A 64-bit name of the bucket's list (kind, count, buffers in order), for
- * the engine to see that every rank sent the same bucket (FNV-1a). */
+ * the engine to see that every rank sent the same bucket: FNV-1a over the
+ * words' little-endian bytes. It used to start from a basis one digit
+ * short of FNV-1a's; it now starts from FNV-1a's own, which changes its
+ * values, and may: they are compared only between the ranks of one daemon
+ * (shardd__coll_args.bucket), never sent to another node nor written. */
 static uint64_t bucket_hash(shardd__coll_kind kind, const uint64_t *ids,
                             size_t n) {
-  uint64_t h = 1469598103934665603ull;
+  uint64_t h = SHARDD__FNV1A_BASIS;
   uint64_t words[2] = {(uint64_t)kind, (uint64_t)n};
   for (size_t k = 0; k < 2 + n; k++) {
     uint64_t v = k < 2 ? words[k] : ids[k - 2];
-    for (int b = 0; b < 8; b++) {
-      h ^= (v >> (8 * b)) & 0xff;
-      h *= 1099511628211ull;
-    }
+    unsigned char le[8];
+    for (int b = 0; b < 8; b++)
+      le[b] = (unsigned char)(v >> (8 * b));
+    h = shardd__fnv1a(h, le, sizeof le);
   }
   return h ? h : 1; /* 0 means "not in a bucket" */
 }

@@ -11,6 +11,7 @@
 
 #include "checkpoint.h"
 #include "dispatch_int.h"
+#include "hash.h"
 #include "log.h"
 
 /* ---- collective checkpoints --------------------------------------------
@@ -67,9 +68,7 @@ typedef struct shardd__ckpt_group {
  * folded to 32 bits, + 1 (0 is "no word from that node"); exact as a
  * double. */
 static double dir_print(const char *dir) {
-  uint64_t h = 14695981039346656037ull;
-  for (const char *p = dir; *p; p++)
-    h = (h ^ (unsigned char)*p) * 1099511628211ull;
+  uint64_t h = shardd__fnv1a_str(SHARDD__FNV1A_BASIS, dir);
   return (double)(uint32_t)(h ^ (h >> 32)) + 1.0;
 }
 

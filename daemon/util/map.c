@@ -5,6 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "hash.h"
+
 struct shardd__map_entry {
   shardd__map_entry *next;
   uint64_t hash;
@@ -23,12 +25,7 @@ static uint64_t mix64(uint64_t x) {
 }
 
 static uint64_t hash_str(const char *s) {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  for (; *s; s++) {
-    h ^= (unsigned char)*s;
-    h *= 0x100000001b3ULL;
-  }
-  return mix64(h);
+  return mix64(shardd__fnv1a_str(SHARDD__FNV1A_BASIS, s));
 }
 
 void shardd__map_init(shardd__map *m) { memset(m, 0, sizeof *m); }
