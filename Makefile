@@ -138,7 +138,17 @@ HARNESS_OBJ := $(patsubst %.c,$(BUILD)/%.o,$(wildcard tests/harness/harness*.c))
 .SECONDARY: $(HARNESS_OBJ)
 $(BUILD)/tests/%: tests/system/%.c $(HARNESS_OBJ) $(DAEMONA) $(LIBA)
 	@mkdir -p $(@D)
-	$(CC) $(CFLAGS_ALL) -Itests/harness -o $@ $< $(HARNESS_OBJ) $(DAEMONA) $(LIBA) $(LDFLAGS) -lcriterion $(LDLIBS_ALL)
+	$(CC) $(CFLAGS_ALL) -Itests/harness -o $@ $< $(TEST_HOOKS_OBJ) $(HARNESS_OBJ) $(DAEMONA) $(LIBA) $(LDFLAGS) -lcriterion $(LDLIBS_ALL)
+
+# test_server runs the server in process with its fault hook
+# (shardd__server_fail_replies): a server.o with SHARDD_TEST_HOOKS, linked
+# ahead of the archive, whose server.o (the daemon's) checks nothing per reply.
+HOOKS_SERVER_O := $(BUILD)/tests/hooks/server.o
+$(HOOKS_SERVER_O): daemon/net/server.c $(PROTO_H) $(CONFIG_STAMP)
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS_ALL) -DSHARDD_TEST_HOOKS=1 -MMD -MP -c $< -o $@
+$(BUILD)/tests/test_server: TEST_HOOKS_OBJ = $(HOOKS_SERVER_O)
+$(BUILD)/tests/test_server: $(HOOKS_SERVER_O)
 
 # Stand-in CUDA runtimes test_client loads from beside itself
 # (tests/harness/fake_cudart.c): one with the driver's range call, one without.

@@ -104,15 +104,6 @@ shardd_err shardd__fabric_reduce_scatter_f32(shardd__fabric *f, float *buf,
                                              size_t count, uint32_t tag,
                                              char *err, size_t errlen);
 
-/* *v = the sum of every node's *v. (The collective module sends its step
- * norms in the header of the exchange instead; kept for the interface.) */
-shardd_err shardd__fabric_allreduce_f64(shardd__fabric *f, double *v,
-                                        uint32_t tag, char *err,
-                                        size_t errlen);
-
-shardd_err shardd__fabric_barrier(shardd__fabric *f, uint32_t tag, char *err,
-                                  size_t errlen);
-
 /* Every operation of f waiting now ends (in milliseconds, not at the
  * timeout) and fails with SHARDD_E_SHUTDOWN and a message ending in why
  * (copied), and so does every later one: the data an aborted operation was

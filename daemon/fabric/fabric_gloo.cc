@@ -648,30 +648,6 @@ extern "C" shardd_err shardd__fabric_reduce_scatter_f32(shardd__fabric *f,
   });
 }
 
-extern "C" shardd_err shardd__fabric_allreduce_f64(shardd__fabric *f,
-                                                   double *v, uint32_t tag,
-                                                   char *err, size_t errlen) {
-  return fabric_op(f, err, errlen, "fabric allreduce", [&]() -> shardd_err {
-    std::vector<double> all(f->nodes);
-    all[f->node_rank] = *v;
-    allgather(f, all.data(), sizeof(double), gloo::Slot::build(kAllgatherSlotPrefix, tag));
-    double sum = 0; /* in node order on every node: the same bits */
-    for (double x : all)
-      sum += x;
-    *v = sum;
-    return SHARDD_OK;
-  });
-}
-
-extern "C" shardd_err shardd__fabric_barrier(shardd__fabric *f, uint32_t tag,
-                                             char *err, size_t errlen) {
-  return fabric_op(f, err, errlen, "fabric barrier", [&]() -> shardd_err {
-    std::vector<uint8_t> all(f->nodes);
-    allgather(f, all.data(), 1, gloo::Slot::build(kAllgatherSlotPrefix, tag));
-    return SHARDD_OK;
-  });
-}
-
 extern "C" void shardd__fabric_abort(shardd__fabric *f, const char *why) {
   if (f == nullptr)
     return;

@@ -43,17 +43,6 @@ shardd_err shardd__fabric_reduce_scatter_f32(shardd__fabric *f, float *buf,
   return none(err, errlen);
 }
 
-shardd_err shardd__fabric_allreduce_f64(shardd__fabric *f, double *v,
-                                        uint32_t tag, char *err,
-                                        size_t errlen) {
-  return none(err, errlen);
-}
-
-shardd_err shardd__fabric_barrier(shardd__fabric *f, uint32_t tag, char *err,
-                                  size_t errlen) {
-  return none(err, errlen);
-}
-
 void shardd__fabric_destroy(shardd__fabric *f) {}
 
 #else

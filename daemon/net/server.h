@@ -117,7 +117,9 @@ struct shardd__server {
   uint64_t reply_bytes;
   uint64_t reply_fds;
   shardd__reply_uid *reply_uids;
-  atomic_uint fail_replies; /* shardd__server_fail_replies */
+  /* shardd__server_fail_replies; there in every build so that the struct
+   * is one layout for the test build's server.o and the other objects */
+  atomic_uint fail_replies;
 };
 
 /* Takes ownership of backend. Binds (or adopts opts->listen_fd) and starts
@@ -137,8 +139,9 @@ void shardd__server_free(shardd__server *srv);
 shardd_err shardd__server_adopt(shardd__server *srv, int fd);
 
 /* Test hook (fault injection): the next n replies, to any session, fail
- * as if their buffer could not be allocated. Callable from any thread; the
- * daemon itself never calls it. */
+ * as if their buffer could not be allocated. Callable from any thread.
+ * Compiled only with SHARDD_TEST_HOOKS (the Makefile builds that server.o
+ * for test_server alone), so the daemon checks nothing per reply. */
 void shardd__server_fail_replies(shardd__server *srv, unsigned n);
 
 /* Seconds since the loop started (monotonic). */

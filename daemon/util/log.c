@@ -8,8 +8,6 @@ static int log_level = SHARDD__LOG_INFO;
 
 void shardd__log_set_level(int level) { log_level = level; }
 
-int shardd__log_level(void) { return log_level; }
-
 size_t shardd__log_escape(const char *in, char *out, size_t outlen) {
   static const char hex[] = "0123456789abcdef";
   size_t n = 0;

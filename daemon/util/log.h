@@ -13,7 +13,6 @@ enum { SHARDD__LOG_ERROR, SHARDD__LOG_WARN, SHARDD__LOG_INFO, SHARDD__LOG_DEBUG 
 
 /* Lines above level are dropped (default 2, info). */
 void shardd__log_set_level(int level);
-int shardd__log_level(void);
 
 /* Logs one line. Every control byte (below 0x20, and 0x7f) and every
  * backslash of the formatted line is written as \xNN (shardd__log_escape):
