@@ -250,7 +250,7 @@ shardd_err shardd__frame_recv_within(int fd, shardd__frame_reader *r,
      * kernel hands SCM_RIGHTS descriptors to the read that reaches the
      * first byte they were sent with, so a read that ran into the next
      * frame took that frame's descriptors and counted them as this one's
-     * (tests/test_frame.c: fd_belongs_to_its_own_frame). Costs one more
+     * (tests/unit/test_frame.c: fd_belongs_to_its_own_frame). Costs one more
      * read per frame (header, then body). */
     size_t want = sizeof buf;
     size_t avail = r->len - r->off;

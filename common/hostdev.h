@@ -1,6 +1,6 @@
 /* hostdev.h — what lets one piece of element arithmetic build both as CUDA
  * device code (optim_cuda.cu) and as plain C on the host (dtype.h's users,
- * tests/test_optim_cuda.c), so the host can run, and test, the very code
+ * tests/unit/test_optim_cuda.c), so the host can run, and test, the very code
  * the kernels run: SHARDD_HD, float <-> bits casts, a leading-zero count,
  * the four separately rounded float operations the optimizers use and the
  * fused multiply-add (one rounding) where torch's CPU kernels fuse.

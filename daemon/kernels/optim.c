@@ -364,7 +364,7 @@ OPTIM_INLINE void adam_run(int variant, int narrow, size_t n,
  * extension; on the baseline path a libm call, glibc's own FMA or its exact
  * software fma on a CPU without one: slower, not vectorized, the same
  * bits), and nothing else may contract a*b+c into an FMA: -std=c11 and the
- * pragma at the top keep contraction off (tests/test_optim.c checks every
+ * pragma at the top keep contraction off (tests/unit/test_optim.c checks every
  * path the machine runs against the scalar one). bf16/fp16 narrowing
  * is done by the integer forms above on every path, not by AVX512_BF16's
  * vcvtneps2bf16 or F16C's vcvtps2ph: the former flushes subnormals, the

@@ -7,7 +7,7 @@
  * arithmetic operation by operation with explicit round-to-nearest
  * intrinsics (a multiply-add is fused, __fmaf_rn, exactly where optim.c
  * calls fmaf, and nowhere else), and which the host build runs in
- * tests/test_optim_cuda.c against optim.c itself. */
+ * tests/unit/test_optim_cuda.c against optim.c itself. */
 #include <cuda_runtime.h>
 #include <stdint.h>
 

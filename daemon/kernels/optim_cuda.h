@@ -10,7 +10,7 @@
  * fused multiply-add where optim.c has fmaf (torch's CPU kernels fuse
  * those). That
  * element arithmetic lives in optim_elem.h, which builds for the host too,
- * so tests/test_optim_cuda.c checks it against optim.c bit for bit where no
+ * so test_optim_cuda.c checks it against optim.c bit for bit where no
  * GPU is; bf16/fp16 conversions are dtype.h's own code.
  *
  * Every wrapper enqueues on the given stream (a cudaStream_t passed as void *,

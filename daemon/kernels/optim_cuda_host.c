@@ -1,6 +1,6 @@
 /* optim_cuda_host.c — the host half of optim_cuda (see optim_cuda.h): the
  * per-step scalars of a kernel update. Plain C with no CUDA dependency, so
- * it builds, and tests/test_optim_cuda.c checks it, without CUDA too. */
+ * it builds, and tests/unit/test_optim_cuda.c checks it, without CUDA too. */
 #include <math.h>
 #include <string.h>
 

@@ -2,7 +2,7 @@
  * (optim_cuda.cu): the SGD / Adam / AdamW element update, one reduce step,
  * widening and narrowing of 16-bit elements and their packing in 32-bit
  * words. The kernels call exactly these inside their grid-stride and
- * vector-load loops; tests/test_optim_cuda.c runs them on the host against
+ * vector-load loops; tests/unit/test_optim_cuda.c runs them on the host against
  * optim.c's kernels, which are the reference (see hostdev.h for why host and
  * device compute the same bits).
  *

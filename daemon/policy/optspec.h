@@ -6,7 +6,7 @@
  * field encodes differently from one set to its default.
  *
  * A leaf header: it includes nothing of the daemon, so any layer may use
- * it. Only daemon/optcodec.c converts it to and from the wire.
+ * it. Only daemon/policy/optcodec.c converts it to and from the wire.
  *
  * Ownership: a spec filled by optcodec owns every array and string in it
  * (shardd__optspec_free releases them); one built by hand is the builder's

@@ -32,7 +32,7 @@ void shardd__hp_resolve(shardd_optim_kind kind, const shardd__optspec_hp *top,
  * so under the 16 MiB frame limit) had the daemon build a reply of a
  * gigabyte, one line per duplicate with a 255-byte label, and any reply
  * over SHARDD_MAX_FRAME is one no client can receive. 12 MiB still lists
- * every ref of the 100k-ref refusal (tests/test_validate.c:
+ * every ref of the 100k-ref refusal (tests/unit/test_validate.c:
  * scale_10k_buffers_100k_views). */
 #define MAX_LISTED_BYTES ((size_t)12 << 20)
 
@@ -77,7 +77,7 @@ static void problem(problems *p, shardd_err code, const char *fmt, ...)
 
 static void problem(problems *p, shardd_err code, const char *fmt, ...) {
   /* Sized to fit: a fixed 512-byte line cut the end (the job's name) off
-   * lines naming a long trainer name or job (tests/test_validate.c:
+   * lines naming a long trainer name or job (tests/unit/test_validate.c:
    * long_names_are_not_cut_from_the_message). */
   if (p->count == 0)
     p->first = code;
@@ -434,7 +434,7 @@ shardd_err shardd__validate_optimizer(const shardd__registry *reg,
    * the object named; without this a buffer held whole by one optimizer
    * could be registered again through its views, or a held view's elements
    * through the whole buffer or an overlapping view, and two optimizers
-   * would update the same elements (tests/test_validate.c:
+   * would update the same elements (tests/unit/test_validate.c:
    * memory_held_by_another_optimizer). Only buffers with nowned > 0 are
    * looked at, so the common case costs nothing. */
   for (size_t i = 0; i < nlocs;) {

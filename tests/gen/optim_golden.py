@@ -21,7 +21,7 @@ Determinism: the data come from a seeded numpy Generator and torch runs on
 one thread with ATEN_CPU_CAPABILITY=avx2, the kernels torch picks on any x86
 CPU with AVX2 (AVX-512 ones give the same bits here): they fuse add-with-alpha
 and addcmul_ into one fused multiply-add, in the vector body and the scalar
-tail alike, and so does daemon/optim.c on every path, so test_optim asserts
+tail alike, and so does kernels/optim.c on every path, so test_optim asserts
 these values bit for bit. The generating machine must have AVX2 and FMA: the
 script refuses to write when torch reports another capability (torch falls
 back silently). --capability default writes torch's non-SIMD values (every

@@ -5,7 +5,7 @@
  * raw wire clients where a test needs to know a request has been queued
  * (pipelined Ping) or to kill a rank from a child process. Every expected
  * value is computed here: concatenations, exact sums, and an optimizer
- * reference written from torch.optim's formulas (not daemon/optim.c). */
+ * reference written from torch.optim's formulas (not kernels/optim.c). */
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
 #include <float.h>

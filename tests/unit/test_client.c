@@ -612,7 +612,7 @@ Test(client, cuda_open_failure_carries_cudas_error, .timeout = 30) {
 /* ---- (b2) the mapping's size, through a stand-in runtime ------------------ */
 
 /* Issue 21 item 4: an opened CUDA IPC handle was used as the block the
- * daemon advertised, whatever memory it mapped. tests/fake_cudart.c opens
+ * daemon advertised, whatever memory it mapped. harness/fake_cudart.c opens
  * "handles" on host memory and reports the allocation's range as told, so
  * the check after the open runs here; the real runtime takes the same path
  * on a GPU machine. */

@@ -1,4 +1,4 @@
-/* test_coll.c — the collective engine (daemon/coll.h) driven in process:
+/* test_coll.c — the collective engine (engine/coll.h) driven in process:
  * a loop of the test's own, a host backend, a registry, a job of world W
  * and an array of shardd__coll_member standing for its ranks. No socket,
  * no server, no dispatch: the done hook records every answer, the

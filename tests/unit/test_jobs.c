@@ -1,4 +1,4 @@
-/* test_jobs.c — job lifetime (daemon/jobs.h) driven in process: a loop, a
+/* test_jobs.c — job lifetime (jobs/jobs.h) driven in process: a loop, a
  * host backend, a registry and a collective engine of the test's own. The
  * released hook is told of every job jobs.c releases, while the job is
  * still there, whichever way it goes (the last client leaving under

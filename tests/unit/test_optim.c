@@ -1,5 +1,5 @@
 /* test_optim.c — the optimizer kernels against torch.optim 1.13 golden
- * vectors (tests/optim_golden.h, from tests/gen/optim_golden.py), bit for
+ * vectors (tests/unit/optim_golden.h, from tests/gen/optim_golden.py), bit for
  * bit on every instruction-set path, the
  * bf16/fp16 conversions against torch's bit patterns, and the
  * hyperparameter defaults and range checks. */

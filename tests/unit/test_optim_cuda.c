@@ -12,7 +12,7 @@
  * vector loads do) then a scalar tail, each element through the shared
  * functions. What this cannot check: NaN payloads out of float arithmetic,
  * which sm_90 canonicalises (see hostdev.h), and the memory plumbing of the
- * kernels (tests/test_backend_cuda.c does that on a GPU). */
+ * kernels (tests/unit/test_backend_cuda.c does that on a GPU). */
 
 /* As optim.c: contracting any a*b+c into an FMA here would test other
  * numerics than the device's intrinsics (separately rounded, and

@@ -1,5 +1,5 @@
-/* test_optreg.c — the optimizer-registration use case (daemon/optreg.h) and
- * its wire codec (daemon/optcodec.h): registrations are built on the stack
+/* test_optreg.c — the optimizer-registration use case (policy/optreg.h) and
+ * its wire codec (policy/optcodec.h): registrations are built on the stack
  * as the wire delivers them, converted as the daemon converts them, and
  * registered in a registry over a real host backend. Identity is checked
  * against the bytes protobuf-c packs the client's message to. */
