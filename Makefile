@@ -130,7 +130,7 @@ $(BUILD)/libshardd.pc: client/libshardd.pc.in include/shardd.h
 
 $(BUILD)/tests/%: tests/unit/%.c $(DAEMONA) $(LIBA)
 	@mkdir -p $(@D)
-	$(CC) $(CFLAGS_ALL) -Itests/harness -o $@ $< $(DAEMONA) $(LIBA) $(LDFLAGS) -lcriterion $(LDLIBS_ALL)
+	$(CC) $(CFLAGS_ALL) -o $@ $< $(DAEMONA) $(LIBA) $(LDFLAGS) -lcriterion $(LDLIBS_ALL)
 
 # The system tests' helpers, compiled once (kept: make would delete it as an
 # intermediate of the pattern rule below).
