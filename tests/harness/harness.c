@@ -269,7 +269,7 @@ int test_raw_wait_eof(test_raw *r) {
 }
 
 Shardwire__Response *test_raw_expect(test_raw *r, uint64_t seq,
-                                  shardd_err code) {
+                                     shardd_err code) {
   Shardwire__Response *resp = test_raw_recv(r);
   cr_assert_not_null(resp, "connection closed waiting for reply %llu",
                      (unsigned long long)seq);
