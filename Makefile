@@ -65,6 +65,10 @@ DAEMON_OBJ := $(DAEMON_SRC:%.c=$(BUILD)/%.o) $(DAEMON_CUDA_OBJ)
 # tests/unit/: in-process tests of modules; tests/system/: tests against a
 # real daemon, on tests/harness/. Their binaries share one folder.
 TEST_SRC := $(wildcard tests/unit/test_*.c tests/system/test_*.c)
+# a test left in tests/ itself would silently never run
+ifneq ($(wildcard tests/test_*.c),)
+$(error $(wildcard tests/test_*.c): a test goes in tests/unit/ (in process) or tests/system/ (against a daemon))
+endif
 TEST_BIN := $(addprefix $(BUILD)/tests/,$(basename $(notdir $(TEST_SRC))))
 BENCH_SRC := $(wildcard bench/*.c)
 BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
