@@ -95,9 +95,11 @@ ONE_OBJECT = {
     ],
     "daemon/checkpoint": [
         ({"checkpoint", "ckfile", "manifest"},
-         "the checkpoint format: checkpoint.h holds the types the file and "
-         "manifest helpers work on, and the writer uses those helpers (a "
-         "knot to untie by moving the types into a header of their own)"),
+         "the checkpoint format: checkpoint.h is the folder's one facade, "
+         "declaring what ckfile.c defines too (shardd__crc32c, the seal) "
+         "and the format's constants the helpers use, while the writer "
+         "uses the helpers (a knot to untie: those declarations into "
+         "ckfile.h and manifest.h)"),
     ],
     "daemon/kernels": [
         ({"optim_cuda", "optim_elem"},
