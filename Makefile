@@ -1,5 +1,6 @@
-# shardd — top-level build. New files under daemon/, client/, tests/ and
-# bench/ are picked up by wildcard, so adding a module needs no edit here.
+# shardd — top-level build. New files under common/, daemon/ (and its layer
+# folders), client/, tests/unit/, tests/system/ and bench/ are picked up by
+# wildcard, so adding a module needs no edit here.
 #
 #   make            shardd, libshardd.{so,a}, shardctl
 #   make test       the whole suite (installs missing Debian packages first)
@@ -21,8 +22,8 @@ CUDA_ARCH ?= -arch=sm_90
 # benches are tuned for the CPU they run on; gpu_pack.sh builds for another
 BENCH_MARCH ?= -march=native
 
-# The one version string is SHARDD_VERSION in client/shardd.h.
-VERSION := $(shell sed -n 's/^\#define SHARDD_VERSION "\(.*\)"/\1/p' client/shardd.h)
+# The one version string is SHARDD_VERSION in include/shardd.h.
+VERSION := $(shell sed -n 's/^\#define SHARDD_VERSION "\(.*\)"/\1/p' include/shardd.h)
 
 CC ?= cc
 PKGS := libuv libprotobuf-c
@@ -31,8 +32,13 @@ PKG_LIBS := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 
 WARN := -Wall -Wextra -Werror -Wshadow -Wno-unused-parameter
 OPT ?= -O2 -g
+# Each folder of a layer is on the include path, so a file names what it
+# includes by its name alone ("registry.h") wherever the two files live;
+# scripts/check_layers.py keeps those names unique and the edges downward.
+DAEMON_DIRS := $(patsubst %/,%,$(sort $(dir $(wildcard daemon/*/*.c daemon/*/*.h))))
+INC := -Iinclude -Icommon -Iclient -Idaemon $(addprefix -I,$(DAEMON_DIRS))
 CFLAGS_ALL = -std=c11 -D_GNU_SOURCE $(OPT) $(WARN) -fPIC -pthread \
-  -I$(BUILD)/gen -Iclient -Idaemon $(PKG_CFLAGS) $(CFLAGS)
+  -I$(BUILD)/gen $(INC) $(PKG_CFLAGS) $(CFLAGS)
 LDLIBS_ALL = $(PKG_LIBS) -lpthread -lm -ldl $(LDLIBS)
 
 ifeq ($(SAN),1)
@@ -40,8 +46,8 @@ CFLAGS_ALL += -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize
 LDFLAGS += -fsanitize=address,undefined
 endif
 
-CUDA_SRC := $(wildcard daemon/backend_cuda.c)
-CU_SRC := $(wildcard daemon/*.cu)
+CUDA_SRC := $(wildcard daemon/backend/backend_cuda.c)
+CU_SRC := $(wildcard daemon/*/*.cu)
 ifeq ($(CUDA),1)
 CFLAGS_ALL += -DSHARDD_HAVE_CUDA=1 -I$(CUDA_HOME)/include
 LDLIBS_ALL += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lnccl -lstdc++
@@ -52,12 +58,18 @@ PROTO_C := $(BUILD)/gen/proto/shardd.pb-c.c
 PROTO_H := $(BUILD)/gen/proto/shardd.pb-c.h
 PROTO_O := $(BUILD)/gen/proto/shardd.pb-c.o
 
-LIB_SRC := $(filter-out client/shardctl.c,$(wildcard client/*.c))
+LIB_SRC := $(wildcard common/*.c) $(filter-out client/shardctl.c,$(wildcard client/*.c))
 LIB_OBJ := $(LIB_SRC:%.c=$(BUILD)/%.o) $(PROTO_O)
-DAEMON_SRC := $(filter-out daemon/main.c $(CUDA_SRC),$(wildcard daemon/*.c))
+DAEMON_SRC := $(filter-out daemon/main.c $(CUDA_SRC),$(wildcard daemon/*.c daemon/*/*.c))
 DAEMON_OBJ := $(DAEMON_SRC:%.c=$(BUILD)/%.o) $(DAEMON_CUDA_OBJ)
-TEST_SRC := $(wildcard tests/test_*.c)
-TEST_BIN := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
+# tests/unit/: in-process tests of modules; tests/system/: tests against a
+# real daemon, on tests/harness/. Their binaries share one folder.
+TEST_SRC := $(wildcard tests/unit/test_*.c tests/system/test_*.c)
+# a test left in tests/ itself would silently never run
+ifneq ($(wildcard tests/test_*.c),)
+$(error $(wildcard tests/test_*.c): a test goes in tests/unit/ (in process) or tests/system/ (against a daemon))
+endif
+TEST_BIN := $(addprefix $(BUILD)/tests/,$(basename $(notdir $(TEST_SRC))))
 BENCH_SRC := $(wildcard bench/*.c)
 BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
 
@@ -91,9 +103,9 @@ $(BUILD)/%.o: %.c $(PROTO_H) $(CONFIG_STAMP)
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_ALL) -MMD -MP -c $< -o $@
 
-$(BUILD)/%.cu.o: %.cu $(wildcard daemon/*_cuda.h) $(CONFIG_STAMP)
+$(BUILD)/%.cu.o: %.cu $(wildcard daemon/*/*_cuda.h) $(CONFIG_STAMP)
 	@mkdir -p $(@D)
-	$(NVCC) $(CUDA_ARCH) -O3 -std=c++17 -Xcompiler -fPIC -Idaemon -Iclient -MMD -MP -MF $(@:.o=.d) -c $< -o $@
+	$(NVCC) $(CUDA_ARCH) -O3 -std=c++17 -Xcompiler -fPIC $(INC) -MMD -MP -MF $(@:.o=.d) -c $< -o $@
 
 $(LIBA): $(LIB_OBJ)
 	@rm -f $@
@@ -116,22 +128,40 @@ $(SHARDD): $(BUILD)/daemon/main.o $(DAEMONA) $(LIBA)
 $(SHARDCTL): $(BUILD)/client/shardctl.o $(LIBA)
 	$(CC) $(LDFLAGS) -o $@ $^ $(CLIENT_LIBS)
 
-$(BUILD)/libshardd.pc: client/libshardd.pc.in client/shardd.h
+$(BUILD)/libshardd.pc: client/libshardd.pc.in include/shardd.h
 	@mkdir -p $(@D)
 	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' $< > $@
 
-$(BUILD)/tests/%: tests/%.c $(DAEMONA) $(LIBA)
+$(BUILD)/tests/%: tests/unit/%.c $(DAEMONA) $(LIBA)
 	@mkdir -p $(@D)
-	$(CC) $(CFLAGS_ALL) -Itests -o $@ $< $(DAEMONA) $(LIBA) $(LDFLAGS) -lcriterion $(LDLIBS_ALL)
+	$(CC) $(CFLAGS_ALL) -o $@ $< $(DAEMONA) $(LIBA) $(LDFLAGS) -lcriterion $(LDLIBS_ALL)
+
+# The system tests' helpers, compiled once (kept: make would delete it as an
+# intermediate of the pattern rule below).
+HARNESS_OBJ := $(patsubst %.c,$(BUILD)/%.o,$(wildcard tests/harness/harness*.c))
+.SECONDARY: $(HARNESS_OBJ)
+$(BUILD)/tests/%: tests/system/%.c $(HARNESS_OBJ) $(DAEMONA) $(LIBA)
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS_ALL) -Itests/harness -o $@ $< $(TEST_HOOKS_OBJ) $(HARNESS_OBJ) $(DAEMONA) $(LIBA) $(LDFLAGS) -lcriterion $(LDLIBS_ALL)
+
+# test_server runs the server in process with its fault hook
+# (shardd__server_fail_replies): a server.o with SHARDD_TEST_HOOKS, linked
+# ahead of the archive, whose server.o (the daemon's) checks nothing per reply.
+HOOKS_SERVER_O := $(BUILD)/tests/hooks/server.o
+$(HOOKS_SERVER_O): daemon/net/server.c $(PROTO_H) $(CONFIG_STAMP)
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS_ALL) -DSHARDD_TEST_HOOKS=1 -MMD -MP -c $< -o $@
+$(BUILD)/tests/test_server: TEST_HOOKS_OBJ = $(HOOKS_SERVER_O)
+$(BUILD)/tests/test_server: $(HOOKS_SERVER_O)
 
 # Stand-in CUDA runtimes test_client loads from beside itself
-# (tests/fake_cudart.c): one with the driver's range call, one without.
+# (tests/harness/fake_cudart.c): one with the driver's range call, one without.
 FAKE_CUDART := $(BUILD)/tests/libfake_cudart.so $(BUILD)/tests/libfake_cudart_norange.so
 $(BUILD)/tests/test_client: | $(FAKE_CUDART)
-$(BUILD)/tests/libfake_cudart.so: tests/fake_cudart.c
+$(BUILD)/tests/libfake_cudart.so: tests/harness/fake_cudart.c
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_ALL) -shared -o $@ $<
-$(BUILD)/tests/libfake_cudart_norange.so: tests/fake_cudart.c
+$(BUILD)/tests/libfake_cudart_norange.so: tests/harness/fake_cudart.c
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_ALL) -DFAKE_NO_RANGE -shared -o $@ $<
 
@@ -144,30 +174,30 @@ $(BUILD)/bench/%: bench/%.c $(DAEMONA) $(LIBA)
 FUZZ_SECONDS ?= 60
 FUZZ_BIN := $(BUILD)/fuzz/fuzz_request
 FUZZ_SRC := $(LIB_SRC) $(DAEMON_SRC) $(PROTO_C) tests/fuzz/fuzz_request.c
-$(FUZZ_BIN): $(FUZZ_SRC) $(PROTO_H) $(wildcard client/*.h daemon/*.h)
+$(FUZZ_BIN): $(FUZZ_SRC) $(PROTO_H) $(wildcard include/*.h common/*.h client/*.h daemon/*.h daemon/*/*.h)
 	@mkdir -p $(@D)
 	clang -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=fuzzer,address,undefined \
-	  -fno-sanitize-recover=undefined -I$(BUILD)/gen -Iclient -Idaemon \
+	  -fno-sanitize-recover=undefined -I$(BUILD)/gen $(INC) \
 	  $(PKG_CFLAGS) -o $@ $(FUZZ_SRC) $(PKG_LIBS) -lpthread -lm
 
 # The checkpoint manifest parser and the restore it drives
 # (tests/fuzz/fuzz_manifest.c; seeds in tests/fuzz/corpus_manifest/).
 FUZZM_BIN := $(BUILD)/fuzz/fuzz_manifest
 FUZZM_SRC := $(LIB_SRC) $(DAEMON_SRC) $(PROTO_C) tests/fuzz/fuzz_manifest.c
-$(FUZZM_BIN): $(FUZZM_SRC) $(PROTO_H) $(wildcard client/*.h daemon/*.h)
+$(FUZZM_BIN): $(FUZZM_SRC) $(PROTO_H) $(wildcard include/*.h common/*.h client/*.h daemon/*.h daemon/*/*.h)
 	@mkdir -p $(@D)
 	clang -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=fuzzer,address,undefined \
-	  -fno-sanitize-recover=undefined -I$(BUILD)/gen -Iclient -Idaemon \
+	  -fno-sanitize-recover=undefined -I$(BUILD)/gen $(INC) \
 	  $(PKG_CFLAGS) -o $@ $(FUZZM_SRC) $(PKG_LIBS) -lpthread -lm
 
 # The --job-spec parser (tests/fuzz/fuzz_jobspec.c; seeds in
 # tests/fuzz/corpus_jobspec/): a leaf, so only jobspec.c is built in.
 FUZZJ_BIN := $(BUILD)/fuzz/fuzz_jobspec
-FUZZJ_SRC := daemon/jobspec.c tests/fuzz/fuzz_jobspec.c
-$(FUZZJ_BIN): $(FUZZJ_SRC) daemon/jobspec.h client/shardd.h
+FUZZJ_SRC := daemon/jobs/jobspec.c tests/fuzz/fuzz_jobspec.c
+$(FUZZJ_BIN): $(FUZZJ_SRC) daemon/jobs/jobspec.h include/shardd.h
 	@mkdir -p $(@D)
 	clang -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=fuzzer,address,undefined \
-	  -fno-sanitize-recover=undefined -Iclient -Idaemon -o $@ $(FUZZJ_SRC)
+	  -fno-sanitize-recover=undefined $(INC) -o $@ $(FUZZJ_SRC)
 
 fuzz: $(FUZZ_BIN) $(FUZZM_BIN) $(FUZZJ_BIN)
 	@BUILD=$(BUILD) FUZZ_SECONDS=$(FUZZ_SECONDS) sh scripts/run_fuzz.sh $(FUZZ_BIN) $(FUZZM_BIN) $(FUZZJ_BIN)
@@ -211,7 +241,7 @@ install: all
 	install -m 0644 $(LIBA) $(DESTDIR)$(PREFIX)/lib/
 	install -m 0755 $(LIBSO) $(DESTDIR)$(PREFIX)/lib/libshardd.so.0
 	ln -sf libshardd.so.0 $(DESTDIR)$(PREFIX)/lib/libshardd.so
-	install -m 0644 client/shardd.h $(DESTDIR)$(PREFIX)/include/
+	install -m 0644 include/shardd.h $(DESTDIR)$(PREFIX)/include/
 	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' client/libshardd.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/libshardd.pc
 	cp $(DESTDIR)$(PREFIX)/lib/pkgconfig/libshardd.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/shardd.pc
 	sed 's|@BINDIR@|$(PREFIX)/bin|g' systemd/shardd.service.in > $(DESTDIR)$(PREFIX)/lib/systemd/system/shardd.service
@@ -223,14 +253,15 @@ clean:
 	rm -rf build
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
-$(BUILD)/daemon/optim.o: OPT = -O3 -g -fno-math-errno
+$(BUILD)/daemon/kernels/optim.o: OPT = -O3 -g -fno-math-errno
 # The reduce and convert loops of scatter vectorize only at -O3.
-$(BUILD)/daemon/backend_host.o: OPT = -O3 -g
+$(BUILD)/daemon/backend/backend_host.o: OPT = -O3 -g
 
 # ---- Gloo: the host fabric for jobs over several nodes ----------------------
 # GLOO=1 when Debian's libgloo-dev is installed (override with GLOO=0/1).
-# daemon/*.cc are compiled with g++ and libgloo linked only then; without it
-# daemon/fabric_stub.c refuses multi-node jobs and everything else builds.
+# daemon/fabric/*.cc are compiled with g++ and libgloo linked only then; without
+# it daemon/fabric/fabric_stub.c refuses multi-node jobs and everything else
+# builds.
 CXX ?= g++
 ifeq ($(origin GLOO),undefined)
 GLOO := $(shell test -f /usr/include/gloo/allgather.h && echo 1 || echo 0)
@@ -241,15 +272,15 @@ $(GLOO_STAMP):
 	@rm -f $(BUILD)/.gloo*
 	@touch $@
 # the objects that see SHARDD_HAVE_GLOO rebuild when it flips
-$(BUILD)/daemon/fabric_stub.o $(BUILD)/daemon/collective.o: $(GLOO_STAMP)
+$(BUILD)/daemon/fabric/fabric_stub.o: $(GLOO_STAMP)
 ifeq ($(GLOO),1)
 CFLAGS_ALL += -DSHARDD_HAVE_GLOO=1
 LDLIBS_ALL += -lgloo -lstdc++
 GLOO_SAN_1 := -fsanitize=address,undefined -fno-omit-frame-pointer
 CXXFLAGS_ALL = -std=c++17 $(OPT) -Wall -Wextra -Wno-unused-parameter -fPIC -pthread \
-  -Iclient -Idaemon $(GLOO_SAN_$(SAN)) $(CXXFLAGS)
-GLOO_OBJ := $(patsubst %.cc,$(BUILD)/%.o,$(wildcard daemon/*.cc))
-$(BUILD)/daemon/%.o: daemon/%.cc daemon/fabric.h $(GLOO_STAMP) $(CONFIG_STAMP)
+  $(INC) $(GLOO_SAN_$(SAN)) $(CXXFLAGS)
+GLOO_OBJ := $(patsubst %.cc,$(BUILD)/%.o,$(wildcard daemon/fabric/*.cc))
+$(BUILD)/daemon/fabric/%.o: daemon/fabric/%.cc daemon/fabric/fabric.h $(GLOO_STAMP) $(CONFIG_STAMP)
 	@mkdir -p $(@D)
 	$(CXX) $(CXXFLAGS_ALL) -c $< -o $@
 $(DAEMONA): $(GLOO_OBJ)

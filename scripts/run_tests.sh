@@ -55,6 +55,24 @@ if [ -f scripts/check_layers.py ]; then
     bad="$bad layers"
   fi
 fi
+# ... and that the check fails on each thing it is there to catch (each
+# case one test).
+if [ -f tests/layers/test_check_layers.py ]; then
+  echo "== tests/layers"
+  BUILD=$BUILD /usr/bin/python3 tests/layers/test_check_layers.py -v >"$log" 2>&1
+  rc=$?
+  grep -av '\.\.\. ok$' "$log"
+  p=$(grep -ac '\.\.\. ok$' "$log")
+  f=$(grep -ac '\.\.\. \(FAIL\|ERROR\)$' "$log")
+  s=$(grep -ac '\.\.\. skipped' "$log")
+  pass=$((pass + p))
+  fail=$((fail + f))
+  skip=$((skip + s))
+  if [ "$rc" != 0 ]; then
+    bad="$bad tests/layers"
+    [ "$f" = 0 ] && fail=$((fail + 1))
+  fi
+fi
 # FUZZ_BIN: the libFuzzer binaries, space-separated; each counts as one test.
 for fz in $FUZZ_BIN; do
   [ -x "$fz" ] || continue

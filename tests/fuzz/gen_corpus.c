@@ -9,8 +9,8 @@
  * checkpoint),
  * so mutation starts from inputs that reach deep into dispatch.
  * Usage: gen_corpus DIR. The seeds are committed; after adding one, rebuild
- * and rerun it (cc -D_GNU_SOURCE -Iclient -Ibuild/gen tests/fuzz/gen_corpus.c
- * client/frame.c build/gen/proto/shardd.pb-c.c -lprotobuf-c). */
+ * and rerun it (cc -D_GNU_SOURCE -Iinclude -Icommon -Ibuild/gen tests/fuzz/gen_corpus.c
+ * common/frame.c build/gen/proto/shardd.pb-c.c -lprotobuf-c). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

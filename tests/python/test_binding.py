@@ -68,7 +68,7 @@ class BindingTest(unittest.TestCase):
         # one version string: shardd.h's, seen by the binding and the daemon
         import re
         here = os.path.dirname(os.path.abspath(__file__))
-        with open(os.path.join(here, "..", "..", "client", "shardd.h")) as f:
+        with open(os.path.join(here, "..", "..", "include", "shardd.h")) as f:
             want = re.search(r'#define SHARDD_VERSION "([^"]+)"', f.read()).group(1)
         self.assertEqual(shardd.__version__, want)
         self.assertEqual(c.daemon_version, want)
@@ -455,6 +455,40 @@ class BindingTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class DtypeNamesTest(unittest.TestCase):
+    """The binding accepts exactly the dtype names libshardd's one table
+    does (shardd_dtype_parse), each to the same code, torch's spellings too."""
+
+    NAMES = ["fp32", "float32", "float", "f32", "FP32", "bf16", "bfloat16",
+             "BFloat16", "fp16", "float16", "half", "f16", "F16",
+             "fp8", "int8", "float64", "", " fp32", "bf", "f"]
+
+    def c_parse(self, name):
+        code = ctypes.c_int(0)
+        rc = shardd._lib.load().shardd_dtype_parse(name.encode(), ctypes.byref(code))
+        return code.value if rc == 0 else None
+
+    def py_parse(self, name):
+        try:
+            return shardd._dtype_code(name)
+        except ValueError:
+            return None
+
+    def test_the_binding_accepts_what_libshardd_accepts(self):
+        for name in self.NAMES:
+            with self.subTest(name=name):
+                self.assertEqual(self.py_parse(name), self.c_parse(name))
+        self.assertEqual(self.py_parse("f32"), shardd.DTYPES["fp32"])
+        self.assertEqual(self.py_parse("f16"), shardd.DTYPES["fp16"])
+
+    def test_torch_dtypes_and_codes(self):
+        self.assertEqual(self.py_parse("torch.bfloat16"), shardd.DTYPES["bf16"])
+        self.assertEqual(self.py_parse("torch.float16"), shardd.DTYPES["fp16"])
+        self.assertEqual(self.py_parse(shardd.DTYPES["bf16"]), shardd.DTYPES["bf16"])
+        self.assertIsNone(self.py_parse("fp32\0junk"))
+        self.assertIsNone(self.py_parse(99))
 
 
 class LivenessTest(unittest.TestCase):

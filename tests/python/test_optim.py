@@ -493,7 +493,7 @@ class OptimApiTest(unittest.TestCase):
 # torch's AVX2/AVX-512 CPU kernels fuse add-with-alpha and addcmul_ into one
 # fused multiply-add, in the vector body and the scalar tail alike (so no
 # element depends on its place in the tensor); shardd fuses the same ones
-# (daemon/optim.c). Given the same gradients (each rank submits the same,
+# (kernels/optim.c). Given the same gradients (each rank submits the same,
 # and "mean" of identical values is exact), the parameters after every
 # step must be torch's bits, for any world size and wherever the views and
 # shard cuts fall relative to torch's 8- or 16-lane vectors.
@@ -611,7 +611,7 @@ class UlpParityTest(unittest.TestCase):
         cap = torch_cpu_capability()
         if cap not in ("AVX2", "AVX512"):
             # torch's non-SIMD kernels round every multiply-add twice;
-            # shardd fuses them on every CPU (see daemon/optim.c)
+            # shardd fuses them on every CPU (see daemon/kernels/optim.c)
             raise unittest.SkipTest("torch runs its %s CPU kernels here; shardd matches "
                                     "its AVX2/AVX-512 ones" % cap)
         cls.ref = {name: ulp_reference(name) for name in ULP_CONFIGS}

@@ -69,7 +69,7 @@ import warnings
 
 from . import _lib as L
 from ._convert import (ALL_REDUCE_OPS, DTYPES, OPTIMIZERS, REDUCE_OPS, Error,
-                       _DTYPE_ALIASES, _DTYPE_NAMES, _ELEM_SIZE,
+                       _DTYPE_NAMES, _ELEM_SIZE,
                        _TORCH_ONLY_KEYS, _TYPESTR, _area_dtype,
                        _array_interface, _b, _dtype_code, _env_int, _err_name,
                        _hparams, _u64)

@@ -2,17 +2,13 @@
 reduction names, names and counts checked before ctypes sees them,
 hyperparameter dicts, the array interfaces of mapped areas, and libshardd's
 error codes (:class:`shardd.Error`)."""
+import ctypes
 import os
 
 from . import _lib as L
 
 
 DTYPES = {"fp32": L.DTYPE_FP32, "bf16": L.DTYPE_BF16, "fp16": L.DTYPE_FP16}
-_DTYPE_ALIASES = {
-    "fp32": "fp32", "float32": "fp32", "float": "fp32", "f32": "fp32",
-    "bf16": "bf16", "bfloat16": "bf16",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16", "f16": "fp16",
-}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _ELEM_SIZE = {L.DTYPE_FP32: 4, L.DTYPE_BF16: 2, L.DTYPE_FP16: 2}
 # Array-interface type strings. bf16 has no standard one: its areas are
@@ -90,10 +86,11 @@ def _dtype_code(dtype):
     s = str(dtype)
     if s.startswith("torch."):
         s = s[len("torch."):]
-    key = _DTYPE_ALIASES.get(s.lower())
-    if key is None:
+    # The names are libshardd's one table (common/dtype.c), shardctl's too.
+    code = ctypes.c_int(0)
+    if "\0" in s or L.load().shardd_dtype_parse(s.encode(), ctypes.byref(code)) != 0:
         raise ValueError("unknown dtype %r (fp32, bf16, fp16)" % (dtype,))
-    return DTYPES[key]
+    return code.value
 
 
 def _hparams(kw, where):

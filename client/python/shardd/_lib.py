@@ -1,4 +1,4 @@
-"""ctypes declarations of libshardd (client/shardd.h) and how the library is found.
+"""ctypes declarations of libshardd (include/shardd.h) and how the library is found.
 
 Search order for libshardd.so:
   1. $SHARDD_LIB (a path to the .so),
@@ -180,6 +180,7 @@ def _declare(lib):
         "shardd_err_name": (c_char_p, [c_int]),
         "shardd_dtype_size": (c_size_t, [c_int]),
         "shardd_dtype_name": (c_char_p, [c_int]),
+        "shardd_dtype_parse": (c_int, [c_char_p, P(c_int)]),
         "shardd_connect": (c_int, [c_char_p, P(ConnectOpts), P(client_p), c_char_p, c_size_t]),
         "shardd_close": (None, [client_p]),
         "shardd_finish": (c_int, [client_p]),

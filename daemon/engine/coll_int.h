@@ -1,0 +1,342 @@
+/* coll_int.h — what the engine's files share (coll.c: queue, matching,
+ * phases, completion; coll_work.c: planning and per-rank work; coll_bulk.c:
+ * whole collectives through the backend; coll_fabric.c: the cross-node
+ * exchange). Only they include it. Loop thread unless a field says. */
+#ifndef SHARDD_COLL_INT_H
+#define SHARDD_COLL_INT_H
+
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "coll.h"
+#include "fabric.h"
+#include "map.h"
+
+typedef struct coll coll;
+typedef struct coll_fab coll_fab;
+
+typedef struct {
+  shardd__coll_member *m; /* NULL when not arrived or gone */
+  uint64_t seq;
+  int arrived;
+  int want_grad; /* gather of a transient job: lease the gradient area too */
+  double *vals;  /* all_reduce: this rank's values (owned) */
+  /* scatter: this rank's views without a gradient (sorted, unique), or
+   * none_all: the whole buffer */
+  uint64_t *no_grad;
+  size_t nno_grad;
+  int none_all;
+} waiter;
+
+/* One piece of work on the pool: elements [start, start+len) of unit
+ * (a, b): gather: a = destination rank, range in the padded buffer;
+ * scatter: a = owner rank, range in its shard; step: a = optimizer shard,
+ * b = its first segment of a run of adjacent ones with one group and one
+ * step count, range from that segment's start. Large units are cut in chunks so a
+ * big shard uses every worker, not one. */
+typedef struct {
+  uv_work_t req;
+  coll *c;
+  size_t a, b;
+  uint64_t start, len;
+  double sumsq;
+  shardd_err rc;
+  int fabric; /* the collective's exchange, on a fabric thread */
+  int bulk;   /* the whole collective through the backend's comm ops */
+  /* > 1: this task's pool turn runs tasks [0, group) of its collective
+   * one after the other (a small collective: one pool round trip, not
+   * one per rank; coll.c's run_phase decides) */
+  size_t group;
+} task;
+
+#define CHUNK_ELEMS ((uint64_t)1 << 18)
+/* a single-node gather's or scatter's (claimed) chunk */
+#define COPY_CHUNK_ELEMS ((uint64_t)1 << 16)
+
+enum { BULK_NONE, BULK_UP, BULK_FAILED };
+
+/* The engine's state of one job: its queue, its backend communicator and
+ * (multi-node) its fabric. */
+typedef struct {
+  shardd__coll_engine *e;
+  shardd__job *job;
+  coll *head;
+  coll **tailp; /* the last one's next, or &head (NULL: not set yet) */
+  uint32_t count;
+  int quiet_due; /* count fell to 0 since job_quiet was last called */
+  /* the backend communicator of the job (comm_create). Only pool threads
+   * take the mutex (creation may block for seconds); the loop reads the
+   * state atomically, so it never waits for a communicator. */
+  pthread_mutex_t bulk_mu;
+  void *bulk_comm;
+  atomic_int bulk_state;
+  coll_fab *fab; /* NULL on one node */
+  /* ranks whose member was lost and has not joined again ([world], made
+   * at the first loss; NULL before): since when (loop seconds, < 0 held),
+   * the engine's epoch at the loss (members that joined before it were the
+   * lost one's peers), and whether the loss was logged as failing others */
+  double *lost_at;
+  uint64_t *lost_epoch;
+  uint8_t *lost_told;
+  /* a multi-node job: the latest lost_epoch of this node's ranks when its
+   * fabric's work was last abandoned for their all being gone (0 never) */
+  uint64_t fab_abandoned;
+  /* a refusal every collective of the job depends on (a rank's initial
+   * values differ: shardd__coll_job_break), SHARDD_OK none: each later
+   * collective of a member that joined before it (the engine's epoch then)
+   * is refused with it at once, until broken_rank joins again */
+  shardd_err broken;
+  uint32_t broken_rank;
+  uint64_t broken_epoch;
+  char broken_msg[384];
+  /* loop seconds of the last submission to the job: ranks waiting in each
+   * other's collectives count as stuck only after --peer-grace without
+   * one (shardd__coll_tick) */
+  double last_submit;
+} coll_job;
+
+struct shardd__coll_engine {
+  shardd__coll_config cfg;
+  shardd__backend *be;
+  int stopping;
+  uint64_t epoch; /* counts joins and losses, to order them */
+  shardd__map jobs; /* job address -> coll_job */
+  /* between shardd__coll_batch_begin and _end: small collectives started
+   * are listed here (by batch_next) and go to the pool together at the
+   * end, a few pool turns for the lot instead of one each */
+  int batching;
+  coll *batch_head;
+  size_t nbatch;
+  /* pool turns a collective's claimed tasks are spread over: the pool's
+   * threads; and, when the loop claims too (a small collective), the CPUs,
+   * as more turns would only preempt the loop */
+  size_t workers, cpus;
+  /* bytes the loop thread may still copy for the request being submitted
+   * (coll.c's loop_helps); 0 outside shardd__coll_submit and a batch */
+  uint64_t help_left;
+  /* collectives whose whole phase the loop thread ran (a small one of the
+   * request being submitted, or one with nothing to run): their completion
+   * is due later in this loop turn (coll_run.c's fin_check), not after a
+   * pool round trip; oldest first, by fin_next. The two handles are open
+   * only while some are listed (fin_state 1; 2 while closing, 0 closed),
+   * so the engine leaves none open when idle. */
+  coll *fin_head, **fin_tailp;
+  uv_check_t fin_check; /* completes them after this turn's callbacks */
+  uv_idle_t fin_spin;   /* keeps the poll from blocking meanwhile */
+  int fin_state, fin_closing;
+  /* monotonic seconds (uv_hrtime, not the tick's argument, which tests
+   * drive by hand) of the last shardd__coll_tick, 0 before the first: a
+   * gap far longer than the tick's period is the daemon's own stall */
+  double last_tick;
+};
+
+struct coll {
+  coll *next;
+  shardd__coll_engine *e;
+  shardd__job *job;
+  coll_job *cj;
+  shardd__coll_args args;
+  shardd__buffer *buf; /* gather / scatter */
+  shardd__optim *opt;  /* step */
+  waiter *waiters;     /* [world] */
+  uint32_t arrived;
+  double deadline;
+  int started;
+  int phase; /* step: 0 norms, 1 updates */
+  int step_begun; /* step: the step_begin hook was told (step_end is due) */
+  int adding; /* scatter: args.accumulate and a live reduced gradient */
+  size_t ntasks, left;
+  task *tasks;
+  /* claimed tasks (run_claimed): the pool turns queued on the reqs of
+   * tasks[0..turns), and maybe the loop thread, each run the next
+   * unclaimed task until none is left; a turn the loop cancelled before a
+   * thread took it ran none */
+  int claiming;
+  atomic_size_t claim;
+  float grad_scale;
+  double total_norm;
+  uint64_t step;
+  shardd__hp *hp; /* step: groups with any lr override applied */
+  /* step: per optimizer ref, the count this step gives it, 0 when the step
+   * skips it (frozen, or no gradient in its buffer's last scatter) */
+  uint64_t *ref_step;
+  shardd_err rc;
+  /* set when a rank joined with other arguments: the collective never runs
+   * and every rank, including those still to arrive, gets this error */
+  shardd_err refused;
+  char refused_msg[256];
+  /* refused because the ranks' buckets differ: every rank is answered as
+   * it arrives, and the other entries of its bucket fail with it */
+  int bucket_bad;
+  /* multi-node: stage 0 local, 1 fabric, 2 local fan-out (gather, scatter);
+   * step: 1 while the sum of squares crosses nodes */
+  int stage;
+  uint64_t name_key; /* fab_key of the kind and the target's name */
+  uint32_t tag;      /* Gloo's, from name_key */
+  const char *name;  /* the target's (it outlives c: the hold keeps it) */
+  uint64_t fab_seq;  /* exchanges of this kind and target before this one */
+  /* the job's fabric epoch when the collective was made (coll_fabric.c:
+   * one made after the fabric failed may re-form it; one made before
+   * fails with the failure, wherever it is then), and what this node's
+   * state looked like at its exchange's submit when the fabric was not up
+   * (fab_join_ok): compared at the (re)forming */
+  uint64_t fab_epoch;
+  int fab_join_ok;
+  struct {
+    uint64_t nbufs, bufs_digest, nopts, opts_digest, steps_min, steps_max;
+  } fab_state;
+  double sumsq_all;
+  double *reduced; /* all_reduce: the result ([args.target], owned) */
+  char fab_msg[384]; /* written by the fabric thread, read after it */
+  /* the exchange in flight: its task, its place in the job's fabric queue
+   * and the handle that brings its end back to the loop */
+  task *fab_task;
+  coll *fab_next;
+  uv_async_t fab_async;
+  int fab_busy; /* the exchange is queued or running: its end not back yet */
+  int bulk; /* this phase is one bulk task (decided once, in start_phase) */
+  /* gather and scatter: each rank's side of the buffer, the gather's
+   * destination or the scatter's gradients: its block's resident area, or
+   * in a transient job the area it leased ([world], set at the start) */
+  shardd__region **area_reg;
+  size_t *area_off;
+  uint8_t *took; /* transient gather: 1 gather lease taken, 2 gradient too */
+  int areas_busy; /* transient: set_areas succeeded (shardd__areas_busy) */
+  /* multi-node scatter: which views (the buffer's, in offset order, by id)
+   * had a gradient on some rank of each node: [nodes][nmask + 1] flags,
+   * the last one the whole buffer's; this node's row is set on the loop
+   * thread before the exchange, the others' arrive with it */
+  uint8_t *fab_mask;
+  uint64_t *fab_mask_ids;
+  size_t nmask;
+  coll *batch_next; /* on the engine's batch list (small, started) */
+  coll *fin_next;   /* on the engine's list of completions due (fin_head) */
+};
+
+static inline int shardd__coll_multi(const coll *c) { return c->job->nodes > 1; }
+
+/* acc (op) v for the scalar all_reduce, over local ranks (coll.c) and then
+ * nodes (coll_fabric.c) alike: a NaN anywhere stays NaN, as in
+ * torch.distributed. Sum, mean (divided by the caller) and any op outside
+ * the wire's (the daemon's own, such as a checkpoint's) add. */
+static inline double shardd__coll_combine(int op, double acc, double v) {
+  if (op == SHARDD_REDUCE_MAX)
+    return (v > acc || isnan(v)) && !isnan(acc) ? v : acc;
+  if (op == SHARDD_REDUCE_MIN)
+    return (v < acc || isnan(v)) && !isnan(acc) ? v : acc;
+  return acc + v;
+}
+
+const char *shardd__coll_target_word(shardd__coll_kind k);
+
+/* Jobs are kept by address: the engine's state of a job lives from its
+ * first collective (or span) to shardd__coll_job_free, which the owner of
+ * the job calls before every release, so an address is never reused while
+ * its entry exists. */
+static inline uint64_t shardd__coll_job_key(const shardd__job *job) {
+  return (uint64_t)(uintptr_t)job;
+}
+
+/* Bytes up to which the loop thread claims a collective's tasks too, on a
+ * backend whose memory it can touch: it is awake when the last rank
+ * arrives, while a pool thread takes a wake-up (tens of microseconds on a
+ * virtual machine, as long as copying a few hundred KiB) to start, and
+ * the loop another to hear it ended. Bounded, as the loop serves every
+ * other session meanwhile: about 0.2 ms of copying. */
+#define LOOP_HELP_BYTES ((uint64_t)4 << 20)
+
+/* coll.c: the loop's clock, in seconds. */
+double shardd__coll_loop_now(const shardd__coll_engine *e);
+/* coll.c: answers every rank still there with code/msg and forgets the
+ * collective. */
+void shardd__coll_finish(coll *c, shardd_err code, const char *msg);
+/* coll.c: answers every rank of c still there with code/msg now and
+ * forgets them, while c goes on (its exchange still runs for the other
+ * nodes); how many were answered. */
+uint32_t shardd__coll_answer_now(coll *c, shardd_err code, const char *msg);
+/* coll.c: starts every collective of q whose ranks all arrived and that
+ * no older one conflicts with. */
+void shardd__coll_schedule(coll_job *q);
+/* coll.c: tells the owner of q's job its last collective ended; last in
+ * each entry point. */
+void shardd__coll_job_maybe_quiet(coll_job *q);
+
+/* coll_phase.c: starts c's next phase (its first: c just started). */
+void shardd__coll_start_phase(coll *c);
+/* coll_phase.c: what a rank hears of c failing in its cross-node exchange
+ * for why. */
+void shardd__coll_fabric_failure(const coll *c, const char *why, char *msg,
+                                 size_t len);
+
+/* coll_run.c: runs the tasks of c's phase (the pool, the loop, a batch). */
+void shardd__coll_run_phase(coll *c);
+
+/* coll_members.c: the missing rank that dooms unstarted c at now, or -1. */
+int64_t shardd__coll_doomed_by(const coll *c, double now);
+/* coll_members.c: fails c for rank r, missing past the grace at now. */
+void shardd__coll_fail_doomed_one(coll *c, uint32_t r, double now);
+
+/* coll.c: the engine's state of job (created when create and missing;
+ * NULL when out of memory or, without create, missing). */
+coll_job *shardd__coll_job_of(shardd__coll_engine *e, shardd__job *job,
+                              int create);
+/* coll_phase.c: this node's row of c->fab_mask (multi-node scatter), on the
+ * loop thread before the exchange; SHARDD_E_NO_MEMORY leaves it NULL. */
+shardd_err shardd__coll_mask_row(coll *c);
+/* coll_phase.c: a task of c ended (pool or fabric thread done); loop
+ * thread. */
+void shardd__coll_task_done(uv_work_t *req, int status);
+
+/* coll_work.c */
+size_t shardd__coll_plan(coll *c, task *out); /* out NULL: count only */
+void shardd__coll_work(uv_work_t *req);       /* a pool thread runs a task */
+/* runs c's unclaimed tasks until none is left (c->claiming); any thread */
+void shardd__coll_claim_run(coll *c);
+void shardd__coll_gather_unit(coll *c, task *t);
+void shardd__coll_scatter_unit(coll *c, task *t);
+
+/* coll_bulk.c */
+int shardd__coll_bulk_ok(const coll *c);
+void shardd__coll_bulk_task(coll *c, task *t);
+void shardd__coll_bulk_free(coll_job *cj);
+
+/* coll_exchange.c: the exchange of c on fabric f (a fabric thread): header,
+ * check, data. A failure that leaves f unusable is t->rc with *lost set. */
+void shardd__coll_fab_exchange(coll *c, task *t, shardd__fabric *f, int *lost);
+
+/* coll_join.c: c->fab_state, this node's state summed for the join; loop
+ * thread (c->fab_join_ok says whether it could be listed). */
+void shardd__coll_fab_state_of(coll *c);
+/* coll_join.c: the join of new fabric f (jf's, for c): the nodes' lineage
+ * (this node's: lineage, 0 none) and states compared; *out the lineage
+ * they agreed on. */
+shardd_err shardd__coll_fab_join(coll_fab *jf, const coll *c, shardd__fabric *f,
+                                 uint64_t lineage, int rejoining, uint64_t *out,
+                                 char *err, size_t errlen);
+
+/* coll_fabric.c */
+uint64_t shardd__coll_fab_key(shardd__coll_kind kind, const char *name);
+uint32_t shardd__coll_fab_tag(uint64_t key);
+/* Queues c's exchange (task t) for the job's fabric threads; its end
+ * always comes back through c->fab_async, failures too. */
+void shardd__coll_fab_submit(coll *c, task *t);
+void shardd__coll_fab_free(shardd__coll_engine *e, coll_fab *jf);
+/* The fabric's epoch now (+1 at each failure); any thread. */
+uint64_t shardd__coll_fab_epoch(coll_fab *jf);
+/* The daemon is stopping: aborts the job's fabric, so every exchange queued
+ * or running ends at once with SHARDD_E_SHUTDOWN naming why (copied), and
+ * every later one too; then waits (loop thread, up to max_s) until no
+ * fabric thread is inside an exchange. 1 when none is: every busy
+ * exchange's task rc and fab_msg are final (their ends still come back
+ * through fab_async); 0 when one still runs. */
+int shardd__coll_fab_abort(coll_fab *jf, const char *why, double max_s);
+/* Every rank of this node left the job (coll.c's tick, past --peer-grace):
+ * what the job's fabric is doing -- an exchange, a (re-)forming's
+ * rendezvous -- is abandoned, ending with SHARDD_E_PEER_LOST naming why
+ * (copied); waits (loop thread, up to max_s) for the fabric threads to
+ * leave. Later exchanges re-form the fabric as after any failure. 1 when
+ * there was something to abandon, 0 when nothing was in flight. */
+int shardd__coll_fab_cancel(coll_fab *jf, const char *why, double max_s);
+
+#endif /* SHARDD_COLL_INT_H */

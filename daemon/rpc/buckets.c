@@ -1,0 +1,260 @@
+/* buckets.c — buckets: several gathers or scatters in one request, checked
+ * all or nothing, each entry submitted as its own collective, one reply
+ * when all have ended (see dispatch_int.h). */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dispatch_int.h"
+#include "hash.h"
+#include "log.h"
+
+/* Entries per request: --max-pending's default, so a bucket fits a rank
+ * that waits in nothing else (libshardd cuts a longer list). */
+#define BUCKET_MAX 64
+
+/* A bucket of one connection whose entries have not all ended: each entry
+ * is its own collective, submitted with the request's seq; the engine's
+ * done hook tells them apart by target, and the one reply goes when the
+ * last has ended. */
+typedef struct shardd__bucket_wait {
+  struct shardd__bucket_wait *next;
+  shardd__conn *c;
+  uint64_t seq;
+  const char *what; /* "bucket gathers" | "bucket scatters" */
+  size_t n, left;
+  int submitting; /* the handler's loop runs: the reply waits for it */
+  uint64_t *ids;  /* [n] the entries' buffers */
+  batch_errs fails;
+} bucket_wait;
+
+static void bucket_free(bucket_wait *w) {
+  shardd__batch_errs_free(&w->fails);
+  free(w->ids);
+  free(w);
+}
+
+static void bucket_unlink(shardd__dispatch *d, bucket_wait *w) {
+  for (bucket_wait **pp = &d->buckets; *pp; pp = &(*pp)->next)
+    if (*pp == w) {
+      *pp = w->next;
+      return;
+    }
+}
+
+bucket_wait *shardd__bucket_find(shardd__dispatch *d, const shardd__conn *c,
+                                 uint64_t seq) {
+  for (bucket_wait *w = d->buckets; w; w = w->next)
+    if (w->c == c && w->seq == seq)
+      return w;
+  return NULL;
+}
+
+/* The one reply, once every entry has ended; w is freed. */
+static void bucket_answer(shardd__dispatch *d, bucket_wait *w) {
+  bucket_unlink(d, w);
+  if (w->fails.total == 0) {
+    Shardwire__Response resp = ok_resp(w->seq, SHARDWIRE__RESPONSE__BODY_BUCKET);
+    Shardwire__BucketReply kb = SHARDWIRE__BUCKET_REPLY__INIT;
+    resp.bucket = &kb;
+    shardd__send_resp(d, w->c, &resp, -1);
+    bucket_free(w);
+    return;
+  }
+  char head[160];
+  snprintf(head, sizeof head, "%zu of the %zu entries of a %s failed "
+           "(the others ran): ", w->fails.total, w->n, w->what);
+  shardd__batch_send(d, w->c, w->seq, &w->fails, head, "bucket");
+  bucket_free(w);
+}
+
+/* One entry of w ended (the engine's done hook). */
+void shardd__bucket_note(shardd__dispatch *d, bucket_wait *w, shardd_err code,
+                         const char *msg, const shardd__coll_result *res) {
+  if (code != SHARDD_OK) {
+    size_t i = 0;
+    while (res && i < w->n && w->ids[i] != res->target)
+      i++;
+    shardd__batch_err_add(&w->fails, i < w->n ? i : 0, code,
+                          msg ? msg : shardd_strerror(code));
+  }
+  if (w->left > 0)
+    w->left--;
+  if (w->left == 0 && !w->submitting)
+    bucket_answer(d, w);
+}
+
+/* A 64-bit name of the bucket's list (kind, count, buffers in order), for
+ * the engine to see that every rank sent the same bucket: FNV-1a over the
+ * words' little-endian bytes. It used to start from a basis one digit
+ * short of FNV-1a's; it now starts from FNV-1a's own, which changes its
+ * values, and may: they are compared only between the ranks of one daemon
+ * (shardd__coll_args.bucket), never sent to another node nor written. */
+static uint64_t bucket_hash(shardd__coll_kind kind, const uint64_t *ids,
+                            size_t n) {
+  uint64_t h = SHARDD__FNV1A_BASIS;
+  uint64_t words[2] = {(uint64_t)kind, (uint64_t)n};
+  for (size_t k = 0; k < 2 + n; k++) {
+    uint64_t v = k < 2 ? words[k] : ids[k - 2];
+    unsigned char le[8];
+    for (int b = 0; b < 8; b++)
+      le[b] = (unsigned char)(v >> (8 * b));
+    h = shardd__fnv1a(h, le, sizeof le);
+  }
+  return h ? h : 1; /* 0 means "not in a bucket" */
+}
+
+void shardd__on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
+                       const Shardwire__Request *req) {
+  const Shardwire__Bucket *bk = req->bucket;
+  int gather = bk->op_case == SHARDWIRE__BUCKET__OP_GATHER;
+  if (!gather && bk->op_case != SHARDWIRE__BUCKET__OP_SCATTER) {
+    shardd__reply(d, c, seq, SHARDD_E_INVAL, "Bucket names no operation");
+    return;
+  }
+  size_t n = gather ? bk->gather->n_gathers : bk->scatter->n_scatters;
+  uint32_t base = gather ? (bk->gather->has_first_index ? bk->gather->first_index : 0)
+                         : (bk->scatter->has_first_index ? bk->scatter->first_index : 0);
+  const char *what = gather ? "bucket gathers" : "bucket scatters";
+  shardd__job *job = c->m.job;
+  char err[ERRLEN];
+  if (n == 0) {
+    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_BUCKET);
+    Shardwire__BucketReply kb = SHARDWIRE__BUCKET_REPLY__INIT;
+    resp.bucket = &kb;
+    shardd__send_resp(d, c, &resp, -1);
+    return;
+  }
+  if (gather && job->transient) {
+    /* each gathered buffer would lease its own slot, as large as the
+     * job's largest unit, of the 2 a rank may hold: the memory bound */
+    snprintf(err, sizeof err, "job \"%s\" has transient areas: each gather "
+             "leases a slot as large as its largest unit, %" PRIu32 " per "
+             "rank, so gathers are not bucketed (gather each unit alone; "
+             "scatter buckets are fine)", job->name,
+             d->reg.leases_per_rank[SHARDD__AREA_GATHER]);
+    shardd__reply(d, c, seq, SHARDD_E_STATE, err);
+    return;
+  }
+  if (shardd__coll_member_waits(d->coll, &c->m, seq)) {
+    shardd__seq_refuse(d, c, seq, "collective still in flight");
+    return;
+  }
+  uint32_t room = d->opts.max_pending > c->m.pending
+                      ? d->opts.max_pending - c->m.pending : 0;
+  if (n > BUCKET_MAX || n > room) {
+    snprintf(err, sizeof err, "a bucket of %zu entries: at most %d per "
+             "request, and this rank may queue %" PRIu32 " more collectives "
+             "(--max-pending %" PRIu32 ")", n, BUCKET_MAX, room,
+             d->opts.max_pending);
+    shardd__reply(d, c, seq, SHARDD_E_LIMIT, err);
+    return;
+  }
+  bucket_wait *w = calloc(1, sizeof *w);
+  if (w == NULL || (w->ids = calloc(n, sizeof *w->ids)) == NULL ||
+      shardd__batch_errs_init(&w->fails, n, base) != SHARDD_OK) {
+    if (w)
+      free(w->ids);
+    free(w);
+    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    return;
+  }
+  batch_errs be;
+  if (shardd__batch_errs_init(&be, n, base) != SHARDD_OK) {
+    bucket_free(w);
+    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
+    return;
+  }
+  /* every entry checked before any is submitted: all or nothing */
+  for (size_t i = 0; i < n; i++) {
+    uint64_t id = gather ? bk->gather->gathers[i]->buffer
+                         : bk->scatter->scatters[i]->buffer;
+    uint64_t gen = gather ? bk->gather->gathers[i]->generation
+                          : bk->scatter->scatters[i]->generation;
+    w->ids[i] = id;
+    shardd__obj *o;
+    shardd_err rc = shardd__registry_resolve_gen(&d->reg, job, id, gen,
+                                                 SHARDD__OBJ_BUFFER, &o, err,
+                                                 sizeof err);
+    if (rc == SHARDD_OK && !gather &&
+        bk->scatter->scatters[i]->op != SHARDWIRE__REDUCE_OP__SUM &&
+        bk->scatter->scatters[i]->op != SHARDWIRE__REDUCE_OP__MEAN) {
+      snprintf(err, sizeof err, "scatter op must be sum or mean");
+      rc = SHARDD_E_INVAL;
+    }
+    for (size_t j = 0; rc == SHARDD_OK && j < i; j++)
+      if (w->ids[j] == id) {
+        snprintf(err, sizeof err, "buffer %" PRIu64 " is named twice (entry %"
+                 PRIu64 " too)", id, (uint64_t)(j + base));
+        rc = SHARDD_E_DUPLICATE;
+      }
+    if (rc != SHARDD_OK)
+      shardd__batch_err_add(&be, i, rc, err);
+  }
+  if (be.total > 0) {
+    shardd__batch_refuse(d, c, seq, n, &be, what);
+    shardd__batch_errs_free(&be);
+    bucket_free(w);
+    return;
+  }
+  shardd__batch_errs_free(&be);
+  w->c = c;
+  w->seq = seq;
+  w->what = what;
+  w->n = w->left = n;
+  w->submitting = 1;
+  w->next = d->buckets;
+  d->buckets = w;
+  shardd__coll_kind kind = gather ? SHARDD__COLL_GATHER : SHARDD__COLL_SCATTER;
+  uint64_t sig = bucket_hash(kind, w->ids, n);
+  size_t i = 0;
+  shardd__coll_batch_begin(d->coll);
+  /* an entry refused at once (a bucket the ranks before disagree with)
+   * ends the submitting on one node, so nothing waits for the rest; over
+   * several nodes every entry goes, its exchange telling the other nodes
+   * (coll.c's bucket_fail) */
+  int all = job->nodes > 1;
+  for (; i < n && (all || w->fails.total == 0); i++) {
+    shardd__coll_args ca = {.kind = kind, .target = w->ids[i], .bucket = sig,
+                            .bucket_n = (uint32_t)n, .bucket_index = (uint32_t)i};
+    if (gather) {
+      ca.generation = bk->gather->gathers[i]->generation;
+    } else {
+      const Shardwire__Scatter *sc = bk->scatter->scatters[i];
+      ca.generation = sc->generation;
+      ca.op = (shardd_reduce_op)sc->op;
+      ca.accumulate = sc->has_accumulate && sc->accumulate;
+      ca.no_grad = sc->no_grad;
+      ca.nno_grad = sc->n_no_grad;
+      ca.no_grad_all = sc->has_no_grad_all && sc->no_grad_all;
+    }
+    shardd__coll_submit(d->coll, &c->m, seq, &ca);
+  }
+  shardd__coll_batch_end(d->coll);
+  w->left -= n - i; /* the entries not submitted */
+  w->submitting = 0;
+  if (w->left == 0)
+    bucket_answer(d, w);
+}
+
+/* c is going away: its buckets' waiting entries were answered (the engine
+ * lost c's member); running ones forget c, nobody is left to answer. */
+void shardd__buckets_closed(shardd__dispatch *d, const shardd__conn *c) {
+  for (bucket_wait **pp = &d->buckets; *pp;) {
+    bucket_wait *w = *pp;
+    if (w->c == c) {
+      *pp = w->next;
+      bucket_free(w);
+    } else
+      pp = &w->next;
+  }
+}
+
+void shardd__buckets_free(shardd__dispatch *d) {
+  while (d->buckets) { /* every connection closed first: none is left */
+    bucket_wait *w = d->buckets;
+    d->buckets = w->next;
+    bucket_free(w);
+  }
+}
