@@ -475,6 +475,32 @@ static void announce(const shardd__server *srv, const shardd__backend *backend,
     shardd__log(1, "sd_notify: %s", err);
 }
 
+/* --checkpoint-on-exit DIR made (or found) now, at start: a parent that
+ * does not exist, or a DIR the daemon cannot write, was found only at the
+ * stop, which then wrote no job: every job lost at the first restart, and
+ * the daemon had served as if all were well. 0 when DIR is a directory the
+ * daemon may write into. */
+static int exit_dir_ready(const char *dir) {
+  struct stat st;
+  if (mkdir(dir, 0750) != 0 && errno != EEXIST) {
+    shardd__log(0, "--checkpoint-on-exit %s: cannot be made (%s): a stop "
+                "would write no job and lose them all; create its parent "
+                "(the unit's StateDirectory=) or name another; not serving",
+                dir, strerror(errno));
+    return -1;
+  }
+  if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode) ||
+      access(dir, W_OK | X_OK) != 0) {
+    shardd__log(0, "--checkpoint-on-exit %s: %s: a stop would write no job "
+                "and lose them all; not serving", dir,
+                stat(dir, &st) != 0 ? strerror(errno)
+                : !S_ISDIR(st.st_mode) ? "not a directory"
+                : "not writable by the daemon");
+    return -1;
+  }
+  return 0;
+}
+
 /* --checkpoint-on-exit DIR: every job to DIR/JOB, all at once (their
  * files on libuv's pool: shardd__jobs_checkpoint_many). 0, or 1 when DIR
  * could not be made or any job failed (each is logged). */
@@ -535,6 +561,8 @@ int main(int argc, char **argv) {
   if (rc != SHARDD__CLI_RUN)
     return rc;
   prepare_process();
+  if (cli.checkpoint_on_exit && exit_dir_ready(cli.checkpoint_on_exit) != 0)
+    return 1;
 
   shardd__backend *backend;
   int activated;

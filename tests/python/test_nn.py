@@ -59,6 +59,26 @@ class ShardedModuleTest(unittest.TestCase):
             out = model(x)
         torch.testing.assert_close(out, (0.5 * h.sum() + 0.5).expand(1, 2))
 
+    def test_the_wrapper_is_called_as_fsdps_and_reached_from_import_shardd(self):
+        # an FSDP user's two first habits: ``import shardd`` then
+        # ``shardd.nn.X`` (as ``torch.nn``), and calling the wrapper
+        import os
+        import subprocess
+        import sys
+        env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(shardd.__file__)))
+        out = subprocess.run(
+            [sys.executable, "-c", "import shardd; print(shardd.nn.ShardedModule.__name__, "
+             "shardd.optim.AdamW.__name__)"], capture_output=True, text=True, env=env)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(out.stdout.split(), ["ShardedModule", "AdamW"])
+        model = small_model()
+        sm = shardd.nn.ShardedModule(self.c, model, auto_wrap="children")
+        x = torch.randn(4, 3)
+        with torch.no_grad():
+            torch.testing.assert_close(sm(x), model(x), rtol=0, atol=0)
+        sm(x).square().sum().backward()
+        self.assertTrue(all(p.grad is not None for p in model.parameters()))
+
     def test_grads_land_in_grad_area(self):
         model = small_model()
         sm = shardd.nn.ShardedModule(self.c, model)

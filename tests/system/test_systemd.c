@@ -690,3 +690,44 @@ Test(systemd, a_restart_of_the_unit_keeps_every_job, .timeout = 60) {
   cr_assert_eq(test_daemon_stop(&d), 0);
   rm_rf(state);
 }
+
+/* The unit's flags with a StateDirectory= that is not there (a unit run by
+ * hand, a path mistyped): the daemon used to serve, then at the stop write
+ * no job ("--checkpoint-on-exit ...: No such file or directory") and lose
+ * them all. It refuses to start instead, naming the flag and the path. */
+Test(systemd, an_exit_checkpoint_directory_that_cannot_be_made_stops_the_start,
+     .timeout = 30) {
+  const char *args[32];
+  char *argv[40];
+  char buf[4096], root[] = "/tmp/shardd-unit-XXXXXX", state[PATH_MAX];
+  char sock[PATH_MAX], log[PATH_MAX];
+
+  parse_unit(SERVICE_IN, &svc_u);
+  const char *exec = get(&svc_u, "Service", "ExecStart");
+  const char *sd = get(&svc_u, "Service", "StateDirectory");
+  cr_assert_not_null(exec);
+  cr_assert_not_null(sd);
+  cr_assert_not_null(mkdtemp(root));
+  snprintf(state, sizeof state, "%s/missing/state", root);
+  snprintf(sock, sizeof sock, "%s/shardd.sock", root);
+  snprintf(log, sizeof log, "%s/shardd.log", root);
+  exec_start_args(exec, sd, state, args, 32, buf, sizeof buf);
+  const char *out = arg_of(args, "--checkpoint-on-exit");
+  cr_assert_not_null(out);
+  int n = 0;
+  argv[n++] = (char *)test_bin("SHARDD_BIN", "build/shardd");
+  argv[n++] = "--socket";
+  argv[n++] = sock;
+  for (int k = 0; args[k]; k++)
+    argv[n++] = (char *)args[k];
+  argv[n] = NULL;
+  int status = run_logged(argv, log);
+  char *text = slurp(log);
+  char want[PATH_MAX + 64];
+  snprintf(want, sizeof want, "--checkpoint-on-exit %s: cannot be made", out);
+  cr_expect_eq(status, 1, "exit status %d; log:\n%s", status, text);
+  cr_expect_not_null(strstr(text, want), "log:\n%s", text);
+  cr_expect_not_null(strstr(text, "not serving"), "log:\n%s", text);
+  free(text);
+  rm_rf(root);
+}

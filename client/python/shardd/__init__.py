@@ -98,4 +98,10 @@ def __getattr__(name):
     # one version string), read when first asked for.
     if name == "__version__":
         return L.load().shardd_version().decode()
+    # ``import shardd`` then ``shardd.nn.ShardedModule``, as torch users
+    # write ``torch.nn``: the torch-facing submodules load on first use, so
+    # the binding itself still imports without torch.
+    if name in ("nn", "optim"):
+        import importlib
+        return importlib.import_module("." + name, __name__)
     raise AttributeError("module %r has no attribute %r" % (__name__, name))

@@ -1303,6 +1303,12 @@ class ShardedModule:
                h(m["job_pool_reserved_bytes"]))]
         return "\n".join(lines) + "\n"
 
+    def __call__(self, *args, **kwargs):
+        """``sm(x)``: the wrapped module's forward, as an FSDP user calls
+        the wrapper (``model(x)`` is the same call: the units' hooks are on
+        the module, not on this object)."""
+        return self.module(*args, **kwargs)
+
     def named_parameters(self):
         for u in self.units:
             for e in u.entries:
