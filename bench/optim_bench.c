@@ -159,7 +159,15 @@ static void daemon_setup(dstate *s, shardd_client_t *c, const kind_desc *k,
     shardd__from_f32(dt, s->b.shard, tmp, s->b.shard_numel);
     free(tmp);
   }
-  fill(s->b.reduced, s->b.shard_numel, 1e-4f);
+  /* the gradient every step's scatter reduces (1 rank: copied) */
+  if (dt == SHARDD_DTYPE_FP32) {
+    fill(s->b.grad, s->b.padded_numel, 1e-4f);
+  } else {
+    float *tmp = bench_alloc(s->b.padded_numel * 4);
+    fill(tmp, s->b.padded_numel, 1e-4f);
+    shardd__from_f32(dt, s->b.grad, tmp, s->b.padded_numel);
+    free(tmp);
+  }
   shardd__hp hp;
   hp_for(k, &hp);
   shardd_hparams h = {.set = SHARDD_HP_LR, .lr = hp.lr};
@@ -175,6 +183,11 @@ static void daemon_setup(dstate *s, shardd_client_t *c, const kind_desc *k,
 }
 
 static double daemon_step(dstate *s) {
+  /* a new gradient, untimed: a step consumes its gradient, and one with
+   * none since the last skips the buffer (torch: .grad is None), so without
+   * this every timed step after the first measured nothing */
+  if (shardd_scatter(s->c, s->b.id, SHARDD_REDUCE_SUM) != SHARDD_OK)
+    bench_die("scatter %s: %s", s->name, shardd_last_error(s->c));
   double t0 = bench_now();
   if (shardd_step(s->c, s->opt, NULL, NULL) != SHARDD_OK)
     bench_die("step %s: %s", s->name, shardd_last_error(s->c));
