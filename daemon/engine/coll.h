@@ -259,6 +259,17 @@ int shardd__coll_gathering(const shardd__coll_engine *e,
 int shardd__coll_member_waits(const shardd__coll_engine *e,
                               const shardd__coll_member *m, uint64_t seq);
 
+/* What the engine did, counted since it was made (tests, benches):
+ * made: collectives created; matched: queue entries looked at to match
+ * a rank's request to a collective; sched_passes: scheduling passes over
+ * a job's queue; sched_visits: queue entries those passes looked at. */
+typedef struct {
+  uint64_t made, matched, sched_passes, sched_visits;
+} shardd__coll_counters;
+
+void shardd__coll_get_counters(const shardd__coll_engine *e,
+                               shardd__coll_counters *out);
+
 /* "gather", "scatter", "step" (messages, status). */
 const char *shardd__coll_kind_word(shardd__coll_kind k);
 
