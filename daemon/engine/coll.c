@@ -177,7 +177,8 @@ static void coll_free(coll *c) {
   free(c->ref_step);
   free(c->fab_mask);
   free(c->fab_mask_ids);
-  free(c->tasks);
+  if (c->tasks != c->few_tasks)
+    free(c->tasks);
   free(c->hp);
   free(c); /* and its waiters and area arrays (submit_new) */
 }

@@ -51,6 +51,8 @@ typedef struct {
 } task;
 
 #define CHUNK_ELEMS ((uint64_t)1 << 18)
+/* tasks a collective keeps in itself (a small buffer: one per rank) */
+#define COLL_FEW_TASKS 4
 /* a single-node gather's or scatter's (claimed) chunk */
 #define COPY_CHUNK_ELEMS ((uint64_t)1 << 16)
 
@@ -164,7 +166,8 @@ struct coll {
   int step_begun; /* step: the step_begin hook was told (step_end is due) */
   int adding; /* scatter: args.accumulate and a live reduced gradient */
   size_t ntasks, left;
-  task *tasks;
+  task *tasks; /* few_tasks, or allocated when more */
+  task few_tasks[COLL_FEW_TASKS];
   /* claimed tasks (run_claimed): the pool turns queued on the reqs of
    * tasks[0..turns), and maybe the loop thread, each run the next
    * unclaimed task until none is left; a turn the loop cancelled before a

@@ -273,8 +273,16 @@ void shardd__coll_run_phase(coll *c) {
   c->claiming = 0;
   int planned = c->args.kind != SHARDD__COLL_ALL_REDUCE || shardd__coll_multi(c);
   size_t n = planned ? shardd__coll_plan(c, NULL) : 0;
-  free(c->tasks);
-  c->tasks = calloc(n ? n : 1, sizeof *c->tasks);
+  if (c->tasks != c->few_tasks)
+    free(c->tasks);
+  /* a small buffer's few tasks live in c: a bucket's entries are many
+   * small collectives, and an allocation each was a cost of its own */
+  if (n <= COLL_FEW_TASKS) {
+    memset(c->few_tasks, 0, sizeof c->few_tasks);
+    c->tasks = c->few_tasks;
+  } else {
+    c->tasks = calloc(n, sizeof *c->tasks);
+  }
   if (c->tasks == NULL) {
     coll_job *q = c->cj;
     shardd__coll_finish(c, SHARDD_E_NO_MEMORY,
