@@ -240,7 +240,7 @@ void shardd__coll_finish(coll *c, shardd_err code, const char *msg) {
       res.has_grad = shardd__area_held(c->buf, r, SHARDD__AREA_GRAD, &res.grad);
       h->done(h->ctx, w->m, w->seq, code, NULL, &res);
     } else {
-      h->done(h->ctx, w->m, w->seq, code, msg, c->args.bucket ? &res : NULL);
+      h->done(h->ctx, w->m, w->seq, code, msg, w->in_bucket ? &res : NULL);
     }
   }
   if (c->buf && c->job->transient)
@@ -373,7 +373,7 @@ uint32_t shardd__coll_answer_now(coll *c, shardd_err code, const char *msg) {
     memset(&res, 0, sizeof res);
     res.kind = c->args.kind;
     res.target = c->args.target;
-    h->done(h->ctx, w->m, w->seq, code, msg, c->args.bucket ? &res : NULL);
+    h->done(h->ctx, w->m, w->seq, code, msg, w->in_bucket ? &res : NULL);
     w->m->pending--; /* coll_free must not count it again */
     w->m = NULL;
     n++;

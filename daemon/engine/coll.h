@@ -117,8 +117,9 @@ typedef struct {
   void *ctx;
   /* m's request seq ended: code (and msg, NULL for a plain OK), res for a
    * successful step or transient gather (else NULL); an entry of a bucket
-   * (args.bucket set) always has res, its kind and target telling the
-   * entries of one seq apart. Called from inside submit, member_lost,
+   * (args.bucket set in m's own submit) always has res, its kind and
+   * target telling the entries of one seq apart; a request sent alone
+   * never has it on failure, whoever made the collective it failed in. Called from inside submit, member_lost,
    * tick and completions; it must not free m or call into the engine
    * (queue what it needs for later). */
   void (*done)(void *ctx, shardd__coll_member *m, uint64_t seq,

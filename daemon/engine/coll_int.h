@@ -21,6 +21,9 @@ typedef struct {
   uint64_t seq;
   int arrived;
   int want_grad; /* gather of a transient job: lease the gradient area too */
+  /* this rank sent it as an entry of a bucket (its own args.bucket set):
+   * its answer carries the entry's result, whoever made the collective */
+  int in_bucket;
   double *vals;  /* all_reduce: this rank's values (owned) */
   /* scatter: this rank's views without a gradient (sorted, unique), or
    * none_all: the whole buffer */

@@ -515,6 +515,7 @@ static void submit_arrive(submission *s, coll *c) {
     q->unjoined[m->rank] = u;
   }
   w->want_grad = args->want_grad;
+  w->in_bucket = args->bucket != 0;
   w->vals = s->vals;
   w->none_all = args->no_grad_all;
   w->no_grad = s->mask;

@@ -503,17 +503,13 @@ Test(coll, bucket_mismatch_spares_the_entries_that_started_before_it) {
   run_until(5);
   /* b alone met rank 2's entry b: every rank's fails */
   for (uint32_t r = 0; r < W; r++) {
-    const reply *rp = NULL;
-    for (size_t i = 0; i < nreplies && r < 2; i++)
-      if (replies[i].m == &mem[r] && replies[i].seq == 1)
-        rp = &replies[i];
-    /* rank 2's entry b fails with the collective the ranks before it made
-     * (b alone), whose answers carry no entry's target */
-    for (size_t i = 0; i < nreplies && r == 2; i++)
-      if (replies[i].m == &mem[r] && replies[i].seq == 1 &&
-          replies[i].code != SHARDD_OK)
-        rp = &replies[i];
+    /* ranks 0 and 1 sent b alone: their answer has no entry's result;
+     * rank 2's entry b has its own, though the collective it failed with
+     * was made by a request alone */
+    const reply *rp = r < 2 ? find_reply(r, 1) : entry_reply(r, 1, b->hdr.id);
     cr_assert_not_null(rp, "rank %" PRIu32 "'s b alone / entry b answered", r);
+    cr_assert_eq(rp->has_res, r == 2, "rank %" PRIu32 ": an entry's result "
+                 "goes with a bucket's entry, none with a request alone", r);
     cr_assert_eq(rp->code, SHARDD_E_MISMATCH, "rank %" PRIu32 ": %s", r,
                  shardd_err_name(rp->code));
     expect_msg(rp, "every rank must send the same buffers in the same order");
@@ -528,6 +524,35 @@ Test(coll, bucket_mismatch_spares_the_entries_that_started_before_it) {
   check_gathered(a, 1);
   cr_assert_eq(a->gathers, 1);
   cr_assert_eq(b->gathers, 0);
+}
+
+/* A gather sent alone that meets the collective the ranks before it made
+ * from their buckets fails with them, and its answer is a request's, not
+ * an entry's: the dispatcher takes an answer with a gather's result for a
+ * completed gather (it read the gather area from it and crashed on the
+ * empty one). Each rank's entry keeps its own result. */
+Test(coll, gather_alone_meeting_a_bucket_fails_without_an_entry_result) {
+  shardd__buffer *a = buf_new("a", 300);
+  for (uint32_t r = 0; r < 2; r++) {
+    shardd__coll_args g = gather_args(a);
+    g.bucket = 0xabc;
+    g.bucket_n = 1;
+    g.bucket_index = 0;
+    shardd__coll_batch_begin(eng);
+    submit(r, 4, g);
+    shardd__coll_batch_end(eng);
+  }
+  submit(2, 4, gather_args(a));
+  run_until(W);
+  for (uint32_t r = 0; r < W; r++) {
+    const reply *rp = expect_reply(r, 4, SHARDD_E_MISMATCH);
+    cr_assert_eq(rp->has_res, r < 2, "rank %" PRIu32 ": an entry's result only "
+                 "for a bucket's entry", r);
+    if (r < 2)
+      cr_assert_eq(rp->res.target, a->hdr.id);
+  }
+  cr_assert_eq(a->gathers, 0);
+  expect_pending_zero();
 }
 
 static shardd__buffer *check_buf;
