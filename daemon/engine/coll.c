@@ -73,11 +73,14 @@ void shardd__coll_engine_stop(shardd__coll_engine *e) { e->stopping = 1; }
 static void free_job_cb(void *value, void *arg) {
   coll_job *cj = value;
   shardd__coll_engine *e = arg;
+  if (e->sched_due == cj)
+    e->sched_due = NULL;
   shardd__coll_bulk_free(cj);
   shardd__coll_fab_free(e, cj->fab);
   free(cj->lost_at);
   free(cj->lost_epoch);
   free(cj->lost_told);
+  free(cj->unjoined);
   free(cj);
 }
 
@@ -150,6 +153,10 @@ static void coll_unlink(coll *c) {
         q->tailp = pp;
       if (--q->count == 0)
         q->quiet_due = 1;
+      q->unlinked++;
+      for (uint32_t r = 0; q->unjoined && r < c->job->world; r++)
+        if (q->unjoined[r] == c)
+          q->unjoined[r] = c->next;
       break;
     }
   }
@@ -166,17 +173,14 @@ static void coll_free(coll *c) {
     free(c->waiters[r].vals);
     free(c->waiters[r].no_grad);
   }
-  free(c->waiters);
   free(c->reduced);
   free(c->ref_step);
   free(c->fab_mask);
   free(c->fab_mask_ids);
-  free(c->tasks);
+  if (c->tasks != c->few_tasks)
+    free(c->tasks);
   free(c->hp);
-  free(c->area_reg);
-  free(c->area_off);
-  free(c->took);
-  free(c);
+  free(c); /* and its waiters and area arrays (submit_new) */
 }
 
 /* Transient areas after c ended: a failed gather gives back what it leased;
@@ -189,7 +193,7 @@ static void settle_areas(coll *c, shardd_err code) {
     return;
   for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++) {
     const waiter *w = &c->waiters[r];
-    if (c->args.kind == SHARDD__COLL_GATHER && code != SHARDD_OK && c->took) {
+    if (c->args.kind == SHARDD__COLL_GATHER && code != SHARDD_OK) {
       if (c->took[r] & 1)
         shardd__area_return(c->buf, r, SHARDD__AREA_GATHER);
       if (c->took[r] & 2)
@@ -236,7 +240,7 @@ void shardd__coll_finish(coll *c, shardd_err code, const char *msg) {
       res.has_grad = shardd__area_held(c->buf, r, SHARDD__AREA_GRAD, &res.grad);
       h->done(h->ctx, w->m, w->seq, code, NULL, &res);
     } else {
-      h->done(h->ctx, w->m, w->seq, code, msg, c->args.bucket ? &res : NULL);
+      h->done(h->ctx, w->m, w->seq, code, msg, w->in_bucket ? &res : NULL);
     }
   }
   if (c->buf && c->job->transient)
@@ -272,13 +276,19 @@ static int coll_conflict(const coll *older, const coll *c) {
   return 0;
 }
 
-void shardd__coll_schedule(coll_job *q) {
+static void schedule_run(coll_job *q) {
   shardd__job *job = q->job;
-  /* start_phase may finish and free c (and others) before it returns, so
-   * after each start the scan begins again from the head. */
+  shardd__coll_counters *n = &q->e->counters;
+  n->sched_passes++;
+  /* start_phase may finish and free c (and others) before it returns:
+   * then the scan begins again from the head. When nothing left the
+   * queue meanwhile, c is still there and the scan goes on after it
+   * (starting c, newer than the ones before it, unblocks none of them):
+   * a bucket's entries start in one pass, not one from the head each. */
   for (int again = 1; again;) {
     again = 0;
     for (coll *c = q->head; c; c = c->next) {
+      n->sched_visits++;
       if (c->started || c->arrived < job->local_ranks)
         continue;
       int blocked = 0;
@@ -292,18 +302,55 @@ void shardd__coll_schedule(coll_job *q) {
         /* fixed here, as a step queued before may consume what is held */
         if (c->args.kind == SHARDD__COLL_SCATTER)
           c->adding = c->args.accumulate && c->buf->reduced_live;
+        uint64_t unlinked = q->unlinked;
         shardd__coll_start_phase(c);
-        again = 1;
-        break;
+        if (q->unlinked != unlinked) {
+          again = 1;
+          break;
+        }
       }
     }
   }
+}
+
+void shardd__coll_schedule(coll_job *q) {
+  shardd__coll_engine *e = q->e;
+  if (e->sched_hold > 0 && (e->sched_due == NULL || e->sched_due == q)) {
+    e->sched_due = q;
+    return;
+  }
+  schedule_run(q);
+}
+
+void shardd__coll_sched_hold(shardd__coll_engine *e) { e->sched_hold++; }
+
+void shardd__coll_sched_flush(shardd__coll_engine *e) {
+  coll_job *q = e->sched_due;
+  e->sched_due = NULL;
+  if (q)
+    schedule_run(q);
+}
+
+void shardd__coll_sched_release(shardd__coll_engine *e) {
+  if (e->sched_hold == 0 || --e->sched_hold > 0)
+    return;
+  coll_job *q = e->sched_due;
+  shardd__coll_sched_flush(e);
+  if (q)
+    shardd__coll_job_maybe_quiet(q);
+}
+
+void shardd__coll_get_counters(const shardd__coll_engine *e,
+                               shardd__coll_counters *out) {
+  *out = e->counters;
 }
 
 /* Tells the owner of q's job that its last collective ended (completed,
  * failed, refused, timed out or lost); called last by each entry point, as
  * the hook may release the job, and never inside a walk over the queue. */
 void shardd__coll_job_maybe_quiet(coll_job *q) {
+  if (q->count == 0 && q->e->sched_due == q)
+    q->e->sched_due = NULL; /* an empty queue has nothing to start */
   if (q->count == 0 && q->quiet_due) {
     q->quiet_due = 0;
     const shardd__coll_hooks *h = &q->e->cfg.hooks;
@@ -326,7 +373,7 @@ uint32_t shardd__coll_answer_now(coll *c, shardd_err code, const char *msg) {
     memset(&res, 0, sizeof res);
     res.kind = c->args.kind;
     res.target = c->args.target;
-    h->done(h->ctx, w->m, w->seq, code, msg, c->args.bucket ? &res : NULL);
+    h->done(h->ctx, w->m, w->seq, code, msg, w->in_bucket ? &res : NULL);
     w->m->pending--; /* coll_free must not count it again */
     w->m = NULL;
     n++;

@@ -117,8 +117,9 @@ typedef struct {
   void *ctx;
   /* m's request seq ended: code (and msg, NULL for a plain OK), res for a
    * successful step or transient gather (else NULL); an entry of a bucket
-   * (args.bucket set) always has res, its kind and target telling the
-   * entries of one seq apart. Called from inside submit, member_lost,
+   * (args.bucket set in m's own submit) always has res, its kind and
+   * target telling the entries of one seq apart; a request sent alone
+   * never has it on failure, whoever made the collective it failed in. Called from inside submit, member_lost,
    * tick and completions; it must not free m or call into the engine
    * (queue what it needs for later). */
   void (*done)(void *ctx, shardd__coll_member *m, uint64_t seq,
@@ -258,6 +259,17 @@ int shardd__coll_gathering(const shardd__coll_engine *e,
  * queue). */
 int shardd__coll_member_waits(const shardd__coll_engine *e,
                               const shardd__coll_member *m, uint64_t seq);
+
+/* What the engine did, counted since it was made (tests, benches):
+ * made: collectives created; matched: queue entries looked at to match
+ * a rank's request to a collective; sched_passes: scheduling passes over
+ * a job's queue; sched_visits: queue entries those passes looked at. */
+typedef struct {
+  uint64_t made, matched, sched_passes, sched_visits;
+} shardd__coll_counters;
+
+void shardd__coll_get_counters(const shardd__coll_engine *e,
+                               shardd__coll_counters *out);
 
 /* "gather", "scatter", "step" (messages, status). */
 const char *shardd__coll_kind_word(shardd__coll_kind k);

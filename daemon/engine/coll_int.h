@@ -21,6 +21,9 @@ typedef struct {
   uint64_t seq;
   int arrived;
   int want_grad; /* gather of a transient job: lease the gradient area too */
+  /* this rank sent it as an entry of a bucket (its own args.bucket set):
+   * its answer carries the entry's result, whoever made the collective */
+  int in_bucket;
   double *vals;  /* all_reduce: this rank's values (owned) */
   /* scatter: this rank's views without a gradient (sorted, unique), or
    * none_all: the whole buffer */
@@ -51,6 +54,8 @@ typedef struct {
 } task;
 
 #define CHUNK_ELEMS ((uint64_t)1 << 18)
+/* tasks a collective keeps in itself (a small buffer: one per rank) */
+#define COLL_FEW_TASKS 4
 /* a single-node gather's or scatter's (claimed) chunk */
 #define COPY_CHUNK_ELEMS ((uint64_t)1 << 16)
 
@@ -94,6 +99,16 @@ typedef struct {
    * other's collectives count as stuck only after --peer-grace without
    * one (shardd__coll_tick) */
   double last_submit;
+  /* collectives unlinked from the queue so far: a scheduling pass that
+   * saw it unchanged across a start goes on from there instead of from
+   * the head (shardd__coll_schedule) */
+  uint64_t unlinked;
+  /* per rank ([world], made at the first submit; NULL: out of memory, the
+   * match then walks from the head): the oldest collective of the queue
+   * that rank has not joined, NULL none. Every one before it the rank has
+   * joined (arrived is never cleared), so matching starts there: a
+   * bucket's entry k no longer walks past the k entries before it. */
+  coll **unjoined;
 } coll_job;
 
 struct shardd__coll_engine {
@@ -125,6 +140,13 @@ struct shardd__coll_engine {
   uv_check_t fin_check; /* completes them after this turn's callbacks */
   uv_idle_t fin_spin;   /* keeps the poll from blocking meanwhile */
   int fin_state, fin_closing;
+  /* > 0 while a bucket's entries are submitted (a batch) or a batch of
+   * collectives completes: shardd__coll_schedule only notes the job
+   * (sched_due) and one pass at the end starts what the many arrivals
+   * or completions made ready, instead of a pass over the queue each */
+  int sched_hold;
+  coll_job *sched_due;
+  shardd__coll_counters counters;
   /* monotonic seconds (uv_hrtime, not the tick's argument, which tests
    * drive by hand) of the last shardd__coll_tick, 0 before the first: a
    * gap far longer than the tick's period is the daemon's own stall */
@@ -147,7 +169,8 @@ struct coll {
   int step_begun; /* step: the step_begin hook was told (step_end is due) */
   int adding; /* scatter: args.accumulate and a live reduced gradient */
   size_t ntasks, left;
-  task *tasks;
+  task *tasks; /* few_tasks, or allocated when more */
+  task few_tasks[COLL_FEW_TASKS];
   /* claimed tasks (run_claimed): the pool turns queued on the reqs of
    * tasks[0..turns), and maybe the loop thread, each run the next
    * unclaimed task until none is left; a turn the loop cancelled before a
@@ -202,6 +225,8 @@ struct coll {
   shardd__region **area_reg;
   size_t *area_off;
   uint8_t *took; /* transient gather: 1 gather lease taken, 2 gradient too */
+  int areas_set; /* area_reg and area_off filled (set_areas ran); the three
+                    arrays, like waiters, share c's allocation */
   int areas_busy; /* transient: set_areas succeeded (shardd__areas_busy) */
   /* multi-node scatter: which views (the buffer's, in offset order, by id)
    * had a gradient on some rank of each node: [nodes][nmask + 1] flags,
@@ -258,6 +283,12 @@ uint32_t shardd__coll_answer_now(coll *c, shardd_err code, const char *msg);
 /* coll.c: starts every collective of q whose ranks all arrived and that
  * no older one conflicts with. */
 void shardd__coll_schedule(coll_job *q);
+/* coll.c: holds scheduling (nests) / releases it, running the pass that
+ * was due when the last hold ends; and runs a due pass now, held or not
+ * (before anything that looks at which collectives started). */
+void shardd__coll_sched_hold(shardd__coll_engine *e);
+void shardd__coll_sched_release(shardd__coll_engine *e);
+void shardd__coll_sched_flush(shardd__coll_engine *e);
 /* coll.c: tells the owner of q's job its last collective ended; last in
  * each entry point. */
 void shardd__coll_job_maybe_quiet(coll_job *q);

@@ -261,14 +261,7 @@ void shardd__coll_task_done(uv_work_t *req, int status) {
 static shardd_err set_areas(coll *c, char *msg, size_t len) {
   shardd__buffer *b = c->buf;
   shardd__job *job = c->job;
-  uint32_t w = job->world;
-  c->area_reg = calloc(w, sizeof *c->area_reg);
-  c->area_off = calloc(w, sizeof *c->area_off);
-  c->took = calloc(w, sizeof *c->took);
-  if (c->area_reg == NULL || c->area_off == NULL || c->took == NULL) {
-    snprintf(msg, len, "out of memory starting a collective");
-    return SHARDD_E_NO_MEMORY;
-  }
+  c->areas_set = 1; /* the arrays came with c (submit_new) */
   int gather = c->args.kind == SHARDD__COLL_GATHER;
   for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++) {
     if (!job->transient) {
@@ -405,7 +398,7 @@ void shardd__coll_start_phase(coll *c) {
     free(c->fab_mask);
     c->fab_mask = NULL;
   }
-  if (c->buf && c->area_reg == NULL) {
+  if (c->buf && !c->areas_set) {
     char msg[512];
     shardd_err rc = set_areas(c, msg, sizeof msg);
     if (rc != SHARDD_OK) {

@@ -71,11 +71,16 @@ static void fin_run(uv_check_t *h) {
   /* a completion may start and list others (the job's next ones): they
    * complete here too, in the order they were listed */
   coll *c;
-  while ((c = e->fin_head) != NULL) {
-    if ((e->fin_head = c->fin_next) == NULL)
-      e->fin_tailp = &e->fin_head;
-    shardd__coll_task_done(&c->tasks[0].req, 0);
-  }
+  do {
+    /* one scheduling pass after the lot, not one per completion */
+    shardd__coll_sched_hold(e);
+    while ((c = e->fin_head) != NULL) {
+      if ((e->fin_head = c->fin_next) == NULL)
+        e->fin_tailp = &e->fin_head;
+      shardd__coll_task_done(&c->tasks[0].req, 0);
+    }
+    shardd__coll_sched_release(e);
+  } while (e->fin_head != NULL);
   /* closed when idle, so a stopped engine leaves no handle open */
   e->fin_state = 2;
   e->fin_closing = 2;
@@ -160,19 +165,31 @@ static void batch_done(uv_work_t *req, int status) {
   (void)status; /* a cancelled turn found every collective claimed */
   if (--b->left > 0)
     return;
-  /* each completion may free its coll and start others: b is the list */
+  /* each completion may free its coll: b is the list; what they make
+   * ready starts in one scheduling pass after the lot */
+  shardd__coll_engine *e = b->colls[0]->e;
+  shardd__coll_sched_hold(e);
   for (size_t i = 0; i < b->n; i++)
     shardd__coll_task_done(&b->colls[i]->tasks[0].req, 0);
   free(b);
+  shardd__coll_sched_release(e);
 }
 
 void shardd__coll_batch_begin(shardd__coll_engine *e) {
-  if (e->batching++ == 0)
-    e->help_left = LOOP_HELP_BYTES; /* the bucket's request's budget */
+  if (e->batching++ > 0)
+    return;
+  e->help_left = LOOP_HELP_BYTES; /* the bucket's request's budget */
+  /* the entries' arrivals start what they complete in one pass, at the
+   * end (each would otherwise walk the queue again) */
+  shardd__coll_sched_hold(e);
 }
 
 void shardd__coll_batch_end(shardd__coll_engine *e) {
-  if (e->batching == 0 || --e->batching > 0)
+  if (e->batching == 0)
+    return;
+  if (e->batching == 1) /* still batching: its small ones join the batch */
+    shardd__coll_sched_release(e);
+  if (--e->batching > 0)
     return;
   batch_start(e);
   e->help_left = 0;
@@ -256,8 +273,16 @@ void shardd__coll_run_phase(coll *c) {
   c->claiming = 0;
   int planned = c->args.kind != SHARDD__COLL_ALL_REDUCE || shardd__coll_multi(c);
   size_t n = planned ? shardd__coll_plan(c, NULL) : 0;
-  free(c->tasks);
-  c->tasks = calloc(n ? n : 1, sizeof *c->tasks);
+  if (c->tasks != c->few_tasks)
+    free(c->tasks);
+  /* a small buffer's few tasks live in c: a bucket's entries are many
+   * small collectives, and an allocation each was a cost of its own */
+  if (n <= COLL_FEW_TASKS) {
+    memset(c->few_tasks, 0, sizeof c->few_tasks);
+    c->tasks = c->few_tasks;
+  } else {
+    c->tasks = calloc(n, sizeof *c->tasks);
+  }
   if (c->tasks == NULL) {
     coll_job *q = c->cj;
     shardd__coll_finish(c, SHARDD_E_NO_MEMORY,

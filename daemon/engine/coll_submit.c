@@ -346,6 +346,10 @@ static int submit_admit(submission *s) {
     return -1;
   }
   s->q = q;
+  if (q->unjoined == NULL && q->head == NULL)
+    /* made while the queue is empty, so NULL (none unjoined) is true for
+     * every rank; out of memory: matching walks from the head */
+    q->unjoined = calloc(s->job->world, sizeof *q->unjoined);
   q->last_submit = shardd__coll_loop_now(e);
   if (args->kind == SHARDD__COLL_STEP && s->local == SHARDD_OK &&
       (rc = step_hp((const shardd__optim *)s->o, args, &s->hp, err,
@@ -376,13 +380,20 @@ static coll *submit_new(submission *s) {
   const shardd__coll_args *args = s->args;
   shardd__coll_engine *e = s->e;
   coll_job *q = s->q;
-  coll *c = calloc(1, sizeof *c);
-  if (c == NULL ||
-      (c->waiters = calloc(s->job->world, sizeof *c->waiters)) == NULL) {
-    free(c);
+  /* one allocation for c and its per-rank arrays (a bucket makes one
+   * collective per entry: five allocations each were a cost of its own) */
+  size_t w = s->job->world;
+  coll *c = calloc(1, sizeof *c + w * (sizeof *c->waiters + sizeof *c->area_reg +
+                                       sizeof *c->area_off + sizeof *c->took));
+  if (c == NULL) {
     submit_refuse(s, SHARDD_E_NO_MEMORY, "out of memory");
     return NULL;
   }
+  c->waiters = (waiter *)(c + 1);
+  c->area_reg = (shardd__region **)(c->waiters + w);
+  c->area_off = (size_t *)(c->area_reg + w);
+  c->took = (uint8_t *)(c->area_off + w);
+  e->counters.made++;
   c->e = e;
   c->job = s->job;
   c->cj = q;
@@ -419,6 +430,9 @@ static coll *submit_new(submission *s) {
   *q->tailp = c;
   q->tailp = &c->next;
   q->count++;
+  for (uint32_t r = 0; q->unjoined && r < s->job->world; r++)
+    if (q->unjoined[r] == NULL)
+      q->unjoined[r] = c;
   return c;
 }
 
@@ -429,7 +443,10 @@ static coll *submit_match(submission *s) {
   const shardd__coll_args *args = s->args;
   shardd__coll_member *m = s->m;
   coll *c = NULL;
-  for (coll *it = s->q->head; it; it = it->next) {
+  /* those before the rank's oldest unjoined one it has joined */
+  coll *from = s->q->unjoined ? s->q->unjoined[m->rank] : s->q->head;
+  for (coll *it = from; it; it = it->next) {
+    s->e->counters.matched++;
     /* all_reduces match whatever their count: one of another count is a
      * mismatch that fails them all, not a collective of its own to wait
      * for ranks that never come */
@@ -480,13 +497,25 @@ static void submit_arrive(submission *s, coll *c) {
   const shardd__coll_args *args = s->args;
   shardd__coll_member *m = s->m;
   coll_job *q = s->q;
+  /* bucket_fail spares the collectives that started: those the entries
+   * before made ready start now, as each would have at its arrival
+   * (before this one arrives, so a refused c is not among them) */
+  if (c->bucket_bad)
+    shardd__coll_sched_flush(s->e);
   free(s->hp); /* a later rank's, compared above */
   s->hp = NULL;
   waiter *w = &c->waiters[m->rank];
   w->m = m;
   w->seq = s->seq;
   w->arrived = 1;
+  if (q->unjoined && q->unjoined[m->rank] == c) {
+    coll *u = c->next;
+    while (u && u->waiters[m->rank].arrived)
+      u = u->next;
+    q->unjoined[m->rank] = u;
+  }
   w->want_grad = args->want_grad;
+  w->in_bucket = args->bucket != 0;
   w->vals = s->vals;
   w->none_all = args->no_grad_all;
   w->no_grad = s->mask;

@@ -27,7 +27,10 @@ void shardd__coll_scatter_unit(coll *c, task *t) {
   shardd__buffer *b = c->buf;
   size_t esz = shardd_dtype_size(b->dtype);
   uint32_t w = b->world;
-  size_t *offs = malloc(w * sizeof *offs);
+  /* a few ranks' offsets on the stack: a bucket's entries are many small
+   * tasks, and a malloc each was a cost of its own */
+  size_t few[16];
+  size_t *offs = w <= 16 ? few : malloc(w * sizeof *offs);
   if (offs == NULL) {
     t->rc = SHARDD_E_NO_MEMORY;
     return;
@@ -40,7 +43,8 @@ void shardd__coll_scatter_unit(coll *c, task *t) {
   t->rc = (c->adding ? be->ops->reduce_add : be->ops->reduce)(
       be, b->dtype, div, b->blocks[t->a], b->reduced_off + first * 4,
       c->area_reg, offs, (int)w, t->len);
-  free(offs);
+  if (offs != few)
+    free(offs);
 }
 
 static void norm_task(coll *c, task *t) {

@@ -58,7 +58,7 @@ typedef struct {
   size_t n, total;
   size_t bytes; /* of the errors' messages */
   shardd_err first;
-  char *msg; /* BATCH_MSG_MAX bytes */
+  char *msg; /* BATCH_MSG_MAX bytes, from the first refusal (NULL before) */
   size_t len;
   size_t listed; /* entries the message names */
   int cut;       /* the message ran out of room */

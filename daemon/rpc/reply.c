@@ -128,6 +128,10 @@ void shardd__batch_err_add(batch_errs *b, size_t i, shardd_err rc,
       b->bytes += strlen(why) + 16;
     }
   }
+  /* the message's room is taken at the first refusal: most batches have
+   * none, and 64 KiB per request was a cost of every bucket */
+  if (b->msg == NULL && !b->cut && (b->msg = malloc(BATCH_MSG_MAX)) == NULL)
+    b->cut = 1; /* out of memory: the list only, and the count */
   if (b->msg && !b->cut) {
     int k = snprintf(b->msg + b->len, BATCH_MSG_MAX - b->len, "%s[%zu] %s: %s",
                      b->total > 1 ? "; " : "", i, shardd_err_name(rc), why);
@@ -210,11 +214,9 @@ shardd_err shardd__batch_errs_init(batch_errs *b, size_t n, uint32_t base) {
   b->base = base;
   b->errs = calloc(n ? n : 1, sizeof *b->errs);
   b->errp = calloc(n ? n : 1, sizeof *b->errp);
-  b->msg = malloc(BATCH_MSG_MAX);
-  if (b->errs == NULL || b->errp == NULL || b->msg == NULL) {
+  if (b->errs == NULL || b->errp == NULL) {
     shardd__batch_errs_free(b);
     return SHARDD_E_NO_MEMORY;
   }
-  b->msg[0] = '\0';
-  return SHARDD_OK;
+  return SHARDD_OK; /* msg: at the first refusal (batch_err_add) */
 }

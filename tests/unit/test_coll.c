@@ -398,6 +398,163 @@ Test(coll, small_bucket_runs_on_the_loop_without_a_pool_turn) {
   run_idle();
 }
 
+/* A bucket's entries each make a collective, but the engine's work per
+ * entry stays constant: a rank's entry is matched by looking at one queued
+ * collective (its oldest unjoined one), not at every entry before it, and
+ * the entries the last rank completes start in one scheduling pass (and
+ * what their completions make ready in one more at most), not a pass over
+ * the queue per entry each way. The results and the answers per entry are
+ * those of the entries alone. */
+#define NBUCKET 16
+Test(coll, bucket_entries_are_matched_and_started_in_one_pass) {
+  shardd__coll_engine_destroy(eng);
+  make_engine(NBUCKET, 0);
+  shardd__buffer *b[NBUCKET];
+  for (int k = 0; k < NBUCKET; k++) {
+    char name[16];
+    snprintf(name, sizeof name, "u%d", k);
+    b[k] = buf_new(name, 30 + 7 * (uint64_t)k);
+    fill_shards(b[k], k);
+  }
+  shardd__coll_counters before, after;
+  shardd__coll_get_counters(eng, &before);
+  for (uint32_t r = 0; r < W; r++) {
+    shardd__coll_batch_begin(eng);
+    for (uint32_t k = 0; k < NBUCKET; k++) {
+      shardd__coll_args a = gather_args(b[k]);
+      a.bucket = 0xb0c;
+      a.bucket_n = NBUCKET;
+      a.bucket_index = k;
+      submit(r, 9, a);
+    }
+    shardd__coll_batch_end(eng);
+  }
+  run_until(NBUCKET * W);
+  shardd__coll_get_counters(eng, &after);
+  cr_assert_eq(after.made - before.made, NBUCKET, "one collective per entry");
+  cr_assert_eq(after.matched - before.matched, (W - 1) * NBUCKET,
+               "each later rank's entry looked at one queued collective, not "
+               "the entries before it: %" PRIu64,
+               after.matched - before.matched);
+  cr_assert_leq(after.sched_passes - before.sched_passes, 2,
+                "the entries start in one scheduling pass, not one each: %" PRIu64,
+                after.sched_passes - before.sched_passes);
+  cr_assert_leq(after.sched_visits - before.sched_visits, 2 * NBUCKET,
+                "a pass looks at each entry once: %" PRIu64,
+                after.sched_visits - before.sched_visits);
+  for (int k = 0; k < NBUCKET; k++) {
+    check_gathered(b[k], k);
+    cr_assert_eq(b[k]->gathers, 1);
+  }
+  cr_assert_eq(nreplies, NBUCKET * W);
+  for (size_t i = 0; i < nreplies; i++) {
+    cr_assert_eq(replies[i].code, SHARDD_OK);
+    cr_assert(replies[i].has_res, "a bucket's entry has its result");
+  }
+  expect_pending_zero();
+  run_idle();
+}
+
+/* The reply of rank's entry for target in its request seq. */
+static const reply *entry_reply(uint32_t rank, uint64_t seq, uint64_t target) {
+  const reply *found = NULL;
+  for (size_t i = 0; i < nreplies; i++)
+    if (replies[i].m == &mem[rank] && replies[i].seq == seq &&
+        replies[i].has_res && replies[i].res.target == target) {
+      cr_assert_null(found, "rank %" PRIu32 " seq %" PRIu64 " entry %" PRIu64
+                     " answered twice", rank, seq, target);
+      found = &replies[i];
+    }
+  return found;
+}
+
+/* A bucket whose entry meets a collective sent otherwise (ranks 0 and 1
+ * gathered b alone first, rank 2 sends its bucket [a, b] first) fails
+ * that collective for every rank and the entries of the disagreeing
+ * requests that had not started; an entry the last rank completed before
+ * (a) started at its arrival and runs, as it did when each entry was
+ * scheduled on its own, though the bucket's starts now wait for its end. */
+Test(coll, bucket_mismatch_spares_the_entries_that_started_before_it) {
+  shardd__buffer *a = buf_new("a", 300), *b = buf_new("b", 300);
+  fill_shards(a, 1);
+  uint64_t sig = 0xfeed;
+  for (uint32_t r = 0; r < 2; r++) {
+    submit(r, 1, gather_args(b)); /* alone */
+    shardd__coll_batch_begin(eng);
+    for (uint32_t k = 0; k < 2; k++) {
+      shardd__coll_args g = gather_args(k == 0 ? a : b);
+      g.bucket = sig;
+      g.bucket_n = 2;
+      g.bucket_index = k;
+      submit(r, 2, g);
+    }
+    shardd__coll_batch_end(eng);
+  }
+  cr_assert_eq(nreplies, 0);
+  shardd__coll_batch_begin(eng);
+  for (uint32_t k = 0; k < 2; k++) {
+    shardd__coll_args g = gather_args(k == 0 ? a : b);
+    g.bucket = sig;
+    g.bucket_n = 2;
+    g.bucket_index = k;
+    submit(2, 1, g);
+  }
+  shardd__coll_batch_end(eng);
+  run_until(5);
+  /* b alone met rank 2's entry b: every rank's fails */
+  for (uint32_t r = 0; r < W; r++) {
+    /* ranks 0 and 1 sent b alone: their answer has no entry's result;
+     * rank 2's entry b has its own, though the collective it failed with
+     * was made by a request alone */
+    const reply *rp = r < 2 ? find_reply(r, 1) : entry_reply(r, 1, b->hdr.id);
+    cr_assert_not_null(rp, "rank %" PRIu32 "'s b alone / entry b answered", r);
+    cr_assert_eq(rp->has_res, r == 2, "rank %" PRIu32 ": an entry's result "
+                 "goes with a bucket's entry, none with a request alone", r);
+    cr_assert_eq(rp->code, SHARDD_E_MISMATCH, "rank %" PRIu32 ": %s", r,
+                 shardd_err_name(rp->code));
+    expect_msg(rp, "every rank must send the same buffers in the same order");
+  }
+  /* entry a: every rank had sent it and it had started: it ran */
+  for (uint32_t r = 0; r < W; r++) {
+    const reply *rp = entry_reply(r, r < 2 ? 2 : 1, a->hdr.id);
+    cr_assert_not_null(rp, "rank %" PRIu32 "'s entry a answered", r);
+    cr_assert_eq(rp->code, SHARDD_OK, "rank %" PRIu32 "'s entry a: %s (%s)", r,
+                 shardd_err_name(rp->code), rp->has_msg ? rp->msg : "");
+  }
+  check_gathered(a, 1);
+  cr_assert_eq(a->gathers, 1);
+  cr_assert_eq(b->gathers, 0);
+}
+
+/* A gather sent alone that meets the collective the ranks before it made
+ * from their buckets fails with them, and its answer is a request's, not
+ * an entry's: the dispatcher takes an answer with a gather's result for a
+ * completed gather (it read the gather area from it and crashed on the
+ * empty one). Each rank's entry keeps its own result. */
+Test(coll, gather_alone_meeting_a_bucket_fails_without_an_entry_result) {
+  shardd__buffer *a = buf_new("a", 300);
+  for (uint32_t r = 0; r < 2; r++) {
+    shardd__coll_args g = gather_args(a);
+    g.bucket = 0xabc;
+    g.bucket_n = 1;
+    g.bucket_index = 0;
+    shardd__coll_batch_begin(eng);
+    submit(r, 4, g);
+    shardd__coll_batch_end(eng);
+  }
+  submit(2, 4, gather_args(a));
+  run_until(W);
+  for (uint32_t r = 0; r < W; r++) {
+    const reply *rp = expect_reply(r, 4, SHARDD_E_MISMATCH);
+    cr_assert_eq(rp->has_res, r < 2, "rank %" PRIu32 ": an entry's result only "
+                 "for a bucket's entry", r);
+    if (r < 2)
+      cr_assert_eq(rp->res.target, a->hdr.id);
+  }
+  cr_assert_eq(a->gathers, 0);
+  expect_pending_zero();
+}
+
 static shardd__buffer *check_buf;
 static int check_calls, timer_fired;
 static uv_idle_t first_turn; /* only so the first poll does not block */
