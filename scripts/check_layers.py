@@ -72,9 +72,11 @@ LAYERS = {
 # files (they share its internal header), each group with why.
 ONE_OBJECT = {
     "daemon/registry": [
-        ({"registry", "registry_int", "buffer", "optimizer", "areas"},
-         "the registry: one object (registry_int.h) whose buffers, "
-         "optimizers and areas are kept in their own files"),
+        ({"registry", "registry_int", "buffer", "views", "held", "seed",
+          "optimizer", "areas"},
+         "the registry: one object (registry_int.h) whose buffers, views, "
+         "held views, fp32 seeds, optimizers and areas are kept in their "
+         "own files"),
     ],
     "daemon/engine": [
         ({"coll", "coll_int", "coll_work", "coll_bulk", "coll_fabric",
