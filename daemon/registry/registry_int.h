@@ -1,7 +1,7 @@
-/* registry_int.h — what registry.c, buffer.c and optimizer.c share: object
- * ids, name checks, per-name generations, the freed-handle record, quotas,
- * the area layout and the destructors job_release calls. Only those three
- * files include it; every other module goes through registry.h, so these
+/* registry_int.h — what the registry's files (registry.h names them)
+ * share: object ids, name checks, per-name generations, the freed-handle
+ * record, quotas, the area layout and the destructors job_release calls.
+ * Only those files include it; every other module goes through registry.h, so these
  * can change without touching a caller outside the registry. Loop thread
  * only, as the registry. */
 #ifndef SHARDD_REGISTRY_INT_H
