@@ -105,6 +105,10 @@ ONE_OBJECT = {
          "and the format's constants the helpers use, while the writer "
          "uses the helpers (a knot to untie: those declarations into "
          "ckfile.h and manifest.h)"),
+        ({"fdstore", "fdstore_int", "fdstore_adopt"},
+         "the fd store: one object (fdstore_int.h) whose descriptions and "
+         "journal (fdstore.c) and adoption at start (fdstore_adopt.c) are "
+         "kept in their own files"),
     ],
     "client": [
         ({"connection", "mappings", "cuda_ipc", "registration",
