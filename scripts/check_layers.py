@@ -98,6 +98,12 @@ ONE_OBJECT = {
          "handlers, which answer through its reply builder and hold "
          "frames in its table"),
     ],
+    "daemon/jobs": [
+        ({"jobs", "jobs_int", "jobs_ckpt"},
+         "the jobs: one object (jobs_int.h) whose lifetime (jobs.c) and "
+         "checkpoints and restores (jobs_ckpt.c) are kept in their own "
+         "files"),
+    ],
     "daemon/checkpoint": [
         ({"checkpoint", "ckfile", "manifest"},
          "the checkpoint format: checkpoint.h is the folder's one facade, "
