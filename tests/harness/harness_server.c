@@ -7,10 +7,6 @@
 #include "harness.h"
 #include "server_fixture.h"
 
-test_daemon d;
-
-void stop_daemon(void) { test_daemon_finish(&d); }
-
 void start_default(void) {
   const char *args[] = {"--devices", "3", NULL};
   test_daemon_start(&d, args);

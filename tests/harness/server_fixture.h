@@ -5,13 +5,9 @@
 
 #include <sys/types.h>
 
+#include "daemon_fixture.h"
 #include "harness.h"
 
-/* The daemon of the running test (one per test: .init starts it with the
- * flags its start_* names, .fini stops it). */
-extern test_daemon d;
-
-void stop_daemon(void);
 /* --devices 3. */
 void start_default(void);
 /* --job-linger 0: a job goes as soon as its last client does. */
