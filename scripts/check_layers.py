@@ -72,9 +72,11 @@ LAYERS = {
 # files (they share its internal header), each group with why.
 ONE_OBJECT = {
     "daemon/registry": [
-        ({"registry", "registry_int", "buffer", "optimizer", "areas"},
-         "the registry: one object (registry_int.h) whose buffers, "
-         "optimizers and areas are kept in their own files"),
+        ({"registry", "registry_int", "buffer", "views", "held", "seed",
+          "optimizer", "areas"},
+         "the registry: one object (registry_int.h) whose buffers, views, "
+         "held views, fp32 seeds, optimizers and areas are kept in their "
+         "own files"),
     ],
     "daemon/engine": [
         ({"coll", "coll_int", "coll_work", "coll_bulk", "coll_fabric",
@@ -96,6 +98,12 @@ ONE_OBJECT = {
          "handlers, which answer through its reply builder and hold "
          "frames in its table"),
     ],
+    "daemon/jobs": [
+        ({"jobs", "jobs_int", "jobs_ckpt"},
+         "the jobs: one object (jobs_int.h) whose lifetime (jobs.c) and "
+         "checkpoints and restores (jobs_ckpt.c) are kept in their own "
+         "files"),
+    ],
     "daemon/checkpoint": [
         ({"checkpoint", "ckfile", "manifest"},
          "the checkpoint format: checkpoint.h is the folder's one facade, "
@@ -103,6 +111,10 @@ ONE_OBJECT = {
          "and the format's constants the helpers use, while the writer "
          "uses the helpers (a knot to untie: those declarations into "
          "ckfile.h and manifest.h)"),
+        ({"fdstore", "fdstore_int", "fdstore_adopt"},
+         "the fd store: one object (fdstore_int.h) whose descriptions and "
+         "journal (fdstore.c) and adoption at start (fdstore_adopt.c) are "
+         "kept in their own files"),
     ],
     "client": [
         ({"connection", "mappings", "cuda_ipc", "registration",

@@ -1,6 +1,6 @@
-/* restore_int.h — what restore.c and restore_plan.c share and nothing
- * outside the checkpoint module sees: one restore in progress and the
- * plans its lines make. */
+/* restore_int.h — what restore.c, restore_lines.c and restore_plan.c
+ * share and nothing outside the checkpoint module sees: one restore in
+ * progress and the plans its lines make. */
 #ifndef SHARDD_RESTORE_INT_H
 #define SHARDD_RESTORE_INT_H
 
@@ -155,6 +155,25 @@ struct shardd__ckrestore {
   size_t nshadows;
 };
 typedef struct shardd__ckrestore restore;
+
+/* restore_lines.c: fails the current line: "PATH line N: WHY" in err, WHY cut at
+ * 511 bytes. Returns rc where a call beneath already failed with it, else
+ * SHARDD_E_INVAL (the line itself is wrong). */
+shardd_err shardd__restore_bad(restore *c, shardd_err rc, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* restore_lines.c: a line the reader refused (too long, a NUL, no memory,
+ * a read error); the header line; the job line against who asks (on the
+ * reading thread, from the files alone); whether the directory and the
+ * manifest may name owner as the job's owner (theirs or the daemon's); and
+ * one line applied to the new job (each_line's callback). */
+shardd_err shardd__restore_line_error(restore *c, shardd__line_rc lr);
+shardd_err shardd__restore_line_header(restore *c, char **tok, int nt);
+shardd_err shardd__restore_job_check(restore *c, const shardd__mline *ml);
+shardd_err shardd__restore_vouched(int dirfd, int filefd, uint32_t owner,
+                                   const char *path, const char *job, char *err,
+                                   size_t errlen);
+shardd_err shardd__restore_apply_line(restore *c, char **tok, int nt);
 
 /* restore_plan.c: elements [lo, hi) of buffer b, as rank `rank` of a world
  * of `world` holds them (its shard's slice of the unpadded range); *old_s

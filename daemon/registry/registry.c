@@ -2,7 +2,8 @@
  * their lookups, the per-name generations and the ring of freed handles
  * that tells a stale id from a mistyped one, and the memory and region
  * quotas. A job is known by its owner's uid and its name: two users'
- * jobs of one name are two jobs. Buffers and views are buffer.c's, optimizers optimizer.c's. */
+ * jobs of one name are two jobs. Buffers are buffer.c's, views views.c's,
+ * optimizers optimizer.c's. */
 #include "registry.h"
 #include "registry_int.h"
 

@@ -9,10 +9,12 @@
  * loop thread only (workers touch region memory, never these structs'
  * links).
  *
- * Implemented in three files: registry.c (the registry, jobs, ids,
- * resolve, generations, freed handles, quotas), buffer.c (buffers and
- * views) and optimizer.c (optimizers); what they share among themselves is
- * in registry_int.h, which no other module includes. */
+ * Implemented in the files of daemon/registry/: registry.c (the registry,
+ * jobs, ids, resolve, generations, freed handles, quotas), buffer.c
+ * (buffers), views.c (views, frozen ranges), held.c (the held-view index),
+ * seed.c (fp32 masters from exact values), optimizer.c (optimizers) and
+ * areas.c (transient areas); what they share among themselves is in
+ * registry_int.h, which no other module includes. */
 #ifndef SHARDD_REGISTRY_H
 #define SHARDD_REGISTRY_H
 

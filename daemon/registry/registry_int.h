@@ -1,7 +1,7 @@
-/* registry_int.h — what registry.c, buffer.c and optimizer.c share: object
- * ids, name checks, per-name generations, the freed-handle record, quotas,
- * the area layout and the destructors job_release calls. Only those three
- * files include it; every other module goes through registry.h, so these
+/* registry_int.h — what the registry's files (registry.h names them)
+ * share: object ids, name checks, per-name generations, the freed-handle
+ * record, quotas, the area layout and the destructors job_release calls.
+ * Only those files include it; every other module goes through registry.h, so these
  * can change without touching a caller outside the registry. Loop thread
  * only, as the registry. */
 #ifndef SHARDD_REGISTRY_INT_H
@@ -60,7 +60,11 @@ int shardd__within_blocks(shardd__registry *reg, shardd__job *job,
 int shardd__within_views(shardd__registry *reg, shardd__job *job, char *err,
                          size_t errlen);
 
-/* ---- buffer.c --------------------------------------------------------- */
+/* ---- buffer.c, views.c, held.c, seed.c -------------------------------- */
+
+/* The largest view rank, and the most elements of a buffer or a view. */
+#define SHARDD__MAX_NDIM 16
+#define SHARDD__MAX_NUMEL ((uint64_t)1 << 40)
 
 /* Where a streamed area of bytes starting at start ends and the next may
  * begin (buffer blocks and optimizer state share this layout rule). */
@@ -68,6 +72,14 @@ size_t shardd__area_end(size_t start, size_t bytes);
 /* Frees b with its views and blocks and unlists it from its job. The
  * caller has made sure no optimizer references it. */
 void shardd__buffer_destroy(shardd__registry *reg, shardd__buffer *b);
+
+/* Frees v and unlists it from its job's counts (views.c); its buffer's map
+ * and indexes are the caller's to update. */
+void shardd__view_destroy(shardd__registry *reg, shardd__view *v);
+
+/* The treap priority of an object id (held.c; the kind index in views.c
+ * uses it too): splitmix64's finaliser. */
+uint64_t shardd__held_hash(uint64_t x);
 
 /* Lists v (its owner just set) in, or takes it out of (its owner about to
  * be cleared), its buffer's index of held views. Cannot fail: the links are

@@ -33,7 +33,7 @@ HYPER = dict(lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 PAGE = 4096
 
 
-# ---- what the daemon holds (daemon/buffer.c, optimizer.c, areas.c) ------------
+# ---- what the daemon holds (daemon/registry/) ------------
 
 def _align(n):
     return (n + PAGE - 1) // PAGE * PAGE

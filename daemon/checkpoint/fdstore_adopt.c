@@ -1,0 +1,479 @@
+/* fdstore_adopt.c — adopting the descriptions the fd store held at start
+ * (see fdstore.h): each job's regions swapped in from their descriptors,
+ * and the jobs a step tore or whose description could not be adopted,
+ * kept until an operator forgets them. */
+#include "fdstore.h"
+#include "fdstore_int.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "checkpoint.h"
+#include "log.h"
+#include "manifest.h"
+#include "sdnotify.h"
+#include "strbuf.h"
+
+/* ---- adopt ------------------------------------------------------------- */
+
+typedef struct {
+  shardd__fdstore_fd *fds;
+  size_t n;
+  /* [n]: 1 a region swapped in (through a descriptor of its own), 2 a
+   * description's, owned by its entry */
+  uint8_t *taken;
+  uint8_t *kept;  /* [n]: kept open for a torn job */
+} pool;
+
+static ssize_t pool_find(const pool *p, const char *name) {
+  for (size_t i = 0; i < p->n; i++)
+    if (!p->taken[i] && !p->kept[i] && strcmp(p->fds[i].name, name) == 0)
+      return (ssize_t)i;
+  return -1;
+}
+
+/* Reads slot fd's text (malloc'd, NUL-ended) when its header is whole and
+ * its CRC holds; NULL otherwise. */
+static char *read_slot(int fd, uint64_t *gen, size_t *len) {
+  slot_hdr h;
+  if (fd < 0 || pread(fd, &h, sizeof h, 0) != (ssize_t)sizeof h ||
+      memcmp(h.magic, SLOT_MAGIC, 8) != 0 || h.gen == 0 ||
+      h.len > SLOT_TEXT_MAX)
+    return NULL;
+  char *t = malloc(h.len + 1);
+  if (t == NULL || pread(fd, t, h.len, SLOT_TEXT_OFF) != (ssize_t)h.len ||
+      shardd__crc32c(0, t, h.len) != h.crc) {
+    free(t);
+    return NULL;
+  }
+  t[h.len] = '\0';
+  *gen = h.gen;
+  *len = h.len;
+  return t;
+}
+
+/* The job line of the manifest in text: name (decoded) and uid. */
+static int job_of(const char *manifest, char *name, size_t len,
+                  uint32_t *uid) {
+  const char *p = strstr(manifest, "\njob ");
+  char tok[1024];
+  unsigned world, u;
+  if (p == NULL || sscanf(p + 5, "%1023s %u %u", tok, &world, &u) != 3 ||
+      !shardd__manifest_dec_name(tok) || strlen(tok) >= len)
+    return 0;
+  memcpy(name, tok, strlen(tok) + 1);
+  *uid = u;
+  return 1;
+}
+
+/* Puts the adopted memfd named store_name in place of *slot (a region
+ * apply made, of the same size), which is freed. */
+static shardd_err swap_in(shardd__fdstore *fs, pool *p, shardd__region **slot,
+                          const char *store_name, char *err, size_t errlen) {
+  shardd__backend *be = fs->reg->backend;
+  ssize_t i = pool_find(p, store_name);
+  if (i < 0) {
+    snprintf(err, errlen, "region %s was not handed back", store_name);
+    return SHARDD_E_NOT_FOUND;
+  }
+  struct stat st;
+  if (fstat(p->fds[i].fd, &st) != 0 || (size_t)st.st_size != (*slot)->bytes) {
+    snprintf(err, errlen, "region %s holds %jd bytes, not %zu", store_name,
+             (intmax_t)st.st_size, (*slot)->bytes);
+    return SHARDD_E_MISMATCH;
+  }
+  int dup_fd = fcntl(p->fds[i].fd, F_DUPFD_CLOEXEC, 0);
+  shardd__region *nr;
+  shardd_err rc = dup_fd < 0 ? SHARDD_E_IO
+                             : be->ops->wrap_fd(be, (*slot)->device, dup_fd,
+                                                store_name, &nr, err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  be->ops->free(be, *slot);
+  *slot = nr;
+  p->taken[i] = 1;
+  return SHARDD_OK;
+}
+
+/* The region lines of text (up to "manifest"), each swapped in. */
+static shardd_err swap_regions(shardd__fdstore *fs, pool *p, shardd__job *job,
+                               char *text, char *err, size_t errlen) {
+  char *save = NULL;
+  for (char *line = strtok_r(text, "\n", &save); line;
+       line = strtok_r(NULL, "\n", &save)) {
+    if (strcmp(line, "manifest") == 0)
+      return SHARDD_OK;
+    char *tok[8];
+    int nt = shardd__manifest_split_words(line, tok);
+    shardd_err rc;
+    if (nt == 5 && !strcmp(tok[0], "region") && !strcmp(tok[1], "buffer") &&
+        shardd__manifest_dec_name(tok[2])) {
+      shardd__buffer *b = shardd__map_get_str(&job->buffers, tok[2]);
+      uint32_t r = (uint32_t)strtoul(tok[3], NULL, 10);
+      if (b == NULL || !shardd__job_rank_local(job, r) || r >= job->world ||
+          b->blocks[r] == NULL) {
+        snprintf(err, errlen, "a region of buffer \"%s\" rank %s the "
+                 "manifest does not have", tok[2], tok[3]);
+        return SHARDD_E_INVAL;
+      }
+      rc = swap_in(fs, p, &b->blocks[r], tok[4], err, errlen);
+    } else if (nt == 6 && !strcmp(tok[0], "region") &&
+               !strcmp(tok[1], "state") && shardd__manifest_dec_name(tok[2]) &&
+               shardd__manifest_dec_name(tok[3])) {
+      shardd__optim *o = shardd__optim_find(job, tok[2]);
+      shardd__buffer *b = shardd__map_get_str(&job->buffers, tok[3]);
+      uint32_t r = (uint32_t)strtoul(tok[4], NULL, 10);
+      shardd__optim_shard *sh = NULL;
+      for (size_t k = 0; o && k < o->nshards && !sh; k++)
+        if (o->shards[k].buf == b && o->shards[k].rank == r)
+          sh = &o->shards[k];
+      if (sh == NULL || sh->state == NULL) {
+        snprintf(err, errlen, "a state region of optimizer \"%s\" the "
+                 "manifest does not have", tok[2]);
+        return SHARDD_E_INVAL;
+      }
+      rc = swap_in(fs, p, &sh->state, tok[5], err, errlen);
+    } else {
+      snprintf(err, errlen, "a malformed region line");
+      return SHARDD_E_INVAL;
+    }
+    if (rc != SHARDD_OK)
+      return rc;
+  }
+  snprintf(err, errlen, "no manifest");
+  return SHARDD_E_INVAL;
+}
+
+/* How far job got: the most steps one of its optimizers took. */
+static uint64_t job_step(shardd__job *job) {
+  shardd__optim **opts;
+  size_t no;
+  uint64_t s = 0;
+  if (shardd__job_optims(job, &opts, &no) != SHARDD_OK)
+    return 0;
+  for (size_t i = 0; i < no; i++)
+    if (opts[i]->steps > s)
+      s = opts[i]->steps;
+  free(opts);
+  return s;
+}
+
+/* Keeps the fds of a torn job open, in the store, until it is forgotten:
+ * the description's three and every region its text names. */
+static void keep_torn(shardd__fdstore *fs, pool *p, const char *base,
+                      const char *text, torn *t) {
+  for (size_t i = 0; i < p->n; i++) {
+    const char *n = p->fds[i].name;
+    int mine = strncmp(n, base, strlen(base)) == 0 &&
+               strlen(n) == strlen(base) + 2;
+    if (!mine && !p->taken[i] && !p->kept[i]) {
+      /* a region its text names: " NAME\n" */
+      const char *hit = strstr(text, n);
+      size_t l = strlen(n);
+      mine = hit && hit > text && hit[-1] == ' ' && hit[l] == '\n';
+    }
+    if (!mine || p->taken[i] || p->kept[i])
+      continue;
+    shardd__fdstore_fd *nf = realloc(t->fds, (t->nfds + 1) * sizeof *nf);
+    char **nn = nf ? realloc(t->names, (t->nfds + 1) * sizeof *nn) : NULL;
+    if (nf)
+      t->fds = nf;
+    if (nn)
+      t->names = nn;
+    char *dup = nn ? strdup(n) : NULL;
+    if (dup == NULL)
+      continue; /* closed and removed with the unused: the memory goes */
+    t->fds[t->nfds] = (shardd__fdstore_fd){p->fds[i].fd, dup};
+    t->names[t->nfds++] = dup;
+    p->kept[i] = 1;
+  }
+  (void)fs;
+}
+
+/* Marks uid's job jname torn (why NULL: killed in step in_step of
+ * optimizer in_opt, 0 an unnamed one; else its description could not be
+ * adopted, for that reason), keeping its fds in the store. */
+static void add_torn(shardd__fdstore *fs, pool *p, const char *base,
+                     const char *text, uint32_t uid, const char *jname,
+                     uint64_t in_step, const char *in_opt, const char *why) {
+  torn *tn = calloc(1, sizeof *tn);
+  if (tn && (tn->key = shardd__fdstore_key_of(uid, jname)) && (tn->name = strdup(jname)) &&
+      (why == NULL || (tn->why = strdup(why)))) {
+    tn->step = in_step;
+    tn->anonymous = in_step == 0;
+    snprintf(tn->opt, sizeof tn->opt, "%s", in_opt ? in_opt : "");
+    keep_torn(fs, p, base, text, tn);
+    tn->next = fs->torn;
+    fs->torn = tn;
+  } else if (tn) {
+    free(tn->key);
+    free(tn->name);
+    free(tn);
+  }
+}
+
+/* One job's description (its three fds, any of them missing): adopted,
+ * torn or refused. 0 adopted, 1 refused (logged). */
+static int adopt_one(shardd__fdstore *fs, pool *p, const char *base,
+                     void (*adopted)(void *, shardd__job *, uint64_t),
+                     void *arg) {
+  char name[80], err[1024];
+  ssize_t idx[3];
+  for (int k = 0; k < 3; k++) {
+    snprintf(name, sizeof name, "%s-%c", base, "abj"[k]);
+    idx[k] = pool_find(p, name);
+  }
+  uint64_t gen[2] = {0, 0};
+  size_t len[2] = {0, 0};
+  char *text[2] = {NULL, NULL};
+  for (int k = 0; k < 2; k++)
+    if (idx[k] >= 0)
+      text[k] = read_slot(p->fds[idx[k]].fd, &gen[k], &len[k]);
+  int k = text[0] && (!text[1] || gen[0] > gen[1]) ? 0 : 1;
+  char *t = text[k];
+  free(text[1 - k]);
+  if (t == NULL || idx[2] < 0) {
+    shardd__log(0, "fd store: description %s: %s; its job is not resumed",
+                base, idx[2] < 0 ? "no step journal" : "no whole slot");
+    free(t);
+    return 1;
+  }
+  const char *manifest = strstr(t, "\nmanifest\n");
+  manifest = manifest ? manifest + 10
+                      : (strncmp(t, "manifest\n", 9) == 0 ? t + 9 : NULL);
+  char jname[256];
+  uint32_t uid = 0;
+  if (manifest == NULL || !job_of(manifest, jname, sizeof jname, &uid)) {
+    shardd__log(0, "fd store: description %s: no job line; not resumed", base);
+    free(t);
+    return 1;
+  }
+  char *key = shardd__fdstore_key_of(uid, jname);
+  if (key) /* the map copies its keys; any non-NULL value marks one */
+    shardd__map_put_str(&fs->held, key, fs);
+  free(key);
+
+  /* the journal: a step in progress makes the job torn */
+  const jrnl *j = mmap(NULL, JRNL_BYTES, PROT_READ, MAP_SHARED,
+                       p->fds[idx[2]].fd, 0);
+  uint64_t in_step = 0, overflow = 0;
+  char in_opt[112] = "";
+  if (j != MAP_FAILED) {
+    overflow = atomic_load(&j->overflow);
+    for (int i = 0; i < JRNL_RECS && in_step == 0; i++) {
+      uint64_t s1 = atomic_load_explicit(&j->rec[i].step1, memory_order_acquire);
+      if (s1) {
+        in_step = s1 - 1;
+        memcpy(in_opt, j->rec[i].name, sizeof in_opt);
+        in_opt[sizeof in_opt - 1] = '\0';
+      }
+    }
+    munmap((void *)j, JRNL_BYTES);
+  }
+  if (in_step || overflow) {
+    add_torn(fs, p, base, t, uid, jname, in_step, in_opt, NULL);
+    if (in_step)
+      shardd__log(0, "fd store: job \"%s\" (uid %" PRIu32 ") is torn: the "
+                  "daemon died during step %" PRIu64 " of optimizer \"%s\", "
+                  "and its memory may hold half of it; not resumed, and "
+                  "every attach is refused until it is released (shardctl "
+                  "release) or restored from a checkpoint", jname, uid,
+                  in_step, in_opt);
+    else
+      shardd__log(0, "fd store: job \"%s\" (uid %" PRIu32 ") is torn: the "
+                  "daemon died during one of its steps; not resumed", jname,
+                  uid);
+    free(t);
+    return 1;
+  }
+
+  /* rebuilt through the restore's apply, then the memory swapped in */
+  shardd__ckrestore *r = NULL;
+  char label[300];
+  snprintf(label, sizeof label, "fd store %s", base);
+  shardd_err rc = shardd__checkpoint_restore_read_text(
+      fs->reg, label, manifest, strlen(manifest), &r, err, sizeof err);
+  if (rc == SHARDD_OK)
+    rc = shardd__checkpoint_restore_apply(r, err, sizeof err);
+  shardd__job *job = NULL;
+  if (rc == SHARDD_OK) {
+    job = shardd__checkpoint_restore_finish(r);
+    rc = swap_regions(fs, p, job, t, err, sizeof err);
+    if (rc != SHARDD_OK) {
+      shardd__job_release(fs->reg, job);
+      job = NULL;
+    }
+  }
+  shardd__checkpoint_restore_free(r);
+  if (rc != SHARDD_OK) {
+    /* refused as a torn job is: a relaunch must not start it afresh in
+     * silence (a kill between a buffer's free and its description's
+     * rewrite leaves a description naming memory no longer stored) */
+    shardd__log(0, "fd store: job \"%s\" (uid %" PRIu32 ") not resumed: %s; "
+                "every attach is refused until it is released (shardctl "
+                "release) or restored from a checkpoint", jname, uid, err);
+    add_torn(fs, p, base, t, uid, jname, 0, NULL, err);
+    free(t);
+    return 1;
+  }
+  free(t);
+  /* the description goes on in the same three memfds */
+  fs_job *e = calloc(1, sizeof *e);
+  char *ekey = shardd__fdstore_key_of(uid, jname);
+  if (e && ekey && shardd__map_put_str(&fs->jobs, ekey, e) == SHARDD_OK) {
+    e->key = ekey;
+    e->job = job;
+    snprintf(e->base, sizeof e->base, "%s", base);
+    for (int q = 0; q < 3; q++) {
+      e->fd[q] = idx[q] >= 0 ? p->fds[idx[q]].fd : -1;
+      if (idx[q] >= 0)
+        p->taken[idx[q]] = 2; /* the entry's own from here */
+    }
+    if (e->fd[1 - k] < 0) { /* a slot lost: a new one, stored */
+      shardd__fdstore_fd_name(e, 1 - k, name, sizeof name);
+      e->fd[1 - k] = memfd_create(name, MFD_CLOEXEC);
+      if (e->fd[1 - k] >= 0)
+        shardd__fdstore_store_fd(e->fd[1 - k], name);
+    }
+    e->gen = gen[k];
+    e->active = k;
+    e->dirty = 1;
+    if (e->fd[1 - k] < 0 || shardd__fdstore_map_journal(e) != SHARDD_OK) {
+      shardd__map_del_str(&fs->jobs, e->key);
+      shardd__fdstore_entry_free(e, 0);
+    } else {
+      shardd__fdstore_sync_entry(fs, e); /* the new generations of its handles */
+    }
+  } else {
+    free(e);
+    free(ekey);
+  }
+  adopted(arg, job, job_step(job));
+  return 0;
+}
+
+int shardd__fdstore_adopt(shardd__fdstore *fs, shardd__fdstore_fd *fds,
+                          size_t n,
+                          void (*adopted)(void *arg, shardd__job *job,
+                                          uint64_t step),
+                          void *arg) {
+  pool p = {fds, n, calloc(n ? n : 1, 1), calloc(n ? n : 1, 1)};
+  int refused = 0;
+  if (p.taken == NULL || p.kept == NULL) {
+    shardd__log(0, "fd store: out of memory adopting %zu descriptors", n);
+    refused = 1;
+    n = 0;
+  }
+  for (size_t i = 0; i < n; i++) {
+    const char *nm = fds[i].name;
+    size_t l = strlen(nm);
+    /* each description once, by its journal */
+    if (p.taken[i] || p.kept[i] || strncmp(nm, META_PREFIX, 8) != 0 || l < 3 ||
+        strcmp(nm + l - 2, "-j") != 0)
+      continue;
+    char base[80];
+    if (l - 2 >= sizeof base)
+      continue;
+    memcpy(base, nm, l - 2);
+    base[l - 2] = '\0';
+    refused += adopt_one(fs, &p, base, adopted, arg);
+  }
+  /* what no job took: out of the store; a region taken is mapped through
+   * a descriptor of its own, so the one handed back is closed too */
+  size_t dropped = 0;
+  for (size_t i = 0; i < p.n; i++) {
+    if (p.taken && p.kept && (p.taken[i] == 2 || p.kept[i]))
+      continue;
+    if (p.taken && !p.taken[i]) {
+      shardd__fdstore_unstore_fd(fds[i].name);
+      dropped++;
+    }
+    close(fds[i].fd);
+  }
+  if (dropped)
+    shardd__log(2, "fd store: %zu descriptor%s no job holds removed", dropped,
+                dropped == 1 ? "" : "s");
+  free(p.taken);
+  free(p.kept);
+  return refused;
+}
+
+int shardd__fdstore_held(const shardd__fdstore *fs, uint32_t uid,
+                         const char *name) {
+  char *key = shardd__fdstore_key_of(uid, name);
+  int held = key && shardd__map_get_str(&fs->held, key) != NULL;
+  free(key);
+  return held;
+}
+
+static torn *find_torn(const shardd__fdstore *fs, uint32_t uid,
+                       const char *name) {
+  for (torn *t = fs->torn; t; t = t->next)
+    if (!strcmp(t->name, name) &&
+        strtoul(t->key, NULL, 10) == (unsigned long)uid)
+      return t;
+  return NULL;
+}
+
+void shardd__fdstore_set_hint(shardd__fdstore *fs, uint32_t uid,
+                              const char *name, const char *checkpoint) {
+  torn *t = find_torn(fs, uid, name);
+  if (t) {
+    free(t->hint);
+    t->hint = checkpoint ? strdup(checkpoint) : NULL;
+  }
+}
+
+int shardd__fdstore_torn(const shardd__fdstore *fs, uint32_t uid,
+                         const char *name, char *msg, size_t len) {
+  const torn *t = fs ? find_torn(fs, uid, name) : NULL;
+  if (t == NULL)
+    return 0;
+  char where[4200];
+  if (t->hint)
+    snprintf(where, sizeof where, "its newest checkpoint is %s: `shardctl "
+             "release %s` then `shardctl restore %s`", t->hint, name, t->hint);
+  else
+    snprintf(where, sizeof where, "no checkpoint of it is known to this "
+             "daemon: restore one you wrote after `shardctl release %s`, or "
+             "release it to start afresh", name);
+  if (t->why)
+    snprintf(msg, len, "job \"%s\" could not be resumed from the fd store "
+             "(%s); not resumed. %s", name, t->why, where);
+  else if (t->anonymous)
+    snprintf(msg, len, "job \"%s\" is torn: the daemon died during one of "
+             "its steps, and its memory may hold half of it; not resumed. %s",
+             name, where);
+  else
+    snprintf(msg, len, "job \"%s\" is torn: the daemon died during step %"
+             PRIu64 " of optimizer \"%s\", and its memory may hold half of "
+             "that step; not resumed. %s", name, t->step, t->opt, where);
+  return 1;
+}
+
+int shardd__fdstore_forget_torn(shardd__fdstore *fs, uint32_t uid,
+                                const char *name) {
+  if (fs == NULL)
+    return 0;
+  for (torn **pp = &fs->torn; *pp; pp = &(*pp)->next) {
+    torn *t = *pp;
+    if (strcmp(t->name, name) || strtoul(t->key, NULL, 10) != (unsigned long)uid)
+      continue;
+    *pp = t->next;
+    for (size_t i = 0; i < t->nfds; i++)
+      shardd__fdstore_unstore_fd(t->names[i]);
+    shardd__log(2, "fd store: torn job \"%s\" released; its memory is out of "
+                "the store", name);
+    shardd__fdstore_free_torn(t);
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,691 @@
+/* test_limits.c — a real shardd's limits: the client and job limits and a
+ * second daemon, size flags out of range, the status of many jobs of huge
+ * worlds, the memory of a freed region, the frame limit on replies.
+ * Expected values come from what the test itself set up (flags,
+ * connections), never from the daemon. */
+#include <criterion/criterion.h>
+#include <criterion/parameterized.h>
+#include <dirent.h>
+#include <pthread.h>
+#include <sys/resource.h>
+#include <uv.h>
+
+#include "backend.h"
+#include "harness.h"
+#include "server_fixture.h"
+#include "server.h"
+
+/* ---- limits and a second daemon ----------------------------------------- */
+
+static void start_limited(void) {
+  const char *args[] = {"--max-clients", "2", NULL};
+  test_daemon_start(&d, args);
+}
+
+Test(server, client_limit, .init = start_limited, .fini = stop_daemon) {
+  shardd_client_t *a = test_connect(&d, NULL, 0, 1);
+  shardd_client_t *b = test_connect(&d, NULL, 0, 1);
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  shardd_client_t *c = NULL;
+  char err[512];
+  /* root (these tests' uid) gets SHARDD__ADMIN_RESERVE connections past
+   * the limit, so an operator is never locked out; past those, refused */
+  int root = geteuid() == 0;
+  shardd_client_t *extra[SHARDD__ADMIN_RESERVE];
+  for (unsigned i = 0; root && i < SHARDD__ADMIN_RESERVE; i++) {
+    cr_assert_eq(shardd_connect(d.sock, &o, &extra[i], err, sizeof err), SHARDD_OK,
+                 "root's reserved connection %u: %s", i, err);
+  }
+  shardd_err rc = shardd_connect(d.sock, &o, &c, err, sizeof err);
+  cr_assert_eq(rc, SHARDD_E_LIMIT, "client past the limit: %s (%s)", shardd_err_name(rc),
+               err);
+  cr_assert_not_null(strstr(err, "2"), "%s", err);
+  for (unsigned i = 0; root && i < SHARDD__ADMIN_RESERVE; i++)
+    shardd_close(extra[i]);
+  shardd_close(a);
+  /* a slot frees up once a client leaves */
+  for (double end = test_mono_s() + TEST_HANG_S;;) {
+    rc = shardd_connect(d.sock, &o, &c, err, sizeof err);
+    if (rc == SHARDD_OK)
+      break;
+    cr_assert_eq(rc, SHARDD_E_LIMIT, "%s", err);
+    cr_assert_lt(test_mono_s(), end, "no slot freed after a client left");
+    test_sleep_ms(10);
+  }
+  cr_assert_eq(shardd_ping(b), SHARDD_OK);
+  shardd_close(b);
+  shardd_close(c);
+}
+
+Test(server, second_daemon_on_a_live_socket_refuses, .init = start_default,
+     .fini = stop_daemon) {
+  char cmd[512];
+  snprintf(cmd, sizeof cmd, "%s --socket %s 2>%s/second.log",
+           test_bin("SHARDD_BIN", "build/shardd"), d.sock, d.dir);
+  int st = system(cmd);
+  cr_assert(WIFEXITED(st));
+  cr_assert_eq(WEXITSTATUS(st), 1, "a second daemon exited %d", WEXITSTATUS(st));
+  char log[128];
+  snprintf(log, sizeof log, "%s/second.log", d.dir);
+  char *text = test_slurp(log);
+  unlink(log);
+  cr_assert_not_null(strstr(text, d.sock), "its error does not name the socket: %s", text);
+  free(text);
+  /* the first one still serves on its socket */
+  expect_served();
+}
+
+Test(server, stale_socket_file_is_replaced) {
+  /* a socket file nobody listens on, as a crashed daemon leaves */
+  char dir[] = "/tmp/shardd-stale-XXXXXX";
+  cr_assert_not_null(mkdtemp(dir));
+  char path[64];
+  snprintf(path, sizeof path, "%s/s.sock", dir);
+  int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  snprintf(sa.sun_path, sizeof sa.sun_path, "%s", path);
+  cr_assert_eq(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+  close(fd);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0) {
+    int nul = open("/dev/null", O_WRONLY);
+    dup2(nul, 2);
+    execl(test_bin("SHARDD_BIN", "build/shardd"), "shardd", "--socket", path, (char *)NULL);
+    _exit(127);
+  }
+  int up = 0;
+  for (double end = test_mono_s() + TEST_HANG_S; !up && test_mono_s() < end;) {
+    up = test_can_connect(path);
+    if (!up)
+      test_sleep_ms(10);
+  }
+  kill(pid, SIGTERM);
+  int st;
+  waitpid(pid, &st, 0);
+  unlink(path);
+  rmdir(dir);
+  cr_assert(up, "shardd did not take over a stale socket file");
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+}
+
+/* A job outlives its clients for --job-linger seconds (ranks may come back
+ * to their shards), then goes with all its memory. Coming back is tested
+ * under a linger no test run outlasts, going away under one of 1 s, so
+ * neither depends on how fast the test gets back. */
+static void start_long_linger(void) {
+  const char *args[] = {"--job-linger", "600", NULL};
+  test_daemon_start(&d, args);
+}
+
+static void start_linger(void) {
+  const char *args[] = {"--job-linger", "1", NULL};
+  test_daemon_start(&d, args);
+}
+
+static size_t job_count(void) {
+  tj *st = shardctl_status();
+  size_t n = tj_need(st, "jobs", TJ_ARR)->n;
+  tj_free(st);
+  return n;
+}
+
+Test(server, lingering_job_is_reattached, .init = start_long_linger, .fini = stop_daemon) {
+  shardd_client_t *c = test_connect(&d, "linger", 0, 1);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "p", SHARDD_DTYPE_FP32, 8, &b), SHARDD_OK);
+  ((float *)b.shard)[3] = 42.0f;
+  uint64_t id = b.id;
+  shardd_close(c);
+
+  /* Back within the linger time: same buffer, same bytes. */
+  cr_assert_eq(job_count(), 1);
+  c = test_connect(&d, "linger", 0, 1);
+  cr_assert_eq(shardd_buffer_register(c, "p", SHARDD_DTYPE_FP32, 8, &b), SHARDD_OK);
+  cr_assert_eq(b.created, 0);
+  cr_assert_eq(b.id, id);
+  cr_assert_eq(((float *)b.shard)[3], 42.0f);
+  shardd_close(c);
+  cr_assert_eq(job_count(), 1, "the job went although --job-linger is 600 s");
+}
+
+Test(server, job_lingers_then_is_released, .init = start_linger, .fini = stop_daemon) {
+  shardd_client_t *c = test_connect(&d, "linger", 0, 1);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "p", SHARDD_DTYPE_FP32, 8, &b), SHARDD_OK);
+  ((float *)b.shard)[3] = 42.0f;
+  shardd_close(c);
+
+  /* Gone for longer: released, memory and all. */
+  int released = 0;
+  for (double end = test_mono_s() + TEST_HANG_S; !released;) {
+    released = job_count() == 0;
+    if (!released) {
+      cr_assert_lt(test_mono_s(), end, "the job outlived --job-linger 1 by %.0f s",
+                   TEST_HANG_S);
+      test_sleep_ms(100);
+    }
+  }
+  tj *st = shardctl_status();
+  const tj *devs = tj_need(st, "devices", TJ_ARR);
+  for (size_t i = 0; i < devs->n; i++)
+    cr_assert_eq(tj_need(devs->kids[i], "used_bytes", TJ_NUM)->num, 0);
+  tj_free(st);
+}
+
+/* One rank of a world-1 job "name" that trains `steps` SGD steps on a
+ * buffer "p" (shard 1.0, gradient 0.5, lr 1): the client, still open. */
+static shardd_client_t *trained(const char *name, int steps) {
+  shardd_client_t *c = test_connect(&d, name, 0, 1);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "p", SHARDD_DTYPE_FP32, 8, &b), SHARDD_OK);
+  shardd_param_ref ref = {b.id, "p"};
+  shardd_param_group g = {&ref, 1, {0}};
+  shardd_hparams hp = {.set = SHARDD_HP_LR, .lr = 1.0};
+  uint64_t opt;
+  cr_assert_eq(shardd_optimizer_register(c, "sgd", SHARDD_OPTIM_SGD, &hp, &g, 1, &opt),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  if (b.created)
+    for (uint64_t i = 0; i < b.shard_numel; i++)
+      ((float *)b.shard)[i] = 1.0f;
+  for (int s = 0; s < steps; s++) {
+    for (uint64_t i = 0; i < b.padded_numel; i++)
+      ((float *)b.grad)[i] = 0.5f;
+    cr_assert_eq(shardd_scatter(c, b.id, SHARDD_REDUCE_MEAN), SHARDD_OK);
+    cr_assert_eq(shardd_step(c, opt, NULL, NULL), SHARDD_OK);
+  }
+  return c;
+}
+
+/* The job count once it settles (a close is read after its last reply). */
+static size_t job_count_becomes(size_t want) {
+  size_t n = job_count();
+  for (double end = test_mono_s() + 5; n != want && test_mono_s() < end;) {
+    test_sleep_ms(20);
+    n = job_count();
+  }
+  return n;
+}
+
+/* A job whose ranks all finished (shardd_finish: a Goodbye, then the close)
+ * is done: released at once under a long --job-linger, memory back, and a
+ * new run of its name starts fresh, not resuming the finished one. */
+Test(server, finished_job_is_released_at_once_and_its_name_starts_fresh,
+     .init = start_long_linger, .fini = stop_daemon) {
+  cr_assert_eq(shardd_finish(trained("fin", 2)), SHARDD_OK);
+  cr_assert_eq(job_count_becomes(0), 0, "a finished job lingered");
+  tj *st = shardctl_status();
+  const tj *devs = tj_need(st, "devices", TJ_ARR);
+  for (size_t i = 0; i < devs->n; i++)
+    cr_assert_eq(tj_need(devs->kids[i], "used_bytes", TJ_NUM)->num, 0);
+  tj_free(st);
+  shardd_client_t *c = test_connect(&d, "fin", 0, 1);
+  uint64_t step = 99;
+  cr_assert_eq(shardd_resumed(c, &step), 0, "a new run is told it resumes");
+  cr_assert_eq(step, 0);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "p", SHARDD_DTYPE_FP32, 8, &b), SHARDD_OK);
+  cr_assert_eq(b.created, 1, "the new run attached to the finished run's buffer");
+  cr_assert_eq(shardd_finish(c), SHARDD_OK);
+
+  /* two ranks: one finishing is not enough, the job waits for the other */
+  shardd_client_t *r0 = test_connect(&d, "fin2", 0, 2), *r1 = test_connect(&d, "fin2", 1, 2);
+  cr_assert_eq(shardd_finish(r0), SHARDD_OK);
+  shardd_close(r1); /* it died: the job lingers for a relaunch */
+  test_sleep_ms(200);
+  cr_assert_eq(job_count_becomes(1), 1);
+  r1 = test_connect(&d, "fin2", 1, 2);
+  r0 = test_connect(&d, "fin2", 0, 2);
+  cr_assert_eq(shardd_finish(r1), SHARDD_OK);
+  cr_assert_eq(shardd_finish(r0), SHARDD_OK);
+  cr_assert_eq(job_count_becomes(0), 0, "every rank finished: released");
+}
+
+/* A job whose rank died (its connection closed without a Goodbye) lingers,
+ * and the relaunch is told it resumes it and at which step. */
+Test(server, died_job_lingers_and_the_relaunch_is_told_it_resumes,
+     .init = start_long_linger, .fini = stop_daemon) {
+  shardd_close(trained("died", 3));
+  test_sleep_ms(200);
+  cr_assert_eq(job_count_becomes(1), 1, "the job of a rank that died went");
+  shardd_client_t *c = test_connect(&d, "died", 0, 1);
+  uint64_t step = 0;
+  cr_assert_eq(shardd_resumed(c, &step), 1, "the relaunch is not told it resumes");
+  cr_assert_eq(step, 3);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "p", SHARDD_DTYPE_FP32, 8, &b), SHARDD_OK);
+  cr_assert_eq(b.created, 0);
+  cr_assert_eq(b.existing, 1);
+  cr_assert_eq(((float *)b.shard)[0], 1.0f - 3 * 0.5f);
+  cr_assert_eq(shardd_finish(c), SHARDD_OK);
+  cr_assert_eq(job_count_becomes(0), 0);
+}
+
+/* A client that pipelines collectives nobody else joins is held to the
+ * per-session limit (64): the rest are refused at once with E_LIMIT
+ * instead of queueing without bound. */
+Test(server, pipelined_collectives_are_bounded, .init = start_default, .fini = stop_daemon) {
+  test_raw r;
+  test_raw_open(&d, &r);
+  test_raw_hello(&r, "bounded", 0, 2); /* rank 1 never comes */
+  shardd_buffer_info b;
+  test_raw_register_buffer(&r, "p", SHARDD_DTYPE_FP32, 16, &b);
+  uint64_t seqs[80];
+  for (int i = 0; i < 80; i++)
+    seqs[i] = test_raw_send_scatter(&r, b.id, SHARDD_REDUCE_SUM);
+  /* The 16 over the limit are answered now; the 64 queued ones are not. */
+  for (int i = 64; i < 80; i++) {
+    Shardwire__Response *resp = test_raw_recv(&r);
+    cr_assert_not_null(resp);
+    cr_assert_eq(resp->seq, seqs[i]);
+    cr_assert_eq(resp->code, SHARDWIRE__STATUS_CODE__E_LIMIT, "%s",
+                 resp->message ? resp->message : "");
+    cr_assert(strstr(resp->message, "(--max-pending 64)") != NULL, "%s", resp->message);
+    shardwire__response__free_unpacked(resp, NULL);
+  }
+  tj *st = shardctl_status();
+  const tj *jobs = tj_need(st, "jobs", TJ_ARR);
+  cr_assert_eq(jobs->n, 1);
+  cr_assert_eq(tj_need(jobs->kids[0], "collectives_in_flight", TJ_NUM)->num, 64);
+  tj_free(st);
+  test_raw_close(&r);
+}
+
+/* A Hello refused after it created its job leaves nothing behind: the
+ * empty job is released like one whose clients left. */
+Test(server, refused_hello_leaves_no_job, .init = start_linger0, .fini = stop_daemon) {
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = "never";
+  o.rank = 5;
+  o.world = 2;
+  shardd_client_t *c = NULL;
+  char err[256];
+  cr_assert_eq(shardd_connect(d.sock, &o, &c, err, sizeof err), SHARDD_E_RANGE, "%s", err);
+  cr_assert_eq(job_count(), 0);
+}
+
+/* New job names are capped (--max-jobs): lingering jobs count, so a client
+ * reconnecting under fresh names cannot grow the daemon without bound. */
+static void start_max_jobs(void) {
+  const char *args[] = {"--max-jobs", "3", NULL};
+  test_daemon_start(&d, args);
+}
+
+Test(server, job_count_is_capped, .init = start_max_jobs, .fini = stop_daemon) {
+  char err[256];
+  for (int i = 0; i < 3; i++) {
+    char job[16];
+    snprintf(job, sizeof job, "j%d", i);
+    shardd_client_t *c = test_connect(&d, job, 0, 1);
+    shardd_close(c); /* the job lingers */
+  }
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = "one-too-many";
+  shardd_client_t *c = NULL;
+  cr_assert_eq(shardd_connect(d.sock, &o, &c, err, sizeof err), SHARDD_E_LIMIT, "%s", err);
+  cr_assert(strstr(err, "--max-jobs") != NULL, "%s", err);
+  o.job = "j1"; /* an existing job can still be joined */
+  cr_assert_eq(shardd_connect(d.sock, &o, &c, err, sizeof err), SHARDD_OK, "%s", err);
+  shardd_close(c);
+}
+
+/* ---- size flags ----------------------------------------------------------
+ * --device-memory and --job-memory-limit take sizes like 8G. A number past
+ * 2^64 bytes (1e30, 1e400, inf) was converted to uint64_t anyway, which is
+ * undefined behaviour (x86 gives 2^63; the daemon then ran with whatever
+ * it got). It must exit 2 at once, naming the flag, the value and why. */
+
+typedef struct {
+  char flag[32];
+  char value[24];
+  char why[24];
+} bad_size;
+
+ParameterizedTestParameters(server, size_flag_refused) {
+  static bad_size cases[] = {
+      {"--device-memory", "1e30", "out of range"},
+      {"--job-memory-limit", "1e30", "out of range"},
+      {"--job-memory-limit", "1e400", "out of range"},
+      {"--device-memory", "16777216T", "out of range"}, /* 2^64 exactly */
+      {"--job-memory-limit", "18446744073709551616", "out of range"},
+      {"--device-memory", "inf", "out of range"},
+      {"--job-memory-limit", "nan", "not a size"},
+      {"--job-memory-limit", "-1", "not a size"},
+      {"--device-memory", "8X", "not a size"},
+      {"--device-memory", "0", "at least 1 byte"},
+      {"--job-memory-limit", "0.5", "at least 1 byte"},
+      /* not sizes, refused the same way: a grace that is no duration */
+      {"--peer-grace", "-1", "must be 0..86400"},
+      {"--peer-grace", "nan", "must be 0..86400"},
+      {"--peer-grace", "1e9", "must be 0..86400"},
+      /* the bounds on unread replies */
+      {"--max-reply-bytes", "0", "at least 1 byte"},
+      {"--max-reply-bytes-per-uid", "1e30", "out of range"},
+      {"--max-reply-fds", "0", "must be 1..1000000"},
+      {"--max-reply-fds-per-uid", "-3", "must be 1..1000000"},
+  };
+  return cr_make_param_array(bad_size, cases, sizeof cases / sizeof cases[0]);
+}
+
+ParameterizedTest(bad_size *bs, server, size_flag_refused) {
+  char dir[] = "/tmp/shardd-size-XXXXXX";
+  cr_assert_not_null(mkdtemp(dir));
+  char sock[64], log[64];
+  snprintf(sock, sizeof sock, "%s/s.sock", dir);
+  snprintf(log, sizeof log, "%s/err", dir);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (freopen(log, "w", stderr) == NULL)
+      _exit(126);
+    execl(test_bin("SHARDD_BIN", "build/shardd"), "shardd", "--socket", sock,
+          bs->flag, bs->value, (char *)NULL);
+    _exit(127);
+  }
+  /* Until it exits or serves (then it took the size); the deadline only
+   * guards against a daemon that does neither. */
+  int st = 0, done = 0, serves = 0;
+  for (double end = test_mono_s() + TEST_HANG_S; !done && !serves;) {
+    done = waitpid(pid, &st, WNOHANG) == pid;
+    if (!done)
+      serves = test_can_connect(sock);
+    if (!done && !serves) {
+      if (test_mono_s() > end)
+        break;
+      test_sleep_ms(10);
+    }
+  }
+  if (!done) {
+    kill(pid, SIGKILL);
+    waitpid(pid, &st, 0);
+  }
+  char *text = test_slurp(log);
+  unlink(log);
+  unlink(sock);
+  rmdir(dir);
+  cr_assert(!serves, "shardd %s %s accepted the size: it serves on its socket",
+            bs->flag, bs->value);
+  cr_assert(done, "shardd %s %s neither exited nor served within %.0f s", bs->flag,
+            bs->value, TEST_HANG_S);
+  cr_assert(WIFEXITED(st), "shardd %s %s died of signal %d", bs->flag, bs->value,
+            WIFSIGNALED(st) ? WTERMSIG(st) : 0);
+  cr_assert_eq(WEXITSTATUS(st), 2, "shardd %s %s exited %d: %s", bs->flag,
+               bs->value, WEXITSTATUS(st), text);
+  char want[64];
+  snprintf(want, sizeof want, "%s %s: ", bs->flag, bs->value);
+  cr_assert(strstr(text, want) != NULL, "stderr does not name \"%s\": %s", want, text);
+  cr_assert(strstr(text, bs->why) != NULL, "stderr does not say \"%s\": %s", bs->why,
+            text);
+  free(text);
+}
+
+/* The largest sizes below 2^64 are still sizes. */
+static void start_huge_limit(void) {
+  const char *args[] = {"--job-memory-limit", "16777215T", NULL};
+  test_daemon_start(&d, args);
+}
+
+Test(server, size_flag_just_below_two_to_the_64_is_taken, .init = start_huge_limit,
+     .fini = stop_daemon) {
+  shardd_client_t *c = test_connect(&d, "big", 0, 1);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 1024, &b), SHARDD_OK,
+               "%s", shardd_last_error(c));
+  shardd_close(c);
+}
+
+/* ---- status of many jobs of huge worlds ---------------------------------
+ * One status listed every rank of every job: 512 jobs of world 65536 froze
+ * the daemon for a minute and took it to 13.5 GB, for a reply past the
+ * frame limit. A status now lists at most 256 jobs (jobs_more counts the
+ * rest; first_job pages on) and 64 ranks of each kind per job (the _more
+ * fields count the rest), so its cost follows what it shows. */
+
+#define HUGE_WORLD 65536
+#define HUGE_JOBS 40
+#define SMALL_JOBS 230 /* with the huge ones, past the 256 of one status */
+
+Test(server, status_of_many_huge_jobs_is_summarized_and_paged, .timeout = 120) {
+  test_daemon_start(&d, (const char *const[]){"--devices", "1", NULL});
+  for (int i = 0; i < HUGE_JOBS + SMALL_JOBS; i++) {
+    char name[32];
+    /* "a-" sorts the huge jobs first, into the first page */
+    snprintf(name, sizeof name, i < HUGE_JOBS ? "a-huge-%03d" : "b-small-%03d", i);
+    shardd_client_t *c = test_connect(&d, name, 0, i < HUGE_JOBS ? HUGE_WORLD : 1);
+    shardd_close(c); /* the job lingers, every rank missing */
+  }
+  long rss0 = daemon_rss_kib(d.pid);
+  shardd_client_t *c = test_connect(&d, NULL, 0, 1);
+  char *s = NULL;
+  double t0 = test_mono_s();
+  cr_assert_eq(shardd_status_json(c, &s), SHARDD_OK, "%s", shardd_last_error(c));
+  double took = test_mono_s() - t0;
+  long grew = daemon_rss_kib(d.pid) - rss0;
+  cr_assert_lt(took, 2.0, "one status took %.2f s", took);
+  cr_assert_lt(grew, 64L << 10, "one status grew the daemon by %ld KiB", grew);
+  cr_assert_lt(strlen(s), (size_t)4 << 20, "status is %zu bytes", strlen(s));
+  tj *j = tj_parse(s);
+  cr_assert_not_null(j);
+  const tj *jobs = tj_need(j, "jobs", TJ_ARR);
+  cr_assert_eq(jobs->n, 256u);
+  cr_assert_eq(tj_need(j, "jobs_more", TJ_NUM)->num,
+               (double)(HUGE_JOBS + SMALL_JOBS - 256));
+  for (size_t i = 0; i < HUGE_JOBS; i++) {
+    const tj *job = jobs->kids[i];
+    cr_assert_eq(tj_need(job, "world", TJ_NUM)->num, (double)HUGE_WORLD);
+    size_t listed = tj_need(job, "missing_ranks", TJ_ARR)->n;
+    cr_assert_leq(listed, 64u);
+    cr_assert_eq(tj_need(job, "connected_ranks", TJ_ARR)->n, 0u);
+    cr_assert_eq(listed + tj_need(job, "missing_ranks_more", TJ_NUM)->num,
+                 (double)HUGE_WORLD, "the ranks not listed are not counted");
+    cr_assert_eq(tj_get(job, "connected_ranks_more"), NULL);
+  }
+  tj_free(j);
+  shardd_free(s);
+
+  /* the next page: the rest, and nothing after it */
+  cr_assert_eq(shardd_status_json_from(c, 256, &s), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  j = tj_parse(s);
+  cr_assert_not_null(j);
+  jobs = tj_need(j, "jobs", TJ_ARR);
+  cr_assert_eq(jobs->n, (size_t)(HUGE_JOBS + SMALL_JOBS - 256));
+  cr_assert_eq(tj_need(j, "first_job", TJ_NUM)->num, 256.0);
+  cr_assert_eq(tj_get(j, "jobs_more"), NULL);
+  cr_assert_str_eq(tj_need(jobs->kids[jobs->n - 1], "name", TJ_STR)->str,
+                   "b-small-269");
+  tj_free(j);
+  shardd_free(s);
+  char args[256], *out, *err;
+  snprintf(args, sizeof args, "--socket %s status --from 266 --json", d.sock);
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  j = tj_parse(out);
+  cr_assert_not_null(j, "%s", out);
+  cr_assert_eq(tj_need(j, "jobs", TJ_ARR)->n, 4u);
+  tj_free(j);
+  free(out);
+  free(err);
+
+  /* text says what it left out, and how to see it */
+  cr_assert_eq(shardd_status_text(c, &s), SHARDD_OK);
+  cr_assert(strstr(s, "(and 65472 more)") != NULL, "%.400s", s);
+  cr_assert(strstr(s, "and 14 more jobs: shardctl status --from 256") != NULL);
+  shardd_free(s);
+  shardd_close(c);
+  test_daemon_finish(&d);
+}
+
+/* Inspect of a buffer of a wide job lists 64 shards and counts the rest;
+ * its resident bytes still count every block. */
+Test(server, inspect_of_a_wide_buffer_lists_64_shards, .timeout = 60) {
+  test_daemon_start(&d, (const char *const[]){"--devices", "1", NULL});
+  shardd_client_t *c = test_connect(&d, "wide", 0, 100);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 1000, &b),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  char *s = NULL;
+  cr_assert_eq(shardd_inspect_json(c, b.id, NULL, &s), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  tj *j = tj_parse(s);
+  cr_assert_not_null(j, "%s", s);
+  const tj *shards = tj_need(j, "shards", TJ_ARR);
+  cr_assert_eq(shards->n, 64u);
+  cr_assert_eq(tj_need(j, "shards_more", TJ_NUM)->num, 36.0);
+  cr_assert_eq(tj_need(shards->kids[63], "rank", TJ_NUM)->num, 63.0);
+  /* every rank's block, listed or not, is resident */
+  cr_assert_geq(tj_need(j, "resident_bytes", TJ_NUM)->num, 100.0 * 4096);
+  tj_free(j);
+  shardd_free(s);
+  cr_assert_eq(shardd_inspect_text(c, b.id, NULL, &s), SHARDD_OK);
+  cr_assert(strstr(s, "and 36 more shards") != NULL, "%s", s);
+  shardd_free(s);
+  shardd_close(c);
+  test_daemon_finish(&d);
+}
+
+/* ---- memory of a freed region --------------------------------------------
+ * A client that kept its mapping of a block after unregistering the
+ * buffer kept the block's pages alive while the daemon counted them free,
+ * so --uid-memory-limit never applied: register, touch, unregister, again,
+ * until the daemon was OOM-killed. The daemon now takes a freed region's
+ * pages back from every mapping. */
+
+#define KEPT_NUMEL ((uint64_t)16 << 20) /* 64 MiB of fp32 */
+
+/* Resident shared memory of this process, KiB (RssShmem). */
+static long self_rss_shmem_kib(void) {
+  FILE *f = fopen("/proc/self/status", "r");
+  cr_assert_not_null(f);
+  char line[256];
+  long kib = -1;
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "RssShmem: %ld kB", &kib) == 1)
+      break;
+  fclose(f);
+  cr_assert_geq(kib, 0, "no RssShmem in /proc/self/status");
+  return kib;
+}
+
+Test(server, a_block_kept_mapped_after_unregister_holds_no_memory,
+     .init = start_one_device, .fini = stop_daemon, .timeout = 60) {
+  test_raw r;
+  test_raw_open(&d, &r);
+  test_raw_hello(&r, "kept", 0, 1);
+  shardd_buffer_info b;
+  test_raw_register_buffer(&r, "big", SHARDD_DTYPE_FP32, KEPT_NUMEL, &b);
+  long base = self_rss_shmem_kib();
+  memset(b.shard, 0x5a, KEPT_NUMEL * 4);
+  long touched = self_rss_shmem_kib();
+  cr_assert_geq(touched - base, 60L << 10, "writing the shard made %ld KiB "
+                "resident", touched - base);
+
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__UnregisterBuffer ub = SHARDWIRE__UNREGISTER_BUFFER__INIT;
+  ub.id = b.id;
+  req.body_case = SHARDWIRE__REQUEST__BODY_UNREGISTER_BUFFER;
+  req.unregister_buffer = &ub;
+  uint64_t seq = test_raw_send(&r, &req);
+  shardwire__response__free_unpacked(test_raw_expect(&r, seq, SHARDD_OK), NULL);
+  /* the mapping is still this client's (r.map), its pages are not */
+  long kept = self_rss_shmem_kib() - base;
+  cr_assert_lt(kept, 4L << 10, "%ld KiB of an unregistered buffer stay "
+               "resident in a mapping its client kept", kept);
+  cr_assert_eq(((volatile uint8_t *)b.shard)[12345], 0,
+               "the kept mapping still reads the buffer's values");
+  test_raw_sync(&r);
+  test_raw_close(&r);
+}
+
+/* Unregistering is the job's, not the asking rank's: rank 0's unregister
+ * frees every rank's block, so rank 1's mapping of its gather area reads
+ * zeros from then on (the soak test read its last gather after rank 0 had
+ * unregistered and saw zeros: a rank must not unregister a buffer other
+ * ranks still read). */
+Test(server, a_rank_unregistering_a_buffer_zeroes_every_ranks_mapping,
+     .init = start_one_device, .fini = stop_daemon, .timeout = 60) {
+  test_raw r0, r1;
+  test_raw_open(&d, &r0);
+  test_raw_hello(&r0, "two", 0, 2);
+  test_raw_open(&d, &r1);
+  test_raw_hello(&r1, "two", 1, 2);
+  shardd_buffer_info b0, b1;
+  test_raw_register_buffer(&r0, "w", SHARDD_DTYPE_FP32, 64, &b0);
+  test_raw_register_buffer(&r1, "w", SHARDD_DTYPE_FP32, 64, &b1);
+  cr_assert_eq(b0.id, b1.id);
+  for (uint64_t i = 0; i < b0.shard_numel; i++) {
+    ((float *)b0.shard)[i] = 16.0f + (float)i;
+    ((float *)b1.shard)[i] = 16.0f + (float)(b1.shard_numel + i);
+  }
+  uint64_t g0 = test_raw_send_gather(&r0, b0.id);
+  uint64_t g1 = test_raw_send_gather(&r1, b1.id);
+  shardwire__response__free_unpacked(test_raw_expect(&r0, g0, SHARDD_OK), NULL);
+  shardwire__response__free_unpacked(test_raw_expect(&r1, g1, SHARDD_OK), NULL);
+  const volatile float *seen = b1.gather;
+  for (uint64_t i = 0; i < 64; i++)
+    cr_assert_eq(seen[i], 16.0f + (float)i, "rank 1 gathered %g at %llu",
+                 (double)seen[i], (unsigned long long)i);
+
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__UnregisterBuffer ub = SHARDWIRE__UNREGISTER_BUFFER__INIT;
+  ub.id = b0.id;
+  req.body_case = SHARDWIRE__REQUEST__BODY_UNREGISTER_BUFFER;
+  req.unregister_buffer = &ub;
+  uint64_t seq = test_raw_send(&r0, &req);
+  shardwire__response__free_unpacked(test_raw_expect(&r0, seq, SHARDD_OK), NULL);
+  for (uint64_t i = 0; i < 64; i++)
+    cr_assert_eq(seen[i], 0.0f, "rank 1's kept mapping still reads %g at %llu "
+                 "after rank 0 unregistered the buffer", (double)seen[i],
+                 (unsigned long long)i);
+  /* and the buffer is gone for rank 1 too */
+  g1 = test_raw_send_gather(&r1, b1.id);
+  shardwire__response__free_unpacked(test_raw_expect(&r1, g1, SHARDD_E_NOT_FOUND),
+                                     NULL);
+  test_raw_close(&r0);
+  test_raw_close(&r1);
+}
+
+/* ---- the frame limit on replies ------------------------------------------ */
+
+/* A reply past the frame limit was built and sent, and the client
+ * dropped the connection (status with ~60k optimizers, inspect of a buffer
+ * with 200k views). A Ping whose request is exactly the limit has a reply
+ * a few bytes over it: refused with E_LIMIT, and the session goes on. */
+Test(server, a_reply_past_the_frame_limit_is_refused_not_sent, .timeout = 120) {
+  test_daemon_start(&d, NULL);
+  test_raw r;
+  test_raw_open(&d, &r);
+  test_raw_hello(&r, NULL, 0, 1);
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Ping p = SHARDWIRE__PING__INIT;
+  req.body_case = SHARDWIRE__REQUEST__BODY_PING;
+  req.ping = &p;
+  req.seq = r.seq + 1;
+  p.has_payload = 1;
+  p.payload.len = SHARDD_MAX_FRAME - 64;
+  while (shardwire__request__get_packed_size(&req) < SHARDD_MAX_FRAME)
+    p.payload.len++;
+  if (shardwire__request__get_packed_size(&req) > SHARDD_MAX_FRAME)
+    p.payload.len--;
+  cr_assert_eq(shardwire__request__get_packed_size(&req), SHARDD_MAX_FRAME);
+  p.payload.data = calloc(1, p.payload.len);
+  cr_assert_not_null(p.payload.data);
+  Shardwire__Response pong = SHARDWIRE__RESPONSE__INIT;
+  Shardwire__Pong pb = SHARDWIRE__PONG__INIT;
+  pong.seq = req.seq;
+  pong.body_case = SHARDWIRE__RESPONSE__BODY_PONG;
+  pong.pong = &pb;
+  pb.has_payload = 1;
+  pb.payload = p.payload;
+  cr_assert_gt(shardwire__response__get_packed_size(&pong), SHARDD_MAX_FRAME,
+               "the echo would fit: the test proves nothing");
+  uint64_t seq = test_raw_send(&r, &req);
+  r.seq = seq;
+  free(p.payload.data);
+  Shardwire__Response *resp = test_raw_expect(&r, seq, SHARDD_E_LIMIT);
+  cr_assert(strstr(resp->message, "frame limit") != NULL, "%s", resp->message);
+  shardwire__response__free_unpacked(resp, NULL);
+  test_raw_sync(&r); /* the session still serves */
+  test_raw_close(&r);
+  test_daemon_finish(&d);
+}
