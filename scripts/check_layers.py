@@ -47,7 +47,7 @@ SKIP_DIRS = {"python", "__pycache__"}  # client/python: the binding, not C
 LAYERS = {
     "include": (0, "the public API (shardd.h)"),
     "common": (1, "what daemon and client share: errors, dtypes, framing, "
-                  "strings, the hash"),
+                  "strings, the escape of names, the hash"),
     "client": (2, "libshardd and shardctl"),
     "daemon/util": (2, "log, maps, systemd notification"),
     "daemon/fabric": (3, "the cross-node transport (Gloo), or its absence"),
