@@ -105,12 +105,6 @@ ONE_OBJECT = {
          "files"),
     ],
     "daemon/checkpoint": [
-        ({"checkpoint", "ckfile", "manifest"},
-         "the checkpoint format: checkpoint.h is the folder's one facade, "
-         "declaring what ckfile.c defines too (shardd__crc32c, the seal) "
-         "and the format's constants the helpers use, while the writer "
-         "uses the helpers (a knot to untie: those declarations into "
-         "ckfile.h and manifest.h)"),
         ({"fdstore", "fdstore_int", "fdstore_adopt"},
          "the fd store: one object (fdstore_int.h) whose descriptions and "
          "journal (fdstore.c) and adoption at start (fdstore_adopt.c) are "
