@@ -136,13 +136,17 @@ $(BUILD)/tests/%: tests/unit/%.c $(DAEMONA) $(LIBA)
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_ALL) -o $@ $< $(DAEMONA) $(LIBA) $(LDFLAGS) -lcriterion $(LDLIBS_ALL)
 
-# The system tests' helpers, compiled once (kept: make would delete it as an
-# intermediate of the pattern rule below).
+# The system tests' helpers, compiled once into one archive: a test binary
+# links only the files whose functions and fixtures (its *_fixture.h) it
+# uses, so one fixture's globals (d, setup, reg, ...) are not in every test.
 HARNESS_OBJ := $(patsubst %.c,$(BUILD)/%.o,$(wildcard tests/harness/harness*.c))
-.SECONDARY: $(HARNESS_OBJ)
-$(BUILD)/tests/%: tests/system/%.c $(HARNESS_OBJ) $(DAEMONA) $(LIBA)
+HARNESS_A := $(BUILD)/tests/libharness.a
+$(HARNESS_A): $(HARNESS_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+$(BUILD)/tests/%: tests/system/%.c $(HARNESS_A) $(DAEMONA) $(LIBA)
 	@mkdir -p $(@D)
-	$(CC) $(CFLAGS_ALL) -Itests/harness -o $@ $< $(TEST_HOOKS_OBJ) $(HARNESS_OBJ) $(DAEMONA) $(LIBA) $(LDFLAGS) -lcriterion $(LDLIBS_ALL)
+	$(CC) $(CFLAGS_ALL) -Itests/harness -o $@ $< $(TEST_HOOKS_OBJ) $(HARNESS_A) $(DAEMONA) $(LIBA) $(LDFLAGS) -lcriterion $(LDLIBS_ALL)
 
 # test_server runs the server in process with its fault hook
 # (shardd__server_fail_replies): a server.o with SHARDD_TEST_HOOKS, linked

@@ -5,38 +5,17 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "escape.h"
 #include "shardd.h"
 #include "strbuf.h"
 
 /* Names and paths in the text form come from other uids' requests (a job,
- * buffer or optimizer name is any bytes but NUL): a control byte would
- * drive the operator's terminal or forge a line of the report, so each is
- * shown as \xNN, and a backslash as \\ so the escape is unambiguous.
- * Cut, marked "...", where out is too small. */
+ * buffer or optimizer name is any bytes but NUL): shown escaped
+ * (shardd__escape), so a control byte cannot drive the operator's terminal
+ * or forge a line of the report. A name is at most 256 bytes escaped whole;
+ * a longer one or a path is cut, marked "...", where the buffer ends. */
 #define VIS_NAME (4 * 256 + 4)
 #define VIS_PATH (4 * 4096 + 4)
-static const char *vis(const char *s, char *out, size_t n) {
-  size_t o = 0;
-  for (const unsigned char *p = (const unsigned char *)(s ? s : ""); *p; p++) {
-    char e[5];
-    int k;
-    if (*p < 0x20 || *p == 0x7f)
-      k = snprintf(e, sizeof e, "\\x%02x", *p);
-    else if (*p == '\\')
-      k = snprintf(e, sizeof e, "\\\\");
-    else
-      k = snprintf(e, sizeof e, "%c", *p);
-    if (o + (size_t)k + 4 > n) {
-      memcpy(out + o, "...", 4);
-      return out;
-    }
-    memcpy(out + o, e, (size_t)k);
-    o += (size_t)k;
-  }
-  out[o] = '\0';
-  return out;
-}
-
 static const char *dtype_word(Shardwire__DType d) {
   const char *n = shardd_dtype_name((shardd_dtype)d);
   return n ? n : "?";
@@ -137,11 +116,11 @@ static void job_waits_text(shardd__sb *sb, const Shardwire__JobStatus *j) {
     const Shardwire__CollectiveStatus *c = j->collectives[k];
     if (strcmp(c->kind, "all_reduce") == 0) /* target: how many values */
       shardd__sb_printf(sb, "  collective %s of %" PRIu64 " values (%s)", c->kind,
-                        c->target, vis(c->name, v, sizeof v));
+                        c->target, shardd__escape(c->name, v, sizeof v));
     else
       shardd__sb_printf(sb, "  collective %s %s %" PRIu64 " (%s)", c->kind,
                         strcmp(c->kind, "step") == 0 ? "optimizer" : "buffer",
-                        c->target, vis(c->name, v, sizeof v));
+                        c->target, shardd__escape(c->name, v, sizeof v));
     shardd__sb_printf(sb, ": %s %.1f s, arrived ", c->running ? "running" : "waiting",
                       c->waited_s);
     rank_list(sb, c->arrived, c->n_arrived);
@@ -156,7 +135,8 @@ static void job_waits_text(shardd__sb *sb, const Shardwire__JobStatus *j) {
   for (size_t k = 0; k < j->n_pending_checkpoints; k++) {
     const Shardwire__PendingCheckpoint *p = j->pending_checkpoints[k];
     shardd__sb_printf(sb, "  checkpoint to %s: waiting %.1f s of %.1f s for the "
-                      "job's quiescent point\n", vis(p->dir, path, sizeof path), p->waited_s, p->wait_s);
+                      "job's quiescent point\n",
+                      shardd__escape(p->dir, path, sizeof path), p->waited_s, p->wait_s);
   }
 }
 
@@ -194,7 +174,7 @@ char *shardd__fmt_status_text(const Shardwire__StatusReply *st) {
     human(a, sizeof a, d->used_bytes);
     human(b, sizeof b, device_free(d));
     shardd__sb_printf(&sb, "device %" PRIu32 ": %s total %s used %s free %s",
-                      d->index, vis(d->name, v, sizeof v), t, a, b);
+                      d->index, shardd__escape(d->name, v, sizeof v), t, a, b);
     if (d->has_peak_bytes) {
       human(t, sizeof t, d->peak_bytes);
       shardd__sb_printf(&sb, " peak %s", t);
@@ -209,8 +189,8 @@ char *shardd__fmt_status_text(const Shardwire__StatusReply *st) {
                       "job %s: world %" PRIu32 " clients %" PRIu32
                       " buffers %" PRIu32 " views %" PRIu32
                       " resident %s collectives_in_flight %" PRIu32 "\n",
-                      vis(j->name, v, sizeof v), j->world, j->clients, j->buffers, j->views, a,
-                      j->collectives_in_flight);
+                      shardd__escape(j->name, v, sizeof v), j->world, j->clients, j->buffers,
+                      j->views, a, j->collectives_in_flight);
     if (j->has_owner_uid)
       shardd__sb_printf(&sb, "  owner: uid %" PRIu32 "\n", j->owner_uid);
     if (j->has_transient && j->transient) {
@@ -236,7 +216,7 @@ char *shardd__fmt_status_text(const Shardwire__StatusReply *st) {
       }
       if (j->fabric_error)
         shardd__sb_printf(&sb, "  fabric_error: %s\n",
-                          vis(j->fabric_error, path, sizeof path));
+                          shardd__escape(j->fabric_error, path, sizeof path));
     }
     job_waits_text(&sb, j);
     for (size_t k = 0; k < j->n_optimizers; k++) {
@@ -244,7 +224,8 @@ char *shardd__fmt_status_text(const Shardwire__StatusReply *st) {
       shardd__sb_printf(&sb,
                         "  optimizer %" PRIu64 " %s: %s params %" PRIu32
                         " steps %" PRIu64 "\n",
-                        o->id, vis(o->name, v, sizeof v), kind_word(o->kind), o->params, o->steps);
+                        o->id, shardd__escape(o->name, v, sizeof v), kind_word(o->kind),
+                        o->params, o->steps);
     }
     if (j->has_optimizers_more && j->optimizers_more > 0)
       shardd__sb_printf(&sb, "  and %" PRIu32 " more optimizers\n", j->optimizers_more);
@@ -401,8 +382,8 @@ char *shardd__fmt_inspect_text(const Shardwire__InspectReply *ir) {
   shardd__sb_init(&sb);
   char nm[VIS_NAME], jb[VIS_NAME], vn[VIS_NAME];
   shardd__sb_printf(&sb, "id: %" PRIu64 "\nkind: %s\nname: %s\njob: %s\n",
-                    ir->id, ir->kind, vis(ir->name, nm, sizeof nm),
-                    vis(ir->job, jb, sizeof jb));
+                    ir->id, ir->kind, shardd__escape(ir->name, nm, sizeof nm),
+                    shardd__escape(ir->job, jb, sizeof jb));
   if (ir->has_buffer)
     shardd__sb_printf(&sb, "buffer: %" PRIu64 "\n", ir->buffer);
   if (ir->has_dtype)
@@ -486,7 +467,8 @@ char *shardd__fmt_inspect_text(const Shardwire__InspectReply *ir) {
   for (size_t i = 0; i < ir->n_views; i++) {
     const Shardwire__ViewInfo *v = ir->views[i];
     shardd__sb_printf(&sb, "view %" PRIu64 " %s: [%" PRIu64 ", %" PRIu64 ") shape ",
-                      v->id, vis(v->name, vn, sizeof vn), v->offset, v->offset + v->numel);
+                      v->id, shardd__escape(v->name, vn, sizeof vn), v->offset,
+                      v->offset + v->numel);
     shape_text(&sb, v->shape, v->n_shape);
     if (v->has_generation)
       shardd__sb_printf(&sb, " generation %" PRIu64, v->generation);

@@ -47,7 +47,7 @@ SKIP_DIRS = {"python", "__pycache__"}  # client/python: the binding, not C
 LAYERS = {
     "include": (0, "the public API (shardd.h)"),
     "common": (1, "what daemon and client share: errors, dtypes, framing, "
-                  "strings, the hash"),
+                  "strings, the escape of names, the hash"),
     "client": (2, "libshardd and shardctl"),
     "daemon/util": (2, "log, maps, systemd notification"),
     "daemon/fabric": (3, "the cross-node transport (Gloo), or its absence"),
@@ -105,12 +105,6 @@ ONE_OBJECT = {
          "files"),
     ],
     "daemon/checkpoint": [
-        ({"checkpoint", "ckfile", "manifest"},
-         "the checkpoint format: checkpoint.h is the folder's one facade, "
-         "declaring what ckfile.c defines too (shardd__crc32c, the seal) "
-         "and the format's constants the helpers use, while the writer "
-         "uses the helpers (a knot to untie: those declarations into "
-         "ckfile.h and manifest.h)"),
         ({"fdstore", "fdstore_int", "fdstore_adopt"},
          "the fd store: one object (fdstore_int.h) whose descriptions and "
          "journal (fdstore.c) and adoption at start (fdstore_adopt.c) are "

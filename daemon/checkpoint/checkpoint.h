@@ -31,7 +31,11 @@
  * own mapping).
  *
  * Write is checkpoint.c, restore restore.c; beneath both, manifest.h (the
- * manifest's text) and ckfile.h (directory, files, data file headers). */
+ * manifest's text) and ckfile.h (directory, files, data file headers).
+ * What those two own and callers use too is declared there and reaches
+ * callers through this header: CRC32C, the data files' version and the
+ * --checkpoint-root directory (ckfile.h), what a job manifest says
+ * (shardd__ckjob, manifest.h). */
 #ifndef SHARDD_CHECKPOINT_H
 #define SHARDD_CHECKPOINT_H
 
@@ -39,13 +43,9 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "ckfile.h"
+#include "manifest.h"
 #include "registry.h"
-
-#define SHARDD_CHECKPOINT_VERSION 1
-/* A job-level manifest lists at most this many nodes (the seals cross the
- * nodes in one all_reduce of SHARDD_ALL_REDUCE_MAX values). */
-#define SHARDD__CKJOB_MAX_NODES 64
-/* The manifest's versions are manifest.h's (the format in one place). */
 
 /* The job must have no collective in flight (the caller checks). as_uid is
  * who asks: < 0 the daemon itself (--checkpoint-on-exit), 0 root; any other
@@ -67,15 +67,6 @@ shardd_err shardd__checkpoint_write_in(shardd__registry *reg, shardd__job *job,
                                        const char *dir, int64_t as_uid,
                                        const char *home, char *err,
                                        size_t errlen);
-
-/* --checkpoint-root: uid's own directory root/UID, where all its
- * checkpoints go. With create it is made when missing (mode 0700, handed
- * to uid with chown when the daemon runs as root, else the daemon's own);
- * without, a missing one is no error. One that exists must be a directory
- * (not a symlink) owned by uid or, when the daemon is not root, by the
- * daemon: SHARDD_E_PERMISSION otherwise, naming it. */
-shardd_err shardd__checkpoint_user_dir(const char *root, uint32_t uid,
-                                       int create, char *err, size_t errlen);
 
 /* A checkpoint being written: what prepare took from the registry. */
 typedef struct shardd__ckwrite shardd__ckwrite;
@@ -137,15 +128,6 @@ shardd_err shardd__checkpoint_write_job(const char *dir, int64_t as_uid,
                                         const char *home, const shardd__job *job,
                                         const uint32_t *seals, uint32_t *seal,
                                         char *err, size_t errlen);
-
-/* What a job-level manifest says (see write_job); nodes 0 when the
- * manifest in dir is an ordinary single-node one. */
-typedef struct shardd__ckjob {
-  char name[256];
-  uint32_t world, uid, nodes;
-  uint32_t seals[SHARDD__CKJOB_MAX_NODES];
-  uint32_t seal; /* the job manifest's own */
-} shardd__ckjob;
 
 /* Reads and checks (seal, owner: as restore does) the manifest in dir; a
  * job-level one fills *out, an ordinary one gives nodes 0. */
@@ -299,8 +281,5 @@ shardd_err shardd__checkpoint_superseded(const char *dir,
  * own files). */
 shardd_err shardd__checkpoint_seal(const char *dir, uint32_t *seal, char *err,
                                    size_t errlen);
-
-/* CRC32C (Castagnoli) of n bytes, continuing from crc (0 to start). */
-uint32_t shardd__crc32c(uint32_t crc, const void *data, size_t n);
 
 #endif /* SHARDD_CHECKPOINT_H */

@@ -13,7 +13,6 @@
 #include <unistd.h>
 
 #include "access.h"
-#include "checkpoint.h"
 
 #define MAGIC "SHRDCKPT"
 #define HEADER_BYTES 64

@@ -3,7 +3,7 @@
  * directory opened without following symlinks, who may write into or read
  * from it, files written atomically (temporary name, fsync, rename) and
  * data files (header, buffer name, payload) written and checked on the way
- * back. CRC32C itself is declared in checkpoint.h.
+ * back, with their CRC32C; and each uid's --checkpoint-root directory.
  *
  * Errors fill the caller's err with the path that failed. */
 #ifndef SHARDD_CKFILE_H
@@ -13,6 +13,12 @@
 #include <stdint.h>
 
 #include "shardd.h"
+
+/* The data files' header version (the manifest's are manifest.h's). */
+#define SHARDD_CHECKPOINT_VERSION 1
+
+/* CRC32C (Castagnoli) of n bytes, continuing from crc (0 to start). */
+uint32_t shardd__crc32c(uint32_t crc, const void *data, size_t n);
 
 /* The directory a checkpoint lives in, opened once: every file below it is
  * opened relative to fd with O_NOFOLLOW, so no symlink planted in a
@@ -84,5 +90,14 @@ shardd_err shardd__ck_load_data(const shardd__ckdir *dir, const char *fname,
                                 uint64_t offset, const char *name,
                                 uint32_t crc, void *dst, size_t bytes,
                                 char *err, size_t errlen);
+
+/* --checkpoint-root: uid's own directory root/UID, where all its
+ * checkpoints go. With create it is made when missing (mode 0700, handed
+ * to uid with chown when the daemon runs as root, else the daemon's own);
+ * without, a missing one is no error. One that exists must be a directory
+ * (not a symlink) owned by uid or, when the daemon is not root, by the
+ * daemon: SHARDD_E_PERMISSION otherwise, naming it. */
+shardd_err shardd__checkpoint_user_dir(const char *root, uint32_t uid,
+                                       int create, char *err, size_t errlen);
 
 #endif /* SHARDD_CKFILE_H */

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "checkpoint.h"
+#include "ckfile.h"
 
 void shardd__manifest_enc_name(shardd__sb *sb, const char *s) {
   /* encoded into a chunk and printed once per chunk: a printf per byte
@@ -519,7 +519,7 @@ uint32_t shardd__manifest_put_job(shardd__sb *sb, const char *name,
   return crc;
 }
 
-int shardd__manifest_read_job(FILE *f, int end_line, struct shardd__ckjob *out,
+int shardd__manifest_read_job(FILE *f, int end_line, shardd__ckjob *out,
                               int *lineno) {
   char *line = NULL, *tok[8];
   size_t cap = 0;

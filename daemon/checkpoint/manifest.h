@@ -277,7 +277,19 @@ int shardd__manifest_unhex(const char *hex, uint8_t *out);
  * "shardd-job-checkpoint VERSION", "job NAME WORLD OWNER", "nodes NODES",
  * "part N node-N SEAL" for every node, "end SEAL". */
 
-struct shardd__ckjob;
+/* A job-level manifest lists at most this many nodes (the seals cross the
+ * nodes in one all_reduce of SHARDD_ALL_REDUCE_MAX values). */
+#define SHARDD__CKJOB_MAX_NODES 64
+
+/* What a job-level manifest says (shardd__checkpoint_write_job writes it);
+ * nodes 0 when the manifest in dir is an ordinary single-node one. */
+typedef struct shardd__ckjob {
+  char name[256];
+  uint32_t world, uid, nodes;
+  uint32_t seals[SHARDD__CKJOB_MAX_NODES];
+  uint32_t seal; /* the job manifest's own */
+} shardd__ckjob;
+
 /* Writes the whole job manifest into sb (seals[n]: node n's part's);
  * returns its seal, the CRC32C on its "end" line. */
 uint32_t shardd__manifest_put_job(shardd__sb *sb, const char *name,
@@ -287,7 +299,7 @@ uint32_t shardd__manifest_put_job(shardd__sb *sb, const char *name,
  * as a job manifest into *out (zeroed by the caller): 1 when it is one,
  * complete; 0 when it is an ordinary manifest (out->nodes 0); -1 when it
  * is malformed or incomplete, *lineno the line where that showed. */
-int shardd__manifest_read_job(FILE *f, int end_line, struct shardd__ckjob *out,
+int shardd__manifest_read_job(FILE *f, int end_line, shardd__ckjob *out,
                               int *lineno);
 
 #endif /* SHARDD_MANIFEST_H */

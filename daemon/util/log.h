@@ -7,22 +7,16 @@
 #ifndef SHARDD_LOG_H
 #define SHARDD_LOG_H
 
-#include <stddef.h>
-
 enum { SHARDD__LOG_ERROR, SHARDD__LOG_WARN, SHARDD__LOG_INFO, SHARDD__LOG_DEBUG };
 
 /* Lines above level are dropped (default 2, info). */
 void shardd__log_set_level(int level);
 
-/* Logs one line. Every control byte (below 0x20, and 0x7f) and every
- * backslash of the formatted line is written as \xNN (shardd__log_escape):
- * a newline in a client's job name forged a log line of its own. */
+/* Logs one line. Every control byte (below 0x20, and 0x7f) of the
+ * formatted line is written as \xNN and every backslash as \\
+ * (shardd__escape, escape.h): a newline in a client's job name forged a log
+ * line of its own. */
 void shardd__log(int level, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
-
-/* in, with control bytes and backslashes as \xNN, into out (outlen bytes,
- * NUL-terminated; cut before a character that does not fit whole).
- * Returns the bytes written. 4 * strlen(in) + 1 bytes always suffice. */
-size_t shardd__log_escape(const char *in, char *out, size_t outlen);
 
 #endif /* SHARDD_LOG_H */

@@ -1,10 +1,14 @@
-"""Shared fixtures of the Python tests: paths, one daemon for the run, job names."""
+"""Shared fixtures of the Python tests: paths, one daemon for the run, job
+names, rank processes and the training loop they report from."""
+import contextlib
 import itertools
 import multiprocessing as mp
 import os
 import queue
+import signal
 import sys
 import time
+import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -132,3 +136,103 @@ def launch_ranks(target, args_of, world, on_msg, timeout=120):
             p.join(10)
     if error is not None:
         raise RuntimeError(error)
+
+
+# ---- training ranks that report to their parent -------------------------
+# A relaunched training script is the same script: the rank side is
+# train_loop inside reported(); the parent's side is Ranks, which reads what
+# they report.
+
+
+@contextlib.contextmanager
+def reported(rank, q):
+    """In a rank process: a failure of the block is put on q as ("error",
+    rank, code name or exception type, message) and ends the rank."""
+    try:
+        yield
+    except shardd.Error as e:
+        q.put(("error", rank, e.code_name, e.message))
+    except BaseException as e:
+        q.put(("error", rank, type(e).__name__, "%s\n%s" % (e, traceback.format_exc())))
+
+
+def train_loop(rank, q, steps, client, sm, opt, step, pause_s=0.0):
+    """In a rank process: the loop of a training script relaunched
+    unchanged. It goes on from the daemon's step count (opt.steps) to steps,
+    step(s) running step s and giving its loss, and sleeps pause_s after
+    each (room for the parent's kill between steps); then closes client.
+    Reports ("start", rank, first step), ("loss", rank, s, loss) for each
+    step, rank 0's ("params", {name: array}) and ("done", rank)."""
+    start = opt.steps
+    q.put(("start", rank, start))
+    for s in range(start, steps):
+        q.put(("loss", rank, s, step(s)))
+        time.sleep(pause_s)
+    params = sm.full_parameters()
+    if rank == 0:
+        q.put(("params", {n: t.numpy().copy() for n, t in params.items()}))
+    client.close()
+    q.put(("done", rank))
+
+
+class Ranks:
+    """world rank processes of target(*args_of(rank, q), **kwargs)
+    (forkserver, torch and numpy preloaded), started at once, and what they
+    report as train_loop and reported() do: starts {rank: step}, losses
+    {step: {rank: loss}}, rank 0's params, done {rank}, errors [(rank,
+    what, message)]."""
+
+    def __init__(self, target, args_of, world, kwargs=None, timeout=90):
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "numpy"])
+        self.q = ctx.Queue()
+        self.world = world
+        self.timeout = timeout
+        self.procs = [ctx.Process(target=target, args=args_of(r, self.q), kwargs=kwargs or {})
+                      for r in range(world)]
+        self.starts, self.losses, self.errors, self.done = {}, {}, [], set()
+        self.params = None
+        for p in self.procs:
+            p.start()
+
+    def poll(self, until, timeout=None):
+        """Reads reports until until(self) holds; RuntimeError after timeout
+        (the one given at creation by default)."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while not until(self):
+            if time.monotonic() > deadline:
+                raise RuntimeError("timed out; errors %s" % self.errors)
+            try:
+                msg = self.q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if msg[0] == "start":
+                self.starts[msg[1]] = msg[2]
+            elif msg[0] == "loss":
+                self.losses.setdefault(msg[2], {})[msg[1]] = msg[3]
+            elif msg[0] == "params":
+                self.params = msg[1]
+            elif msg[0] == "done":
+                self.done.add(msg[1])
+            else:
+                self.errors.append(msg[1:])
+
+    def finish(self, timeout=None):
+        """Waits for every rank to be done or failed; returns self."""
+        self.poll(lambda s: len(s.done) + len(s.errors) >= s.world, timeout)
+        for p in self.procs:
+            p.join(10)
+        return self
+
+    def kill(self):
+        """SIGKILLs every rank still running."""
+        for p in self.procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+        for p in self.procs:
+            p.join(10)
+
+    def mean_losses(self):
+        """{step: the ranks' mean loss} for the steps every rank reported."""
+        return {s: sum(v.values()) / len(v) for s, v in self.losses.items()
+                if len(v) == self.world}

@@ -11,9 +11,7 @@ the run equals an uninterrupted one bit for bit, through two such kills
 inside a step, the job is torn: every attach is refused naming the step,
 until it is released."""
 import array
-import multiprocessing as mp
 import os
-import queue
 import random
 import re
 import shlex
@@ -228,7 +226,7 @@ class Manager:
 def trainer(rank, world, sock, job, q, pause_s=0.0):
     """The GPT recipe's loop, relaunched unchanged: it goes on from the
     daemon's step count."""
-    try:
+    with common.reported(rank, q):
         torch.set_num_threads(1)
         client = shardd.Client(sock, job=job, rank=rank, world=world,
                                transient_areas=True)
@@ -236,78 +234,24 @@ def trainer(rank, world, sock, job, q, pause_s=0.0):
         model = models.nano_gpt(cfg)
         sm = shardd.nn.ShardedModule(client, model, auto_wrap="children")
         opt = shardd.optim.AdamW(model.parameters(), lr=1e-2, name="adamw")
-        start = opt.steps
-        q.put(("start", rank, start))
-        for s in range(start, STEPS):
+
+        def step(s):
             opt.zero_grad()
             x, y = models.gpt_batch(cfg, s, rank, world)
             loss = models.gpt_loss(model, x, y)
             loss.backward()
             opt.step()
-            q.put(("loss", rank, s, loss.item()))
-            time.sleep(pause_s)  # room for the parent's kill between steps
-        params = sm.full_parameters()
-        if rank == 0:
-            q.put(("params", {n: t.numpy().copy() for n, t in params.items()}))
-        client.close()
-        q.put(("done", rank))
-    except shardd.Error as e:
-        q.put(("error", rank, e.code_name, e.message))
-    except BaseException as e:
-        q.put(("error", rank, type(e).__name__, str(e)[:2000]))
+            return loss.item()
+
+        common.train_loop(rank, q, STEPS, client, sm, opt, step, pause_s)
 
 
-class Run:
-    """Two trainer processes; what they report."""
+class Run(common.Ranks):
+    """world (2) trainer processes."""
 
     def __init__(self, sock, job, pause_s=0.0, world=2):
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "numpy"])
-        self.q = ctx.Queue()
-        self.world = world
-        self.procs = [ctx.Process(target=trainer, args=(r, world, sock, job, self.q, pause_s))
-                      for r in range(world)]
-        self.starts, self.losses, self.errors, self.done = {}, {}, [], set()
-        self.params = None
-        for p in self.procs:
-            p.start()
-
-    def poll(self, until, timeout=120):
-        deadline = time.monotonic() + timeout
-        while not until(self):
-            if time.monotonic() > deadline:
-                raise RuntimeError("timed out; errors %s" % self.errors)
-            try:
-                msg = self.q.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if msg[0] == "start":
-                self.starts[msg[1]] = msg[2]
-            elif msg[0] == "loss":
-                self.losses.setdefault(msg[2], {})[msg[1]] = msg[3]
-            elif msg[0] == "params":
-                self.params = msg[1]
-            elif msg[0] == "done":
-                self.done.add(msg[1])
-            else:
-                self.errors.append(msg[1:])
-
-    def finish(self):
-        self.poll(lambda s: len(s.done) + len(s.errors) >= s.world)
-        for p in self.procs:
-            p.join(10)
-        return self
-
-    def kill(self):
-        for p in self.procs:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-        for p in self.procs:
-            p.join(10)
-
-    def mean_losses(self):
-        return {s: sum(v.values()) / len(v) for s, v in self.losses.items()
-                if len(v) == self.world}
+        super().__init__(trainer, lambda r, q: (r, world, sock, job, q, pause_s), world,
+                         timeout=120)
 
 
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")

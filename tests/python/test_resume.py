@@ -9,7 +9,6 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
-import signal
 import tempfile
 import time
 import unittest
@@ -44,7 +43,7 @@ def script(rank, world, sock, job, transient, q, seed=0, init="auto",
            ckpt_every=0, ckpt_root=None):
     """The training script a user relaunches unchanged: build, wrap, attach
     the optimizer, go on from the daemon's step count."""
-    try:
+    with common.reported(rank, q):
         torch.set_num_threads(1)
         if isinstance(sock, (list, tuple)):  # one daemon per node: rank r's
             sock = sock[rank * len(sock) // world]
@@ -56,9 +55,8 @@ def script(rank, world, sock, job, transient, q, seed=0, init="auto",
         x, y = make_data()
         per = BATCH // world
         lo, hi = rank * per, (rank + 1) * per
-        start = opt.steps
-        q.put(("start", rank, start))
-        for s in range(start, STEPS):
+
+        def step(s):
             opt.zero_grad()
             if not transient:
                 sm.gather()
@@ -70,18 +68,9 @@ def script(rank, world, sock, job, transient, q, seed=0, init="auto",
             if ckpt_every and (s + 1) % ckpt_every == 0:
                 # every rank, inside the loop: no idle ranks needed
                 sm.checkpoint(os.path.join(ckpt_root, "step%d" % (s + 1)))
-            q.put(("loss", rank, s, loss.item()))
-            time.sleep(0.02)  # room for the parent's kill between steps
-        params = sm.full_parameters()
-        if rank == 0:
-            q.put(("params", {n: t.numpy().copy() for n, t in params.items()}))
-        client.close()
-        q.put(("done", rank))
-    except shardd.Error as e:
-        q.put(("error", rank, e.code_name, e.message))
-    except BaseException as e:
-        import traceback
-        q.put(("error", rank, type(e).__name__, "%s\n%s" % (e, traceback.format_exc())))
+            return loss.item()
+
+        common.train_loop(rank, q, STEPS, client, sm, opt, step, pause_s=0.02)
 
 
 def elastic(rank, socks, job, q, pause_after=None):
@@ -89,7 +78,7 @@ def elastic(rank, socks, job, q, pause_after=None):
     test_rejoin.py: an iteration a lost peer (here: the other node's
     daemon) broke is dropped (sm.reset()) and done again from the daemon's
     step count."""
-    try:
+    with common.reported(rank, q):
         torch.set_num_threads(1)
         # resident areas: transient ones are single-node for now
         client = shardd.Client(socks[rank], job=job, rank=rank, world=2, transient_areas=False)
@@ -130,65 +119,14 @@ def elastic(rank, socks, job, q, pause_after=None):
         q.put(("retries", rank, retries))
         client.close()
         q.put(("done", rank))
-    except shardd.Error as e:
-        q.put(("error", rank, e.code_name, e.message))
-    except BaseException as e:
-        import traceback
-        q.put(("error", rank, type(e).__name__, "%s\n%s" % (e, traceback.format_exc())))
 
 
-class Launch:
-    """world rank processes of script(); collects what they report."""
+class Launch(common.Ranks):
+    """world rank processes of script()."""
 
     def __init__(self, sock, job, world, transient, **kw):
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "numpy"])
-        self.q = ctx.Queue()
-        self.world = world
-        self.procs = [ctx.Process(target=script, args=(r, world, sock, job, transient,
-                                                      self.q), kwargs=kw)
-                      for r in range(world)]
-        self.starts, self.losses, self.errors, self.done = {}, {}, [], set()
-        self.params = None
-        for p in self.procs:
-            p.start()
-
-    def poll(self, until, timeout=90):
-        deadline = time.monotonic() + timeout
-        while not until(self):
-            if time.monotonic() > deadline:
-                raise RuntimeError("timed out; errors %s" % self.errors)
-            try:
-                msg = self.q.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if msg[0] == "start":
-                self.starts[msg[1]] = msg[2]
-            elif msg[0] == "loss":
-                self.losses.setdefault(msg[2], {})[msg[1]] = msg[3]
-            elif msg[0] == "params":
-                self.params = msg[1]
-            elif msg[0] == "done":
-                self.done.add(msg[1])
-            else:
-                self.errors.append(msg[1:])
-
-    def finish(self, timeout=90):
-        self.poll(lambda s: len(s.done) + len(s.errors) >= s.world, timeout)
-        for p in self.procs:
-            p.join(10)
-        return self
-
-    def kill(self):
-        for p in self.procs:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-        for p in self.procs:
-            p.join(10)
-
-    def mean_losses(self):
-        return {s: sum(v.values()) / len(v) for s, v in self.losses.items()
-                if len(v) == self.world}
+        super().__init__(script, lambda r, q: (r, world, sock, job, transient, q), world,
+                         kwargs=kw, timeout=90)
 
 
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")

@@ -243,6 +243,10 @@ Test(server, names_with_control_bytes_cannot_forge_a_log_line, .init = start_def
   cr_assert_eq(shardd_buffer_register(c, "w\r\n<3>shardd: error: forged\x1b[2J", SHARDD_DTYPE_FP32,
                                       8, &b),
                SHARDD_OK, "%s", shardd_last_error(c));
+  /* a name holding the plain bytes \x0a: its backslash is doubled, so
+   * the line does not show a newline the name does not hold */
+  cr_assert_eq(shardd_buffer_register(c, "u\\x0a", SHARDD_DTYPE_FP32, 8, &b), SHARDD_OK, "%s",
+               shardd_last_error(c));
   cr_assert_eq(shardd_ping(c), SHARDD_OK);
   shardd_close(c);
   expect_served(); /* the session's "left" line is written by now */
@@ -260,6 +264,8 @@ Test(server, names_with_control_bytes_cannot_forge_a_log_line, .init = start_def
             "the joining rank's line does not show the name escaped");
   cr_assert(test_daemon_log_has(&d, "\"w\\x0d\\x0a<3>shardd: error: forged\\x1b[2J\""),
             "the buffer's line does not show the name escaped");
+  cr_assert(test_daemon_log_has(&d, "\"u\\\\x0a\""),
+            "the backslash of a name is not shown as \\\\");
 }
 
 /* ---- handshake ----------------------------------------------------------- */

@@ -1,0 +1,19 @@
+/* escape.h — (shared by daemon and shardctl) the one escape of bytes others
+ * chose (job, buffer, view and optimizer names, paths, messages quoting
+ * them) for a line of text: the daemon's log lines and shardctl's text
+ * reports. A name is any bytes but NUL, so a control byte in one would end
+ * the line and forge one of its own, or drive an operator's terminal. */
+#ifndef SHARDD_ESCAPE_H
+#define SHARDD_ESCAPE_H
+
+#include <stddef.h>
+
+/* in (NULL reads as "") into out (outlen bytes, NUL-terminated), each
+ * control byte (below 0x20, and 0x7f) as \xNN and each backslash as \\, so
+ * the escape is unambiguous. 4 * strlen(in) + 1 bytes always suffice;
+ * where out is smaller and in does not fit, it is cut before a character
+ * that does not fit whole, never inside an escape, and ends in "..." (an
+ * outlen below 4 gets ""). Returns out, for a printf argument. */
+const char *shardd__escape(const char *in, char *out, size_t outlen);
+
+#endif /* SHARDD_ESCAPE_H */

@@ -1,0 +1,65 @@
+/* test_escape.c — the one escape of names for a line of text (the daemon's
+ * log, shardctl's reports): control bytes as \xNN, a backslash as \\, plain
+ * bytes (UTF-8 included) as they are, and a cut where the buffer ends only
+ * at a whole character, marked "...". The expected texts are written out by
+ * hand. */
+#include <criterion/criterion.h>
+#include <string.h>
+
+#include "escape.h"
+
+Test(escape, plain_bytes_are_kept) {
+  char out[64];
+  cr_assert_str_eq(shardd__escape("job-1 w.grad", out, sizeof out), "job-1 w.grad");
+  cr_assert_str_eq(shardd__escape("caf\xc3\xa9", out, sizeof out), "caf\xc3\xa9");
+  cr_assert_str_eq(shardd__escape("", out, sizeof out), "");
+  cr_assert_str_eq(shardd__escape(NULL, out, sizeof out), "");
+}
+
+Test(escape, control_bytes_and_backslash) {
+  char out[64];
+  cr_assert_str_eq(shardd__escape("a\nb", out, sizeof out), "a\\x0ab");
+  cr_assert_str_eq(shardd__escape("\r\x1b[2J\x7f\x01", out, sizeof out),
+                   "\\x0d\\x1b[2J\\x7f\\x01");
+  /* a backslash doubled: a name "\x0a" of four plain bytes is not shown as
+   * the escape of a newline */
+  cr_assert_str_eq(shardd__escape("\\x0a", out, sizeof out), "\\\\x0a");
+  cr_assert_str_eq(shardd__escape("a\\\n", out, sizeof out), "a\\\\\\x0a");
+}
+
+Test(escape, four_bytes_a_byte_always_suffice) {
+  char in[256], out[4 * 255 + 1];
+  memset(in, '\n', 255);
+  in[255] = '\0';
+  shardd__escape(in, out, sizeof out);
+  cr_assert_eq(strlen(out), 4 * 255);
+  cr_assert(strstr(out, "...") == NULL);
+  cr_assert_eq(memcmp(out + 4 * 254, "\\x0a", 4), 0);
+}
+
+Test(escape, exact_fit_is_not_cut) {
+  char out[4];
+  cr_assert_str_eq(shardd__escape("abc", out, sizeof out), "abc");
+  char out5[5];
+  cr_assert_str_eq(shardd__escape("\n", out5, sizeof out5), "\\x0a");
+}
+
+Test(escape, cut_at_a_whole_character_and_marked) {
+  char out[8];
+  cr_assert_str_eq(shardd__escape("abcdefgh", out, sizeof out), "abcd...");
+  /* the escape that would cross the end is left out whole */
+  cr_assert_str_eq(shardd__escape("ab\ncd", out, sizeof out), "ab...");
+  cr_assert_str_eq(shardd__escape("abc\\d\\e", out, sizeof out), "abc...");
+  cr_assert_str_eq(shardd__escape("\n\n", out, sizeof out), "\\x0a...");
+}
+
+Test(escape, tiny_buffers) {
+  char out[4] = "zzz";
+  cr_assert_str_eq(shardd__escape("abcd", out, 4), "...");
+  cr_assert_str_eq(shardd__escape("abcd", out, 3), "");
+  cr_assert_str_eq(shardd__escape("a", out, 2), "a");
+  cr_assert_str_eq(shardd__escape("a", out, 1), "");
+  out[0] = 'z';
+  shardd__escape("a", out, 0);
+  cr_assert_eq(out[0], 'z', "nothing is written to an empty buffer");
+}
