@@ -260,6 +260,7 @@ clean:
 $(BUILD)/daemon/kernels/optim.o: OPT = -O3 -g -fno-math-errno
 # The reduce and convert loops of scatter vectorize only at -O3.
 $(BUILD)/daemon/backend/backend_host.o: OPT = -O3 -g
+$(BUILD)/daemon/kernels/reduce.o: OPT = -O3 -g
 
 # ---- Gloo: the host fabric for jobs over several nodes ----------------------
 # GLOO=1 when Debian's libgloo-dev is installed (override with GLOO=0/1).

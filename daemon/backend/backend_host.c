@@ -18,6 +18,7 @@
 
 #include "dtype.h"
 #include "log.h"
+#include "reduce.h"
 #include "sdnotify.h"
 
 typedef struct {
@@ -227,33 +228,23 @@ static shardd_err host_copy(shardd__backend *b, shardd__region *dst,
   return SHARDD_OK;
 }
 
-/* acc += widen(src): kept in separate straight loops per dtype so each
- * vectorizes. */
-static void accumulate(shardd_dtype dtype, float *restrict acc,
-                       const void *restrict src, size_t n, int first) {
-  if (dtype == SHARDD_DTYPE_FP32) {
-    const float *restrict s = src;
-    if (first)
-      memcpy(acc, s, n * sizeof *acc);
-    else
-      for (size_t i = 0; i < n; i++)
-        acc[i] += s[i];
-  } else if (dtype == SHARDD_DTYPE_BF16) {
-    const uint16_t *restrict s = src;
-    if (first)
-      for (size_t i = 0; i < n; i++)
-        acc[i] = shardd__bf16_to_f32(s[i]);
-    else
-      for (size_t i = 0; i < n; i++)
-        acc[i] += shardd__bf16_to_f32(s[i]);
-  } else {
-    const uint16_t *restrict s = src;
-    if (first)
-      for (size_t i = 0; i < n; i++)
-        acc[i] = shardd__f16_to_f32(s[i]);
-    else
-      for (size_t i = 0; i < n; i++)
-        acc[i] += shardd__f16_to_f32(s[i]);
+/* The source pointers of a reduction's block handed to the kernel this
+ * many at a time (on the stack: no allocation per task); a longer list
+ * goes on from the sum so far, in the same rank order. */
+#define REDUCE_SRCS 16
+
+/* acc[0..m) = sum over ranks of srcs[i] at src_offs[i] + first elements
+ * (with add: acc += that sum), in rank order. */
+static void reduce_block(shardd_dtype dtype, float *acc,
+                         shardd__region *const *srcs, const size_t *src_offs,
+                         int nsrc, size_t first, size_t m, int add) {
+  size_t esz = shardd_dtype_size(dtype);
+  const void *p[REDUCE_SRCS];
+  for (int j = 0; j < nsrc; j += REDUCE_SRCS) {
+    int k = nsrc - j < REDUCE_SRCS ? nsrc - j : REDUCE_SRCS;
+    for (int i = 0; i < k; i++)
+      p[i] = (const char *)srcs[j + i]->ptr + src_offs[j + i] + first * esz;
+    shardd__reduce_sum(dtype, acc, p, k, m, add || j > 0);
   }
 }
 
@@ -262,16 +253,12 @@ static shardd_err host_reduce(shardd__backend *b, shardd_dtype dtype,
                               size_t dst_off, shardd__region *const *srcs,
                               const size_t *src_offs, int nsrc, size_t n) {
   float *acc = (float *)((char *)dst->ptr + dst_off);
-  size_t esz = shardd_dtype_size(dtype);
   /* Blocks keep the accumulator in L1/L2 while every rank's slice streams
    * through it once. */
   const size_t blk = 8192;
   for (size_t base = 0; base < n; base += blk) {
     size_t m = n - base < blk ? n - base : blk;
-    for (int i = 0; i < nsrc; i++)
-      accumulate(dtype, acc + base,
-                 (const char *)srcs[i]->ptr + src_offs[i] + base * esz, m,
-                 i == 0);
+    reduce_block(dtype, acc + base, srcs, src_offs, nsrc, base, m, 0);
     if (divisor != 1.0f) {
       float *restrict a = acc + base;
       for (size_t j = 0; j < m; j++)
@@ -288,7 +275,6 @@ static shardd_err host_reduce_add(shardd__backend *b, shardd_dtype dtype,
                                   size_t dst_off, shardd__region *const *srcs,
                                   const size_t *src_offs, int nsrc, size_t n) {
   float *acc = (float *)((char *)dst->ptr + dst_off);
-  size_t esz = shardd_dtype_size(dtype);
   /* The block's sum is taken apart from acc, so acc + sum/divisor rounds
    * as the two reductions would one after the other. */
   float tmp[2048];
@@ -297,10 +283,7 @@ static shardd_err host_reduce_add(shardd__backend *b, shardd_dtype dtype,
     return SHARDD_OK;
   for (size_t base = 0; base < n; base += blk) {
     size_t m = n - base < blk ? n - base : blk;
-    for (int i = 0; i < nsrc; i++)
-      accumulate(dtype, tmp,
-                 (const char *)srcs[i]->ptr + src_offs[i] + base * esz, m,
-                 i == 0);
+    reduce_block(dtype, tmp, srcs, src_offs, nsrc, base, m, 0);
     float *restrict a = acc + base;
     if (divisor != 1.0f)
       for (size_t j = 0; j < m; j++)

@@ -181,11 +181,12 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
                          uint64_t seq, const shardd__coll_args *args);
 
 /* Several submits in a row (a bucket's entries): the small collectives
- * they start (a buffer of at most 256 KiB over all ranks) are handed to
- * the pool together at _end, split over a few pool turns, instead of one
- * pool turn each: with many small buffers the pool's round trips, not
- * the copies, were the cost. Nests; completion is unchanged (done hooks
- * after the submit returned, never inside it). */
+ * they start (a buffer of at most 256 KiB over all ranks) run together at
+ * _end, by the loop thread alone when their bytes fit what it may copy for
+ * the request (LOOP_HELP_BYTES, 4 MiB over all ranks), else split over a
+ * few pool turns, instead of one pool turn each: with many small buffers
+ * the wake-ups, not the copies, were the cost. Nests; completion is
+ * unchanged (done hooks after the submit returned, never inside it). */
 void shardd__coll_batch_begin(shardd__coll_engine *e);
 void shardd__coll_batch_end(shardd__coll_engine *e);
 

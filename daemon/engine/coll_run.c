@@ -140,7 +140,7 @@ static void run_claimed(coll *c, size_t turns, int help) {
 /* A bucket's small collectives, started together (shardd__coll_batch_end):
  * like one collective's claimed tasks, each turn runs the next unclaimed
  * collective's tasks until none is left; the collectives complete when
- * every turn has ended (or was cancelled). */
+ * every turn has ended. */
 #define BATCH_TURNS 4
 
 static void batch_start(shardd__coll_engine *e);
@@ -162,7 +162,7 @@ static void batch_work(uv_work_t *req) { batch_run(req->data); }
 
 static void batch_done(uv_work_t *req, int status) {
   coll_batch *b = req->data;
-  (void)status; /* a cancelled turn found every collective claimed */
+  (void)status; /* no turn is cancelled: each ran, maybe finding none left */
   if (--b->left > 0)
     return;
   /* each completion may free its coll: b is the list; what they make
@@ -196,7 +196,13 @@ void shardd__coll_batch_end(shardd__coll_engine *e) {
 }
 
 /* Starts the small collectives listed while batching (their request's
- * budget still set). */
+ * budget still set): on the loop alone when their bytes fit what the loop
+ * may still copy for the request, else spread over pool turns. Not both:
+ * on a small machine the wake-up of a pool turn took the loop thread off
+ * its CPU for longer (80-170 us on a 2-vCPU VM, where the turn's thread
+ * preempts it) than the loop needs for a whole bucket of 64 x 16 KiB on 4
+ * ranks (4 MiB over the ranks, about 60 us of copies or reductions), and
+ * a turn that started late found nothing left to claim. */
 static void batch_start(shardd__coll_engine *e) {
   if (e->batch_head == NULL)
     return;
@@ -207,10 +213,10 @@ static void batch_start(shardd__coll_engine *e) {
   uint64_t total = 0;
   for (coll *c = list; c; c = c->batch_next)
     total += coll_bytes(c);
-  if (total <= SMALL_COLL_BYTES && loop_helps(e, total)) {
-    /* as small as one small collective: the loop runs them all, in start
-     * order (the list, newest first, reversed), and no pool turn is
-     * queued */
+  if (loop_helps(e, total)) {
+    /* the loop runs them all, in start order (the list, newest first,
+     * reversed), and no pool turn is queued: they complete on this loop
+     * turn (fin_defer) */
     coll *first = NULL;
     while (list) {
       coll *next = list->batch_next;
@@ -233,12 +239,9 @@ static void batch_start(shardd__coll_engine *e) {
     return;
   }
   /* in start order (the list is newest first) */
-  uint64_t bytes = 0;
   size_t i = n;
-  for (coll *c = list; c; c = c->batch_next) {
+  for (coll *c = list; c; c = c->batch_next)
     b->colls[--i] = c;
-    bytes += coll_bytes(c);
-  }
   b->n = n;
   atomic_init(&b->claim, 0);
   b->nturns = n < BATCH_TURNS ? n : BATCH_TURNS;
@@ -250,12 +253,6 @@ static void batch_start(shardd__coll_engine *e) {
     /* fails only without a work callback (UV_EINVAL) */
     (void)uv_queue_work(e->cfg.loop, &b->turns[k], batch_work, batch_done);
   }
-  if (!loop_helps(e, bytes))
-    return;
-  batch_run(b);
-  /* UV_EBUSY for a turn a pool thread took: it finds nothing left */
-  for (size_t k = 0; k < b->nturns; k++)
-    (void)uv_cancel((uv_req_t *)&b->turns[k]);
 }
 
 /* Plans c's phase and starts its tasks (on the pool, or the exchange on a

@@ -28,7 +28,7 @@
 #define CAPACITY (256ull << 20)
 #define TIMEOUT 5.0
 #define MAX_PENDING 4
-#define MAX_REPLIES 64
+#define MAX_REPLIES 256
 
 typedef struct {
   shardd__coll_member *m;
@@ -394,6 +394,74 @@ Test(coll, small_bucket_runs_on_the_loop_without_a_pool_turn) {
     cr_assert_eq(replies[i].res.target, b[i / W]->hdr.id,
                  "entries answered in start order");
   }
+  expect_pending_zero();
+  run_idle();
+}
+
+/* A bucket of 64 small scatters (each under the 256 KiB of one small
+ * collective, 3 MiB over the ranks together), submitted as one request by
+ * each rank: their bytes fit what the loop may copy for the request, so
+ * the loop thread reduces every entry at the last rank's batch_end and no
+ * pool turn is queued (waking one cost the loop more than the whole
+ * bucket's reductions); every entry is answered on that loop turn, its sum
+ * exact. A bucket over that budget goes to the pool, and is as exact. */
+#define NLOOP 64
+static void scatter_bucket(shardd__buffer **b, uint64_t seq) {
+  for (uint32_t r = 0; r < W; r++) {
+    shardd__coll_batch_begin(eng);
+    for (uint32_t k = 0; k < NLOOP; k++) {
+      shardd__coll_args a = scatter_args(b[k], SHARDD_REDUCE_SUM);
+      a.bucket = 0x5ca7 + seq;
+      a.bucket_n = NLOOP;
+      a.bucket_index = k;
+      submit(r, seq, a);
+    }
+    shardd__coll_batch_end(eng);
+  }
+}
+
+Test(coll, bucket_within_the_loops_budget_runs_on_the_loop_without_a_pool_turn) {
+  shardd__coll_engine_destroy(eng);
+  make_engine(NLOOP, 0);
+  shardd__buffer *b[NLOOP], *big[NLOOP];
+  uint64_t bytes = 0;
+  for (int k = 0; k < NLOOP; k++) {
+    char name[16];
+    snprintf(name, sizeof name, "l%d", k);
+    b[k] = buf_new(name, 4096);
+    fill_grads(b[k]);
+    bytes += b[k]->padded_numel * 4 * W;
+  }
+  cr_assert_gt(bytes, 256u << 10, "more than one small collective's bytes");
+  cr_assert_leq(bytes, 4u << 20, "within the loop's budget for a request");
+  scatter_bucket(b, 3);
+  cr_assert_eq(nreplies, 0, "never answered inside the submit");
+  cr_assert_eq(pool_requests(), 0, "no pool work queued for the bucket");
+  for (int k = 0; k < NLOOP; k++)
+    check_reduced(b[k], SHARDD_REDUCE_SUM); /* reduced in the submit */
+  uv_run(&loop, UV_RUN_NOWAIT);
+  cr_assert_eq(nreplies, NLOOP * W, "every entry answered on the same loop turn");
+  for (size_t i = 0; i < nreplies; i++) {
+    cr_assert_eq(replies[i].code, SHARDD_OK);
+    cr_assert(replies[i].has_res, "a bucket's entry has its result");
+  }
+  expect_pending_zero();
+  run_idle();
+  /* over the budget (15 MiB over the ranks): the pool's turns */
+  nreplies = 0;
+  for (int k = 0; k < NLOOP; k++) {
+    char name[16];
+    snprintf(name, sizeof name, "g%d", k);
+    big[k] = buf_new(name, 20000);
+    fill_grads(big[k]);
+  }
+  scatter_bucket(big, 4);
+  cr_assert_gt(pool_requests(), 0, "a bucket over the budget goes to the pool");
+  run_until(NLOOP * W);
+  for (int k = 0; k < NLOOP; k++)
+    check_reduced(big[k], SHARDD_REDUCE_SUM);
+  for (size_t i = 0; i < nreplies; i++)
+    cr_assert_eq(replies[i].code, SHARDD_OK);
   expect_pending_zero();
   run_idle();
 }
