@@ -4,16 +4,25 @@
  * up to 1 GiB), against floors measured in the same process on the very
  * same memory (the rank blocks the clients have mapped):
  *
- *   gather floor: each rank thread memcpy()s every rank's shard into its own
- *     gather area — exactly the bytes the daemon's gather copies, with the
- *     same number of threads, minus the daemon.
+ *   gather, the design's (transient areas, FSDP's FULL_SHARD): a node holds
+ *     one read-only gathered copy of the buffer that every local rank maps,
+ *     so a gather copies each shard once (world shard copies);
+ *   node floor (the gather ratio's): the rank threads memcpy() each shard
+ *     once into one area (rank r its own shard into its place in rank 0's
+ *     gather area) — the bytes the design's gather copies, with the same
+ *     number of threads, minus the daemon;
+ *   per-rank floor (reported beside it, and the resident gather's ratio):
+ *     each rank thread memcpy()s every rank's shard into its own gather
+ *     area, world x world shard copies — what a gather did when every rank
+ *     had its own copy, and what one of resident areas still does.
  *   scatter floor: each rank thread sums its slice of every rank's gradient
  *     into its reduced shard with a plain one-pass loop (acc[i] = g0[i] +
  *     g1[i] + ...), the bytes the daemon's reduce must read and write.
  *
- * GB/s counts payload: gather = world x buffer bytes delivered into gather
- * areas; scatter = world x buffer bytes of gradient reduced. Repetitions of
- * daemon and floor alternate; medians are reported.
+ * GB/s counts payload: gather = world x buffer bytes delivered to the ranks
+ * (a node's copy delivers the buffer to every local rank); scatter = world x
+ * buffer bytes of gradient reduced. Repetitions of daemon and floor
+ * alternate; medians are reported.
  *
  * Small buffers (issue 17): 1 MiB in SMALL_N buffers of 16 KiB (a model's
  * norms and biases), gathered and scattered one request per buffer and as
@@ -27,7 +36,8 @@ typedef enum { CMD_REGISTER, CMD_GATHER, CMD_SCATTER, CMD_FLOOR_GATHER,
                CMD_FLOOR_SUM, CMD_RECONNECT, CMD_SMALL_REGISTER,
                CMD_SMALL_GATHER, CMD_BUCKET_GATHER, CMD_SMALL_FLOOR_GATHER,
                CMD_SMALL_SCATTER, CMD_BUCKET_SCATTER, CMD_SMALL_FLOOR_SUM,
-               CMD_SMALL_UNREGISTER, CMD_TINY_GATHER, CMD_TINY_FLOOR } cmd_t;
+               CMD_SMALL_UNREGISTER, CMD_TINY_GATHER, CMD_TINY_FLOOR,
+               CMD_NODE_GATHER, CMD_FLOOR_NODE, CMD_NODE_RELEASE } cmd_t;
 
 /* the small-buffer figure: SMALL_N buffers of SMALL_BYTES */
 #define SMALL_N 64
@@ -40,6 +50,24 @@ static bench_ranks ranks;
 static uint64_t cur_numel;
 static shardd_client_t *cl[MAX_RANKS];
 static shardd_buffer_info info[MAX_RANKS];
+/* the transient job of the same ranks: the design's gather */
+static char tjob[64];
+static shardd_client_t *tcl[MAX_RANKS];
+static shardd_buffer_info tinfo[MAX_RANKS];
+
+static shardd_client_t *connect_transient(uint32_t rank) {
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = tjob;
+  o.rank = rank;
+  o.world = (uint32_t)world;
+  o.transient_areas = 1;
+  o.client_name = "bench";
+  shardd_client_t *c;
+  char err[512];
+  if (shardd_connect(dmn.socket, &o, &c, err, sizeof err) != SHARDD_OK)
+    bench_die("connect %s: %s", dmn.socket, err);
+  return c;
+}
 
 static shardd_buffer_info small[MAX_RANKS][SMALL_N];
 static uint64_t small_ids[MAX_RANKS][SMALL_N];
@@ -165,7 +193,7 @@ static void small_body(int r, cmd_t c) {
 }
 
 static void rank_body(int r, int c) {
-  if (c >= CMD_SMALL_REGISTER) {
+  if (c >= CMD_SMALL_REGISTER && c < CMD_NODE_GATHER) {
     small_body(r, (cmd_t)c);
     return;
   }
@@ -175,6 +203,27 @@ static void rank_body(int r, int c) {
                                  &info[r]),
           r, "register");
     fill(&info[r], r); /* fill (and fault in) every area once */
+    if (shardd_buffer_register(tcl[r], "flat", SHARDD_DTYPE_FP32, cur_numel,
+                               &tinfo[r]) != SHARDD_OK)
+      bench_die("rank %d: register (transient): %s", r, shardd_last_error(tcl[r]));
+    memcpy(tinfo[r].shard, info[r].shard, info[r].shard_numel * 4);
+    break;
+  }
+  case CMD_NODE_GATHER: {
+    /* gathering a unit this rank holds gathers it again, into the same
+     * node's copy: released when the size is done */
+    shardd_area a;
+    if (shardd_gather_area(tcl[r], tinfo[r].id, 0, &a) != SHARDD_OK)
+      bench_die("rank %d: gather (transient): %s", r, shardd_last_error(tcl[r]));
+    break;
+  }
+  case CMD_NODE_RELEASE:
+    if (shardd_release(tcl[r], tinfo[r].id) != SHARDD_OK)
+      bench_die("rank %d: release: %s", r, shardd_last_error(tcl[r]));
+    break;
+  case CMD_FLOOR_NODE: {
+    size_t bytes = info[r].shard_numel * 4;
+    memcpy((char *)info[0].gather + (size_t)r * bytes, info[r].shard, bytes);
     break;
   }
   case CMD_GATHER:
@@ -196,6 +245,10 @@ static void rank_body(int r, int c) {
     /* rank 0 has unregistered the buffer; closing unmaps our view of it */
     shardd_close(cl[r]);
     cl[r] = bench_connect(&dmn, job, (uint32_t)r, (uint32_t)world);
+    if (tcl[r] != NULL) {
+      shardd_close(tcl[r]); /* its lease and its mappings go with it */
+      tcl[r] = connect_transient((uint32_t)r);
+    }
     break;
   default:
     break;
@@ -210,6 +263,7 @@ typedef struct {
   int reps;
   int skipped;
   double gather_s, gfloor_s, scatter_s, sfloor_s;
+  double node_s, nfloor_s; /* the design's gather and its floor */
 } row_t;
 
 /* the small-buffer figure of one device count: medians of one request per
@@ -267,12 +321,18 @@ int main(int argc, char **argv) {
   for (int di = 0; di < 3; di++) {
     world = devs[di];
     char devmem[32];
-    /* one rank per device: shard + reduced + gather + grad, with slack */
-    snprintf(devmem, sizeof devmem, "%.0fM", (2.0 * maxn + 2.0 * maxn / world) / MiB + 64);
+    /* one rank per device: shard + reduced + gather + grad, with slack;
+     * the transient job's shard + reduced, and on device 0 its node's
+     * gather pool of world + 1 slots */
+    snprintf(devmem, sizeof devmem, "%.0fM",
+             (2.0 * maxn + 4.0 * maxn / world + (world + 1.0) * maxn) / MiB + 64);
     bench_daemon_start(&dmn, world, devmem);
     snprintf(job, sizeof job, "coll%d", world);
-    for (int r = 0; r < world; r++)
+    snprintf(tjob, sizeof tjob, "collnode%d", world);
+    for (int r = 0; r < world; r++) {
       cl[r] = bench_connect(&dmn, job, (uint32_t)r, (uint32_t)world);
+      tcl[r] = nsizes > 0 ? connect_transient((uint32_t)r) : NULL;
+    }
     bench_ranks_start(&ranks, world, -1, rank_body);
     for (int si = 0; si < nsizes; si++) {
       row_t *row = &rows[nrows++];
@@ -280,7 +340,7 @@ int main(int argc, char **argv) {
       row->devices = world;
       row->mib = sizes[si];
       double bytes = sizes[si] * MiB;
-      double need = 2.0 * bytes * world + 2.0 * bytes;
+      double need = 2.0 * bytes * world + 4.0 * bytes + (world + 1.0) * bytes;
       double avail = bench_mem_available();
       if (avail > 0 && need > 0.6 * avail) {
         row->skipped = 1;
@@ -294,30 +354,40 @@ int main(int argc, char **argv) {
       int reps = (int)(budget / (bytes * world));
       reps = reps < 3 ? 3 : reps > 40 ? 40 : reps;
       row->reps = reps;
-      double *t[4];
-      for (int k = 0; k < 4; k++)
+      enum { NORDER = 6 };
+      double *t[NORDER];
+      for (int k = 0; k < NORDER; k++)
         t[k] = calloc((size_t)reps, sizeof(double));
-      static const cmd_t order[4] = {CMD_GATHER, CMD_FLOOR_GATHER, CMD_SCATTER,
-                                     CMD_FLOOR_SUM};
-      for (int k = 0; k < 4; k++) /* warm-up */
+      static const cmd_t order[NORDER] = {CMD_GATHER, CMD_FLOOR_GATHER, CMD_SCATTER,
+                                          CMD_FLOOR_SUM, CMD_NODE_GATHER,
+                                          CMD_FLOOR_NODE};
+      for (int k = 0; k < NORDER; k++) /* warm-up */
         run_cmd(order[k]);
       for (int rep = 0; rep < reps; rep++)
-        for (int k = 0; k < 4; k++)
+        for (int k = 0; k < NORDER; k++)
           t[k][rep] = run_cmd(order[k]);
       row->gather_s = bench_median(t[0], (size_t)reps);
       row->gfloor_s = bench_median(t[1], (size_t)reps);
       row->scatter_s = bench_median(t[2], (size_t)reps);
       row->sfloor_s = bench_median(t[3], (size_t)reps);
-      for (int k = 0; k < 4; k++)
+      row->node_s = bench_median(t[4], (size_t)reps);
+      row->nfloor_s = bench_median(t[5], (size_t)reps);
+      for (int k = 0; k < NORDER; k++)
         free(t[k]);
       if (shardd_buffer_unregister(cl[0], info[0].id) != SHARDD_OK)
         bench_die("unregister: %s", shardd_last_error(cl[0]));
+      run_cmd(CMD_NODE_RELEASE);
+      if (shardd_buffer_unregister(tcl[0], tinfo[0].id) != SHARDD_OK)
+        bench_die("unregister (transient): %s", shardd_last_error(tcl[0]));
       run_cmd(CMD_RECONNECT);
     }
     small_figure(&smalls[di], full ? 100 : 30);
     bench_ranks_stop(&ranks);
-    for (int r = 0; r < world; r++)
+    for (int r = 0; r < world; r++) {
       shardd_close(cl[r]);
+      shardd_close(tcl[r]);
+      tcl[r] = NULL;
+    }
     bench_daemon_stop(&dmn);
   }
 
@@ -325,10 +395,11 @@ int main(int argc, char **argv) {
   bench_cpu_model(cpu, sizeof cpu);
   printf("\nGather / scatter — host backend, fp32, ranks = devices, %s (%ld CPUs)\n",
          cpu, bench_ncpu());
-  printf("%3s %9s | %9s %9s %6s | %9s %9s %6s\n", "dev", "buffer", "gather",
-         "memcpy", "ratio", "scatter", "sum loop", "ratio");
-  printf("%3s %9s | %9s %9s %6s | %9s %9s %6s\n", "", "", "GB/s", "GB/s", "",
-         "GB/s", "GB/s", "");
+  printf("%3s %9s | %9s %9s %6s %9s | %9s %9s %6s | %9s %9s %6s\n", "dev", "buffer",
+         "gather", "node", "ratio", "per-rank", "resident", "per-rank", "ratio",
+         "scatter", "sum loop", "ratio");
+  printf("%3s %9s | %9s %9s %6s %9s | %9s %9s %6s | %9s %9s %6s\n", "", "", "GB/s",
+         "memcpy", "", "memcpy", "gather", "memcpy", "", "GB/s", "GB/s", "");
   FILE *f = bench_json_open("coll", full);
   fprintf(f, ",\n  \"rows\": [");
   int first = 1;
@@ -344,20 +415,29 @@ int main(int argc, char **argv) {
       continue;
     }
     double moved = r->mib * MiB * r->devices / GB;
+    double ng = moved / r->node_s, nf = moved / r->nfloor_s;
     double g = moved / r->gather_s, gf = moved / r->gfloor_s;
     double s = moved / r->scatter_s, sf = moved / r->sfloor_s;
-    printf("%3d %9s | %9.2f %9.2f %5.2fx | %9.2f %9.2f %5.2fx\n", r->devices, sz,
-           g, gf, g / gf, s, sf, s / sf);
+    printf("%3d %9s | %9.2f %9.2f %5.2fx %9.2f | %9.2f %9.2f %5.2fx | %9.2f %9.2f %5.2fx\n",
+           r->devices, sz, ng, nf, ng / nf, gf, g, gf, g / gf, s, sf, s / sf);
     fprintf(f, "%s\n    {\"devices\": %d, \"buffer_bytes\": %.0f, \"reps\": %d, "
-               "\"gather_s\": %.6g, \"gather_GBps\": %.4g, \"memcpy_GBps\": %.4g, "
-               "\"gather_ratio\": %.4f, \"scatter_s\": %.6g, \"scatter_GBps\": %.4g, "
+               "\"gather_s\": %.6g, \"gather_GBps\": %.4g, \"node_memcpy_GBps\": %.4g, "
+               "\"gather_ratio\": %.4f, \"per_rank_memcpy_GBps\": %.4g, "
+               "\"gather_per_rank_ratio\": %.4f, "
+               "\"resident_gather_s\": %.6g, \"resident_gather_GBps\": %.4g, "
+               "\"resident_gather_ratio\": %.4f, "
+               "\"scatter_s\": %.6g, \"scatter_GBps\": %.4g, "
                "\"sum_loop_GBps\": %.4g, \"scatter_ratio\": %.4f}",
-            first ? "" : ",", r->devices, r->mib * MiB, r->reps, r->gather_s, g, gf,
-            g / gf, r->scatter_s, s, sf, s / sf);
+            first ? "" : ",", r->devices, r->mib * MiB, r->reps, r->node_s, ng, nf,
+            ng / nf, gf, ng / gf, r->gather_s, g, g / gf, r->scatter_s, s, sf, s / sf);
     first = 0;
   }
-  printf("(GB/s = world x buffer bytes per collective / median time; floors run by the\n"
-         " same rank threads on the same mapped memory; ratio = daemon / floor)\n");
+  printf("(GB/s = world x buffer bytes delivered to the ranks per collective / median\n"
+         " time; floors run by the same rank threads on the same mapped memory; ratio =\n"
+         " daemon / floor. gather: the design's, transient areas, one read-only copy\n"
+         " per node; its ratio is against the node memcpy, each shard copied once; the\n"
+         " per-rank memcpy, each rank copying every shard into its own area, is the\n"
+         " floor of the resident gather, which still does that)\n");
   fprintf(f, "\n  ],\n  \"small_buffers\": %d, \"small_buffer_bytes\": %d, "
              "\"bucket\": %d,\n  \"small_rows\": [", SMALL_N, SMALL_BYTES,
           SHARDD_BUCKET_PER_REQUEST);

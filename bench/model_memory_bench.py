@@ -8,8 +8,11 @@ default Client (transient areas) and AdamW in the daemon, for a few steps.
 
 Per row: the daemon's peak bytes over every device (exact), its bytes
 after the first step (a 16-bit unit's exact initial values are held until
-then), the bound -- fp32: 16*P + 16*U*W; bf16 with an fp32 master:
-18*P + 8*U*W (see tests/python/test_memory_bound.py) -- and what the
+then), the bound -- fp32: 16*P + 4*U*(3*W + 1); bf16 with an fp32 master:
+18*P + 2*U*(3*W + 1): the node's W + 1 gathered copies of the largest
+unit U, read by every local rank, and 2 gradient slots per rank (see
+tests/python/test_memory_bound.py; FSDP's, a gathered copy per rank:
+16*P + 16*U*W and 18*P + 8*U*W, reported beside it) -- and what the
 daemon lays out for it (4 KiB pages per region, 19 more after an area of
 1 MiB or more), the trainer's private memory (RssAnon growth of a rank from
 before building the model to after the steps), and per rank shardd's total
@@ -130,40 +133,46 @@ def main():
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--shardd", default=os.environ.get("SHARDD_BIN", "build/shardd"))
     args = ap.parse_args()
-    from test_memory_bound import daemon_bytes, fsdp_bound, bf16_bound
+    from test_memory_bound import daemon_bytes, fsdp_bound, bf16_bound, node_bound
     rows = []
     for name, (build, _, dtype, _, _) in cases().items():
         for world in (int(w) for w in args.ranks.split(",")):
             grown, peak, after_first, numels = run(args.shardd, name, world, args.steps)
             P, U = sum(numels), max(numels)
-            bound = (fsdp_bound if dtype == "fp32" else bf16_bound)(numels, world)
+            bound = node_bound(numels, world, dtype)
+            fsdp = (fsdp_bound if dtype == "fp32" else bf16_bound)(numels, world)
             rows.append({
                 "model": name, "dtype": dtype, "world": world, "params": P,
                 "largest_unit": U, "units": len(numels),
                 "peak_bytes": peak, "after_first_step_bytes": after_first,
                 "bound_bytes": bound, "paged_bound_bytes": daemon_bytes(numels, world, dtype),
+                "fsdp_bound_bytes": fsdp,
                 "rank_private_growth_bytes": grown,
                 "model_fp32_bytes": 4 * P, "ddp_per_rank_bytes": 16 * P,
                 "per_rank_bytes": peak / world + grown,
             })
     print("\nshardd.nn memory on model shapes, AdamW, default Client (transient areas); "
-          "MiB; bound: fp32 16*P + 16*U*W, bf16 18*P + 8*U*W")
-    print("%-31s %2s %6s %6s %8s %8s %8s %6s %6s %8s %7s %8s"
+          "MiB; bound: fp32 16*P + 4*U*(3*W + 1), bf16 18*P + 2*U*(3*W + 1) (one gathered "
+          "copy per node); FSDP's: fp32 16*P + 16*U*W, bf16 18*P + 8*U*W")
+    print("%-31s %2s %6s %6s %8s %8s %8s %6s %6s %6s %8s %7s %8s"
           % ("model", "W", "P (M)", "U (M)", "peak", "step 1", "bound", "peak/", "step1/",
-             "private", "/ rank", "vs DDP"))
-    print("%-31s %2s %6s %6s %8s %8s %8s %6s %6s %8s %7s %8s"
-          % ("", "", "", "", "", "", "", "bound", "bound", "per rank", "total", "16*P"))
+             "peak/", "private", "/ rank", "vs DDP"))
+    print("%-31s %2s %6s %6s %8s %8s %8s %6s %6s %6s %8s %7s %8s"
+          % ("", "", "", "", "", "", "", "bound", "bound", "FSDP", "per rank", "total",
+             "16*P"))
     mib = 2.0 ** 20
     for x in rows:
         x["peak_over_bound"] = x["peak_bytes"] / x["bound_bytes"]
         x["after_first_over_bound"] = x["after_first_step_bytes"] / x["bound_bytes"]
         x["peak_over_paged_bound"] = x["peak_bytes"] / x["paged_bound_bytes"]
+        x["peak_over_fsdp_bound"] = x["peak_bytes"] / x["fsdp_bound_bytes"]
         x["per_rank_over_ddp"] = x["per_rank_bytes"] / x["ddp_per_rank_bytes"]
         x["private_over_model"] = x["rank_private_growth_bytes"] / x["model_fp32_bytes"]
-        print("%-31s %2d %6.2f %6.2f %8.1f %8.1f %8.1f %5.3fx %5.3fx %8.2f %7.1f %7.2fx"
+        print("%-31s %2d %6.2f %6.2f %8.1f %8.1f %8.1f %5.3fx %5.3fx %5.3fx %8.2f %7.1f %7.2fx"
               % (x["model"], x["world"], x["params"] / 1e6, x["largest_unit"] / 1e6,
                  x["peak_bytes"] / mib, x["after_first_step_bytes"] / mib,
                  x["bound_bytes"] / mib, x["peak_over_bound"], x["after_first_over_bound"],
+                 x["peak_over_fsdp_bound"],
                  x["rank_private_growth_bytes"] / mib, x["per_rank_bytes"] / mib,
                  x["per_rank_over_ddp"]))
     out = os.path.join(os.environ.get("BENCH_RESULTS", "bench/results"), "model_memory.json")

@@ -48,13 +48,26 @@ def main():
     if coll:
         big = [x for x in coll["rows"] if x["buffer_bytes"] >= 64 * 2**20]
         if big:
+            # gather_ratio: the design's gather (transient areas, one
+            # read-only copy per node) against the node floor (each shard
+            # memcpy'd once); the per-rank floor (every rank copying every
+            # shard) is the resident gather's, reported beside it
             worst = min(big, key=lambda x: x["gather_ratio"])
-            target("gather vs memcpy, >= 64 MiB", ">= 0.80x",
+            target("gather (one copy per node) vs memcpy of each shard once, >= 64 MiB",
+                   ">= 0.80x",
                    "min %.2fx (%d dev, %d MiB); " % (worst["gather_ratio"], worst["devices"],
                                                      worst["buffer_bytes"] // 2**20)
                    + ", ".join("%dd/%dM %.2fx" % (x["devices"], x["buffer_bytes"] // 2**20,
                                                   x["gather_ratio"]) for x in big),
                    all(x["gather_ratio"] >= 0.8 for x in big))
+            if all("resident_gather_ratio" in x for x in big):
+                target("resident gather (a copy per rank) vs memcpy per rank, >= 64 MiB "
+                       "(no target)", "report",
+                       ", ".join("%dd/%dM %.2fx (the node's gather %.2fx of the per-rank "
+                                 "memcpy)" % (x["devices"], x["buffer_bytes"] // 2**20,
+                                              x["resident_gather_ratio"],
+                                              x["gather_per_rank_ratio"]) for x in big),
+                       None)
             target("scatter vs sum loop, >= 64 MiB (no target)", "report",
                    ", ".join("%dd/%dM %.2fx" % (x["devices"], x["buffer_bytes"] // 2**20,
                                                 x["scatter_ratio"]) for x in big), None)
@@ -204,27 +217,33 @@ def main():
                    dm["register 10,000 buffers (+ mmap)"] <= 0.15)
 
     if mem:
-        # the FSDP-grade memory issue: peak over all devices <= 16*P + 16*U*W
-        # with transient areas (4 ranks, >= 16 units is its done-when)
+        # the daemon's peak over all devices with transient areas against
+        # the node-shared bound 16*P + 4*U*(3*W + 1) (one gathered copy of a
+        # unit per node, W + 1 of them; 2 gradient slots per rank), FSDP's
+        # 16*P + 16*U*W beside it (4 ranks, >= 16 units is its done-when)
         rows = mem["rows"]
+        bound = "node_bound_bytes" if all("node_bound_bytes" in x for x in rows) \
+            else "fsdp_bound_bytes"
 
-        def ratio(x, key):
-            return x[key] / x["fsdp_bound_bytes"]
+        def ratio(x, key, to=bound):
+            return x[key] / x[to]
 
-        parts = ["%du/W%d %.2fx (resident %.2fx)" % (x["units"], x["world"],
-                                                    ratio(x, "peak_transient_bytes"),
-                                                    ratio(x, "peak_bytes"))
+        parts = ["%du/W%d %.2fx (FSDP's %.2fx; resident %.2fx of FSDP's)"
+                 % (x["units"], x["world"], ratio(x, "peak_transient_bytes"),
+                    ratio(x, "peak_transient_bytes", "fsdp_bound_bytes"),
+                    ratio(x, "peak_bytes", "fsdp_bound_bytes"))
                  for x in rows if "peak_transient_bytes" in x]
         judged = [x for x in rows if x["world"] >= 2 and "peak_transient_bytes" in x]
         worst = max(judged, key=lambda x: ratio(x, "peak_transient_bytes")) if judged else None
         if worst:
-            target("daemon peak bytes, transient areas, vs the FSDP bound 16*P + 16*U*W "
-                   "(fp32 AdamW, W >= 2)", "<= 1.00x",
+            target("daemon peak bytes, transient areas, vs the bound %s (fp32 AdamW, W >= 2)"
+                   % ("16*P + 4*U*(3*W + 1), one gathered copy per node"
+                      if bound == "node_bound_bytes" else "16*P + 16*U*W"), "<= 1.00x",
                    "worst %.3fx (%d units, W %d: %.1f vs %.1f MiB); %s"
                    % (ratio(worst, "peak_transient_bytes"), worst["units"], worst["world"],
                       worst["peak_transient_bytes"] / 2**20,
-                      worst["fsdp_bound_bytes"] / 2**20, ", ".join(parts)),
-                   all(x["peak_transient_bytes"] <= x["fsdp_bound_bytes"] for x in judged),
+                      worst[bound] / 2**20, ", ".join(parts)),
+                   all(x["peak_transient_bytes"] <= x[bound] for x in judged),
                    "W 1 is over by the 19-page gap the layout leaves after a shard of "
                    "1 MiB or more (against cache aliasing in the step)")
     if fsdp:
@@ -291,7 +310,8 @@ def main():
             return x["peak_bytes"]
 
         target("daemon peak on GPT, LLaMA-bf16 and ResNet-18 shapes vs the bound with "
-               "the daemon's pages (fp32 16*P + 16*U*W, bf16 18*P + 8*U*W)",
+               "the daemon's pages (one gathered copy per node: fp32 16*P + 4*U*(3*W + 1), "
+               "bf16 18*P + 2*U*(3*W + 1))",
                "<= 1.00x",
                "; ".join("%s W%d %.3fx (%.3fx of the bound without pages)"
                          % (x["model"], x["world"], judged(x) / x["paged_bound_bytes"],

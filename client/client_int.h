@@ -137,8 +137,8 @@ void shardd__cudart_ipc_close(void *base, int device);
 
 pool_map *shardd__find_pool(shardd_client_t *c, uint64_t id);
 shardd_err shardd__pool_adopt(shardd_client_t *c,
-                              const Shardwire__GatherReply *gr, int fd,
-                              char *why, size_t whylen);
+                              const Shardwire__GatherReply *gr, const int *fds,
+                              int nfds, char *why, size_t whylen);
 shardd_err shardd__buffer_adopt(shardd_client_t *c,
                                 const Shardwire__BufferReply *br, int fd,
                                 shardd_buffer_info *out);

@@ -302,7 +302,7 @@ shardd_err shardd__recv_for_many(shardd_client_t *c, uint64_t seq,
     char why[512] = "";
     if (resp->code == SHARDWIRE__STATUS_CODE__OK &&
         resp->body_case == SHARDWIRE__RESPONSE__BODY_GATHER) {
-      pool_rc = shardd__pool_adopt(c, resp->gather, nfds > 0 ? fds[0] : -1, why,
+      pool_rc = shardd__pool_adopt(c, resp->gather, fds, nfds, why,
                                    sizeof why);
       for (int i = 0; i < nfds; i++)
         close(fds[i]);

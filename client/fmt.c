@@ -202,6 +202,15 @@ char *shardd__fmt_status_text(const Shardwire__StatusReply *st) {
         shardd__sb_printf(&sb, ", reserved for pools %s", a);
       }
       shardd__sb_printf(&sb, "\n");
+      if (j->has_gather_pool_bytes) {
+        human(a, sizeof a, j->gather_pool_bytes);
+        human(b, sizeof b, j->gathered_bytes);
+        shardd__sb_printf(&sb, "  gathered copies: %s (%s), %" PRIu32
+                          " held now (%s); gradient areas: the rest, per rank\n",
+                          a, j->gather_shared ? "the node's: one read-only copy "
+                          "of a unit for every local rank" : "per rank",
+                          j->gathered_units, b);
+      }
     }
     if (j->has_nodes) {
       shardd__sb_printf(&sb, "  nodes %" PRIu32 " (this daemon: node %" PRIu32
@@ -286,6 +295,12 @@ char *shardd__fmt_status_json(const Shardwire__StatusReply *st) {
     if (j->has_transient && j->transient && j->has_pool_reserved_bytes)
       shardd__sb_printf(&sb, ",\"pool_reserved_bytes\":%" PRIu64,
                         j->pool_reserved_bytes);
+    if (j->has_transient && j->transient && j->has_gather_pool_bytes)
+      shardd__sb_printf(&sb, ",\"gather_pool_bytes\":%" PRIu64
+                        ",\"gathered_bytes\":%" PRIu64 ",\"gathered_units\":%"
+                        PRIu32 ",\"gather_shared\":%s",
+                        j->gather_pool_bytes, j->gathered_bytes, j->gathered_units,
+                        j->gather_shared ? "true" : "false");
     shardd__sb_printf(&sb,
                       ",\"world\":%" PRIu32 ",\"clients\":%" PRIu32
                       ",\"buffers\":%" PRIu32 ",\"views\":%" PRIu32

@@ -107,58 +107,50 @@ static shardd_err pool_adopt_ipc(shardd_client_t *c,
   return SHARDD_OK;
 }
 
-/* Makes sure the pool a GatherReply names is mapped: the first reply naming
- * it on this connection brings its descriptor (fd, else -1; the caller
- * closes it), later ones do not. Done for every GatherReply whichever call
- * reads it (gather, gather_area, an async gather's reply read by another
- * call): the descriptor comes once, so one dropped would leave the pool
- * unreachable for the connection's life. On failure why holds the reason. */
-shardd_err shardd__pool_adopt(shardd_client_t *c,
-                              const Shardwire__GatherReply *gr, int fd,
-                              char *why, size_t whylen) {
-  pool_map *p = shardd__find_pool(c, gr->pool);
-  if (fd < 0 && gr->has_cuda_ipc_handle)
-    return pool_adopt_ipc(c, gr, why, whylen);
+/* Pool id of bytes mapped from descriptor fd (-1: the reply brought none,
+ * so it must be mapped already). */
+static shardd_err pool_adopt_fd(shardd_client_t *c, uint64_t id, uint64_t bytes,
+                                int fd, char *why, size_t whylen) {
+  pool_map *p = shardd__find_pool(c, id);
   if (fd < 0) {
     if (p == NULL) {
       snprintf(why, whylen, "the daemon's gather reply names pool %" PRIu64
                ", which this connection has not mapped, and carries no "
                "descriptor for it (a cuda backend sends none yet; the first "
-               "reply naming a pool must carry it)", gr->pool);
+               "reply naming a pool must carry it)", id);
       return SHARDD_E_PROTOCOL;
     }
-    if (gr->pool_bytes > p->len) {
+    if (bytes > p->len) {
       snprintf(why, whylen, "the daemon's gather reply gives pool %" PRIu64
                " %" PRIu64 " bytes, but the %zu mapped here came without a "
-               "new descriptor", gr->pool, gr->pool_bytes, p->len);
+               "new descriptor", id, bytes, p->len);
       return SHARDD_E_PROTOCOL;
     }
     return SHARDD_OK;
   }
-  if (p && p->len >= gr->pool_bytes)
+  if (p && p->len >= bytes)
     return SHARDD_OK; /* sent again: the mapping there is the same file */
-  if (gr->pool_bytes == 0 || (uint64_t)(size_t)gr->pool_bytes != gr->pool_bytes) {
+  if (bytes == 0 || (uint64_t)(size_t)bytes != bytes) {
     snprintf(why, whylen, "pool %" PRIu64 ": size %" PRIu64 " cannot be mapped",
-             gr->pool, gr->pool_bytes);
+             id, bytes);
     return SHARDD_E_PROTOCOL;
   }
   intmax_t size;
-  switch (memfd_unfit(fd, gr->pool_bytes, &size)) {
+  switch (memfd_unfit(fd, bytes, &size)) {
   case 1:
     snprintf(why, whylen, "pool %" PRIu64 ": the daemon's descriptor holds "
-             "%jd bytes, not the %" PRIu64 " of the pool", gr->pool, size,
-             gr->pool_bytes);
+             "%jd bytes, not the %" PRIu64 " of the pool", id, size, bytes);
     return SHARDD_E_PROTOCOL;
   case 2:
     snprintf(why, whylen, "pool %" PRIu64 ": the daemon's descriptor is not a "
-             "memfd sealed against shrinking (F_SEAL_SHRINK)", gr->pool);
+             "memfd sealed against shrinking (F_SEAL_SHRINK)", id);
     return SHARDD_E_PROTOCOL;
   default:
     break;
   }
   /* A descriptor opened read-only is the daemon's way of keeping trainers
-   * from writing a copy other ranks read: map it so, where a writable map
-   * would fail. */
+   * from writing a copy other ranks read (the node's gathered copies):
+   * map it so, where a writable map would fail; a write faults. */
   int acc = fcntl(fd, F_GETFL);
   int prot = acc >= 0 && (acc & O_ACCMODE) == O_RDONLY ? PROT_READ
                                                        : PROT_READ | PROT_WRITE;
@@ -167,21 +159,50 @@ shardd_err shardd__pool_adopt(shardd_client_t *c,
     snprintf(why, whylen, "out of memory");
     return SHARDD_E_NO_MEMORY;
   }
-  n->base = mmap(NULL, (size_t)gr->pool_bytes, prot, MAP_SHARED, fd, 0);
+  n->base = mmap(NULL, (size_t)bytes, prot, MAP_SHARED, fd, 0);
   if (n->base == MAP_FAILED) {
     snprintf(why, whylen, "mmap of pool %" PRIu64 " (%" PRIu64 " bytes): %s",
-             gr->pool, gr->pool_bytes, strerror(errno));
+             id, bytes, strerror(errno));
     free(n);
     return SHARDD_E_IO;
   }
   /* A pool remade larger keeps its old mapping too, until close: areas
    * handed out from it may still be read by the caller. */
-  n->id = gr->pool;
-  n->len = (size_t)gr->pool_bytes;
+  n->id = id;
+  n->len = (size_t)bytes;
   n->device = -1;
   n->next = c->pools;
   c->pools = n;
   return SHARDD_OK;
+}
+
+/* Makes sure the pools a GatherReply names are mapped: the first reply
+ * naming one on this connection brings its descriptor (fds: nfds of them,
+ * the gather pool's first, then the gradient pool's when grad_pool_fd; the
+ * caller closes them), later ones do not. Done for every GatherReply
+ * whichever call reads it (gather, gather_area, an async gather's reply
+ * read by another call): a descriptor comes once, so one dropped would
+ * leave its pool unreachable for the connection's life. On failure why
+ * holds the reason. */
+shardd_err shardd__pool_adopt(shardd_client_t *c,
+                              const Shardwire__GatherReply *gr, const int *fds,
+                              int nfds, char *why, size_t whylen) {
+  int gfd = gr->has_grad_pool && gr->grad_pool_fd && nfds > 0 ? fds[nfds - 1]
+                                                              : -1;
+  int fd = nfds - (gfd >= 0) > 0 ? fds[0] : -1;
+  shardd_err rc;
+  if (fd < 0 && gr->has_cuda_ipc_handle)
+    rc = pool_adopt_ipc(c, gr, why, whylen);
+  else
+    rc = pool_adopt_fd(c, gr->pool, gr->pool_bytes, fd, why, whylen);
+  if (rc != SHARDD_OK || !gr->has_grad_pool)
+    return rc;
+  if (!gr->has_grad_pool_bytes) {
+    snprintf(why, whylen, "the daemon's gather reply names gradient pool %"
+             PRIu64 " without its size", gr->grad_pool);
+    return SHARDD_E_PROTOCOL;
+  }
+  return pool_adopt_fd(c, gr->grad_pool, gr->grad_pool_bytes, gfd, why, whylen);
 }
 
 static size_t maps_slot(const shardd_client_t *c, uint64_t id) {
@@ -527,14 +548,24 @@ shardd_err shardd__area_fill(shardd_client_t *c, uint64_t buffer,
                            ": the daemon leased no gradient area "
                            "(its gather reply has no grad_offset)",
                            buffer);
-  if (want_grad && !area_ok(gr->grad_offset, n, esz, p->len))
+  /* the gradient area: in the gather's pool, or (host backend, where the
+   * gather area is the node's read-only copy) in this rank's own */
+  const pool_map *gp = p;
+  uint64_t gid = gr->pool;
+  if (want_grad && gr->has_grad_pool) {
+    gid = gr->grad_pool;
+    if ((gp = shardd__find_pool(c, gid)) == NULL)
+      return shardd__set_err(c, SHARDD_E_INTERNAL,
+                             "pool %" PRIu64 " is not mapped", gid);
+  }
+  if (want_grad && !area_ok(gr->grad_offset, n, esz, gp->len))
     return shardd__set_err(
         c, SHARDD_E_PROTOCOL,
         "buffer %" PRIu64 ": gradient area at byte %" PRIu64 " (%" PRIu64
         " elements of %zu bytes) outside pool %" PRIu64 " of %zu bytes",
-        buffer, gr->grad_offset, n, esz, gr->pool, p->len);
+        buffer, gr->grad_offset, n, esz, gid, gp->len);
   out->gather = (char *)p->base + gr->gather_offset;
-  out->grad = want_grad ? (char *)p->base + gr->grad_offset : NULL;
+  out->grad = want_grad ? (char *)gp->base + gr->grad_offset : NULL;
   out->pool = gr->pool;
   return SHARDD_OK;
 }

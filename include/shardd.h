@@ -491,11 +491,15 @@ shardd_err shardd_gather(shardd_client_t *c, uint64_t buffer);
 
 /* Where one gather put this rank's areas. gather holds padded_numel
  * elements of the buffer's dtype (the whole buffer), grad as many for the
- * gradient (NULL unless asked for). Transient areas: both lie in the pool
- * `pool` of this rank's device, a mapping owned by c that stays valid until
- * shardd_close(c); what they hold is this rank's only until
- * shardd_release() (gather) and the scatter that consumes the gradient
- * (grad), after which the daemon may lease the memory to another buffer.
+ * gradient (NULL unless asked for). Transient areas: mappings owned by c
+ * that stay valid until shardd_close(c). On the host backend the gather
+ * area is the node's one copy of the buffer, which every local rank of the
+ * job reads: it lies in the job's gather pool `pool`, mapped read-only (a
+ * write faults), and grad in the pool of this rank's device; on the cuda
+ * backend both lie in the pool `pool` of this rank's device. What they
+ * hold is this rank's only until shardd_release() (gather) and the scatter
+ * that consumes the gradient (grad), after which the daemon may lease the
+ * memory to another buffer.
  * Resident areas (a job without transient areas): the block's gather and
  * grad areas of shardd_buffer_info, pool 0. */
 typedef struct {

@@ -61,6 +61,9 @@ typedef struct {
   void (*free)(shardd__backend *b, shardd__region *r);
   /* Host: a new descriptor for r that the caller owns and closes. */
   shardd_err (*export_fd)(shardd__backend *b, shardd__region *r, int *fd);
+  /* Host: as export_fd, opened read-only, so that a trainer's mapping of it
+   * cannot be made writable (memory other trainers read). NULL: none. */
+  shardd_err (*export_fd_ro)(shardd__backend *b, shardd__region *r, int *fd);
   /* Cuda: the CUDA IPC handle of r (*len bytes, at most cap, 64 today) for a
    * client to open with cudaIpcOpenMemHandle. NULL for backends whose
    * regions are exported with export_fd. */

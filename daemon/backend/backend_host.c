@@ -221,6 +221,19 @@ static shardd_err host_export_fd(shardd__backend *b, shardd__region *r,
   return *fd < 0 ? SHARDD_E_IO : SHARDD_OK;
 }
 
+/* A new open of the memfd, read-only: a MAP_SHARED mapping of it cannot
+ * be PROT_WRITE, nor mprotect()ed so (EACCES). */
+static shardd_err host_export_fd_ro(shardd__backend *b, shardd__region *r,
+                                    int *fd) {
+  *fd = -1;
+  if (r->fd < 0)
+    return SHARDD_E_INVAL;
+  char path[64];
+  snprintf(path, sizeof path, "/proc/self/fd/%d", r->fd);
+  *fd = open(path, O_RDONLY | O_CLOEXEC);
+  return *fd < 0 ? SHARDD_E_IO : SHARDD_OK;
+}
+
 static shardd_err host_copy(shardd__backend *b, shardd__region *dst,
                             size_t dst_off, shardd__region *src,
                             size_t src_off, size_t bytes) {
@@ -431,6 +444,7 @@ static const shardd__backend_ops host_ops = {
     .alloc_private = host_alloc_private,
     .free = host_free,
     .export_fd = host_export_fd,
+    .export_fd_ro = host_export_fd_ro,
     .copy = host_copy,
     .reduce = host_reduce,
     .reduce_add = host_reduce_add,

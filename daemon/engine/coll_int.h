@@ -228,6 +228,9 @@ struct coll {
   int areas_set; /* area_reg and area_off filled (set_areas ran); the three
                     arrays, like waiters, share c's allocation */
   int areas_busy; /* transient: set_areas succeeded (shardd__areas_busy) */
+  /* gather: every local rank's area is the same one (the node's gathered
+   * copy, host backend), filled once, from the first local rank's entry */
+  int one_area;
   /* multi-node scatter: which views (the buffer's, in offset order, by id)
    * had a gradient on some rank of each node: [nodes][nmask + 1] flags,
    * the last one the whole buffer's; this node's row is set on the loop

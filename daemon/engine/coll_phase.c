@@ -297,6 +297,12 @@ static shardd_err set_areas(coll *c, char *msg, size_t len) {
     c->area_reg[r] = a.pool;
     c->area_off[r] = a.off;
   }
+  /* the node's one read-only copy: copied into once, not once per rank */
+  uint32_t lo = job->local_first;
+  c->one_area = gather && job->transient;
+  for (uint32_t r = lo + 1; c->one_area && r < lo + job->local_ranks; r++)
+    c->one_area = c->area_reg[r] == c->area_reg[lo] &&
+                  c->area_off[r] == c->area_off[lo];
   return SHARDD_OK;
 }
 

@@ -16,7 +16,8 @@ static uint64_t coll_bytes(const coll *c) {
   if (c->buf == NULL || shardd__coll_multi(c) || c->bulk ||
       (c->args.kind != SHARDD__COLL_GATHER && c->args.kind != SHARDD__COLL_SCATTER))
     return 0;
-  return c->buf->padded_numel * shardd_dtype_size(c->buf->dtype) * c->job->world;
+  return c->buf->padded_numel * shardd_dtype_size(c->buf->dtype) *
+         (c->one_area ? 1 : c->job->world);
 }
 
 /* Whether c is a single-node gather or scatter of a small buffer (every

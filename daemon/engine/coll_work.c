@@ -318,7 +318,9 @@ size_t shardd__coll_plan(coll *c, task *out) {
      * share the copies evenly (host memory: a device copy costs a call) */
     uint64_t chunk = c->e->be->caps & SHARDD__BACKEND_CAP_HOST_MAPPED
                          ? COPY_CHUNK_ELEMS : CHUNK_ELEMS;
-    for (uint32_t r = 0; r < b->world; r++)
+    /* one shared area (the node's gathered copy): the first rank's only */
+    uint32_t nr = c->one_area ? 1 : b->world;
+    for (uint32_t r = 0; r < nr; r++)
       n = c->args.kind == SHARDD__COLL_GATHER
               ? add_unit_by(out, n, r, 0, b->padded_numel, chunk)
               : add_trainable_units(out, n, b, r, chunk);

@@ -7,7 +7,9 @@
  * allocator call after the first lease (peak bytes at step 1000 are those
  * of step 1) and no fragmentation, which is what FSDP's users fight in the
  * caching allocator (pytorch#65078). The bound stays FSDP's: per rank
- * leases_per_rank units gathered and as many of gradient. */
+ * leases_per_rank units gathered and as many of gradient; on the host
+ * backend the gathered ones are the node's, one read-only copy of a unit
+ * that every local rank maps (see registry.h for the pool's size). */
 #include "registry.h"
 #include "registry_int.h"
 
@@ -20,8 +22,9 @@
 
 typedef struct {
   shardd__buffer *buf; /* NULL: free */
-  uint32_t rank;
+  uint32_t rank;       /* per-rank pools: the holder */
   int kind;
+  uint32_t refs;       /* the shared gather pool: the local ranks holding it */
 } slot;
 
 struct shardd__pool {
@@ -35,6 +38,43 @@ struct shardd__pool {
 
 static const char *kind_word(int kind) {
   return kind == SHARDD__AREA_GATHER ? "gather" : "gradient";
+}
+
+/* Whether the job's gather areas are the node's (one shared, read-only
+ * copy of a unit for every local rank): where trainers map host memory. */
+static int shared_gather(const shardd__job *job) {
+  return (job->reg->backend->caps & SHARDD__BACKEND_CAP_HOST_MAPPED) != 0;
+}
+
+/* The slots of a pool: dev's gradient pool (and, unshared, gather) pool,
+ * or (dev -1) the node's gather pool. */
+static uint32_t pool_slots(const shardd__job *job, int dev) {
+  const shardd__registry *reg = job->reg;
+  uint32_t lg = reg->leases_per_rank[SHARDD__AREA_GATHER];
+  if (dev < 0) /* see registry.h: why no more are ever held */
+    return lg == 0 ? 0 : job->local_ranks * (lg - 1) + 1;
+  uint32_t ranks = 0;
+  for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++)
+    ranks += shardd__rank_device(reg, r) == dev;
+  return ranks * (reg->leases_per_rank[SHARDD__AREA_GRAD] +
+                  (shared_gather(job) ? 0 : lg));
+}
+
+/* The pool of dev (-1: the node's gather pool), where it is kept. */
+static struct shardd__pool **pool_at(shardd__job *job, int dev) {
+  return dev < 0 ? &job->gpool : &job->pools[dev];
+}
+
+static const struct shardd__pool *pool_of(const shardd__job *job, int dev) {
+  return dev < 0 ? job->gpool : job->pools[dev];
+}
+
+/* Where rank's areas of kind are leased: its device's pool, or -1. */
+static int pool_dev(const shardd__job *job, uint32_t rank,
+                    shardd__area_kind kind) {
+  if (kind == SHARDD__AREA_GATHER && shared_gather(job))
+    return -1;
+  return shardd__rank_device(job->reg, rank);
 }
 
 static size_t unit_bytes(const shardd__buffer *b) {
@@ -97,6 +137,8 @@ void shardd__areas_free(shardd__registry *reg, shardd__job *job) {
   if (job->pools)
     for (int d = 0; d < reg->backend->ndevices; d++)
       pool_free(reg, job, job->pools[d]);
+  pool_free(reg, job, job->gpool);
+  job->gpool = NULL;
   free(job->pools);
   free(job->nleased);
   job->pools = NULL;
@@ -117,17 +159,15 @@ static void max_unit(void *value, void *arg) {
 static size_t job_max_unit(shardd__job *job);
 static uint64_t dev_reserve(const shardd__job *job, int dev, size_t unit);
 
-/* The pool of device dev, sized for every unit registered now. */
+/* The pool of device dev (-1: the node's gather pool, on the device of the
+ * first local rank), sized for every unit registered now. */
 static shardd_err pool_make(shardd__registry *reg, shardd__job *job, int dev,
                             size_t need, char *err, size_t errlen) {
   max_arg a = {need};
   shardd__map_each(&job->buffers, max_unit, &a);
-  uint32_t ranks = 0;
-  for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++)
-    ranks += shardd__rank_device(reg, r) == dev;
-  uint32_t per_rank = reg->leases_per_rank[0] + reg->leases_per_rank[1];
+  int at = dev < 0 ? shardd__rank_device(reg, job->local_first) : dev;
   struct shardd__pool *p = calloc(1, sizeof *p);
-  uint32_t n = ranks * per_rank;
+  uint32_t n = pool_slots(job, dev);
   if (p == NULL || (p->slots = calloc(n ? n : 1, sizeof *p->slots)) == NULL) {
     free(p);
     snprintf(err, errlen, "out of memory");
@@ -155,26 +195,31 @@ static shardd_err pool_make(shardd__registry *reg, shardd__job *job, int dev,
     return SHARDD_E_NO_MEMORY;
   }
   char label[64], why[256];
-  snprintf(label, sizeof label, "shardd:%.40s:pool%d", job->name, dev);
-  shardd_err rc = reg->backend->ops->alloc(reg->backend, dev, bytes, label,
+  if (dev < 0)
+    snprintf(label, sizeof label, "shardd:%.40s:gathered", job->name);
+  else
+    snprintf(label, sizeof label, "shardd:%.40s:pool%d", job->name, dev);
+  shardd_err rc = reg->backend->ops->alloc(reg->backend, at, bytes, label,
                                            &p->region, why, sizeof why);
   if (rc != SHARDD_OK) {
-    snprintf(err, errlen, "pool of %" PRIu32 " %zu-byte areas on device %d: %s",
-             n, a.max, dev, why);
+    snprintf(err, errlen, "%s of %" PRIu32 " %zu-byte areas on device %d: %s",
+             dev < 0 ? "gather pool" : "pool", n, a.max, at, why);
     free(p->slots);
     free(p);
     return rc;
   }
   p->id = pid;
   job->bytes += p->region->bytes;
-  job->pools[dev] = p;
+  *pool_at(job, dev) = p;
   return SHARDD_OK;
 }
 
-static void fill(const struct shardd__pool *p, int32_t i, shardd__area *out) {
+static void fill(const shardd__job *job, const struct shardd__pool *p,
+                 int32_t i, shardd__area *out) {
   out->pool = p->region;
   out->pool_id = p->id;
   out->off = (size_t)i * p->slot_bytes;
+  out->readonly = p == job->gpool;
 }
 
 int shardd__area_held(const shardd__buffer *b, uint32_t rank,
@@ -183,7 +228,7 @@ int shardd__area_held(const shardd__buffer *b, uint32_t rank,
     return 0;
   const shardd__job *job = b->hdr.job;
   if (out)
-    fill(job->pools[shardd__rank_device(job->reg, rank)], b->lease[rank][kind],
+    fill(job, pool_of(job, pool_dev(job, rank, kind)), b->lease[rank][kind],
          out);
   return 1;
 }
@@ -225,37 +270,50 @@ shardd_err shardd__area_lease(shardd__registry *reg, shardd__buffer *b,
              rank, job->nleased[rank][kind], kind_word(kind), list);
     return SHARDD_E_LIMIT;
   }
-  int dev = shardd__rank_device(reg, rank);
+  int dev = pool_dev(job, rank, kind);
+  struct shardd__pool *p = *pool_at(job, dev);
+  if (dev < 0 && b->gslot >= 0) {
+    /* gathered for another local rank: one more reference to that copy */
+    p->slots[b->gslot].refs++;
+    b->lease[rank][kind] = b->gslot;
+    job->nleased[rank][kind]++;
+    fill(job, p, b->gslot, out);
+    *took = 1;
+    return SHARDD_OK;
+  }
   size_t need = unit_bytes(b);
-  struct shardd__pool *p = job->pools[dev];
   if (p && p->slot_bytes < need) {
     if (p->nused > 0) {
       snprintf(err, errlen,
                "buffer \"%s\" needs %zu-byte areas, more than the %zu of the "
-               "pool of device %d, whose areas are leased: register every unit "
-               "before training, or release them all first",
-               b->hdr.name, need, p->slot_bytes, dev);
+               "%s, whose areas are leased: register every unit before "
+               "training, or release them all first",
+               b->hdr.name, need, p->slot_bytes,
+               dev < 0 ? "node's gather pool" : "pool of its device");
       return SHARDD_E_BUSY;
     }
     pool_free(reg, job, p); /* remade larger below, under another id */
-    job->pools[dev] = p = NULL;
+    *pool_at(job, dev) = p = NULL;
   }
   shardd_err rc;
   if (p == NULL && (rc = pool_make(reg, job, dev, need, err, errlen)) != SHARDD_OK)
     return rc;
-  p = job->pools[dev];
+  p = *pool_at(job, dev);
   int32_t i = 0;
   while ((uint32_t)i < p->nslots && p->slots[i].buf != NULL)
     i++;
   if ((uint32_t)i == p->nslots) { /* the per-rank limits make this unreachable */
-    snprintf(err, errlen, "the pool of device %d is full", dev);
+    snprintf(err, errlen, "the %s is full",
+             dev < 0 ? "node's gather pool" : "pool of its device");
     return SHARDD_E_INTERNAL;
   }
-  p->slots[i] = (slot){b, rank, kind};
+  p->slots[i] = (slot){b, rank, kind, 1};
   p->nused++;
+  if (dev < 0)
+    b->gslot = i;
   b->lease[rank][kind] = i;
   job->nleased[rank][kind]++;
-  fill(p, i, out);
+  fill(job, p, i, out);
   *took = 1;
   if (kind == SHARDD__AREA_GRAD) { /* a gradient starts at zero, as torch's */
     shardd_err zrc = shardd__region_zero(reg->backend, out->pool, out->off, need);
@@ -273,11 +331,17 @@ void shardd__area_return(shardd__buffer *b, uint32_t rank,
   if (b->lease == NULL || b->lease[rank][kind] < 0)
     return;
   shardd__job *job = b->hdr.job;
-  struct shardd__pool *p = job->pools[shardd__rank_device(job->reg, rank)];
-  p->slots[b->lease[rank][kind]].buf = NULL;
-  p->nused--;
+  int dev = pool_dev(job, rank, kind);
+  struct shardd__pool *p = *pool_at(job, dev);
+  slot *s = &p->slots[b->lease[rank][kind]];
   b->lease[rank][kind] = -1;
   job->nleased[rank][kind]--;
+  if (--s->refs > 0) /* other local ranks still read the copy */
+    return;
+  s->buf = NULL;
+  p->nused--;
+  if (dev < 0)
+    b->gslot = -1;
 }
 
 typedef struct {
@@ -320,12 +384,39 @@ void shardd__area_return_rank(shardd__job *job, uint32_t rank) {
 }
 
 uint64_t shardd__job_pool_bytes(const shardd__job *job) {
-  uint64_t n = 0;
+  uint64_t n = job->gpool ? job->gpool->region->bytes : 0;
   if (job->pools)
     for (int d = 0; d < job->reg->backend->ndevices; d++)
       if (job->pools[d])
         n += job->pools[d]->region->bytes;
   return n;
+}
+
+void shardd__job_gather_usage(const shardd__job *job, shardd__gather_usage *out) {
+  memset(out, 0, sizeof *out);
+  out->shared = (uint32_t)shared_gather(job);
+  if (job->gpool) {
+    out->pool_bytes = job->gpool->region->bytes;
+    out->held = job->gpool->nused;
+    out->held_bytes = (uint64_t)job->gpool->nused * job->gpool->slot_bytes;
+  }
+  if (job->pools == NULL || out->shared)
+    return;
+  const shardd__registry *reg = job->reg;
+  for (int d = 0; d < reg->backend->ndevices; d++) {
+    const struct shardd__pool *p = job->pools[d];
+    if (p == NULL || p->nslots == 0)
+      continue;
+    /* per rank leases_per_rank[GATHER] of the pool's slots */
+    uint32_t per = reg->leases_per_rank[0] + reg->leases_per_rank[1];
+    out->pool_bytes += (uint64_t)p->nslots / per * reg->leases_per_rank[0] *
+                       p->slot_bytes;
+    for (uint32_t i = 0; i < p->nslots; i++)
+      if (p->slots[i].buf && p->slots[i].kind == SHARDD__AREA_GATHER) {
+        out->held++;
+        out->held_bytes += p->slot_bytes;
+      }
+  }
 }
 
 /* The job's largest unit's slot bytes, recomputed after the largest was
@@ -340,16 +431,12 @@ static size_t job_max_unit(shardd__job *job) {
   return job->max_unit;
 }
 
-/* What dev's pool takes once sized for units of unit bytes, beyond what it
- * holds (a smaller pool is freed before it is made anew). */
+/* What dev's pool (-1: the node's gather pool) takes once sized for units
+ * of unit bytes, beyond what it holds (a smaller pool is freed before it
+ * is made anew). */
 static uint64_t dev_reserve(const shardd__job *job, int dev, size_t unit) {
-  const shardd__registry *reg = job->reg;
-  uint32_t ranks = 0;
-  for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++)
-    ranks += shardd__rank_device(reg, r) == dev;
-  uint64_t want = (uint64_t)ranks *
-                  (reg->leases_per_rank[0] + reg->leases_per_rank[1]) * unit;
-  const struct shardd__pool *p = job->pools[dev];
+  uint64_t want = (uint64_t)pool_slots(job, dev) * unit;
+  const struct shardd__pool *p = pool_of(job, dev);
   if (p == NULL)
     return want; /* made at the next lease */
   if (p->slot_bytes >= unit)
@@ -369,7 +456,10 @@ uint64_t shardd__areas_reserve(shardd__job *job, const shardd__buffer *b) {
   /* dev_reserve over the devices, in one pass over the ranks: quotas
    * sum it over every job of a uid at each registration */
   const shardd__registry *reg = job->reg;
-  uint64_t per_rank = (uint64_t)(reg->leases_per_rank[0] + reg->leases_per_rank[1]) * unit;
+  uint64_t per_rank = (uint64_t)(reg->leases_per_rank[SHARDD__AREA_GRAD] +
+                                 (shared_gather(job)
+                                      ? 0 : reg->leases_per_rank[SHARDD__AREA_GATHER])) *
+                      unit;
   uint64_t n = 0;
   for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++) {
     const struct shardd__pool *p = job->pools[shardd__rank_device(reg, r)];
@@ -381,6 +471,8 @@ uint64_t shardd__areas_reserve(shardd__job *job, const shardd__buffer *b) {
     if (p && p->slot_bytes < unit) /* made anew once this one is freed */
       n -= p->region->bytes < n ? p->region->bytes : n;
   }
+  if (shared_gather(job))
+    n += dev_reserve(job, -1, unit);
   return n;
 }
 
@@ -409,6 +501,7 @@ shardd_err shardd__areas_buffer_init(shardd__buffer *b) {
   }
   for (uint32_t r = 0; r < b->world; r++)
     b->lease[r][0] = b->lease[r][1] = -1;
+  b->gslot = -1;
   return SHARDD_OK;
 }
 

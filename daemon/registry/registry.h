@@ -83,6 +83,11 @@ struct shardd__job {
   int transient;
   /* private */
   struct shardd__pool **pools; /* [ndevices] when transient; NULL until used */
+  /* transient jobs on a host-mapped backend: the node's one pool of
+   * gathered copies, every local rank's gather areas (areas.c); NULL until
+   * used (and always, with the per-device pools holding them, on another
+   * backend) */
+  struct shardd__pool *gpool;
   uint32_t (*nleased)[2];      /* [world]: leases per rank, per area kind */
   shardd__map buffers; /* by name */
   shardd__map optims;  /* by name */
@@ -132,6 +137,9 @@ struct shardd__buffer {
    * grad_off are 0); each rank's leased areas, as slot numbers in the pool
    * of its device, -1 none ([world][kind]; areas.c) */
   int32_t (*lease)[2];
+  /* transient jobs with a node-shared gather pool: b's slot in it, which
+   * every rank holding a gather lease of b shares, -1 none (areas.c) */
+  int32_t gslot;
   /* transient jobs: running collectives that read or write its areas
    * (shardd__areas_busy), and the ranks that left meanwhile, whose areas
    * of it go back when the last of those ends ([world]; areas.c) */
@@ -512,11 +520,21 @@ shardd_err shardd__buffer_stage(shardd__registry *reg, shardd__buffer *b,
 
 /* ---- transient areas (areas.c) -------------------------------------------
  * In a transient job each rank's gather area (and, for backward, its
- * gradient area) of a buffer is leased from one pool per device, shared by
- * the job's ranks on that device: fixed slots as large as the job's
- * largest unit, reg->leases_per_rank of each kind per local rank. A pool is one
- * exportable region (a trainer maps it once), made at the first lease and
- * remade larger only when nothing of it is leased. */
+ * gradient area) of a buffer is leased from pools of fixed slots as large
+ * as the job's largest unit. Gradient areas come from one pool per device,
+ * shared by the job's ranks on that device, reg->leases_per_rank[GRAD]
+ * slots per local rank. Gather areas, on a host-mapped backend, are the
+ * node's: one slot per gathered buffer that every local rank holding a
+ * lease of it shares (counted by reference; the last return frees it),
+ * in one pool of local_ranks * (leases_per_rank[GATHER] - 1) + 1 slots,
+ * handed to trainers read-only (shardd__area.readonly). Gathers lease for
+ * every local rank at once, in one order, so when the newest held buffer
+ * was last leased every rank held at most leases_per_rank - 1 others,
+ * which it still holds or gave back: no more slots are ever held. On
+ * another backend (cuda) each rank's gather areas are its own, in its
+ * device's pool, with leases_per_rank[GATHER] more slots per rank. A pool
+ * is one exportable region (a trainer maps it once), made at the first
+ * lease and remade larger only when nothing of it is leased. */
 
 typedef enum { SHARDD__AREA_GATHER = 0, SHARDD__AREA_GRAD = 1 } shardd__area_kind;
 
@@ -524,6 +542,9 @@ typedef struct {
   shardd__region *pool;
   uint64_t pool_id;
   size_t off; /* bytes into the pool */
+  /* the node's shared gather pool: every local rank reads the area, so
+   * trainers get the pool's descriptor read-only */
+  int readonly;
 } shardd__area;
 
 /* The job's gather and gradient areas leased (on) or resident (off). Only
@@ -558,6 +579,16 @@ void shardd__areas_busy(shardd__buffer *b);
 void shardd__areas_idle(shardd__buffer *b);
 /* Bytes the job's pools hold now (persistent = job->bytes - this). */
 uint64_t shardd__job_pool_bytes(const shardd__job *job);
+/* What of them is gathered copies: the pool bytes set aside for gather
+ * areas (the node's gather pool; on a backend without one, the gather
+ * slots of the per-device pools), the bytes and number of the slots held
+ * now (a node-shared copy once, however many ranks hold it), and whether
+ * the copies are the node's (shared) or each rank's. */
+typedef struct {
+  uint64_t pool_bytes, held_bytes;
+  uint32_t held, shared;
+} shardd__gather_usage;
+void shardd__job_gather_usage(const shardd__job *job, shardd__gather_usage *out);
 /* Bytes the job's pools will take beyond what they hold, once each is
  * sized for the job's largest unit, or for b when larger (b: a buffer
  * being registered, NULL none). The memory limits count them from the

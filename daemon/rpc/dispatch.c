@@ -295,8 +295,46 @@ void shardd__dispatch_expire(shardd__dispatch *d, double now) {
   shardd__jobs_expire(&d->jobs, now);
 }
 
-/* A transient gather's reply: where this rank's areas are, with the pool's
- * descriptor the first time this connection hears of that pool. */
+/* Whether connection c was sent pool id's descriptor (or IPC handle). */
+static int pool_sent(const shardd__conn *c, uint64_t id) {
+  for (size_t i = 0; i < c->npools_sent; i++)
+    if (c->pools_sent[i] == id)
+      return 1;
+  return 0;
+}
+
+/* Exports a's pool for c unless it was sent before: a descriptor (*fd, -1
+ * none; read-only for the node's gathered copies) or a CUDA IPC handle
+ * (*ipc_len bytes at ipc), the pool then counted as sent. */
+static shardd_err pool_export(shardd__dispatch *d, shardd__conn *c,
+                              const shardd__area *a, int *fd, uint8_t *ipc,
+                              size_t cap, size_t *ipc_len) {
+  *fd = -1;
+  *ipc_len = 0;
+  if (pool_sent(c, a->pool_id))
+    return SHARDD_OK;
+  uint64_t *p = realloc(c->pools_sent, (c->npools_sent + 1) * sizeof *p);
+  if (p == NULL)
+    return SHARDD_E_NO_MEMORY;
+  c->pools_sent = p;
+  shardd__backend *be = d->backend;
+  shardd_err rc;
+  if (be->ops->export_ipc)
+    rc = be->ops->export_ipc(be, a->pool, ipc, cap, ipc_len);
+  else if (a->readonly && be->ops->export_fd_ro)
+    rc = be->ops->export_fd_ro(be, a->pool, fd);
+  else if (a->readonly) /* never handed out writable */
+    rc = SHARDD_E_INTERNAL;
+  else
+    rc = be->ops->export_fd(be, a->pool, fd);
+  if (rc == SHARDD_OK)
+    c->pools_sent[c->npools_sent++] = a->pool_id;
+  return rc;
+}
+
+/* A transient gather's reply: where this rank's areas are, with each
+ * pool's descriptor the first time this connection hears of that pool
+ * (the gather pool's first, then the gradient pool's). */
 static void reply_gather(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                          const shardd__coll_result *res) {
   Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_GATHER);
@@ -304,41 +342,49 @@ static void reply_gather(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   gr.pool = res->gather.pool_id;
   gr.pool_bytes = res->gather.pool->bytes;
   gr.gather_offset = res->gather.off;
-  if (res->has_grad) {
-    gr.has_grad_offset = 1;
-    gr.grad_offset = res->grad.off; /* one pool per device: the same pool */
-  }
-  resp.gather = &gr;
-  size_t i = 0;
-  while (i < c->npools_sent && c->pools_sent[i] != gr.pool)
-    i++;
-  int fd = -1;
-  uint8_t ipc[64];
-  size_t ipc_len = 0;
   gr.has_device = 1;
   gr.device = (uint32_t)res->gather.pool->device;
-  if (i == c->npools_sent) {
-    uint64_t *p = realloc(c->pools_sent, (i + 1) * sizeof *p);
-    shardd__backend *be = d->backend;
-    shardd_err rc = p == NULL ? SHARDD_E_NO_MEMORY
-                    : be->ops->export_ipc
-                        ? be->ops->export_ipc(be, res->gather.pool, ipc, sizeof ipc,
-                                              &ipc_len)
-                        : be->ops->export_fd(be, res->gather.pool, &fd);
-    if (rc == SHARDD_OK && ipc_len > 0) {
-      gr.has_cuda_ipc_handle = 1;
-      gr.cuda_ipc_handle.data = ipc;
-      gr.cuda_ipc_handle.len = ipc_len;
-    }
-    if (p)
-      c->pools_sent = p;
-    if (rc != SHARDD_OK) {
-      shardd__reply(d, c, seq, rc, "exporting the area pool's descriptor failed");
-      return;
-    }
-    c->pools_sent[c->npools_sent++] = gr.pool;
+  resp.gather = &gr;
+  size_t sent = c->npools_sent; /* what the client has, if this fails */
+  int fds[2], nfds = 0, fd;
+  uint8_t ipc[64];
+  size_t ipc_len;
+  shardd_err rc = pool_export(d, c, &res->gather, &fd, ipc, sizeof ipc, &ipc_len);
+  if (rc == SHARDD_OK && ipc_len > 0) {
+    gr.has_cuda_ipc_handle = 1;
+    gr.cuda_ipc_handle.data = ipc;
+    gr.cuda_ipc_handle.len = ipc_len;
   }
-  shardd__send_resp(d, c, &resp, fd);
+  if (fd >= 0)
+    fds[nfds++] = fd;
+  if (rc == SHARDD_OK && res->has_grad) {
+    gr.has_grad_offset = 1;
+    gr.grad_offset = res->grad.off;
+    if (res->grad.pool_id != res->gather.pool_id) {
+      /* the gather area is the node's copy: the gradient is this rank's,
+       * in its device's pool (host backend: descriptors, no IPC) */
+      gr.has_grad_pool = gr.has_grad_pool_bytes = 1;
+      gr.grad_pool = res->grad.pool_id;
+      gr.grad_pool_bytes = res->grad.pool->bytes;
+      uint8_t gipc[64];
+      size_t gipc_len;
+      rc = pool_export(d, c, &res->grad, &fd, gipc, sizeof gipc, &gipc_len);
+      if (rc == SHARDD_OK && gipc_len > 0)
+        rc = SHARDD_E_INTERNAL; /* a cuda daemon shares no gather pool */
+      if (fd >= 0) {
+        gr.has_grad_pool_fd = gr.grad_pool_fd = 1;
+        fds[nfds++] = fd;
+      }
+    }
+  }
+  if (rc != SHARDD_OK) {
+    for (int i = 0; i < nfds; i++)
+      close(fds[i]);
+    c->npools_sent = sent;
+    shardd__reply(d, c, seq, rc, "exporting the area pool's descriptor failed");
+    return;
+  }
+  shardd__send_resp_fds(d, c, &resp, fds, (size_t)nfds);
 }
 
 /* The member is the first field of its connection. */

@@ -215,6 +215,14 @@ static Shardwire__JobStatus *job_status(const shardd__status_ctx *ctx,
     js->pool_bytes = shardd__job_pool_bytes(job);
     js->has_pool_reserved_bytes = 1;
     js->pool_reserved_bytes = shardd__areas_reserve(job, NULL);
+    shardd__gather_usage gu;
+    shardd__job_gather_usage(job, &gu);
+    js->has_gather_pool_bytes = js->has_gathered_bytes = 1;
+    js->has_gathered_units = js->has_gather_shared = 1;
+    js->gather_pool_bytes = gu.pool_bytes;
+    js->gathered_bytes = gu.held_bytes;
+    js->gathered_units = gu.held;
+    js->gather_shared = gu.shared != 0;
   }
   js->collectives_in_flight = shardd__coll_inflight(ctx->coll, job);
   rank_states(ctx, r, job, js);

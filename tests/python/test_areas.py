@@ -1,6 +1,8 @@
 """Transient areas through the binding: Client(transient_areas=True),
 gather_area() tensors over the leased pool areas, release(), the lease limit,
 and the arguments refused before anything is sent."""
+import os
+import signal
 import unittest
 
 import common
@@ -42,6 +44,24 @@ class TransientAreasTest(unittest.TestCase):
         # the shard and the reduced shard are in the block as ever
         self.assertEqual(b.shard_tensor.numel(), NUMEL)
         self.assertEqual(b.reduced_tensor.numel(), NUMEL)
+
+    def test_the_gathered_tensor_is_read_only(self):
+        """On the host backend the gather area is the node's one copy, which
+        every local rank reads: the tensor over it cannot be written (a
+        store faults, here in a forked child), the gradient area can."""
+        b = self.filled("w", 0.5)
+        g, gr = self.c.gather_area(b, want_grad=True)
+        gr[0] = 3.0  # this rank's own
+        pid = os.fork()
+        if pid == 0:  # no test machinery in the child: it faults or exits 0
+            signal.signal(signal.SIGSEGV, signal.SIG_DFL)
+            g[0] = -1.0
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        self.assertTrue(os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV,
+                        "a write to the gathered tensor did not fault (status %#x)" % status)
+        self.assertEqual(g[0].item(), 0.5)
+        self.c.release_all(b)
 
     def test_gather_scatter_release(self):
         b = self.filled("w", 0.5)

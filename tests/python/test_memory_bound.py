@@ -1,17 +1,20 @@
 """The daemon's memory on the model shapes people train, byte for byte:
 with a default Client (transient areas, FSDP's FULL_SHARD) and fp32 AdamW
-in the daemon, the peak over every device is FSDP's bound 16*P + 16*U*W --
-per rank its shard, reduced-gradient shard and AdamW's two moments of
-every unit (16*P in all), and per rank 2 gather and 2 gradient slots of
-the largest unit U (16*U*W) -- in the daemon's whole 4 KiB pages per
+in the daemon, the peak over every device is the node-shared bound
+16*P + 4*U*(3*W + 1) -- per rank its shard, reduced-gradient shard and
+AdamW's two moments of every unit (16*P in all, 16*P/W a rank), the
+node's W*(2 - 1) + 1 slots of gathered copies of the largest unit U, which
+every local rank reads, and per rank 2 gradient slots (FSDP's own bound,
+a gathered copy per rank, is 16*P + 16*U*W) -- in the daemon's whole 4 KiB pages per
 region (and 19 more after an area of 1 MiB or more), computed from the wrapped model's units as the daemon lays them out
 (daemon_bytes), for the nanoGPT-shaped GPT per Block, the LLaMA-shaped model
 per decoder layer and the ResNet-18-shaped CNN per BasicBlock, 2 and 4
 ranks; the losses are single-process torch's, and a rank's private memory
 (RssAnon) grows by less than half the model's fp32 bytes (the shards are the daemon's,
 the areas shared mappings). A bf16 LLaMA with its fp32 master has its own
-bound, 18*P + 8*U*W (see bf16_bound). Ranks are processes (forkserver) of
-one job on a daemon of the test's own (host backend, a device per rank)."""
+bound, 18*P + 2*U*(3*W + 1) (FSDP's: 18*P + 8*U*W, bf16_bound). Ranks are processes (forkserver) of
+one job on a daemon of the test's own (host backend, a device per rank).
+The node's gather slots: see gather_slots."""
 import gc
 import unittest
 
@@ -31,6 +34,7 @@ ROWS = 2          # rows per rank per step
 TOL = 1e-5        # the losses, relative
 HYPER = dict(lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 PAGE = 4096
+LEASES = 2        # the daemon's gather and gradient leases per rank
 
 
 # ---- what the daemon holds (daemon/registry/) ------------
@@ -45,16 +49,26 @@ def _area_end(start, nbytes):
     return _align(start + nbytes) + (19 * PAGE if nbytes >= 1 << 20 else 0)
 
 
+def gather_slots(world):
+    """The node's gather pool (daemon/registry/areas.c): gathers lease for
+    every local rank at once, in one order, and a rank holds at most
+    LEASES; when the newest held unit was last gathered every rank held at
+    most LEASES - 1 others, so no more than world * (LEASES - 1) + 1 units
+    are ever held, however the ranks release."""
+    return world * (LEASES - 1) + 1
+
+
 def daemon_bytes(numels, world, dtype="fp32", seeds=False):
     """The daemon's bytes over every device for a transient job of `world`
     ranks whose units (flat buffers) have `numels` elements, with AdamW
-    registered over all of them and each rank's 2 gather and 2 gradient
-    leases taken: per unit and rank a block (its shard, then its fp32
-    reduced-gradient shard) and the optimizer's state (a 16-bit unit's fp32
-    master, then the two moments), each a region of whole pages; per rank 4
-    pool slots, each the largest unit padded to a multiple of world, in
-    whole pages. seeds: a 16-bit unit's exact fp32 initial values, a region
-    per rank held from registration until the first step."""
+    registered over all of them and the gather and gradient pools made:
+    per unit and rank a block (its shard, then its fp32 reduced-gradient
+    shard) and the optimizer's state (a 16-bit unit's fp32 master, then the
+    two moments), each a region of whole pages; the node's gather_slots()
+    slots and per rank LEASES gradient slots, each the largest unit padded
+    to a multiple of world, in whole pages. seeds: a 16-bit unit's exact
+    fp32 initial values, a region per rank held from registration until
+    the first step."""
     esz = 4 if dtype == "fp32" else 2
     per_rank, slot = 0, 0
     for n in numels:
@@ -66,19 +80,31 @@ def daemon_bytes(numels, world, dtype="fp32", seeds=False):
         if seeds and dtype != "fp32":
             per_rank += _align(arr)
         slot = max(slot, _align(s * world * esz))
-    return world * per_rank + world * 4 * slot
+    return world * per_rank + (gather_slots(world) + world * LEASES) * slot
+
+
+def node_bound(numels, world, dtype="fp32"):
+    """The bound without the pages: per parameter the shard, the reduced
+    gradient and AdamW's state (16*P in fp32; 18*P for a 16-bit unit with
+    its fp32 master, see bf16_bound), and the node's gather slots and every
+    rank's gradient slots of the largest unit U: 4*U*(3*W + 1) in fp32,
+    2*U*(3*W + 1) in bf16."""
+    per_p, esz = (16, 4) if dtype == "fp32" else (18, 2)
+    return per_p * sum(numels) + esz * max(numels) * (gather_slots(world) + world * LEASES)
 
 
 def fsdp_bound(numels, world):
-    """FSDP's bound without the pages: 16*P + 16*U*W (fp32 AdamW)."""
+    """FSDP's bound without the pages: 16*P + 16*U*W (fp32 AdamW), a
+    gathered copy per rank."""
     return 16 * sum(numels) + 16 * max(numels) * world
 
 
 def bf16_bound(numels, world):
-    """A bf16 unit with its fp32 master, AdamW: per parameter the bf16
-    shard (2 bytes), the fp32 reduced gradient (4), the fp32 master (4) and
-    the two fp32 moments (8): 18*P; per rank 2 gather and 2 gradient slots
-    of the largest unit in bf16: 8*U*W."""
+    """A bf16 unit with its fp32 master, AdamW, as FSDP holds it: per
+    parameter the bf16 shard (2 bytes), the fp32 reduced gradient (4), the
+    fp32 master (4) and the two fp32 moments (8): 18*P; per rank 2 gather
+    and 2 gradient slots of the largest unit in bf16: 8*U*W. The daemon's
+    is node_bound(.., "bf16"): the gathered copies are the node's."""
     return 18 * sum(numels) + 8 * max(numels) * world
 
 
@@ -284,13 +310,16 @@ class MemoryBoundTest(unittest.TestCase):
             self.assertEqual([u for u, _ in res["units"]], MODELS[name][4], label)
             self.assertEqual(sum(numels), P_model, label)  # a tied weight once
             want = daemon_bytes(numels, world)
-            nominal = fsdp_bound(numels, world)
+            nominal = node_bound(numels, world)
+            fsdp = fsdp_bound(numels, world)
             want_losses = reference(name, world)
             lr = rel_loss_diff(res["losses"], want_losses)
-            print("\n  %s: %d units, P %d, U %d; daemon peak %d = %.4fx of 16*P + 16*U*W "
-                  "(%d), with pages %d; loss rel %.2g"
+            print("\n  %s: %d units, P %d, U %d; daemon peak %d = %.4fx of "
+                  "16*P + 4*U*(3*W + 1) (%d), with pages %d; %.4fx of FSDP's "
+                  "16*P + 16*U*W (%d); loss rel %.2g"
                   % (label, len(numels), sum(numels), max(numels), res["peaks"][-1],
-                     res["peaks"][-1] / nominal, nominal, want, lr))
+                     res["peaks"][-1] / nominal, nominal, want,
+                     res["peaks"][-1] / fsdp, fsdp, lr))
             self.assertEqual(res["peaks"][-1], want, label)
             self.assertEqual(res["peaks"][0], want, "%s: peak grew after step 1" % label)
             self.assertEqual(res["used"][-1], want, label)
@@ -323,11 +352,11 @@ class MemoryBoundTest(unittest.TestCase):
             numels = [n for _, n in res["units"]]
             want = daemon_bytes(numels, world, "bf16")
             seeded = daemon_bytes(numels, world, "bf16", seeds=True)
-            nominal = bf16_bound(numels, world)
+            nominal = node_bound(numels, world, "bf16")
             want_losses = reference("llama", world, "bf16")
             lr = rel_loss_diff(res["losses"], want_losses)
             print("\n  %s: P %d, U %d; after step 1 the daemon holds %d = %.4fx of "
-                  "18*P + 8*U*W (%d), with pages %d; peak %d (%.4fx), registered %d; "
+                  "18*P + 2*U*(3*W + 1) (%d), with pages %d; peak %d (%.4fx), registered %d; "
                   "loss rel %.2g; losses %s, torch %s"
                   % (label, sum(numels), max(numels), res["used"][0],
                      res["used"][0] / nominal, nominal, want, res["peaks"][-1],

@@ -94,7 +94,10 @@ class MemoryReportTest(unittest.TestCase):
         # exp_avg and exp_avg_sq, each page-rounded
         per_rank = sum(4 * _page(4 * n) for _, n, _ in units)
         slot = max(_page(4 * p) for _, _, p in units)
-        pool = world * 4 * slot  # 2 gather and 2 gradient slots per rank
+        # the node's gathered copies, world * (2 - 1) + 1 slots that every
+        # rank reads, and 2 gradient slots per rank
+        gpool = (world + 1) * slot
+        pool = gpool + world * 2 * slot
         for r in range(world):
             after, inside, text, _, _, before = got[r]
             # before the first gather the pool is reserved, not held
@@ -108,15 +111,24 @@ class MemoryReportTest(unittest.TestCase):
             self.assertEqual(after["leased_bytes"], 0, "nothing leased between steps")
             # in a's forward (the first step: no prefetch yet) a is gathered
             self.assertEqual(inside["leased_bytes"], slot)
+            self.assertEqual(inside["gathered_bytes"], slot)
             self.assertEqual([u["leased"] for u in inside["units"]], [["gather"], []])
+            # one copy of a for both ranks
+            self.assertTrue(inside["gather_shared"])
+            self.assertEqual(inside["job_gathered_bytes"], slot)
+            self.assertEqual(inside["job_gather_pool_bytes"], gpool)
+            self.assertEqual(after["job_gathered_bytes"], 0)
             self.assertEqual(after["trainer_bytes"], 32, "the buffer, nothing else")
             self.assertEqual(after["job_pool_bytes"], pool)
             self.assertEqual(after["job_persistent_bytes"], world * per_rank)
             self.assertEqual(after["job_bytes"], world * per_rank + pool)
             self.assertIn("rank %d" % r, text)
             self.assertIn("(%d bytes)" % per_rank, text)
+            self.assertIn("the node's, one per unit for every local rank", text)
         # and shardctl status says the same of the job
         (ctl,) = got[0][4]
         self.assertEqual((ctl["bytes"], ctl["pool_bytes"], ctl["persistent_bytes"],
                           ctl["pool_reserved_bytes"]),
                          (got[0][0]["job_bytes"], pool, world * per_rank, 0))
+        self.assertEqual((ctl["gather_pool_bytes"], ctl["gathered_bytes"],
+                          ctl["gathered_units"], ctl["gather_shared"]), (gpool, 0, 0, True))

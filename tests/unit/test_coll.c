@@ -1945,11 +1945,34 @@ static shardd__coll_args gather_grad_args(const shardd__buffer *b) {
   return a;
 }
 
+/* The backend's copy, counted: the bytes a collective's copies moved. */
+static _Atomic uint64_t copied;
+static shardd__backend_ops counting_ops;
+static const shardd__backend_ops *host_ops;
+
+static shardd_err counting_copy(shardd__backend *b, shardd__region *dst,
+                                size_t dst_off, shardd__region *src,
+                                size_t src_off, size_t bytes) {
+  copied += bytes;
+  return host_ops->copy(b, dst, dst_off, src, src_off, bytes);
+}
+
+static void count_copies(void) {
+  host_ops = be->ops;
+  counting_ops = *be->ops;
+  counting_ops.copy = counting_copy;
+  be->ops = &counting_ops;
+  copied = 0;
+}
+
+static void uncount_copies(void) { be->ops = host_ops; }
+
 /* Layout and bytes, exact: a transient rank block is the shard and the
- * fp32 reduced shard only (here 400 B each: a page apiece), and a pool per
- * device holds 4 slots (2 gather + 2 gradient) per rank on it, each as
- * large as the largest unit (a page here): device 0 holds ranks 0 and 2,
- * device 1 rank 1. */
+ * fp32 reduced shard only (here 400 B each: a page apiece); a gradient
+ * pool per device holds 2 slots per rank on it (device 0 holds ranks 0
+ * and 2, device 1 rank 1), and the node's gather pool 3 * (2 - 1) + 1
+ * slots, each as large as the largest unit (a page here). Every rank's
+ * gather area is the one copy, filled once. */
 Test(coll, transient_gather_leases_its_area) {
   cr_assert_eq(shardd__job_set_transient(job, 1, err, sizeof err), SHARDD_OK, "%s",
                err);
@@ -1958,28 +1981,154 @@ Test(coll, transient_gather_leases_its_area) {
   cr_assert_eq(b->gather_off, 0);
   cr_assert_eq(used_total(), 3 * 8192, "no area is resident");
   fill_shards(b, 1);
+  count_copies();
   submit(0, 1, gather_grad_args(b));
   submit(1, 1, gather_args(b));
   submit(2, 1, gather_args(b));
   run_until(W);
-  cr_assert_eq(shardd__job_pool_bytes(job), 8 * 4096 + 4 * 4096);
-  cr_assert_eq(used_total(), 3 * 8192 + 12 * 4096);
+  uncount_copies();
+  cr_assert_eq(copied, b->padded_numel * 4, "the unit copied once (W shards), "
+               "not once per rank: %lu bytes", (unsigned long)copied);
+  /* device 1's gradient pool is made at its ranks' first gradient lease */
+  cr_assert_eq(shardd__job_pool_bytes(job), 4 * 4096 + 4 * 4096);
+  cr_assert_eq(used_total(), 3 * 8192 + 8 * 4096);
   for (uint32_t r = 0; r < W; r++) {
     const reply *rp = expect_reply(r, 1, SHARDD_OK);
     cr_assert(rp->has_res, "a transient gather says where the area is");
     cr_assert_eq(rp->res.kind, SHARDD__COLL_GATHER);
     cr_assert_eq(rp->res.has_grad, r == 0, "only rank 0 asked for its gradient");
+    cr_assert(rp->res.gather.readonly, "the node's copy goes out read-only");
+    cr_assert_eq(rp->res.gather.pool, replies[0].res.gather.pool, "rank %u", r);
+    cr_assert_eq(rp->res.gather.off, replies[0].res.gather.off, "rank %u", r);
     const float *g = area_ptr(&rp->res.gather);
     for (uint64_t j = 0; j < b->padded_numel; j++)
       cr_assert_eq(g[j], shard_val(1, (uint32_t)(j / b->shard_numel), j % b->shard_numel),
                    "rank %u element %lu", r, (unsigned long)j);
     if (r == 0) {
+      cr_assert(!rp->res.grad.readonly);
+      cr_assert_neq(rp->res.grad.pool, rp->res.gather.pool, "gradients are per rank");
       const float *gr = area_ptr(&rp->res.grad);
       for (uint64_t j = 0; j < b->padded_numel; j++)
         cr_assert_eq(gr[j], 0.0f, "a gradient area starts at zero");
     }
   }
-  cr_assert_neq(replies[0].res.gather.off, replies[0].res.grad.off);
+}
+
+/* The node's copy is refcounted: it stays while any local rank holds it,
+ * whatever the order of the releases, and its slot is free after the last. */
+Test(coll, transient_gathered_copy_lives_until_the_last_release) {
+  cr_assert_eq(shardd__job_set_transient(job, 1, err, sizeof err), SHARDD_OK);
+  shardd__buffer *b = buf_new("w", 300);
+  fill_shards(b, 1);
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 1, gather_args(b));
+  run_until(W);
+  shardd__area a0;
+  cr_assert(shardd__area_held(b, 0, SHARDD__AREA_GATHER, &a0));
+  const uint32_t order[W] = {1, 2, 0};
+  for (uint32_t k = 0; k < W; k++) {
+    shardd__area_return(b, order[k], SHARDD__AREA_GATHER);
+    cr_assert_eq(b->gslot >= 0, k + 1 < W, "after %u releases", k + 1);
+    for (uint32_t r = 0; r < W; r++) {
+      int still = 0;
+      for (uint32_t i = k + 1; i < W; i++)
+        still |= order[i] == r;
+      shardd__area a;
+      cr_assert_eq(shardd__area_held(b, r, SHARDD__AREA_GATHER, &a), still);
+      if (still) {
+        cr_assert_eq(a.off, a0.off);
+        cr_assert_eq(area_ptr(&a)[1], shard_val(1, 0, 1), "still the values");
+      }
+    }
+  }
+  shardd__area_return(b, 1, SHARDD__AREA_GATHER); /* holds none: nothing */
+  cr_assert_eq(b->gslot, -1);
+}
+
+/* Sizing the node's gather pool when ranks release out of order: the
+ * worst case. Each rank keeps a different unit and releases the newest
+ * one; the next gather then needs every rank's kept unit and the new one,
+ * W * (2 - 1) + 1 = 4 slots here, all the pool has, and it succeeds where
+ * the per-rank pools (2 per rank) succeeded. Then, at random: ranks
+ * release in random orders, one often lagging with 2 held; a gather is
+ * refused only for a rank at its own limit (E_LIMIT), never for the pool,
+ * and every rank reads the values of its gather. */
+Test(coll, transient_gather_pool_fits_out_of_order_releases) {
+  cr_assert_eq(shardd__job_set_transient(job, 1, err, sizeof err), SHARDD_OK);
+  enum { NU = 6 };
+  shardd__buffer *u[NU];
+  for (int i = 0; i < NU; i++) {
+    char name[8];
+    snprintf(name, sizeof name, "u%d", i);
+    u[i] = buf_new(name, 300);
+    fill_shards(u[i], (uint32_t)i + 1);
+  }
+  uint64_t seq = 0;
+  for (uint32_t k = 0; k <= W; k++) {
+    seq++;
+    for (uint32_t r = 0; r < W; r++)
+      submit(r, seq, gather_args(u[k]));
+    run_until(seq * W);
+    for (uint32_t r = 0; r < W; r++)
+      expect_reply(r, seq, SHARDD_OK);
+    if (k == W)
+      break;
+    for (uint32_t r = 0; r < W; r++)
+      if (r != k) /* rank k keeps unit k */
+        shardd__area_return(u[k], r, SHARDD__AREA_GATHER);
+  }
+  int distinct = 0;
+  for (int i = 0; i < NU; i++)
+    distinct += u[i]->gslot >= 0;
+  cr_assert_eq(distinct, W + 1, "every slot of the pool is held");
+  cr_assert_eq(shardd__job_pool_bytes(job), (W + 1) * 4096, "no gradient pool yet");
+  for (uint32_t r = 0; r < W; r++)
+    for (uint32_t k = 0; k <= W; k++) {
+      shardd__area a;
+      if (shardd__area_held(u[k], r, SHARDD__AREA_GATHER, &a))
+        cr_assert_eq(area_ptr(&a)[0], shard_val(k + 1, 0, 0));
+    }
+  /* random rounds (a fixed seed: the same run every time) */
+  unsigned x = 12345;
+  int refused = 0;
+  for (int round = 0; round < 400; round++) {
+    x = x * 1103515245u + 12345u;
+    int k = (int)((x >> 16) % NU);
+    /* the per-rank design's answer: room for every rank */
+    int room = 1;
+    for (uint32_t r = 0; r < W; r++)
+      room &= job->nleased[r][SHARDD__AREA_GATHER] < 2 ||
+              shardd__area_held(u[k], r, SHARDD__AREA_GATHER, NULL);
+    seq++;
+    nreplies = 0;
+    for (uint32_t r = 0; r < W; r++)
+      submit(r, seq, gather_args(u[k]));
+    run_until(W);
+    for (uint32_t r = 0; r < W; r++) {
+      const reply *rp = find_reply(r, seq);
+      cr_assert_not_null(rp);
+      cr_assert_eq(rp->code, room ? SHARDD_OK : SHARDD_E_LIMIT, "round %d rank %u: %s",
+                   round, r, rp->msg);
+      if (rp->code == SHARDD_OK)
+        cr_assert_eq(area_ptr(&rp->res.gather)[3], shard_val((uint32_t)k + 1, 0, 3));
+    }
+    refused += !room;
+    /* each rank releases a random one of what it holds, rank 2 (the
+     * lagging one) only every fourth round */
+    for (uint32_t r = 0; r < W; r++) {
+      x = x * 1103515245u + 12345u;
+      if (r == 2 && (round & 3) != 0)
+        continue;
+      int pick = (int)((x >> 16) % NU);
+      if ((x >> 8) & 1)
+        shardd__area_return(u[pick], r, SHARDD__AREA_GATHER);
+    }
+    distinct = 0;
+    for (int i = 0; i < NU; i++)
+      distinct += u[i]->gslot >= 0;
+    cr_assert_leq(distinct, W + 1, "round %d", round);
+  }
+  cr_assert_gt(refused, 0, "some rounds found a rank at its limit");
 }
 
 /* FSDP's limit_all_gathers: a rank holds at most 2 gathered units; a third

@@ -1209,12 +1209,22 @@ class ShardedModule:
           units (the same as inspect's per-shard "bytes": rank blocks,
           optimizer state, a 16-bit unit's seed before its optimizer);
         leased_bytes: the transient areas this rank holds leased now (slots
-          of its job's pool, as large as the largest unit);
+          of its job's pools, as large as the largest unit);
+        gathered_bytes: the part of leased_bytes that is gathered copies;
+          on the host backend (gather_shared) the node's, one read-only
+          copy of a unit that every local rank holding it maps, counted
+          once in the job's pools however many ranks read it;
         job_bytes, job_pool_bytes, job_persistent_bytes,
           job_pool_reserved_bytes: the whole job's, as `shardctl status`
-          shows them (the pool is shared by the job's ranks on a device;
-          reserved: what it will take beyond what it holds, before the
-          first gather all of it, counted by the memory limits);
+          shows them (the gradient pool is shared by the job's ranks on a
+          device, each rank leasing its own slots; reserved: what the pools
+          will take beyond what they hold, before the first gather all of
+          it, counted by the memory limits);
+        job_gather_pool_bytes, job_gathered_bytes, gather_shared: the part
+          of job_pool_bytes set aside for gathered copies (host backend:
+          the node's gather pool of local ranks * (2 - 1) + 1 slots), what
+          of it is held now, and whether the copies are the node's (True)
+          or each rank's (cuda backend);
         trainer_bytes: what this process holds for the model outside the
           daemon: the module's buffers, and any parameter, .grad or kept
           original parameter whose storage is not the daemon's;
@@ -1233,7 +1243,7 @@ class ShardedModule:
         esize = {"fp32": 4, "bf16": 2, "fp16": 2}
         slot = max([(u.buffer.padded_numel * esize.get(u.buffer.dtype, 4) + 4095)
                     // 4096 * 4096 for u in self.units] or [0])
-        units, shard_bytes, leases = [], 0, 0
+        units, shard_bytes, leases, gathered = [], 0, 0, 0
         daemon = set()  # storages in the daemon's memory
         for u in self.units:
             b = u.buffer
@@ -1246,6 +1256,7 @@ class ShardedModule:
                           "shard_numel": b.shard_numel, "bytes": nbytes, "leased": leased})
             shard_bytes += nbytes
             leases += len(leased)
+            gathered += "gather" in leased
             areas = [b.shard_tensor, b.reduced_tensor, u.gather, u.grad]
             if not b.transient:
                 areas += [b.gather_tensor, b.grad_tensor]
@@ -1265,10 +1276,14 @@ class ShardedModule:
             trainer += stg.nbytes()
         return {"rank": rank, "units": units, "shard_bytes": shard_bytes,
                 "leased_bytes": leases * slot,
+                "gathered_bytes": gathered * slot,
                 "job_bytes": job["bytes"] if job else None,
                 "job_pool_bytes": job.get("pool_bytes", 0) if job else None,
                 "job_persistent_bytes": job.get("persistent_bytes", job["bytes"]) if job else None,
                 "job_pool_reserved_bytes": job.get("pool_reserved_bytes", 0) if job else None,
+                "job_gather_pool_bytes": job.get("gather_pool_bytes", 0) if job else None,
+                "job_gathered_bytes": job.get("gathered_bytes", 0) if job else None,
+                "gather_shared": bool(job.get("gather_shared", False)) if job else None,
                 "trainer_bytes": trainer}
 
     def memory_summary(self):
@@ -1293,14 +1308,21 @@ class ShardedModule:
         lines += [
             "  this rank's shards (blocks, optimizer state): %s (%d bytes)"
             % (h(m["shard_bytes"]), m["shard_bytes"]),
-            "  this rank's leased areas now: %s (%d bytes)" % (h(m["leased_bytes"]),
-                                                              m["leased_bytes"]),
+            "  this rank's leased areas now: %s (%d bytes), of them gathered copies %s%s"
+            % (h(m["leased_bytes"]), m["leased_bytes"], h(m["gathered_bytes"]),
+               " (the node's, read-only, shared with the job's other local ranks)"
+               if m["gather_shared"] else ""),
             "  trainer-side (buffers, tensors outside the daemon): %s (%d bytes)"
             % (h(m["trainer_bytes"]), m["trainer_bytes"]),
-            "  the job in the daemon: %s, of it pool %s and persistent %s; "
+            "  the job in the daemon: %s, of it pools %s and persistent %s; "
             "reserved for pools %s"
             % (h(m["job_bytes"]), h(m["job_pool_bytes"]), h(m["job_persistent_bytes"]),
-               h(m["job_pool_reserved_bytes"]))]
+               h(m["job_pool_reserved_bytes"])),
+            "  of the pools, gathered copies %s (%s; %s held now), gradient areas "
+            "the rest (per rank)"
+            % (h(m["job_gather_pool_bytes"]),
+               "the node's, one per unit for every local rank" if m["gather_shared"]
+               else "per rank", h(m["job_gathered_bytes"]))]
         return "\n".join(lines) + "\n"
 
     def __call__(self, *args, **kwargs):
