@@ -185,9 +185,7 @@ void shardd__optim_shard_unseed(shardd__registry *reg, shardd__optim_shard *sh) 
   if (!b->reduced_live &&
       be->ops->copy(be, b->blocks[r], b->reduced_off, sh->state, sh->master_off,
                     seed_bytes(b)) == SHARDD_OK) {
-    job->bytes -= sh->state->bytes;
-    be->ops->free(be, sh->state);
-    sh->state = NULL;
+    shardd__optim_state_free(reg, sh);
     seed_region(reg, b, r, b->blocks[r], b->reduced_off, 0, why, sizeof why);
     reduced_zero(reg, b, r);
     return;
