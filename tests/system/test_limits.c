@@ -544,6 +544,53 @@ Test(server, inspect_of_a_wide_buffer_lists_64_shards, .timeout = 60) {
   test_daemon_finish(&d);
 }
 
+/* Inspect of a wide buffer under an optimizer walked every optimizer
+ * shard of the job for each rank: world 16384 made one inspect hold the
+ * loop for half a second, and a uid's connections pipelining them held
+ * every other client that long per request. It is one pass now. */
+Test(server, inspect_of_a_wide_buffer_under_an_optimizer_is_quick, .timeout = 120) {
+  /* as wide as the daemon's descriptors allow it (each rank block is one;
+   * it keeps 1160 for the default --max-clients), up to 16384 */
+  struct rlimit nofile;
+  cr_assert_eq(getrlimit(RLIMIT_NOFILE, &nofile), 0);
+  uint64_t world = 16384;
+  if (nofile.rlim_max != RLIM_INFINITY && nofile.rlim_max < world + 1400)
+    world = nofile.rlim_max > 1400 ? nofile.rlim_max - 1400 : 0;
+  if (world < 12000)
+    cr_skip_test("the descriptor limit (%ju) allows no job wide enough",
+                 (uintmax_t)nofile.rlim_max);
+  test_daemon_start(&d, (const char *const[]){"--devices", "1", NULL});
+  shardd_client_t *c = test_connect(&d, "wide", 0, (uint32_t)world);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, world, &b),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  shardd_param_ref ref = {b.id, "w"};
+  shardd_param_group g = {&ref, 1, {0}};
+  shardd_hparams hp = {.set = SHARDD_HP_LR, .lr = 0.1};
+  uint64_t opt;
+  cr_assert_eq(shardd_optimizer_register(c, "adam", SHARDD_OPTIM_ADAM, &hp, &g, 1,
+                                         &opt),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  char *s = NULL;
+  double t0 = test_mono_s();
+  cr_assert_eq(shardd_inspect_json(c, b.id, NULL, &s), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  double took = test_mono_s() - t0;
+  cr_assert_lt(took, 0.1, "one inspect of world %ju took %.3f s",
+               (uintmax_t)world, took);
+  tj *j = tj_parse(s);
+  cr_assert_not_null(j, "%s", s);
+  /* each shard's bytes still count its block and its state */
+  const tj *shards = tj_need(j, "shards", TJ_ARR);
+  double bytes = tj_need(shards->kids[0], "bytes", TJ_NUM)->num;
+  cr_assert_gt(bytes, 4096.0, "shard 0 holds %.0f bytes: no state counted", bytes);
+  cr_assert_geq(tj_need(j, "resident_bytes", TJ_NUM)->num, bytes * (double)world);
+  tj_free(j);
+  shardd_free(s);
+  shardd_close(c);
+  test_daemon_finish(&d);
+}
+
 /* ---- memory of a freed region --------------------------------------------
  * A client that kept its mapping of a block after unregistering the
  * buffer kept the block's pages alive while the daemon counted them free,
