@@ -25,8 +25,8 @@ int64_t shardd__coll_doomed_by(const coll *c, double now) {
   for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++) {
     if (q->lost_at[r] < 0 || c->waiters[r].arrived || now < q->lost_at[r] + grace)
       continue;
-    for (uint32_t k = job->local_first; k < job->local_first + job->local_ranks; k++) {
-      const shardd__coll_member *m = c->waiters[k].m;
+    for (uint32_t i = 0; i < c->arrived; i++) { /* the local ranks there */
+      const shardd__coll_member *m = c->waiters[c->order[i]].m;
       if (m && m->joined < q->lost_epoch[r])
         return r;
     }
@@ -148,8 +148,9 @@ shardd_err shardd__coll_describe(const shardd__coll_engine *e,
   out->waited_s = shardd__coll_loop_now(e) - (c->deadline - e->cfg.timeout);
   if (!(out->waited_s > 0))
     out->waited_s = 0;
-  for (uint32_t r = 0; r < job->world; r++)
-    arrived[r] = c->waiters[r].arrived != 0;
+  memset(arrived, 0, job->world);
+  for (uint32_t k = 0; k < c->arrived; k++)
+    arrived[c->order[k]] = 1;
   return SHARDD_OK;
 }
 

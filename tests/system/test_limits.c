@@ -516,6 +516,72 @@ Test(server, status_of_many_huge_jobs_is_summarized_and_paged, .timeout = 120) {
   test_daemon_finish(&d);
 }
 
+/* A collective's waiters are as many as its job's world, and walks over
+ * all of them read every page of them: 32 jobs of world 65536, each with
+ * 32 barriers its one rank left waiting (one uid, well inside its limits),
+ * took one status 12-22 s of the loop the first time (5 MB of waiters
+ * never touched, per collective) and 1.1 s each time after, and their
+ * rank's close as long again. The walks now read the ranks that
+ * arrived. */
+#define WIDE_JOBS 32
+#define WIDE_BARRIERS 32
+
+Test(server, status_of_many_wide_collectives_is_quick, .timeout = 120) {
+  test_daemon_start(&d, (const char *const[]){"--collective-timeout", "600", NULL});
+  static test_raw r[WIDE_JOBS];
+  for (int k = 0; k < WIDE_JOBS; k++) {
+    char name[32];
+    snprintf(name, sizeof name, "wide-%02d", k);
+    test_raw_open(&d, &r[k]);
+    /* the last rank: a walk for the arrived ones goes the whole world */
+    test_raw_hello(&r[k], name, HUGE_WORLD - 1, HUGE_WORLD);
+    for (int i = 0; i < WIDE_BARRIERS; i++) {
+      Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+      Shardwire__AllReduce ar = SHARDWIRE__ALL_REDUCE__INIT;
+      req.body_case = SHARDWIRE__REQUEST__BODY_ALL_REDUCE;
+      req.all_reduce = &ar;
+      test_raw_send(&r[k], &req);
+    }
+    test_raw_sync(&r[k]);
+  }
+  shardd_client_t *c = test_connect(&d, NULL, 0, 1);
+  char *s = NULL;
+  /* the first reads every described collective's arrays for the first
+   * time (pages never touched); the second is the steady cost */
+  for (int pass = 0; pass < 2; pass++) {
+    shardd_free(s);
+    double t0 = test_mono_s();
+    cr_assert_eq(shardd_status_json(c, &s), SHARDD_OK, "%s", shardd_last_error(c));
+    double took = test_mono_s() - t0;
+    cr_assert_lt(took, pass == 0 ? 5.0 : 0.3, "status %d took %.2f s", pass + 1, took);
+  }
+  tj *j = tj_parse(s);
+  cr_assert_not_null(j);
+  const tj *jobs = tj_need(j, "jobs", TJ_ARR);
+  cr_assert_eq(jobs->n, (size_t)WIDE_JOBS);
+  /* described with the one rank that arrived; every job counts its own */
+  const tj *colls = tj_need(jobs->kids[0], "collectives", TJ_ARR);
+  cr_assert_gt(colls->n, 0u);
+  const tj *arrived = tj_need(colls->kids[0], "arrived", TJ_ARR);
+  cr_assert_eq(arrived->n, 1u);
+  cr_assert_eq(arrived->kids[0]->num, (double)(HUGE_WORLD - 1));
+  for (size_t i = 0; i < jobs->n; i++)
+    cr_assert_eq(tj_need(jobs->kids[i], "collectives_in_flight", TJ_NUM)->num,
+                 (double)WIDE_BARRIERS);
+  tj_free(j);
+  shardd_free(s);
+  /* their ranks close: every barrier fails and is freed, and the daemon
+   * answers a ping behind that at once */
+  for (int k = 0; k < WIDE_JOBS; k++)
+    test_raw_close(&r[k]);
+  double t0 = test_mono_s();
+  cr_assert_eq(shardd_ping(c), SHARDD_OK);
+  cr_assert_lt(test_mono_s() - t0, 1.0, "a ping behind the closes took %.2f s",
+               test_mono_s() - t0);
+  shardd_close(c);
+  test_daemon_finish(&d);
+}
+
 /* Inspect of a buffer of a wide job lists 64 shards and counts the rest;
  * its resident bytes still count every block. */
 Test(server, inspect_of_a_wide_buffer_lists_64_shards, .timeout = 60) {
