@@ -80,6 +80,7 @@ static void free_job_cb(void *value, void *arg) {
   free(cj->lost_at);
   free(cj->lost_epoch);
   free(cj->lost_told);
+  free(cj->lost_ranks);
   free(cj->unjoined);
   free(cj);
 }

@@ -84,6 +84,12 @@ typedef struct {
   double *lost_at;
   uint64_t *lost_epoch;
   uint8_t *lost_told;
+  /* the ranks lost now (lost_at >= 0), nlost of [world], in no order: the
+   * tick's doom check walks these for each waiting collective, not the
+   * world (32 jobs of world 65536 with one rank lost and 32 barriers each
+   * kept the loop 20% busy doing nothing) */
+  uint32_t *lost_ranks;
+  uint32_t nlost;
   /* a multi-node job: the latest lost_epoch of this node's ranks when its
    * fabric's work was last abandoned for their all being gone (0 never) */
   uint64_t fab_abandoned;

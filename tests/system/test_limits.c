@@ -582,6 +582,90 @@ Test(server, status_of_many_wide_collectives_is_quick, .timeout = 120) {
   test_daemon_finish(&d);
 }
 
+/* CPU seconds the process has used (utime + stime). */
+static double process_cpu_s(pid_t pid) {
+  char path[64], buf[1024];
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  FILE *f = fopen(path, "r");
+  cr_assert_not_null(f, "%s: %s", path, strerror(errno));
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = '\0';
+  unsigned long ut = 0, st = 0;
+  const char *p = strrchr(buf, ')'); /* the name may hold spaces */
+  cr_assert(p && sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu",
+                        &ut, &st) == 2, "%s", buf);
+  return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
+}
+
+/* Whether the daemon has seen rank 0 of job leave (status gives it a
+ * missing_for_s, -1 for a rank never there). */
+static int rank0_lost(shardd_client_t *c, const char *job) {
+  char *s = NULL;
+  cr_assert_eq(shardd_status_json(c, &s), SHARDD_OK, "%s", shardd_last_error(c));
+  tj *j = tj_parse(s);
+  cr_assert_not_null(j);
+  const tj *jobs = tj_need(j, "jobs", TJ_ARR);
+  int lost = 0;
+  for (size_t i = 0; i < jobs->n; i++)
+    if (strcmp(tj_need(jobs->kids[i], "name", TJ_STR)->str, job) == 0)
+      lost = tj_need(jobs->kids[i], "missing_for_s", TJ_ARR)->kids[0]->num >= 0;
+  tj_free(j);
+  shardd_free(s);
+  return lost;
+}
+
+/* The tick's doom check (a rank lost past --peer-grace fails the
+ * collectives its peers wait in) walked every rank of the job for each
+ * waiting collective, ten times a second: 32 jobs of world 65536, each
+ * with one rank lost and 32 barriers of a rank that joined after it (so
+ * not doomed), kept an idle daemon's loop 20% busy, and a uid's 256
+ * connections could have kept it busy for good. It walks the lost ranks. */
+Test(server, waiting_wide_jobs_with_a_lost_rank_leave_the_loop_idle, .timeout = 120) {
+  test_daemon_start(&d, (const char *const[]){"--collective-timeout", "600",
+                                              "--peer-grace", "0.5", NULL});
+  shardd_client_t *c = test_connect(&d, NULL, 0, 1);
+  static test_raw r[WIDE_JOBS];
+  for (int k = 0; k < WIDE_JOBS; k++) {
+    char name[32];
+    snprintf(name, sizeof name, "lost-%02d", k);
+    test_raw lost;
+    test_raw_open(&d, &lost);
+    test_raw_hello(&lost, name, 0, HUGE_WORLD);
+    test_raw_close(&lost);
+    /* lost before the rank that waits joins: its barriers are not doomed */
+    for (double end = test_mono_s() + TEST_HANG_S; !rank0_lost(c, name);)
+      cr_assert_lt(test_mono_s(), end, "rank 0 of %s never left", name);
+    test_raw_open(&d, &r[k]);
+    test_raw_hello(&r[k], name, HUGE_WORLD - 1, HUGE_WORLD);
+    for (int i = 0; i < WIDE_BARRIERS; i++) {
+      Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+      Shardwire__AllReduce ar = SHARDWIRE__ALL_REDUCE__INIT;
+      req.body_case = SHARDWIRE__REQUEST__BODY_ALL_REDUCE;
+      req.all_reduce = &ar;
+      test_raw_send(&r[k], &req);
+    }
+    test_raw_sync(&r[k]);
+  }
+  test_sleep_ms(1000); /* past the grace: every tick checks them now */
+  double cpu0 = process_cpu_s(d.pid);
+  test_sleep_ms(3000);
+  double used = process_cpu_s(d.pid) - cpu0;
+  cr_assert_lt(used, 0.25, "an idle daemon used %.2f s of CPU in 3 s", used);
+  /* nothing was doomed: every barrier still waits */
+  tj *st = shardctl_status();
+  const tj *jobs = tj_need(st, "jobs", TJ_ARR);
+  cr_assert_eq(jobs->n, (size_t)WIDE_JOBS);
+  for (size_t i = 0; i < jobs->n; i++)
+    cr_assert_eq(tj_need(jobs->kids[i], "collectives_in_flight", TJ_NUM)->num,
+                 (double)WIDE_BARRIERS);
+  tj_free(st);
+  shardd_close(c);
+  for (int k = 0; k < WIDE_JOBS; k++)
+    test_raw_close(&r[k]);
+  test_daemon_finish(&d);
+}
+
 /* Inspect of a buffer of a wide job lists 64 shards and counts the rest;
  * its resident bytes still count every block. */
 Test(server, inspect_of_a_wide_buffer_lists_64_shards, .timeout = 60) {
