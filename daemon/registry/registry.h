@@ -104,8 +104,9 @@ struct shardd__job {
   struct shardd__freed *freed_ring;
   size_t freed_head, freed_count;
   int releasing; /* job_release in progress: frees are not recorded */
-  /* rank blocks its buffers hold, and optimizer state regions that hold a
-   * descriptor (the fd store's memfds; see max_blocks) */
+  /* rank blocks its buffers hold, and the other regions that hold a
+   * descriptor: its pools of transient areas, and with the fd store its
+   * optimizer state (see max_blocks) */
   uint64_t nblocks;
 };
 
@@ -300,8 +301,9 @@ struct shardd__registry {
   /* Memory regions (rank blocks) held at once, in all and by one uid other
    * than root; 0 unlimited. On the host backend each is a descriptor: one
    * job of world 16384 used every descriptor of the daemon in 0.4 s, and
-   * then every connect failed. main sizes them from RLIMIT_NOFILE. With
-   * the fd store an optimizer shard's state is a memfd too, and counts. */
+   * then every connect failed. main sizes them from RLIMIT_NOFILE. A
+   * transient job's pools, and with the fd store an optimizer shard's
+   * state, are memfds too, and count. */
   uint64_t max_blocks;
   uint64_t max_blocks_per_uid;
   /* Views held at once, in all and by one uid other than root; 0

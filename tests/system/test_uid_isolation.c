@@ -203,6 +203,57 @@ Test(server, one_uids_optimizer_state_cannot_take_every_descriptor, .timeout = 1
   test_daemon_finish(&d);
 }
 
+/* A job with transient areas keeps them in a pool per device, a memfd the
+ * daemon holds open, and none was counted: one uid's transient jobs held a
+ * pool descriptor each beyond their share of rank blocks. They count now.
+ * Exit code: 0 as expected. */
+#define POOL_HOG_JOBS 200
+
+static int pool_hog(const char *sock) {
+  if (setgid(4242) != 0 || setuid(4242) != 0)
+    return 10;
+  for (int i = 0; i < POOL_HOG_JOBS; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "pools-%03d", i);
+    shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+    o.job = name;
+    o.transient_areas = 1;
+    shardd_client_t *c;
+    char err[512];
+    if (shardd_connect(sock, &o, &c, err, sizeof err) != SHARDD_OK)
+      return 11;
+    shardd_buffer_info b;
+    shardd_err rc = shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 16, &b);
+    if (rc == SHARDD_OK)
+      rc = shardd_gather(c, b.id); /* makes the job's pool */
+    if (rc != SHARDD_OK) {
+      /* its share (a quarter of 512) holds 64 blocks and their 64 pools */
+      int ok = rc == SHARDD_E_LIMIT && strstr(shardd_last_error(c), "share") && i <= 64;
+      shardd_close(c);
+      return ok ? 0 : i > 64 ? 12 : 13;
+    }
+    shardd_close(c); /* the job lingers, its pool with it */
+  }
+  return 14; /* never refused */
+}
+
+Test(server, one_uids_transient_pools_stay_within_its_share, .timeout = 120) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as a second uid");
+  /* 1024 descriptors: 512 memory regions in all, 128 per uid (this test's
+   * process is its own: the limit goes with it) */
+  struct rlimit low = {1024, 1024};
+  cr_assert_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
+  test_daemon_start(&d, (const char *const[]){"--job-linger", "600", NULL});
+  run_as_other_uid(pool_hog, "pool hog");
+  shardd_client_t *c = test_connect(&d, "root", 0, 4);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 64, &b), SHARDD_OK,
+               "%s", shardd_last_error(c));
+  shardd_close(c);
+  test_daemon_finish(&d);
+}
+
 /* One uid filled --max-jobs with empty jobs (they linger after the
  * connection closes). It now holds at most --max-jobs-per-uid; others,
  * root included, still create theirs. Exit code: 0 as expected. */
