@@ -106,7 +106,7 @@ struct shardd__job {
   int releasing; /* job_release in progress: frees are not recorded */
   /* rank blocks its buffers hold, and the other regions that hold a
    * descriptor: its pools of transient areas, and with the fd store its
-   * optimizer state (see max_blocks) */
+   * optimizer state and seeds (see max_blocks) */
   uint64_t nblocks;
 };
 
@@ -303,7 +303,7 @@ struct shardd__registry {
    * job of world 16384 used every descriptor of the daemon in 0.4 s, and
    * then every connect failed. main sizes them from RLIMIT_NOFILE. A
    * transient job's pools, and with the fd store an optimizer shard's
-   * state, are memfds too, and count. */
+   * state and a 16-bit buffer's seeds, are memfds too, and count. */
   uint64_t max_blocks;
   uint64_t max_blocks_per_uid;
   /* Views held at once, in all and by one uid other than root; 0

@@ -203,6 +203,57 @@ Test(server, one_uids_optimizer_state_cannot_take_every_descriptor, .timeout = 1
   test_daemon_finish(&d);
 }
 
+/* With the fd store a 16-bit buffer's fp32 seed (shardd_seed_master) is a
+ * memfd too, and was not counted: one uid held a seed descriptor per rank
+ * block beyond its share. Exit code: 0 as expected. */
+#define SEED_HOG_BUFFERS 200
+
+static int seed_hog(const char *sock) {
+  if (setgid(4242) != 0 || setuid(4242) != 0)
+    return 10;
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = "seeds";
+  shardd_client_t *c;
+  char err[512];
+  if (shardd_connect(sock, &o, &c, err, sizeof err) != SHARDD_OK)
+    return 11;
+  for (int i = 0; i < SEED_HOG_BUFFERS; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "w%03d", i);
+    shardd_buffer_info b;
+    shardd_err rc = shardd_buffer_register(c, name, SHARDD_DTYPE_BF16, 16, &b);
+    if (rc == SHARDD_OK)
+      rc = shardd_seed_master(c, b.id);
+    if (rc != SHARDD_OK) {
+      /* its share (a quarter of 512) holds 64 blocks and their 64 seeds */
+      int ok = rc == SHARDD_E_LIMIT && strstr(shardd_last_error(c), "share") && i <= 64;
+      shardd_close(c);
+      return ok ? 0 : i > 64 ? 12 : 13;
+    }
+  }
+  return 14; /* never refused */
+}
+
+Test(server, one_uids_seeds_stay_within_its_share, .timeout = 120) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as a second uid");
+  /* the fd store as above, 1024 descriptors: 128 regions per uid */
+  struct rlimit low = {1024, 1024};
+  cr_assert_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
+  setenv("NOTIFY_SOCKET", "/tmp/shardd-test-no-manager.sock", 1);
+  setenv("FDSTORE", "65536", 1);
+  test_daemon_start(&d, NULL);
+  unsetenv("NOTIFY_SOCKET");
+  unsetenv("FDSTORE");
+  run_as_other_uid(seed_hog, "seed hog");
+  shardd_client_t *c = test_connect(&d, "root", 0, 4);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 64, &b), SHARDD_OK,
+               "%s", shardd_last_error(c));
+  shardd_close(c);
+  test_daemon_finish(&d);
+}
+
 /* A job with transient areas keeps them in a pool per device, a memfd the
  * daemon holds open, and none was counted: one uid's transient jobs held a
  * pool descriptor each beyond their share of rank blocks. They count now.
