@@ -80,6 +80,7 @@ static void free_job_cb(void *value, void *arg) {
   free(cj->lost_at);
   free(cj->lost_epoch);
   free(cj->lost_told);
+  free(cj->lost_ranks);
   free(cj->unjoined);
   free(cj);
 }
@@ -166,12 +167,24 @@ static void coll_unlink(coll *c) {
     shardd__optim_release_hold(c->opt);
 }
 
+static int cmp_rank(const void *a, const void *b) {
+  uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+  return (x > y) - (x < y);
+}
+
+/* c's arrived ranks in rank order: they are answered in it, as when every
+ * waiter was walked. */
+static void sort_order(coll *c) {
+  qsort(c->order, c->arrived, sizeof *c->order, cmp_rank);
+}
+
 static void coll_free(coll *c) {
-  for (uint32_t r = 0; r < c->job->world; r++) {
-    if (c->waiters[r].m)
-      c->waiters[r].m->pending--;
-    free(c->waiters[r].vals);
-    free(c->waiters[r].no_grad);
+  for (uint32_t i = 0; i < c->arrived; i++) { /* no other waiter is set */
+    waiter *w = &c->waiters[c->order[i]];
+    if (w->m)
+      w->m->pending--;
+    free(w->vals);
+    free(w->no_grad);
   }
   free(c->reduced);
   free(c->ref_step);
@@ -216,7 +229,9 @@ void shardd__coll_finish(coll *c, shardd_err code, const char *msg) {
                              code);
   }
   coll_unlink(c);
-  for (uint32_t r = 0; r < c->job->world; r++) {
+  sort_order(c);
+  for (uint32_t i = 0; i < c->arrived; i++) {
+    uint32_t r = c->order[i];
     waiter *w = &c->waiters[r];
     if (w->m == NULL)
       continue;
@@ -365,8 +380,9 @@ void shardd__coll_job_maybe_quiet(coll_job *q) {
 uint32_t shardd__coll_answer_now(coll *c, shardd_err code, const char *msg) {
   const shardd__coll_hooks *h = &c->e->cfg.hooks;
   uint32_t n = 0;
-  for (uint32_t r = 0; r < c->job->world; r++) {
-    waiter *w = &c->waiters[r];
+  sort_order(c);
+  for (uint32_t i = 0; i < c->arrived; i++) {
+    waiter *w = &c->waiters[c->order[i]];
     if (w->m == NULL)
       continue;
     shardd__coll_result res;

@@ -84,6 +84,12 @@ typedef struct {
   double *lost_at;
   uint64_t *lost_epoch;
   uint8_t *lost_told;
+  /* the ranks lost now (lost_at >= 0), nlost of [world], in no order: the
+   * tick's doom check walks these for each waiting collective, not the
+   * world (32 jobs of world 65536 with one rank lost and 32 barriers each
+   * kept the loop 20% busy doing nothing) */
+  uint32_t *lost_ranks;
+  uint32_t nlost;
   /* a multi-node job: the latest lost_epoch of this node's ranks when its
    * fabric's work was last abandoned for their all being gone (0 never) */
   uint64_t fab_abandoned;
@@ -163,6 +169,13 @@ struct coll {
   shardd__optim *opt;  /* step */
   waiter *waiters;     /* [world] */
   uint32_t arrived;
+  /* the ranks that arrived, in order: the first `arrived` of [world] in
+   * c's allocation. Walks over the waiters that matter (answers, frees,
+   * status) read these, not the world: the waiters of a job of world
+   * 65536 whose one rank left 32 barriers are 5 MB each never touched,
+   * and walking them all faulted every page in (1024 such collectives
+   * held the loop 20 s as their rank closed) */
+  uint32_t *order;
   double deadline;
   int started;
   int phase; /* step: 0 norms, 1 updates */

@@ -18,20 +18,24 @@
  * wait for it as at the job's start. */
 int64_t shardd__coll_doomed_by(const coll *c, double now) {
   const coll_job *q = c->cj;
-  const shardd__job *job = c->job;
   if (c->started || q->lost_at == NULL)
     return -1;
   double grace = c->e->cfg.peer_grace;
-  for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++) {
-    if (q->lost_at[r] < 0 || c->waiters[r].arrived || now < q->lost_at[r] + grace)
+  int64_t doom = -1; /* the lowest such rank, as a walk of them all found */
+  for (uint32_t k = 0; k < q->nlost; k++) {
+    uint32_t r = q->lost_ranks[k];
+    if ((doom >= 0 && r >= doom) || c->waiters[r].arrived ||
+        now < q->lost_at[r] + grace)
       continue;
-    for (uint32_t k = job->local_first; k < job->local_first + job->local_ranks; k++) {
-      const shardd__coll_member *m = c->waiters[k].m;
-      if (m && m->joined < q->lost_epoch[r])
-        return r;
+    for (uint32_t i = 0; i < c->arrived; i++) { /* the local ranks there */
+      const shardd__coll_member *m = c->waiters[c->order[i]].m;
+      if (m && m->joined < q->lost_epoch[r]) {
+        doom = r;
+        break;
+      }
     }
   }
-  return -1;
+  return doom;
 }
 
 /* Fails c, which rank r dooms, naming r; the first failure of each loss is
@@ -91,6 +95,11 @@ void shardd__coll_member_joined(shardd__coll_engine *e, shardd__coll_member *m) 
               m->job->name, m->rank,
               shardd__coll_loop_now(e) - q->lost_at[m->rank]);
   q->lost_at[m->rank] = -1;
+  for (uint32_t i = 0; i < q->nlost; i++)
+    if (q->lost_ranks[i] == m->rank) {
+      q->lost_ranks[i] = q->lost_ranks[--q->nlost];
+      break;
+    }
 }
 
 /* Records that m's rank is missing from now (a job's first loss makes the
@@ -103,13 +112,18 @@ static void note_lost(coll_job *q, const shardd__coll_member *m) {
     q->lost_at = malloc(w * sizeof *q->lost_at);
     q->lost_epoch = calloc(w, sizeof *q->lost_epoch);
     q->lost_told = calloc(w, 1);
-    if (q->lost_at == NULL || q->lost_epoch == NULL || q->lost_told == NULL) {
+    q->lost_ranks = malloc(w * sizeof *q->lost_ranks);
+    q->nlost = 0;
+    if (q->lost_at == NULL || q->lost_epoch == NULL || q->lost_told == NULL ||
+        q->lost_ranks == NULL) {
       free(q->lost_at);
       free(q->lost_epoch);
       free(q->lost_told);
+      free(q->lost_ranks);
       q->lost_at = NULL;
       q->lost_epoch = NULL;
       q->lost_told = NULL;
+      q->lost_ranks = NULL;
       shardd__log(SHARDD__LOG_ERROR, "job \"%s\": out of memory noting that "
                   "rank %" PRIu32 " left; its peers wait up to the collective "
                   "timeout", q->job->name, m->rank);
@@ -118,6 +132,8 @@ static void note_lost(coll_job *q, const shardd__coll_member *m) {
     for (uint32_t r = 0; r < w; r++)
       q->lost_at[r] = -1;
   }
+  if (q->lost_at[m->rank] < 0)
+    q->lost_ranks[q->nlost++] = m->rank;
   q->lost_at[m->rank] = shardd__coll_loop_now(e);
   q->lost_epoch[m->rank] = ++e->epoch;
   q->lost_told[m->rank] = 0;
@@ -148,8 +164,9 @@ shardd_err shardd__coll_describe(const shardd__coll_engine *e,
   out->waited_s = shardd__coll_loop_now(e) - (c->deadline - e->cfg.timeout);
   if (!(out->waited_s > 0))
     out->waited_s = 0;
-  for (uint32_t r = 0; r < job->world; r++)
-    arrived[r] = c->waiters[r].arrived != 0;
+  memset(arrived, 0, job->world);
+  for (uint32_t k = 0; k < c->arrived; k++)
+    arrived[c->order[k]] = 1;
   return SHARDD_OK;
 }
 

@@ -384,7 +384,8 @@ static coll *submit_new(submission *s) {
    * collective per entry: five allocations each were a cost of its own) */
   size_t w = s->job->world;
   coll *c = calloc(1, sizeof *c + w * (sizeof *c->waiters + sizeof *c->area_reg +
-                                       sizeof *c->area_off + sizeof *c->took));
+                                       sizeof *c->area_off + sizeof *c->order +
+                                       sizeof *c->took));
   if (c == NULL) {
     submit_refuse(s, SHARDD_E_NO_MEMORY, "out of memory");
     return NULL;
@@ -392,7 +393,8 @@ static coll *submit_new(submission *s) {
   c->waiters = (waiter *)(c + 1);
   c->area_reg = (shardd__region **)(c->waiters + w);
   c->area_off = (size_t *)(c->area_reg + w);
-  c->took = (uint8_t *)(c->area_off + w);
+  c->order = (uint32_t *)(c->area_off + w);
+  c->took = (uint8_t *)(c->order + w);
   e->counters.made++;
   c->e = e;
   c->job = s->job;
@@ -523,7 +525,7 @@ static void submit_arrive(submission *s, coll *c) {
   s->vals = NULL;
   s->mask = NULL;
   m->pending++;
-  c->arrived++;
+  c->order[c->arrived++] = m->rank;
   if (s->local != SHARDD_OK) {
     /* answered now, as on one node; its peers here learn of it with the
      * others when every local rank arrived */

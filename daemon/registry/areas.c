@@ -128,6 +128,10 @@ static void pool_free(shardd__registry *reg, shardd__job *job,
   if (p == NULL)
     return;
   job->bytes -= p->region->bytes;
+  if (p->region->fd >= 0) {
+    job->nblocks--;
+    reg->nblocks--;
+  }
   reg->backend->ops->free(reg->backend, p->region);
   free(p->slots);
   free(p);
@@ -207,6 +211,23 @@ static shardd_err pool_make(shardd__registry *reg, shardd__job *job, int dev,
     free(p->slots);
     free(p);
     return rc;
+  }
+  /* a memfd (the host backend's): it counts against the bounds on memory
+   * regions as a rank block does; uncounted, a uid's transient jobs held
+   * a pool descriptor each beyond their share */
+  if (p->region->fd >= 0 && !shardd__within_blocks(reg, job, 1, err, errlen)) {
+    size_t used = strlen(err);
+    if (used < errlen)
+      snprintf(err + used, errlen - used, " (the job's pool of transient areas "
+               "on device %d would be one more)", dev);
+    reg->backend->ops->free(reg->backend, p->region);
+    free(p->slots);
+    free(p);
+    return SHARDD_E_LIMIT;
+  }
+  if (p->region->fd >= 0) {
+    job->nblocks++;
+    reg->nblocks++;
   }
   p->id = pid;
   job->bytes += p->region->bytes;

@@ -24,15 +24,24 @@ static void optim_free_shards(shardd__registry *reg, shardd__optim *o) {
   for (size_t i = 0; i < o->nshards; i++) {
     shardd__optim_shard *s = &o->shards[i];
     shardd__optim_shard_unseed(reg, s);
-    if (s->state) {
-      o->hdr.job->bytes -= s->state->bytes;
-      reg->backend->ops->free(reg->backend, s->state);
-    }
+    if (s->state)
+      shardd__optim_state_free(reg, s);
     free(s->segs);
   }
   free(o->shards);
   o->shards = NULL;
   o->nshards = 0;
+}
+
+void shardd__optim_state_free(shardd__registry *reg, shardd__optim_shard *sh) {
+  shardd__job *job = sh->buf->hdr.job;
+  job->bytes -= sh->state->bytes;
+  if (sh->state->fd >= 0) {
+    job->nblocks--;
+    reg->nblocks--;
+  }
+  reg->backend->ops->free(reg->backend, sh->state);
+  sh->state = NULL;
 }
 
 void shardd__optim_destroy(shardd__registry *reg, shardd__optim *o) {
@@ -126,6 +135,30 @@ static shardd_err add_seg(shardd__optim_shard *s, uint64_t start, uint64_t len,
   return SHARDD_OK;
 }
 
+/* With the fd store the host backend keeps sh's new state in a memfd, as
+ * a rank block: it counts against the same bounds (max_blocks and the
+ * uid's share). Uncounted, one uid's optimizers over one-element views of
+ * their own took every descriptor, and every connect then failed. Past a
+ * bound the state is freed (sh->state NULL) and E_LIMIT says why. */
+static shardd_err state_charge(shardd__registry *reg, shardd__job *job,
+                               shardd__optim_shard *sh, char *err,
+                               size_t errlen) {
+  if (sh->state->fd < 0)
+    return SHARDD_OK;
+  if (!shardd__within_blocks(reg, job, 1, err, errlen)) {
+    size_t used = strlen(err);
+    if (used < errlen)
+      snprintf(err + used, errlen - used, " (optimizer state for buffer \"%s\" "
+               "rank %" PRIu32 " would be one more)", sh->buf->hdr.name, sh->rank);
+    reg->backend->ops->free(reg->backend, sh->state);
+    sh->state = NULL;
+    return SHARDD_E_LIMIT;
+  }
+  job->nblocks++;
+  reg->nblocks++;
+  return SHARDD_OK;
+}
+
 shardd_err shardd__optim_create(shardd__registry *reg, shardd__job *job,
                                 shardd__optim_plan *plan, shardd__optim **out,
                                 char *err, size_t errlen) {
@@ -203,6 +236,11 @@ shardd_err shardd__optim_create(shardd__registry *reg, shardd__job *job,
         shardd__optim_shard_seed_unpark(reg, sh);
       snprintf(err, errlen, "optimizer state for buffer \"%s\" rank %" PRIu32 ": %s",
                sh->buf->hdr.name, sh->rank, why);
+      goto fail;
+    }
+    if ((rc = state_charge(reg, job, sh, err, errlen)) != SHARDD_OK) {
+      if (parked)
+        shardd__optim_shard_seed_unpark(reg, sh);
       goto fail;
     }
     job->bytes += sh->state->bytes;

@@ -109,7 +109,10 @@ struct shardd__job {
   struct shardd__freed *freed_ring;
   size_t freed_head, freed_count;
   int releasing; /* job_release in progress: frees are not recorded */
-  uint64_t nblocks; /* rank blocks its buffers hold (see max_blocks) */
+  /* rank blocks its buffers hold, and the other regions that hold a
+   * descriptor: its pools of transient areas, and with the fd store its
+   * optimizer state and seeds (see max_blocks) */
+  uint64_t nblocks;
 };
 
 #define SHARDD__FREED_MAX 4096
@@ -306,7 +309,9 @@ struct shardd__registry {
   /* Memory regions (rank blocks) held at once, in all and by one uid other
    * than root; 0 unlimited. On the host backend each is a descriptor: one
    * job of world 16384 used every descriptor of the daemon in 0.4 s, and
-   * then every connect failed. main sizes them from RLIMIT_NOFILE. */
+   * then every connect failed. main sizes them from RLIMIT_NOFILE. A
+   * transient job's pools, and with the fd store an optimizer shard's
+   * state and a 16-bit buffer's seeds, are memfds too, and count. */
   uint64_t max_blocks;
   uint64_t max_blocks_per_uid;
   /* Views held at once, in all and by one uid other than root; 0

@@ -56,6 +56,10 @@ int shardd__within_quota(const shardd__registry *reg, shardd__job *job,
 /* Whether job may take need more rank blocks (see max_blocks); else err. */
 int shardd__within_blocks(shardd__registry *reg, shardd__job *job,
                           uint64_t need, char *err, size_t errlen);
+/* An optimizer shard's state region freed (optimizer.c, seed.c): its
+ * bytes and, when it holds a descriptor, its count with the rank blocks
+ * (see shardd__optim_create) given back; sh->state is NULL after. */
+void shardd__optim_state_free(shardd__registry *reg, shardd__optim_shard *sh);
 /* Whether job may take one more view (see max_views); else err. */
 int shardd__within_views(shardd__registry *reg, shardd__job *job, char *err,
                          size_t errlen);

@@ -51,6 +51,10 @@ static void seed_free(shardd__registry *reg, shardd__buffer *b, uint32_t rank) {
   if (b->seed == NULL || b->seed[rank] == NULL)
     return;
   b->hdr.job->bytes -= b->seed[rank]->bytes;
+  if (b->seed[rank]->fd >= 0) {
+    b->hdr.job->nblocks--;
+    reg->nblocks--;
+  }
   reg->backend->ops->free(reg->backend, b->seed[rank]);
   b->seed[rank] = NULL;
 }
@@ -73,11 +77,26 @@ static shardd_err seed_region(shardd__registry *reg, shardd__buffer *b,
       be, shardd__rank_device(reg, rank), bytes, label, &r, err, errlen);
   if (rc != SHARDD_OK)
     return rc;
+  /* with the fd store a seed is a memfd: it counts against the bounds on
+   * memory regions as a rank block does (a seed going back from a master
+   * is counted, not refused: the master's state it leaves counted more) */
+  if (quota && r->fd >= 0 && !shardd__within_blocks(reg, job, 1, err, errlen)) {
+    size_t used = strlen(err);
+    if (used < errlen)
+      snprintf(err + used, errlen - used, " (the fp32 seed of buffer \"%s\" "
+               "rank %" PRIu32 " would be one more)", b->hdr.name, rank);
+    be->ops->free(be, r);
+    return SHARDD_E_LIMIT;
+  }
   rc = be->ops->copy(be, r, 0, src, off, bytes);
   if (rc != SHARDD_OK) {
     be->ops->free(be, r);
     snprintf(err, errlen, "copying the seed: %s", shardd_strerror(rc));
     return rc;
+  }
+  if (r->fd >= 0) {
+    job->nblocks++;
+    reg->nblocks++;
   }
   job->bytes += r->bytes;
   b->seed[rank] = r;
@@ -185,9 +204,7 @@ void shardd__optim_shard_unseed(shardd__registry *reg, shardd__optim_shard *sh) 
   if (!b->reduced_live &&
       be->ops->copy(be, b->blocks[r], b->reduced_off, sh->state, sh->master_off,
                     seed_bytes(b)) == SHARDD_OK) {
-    job->bytes -= sh->state->bytes;
-    be->ops->free(be, sh->state);
-    sh->state = NULL;
+    shardd__optim_state_free(reg, sh);
     seed_region(reg, b, r, b->blocks[r], b->reduced_off, 0, why, sizeof why);
     reduced_zero(reg, b, r);
     return;

@@ -436,19 +436,24 @@ static void find_in_job(shardd__job *job, void *arg) {
   free(bufs);
 }
 
-/* What the daemon holds for rank k's shard of b (see ShardInfo.bytes):
- * its block, its seed and every optimizer's state over it. */
-static uint64_t shard_bytes(shardd__buffer *b, uint32_t k, shardd__optim **opts,
-                            size_t no) {
-  uint64_t n = b->blocks[k] ? b->blocks[k]->bytes : 0;
-  if (b->seed && b->seed[k])
-    n += b->seed[k]->bytes;
+/* What the daemon holds for each rank's shard of b (see ShardInfo.bytes):
+ * its block, its seed and every optimizer's state over it; per[world].
+ * One pass over the optimizers' shards: a walk of them per rank was
+ * world x shards, half a second of the loop for one inspect of a buffer of
+ * world 16384 under an optimizer. */
+static void shard_bytes(shardd__buffer *b, shardd__optim **opts, size_t no,
+                        uint64_t *per) {
+  for (uint32_t k = 0; k < b->world; k++) {
+    per[k] = b->blocks[k] ? b->blocks[k]->bytes : 0;
+    if (b->seed && b->seed[k])
+      per[k] += b->seed[k]->bytes;
+  }
   for (size_t i = 0; i < no; i++)
-    for (size_t j = 0; j < opts[i]->nshards; j++)
-      if (opts[i]->shards[j].buf == b && opts[i]->shards[j].rank == k &&
-          opts[i]->shards[j].state)
-        n += opts[i]->shards[j].state->bytes;
-  return n;
+    for (size_t j = 0; j < opts[i]->nshards; j++) {
+      const shardd__optim_shard *sh = &opts[i]->shards[j];
+      if (sh->buf == b && sh->rank < b->world && sh->state)
+        per[sh->rank] += sh->state->bytes;
+    }
 }
 
 static shardd_err fill_buffer(shardd__report *r, const shardd__status_ctx *ctx,
@@ -493,16 +498,21 @@ static shardd_err fill_buffer(shardd__report *r, const shardd__status_ctx *ctx,
    * views of it), and so do 16-bit seeds */
   shardd__optim **opts = NULL;
   size_t no = 0;
-  if (shardd__job_optims(b->hdr.job, &opts, &no) != SHARDD_OK)
+  uint64_t *per = malloc(b->world * sizeof *per);
+  if (per == NULL || shardd__job_optims(b->hdr.job, &opts, &no) != SHARDD_OK) {
+    free(per);
     return SHARDD_E_NO_MEMORY;
+  }
+  shard_bytes(b, opts, no, per);
+  free(opts);
   for (uint32_t k = 0; k < b->world; k++) /* NULL block: another node's rank */
     if (b->blocks[k])
-      ir->resident_bytes += shard_bytes(b, k, opts, no);
+      ir->resident_bytes += per[k];
   ir->shards = ar_alloc(r, nsh * sizeof *ir->shards);
   for (uint32_t k = 0; ir->shards && k < nsh; k++) {
     Shardwire__ShardInfo *si = ar_alloc(r, sizeof *si);
     if (si == NULL) {
-      free(opts);
+      free(per);
       return SHARDD_E_NO_MEMORY;
     }
     shardwire__shard_info__init(si);
@@ -512,11 +522,11 @@ static shardd_err fill_buffer(shardd__report *r, const shardd__status_ctx *ctx,
     si->numel = b->shard_numel;
     if (b->blocks[k]) {
       si->has_bytes = 1;
-      si->bytes = shard_bytes(b, k, opts, no);
+      si->bytes = per[k];
     }
     ir->shards[ir->n_shards++] = si;
   }
-  free(opts);
+  free(per);
   shardd__optim *owner = b->owner;
   if (owner) {
     ir->has_steps = 1;

@@ -516,6 +516,156 @@ Test(server, status_of_many_huge_jobs_is_summarized_and_paged, .timeout = 120) {
   test_daemon_finish(&d);
 }
 
+/* A collective's waiters are as many as its job's world, and walks over
+ * all of them read every page of them: 32 jobs of world 65536, each with
+ * 32 barriers its one rank left waiting (one uid, well inside its limits),
+ * took one status 12-22 s of the loop the first time (5 MB of waiters
+ * never touched, per collective) and 1.1 s each time after, and their
+ * rank's close as long again. The walks now read the ranks that
+ * arrived. */
+#define WIDE_JOBS 32
+#define WIDE_BARRIERS 32
+
+Test(server, status_of_many_wide_collectives_is_quick, .timeout = 120) {
+  test_daemon_start(&d, (const char *const[]){"--collective-timeout", "600", NULL});
+  static test_raw r[WIDE_JOBS];
+  for (int k = 0; k < WIDE_JOBS; k++) {
+    char name[32];
+    snprintf(name, sizeof name, "wide-%02d", k);
+    test_raw_open(&d, &r[k]);
+    /* the last rank: a walk for the arrived ones goes the whole world */
+    test_raw_hello(&r[k], name, HUGE_WORLD - 1, HUGE_WORLD);
+    for (int i = 0; i < WIDE_BARRIERS; i++) {
+      Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+      Shardwire__AllReduce ar = SHARDWIRE__ALL_REDUCE__INIT;
+      req.body_case = SHARDWIRE__REQUEST__BODY_ALL_REDUCE;
+      req.all_reduce = &ar;
+      test_raw_send(&r[k], &req);
+    }
+    test_raw_sync(&r[k]);
+  }
+  shardd_client_t *c = test_connect(&d, NULL, 0, 1);
+  char *s = NULL;
+  /* the first reads every described collective's arrays for the first
+   * time (pages never touched); the second is the steady cost */
+  for (int pass = 0; pass < 2; pass++) {
+    shardd_free(s);
+    double t0 = test_mono_s();
+    cr_assert_eq(shardd_status_json(c, &s), SHARDD_OK, "%s", shardd_last_error(c));
+    double took = test_mono_s() - t0;
+    cr_assert_lt(took, pass == 0 ? 5.0 : 0.3, "status %d took %.2f s", pass + 1, took);
+  }
+  tj *j = tj_parse(s);
+  cr_assert_not_null(j);
+  const tj *jobs = tj_need(j, "jobs", TJ_ARR);
+  cr_assert_eq(jobs->n, (size_t)WIDE_JOBS);
+  /* described with the one rank that arrived; every job counts its own */
+  const tj *colls = tj_need(jobs->kids[0], "collectives", TJ_ARR);
+  cr_assert_gt(colls->n, 0u);
+  const tj *arrived = tj_need(colls->kids[0], "arrived", TJ_ARR);
+  cr_assert_eq(arrived->n, 1u);
+  cr_assert_eq(arrived->kids[0]->num, (double)(HUGE_WORLD - 1));
+  for (size_t i = 0; i < jobs->n; i++)
+    cr_assert_eq(tj_need(jobs->kids[i], "collectives_in_flight", TJ_NUM)->num,
+                 (double)WIDE_BARRIERS);
+  tj_free(j);
+  shardd_free(s);
+  /* their ranks close: every barrier fails and is freed, and the daemon
+   * answers a ping behind that at once */
+  for (int k = 0; k < WIDE_JOBS; k++)
+    test_raw_close(&r[k]);
+  double t0 = test_mono_s();
+  cr_assert_eq(shardd_ping(c), SHARDD_OK);
+  cr_assert_lt(test_mono_s() - t0, 1.0, "a ping behind the closes took %.2f s",
+               test_mono_s() - t0);
+  shardd_close(c);
+  test_daemon_finish(&d);
+}
+
+/* CPU seconds the process has used (utime + stime). */
+static double process_cpu_s(pid_t pid) {
+  char path[64], buf[1024];
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  FILE *f = fopen(path, "r");
+  cr_assert_not_null(f, "%s: %s", path, strerror(errno));
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = '\0';
+  unsigned long ut = 0, st = 0;
+  const char *p = strrchr(buf, ')'); /* the name may hold spaces */
+  cr_assert(p && sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu",
+                        &ut, &st) == 2, "%s", buf);
+  return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
+}
+
+/* Whether the daemon has seen rank 0 of job leave (status gives it a
+ * missing_for_s, -1 for a rank never there). */
+static int rank0_lost(shardd_client_t *c, const char *job) {
+  char *s = NULL;
+  cr_assert_eq(shardd_status_json(c, &s), SHARDD_OK, "%s", shardd_last_error(c));
+  tj *j = tj_parse(s);
+  cr_assert_not_null(j);
+  const tj *jobs = tj_need(j, "jobs", TJ_ARR);
+  int lost = 0;
+  for (size_t i = 0; i < jobs->n; i++)
+    if (strcmp(tj_need(jobs->kids[i], "name", TJ_STR)->str, job) == 0)
+      lost = tj_need(jobs->kids[i], "missing_for_s", TJ_ARR)->kids[0]->num >= 0;
+  tj_free(j);
+  shardd_free(s);
+  return lost;
+}
+
+/* The tick's doom check (a rank lost past --peer-grace fails the
+ * collectives its peers wait in) walked every rank of the job for each
+ * waiting collective, ten times a second: 32 jobs of world 65536, each
+ * with one rank lost and 32 barriers of a rank that joined after it (so
+ * not doomed), kept an idle daemon's loop 20% busy, and a uid's 256
+ * connections could have kept it busy for good. It walks the lost ranks. */
+Test(server, waiting_wide_jobs_with_a_lost_rank_leave_the_loop_idle, .timeout = 120) {
+  test_daemon_start(&d, (const char *const[]){"--collective-timeout", "600",
+                                              "--peer-grace", "0.5", NULL});
+  shardd_client_t *c = test_connect(&d, NULL, 0, 1);
+  static test_raw r[WIDE_JOBS];
+  for (int k = 0; k < WIDE_JOBS; k++) {
+    char name[32];
+    snprintf(name, sizeof name, "lost-%02d", k);
+    test_raw lost;
+    test_raw_open(&d, &lost);
+    test_raw_hello(&lost, name, 0, HUGE_WORLD);
+    test_raw_close(&lost);
+    /* lost before the rank that waits joins: its barriers are not doomed */
+    for (double end = test_mono_s() + TEST_HANG_S; !rank0_lost(c, name);)
+      cr_assert_lt(test_mono_s(), end, "rank 0 of %s never left", name);
+    test_raw_open(&d, &r[k]);
+    test_raw_hello(&r[k], name, HUGE_WORLD - 1, HUGE_WORLD);
+    for (int i = 0; i < WIDE_BARRIERS; i++) {
+      Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+      Shardwire__AllReduce ar = SHARDWIRE__ALL_REDUCE__INIT;
+      req.body_case = SHARDWIRE__REQUEST__BODY_ALL_REDUCE;
+      req.all_reduce = &ar;
+      test_raw_send(&r[k], &req);
+    }
+    test_raw_sync(&r[k]);
+  }
+  test_sleep_ms(1000); /* past the grace: every tick checks them now */
+  double cpu0 = process_cpu_s(d.pid);
+  test_sleep_ms(3000);
+  double used = process_cpu_s(d.pid) - cpu0;
+  cr_assert_lt(used, 0.25, "an idle daemon used %.2f s of CPU in 3 s", used);
+  /* nothing was doomed: every barrier still waits */
+  tj *st = shardctl_status();
+  const tj *jobs = tj_need(st, "jobs", TJ_ARR);
+  cr_assert_eq(jobs->n, (size_t)WIDE_JOBS);
+  for (size_t i = 0; i < jobs->n; i++)
+    cr_assert_eq(tj_need(jobs->kids[i], "collectives_in_flight", TJ_NUM)->num,
+                 (double)WIDE_BARRIERS);
+  tj_free(st);
+  shardd_close(c);
+  for (int k = 0; k < WIDE_JOBS; k++)
+    test_raw_close(&r[k]);
+  test_daemon_finish(&d);
+}
+
 /* Inspect of a buffer of a wide job lists 64 shards and counts the rest;
  * its resident bytes still count every block. */
 Test(server, inspect_of_a_wide_buffer_lists_64_shards, .timeout = 60) {
@@ -539,6 +689,53 @@ Test(server, inspect_of_a_wide_buffer_lists_64_shards, .timeout = 60) {
   shardd_free(s);
   cr_assert_eq(shardd_inspect_text(c, b.id, NULL, &s), SHARDD_OK);
   cr_assert(strstr(s, "and 36 more shards") != NULL, "%s", s);
+  shardd_free(s);
+  shardd_close(c);
+  test_daemon_finish(&d);
+}
+
+/* Inspect of a wide buffer under an optimizer walked every optimizer
+ * shard of the job for each rank: world 16384 made one inspect hold the
+ * loop for half a second, and a uid's connections pipelining them held
+ * every other client that long per request. It is one pass now. */
+Test(server, inspect_of_a_wide_buffer_under_an_optimizer_is_quick, .timeout = 120) {
+  /* as wide as the daemon's descriptors allow it (each rank block is one;
+   * it keeps 1160 for the default --max-clients), up to 16384 */
+  struct rlimit nofile;
+  cr_assert_eq(getrlimit(RLIMIT_NOFILE, &nofile), 0);
+  uint64_t world = 16384;
+  if (nofile.rlim_max != RLIM_INFINITY && nofile.rlim_max < world + 1400)
+    world = nofile.rlim_max > 1400 ? nofile.rlim_max - 1400 : 0;
+  if (world < 12000)
+    cr_skip_test("the descriptor limit (%ju) allows no job wide enough",
+                 (uintmax_t)nofile.rlim_max);
+  test_daemon_start(&d, (const char *const[]){"--devices", "1", NULL});
+  shardd_client_t *c = test_connect(&d, "wide", 0, (uint32_t)world);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, world, &b),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  shardd_param_ref ref = {b.id, "w"};
+  shardd_param_group g = {&ref, 1, {0}};
+  shardd_hparams hp = {.set = SHARDD_HP_LR, .lr = 0.1};
+  uint64_t opt;
+  cr_assert_eq(shardd_optimizer_register(c, "adam", SHARDD_OPTIM_ADAM, &hp, &g, 1,
+                                         &opt),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  char *s = NULL;
+  double t0 = test_mono_s();
+  cr_assert_eq(shardd_inspect_json(c, b.id, NULL, &s), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  double took = test_mono_s() - t0;
+  cr_assert_lt(took, 0.1, "one inspect of world %ju took %.3f s",
+               (uintmax_t)world, took);
+  tj *j = tj_parse(s);
+  cr_assert_not_null(j, "%s", s);
+  /* each shard's bytes still count its block and its state */
+  const tj *shards = tj_need(j, "shards", TJ_ARR);
+  double bytes = tj_need(shards->kids[0], "bytes", TJ_NUM)->num;
+  cr_assert_gt(bytes, 4096.0, "shard 0 holds %.0f bytes: no state counted", bytes);
+  cr_assert_geq(tj_need(j, "resident_bytes", TJ_NUM)->num, bytes * (double)world);
+  tj_free(j);
   shardd_free(s);
   shardd_close(c);
   test_daemon_finish(&d);

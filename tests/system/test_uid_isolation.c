@@ -135,6 +135,176 @@ Test(server, one_uid_cannot_take_every_descriptor, .timeout = 120) {
   test_daemon_finish(&d);
 }
 
+/* With the service manager's descriptor store the daemon keeps optimizer
+ * state in a memfd too, one per shard, and none of them counted: one uid's
+ * Adam optimizers, each over a one-element view of its own, took every
+ * descriptor, and then every connect failed. They count against the uid's
+ * share of memory regions as rank blocks do. Exit code: 0 as expected. */
+#define STATE_HOG_OPTIMS 1200 /* past the daemon's 1024 descriptors */
+
+static int state_hog(const char *sock) {
+  if (setgid(4242) != 0 || setuid(4242) != 0)
+    return 10;
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = "statehog";
+  shardd_client_t *c;
+  char err[512];
+  if (shardd_connect(sock, &o, &c, err, sizeof err) != SHARDD_OK)
+    return 11;
+  shardd_buffer_info b;
+  if (shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, STATE_HOG_OPTIMS, &b) !=
+      SHARDD_OK)
+    return 12;
+  shardd_hparams hp = {.set = SHARDD_HP_LR, .lr = 0.1};
+  for (int i = 0; i < STATE_HOG_OPTIMS; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "v%d", i);
+    int64_t shape[1] = {1};
+    uint64_t v, opt;
+    if (shardd_view_register(c, b.id, name, (uint64_t)i, 1, shape, 1, &v) != SHARDD_OK)
+      return 13;
+    shardd_param_ref ref = {v, name};
+    shardd_param_group g = {&ref, 1, {0}};
+    snprintf(name, sizeof name, "o%d", i);
+    shardd_err rc = shardd_optimizer_register(c, name, SHARDD_OPTIM_ADAM, &hp, &g,
+                                              1, &opt);
+    if (rc == SHARDD_OK)
+      continue;
+    /* refused for its share, not for the daemon's descriptors run out */
+    if (rc != SHARDD_E_LIMIT || strstr(shardd_last_error(c), "share") == NULL)
+      return 14;
+    shardd_close(c);
+    return 0;
+  }
+  return 15; /* never refused */
+}
+
+Test(server, one_uids_optimizer_state_cannot_take_every_descriptor, .timeout = 120) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as a second uid");
+  /* the daemon with the fd store (no manager listens: each region is
+   * refused by it, and still a memfd) and 1024 descriptors (this test's
+   * process is its own: the limit goes with it) */
+  struct rlimit low = {1024, 1024};
+  cr_assert_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
+  setenv("NOTIFY_SOCKET", "/tmp/shardd-test-no-manager.sock", 1);
+  setenv("FDSTORE", "65536", 1);
+  test_daemon_start(&d, NULL);
+  unsetenv("NOTIFY_SOCKET");
+  unsetenv("FDSTORE");
+  run_as_other_uid(state_hog, "state hog");
+  /* root connects and registers as before */
+  shardd_client_t *c = test_connect(&d, "root", 0, 4);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 64, &b), SHARDD_OK,
+               "%s", shardd_last_error(c));
+  cr_assert_eq(shardd_ping(c), SHARDD_OK);
+  shardd_close(c);
+  test_daemon_finish(&d);
+}
+
+/* With the fd store a 16-bit buffer's fp32 seed (shardd_seed_master) is a
+ * memfd too, and was not counted: one uid held a seed descriptor per rank
+ * block beyond its share. Exit code: 0 as expected. */
+#define SEED_HOG_BUFFERS 200
+
+static int seed_hog(const char *sock) {
+  if (setgid(4242) != 0 || setuid(4242) != 0)
+    return 10;
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = "seeds";
+  shardd_client_t *c;
+  char err[512];
+  if (shardd_connect(sock, &o, &c, err, sizeof err) != SHARDD_OK)
+    return 11;
+  for (int i = 0; i < SEED_HOG_BUFFERS; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "w%03d", i);
+    shardd_buffer_info b;
+    shardd_err rc = shardd_buffer_register(c, name, SHARDD_DTYPE_BF16, 16, &b);
+    if (rc == SHARDD_OK)
+      rc = shardd_seed_master(c, b.id);
+    if (rc != SHARDD_OK) {
+      /* its share (a quarter of 512) holds 64 blocks and their 64 seeds */
+      int ok = rc == SHARDD_E_LIMIT && strstr(shardd_last_error(c), "share") && i <= 64;
+      shardd_close(c);
+      return ok ? 0 : i > 64 ? 12 : 13;
+    }
+  }
+  return 14; /* never refused */
+}
+
+Test(server, one_uids_seeds_stay_within_its_share, .timeout = 120) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as a second uid");
+  /* the fd store as above, 1024 descriptors: 128 regions per uid */
+  struct rlimit low = {1024, 1024};
+  cr_assert_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
+  setenv("NOTIFY_SOCKET", "/tmp/shardd-test-no-manager.sock", 1);
+  setenv("FDSTORE", "65536", 1);
+  test_daemon_start(&d, NULL);
+  unsetenv("NOTIFY_SOCKET");
+  unsetenv("FDSTORE");
+  run_as_other_uid(seed_hog, "seed hog");
+  shardd_client_t *c = test_connect(&d, "root", 0, 4);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 64, &b), SHARDD_OK,
+               "%s", shardd_last_error(c));
+  shardd_close(c);
+  test_daemon_finish(&d);
+}
+
+/* A job with transient areas keeps them in a pool per device, a memfd the
+ * daemon holds open, and none was counted: one uid's transient jobs held a
+ * pool descriptor each beyond their share of rank blocks. They count now.
+ * Exit code: 0 as expected. */
+#define POOL_HOG_JOBS 200
+
+static int pool_hog(const char *sock) {
+  if (setgid(4242) != 0 || setuid(4242) != 0)
+    return 10;
+  for (int i = 0; i < POOL_HOG_JOBS; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "pools-%03d", i);
+    shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+    o.job = name;
+    o.transient_areas = 1;
+    shardd_client_t *c;
+    char err[512];
+    if (shardd_connect(sock, &o, &c, err, sizeof err) != SHARDD_OK)
+      return 11;
+    shardd_buffer_info b;
+    shardd_err rc = shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 16, &b);
+    if (rc == SHARDD_OK)
+      rc = shardd_gather(c, b.id); /* makes the job's pool */
+    if (rc != SHARDD_OK) {
+      /* its share (a quarter of 512) holds 64 blocks and their 64 pools */
+      int ok = rc == SHARDD_E_LIMIT && strstr(shardd_last_error(c), "share") && i <= 64;
+      shardd_close(c);
+      return ok ? 0 : i > 64 ? 12 : 13;
+    }
+    shardd_close(c); /* the job lingers, its pool with it */
+  }
+  return 14; /* never refused */
+}
+
+Test(server, one_uids_transient_pools_stay_within_its_share, .timeout = 120) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as a second uid");
+  /* 1024 descriptors: 512 memory regions in all, 128 per uid (this test's
+   * process is its own: the limit goes with it) */
+  struct rlimit low = {1024, 1024};
+  cr_assert_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
+  test_daemon_start(&d, (const char *const[]){"--job-linger", "600", NULL});
+  run_as_other_uid(pool_hog, "pool hog");
+  shardd_client_t *c = test_connect(&d, "root", 0, 4);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 64, &b), SHARDD_OK,
+               "%s", shardd_last_error(c));
+  shardd_close(c);
+  test_daemon_finish(&d);
+}
+
 /* One uid filled --max-jobs with empty jobs (they linger after the
  * connection closes). It now holds at most --max-jobs-per-uid; others,
  * root included, still create theirs. Exit code: 0 as expected. */
