@@ -217,7 +217,10 @@ static shardd_err pool_make(shardd__registry *reg, shardd__job *job, int dev,
    * a pool descriptor each beyond their share */
   if (p->region->fd >= 0 && !shardd__within_blocks(reg, job, 1, err, errlen)) {
     size_t used = strlen(err);
-    if (used < errlen)
+    if (used < errlen && dev < 0)
+      snprintf(err + used, errlen - used, " (the job's node gather pool would "
+               "be one more)");
+    else if (used < errlen)
       snprintf(err + used, errlen - used, " (the job's pool of transient areas "
                "on device %d would be one more)", dev);
     reg->backend->ops->free(reg->backend, p->region);

@@ -2192,6 +2192,26 @@ Test(coll, transient_gather_at_a_later_ranks_limit_is_refused_as_a_limit) {
   }
 }
 
+/* The node's gather pool is a memfd, one more memory region: at the
+ * bound on regions its gather is refused naming that pool, not a device. */
+Test(coll, transient_gather_pool_over_the_region_bound_names_the_pool) {
+  cr_assert_eq(shardd__job_set_transient(job, 1, err, sizeof err), SHARDD_OK);
+  shardd__buffer *b = buf_new("w", 300);
+  reg.max_blocks = reg.nblocks; /* no region more */
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 1, gather_args(b));
+  run_until(W);
+  for (uint32_t r = 0; r < W; r++) {
+    const reply *rp = find_reply(r, 1);
+    cr_assert_not_null(rp);
+    cr_assert_eq(rp->code, SHARDD_E_LIMIT, "%s", rp->msg);
+    cr_assert(strstr(rp->msg, "the job's node gather pool would be one more") != NULL,
+              "%s", rp->msg);
+  }
+  cr_assert_null(job->gpool);
+  cr_assert_eq(b->gslot, -1);
+}
+
 /* FSDP's limit_all_gathers: a rank holds at most 2 gathered units; a third
  * gather fails naming what it holds, and a release makes room. Steady
  * state allocates nothing: the peak after ten rounds is the first's. */
