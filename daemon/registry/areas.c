@@ -217,7 +217,10 @@ static shardd_err pool_make(shardd__registry *reg, shardd__job *job, int dev,
    * a pool descriptor each beyond their share */
   if (p->region->fd >= 0 && !shardd__within_blocks(reg, job, 1, err, errlen)) {
     size_t used = strlen(err);
-    if (used < errlen)
+    if (used < errlen && dev < 0)
+      snprintf(err + used, errlen - used, " (the job's node gather pool would "
+               "be one more)");
+    else if (used < errlen)
       snprintf(err + used, errlen - used, " (the job's pool of transient areas "
                "on device %d would be one more)", dev);
     reg->backend->ops->free(reg->backend, p->region);
@@ -269,6 +272,21 @@ static void list_held(void *value, void *arg) {
                                 a->used ? ", " : "", b->hdr.name);
 }
 
+/* Whether rank holds as many areas of kind as it may (err says which). */
+static int at_limit(const shardd__job *job, uint32_t rank, int kind, char *err,
+                    size_t errlen) {
+  if (job->nleased[rank][kind] < job->reg->leases_per_rank[kind])
+    return 0;
+  char list[256] = "";
+  held_arg a = {rank, kind, list, sizeof list, 0};
+  shardd__map_each(&job->buffers, list_held, &a);
+  snprintf(err, errlen,
+           "rank %" PRIu32 " holds %" PRIu32 " %s areas (%s), the most one "
+           "rank may lease at once; release one first",
+           rank, job->nleased[rank][kind], kind_word(kind), list);
+  return 1;
+}
+
 shardd_err shardd__area_lease(shardd__registry *reg, shardd__buffer *b,
                               uint32_t rank, shardd__area_kind kind,
                               shardd__area *out, int *took, char *err,
@@ -281,18 +299,18 @@ shardd_err shardd__area_lease(shardd__registry *reg, shardd__buffer *b,
   }
   if (shardd__area_held(b, rank, kind, out))
     return SHARDD_OK;
-  if (job->nleased[rank][kind] >= reg->leases_per_rank[kind]) {
-    char list[256] = "";
-    held_arg a = {rank, kind, list, sizeof list, 0};
-    shardd__map_each(&job->buffers, list_held, &a);
-    snprintf(err, errlen,
-             "rank %" PRIu32 " holds %" PRIu32 " %s areas (%s), the most one "
-             "rank may lease at once; release one first",
-             rank, job->nleased[rank][kind], kind_word(kind), list);
+  if (at_limit(job, rank, kind, err, errlen))
     return SHARDD_E_LIMIT;
-  }
   int dev = pool_dev(job, rank, kind);
   struct shardd__pool *p = *pool_at(job, dev);
+  /* A new copy for the node: the gather leases it for every local rank,
+   * and the pool has room for it only when none of them is at its limit
+   * (registry.h); a full pool means one is, so the gather is refused as
+   * that rank's, whichever rank leases first. */
+  for (uint32_t r = job->local_first;
+       dev < 0 && b->gslot < 0 && r < job->local_first + job->local_ranks; r++)
+    if (at_limit(job, r, kind, err, errlen))
+      return SHARDD_E_LIMIT;
   if (dev < 0 && b->gslot >= 0) {
     /* gathered for another local rank: one more reference to that copy */
     p->slots[b->gslot].refs++;

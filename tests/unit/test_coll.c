@@ -2131,6 +2131,87 @@ Test(coll, transient_gather_pool_fits_out_of_order_releases) {
   cr_assert_gt(refused, 0, "some rounds found a rank at its limit");
 }
 
+/* The node's gather pool full means some rank is at its own limit (see
+ * registry.h), but the first rank in the lease order need not be: rank 0
+ * keeps one unit, every other rank two, all W + 1 slots held. A gather of
+ * a new unit is refused as the per-rank pools refused it, E_LIMIT naming
+ * the rank at its limit, not an internal error of a full pool. */
+Test(coll, transient_gather_at_a_later_ranks_limit_is_refused_as_a_limit) {
+  cr_assert_eq(shardd__job_set_transient(job, 1, err, sizeof err), SHARDD_OK);
+  shardd__buffer *u[W + 2];
+  for (int i = 0; i < W + 2; i++) {
+    char name[8];
+    snprintf(name, sizeof name, "u%d", i);
+    u[i] = buf_new(name, 300);
+    fill_shards(u[i], (uint32_t)i + 1);
+  }
+  uint64_t seq = 0;
+  for (uint32_t k = 0; k <= W; k++) {
+    seq++;
+    for (uint32_t r = 0; r < W; r++)
+      submit(r, seq, gather_args(u[k]));
+    run_until(seq * W);
+    for (uint32_t r = 0; r < W; r++)
+      expect_reply(r, seq, SHARDD_OK);
+    for (uint32_t r = 0; r < W && k < W; r++)
+      if (r != k) /* rank k keeps unit k */
+        shardd__area_return(u[k], r, SHARDD__AREA_GATHER);
+  }
+  /* rank 0 gives back the newest: it holds one, the others two each */
+  shardd__area_return(u[W], 0, SHARDD__AREA_GATHER);
+  int distinct = 0;
+  for (int i = 0; i < W + 2; i++)
+    distinct += u[i]->gslot >= 0;
+  cr_assert_eq(distinct, W + 1, "every slot of the pool is held");
+  seq++;
+  nreplies = 0;
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, seq, gather_args(u[W + 1]));
+  run_until(W);
+  for (uint32_t r = 0; r < W; r++) {
+    const reply *rp = find_reply(r, seq);
+    cr_assert_not_null(rp);
+    cr_assert_eq(rp->code, SHARDD_E_LIMIT, "rank %u: %s", r, rp->msg);
+    cr_assert(strstr(rp->msg, "rank 1 holds 2 gather areas") != NULL, "%s", rp->msg);
+  }
+  cr_assert_eq(u[W + 1]->gslot, -1, "nothing of the refused gather is held");
+  cr_assert_eq(job->nleased[0][SHARDD__AREA_GATHER], 1);
+  /* rank 1 makes room: the same gather succeeds, every rank reads it */
+  shardd__area_return(u[W], 1, SHARDD__AREA_GATHER);
+  shardd__area_return(u[W], 2, SHARDD__AREA_GATHER);
+  seq++;
+  nreplies = 0;
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, seq, gather_args(u[W + 1]));
+  run_until(W);
+  for (uint32_t r = 0; r < W; r++) {
+    const reply *rp = find_reply(r, seq);
+    cr_assert_not_null(rp);
+    cr_assert_eq(rp->code, SHARDD_OK, "rank %u: %s", r, rp->msg);
+    cr_assert_eq(area_ptr(&rp->res.gather)[2], shard_val(W + 2, 0, 2));
+  }
+}
+
+/* The node's gather pool is a memfd, one more memory region: at the
+ * bound on regions its gather is refused naming that pool, not a device. */
+Test(coll, transient_gather_pool_over_the_region_bound_names_the_pool) {
+  cr_assert_eq(shardd__job_set_transient(job, 1, err, sizeof err), SHARDD_OK);
+  shardd__buffer *b = buf_new("w", 300);
+  reg.max_blocks = reg.nblocks; /* no region more */
+  for (uint32_t r = 0; r < W; r++)
+    submit(r, 1, gather_args(b));
+  run_until(W);
+  for (uint32_t r = 0; r < W; r++) {
+    const reply *rp = find_reply(r, 1);
+    cr_assert_not_null(rp);
+    cr_assert_eq(rp->code, SHARDD_E_LIMIT, "%s", rp->msg);
+    cr_assert(strstr(rp->msg, "the job's node gather pool would be one more") != NULL,
+              "%s", rp->msg);
+  }
+  cr_assert_null(job->gpool);
+  cr_assert_eq(b->gslot, -1);
+}
+
 /* FSDP's limit_all_gathers: a rank holds at most 2 gathered units; a third
  * gather fails naming what it holds, and a release makes room. Steady
  * state allocates nothing: the peak after ten rounds is the first's. */

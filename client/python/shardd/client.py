@@ -697,9 +697,12 @@ class Client:
         (gather, grad): torch tensors (no copy) of padded_numel elements over
         the areas, grad None unless want_grad.
 
-        Transient areas: both are leased from the device's pool; gather is
-        this rank's until release(buffer), grad (zeroed by the daemon) until
-        the scatter of the buffer that consumes it. Gathering a buffer whose
+        Transient areas: both are leased; gather is held until
+        release(buffer), grad (zeroed by the daemon, this rank's own) until
+        the scatter of the buffer that consumes it. On the host backend
+        gather is the node's one copy of the buffer, which every local rank
+        holding it reads: mapped read-only, a write into it faults (SIGSEGV);
+        on cuda it is this rank's, in its device's pool. Gathering a buffer whose
         areas this rank holds already keeps them (and gathers again). At
         most 2 gather and 2 gradient areas per rank: a third is refused
         with E_LIMIT naming what the rank holds (release one first).

@@ -99,7 +99,13 @@ Per unit, in the same order on every rank (each rank's graph is the same):
   container or a module whose submodules the root calls directly, is
   gathered all the same; the outermost of those forwards gathers and
   releases): gather the unit (``Client.gather_area``) and point every
-  parameter's ``.data`` at its slice of the leased gather area;
+  parameter's ``.data`` at its slice of the leased gather area (on the
+  host backend the node's one copy, which every local rank reads, mapped
+  read-only: a write into a parameter while its unit is gathered, e.g.
+  ``p.data.copy_()`` or an init under ``no_grad`` inside a forward, faults
+  and the process dies of SIGSEGV, with no Python error: run with
+  ``python -X faulthandler`` to see the line; outside forward and backward
+  a parameter is its part of this rank's shard, writable);
 * forward post-hook: register a hook on the unit's output tensors (it fires
   when the gradient w.r.t. them is computed, before the unit's backward), then
   release the unit (FSDP's reshard after forward) and point its parameters
