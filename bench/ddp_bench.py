@@ -34,6 +34,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import socket
 import sys
 import time
@@ -149,8 +150,18 @@ def run(ctx, mode, size, world, args):
         smp = Sampler([p.pid for p in procs], d.proc.pid if d else None)
         smp.start()
         got = []
+        deadline = time.monotonic() + 600
         while len(got) < world:
-            m = q.get(timeout=600)
+            try:
+                m = q.get(timeout=1)
+            except queue.Empty:
+                # a rank that died before it could report (an import or
+                # pickling error) says so now, not after the timeout
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError("%s: rank %s exited without a result" % (
+                        mode, dead) if dead else "%s: no result in 600 s" % mode)
+                continue
             if m[0] == "error":
                 raise RuntimeError("%s rank %d: %s" % (mode, m[1], m[2]))
             got.append(m)
