@@ -4,6 +4,7 @@ scattering and releasing each unit. Ranks are processes (forkserver) of one
 job on the host backend, each with its slice of the global batch and mean
 reduction, against one process of plain torch.optim.AdamW on the full
 batch; and the daemon's peak bytes against FSDP's bound 16*P + 16*U*W."""
+import collections
 import contextlib
 import unittest
 
@@ -548,6 +549,46 @@ class FSDPOneRankTest(unittest.TestCase):
                 torch.testing.assert_close(
                     u.buffer.reduced_tensor[e.offset:e.offset + e.numel],
                     g.reshape(-1), rtol=0, atol=0, msg=e.name)
+
+    def test_root_unit_is_gathered_once_a_step(self):
+        """A GPT whose root unit (embeddings, final norm, the tied head)
+        begins backward: from the second step on, the root unit's forward
+        gather leases its gradient area too and its backward gathers
+        nothing more (FSDP keeps the root gathered from forward to
+        backward); each Block is gathered twice, in forward and backward.
+        Its gradients stay torch's, bit for bit."""
+        import models
+        cfg = models.GPTConfig(vocab=64, ctx=8, dim=32, heads=4, layers=3)
+        c = shardd.Client(common.socket(), job=common.job("fsdp1"), rank=0, world=1,
+                          transient_areas=True)
+        self.addCleanup(c.close)
+        model, ref = models.nano_gpt(cfg), models.nano_gpt(cfg)
+        sm = shardd.nn.ShardedModule(c, model, auto_wrap={models.Block}, prefetch=False)
+        root = [u for u in sm.units if u.is_root][0]
+        gathers = collections.Counter()
+        plain = c.gather_area
+
+        def counted(buf, want_grad=False):
+            gathers[buf.name] += 1
+            return plain(buf, want_grad=want_grad)
+
+        c.gather_area = counted
+        want = dict(ref.named_parameters())
+        for step in range(3):
+            gathers.clear()
+            sm.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+            x, y = models.gpt_batch(cfg, step)
+            models.gpt_loss(model, x, y).backward()
+            models.gpt_loss(ref, x, y).backward()
+            for u in sm.units:
+                want_n = 1 if u is root and step > 0 else 2
+                self.assertEqual(gathers[u.buffer.name], want_n, (step, u.name))
+                for e in u.entries:
+                    torch.testing.assert_close(
+                        u.buffer.reduced_tensor[e.offset:e.offset + e.numel],
+                        want[e.name].grad.reshape(-1), rtol=0, atol=0, msg=e.name)
+        self.assertIsNone(root.gather)
 
 
 if __name__ == "__main__":

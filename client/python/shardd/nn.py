@@ -1103,6 +1103,7 @@ class ShardedModule:
         self.prefetch_trial = None  # the trial's step times and choice, once made
         self._order = []          # units in the order the first forward met them
         self._order_done = False
+        self._root_backward_first = False  # the root unit's backward came first
         self._pending = None      # (unit, ticket) of the gather under way
         self.prefetches = 0       # gathers that were under way when needed
         self._sth = None          # the saved-tensor hooks pushed for a forward
@@ -1923,8 +1924,17 @@ class ShardedModule:
             if self._read_held and u.gather is None:
                 self._check_leases(u, "for its forward")
             # a gather of an area this rank holds (the root unit, a module
-            # called twice) keeps it and gathers again
-            u.gather, _ = self.client.gather_area(u.buffer)
+            # called twice) keeps it and gathers again. The root unit stays
+            # gathered until its backward (as FSDP keeps the root); where
+            # the last backward began with it (a head at the end of the
+            # forward: it holds its gradient area all through backward
+            # anyway) its gradient area is leased now, beside the gather,
+            # so that its backward needs no second gather of the same
+            # values (a collective and a copy of what is often the largest
+            # unit, embeddings and head)
+            want = (u.is_root and self._root_backward_first and torch.is_grad_enabled()
+                    and self._trainable(u) > 0)
+            u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=want)
         u.state = "forward"
         self._point(u, False)
         self._prefetch_after(u)
@@ -1954,7 +1964,14 @@ class ShardedModule:
             self._final_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._final)
         want = self._trainable(u) > 0 and u.state != "done"
-        u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=want)
+        if u.is_root:
+            self._root_backward_first = all(
+                v.state in ("idle", "forward") for v in self.units if v is not u)
+        if not (want and u.state == "forward" and u.gather is not None
+                and u.grad is not None):
+            # (the root unit leased both in its forward: the values there
+            # are still the gathered ones, and no gradient reached the area)
+            u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=want)
         if want:
             u.state = "backward"
             u.ran = True
