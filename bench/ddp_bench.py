@@ -125,6 +125,14 @@ def rank_main(rank, world, mode, size, args, where, q):
         raise SystemExit(1)
 
 
+def cpus():
+    """The CPUs this process may run on (the ranks and the daemon too)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except OSError:
+        return os.cpu_count()
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -239,7 +247,8 @@ def main():
     out = os.path.join(os.environ.get("BENCH_RESULTS", "bench/results"), "ddp.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"steps": args.steps, "repeat": args.repeat, "rows": rows}, f, indent=1)
+        json.dump({"steps": args.steps, "repeat": args.repeat, "cpus": cpus(), "rows": rows},
+                  f, indent=1)
 
 
 def print_row(row, args):

@@ -870,8 +870,9 @@ class ShardedModule:
       only if it makes steps faster, measured: from the second training
       forward of the root on, 3 steps with prefetch and 3 without
       alternate, each timed to the next training forward, and prefetching
-      stays on only if the median of its steps is lower (each rank
-      chooses on its own timings). Without a CPU to spare, the copy of
+      stays on only if the median of its steps is lower by more than 5%
+      (each rank chooses on its own timings; within that the two are the
+      same, and prefetch=False's loop is kept). Without a CPU to spare, the copy of
       a prefetched gather takes its CPU from the forward it overlaps (one
       run measured 1.65x the gather-everything loop's step with prefetch,
       1.05x without); where ranks wait for each other at every gather, a
@@ -1778,6 +1779,7 @@ class ShardedModule:
         self._pending = (nxt, self.client.gather_async(nxt.buffer))
 
     _TRIAL_STEPS = 3  # training steps timed with prefetch, and as many without
+    _TRIAL_MARGIN = 0.05  # how much faster prefetching's median must be to keep it
     _clock = staticmethod(time.perf_counter)
 
     def _prefetch_trial(self):
@@ -1785,7 +1787,9 @@ class ShardedModule:
         the root once the order is known: the steps alternate, prefetching
         and not, each timed up to the next training forward, until
         _TRIAL_STEPS of each are; then prefetching stays on only if the
-        median of its steps was lower. Whether it pays depends on a CPU
+        median of its steps was lower by more than _TRIAL_MARGIN (5%): a
+        step with prefetch is never kept for being as fast, so the loop
+        after the trial is at worst as fast as without prefetch. Whether it pays depends on a CPU
         being free for the daemon's copy while the ranks compute, and on
         how long ranks wait for each other at each gather (a prefetched
         gather does not make them meet there): measured, not guessed.
@@ -1804,7 +1808,10 @@ class ShardedModule:
         if len(tr["on"]) >= k and len(tr["off"]) >= k:
             med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
             on, off = med(tr["on"]), med(tr["off"])
-            self.prefetch = on < off
+            # within the margin the steps are the same, and prefetching is
+            # what has more to lose: a peer's or the daemon's CPU, a second
+            # gather slot (no gain in the noise of a shared machine, so off)
+            self.prefetch = on < off * (1.0 - self._TRIAL_MARGIN)
             self.prefetch_trial = {"on": tr["on"], "off": tr["off"], "on_median": on,
                                    "off_median": off, "prefetch": self.prefetch}
             self._trial = None
