@@ -564,7 +564,8 @@ class FSDPOneRankTest(unittest.TestCase):
         gather leases its gradient area too and its backward gathers
         nothing more (FSDP keeps the root gathered from forward to
         backward); each Block is gathered twice, in forward and backward.
-        Its gradients stay torch's, bit for bit."""
+        No release waits for the daemon's answer. Its gradients stay
+        torch's, bit for bit."""
         import models
         cfg = models.GPTConfig(vocab=64, ctx=8, dim=32, heads=4, layers=3)
         c = shardd.Client(common.socket(), job=common.job("fsdp1"), rank=0, world=1,
@@ -581,6 +582,9 @@ class FSDPOneRankTest(unittest.TestCase):
             return plain(buf, want_grad=want_grad)
 
         c.gather_area = counted
+        # a unit's reshard sends its release and goes on: no round trip
+        blocking = []
+        c.release = lambda buf: blocking.append(buf.name)
         want = dict(ref.named_parameters())
         for step in range(3):
             gathers.clear()
@@ -597,6 +601,7 @@ class FSDPOneRankTest(unittest.TestCase):
                         u.buffer.reduced_tensor[e.offset:e.offset + e.numel],
                         want[e.name].grad.reshape(-1), rtol=0, atol=0, msg=e.name)
         self.assertIsNone(root.gather)
+        self.assertEqual(blocking, [])
 
 
 if __name__ == "__main__":

@@ -1106,6 +1106,7 @@ class ShardedModule:
         self._order_done = False
         self._root_backward_first = False  # the root unit's backward came first
         self._pending = None      # (unit, ticket) of the gather under way
+        self._releases = []       # tickets of releases not yet waited for
         self.prefetches = 0       # gathers that were under way when needed
         self._sth = None          # the saved-tensor hooks pushed for a forward
         self._in_forward = False  # the root's forward is running
@@ -1706,6 +1707,7 @@ class ShardedModule:
 
     def _root_pre_forward(self, module, inputs):
         self._pop_saved_hooks()  # a forward that raised left them pushed
+        self._wait_releases()  # a forward without backward sent some
         for u in self.units:  # likewise
             u.depth = 0
             u.recompute = False
@@ -1887,7 +1889,23 @@ class ShardedModule:
     def _release(self, u):
         u.gather = u.grad = None
         self._to_shard(u)
-        self.client.release(u.buffer)
+        # no round trip: the daemon serves this rank's requests in order,
+        # so the next gather finds the lease back; the answers are read
+        # once a step (_wait_releases), mostly long arrived by then
+        self._releases.append(self.client.release_async(u.buffer))
+
+    def _wait_releases(self):
+        """The answers to the releases sent since the last call: the first
+        failure raised once every one is read."""
+        ts, self._releases = self._releases, []
+        err = None
+        for t in ts:
+            try:
+                self.client.wait(t)
+            except shardd.Error as e:
+                err = err or e
+        if err is not None:
+            raise err
 
     def _in_backward(self):
         """Whether autograd's engine is running a backward of ours: a forward
@@ -2048,6 +2066,7 @@ class ShardedModule:
         self._final_queued = False
         self._scatter_rest()
         try:
+            self._wait_releases()
             self._same_none_grads()
         finally:
             for u in self.units:
@@ -2187,6 +2206,10 @@ class ShardedModule:
         replaced by the redo's (zero_grad()), so nothing of it counts."""
         self._pop_saved_hooks()
         self._final_queued = False
+        try:
+            self._wait_releases()
+        except shardd.Error:
+            pass  # failed with the rest: release_all below returns the areas
         pend, self._pending = self._pending, None
         if pend is not None:
             try:
