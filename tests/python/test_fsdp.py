@@ -314,7 +314,8 @@ class FSDPTest(unittest.TestCase):
     def test_prefetch_auto_trial_on_every_rank(self):
         """prefetch="auto" (the default) on the host backend, 2 ranks: the
         steps after the first alternate with and without prefetch, 3 of
-        each, then each rank keeps what its own timings favour (the ranks
+        each, then each rank keeps what its own timings favour by more
+        than the margin (the ranks
         may choose differently: they gather the same units in the same
         order either way); the loop matches torch throughout."""
         steps = 9  # the first, 6 of trial, 2 after the choice
@@ -324,7 +325,8 @@ class FSDPTest(unittest.TestCase):
         for p, t in trials.values():
             self.assertEqual((len(t["on"]), len(t["off"])), (3, 3), t)
             self.assertEqual(t["prefetch"], p)
-            self.assertEqual(p, t["on_median"] < t["off_median"])
+            margin = shardd.nn.ShardedModule._TRIAL_MARGIN
+            self.assertEqual(p, t["on_median"] < t["off_median"] * (1 - margin))
         # rank 0: 15 of the 16 units prefetched in each of the 3 trial
         # steps with, and in the 2 after the choice if prefetching won
         self.assertEqual(res["prefetches"], 15 * (3 + (2 if trials[0][0] else 0)))
