@@ -1,8 +1,9 @@
 #!/usr/bin/python3
 """End to end against what a CPU user runs instead: shardd.nn's hooked loop
 (transient areas, each GPT Block a unit, the daemon's AdamW; forward
-prefetch on and off: prefetch="auto", the default, keeps the faster of the
-two after a trial of 6 steps, and bench/summary.py judges that one) against torch DistributedDataParallel (gloo) with
+prefetch on and off: prefetch="auto", the default, keeps prefetching
+after a trial of 6 steps only where it was more than 5% faster, and
+bench/summary.py judges the loop so chosen) against torch DistributedDataParallel (gloo) with
 torch's AdamW, and DDP with ZeroRedundancyOptimizer (AdamW's state
 sharded over the ranks): the same nanoGPT-shaped GPT
 (tests/python/models.py) at two sizes, 2 and 4 ranks, the same per-rank
