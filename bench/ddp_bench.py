@@ -1,8 +1,9 @@
 #!/usr/bin/python3
 """End to end against what a CPU user runs instead: shardd.nn's hooked loop
 (transient areas, each GPT Block a unit, the daemon's AdamW; forward
-prefetch on and off: prefetch="auto", the default, keeps the faster of the
-two after a trial of 6 steps, and bench/summary.py judges that one) against torch DistributedDataParallel (gloo) with
+prefetch on and off: prefetch="auto", the default, keeps prefetching
+after a trial of 6 steps only where it was more than 5% faster, and
+bench/summary.py judges the loop so chosen) against torch DistributedDataParallel (gloo) with
 torch's AdamW, and DDP with ZeroRedundancyOptimizer (AdamW's state
 sharded over the ranks): the same nanoGPT-shaped GPT
 (tests/python/models.py) at two sizes, 2 and 4 ranks, the same per-rank
@@ -34,6 +35,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import socket
 import sys
 import time
@@ -124,6 +126,14 @@ def rank_main(rank, world, mode, size, args, where, q):
         raise SystemExit(1)
 
 
+def cpus():
+    """The CPUs this process may run on (the ranks and the daemon too)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except OSError:
+        return os.cpu_count()
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -149,8 +159,18 @@ def run(ctx, mode, size, world, args):
         smp = Sampler([p.pid for p in procs], d.proc.pid if d else None)
         smp.start()
         got = []
+        deadline = time.monotonic() + 600
         while len(got) < world:
-            m = q.get(timeout=600)
+            try:
+                m = q.get(timeout=1)
+            except queue.Empty:
+                # a rank that died before it could report (an import or
+                # pickling error) says so now, not after the timeout
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError("%s: rank %s exited without a result" % (
+                        mode, dead) if dead else "%s: no result in 600 s" % mode)
+                continue
             if m[0] == "error":
                 raise RuntimeError("%s rank %d: %s" % (mode, m[1], m[2]))
             got.append(m)
@@ -228,7 +248,8 @@ def main():
     out = os.path.join(os.environ.get("BENCH_RESULTS", "bench/results"), "ddp.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"steps": args.steps, "repeat": args.repeat, "rows": rows}, f, indent=1)
+        json.dump({"steps": args.steps, "repeat": args.repeat, "cpus": cpus(), "rows": rows},
+                  f, indent=1)
 
 
 def print_row(row, args):

@@ -7,7 +7,8 @@ backward), same model, ranks, data and optimizer, in one run: the ratio is
 what FSDP-grade memory costs in time here. The hooked loop three ways:
 never prefetching, always (the issue's targets: each within 1.25x of
 gather-everything), and prefetch="auto" (the default: 3 steps with and 3
-without, then the faster; timed after its choice, which is reported). Beside each wall-clock step, its CPU time (every rank's
+without, then prefetching only if more than 5% faster; timed after its
+choice, which is reported). Beside each wall-clock step, its CPU time (every rank's
 and the daemon's): on a machine whose CPUs are all busy (a shared one) a
 step takes about its CPU time over the CPUs, whatever else runs.
 

@@ -23,7 +23,6 @@ Writes bench/results/model_memory.json (BENCH_RESULTS overrides the folder).
 Usage: bench/model_memory_bench.py [--ranks 2,4] [--steps S]
 """
 import argparse
-import gc
 import json
 import multiprocessing as mp
 import os
@@ -33,6 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 for p in (os.path.join(REPO, "client", "python"), os.path.join(REPO, "tests", "python")):
     sys.path.insert(0, p)
+from procstat import trimmed_rss  # noqa: E402  (the benches' one /proc reader)
 
 ROWS = 2  # rows per rank per step: memory is the point, not compute
 
@@ -74,13 +74,11 @@ def rank_main(rank, world, sock, name, steps, q):
         import shardd
         import shardd.nn
         import shardd.optim
-        from test_memory import rss_anon
         torch.set_num_threads(1)
         build, auto_wrap, dtype, batch, loss_of = cases()[name]
         client = shardd.Client(sock, job="model-memory-bench", rank=rank,
                                world=world)
-        gc.collect()
-        base = rss_anon()
+        base = trimmed_rss()
         model = build()
         sm = shardd.nn.ShardedModule(client, model, auto_wrap=auto_wrap,
                                      dtype=None if dtype == "fp32" else dtype)
@@ -94,8 +92,7 @@ def rank_main(rank, world, sock, name, steps, q):
             if s == 0:
                 after_first = device_bytes(client)[1]
         peak = device_bytes(client)[0]
-        gc.collect()
-        grown = rss_anon() - base
+        grown = trimmed_rss() - base
         q.put((rank, grown, peak, after_first, [u.buffer.numel for u in sm.units]))
         client.close()
     except BaseException as e:

@@ -10,6 +10,9 @@ import json
 import os
 import sys
 
+# shardd.nn's ShardedModule._TRIAL_MARGIN (not imported: that needs torch)
+AUTO_MARGIN = 0.05
+
 
 def load(d, name):
     try:
@@ -263,22 +266,33 @@ def main():
                   fsdp["units"]), ok)
         au = r.get("hooked+auto")
         if au:
+            # issue 33 item 5: prefetching never makes a step slower than
+            # without it; the goal allows the trial's margin, the noise
+            # of the steps it compares
+            vs_off = au["step_ms"] / r["hooked"]["step_ms"]
             target("hooked loop with prefetch=\"auto\" (the default) after its trial, "
-                   "vs without prefetch", "report",
-                   "chose prefetch in %d of %d runs: %.2fx the loop without prefetch, "
-                   "%.2fx gather-everything"
-                   % (sum(au.get("prefetch_runs", [au["prefetch"]])),
-                      len(au.get("prefetch_runs", [au["prefetch"]])),
-                      au["step_ms"] / r["hooked"]["step_ms"], au["vs_gather_everything"]),
-                   None)
+                   "vs without prefetch", "<= %.2fx" % (1 + AUTO_MARGIN),
+                   "%.2fx the loop without prefetch (CPU %.2fx), %.2fx gather-everything; "
+                   "chose prefetch in %d of %d runs"
+                   % (vs_off, au["cpu_ms"] / r["hooked"]["cpu_ms"], au["vs_gather_everything"],
+                      sum(au.get("prefetch_runs", [au["prefetch"]])),
+                      len(au.get("prefetch_runs", [au["prefetch"]]))),
+                   vs_off <= 1 + AUTO_MARGIN)
     if ddp and ddp.get("rows"):
         # issue 33: what a CPU user would run instead, same model and batch
         steps, mems, zero, ok_step, ok_mem = [], [], [], True, True
         for row in ddp["rows"]:
             lp = row["loops"]
             tag = "%s %.1fM W%d" % (row["size"], row["params"] / 1e6, row["ranks"])
-            # prefetch="auto" keeps the faster of the two after its trial
-            dl = min(("shardd", "shardd+prefetch"), key=lambda m: lp[m]["step_ms"])
+            if row["ranks"] + 1 > ddp.get("cpus", 1 << 30):
+                # the ranks and the daemon share fewer CPUs than DDP's ranks
+                # alone need: every collective waits for descheduled ranks
+                tag += " (%d ranks + daemon on %d CPUs)" % (row["ranks"], ddp["cpus"])
+            # prefetch="auto" keeps prefetching after its trial only where
+            # its steps were faster by more than its margin (shardd.nn's
+            # ShardedModule._TRIAL_MARGIN, 5%): judged as auto chooses
+            dl = ("shardd+prefetch" if lp["shardd+prefetch"]["step_ms"]
+                  < lp["shardd"]["step_ms"] * (1 - AUTO_MARGIN) else "shardd")
             other = "shardd+prefetch" if dl == "shardd" else "shardd"
             ok_step = ok_step and lp[dl]["step_vs_ddp"] <= 1.0
             steps.append("%s %.2fx %s (CPU %.2fx; %s %.2fx)" % (
@@ -293,7 +307,8 @@ def main():
             zero.append("%s step %.2fx, memory %.2fx" % (
                 tag, lp["ddp+zero"]["step_vs_ddp"], lp["ddp+zero"]["mem_vs_ddp"]))
         target("end to end: shardd.nn hooked loop step time vs torch DDP (gloo), "
-               "nanoGPT, the faster of prefetch and none (what auto keeps)", "<= 1.00x",
+               "nanoGPT, prefetch or none as auto keeps it (prefetch only if 5% faster)",
+               "<= 1.00x",
                "; ".join(steps), ok_step)
         target("end to end: memory per rank (private + the daemon's / W) vs DDP",
                "<= (16P/W + A)/(16P + A)", "; ".join(mems), ok_mem)

@@ -1,5 +1,6 @@
-/* async.c — async gathers: a Gather sent without waiting, its ticket, and
- * its reply kept (whichever call reads it) until shardd_wait takes it. */
+/* async.c — async gathers and releases: a Gather or Release sent without
+ * waiting, its ticket, and its reply kept (whichever call reads it) until
+ * shardd_wait takes it. */
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
@@ -107,6 +108,28 @@ shardd_err shardd_wait_area(shardd_client_t *c, shardd_ticket t,
   return rc;
 }
 
+/* Sends req and lists it, oldest first, for shardd_wait: *t its ticket. */
+static shardd_err send_async(shardd_client_t *c, Shardwire__Request *req,
+                             uint64_t buffer, int gather, shardd_ticket *t) {
+  async_op *a = calloc(1, sizeof *a);
+  if (a == NULL)
+    return shardd__set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
+  shardd_err rc = shardd__send_req(c, req);
+  if (rc != SHARDD_OK) {
+    free(a);
+    return rc;
+  }
+  a->seq = req->seq;
+  a->buffer = buffer;
+  a->gather = gather;
+  async_op **tail = &c->async;
+  while (*tail)
+    tail = &(*tail)->next;
+  *tail = a;
+  *t = a->seq;
+  return SHARDD_OK;
+}
+
 shardd_err shardd_gather_async(shardd_client_t *c, uint64_t buffer,
                                shardd_ticket *t) {
   if (c == NULL)
@@ -122,7 +145,7 @@ shardd_err shardd_gather_async(shardd_client_t *c, uint64_t buffer,
   size_t n = 0;
   async_op *oldest = NULL;
   for (async_op *a = c->async; a; a = a->next)
-    if (!a->done) {
+    if (!a->done && a->gather) {
       n++;
       if (oldest == NULL)
         oldest = a;
@@ -132,25 +155,27 @@ shardd_err shardd_gather_async(shardd_client_t *c, uint64_t buffer,
     if (rc != SHARDD_OK)
       return rc;
   }
-  async_op *a = calloc(1, sizeof *a);
-  if (a == NULL)
-    return shardd__set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
   Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
   Shardwire__Gather g = SHARDWIRE__GATHER__INIT;
   g.buffer = buffer;
   req.body_case = SHARDWIRE__REQUEST__BODY_GATHER;
   req.gather = &g;
-  shardd_err rc = shardd__send_req(c, &req);
-  if (rc != SHARDD_OK) {
-    free(a);
-    return rc;
-  }
-  a->seq = req.seq;
-  a->buffer = buffer;
-  async_op **tail = &c->async;
-  while (*tail)
-    tail = &(*tail)->next;
-  *tail = a;
-  *t = a->seq;
-  return SHARDD_OK;
+  return send_async(c, &req, buffer, 1, t);
+}
+
+shardd_err shardd_release_async(shardd_client_t *c, uint64_t buffer,
+                                shardd_ticket *t) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+  if (t == NULL)
+    return shardd__set_err(c, SHARDD_E_INVAL, "shardd_release_async: t is NULL");
+
+  *t = 0;
+  shardd__clear_err(c);
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Release r = SHARDWIRE__RELEASE__INIT;
+  r.buffer = buffer;
+  req.body_case = SHARDWIRE__REQUEST__BODY_RELEASE;
+  req.release = &r;
+  return send_async(c, &req, buffer, 0, t);
 }

@@ -49,11 +49,13 @@ typedef struct pool_map {
   int device; /* -1: a host mapping; else opened by CUDA IPC on it */
 } pool_map;
 
-/* A request sent with shardd_gather_async, until shardd_wait takes it. */
+/* A request sent with shardd_gather_async or shardd_release_async, until
+ * shardd_wait takes it. */
 typedef struct async_op {
   struct async_op *next;
   uint64_t seq;
   uint64_t buffer;
+  int gather; /* a gather (max_async bounds those), not a release */
   int done;
   shardd_err code;
   char *msg;

@@ -805,6 +805,16 @@ shardd_err shardd_gather_async(shardd_client_t *c, uint64_t buffer,
                                shardd_ticket *t);
 shardd_err shardd_wait(shardd_client_t *c, shardd_ticket t);
 
+/* shardd_release sent without waiting for its answer (FSDP's reshard
+ * without a round trip): returns at once with a ticket for shardd_wait,
+ * which returns the release's result (SHARDD_E_STATE as shardd_release's).
+ * The daemon serves a connection's requests in order, so the area is back
+ * in its pool for every later request of c (a gather that needs its
+ * lease). The pointers into the area must not be used from this call on.
+ * Releases do not count against max_inflight_gathers. */
+shardd_err shardd_release_async(shardd_client_t *c, uint64_t buffer,
+                                shardd_ticket *t);
+
 /* shardd_wait, and where the gather's areas are (see shardd_gather_area;
  * an async gather leases no gradient area, so grad is NULL). Transient
  * areas are supported on the async path: a pool's descriptor arriving with

@@ -4,6 +4,7 @@ scattering and releasing each unit. Ranks are processes (forkserver) of one
 job on the host backend, each with its slice of the global batch and mean
 reduction, against one process of plain torch.optim.AdamW on the full
 batch; and the daemon's peak bytes against FSDP's bound 16*P + 16*U*W."""
+import collections
 import contextlib
 import unittest
 
@@ -323,7 +324,8 @@ class FSDPTest(unittest.TestCase):
     def test_prefetch_auto_trial_on_every_rank(self):
         """prefetch="auto" (the default) on the host backend, 2 ranks: the
         steps after the first alternate with and without prefetch, 3 of
-        each, then each rank keeps what its own timings favour (the ranks
+        each, then each rank keeps what its own timings favour by more
+        than the margin (the ranks
         may choose differently: they gather the same units in the same
         order either way); the loop matches torch throughout."""
         steps = 9  # the first, 6 of trial, 2 after the choice
@@ -333,7 +335,8 @@ class FSDPTest(unittest.TestCase):
         for p, t in trials.values():
             self.assertEqual((len(t["on"]), len(t["off"])), (3, 3), t)
             self.assertEqual(t["prefetch"], p)
-            self.assertEqual(p, t["on_median"] < t["off_median"])
+            margin = shardd.nn.ShardedModule._TRIAL_MARGIN
+            self.assertEqual(p, t["on_median"] < t["off_median"] * (1 - margin))
         # rank 0: 15 of the 16 units prefetched in each of the 3 trial
         # steps with, and in the 2 after the choice if prefetching won
         self.assertEqual(res["prefetches"], 15 * (3 + (2 if trials[0][0] else 0)))
@@ -490,6 +493,14 @@ class FSDPOneRankTest(unittest.TestCase):
         self.assertFalse(self.sm.prefetch_trial["prefetch"])
         self.assertEqual(counts, [0, 30, 30, 60, 60, 90, 90, 90, 90, 90])
 
+    def test_prefetch_auto_keeps_no_prefetch_where_both_are_as_fast(self):
+        """Prefetching 2% faster is within a shared machine's noise: the
+        trial keeps the loop without prefetch, which never costs a peer's
+        or the daemon's CPU."""
+        self.trial({"on": 0.98, "off": 1.0})
+        self.assertFalse(self.sm.prefetch)
+        self.assertFalse(self.sm.prefetch_trial["prefetch"])
+
     def test_forward_without_grad_releases_every_unit(self):
         x = torch.randn(2, 128)
         with torch.no_grad():
@@ -558,6 +569,51 @@ class FSDPOneRankTest(unittest.TestCase):
                 torch.testing.assert_close(
                     u.buffer.reduced_tensor[e.offset:e.offset + e.numel],
                     g.reshape(-1), rtol=0, atol=0, msg=e.name)
+
+    def test_root_unit_is_gathered_once_a_step(self):
+        """A GPT whose root unit (embeddings, final norm, the tied head)
+        begins backward: from the second step on, the root unit's forward
+        gather leases its gradient area too and its backward gathers
+        nothing more (FSDP keeps the root gathered from forward to
+        backward); each Block is gathered twice, in forward and backward.
+        No release waits for the daemon's answer. Its gradients stay
+        torch's, bit for bit."""
+        import models
+        cfg = models.GPTConfig(vocab=64, ctx=8, dim=32, heads=4, layers=3)
+        c = shardd.Client(common.socket(), job=common.job("fsdp1"), rank=0, world=1,
+                          transient_areas=True)
+        self.addCleanup(c.close)
+        model, ref = models.nano_gpt(cfg), models.nano_gpt(cfg)
+        sm = shardd.nn.ShardedModule(c, model, auto_wrap={models.Block}, prefetch=False)
+        root = [u for u in sm.units if u.is_root][0]
+        gathers = collections.Counter()
+        plain = c.gather_area
+
+        def counted(buf, want_grad=False):
+            gathers[buf.name] += 1
+            return plain(buf, want_grad=want_grad)
+
+        c.gather_area = counted
+        # a unit's reshard sends its release and goes on: no round trip
+        blocking = []
+        c.release = lambda buf: blocking.append(buf.name)
+        want = dict(ref.named_parameters())
+        for step in range(3):
+            gathers.clear()
+            sm.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+            x, y = models.gpt_batch(cfg, step)
+            models.gpt_loss(model, x, y).backward()
+            models.gpt_loss(ref, x, y).backward()
+            for u in sm.units:
+                want_n = 1 if u is root and step > 0 else 2
+                self.assertEqual(gathers[u.buffer.name], want_n, (step, u.name))
+                for e in u.entries:
+                    torch.testing.assert_close(
+                        u.buffer.reduced_tensor[e.offset:e.offset + e.numel],
+                        want[e.name].grad.reshape(-1), rtol=0, atol=0, msg=e.name)
+        self.assertIsNone(root.gather)
+        self.assertEqual(blocking, [])
 
 
 if __name__ == "__main__":

@@ -424,6 +424,63 @@ Test(areas, a_third_gather_is_refused_naming_the_held_buffers, .init = start,
   ranks_join(&rs, LIMIT_SYNCS);
 }
 
+/* ---- releases sent without waiting for their answers ------------------------ */
+
+#define ASYNC_SYNCS 1
+
+static int async_release_body(rank_ctx *r) {
+  if (connect_rank(r, 1) != SHARDD_OK)
+    return 0;
+  if (!register_and_fill(r, "rel", NBUF))
+    return 0;
+  shardd_area a;
+  shardd_ticket t[NBUF];
+  for (int round = 0; round < 3; round++) {
+    /* each unit released unanswered before the next is gathered: from the
+     * third on the gather would be refused E_LIMIT (2 leases) had the
+     * releases not been served before it, in the connection's order */
+    for (int b = 0; b < NBUF; b++) {
+      CHECK_OK(r, shardd_gather_area(r->c, r->b[b].id, 0, &a));
+      if (!check_gathered(r, b, a.gather))
+        return 0;
+      CHECK_OK(r, shardd_release_async(r->c, r->b[b].id, &t[b]));
+      CHECK(r, t[b] != 0, "round %d buffer %d: ticket 0", round, b);
+    }
+    for (int b = 0; b < NBUF; b++)
+      CHECK_OK(r, shardd_wait(r->c, t[b]));
+  }
+  /* an async gather is not held up by releases in flight: with more of
+   * them than max_inflight_gathers unanswered, it is sent and completes */
+  CHECK_OK(r, shardd_gather_area(r->c, r->b[0].id, 0, &a));
+  CHECK_OK(r, shardd_gather_area(r->c, r->b[1].id, 0, &a));
+  CHECK_OK(r, shardd_release_async(r->c, r->b[0].id, &t[0]));
+  CHECK_OK(r, shardd_release_async(r->c, r->b[1].id, &t[1]));
+  shardd_ticket g;
+  CHECK_OK(r, shardd_gather_async(r->c, r->b[2].id, &g));
+  CHECK_OK(r, shardd_wait_area(r->c, g, &a));
+  if (!check_gathered(r, 2, a.gather))
+    return 0;
+  for (int b = 0; b < 2; b++)
+    CHECK_OK(r, shardd_wait(r->c, t[b]));
+  /* a release's failure comes with its ticket: nothing held, E_STATE */
+  CHECK_OK(r, shardd_release_async(r->c, r->b[2].id, &t[2]));
+  CHECK_OK(r, shardd_release_async(r->c, r->b[3].id, &t[3]));
+  CHECK_OK(r, shardd_wait(r->c, t[2]));
+  shardd_err rc = shardd_wait(r->c, t[3]);
+  CHECK(r, rc == SHARDD_E_STATE, "release of a buffer not gathered: %s (%s)",
+        shardd_err_name(rc), shardd_last_error(r->c));
+  CHECK(r, shardd_wait(r->c, t[3]) == SHARDD_E_INVAL, "a ticket waited twice");
+  sync_point(r); /* 1 */
+  return 1;
+}
+
+Test(areas, releases_sent_unanswered_free_their_leases_in_order, .init = start,
+     .fini = stop, .timeout = 60) {
+  ranks rs;
+  ranks_start(&rs, "relasync", ASYNC_SYNCS, async_release_body);
+  ranks_join(&rs, ASYNC_SYNCS);
+}
+
 /* ---- one rank: plain and async gathers on a transient job -------------------- */
 
 static int count_fds(void) {

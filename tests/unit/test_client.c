@@ -939,6 +939,7 @@ Test(client, null_arguments_are_refused_not_dereferenced, .timeout = 30) {
   shardd_area area;
   cr_assert_eq(shardd_gather_area(NULL, 1, 0, &area), SHARDD_E_INVAL);
   cr_assert_eq(shardd_release(NULL, 1), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_release_async(NULL, 1, &t), SHARDD_E_INVAL);
   cr_assert_eq(shardd_wait_area(NULL, 1, &area), SHARDD_E_INVAL);
   cr_assert_str_eq(shardd_daemon_version(NULL), "");
 }

@@ -225,6 +225,7 @@ def _declare(lib):
         "shardd_gather": (c_int, [client_p, c_uint64]),
         "shardd_gather_async": (c_int, [client_p, c_uint64, P(c_uint64)]),
         "shardd_wait": (c_int, [client_p, c_uint64]),
+        "shardd_release_async": (c_int, [client_p, c_uint64, P(c_uint64)]),
         "shardd_gather_area": (c_int, [client_p, c_uint64, c_int, P(Area)]),
         "shardd_wait_area": (c_int, [client_p, c_uint64, P(Area)]),
         "shardd_release": (c_int, [client_p, c_uint64]),

@@ -659,7 +659,8 @@ class Client:
         return t.value
 
     def wait(self, ticket):
-        """Waits for the gather a ticket from gather_async() stands for."""
+        """Waits for the gather (or release) a ticket from gather_async()
+        (release_async()) stands for; raises its error."""
         self._check_open()
         self._call(self._lib.shardd_wait(self._c, ctypes.c_uint64(ticket)))
 
@@ -746,6 +747,19 @@ class Client:
         buf = self._buffer_of(buffer)
         self._sync_cuda()  # no kernel may still read the area being returned
         self._call(self._lib.shardd_release(self._c, buf.id))
+
+    def release_async(self, buffer):
+        """release() without waiting for the daemon's answer: returns a
+        ticket at once; wait(ticket) returns (or raises) the release's
+        result. The daemon serves this client's requests in order, so every
+        later request (a gather needing the lease) finds the area back in
+        its pool."""
+        self._check_open()
+        buf = self._buffer_of(buffer)
+        self._sync_cuda()  # no kernel may still read the area being returned
+        t = ctypes.c_uint64(0)
+        self._call(self._lib.shardd_release_async(self._c, buf.id, ctypes.byref(t)))
+        return t.value
 
     def scatter(self, buffer, op="mean", no_grad=None, accumulate=False):
         """Reduce-scatter (collective) of every rank's grad area; op "sum"/"mean".

@@ -876,8 +876,9 @@ class ShardedModule:
       only if it makes steps faster, measured: from the second training
       forward of the root on, 3 steps with prefetch and 3 without
       alternate, each timed to the next training forward, and prefetching
-      stays on only if the median of its steps is lower (each rank
-      chooses on its own timings). Without a CPU to spare, the copy of
+      stays on only if the median of its steps is lower by more than 5%
+      (each rank chooses on its own timings; within that the two are the
+      same, and prefetch=False's loop is kept). Without a CPU to spare, the copy of
       a prefetched gather takes its CPU from the forward it overlaps (one
       run measured 1.65x the gather-everything loop's step with prefetch,
       1.05x without); where ranks wait for each other at every gather, a
@@ -1109,7 +1110,9 @@ class ShardedModule:
         self.prefetch_trial = None  # the trial's step times and choice, once made
         self._order = []          # units in the order the first forward met them
         self._order_done = False
+        self._root_backward_first = False  # the root unit's backward came first
         self._pending = None      # (unit, ticket) of the gather under way
+        self._releases = []       # tickets of releases not yet waited for
         self.prefetches = 0       # gathers that were under way when needed
         self._sth = None          # the saved-tensor hooks pushed for a forward
         self._in_forward = False  # the root's forward is running
@@ -1732,6 +1735,7 @@ class ShardedModule:
 
     def _root_pre_forward(self, module, inputs):
         self._pop_saved_hooks()  # a forward that raised left them pushed
+        self._wait_releases()  # a forward without backward sent some
         for u in self.units:  # likewise
             u.depth = 0
             u.recompute = False
@@ -1805,6 +1809,7 @@ class ShardedModule:
         self._pending = (nxt, self.client.gather_async(nxt.buffer))
 
     _TRIAL_STEPS = 3  # training steps timed with prefetch, and as many without
+    _TRIAL_MARGIN = 0.05  # how much faster prefetching's median must be to keep it
     _clock = staticmethod(time.perf_counter)
 
     def _prefetch_trial(self):
@@ -1812,7 +1817,9 @@ class ShardedModule:
         the root once the order is known: the steps alternate, prefetching
         and not, each timed up to the next training forward, until
         _TRIAL_STEPS of each are; then prefetching stays on only if the
-        median of its steps was lower. Whether it pays depends on a CPU
+        median of its steps was lower by more than _TRIAL_MARGIN (5%): a
+        step with prefetch is never kept for being as fast, so the loop
+        after the trial is at worst as fast as without prefetch. Whether it pays depends on a CPU
         being free for the daemon's copy while the ranks compute, and on
         how long ranks wait for each other at each gather (a prefetched
         gather does not make them meet there): measured, not guessed.
@@ -1831,7 +1838,10 @@ class ShardedModule:
         if len(tr["on"]) >= k and len(tr["off"]) >= k:
             med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
             on, off = med(tr["on"]), med(tr["off"])
-            self.prefetch = on < off
+            # within the margin the steps are the same, and prefetching is
+            # what has more to lose: a peer's or the daemon's CPU, a second
+            # gather slot (no gain in the noise of a shared machine, so off)
+            self.prefetch = on < off * (1.0 - self._TRIAL_MARGIN)
             self.prefetch_trial = {"on": tr["on"], "off": tr["off"], "on_median": on,
                                    "off_median": off, "prefetch": self.prefetch}
             self._trial = None
@@ -1907,7 +1917,23 @@ class ShardedModule:
     def _release(self, u):
         u.gather = u.grad = None
         self._to_shard(u)
-        self.client.release(u.buffer)
+        # no round trip: the daemon serves this rank's requests in order,
+        # so the next gather finds the lease back; the answers are read
+        # once a step (_wait_releases), mostly long arrived by then
+        self._releases.append(self.client.release_async(u.buffer))
+
+    def _wait_releases(self):
+        """The answers to the releases sent since the last call: the first
+        failure raised once every one is read."""
+        ts, self._releases = self._releases, []
+        err = None
+        for t in ts:
+            try:
+                self.client.wait(t)
+            except shardd.Error as e:
+                err = err or e
+        if err is not None:
+            raise err
 
     def _in_backward(self):
         """Whether autograd's engine is running a backward of ours: a forward
@@ -1951,8 +1977,17 @@ class ShardedModule:
             if self._read_held and u.gather is None:
                 self._check_leases(u, "for its forward")
             # a gather of an area this rank holds (the root unit, a module
-            # called twice) keeps it and gathers again
-            u.gather, _ = self.client.gather_area(u.buffer)
+            # called twice) keeps it and gathers again. The root unit stays
+            # gathered until its backward (as FSDP keeps the root); where
+            # the last backward began with it (a head at the end of the
+            # forward: it holds its gradient area all through backward
+            # anyway) its gradient area is leased now, beside the gather,
+            # so that its backward needs no second gather of the same
+            # values (a collective and a copy of what is often the largest
+            # unit, embeddings and head)
+            want = (u.is_root and self._root_backward_first and torch.is_grad_enabled()
+                    and self._trainable(u) > 0)
+            u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=want)
         u.state = "forward"
         self._point(u, False)
         self._prefetch_after(u)
@@ -1982,7 +2017,14 @@ class ShardedModule:
             self._final_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._final)
         want = self._trainable(u) > 0 and u.state != "done"
-        u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=want)
+        if u.is_root:
+            self._root_backward_first = all(
+                v.state in ("idle", "forward") for v in self.units if v is not u)
+        if not (want and u.state == "forward" and u.gather is not None
+                and u.grad is not None):
+            # (the root unit leased both in its forward: the values there
+            # are still the gathered ones, and no gradient reached the area)
+            u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=want)
         if want:
             u.state = "backward"
             u.ran = True
@@ -2052,6 +2094,7 @@ class ShardedModule:
         self._final_queued = False
         self._scatter_rest()
         try:
+            self._wait_releases()
             self._same_none_grads()
         finally:
             for u in self.units:
@@ -2191,6 +2234,10 @@ class ShardedModule:
         replaced by the redo's (zero_grad()), so nothing of it counts."""
         self._pop_saved_hooks()
         self._final_queued = False
+        try:
+            self._wait_releases()
+        except shardd.Error:
+            pass  # failed with the rest: release_all below returns the areas
         pend, self._pending = self._pending, None
         if pend is not None:
             try:
