@@ -308,9 +308,16 @@ int main(int argc, char **argv) {
   int nsizes = full ? 6 : 4;
   /* --small: only the small-buffer and fixed-cost figures (seconds, not
    * minutes: for comparing two builds of the daemon) */
-  for (int i = 1; i < argc; i++)
+  /* --node: only the design's gather of the largest buffer and its floor
+   * at 2 and 4 devices, more repetitions (comparing two builds' splits of
+   * the shared copy) */
+  int node_only = 0;
+  for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--small") == 0)
       nsizes = 0;
+    if (strcmp(argv[i], "--node") == 0)
+      node_only = 1;
+  }
   static const int devs[] = {1, 2, 4};
   double budget = (full ? 16384.0 : 2048.0) * MiB; /* gathered bytes per config */
   row_t rows[3 * 6];
@@ -318,7 +325,7 @@ int main(int argc, char **argv) {
   int nrows = 0;
   double maxn = sizes[(full ? 6 : 4) - 1] * MiB;
 
-  for (int di = 0; di < 3; di++) {
+  for (int di = node_only ? 1 : 0; di < 3; di++) {
     world = devs[di];
     char devmem[32];
     /* one rank per device: shard + reduced + gather + grad, with slack;
@@ -334,7 +341,7 @@ int main(int argc, char **argv) {
       tcl[r] = nsizes > 0 ? connect_transient((uint32_t)r) : NULL;
     }
     bench_ranks_start(&ranks, world, -1, rank_body);
-    for (int si = 0; si < nsizes; si++) {
+    for (int si = node_only ? nsizes - 1 : 0; si < nsizes; si++) {
       row_t *row = &rows[nrows++];
       memset(row, 0, sizeof *row);
       row->devices = world;
@@ -353,6 +360,8 @@ int main(int argc, char **argv) {
       run_cmd(CMD_REGISTER);
       int reps = (int)(budget / (bytes * world));
       reps = reps < 3 ? 3 : reps > 40 ? 40 : reps;
+      if (node_only)
+        reps = 25;
       row->reps = reps;
       enum { NORDER = 6 };
       double *t[NORDER];
@@ -364,7 +373,7 @@ int main(int argc, char **argv) {
       for (int k = 0; k < NORDER; k++) /* warm-up */
         run_cmd(order[k]);
       for (int rep = 0; rep < reps; rep++)
-        for (int k = 0; k < NORDER; k++)
+        for (int k = node_only ? 4 : 0; k < NORDER; k++)
           t[k][rep] = run_cmd(order[k]);
       row->gather_s = bench_median(t[0], (size_t)reps);
       row->gfloor_s = bench_median(t[1], (size_t)reps);
@@ -381,7 +390,8 @@ int main(int argc, char **argv) {
         bench_die("unregister (transient): %s", shardd_last_error(tcl[0]));
       run_cmd(CMD_RECONNECT);
     }
-    small_figure(&smalls[di], full ? 100 : 30);
+    if (!node_only)
+      small_figure(&smalls[di], full ? 100 : 30);
     bench_ranks_stop(&ranks);
     for (int r = 0; r < world; r++) {
       shardd_close(cl[r]);
@@ -400,7 +410,7 @@ int main(int argc, char **argv) {
          "scatter", "sum loop", "ratio");
   printf("%3s %9s | %9s %9s %6s %9s | %9s %9s %6s | %9s %9s %6s\n", "", "", "GB/s",
          "memcpy", "", "memcpy", "gather", "memcpy", "", "GB/s", "GB/s", "");
-  FILE *f = bench_json_open("coll", full);
+  FILE *f = bench_json_open(node_only ? "coll_node" : "coll", full);
   fprintf(f, ",\n  \"rows\": [");
   int first = 1;
   for (int i = 0; i < nrows; i++) {
@@ -416,6 +426,16 @@ int main(int argc, char **argv) {
     }
     double moved = r->mib * MiB * r->devices / GB;
     double ng = moved / r->node_s, nf = moved / r->nfloor_s;
+    if (node_only) {
+      printf("%3d %9s | %9.2f %9.2f %5.2fx (%d reps)\n", r->devices, sz, ng, nf,
+             ng / nf, r->reps);
+      fprintf(f, "%s\n    {\"devices\": %d, \"buffer_bytes\": %.0f, \"reps\": %d, "
+                 "\"gather_s\": %.6g, \"node_memcpy_s\": %.6g, \"gather_ratio\": %.4f}",
+              first ? "" : ",", r->devices, r->mib * MiB, r->reps, r->node_s,
+              r->nfloor_s, ng / nf);
+      first = 0;
+      continue;
+    }
     double g = moved / r->gather_s, gf = moved / r->gfloor_s;
     double s = moved / r->scatter_s, sf = moved / r->sfloor_s;
     printf("%3d %9s | %9.2f %9.2f %5.2fx %9.2f | %9.2f %9.2f %5.2fx | %9.2f %9.2f %5.2fx\n",
@@ -438,6 +458,11 @@ int main(int argc, char **argv) {
          " per node; its ratio is against the node memcpy, each shard copied once; the\n"
          " per-rank memcpy, each rank copying every shard into its own area, is the\n"
          " floor of the resident gather, which still does that)\n");
+  if (node_only) {
+    fprintf(f, "\n  ]");
+    bench_json_close(f, "coll_node");
+    return 0;
+  }
   fprintf(f, "\n  ],\n  \"small_buffers\": %d, \"small_buffer_bytes\": %d, "
              "\"bucket\": %d,\n  \"small_rows\": [", SMALL_N, SMALL_BYTES,
           SHARDD_BUCKET_PER_REQUEST);

@@ -83,6 +83,13 @@ typedef struct {
    * max_inflight_gathers (its first entry is the one checked). */
   uint64_t bucket;
   uint32_t bucket_n, bucket_index;
+  /* gather, scatter: the target already resolved by the caller, in this
+   * loop turn, exactly as submit would (shardd__registry_resolve_gen with
+   * target, generation and SHARDD__OBJ_BUFFER, in the submitting rank's
+   * job), or NULL for submit to resolve it. A bucket's handler checks
+   * every entry before submitting any: a second lookup each was a cost of
+   * its own. Never kept past the submit (the collective holds its own). */
+  shardd__obj *resolved;
 } shardd__coll_args;
 
 /* One rank of a job as the engine sees it. The caller sets job and rank

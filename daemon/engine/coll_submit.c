@@ -255,6 +255,8 @@ static int submit_check(submission *s) {
     snprintf(err, sizeof err, "all_reduce of %" PRIu64 " values: at most %d",
              args->target, SHARDD_ALL_REDUCE_MAX);
     rc = SHARDD_E_RANGE;
+  } else if (!s->scalars && args->resolved && want == SHARDD__OBJ_BUFFER) {
+    s->o = args->resolved; /* resolved by the caller as below, this turn */
   } else if (!s->scalars) {
     rc = shardd__registry_resolve_gen(e->cfg.reg, s->job, args->target,
                                       args->kind == SHARDD__COLL_STEP
@@ -400,6 +402,7 @@ static coll *submit_new(submission *s) {
   c->job = s->job;
   c->cj = q;
   c->args = *args;
+  c->args.resolved = NULL; /* the caller's, for the submit only */
   c->args.group_hp = NULL; /* the caller's: resolved into c->hp */
   c->args.ngroup_hp = 0;
   c->args.values = NULL; /* borrowed for the submit only: each waiter has its copy */

@@ -25,13 +25,12 @@ typedef struct shardd__bucket_wait {
   const char *what; /* "bucket gathers" | "bucket scatters" */
   size_t n, left;
   int submitting; /* the handler's loop runs: the reply waits for it */
-  uint64_t *ids;  /* [n] the entries' buffers */
   batch_errs fails;
+  uint64_t ids[]; /* [n] the entries' buffers */
 } bucket_wait;
 
 static void bucket_free(bucket_wait *w) {
   shardd__batch_errs_free(&w->fails);
-  free(w->ids);
   free(w);
 }
 
@@ -105,6 +104,31 @@ static uint64_t bucket_hash(shardd__coll_kind kind, const uint64_t *ids,
   return h ? h : 1; /* 0 means "not in a bucket" */
 }
 
+typedef struct {
+  uint64_t id;
+  uint32_t at;
+} id_at;
+
+static int cmp_id_at(const void *a, const void *b) {
+  const id_at *x = a, *y = b;
+  if (x->id != y->id)
+    return x->id < y->id ? -1 : 1;
+  return x->at < y->at ? -1 : x->at > y->at;
+}
+
+/* first[i] = the first entry naming ids[i]'s buffer (i itself when none
+ * before it does): sorted by (id, entry), not every pair compared (n <=
+ * BUCKET_MAX). */
+static void first_entries(const uint64_t *ids, size_t n, uint32_t *first) {
+  id_at v[BUCKET_MAX];
+  for (size_t i = 0; i < n; i++)
+    v[i] = (id_at){ids[i], (uint32_t)i};
+  qsort(v, n, sizeof *v, cmp_id_at);
+  for (size_t k = 0; k < n; k++)
+    first[v[k].at] = k > 0 && v[k - 1].id == v[k].id ? first[v[k - 1].at]
+                                                      : v[k].at;
+}
+
 void shardd__on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                        const Shardwire__Request *req) {
   const Shardwire__Bucket *bk = req->bucket;
@@ -151,54 +175,48 @@ void shardd__on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     shardd__reply(d, c, seq, SHARDD_E_LIMIT, err);
     return;
   }
-  bucket_wait *w = calloc(1, sizeof *w);
-  if (w == NULL || (w->ids = calloc(n, sizeof *w->ids)) == NULL ||
-      shardd__batch_errs_init(&w->fails, n, base) != SHARDD_OK) {
-    if (w)
-      free(w->ids);
+  /* one allocation for the wait and its list; its error list serves the
+   * checks first (a refused bucket is answered from it and freed) */
+  bucket_wait *w = calloc(1, sizeof *w + n * sizeof *w->ids);
+  if (w == NULL || shardd__batch_errs_init(&w->fails, n, base) != SHARDD_OK) {
     free(w);
     shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
-  batch_errs be;
-  if (shardd__batch_errs_init(&be, n, base) != SHARDD_OK) {
-    bucket_free(w);
-    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
-    return;
-  }
-  /* every entry checked before any is submitted: all or nothing */
+  for (size_t i = 0; i < n; i++)
+    w->ids[i] = gather ? bk->gather->gathers[i]->buffer
+                       : bk->scatter->scatters[i]->buffer;
+  uint32_t first[BUCKET_MAX];
+  first_entries(w->ids, n, first);
+  /* every entry checked before any is submitted: all or nothing; what
+   * each resolves to is handed to its submit (not looked up again) */
+  shardd__obj *objs[BUCKET_MAX];
   for (size_t i = 0; i < n; i++) {
-    uint64_t id = gather ? bk->gather->gathers[i]->buffer
-                         : bk->scatter->scatters[i]->buffer;
+    uint64_t id = w->ids[i];
     uint64_t gen = gather ? bk->gather->gathers[i]->generation
                           : bk->scatter->scatters[i]->generation;
-    w->ids[i] = id;
-    shardd__obj *o;
     shardd_err rc = shardd__registry_resolve_gen(&d->reg, job, id, gen,
-                                                 SHARDD__OBJ_BUFFER, &o, err,
-                                                 sizeof err);
+                                                 SHARDD__OBJ_BUFFER, &objs[i],
+                                                 err, sizeof err);
     if (rc == SHARDD_OK && !gather &&
         bk->scatter->scatters[i]->op != SHARDWIRE__REDUCE_OP__SUM &&
         bk->scatter->scatters[i]->op != SHARDWIRE__REDUCE_OP__MEAN) {
       snprintf(err, sizeof err, "scatter op must be sum or mean");
       rc = SHARDD_E_INVAL;
     }
-    for (size_t j = 0; rc == SHARDD_OK && j < i; j++)
-      if (w->ids[j] == id) {
-        snprintf(err, sizeof err, "buffer %" PRIu64 " is named twice (entry %"
-                 PRIu64 " too)", id, (uint64_t)(j + base));
-        rc = SHARDD_E_DUPLICATE;
-      }
+    if (rc == SHARDD_OK && first[i] != i) {
+      snprintf(err, sizeof err, "buffer %" PRIu64 " is named twice (entry %"
+               PRIu64 " too)", id, (uint64_t)first[i] + base);
+      rc = SHARDD_E_DUPLICATE;
+    }
     if (rc != SHARDD_OK)
-      shardd__batch_err_add(&be, i, rc, err);
+      shardd__batch_err_add(&w->fails, i, rc, err);
   }
-  if (be.total > 0) {
-    shardd__batch_refuse(d, c, seq, n, &be, what);
-    shardd__batch_errs_free(&be);
+  if (w->fails.total > 0) {
+    shardd__batch_refuse(d, c, seq, n, &w->fails, what);
     bucket_free(w);
     return;
   }
-  shardd__batch_errs_free(&be);
   w->c = c;
   w->seq = seq;
   w->what = what;
@@ -217,7 +235,8 @@ void shardd__on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   int all = job->nodes > 1;
   for (; i < n && (all || w->fails.total == 0); i++) {
     shardd__coll_args ca = {.kind = kind, .target = w->ids[i], .bucket = sig,
-                            .bucket_n = (uint32_t)n, .bucket_index = (uint32_t)i};
+                            .bucket_n = (uint32_t)n, .bucket_index = (uint32_t)i,
+                            .resolved = objs[i]};
     if (gather) {
       ca.generation = bk->gather->gathers[i]->generation;
     } else {

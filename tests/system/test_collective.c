@@ -8,6 +8,7 @@
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
 #include <float.h>
+#include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
 
@@ -635,6 +636,44 @@ Test(collective, bucket_refusal_names_every_bad_entry_and_runs_none,
   cr_assert_eq(errs[0], SHARDD_E_INVAL);
   cr_assert_eq(errs[1], SHARDD_E_INVAL);
   cr_assert_eq(job_inflight("bucketbad"), 0);
+  team_close(&t);
+}
+
+/* A buffer named more than once in a bucket: every later entry naming it
+ * is refused E_DUPLICATE and names the first entry that did (not the one
+ * just before it), whatever the order of the ids; an entry that fails its
+ * own check (an unknown id) is refused for that even when repeated. */
+Test(collective, bucket_names_the_first_entry_of_a_repeated_buffer,
+     .init = start4, .fini = stop_daemon, .timeout = 60) {
+  team t;
+  team_open(&t, "bucketrep", 2);
+  shardd_buffer_info a[MAXW], b2[MAXW];
+  team_buffer(&t, "a", SHARDD_DTYPE_FP32, 64, a);
+  team_buffer(&t, "b", SHARDD_DTYPE_FP32, 64, b2);
+  /* the larger id first, so the ids' order is not the entries' */
+  uint64_t hi = a[0].id > b2[0].id ? a[0].id : b2[0].id;
+  uint64_t lo = a[0].id > b2[0].id ? b2[0].id : a[0].id;
+  uint64_t ids[7] = {hi, lo, hi, 987654321, lo, hi, 987654321};
+  shardd_err errs[7];
+  shardd_err rc = shardd_scatter_many(t.c[0], 7, ids, SHARDD_REDUCE_SUM, errs);
+  const char *msg = shardd_last_error(t.c[0]);
+  cr_assert_eq(rc, SHARDD_E_DUPLICATE, "%s: %s", shardd_err_name(rc), msg);
+  shardd_err want[7] = {SHARDD_OK, SHARDD_OK, SHARDD_E_DUPLICATE,
+                        SHARDD_E_NOT_FOUND, SHARDD_E_DUPLICATE,
+                        SHARDD_E_DUPLICATE, SHARDD_E_NOT_FOUND};
+  for (int i = 0; i < 7; i++)
+    cr_assert_eq(errs[i], want[i], "entry %d: %s", i, shardd_err_name(errs[i]));
+  char exp[3][160];
+  snprintf(exp[0], sizeof exp[0], "[2] E_DUPLICATE: buffer %" PRIu64
+           " is named twice (entry 0 too)", hi);
+  snprintf(exp[1], sizeof exp[1], "[4] E_DUPLICATE: buffer %" PRIu64
+           " is named twice (entry 1 too)", lo);
+  snprintf(exp[2], sizeof exp[2], "[5] E_DUPLICATE: buffer %" PRIu64
+           " is named twice (entry 0 too)", hi);
+  for (int k = 0; k < 3; k++)
+    cr_assert_not_null(strstr(msg, exp[k]), "want \"%s\" in: %s", exp[k], msg);
+  cr_assert_not_null(strstr(msg, "5 of the 7 entries"), "%s", msg);
+  cr_assert_eq(job_inflight("bucketrep"), 0, "a refused bucket queued something");
   team_close(&t);
 }
 
