@@ -501,8 +501,18 @@ static int adopt_one(shardd__fdstore *fs, pool *p, const char *base,
     if (e->fd[1 - k] < 0 || shardd__fdstore_map_journal(e) != SHARDD_OK) {
       shardd__map_del_str(&fs->jobs, e->key);
       shardd__fdstore_entry_free(e, 0);
-    } else {
-      shardd__fdstore_sync_entry(fs, e); /* the new generations of its handles */
+    } else if (shardd__fdstore_sync_entry(fs, e) == SHARDD_OK && ver[k] == 1) {
+      /* (written anew: the new generations of its handles) */
+      /* the slot of the format before goes, now that a whole one of this
+       * format is there: a daemon that reads only that format (a
+       * downgrade) would take its step counts, stale from the next step
+       * on, for the job's */
+      slot_hdr zero;
+      memset(&zero, 0, sizeof zero);
+      if (pwrite(e->fd[k], &zero, sizeof zero, 0) != (ssize_t)sizeof zero)
+        shardd__log(1, "fd store: job \"%s\": its description of the format "
+                    "before could not be cleared: %s", jname,
+                    strerror(errno));
     }
   } else {
     free(e);

@@ -494,6 +494,11 @@ Test(fdstore, a_description_of_the_format_before_is_adopted) {
   struct stat st;
   cr_assert_eq(fstat(kept("-j"), &st), 0);
   cr_expect_gt(st.st_size, 4096, "the journal holds no step counts");
+  for (int i = 0; i < 2; i++) { /* no stale counts for an older daemon */
+    char magic[9] = "";
+    cr_assert_eq(pread(kept(i ? "-b" : "-a"), magic, 8, 0), 8);
+    cr_expect_str_neq(magic, "SHDMETA1", "slot %d left in the format before", i);
+  }
   shardd__optim *bo = shardd__optim_find(adopted_job, "adamw");
   step(&b, adopted_job, bo);
   daemon_crash(&b);
