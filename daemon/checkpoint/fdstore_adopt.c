@@ -137,7 +137,7 @@ static shardd_err journal_steps(int fd, uint64_t gen, const char *manifest,
       if (ent && refk != ent[1])
         bad = "an optimizer's refs are not those counted";
       else if (strtoull(line + 10, NULL, 10) != nopt || nopt >= h.nopt ||
-               at + 2 > nw || at + 2 + w[at + 1] > nw || sw == NULL)
+               at + 2 > nw || w[at + 1] > nw - at - 2 || sw == NULL)
         bad = "its optimizers are not those counted";
       if (bad)
         break;

@@ -550,3 +550,8 @@ Test(fdstore, step_counts_not_fitting_the_description_refuse_the_job) {
 Test(fdstore, a_damaged_journal_page_refuses_the_job) {
   damaged_journal(0, 0, "step journal is damaged");
 }
+
+Test(fdstore, step_counts_counting_past_the_journal_refuse_the_job) {
+  /* refs counted past the journal's end (their offset would wrap) */
+  damaged_journal(4096 + 32 + 8, UINT64_MAX - 1, "does not fit its description");
+}
