@@ -66,17 +66,25 @@ void shardd__fdstore_entry_free(fs_job *e, int unstore) {
     close(e->fd[k]);
   }
   if (e->j)
-    munmap(e->j, JRNL_BYTES);
+    munmap(e->j, e->jlen);
+  free(e->lay_id);
+  free(e->lay_off);
+  free(e->lay_nrefs);
+  free(e->lay_mv);
   free(e->key);
   free(e);
 }
 
 shardd_err shardd__fdstore_map_journal(fs_job *e) {
-  void *p = mmap(NULL, JRNL_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED,
+  struct stat st;
+  if (fstat(e->fd[2], &st) != 0 || st.st_size < JRNL_BYTES)
+    return SHARDD_E_IO; /* mapped past its end, a read would fault */
+  void *p = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED,
                  e->fd[2], 0);
   if (p == MAP_FAILED)
     return SHARDD_E_IO;
   e->j = p;
+  e->jlen = (size_t)st.st_size;
   return SHARDD_OK;
 }
 
@@ -119,17 +127,26 @@ fail:
 }
 
 /* The text a slot holds for job: its regions' store names, then its
- * manifest. SHARDD_E_INVAL (err says why) when a region is not stored. */
+ * manifest. SHARDD_E_INVAL (err says why) when a region is not stored.
+ * *optsp: the job's optimizers in the manifest's order (the caller frees
+ * it, also on failure). */
 static shardd_err build_text(shardd__fdstore *fs, shardd__job *job,
-                             shardd__sb *sb, char *err, size_t errlen) {
+                             shardd__sb *sb, shardd__optim ***optsp,
+                             size_t *nop, char *err, size_t errlen) {
   shardd__buffer **bufs = NULL;
   shardd__optim **opts = NULL;
   size_t nb = 0, no = 0;
   shardd_err rc = SHARDD_E_NO_MEMORY;
   snprintf(err, errlen, "out of memory");
+  *optsp = NULL;
+  *nop = 0;
   if (shardd__job_buffers(job, &bufs, &nb) != SHARDD_OK ||
       shardd__job_optims(job, &opts, &no) != SHARDD_OK)
     goto done;
+  /* the manifest's order: checkpoint_prepare lists them as job_optims
+   * does, by id */
+  *optsp = opts;
+  *nop = no;
   for (size_t i = 0; i < nb; i++) {
     shardd__buffer *b = bufs[i];
     for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks;
@@ -182,7 +199,6 @@ static shardd_err build_text(shardd__fdstore *fs, shardd__job *job,
     snprintf(err, errlen, "out of memory");
 done:
   free(bufs);
-  free(opts);
   return rc;
 }
 
@@ -201,14 +217,76 @@ static int pwrite_all(int fd, const void *p, size_t n, off_t off) {
   return 0;
 }
 
+/* The step counts of the slot just written (generation e->gen) into the
+ * journal past its page, and their layout into e's lay_ arrays. Until the
+ * generation is set last, the counts are not used (that slot's are); on a
+ * failure they stay unused, and e->nlay 0 makes each step's end rewrite
+ * the description whole. */
+static void write_steps(fs_job *e, shardd__optim **opts, size_t no) {
+  e->nlay = 0;
+  size_t bytes = sizeof(steps_hdr);
+  for (size_t i = 0; i < no; i++)
+    bytes += (2 + opts[i]->nrefs) * sizeof(uint64_t);
+  size_t need = JRNL_BYTES + bytes;
+  if (need > e->jlen) { /* grown; never shrunk while mapped */
+    if (ftruncate(e->fd[2], (off_t)need) != 0)
+      return;
+    void *p = mremap(e->j, e->jlen, need, MREMAP_MAYMOVE);
+    if (p == MAP_FAILED)
+      return; /* the old mapping stands */
+    e->j = p;
+    e->jlen = need;
+  }
+  size_t cap = no ? no : 1;
+  uint64_t *id = realloc(e->lay_id, cap * sizeof *id);
+  if (id)
+    e->lay_id = id;
+  size_t *off = realloc(e->lay_off, cap * sizeof *off);
+  if (off)
+    e->lay_off = off;
+  size_t *nr = realloc(e->lay_nrefs, cap * sizeof *nr);
+  if (nr)
+    e->lay_nrefs = nr;
+  unsigned char *mv = realloc(e->lay_mv, cap);
+  if (mv)
+    e->lay_mv = mv;
+  if (!id || !off || !nr || !mv)
+    return;
+  steps_hdr *h = (steps_hdr *)((char *)e->j + JRNL_BYTES);
+  atomic_store(&h->gen, 0);
+  memcpy(h->magic, STEPS_MAGIC, 8);
+  h->nopt = no;
+  h->bytes = bytes;
+  uint64_t *q = (uint64_t *)(h + 1);
+  for (size_t i = 0; i < no; i++) {
+    const shardd__optim *o = opts[i];
+    id[i] = o->hdr.id;
+    off[i] = (size_t)((char *)q - (char *)e->j);
+    nr[i] = o->nrefs;
+    mv[i] = 0;
+    for (size_t k = 0; k < o->nshards; k++)
+      if (o->shards[k].state && !o->shards[k].master_valid)
+        mv[i] = 1;
+    q[0] = o->steps;
+    q[1] = o->nrefs;
+    if (o->nrefs)
+      memcpy(q + 2, o->ref_steps, o->nrefs * sizeof *q);
+    q += 2 + o->nrefs;
+  }
+  atomic_store_explicit(&h->gen, e->gen, memory_order_release);
+  e->nlay = no;
+}
+
 /* Writes job's description into the slot not holding the newest one:
  * text first, header last, so the newest valid slot is whole whenever
- * the process dies. */
+ * the process dies; then the step counts of that generation. */
 shardd_err shardd__fdstore_sync_entry(shardd__fdstore *fs, fs_job *e) {
   char err[512];
   shardd__sb sb;
   shardd__sb_init(&sb);
-  shardd_err rc = build_text(fs, e->job, &sb, err, sizeof err);
+  shardd__optim **opts;
+  size_t no;
+  shardd_err rc = build_text(fs, e->job, &sb, &opts, &no, err, sizeof err);
   if (rc == SHARDD_OK && sb.len > SLOT_TEXT_MAX) {
     snprintf(err, sizeof err, "%zu bytes of description, more than %zu",
              sb.len, (size_t)SLOT_TEXT_MAX);
@@ -236,8 +314,10 @@ shardd_err shardd__fdstore_sync_entry(shardd__fdstore *fs, fs_job *e) {
       e->active = k;
       e->dirty = 0;
       e->warned = 0;
+      write_steps(e, opts, no);
     }
   }
+  free(opts);
   shardd__sb_free(&sb);
   if (rc != SHARDD_OK && !e->warned) {
     e->warned = 1;
@@ -423,14 +503,30 @@ void shardd__fdstore_step_end(shardd__fdstore *fs, shardd__job *job,
   fs_job *e = find(fs, job);
   if (e == NULL)
     return;
-  /* the new step count described first: only then is the mark cleared;
-   * a description that could not be written leaves it (torn on a crash) */
-  if (shardd__fdstore_sync_entry(fs, e) != SHARDD_OK)
+  /* the new step counts committed first: only then is the mark cleared;
+   * a description that could not be written leaves it (torn on a crash).
+   * What a step changes of the description is its optimizer's step
+   * counts (and, at its first, its shards' master_valid): those go into
+   * the journal's counts in place, at a cost that does not grow with the
+   * job's buffers; the description is rewritten whole only when the
+   * job's structure changed since (dirty) or the layout does not hold
+   * this optimizer. */
+  size_t i = 0;
+  while (i < e->nlay && e->lay_id[i] != opt->hdr.id)
+    i++;
+  if (!e->dirty && i < e->nlay && !e->lay_mv[i] &&
+      e->lay_nrefs[i] == opt->nrefs) {
+    uint64_t *q = (uint64_t *)((char *)e->j + e->lay_off[i]);
+    q[0] = opt->steps;
+    if (opt->nrefs)
+      memcpy(q + 2, opt->ref_steps, opt->nrefs * sizeof *q);
+  } else if (shardd__fdstore_sync_entry(fs, e) != SHARDD_OK) {
     return;
-  for (int i = 0; i < JRNL_RECS; i++) {
-    if (e->rec_opt[i] == opt) {
-      e->rec_opt[i] = NULL;
-      atomic_store_explicit(&e->j->rec[i].step1, 0, memory_order_release);
+  }
+  for (int r = 0; r < JRNL_RECS; r++) {
+    if (e->rec_opt[r] == opt) {
+      e->rec_opt[r] = NULL;
+      atomic_store_explicit(&e->j->rec[r].step1, 0, memory_order_release);
       return;
     }
   }

@@ -7,24 +7,35 @@
  * of the protocol: per job, a description in three memfds of its own,
  * stored beside the regions:
  *   shardd-m<ID>-a, shardd-m<ID>-b  two slots, written in turn; each a
- *       32-byte header (magic "SHDMETA1", generation, length, CRC32C of
+ *       32-byte header (magic "SHDMETA2", generation, length, CRC32C of
  *       the text) and at 4096 the text: one line per region,
  *         region buffer NAME RANK FDNAME
  *         region state OPTIMIZER BUFFER RANK FDNAME
  *       (names as a manifest encodes them), a line "manifest", and the
  *       job's checkpoint manifest (checkpoint.h) with its data files'
  *       CRCs 0. The text goes in first, the header last: a kill between
- *       leaves the other slot, whole, the newest valid one.
+ *       leaves the other slot, whole, the newest valid one. Rewritten
+ *       when the job changes (a registration, an optimizer's first step),
+ *       not at every step.
  *   shardd-m<ID>-j  the step journal: one record per optimizer step
  *       running ("step N of optimizer NAME in progress"), set before its
  *       first update changes a byte and cleared after its last, once the
- *       slot written after it records the new step count.
+ *       new step counts are committed; past its page, the step counts
+ *       (each optimizer's and its refs') of the newest slot's generation,
+ *       written whole after each slot and one optimizer's in place at the
+ *       end of each of its steps (fdstore_int.h).
  * A restart is handed every stored fd back (LISTEN_FDS/LISTEN_FDNAMES):
- * adopt rebuilds each job from its newest slot, through the restore's own
- * apply, and swaps the adopted memfds in for the regions apply made (no
- * byte copied). A job whose journal holds a record is torn: its memory
+ * adopt rebuilds each job from its newest slot, its step counts taken
+ * from the journal where they are of that slot's generation, through the
+ * restore's own apply, and swaps the adopted memfds in for the regions
+ * apply made (no byte copied). A slot "SHDMETA1" (a daemon before the
+ * journal's counts, which rewrote it at every step) is adopted with its
+ * own counts, then cleared once a slot of this format is written (an
+ * older daemon finds no whole slot rather than stale counts). A job whose journal holds a record is torn: its memory
  * may hold half of that step, so it is not adopted and any attach is
- * refused naming the step.
+ * refused naming the step; a damaged journal (its page's magic, counts
+ * of a later generation or not fitting the slot's manifest) refuses the
+ * job as a description that cannot be adopted does.
  *
  * Loop thread only. Multi-node jobs are not kept (their exit checkpoint
  * and rejoin are the path there). */

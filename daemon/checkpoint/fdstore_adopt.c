@@ -41,12 +41,17 @@ static ssize_t pool_find(const pool *p, const char *name) {
 }
 
 /* Reads slot fd's text (malloc'd, NUL-ended) when its header is whole and
- * its CRC holds; NULL otherwise. */
-static char *read_slot(int fd, uint64_t *gen, size_t *len) {
+ * its CRC holds; NULL otherwise. *ver: its format (fdstore_int.h). */
+static char *read_slot(int fd, uint64_t *gen, size_t *len, int *ver) {
   slot_hdr h;
   if (fd < 0 || pread(fd, &h, sizeof h, 0) != (ssize_t)sizeof h ||
-      memcmp(h.magic, SLOT_MAGIC, 8) != 0 || h.gen == 0 ||
-      h.len > SLOT_TEXT_MAX)
+      h.gen == 0 || h.len > SLOT_TEXT_MAX)
+    return NULL;
+  if (memcmp(h.magic, SLOT_MAGIC, 8) == 0)
+    *ver = 2;
+  else if (memcmp(h.magic, SLOT_MAGIC_V1, 8) == 0)
+    *ver = 1;
+  else
     return NULL;
   char *t = malloc(h.len + 1);
   if (t == NULL || pread(fd, t, h.len, SLOT_TEXT_OFF) != (ssize_t)h.len ||
@@ -58,6 +63,126 @@ static char *read_slot(int fd, uint64_t *gen, size_t *len) {
   *gen = h.gen;
   *len = h.len;
   return t;
+}
+
+/* The position of word n (0 the first) of line, or NULL. */
+static const char *word_at(const char *line, const char *end, int n) {
+  const char *p = line;
+  for (; n > 0 && p; n--) {
+    p = memchr(p, ' ', (size_t)(end - p));
+    p = p ? p + 1 : NULL;
+  }
+  return p;
+}
+
+/* The step counts journal fd holds for the slot of generation gen, put in
+ * manifest's place (its optimizer and ref lines' counts, the manifest
+ * sealed anew): *out, malloc'd; NULL when the journal holds none of that
+ * generation (the slot's are then the newest: it was written after the
+ * counts the journal has). SHARDD_E_INVAL (err says why) when counts of
+ * that generation do not fit the manifest, or of a later one are there:
+ * a damaged journal. */
+static shardd_err journal_steps(int fd, uint64_t gen, const char *manifest,
+                                char **out, char *err, size_t errlen) {
+  *out = NULL;
+  struct stat st;
+  steps_hdr h;
+  if (fstat(fd, &st) != 0) {
+    snprintf(err, errlen, "its step journal: %s", strerror(errno));
+    return SHARDD_E_IO;
+  }
+  /* none written (a journal of a daemon before them, or its growth
+   * failed: no step was committed through them then) */
+  if ((size_t)st.st_size < JRNL_BYTES + sizeof h)
+    return SHARDD_OK;
+  if (pread(fd, &h, sizeof h, JRNL_BYTES) != (ssize_t)sizeof h) {
+    snprintf(err, errlen, "its step journal: %s", strerror(errno));
+    return SHARDD_E_IO;
+  }
+  uint64_t hgen = atomic_load(&h.gen);
+  if (hgen == 0 || hgen < gen) /* being written, or of an older slot */
+    return SHARDD_OK;
+  if (memcmp(h.magic, STEPS_MAGIC, 8) != 0 || hgen > gen ||
+      h.bytes < sizeof h || h.bytes > (uint64_t)st.st_size - JRNL_BYTES ||
+      (h.bytes - sizeof h) % sizeof(uint64_t) != 0) {
+    snprintf(err, errlen, "its step journal is damaged (step counts of "
+             "generation %" PRIu64 ", %" PRIu64 " bytes, for a description "
+             "of generation %" PRIu64 ")", hgen, h.bytes, gen);
+    return SHARDD_E_INVAL;
+  }
+  size_t nw = (size_t)(h.bytes - sizeof h) / sizeof(uint64_t);
+  uint64_t *w = malloc((nw ? nw : 1) * sizeof *w);
+  if (w == NULL) {
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  if (pread(fd, w, nw * sizeof *w, JRNL_BYTES + sizeof h) !=
+      (ssize_t)(nw * sizeof *w)) {
+    free(w);
+    snprintf(err, errlen, "its step journal: %s", strerror(errno));
+    return SHARDD_E_IO;
+  }
+  shardd__sb sb;
+  shardd__sb_init(&sb);
+  size_t at = 0;       /* the next entry's word */
+  const uint64_t *ent = NULL; /* the current optimizer's */
+  uint64_t nopt = 0, refk = 0;
+  const char *bad = NULL;
+  for (const char *line = manifest; *line && !bad;) {
+    const char *end = strchr(line, '\n');
+    end = end ? end : line + strlen(line);
+    size_t len = (size_t)(end - line);
+    if (len > 10 && !strncmp(line, "optimizer ", 10)) {
+      const char *sw = word_at(line, end, 3), *rest = word_at(line, end, 4);
+      if (ent && refk != ent[1])
+        bad = "an optimizer's refs are not those counted";
+      else if (strtoull(line + 10, NULL, 10) != nopt || nopt >= h.nopt ||
+               at + 2 > nw || w[at + 1] > nw - at - 2 || sw == NULL)
+        bad = "its optimizers are not those counted";
+      if (bad)
+        break;
+      ent = w + at;
+      at += 2 + ent[1];
+      nopt++;
+      refk = 0;
+      shardd__sb_printf(&sb, "%.*s%" PRIu64 "%s%.*s\n", (int)(sw - line), line,
+                        ent[0], rest ? " " : "",
+                        rest ? (int)(end - rest) : 0, rest ? rest : "");
+    } else if (len > 4 && !strncmp(line, "ref ", 4)) {
+      const char *last = end;
+      while (last > line && last[-1] != ' ')
+        last--;
+      if (ent == NULL || strtoull(line + 4, NULL, 10) != nopt - 1 ||
+          refk >= ent[1] || word_at(line, end, 5) == NULL) {
+        bad = "its refs are not those counted";
+        break;
+      }
+      shardd__sb_printf(&sb, "%.*s%" PRIu64 "\n", (int)(last - line), line,
+                        ent[2 + refk++]);
+    } else if (len >= 3 && !strncmp(line, "end", 3) &&
+               (len == 3 || line[3] == ' ')) {
+      shardd__manifest_put_end(&sb, shardd__crc32c(0, sb.s, sb.len));
+    } else {
+      shardd__sb_printf(&sb, "%.*s\n", (int)len, line);
+    }
+    line = *end ? end + 1 : end;
+  }
+  if (!bad && ((ent && refk != ent[1]) || nopt != h.nopt || at != nw))
+    bad = "its counts are not those of the description's optimizers";
+  free(w);
+  if (bad) {
+    shardd__sb_free(&sb);
+    snprintf(err, errlen, "its step journal does not fit its description "
+             "(%s)", bad);
+    return SHARDD_E_INVAL;
+  }
+  if (sb.failed) {
+    shardd__sb_free(&sb);
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  *out = shardd__sb_take(&sb);
+  return SHARDD_OK;
 }
 
 /* The job line of the manifest in text: name (decoded) and uid. */
@@ -233,10 +358,11 @@ static int adopt_one(shardd__fdstore *fs, pool *p, const char *base,
   }
   uint64_t gen[2] = {0, 0};
   size_t len[2] = {0, 0};
+  int ver[2] = {0, 0};
   char *text[2] = {NULL, NULL};
   for (int k = 0; k < 2; k++)
     if (idx[k] >= 0)
-      text[k] = read_slot(p->fds[idx[k]].fd, &gen[k], &len[k]);
+      text[k] = read_slot(p->fds[idx[k]].fd, &gen[k], &len[k], &ver[k]);
   int k = text[0] && (!text[1] || gen[0] > gen[1]) ? 0 : 1;
   char *t = text[k];
   free(text[1 - k]);
@@ -262,11 +388,26 @@ static int adopt_one(shardd__fdstore *fs, pool *p, const char *base,
   free(key);
 
   /* the journal: a step in progress makes the job torn */
-  const jrnl *j = mmap(NULL, JRNL_BYTES, PROT_READ, MAP_SHARED,
-                       p->fds[idx[2]].fd, 0);
+  struct stat jst;
+  const jrnl *j = MAP_FAILED;
+  if (fstat(p->fds[idx[2]].fd, &jst) == 0 && jst.st_size >= JRNL_BYTES)
+    j = mmap(NULL, JRNL_BYTES, PROT_READ, MAP_SHARED, p->fds[idx[2]].fd, 0);
+  if (j == MAP_FAILED || memcmp(j->magic, JRNL_MAGIC, 8) != 0) {
+    /* whether a step was running cannot be told: refused, not fresh */
+    if (j != MAP_FAILED)
+      munmap((void *)j, JRNL_BYTES);
+    shardd__log(0, "fd store: job \"%s\" (uid %" PRIu32 ") not resumed: its "
+                "step journal is damaged; every attach is refused until it "
+                "is released (shardctl release) or restored from a "
+                "checkpoint", jname, uid);
+    add_torn(fs, p, base, t, uid, jname, 0, NULL,
+             "its step journal is damaged");
+    free(t);
+    return 1;
+  }
   uint64_t in_step = 0, overflow = 0;
   char in_opt[112] = "";
-  if (j != MAP_FAILED) {
+  {
     overflow = atomic_load(&j->overflow);
     for (int i = 0; i < JRNL_RECS && in_step == 0; i++) {
       uint64_t s1 = atomic_load_explicit(&j->rec[i].step1, memory_order_acquire);
@@ -295,12 +436,23 @@ static int adopt_one(shardd__fdstore *fs, pool *p, const char *base,
     return 1;
   }
 
+  /* the step counts committed through the journal since this slot was
+   * written (a slot of format 1 has every step's own) */
+  char *stepped = NULL;
+  shardd_err rc = ver[k] >= 2 ? journal_steps(p->fds[idx[2]].fd, gen[k],
+                                              manifest, &stepped, err,
+                                              sizeof err)
+                              : SHARDD_OK;
   /* rebuilt through the restore's apply, then the memory swapped in */
   shardd__ckrestore *r = NULL;
   char label[300];
   snprintf(label, sizeof label, "fd store %s", base);
-  shardd_err rc = shardd__checkpoint_restore_read_text(
-      fs->reg, label, manifest, strlen(manifest), &r, err, sizeof err);
+  const char *mtext = stepped ? stepped : manifest;
+  if (rc == SHARDD_OK)
+    rc = shardd__checkpoint_restore_read_text(fs->reg, label, mtext,
+                                              strlen(mtext), &r, err,
+                                              sizeof err);
+  free(stepped);
   if (rc == SHARDD_OK)
     rc = shardd__checkpoint_restore_apply(r, err, sizeof err);
   shardd__job *job = NULL;
@@ -349,8 +501,18 @@ static int adopt_one(shardd__fdstore *fs, pool *p, const char *base,
     if (e->fd[1 - k] < 0 || shardd__fdstore_map_journal(e) != SHARDD_OK) {
       shardd__map_del_str(&fs->jobs, e->key);
       shardd__fdstore_entry_free(e, 0);
-    } else {
-      shardd__fdstore_sync_entry(fs, e); /* the new generations of its handles */
+    } else if (shardd__fdstore_sync_entry(fs, e) == SHARDD_OK && ver[k] == 1) {
+      /* (written anew: the new generations of its handles) */
+      /* the slot of the format before goes, now that a whole one of this
+       * format is there: a daemon that reads only that format (a
+       * downgrade) would take its step counts, stale from the next step
+       * on, for the job's */
+      slot_hdr zero;
+      memset(&zero, 0, sizeof zero);
+      if (pwrite(e->fd[k], &zero, sizeof zero, 0) != (ssize_t)sizeof zero)
+        shardd__log(1, "fd store: job \"%s\": its description of the format "
+                    "before could not be cleared: %s", jname,
+                    strerror(errno));
     }
   } else {
     free(e);

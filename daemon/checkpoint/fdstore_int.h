@@ -11,8 +11,15 @@
 #include "manifest.h"
 
 #define META_PREFIX "shardd-m"
-#define SLOT_MAGIC "SHDMETA1"
+/* A slot's magic is its format. 1: its manifest's step counts are the
+ * job's (every step rewrote it); what a daemon before the journal's step
+ * counts wrote, still adopted. 2: the journal's step counts (below) come
+ * over the manifest's when they are of its generation; a daemon that
+ * reads only 1 finds no whole slot in it rather than stale counts. */
+#define SLOT_MAGIC_V1 "SHDMETA1"
+#define SLOT_MAGIC "SHDMETA2"
 #define JRNL_MAGIC "SHDJRNL1"
+#define STEPS_MAGIC "SHDSTEP1"
 #define SLOT_TEXT_OFF 4096
 #define JRNL_BYTES 4096
 #define JRNL_RECS 31
@@ -44,18 +51,44 @@ typedef struct {
 
 _Static_assert(sizeof(jrnl) <= JRNL_BYTES, "the journal fits its page");
 
+/* The committed step counts, in the journal's memfd past its page
+ * (JRNL_BYTES on): written whole with each description (gen set last),
+ * then one optimizer's entry in place at the end of each of its steps,
+ * before its record is cleared. After the header, one entry per optimizer
+ * in the manifest's order: its step count, its refs' count, and each
+ * ref's step count in the manifest's order (uint64_t each). */
+typedef struct {
+  char magic[8];
+  /* the generation of the slot these counts go with; 0 while the section
+   * is rewritten. Counts of another generation than the newest slot's are
+   * not used: that slot, written after them, has the current ones. */
+  _Atomic uint64_t gen;
+  uint64_t nopt;
+  uint64_t bytes; /* the section's, this header included */
+} steps_hdr;
+
 typedef struct {
   char *key; /* "UID/NAME" */
   shardd__job *job;
   char base[64]; /* shardd-m<prefix>-<n>; the fds are BASE-a, -b, -j */
   int fd[3];     /* slot a, slot b, journal */
-  jrnl *j;       /* fd[2] mapped */
+  jrnl *j;       /* fd[2] mapped, jlen bytes: the page, the step counts */
+  size_t jlen;
   uint64_t gen;  /* of the newest slot written */
   int active;    /* that slot, -1 none */
   int dirty;
   uint64_t seen; /* the scan that last found its job */
   shardd__optim *rec_opt[JRNL_RECS];
   int warned; /* a description that could not be written was logged */
+  /* the step counts' layout the newest slot was written with (nlay 0:
+   * none; a step's end then rewrites the description): per optimizer, its
+   * entry's offset in the journal memfd, its refs, and whether a shard of
+   * it was described before its master copy was taken (its next step
+   * changes that in the manifest: rewritten whole) */
+  size_t nlay;
+  uint64_t *lay_id; /* the optimizer's */
+  size_t *lay_off, *lay_nrefs;
+  unsigned char *lay_mv;
 } fs_job;
 
 typedef struct torn {
@@ -101,7 +134,7 @@ void shardd__fdstore_fd_name(const fs_job *e, int k, char *out, size_t len);
 /* Closes and frees e (NULL is a no-op), first taking its descriptors out
  * of the store when unstore. */
 void shardd__fdstore_entry_free(fs_job *e, int unstore);
-/* Maps e's journal (fd[2]) at e->j. */
+/* Maps e's journal (fd[2]), all of it (at least its page), at e->j. */
 shardd_err shardd__fdstore_map_journal(fs_job *e);
 /* Writes e's job's description into the slot not holding the newest one. */
 shardd_err shardd__fdstore_sync_entry(shardd__fdstore *fs, fs_job *e);

@@ -3,7 +3,10 @@
  * store does): a job adopted from them maps the very memory that was
  * stored (same file, not a copy, its bytes as written) at the step its
  * description records; a step still in progress, named or only counted
- * past the journal's records, makes the job torn. The daemon-level
+ * past the journal's records, makes the job torn; a step's counts are
+ * committed through the journal, the description rewritten only when the
+ * job changed, and a description of the format before that still adopted;
+ * a damaged journal refuses the job. The daemon-level
  * protocol (LISTEN_FDS, SIGKILL, trainers) is tests/python/
  * test_daemon_restart.py. */
 #include <criterion/criterion.h>
@@ -21,6 +24,8 @@
 
 #include "backend.h"
 #include "fdstore.h"
+#include "optcodec.h"
+#include "optreg.h"
 #include "registry.h"
 
 #define MAXFD 256
@@ -272,4 +277,281 @@ Test(fdstore, a_step_past_the_records_is_counted_and_tears_too) {
   cr_assert_not_null(strstr(msg, "during one of its steps"), "%s", msg);
   pump();
   daemon_crash(&b);
+}
+
+/* ---- step counts committed through the journal ------------------------- */
+
+/* An AdamW optimizer over job's buffer b, registered as the daemon does
+ * (its registration kept for the manifest). */
+static shardd__optim *real_optim(daemon_t *d, shardd__job *job,
+                                 shardd__buffer *b) {
+  Shardwire__RegisterOptimizer req = SHARDWIRE__REGISTER_OPTIMIZER__INIT;
+  Shardwire__HyperParams hp = SHARDWIRE__HYPER_PARAMS__INIT;
+  Shardwire__ParamGroup g = SHARDWIRE__PARAM_GROUP__INIT;
+  Shardwire__ParamRef r = SHARDWIRE__PARAM_REF__INIT;
+  Shardwire__ParamRef *rp = &r;
+  Shardwire__ParamGroup *gp = &g;
+  r.id = b->hdr.id;
+  g.refs = &rp;
+  g.n_refs = 1;
+  req.name = "adamw";
+  req.kind = (Shardwire__OptimKind)SHARDD_OPTIM_ADAMW;
+  req.hyper = &hp;
+  req.groups = &gp;
+  req.n_groups = 1;
+  shardd__optspec spec;
+  shardd__optreg_result res;
+  char err[256];
+  cr_assert_eq(shardd__optspec_from_wire(&req, &spec), SHARDD_OK);
+  shardd_err rc = shardd__optreg_register(&d->reg, job, &spec, 0, &res, err,
+                                          sizeof err);
+  shardd__optspec_free(&spec);
+  cr_assert_eq(rc, SHARDD_OK, "%s %s", err, res.list ? res.list : "");
+  free(res.list);
+  shardd__optim *o = res.optim;
+  return o;
+}
+
+/* One optimizer step as the engine's hooks see it: the record set, the
+ * counts (and, at the first, the master copy) changed, the record
+ * cleared. */
+static void step(daemon_t *d, shardd__job *job, shardd__optim *o) {
+  uint64_t s = o->steps + 1;
+  shardd__fdstore_step_begin(d->fs, job, o, s);
+  for (size_t k = 0; k < o->nshards; k++)
+    o->shards[k].master_valid = 1;
+  o->steps = s;
+  for (size_t k = 0; k < o->nrefs; k++)
+    o->ref_steps[k] = s;
+  shardd__fdstore_step_end(d->fs, job, o, s, SHARDD_OK);
+}
+
+/* The kept fd named BASE-suffix of the one description ("-a", "-b", "-j"). */
+static int kept(const char *suffix) {
+  int fd = -1;
+  for (size_t i = 0; i < nfds; i++) {
+    size_t l = strlen(names[i]);
+    if (!strncmp(names[i], "shardd-m", 8) && l > 2 &&
+        !strcmp(names[i] + l - 2, suffix)) {
+      cr_assert_eq(fd, -1, "one description only");
+      fd = fds[i];
+    }
+  }
+  cr_assert_geq(fd, 0, "no description memfd %s", suffix);
+  return fd;
+}
+
+/* The newest slot's generation; *k its slot (0 a, 1 b). */
+static uint64_t newest_gen(int *k) {
+  uint64_t best = 0;
+  for (int i = 0; i < 2; i++) {
+    struct {
+      char magic[8];
+      uint64_t gen;
+    } h = {{0}, 0};
+    if (pread(kept(i ? "-b" : "-a"), &h, sizeof h, 0) == (ssize_t)sizeof h &&
+        h.gen > best) {
+      best = h.gen;
+      if (k)
+        *k = i;
+    }
+  }
+  return best;
+}
+
+/* A job of one buffer and an AdamW optimizer that took its first step. */
+static shardd__job *stepped_job(daemon_t *d, shardd__optim **o) {
+  shardd__buffer *buf;
+  shardd__job *job = job_with_buffer(d, &buf);
+  shardd__fdstore_touch(d->fs, job);
+  *o = real_optim(d, job, buf);
+  shardd__fdstore_touch(d->fs, job);
+  step(d, job, *o);
+  return job;
+}
+
+static void expect_adopted_at(daemon_t *d, uint64_t steps) {
+  cr_assert_eq(adopt_all(d), 0, "the job was refused");
+  cr_assert_not_null(adopted_job);
+  cr_expect_eq(adopted_step, steps);
+  shardd__optim *o = shardd__optim_find(adopted_job, "adamw");
+  cr_assert_not_null(o);
+  cr_expect_eq(o->steps, steps);
+  cr_assert_eq(o->nrefs, 1);
+  cr_expect_eq(o->ref_steps[0], steps, "its ref's step count");
+  for (size_t k = 0; k < o->nshards; k++)
+    cr_expect(o->shards[k].master_valid || o->shards[k].state == NULL);
+}
+
+Test(fdstore, steps_are_committed_through_the_journal_not_the_description) {
+  daemon_t a, b;
+  shardd__optim *o;
+  daemon_up(&a);
+  shardd__job *job = stepped_job(&a, &o);
+  pump();
+  uint64_t gen = newest_gen(NULL);
+  cr_assert_gt(gen, 0);
+  for (int i = 0; i < 4; i++)
+    step(&a, job, o);
+  pump();
+  cr_expect_eq(newest_gen(NULL), gen, "a step without a change to the job "
+               "rewrote its description");
+  daemon_crash(&a);
+  pump();
+
+  daemon_up(&b);
+  expect_adopted_at(&b, 5);
+  pump();
+  daemon_crash(&b);
+}
+
+Test(fdstore, a_change_of_the_job_is_described_at_the_next_step) {
+  daemon_t a, b;
+  shardd__optim *o;
+  daemon_up(&a);
+  shardd__job *job = stepped_job(&a, &o);
+  step(&a, job, o);
+  pump();
+  uint64_t gen = newest_gen(NULL);
+  /* a view registered (dispatch touches the job), then a step; a view,
+   * not a buffer: no regions more, whose datagrams the receiver would
+   * have to read while the adoption sends them */
+  char err[256];
+  shardd__buffer *w = shardd__map_get_str(&job->buffers, "w");
+  shardd__view *v;
+  int created;
+  int64_t shape[1] = {10};
+  cr_assert_eq(shardd__view_register(&a.reg, job, w->hdr.id, "head", 0, 10,
+                                     shape, 1, &v, &created, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  shardd__fdstore_touch(a.fs, job);
+  step(&a, job, o);
+  pump();
+  cr_expect_gt(newest_gen(NULL), gen, "the change was not described");
+  step(&a, job, o);
+  daemon_crash(&a);
+  pump();
+
+  daemon_up(&b);
+  expect_adopted_at(&b, 4);
+  shardd__view **vs;
+  size_t nv;
+  cr_assert_eq(shardd__buffer_views(shardd__map_get_str(&adopted_job->buffers,
+                                                        "w"), &vs, &nv),
+               SHARDD_OK);
+  cr_expect(nv == 1 && !strcmp(vs[0]->hdr.name, "head"), "the view is lost");
+  free(vs);
+  pump();
+  daemon_crash(&b);
+}
+
+Test(fdstore, a_kill_inside_a_step_after_journal_steps_tears_the_job) {
+  daemon_t a, b;
+  shardd__optim *o;
+  daemon_up(&a);
+  shardd__job *job = stepped_job(&a, &o);
+  step(&a, job, o);
+  step(&a, job, o);
+  shardd__fdstore_step_begin(a.fs, job, o, 4);
+  o->steps = 4; /* killed with its counts changed, its record still set */
+  o->ref_steps[0] = 4;
+  pump();
+  daemon_crash(&a);
+  pump();
+
+  daemon_up(&b);
+  cr_assert_eq(adopt_all(&b), 1);
+  cr_assert_null(adopted_job);
+  char msg[1024];
+  cr_assert(shardd__fdstore_torn(b.fs, 0, "j", msg, sizeof msg));
+  cr_assert_not_null(strstr(msg, "step 4 of optimizer \"adamw\""), "%s", msg);
+  pump();
+  daemon_crash(&b);
+}
+
+/* What a daemon before the journal's step counts left: slots of format
+ * "SHDMETA1" (every step rewrote them) and a journal of one page. */
+Test(fdstore, a_description_of_the_format_before_is_adopted) {
+  daemon_t a, b;
+  shardd__optim *o;
+  daemon_up(&a);
+  shardd__job *job = stepped_job(&a, &o);
+  step(&a, job, o);
+  step(&a, job, o);
+  shardd__fdstore_touch(a.fs, job); /* rewritten whole at the stop */
+  daemon_crash(&a);
+  pump();
+  int k = -1;
+  newest_gen(&k);
+  int slot = kept(k ? "-b" : "-a"), jr = kept("-j");
+  cr_assert_eq(pwrite(slot, "SHDMETA1", 8, 0), 8);
+  cr_assert_eq(ftruncate(jr, 4096), 0);
+
+  daemon_up(&b);
+  expect_adopted_at(&b, 3);
+  pump();
+  /* and described anew in the current format */
+  struct stat st;
+  cr_assert_eq(fstat(kept("-j"), &st), 0);
+  cr_expect_gt(st.st_size, 4096, "the journal holds no step counts");
+  for (int i = 0; i < 2; i++) { /* no stale counts for an older daemon */
+    char magic[9] = "";
+    cr_assert_eq(pread(kept(i ? "-b" : "-a"), magic, 8, 0), 8);
+    cr_expect_str_neq(magic, "SHDMETA1", "slot %d left in the format before", i);
+  }
+  shardd__optim *bo = shardd__optim_find(adopted_job, "adamw");
+  step(&b, adopted_job, bo);
+  daemon_crash(&b);
+  pump();
+
+  daemon_t c;
+  daemon_up(&c);
+  expect_adopted_at(&c, 4);
+  pump();
+  daemon_crash(&c);
+}
+
+/* The journal's step counts past its page: its header (magic, generation,
+ * optimizers, bytes), then per optimizer its count, its refs', each ref's. */
+static void expect_refused_for(const char *what) {
+  daemon_t b;
+  daemon_up(&b);
+  cr_assert_eq(adopt_all(&b), 1, "a damaged journal was adopted");
+  cr_assert_null(adopted_job);
+  char msg[1024];
+  cr_assert(shardd__fdstore_torn(b.fs, 0, "j", msg, sizeof msg));
+  cr_expect_not_null(strstr(msg, what), "%s", msg);
+  pump();
+  daemon_crash(&b);
+}
+
+static void damaged_journal(off_t at, uint64_t value, const char *what) {
+  daemon_t a;
+  shardd__optim *o;
+  daemon_up(&a);
+  shardd__job *job = stepped_job(&a, &o);
+  step(&a, job, o);
+  daemon_crash(&a);
+  pump();
+  cr_assert_eq(pwrite(kept("-j"), &value, sizeof value, at),
+               (ssize_t)sizeof value);
+  expect_refused_for(what);
+}
+
+Test(fdstore, step_counts_of_a_later_generation_refuse_the_job) {
+  damaged_journal(4096 + 8, 1000, "step journal is damaged");
+}
+
+Test(fdstore, step_counts_not_fitting_the_description_refuse_the_job) {
+  /* the optimizer's refs counted 2, the manifest holds 1 */
+  damaged_journal(4096 + 32 + 8, 2, "does not fit its description");
+}
+
+Test(fdstore, a_damaged_journal_page_refuses_the_job) {
+  damaged_journal(0, 0, "step journal is damaged");
+}
+
+Test(fdstore, step_counts_counting_past_the_journal_refuse_the_job) {
+  /* refs counted past the journal's end (their offset would wrap) */
+  damaged_journal(4096 + 32 + 8, UINT64_MAX - 1, "does not fit its description");
 }
