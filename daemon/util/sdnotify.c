@@ -121,9 +121,19 @@ shardd_err shardd__sd_notify_fd(const char *state, int pass_fd, char *err,
     cm->cmsg_len = CMSG_LEN(sizeof(int));
     memcpy(CMSG_DATA(cm), &pass_fd, sizeof(int));
   }
+  /* DONTWAIT: the daemon sends from its loop thread, and a blocking send
+   * to a manager whose queue is full (it reads nothing: hung, or being
+   * debugged) stalled every client with it. A full queue drops this
+   * message, told to the caller as SHARDD_E_BUSY. */
   do {
-    sent = sendmsg(fd, &mh, MSG_NOSIGNAL);
+    sent = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
   } while (sent < 0 && errno == EINTR);
+  if (sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+    set_err(err, errlen, "NOTIFY_SOCKET %s: the service manager's queue is "
+            "full; message dropped", env);
+    rc = SHARDD_E_BUSY;
+    goto fail;
+  }
   if (sent < 0) {
     set_err(err, errlen, "send to NOTIFY_SOCKET %s: %s", env, strerror(errno));
     rc = SHARDD_E_IO;

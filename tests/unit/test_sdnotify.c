@@ -487,3 +487,31 @@ Test(sdnotify, listen_fds_names) {
   cr_assert_eq(WEXITSTATUS(status), 0, "names check %d failed (see names_child)",
                WEXITSTATUS(status));
 }
+
+/* A manager that reads nothing: its queue fills, and every later message
+ * is dropped at once as E_BUSY naming the socket (the send used to wait
+ * for room, on the daemon's loop thread, forever). Plain messages and
+ * FDSTORE=1 ones alike. */
+Test(sdnotify, a_full_queue_drops_the_message_without_waiting, .timeout = 10) {
+  char err[256] = "";
+  int tiny = 1; /* the kernel's minimum */
+  rx = bind_dgram(sockpath, 0);
+  cr_assert_eq(setsockopt(rx, SOL_SOCKET, SO_RCVBUF, &tiny, sizeof tiny), 0);
+  cr_assert_eq(setenv("NOTIFY_SOCKET", sockpath, 1), 0);
+  int mfd = memfd_create("sdnotify-test", MFD_CLOEXEC);
+  cr_assert_geq(mfd, 0);
+  int busy = 0;
+  for (int i = 0; i < 1000 && busy < 2; i++) {
+    shardd_err rc = i % 2 ? shardd__sd_notify("STATUS=serving", err, sizeof err)
+                          : shardd__sd_notify_fd("FDSTORE=1\nFDNAME=r", mfd, err,
+                                                 sizeof err);
+    cr_assert(rc == SHARDD_OK || rc == SHARDD_E_BUSY, "message %d: %s (%s)", i,
+              shardd_err_name(rc), err);
+    if (rc == SHARDD_E_BUSY) {
+      busy++;
+      cr_assert(strstr(err, sockpath) && strstr(err, "full"), "%s", err);
+    }
+  }
+  cr_assert_eq(busy, 2, "the queue never filled");
+  close(mfd);
+}
