@@ -245,8 +245,9 @@ Test(liveness, daemon_stall_is_not_blamed_on_a_rank,
  * stopped in a debugger), with the fd store on: every region the daemon
  * allocates is a FDSTORE=1 message to it, and once its queue was full the
  * daemon's send waited for room on the loop thread, forever; every client
- * with it. The messages are dropped now (logged): registrations and pings
- * are answered, and the job works, its memory only kept from the store. */
+ * with it. Now one message waits 1 s for room, and then they are dropped
+ * (logged) until the manager reads again: registrations and pings are
+ * answered, and the job works, its memory only kept from the store. */
 Test(liveness, a_manager_that_reads_nothing_stalls_no_client, .timeout = 60) {
   char dir[] = "/tmp/shardd-mgr-XXXXXX", path[64];
   cr_assert_not_null(mkdtemp(dir));
