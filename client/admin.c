@@ -206,11 +206,19 @@ shardd_err shardd_release_job(shardd_client_t *c, const char *job,
 
 shardd_err shardd_restore(shardd_client_t *c, const char *dir, uint32_t world,
                           char *job, size_t joblen) {
+  return shardd_restore_ex(c, dir, world, job, joblen, NULL);
+}
+
+shardd_err shardd_restore_ex(shardd_client_t *c, const char *dir,
+                             uint32_t world, char *job, size_t joblen,
+                             uint64_t *step) {
   if (c == NULL)
     return SHARDD_E_INVAL; /* no client to hold a message */
 
   if (job && joblen)
     job[0] = '\0';
+  if (step)
+    *step = 0;
   if (dir == NULL || dir[0] == '\0')
     return shardd__set_err(c, SHARDD_E_INVAL, "restore: no directory");
   Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
@@ -227,6 +235,8 @@ shardd_err shardd_restore(shardd_client_t *c, const char *dir, uint32_t world,
       c, &req, SHARDWIRE__RESPONSE__BODY_CHECKPOINT, &resp, NULL);
   if (rc == SHARDD_OK && job && joblen)
     snprintf(job, joblen, "%s", resp->checkpoint->job);
+  if (rc == SHARDD_OK && step && resp->checkpoint->has_step)
+    *step = resp->checkpoint->step;
   if (resp)
     shardwire__response__free_unpacked(resp, NULL);
   return rc;

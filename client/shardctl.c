@@ -1,6 +1,7 @@
 /* shardctl — the operator's view into shardd: `status` and `inspect`, as
  * text or --json. Exit codes: 0 ok, 1 daemon error, 2 usage, 3 cannot reach
  * the daemon. */
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -177,6 +178,7 @@ static shardd_err cli_run(shardd_client_t *c, const cli *a, char **out) {
               : shardd_status_text_from(c, (uint32_t)a->from, out);
   } else if (a->is_ckpt || a->is_restore) {
     char job[256];
+    uint64_t step = 0;
     /* --timeout is also how long a checkpoint waits for the job's quiescent
      * point (as it always was); the write that follows runs on the
      * daemon's loop, silent for as long as the data takes, so the call
@@ -186,12 +188,21 @@ static shardd_err cli_run(shardd_client_t *c, const cli *a, char **out) {
     rc = a->is_ckpt
              ? shardd_checkpoint_wait(c, arg, dir,
                                       a->timeout < 0 ? 60 : a->timeout)
-             : shardd_restore(c, dir, (uint32_t)a->world, job, sizeof job);
-    if (rc == SHARDD_OK) {
+             : shardd_restore_ex(c, dir, (uint32_t)a->world, job, sizeof job,
+                                 &step);
+    if (rc == SHARDD_OK && a->is_ckpt) {
       char line[4600];
       snprintf(line, sizeof line, json ? "{\"job\":\"%s\",\"dir\":\"%s\"}\n"
                                        : "%s: %s\n",
-               a->is_ckpt ? arg : job, dir);
+               arg, dir);
+      *out = strdup(line);
+    } else if (rc == SHARDD_OK) {
+      /* the step it resumes at: what the operator checks before relaunching */
+      char line[4600];
+      snprintf(line, sizeof line,
+               json ? "{\"job\":\"%s\",\"dir\":\"%s\",\"step\":%" PRIu64 "}\n"
+                    : "%s: %s (step %" PRIu64 ")\n",
+               job, dir, step);
       *out = strdup(line);
     }
   } else if (a->is_release) {

@@ -793,6 +793,13 @@ shardd_err shardd_checkpoint_collective(shardd_client_t *c, const char *dir);
 shardd_err shardd_restore(shardd_client_t *c, const char *dir, uint32_t world,
                           char *job, size_t joblen);
 
+/* shardd_restore, and *step (when not NULL) the step the restored job is
+ * at: the most steps one of its optimizers took (0 when none stepped, or
+ * from a daemon that does not say). */
+shardd_err shardd_restore_ex(shardd_client_t *c, const char *dir,
+                             uint32_t world, char *job, size_t joblen,
+                             uint64_t *step);
+
 /* Prefetch. shardd_gather_async sends the all-gather of buffer and returns
  * at once with a ticket; shardd_wait(c, ticket) returns when that gather has
  * completed (every rank's gather area holds the buffer) with its result.

@@ -108,6 +108,16 @@ int shardd__coll_gathering(const shardd__coll_engine *e,
   return 0;
 }
 
+int shardd__coll_scattering(const shardd__coll_engine *e,
+                             const shardd__buffer *b, uint32_t rank) {
+  const coll_job *cj = shardd__map_get_id(&e->jobs, shardd__coll_job_key(b->hdr.job));
+  for (const coll *c = cj ? cj->head : NULL; c; c = c->next)
+    if (c->buf == b && c->args.kind == SHARDD__COLL_SCATTER &&
+        rank < c->job->world && c->waiters[rank].arrived)
+      return c->started ? 2 : 1;
+  return 0;
+}
+
 int shardd__coll_member_waits(const shardd__coll_engine *e,
                               const shardd__coll_member *m, uint64_t seq) {
   const coll_job *cj = m->job ? shardd__map_get_id(&e->jobs, shardd__coll_job_key(m->job)) : NULL;

@@ -261,6 +261,13 @@ void shardd__coll_fabric_state(shardd__coll_engine *e, const shardd__job *job,
 int shardd__coll_gathering(const shardd__coll_engine *e,
                            const shardd__buffer *b);
 
+/* Whether rank sent a scatter of b that has not ended: 1 queued, 2
+ * running, 0 none. Either reads the gradient area rank holds (a queued
+ * one when it starts), so that area must not be given back meanwhile.
+ * O(the job's queue). */
+int shardd__coll_scattering(const shardd__coll_engine *e,
+                            const shardd__buffer *b, uint32_t rank);
+
 /* Whether m waits in a collective it submitted with seq (queued, or
  * running and not yet answered): the caller keeps state by a request's
  * seq only for seqs no collective of m will also end with. O(the job's

@@ -41,6 +41,10 @@ static void buffer_free_blocks(shardd__registry *reg, shardd__buffer *b) {
   shardd__buffer_seed_drop(reg, b);
   if (b->stage) {
     b->hdr.job->bytes -= b->stage->bytes;
+    if (b->stage->fd >= 0) {
+      b->hdr.job->nblocks--;
+      reg->nblocks--;
+    }
     reg->backend->ops->free(reg->backend, b->stage);
     b->stage = NULL;
   }
@@ -265,10 +269,42 @@ shardd_err shardd__buffer_stage(shardd__registry *reg, shardd__buffer *b,
   if (b->stage)
     return SHARDD_OK;
   shardd__job *job = b->hdr.job;
-  shardd_err rc = reg->backend->ops->alloc(
-      reg->backend, shardd__rank_device(reg, job->local_first),
-      b->padded_numel * 4, "shardd:stage", &b->stage, err, errlen);
-  if (rc == SHARDD_OK)
-    job->bytes += b->stage->bytes;
-  return rc;
+  shardd__backend *be = reg->backend;
+  size_t bytes = b->padded_numel * 4;
+  /* held as long as the buffer: it counts against the job's and its uid's
+   * memory limits, as the buffer's rank blocks do; uncounted, every
+   * multi-node buffer's first scatter took its padded size again beyond
+   * them */
+  if (!shardd__within_quota(reg, job, bytes, err, errlen)) {
+    size_t used = strlen(err);
+    if (used < errlen)
+      snprintf(err + used, errlen - used, "; buffer \"%s\"'s staging area for "
+               "the cross-node sum would take %zu bytes", b->hdr.name, bytes);
+    return SHARDD_E_NO_MEMORY;
+  }
+  shardd__region *r = NULL;
+  /* it never leaves the daemon: no descriptor where the backend can do
+   * without one */
+  shardd_err rc = (be->ops->alloc_private ? be->ops->alloc_private : be->ops->alloc)(
+      be, shardd__rank_device(reg, job->local_first), bytes, "shardd:stage", &r,
+      err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  /* a memfd all the same (the fd store's): it counts against the bounds
+   * on memory regions as a rank block does */
+  if (r->fd >= 0 && !shardd__within_blocks(reg, job, 1, err, errlen)) {
+    size_t used = strlen(err);
+    if (used < errlen)
+      snprintf(err + used, errlen - used, " (buffer \"%s\"'s staging area for "
+               "the cross-node sum would be one more)", b->hdr.name);
+    be->ops->free(be, r);
+    return SHARDD_E_LIMIT;
+  }
+  if (r->fd >= 0) {
+    job->nblocks++;
+    reg->nblocks++;
+  }
+  job->bytes += r->bytes;
+  b->stage = r;
+  return SHARDD_OK;
 }

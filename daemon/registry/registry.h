@@ -111,7 +111,7 @@ struct shardd__job {
   int releasing; /* job_release in progress: frees are not recorded */
   /* rank blocks its buffers hold, and the other regions that hold a
    * descriptor: its pools of transient areas, and with the fd store its
-   * optimizer state and seeds (see max_blocks) */
+   * optimizer state, seeds and multi-node staging areas (see max_blocks) */
   uint64_t nblocks;
 };
 
@@ -311,7 +311,8 @@ struct shardd__registry {
    * job of world 16384 used every descriptor of the daemon in 0.4 s, and
    * then every connect failed. main sizes them from RLIMIT_NOFILE. A
    * transient job's pools, and with the fd store an optimizer shard's
-   * state and a 16-bit buffer's seeds, are memfds too, and count. */
+   * state, a 16-bit buffer's seeds and a multi-node buffer's staging
+   * area, are memfds too, and count. */
   uint64_t max_blocks;
   uint64_t max_blocks_per_uid;
   /* Views held at once, in all and by one uid other than root; 0
@@ -518,8 +519,11 @@ shardd_err shardd__optim_state_io(shardd__registry *reg, shardd__optim *o,
                                   uint64_t **steps, char *err, size_t errlen);
 
 /* Allocates b's multi-node staging area (padded_numel fp32 on the device
- * of the job's first local rank) unless it has one; it counts towards the
- * job's bytes and is freed with b. */
+ * of the job's first local rank, a private region where the backend has
+ * them) unless it has one; it counts towards the job's bytes, within its
+ * memory limits (else SHARDD_E_NO_MEMORY), and when it holds a descriptor
+ * towards the memory regions (else SHARDD_E_LIMIT), as a rank block does;
+ * freed with b. */
 shardd_err shardd__buffer_stage(shardd__registry *reg, shardd__buffer *b,
                                 char *err, size_t errlen);
 

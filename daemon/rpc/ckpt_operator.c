@@ -26,6 +26,16 @@ void shardd__reply_checkpoint(shardd__dispatch *d, shardd__conn *c,
   cr.dir = (char *)dir;
   cr.buffers = (uint32_t)shardd__map_count(&job->buffers);
   cr.optimizers = (uint32_t)shardd__map_count(&job->optims);
+  /* a restore's asker learns where the job resumes without a trainer */
+  shardd__optim **opts;
+  size_t no;
+  if (shardd__job_optims(job, &opts, &no) == SHARDD_OK) {
+    cr.has_step = 1;
+    for (size_t i = 0; i < no; i++)
+      if (opts[i]->steps > cr.step)
+        cr.step = opts[i]->steps;
+    free(opts);
+  }
   resp.checkpoint = &cr;
   shardd__send_resp(d, c, &resp, -1);
 }

@@ -255,6 +255,7 @@ void shardd__on_release(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                                            SHARDD__OBJ_BUFFER, &o, err, sizeof err);
   shardd__buffer *b = (shardd__buffer *)o;
   int grad = req->release->has_grad && req->release->grad;
+  int scattering = 0;
   if (rc == SHARDD_OK && !c->m.job->transient) {
     snprintf(err, sizeof err, "job \"%s\" has resident areas: nothing to "
              "release", c->m.job->name);
@@ -270,6 +271,17 @@ void shardd__on_release(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
      * one is fine: it leases again when it starts) */
     snprintf(err, sizeof err, "buffer %" PRIu64 " (\"%s\") is being gathered; "
              "release it after the gather ends", b->hdr.id, b->hdr.name);
+    rc = SHARDD_E_BUSY;
+  } else if (rc == SHARDD_OK && grad &&
+             (scattering = shardd__coll_scattering(d->coll, b, c->m.rank))) {
+    /* the scatter reads this gradient area (a queued one when it starts):
+     * given back now, another lease could take the slot and write into the
+     * sum. Refused like a release under a gather, not deferred: a client
+     * that sends it before its scatter's answer made a mistake */
+    snprintf(err, sizeof err, "rank %" PRIu32 "'s scatter of buffer %" PRIu64
+             " (\"%s\") is %s and reads its gradient area; release it after "
+             "the scatter ends", c->m.rank, b->hdr.id, b->hdr.name,
+             scattering == 2 ? "running" : "queued");
     rc = SHARDD_E_BUSY;
   }
   if (rc == SHARDD_OK) {

@@ -8,13 +8,22 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
+
+/* How long one message may wait for room in the manager's queue. */
+#define SD_WAIT_MS 1000
+
+/* A message's wait for room ran out, and none was sent since: the manager
+ * reads nothing, so no message waits (loop thread only, as every caller). */
+static int sd_stalled;
 
 static void set_err(char *err, size_t errlen, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -107,8 +116,6 @@ shardd_err shardd__sd_notify_fd(const char *state, int pass_fd, char *err,
   } ctl;
   struct msghdr mh;
   memset(&mh, 0, sizeof mh);
-  mh.msg_name = &sa;
-  mh.msg_namelen = salen;
   mh.msg_iov = &iov;
   mh.msg_iovlen = 1;
   if (pass_fd >= 0) {
@@ -121,9 +128,45 @@ shardd_err shardd__sd_notify_fd(const char *state, int pass_fd, char *err,
     cm->cmsg_len = CMSG_LEN(sizeof(int));
     memcpy(CMSG_DATA(cm), &pass_fd, sizeof(int));
   }
-  do {
-    sent = sendmsg(fd, &mh, MSG_NOSIGNAL);
-  } while (sent < 0 && errno == EINTR);
+  /* Never an unbounded wait: the daemon sends from its loop thread, and a
+   * blocking send to a manager whose queue is full (it reads nothing:
+   * hung, or stopped in a debugger) stalled every client with it. A full
+   * queue is also what a burst meets with a manager that reads (a buffer
+   * of many ranks is a FDSTORE=1 message each; systemd reads them as they
+   * come): so the message waits for room, SD_WAIT_MS at most, and only
+   * while the manager has not been found stalled; once a wait ran out,
+   * every message is dropped at once (SHARDD_E_BUSY: the callers log the
+   * loss) until one finds room again. The socket is connected so that
+   * poll() says when the manager's queue has room. */
+  if (connect(fd, (struct sockaddr *)&sa, salen) != 0) {
+    set_err(err, errlen, "send to NOTIFY_SOCKET %s: %s", env, strerror(errno));
+    rc = SHARDD_E_IO;
+    goto fail;
+  }
+  struct timespec t0, now;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (;;) {
+    do {
+      sent = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    } while (sent < 0 && errno == EINTR);
+    if (sent >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK))
+      break;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    long left = SD_WAIT_MS - (long)((now.tv_sec - t0.tv_sec) * 1000 +
+                                    (now.tv_nsec - t0.tv_nsec) / 1000000);
+    struct pollfd p = {.fd = fd, .events = POLLOUT};
+    if (sd_stalled || left <= 0 ||
+        (poll(&p, 1, (int)left) == 0)) {
+      sd_stalled = 1;
+      set_err(err, errlen, "NOTIFY_SOCKET %s: the service manager's queue is "
+              "full and it read nothing for %d ms; message dropped", env,
+              SD_WAIT_MS);
+      rc = SHARDD_E_BUSY;
+      goto fail;
+    }
+  }
+  if (sent >= 0)
+    sd_stalled = 0;
   if (sent < 0) {
     set_err(err, errlen, "send to NOTIFY_SOCKET %s: %s", env, strerror(errno));
     rc = SHARDD_E_IO;

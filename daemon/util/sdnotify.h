@@ -16,7 +16,11 @@
  * datagram (AF_UNIX SOCK_DGRAM; a leading '@' means the abstract namespace).
  * Returns SHARDD_OK and does nothing when NOTIFY_SOCKET is unset or empty;
  * SHARDD_E_INVAL when state is NULL or the variable is not an absolute path
- * or '@' name that fits sun_path; SHARDD_E_IO when sending fails. On error,
+ * or '@' name that fits sun_path; SHARDD_E_BUSY, the message dropped, when
+ * the manager's queue stays full: a message waits 1 s at most for room
+ * (the caller is the loop thread), and none waits while the manager is
+ * stalled (a wait ran out and no message has been sent since);
+ * SHARDD_E_IO when sending fails otherwise. On error,
  * when err is not NULL, err holds the reason (naming the socket and the
  * strerror). Does not change the environment. */
 shardd_err shardd__sd_notify(const char *state, char *err, size_t errlen);

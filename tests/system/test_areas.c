@@ -706,3 +706,119 @@ Test(areas, a_rank_killed_while_its_peer_waits_returns_its_areas, .init = start,
   ranks_start(&rs, "leave", LEAVE_SYNCS, leave_body);
   ranks_join(&rs, LEAVE_SYNCS);
 }
+
+/* ---- a gradient release sent behind its scatter -----------------------------
+ * A client that pipelines (a raw one here: libshardd's scatter waits) may
+ * send Release with grad right after its Scatter of the buffer. The
+ * scatter reads the rank's gradient area when it runs: given back first,
+ * the slot could be leased again and written into the sum (or, queued,
+ * the scatter would fail at its start). The release is refused (E_BUSY,
+ * naming the scatter) while the rank's scatter is queued, and the scatter
+ * then runs with the rank's gradient. */
+
+static void raw_transient_hello(test_raw *r, const char *job, uint32_t rank) {
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Hello h = SHARDWIRE__HELLO__INIT;
+  h.protocol_version = SHARDD_PROTOCOL_VERSION;
+  h.job = (char *)job;
+  h.has_rank = h.has_world = h.has_transient_areas = 1;
+  h.rank = rank;
+  h.world = WORLD;
+  h.transient_areas = 1;
+  req.body_case = SHARDWIRE__REQUEST__BODY_HELLO;
+  req.hello = &h;
+  uint64_t seq = test_raw_send(r, &req);
+  shardwire__response__free_unpacked(test_raw_expect(r, seq, SHARDD_OK), NULL);
+}
+
+static uint64_t raw_send_release(test_raw *r, uint64_t buf, int grad) {
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Release rel = SHARDWIRE__RELEASE__INIT;
+  rel.buffer = buf;
+  rel.has_grad = grad;
+  rel.grad = grad;
+  req.body_case = SHARDWIRE__REQUEST__BODY_RELEASE;
+  req.release = &rel;
+  return test_raw_send(r, &req);
+}
+
+/* Gathers buf with a gradient area on both raw ranks; the rank's gradient
+ * area (mapped from the reply's gradient pool) is filled with grad(). */
+static void raw_gather_grads(test_raw *rr, uint64_t buf) {
+  uint64_t seq[WORLD];
+  for (uint32_t k = 0; k < WORLD; k++) {
+    Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+    Shardwire__Gather g = SHARDWIRE__GATHER__INIT;
+    g.buffer = buf;
+    g.has_want_grad = g.want_grad = 1;
+    req.body_case = SHARDWIRE__REQUEST__BODY_GATHER;
+    req.gather = &g;
+    seq[k] = test_raw_send(&rr[k], &req);
+  }
+  for (uint32_t k = 0; k < WORLD; k++) {
+    const uint8_t *payload;
+    size_t len;
+    int fds[4], nfds = 0;
+    char err[256];
+    cr_assert_eq(shardd__frame_recv(rr[k].fd, &rr[k].rd, &payload, &len, fds, 4,
+                                    &nfds, err, sizeof err),
+                 SHARDD_OK, "%s", err);
+    Shardwire__Response *resp = shardwire__response__unpack(NULL, len, payload);
+    cr_assert_not_null(resp);
+    cr_assert_eq(resp->seq, seq[k]);
+    cr_assert_eq(resp->code, SHARDWIRE__STATUS_CODE__OK, "gather on rank %u: %s",
+                 k, resp->message ? resp->message : "");
+    const Shardwire__GatherReply *gr = resp->gather;
+    cr_assert_not_null(gr);
+    cr_assert(gr->has_grad_offset && gr->grad_pool_fd,
+              "rank %u: no gradient area, or its pool's descriptor", k);
+    int gfd = fds[nfds - 1]; /* the gradient pool's comes last */
+    void *pool = mmap(NULL, gr->grad_pool_bytes, PROT_READ | PROT_WRITE,
+                      MAP_SHARED, gfd, 0);
+    cr_assert(pool != MAP_FAILED, "mmap: %s", strerror(errno));
+    float *g = (float *)((char *)pool + gr->grad_offset);
+    for (uint64_t i = 0; i < NUMEL; i++)
+      g[i] = grad(k, 0, i);
+    munmap(pool, gr->grad_pool_bytes);
+    for (int i = 0; i < nfds; i++)
+      close(fds[i]);
+    shardwire__response__free_unpacked(resp, NULL);
+  }
+}
+
+Test(areas, a_gradient_release_behind_its_scatter_is_refused, .init = start,
+     .fini = stop, .timeout = 60) {
+  test_raw rr[WORLD];
+  shardd_buffer_info bi[WORLD];
+  for (uint32_t k = 0; k < WORLD; k++) {
+    test_raw_open(&d, &rr[k]);
+    raw_transient_hello(&rr[k], "pipelined", k);
+    test_raw_register_buffer(&rr[k], "pl0", SHARDD_DTYPE_FP32, NUMEL, &bi[k]);
+    float *s = bi[k].shard;
+    for (uint64_t j = 0; j < SHARD; j++)
+      s[j] = param(0, k * SHARD + j);
+  }
+  raw_gather_grads(rr, bi[0].id);
+  /* rank 0: its scatter (queued: rank 1 has not sent its own), then the
+   * release of its areas, gradient included, before the scatter's answer */
+  uint64_t sc0 = test_raw_send_scatter(&rr[0], bi[0].id, SHARDD_REDUCE_MEAN);
+  uint64_t rel = raw_send_release(&rr[0], bi[0].id, 1);
+  Shardwire__Response *resp = test_raw_expect(&rr[0], rel, SHARDD_E_BUSY);
+  cr_assert(resp->message && strstr(resp->message, "scatter") &&
+                strstr(resp->message, "queued"),
+            "the refusal names the scatter: %s", resp->message ? resp->message : "");
+  shardwire__response__free_unpacked(resp, NULL);
+  uint64_t sc1 = test_raw_send_scatter(&rr[1], bi[1].id, SHARDD_REDUCE_MEAN);
+  shardwire__response__free_unpacked(test_raw_expect(&rr[0], sc0, SHARDD_OK), NULL);
+  shardwire__response__free_unpacked(test_raw_expect(&rr[1], sc1, SHARDD_OK), NULL);
+  for (uint32_t k = 0; k < WORLD; k++) {
+    const float *red = bi[k].reduced;
+    for (uint64_t j = 0; j < SHARD; j++)
+      cr_assert_eq(red[j], grad_mean(0, k * SHARD + j), "rank %u: reduced[%" PRIu64
+                   "] = %g", k, j, (double)red[j]);
+    /* the scatter consumed the gradient: the gather area goes back now */
+    uint64_t s = raw_send_release(&rr[k], bi[k].id, 1);
+    shardwire__response__free_unpacked(test_raw_expect(&rr[k], s, SHARDD_OK), NULL);
+    test_raw_close(&rr[k]);
+  }
+}

@@ -829,3 +829,67 @@ Test(fabric, a_bucket_node_0_disagrees_on_fails_both_nodes_and_the_next_runs,
   }
   two_nodes_close(&t);
 }
+
+/* ---- the staging area of a cross-node scatter --------------------------------
+ * A multi-node buffer's first scatter allocates its staging area for the
+ * cross-node sum (padded_numel fp32 on the node), held as long as the
+ * buffer. It was counted in the job's bytes but never checked against the
+ * job's memory limit, so every buffer took its padded size again beyond
+ * it. With --job-memory-limit 22M: a buffer of 1M fp32 elements takes 20
+ * MiB of rank blocks on each node (2 ranks of 10 MiB: shard, reduced,
+ * gather, gradient), and its 4 MiB staging area would pass the limit: the
+ * scatter is refused with E_NO_MEMORY naming the limit and the staging
+ * area, on every rank; a small buffer's scatter, within it, runs. */
+#define STAGE_BIG (1u << 20)
+
+static void scatter_all(shardd_client_t **c, uint64_t id, call *calls) {
+  memset(calls, 0, W * sizeof *calls);
+  for (int r = 0; r < W; r++) {
+    calls[r].c = c[r];
+    calls[r].kind = OP_SCATTER;
+    calls[r].id = id;
+    cr_assert_eq(pthread_create(&calls[r].th, NULL, fabric_call_main, &calls[r]), 0);
+  }
+  for (int r = 0; r < W; r++)
+    pthread_join(calls[r].th, NULL);
+}
+
+Test(fabric, a_scatters_staging_area_counts_against_the_job_memory_limit,
+     .timeout = 60) {
+  need_gloo();
+  scratch s;
+  scratch_make(&s);
+  test_daemon pair[2];
+  const char *jobs[] = {"job"};
+  const char *lim[] = {"--job-memory-limit", "22M", NULL};
+  start_pair_each(pair, &s, jobs, 1, "5", lim, lim);
+  shardd_client_t *c[W];
+  shardd_buffer_info big[W], small[W];
+  for (int r = 0; r < W; r++) {
+    c[r] = test_connect(&pair[r / 2], "job", (uint32_t)r, W);
+    cr_assert_eq(shardd_buffer_register(c[r], "big", SHARDD_DTYPE_FP32, STAGE_BIG,
+                                        &big[r]),
+                 SHARDD_OK, "rank %d: %s", r, shardd_last_error(c[r]));
+    cr_assert_eq(shardd_buffer_register(c[r], "small", SHARDD_DTYPE_FP32, N_SMALL,
+                                        &small[r]),
+                 SHARDD_OK, "rank %d: %s", r, shardd_last_error(c[r]));
+  }
+  call calls[W];
+  scatter_all(c, big[0].id, calls);
+  for (int r = 0; r < W; r++) {
+    cr_assert_eq(calls[r].rc, SHARDD_E_NO_MEMORY, "rank %d: %s (%s)", r,
+                 shardd_err_name(calls[r].rc), calls[r].msg);
+    cr_assert(strstr(calls[r].msg, "--job-memory-limit") &&
+                  strstr(calls[r].msg, "staging area"),
+              "rank %d: %s", r, calls[r].msg);
+  }
+  scatter_all(c, small[0].id, calls);
+  for (int r = 0; r < W; r++)
+    cr_assert_eq(calls[r].rc, SHARDD_OK, "rank %d: %s (%s)", r,
+                 shardd_err_name(calls[r].rc), calls[r].msg);
+  for (int r = 0; r < W; r++)
+    shardd_close(c[r]);
+  test_daemon_finish(&pair[0]);
+  test_daemon_finish(&pair[1]);
+  scratch_remove(&s);
+}

@@ -6,7 +6,11 @@
  * deadline is not failed (the client's Ping is answered meanwhile); and a
  * collective the daemon's own stall overran is not blamed on a rank. */
 #include <criterion/criterion.h>
+#include <errno.h>
 #include <pthread.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 
 #include "harness.h"
 
@@ -235,4 +239,47 @@ Test(liveness, daemon_stall_is_not_blamed_on_a_rank,
             "the daemon's log does not name its stall");
   shardd_close(c[0]);
   shardd_close(c[1]);
+}
+
+/* A service manager that reads nothing from its notify socket (hung, or
+ * stopped in a debugger), with the fd store on: every region the daemon
+ * allocates is a FDSTORE=1 message to it, and once its queue was full the
+ * daemon's send waited for room on the loop thread, forever; every client
+ * with it. Now one message waits 1 s for room, and then they are dropped
+ * (logged) until the manager reads again: registrations and pings are
+ * answered, and the job works, its memory only kept from the store. */
+Test(liveness, a_manager_that_reads_nothing_stalls_no_client, .timeout = 60) {
+  char dir[] = "/tmp/shardd-mgr-XXXXXX", path[64];
+  cr_assert_not_null(mkdtemp(dir));
+  snprintf(path, sizeof path, "%s/notify", dir);
+  int mgr = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  cr_assert_geq(mgr, 0);
+  int tiny = 1; /* the kernel's minimum */
+  cr_assert_eq(setsockopt(mgr, SOL_SOCKET, SO_RCVBUF, &tiny, sizeof tiny), 0);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  snprintf(sa.sun_path, sizeof sa.sun_path, "%s", path);
+  cr_assert_eq(bind(mgr, (struct sockaddr *)&sa, sizeof sa), 0, "%s",
+               strerror(errno));
+  setenv("NOTIFY_SOCKET", path, 1);
+  setenv("FDSTORE", "4096", 1);
+  test_daemon_start(&d, NULL);
+  unsetenv("NOTIFY_SOCKET");
+  unsetenv("FDSTORE");
+  shardd_client_t *c = connect_within("unread-manager", 0, 1, 10.0);
+  for (int i = 0; i < 64; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "w%02d", i);
+    shardd_buffer_info b;
+    cr_assert_eq(shardd_buffer_register(c, name, SHARDD_DTYPE_FP32, 256, &b),
+                 SHARDD_OK, "buffer %d: %s", i, shardd_last_error(c));
+    cr_assert_eq(shardd_ping(c), SHARDD_OK, "ping after buffer %d: %s", i,
+                 shardd_last_error(c));
+  }
+  shardd_close(c);
+  cr_assert(test_daemon_log_has(&d, "queue is full"),
+            "the dropped notifications were not logged");
+  test_daemon_finish(&d);
+  close(mgr);
+  unlink(path);
+  rmdir(dir);
 }

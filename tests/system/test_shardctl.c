@@ -465,3 +465,58 @@ Test(shardctl, bad_timeout_is_a_usage_error) {
   cr_assert_not_null(strstr(err, "--timeout soon: must be 0..86400 seconds"), "%s", err);
   free(err);
 }
+
+/* `shardctl restore DIR` says the step the restored job is at, the most
+ * steps one of its optimizers took, in the text ("JOB: DIR (step N)") and
+ * in --json ("step"): what the operator checks before relaunching the
+ * trainers, without attaching one. */
+Test(shardctl, restore_prints_the_step_the_job_is_at) {
+  char ck[200], args[512], want[512], *out, *err;
+  test_daemon_start(&d, (const char *const[]){"--job-linger", "600", NULL});
+  snprintf(ck, sizeof ck, "%s/ck", d.dir);
+  shardd_client_t *c = test_connect(&d, "stepped", 0, 1);
+  shardd_buffer_info b;
+  uint64_t v, opt;
+  int64_t shape[1] = {100};
+  cr_assert_eq(shardd_buffer_register(c, "flat", SHARDD_DTYPE_FP32, 100, &b), SHARDD_OK);
+  cr_assert_eq(shardd_view_register(c, b.id, "w", 0, 100, shape, 1, &v), SHARDD_OK,
+               "%s", shardd_last_error(c));
+  shardd_param_ref refs[1] = {{v, "w"}};
+  shardd_param_group g = {refs, 1, {0}};
+  shardd_hparams hp = {.set = SHARDD_HP_LR, .lr = 0.1};
+  cr_assert_eq(shardd_optimizer_register(c, "sgd", SHARDD_OPTIM_SGD, &hp, &g, 1, &opt),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  for (int s = 0; s < 3; s++) {
+    cr_assert_eq(shardd_gather(c, b.id), SHARDD_OK, "%s", shardd_last_error(c));
+    cr_assert_eq(shardd_scatter(c, b.id, SHARDD_REDUCE_MEAN), SHARDD_OK, "%s",
+                 shardd_last_error(c));
+    cr_assert_eq(shardd_step(c, opt, NULL, NULL), SHARDD_OK, "%s", shardd_last_error(c));
+  }
+  cr_assert_eq(shardd_checkpoint(c, NULL, ck), SHARDD_OK, "%s", shardd_last_error(c));
+  shardd_close(c);
+
+  cr_assert_eq(ctl(&out, &err, "--socket %s release stepped%s", NULL), 0, "%s", err);
+  free(out);
+  free(err);
+  snprintf(args, sizeof args, "--socket %s restore %s", d.sock, ck);
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  snprintf(want, sizeof want, "stepped: %s (step 3)\n", ck);
+  cr_expect_str_eq(out, want);
+  free(out);
+  free(err);
+
+  cr_assert_eq(ctl(&out, &err, "--socket %s release stepped%s", NULL), 0, "%s", err);
+  free(out);
+  free(err);
+  snprintf(args, sizeof args, "--socket %s --json restore %s", d.sock, ck);
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  tj *j = tj_parse(out);
+  cr_assert_not_null(j, "%s", out);
+  cr_expect_str_eq(tj_need(j, "job", TJ_STR)->str, "stepped");
+  cr_expect_str_eq(tj_need(j, "dir", TJ_STR)->str, ck);
+  cr_expect_eq(tj_need(j, "step", TJ_NUM)->num, 3, "%s", out);
+  tj_free(j);
+  free(out);
+  free(err);
+  test_daemon_finish(&d);
+}

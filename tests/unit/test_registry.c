@@ -1527,3 +1527,37 @@ Test(registry, views_uncapped_by_default_in_the_registry) {
   }
   cr_expect_eq(job->nviews, 100);
 }
+
+/* A multi-node buffer's staging area for the cross-node sum (allocated at
+ * its first scatter, held with the buffer): within the uid's memory limit,
+ * and, a memfd with the fd store, one more memory region against the
+ * uid's share, given back with the buffer. It was counted in neither. */
+Test(registry, a_staging_area_counts_against_the_uid_limits) {
+  shardd__backend_host_persist(be, SHARDD__PERSIST_ON); /* regions are memfds */
+  shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_FP32, 4096);
+  uint64_t bytes = job->bytes, blocks = job->nblocks, all = reg.nblocks;
+  /* the memory limit: the buffer fits, its 16 KiB staging area does not */
+  reg.uid_memory_limit = bytes + 4096;
+  cr_assert_eq(shardd__buffer_stage(&reg, b, err, sizeof err), SHARDD_E_NO_MEMORY);
+  cr_expect(strstr(err, "--uid-memory-limit") && strstr(err, "staging area"), "%s",
+            err);
+  cr_assert_null(b->stage);
+  cr_assert_eq(job->bytes, bytes);
+  reg.uid_memory_limit = 0;
+  /* the uid's share of memory regions: no region more */
+  reg.max_blocks_per_uid = blocks;
+  cr_assert_eq(shardd__buffer_stage(&reg, b, err, sizeof err), SHARDD_E_LIMIT);
+  cr_expect(strstr(err, "uid 1000") && strstr(err, "staging area"), "%s", err);
+  cr_assert_null(b->stage);
+  reg.max_blocks_per_uid = blocks + 1;
+  cr_assert_eq(shardd__buffer_stage(&reg, b, err, sizeof err), SHARDD_OK, "%s", err);
+  cr_assert_not_null(b->stage);
+  cr_expect_eq(job->nblocks, blocks + 1);
+  cr_expect_eq(reg.nblocks, all + 1);
+  cr_expect_eq(job->bytes, bytes + 4096 * 4);
+  cr_assert_eq(shardd__buffer_unregister(&reg, job, b->hdr.id, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_expect_eq(job->nblocks, 0);
+  cr_expect_eq(reg.nblocks, all - blocks);
+  shardd__backend_host_persist(be, SHARDD__PERSIST_OFF);
+}

@@ -10,6 +10,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,6 +19,7 @@
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "sdnotify.h"
@@ -486,4 +488,71 @@ Test(sdnotify, listen_fds_names) {
   cr_assert(WIFEXITED(status), "child died (status 0x%x)", status);
   cr_assert_eq(WEXITSTATUS(status), 0, "names check %d failed (see names_child)",
                WEXITSTATUS(status));
+}
+
+/* A manager that reads nothing: its queue fills, the next message waits
+ * 1 s for room, and every later one is dropped at once as E_BUSY naming
+ * the socket (the send used to wait for room, on the daemon's loop
+ * thread, forever). Plain messages and FDSTORE=1 ones alike. */
+Test(sdnotify, a_manager_that_reads_nothing_costs_one_wait_then_drops,
+     .timeout = 10) {
+  char err[256] = "";
+  rx = bind_dgram(sockpath, 0);
+  cr_assert_eq(setenv("NOTIFY_SOCKET", sockpath, 1), 0);
+  int mfd = memfd_create("sdnotify-test", MFD_CLOEXEC);
+  cr_assert_geq(mfd, 0);
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  int busy = 0;
+  for (int i = 0; i < 1000 && busy < 20; i++) {
+    shardd_err rc = i % 2 ? shardd__sd_notify("STATUS=serving", err, sizeof err)
+                          : shardd__sd_notify_fd("FDSTORE=1\nFDNAME=r", mfd, err,
+                                                 sizeof err);
+    cr_assert(rc == SHARDD_OK || rc == SHARDD_E_BUSY, "message %d: %s (%s)", i,
+              shardd_err_name(rc), err);
+    if (rc == SHARDD_E_BUSY) {
+      busy++;
+      cr_assert(strstr(err, sockpath) && strstr(err, "full"), "%s", err);
+    }
+  }
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  double s = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+  cr_assert_eq(busy, 20, "the queue never filled");
+  cr_assert(s >= 0.9 && s < 3.0, "20 messages dropped in %.2f s: one wait of 1 s "
+            "expected, not one each", s);
+  close(mfd);
+}
+
+/* A manager that reads, every 10 ms as a busy one might, and a burst of
+ * messages far past its queue (a buffer of many ranks is a FDSTORE=1
+ * message each): none is dropped, each waits its turn. */
+static void *slow_reader(void *arg) {
+  int *got = arg;
+  char buf[256];
+  while (*got < 200) {
+    struct pollfd p = {.fd = rx, .events = POLLIN};
+    if (poll(&p, 1, 5000) != 1)
+      break;
+    usleep(10000);
+    while (recv(rx, buf, sizeof buf, MSG_DONTWAIT) > 0)
+      ++*got;
+  }
+  return NULL;
+}
+
+Test(sdnotify, a_burst_to_a_manager_that_reads_loses_nothing, .timeout = 30) {
+  char err[256] = "";
+  int got = 0;
+  pthread_t th;
+  rx = bind_dgram(sockpath, 0);
+  cr_assert_eq(setenv("NOTIFY_SOCKET", sockpath, 1), 0);
+  int mfd = memfd_create("sdnotify-test", MFD_CLOEXEC);
+  cr_assert_geq(mfd, 0);
+  cr_assert_eq(pthread_create(&th, NULL, slow_reader, &got), 0);
+  for (int i = 0; i < 200; i++)
+    cr_assert_eq(shardd__sd_notify_fd("FDSTORE=1\nFDNAME=r", mfd, err, sizeof err),
+                 SHARDD_OK, "message %d: %s", i, err);
+  pthread_join(th, NULL);
+  cr_assert_eq(got, 200, "the manager read %d of 200", got);
+  close(mfd);
 }
