@@ -345,6 +345,111 @@ static void add_torn(shardd__fdstore *fs, pool *p, const char *base,
   }
 }
 
+/* The step journal of base's description (t, job jname of uid): 1 when
+ * a step was in progress or the journal is damaged (the job is then torn:
+ * refused, logged), 0 when the memory is whole. */
+static int journal_torn(shardd__fdstore *fs, pool *p, const char *base,
+                        const char *t, int jfd, uint32_t uid,
+                        const char *jname) {
+  struct stat jst;
+  const jrnl *j = MAP_FAILED;
+  if (fstat(jfd, &jst) == 0 && jst.st_size >= JRNL_BYTES)
+    j = mmap(NULL, JRNL_BYTES, PROT_READ, MAP_SHARED, jfd, 0);
+  if (j == MAP_FAILED || memcmp(j->magic, JRNL_MAGIC, 8) != 0) {
+    /* whether a step was running cannot be told: refused, not fresh */
+    if (j != MAP_FAILED)
+      munmap((void *)j, JRNL_BYTES);
+    shardd__log(0, "fd store: job \"%s\" (uid %" PRIu32 ") not resumed: its "
+                "step journal is damaged; every attach is refused until it "
+                "is released (shardctl release) or restored from a "
+                "checkpoint", jname, uid);
+    add_torn(fs, p, base, t, uid, jname, 0, NULL,
+             "its step journal is damaged");
+    return 1;
+  }
+  uint64_t in_step = 0, overflow = 0;
+  char in_opt[112] = "";
+  {
+    overflow = atomic_load(&j->overflow);
+    for (int i = 0; i < JRNL_RECS && in_step == 0; i++) {
+      uint64_t s1 = atomic_load_explicit(&j->rec[i].step1, memory_order_acquire);
+      if (s1) {
+        in_step = s1 - 1;
+        memcpy(in_opt, j->rec[i].name, sizeof in_opt);
+        in_opt[sizeof in_opt - 1] = '\0';
+      }
+    }
+    munmap((void *)j, JRNL_BYTES);
+  }
+  if (in_step || overflow) {
+    add_torn(fs, p, base, t, uid, jname, in_step, in_opt, NULL);
+    if (in_step)
+      shardd__log(0, "fd store: job \"%s\" (uid %" PRIu32 ") is torn: the "
+                  "daemon died during step %" PRIu64 " of optimizer \"%s\", "
+                  "and its memory may hold half of it; not resumed, and "
+                  "every attach is refused until it is released (shardctl "
+                  "release) or restored from a checkpoint", jname, uid,
+                  in_step, in_opt);
+    else
+      shardd__log(0, "fd store: job \"%s\" (uid %" PRIu32 ") is torn: the "
+                  "daemon died during one of its steps; not resumed", jname,
+                  uid);
+    return 1;
+  }
+
+  return 0;
+}
+
+/* The adopted job's description goes on in the same three memfds (idx:
+ * their places in p, k the newest slot, of generation gen and format
+ * ver); on failure the job runs undescribed until its next change. */
+static void keep_describing(shardd__fdstore *fs, pool *p, shardd__job *job,
+                            const char *base, const ssize_t idx[3], int k,
+                            uint64_t gen, int ver, uint32_t uid,
+                            const char *jname) {
+  char name[80];
+  fs_job *e = calloc(1, sizeof *e);
+  char *ekey = shardd__fdstore_key_of(uid, jname);
+  if (e && ekey && shardd__map_put_str(&fs->jobs, ekey, e) == SHARDD_OK) {
+    e->key = ekey;
+    e->job = job;
+    snprintf(e->base, sizeof e->base, "%s", base);
+    for (int q = 0; q < 3; q++) {
+      e->fd[q] = idx[q] >= 0 ? p->fds[idx[q]].fd : -1;
+      if (idx[q] >= 0)
+        p->taken[idx[q]] = 2; /* the entry's own from here */
+    }
+    if (e->fd[1 - k] < 0) { /* a slot lost: a new one, stored */
+      shardd__fdstore_fd_name(e, 1 - k, name, sizeof name);
+      e->fd[1 - k] = memfd_create(name, MFD_CLOEXEC);
+      if (e->fd[1 - k] >= 0)
+        shardd__fdstore_store_fd(e->fd[1 - k], name);
+    }
+    e->gen = gen;
+    e->active = k;
+    e->dirty = 1;
+    if (e->fd[1 - k] < 0 || shardd__fdstore_map_journal(e) != SHARDD_OK) {
+      shardd__map_del_str(&fs->jobs, e->key);
+      shardd__fdstore_entry_free(e, 0);
+    } else if (shardd__fdstore_sync_entry(fs, e) == SHARDD_OK && ver == 1) {
+      /* (written anew: the new generations of its handles) */
+      /* the slot of the format before goes, now that a whole one of this
+       * format is there: a daemon that reads only that format (a
+       * downgrade) would take its step counts, stale from the next step
+       * on, for the job's */
+      slot_hdr zero;
+      memset(&zero, 0, sizeof zero);
+      if (pwrite(e->fd[k], &zero, sizeof zero, 0) != (ssize_t)sizeof zero)
+        shardd__log(1, "fd store: job \"%s\": its description of the format "
+                    "before could not be cleared: %s", jname,
+                    strerror(errno));
+    }
+  } else {
+    free(e);
+    free(ekey);
+  }
+}
+
 /* One job's description (its three fds, any of them missing): adopted,
  * torn or refused. 0 adopted, 1 refused (logged). */
 static int adopt_one(shardd__fdstore *fs, pool *p, const char *base,
@@ -388,50 +493,7 @@ static int adopt_one(shardd__fdstore *fs, pool *p, const char *base,
   free(key);
 
   /* the journal: a step in progress makes the job torn */
-  struct stat jst;
-  const jrnl *j = MAP_FAILED;
-  if (fstat(p->fds[idx[2]].fd, &jst) == 0 && jst.st_size >= JRNL_BYTES)
-    j = mmap(NULL, JRNL_BYTES, PROT_READ, MAP_SHARED, p->fds[idx[2]].fd, 0);
-  if (j == MAP_FAILED || memcmp(j->magic, JRNL_MAGIC, 8) != 0) {
-    /* whether a step was running cannot be told: refused, not fresh */
-    if (j != MAP_FAILED)
-      munmap((void *)j, JRNL_BYTES);
-    shardd__log(0, "fd store: job \"%s\" (uid %" PRIu32 ") not resumed: its "
-                "step journal is damaged; every attach is refused until it "
-                "is released (shardctl release) or restored from a "
-                "checkpoint", jname, uid);
-    add_torn(fs, p, base, t, uid, jname, 0, NULL,
-             "its step journal is damaged");
-    free(t);
-    return 1;
-  }
-  uint64_t in_step = 0, overflow = 0;
-  char in_opt[112] = "";
-  {
-    overflow = atomic_load(&j->overflow);
-    for (int i = 0; i < JRNL_RECS && in_step == 0; i++) {
-      uint64_t s1 = atomic_load_explicit(&j->rec[i].step1, memory_order_acquire);
-      if (s1) {
-        in_step = s1 - 1;
-        memcpy(in_opt, j->rec[i].name, sizeof in_opt);
-        in_opt[sizeof in_opt - 1] = '\0';
-      }
-    }
-    munmap((void *)j, JRNL_BYTES);
-  }
-  if (in_step || overflow) {
-    add_torn(fs, p, base, t, uid, jname, in_step, in_opt, NULL);
-    if (in_step)
-      shardd__log(0, "fd store: job \"%s\" (uid %" PRIu32 ") is torn: the "
-                  "daemon died during step %" PRIu64 " of optimizer \"%s\", "
-                  "and its memory may hold half of it; not resumed, and "
-                  "every attach is refused until it is released (shardctl "
-                  "release) or restored from a checkpoint", jname, uid,
-                  in_step, in_opt);
-    else
-      shardd__log(0, "fd store: job \"%s\" (uid %" PRIu32 ") is torn: the "
-                  "daemon died during one of its steps; not resumed", jname,
-                  uid);
+  if (journal_torn(fs, p, base, t, p->fds[idx[2]].fd, uid, jname)) {
     free(t);
     return 1;
   }
@@ -477,47 +539,7 @@ static int adopt_one(shardd__fdstore *fs, pool *p, const char *base,
     return 1;
   }
   free(t);
-  /* the description goes on in the same three memfds */
-  fs_job *e = calloc(1, sizeof *e);
-  char *ekey = shardd__fdstore_key_of(uid, jname);
-  if (e && ekey && shardd__map_put_str(&fs->jobs, ekey, e) == SHARDD_OK) {
-    e->key = ekey;
-    e->job = job;
-    snprintf(e->base, sizeof e->base, "%s", base);
-    for (int q = 0; q < 3; q++) {
-      e->fd[q] = idx[q] >= 0 ? p->fds[idx[q]].fd : -1;
-      if (idx[q] >= 0)
-        p->taken[idx[q]] = 2; /* the entry's own from here */
-    }
-    if (e->fd[1 - k] < 0) { /* a slot lost: a new one, stored */
-      shardd__fdstore_fd_name(e, 1 - k, name, sizeof name);
-      e->fd[1 - k] = memfd_create(name, MFD_CLOEXEC);
-      if (e->fd[1 - k] >= 0)
-        shardd__fdstore_store_fd(e->fd[1 - k], name);
-    }
-    e->gen = gen[k];
-    e->active = k;
-    e->dirty = 1;
-    if (e->fd[1 - k] < 0 || shardd__fdstore_map_journal(e) != SHARDD_OK) {
-      shardd__map_del_str(&fs->jobs, e->key);
-      shardd__fdstore_entry_free(e, 0);
-    } else if (shardd__fdstore_sync_entry(fs, e) == SHARDD_OK && ver[k] == 1) {
-      /* (written anew: the new generations of its handles) */
-      /* the slot of the format before goes, now that a whole one of this
-       * format is there: a daemon that reads only that format (a
-       * downgrade) would take its step counts, stale from the next step
-       * on, for the job's */
-      slot_hdr zero;
-      memset(&zero, 0, sizeof zero);
-      if (pwrite(e->fd[k], &zero, sizeof zero, 0) != (ssize_t)sizeof zero)
-        shardd__log(1, "fd store: job \"%s\": its description of the format "
-                    "before could not be cleared: %s", jname,
-                    strerror(errno));
-    }
-  } else {
-    free(e);
-    free(ekey);
-  }
+  keep_describing(fs, p, job, base, idx, k, gen[k], ver[k], uid, jname);
   adopted(arg, job, job_step(job));
   return 0;
 }
