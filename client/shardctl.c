@@ -214,7 +214,9 @@ static shardd_err cli_run(shardd_client_t *c, const cli *a, char **out) {
     rc = json ? shardd_status_json_from(c, (uint32_t)a->from, out)
               : shardd_status_text_from(c, (uint32_t)a->from, out);
   } else if (a->is_ckpt || a->is_restore) {
-    char job[256];
+    /* root restoring another uid's job is told "UID/NAME": up to 10 + 1 +
+     * 255 bytes; a name cut short would be one no release finds */
+    char job[320];
     uint64_t step = 0;
     /* --timeout is also how long a checkpoint waits for the job's quiescent
      * point (as it always was); the write that follows runs on the

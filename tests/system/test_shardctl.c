@@ -629,3 +629,72 @@ Test(shardctl, checkpoint_restore_and_release_escape_names_and_dirs) {
   free(err);
   test_daemon_finish(&d);
 }
+
+/* Root restoring another uid's checkpoint is told the job as "UID/NAME":
+ * with a name of the longest (255 bytes) that is 266 bytes, and `shardctl
+ * restore` prints it whole (it was cut at 255, a name no release finds). */
+Test(shardctl, restore_prints_another_uids_longest_job_name_whole, .timeout = 60) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as a second uid");
+  char name[256], qualified[300], ck[200], args[1024], want[1024], *out, *err;
+  memset(name, 'n', 255);
+  name[255] = '\0';
+  snprintf(qualified, sizeof qualified, "4250/%s", name);
+  test_daemon_start(&d, (const char *const[]){"--job-linger", "600", NULL});
+  snprintf(ck, sizeof ck, "%s/ck", d.dir);
+  cr_assert_eq(chmod(d.dir, 0755), 0);
+  cr_assert_eq(chmod(d.sock, 0666), 0);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0) { /* uid 4250 makes the job, which lingers */
+    if (setgid(4250) != 0 || setuid(4250) != 0)
+      _exit(100);
+    shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+    o.job = name;
+    shardd_client_t *c;
+    char e[256];
+    shardd_buffer_info b;
+    if (shardd_connect(d.sock, &o, &c, e, sizeof e) != SHARDD_OK)
+      _exit(101);
+    if (shardd_buffer_register(c, "x", SHARDD_DTYPE_FP32, 8, &b) != SHARDD_OK)
+      _exit(102);
+    shardd_close(c);
+    _exit(0);
+  }
+  int st;
+  cr_assert(test_wait_exit(pid, &st));
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "uid 4250: %d", WEXITSTATUS(st));
+
+  snprintf(args, sizeof args, "--socket %s checkpoint %s %s", d.sock, qualified, ck);
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  free(out);
+  free(err);
+  snprintf(args, sizeof args, "--socket %s release %s", d.sock, qualified);
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  free(out);
+  free(err);
+  snprintf(args, sizeof args, "--socket %s restore %s", d.sock, ck);
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  snprintf(want, sizeof want, "%s: %s (step 0)\n", qualified, ck);
+  cr_expect_str_eq(out, want);
+  free(out);
+  free(err);
+  /* the name it printed is the one release takes */
+  snprintf(args, sizeof args, "--socket %s --json release %s", d.sock, qualified);
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  tj *j = tj_parse(out);
+  cr_assert_not_null(j, "%s", out);
+  cr_expect_str_eq(tj_need(j, "job", TJ_STR)->str, qualified);
+  tj_free(j);
+  free(out);
+  free(err);
+  snprintf(args, sizeof args, "--socket %s --json restore %s", d.sock, ck);
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  j = tj_parse(out);
+  cr_assert_not_null(j, "%s", out);
+  cr_expect_str_eq(tj_need(j, "job", TJ_STR)->str, qualified);
+  tj_free(j);
+  free(out);
+  free(err);
+  test_daemon_finish(&d);
+}
