@@ -452,6 +452,43 @@ class BindingTest(unittest.TestCase):
         with self.assertRaises(shardd.Error):
             b.numpy("shard")
 
+    def test_restore_returns_the_job_name_with_its_step(self):
+        """Client.restore -> the name as before (a str: equal to it, usable
+        as a job name), with .step, the step the job resumes at (C's
+        shardd_restore_ex; shardctl restore prints the same)."""
+        import pickle
+        import shutil
+        import tempfile
+        job = common.job("restore-step")
+        c = shardd.Client(self.sock, job=job, transient_areas=False)
+        b = c.register_buffer("flat", "fp32", 8)
+        w = c.register_view(b, "w", 0, (8,))
+        opt = c.register_optimizer("sgd", [{"params": [w], "lr": 0.1}], name="sgd")
+        for _ in range(3):
+            c.gather(b)
+            b.grad[:] = 1.0
+            c.scatter(b, "mean")
+            c.step(opt)
+        c.close(finished=False)  # the job lingers, nobody connected: released below
+        tmp = tempfile.mkdtemp(prefix="shardd-restore-step-")
+        self.addCleanup(shutil.rmtree, tmp, True)
+        ck = os.path.join(tmp, "ck")
+        ctl = shardd.Client(self.sock)
+        self.addCleanup(ctl.close)
+        ctl.checkpoint(ck, job=job, timeout=10)
+        ctl.release_job(job)
+        got = ctl.restore(ck)
+        self.addCleanup(ctl.release_job, job)
+        self.assertEqual(got, job)
+        self.assertIsInstance(got, str)
+        self.assertEqual(got.step, 3)
+        self.assertIsInstance(got, shardd.RestoredJob)
+        self.assertEqual(str(got), job)
+        back = pickle.loads(pickle.dumps(got))
+        self.assertEqual((back, back.step), (job, 3))
+        names = [j["name"] for j in ctl.status()["jobs"]]
+        self.assertIn(got, names)
+
 
 if __name__ == "__main__":
     unittest.main()
