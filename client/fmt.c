@@ -98,7 +98,7 @@ static void json_more(shardd__sb *sb, const char *key, int has, uint32_t n) {
  * job is stuck, read off one status. Nothing from a daemon that predates
  * the fields (it sends no ranks at all). */
 static void job_waits_text(shardd__sb *sb, const Shardwire__JobStatus *j) {
-  char v[VIS_NAME], path[VIS_PATH];
+  char v[VIS_NAME], path[VIS_PATH], kind[VIS_NAME];
   if (j->n_connected_ranks + j->n_missing_ranks > 0) {
     shardd__sb_printf(sb, "  ranks connected: ");
     rank_list(sb, j->connected_ranks, j->n_connected_ranks);
@@ -114,11 +114,12 @@ static void job_waits_text(shardd__sb *sb, const Shardwire__JobStatus *j) {
   }
   for (size_t k = 0; k < j->n_collectives; k++) {
     const Shardwire__CollectiveStatus *c = j->collectives[k];
+    shardd__escape(c->kind, kind, sizeof kind);
     if (strcmp(c->kind, "all_reduce") == 0) /* target: how many values */
-      shardd__sb_printf(sb, "  collective %s of %" PRIu64 " values (%s)", c->kind,
+      shardd__sb_printf(sb, "  collective %s of %" PRIu64 " values (%s)", kind,
                         c->target, shardd__escape(c->name, v, sizeof v));
     else
-      shardd__sb_printf(sb, "  collective %s %s %" PRIu64 " (%s)", c->kind,
+      shardd__sb_printf(sb, "  collective %s %s %" PRIu64 " (%s)", kind,
                         strcmp(c->kind, "step") == 0 ? "optimizer" : "buffer",
                         c->target, shardd__escape(c->name, v, sizeof v));
     shardd__sb_printf(sb, ": %s %.1f s, arrived ", c->running ? "running" : "waiting",
@@ -150,13 +151,17 @@ static void json_key_str(shardd__sb *sb, const char *key, const char *val,
 char *shardd__fmt_status_text(const Shardwire__StatusReply *st) {
   shardd__sb sb;
   shardd__sb_init(&sb);
-  char a[32], b[32], v[VIS_NAME], path[VIS_PATH];
+  char a[32], b[32], v[VIS_NAME], path[VIS_PATH], ver[VIS_NAME], be[VIS_NAME];
+  /* the socket path is any bytes --socket was given; the version and the
+   * backend's name are escaped too, as every string of the reply is */
   shardd__sb_printf(&sb,
                     "version: %s\nprotocol: %" PRIu32 "\npid: %" PRIu64
                     "\nuptime_s: %.1f\nbackend: %s\nsocket: %s\nclients: %" PRIu32
                     "\n",
-                    st->daemon_version, st->protocol_version, st->pid,
-                    st->uptime_s, st->backend, st->socket_path, st->clients);
+                    shardd__escape(st->daemon_version, ver, sizeof ver),
+                    st->protocol_version, st->pid, st->uptime_s,
+                    shardd__escape(st->backend, be, sizeof be),
+                    shardd__escape(st->socket_path, path, sizeof path), st->clients);
   if (st->has_partial_frame_bytes)
     shardd__sb_printf(&sb, "partial_frame_bytes: %" PRIu64 "\n",
                       st->partial_frame_bytes);
@@ -215,13 +220,14 @@ char *shardd__fmt_status_text(const Shardwire__StatusReply *st) {
     if (j->has_nodes) {
       shardd__sb_printf(&sb, "  nodes %" PRIu32 " (this daemon: node %" PRIu32
                         ") fabric %s\n",
-                        j->nodes, j->node_rank, j->fabric ? j->fabric : "none");
+                        j->nodes, j->node_rank,
+                        shardd__escape(j->fabric ? j->fabric : "none", v, sizeof v));
       for (size_t k = 0; k < j->n_node_states; k++) {
         const Shardwire__NodeStatus *n = j->node_states[k];
         shardd__sb_printf(&sb, "  node %" PRIu32 ": ranks %" PRIu32 "..%" PRIu32
                           " %s\n",
                           n->node, n->first_rank, n->first_rank + n->ranks - 1,
-                          n->state);
+                          shardd__escape(n->state, v, sizeof v));
       }
       if (j->fabric_error)
         shardd__sb_printf(&sb, "  fabric_error: %s\n",
@@ -395,9 +401,10 @@ static void shape_text(shardd__sb *sb, const int64_t *shape, size_t n) {
 char *shardd__fmt_inspect_text(const Shardwire__InspectReply *ir) {
   shardd__sb sb;
   shardd__sb_init(&sb);
-  char nm[VIS_NAME], jb[VIS_NAME], vn[VIS_NAME];
+  char nm[VIS_NAME], jb[VIS_NAME], vn[VIS_NAME], kd[VIS_NAME];
   shardd__sb_printf(&sb, "id: %" PRIu64 "\nkind: %s\nname: %s\njob: %s\n",
-                    ir->id, ir->kind, shardd__escape(ir->name, nm, sizeof nm),
+                    ir->id, shardd__escape(ir->kind, kd, sizeof kd),
+                    shardd__escape(ir->name, nm, sizeof nm),
                     shardd__escape(ir->job, jb, sizeof jb));
   if (ir->has_buffer)
     shardd__sb_printf(&sb, "buffer: %" PRIu64 "\n", ir->buffer);

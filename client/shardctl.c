@@ -7,7 +7,9 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "escape.h"
 #include "shardd.h"
+#include "strbuf.h"
 
 static void usage(FILE *f) {
   fprintf(f,
@@ -38,6 +40,41 @@ static double parse_timeout(const char *v) {
     return -1;
   }
   return t;
+}
+
+/* Names, directories and the daemon's messages quoting them are bytes
+ * others chose (a job's name is any bytes but NUL, a restored job's comes
+ * from its checkpoint): a string value is written inside a JSON string
+ * (quotes, backslashes and control bytes escaped) or, for text,
+ * escaped by shardd__escape, so a control byte neither drives the
+ * operator's terminal nor forges a line of the report. */
+static void put_str(shardd__sb *sb, const char *s, int json) {
+  if (json) {
+    shardd__sb_json_str(sb, s);
+    return;
+  }
+  size_t n = 4 * strlen(s ? s : "") + 1; /* always enough: nothing is cut */
+  char *e = malloc(n);
+  if (e == NULL) {
+    sb->failed = 1;
+    return;
+  }
+  shardd__sb_printf(sb, "%s", shardd__escape(s, e, n));
+  free(e);
+}
+
+/* "shardctl: WHAT: MSG" on stderr, MSG (the daemon's or the library's
+ * words, which may quote a name) escaped as text is. */
+static void print_err(const char *what, const char *msg) {
+  shardd__sb sb;
+  shardd__sb_init(&sb);
+  put_str(&sb, msg, 0);
+  char *e = shardd__sb_take(&sb);
+  if (what)
+    fprintf(stderr, "shardctl: %s: %s\n", what, e ? e : "(out of memory)");
+  else
+    fprintf(stderr, "shardctl: %s\n", e ? e : "(out of memory)");
+  free(e);
 }
 
 /* A command line, read. */
@@ -177,7 +214,9 @@ static shardd_err cli_run(shardd_client_t *c, const cli *a, char **out) {
     rc = json ? shardd_status_json_from(c, (uint32_t)a->from, out)
               : shardd_status_text_from(c, (uint32_t)a->from, out);
   } else if (a->is_ckpt || a->is_restore) {
-    char job[256];
+    /* root restoring another uid's job is told "UID/NAME": up to 10 + 1 +
+     * 255 bytes; a name cut short would be one no release finds */
+    char job[320];
     uint64_t step = 0;
     /* --timeout is also how long a checkpoint waits for the job's quiescent
      * point (as it always was); the write that follows runs on the
@@ -190,31 +229,36 @@ static shardd_err cli_run(shardd_client_t *c, const cli *a, char **out) {
                                       a->timeout < 0 ? 60 : a->timeout)
              : shardd_restore_ex(c, dir, (uint32_t)a->world, job, sizeof job,
                                  &step);
-    if (rc == SHARDD_OK && a->is_ckpt) {
-      char line[4600];
-      snprintf(line, sizeof line, json ? "{\"job\":\"%s\",\"dir\":\"%s\"}\n"
-                                       : "%s: %s\n",
-               arg, dir);
-      *out = strdup(line);
-    } else if (rc == SHARDD_OK) {
-      /* the step it resumes at: what the operator checks before relaunching */
-      char line[4600];
-      snprintf(line, sizeof line,
-               json ? "{\"job\":\"%s\",\"dir\":\"%s\",\"step\":%" PRIu64 "}\n"
-                    : "%s: %s (step %" PRIu64 ")\n",
-               job, dir, step);
-      *out = strdup(line);
+    if (rc == SHARDD_OK) {
+      /* restore: the step it resumes at, what the operator checks before
+       * relaunching */
+      shardd__sb sb;
+      shardd__sb_init(&sb);
+      shardd__sb_printf(&sb, json ? "{\"job\":\"" : "");
+      put_str(&sb, a->is_ckpt ? arg : job, json);
+      shardd__sb_printf(&sb, json ? "\",\"dir\":\"" : ": ");
+      put_str(&sb, dir, json);
+      if (a->is_ckpt)
+        shardd__sb_printf(&sb, json ? "\"}\n" : "\n");
+      else
+        shardd__sb_printf(&sb, json ? "\",\"step\":%" PRIu64 "}\n"
+                                    : " (step %" PRIu64 ")\n",
+                          step);
+      *out = shardd__sb_take(&sb);
     }
   } else if (a->is_release) {
     uint32_t nb = 0, no = 0;
     rc = shardd_release_job(c, arg, &nb, &no);
     if (rc == SHARDD_OK) {
-      char line[512];
-      snprintf(line, sizeof line,
-               json ? "{\"job\":\"%s\",\"buffers\":%u,\"optimizers\":%u}\n"
-                    : "%s: released (%u buffers, %u optimizers)\n",
-               arg, nb, no);
-      *out = strdup(line);
+      shardd__sb sb;
+      shardd__sb_init(&sb);
+      shardd__sb_printf(&sb, json ? "{\"job\":\"" : "");
+      put_str(&sb, arg, json);
+      shardd__sb_printf(&sb,
+                        json ? "\",\"buffers\":%u,\"optimizers\":%u}\n"
+                             : ": released (%u buffers, %u optimizers)\n",
+                        nb, no);
+      *out = shardd__sb_take(&sb);
     }
   } else if (a->is_ping) {
     rc = shardd_ping(c);
@@ -250,7 +294,7 @@ int main(int argc, char **argv) {
   opts.timeout_s = a.timeout < 0 ? 0 : a.timeout == 0 ? -1 : a.timeout;
   shardd_err rc = shardd_connect(a.sock, &opts, &c, err, sizeof err);
   if (rc != SHARDD_OK) {
-    fprintf(stderr, "shardctl: %s\n", err);
+    print_err(NULL, err);
     return rc == SHARDD_E_CONNECT || rc == SHARDD_E_INVAL || rc == SHARDD_E_IO ||
                    rc == SHARDD_E_TIMEOUT || rc == SHARDD_E_CLOSED
                ? 3
@@ -260,7 +304,7 @@ int main(int argc, char **argv) {
   rc = cli_run(c, &a, &out);
   code = 0;
   if (rc != SHARDD_OK) {
-    fprintf(stderr, "shardctl: %s: %s\n", shardd_err_name(rc), shardd_last_error(c));
+    print_err(shardd_err_name(rc), shardd_last_error(c));
     /* a checkpoint's E_TIMEOUT is the daemon's (no quiescent point in
      * time); any other is the daemon not answering */
     code = rc == SHARDD_E_CLOSED || (rc == SHARDD_E_TIMEOUT && !a.is_ckpt) ? 3 : 1;

@@ -11,7 +11,7 @@ const char *shardd__escape(const char *in, char *out, size_t outlen) {
   if (outlen == 0)
     return out;
   for (const unsigned char *p = (const unsigned char *)(in ? in : ""); *p; p++) {
-    char e[4] = {(char)*p};
+    char e[8] = {(char)*p};
     size_t k = 1;
     if (*p < 0x20 || *p == 0x7f) {
       e[0] = '\\';
@@ -19,6 +19,17 @@ const char *shardd__escape(const char *in, char *out, size_t outlen) {
       e[2] = hex[*p >> 4];
       e[3] = hex[*p & 15];
       k = 4;
+    } else if (*p == 0xc2 && p[1] >= 0x80 && p[1] <= 0x9f) {
+      /* a C1 control (U+0080..U+009F) in UTF-8: terminals that read UTF-8
+       * act on it as on its 8-bit form (U+009B is CSI, an escape
+       * sequence's start): both bytes as \xNN */
+      for (int i = 0; i < 2; i++) {
+        e[4 * i] = '\\';
+        e[4 * i + 1] = 'x';
+        e[4 * i + 2] = hex[p[i] >> 4];
+        e[4 * i + 3] = hex[p[i] & 15];
+      }
+      k = 8;
     } else if (*p == '\\') {
       e[1] = '\\';
       k = 2;
@@ -32,6 +43,7 @@ const char *shardd__escape(const char *in, char *out, size_t outlen) {
     }
     memcpy(out + n, e, k);
     n += k;
+    p += k == 8; /* the C1 control's second byte */
     if (n + 4 <= outlen)
       keep = n;
   }

@@ -9,8 +9,9 @@
 #include <stddef.h>
 
 /* in (NULL reads as "") into out (outlen bytes, NUL-terminated), each
- * control byte (below 0x20, and 0x7f) as \xNN and each backslash as \\, so
- * the escape is unambiguous. 4 * strlen(in) + 1 bytes always suffice;
+ * control byte (below 0x20, and 0x7f) as \xNN, each C1 control written in
+ * UTF-8 (c2 80..c2 9f, which UTF-8 terminals obey too) as its two bytes
+ * \xc2\xNN, and each backslash as \\, so the escape is unambiguous. 4 * strlen(in) + 1 bytes always suffice;
  * where out is smaller and in does not fit, it is cut before a character
  * that does not fit whole, never inside an escape, and ends in "..." (an
  * outlen below 4 gets ""). Returns out, for a printf argument. */

@@ -452,6 +452,78 @@ class BindingTest(unittest.TestCase):
         with self.assertRaises(shardd.Error):
             b.numpy("shard")
 
+    def test_restore_returns_the_job_name_with_its_step(self):
+        """Client.restore -> the name as before (a str: equal to it, usable
+        as a job name), with .step, the step the job resumes at (C's
+        shardd_restore_ex; shardctl restore prints the same)."""
+        import pickle
+        import shutil
+        import tempfile
+        job = common.job("restore-step")
+        c = shardd.Client(self.sock, job=job, transient_areas=False)
+        b = c.register_buffer("flat", "fp32", 8)
+        w = c.register_view(b, "w", 0, (8,))
+        opt = c.register_optimizer("sgd", [{"params": [w], "lr": 0.1}], name="sgd")
+        for _ in range(3):
+            c.gather(b)
+            b.grad[:] = 1.0
+            c.scatter(b, "mean")
+            c.step(opt)
+        c.close(finished=False)  # the job lingers, nobody connected: released below
+        tmp = tempfile.mkdtemp(prefix="shardd-restore-step-")
+        self.addCleanup(shutil.rmtree, tmp, True)
+        ck = os.path.join(tmp, "ck")
+        ctl = shardd.Client(self.sock)
+        self.addCleanup(ctl.close)
+        ctl.checkpoint(ck, job=job, timeout=10)
+        ctl.release_job(job)
+        got = ctl.restore(ck)
+        self.addCleanup(ctl.release_job, job)
+        self.assertEqual(got, job)
+        self.assertIsInstance(got, str)
+        self.assertEqual(got.step, 3)
+        self.assertIsInstance(got, shardd.RestoredJob)
+        self.assertEqual(str(got), job)
+        back = pickle.loads(pickle.dumps(got))
+        self.assertEqual((back, back.step), (job, 3))
+        names = [j["name"] for j in ctl.status()["jobs"]]
+        self.assertIn(got, names)
+
+    @unittest.skipUnless(os.geteuid() == 0, "needs root to act as a second uid")
+    def test_restore_returns_another_uids_longest_job_name_whole(self):
+        """Root restoring uid 4250's checkpoint is told "4250/NAME": with
+        the longest name (255 bytes) 266 bytes, returned whole (it was cut
+        at 255, a name no release_job finds)."""
+        import shutil
+        import subprocess
+        import sys
+        import tempfile
+        d = common.own_daemon(devices=1, extra_args=["--job-linger", "600"])
+        self.addCleanup(d.cleanup)
+        self.addCleanup(d.stop)
+        os.chmod(os.path.dirname(d.socket), 0o755)
+        os.chmod(d.socket, 0o666)
+        name = "n" * 255
+        code = ("import shardd\n"
+                "c = shardd.Client(%r, job=%r, transient_areas=False)\n"
+                "c.register_buffer('x', 'fp32', 8)\n"
+                "c.close(finished=False)\n" % (d.socket, name))
+        env = dict(os.environ, PYTHONPATH=os.path.join(common.REPO, "client", "python"))
+        r = subprocess.run([sys.executable, "-c", code], user=4250, group=4250, env=env,
+                           capture_output=True, text=True, timeout=60)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        qualified = "4250/" + name
+        tmp = tempfile.mkdtemp(prefix="shardd-restore-long-")
+        self.addCleanup(shutil.rmtree, tmp, True)
+        ck = os.path.join(tmp, "ck")
+        ctl = shardd.Client(d.socket)
+        self.addCleanup(ctl.close)
+        ctl.checkpoint(ck, job=qualified, timeout=10)
+        ctl.release_job(qualified)
+        got = ctl.restore(ck)
+        self.assertEqual(got, qualified)
+        self.assertEqual(ctl.release_job(got), (1, 0))
+
 
 if __name__ == "__main__":
     unittest.main()

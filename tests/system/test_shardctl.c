@@ -520,3 +520,181 @@ Test(shardctl, restore_prints_the_step_the_job_is_at) {
   free(err);
   test_daemon_finish(&d);
 }
+
+/* s as shell text that yields its bytes: "$(printf '\ooo...')", every byte
+ * but a letter or digit in octal (a trailing newline would be dropped by
+ * the shell: none of these names ends in one). */
+static void sh_bytes(const char *s, char *out, size_t n) {
+  size_t k = (size_t)snprintf(out, n, "\"$(printf '");
+  for (const unsigned char *p = (const unsigned char *)s; *p && k + 8 < n; p++)
+    k += (size_t)snprintf(out + k, n - k, (*p >= '0' && *p <= '9') ||
+                                                  (*p >= 'a' && *p <= 'z') ||
+                                                  (*p >= 'A' && *p <= 'Z')
+                                              ? "%c"
+                                              : "\\%03o",
+                          *p);
+  snprintf(out + k, n - k, "')\"");
+}
+
+/* Every byte of out is printable or a line's end, and out has lines lines. */
+static void expect_plain_lines(const char *out, int lines) {
+  int nl = 0;
+  for (const char *p = out; *p; p++) {
+    cr_expect(*p == '\n' || ((unsigned char)*p >= 0x20 && *p != 0x7f),
+              "control byte 0x%02x in: %s", (unsigned char)*p, out);
+    nl += *p == '\n';
+  }
+  cr_expect_eq(nl, lines, "%d lines in: %s", nl, out);
+}
+
+/* checkpoint, restore and release print the job's name and the directory
+ * as status does: escaped in the text (a control byte neither drives the
+ * terminal nor forges a line), inside proper JSON strings with --json; the
+ * daemon's errors quoting a name are escaped on stderr too. */
+Test(shardctl, checkpoint_restore_and_release_escape_names_and_dirs) {
+  const char *job = "ev\"il\\\x1b[2J\njob forged: x";
+  const char *job_text = "ev\"il\\\\\\x1b[2J\\x0ajob forged: x";
+  char ck[256], ck_text[256], ckj[256], jarg[256], ckarg[1024], ckjarg[1024];
+  char args[4096], want[1024], *out, *err;
+  test_daemon_start(&d, (const char *const[]){"--job-linger", "600", NULL});
+  snprintf(ck, sizeof ck, "%s/ck\x1b]0;t\x07\n\"q\\", d.dir);
+  snprintf(ck_text, sizeof ck_text, "%s/ck\\x1b]0;t\\x07\\x0a\"q\\\\", d.dir);
+  snprintf(ckj, sizeof ckj, "%s/j\x01\"\\", d.dir);
+  sh_bytes(job, jarg, sizeof jarg);
+  sh_bytes(ck, ckarg, sizeof ckarg);
+  sh_bytes(ckj, ckjarg, sizeof ckjarg);
+  shardd_client_t *c = test_connect(&d, job, 0, 1);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "flat", SHARDD_DTYPE_FP32, 8, &b), SHARDD_OK,
+               "%s", shardd_last_error(c));
+  shardd_close(c); /* the job lingers */
+
+  snprintf(args, sizeof args, "--socket %s checkpoint %s %s", d.sock, jarg, ckarg);
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  expect_plain_lines(out, 1);
+  snprintf(want, sizeof want, "%s: %s\n", job_text, ck_text);
+  cr_expect_str_eq(out, want);
+  free(out);
+  free(err);
+  snprintf(args, sizeof args, "--socket %s --json checkpoint %s %s", d.sock, jarg,
+           ckjarg);
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  tj *j = tj_parse(out);
+  cr_assert_not_null(j, "not valid JSON: %s", out);
+  cr_expect_str_eq(tj_need(j, "job", TJ_STR)->str, job);
+  cr_expect_str_eq(tj_need(j, "dir", TJ_STR)->str, ckj);
+  tj_free(j);
+  free(out);
+  free(err);
+
+  snprintf(args, sizeof args, "--socket %s release %s", d.sock, jarg);
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  expect_plain_lines(out, 1);
+  snprintf(want, sizeof want, "%s: released (1 buffers, 0 optimizers)\n", job_text);
+  cr_expect_str_eq(out, want);
+  free(out);
+  free(err);
+  /* the daemon's error names the job: escaped on stderr */
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 1, "%s", out);
+  expect_plain_lines(err, 1);
+  snprintf(want, sizeof want, "no job \"%s\"", job_text);
+  cr_expect_not_null(strstr(err, want), "%s", err);
+  free(out);
+  free(err);
+
+  snprintf(args, sizeof args, "--socket %s restore %s", d.sock, ckarg);
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  expect_plain_lines(out, 1);
+  snprintf(want, sizeof want, "%s: %s (step 0)\n", job_text, ck_text);
+  cr_expect_str_eq(out, want);
+  free(out);
+  free(err);
+  snprintf(args, sizeof args, "--socket %s --json release %s", d.sock, jarg);
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  j = tj_parse(out);
+  cr_assert_not_null(j, "not valid JSON: %s", out);
+  cr_expect_str_eq(tj_need(j, "job", TJ_STR)->str, job);
+  tj_free(j);
+  free(out);
+  free(err);
+  snprintf(args, sizeof args, "--socket %s --json restore %s", d.sock, ckjarg);
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  j = tj_parse(out);
+  cr_assert_not_null(j, "not valid JSON: %s", out);
+  cr_expect_str_eq(tj_need(j, "job", TJ_STR)->str, job);
+  cr_expect_str_eq(tj_need(j, "dir", TJ_STR)->str, ckj);
+  cr_expect_eq(tj_need(j, "step", TJ_NUM)->num, 0);
+  tj_free(j);
+  free(out);
+  free(err);
+  test_daemon_finish(&d);
+}
+
+/* Root restoring another uid's checkpoint is told the job as "UID/NAME":
+ * with a name of the longest (255 bytes) that is 266 bytes, and `shardctl
+ * restore` prints it whole (it was cut at 255, a name no release finds). */
+Test(shardctl, restore_prints_another_uids_longest_job_name_whole, .timeout = 60) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as a second uid");
+  char name[256], qualified[300], ck[200], args[1024], want[1024], *out, *err;
+  memset(name, 'n', 255);
+  name[255] = '\0';
+  snprintf(qualified, sizeof qualified, "4250/%s", name);
+  test_daemon_start(&d, (const char *const[]){"--job-linger", "600", NULL});
+  snprintf(ck, sizeof ck, "%s/ck", d.dir);
+  cr_assert_eq(chmod(d.dir, 0755), 0);
+  cr_assert_eq(chmod(d.sock, 0666), 0);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0) { /* uid 4250 makes the job, which lingers */
+    if (setgid(4250) != 0 || setuid(4250) != 0)
+      _exit(100);
+    shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+    o.job = name;
+    shardd_client_t *c;
+    char e[256];
+    shardd_buffer_info b;
+    if (shardd_connect(d.sock, &o, &c, e, sizeof e) != SHARDD_OK)
+      _exit(101);
+    if (shardd_buffer_register(c, "x", SHARDD_DTYPE_FP32, 8, &b) != SHARDD_OK)
+      _exit(102);
+    shardd_close(c);
+    _exit(0);
+  }
+  int st;
+  cr_assert(test_wait_exit(pid, &st));
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "uid 4250: %d", WEXITSTATUS(st));
+
+  snprintf(args, sizeof args, "--socket %s checkpoint %s %s", d.sock, qualified, ck);
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  free(out);
+  free(err);
+  snprintf(args, sizeof args, "--socket %s release %s", d.sock, qualified);
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  free(out);
+  free(err);
+  snprintf(args, sizeof args, "--socket %s restore %s", d.sock, ck);
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  snprintf(want, sizeof want, "%s: %s (step 0)\n", qualified, ck);
+  cr_expect_str_eq(out, want);
+  free(out);
+  free(err);
+  /* the name it printed is the one release takes */
+  snprintf(args, sizeof args, "--socket %s --json release %s", d.sock, qualified);
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  tj *j = tj_parse(out);
+  cr_assert_not_null(j, "%s", out);
+  cr_expect_str_eq(tj_need(j, "job", TJ_STR)->str, qualified);
+  tj_free(j);
+  free(out);
+  free(err);
+  snprintf(args, sizeof args, "--socket %s --json restore %s", d.sock, ck);
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  j = tj_parse(out);
+  cr_assert_not_null(j, "%s", out);
+  cr_expect_str_eq(tj_need(j, "job", TJ_STR)->str, qualified);
+  tj_free(j);
+  free(out);
+  free(err);
+  test_daemon_finish(&d);
+}

@@ -27,6 +27,26 @@ Test(escape, control_bytes_and_backslash) {
   cr_assert_str_eq(shardd__escape("a\\\n", out, sizeof out), "a\\\\\\x0a");
 }
 
+/* U+009B is CSI in UTF-8 as in 8 bits: a UTF-8 terminal starts an escape
+ * sequence on c2 9b as on 1b 5b, so a name could still clear the screen */
+Test(escape, c1_controls_in_utf8) {
+  char out[64];
+  cr_assert_str_eq(shardd__escape("a\xc2\x9b" "2Jb", out, sizeof out),
+                   "a\\xc2\\x9b2Jb");
+  cr_assert_str_eq(shardd__escape("\xc2\x80\xc2\x9f", out, sizeof out),
+                   "\\xc2\\x80\\xc2\\x9f");
+  /* the characters around them are kept: U+00A0 and U+00E9 */
+  cr_assert_str_eq(shardd__escape("\xc2\xa0\xc3\xa9", out, sizeof out),
+                   "\xc2\xa0\xc3\xa9");
+  /* a cut leaves the pair out whole */
+  char o9[9];
+  cr_assert_str_eq(shardd__escape("ab\xc2\x9b", o9, sizeof o9), "ab...");
+  /* 4 bytes an input byte still suffice */
+  char o17[17];
+  cr_assert_str_eq(shardd__escape("\xc2\x9b\xc2\x9b", o17, sizeof o17),
+                   "\\xc2\\x9b\\xc2\\x9b");
+}
+
 Test(escape, four_bytes_a_byte_always_suffice) {
   char in[256], out[4 * 255 + 1];
   memset(in, '\n', 255);

@@ -75,20 +75,20 @@ from ._convert import (ALL_REDUCE_OPS, DTYPES, OPTIMIZERS, REDUCE_OPS, Error,
                        _hparams, _u64)
 from .objects import (Buffer, Optimizer, StepResult, View, _CudaArea,
                       _describe, _ids, _is_named_ref, _ref_of)
-from .client import (Client, ResumedJobWarning, _FROM_ENV, _STRATEGIES,
+from .client import (Client, RestoredJob, ResumedJobWarning, _FROM_ENV, _STRATEGIES,
                      _job_from_env, _memory_model, library_path,
                      torchrun_defaults)
 
 __all__ = [
     "Error", "Client", "Buffer", "View", "Optimizer", "StepResult",
     "DTYPES", "OPTIMIZERS", "REDUCE_OPS", "ALL_REDUCE_OPS", "library_path",
-    "torchrun_defaults",
+    "torchrun_defaults", "RestoredJob",
 ]
 
 
 # Their home is shardd, as before the split (reprs, pickles, help()).
 for _cls in (Error, Client, Buffer, View, Optimizer, StepResult,
-             ResumedJobWarning):
+             ResumedJobWarning, RestoredJob):
     _cls.__module__ = __name__
 del _cls
 

@@ -196,6 +196,8 @@ def _declare(lib):
         "shardd_checkpoint_wait": (c_int, [client_p, c_char_p, c_char_p, c_double]),
         "shardd_release_job": (c_int, [client_p, c_char_p, P(c_uint32), P(c_uint32)]),
         "shardd_restore": (c_int, [client_p, c_char_p, c_uint32, c_char_p, c_size_t]),
+        "shardd_restore_ex": (c_int, [client_p, c_char_p, c_uint32, c_char_p, c_size_t,
+                                      P(c_uint64)]),
         "shardd_status_text": (c_int, [client_p, P(c_void_p)]),
         "shardd_status_json_from": (c_int, [client_p, c_uint32, P(c_void_p)]),
         "shardd_status_text_from": (c_int, [client_p, c_uint32, P(c_void_p)]),

@@ -25,6 +25,22 @@ class ResumedJobWarning(UserWarning):
     ranks died, a rank rejoining, a restored job): it resumes it."""
 
 
+class RestoredJob(str):
+    """What Client.restore returns: the restored job's name, a str as
+    before (compares equal to the name, passes wherever a job name goes),
+    with .step, the step the job resumes at (the most steps one of its
+    optimizers took; 0 when none stepped). A str subclass rather than a
+    tuple, so callers that use the name unchanged keep working."""
+
+    def __new__(cls, name, step):
+        self = super().__new__(cls, name)
+        self.step = int(step)
+        return self
+
+    def __reduce__(self):  # pickled (a multiprocessing queue) with its step
+        return (RestoredJob, (str(self), self.step))
+
+
 def _job_from_env(run_id):
     """Client's job when none is given: $TORCHELASTIC_RUN_ID when it names
     this launch (torchrun --rdzv-id=ID, or --standalone's fresh id; its
@@ -312,16 +328,20 @@ class Client:
 
     def restore(self, directory, world=0):
         """Recreates the job recorded in directory (not in the daemon now)
-        with world ranks (0: as recorded). -> the job's name. Its ranks then
-        connect and attach; shardd.nn keeps the restored values."""
+        with world ranks (0: as recorded). -> the job's name, a
+        RestoredJob: a str with .step, the step the job resumes at (what
+        shardctl restore prints). Its ranks then connect and attach;
+        shardd.nn keeps the restored values."""
         self._check_open()
         if not os.path.isabs(directory):
             raise ValueError("checkpoint directory %r: must be an absolute path "
                              "(it is the daemon's)" % (directory,))
-        out = ctypes.create_string_buffer(256)
-        self._call(self._lib.shardd_restore(self._c, _b(directory), int(world), out,
-                                            ctypes.sizeof(out)))
-        return out.value.decode()
+        # root restoring another uid's job is told "UID/NAME": up to 266 bytes
+        out = ctypes.create_string_buffer(320)
+        step = ctypes.c_uint64(0)
+        self._call(self._lib.shardd_restore_ex(self._c, _b(directory), int(world), out,
+                                               ctypes.sizeof(out), ctypes.byref(step)))
+        return RestoredJob(out.value.decode(), step.value)
 
     def inspect(self, what, text=False):
         """One buffer or view by id (int, Buffer, View) or by name (str);
