@@ -5,7 +5,8 @@ and, after backward, its .grad its part of the reduced gradient, so
 torch.optim.AdamW built after wrapping steps the shards (and
 sm.clip_grad_norm_ clips them as torch's clip_grad_norm_ the whole model);
 model.state_dict() is torch's full state dict, loadable into the unwrapped
-model, and model.load_state_dict() takes one; without zero_grad() a second
+model, and model.load_state_dict() takes one; a loss logged with grad enabled and
+no backward between backward and step changes nothing; without zero_grad() a second
 backward adds to the gradient (after a step too), and either zero_grad()
 resets it; torch.optim on a 16-bit unit (fp32 master in the daemon) is
 refused by name. The reference applies, per backward, the mean of each
@@ -172,6 +173,8 @@ def train(name, mode, model, opt, sm, rank, world, steps=STEPS, split=True):
             opt.zero_grad()
             losses.append(backward(name, model, sm, s, rank, world, split,
                                    one_rank=mode == "one_rank"))
+            if mode == "logged":
+                losses.append(logged(name, model, sm, 50 + s, rank, world))
             if mode in ("clip", "clip64"):
                 if mode == "clip64":
                     norm = clip_norm64(model.parameters(), CLIP)
@@ -181,7 +184,20 @@ def train(name, mode, model, opt, sm, rank, world, steps=STEPS, split=True):
                     norm = sm.clip_grad_norm_(CLIP)
                 losses.append(float(norm))  # every rank's is the global norm
         opt.step()
+        if mode == "logged":
+            with torch.no_grad():  # an EMA-like shrink, written into the shards
+                for p in model.parameters():
+                    p.mul_(0.999)
     return losses
+
+
+def logged(name, model, sm, k, rank, world):
+    """A loss only logged (a forward with grad enabled, no backward), of
+    micro-batch k: this rank's, or the ranks' mean (sm None)."""
+    if sm is not None:
+        return loss_of(name, model, *batch(name, k, rank, world)).item()
+    return sum(loss_of(name, model, *batch(name, k, r, world)).item()
+               for r in range(world)) / world
 
 
 def reference(name, mode, world, split=True):
@@ -457,6 +473,15 @@ class TorchOptimTest(unittest.TestCase):
                 self.assertIn("'0.weight'", err)
             self.assertTrue(same, "rank %d: the refused step changed the parameters" % rank)
             self.assertIn("clip_grad_norm_", clip_err or "")
+
+    def test_a_loss_logged_with_grad_between_backward_and_step_trains_as_torch(self):
+        """A forward with grad enabled whose loss is only logged (no
+        backward: an evaluation, HF's generate) between backward and step,
+        then the script's own write under no_grad: the root unit (the tied
+        embedding and head) stays gathered for a backward that never comes,
+        but torch.optim's step and the write reach the shards (not the
+        node's read-only copy: a SIGSEGV), and state_dict() releases it."""
+        self.check("gpt", "logged", worlds=(2,))
 
     def test_load_state_dict_of_torch_trains_on(self):
         self.check("gpt", "load", worlds=(2,))

@@ -112,7 +112,11 @@ Per unit, in the same order on every rank (each rank's graph is the same):
   back at their parts of this rank's shard (1-D, possibly empty: FSDP1's
   sharded views with use_orig_params), except the *root unit* (the
   one holding the root module's own parameters), which stays gathered until
-  the end of backward as FSDP keeps it;
+  the end of backward as FSDP keeps it (its parameters are their parts of
+  the shard from the end of the root's forward until its backward points
+  them at the area again: a loss logged with grad enabled and no backward
+  leaves the optimizer stepping the shards; :meth:`full_parameters`, and
+  so the state dicts, release a root unit no backward came for);
 * while the root module's forward runs, saved-tensor hooks record every
   tensor autograd saves that lies in a gathered area as (unit, offset,
   sizes, strides) instead of the tensor, and backward rebuilds it from the
@@ -1628,6 +1632,7 @@ class ShardedModule:
         its shard (a 16-bit unit's fp32 master from the values given, as at
         construction); resident clients then gather (a collective). Entries
         not given keep theirs."""
+        self._release_unbackwarded()
         held = [u.name for u in self.units if self.transient and u.gather is not None]
         if held:
             raise shardd.Error(22, "load_state_dict(): units %s are gathered by a "
@@ -1687,6 +1692,7 @@ class ShardedModule:
         areas: gathers every unit. Transient: gathers and releases one unit
         at a time (not while a forward or backward holds units)."""
         out = {}
+        self._release_unbackwarded()
         for u in self.units:
             if self.transient:
                 if u.gather is not None:
@@ -1755,10 +1761,38 @@ class ShardedModule:
                 u.state = "idle"
                 self._release(u)
         self._read_held = []
+        # the root unit stays gathered for its backward, but its parameters
+        # are their parts of the shard again until that backward points them
+        # at the area (_pre_backward): between forward and backward (a loss
+        # logged before the step, an evaluation forward with grad enabled
+        # and no backward) torch.optim and the script's writes reach the
+        # shard, as every other unit's, not the node's read-only copy
+        for u in self.units:
+            if u.is_root and u.state == "forward" and u.gather is not None:
+                self._to_shard(u)
         self._pop_saved_hooks()
         if self._pending is not None:  # this forward did not reach that unit
             self._drop_prefetch()
         self._order_done = True
+
+    def _release_unbackwarded(self):
+        """A unit a forward left gathered for a backward that has not come
+        (the root unit after a forward with grad enabled whose output was
+        only logged: an evaluation, HF's generate) is released, outside
+        forward and backward: its parameters are their parts of the shard
+        again. A backward of that output later gathers it again, as any
+        released unit's (its saved tensors are rebuilt from the area
+        then)."""
+        if not self.transient or self._in_forward:
+            return
+        stale = [u for u in self.units
+                 if u.gather is not None and u.state == "forward" and u.depth == 0]
+        if not stale or self._in_backward():
+            return
+        for u in stale:
+            u.state = "idle"
+            self._release(u)
+        self._wait_releases()
 
     def _read(self, u, module, attr):
         """A parameter of u was read from `module` (its attribute `attr`)."""
