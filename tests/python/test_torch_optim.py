@@ -39,6 +39,7 @@ WHOLE_TOL = 1e-4
 ROWS = 16         # rows of a micro-batch, cut among the ranks
 HYPER = dict(lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 CLIP = 0.5
+FREEZE_AT, UNFREEZE_AT = 2, 4  # "freeze": the GPT's first block frozen between
 LOAD_AT = 2       # "load": the wrapped model takes torch's state dict after this many steps
 
 
@@ -171,6 +172,8 @@ def train(name, mode, model, opt, sm, rank, world, steps=STEPS, split=True):
                 losses.append(backward(name, model, sm, k, rank, world, split, div=2))
         else:
             opt.zero_grad()
+            if mode == "freeze" and s in (FREEZE_AT, UNFREEZE_AT):
+                model.transformer.h[0].requires_grad_(s == UNFREEZE_AT)
             losses.append(backward(name, model, sm, s, rank, world, split,
                                    one_rank=mode == "one_rank"))
             if mode == "logged":
@@ -232,7 +235,8 @@ def rank_main(rank, world, sock, job, name, mode, mid, kind, q):
         model = make_model(name)
         # transient: every rank gathers every unit it calls (a collective),
         # so the branch one rank takes lives in the unit all ranks gather
-        auto_wrap = "children" if name == "chain" else "module"
+        # ("freeze": a unit per GPT block, so that one is wholly frozen)
+        auto_wrap = "children" if name == "chain" or mode == "freeze" else "module"
         if mode == "resident":
             sm = shardd.nn.ShardedModule(client, model, auto_wrap=auto_wrap)
             opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
@@ -482,6 +486,15 @@ class TorchOptimTest(unittest.TestCase):
         but torch.optim's step and the write reach the shards (not the
         node's read-only copy: a SIGSEGV), and state_dict() releases it."""
         self.check("gpt", "logged", worlds=(2,))
+
+    def test_a_block_frozen_mid_run_then_unfrozen_trains_as_torch(self):
+        """requires_grad_(False) on a GPT block (its own unit) after two
+        steps, True again two later: backward still runs through the frozen
+        block (the gradient of its input), and its unit, having no
+        parameter to wait for, is released once that gradient is computed,
+        so the units below it find a lease. torch 1.13's zero_grad() keeps
+        a frozen parameter's zeroed .grad, and AdamW steps it."""
+        self.check("gpt", "freeze", worlds=(2,))
 
     def test_load_state_dict_of_torch_trains_on(self):
         self.check("gpt", "load", worlds=(2,))

@@ -178,7 +178,9 @@ computes, when the rank's 2 gather leases allow and, with
 measured it faster than gathering each unit when needed. Not done
 yet: backward prefetch, an unsharded ``no_sync()`` (:meth:`no_sync` is
 accepted and accumulates in the sharded gradient), and a forward that raises (the saved-tensor hooks stay pushed
-until the next forward of the root). A unit with a trainable parameter that
+until the next forward of the root). A unit with no trainable parameter
+(wholly frozen) that backward runs through is released once the gradient
+of each of its inputs is whole. A unit with a trainable parameter that
 gets no gradient holds its areas until the end of backward, so two such
 units (or one and the root unit) in one backward run into the lease limit
 (E_LIMIT).
@@ -2040,8 +2042,36 @@ class ShardedModule:
                     t.register_hook(hook)
             if u.is_root:
                 return  # gathered until the end of backward, as FSDP keeps it
+            if not self._trainable(u):
+                self._hook_frozen_inputs(u, inputs)
         u.state = "idle"
         self._release(u)
+
+    def _hook_frozen_inputs(self, u, inputs):
+        """A unit with no trainable parameter (a block frozen mid-run) has
+        no gradient to wait for, but backward still runs through it (for
+        its inputs' gradient) and gathers it for its saved tensors: once
+        the gradient of each input that requires one is whole (every use of
+        it inside the unit done), it is released, so that the units below
+        it find a lease (else it held one until the end of backward)."""
+        seen, ins = set(), []
+        for t in _tensors(inputs):
+            if t.requires_grad and id(t) not in seen:
+                seen.add(id(t))
+                ins.append(t)
+        if not ins:
+            return
+        left = [len(ins)]
+        hook = functools.partial(self._frozen_input_grad, u, left)
+        for t in ins:
+            t.register_hook(hook)
+
+    def _frozen_input_grad(self, u, left, grad):
+        left[0] -= 1
+        if left[0] == 0 and u.state == "late" and not self._trainable(u):
+            u.state = "idle"
+            self._release(u)
+        return None
 
     def _trainable(self, u):
         return sum(1 for e in u.entries if e.param.requires_grad)
