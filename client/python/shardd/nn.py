@@ -183,7 +183,9 @@ until the next forward of the root). A unit with no trainable parameter
 of each of its inputs is whole. A unit with a trainable parameter that
 gets no gradient holds its areas until the end of backward, so two such
 units (or one and the root unit) in one backward run into the lease limit
-(E_LIMIT).
+(E_LIMIT); so does a unit used by two forwards before one backward (a loss
+over two batches: it waits for the first forward's part of backward;
+FSDP's supports it), refused naming the units that wait and for what.
 
 On the cuda backend the parameters and their ``.grad`` live on the GPU the
 daemon put this rank's areas on (:attr:`ShardedModule.device`; the module's
@@ -2088,7 +2090,12 @@ class ShardedModule:
                 and u.grad is not None):
             # (the root unit leased both in its forward: the values there
             # are still the gathered ones, and no gradient reached the area)
-            u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=want)
+            try:
+                u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=want)
+            except shardd.Error as e:
+                if e.code_name != "E_LIMIT":
+                    raise
+                raise self._backward_limit(u, e) from e
         if want:
             u.state = "backward"
             u.ran = True
@@ -2098,6 +2105,30 @@ class ShardedModule:
         else:  # gathered for saved tensors only: released at the end
             u.state = "late"
         self._point(u, want)
+
+    def _backward_limit(self, u, err):
+        """The daemon's E_LIMIT for u's gather in backward, saying which
+        units hold this rank's areas and why they wait."""
+        waiting = []
+        for v in self.units:
+            if v.gather is None or v is u:
+                continue
+            if v.state == "backward":
+                left = [e.name for e in v.entries if e.param.requires_grad and not e.got]
+                waiting.append("%r (waits for the gradient of %s)" % (
+                    v.name, ", ".join(repr(n) for n in left[:3])
+                    + (" and %d more" % (len(left) - 3) if len(left) > 3 else "")))
+            else:
+                waiting.append("%r (%s)" % (v.name, "the root unit, held until backward "
+                                            "ends" if v.is_root else v.state))
+        return shardd.Error(
+            err.code, "unit %r's backward needs a gather area, and this rank's are held "
+            "by %s: a unit holds its areas until every trainable parameter of it has "
+            "its gradient, which comes late where a parameter is used by two forwards "
+            "before one backward (a loss over two batches: call backward() on each "
+            "forward's loss instead, the gradients add up) or gets none (a parameter "
+            "the loss does not depend on) [%s]" % (u.name, ", ".join(waiting) or "none",
+                                                  err.message), "E_LIMIT")
 
     def _output_grad(self, u, grad):
         if u.state in ("idle", "forward"):
