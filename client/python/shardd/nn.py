@@ -103,9 +103,10 @@ Per unit, in the same order on every rank (each rank's graph is the same):
   host backend the node's one copy, which every local rank reads, mapped
   read-only: a write into a parameter while its unit is gathered, e.g.
   ``p.data.copy_()`` or an init under ``no_grad`` inside a forward, faults
-  and the process dies of SIGSEGV, with no Python error: run with
-  ``python -X faulthandler`` to see the line; outside forward and backward
-  a parameter is its part of this rank's shard, writable);
+  and the process dies of SIGSEGV, with no Python exception; a transient
+  wrapper turns Python's ``faulthandler`` on (where it is off), so stderr
+  shows the line that wrote; outside forward and backward a parameter is
+  its part of this rank's shard, writable);
 * forward post-hook: register a hook on the unit's output tensors (it fires
   when the gradient w.r.t. them is computed, before the unit's backward), then
   release the unit (FSDP's reshard after forward) and point its parameters
@@ -197,6 +198,7 @@ no parameter a kernel still reads.
 """
 import collections
 import contextlib
+import faulthandler
 import functools
 import gc
 import math
@@ -939,6 +941,15 @@ class ShardedModule:
         self.bucket_bytes = int(bucket_bytes)
         self.reduce_op = reduce_op
         self.transient = bool(getattr(client, "transient_areas", False))
+        if self.transient and not faulthandler.is_enabled():
+            # a write into a parameter while its unit is gathered (the host
+            # backend's read-only node copy) dies of SIGSEGV, which torch
+            # cannot turn into an exception: Python's fault handler at least
+            # prints the line that wrote (where stderr is a file)
+            try:
+                faulthandler.enable()
+            except (OSError, ValueError, AttributeError, RuntimeError):
+                pass
         self.units = []
         self._by_param = {}       # id(replacement param) -> _Entry
         self._orig_names = {}     # id(original param) -> qualified name
