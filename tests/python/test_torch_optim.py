@@ -171,7 +171,10 @@ def train(name, mode, model, opt, sm, rank, world, steps=STEPS, split=True):
             for k in (2 * s, 2 * s + 1):  # two backwards per step
                 losses.append(backward(name, model, sm, k, rank, world, split, div=2))
         else:
-            opt.zero_grad()
+            if mode == "freeze_sm" and sm is not None:
+                sm.zero_grad()  # the wrapper's, as torch's
+            else:
+                opt.zero_grad()
             if mode == "two":  # a loss over two forwards, one backward
                 x, y = batch(name, s, rank, world)
                 x2, y2 = batch(name, s + 100, rank, world)
@@ -180,7 +183,7 @@ def train(name, mode, model, opt, sm, rank, world, steps=STEPS, split=True):
                 losses.append(loss.item())
                 opt.step()
                 continue
-            if mode == "freeze" and s in (FREEZE_AT, UNFREEZE_AT):
+            if mode in ("freeze", "freeze_sm") and s in (FREEZE_AT, UNFREEZE_AT):
                 model.transformer.h[0].requires_grad_(s == UNFREEZE_AT)
             losses.append(backward(name, model, sm, s, rank, world, split,
                                    one_rank=mode == "one_rank"))
@@ -245,7 +248,8 @@ def rank_main(rank, world, sock, job, name, mode, mid, kind, q):
         # so the branch one rank takes lives in the unit all ranks gather
         # ("freeze": a unit per GPT block, so that one is wholly frozen;
         # "two": units that wait for the first forward's part of backward)
-        auto_wrap = "children" if name == "chain" or mode in ("freeze", "two") else "module"
+        auto_wrap = ("children" if name == "chain" or mode in ("freeze", "freeze_sm", "two")
+                     else "module")
         if mode == "resident":
             sm = shardd.nn.ShardedModule(client, model, auto_wrap=auto_wrap)
             opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
@@ -504,6 +508,12 @@ class TorchOptimTest(unittest.TestCase):
         so the units below it find a lease. torch 1.13's zero_grad() keeps
         a frozen parameter's zeroed .grad, and AdamW steps it."""
         self.check("gpt", "freeze", worlds=(2,))
+
+    def test_the_wrappers_zero_grad_keeps_a_frozen_parameters_zeroed_grad(self):
+        """sm.zero_grad() as torch's zero_grad() (set_to_none=False): a
+        parameter frozen mid-run keeps its .grad, zeroed, and torch.optim
+        goes on stepping it (weight decay, Adam's moments)."""
+        self.check("gpt", "freeze_sm", worlds=(2,))
 
     @unittest.skipIf(common.UNDER_ASAN, common.ASAN_CXX_THROW)
     def test_two_forwards_before_one_backward_are_refused_naming_the_waiting_unit(self):

@@ -1445,14 +1445,22 @@ class ShardedModule:
         None, otherwise it is zeroed in place (a .grad that is None stays
         None, as torch's). Until then every backward adds to it (after a
         step too), as autograd adds into .grad; torch.optim's zero_grad()
-        does the same to it."""
+        does the same to it. A parameter frozen after it had a gradient
+        keeps its .grad, zeroed, as torch's."""
         if self.transient:
             with torch.no_grad():
                 for u in self.units:
                     for e in u.entries:
                         p = e.param
-                        if set_to_none or not p.requires_grad:
+                        if set_to_none or (p.grad is None and not p.requires_grad):
                             p.grad = None
+                            continue
+                        if not p.requires_grad:
+                            # frozen after it had a gradient: torch's
+                            # zero_grad() zeroes the .grad it keeps (and
+                            # torch.optim goes on stepping it)
+                            if not isinstance(p.grad, _Grad16):
+                                p.grad.zero_()
                             continue
                         # torch's: a .grad that is None stays None
                         e.rpart.zero_()
