@@ -40,6 +40,7 @@ ROWS = 16         # rows of a micro-batch, cut among the ranks
 HYPER = dict(lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 CLIP = 0.5
 FREEZE_AT, UNFREEZE_AT = 2, 4  # "freeze": the GPT's first block frozen between
+L2 = 1e-3         # "l2": the penalty's factor
 LOAD_AT = 2       # "load": the wrapped model takes torch's state dict after this many steps
 
 
@@ -95,7 +96,7 @@ def zero_at(s):
     return {2: False, 4: True}.get(s)
 
 
-def backward(name, model, sm, k, rank, world, split=True, div=1, one_rank=False):
+def backward(name, model, sm, k, rank, world, split=True, div=1, one_rank=False, l2=False):
     """Micro-batch k's backward of the loss / div -> the loss: this rank's
     (sm: a rank), or the ranks' mean (sm None, the reference). The
     reference, split: each rank's gradient on its own (from zero), summed
@@ -103,13 +104,17 @@ def backward(name, model, sm, k, rank, world, split=True, div=1, one_rank=False)
     set), as the daemon's reduce-scatter of the ranks' gradients adds to
     its live reduced gradient, so that they round alike; else one backward
     of the ranks' mean loss (the whole batch). one_rank: rank 0's loss
-    takes the branch b."""
+    takes the branch b. l2: the loss has an L2 penalty over
+    model.parameters() added after the forward."""
 
     def loss_for(r):
         x, y = batch(name, k, r, world)
         if one_rank:
             return nn.functional.mse_loss(model(x, r == 0), y)
-        return loss_of(name, model, x, y) / div
+        loss = loss_of(name, model, x, y) / div
+        if l2:  # the parameters as they are after forward
+            loss = loss + L2 * sum(p.pow(2).sum() for p in model.parameters())
+        return loss
 
     if sm is not None:
         loss = loss_for(rank)
@@ -121,6 +126,8 @@ def backward(name, model, sm, k, rank, world, split=True, div=1, one_rank=False)
         else:  # the whole batch: world 1
             x, y = batch(name, k, 0, 1)
             loss = loss_of(name, model, x, y) / div
+            if l2:
+                loss = loss + L2 * sum(p.pow(2).sum() for p in model.parameters())
         loss.backward()
         return loss.item()
     params = list(model.parameters())
@@ -186,7 +193,7 @@ def train(name, mode, model, opt, sm, rank, world, steps=STEPS, split=True):
             if mode in ("freeze", "freeze_sm") and s in (FREEZE_AT, UNFREEZE_AT):
                 model.transformer.h[0].requires_grad_(s == UNFREEZE_AT)
             losses.append(backward(name, model, sm, s, rank, world, split,
-                                   one_rank=mode == "one_rank"))
+                                   one_rank=mode == "one_rank", l2=mode == "l2"))
             if mode == "logged":
                 losses.append(logged(name, model, sm, 50 + s, rank, world))
             if mode in ("clip", "clip64"):
@@ -206,12 +213,16 @@ def train(name, mode, model, opt, sm, rank, world, steps=STEPS, split=True):
 
 
 def logged(name, model, sm, k, rank, world):
-    """A loss only logged (a forward with grad enabled, no backward), of
-    micro-batch k: this rank's, or the ranks' mean (sm None)."""
-    if sm is not None:
-        return loss_of(name, model, *batch(name, k, rank, world)).item()
-    return sum(loss_of(name, model, *batch(name, k, r, world)).item()
-               for r in range(world)) / world
+    """A loss only logged (an eval-mode forward with grad enabled, no
+    backward), of micro-batch k: this rank's, or the ranks' mean (sm None)."""
+    model.eval()
+    try:
+        if sm is not None:
+            return loss_of(name, model, *batch(name, k, rank, world)).item()
+        return sum(loss_of(name, model, *batch(name, k, r, world)).item()
+                   for r in range(world)) / world
+    finally:
+        model.train()
 
 
 def reference(name, mode, world, split=True):
@@ -492,12 +503,12 @@ class TorchOptimTest(unittest.TestCase):
             self.assertIn("clip_grad_norm_", clip_err or "")
 
     def test_a_loss_logged_with_grad_between_backward_and_step_trains_as_torch(self):
-        """A forward with grad enabled whose loss is only logged (no
-        backward: an evaluation, HF's generate) between backward and step,
-        then the script's own write under no_grad: the root unit (the tied
-        embedding and head) stays gathered for a backward that never comes,
-        but torch.optim's step and the write reach the shards (not the
-        node's read-only copy: a SIGSEGV), and state_dict() releases it."""
+        """An eval-mode forward with grad enabled whose loss is only logged
+        (no backward: an evaluation) between backward and step, then the
+        script's own write under no_grad: the root unit (the tied embedding
+        and head) stays gathered for a backward that never comes, but
+        torch.optim's step and the write reach the shards (not the node's
+        read-only copy: a SIGSEGV), and state_dict() releases it."""
         self.check("gpt", "logged", worlds=(2,))
 
     def test_a_block_frozen_mid_run_then_unfrozen_trains_as_torch(self):
@@ -531,6 +542,13 @@ class TorchOptimTest(unittest.TestCase):
                       "'transformer.ln_f.weight'", msg)
         self.assertIn("two forwards before one backward", msg)
         self.assertIn("call backward() on each forward's loss", msg)
+
+    def test_an_l2_penalty_over_the_parameters_after_forward_trains_as_torch(self):
+        """One unit (auto_wrap="module", the root's): after a train-mode
+        forward the root unit's parameters are the whole gathered ones until
+        backward, as FSDP's root, so a loss term over model.parameters()
+        sees and differentiates them whole."""
+        self.check("gpt", "l2", worlds=(2,))
 
     def test_load_state_dict_of_torch_trains_on(self):
         self.check("gpt", "load", worlds=(2,))

@@ -113,11 +113,16 @@ Per unit, in the same order on every rank (each rank's graph is the same):
   back at their parts of this rank's shard (1-D, possibly empty: FSDP1's
   sharded views with use_orig_params), except the *root unit* (the
   one holding the root module's own parameters), which stays gathered until
-  the end of backward as FSDP keeps it (its parameters are their parts of
-  the shard from the end of the root's forward until its backward points
-  them at the area again: a loss logged with grad enabled and no backward
-  leaves the optimizer stepping the shards; :meth:`full_parameters`, and
-  so the state dicts, release a root unit no backward came for);
+  the end of backward as FSDP keeps it, its parameters the gathered ones
+  (a loss term over ``model.parameters()`` after forward reaches them
+  whole). After an eval-mode forward (``model.eval()``, grad enabled, no
+  backward) they are their parts of the shard again until a backward, so
+  an evaluation between backward and step leaves the optimizer stepping
+  the shards; after a train-mode forward no backward came for, they stay
+  the read-only gathered copy until the next forward (an optimizer step or
+  a write then faults: log losses under ``torch.no_grad()`` or
+  ``model.eval()``). :meth:`full_parameters`, and so the state dicts,
+  release a root unit no backward came for;
 * while the root module's forward runs, saved-tensor hooks record every
   tensor autograd saves that lies in a gathered area as (unit, offset,
   sizes, strides) instead of the tensor, and backward rebuilds it from the
@@ -1784,15 +1789,18 @@ class ShardedModule:
                 u.state = "idle"
                 self._release(u)
         self._read_held = []
-        # the root unit stays gathered for its backward, but its parameters
-        # are their parts of the shard again until that backward points them
-        # at the area (_pre_backward): between forward and backward (a loss
-        # logged before the step, an evaluation forward with grad enabled
-        # and no backward) torch.optim and the script's writes reach the
-        # shard, as every other unit's, not the node's read-only copy
-        for u in self.units:
-            if u.is_root and u.state == "forward" and u.gather is not None:
-                self._to_shard(u)
+        # the root unit stays gathered for its backward, its parameters the
+        # gathered ones (a loss term over model.parameters() after forward,
+        # an L2 penalty, reaches the whole root parameters, as FSDP's root).
+        # After an eval-mode forward (an evaluation with grad enabled, no
+        # backward to come) they are their parts of the shard again until a
+        # backward points them at the area (_pre_backward), so torch.optim
+        # and the script's writes reach the shard, not the node's read-only
+        # copy
+        if not module.training:
+            for u in self.units:
+                if u.is_root and u.state == "forward" and u.gather is not None:
+                    self._to_shard(u)
         self._pop_saved_hooks()
         if self._pending is not None:  # this forward did not reach that unit
             self._drop_prefetch()
