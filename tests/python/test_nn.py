@@ -1,5 +1,12 @@
 """shardd.nn.ShardedModule: parameters are gather-area views, grads land in
-the grad area, and optimizers over non-shardd tensors are refused by name."""
+the grad area, optimizers over non-shardd tensors are refused by name, and
+a write into a parameter while its unit is gathered (the node's read-only
+copy) names the line that wrote."""
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
 import unittest
 
 import common
@@ -156,6 +163,50 @@ class ShardedModuleTest(unittest.TestCase):
         self.c.gather(b)
         self.assertEqual(b.gather_tensor.tolist(), [1.0, -2.0, 0.5, 3.0, 0.0, 8.0])
         self.assertEqual(b.reduced_tensor.dtype, torch.float32)
+
+
+# a script whose forward pre-hook writes into a gathered parameter, as an
+# init or a weight clamp inside forward would
+_WRITER = textwrap.dedent("""\
+    import sys
+    import torch
+    from torch import nn
+    import shardd
+    import shardd.nn
+    c = shardd.Client(sys.argv[1], job=sys.argv[2], rank=0, world=1,
+                      transient_areas=True)
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+    sm = shardd.nn.ShardedModule(c, model, auto_wrap="children")
+    def init_in_forward(module, inputs):
+        with torch.no_grad():
+            module.weight.mul_(0.5)
+    model[2].register_forward_pre_hook(init_in_forward)
+    model(torch.randn(4, 3))
+    print("the write went through")
+""")
+
+
+@unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
+@unittest.skipIf(common.UNDER_ASAN, "ASan's own SEGV handler reports the fault")
+class GatheredWriteTest(unittest.TestCase):
+    def test_a_write_into_a_gathered_parameter_names_its_line(self):
+        """The host backend's gathered parameters are the node's one copy,
+        mapped read-only: the write faults, and the wrapper has Python's
+        faulthandler on, so the process says where before it dies."""
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "writer.py")
+            with open(path, "w") as f:
+                f.write(_WRITER)
+            env = dict(os.environ, PYTHONPATH=os.path.join(common.REPO, "client", "python"))
+            env.pop("PYTHONFAULTHANDLER", None)
+            r = subprocess.run([sys.executable, path, common.socket(), common.job("writer")],
+                               env=env, capture_output=True, text=True, timeout=60)
+        self.assertNotIn("the write went through", r.stdout)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("Segmentation fault", r.stderr)
+        line = _WRITER.splitlines().index("        module.weight.mul_(0.5)") + 1
+        self.assertIn('File "%s", line %d in init_in_forward' % (path, line), r.stderr)
 
 
 if __name__ == "__main__":

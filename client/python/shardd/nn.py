@@ -103,16 +103,26 @@ Per unit, in the same order on every rank (each rank's graph is the same):
   host backend the node's one copy, which every local rank reads, mapped
   read-only: a write into a parameter while its unit is gathered, e.g.
   ``p.data.copy_()`` or an init under ``no_grad`` inside a forward, faults
-  and the process dies of SIGSEGV, with no Python error: run with
-  ``python -X faulthandler`` to see the line; outside forward and backward
-  a parameter is its part of this rank's shard, writable);
+  and the process dies of SIGSEGV, with no Python exception; a transient
+  wrapper turns Python's ``faulthandler`` on (where it is off), so stderr
+  shows the line that wrote; outside forward and backward a parameter is
+  its part of this rank's shard, writable);
 * forward post-hook: register a hook on the unit's output tensors (it fires
   when the gradient w.r.t. them is computed, before the unit's backward), then
   release the unit (FSDP's reshard after forward) and point its parameters
   back at their parts of this rank's shard (1-D, possibly empty: FSDP1's
   sharded views with use_orig_params), except the *root unit* (the
   one holding the root module's own parameters), which stays gathered until
-  the end of backward as FSDP keeps it;
+  the end of backward as FSDP keeps it, its parameters the gathered ones
+  (a loss term over ``model.parameters()`` after forward reaches them
+  whole). After an eval-mode forward (``model.eval()``, grad enabled, no
+  backward) they are their parts of the shard again until a backward, so
+  an evaluation between backward and step leaves the optimizer stepping
+  the shards; after a train-mode forward no backward came for, they stay
+  the read-only gathered copy until the next forward (an optimizer step or
+  a write then faults: log losses under ``torch.no_grad()`` or
+  ``model.eval()``). :meth:`full_parameters`, and so the state dicts,
+  release a root unit no backward came for;
 * while the root module's forward runs, saved-tensor hooks record every
   tensor autograd saves that lies in a gathered area as (unit, offset,
   sizes, strides) instead of the tensor, and backward rebuilds it from the
@@ -174,10 +184,14 @@ computes, when the rank's 2 gather leases allow and, with
 measured it faster than gathering each unit when needed. Not done
 yet: backward prefetch, an unsharded ``no_sync()`` (:meth:`no_sync` is
 accepted and accumulates in the sharded gradient), and a forward that raises (the saved-tensor hooks stay pushed
-until the next forward of the root). A unit with a trainable parameter that
+until the next forward of the root). A unit with no trainable parameter
+(wholly frozen) that backward runs through is released once the gradient
+of each of its inputs is whole. A unit with a trainable parameter that
 gets no gradient holds its areas until the end of backward, so two such
 units (or one and the root unit) in one backward run into the lease limit
-(E_LIMIT).
+(E_LIMIT); so does a unit used by two forwards before one backward (a loss
+over two batches: it waits for the first forward's part of backward;
+FSDP's supports it), refused naming the units that wait and for what.
 
 On the cuda backend the parameters and their ``.grad`` live on the GPU the
 daemon put this rank's areas on (:attr:`ShardedModule.device`; the module's
@@ -189,6 +203,7 @@ no parameter a kernel still reads.
 """
 import collections
 import contextlib
+import faulthandler
 import functools
 import gc
 import math
@@ -931,6 +946,15 @@ class ShardedModule:
         self.bucket_bytes = int(bucket_bytes)
         self.reduce_op = reduce_op
         self.transient = bool(getattr(client, "transient_areas", False))
+        if self.transient and not faulthandler.is_enabled():
+            # a write into a parameter while its unit is gathered (the host
+            # backend's read-only node copy) dies of SIGSEGV, which torch
+            # cannot turn into an exception: Python's fault handler at least
+            # prints the line that wrote (where stderr is a file)
+            try:
+                faulthandler.enable()
+            except (OSError, ValueError, AttributeError, RuntimeError):
+                pass
         self.units = []
         self._by_param = {}       # id(replacement param) -> _Entry
         self._orig_names = {}     # id(original param) -> qualified name
@@ -1426,14 +1450,22 @@ class ShardedModule:
         None, otherwise it is zeroed in place (a .grad that is None stays
         None, as torch's). Until then every backward adds to it (after a
         step too), as autograd adds into .grad; torch.optim's zero_grad()
-        does the same to it."""
+        does the same to it. A parameter frozen after it had a gradient
+        keeps its .grad, zeroed, as torch's."""
         if self.transient:
             with torch.no_grad():
                 for u in self.units:
                     for e in u.entries:
                         p = e.param
-                        if set_to_none or not p.requires_grad:
+                        if set_to_none or (p.grad is None and not p.requires_grad):
                             p.grad = None
+                            continue
+                        if not p.requires_grad:
+                            # frozen after it had a gradient: torch's
+                            # zero_grad() zeroes the .grad it keeps (and
+                            # torch.optim goes on stepping it)
+                            if not isinstance(p.grad, _Grad16):
+                                p.grad.zero_()
                             continue
                         # torch's: a .grad that is None stays None
                         e.rpart.zero_()
@@ -1628,6 +1660,7 @@ class ShardedModule:
         its shard (a 16-bit unit's fp32 master from the values given, as at
         construction); resident clients then gather (a collective). Entries
         not given keep theirs."""
+        self._release_unbackwarded()
         held = [u.name for u in self.units if self.transient and u.gather is not None]
         if held:
             raise shardd.Error(22, "load_state_dict(): units %s are gathered by a "
@@ -1687,6 +1720,7 @@ class ShardedModule:
         areas: gathers every unit. Transient: gathers and releases one unit
         at a time (not while a forward or backward holds units)."""
         out = {}
+        self._release_unbackwarded()
         for u in self.units:
             if self.transient:
                 if u.gather is not None:
@@ -1755,10 +1789,41 @@ class ShardedModule:
                 u.state = "idle"
                 self._release(u)
         self._read_held = []
+        # the root unit stays gathered for its backward, its parameters the
+        # gathered ones (a loss term over model.parameters() after forward,
+        # an L2 penalty, reaches the whole root parameters, as FSDP's root).
+        # After an eval-mode forward (an evaluation with grad enabled, no
+        # backward to come) they are their parts of the shard again until a
+        # backward points them at the area (_pre_backward), so torch.optim
+        # and the script's writes reach the shard, not the node's read-only
+        # copy
+        if not module.training:
+            for u in self.units:
+                if u.is_root and u.state == "forward" and u.gather is not None:
+                    self._to_shard(u)
         self._pop_saved_hooks()
         if self._pending is not None:  # this forward did not reach that unit
             self._drop_prefetch()
         self._order_done = True
+
+    def _release_unbackwarded(self):
+        """A unit a forward left gathered for a backward that has not come
+        (the root unit after a forward with grad enabled whose output was
+        only logged: an evaluation, HF's generate) is released, outside
+        forward and backward: its parameters are their parts of the shard
+        again. A backward of that output later gathers it again, as any
+        released unit's (its saved tensors are rebuilt from the area
+        then)."""
+        if not self.transient or self._in_forward:
+            return
+        stale = [u for u in self.units
+                 if u.gather is not None and u.state == "forward" and u.depth == 0]
+        if not stale or self._in_backward():
+            return
+        for u in stale:
+            u.state = "idle"
+            self._release(u)
+        self._wait_releases()
 
     def _read(self, u, module, attr):
         """A parameter of u was read from `module` (its attribute `attr`)."""
@@ -2006,8 +2071,36 @@ class ShardedModule:
                     t.register_hook(hook)
             if u.is_root:
                 return  # gathered until the end of backward, as FSDP keeps it
+            if not self._trainable(u):
+                self._hook_frozen_inputs(u, inputs)
         u.state = "idle"
         self._release(u)
+
+    def _hook_frozen_inputs(self, u, inputs):
+        """A unit with no trainable parameter (a block frozen mid-run) has
+        no gradient to wait for, but backward still runs through it (for
+        its inputs' gradient) and gathers it for its saved tensors: once
+        the gradient of each input that requires one is whole (every use of
+        it inside the unit done), it is released, so that the units below
+        it find a lease (else it held one until the end of backward)."""
+        seen, ins = set(), []
+        for t in _tensors(inputs):
+            if t.requires_grad and id(t) not in seen:
+                seen.add(id(t))
+                ins.append(t)
+        if not ins:
+            return
+        left = [len(ins)]
+        hook = functools.partial(self._frozen_input_grad, u, left)
+        for t in ins:
+            t.register_hook(hook)
+
+    def _frozen_input_grad(self, u, left, grad):
+        left[0] -= 1
+        if left[0] == 0 and u.state == "late" and not self._trainable(u):
+            u.state = "idle"
+            self._release(u)
+        return None
 
     def _trainable(self, u):
         return sum(1 for e in u.entries if e.param.requires_grad)
@@ -2024,7 +2117,12 @@ class ShardedModule:
                 and u.grad is not None):
             # (the root unit leased both in its forward: the values there
             # are still the gathered ones, and no gradient reached the area)
-            u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=want)
+            try:
+                u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=want)
+            except shardd.Error as e:
+                if e.code_name != "E_LIMIT":
+                    raise
+                raise self._backward_limit(u, e) from e
         if want:
             u.state = "backward"
             u.ran = True
@@ -2034,6 +2132,30 @@ class ShardedModule:
         else:  # gathered for saved tensors only: released at the end
             u.state = "late"
         self._point(u, want)
+
+    def _backward_limit(self, u, err):
+        """The daemon's E_LIMIT for u's gather in backward, saying which
+        units hold this rank's areas and why they wait."""
+        waiting = []
+        for v in self.units:
+            if v.gather is None or v is u:
+                continue
+            if v.state == "backward":
+                left = [e.name for e in v.entries if e.param.requires_grad and not e.got]
+                waiting.append("%r (waits for the gradient of %s)" % (
+                    v.name, ", ".join(repr(n) for n in left[:3])
+                    + (" and %d more" % (len(left) - 3) if len(left) > 3 else "")))
+            else:
+                waiting.append("%r (%s)" % (v.name, "the root unit, held until backward "
+                                            "ends" if v.is_root else v.state))
+        return shardd.Error(
+            err.code, "unit %r's backward needs a gather area, and this rank's are held "
+            "by %s: a unit holds its areas until every trainable parameter of it has "
+            "its gradient, which comes late where a parameter is used by two forwards "
+            "before one backward (a loss over two batches: call backward() on each "
+            "forward's loss instead, the gradients add up) or gets none (a parameter "
+            "the loss does not depend on) [%s]" % (u.name, ", ".join(waiting) or "none",
+                                                  err.message), "E_LIMIT")
 
     def _output_grad(self, u, grad):
         if u.state in ("idle", "forward"):
