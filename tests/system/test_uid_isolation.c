@@ -135,6 +135,33 @@ Test(server, one_uid_cannot_take_every_descriptor, .timeout = 120) {
   test_daemon_finish(&d);
 }
 
+/* The daemon of the descriptor-hog tests: 1024 descriptors (512 memory
+ * regions in all, 128 per uid; this test's process is its own, the limit
+ * goes with it), with the service manager's descriptor store when store
+ * (no manager listens: each region is refused by it, and still a memfd). */
+static void start_with_1024_descriptors(int store, const char *const *args) {
+  struct rlimit low = {1024, 1024};
+  cr_assert_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
+  if (store) {
+    setenv("NOTIFY_SOCKET", "/tmp/shardd-test-no-manager.sock", 1);
+    setenv("FDSTORE", "65536", 1);
+  }
+  test_daemon_start(&d, args);
+  unsetenv("NOTIFY_SOCKET");
+  unsetenv("FDSTORE");
+}
+
+/* After a hog: root connects, registers and is answered as before. */
+static void root_still_registers(void) {
+  shardd_client_t *c = test_connect(&d, "root", 0, 4);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 64, &b), SHARDD_OK,
+               "%s", shardd_last_error(c));
+  cr_assert_eq(shardd_ping(c), SHARDD_OK);
+  shardd_close(c);
+  test_daemon_finish(&d);
+}
+
 /* With the service manager's descriptor store the daemon keeps optimizer
  * state in a memfd too, one per shard, and none of them counted: one uid's
  * Adam optimizers, each over a one-element view of its own, took every
@@ -182,25 +209,9 @@ static int state_hog(const char *sock) {
 Test(server, one_uids_optimizer_state_cannot_take_every_descriptor, .timeout = 120) {
   if (geteuid() != 0)
     cr_skip_test("needs root to act as a second uid");
-  /* the daemon with the fd store (no manager listens: each region is
-   * refused by it, and still a memfd) and 1024 descriptors (this test's
-   * process is its own: the limit goes with it) */
-  struct rlimit low = {1024, 1024};
-  cr_assert_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
-  setenv("NOTIFY_SOCKET", "/tmp/shardd-test-no-manager.sock", 1);
-  setenv("FDSTORE", "65536", 1);
-  test_daemon_start(&d, NULL);
-  unsetenv("NOTIFY_SOCKET");
-  unsetenv("FDSTORE");
+  start_with_1024_descriptors(1, NULL);
   run_as_other_uid(state_hog, "state hog");
-  /* root connects and registers as before */
-  shardd_client_t *c = test_connect(&d, "root", 0, 4);
-  shardd_buffer_info b;
-  cr_assert_eq(shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 64, &b), SHARDD_OK,
-               "%s", shardd_last_error(c));
-  cr_assert_eq(shardd_ping(c), SHARDD_OK);
-  shardd_close(c);
-  test_daemon_finish(&d);
+  root_still_registers();
 }
 
 /* With the fd store a 16-bit buffer's fp32 seed (shardd_seed_master) is a
@@ -237,21 +248,9 @@ static int seed_hog(const char *sock) {
 Test(server, one_uids_seeds_stay_within_its_share, .timeout = 120) {
   if (geteuid() != 0)
     cr_skip_test("needs root to act as a second uid");
-  /* the fd store as above, 1024 descriptors: 128 regions per uid */
-  struct rlimit low = {1024, 1024};
-  cr_assert_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
-  setenv("NOTIFY_SOCKET", "/tmp/shardd-test-no-manager.sock", 1);
-  setenv("FDSTORE", "65536", 1);
-  test_daemon_start(&d, NULL);
-  unsetenv("NOTIFY_SOCKET");
-  unsetenv("FDSTORE");
+  start_with_1024_descriptors(1, NULL);
   run_as_other_uid(seed_hog, "seed hog");
-  shardd_client_t *c = test_connect(&d, "root", 0, 4);
-  shardd_buffer_info b;
-  cr_assert_eq(shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 64, &b), SHARDD_OK,
-               "%s", shardd_last_error(c));
-  shardd_close(c);
-  test_daemon_finish(&d);
+  root_still_registers();
 }
 
 /* A job with transient areas keeps them in a pool per device, a memfd the
@@ -291,18 +290,9 @@ static int pool_hog(const char *sock) {
 Test(server, one_uids_transient_pools_stay_within_its_share, .timeout = 120) {
   if (geteuid() != 0)
     cr_skip_test("needs root to act as a second uid");
-  /* 1024 descriptors: 512 memory regions in all, 128 per uid (this test's
-   * process is its own: the limit goes with it) */
-  struct rlimit low = {1024, 1024};
-  cr_assert_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
-  test_daemon_start(&d, (const char *const[]){"--job-linger", "600", NULL});
+  start_with_1024_descriptors(0, (const char *const[]){"--job-linger", "600", NULL});
   run_as_other_uid(pool_hog, "pool hog");
-  shardd_client_t *c = test_connect(&d, "root", 0, 4);
-  shardd_buffer_info b;
-  cr_assert_eq(shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 64, &b), SHARDD_OK,
-               "%s", shardd_last_error(c));
-  shardd_close(c);
-  test_daemon_finish(&d);
+  root_still_registers();
 }
 
 /* One uid filled --max-jobs with empty jobs (they linger after the
