@@ -2058,7 +2058,7 @@ Test(coll, transient_gather_pool_fits_out_of_order_releases) {
   enum { NU = 6 };
   shardd__buffer *u[NU];
   for (int i = 0; i < NU; i++) {
-    char name[8];
+    char name[16];
     snprintf(name, sizeof name, "u%d", i);
     u[i] = buf_new(name, 300);
     fill_shards(u[i], (uint32_t)i + 1);
@@ -2140,7 +2140,7 @@ Test(coll, transient_gather_at_a_later_ranks_limit_is_refused_as_a_limit) {
   cr_assert_eq(shardd__job_set_transient(job, 1, err, sizeof err), SHARDD_OK);
   shardd__buffer *u[W + 2];
   for (int i = 0; i < W + 2; i++) {
-    char name[8];
+    char name[16];
     snprintf(name, sizeof name, "u%d", i);
     u[i] = buf_new(name, 300);
     fill_shards(u[i], (uint32_t)i + 1);
