@@ -43,6 +43,8 @@ UNDER_ASAN = bool(os.environ.get("SHARDD_PY_ASAN_REEXEC"))
 ASAN_MEMORY = "measures the process's memory, which ASan's shadow and quarantine hold too"
 ASAN_CXX_THROW = ("a Python exception crosses torch's C++, which aborts under the "
                   "preloaded ASan runtime (no __cxa_throw to intercept)")
+ASAN_TORCH_THROW = ("torch answers a question (queue_callback outside a backward) by a "
+                    "C++ throw, which aborts under the preloaded ASan runtime")
 
 DEVICES = 4
 _daemon = None
