@@ -128,10 +128,7 @@ static void pool_free(shardd__registry *reg, shardd__job *job,
   if (p == NULL)
     return;
   job->bytes -= p->region->bytes;
-  if (p->region->fd >= 0) {
-    job->nblocks--;
-    reg->nblocks--;
-  }
+  shardd__region_uncount(reg, job, p->region);
   reg->backend->ops->free(reg->backend, p->region);
   free(p->slots);
   free(p);
@@ -215,22 +212,15 @@ static shardd_err pool_make(shardd__registry *reg, shardd__job *job, int dev,
   /* a memfd (the host backend's): it counts against the bounds on memory
    * regions as a rank block does; uncounted, a uid's transient jobs held
    * a pool descriptor each beyond their share */
-  if (p->region->fd >= 0 && !shardd__within_blocks(reg, job, 1, err, errlen)) {
-    size_t used = strlen(err);
-    if (used < errlen && dev < 0)
-      snprintf(err + used, errlen - used, " (the job's node gather pool would "
-               "be one more)");
-    else if (used < errlen)
-      snprintf(err + used, errlen - used, " (the job's pool of transient areas "
-               "on device %d would be one more)", dev);
+  if (dev < 0)
+    snprintf(why, sizeof why, "the job's node gather pool");
+  else
+    snprintf(why, sizeof why, "the job's pool of transient areas on device %d", dev);
+  if (!shardd__region_count(reg, job, p->region, 1, why, err, errlen)) {
     reg->backend->ops->free(reg->backend, p->region);
     free(p->slots);
     free(p);
     return SHARDD_E_LIMIT;
-  }
-  if (p->region->fd >= 0) {
-    job->nblocks++;
-    reg->nblocks++;
   }
   p->id = pid;
   job->bytes += p->region->bytes;

@@ -41,10 +41,7 @@ static void buffer_free_blocks(shardd__registry *reg, shardd__buffer *b) {
   shardd__buffer_seed_drop(reg, b);
   if (b->stage) {
     b->hdr.job->bytes -= b->stage->bytes;
-    if (b->stage->fd >= 0) {
-      b->hdr.job->nblocks--;
-      reg->nblocks--;
-    }
+    shardd__region_uncount(reg, b->hdr.job, b->stage);
     reg->backend->ops->free(reg->backend, b->stage);
     b->stage = NULL;
   }
@@ -292,17 +289,12 @@ shardd_err shardd__buffer_stage(shardd__registry *reg, shardd__buffer *b,
     return rc;
   /* a memfd all the same (the fd store's): it counts against the bounds
    * on memory regions as a rank block does */
-  if (r->fd >= 0 && !shardd__within_blocks(reg, job, 1, err, errlen)) {
-    size_t used = strlen(err);
-    if (used < errlen)
-      snprintf(err + used, errlen - used, " (buffer \"%s\"'s staging area for "
-               "the cross-node sum would be one more)", b->hdr.name);
+  char what[320];
+  snprintf(what, sizeof what, "buffer \"%s\"'s staging area for the "
+           "cross-node sum", b->hdr.name);
+  if (!shardd__region_count(reg, job, r, 1, what, err, errlen)) {
     be->ops->free(be, r);
     return SHARDD_E_LIMIT;
-  }
-  if (r->fd >= 0) {
-    job->nblocks++;
-    reg->nblocks++;
   }
   job->bytes += r->bytes;
   b->stage = r;

@@ -36,10 +36,7 @@ static void optim_free_shards(shardd__registry *reg, shardd__optim *o) {
 void shardd__optim_state_free(shardd__registry *reg, shardd__optim_shard *sh) {
   shardd__job *job = sh->buf->hdr.job;
   job->bytes -= sh->state->bytes;
-  if (sh->state->fd >= 0) {
-    job->nblocks--;
-    reg->nblocks--;
-  }
+  shardd__region_uncount(reg, job, sh->state);
   reg->backend->ops->free(reg->backend, sh->state);
   sh->state = NULL;
 }
@@ -143,19 +140,14 @@ static shardd_err add_seg(shardd__optim_shard *s, uint64_t start, uint64_t len,
 static shardd_err state_charge(shardd__registry *reg, shardd__job *job,
                                shardd__optim_shard *sh, char *err,
                                size_t errlen) {
-  if (sh->state->fd < 0)
-    return SHARDD_OK;
-  if (!shardd__within_blocks(reg, job, 1, err, errlen)) {
-    size_t used = strlen(err);
-    if (used < errlen)
-      snprintf(err + used, errlen - used, " (optimizer state for buffer \"%s\" "
-               "rank %" PRIu32 " would be one more)", sh->buf->hdr.name, sh->rank);
+  char what[320];
+  snprintf(what, sizeof what, "optimizer state for buffer \"%s\" rank %" PRIu32,
+           sh->buf->hdr.name, sh->rank);
+  if (!shardd__region_count(reg, job, sh->state, 1, what, err, errlen)) {
     reg->backend->ops->free(reg->backend, sh->state);
     sh->state = NULL;
     return SHARDD_E_LIMIT;
   }
-  job->nblocks++;
-  reg->nblocks++;
   return SHARDD_OK;
 }
 

@@ -524,6 +524,30 @@ int shardd__within_blocks(shardd__registry *reg, shardd__job *job,
   return 1;
 }
 
+int shardd__region_count(shardd__registry *reg, shardd__job *job,
+                         const shardd__region *r, int check, const char *what,
+                         char *err, size_t errlen) {
+  if (r->fd < 0)
+    return 1;
+  if (check && !shardd__within_blocks(reg, job, 1, err, errlen)) {
+    size_t used = strlen(err);
+    if (used < errlen)
+      snprintf(err + used, errlen - used, " (%s would be one more)", what);
+    return 0;
+  }
+  job->nblocks++;
+  reg->nblocks++;
+  return 1;
+}
+
+void shardd__region_uncount(shardd__registry *reg, shardd__job *job,
+                            const shardd__region *r) {
+  if (r->fd >= 0) {
+    job->nblocks--;
+    reg->nblocks--;
+  }
+}
+
 static void count_uid_views(shardd__job *job, void *arg) {
   uid_blocks *a = arg;
   if (job->uid == a->uid)

@@ -56,6 +56,17 @@ int shardd__within_quota(const shardd__registry *reg, shardd__job *job,
 /* Whether job may take need more rank blocks (see max_blocks); else err. */
 int shardd__within_blocks(shardd__registry *reg, shardd__job *job,
                           uint64_t need, char *err, size_t errlen);
+/* A region job keeps beside its rank blocks (a pool, a seed, optimizer
+ * state, a staging area): one holding a descriptor (a memfd) is one more
+ * descriptor of the daemon, so it counts with the rank blocks. check: the
+ * bounds apply (0: counted, never refused). 0 when refused: err says why,
+ * ending "(WHAT would be one more)", and r is the caller's to free. */
+int shardd__region_count(shardd__registry *reg, shardd__job *job,
+                         const shardd__region *r, int check, const char *what,
+                         char *err, size_t errlen);
+/* Such a region's count given back as it is freed. */
+void shardd__region_uncount(shardd__registry *reg, shardd__job *job,
+                            const shardd__region *r);
 /* An optimizer shard's state region freed (optimizer.c, seed.c): its
  * bytes and, when it holds a descriptor, its count with the rank blocks
  * (see shardd__optim_create) given back; sh->state is NULL after. */

@@ -51,10 +51,7 @@ static void seed_free(shardd__registry *reg, shardd__buffer *b, uint32_t rank) {
   if (b->seed == NULL || b->seed[rank] == NULL)
     return;
   b->hdr.job->bytes -= b->seed[rank]->bytes;
-  if (b->seed[rank]->fd >= 0) {
-    b->hdr.job->nblocks--;
-    reg->nblocks--;
-  }
+  shardd__region_uncount(reg, b->hdr.job, b->seed[rank]);
   reg->backend->ops->free(reg->backend, b->seed[rank]);
   b->seed[rank] = NULL;
 }
@@ -80,23 +77,19 @@ static shardd_err seed_region(shardd__registry *reg, shardd__buffer *b,
   /* with the fd store a seed is a memfd: it counts against the bounds on
    * memory regions as a rank block does (a seed going back from a master
    * is counted, not refused: the master's state it leaves counted more) */
-  if (quota && r->fd >= 0 && !shardd__within_blocks(reg, job, 1, err, errlen)) {
-    size_t used = strlen(err);
-    if (used < errlen)
-      snprintf(err + used, errlen - used, " (the fp32 seed of buffer \"%s\" "
-               "rank %" PRIu32 " would be one more)", b->hdr.name, rank);
+  char what[320];
+  snprintf(what, sizeof what, "the fp32 seed of buffer \"%s\" rank %" PRIu32,
+           b->hdr.name, rank);
+  if (!shardd__region_count(reg, job, r, quota, what, err, errlen)) {
     be->ops->free(be, r);
     return SHARDD_E_LIMIT;
   }
   rc = be->ops->copy(be, r, 0, src, off, bytes);
   if (rc != SHARDD_OK) {
+    shardd__region_uncount(reg, job, r);
     be->ops->free(be, r);
     snprintf(err, errlen, "copying the seed: %s", shardd_strerror(rc));
     return rc;
-  }
-  if (r->fd >= 0) {
-    job->nblocks++;
-    reg->nblocks++;
   }
   job->bytes += r->bytes;
   b->seed[rank] = r;
