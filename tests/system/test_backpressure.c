@@ -944,14 +944,17 @@ Test(server, a_uids_256_connections_that_never_read_stay_within_its_bounds,
               SOAK_CONNS, grew, held, bytes, fds, partial, flood_s);
   /* The README's bound for one uid's idle connections: 80 MiB of replies
    * (64 MiB and one 16 MiB frame past it; here a 1 MiB Pong) and 64 MiB
-   * of unfinished frames; 32 MiB of margin (128 KiB a connection) for the
-   * sessions themselves and the allocator's slack. Measured: 154 MiB.
+   * of unfinished frames; 64 MiB of margin (256 KiB a connection) for the
+   * sessions themselves and the allocator's slack, which varies from run
+   * to run: measured 150-174 MiB over 20 runs, all of it anonymous memory
+   * (a 32 MiB margin failed CI once). Status's exact counts are bounded
+   * below; this bound is what catches the unbounded case (23 GiB).
    * ASan's quarantine (256 MiB) keeps freed blocks resident, so under it
-   * resident memory says less; Status's exact counts are bounded below. */
+   * resident memory says less. */
 #ifdef __SANITIZE_ADDRESS__
-  const long rss_bound = (80L + 64 + 32 + 256) << 10;
+  const long rss_bound = (80L + 64 + 64 + 256) << 10;
 #else
-  const long rss_bound = (80L + 64 + 32) << 10;
+  const long rss_bound = (80L + 64 + 64) << 10;
 #endif
   cr_assert_leq(partial, (64.0 + 1) * 1024 * 1024, "Status: %.0f bytes of "
                 "unfinished frames held for one uid", partial);
