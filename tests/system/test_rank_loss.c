@@ -603,20 +603,7 @@ ParameterizedTest(kill_case *kc, collective, rank_sigkilled_mid_collective,
   test_raw r[2];
   shardd_buffer_info b[2];
   for (int k = 0; k < 2; k++) {
-    for (double end = test_mono_s() + TEST_HANG_S;;) { /* until the team's rank left */
-      test_raw_open(&d, &r[k]);
-      uint64_t seq = test_raw_send_hello(&r[k], SHARDD_PROTOCOL_VERSION, "killed", (uint32_t)k, 3);
-      Shardwire__Response *resp = test_raw_recv(&r[k]);
-      cr_assert_not_null(resp);
-      cr_assert_eq(resp->seq, seq);
-      int ok = resp->code == SHARDWIRE__STATUS_CODE__OK;
-      shardwire__response__free_unpacked(resp, NULL);
-      if (ok)
-        break;
-      test_raw_close(&r[k]);
-      cr_assert_lt(test_mono_s(), end, "rank %d never freed", k);
-      test_sleep_ms(10);
-    }
+    raw_hello_when_free(&r[k], "killed", (uint32_t)k, 3); /* the team's rank left */
     test_raw_register_buffer(&r[k], "P", SHARDD_DTYPE_FP32, KILL_NUMEL, &b[k]);
   }
   char ch;
