@@ -99,4 +99,8 @@ int status_steps(const char *job, const char *opt, double *steps);
 
 int job_inflight(const char *job);
 
+/* Opens r and says hello as rank of job on d, again until the daemon has
+ * let the rank's earlier holder go (its Hello refused while it had not). */
+void raw_hello_when_free(test_raw *r, const char *job, uint32_t rank, uint32_t world);
+
 #endif

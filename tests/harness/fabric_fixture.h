@@ -89,4 +89,30 @@ uint32_t bits(float f);
 
 double compare(const float *a, const float *b, size_t n, int exact, const char *what);
 
+/* ---- the multi-node tests' per-test fixture and calls ----------------------
+ * scr is each test's scratch (specs, rendezvous, checkpoints) under
+ * .init = fabric_setup (which skips the test without Gloo), removed by
+ * .fini = fabric_teardown. */
+extern scratch scr;
+
+void fabric_setup(void);
+
+void fabric_teardown(void);
+
+/* Ranks 0..n-1 of job (world W) connect, rank r to d[r / 2], and each
+ * registers "w" of numel fp32: c[r], info[r]. */
+void join_ranks_w(const test_daemon *d, const char *job, int n, uint64_t numel,
+                  shardd_client_t **c, shardd_buffer_info *info);
+
+/* Starts call k[r] of kind on c[r] for each rank r < n, each on its own
+ * thread: on bufs[r] (a gather or scatter; NULL: none), or into
+ * dirs[r / 2], each node's directory (a checkpoint; NULL: none). */
+void calls_start(call *k, int n, shardd_client_t *const *c, int kind,
+                 const shardd_buffer_info *bufs, const char *const *dirs);
+
+void calls_join(call *k, int n);
+
+/* kill -9 of node 1's daemon, reaped (its pid 0 after). */
+void kill_node1(test_daemon pair[2]);
+
 #endif

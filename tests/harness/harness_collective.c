@@ -285,3 +285,21 @@ int job_inflight(const char *job) {
   shardd_close(ctl);
   return n;
 }
+
+void raw_hello_when_free(test_raw *r, const char *job, uint32_t rank, uint32_t world) {
+  for (double end = test_mono_s() + TEST_HANG_S;;) {
+    test_raw_open(&d, r);
+    uint64_t seq = test_raw_send_hello(r, SHARDD_PROTOCOL_VERSION, job, rank, world);
+    Shardwire__Response *resp = test_raw_recv(r);
+    cr_assert_not_null(resp);
+    cr_assert_eq(resp->seq, seq);
+    int ok = resp->code == SHARDWIRE__STATUS_CODE__OK;
+    shardwire__response__free_unpacked(resp, NULL);
+    if (ok)
+      return;
+    test_raw_close(r);
+    cr_assert_lt(test_mono_s(), end, "rank %u of %s never freed after its holder left", rank,
+                 job);
+    test_sleep_ms(10);
+  }
+}

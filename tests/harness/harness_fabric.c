@@ -283,3 +283,50 @@ double compare(const float *a, const float *b, size_t n, int exact,
   }
   return worst;
 }
+
+scratch scr;
+
+void fabric_setup(void) {
+  memset(&scr, 0, sizeof scr);
+  need_gloo();
+  scratch_make(&scr);
+}
+
+void fabric_teardown(void) {
+  if (scr.dir[0])
+    scratch_remove(&scr);
+}
+
+void join_ranks_w(const test_daemon *d, const char *job, int n, uint64_t numel,
+                  shardd_client_t **c, shardd_buffer_info *info) {
+  for (int r = 0; r < n; r++) {
+    c[r] = test_connect(&d[r / 2], job, (uint32_t)r, W);
+    cr_assert_eq(shardd_buffer_register(c[r], "w", SHARDD_DTYPE_FP32, numel, &info[r]),
+                 SHARDD_OK);
+  }
+}
+
+void calls_start(call *k, int n, shardd_client_t *const *c, int kind,
+                 const shardd_buffer_info *bufs, const char *const *dirs) {
+  memset(k, 0, (size_t)n * sizeof *k);
+  for (int r = 0; r < n; r++) {
+    k[r].c = c[r];
+    k[r].kind = kind;
+    if (bufs)
+      k[r].id = bufs[r].id;
+    if (dirs)
+      k[r].dir = dirs[r / 2];
+    cr_assert_eq(pthread_create(&k[r].th, NULL, fabric_call_main, &k[r]), 0);
+  }
+}
+
+void calls_join(call *k, int n) {
+  for (int r = 0; r < n; r++)
+    pthread_join(k[r].th, NULL);
+}
+
+void kill_node1(test_daemon pair[2]) {
+  kill(pair[1].pid, SIGKILL);
+  waitpid(pair[1].pid, NULL, 0);
+  pair[1].pid = 0;
+}

@@ -127,16 +127,24 @@ static uint64_t root_job(const test_daemon *d, shardd_client_t **keep) {
   return b.id;
 }
 
+/* A daemon (args) open to every uid, root's job in it (root's client in
+ * *keep), and what nobody saw of it in *p: the id of root's buffer. */
+static uint64_t nobody_probes_roots_job(test_daemon *d, const char *const *args,
+                                        shardd_client_t **keep, probe *p) {
+  test_daemon_start(d, args);
+  open_up(d);
+  uint64_t id = root_job(d, keep);
+  run_as_nobody(d, id, p);
+  return id;
+}
+
 Test(access, another_uid_cannot_join_see_inspect_or_checkpoint) {
   if (!can_drop())
     cr_skip_test("needs root and a nobody user");
   test_daemon d;
-  test_daemon_start(&d, base_args());
-  open_up(&d);
   shardd_client_t *c;
-  uint64_t id = root_job(&d, &c);
   probe p;
-  run_as_nobody(&d, id, &p);
+  uint64_t id = nobody_probes_roots_job(&d, base_args(), &c, &p);
   cr_assert_eq(p.status_lists, 0, "another user's job shows in status");
   cr_assert_eq(p.inspect_code, SHARDD_E_NOT_FOUND, "its id reads as never issued");
   cr_assert_eq(p.name_code, SHARDD_E_NOT_FOUND, "a name search must not reveal it");
@@ -250,12 +258,9 @@ Test(access, admin_group_may_look_but_not_join) {
   char gid[32];
   snprintf(gid, sizeof gid, "%u", (unsigned)pw->pw_gid);
   test_daemon d;
-  test_daemon_start(&d, (const char *const[]){"--admin-group", gid, NULL});
-  open_up(&d);
   shardd_client_t *c;
-  uint64_t id = root_job(&d, &c);
   probe p;
-  run_as_nobody(&d, id, &p);
+  nobody_probes_roots_job(&d, (const char *const[]){"--admin-group", gid, NULL}, &c, &p);
   cr_assert_eq(p.status_lists, 1, "the admin group sees every job");
   cr_assert_eq(p.inspect_code, SHARDD_OK);
   cr_assert_eq(p.name_code, SHARDD_OK);
@@ -323,15 +328,20 @@ static int two_jobs_as_other_uid(const char *sock, int expect_refused) {
   return 0;
 }
 
+/* The child pid (acting as who) finishes, and with exit code 0. */
+static void expect_child_ok(pid_t pid, const char *who) {
+  int st;
+  cr_assert(test_wait_exit(pid, &st), "the child did not finish");
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s step %d failed", who,
+            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+}
+
 static void expect_child(const test_daemon *d, int expect_refused) {
   pid_t pid = fork();
   cr_assert(pid >= 0);
   if (pid == 0)
     _exit(two_jobs_as_other_uid(d->sock, expect_refused));
-  int st;
-  cr_assert(test_wait_exit(pid, &st), "the child did not finish");
-  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "uid 4242 step %d failed",
-            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  expect_child_ok(pid, "uid 4242");
 }
 
 Test(access, uid_memory_limit_spans_a_users_jobs) {
@@ -408,10 +418,9 @@ static void expect_pooled(const test_daemon *d, uid_t uid, const char *flag) {
   cr_assert(pid >= 0);
   if (pid == 0)
     _exit(pooled_job_over_a_limit(d->sock, uid, flag));
-  int st;
-  cr_assert(test_wait_exit(pid, &st), "the child did not finish");
-  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "uid %d step %d failed", (int)uid,
-            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  char who[32];
+  snprintf(who, sizeof who, "uid %d", (int)uid);
+  expect_child_ok(pid, who);
 }
 
 Test(access, a_transient_jobs_areas_count_against_the_limits_at_registration) {
@@ -460,6 +469,20 @@ static int become(uid_t uid) {
   return setgroups(0, NULL) == 0 && setgid(uid) == 0 && setuid(uid) == 0;
 }
 
+/* In a child: becomes uid and connects as job's (transient: with
+ * transient areas); 0 with the client in *c, else the child's exit code:
+ * fail when it cannot become uid, fail + 1 when it cannot connect. */
+static int connect_as(const char *sock, uid_t uid, const char *job, int transient, int fail,
+                      shardd_client_t **c) {
+  if (!become(uid))
+    return fail;
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = job;
+  o.transient_areas = transient;
+  char err[512];
+  return shardd_connect(sock, &o, c, err, sizeof err) == SHARDD_OK ? 0 : fail + 1;
+}
+
 static int write_full(int fd, const void *p, size_t n) {
   for (size_t done = 0; done < n;) {
     ssize_t k = write(fd, (const char *)p + done, n - done);
@@ -483,14 +506,10 @@ static int read_full(int fd, void *p, size_t n) {
 /* The victim: its objects' ids down ids_fd, then it waits (holding them)
  * until go_fd closes. */
 static int victim_main(const char *sock, int ids_fd, int go_fd) {
-  if (!become(VICTIM_UID))
-    return 10;
-  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
-  o.job = "victim-job";
   shardd_client_t *c;
-  char err[512];
-  if (shardd_connect(sock, &o, &c, err, sizeof err) != SHARDD_OK)
-    return 11;
+  int rc = connect_as(sock, VICTIM_UID, "victim-job", 0, 10, &c);
+  if (rc)
+    return rc;
   shardd_buffer_info b, g;
   uint64_t ids[4];
   int64_t shape[1] = {8};
@@ -573,14 +592,10 @@ static void probe_id(shardd_client_t *c, uint64_t own_opt, uint64_t id, int *cod
 
 /* The attacker: in a job of its own, every probe of every id. */
 static int attacker_main(const char *sock, const uint64_t *ids, int out_fd) {
-  if (!become(ATTACKER_UID))
-    return 20;
-  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
-  o.job = "attacker-job";
   shardd_client_t *c;
-  char err[512];
-  if (shardd_connect(sock, &o, &c, err, sizeof err) != SHARDD_OK)
-    return 21;
+  int rc = connect_as(sock, ATTACKER_UID, "attacker-job", 0, 20, &c);
+  if (rc)
+    return rc;
   shardd_buffer_info b;
   uint64_t opt;
   shardd_param_ref ref = {0, "mine"};
@@ -672,15 +687,10 @@ Test(access, ids_of_another_uid_read_as_never_issued) {
 /* Pool ids count the uid's own pools: another uid's transient jobs do not
  * move them (a global counter told how many pools others had made). */
 static int first_pool_as(const char *sock, uid_t uid, const char *job, int hold_fd) {
-  if (!become(uid))
-    return 30;
-  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
-  o.job = job;
-  o.transient_areas = 1;
   shardd_client_t *c;
-  char err[512];
-  if (shardd_connect(sock, &o, &c, err, sizeof err) != SHARDD_OK)
-    return 31;
+  int rc = connect_as(sock, uid, job, 1, 30, &c);
+  if (rc)
+    return rc;
   shardd_buffer_info b;
   shardd_area area;
   if (shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 1024, &b) != SHARDD_OK ||

@@ -202,6 +202,29 @@ static int check_gathered(rank_ctx *r, int b, const float *g) {
   return 1;
 }
 
+/* Gathers buffer b (with a gradient area when grad) into a and checks
+ * every gathered element. */
+static int gather_checked(rank_ctx *r, int b, int grad, shardd_area *a) {
+  CHECK_OK(r, shardd_gather_area(r->c, r->b[b].id, grad, a));
+  return check_gathered(r, b, a->gather);
+}
+
+/* A transient rank of the job, its n buffers prefix0.. registered and
+ * filled. */
+static int join_transient(rank_ctx *r, const char *prefix, int n) {
+  if (connect_rank(r, 1) != SHARDD_OK)
+    return 0;
+  return register_and_fill(r, prefix, n);
+}
+
+/* The ranks run body through its nsync barriers, which the test only
+ * meets; a rank's failure fails the test. */
+static void run_ranks(const char *job, int nsync, int (*body)(rank_ctx *)) {
+  ranks rs;
+  ranks_start(&rs, job, nsync, body);
+  ranks_join(&rs, nsync);
+}
+
 /* FSDP's forward: gather a unit, use it, reshard. */
 static int forward(rank_ctx *r) {
   for (int b = 0; b < NBUF; b++) {
@@ -294,9 +317,7 @@ static dev_bytes status_bytes(const char *job) {
 #define LOOP_SYNCS 5
 
 static int loop_body(rank_ctx *r) {
-  if (connect_rank(r, 1) != SHARDD_OK)
-    return 0;
-  if (!register_and_fill(r, "w", NBUF))
+  if (!join_transient(r, "w", NBUF))
     return 0;
   sync_point(r); /* 1: registered */
   if (!forward(r))
@@ -370,14 +391,11 @@ Test(areas, gather_scatter_release_through_the_pools, .init = start, .fini = sto
 #define LIMIT_SYNCS 2
 
 static int limit_body(rank_ctx *r) {
-  if (connect_rank(r, 1) != SHARDD_OK)
-    return 0;
-  if (!register_and_fill(r, "lim", 3))
+  if (!join_transient(r, "lim", 3))
     return 0;
   shardd_area a;
   for (int b = 0; b < 2; b++) {
-    CHECK_OK(r, shardd_gather_area(r->c, r->b[b].id, 0, &a));
-    if (!check_gathered(r, b, a.gather))
+    if (!gather_checked(r, b, 0, &a))
       return 0;
   }
   {
@@ -403,14 +421,12 @@ static int limit_body(rank_ctx *r) {
   sync_point(r); /* 1: both refused */
   /* a release makes room again */
   CHECK_OK(r, shardd_release(r->c, r->b[0].id));
-  CHECK_OK(r, shardd_gather_area(r->c, r->b[2].id, 0, &a));
-  if (!check_gathered(r, 2, a.gather))
+  if (!gather_checked(r, 2, 0, &a))
     return 0;
   CHECK_OK(r, shardd_release(r->c, r->b[1].id));
   CHECK_OK(r, shardd_release(r->c, r->b[2].id));
   /* the gathers go on after the refusal */
-  CHECK_OK(r, shardd_gather_area(r->c, r->b[0].id, 0, &a));
-  if (!check_gathered(r, 0, a.gather))
+  if (!gather_checked(r, 0, 0, &a))
     return 0;
   CHECK_OK(r, shardd_release(r->c, r->b[0].id));
   sync_point(r); /* 2 */
@@ -419,9 +435,7 @@ static int limit_body(rank_ctx *r) {
 
 Test(areas, a_third_gather_is_refused_naming_the_held_buffers, .init = start,
      .fini = stop, .timeout = 60) {
-  ranks rs;
-  ranks_start(&rs, "limit", LIMIT_SYNCS, limit_body);
-  ranks_join(&rs, LIMIT_SYNCS);
+  run_ranks("limit", LIMIT_SYNCS, limit_body);
 }
 
 /* ---- releases sent without waiting for their answers ------------------------ */
@@ -429,9 +443,7 @@ Test(areas, a_third_gather_is_refused_naming_the_held_buffers, .init = start,
 #define ASYNC_SYNCS 1
 
 static int async_release_body(rank_ctx *r) {
-  if (connect_rank(r, 1) != SHARDD_OK)
-    return 0;
-  if (!register_and_fill(r, "rel", NBUF))
+  if (!join_transient(r, "rel", NBUF))
     return 0;
   shardd_area a;
   shardd_ticket t[NBUF];
@@ -440,8 +452,7 @@ static int async_release_body(rank_ctx *r) {
      * third on the gather would be refused E_LIMIT (2 leases) had the
      * releases not been served before it, in the connection's order */
     for (int b = 0; b < NBUF; b++) {
-      CHECK_OK(r, shardd_gather_area(r->c, r->b[b].id, 0, &a));
-      if (!check_gathered(r, b, a.gather))
+      if (!gather_checked(r, b, 0, &a))
         return 0;
       CHECK_OK(r, shardd_release_async(r->c, r->b[b].id, &t[b]));
       CHECK(r, t[b] != 0, "round %d buffer %d: ticket 0", round, b);
@@ -476,9 +487,7 @@ static int async_release_body(rank_ctx *r) {
 
 Test(areas, releases_sent_unanswered_free_their_leases_in_order, .init = start,
      .fini = stop, .timeout = 60) {
-  ranks rs;
-  ranks_start(&rs, "relasync", ASYNC_SYNCS, async_release_body);
-  ranks_join(&rs, ASYNC_SYNCS);
+  run_ranks("relasync", ASYNC_SYNCS, async_release_body);
 }
 
 /* ---- one rank: plain and async gathers on a transient job -------------------- */
@@ -595,13 +604,10 @@ static int wait_queued(rank_ctx *r) {
 }
 
 static int regather_body(rank_ctx *r) {
-  if (connect_rank(r, 1) != SHARDD_OK)
-    return 0;
-  if (!register_and_fill(r, "re", 1))
+  if (!join_transient(r, "re", 1))
     return 0;
   shardd_area a;
-  CHECK_OK(r, shardd_gather_area(r->c, r->b[0].id, 0, &a));
-  if (!check_gathered(r, 0, a.gather))
+  if (!gather_checked(r, 0, 0, &a))
     return 0;
   sync_point(r); /* 1: both hold the gather area */
   if (r->rank == 1) {
@@ -612,8 +618,7 @@ static int regather_body(rank_ctx *r) {
     CHECK_OK(r, shardd_release(r->c, r->b[0].id));
   }
   /* rank 1 sent this before rank 0's release (wait_queued saw it) */
-  CHECK_OK(r, shardd_gather_area(r->c, r->b[0].id, 1, &a));
-  if (!check_gathered(r, 0, a.gather))
+  if (!gather_checked(r, 0, 1, &a))
     return 0;
   float *g = a.grad;
   for (uint64_t i = 0; i < NUMEL; i++)
@@ -630,9 +635,7 @@ static int regather_body(rank_ctx *r) {
 
 Test(areas, regather_while_a_peer_releases, .init = start, .fini = stop,
      .timeout = 60) {
-  ranks rs;
-  ranks_start(&rs, "regather", REGATHER_SYNCS, regather_body);
-  ranks_join(&rs, REGATHER_SYNCS);
+  run_ranks("regather", REGATHER_SYNCS, regather_body);
 }
 
 /* ---- a rank that leaves holding an area --------------------------------------
@@ -648,9 +651,7 @@ Test(areas, regather_while_a_peer_releases, .init = start, .fini = stop,
 #define LEAVE_SYNCS 4
 
 static int leave_body(rank_ctx *r) {
-  if (connect_rank(r, 1) != SHARDD_OK)
-    return 0;
-  if (!register_and_fill(r, "lv", 3))
+  if (!join_transient(r, "lv", 3))
     return 0;
   shardd_area a;
   /* rank 0 is in lv0's backward: its gradient area holds a partial sum */
@@ -672,24 +673,20 @@ static int leave_body(rank_ctx *r) {
   }
   sync_point(r); /* 2: the peer's gather failed */
   if (r->rank == 0) { /* the relaunch */
-    if (connect_rank(r, 1) != SHARDD_OK)
-      return 0;
-    if (!register_and_fill(r, "lv", 3))
+    if (!join_transient(r, "lv", 3))
       return 0;
   }
   sync_point(r); /* 3: rank 0 is back (a gather sent before would be the
                   * peer's, doomed by the rank still missing) */
   for (int b = 1; b < 3; b++) {
-    CHECK_OK(r, shardd_gather_area(r->c, r->b[b].id, 0, &a));
-    if (!check_gathered(r, b, a.gather))
+    if (!gather_checked(r, b, 0, &a))
       return 0;
   }
   for (int b = 1; b < 3; b++)
     CHECK_OK(r, shardd_release(r->c, r->b[b].id));
   /* the relaunch's backward starts from a zero gradient, not the dead
    * rank's partial one */
-  CHECK_OK(r, shardd_gather_area(r->c, r->b[0].id, r->rank == 0, &a));
-  if (!check_gathered(r, 0, a.gather))
+  if (!gather_checked(r, 0, r->rank == 0, &a))
     return 0;
   for (uint64_t i = 0; r->rank == 0 && i < NUMEL; i++)
     CHECK(r, ((float *)a.grad)[i] == 0.0f, "lv0's new gradient area[%" PRIu64 "] = %g",
@@ -702,9 +699,7 @@ static int leave_body(rank_ctx *r) {
 
 Test(areas, a_rank_killed_while_its_peer_waits_returns_its_areas, .init = start,
      .fini = stop, .timeout = 60) {
-  ranks rs;
-  ranks_start(&rs, "leave", LEAVE_SYNCS, leave_body);
-  ranks_join(&rs, LEAVE_SYNCS);
+  run_ranks("leave", LEAVE_SYNCS, leave_body);
 }
 
 /* ---- a gradient release sent behind its scatter -----------------------------

@@ -18,16 +18,41 @@
 #include "fabric_fixture.h"
 #include "registry.h"
 
+TestSuite(fabric, .init = fabric_setup, .fini = fabric_teardown);
+
+/* Two node daemons serving job, and its W ranks connected (2 per node). */
+typedef struct {
+  test_daemon pair[2];
+  shardd_client_t *c[W];
+} two_nodes;
+
+/* Both daemons with the extra arguments extra (NULL: none). */
+static void two_nodes_open_ex(two_nodes *t, const char *job, const char *timeout,
+                              const char *const *extra) {
+  const char *jobs[] = {job};
+  start_pair_each(t->pair, &scr, jobs, 1, timeout, extra, extra);
+  for (int r = 0; r < W; r++)
+    t->c[r] = test_connect(&t->pair[r / 2], job, (uint32_t)r, W);
+}
+
+static void two_nodes_open(two_nodes *t, const char *job, const char *timeout) {
+  two_nodes_open_ex(t, job, timeout, NULL);
+}
+
+static void two_nodes_close(two_nodes *t) {
+  for (int r = 0; r < W; r++)
+    shardd_close(t->c[r]);
+  test_daemon_finish(&t->pair[0]);
+  test_daemon_finish(&t->pair[1]);
+}
+
 /* ---- tests -------------------------------------------------------------- */
 
 Test(fabric, two_nodes_match_one_node_and_repeat_bit_for_bit, .timeout = 60) {
-  need_gloo();
   double t0 = test_mono_s();
-  scratch s;
-  scratch_make(&s);
   test_daemon pair[2], one[1];
   const char *jobs[] = {"fab-a", "fab-b"};
-  start_pair(pair, &s, jobs, 2, "20");
+  start_pair(pair, &scr, jobs, 2, "20");
   const char *args1[] = {"--backend", "host", "--devices", "4", NULL};
   test_daemon_start(&one[0], args1);
 
@@ -107,16 +132,12 @@ Test(fabric, two_nodes_match_one_node_and_repeat_bit_for_bit, .timeout = 60) {
   test_daemon_finish(&pair[0]);
   test_daemon_finish(&pair[1]);
   test_daemon_finish(&one[0]);
-  scratch_remove(&s);
 }
 
 Test(fabric, rank_of_another_node_is_refused, .timeout = 60) {
-  need_gloo();
-  scratch s;
-  scratch_make(&s);
   test_daemon pair[2];
   const char *jobs[] = {"job"};
-  start_pair(pair, &s, jobs, 1, "5");
+  start_pair(pair, &scr, jobs, 1, "5");
   shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
   o.job = "job";
   o.rank = 2;
@@ -133,7 +154,6 @@ Test(fabric, rank_of_another_node_is_refused, .timeout = 60) {
   cr_assert_eq(rc, SHARDD_E_MISMATCH, "%s", err);
   test_daemon_finish(&pair[0]);
   test_daemon_finish(&pair[1]);
-  scratch_remove(&s);
 }
 
 /* Job names are per uid. A spec without `uid =` would
@@ -158,14 +178,11 @@ static int other_uid_hello(const char *sock) {
 }
 
 Test(fabric, a_spec_without_uid_lays_out_one_users_job, .timeout = 60) {
-  need_gloo();
   if (geteuid() != 0)
     cr_skip_test("needs root to act as a second uid");
-  scratch s;
-  scratch_make(&s);
   test_daemon pair[2];
   const char *jobs[] = {"job"};
-  start_pair(pair, &s, jobs, 1, "5");
+  start_pair(pair, &scr, jobs, 1, "5");
   shardd_client_t *c = test_connect(&pair[0], "job", 0, W);
   cr_assert_eq(chmod(pair[0].dir, 0755), 0);
   cr_assert_eq(chmod(pair[0].sock, 0666), 0);
@@ -180,7 +197,6 @@ Test(fabric, a_spec_without_uid_lays_out_one_users_job, .timeout = 60) {
   shardd_close(c);
   test_daemon_finish(&pair[0]);
   test_daemon_finish(&pair[1]);
-  scratch_remove(&s);
 }
 
 /* ---- many cross-node collectives in flight at once ------------------------ */
@@ -223,13 +239,10 @@ static void *prefetch_main(void *p) {
  * which then failed the jobs. */
 #define NJOBS 2
 Test(fabric, many_inflight_gathers_in_opposite_orders_do_not_stall, .timeout = 60) {
-  need_gloo();
   setenv("UV_THREADPOOL_SIZE", "4", 1); /* inherited by both daemons */
-  scratch s;
-  scratch_make(&s);
   test_daemon pair[2];
   const char *jobs[NJOBS] = {"prefetch-a", "prefetch-b"};
-  start_pair(pair, &s, jobs, NJOBS, "10");
+  start_pair(pair, &scr, jobs, NJOBS, "10");
   shardd_client_t *c[NJOBS][W];
   static shardd_buffer_info info[NJOBS][W][NB];
   for (int j = 0; j < NJOBS; j++)
@@ -290,7 +303,6 @@ Test(fabric, many_inflight_gathers_in_opposite_orders_do_not_stall, .timeout = 6
       shardd_close(c[j][r]);
   test_daemon_finish(&pair[0]);
   test_daemon_finish(&pair[1]);
-  scratch_remove(&s);
 }
 
 /* ---- what the nodes disagree on fails loudly, and only that -------------- */
@@ -314,17 +326,12 @@ static void run_calls(call *k, shardd_client_t **c, int n, int kind, uint64_t co
  * rank, quickly, saying what differs, without touching a shard; the
  * fabric stays up and the job's agreeing collectives go on. */
 Test(fabric, disagreeing_nodes_fail_with_mismatch_and_fabric_stays_up, .timeout = 60) {
-  need_gloo();
-  scratch s;
-  scratch_make(&s);
-  test_daemon pair[2];
-  const char *jobs[] = {"mix"};
-  start_pair(pair, &s, jobs, 1, "10");
-  shardd_client_t *c[W];
+  two_nodes t;
+  two_nodes_open(&t, "mix", "10");
+  shardd_client_t **c = t.c;
   shardd_buffer_info w[W], ok[W];
   uint64_t wid[W], okid[W];
   for (int r = 0; r < W; r++) {
-    c[r] = test_connect(&pair[r / 2], "mix", (uint32_t)r, W);
     cr_assert_eq(shardd_buffer_register(c[r], "w", SHARDD_DTYPE_FP32, r < 2 ? 1000 : 1004,
                                         &w[r]), SHARDD_OK, "%s", shardd_last_error(c[r]));
     cr_assert_eq(shardd_buffer_register(c[r], "ok", SHARDD_DTYPE_FP32, 100, &ok[r]),
@@ -457,17 +464,13 @@ Test(fabric, disagreeing_nodes_fail_with_mismatch_and_fabric_stays_up, .timeout 
   }
   for (int r = 0; r < W; r++) /* the agreed step: 0.125 * the mean gradient 2.5 */
     cr_expect_eq(((float *)ok[r].shard)[0], before[r][0] - 0.3125f, "rank %d", r);
-  shardd_client_t *ctl = test_connect(&pair[0], NULL, 0, 0);
+  shardd_client_t *ctl = test_connect(&t.pair[0], NULL, 0, 0);
   char *text = NULL;
   cr_assert_eq(shardd_status_text(ctl, &text), SHARDD_OK);
   cr_expect(strstr(text, "node 1: ranks 2..3 up") != NULL, "%s", text);
   shardd_free(text);
   shardd_close(ctl);
-  for (int r = 0; r < W; r++)
-    shardd_close(c[r]);
-  test_daemon_finish(&pair[0]);
-  test_daemon_finish(&pair[1]);
-  scratch_remove(&s);
+  two_nodes_close(&t);
 }
 
 /* ---- the fabric itself, three nodes on threads of this process ---------- */
@@ -565,18 +568,13 @@ static void *fnode_main(void *p) {
  * 1), "b" [4,8) from no rank: the step moves a (SGD, the sum of the one
  * gradient) and leaves b bit-identical, on both nodes' shards. */
 Test(fabric, views_without_a_gradient_on_any_node_are_skipped, .timeout = 60) {
-  need_gloo();
-  scratch s;
-  scratch_make(&s);
-  test_daemon pair[2];
-  const char *jobs[] = {"skip"};
-  start_pair(pair, &s, jobs, 1, "10");
-  shardd_client_t *c[W];
+  two_nodes t;
+  two_nodes_open(&t, "skip", "10");
+  shardd_client_t **c = t.c;
   shardd_buffer_info b[W];
   uint64_t bid[W], va[W], vb[W], opt[W];
   int64_t shape[1] = {4};
   for (int r = 0; r < W; r++) {
-    c[r] = test_connect(&pair[r / 2], "skip", (uint32_t)r, W);
     cr_assert_eq(shardd_buffer_register(c[r], "w", SHARDD_DTYPE_FP32, 8, &b[r]), SHARDD_OK,
                  "%s", shardd_last_error(c[r]));
     cr_assert_eq(shardd_view_register(c[r], b[r].id, "a", 0, 4, shape, 1, &va[r]), SHARDD_OK);
@@ -629,11 +627,7 @@ Test(fabric, views_without_a_gradient_on_any_node_are_skipped, .timeout = 60) {
     cr_expect(strstr(js, "\"steps\":0") != NULL, "node %d: b took no step: %s", n, js);
     shardd_free(js);
   }
-  for (int r = 0; r < W; r++)
-    shardd_close(c[r]);
-  test_daemon_finish(&pair[0]);
-  test_daemon_finish(&pair[1]);
-  scratch_remove(&s);
+  two_nodes_close(&t);
 }
 
 /* Three nodes: an allgather and two concurrent ring reduce-scatters of
@@ -641,15 +635,12 @@ Test(fabric, views_without_a_gradient_on_any_node_are_skipped, .timeout = 60) {
  * rendezvous directory, which holds the first meeting's files, and must
  * connect as well. */
 Test(fabric, three_nodes_ring_reduce_scatter_and_second_incarnation, .timeout = 60) {
-  need_gloo();
-  scratch s;
-  scratch_make(&s);
   fnode n[FNODES];
   memset(n, 0, sizeof n);
   for (int inc = 0; inc < 2; inc++) {
     double t0 = test_mono_s();
     for (uint32_t k = 0; k < FNODES; k++) {
-      n[k].rdv = s.rdv;
+      n[k].rdv = scr.rdv;
       n[k].node = k;
       n[k].incarnation = inc;
       for (int b = 0; b < 2 && inc == 0; b++)
@@ -666,7 +657,6 @@ Test(fabric, three_nodes_ring_reduce_scatter_and_second_incarnation, .timeout = 
   for (uint32_t k = 0; k < FNODES; k++)
     for (int b = 0; b < 2; b++)
       free(n[k].buf[b]);
-  scratch_remove(&s);
 }
 
 /* ---- buckets across nodes ---------------------------------------------- */
@@ -698,30 +688,6 @@ static void run_bcalls(bcall k[W]) {
     cr_assert_eq(pthread_create(&k[r].th, NULL, bcall_main, &k[r]), 0);
   for (int r = 0; r < W; r++)
     pthread_join(k[r].th, NULL);
-}
-
-/* Two node daemons serving job, and its W ranks connected (2 per node). */
-typedef struct {
-  scratch s;
-  test_daemon pair[2];
-  shardd_client_t *c[W];
-} two_nodes;
-
-static void two_nodes_open(two_nodes *t, const char *job, const char *timeout) {
-  need_gloo();
-  scratch_make(&t->s);
-  const char *jobs[] = {job};
-  start_pair(t->pair, &t->s, jobs, 1, timeout);
-  for (int r = 0; r < W; r++)
-    t->c[r] = test_connect(&t->pair[r / 2], job, (uint32_t)r, W);
-}
-
-static void two_nodes_close(two_nodes *t) {
-  for (int r = 0; r < W; r++)
-    shardd_close(t->c[r]);
-  test_daemon_finish(&t->pair[0]);
-  test_daemon_finish(&t->pair[1]);
-  scratch_remove(&t->s);
 }
 
 /* A bucket's entries cross nodes each as its own exchange, paired by the
@@ -842,31 +808,19 @@ Test(fabric, a_bucket_node_0_disagrees_on_fails_both_nodes_and_the_next_runs,
  * area, on every rank; a small buffer's scatter, within it, runs. */
 #define STAGE_BIG (1u << 20)
 
-static void scatter_all(shardd_client_t **c, uint64_t id, call *calls) {
-  memset(calls, 0, W * sizeof *calls);
-  for (int r = 0; r < W; r++) {
-    calls[r].c = c[r];
-    calls[r].kind = OP_SCATTER;
-    calls[r].id = id;
-    cr_assert_eq(pthread_create(&calls[r].th, NULL, fabric_call_main, &calls[r]), 0);
-  }
-  for (int r = 0; r < W; r++)
-    pthread_join(calls[r].th, NULL);
+static void scatter_all(shardd_client_t **c, const shardd_buffer_info *bufs, call *calls) {
+  calls_start(calls, W, c, OP_SCATTER, bufs, NULL);
+  calls_join(calls, W);
 }
 
 Test(fabric, a_scatters_staging_area_counts_against_the_job_memory_limit,
      .timeout = 60) {
-  need_gloo();
-  scratch s;
-  scratch_make(&s);
-  test_daemon pair[2];
-  const char *jobs[] = {"job"};
+  two_nodes t;
   const char *lim[] = {"--job-memory-limit", "22M", NULL};
-  start_pair_each(pair, &s, jobs, 1, "5", lim, lim);
-  shardd_client_t *c[W];
+  two_nodes_open_ex(&t, "job", "5", lim);
+  shardd_client_t **c = t.c;
   shardd_buffer_info big[W], small[W];
   for (int r = 0; r < W; r++) {
-    c[r] = test_connect(&pair[r / 2], "job", (uint32_t)r, W);
     cr_assert_eq(shardd_buffer_register(c[r], "big", SHARDD_DTYPE_FP32, STAGE_BIG,
                                         &big[r]),
                  SHARDD_OK, "rank %d: %s", r, shardd_last_error(c[r]));
@@ -875,7 +829,7 @@ Test(fabric, a_scatters_staging_area_counts_against_the_job_memory_limit,
                  SHARDD_OK, "rank %d: %s", r, shardd_last_error(c[r]));
   }
   call calls[W];
-  scatter_all(c, big[0].id, calls);
+  scatter_all(c, big, calls);
   for (int r = 0; r < W; r++) {
     cr_assert_eq(calls[r].rc, SHARDD_E_NO_MEMORY, "rank %d: %s (%s)", r,
                  shardd_err_name(calls[r].rc), calls[r].msg);
@@ -883,13 +837,9 @@ Test(fabric, a_scatters_staging_area_counts_against_the_job_memory_limit,
                   strstr(calls[r].msg, "staging area"),
               "rank %d: %s", r, calls[r].msg);
   }
-  scatter_all(c, small[0].id, calls);
+  scatter_all(c, small, calls);
   for (int r = 0; r < W; r++)
     cr_assert_eq(calls[r].rc, SHARDD_OK, "rank %d: %s (%s)", r,
                  shardd_err_name(calls[r].rc), calls[r].msg);
-  for (int r = 0; r < W; r++)
-    shardd_close(c[r]);
-  test_daemon_finish(&pair[0]);
-  test_daemon_finish(&pair[1]);
-  scratch_remove(&s);
+  two_nodes_close(&t);
 }

@@ -17,6 +17,21 @@
 #include "fabric_fixture.h"
 #include "registry.h"
 
+TestSuite(fabric, .init = fabric_setup, .fini = fabric_teardown);
+
+/* A test that acts as other uids: they reach d's socket. */
+static void open_to_other_uids(const test_daemon *d) {
+  cr_assert_eq(chmod(d->dir, 0755), 0);
+  cr_assert_eq(chmod(d->sock, 0666), 0);
+}
+
+/* A child process (0 in it), or the test fails. */
+static pid_t fork_or_fail(void) {
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  return pid;
+}
+
 /* ---- a job spec is its uid's only, restored or not ----------------------- */
 
 /* Node 0's spec of job for uid (< 0: none given), its path in out. */
@@ -140,50 +155,40 @@ static int victim_holds(const char *sock, int ready, int go) {
  * by a Hello, one uid's job at a time: while uid 1002's "open" holds it,
  * uid 1001's restored "open" is refused. */
 Test(fabric, a_restore_gets_a_job_spec_only_for_the_specs_uid, .timeout = 60) {
-  need_gloo();
   if (geteuid() != 0)
     cr_skip_test("needs root to act as two uids");
-  scratch s;
-  scratch_make(&s);
-  cr_assert_eq(chmod(s.dir, 0755), 0);
+  cr_assert_eq(chmod(scr.dir, 0755), 0);
   char att[128], spec_vj[256], spec_open[256];
-  snprintf(att, sizeof att, "%s/att", s.dir);
+  snprintf(att, sizeof att, "%s/att", scr.dir);
   cr_assert_eq(mkdir(att, 0700), 0);
   cr_assert_eq(chown(att, 1001, 1001), 0);
   write_own_part(att, "vj", 1001);
   write_own_part(att, "open", 1001);
-  write_spec_uid(&s, "vj", 1002, spec_vj, sizeof spec_vj);
-  write_spec_uid(&s, "open", -1, spec_open, sizeof spec_open);
+  write_spec_uid(&scr, "vj", 1002, spec_vj, sizeof spec_vj);
+  write_spec_uid(&scr, "open", -1, spec_open, sizeof spec_open);
   test_daemon d;
   test_daemon_start(&d, (const char *const[]){"--backend", "host", "--devices", "2",
                                               "--job-linger", "0", "--job-spec", spec_vj,
                                               "--job-spec", spec_open, NULL});
-  cr_assert_eq(chmod(d.dir, 0755), 0);
-  cr_assert_eq(chmod(d.sock, 0666), 0);
+  open_to_other_uids(&d);
 
-  pid_t pid = fork();
-  cr_assert(pid >= 0);
+  pid_t pid = fork_or_fail();
   if (pid == 0)
     _exit(attacker_restore(d.sock, att, "vj", SHARDD_E_PERMISSION, "for uid 1002's job"));
   expect_child(pid, "uid 1001 restoring \"vj\" under uid 1002's spec");
-  pid = fork();
-  cr_assert(pid >= 0);
-  if (pid == 0)
+  if ((pid = fork_or_fail()) == 0)
     _exit(attacker_hello(d.sock));
   expect_child(pid, "uid 1001's Hello of \"vj\", which uid 1002's spec does not lay out");
 
   int ready[2], go[2];
   cr_assert_eq(pipe(ready), 0);
   cr_assert_eq(pipe(go), 0);
-  pid_t victim = fork();
-  cr_assert(victim >= 0);
+  pid_t victim = fork_or_fail();
   if (victim == 0)
     _exit(victim_holds(d.sock, ready[1], go[0]));
   char b;
   cr_assert_eq(read(ready[0], &b, 1), 1, "the victim never joined \"open\"");
-  pid = fork();
-  cr_assert(pid >= 0);
-  if (pid == 0)
+  if ((pid = fork_or_fail()) == 0)
     _exit(attacker_restore(d.sock, att, "open", SHARDD_E_BUSY, "gives no uid"));
   expect_child(pid, "uid 1001 restoring \"open\" while uid 1002's holds its spec");
   cr_assert_eq(write(go[1], &b, 1), 1);
@@ -201,7 +206,6 @@ Test(fabric, a_restore_gets_a_job_spec_only_for_the_specs_uid, .timeout = 60) {
   shardd_free(text);
   shardd_close(ctl);
   test_daemon_finish(&d);
-  scratch_remove(&s);
 }
 
 /* Node node's spec of job x for uid, its path in out (one file per uid). */
@@ -268,37 +272,30 @@ static int x_ranks(const char *sock, uid_t uid, int node, float mark, float othe
  * the files are named by uid and name: neither finds a peer, and each
  * gather fails at the collective timeout. */
 Test(fabric, two_uids_jobs_of_one_name_never_meet_in_a_rendezvous, .timeout = 60) {
-  need_gloo();
   if (geteuid() != 0)
     cr_skip_test("needs root to act as two uids");
-  scratch s;
-  scratch_make(&s);
-  cr_assert_eq(chmod(s.dir, 0755), 0);
+  cr_assert_eq(chmod(scr.dir, 0755), 0);
   test_daemon d[2];
   static char spec[2][2][256];
   for (int n = 0; n < 2; n++) {
-    write_x_spec(&s, n, 1001, spec[n][0], sizeof spec[n][0]);
-    write_x_spec(&s, n, 1002, spec[n][1], sizeof spec[n][1]);
+    write_x_spec(&scr, n, 1001, spec[n][0], sizeof spec[n][0]);
+    write_x_spec(&scr, n, 1002, spec[n][1], sizeof spec[n][1]);
     test_daemon_start(&d[n], (const char *const[]){
                                  "--backend", "host", "--devices", "2",
                                  "--collective-timeout", "2", "--job-linger", "0",
                                  "--job-spec", spec[n][0], "--job-spec", spec[n][1], NULL});
-    cr_assert_eq(chmod(d[n].dir, 0755), 0);
-    cr_assert_eq(chmod(d[n].sock, 0666), 0);
+    open_to_other_uids(&d[n]);
   }
-  pid_t a = fork();
-  cr_assert(a >= 0);
+  pid_t a = fork_or_fail();
   if (a == 0)
     _exit(x_ranks(d[0].sock, 1001, 0, 1.0f, 2.0f));
-  pid_t v = fork();
-  cr_assert(v >= 0);
+  pid_t v = fork_or_fail();
   if (v == 0)
     _exit(x_ranks(d[1].sock, 1002, 1, 2.0f, 1.0f));
   expect_child(a, "uid 1001's \"x\" on node 0");
   expect_child(v, "uid 1002's \"x\" on node 1");
   test_daemon_finish(&d[0]);
   test_daemon_finish(&d[1]);
-  scratch_remove(&s);
 }
 
 /* Whether node's announcement is in the rendezvous directory: its daemon
@@ -317,44 +314,44 @@ static int announced(const char *rdv, int node) {
   return hit;
 }
 
+/* Waits until node 0 has begun the rendezvous. */
+static void wait_announced(void) {
+  for (double end = test_mono_s() + TEST_HANG_S; !announced(scr.rdv, 0);) {
+    cr_assert_lt(test_mono_s(), end, "node 0 never began the rendezvous in %s", scr.rdv);
+    test_sleep_ms(10);
+  }
+}
+
+/* Node 0's daemon of job (node 1's never starts), under timeout, and its
+ * ranks 0 and 1, each with "w" of 100 floats. */
+static void lone_node(test_daemon *d, const char *job, const char *timeout,
+                      shardd_client_t *c[2], shardd_buffer_info info[2]) {
+  char spec[256];
+  write_spec(&scr, job, 0, spec, sizeof spec);
+  const char *args[] = {"--backend", "host", "--devices", "2", "--collective-timeout",
+                        timeout, "--job-spec", spec, NULL};
+  test_daemon_start(d, args);
+  join_ranks_w(d, job, 2, 100, c, info);
+}
+
 /* Ranks 0 and 1 gather; ranks 2 and 3 (node 1) never come, and node 1's
  * daemon never joins: the collective fails at the rendezvous timeout with
  * the missing node named, and the daemon answers status meanwhile. */
 Test(fabric, missing_node_named_at_rendezvous_timeout, .timeout = 60) {
-  need_gloo();
-  scratch s;
-  scratch_make(&s);
-  char spec[256];
-  write_spec(&s, "lonely", 0, spec, sizeof spec);
   /* 5 s: the test waits for it; a status must come back within it, which
    * is far from what a status takes even on a loaded machine */
-  const char *args[] = {"--backend", "host", "--devices", "2", "--collective-timeout",
-                        "5", "--job-spec", spec, NULL};
   test_daemon d;
-  test_daemon_start(&d, args);
   shardd_client_t *c[2];
   shardd_buffer_info info[2];
-  for (int r = 0; r < 2; r++) {
-    c[r] = test_connect(&d, "lonely", (uint32_t)r, W);
-    cr_assert_eq(shardd_buffer_register(c[r], "w", SHARDD_DTYPE_FP32, 100, &info[r]), SHARDD_OK);
-  }
+  lone_node(&d, "lonely", "5", c, info);
   call calls[2];
-  memset(calls, 0, sizeof calls);
   double t0 = test_mono_s();
-  for (int r = 0; r < 2; r++) {
-    calls[r].c = c[r];
-    calls[r].kind = OP_GATHER;
-    calls[r].id = info[0].id;
-    pthread_create(&calls[r].th, NULL, fabric_call_main, &calls[r]);
-  }
+  calls_start(calls, 2, c, OP_GATHER, info, NULL);
   /* status answers while the rendezvous waits (it once waited with it):
    * asked once the rendezvous is under way, it must still show the gather
    * in flight and node 1 not contacted, i.e. answer before the rendezvous
    * failed, not after */
-  for (double end = test_mono_s() + TEST_HANG_S; !announced(s.rdv, 0);) {
-    cr_assert_lt(test_mono_s(), end, "node 0 never began the rendezvous in %s", s.rdv);
-    test_sleep_ms(10);
-  }
+  wait_announced();
   shardd_client_t *ctl = test_connect(&d, NULL, 0, 0);
   char *text = NULL;
   cr_expect_eq(shardd_status_text(ctl, &text), SHARDD_OK);
@@ -366,8 +363,7 @@ Test(fabric, missing_node_named_at_rendezvous_timeout, .timeout = 60) {
             "status does not show the rendezvous under way: %s", text ? text : "(none)");
   shardd_free(text);
   shardd_close(ctl);
-  for (int r = 0; r < 2; r++)
-    pthread_join(calls[r].th, NULL);
+  calls_join(calls, 2);
   double took = test_mono_s() - t0;
   for (int r = 0; r < 2; r++) {
     cr_expect_eq(calls[r].rc, SHARDD_E_PEER_LOST, "rank %d: %s", r, shardd_err_name(calls[r].rc));
@@ -379,44 +375,27 @@ Test(fabric, missing_node_named_at_rendezvous_timeout, .timeout = 60) {
   for (int r = 0; r < 2; r++)
     shardd_close(c[r]);
   test_daemon_finish(&d);
-  scratch_remove(&s);
 }
 
 /* The collective timeout is an hour: the pending gathers can only fail by
  * the survivor noticing its dead peer, and the test's timeout is the hang
  * guard. */
 Test(fabric, killed_daemon_fails_pending_collectives_survivor_serves, .timeout = 60) {
-  need_gloo();
-  scratch s;
-  scratch_make(&s);
   test_daemon pair[2];
   const char *jobs[] = {"doomed"};
-  start_pair(pair, &s, jobs, 1, "3600");
+  start_pair(pair, &scr, jobs, 1, "3600");
   shardd_client_t *c[W];
   shardd_buffer_info info[W];
-  for (int r = 0; r < W; r++) {
-    c[r] = test_connect(&pair[r / 2], "doomed", (uint32_t)r, W);
-    cr_assert_eq(shardd_buffer_register(c[r], "w", SHARDD_DTYPE_FP32, 4000, &info[r]),
-                 SHARDD_OK);
-  }
+  join_ranks_w(pair, "doomed", W, 4000, c, info);
   all_ranks(c, OP_GATHER, info[0].id, 0, NULL); /* the fabric is up */
 
   /* node 0's ranks gather; node 1's daemon dies before its ranks do */
   call calls[2];
-  memset(calls, 0, sizeof calls);
-  for (int r = 0; r < 2; r++) {
-    calls[r].c = c[r];
-    calls[r].kind = OP_GATHER;
-    calls[r].id = info[0].id;
-    pthread_create(&calls[r].th, NULL, fabric_call_main, &calls[r]);
-  }
+  calls_start(calls, 2, c, OP_GATHER, info, NULL);
   test_sleep_ms(300);
   double t0 = test_mono_s();
-  kill(pair[1].pid, SIGKILL);
-  waitpid(pair[1].pid, NULL, 0);
-  pair[1].pid = 0;
-  for (int r = 0; r < 2; r++)
-    pthread_join(calls[r].th, NULL);
+  kill_node1(pair);
+  calls_join(calls, 2);
   double took = test_mono_s() - t0;
   for (int r = 0; r < 2; r++) {
     cr_expect_eq(calls[r].rc, SHARDD_E_PEER_LOST, "rank %d: %s: %s", r,
@@ -449,15 +428,8 @@ Test(fabric, killed_daemon_fails_pending_collectives_survivor_serves, .timeout =
     for (size_t j = 0; j < oi[r].shard_numel; j++)
       ((float *)oi[r].shard)[j] = (float)(r * 100 + (int)j);
   }
-  memset(calls, 0, sizeof calls);
-  for (int r = 0; r < 2; r++) {
-    calls[r].c = o[r];
-    calls[r].kind = OP_GATHER;
-    calls[r].id = oi[0].id;
-    pthread_create(&calls[r].th, NULL, fabric_call_main, &calls[r]);
-  }
-  for (int r = 0; r < 2; r++)
-    pthread_join(calls[r].th, NULL);
+  calls_start(calls, 2, o, OP_GATHER, oi, NULL);
+  calls_join(calls, 2);
   for (int r = 0; r < 2; r++) {
     cr_assert_eq(calls[r].rc, SHARDD_OK, "other job rank %d: %s", r, calls[r].msg);
     for (size_t j = 0; j < 10; j++)
@@ -470,7 +442,6 @@ Test(fabric, killed_daemon_fails_pending_collectives_survivor_serves, .timeout =
     shardd_close(c[r]);
   test_daemon_finish(&pair[0]);
   test_daemon_stop(&pair[1]);
-  scratch_remove(&s);
 }
 
 /* ---- aborting the fabric (a stopping daemon) ------------------------------ */
@@ -504,19 +475,11 @@ static void *anode_wait(void *p) { /* each node's tag: the other never joins */
   return NULL;
 }
 
-/* Node 0 waits in an allgather its peer never makes; the abort ends it
- * with E_SHUTDOWN and the reason, far inside the 30 s timeout, and every
- * later operation (allgather, reduce-scatter) fails at once alike. The
- * peer, waiting in an operation of its own, gets E_PEER_LOST when node 0's
- * fabric is destroyed. */
-Test(fabric, abort_ends_waiting_operations_at_once, .timeout = 60) {
-  need_gloo();
-  scratch s;
-  scratch_make(&s);
-  anode a[2];
-  memset(a, 0, sizeof a);
+/* Both nodes' fabrics formed in rdv, each created on its own thread. */
+static void anodes_create(anode a[2], const char *rdv) {
+  memset(a, 0, 2 * sizeof *a);
   for (uint32_t k = 0; k < 2; k++) {
-    a[k].rdv = s.rdv;
+    a[k].rdv = rdv;
     a[k].node = k;
     cr_assert_eq(pthread_create(&a[k].th, NULL, anode_create, &a[k]), 0);
   }
@@ -524,6 +487,16 @@ Test(fabric, abort_ends_waiting_operations_at_once, .timeout = 60) {
     pthread_join(a[k].th, NULL);
     cr_assert_eq(a[k].rc, SHARDD_OK, "node %u: %s", k, a[k].msg);
   }
+}
+
+/* Node 0 waits in an allgather its peer never makes; the abort ends it
+ * with E_SHUTDOWN and the reason, far inside the 30 s timeout, and every
+ * later operation (allgather, reduce-scatter) fails at once alike. The
+ * peer, waiting in an operation of its own, gets E_PEER_LOST when node 0's
+ * fabric is destroyed. */
+Test(fabric, abort_ends_waiting_operations_at_once, .timeout = 60) {
+  anode a[2];
+  anodes_create(a, scr.rdv);
   /* node 1 waits too, on another tag, so it has an operation to fail */
   for (uint32_t k = 0; k < 2; k++)
     cr_assert_eq(pthread_create(&a[k].th, NULL, anode_wait, &a[k]), 0);
@@ -553,39 +526,18 @@ Test(fabric, abort_ends_waiting_operations_at_once, .timeout = 60) {
   cr_expect_lt(test_mono_s() - t0, 10.0);
   cr_log_info("fabric: the peer heard: %s", a[1].msg);
   shardd__fabric_destroy(a[1].f);
-  scratch_remove(&s);
 }
 
 /* SIGTERM while the rendezvous waits for a node that never comes: the
  * daemon stops at once (not at the 30 s timeout) and its ranks hear why. */
 Test(fabric, sigterm_during_the_rendezvous_exits_at_once, .timeout = 60) {
-  need_gloo();
-  scratch s;
-  scratch_make(&s);
-  char spec[256];
-  write_spec(&s, "alone", 0, spec, sizeof spec);
-  const char *args[] = {"--backend", "host", "--devices", "2", "--collective-timeout",
-                        "30", "--job-spec", spec, NULL};
   test_daemon d;
-  test_daemon_start(&d, args);
   shardd_client_t *c[2];
   shardd_buffer_info info[2];
-  for (int r = 0; r < 2; r++) {
-    c[r] = test_connect(&d, "alone", (uint32_t)r, W);
-    cr_assert_eq(shardd_buffer_register(c[r], "w", SHARDD_DTYPE_FP32, 100, &info[r]), SHARDD_OK);
-  }
+  lone_node(&d, "alone", "30", c, info);
   call calls[2];
-  memset(calls, 0, sizeof calls);
-  for (int r = 0; r < 2; r++) {
-    calls[r].c = c[r];
-    calls[r].kind = OP_GATHER;
-    calls[r].id = info[0].id;
-    cr_assert_eq(pthread_create(&calls[r].th, NULL, fabric_call_main, &calls[r]), 0);
-  }
-  for (double end = test_mono_s() + TEST_HANG_S; !announced(s.rdv, 0);) {
-    cr_assert_lt(test_mono_s(), end, "node 0 never began the rendezvous in %s", s.rdv);
-    test_sleep_ms(10);
-  }
+  calls_start(calls, 2, c, OP_GATHER, info, NULL);
+  wait_announced();
   double t0 = test_mono_s();
   kill(d.pid, SIGTERM);
   int status = -1;
@@ -604,7 +556,6 @@ Test(fabric, sigterm_during_the_rendezvous_exits_at_once, .timeout = 60) {
     shardd_close(c[r]);
   }
   test_daemon_stop(&d);
-  scratch_remove(&s);
 }
 
 /* ---- the rendezvous directory is the daemon's alone ----------------------- */
@@ -658,14 +609,11 @@ static shardd_err node0_create(const char *rdv, shardd__fabric **f, char *msg,
  * any file is touched, naming it; the daemon's own directory (mode 0700)
  * still forms the fabric, and leaves no key file behind. */
 Test(fabric, a_rendezvous_directory_another_uid_can_write_is_refused, .timeout = 60) {
-  need_gloo();
   if (geteuid() != 0)
     cr_skip_test("needs root to stand for the daemon and another uid");
-  scratch s;
-  scratch_make(&s);
-  cr_assert_eq(chmod(s.dir, 0755), 0);
+  cr_assert_eq(chmod(scr.dir, 0755), 0);
   char precious[128], msg[512];
-  snprintf(precious, sizeof precious, "%s/precious", s.dir);
+  snprintf(precious, sizeof precious, "%s/precious", scr.dir);
   FILE *pf = fopen(precious, "w");
   cr_assert_not_null(pf);
   fputs("root's own\n", pf);
@@ -673,19 +621,18 @@ Test(fabric, a_rendezvous_directory_another_uid_can_write_is_refused, .timeout =
   const mode_t modes[] = {0777, 01777};
   for (size_t m = 0; m < 2; m++) {
     char cmd[320];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s' && mkdir '%s'", s.rdv, s.rdv);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s' && mkdir '%s'", scr.rdv, scr.rdv);
     cr_assert_eq(system(cmd), 0);
-    cr_assert_eq(chmod(s.rdv, modes[m]), 0);
-    pid_t me = getpid(), pid = fork();
-    cr_assert(pid >= 0);
+    cr_assert_eq(chmod(scr.rdv, modes[m]), 0);
+    pid_t me = getpid(), pid = fork_or_fail();
     if (pid == 0)
-      _exit(plant(s.rdv, precious, me));
+      _exit(plant(scr.rdv, precious, me));
     int st;
     cr_assert(test_wait_exit(pid, &st));
     cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "planting failed: %d",
               WIFEXITED(st) ? WEXITSTATUS(st) : -1);
     shardd__fabric *f;
-    shardd_err rc = node0_create(s.rdv, &f, msg, sizeof msg);
+    shardd_err rc = node0_create(scr.rdv, &f, msg, sizeof msg);
     if (f)
       shardd__fabric_destroy(f);
     char *text = test_slurp(precious);
@@ -695,41 +642,32 @@ Test(fabric, a_rendezvous_directory_another_uid_can_write_is_refused, .timeout =
     free(text);
     cr_assert_eq(rc, SHARDD_E_PERMISSION, "mode %04o: %s: %s", (unsigned)modes[m],
                  shardd_err_name(rc), msg);
-    cr_assert(strstr(msg, s.rdv) && strstr(msg, "group or others") &&
+    cr_assert(strstr(msg, scr.rdv) && strstr(msg, "group or others") &&
                   strstr(msg, "refused"),
               "%s", msg);
   }
   cr_log_info("fabric: a world-writable rendezvous directory: %s", msg);
   char cmd[320];
-  snprintf(cmd, sizeof cmd, "rm -rf '%s' && mkdir -m 0755 '%s'", s.rdv, s.rdv);
+  snprintf(cmd, sizeof cmd, "rm -rf '%s' && mkdir -m 0755 '%s'", scr.rdv, scr.rdv);
   cr_assert_eq(system(cmd), 0);
   shardd__fabric *f;
-  cr_assert_eq(chown(s.rdv, 1001, 1001), 0); /* another uid's, not writable by us all */
-  cr_assert_eq(node0_create(s.rdv, &f, msg, sizeof msg), SHARDD_E_PERMISSION, "%s", msg);
+  cr_assert_eq(chown(scr.rdv, 1001, 1001), 0); /* another uid's, not writable by us all */
+  cr_assert_eq(node0_create(scr.rdv, &f, msg, sizeof msg), SHARDD_E_PERMISSION, "%s", msg);
   cr_assert(strstr(msg, "its owner"), "%s", msg);
-  cr_assert_eq(chown(s.rdv, 0, 0), 0);
+  cr_assert_eq(chown(scr.rdv, 0, 0), 0);
   char link[160];
-  snprintf(link, sizeof link, "%s/via", s.dir);
-  cr_assert_eq(symlink(s.rdv, link), 0);
+  snprintf(link, sizeof link, "%s/via", scr.dir);
+  cr_assert_eq(symlink(scr.rdv, link), 0);
   cr_assert_eq(node0_create(link, &f, msg, sizeof msg), SHARDD_E_PERMISSION, "%s", msg);
   cr_assert(strstr(msg, "symlink"), "%s", msg);
 
   /* the daemon's own directory: two nodes meet, and take their keys away */
-  cr_assert_eq(chmod(s.rdv, 0700), 0);
+  cr_assert_eq(chmod(scr.rdv, 0700), 0);
   anode a[2];
-  memset(a, 0, sizeof a);
-  for (uint32_t k = 0; k < 2; k++) {
-    a[k].rdv = s.rdv;
-    a[k].node = k;
-    cr_assert_eq(pthread_create(&a[k].th, NULL, anode_create, &a[k]), 0);
-  }
-  for (uint32_t k = 0; k < 2; k++) {
-    pthread_join(a[k].th, NULL);
-    cr_assert_eq(a[k].rc, SHARDD_OK, "node %u: %s", k, a[k].msg);
-  }
+  anodes_create(a, scr.rdv);
   for (uint32_t k = 0; k < 2; k++)
     shardd__fabric_destroy(a[k].f);
-  DIR *d = opendir(s.rdv);
+  DIR *d = opendir(scr.rdv);
   cr_assert_not_null(d);
   int files = 0;
   for (struct dirent *e; (e = readdir(d)) != NULL;) {
@@ -740,5 +678,4 @@ Test(fabric, a_rendezvous_directory_another_uid_can_write_is_refused, .timeout =
   }
   closedir(d);
   cr_expect_eq(files, 4, "the two nodes' announcements and .seen files");
-  scratch_remove(&s);
 }

@@ -537,23 +537,37 @@ Test(server, status_of_many_huge_jobs_is_summarized_and_paged, .timeout = 120) {
 #define WIDE_JOBS 32
 #define WIDE_BARRIERS 32
 
+/* The last rank of job (world HUGE_WORLD) on a new raw client r, left
+ * waiting in WIDE_BARRIERS barriers (a walk for the arrived ranks goes the
+ * whole world); they are queued when it returns. */
+static void last_rank_waits_in_barriers(test_raw *r, const char *job) {
+  test_raw_open(&d, r);
+  test_raw_hello(r, job, HUGE_WORLD - 1, HUGE_WORLD);
+  for (int i = 0; i < WIDE_BARRIERS; i++) {
+    Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+    Shardwire__AllReduce ar = SHARDWIRE__ALL_REDUCE__INIT;
+    req.body_case = SHARDWIRE__REQUEST__BODY_ALL_REDUCE;
+    req.all_reduce = &ar;
+    test_raw_send(r, &req);
+  }
+  test_raw_sync(r);
+}
+
+/* Every one of status's WIDE_JOBS jobs still waits in its barriers. */
+static void expect_every_barrier_waits(const tj *jobs) {
+  cr_assert_eq(jobs->n, (size_t)WIDE_JOBS);
+  for (size_t i = 0; i < jobs->n; i++)
+    cr_assert_eq(tj_need(jobs->kids[i], "collectives_in_flight", TJ_NUM)->num,
+                 (double)WIDE_BARRIERS);
+}
+
 Test(server, status_of_many_wide_collectives_is_quick, .timeout = 120) {
   test_daemon_start(&d, (const char *const[]){"--collective-timeout", "600", NULL});
   static test_raw r[WIDE_JOBS];
   for (int k = 0; k < WIDE_JOBS; k++) {
     char name[32];
     snprintf(name, sizeof name, "wide-%02d", k);
-    test_raw_open(&d, &r[k]);
-    /* the last rank: a walk for the arrived ones goes the whole world */
-    test_raw_hello(&r[k], name, HUGE_WORLD - 1, HUGE_WORLD);
-    for (int i = 0; i < WIDE_BARRIERS; i++) {
-      Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
-      Shardwire__AllReduce ar = SHARDWIRE__ALL_REDUCE__INIT;
-      req.body_case = SHARDWIRE__REQUEST__BODY_ALL_REDUCE;
-      req.all_reduce = &ar;
-      test_raw_send(&r[k], &req);
-    }
-    test_raw_sync(&r[k]);
+    last_rank_waits_in_barriers(&r[k], name);
   }
   shardd_client_t *c = test_connect(&d, NULL, 0, 1);
   char *s = NULL;
@@ -577,9 +591,7 @@ Test(server, status_of_many_wide_collectives_is_quick, .timeout = 120) {
   const tj *arrived = tj_need(colls->kids[0], "arrived", TJ_ARR);
   cr_assert_eq(arrived->n, 1u);
   cr_assert_eq(arrived->kids[0]->num, (double)(HUGE_WORLD - 1));
-  for (size_t i = 0; i < jobs->n; i++)
-    cr_assert_eq(tj_need(jobs->kids[i], "collectives_in_flight", TJ_NUM)->num,
-                 (double)WIDE_BARRIERS);
+  expect_every_barrier_waits(jobs);
   tj_free(j);
   shardd_free(s);
   /* their ranks close: every barrier fails and is freed, and the daemon
@@ -651,16 +663,7 @@ Test(server, waiting_wide_jobs_with_a_lost_rank_leave_the_loop_idle, .timeout = 
     /* lost before the rank that waits joins: its barriers are not doomed */
     for (double end = test_mono_s() + TEST_HANG_S; !rank0_lost(c, name);)
       cr_assert_lt(test_mono_s(), end, "rank 0 of %s never left", name);
-    test_raw_open(&d, &r[k]);
-    test_raw_hello(&r[k], name, HUGE_WORLD - 1, HUGE_WORLD);
-    for (int i = 0; i < WIDE_BARRIERS; i++) {
-      Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
-      Shardwire__AllReduce ar = SHARDWIRE__ALL_REDUCE__INIT;
-      req.body_case = SHARDWIRE__REQUEST__BODY_ALL_REDUCE;
-      req.all_reduce = &ar;
-      test_raw_send(&r[k], &req);
-    }
-    test_raw_sync(&r[k]);
+    last_rank_waits_in_barriers(&r[k], name);
   }
   test_sleep_ms(1000); /* past the grace: every tick checks them now */
   double cpu0 = process_cpu_s(d.pid);
@@ -669,11 +672,7 @@ Test(server, waiting_wide_jobs_with_a_lost_rank_leave_the_loop_idle, .timeout = 
   cr_assert_lt(used, 0.25 * SLOWDOWN, "an idle daemon used %.2f s of CPU in 3 s", used);
   /* nothing was doomed: every barrier still waits */
   tj *st = shardctl_status();
-  const tj *jobs = tj_need(st, "jobs", TJ_ARR);
-  cr_assert_eq(jobs->n, (size_t)WIDE_JOBS);
-  for (size_t i = 0; i < jobs->n; i++)
-    cr_assert_eq(tj_need(jobs->kids[i], "collectives_in_flight", TJ_NUM)->num,
-                 (double)WIDE_BARRIERS);
+  expect_every_barrier_waits(tj_need(st, "jobs", TJ_ARR));
   tj_free(st);
   shardd_close(c);
   for (int k = 0; k < WIDE_JOBS; k++)

@@ -17,6 +17,8 @@
 #include "fabric_fixture.h"
 #include "registry.h"
 
+TestSuite(fabric, .init = fabric_setup, .fini = fabric_teardown);
+
 /* ---- stopping a daemon inside an exchange ---------------------------------- */
 
 /* Waits until node d's status shows buffer name's collective running (every
@@ -95,52 +97,32 @@ static double release_within(const test_daemon *d, const char *job, double max_s
  * within the grace, not at the collective timeout. */
 Test(fabric, a_killed_nodes_survivor_releases_its_job_within_the_peer_grace,
      .timeout = 120) {
-  need_gloo();
-  scratch s;
-  scratch_make(&s);
   test_daemon pair[2];
   const char *jobs[] = {"kj"};
   const char *linger[] = {"--job-linger", "600", NULL};
-  start_pair_each(pair, &s, jobs, 1, "60", linger, linger);
+  start_pair_each(pair, &scr, jobs, 1, "60", linger, linger);
   shardd_client_t *c[W];
   shardd_buffer_info info[W];
-  for (int r = 0; r < W; r++) {
-    c[r] = test_connect(&pair[r / 2], "kj", (uint32_t)r, W);
-    cr_assert_eq(shardd_buffer_register(c[r], "w", SHARDD_DTYPE_FP32, 4000, &info[r]),
-                 SHARDD_OK);
-  }
+  join_ranks_w(pair, "kj", W, 4000, c, info);
   all_ranks(c, OP_GATHER, info[0].id, 0, NULL); /* the fabric is up */
-  kill(pair[1].pid, SIGKILL);
-  waitpid(pair[1].pid, NULL, 0);
-  pair[1].pid = 0;
+  kill_node1(pair);
 
   /* node 0's ranks: the next gather fails on the dead fabric; the retry
    * re-forms it and waits for node 1 */
   call calls[2];
-  for (int attempt = 0; attempt < 2; attempt++) {
-    memset(calls, 0, sizeof calls);
-    for (int r = 0; r < 2; r++) {
-      calls[r].c = c[r];
-      calls[r].kind = OP_GATHER;
-      calls[r].id = info[0].id;
-      pthread_create(&calls[r].th, NULL, fabric_call_main, &calls[r]);
-    }
-    if (attempt == 1)
-      break;
-    for (int r = 0; r < 2; r++) {
-      pthread_join(calls[r].th, NULL);
-      cr_assert_eq(calls[r].rc, SHARDD_E_PEER_LOST, "rank %d: %s: %s", r,
-                   shardd_err_name(calls[r].rc), calls[r].msg);
-    }
-  }
+  calls_start(calls, 2, c, OP_GATHER, info, NULL);
+  calls_join(calls, 2);
+  for (int r = 0; r < 2; r++)
+    cr_assert_eq(calls[r].rc, SHARDD_E_PEER_LOST, "rank %d: %s: %s", r,
+                 shardd_err_name(calls[r].rc), calls[r].msg);
+  calls_start(calls, 2, c, OP_GATHER, info, NULL);
   wait_running(&pair[0], "w");
   test_sleep_ms(300); /* inside the re-forming's rendezvous */
 
   /* the operator stops node 0's trainers, then releases the job */
   double t0 = test_mono_s();
   cr_assert_eq(cut_connections_to(pair[0].sock), 2);
-  for (int r = 0; r < 2; r++)
-    pthread_join(calls[r].th, NULL);
+  calls_join(calls, 2);
   char first[1024], last[1024];
   double took = release_within(&pair[0], "kj", 50, first, last, sizeof last);
   cr_log_info("fabric: node 1 killed: node 0's job released %.2f s after its "
@@ -161,7 +143,6 @@ Test(fabric, a_killed_nodes_survivor_releases_its_job_within_the_peer_grace,
     shardd_close(c[r]);
   test_daemon_finish(&pair[0]);
   test_daemon_stop(&pair[1]);
-  scratch_remove(&s);
 }
 
 static float stop_val(int rank, size_t j) { return (float)(rank * 10000 + (int)j); }
@@ -178,15 +159,12 @@ static float stop_val(int rank, size_t j) { return (float)(rank * 10000 + (int)j
  * checkpoints are supported, else refused with that reason (the exit
  * status says so). */
 Test(fabric, sigterm_inside_an_exchange_aborts_it_checkpoints_and_exits, .timeout = 60) {
-  need_gloo();
-  scratch s;
-  scratch_make(&s);
   char ck[128];
-  snprintf(ck, sizeof ck, "%s/exit", s.dir);
+  snprintf(ck, sizeof ck, "%s/exit", scr.dir);
   test_daemon pair[2];
   const char *jobs[] = {"halt"};
   const char *extra0[] = {"--checkpoint-on-exit", ck, NULL};
-  start_pair_ex(pair, &s, jobs, 1, "30", extra0);
+  start_pair_ex(pair, &scr, jobs, 1, "30", extra0);
   shardd_client_t *c[W];
   shardd_buffer_info w[W], v[W];
   for (int r = 0; r < W; r++) {
@@ -209,14 +187,10 @@ Test(fabric, sigterm_inside_an_exchange_aborts_it_checkpoints_and_exits, .timeou
   for (int r = 0; r < W; r++)
     cr_assert_eq(((float *)w[r].gather)[1000 + 3], stop_val(1, 3), "rank %d", r);
 
+  /* node 0's ranks gather "w", node 1's "v" */
+  const shardd_buffer_info wv[W] = {w[0], w[1], v[2], v[3]};
   call calls[W];
-  memset(calls, 0, sizeof calls);
-  for (int r = 0; r < W; r++) {
-    calls[r].c = c[r];
-    calls[r].kind = OP_GATHER;
-    calls[r].id = r < 2 ? w[r].id : v[r].id;
-    cr_assert_eq(pthread_create(&calls[r].th, NULL, fabric_call_main, &calls[r]), 0);
-  }
+  calls_start(calls, W, c, OP_GATHER, wv, NULL);
   wait_running(&pair[0], "w");
   wait_running(&pair[1], "v");
 
@@ -227,8 +201,7 @@ Test(fabric, sigterm_inside_an_exchange_aborts_it_checkpoints_and_exits, .timeou
             TEST_HANG_S);
   double exit_s = test_mono_s() - t0;
   pair[0].pid = 0;
-  for (int r = 0; r < W; r++)
-    pthread_join(calls[r].th, NULL);
+  calls_join(calls, W);
   double peer_s = test_mono_s() - t0;
   cr_log_info("fabric: node 0 exited %.3f s after SIGTERM inside an exchange "
               "(promise: 5 s; collective timeout 30 s); node 1's ranks answered "
@@ -307,7 +280,6 @@ Test(fabric, sigterm_inside_an_exchange_aborts_it_checkpoints_and_exits, .timeou
   test_daemon_finish(&back);
   test_daemon_stop(&pair[0]);
   test_daemon_finish(&pair[1]);
-  scratch_remove(&s);
 }
 
 /* ---- collective checkpoints of a multi-node job -------------------------- */
@@ -322,17 +294,17 @@ typedef struct {
   uint64_t opt_of[2]; /* each node's id of it (rj_attach) */
 } ck_job;
 
-/* Connects the ranks of job to the pair (ranks 0-1 node 0, 2-3 node 1) and
- * registers train()'s buffers and AdamW; fresh: each rank writes its shard
- * of the initial values (a restored job keeps the restored ones). */
-static void ck_attach(const test_daemon *d, const char *job, int fresh, ck_job *j) {
-  memset(j, 0, sizeof *j);
+/* Ranks lo..hi-1 of job connect (ranks 0-1 to node 0, 2-3 to node 1)
+ * and register train()'s buffers; fresh: each rank writes its shard of the
+ * initial values (a restored job keeps the restored ones). */
+static void attach_ranks(const test_daemon *d, const char *job, int fresh, ck_job *j,
+                         int lo, int hi) {
   const uint64_t numel[2] = {N_BIG, N_SMALL};
   const char *names[2] = {"big", "small"};
-  for (int r = 0; r < W; r++)
+  for (int r = lo; r < hi; r++)
     j->c[r] = test_connect(&d[r / 2], job, (uint32_t)r, W);
   for (int b = 0; b < 2; b++)
-    for (int r = 0; r < W; r++) {
+    for (int r = lo; r < hi; r++) {
       shardd_buffer_info *in = &j->info[b][r];
       cr_assert_eq(shardd_buffer_register(j->c[r], names[b], SHARDD_DTYPE_FP32,
                                           numel[b], in),
@@ -343,19 +315,32 @@ static void ck_attach(const test_daemon *d, const char *job, int fresh, ck_job *
         ((float *)in->shard)[k] = g < numel[b] ? fabric_init_param(b, g) : 0.0f;
       }
     }
+}
+
+/* Ranks lo..hi-1 register train()'s AdamW over both buffers (by rank lo's
+ * ids of them); the id the last rank got. */
+static uint64_t attach_adamw(ck_job *j, int lo, int hi) {
   shardd_hparams hp = {0};
   hp.set = SHARDD_HP_LR | SHARDD_HP_WEIGHT_DECAY;
   hp.lr = 0.01;
   hp.weight_decay = 0.05;
-  shardd_param_ref refs[2] = {{j->info[0][0].id, "big"}, {j->info[1][0].id, "small"}};
+  shardd_param_ref refs[2] = {{j->info[0][lo].id, "big"}, {j->info[1][lo].id, "small"}};
   shardd_param_group g = {refs, 2, {0}};
-  for (int r = 0; r < W; r++) {
-    uint64_t id;
+  uint64_t id = 0;
+  for (int r = lo; r < hi; r++)
     cr_assert_eq(shardd_optimizer_register(j->c[r], "adamw", SHARDD_OPTIM_ADAMW, &hp,
                                            &g, 1, &id),
                  SHARDD_OK, "rank %d: optimizer: %s", r, shardd_last_error(j->c[r]));
-    j->opt = id;
-  }
+  return id;
+}
+
+/* Connects the ranks of job to the pair (ranks 0-1 node 0, 2-3 node 1) and
+ * registers train()'s buffers and AdamW; fresh: each rank writes its shard
+ * of the initial values (a restored job keeps the restored ones). */
+static void ck_attach(const test_daemon *d, const char *job, int fresh, ck_job *j) {
+  memset(j, 0, sizeof *j);
+  attach_ranks(d, job, fresh, j, 0, W);
+  j->opt = attach_adamw(j, 0, W);
 }
 
 /* Steps from..to of train()'s recipe (clipping every other step); each
@@ -378,18 +363,17 @@ static void ck_steps(ck_job *j, int from, int to) {
   }
 }
 
+/* Each rank's sm.checkpoint into dirs[rank / 2] (node 0's, node 1's),
+ * on threads; the calls' results in k. */
+static void ck_collective_into(ck_job *j, const char *const dirs[2], call k[W]) {
+  calls_start(k, W, j->c, OP_CHECKPOINT, NULL, dirs);
+  calls_join(k, W);
+}
+
 /* sm.checkpoint(dir) on every rank, each on its own thread. */
 static void ck_collective(ck_job *j, const char *dir) {
   call calls[W];
-  memset(calls, 0, sizeof calls);
-  for (int r = 0; r < W; r++) {
-    calls[r].c = j->c[r];
-    calls[r].kind = OP_CHECKPOINT;
-    calls[r].dir = dir;
-    cr_assert_eq(pthread_create(&calls[r].th, NULL, fabric_call_main, &calls[r]), 0);
-  }
-  for (int r = 0; r < W; r++)
-    pthread_join(calls[r].th, NULL);
+  ck_collective_into(j, (const char *const[]){dir, dir}, calls);
   for (int r = 0; r < W; r++)
     cr_assert_eq(calls[r].rc, SHARDD_OK, "rank %d: checkpoint: %s: %s", r,
                  shardd_err_name(calls[r].rc), calls[r].msg);
@@ -404,6 +388,25 @@ static void ck_final(ck_job *j, float *out[2][W]) {
   }
   for (int r = 0; r < W; r++)
     shardd_close(j->c[r]);
+}
+
+/* Every rank's final copy of both buffers (got, freed here) is the
+ * reference run's (ref), bit for bit; what names the run. */
+static void expect_bit_for_bit(float *ref[2][W], float *got[2][W], const ck_job *j,
+                               const char *what) {
+  for (int b = 0; b < 2; b++)
+    for (int r = 0; r < W; r++) {
+      char where[96];
+      snprintf(where, sizeof where, "%s buffer %d rank %d", what, b, r);
+      compare(ref[b][r], got[b][r], j->info[b][r].padded_numel, 1, where);
+      free(got[b][r]);
+    }
+}
+
+static void free_run(float *p[2][W]) {
+  for (int b = 0; b < 2; b++)
+    for (int r = 0; r < W; r++)
+      free(p[b][r]);
 }
 
 static void ck_sh(const char *cmd) { cr_assert_eq(system(cmd), 0, "%s", cmd); }
@@ -425,15 +428,12 @@ static void ck_sh(const char *cmd) { cr_assert_eq(system(cmd), 0, "%s", cmd); }
  * that restored different checkpoints fail their first collective with
  * E_MISMATCH naming the other node. */
 Test(fabric, collective_checkpoint_of_two_nodes_restores_bit_for_bit, .timeout = 120) {
-  need_gloo();
-  scratch s;
-  scratch_make(&s);
   char cka[160], ckb[160];
-  snprintf(cka, sizeof cka, "%s/ck-a", s.dir);
-  snprintf(ckb, sizeof ckb, "%s/ck-b", s.dir);
+  snprintf(cka, sizeof cka, "%s/ck-a", scr.dir);
+  snprintf(ckb, sizeof ckb, "%s/ck-b", scr.dir);
   const char *jobs[] = {"ck"};
   test_daemon pair[2];
-  start_pair(pair, &s, jobs, 1, "30");
+  start_pair(pair, &scr, jobs, 1, "30");
   ck_job j;
   ck_attach(pair, "ck", 1, &j);
   ck_steps(&j, 1, CK_AT);
@@ -466,18 +466,12 @@ Test(fabric, collective_checkpoint_of_two_nodes_restores_bit_for_bit, .timeout =
 
   /* fresh daemons restore it at start; the relaunch continues at step 4 */
   const char *rest[] = {KEEP_RESTORED, "--restore", cka, NULL};
-  start_pair_each(pair, &s, jobs, 1, "30", rest, rest);
+  start_pair_each(pair, &scr, jobs, 1, "30", rest, rest);
   ck_attach(pair, "ck", 0, &j);
   ck_steps(&j, CK_AT + 1, CK_N);
   float *got[2][W];
   ck_final(&j, got);
-  for (int b = 0; b < 2; b++)
-    for (int r = 0; r < W; r++) {
-      char what[64];
-      snprintf(what, sizeof what, "restored buffer %d rank %d", b, r);
-      compare(ref[b][r], got[b][r], j.info[b][r].padded_numel, 1, what);
-      free(got[b][r]);
-    }
+  expect_bit_for_bit(ref, got, &j, "restored");
   cr_log_info("fabric: 2 nodes x 2 ranks, checkpoint at step %d restored into fresh "
               "daemons, steps %d..%d bit for bit", CK_AT, CK_AT + 1, CK_N);
   test_daemon_finish(&pair[0]);
@@ -485,12 +479,12 @@ Test(fabric, collective_checkpoint_of_two_nodes_restores_bit_for_bit, .timeout =
 
   /* refusals, before any job exists */
   const char *keep[] = {KEEP_RESTORED, NULL};
-  start_pair_each(pair, &s, jobs, 1, "30", keep, keep);
+  start_pair_each(pair, &scr, jobs, 1, "30", keep, keep);
   shardd_client_t *ctl[2] = {test_connect(&pair[0], NULL, 0, 0),
                              test_connect(&pair[1], NULL, 0, 0)};
   char sw[160], miss[160];
-  snprintf(sw, sizeof sw, "%s/swapped", s.dir);
-  snprintf(miss, sizeof miss, "%s/missing", s.dir);
+  snprintf(sw, sizeof sw, "%s/swapped", scr.dir);
+  snprintf(miss, sizeof miss, "%s/missing", scr.dir);
   char cmd[900];
   snprintf(cmd, sizeof cmd, "cp -a '%s' '%s' && cd '%s' && mv node-0 x && "
            "mv node-1 node-0 && mv x node-1", cka, sw, sw);
@@ -518,15 +512,8 @@ Test(fabric, collective_checkpoint_of_two_nodes_restores_bit_for_bit, .timeout =
                shardd_last_error(ctl[1]));
   ck_attach(pair, "ck", 0, &j);
   call calls[W];
-  memset(calls, 0, sizeof calls);
-  for (int r = 0; r < W; r++) {
-    calls[r].c = j.c[r];
-    calls[r].kind = OP_GATHER;
-    calls[r].id = j.info[0][r].id;
-    cr_assert_eq(pthread_create(&calls[r].th, NULL, fabric_call_main, &calls[r]), 0);
-  }
-  for (int r = 0; r < W; r++)
-    pthread_join(calls[r].th, NULL);
+  calls_start(calls, W, j.c, OP_GATHER, j.info[0], NULL);
+  calls_join(calls, W);
   for (int r = 0; r < W; r++) {
     cr_expect_eq(calls[r].rc, SHARDD_E_MISMATCH, "rank %d: %s: %s", r,
                  shardd_err_name(calls[r].rc), calls[r].msg);
@@ -540,26 +527,9 @@ Test(fabric, collective_checkpoint_of_two_nodes_restores_bit_for_bit, .timeout =
     shardd_close(j.c[r]);
   shardd_close(ctl[0]);
   shardd_close(ctl[1]);
-  for (int b = 0; b < 2; b++)
-    for (int r = 0; r < W; r++)
-      free(ref[b][r]);
+  free_run(ref);
   test_daemon_finish(&pair[0]);
   test_daemon_finish(&pair[1]);
-  scratch_remove(&s);
-}
-
-/* Each rank's sm.checkpoint into dirs[rank / 2] (node 0's, node 1's),
- * on threads; the calls' results in k. */
-static void ck_collective_into(ck_job *j, const char *const dirs[2], call k[W]) {
-  memset(k, 0, W * sizeof *k);
-  for (int r = 0; r < W; r++) {
-    k[r].c = j->c[r];
-    k[r].kind = OP_CHECKPOINT;
-    k[r].dir = dirs[r / 2];
-    cr_assert_eq(pthread_create(&k[r].th, NULL, fabric_call_main, &k[r]), 0);
-  }
-  for (int r = 0; r < W; r++)
-    pthread_join(k[r].th, NULL);
 }
 
 /* A collective checkpoint of a multi-node job that cannot be whole writes
@@ -568,19 +538,16 @@ static void ck_collective_into(ck_job *j, const char *const dirs[2], call k[W]) 
  * (compared across nodes by the barrier), and node 1 unable to write its
  * part (DIR/node-1 is a file). */
 Test(fabric, collective_checkpoint_that_cannot_be_whole_names_the_node, .timeout = 120) {
-  need_gloo();
-  scratch s;
-  scratch_make(&s);
   const char *jobs[] = {"ckf"};
   test_daemon pair[2];
-  start_pair(pair, &s, jobs, 1, "30");
+  start_pair(pair, &scr, jobs, 1, "30");
   ck_job j;
   ck_attach(pair, "ckf", 1, &j);
   ck_steps(&j, 1, 1);
 
   char da[160], db[160], path[300];
-  snprintf(da, sizeof da, "%s/a", s.dir);
-  snprintf(db, sizeof db, "%s/b", s.dir);
+  snprintf(da, sizeof da, "%s/a", scr.dir);
+  snprintf(db, sizeof db, "%s/b", scr.dir);
   call k[W];
   ck_collective_into(&j, (const char *const[]){da, db}, k);
   for (int r = 0; r < W; r++) {
@@ -597,7 +564,7 @@ Test(fabric, collective_checkpoint_that_cannot_be_whole_names_the_node, .timeout
   cr_expect_neq(access(path, F_OK), 0, "%s written", path);
 
   char dc[160];
-  snprintf(dc, sizeof dc, "%s/c", s.dir);
+  snprintf(dc, sizeof dc, "%s/c", scr.dir);
   cr_assert_eq(mkdir(dc, 0700), 0);
   snprintf(path, sizeof path, "%s/node-1", dc);
   FILE *f = fopen(path, "w"); /* node 1's part cannot be a directory */
@@ -638,7 +605,6 @@ Test(fabric, collective_checkpoint_that_cannot_be_whole_names_the_node, .timeout
     shardd_close(j.c[r]);
   test_daemon_finish(&pair[0]);
   test_daemon_finish(&pair[1]);
-  scratch_remove(&s);
 }
 
 /* ---- a node's daemon restarted mid-job ------------------------------------ */
@@ -669,33 +635,15 @@ static void start_node(test_daemon *d, const scratch *s, const char *job, int n,
  * optimizer by name (a restored job keeps its values). */
 static void rj_attach(const test_daemon *d, const char *job, int fresh, ck_job *j,
                       int node) {
-  const uint64_t numel[2] = {N_BIG, N_SMALL};
-  const char *names[2] = {"big", "small"};
-  int lo = node * 2, hi = lo + 2;
-  for (int r = lo; r < hi; r++)
-    j->c[r] = test_connect(&d[node], job, (uint32_t)r, W);
-  for (int b = 0; b < 2; b++)
-    for (int r = lo; r < hi; r++) {
-      shardd_buffer_info *in = &j->info[b][r];
-      cr_assert_eq(shardd_buffer_register(j->c[r], names[b], SHARDD_DTYPE_FP32,
-                                          numel[b], in),
-                   SHARDD_OK, "rank %d: register %s: %s", r, names[b],
-                   shardd_last_error(j->c[r]));
-      for (size_t k = 0; fresh && k < in->shard_numel; k++) {
-        size_t g = (size_t)r * in->shard_numel + k;
-        ((float *)in->shard)[k] = g < numel[b] ? fabric_init_param(b, g) : 0.0f;
-      }
-    }
-  shardd_hparams hp = {0};
-  hp.set = SHARDD_HP_LR | SHARDD_HP_WEIGHT_DECAY;
-  hp.lr = 0.01;
-  hp.weight_decay = 0.05;
-  shardd_param_ref refs[2] = {{j->info[0][lo].id, "big"}, {j->info[1][lo].id, "small"}};
-  shardd_param_group g = {refs, 2, {0}};
-  for (int r = lo; r < hi; r++)
-    cr_assert_eq(shardd_optimizer_register(j->c[r], "adamw", SHARDD_OPTIM_ADAMW, &hp,
-                                           &g, 1, &j->opt_of[node]),
-                 SHARDD_OK, "rank %d: optimizer: %s", r, shardd_last_error(j->c[r]));
+  attach_ranks(d, job, fresh, j, node * 2, node * 2 + 2);
+  j->opt_of[node] = attach_adamw(j, node * 2, node * 2 + 2);
+}
+
+/* rj_attach of both nodes' ranks into a cleared j. */
+static void rj_attach_all(const test_daemon *d, const char *job, int fresh, ck_job *j) {
+  memset(j, 0, sizeof *j);
+  rj_attach(d, job, fresh, j, 0);
+  rj_attach(d, job, fresh, j, 1);
 }
 
 /* One rank's steps from..to of ck_steps' recipe, on its own thread. An
@@ -760,36 +708,36 @@ static void *rj_rank_main(void *p) {
   return NULL;
 }
 
-static void rj_start_n(rj_rank *k, ck_job *j, int rank, int from, int to,
+/* Ranks lo..hi-1 run steps from..to, each on its own thread, retrying
+ * an iteration lost to the other node up to max_retries times. */
+static void rj_start_n(rj_rank *k, ck_job *j, int lo, int hi, int from, int to,
                        int max_retries) {
-  memset(k, 0, sizeof *k);
-  k->max_retries = max_retries;
-  k->j = j;
-  k->rank = rank;
-  k->from = from;
-  k->to = to;
-  cr_assert_eq(pthread_create(&k->th, NULL, rj_rank_main, k), 0);
-}
-
-static void rj_start(rj_rank *k, ck_job *j, int rank, int from, int to) {
-  rj_start_n(k, j, rank, from, to, 1000);
-}
-
-/* Waits until daemon d's status shows a collective of job running or
- * waiting in it; then node 0's ranks are inside their next iteration. */
-static void rj_wait_pending(const test_daemon *d, const char *needle) {
-  shardd_client_t *ctl = test_connect(d, NULL, 0, 0);
-  for (double end = test_mono_s() + TEST_HANG_S;;) {
-    char *text = NULL;
-    cr_assert_eq(shardd_status_text(ctl, &text), SHARDD_OK);
-    int hit = strstr(text, needle) != NULL;
-    shardd_free(text);
-    if (hit)
-      break;
-    cr_assert(test_mono_s() < end, "never saw \"%s\" on %s", needle, d->sock);
-    test_sleep_ms(20);
+  for (int r = lo; r < hi; r++) {
+    memset(&k[r], 0, sizeof k[r]);
+    k[r].max_retries = max_retries;
+    k[r].j = j;
+    k[r].rank = r;
+    k[r].from = from;
+    k[r].to = to;
+    cr_assert_eq(pthread_create(&k[r].th, NULL, rj_rank_main, &k[r]), 0);
   }
-  shardd_close(ctl);
+}
+
+static void rj_start(rj_rank *k, ck_job *j, int lo, int hi, int from, int to) {
+  rj_start_n(k, j, lo, hi, from, to, 1000);
+}
+
+static void rj_join(rj_rank *k, int lo, int hi) {
+  for (int r = lo; r < hi; r++)
+    pthread_join(k[r].th, NULL);
+}
+
+/* Ranks lo..hi-1 end their steps, every one of them well. */
+static void rj_expect_ok(rj_rank *k, int lo, int hi) {
+  for (int r = lo; r < hi; r++) {
+    pthread_join(k[r].th, NULL);
+    cr_assert_eq(k[r].rc, SHARDD_OK, "rank %d: %s", r, k[r].msg);
+  }
 }
 
 /* SIGTERM node 1's daemon (exit 0 and its exit part written), close its
@@ -813,6 +761,14 @@ static void rj_stop_node1(test_daemon pair[2], ck_job *j) {
   rj_stop_node1_as(pair, j, 0);
 }
 
+/* Node 1's daemon (stopped) back with extra arguments, its ranks
+ * relaunched; fresh: they write their initial values. */
+static void rj_restart_node1(test_daemon pair[2], ck_job *j, const char *job,
+                             const char *timeout, const char *const *extra, int fresh) {
+  start_node(&pair[1], &scr, job, 1, timeout, extra);
+  rj_attach(pair, job, fresh, j, 1);
+}
+
 /* A node's daemon restarted on 2 nodes x 2 ranks, AdamW with clipping every other
  * step: node 1's daemon is stopped (SIGTERM, --checkpoint-on-exit) after
  * step 3 while node 0's ranks wait in step 4's first scatter; they get
@@ -823,14 +779,11 @@ static void rj_stop_node1(test_daemon pair[2], ck_job *j) {
  * parameters equal an uninterrupted 6-step run bit for bit, and so do the
  * optimizer's steps. */
 Test(fabric, a_node_daemon_restart_rejoins_the_job_bit_for_bit, .timeout = 120) {
-  need_gloo();
-  scratch s;
-  scratch_make(&s);
   const char *jobs[] = {"rj"};
   test_daemon pair[2];
 
   /* the reference: an uninterrupted run */
-  start_pair(pair, &s, jobs, 1, "30");
+  start_pair(pair, &scr, jobs, 1, "30");
   ck_job j;
   ck_attach(pair, "rj", 1, &j);
   ck_steps(&j, 1, RJ_N);
@@ -840,23 +793,16 @@ Test(fabric, a_node_daemon_restart_rejoins_the_job_bit_for_bit, .timeout = 120) 
   test_daemon_finish(&pair[1]);
 
   char ex[160];
-  snprintf(ex, sizeof ex, "%s/exit", s.dir);
+  snprintf(ex, sizeof ex, "%s/exit", scr.dir);
   const char *exit_args[] = {"--checkpoint-on-exit", ex, NULL};
-  start_pair_each(pair, &s, jobs, 1, "30", exit_args, exit_args);
-  memset(&j, 0, sizeof j);
-  rj_attach(pair, "rj", 1, &j, 0);
-  rj_attach(pair, "rj", 1, &j, 1);
+  start_pair_each(pair, &scr, jobs, 1, "30", exit_args, exit_args);
+  rj_attach_all(pair, "rj", 1, &j);
   rj_rank k[W];
-  for (int r = 0; r < W; r++)
-    rj_start(&k[r], &j, r, 1, RJ_AT);
-  for (int r = 0; r < W; r++) {
-    pthread_join(k[r].th, NULL);
-    cr_assert_eq(k[r].rc, SHARDD_OK, "rank %d: %s", r, k[r].msg);
-  }
+  rj_start(k, &j, 0, W, 1, RJ_AT);
+  rj_expect_ok(k, 0, W);
   /* node 0's ranks go on into step 4 and wait there for node 1's */
-  for (int r = 0; r < 2; r++)
-    rj_start(&k[r], &j, r, RJ_AT + 1, RJ_N);
-  rj_wait_pending(&pair[0], "(big): running");
+  rj_start(k, &j, 0, 2, RJ_AT + 1, RJ_N);
+  wait_running(&pair[0], "big"); /* node 0's ranks are inside step 4 */
   double t0 = test_mono_s();
   rj_stop_node1_as(pair, &j, 1);
   char path[300];
@@ -868,15 +814,11 @@ Test(fabric, a_node_daemon_restart_rejoins_the_job_bit_for_bit, .timeout = 120) 
   /* node 1's daemon restarts from its exit part; its ranks relaunch */
   const char *back[] = {"--checkpoint-on-exit", ex, KEEP_RESTORED, "--restore", ex,
                         NULL};
-  start_node(&pair[1], &s, "rj", 1, "30", back);
+  start_node(&pair[1], &scr, "rj", 1, "30", back);
   double t_back = test_mono_s();
   rj_attach(pair, "rj", 0, &j, 1);
-  for (int r = 2; r < W; r++)
-    rj_start(&k[r], &j, r, RJ_AT + 1, RJ_N);
-  for (int r = 0; r < W; r++) {
-    pthread_join(k[r].th, NULL);
-    cr_assert_eq(k[r].rc, SHARDD_OK, "rank %d: %s", r, k[r].msg);
-  }
+  rj_start(k, &j, 2, W, RJ_AT + 1, RJ_N);
+  rj_expect_ok(k, 0, W);
   double done = test_mono_s();
   for (int r = 0; r < 2; r++)
     cr_expect_gt(k[r].retries, 0, "node 0's rank %d never saw the loss", r);
@@ -888,20 +830,13 @@ Test(fabric, a_node_daemon_restart_rejoins_the_job_bit_for_bit, .timeout = 120) 
 
   float *got[2][W];
   ck_final(&j, got);
-  for (int b = 0; b < 2; b++)
-    for (int r = 0; r < W; r++) {
-      char what[64];
-      snprintf(what, sizeof what, "rejoined buffer %d rank %d", b, r);
-      compare(ref[b][r], got[b][r], j.info[b][r].padded_numel, 1, what);
-      free(got[b][r]);
-      free(ref[b][r]);
-    }
+  expect_bit_for_bit(ref, got, &j, "rejoined");
+  free_run(ref);
   cr_log_info("fabric: 2 nodes x 2 ranks, node 1's daemon restarted after step %d: "
               "steps %d..%d bit for bit with the uninterrupted run", RJ_AT, RJ_AT + 1,
               RJ_N);
   test_daemon_finish(&pair[0]);
   test_daemon_finish(&pair[1]);
-  scratch_remove(&s);
 }
 
 /* The refusals of a re-forming fabric, with a 4 s collective timeout:
@@ -913,27 +848,18 @@ Test(fabric, a_node_daemon_restart_rejoins_the_job_bit_for_bit, .timeout = 120) 
  * the timeout. Also: a restart while node 0's ranks sat idle (their next
  * collective fails on the dead fabric, and its retry re-forms it). */
 Test(fabric, a_node_that_rejoins_with_other_state_or_never_is_named, .timeout = 120) {
-  need_gloo();
-  scratch s;
-  scratch_make(&s);
   const char *jobs[] = {"rf"};
   test_daemon pair[2];
   char ex[160], old[160];
-  snprintf(ex, sizeof ex, "%s/exit", s.dir);
-  snprintf(old, sizeof old, "%s/old", s.dir);
+  snprintf(ex, sizeof ex, "%s/exit", scr.dir);
+  snprintf(old, sizeof old, "%s/old", scr.dir);
   const char *exit_args[] = {"--checkpoint-on-exit", ex, NULL};
-  start_pair_each(pair, &s, jobs, 1, "4", exit_args, exit_args);
+  start_pair_each(pair, &scr, jobs, 1, "4", exit_args, exit_args);
   ck_job j;
-  memset(&j, 0, sizeof j);
-  rj_attach(pair, "rf", 1, &j, 0);
-  rj_attach(pair, "rf", 1, &j, 1);
+  rj_attach_all(pair, "rf", 1, &j);
   rj_rank k[W];
-  for (int r = 0; r < W; r++)
-    rj_start(&k[r], &j, r, 1, 2);
-  for (int r = 0; r < W; r++) {
-    pthread_join(k[r].th, NULL);
-    cr_assert_eq(k[r].rc, SHARDD_OK, "rank %d: %s", r, k[r].msg);
-  }
+  rj_start(k, &j, 0, W, 1, 2);
+  rj_expect_ok(k, 0, W);
 
   /* node 1 restarts while every rank is idle: steps 3..4 go on */
   rj_stop_node1(pair, &j);
@@ -942,24 +868,16 @@ Test(fabric, a_node_that_rejoins_with_other_state_or_never_is_named, .timeout = 
   ck_sh(cmd);
   const char *back[] = {"--checkpoint-on-exit", ex, KEEP_RESTORED, "--restore", ex,
                         NULL};
-  start_node(&pair[1], &s, "rf", 1, "4", back);
-  rj_attach(pair, "rf", 0, &j, 1);
-  for (int r = 0; r < W; r++)
-    rj_start(&k[r], &j, r, 3, 4);
-  for (int r = 0; r < W; r++) {
-    pthread_join(k[r].th, NULL);
-    cr_assert_eq(k[r].rc, SHARDD_OK, "rank %d: %s", r, k[r].msg);
-  }
+  rj_restart_node1(pair, &j, "rf", "4", back, 0);
+  rj_start(k, &j, 0, W, 3, 4);
+  rj_expect_ok(k, 0, W);
 
   /* node 1 restarts from step 2's part while node 0 holds step 4 */
   rj_stop_node1(pair, &j);
   const char *stale[] = {KEEP_RESTORED, "--restore", old, NULL};
-  start_node(&pair[1], &s, "rf", 1, "4", stale);
-  rj_attach(pair, "rf", 0, &j, 1);
-  for (int r = 0; r < W; r++)
-    rj_start(&k[r], &j, r, 5, 5);
-  for (int r = 0; r < W; r++)
-    pthread_join(k[r].th, NULL);
+  rj_restart_node1(pair, &j, "rf", "4", stale, 0);
+  rj_start(k, &j, 0, W, 5, 5);
+  rj_join(k, 0, W);
   for (int r = 0; r < W; r++) {
     cr_expect_eq(k[r].rc, SHARDD_E_MISMATCH, "rank %d: %s: %s", r,
                  shardd_err_name(k[r].rc), k[r].msg);
@@ -973,12 +891,9 @@ Test(fabric, a_node_that_rejoins_with_other_state_or_never_is_named, .timeout = 
 
   /* node 1 restarts without --restore: a fresh job of the name */
   rj_stop_node1(pair, &j);
-  start_node(&pair[1], &s, "rf", 1, "4", NULL);
-  rj_attach(pair, "rf", 1, &j, 1);
-  for (int r = 0; r < W; r++)
-    rj_start(&k[r], &j, r, 5, 5);
-  for (int r = 0; r < W; r++)
-    pthread_join(k[r].th, NULL);
+  rj_restart_node1(pair, &j, "rf", "4", NULL, 1);
+  rj_start(k, &j, 0, W, 5, 5);
+  rj_join(k, 0, W);
   for (int r = 0; r < W; r++) {
     cr_expect_eq(k[r].rc, SHARDD_E_MISMATCH, "rank %d: %s: %s", r,
                  shardd_err_name(k[r].rc), k[r].msg);
@@ -991,10 +906,8 @@ Test(fabric, a_node_that_rejoins_with_other_state_or_never_is_named, .timeout = 
   /* node 1 never comes back: node 0's retry fails naming it */
   rj_stop_node1(pair, &j);
   double t0 = test_mono_s();
-  for (int r = 0; r < 2; r++)
-    rj_start_n(&k[r], &j, r, 5, 5, 0);
-  for (int r = 0; r < 2; r++)
-    pthread_join(k[r].th, NULL);
+  rj_start_n(k, &j, 0, 2, 5, 5, 0);
+  rj_join(k, 0, 2);
   double took = test_mono_s() - t0;
   for (int r = 0; r < 2; r++) {
     cr_expect_eq(k[r].rc, SHARDD_E_PEER_LOST, "rank %d: %s: %s", r,
@@ -1008,7 +921,6 @@ Test(fabric, a_node_that_rejoins_with_other_state_or_never_is_named, .timeout = 
   for (int r = 0; r < 2; r++)
     shardd_close(j.c[r]);
   test_daemon_finish(&pair[0]);
-  scratch_remove(&s);
 }
 
 /* README "A node's daemon killed", its procedure as scripts/recover_job.sh
@@ -1022,15 +934,12 @@ Test(fabric, a_node_that_rejoins_with_other_state_or_never_is_named, .timeout = 
  * at step 3 and steps 4-6 end bit for bit where the first run did. */
 Test(fabric, a_killed_nodes_job_recovers_with_the_scripted_procedure,
      .timeout = 120) {
-  need_gloo();
-  scratch s;
-  scratch_make(&s);
   char cka[160];
-  snprintf(cka, sizeof cka, "%s/ck-a", s.dir);
+  snprintf(cka, sizeof cka, "%s/ck-a", scr.dir);
   const char *jobs[] = {"ck"};
   const char *keep[] = {KEEP_RESTORED, NULL};
   test_daemon pair[2];
-  start_pair_each(pair, &s, jobs, 1, "60", keep, keep);
+  start_pair_each(pair, &scr, jobs, 1, "60", keep, keep);
   ck_job j;
   ck_attach(pair, "ck", 1, &j);
   ck_steps(&j, 1, CK_AT);
@@ -1043,34 +952,21 @@ Test(fabric, a_killed_nodes_job_recovers_with_the_scripted_procedure,
    * then node 1's daemon is killed and node 0's ranks retry a gather */
   ck_attach(pair, "ck", 0, &j);
   all_ranks(j.c, OP_GATHER, j.info[0][0].id, 0, NULL);
-  kill(pair[1].pid, SIGKILL);
-  waitpid(pair[1].pid, NULL, 0);
-  pair[1].pid = 0;
+  kill_node1(pair);
   call calls[2];
-  for (int attempt = 0; attempt < 2; attempt++) {
-    memset(calls, 0, sizeof calls);
-    for (int r = 0; r < 2; r++) {
-      calls[r].c = j.c[r];
-      calls[r].kind = OP_GATHER;
-      calls[r].id = j.info[0][r].id;
-      pthread_create(&calls[r].th, NULL, fabric_call_main, &calls[r]);
-    }
-    if (attempt == 1)
-      break;
-    for (int r = 0; r < 2; r++)
-      pthread_join(calls[r].th, NULL);
-  }
+  calls_start(calls, 2, j.c, OP_GATHER, j.info[0], NULL);
+  calls_join(calls, 2);
+  calls_start(calls, 2, j.c, OP_GATHER, j.info[0], NULL);
   wait_running(&pair[0], "big");
 
   /* node 0's trainers stop; node 1's daemon restarts (Restart=) */
   double t0 = test_mono_s();
   cr_assert_eq(cut_connections_to(pair[0].sock), 2);
-  for (int r = 0; r < 2; r++)
-    pthread_join(calls[r].th, NULL);
+  calls_join(calls, 2);
   for (int r = 0; r < W; r++)
     shardd_close(j.c[r]);
   test_daemon_stop(&pair[1]);
-  start_node(&pair[1], &s, "ck", 1, "60", keep);
+  start_node(&pair[1], &scr, "ck", 1, "60", keep);
 
   /* the procedure on each node */
   for (int n = 0; n < 2; n++) {
@@ -1101,32 +997,19 @@ Test(fabric, a_killed_nodes_job_recovers_with_the_scripted_procedure,
 
   /* the trainers relaunch: told step 3, steps 4-6 as the first run (each
    * node's ids are its own now: node 0's restore numbered anew) */
-  memset(&j, 0, sizeof j);
-  rj_attach(pair, "ck", 0, &j, 0);
-  rj_attach(pair, "ck", 0, &j, 1);
+  rj_attach_all(pair, "ck", 0, &j);
   for (int r = 0; r < W; r++) {
     uint64_t at = 0;
     cr_assert(shardd_resumed(j.c[r], &at), "rank %d is not told it resumes", r);
     cr_assert_eq(at, CK_AT, "rank %d told it resumes at step %" PRIu64, r, at);
   }
   rj_rank k[W];
-  for (int r = 0; r < W; r++)
-    rj_start_n(&k[r], &j, r, CK_AT + 1, CK_N, 0);
-  for (int r = 0; r < W; r++) {
-    pthread_join(k[r].th, NULL);
-    cr_assert_eq(k[r].rc, SHARDD_OK, "rank %d: %s", r, k[r].msg);
-  }
+  rj_start_n(k, &j, 0, W, CK_AT + 1, CK_N, 0);
+  rj_expect_ok(k, 0, W);
   for (int b = 0; b < 2; b++) {
     call g[W];
-    memset(g, 0, sizeof g);
-    for (int r = 0; r < W; r++) {
-      g[r].c = j.c[r];
-      g[r].kind = OP_GATHER;
-      g[r].id = j.info[b][r].id;
-      pthread_create(&g[r].th, NULL, fabric_call_main, &g[r]);
-    }
-    for (int r = 0; r < W; r++)
-      pthread_join(g[r].th, NULL);
+    calls_start(g, W, j.c, OP_GATHER, j.info[b], NULL);
+    calls_join(g, W);
     for (int r = 0; r < W; r++) {
       cr_assert_eq(g[r].rc, SHARDD_OK, "rank %d: gather: %s", r, g[r].msg);
       char what[64];
@@ -1139,5 +1022,4 @@ Test(fabric, a_killed_nodes_job_recovers_with_the_scripted_procedure,
     shardd_close(j.c[r]);
   test_daemon_finish(&pair[0]);
   test_daemon_finish(&pair[1]);
-  scratch_remove(&s);
 }

@@ -344,21 +344,7 @@ Test(collective, same_buffer_runs_in_submission_order, .init = start4, .fini = s
   test_raw r[4];
   shardd_buffer_info rb[4];
   for (int k = 0; k < 4; k++) {
-    /* until the daemon saw the old rank leave */
-    for (double end = test_mono_s() + TEST_HANG_S;;) {
-      test_raw_open(&d, &r[k]);
-      uint64_t seq = test_raw_send_hello(&r[k], SHARDD_PROTOCOL_VERSION, "order", (uint32_t)k, 4);
-      Shardwire__Response *resp = test_raw_recv(&r[k]);
-      cr_assert_not_null(resp);
-      cr_assert_eq(resp->seq, seq);
-      int ok = resp->code == SHARDWIRE__STATUS_CODE__OK;
-      shardwire__response__free_unpacked(resp, NULL);
-      if (ok)
-        break;
-      test_raw_close(&r[k]);
-      cr_assert_lt(test_mono_s(), end, "rank %d never freed after its holder closed", k);
-      test_sleep_ms(10);
-    }
+    raw_hello_when_free(&r[k], "order", (uint32_t)k, 4); /* the team's rank closed */
     test_raw_register_buffer(&r[k], "P", SHARDD_DTYPE_FP32, 4099, &rb[k]);
   }
   write_params(rb);

@@ -5,6 +5,7 @@
  * JSON. */
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
+#include <stdarg.h>
 
 #include "harness.h"
 
@@ -23,6 +24,40 @@ static int ctl(char **out, char **err, const char *fmt, const char *extra) {
   return test_shardctl(NULL, args, out, err);
 }
 
+/* `shardctl` with the printf-formatted arguments, which must exit 0 (its
+ * stderr in the failure): its stdout, to free. */
+static char *vctl_ok(const char *fmt, va_list ap) {
+  char args[4096], *out, *err;
+  vsnprintf(args, sizeof args, fmt, ap);
+  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  free(err);
+  return out;
+}
+
+__attribute__((format(printf, 1, 2))) static char *ctl_ok(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  char *out = vctl_ok(fmt, ap);
+  va_end(ap);
+  return out;
+}
+
+/* As ctl_ok for a --json command: its output parsed (valid JSON, or the
+ * test fails); the text itself in *text when text is not NULL (to free). */
+__attribute__((format(printf, 2, 3))) static tj *ctl_json(char **text, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  char *out = vctl_ok(fmt, ap);
+  va_end(ap);
+  tj *j = tj_parse(out);
+  cr_assert_not_null(j, "not valid JSON: %s", out);
+  if (text)
+    *text = out;
+  else
+    free(out);
+  return j;
+}
+
 Test(shardctl, status_ok_and_ping, .init = start, .fini = stop) {
   char *out, *err;
   cr_assert_eq(ctl(&out, &err, "--socket %s status%s", NULL), 0, "%s", err);
@@ -32,24 +67,15 @@ Test(shardctl, status_ok_and_ping, .init = start, .fini = stop) {
   free(out);
   free(err);
   /* options after the command, --socket=PATH form */
-  cr_assert_eq(ctl(&out, &err, "status --json --socket=%s%s", NULL), 0, "%s", err);
-  tj *j = tj_parse(out);
-  cr_assert_not_null(j, "%s", out);
+  tj *j = ctl_json(NULL, "status --json --socket=%s", d.sock);
   cr_assert_eq(tj_need(j, "devices", TJ_ARR)->n, 2);
   tj_free(j);
-  free(out);
-  free(err);
-  cr_assert_eq(ctl(&out, &err, "--socket %s ping%s", NULL), 0, "%s", err);
+  out = ctl_ok("--socket %s ping", d.sock);
   cr_assert_str_eq(out, "pong\n");
   free(out);
-  free(err);
-  cr_assert_eq(ctl(&out, &err, "--socket %s --json ping%s", NULL), 0, "%s", err);
-  j = tj_parse(out);
-  cr_assert_not_null(j, "%s", out);
+  j = ctl_json(NULL, "--socket %s --json ping", d.sock);
   cr_assert_eq(tj_need(j, "ok", TJ_BOOL)->boolean, 1);
   tj_free(j);
-  free(out);
-  free(err);
 }
 
 Test(shardctl, socket_from_environment, .init = start, .fini = stop) {
@@ -167,11 +193,8 @@ Test(shardctl, inspect_buffer_and_view, .init = start, .fini = stop) {
   uint64_t vid;
   cr_assert_eq(shardd_view_register(r0, b0.id, "enc.weight", 200, 600, shape, 2, &vid),
                SHARDD_OK, "%s", shardd_last_error(r0));
-  char *out, *err, idarg[32];
-  snprintf(idarg, sizeof idarg, " %llu", (unsigned long long)b0.id);
-  cr_assert_eq(ctl(&out, &err, "--socket %s --json inspect%s", idarg), 0, "%s", err);
-  tj *j = tj_parse(out);
-  cr_assert_not_null(j, "%s", out);
+  tj *j = ctl_json(NULL, "--socket %s --json inspect %llu", d.sock,
+                   (unsigned long long)b0.id);
   cr_assert_str_eq(tj_need(j, "kind", TJ_STR)->str, "buffer");
   cr_assert_str_eq(tj_need(j, "name", TJ_STR)->str, "flat");
   cr_assert_str_eq(tj_need(j, "job", TJ_STR)->str, "insp");
@@ -197,12 +220,8 @@ Test(shardctl, inspect_buffer_and_view, .init = start, .fini = stop) {
   cr_assert_eq(shp->kids[1]->num, 60);
   cr_assert_eq(tj_need(j, "optimizer", TJ_NULL)->kind, TJ_NULL);
   tj_free(j);
-  free(out);
-  free(err);
   /* the view by name: it crosses from rank 0's shard into rank 1's */
-  cr_assert_eq(ctl(&out, &err, "--socket %s inspect --json%s", " enc.weight"), 0, "%s", err);
-  j = tj_parse(out);
-  cr_assert_not_null(j, "%s", out);
+  j = ctl_json(NULL, "--socket %s inspect --json enc.weight", d.sock);
   cr_assert_str_eq(tj_need(j, "kind", TJ_STR)->str, "view");
   cr_assert_eq(tj_need(j, "buffer", TJ_NUM)->num, (double)b0.id);
   shards = tj_need(j, "shards", TJ_ARR);
@@ -212,14 +231,11 @@ Test(shardctl, inspect_buffer_and_view, .init = start, .fini = stop) {
   cr_assert_eq(tj_need(shards->kids[1], "offset", TJ_NUM)->num, 501);
   cr_assert_eq(tj_need(shards->kids[1], "numel", TJ_NUM)->num, 299);
   tj_free(j);
-  free(out);
-  free(err);
   /* text form */
-  cr_assert_eq(ctl(&out, &err, "--socket %s inspect%s", " enc.weight"), 0, "%s", err);
+  char *out = ctl_ok("--socket %s inspect enc.weight", d.sock);
   cr_assert_not_null(strstr(out, "kind: view\n"), "%s", out);
   cr_assert_not_null(strstr(out, "shape: [10, 60]\n"), "%s", out);
   free(out);
-  free(err);
   shardd_close(r0);
   shardd_close(r1);
 }
@@ -255,11 +271,8 @@ Test(shardctl, inspect_of_a_view_names_the_optimizer_holding_it, .init = start,
     uint64_t opt; /* 0: none */
   } want[] = {{"w.in", by_buffer}, {"p.in", by_view}, {"p.loose", 0}};
   for (size_t i = 0; i < 3; i++) {
-    char *out, *err, arg[64], line[64];
-    snprintf(arg, sizeof arg, " %s", want[i].name);
-    cr_assert_eq(ctl(&out, &err, "--socket %s --json inspect%s", arg), 0, "%s", err);
-    tj *j = tj_parse(out);
-    cr_assert_not_null(j, "%s", out);
+    char *out, line[64];
+    tj *j = ctl_json(&out, "--socket %s --json inspect %s", d.sock, want[i].name);
     cr_assert_str_eq(tj_need(j, "kind", TJ_STR)->str, "view");
     if (want[i].opt)
       cr_expect_eq(tj_need(j, "optimizer", TJ_NUM)->num, (double)want[i].opt,
@@ -269,8 +282,7 @@ Test(shardctl, inspect_of_a_view_names_the_optimizer_holding_it, .init = start,
                    want[i].name, out);
     tj_free(j);
     free(out);
-    free(err);
-    cr_assert_eq(ctl(&out, &err, "--socket %s inspect%s", arg), 0, "%s", err);
+    out = ctl_ok("--socket %s inspect %s", d.sock, want[i].name);
     if (want[i].opt)
       snprintf(line, sizeof line, "\noptimizer: %llu\n", (unsigned long long)want[i].opt);
     else
@@ -278,7 +290,6 @@ Test(shardctl, inspect_of_a_view_names_the_optimizer_holding_it, .init = start,
     cr_expect_not_null(strstr(out, line), "%s: no \"%s\" in\n%s", want[i].name, line + 1,
                        out);
     free(out);
-    free(err);
   }
   shardd_close(c);
 }
@@ -287,16 +298,11 @@ Test(shardctl, inspect_of_a_view_names_the_optimizer_holding_it, .init = start,
 Test(shardctl, json_escapes_names, .init = start, .fini = stop) {
   const char *job = "we\"ird\\job\tname";
   shardd_client_t *c = test_connect(&d, job, 0, 1);
-  char *out, *err;
-  cr_assert_eq(ctl(&out, &err, "--socket %s status --json%s", NULL), 0, "%s", err);
-  tj *j = tj_parse(out);
-  cr_assert_not_null(j, "not valid JSON: %s", out);
+  tj *j = ctl_json(NULL, "--socket %s status --json", d.sock);
   const tj *jobs = tj_need(j, "jobs", TJ_ARR);
   cr_assert_eq(jobs->n, 1);
   cr_assert_str_eq(tj_need(jobs->kids[0], "name", TJ_STR)->str, job);
   tj_free(j);
-  free(out);
-  free(err);
   shardd_close(c);
 }
 
@@ -314,8 +320,7 @@ Test(shardctl, text_escapes_control_bytes_in_names, .init = start,
   uint64_t vid;
   cr_assert_eq(shardd_view_register(c, b.id, "v\x07iew\\", 0, 8, shape, 1, &vid),
                SHARDD_OK, "%s", shardd_last_error(c));
-  char *out, *err, idarg[32];
-  cr_assert_eq(ctl(&out, &err, "--socket %s status%s", NULL), 0, "%s", err);
+  char *out = ctl_ok("--socket %s status", d.sock);
   for (const char *p = out; *p; p++)
     cr_assert(*p == '\n' || ((unsigned char)*p >= 0x20 && *p != 0x7f),
               "control byte 0x%02x in: %s", (unsigned char)*p, out);
@@ -323,14 +328,11 @@ Test(shardctl, text_escapes_control_bytes_in_names, .init = start,
                                  "world 1"), "%s", out);
   cr_assert_null(strstr(out, "\njob forged"), "%s", out);
   free(out);
-  free(err);
-  snprintf(idarg, sizeof idarg, " %llu", (unsigned long long)b.id);
-  cr_assert_eq(ctl(&out, &err, "--socket %s inspect%s", idarg), 0, "%s", err);
+  out = ctl_ok("--socket %s inspect %llu", d.sock, (unsigned long long)b.id);
   cr_assert_not_null(strstr(out, "name: bu\\x0df\n"), "%s", out);
   cr_assert_not_null(strstr(out, "job: evil\\x1b[2J\\x0ajob forged"), "%s", out);
   cr_assert_not_null(strstr(out, " v\\x07iew\\\\: ["), "%s", out);
   free(out);
-  free(err);
   shardd_close(c);
 }
 
@@ -395,35 +397,25 @@ Test(shardctl, release_frees_a_job_nobody_holds_so_a_restore_can_follow) {
   free(out);
   free(err);
 
-  cr_assert_eq(ctl(&out, &err, "--socket %s release rel%s", NULL), 0, "%s", err);
+  out = ctl_ok("--socket %s release rel", d.sock);
   cr_expect_str_eq(out, "rel: released (1 buffers, 0 optimizers)\n");
   free(out);
-  free(err);
-  cr_assert_eq(ctl(&out, &err, "--socket %s --json status%s", NULL), 0, "%s", err);
-  tj *j = tj_parse(out);
-  cr_assert_not_null(j, "%s", out);
+  tj *j = ctl_json(&out, "--socket %s --json status", d.sock);
   cr_expect_eq(tj_need(j, "jobs", TJ_ARR)->n, 0, "%s", out);
   tj_free(j);
   free(out);
-  free(err);
   cr_expect(test_daemon_log_has(&d, "job \"rel\" released by uid 0"));
 
-  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
-  free(out);
-  free(err);
+  free(ctl_ok("%s", args));
   c = test_connect(&d, "rel", 0, 1);
   cr_assert_eq(shardd_buffer_register(c, "flat", SHARDD_DTYPE_FP32, 100, &b), SHARDD_OK);
   cr_expect_eq(b.created, 0, "the restored buffer was made anew");
   for (int i = 0; i < 100; i++)
     cr_assert_eq(((float *)b.shard)[i], (float)i, "element %d", i);
   shardd_close(c);
-  cr_assert_eq(ctl(&out, &err, "--socket %s --json release rel%s", NULL), 0, "%s", err);
-  j = tj_parse(out);
-  cr_assert_not_null(j, "%s", out);
+  j = ctl_json(NULL, "--socket %s --json release rel", d.sock);
   cr_expect_eq(tj_need(j, "buffers", TJ_NUM)->num, 1);
   tj_free(j);
-  free(out);
-  free(err);
   test_daemon_finish(&d);
 }
 
@@ -454,9 +446,7 @@ Test(shardctl, stopped_daemon_exits_3_within_the_timeout, .init = start,
   free(err);
   free(out2);
   free(err2);
-  cr_assert_eq(ctl(&out, &err, "--socket %s status --timeout 1%s", NULL), 0, "%s", err);
-  free(out);
-  free(err);
+  free(ctl_ok("--socket %s status --timeout 1", d.sock));
 }
 
 Test(shardctl, bad_timeout_is_a_usage_error) {
@@ -471,7 +461,7 @@ Test(shardctl, bad_timeout_is_a_usage_error) {
  * in --json ("step"): what the operator checks before relaunching the
  * trainers, without attaching one. */
 Test(shardctl, restore_prints_the_step_the_job_is_at) {
-  char ck[200], args[512], want[512], *out, *err;
+  char ck[200], want[512];
   test_daemon_start(&d, (const char *const[]){"--job-linger", "600", NULL});
   snprintf(ck, sizeof ck, "%s/ck", d.dir);
   shardd_client_t *c = test_connect(&d, "stepped", 0, 1);
@@ -495,29 +485,19 @@ Test(shardctl, restore_prints_the_step_the_job_is_at) {
   cr_assert_eq(shardd_checkpoint(c, NULL, ck), SHARDD_OK, "%s", shardd_last_error(c));
   shardd_close(c);
 
-  cr_assert_eq(ctl(&out, &err, "--socket %s release stepped%s", NULL), 0, "%s", err);
-  free(out);
-  free(err);
-  snprintf(args, sizeof args, "--socket %s restore %s", d.sock, ck);
-  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  free(ctl_ok("--socket %s release stepped", d.sock));
+  char *out = ctl_ok("--socket %s restore %s", d.sock, ck);
   snprintf(want, sizeof want, "stepped: %s (step 3)\n", ck);
   cr_expect_str_eq(out, want);
   free(out);
-  free(err);
 
-  cr_assert_eq(ctl(&out, &err, "--socket %s release stepped%s", NULL), 0, "%s", err);
-  free(out);
-  free(err);
-  snprintf(args, sizeof args, "--socket %s --json restore %s", d.sock, ck);
-  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
-  tj *j = tj_parse(out);
-  cr_assert_not_null(j, "%s", out);
+  free(ctl_ok("--socket %s release stepped", d.sock));
+  tj *j = ctl_json(&out, "--socket %s --json restore %s", d.sock, ck);
   cr_expect_str_eq(tj_need(j, "job", TJ_STR)->str, "stepped");
   cr_expect_str_eq(tj_need(j, "dir", TJ_STR)->str, ck);
   cr_expect_eq(tj_need(j, "step", TJ_NUM)->num, 3, "%s", out);
   tj_free(j);
   free(out);
-  free(err);
   test_daemon_finish(&d);
 }
 
@@ -569,31 +549,22 @@ Test(shardctl, checkpoint_restore_and_release_escape_names_and_dirs) {
                "%s", shardd_last_error(c));
   shardd_close(c); /* the job lingers */
 
-  snprintf(args, sizeof args, "--socket %s checkpoint %s %s", d.sock, jarg, ckarg);
-  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  out = ctl_ok("--socket %s checkpoint %s %s", d.sock, jarg, ckarg);
   expect_plain_lines(out, 1);
   snprintf(want, sizeof want, "%s: %s\n", job_text, ck_text);
   cr_expect_str_eq(out, want);
   free(out);
-  free(err);
-  snprintf(args, sizeof args, "--socket %s --json checkpoint %s %s", d.sock, jarg,
-           ckjarg);
-  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
-  tj *j = tj_parse(out);
-  cr_assert_not_null(j, "not valid JSON: %s", out);
+  tj *j = ctl_json(NULL, "--socket %s --json checkpoint %s %s", d.sock, jarg, ckjarg);
   cr_expect_str_eq(tj_need(j, "job", TJ_STR)->str, job);
   cr_expect_str_eq(tj_need(j, "dir", TJ_STR)->str, ckj);
   tj_free(j);
-  free(out);
-  free(err);
 
   snprintf(args, sizeof args, "--socket %s release %s", d.sock, jarg);
-  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  out = ctl_ok("%s", args);
   expect_plain_lines(out, 1);
   snprintf(want, sizeof want, "%s: released (1 buffers, 0 optimizers)\n", job_text);
   cr_expect_str_eq(out, want);
   free(out);
-  free(err);
   /* the daemon's error names the job: escaped on stderr */
   cr_assert_eq(test_shardctl(NULL, args, &out, &err), 1, "%s", out);
   expect_plain_lines(err, 1);
@@ -602,31 +573,19 @@ Test(shardctl, checkpoint_restore_and_release_escape_names_and_dirs) {
   free(out);
   free(err);
 
-  snprintf(args, sizeof args, "--socket %s restore %s", d.sock, ckarg);
-  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  out = ctl_ok("--socket %s restore %s", d.sock, ckarg);
   expect_plain_lines(out, 1);
   snprintf(want, sizeof want, "%s: %s (step 0)\n", job_text, ck_text);
   cr_expect_str_eq(out, want);
   free(out);
-  free(err);
-  snprintf(args, sizeof args, "--socket %s --json release %s", d.sock, jarg);
-  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
-  j = tj_parse(out);
-  cr_assert_not_null(j, "not valid JSON: %s", out);
+  j = ctl_json(NULL, "--socket %s --json release %s", d.sock, jarg);
   cr_expect_str_eq(tj_need(j, "job", TJ_STR)->str, job);
   tj_free(j);
-  free(out);
-  free(err);
-  snprintf(args, sizeof args, "--socket %s --json restore %s", d.sock, ckjarg);
-  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
-  j = tj_parse(out);
-  cr_assert_not_null(j, "not valid JSON: %s", out);
+  j = ctl_json(NULL, "--socket %s --json restore %s", d.sock, ckjarg);
   cr_expect_str_eq(tj_need(j, "job", TJ_STR)->str, job);
   cr_expect_str_eq(tj_need(j, "dir", TJ_STR)->str, ckj);
   cr_expect_eq(tj_need(j, "step", TJ_NUM)->num, 0);
   tj_free(j);
-  free(out);
-  free(err);
   test_daemon_finish(&d);
 }
 
@@ -636,7 +595,7 @@ Test(shardctl, checkpoint_restore_and_release_escape_names_and_dirs) {
 Test(shardctl, restore_prints_another_uids_longest_job_name_whole, .timeout = 60) {
   if (geteuid() != 0)
     cr_skip_test("needs root to act as a second uid");
-  char name[256], qualified[300], ck[200], args[1024], want[1024], *out, *err;
+  char name[256], qualified[300], ck[200], want[1024];
   memset(name, 'n', 255);
   name[255] = '\0';
   snprintf(qualified, sizeof qualified, "4250/%s", name);
@@ -665,36 +624,18 @@ Test(shardctl, restore_prints_another_uids_longest_job_name_whole, .timeout = 60
   cr_assert(test_wait_exit(pid, &st));
   cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "uid 4250: %d", WEXITSTATUS(st));
 
-  snprintf(args, sizeof args, "--socket %s checkpoint %s %s", d.sock, qualified, ck);
-  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
-  free(out);
-  free(err);
-  snprintf(args, sizeof args, "--socket %s release %s", d.sock, qualified);
-  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
-  free(out);
-  free(err);
-  snprintf(args, sizeof args, "--socket %s restore %s", d.sock, ck);
-  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
+  free(ctl_ok("--socket %s checkpoint %s %s", d.sock, qualified, ck));
+  free(ctl_ok("--socket %s release %s", d.sock, qualified));
+  char *out = ctl_ok("--socket %s restore %s", d.sock, ck);
   snprintf(want, sizeof want, "%s: %s (step 0)\n", qualified, ck);
   cr_expect_str_eq(out, want);
   free(out);
-  free(err);
   /* the name it printed is the one release takes */
-  snprintf(args, sizeof args, "--socket %s --json release %s", d.sock, qualified);
-  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
-  tj *j = tj_parse(out);
-  cr_assert_not_null(j, "%s", out);
+  tj *j = ctl_json(NULL, "--socket %s --json release %s", d.sock, qualified);
   cr_expect_str_eq(tj_need(j, "job", TJ_STR)->str, qualified);
   tj_free(j);
-  free(out);
-  free(err);
-  snprintf(args, sizeof args, "--socket %s --json restore %s", d.sock, ck);
-  cr_assert_eq(test_shardctl(NULL, args, &out, &err), 0, "%s", err);
-  j = tj_parse(out);
-  cr_assert_not_null(j, "%s", out);
+  j = ctl_json(NULL, "--socket %s --json restore %s", d.sock, ck);
   cr_expect_str_eq(tj_need(j, "job", TJ_STR)->str, qualified);
   tj_free(j);
-  free(out);
-  free(err);
   test_daemon_finish(&d);
 }

@@ -99,21 +99,32 @@ Test(server, idle_connections_of_another_uid_lock_nobody_out, .timeout = 120) {
   test_daemon_finish(&d);
 }
 
+/* In a child: becomes uid 4242 and connects as a rank of job (of world
+ * ranks; 0: the default); 0 with the client in *c, else the child's exit
+ * code: 10 when it cannot become uid 4242, 11 when it cannot connect. */
+static int connect_as_4242(const char *sock, const char *job, uint32_t world,
+                           shardd_client_t **c) {
+  if (setgid(4242) != 0 || setuid(4242) != 0)
+    return 10;
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = job;
+  if (world) {
+    o.rank = 0;
+    o.world = world;
+  }
+  char err[512];
+  return shardd_connect(sock, &o, c, err, sizeof err) == SHARDD_OK ? 0 : 11;
+}
+
 /* One job of world 16384 with a 1-element buffer took a descriptor
  * per rank block, every descriptor of the daemon, and then every connect
  * failed. A uid other than root may hold only its share; the refusal says
  * so, and the daemon goes on accepting. Exit code: 0 as expected. */
 static int fd_hog(const char *sock) {
-  if (setgid(4242) != 0 || setuid(4242) != 0)
-    return 10;
-  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
-  o.job = "hog";
-  o.rank = 0;
-  o.world = 16384;
   shardd_client_t *c;
-  char err[512];
-  if (shardd_connect(sock, &o, &c, err, sizeof err) != SHARDD_OK)
-    return 11;
+  int rc0 = connect_as_4242(sock, "hog", 16384, &c);
+  if (rc0)
+    return rc0;
   shardd_buffer_info b;
   shardd_err rc = shardd_buffer_register(c, "x", SHARDD_DTYPE_FP32, 1, &b);
   if (rc != SHARDD_E_LIMIT)
@@ -162,6 +173,16 @@ static void root_still_registers(void) {
   test_daemon_finish(&d);
 }
 
+/* A descriptor hog's test: the daemon of 1024 descriptors, the hog as uid
+ * 4242 (its exit code 0: refused for its share as expected), then root
+ * still registers. */
+static void hog_then_root_registers(int store, const char *const *args,
+                                    int (*hog)(const char *sock), const char *what) {
+  start_with_1024_descriptors(store, args);
+  run_as_other_uid(hog, what);
+  root_still_registers();
+}
+
 /* With the service manager's descriptor store the daemon keeps optimizer
  * state in a memfd too, one per shard, and none of them counted: one uid's
  * Adam optimizers, each over a one-element view of its own, took every
@@ -170,14 +191,10 @@ static void root_still_registers(void) {
 #define STATE_HOG_OPTIMS 1200 /* past the daemon's 1024 descriptors */
 
 static int state_hog(const char *sock) {
-  if (setgid(4242) != 0 || setuid(4242) != 0)
-    return 10;
-  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
-  o.job = "statehog";
   shardd_client_t *c;
-  char err[512];
-  if (shardd_connect(sock, &o, &c, err, sizeof err) != SHARDD_OK)
-    return 11;
+  int rc0 = connect_as_4242(sock, "statehog", 0, &c);
+  if (rc0)
+    return rc0;
   shardd_buffer_info b;
   if (shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, STATE_HOG_OPTIMS, &b) !=
       SHARDD_OK)
@@ -209,9 +226,7 @@ static int state_hog(const char *sock) {
 Test(server, one_uids_optimizer_state_cannot_take_every_descriptor, .timeout = 120) {
   if (geteuid() != 0)
     cr_skip_test("needs root to act as a second uid");
-  start_with_1024_descriptors(1, NULL);
-  run_as_other_uid(state_hog, "state hog");
-  root_still_registers();
+  hog_then_root_registers(1, NULL, state_hog, "state hog");
 }
 
 /* With the fd store a 16-bit buffer's fp32 seed (shardd_seed_master) is a
@@ -220,14 +235,10 @@ Test(server, one_uids_optimizer_state_cannot_take_every_descriptor, .timeout = 1
 #define SEED_HOG_BUFFERS 200
 
 static int seed_hog(const char *sock) {
-  if (setgid(4242) != 0 || setuid(4242) != 0)
-    return 10;
-  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
-  o.job = "seeds";
   shardd_client_t *c;
-  char err[512];
-  if (shardd_connect(sock, &o, &c, err, sizeof err) != SHARDD_OK)
-    return 11;
+  int rc0 = connect_as_4242(sock, "seeds", 0, &c);
+  if (rc0)
+    return rc0;
   for (int i = 0; i < SEED_HOG_BUFFERS; i++) {
     char name[32];
     snprintf(name, sizeof name, "w%03d", i);
@@ -248,9 +259,7 @@ static int seed_hog(const char *sock) {
 Test(server, one_uids_seeds_stay_within_its_share, .timeout = 120) {
   if (geteuid() != 0)
     cr_skip_test("needs root to act as a second uid");
-  start_with_1024_descriptors(1, NULL);
-  run_as_other_uid(seed_hog, "seed hog");
-  root_still_registers();
+  hog_then_root_registers(1, NULL, seed_hog, "seed hog");
 }
 
 /* A job with transient areas keeps them in a pool per device, a memfd the
@@ -290,9 +299,8 @@ static int pool_hog(const char *sock) {
 Test(server, one_uids_transient_pools_stay_within_its_share, .timeout = 120) {
   if (geteuid() != 0)
     cr_skip_test("needs root to act as a second uid");
-  start_with_1024_descriptors(0, (const char *const[]){"--job-linger", "600", NULL});
-  run_as_other_uid(pool_hog, "pool hog");
-  root_still_registers();
+  hog_then_root_registers(0, (const char *const[]){"--job-linger", "600", NULL}, pool_hog,
+                          "pool hog");
 }
 
 /* One uid filled --max-jobs with empty jobs (they linger after the
@@ -488,14 +496,10 @@ static double status_job_views(const char *name) {
  * refused naming --max-views-per-uid. Its job lingers, views and all.
  * Exit code: 0 as expected. */
 static int view_hog(const char *sock) {
-  if (setgid(4242) != 0 || setuid(4242) != 0)
-    return 10;
-  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
-  o.job = "vhog";
   shardd_client_t *c;
-  char err[512];
-  if (shardd_connect(sock, &o, &c, err, sizeof err) != SHARDD_OK)
-    return 11;
+  int rc0 = connect_as_4242(sock, "vhog", 0, &c);
+  if (rc0)
+    return rc0;
   shardd_buffer_info b;
   if (shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 64, &b) != SHARDD_OK)
     return 12;
