@@ -30,6 +30,8 @@
  * against the same floors over the same buffers. */
 #include "bench.h"
 
+#include <dirent.h>
+
 #define MAX_RANKS 4
 
 typedef enum { CMD_REGISTER, CMD_GATHER, CMD_SCATTER, CMD_FLOOR_GATHER,
@@ -272,13 +274,47 @@ typedef struct {
   int devices;
   int reps;
   double t[8];
+  /* the daemon's CPU seconds (every thread) per bucket gather and per
+   * bucket scatter, means over the repetitions: what the daemon spends,
+   * apart from how long it waited for a CPU or for the ranks */
+  double cpu_gather_s, cpu_scatter_s;
 } small_row_t;
+
+/* CPU seconds the daemon's threads have run so far (schedstat: ns, not
+ * clock ticks), -1 when unreadable. */
+static double daemon_cpu_s(void) {
+  char dir[64];
+  snprintf(dir, sizeof dir, "/proc/%d/task", (int)dmn.pid);
+  DIR *d = opendir(dir);
+  if (d == NULL)
+    return -1;
+  double ns = 0;
+  struct dirent *de;
+  while ((de = readdir(d)) != NULL) {
+    if (de->d_name[0] == '.')
+      continue;
+    char path[384];
+    snprintf(path, sizeof path, "%s/%s/schedstat", dir, de->d_name);
+    FILE *f = fopen(path, "r");
+    unsigned long long run = 0;
+    if (f != NULL) {
+      if (fscanf(f, "%llu", &run) == 1)
+        ns += (double)run;
+      fclose(f);
+    }
+  }
+  closedir(d);
+  return ns * 1e-9;
+}
 
 #define NSMALL 8
 static const cmd_t small_order[NSMALL] = {
     CMD_SMALL_GATHER,  CMD_BUCKET_GATHER,  CMD_SMALL_FLOOR_GATHER,
     CMD_SMALL_SCATTER, CMD_BUCKET_SCATTER, CMD_SMALL_FLOOR_SUM,
     CMD_TINY_GATHER,   CMD_TINY_FLOOR};
+
+/* --bucket: only the buckets and their floors (profiling the daemon's side) */
+static int bucket_only;
 
 static void small_figure(small_row_t *row, int reps) {
   run_cmd(CMD_SMALL_REGISTER);
@@ -289,9 +325,17 @@ static void small_figure(small_row_t *row, int reps) {
     t[k] = calloc((size_t)reps, sizeof(double));
   for (int k = 0; k < NSMALL; k++) /* warm-up */
     run_cmd(small_order[k]);
+  double cpu[NSMALL] = {0};
   for (int rep = 0; rep < reps; rep++)
-    for (int k = 0; k < NSMALL; k++)
+    for (int k = 0; k < NSMALL; k++) {
+      if (bucket_only && k != 1 && k != 2 && k != 4 && k != 5)
+        continue;
+      double c0 = daemon_cpu_s();
       t[k][rep] = run_cmd(small_order[k]);
+      cpu[k] += daemon_cpu_s() - c0;
+    }
+  row->cpu_gather_s = cpu[1] / reps;
+  row->cpu_scatter_s = cpu[4] / reps;
   for (int k = 0; k < NSMALL; k++) {
     row->t[k] = bench_median(t[k], (size_t)reps);
     free(t[k]);
@@ -308,6 +352,8 @@ int main(int argc, char **argv) {
   int nsizes = full ? 6 : 4;
   /* --small: only the small-buffer and fixed-cost figures (seconds, not
    * minutes: for comparing two builds of the daemon) */
+  /* --bucket: only the 4-device buckets and their floors, 200 repetitions,
+   * with the daemon's CPU per bucket (for profiling the daemon's side) */
   /* --node: only the design's gather of the largest buffer and its floor
    * at 2 and 4 devices, more repetitions (comparing two builds' splits of
    * the shared copy) */
@@ -317,6 +363,8 @@ int main(int argc, char **argv) {
       nsizes = 0;
     if (strcmp(argv[i], "--node") == 0)
       node_only = 1;
+    if (strcmp(argv[i], "--bucket") == 0)
+      nsizes = 0, bucket_only = 1;
   }
   static const int devs[] = {1, 2, 4};
   double budget = (full ? 16384.0 : 2048.0) * MiB; /* gathered bytes per config */
@@ -325,7 +373,7 @@ int main(int argc, char **argv) {
   int nrows = 0;
   double maxn = sizes[(full ? 6 : 4) - 1] * MiB;
 
-  for (int di = node_only ? 1 : 0; di < 3; di++) {
+  for (int di = node_only ? 1 : bucket_only ? 2 : 0; di < 3; di++) {
     world = devs[di];
     char devmem[32];
     /* one rank per device: shard + reduced + gather + grad, with slack;
@@ -391,7 +439,7 @@ int main(int argc, char **argv) {
       run_cmd(CMD_RECONNECT);
     }
     if (!node_only)
-      small_figure(&smalls[di], full ? 100 : 30);
+      small_figure(&smalls[di], bucket_only ? 200 : full ? 100 : 30);
     bench_ranks_stop(&ranks);
     for (int r = 0; r < world; r++) {
       shardd_close(cl[r]);
@@ -410,7 +458,8 @@ int main(int argc, char **argv) {
          "scatter", "sum loop", "ratio");
   printf("%3s %9s | %9s %9s %6s %9s | %9s %9s %6s | %9s %9s %6s\n", "", "", "GB/s",
          "memcpy", "", "memcpy", "gather", "memcpy", "", "GB/s", "GB/s", "");
-  FILE *f = bench_json_open(node_only ? "coll_node" : "coll", full);
+  const char *jname = node_only ? "coll_node" : bucket_only ? "coll_bucket" : "coll";
+  FILE *f = bench_json_open(jname, full);
   fprintf(f, ",\n  \"rows\": [");
   int first = 1;
   for (int i = 0; i < nrows; i++) {
@@ -469,42 +518,76 @@ int main(int argc, char **argv) {
   printf("\nSmall buffers — %d of %d KiB (%.0f MiB), one request each vs buckets "
          "(shardd_gather_many / _scatter_many)\n", SMALL_N, SMALL_BYTES / 1024,
          SMALL_N * (double)SMALL_BYTES / MiB);
-  printf("%3s | %9s %9s %9s %6s %6s | %9s %9s %9s %6s %6s\n", "dev", "gather",
-         "bucketed", "memcpy", "each", "bucket", "scatter", "bucketed", "sum loop",
-         "each", "bucket");
-  printf("%3s | %9s %9s %9s %6s %6s | %9s %9s %9s %6s %6s\n", "", "GB/s", "GB/s",
-         "GB/s", "ratio", "ratio", "GB/s", "GB/s", "GB/s", "ratio", "ratio");
-  for (int i = 0; i < 3; i++) {
+  if (bucket_only) {
+    printf("%3s | %9s %9s %6s %9s | %9s %9s %6s %9s\n", "dev", "bucketed", "memcpy",
+           "ratio", "daemon", "bucketed", "sum loop", "ratio", "daemon");
+    printf("%3s | %9s %9s %6s %9s | %9s %9s %6s %9s\n", "", "gather", "GB/s", "",
+           "CPU us", "scatter", "GB/s", "", "CPU us");
+  } else {
+    printf("%3s | %9s %9s %9s %6s %6s | %9s %9s %9s %6s %6s\n", "dev", "gather",
+           "bucketed", "memcpy", "each", "bucket", "scatter", "bucketed", "sum loop",
+           "each", "bucket");
+    printf("%3s | %9s %9s %9s %6s %6s | %9s %9s %9s %6s %6s\n", "", "GB/s", "GB/s",
+           "GB/s", "ratio", "ratio", "GB/s", "GB/s", "GB/s", "ratio", "ratio");
+  }
+  for (int i = bucket_only ? 2 : 0; i < 3; i++) {
     const small_row_t *r = &smalls[i];
     double moved = (double)SMALL_N * SMALL_BYTES * r->devices / GB;
     double v[6];
     for (int k = 0; k < 6; k++)
       v[k] = moved / r->t[k];
-    printf("%3d | %9.2f %9.2f %9.2f %5.2fx %5.2fx | %9.2f %9.2f %9.2f %5.2fx %5.2fx\n",
-           r->devices, v[0], v[1], v[2], v[0] / v[2], v[1] / v[2], v[3], v[4], v[5],
-           v[3] / v[5], v[4] / v[5]);
+    if (bucket_only)
+      printf("%3d | %9.2f %9.2f %5.2fx %9.1f | %9.2f %9.2f %5.2fx %9.1f\n", r->devices,
+             v[1], v[2], v[1] / v[2], r->cpu_gather_s * 1e6, v[4], v[5], v[4] / v[5],
+             r->cpu_scatter_s * 1e6);
+    else
+      printf("%3d | %9.2f %9.2f %9.2f %5.2fx %5.2fx | %9.2f %9.2f %9.2f %5.2fx %5.2fx\n",
+             r->devices, v[0], v[1], v[2], v[0] / v[2], v[1] / v[2], v[3], v[4], v[5],
+             v[3] / v[5], v[4] / v[5]);
+    if (bucket_only) {
+      fprintf(f, "\n    {\"devices\": %d, \"reps\": %d, \"gather_bucket_s\": %.6g, "
+                 "\"memcpy_s\": %.6g, \"gather_bucket_ratio\": %.4f, "
+                 "\"scatter_bucket_s\": %.6g, \"sum_loop_s\": %.6g, "
+                 "\"scatter_bucket_ratio\": %.4f, \"gather_bucket_daemon_cpu_s\": %.6g, "
+                 "\"scatter_bucket_daemon_cpu_s\": %.6g}",
+              r->devices, r->reps, r->t[1], r->t[2], v[1] / v[2], r->t[4], r->t[5],
+              v[4] / v[5], r->cpu_gather_s, r->cpu_scatter_s);
+      continue;
+    }
     fprintf(f, "%s\n    {\"devices\": %d, \"reps\": %d, \"gather_each_s\": %.6g, "
                "\"gather_bucket_s\": %.6g, \"memcpy_s\": %.6g, "
                "\"gather_each_ratio\": %.4f, \"gather_bucket_ratio\": %.4f, "
                "\"scatter_each_s\": %.6g, \"scatter_bucket_s\": %.6g, "
                "\"sum_loop_s\": %.6g, \"scatter_each_ratio\": %.4f, "
                "\"scatter_bucket_ratio\": %.4f, \"tiny_gather_s\": %.6g, "
-               "\"tiny_floor_s\": %.6g}",
-            i ? "," : "", r->devices, r->reps, r->t[0], r->t[1], r->t[2],
-            v[0] / v[2], v[1] / v[2], r->t[3], r->t[4], r->t[5], v[3] / v[5],
-            v[4] / v[5], r->t[6], r->t[7]);
+               "\"tiny_floor_s\": %.6g, \"gather_bucket_daemon_cpu_s\": %.6g, "
+               "\"scatter_bucket_daemon_cpu_s\": %.6g}",
+            i ? "," : "", r->devices, r->reps, r->t[0], r->t[1],
+            r->t[2], v[0] / v[2], v[1] / v[2], r->t[3], r->t[4], r->t[5], v[3] / v[5],
+            v[4] / v[5], r->t[6], r->t[7], r->cpu_gather_s, r->cpu_scatter_s);
   }
   printf("(the same bytes as one 1 MiB buffer; ratio = daemon / floor over the same "
          "buffers)\n");
+  if (bucket_only) {
+    printf("(daemon CPU us = the daemon's threads' CPU time per bucket, mean; "
+           "--bucket prints no one-request rows nor fixed cost)\n");
+    fprintf(f, "\n  ]");
+    bench_json_close(f, jname);
+    return 0;
+  }
+  for (int i = 0; i < 3; i++)
+    printf("%s%d devices %.1f / %.1f%s", i ? ", " : "(daemon CPU per bucket, gather / "
+           "scatter, us: ", smalls[i].devices, smalls[i].cpu_gather_s * 1e6,
+           smalls[i].cpu_scatter_s * 1e6, i == 2 ? ")\n" : "");
   printf("\nFixed cost of a collective — a gather of %d floats (median of a round of "
          "every rank)\n%3s | %9s %9s %9s\n%3s | %9s %9s %9s\n", TINY_NUMEL, "dev",
          "gather", "harness", "cost", "", "us", "us", "us");
-  for (int i = 0; i < 3; i++)
+  for (int i = bucket_only ? 2 : 0; i < 3; i++)
     printf("%3d | %9.1f %9.1f %9.1f\n", smalls[i].devices, smalls[i].t[6] * 1e6,
            smalls[i].t[7] * 1e6, (smalls[i].t[6] - smalls[i].t[7]) * 1e6);
   printf("(harness = the rank threads' round with the same copies and no daemon; "
          "cost = gather - harness)\n");
   fprintf(f, "\n  ]");
-  bench_json_close(f, "coll");
+  bench_json_close(f, jname);
   return 0;
 }

@@ -90,6 +90,11 @@ void shardd__coll_engine_destroy(shardd__coll_engine *e) {
     return;
   shardd__map_each(&e->jobs, free_job_cb, e);
   shardd__map_free(&e->jobs);
+  while (e->spare) {
+    void *next = *(void **)e->spare;
+    free(e->spare);
+    e->spare = next;
+  }
   free(e);
 }
 
@@ -185,7 +190,18 @@ static int cmp_rank(const void *a, const void *b) {
 /* c's arrived ranks in rank order: they are answered in it, as when every
  * waiter was walked. */
 static void sort_order(coll *c) {
-  qsort(c->order, c->arrived, sizeof *c->order, cmp_rank);
+  if (c->arrived > 16) {
+    qsort(c->order, c->arrived, sizeof *c->order, cmp_rank);
+    return;
+  }
+  /* a few ranks (each entry of a bucket sorts its own): in place, without
+   * qsort's calls through a comparison function */
+  for (uint32_t i = 1; i < c->arrived; i++) {
+    uint32_t r = c->order[i], j = i;
+    for (; j > 0 && c->order[j - 1] > r; j--)
+      c->order[j] = c->order[j - 1];
+    c->order[j] = r;
+  }
 }
 
 static void coll_free(coll *c) {
@@ -203,7 +219,37 @@ static void coll_free(coll *c) {
   if (c->tasks != c->few_tasks)
     free(c->tasks);
   free(c->hp);
-  free(c); /* and its waiters and area arrays (submit_new) */
+  /* and its waiters and area arrays (submit_new), kept for the next */
+  shardd__coll_engine *e = c->e;
+  size_t bytes = c->alloc_bytes;
+  if (bytes > COLL_SPARE_BYTES ||
+      (e->nspare >= COLL_SPARE_MAX && e->spare_size == bytes)) {
+    free(c);
+    return;
+  }
+  if (e->spare_size != bytes) { /* another world's: the newest size stays */
+    while (e->spare) {
+      void *next = *(void **)e->spare;
+      free(e->spare);
+      e->spare = next;
+    }
+    e->nspare = 0;
+    e->spare_size = bytes;
+  }
+  *(void **)c = e->spare;
+  e->spare = c;
+  e->nspare++;
+}
+
+void *shardd__coll_block_get(shardd__coll_engine *e, size_t bytes) {
+  if (e->spare == NULL || e->spare_size != bytes)
+    return calloc(1, bytes);
+  void *p = e->spare;
+  e->spare = *(void **)p;
+  e->nspare--;
+  e->counters.reused++;
+  memset(p, 0, bytes);
+  return p;
 }
 
 /* Transient areas after c ended: a failed gather gives back what it leased;

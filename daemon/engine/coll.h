@@ -281,6 +281,9 @@ int shardd__coll_member_waits(const shardd__coll_engine *e,
  * a job's queue; sched_visits: queue entries those passes looked at. */
 typedef struct {
   uint64_t made, matched, sched_passes, sched_visits;
+  /* of made: those whose memory was a freed collective's (coll_int.h's
+   * spare blocks), not a new allocation */
+  uint64_t reused;
 } shardd__coll_counters;
 
 void shardd__coll_get_counters(const shardd__coll_engine *e,

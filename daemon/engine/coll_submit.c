@@ -385,9 +385,10 @@ static coll *submit_new(submission *s) {
   /* one allocation for c and its per-rank arrays (a bucket makes one
    * collective per entry: five allocations each were a cost of its own) */
   size_t w = s->job->world;
-  coll *c = calloc(1, sizeof *c + w * (sizeof *c->waiters + sizeof *c->area_reg +
-                                       sizeof *c->area_off + sizeof *c->order +
-                                       sizeof *c->took));
+  size_t bytes = sizeof(coll) + w * (sizeof(waiter) + sizeof(shardd__region *) +
+                                     sizeof(size_t) + sizeof(uint32_t) +
+                                     sizeof(uint8_t));
+  coll *c = shardd__coll_block_get(e, bytes);
   if (c == NULL) {
     submit_refuse(s, SHARDD_E_NO_MEMORY, "out of memory");
     return NULL;
@@ -397,6 +398,7 @@ static coll *submit_new(submission *s) {
   c->area_off = (size_t *)(c->area_reg + w);
   c->order = (uint32_t *)(c->area_off + w);
   c->took = (uint8_t *)(c->order + w);
+  c->alloc_bytes = bytes;
   e->counters.made++;
   c->e = e;
   c->job = s->job;

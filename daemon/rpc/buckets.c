@@ -120,6 +120,16 @@ static int cmp_id_at(const void *a, const void *b) {
  * before it does): sorted by (id, entry), not every pair compared (n <=
  * BUCKET_MAX). */
 static void first_entries(const uint64_t *ids, size_t n, uint32_t *first) {
+  /* a model's units registered together have ascending ids, and a bucket
+   * lists them in that order: no buffer twice, nothing to sort */
+  size_t up = 1;
+  while (up < n && ids[up - 1] < ids[up])
+    up++;
+  if (up >= n) {
+    for (size_t i = 0; i < n; i++)
+      first[i] = (uint32_t)i;
+    return;
+  }
   id_at v[BUCKET_MAX];
   for (size_t i = 0; i < n; i++)
     v[i] = (id_at){ids[i], (uint32_t)i};
