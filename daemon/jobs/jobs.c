@@ -44,6 +44,7 @@ slot *shardd__jobs_slot_make(shardd__jobs *j, shardd__job *job) {
 void shardd__jobs_slot_free(slot *s) {
   if (s) {
     free(s->resume_dir);
+    free(s->held);
     free(s->owners);
     free(s->bye);
     free(s);
@@ -176,8 +177,18 @@ shardd_err shardd__jobs_claim(shardd__jobs *j, shardd__job *job, uint32_t rank,
     *holder_pid = s->owners[rank].pid;
     return SHARDD_E_STATE;
   }
+  if (s->nheld == s->held_cap) {
+    uint32_t cap = s->held_cap ? 2 * s->held_cap : 4;
+    uint32_t *h = realloc(s->held, cap * sizeof *h);
+    if (h == NULL)
+      return SHARDD_E_NO_MEMORY;
+    s->held = h;
+    s->held_cap = cap;
+  }
   s->owners[rank].owner = owner;
   s->owners[rank].pid = pid;
+  s->owners[rank].at = s->nheld;
+  s->held[s->nheld++] = rank;
   s->nclients++;
   s->empty_since = -1;
   if (s->bye[rank]) { /* a rank rejoining: not finished after all */
@@ -201,6 +212,9 @@ void shardd__jobs_leave(shardd__jobs *j, shardd__job *job, uint32_t rank,
     return;
   if (s->owners[rank].owner == owner) {
     s->owners[rank].owner = 0;
+    uint32_t at = s->owners[rank].at, last = s->held[--s->nheld];
+    s->held[at] = last; /* the last one takes its place */
+    s->owners[last].at = at;
     if (finished && !s->bye[rank]) {
       s->bye[rank] = 1;
       s->nbye++;
@@ -359,23 +373,61 @@ uint32_t shardd__jobs_clients(const shardd__jobs *j, const shardd__job *job) {
   return s ? s->nclients : 0;
 }
 
+/* The max-heap of ranks h[0..n) with h[i] in its place (the largest at
+ * h[0]): moves it down to where it belongs. */
+static void heap_down(uint32_t *h, size_t n, size_t i) {
+  for (;;) {
+    size_t c = 2 * i + 1;
+    if (c >= n)
+      return;
+    if (c + 1 < n && h[c + 1] > h[c])
+      c++;
+    if (h[i] >= h[c])
+      return;
+    uint32_t t = h[i];
+    h[i] = h[c];
+    h[c] = t;
+    i = c;
+  }
+}
+
 uint32_t shardd__jobs_ranks(const shardd__jobs *j, const shardd__job *job,
                             uint32_t *held, uint32_t *missing, size_t max,
                             size_t *nheld, size_t *nmissing) {
   const slot *s = shardd__jobs_slot_get(j, job);
-  uint32_t total = 0, first = job->local_first, end = first + job->local_ranks;
-  uint32_t clients = s ? s->nclients : 0;
+  uint32_t first = job->local_first, end = first + job->local_ranks;
+  uint32_t nh = s ? s->nheld : 0, clients = s ? s->nclients : 0;
+  size_t n = 0;
   *nheld = *nmissing = 0;
-  for (uint32_t k = first; k < end; k++) {
-    if (s && s->owners[k].owner != 0) {
-      total++;
-      if (*nheld < max)
-        held[(*nheld)++] = k;
-    } else if (*nmissing < max) {
-      missing[(*nmissing)++] = k;
-    } else if (total >= clients) {
-      break; /* both lists are what they will be */
+  if (max == 0)
+    return nh > clients ? nh : clients;
+  /* the max lowest held ranks, from the held list: a max-heap while it is
+   * read (a lower rank replaces its largest), sorted after */
+  for (uint32_t i = 0; i < nh; i++) {
+    uint32_t k = s->held[i];
+    if (n < max) {
+      held[n] = k;
+      for (size_t c = n++; c > 0 && held[(c - 1) / 2] < held[c]; c = (c - 1) / 2) {
+        uint32_t t = held[c];
+        held[c] = held[(c - 1) / 2];
+        held[(c - 1) / 2] = t;
+      }
+    } else if (k < held[0]) {
+      held[0] = k;
+      heap_down(held, n, 0);
     }
   }
-  return total > clients ? total : clients;
+  for (size_t m = n; m > 1; m--) { /* heapsort: the largest to the end */
+    uint32_t t = held[0];
+    held[0] = held[m - 1];
+    held[m - 1] = t;
+    heap_down(held, m - 1, 0);
+  }
+  *nheld = n;
+  /* the lowest others: each step lists one or passes a held rank, so this
+   * costs at most max + the ranks held, whatever the world */
+  for (uint32_t k = first; k < end && *nmissing < max; k++)
+    if (s == NULL || s->owners[k].owner == 0)
+      missing[(*nmissing)++] = k;
+  return nh > clients ? nh : clients;
 }
