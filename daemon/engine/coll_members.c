@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "log.h"
+#include "lowest.h"
 
 /* The missing rank that dooms unstarted c at now, or -1: a rank lost past
  * the grace that had not submitted c, while a rank waiting in c joined
@@ -167,6 +168,42 @@ shardd_err shardd__coll_describe(const shardd__coll_engine *e,
   memset(arrived, 0, job->world);
   for (uint32_t k = 0; k < c->arrived; k++)
     arrived[c->order[k]] = 1;
+  return SHARDD_OK;
+}
+
+shardd_err shardd__coll_describe_ranks(const shardd__coll_engine *e,
+                                       const shardd__job *job, size_t i,
+                                       shardd__coll_info *out,
+                                       shardd__coll_ranks *rk) {
+  const coll_job *q = shardd__map_get_id(&e->jobs, shardd__coll_job_key(job));
+  const coll *c = q ? q->head : NULL;
+  for (; c && i > 0; i--)
+    c = c->next;
+  if (c == NULL)
+    return SHARDD_E_NOT_FOUND;
+  out->kind = c->args.kind;
+  out->target = c->args.target;
+  out->name = c->name;
+  out->running = c->started;
+  out->waited_s = shardd__coll_loop_now(e) - (c->deadline - e->cfg.timeout);
+  if (!(out->waited_s > 0))
+    out->waited_s = 0;
+  uint32_t first = job->local_first, end = first + job->local_ranks;
+  shardd__lowest low;
+  shardd__lowest_init(&low, rk->arrived, rk->max);
+  rk->arrived_all = 0;
+  for (uint32_t k = 0; k < c->arrived; k++)
+    if (c->order[k] >= first && c->order[k] < end) {
+      shardd__lowest_add(&low, c->order[k]);
+      rk->arrived_all++;
+    }
+  rk->n_arrived = shardd__lowest_finish(&low);
+  rk->n_waiting = 0;
+  rk->waiting_all = c->started ? 0 : job->local_ranks - rk->arrived_all;
+  /* each step lists one or passes a rank that arrived: at most max + those */
+  for (uint32_t k = first; !c->started && k < end && rk->n_waiting < rk->max; k++)
+    if (!c->waiters[k].arrived)
+      rk->waiting[rk->n_waiting++] = k;
   return SHARDD_OK;
 }
 

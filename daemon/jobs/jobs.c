@@ -13,6 +13,7 @@
 #include "checkpoint.h"
 #include "fabric.h"
 #include "log.h"
+#include "lowest.h"
 
 slot *shardd__jobs_slot_get(const shardd__jobs *j, const shardd__job *job) {
   return shardd__map_get_id(&j->slots, shardd__jobs_key(job));
@@ -373,57 +374,18 @@ uint32_t shardd__jobs_clients(const shardd__jobs *j, const shardd__job *job) {
   return s ? s->nclients : 0;
 }
 
-/* The max-heap of ranks h[0..n) with h[i] in its place (the largest at
- * h[0]): moves it down to where it belongs. */
-static void heap_down(uint32_t *h, size_t n, size_t i) {
-  for (;;) {
-    size_t c = 2 * i + 1;
-    if (c >= n)
-      return;
-    if (c + 1 < n && h[c + 1] > h[c])
-      c++;
-    if (h[i] >= h[c])
-      return;
-    uint32_t t = h[i];
-    h[i] = h[c];
-    h[c] = t;
-    i = c;
-  }
-}
-
 uint32_t shardd__jobs_ranks(const shardd__jobs *j, const shardd__job *job,
                             uint32_t *held, uint32_t *missing, size_t max,
                             size_t *nheld, size_t *nmissing) {
   const slot *s = shardd__jobs_slot_get(j, job);
   uint32_t first = job->local_first, end = first + job->local_ranks;
   uint32_t nh = s ? s->nheld : 0, clients = s ? s->nclients : 0;
-  size_t n = 0;
   *nheld = *nmissing = 0;
-  if (max == 0)
-    return nh > clients ? nh : clients;
-  /* the max lowest held ranks, from the held list: a max-heap while it is
-   * read (a lower rank replaces its largest), sorted after */
-  for (uint32_t i = 0; i < nh; i++) {
-    uint32_t k = s->held[i];
-    if (n < max) {
-      held[n] = k;
-      for (size_t c = n++; c > 0 && held[(c - 1) / 2] < held[c]; c = (c - 1) / 2) {
-        uint32_t t = held[c];
-        held[c] = held[(c - 1) / 2];
-        held[(c - 1) / 2] = t;
-      }
-    } else if (k < held[0]) {
-      held[0] = k;
-      heap_down(held, n, 0);
-    }
-  }
-  for (size_t m = n; m > 1; m--) { /* heapsort: the largest to the end */
-    uint32_t t = held[0];
-    held[0] = held[m - 1];
-    held[m - 1] = t;
-    heap_down(held, m - 1, 0);
-  }
-  *nheld = n;
+  shardd__lowest low;
+  shardd__lowest_init(&low, held, max);
+  for (uint32_t i = 0; i < nh; i++)
+    shardd__lowest_add(&low, s->held[i]);
+  *nheld = shardd__lowest_finish(&low);
   /* the lowest others: each step lists one or passes a held rank, so this
    * costs at most max + the ranks held, whatever the world */
   for (uint32_t k = first; k < end && *nmissing < max; k++)
