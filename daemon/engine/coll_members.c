@@ -135,8 +135,8 @@ static void note_lost(coll_job *q, const shardd__coll_member *m) {
   }
   if (q->lost_at[m->rank] < 0)
     q->lost_ranks[q->nlost++] = m->rank;
-  q->lost_at[m->rank] = shardd__coll_loop_now(e);
-  q->lost_epoch[m->rank] = ++e->epoch;
+  q->lost_at[m->rank] = q->last_lost_at = shardd__coll_loop_now(e);
+  q->lost_epoch[m->rank] = q->last_lost_epoch = ++e->epoch;
   q->lost_told[m->rank] = 0;
 }
 
@@ -557,10 +557,11 @@ static void forgive_stall(const jobs_arg *a, double stall) {
     coll_job *q = a->jobs[i];
     for (coll *c = q->head; c; c = c->next)
       c->deadline += stall;
-    if (q->lost_at)
-      for (uint32_t r = 0; r < q->job->world; r++)
-        if (q->lost_at[r] >= 0)
-          q->lost_at[r] += stall;
+    if (q->lost_at) {
+      for (uint32_t k = 0; k < q->nlost; k++)
+        q->lost_at[q->lost_ranks[k]] += stall;
+      q->last_lost_at += stall;
+    }
     q->last_submit += stall;
   }
 }
@@ -574,14 +575,15 @@ static void forgive_stall(const jobs_arg *a, double stall) {
  * per such loss); the collectives end with E_PEER_LOST. */
 static void abandon_fabric(coll_job *q, double now) {
   const shardd__job *job = q->job;
-  if (q->fab == NULL || q->lost_at == NULL)
-    return;
-  uint64_t latest = 0;
-  for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++) {
-    if (q->lost_at[r] < 0 || now < q->lost_at[r] + q->e->cfg.peer_grace)
-      return; /* a rank is here, or may still come back */
-    latest = q->lost_epoch[r] > latest ? q->lost_epoch[r] : latest;
-  }
+  /* Every local rank lost (only this node's ranks are members here) and
+   * the last of them past the grace. This read every local rank, every
+   * tick, for as long as such a job lingered: ticks over jobs of 32768
+   * local ranks each held the loop in proportion, for nothing. */
+  if (q->fab == NULL || q->lost_at == NULL || q->nlost < job->local_ranks)
+    return; /* a rank is here */
+  if (now < q->last_lost_at + q->e->cfg.peer_grace)
+    return; /* the last may still come back */
+  uint64_t latest = q->last_lost_epoch;
   if (latest == q->fab_abandoned)
     return;
   int started = 0;
