@@ -50,3 +50,34 @@ const char *shardd__escape(const char *in, char *out, size_t outlen) {
   out[n] = '\0';
   return out;
 }
+
+size_t shardd__utf8_len(const char *s) {
+  const unsigned char *p = (const unsigned char *)s;
+  size_t k;
+  unsigned lo = 0x80, hi = 0xbf; /* the second byte's range */
+  if (p[0] < 0x80)
+    return 1;
+  if (p[0] >= 0xc2 && p[0] <= 0xdf) {
+    k = 2;
+  } else if (p[0] >= 0xe0 && p[0] <= 0xef) {
+    k = 3;
+    if (p[0] == 0xe0)
+      lo = 0xa0; /* below: overlong */
+    else if (p[0] == 0xed)
+      hi = 0x9f; /* above: a surrogate */
+  } else if (p[0] >= 0xf0 && p[0] <= 0xf4) {
+    k = 4;
+    if (p[0] == 0xf0)
+      lo = 0x90; /* below: overlong */
+    else if (p[0] == 0xf4)
+      hi = 0x8f; /* above: past U+10FFFF */
+  } else {
+    return 0; /* a continuation byte, c0, c1 (overlong) or f5..ff */
+  }
+  if (p[1] < lo || p[1] > hi)
+    return 0; /* a NUL is out of every range: nothing past it is read */
+  for (size_t i = 2; i < k; i++)
+    if (p[i] < 0x80 || p[i] > 0xbf)
+      return 0;
+  return k;
+}

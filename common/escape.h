@@ -17,4 +17,13 @@
  * outlen below 4 gets ""). Returns out, for a printf argument. */
 const char *shardd__escape(const char *in, char *out, size_t outlen);
 
+/* The bytes of the UTF-8 character p starts (1 to 4: U+0000 to U+10FFFF in
+ * its shortest form, no surrogate), or 0 where p starts none: a byte that
+ * only continues a character, one that starts no form (c0, c1, f5..ff), an
+ * overlong form, a surrogate (U+D800..U+DFFF), past U+10FFFF, or a
+ * character cut short (by the NUL too, so a read never passes it). JSON
+ * text must be UTF-8 (RFC 8259): shardd__sb_json_str writes each byte that
+ * starts none as \ufffd. */
+size_t shardd__utf8_len(const char *p);
+
 #endif /* SHARDD_ESCAPE_H */

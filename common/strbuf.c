@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "escape.h"
+
 void shardd__sb_init(shardd__sb *sb) { memset(sb, 0, sizeof *sb); }
 
 static int sb_reserve(shardd__sb *sb, size_t extra) {
@@ -58,10 +60,23 @@ void shardd__sb_json_str(shardd__sb *sb, const char *s) {
       shardd__sb_printf(sb, "\\r");
       break;
     default:
-      if (*p < 0x20)
+      if (*p < 0x20) {
         shardd__sb_printf(sb, "\\u%04x", *p);
-      else
+      } else if (*p < 0x80) {
         shardd__sb_printf(sb, "%c", *p);
+      } else {
+        /* Names are any bytes but NUL, and JSON text must be UTF-8: a
+         * strict reader (Python's json.loads of the bytes) refused the
+         * whole status for one such name. A byte that starts no
+         * character is U+FFFD, as a UTF-8 decoder's "replace" does. */
+        size_t k = shardd__utf8_len((const char *)p);
+        if (k == 0) {
+          shardd__sb_printf(sb, "\\ufffd");
+        } else {
+          shardd__sb_printf(sb, "%.*s", (int)k, (const char *)p);
+          p += k - 1;
+        }
+      }
     }
   }
 }

@@ -72,6 +72,17 @@ static void unstore_region(host_priv *hp, shardd__region *r) {
   r->priv = NULL;
 }
 
+/* A memfd is made mode 0777, and whoever holds a descriptor of it may
+ * open /proc/self/fd/N anew with any access the mode allows: a trainer
+ * handed the node's gathered copy read-only (host_export_fd_ro) reopened
+ * it for writing and changed what every other local rank reads. Readable
+ * by the daemon's uid only, a reopen for writing fails for every other
+ * uid and for the daemon's own when it runs as user shardd (root's
+ * capabilities pass any mode); the daemon's own read-only reopen (as
+ * user shardd: the owner's read bit) still works, and descriptors already
+ * open keep their access. */
+#define MEMFD_MODE S_IRUSR
+
 static size_t page_round(size_t n) {
   size_t pg = (size_t)sysconf(_SC_PAGESIZE);
   return (n + pg - 1) / pg * pg;
@@ -135,6 +146,10 @@ static shardd_err host_alloc_impl(shardd__backend *b, int device, size_t bytes,
       rc = SHARDD_E_LIMIT;
     snprintf(err, errlen, "memfd_create: %s%s", strerror(errno),
              rc == SHARDD_E_LIMIT ? " (raise LimitNOFILE / ulimit -n)" : "");
+    goto fail;
+  }
+  if (fchmod(fd, MEMFD_MODE) != 0) {
+    snprintf(err, errlen, "memfd mode: %s", strerror(errno));
     goto fail;
   }
   if (ftruncate(fd, (off_t)sz) != 0) {
@@ -402,6 +417,10 @@ static shardd_err host_wrap_fd(shardd__backend *b, int device, int fd,
     snprintf(err, errlen, "%s: not a memory file", store_name);
     goto fail;
   }
+  /* a region an older release stored may still be 0777 (MEMFD_MODE) */
+  if ((st.st_mode & 07777) != MEMFD_MODE && fchmod(fd, MEMFD_MODE) != 0)
+    shardd__log(1, "%s: its mode %04o stays: %s", store_name,
+                (unsigned)(st.st_mode & 07777), strerror(errno));
   void *p = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED,
                  fd, 0);
   if (p == MAP_FAILED) {

@@ -308,6 +308,23 @@ shardd_err shardd__coll_describe(const shardd__coll_engine *e,
                                  const shardd__job *job, size_t i,
                                  shardd__coll_info *out, uint8_t *arrived);
 
+/* For status: a collective's local ranks, as lists of the caller's. */
+typedef struct {
+  size_t max;          /* the room in each list, set by the caller */
+  uint32_t *arrived;   /* the lowest that submitted it, ascending */
+  uint32_t *waiting;   /* the lowest that did not (none once it runs) */
+  size_t n_arrived, n_waiting;
+  uint32_t arrived_all, waiting_all; /* how many of each in all */
+} shardd__coll_ranks;
+
+/* As shardd__coll_describe, the ranks as lists instead of a world-sized
+ * map: costs the ranks that arrived and max, not the job's world (a status
+ * of 1024 collectives of world 65536 walked 64 Mi ranks). */
+shardd_err shardd__coll_describe_ranks(const shardd__coll_engine *e,
+                                       const shardd__job *job, size_t i,
+                                       shardd__coll_info *out,
+                                       shardd__coll_ranks *rk);
+
 /* For status: seconds since rank of job was lost and no member joined for
  * it again; < 0 when it is held, or was never lost. */
 double shardd__coll_rank_missing_s(const shardd__coll_engine *e,

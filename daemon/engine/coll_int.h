@@ -90,6 +90,12 @@ typedef struct {
    * kept the loop 20% busy doing nothing) */
   uint32_t *lost_ranks;
   uint32_t nlost;
+  /* the latest loss noted: its loop time and epoch. Once every local rank
+   * is lost it is the latest of theirs (a rank lost after it would be lost
+   * too), so the tick's check of a multi-node job whose ranks all left
+   * reads these, not its ranks (abandon_fabric) */
+  double last_lost_at;
+  uint64_t last_lost_epoch;
   /* a multi-node job: the latest lost_epoch of this node's ranks when its
    * fabric's work was last abandoned for their all being gone (0 never) */
   uint64_t fab_abandoned;

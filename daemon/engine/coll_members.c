@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "log.h"
+#include "lowest.h"
 
 /* The missing rank that dooms unstarted c at now, or -1: a rank lost past
  * the grace that had not submitted c, while a rank waiting in c joined
@@ -134,8 +135,8 @@ static void note_lost(coll_job *q, const shardd__coll_member *m) {
   }
   if (q->lost_at[m->rank] < 0)
     q->lost_ranks[q->nlost++] = m->rank;
-  q->lost_at[m->rank] = shardd__coll_loop_now(e);
-  q->lost_epoch[m->rank] = ++e->epoch;
+  q->lost_at[m->rank] = q->last_lost_at = shardd__coll_loop_now(e);
+  q->lost_epoch[m->rank] = q->last_lost_epoch = ++e->epoch;
   q->lost_told[m->rank] = 0;
 }
 
@@ -167,6 +168,42 @@ shardd_err shardd__coll_describe(const shardd__coll_engine *e,
   memset(arrived, 0, job->world);
   for (uint32_t k = 0; k < c->arrived; k++)
     arrived[c->order[k]] = 1;
+  return SHARDD_OK;
+}
+
+shardd_err shardd__coll_describe_ranks(const shardd__coll_engine *e,
+                                       const shardd__job *job, size_t i,
+                                       shardd__coll_info *out,
+                                       shardd__coll_ranks *rk) {
+  const coll_job *q = shardd__map_get_id(&e->jobs, shardd__coll_job_key(job));
+  const coll *c = q ? q->head : NULL;
+  for (; c && i > 0; i--)
+    c = c->next;
+  if (c == NULL)
+    return SHARDD_E_NOT_FOUND;
+  out->kind = c->args.kind;
+  out->target = c->args.target;
+  out->name = c->name;
+  out->running = c->started;
+  out->waited_s = shardd__coll_loop_now(e) - (c->deadline - e->cfg.timeout);
+  if (!(out->waited_s > 0))
+    out->waited_s = 0;
+  uint32_t first = job->local_first, end = first + job->local_ranks;
+  shardd__lowest low;
+  shardd__lowest_init(&low, rk->arrived, rk->max);
+  rk->arrived_all = 0;
+  for (uint32_t k = 0; k < c->arrived; k++)
+    if (c->order[k] >= first && c->order[k] < end) {
+      shardd__lowest_add(&low, c->order[k]);
+      rk->arrived_all++;
+    }
+  rk->n_arrived = shardd__lowest_finish(&low);
+  rk->n_waiting = 0;
+  rk->waiting_all = c->started ? 0 : job->local_ranks - rk->arrived_all;
+  /* each step lists one or passes a rank that arrived: at most max + those */
+  for (uint32_t k = first; !c->started && k < end && rk->n_waiting < rk->max; k++)
+    if (!c->waiters[k].arrived)
+      rk->waiting[rk->n_waiting++] = k;
   return SHARDD_OK;
 }
 
@@ -520,10 +557,11 @@ static void forgive_stall(const jobs_arg *a, double stall) {
     coll_job *q = a->jobs[i];
     for (coll *c = q->head; c; c = c->next)
       c->deadline += stall;
-    if (q->lost_at)
-      for (uint32_t r = 0; r < q->job->world; r++)
-        if (q->lost_at[r] >= 0)
-          q->lost_at[r] += stall;
+    if (q->lost_at) {
+      for (uint32_t k = 0; k < q->nlost; k++)
+        q->lost_at[q->lost_ranks[k]] += stall;
+      q->last_lost_at += stall;
+    }
     q->last_submit += stall;
   }
 }
@@ -537,14 +575,15 @@ static void forgive_stall(const jobs_arg *a, double stall) {
  * per such loss); the collectives end with E_PEER_LOST. */
 static void abandon_fabric(coll_job *q, double now) {
   const shardd__job *job = q->job;
-  if (q->fab == NULL || q->lost_at == NULL)
-    return;
-  uint64_t latest = 0;
-  for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++) {
-    if (q->lost_at[r] < 0 || now < q->lost_at[r] + q->e->cfg.peer_grace)
-      return; /* a rank is here, or may still come back */
-    latest = q->lost_epoch[r] > latest ? q->lost_epoch[r] : latest;
-  }
+  /* Every local rank lost (only this node's ranks are members here) and
+   * the last of them past the grace. This read every local rank, every
+   * tick, for as long as such a job lingered: ticks over jobs of 32768
+   * local ranks each held the loop in proportion, for nothing. */
+  if (q->fab == NULL || q->lost_at == NULL || q->nlost < job->local_ranks)
+    return; /* a rank is here */
+  if (now < q->last_lost_at + q->e->cfg.peer_grace)
+    return; /* the last may still come back */
+  uint64_t latest = q->last_lost_epoch;
   if (latest == q->fab_abandoned)
     return;
   int started = 0;

@@ -13,6 +13,7 @@
 #include "checkpoint.h"
 #include "fabric.h"
 #include "log.h"
+#include "lowest.h"
 
 slot *shardd__jobs_slot_get(const shardd__jobs *j, const shardd__job *job) {
   return shardd__map_get_id(&j->slots, shardd__jobs_key(job));
@@ -44,6 +45,7 @@ slot *shardd__jobs_slot_make(shardd__jobs *j, shardd__job *job) {
 void shardd__jobs_slot_free(slot *s) {
   if (s) {
     free(s->resume_dir);
+    free(s->held);
     free(s->owners);
     free(s->bye);
     free(s);
@@ -176,8 +178,18 @@ shardd_err shardd__jobs_claim(shardd__jobs *j, shardd__job *job, uint32_t rank,
     *holder_pid = s->owners[rank].pid;
     return SHARDD_E_STATE;
   }
+  if (s->nheld == s->held_cap) {
+    uint32_t cap = s->held_cap ? 2 * s->held_cap : 4;
+    uint32_t *h = realloc(s->held, cap * sizeof *h);
+    if (h == NULL)
+      return SHARDD_E_NO_MEMORY;
+    s->held = h;
+    s->held_cap = cap;
+  }
   s->owners[rank].owner = owner;
   s->owners[rank].pid = pid;
+  s->owners[rank].at = s->nheld;
+  s->held[s->nheld++] = rank;
   s->nclients++;
   s->empty_since = -1;
   if (s->bye[rank]) { /* a rank rejoining: not finished after all */
@@ -201,6 +213,9 @@ void shardd__jobs_leave(shardd__jobs *j, shardd__job *job, uint32_t rank,
     return;
   if (s->owners[rank].owner == owner) {
     s->owners[rank].owner = 0;
+    uint32_t at = s->owners[rank].at, last = s->held[--s->nheld];
+    s->held[at] = last; /* the last one takes its place */
+    s->owners[last].at = at;
     if (finished && !s->bye[rank]) {
       s->bye[rank] = 1;
       s->nbye++;
@@ -363,19 +378,18 @@ uint32_t shardd__jobs_ranks(const shardd__jobs *j, const shardd__job *job,
                             uint32_t *held, uint32_t *missing, size_t max,
                             size_t *nheld, size_t *nmissing) {
   const slot *s = shardd__jobs_slot_get(j, job);
-  uint32_t total = 0, first = job->local_first, end = first + job->local_ranks;
-  uint32_t clients = s ? s->nclients : 0;
+  uint32_t first = job->local_first, end = first + job->local_ranks;
+  uint32_t nh = s ? s->nheld : 0, clients = s ? s->nclients : 0;
   *nheld = *nmissing = 0;
-  for (uint32_t k = first; k < end; k++) {
-    if (s && s->owners[k].owner != 0) {
-      total++;
-      if (*nheld < max)
-        held[(*nheld)++] = k;
-    } else if (*nmissing < max) {
+  shardd__lowest low;
+  shardd__lowest_init(&low, held, max);
+  for (uint32_t i = 0; i < nh; i++)
+    shardd__lowest_add(&low, s->held[i]);
+  *nheld = shardd__lowest_finish(&low);
+  /* the lowest others: each step lists one or passes a held rank, so this
+   * costs at most max + the ranks held, whatever the world */
+  for (uint32_t k = first; k < end && *nmissing < max; k++)
+    if (s == NULL || s->owners[k].owner == 0)
       missing[(*nmissing)++] = k;
-    } else if (total >= clients) {
-      break; /* both lists are what they will be */
-    }
-  }
-  return total > clients ? total : clients;
+  return nh > clients ? nh : clients;
 }

@@ -115,8 +115,8 @@ int shardd__jobs_rank_held(const shardd__jobs *j, const shardd__job *job,
                            uint32_t rank);
 /* This daemon's ranks of job, lowest first: the first max held ones into
  * held (*nheld of them), the first max others into missing (*nmissing);
- * returns how many are held in all. One pass, which stops once both lists
- * are full and every held rank was seen (status of a huge world). */
+ * returns how many are held in all. Costs O(ranks held * log max + max),
+ * not the world's size (status of huge worlds). */
 uint32_t shardd__jobs_ranks(const shardd__jobs *j, const shardd__job *job,
                             uint32_t *held, uint32_t *missing, size_t max,
                             size_t *nheld, size_t *nmissing);

@@ -12,11 +12,16 @@
 typedef struct {
   uint64_t owner; /* 0: not claimed */
   int32_t pid;
+  uint32_t at; /* while claimed: where the rank is in its slot's held */
 } claim;
 
 typedef struct {
   shardd__job *job;
   claim *owners; /* [world] */
+  /* the ranks claimed, in no order (nheld of them, room for held_cap):
+   * status lists them at the cost of the ranks held, not of the world */
+  uint32_t *held;
+  uint32_t nheld, held_cap;
   uint32_t nclients;
   double empty_since; /* loop time the last client left; < 0 while held */
   int checkpointing;  /* a checkpoint of it is started and not done */

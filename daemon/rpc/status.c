@@ -117,24 +117,21 @@ static void coll_states(const shardd__status_ctx *ctx, shardd__report *r,
     n = (uint32_t)*budget;
   if (n == 0)
     return;
-  /* scratch, not the report's: freed before the next job */
-  uint8_t *arrived = malloc(job->world ? job->world : 1);
   js->collectives = ar_alloc(r, n * sizeof *js->collectives);
-  if (arrived == NULL || js->collectives == NULL) {
-    r->failed |= arrived == NULL;
-    free(arrived);
+  if (js->collectives == NULL)
     return;
-  }
   uint32_t lr = job->local_ranks;
   size_t max = lr < MAX_STATUS_RANKS ? lr : MAX_STATUS_RANKS;
   shardd__coll_info info;
-  for (size_t i = 0; i < n && shardd__coll_describe(ctx->coll, job, i, &info,
-                                                    arrived) == SHARDD_OK; i++) {
-    --*budget;
+  for (size_t i = 0; i < n; i++) {
     Shardwire__CollectiveStatus *cs = ar_alloc(r, sizeof *cs);
     uint32_t *in = ar_alloc(r, max * sizeof *in), *out = ar_alloc(r, max * sizeof *out);
     if (cs == NULL || in == NULL || out == NULL)
       break;
+    shardd__coll_ranks rk = {.max = max, .arrived = in, .waiting = out};
+    if (shardd__coll_describe_ranks(ctx->coll, job, i, &info, &rk) != SHARDD_OK)
+      break;
+    --*budget;
     shardwire__collective_status__init(cs);
     cs->kind = ar_strdup(r, shardd__coll_kind_word(info.kind));
     cs->target = info.target;
@@ -142,28 +139,19 @@ static void coll_states(const shardd__status_ctx *ctx, shardd__report *r,
     cs->running = info.running;
     cs->waited_s = info.waited_s;
     cs->arrived = in;
+    cs->n_arrived = rk.n_arrived;
     cs->waiting_for = out;
-    uint32_t nin = 0, nout = 0;
-    for (uint32_t k = job->local_first; k < job->local_first + lr; k++) {
-      if (arrived[k]) {
-        if (nin++ < max)
-          in[cs->n_arrived++] = k;
-      } else if (!info.running) {
-        if (nout++ < max)
-          out[cs->n_waiting_for++] = k;
-      }
-    }
-    if (nin > cs->n_arrived) {
+    cs->n_waiting_for = rk.n_waiting;
+    if (rk.arrived_all > cs->n_arrived) {
       cs->has_arrived_more = 1;
-      cs->arrived_more = nin - (uint32_t)cs->n_arrived;
+      cs->arrived_more = rk.arrived_all - (uint32_t)cs->n_arrived;
     }
-    if (nout > cs->n_waiting_for) {
+    if (rk.waiting_all > cs->n_waiting_for) {
       cs->has_waiting_for_more = 1;
-      cs->waiting_for_more = nout - (uint32_t)cs->n_waiting_for;
+      cs->waiting_for_more = rk.waiting_all - (uint32_t)cs->n_waiting_for;
     }
     js->collectives[js->n_collectives++] = cs;
   }
-  free(arrived);
 }
 
 /* What an operator's waiting checkpoint waits for shows next to the

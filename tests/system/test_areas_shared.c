@@ -8,15 +8,20 @@
  * local rank releases it, whatever order the ranks release in, and a rank
  * that disconnects gives back only its own reference. Values are computed
  * here from what the ranks wrote, never read back from the code under
- * test. */
+ * test. A trainer of another uid than the daemon's, or of the daemon's
+ * (the unit runs it as user shardd), cannot reopen the copy's descriptor
+ * for writing through /proc/self/fd. */
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
+#include <linux/capability.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -284,4 +289,173 @@ Test(areas_shared, a_lost_rank_leaves_its_peers_copy, .init = start, .fini = sto
   release(&j, 0, 2);
   release(&j, 1, 2);
   close_all(&j);
+}
+
+/* ---- the copy's descriptor cannot be reopened for writing ---------------- */
+
+/* Sends req on fd and reads its reply (the next one: nothing else is in
+ * flight), keeping the first descriptor that came with it in *got (-1:
+ * none). NULL when the daemon closed, the reply does not decode or is not
+ * OK. No assertion: this runs in a forked child. */
+static Shardwire__Response *child_rpc(int fd, shardd__frame_reader *rd,
+                                      Shardwire__Request *req, int *got) {
+  static uint64_t seq;
+  req->seq = ++seq;
+  *got = -1;
+  size_t n = shardwire__request__get_packed_size(req);
+  uint8_t *buf = malloc(n);
+  if (buf == NULL)
+    return NULL;
+  shardwire__request__pack(req, buf);
+  char err[256];
+  shardd_err rc = shardd__frame_send(fd, buf, n, err, sizeof err);
+  free(buf);
+  if (rc != SHARDD_OK)
+    return NULL;
+  const uint8_t *payload;
+  size_t len;
+  int fds[4], nfds = 0;
+  rc = shardd__frame_recv(fd, rd, &payload, &len, fds, 4, &nfds, err, sizeof err);
+  for (int i = 0; i < nfds; i++) {
+    if (*got < 0)
+      *got = fds[i];
+    else
+      close(fds[i]);
+  }
+  Shardwire__Response *resp =
+      rc == SHARDD_OK ? shardwire__response__unpack(NULL, len, payload) : NULL;
+  if (resp && (resp->seq != req->seq || resp->code != SHARDWIRE__STATUS_CODE__OK)) {
+    shardwire__response__free_unpacked(resp, NULL);
+    resp = NULL;
+  }
+  return resp;
+}
+
+/* Takes CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH and CAP_FOWNER out of this
+ * process's effective set: root then opens a file as its owner uid does,
+ * as the daemon's uid does when the unit runs it as user shardd. */
+static int drop_dac_override(void) {
+  struct __user_cap_header_struct h = {_LINUX_CAPABILITY_VERSION_3, 0};
+  struct __user_cap_data_struct c[_LINUX_CAPABILITY_U32S_3];
+  if (syscall(SYS_capget, &h, c) != 0)
+    return -1;
+  const int drop[] = {CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER};
+  for (size_t i = 0; i < sizeof drop / sizeof drop[0]; i++)
+    c[drop[i] / 32].effective &= ~(1u << (drop[i] % 32));
+  return syscall(SYS_capset, &h, c) == 0 ? 0 : -1;
+}
+
+/* As uid (another than the daemon's; the daemon's own when uid is this
+ * process's, root without its override of file modes): the one rank of a
+ * transient job, over its own connection, gathers a buffer and gets the
+ * node's gather pool's descriptor, read-only; reopening it through
+ * /proc/self/fd for writing must fail (EACCES). Exit code: 0 as expected,
+ * else the step that failed. */
+static int reopen_copy_writable(const char *sock, uid_t uid) {
+  if (uid != geteuid() && (setgid(uid) != 0 || setuid(uid) != 0))
+    return 10;
+  if (uid == 0 && drop_dac_override() != 0)
+    return 11;
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  if (strlen(sock) >= sizeof sa.sun_path)
+    return 12;
+  memcpy(sa.sun_path, sock, strlen(sock) + 1);
+  if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0)
+    return 12;
+  struct timeval tv = {(time_t)TEST_HANG_S, 0}; /* a hang fails the step */
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  shardd__frame_reader rd;
+  shardd__frame_reader_init(&rd, SHARDD_MAX_FRAME);
+  int got;
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Hello h = SHARDWIRE__HELLO__INIT;
+  h.protocol_version = SHARDD_PROTOCOL_VERSION;
+  h.job = "ro";
+  h.has_rank = h.has_world = h.has_transient_areas = 1;
+  h.rank = 0;
+  h.world = 1;
+  h.transient_areas = 1;
+  req.body_case = SHARDWIRE__REQUEST__BODY_HELLO;
+  req.hello = &h;
+  Shardwire__Response *resp = child_rpc(fd, &rd, &req, &got);
+  if (resp == NULL)
+    return 13;
+  shardwire__response__free_unpacked(resp, NULL);
+  Shardwire__RegisterBuffer rb = SHARDWIRE__REGISTER_BUFFER__INIT;
+  rb.name = "w";
+  rb.dtype = SHARDWIRE__DTYPE__FP32;
+  rb.numel = NUMEL;
+  req = (Shardwire__Request)SHARDWIRE__REQUEST__INIT;
+  req.body_case = SHARDWIRE__REQUEST__BODY_REGISTER_BUFFER;
+  req.register_buffer = &rb;
+  resp = child_rpc(fd, &rd, &req, &got);
+  if (resp == NULL || resp->body_case != SHARDWIRE__RESPONSE__BODY_BUFFER)
+    return 14;
+  if (got >= 0)
+    close(got);
+  Shardwire__Gather g = SHARDWIRE__GATHER__INIT;
+  g.buffer = resp->buffer->id;
+  shardwire__response__free_unpacked(resp, NULL);
+  req = (Shardwire__Request)SHARDWIRE__REQUEST__INIT;
+  req.body_case = SHARDWIRE__REQUEST__BODY_GATHER;
+  req.gather = &g;
+  resp = child_rpc(fd, &rd, &req, &got);
+  if (resp == NULL || resp->body_case != SHARDWIRE__RESPONSE__BODY_GATHER)
+    return 15;
+  if (got < 0)
+    return 16; /* no descriptor came with the pool */
+  size_t pool_bytes = (size_t)resp->gather->pool_bytes;
+  shardwire__response__free_unpacked(resp, NULL);
+  int acc = fcntl(got, F_GETFL);
+  if (acc < 0 || (acc & O_ACCMODE) != O_RDONLY)
+    return 17; /* handed out writable */
+  void *m = mmap(NULL, pool_bytes, PROT_READ, MAP_SHARED, got, 0);
+  if (m == MAP_FAILED)
+    return 18; /* not the pool */
+  munmap(m, pool_bytes);
+  char path[64];
+  snprintf(path, sizeof path, "/proc/self/fd/%d", got);
+  int w = open(path, O_RDWR | O_CLOEXEC);
+  if (w >= 0)
+    return 19; /* reopened writable */
+  if (errno != EACCES)
+    return 20;
+  close(got);
+  close(fd);
+  shardd__frame_reader_free(&rd);
+  return 0;
+}
+
+/* Runs reopen_copy_writable as uid in a child; asserts it exited 0. */
+static void expect_no_writable_reopen(uid_t uid) {
+  cr_assert_eq(chmod(d.dir, 0755), 0);
+  cr_assert_eq(chmod(d.sock, 0666), 0);
+  pid_t pid = fork();
+  cr_assert_geq(pid, 0);
+  if (pid == 0)
+    _exit(reopen_copy_writable(d.sock, uid));
+  int st;
+  cr_assert(test_wait_exit(pid, &st), "uid %d's trainer did not finish", (int)uid);
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0,
+            "uid %d's trainer: step %d failed (19: it reopened the gathered copy "
+            "for writing)", (int)uid, WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  /* and the daemon serves on */
+  shardd_client_t *c = test_connect(&d, NULL, 0, 1);
+  cr_assert_eq(shardd_ping(c), SHARDD_OK);
+  shardd_close(c);
+}
+
+Test(areas_shared, another_uid_cannot_reopen_its_copy_writable, .init = start,
+     .fini = stop, .timeout = 60) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as a second uid");
+  expect_no_writable_reopen(4242);
+}
+
+/* The daemon's own uid (root: without the override of file modes that
+ * lets root write any file) reopens it no more. */
+Test(areas_shared, the_daemons_uid_cannot_reopen_the_copy_writable, .init = start,
+     .fini = stop, .timeout = 60) {
+  expect_no_writable_reopen(geteuid());
 }

@@ -306,6 +306,76 @@ Test(shardctl, json_escapes_names, .init = start, .fini = stop) {
   shardd_close(c);
 }
 
+/* Whether s is UTF-8 throughout (RFC 3629: shortest forms, no surrogate,
+ * nothing past U+10FFFF), decoded here apart from the code under test. */
+static int is_utf8(const char *s) {
+  const unsigned char *p = (const unsigned char *)s;
+  while (*p) {
+    unsigned cp;
+    int more;
+    if (*p < 0x80) {
+      p++;
+      continue;
+    } else if ((*p & 0xe0) == 0xc0) {
+      cp = *p & 0x1fu, more = 1;
+    } else if ((*p & 0xf0) == 0xe0) {
+      cp = *p & 0x0fu, more = 2;
+    } else if ((*p & 0xf8) == 0xf0) {
+      cp = *p & 0x07u, more = 3;
+    } else {
+      return 0;
+    }
+    const unsigned min[] = {0, 0x80, 0x800, 0x10000};
+    int len = more;
+    for (p++; more > 0; more--, p++) {
+      if ((*p & 0xc0) != 0x80)
+        return 0;
+      cp = cp << 6 | (*p & 0x3fu);
+    }
+    if (cp < min[len] || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
+      return 0;
+  }
+  return 1;
+}
+
+/* Names are any bytes but NUL, UTF-8 or not: a Latin-1 job name, a
+ * buffer's cut short and a view's overlong "/" came out raw in --json,
+ * which is then no JSON text (RFC 8259 wants UTF-8) and a strict reader
+ * refused the whole reply. Each byte that starts no UTF-8 character is
+ * \ufffd; valid UTF-8 around it stays as it is. */
+Test(shardctl, json_of_names_that_are_not_utf8_is_utf8, .init = start, .fini = stop) {
+  const char *job = "caf\xe9-caf\xc3\xa9";
+  shardd_client_t *c = test_connect(&d, job, 0, 1);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "w\xc3", SHARDD_DTYPE_FP32, 8, &b), SHARDD_OK,
+               "%s", shardd_last_error(c));
+  int64_t shape[1] = {8};
+  uint64_t vid;
+  cr_assert_eq(shardd_view_register(c, b.id, "v\xc0\xaf", 0, 8, shape, 1, &vid),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  char *out, *err, idarg[32];
+  cr_assert_eq(ctl(&out, &err, "--socket %s status --json%s", NULL), 0, "%s", err);
+  cr_expect(is_utf8(out), "status --json is not UTF-8: %s", out);
+  cr_expect_not_null(strstr(out, "\"name\":\"caf\\ufffd-caf\xc3\xa9\""), "%s", out);
+  tj *j = tj_parse(out);
+  cr_expect_not_null(j, "not valid JSON: %s", out);
+  tj_free(j);
+  free(out);
+  free(err);
+  snprintf(idarg, sizeof idarg, " %llu", (unsigned long long)b.id);
+  cr_assert_eq(ctl(&out, &err, "--socket %s --json inspect%s", idarg), 0, "%s", err);
+  cr_expect(is_utf8(out), "inspect --json is not UTF-8: %s", out);
+  cr_expect_not_null(strstr(out, "\"name\":\"w\\ufffd\""), "%s", out);
+  cr_expect_not_null(strstr(out, "\"job\":\"caf\\ufffd-caf\xc3\xa9\""), "%s", out);
+  cr_expect_not_null(strstr(out, "\"name\":\"v\\ufffd\\ufffd\""), "%s", out);
+  j = tj_parse(out);
+  cr_expect_not_null(j, "not valid JSON: %s", out);
+  tj_free(j);
+  free(out);
+  free(err);
+  shardd_close(c);
+}
+
 /* Names are any bytes but NUL and come from other uids: the text form
  * shows control bytes as \xNN, so a job named with an escape sequence or a
  * newline neither drives the operator's terminal nor forges a report line. */

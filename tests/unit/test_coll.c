@@ -302,6 +302,9 @@ static void expect_pending_zero(void) {
 
 static double loop_s(void) { return (double)uv_now(&loop) / 1000.0; }
 
+/* Monotonic seconds, for timing a stretch of work. */
+static double test_clock_s(void) { return (double)uv_hrtime() / 1e9; }
+
 /* ---- matching ---------------------------------------------------------- */
 
 /* 1,000,001 elements over 3 ranks: a padded last shard, and per-rank gather
@@ -1404,6 +1407,51 @@ Test(coll, lost_inside_a_collective_fails_at_once_under_a_grace) {
   shardd__coll_member_lost(eng, &mem[1]);
   expect_msg(expect_reply(0, 1, SHARDD_E_PEER_LOST), "disconnected before");
   expect_pending_zero();
+}
+
+/* A multi-node job all of whose ranks on this node left (trainers stopped
+ * to release it after a peer node died, or lingering): the tick's check
+ * whether to abandon its fabric read every local rank's loss, every tick
+ * (100 ms), as long as the job lasted, and found nothing to do. 16 jobs of
+ * world 65536 over 2 nodes, 32768 ranks each here, all gone: 1000 ticks
+ * (100 s of the daemon's life) are timed, and must cost what ticks of
+ * jobs with nothing queued cost, not a billion reads. */
+#define SPAN_JOBS 16
+#define SPAN_WORLD 65536u
+Test(coll, ticks_over_jobs_whose_ranks_on_this_node_all_left_are_quick) {
+  static shardd__coll_member m[SPAN_WORLD / 2];
+  char rdv[] = "/tmp/shardd-test-coll-XXXXXX";
+  cr_assert_not_null(mkdtemp(rdv));
+  shardd__job *jobs[SPAN_JOBS];
+  for (int j = 0; j < SPAN_JOBS; j++) {
+    char name[32];
+    snprintf(name, sizeof name, "span-%02d", j);
+    cr_assert_eq(shardd__job_get(&reg, name, SPAN_WORLD, 1000, &jobs[j], err, sizeof err),
+                 SHARDD_OK, "%s", err);
+    cr_assert_eq(shardd__coll_job_span(eng, jobs[j], 2, 0, rdv, "127.0.0.1", err,
+                                       sizeof err),
+                 SHARDD_OK, "%s", err);
+    cr_assert_eq(jobs[j]->local_ranks, SPAN_WORLD / 2);
+    /* every local rank joins, and leaves: nothing was queued */
+    for (uint32_t r = 0; r < jobs[j]->local_ranks; r++) {
+      m[r] = (shardd__coll_member){.job = jobs[j], .rank = jobs[j]->local_first + r};
+      shardd__coll_member_joined(eng, &m[r]);
+    }
+    for (uint32_t r = 0; r < jobs[j]->local_ranks; r++)
+      shardd__coll_member_lost(eng, &m[r]);
+  }
+  double t0 = loop_s(), c0 = test_clock_s();
+  for (int i = 1; i <= 1000; i++)
+    shardd__coll_tick(eng, t0 + 0.1 * i);
+  double took = test_clock_s() - c0;
+  /* walking the ranks: about 1 s unsanitized; now microseconds */
+  cr_assert_lt(took, 0.1, "1000 ticks took %.3f s", took);
+  cr_assert_eq(nreplies, 0);
+  for (int j = 0; j < SPAN_JOBS; j++) {
+    cr_assert_eq(shardd__coll_inflight(eng, jobs[j]), 0);
+    shardd__coll_job_free(eng, jobs[j]);
+  }
+  rmdir(rdv);
 }
 
 /* What status reads: each queued collective and who has submitted it. */

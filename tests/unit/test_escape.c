@@ -1,9 +1,10 @@
 /* test_escape.c — the one escape of names for a line of text (the daemon's
  * log, shardctl's reports): control bytes as \xNN, a backslash as \\, plain
  * bytes (UTF-8 included) as they are, and a cut where the buffer ends only
- * at a whole character, marked "...". The expected texts are written out by
- * hand. */
+ * at a whole character, marked "..."; and which bytes start a UTF-8
+ * character, for JSON text. The expected texts are written out by hand. */
 #include <criterion/criterion.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "escape.h"
@@ -82,4 +83,53 @@ Test(escape, tiny_buffers) {
   out[0] = 'z';
   shardd__escape("a", out, 0);
   cr_assert_eq(out[0], 'z', "nothing is written to an empty buffer");
+}
+
+/* ---- UTF-8 characters, for JSON text ------------------------------------- */
+
+Test(escape, utf8_characters_of_each_length) {
+  cr_assert_eq(shardd__utf8_len("a"), 1);
+  cr_assert_eq(shardd__utf8_len("\x7f"), 1);
+  cr_assert_eq(shardd__utf8_len(""), 1, "the NUL is a character of its own");
+  cr_assert_eq(shardd__utf8_len("\xc2\x80"), 2);        /* U+0080, the first */
+  cr_assert_eq(shardd__utf8_len("\xdf\xbf"), 2);        /* U+07FF */
+  cr_assert_eq(shardd__utf8_len("\xe0\xa0\x80"), 3);    /* U+0800 */
+  cr_assert_eq(shardd__utf8_len("\xed\x9f\xbf"), 3);    /* U+D7FF */
+  cr_assert_eq(shardd__utf8_len("\xee\x80\x80"), 3);    /* U+E000 */
+  cr_assert_eq(shardd__utf8_len("\xef\xbf\xbd"), 3);    /* U+FFFD */
+  cr_assert_eq(shardd__utf8_len("\xf0\x90\x80\x80"), 4); /* U+10000 */
+  cr_assert_eq(shardd__utf8_len("\xf4\x8f\xbf\xbf"), 4); /* U+10FFFF, the last */
+  cr_assert_eq(shardd__utf8_len("\xc3\xa9xyz"), 2, "only the character's bytes");
+}
+
+Test(escape, bytes_that_start_no_utf8_character) {
+  cr_assert_eq(shardd__utf8_len("\x80"), 0, "a continuation byte alone");
+  cr_assert_eq(shardd__utf8_len("\xbf\xbf"), 0);
+  cr_assert_eq(shardd__utf8_len("\xc0\x80"), 0, "overlong NUL");
+  cr_assert_eq(shardd__utf8_len("\xc1\xbf"), 0, "overlong U+007F");
+  cr_assert_eq(shardd__utf8_len("\xe0\x9f\xbf"), 0, "overlong U+07FF");
+  cr_assert_eq(shardd__utf8_len("\xf0\x8f\xbf\xbf"), 0, "overlong U+FFFF");
+  cr_assert_eq(shardd__utf8_len("\xed\xa0\x80"), 0, "U+D800, a surrogate");
+  cr_assert_eq(shardd__utf8_len("\xed\xbf\xbf"), 0, "U+DFFF, a surrogate");
+  cr_assert_eq(shardd__utf8_len("\xf4\x90\x80\x80"), 0, "U+110000");
+  cr_assert_eq(shardd__utf8_len("\xf5\x80\x80\x80"), 0);
+  cr_assert_eq(shardd__utf8_len("\xff"), 0);
+  cr_assert_eq(shardd__utf8_len("\xe9t"), 0, "Latin-1 e-acute");
+  cr_assert_eq(shardd__utf8_len("\xe2\x82" "a"), 0, "a 3-byte character cut short");
+  cr_assert_eq(shardd__utf8_len("\xf0\x9f\x98" "a"), 0, "a 4-byte one cut short");
+}
+
+/* A character cut short by the string's end is none, and nothing past the
+ * NUL is read: each input ends its allocation (ASan sees a read past). */
+Test(escape, a_cut_character_reads_nothing_past_the_end) {
+  static const char *cut[] = {"\xc3", "\xe2", "\xe2\x82", "\xf0", "\xf0\x9f",
+                              "\xf0\x9f\x98"};
+  for (size_t i = 0; i < sizeof cut / sizeof cut[0]; i++) {
+    size_t n = strlen(cut[i]) + 1;
+    char *s = malloc(n);
+    cr_assert_not_null(s);
+    memcpy(s, cut[i], n);
+    cr_expect_eq(shardd__utf8_len(s), 0, "input %zu", i);
+    free(s);
+  }
 }

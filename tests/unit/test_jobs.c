@@ -126,3 +126,63 @@ Test(jobs, release_now_tells_the_released_hook_and_a_refused_one_does_not) {
   cr_expect_eq(told[0], job);
   cr_expect_str_eq(told_name[0], "c");
 }
+
+/* The ranks status lists come from the ranks held (claimed in any order,
+ * some gone again), not from a walk of the world: the lowest 64 held and
+ * the lowest 64 others, each ascending, and the count of those held.
+ * Expected lists are computed here from the claims the test made. */
+Test(jobs, ranks_lists_the_lowest_held_and_missing_whatever_the_claim_order) {
+  make_jobs(600);
+  enum { W = 1000, MAX = 64 };
+  shardd__job *job = job_of("r", W);
+  static int held[W];
+  memset(held, 0, sizeof held);
+  /* 300 ranks claimed in a scrambled order (37 is prime to 1000) */
+  for (uint32_t i = 0; i < 300; i++) {
+    uint32_t r = (i * 37 + 11) % W;
+    claim(job, r, 1000 + r);
+    held[r] = 1;
+  }
+  /* every third of them leaves, out of order too */
+  for (uint32_t i = 0; i < 300; i += 3) {
+    uint32_t r = (i * 37 + 11) % W;
+    shardd__jobs_leave(&jobs, job, r, 1000 + r, 1.0, 0);
+    held[r] = 0;
+  }
+  uint32_t h[MAX], m[MAX], want_h[MAX], want_m[MAX];
+  size_t nh = 0, nm = 0, wh = 0, wm = 0;
+  uint32_t total = 0;
+  for (uint32_t r = 0; r < W; r++) {
+    total += (uint32_t)held[r];
+    if (held[r] && wh < MAX)
+      want_h[wh++] = r;
+    else if (!held[r] && wm < MAX)
+      want_m[wm++] = r;
+  }
+  cr_assert_eq(shardd__jobs_ranks(&jobs, job, h, m, MAX, &nh, &nm), total);
+  cr_assert_eq(total, 200u);
+  cr_assert_eq(nh, wh);
+  cr_assert_eq(nm, wm);
+  for (size_t i = 0; i < nh; i++)
+    cr_assert_eq(h[i], want_h[i], "held[%zu] = %u, wanted %u", i, h[i], want_h[i]);
+  for (size_t i = 0; i < nm; i++)
+    cr_assert_eq(m[i], want_m[i], "missing[%zu] = %u, wanted %u", i, m[i], want_m[i]);
+  /* fewer than max of either: all of them */
+  uint32_t h3[3], m3[3];
+  shardd__jobs_ranks(&jobs, job, h3, m3, 3, &nh, &nm);
+  cr_assert_eq(nh, 3u);
+  cr_assert_eq(nm, 3u);
+  for (size_t i = 0; i < 3; i++) {
+    cr_assert_eq(h3[i], want_h[i]);
+    cr_assert_eq(m3[i], want_m[i]);
+  }
+  /* all leave: none held, the lowest 64 of the world missing */
+  for (uint32_t r = 0; r < W; r++)
+    if (held[r])
+      shardd__jobs_leave(&jobs, job, r, 1000 + r, 2.0, 0);
+  cr_assert_eq(shardd__jobs_ranks(&jobs, job, h, m, MAX, &nh, &nm), 0u);
+  cr_assert_eq(nh, 0u);
+  cr_assert_eq(nm, (size_t)MAX);
+  for (size_t i = 0; i < nm; i++)
+    cr_assert_eq(m[i], (uint32_t)i);
+}

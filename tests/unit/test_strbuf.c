@@ -108,6 +108,16 @@ ParameterizedTestParameters(strbuf, json_escape) {
       {"/ and ' stay", "/ and ' stay"},
       {"\x7f", "\x7f"},
       {"\xc3\xa9t\xc3\xa9", "\xc3\xa9t\xc3\xa9"}, /* UTF-8 passes through */
+      {"\xf0\x9f\x98\x80 \xef\xbf\xbd", "\xf0\x9f\x98\x80 \xef\xbf\xbd"},
+      /* bytes that start no UTF-8 character: each one U+FFFD, escaped */
+      {"a\xff" "b", "a\\ufffdb"},
+      {"\xe9t\xe9", "\\ufffdt\\ufffd"},       /* Latin-1, not UTF-8 */
+      {"\xc3", "\\ufffd"},                    /* cut short by the end */
+      {"\xc3\"", "\\ufffd\\\""},             /* cut short by a quote */
+      {"\xc0\xaf", "\\ufffd\\ufffd"},         /* overlong "/" */
+      {"\xed\xa0\x80", "\\ufffd\\ufffd\\ufffd"}, /* a surrogate */
+      {"\xf4\x90\x80\x80", "\\ufffd\\ufffd\\ufffd\\ufffd"}, /* past U+10FFFF */
+      {"\x80\xe2\x82\xac", "\\ufffd\xe2\x82\xac"}, /* a stray continuation */
       {"\"\\\"", "\\\"\\\\\\\""},
   };
   return cr_make_param_array(esc_row, rows, sizeof rows / sizeof rows[0]);
