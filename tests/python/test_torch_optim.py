@@ -42,6 +42,8 @@ CLIP = 0.5
 FREEZE_AT, UNFREEZE_AT = 2, 4  # "freeze": the GPT's first block frozen between
 L2 = 1e-3         # "l2": the penalty's factor
 LOAD_AT = 2       # "load": the wrapped model takes torch's state dict after this many steps
+DROP_AT = 2       # "unbackwarded": this step's loss is dropped (no backward), stepped all the same
+WRITE_AT = 3      # "unbackwarded": this step writes into the parameters before its step
 
 
 if common.HAVE_TORCH:
@@ -65,6 +67,8 @@ if common.HAVE_TORCH:
 def make_model(name):
     if name == "gpt":
         return models.nano_gpt()
+    if name == "llama":
+        return models.llama()
     if name == "branchy":
         torch.manual_seed(0)
         return _Branchy()
@@ -76,7 +80,7 @@ def make_model(name):
 def batch(name, k, rank, world):
     """Micro-batch k (ROWS rows): rank r's slice of world (world 1: all)."""
     per = ROWS // world
-    if name == "gpt":
+    if name in ("gpt", "llama"):  # the same vocabulary and context
         return models.gpt_batch(models.GPTConfig(), k, rank, world, rows=per)
     g = torch.Generator().manual_seed(100 + k)
     x = torch.randn(ROWS, 8, generator=g)
@@ -85,7 +89,7 @@ def batch(name, k, rank, world):
 
 
 def loss_of(name, model, x, y):
-    if name == "gpt":
+    if name in ("gpt", "llama"):
         return models.gpt_loss(model, x, y)
     return nn.functional.mse_loss(model(x), y)
 
@@ -190,12 +194,34 @@ def train(name, mode, model, opt, sm, rank, world, steps=STEPS, split=True):
                 losses.append(loss.item())
                 opt.step()
                 continue
+            if mode == "unbackwarded" and s == DROP_AT:
+                # the loss came out NaN (say): dropped, no backward; the
+                # step applies the zeroed .grad, as torch's does
+                kept = unbackwarded(name, model, s, rank, world, sm is None)
+                losses.append(sum(t.item() for t in kept) / len(kept))
+                opt.step()
+                del kept
+                continue
             if mode in ("freeze", "freeze_sm") and s in (FREEZE_AT, UNFREEZE_AT):
                 model.transformer.h[0].requires_grad_(s == UNFREEZE_AT)
             losses.append(backward(name, model, sm, s, rank, world, split,
                                    one_rank=mode == "one_rank", l2=mode == "l2"))
             if mode == "logged":
                 losses.append(logged(name, model, sm, 50 + s, rank, world))
+            kept = None
+            if mode == "unbackwarded":
+                # a loss logged with grad enabled, in train mode (HF's
+                # generate without no_grad): kept alive past the step, as a
+                # script's local variable is
+                kept = unbackwarded(name, model, 50 + s, rank, world, sm is None)
+                losses.append(sum(t.item() for t in kept) / len(kept))
+                if s == WRITE_AT:
+                    # a write into the parameters before the next forward:
+                    # after sm.reshard() (FSDP2's), it lands in the shards
+                    if sm is not None:
+                        sm.reshard()
+                    for p in model.parameters():
+                        p.data.mul_(0.999)
             if mode in ("clip", "clip64"):
                 if mode == "clip64":
                     norm = clip_norm64(model.parameters(), CLIP)
@@ -205,11 +231,20 @@ def train(name, mode, model, opt, sm, rank, world, steps=STEPS, split=True):
                     norm = sm.clip_grad_norm_(CLIP)
                 losses.append(float(norm))  # every rank's is the global norm
         opt.step()
-        if mode == "logged":
+        if mode in ("logged", "unbackwarded"):
             with torch.no_grad():  # an EMA-like shrink, written into the shards
                 for p in model.parameters():
                     p.mul_(0.999)
     return losses
+
+
+def unbackwarded(name, model, k, rank, world, reference):
+    """Train-mode forwards with grad enabled of micro-batch k, no backward
+    -> their losses, graphs attached: this rank's, or every rank's (the
+    reference)."""
+    assert model.training and torch.is_grad_enabled()
+    ranks = range(world) if reference else (rank,)
+    return [loss_of(name, model, *batch(name, k, r, world)) for r in ranks]
 
 
 def logged(name, model, sm, k, rank, world):
@@ -259,8 +294,17 @@ def rank_main(rank, world, sock, job, name, mode, mid, kind, q):
         # so the branch one rank takes lives in the unit all ranks gather
         # ("freeze": a unit per GPT block, so that one is wholly frozen;
         # "two": units that wait for the first forward's part of backward)
-        auto_wrap = ("children" if name == "chain" or mode in ("freeze", "freeze_sm", "two")
+        auto_wrap = ("children" if name == "chain" or mode in ("freeze", "freeze_sm", "two",
+                                                                 "unbackwarded")
                      else "module")
+        if name == "llama":  # a unit per decoder layer, the root's the rest
+            auto_wrap = {models.LlamaDecoderLayer}
+        if mode == "unbackwarded" and name == "gpt" and kind == "torch":
+            # an AdamW made before wrapping (torch wrapped the class's step
+            # for its profiler then, and does not again): the pre-step
+            # release must reach that class's step too; the LLaMA's AdamW
+            # is the first of its class
+            torch.optim.AdamW([nn.Parameter(torch.zeros(1))], foreach=False)
         if mode == "resident":
             sm = shardd.nn.ShardedModule(client, model, auto_wrap=auto_wrap)
             opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
@@ -511,6 +555,34 @@ class TorchOptimTest(unittest.TestCase):
         torch.optim's step and the write reach the shards (not the node's
         read-only copy: a SIGSEGV), and state_dict() releases it."""
         self.check("gpt", "logged", worlds=(2,))
+
+    @unittest.skipIf(common.UNDER_ASAN, common.ASAN_TORCH_THROW)
+    def test_a_train_mode_forward_without_backward_then_a_step_trains_as_torch(self):
+        """A loss computed in train mode with grad enabled and never
+        backwarded (logged; HF's generate without no_grad; one dropped for
+        being NaN), its graph kept alive past the step: torch.optim's step
+        reaches the shards, not the root unit's gathered copy (read-only:
+        it was a SIGSEGV), and applies the .grad the parameters hold, as
+        torch's; a step with no backward at all applies the zeroed .grad;
+        after sm.reshard() a write through p.data lands in the shards. The
+        nested GPT: a unit per child, the tied embedding and head the
+        root's."""
+        self.check("gpt", "unbackwarded", worlds=(2,))
+
+    @unittest.skipIf(common.UNDER_ASAN, common.ASAN_TORCH_THROW)
+    def test_a_train_mode_forward_without_backward_then_shardd_optim_trains_as_torch(self):
+        """shardd.optim's step likewise; and at the step with no backward
+        since the last one, the daemon (which skips a buffer no scatter
+        reached since its last step, taking its gradient for consumed) is
+        handed the zeroed .grad again, so it steps as torch's AdamW does
+        (weight decay, the moments' decay, the step count)."""
+        self.check("gpt", "unbackwarded", worlds=(2,), kind="shardd")
+
+    @unittest.skipIf(common.UNDER_ASAN, common.ASAN_TORCH_THROW)
+    def test_a_train_mode_forward_without_backward_on_llama_trains_as_torch(self):
+        """LLaMA, a unit per decoder layer: embeddings, final norm and head
+        (untied) in the root unit."""
+        self.check("llama", "unbackwarded", worlds=(2,))
 
     def test_a_block_frozen_mid_run_then_unfrozen_trains_as_torch(self):
         """requires_grad_(False) on a GPT block (its own unit) after two

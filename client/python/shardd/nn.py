@@ -118,11 +118,23 @@ Per unit, in the same order on every rank (each rank's graph is the same):
   whole). After an eval-mode forward (``model.eval()``, grad enabled, no
   backward) they are their parts of the shard again until a backward, so
   an evaluation between backward and step leaves the optimizer stepping
-  the shards; after a train-mode forward no backward came for, they stay
-  the read-only gathered copy until the next forward (an optimizer step or
-  a write then faults: log losses under ``torch.no_grad()`` or
-  ``model.eval()``). :meth:`full_parameters`, and so the state dicts,
-  release a root unit no backward came for;
+  the shards; after a train-mode forward no backward came for (a loss
+  only logged with grad enabled, HF's generate without ``no_grad``, a NaN
+  loss dropped), they stay the read-only gathered copy until the next
+  forward, or until an optimizer's step: any ``torch.optim.Optimizer``
+  (shardd.optim's too) holding a parameter of the module releases such a
+  unit before it steps (torch >= 2: a global step pre-hook; torch 1.13 has
+  none, and its ``Optimizer._hook_for_profile``, which wraps each
+  optimizer class's ``step`` once for the profiler, is extended to wrap it
+  with that release too: a test while no unit waits so, per step). So the
+  step writes the shards and applies the ``.grad`` the parameters hold,
+  as torch's would; a later backward of that forward's output gathers the
+  unit again. A write through a parameter (``p.data.copy_()``,
+  ``clamp_``, an init) between such a forward and the next forward or
+  step still faults (nothing sees it coming): call :meth:`reshard`
+  (FSDP2's) first, or log under ``torch.no_grad()`` or ``model.eval()``.
+  :meth:`full_parameters`, and so the state dicts, release such a unit
+  too;
 * while the root module's forward runs, saved-tensor hooks record every
   tensor autograd saves that lies in a gathered area as (unit, offset,
   sizes, strides) instead of the tensor, and backward rebuilds it from the
@@ -307,6 +319,96 @@ def owner_of(param):
     if got is None or got[0]() is not param:
         return None
     return got[1]()
+
+
+# ShardedModules whose last forward of the root (train mode, grad enabled)
+# left a unit gathered for a backward that has not come yet (the root unit:
+# its parameters the node's read-only gathered copy). Emptied at the end of
+# each backward, so in the plain loop (forward, backward, step) an
+# optimizer's step finds it empty and costs one test.
+_HELD = weakref.WeakSet()
+
+
+def _before_step(opt):
+    """Before a torch.optim.Optimizer's step: a ShardedModule that holds one
+    of opt's parameters and left a unit gathered after a forward no
+    backward came for (a loss only logged with grad enabled in train mode,
+    HF's generate without no_grad, a NaN loss dropped) releases it, so that
+    the step writes this rank's shard, as torch's step would write the
+    parameters, instead of the read-only gathered copy (a SIGSEGV). A
+    backward of that forward's output later gathers the unit again."""
+    if not _HELD:
+        return
+    held = list(_HELD)
+    mine = set()
+    for g in opt.param_groups:
+        for p in g["params"]:
+            got = _OWNERS.get(id(p))
+            if got is not None and got[0]() is p:
+                sm = got[1]()
+                if sm is not None and sm in held:
+                    mine.add(sm)
+    for sm in held:
+        if sm in mine:
+            sm._release_unbackwarded()
+
+
+_STEP_HOOKED = [False]
+
+
+def _mark_step_hooked(fn):
+    fn._shardd_before_step = True
+    return fn
+
+
+def _wrap_step(cls):
+    """cls.step runs _before_step first (torch < 2, which has no global step
+    pre-hook). Once per class: a subclass that inherits a wrapped step keeps
+    it; one that overrides step is wrapped itself (a super().step() then
+    runs _before_step twice: the second finds nothing held)."""
+    inner = getattr(cls, "step", None)
+    if inner is None or getattr(inner, "_shardd_before_step", False):
+        return
+
+    @functools.wraps(inner)
+    def step(self, *args, **kwargs):
+        if _HELD:
+            _before_step(self)
+        return inner(self, *args, **kwargs)
+
+    cls.step = _mark_step_hooked(step)
+
+
+def _install_step_hook():
+    """Makes every torch.optim.Optimizer's step call _before_step first, once
+    per process (a transient ShardedModule's construction calls it). torch
+    >= 2: its global register_optimizer_step_pre_hook. torch 1.13 has none;
+    it wraps each Optimizer class's step once, for the profiler, in
+    Optimizer._hook_for_profile, which every optimizer's __init__ calls:
+    that is extended to wrap the class's step with _before_step too, once
+    (functools.wraps carries the profiler's "hooked" mark over, so neither
+    wraps twice). An optimizer made before the wrapper holds the
+    parameters the wrapper replaced, none of the module's: it needs no
+    hook."""
+    if _STEP_HOOKED[0]:
+        return
+    _STEP_HOOKED[0] = True
+    Optimizer = torch.optim.Optimizer
+    import torch.optim.optimizer as optimizer_mod  # not an attribute of torch.optim in 1.13
+    reg = getattr(optimizer_mod, "register_optimizer_step_pre_hook", None)
+    if reg is not None:
+        reg(lambda opt, args, kwargs: _before_step(opt) if _HELD else None)
+        return
+    orig = getattr(Optimizer, "_hook_for_profile", None)
+    if orig is None:
+        return  # shardd.optim's step still releases (an older torch)
+
+    @functools.wraps(orig)
+    def _hook_for_profile(self):
+        orig(self)
+        _wrap_step(type(self))
+
+    Optimizer._hook_for_profile = _hook_for_profile
 
 
 class FullStateDictConfig:
@@ -1150,6 +1252,7 @@ class ShardedModule:
         module._register_load_state_dict_pre_hook(self._load_state_dict_pre_hook)
         if self.transient:
             self._install_hooks()
+            _install_step_hook()
         else:
             self._hook_resident()
         if not self.transient and initial_gather:
@@ -1714,6 +1817,47 @@ class ShardedModule:
         with self.state_dict_type("full"):
             return self.module.load_state_dict(state_dict, strict=strict)
 
+    def reshard(self):
+        """FSDP2's reshard(): a unit a forward left gathered for a backward
+        that has not come (the root unit after a train-mode forward with
+        grad enabled whose output is only logged) is released, and its
+        parameters are their parts of this rank's shard again, writable. An
+        optimizer's step does it itself; call it before writing into the
+        parameters (``p.data.copy_()``, ``clamp_``, an init) between such a
+        forward and the next. A backward of that output later gathers the
+        unit again. Transient areas, outside forward and backward; resident
+        areas have nothing to reshard (a no-op)."""
+        self._release_unbackwarded()
+
+    def _before_daemon_step(self):
+        """Before shardd.optim's step (every rank, in the same state): a
+        unit no scatter reached since the last step whose trainable
+        parameters hold a .grad (zeroed by zero_grad(set_to_none=False),
+        torch 1.13's default, or kept from the last backward with no
+        zero_grad since) has it scattered again, so that the daemon's step
+        applies it as torch's step applies a .grad that is set (the daemon
+        skips a buffer no scatter reached since its last step, taking its
+        gradient for consumed: torch's None .grad). A .grad that is None
+        is named to the daemon, which skips it as torch does. Costs a
+        gather and a scatter per such unit: only a step with no backward
+        since the last one pays it."""
+        self.reshard()
+        if not self.transient:
+            return
+        n = self.client.steps_requested
+        for u in self.units:
+            if u.live_at == n or u.gather is not None:
+                continue
+            train = [e for e in u.entries if e.param.requires_grad]
+            if all(e.param.grad is None for e in train):
+                continue
+            u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=True)
+            for e in train:
+                e.kept = self._held_grad(e)
+            self._finish(u, ran=False)
+            u.state = "idle"
+        self._wait_releases()
+
     def full_parameters(self):
         """-> {qualified name: tensor}, copies of the whole parameters as the
         daemon holds them now (collective: every rank must call it). Resident
@@ -1801,6 +1945,9 @@ class ShardedModule:
             for u in self.units:
                 if u.is_root and u.state == "forward" and u.gather is not None:
                     self._to_shard(u)
+        if any(u.gather is not None and u.state == "forward" for u in self.units):
+            # released before an optimizer's step if no backward comes first
+            _HELD.add(self)
         self._pop_saved_hooks()
         if self._pending is not None:  # this forward did not reach that unit
             self._drop_prefetch()
@@ -1818,8 +1965,12 @@ class ShardedModule:
             return
         stale = [u for u in self.units
                  if u.gather is not None and u.state == "forward" and u.depth == 0]
-        if not stale or self._in_backward():
+        if not stale:
+            _HELD.discard(self)
             return
+        if self._in_backward():
+            return
+        _HELD.discard(self)
         for u in stale:
             u.state = "idle"
             self._release(u)
@@ -2214,6 +2365,7 @@ class ShardedModule:
     def _final(self):
         """End of backward: every unit scattered once, in reverse order."""
         self._final_queued = False
+        _HELD.discard(self)
         self._scatter_rest()
         try:
             self._wait_releases()

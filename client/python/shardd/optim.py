@@ -209,6 +209,11 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         hyperparameters as they are now. Gradients must have been reduced:
         on transient clients the module's hooks did it in backward; on
         resident ones call ``sm.scatter()`` first. Returns closure's loss.
+        As torch's, a step with no backward since the last one applies the
+        ``.grad`` the parameters hold (zeros after ``zero_grad()``, the
+        last gradient again without one; a None one is skipped): a
+        transient module scatters it again first, as the daemon skips a
+        buffer no scatter reached since its last step.
 
         Each step is sent with the count it makes (``expect_step``: by
         default the count this optimizer last saw + 1), so a retry of a step
@@ -220,6 +225,10 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # a unit a forward left gathered for a backward that has not come
+        # is released, and a .grad no backward since the last step made is
+        # handed to the daemon again, as torch's step applies it
+        self._module._before_daemon_step()
         groups = []
         for gi in self._live:
             g = self._hyper(self.param_groups[gi])
