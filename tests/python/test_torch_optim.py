@@ -184,6 +184,13 @@ def train(name, mode, model, opt, sm, rank, world, steps=STEPS, split=True):
         else:
             if mode == "freeze_sm" and sm is not None:
                 sm.zero_grad()  # the wrapper's, as torch's
+            elif mode == "freeze_skip":
+                # the ranks: shardd.optim's zero_grad() (set_to_none=False,
+                # torch 1.13's), whose step skips a frozen view all the
+                # same; the reference: torch's set_to_none=True (torch 2's
+                # default), under which a frozen parameter's .grad is None
+                # and its step skipped
+                opt.zero_grad(set_to_none=sm is None)
             else:
                 opt.zero_grad()
             if mode == "two":  # a loss over two forwards, one backward
@@ -202,7 +209,7 @@ def train(name, mode, model, opt, sm, rank, world, steps=STEPS, split=True):
                 opt.step()
                 del kept
                 continue
-            if mode in ("freeze", "freeze_sm") and s in (FREEZE_AT, UNFREEZE_AT):
+            if mode in ("freeze", "freeze_sm", "freeze_skip") and s in (FREEZE_AT, UNFREEZE_AT):
                 model.transformer.h[0].requires_grad_(s == UNFREEZE_AT)
             losses.append(backward(name, model, sm, s, rank, world, split,
                                    one_rank=mode == "one_rank", l2=mode == "l2"))
@@ -294,8 +301,8 @@ def rank_main(rank, world, sock, job, name, mode, mid, kind, q):
         # so the branch one rank takes lives in the unit all ranks gather
         # ("freeze": a unit per GPT block, so that one is wholly frozen;
         # "two": units that wait for the first forward's part of backward)
-        auto_wrap = ("children" if name == "chain" or mode in ("freeze", "freeze_sm", "two",
-                                                                 "unbackwarded")
+        auto_wrap = ("children" if name == "chain" or mode in ("freeze", "freeze_sm", "freeze_skip",
+                                                                 "two", "unbackwarded")
                      else "module")
         if name == "llama":  # a unit per decoder layer, the root's the rest
             auto_wrap = {models.LlamaDecoderLayer}
@@ -507,6 +514,7 @@ class TorchOptimTest(unittest.TestCase):
             with torch.no_grad():
                 a, b = fresh(x), ref(x)
                 self.assertLessEqual(float((a - b).norm() / b.norm()), TOL, label)
+        return res
 
     def test_torch_adamw_after_wrapping_trains_as_torch(self):
         self.check("gpt", "plain")
@@ -598,6 +606,21 @@ class TorchOptimTest(unittest.TestCase):
         parameter frozen mid-run keeps its .grad, zeroed, and torch.optim
         goes on stepping it (weight decay, Adam's moments)."""
         self.check("gpt", "freeze_sm", worlds=(2,))
+
+    def test_shardd_optim_skips_a_block_frozen_mid_run_as_torch_2(self):
+        """shardd.optim's step skips a frozen parameter, whatever its .grad
+        (zeroed by zero_grad(), torch 1.13's set_to_none=False): frozen
+        weights stay as they are, as under torch 2 (zero_grad sets None)
+        and as under torch 1.13 with zero_grad(set_to_none=True). torch
+        1.13's own optimizers given a zeroed .grad step it (weight decay,
+        Adam's moments: the tests above), and a torch.optim optimizer over
+        the wrapped model does the same; shardd.optim does not follow them
+        there: "frozen" means unchanged."""
+        res = self.check("gpt", "freeze_skip", worlds=(2,), kind="shardd")
+        # torch 1.13's default would have moved the frozen block
+        ref, _, _ = reference("gpt", "freeze", 2)
+        w = "transformer.h.0.mlp.c_fc.weight"
+        self.assertFalse(np.array_equal(res["state"][w], ref.state_dict()[w].numpy()))
 
     @unittest.skipIf(common.UNDER_ASAN, common.ASAN_CXX_THROW)
     def test_two_forwards_before_one_backward_are_refused_naming_the_waiting_unit(self):

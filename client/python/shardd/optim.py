@@ -23,6 +23,13 @@ daemon's refusal at construction. Every rank constructs the same
 optimizers in the same order (the daemon registers them by name, default
 ``shardd.optim.<Kind>#<n>``).
 
+A frozen parameter (``requires_grad=False``, a block frozen mid-run) is
+skipped by the step whatever its ``.grad``: as torch 2's optimizers (whose
+``zero_grad()`` sets None) and torch 1.13's after
+``zero_grad(set_to_none=True)``; torch 1.13's default ``zero_grad()`` keeps
+a zeroed ``.grad`` that its own optimizers step (weight decay, moments),
+which a ``torch.optim`` optimizer over a wrapped model still does.
+
 The optimizer state (Adam's moments, the step counts, the fp32 master of
 16-bit parameters) is the daemon's, not ``self.state``: it survives trainer
 restarts and daemon checkpoints. ``state_dict()`` is sharded per rank by
