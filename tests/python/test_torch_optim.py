@@ -6,7 +6,11 @@ torch.optim.AdamW built after wrapping steps the shards (and
 sm.clip_grad_norm_ clips them as torch's clip_grad_norm_ the whole model);
 model.state_dict() is torch's full state dict, loadable into the unwrapped
 model, and model.load_state_dict() takes one; a loss logged with grad enabled and
-no backward between backward and step changes nothing; without zero_grad() a second
+no backward between backward and step changes nothing, in eval mode or in train
+mode (the root unit left gathered is released before the step of torch.optim or
+shardd.optim), and a step with no backward since the last one applies the .grad
+held (zeros after zero_grad()); shardd.optim skips a block frozen mid-run, as
+torch 2 does; without zero_grad() a second
 backward adds to the gradient (after a step too), and either zero_grad()
 resets it; torch.optim on a 16-bit unit (fp32 master in the daemon) is
 refused by name. The reference applies, per backward, the mean of each
