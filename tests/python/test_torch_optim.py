@@ -226,6 +226,16 @@ def train(name, mode, model, opt, sm, rank, world, steps=STEPS, split=True):
                 # script's local variable is
                 kept = unbackwarded(name, model, 50 + s, rank, world, sm is None)
                 losses.append(sum(t.item() for t in kept) / len(kept))
+                if sm is not None and s == 0:
+                    # another model's optimizer (a GAN's discriminator's)
+                    # steps: the root unit (the head's weight) stays
+                    # gathered for its backward; only a step over the
+                    # module's parameters releases it
+                    other = nn.Parameter(torch.ones(3))
+                    other.grad = torch.ones(3)
+                    torch.optim.SGD([other], lr=0.5).step()
+                    assert other.tolist() == [0.5] * 3
+                    assert model.lm_head.weight.dim() == 2, model.lm_head.weight.shape
                 if s == WRITE_AT:
                     # a write into the parameters before the next forward:
                     # after sm.reshard() (FSDP2's), it lands in the shards
@@ -576,9 +586,10 @@ class TorchOptimTest(unittest.TestCase):
         reaches the shards, not the root unit's gathered copy (read-only:
         it was a SIGSEGV), and applies the .grad the parameters hold, as
         torch's; a step with no backward at all applies the zeroed .grad;
-        after sm.reshard() a write through p.data lands in the shards. The
-        nested GPT: a unit per child, the tied embedding and head the
-        root's."""
+        after sm.reshard() a write through p.data lands in the shards;
+        another model's optimizer stepping leaves the root unit gathered
+        for its backward. The nested GPT: a unit per child, the tied
+        embedding and head the root's."""
         self.check("gpt", "unbackwarded", worlds=(2,))
 
     @unittest.skipIf(common.UNDER_ASAN, common.ASAN_TORCH_THROW)
