@@ -320,12 +320,14 @@ def rank_main(rank, world, sock, job, name, mode, mid, kind, q):
                      else "module")
         if name == "llama":  # a unit per decoder layer, the root's the rest
             auto_wrap = {models.LlamaDecoderLayer}
+        early = None
         if mode == "unbackwarded" and name == "gpt" and kind == "torch":
-            # an AdamW made before wrapping (torch wrapped the class's step
-            # for its profiler then, and does not again): the pre-step
-            # release must reach that class's step too; the LLaMA's AdamW
-            # is the first of its class
-            torch.optim.AdamW([nn.Parameter(torch.zeros(1))], foreach=False)
+            # an AdamW made before wrapping (torch wrapped its class's step
+            # for the profiler then), given the wrapped model's parameters
+            # later by add_param_group: the pre-step release must reach its
+            # step too (its first group, a parameter with no .grad, is
+            # skipped)
+            early = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], foreach=False, **HYPER)
         if mode == "resident":
             sm = shardd.nn.ShardedModule(client, model, auto_wrap=auto_wrap)
             opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
@@ -385,6 +387,9 @@ def rank_main(rank, world, sock, job, name, mode, mid, kind, q):
         # FSDP's order: the optimizer over the wrapped model's parameters
         if kind == "shardd":  # the daemon's AdamW
             opt = shardd.optim.AdamW(model.parameters(), **HYPER)
+        elif early is not None:
+            opt = early
+            opt.add_param_group({"params": list(model.parameters())})
         else:
             opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
         shapes = [tuple(p.shape) for p in model.parameters()]

@@ -86,9 +86,8 @@ def _install_step_hook():
     Optimizer._hook_for_profile, which every optimizer's __init__ calls:
     that is extended to wrap the class's step with _before_step too, once
     (functools.wraps carries the profiler's "hooked" mark over, so neither
-    wraps twice). An optimizer made before the wrapper holds the
-    parameters the wrapper replaced, none of the module's: it needs no
-    hook."""
+    wraps twice), and every Optimizer class there is now is wrapped at
+    once."""
     if _STEP_HOOKED[0]:
         return
     _STEP_HOOKED[0] = True
@@ -108,3 +107,10 @@ def _install_step_hook():
         _wrap_step(type(self))
 
     Optimizer._hook_for_profile = _hook_for_profile
+    # and the classes an optimizer was made of before (one made before
+    # wrapping may be given the wrapped parameters by add_param_group)
+    todo = list(Optimizer.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        _wrap_step(cls)
