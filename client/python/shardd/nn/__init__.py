@@ -126,7 +126,9 @@ Per unit, in the same order on every rank (each rank's graph is the same):
   unit before it steps (torch >= 2: a global step pre-hook; torch 1.13 has
   none, and its ``Optimizer._hook_for_profile``, which wraps each
   optimizer class's ``step`` once for the profiler, is extended to wrap it
-  with that release too: a test while no unit waits so, per step). So the
+  with that release too, and the classes that exist when the first
+  wrapper is built are wrapped then: a test while no unit waits so, about
+  0.3 us per step). So the
   step writes the shards and applies the ``.grad`` the parameters hold,
   as torch's would; a later backward of that forward's output gathers the
   unit again. A write through a parameter (``p.data.copy_()``,
