@@ -6,7 +6,11 @@ torch.optim.AdamW built after wrapping steps the shards (and
 sm.clip_grad_norm_ clips them as torch's clip_grad_norm_ the whole model);
 model.state_dict() is torch's full state dict, loadable into the unwrapped
 model, and model.load_state_dict() takes one; a loss logged with grad enabled and
-no backward between backward and step changes nothing; without zero_grad() a second
+no backward between backward and step changes nothing, in eval mode or in train
+mode (the root unit left gathered is released before the step of torch.optim or
+shardd.optim), and a step with no backward since the last one applies the .grad
+held (zeros after zero_grad()); shardd.optim skips a block frozen mid-run, as
+torch 2 does; without zero_grad() a second
 backward adds to the gradient (after a step too), and either zero_grad()
 resets it; torch.optim on a 16-bit unit (fp32 master in the daemon) is
 refused by name. The reference applies, per backward, the mean of each
@@ -42,6 +46,8 @@ CLIP = 0.5
 FREEZE_AT, UNFREEZE_AT = 2, 4  # "freeze": the GPT's first block frozen between
 L2 = 1e-3         # "l2": the penalty's factor
 LOAD_AT = 2       # "load": the wrapped model takes torch's state dict after this many steps
+DROP_AT = 2       # "unbackwarded": this step's loss is dropped (no backward), stepped all the same
+WRITE_AT = 3      # "unbackwarded": this step writes into the parameters before its step
 
 
 if common.HAVE_TORCH:
@@ -65,6 +71,8 @@ if common.HAVE_TORCH:
 def make_model(name):
     if name == "gpt":
         return models.nano_gpt()
+    if name == "llama":
+        return models.llama()
     if name == "branchy":
         torch.manual_seed(0)
         return _Branchy()
@@ -76,7 +84,7 @@ def make_model(name):
 def batch(name, k, rank, world):
     """Micro-batch k (ROWS rows): rank r's slice of world (world 1: all)."""
     per = ROWS // world
-    if name == "gpt":
+    if name in ("gpt", "llama"):  # the same vocabulary and context
         return models.gpt_batch(models.GPTConfig(), k, rank, world, rows=per)
     g = torch.Generator().manual_seed(100 + k)
     x = torch.randn(ROWS, 8, generator=g)
@@ -85,7 +93,7 @@ def batch(name, k, rank, world):
 
 
 def loss_of(name, model, x, y):
-    if name == "gpt":
+    if name in ("gpt", "llama"):
         return models.gpt_loss(model, x, y)
     return nn.functional.mse_loss(model(x), y)
 
@@ -180,6 +188,13 @@ def train(name, mode, model, opt, sm, rank, world, steps=STEPS, split=True):
         else:
             if mode == "freeze_sm" and sm is not None:
                 sm.zero_grad()  # the wrapper's, as torch's
+            elif mode == "freeze_skip":
+                # the ranks: shardd.optim's zero_grad() (set_to_none=False,
+                # torch 1.13's), whose step skips a frozen view all the
+                # same; the reference: torch's set_to_none=True (torch 2's
+                # default), under which a frozen parameter's .grad is None
+                # and its step skipped
+                opt.zero_grad(set_to_none=sm is None)
             else:
                 opt.zero_grad()
             if mode == "two":  # a loss over two forwards, one backward
@@ -190,12 +205,44 @@ def train(name, mode, model, opt, sm, rank, world, steps=STEPS, split=True):
                 losses.append(loss.item())
                 opt.step()
                 continue
-            if mode in ("freeze", "freeze_sm") and s in (FREEZE_AT, UNFREEZE_AT):
+            if mode == "unbackwarded" and s == DROP_AT:
+                # the loss came out NaN (say): dropped, no backward; the
+                # step applies the zeroed .grad, as torch's does
+                kept = unbackwarded(name, model, s, rank, world, sm is None)
+                losses.append(sum(t.item() for t in kept) / len(kept))
+                opt.step()
+                del kept
+                continue
+            if mode in ("freeze", "freeze_sm", "freeze_skip") and s in (FREEZE_AT, UNFREEZE_AT):
                 model.transformer.h[0].requires_grad_(s == UNFREEZE_AT)
             losses.append(backward(name, model, sm, s, rank, world, split,
                                    one_rank=mode == "one_rank", l2=mode == "l2"))
             if mode == "logged":
                 losses.append(logged(name, model, sm, 50 + s, rank, world))
+            kept = None
+            if mode == "unbackwarded":
+                # a loss logged with grad enabled, in train mode (HF's
+                # generate without no_grad): kept alive past the step, as a
+                # script's local variable is
+                kept = unbackwarded(name, model, 50 + s, rank, world, sm is None)
+                losses.append(sum(t.item() for t in kept) / len(kept))
+                if sm is not None and s == 0:
+                    # another model's optimizer (a GAN's discriminator's)
+                    # steps: the root unit (the head's weight) stays
+                    # gathered for its backward; only a step over the
+                    # module's parameters releases it
+                    other = nn.Parameter(torch.ones(3))
+                    other.grad = torch.ones(3)
+                    torch.optim.SGD([other], lr=0.5).step()
+                    assert other.tolist() == [0.5] * 3
+                    assert model.lm_head.weight.dim() == 2, model.lm_head.weight.shape
+                if s == WRITE_AT:
+                    # a write into the parameters before the next forward:
+                    # after sm.reshard() (FSDP2's), it lands in the shards
+                    if sm is not None:
+                        sm.reshard()
+                    for p in model.parameters():
+                        p.data.mul_(0.999)
             if mode in ("clip", "clip64"):
                 if mode == "clip64":
                     norm = clip_norm64(model.parameters(), CLIP)
@@ -205,11 +252,20 @@ def train(name, mode, model, opt, sm, rank, world, steps=STEPS, split=True):
                     norm = sm.clip_grad_norm_(CLIP)
                 losses.append(float(norm))  # every rank's is the global norm
         opt.step()
-        if mode == "logged":
+        if mode in ("logged", "unbackwarded"):
             with torch.no_grad():  # an EMA-like shrink, written into the shards
                 for p in model.parameters():
                     p.mul_(0.999)
     return losses
+
+
+def unbackwarded(name, model, k, rank, world, reference):
+    """Train-mode forwards with grad enabled of micro-batch k, no backward
+    -> their losses, graphs attached: this rank's, or every rank's (the
+    reference)."""
+    assert model.training and torch.is_grad_enabled()
+    ranks = range(world) if reference else (rank,)
+    return [loss_of(name, model, *batch(name, k, r, world)) for r in ranks]
 
 
 def logged(name, model, sm, k, rank, world):
@@ -259,8 +315,19 @@ def rank_main(rank, world, sock, job, name, mode, mid, kind, q):
         # so the branch one rank takes lives in the unit all ranks gather
         # ("freeze": a unit per GPT block, so that one is wholly frozen;
         # "two": units that wait for the first forward's part of backward)
-        auto_wrap = ("children" if name == "chain" or mode in ("freeze", "freeze_sm", "two")
+        auto_wrap = ("children" if name == "chain" or mode in ("freeze", "freeze_sm", "freeze_skip",
+                                                                 "two", "unbackwarded")
                      else "module")
+        if name == "llama":  # a unit per decoder layer, the root's the rest
+            auto_wrap = {models.LlamaDecoderLayer}
+        early = None
+        if mode == "unbackwarded" and name == "gpt" and kind == "torch":
+            # an AdamW made before wrapping (torch wrapped its class's step
+            # for the profiler then), given the wrapped model's parameters
+            # later by add_param_group: the pre-step release must reach its
+            # step too (its first group, a parameter with no .grad, is
+            # skipped)
+            early = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], foreach=False, **HYPER)
         if mode == "resident":
             sm = shardd.nn.ShardedModule(client, model, auto_wrap=auto_wrap)
             opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
@@ -320,6 +387,9 @@ def rank_main(rank, world, sock, job, name, mode, mid, kind, q):
         # FSDP's order: the optimizer over the wrapped model's parameters
         if kind == "shardd":  # the daemon's AdamW
             opt = shardd.optim.AdamW(model.parameters(), **HYPER)
+        elif early is not None:
+            opt = early
+            opt.add_param_group({"params": list(model.parameters())})
         else:
             opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
         shapes = [tuple(p.shape) for p in model.parameters()]
@@ -463,6 +533,7 @@ class TorchOptimTest(unittest.TestCase):
             with torch.no_grad():
                 a, b = fresh(x), ref(x)
                 self.assertLessEqual(float((a - b).norm() / b.norm()), TOL, label)
+        return res
 
     def test_torch_adamw_after_wrapping_trains_as_torch(self):
         self.check("gpt", "plain")
@@ -512,6 +583,35 @@ class TorchOptimTest(unittest.TestCase):
         read-only copy: a SIGSEGV), and state_dict() releases it."""
         self.check("gpt", "logged", worlds=(2,))
 
+    @unittest.skipIf(common.UNDER_ASAN, common.ASAN_TORCH_THROW)
+    def test_a_train_mode_forward_without_backward_then_a_step_trains_as_torch(self):
+        """A loss computed in train mode with grad enabled and never
+        backwarded (logged; HF's generate without no_grad; one dropped for
+        being NaN), its graph kept alive past the step: torch.optim's step
+        reaches the shards, not the root unit's gathered copy (read-only:
+        it was a SIGSEGV), and applies the .grad the parameters hold, as
+        torch's; a step with no backward at all applies the zeroed .grad;
+        after sm.reshard() a write through p.data lands in the shards;
+        another model's optimizer stepping leaves the root unit gathered
+        for its backward. The nested GPT: a unit per child, the tied
+        embedding and head the root's."""
+        self.check("gpt", "unbackwarded", worlds=(2,))
+
+    @unittest.skipIf(common.UNDER_ASAN, common.ASAN_TORCH_THROW)
+    def test_a_train_mode_forward_without_backward_then_shardd_optim_trains_as_torch(self):
+        """shardd.optim's step likewise; and at the step with no backward
+        since the last one, the daemon (which skips a buffer no scatter
+        reached since its last step, taking its gradient for consumed) is
+        handed the zeroed .grad again, so it steps as torch's AdamW does
+        (weight decay, the moments' decay, the step count)."""
+        self.check("gpt", "unbackwarded", worlds=(2,), kind="shardd")
+
+    @unittest.skipIf(common.UNDER_ASAN, common.ASAN_TORCH_THROW)
+    def test_a_train_mode_forward_without_backward_on_llama_trains_as_torch(self):
+        """LLaMA, a unit per decoder layer: embeddings, final norm and head
+        (untied) in the root unit."""
+        self.check("llama", "unbackwarded", worlds=(2,))
+
     def test_a_block_frozen_mid_run_then_unfrozen_trains_as_torch(self):
         """requires_grad_(False) on a GPT block (its own unit) after two
         steps, True again two later: backward still runs through the frozen
@@ -526,6 +626,21 @@ class TorchOptimTest(unittest.TestCase):
         parameter frozen mid-run keeps its .grad, zeroed, and torch.optim
         goes on stepping it (weight decay, Adam's moments)."""
         self.check("gpt", "freeze_sm", worlds=(2,))
+
+    def test_shardd_optim_skips_a_block_frozen_mid_run_as_torch_2(self):
+        """shardd.optim's step skips a frozen parameter, whatever its .grad
+        (zeroed by zero_grad(), torch 1.13's set_to_none=False): frozen
+        weights stay as they are, as under torch 2 (zero_grad sets None)
+        and as under torch 1.13 with zero_grad(set_to_none=True). torch
+        1.13's own optimizers given a zeroed .grad step it (weight decay,
+        Adam's moments: the tests above), and a torch.optim optimizer over
+        the wrapped model does the same; shardd.optim does not follow them
+        there: "frozen" means unchanged."""
+        res = self.check("gpt", "freeze_skip", worlds=(2,), kind="shardd")
+        # torch 1.13's default would have moved the frozen block
+        ref, _, _ = reference("gpt", "freeze", 2)
+        w = "transformer.h.0.mlp.c_fc.weight"
+        self.assertFalse(np.array_equal(res["state"][w], ref.state_dict()[w].numpy()))
 
     @unittest.skipIf(common.UNDER_ASAN, common.ASAN_CXX_THROW)
     def test_two_forwards_before_one_backward_are_refused_naming_the_waiting_unit(self):

@@ -23,6 +23,13 @@ daemon's refusal at construction. Every rank constructs the same
 optimizers in the same order (the daemon registers them by name, default
 ``shardd.optim.<Kind>#<n>``).
 
+A frozen parameter (``requires_grad=False``, a block frozen mid-run) is
+skipped by the step whatever its ``.grad``: as torch 2's optimizers (whose
+``zero_grad()`` sets None) and torch 1.13's after
+``zero_grad(set_to_none=True)``; torch 1.13's default ``zero_grad()`` keeps
+a zeroed ``.grad`` that its own optimizers step (weight decay, moments),
+which a ``torch.optim`` optimizer over a wrapped model still does.
+
 The optimizer state (Adam's moments, the step counts, the fp32 master of
 16-bit parameters) is the daemon's, not ``self.state``: it survives trainer
 restarts and daemon checkpoints. ``state_dict()`` is sharded per rank by
@@ -209,6 +216,11 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         hyperparameters as they are now. Gradients must have been reduced:
         on transient clients the module's hooks did it in backward; on
         resident ones call ``sm.scatter()`` first. Returns closure's loss.
+        As torch's, a step with no backward since the last one applies the
+        ``.grad`` the parameters hold (zeros after ``zero_grad()``, the
+        last gradient again without one; a None one is skipped): a
+        transient module scatters it again first, as the daemon skips a
+        buffer no scatter reached since its last step.
 
         Each step is sent with the count it makes (``expect_step``: by
         default the count this optimizer last saw + 1), so a retry of a step
@@ -220,6 +232,10 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # a unit a forward left gathered for a backward that has not come
+        # is released, and a .grad no backward since the last step made is
+        # handed to the daemon again, as torch's step applies it
+        self._module._before_daemon_step()
         groups = []
         for gi in self._live:
             g = self._hyper(self.param_groups[gi])

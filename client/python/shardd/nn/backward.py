@@ -1,0 +1,205 @@
+"""Transient areas, the backward side: a unit's gather with its gradient
+area before its backward, its reduce-scatter once every gradient is in,
+and the end of backward (units no gradient reached, .grad None alike on
+every rank)."""
+import zlib
+
+import torch
+
+import shardd
+
+from .grads import _Grad16
+from .optimizer_hook import _HELD
+
+
+class _BackwardHooks:
+    """ShardedModule's transient-area hooks in backward."""
+
+    def _held_grad(self, e):
+        """Whether e's parameter has a .grad as backward begins (its part of
+        the reduced gradient, or a tensor the script put there, copied into
+        that part): the unit's scatter then adds to it, as autograd adds to
+        an existing .grad."""
+        g = e.param.grad
+        if g is None:
+            return False
+        if isinstance(g, _Grad16):
+            return True
+        if g.numel() != e.rpart.numel():
+            raise RuntimeError(
+                "shardd: %r's .grad has %d elements; outside forward and backward "
+                "a parameter is its part of this rank's shard (%d elements) and "
+                "its .grad must be that too (or None)" % (e.name, g.numel(), e.rpart.numel()))
+        if g.numel() and g.data_ptr() != e.rpart.data_ptr():
+            with torch.no_grad():
+                e.rpart.copy_(g.reshape(-1))
+        return True
+
+    def _grad_of(self, u, e):
+        """What e's parameter's .grad is outside backward: its part of the
+        reduced-gradient shard (fp32 units), or a 16-bit unit's stand-in
+        that refuses torch.optim."""
+        if u.torch_grads:
+            return e.rpart
+        if e.grad16 is None:
+            e.grad16 = e.part.detach().as_subclass(_Grad16)
+            e.grad16._rpart = e.rpart
+            e.grad16._name = e.name
+            e.grad16._dtype16 = u.buffer.dtype
+        return e.grad16
+
+    def _pre_backward(self, u):
+        if not self._final_queued:
+            self._final_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._final)
+        want = self._trainable(u) > 0 and u.state != "done"
+        if u.is_root:
+            self._root_backward_first = all(
+                v.state in ("idle", "forward") for v in self.units if v is not u)
+        if not (want and u.state == "forward" and u.gather is not None
+                and u.grad is not None):
+            # (the root unit leased both in its forward: the values there
+            # are still the gathered ones, and no gradient reached the area)
+            try:
+                u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=want)
+            except shardd.Error as e:
+                if e.code_name != "E_LIMIT":
+                    raise
+                raise self._backward_limit(u, e) from e
+        if want:
+            u.state = "backward"
+            u.ran = True
+            u.pending = self._trainable(u)
+            for e in u.entries:
+                e.got = False
+        else:  # gathered for saved tensors only: released at the end
+            u.state = "late"
+        self._point(u, want)
+
+    def _backward_limit(self, u, err):
+        """The daemon's E_LIMIT for u's gather in backward, saying which
+        units hold this rank's areas and why they wait."""
+        waiting = []
+        for v in self.units:
+            if v.gather is None or v is u:
+                continue
+            if v.state == "backward":
+                left = [e.name for e in v.entries if e.param.requires_grad and not e.got]
+                waiting.append("%r (waits for the gradient of %s)" % (
+                    v.name, ", ".join(repr(n) for n in left[:3])
+                    + (" and %d more" % (len(left) - 3) if len(left) > 3 else "")))
+            else:
+                waiting.append("%r (%s)" % (v.name, "the root unit, held until backward "
+                                            "ends" if v.is_root else v.state))
+        return shardd.Error(
+            err.code, "unit %r's backward needs a gather area, and this rank's are held "
+            "by %s: a unit holds its areas until every trainable parameter of it has "
+            "its gradient, which comes late where a parameter is used by two forwards "
+            "before one backward (a loss over two batches: call backward() on each "
+            "forward's loss instead, the gradients add up) or gets none (a parameter "
+            "the loss does not depend on) [%s]" % (u.name, ", ".join(waiting) or "none",
+                                                  err.message), "E_LIMIT")
+
+    def _output_grad(self, u, grad):
+        if u.state in ("idle", "forward"):
+            self._pre_backward(u)
+        return None
+
+    def _grad_ready(self, u, e, grad_inputs, grad_outputs):
+        if u.state != "backward":
+            return
+        e.got = True
+        u.pending -= 1
+        if u.pending == 0:
+            self._finish(u)
+
+    def _finish(self, u, ran=True):
+        """Scatter u (ran False: no backward reached it, its gradient area
+        is zeros). As autograd adds into an existing .grad, the result adds
+        to the reduced gradient of the parameters whose .grad was set when
+        backward began (the last scatter's, not zeroed or set to None since
+        -- after a step too, as torch keeps .grad until zero_grad()); the
+        others start from zero. The trainable parameters no gradient
+        reached and that had none are named to the daemon (its step skips
+        those no rank had one for, as torch skips a None .grad). It
+        consumes the gradient area. Then every parameter is its part of the
+        shard again and every trainable one's .grad its part of the reduced
+        gradient, but for those that neither got a gradient nor had one
+        (None, as torch's; _final makes that the same on every rank)."""
+        self._sync_requires_grad(u)
+        train = [e for e in u.entries if e.param.requires_grad]
+        kept = [e for e in train if e.kept]
+        no_grad = [e.view for e in train if not e.kept and not (ran and e.got)]
+        acc, save = False, None
+        if kept:
+            with torch.no_grad():
+                for e in train:
+                    if not e.kept:
+                        e.rpart.zero_()
+                if u.live_at is not None and u.live_at == self.client.steps_requested:
+                    acc = True  # the daemon adds to its live reduced gradient
+                else:
+                    # a step consumed it: the daemon would replace it, so
+                    # what the parameters kept is added back here
+                    save = u.buffer.reduced_tensor.clone()
+        self.client.scatter(u.buffer, self.reduce_op,
+                            no_grad=(True if len(no_grad) == len(train) else no_grad),
+                            accumulate=acc)
+        if save is not None:
+            with torch.no_grad():
+                u.buffer.reduced_tensor.add_(save)
+        u.live_at = self.client.steps_requested
+        u.state = "done"
+        self._release(u)
+        for e in train:
+            e.param.grad = self._grad_of(u, e) if (ran and e.got) or e.kept else None
+
+    def _final(self):
+        """End of backward: every unit scattered once, in reverse order."""
+        self._final_queued = False
+        _HELD.discard(self)
+        self._scatter_rest()
+        try:
+            self._wait_releases()
+            self._same_none_grads()
+        finally:
+            for u in self.units:
+                u.ran = False
+
+    def _same_none_grads(self):
+        """A .grad left None (no gradient reached the parameter here) must be
+        None on every rank, or torch.optim would step some ranks' parts of
+        a parameter and not the others' (whose reduced gradient has the
+        other ranks' contributions): one small all-reduce compares the
+        ranks' sets; where they differ (a graph that depends on the rank),
+        every trainable parameter of the units that had a backward gets its
+        .grad (zeros where no rank had a gradient, as FSDP's)."""
+        none = [(ui, ei) for ui, u in enumerate(self.units) for ei, e in enumerate(u.entries)
+                if e.param.requires_grad and e.param.grad is None]
+        sig = float(zlib.crc32(repr(none).encode()))
+        n = float(len(none))
+        mx = self.client.all_reduce([n, -n, sig, -sig], "max")
+        if mx[0] == -mx[1] and mx[2] == -mx[3]:
+            return
+        for ui, ei in none:
+            u = self.units[ui]
+            if u.live_at == self.client.steps_requested and u.ran:
+                u.entries[ei].param.grad = self._grad_of(u, u.entries[ei])
+
+    def _scatter_rest(self):
+        for u in reversed(self.units):
+            if u.state == "backward":
+                self._finish(u)  # a parameter got no gradient: zeros
+            elif u.state == "late":
+                self._release(u)
+            elif u.state in ("idle", "forward") and self._trainable(u):
+                # no backward reached the unit: a zeroed gradient, not the
+                # last step's
+                u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=True)
+                for e in u.entries:
+                    if e.param.requires_grad:
+                        e.kept = self._held_grad(e)
+                self._finish(u, ran=False)
+            elif u.gather is not None:
+                self._release(u)
+            u.state = "idle"

@@ -1,0 +1,356 @@
+"""Transient areas, the forward side: the hooks that gather a unit
+before its forward and release it after, the root's saved-tensor hooks,
+parameter reads, and the release of a unit no backward came for
+(reshard(), before an optimizer's step)."""
+import functools
+
+import torch
+
+import shardd
+
+from .optimizer_hook import _HELD
+from .reads import _watch
+from .units import _Saved, _hooked_modules, _tensors
+
+
+class _ForwardHooks:
+    """ShardedModule's transient-area hooks around forward."""
+
+    def reshard(self):
+        """FSDP2's reshard(): a unit a forward left gathered for a backward
+        that has not come (the root unit after a train-mode forward with
+        grad enabled whose output is only logged) is released, and its
+        parameters are their parts of this rank's shard again, writable. An
+        optimizer's step does it itself; call it before writing into the
+        parameters (``p.data.copy_()``, ``clamp_``, an init) between such a
+        forward and the next. A backward of that output later gathers the
+        unit again. Transient areas, outside forward and backward; resident
+        areas have nothing to reshard (a no-op)."""
+        self._release_unbackwarded()
+
+    def _before_daemon_step(self):
+        """Before shardd.optim's step (every rank, in the same state): a
+        unit no scatter reached since the last step whose trainable
+        parameters hold a .grad (zeroed by zero_grad(set_to_none=False),
+        torch 1.13's default, or kept from the last backward with no
+        zero_grad since) has it scattered again, so that the daemon's step
+        applies it as torch's step applies a .grad that is set (the daemon
+        skips a buffer no scatter reached since its last step, taking its
+        gradient for consumed: torch's None .grad). A .grad that is None
+        is named to the daemon, which skips it as torch does. Costs a
+        gather and a scatter per such unit: only a step with no backward
+        since the last one pays it."""
+        self.reshard()
+        if not self.transient:
+            return
+        n = self.client.steps_requested
+        for u in self.units:
+            if u.live_at == n or u.gather is not None:
+                continue
+            train = [e for e in u.entries if e.param.requires_grad]
+            if all(e.param.grad is None for e in train):
+                continue
+            u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=True)
+            for e in train:
+                e.kept = self._held_grad(e)
+            self._finish(u, ran=False)
+            u.state = "idle"
+        self._wait_releases()
+
+    # -- transient areas: the hooks ------------------------------------------
+    def _install_hooks(self):
+        root = self.module
+        # the root's pre-hook that pushes the saved-tensor hooks runs before
+        # the root unit's gather, its post-hook that pops them after the
+        # root unit's post-forward (hooks run in registration order)
+        root.register_forward_pre_hook(self._root_pre_forward)
+        for u in self.units:
+            for m in _hooked_modules(u):
+                m.register_forward_pre_hook(functools.partial(self._pre_forward, u))
+                m.register_forward_hook(functools.partial(self._post_forward, u))
+            if u.is_root:
+                continue
+            # a parameter the root's forward reads from its module itself
+            # (F.linear(x, self.wte.weight)), outside every forward that
+            # gathers its unit: the read gathers the unit (held until the
+            # root's forward ends), its gradient starts the unit's backward
+            for e in u.entries:
+                for m, attr in e.owners:
+                    _watch(m, attr, self, u)
+                if e.param.requires_grad:
+                    e.param.register_hook(functools.partial(self._output_grad, u))
+        root.register_forward_hook(self._root_post_forward)
+
+    def _pop_saved_hooks(self):
+        if self._sth is not None:
+            sth, self._sth = self._sth, None
+            sth.__exit__(None, None, None)
+
+    def _root_pre_forward(self, module, inputs):
+        self._pop_saved_hooks()  # a forward that raised left them pushed
+        self._wait_releases()  # a forward without backward sent some
+        for u in self.units:  # likewise
+            u.depth = 0
+            u.recompute = False
+        self._in_forward = True
+        if self._pending is not None:  # likewise
+            self._drop_prefetch()
+        if self._trial is not None and self._order_done and torch.is_grad_enabled():
+            self._prefetch_trial()
+        if torch.is_grad_enabled():
+            self._sth = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._sth.__enter__()
+
+    def _root_post_forward(self, module, inputs, output):
+        self._in_forward = False
+        for u, _ in self._read_held:  # gathered by a read of its parameter
+            if u.gather is not None and u.depth == 0 and u.state == "forward":
+                u.state = "idle"
+                self._release(u)
+        self._read_held = []
+        # the root unit stays gathered for its backward, its parameters the
+        # gathered ones (a loss term over model.parameters() after forward,
+        # an L2 penalty, reaches the whole root parameters, as FSDP's root).
+        # After an eval-mode forward (an evaluation with grad enabled, no
+        # backward to come) they are their parts of the shard again until a
+        # backward points them at the area (_pre_backward), so torch.optim
+        # and the script's writes reach the shard, not the node's read-only
+        # copy
+        if not module.training:
+            for u in self.units:
+                if u.is_root and u.state == "forward" and u.gather is not None:
+                    self._to_shard(u)
+        if any(u.gather is not None and u.state == "forward" for u in self.units):
+            # released before an optimizer's step if no backward comes first
+            _HELD.add(self)
+        self._pop_saved_hooks()
+        if self._pending is not None:  # this forward did not reach that unit
+            self._drop_prefetch()
+        self._order_done = True
+
+    def _release_unbackwarded(self):
+        """A unit a forward left gathered for a backward that has not come
+        (the root unit after a forward with grad enabled whose output was
+        only logged: an evaluation, HF's generate) is released, outside
+        forward and backward: its parameters are their parts of the shard
+        again. A backward of that output later gathers it again, as any
+        released unit's (its saved tensors are rebuilt from the area
+        then)."""
+        if not self.transient or self._in_forward:
+            return
+        stale = [u for u in self.units
+                 if u.gather is not None and u.state == "forward" and u.depth == 0]
+        if not stale:
+            _HELD.discard(self)
+            return
+        if self._in_backward():
+            return
+        _HELD.discard(self)
+        for u in stale:
+            u.state = "idle"
+            self._release(u)
+        self._wait_releases()
+
+    def _read(self, u, module, attr):
+        """A parameter of u was read from `module` (its attribute `attr`)."""
+        if not self._in_forward or u.depth > 0 or u.gather is not None:
+            return  # outside the root's forward, or u is gathered
+        if self._pending is not None and self._pending[0] is not u:
+            self._drop_prefetch()
+        self._check_leases(u, "for a read of its parameter %r" % attr)
+        self._pre_forward(u, module, ())
+        u.depth = 0  # held by the read, not by a forward: until the root's ends
+        self._read_held.append((u, attr))
+
+    def _check_leases(self, u, what):
+        """Before u's gather beside a unit a read holds, or for a read: a
+        refusal that says why, where the daemon would answer E_LIMIT."""
+        held = sorted(v.name for v in self.units if v.gather is not None)
+        if len(held) < self._GATHER_LEASES:
+            return
+        reads = ["%r by a read of its parameter %r" % (v.name, a)
+                 for v, a in self._read_held if v.gather is not None]
+        raise shardd.Error(
+            22, "unit %r needs a gather area %s, and this rank's %d are held by "
+            "units %s%s: a parameter read outside the forwards that gather its "
+            "unit (its module's, or one holding the parameter) holds the unit "
+            "until the root's forward ends; read it inside such a forward, or "
+            "wrap it with the module whose forward reads it (an auto_wrap that "
+            "leaves it to the root's unit)" % (
+                u.name, what, self._GATHER_LEASES, held,
+                " (%s)" % ", ".join(reads) if reads else ""), "E_LIMIT")
+
+    def _point(self, u, with_grad):
+        """Every parameter of u a view of u's gather area (and its .grad of
+        the gradient area)."""
+        g = u.gather
+        for e in u.entries:
+            p = e.param
+            if with_grad and p.requires_grad:
+                e.kept = self._held_grad(e)
+            p.data = g[e.offset:e.offset + e.numel].view(e.shape)
+            if with_grad and p.requires_grad:
+                p.grad = u.grad[e.offset:e.offset + e.numel].view(e.shape)
+            if e.acc is None and p.requires_grad:
+                # the node autograd accumulates p's gradient in, made while p
+                # has its shape (its metadata checks the gradients); kept so
+                # that autograd keeps using this one
+                with torch.enable_grad():
+                    e.acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                e.acc.register_hook(functools.partial(self._grad_ready, u, e))
+
+    def _to_shard(self, u):
+        """Every parameter of u its part of this rank's shard (FSDP's
+        sharded views): what an optimizer outside forward steps in place."""
+        for e in u.entries:
+            e.param.data = e.part
+
+    def _release(self, u):
+        u.gather = u.grad = None
+        self._to_shard(u)
+        # no round trip: the daemon serves this rank's requests in order,
+        # so the next gather finds the lease back; the answers are read
+        # once a step (_wait_releases), mostly long arrived by then
+        self._releases.append(self.client.release_async(u.buffer))
+
+    def _wait_releases(self):
+        """The answers to the releases sent since the last call: the first
+        failure raised once every one is read."""
+        ts, self._releases = self._releases, []
+        err = None
+        for t in ts:
+            try:
+                self.client.wait(t)
+            except shardd.Error as e:
+                err = err or e
+        if err is not None:
+            raise err
+
+    def _in_backward(self):
+        """Whether autograd's engine is running a backward of ours: a forward
+        now is activation checkpointing's recomputation."""
+        if self._final_queued:
+            return True
+        if self._in_forward:
+            return False
+        try:  # refused outside a backward
+            torch.autograd.Variable._execution_engine.queue_callback(self._final)
+        except RuntimeError:
+            return False
+        self._final_queued = True
+        return True
+
+    def _pre_forward(self, u, module, inputs):
+        u.depth += 1
+        if u.depth > 1:  # inside another of its hooked modules: gathered
+            return
+        if torch.is_grad_enabled() and self._in_backward():
+            # activation checkpointing recomputes the unit's forward in
+            # backward: the tensors it saves (kept by checkpoint's own
+            # saved-tensor hooks, not ours) lie in the area the unit's
+            # backward uses, which stays gathered until the unit's gradient
+            # is reduced. Non-reentrant: the outputs' hook gathered it
+            # already; reentrant: the recomputation comes first
+            u.recompute = True
+            if u.state not in ("backward", "late"):
+                self._pre_backward(u)
+            return
+        if not self._order_done and u not in self._order:
+            self._order.append(u)
+        pend = self._pending
+        if pend is not None and pend[0] is u:
+            self._pending = None
+            u.gather, _ = self.client.wait_area(pend[1], u.buffer)
+            self.prefetches += 1
+        else:
+            if pend is not None:  # the order changed: not this one
+                self._drop_prefetch()
+            if self._read_held and u.gather is None:
+                self._check_leases(u, "for its forward")
+            # a gather of an area this rank holds (the root unit, a module
+            # called twice) keeps it and gathers again. The root unit stays
+            # gathered until its backward (as FSDP keeps the root); where
+            # the last backward began with it (a head at the end of the
+            # forward: it holds its gradient area all through backward
+            # anyway) its gradient area is leased now, beside the gather,
+            # so that its backward needs no second gather of the same
+            # values (a collective and a copy of what is often the largest
+            # unit, embeddings and head)
+            want = (u.is_root and self._root_backward_first and torch.is_grad_enabled()
+                    and self._trainable(u) > 0)
+            u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=want)
+        u.state = "forward"
+        self._point(u, False)
+        self._prefetch_after(u)
+
+    def _post_forward(self, u, module, inputs, output):
+        u.depth = max(u.depth - 1, 0)
+        if u.depth > 0:  # the outermost one's outputs get the hook
+            return
+        if u.recompute:  # held for its backward (see _pre_forward)
+            u.recompute = False
+            return
+        if torch.is_grad_enabled():
+            hook = functools.partial(self._output_grad, u)
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(hook)
+            if u.is_root:
+                return  # gathered until the end of backward, as FSDP keeps it
+            if not self._trainable(u):
+                self._hook_frozen_inputs(u, inputs)
+        u.state = "idle"
+        self._release(u)
+
+    def _hook_frozen_inputs(self, u, inputs):
+        """A unit with no trainable parameter (a block frozen mid-run) has
+        no gradient to wait for, but backward still runs through it (for
+        its inputs' gradient) and gathers it for its saved tensors: once
+        the gradient of each input that requires one is whole (every use of
+        it inside the unit done), it is released, so that the units below
+        it find a lease (else it held one until the end of backward)."""
+        seen, ins = set(), []
+        for t in _tensors(inputs):
+            if t.requires_grad and id(t) not in seen:
+                seen.add(id(t))
+                ins.append(t)
+        if not ins:
+            return
+        left = [len(ins)]
+        hook = functools.partial(self._frozen_input_grad, u, left)
+        for t in ins:
+            t.register_hook(hook)
+
+    def _frozen_input_grad(self, u, left, grad):
+        left[0] -= 1
+        if left[0] == 0 and u.state == "late" and not self._trainable(u):
+            u.state = "idle"
+            self._release(u)
+        return None
+
+    def _trainable(self, u):
+        return sum(1 for e in u.entries if e.param.requires_grad)
+
+    def _pack(self, t):
+        try:
+            ptr = t.data_ptr()
+        except Exception:  # e.g. sparse
+            return t
+        for u in self.units:
+            g = u.gather
+            if g is None or t.dtype != g.dtype or t.device != g.device:
+                continue
+            lo = g.data_ptr()
+            esz = g.element_size()
+            if lo <= ptr < lo + g.numel() * esz and t.numel() > 0:
+                return _Saved(u, (ptr - lo) // esz, tuple(t.size()), tuple(t.stride()))
+        return t
+
+    def _unpack(self, x):
+        if not isinstance(x, _Saved):
+            return x
+        u = x.unit
+        if u.state in ("idle", "forward", "done"):
+            # backward reached a saved tensor of u before u's outputs
+            self._pre_backward(u)
+        return u.gather.as_strided(x.size, x.stride, x.offset)

@@ -1,0 +1,116 @@
+"""Which ShardedModule a parameter belongs to (shardd.optim), and the
+release before any optimizer's step of a unit a forward left gathered for
+a backward that has not come (see the package docstring)."""
+import functools
+import weakref
+
+import torch
+
+
+# id(replacement parameter) -> (weak parameter, weak ShardedModule), for
+# shardd.optim (by id: tensors compare elementwise, so they cannot be keys)
+_OWNERS = {}
+
+
+def owner_of(param):
+    """The ShardedModule a (replacement) parameter belongs to, or None."""
+    got = _OWNERS.get(id(param))
+    if got is None or got[0]() is not param:
+        return None
+    return got[1]()
+
+
+# ShardedModules whose last forward of the root (train mode, grad enabled)
+# left a unit gathered for a backward that has not come yet (the root unit:
+# its parameters the node's read-only gathered copy). Emptied at the end of
+# each backward, so in the plain loop (forward, backward, step) an
+# optimizer's step finds it empty and costs one test.
+_HELD = weakref.WeakSet()
+
+
+def _before_step(opt):
+    """Before a torch.optim.Optimizer's step: a ShardedModule that holds one
+    of opt's parameters and left a unit gathered after a forward no
+    backward came for (a loss only logged with grad enabled in train mode,
+    HF's generate without no_grad, a NaN loss dropped) releases it, so that
+    the step writes this rank's shard, as torch's step would write the
+    parameters, instead of the read-only gathered copy (a SIGSEGV). A
+    backward of that forward's output later gathers the unit again."""
+    if not _HELD:
+        return
+    held = list(_HELD)
+    mine = set()
+    for g in opt.param_groups:
+        for p in g["params"]:
+            got = _OWNERS.get(id(p))
+            if got is not None and got[0]() is p:
+                sm = got[1]()
+                if sm is not None and sm in held:
+                    mine.add(sm)
+    for sm in held:
+        if sm in mine:
+            sm._release_unbackwarded()
+
+
+_STEP_HOOKED = [False]
+
+
+def _mark_step_hooked(fn):
+    fn._shardd_before_step = True
+    return fn
+
+
+def _wrap_step(cls):
+    """cls.step runs _before_step first (torch < 2, which has no global step
+    pre-hook). Once per class: a subclass that inherits a wrapped step keeps
+    it; one that overrides step is wrapped itself (a super().step() then
+    runs _before_step twice: the second finds nothing held)."""
+    inner = getattr(cls, "step", None)
+    if inner is None or getattr(inner, "_shardd_before_step", False):
+        return
+
+    @functools.wraps(inner)
+    def step(self, *args, **kwargs):
+        if _HELD:
+            _before_step(self)
+        return inner(self, *args, **kwargs)
+
+    cls.step = _mark_step_hooked(step)
+
+
+def _install_step_hook():
+    """Makes every torch.optim.Optimizer's step call _before_step first, once
+    per process (a transient ShardedModule's construction calls it). torch
+    >= 2: its global register_optimizer_step_pre_hook. torch 1.13 has none;
+    it wraps each Optimizer class's step once, for the profiler, in
+    Optimizer._hook_for_profile, which every optimizer's __init__ calls:
+    that is extended to wrap the class's step with _before_step too, once
+    (functools.wraps carries the profiler's "hooked" mark over, so neither
+    wraps twice), and every Optimizer class there is now is wrapped at
+    once."""
+    if _STEP_HOOKED[0]:
+        return
+    _STEP_HOOKED[0] = True
+    Optimizer = torch.optim.Optimizer
+    import torch.optim.optimizer as optimizer_mod  # not an attribute of torch.optim in 1.13
+    reg = getattr(optimizer_mod, "register_optimizer_step_pre_hook", None)
+    if reg is not None:
+        reg(lambda opt, args, kwargs: _before_step(opt) if _HELD else None)
+        return
+    orig = getattr(Optimizer, "_hook_for_profile", None)
+    if orig is None:
+        return  # shardd.optim's step still releases (an older torch)
+
+    @functools.wraps(orig)
+    def _hook_for_profile(self):
+        orig(self)
+        _wrap_step(type(self))
+
+    Optimizer._hook_for_profile = _hook_for_profile
+    # and the classes an optimizer was made of before (one made before
+    # wrapping may be given the wrapped parameters by add_param_group)
+    todo = list(Optimizer.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        _wrap_step(cls)

@@ -1,0 +1,211 @@
+"""FSDP's state dicts of a wrapped model: model.state_dict() /
+load_state_dict() through torch's state-dict hooks (full or local), and
+full_parameters()."""
+import contextlib
+
+import torch
+
+import shardd
+
+
+class FullStateDictConfig:
+    """FSDP's FullStateDictConfig: what model.state_dict() of a wrapped
+    model gives (ShardedModule.state_dict_type("full", config)).
+    offload_to_cpu: the values on the CPU (the cuda backend's parameters
+    are on the GPU); rank0_only: only rank 0 gets the values, the other
+    ranks an empty dict (every rank still calls it: it is a collective)."""
+
+    def __init__(self, offload_to_cpu=False, rank0_only=False):
+        self.offload_to_cpu = bool(offload_to_cpu)
+        self.rank0_only = bool(rank0_only)
+
+
+class _StateDicts:
+    """ShardedModule's state dicts."""
+
+    def _aliases(self):
+        """{qualified name: entry} for every name a parameter has on the
+        module (a tied weight has one per holder, as torch's state_dict)."""
+        mods = {id(m): n for n, m in self.module.named_modules(remove_duplicate=False)}
+        out = {}
+        for u in self.units:
+            for e in u.entries:
+                for m, attr in e.owners:
+                    mn = mods.get(id(m))
+                    if mn is not None:
+                        out[mn + "." + attr if mn else attr] = e
+        return out
+
+    # -- state dicts: model.state_dict() / load_state_dict() (FSDP's) -------
+    @contextlib.contextmanager
+    def _raw_state_dict(self):
+        """The module's own state_dict()/load_state_dict(), without the
+        hooks (each parameter as it is now)."""
+        self._sd_raw += 1
+        try:
+            yield
+        finally:
+            self._sd_raw -= 1
+
+    @contextlib.contextmanager
+    def state_dict_type(self, kind, config=None):
+        """FSDP's state_dict_type context: what model.state_dict() gives and
+        model.load_state_dict() takes inside it. "full" (the default,
+        FSDP's FULL_STATE_DICT): every parameter whole under torch's keys,
+        config a FullStateDictConfig (offload_to_cpu, rank0_only); "local":
+        each parameter as it is outside forward, its 1-D part of this
+        rank's shard (FSDP's LOCAL_STATE_DICT; a rank's own, loadable only
+        into the same world size)."""
+        if kind not in ("full", "local"):
+            raise ValueError("state_dict_type %r: 'full' or 'local'" % (kind,))
+        old = self._sd_type, self._sd_config
+        self._sd_type = kind
+        if config is not None:
+            self._sd_config = config
+        try:
+            yield
+        finally:
+            self._sd_type, self._sd_config = old
+
+    def _local_keys(self, sd, prefix):
+        """{key in sd: entry} for the parameters' keys under prefix."""
+        alias = self._aliases()
+        out = {}
+        for k in sd:
+            if k.startswith(prefix) and k[len(prefix):] in alias:
+                out[k] = alias[k[len(prefix):]]
+        return out
+
+    def _state_dict_hook(self, module, state_dict, prefix, local_metadata):
+        """torch's state_dict() hook on the wrapped module: the parameters'
+        values (their shard parts) replaced as the state dict type says."""
+        if self._sd_raw:
+            return None
+        keys = self._local_keys(state_dict, prefix)
+        if self._sd_type == "local":
+            for k, e in keys.items():
+                state_dict[k] = e.part.detach().clone()
+            return None
+        cfg = self._sd_config
+        full = self.full_parameters()  # collective: every rank is here
+        if cfg.rank0_only and self.client.rank != 0:
+            for k in list(state_dict):
+                if k.startswith(prefix):
+                    del state_dict[k]
+            return None
+        for k, e in keys.items():
+            state_dict[k] = full[e.name]
+        for k, dt in self._buffer_dtypes.items():  # buffer_dtype's casts undone
+            if prefix + k in state_dict:
+                state_dict[prefix + k] = state_dict[prefix + k].to(dt)
+        if cfg.offload_to_cpu:
+            for k in list(state_dict):
+                if k.startswith(prefix) and isinstance(state_dict[k], torch.Tensor):
+                    state_dict[k] = state_dict[k].cpu()
+        return None
+
+    def _load_state_dict_pre_hook(self, state_dict, prefix, local_metadata, strict,
+                                  missing_keys, unexpected_keys, error_msgs):
+        """torch's load_state_dict() pre-hook on the wrapped module (torch
+        calls it before the module loads anything): a full state dict's
+        parameters are written into the shards (each rank its parts), and
+        their entries replaced by what the parameters then are, so that
+        torch's own copy (and its key and shape checks) finds them."""
+        if self._sd_raw or self._sd_type == "local":
+            return
+        keys = self._local_keys(state_dict, prefix)
+        given = {}
+        for k, e in keys.items():
+            v = state_dict[k]
+            if tuple(v.shape) != tuple(e.shape):
+                error_msgs.append("size mismatch for %s: copying a param with shape %s "
+                                  "from checkpoint, the shape in current model is %s."
+                                  % (k, tuple(v.shape), tuple(e.shape)))
+                return
+            given.setdefault(id(e), v)
+        self._write_full(given)
+        for k, e in keys.items():
+            state_dict[k] = e.param.detach().clone()
+
+    def _write_full(self, given):
+        """given {id(entry): whole value}: each rank writes its parts into
+        its shard (a 16-bit unit's fp32 master from the values given, as at
+        construction); resident clients then gather (a collective). Entries
+        not given keep theirs."""
+        self._release_unbackwarded()
+        held = [u.name for u in self.units if self.transient and u.gather is not None]
+        if held:
+            raise shardd.Error(22, "load_state_dict(): units %s are gathered by a "
+                               "forward or backward still" % held, "E_STATE")
+        rank = self.client.rank
+        with torch.no_grad():
+            for u in self.units:
+                buf = u.buffer
+                sh = buf.shard_tensor
+                s0 = rank * buf.shard_numel
+                exact = None if u.torch_grads else sh.float()
+                for e in u.entries:
+                    v = given.get(id(e))
+                    if v is None:
+                        continue
+                    lo = min(max(s0 - e.offset, 0), e.numel)
+                    hi = lo + e.part.numel()
+                    flat = v.detach().reshape(-1)[lo:hi]
+                    e.part.copy_(flat.to(sh.dtype).to(sh.device))
+                    if exact is not None and hi > lo:
+                        o = e.offset + lo - s0
+                        exact[o:o + hi - lo].copy_(flat.float().to(sh.device))
+                if exact is not None:
+                    # the seed goes through the reduced-gradient shard, which
+                    # it leaves zeroed: the gradients kept are gone
+                    self.client.seed_master(buf, exact)
+                    u.live_at = None
+                    for e in u.entries:
+                        e.param.grad = None
+        if not self.transient:
+            self.gather()
+
+    def state_dict(self, rank0_only=False, offload_to_cpu=False):
+        """FSDP's full state dict: torch's module.state_dict() keys and
+        order (both names of a tied weight), every parameter whole (a
+        collective: every rank calls it, and each gets the dict, or only
+        rank 0 with rank0_only) and the module's buffers as this rank has
+        them, so plain torch loads it (model.load_state_dict). What
+        model.state_dict() gives in the default state dict type."""
+        with self.state_dict_type("full", FullStateDictConfig(offload_to_cpu, rank0_only)):
+            return self.module.state_dict()
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Writes a full state dict (torch's or state_dict()'s) into the
+        shards: each rank its parts of every unit (a 16-bit unit's fp32
+        master from the values given, as at construction), the buffers
+        into the module. Every rank calls it with the same dict; resident
+        clients then gather (a collective). What model.load_state_dict()
+        does in the default state dict type. The optimizer's state is its
+        own: shardd.optim's load_state_dict."""
+        with self.state_dict_type("full"):
+            return self.module.load_state_dict(state_dict, strict=strict)
+
+    def full_parameters(self):
+        """-> {qualified name: tensor}, copies of the whole parameters as the
+        daemon holds them now (collective: every rank must call it). Resident
+        areas: gathers every unit. Transient: gathers and releases one unit
+        at a time (not while a forward or backward holds units)."""
+        out = {}
+        self._release_unbackwarded()
+        for u in self.units:
+            if self.transient:
+                if u.gather is not None:
+                    raise shardd.Error(22, "full_parameters(): unit %r is gathered by "
+                                       "a forward or backward still" % u.name, "E_STATE")
+                g, _ = self.client.gather_area(u.buffer)
+            else:
+                self.client.gather(u.buffer)
+                g = u.buffer.gather_tensor
+            try:
+                for e in u.entries:
+                    out[e.name] = g[e.offset:e.offset + e.numel].view(e.shape).clone()
+            finally:
+                if self.transient:
+                    self.client.release(u.buffer)
+        return out
