@@ -191,7 +191,7 @@ ParameterizedTest(lost_case *lc, collective, rank_lost_mid_collective, .init = s
     shardwire__response__free_unpacked(resp, NULL);
   }
   for (int k = 0; k < 3; k++) {
-    char who[16];
+    char who[32];
     snprintf(who, sizeof who, "rank %d", k);
     areas_expect_kept(&sv[k], &b[k], who);
   }
