@@ -51,33 +51,59 @@ const char *shardd__escape(const char *in, char *out, size_t outlen) {
   return out;
 }
 
-size_t shardd__utf8_len(const char *s) {
-  const unsigned char *p = (const unsigned char *)s;
-  size_t k;
-  unsigned lo = 0x80, hi = 0xbf; /* the second byte's range */
-  if (p[0] < 0x80)
-    return 1;
-  if (p[0] >= 0xc2 && p[0] <= 0xdf) {
-    k = 2;
-  } else if (p[0] >= 0xe0 && p[0] <= 0xef) {
-    k = 3;
-    if (p[0] == 0xe0)
-      lo = 0xa0; /* below: overlong */
-    else if (p[0] == 0xed)
-      hi = 0x9f; /* above: a surrogate */
-  } else if (p[0] >= 0xf0 && p[0] <= 0xf4) {
-    k = 4;
-    if (p[0] == 0xf0)
-      lo = 0x90; /* below: overlong */
-    else if (p[0] == 0xf4)
-      hi = 0x8f; /* above: past U+10FFFF */
+/* Whether b starts a UTF-8 character of more than one byte: its length
+ * in *k and the range its second byte must be in (the first byte alone
+ * does not rule out an overlong form, a surrogate or past U+10FFFF). */
+static int utf8_lead(unsigned b, size_t *k, unsigned *lo, unsigned *hi) {
+  *lo = 0x80;
+  *hi = 0xbf;
+  if (b >= 0xc2 && b <= 0xdf) {
+    *k = 2;
+  } else if (b >= 0xe0 && b <= 0xef) {
+    *k = 3;
+    if (b == 0xe0)
+      *lo = 0xa0; /* below: overlong */
+    else if (b == 0xed)
+      *hi = 0x9f; /* above: a surrogate */
+  } else if (b >= 0xf0 && b <= 0xf4) {
+    *k = 4;
+    if (b == 0xf0)
+      *lo = 0x90; /* below: overlong */
+    else if (b == 0xf4)
+      *hi = 0x8f; /* above: past U+10FFFF */
   } else {
     return 0; /* a continuation byte, c0, c1 (overlong) or f5..ff */
   }
+  return 1;
+}
+
+/* How many bytes from p on form the start of a character (its first i),
+ * up to k: a NUL is out of every range, so nothing past it is read. */
+static size_t utf8_prefix(const unsigned char *p, size_t k, unsigned lo, unsigned hi) {
   if (p[1] < lo || p[1] > hi)
-    return 0; /* a NUL is out of every range: nothing past it is read */
-  for (size_t i = 2; i < k; i++)
-    if (p[i] < 0x80 || p[i] > 0xbf)
-      return 0;
-  return k;
+    return 1;
+  size_t i = 2;
+  while (i < k && p[i] >= 0x80 && p[i] <= 0xbf)
+    i++;
+  return i;
+}
+
+size_t shardd__utf8_len(const char *s) {
+  const unsigned char *p = (const unsigned char *)s;
+  size_t k;
+  unsigned lo, hi;
+  if (p[0] < 0x80)
+    return 1;
+  if (!utf8_lead(p[0], &k, &lo, &hi))
+    return 0;
+  return utf8_prefix(p, k, lo, hi) == k ? k : 0;
+}
+
+size_t shardd__utf8_bad_len(const char *s) {
+  const unsigned char *p = (const unsigned char *)s;
+  size_t k;
+  unsigned lo, hi;
+  if (p[0] < 0x80 || !utf8_lead(p[0], &k, &lo, &hi))
+    return 1;
+  return utf8_prefix(p, k, lo, hi);
 }

@@ -22,8 +22,14 @@ const char *shardd__escape(const char *in, char *out, size_t outlen);
  * only continues a character, one that starts no form (c0, c1, f5..ff), an
  * overlong form, a surrogate (U+D800..U+DFFF), past U+10FFFF, or a
  * character cut short (by the NUL too, so a read never passes it). JSON
- * text must be UTF-8 (RFC 8259): shardd__sb_json_str writes each byte that
- * starts none as \ufffd. */
+ * text must be UTF-8 (RFC 8259): shardd__sb_json_str writes what starts
+ * none as \ufffd (see shardd__utf8_bad_len). */
 size_t shardd__utf8_len(const char *p);
+
+/* Where shardd__utf8_len(p) is 0: the bytes one U+FFFD stands for, as a
+ * UTF-8 decoder's "replace" (Python's, WHATWG's) takes them: the longest
+ * start of a character p has (a character cut short, "\xe2\x82", is one),
+ * else p's one byte. 1 to 3; nothing past a NUL is read. */
+size_t shardd__utf8_bad_len(const char *p);
 
 #endif /* SHARDD_ESCAPE_H */

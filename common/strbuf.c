@@ -67,15 +67,17 @@ void shardd__sb_json_str(shardd__sb *sb, const char *s) {
       } else {
         /* Names are any bytes but NUL, and JSON text must be UTF-8: a
          * strict reader (Python's json.loads of the bytes) refused the
-         * whole status for one such name. A byte that starts no
-         * character is U+FFFD, as a UTF-8 decoder's "replace" does. */
+         * whole status for one such name. What starts no character is
+         * U+FFFD, as a UTF-8 decoder's "replace" does: a character cut
+         * short one, any other byte one each. */
         size_t k = shardd__utf8_len((const char *)p);
         if (k == 0) {
           shardd__sb_printf(sb, "\\ufffd");
+          k = shardd__utf8_bad_len((const char *)p);
         } else {
           shardd__sb_printf(sb, "%.*s", (int)k, (const char *)p);
-          p += k - 1;
         }
+        p += k - 1;
       }
     }
   }

@@ -674,6 +674,20 @@ Test(collective, bucket_names_the_first_entry_of_a_repeated_buffer,
     cr_assert_not_null(strstr(msg, exp[k]), "want \"%s\" in: %s", exp[k], msg);
   cr_assert_not_null(strstr(msg, "5 of the 7 entries"), "%s", msg);
   cr_assert_eq(job_inflight("bucketrep"), 0, "a refused bucket queued something");
+  /* ascending ids but for a repeat next to its first (the daemon skips the
+   * search for repeats in an ascending list: equal neighbours are not
+   * ascending), at the end and inside */
+  uint64_t up[2][3] = {{lo, hi, hi}, {lo, lo, hi}};
+  for (int k = 0; k < 2; k++) {
+    rc = shardd_scatter_many(t.c[0], 3, up[k], SHARDD_REDUCE_SUM, errs);
+    msg = shardd_last_error(t.c[0]);
+    cr_assert_eq(rc, SHARDD_E_DUPLICATE, "list %d: %s: %s", k, shardd_err_name(rc), msg);
+    int dup = k == 0 ? 2 : 1;
+    for (int i = 0; i < 3; i++)
+      cr_assert_eq(errs[i], i == dup ? SHARDD_E_DUPLICATE : SHARDD_OK, "list %d entry %d: %s",
+                   k, i, shardd_err_name(errs[i]));
+    cr_assert_eq(job_inflight("bucketrep"), 0, "a refused bucket queued something");
+  }
   team_close(&t);
 }
 

@@ -583,9 +583,16 @@ Test(coll, bucket_collectives_reuse_the_memory_of_ended_ones) {
   run_until(first + NBUCKET * W);
   shardd__coll_get_counters(eng, &after);
   cr_assert_eq(after.made - before.made, NBUCKET, "one collective per entry");
-  cr_assert_eq(after.reused - before.reused, NBUCKET,
-               "each on an ended collective's memory: %" PRIu64 " of %d",
-               after.reused - before.reused, NBUCKET);
+#if defined(__SANITIZE_ADDRESS__)
+  /* none is kept under AddressSanitizer (coll_int.h's COLL_SPARE_BYTES), so
+   * it still sees a freed collective's use: the rest of the test holds */
+  const uint64_t want_reused = 0;
+#else
+  const uint64_t want_reused = NBUCKET;
+#endif
+  cr_assert_eq(after.reused - before.reused, want_reused,
+               "each on an ended collective's memory: %" PRIu64 " of %" PRIu64,
+               after.reused - before.reused, want_reused);
   for (int k = 0; k < NBUCKET; k++)
     check_gathered(b[k], k + 7);
   cr_assert_eq(nreplies, first + NBUCKET * W, "each entry answered once");

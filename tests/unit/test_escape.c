@@ -133,3 +133,30 @@ Test(escape, a_cut_character_reads_nothing_past_the_end) {
     free(s);
   }
 }
+
+/* What one U+FFFD stands for where no character starts: a character cut
+ * short whole (as Python's decode(errors="replace") takes it), any other
+ * byte alone; each input ends its allocation (ASan sees a read past). */
+Test(escape, a_cut_character_is_replaced_whole) {
+  static const struct {
+    const char *in;
+    size_t want;
+  } rows[] = {
+      {"\xc3", 1},         {"\xe2\x82", 2},      {"\xe2\x82" "a", 2},
+      {"\xf0\x9f\x98", 3}, {"\xf0\x9f" "a", 2},  {"\xf4\x8f\xbf" "a", 3},
+      {"\xe0\x80\x80", 1}, /* overlong: no character starts so */
+      {"\xed\xa0\x80", 1}, /* a surrogate */
+      {"\xf4\x90\x80", 1}, /* past U+10FFFF */
+      {"\x80\x80", 1},     {"\xff", 1},          {"\xc0\xaf", 1},
+  };
+  for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+    size_t n = strlen(rows[i].in) + 1;
+    char *s = malloc(n);
+    cr_assert_not_null(s);
+    memcpy(s, rows[i].in, n);
+    cr_expect_eq(shardd__utf8_len(s), 0, "input %zu starts a character", i);
+    cr_expect_eq(shardd__utf8_bad_len(s), rows[i].want, "input %zu: %zu bytes, wanted %zu",
+                 i, shardd__utf8_bad_len(s), rows[i].want);
+    free(s);
+  }
+}

@@ -118,6 +118,13 @@ ParameterizedTestParameters(strbuf, json_escape) {
       {"\xed\xa0\x80", "\\ufffd\\ufffd\\ufffd"}, /* a surrogate */
       {"\xf4\x90\x80\x80", "\\ufffd\\ufffd\\ufffd\\ufffd"}, /* past U+10FFFF */
       {"\x80\xe2\x82\xac", "\\ufffd\xe2\x82\xac"}, /* a stray continuation */
+      /* a character cut short is one U+FFFD, its maximal subpart, as a
+       * decoder's "replace" (Python's) gives it, not one per byte */
+      {"\xe2\x82", "\\ufffd"},
+      {"\xe2\x82" "a", "\\ufffda"},
+      {"\xf0\x9f\x98" "a\xf0\x9f", "\\ufffda\\ufffd"},
+      {"\xf0\x9f\x98\xf0\x9f\x98\x80", "\\ufffd\xf0\x9f\x98\x80"},
+      {"\xe0\x80\x80", "\\ufffd\\ufffd\\ufffd"}, /* overlong: no subpart */
       {"\"\\\"", "\\\"\\\\\\\""},
   };
   return cr_make_param_array(esc_row, rows, sizeof rows / sizeof rows[0]);
