@@ -148,15 +148,17 @@ double shardd__coll_rank_missing_s(const shardd__coll_engine *e,
   return shardd__coll_loop_now(e) - q->lost_at[rank];
 }
 
-shardd_err shardd__coll_describe(const shardd__coll_engine *e,
+/* The i-th collective of job's queue, its kind, target, name and wait in
+ * *out; NULL when there are fewer. */
+static const coll *describe_head(const shardd__coll_engine *e,
                                  const shardd__job *job, size_t i,
-                                 shardd__coll_info *out, uint8_t *arrived) {
+                                 shardd__coll_info *out) {
   const coll_job *q = shardd__map_get_id(&e->jobs, shardd__coll_job_key(job));
   const coll *c = q ? q->head : NULL;
   for (; c && i > 0; i--)
     c = c->next;
   if (c == NULL)
-    return SHARDD_E_NOT_FOUND;
+    return NULL;
   out->kind = c->args.kind;
   out->target = c->args.target;
   out->name = c->name;
@@ -165,6 +167,15 @@ shardd_err shardd__coll_describe(const shardd__coll_engine *e,
   out->waited_s = shardd__coll_loop_now(e) - (c->deadline - e->cfg.timeout);
   if (!(out->waited_s > 0))
     out->waited_s = 0;
+  return c;
+}
+
+shardd_err shardd__coll_describe(const shardd__coll_engine *e,
+                                 const shardd__job *job, size_t i,
+                                 shardd__coll_info *out, uint8_t *arrived) {
+  const coll *c = describe_head(e, job, i, out);
+  if (c == NULL)
+    return SHARDD_E_NOT_FOUND;
   memset(arrived, 0, job->world);
   for (uint32_t k = 0; k < c->arrived; k++)
     arrived[c->order[k]] = 1;
@@ -175,19 +186,9 @@ shardd_err shardd__coll_describe_ranks(const shardd__coll_engine *e,
                                        const shardd__job *job, size_t i,
                                        shardd__coll_info *out,
                                        shardd__coll_ranks *rk) {
-  const coll_job *q = shardd__map_get_id(&e->jobs, shardd__coll_job_key(job));
-  const coll *c = q ? q->head : NULL;
-  for (; c && i > 0; i--)
-    c = c->next;
+  const coll *c = describe_head(e, job, i, out);
   if (c == NULL)
     return SHARDD_E_NOT_FOUND;
-  out->kind = c->args.kind;
-  out->target = c->args.target;
-  out->name = c->name;
-  out->running = c->started;
-  out->waited_s = shardd__coll_loop_now(e) - (c->deadline - e->cfg.timeout);
-  if (!(out->waited_s > 0))
-    out->waited_s = 0;
   uint32_t first = job->local_first, end = first + job->local_ranks;
   shardd__lowest low;
   shardd__lowest_init(&low, rk->arrived, rk->max);
