@@ -32,7 +32,7 @@ while [ $# -gt 0 ]; do
               sock=$2; shift 2 ;;
     --wait)   [ $# -ge 2 ] || { echo "recover_job.sh: --wait needs seconds" >&2; exit 2; }
               wait_s=$2; shift 2 ;;
-    --help|-h) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --help|-h) sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
     --*) echo "recover_job.sh: unknown option $1" >&2; exit 2 ;;
     *) break ;;
   esac
