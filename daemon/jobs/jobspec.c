@@ -78,7 +78,9 @@ shardd_err shardd__jobspec_parse(const char *path, const char *text,
   int ln = 0;
 #define BAD(...)                                                              \
   do {                                                                        \
-    int k_ = snprintf(err, errlen, "%s:%d: ", path, ln);                      \
+    /* a check of the whole file (ln 0) names no line */                     \
+    int k_ = ln ? snprintf(err, errlen, "%s:%d: ", path, ln)                  \
+                : snprintf(err, errlen, "%s: ", path);                        \
     if (k_ > 0 && (size_t)k_ < errlen)                                        \
       snprintf(err + k_, errlen - (size_t)k_, __VA_ARGS__);                   \
     goto fail;                                                                \

@@ -50,10 +50,12 @@ ParameterizedTestParameters(jobspec, bad_specs_are_refused_naming_the_line) {
       {TWO_NODES "uid = 4294967296\n", "t.spec:6: uid = 4294967296"},
       {TWO_NODES "uid = root\n", "t.spec:6: uid = root"},
       {TWO_NODES "colour = 3\n", "t.spec:6: unknown key \"colour\""},
-      {"job = x\nworld = 2\nnodes = 1\n", "t.spec:0: world, nodes and node_rank"},
+      {"job = x\nworld = 2\nnodes = 1\n", "t.spec: world, nodes and node_rank"},
       {"job = x\nworld\n", "t.spec:2: expected key = value"},
-      {"world = 2\nnodes = 1\nnode_rank = 0\n", "no job = NAME"},
+      {"world = 2\nnodes = 1\nnode_rank = 0\n", "t.spec: no job = NAME"},
       {"job = 1002/vj\nworld = 2\nnodes = 1\nnode_rank = 0\n", "may not hold a '/'"},
+      {"job = x\nworld = 3\nnodes = 2\nnode_rank = 0\n",
+       "t.spec: world 3 does not split evenly over 2 nodes"},
   };
   return cr_make_param_array(bad_spec, rows, sizeof rows / sizeof rows[0]);
 }
