@@ -186,7 +186,14 @@ char *shardd__fmt_status_text(const Shardwire__StatusReply *st) {
     }
     shardd__sb_printf(&sb, "\n");
   }
-  shardd__sb_printf(&sb, "jobs: %zu\n", st->n_jobs);
+  if (st->has_first_job) /* a later page: its jobs are not all there are */
+    shardd__sb_printf(&sb, "jobs: %zu of %" PRIu64 " (from %" PRIu32 ")\n",
+                      st->n_jobs,
+                      (uint64_t)st->first_job + st->n_jobs +
+                          (st->has_jobs_more ? st->jobs_more : 0),
+                      st->first_job);
+  else
+    shardd__sb_printf(&sb, "jobs: %zu\n", st->n_jobs);
   for (size_t i = 0; i < st->n_jobs; i++) {
     const Shardwire__JobStatus *j = st->jobs[i];
     human(a, sizeof a, j->bytes);

@@ -60,3 +60,33 @@ Test(fmt, inspect_text_escapes_its_kind) {
   cr_expect_not_null(strstr(text, "kind: view\\x0a\n"), "%s", text);
   free(text);
 }
+
+/* A page from --from N says the jobs it lists are not all there are: past
+ * the end it said "jobs: 0" while jobs existed. */
+Test(fmt, a_later_page_counts_every_job) {
+  Shardwire__StatusReply st = SHARDWIRE__STATUS_REPLY__INIT;
+  st.has_first_job = 1;
+  st.first_job = 7;
+  char *text = shardd__fmt_status_text(&st);
+  cr_assert_not_null(text);
+  cr_expect_not_null(strstr(text, "jobs: 0 of 7 (from 7)\n"), "%s", text);
+  free(text);
+  Shardwire__JobStatus job = SHARDWIRE__JOB_STATUS__INIT;
+  Shardwire__JobStatus *jobs[1] = {&job};
+  job.name = "j";
+  job.world = 1;
+  st.first_job = 2;
+  st.n_jobs = 1;
+  st.jobs = jobs;
+  st.has_jobs_more = 1;
+  st.jobs_more = 3;
+  text = shardd__fmt_status_text(&st);
+  cr_assert_not_null(text);
+  cr_expect_not_null(strstr(text, "jobs: 1 of 6 (from 2)\n"), "%s", text);
+  free(text);
+  st.has_first_job = 0; /* the first page, as before */
+  st.has_jobs_more = 0;
+  text = shardd__fmt_status_text(&st);
+  cr_expect_not_null(strstr(text, "jobs: 1\n"), "%s", text);
+  free(text);
+}
