@@ -50,9 +50,11 @@ size_t shardd__frame_reader_pending(const shardd__frame_reader *r);
  * counts as the bytes held (next() refuses it). */
 size_t shardd__frame_reader_need(const shardd__frame_reader *r);
 
-/* Gives back the buffer's memory when nothing is pending: one 16 MiB frame
- * left every session holding 16 MiB (the buffer only grew) after it was
- * handled. Call only when no payload handed out is in use. */
+/* Gives back the buffer's memory beyond a small one (8 KiB): all of it
+ * when nothing is pending, else a few pending bytes are moved to a small
+ * buffer. One 16 MiB frame left every session holding 16 MiB (the buffer
+ * only grew) after it was handled, and a 64 KiB read 64-128 KiB. Call only
+ * when no payload handed out is in use. */
 void shardd__frame_reader_trim(shardd__frame_reader *r);
 
 void shardd__frame_put_header(uint8_t out[SHARDD_FRAME_HEADER], uint32_t len);

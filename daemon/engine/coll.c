@@ -81,6 +81,7 @@ static void free_job_cb(void *value, void *arg) {
   free(cj->lost_epoch);
   free(cj->lost_told);
   free(cj->lost_ranks);
+  free(cj->lost_pos);
   free(cj->unjoined);
   free(cj);
 }

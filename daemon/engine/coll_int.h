@@ -87,8 +87,11 @@ typedef struct {
   /* the ranks lost now (lost_at >= 0), nlost of [world], in no order: the
    * tick's doom check walks these for each waiting collective, not the
    * world (32 jobs of world 65536 with one rank lost and 32 barriers each
-   * kept the loop 20% busy doing nothing) */
+   * kept the loop 20% busy doing nothing); lost_pos[r] is rank r's place
+   * there while it is lost, so a rank joining again leaves the list in
+   * O(1) (a search from the front made relaunching 65536 ranks O(n^2)) */
   uint32_t *lost_ranks;
+  uint32_t *lost_pos;
   uint32_t nlost;
   /* the latest loss noted: its loop time and epoch. Once every local rank
    * is lost it is the latest of theirs (a rank lost after it would be lost

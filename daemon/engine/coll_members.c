@@ -96,11 +96,9 @@ void shardd__coll_member_joined(shardd__coll_engine *e, shardd__coll_member *m) 
               m->job->name, m->rank,
               shardd__coll_loop_now(e) - q->lost_at[m->rank]);
   q->lost_at[m->rank] = -1;
-  for (uint32_t i = 0; i < q->nlost; i++)
-    if (q->lost_ranks[i] == m->rank) {
-      q->lost_ranks[i] = q->lost_ranks[--q->nlost];
-      break;
-    }
+  uint32_t i = q->lost_pos[m->rank], last = q->lost_ranks[--q->nlost];
+  q->lost_ranks[i] = last;
+  q->lost_pos[last] = i;
 }
 
 /* Records that m's rank is missing from now (a job's first loss makes the
@@ -114,17 +112,20 @@ static void note_lost(coll_job *q, const shardd__coll_member *m) {
     q->lost_epoch = calloc(w, sizeof *q->lost_epoch);
     q->lost_told = calloc(w, 1);
     q->lost_ranks = malloc(w * sizeof *q->lost_ranks);
+    q->lost_pos = malloc(w * sizeof *q->lost_pos);
     q->nlost = 0;
     if (q->lost_at == NULL || q->lost_epoch == NULL || q->lost_told == NULL ||
-        q->lost_ranks == NULL) {
+        q->lost_ranks == NULL || q->lost_pos == NULL) {
       free(q->lost_at);
       free(q->lost_epoch);
       free(q->lost_told);
       free(q->lost_ranks);
+      free(q->lost_pos);
       q->lost_at = NULL;
       q->lost_epoch = NULL;
       q->lost_told = NULL;
       q->lost_ranks = NULL;
+      q->lost_pos = NULL;
       shardd__log(SHARDD__LOG_ERROR, "job \"%s\": out of memory noting that "
                   "rank %" PRIu32 " left; its peers wait up to the collective "
                   "timeout", q->job->name, m->rank);
@@ -133,8 +134,10 @@ static void note_lost(coll_job *q, const shardd__coll_member *m) {
     for (uint32_t r = 0; r < w; r++)
       q->lost_at[r] = -1;
   }
-  if (q->lost_at[m->rank] < 0)
+  if (q->lost_at[m->rank] < 0) {
+    q->lost_pos[m->rank] = q->nlost;
     q->lost_ranks[q->nlost++] = m->rank;
+  }
   q->lost_at[m->rank] = q->last_lost_at = shardd__coll_loop_now(e);
   q->lost_epoch[m->rank] = q->last_lost_epoch = ++e->epoch;
   q->lost_told[m->rank] = 0;

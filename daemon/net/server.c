@@ -49,9 +49,13 @@ typedef struct {
 } write_req;
 
 /* Charges s a write just handed to libuv: its bytes, the request and the
- * descriptor's handle, all held until write_done. */
+ * descriptor's handle, all held until write_done. Its bytes are the whole
+ * frame's, the first ones net_send wrote itself included: their buffer
+ * is freed with the rest (counting only the rest hid a socket buffer's
+ * worth, about 200 KiB, behind each connection's first unread reply). */
 static void write_charge(shardd__session *s, write_req *w) {
-  w->charged = w->buf.len + sizeof *w + (w->fd_handle ? sizeof *w->fd_handle : 0);
+  w->charged = w->sent + w->buf.len + sizeof *w +
+               (w->fd_handle ? sizeof *w->fd_handle : 0);
   shardd__replies_charge(s, w->charged, w->fd_handle != NULL);
 }
 

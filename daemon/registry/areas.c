@@ -46,6 +46,22 @@ static int shared_gather(const shardd__job *job) {
   return (job->reg->backend->caps & SHARDD__BACKEND_CAP_HOST_MAPPED) != 0;
 }
 
+/* The ranks below x on dev (shardd__rank_device: rank modulo the devices). */
+static uint64_t ranks_below_on(const shardd__registry *reg, uint64_t x,
+                               int dev) {
+  uint64_t nd = (uint64_t)reg->backend->ndevices;
+  return x / nd + (x % nd > (uint64_t)dev ? 1 : 0);
+}
+
+/* The job's local ranks on dev, counted, not walked: status and every
+ * registration's quota check ask per device, and walking 65536 ranks each
+ * time was most of their cost on a wide job. */
+static uint32_t dev_ranks(const shardd__job *job, int dev) {
+  uint64_t first = job->local_first;
+  return (uint32_t)(ranks_below_on(job->reg, first + job->local_ranks, dev) -
+                    ranks_below_on(job->reg, first, dev));
+}
+
 /* The slots of a pool: dev's gradient pool (and, unshared, gather) pool,
  * or (dev -1) the node's gather pool. */
 static uint32_t pool_slots(const shardd__job *job, int dev) {
@@ -53,11 +69,8 @@ static uint32_t pool_slots(const shardd__job *job, int dev) {
   uint32_t lg = reg->leases_per_rank[SHARDD__AREA_GATHER];
   if (dev < 0) /* see registry.h: why no more are ever held */
     return lg == 0 ? 0 : job->local_ranks * (lg - 1) + 1;
-  uint32_t ranks = 0;
-  for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++)
-    ranks += shardd__rank_device(reg, r) == dev;
-  return ranks * (reg->leases_per_rank[SHARDD__AREA_GRAD] +
-                  (shared_gather(job) ? 0 : lg));
+  return dev_ranks(job, dev) * (reg->leases_per_rank[SHARDD__AREA_GRAD] +
+                                (shared_gather(job) ? 0 : lg));
 }
 
 /* The pool of dev (-1: the node's gather pool), where it is kept. */
@@ -482,18 +495,18 @@ uint64_t shardd__areas_reserve(shardd__job *job, const shardd__buffer *b) {
     unit = unit_bytes(b);
   if (unit == 0)
     return 0;
-  /* dev_reserve over the devices, in one pass over the ranks: quotas
-   * sum it over every job of a uid at each registration */
+  /* dev_reserve over the devices, each device's ranks counted (quotas sum
+   * it over every job of a uid at each registration) */
   const shardd__registry *reg = job->reg;
   uint64_t per_rank = (uint64_t)(reg->leases_per_rank[SHARDD__AREA_GRAD] +
                                  (shared_gather(job)
                                       ? 0 : reg->leases_per_rank[SHARDD__AREA_GATHER])) *
                       unit;
   uint64_t n = 0;
-  for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++) {
-    const struct shardd__pool *p = job->pools[shardd__rank_device(reg, r)];
+  for (int d = 0; d < reg->backend->ndevices; d++) {
+    const struct shardd__pool *p = job->pools[d];
     if (p == NULL || p->slot_bytes < unit)
-      n += per_rank;
+      n += dev_ranks(job, d) * per_rank;
   }
   for (int d = 0; d < reg->backend->ndevices; d++) {
     const struct shardd__pool *p = job->pools[d];

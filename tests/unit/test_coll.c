@@ -20,6 +20,7 @@
 
 #include "backend.h"
 #include "coll.h"
+#include "log.h"
 #include "optreg.h"
 #include "optspec.h"
 #include "registry.h"
@@ -1461,6 +1462,55 @@ Test(coll, ticks_over_jobs_whose_ranks_on_this_node_all_left_are_quick) {
     shardd__coll_job_free(eng, jobs[j]);
   }
   rmdir(rdv);
+}
+
+/* Relaunching a wide job after all its ranks left: each rank's Hello
+ * looked for it in the job's list of lost ranks, from the front, and the
+ * swap-remove that took it out left the next rank one place further: 65536
+ * rejoins cost 2^31 comparisons (about 30 us each, 1-2 s of the loop). Now
+ * each rank knows its place in the list. */
+#define REJOIN_WORLD 65536u
+Test(coll, ranks_rejoining_a_wide_job_all_of_whose_ranks_left_are_quick) {
+  static shardd__coll_member m[REJOIN_WORLD];
+  shardd__job *wide;
+  cr_assert_eq(shardd__job_get(&reg, "wide", REJOIN_WORLD, 1000, &wide, err,
+                               sizeof err), SHARDD_OK, "%s", err);
+  cr_assert_eq(wide->local_ranks, REJOIN_WORLD);
+  shardd__log_set_level(SHARDD__LOG_WARN); /* not 65536 "is back" lines */
+  for (uint32_t r = 0; r < REJOIN_WORLD; r++) {
+    m[r] = (shardd__coll_member){.job = wide, .rank = r};
+    shardd__coll_member_joined(eng, &m[r]);
+  }
+  for (uint32_t r = 0; r < REJOIN_WORLD; r++)
+    shardd__coll_member_lost(eng, &m[r]);
+  cr_assert_geq(shardd__coll_rank_missing_s(eng, wide, 0), 0);
+  cr_assert_geq(shardd__coll_rank_missing_s(eng, wide, REJOIN_WORLD - 1), 0);
+  /* this thread's CPU time: a loaded machine's preemption is not ours */
+  struct timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  double c0 = (double)ts.tv_sec + ts.tv_nsec / 1e9;
+  for (uint32_t r = 0; r < REJOIN_WORLD; r++) {
+    m[r] = (shardd__coll_member){.job = wide, .rank = r};
+    shardd__coll_member_joined(eng, &m[r]);
+  }
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  double took = (double)ts.tv_sec + ts.tv_nsec / 1e9 - c0;
+  shardd__log_set_level(SHARDD__LOG_INFO);
+  /* the linear search: 1-2 s unsanitized; now milliseconds */
+  cr_expect_lt(took, 0.1, "%u rejoins took %.3f s of CPU", REJOIN_WORLD, took);
+  for (uint32_t r = 0; r < REJOIN_WORLD; r += 4099)
+    cr_expect_lt(shardd__coll_rank_missing_s(eng, wide, r), 0,
+                 "rank %u is still counted lost after it joined", r);
+  cr_expect_lt(shardd__coll_rank_missing_s(eng, wide, REJOIN_WORLD - 1), 0);
+  /* the bookkeeping still works: a rank lost again, and back */
+  shardd__coll_member_lost(eng, &m[7]);
+  cr_expect_geq(shardd__coll_rank_missing_s(eng, wide, 7), 0);
+  cr_expect_lt(shardd__coll_rank_missing_s(eng, wide, 8), 0);
+  shardd__coll_member_joined(eng, &m[7]);
+  cr_expect_lt(shardd__coll_rank_missing_s(eng, wide, 7), 0);
+  for (uint32_t r = 0; r < REJOIN_WORLD; r++)
+    shardd__coll_member_lost(eng, &m[r]);
+  shardd__coll_job_free(eng, wide);
 }
 
 /* What status reads: each queued collective and who has submitted it. */

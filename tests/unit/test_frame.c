@@ -708,3 +708,121 @@ Test(frame, trim_releases_a_drained_big_buffer) {
   shardd__frame_reader_free(&big);
   free(f);
 }
+
+/* An idle session keeps no more than a small buffer: a 64 KiB read of
+ * pipelined small frames left 64-128 KiB behind every session that sent
+ * one (trim kept anything up to 128 KiB), 20-45 MiB for one uid's 256
+ * idle connections that no budget counted. */
+Test(frame, trim_leaves_a_drained_reader_a_small_buffer_at_most) {
+  static uint8_t burst[65536];
+  size_t n = 0, frames = 0;
+  while (n + 4 + 100 <= sizeof burst) {
+    uint8_t body[100];
+    memset(body, (int)frames, sizeof body);
+    n += mk(burst + n, body, sizeof body);
+    frames++;
+  }
+  cr_assert_eq(shardd__frame_reader_feed(&r, burst, n), SHARDD_OK);
+  for (size_t i = 0; i < frames; i++) {
+    const uint8_t *p;
+    size_t len;
+    cr_assert_eq(shardd__frame_reader_next(&r, &p, &len), SHARDD_OK);
+    cr_assert(p != NULL && len == 100 && p[0] == (uint8_t)i);
+  }
+  expect_none();
+  shardd__frame_reader_trim(&r);
+  cr_expect_leq(r.cap, 8192, "a drained reader kept %zu bytes", r.cap);
+  uint8_t small[16];
+  size_t k = mk(small, "hi", 2);
+  cr_assert_eq(shardd__frame_reader_feed(&r, small, k), SHARDD_OK);
+  expect_frame("hi", 2);
+}
+
+/* A few pending bytes (part of the next header) are moved out of the big
+ * buffer into a small one, and the frame they begin completes as before. */
+Test(frame, trim_moves_a_small_tail_to_a_small_buffer) {
+  static uint8_t burst[65536 + 2];
+  size_t n = 0, frames = 0;
+  while (n + 4 + 200 <= 65536) {
+    uint8_t body[200];
+    memset(body, 0x11, sizeof body);
+    n += mk(burst + n, body, sizeof body);
+    frames++;
+  }
+  uint8_t next[8];
+  size_t k = mk(next, "tail", 4);
+  memcpy(burst + n, next, 2); /* half of the next frame's header */
+  cr_assert_eq(shardd__frame_reader_feed(&r, burst, n + 2), SHARDD_OK);
+  for (size_t i = 0; i < frames; i++) {
+    const uint8_t *p;
+    size_t len;
+    cr_assert_eq(shardd__frame_reader_next(&r, &p, &len), SHARDD_OK);
+    cr_assert(p != NULL && len == 200);
+  }
+  expect_none();
+  shardd__frame_reader_trim(&r);
+  cr_expect_leq(r.cap, 8192, "2 pending bytes kept a %zu-byte buffer", r.cap);
+  cr_expect_eq(shardd__frame_reader_pending(&r), 2);
+  cr_expect_eq(shardd__frame_reader_need(&r), 2);
+  cr_assert_eq(shardd__frame_reader_feed(&r, next + 2, k - 2), SHARDD_OK);
+  expect_frame("tail", 4);
+}
+
+/* The busy case stays allocation-free: small frames, each trimmed after
+ * it is handled as the daemon does, reuse one buffer. */
+Test(frame, trim_keeps_the_buffer_of_small_frames) {
+  uint8_t buf[64];
+  size_t n = mk(buf, "0123456789", 10);
+  cr_assert_eq(shardd__frame_reader_feed(&r, buf, n), SHARDD_OK);
+  expect_frame("0123456789", 10);
+  shardd__frame_reader_trim(&r);
+  const uint8_t *first = r.buf;
+  cr_assert_not_null(first);
+  for (int i = 0; i < 1000; i++) {
+    cr_assert_eq(shardd__frame_reader_feed(&r, buf, n), SHARDD_OK);
+    expect_frame("0123456789", 10);
+    shardd__frame_reader_trim(&r);
+    cr_assert_eq(r.buf, first, "frame %d got a new buffer", i);
+  }
+}
+
+/* A big frame arriving in 64 KiB reads grows the buffer to the frame's
+ * size, not to the next power of two past it (a 300,000-byte frame held
+ * 512 KiB; a 1 MiB one 2 MiB). */
+Test(frame, a_big_frame_grows_the_buffer_to_its_size_not_past_it) {
+  shardd__frame_reader big;
+  shardd__frame_reader_init(&big, 1u << 20);
+  size_t len = 300000, total = 4 + len;
+  uint8_t *f = malloc(total);
+  cr_assert_not_null(f);
+  memset(f + 4, 0x3c, len);
+  mk(f, f + 4, (uint32_t)len);
+  for (size_t off = 0; off < total; off += 65536) {
+    size_t k = total - off < 65536 ? total - off : 65536;
+    cr_assert_eq(shardd__frame_reader_feed(&big, f + off, k), SHARDD_OK);
+    cr_assert_leq(big.cap, total, "%zu bytes of a %zu-byte frame held a "
+                  "%zu-byte buffer", off + k, total, big.cap);
+  }
+  const uint8_t *p;
+  size_t n;
+  cr_assert_eq(shardd__frame_reader_next(&big, &p, &n), SHARDD_OK);
+  cr_assert(n == len && p[0] == 0x3c && p[len - 1] == 0x3c);
+  /* the next frame, arriving with the end of this one, still fits */
+  shardd__frame_reader_free(&big);
+  shardd__frame_reader_init(&big, 1u << 20);
+  uint8_t *two = malloc(total + 8);
+  cr_assert_not_null(two);
+  memcpy(two, f, total);
+  size_t k2 = mk(two + total, "ok", 2);
+  cr_assert_eq(shardd__frame_reader_feed(&big, two, 65536), SHARDD_OK);
+  cr_assert_eq(shardd__frame_reader_feed(&big, two + 65536, total + k2 - 65536),
+               SHARDD_OK);
+  cr_expect_leq(big.cap, total + k2);
+  cr_assert_eq(shardd__frame_reader_next(&big, &p, &n), SHARDD_OK);
+  cr_assert_eq(n, len);
+  cr_assert_eq(shardd__frame_reader_next(&big, &p, &n), SHARDD_OK);
+  cr_assert(n == 2 && memcmp(p, "ok", 2) == 0);
+  shardd__frame_reader_free(&big);
+  free(two);
+  free(f);
+}

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "backend.h"
 #include "registry.h"
@@ -1560,4 +1561,77 @@ Test(registry, a_staging_area_counts_against_the_uid_limits) {
   cr_expect_eq(job->nblocks, 0);
   cr_expect_eq(reg.nblocks, all - blocks);
   shardd__backend_host_persist(be, SHARDD__PERSIST_OFF);
+}
+
+/* ---- the pools a transient job reserves ---------------------------------- */
+
+/* What a transient job's pools will take before its first gather: each
+ * device's pool is counted for that device's ranks (5 ranks on 2 devices:
+ * 3 and 2) until it is made for the job's largest unit, and the node's
+ * shared gather pool for every rank. Status and the memory limits read
+ * it. */
+Test(registry, transient_pools_are_reserved_per_device_until_made) {
+  shardd__job *t;
+  cr_assert_eq(shardd__job_get(&reg, "t5", 5, 1000, &t, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_assert_eq(shardd__job_set_transient(t, 1, err, sizeof err), SHARDD_OK,
+               "%s", err);
+  shardd__buffer *b = buf_new(t, "w", SHARDD_DTYPE_FP32, 5 * 3000);
+  uint64_t unit = ((uint64_t)b->padded_numel * 4 + 4095) / 4096 * 4096;
+  uint64_t g = reg.leases_per_rank[SHARDD__AREA_GRAD];
+  uint64_t lg = reg.leases_per_rank[SHARDD__AREA_GATHER];
+  cr_assert(g > 0 && lg > 0);
+  uint64_t gather = (5 * (lg - 1) + 1) * unit; /* the node's, shared */
+  cr_expect_eq(shardd__areas_reserve(t, NULL), 5 * g * unit + gather);
+  shardd__area a;
+  int took;
+  /* rank 1's gradient area makes device 1's pool: its 2 ranks' part of
+   * the reserve is held now */
+  cr_assert_eq(shardd__area_lease(&reg, b, 1, SHARDD__AREA_GRAD, &a, &took,
+                                  err, sizeof err), SHARDD_OK, "%s", err);
+  cr_expect_eq(shardd__areas_reserve(t, NULL), 3 * g * unit + gather);
+  cr_assert_eq(shardd__area_lease(&reg, b, 0, SHARDD__AREA_GRAD, &a, &took,
+                                  err, sizeof err), SHARDD_OK, "%s", err);
+  cr_expect_eq(shardd__areas_reserve(t, NULL), gather);
+  cr_assert_eq(shardd__area_lease(&reg, b, 2, SHARDD__AREA_GATHER, &a, &took,
+                                  err, sizeof err), SHARDD_OK, "%s", err);
+  cr_expect_eq(shardd__areas_reserve(t, NULL), 0);
+  shardd__area_return(b, 2, SHARDD__AREA_GATHER);
+  shardd__area_return(b, 0, SHARDD__AREA_GRAD);
+  shardd__area_return(b, 1, SHARDD__AREA_GRAD);
+  shardd__job_release(&reg, t);
+}
+
+/* Status asks each transient job what its pools reserve, and every
+ * registration asks it of each job of its owner: that walked the job's
+ * local ranks each time (65536 of them here), where the ranks of each
+ * device are counted. The job's largest unit is set here, as a buffer
+ * would (65536 rank blocks are more descriptors than a test may hold). */
+Test(registry, a_wide_transient_jobs_pool_reserve_is_quick) {
+  shardd__job *wide;
+  const uint32_t world = 65536;
+  cr_assert_eq(shardd__job_get(&reg, "wide", world, 1000, &wide, err,
+                               sizeof err), SHARDD_OK, "%s", err);
+  cr_assert_eq(shardd__job_set_transient(wide, 1, err, sizeof err), SHARDD_OK,
+               "%s", err);
+  const uint64_t unit = 1u << 20;
+  wide->max_unit = unit;
+  wide->max_unit_stale = 0;
+  uint64_t g = reg.leases_per_rank[SHARDD__AREA_GRAD];
+  uint64_t lg = reg.leases_per_rank[SHARDD__AREA_GATHER];
+  uint64_t want = world * g * unit + (world * (lg - 1) + 1) * unit;
+  struct timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  double c0 = (double)ts.tv_sec + ts.tv_nsec / 1e9;
+  uint64_t got = 0;
+  for (int i = 0; i < 10000; i++)
+    got |= shardd__areas_reserve(wide, NULL) ^ want;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  double took = (double)ts.tv_sec + ts.tv_nsec / 1e9 - c0;
+  cr_expect_eq(got, 0, "a reserve differed from %" PRIu64, want);
+  /* walking the ranks: about 1.3 s unsanitized; now microseconds */
+  cr_expect_lt(took, 0.05, "10000 reserves of a %u-rank job took %.3f s of "
+               "CPU", world, took);
+  wide->max_unit = 0;
+  shardd__job_release(&reg, wide);
 }
