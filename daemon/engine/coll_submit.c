@@ -6,6 +6,7 @@
 
 #include <inttypes.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -314,7 +315,9 @@ static int submit_admit(submission *s) {
   shardd__coll_member *m = s->m;
   char err[256];
   shardd_err rc;
-  coll_job *q = shardd__coll_job_of(e, s->job, 0);
+  coll_job *q = e->batching && e->batch_job == s->job
+                    ? e->batch_cj
+                    : shardd__coll_job_of(e, s->job, 0);
   if (q && q->broken != SHARDD_OK && m->joined <= q->broken_epoch) {
     submit_refuse(s, q->broken, q->broken_msg);
     return -1;
@@ -348,6 +351,10 @@ static int submit_admit(submission *s) {
     return -1;
   }
   s->q = q;
+  if (e->batching) {
+    e->batch_job = s->job;
+    e->batch_cj = q;
+  }
   if (q->unjoined == NULL && q->head == NULL)
     /* made while the queue is empty, so NULL (none unjoined) is true for
      * every rank; out of memory: matching walks from the head */
@@ -393,6 +400,11 @@ static coll *submit_new(submission *s) {
     submit_refuse(s, SHARDD_E_NO_MEMORY, "out of memory");
     return NULL;
   }
+  /* zeroed but for the tail of struct coll that is written before read */
+  memset(c, 0, offsetof(coll, few_tasks));
+  memset(c + 1, 0, bytes - sizeof *c);
+  c->refused_msg[0] = '\0';
+  c->fab_msg[0] = '\0';
   c->waiters = (waiter *)(c + 1);
   c->area_reg = (shardd__region **)(c->waiters + w);
   c->area_off = (size_t *)(c->area_reg + w);
