@@ -220,12 +220,14 @@ typedef struct {
    * and wait in its exchange, whose header must come from this node. */
   int multi;
   shardd_err local;
-  char local_msg[256];
   coll_job *q;
   double *vals;
   shardd__hp *hp; /* a step's, until c owns it */
   uint64_t *mask;
   size_t nmask;
+  /* local's message, written when local is set (last: submit zeroes all
+   * before it, not these 256 bytes for each of a bucket's entries) */
+  char local_msg[256];
 } submission;
 
 /* Answers s's rank with code and msg and drops what s holds. */
@@ -582,13 +584,16 @@ static void submit_arrive(submission *s, coll *c) {
 
 static void submit(shardd__coll_engine *e, shardd__coll_member *m, uint64_t seq,
                    const shardd__coll_args *args) {
-  submission s = {.e = e,
-                  .m = m,
-                  .seq = seq,
-                  .args = args,
-                  .job = m->job,
-                  .scalars = args->kind == SHARDD__COLL_ALL_REDUCE,
-                  .local = SHARDD_OK};
+  submission s;
+  memset(&s, 0, offsetof(submission, local_msg));
+  s.e = e;
+  s.m = m;
+  s.seq = seq;
+  s.args = args;
+  s.job = m->job;
+  s.scalars = args->kind == SHARDD__COLL_ALL_REDUCE;
+  s.local = SHARDD_OK;
+  s.local_msg[0] = '\0';
   if (submit_check(&s) != 0 || submit_admit(&s) != 0)
     return;
   coll *c = submit_match(&s);
