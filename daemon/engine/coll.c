@@ -135,6 +135,10 @@ int shardd__coll_member_waits(const shardd__coll_engine *e,
 
 void shardd__coll_job_free(shardd__coll_engine *e, shardd__job *job) {
   coll_job *cj = shardd__map_del_id(&e->jobs, shardd__coll_job_key(job));
+  if (cj && e->batch_cj == cj) {
+    e->batch_job = NULL;
+    e->batch_cj = NULL;
+  }
   if (cj)
     free_job_cb(cj, e);
 }
@@ -244,12 +248,11 @@ static void coll_free(coll *c) {
 
 void *shardd__coll_block_get(shardd__coll_engine *e, size_t bytes) {
   if (e->spare == NULL || e->spare_size != bytes)
-    return calloc(1, bytes);
+    return malloc(bytes);
   void *p = e->spare;
   e->spare = *(void **)p;
   e->nspare--;
   e->counters.reused++;
-  memset(p, 0, bytes);
   return p;
 }
 
@@ -348,6 +351,67 @@ static int coll_conflict(const coll *older, const coll *c) {
   return 0;
 }
 
+/* The buffers the collectives before the one being looked at touch, for
+ * schedule_run: one lookup where comparing with each older one was a
+ * pass over the queue per collective (a bucket's 64 entries, 2016 pairs).
+ * Open addressing by address; past half full it gives up (full) and the
+ * pass compares pairs, as it always did. */
+#define SEEN_SLOTS 256
+
+typedef struct {
+  const shardd__buffer *slot[SEEN_SLOTS];
+  size_t n;
+  int full;
+} seen_bufs;
+
+static size_t seen_at(const seen_bufs *s, const shardd__buffer *b) {
+  uint64_t h = (uint64_t)(uintptr_t)b * 0x9e3779b97f4a7c15ull;
+  size_t i = (size_t)(h >> 56); /* SEEN_SLOTS = 2^8 */
+  while (s->slot[i] && s->slot[i] != b)
+    i = (i + 1) % SEEN_SLOTS;
+  return i;
+}
+
+static void seen_add(seen_bufs *s, const shardd__buffer *b) {
+  if (s->full)
+    return;
+  size_t i = seen_at(s, b);
+  if (s->slot[i])
+    return;
+  if (s->n >= SEEN_SLOTS / 2) {
+    s->full = 1;
+    return;
+  }
+  s->slot[i] = b;
+  s->n++;
+}
+
+/* What coll_touches says of b for some collective added. */
+static void seen_add_coll(seen_bufs *s, const coll *c) {
+  if (c->buf)
+    seen_add(s, c->buf);
+  else if (c->opt)
+    for (size_t i = 0; i < c->opt->nshards; i++)
+      seen_add(s, c->opt->shards[i].buf);
+}
+
+/* Whether a collective before c conflicts with it (coll_conflict with
+ * each), the older ones being those added to s. */
+static int seen_blocks(const seen_bufs *s, const coll_job *q, const coll *c) {
+  if (s->full) {
+    for (const coll *o = q->head; o != c; o = o->next)
+      if (coll_conflict(o, c))
+        return 1;
+    return 0;
+  }
+  if (c->buf)
+    return s->slot[seen_at(s, c->buf)] != NULL;
+  for (size_t i = 0; c->opt && i < c->opt->nshards; i++)
+    if (s->slot[seen_at(s, c->opt->shards[i].buf)])
+      return 1;
+  return 0;
+}
+
 static void schedule_run(coll_job *q) {
   shardd__job *job = q->job;
   shardd__coll_counters *n = &q->e->counters;
@@ -357,18 +421,22 @@ static void schedule_run(coll_job *q) {
    * queue meanwhile, c is still there and the scan goes on after it
    * (starting c, newer than the ones before it, unblocks none of them):
    * a bucket's entries start in one pass, not one from the head each. */
+  seen_bufs seen;
   for (int again = 1; again;) {
     again = 0;
+    /* a short queue compares its few pairs (no table to clear) */
+    if (q->count > 8)
+      memset(&seen, 0, sizeof seen);
+    else
+      seen.full = 1;
     for (coll *c = q->head; c; c = c->next) {
       n->sched_visits++;
-      if (c->started || c->arrived < job->local_ranks)
+      if (c->started || c->arrived < job->local_ranks) {
+        seen_add_coll(&seen, c);
         continue;
-      int blocked = 0;
-      for (coll *o = q->head; o != c; o = o->next)
-        if (coll_conflict(o, c)) {
-          blocked = 1;
-          break;
-        }
+      }
+      int blocked = seen_blocks(&seen, q, c);
+      seen_add_coll(&seen, c);
       if (!blocked) {
         c->started = 1;
         /* fixed here, as a step queued before may consume what is held */

@@ -138,6 +138,11 @@ struct shardd__coll_engine {
   int batching;
   coll *batch_head;
   size_t nbatch;
+  /* the queue the batch's entries were admitted to, and its job: a
+   * bucket's 64 entries look their job's queue up once, not each
+   * (cleared at the batch's end and when that queue is freed) */
+  const shardd__job *batch_job;
+  coll_job *batch_cj;
   /* pool turns a collective's claimed tasks are spread over: the pool's
    * threads; and, when the loop claims too (a small collective), the CPUs,
    * as more turns would only preempt the loop */
@@ -185,9 +190,9 @@ struct shardd__coll_engine {
 #define COLL_SPARE_BYTES ((size_t)16 << 10)
 #endif
 
-/* coll.c: a zeroed block of bytes for a collective (a spare one when
- * there is one of that size), NULL when out of memory; coll.c's coll_free
- * keeps it as a spare or frees it. */
+/* coll.c: a block of bytes for a collective (a spare one when there is
+ * one of that size), not zeroed: the caller zeroes what it reads; NULL
+ * when out of memory; coll.c's coll_free keeps it as a spare or frees it. */
 void *shardd__coll_block_get(shardd__coll_engine *e, size_t bytes);
 
 struct coll {
@@ -214,7 +219,6 @@ struct coll {
   int adding; /* scatter: args.accumulate and a live reduced gradient */
   size_t ntasks, left;
   task *tasks; /* few_tasks, or allocated when more */
-  task few_tasks[COLL_FEW_TASKS];
   /* claimed tasks (run_claimed): the pool turns queued on the reqs of
    * tasks[0..turns), and maybe the loop thread, each run the next
    * unclaimed task until none is left; a turn the loop cancelled before a
@@ -232,7 +236,6 @@ struct coll {
   /* set when a rank joined with other arguments: the collective never runs
    * and every rank, including those still to arrive, gets this error */
   shardd_err refused;
-  char refused_msg[256];
   /* refused because the ranks' buckets differ: every rank is answered as
    * it arrives, and the other entries of its bucket fail with it */
   int bucket_bad;
@@ -255,7 +258,6 @@ struct coll {
   } fab_state;
   double sumsq_all;
   double *reduced; /* all_reduce: the result ([args.target], owned) */
-  char fab_msg[384]; /* written by the fabric thread, read after it */
   /* the exchange in flight: its task, its place in the job's fabric queue
    * and the handle that brings its end back to the loop */
   task *fab_task;
@@ -285,6 +287,14 @@ struct coll {
   size_t alloc_bytes; /* of c's one block (submit_new), for its reuse */
   coll *batch_next; /* on the engine's batch list (small, started) */
   coll *fin_next;   /* on the engine's list of completions due (fin_head) */
+  /* Last, and not zeroed when c is made (submit_new zeroes all before
+   * them): 1.4 KiB of the 2.4 a bucket's entry zeroed for each of its
+   * collectives, each read only after it is written (run_phase zeroes
+   * the tasks it uses; the messages start empty) */
+  task few_tasks[COLL_FEW_TASKS];
+  /* refused's message (read only when refused is set) */
+  char refused_msg[256];
+  char fab_msg[384]; /* written by the fabric thread, read after it */
 };
 
 static inline int shardd__coll_multi(const coll *c) { return c->job->nodes > 1; }

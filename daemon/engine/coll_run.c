@@ -192,6 +192,8 @@ void shardd__coll_batch_end(shardd__coll_engine *e) {
     shardd__coll_sched_release(e);
   if (--e->batching > 0)
     return;
+  e->batch_job = NULL;
+  e->batch_cj = NULL;
   batch_start(e);
   e->help_left = 0;
 }
@@ -276,7 +278,8 @@ void shardd__coll_run_phase(coll *c) {
   /* a small buffer's few tasks live in c: a bucket's entries are many
    * small collectives, and an allocation each was a cost of its own */
   if (n <= COLL_FEW_TASKS) {
-    memset(c->few_tasks, 0, sizeof c->few_tasks);
+    /* the ones it uses (one when none: tasks[0] completes it) */
+    memset(c->few_tasks, 0, (n ? n : 1) * sizeof *c->few_tasks);
     c->tasks = c->few_tasks;
   } else {
     c->tasks = calloc(n, sizeof *c->tasks);

@@ -6,6 +6,7 @@
 
 #include <inttypes.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -219,12 +220,14 @@ typedef struct {
    * and wait in its exchange, whose header must come from this node. */
   int multi;
   shardd_err local;
-  char local_msg[256];
   coll_job *q;
   double *vals;
   shardd__hp *hp; /* a step's, until c owns it */
   uint64_t *mask;
   size_t nmask;
+  /* local's message, written when local is set (last: submit zeroes all
+   * before it, not these 256 bytes for each of a bucket's entries) */
+  char local_msg[256];
 } submission;
 
 /* Answers s's rank with code and msg and drops what s holds. */
@@ -314,7 +317,9 @@ static int submit_admit(submission *s) {
   shardd__coll_member *m = s->m;
   char err[256];
   shardd_err rc;
-  coll_job *q = shardd__coll_job_of(e, s->job, 0);
+  coll_job *q = e->batching && e->batch_job == s->job
+                    ? e->batch_cj
+                    : shardd__coll_job_of(e, s->job, 0);
   if (q && q->broken != SHARDD_OK && m->joined <= q->broken_epoch) {
     submit_refuse(s, q->broken, q->broken_msg);
     return -1;
@@ -348,6 +353,10 @@ static int submit_admit(submission *s) {
     return -1;
   }
   s->q = q;
+  if (e->batching) {
+    e->batch_job = s->job;
+    e->batch_cj = q;
+  }
   if (q->unjoined == NULL && q->head == NULL)
     /* made while the queue is empty, so NULL (none unjoined) is true for
      * every rank; out of memory: matching walks from the head */
@@ -393,6 +402,11 @@ static coll *submit_new(submission *s) {
     submit_refuse(s, SHARDD_E_NO_MEMORY, "out of memory");
     return NULL;
   }
+  /* zeroed but for the tail of struct coll that is written before read */
+  memset(c, 0, offsetof(coll, few_tasks));
+  memset(c + 1, 0, bytes - sizeof *c);
+  c->refused_msg[0] = '\0';
+  c->fab_msg[0] = '\0';
   c->waiters = (waiter *)(c + 1);
   c->area_reg = (shardd__region **)(c->waiters + w);
   c->area_off = (size_t *)(c->area_reg + w);
@@ -570,13 +584,16 @@ static void submit_arrive(submission *s, coll *c) {
 
 static void submit(shardd__coll_engine *e, shardd__coll_member *m, uint64_t seq,
                    const shardd__coll_args *args) {
-  submission s = {.e = e,
-                  .m = m,
-                  .seq = seq,
-                  .args = args,
-                  .job = m->job,
-                  .scalars = args->kind == SHARDD__COLL_ALL_REDUCE,
-                  .local = SHARDD_OK};
+  submission s;
+  memset(&s, 0, offsetof(submission, local_msg));
+  s.e = e;
+  s.m = m;
+  s.seq = seq;
+  s.args = args;
+  s.job = m->job;
+  s.scalars = args->kind == SHARDD__COLL_ALL_REDUCE;
+  s.local = SHARDD_OK;
+  s.local_msg[0] = '\0';
   if (submit_check(&s) != 0 || submit_admit(&s) != 0)
     return;
   coll *c = submit_match(&s);

@@ -21,6 +21,7 @@
 #include <uv.h>
 
 #include "access.h"
+#include "arena.h"
 #include "coll.h"
 #include "fdstore.h"
 #include "jobs.h"
@@ -111,6 +112,10 @@ typedef struct shardd__dispatch {
   /* connections with held frames (at most max_clients) */
   shardd__conn **held_conns;
   size_t nheld_conns, cap_held_conns;
+  /* what a request is decoded into, rewound when its dispatch returns:
+   * nothing of a request outlives its dispatch (a handler copies what it
+   * keeps, as the engine copies a collective's arguments) */
+  shardd__arena req_arena;
 } shardd__dispatch;
 
 /* socket_path is borrowed (it lives as long as d). */

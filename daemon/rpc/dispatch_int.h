@@ -54,8 +54,10 @@ void shardd__seq_refuse(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
  * the reply's errors list and its message. */
 typedef struct {
   uint32_t base; /* the request's first_index */
+  /* [cap] each, allocated at the first refusal: most batches have none,
+   * and two allocations per bucket were a cost of every one */
   Shardwire__BatchError *errs, **errp;
-  size_t n, total;
+  size_t cap, n, total;
   size_t bytes; /* of the errors' messages */
   shardd_err first;
   char *msg; /* BATCH_MSG_MAX bytes, from the first refusal (NULL before) */
@@ -64,7 +66,8 @@ typedef struct {
   int cut;       /* the message ran out of room */
 } batch_errs;
 
-/* For n entries, the first numbered base; E_NO_MEMORY when it cannot. */
+/* For n entries, the first numbered base (allocates nothing: the lists
+ * are made at the first refusal); SHARDD_OK. */
 shardd_err shardd__batch_errs_init(batch_errs *b, size_t n, uint32_t base);
 void shardd__batch_errs_free(batch_errs *b);
 /* Records entry i's refusal; out of memory only shortens the lists. */

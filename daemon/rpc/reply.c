@@ -116,7 +116,18 @@ void shardd__batch_err_add(batch_errs *b, size_t i, shardd_err rc,
   i += b->base;
   if (b->total++ == 0)
     b->first = rc;
-  if (b->bytes < BATCH_ERRORS_BYTES) {
+  if (b->errs == NULL && b->cap > 0) {
+    b->errs = calloc(b->cap, sizeof *b->errs);
+    b->errp = calloc(b->cap, sizeof *b->errp);
+    if (b->errs == NULL || b->errp == NULL) {
+      free(b->errs);
+      free(b->errp);
+      b->errs = NULL;
+      b->errp = NULL;
+      b->cap = 0; /* out of memory: the message and the count only */
+    }
+  }
+  if (b->bytes < BATCH_ERRORS_BYTES && b->n < b->cap) {
     Shardwire__BatchError *e = &b->errs[b->n];
     shardwire__batch_error__init(e);
     e->index = (uint32_t)i;
@@ -212,11 +223,6 @@ void shardd__batch_refuse(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
 shardd_err shardd__batch_errs_init(batch_errs *b, size_t n, uint32_t base) {
   memset(b, 0, sizeof *b);
   b->base = base;
-  b->errs = calloc(n ? n : 1, sizeof *b->errs);
-  b->errp = calloc(n ? n : 1, sizeof *b->errp);
-  if (b->errs == NULL || b->errp == NULL) {
-    shardd__batch_errs_free(b);
-    return SHARDD_E_NO_MEMORY;
-  }
-  return SHARDD_OK; /* msg: at the first refusal (batch_err_add) */
+  b->cap = n;
+  return SHARDD_OK; /* the lists and msg: at the first refusal (batch_err_add) */
 }

@@ -574,3 +574,53 @@ Test(frozen, inspect_shows_generations_and_frozen_ranges) {
   shardd_free(js);
   lora_close(&L);
 }
+
+typedef struct {
+  shardd_client_t *c;
+  uint64_t buf;
+  shardd_scatter_opts so;
+  shardd_err rc;
+  pthread_t th;
+} bcall;
+
+static void *bcall_main(void *p) {
+  bcall *k = p;
+  k->rc = shardd_scatter_many_ex(k->c, 1, &k->buf, &k->so, NULL);
+  return NULL;
+}
+
+/* A request is decoded into memory the next request's decoding reuses
+ * (the dispatcher's arena): a queued collective keeps its own copy of
+ * what it needs past its request. Ranks 0-2 send a bucket scatter whose
+ * mask names lora_A and wait in it; rank 3's, sent last, names lora_B
+ * alone, decoded over the bytes the first three were read from. A mask
+ * kept by pointer would read lora_B for all four and skip it, though
+ * ranks 0-2 brought its gradient. */
+Test(frozen, a_queued_bucket_keeps_its_mask_past_the_next_request) {
+  lora L;
+  lora_open(&L, "lora-arena");
+  cr_assert_eq(shardd_view_set_requires_grad(L.c[0], L.base.id, 1), SHARDD_OK);
+  cr_assert_eq(shardd_view_set_requires_grad(L.c[0], L.bias.id, 1), SHARDD_OK);
+  adamw_ref R;
+  seed_shards(&L, &R);
+  uint64_t opt = register_all_views(&L, "all");
+  write_grads(&L, 1);
+  uint64_t la[1] = {L.la.id}, lb[1] = {L.lb.id};
+  bcall k[W];
+  for (int r = 0; r < W; r++) {
+    k[r] = (bcall){.c = L.c[r], .buf = L.b[0].id, .so = SHARDD_SCATTER_OPTS_INIT};
+    k[r].so.no_grad = r < 3 ? la : lb;
+    k[r].so.nno_grad = 1;
+    cr_assert_eq(pthread_create(&k[r].th, NULL, bcall_main, &k[r]), 0);
+    usleep(100 * 1000); /* queued before the next rank sends */
+  }
+  for (int r = 0; r < W; r++) {
+    pthread_join(k[r].th, NULL);
+    cr_assert_eq(k[r].rc, SHARDD_OK, "rank %d: %s", r, shardd_last_error(L.c[r]));
+  }
+  all(L.c, 1, opt);
+  cr_expect_eq(view_steps(&L, L.la.id), 1, "lora_A had a gradient on rank 3");
+  cr_expect_eq(view_steps(&L, L.lb.id), 1, "lora_B had a gradient on ranks 0-2");
+  cr_expect_eq(view_steps(&L, L.base.id), 1);
+  lora_close(&L);
+}

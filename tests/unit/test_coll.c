@@ -525,6 +525,63 @@ Test(coll, bucket_entries_are_matched_and_started_in_one_pass) {
   run_idle();
 }
 
+/* A rank's second bucket over the same buffers, sent before its first
+ * ended, waits for it entry by entry: with a long queue (more than a few
+ * collectives) the scheduling pass finds an older collective of a buffer
+ * by a table of the buffers before, not by comparing each pair, and must
+ * still find every one. The gathers of bucket 1 start and run on the loop
+ * (their completion due later in the turn); the scatters of bucket 2 stay
+ * queued, unstarted, until then; both are exact and in order after. */
+Test(coll, a_second_bucket_over_the_same_buffers_waits_for_the_first) {
+  shardd__coll_engine_destroy(eng);
+  make_engine(2 * NBUCKET, 0);
+  shardd__buffer *b[NBUCKET];
+  for (int k = 0; k < NBUCKET; k++) {
+    char name[16];
+    snprintf(name, sizeof name, "u%d", k);
+    b[k] = buf_new(name, 30 + 7 * (uint64_t)k);
+    fill_shards(b[k], k);
+    fill_grads(b[k]);
+  }
+  for (uint32_t r = 0; r < W; r++)
+    for (uint64_t seq = 1; seq <= 2; seq++) {
+      shardd__coll_batch_begin(eng);
+      for (uint32_t k = 0; k < NBUCKET; k++) {
+        shardd__coll_args a = seq == 1 ? gather_args(b[k])
+                                       : scatter_args(b[k], SHARDD_REDUCE_SUM);
+        a.bucket = 0xb0c + seq;
+        a.bucket_n = NBUCKET;
+        a.bucket_index = k;
+        submit(r, seq, a);
+      }
+      shardd__coll_batch_end(eng);
+    }
+  cr_assert_eq(shardd__coll_inflight(eng, job), 2 * NBUCKET);
+  for (int k = 0; k < NBUCKET; k++)
+    for (uint32_t r = 0; r < W; r++)
+      cr_assert_eq(shardd__coll_scattering(eng, b[k], r), 1,
+                   "the scatter of buffer %d started beside its gather", k);
+  cr_assert_eq(nreplies, 0);
+  run_until(2 * NBUCKET * W);
+  for (int k = 0; k < NBUCKET; k++) {
+    check_gathered(b[k], k);
+    check_reduced(b[k], SHARDD_REDUCE_SUM);
+  }
+  for (uint32_t r = 0; r < W; r++) {
+    size_t last1 = 0, first2 = SIZE_MAX;
+    for (size_t i = 0; i < nreplies; i++) {
+      cr_assert_eq(replies[i].code, SHARDD_OK, "%s", replies[i].msg);
+      if (replies[i].m == &mem[r] && replies[i].seq == 1)
+        last1 = i;
+      if (replies[i].m == &mem[r] && replies[i].seq == 2 && i < first2)
+        first2 = i;
+    }
+    cr_assert_lt(last1, first2, "rank %u: a scatter answered before a gather", r);
+  }
+  expect_pending_zero();
+  run_idle();
+}
+
 /* A bucket's collectives take the memory of those that ended before them
  * (a freed collective's block is kept for the next one of its size, not
  * given back to malloc and asked for again, once per entry), and nothing

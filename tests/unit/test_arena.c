@@ -1,0 +1,79 @@
+/* test_arena.c — the request arena (util/arena): what a request decodes
+ * into is taken back at once at its rewind and reused by the next, marks
+ * nest, and what does not fit the block is malloc's, freed at its rewind. */
+#include <criterion/criterion.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "arena.h"
+
+static int aligned(const void *p) {
+  return ((uintptr_t)p % _Alignof(max_align_t)) == 0;
+}
+
+Test(arena, pieces_are_aligned_apart_and_reused_after_a_rewind) {
+  shardd__arena a;
+  shardd__arena_init(&a, 1024);
+  shardd__arena_mark m = shardd__arena_mark_now(&a);
+  char *x = shardd__arena_alloc(&a, 3);
+  char *y = shardd__arena_alloc(&a, 40);
+  cr_assert(x && y);
+  cr_expect(aligned(x) && aligned(y));
+  cr_expect(y >= x + 3, "the pieces overlap");
+  memset(x, 'x', 3);
+  memset(y, 'y', 40);
+  cr_expect_eq(x[2], 'x', "a later piece wrote over an earlier one");
+  /* the next request's pieces take the same bytes: nothing of the first
+   * may be read after its rewind (the rule the dispatcher relies on) */
+  shardd__arena_rewind(&a, m);
+  char *z = shardd__arena_alloc(&a, 3);
+  cr_expect_eq(z, x, "a rewound arena did not reuse its block");
+  shardd__arena_free(&a);
+}
+
+Test(arena, an_inner_rewind_keeps_the_outer_pieces) {
+  shardd__arena a;
+  shardd__arena_init(&a, 256);
+  shardd__arena_mark outer = shardd__arena_mark_now(&a);
+  unsigned char *o = shardd__arena_alloc(&a, 100);
+  unsigned char *ob = shardd__arena_alloc(&a, 1000); /* past the block */
+  cr_assert(o && ob);
+  memset(o, 0xaa, 100);
+  memset(ob, 0xbb, 1000);
+  /* a held frame replayed inside a handler: decoded above, rewound alone */
+  shardd__arena_mark inner = shardd__arena_mark_now(&a);
+  unsigned char *i1 = shardd__arena_alloc(&a, 100);
+  unsigned char *i2 = shardd__arena_alloc(&a, 5000);
+  cr_assert(i1 && i2);
+  cr_expect(i1 >= o + 100 || i1 + 100 <= o, "inner piece inside an outer one");
+  memset(i1, 0x11, 100);
+  memset(i2, 0x22, 5000);
+  shardd__arena_rewind(&a, inner);
+  for (int k = 0; k < 100; k++)
+    cr_assert_eq(o[k], 0xaa, "outer byte %d changed", k);
+  for (int k = 0; k < 1000; k++)
+    cr_assert_eq(ob[k], 0xbb, "outer large byte %d changed", k);
+  cr_expect_eq(a.big, inner.big, "the inner large piece was not freed");
+  shardd__arena_rewind(&a, outer);
+  cr_expect_eq(a.big, NULL, "a large piece outlived its rewind");
+  cr_expect_eq(a.used, 0);
+  shardd__arena_free(&a);
+}
+
+Test(arena, pieces_larger_than_the_block_come_from_malloc) {
+  shardd__arena a;
+  shardd__arena_init(&a, 64);
+  shardd__arena_mark m = shardd__arena_mark_now(&a);
+  /* a batch of registrations: more than the block, still whole */
+  unsigned char *p = shardd__arena_alloc(&a, 1 << 20);
+  cr_assert_not_null(p);
+  cr_expect(aligned(p));
+  memset(p, 7, 1 << 20);
+  cr_expect_null(shardd__arena_alloc(&a, SIZE_MAX - 4), "an impossible size");
+  shardd__arena_rewind(&a, m);
+  cr_expect_null(a.big);
+  /* usable again after free */
+  shardd__arena_free(&a);
+  cr_expect_not_null(shardd__arena_alloc(&a, 8));
+  shardd__arena_free(&a);
+}
