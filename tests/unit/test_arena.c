@@ -27,7 +27,10 @@ Test(arena, pieces_are_aligned_apart_and_reused_after_a_rewind) {
    * may be read after its rewind (the rule the dispatcher relies on) */
   shardd__arena_rewind(&a, m);
   char *z = shardd__arena_alloc(&a, 3);
+  cr_assert_not_null(z);
+#ifndef __SANITIZE_ADDRESS__
   cr_expect_eq(z, x, "a rewound arena did not reuse its block");
+#endif /* under ASan each piece is malloc's own: a use after a rewind is reported */
   shardd__arena_free(&a);
 }
 
