@@ -19,11 +19,11 @@ from .backward import _BackwardHooks
 from .grads import _Grad16, _ResidentGrad
 from .hooks import _ForwardHooks
 from .meta import _MetaInit
-from .optimizer_hook import _OWNERS, _install_step_hook
+from .optimizer_hook import _ORIGINALS, _OWNERS, _forget_original, _install_step_hook
 from .prefetch import _Prefetch
 from .state_dicts import FullStateDictConfig, _StateDicts
-from .units import (FlatUnit, _Entry, _check_nesting, _check_outside_holders, _collect,
-                    _unit_modules)
+from .units import (FlatUnit, _Entry, _ShardParameter, _check_nesting, _check_outside_holders,
+                    _collect, _unit_modules)
 
 
 INIT_POLICIES = ("auto", "overwrite", "require_existing")
@@ -264,7 +264,8 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                 e.part = sh[a:b]
                 e.rpart = red[a:b]
                 if gat is None:  # its part of the shard until a gather
-                    newp = nn.Parameter(e.part, requires_grad=p.requires_grad)
+                    newp = _ShardParameter(e.part, requires_grad=p.requires_grad)
+                    newp._shardd_ndim = p.dim()  # a split by p.dim() is torch's
                 else:
                     newp = nn.Parameter(gat[off:off + n].view(p.shape),
                                         requires_grad=p.requires_grad)
@@ -272,6 +273,8 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                 e.param = newp
                 self._orig_names[id(p)] = qn
                 self._orig_keep.append(p)
+                _ORIGINALS[id(p)] = (weakref.ref(p, functools.partial(_forget_original, id(p))),
+                                     qn)
                 with torch.no_grad():
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 p.grad = None
@@ -332,9 +335,11 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         self._sd_config = FullStateDictConfig()
         module._register_state_dict_hook(self._state_dict_hook)
         module._register_load_state_dict_pre_hook(self._load_state_dict_pre_hook)
+        # every optimizer's step: a release before it (transient), and a
+        # refusal of one built before wrapping (it holds the originals)
+        _install_step_hook()
         if self.transient:
             self._install_hooks()
-            _install_step_hook()
         else:
             self._hook_resident()
         if not self.transient and initial_gather:
@@ -557,8 +562,52 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         """All-gather every unit (collective): parameters now hold the shards.
         Resident areas only. Units go in buckets (bucket_bytes)."""
         self._resident_only("gather()")
+        self._check_replaced()
         self._bucketed(lambda bk: self.client.gather_many([u.buffer for u in bk]),
                        lambda u: self.client.gather(u.buffer))
+
+    def _check_replaced(self):
+        """Refuses a forward (transient: the root's; resident: gather())
+        after a parameter was replaced or converted behind the wrapper's
+        back: on its module (``module.weight = nn.Parameter(...)``), its
+        dtype (``model.half()`` / ``.double()`` / ``.to(dtype)``, which set
+        ``p.data`` to a converted copy) or its ``.data`` (``p.data = t``).
+        Otherwise the forward would point it back at the shards (the new
+        values lost), or compute with a tensor outside them whose gradient
+        no rank reduces and no state dict holds. One pass over the
+        parameters (identity and pointer tests) per forward."""
+        for u in self.units:
+            for e in u.entries:
+                p = e.param
+                for m, attr in e.owners:
+                    if m._parameters.get(attr) is not p:
+                        raise RuntimeError(
+                            "%r was replaced on its module after wrapping (%s.%s = ...): "
+                            "the new tensor is not in the shards, so no rank's gradient "
+                            "would be reduced into it and no state dict would hold it. "
+                            "Assign it before wrapping, or write into the wrapped "
+                            "parameter (with torch.no_grad(): p.copy_(t)) or load a "
+                            "state dict" % (e.name, type(m).__name__, attr))
+                if p.dtype != e.part.dtype:
+                    raise RuntimeError(
+                        "%r is %s but its unit's shards are %s: the model was converted "
+                        "after wrapping (model.half() / .double() / .to(dtype)), which "
+                        "the shards do not follow. Wrap with dtype= or mixed_precision= "
+                        "instead" % (e.name, p.dtype, e.part.dtype))
+                if self.transient:
+                    if u.gather is not None:
+                        continue  # held gathered: its .data is the gather area's
+                    home = e.part.data_ptr()
+                else:
+                    gt = u.buffer.gather_tensor
+                    home = gt.data_ptr() + e.offset * gt.element_size()
+                if p.data_ptr() != home:
+                    raise RuntimeError(
+                        "the .data of %r was replaced after wrapping (p.data = t): it is no "
+                        "longer %s, and the new values would be lost at the next gather. "
+                        "Write into it instead (with torch.no_grad(): p.copy_(t)) or load "
+                        "a state dict" % (e.name, "its part of this rank's shard"
+                                          if self.transient else "its slice of the gather area"))
 
     def zero_grad(self, set_to_none=False):
         """Zero the grad areas and point every trainable parameter's .grad at

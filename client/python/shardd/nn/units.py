@@ -51,6 +51,37 @@ class FlatUnit:
             self.name, self.buffer.id, self.buffer.numel, len(self.entries))
 
 
+class _ShardParameter(nn.Parameter):
+    """A transient unit's parameter. Outside forward and backward its data
+    is its 1-D part of this rank's shard (FSDP1's use_orig_params view, its
+    shape the part's), but dim() and ndim are always its original's: a
+    script that splits param groups by them after wrapping (nanoGPT's
+    configure_optimizers: weight decay for ``p.dim() >= 2``; timm's: none
+    for ``p.ndim <= 1``) gets torch's split, where FSDP1 puts every
+    parameter in the no-decay group without a word. What needs the whole
+    shape refuses as on a 1-D tensor (``p.shape[1]``, ``nn.init.xavier_*``
+    / ``kaiming_*``: an IndexError); norm() is the part's, as FSDP1's.
+    Anything torch makes from it (``p.detach()``, ``p.data``, ``p * 2``,
+    a deepcopy, a state dict) is a plain tensor of the part's shape, except
+    where torch returns the object itself (``p.float()`` of an fp32 one)."""
+    _shardd_ndim = None  # a deepcopy's (made by type(p)(data)) is its own
+
+    def dim(self):
+        n = self._shardd_ndim
+        return torch.Tensor.dim(self) if n is None else n
+
+    @property
+    def ndim(self):
+        return self.dim()
+
+    def norm(self, *args, **kwargs):
+        # torch.norm(p, 2) takes range(p.dim()) as its dims
+        return torch.Tensor.norm(self.view(self.shape), *args, **kwargs)
+
+    def __repr__(self):
+        return "Parameter containing:\n" + repr(self.detach())
+
+
 class _Entry:
     __slots__ = ("name", "view", "param", "owners", "grad_view", "offset", "numel",
                  "shape", "acc", "got", "part", "rpart", "kept", "grad16")
