@@ -69,7 +69,10 @@ naming them, instead of skipping them all.
 Resident clients: a parameter is the gathered copy and its ``.grad`` this
 rank's unreduced gradient, so torch.optim (and torch's clip_grad_norm_)
 raise on them, naming the parameter: use shardd.optim, or transient areas
-where torch.optim steps the shards.
+where torch.optim steps the shards. A write into a resident parameter
+(an init, ``clamp_()``) between gathers writes the gathered copy, which
+the next gather would overwrite: that gather raises instead, naming the
+unit (load new values with ``model.load_state_dict()``).
 
 ``model.state_dict()`` / ``model.load_state_dict()`` (torch's state-dict
 hooks on the module) give and take FSDP's full state dict: torch's keys,

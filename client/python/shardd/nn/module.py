@@ -335,6 +335,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         self._sd_config = FullStateDictConfig()
         module._register_state_dict_hook(self._state_dict_hook)
         module._register_load_state_dict_pre_hook(self._load_state_dict_pre_hook)
+        module.register_load_state_dict_post_hook(self._load_state_dict_post_hook)
         # every optimizer's step: a release before it (transient), and a
         # refusal of one built before wrapping (it holds the originals)
         _install_step_hook()
@@ -563,8 +564,37 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         Resident areas only. Units go in buckets (bucket_bytes)."""
         self._resident_only("gather()")
         self._check_replaced()
+        self._check_unwritten()
         self._bucketed(lambda bk: self.client.gather_many([u.buffer for u in bk]),
                        lambda u: self.client.gather(u.buffer))
+        self._gathered_versions()
+
+    def _gathered_versions(self, units=None):
+        """Resident: the version counter of each unit's gather area as the
+        gather left it (torch bumps it at every in-place write through a
+        parameter, which is a view of it; the daemon's gather does not)."""
+        for u in self.units if units is None else units:
+            u.gathered_version = u.buffer.gather_tensor._version
+
+    def _check_unwritten(self, units=None):
+        """Resident: refuses a gather that would overwrite a write into the
+        parameters since the last one (an init, ``clamp_``, an EMA shrink
+        between steps): they are the gathered copy, not the shards, so the
+        write would be lost without a word (transient areas write the
+        shards: there it lands)."""
+        for u in self.units if units is None else units:
+            v = u.gathered_version
+            if v is not None and u.buffer.gather_tensor._version != v:
+                names = [e.name for e in u.entries]
+                raise RuntimeError(
+                    "unit %r: its parameters (%s%s) were written in place since the last "
+                    "gather (an init, clamp_(), an EMA shrink): on a resident client they "
+                    "are the gathered copy, which this gather overwrites with the shards, "
+                    "so the write would be lost. Load the values with "
+                    "model.load_state_dict(), or use transient areas (the default "
+                    "Client), where such writes land in the shards"
+                    % (u.name, ", ".join(repr(n) for n in names[:4]),
+                       " ..." if len(names) > 4 else ""))
 
     def _check_replaced(self):
         """Refuses a forward (transient: the root's; resident: gather())

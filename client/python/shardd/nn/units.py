@@ -45,6 +45,9 @@ class FlatUnit:
         self.torch_grads = buffer.dtype_code == shardd._lib.DTYPE_FP32
         self.ran = False  # transient: a backward reached it (this backward)
         self.no_grad = []  # resident: the views sync_grads found without a .grad
+        # resident: its gather area's version counter after our last gather
+        # (a write through a parameter since bumps it)
+        self.gathered_version = None
 
     def __repr__(self):
         return "<FlatUnit %r buffer=%d numel=%d params=%d>" % (
