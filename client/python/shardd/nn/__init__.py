@@ -64,7 +64,9 @@ outside the wrapped one is refused (wrapping would untie it):
 An optimizer is built after wrapping (FSDP's order): one built before
 holds the original parameters, emptied, that never get a gradient, and
 its step (any ``torch.optim.Optimizer``'s, hooked as below) raises,
-naming them, instead of skipping them all.
+naming them, instead of skipping them all; so does its step over a
+parameter registered on the wrapped model after wrapping (``add_module``),
+which no wrapper manages (its gradient each rank's own, never reduced).
 
 Resident clients: a parameter is the gathered copy and its ``.grad`` this
 rank's unreduced gradient, so torch.optim (and torch's clip_grad_norm_)

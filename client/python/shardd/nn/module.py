@@ -19,7 +19,8 @@ from .backward import _BackwardHooks
 from .grads import _Grad16, _ResidentGrad
 from .hooks import _ForwardHooks
 from .meta import _MetaInit
-from .optimizer_hook import _ORIGINALS, _OWNERS, _forget_original, _install_step_hook
+from .optimizer_hook import (_ORIGINALS, _OWNERS, _WRAPPERS, _forget_original,
+                             _install_step_hook)
 from .prefetch import _Prefetch
 from .state_dicts import FullStateDictConfig, _StateDicts
 from .units import (FlatUnit, _Entry, _ShardParameter, _check_nesting, _check_outside_holders,
@@ -339,6 +340,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         # every optimizer's step: a release before it (transient), and a
         # refusal of one built before wrapping (it holds the originals)
         _install_step_hook()
+        _WRAPPERS.add(self)
         if self.transient:
             self._install_hooks()
         else:

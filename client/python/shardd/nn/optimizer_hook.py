@@ -78,13 +78,43 @@ def _stale_names(opt):
     return out
 
 
+# the live ShardedModules (weakly): an optimizer's parameters are checked
+# against their modules' unmanaged ones
+_WRAPPERS = weakref.WeakSet()
+
+
+def _unmanaged_names(opt):
+    """The names of opt's parameters that sit on a wrapped module but are
+    none of its wrapper's (registered after wrapping: add_module, a new
+    attribute): their gradient is this rank's alone, never reduced."""
+    ids = {id(p) for g in opt.param_groups for p in g["params"]}
+    out = []
+    for sm in list(_WRAPPERS):
+        for n, p in sm.module.named_parameters():
+            if id(p) in ids and id(p) not in sm._by_param:
+                out.append(n)
+    return out
+
+
 def _check_stale(opt):
-    """Refuses opt's step while it holds a parameter a wrapper replaced;
-    checked again only when its parameter count changes (add_param_group),
-    so a step pays one attribute read and a sum over its groups."""
+    """Refuses opt's step while it holds a parameter a wrapper replaced, or
+    one on a wrapped module that the wrapper does not manage; checked again
+    only when its parameter count changes (add_param_group), so a step pays
+    one attribute read and a sum over its groups."""
     n = sum(len(g["params"]) for g in opt.param_groups)
     if getattr(opt, "_shardd_checked", None) == n:
         return
+    stale = _unmanaged_names(opt)
+    if stale:
+        raise RuntimeError(
+            "%s holds %s: parameter%s of the wrapped model that shardd.nn.ShardedModule "
+            "does not manage (registered after wrapping: add_module, a new attribute): "
+            "its gradient is this rank's alone, never reduced over the ranks, so the "
+            "ranks would step it apart, and no shard or checkpoint holds it. Register "
+            "it before wrapping" % (
+                type(opt).__name__, ", ".join("%r" % n for n in stale[:8]) +
+                (" and %d more" % (len(stale) - 8) if len(stale) > 8 else ""),
+                "s" if len(stale) > 1 else ""))
     stale = _stale_names(opt)
     if stale:
         raise RuntimeError(
