@@ -3,7 +3,7 @@ wrapping is refused at the next forward (transient areas: the root's
 forward; resident: gather()), naming it, instead of training silently
 otherwise than torch: ``module.weight = nn.Parameter(t)`` (the new tensor
 would compute outside the shards, its gradient reduced by no rank, in no
-state dict), ``model.double()`` / ``model.bfloat16()`` (they set ``p.data``
+state dict), ``model.to(device)``, ``model.double()`` / ``model.bfloat16()`` (they set ``p.data``
 to a converted copy, which the next gather would drop, or with inputs left
 fp32 the model would go on in fp32) and ``p.data = t`` (lost at the next
 gather). Writes into the parameters (``model.apply`` of an init, in
@@ -20,7 +20,7 @@ if common.HAVE_TORCH:
     from torch import nn
     import shardd.nn
 
-CASES = ("reassign", "double", "bfloat16", "data", "apply")
+CASES = ("reassign", "double", "bfloat16", "device", "data", "apply")
 
 
 def make_model():
@@ -35,6 +35,8 @@ def change(model, case):
         model.double()
     elif case == "bfloat16":
         model.bfloat16()
+    elif case == "device":  # as model.cuda() on the host backend
+        model.to("meta")
     elif case == "data":
         model[2].bias.data = torch.zeros(2)
     else:  # in place, as torch's: lands in the shards
@@ -84,6 +86,8 @@ class ReplacedAfterWrappingTest(unittest.TestCase):
         want = {"reassign": ("'0.weight' was replaced on its module", "Assign it before wrapping"),
                 "double": ("'0.weight' is torch.float64", "model.half()"),
                 "bfloat16": ("'0.weight' is torch.bfloat16", "mixed_precision="),
+                "device": ("'0.weight' is on meta but its unit's shards are on cpu",
+                           "model.to(device)"),
                 "data": ("the .data of '2.bias' was replaced", "p.copy_(t)")}
         for r in range(2):
             for case in CASES:

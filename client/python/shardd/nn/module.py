@@ -602,8 +602,9 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         """Refuses a forward (transient: the root's; resident: gather())
         after a parameter was replaced or converted behind the wrapper's
         back: on its module (``module.weight = nn.Parameter(...)``), its
-        dtype (``model.half()`` / ``.double()`` / ``.to(dtype)``, which set
-        ``p.data`` to a converted copy) or its ``.data`` (``p.data = t``).
+        device or dtype (``model.to(device)``, ``model.half()`` /
+        ``.double()`` / ``.to(dtype)``, which set ``p.data`` to a converted
+        copy) or its ``.data`` (``p.data = t``).
         Otherwise the forward would point it back at the shards (the new
         values lost), or compute with a tensor outside them whose gradient
         no rank reduces and no state dict holds. One pass over the
@@ -612,7 +613,11 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
             for e in u.entries:
                 p = e.param
                 for m, attr in e.owners:
-                    if m._parameters.get(attr) is not p:
+                    q = m._parameters.get(attr)
+                    if q is not p:
+                        if q is not None and q.device != e.part.device:
+                            p = q  # model.to(device) makes new Parameters: moved
+                            break
                         raise RuntimeError(
                             "%r was replaced on its module after wrapping (%s.%s = ...): "
                             "the new tensor is not in the shards, so no rank's gradient "
@@ -620,6 +625,13 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                             "Assign it before wrapping, or write into the wrapped "
                             "parameter (with torch.no_grad(): p.copy_(t)) or load a "
                             "state dict" % (e.name, type(m).__name__, attr))
+                if p.device != e.part.device:
+                    raise RuntimeError(
+                        "%r is on %s but its unit's shards are on %s: the model was moved "
+                        "after wrapping (model.to(device) / .cuda() / .cpu()), which the "
+                        "shards do not follow (ShardedModule.device says where they are; "
+                        "on the cuda backend the wrapper puts the parameters there "
+                        "itself)" % (e.name, p.device, e.part.device))
                 if p.dtype != e.part.dtype:
                     raise RuntimeError(
                         "%r is %s but its unit's shards are %s: the model was converted "
