@@ -272,6 +272,8 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                                         requires_grad=p.requires_grad)
                     e.grad_view = grd[off:off + n].view(p.shape)
                 e.param = newp
+                # where its data lives between forwards (_check_replaced)
+                e.home = newp.data_ptr()
                 self._orig_names[id(p)] = qn
                 self._orig_keep.append(p)
                 _ORIGINALS[id(p)] = (weakref.ref(p, functools.partial(_forget_original, id(p))),
@@ -307,6 +309,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                     if b is not None and b.device != dev:
                         m._buffers[k] = b.to(dev)
         self._optims = []         # daemon optimizers registered through us
+        self._checks = None       # what _check_replaced walks, made on first use
         if prefetch not in (True, False, "auto"):
             raise ValueError("prefetch %r: True, False or \"auto\"" % (prefetch,))
         # "auto" on the host backend: a trial of both, then the faster (see
@@ -604,54 +607,63 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         back: on its module (``module.weight = nn.Parameter(...)``), its
         device or dtype (``model.to(device)``, ``model.half()`` /
         ``.double()`` / ``.to(dtype)``, which set ``p.data`` to a converted
-        copy) or its ``.data`` (``p.data = t``).
-        Otherwise the forward would point it back at the shards (the new
-        values lost), or compute with a tensor outside them whose gradient
-        no rank reduces and no state dict holds. One pass over the
-        parameters (identity and pointer tests) per forward."""
-        for u in self.units:
-            for e in u.entries:
-                p = e.param
-                for m, attr in e.owners:
-                    q = m._parameters.get(attr)
-                    if q is not p:
-                        if q is not None and q.device != e.part.device:
-                            p = q  # model.to(device) makes new Parameters: moved
-                            break
-                        raise RuntimeError(
-                            "%r was replaced on its module after wrapping (%s.%s = ...): "
-                            "the new tensor is not in the shards, so no rank's gradient "
-                            "would be reduced into it and no state dict would hold it. "
-                            "Assign it before wrapping, or write into the wrapped "
-                            "parameter (with torch.no_grad(): p.copy_(t)) or load a "
-                            "state dict" % (e.name, type(m).__name__, attr))
-                if p.device != e.part.device:
-                    raise RuntimeError(
-                        "%r is on %s but its unit's shards are on %s: the model was moved "
-                        "after wrapping (model.to(device) / .cuda() / .cpu()), which the "
-                        "shards do not follow (ShardedModule.device says where they are; "
-                        "on the cuda backend the wrapper puts the parameters there "
-                        "itself)" % (e.name, p.device, e.part.device))
-                if p.dtype != e.part.dtype:
-                    raise RuntimeError(
-                        "%r is %s but its unit's shards are %s: the model was converted "
-                        "after wrapping (model.half() / .double() / .to(dtype)), which "
-                        "the shards do not follow. Wrap with dtype= or mixed_precision= "
-                        "instead" % (e.name, p.dtype, e.part.dtype))
-                if self.transient:
-                    if u.gather is not None:
-                        continue  # held gathered: its .data is the gather area's
-                    home = e.part.data_ptr()
-                else:
-                    gt = u.buffer.gather_tensor
-                    home = gt.data_ptr() + e.offset * gt.element_size()
-                if p.data_ptr() != home:
-                    raise RuntimeError(
-                        "the .data of %r was replaced after wrapping (p.data = t): it is no "
-                        "longer %s, and the new values would be lost at the next gather. "
-                        "Write into it instead (with torch.no_grad(): p.copy_(t)) or load "
-                        "a state dict" % (e.name, "its part of this rank's shard"
-                                          if self.transient else "its slice of the gather area"))
+        copy) or its ``.data`` (``p.data = t``). Otherwise the forward
+        would point it back at the shards (the new values lost), or compute
+        with a tensor outside them whose gradient no rank reduces and no
+        state dict holds. One pass of identity and pointer tests over the
+        parameters per forward."""
+        checks = self._checks
+        if checks is None:  # per unit: (entry, param, home, [(params dict, attr)])
+            checks = self._checks = [
+                (u, [(e, e.param, e.home, [(m._parameters, a) for m, a in e.owners])
+                     for e in u.entries]) for u in self.units]
+        transient = self.transient
+        for u, entries in checks:
+            held = transient and u.gather is not None
+            for e, p, home, slots in entries:
+                for params, attr in slots:
+                    if params.get(attr) is not p:
+                        self._replaced(e)
+                # a converted or moved copy is new memory too
+                if not held and p.data_ptr() != home:
+                    self._replaced(e)
+
+    def _replaced(self, e):
+        """Raises what _check_replaced found of e, in words."""
+        p = e.param
+        for m, attr in e.owners:
+            q = m._parameters.get(attr)
+            if q is p:
+                continue
+            if q is None or q.device == e.part.device:
+                raise RuntimeError(
+                    "%r was replaced on its module after wrapping (%s.%s = ...): "
+                    "the new tensor is not in the shards, so no rank's gradient "
+                    "would be reduced into it and no state dict would hold it. "
+                    "Assign it before wrapping, or write into the wrapped "
+                    "parameter (with torch.no_grad(): p.copy_(t)) or load a "
+                    "state dict" % (e.name, type(m).__name__, attr))
+            p = q  # model.to(device) makes new Parameters: moved
+            break
+        if p.device != e.part.device:
+            raise RuntimeError(
+                "%r is on %s but its unit's shards are on %s: the model was moved "
+                "after wrapping (model.to(device) / .cuda() / .cpu()), which the "
+                "shards do not follow (ShardedModule.device says where they are; "
+                "on the cuda backend the wrapper puts the parameters there "
+                "itself)" % (e.name, p.device, e.part.device))
+        if p.dtype != e.part.dtype:
+            raise RuntimeError(
+                "%r is %s but its unit's shards are %s: the model was converted "
+                "after wrapping (model.half() / .double() / .to(dtype)), which "
+                "the shards do not follow. Wrap with dtype= or mixed_precision= "
+                "instead" % (e.name, p.dtype, e.part.dtype))
+        raise RuntimeError(
+            "the .data of %r was replaced after wrapping (p.data = t): it is no "
+            "longer %s, and the new values would be lost at the next gather. "
+            "Write into it instead (with torch.no_grad(): p.copy_(t)) or load "
+            "a state dict" % (e.name, "its part of this rank's shard"
+                              if self.transient else "its slice of the gather area"))
 
     def zero_grad(self, set_to_none=False):
         """Zero the grad areas and point every trainable parameter's .grad at

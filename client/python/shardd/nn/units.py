@@ -87,7 +87,7 @@ class _ShardParameter(nn.Parameter):
 
 class _Entry:
     __slots__ = ("name", "view", "param", "owners", "grad_view", "offset", "numel",
-                 "shape", "acc", "got", "part", "rpart", "kept", "grad16")
+                 "shape", "acc", "got", "part", "rpart", "kept", "grad16", "home")
 
     def __init__(self, name, view, owners):
         self.name = name          # qualified name of the (first) occurrence
@@ -106,6 +106,9 @@ class _Entry:
         self.rpart = None
         self.kept = False         # transient: its .grad was set when backward began
         self.grad16 = None        # a 16-bit unit's .grad stand-in (_Grad16)
+        # data_ptr() of its part of the shard (transient) or of its slice
+        # of the gather area (resident): where it is between forwards
+        self.home = None
 
 
 class _Saved:
