@@ -194,6 +194,13 @@ def train(name, mode, model, opt, sm, rank, world, steps=STEPS, split=True):
     """The loop every rank and the reference (sm None; world: the ranks
     it stands for) run; -> losses (this rank's, or the ranks' mean)."""
     losses = []
+    if mode == "hook":
+        # a hook the script registers on a parameter (after wrapping: on
+        # the wrapper's): it sees the gradient whole, this rank's (as
+        # DDP's: a nonlinear hook, a clamp, is applied per rank, not to the
+        # whole batch's gradient), and what it returns is what is reduced
+        model.transformer.h[0].mlp.c_fc.weight.register_hook(lambda g: g.view(128, 32) * 0.5)
+        model.lm_head.weight.register_hook(lambda g: g * 3.0)
     for s in range(steps):
         if mode == "accumulate":
             z = zero_at(s)
@@ -697,6 +704,15 @@ class TorchOptimTest(unittest.TestCase):
         casts of the gathered parameters are its own tensors, and the fp32
         gradients reach the shards as without it."""
         self.check("gpt", "autocast", worlds=(2,))
+
+    def test_a_hook_on_a_parameter_sees_its_whole_gradient(self):
+        """p.register_hook after wrapping: the hook gets the parameter's
+        gradient whole (its shape, this rank's micro-batch's, as under DDP)
+        and its result is reduced, as the reference applies it per rank;
+        the tied head's hook sees both uses' gradient summed, as torch's.
+        (A nonlinear hook, a clamp, differs from torch on the whole batch
+        as under DDP: it sees each rank's gradient.)"""
+        self.check("gpt", "hook", worlds=(2,))
 
     def test_load_state_dict_of_torch_trains_on(self):
         self.check("gpt", "load", worlds=(2,))
