@@ -68,6 +68,13 @@ naming them, instead of skipping them all; so does its step over a
 parameter registered on the wrapped model after wrapping (``add_module``),
 which no wrapper manages (its gradient each rank's own, never reduced).
 
+A parameter replaced or converted behind the wrapper's back after
+wrapping (``module.weight = nn.Parameter(t)``, ``model.half()`` /
+``.double()`` / ``.to(dtype)`` / ``.to(device)``, ``p.data = t``) would
+compute outside the shards or be pointed back at them: the next forward
+(transient: the root's pre-hook; resident: :meth:`ShardedModule.gather`)
+raises, naming it and what happened.
+
 Resident clients: a parameter is the gathered copy and its ``.grad`` this
 rank's unreduced gradient, so torch.optim (and torch's clip_grad_norm_)
 raise on them, naming the parameter: use shardd.optim, or transient areas
