@@ -12,8 +12,9 @@ shardd.optim), and a step with no backward since the last one applies the .grad
 held (zeros after zero_grad()); shardd.optim skips a block frozen mid-run, as
 torch 2 does; without zero_grad() a second
 backward adds to the gradient (after a step too), and either zero_grad()
-resets it; torch.optim on a 16-bit unit (fp32 master in the daemon) is
-refused by name. The reference applies, per backward, the mean of each
+resets it; a second backward of the same loss (retain_graph=True) and a
+forward under CPU bf16 autocast train as torch's; torch.optim on a 16-bit
+unit (fp32 master in the daemon) is refused by name. The reference applies, per backward, the mean of each
 rank's micro-batch gradient as data parallelism groups it (bit for bit the
 daemon's reduce-scatter); one process of torch on the whole batch is a
 looser sanity check of that reference. Ranks are processes (forkserver) of
@@ -104,7 +105,8 @@ def zero_at(s):
     return {2: False, 4: True}.get(s)
 
 
-def backward(name, model, sm, k, rank, world, split=True, div=1, one_rank=False, l2=False):
+def backward(name, model, sm, k, rank, world, split=True, div=1, one_rank=False, l2=False,
+             twice=False, autocast=False):
     """Micro-batch k's backward of the loss / div -> the loss: this rank's
     (sm: a rank), or the ranks' mean (sm None, the reference). The
     reference, split: each rank's gradient on its own (from zero), summed
@@ -113,9 +115,22 @@ def backward(name, model, sm, k, rank, world, split=True, div=1, one_rank=False,
     its live reduced gradient, so that they round alike; else one backward
     of the ranks' mean loss (the whole batch). one_rank: rank 0's loss
     takes the branch b. l2: the loss has an L2 penalty over
-    model.parameters() added after the forward."""
+    model.parameters() added after the forward. twice: backward(retain_graph=True)
+    and backward() again of the same loss. autocast: the forward under
+    torch.autocast("cpu", torch.bfloat16)."""
 
     def loss_for(r):
+        if autocast:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return loss_plain(r)
+        return loss_plain(r)
+
+    def run_backward(loss):
+        if twice:
+            loss.backward(retain_graph=True)
+        loss.backward()
+
+    def loss_plain(r):
         x, y = batch(name, k, r, world)
         if one_rank:
             return nn.functional.mse_loss(model(x, r == 0), y)
@@ -126,17 +141,18 @@ def backward(name, model, sm, k, rank, world, split=True, div=1, one_rank=False,
 
     if sm is not None:
         loss = loss_for(rank)
-        loss.backward()
+        run_backward(loss)
         return loss.item()
     if not split:
         if one_rank:
             loss = sum(loss_for(r) for r in range(world)) / world
         else:  # the whole batch: world 1
             x, y = batch(name, k, 0, 1)
-            loss = loss_of(name, model, x, y) / div
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = loss_of(name, model, x, y) / div
             if l2:
                 loss = loss + L2 * sum(p.pow(2).sum() for p in model.parameters())
-        loss.backward()
+        run_backward(loss)
         return loss.item()
     params = list(model.parameters())
     kept = [p.grad for p in params]
@@ -145,7 +161,7 @@ def backward(name, model, sm, k, rank, world, split=True, div=1, one_rank=False,
         for p in params:
             p.grad = None
         loss = loss_for(r)
-        loss.backward()
+        run_backward(loss)
         losses.append(loss.item())
         for i, p in enumerate(params):
             g = torch.zeros_like(p) if p.grad is None else p.grad
@@ -178,6 +194,13 @@ def train(name, mode, model, opt, sm, rank, world, steps=STEPS, split=True):
     """The loop every rank and the reference (sm None; world: the ranks
     it stands for) run; -> losses (this rank's, or the ranks' mean)."""
     losses = []
+    if mode == "hook":
+        # a hook the script registers on a parameter (after wrapping: on
+        # the wrapper's): it sees the gradient whole, this rank's (as
+        # DDP's: a nonlinear hook, a clamp, is applied per rank, not to the
+        # whole batch's gradient), and what it returns is what is reduced
+        model.transformer.h[0].mlp.c_fc.weight.register_hook(lambda g: g.view(128, 32) * 0.5)
+        model.lm_head.weight.register_hook(lambda g: g * 3.0)
     for s in range(steps):
         if mode == "accumulate":
             z = zero_at(s)
@@ -216,7 +239,8 @@ def train(name, mode, model, opt, sm, rank, world, steps=STEPS, split=True):
             if mode in ("freeze", "freeze_sm", "freeze_skip") and s in (FREEZE_AT, UNFREEZE_AT):
                 model.transformer.h[0].requires_grad_(s == UNFREEZE_AT)
             losses.append(backward(name, model, sm, s, rank, world, split,
-                                   one_rank=mode == "one_rank", l2=mode == "l2"))
+                                   one_rank=mode == "one_rank", l2=mode == "l2",
+                                   twice=mode == "retain", autocast=mode == "autocast"))
             if mode == "logged":
                 losses.append(logged(name, model, sm, 50 + s, rank, world))
             kept = None
@@ -480,11 +504,14 @@ class TorchOptimTest(unittest.TestCase):
             ref, want_losses, mid = reference(name, mode, world)
             want = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
             label = "%s, %s, %d ranks, %s optimizer" % (name, mode, world, kind)
-            if mode != "load":
+            if mode not in ("load", "autocast"):
                 # the reference is torch's training on the whole batch but
                 # for rounding (not after "load": a new Adam's first step
                 # turns the loaded parameters' differences into lr-sized
-                # steps wherever a gradient is near zero, 4.3e-3 on the GPT)
+                # steps wherever a gradient is near zero, 4.3e-3 on the GPT;
+                # nor under bf16 autocast, whose 8-bit mantissa makes the
+                # whole batch's one forward round otherwise than the ranks'
+                # halves: 1.3e-2 after 5 steps)
                 whole, whole_losses, _ = reference(name, mode, world, split=False)
                 lr = max(abs(a - b) / abs(b) for a, b in zip(want_losses, whole_losses))
                 pr, at = rel_diff(want, {k: v.detach().numpy()
@@ -665,6 +692,27 @@ class TorchOptimTest(unittest.TestCase):
         backward, as FSDP's root, so a loss term over model.parameters()
         sees and differentiates them whole."""
         self.check("gpt", "l2", worlds=(2,))
+
+    def test_backward_twice_with_retain_graph_trains_as_torch(self):
+        """loss.backward(retain_graph=True) then loss.backward(): the units
+        are gathered again for the second (their saved tensors rebuilt
+        from the new areas) and the gradients add up, as torch's."""
+        self.check("gpt", "retain", worlds=(2,))
+
+    def test_a_forward_under_cpu_autocast_trains_as_torch(self):
+        """torch.autocast("cpu", bfloat16) around the forward: autocast's
+        casts of the gathered parameters are its own tensors, and the fp32
+        gradients reach the shards as without it."""
+        self.check("gpt", "autocast", worlds=(2,))
+
+    def test_a_hook_on_a_parameter_sees_its_whole_gradient(self):
+        """p.register_hook after wrapping: the hook gets the parameter's
+        gradient whole (its shape, this rank's micro-batch's, as under DDP)
+        and its result is reduced, as the reference applies it per rank;
+        the tied head's hook sees both uses' gradient summed, as torch's.
+        (A nonlinear hook, a clamp, differs from torch on the whole batch
+        as under DDP: it sees each rank's gradient.)"""
+        self.check("gpt", "hook", worlds=(2,))
 
     def test_load_state_dict_of_torch_trains_on(self):
         self.check("gpt", "load", worlds=(2,))

@@ -61,10 +61,27 @@ outside the wrapped one is refused (wrapping would untie it):
   parameter later (gradual unfreezing) is passed to the daemon before the
   next scatter.
 
+An optimizer is built after wrapping (FSDP's order): one built before
+holds the original parameters, emptied, that never get a gradient, and
+its step (any ``torch.optim.Optimizer``'s, hooked as below) raises,
+naming them, instead of skipping them all; so does its step over a
+parameter registered on the wrapped model after wrapping (``add_module``),
+which no wrapper manages (its gradient each rank's own, never reduced).
+
+A parameter replaced or converted behind the wrapper's back after
+wrapping (``module.weight = nn.Parameter(t)``, ``model.half()`` /
+``.double()`` / ``.to(dtype)`` / ``.to(device)``, ``p.data = t``) would
+compute outside the shards or be pointed back at them: the next forward
+(transient: the root's pre-hook; resident: :meth:`ShardedModule.gather`)
+raises, naming it and what happened.
+
 Resident clients: a parameter is the gathered copy and its ``.grad`` this
 rank's unreduced gradient, so torch.optim (and torch's clip_grad_norm_)
 raise on them, naming the parameter: use shardd.optim, or transient areas
-where torch.optim steps the shards.
+where torch.optim steps the shards. A write into a resident parameter
+(an init, ``clamp_()``) between gathers writes the gathered copy, which
+the next gather would overwrite: that gather raises instead, naming the
+unit (load new values with ``model.load_state_dict()``).
 
 ``model.state_dict()`` / ``model.load_state_dict()`` (torch's state-dict
 hooks on the module) give and take FSDP's full state dict: torch's keys,
@@ -111,7 +128,9 @@ Per unit, in the same order on every rank (each rank's graph is the same):
   when the gradient w.r.t. them is computed, before the unit's backward), then
   release the unit (FSDP's reshard after forward) and point its parameters
   back at their parts of this rank's shard (1-D, possibly empty: FSDP1's
-  sharded views with use_orig_params), except the *root unit* (the
+  sharded views with use_orig_params; but ``p.dim()`` / ``p.ndim`` stay
+  the original's, so param groups split by them, nanoGPT's no-decay
+  split, are torch's: units.py's _ShardParameter), except the *root unit* (the
   one holding the root module's own parameters), which stays gathered until
   the end of backward as FSDP keeps it, its parameters the gathered ones
   (a loss term over ``model.parameters()`` after forward reaches them
@@ -225,14 +244,15 @@ no parameter a kernel still reads.
 # flake8: noqa: F401
 from ._precision import (_DTYPE_OF, _TORCH_DTYPES, _cast_floats, _checksum, _dtype_name,
                          _mixed_precision)
-from .units import (FlatUnit, _CONTAINERS, _Entry, _PARAM_CONTAINERS, _Saved, _check_nesting,
+from .units import (FlatUnit, _CONTAINERS, _Entry, _PARAM_CONTAINERS, _Saved, _ShardParameter,
+                    _check_nesting,
                     _check_outside_holders, _collect, _hooked_modules,
                     _name_outside, _policy, _tensors, _unit_modules,
                     size_based_auto_wrap_policy)
 from .grads import _GRAD16_GETS, _Grad16, _ResidentGrad, _in_zero_grad, _torch_caller
 from .reads import _WATCH, _WATCHED, _watch, _watched_class
-from .optimizer_hook import (_HELD, _OWNERS, _STEP_HOOKED, _before_step, _install_step_hook,
-                             _mark_step_hooked, _wrap_step, owner_of)
+from .optimizer_hook import (_HELD, _ORIGINALS, _OWNERS, _STEP_HOOKED, _before_step,
+                             _install_step_hook, _mark_step_hooked, _wrap_step, owner_of)
 from .state_dicts import FullStateDictConfig, _StateDicts
 from .hooks import _ForwardHooks
 from .backward import _BackwardHooks

@@ -96,9 +96,11 @@ class _BackwardHooks:
             "by %s: a unit holds its areas until every trainable parameter of it has "
             "its gradient, which comes late where a parameter is used by two forwards "
             "before one backward (a loss over two batches: call backward() on each "
-            "forward's loss instead, the gradients add up) or gets none (a parameter "
-            "the loss does not depend on) [%s]" % (u.name, ", ".join(waiting) or "none",
-                                                  err.message), "E_LIMIT")
+            "forward's loss instead, the gradients add up), gets none (a parameter "
+            "the loss does not depend on) or never in .grad (torch.autograd.grad() "
+            "returns the gradients instead of accumulating them, so no unit's "
+            "gradient is ever whole: use loss.backward()) [%s]" % (
+                u.name, ", ".join(waiting) or "none", err.message), "E_LIMIT")
 
     def _output_grad(self, u, grad):
         if u.state in ("idle", "forward"):

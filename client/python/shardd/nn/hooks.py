@@ -88,6 +88,7 @@ class _ForwardHooks:
 
     def _root_pre_forward(self, module, inputs):
         self._pop_saved_hooks()  # a forward that raised left them pushed
+        self._check_replaced()  # module.weight = ..., model.half() after wrapping
         self._wait_releases()  # a forward without backward sent some
         for u in self.units:  # likewise
             u.depth = 0

@@ -19,11 +19,12 @@ from .backward import _BackwardHooks
 from .grads import _Grad16, _ResidentGrad
 from .hooks import _ForwardHooks
 from .meta import _MetaInit
-from .optimizer_hook import _OWNERS, _install_step_hook
+from .optimizer_hook import (_ORIGINALS, _OWNERS, _WRAPPERS, _forget_original,
+                             _install_step_hook)
 from .prefetch import _Prefetch
 from .state_dicts import FullStateDictConfig, _StateDicts
-from .units import (FlatUnit, _Entry, _check_nesting, _check_outside_holders, _collect,
-                    _unit_modules)
+from .units import (FlatUnit, _Entry, _ShardParameter, _check_nesting, _check_outside_holders,
+                    _collect, _unit_modules)
 
 
 INIT_POLICIES = ("auto", "overwrite", "require_existing")
@@ -264,14 +265,19 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                 e.part = sh[a:b]
                 e.rpart = red[a:b]
                 if gat is None:  # its part of the shard until a gather
-                    newp = nn.Parameter(e.part, requires_grad=p.requires_grad)
+                    newp = _ShardParameter(e.part, requires_grad=p.requires_grad)
+                    newp._shardd_ndim = p.dim()  # a split by p.dim() is torch's
                 else:
                     newp = nn.Parameter(gat[off:off + n].view(p.shape),
                                         requires_grad=p.requires_grad)
                     e.grad_view = grd[off:off + n].view(p.shape)
                 e.param = newp
+                # where its data lives between forwards (_check_replaced)
+                e.home = newp.data_ptr()
                 self._orig_names[id(p)] = qn
                 self._orig_keep.append(p)
+                _ORIGINALS[id(p)] = (weakref.ref(p, functools.partial(_forget_original, id(p))),
+                                     qn)
                 with torch.no_grad():
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 p.grad = None
@@ -303,6 +309,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                     if b is not None and b.device != dev:
                         m._buffers[k] = b.to(dev)
         self._optims = []         # daemon optimizers registered through us
+        self._checks = None       # what _check_replaced walks, made on first use
         if prefetch not in (True, False, "auto"):
             raise ValueError("prefetch %r: True, False or \"auto\"" % (prefetch,))
         # "auto" on the host backend: a trial of both, then the faster (see
@@ -332,9 +339,13 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         self._sd_config = FullStateDictConfig()
         module._register_state_dict_hook(self._state_dict_hook)
         module._register_load_state_dict_pre_hook(self._load_state_dict_pre_hook)
+        module.register_load_state_dict_post_hook(self._load_state_dict_post_hook)
+        # every optimizer's step: a release before it (transient), and a
+        # refusal of one built before wrapping (it holds the originals)
+        _install_step_hook()
+        _WRAPPERS.add(self)
         if self.transient:
             self._install_hooks()
-            _install_step_hook()
         else:
             self._hook_resident()
         if not self.transient and initial_gather:
@@ -557,8 +568,102 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         """All-gather every unit (collective): parameters now hold the shards.
         Resident areas only. Units go in buckets (bucket_bytes)."""
         self._resident_only("gather()")
+        self._check_replaced()
+        self._check_unwritten()
         self._bucketed(lambda bk: self.client.gather_many([u.buffer for u in bk]),
                        lambda u: self.client.gather(u.buffer))
+        self._gathered_versions()
+
+    def _gathered_versions(self, units=None):
+        """Resident: the version counter of each unit's gather area as the
+        gather left it (torch bumps it at every in-place write through a
+        parameter, which is a view of it; the daemon's gather does not)."""
+        for u in self.units if units is None else units:
+            u.gathered_version = u.buffer.gather_tensor._version
+
+    def _check_unwritten(self, units=None):
+        """Resident: refuses a gather that would overwrite a write into the
+        parameters since the last one (an init, ``clamp_``, an EMA shrink
+        between steps): they are the gathered copy, not the shards, so the
+        write would be lost without a word (transient areas write the
+        shards: there it lands)."""
+        for u in self.units if units is None else units:
+            v = u.gathered_version
+            if v is not None and u.buffer.gather_tensor._version != v:
+                names = [e.name for e in u.entries]
+                raise RuntimeError(
+                    "unit %r: its parameters (%s%s) were written in place since the last "
+                    "gather (an init, clamp_(), an EMA shrink): on a resident client they "
+                    "are the gathered copy, which this gather overwrites with the shards, "
+                    "so the write would be lost. Load the values with "
+                    "model.load_state_dict(), or use transient areas (the default "
+                    "Client), where such writes land in the shards"
+                    % (u.name, ", ".join(repr(n) for n in names[:4]),
+                       " ..." if len(names) > 4 else ""))
+
+    def _check_replaced(self):
+        """Refuses a forward (transient: the root's; resident: gather())
+        after a parameter was replaced or converted behind the wrapper's
+        back: on its module (``module.weight = nn.Parameter(...)``), its
+        device or dtype (``model.to(device)``, ``model.half()`` /
+        ``.double()`` / ``.to(dtype)``, which set ``p.data`` to a converted
+        copy) or its ``.data`` (``p.data = t``). Otherwise the forward
+        would point it back at the shards (the new values lost), or compute
+        with a tensor outside them whose gradient no rank reduces and no
+        state dict holds. One pass of identity and pointer tests over the
+        parameters per forward."""
+        checks = self._checks
+        if checks is None:  # per unit: (entry, param, home, [(params dict, attr)])
+            checks = self._checks = [
+                (u, [(e, e.param, e.home, [(m._parameters, a) for m, a in e.owners])
+                     for e in u.entries]) for u in self.units]
+        transient = self.transient
+        for u, entries in checks:
+            held = transient and u.gather is not None
+            for e, p, home, slots in entries:
+                for params, attr in slots:
+                    if params.get(attr) is not p:
+                        self._replaced(e)
+                # a converted or moved copy is new memory too
+                if not held and p.data_ptr() != home:
+                    self._replaced(e)
+
+    def _replaced(self, e):
+        """Raises what _check_replaced found of e, in words."""
+        p = e.param
+        for m, attr in e.owners:
+            q = m._parameters.get(attr)
+            if q is p:
+                continue
+            if q is None or q.device == e.part.device:
+                raise RuntimeError(
+                    "%r was replaced on its module after wrapping (%s.%s = ...): "
+                    "the new tensor is not in the shards, so no rank's gradient "
+                    "would be reduced into it and no state dict would hold it. "
+                    "Assign it before wrapping, or write into the wrapped "
+                    "parameter (with torch.no_grad(): p.copy_(t)) or load a "
+                    "state dict" % (e.name, type(m).__name__, attr))
+            p = q  # model.to(device) makes new Parameters: moved
+            break
+        if p.device != e.part.device:
+            raise RuntimeError(
+                "%r is on %s but its unit's shards are on %s: the model was moved "
+                "after wrapping (model.to(device) / .cuda() / .cpu()), which the "
+                "shards do not follow (ShardedModule.device says where they are; "
+                "on the cuda backend the wrapper puts the parameters there "
+                "itself)" % (e.name, p.device, e.part.device))
+        if p.dtype != e.part.dtype:
+            raise RuntimeError(
+                "%r is %s but its unit's shards are %s: the model was converted "
+                "after wrapping (model.half() / .double() / .to(dtype)), which "
+                "the shards do not follow. Wrap with dtype= or mixed_precision= "
+                "instead" % (e.name, p.dtype, e.part.dtype))
+        raise RuntimeError(
+            "the .data of %r was replaced after wrapping (p.data = t): it is no "
+            "longer %s, and the new values would be lost at the next gather. "
+            "Write into it instead (with torch.no_grad(): p.copy_(t)) or load "
+            "a state dict" % (e.name, "its part of this rank's shard"
+                              if self.transient else "its slice of the gather area"))
 
     def zero_grad(self, set_to_none=False):
         """Zero the grad areas and point every trainable parameter's .grad at

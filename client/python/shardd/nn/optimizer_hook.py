@@ -52,6 +52,91 @@ def _before_step(opt):
             sm._release_unbackwarded()
 
 
+# id(original parameter) -> (weak original, its qualified name): the
+# parameters a wrapper replaced by its views and emptied. An optimizer built
+# before wrapping holds these: they never get a gradient, so its step would
+# skip them all and nothing would train, without a word.
+_ORIGINALS = {}
+
+
+def _forget_original(key, ref):
+    """A replaced original was freed (its wrapper went): its entry goes,
+    unless a later original took its id."""
+    got = _ORIGINALS.get(key)
+    if got is not None and got[0] is ref:
+        del _ORIGINALS[key]
+
+
+def _stale_names(opt):
+    """The qualified names of the replaced originals opt holds."""
+    out = []
+    for g in opt.param_groups:
+        for p in g["params"]:
+            got = _ORIGINALS.get(id(p))
+            if got is not None and got[0]() is p:
+                out.append(got[1])
+    return out
+
+
+# the live ShardedModules (weakly): an optimizer's parameters are checked
+# against their modules' unmanaged ones
+_WRAPPERS = weakref.WeakSet()
+
+
+def _unmanaged_names(opt):
+    """The names of opt's parameters that sit on a wrapped module but are
+    none of its wrapper's (registered after wrapping: add_module, a new
+    attribute): their gradient is this rank's alone, never reduced."""
+    ids = {id(p) for g in opt.param_groups for p in g["params"]}
+    out = []
+    for sm in list(_WRAPPERS):
+        for n, p in sm.module.named_parameters():
+            if id(p) in ids and id(p) not in sm._by_param:
+                out.append(n)
+    return out
+
+
+def _check_stale(opt):
+    """Refuses opt's step while it holds a parameter a wrapper replaced, or
+    one on a wrapped module that the wrapper does not manage; checked again
+    only when its parameter count changes (add_param_group), so a step pays
+    one attribute read and a sum over its groups."""
+    n = sum(len(g["params"]) for g in opt.param_groups)
+    if getattr(opt, "_shardd_checked", None) == n:
+        return
+    stale = _unmanaged_names(opt)
+    if stale:
+        raise RuntimeError(
+            "%s holds %s: parameter%s of the wrapped model that shardd.nn.ShardedModule "
+            "does not manage (registered after wrapping: add_module, a new attribute): "
+            "its gradient is this rank's alone, never reduced over the ranks, so the "
+            "ranks would step it apart, and no shard or checkpoint holds it. Register "
+            "it before wrapping" % (
+                type(opt).__name__, ", ".join("%r" % n for n in stale[:8]) +
+                (" and %d more" % (len(stale) - 8) if len(stale) > 8 else ""),
+                "s" if len(stale) > 1 else ""))
+    stale = _stale_names(opt)
+    if stale:
+        raise RuntimeError(
+            "%s holds %s: the original parameter%s that shardd.nn.ShardedModule "
+            "replaced by views of the daemon's shards when it wrapped the model "
+            "(emptied, they never get a gradient: this step would skip them and "
+            "nothing would train). Build the optimizer after wrapping, over "
+            "model.parameters() (FSDP's order), or give it those with "
+            "add_param_group" % (
+                type(opt).__name__, ", ".join("%r" % n for n in stale[:8]) +
+                (" and %d more" % (len(stale) - 8) if len(stale) > 8 else ""),
+                "s" if len(stale) > 1 else ""))
+    opt._shardd_checked = n
+
+
+def _step_pre(opt):
+    """Every torch.optim.Optimizer's step runs this first."""
+    _check_stale(opt)
+    if _HELD:
+        _before_step(opt)
+
+
 _STEP_HOOKED = [False]
 
 
@@ -61,7 +146,7 @@ def _mark_step_hooked(fn):
 
 
 def _wrap_step(cls):
-    """cls.step runs _before_step first (torch < 2, which has no global step
+    """cls.step runs _step_pre first (torch < 2, which has no global step
     pre-hook). Once per class: a subclass that inherits a wrapped step keeps
     it; one that overrides step is wrapped itself (a super().step() then
     runs _before_step twice: the second finds nothing held)."""
@@ -71,16 +156,15 @@ def _wrap_step(cls):
 
     @functools.wraps(inner)
     def step(self, *args, **kwargs):
-        if _HELD:
-            _before_step(self)
+        _step_pre(self)
         return inner(self, *args, **kwargs)
 
     cls.step = _mark_step_hooked(step)
 
 
 def _install_step_hook():
-    """Makes every torch.optim.Optimizer's step call _before_step first, once
-    per process (a transient ShardedModule's construction calls it). torch
+    """Makes every torch.optim.Optimizer's step call _step_pre first, once
+    per process (a ShardedModule's construction calls it). torch
     >= 2: its global register_optimizer_step_pre_hook. torch 1.13 has none;
     it wraps each Optimizer class's step once, for the profiler, in
     Optimizer._hook_for_profile, which every optimizer's __init__ calls:
@@ -95,7 +179,7 @@ def _install_step_hook():
     import torch.optim.optimizer as optimizer_mod  # not an attribute of torch.optim in 1.13
     reg = getattr(optimizer_mod, "register_optimizer_step_pre_hook", None)
     if reg is not None:
-        reg(lambda opt, args, kwargs: _before_step(opt) if _HELD else None)
+        reg(lambda opt, args, kwargs: _step_pre(opt))
         return
     orig = getattr(Optimizer, "_hook_for_profile", None)
     if orig is None:

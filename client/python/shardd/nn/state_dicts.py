@@ -127,6 +127,13 @@ class _StateDicts:
         for k, e in keys.items():
             state_dict[k] = e.param.detach().clone()
 
+    def _load_state_dict_post_hook(self, module, incompatible_keys):
+        """After torch's load_state_dict() copied the values the pre-hook
+        gathered into the parameters (resident: into the gather areas,
+        the same values): not a write the next gather would lose."""
+        if not self.transient and not self._sd_raw and self._sd_type != "local":
+            self._gathered_versions()
+
     def _write_full(self, given):
         """given {id(entry): whole value}: each rank writes its parts into
         its shard (a 16-bit unit's fp32 master from the values given, as at
@@ -163,6 +170,7 @@ class _StateDicts:
                     for e in u.entries:
                         e.param.grad = None
         if not self.transient:
+            self._gathered_versions()  # what was written there is replaced
             self.gather()
 
     def state_dict(self, rank0_only=False, offload_to_cpu=False):
@@ -200,7 +208,9 @@ class _StateDicts:
                                        "a forward or backward still" % u.name, "E_STATE")
                 g, _ = self.client.gather_area(u.buffer)
             else:
+                self._check_unwritten([u])
                 self.client.gather(u.buffer)
+                self._gathered_versions([u])
                 g = u.buffer.gather_tensor
             try:
                 for e in u.entries:

@@ -45,15 +45,49 @@ class FlatUnit:
         self.torch_grads = buffer.dtype_code == shardd._lib.DTYPE_FP32
         self.ran = False  # transient: a backward reached it (this backward)
         self.no_grad = []  # resident: the views sync_grads found without a .grad
+        # resident: its gather area's version counter after our last gather
+        # (a write through a parameter since bumps it)
+        self.gathered_version = None
 
     def __repr__(self):
         return "<FlatUnit %r buffer=%d numel=%d params=%d>" % (
             self.name, self.buffer.id, self.buffer.numel, len(self.entries))
 
 
+class _ShardParameter(nn.Parameter):
+    """A transient unit's parameter. Outside forward and backward its data
+    is its 1-D part of this rank's shard (FSDP1's use_orig_params view, its
+    shape the part's), but dim() and ndim are always its original's: a
+    script that splits param groups by them after wrapping (nanoGPT's
+    configure_optimizers: weight decay for ``p.dim() >= 2``; timm's: none
+    for ``p.ndim <= 1``) gets torch's split, where FSDP1 puts every
+    parameter in the no-decay group without a word. What needs the whole
+    shape refuses as on a 1-D tensor (``p.shape[1]``, ``nn.init.xavier_*``
+    / ``kaiming_*``: an IndexError); norm() is the part's, as FSDP1's.
+    Anything torch makes from it (``p.detach()``, ``p.data``, ``p * 2``,
+    a deepcopy, a state dict) is a plain tensor of the part's shape, except
+    where torch returns the object itself (``p.float()`` of an fp32 one)."""
+    _shardd_ndim = None  # a deepcopy's (made by type(p)(data)) is its own
+
+    def dim(self):
+        n = self._shardd_ndim
+        return torch.Tensor.dim(self) if n is None else n
+
+    @property
+    def ndim(self):
+        return self.dim()
+
+    def norm(self, *args, **kwargs):
+        # torch.norm(p, 2) takes range(p.dim()) as its dims
+        return torch.Tensor.norm(self.view(self.shape), *args, **kwargs)
+
+    def __repr__(self):
+        return "Parameter containing:\n" + repr(self.detach())
+
+
 class _Entry:
     __slots__ = ("name", "view", "param", "owners", "grad_view", "offset", "numel",
-                 "shape", "acc", "got", "part", "rpart", "kept", "grad16")
+                 "shape", "acc", "got", "part", "rpart", "kept", "grad16", "home")
 
     def __init__(self, name, view, owners):
         self.name = name          # qualified name of the (first) occurrence
@@ -72,6 +106,9 @@ class _Entry:
         self.rpart = None
         self.kept = False         # transient: its .grad was set when backward began
         self.grad16 = None        # a 16-bit unit's .grad stand-in (_Grad16)
+        # data_ptr() of its part of the shard (transient) or of its slice
+        # of the gather area (resident): where it is between forwards
+        self.home = None
 
 
 class _Saved:
