@@ -634,8 +634,9 @@ Test(server, status_of_many_wide_collectives_is_quick, .timeout = 120) {
   tj_free(j);
   shardd_free(s);
   /* their ranks close: every barrier fails and is freed, and the daemon
-   * answers a ping behind that at once: within 1 s of its CPU (its wall
-   * time on a loaded machine took 1.06 s once, preempted) */
+   * answers a ping behind that at once: within 2 s of its CPU (measured
+   * 0.7 s; the walk over every world this bounds held the loop 9-22 s;
+   * wall time on a loaded machine took 1.06 s once, preempted) */
   double cpu0 = process_cpu_s(d.pid), t0 = test_mono_s();
   for (int k = 0; k < WIDE_JOBS; k++)
     test_raw_close(&r[k]);
@@ -646,7 +647,7 @@ Test(server, status_of_many_wide_collectives_is_quick, .timeout = 120) {
   /* (under ASan, freeing the 1,024 world-sized waiter arrays poisons
    * about 640 MB of shadow memory: seconds that measure ASan, not the daemon) */
   if (!SANITIZED)
-    cr_assert_lt(used, 1.0, "the closes and a ping behind them used %.2f s of "
+    cr_assert_lt(used, 2.0, "the closes and a ping behind them used %.2f s of "
                  "the daemon's CPU (%.2f s wall)", used, wall);
   cr_assert_lt(wall, TEST_HANG_S, "a ping behind the closes took %.2f s", wall);
   shardd_close(c);
