@@ -96,6 +96,14 @@ def _unmanaged_names(opt):
     return out
 
 
+def _listed(names):
+    """(the first 8 names quoted, and how many more; "s" for a plural) for
+    a refusal's message."""
+    return (", ".join("%r" % n for n in names[:8]) +
+            (" and %d more" % (len(names) - 8) if len(names) > 8 else ""),
+            "s" if len(names) > 1 else "")
+
+
 def _check_stale(opt):
     """Refuses opt's step while it holds a parameter a wrapper replaced, or
     one on a wrapped module that the wrapper does not manage; checked again
@@ -111,10 +119,7 @@ def _check_stale(opt):
             "does not manage (registered after wrapping: add_module, a new attribute): "
             "its gradient is this rank's alone, never reduced over the ranks, so the "
             "ranks would step it apart, and no shard or checkpoint holds it. Register "
-            "it before wrapping" % (
-                type(opt).__name__, ", ".join("%r" % n for n in stale[:8]) +
-                (" and %d more" % (len(stale) - 8) if len(stale) > 8 else ""),
-                "s" if len(stale) > 1 else ""))
+            "it before wrapping" % ((type(opt).__name__,) + _listed(stale)))
     stale = _stale_names(opt)
     if stale:
         raise RuntimeError(
@@ -123,10 +128,7 @@ def _check_stale(opt):
             "(emptied, they never get a gradient: this step would skip them and "
             "nothing would train). Build the optimizer after wrapping, over "
             "model.parameters() (FSDP's order), or give it those with "
-            "add_param_group" % (
-                type(opt).__name__, ", ".join("%r" % n for n in stale[:8]) +
-                (" and %d more" % (len(stale) - 8) if len(stale) > 8 else ""),
-                "s" if len(stale) > 1 else ""))
+            "add_param_group" % ((type(opt).__name__,) + _listed(stale)))
     opt._shardd_checked = n
 
 
