@@ -23,6 +23,14 @@ static inline uint64_t shardd__fnv1a(uint64_t h, const void *p, size_t n) {
   return h;
 }
 
+/* h continued over v's 8 bytes, least significant first (as
+ * shardd__fnv1a over its little-endian bytes, whatever the host's order). */
+static inline uint64_t shardd__fnv1a_u64(uint64_t h, uint64_t v) {
+  for (int b = 0; b < 8; b++)
+    h = (h ^ (unsigned char)(v >> (8 * b))) * SHARDD__FNV1A_PRIME;
+  return h;
+}
+
 /* h continued over the bytes of s up to its NUL (not included). */
 static inline uint64_t shardd__fnv1a_str(uint64_t h, const char *s) {
   for (; *s; s++)

@@ -94,12 +94,8 @@ static uint64_t bucket_hash(shardd__coll_kind kind, const uint64_t *ids,
                             size_t n) {
   uint64_t h = SHARDD__FNV1A_BASIS;
   uint64_t words[2] = {(uint64_t)kind, (uint64_t)n};
-  for (size_t k = 0; k < 2 + n; k++) {
-    uint64_t v = k < 2 ? words[k] : ids[k - 2];
-    /* shardd__fnv1a over the 8 bytes, without storing them first */
-    for (int b = 0; b < 8; b++)
-      h = (h ^ (unsigned char)(v >> (8 * b))) * SHARDD__FNV1A_PRIME;
-  }
+  for (size_t k = 0; k < 2 + n; k++)
+    h = shardd__fnv1a_u64(h, k < 2 ? words[k] : ids[k - 2]);
   return h ? h : 1; /* 0 means "not in a bucket" */
 }
 

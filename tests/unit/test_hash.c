@@ -34,3 +34,10 @@ Test(hash, the_exchange_key_keeps_its_wire_value) {
   cr_expect_eq(shardd__coll_fab_key(SHARDD__COLL_SCATTER, NULL),
                0xaf63bf4c8601bb45ull);
 }
+
+Test(hash, a_words_fold_is_its_little_endian_bytes) {
+  const unsigned char le[8] = {0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01};
+  uint64_t h = shardd__fnv1a(SHARDD__FNV1A_BASIS, "foo", 3);
+  cr_expect_eq(shardd__fnv1a_u64(h, 0x0102030405060708ull),
+               shardd__fnv1a(h, le, sizeof le));
+}
