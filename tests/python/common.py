@@ -140,6 +140,14 @@ def launch_ranks(target, args_of, world, on_msg, timeout=120):
         raise RuntimeError(error)
 
 
+def rank_failed(rank, q, e):
+    """In a launch_ranks rank, inside `except BaseException as e:`: puts
+    ("error", rank, the error and its traceback) on q and ends the rank
+    with exit code 1."""
+    q.put(("error", rank, "%s\n%s" % (e, traceback.format_exc())))
+    raise SystemExit(1)
+
+
 # ---- training ranks that report to their parent -------------------------
 # A relaunched training script is the same script: the rank side is
 # train_loop inside reported(); the parent's side is Ranks, which reads what

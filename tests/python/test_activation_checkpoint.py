@@ -99,9 +99,7 @@ def rank_main(rank, world, sock, job, reentrant, q):
         client.close()
         q.put(("done", rank))
     except BaseException as e:
-        import traceback
-        q.put(("error", rank, "%s\n%s" % (e, traceback.format_exc())))
-        raise SystemExit(1)
+        common.rank_failed(rank, q, e)
 
 
 def run(world, reentrant, timeout=150):

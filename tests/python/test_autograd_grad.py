@@ -31,9 +31,7 @@ def rank_main(rank, world, sock, job, q):
         q.put(("out", rank, err))
         q.put(("done", rank))
     except BaseException as e:
-        import traceback
-        q.put(("error", rank, "%s\n%s" % (e, traceback.format_exc())))
-        raise SystemExit(1)
+        common.rank_failed(rank, q, e)
 
 
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")

@@ -35,9 +35,7 @@ def partial_main(rank, sock, job, q):
         client.close()
         q.put(("done", rank))
     except BaseException as e:
-        import traceback
-        q.put(("error", rank, "%s\n%s" % (e, traceback.format_exc())))
-        raise SystemExit(1)
+        common.rank_failed(rank, q, e)
 
 
 def seeded_main(rank, sock, job, q):
@@ -61,9 +59,7 @@ def seeded_main(rank, sock, job, q):
         client.close()
         q.put(("done", rank))
     except BaseException as e:
-        import traceback
-        q.put(("error", rank, "%s\n%s" % (e, traceback.format_exc())))
-        raise SystemExit(1)
+        common.rank_failed(rank, q, e)
 
 
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")

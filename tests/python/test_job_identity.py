@@ -54,9 +54,7 @@ def rank_main(rank, sock, job, end, q):
         q.join_thread()  # the messages are out before the kill
         os.kill(os.getpid(), signal.SIGKILL)
     except BaseException as e:
-        import traceback
-        q.put(("error", rank, "%s\n%s" % (e, traceback.format_exc())))
-        raise SystemExit(1)
+        common.rank_failed(rank, q, e)
 
 
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")

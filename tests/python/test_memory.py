@@ -113,9 +113,7 @@ def meta_rank(rank, world, sock, job, name, q):
         client.close()
         q.put(("done", rank))
     except BaseException as e:
-        import traceback
-        q.put(("error", rank, "%s\n%s" % (e, traceback.format_exc())))
-        raise SystemExit(1)
+        common.rank_failed(rank, q, e)
 
 
 def rank_main(rank, world, sock, job, q):
@@ -144,9 +142,7 @@ def rank_main(rank, world, sock, job, q):
         client.close()
         q.put(("done", rank))
     except BaseException as e:
-        import traceback
-        q.put(("error", rank, "%s\n%s" % (e, traceback.format_exc())))
-        raise SystemExit(1)
+        common.rank_failed(rank, q, e)
 
 
 @unittest.skipUnless(common.HAVE_TORCH, "torch not installed")

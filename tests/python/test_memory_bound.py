@@ -240,9 +240,7 @@ def rank_main(rank, world, socks, jobs, q):
             train_one(rank, world, sock, job, name, dtype, q)
         q.put(("done", rank))
     except BaseException as e:
-        import traceback
-        q.put(("error", rank, "%s\n%s" % (e, traceback.format_exc())))
-        raise SystemExit(1)
+        common.rank_failed(rank, q, e)
 
 
 def run(world):

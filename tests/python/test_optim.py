@@ -161,9 +161,7 @@ def rank_main(rank, world, sock, job, recipe, transient, q):
         client.close()
         q.put(("done", rank))
     except BaseException as e:
-        import traceback
-        q.put(("error", rank, "%s\n%s" % (e, traceback.format_exc())))
-        raise SystemExit(1)
+        common.rank_failed(rank, q, e)
 
 
 def run(recipe, world, transient, timeout=120):
@@ -240,9 +238,7 @@ def rank_split(rank, world, sock, job, recipe, transient, q, saved):
         client.close()
         q.put(("done", rank))
     except BaseException as e:
-        import traceback
-        q.put(("error", rank, "%s\n%s" % (e, traceback.format_exc())))
-        raise SystemExit(1)
+        common.rank_failed(rank, q, e)
 
 
 def run_split(recipe, world, transient, saved, timeout=120):
@@ -566,9 +562,7 @@ def ulp_rank(rank, world, sock, jobs, q):
             client.close()
         q.put(("done", rank))
     except BaseException as e:
-        import traceback
-        q.put(("error", rank, "%s\n%s" % (e, traceback.format_exc())))
-        raise SystemExit(1)
+        common.rank_failed(rank, q, e)
 
 
 def ulp_run(world, timeout=120):

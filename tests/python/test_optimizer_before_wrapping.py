@@ -65,9 +65,7 @@ def rank_main(rank, world, sock, job, transient, q):
         client.close()
         q.put(("done", rank))
     except BaseException as e:
-        import traceback
-        q.put(("error", rank, "%s\n%s" % (e, traceback.format_exc())))
-        raise SystemExit(1)
+        common.rank_failed(rank, q, e)
 
 
 def added_main(rank, world, sock, job, q):
@@ -92,9 +90,7 @@ def added_main(rank, world, sock, job, q):
         client.close()
         q.put(("done", rank))
     except BaseException as e:
-        import traceback
-        q.put(("error", rank, "%s\n%s" % (e, traceback.format_exc())))
-        raise SystemExit(1)
+        common.rank_failed(rank, q, e)
 
 
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")

@@ -84,9 +84,7 @@ def rank_main(rank, world, sock, job, how, kind, q):
         client.close()
         q.put(("done", rank))
     except BaseException as e:
-        import traceback
-        q.put(("error", rank, "%s\n%s" % (e, traceback.format_exc())))
-        raise SystemExit(1)
+        common.rank_failed(rank, q, e)
 
 
 def dims_main(r, world, sock, job, q):
@@ -115,9 +113,7 @@ def dims_main(r, world, sock, job, q):
         client.close()
         q.put(("done", r))
     except BaseException as e:
-        import traceback
-        q.put(("error", r, "%s\n%s" % (e, traceback.format_exc())))
-        raise SystemExit(1)
+        common.rank_failed(r, q, e)
 
 
 def run(how, kind, world=2):

@@ -208,9 +208,7 @@ def rank_main(rank, world, sock, job, case, model_name, kind, transient, auto_wr
         client.close()
         q.put(("done", rank))
     except BaseException as e:
-        import traceback
-        q.put(("error", rank, "%s\n%s" % (e, traceback.format_exc())))
-        raise SystemExit(1)
+        common.rank_failed(rank, q, e)
 
 
 def run(case, model_name, kind, world, transient, auto_wrap="children", timeout=60):
