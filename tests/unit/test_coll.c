@@ -364,6 +364,21 @@ Test(coll, small_gather_runs_on_the_loop_without_a_pool_turn) {
   run_idle(); /* the engine's handles close once nothing is due */
 }
 
+/* Every rank submits gathers of b[0..n) as one bucket (one batch each). */
+static void gather_bucket(shardd__buffer **b, uint32_t n, uint64_t seq) {
+  for (uint32_t r = 0; r < W; r++) {
+    shardd__coll_batch_begin(eng);
+    for (uint32_t k = 0; k < n; k++) {
+      shardd__coll_args a = gather_args(b[k]);
+      a.bucket = 0xb0c;
+      a.bucket_n = n;
+      a.bucket_index = k;
+      submit(r, seq, a);
+    }
+    shardd__coll_batch_end(eng);
+  }
+}
+
 /* A bucket of small buffers (each rank's entries submitted between
  * batch_begin and batch_end, as one request) is, all ranks' sides
  * together, no bigger than one small collective: the loop thread runs
@@ -373,17 +388,7 @@ Test(coll, small_bucket_runs_on_the_loop_without_a_pool_turn) {
   shardd__buffer *b[3] = {buf_new("n0", 96), buf_new("n1", 30), buf_new("n2", 300)};
   for (int k = 0; k < 3; k++)
     fill_shards(b[k], k);
-  for (uint32_t r = 0; r < W; r++) {
-    shardd__coll_batch_begin(eng);
-    for (uint32_t k = 0; k < 3; k++) {
-      shardd__coll_args a = gather_args(b[k]);
-      a.bucket = 0xb0c;
-      a.bucket_n = 3;
-      a.bucket_index = k;
-      submit(r, 5, a);
-    }
-    shardd__coll_batch_end(eng);
-  }
+  gather_bucket(b, 3, 5);
   cr_assert_eq(nreplies, 0, "never answered inside the submit");
   for (int k = 0; k < 3; k++)
     check_gathered(b[k], k);
@@ -488,17 +493,7 @@ Test(coll, bucket_entries_are_matched_and_started_in_one_pass) {
   }
   shardd__coll_counters before, after;
   shardd__coll_get_counters(eng, &before);
-  for (uint32_t r = 0; r < W; r++) {
-    shardd__coll_batch_begin(eng);
-    for (uint32_t k = 0; k < NBUCKET; k++) {
-      shardd__coll_args a = gather_args(b[k]);
-      a.bucket = 0xb0c;
-      a.bucket_n = NBUCKET;
-      a.bucket_index = k;
-      submit(r, 9, a);
-    }
-    shardd__coll_batch_end(eng);
-  }
+  gather_bucket(b, NBUCKET, 9);
   run_until(NBUCKET * W);
   shardd__coll_get_counters(eng, &after);
   cr_assert_eq(after.made - before.made, NBUCKET, "one collective per entry");
@@ -625,17 +620,7 @@ Test(coll, bucket_collectives_reuse_the_memory_of_ended_ones) {
   size_t first = nreplies;
   for (int k = 0; k < NBUCKET; k++)
     fill_shards(b[k], k + 7);
-  for (uint32_t r = 0; r < W; r++) {
-    shardd__coll_batch_begin(eng);
-    for (uint32_t k = 0; k < NBUCKET; k++) {
-      shardd__coll_args a = gather_args(b[k]);
-      a.bucket = 0xb0c;
-      a.bucket_n = NBUCKET;
-      a.bucket_index = k;
-      submit(r, 4, a);
-    }
-    shardd__coll_batch_end(eng);
-  }
+  gather_bucket(b, NBUCKET, 4);
   run_until(first + NBUCKET * W);
   shardd__coll_get_counters(eng, &after);
   cr_assert_eq(after.made - before.made, NBUCKET, "one collective per entry");
