@@ -373,15 +373,20 @@ static void scatter_masked(lora *L, const uint64_t *const *masks, const size_t *
     cr_assert_eq(k[r].rc, SHARDD_OK, "rank %d: %s", r, shardd_last_error(L->c[r]));
 }
 
+/* A lora job with nothing frozen (the base views unfrozen), its shards
+ * seeded (R the reference) and one optimizer over every view: its id. */
+static uint64_t lora_open_trainable(lora *L, const char *job, adamw_ref *R) {
+  lora_open(L, job);
+  cr_assert_eq(shardd_view_set_requires_grad(L->c[0], L->base.id, 1), SHARDD_OK);
+  cr_assert_eq(shardd_view_set_requires_grad(L->c[0], L->bias.id, 1), SHARDD_OK);
+  seed_shards(L, R);
+  return register_all_views(L, "all");
+}
+
 Test(frozen, views_without_a_gradient_on_every_rank_are_skipped) {
   lora L;
-  lora_open(&L, "lora-nograd");
-  /* nothing frozen here: unfreeze the base views first */
-  cr_assert_eq(shardd_view_set_requires_grad(L.c[0], L.base.id, 1), SHARDD_OK);
-  cr_assert_eq(shardd_view_set_requires_grad(L.c[0], L.bias.id, 1), SHARDD_OK);
   adamw_ref R;
-  seed_shards(&L, &R);
-  uint64_t opt = register_all_views(&L, "all");
+  uint64_t opt = lora_open_trainable(&L, "lora-nograd", &R);
   /* step 1: every view has a gradient everywhere (old clients' scatter);
    * steps 2-3: lora_A none on any rank (the whole buffer none on rank 0),
    * lora_B only on rank 3; step 4: lora_A again, everywhere */
@@ -598,12 +603,8 @@ static void *bcall_main(void *p) {
  * ranks 0-2 brought its gradient. */
 Test(frozen, a_queued_bucket_keeps_its_mask_past_the_next_request) {
   lora L;
-  lora_open(&L, "lora-arena");
-  cr_assert_eq(shardd_view_set_requires_grad(L.c[0], L.base.id, 1), SHARDD_OK);
-  cr_assert_eq(shardd_view_set_requires_grad(L.c[0], L.bias.id, 1), SHARDD_OK);
   adamw_ref R;
-  seed_shards(&L, &R);
-  uint64_t opt = register_all_views(&L, "all");
+  uint64_t opt = lora_open_trainable(&L, "lora-arena", &R);
   write_grads(&L, 1);
   uint64_t la[1] = {L.la.id}, lb[1] = {L.lb.id};
   bcall k[W];
