@@ -365,6 +365,21 @@ uint64_t test_raw_send_step(test_raw *r, uint64_t opt) {
   return test_raw_send(r, &req);
 }
 
+uint64_t test_raw_send_checkpoint_wait(test_raw *r, const char *job,
+                                       const char *ck, double wait_s) {
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Checkpoint cp = SHARDWIRE__CHECKPOINT__INIT;
+  cp.dir = (char *)ck;
+  cp.job = (char *)job;
+  if (wait_s > 0) {
+    cp.has_wait_s = 1;
+    cp.wait_s = wait_s;
+  }
+  req.body_case = SHARDWIRE__REQUEST__BODY_CHECKPOINT;
+  req.checkpoint = &cp;
+  return test_raw_send(r, &req);
+}
+
 void test_raw_register_buffer(test_raw *r, const char *name,
                               shardd_dtype dtype, uint64_t numel,
                               shardd_buffer_info *out) {

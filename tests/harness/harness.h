@@ -140,6 +140,11 @@ uint64_t test_raw_send_scatter(test_raw *r, uint64_t buf,
 
 uint64_t test_raw_send_step(test_raw *r, uint64_t opt);
 
+/* An operator's Checkpoint of job into ck that may wait wait_s for the
+ * job's quiescent point (0: none). */
+uint64_t test_raw_send_checkpoint_wait(test_raw *r, const char *job,
+                                       const char *ck, double wait_s);
+
 /* RegisterBuffer on a raw client, mapping the rank block as libshardd does. */
 void test_raw_register_buffer(test_raw *r, const char *name,
                               shardd_dtype dtype, uint64_t numel,
