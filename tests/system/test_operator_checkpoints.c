@@ -645,20 +645,11 @@ Test(checkpoint, waiting_operator_checkpoints_are_bounded_per_session_and_uid,
     cr_skip_test("needs root to act as a second uid");
   test_daemon d;
   test_daemon_start(&d, (const char *const[]){"--job-linger", "600", NULL});
-  cr_assert_eq(chmod(d.dir, 0755), 0);
-  cr_assert_eq(chmod(d.sock, 0666), 0);
+  test_daemon_open_to_all(&d);
   int msg[2], go[2];
-  cr_assert_eq(pipe(msg), 0);
-  cr_assert_eq(pipe(go), 0);
-  pid_t pid = fork();
-  cr_assert(pid >= 0);
-  if (pid == 0) {
-    close(msg[0]);
-    close(go[1]);
+  pid_t pid = test_fork_with_pipes(msg, go);
+  if (pid == 0)
     _exit(pend_as(&d, 4242, msg[1], go[0]));
-  }
-  close(msg[1]);
-  close(go[0]);
   char text[512];
   ssize_t n = read(msg[0], text, sizeof text - 1);
   text[n > 0 ? n : 0] = '\0';
