@@ -287,6 +287,10 @@ shardd_err shardd__recv_for_many(shardd_client_t *c, uint64_t seq,
     }
     heard = mono_now();
     Shardwire__Response *resp = shardwire__response__unpack(NULL, len, payload);
+    /* the payload is decoded (copied): the reader gives back what a big
+     * reply grew it to, as the daemon's do (a trainer that once got a
+     * large status or refusal kept that memory for the connection's life) */
+    shardd__frame_reader_trim(&c->rd);
     if (resp == NULL) {
       for (int i = 0; i < nfds; i++)
         close(fds[i]);

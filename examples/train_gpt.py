@@ -154,8 +154,10 @@ def make_model(cfg):
 
 def param_groups(model, cfg):
     """GPT's two groups: weight decay for the matrices and embeddings, none
-    for biases and LayerNorms. By module type and name, not by shape: the
-    parameters of a transient ShardedModule are empty between uses."""
+    for biases and LayerNorms. By module type and name, not by shape:
+    between uses a transient ShardedModule's parameters are their 1-D parts
+    of this rank's shard (possibly empty), so ``p.shape`` is the part's
+    (``p.dim()`` stays the original's, so a split by it would work too)."""
     from torch import nn
     decay, no_decay, seen = [], [], set()
     for _, m in model.named_modules():

@@ -301,14 +301,8 @@ typedef struct {
   double waited_s; /* since its first rank submitted it */
 } shardd__coll_info;
 
-/* The i-th collective of job's queue (0 the oldest) into out, and arrived
- * (job->world bytes, the caller's) set to 1 for each local rank that
- * submitted it, 0 for the others; SHARDD_E_NOT_FOUND past the last. */
-shardd_err shardd__coll_describe(const shardd__coll_engine *e,
-                                 const shardd__job *job, size_t i,
-                                 shardd__coll_info *out, uint8_t *arrived);
-
-/* For status: a collective's local ranks, as lists of the caller's. */
+/* For status and an operator's checkpoint that timed out: a collective's
+ * local ranks, as lists of the caller's. */
 typedef struct {
   size_t max;          /* the room in each list, set by the caller */
   uint32_t *arrived;   /* the lowest that submitted it, ascending */
@@ -317,9 +311,10 @@ typedef struct {
   uint32_t arrived_all, waiting_all; /* how many of each in all */
 } shardd__coll_ranks;
 
-/* As shardd__coll_describe, the ranks as lists instead of a world-sized
- * map: costs the ranks that arrived and max, not the job's world (a status
- * of 1024 collectives of world 65536 walked 64 Mi ranks). */
+/* The i-th collective of job's queue (0 the oldest) into out, and its
+ * local ranks into rk; SHARDD_E_NOT_FOUND past the last. Lists instead of
+ * a world-sized map: costs the ranks that arrived and max, not the job's
+ * world (a status of 1024 collectives of world 65536 walked 64 Mi ranks). */
 shardd_err shardd__coll_describe_ranks(const shardd__coll_engine *e,
                                        const shardd__job *job, size_t i,
                                        shardd__coll_info *out,

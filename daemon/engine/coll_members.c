@@ -7,7 +7,6 @@
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "log.h"
 #include "lowest.h"
@@ -171,18 +170,6 @@ static const coll *describe_head(const shardd__coll_engine *e,
   if (!(out->waited_s > 0))
     out->waited_s = 0;
   return c;
-}
-
-shardd_err shardd__coll_describe(const shardd__coll_engine *e,
-                                 const shardd__job *job, size_t i,
-                                 shardd__coll_info *out, uint8_t *arrived) {
-  const coll *c = describe_head(e, job, i, out);
-  if (c == NULL)
-    return SHARDD_E_NOT_FOUND;
-  memset(arrived, 0, job->world);
-  for (uint32_t k = 0; k < c->arrived; k++)
-    arrived[c->order[k]] = 1;
-  return SHARDD_OK;
 }
 
 shardd_err shardd__coll_describe_ranks(const shardd__coll_engine *e,

@@ -278,9 +278,15 @@ void shardd__ckpt_pends_kick(shardd__dispatch *d, shardd__job *job) {
   }
 }
 
+/* Ranks pend_describe lists per collective, arrived and waiting each; the
+ * rest are counted: four collectives' fit its message (2 KiB) whole. */
+#define PEND_RANKS 8
+
 /* What p still waits on, for its timeout's message: the job's collectives
  * (kind, target, how long, which ranks arrived and which did not, and
- * whether those are connected), or the checkpoint being written. */
+ * whether those are connected), or the checkpoint being written. Costs
+ * the ranks that arrived and those it lists, not the job's world (a
+ * world-sized map per collective walked 64 Ki ranks for each). */
 static void pend_describe(shardd__dispatch *d, const ckpt_pend *p, char *out,
                           size_t n) {
   const shardd__job *job = p->job;
@@ -295,11 +301,12 @@ static void pend_describe(shardd__dispatch *d, const ckpt_pend *p, char *out,
   if (shardd__jobs_checkpointing(&d->jobs, job))
     ADD("another checkpoint of it is being written; ");
   uint32_t total = shardd__coll_inflight(d->coll, job);
-  uint8_t *arrived = calloc(job->world, 1);
   ADD("%" PRIu32 " collective(s) in flight", total);
   shardd__coll_info info;
-  for (size_t i = 0; arrived && i < 4 &&
-                     shardd__coll_describe(d->coll, job, i, &info, arrived) == SHARDD_OK;
+  uint32_t in[PEND_RANKS], waiting[PEND_RANKS];
+  shardd__coll_ranks rk = {.max = PEND_RANKS, .arrived = in, .waiting = waiting};
+  for (size_t i = 0; i < 4 &&
+                     shardd__coll_describe_ranks(d->coll, job, i, &info, &rk) == SHARDD_OK;
        i++) {
     ADD("%s %s", i ? ";" : ":", shardd__coll_kind_word(info.kind));
     if (info.name && info.name[0])
@@ -309,29 +316,24 @@ static void pend_describe(shardd__dispatch *d, const ckpt_pend *p, char *out,
       continue;
     }
     ADD(" queued %.1f s, arrived: ", info.waited_s);
-    int any = 0;
-    for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++)
-      if (arrived[r]) {
-        ADD("%s%" PRIu32, any ? "," : "rank ", r);
-        any = 1;
-      }
-    if (!any)
+    for (size_t k = 0; k < rk.n_arrived; k++)
+      ADD("%s%" PRIu32, k ? "," : "rank ", in[k]);
+    if (rk.n_arrived == 0)
       ADD("none");
+    if (rk.arrived_all > rk.n_arrived)
+      ADD(" and %" PRIu32 " more", rk.arrived_all - (uint32_t)rk.n_arrived);
     ADD(", waiting for: ");
-    any = 0;
-    for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks; r++)
-      if (!arrived[r]) {
-        ADD("%srank %" PRIu32 "%s", any ? ", " : "", r,
-            shardd__jobs_rank_held(&d->jobs, job, r) ? "" : " (not connected)");
-        any = 1;
-      }
+    for (size_t k = 0; k < rk.n_waiting; k++)
+      ADD("%srank %" PRIu32 "%s", k ? ", " : "", waiting[k],
+          shardd__jobs_rank_held(&d->jobs, job, waiting[k]) ? "" : " (not connected)");
+    if (rk.waiting_all > rk.n_waiting)
+      ADD(" and %" PRIu32 " more", rk.waiting_all - (uint32_t)rk.n_waiting);
   }
   if (total > 4)
     ADD("; and %" PRIu32 " more", total - 4);
   ADD(" (a trainer that never lets its queue empty, e.g. one that sends the "
       "next gather before the step's reply, checkpoints with sm.checkpoint)");
 #undef ADD
-  free(arrived);
 }
 
 /* The tick: waits past their bound end with what they waited on. */

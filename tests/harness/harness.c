@@ -41,6 +41,33 @@ int test_wait_exit(pid_t pid, int *status) {
   }
 }
 
+void test_expect_child_ok(pid_t pid, const char *who) {
+  int st;
+  cr_assert(test_wait_exit(pid, &st), "the %s did not finish", who);
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s step %d failed", who,
+            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+}
+
+pid_t test_fork_with_pipes(int ready[2], int go[2]) {
+  cr_assert_eq(pipe(ready), 0);
+  cr_assert_eq(pipe(go), 0);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0) {
+    close(ready[0]);
+    close(go[1]);
+    return 0;
+  }
+  close(ready[1]);
+  close(go[0]);
+  return pid;
+}
+
+void test_daemon_open_to_all(const test_daemon *d) {
+  cr_assert_eq(chmod(d->dir, 0755), 0);
+  cr_assert_eq(chmod(d->sock, 0666), 0);
+}
+
 void test_daemon_start(test_daemon *d, const char *const *extra) {
   memset(d, 0, sizeof *d);
   snprintf(d->dir, sizeof d->dir, "/tmp/shardd-test-XXXXXX");
@@ -362,6 +389,21 @@ uint64_t test_raw_send_step(test_raw *r, uint64_t opt) {
   st.optimizer = opt;
   req.body_case = SHARDWIRE__REQUEST__BODY_STEP;
   req.step = &st;
+  return test_raw_send(r, &req);
+}
+
+uint64_t test_raw_send_checkpoint_wait(test_raw *r, const char *job,
+                                       const char *ck, double wait_s) {
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Checkpoint cp = SHARDWIRE__CHECKPOINT__INIT;
+  cp.dir = (char *)ck;
+  cp.job = (char *)job;
+  if (wait_s > 0) {
+    cp.has_wait_s = 1;
+    cp.wait_s = wait_s;
+  }
+  req.body_case = SHARDWIRE__REQUEST__BODY_CHECKPOINT;
+  req.checkpoint = &cp;
   return test_raw_send(r, &req);
 }
 

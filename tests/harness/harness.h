@@ -44,8 +44,23 @@ double test_mono_s(void);
 /* Waits for pid to exit for up to TEST_HANG_S; 1 and *status if it did. */
 int test_wait_exit(pid_t pid, int *status);
 
+/* pid (a child acting as who) finishes within TEST_HANG_S, with exit code
+ * 0: else the test fails with "the <who> did not finish" or "<who> step N
+ * failed" (its exit code names the step). */
+void test_expect_child_ok(pid_t pid, const char *who);
+
+/* Pipes ready (child to test) and go (test to child), and a child process:
+ * 0 in the child, which keeps ready[1] and go[0]; the test keeps ready[0]
+ * and go[1] (so a child whose test failed reads EOF and leaves instead of
+ * outliving it). */
+pid_t test_fork_with_pipes(int ready[2], int go[2]);
+
 /* Starts shardd with extra args (NULL-terminated list). */
 void test_daemon_start(test_daemon *d, const char *const *extra);
+
+/* Opens d's socket (and its directory) to every uid, as a socket of a
+ * shared group would be under systemd: for tests that act as other uids. */
+void test_daemon_open_to_all(const test_daemon *d);
 
 /* The daemon's log, line by line, into the test's output. */
 void test_daemon_dump_log(const test_daemon *d);
@@ -139,6 +154,11 @@ uint64_t test_raw_send_scatter(test_raw *r, uint64_t buf,
                                shardd_reduce_op op);
 
 uint64_t test_raw_send_step(test_raw *r, uint64_t opt);
+
+/* An operator's Checkpoint of job into ck that may wait wait_s for the
+ * job's quiescent point (0: none). */
+uint64_t test_raw_send_checkpoint_wait(test_raw *r, const char *job,
+                                       const char *ck, double wait_s);
 
 /* RegisterBuffer on a raw client, mapping the rank block as libshardd does. */
 void test_raw_register_buffer(test_raw *r, const char *name,

@@ -66,16 +66,12 @@ int raw_connect(const char *sock) {
  * itself into uid 4242 first) and asserts it exited 0; its exit code
  * otherwise names the step that failed. */
 void run_as_other_uid(int (*fn)(const char *sock), const char *who) {
-  cr_assert_eq(chmod(d.dir, 0755), 0);
-  cr_assert_eq(chmod(d.sock, 0666), 0);
+  test_daemon_open_to_all(&d);
   pid_t pid = fork();
   cr_assert(pid >= 0);
   if (pid == 0)
     _exit(fn(d.sock));
-  int st;
-  cr_assert(test_wait_exit(pid, &st), "the %s did not finish", who);
-  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s step %d failed", who,
-            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  test_expect_child_ok(pid, who);
 }
 
 /* The daemon's resident memory, KiB (VmRSS). */

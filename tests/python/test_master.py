@@ -551,9 +551,7 @@ def mp_rank_main(rank, world, sock, job, q):
         c.close()
         q.put(("done", rank))
     except BaseException as e:  # noqa: BLE001
-        import traceback
-        q.put(("error", rank, traceback.format_exc()))
-        raise SystemExit(1) from e
+        common.rank_failed(rank, q, e)
 
 
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")

@@ -137,8 +137,7 @@ def script(rank, sock, job, q, mode, go):
             except Exception:
                 pass
     except BaseException as e:
-        import traceback
-        q.put(("error", rank, "%s\n%s" % (e, traceback.format_exc())))
+        common.rank_failed(rank, q, e)
 
 
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")

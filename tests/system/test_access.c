@@ -23,13 +23,6 @@
 
 static const char *const *base_args(void) { return NULL; }
 
-/* Opens the daemon's socket to everyone, as a 0660 socket with a shared
- * group would under systemd. */
-static void open_up(const test_daemon *d) {
-  chmod(d->dir, 0755);
-  chmod(d->sock, 0666);
-}
-
 /* What the unprivileged child saw, one result per probe. */
 typedef struct {
   int status_lists;  /* root's job appears in its status */
@@ -132,7 +125,7 @@ static uint64_t root_job(const test_daemon *d, shardd_client_t **keep) {
 static uint64_t nobody_probes_roots_job(test_daemon *d, const char *const *args,
                                         shardd_client_t **keep, probe *p) {
   test_daemon_start(d, args);
-  open_up(d);
+  test_daemon_open_to_all(d);
   uint64_t id = root_job(d, keep);
   run_as_nobody(d, id, p);
   return id;
@@ -224,7 +217,7 @@ Test(access, a_job_name_cannot_read_as_another_uids_job) {
     cr_skip_test("needs root to act as other uids");
   test_daemon d;
   test_daemon_start(&d, base_args());
-  open_up(&d);
+  test_daemon_open_to_all(&d);
   char msg[512];
   cr_assert_eq(hello_as(&d, 4243, "vj", msg, sizeof msg), SHARDD_OK, "%s", msg);
   shardd_err rc = hello_as(&d, 4242, "4243/vj", msg, sizeof msg);
@@ -328,20 +321,12 @@ static int two_jobs_as_other_uid(const char *sock, int expect_refused) {
   return 0;
 }
 
-/* The child pid (acting as who) finishes, and with exit code 0. */
-static void expect_child_ok(pid_t pid, const char *who) {
-  int st;
-  cr_assert(test_wait_exit(pid, &st), "the child did not finish");
-  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s step %d failed", who,
-            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
-}
-
 static void expect_child(const test_daemon *d, int expect_refused) {
   pid_t pid = fork();
   cr_assert(pid >= 0);
   if (pid == 0)
     _exit(two_jobs_as_other_uid(d->sock, expect_refused));
-  expect_child_ok(pid, "uid 4242");
+  test_expect_child_ok(pid, "uid 4242");
 }
 
 Test(access, uid_memory_limit_spans_a_users_jobs) {
@@ -351,7 +336,7 @@ Test(access, uid_memory_limit_spans_a_users_jobs) {
   /* 4 MiB of device memory: the default share is 1 MiB */
   test_daemon_start(&d, (const char *const[]){"--devices", "1", "--device-memory", "4M",
                                               NULL});
-  open_up(&d);
+  test_daemon_open_to_all(&d);
   expect_child(&d, 1);
   /* root is not bound by it: two such buffers in two jobs */
   shardd_client_t *c = test_connect(&d, "root-a", 0, 1);
@@ -367,12 +352,12 @@ Test(access, uid_memory_limit_spans_a_users_jobs) {
   /* --uid-memory-limit 0: no per-user bound */
   test_daemon_start(&d, (const char *const[]){"--devices", "1", "--device-memory", "4M",
                                               "--uid-memory-limit", "0", NULL});
-  open_up(&d);
+  test_daemon_open_to_all(&d);
   expect_child(&d, 0);
   cr_assert_eq(test_daemon_stop(&d), 0);
   /* and an explicit size */
   test_daemon_start(&d, (const char *const[]){"--uid-memory-limit", "1M", NULL});
-  open_up(&d);
+  test_daemon_open_to_all(&d);
   expect_child(&d, 1);
   cr_assert_eq(test_daemon_stop(&d), 0);
 }
@@ -420,7 +405,7 @@ static void expect_pooled(const test_daemon *d, uid_t uid, const char *flag) {
     _exit(pooled_job_over_a_limit(d->sock, uid, flag));
   char who[32];
   snprintf(who, sizeof who, "uid %d", (int)uid);
-  expect_child_ok(pid, who);
+  test_expect_child_ok(pid, who);
 }
 
 Test(access, a_transient_jobs_areas_count_against_the_limits_at_registration) {
@@ -433,7 +418,7 @@ Test(access, a_transient_jobs_areas_count_against_the_limits_at_registration) {
   /* 4 MiB of device memory: the default share of a uid is 1 MiB */
   test_daemon_start(&d, (const char *const[]){"--devices", "1", "--device-memory", "4M",
                                               NULL});
-  open_up(&d);
+  test_daemon_open_to_all(&d);
   expect_pooled(&d, 4242, "--uid-memory-limit");
   cr_assert_eq(test_daemon_stop(&d), 0);
 }
@@ -618,7 +603,7 @@ Test(access, ids_of_another_uid_read_as_never_issued) {
     cr_skip_test("needs root to act as two other uids");
   test_daemon d;
   test_daemon_start(&d, base_args());
-  open_up(&d);
+  test_daemon_open_to_all(&d);
   /* root's objects first, so the victim's ids are not numbers like the
    * counts of a message ("1 of 1 ...") */
   shardd_client_t *rc0 = test_connect(&d, "root-job", 0, 1);
@@ -633,15 +618,10 @@ Test(access, ids_of_another_uid_read_as_never_issued) {
                  SHARDD_OK);
   }
   int idp[2], gop[2], outp[2];
-  cr_assert(pipe(idp) == 0 && pipe(gop) == 0 && pipe(outp) == 0);
-  pid_t victim = fork();
-  cr_assert(victim >= 0);
-  if (victim == 0) {
-    close(gop[1]);
+  pid_t victim = test_fork_with_pipes(idp, gop);
+  if (victim == 0)
     _exit(victim_main(d.sock, idp[1], gop[0]));
-  }
-  close(gop[0]);
-  close(idp[1]);
+  cr_assert_eq(pipe(outp), 0);
   uint64_t ids[NIDS];
   cr_assert(read_full(idp[0], ids, 4 * sizeof ids[0]), "the victim did not report");
   ids[4] = UNUSED_ID;
@@ -654,15 +634,10 @@ Test(access, ids_of_another_uid_read_as_never_issued) {
   close(outp[1]);
   static id_answers a;
   int got = read_full(outp[0], &a, sizeof a);
-  int st;
-  cr_assert(test_wait_exit(attacker, &st), "the attacker did not finish");
-  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "attacker step %d failed",
-            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  test_expect_child_ok(attacker, "attacker");
   cr_assert(got, "the attacker did not report");
   close(gop[1]); /* the victim may go */
-  cr_assert(test_wait_exit(victim, &st), "the victim did not finish");
-  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "victim step %d failed",
-            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  test_expect_child_ok(victim, "victim");
   static const char *const what[NIDS - 1] = {"buffer", "view", "optimizer",
                                              "freed buffer"};
   for (int k = 0; k < NPROBE; k++) {
@@ -710,7 +685,7 @@ Test(access, pool_ids_count_only_the_uid_s_own_pools) {
     cr_skip_test("needs root to act as two other uids");
   test_daemon d;
   test_daemon_start(&d, base_args());
-  open_up(&d);
+  test_daemon_open_to_all(&d);
   uint64_t pool[3];
   pid_t pid[3];
   int sp[3][2];

@@ -429,8 +429,7 @@ static int reopen_copy_writable(const char *sock, uid_t uid) {
 
 /* Runs reopen_copy_writable as uid in a child; asserts it exited 0. */
 static void expect_no_writable_reopen(uid_t uid) {
-  cr_assert_eq(chmod(d.dir, 0755), 0);
-  cr_assert_eq(chmod(d.sock, 0666), 0);
+  test_daemon_open_to_all(&d);
   pid_t pid = fork();
   cr_assert_geq(pid, 0);
   if (pid == 0)

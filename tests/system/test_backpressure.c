@@ -460,21 +460,10 @@ Test(server, one_uid_holds_at_most_its_share_of_partial_frames, .timeout = 120) 
   /* a share of 8 MiB: three 2 MiB frames and a bit, of twelve begun */
   test_daemon_start(&d, (const char *const[]){"--max-partial-bytes", "32M", NULL});
   const double share = 8.0 * 1024 * 1024;
-  cr_assert_eq(chmod(d.dir, 0755), 0);
-  cr_assert_eq(chmod(d.sock, 0666), 0);
-  cr_assert_eq(pipe(share_ready), 0);
-  cr_assert_eq(pipe(share_go), 0);
-  pid_t pid = fork();
-  cr_assert(pid >= 0);
-  if (pid == 0) {
-    /* only the other side's ends stay open: if the test fails, the hog
-     * reads EOF and leaves instead of outliving it */
-    close(share_ready[0]);
-    close(share_go[1]);
+  test_daemon_open_to_all(&d);
+  pid_t pid = test_fork_with_pipes(share_ready, share_go);
+  if (pid == 0)
     _exit(share_hog(d.sock));
-  }
-  close(share_ready[1]);
-  close(share_go[0]);
   unsigned char whole;
   cr_assert_eq(read(share_ready[0], &whole, 1), 1, "the hog stopped early");
   cr_assert_leq(whole, (int)(share / BIG_PING), "uid 4242 was read %d of %d "
@@ -499,10 +488,7 @@ Test(server, one_uid_holds_at_most_its_share_of_partial_frames, .timeout = 120) 
   free(payload);
 
   cr_assert_eq(write(share_go[1], "g", 1), 1);
-  int st;
-  cr_assert(test_wait_exit(pid, &st), "the hog did not finish");
-  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "hog step %d failed",
-            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  test_expect_child_ok(pid, "hog");
   close(share_ready[0]);
   close(share_go[1]);
   /* its connections closed: their charges went with them */
@@ -711,19 +697,9 @@ static int reply_hog(const char *sock, uid_t uid, int batchers, int conns,
  * the daemon's descriptors then in *fds0 (when not NULL). */
 static void start_reply_hog(hog *h, uid_t uid, int batchers, int conns,
                             int *fds0) {
-  cr_assert_eq(pipe(h->ready), 0);
-  cr_assert_eq(pipe(h->go), 0);
-  h->pid = fork();
-  cr_assert(h->pid >= 0);
-  if (h->pid == 0) {
-    /* only the test's ends stay open there: if the test fails, the hog
-     * reads EOF and leaves instead of outliving it */
-    close(h->ready[0]);
-    close(h->go[1]);
+  h->pid = test_fork_with_pipes(h->ready, h->go);
+  if (h->pid == 0)
     _exit(reply_hog(d.sock, uid, batchers, conns, h));
-  }
-  close(h->ready[1]);
-  close(h->go[0]);
   char ch;
   cr_assert_eq(read(h->ready[0], &ch, 1), 1, "uid %d's hog stopped early",
                (int)uid);
@@ -741,10 +717,7 @@ static void hog_flood(hog *h) {
 /* Tells h to leave and checks it did, as expected. */
 static void hog_leave(hog *h, const char *who) {
   cr_assert_eq(write(h->go[1], "l", 1), 1);
-  int st;
-  cr_assert(test_wait_exit(h->pid, &st), "the %s did not finish", who);
-  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s step %d failed", who,
-            WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  test_expect_child_ok(h->pid, who);
   close(h->ready[0]);
   close(h->go[1]);
 }
@@ -828,8 +801,7 @@ Test(server, connections_that_never_read_hold_at_most_their_uids_bound,
   if (geteuid() != 0)
     cr_skip_test("needs root to act as other uids");
   test_daemon_start(&d, (const char *const[]){"--devices", "1", NULL});
-  cr_assert_eq(chmod(d.dir, 0755), 0);
-  cr_assert_eq(chmod(d.sock, 0666), 0);
+  test_daemon_open_to_all(&d);
   hog pinger, batcher;
   start_reply_hog(&pinger, 4242, 0, HOG_CONNS, NULL);
   long rss0 = daemon_rss_kib(d.pid);
@@ -961,25 +933,16 @@ Test(server, a_uids_256_connections_that_never_read_stay_within_its_bounds,
                  "descriptors holds %d batches at most",
                  (unsigned long)nofile.rlim_cur, (int)(share / HOG_BATCH));
   test_daemon_start(&d, (const char *const[]){"--devices", "1", NULL});
-  cr_assert_eq(chmod(d.dir, 0755), 0);
-  cr_assert_eq(chmod(d.sock, 0666), 0);
+  test_daemon_open_to_all(&d);
   hog h;
   int fds0;
   start_reply_hog(&h, 4242, batchers, SOAK_CONNS, &fds0);
   long rss0 = daemon_rss_kib(d.pid);
 
   int stop[2], out[2];
-  cr_assert_eq(pipe(stop), 0);
-  cr_assert_eq(pipe(out), 0);
-  pid_t pinger = fork();
-  cr_assert(pinger >= 0);
-  if (pinger == 0) {
-    close(stop[1]);
-    close(out[0]);
+  pid_t pinger = test_fork_with_pipes(out, stop);
+  if (pinger == 0)
     _exit(pings_until_told(d.sock, stop[0], out[1]));
-  }
-  close(stop[0]);
-  close(out[1]);
 
   double t0 = test_mono_s();
   hog_flood(&h);

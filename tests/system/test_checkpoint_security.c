@@ -259,8 +259,7 @@ Test(checkpoint, checkpoint_root_gives_each_uid_its_own_directory, .timeout = 60
   cr_assert_eq(mkdir(root, 0755), 0);
   test_daemon d;
   test_daemon_start(&d, (const char *const[]){"--checkpoint-root", root, NULL});
-  cr_assert_eq(chmod(d.dir, 0755), 0);
-  cr_assert_eq(chmod(d.sock, 0666), 0);
+  test_daemon_open_to_all(&d);
 
   /* uid 4242 checkpoints below root/4242, which the daemon makes for it */
   snprintf(path, sizeof path, "%s/4242/ck", root);

@@ -184,8 +184,7 @@ Test(fabric, a_spec_without_uid_lays_out_one_users_job, .timeout = 60) {
   const char *jobs[] = {"job"};
   start_pair(pair, &scr, jobs, 1, "5");
   shardd_client_t *c = test_connect(&pair[0], "job", 0, W);
-  cr_assert_eq(chmod(pair[0].dir, 0755), 0);
-  cr_assert_eq(chmod(pair[0].sock, 0666), 0);
+  test_daemon_open_to_all(&pair[0]);
   pid_t pid = fork();
   cr_assert(pid >= 0);
   if (pid == 0)

@@ -19,12 +19,6 @@
 
 TestSuite(fabric, .init = fabric_setup, .fini = fabric_teardown);
 
-/* A test that acts as other uids: they reach d's socket. */
-static void open_to_other_uids(const test_daemon *d) {
-  cr_assert_eq(chmod(d->dir, 0755), 0);
-  cr_assert_eq(chmod(d->sock, 0666), 0);
-}
-
 /* A child process (0 in it), or the test fails. */
 static pid_t fork_or_fail(void) {
   pid_t pid = fork();
@@ -170,7 +164,7 @@ Test(fabric, a_restore_gets_a_job_spec_only_for_the_specs_uid, .timeout = 60) {
   test_daemon_start(&d, (const char *const[]){"--backend", "host", "--devices", "2",
                                               "--job-linger", "0", "--job-spec", spec_vj,
                                               "--job-spec", spec_open, NULL});
-  open_to_other_uids(&d);
+  test_daemon_open_to_all(&d);
 
   pid_t pid = fork_or_fail();
   if (pid == 0)
@@ -181,9 +175,7 @@ Test(fabric, a_restore_gets_a_job_spec_only_for_the_specs_uid, .timeout = 60) {
   expect_child(pid, "uid 1001's Hello of \"vj\", which uid 1002's spec does not lay out");
 
   int ready[2], go[2];
-  cr_assert_eq(pipe(ready), 0);
-  cr_assert_eq(pipe(go), 0);
-  pid_t victim = fork_or_fail();
+  pid_t victim = test_fork_with_pipes(ready, go);
   if (victim == 0)
     _exit(victim_holds(d.sock, ready[1], go[0]));
   char b;
@@ -194,8 +186,6 @@ Test(fabric, a_restore_gets_a_job_spec_only_for_the_specs_uid, .timeout = 60) {
   cr_assert_eq(write(go[1], &b, 1), 1);
   expect_child(victim, "the victim");
   close(ready[0]);
-  close(ready[1]);
-  close(go[0]);
   close(go[1]);
 
   /* the daemon kept none of the attacker's jobs */
@@ -284,7 +274,7 @@ Test(fabric, two_uids_jobs_of_one_name_never_meet_in_a_rendezvous, .timeout = 60
                                  "--backend", "host", "--devices", "2",
                                  "--collective-timeout", "2", "--job-linger", "0",
                                  "--job-spec", spec[n][0], "--job-spec", spec[n][1], NULL});
-    open_to_other_uids(&d[n]);
+    test_daemon_open_to_all(&d[n]);
   }
   pid_t a = fork_or_fail();
   if (a == 0)

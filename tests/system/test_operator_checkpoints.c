@@ -403,21 +403,6 @@ Test(checkpoint, checkpoint_root_confines_client_paths, .timeout = 60) {
 
 /* ---- an operator's checkpoint waits; steps wait for it ------------------ */
 
-static uint64_t send_checkpoint_wait(test_raw *r, const char *job, const char *ck,
-                                     double wait_s) {
-  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
-  Shardwire__Checkpoint cp = SHARDWIRE__CHECKPOINT__INIT;
-  cp.dir = (char *)ck;
-  cp.job = (char *)job;
-  if (wait_s > 0) {
-    cp.has_wait_s = 1;
-    cp.wait_s = wait_s;
-  }
-  req.body_case = SHARDWIRE__REQUEST__BODY_CHECKPOINT;
-  req.checkpoint = &cp;
-  return test_raw_send(r, &req);
-}
-
 #define LIVE_NUMEL ((uint64_t)24 << 20) /* fp32: 96 MiB, a write that takes a while */
 
 /* Rank 0's gather is queued (rank 1 has not sent its own): a plain
@@ -454,10 +439,10 @@ Test(checkpoint, an_operator_checkpoint_waits_for_the_quiescent_point_and_holds_
   uint64_t g0 = test_raw_send_gather(&a, ia.id);
   test_raw_sync(&a); /* queued, waiting for rank 1 */
   Shardwire__Response *resp =
-      test_raw_expect(&e, send_checkpoint_wait(&e, "live", ck, 0), SHARDD_E_BUSY);
+      test_raw_expect(&e, test_raw_send_checkpoint_wait(&e, "live", ck, 0), SHARDD_E_BUSY);
   cr_expect(strstr(resp->message, "1 collective(s) in flight"), "%s", resp->message);
   shardwire__response__free_unpacked(resp, NULL);
-  uint64_t s_ck = send_checkpoint_wait(&e, "live", ck, 30);
+  uint64_t s_ck = test_raw_send_checkpoint_wait(&e, "live", ck, 30);
   test_raw_sync(&e); /* the Pong first: the checkpoint waits */
   snprintf(path, sizeof path, "%s/manifest", ck);
   cr_assert_eq(access(path, F_OK), -1, "written while a gather was queued");
@@ -608,7 +593,7 @@ static int pend_as(const test_daemon *d, uid_t uid, int msg_fd, int go_fd) {
     test_raw_hello(&s[k], NULL, 0, 0);
   }
   /* a path past PATH_MAX is never stored */
-  uint64_t seq = send_checkpoint_wait(&s[0], "busy", huge, 60);
+  uint64_t seq = test_raw_send_checkpoint_wait(&s[0], "busy", huge, 60);
   test_raw_sync_keep(&s[0], &early);
   if (early == NULL || early->seq != seq ||
       early->code != SHARDWIRE__STATUS_CODE__E_RANGE ||
@@ -617,19 +602,19 @@ static int pend_as(const test_daemon *d, uid_t uid, int msg_fd, int go_fd) {
   shardwire__response__free_unpacked(early, NULL);
   for (int k = 0; k < 4; k++) {
     for (int i = 0; i < PEND_PER_SESSION; i++)
-      send_checkpoint_wait(&s[k], "busy", path, 60);
+      test_raw_send_checkpoint_wait(&s[k], "busy", path, 60);
     test_raw_sync_keep(&s[k], &early);
     if (early)
       PEND_FAIL(2, early); /* all of them wait */
   }
-  seq = send_checkpoint_wait(&s[0], "busy", path, 60);
+  seq = test_raw_send_checkpoint_wait(&s[0], "busy", path, 60);
   test_raw_sync_keep(&s[0], &early);
   if (early == NULL || early->seq != seq ||
       early->code != SHARDWIRE__STATUS_CODE__E_LIMIT ||
       !strstr(early->message, "16") || !strstr(early->message, "per session"))
     PEND_FAIL(3, early);
   shardwire__response__free_unpacked(early, NULL);
-  seq = send_checkpoint_wait(&s[4], "busy", path, 60);
+  seq = test_raw_send_checkpoint_wait(&s[4], "busy", path, 60);
   test_raw_sync_keep(&s[4], &early);
   if (early == NULL || early->seq != seq ||
       early->code != SHARDWIRE__STATUS_CODE__E_LIMIT ||
@@ -660,20 +645,11 @@ Test(checkpoint, waiting_operator_checkpoints_are_bounded_per_session_and_uid,
     cr_skip_test("needs root to act as a second uid");
   test_daemon d;
   test_daemon_start(&d, (const char *const[]){"--job-linger", "600", NULL});
-  cr_assert_eq(chmod(d.dir, 0755), 0);
-  cr_assert_eq(chmod(d.sock, 0666), 0);
+  test_daemon_open_to_all(&d);
   int msg[2], go[2];
-  cr_assert_eq(pipe(msg), 0);
-  cr_assert_eq(pipe(go), 0);
-  pid_t pid = fork();
-  cr_assert(pid >= 0);
-  if (pid == 0) {
-    close(msg[0]);
-    close(go[1]);
+  pid_t pid = test_fork_with_pipes(msg, go);
+  if (pid == 0)
     _exit(pend_as(&d, 4242, msg[1], go[0]));
-  }
-  close(msg[1]);
-  close(go[0]);
   char text[512];
   ssize_t n = read(msg[0], text, sizeof text - 1);
   text[n > 0 ? n : 0] = '\0';
@@ -697,7 +673,7 @@ Test(checkpoint, waiting_operator_checkpoints_are_bounded_per_session_and_uid,
   test_raw_sync(&rk);
   char ck[128];
   snprintf(ck, sizeof ck, "%s/rootck", dir);
-  send_checkpoint_wait(&p, "rootjob", ck, 60);
+  test_raw_send_checkpoint_wait(&p, "rootjob", ck, 60);
   Shardwire__Response *early;
   test_raw_sync_keep(&p, &early);
   cr_expect_null(early, "root's checkpoint was refused: %s",

@@ -15,24 +15,6 @@
 
 /* ---- what the tests share ------------------------------------------------ */
 
-/* Pipes ready (child to test) and go (test to child), and a child process:
- * 0 in the child, which keeps ready[1] and go[0]; the test keeps ready[0]
- * and go[1]. */
-static pid_t fork_with_pipes(int ready[2], int go[2]) {
-  cr_assert_eq(pipe(ready), 0);
-  cr_assert_eq(pipe(go), 0);
-  pid_t pid = fork();
-  cr_assert(pid >= 0);
-  if (pid == 0) {
-    close(ready[0]);
-    close(go[1]);
-    return 0;
-  }
-  close(ready[1]);
-  close(go[0]);
-  return pid;
-}
-
 /* A rank's shard, reduced shard and gather area, as they were. */
 typedef struct {
   unsigned char *shard, *reduced, *gather;
@@ -122,7 +104,7 @@ ParameterizedTestParameters(collective, rank_lost_mid_collective) {
 ParameterizedTest(lost_case *lc, collective, rank_lost_mid_collective, .init = start4,
                   .fini = stop_daemon, .timeout = 60) {
   int ready[2], go[2];
-  pid_t child = fork_with_pipes(ready, go);
+  pid_t child = test_fork_with_pipes(ready, go);
   if (child == 0)
     child_rank3(d.sock, ready[1], go[0], lc->kind);
 
@@ -329,7 +311,7 @@ static void child_rank1(const char *sock, int ready, int go, int first) {
 }
 
 static pid_t spawn_rank1(int ready[2], int go[2], int first) {
-  pid_t pid = fork_with_pipes(ready, go);
+  pid_t pid = test_fork_with_pipes(ready, go);
   if (pid == 0)
     child_rank1(d.sock, ready[1], go[0], first);
   return pid;
@@ -597,7 +579,7 @@ ParameterizedTest(kill_case *kc, collective, rank_sigkilled_mid_collective,
   team_close(&t);
 
   int ready[2], go[2];
-  pid_t child = fork_with_pipes(ready, go);
+  pid_t child = test_fork_with_pipes(ready, go);
   if (child == 0)
     victim(ready[1], go[0], kc->kind, opt);
   test_raw r[2];

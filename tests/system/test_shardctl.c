@@ -437,8 +437,7 @@ Test(shardctl, release_frees_a_job_nobody_holds_so_a_restore_can_follow) {
   shardd_close(c);
 
   /* another uid does not even find it */
-  cr_assert_eq(chmod(d.dir, 0755), 0);
-  cr_assert_eq(chmod(d.sock, 0666), 0);
+  test_daemon_open_to_all(&d);
   pid_t pid = fork();
   cr_assert(pid >= 0);
   if (pid == 0) {
@@ -671,8 +670,7 @@ Test(shardctl, restore_prints_another_uids_longest_job_name_whole, .timeout = 60
   snprintf(qualified, sizeof qualified, "4250/%s", name);
   test_daemon_start(&d, (const char *const[]){"--job-linger", "600", NULL});
   snprintf(ck, sizeof ck, "%s/ck", d.dir);
-  cr_assert_eq(chmod(d.dir, 0755), 0);
-  cr_assert_eq(chmod(d.sock, 0666), 0);
+  test_daemon_open_to_all(&d);
   pid_t pid = fork();
   cr_assert(pid >= 0);
   if (pid == 0) { /* uid 4250 makes the job, which lingers */

@@ -69,8 +69,7 @@ Test(server, idle_connections_of_another_uid_lock_nobody_out, .timeout = 120) {
   test_daemon_start(&d, (const char *const[]){"--max-clients", "4", "--max-clients-per-uid",
                                                "2", "--hello-timeout", "3",
                                                "--frame-timeout", "1", NULL});
-  cr_assert_eq(chmod(d.dir, 0755), 0);
-  cr_assert_eq(chmod(d.sock, 0666), 0);
+  test_daemon_open_to_all(&d);
   int pipefd[2];
   cr_assert_eq(pipe(pipefd), 0);
   pid_t pid = fork();
@@ -428,8 +427,7 @@ Test(server, two_uids_train_jobs_of_one_name_each_its_own, .timeout = 120) {
   if (geteuid() != 0)
     cr_skip_test("needs root to act as a second uid");
   test_daemon_start(&d, NULL);
-  cr_assert_eq(chmod(d.dir, 0755), 0);
-  cr_assert_eq(chmod(d.sock, 0666), 0);
+  test_daemon_open_to_all(&d);
   int go[2];
   cr_assert_eq(pipe(go), 0);
   const uid_t uids[2] = {0, 4242};

@@ -29,6 +29,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "client_int.h" /* the reader of a connection, for its size */
 #include "frame.h"
 #include "proto/shardd.pb-c.h"
 #include "shardd.h"
@@ -81,6 +82,8 @@ typedef struct {
   int hello_transient;
   /* HelloReply.protocol_version: 0 is SHARDD_PROTOCOL_VERSION */
   uint32_t hello_protocol;
+  /* > 0: the StatusReply's socket_path is this many bytes (a big reply) */
+  size_t status_pad;
 } fake_script;
 
 typedef struct {
@@ -374,17 +377,24 @@ static int fake_serve(int lfd, const fake_script *sc) {
       resp.pong = &pong;
       r = fake_send(fd, &resp, -1);
       break;
-    case SHARDWIRE__REQUEST__BODY_STATUS:
+    case SHARDWIRE__REQUEST__BODY_STATUS: {
+      char *pad = sc->status_pad ? malloc(sc->status_pad + 1) : NULL;
+      if (pad) {
+        memset(pad, 'x', sc->status_pad);
+        pad[sc->status_pad] = '\0';
+      }
       st.daemon_version = "fake";
       st.protocol_version = SHARDD_PROTOCOL_VERSION;
       st.pid = (uint64_t)getpid();
       st.backend = "cuda";
-      st.socket_path = "fake.sock";
+      st.socket_path = pad ? pad : "fake.sock";
       st.clients = 1;
       resp.body_case = SHARDWIRE__RESPONSE__BODY_STATUS;
       resp.status = &st;
       r = fake_send(fd, &resp, -1);
+      free(pad);
       break;
+    }
     case SHARDWIRE__REQUEST__BODY_REGISTER_BUFFER: {
       int i = nreg < sc->nbufs ? nreg : sc->nbufs - 1;
       nreg++;
@@ -874,6 +884,26 @@ Test(client, oversized_frame_gives_the_connection_up, .timeout = 30) {
    * again */
   cr_assert_eq(shardd_ping(c), SHARDD_E_CLOSED, "%s", shardd_last_error(c));
   cr_assert_not_null(strstr(shardd_last_error(c), "closed earlier"));
+  shardd_close(c);
+  fake_stop(&s);
+}
+
+/* The reader's buffer grew to the largest reply and stayed so for the
+ * connection's life; it is now trimmed back once a reply is decoded. */
+Test(client, a_big_reply_leaves_the_reader_small, .timeout = 30) {
+  fake_script sc = one(fake_host());
+  sc.status_pad = (size_t)4 << 20;
+  fake_server s;
+  fake_start(&s, &sc);
+  shardd_client_t *c = fake_connect(&s);
+  char *json = NULL;
+  cr_assert_eq(shardd_status_json(c, &json), SHARDD_OK, "%s", shardd_last_error(c));
+  cr_assert_gt(strlen(json), sc.status_pad);
+  shardd_free(json);
+  /* the daemon's bound for an idle reader (common/frame.c) */
+  cr_assert_leq(c->rd.cap, (size_t)8 << 10, "the reader keeps %zu bytes after "
+                "a %zu-byte reply", c->rd.cap, sc.status_pad);
+  cr_assert_eq(shardd_ping(c), SHARDD_OK, "%s", shardd_last_error(c));
   shardd_close(c);
   fake_stop(&s);
 }

@@ -1555,26 +1555,39 @@ Test(coll, ranks_rejoining_a_wide_job_all_of_whose_ranks_left_are_quick) {
   shardd__coll_job_free(eng, wide);
 }
 
-/* What status reads: each queued collective and who has submitted it. */
+/* What status reads: each queued collective, who has submitted it and who
+ * not, as many of each as the caller has room for and the rest counted. */
 Test(coll, describe_lists_arrivals) {
   shardd__buffer *a = buf_new("a", 300), *b = buf_new("b", 300);
   submit(0, 1, gather_args(a));
   submit(2, 2, gather_args(a));
   submit(1, 3, scatter_args(b, SHARDD_REDUCE_SUM));
   shardd__coll_info info;
-  uint8_t arrived[W];
-  cr_assert_eq(shardd__coll_describe(eng, job, 0, &info, arrived), SHARDD_OK);
+  uint32_t in[W], out[W];
+  shardd__coll_ranks rk = {.max = W, .arrived = in, .waiting = out};
+  cr_assert_eq(shardd__coll_describe_ranks(eng, job, 0, &info, &rk), SHARDD_OK);
   cr_assert_eq(info.kind, SHARDD__COLL_GATHER);
   cr_assert_eq(info.target, a->hdr.id);
   cr_assert_str_eq(info.name, "a");
   cr_assert(!info.running);
   cr_assert_geq(info.waited_s, 0);
-  cr_assert(arrived[0] && !arrived[1] && arrived[2]);
-  cr_assert_eq(shardd__coll_describe(eng, job, 1, &info, arrived), SHARDD_OK);
+  cr_assert_eq(rk.n_arrived, 2u);
+  cr_assert(in[0] == 0 && in[1] == 2);
+  cr_assert_eq(rk.n_waiting, 1u);
+  cr_assert_eq(out[0], 1u);
+  cr_assert(rk.arrived_all == 2 && rk.waiting_all == 1);
+  cr_assert_eq(shardd__coll_describe_ranks(eng, job, 1, &info, &rk), SHARDD_OK);
   cr_assert_eq(info.kind, SHARDD__COLL_SCATTER);
   cr_assert_str_eq(info.name, "b");
-  cr_assert(!arrived[0] && arrived[1] && !arrived[2]);
-  cr_assert_eq(shardd__coll_describe(eng, job, 2, &info, arrived), SHARDD_E_NOT_FOUND);
+  cr_assert(rk.n_arrived == 1 && in[0] == 1);
+  cr_assert(rk.n_waiting == 2 && out[0] == 0 && out[1] == 2);
+  /* room for one of each: the lowest, the others counted */
+  rk.max = 1;
+  cr_assert_eq(shardd__coll_describe_ranks(eng, job, 0, &info, &rk), SHARDD_OK);
+  cr_assert(rk.n_arrived == 1 && in[0] == 0 && rk.arrived_all == 2);
+  cr_assert_eq(shardd__coll_describe_ranks(eng, job, 1, &info, &rk), SHARDD_OK);
+  cr_assert(rk.n_waiting == 1 && out[0] == 0 && rk.waiting_all == 2);
+  cr_assert_eq(shardd__coll_describe_ranks(eng, job, 2, &info, &rk), SHARDD_E_NOT_FOUND);
 }
 
 /* ---- all_reduce and barrier --------------------------------------------- */
