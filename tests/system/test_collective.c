@@ -858,3 +858,66 @@ Test(collective, a_request_reusing_a_running_requests_seq_is_refused, .init = st
   test_raw_close(&a);
   test_raw_close(&b);
 }
+
+/* A rank that goes away mid-bucket, after its bucket joined the one its
+ * peer sent: its peer's bucket fails at once, every entry
+ * naming the lost rank (E_PEER_LOST, one reply), nothing is left queued,
+ * and once the rank is back the next bucket of every rank lands exactly. */
+Test(collective, a_rank_gone_mid_bucket_fails_it_for_its_peer_and_the_next_runs,
+     .init = start4, .fini = stop_daemon, .timeout = 60) {
+  enum { NR = 3, NU = 4 };
+  test_raw r[NR];
+  shardd_buffer_info b[NR][NU];
+  uint64_t ids[NR][NU];
+  for (int k = 0; k < NR; k++) {
+    test_raw_open(&d, &r[k]);
+    test_raw_hello(&r[k], "bucketgone", (uint32_t)k, NR);
+    for (int i = 0; i < NU; i++) {
+      char name[16];
+      snprintf(name, sizeof name, "u%d", i);
+      test_raw_register_buffer(&r[k], name, SHARDD_DTYPE_FP32, 300 + 7 * (uint64_t)i,
+                               &b[k][i]);
+      ids[k][i] = b[k][i].id;
+    }
+  }
+  raw_gather_bucket(&r[0], 100, ids[0], NU);
+  test_raw_sync(&r[0]);
+  raw_gather_bucket(&r[1], 100, ids[1], NU);
+  test_raw_sync(&r[1]);
+  cr_assert_eq(job_inflight("bucketgone"), NU, "both buckets wait for rank 2");
+  test_raw_close(&r[1]);
+  Shardwire__Response *resp = test_raw_expect(&r[0], 100, SHARDD_E_PEER_LOST);
+  cr_assert(resp->message && strstr(resp->message, "4 of the 4 entries") &&
+                strstr(resp->message, "rank 1"),
+            "%s", resp->message ? resp->message : "");
+  shardwire__response__free_unpacked(resp, NULL);
+  cr_assert_eq(job_inflight("bucketgone"), 0, "the failed bucket left something queued");
+  /* rank 1 back: the next bucket of every rank runs, each byte in place */
+  test_raw_open(&d, &r[1]);
+  test_raw_hello(&r[1], "bucketgone", 1, NR);
+  for (int i = 0; i < NU; i++) {
+    char name[16];
+    snprintf(name, sizeof name, "u%d", i);
+    test_raw_register_buffer(&r[1], name, SHARDD_DTYPE_FP32, 300 + 7 * (uint64_t)i,
+                             &b[1][i]);
+    ids[1][i] = b[1][i].id;
+  }
+  for (int k = 0; k < NR; k++)
+    for (int i = 0; i < NU; i++)
+      for (size_t j = 0; j < b[k][i].shard_numel; j++)
+        ((float *)b[k][i].shard)[j] = (float)(100000 * k + 1000 * i + (int)j);
+  for (int k = 0; k < NR; k++)
+    raw_gather_bucket(&r[k], 101, ids[k], NU);
+  for (int k = 0; k < NR; k++)
+    shardwire__response__free_unpacked(test_raw_expect(&r[k], 101, SHARDD_OK), NULL);
+  for (int k = 0; k < NR; k++)
+    for (int i = 0; i < NU; i++) {
+      uint64_t s = b[k][i].shard_numel;
+      for (size_t j = 0; j < b[k][i].padded_numel; j++)
+        cr_assert_eq(((float *)b[k][i].gather)[j],
+                     (float)(100000 * (int)(j / s) + 1000 * i + (int)(j % s)),
+                     "rank %d buffer %d element %zu", k, i, j);
+    }
+  for (int k = 0; k < NR; k++)
+    test_raw_close(&r[k]);
+}
