@@ -75,6 +75,9 @@ def _owner(params):
 
 class _ShardedOptimizer(torch.optim.Optimizer):
     _kind = None
+    # the daemon's SGD / Adam / AdamW step each element from its own
+    # gradient and state (shardd.nn's check of torch.optim's steps)
+    shardd_elementwise = True
     # the group keys sent each step, torch's names
     _keys = ()
 

@@ -252,7 +252,8 @@ from .units import (FlatUnit, _CONTAINERS, _Entry, _PARAM_CONTAINERS, _Saved, _S
 from .grads import _GRAD16_GETS, _Grad16, _ResidentGrad, _in_zero_grad, _torch_caller
 from .reads import _WATCH, _WATCHED, _watch, _watched_class
 from .optimizer_hook import (_HELD, _ORIGINALS, _OWNERS, _STEP_HOOKED, _before_step,
-                             _install_step_hook, _mark_step_hooked, _wrap_step, owner_of)
+                             _install_step_hook, _mark_step_hooked, _wrap_step, owner_of,
+                             elementwise_optimizer)
 from .state_dicts import FullStateDictConfig, _StateDicts
 from .hooks import _ForwardHooks
 from .backward import _BackwardHooks
@@ -261,6 +262,7 @@ from .meta import _MetaInit, _materialize
 from .module import INIT_POLICIES, ShardedModule
 
 # the public names are shardd.nn's, as before the split (repr, pickling)
-for _o in (ShardedModule, FullStateDictConfig, FlatUnit, size_based_auto_wrap_policy, owner_of):
+for _o in (ShardedModule, FullStateDictConfig, FlatUnit, size_based_auto_wrap_policy, owner_of,
+           elementwise_optimizer):
     _o.__module__ = __name__
 del _o
