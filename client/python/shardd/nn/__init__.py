@@ -254,6 +254,7 @@ from .reads import _WATCH, _WATCHED, _watch, _watched_class
 from .optimizer_hook import (_HELD, _ORIGINALS, _OWNERS, _STEP_HOOKED, _before_step,
                              _install_step_hook, _mark_step_hooked, _wrap_step, owner_of,
                              elementwise_optimizer)
+from .optim_state import PARTS_KEY, full_optim_state_dict
 from .state_dicts import FullStateDictConfig, _StateDicts
 from .hooks import _ForwardHooks
 from .backward import _BackwardHooks
@@ -263,6 +264,6 @@ from .module import INIT_POLICIES, ShardedModule
 
 # the public names are shardd.nn's, as before the split (repr, pickling)
 for _o in (ShardedModule, FullStateDictConfig, FlatUnit, size_based_auto_wrap_policy, owner_of,
-           elementwise_optimizer):
+           elementwise_optimizer, full_optim_state_dict):
     _o.__module__ = __name__
 del _o

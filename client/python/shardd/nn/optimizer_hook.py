@@ -246,6 +246,8 @@ def _install_step_hook():
     if _STEP_HOOKED[0]:
         return
     _STEP_HOOKED[0] = True
+    from . import optim_state
+    optim_state.install()  # state dicts of parts: see optim_state.py
     Optimizer = torch.optim.Optimizer
     import torch.optim.optimizer as optimizer_mod  # not an attribute of torch.optim in 1.13
     reg = getattr(optimizer_mod, "register_optimizer_step_pre_hook", None)
