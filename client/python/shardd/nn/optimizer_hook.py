@@ -201,9 +201,23 @@ def _check_stale(opt):
     opt._shardd_checked = n
 
 
+# ShardedModules whose last backward was refused midway with part of its
+# gradient added to a .grad kept from before (backward.py's
+# _abort_backward): an optimizer's step over their parameters is refused
+# until a zero_grad() clears them
+_PARTIAL = weakref.WeakSet()
+
+
 def _step_pre(opt):
     """Every torch.optim.Optimizer's step runs this first."""
     _check_stale(opt)
+    if _PARTIAL:
+        ids = {id(p) for g in opt.param_groups for p in g["params"]}
+        for sm in list(_PARTIAL):
+            if not ids.isdisjoint(sm._by_param):
+                sm._check_partial_grads()
+            if not sm._partial:
+                _PARTIAL.discard(sm)
     if _HELD:
         _before_step(opt)
 
