@@ -103,6 +103,10 @@ def make_opt(kind, params):
         return torch.optim.SGD(params, lr=0.01, momentum=0.5, maximize=True)
     if kind == "rprop":
         return torch.optim.Rprop(params, lr=1e-3)
+    if kind in ("Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD"):
+        return getattr(torch.optim, kind)(params, lr=1e-2)
+    if kind == "RMSprop":
+        return torch.optim.RMSprop(params, lr=1e-3, momentum=0.5, centered=True)
     if kind == "subclass":
         return WarmAdamW(params)
     if kind == "marked":
@@ -128,7 +132,7 @@ def reference(kind, world):
     return losses, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
 
 
-def rank_main(rank, world, sock, job, kind, refused, q):
+def rank_main(rank, world, sock, job, kind, q):
     try:
         torch.set_num_threads(1)
         client = shardd.Client(sock, job=job, rank=rank, world=world, transient_areas=True,
@@ -163,9 +167,9 @@ def rank_main(rank, world, sock, job, kind, refused, q):
         common.rank_failed(rank, q, e)
 
 
-def run(kind, refused, world=2):
+def run(kind, world=2):
     job, sock, out = common.job("elemwise"), common.socket(), {}
-    common.launch_ranks(rank_main, lambda r, q: (r, world, sock, job, kind, refused, q), world,
+    common.launch_ranks(rank_main, lambda r, q: (r, world, sock, job, kind, q), world,
                         lambda m: out.__setitem__(m[1], m[2:]) if m[0] == "out" else None, 150)
     return out
 
@@ -175,7 +179,7 @@ class ElementwiseOptimizerTest(unittest.TestCase):
 
     def trains_as_torch(self, kind, world=2):
         want_losses, want = reference(kind, world)
-        out = run(kind, False, world)
+        out = run(kind, world)
         for r in range(world):
             self.assertIsNone(out[r][1], "%s: rank %d" % (kind, r))
         losses = [sum(out[r][0][i] for r in range(world)) / world for i in range(STEPS)]
@@ -187,7 +191,7 @@ class ElementwiseOptimizerTest(unittest.TestCase):
             np.testing.assert_array_equal(out[0][3][k], v, err_msg="%s: %s" % (kind, k))
 
     def refused(self, kind, cls, world=2):
-        out = run(kind, True, world)
+        out = run(kind, world)
         for r in range(world):
             losses, err, same, _ = out[r]
             self.assertIsNotNone(err, "%s: rank %d stepped without an error" % (kind, r))
@@ -206,6 +210,10 @@ class ElementwiseOptimizerTest(unittest.TestCase):
 
     def test_rprop_trains_as_torch(self):
         self.trains_as_torch("rprop")
+
+    def test_the_other_elementwise_torch_optimizers_train_as_torch(self):
+        for kind in ("Adagrad", "Adadelta", "Adamax", "RMSprop", "NAdam", "RAdam", "ASGD"):
+            self.trains_as_torch(kind)
 
     def test_a_subclass_keeping_adamws_step_trains_as_torch(self):
         self.trains_as_torch("subclass")

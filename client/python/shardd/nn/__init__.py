@@ -67,6 +67,17 @@ its step (any ``torch.optim.Optimizer``'s, hooked as below) raises,
 naming them, instead of skipping them all; so does its step over a
 parameter registered on the wrapped model after wrapping (``add_module``),
 which no wrapper manages (its gradient each rank's own, never reduced).
+A torch.optim optimizer steps each rank's 1-D part of a parameter, so
+only an element-wise one computes torch's update: torch's SGD, Adam,
+AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop, NAdam, RAdam, ASGD (and
+subclasses keeping their step), shardd.optim's, and a class marked with
+:func:`elementwise_optimizer`; any other's first step over a transient
+wrapper's parameters raises, naming it (a LARS trust ratio would take the
+part's norm, Adafactor the part's shape, LBFGS dot products over the
+parts). Its ``state_dict()`` records each rank's part of every parameter,
+and its ``load_state_dict()`` takes a whole dict (plain torch's, or
+:func:`full_optim_state_dict` of every rank's, for any world size) and
+refuses a rank's dict whose parts differ here (optim_state.py).
 
 A parameter replaced or converted behind the wrapper's back after
 wrapping (``module.weight = nn.Parameter(t)``, ``model.half()`` /
@@ -225,6 +236,10 @@ units (or one and the root unit) in one backward run into the lease limit
 (E_LIMIT); so does a unit used by two forwards before one backward (a loss
 over two batches: it waits for the first forward's part of backward;
 FSDP's supports it), refused naming the units that wait and for what.
+Such a refused backward releases every area leased for it and its
+forwards, unscattered, and puts each ``.grad`` back as it was, but where
+a unit had already added its share to a ``.grad`` kept from before: the
+next backward and optimizer step refuse (E_STATE) until ``zero_grad()``.
 
 On the cuda backend the parameters and their ``.grad`` live on the GPU the
 daemon put this rank's areas on (:attr:`ShardedModule.device`; the module's

@@ -38,7 +38,7 @@ def _owned_parts(opt):
         for p in g["params"]:
             got = _OWNERS.get(id(p))
             sm = got[1]() if got is not None and got[0]() is p else None
-            if sm is not None:
+            if sm is not None and sm.transient:  # (resident: torch.optim refused)
                 e = sm._by_param.get(id(p))
                 if e is not None and e.part is not None:
                     if id(sm) not in units:

@@ -155,8 +155,9 @@ def _check_elementwise(opt):
     for g in opt.param_groups:
         for p in g["params"]:
             got = _OWNERS.get(id(p))
-            if got is not None and got[0]() is p and got[1]() is not None:
-                e = got[1]()._by_param.get(id(p))
+            sm = got[1]() if got is not None and got[0]() is p else None
+            if sm is not None and sm.transient:  # (resident ones refuse torch.optim)
+                e = sm._by_param.get(id(p))
                 names.append(e.name if e is not None else "?")
     if names:
         raise RuntimeError(
