@@ -107,7 +107,7 @@ def save_main(rank, world, sock, job, kind, d, q):
         common.rank_failed(rank, q, e)
 
 
-def load_main(rank, world, sock, job, kind, d, how, q):
+def load_main(rank, world, sock, job, kind, d, how, q, saved=None):
     """The second half on world ranks from what save_main saved (how:
     "joined", "own" (this rank's dict of the first world, as it is),
     "torch" (the reference's plain torch dicts))."""
@@ -123,7 +123,9 @@ def load_main(rank, world, sock, job, kind, d, how, q):
             dicts = [torch.load(os.path.join(d, "optim.%d.pt" % r)) for r in range(2)]
             if how == "own":
                 osd = dicts[min(rank, 1)]
-            elif kind == "shardd":
+            elif how == "list":  # every rank's dicts as they are
+                osd = dicts
+            elif kind == "shardd" and saved != "torch":
                 osd = dicts  # every rank's sharded dicts, resharded
             else:
                 osd = shardd.nn.full_optim_state_dict(dicts)
@@ -179,11 +181,11 @@ class OptimizerStateAcrossWorldsTest(unittest.TestCase):
         out = collect(save_main, lambda r, q: (r, 2, sock, job, kind, self.dir, q), 2)
         return out["mean"]
 
-    def load(self, kind, world, how):
+    def load(self, kind, world, how, saved=None):
         sock = common.socket()
         job = common.job("osdload")
-        return collect(load_main, lambda r, q: (r, world, sock, job, kind, self.dir, how, q),
-                       world)
+        return collect(load_main,
+                       lambda r, q: (r, world, sock, job, kind, self.dir, how, q, saved), world)
 
     def same_as_torch(self, label, got_losses, got_state, want_losses, want, exact):
         rl = max(abs(a - b) / abs(b) for a, b in zip(got_losses, want_losses))
@@ -256,6 +258,25 @@ class OptimizerStateAcrossWorldsTest(unittest.TestCase):
             self.assertRegex(msg, r"rank \d of 2")
             self.assertTrue(same)
             self.assertEqual(nstate, 0)
+
+
+    def test_torch_optim_dicts_into_shardd_optim_are_joined_or_refused(self):
+        """Each rank's torch.optim dict into shardd.optim on 3 ranks: the
+        joined dict (torch's layout) continues as torch; a rank's own dict
+        as it is, or the ranks' list as it is (shardd.optim's list is of
+        its own sharded dicts), is refused, naming full_optim_state_dict."""
+        self.save("torch")
+        want_losses, want, _ = reference(3)
+        out = self.load("shardd", 3, "joined", saved="torch")
+        self.assertEqual(out["refused"], {})
+        self.same_as_torch("torch.optim's joined dict -> shardd.optim on 3 ranks", out["mean"],
+                           out["state"], want_losses[K:], want, False)
+        for how in ("own", "list"):
+            out = self.load("shardd", 3, how, saved="torch")
+            self.assertEqual(sorted(out["refused"]), [0, 1, 2], how)
+            for r, (msg, same, _) in out["refused"].items():
+                self.assertIn("full_optim_state_dict", msg)
+                self.assertTrue(same)
 
 
 if __name__ == "__main__":
