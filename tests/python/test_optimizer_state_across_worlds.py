@@ -11,7 +11,8 @@ optimizer.state_dict() loads into the wrapped run the same way; a rank's
 own dict loaded into another world or rank is refused, naming the
 parameter, before anything changed. shardd.optim: each rank's sharded
 state_dict(), every rank's as a list into the other world, and
-full_state_dict() into plain torch. The model goes through
+full_state_dict() into plain torch; torch.optim's joined dict into
+shardd.optim (its per-rank dicts refused there). The model goes through
 model.state_dict() / load_state_dict() (FSDP's full state dict). The
 reference is one process of torch applying the mean of the ranks'
 micro-batch gradients (test_torch_optim's), K steps as 2 ranks, then K as

@@ -253,7 +253,8 @@ no parameter a kernel still reads.
 # and backward.py (transient areas around forward and in backward),
 # prefetch.py, state_dicts.py, meta.py (meta-device init); units.py plans
 # the units, grads.py has the .grad stand-ins, reads.py the parameter reads,
-# optimizer_hook.py the owners and the pre-step release, _precision.py the
+# optimizer_hook.py the owners and the pre-step checks and release,
+# optim_state.py torch.optim's state dicts of parts, _precision.py the
 # dtypes. Every name nn.py had before the split is imported here, private
 # ones included, so shardd.nn.X stays what it was.
 # flake8: noqa: F401
