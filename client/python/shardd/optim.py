@@ -75,6 +75,9 @@ def _owner(params):
 
 class _ShardedOptimizer(torch.optim.Optimizer):
     _kind = None
+    # the daemon's SGD / Adam / AdamW step each element from its own
+    # gradient and state (shardd.nn's check of torch.optim's steps)
+    shardd_elementwise = True
     # the group keys sent each step, torch's names
     _keys = ()
 
@@ -375,6 +378,18 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         if not pieces or not all(isinstance(d, dict) for d in pieces):
             raise ValueError("load_state_dict: a state dict, or a list of every rank's "
                              "sharded state dicts")
+        from shardd.nn.optim_state import PARTS_KEY
+        if any(PARTS_KEY in d for d in pieces):
+            # a torch.optim optimizer's dicts over a wrapped model: each
+            # holds one rank's parts, in torch's layout otherwise (read as
+            # whole, its tensors would land on other elements)
+            raise ValueError(
+                "load_state_dict: %s a torch.optim optimizer's over a wrapped model "
+                "(rank %d of %d: its parts of the parameters): join every rank's with "
+                "shardd.nn.full_optim_state_dict([...]) and load that"
+                % ("this dict is" if len(pieces) == 1 else "these dicts are",
+                   pieces[0].get(PARTS_KEY, {}).get("rank", -1),
+                   pieces[0].get(PARTS_KEY, {}).get("world", -1)))
         sharded = [SHARDED_KEY in d for d in pieces]
         if len(pieces) > 1 and not all(sharded):
             raise ValueError("load_state_dict: a list must hold sharded state dicts only")

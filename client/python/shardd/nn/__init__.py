@@ -67,6 +67,17 @@ its step (any ``torch.optim.Optimizer``'s, hooked as below) raises,
 naming them, instead of skipping them all; so does its step over a
 parameter registered on the wrapped model after wrapping (``add_module``),
 which no wrapper manages (its gradient each rank's own, never reduced).
+A torch.optim optimizer steps each rank's 1-D part of a parameter, so
+only an element-wise one computes torch's update: torch's SGD, Adam,
+AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop, NAdam, RAdam, ASGD (and
+subclasses keeping their step), shardd.optim's, and a class marked with
+:func:`elementwise_optimizer`; any other's first step over a transient
+wrapper's parameters raises, naming it (a LARS trust ratio would take the
+part's norm, Adafactor the part's shape, LBFGS dot products over the
+parts). Its ``state_dict()`` records each rank's part of every parameter,
+and its ``load_state_dict()`` takes a whole dict (plain torch's, or
+:func:`full_optim_state_dict` of every rank's, for any world size) and
+refuses a rank's dict whose parts differ here (optim_state.py).
 
 A parameter replaced or converted behind the wrapper's back after
 wrapping (``module.weight = nn.Parameter(t)``, ``model.half()`` /
@@ -225,6 +236,10 @@ units (or one and the root unit) in one backward run into the lease limit
 (E_LIMIT); so does a unit used by two forwards before one backward (a loss
 over two batches: it waits for the first forward's part of backward;
 FSDP's supports it), refused naming the units that wait and for what.
+Such a refused backward releases every area leased for it and its
+forwards, unscattered, and puts each ``.grad`` back as it was, but where
+a unit had already added its share to a ``.grad`` kept from before: the
+next backward and optimizer step refuse (E_STATE) until ``zero_grad()``.
 
 On the cuda backend the parameters and their ``.grad`` live on the GPU the
 daemon put this rank's areas on (:attr:`ShardedModule.device`; the module's
@@ -238,7 +253,8 @@ no parameter a kernel still reads.
 # and backward.py (transient areas around forward and in backward),
 # prefetch.py, state_dicts.py, meta.py (meta-device init); units.py plans
 # the units, grads.py has the .grad stand-ins, reads.py the parameter reads,
-# optimizer_hook.py the owners and the pre-step release, _precision.py the
+# optimizer_hook.py the owners and the pre-step checks and release,
+# optim_state.py torch.optim's state dicts of parts, _precision.py the
 # dtypes. Every name nn.py had before the split is imported here, private
 # ones included, so shardd.nn.X stays what it was.
 # flake8: noqa: F401
@@ -252,7 +268,9 @@ from .units import (FlatUnit, _CONTAINERS, _Entry, _PARAM_CONTAINERS, _Saved, _S
 from .grads import _GRAD16_GETS, _Grad16, _ResidentGrad, _in_zero_grad, _torch_caller
 from .reads import _WATCH, _WATCHED, _watch, _watched_class
 from .optimizer_hook import (_HELD, _ORIGINALS, _OWNERS, _STEP_HOOKED, _before_step,
-                             _install_step_hook, _mark_step_hooked, _wrap_step, owner_of)
+                             _install_step_hook, _mark_step_hooked, _wrap_step, owner_of,
+                             elementwise_optimizer)
+from .optim_state import PARTS_KEY, full_optim_state_dict
 from .state_dicts import FullStateDictConfig, _StateDicts
 from .hooks import _ForwardHooks
 from .backward import _BackwardHooks
@@ -261,6 +279,7 @@ from .meta import _MetaInit, _materialize
 from .module import INIT_POLICIES, ShardedModule
 
 # the public names are shardd.nn's, as before the split (repr, pickling)
-for _o in (ShardedModule, FullStateDictConfig, FlatUnit, size_based_auto_wrap_policy, owner_of):
+for _o in (ShardedModule, FullStateDictConfig, FlatUnit, size_based_auto_wrap_policy, owner_of,
+           elementwise_optimizer, full_optim_state_dict):
     _o.__module__ = __name__
 del _o

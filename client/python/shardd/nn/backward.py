@@ -9,7 +9,7 @@ import torch
 import shardd
 
 from .grads import _Grad16
-from .optimizer_hook import _HELD
+from .optimizer_hook import _HELD, _PARTIAL
 
 
 class _BackwardHooks:
@@ -50,6 +50,11 @@ class _BackwardHooks:
 
     def _pre_backward(self, u):
         if not self._final_queued:
+            try:
+                self._check_partial_grads()
+            except shardd.Error:
+                self._abort_backward()
+                raise
             self._final_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._final)
         want = self._trainable(u) > 0 and u.state != "done"
@@ -65,7 +70,9 @@ class _BackwardHooks:
             except shardd.Error as e:
                 if e.code_name != "E_LIMIT":
                     raise
-                raise self._backward_limit(u, e) from e
+                err = self._backward_limit(u, e)
+                self._abort_backward()
+                raise err from e
         if want:
             u.state = "backward"
             u.ran = True
@@ -101,6 +108,60 @@ class _BackwardHooks:
             "returns the gradients instead of accumulating them, so no unit's "
             "gradient is ever whole: use loss.backward()) [%s]" % (
                 u.name, ", ".join(waiting) or "none", err.message), "E_LIMIT")
+
+    def _abort_backward(self):
+        """A backward refused midway (the exception ends autograd's run,
+        and _final with it): every area this backward or its forward leased
+        is released without a scatter, each parameter is its part of the
+        shard again, and each .grad what it was when backward began,
+        except the parameters whose .grad was set then in units already
+        scattered: theirs holds part of the refused backward's gradient,
+        which _check_partial_grads refuses to step or add to until a
+        zero_grad()."""
+        self._final_queued = False
+        _HELD.discard(self)
+        partial = []
+        for u in self.units:
+            ran = u.ran
+            if u.grad is not None:  # its gradient area too, unscattered
+                self.client.release_all(u.buffer)
+                u.gather = u.grad = None
+                self._to_shard(u)
+            elif u.gather is not None:
+                self._release(u)
+            if ran:
+                for e in u.entries:
+                    if not e.param.requires_grad:
+                        continue
+                    if u.state == "done" and e.kept:
+                        partial.append(e)
+                    else:
+                        e.param.grad = self._grad_of(u, e) if e.kept else None
+            u.state = "idle"
+            u.ran = False
+            u.depth = 0
+        self._partial = list(getattr(self, "_partial", ())) + partial
+        if self._partial:
+            _PARTIAL.add(self)
+        try:
+            self._wait_releases()
+        except shardd.Error:
+            pass  # the refusal says what went wrong first
+
+    def _check_partial_grads(self):
+        """Before a backward or an optimizer's step: refuses while a
+        refused backward's part lies in a .grad it added to (see
+        _abort_backward), until zero_grad() zeroed it or set it None."""
+        left = [e for e in getattr(self, "_partial", ()) if
+                e.param.grad is not None and bool(e.param.grad.detach().ne(0).any())]
+        self._partial = left
+        if left:
+            raise shardd.Error(
+                22, "the gradients (.grad) of %s hold part of a backward that was refused "
+                "(its units had reduced their share into the .grad kept from before): "
+                "call zero_grad() before the next backward or step" % (
+                    ", ".join(repr(e.name) for e in left[:4]) +
+                    (" and %d more" % (len(left) - 4) if len(left) > 4 else "")), "E_STATE")
 
     def _output_grad(self, u, grad):
         if u.state in ("idle", "forward"):

@@ -104,6 +104,75 @@ def _listed(names):
             "s" if len(names) > 1 else "")
 
 
+# torch.optim's optimizers whose update of an element reads that element
+# alone (its gradient, its state) and scalars (the step count, the
+# hyperparameters): stepped on each rank's 1-D parts, they compute torch's.
+_ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "RMSprop",
+                "Rprop", "NAdam", "RAdam", "ASGD")
+
+
+def _innermost(fn):
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+_ELEMENTWISE_STEPS = []
+
+
+def elementwise_optimizer(cls):
+    """Marks a torch.optim.Optimizer subclass as element-wise (a class
+    decorator; returns cls): its step updates each element from that
+    element's gradient and state and from scalars only, so that stepping
+    each rank's 1-D part of a wrapped parameter is torch's step. Only for
+    such optimizers: one that reads a parameter's shape, norm or any other
+    element (LARS / LAMB trust ratios, Adafactor's factored moments,
+    Shampoo, LBFGS) computes something else on a part, without an error."""
+    cls.shardd_elementwise = True
+    return cls
+
+
+def _is_elementwise(cls):
+    if getattr(cls, "shardd_elementwise", False):
+        return True
+    if not _ELEMENTWISE_STEPS:
+        _ELEMENTWISE_STEPS.extend(_innermost(getattr(torch.optim, n).step)
+                                  for n in _ELEMENTWISE if hasattr(torch.optim, n))
+    # a subclass of one of them that keeps its step (new defaults, a new
+    # __init__) is it; one that writes its own step is not
+    step = _innermost(getattr(cls, "step", None))
+    return any(step is s for s in _ELEMENTWISE_STEPS)
+
+
+def _check_elementwise(opt):
+    """Refuses the step of an optimizer not known to be element-wise over
+    a wrapper's parameters: it would see each rank's 1-D part (its shape,
+    its norm, its dot products) where torch's sees the whole parameter,
+    and compute another update without an error."""
+    if _is_elementwise(type(opt)):
+        return
+    names = []
+    for g in opt.param_groups:
+        for p in g["params"]:
+            got = _OWNERS.get(id(p))
+            sm = got[1]() if got is not None and got[0]() is p else None
+            if sm is not None and sm.transient:  # (resident ones refuse torch.optim)
+                e = sm._by_param.get(id(p))
+                names.append(e.name if e is not None else "?")
+    if names:
+        raise RuntimeError(
+            "%s steps %s: parameter%s of a shardd.nn.ShardedModule, which outside "
+            "forward are each rank's 1-D part of the shard (FSDP1's use_orig_params), "
+            "and %s is not known to update each element from that element alone: an "
+            "optimizer that reads a parameter's shape, norm or other elements (a "
+            "LARS / LAMB trust ratio, Adafactor's factored moments, LBFGS) would compute "
+            "another update than torch's on the whole parameter, without an error. "
+            "torch.optim's SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop, "
+            "NAdam, RAdam and ASGD are element-wise; an optimizer of your own that is "
+            "can say so with shardd.nn.elementwise_optimizer(cls)"
+            % ((type(opt).__name__,) + _listed(names) + (type(opt).__name__,)))
+
+
 def _check_stale(opt):
     """Refuses opt's step while it holds a parameter a wrapper replaced, or
     one on a wrapped module that the wrapper does not manage; checked again
@@ -120,6 +189,7 @@ def _check_stale(opt):
             "its gradient is this rank's alone, never reduced over the ranks, so the "
             "ranks would step it apart, and no shard or checkpoint holds it. Register "
             "it before wrapping" % ((type(opt).__name__,) + _listed(stale)))
+    _check_elementwise(opt)
     stale = _stale_names(opt)
     if stale:
         raise RuntimeError(
@@ -132,9 +202,23 @@ def _check_stale(opt):
     opt._shardd_checked = n
 
 
+# ShardedModules whose last backward was refused midway with part of its
+# gradient added to a .grad kept from before (backward.py's
+# _abort_backward): an optimizer's step over their parameters is refused
+# until a zero_grad() clears them
+_PARTIAL = weakref.WeakSet()
+
+
 def _step_pre(opt):
     """Every torch.optim.Optimizer's step runs this first."""
     _check_stale(opt)
+    if _PARTIAL:
+        ids = {id(p) for g in opt.param_groups for p in g["params"]}
+        for sm in list(_PARTIAL):
+            if not ids.isdisjoint(sm._by_param):
+                sm._check_partial_grads()
+            if not sm._partial:
+                _PARTIAL.discard(sm)
     if _HELD:
         _before_step(opt)
 
@@ -177,6 +261,8 @@ def _install_step_hook():
     if _STEP_HOOKED[0]:
         return
     _STEP_HOOKED[0] = True
+    from . import optim_state
+    optim_state.install()  # state dicts of parts: see optim_state.py
     Optimizer = torch.optim.Optimizer
     import torch.optim.optimizer as optimizer_mod  # not an attribute of torch.optim in 1.13
     reg = getattr(optimizer_mod, "register_optimizer_step_pre_hook", None)
