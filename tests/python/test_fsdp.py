@@ -187,7 +187,7 @@ def rank_main(rank, world, sock, job, name, auto_wrap, transient, q, steps, accu
         if rank == 0:
             q.put(("params", rank, {n: t.cpu().numpy().copy() for n, t in params.items()},
                    [(u.name, u.buffer.numel) for u in sm.units], shapes, sm.prefetches,
-                   sm.prefetch))
+                   sm.prefetch, sm.backward_prefetches))
         client.close()
         q.put(("done", rank))
     except BaseException as e:
@@ -219,6 +219,7 @@ def run(sock, name, world, auto_wrap="children", transient=True, timeout=120,
         elif msg[0] == "params":
             out["params"], out["units"], out["shapes"] = msg[2], msg[3], msg[4]
             out["prefetches"], out["prefetch"] = msg[5], msg[6]
+            out["backward_prefetches"] = msg[7]
         elif msg[0] == "prefetch":
             out.setdefault("trials", {})[msg[1]] = (msg[2], msg[3])
 
@@ -303,6 +304,9 @@ class FSDPTest(unittest.TestCase):
         # after the first forward learned the order, each unit's gather but
         # the first was under way while the one before it computed
         self.assertEqual(res["prefetches"], (STEPS - 1) * 15)
+        # and in each backward after the first (the ranks agree at its end)
+        # each unit's but the last one's, with the peak still the bound
+        self.assertEqual(res["backward_prefetches"], (STEPS - 1) * 15)
         P = sum(n for _, n in res["units"])
         U = max(n for _, n in res["units"])
         W = 4
