@@ -3,7 +3,9 @@ areas: when a unit's backward begins, the gather of the unit before it in
 this step's forward is already under way, with its gradient area. Ranks
 are processes (forkserver) of one job on the host backend; each run is
 compared to the same run without backward prefetch, bit for bit, and the
-LLaMA one to single-process torch AdamW on the ranks' gradient mean."""
+LLaMA one to single-process torch AdamW on the ranks' gradient mean;
+and forward prefetch after prefetch="auto"'s trial, which the ranks agree on
+the same way."""
 import enum
 import unittest
 
@@ -174,13 +176,24 @@ def rank_main(rank, world, sock, job, name, bwd, q, extra):
                                client_name="test_backward_prefetch rank %d" % rank)
         model, cfg = MODELS[name][0]()
         bp = bwd[rank] if isinstance(bwd, (list, tuple)) else bwd
+        cost = extra["costs"][rank] if extra.get("costs") else None
         sm = shardd.nn.ShardedModule(client, model, auto_wrap=MODELS[name][1](model),
-                                     prefetch=False, backward_prefetch=bp)
+                                     prefetch="auto" if cost else False,
+                                     backward_prefetch=bp)
+        if cost:  # prefetch="auto"'s trial under a clock that makes one side faster
+            t = [0.0]
+
+            def clock():
+                tr = sm._trial
+                if tr is not None and tr["mode"] is not None:
+                    t[0] += cost[tr["mode"]]  # the step since the last forward
+                return t[0]
+            sm._clock = clock
         opt = shardd.optim.AdamW([p for p in model.parameters() if p.requires_grad], **HYPER)
         log = []
         _logged(client, log, {u.buffer.id: u.name for u in sm.units})
         agreed = []
-        for s in range(STEPS):
+        for s in range(extra.get("steps", STEPS)):
             if name == "mix":
                 model.flip = s % 2 == 1  # the forward's order differs from the last step's
             x, y = batch(name, cfg, s, rank, world)
@@ -205,7 +218,7 @@ def rank_main(rank, world, sock, job, name, bwd, q, extra):
                 loss_of(name, model, x, y)  # grad enabled, no backward
                 model.train()
         params = sm.full_parameters()
-        q.put(("prefetch", rank, sm.backward_prefetches, agreed))
+        q.put(("prefetch", rank, sm.backward_prefetches, agreed, sm.prefetch, sm.prefetches))
         if rank == 0:
             q.put(("params", {n: t.numpy().copy() for n, t in params.items()},
                    [u.name for u in sm.units]))
@@ -219,8 +232,9 @@ def run(name, bwd, world=2, timeout=150, **extra):
     job = common.job("bwdpf")
     sock = common.socket()
     steps = {}
-    out = {"losses": [None] * STEPS, "held": [], "logs": [None] * STEPS, "counts": {},
-           "agreed": {}}
+    n = extra.get("steps", STEPS)
+    out = {"losses": [None] * n, "held": [], "logs": [None] * n, "counts": {},
+           "agreed": {}, "forward": {}}
 
     def on_msg(msg):
         if msg[0] == "loss":
@@ -233,6 +247,7 @@ def run(name, bwd, world=2, timeout=150, **extra):
                 out["losses"][s] = sum(steps.pop(s).values()) / world
         elif msg[0] == "prefetch":
             out["counts"][msg[1]], out["agreed"][msg[1]] = msg[2], msg[3]
+            out["forward"][msg[1]] = (msg[4], msg[5])
         elif msg[0] == "params":
             out["params"], out["units"] = msg[1], msg[2]
 
@@ -335,6 +350,25 @@ class BackwardPrefetchTest(unittest.TestCase):
         self.assertEqual(res["counts"], {0: 0, 1: 0})
         self.assertEqual(res["agreed"][0], [False] * STEPS)
         self.assertEqual(res["agreed"][1], [False] * STEPS)
+
+    def test_ranks_whose_trials_chose_differently_prefetch_no_forward(self):
+        """prefetch="auto"'s trial under clocks on which rank 0 finds
+        prefetching faster and rank 1 slower, on the model whose forward
+        flips its order every step (so a prefetching rank guesses wrong):
+        after the trial neither rank prefetches (every rank must have
+        chosen it), where rank 0 used to prefetch alone and wait for a
+        gather rank 1 sent later (E_MISMATCH after --peer-grace); results
+        equal the run that never prefetches."""
+        steps = 10  # 1 learns the order, 6 of trial, 3 after its choice
+        res = run("mix", False, steps=steps,
+                  costs=[{"on": 1.0, "off": 2.0}, {"on": 2.0, "off": 1.0}])
+        plain = run("mix", False, steps=steps)
+        self.same(res, plain, "rank-chosen forward prefetch against none")
+        self.assertEqual({r: f[0] for r, f in res["forward"].items()}, {0: True, 1: False})
+        # the 3 trial steps with prefetch each prefetched the same units on
+        # both ranks (the first forward's order guessed right half the
+        # time); none after the choice
+        self.assertEqual(res["forward"][0][1], res["forward"][1][1])
 
     def test_option_values(self):
         c = shardd.nn.ShardedModule._backward_prefetch_option

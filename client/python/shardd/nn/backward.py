@@ -184,9 +184,12 @@ class _BackwardHooks:
                 if e.param.requires_grad and e.param.grad is None]
         sig = float(zlib.crc32(repr(none).encode()))
         n = float(len(none))
-        # and the ranks agree whether the next backward prefetches (all want it)
-        mx = self.client.all_reduce([n, -n, sig, -sig, -self._backward_prefetch_vote()], "max")
+        # and the ranks agree whether the next backward, and forwards after
+        # prefetch="auto"'s trial, prefetch (every rank wants it)
+        mx = self.client.all_reduce([n, -n, sig, -sig, -self._backward_prefetch_vote(),
+                                     -self._forward_prefetch_vote()], "max")
         self._backward_prefetch_agree(-mx[4] > 0.5)
+        self._forward_prefetch_agree(-mx[5] > 0.5)
         if mx[0] == -mx[1] and mx[2] == -mx[3]:
             return
         for ui, ei in none:

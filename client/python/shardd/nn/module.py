@@ -77,8 +77,9 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
       forward of the root on, 3 steps with prefetch and 3 without
       alternate, each timed to the next training forward, and prefetching
       stays on only if the median of its steps is lower by more than 5%
-      (each rank chooses on its own timings; within that the two are the
-      same, and prefetch=False's loop is kept). Without a CPU to spare, the copy of
+      (each rank chooses on its own timings, and prefetches only while
+      every rank chose it, as the ranks learn at the end of each backward;
+      within that the two are the same, and prefetch=False's loop is kept). Without a CPU to spare, the copy of
       a prefetched gather takes its CPU from the forward it overlaps (one
       run measured 1.65x the gather-everything loop's step with prefetch,
       1.05x without); where ranks wait for each other at every gather, a
@@ -345,6 +346,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         self._pending = None      # (unit, ticket) of the gather under way
         self._releases = []       # tickets of releases not yet waited for
         self.prefetches = 0       # gathers that were under way when needed
+        self._fw_agreed = False   # every rank's trial chose forward prefetch
         self._bw_opt = self._backward_prefetch_option(backward_prefetch)
         self.backward_prefetch = False  # what the ranks agreed for the next backward
         self.backward_prefetches = 0    # backwards whose gather was under way

@@ -14,6 +14,8 @@ class _Prefetch:
         """Starts the next unit's gather while u's forward runs."""
         if not self.prefetch or not self._order_done or self._pending is not None:
             return
+        if self.prefetch_trial is not None and not self._fw_agreed:
+            return  # the trial chose on this rank's timings: not every rank's yet
         try:
             i = self._order.index(u)
         except ValueError:
@@ -47,7 +49,11 @@ class _Prefetch:
         that prefetches and one that does not send the same gathers in the
         same order (the first forward's, which prefetching assumes), as a
         relaunched rank's first forward, which learns the order, always
-        did beside peers that prefetch."""
+        did beside peers that prefetch. Once chosen, a rank prefetches only
+        while every rank chose it (_forward_prefetch_agree): a rank that
+        prefetches a unit the forward does not take next (its order
+        changed since the first) waits for that gather, which a peer that
+        chose not to prefetch sends later or never."""
         tr = self._trial
         now = self._clock()
         if tr["mode"] is not None:
@@ -114,6 +120,20 @@ class _Prefetch:
         as forward prefetch relies on; but a wrong guess waited for there
         would wait for a gather the peer sends later or never.)"""
         self.backward_prefetch = bool(all_want)
+
+    def _forward_prefetch_vote(self):
+        """Whether this rank's trial chose forward prefetch (1.0), for the
+        same end-of-backward all-reduce."""
+        return 1.0 if self.prefetch and self._trial is None else 0.0
+
+    def _forward_prefetch_agree(self, all_want):
+        """After prefetch="auto"'s trial each rank has chosen on its own
+        timings; forward prefetch goes on only while every rank chose it,
+        as learnt at the end of each backward (the first training forward
+        after the trial does not prefetch yet). prefetch=True and the cuda
+        backend's "auto" choose alike on every rank and need no
+        agreement."""
+        self._fw_agreed = bool(all_want)
 
     def _take_prefetched(self, u, want):
         """u's backward needs its areas (want: the gradient area too): True
