@@ -384,5 +384,28 @@ class BackwardPrefetchTest(unittest.TestCase):
             c("yes")
 
 
+@unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
+class OneRankTest(unittest.TestCase):
+    def test_reset_forgets_what_the_ranks_agreed(self):
+        """sm.reset() (the recovery after E_PEER_LOST, while a rank is
+        relaunched) drops the agreement made with the rank that died: no
+        rank prefetches until all, the new one too, have agreed again."""
+        client = shardd.Client(common.socket(), job=common.job("bwdpf1"), rank=0, world=1,
+                               transient_areas=True)
+        self.addCleanup(client.close)
+        model, _ = mix()
+        sm = shardd.nn.ShardedModule(client, model, auto_wrap="children", prefetch=True,
+                                     backward_prefetch=True)
+        x, y = batch("mix", None, 0, 0, 1)
+        self.assertFalse(sm.backward_prefetch)
+        loss_of("mix", model, x, y).backward()
+        self.assertTrue(sm.backward_prefetch)
+        sm.reset()
+        self.assertFalse(sm.backward_prefetch)
+        self.assertFalse(sm._fw_agreed)
+        loss_of("mix", model, x, y).backward()  # agreed again
+        self.assertTrue(sm.backward_prefetch)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -870,6 +870,10 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         replaced by the redo's (zero_grad()), so nothing of it counts."""
         self._pop_saved_hooks()
         self._final_queued = False
+        # what the ranks agreed on included a rank that may be relaunched
+        # now: every rank prefetches again only once all have agreed anew
+        self.backward_prefetch = False
+        self._fw_agreed = False
         try:
             self._wait_releases()
         except shardd.Error:
