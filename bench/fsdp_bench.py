@@ -10,8 +10,8 @@ gather-everything), and prefetch="auto" (the default: 3 steps with and 3
 without, then prefetching only if more than 5% faster; timed after its
 choice, which is reported); and with backward prefetch (FSDP's
 BACKWARD_PRE: the gather of the unit whose backward comes next sent when
-a unit's backward begins), alone and beside forward prefetch. Beside each wall-clock step, its CPU time (every rank's
-and the daemon's): on a machine whose CPUs are all busy (a shared one) a
+a unit's backward begins), alone and beside forward prefetch. Beside
+each wall-clock step, its CPU time (every rank's and the daemon's): on a machine whose CPUs are all busy (a shared one) a
 step takes about its CPU time over the CPUs, whatever else runs.
 
 Writes bench/results/fsdp.json (BENCH_RESULTS overrides the folder).

@@ -79,8 +79,8 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
       stays on only if the median of its steps is lower by more than 5%
       (each rank chooses on its own timings, and prefetches only while
       every rank chose it, as the ranks learn at the end of each backward;
-      within that the two are the same, and prefetch=False's loop is kept). Without a CPU to spare, the copy of
-      a prefetched gather takes its CPU from the forward it overlaps (one
+      within that the two are the same, and prefetch=False's loop is
+      kept). Without a CPU to spare, the copy of a prefetched gather takes its CPU from the forward it overlaps (one
       run measured 1.65x the gather-everything loop's step with prefetch,
       1.05x without); where ranks wait for each other at every gather, a
       prefetched one does not make them meet there. True: always; False:
