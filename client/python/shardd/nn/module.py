@@ -80,10 +80,11 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
       (each rank chooses on its own timings, and prefetches only while
       every rank chose it, as the ranks learn at the end of each backward;
       within that the two are the same, and prefetch=False's loop is
-      kept). Without a CPU to spare, the copy of a prefetched gather takes its CPU from the forward it overlaps (one
-      run measured 1.65x the gather-everything loop's step with prefetch,
-      1.05x without); where ranks wait for each other at every gather, a
-      prefetched one does not make them meet there. True: always; False:
+      kept). Without a CPU to spare, the copy of a prefetched gather
+      takes its CPU from the forward it overlaps (one run measured 1.65x
+      the gather-everything loop's step with prefetch, 1.05x without);
+      where ranks wait for each other at every gather, a prefetched one
+      does not make them meet there. True: always; False:
       never. :attr:`ShardedModule.prefetch` says what is chosen (it
       alternates during the trial), :attr:`ShardedModule.prefetch_trial`
       the trial's step times once it chose.
