@@ -8,8 +8,10 @@ what FSDP-grade memory costs in time here. The hooked loop three ways:
 never prefetching, always (the issue's targets: each within 1.25x of
 gather-everything), and prefetch="auto" (the default: 3 steps with and 3
 without, then prefetching only if more than 5% faster; timed after its
-choice, which is reported). Beside each wall-clock step, its CPU time (every rank's
-and the daemon's): on a machine whose CPUs are all busy (a shared one) a
+choice, which is reported); and with backward prefetch (FSDP's
+BACKWARD_PRE: the gather of the unit whose backward comes next sent when
+a unit's backward begins), alone and beside forward prefetch. Beside
+each wall-clock step, its CPU time (every rank's and the daemon's): on a machine whose CPUs are all busy (a shared one) a
 step takes about its CPU time over the CPUs, whatever else runs.
 
 Writes bench/results/fsdp.json (BENCH_RESULTS overrides the folder).
@@ -26,8 +28,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "client", "python"))
 from procstat import Sampler  # noqa: E402
 
-MODES = {"gather-everything": False, "hooked": False, "hooked+auto": "auto",
-         "hooked+prefetch": True}
+# (prefetch, backward_prefetch) of each loop
+MODES = {"gather-everything": (False, False), "hooked": (False, False),
+         "hooked+auto": ("auto", "auto"), "hooked+prefetch": (True, False),
+         "hooked+bwd-prefetch": (False, True), "hooked+prefetch+bwd": (True, True)}
 
 
 def model(units, width):
@@ -50,7 +54,8 @@ def rank_main(rank, world, sock, job, mode, args, q):
     transient = mode != "gather-everything"
     client = shardd.Client(sock, job=job, rank=rank, world=world, transient_areas=transient)
     m = model(args.units, args.width)
-    sm = shardd.nn.ShardedModule(client, m, auto_wrap="children", prefetch=MODES[mode])
+    sm = shardd.nn.ShardedModule(client, m, auto_wrap="children", prefetch=MODES[mode][0],
+                                 backward_prefetch=MODES[mode][1])
     opt = shardd.optim.AdamW(m.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, args.width, generator=g)
@@ -58,7 +63,7 @@ def rank_main(rank, world, sock, job, mode, args, q):
     times = []
     # 2 warm-up steps; prefetch="auto" also its trial (the first step, 3
     # with and 3 without prefetch), so that the timed steps are its choice's
-    warm = 2 if MODES[mode] != "auto" else 2 + 2 * shardd.nn.ShardedModule._TRIAL_STEPS
+    warm = 2 if MODES[mode][0] != "auto" else 2 + 2 * shardd.nn.ShardedModule._TRIAL_STEPS
     for s in range(args.steps + warm):
         if s == warm:
             t_first, c_first = time.monotonic(), time.process_time()
@@ -75,7 +80,8 @@ def rank_main(rank, world, sock, job, mode, args, q):
             times.append(time.perf_counter() - t0)
     t_last, cpu = time.monotonic(), time.process_time() - c_first
     client.close()
-    q.put((rank, times, sm.prefetches, sm.prefetch, t_first, t_last, cpu))
+    q.put((rank, times, sm.prefetches, sm.prefetch, t_first, t_last, cpu,
+           sm.backward_prefetches))
 
 
 def run(sock, daemon_pid, mode, args):
@@ -98,7 +104,8 @@ def run(sock, daemon_pid, mode, args):
     t0, t1 = max(m[4] for m in got), min(m[5] for m in got)
     cpu = (sum(m[6] for m in got) + smp.daemon_cpu(t0, t1)) / args.steps
     return {"step_ms": max(per_rank) * 1e3, "cpu_ms": cpu * 1e3,
-            "prefetches": max(m[2] for m in got), "prefetch": any(m[3] for m in got)}
+            "prefetches": max(m[2] for m in got), "prefetch": any(m[3] for m in got),
+            "backward_prefetches": max(m[7] for m in got)}
 
 
 def main():
@@ -125,6 +132,7 @@ def main():
     rows = {m: {"step_ms": med([x["step_ms"] for x in runs[m]]),
                 "cpu_ms": med([x["cpu_ms"] for x in runs[m]]),
                 "prefetches": runs[m][0]["prefetches"],
+                "backward_prefetches": runs[m][0]["backward_prefetches"],
                 # the choice in each run (auto's may differ between runs)
                 "prefetch": sum(x["prefetch"] for x in runs[m]) * 2 > len(runs[m]),
                 "prefetch_runs": [x["prefetch"] for x in runs[m]]}
@@ -142,12 +150,13 @@ def main():
           % (args.ranks, cpus, args.units, args.width, args.width, args.steps,
              ", %d runs" % args.repeat if args.repeat > 1 else "",
              sum(rows["hooked+auto"]["prefetch_runs"]), args.repeat))
-    print("%-20s %10s %12s %9s %12s %11s" % ("loop", "step ms", "vs gather-all", "CPU ms",
-                                             "vs gather-all", "prefetches"))
+    print("%-20s %10s %12s %9s %12s %11s %11s" % (
+        "loop", "step ms", "vs gather-all", "CPU ms", "vs gather-all", "prefetches",
+        "backward"))
     for mode, r in rows.items():
-        print("%-20s %10.2f %11.2fx %9.2f %11.2fx %11d" % (
+        print("%-20s %10.2f %11.2fx %9.2f %11.2fx %11d %11d" % (
             mode, r["step_ms"], r["vs_gather_everything"], r["cpu_ms"],
-            r["cpu_vs_gather_everything"], r["prefetches"]))
+            r["cpu_vs_gather_everything"], r["prefetches"], r["backward_prefetches"]))
     out = os.path.join(os.environ.get("BENCH_RESULTS", "bench/results"), "fsdp.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:

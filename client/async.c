@@ -26,6 +26,10 @@ static void async_note(async_op *a, const Shardwire__Response *resp,
     a->has_area = 1;
     a->pool = resp->gather->pool;
     a->gather_off = resp->gather->gather_offset;
+    a->has_grad_off = resp->gather->has_grad_offset;
+    a->grad_off = resp->gather->grad_offset;
+    a->has_grad_pool = resp->gather->has_grad_pool;
+    a->grad_pool = resp->gather->grad_pool;
   }
 }
 
@@ -95,10 +99,15 @@ shardd_err shardd_wait_area(shardd_client_t *c, shardd_ticket t,
     Shardwire__GatherReply gr = SHARDWIRE__GATHER_REPLY__INIT;
     gr.pool = a->pool;
     gr.gather_offset = a->gather_off;
-    /* the pool was mapped when the reply came; only the size is not kept */
+    gr.has_grad_offset = a->has_grad_off;
+    gr.grad_offset = a->grad_off;
+    gr.has_grad_pool = a->has_grad_pool;
+    gr.grad_pool = a->grad_pool;
+    /* the pools were mapped when the reply came; only the size is not kept */
     const pool_map *p = a->has_area ? shardd__find_pool(c, a->pool) : NULL;
     gr.pool_bytes = p ? p->len : 0;
-    rc = shardd__area_fill(c, a->buffer, a->has_area ? &gr : NULL, 0, out);
+    rc = shardd__area_fill(c, a->buffer, a->has_area ? &gr : NULL, a->want_grad,
+                           out);
     if (rc != SHARDD_OK)
       memset(out, 0, sizeof *out);
   }
@@ -110,7 +119,8 @@ shardd_err shardd_wait_area(shardd_client_t *c, shardd_ticket t,
 
 /* Sends req and lists it, oldest first, for shardd_wait: *t its ticket. */
 static shardd_err send_async(shardd_client_t *c, Shardwire__Request *req,
-                             uint64_t buffer, int gather, shardd_ticket *t) {
+                             uint64_t buffer, int gather, int want_grad,
+                             shardd_ticket *t) {
   async_op *a = calloc(1, sizeof *a);
   if (a == NULL)
     return shardd__set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
@@ -122,6 +132,7 @@ static shardd_err send_async(shardd_client_t *c, Shardwire__Request *req,
   a->seq = req->seq;
   a->buffer = buffer;
   a->gather = gather;
+  a->want_grad = want_grad;
   async_op **tail = &c->async;
   while (*tail)
     tail = &(*tail)->next;
@@ -136,6 +147,17 @@ shardd_err shardd_gather_async(shardd_client_t *c, uint64_t buffer,
     return SHARDD_E_INVAL; /* no client to hold a message */
   if (t == NULL)
     return shardd__set_err(c, SHARDD_E_INVAL, "shardd_gather_async: t is NULL");
+
+  return shardd_gather_area_async(c, buffer, 0, t);
+}
+
+shardd_err shardd_gather_area_async(shardd_client_t *c, uint64_t buffer,
+                                    int want_grad, shardd_ticket *t) {
+  if (c == NULL)
+    return SHARDD_E_INVAL; /* no client to hold a message */
+  if (t == NULL)
+    return shardd__set_err(c, SHARDD_E_INVAL,
+                           "shardd_gather_area_async: t is NULL");
 
   *t = 0;
   shardd__clear_err(c);
@@ -158,9 +180,13 @@ shardd_err shardd_gather_async(shardd_client_t *c, uint64_t buffer,
   Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
   Shardwire__Gather g = SHARDWIRE__GATHER__INIT;
   g.buffer = buffer;
+  if (want_grad) {
+    g.has_want_grad = 1;
+    g.want_grad = 1;
+  }
   req.body_case = SHARDWIRE__REQUEST__BODY_GATHER;
   req.gather = &g;
-  return send_async(c, &req, buffer, 1, t);
+  return send_async(c, &req, buffer, 1, want_grad != 0, t);
 }
 
 shardd_err shardd_release_async(shardd_client_t *c, uint64_t buffer,
@@ -177,5 +203,5 @@ shardd_err shardd_release_async(shardd_client_t *c, uint64_t buffer,
   r.buffer = buffer;
   req.body_case = SHARDWIRE__REQUEST__BODY_RELEASE;
   req.release = &r;
-  return send_async(c, &req, buffer, 0, t);
+  return send_async(c, &req, buffer, 0, 0, t);
 }

@@ -59,9 +59,12 @@ typedef struct async_op {
   int done;
   shardd_err code;
   char *msg;
+  int want_grad; /* a gather that also leases the gradient area */
   /* the reply's GatherReply (transient areas), for shardd_wait_area */
   int has_area;
   uint64_t pool, gather_off;
+  int has_grad_off, has_grad_pool;
+  uint64_t grad_off, grad_pool;
 } async_op;
 
 struct shardd_client {

@@ -822,8 +822,17 @@ shardd_err shardd_wait(shardd_client_t *c, shardd_ticket t);
 shardd_err shardd_release_async(shardd_client_t *c, uint64_t buffer,
                                 shardd_ticket *t);
 
+/* shardd_gather_async that, with want_grad 1, also leases this rank's
+ * gradient area (transient areas), as shardd_gather_area's want_grad does:
+ * backward prefetch, where the unit whose backward comes next needs both.
+ * shardd_wait_area of its ticket says where both are. Counts against
+ * max_inflight_gathers as shardd_gather_async. */
+shardd_err shardd_gather_area_async(shardd_client_t *c, uint64_t buffer,
+                                    int want_grad, shardd_ticket *t);
+
 /* shardd_wait, and where the gather's areas are (see shardd_gather_area;
- * an async gather leases no gradient area, so grad is NULL). Transient
+ * grad is NULL unless the gather was a shardd_gather_area_async with
+ * want_grad). Transient
  * areas are supported on the async path: a pool's descriptor arriving with
  * an async reply is mapped then, whichever call is reading, so later
  * gathers on c find the pool; a reply that could not be mapped fails its

@@ -187,7 +187,7 @@ def rank_main(rank, world, sock, job, name, auto_wrap, transient, q, steps, accu
         if rank == 0:
             q.put(("params", rank, {n: t.cpu().numpy().copy() for n, t in params.items()},
                    [(u.name, u.buffer.numel) for u in sm.units], shapes, sm.prefetches,
-                   sm.prefetch))
+                   sm.prefetch, sm.backward_prefetches))
         client.close()
         q.put(("done", rank))
     except BaseException as e:
@@ -219,6 +219,7 @@ def run(sock, name, world, auto_wrap="children", transient=True, timeout=120,
         elif msg[0] == "params":
             out["params"], out["units"], out["shapes"] = msg[2], msg[3], msg[4]
             out["prefetches"], out["prefetch"] = msg[5], msg[6]
+            out["backward_prefetches"] = msg[7]
         elif msg[0] == "prefetch":
             out.setdefault("trials", {})[msg[1]] = (msg[2], msg[3])
 
@@ -303,6 +304,9 @@ class FSDPTest(unittest.TestCase):
         # after the first forward learned the order, each unit's gather but
         # the first was under way while the one before it computed
         self.assertEqual(res["prefetches"], (STEPS - 1) * 15)
+        # and in each backward after the first (the ranks agree at its end)
+        # each unit's but the last one's, with the peak still the bound
+        self.assertEqual(res["backward_prefetches"], (STEPS - 1) * 15)
         P = sum(n for _, n in res["units"])
         U = max(n for _, n in res["units"])
         W = 4
@@ -323,9 +327,9 @@ class FSDPTest(unittest.TestCase):
         """prefetch="auto" (the default) on the host backend, 2 ranks: the
         steps after the first alternate with and without prefetch, 3 of
         each, then each rank keeps what its own timings favour by more
-        than the margin (the ranks
-        may choose differently: they gather the same units in the same
-        order either way); the loop matches torch throughout."""
+        than the margin (the ranks may choose differently: after the
+        choice a rank prefetches only while both chose it, learnt at the
+        end of each backward); the loop matches torch throughout."""
         steps = 9  # the first, 6 of trial, 2 after the choice
         res = run(common.socket(), "mlp16", 2, steps=steps)
         trials = res["trials"]
@@ -336,8 +340,11 @@ class FSDPTest(unittest.TestCase):
             margin = shardd.nn.ShardedModule._TRIAL_MARGIN
             self.assertEqual(p, t["on_median"] < t["off_median"] * (1 - margin))
         # rank 0: 15 of the 16 units prefetched in each of the 3 trial
-        # steps with, and in the 2 after the choice if prefetching won
-        self.assertEqual(res["prefetches"], 15 * (3 + (2 if trials[0][0] else 0)))
+        # steps with, and, if prefetching won on both ranks, in the second
+        # step after the choice (the first learns at its backward's end
+        # that every rank chose it)
+        both = all(p for p, _ in trials.values())
+        self.assertEqual(res["prefetches"], 15 * (3 + (1 if both else 0)))
         # the first steps are the 5-step run's (its data are drawn step by
         # step): torch's losses
         _, want = self.ref("mlp16", 2)
@@ -479,8 +486,11 @@ class FSDPOneRankTest(unittest.TestCase):
         tr = self.sm.prefetch_trial
         self.assertEqual((tr["on"], tr["off"]), ([1.0] * 3, [2.0] * 3))
         # step 1 learns the order; 2, 4 and 6 prefetch 15 units in each of
-        # their 2 forwards, 3, 5 and 7 none; from step 8 on every step does
-        self.assertEqual(counts, [0, 30, 30, 60, 60, 90, 90, 120, 150, 180])
+        # their 2 forwards, 3, 5 and 7 none; step 8 chooses at its training
+        # forward, which prefetches once every rank chose it (learnt at the
+        # end of its backward), so its forward without grad does, and
+        # every step from 9 on
+        self.assertEqual(counts, [0, 30, 30, 60, 60, 90, 90, 105, 135, 165])
 
     def test_prefetch_auto_drops_prefetch_where_it_is_slower(self):
         """Where prefetching made steps slower (no CPU left for the

@@ -559,6 +559,62 @@ Test(areas, plain_and_async_gathers_map_the_pool_once, .init = start, .fini = st
   cr_assert_eq(count_fds(), before);
 }
 
+/* Backward prefetch: the unit whose backward comes next is gathered ahead
+ * with its gradient area, so its backward needs no second gather. */
+Test(areas, an_async_gather_with_want_grad_leases_the_gradient_area_too, .init = start,
+     .fini = stop, .timeout = 60) {
+  int before = count_fds();
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  o.job = "single";
+  o.world = 1;
+  o.transient_areas = 1;
+  shardd_client_t *c = NULL;
+  char err[512];
+  cr_assert_eq(shardd_connect(d.sock, &o, &c, err, sizeof err), SHARDD_OK, "%s", err);
+  shardd_buffer_info b;
+  cr_assert_eq(shardd_buffer_register(c, "one", SHARDD_DTYPE_FP32, 1000, &b), SHARDD_OK,
+               "%s", shardd_last_error(c));
+  float *s = b.shard;
+  for (uint64_t i = 0; i < b.shard_numel; i++)
+    s[i] = (float)i + 0.5f;
+  shardd_ticket t;
+  cr_assert_eq(shardd_gather_area_async(c, b.id, 1, &t), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  shardd_area a;
+  cr_assert_eq(shardd_wait_area(c, t, &a), SHARDD_OK, "%s", shardd_last_error(c));
+  cr_assert_not_null(a.gather);
+  cr_assert_not_null(a.grad, "want_grad: the gradient area is leased and said");
+  const float *g = a.gather;
+  float *gr = a.grad;
+  for (uint64_t i = 0; i < 1000; i++) {
+    cr_assert_eq(g[i], (float)i + 0.5f, "gathered[%" PRIu64 "] = %g", i, (double)g[i]);
+    cr_assert_eq(gr[i], 0.0f, "the gradient area starts zeroed: [%" PRIu64 "] = %g", i,
+                 (double)gr[i]);
+  }
+  char *js = NULL;
+  cr_assert_eq(shardd_inspect_json(c, b.id, NULL, &js), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  cr_expect(strstr(js, "\"gather_leases\":[0],\"grad_leases\":[0]") != NULL, "%s", js);
+  shardd_free(js);
+  /* the area is the one a scatter consumes: what is written there reduces */
+  for (uint64_t i = 0; i < 1000; i++)
+    gr[i] = 2.0f;
+  cr_assert_eq(shardd_scatter(c, b.id, SHARDD_REDUCE_SUM), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  const float *red = b.reduced;
+  for (uint64_t i = 0; i < b.shard_numel; i++)
+    cr_assert_eq(red[i], 2.0f, "reduced[%" PRIu64 "] = %g", i, (double)red[i]);
+  cr_assert_eq(shardd_release(c, b.id), SHARDD_OK, "%s", shardd_last_error(c));
+  /* without want_grad an async gather still leases no gradient area */
+  cr_assert_eq(shardd_gather_area_async(c, b.id, 0, &t), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  cr_assert_eq(shardd_wait_area(c, t, &a), SHARDD_OK, "%s", shardd_last_error(c));
+  cr_assert_null(a.grad);
+  cr_assert_eq(shardd_release(c, b.id), SHARDD_OK, "%s", shardd_last_error(c));
+  shardd_close(c);
+  cr_assert_eq(count_fds(), before, "a pool's descriptor leaked");
+}
+
 Test(areas, a_resident_rank_cannot_join_a_transient_job, .init = start, .fini = stop,
      .timeout = 60) {
   shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;

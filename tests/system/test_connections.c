@@ -641,6 +641,7 @@ Test(server, null_outputs_are_refused_not_dereferenced, .timeout = 120) {
   cr_assert_eq(shardd_inspect_text(c, 1, NULL, NULL), SHARDD_E_INVAL);
   cr_assert_eq(shardd_buffer_register(c, "x", SHARDD_DTYPE_FP32, 1, NULL), SHARDD_E_INVAL);
   cr_assert_eq(shardd_gather_async(c, 1, NULL), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_gather_area_async(c, 1, 1, NULL), SHARDD_E_INVAL);
   cr_assert_eq(shardd_ping(c), SHARDD_OK);
   shardd_close(c);
   test_daemon_finish(&d);

@@ -966,6 +966,7 @@ Test(client, null_arguments_are_refused_not_dereferenced, .timeout = 30) {
   cr_assert_eq(shardd_restore(NULL, "/x", 0, NULL, 0), SHARDD_E_INVAL);
   cr_assert_eq(shardd_wait(NULL, 1), SHARDD_E_INVAL);
   cr_assert_eq(shardd_gather_async(NULL, 1, &t), SHARDD_E_INVAL);
+  cr_assert_eq(shardd_gather_area_async(NULL, 1, 1, &t), SHARDD_E_INVAL);
   shardd_area area;
   cr_assert_eq(shardd_gather_area(NULL, 1, 0, &area), SHARDD_E_INVAL);
   cr_assert_eq(shardd_release(NULL, 1), SHARDD_E_INVAL);

@@ -226,6 +226,7 @@ def _declare(lib):
         "shardd_optimizer_unregister": (c_int, [client_p, c_uint64]),
         "shardd_gather": (c_int, [client_p, c_uint64]),
         "shardd_gather_async": (c_int, [client_p, c_uint64, P(c_uint64)]),
+        "shardd_gather_area_async": (c_int, [client_p, c_uint64, c_int, P(c_uint64)]),
         "shardd_wait": (c_int, [client_p, c_uint64]),
         "shardd_release_async": (c_int, [client_p, c_uint64, P(c_uint64)]),
         "shardd_gather_area": (c_int, [client_p, c_uint64, c_int, P(Area)]),

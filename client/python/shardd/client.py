@@ -667,15 +667,23 @@ class Client:
         self._sync_cuda()
         self._call(self._lib.shardd_gather(self._c, _ids(buffer)))
 
-    def gather_async(self, buffer):
+    def gather_async(self, buffer, want_grad=False):
         """Starts the all-gather of buffer and returns a ticket at once (for
         prefetching the next layer while computing this one); at most
         max_inflight_gathers are in flight, the oldest being waited for
-        first. Pass the ticket to wait()."""
+        first. Pass the ticket to wait() or wait_area(). want_grad (transient
+        areas): also lease the gradient area, as gather_area(want_grad=True)
+        does (backward prefetch)."""
         self._check_open()
+        if want_grad not in (True, False):
+            raise TypeError("want_grad must be a bool, not %r" % (want_grad,))
         self._sync_cuda()
         t = ctypes.c_uint64(0)
-        self._call(self._lib.shardd_gather_async(self._c, _ids(buffer), ctypes.byref(t)))
+        if want_grad:
+            self._call(self._lib.shardd_gather_area_async(self._c, _ids(buffer), 1,
+                                                          ctypes.byref(t)))
+        else:
+            self._call(self._lib.shardd_gather_async(self._c, _ids(buffer), ctypes.byref(t)))
         return t.value
 
     def wait(self, ticket):
@@ -739,16 +747,16 @@ class Client:
                                                 ctypes.byref(area)))
         return self._areas(buf, area, want_grad)
 
-    def wait_area(self, ticket, buffer):
+    def wait_area(self, ticket, buffer, want_grad=False):
         """wait(ticket) for a gather_async(buffer), and where it put this
-        rank's gather area: -> (gather, None) as gather_area() (an async
-        gather leases no gradient area)."""
+        rank's areas: -> (gather, grad) as gather_area(), grad None unless
+        the gather_async had want_grad (pass the same here)."""
         self._check_open()
         buf = self._buffer_of(buffer)
         area = L.Area()
         self._call(self._lib.shardd_wait_area(self._c, ctypes.c_uint64(ticket),
                                               ctypes.byref(area)))
-        return self._areas(buf, area, False)
+        return self._areas(buf, area, bool(want_grad))
 
     def release_all(self, buffer):
         """release(), and the gradient area this rank holds of buffer too

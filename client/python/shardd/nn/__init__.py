@@ -225,8 +225,13 @@ out the whole parameters on either kind. From the second forward on, the
 next unit's gather (in the first forward's order) runs while a unit
 computes, when the rank's 2 gather leases allow and, with
 ``prefetch="auto"`` (the default) on the host backend, the first steps
-measured it faster than gathering each unit when needed. Not done
-yet: backward prefetch, an unsharded ``no_sync()`` (:meth:`no_sync` is
+measured it faster than gathering each unit when needed. Likewise in
+backward (``backward_prefetch``, FSDP's BACKWARD_PRE): when a unit's
+backward begins, the gather (with its gradient area) of the unit before it
+in this step's forward is sent, when the leases allow it; the ranks agree
+at the end of each backward whether the next one prefetches (all want
+it), so every rank sends the same gathers. Not done
+yet: an unsharded ``no_sync()`` (:meth:`no_sync` is
 accepted and accumulates in the sharded gradient), and a forward that raises (the saved-tensor hooks stay pushed
 until the next forward of the root). A unit with no trainable parameter
 (wholly frozen) that backward runs through is released once the gradient

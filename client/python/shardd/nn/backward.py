@@ -66,7 +66,8 @@ class _BackwardHooks:
             # (the root unit leased both in its forward: the values there
             # are still the gathered ones, and no gradient reached the area)
             try:
-                u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=want)
+                if not self._take_prefetched(u, want):
+                    u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=want)
             except shardd.Error as e:
                 if e.code_name != "E_LIMIT":
                     raise
@@ -82,6 +83,7 @@ class _BackwardHooks:
         else:  # gathered for saved tensors only: released at the end
             u.state = "late"
         self._point(u, want)
+        self._prefetch_backward(u)
 
     def _backward_limit(self, u, err):
         """The daemon's E_LIMIT for u's gather in backward, saying which
@@ -221,6 +223,8 @@ class _BackwardHooks:
         """End of backward: every unit scattered once, in reverse order."""
         self._final_queued = False
         _HELD.discard(self)
+        if self._pending is not None:  # a backward prefetch no backward took
+            self._drop_prefetch()
         self._scatter_rest()
         try:
             self._wait_releases()
@@ -241,7 +245,12 @@ class _BackwardHooks:
                 if e.param.requires_grad and e.param.grad is None]
         sig = float(zlib.crc32(repr(none).encode()))
         n = float(len(none))
-        mx = self.client.all_reduce([n, -n, sig, -sig], "max")
+        # and the ranks agree whether the next backward, and forwards after
+        # prefetch="auto"'s trial, prefetch (every rank wants it)
+        mx = self.client.all_reduce([n, -n, sig, -sig, -self._backward_prefetch_vote(),
+                                     -self._forward_prefetch_vote()], "max")
+        self._backward_prefetch_agree(-mx[4] > 0.5)
+        self._forward_prefetch_agree(-mx[5] > 0.5)
         if mx[0] == -mx[1] and mx[2] == -mx[3]:
             return
         for ui, ei in none:

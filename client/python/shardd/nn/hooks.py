@@ -99,6 +99,7 @@ class _ForwardHooks:
         if self._trial is not None and self._order_done and torch.is_grad_enabled():
             self._prefetch_trial()
         if torch.is_grad_enabled():
+            self._bw_order = []  # this forward's, for its backward's prefetch
             self._sth = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._sth.__enter__()
 
@@ -293,9 +294,13 @@ class _ForwardHooks:
             return
         if torch.is_grad_enabled():
             hook = functools.partial(self._output_grad, u)
+            hooked = False
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(hook)
+                    hooked = True
+            if hooked:  # a backward will come through u (FSDP's post-forward order)
+                self._bw_order.append(u)
             if u.is_root:
                 return  # gathered until the end of backward, as FSDP keeps it
             if not self._trainable(u):

@@ -77,15 +77,32 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
       forward of the root on, 3 steps with prefetch and 3 without
       alternate, each timed to the next training forward, and prefetching
       stays on only if the median of its steps is lower by more than 5%
-      (each rank chooses on its own timings; within that the two are the
-      same, and prefetch=False's loop is kept). Without a CPU to spare, the copy of
-      a prefetched gather takes its CPU from the forward it overlaps (one
-      run measured 1.65x the gather-everything loop's step with prefetch,
-      1.05x without); where ranks wait for each other at every gather, a
-      prefetched one does not make them meet there. True: always; False:
+      (each rank chooses on its own timings, and prefetches only while
+      every rank chose it, as the ranks learn at the end of each backward;
+      within that the two are the same, and prefetch=False's loop is
+      kept). Without a CPU to spare, the copy of a prefetched gather
+      takes its CPU from the forward it overlaps (one run measured 1.65x
+      the gather-everything loop's step with prefetch, 1.05x without);
+      where ranks wait for each other at every gather, a prefetched one
+      does not make them meet there. True: always; False:
       never. :attr:`ShardedModule.prefetch` says what is chosen (it
       alternates during the trial), :attr:`ShardedModule.prefetch_trial`
       the trial's step times once it chose.
+    backward_prefetch: transient areas: when a unit's backward begins, the
+      gather (with its gradient area) of the unit whose backward comes next
+      -- the one before it in this step's forward, FSDP's BACKWARD_PRE,
+      which records the order every step -- is already under way, when the
+      rank's 2 gather and 2 gradient leases allow it. A wrong guess costs
+      a gather, never a result. "auto" (default): where forward prefetch
+      is on (prefetch=True, the cuda backend, or the host backend's trial
+      chose it); True: always; False: never; BackwardPrefetch.BACKWARD_PRE
+      and None are taken for True and False. Every rank prefetches in a
+      backward or none does: the ranks agree at the end of each backward
+      (on the all-reduce that compares their None gradients), all of them
+      wanting it, for the next one, so the first backward never
+      prefetches. :attr:`ShardedModule.backward_prefetch` says whether
+      the next backward does, :attr:`ShardedModule.backward_prefetches`
+      counts the backwards that found their gather under way.
     bucket_bytes: resident areas: gather() and scatter() send consecutive
       units together, one request per bucket of at most this many bytes of
       units (a larger unit goes alone), as DDP's bucket_cap_mb (25 MiB) and
@@ -115,7 +132,8 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
     def __init__(self, client, module, auto_wrap="module", prefix="", dtype=None,
                  initial_gather=True, reduce_op="mean", init="auto", prefetch="auto",
                  bucket_bytes=25 << 20, param_init_fn=None, mixed_precision=None,
-                 param_dtype=None, reduce_dtype=None, buffer_dtype=None):
+                 param_dtype=None, reduce_dtype=None, buffer_dtype=None,
+                 backward_prefetch="auto"):
         dtype, buffer_dtype, input_dtype = _mixed_precision(
             dtype, mixed_precision, param_dtype, reduce_dtype, buffer_dtype)
         if init not in INIT_POLICIES:
@@ -329,6 +347,11 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         self._pending = None      # (unit, ticket) of the gather under way
         self._releases = []       # tickets of releases not yet waited for
         self.prefetches = 0       # gathers that were under way when needed
+        self._fw_agreed = False   # every rank's trial chose forward prefetch
+        self._bw_opt = self._backward_prefetch_option(backward_prefetch)
+        self.backward_prefetch = False  # what the ranks agreed for the next backward
+        self.backward_prefetches = 0    # backwards whose gather was under way
+        self._bw_order = []       # units in this step's order of forwards (post-forward)
         self._sth = None          # the saved-tensor hooks pushed for a forward
         self._in_forward = False  # the root's forward is running
         self._read_held = []      # units a parameter read gathered this forward
@@ -848,6 +871,10 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         replaced by the redo's (zero_grad()), so nothing of it counts."""
         self._pop_saved_hooks()
         self._final_queued = False
+        # what the ranks agreed on included a rank that may be relaunched
+        # now: every rank prefetches again only once all have agreed anew
+        self.backward_prefetch = False
+        self._fw_agreed = False
         try:
             self._wait_releases()
         except shardd.Error:
@@ -856,6 +883,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         if pend is not None:
             try:
                 self.client.wait_area(pend[1], pend[0].buffer)
+                self.client.release_all(pend[0].buffer)
             except shardd.Error:
                 pass  # failed with the rest: it leased nothing
         for u in self.units:

@@ -1,5 +1,6 @@
 """Forward prefetch (FSDP's forward_prefetch, limit_all_gathers) of
-transient areas, and prefetch="auto"'s trial on the host backend."""
+transient areas, prefetch="auto"'s trial on the host backend, and backward
+prefetch (FSDP's BackwardPrefetch.BACKWARD_PRE)."""
 import time
 
 
@@ -13,6 +14,8 @@ class _Prefetch:
         """Starts the next unit's gather while u's forward runs."""
         if not self.prefetch or not self._order_done or self._pending is not None:
             return
+        if self.prefetch_trial is not None and not self._fw_agreed:
+            return  # the trial chose on this rank's timings: not every rank's yet
         try:
             i = self._order.index(u)
         except ValueError:
@@ -23,7 +26,7 @@ class _Prefetch:
         held = sum(1 for v in self.units if v.gather is not None)
         if nxt.gather is not None or held >= self._GATHER_LEASES:
             return
-        self._pending = (nxt, self.client.gather_async(nxt.buffer))
+        self._pending = (nxt, self.client.gather_async(nxt.buffer), False)
 
     _TRIAL_STEPS = 3  # training steps timed with prefetch, and as many without
     _TRIAL_MARGIN = 0.05  # how much faster prefetching's median must be to keep it
@@ -46,7 +49,11 @@ class _Prefetch:
         that prefetches and one that does not send the same gathers in the
         same order (the first forward's, which prefetching assumes), as a
         relaunched rank's first forward, which learns the order, always
-        did beside peers that prefetch."""
+        did beside peers that prefetch. Once chosen, a rank prefetches only
+        while every rank chose it (_forward_prefetch_agree): a rank that
+        prefetches a unit the forward does not take next (its order
+        changed since the first) waits for that gather, which a peer that
+        chose not to prefetch sends later or never."""
         tr = self._trial
         now = self._clock()
         if tr["mode"] is not None:
@@ -68,7 +75,116 @@ class _Prefetch:
         tr["t"] = now
 
     def _drop_prefetch(self):
-        nxt, ticket = self._pending
+        """The gather under way was not the one needed (the order changed):
+        waited for, as every rank sent it, and its areas given back."""
+        nxt, ticket, grad = self._pending
         self._pending = None
-        self.client.wait_area(ticket, nxt.buffer)
-        self.client.release(nxt.buffer)
+        self.client.wait_area(ticket, nxt.buffer, want_grad=grad)
+        if grad:  # unscattered: its gradient area goes back with it
+            self.client.release_all(nxt.buffer)
+        else:
+            self.client.release(nxt.buffer)
+
+    # -- backward prefetch (FSDP's BackwardPrefetch.BACKWARD_PRE) ------------
+    @staticmethod
+    def _backward_prefetch_option(v):
+        """backward_prefetch's value: True, False or "auto"; FSDP's
+        BackwardPrefetch.BACKWARD_PRE is True, None False (BACKWARD_POST,
+        a prefetch after the unit's gradient is computed, is not done)."""
+        if v is None:
+            return False
+        if v in (True, False, "auto"):
+            return v
+        if getattr(v, "name", None) == "BACKWARD_PRE":
+            return True
+        raise ValueError("backward_prefetch %r: True, False, \"auto\" or "
+                         "BackwardPrefetch.BACKWARD_PRE" % (v,))
+
+    def _backward_prefetch_vote(self):
+        """Whether this rank wants the next backward to prefetch: "auto"
+        where forward prefetch is on and its trial, if any, is over (the
+        same question, whether a gather's copy finds a CPU while the rank
+        computes, measured once)."""
+        if self._bw_opt == "auto":
+            return 1.0 if self.prefetch and self._trial is None else 0.0
+        return 1.0 if self._bw_opt else 0.0
+
+    def _backward_prefetch_agree(self, all_want):
+        """The end of a backward: every rank learnt every rank's vote from
+        the same all-reduce; the next backward prefetches where all want
+        it. So the ranks send the same gathers, right guesses or wrong, in
+        the same order: a rank that guessed wrong waits for its gather,
+        which its peers sent too, and gives it back. (A rank prefetching
+        beside one that does not is tolerated where the guess is right,
+        the same gathers in the same order, a prefetched one only sooner,
+        as forward prefetch relies on; but a wrong guess waited for there
+        would wait for a gather the peer sends later or never.)"""
+        self.backward_prefetch = bool(all_want)
+
+    def _forward_prefetch_vote(self):
+        """Whether this rank's trial chose forward prefetch (1.0), for the
+        same end-of-backward all-reduce."""
+        return 1.0 if self.prefetch and self._trial is None else 0.0
+
+    def _forward_prefetch_agree(self, all_want):
+        """After prefetch="auto"'s trial each rank has chosen on its own
+        timings; forward prefetch goes on only while every rank chose it,
+        as learnt at the end of each backward (the first training forward
+        after the trial does not prefetch yet). prefetch=True and the cuda
+        backend's "auto" choose alike on every rank and need no
+        agreement."""
+        self._fw_agreed = bool(all_want)
+
+    def _take_prefetched(self, u, want):
+        """u's backward needs its areas (want: the gradient area too): True
+        when the gather under way is u's (its areas are u's now). Else a
+        prefetch of another unit (a wrong guess) stays under way if u's
+        gather leaves it its leases (its backward may still come), and is
+        dropped if not: a wrong guess costs time, never a lease past the
+        limit."""
+        pend = self._pending
+        if pend is None:
+            return False
+        v, ticket, grad = pend
+        if v is u and grad == want:
+            self._pending = None
+            u.gather, u.grad = self.client.wait_area(ticket, u.buffer, want_grad=want)
+            self.backward_prefetches += 1
+            return True
+        need_g = (0 if u.gather is not None else 1) + 1
+        need_r = (1 if want and u.grad is None else 0) + (1 if grad else 0)
+        if v is u or not self._lease_room(need_g, need_r):
+            self._drop_prefetch()
+        return False
+
+    def _lease_room(self, gathers, grads):
+        """Whether this rank can lease that many more gather and gradient
+        areas within the daemon's limit (2 of each per rank)."""
+        held_g = sum(1 for v in self.units if v.gather is not None)
+        held_r = sum(1 for v in self.units if v.grad is not None)
+        return held_g + gathers <= self._GATHER_LEASES and held_r + grads <= self._GATHER_LEASES
+
+    def _prefetch_backward(self, u):
+        """u's backward begins (its areas are gathered): the gather of the
+        unit before u in this step's forward order (FSDP's post-forward
+        order, recorded every step, so a forward in another order than the
+        last step's predicts its own backward) is sent now, with its
+        gradient area where it has a trainable parameter, when it has no
+        backward yet and both leases allow it."""
+        if not self.backward_prefetch or self._pending is not None:
+            return
+        order = self._bw_order
+        i = len(order) - 1
+        while i >= 0 and order[i] is not u:  # u's last forward: its backward comes first
+            i -= 1
+        while i >= 0 and order[i] is u:
+            i -= 1
+        if i < 0:
+            return
+        v = order[i]
+        if v.state != "idle" or v.gather is not None or v.grad is not None:
+            return  # gathered (the root unit), in backward or done
+        want = self._trainable(v) > 0
+        if not self._lease_room(1, 1 if want else 0):
+            return
+        self._pending = (v, self.client.gather_async(v.buffer, want_grad=want), want)
