@@ -11,6 +11,7 @@ shardd.nn.elementwise_optimizer train as torch on the whole model; the
 others are refused at their first step, by name, with nothing changed.
 The reference is one process of torch applying the mean of the ranks'
 micro-batch gradients (test_torch_optim's)."""
+import functools
 import unittest
 
 import common
@@ -87,6 +88,27 @@ if common.HAVE_TORCH:
                     if p.grad is not None:
                         p.add_(p.grad.sign(), alpha=-g["lr"])
 
+    def centralized(step):
+        """Gradient centralization as a decorator of a torch step (with
+        functools.wraps, as decorators are written): each matrix's gradient
+        less its rows' means first, which on a rank's 1-D part does
+        nothing."""
+        @functools.wraps(step)
+        def centralized_step(self, closure=None):
+            with torch.no_grad():
+                for g in self.param_groups:
+                    for p in g["params"]:
+                        if p.grad is not None and p.grad.dim() > 1:
+                            p.grad.sub_(p.grad.mean(dim=tuple(range(1, p.grad.dim())),
+                                                    keepdim=True))
+            return step(self, closure)
+        return centralized_step
+
+    class GCAdam(torch.optim.Adam):
+        """Adam whose step is Adam's wrapped by a decorator that reads the
+        whole parameter's shape."""
+        step = centralized(torch.optim.Adam.step)
+
     class WarmAdamW(torch.optim.AdamW):
         """A subclass that changes defaults only: AdamW's own step."""
 
@@ -111,6 +133,8 @@ def make_opt(kind, params):
         return WarmAdamW(params)
     if kind == "marked":
         return shardd.nn.elementwise_optimizer(SignSGD)(params)
+    if kind == "gc_adam":
+        return GCAdam(params, lr=3e-3)
     if kind == "lars":
         return LARS(params)
     if kind == "adafactor":
@@ -228,6 +252,12 @@ class ElementwiseOptimizerTest(unittest.TestCase):
 
     def test_a_factored_second_moment_is_refused_at_the_first_step(self):
         self.refused("adafactor", "Adafactor")
+
+    def test_an_elementwise_step_wrapped_by_a_decorator_is_refused(self):
+        """A subclass whose step is Adam's inside a decorator of its own
+        (functools.wraps makes it look like Adam's step) may read the whole
+        parameter before Adam's step: refused unless marked."""
+        self.refused("gc_adam", "GCAdam")
 
     def test_lbfgs_is_refused_at_the_first_step(self):
         self.refused("lbfgs", "LBFGS")

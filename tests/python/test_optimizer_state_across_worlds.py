@@ -151,6 +151,51 @@ def load_main(rank, world, sock, job, kind, d, how, q, saved=None):
         common.rank_failed(rank, q, e)
 
 
+if common.HAVE_TORCH:
+    class Scaled(torch.nn.Module):
+        """A linear layer and a 0-dim parameter (CLIP's logit_scale): its
+        optimizer state is 0-dim too, like a step count."""
+
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(5)
+            self.lin = torch.nn.Linear(6, 5)
+            self.scale = torch.nn.Parameter(torch.tensor(1.5))
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+
+def scaled_steps(model, opt, n):
+    for s in range(n):
+        torch.manual_seed(100 + s)
+        x = torch.randn(4, 6)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+
+def scalar_main(rank, world, sock, job, msd, osd, q):
+    """K steps of the wrapped Scaled from a plain torch model and Adam
+    state dict (every rank the same batch: the mean is torch's gradient)."""
+    try:
+        torch.set_num_threads(1)
+        client = shardd.Client(sock, job=job, rank=rank, world=world, transient_areas=True)
+        model = Scaled()
+        sm = shardd.nn.ShardedModule(client, model, auto_wrap="module")
+        model.load_state_dict(msd)
+        opt = torch.optim.Adam(model.parameters(), lr=0.05, amsgrad=True, foreach=False)
+        opt.load_state_dict(osd)
+        scaled_steps(model, opt, K)
+        full = {k: v.detach().numpy().copy() for k, v in sm.full_parameters().items()}
+        if rank == 0:
+            q.put(("state", full))
+        client.close()
+        q.put(("done", rank))
+    except BaseException as e:
+        common.rank_failed(rank, q, e)
+
+
 def collect(target, args_of, world):
     out = {"losses": {}, "refused": {}}
 
@@ -278,6 +323,27 @@ class OptimizerStateAcrossWorldsTest(unittest.TestCase):
             for r, (msg, same, _) in out["refused"].items():
                 self.assertIn("full_optim_state_dict", msg)
                 self.assertTrue(same)
+
+
+    def test_a_zero_dim_parameters_state_from_torch_continues_in_the_wrapped_run(self):
+        """Plain torch's Adam (amsgrad) state dict of a model with a 0-dim
+        parameter loads into the wrapped run on 2 ranks (one rank's part of
+        that parameter empty) and continues as torch: its 0-dim moments are
+        the whole parameter's, sliced to each rank's part like the others'
+        (its 'step', 0-dim as well, is a count, kept)."""
+        torch.set_num_threads(1)
+        model = Scaled()
+        opt = torch.optim.Adam(model.parameters(), lr=0.05, amsgrad=True, foreach=False)
+        scaled_steps(model, opt, K)
+        msd = {k: v.clone() for k, v in model.state_dict().items()}
+        osd = torch.load(_roundtrip(opt.state_dict()))
+        scaled_steps(model, opt, K)
+        want = {k: v.detach().numpy().copy() for k, v in model.named_parameters()}
+        sock = common.socket()
+        job = common.job("osdscalar")
+        out = collect(scalar_main, lambda r, q: (r, 2, sock, job, msd, osd, q), 2)
+        for k, v in want.items():
+            np.testing.assert_allclose(out["state"][k], v, rtol=1e-6, atol=1e-7, err_msg=k)
 
 
 if __name__ == "__main__":

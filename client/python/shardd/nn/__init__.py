@@ -70,7 +70,8 @@ which no wrapper manages (its gradient each rank's own, never reduced).
 A torch.optim optimizer steps each rank's 1-D part of a parameter, so
 only an element-wise one computes torch's update: torch's SGD, Adam,
 AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop, NAdam, RAdam, ASGD (and
-subclasses keeping their step), shardd.optim's, and a class marked with
+subclasses keeping their step, not wrapping it in a decorator of their
+own), shardd.optim's, and a class marked with
 :func:`elementwise_optimizer`; any other's first step over a transient
 wrapper's parameters raises, naming it (a LARS trust ratio would take the
 part's norm, Adafactor the part's shape, LBFGS dot products over the

@@ -77,6 +77,31 @@ def _is_part(v):
     return isinstance(v, torch.Tensor) and v.dim() > 0
 
 
+# torch.optim's 0-dim state entries that are one number per parameter (a
+# count, ASGD's eta and mu, NAdam's mu_product), not one per element
+_COUNTS = ("step", "eta", "mu", "mu_product")
+
+
+def _whole_keys(state):
+    """The state keys a whole dict holds per element (a tensor of its
+    parameter's shape, dim > 0, for some parameter); None where no
+    parameter's state has one (every parameter 0-dim)."""
+    keys = {k for st in state.values() for k, v in st.items() if _is_part(v)}
+    return keys or None
+
+
+def _whole_part(k, v, e, keys):
+    """Whether entry k (v) of e's parameter's state in a whole dict is per
+    element: a 0-dim parameter's moments are 0-dim like its step count, so
+    there the keys other parameters hold per element decide (or, with none,
+    torch's names of counts)."""
+    if _is_part(v):
+        return True
+    if not isinstance(v, torch.Tensor) or tuple(e.shape) != () or v.dim() != 0:
+        return False
+    return k in keys if keys is not None else k not in _COUNTS
+
+
 def _for_this_rank(opt, sd, owned):
     """sd (a state dict for opt) -> the dict torch's load_state_dict takes
     on this rank: whole state sliced to this rank's parts. Raises
@@ -87,6 +112,7 @@ def _for_this_rank(opt, sd, owned):
     parts = sd.get(PARTS_KEY)
     saved_parts = parts["params"] if parts else {}
     state = dict(sd["state"])
+    keys = False  # _whole_keys(state), once needed
     for i, (e, lo, hi, rank, world) in owned.items():
         key = saved_ids[i]
         st = state.get(key)
@@ -110,8 +136,10 @@ def _for_this_rank(opt, sd, owned):
                                      "part's (%d,)" % (e.name, k, tuple(v.shape), hi - lo))
             continue
         new = {}
+        if keys is False:
+            keys = _whole_keys(state)
         for k, v in st.items():
-            if _is_part(v):
+            if _whole_part(k, v, e, keys):
                 if tuple(v.shape) != tuple(e.shape):
                     raise ValueError(
                         "load_state_dict: %r's state %r has shape %s, neither the whole "

@@ -111,8 +111,26 @@ _ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "RMSpro
                 "Rprop", "NAdam", "RAdam", "ASGD")
 
 
+# the code of _wrap_step's wrapper (the same for every class it wraps)
+_STEP_WRAPPER_CODES = set()
+
+
+def _transparent(fn):
+    """Whether fn is a wrapper that only calls the step it wraps: this
+    module's (_wrap_step) or torch 1.13's profiler's (_hook_for_profile).
+    Another wrapper (a decorator of the script's, functools.wraps making
+    it look like the step it wraps) may read whole parameters first."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return False
+    if code in _STEP_WRAPPER_CODES:
+        return True
+    path = code.co_filename.replace("\\", "/")
+    return code.co_name == "wrapper" and path.endswith("torch/optim/optimizer.py")
+
+
 def _innermost(fn):
-    while hasattr(fn, "__wrapped__"):
+    while hasattr(fn, "__wrapped__") and _transparent(fn):
         fn = fn.__wrapped__
     return fn
 
@@ -245,6 +263,7 @@ def _wrap_step(cls):
         _step_pre(self)
         return inner(self, *args, **kwargs)
 
+    _STEP_WRAPPER_CODES.add(step.__code__)
     cls.step = _mark_step_hooked(step)
 
 
