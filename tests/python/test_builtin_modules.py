@@ -126,6 +126,17 @@ if common.HAVE_TORCH:
                 h = h + self.b(h)
             return F.linear(h, self.head.weight, self.head.bias)
 
+    class _Transformer(nn.Module):
+        """nn.Transformer: encoder and decoder layers (three attentions)."""
+
+        def __init__(self):
+            super().__init__()
+            self.tr = nn.Transformer(16, 4, 1, 1, 32, dropout=0.0, batch_first=True)
+            self.head = nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.head(self.tr(x, x[:, :4]))
+
     class _MaxNorm(nn.Module):
         def __init__(self):
             super().__init__()
@@ -152,6 +163,16 @@ def make_model(name):
         return _UntiedHead()
     if name == "max_norm":
         return _MaxNorm()
+    if name == "root_weight_norm":  # the root's own pre-hook computes its weight
+        return nn.utils.weight_norm(nn.Linear(16, 8))
+    if name == "root_spectral_norm":
+        return nn.utils.spectral_norm(nn.Linear(16, 8))
+    if name == "batchnorm":
+        return nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16, momentum=None),
+                             nn.Tanh(), nn.BatchNorm1d(16, track_running_stats=False),
+                             nn.Linear(16, 8))
+    if name == "transformer":
+        return _Transformer()
     if name == "plain":
         return nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 8))
     raise ValueError(name)
@@ -161,6 +182,7 @@ def auto_wrap_of(key):
     return {"module": "module", "children": "children",
             "linear": {nn.Linear},
             "layer": {nn.TransformerEncoderLayer},
+            "layers": {nn.TransformerEncoderLayer, nn.TransformerDecoderLayer},
             "size": functools.partial(shardd.nn.size_based_auto_wrap_policy,
                                       min_num_params=100)}[key]
 
@@ -169,13 +191,15 @@ def batch(name, k, rank, world):
     g = torch.Generator().manual_seed(100 + k)
     if name in ("bag", "sparse", "padding", "max_norm"):
         x = torch.randint(0, 32, (ROWS, 5), generator=g)
-    elif name in ("mha", "encoder", "lstm", "gru", "rnn"):
+    elif name in ("mha", "encoder", "lstm", "gru", "rnn", "transformer"):
         x = torch.randn(ROWS, 6, 16, generator=g)
     else:
         x = torch.randn(ROWS, 16, generator=g)
     y = torch.randn(ROWS, 8, generator=g)
     if name in ("mha", "encoder", "lstm", "gru", "rnn"):
         y = torch.randn(ROWS, 6, 8, generator=g)
+    if name == "transformer":
+        y = torch.randn(ROWS, 4, 8, generator=g)
     per = ROWS // world
     return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
 
@@ -362,6 +386,17 @@ class BuiltinModulesTest(unittest.TestCase):
 
     def test_parent_reads_an_untied_child_weight_and_a_branch_skipped(self):
         self.check("untied", ("module", "children", "linear"))
+
+    def test_weight_norm_and_spectral_norm_on_the_root(self):
+        self.check("root_weight_norm", ("module",))
+        self.check("root_spectral_norm", ("module",))
+
+    def test_batchnorm_cumulative_and_untracked_statistics(self):
+        self.check("batchnorm", ("module", "children"))
+
+    def test_transformer_encoder_decoder(self):
+        self.check("transformer", ("children", "layers", "linear"), kinds=(True,))
+        self.check("transformer", ("layers", "linear", "size"), kinds=(False,))
 
     def test_embedding_max_norm_is_refused(self):
         for transient in (True, False):
