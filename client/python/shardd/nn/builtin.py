@@ -27,7 +27,15 @@ their parameters during forward: what the wrapper must know of them.
   (the process would die of SIGSEGV) and a resident one overwrites at the
   next gather; and each rank would renormalize the rows of its own batch
   only. Refused at wrapping, naming the module.
+* weight_norm and spectral_norm (and any forward pre-hook registered before
+  wrapping) compute ``weight`` from the module's parameters in a forward
+  pre-hook: torch runs pre-hooks in registration order, so the transient
+  wrapper's gather would come after theirs, which would compute from the
+  1-D parts of the shard. The wrapper's pre-hooks go first on every module
+  it hooks (torch 1.13 has no ``prepend=``).
 """
+import contextlib
+
 from torch import nn
 
 
@@ -67,3 +75,17 @@ def refresh_cached(module):
     for m in module.modules():
         if isinstance(m, nn.RNNBase):
             m._flat_weights = [m._parameters.get(wn) for wn in m._flat_weights_names]
+
+
+@contextlib.contextmanager
+def pre_hooks_first(modules):
+    """The forward pre-hooks registered on `modules` inside the block run
+    before those registered earlier (in the order registered), so that a
+    unit is gathered before a hook of the script's (weight_norm's) reads
+    its parameters."""
+    before = {id(m): set(m._forward_pre_hooks) for m in modules}
+    yield
+    for m in modules:
+        new = [k for k in m._forward_pre_hooks if k not in before[id(m)]]
+        for k in reversed(new):
+            m._forward_pre_hooks.move_to_end(k, last=False)

@@ -17,7 +17,7 @@ import shardd
 from ._precision import _DTYPE_OF, _TORCH_DTYPES, _cast_floats, _checksum, _mixed_precision
 from .backward import _BackwardHooks
 from .grads import _Grad16, _ResidentGrad
-from .builtin import check_builtin, refresh_cached
+from .builtin import check_builtin, pre_hooks_first, refresh_cached
 from .hooks import _ForwardHooks
 from .meta import _MetaInit
 from .optimizer_hook import (_ORIGINALS, _OWNERS, _WRAPPERS, _forget_original,
@@ -348,7 +348,8 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         _install_step_hook()
         _WRAPPERS.add(self)
         if self.transient:
-            self._install_hooks()
+            with pre_hooks_first(list(module.modules())):  # before weight_norm's
+                self._install_hooks()
         else:
             self._hook_resident()
         if not self.transient and initial_gather:
