@@ -60,6 +60,22 @@ if common.HAVE_TORCH:
         def forward(self, x):
             return self.head(self.enc(x))
 
+    class _PaddedEncoder(nn.Module):
+        """TransformerEncoder with enable_nested_tensor and a key padding
+        mask: in eval under no_grad its forward reads the first layer's
+        weights itself (its nested-tensor fast path's check)."""
+
+        def __init__(self):
+            super().__init__()
+            layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+            self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)
+            self.head = nn.Linear(16, 8)
+
+        def forward(self, x):
+            pad = torch.zeros(x.shape[:2], dtype=torch.bool)
+            pad[:, -2:] = True  # the last 2 positions are padding (left aligned)
+            return self.head(self.enc(x, src_key_padding_mask=pad))
+
     class _RNN(nn.Module):
         def __init__(self, cls):
             super().__init__()
@@ -173,6 +189,8 @@ def make_model(name):
                              nn.Linear(16, 8))
     if name == "transformer":
         return _Transformer()
+    if name == "padded_encoder":
+        return _PaddedEncoder()
     if name == "plain":
         return nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 8))
     raise ValueError(name)
@@ -191,12 +209,13 @@ def batch(name, k, rank, world):
     g = torch.Generator().manual_seed(100 + k)
     if name in ("bag", "sparse", "padding", "max_norm"):
         x = torch.randint(0, 32, (ROWS, 5), generator=g)
-    elif name in ("mha", "encoder", "lstm", "gru", "rnn", "transformer"):
+    elif name in ("mha", "encoder", "lstm", "gru", "rnn", "transformer",
+                  "padded_encoder"):
         x = torch.randn(ROWS, 6, 16, generator=g)
     else:
         x = torch.randn(ROWS, 16, generator=g)
     y = torch.randn(ROWS, 8, generator=g)
-    if name in ("mha", "encoder", "lstm", "gru", "rnn"):
+    if name in ("mha", "encoder", "lstm", "gru", "rnn", "padded_encoder"):
         y = torch.randn(ROWS, 6, 8, generator=g)
     if name == "transformer":
         y = torch.randn(ROWS, 4, 8, generator=g)
@@ -361,6 +380,9 @@ class BuiltinModulesTest(unittest.TestCase):
     def test_transformer_encoder_and_its_eval_fast_path(self):
         self.check("encoder", ("children", "layer", "linear"), kinds=(True,))
         self.check("encoder", ("children", "layer", "linear", "size"), kinds=(False,))
+
+    def test_transformer_encoder_nested_tensor_fast_path(self):
+        self.check("padded_encoder", ("children", "layer"))
 
     def test_lstm_flat_weights(self):
         self.check("lstm", ("module", "children"))
