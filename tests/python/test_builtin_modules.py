@@ -179,6 +179,8 @@ def make_model(name):
         return _UntiedHead()
     if name == "max_norm":
         return _MaxNorm()
+    if name == "lazy":  # not run yet: its weight has no shape
+        return nn.Sequential(nn.LazyLinear(16), nn.Tanh(), nn.Linear(16, 8))
     if name == "root_weight_norm":  # the root's own pre-hook computes its weight
         return nn.utils.weight_norm(nn.Linear(16, 8))
     if name == "root_spectral_norm":
@@ -420,14 +422,20 @@ class BuiltinModulesTest(unittest.TestCase):
         self.check("transformer", ("children", "layers", "linear"), kinds=(True,))
         self.check("transformer", ("layers", "linear", "size"), kinds=(False,))
 
-    def test_embedding_max_norm_is_refused(self):
+    def refused(self, name, words):
         for transient in (True, False):
-            got = run("max_norm", ("module", "children"), transient)
+            got = run(name, ("module", "children"), transient)
             for key in ("module", "children"):
                 for r in range(WORLD):
                     msg = got["refused"].get(key, {}).get(r, "")
-                    self.assertIn("max_norm", msg)
-                    self.assertIn("emb", msg)
+                    for w in words:
+                        self.assertIn(w, msg, "%s, %s, rank %d" % (name, key, r))
+
+    def test_embedding_max_norm_is_refused(self):
+        self.refused("max_norm", ("max_norm", "'emb'"))
+
+    def test_lazy_module_not_run_is_refused(self):
+        self.refused("lazy", ("'0'", "LazyLinear", "uninitialized"))
 
 
 if __name__ == "__main__":
