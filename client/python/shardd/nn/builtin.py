@@ -27,6 +27,8 @@ their parameters during forward: what the wrapper must know of them.
   (the process would die of SIGSEGV) and a resident one overwrites at the
   next gather; and each rank would renormalize the rows of its own batch
   only. Refused at wrapping, naming the module.
+* a lazy module (nn.LazyLinear...) not run yet has parameters with no
+  shape to flatten: refused at wrapping, naming it.
 * weight_norm and spectral_norm (and any forward pre-hook registered before
   wrapping) compute ``weight`` from the module's parameters in a forward
   pre-hook: torch runs pre-hooks in registration order, so the transient
@@ -57,6 +59,13 @@ def check_builtin(module):
     """Refuses the built-in modules the wrapper cannot train as torch does
     (ValueError naming the module and why)."""
     for name, m in module.named_modules():
+        lazy = [k for k, t in list(m._parameters.items()) + list(m._buffers.items())
+                if isinstance(t, nn.parameter.UninitializedTensorMixin)]
+        if lazy:
+            raise ValueError(
+                "module %r (%s) has uninitialized (lazy) %s: their shapes are made by "
+                "its first forward; run a forward with a dummy batch before wrapping"
+                % (name or "<root>", type(m).__name__, ", ".join(lazy)))
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
             raise ValueError(
                 "module %r (%s, max_norm=%r) renormalizes the rows it looks up in its "
