@@ -13,7 +13,13 @@ some steps skip, and a parent's F.linear over a child's (untied) weight.
 Each with an auto_wrap that gives the reading child a unit of its own and
 one that leaves it in its parent's. nn.Embedding(max_norm=...), which
 renormalizes its weight in place during forward (a write into the gathered
-copy, and per rank's indices), is refused at wrapping, naming the module.
+copy, and per rank's indices), is refused at wrapping, naming the module,
+as is a lazy module not run yet; an assignment through a parametrization
+after wrapping is refused at the next forward, naming the parameter.
+weight_norm / spectral_norm on the root module itself (their pre-hook came
+before the wrapper's gather), BatchNorm with momentum=None or untracked
+statistics, nn.Transformer and TransformerEncoder's nested-tensor fast
+path (a key padding mask in eval) train and evaluate as torch.
 
 The reference: one process of torch.optim.SGD (momentum) applying, per step,
 the mean of each rank's micro-batch gradient (data parallelism's); the ranks
@@ -325,6 +331,30 @@ def rank_main(rank, world, sock, job, name, wraps, transient, q):
         common.rank_failed(rank, q, e)
 
 
+def rank_assign(rank, world, sock, job, transient, q):
+    """An assignment through a parametrization after wrapping
+    (``model.a.weight = W``: orthogonal's right_inverse sets the original's
+    data) -> what the next forward says."""
+    try:
+        torch.set_num_threads(1)
+        client = shardd.Client(sock, job=job, rank=rank, world=world, transient_areas=transient)
+        model = make_model("orthogonal")
+        sm = shardd.nn.ShardedModule(client, model, auto_wrap="children")
+        with torch.no_grad():
+            model.a.weight = torch.eye(16)
+        try:
+            if not transient:
+                sm.gather()
+            model(batch("orthogonal", 0, rank, world)[0])
+            q.put(("said", rank, None))
+        except RuntimeError as e:
+            q.put(("said", rank, str(e)))
+        client.close()
+        q.put(("done", rank))
+    except BaseException as e:
+        common.rank_failed(rank, q, e)
+
+
 def run(name, wraps, transient):
     job = common.job("builtin")
     sock = common.socket()
@@ -377,10 +407,10 @@ class BuiltinModulesTest(unittest.TestCase):
         self.check("plain", ("module", "children"))
 
     def test_multihead_attention_out_proj_read_by_its_parent(self):
-        self.check("mha", ("module", "children", "linear"))
+        self.check("mha", ("module", "children", "linear", "size"))
 
     def test_transformer_encoder_and_its_eval_fast_path(self):
-        self.check("encoder", ("children", "layer", "linear"), kinds=(True,))
+        self.check("encoder", ("children", "layer", "linear", "size"), kinds=(True,))
         self.check("encoder", ("children", "layer", "linear", "size"), kinds=(False,))
 
     def test_transformer_encoder_nested_tensor_fast_path(self):
@@ -433,6 +463,17 @@ class BuiltinModulesTest(unittest.TestCase):
 
     def test_embedding_max_norm_is_refused(self):
         self.refused("max_norm", ("max_norm", "'emb'"))
+
+    def test_assignment_through_a_parametrization_is_refused(self):
+        for transient in (True, False):
+            said = {}
+            job = common.job("assign")
+            sock = common.socket()
+            common.launch_ranks(rank_assign, lambda r, q: (r, WORLD, sock, job, transient, q),
+                                WORLD, lambda m: said.__setitem__(m[1], m[2]), 120)
+            for r in range(WORLD):
+                self.assertIn("'a.parametrizations.weight.original'", said[r] or "",
+                              "transient" if transient else "resident")
 
     def test_lazy_module_not_run_is_refused(self):
         self.refused("lazy", ("'0'", "LazyLinear", "uninitialized"))
