@@ -150,7 +150,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         # copy of the model beside the daemon's (FSDP frees them too)
         self._orig_keep = []
         rank = client.rank
-        check_builtin(module)  # Embedding(max_norm=...): builtin.py
+        check_builtin(module)  # Embedding(max_norm=...), lazy modules: builtin.py
         specs = _unit_modules(module, auto_wrap)
         per_unit, parent = _collect(module, specs)
         # a model built on the meta device (nn.Linear(..., device="meta")):
