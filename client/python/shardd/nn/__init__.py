@@ -261,8 +261,10 @@ no parameter a kernel still reads.
 # the units, grads.py has the .grad stand-ins, reads.py the parameter reads,
 # optimizer_hook.py the owners and the pre-step checks and release,
 # optim_state.py torch.optim's state dicts of parts, _precision.py the
-# dtypes. Every name nn.py had before the split is imported here, private
-# ones included, so shardd.nn.X stays what it was.
+# dtypes, builtin.py what torch's built-in modules need (MultiheadAttention's
+# out_proj, an RNN's _flat_weights, weight_norm's pre-hook). Every name
+# nn.py had before the split is imported here, private ones included, so
+# shardd.nn.X stays what it was.
 # flake8: noqa: F401
 from ._precision import (_DTYPE_OF, _TORCH_DTYPES, _cast_floats, _checksum, _dtype_name,
                          _mixed_precision)

@@ -17,6 +17,7 @@ import shardd
 from ._precision import _DTYPE_OF, _TORCH_DTYPES, _cast_floats, _checksum, _mixed_precision
 from .backward import _BackwardHooks
 from .grads import _Grad16, _ResidentGrad
+from .builtin import check_builtin, pre_hooks_first, refresh_cached
 from .hooks import _ForwardHooks
 from .meta import _MetaInit
 from .optimizer_hook import (_ORIGINALS, _OWNERS, _WRAPPERS, _forget_original,
@@ -167,6 +168,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         # copy of the model beside the daemon's (FSDP frees them too)
         self._orig_keep = []
         rank = client.rank
+        check_builtin(module)  # Embedding(max_norm=...), lazy modules: builtin.py
         specs = _unit_modules(module, auto_wrap)
         per_unit, parent = _collect(module, specs)
         # a model built on the meta device (nn.Linear(..., device="meta")):
@@ -307,6 +309,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                 off += n
             self.units.append(FlatUnit(uname or "root", buf, entries, module=root,
                                        is_root=root is module))
+        refresh_cached(module)  # an RNN's _flat_weights: the new parameters
         # FSDP's buffer_dtype: floating buffers cast (a full state dict
         # gives them back in their own dtype)
         self._buffer_dtypes = {}
@@ -368,7 +371,8 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         _install_step_hook()
         _WRAPPERS.add(self)
         if self.transient:
-            self._install_hooks()
+            with pre_hooks_first(list(module.modules())):  # before weight_norm's
+                self._install_hooks()
         else:
             self._hook_resident()
         if not self.transient and initial_gather:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import shardd
+from .builtin import leaf_children
 
 
 class FlatUnit:
@@ -191,6 +192,7 @@ def _unit_modules(module, auto_wrap):
         return [("", module)]
     units = []
     seen = {id(module)}  # a module under two names is one unit
+    leaves = leaf_children(module)  # read by their parent's forward (builtin.py)
 
     def walk(m, name):
         numel = sum(p.numel() for p in m.parameters())
@@ -199,7 +201,7 @@ def _unit_modules(module, auto_wrap):
         wrapped = 0
         for cname, c in m.named_children():
             wrapped += walk(c, name + "." + cname if name else cname)
-        if id(m) in seen or not policy(m, False, numel - wrapped):
+        if id(m) in seen or id(m) in leaves or not policy(m, False, numel - wrapped):
             return wrapped
         seen.add(id(m))
         units.append((name, m))
