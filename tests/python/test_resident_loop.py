@@ -10,7 +10,8 @@ whose gradient no scatter() reduced (torch's plain loop
 opt.zero_grad(); loss.backward(); opt.step(), or a second backward after
 the scatter), a step with no scatter() since the last step (the daemon
 would skip the gradient torch applies again), a forward after a step with
-no gather() since (the parameters are the values before the step), a
+no gather() since (the parameters are the values before the step) or
+before any gather() (initial_gather=False), a
 clip_grad_norm_ of unreduced gradients; torch.optim over resident
 parameters raises naming one."""
 import unittest
@@ -75,7 +76,8 @@ def rank_main(rank, world, sock, job, case, q):
         torch.set_num_threads(1)
         client = shardd.Client(sock, job=job, rank=rank, world=world, transient_areas=False)
         model = make_model()
-        sm = shardd.nn.ShardedModule(client, model, auto_wrap="children")
+        sm = shardd.nn.ShardedModule(client, model, auto_wrap="children",
+                                     initial_gather=case != "ungathered")
         if case == "torch_optim":
             opt = torch.optim.SGD(model.parameters(), **HYPER)
             sm.gather()
@@ -133,6 +135,12 @@ def rank_main(rank, world, sock, job, case, q):
                     step()
                     at = count()
                     before = shards(sm)
+                    step()
+                elif case == "ungathered":  # initial_gather=False, no gather() yet
+                    opt.zero_grad()
+                    loss = loss_of(model, s, rank, world)
+                    loss.backward()
+                    sm.scatter("mean")
                     step()
                 elif case == "no_gather":  # a forward after the step, no gather()
                     if s == 0:
@@ -234,6 +242,9 @@ class ResidentLoop(unittest.TestCase):
 
     def test_forward_after_step_without_gather_refused(self):
         self.assert_refused("no_gather", 1, ["gather()"])
+
+    def test_forward_before_any_gather_refused(self):
+        self.assert_refused("ungathered", 0, ["gather()", "initial_gather=False"])
 
     def test_clip_of_unreduced_gradients_refused(self):
         self.assert_refused("clip", 0, ["scatter(\"mean\")", "reduced"])

@@ -97,7 +97,8 @@ unit (load new values with ``model.load_state_dict()``). The loop's
 collectives are explicit and each one forgotten raises before anything
 changed, naming it: a step (or ``clip_grad_norm_``) after a backward no
 ``scatter()`` reduced, a step with no ``scatter()`` since that
-optimizer's last step, a forward after a step with no ``gather()``.
+optimizer's last step, a forward after a step (or, with
+``initial_gather=False``, before any) with no ``gather()``.
 
 ``model.state_dict()`` / ``model.load_state_dict()`` (torch's state-dict
 hooks on the module) give and take FSDP's full state dict: torch's keys,

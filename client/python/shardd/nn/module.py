@@ -363,7 +363,9 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         self._unreduced = None    # a parameter a backward wrote since the last scatter
         self._scatters = 0        # scatter() calls so far
         self._stepped_at = {}     # optimizer id -> _scatters at its last step
-        self._stale = False       # a step ran since the last gather
+        # why the parameters are not the shards' values (None: they are):
+        # a step since the last gather, or no gather yet
+        self._stale = None
         self._final_queued = False
         # model.state_dict() / load_state_dict(): FSDP's full state dict
         self._sd_raw = 0
@@ -386,6 +388,8 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                 m.register_forward_pre_hook(self._resident_pre_forward)
         if not self.transient and initial_gather:
             self.gather()
+        elif not self.transient:
+            self._stale = "before any sm.gather() (initial_gather=False)"
 
     # -- introspection ---------------------------------------------------
     @property
@@ -609,19 +613,20 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         self._bucketed(lambda bk: self.client.gather_many([u.buffer for u in bk]),
                        lambda u: self.client.gather(u.buffer))
         self._gathered_versions()
-        self._stale = False
+        self._stale = None
 
     def _resident_pre_forward(self, module, inputs):
-        """Resident: refuses a forward after a step with no gather() since:
-        the parameters are the gathered copy, the values before the step
-        (FSDP's SHARD_GRAD_OP gathers again in the next forward's pre-hook;
-        here the loop's explicit gather() does, see README)."""
-        if self._stale:
+        """Resident: refuses a forward after a step with no gather() since
+        (the parameters are the gathered copy, the values before the step;
+        FSDP's SHARD_GRAD_OP gathers again in the next forward's pre-hook,
+        here the loop's explicit gather() does, see README) or before any
+        gather (initial_gather=False: the gather areas hold no values)."""
+        if self._stale is not None:
             raise RuntimeError(
-                "forward of %s after an optimizer step with no sm.gather() since: on a "
-                "resident client the parameters are the gathered copy, which still holds "
-                "the values before the step. Call sm.gather() (a collective, every rank) "
-                "before the forward" % type(module).__name__)
+                "forward of %s %s: on a resident client the parameters are the "
+                "gathered copy, which does not hold the shards' values now. Call "
+                "sm.gather() (a collective, every rank) before the forward"
+                % (type(module).__name__, self._stale))
 
     def _check_reduced(self, what):
         """Resident: refuses what (a step, a clip) while a backward's
@@ -657,7 +662,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         res = self.client.step(opt, **kw)
         if not self.transient:
             self._stepped_at[key] = self._scatters
-            self._stale = True
+            self._stale = "after an optimizer step with no sm.gather() since"
         return res
 
     def _gathered_versions(self, units=None):

@@ -219,5 +219,5 @@ class _StateDicts:
                 if self.transient:
                     self.client.release(u.buffer)
         if not self.transient:
-            self._stale = False  # every unit gathered: the values after the steps
+            self._stale = None  # every unit gathered: the values after the steps
         return out
