@@ -10,6 +10,10 @@
         opt.step()
         sched.step()
 
+(that loop on a transient client, the default; a resident one adds
+``sm.gather()`` before the forward and ``sm.scatter("mean")`` after
+backward, and refuses a step or a forward that misses them.)
+
 :class:`SGD`, :class:`Adam` and :class:`AdamW` take torch's constructor
 arguments and defaults and are ``torch.optim.Optimizer`` subclasses: their
 ``param_groups`` are torch's dicts, so a scheduler (LambdaLR, OneCycleLR, a
@@ -218,7 +222,9 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         """One update of every shard (collective), with every param group's
         hyperparameters as they are now. Gradients must have been reduced:
         on transient clients the module's hooks did it in backward; on
-        resident ones call ``sm.scatter()`` first. Returns closure's loss.
+        resident ones call ``sm.scatter()`` first (a step after a backward
+        no scatter reduced, or with no scatter since the last step, is
+        refused before anything changed). Returns closure's loss.
         As torch's, a step with no backward since the last one applies the
         ``.grad`` the parameters hold (zeros after ``zero_grad()``, the
         last gradient again without one; a None one is skipped): a
@@ -249,8 +255,8 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             if self._count is None:
                 self._count = self._opt.steps()
             expect_step = self._count + 1
-        self.last_step = self._module.client.step(self._opt, groups=groups,
-                                                  expect_step=expect_step)
+        self.last_step = self._module._daemon_step(self._opt, groups=groups,
+                                                   expect_step=expect_step)
         self._count = self.last_step.step
         return loss
 

@@ -93,7 +93,12 @@ raise on them, naming the parameter: use shardd.optim, or transient areas
 where torch.optim steps the shards. A write into a resident parameter
 (an init, ``clamp_()``) between gathers writes the gathered copy, which
 the next gather would overwrite: that gather raises instead, naming the
-unit (load new values with ``model.load_state_dict()``).
+unit (load new values with ``model.load_state_dict()``). The loop's
+collectives are explicit and each one forgotten raises before anything
+changed, naming it: a step (or ``clip_grad_norm_``) after a backward no
+``scatter()`` reduced, a step with no ``scatter()`` since that
+optimizer's last step, a forward after a step (or, with
+``initial_gather=False``, before any) with no ``gather()``.
 
 ``model.state_dict()`` / ``model.load_state_dict()`` (torch's state-dict
 hooks on the module) give and take FSDP's full state dict: torch's keys,

@@ -25,7 +25,7 @@ from .optimizer_hook import (_ORIGINALS, _OWNERS, _WRAPPERS, _forget_original,
 from .prefetch import _Prefetch
 from .state_dicts import FullStateDictConfig, _StateDicts
 from .units import (FlatUnit, _Entry, _ShardParameter, _check_nesting, _check_outside_holders,
-                    _collect, _unit_modules)
+                    _collect, _hooked_modules, _unit_modules)
 
 
 INIT_POLICIES = ("auto", "overwrite", "require_existing")
@@ -358,6 +358,14 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         self._sth = None          # the saved-tensor hooks pushed for a forward
         self._in_forward = False  # the root's forward is running
         self._read_held = []      # units a parameter read gathered this forward
+        # resident areas: the collectives of the loop a script must not
+        # forget (gather before a forward, scatter between backward and step)
+        self._unreduced = None    # a parameter a backward wrote since the last scatter
+        self._scatters = 0        # scatter() calls so far
+        self._stepped_at = {}     # optimizer id -> _scatters at its last step
+        # why the parameters are not the shards' values (None: they are):
+        # a step since the last gather, or no gather yet
+        self._stale = None
         self._final_queued = False
         # model.state_dict() / load_state_dict(): FSDP's full state dict
         self._sd_raw = 0
@@ -375,8 +383,13 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                 self._install_hooks()
         else:
             self._hook_resident()
+            for m in {id(m): m for u in self.units
+                      for m in [module] + _hooked_modules(u)}.values():
+                m.register_forward_pre_hook(self._resident_pre_forward)
         if not self.transient and initial_gather:
             self.gather()
+        elif not self.transient:
+            self._stale = "before any sm.gather() (initial_gather=False)"
 
     # -- introspection ---------------------------------------------------
     @property
@@ -600,6 +613,57 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         self._bucketed(lambda bk: self.client.gather_many([u.buffer for u in bk]),
                        lambda u: self.client.gather(u.buffer))
         self._gathered_versions()
+        self._stale = None
+
+    def _resident_pre_forward(self, module, inputs):
+        """Resident: refuses a forward after a step with no gather() since
+        (the parameters are the gathered copy, the values before the step;
+        FSDP's SHARD_GRAD_OP gathers again in the next forward's pre-hook,
+        here the loop's explicit gather() does, see README) or before any
+        gather (initial_gather=False: the gather areas hold no values)."""
+        if self._stale is not None:
+            raise RuntimeError(
+                "forward of %s %s: on a resident client the parameters are the "
+                "gathered copy, which does not hold the shards' values now. Call "
+                "sm.gather() (a collective, every rank) before the forward"
+                % (type(module).__name__, self._stale))
+
+    def _check_reduced(self, what):
+        """Resident: refuses what (a step, a clip) while a backward's
+        gradients are this rank's own, in the grad areas, never reduced over
+        the ranks: the daemon reads the reduced gradient of the last
+        scatter()."""
+        if self._unreduced is not None:
+            raise RuntimeError(
+                "%s: a backward wrote the gradient of %r (and the others it reached) "
+                "since the last sm.scatter(): on a resident client that gradient is "
+                "this rank's own, never reduced over the ranks, and the daemon would "
+                "use the last reduced one instead. Call sm.scatter(\"mean\") (a "
+                "collective, every rank) after backward, before %s"
+                % (what, self._unreduced, what))
+
+    def _daemon_step(self, opt, **kw):
+        """The daemon's step of opt (a registered optimizer), through
+        sm.step() or shardd.optim's step(). Resident: refused, before
+        anything changes, after a backward no scatter() reduced, or with no
+        scatter() since this optimizer's last step (the daemon skips a
+        gradient it has stepped already, where torch's step applies the
+        .grad again); once it ran, the next forward needs a gather()."""
+        key = getattr(opt, "id", opt)
+        if not self.transient:
+            self._check_reduced("the optimizer step")
+            if self._stepped_at.get(key, -1) == self._scatters or self._scatters == 0:
+                raise RuntimeError(
+                    "the optimizer step: no sm.scatter() since the last step of this "
+                    "optimizer (or since wrapping): on a resident client the step applies "
+                    "the gradient the last scatter reduced, which the daemon has consumed "
+                    "(torch's step would apply the .grad again). Call sm.scatter(\"mean\") "
+                    "(a collective, every rank) after backward, before each step")
+        res = self.client.step(opt, **kw)
+        if not self.transient:
+            self._stepped_at[key] = self._scatters
+            self._stale = "after an optimizer step with no sm.gather() since"
+        return res
 
     def _gathered_versions(self, units=None):
         """Resident: the version counter of each unit's gather area as the
@@ -744,6 +808,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         .grad autograd made (the first backward after a None) is copied into
         the grad area and replaced by it, so that it is a _ResidentGrad
         too (the scatter reads the area: the same values)."""
+        self._unreduced = e.name  # a scatter() must come before the step
         g = e.param.grad
         if g is None or isinstance(g, _ResidentGrad):
             return
@@ -799,9 +864,13 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
             lambda bk: self.client.scatter_many([u.buffer for u in bk], op,
                                                 no_grad=[u.no_grad for u in bk]),
             lambda u: self.client.scatter(u.buffer, op, no_grad=u.no_grad))
+        self._unreduced = None
+        self._scatters += 1
 
     def step(self, opt, lr=None, max_norm=None):
-        return self.client.step(opt, lr=lr, max_norm=max_norm)
+        """The step of opt, registered through this module (collective).
+        Resident: after scatter(), refused otherwise (_daemon_step)."""
+        return self._daemon_step(opt, lr=lr, max_norm=max_norm)
 
     # -- optimizer ---------------------------------------------------------
     def param_groups(self, params=None, **defaults):
@@ -942,6 +1011,8 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         registered): the norm of its parameters' .grad parts (all-reduced
         over the ranks) and the parts are scaled in place. Resident
         clients call scatter() first."""
+        if not self.transient:
+            self._check_reduced("clip_grad_norm_")
         if float(norm_type) != 2.0:
             raise NotImplementedError("clip_grad_norm_: norm_type %r (shardd computes "
                                       "the L2 norm only)" % (norm_type,))

@@ -218,4 +218,6 @@ class _StateDicts:
             finally:
                 if self.transient:
                     self.client.release(u.buffer)
+        if not self.transient:
+            self._stale = None  # every unit gathered: the values after the steps
         return out

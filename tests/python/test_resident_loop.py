@@ -1,0 +1,262 @@
+"""A resident client's loop (reshard_after_forward=False, FSDP's
+SHARD_GRAD_OP) against one process of plain torch, 2 ranks, the nested MLP
+of models.py with a unit per child: the documented loop (gather, forward,
+zero_grad, backward, scatter("mean"), step) trains as torch's, with
+shardd.optim's step or sm.step over a registered optimizer, and without
+zero_grad() gradients add up across steps as torch's do. Each collective
+step forgotten is refused by name before anything changed (the daemon's
+step count stays, the shards keep their values): a step after a backward
+whose gradient no scatter() reduced (torch's plain loop
+opt.zero_grad(); loss.backward(); opt.step(), or a second backward after
+the scatter), a step with no scatter() since the last step (the daemon
+would skip the gradient torch applies again), a forward after a step with
+no gather() since (the parameters are the values before the step) or
+before any gather() (initial_gather=False), a
+clip_grad_norm_ of unreduced gradients; torch.optim over resident
+parameters raises naming one."""
+import unittest
+
+import common
+import shardd
+
+if common.HAVE_TORCH:
+    import torch
+    from torch import nn
+    import models
+    import shardd.nn
+    import shardd.optim
+
+WORLD = 2
+STEPS = 3
+ROWS = 8
+TOL = 1e-5
+HYPER = dict(lr=0.1, momentum=0.9)
+
+
+def make_model():
+    return models.mlp(seed=0, dim=8, hidden=16, depth=2)
+
+
+def batch(k, rank, world):
+    g = torch.Generator().manual_seed(200 + k)
+    x = torch.randn(ROWS, 8, generator=g)
+    y = torch.randn(ROWS, 8, generator=g)
+    per = ROWS // world
+    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+
+
+def loss_of(model, k, rank, world):
+    x, y = batch(k, rank, world)
+    return nn.functional.mse_loss(model(x), y)
+
+
+def reference(case):
+    """Plain torch, one process, the whole batch: (losses, parameters)."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), **HYPER)
+    losses = []
+    for s in range(STEPS):
+        if case != "accumulate" or s == 0:
+            opt.zero_grad()
+        loss = loss_of(model, s, 0, 1)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def shards(sm):
+    """This rank's shards, read without a gather (full_parameters() gathers,
+    which would refresh the parameters a forgotten gather() left stale)."""
+    return [u.buffer.shard_tensor.clone() for u in sm.units]
+
+
+def rank_main(rank, world, sock, job, case, q):
+    try:
+        torch.set_num_threads(1)
+        client = shardd.Client(sock, job=job, rank=rank, world=world, transient_areas=False)
+        model = make_model()
+        sm = shardd.nn.ShardedModule(client, model, auto_wrap="children",
+                                     initial_gather=case != "ungathered")
+        if case == "torch_optim":
+            opt = torch.optim.SGD(model.parameters(), **HYPER)
+            sm.gather()
+            sm.zero_grad()
+            loss_of(model, 0, rank, world).backward()
+            sm.scatter("mean")
+            try:
+                opt.step()
+                q.put(("refused", rank, None))
+            except Exception as e:
+                q.put(("refused", rank, "%s: %s" % (type(e).__name__, e)))
+            client.close()
+            q.put(("done", rank))
+            return
+        if case == "registered":
+            opt = sm.register_optimizer("sgd", model.parameters(), **HYPER)
+            step = lambda: sm.step(opt)  # noqa: E731
+            count = opt.steps
+        else:
+            opt = shardd.optim.SGD(model.parameters(), **HYPER)
+            step = opt.step
+            count = lambda: opt.steps  # noqa: E731
+        losses, refused = [], None
+        for s in range(STEPS):
+            at = count()
+            before = shards(sm)
+            try:
+                if case in ("documented", "registered", "accumulate"):
+                    sm.gather()
+                    if case != "accumulate" or s == 0:
+                        sm.zero_grad()
+                    loss = loss_of(model, s, rank, world)
+                    loss.backward()
+                    sm.scatter("mean")
+                    step()
+                elif case == "plain":  # torch's loop, no gather or scatter
+                    opt.zero_grad()
+                    loss = loss_of(model, s, rank, world)
+                    loss.backward()
+                    opt.step()
+                elif case == "backward_after_scatter":
+                    sm.gather()
+                    sm.zero_grad()
+                    loss = loss_of(model, s, rank, world)
+                    loss.backward(retain_graph=True)
+                    sm.scatter("mean")
+                    loss.backward()
+                    step()
+                elif case == "step_twice":  # torch's second step applies the .grad again
+                    sm.gather()
+                    sm.zero_grad()
+                    loss = loss_of(model, s, rank, world)
+                    loss.backward()
+                    sm.scatter("mean")
+                    step()
+                    at = count()
+                    before = shards(sm)
+                    step()
+                elif case == "ungathered":  # initial_gather=False, no gather() yet
+                    opt.zero_grad()
+                    loss = loss_of(model, s, rank, world)
+                    loss.backward()
+                    sm.scatter("mean")
+                    step()
+                elif case == "no_gather":  # a forward after the step, no gather()
+                    if s == 0:
+                        sm.gather()
+                    sm.zero_grad()
+                    loss = loss_of(model, s, rank, world)
+                    loss.backward()
+                    sm.scatter("mean")
+                    step()
+                elif case == "clip":  # the norm of gradients no scatter reduced
+                    sm.gather()
+                    sm.zero_grad()
+                    loss = loss_of(model, s, rank, world)
+                    loss.backward()
+                    sm.clip_grad_norm_(1.0)
+                    sm.scatter("mean")
+                    step()
+                losses.append(loss.item())
+            except RuntimeError as e:
+                after = shards(sm)
+                unchanged = all(torch.equal(a, b) for a, b in zip(before, after))
+                refused = (s, str(e), count() == at, unchanged)
+                break
+        params = sm.full_parameters()
+        if rank == 0:
+            q.put(("params", {n: t.numpy().copy() for n, t in params.items()}))
+        q.put(("out", rank, losses, refused))
+        client.close()
+        q.put(("done", rank))
+    except BaseException as e:
+        common.rank_failed(rank, q, e)
+
+
+@unittest.skipUnless(common.HAVE_TORCH, "torch not installed")
+class ResidentLoop(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        common.daemon()
+
+    def run_case(self, case):
+        got = {}
+
+        def on_msg(m):
+            if m[0] == "params":
+                got["params"] = m[1]
+            else:
+                got[(m[0], m[1])] = m[2:]
+
+        sock, job = common.socket(), common.job("resident-" + case)
+        common.launch_ranks(rank_main, lambda r, q: (r, WORLD, sock, job, case, q),
+                            WORLD, on_msg)
+        return got
+
+    def assert_trains_as_torch(self, case):
+        got = self.run_case(case)
+        ref_losses, ref_params = reference(case)
+        for r in range(WORLD):
+            losses, refused = got[("out", r)]
+            self.assertIsNone(refused, "rank %d" % r)
+            # each rank's loss is its half's; their mean is the batch's
+            self.assertEqual(len(losses), STEPS)
+        mean = [sum(got[("out", r)][0][s] for r in range(WORLD)) / WORLD for s in range(STEPS)]
+        for s in range(STEPS):
+            self.assertAlmostEqual(mean[s], ref_losses[s], delta=TOL * abs(ref_losses[s]),
+                                   msg="step %d loss" % s)
+        for n, p in ref_params.items():
+            d = float((torch.from_numpy(got["params"][n]) - p).abs().max()) / max(float(p.abs().max()), 1e-12)
+            self.assertLess(d, TOL, n)
+
+    def assert_refused(self, case, at_step, words):
+        got = self.run_case(case)
+        for r in range(WORLD):
+            losses, refused = got[("out", r)]
+            self.assertIsNotNone(refused, "rank %d trained %s without a word" % (r, losses))
+            s, msg, count_kept, unchanged = refused
+            self.assertEqual(s, at_step, msg)
+            for w in words:
+                self.assertIn(w, msg)
+            self.assertTrue(count_kept, "the daemon stepped before the refusal: " + msg)
+            self.assertTrue(unchanged, "the shards changed before the refusal: " + msg)
+
+    def test_documented_loop_trains_as_torch(self):
+        self.assert_trains_as_torch("documented")
+
+    def test_registered_optimizer_trains_as_torch(self):
+        self.assert_trains_as_torch("registered")
+
+    def test_without_zero_grad_gradients_add_up_as_torch(self):
+        self.assert_trains_as_torch("accumulate")
+
+    def test_torch_loop_without_scatter_refused(self):
+        self.assert_refused("plain", 0, ["scatter(\"mean\")", "reduced"])
+
+    def test_backward_after_scatter_refused(self):
+        self.assert_refused("backward_after_scatter", 0, ["scatter(\"mean\")", "reduced"])
+
+    def test_step_without_scatter_since_last_step_refused(self):
+        self.assert_refused("step_twice", 0, ["scatter(\"mean\")", "since the last step"])
+
+    def test_forward_after_step_without_gather_refused(self):
+        self.assert_refused("no_gather", 1, ["gather()"])
+
+    def test_forward_before_any_gather_refused(self):
+        self.assert_refused("ungathered", 0, ["gather()", "initial_gather=False"])
+
+    def test_clip_of_unreduced_gradients_refused(self):
+        self.assert_refused("clip", 0, ["scatter(\"mean\")", "reduced"])
+
+    def test_torch_optim_refused_by_name(self):
+        got = self.run_case("torch_optim")
+        for r in range(WORLD):
+            (msg,) = got[("refused", r)]
+            self.assertIsNotNone(msg, "rank %d: torch.optim stepped resident parameters" % r)
+            self.assertIn("torch.optim", msg)
+            self.assertIn("inp.weight", msg)
+
+
+if __name__ == "__main__":
+    unittest.main()
