@@ -660,6 +660,57 @@ static void ranks_seeds(const char *dir) {
   on(0);
   simple(SHARDWIRE__REQUEST__BODY_STATUS, 0);
   fclose(out);
+
+  /* a rank that never reads its buffers' descriptors (past the bound on
+   * unread replies, so it is not read) and closes with them queued, while
+   * the other rank's gather waits for it */
+  open_seed(dir, "unread_fds");
+  fwrite(&two_small, 1, 1, out);
+  rank_setup(0, "r7", 0, 2);
+  simple(SHARDWIRE__REQUEST__BODY_GATHER, 1);
+  on(1);
+  conn_op = 1;
+  hello("r7", 1, 2);
+  for (int i = 0; i < 70; i++) {
+    char name[8];
+    snprintf(name, sizeof name, "u%d", i);
+    reg_buffer(name, SHARDWIRE__DTYPE__FP32, 4);
+  }
+  act(1, 3);
+  on(0);
+  simple(SHARDWIRE__REQUEST__BODY_STATUS, 0);
+  fclose(out);
+
+  /* three ranks with buckets queued; rank 2 leaves mid-bucket and comes
+   * back, its bucket sent again */
+  open_seed(dir, "bucket_rejoin");
+  fwrite(&three, 1, 1, out);
+  for (int k = 0; k < 3; k++) {
+    on(k);
+    hello("r8", (uint32_t)k, 3);
+    reg_buffer("k1", SHARDWIRE__DTYPE__FP32, 40);
+    reg_buffer("k2", SHARDWIRE__DTYPE__BF16, 12);
+  }
+  {
+    uint64_t kids[2] = {1, 2};
+    for (int k = 0; k < 2; k++) {
+      on(k);
+      bucket(1, kids, 2, 0);
+    }
+    act(2, 4);
+    on(2);
+    hello("r8", 2, 3);
+    reg_buffer("k1", SHARDWIRE__DTYPE__FP32, 40);
+    reg_buffer("k2", SHARDWIRE__DTYPE__BF16, 12);
+    bucket(1, kids, 2, 0);
+    for (int k = 0; k < 3; k++) {
+      on(k);
+      bucket(0, kids, 2, 0);
+    }
+    on(1);
+    simple(SHARDWIRE__REQUEST__BODY_STATUS, 0);
+  }
+  fclose(out);
   conn = -1;
 }
 
