@@ -7,10 +7,15 @@
  * unregistering, buffers in batches, optimizer state and masters of every
  * shape, releases by UID/NAME, a seq reused under a collective
  * checkpoint),
- * so mutation starts from inputs that reach deep into dispatch.
- * Usage: gen_corpus DIR. The seeds are committed; after adding one, rebuild
- * and rerun it (cc -D_GNU_SOURCE -Iinclude -Icommon -Ibuild/gen tests/fuzz/gen_corpus.c
- * common/frame.c build/gen/proto/shardd.pb-c.c -lprotobuf-c). */
+ * so mutation starts from inputs that reach deep into dispatch; and with
+ * RANKS_DIR, fuzz_ranks' seeds: two or three ranks of one job through
+ * gathers, scatters, steps and buckets, a rank lost, cut off mid-frame or
+ * back, replies left unread (see fuzz_ranks.c for their records).
+ * Usage: gen_corpus DIR [RANKS_DIR] (tests/fuzz/corpus and
+ * tests/fuzz/corpus_ranks). The seeds are committed; after adding one,
+ * rebuild and rerun it (cc -D_GNU_SOURCE -Iinclude -Icommon -Ibuild/gen
+ * tests/fuzz/gen_corpus.c common/frame.c build/gen/proto/shardd.pb-c.c
+ * -lprotobuf-c). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
