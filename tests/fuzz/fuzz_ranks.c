@@ -8,7 +8,10 @@
  *
  * Input: one byte of setup, then records. Setup bit 0: three connections
  * (else two); bit 1: the daemon's send buffer on each connection is the
- * smallest the kernel allows, so replies are written in parts.
+ * smallest the kernel allows, so replies are written in parts; bits 2-3,
+ * when the fuzzer runs as root, the uids the connections are made as
+ * (uids[] below): one user, or users beside each other (and root), so a
+ * job, buffer or checkpoint of one uid meets another's requests.
  * A record is one control byte, its low two bits the connection (modulo
  * the count), bits 2..4 what to do:
  *   0, 6, 7  send the next chunk (two bytes little-endian length, then
@@ -20,7 +23,9 @@
  *            comes back: its next chunk says Hello again);
  *   5        wait past the collective timeout and run the loop (the
  *            first 8 times; later ones do nothing).
- * Seeds: tests/fuzz/corpus_ranks/, written by gen_corpus.c. */
+ * Seeds: tests/fuzz/corpus_ranks/, written by gen_corpus.c. With
+ * FUZZ_RANKS_LOG=N the daemon logs at level N and each reply read is
+ * printed, to see what an input reaches. */
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
@@ -35,6 +40,7 @@
 #include <uv.h>
 
 #include "backend.h"
+#include "proto/shardd.pb-c.h"
 #include "server.h"
 
 #define NCONN_MAX 3
@@ -42,6 +48,7 @@
 static uv_loop_t loop;
 static shardd__server srv;
 static char root[64];
+static int log_replies; /* FUZZ_RANKS_LOG set: each reply's seq and code */
 
 static int rm_entry(const char *path, const struct stat *st, int flag,
                     struct FTW *ftw) {
@@ -76,6 +83,7 @@ static void init_once(void) {
   /* FUZZ_RANKS_LOG=3: the daemon's log, to see what a seed reaches */
   const char *lv = getenv("FUZZ_RANKS_LOG");
   o.log_level = lv ? atoi(lv) : -1;
+  log_replies = lv != NULL;
   snprintf(root, sizeof root, "/tmp/shardd-fuzzr-%d.d", (int)getpid());
   mkdir(root, 0700);
   atexit(rm_root);
@@ -85,6 +93,26 @@ static void init_once(void) {
     abort();
   }
   unlink(path);
+}
+
+/* Prints the replies wholly in buf (a frame split over reads is skipped:
+ * this is for reading what a seed does, not a check). */
+static void print_replies(int fd, const uint8_t *buf, size_t n) {
+  for (size_t o = 0; n - o >= SHARDD_FRAME_HEADER;) {
+    uint32_t len = (uint32_t)buf[o] | (uint32_t)buf[o + 1] << 8 |
+                   (uint32_t)buf[o + 2] << 16 | (uint32_t)buf[o + 3] << 24;
+    if (len > n - o - SHARDD_FRAME_HEADER)
+      return;
+    Shardwire__Response *r =
+        shardwire__response__unpack(NULL, len, buf + o + SHARDD_FRAME_HEADER);
+    if (r) {
+      fprintf(stderr, "  client %d: seq %llu code %d body %d %s\n", fd,
+              (unsigned long long)r->seq, (int)r->code, (int)r->body_case,
+              r->message ? r->message : "");
+      shardwire__response__free_unpacked(r, NULL);
+    }
+    o += SHARDD_FRAME_HEADER + len;
+  }
 }
 
 /* Reads and drops what the daemon sent, closing any passed descriptor. */
@@ -117,13 +145,27 @@ static void drain(int fd) {
     }
     if (n <= 0)
       return;
+    if (log_replies)
+      print_replies(fd, (const uint8_t *)buf, (size_t)n);
   }
 }
 
-/* A fresh connection handed to the server: the client's end, or -1. */
-static int open_conn(int small) {
+/* By setup bits 2-3, connection k's uid (when the fuzzer runs as root). */
+static const uid_t uids[4][NCONN_MAX] = {
+    {0, 0, 0}, {4241, 4241, 4241}, {4241, 4242, 4241}, {0, 4241, 4242}};
+
+/* A fresh connection handed to the server: the client's end, or -1. The
+ * daemon reads its peer's uid with SO_PEERCRED, which a socketpair takes
+ * from the effective ids of its maker: made as uid, it is that uid's. */
+static int open_conn(int small, uid_t uid) {
   int sv[2];
-  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0)
+  int as = uid != 0 && geteuid() == 0;
+  if (as && (setegid(uid) != 0 || seteuid(uid) != 0))
+    abort();
+  int rc = socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv);
+  if (as && (seteuid(0) != 0 || setegid(0) != 0))
+    abort();
+  if (rc != 0)
     return -1;
   fcntl(sv[1], F_SETFL, O_NONBLOCK);
   if (small) {
@@ -180,10 +222,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       shardd__map_count(&srv.d.reg.objects) == 0)
     srv.d.reg.next_id = 1;
   int nconn = data[0] & 1 ? 3 : 2, small = (data[0] >> 1) & 1;
+  const uid_t *uid = uids[(data[0] >> 2) & 3];
   int fds[NCONN_MAX] = {-1, -1, -1};
   int reopens = 0, waits = 0;
   for (int i = 0; i < nconn; i++)
-    fds[i] = open_conn(small);
+    fds[i] = open_conn(small, uid[i]);
   size_t off = 1;
   while (off < size) {
     uint8_t ctl = data[off++];
@@ -211,7 +254,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       fds[k] = -1;
       pump(4);
       if (op == 4 && reopens++ < 8)
-        fds[k] = open_conn(small);
+        fds[k] = open_conn(small, uid[k]);
     } else if (waits++ < 8) { /* 5; more would only make the input slow */
       usleep(40 * 1000);
       tick();

@@ -716,6 +716,59 @@ static void ranks_seeds(const char *dir) {
     simple(SHARDWIRE__REQUEST__BODY_STATUS, 0);
   }
   fclose(out);
+
+  /* uids 4241 and 4242 (fuzz_ranks as root): the same job name is two
+   * jobs; the other uid's ids, release and checkpoint are refused */
+  static const uint8_t two_uids = 2 << 2, root_and_two = 3 << 2 | 1;
+  open_seed(dir, "two_uids");
+  fwrite(&two_uids, 1, 1, out);
+  rank_setup(0, "u1", 0, 2);
+  on(1);
+  hello("u1", 1, 2);
+  simple(SHARDWIRE__REQUEST__BODY_INSPECT, 1);
+  simple(SHARDWIRE__REQUEST__BODY_GATHER, 1);
+  seed_master(1);
+  {
+    uint64_t ids[2] = {1, 2};
+    bucket(1, ids, 2, 0);
+  }
+  optim_state(4, 2, 1);
+  release_job("4241/u1");
+  checkpoint_collective("ck");
+  simple(SHARDWIRE__REQUEST__BODY_STATUS, 0);
+  on(0);
+  simple(SHARDWIRE__REQUEST__BODY_GATHER, 1);
+  fclose(out);
+
+  /* root, 4241 and 4242 with control sessions and jobs side by side */
+  open_seed(dir, "root_and_two_uids");
+  fwrite(&root_and_two, 1, 1, out);
+  rank_setup(1, "u2", 0, 1);
+  on(2); /* 4242's job: buffer 5, views 6 and 7, SGD 8 */
+  hello("u2", 0, 1);
+  reg_buffer("b", SHARDWIRE__DTYPE__FP32, 1000);
+  reg_view(5, "w", 0, 600);
+  reg_view(5, "bias", 600, 400);
+  {
+    uint64_t ids[2] = {6, 7};
+    reg_optim(SHARDWIRE__OPTIM_KIND__SGD, ids, 2);
+  }
+  simple(SHARDWIRE__REQUEST__BODY_GATHER, 5);
+  simple(SHARDWIRE__REQUEST__BODY_GATHER, 1);
+  on(0);
+  hello("", 0, 0);
+  simple(SHARDWIRE__REQUEST__BODY_STATUS, 0);
+  simple(SHARDWIRE__REQUEST__BODY_INSPECT, 1);
+  release_job("4242/u2");
+  on(1);
+  simple(SHARDWIRE__REQUEST__BODY_INSPECT, 5);
+  release_job("4242/u2");
+  checkpoint_collective("../4242/x");
+  simple(SHARDWIRE__REQUEST__BODY_STEP, 8);
+  on(2);
+  simple(SHARDWIRE__REQUEST__BODY_SCATTER, 5);
+  simple(SHARDWIRE__REQUEST__BODY_STEP, 4);
+  fclose(out);
   conn = -1;
 }
 
