@@ -203,14 +203,24 @@ $(FUZZJ_BIN): $(FUZZJ_SRC) daemon/jobs/jobspec.h include/shardd.h
 	clang -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=fuzzer,address,undefined \
 	  -fno-sanitize-recover=undefined $(INC) -o $@ $(FUZZJ_SRC)
 
-fuzz: $(FUZZ_BIN) $(FUZZM_BIN) $(FUZZJ_BIN)
-	@BUILD=$(BUILD) FUZZ_SECONDS=$(FUZZ_SECONDS) sh scripts/run_fuzz.sh $(FUZZ_BIN) $(FUZZM_BIN) $(FUZZJ_BIN)
+# Several ranks of one job over two or three connections
+# (tests/fuzz/fuzz_ranks.c; seeds in tests/fuzz/corpus_ranks/).
+FUZZR_BIN := $(BUILD)/fuzz/fuzz_ranks
+FUZZR_SRC := $(LIB_SRC) $(DAEMON_SRC) $(PROTO_C) tests/fuzz/fuzz_ranks.c
+$(FUZZR_BIN): $(FUZZR_SRC) $(PROTO_H) $(wildcard include/*.h common/*.h client/*.h daemon/*.h daemon/*/*.h)
+	@mkdir -p $(@D)
+	clang -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=fuzzer,address,undefined \
+	  -fno-sanitize-recover=undefined -I$(BUILD)/gen $(INC) \
+	  $(PKG_CFLAGS) -o $@ $(FUZZR_SRC) $(PKG_LIBS) -lpthread -lm
+
+fuzz: $(FUZZ_BIN) $(FUZZM_BIN) $(FUZZJ_BIN) $(FUZZR_BIN)
+	@BUILD=$(BUILD) FUZZ_SECONDS=$(FUZZ_SECONDS) sh scripts/run_fuzz.sh $(FUZZ_BIN) $(FUZZM_BIN) $(FUZZJ_BIN) $(FUZZR_BIN)
 
 # The fuzzer joins the suite where clang can build libFuzzer targets.
 HAVE_FUZZ := $(shell echo 'int LLVMFuzzerTestOneInput(const char *d, long n){return 0;}' | \
   clang -x c -fsanitize=fuzzer -o /dev/null - >/dev/null 2>&1 && echo 1)
 ifeq ($(SAN)$(HAVE_FUZZ),01)
-SUITE_FUZZ := $(FUZZ_BIN) $(FUZZM_BIN) $(FUZZJ_BIN)
+SUITE_FUZZ := $(FUZZ_BIN) $(FUZZM_BIN) $(FUZZJ_BIN) $(FUZZR_BIN)
 endif
 
 tests: all $(TEST_BIN) $(SUITE_FUZZ)

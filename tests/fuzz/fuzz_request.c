@@ -92,6 +92,12 @@ static void drain(int fd) {
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   init_once();
+  /* Ids count up for the daemon's life; with no job left (the last input
+   * cleaned up) they start again at 1, so a seed's small ids name the
+   * objects it registers on every run, not only on the first one. */
+  if (shardd__map_count(&srv.d.reg.jobs) == 0 &&
+      shardd__map_count(&srv.d.reg.objects) == 0)
+    srv.d.reg.next_id = 1;
   int sv[2];
   if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0)
     return 0;

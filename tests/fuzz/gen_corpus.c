@@ -7,10 +7,15 @@
  * unregistering, buffers in batches, optimizer state and masters of every
  * shape, releases by UID/NAME, a seq reused under a collective
  * checkpoint),
- * so mutation starts from inputs that reach deep into dispatch.
- * Usage: gen_corpus DIR. The seeds are committed; after adding one, rebuild
- * and rerun it (cc -D_GNU_SOURCE -Iinclude -Icommon -Ibuild/gen tests/fuzz/gen_corpus.c
- * common/frame.c build/gen/proto/shardd.pb-c.c -lprotobuf-c). */
+ * so mutation starts from inputs that reach deep into dispatch; and with
+ * RANKS_DIR, fuzz_ranks' seeds: two or three ranks of one job through
+ * gathers, scatters, steps and buckets, a rank lost, cut off mid-frame or
+ * back, replies left unread (see fuzz_ranks.c for their records).
+ * Usage: gen_corpus DIR [RANKS_DIR] (tests/fuzz/corpus and
+ * tests/fuzz/corpus_ranks). The seeds are committed; after adding one,
+ * rebuild and rerun it (cc -D_GNU_SOURCE -Iinclude -Icommon -Ibuild/gen
+ * tests/fuzz/gen_corpus.c common/frame.c build/gen/proto/shardd.pb-c.c
+ * -lprotobuf-c). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,6 +27,19 @@ static FILE *out;
 
 static uint64_t last_seq;
 
+/* fuzz_ranks' seeds (see fuzz_ranks.c): each frame is a record sent on
+ * connection conn (-1: fuzz_request's plain stream), with op 0 (sent and
+ * its replies read) or 1 (left unread). */
+static int conn = -1, conn_op;
+/* fuzz_ranks: the next frame is cut after its first half */
+static int half;
+
+static void record(int op, const uint8_t *bytes, size_t n) {
+  uint8_t head[3] = {(uint8_t)(conn | op << 2), (uint8_t)n, (uint8_t)(n >> 8)};
+  fwrite(head, 1, op == 0 || op == 1 ? 3 : 1, out);
+  fwrite(bytes, 1, n, out);
+}
+
 /* Writes r framed, with seq (0: the next one). */
 static void emit_seq(Shardwire__Request *r, uint64_t seq) {
   r->seq = seq ? seq : ++last_seq;
@@ -29,8 +47,26 @@ static void emit_seq(Shardwire__Request *r, uint64_t seq) {
   uint8_t *buf = malloc(n + 4);
   shardd__frame_put_header(buf, (uint32_t)n);
   shardwire__request__pack(r, buf + 4);
-  fwrite(buf, 1, n + 4, out);
+  if (conn < 0)
+    fwrite(buf, 1, n + 4, out);
+  else
+    record(conn_op, buf, half ? (n + 4) / 2 : n + 4);
   free(buf);
+}
+
+/* The frames emitted next go to connection k of a fuzz_ranks seed. */
+static void on(int k) {
+  conn = k;
+  conn_op = 0;
+}
+
+/* fuzz_ranks' other records on connection k: 2 shut its writing side, 3
+ * close it, 4 close and reopen it, 5 wait past the collective timeout. */
+static void act(int k, int op) {
+  int was = conn;
+  conn = k;
+  record(op, NULL, 0);
+  conn = was;
 }
 
 static void emit(Shardwire__Request *r) { emit_seq(r, 0); }
@@ -473,12 +509,275 @@ static void open_seed(const char *dir, const char *name) {
   }
 }
 
+/* One rank's setup in a fuzz_ranks seed: Hello to job with rank and
+ * world, buffer 1 (fp32, 1000) with views 2 and 3 and AdamW 4 over them. */
+static void rank_setup(int k, const char *job, uint32_t rank, uint32_t world) {
+  on(k);
+  hello(job, rank, world);
+  reg_buffer("b", SHARDWIRE__DTYPE__FP32, 1000);
+  reg_view(1, "w", 0, 600);
+  reg_view(1, "bias", 600, 400);
+  uint64_t ids[2] = {2, 3};
+  reg_optim(SHARDWIRE__OPTIM_KIND__ADAMW, ids, 2);
+}
+
+/* fuzz_ranks' seeds: two or three ranks of one job through gathers,
+ * scatters, steps and buckets, one rank lost or back mid-way. */
+static void ranks_seeds(const char *dir) {
+  static const uint8_t two = 0, three = 1, two_small = 2;
+
+  open_seed(dir, "gather_scatter_step");
+  fwrite(&two, 1, 1, out);
+  rank_setup(0, "r1", 0, 2);
+  rank_setup(1, "r1", 1, 2);
+  for (int k = 0; k < 2; k++) {
+    on(k);
+    simple(SHARDWIRE__REQUEST__BODY_GATHER, 1);
+  }
+  for (int k = 0; k < 2; k++) {
+    on(k);
+    scatter_masked(1, 3);
+  }
+  for (int k = 0; k < 2; k++) {
+    on(k);
+    step_groups(4, 0);
+  }
+  on(0);
+  simple(SHARDWIRE__REQUEST__BODY_STATUS, 0);
+  simple(SHARDWIRE__REQUEST__BODY_INSPECT, 1);
+  fclose(out);
+
+  /* buckets both ranks send alike, then ones they disagree on */
+  open_seed(dir, "buckets_two");
+  fwrite(&two, 1, 1, out);
+  for (int k = 0; k < 2; k++) {
+    on(k);
+    hello("r2", (uint32_t)k, 2);
+    reg_buffer("k1", SHARDWIRE__DTYPE__FP32, 40);
+    reg_buffer("k2", SHARDWIRE__DTYPE__BF16, 7);
+    reg_buffer("k3", SHARDWIRE__DTYPE__FP32, 1);
+    reg_view(1, "kv", 0, 8);
+  }
+  {
+    uint64_t kids[3] = {1, 2, 3}, other[3] = {3, 2, 1};
+    for (int k = 0; k < 2; k++) {
+      on(k);
+      bucket(0, kids, 3, 0);
+    }
+    for (int k = 0; k < 2; k++) {
+      on(k);
+      bucket(1, kids, 3, 4);
+    }
+    on(0);
+    bucket(1, kids, 3, 0);
+    on(1);
+    bucket(1, other, 3, 0);
+    act(0, 5);
+    on(1);
+    bucket(0, kids, 2, 0);
+    on(0);
+    simple(SHARDWIRE__REQUEST__BODY_GATHER, 1);
+  }
+  fclose(out);
+
+  /* a rank sends half a bucket and dies while the other's entries wait */
+  open_seed(dir, "bucket_half_dies");
+  fwrite(&two, 1, 1, out);
+  for (int k = 0; k < 2; k++) {
+    on(k);
+    hello("r3", (uint32_t)k, 2);
+    reg_buffer("k1", SHARDWIRE__DTYPE__FP32, 40);
+    reg_buffer("k2", SHARDWIRE__DTYPE__FP32, 9);
+  }
+  {
+    uint64_t kids[2] = {1, 2};
+    on(0);
+    bucket(1, kids, 2, 0);
+    on(1);
+    half = 1;
+    bucket(1, kids, 2, 0);
+    half = 0;
+    act(1, 3);
+    act(0, 5);
+    on(0);
+    bucket(0, kids, 2, 0);
+  }
+  fclose(out);
+
+  /* a rank lost while the other waits in a gather, back in its place */
+  open_seed(dir, "rank_rejoin");
+  fwrite(&two, 1, 1, out);
+  rank_setup(0, "r4", 0, 2);
+  rank_setup(1, "r4", 1, 2);
+  on(0);
+  simple(SHARDWIRE__REQUEST__BODY_GATHER, 1);
+  act(1, 4);
+  rank_setup(1, "r4", 1, 2);
+  simple(SHARDWIRE__REQUEST__BODY_GATHER, 1);
+  on(0);
+  simple(SHARDWIRE__REQUEST__BODY_STATUS, 0);
+  act(0, 4);
+  rank_setup(0, "r4", 0, 2);
+  on(1);
+  simple(SHARDWIRE__REQUEST__BODY_SCATTER, 1);
+  fclose(out);
+
+  /* replies written in parts to ranks that do not read, one closing */
+  open_seed(dir, "unread_replies");
+  fwrite(&two_small, 1, 1, out);
+  rank_setup(0, "r5", 0, 2);
+  rank_setup(1, "r5", 1, 2);
+  for (int i = 0; i < 4; i++)
+    for (int k = 0; k < 2; k++) {
+      on(k);
+      conn_op = 1;
+      simple(SHARDWIRE__REQUEST__BODY_GATHER, 1);
+      simple(SHARDWIRE__REQUEST__BODY_STATUS, 0);
+      simple(SHARDWIRE__REQUEST__BODY_INSPECT, 1);
+    }
+  act(0, 3);
+  on(1);
+  simple(SHARDWIRE__REQUEST__BODY_STATUS, 0);
+  act(1, 2);
+  fclose(out);
+
+  /* three ranks: all-reduce, a collective checkpoint, one rank missing */
+  open_seed(dir, "three_ranks");
+  fwrite(&three, 1, 1, out);
+  for (int k = 0; k < 3; k++)
+    rank_setup(k, "r6", (uint32_t)k, 3);
+  for (int k = 0; k < 3; k++) {
+    on(k);
+    all_reduce(3);
+  }
+  for (int k = 0; k < 3; k++) {
+    on(k);
+    checkpoint_collective("rk");
+  }
+  for (int k = 0; k < 2; k++) {
+    on(k);
+    simple(SHARDWIRE__REQUEST__BODY_GATHER, 1);
+  }
+  act(2, 5);
+  on(2);
+  simple(SHARDWIRE__REQUEST__BODY_GATHER, 1);
+  act(2, 3);
+  on(0);
+  simple(SHARDWIRE__REQUEST__BODY_STATUS, 0);
+  fclose(out);
+
+  /* a rank that never reads its buffers' descriptors (past the bound on
+   * unread replies, so it is not read) and closes with them queued, while
+   * the other rank's gather waits for it */
+  open_seed(dir, "unread_fds");
+  fwrite(&two_small, 1, 1, out);
+  rank_setup(0, "r7", 0, 2);
+  simple(SHARDWIRE__REQUEST__BODY_GATHER, 1);
+  on(1);
+  conn_op = 1;
+  hello("r7", 1, 2);
+  for (int i = 0; i < 70; i++) {
+    char name[8];
+    snprintf(name, sizeof name, "u%d", i);
+    reg_buffer(name, SHARDWIRE__DTYPE__FP32, 4);
+  }
+  act(1, 3);
+  on(0);
+  simple(SHARDWIRE__REQUEST__BODY_STATUS, 0);
+  fclose(out);
+
+  /* three ranks with buckets queued; rank 2 leaves mid-bucket and comes
+   * back, its bucket sent again */
+  open_seed(dir, "bucket_rejoin");
+  fwrite(&three, 1, 1, out);
+  for (int k = 0; k < 3; k++) {
+    on(k);
+    hello("r8", (uint32_t)k, 3);
+    reg_buffer("k1", SHARDWIRE__DTYPE__FP32, 40);
+    reg_buffer("k2", SHARDWIRE__DTYPE__BF16, 12);
+  }
+  {
+    uint64_t kids[2] = {1, 2};
+    for (int k = 0; k < 2; k++) {
+      on(k);
+      bucket(1, kids, 2, 0);
+    }
+    act(2, 4);
+    on(2);
+    hello("r8", 2, 3);
+    reg_buffer("k1", SHARDWIRE__DTYPE__FP32, 40);
+    reg_buffer("k2", SHARDWIRE__DTYPE__BF16, 12);
+    bucket(1, kids, 2, 0);
+    for (int k = 0; k < 3; k++) {
+      on(k);
+      bucket(0, kids, 2, 0);
+    }
+    on(1);
+    simple(SHARDWIRE__REQUEST__BODY_STATUS, 0);
+  }
+  fclose(out);
+
+  /* uids 4241 and 4242 (fuzz_ranks as root): the same job name is two
+   * jobs; the other uid's ids, release and checkpoint are refused */
+  static const uint8_t two_uids = 2 << 2, root_and_two = 3 << 2 | 1;
+  open_seed(dir, "two_uids");
+  fwrite(&two_uids, 1, 1, out);
+  rank_setup(0, "u1", 0, 2);
+  on(1);
+  hello("u1", 1, 2);
+  simple(SHARDWIRE__REQUEST__BODY_INSPECT, 1);
+  simple(SHARDWIRE__REQUEST__BODY_GATHER, 1);
+  seed_master(1);
+  {
+    uint64_t ids[2] = {1, 2};
+    bucket(1, ids, 2, 0);
+  }
+  optim_state(4, 2, 1);
+  release_job("4241/u1");
+  checkpoint_collective("ck");
+  simple(SHARDWIRE__REQUEST__BODY_STATUS, 0);
+  on(0);
+  simple(SHARDWIRE__REQUEST__BODY_GATHER, 1);
+  fclose(out);
+
+  /* root, 4241 and 4242 with control sessions and jobs side by side */
+  open_seed(dir, "root_and_two_uids");
+  fwrite(&root_and_two, 1, 1, out);
+  rank_setup(1, "u2", 0, 1);
+  on(2); /* 4242's job: buffer 5, views 6 and 7, SGD 8 */
+  hello("u2", 0, 1);
+  reg_buffer("b", SHARDWIRE__DTYPE__FP32, 1000);
+  reg_view(5, "w", 0, 600);
+  reg_view(5, "bias", 600, 400);
+  {
+    uint64_t ids[2] = {6, 7};
+    reg_optim(SHARDWIRE__OPTIM_KIND__SGD, ids, 2);
+  }
+  simple(SHARDWIRE__REQUEST__BODY_GATHER, 5);
+  simple(SHARDWIRE__REQUEST__BODY_GATHER, 1);
+  on(0);
+  hello("", 0, 0);
+  simple(SHARDWIRE__REQUEST__BODY_STATUS, 0);
+  simple(SHARDWIRE__REQUEST__BODY_INSPECT, 1);
+  release_job("4242/u2");
+  on(1);
+  simple(SHARDWIRE__REQUEST__BODY_INSPECT, 5);
+  release_job("4242/u2");
+  checkpoint_collective("../4242/x");
+  simple(SHARDWIRE__REQUEST__BODY_STEP, 8);
+  on(2);
+  simple(SHARDWIRE__REQUEST__BODY_SCATTER, 5);
+  simple(SHARDWIRE__REQUEST__BODY_STEP, 4);
+  fclose(out);
+  conn = -1;
+}
+
 int main(int argc, char **argv) {
-  if (argc != 2) {
-    fprintf(stderr, "usage: gen_corpus DIR\n");
+  if (argc != 2 && argc != 3) {
+    fprintf(stderr, "usage: gen_corpus DIR [RANKS_DIR]\n");
     return 2;
   }
-  const char *dir = argv[1];
+  const char *dir = argv[1], *ranks_dir = argc == 3 ? argv[2] : NULL;
   /* Ids are daemon-wide and the fuzzer's daemon lives across inputs, so
    * seeds name small ids; mutation explores the rest. */
   open_seed(dir, "train_fp32");
@@ -650,5 +949,8 @@ int main(int argc, char **argv) {
   checkpoint_collective("ck2");
   simple(SHARDWIRE__REQUEST__BODY_GATHER, 1);
   fclose(out);
+
+  if (ranks_dir)
+    ranks_seeds(ranks_dir);
   return 0;
 }

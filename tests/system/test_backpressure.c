@@ -796,6 +796,44 @@ Test(server, a_reply_partly_written_counts_all_the_daemon_holds,
   free(payload);
 }
 
+/* A client that closes with a reply partly written: the kernel took the
+ * first part, the rest was queued, and the close cancels it. What the
+ * reply was charged (the part written included) all goes back, so the
+ * bounds on unread replies do not fill up with replies nobody will read.
+ * Twice, so a second connection's reply is charged and released alike. */
+Test(server, a_client_closing_mid_reply_leaves_nothing_charged,
+     .init = start_one_device, .fini = stop_daemon, .timeout = 60) {
+  const size_t len = (size_t)1 << 20;
+  uint8_t *payload = calloc(1, len);
+  cr_assert_not_null(payload);
+  for (int round = 0; round < 2; round++) {
+    test_raw r;
+    test_raw_open(&d, &r);
+    test_raw_hello(&r, NULL, 0, 1);
+    uint8_t *f;
+    size_t n = ping_frame_len(&f, ++r.seq, payload, len);
+    test_raw_send_bytes(&r, f, n);
+    free(f);
+    double bytes = 0;
+    for (double t0 = test_mono_s(); bytes == 0 && test_mono_s() - t0 < 10;) {
+      bytes = status_unread("unread_reply_bytes");
+      if (bytes == 0)
+        test_sleep_ms(20);
+    }
+    cr_assert_gt(bytes, 0, "round %d: the Pong never waited to be read", round);
+    test_raw_close(&r); /* mid-reply: the rest of the Pong is never read */
+    for (double t0 = test_mono_s(); bytes > 0 && test_mono_s() - t0 < 10;) {
+      bytes = status_unread("unread_reply_bytes");
+      if (bytes > 0)
+        test_sleep_ms(20);
+    }
+    cr_expect_eq(bytes, 0, "round %d: %.0f bytes still counted after the "
+                 "client closed mid-reply", round, bytes);
+  }
+  expect_served();
+  free(payload);
+}
+
 Test(server, connections_that_never_read_hold_at_most_their_uids_bound,
      .timeout = 120) {
   if (geteuid() != 0)
