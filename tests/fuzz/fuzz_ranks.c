@@ -276,8 +276,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (fds[i] >= 0)
       close(fds[i]);
   }
-  /* Let close callbacks and any running collective finish. */
-  for (int i = 0; i < 2000 && (srv.nclients > 0 || shardd__map_count(&srv.d.reg.jobs) > 0); i++) {
+  /* Let close callbacks and any running collective finish: up to 30 s,
+   * as a large copy under the sanitizers on a loaded machine may take
+   * seconds; only an input that leaves something behind waits it out. */
+  for (int i = 0; i < 30000 && (srv.nclients > 0 || shardd__map_count(&srv.d.reg.jobs) > 0); i++) {
     uv_run(&loop, UV_RUN_NOWAIT);
     if (srv.nclients == 0)
       tick();
