@@ -175,8 +175,8 @@ class _BackwardHooks:
             return
         e.got = True
         u.pending -= 1
-        if u.pending == 0:
-            self._finish(u)
+        if u.pending == 0 and (u.unbounded or not u.bounds):
+            self._finish(u)  # else its inputs' gradient ends it (_bound_inputs)
 
     def _finish(self, u, ran=True):
         """Scatter u (ran False: no backward reached it, its gradient area
