@@ -332,6 +332,14 @@ class _ForwardHooks:
             return None
         u.bounds -= 1
         if u.bounds == 0 and not u.unbounded and u.state == "backward":
+            if u.pending == self._trainable(u):
+                # none of its parameters got a gradient, its input did:
+                # torch.autograd.grad(), which accumulates no .grad (the
+                # unit waits, and the next gather that finds no lease says
+                # so), or a unit whose forward bypasses its parameters here
+                # (left to the end of backward, as before)
+                u.unbounded = True
+                return None
             self._finish(u)  # a parameter that got no gradient here: zeros
         return None
 
