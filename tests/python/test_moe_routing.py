@@ -134,10 +134,14 @@ def rank_main(rank, world, sock, job, wrap, mode, q):
         per = BATCH // world
         lo, hi = rank * per, (rank + 1) * per
         # (an expert's unit nested in a Block's would need 3 gather areas)
-        auto_wrap = {"block": {Block}, "expert": {Expert}}[wrap]
+        auto_wrap = {"block": {Block}, "expert": {Expert}}[wrap.split("+")[0]]
         sm = shardd.nn.ShardedModule(client, m, auto_wrap=auto_wrap)
         opt = torch.optim.AdamW(m.parameters(), foreach=False, **HYPER)
         for s in range(STEPS):
+            if wrap.endswith("+eval"):  # an evaluation with grad enabled, no backward
+                m.eval()
+                m(x[s, lo:hi], route[s, lo:hi])
+                m.train()
             opt.zero_grad(set_to_none=True)
             loss = nn.functional.mse_loss(m(x[s, lo:hi], route[s, lo:hi]), y[s, lo:hi])
             loss.backward()
@@ -190,6 +194,11 @@ class MoERoutingTest(unittest.TestCase):
         no gradient on rank 1 only (not called, or their output unused)."""
         self.check("block", "skip")
         self.check("block", "unused")
+
+    def test_an_evaluation_forward_before_each_step_changes_nothing(self):
+        """An eval-mode forward with grad enabled and no backward before
+        each training forward: its uses of the units are not waited for."""
+        self.check("block+eval", "skip")
 
     def test_each_expert_a_unit_called_on_every_rank(self):
         """Each expert a unit of its own, called on every rank (a gather

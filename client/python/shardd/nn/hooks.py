@@ -127,6 +127,13 @@ class _ForwardHooks:
             for u in self.units:
                 if u.is_root and u.state == "forward" and u.gather is not None:
                     self._to_shard(u)
+            # nor are its uses of the units waited for by the next forward
+            # (_root_pre_forward): a backward of it ends a unit when every
+            # parameter has its gradient, as before (_bound_inputs' hooks
+            # of it are stale)
+            self._fw_gen += 1
+            for u in self.units:
+                u.bounds = 0
         if any(u.gather is not None and u.state == "forward" for u in self.units):
             # released before an optimizer's step if no backward comes first
             _HELD.add(self)
