@@ -220,7 +220,11 @@ class MoERoutingTest(unittest.TestCase):
             run(2, "expert", "unused")
         msg = str(cm.exception)
         self.assertIn("E_MISMATCH", msg)
-        self.assertIn("unit 'blocks.2.moe.experts.1'", msg)  # the last block's backward comes first
+        # the last block's backward comes first: rank 0 gathers expert 1
+        # there, rank 1 expert 0 (the unit each rank's refusal names)
+        self.assertRegex(msg, r"unit 'blocks\.2\.moe\.experts\.[01]''s backward")
+        self.assertIn('"blocks.2.moe.experts.1.flat_param"', msg)
+        self.assertIn('"blocks.2.moe.experts.0.flat_param"', msg)
         self.assertIn("every rank's loss must depend on the outputs of the same units", msg)
 
 
