@@ -69,6 +69,9 @@ class _BackwardHooks:
                 if not self._take_prefetched(u, want):
                     u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=want)
             except shardd.Error as e:
+                if e.code_name == "E_MISMATCH":
+                    self._abort_backward()
+                    raise self._backward_mismatch(u, e) from e
                 if e.code_name != "E_LIMIT":
                     raise
                 err = self._backward_limit(u, e)
@@ -84,6 +87,20 @@ class _BackwardHooks:
             u.state = "late"
         self._point(u, want)
         self._prefetch_backward(u)
+
+    def _backward_mismatch(self, u, err):
+        """The daemon's E_MISMATCH for u's gather in backward: the ranks'
+        backwards reached different units, which the rank's own graph
+        decides (a unit's backward starts when its output's gradient comes,
+        and a unit whose output the loss does not depend on gets none)."""
+        return shardd.Error(
+            err.code, "unit %r's backward (its output has a gradient on this rank) "
+            "gathers it, and another rank's backward did not come to it at this "
+            "point: every rank's loss must depend on the outputs of the same units "
+            "(a unit, e.g. an MoE expert wrapped on its own, whose output is used "
+            "on some ranks only: add it to the output on every rank, even over an "
+            "empty selection of tokens, or wrap it with the module around it) "
+            "[%s]" % (u.name, err.message), "E_MISMATCH")
 
     def _backward_limit(self, u, err):
         """The daemon's E_LIMIT for u's gather in backward, saying which
@@ -175,8 +192,8 @@ class _BackwardHooks:
             return
         e.got = True
         u.pending -= 1
-        if u.pending == 0:
-            self._finish(u)
+        if u.pending == 0 and (u.unbounded or not u.bounds):
+            self._finish(u)  # else its inputs' gradient ends it (_bound_inputs)
 
     def _finish(self, u, ran=True):
         """Scatter u (ran False: no backward reached it, its gradient area

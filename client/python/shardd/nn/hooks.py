@@ -90,9 +90,14 @@ class _ForwardHooks:
         self._pop_saved_hooks()  # a forward that raised left them pushed
         self._check_replaced()  # module.weight = ..., model.half() after wrapping
         self._wait_releases()  # a forward without backward sent some
+        self._fw_gen += 1
         for u in self.units:  # likewise
             u.depth = 0
             u.recompute = False
+            # a forward whose backward did not come (or has not yet: two
+            # forwards, one backward) left uses unbounded by this one's
+            u.unbounded = u.bounds > 0
+            u.bounds = 0
         self._in_forward = True
         if self._pending is not None:  # likewise
             self._drop_prefetch()
@@ -122,6 +127,13 @@ class _ForwardHooks:
             for u in self.units:
                 if u.is_root and u.state == "forward" and u.gather is not None:
                     self._to_shard(u)
+            # nor are its uses of the units waited for by the next forward
+            # (_root_pre_forward): a backward of it ends a unit when every
+            # parameter has its gradient, as before (_bound_inputs' hooks
+            # of it are stale)
+            self._fw_gen += 1
+            for u in self.units:
+                u.bounds = 0
         if any(u.gather is not None and u.state == "forward" for u in self.units):
             # released before an optimizer's step if no backward comes first
             _HELD.add(self)
@@ -160,6 +172,7 @@ class _ForwardHooks:
         if self._pending is not None and self._pending[0] is not u:
             self._drop_prefetch()
         self._check_leases(u, "for a read of its parameter %r" % attr)
+        u.unbounded = True  # its gradient may come outside its forward's inputs'
         self._pre_forward(u, module, ())
         u.depth = 0  # held by the read, not by a forward: until the root's ends
         self._read_held.append((u, attr))
@@ -284,6 +297,58 @@ class _ForwardHooks:
         u.state = "forward"
         self._point(u, False)
         self._prefetch_after(u)
+        return self._bound_inputs(u, inputs)
+
+    def _bound_inputs(self, u, inputs):
+        """The end of a trainable non-root unit's backward must be the
+        same point on every rank (its scatter is a collective), and which
+        of its parameters get a gradient may differ (an MoE expert no token
+        of this rank's reached, a branch the data takes on some ranks): it
+        ends when autograd has the gradient of the inputs of each use of
+        the unit in this forward, every use of them inside the unit done,
+        where a parameter without a gradient is taken as zero (as FSDP's
+        FlatParameter, whose hook fires once whatever views were used).
+        Each input that requires grad is passed on as a view of itself,
+        whose gradient hook fires before the input's own (and before the
+        previous unit's output hook, which starts its backward: so every
+        rank scatters this unit before gathering that one) and only for
+        this unit's use of it (units beside each other on the same input,
+        q/k/v projections, each end after their own backward). A use with
+        no such input (a unit on the data itself, kwargs only) or a
+        parameter read outside the unit's forward leaves the unit to end
+        once every trainable parameter has its gradient, as before."""
+        if u.is_root or not torch.is_grad_enabled() or not self._trainable(u):
+            return None
+        ins = list(inputs)
+        left = [0]
+        hook = functools.partial(self._input_done, u, self._fw_gen, left)
+        for i, t in enumerate(ins):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                ins[i] = t.view_as(t)
+                ins[i].register_hook(hook)
+                left[0] += 1
+        if not left[0]:
+            u.unbounded = True
+            return None
+        u.bounds += 1
+        return tuple(ins)
+
+    def _input_done(self, u, gen, left, grad):
+        left[0] -= 1
+        if left[0] or gen != self._fw_gen:
+            return None
+        u.bounds -= 1
+        if u.bounds == 0 and not u.unbounded and u.state == "backward":
+            if u.pending == self._trainable(u):
+                # none of its parameters got a gradient, its input did:
+                # torch.autograd.grad(), which accumulates no .grad (the
+                # unit waits, and the next gather that finds no lease says
+                # so), or a unit whose forward bypasses its parameters here
+                # (left to the end of backward, as before)
+                u.unbounded = True
+                return None
+            self._finish(u)  # a parameter that got no gradient here: zeros
+        return None
 
     def _post_forward(self, u, module, inputs, output):
         u.depth = max(u.depth - 1, 0)

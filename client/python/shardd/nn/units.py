@@ -36,6 +36,12 @@ class FlatUnit:
         # the outermost running forward is a recomputation in backward
         # (activation checkpointing): the unit stays gathered after it
         self.recompute = False
+        # transient: this forward's uses of the unit whose inputs' gradient
+        # backward has not computed yet (see _bound_inputs), and whether a
+        # use could not be bounded so (its backward ends when every
+        # trainable parameter has its gradient, as before)
+        self.bounds = 0
+        self.unbounded = False
         # the client's step count at the unit's last scatter: while it is
         # the same, the reduced gradient is the daemon's live one (an
         # accumulating scatter adds to it); a step since consumed it (the
