@@ -41,6 +41,7 @@ if common.HAVE_TORCH:
 
         def forward(self, a, b=None, mem=None):
             c = self.case
+            rest = self.lin2.weight.sum(0) + self.lin2.bias + self.emb.weight.sum(0)
             if c == "pair":  # a and b: one tensor twice, or views of one
                 return self.lin(a) * torch.tanh(self.lin2(b))
             if c == "branch":  # a second output from the parameters alone
@@ -53,7 +54,9 @@ if common.HAVE_TORCH:
                 return self.lin(a) * s
             if c == "inplace":  # an in-place op on the input itself
                 a.mul_(2)
-                return torch.tanh(self.lin(a)) + self.extra
+                return torch.tanh(self.lin(a)) + self.extra + rest
+            if c == "detach":  # no gradient reaches the input (a stop-gradient)
+                return torch.tanh(self.lin(a.detach())) + self.extra + rest
             if c == "kwargs":  # an input given by keyword (not hooked)
                 return self.lin(a) + self.lin2(mem) * self.extra
             if c == "unused":  # emb gets no gradient
@@ -68,6 +71,7 @@ if common.HAVE_TORCH:
             self.inp = nn.Linear(D, D)
             self.blk = Blk(case.split("+")[0])
             self.other = Blk("plain")
+            self.first = Blk("plain")
             self.head = nn.Linear(D, 2)
 
         def call(self, *a, **kw):
@@ -80,7 +84,7 @@ if common.HAVE_TORCH:
 
         def forward(self, x):
             c = self.case.split("+")[0]
-            h = self.inp(x)
+            h = self.first(self.inp(x))
             if "twice" in self.case.split("+"):
                 h = self.call(self.call(h))
             elif c == "pair":
@@ -90,6 +94,8 @@ if common.HAVE_TORCH:
             elif c == "branch":
                 h, q = self.call(h)
                 h = self.other(h) * q
+            elif c == "detach":  # the unit beside the path to the loss
+                h = h + self.call(h)
             elif c == "kwargs":
                 h = self.call(h, mem=torch.tanh(h) * 3)
             else:
@@ -191,6 +197,9 @@ class UnitBackwardEndTest(unittest.TestCase):
 
     def test_a_parameter_the_input_does_not_reach(self):
         self.check("branch", "argmax", "no_grad", "kwargs")
+
+    def test_no_gradient_reaches_the_input(self):
+        self.check("detach")
 
     def test_an_in_place_op_on_the_input(self):
         self.check("inplace")
