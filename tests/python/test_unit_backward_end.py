@@ -4,7 +4,9 @@ gradient. Each case is a unit whose forward uses its parameters in a way
 where those two points could differ -- a unit called twice, the same tensor
 or views of one passed twice, a parameter on a branch the input does not
 reach (a second output used later, an index from argmax, torch.no_grad), an
-in-place op on the input, activation checkpointing around each call -- two
+in-place op on the input or a detached one (whose gradient never comes: the
+unit must not hold its areas to the end of backward), activation
+checkpointing around each call (reentrant: recomputed in backward) -- two
 ranks against one process of torch.optim on the global batch: a unit
 reduced before a parameter's gradient is whole trains wrong silently."""
 import unittest
