@@ -98,6 +98,7 @@ class _ForwardHooks:
             # forwards, one backward) left uses unbounded by this one's
             u.unbounded = u.bounds > 0
             u.bounds = 0
+            u.use = None  # a forward that raised left it
         self._in_forward = True
         if self._pending is not None:  # likewise
             self._drop_prefetch()
@@ -269,6 +270,10 @@ class _ForwardHooks:
             u.recompute = True
             if u.state not in ("backward", "late"):
                 self._pre_backward(u)
+            if u.bounds == 0 and not u.unbounded:
+                # reentrant: the forward ran under no_grad, no use of it
+                # bounded; the backward runs this recomputation's graph
+                return self._bound_inputs(u, inputs)
             return
         if not self._order_done and u not in self._order:
             self._order.append(u)
@@ -322,16 +327,52 @@ class _ForwardHooks:
         ins = list(inputs)
         left = [0]
         hook = functools.partial(self._input_done, u, self._fw_gen, left)
+        views = []
         for i, t in enumerate(ins):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 ins[i] = t.view_as(t)
                 ins[i].register_hook(hook)
+                views.append((ins[i], ins[i].grad_fn, ins[i]._version))
                 left[0] += 1
         if not left[0]:
             u.unbounded = True
             return None
         u.bounds += 1
+        u.use = views  # checked by _post_forward (_inputs_reached)
         return tuple(ins)
+
+    # nodes _inputs_reached walks at most per use before it takes the inputs
+    # as reached (a walk that left the unit's graph, through a keyword input)
+    _WALK_LIMIT = 2000
+
+    def _inputs_reached(self, views, output):
+        """Whether autograd will compute the gradient of every input view
+        of a use (whose hook ends the unit's backward): not where the
+        unit's forward wrote into one in place (the view's node is cut
+        out of the graph) or took none of the outputs' gradient from it
+        (a stop-gradient, x.detach()). Then the unit's backward ends once
+        every trainable parameter has its gradient, as before, rather
+        than holding its areas until the end of backward."""
+        if any(v._version != n for v, _, n in views):
+            return False
+        want = {node for _, node, _ in views}
+        stack = [t.grad_fn for t in _tensors(output)
+                 if t.requires_grad and t.grad_fn is not None]
+        seen, found = set(), set()
+        while stack:
+            node = stack.pop()
+            if node in want:
+                found.add(node)
+                if len(found) == len(want):
+                    return True
+                continue
+            if node in seen:
+                continue
+            if len(seen) >= self._WALK_LIMIT:
+                return True
+            seen.add(node)
+            stack.extend(f for f, _ in node.next_functions if f is not None)
+        return False
 
     def _input_done(self, u, gen, left, grad):
         left[0] -= 1
@@ -354,6 +395,9 @@ class _ForwardHooks:
         u.depth = max(u.depth - 1, 0)
         if u.depth > 0:  # the outermost one's outputs get the hook
             return
+        use, u.use = u.use, None
+        if use is not None and not self._inputs_reached(use, output):
+            u.unbounded = True  # its inputs' gradient may never come
         if u.recompute:  # held for its backward (see _pre_forward)
             u.recompute = False
             return

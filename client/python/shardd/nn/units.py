@@ -42,6 +42,7 @@ class FlatUnit:
         # trainable parameter has its gradient, as before)
         self.bounds = 0
         self.unbounded = False
+        self.use = None  # the running use's input views (_bound_inputs)
         # the client's step count at the unit's last scatter: while it is
         # the same, the reduced gradient is the daemon's live one (an
         # accumulating scatter adds to it); a step since consumed it (the
