@@ -178,7 +178,9 @@ def rank_main(rank, world, sock, job, case, model_name, kind, transient, auto_wr
             maybe_unfreeze(case, model, s)
             use = uses_b(case, s, rank)
             if case == "nobackward" and s in NO_BACKWARD:
-                pass  # no backward, no scatter: the step has no fresh gradient
+                # no backward, no scatter: the step has no fresh gradient
+                # (every .grad None, as the reference's zero_grad leaves it)
+                sm.zero_grad(set_to_none=True)
             elif case == "accum":  # transient: the hooks' scatters accumulate
                 # None, as the reference's (zero_grad() keeps zero gradients,
                 # which a step applies, as torch's)

@@ -647,13 +647,18 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         """The daemon's step of opt (a registered optimizer), through
         sm.step() or shardd.optim's step(). Resident: refused, before
         anything changes, after a backward no scatter() reduced, or with no
-        scatter() since this optimizer's last step (the daemon skips a
-        gradient it has stepped already, where torch's step applies the
-        .grad again); once it ran, the next forward needs a gather()."""
+        scatter() since this optimizer's last step while a .grad is set (the
+        daemon skips a gradient it has stepped already, where torch's step
+        applies the .grad again; with every .grad None both change
+        nothing); once it ran, the next forward needs a gather()."""
         key = getattr(opt, "id", opt)
         if not self.transient:
             self._check_reduced("the optimizer step")
-            if self._stepped_at.get(key, -1) == self._scatters or self._scatters == 0:
+            again = self._stepped_at.get(key, -1) == self._scatters
+            # every .grad None (zero_grad(set_to_none=True) since): torch's
+            # step changes nothing, and neither does the daemon's on a
+            # gradient it has consumed
+            if (again and not self._all_grads_none()) or self._scatters == 0:
                 raise RuntimeError(
                     "the optimizer step: no sm.scatter() since the last step of this "
                     "optimizer (or since wrapping): on a resident client the step applies "
@@ -665,6 +670,9 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
             self._stepped_at[key] = self._scatters
             self._stale = "after an optimizer step with no sm.gather() since"
         return res
+
+    def _all_grads_none(self):
+        return all(e.param.grad is None for u in self.units for e in u.entries)
 
     def _gathered_versions(self, units=None):
         """Resident: the version counter of each unit's gather area as the
