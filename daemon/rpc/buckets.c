@@ -183,11 +183,11 @@ void shardd__on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   /* one allocation for the wait and its list; its error list serves the
    * checks first (a refused bucket is answered from it and freed) */
   bucket_wait *w = calloc(1, sizeof *w + n * sizeof *w->ids);
-  if (w == NULL || shardd__batch_errs_init(&w->fails, n, base) != SHARDD_OK) {
-    free(w);
+  if (w == NULL) {
     shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
+  shardd__batch_errs_init(&w->fails, n, base);
   for (size_t i = 0; i < n; i++)
     w->ids[i] = gather ? bk->gather->gathers[i]->buffer
                        : bk->scatter->scatters[i]->buffer;

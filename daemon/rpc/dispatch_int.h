@@ -66,12 +66,9 @@ typedef struct {
   int cut;       /* the message ran out of room */
 } batch_errs;
 
-/* For n entries, the first numbered base (allocates nothing: the lists
- * are made at the first refusal). Always SHARDD_OK since the lists became
- * lazy; it stays a shardd_err only because its callers (register.c's
- * three batches, buckets.c's bucket) still test it beside their own
- * allocations: making it void changes them all in one step. */
-shardd_err shardd__batch_errs_init(batch_errs *b, size_t n, uint32_t base);
+/* For n entries, the first numbered base. Cannot fail: it allocates
+ * nothing, the lists are made at the first refusal (batch_err_add). */
+void shardd__batch_errs_init(batch_errs *b, size_t n, uint32_t base);
 void shardd__batch_errs_free(batch_errs *b);
 /* Records entry i's refusal; out of memory only shortens the lists. */
 void shardd__batch_err_add(batch_errs *b, size_t i, shardd_err rc,

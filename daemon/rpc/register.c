@@ -210,9 +210,7 @@ static void views_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   Shardwire__ViewReply *vr = calloc(n ? n : 1, sizeof *vr);
   Shardwire__ViewReply **vrp = calloc(n ? n : 1, sizeof *vrp);
   char *created = calloc(n ? n : 1, 1);
-  if (vs == NULL || vr == NULL || vrp == NULL || created == NULL ||
-      shardd__batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
-          SHARDD_OK) {
+  if (vs == NULL || vr == NULL || vrp == NULL || created == NULL) {
     free(vs);
     free(vr);
     free(vrp);
@@ -220,6 +218,7 @@ static void views_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
+  shardd__batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0);
   for (size_t i = 0; i < n; i++) {
     const Shardwire__RegisterView *rv = rq->views[i];
     shardd_err rc;
@@ -302,11 +301,11 @@ static void batch_unregister(shardd__dispatch *d, shardd__conn *c,
   char err[ERRLEN];
   batch_errs be;
   uint64_t *sorted = malloc((n ? n : 1) * sizeof *sorted);
-  if (sorted == NULL || shardd__batch_errs_init(&be, n, first) != SHARDD_OK) {
-    free(sorted);
+  if (sorted == NULL) {
     shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
+  shardd__batch_errs_init(&be, n, first);
   shardd__registry *reg = &d->reg;
   shardd__job *job = c->m.job;
   for (size_t i = 0; i < n; i++) {
@@ -417,9 +416,7 @@ static void buffers_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   Shardwire__BufferReply **brp = calloc(n ? n : 1, sizeof *brp);
   uint8_t *ipc = malloc((n ? n : 1) * 64);
   int *fds = malloc((n ? n : 1) * sizeof *fds);
-  if (u == NULL || br == NULL || brp == NULL || ipc == NULL || fds == NULL ||
-      shardd__batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0) !=
-          SHARDD_OK) {
+  if (u == NULL || br == NULL || brp == NULL || ipc == NULL || fds == NULL) {
     free(u);
     free(br);
     free(brp);
@@ -428,6 +425,7 @@ static void buffers_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
+  shardd__batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0);
   for (size_t i = 0; i < n; i++) {
     fds[i] = -1;
     shardd_err rc = buffer_register_one(d, c, rq->buffers[i], &u[i], err,

@@ -220,9 +220,8 @@ void shardd__batch_refuse(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   shardd__batch_send(d, c, seq, b, head, what);
 }
 
-shardd_err shardd__batch_errs_init(batch_errs *b, size_t n, uint32_t base) {
+void shardd__batch_errs_init(batch_errs *b, size_t n, uint32_t base) {
   memset(b, 0, sizeof *b);
   b->base = base;
   b->cap = n;
-  return SHARDD_OK; /* the lists and msg: at the first refusal (batch_err_add) */
 }
