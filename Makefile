@@ -178,7 +178,7 @@ $(BUILD)/bench/%: bench/%.c $(DAEMONA) $(LIBA)
 FUZZ_SECONDS ?= 60
 FUZZ_BIN := $(BUILD)/fuzz/fuzz_request
 FUZZ_SRC := $(LIB_SRC) $(DAEMON_SRC) $(PROTO_C) tests/fuzz/fuzz_request.c
-$(FUZZ_BIN): $(FUZZ_SRC) $(PROTO_H) $(wildcard include/*.h common/*.h client/*.h daemon/*.h daemon/*/*.h)
+$(FUZZ_BIN): $(FUZZ_SRC) $(PROTO_H) $(wildcard include/*.h common/*.h client/*.h daemon/*.h daemon/*/*.h) tests/fuzz/fuzz_util.h
 	@mkdir -p $(@D)
 	clang -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=fuzzer,address,undefined \
 	  -fno-sanitize-recover=undefined -I$(BUILD)/gen $(INC) \
@@ -188,7 +188,7 @@ $(FUZZ_BIN): $(FUZZ_SRC) $(PROTO_H) $(wildcard include/*.h common/*.h client/*.h
 # (tests/fuzz/fuzz_manifest.c; seeds in tests/fuzz/corpus_manifest/).
 FUZZM_BIN := $(BUILD)/fuzz/fuzz_manifest
 FUZZM_SRC := $(LIB_SRC) $(DAEMON_SRC) $(PROTO_C) tests/fuzz/fuzz_manifest.c
-$(FUZZM_BIN): $(FUZZM_SRC) $(PROTO_H) $(wildcard include/*.h common/*.h client/*.h daemon/*.h daemon/*/*.h)
+$(FUZZM_BIN): $(FUZZM_SRC) $(PROTO_H) $(wildcard include/*.h common/*.h client/*.h daemon/*.h daemon/*/*.h) tests/fuzz/fuzz_util.h
 	@mkdir -p $(@D)
 	clang -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=fuzzer,address,undefined \
 	  -fno-sanitize-recover=undefined -I$(BUILD)/gen $(INC) \
@@ -207,7 +207,7 @@ $(FUZZJ_BIN): $(FUZZJ_SRC) daemon/jobs/jobspec.h include/shardd.h
 # (tests/fuzz/fuzz_ranks.c; seeds in tests/fuzz/corpus_ranks/).
 FUZZR_BIN := $(BUILD)/fuzz/fuzz_ranks
 FUZZR_SRC := $(LIB_SRC) $(DAEMON_SRC) $(PROTO_C) tests/fuzz/fuzz_ranks.c
-$(FUZZR_BIN): $(FUZZR_SRC) $(PROTO_H) $(wildcard include/*.h common/*.h client/*.h daemon/*.h daemon/*/*.h)
+$(FUZZR_BIN): $(FUZZR_SRC) $(PROTO_H) $(wildcard include/*.h common/*.h client/*.h daemon/*.h daemon/*/*.h) tests/fuzz/fuzz_util.h
 	@mkdir -p $(@D)
 	clang -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=fuzzer,address,undefined \
 	  -fno-sanitize-recover=undefined -I$(BUILD)/gen $(INC) \

@@ -18,16 +18,10 @@
 #include "backend.h"
 #include "checkpoint.h"
 #include "registry.h"
+#include "fuzz_util.h"
 
 static shardd__registry reg;
-static char root[64], manifest[128];
-
-static int rm_entry(const char *path, const struct stat *st, int flag,
-                    struct FTW *ftw) {
-  return remove(path);
-}
-
-static void rm_root(void) { nftw(root, rm_entry, 16, FTW_DEPTH | FTW_PHYS); }
+static char manifest[128];
 
 static void init_once(void) {
   static int done;
@@ -41,7 +35,7 @@ static void init_once(void) {
   shardd__registry_init(&reg, b);
   snprintf(root, sizeof root, "/tmp/shardd-fuzzm-%d.d", (int)getpid());
   mkdir(root, 0700);
-  atexit(rm_root);
+  atexit(fuzz_rm_root);
   snprintf(manifest, sizeof manifest, "%s/manifest", root);
 }
 

@@ -42,23 +42,13 @@
 #include "backend.h"
 #include "proto/shardd.pb-c.h"
 #include "server.h"
+#include "fuzz_util.h"
 
 #define NCONN_MAX 3
 
 static uv_loop_t loop;
 static shardd__server srv;
-static char root[64];
 static int log_replies; /* FUZZ_RANKS_LOG set: each reply's seq and code */
-
-static int rm_entry(const char *path, const struct stat *st, int flag,
-                    struct FTW *ftw) {
-  (void)st;
-  (void)flag;
-  (void)ftw;
-  return remove(path);
-}
-
-static void rm_root(void) { nftw(root, rm_entry, 16, FTW_DEPTH | FTW_PHYS); }
 
 static void init_once(void) {
   static int done;
@@ -86,7 +76,7 @@ static void init_once(void) {
   log_replies = lv != NULL;
   snprintf(root, sizeof root, "/tmp/shardd-fuzzr-%d.d", (int)getpid());
   mkdir(root, 0700);
-  atexit(rm_root);
+  atexit(fuzz_rm_root);
   o.checkpoint_root = root;
   if (shardd__server_init(&srv, &loop, b, &o, err, sizeof err) != SHARDD_OK) {
     fprintf(stderr, "fuzz: %s\n", err);
@@ -126,28 +116,7 @@ static void drain(int fd) {
     return;
   for (;;) {
     char buf[65536];
-    union {
-      struct cmsghdr align;
-      char space[CMSG_SPACE(sizeof(int) * 8)];
-    } ctl;
-    struct iovec iov = {buf, sizeof buf};
-    struct msghdr msg = {0};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = ctl.space;
-    msg.msg_controllen = sizeof ctl.space;
-    ssize_t n = recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); n >= 0 && c;
-         c = CMSG_NXTHDR(&msg, c)) {
-      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
-        size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-        for (size_t i = 0; i < k; i++) {
-          int pfd;
-          memcpy(&pfd, CMSG_DATA(c) + i * sizeof(int), sizeof pfd);
-          close(pfd);
-        }
-      }
-    }
+    ssize_t n = fuzz_recv_drop(fd, buf, sizeof buf);
     if (n <= 0)
       return;
     if (log_replies)
