@@ -166,6 +166,22 @@ def reported(rank, q):
         q.put(("error", rank, type(e).__name__, "%s\n%s" % (e, traceback.format_exc())))
 
 
+def last_params(target, args_of, world, timeout=60):
+    """launch_ranks, returning the last ("params", {name: array}) message
+    a rank sent (rank 0's full parameters at the end), None if none came."""
+    out = []
+    launch_ranks(target, args_of, world,
+                 lambda msg: out.append(msg[1]) if msg[0] == "params" else None, timeout)
+    return out[-1] if out else None
+
+
+def max_rel(got, want):
+    """max |got - want| over max |want| of one tensor (float64)."""
+    import numpy as np
+    d = np.abs(np.asarray(got, dtype=np.float64) - np.asarray(want, dtype=np.float64))
+    return float(d.max() / max(np.abs(np.asarray(want, dtype=np.float64)).max(), 1e-30))
+
+
 def train_loop(rank, q, steps, client, sm, opt, step, pause_s=0.0):
     """In a rank process: the loop of a training script relaunched
     unchanged. It goes on from the daemon's step count (opt.steps) to steps,

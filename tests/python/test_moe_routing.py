@@ -156,22 +156,9 @@ def rank_main(rank, world, sock, job, wrap, mode, q):
 
 
 def run(world, wrap, mode, timeout=60):
-    job = common.job("moe")
-    sock = common.socket()
-    out = []
-
-    def on_msg(msg):
-        if msg[0] == "params":
-            out.append(msg[1])
-
-    common.launch_ranks(rank_main, lambda r, q: (r, world, sock, job, wrap, mode, q),
-                        world, on_msg, timeout)
-    return out[-1]
-
-
-def rel(got, want):
-    d = np.abs(got.astype(np.float64) - want.astype(np.float64))
-    return float(d.max() / max(np.abs(want).max(), 1e-30))
+    job, sock = common.job("moe"), common.socket()
+    return common.last_params(rank_main, lambda r, q: (r, world, sock, job, wrap, mode, q),
+                              world, timeout)
 
 
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
@@ -180,10 +167,10 @@ class MoERoutingTest(unittest.TestCase):
         got = run(2, wrap, mode)
         want = reference(2, mode)
         self.assertEqual(sorted(got), sorted(want))
-        worst = max(rel(got[n], want[n]) for n in want)
+        worst = max(common.max_rel(got[n], want[n]) for n in want)
         print("\n  %s units, %s: parameters max rel %.3g" % (wrap, mode, worst))
         for n in want:
-            self.assertLessEqual(rel(got[n], want[n]), TOL, "%s %s: %s" % (wrap, mode, n))
+            self.assertLessEqual(common.max_rel(got[n], want[n]), TOL, "%s %s: %s" % (wrap, mode, n))
         init = dict(model(mode).named_parameters())
         # rank 1 never reached expert 1 at odd steps: stepped all the same
         n = "blocks.0.moe.experts.1.weight"

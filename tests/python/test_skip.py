@@ -228,9 +228,7 @@ def run(case, model_name, kind, world, transient, auto_wrap="children", timeout=
     return out[-1] if out else None
 
 
-def rel(got, want):
-    d = np.abs(got.astype(np.float64) - want.astype(np.float64))
-    return float(d.max() / max(np.abs(want).max(), 1e-30))
+rel = common.max_rel
 
 
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")

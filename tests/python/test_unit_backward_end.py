@@ -15,7 +15,6 @@ import common
 import shardd
 
 if common.HAVE_TORCH:
-    import numpy as np
     import torch
     import torch.utils.checkpoint
     from torch import nn
@@ -160,22 +159,9 @@ def rank_main(rank, world, sock, job, case, q):
 
 
 def run(world, case, timeout=60):
-    job = common.job("ube")
-    sock = common.socket()
-    out = []
-
-    def on_msg(msg):
-        if msg[0] == "params":
-            out.append(msg[1])
-
-    common.launch_ranks(rank_main, lambda r, q: (r, world, sock, job, case, q),
-                        world, on_msg, timeout)
-    return out[-1]
-
-
-def rel(got, want):
-    d = np.abs(got.astype(np.float64) - want.astype(np.float64))
-    return float(d.max() / max(np.abs(want).max(), 1e-30))
+    job, sock = common.job("ube"), common.socket()
+    return common.last_params(rank_main, lambda r, q: (r, world, sock, job, case, q),
+                              world, timeout)
 
 
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
@@ -186,10 +172,10 @@ class UnitBackwardEndTest(unittest.TestCase):
                 got = run(2, case)
                 want = reference(2, case)
                 self.assertEqual(sorted(got), sorted(want))
-                worst = max(rel(got[n], want[n]) for n in want)
+                worst = max(common.max_rel(got[n], want[n]) for n in want)
                 print("\n  %s: parameters max rel %.3g" % (case, worst))
                 for n in want:
-                    self.assertLessEqual(rel(got[n], want[n]), TOL, "%s: %s" % (case, n))
+                    self.assertLessEqual(common.max_rel(got[n], want[n]), TOL, "%s: %s" % (case, n))
 
     def test_a_unit_called_twice(self):
         self.check("plain+twice", "unused+twice")
