@@ -163,6 +163,7 @@ class ParamGroupsByShapeTest(unittest.TestCase):
     def test_timm_no_decay_split_after_wrapping_is_torchs(self):
         self.check("timm", "torch")
 
+    @unittest.skipIf(common.UNDER_ASAN, common.ASAN_CXX_THROW)
     def test_dim_of_a_wrapped_parameter_is_its_originals(self):
         """dim() and ndim outside forward, inside (gathered) and of the
         parameters a state dict or a deepcopy makes."""

@@ -249,6 +249,7 @@ class ResidentLoop(unittest.TestCase):
     def test_clip_of_unreduced_gradients_refused(self):
         self.assert_refused("clip", 0, ["scatter(\"mean\")", "reduced"])
 
+    @unittest.skipIf(common.UNDER_ASAN, common.ASAN_CXX_THROW)
     def test_torch_optim_refused_by_name(self):
         got = self.run_case("torch_optim")
         for r in range(WORLD):
