@@ -181,14 +181,7 @@ def rank_main(rank, world, sock, job, name, bwd, q, extra):
                                      prefetch="auto" if cost else False,
                                      backward_prefetch=bp)
         if cost:  # prefetch="auto"'s trial under a clock that makes one side faster
-            t = [0.0]
-
-            def clock():
-                tr = sm._trial
-                if tr is not None and tr["mode"] is not None:
-                    t[0] += cost[tr["mode"]]  # the step since the last forward
-                return t[0]
-            sm._clock = clock
+            common.fake_trial_clock(sm, cost)
         opt = shardd.optim.AdamW([p for p in model.parameters() if p.requires_grad], **HYPER)
         log = []
         _logged(client, log, {u.buffer.id: u.name for u in sm.units})

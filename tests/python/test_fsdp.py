@@ -462,15 +462,7 @@ class FSDPOneRankTest(unittest.TestCase):
         forward without grad (which prefetches as its step does, and is
         not timed). -> (prefetches counted after each step)."""
         sm = self.sm
-        t = [0.0]
-
-        def clock():
-            tr = sm._trial
-            if tr is not None and tr["mode"] is not None:
-                t[0] += cost[tr["mode"]]  # the step since the last forward
-            return t[0]
-
-        sm._clock = clock
+        common.fake_trial_clock(sm, cost)
         x = torch.randn(4, 128)
         counts = []
         for _ in range(10):
