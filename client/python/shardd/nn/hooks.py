@@ -8,6 +8,7 @@ import torch
 
 import shardd
 
+from .hook_writes import to_copies
 from .optimizer_hook import _HELD
 from .reads import _watch
 from .units import _Saved, _hooked_modules, _tensors
@@ -177,6 +178,9 @@ class _ForwardHooks:
         self._pre_forward(u, module, ())
         u.depth = 0  # held by the read, not by a forward: until the root's ends
         self._read_held.append((u, attr))
+        swaps = getattr(self, "_hook_swaps", None)
+        if swaps is not None:  # read inside a script's hook: copies (hook_writes.py)
+            swaps.extend(to_copies([(e, e.param) for e in u.entries]))
 
     def _check_leases(self, u, what):
         """Before u's gather beside a unit a read holds, or for a read: a

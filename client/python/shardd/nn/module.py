@@ -18,6 +18,7 @@ from ._precision import _DTYPE_OF, _TORCH_DTYPES, _cast_floats, _checksum, _mixe
 from .backward import _BackwardHooks
 from .grads import _Grad16, _ResidentGrad
 from .builtin import check_builtin, pre_hooks_first, refresh_cached
+from .hook_writes import guard_hook_writes
 from .hooks import _ForwardHooks
 from .meta import _MetaInit
 from .optimizer_hook import (_ORIGINALS, _OWNERS, _WRAPPERS, _forget_original,
@@ -321,8 +322,9 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                         m._buffers[k] = b.to(buffer_dtype)
         self._input_dtype = input_dtype
         if input_dtype is not None:
-            module.register_forward_pre_hook(
-                lambda _m, inputs: _cast_floats(inputs, input_dtype))
+            cast = lambda _m, inputs: _cast_floats(inputs, input_dtype)  # noqa: E731
+            cast._shardd_own = True  # writes no parameter (hook_writes.py)
+            module.register_forward_pre_hook(cast)
         dev = self.device
         if dev.type == "cuda":  # the forward must find the module's buffers there
             for m in module.modules():
@@ -380,8 +382,15 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         _install_step_hook()
         _WRAPPERS.add(self)
         if self.transient:
-            with pre_hooks_first(list(module.modules())):  # before weight_norm's
+            mods = list(module.modules())
+            before = {(id(m), k) for m in mods
+                      for d in (m._forward_pre_hooks, m._forward_hooks) for k in d}
+            with pre_hooks_first(mods):  # before weight_norm's
                 self._install_hooks()
+            # a script's hook that writes a parameter while its unit is
+            # gathered is refused by name (hook_writes.py)
+            guard_hook_writes(self, mods, {(id(m), k) for m in mods for d in (
+                m._forward_pre_hooks, m._forward_hooks) for k in d} - before)
         else:
             self._hook_resident()
             for m in {id(m): m for u in self.units
