@@ -344,7 +344,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
             if self.transient and self.client.daemon_backend == "host":
                 self._trial = {"on": [], "off": [], "mode": None, "t": None}
                 prefetch = False  # until the trial's first step
-        self.prefetch = bool(prefetch)
+        self._prefetch_on = bool(prefetch)  # .prefetch (read-only, prefetch.py)
         self.prefetch_trial = None  # the trial's step times and choice, once made
         self._order = []          # units in the order the first forward met them
         self._order_done = False
@@ -354,7 +354,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         self.prefetches = 0       # gathers that were under way when needed
         self._fw_agreed = False   # every rank's trial chose forward prefetch
         self._bw_opt = self._backward_prefetch_option(backward_prefetch)
-        self.backward_prefetch = False  # what the ranks agreed for the next backward
+        self._bw_agreed = False  # .backward_prefetch: what the ranks agreed for the next backward
         self.backward_prefetches = 0    # backwards whose gather was under way
         self._fw_gen = 0          # root forwards so far (_bound_inputs' hooks of older ones are stale)
         self._bw_order = []       # units in this step's order of forwards (post-forward)
@@ -964,7 +964,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         self._final_queued = False
         # what the ranks agreed on included a rank that may be relaunched
         # now: every rank prefetches again only once all have agreed anew
-        self.backward_prefetch = False
+        self._bw_agreed = False
         self._fw_agreed = False
         try:
             self._wait_releases()
