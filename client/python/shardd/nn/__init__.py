@@ -214,7 +214,10 @@ the recomputation gathers it so), and the tensors the recomputation saves
 (checkpoint's saved-tensor hooks hold them, not ours) stay valid until the
 unit's gradient is reduced and the unit released. A checkpointed region
 spanning several units holds each until its backward, within the rank's
-2 gather leases.
+2 gather leases. A unit reduced already in this backward that a
+recomputation runs again (two calls, each in its own reentrant
+checkpoint: each nested backward ends the unit) is gathered again with a
+gradient area, and its scatter adds to the first one's.
 
 A parameter the root's forward reads from a module itself
 (``F.linear(x, self.wte.weight)``), outside every forward that gathers its
