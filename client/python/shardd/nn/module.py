@@ -381,6 +381,10 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         # refusal of one built before wrapping (it holds the originals)
         _install_step_hook()
         _WRAPPERS.add(self)
+        # client.step(opt) asked directly gets this wrapper's refusals too
+        guards = getattr(client, "_step_guards", None)
+        if guards is not None:
+            guards.append(weakref.ref(self))
         if self.transient:
             mods = list(module.modules())
             before = {(id(m), k) for m in mods
@@ -660,6 +664,19 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         daemon skips a gradient it has stepped already, where torch's step
         applies the .grad again; with every .grad None both change
         nothing); once it ran, the next forward needs a gather()."""
+        self._check_step(opt)
+        self.client._wrapper_step = True
+        try:
+            res = self.client.step(opt, **kw)
+        finally:
+            self.client._wrapper_step = False
+        self._stepped(opt)
+        return res
+
+    def _check_step(self, opt):
+        """Resident: the refusals of a step of opt (_daemon_step's; also
+        for client.step(opt) asked of the client directly, below the
+        wrapper, which would otherwise skip them)."""
         key = getattr(opt, "id", opt)
         if not self.transient:
             self._check_reduced("the optimizer step")
@@ -674,11 +691,12 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                     "the gradient the last scatter reduced, which the daemon has consumed "
                     "(torch's step would apply the .grad again). Call sm.scatter(\"mean\") "
                     "(a collective, every rank) after backward, before each step")
-        res = self.client.step(opt, **kw)
+
+    def _stepped(self, opt):
+        """Resident: after a step of opt, the next forward needs a gather()."""
         if not self.transient:
-            self._stepped_at[key] = self._scatters
+            self._stepped_at[getattr(opt, "id", opt)] = self._scatters
             self._stale = "after an optimizer step with no sm.gather() since"
-        return res
 
     def _all_grads_none(self):
         return all(e.param.grad is None for u in self.units for e in u.entries)
