@@ -43,6 +43,12 @@ def read_hook(mod, inputs):
     mod.seen = float(mod.weight.detach().abs().sum())
 
 
+def penalty_hook(mod, inputs):
+    # a term of the loss computed from the parameters in the hook: autograd
+    # saves the parameter (its copy while the hook runs) for backward
+    mod.penalty = mod.weight.pow(2).sum() * 0.1
+
+
 def hook(model, case, wrapped):
     """Registers case's hook before wrapping (wrapped False) or after."""
     late = case.endswith("_after")
@@ -56,6 +62,8 @@ def hook(model, case, wrapped):
         return model[2].register_forward_hook(clip_hook)
     if case == "reader":
         return model[2].register_forward_pre_hook(read_hook)
+    if case == "penalty":
+        return model[2].register_forward_pre_hook(penalty_hook)
     if case == "removed":
         return model[2].register_forward_pre_hook(clip_hook)
     return None
@@ -71,6 +79,7 @@ def train(model, opt, case, rows):
     for s in range(STEPS):
         opt.zero_grad()
         loss = sum(nn.functional.mse_loss(model(x[s, lo:hi]), y[s, lo:hi])
+                   + (model[2].penalty if case == "penalty" else 0)
                    for lo, hi in rows) / len(rows)
         loss.backward()
         opt.step()
@@ -82,7 +91,7 @@ def train(model, opt, case, rows):
 
 def reference(case):
     model = make_model()
-    if case in ("reader", "between"):
+    if case in ("reader", "penalty", "between"):
         hook(model, case, False)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     per = ROWS // WORLD
@@ -161,6 +170,8 @@ class HookWrites(unittest.TestCase):
 
     def test_hook_that_reads_trains_as_torch(self):
         self.assert_trains_as_torch("reader")
+        # what autograd saves of the copies is rebuilt from the unit's area
+        self.assert_trains_as_torch("penalty")
 
     def test_removed_hook_is_gone(self):
         self.assert_trains_as_torch("removed")

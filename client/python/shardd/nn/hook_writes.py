@@ -1,10 +1,11 @@
 """Transient areas: a forward hook of the script's that writes a parameter
-in place while its unit is gathered (WGAN's weight clipping as a pre-hook,
-``m.register_forward_pre_hook(lambda m, i: m.weight.data.clamp_(-c, c))``)
+in place while its unit is gathered (WGAN's weight clipping as a pre-hook:
+``with torch.no_grad(): m.weight.clamp_(-c, c)``, or ``m.weight.data.clamp_``)
 writes the gathered copy: on the host backend the node's one copy, mapped
 read-only, so the process would die of SIGSEGV with no Python exception;
 on the cuda backend a copy the unit's release drops, so the write would be
-lost without a word (FSDP loses it so too).
+lost without a word (as a write into FSDP's unsharded copy, freed at
+reshard).
 
 So every forward pre-hook and forward hook of the script's on a module of
 the wrapped model (registered before wrapping or after) runs, while a
@@ -24,6 +25,7 @@ import collections
 import weakref
 
 import torch
+
 
 def _safe_hook(hook):
     """torch's weight_norm / spectral_norm hooks (class instances) write no
@@ -158,9 +160,13 @@ class _HookDict(collections.OrderedDict):
             g = self._guarded[k] = _Guarded(hook, self._sm, self._kind)
         return g
 
-    def values(self):
+    def values(self):  # torch 1.13's _call_impl runs these
         self._prune()
         return [self._guard(k, v) for k, v in collections.OrderedDict.items(self)]
+
+    def items(self):  # torch 2's runs these
+        self._prune()
+        return [(k, self._guard(k, v)) for k, v in collections.OrderedDict.items(self)]
 
     def __bool__(self):
         self._prune()
