@@ -399,6 +399,28 @@ class OneRankTest(unittest.TestCase):
         loss_of("mix", model, x, y).backward()  # agreed again
         self.assertTrue(sm.backward_prefetch)
 
+    def test_what_the_ranks_chose_is_read_only(self):
+        """backward_prefetch (what the ranks agreed) and prefetch were
+        writable attributes: set on one rank only, it would send gathers
+        its peers do not (a wrong guess waits for a gather they send later
+        or never). Setting either raises, naming the constructor option,
+        and changes nothing."""
+        client = shardd.Client(common.socket(), job=common.job("bwdpf2"), rank=0, world=1,
+                               transient_areas=True)
+        self.addCleanup(client.close)
+        model, _ = mix()
+        sm = shardd.nn.ShardedModule(client, model, auto_wrap="children", prefetch=False,
+                                     backward_prefetch=False)
+        for attr in ("backward_prefetch", "prefetch"):
+            with self.assertRaises(AttributeError) as cm:
+                setattr(sm, attr, True)
+            self.assertIn("constructor's %s=" % attr, str(cm.exception))
+            self.assertIs(getattr(sm, attr), False)
+        x, y = batch("mix", None, 0, 0, 1)
+        loss_of("mix", model, x, y).backward()
+        self.assertFalse(sm.backward_prefetch)
+        self.assertEqual(sm.backward_prefetches, 0)
+
 
 if __name__ == "__main__":
     unittest.main()

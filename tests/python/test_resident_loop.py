@@ -92,9 +92,11 @@ def rank_main(rank, world, sock, job, case, q):
             client.close()
             q.put(("done", rank))
             return
-        if case == "registered":
+        direct = case.endswith("+direct")  # client.step(opt), below the wrapper
+        case = case.split("+")[0]
+        if case == "registered" or direct:
             opt = sm.register_optimizer("sgd", model.parameters(), **HYPER)
-            step = lambda: sm.step(opt)  # noqa: E731
+            step = (lambda: client.step(opt)) if direct else (lambda: sm.step(opt))
             count = opt.steps
         else:
             opt = shardd.optim.SGD(model.parameters(), **HYPER)
@@ -112,6 +114,12 @@ def rank_main(rank, world, sock, job, case, q):
                     loss = loss_of(model, s, rank, world)
                     loss.backward()
                     sm.scatter("mean")
+                    step()
+                elif case == "plain" and direct:  # no scatter
+                    sm.gather()
+                    sm.zero_grad()
+                    loss = loss_of(model, s, rank, world)
+                    loss.backward()
                     step()
                 elif case == "plain":  # torch's loop, no gather or scatter
                     opt.zero_grad()
@@ -250,6 +258,18 @@ class ResidentLoop(unittest.TestCase):
         self.assert_refused("clip", 0, ["scatter(\"mean\")", "reduced"])
 
     @unittest.skipIf(common.UNDER_ASAN, common.ASAN_CXX_THROW)
+    def test_client_step_keeps_the_loop_refusals(self):
+        """client.step(opt) on the Client, below the wrapper, skipped every
+        refusal sm.step(opt) makes: a forward after it with no gather()
+        computed with the values before the step, a step after an
+        unscattered backward or a second one applied nothing, all without a
+        word. The same refusals now; the documented loop with it trains as
+        torch."""
+        self.assert_trains_as_torch("documented+direct")
+        self.assert_refused("no_gather+direct", 1, ["sm.gather()", "after an optimizer step"])
+        self.assert_refused("plain+direct", 0, ["sm.scatter(\"mean\")", "since the last sm.scatter()"])
+        self.assert_refused("step_twice+direct", 0, ["no sm.scatter() since the last step"])
+
     def test_torch_optim_refused_by_name(self):
         got = self.run_case("torch_optim")
         for r in range(WORLD):

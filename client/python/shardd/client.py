@@ -164,6 +164,13 @@ class Client:
         # of its buffers (the daemon's next scatter replaces them), which
         # shardd.nn needs to know to accumulate as torch's .grad does
         self.steps_requested = 0
+        # the wrappers over this client (weak references to objects with
+        # _check_step(opt) / _stepped(opt), shardd.nn's ShardedModule): a
+        # step asked of the client directly, below the wrapper, gets the
+        # wrapper's refusals and bookkeeping too (its own step sets
+        # _wrapper_step around this one)
+        self._step_guards = []
+        self._wrapper_step = False
         opts = L.ConnectOpts()
         opts.size = ctypes.sizeof(L.ConnectOpts)
         opts.job = _b(job)
@@ -1092,9 +1099,23 @@ class Client:
                 raise ValueError("expect_step 0: a step makes count 1 at least")
         so.skipped = ctypes.pointer(skipped)
         res = L.StepResult()
+        guards = [] if self._wrapper_step else self._guards_of(opt)
+        for g in guards:  # refusals before anything changed
+            g._check_step(opt)
         self.steps_requested += 1
         self._call(self._lib.shardd_step(self._c, _ids(opt), ctypes.byref(so), ctypes.byref(res)))
+        for g in guards:
+            g._stepped(opt)
         return StepResult(int(res.step), float(res.total_norm), not skipped.value)
+
+    def _guards_of(self, opt):
+        """The wrappers a direct step of opt concerns: those it was
+        registered through, or every one where none was."""
+        live = [g for g in (w() for w in self._step_guards) if g is not None]
+        oid = getattr(opt, "id", None)
+        mine = [g for g in live if any(getattr(o, "id", None) == oid
+                                       for o in getattr(g, "_optims", ()))]
+        return mine or live
 
     def clip_grad_norm(self, opt, max_norm=math.inf):
         """FSDP's clip_grad_norm_ (collective): -> the global L2 norm of the

@@ -139,7 +139,9 @@ Per unit, in the same order on every rank (each rank's graph is the same):
   ``p.data.copy_()`` or an init under ``no_grad`` inside a forward, faults
   and the process dies of SIGSEGV, with no Python exception; a transient
   wrapper turns Python's ``faulthandler`` on (where it is off), so stderr
-  shows the line that wrote; outside forward and backward a parameter is
+  shows the line that wrote; such a write from a forward pre-hook or
+  forward hook of the script's is refused instead, naming the parameter
+  (hook_writes.py); outside forward and backward a parameter is
   its part of this rank's shard, writable);
 * forward post-hook: register a hook on the unit's output tensors (it fires
   when the gradient w.r.t. them is computed, before the unit's backward), then
@@ -212,7 +214,10 @@ the recomputation gathers it so), and the tensors the recomputation saves
 (checkpoint's saved-tensor hooks hold them, not ours) stay valid until the
 unit's gradient is reduced and the unit released. A checkpointed region
 spanning several units holds each until its backward, within the rank's
-2 gather leases.
+2 gather leases. A unit reduced already in this backward that a
+recomputation runs again (two calls, each in its own reentrant
+checkpoint: each nested backward ends the unit) is gathered again with a
+gradient area, and its scatter adds to the first one's.
 
 A parameter the root's forward reads from a module itself
 (``F.linear(x, self.wte.weight)``), outside every forward that gathers its
@@ -265,7 +270,8 @@ no parameter a kernel still reads.
 # prefetch.py, state_dicts.py, meta.py (meta-device init); units.py plans
 # the units, grads.py has the .grad stand-ins, reads.py the parameter reads,
 # optimizer_hook.py the owners and the pre-step checks and release,
-# optim_state.py torch.optim's state dicts of parts, _precision.py the
+# optim_state.py torch.optim's state dicts of parts, hook_writes.py the
+# script's forward hooks that write a gathered parameter, _precision.py the
 # dtypes, builtin.py what torch's built-in modules need (MultiheadAttention's
 # out_proj, an RNN's _flat_weights, weight_norm's pre-hook). Every name
 # nn.py had before the split is imported here, private ones included, so

@@ -57,7 +57,11 @@ class _BackwardHooks:
                 raise
             self._final_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._final)
-        want = self._trainable(u) > 0 and u.state != "done"
+        # a unit already reduced this backward has its backward again where
+        # activation checkpointing recomputes it once more (reentrant
+        # checkpoints around two calls of it: each nested backward ends the
+        # unit): its second share is gathered and added to the first
+        want = self._trainable(u) > 0 and (u.state != "done" or u.recompute)
         if u.is_root:
             self._root_backward_first = all(
                 v.state in ("idle", "forward") for v in self.units if v is not u)

@@ -8,6 +8,7 @@ import torch
 
 import shardd
 
+from .hook_writes import to_copies
 from .optimizer_hook import _HELD
 from .reads import _watch
 from .units import _Saved, _hooked_modules, _tensors
@@ -177,6 +178,9 @@ class _ForwardHooks:
         self._pre_forward(u, module, ())
         u.depth = 0  # held by the read, not by a forward: until the root's ends
         self._read_held.append((u, attr))
+        swaps = getattr(self, "_hook_swaps", None)
+        if swaps is not None:  # read inside a script's hook: copies (hook_writes.py)
+            swaps.extend(to_copies([(e, e.param) for e in u.entries]))
 
     def _check_leases(self, u, what):
         """Before u's gather beside a unit a read holds, or for a read: a
@@ -280,11 +284,11 @@ class _ForwardHooks:
         pend = self._pending
         if pend is not None and pend[0] is u:
             self._pending = None
-            u.gather, _ = self.client.wait_area(pend[1], u.buffer)
+            u.gather, _ = self._named(u, self.client.wait_area, pend[1], u.buffer)
             self.prefetches += 1
         else:
             if pend is not None:  # the order changed: not this one
-                self._drop_prefetch()
+                self._named(u, self._drop_prefetch)
             if self._read_held and u.gather is None:
                 self._check_leases(u, "for its forward")
             # a gather of an area this rank holds (the root unit, a module
@@ -298,11 +302,28 @@ class _ForwardHooks:
             # unit, embeddings and head)
             want = (u.is_root and self._root_backward_first and torch.is_grad_enabled()
                     and self._trainable(u) > 0)
-            u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=want)
+            u.gather, u.grad = self._named(u, self.client.gather_area, u.buffer, want_grad=want)
         u.state = "forward"
         self._point(u, False)
         self._prefetch_after(u)
         return self._bound_inputs(u, inputs)
+
+    def _named(self, u, call, *args, **kw):
+        """call(*args, **kw) for u's gather in forward; the daemon's
+        E_MISMATCH (the ranks' forwards ran different units, or in another
+        order) said so, naming u."""
+        try:
+            return call(*args, **kw)
+        except shardd.Error as e:
+            if e.code_name != "E_MISMATCH":
+                raise
+            raise shardd.Error(
+                e.code, "unit %r's forward gathers it, and another rank's forward did not "
+                "come to it at this point: every rank must run the forwards of the same "
+                "units in the same order (a unit skipped on some ranks only, such as "
+                "LayerDrop drawn per rank: draw it from a generator seeded alike on every "
+                "rank, or wrap the skipped blocks with the module around them) [%s]"
+                % (u.name, e.message), "E_MISMATCH") from e
 
     def _bound_inputs(self, u, inputs):
         """The end of a trainable non-root unit's backward must be the

@@ -18,6 +18,7 @@ from ._precision import _DTYPE_OF, _TORCH_DTYPES, _cast_floats, _checksum, _mixe
 from .backward import _BackwardHooks
 from .grads import _Grad16, _ResidentGrad
 from .builtin import check_builtin, pre_hooks_first, refresh_cached
+from .hook_writes import guard_hook_writes
 from .hooks import _ForwardHooks
 from .meta import _MetaInit
 from .optimizer_hook import (_ORIGINALS, _OWNERS, _WRAPPERS, _forget_original,
@@ -321,8 +322,9 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                         m._buffers[k] = b.to(buffer_dtype)
         self._input_dtype = input_dtype
         if input_dtype is not None:
-            module.register_forward_pre_hook(
-                lambda _m, inputs: _cast_floats(inputs, input_dtype))
+            cast = lambda _m, inputs: _cast_floats(inputs, input_dtype)  # noqa: E731
+            cast._shardd_own = True  # writes no parameter (hook_writes.py)
+            module.register_forward_pre_hook(cast)
         dev = self.device
         if dev.type == "cuda":  # the forward must find the module's buffers there
             for m in module.modules():
@@ -342,7 +344,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
             if self.transient and self.client.daemon_backend == "host":
                 self._trial = {"on": [], "off": [], "mode": None, "t": None}
                 prefetch = False  # until the trial's first step
-        self.prefetch = bool(prefetch)
+        self._prefetch_on = bool(prefetch)  # .prefetch (read-only, prefetch.py)
         self.prefetch_trial = None  # the trial's step times and choice, once made
         self._order = []          # units in the order the first forward met them
         self._order_done = False
@@ -352,7 +354,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         self.prefetches = 0       # gathers that were under way when needed
         self._fw_agreed = False   # every rank's trial chose forward prefetch
         self._bw_opt = self._backward_prefetch_option(backward_prefetch)
-        self.backward_prefetch = False  # what the ranks agreed for the next backward
+        self._bw_agreed = False  # .backward_prefetch: what the ranks agreed for the next backward
         self.backward_prefetches = 0    # backwards whose gather was under way
         self._fw_gen = 0          # root forwards so far (_bound_inputs' hooks of older ones are stale)
         self._bw_order = []       # units in this step's order of forwards (post-forward)
@@ -379,9 +381,20 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         # refusal of one built before wrapping (it holds the originals)
         _install_step_hook()
         _WRAPPERS.add(self)
+        # client.step(opt) asked directly gets this wrapper's refusals too
+        guards = getattr(client, "_step_guards", None)
+        if guards is not None:
+            guards.append(weakref.ref(self))
         if self.transient:
-            with pre_hooks_first(list(module.modules())):  # before weight_norm's
+            mods = list(module.modules())
+            before = {(id(m), k) for m in mods
+                      for d in (m._forward_pre_hooks, m._forward_hooks) for k in d}
+            with pre_hooks_first(mods):  # before weight_norm's
                 self._install_hooks()
+            # a script's hook that writes a parameter while its unit is
+            # gathered is refused by name (hook_writes.py)
+            guard_hook_writes(self, mods, {(id(m), k) for m in mods for d in (
+                m._forward_pre_hooks, m._forward_hooks) for k in d} - before)
         else:
             self._hook_resident()
             for m in {id(m): m for u in self.units
@@ -651,6 +664,19 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         daemon skips a gradient it has stepped already, where torch's step
         applies the .grad again; with every .grad None both change
         nothing); once it ran, the next forward needs a gather()."""
+        self._check_step(opt)
+        self.client._wrapper_step = True
+        try:
+            res = self.client.step(opt, **kw)
+        finally:
+            self.client._wrapper_step = False
+        self._stepped(opt)
+        return res
+
+    def _check_step(self, opt):
+        """Resident: the refusals of a step of opt (_daemon_step's; also
+        for client.step(opt) asked of the client directly, below the
+        wrapper, which would otherwise skip them)."""
         key = getattr(opt, "id", opt)
         if not self.transient:
             self._check_reduced("the optimizer step")
@@ -665,11 +691,12 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                     "the gradient the last scatter reduced, which the daemon has consumed "
                     "(torch's step would apply the .grad again). Call sm.scatter(\"mean\") "
                     "(a collective, every rank) after backward, before each step")
-        res = self.client.step(opt, **kw)
+
+    def _stepped(self, opt):
+        """Resident: after a step of opt, the next forward needs a gather()."""
         if not self.transient:
-            self._stepped_at[key] = self._scatters
+            self._stepped_at[getattr(opt, "id", opt)] = self._scatters
             self._stale = "after an optimizer step with no sm.gather() since"
-        return res
 
     def _all_grads_none(self):
         return all(e.param.grad is None for u in self.units for e in u.entries)
@@ -955,7 +982,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         self._final_queued = False
         # what the ranks agreed on included a rank that may be relaunched
         # now: every rank prefetches again only once all have agreed anew
-        self.backward_prefetch = False
+        self._bw_agreed = False
         self._fw_agreed = False
         try:
             self._wait_releases()

@@ -7,6 +7,41 @@ import time
 class _Prefetch:
     """ShardedModule's forward prefetch."""
 
+    # what the ranks chose: read-only, as every rank must send the same
+    # gathers (a rank prefetching a unit its peers gather later or never
+    # waits for them); the constructor's prefetch= / backward_prefetch=
+    # choose, every rank the same
+    @property
+    def prefetch(self):
+        """Whether forward prefetch is on now (it alternates during
+        prefetch="auto"'s trial). Read-only: pass prefetch= to the
+        constructor."""
+        return self._prefetch_on
+
+    @prefetch.setter
+    def prefetch(self, v):
+        raise AttributeError(
+            "ShardedModule.prefetch is read-only: every rank must send the same gathers, "
+            "so it is chosen by the constructor's prefetch= (the same on every rank) and, "
+            "with \"auto\", by a trial the ranks agree on; a rank prefetching beside one "
+            "that does not waits for a gather its peers send later or never")
+
+    @property
+    def backward_prefetch(self):
+        """Whether the next backward prefetches, as every rank agreed at
+        the end of the last one. Read-only: pass backward_prefetch= to
+        the constructor."""
+        return self._bw_agreed
+
+    @backward_prefetch.setter
+    def backward_prefetch(self, v):
+        raise AttributeError(
+            "ShardedModule.backward_prefetch is read-only: it is what every rank agreed at "
+            "the end of the last backward (the ranks must send the same gathers, and a rank "
+            "whose guess is wrong would wait for a gather its peers never send); choose with "
+            "the constructor's backward_prefetch= (True, False or \"auto\", the same on "
+            "every rank)")
+
     # -- forward prefetch (FSDP's forward_prefetch, limit_all_gathers) ------
     _GATHER_LEASES = 2  # the daemon's default gather leases per rank
 
@@ -65,13 +100,13 @@ class _Prefetch:
             # within the margin the steps are the same, and prefetching is
             # what has more to lose: a peer's or the daemon's CPU, a second
             # gather slot (no gain in the noise of a shared machine, so off)
-            self.prefetch = on < off * (1.0 - self._TRIAL_MARGIN)
+            self._prefetch_on = on < off * (1.0 - self._TRIAL_MARGIN)
             self.prefetch_trial = {"on": tr["on"], "off": tr["off"], "on_median": on,
-                                   "off_median": off, "prefetch": self.prefetch}
+                                   "off_median": off, "prefetch": self._prefetch_on}
             self._trial = None
             return
         tr["mode"] = "on" if len(tr["on"]) <= len(tr["off"]) else "off"
-        self.prefetch = tr["mode"] == "on"
+        self._prefetch_on = tr["mode"] == "on"
         tr["t"] = now
 
     def _drop_prefetch(self):
@@ -119,7 +154,7 @@ class _Prefetch:
         the same gathers in the same order, a prefetched one only sooner,
         as forward prefetch relies on; but a wrong guess waited for there
         would wait for a gather the peer sends later or never.)"""
-        self.backward_prefetch = bool(all_want)
+        self._bw_agreed = bool(all_want)
 
     def _forward_prefetch_vote(self):
         """Whether this rank's trial chose forward prefetch (1.0), for the
