@@ -65,7 +65,7 @@ class _BackwardHooks:
             self._final_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._final)
         want = self._trainable(u) > 0 and (
-            u.state != "done" or use is unknown or (use is not None and not use.done))
+            u.state != "done" or use is unknown or (use is not None and not self._ended(use)))
         if u.is_root:
             self._root_backward_first = all(
                 v.state in ("idle", "forward") for v in self.units if v is not u)
@@ -115,7 +115,7 @@ class _BackwardHooks:
         is (a recomputation): this one's gradient came first."""
         if use is None:  # the parameters themselves: their use
             held = u.param_use() if u.param_use is not None else None
-            use = held if held is not None and not held.done else _Use(unbounded=True)
+            use = held if held is not None and not self._ended(held) else _Use(unbounded=True)
         u.bw_use = use
         self._point_leaves(u, use)
         return use
@@ -134,7 +134,7 @@ class _BackwardHooks:
             return True
         if cur is use or (use is None and cur is not None and cur.leaves is None):
             return True
-        if use is not None and use.done:
+        if use is not None and self._ended(use):
             return False  # that use's backward is over (a late gradient hook)
         self._abort_backward()
         raise shardd.Error(
@@ -239,6 +239,7 @@ class _BackwardHooks:
             u.state = "idle"
             u.ran = False
             u.depth = 0
+        self._bw_serial += 1  # (after _end_use marked the uses of this one)
         self._partial = list(getattr(self, "_partial", ())) + partial
         if self._partial:
             _PARTIAL.add(self)
@@ -271,9 +272,9 @@ class _BackwardHooks:
             use = held if held is not None else None
         if u.state in ("idle", "forward"):
             self._pre_backward(u, use)
-        elif u.state == "done" and use is not None and not use.done:
+        elif u.state == "done" and use is not None and not self._ended(use):
             self._pre_backward(u, use)  # another forward's use of it
-        elif u.state == "backward" and use is not None and not use.done:
+        elif u.state == "backward" and use is not None and not self._ended(use):
             self._same_use(u, use)
         return None
 
@@ -337,13 +338,17 @@ class _BackwardHooks:
         for e in train:
             e.param.grad = self._grad_of(u, e) if (ran and e.got) or e.kept else None
 
+    def _ended(self, use):
+        """Whether use's backward ended in this backward (a backward of a
+        retained graph runs it again)."""
+        return use.ended == self._bw_serial
+
     def _end_use(self, u):
         """u's use in backward is reduced: its leaves hold no area."""
         use, u.bw_use = u.bw_use, None
         if not isinstance(use, _Use):
             return
-        use.done = True
-        u.live_uses.discard(use)
+        use.ended = self._bw_serial
         for e, t in zip(u.entries, use.leaves or ()):
             if t is not None:
                 t.grad = None
@@ -361,6 +366,7 @@ class _BackwardHooks:
             self._wait_releases()
             self._same_none_grads()
         finally:
+            self._bw_serial += 1
             for u in self.units:
                 u.ran = False
 

@@ -89,6 +89,8 @@ class _ForwardHooks:
 
     def _root_pre_forward(self, module, inputs):
         self._pop_saved_hooks()  # a forward that raised left them pushed
+        for u in self.units:  # and its leaves in its unit's modules
+            self._swap_out(u)
         self._check_replaced()  # module.weight = ..., model.half() after wrapping
         self._wait_releases()  # a forward without backward sent some
         self._fw_gen += 1
@@ -272,7 +274,7 @@ class _ForwardHooks:
                 # which forward's use (non-reentrant: the recomputation of a
                 # region its last unit's backward began) the gradient says
                 self._pre_backward(u, _UNKNOWN)
-            if u.bw_use is _UNKNOWN and not any(not v.done for v in u.live_uses):
+            if u.bw_use is _UNKNOWN and all(self._ended(v) for v in u.live_uses):
                 # reentrant: the forward ran under no_grad, no use of it
                 # bounded; the backward runs this recomputation's graph (an
                 # inner backward of its own, the parameters themselves)
@@ -327,7 +329,7 @@ class _ForwardHooks:
         if u.fw_gen == self._fw_gen and u.fw_use is not None:
             return u.fw_use
         held = u.param_use() if u.param_use is not None else None
-        if held is None or held.done:
+        if held is None or held.ended is not None:
             use = _Use()
             u.param_use = weakref.ref(use)
         else:
@@ -385,7 +387,7 @@ class _ForwardHooks:
         u.swapped = use
 
     def _swap_out(self, u):
-        use = getattr(u, "swapped", None)
+        use = u.swapped
         if use is None:
             return
         u.swapped = None
@@ -570,7 +572,7 @@ class _ForwardHooks:
             return x
         u = x.unit
         if u.state in ("idle", "forward") or (
-                u.state == "done" and x.use is not None and not x.use.done):
+                u.state == "done" and x.use is not None and not self._ended(x.use)):
             # backward reached a saved tensor of u before u's outputs (of
             # a forward whose use's backward has not come)
             self._pre_backward(u, x.use if x.use is not None else _UNKNOWN)

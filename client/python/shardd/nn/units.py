@@ -48,6 +48,7 @@ class FlatUnit:
         self.bw_use = None
         self.param_use = None
         self.live_uses = weakref.WeakSet()  # the _Uses whose graph is alive
+        self.swapped = None  # the _Use whose leaves are in its modules now
         self.use = None  # the running use's input views (_bound_inputs)
         # the client's step count at the unit's last scatter: while it is
         # the same, the reduced gradient is the daemon's live one (an
@@ -153,14 +154,15 @@ class _Use:
     forward's gradient on its own node), and the inputs whose gradient
     ends it (see _bound_inputs). The graph's hooks hold it: dropped with
     the forward's graph."""
-    __slots__ = ("leaves", "accs", "bounds", "unbounded", "done", "__weakref__")
+    __slots__ = ("leaves", "accs", "bounds", "unbounded", "ended", "__weakref__")
 
     def __init__(self, leaves=None, unbounded=False):
         self.leaves = leaves
         self.accs = []
         self.bounds = 0
         self.unbounded = unbounded
-        self.done = False
+        # the ShardedModule's backward count when its backward last ended
+        self.ended = None
 
 
 # FSDP's auto-wrap never makes these units of their own: they have no
