@@ -148,9 +148,26 @@ def rank_main(rank, world, sock, job, o, q):
             opt = sm.register_optimizer("adamw", model.parameters(), **HYPER)
         else:
             opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+        boom = [False]
+        if o.get("raise"):
+            def raising(m, i):
+                if boom[0]:
+                    raise RuntimeError("a forward that raises")
+            model.transformer.h[1].mlp.register_forward_pre_hook(raising)
         losses = []
         for s in range(STEPS):
             (sm if o.get("daemon_optim") else opt).zero_grad()
+            if o.get("raise"):
+                # a forward, and a second one (its units on leaves) that
+                # raises inside the second Block: nothing of it stays
+                z = model(batch(o, 99, rank, world)[0])
+                boom[0] = True
+                try:
+                    model(batch(o, 98, rank, world)[0])
+                except RuntimeError:
+                    pass
+                boom[0] = False
+                del z
             if o.get("no_sync"):
                 # the first rank's half of the step's loss under no_sync(),
                 # the second after it: a loss over two forwards each time
@@ -279,6 +296,9 @@ class TwoForwardsTest(unittest.TestCase):
 
     def test_non_reentrant_checkpointing_of_a_unit_used_twice(self):
         self.check(wrap={models.Block}, ckpt=False, twice=True, siamese=True)
+
+    def test_a_forward_that_raised_inside_a_unit(self):
+        self.check(wrap={models.Block}, **{"raise": True})
 
     def test_backward_twice_with_retain_graph(self):
         self.check(wrap={models.Block}, retain=True)

@@ -238,8 +238,10 @@ in this step's forward is sent, when the leases allow it; the ranks agree
 at the end of each backward whether the next one prefetches (all want
 it), so every rank sends the same gathers. Not done
 yet: an unsharded ``no_sync()`` (:meth:`no_sync` is
-accepted and accumulates in the sharded gradient), and a forward that raises (the saved-tensor hooks stay pushed
-until the next forward of the root). A unit with no trainable parameter
+accepted and accumulates in the sharded gradient), and a forward that
+raises (the saved-tensor hooks stay pushed, and the units it left gathered
+for their forward held, until the next forward of the root, which
+releases them). A unit with no trainable parameter
 (wholly frozen) that backward runs through is released once the gradient
 of each of its inputs is whole. A unit with a trainable parameter that
 gets no gradient holds its areas until the end of backward, so two such

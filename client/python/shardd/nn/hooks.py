@@ -89,8 +89,8 @@ class _ForwardHooks:
 
     def _root_pre_forward(self, module, inputs):
         self._pop_saved_hooks()  # a forward that raised left them pushed
-        for u in self.units:  # and its leaves in its unit's modules
-            self._swap_out(u)
+        if self._in_forward:
+            self._after_raised_forward()
         self._check_replaced()  # module.weight = ..., model.half() after wrapping
         self._wait_releases()  # a forward without backward sent some
         self._fw_gen += 1
@@ -110,6 +110,24 @@ class _ForwardHooks:
             self._bw_order = []  # this forward's, for its backward's prefetch
             self._sth = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._sth.__enter__()
+
+    def _after_raised_forward(self):
+        """The last root forward raised (its post-hook never ran): the
+        units it left gathered for their forward (running when it raised,
+        or held by a read) are released and their parameters put back in
+        their modules (a later forward's leaves were there), so that the
+        next forward finds the leases. Its graph has no backward to come."""
+        self._in_forward = False
+        held = {id(v) for v, _ in self._read_held}
+        self._read_held = []
+        for u in self.units:
+            self._swap_out(u)
+            if (not u.is_root and u.gather is not None and u.state == "forward"
+                    and (u.depth > 0 or id(u) in held)):
+                u.state = "idle"
+                self._release(u)
+        if self._pending is not None:
+            self._drop_prefetch()
 
     def _root_post_forward(self, module, inputs, output):
         self._in_forward = False
