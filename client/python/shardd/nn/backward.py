@@ -199,10 +199,9 @@ class _BackwardHooks:
         return shardd.Error(
             err.code, "unit %r's backward needs a gather area, and this rank's are held "
             "by %s: a unit holds its areas until every trainable parameter of it has "
-            "its gradient, which comes late where a parameter is used by two forwards "
-            "before one backward (a loss over two batches: call backward() on each "
-            "forward's loss instead, the gradients add up), gets none (a parameter "
-            "the loss does not depend on) or never in .grad (torch.autograd.grad() "
+            "its gradient (or its use's inputs have theirs), which never comes where a "
+            "parameter gets none (a parameter the loss does not depend on) or never "
+            "in .grad (torch.autograd.grad() "
             "returns the gradients instead of accumulating them, so no unit's "
             "gradient is ever whole: use loss.backward()) [%s]" % (
                 u.name, ", ".join(waiting) or "none", err.message), "E_LIMIT")
@@ -267,9 +266,8 @@ class _BackwardHooks:
         """The gradient of u's output (or of a parameter read outside its
         forward) in use `use` (None: the parameters themselves) came:
         that use's backward begins."""
-        if use is None and not u.is_root:
-            held = u.param_use() if u.param_use is not None else None
-            use = held if held is not None else None
+        if use is None and not u.is_root and u.param_use is not None:
+            use = u.param_use()  # (None: its forward's graph is gone)
         if u.state in ("idle", "forward"):
             self._pre_backward(u, use)
         elif u.state == "done" and use is not None and not self._ended(use):
@@ -285,7 +283,7 @@ class _BackwardHooks:
         if isinstance(cur, _Use) and cur.leaves is not None:
             t = cur.leaves[u.entries.index(e)]
             g = u.grad[e.offset:e.offset + e.numel]
-            if t.grad is not None and t.grad.data_ptr() != g.data_ptr():
+            if t is not None and t.grad is not None and t.grad.data_ptr() != g.data_ptr():
                 # accumulated before its use was known (adopted): into the area
                 with torch.no_grad():
                     g.add_(t.grad.reshape(-1))
