@@ -190,7 +190,7 @@ def rank_main(rank, world, sock, job, o, q):
         full = sm.full_parameters()
         q.put(("out", rank, losses, {k: v.numpy().copy() for k, v in full.items()}
                                     if rank == 0 else None,
-               sm.backward_prefetches))
+               sm.backward_prefetches, sm._leaf_uses))
         client.close()
         q.put(("done", rank))
     except BaseException as e:
@@ -258,10 +258,23 @@ class TwoForwardsTest(unittest.TestCase):
               % (o, losses, want_losses, worst, at, [out[r][2] for r in range(world)]))
         np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
         self.assertLess(worst, TOL, at)
+        # a forward after the first before one backward computes on leaves
+        # of its own; one forward per backward never does (the last
+        # step's graph, alive while the next forward runs, had its backward),
+        # nor a reentrant checkpoint's (its forward runs under no_grad, and
+        # each recomputation's backward is an inner one on the parameters)
+        for r in range(world):
+            if o.get("forwards", 2) > 1 and o.get("ckpt") is not True:
+                self.assertGreater(out[r][3], 0, r)
+            else:
+                self.assertEqual(out[r][3], 0, r)
         return out
 
     def test_a_loss_over_two_batches_trains_as_torch(self):
         self.check(wrap={models.Block})
+
+    def test_one_forward_per_backward_makes_no_leaves(self):
+        self.check(wrap={models.Block}, forwards=1, twice=True)
 
     def test_a_head_only_one_forward_takes(self):
         """The second forward (computed first) skips the head: the head's

@@ -352,6 +352,7 @@ class _ForwardHooks:
             u.param_use = weakref.ref(use)
         else:
             self._check_param_hooks(u)
+            self._leaf_uses += 1
             use = _Use()
             use.leaves = [self._leaf(u, e, use) if e.param.requires_grad else None
                           for e in u.entries]

@@ -356,6 +356,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         self.backward_prefetches = 0    # backwards whose gather was under way
         self._fw_gen = 0          # root forwards so far (a unit's _Use is per root forward)
         self._bw_serial = 0       # backwards ended so far (_Use.ended)
+        self._leaf_uses = 0       # forwards' uses of a unit on leaves of their own
         self._bw_order = []       # units in this step's order of forwards (post-forward)
         self._sth = None          # the saved-tensor hooks pushed for a forward
         self._in_forward = False  # the root's forward is running
