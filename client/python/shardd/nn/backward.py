@@ -139,11 +139,9 @@ class _BackwardHooks:
         self._abort_backward()
         raise shardd.Error(
             22, "unit %r is used by several forwards before one backward, and "
-            "autograd runs the backward of one use while another's is under way "
-            "(the outputs of one forward feed the other's units, or a loss mixes "
-            "them before every unit's use ends): each use's gradient is reduced on "
-            "its own, one at a time; call backward() on each forward's loss "
-            "instead" % u.name, "E_LIMIT")
+            "autograd runs the backward of one use while another's is under way: "
+            "each use's gradient is reduced on its own, one at a time; call "
+            "backward() on each forward's loss instead" % u.name, "E_LIMIT")
 
     def _backward_mismatch(self, u, err):
         """The daemon's E_MISMATCH for u's gather in backward: the ranks'
