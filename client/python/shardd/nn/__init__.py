@@ -258,7 +258,8 @@ Two (or more) forwards before one backward (a loss over two batches, a
 siamese pair): each root forward's use of a unit (a _Use: every call of
 it in that forward) ends its backward on its own, gathered again for it,
 reduce-scattered and added to the sharded gradient, as a backward per
-loss would. The first forward since its use's backward computes with the
+loss would. A forward while no earlier forward's use of the unit waits
+for its backward (one forward per backward: always) computes with the
 parameters themselves; a later forward's trainable parameters are leaf
 tensors of its own over the gathered values, put into the unit's
 modules' ``_parameters`` while its forward runs (the parameters put
