@@ -197,6 +197,38 @@ def rank_main(rank, world, sock, job, o, q):
         common.rank_failed(rank, q, e)
 
 
+def bf16_main(rank, world, sock, job, q):
+    """A bf16 unit (fp32 master in the daemon, shardd.optim): two forwards
+    before one backward, and the same losses' backward per forward (the
+    second forward's first, as the first run reduces its uses), train
+    alike but for bf16 rounding (the root unit sums its two uses' bf16
+    gradients before reducing them in the first, not after)."""
+    try:
+        torch.set_num_threads(1)
+        out = []
+        for per_loss in (False, True):
+            client = shardd.Client(sock, job="%s-%d" % (job, per_loss), rank=rank, world=world,
+                                   transient_areas=True)
+            model = make_model({})
+            sm = shardd.nn.ShardedModule(client, model, auto_wrap={models.Block}, dtype="bf16")
+            opt = sm.register_optimizer("adamw", model.parameters(), **HYPER)
+            for s in range(STEPS):
+                sm.zero_grad()
+                (x1, y1), (x2, y2) = (batch({}, s * 10 + i, rank, world) for i in (0, 1))
+                if per_loss:
+                    models.gpt_loss(model, x2, y2).backward()
+                    models.gpt_loss(model, x1, y1).backward()
+                else:
+                    (models.gpt_loss(model, x1, y1) + models.gpt_loss(model, x2, y2)).backward()
+                sm.step(opt)
+            out.append({k: v.float().numpy().copy() for k, v in sm.full_parameters().items()})
+            client.close()
+        q.put(("out", rank, (out, None)))
+        q.put(("done", rank))
+    except BaseException as e:
+        common.rank_failed(rank, q, e)
+
+
 def uneven_main(rank, world, sock, job, layers, q):
     """Rank 0 runs two forwards before its backward, rank 1 one."""
     try:
@@ -321,6 +353,25 @@ class TwoForwardsTest(unittest.TestCase):
 
     def test_shardd_optim_step(self):
         self.check(wrap={models.Block}, daemon_optim=True)
+
+    def test_bf16_units_as_a_backward_per_forward(self):
+        job, sock, out = common.job("twofw-bf16"), common.socket(), {}
+        common.launch_ranks(bf16_main, lambda r, q: (r, 2, sock, job, q), 2,
+                            lambda m: out.__setitem__(m[1], m[2]) if m[0] == "out" else None,
+                            150)
+        one, per = out[0][0]
+        init = {k: v.detach().float().numpy() for k, v in make_model({}).named_parameters()}
+        # per tensor: the runs' difference against how far the steps moved it
+        worst, at = 0.0, None
+        for k, b in per.items():
+            if k.endswith("attn.c_attn.bias"):
+                continue  # its key third's gradient is rounding (tto.rel_diff)
+            d = float(np.linalg.norm(one[k] - b) / np.linalg.norm(b - init[k].reshape(b.shape)))
+            if d > worst:
+                worst, at = d, k
+        print("\n  bf16: two forwards against a backward per forward: %.3g of the "
+              "steps' change (%s)" % (worst, at))
+        self.assertLess(worst, 0.1, at)
 
     @unittest.skipIf(common.UNDER_ASAN, common.ASAN_CXX_THROW)
     def test_ranks_with_different_numbers_of_forwards_are_refused(self):
