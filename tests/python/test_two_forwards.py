@@ -160,14 +160,14 @@ def rank_main(rank, world, sock, job, o, q):
             if o.get("raise"):
                 # a forward, and a second one (its units on leaves) that
                 # raises inside the second Block: nothing of it stays
-                z = model(batch(o, 99, rank, world)[0])
+                held = [model(batch(o, 99, rank, world)[0])]  # its graph alive
                 boom[0] = True
                 try:
                     model(batch(o, 98, rank, world)[0])
                 except RuntimeError:
                     pass
                 boom[0] = False
-                del z
+                held.clear()
             if o.get("no_sync"):
                 # the first rank's half of the step's loss under no_sync(),
                 # the second after it: a loss over two forwards each time
