@@ -6,12 +6,15 @@ Each forward's use of a unit is reduced on its own when its backward ends
 gradient added to the sharded one: training matches one process of torch
 (the ranks' mean gradient) within float rounding, on nanoGPT (a unit per
 Block, its embeddings and head the root's) and an untied LLaMA-like
-model, with backward_prefetch on and off, activation checkpointing of
-both kinds, a unit used twice inside each forward, no_sync(), and a
-shardd.optim step. Ranks that ran different numbers of forwards before
-a backward get an error saying so (the ranks' collectives differ), and
-a gradient hook the script put on a parameter, which would see one
-forward's part only, is refused, naming it."""
+model (three forwards), a head one forward skips, with backward_prefetch
+on and off, activation checkpointing of both kinds, a unit used twice
+inside each forward, retain_graph twice, no_sync(), a shardd.optim
+step, and a second forward that raises inside a unit each step; bf16
+units match a backward per forward's loss but for bf16 rounding; one
+forward per backward never computes on leaves. Ranks that ran different
+numbers of forwards before a backward get an error saying so (the ranks'
+collectives differ), and a gradient hook the script put on a parameter,
+which would see one forward's part only, is refused, naming it."""
 import unittest
 
 import common
