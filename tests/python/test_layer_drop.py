@@ -143,7 +143,7 @@ class LayerDrop(unittest.TestCase):
             self.assertTrue(err.startswith("E_MISMATCH"), err)
             # rank 0 gathers blocks.2 where rank 1 gathers blocks.1: each
             # rank's refusal names the unit its own forward gathered
-            self.assertRegex(err, r"unit 'blocks\.[12]''s forward gathers it")
+            self.assertRegex(err, r"unit 'blocks\.[12]''s gather for its forward")
             self.assertIn("LayerDrop drawn per rank", err)
 
 

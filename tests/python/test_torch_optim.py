@@ -220,14 +220,6 @@ def train(name, mode, model, opt, sm, rank, world, steps=STEPS, split=True):
                 opt.zero_grad(set_to_none=sm is None)
             else:
                 opt.zero_grad()
-            if mode == "two":  # a loss over two forwards, one backward
-                x, y = batch(name, s, rank, world)
-                x2, y2 = batch(name, s + 100, rank, world)
-                loss = (loss_of(name, model, x, y) + loss_of(name, model, x2, y2)) / 2
-                loss.backward()
-                losses.append(loss.item())
-                opt.step()
-                continue
             if mode == "unbackwarded" and s == DROP_AT:
                 # the loss came out NaN (say): dropped, no backward; the
                 # step applies the zeroed .grad, as torch's does
@@ -337,10 +329,9 @@ def rank_main(rank, world, sock, job, name, mode, mid, kind, q):
         model = make_model(name)
         # transient: every rank gathers every unit it calls (a collective),
         # so the branch one rank takes lives in the unit all ranks gather
-        # ("freeze": a unit per GPT block, so that one is wholly frozen;
-        # "two": units that wait for the first forward's part of backward)
+        # ("freeze": a unit per GPT block, so that one is wholly frozen)
         auto_wrap = ("children" if name == "chain" or mode in ("freeze", "freeze_sm", "freeze_skip",
-                                                                 "two", "unbackwarded")
+                                                                 "unbackwarded")
                      else "module")
         if name == "llama":  # a unit per decoder layer, the root's the rest
             auto_wrap = {models.LlamaDecoderLayer}
@@ -668,22 +659,6 @@ class TorchOptimTest(unittest.TestCase):
         self.assertFalse(np.array_equal(res["state"][w], ref.state_dict()[w].numpy()))
 
     @unittest.skipIf(common.UNDER_ASAN, common.ASAN_CXX_THROW)
-    def test_two_forwards_before_one_backward_are_refused_naming_the_waiting_unit(self):
-        """A loss over two forwards of the GPT (a unit per child): in
-        backward the final norm's unit waits for the first forward's
-        gradient of its weight, holding its areas beside the root unit's,
-        so the next block finds no lease. Not supported yet (FSDP's is):
-        the refusal says which units hold the areas, why, and the way out."""
-        with self.assertRaises(RuntimeError) as cm:
-            run("gpt", 2, "two")
-        msg = str(cm.exception)
-        self.assertIn("E_LIMIT", msg)
-        self.assertIn("unit 'transformer.h.1'", msg)
-        self.assertIn("'transformer.ln_f' (waits for the gradient of "
-                      "'transformer.ln_f.weight'", msg)
-        self.assertIn("two forwards before one backward", msg)
-        self.assertIn("call backward() on each forward's loss", msg)
-
     def test_an_l2_penalty_over_the_parameters_after_forward_trains_as_torch(self):
         """One unit (auto_wrap="module", the root's): after a train-mode
         forward the root unit's parameters are the whole gathered ones until

@@ -243,19 +243,37 @@ in this step's forward is sent, when the leases allow it; the ranks agree
 at the end of each backward whether the next one prefetches (all want
 it), so every rank sends the same gathers. Not done
 yet: an unsharded ``no_sync()`` (:meth:`no_sync` is
-accepted and accumulates in the sharded gradient), and a forward that raises (the saved-tensor hooks stay pushed
-until the next forward of the root). A unit with no trainable parameter
+accepted and accumulates in the sharded gradient), and a forward that
+raises (the saved-tensor hooks stay pushed, and the units it left gathered
+for their forward held, until the next forward of the root, which
+releases them). A unit with no trainable parameter
 (wholly frozen) that backward runs through is released once the gradient
 of each of its inputs is whole. A unit with a trainable parameter that
 gets no gradient holds its areas until the end of backward, so two such
 units (or one and the root unit) in one backward run into the lease limit
-(E_LIMIT); so does a unit used by two forwards before one backward (a loss
-over two batches: it waits for the first forward's part of backward;
-FSDP's supports it), refused naming the units that wait and for what.
-Such a refused backward releases every area leased for it and its
-forwards, unscattered, and puts each ``.grad`` back as it was, but where
-a unit had already added its share to a ``.grad`` kept from before: the
-next backward and optimizer step refuse (E_STATE) until ``zero_grad()``.
+(E_LIMIT), refused naming the units that wait and for what; so does
+``torch.autograd.grad(loss, params)``, which accumulates no gradient (no
+unit's is ever whole) and returns each rank's unreduced one. Such a
+refused backward releases every area leased for it and its forwards,
+unscattered, and puts each ``.grad`` back as it was, but where a unit
+had already added its share to a ``.grad`` kept from before: the next
+backward and optimizer step refuse (E_STATE) until ``zero_grad()``.
+
+Two (or more) forwards before one backward (a loss over two batches, a
+siamese pair): each root forward's use of a unit (a _Use: every call of
+it in that forward) ends its backward on its own, gathered again for it,
+reduce-scattered and added to the sharded gradient, as a backward per
+loss would. A forward while no earlier forward's use of the unit waits
+for its backward (one forward per backward: always) computes with the
+parameters themselves; a later forward's trainable parameters are leaf
+tensors of its own over the gathered values, put into the unit's
+modules' ``_parameters`` while its forward runs (the parameters put
+back after), so autograd accumulates each forward's gradient on its own
+node (the root unit, gathered all through backward, takes their sum
+once). Each rank must run as many forwards through the same units (else
+their collectives differ: E_MISMATCH, saying so); a script's hook on a
+parameter a second forward uses (it would see one forward's part) and
+an interleaving of two uses' backwards of one unit are refused (E_LIMIT).
 
 On the cuda backend the parameters and their ``.grad`` live on the GPU the
 daemon put this rank's areas on (:attr:`ShardedModule.device`; the module's

@@ -2,6 +2,7 @@
 area before its backward, its reduce-scatter once every gradient is in,
 and the end of backward (units no gradient reached, .grad None alike on
 every rank)."""
+import contextlib
 import zlib
 
 import torch
@@ -10,6 +11,7 @@ import shardd
 
 from .grads import _Grad16
 from .optimizer_hook import _HELD, _PARTIAL
+from .units import _UNKNOWN, _Use
 
 
 class _BackwardHooks:
@@ -48,7 +50,12 @@ class _BackwardHooks:
             e.grad16._dtype16 = u.buffer.dtype
         return e.grad16
 
-    def _pre_backward(self, u):
+    def _pre_backward(self, u, use=None):
+        """u's backward begins: gathered with its gradient area. use: the
+        forward's _Use whose backward it is (_UNKNOWN: a recomputation, the
+        first gradient says; None: for saved tensors only once done, or
+        the root unit)."""
+        unknown = _UNKNOWN
         if not self._final_queued:
             try:
                 self._check_partial_grads()
@@ -61,7 +68,9 @@ class _BackwardHooks:
         # activation checkpointing recomputes it once more (reentrant
         # checkpoints around two calls of it: each nested backward ends the
         # unit): its second share is gathered and added to the first
-        want = self._trainable(u) > 0 and (u.state != "done" or u.recompute)
+        want = self._trainable(u) > 0 and (
+            u.state != "done" or u.recompute or use is unknown
+            or (use is not None and not self._ended(use)))
         if u.is_root:
             self._root_backward_first = all(
                 v.state in ("idle", "forward") for v in self.units if v is not u)
@@ -87,10 +96,57 @@ class _BackwardHooks:
             u.pending = self._trainable(u)
             for e in u.entries:
                 e.got = False
+            u.bw_use = None if u.is_root else (unknown if use is None else use)
         else:  # gathered for saved tensors only: released at the end
             u.state = "late"
         self._point(u, want)
+        if want and isinstance(u.bw_use, _Use):
+            self._point_leaves(u, u.bw_use)
         self._prefetch_backward(u)
+
+    def _point_leaves(self, u, use):
+        """A use with leaves of its own (a forward after the first before
+        one backward): each leaf a view of the gather area, its .grad of the
+        gradient area, where autograd accumulates it in place."""
+        if use.leaves is None:
+            return
+        for e, t in zip(u.entries, use.leaves):
+            if t is not None:
+                t.data = u.gather[e.offset:e.offset + e.numel].view(e.shape)
+                t.grad = u.grad[e.offset:e.offset + e.numel].view(e.shape)
+
+    def _adopt(self, u, use):
+        """u's backward began before anything said which forward's use it
+        is (a recomputation): this one's gradient came first."""
+        if use is None:  # the parameters themselves: their use
+            held = u.param_use() if u.param_use is not None else None
+            use = held if held is not None and not self._ended(held) else _Use(unbounded=True)
+        u.bw_use = use
+        self._point_leaves(u, use)
+        return use
+
+    def _same_use(self, u, use):
+        """A gradient of u's use `use` (None: of the parameters
+        themselves) while u's backward runs: whether it is that use's
+        backward (adopted if nothing said yet). Another use's is refused:
+        autograd interleaves the backwards of two forwards' uses of the
+        unit, whose gradients the unit reduces one use at a time."""
+        if u.is_root:
+            return True
+        cur = u.bw_use
+        if cur is _UNKNOWN:
+            self._adopt(u, use)
+            return True
+        if cur is use or (use is None and cur is not None and cur.leaves is None):
+            return True
+        if use is not None and self._ended(use):
+            return False  # that use's backward is over (a late gradient hook)
+        self._abort_backward()
+        raise shardd.Error(
+            22, "unit %r is used by several forwards before one backward, and "
+            "autograd runs the backward of one use while another's is under way: "
+            "each use's gradient is reduced on its own, one at a time; call "
+            "backward() on each forward's loss instead" % u.name, "E_LIMIT")
 
     def _backward_mismatch(self, u, err):
         """The daemon's E_MISMATCH for u's gather in backward: the ranks'
@@ -103,8 +159,33 @@ class _BackwardHooks:
             "point: every rank's loss must depend on the outputs of the same units "
             "(a unit, e.g. an MoE expert wrapped on its own, whose output is used "
             "on some ranks only: add it to the output on every rank, even over an "
-            "empty selection of tokens, or wrap it with the module around it) "
-            "[%s]" % (u.name, err.message), "E_MISMATCH")
+            "empty selection of tokens, or wrap it with the module around it), "
+            "and every rank must run as many forwards before each backward "
+            "(%s) [%s]" % (u.name, self._FORWARDS_SAME, err.message), "E_MISMATCH")
+
+    _FORWARDS_SAME = (
+        "two forwards before one backward on one rank, one on another, send "
+        "different collectives: each forward's use of a unit is gathered, and "
+        "reduced in backward, on its own")
+
+    @contextlib.contextmanager
+    def _same_collectives(self, what):
+        """A collective of the hooks (what: which) that the daemon failed
+        because the ranks' collectives differ (E_MISMATCH): the refusal
+        says what in a training loop makes them differ."""
+        try:
+            yield
+        except shardd.Error as e:
+            if e.code_name != "E_MISMATCH":
+                raise
+            raise shardd.Error(
+                e.code, "%s: the ranks' collectives differ: every rank must run the "
+                "same forwards (as many, through the same units, in the same order) "
+                "before each backward, and its loss depend on the same units' outputs "
+                "(%s; a unit skipped on some ranks only, such as LayerDrop drawn per "
+                "rank: draw it from a generator seeded alike on every rank, or wrap the "
+                "skipped blocks with the module around them) [%s]" % (
+                    what, self._FORWARDS_SAME, e.message), "E_MISMATCH") from e
 
     def _backward_limit(self, u, err):
         """The daemon's E_LIMIT for u's gather in backward, saying which
@@ -124,10 +205,9 @@ class _BackwardHooks:
         return shardd.Error(
             err.code, "unit %r's backward needs a gather area, and this rank's are held "
             "by %s: a unit holds its areas until every trainable parameter of it has "
-            "its gradient, which comes late where a parameter is used by two forwards "
-            "before one backward (a loss over two batches: call backward() on each "
-            "forward's loss instead, the gradients add up), gets none (a parameter "
-            "the loss does not depend on) or never in .grad (torch.autograd.grad() "
+            "its gradient (or its use's inputs have theirs), which never comes where a "
+            "parameter gets none (a parameter the loss does not depend on) or never "
+            "in .grad (torch.autograd.grad() "
             "returns the gradients instead of accumulating them, so no unit's "
             "gradient is ever whole: use loss.backward()) [%s]" % (
                 u.name, ", ".join(waiting) or "none", err.message), "E_LIMIT")
@@ -152,6 +232,7 @@ class _BackwardHooks:
                 self._to_shard(u)
             elif u.gather is not None:
                 self._release(u)
+            self._end_use(u)
             if ran:
                 for e in u.entries:
                     if not e.param.requires_grad:
@@ -163,6 +244,7 @@ class _BackwardHooks:
             u.state = "idle"
             u.ran = False
             u.depth = 0
+        self._bw_serial += 1  # (after _end_use marked the uses of this one)
         self._partial = list(getattr(self, "_partial", ())) + partial
         if self._partial:
             _PARTIAL.add(self)
@@ -186,17 +268,35 @@ class _BackwardHooks:
                     ", ".join(repr(e.name) for e in left[:4]) +
                     (" and %d more" % (len(left) - 4) if len(left) > 4 else "")), "E_STATE")
 
-    def _output_grad(self, u, grad):
+    def _output_grad(self, u, use, grad):
+        """The gradient of u's output (or of a parameter read outside its
+        forward) in use `use` (None: the parameters themselves) came:
+        that use's backward begins."""
+        if use is None and not u.is_root and u.param_use is not None:
+            use = u.param_use()  # (None: its forward's graph is gone)
         if u.state in ("idle", "forward"):
-            self._pre_backward(u)
+            self._pre_backward(u, use)
+        elif u.state == "done" and use is not None and not self._ended(use):
+            self._pre_backward(u, use)  # another forward's use of it
+        elif u.state == "backward" and use is not None and not self._ended(use):
+            self._same_use(u, use)
         return None
 
-    def _grad_ready(self, u, e, grad_inputs, grad_outputs):
-        if u.state != "backward":
+    def _grad_ready(self, u, e, use, grad_inputs, grad_outputs):
+        if u.state != "backward" or not self._same_use(u, use):
             return
+        cur = u.bw_use
+        if isinstance(cur, _Use) and cur.leaves is not None:
+            t = cur.leaves[u.entries.index(e)]
+            g = u.grad[e.offset:e.offset + e.numel]
+            if t is not None and t.grad is not None and t.grad.data_ptr() != g.data_ptr():
+                # accumulated before its use was known (adopted): into the area
+                with torch.no_grad():
+                    g.add_(t.grad.reshape(-1))
+                t.grad = g.view(e.shape)
         e.got = True
         u.pending -= 1
-        if u.pending == 0 and (u.unbounded or not u.bounds):
+        if u.pending == 0 and (not isinstance(cur, _Use) or cur.unbounded or not cur.bounds):
             self._finish(u)  # else its inputs' gradient ends it (_bound_inputs)
 
     def _finish(self, u, ran=True):
@@ -228,20 +328,39 @@ class _BackwardHooks:
                     # a step consumed it: the daemon would replace it, so
                     # what the parameters kept is added back here
                     save = u.buffer.reduced_tensor.clone()
-        self.client.scatter(u.buffer, self.reduce_op,
-                            no_grad=(True if len(no_grad) == len(train) else no_grad),
-                            accumulate=acc)
+        with self._same_collectives("unit %r's reduce-scatter" % u.name):
+            self.client.scatter(u.buffer, self.reduce_op,
+                                no_grad=(True if len(no_grad) == len(train) else no_grad),
+                                accumulate=acc)
         if save is not None:
             with torch.no_grad():
                 u.buffer.reduced_tensor.add_(save)
         u.live_at = self.client.steps_requested
         u.state = "done"
+        self._end_use(u)
         self._release(u)
         for e in train:
             e.param.grad = self._grad_of(u, e) if (ran and e.got) or e.kept else None
 
+    def _ended(self, use):
+        """Whether use's backward ended in this backward (a backward of a
+        retained graph runs it again)."""
+        return use.ended == self._bw_serial
+
+    def _end_use(self, u):
+        """u's use in backward is reduced: its leaves hold no area."""
+        use, u.bw_use = u.bw_use, None
+        if not isinstance(use, _Use):
+            return
+        use.ended = self._bw_serial
+        for e, t in zip(u.entries, use.leaves or ()):
+            if t is not None:
+                t.grad = None
+                t.data = e.part
+
     def _final(self):
-        """End of backward: every unit scattered once, in reverse order."""
+        """End of backward: every unit scattered once per use, in reverse
+        order."""
         self._final_queued = False
         _HELD.discard(self)
         if self._pending is not None:  # a backward prefetch no backward took
@@ -251,6 +370,7 @@ class _BackwardHooks:
             self._wait_releases()
             self._same_none_grads()
         finally:
+            self._bw_serial += 1
             for u in self.units:
                 u.ran = False
 
@@ -268,8 +388,9 @@ class _BackwardHooks:
         n = float(len(none))
         # and the ranks agree whether the next backward, and forwards after
         # prefetch="auto"'s trial, prefetch (every rank wants it)
-        mx = self.client.all_reduce([n, -n, sig, -sig, -self._backward_prefetch_vote(),
-                                     -self._forward_prefetch_vote()], "max")
+        with self._same_collectives("the end of backward's all-reduce"):
+            mx = self.client.all_reduce([n, -n, sig, -sig, -self._backward_prefetch_vote(),
+                                         -self._forward_prefetch_vote()], "max")
         self._backward_prefetch_agree(-mx[4] > 0.5)
         self._forward_prefetch_agree(-mx[5] > 0.5)
         if mx[0] == -mx[1] and mx[2] == -mx[3]:

@@ -3,6 +3,7 @@ before its forward and release it after, the root's saved-tensor hooks,
 parameter reads, and the release of a unit no backward came for
 (reshard(), before an optimizer's step)."""
 import functools
+import weakref
 
 import torch
 
@@ -11,7 +12,7 @@ import shardd
 from .hook_writes import to_copies
 from .optimizer_hook import _HELD
 from .reads import _watch
-from .units import _Saved, _hooked_modules, _tensors
+from .units import _UNKNOWN, _Saved, _Use, _hooked_modules, _tensors
 
 
 class _ForwardHooks:
@@ -79,7 +80,7 @@ class _ForwardHooks:
                 for m, attr in e.owners:
                     _watch(m, attr, self, u)
                 if e.param.requires_grad:
-                    e.param.register_hook(functools.partial(self._output_grad, u))
+                    e.param.register_hook(functools.partial(self._output_grad, u, None))
         root.register_forward_hook(self._root_post_forward)
 
     def _pop_saved_hooks(self):
@@ -89,16 +90,17 @@ class _ForwardHooks:
 
     def _root_pre_forward(self, module, inputs):
         self._pop_saved_hooks()  # a forward that raised left them pushed
+        if self._in_forward:
+            self._after_raised_forward()
         self._check_replaced()  # module.weight = ..., model.half() after wrapping
         self._wait_releases()  # a forward without backward sent some
         self._fw_gen += 1
         for u in self.units:  # likewise
             u.depth = 0
             u.recompute = False
-            # a forward whose backward did not come (or has not yet: two
-            # forwards, one backward) left uses unbounded by this one's
-            u.unbounded = u.bounds > 0
-            u.bounds = 0
+            # (a forward whose backward did not come, or has not yet: two
+            # forwards, one backward, keeps its _Use in its graph's hooks)
+            u.fw_use = u.fw_gen = None
             u.use = None  # a forward that raised left it
         self._in_forward = True
         if self._pending is not None:  # likewise
@@ -110,9 +112,28 @@ class _ForwardHooks:
             self._sth = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._sth.__enter__()
 
+    def _after_raised_forward(self):
+        """The last root forward raised (its post-hook never ran): the
+        units it left gathered for their forward (running when it raised,
+        or held by a read) are released and their parameters put back in
+        their modules (a later forward's leaves were there), so that the
+        next forward finds the leases. Its graph has no backward to come."""
+        self._in_forward = False
+        held = {id(v) for v, _ in self._read_held}
+        self._read_held = []
+        for u in self.units:
+            self._swap_out(u)
+            if (not u.is_root and u.gather is not None and u.state == "forward"
+                    and (u.depth > 0 or id(u) in held)):
+                u.state = "idle"
+                self._release(u)
+        if self._pending is not None:
+            self._drop_prefetch()
+
     def _root_post_forward(self, module, inputs, output):
         self._in_forward = False
         for u, _ in self._read_held:  # gathered by a read of its parameter
+            self._swap_out(u)
             if u.gather is not None and u.depth == 0 and u.state == "forward":
                 u.state = "idle"
                 self._release(u)
@@ -129,13 +150,11 @@ class _ForwardHooks:
             for u in self.units:
                 if u.is_root and u.state == "forward" and u.gather is not None:
                     self._to_shard(u)
-            # nor are its uses of the units waited for by the next forward
-            # (_root_pre_forward): a backward of it ends a unit when every
-            # parameter has its gradient, as before (_bound_inputs' hooks
-            # of it are stale)
-            self._fw_gen += 1
+            # a backward of it ends a unit when every parameter has its
+            # gradient, as before (its inputs' hooks are not waited for)
             for u in self.units:
-                u.bounds = 0
+                if u.fw_use is not None:
+                    u.fw_use.unbounded = True
         if any(u.gather is not None and u.state == "forward" for u in self.units):
             # released before an optimizer's step if no backward comes first
             _HELD.add(self)
@@ -174,8 +193,9 @@ class _ForwardHooks:
         if self._pending is not None and self._pending[0] is not u:
             self._drop_prefetch()
         self._check_leases(u, "for a read of its parameter %r" % attr)
-        u.unbounded = True  # its gradient may come outside its forward's inputs'
         self._pre_forward(u, module, ())
+        if u.fw_use is not None:  # its gradient may come outside its forward's inputs'
+            u.fw_use.unbounded = True
         u.depth = 0  # held by the read, not by a forward: until the root's ends
         self._read_held.append((u, attr))
         swaps = getattr(self, "_hook_swaps", None)
@@ -217,7 +237,7 @@ class _ForwardHooks:
                 # that autograd keeps using this one
                 with torch.enable_grad():
                     e.acc = p.expand_as(p).grad_fn.next_functions[0][0]
-                e.acc.register_hook(functools.partial(self._grad_ready, u, e))
+                e.acc.register_hook(functools.partial(self._grad_ready, u, e, None))
 
     def _to_shard(self, u):
         """Every parameter of u its part of this rank's shard (FSDP's
@@ -273,22 +293,28 @@ class _ForwardHooks:
             # already; reentrant: the recomputation comes first
             u.recompute = True
             if u.state not in ("backward", "late"):
-                self._pre_backward(u)
-            if u.bounds == 0 and not u.unbounded:
+                # which forward's use (non-reentrant: the recomputation of a
+                # region its last unit's backward began) the gradient says
+                self._pre_backward(u, _UNKNOWN)
+            if u.bw_use is _UNKNOWN and all(self._ended(v) for v in u.live_uses):
                 # reentrant: the forward ran under no_grad, no use of it
-                # bounded; the backward runs this recomputation's graph
-                return self._bound_inputs(u, inputs)
+                # bounded; the backward runs this recomputation's graph (an
+                # inner backward of its own, the parameters themselves)
+                u.bw_use = _Use()
+                return self._bound_inputs(u, inputs, u.bw_use)
             return
         if not self._order_done and u not in self._order:
             self._order.append(u)
         pend = self._pending
         if pend is not None and pend[0] is u:
             self._pending = None
-            u.gather, _ = self._named(u, self.client.wait_area, pend[1], u.buffer)
+            with self._same_collectives("unit %r's gather for its forward" % u.name):
+                u.gather, _ = self.client.wait_area(pend[1], u.buffer)
             self.prefetches += 1
         else:
             if pend is not None:  # the order changed: not this one
-                self._named(u, self._drop_prefetch)
+                with self._same_collectives("unit %r's gather for its forward" % u.name):
+                    self._drop_prefetch()
             if self._read_held and u.gather is None:
                 self._check_leases(u, "for its forward")
             # a gather of an area this rank holds (the root unit, a module
@@ -302,30 +328,105 @@ class _ForwardHooks:
             # unit, embeddings and head)
             want = (u.is_root and self._root_backward_first and torch.is_grad_enabled()
                     and self._trainable(u) > 0)
-            u.gather, u.grad = self._named(u, self.client.gather_area, u.buffer, want_grad=want)
+            with self._same_collectives("unit %r's gather for its forward" % u.name):
+                u.gather, u.grad = self.client.gather_area(u.buffer, want_grad=want)
         u.state = "forward"
         self._point(u, False)
         self._prefetch_after(u)
-        return self._bound_inputs(u, inputs)
+        use = self._forward_use(u)
+        if use is not None and use.leaves is not None:
+            self._swap_in(u, use)
+        return self._bound_inputs(u, inputs, use)
 
-    def _named(self, u, call, *args, **kw):
-        """call(*args, **kw) for u's gather in forward; the daemon's
-        E_MISMATCH (the ranks' forwards ran different units, or in another
-        order) said so, naming u."""
-        try:
-            return call(*args, **kw)
-        except shardd.Error as e:
-            if e.code_name != "E_MISMATCH":
-                raise
-            raise shardd.Error(
-                e.code, "unit %r's forward gathers it, and another rank's forward did not "
-                "come to it at this point: every rank must run the forwards of the same "
-                "units in the same order (a unit skipped on some ranks only, such as "
-                "LayerDrop drawn per rank: draw it from a generator seeded alike on every "
-                "rank, or wrap the skipped blocks with the module around them) [%s]"
-                % (u.name, e.message), "E_MISMATCH") from e
+    def _forward_use(self, u):
+        """The running root forward's _Use of u (made at its first call
+        in it): with grad enabled, for a trainable unit but the root's (which
+        stays gathered all through backward, its gradient the sum of every
+        use's). The first forward's since the last use of the parameters
+        themselves had its backward (or its graph was dropped) computes with
+        them; a later one's (two forwards before one backward) with leaves
+        of its own, so that its backward ends without waiting for the
+        other's, which comes later, past other units' backwards."""
+        if u.is_root or not torch.is_grad_enabled() or not self._trainable(u):
+            return None
+        if u.fw_gen == self._fw_gen and u.fw_use is not None:
+            return u.fw_use
+        held = u.param_use() if u.param_use is not None else None
+        if held is None or held.ended is not None:
+            use = _Use()
+            u.param_use = weakref.ref(use)
+        else:
+            self._check_param_hooks(u)
+            self._leaf_uses += 1
+            use = _Use()
+            use.leaves = [self._leaf(u, e, use) if e.param.requires_grad else None
+                          for e in u.entries]
+        u.fw_use, u.fw_gen = use, self._fw_gen
+        u.live_uses.add(use)
+        return use
 
-    def _bound_inputs(self, u, inputs):
+    def _leaf(self, u, e, use):
+        """A leaf tensor over e's gathered values, its AccumulateGrad
+        hooked as the parameter's (its gradient area is pointed at when
+        that use's backward begins)."""
+        t = e.param.data.detach().requires_grad_(True)
+        with torch.enable_grad():
+            acc = t.expand_as(t).grad_fn.next_functions[0][0]
+        acc.register_hook(functools.partial(self._grad_ready, u, e, use))
+        use.accs.append(acc)  # until the forward's graph holds it (_swap_out)
+        # a read of the parameter outside the unit's forward starts the
+        # unit's backward by its gradient, as the parameter's own hook
+        t.register_hook(functools.partial(self._output_grad, u, use))
+        return t
+
+    def _check_param_hooks(self, u):
+        """A hook the script registered on a parameter (p.register_hook)
+        would see the first forward's gradient only, not the sum of every
+        forward's as in torch: refused, naming it."""
+        for e in u.entries:
+            hooks = getattr(e.param, "_backward_hooks", None) or {}
+            theirs = [h for h in hooks.values()
+                      if getattr(h, "func", None) != self._output_grad]
+            if theirs:
+                raise shardd.Error(
+                    22, "parameter %r has a gradient hook (register_hook) and unit %r "
+                    "is used by a second forward before the first one's backward: "
+                    "each forward's gradient of the unit is reduced on its own, so the "
+                    "hook would see the first forward's part only (torch's sees their "
+                    "sum); call backward() after each forward, or hook the loss "
+                    "instead" % (e.name, u.name), "E_LIMIT")
+
+    def _swap_in(self, u, use):
+        """The use's leaves are the parameters of u's modules while its
+        forward runs (put back by _swap_out)."""
+        for e, t in zip(u.entries, use.leaves):
+            if t is None:
+                continue
+            t.data = e.param.data  # the gathered values, now
+            for m, attr in e.owners:
+                m._parameters[attr] = t
+                refresh = getattr(m, "_flat_weights_names", None)
+                if refresh is not None:
+                    m._flat_weights = [m._parameters.get(wn) for wn in refresh]
+        u.swapped = use
+
+    def _swap_out(self, u):
+        use = u.swapped
+        if use is None:
+            return
+        u.swapped = None
+        for e, t in zip(u.entries, use.leaves):
+            if t is None:
+                continue
+            for m, attr in e.owners:
+                m._parameters[attr] = e.param
+                refresh = getattr(m, "_flat_weights_names", None)
+                if refresh is not None:
+                    m._flat_weights = [m._parameters.get(wn) for wn in refresh]
+            t.data = e.part  # not the area, leased on to other units
+        use.accs = []
+
+    def _bound_inputs(self, u, inputs, use):
         """The end of a trainable non-root unit's backward must be the
         same point on every rank (its scatter is a collective), and which
         of its parameters get a gradient may differ (an MoE expert no token
@@ -343,11 +444,11 @@ class _ForwardHooks:
         no such input (a unit on the data itself, kwargs only) or a
         parameter read outside the unit's forward leaves the unit to end
         once every trainable parameter has its gradient, as before."""
-        if u.is_root or not torch.is_grad_enabled() or not self._trainable(u):
+        if use is None:
             return None
         ins = list(inputs)
         left = [0]
-        hook = functools.partial(self._input_done, u, self._fw_gen, left)
+        hook = functools.partial(self._input_done, u, use, left)
         views = []
         for i, t in enumerate(ins):
             if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -356,9 +457,9 @@ class _ForwardHooks:
                 views.append((ins[i], ins[i].grad_fn, ins[i]._version))
                 left[0] += 1
         if not left[0]:
-            u.unbounded = True
+            use.unbounded = True
             return None
-        u.bounds += 1
+        use.bounds += 1
         u.use = views  # checked by _post_forward (_inputs_reached)
         return tuple(ins)
 
@@ -395,19 +496,23 @@ class _ForwardHooks:
             stack.extend(f for f, _ in node.next_functions if f is not None)
         return False
 
-    def _input_done(self, u, gen, left, grad):
+    def _input_done(self, u, use, left, grad):
         left[0] -= 1
-        if left[0] or gen != self._fw_gen:
+        if left[0]:
             return None
-        u.bounds -= 1
-        if u.bounds == 0 and not u.unbounded and u.state == "backward":
+        use.bounds -= 1
+        if use.bounds == 0 and not use.unbounded and u.state == "backward":
+            if u.bw_use is _UNKNOWN:
+                self._adopt(u, use)
+            if u.bw_use is not use:
+                return None  # that use's backward has not begun (or is over)
             if u.pending == self._trainable(u):
                 # none of its parameters got a gradient, its input did:
                 # torch.autograd.grad(), which accumulates no .grad (the
                 # unit waits, and the next gather that finds no lease says
                 # so), or a unit whose forward bypasses its parameters here
                 # (left to the end of backward, as before)
-                u.unbounded = True
+                use.unbounded = True
                 return None
             self._finish(u)  # a parameter that got no gradient here: zeros
         return None
@@ -416,14 +521,17 @@ class _ForwardHooks:
         u.depth = max(u.depth - 1, 0)
         if u.depth > 0:  # the outermost one's outputs get the hook
             return
-        use, u.use = u.use, None
-        if use is not None and not self._inputs_reached(use, output):
-            u.unbounded = True  # its inputs' gradient may never come
+        views, u.use = u.use, None
+        use = u.bw_use if u.recompute else u.fw_use
+        if views is not None and not self._inputs_reached(views, output) and use is not None \
+                and use is not _UNKNOWN:
+            use.unbounded = True  # its inputs' gradient may never come
         if u.recompute:  # held for its backward (see _pre_forward)
             u.recompute = False
             return
+        self._swap_out(u)
         if torch.is_grad_enabled():
-            hook = functools.partial(self._output_grad, u)
+            hook = functools.partial(self._output_grad, u, use)
             hooked = False
             for t in _tensors(output):
                 if t.requires_grad:
@@ -479,14 +587,19 @@ class _ForwardHooks:
             lo = g.data_ptr()
             esz = g.element_size()
             if lo <= ptr < lo + g.numel() * esz and t.numel() > 0:
-                return _Saved(u, (ptr - lo) // esz, tuple(t.size()), tuple(t.stride()))
+                return _Saved(u, (ptr - lo) // esz, tuple(t.size()), tuple(t.stride()),
+                              u.fw_use if self._in_forward else None)
         return t
 
     def _unpack(self, x):
         if not isinstance(x, _Saved):
             return x
         u = x.unit
-        if u.state in ("idle", "forward", "done"):
-            # backward reached a saved tensor of u before u's outputs
-            self._pre_backward(u)
+        if u.state in ("idle", "forward") or (
+                u.state == "done" and x.use is not None and not self._ended(x.use)):
+            # backward reached a saved tensor of u before u's outputs (of
+            # a forward whose use's backward has not come)
+            self._pre_backward(u, x.use if x.use is not None else _UNKNOWN)
+        elif u.state == "done":
+            self._pre_backward(u)  # for its saved tensors only ("late")
         return u.gather.as_strided(x.size, x.stride, x.offset)

@@ -356,7 +356,9 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         self._bw_opt = self._backward_prefetch_option(backward_prefetch)
         self._bw_agreed = False  # .backward_prefetch: what the ranks agreed for the next backward
         self.backward_prefetches = 0    # backwards whose gather was under way
-        self._fw_gen = 0          # root forwards so far (_bound_inputs' hooks of older ones are stale)
+        self._fw_gen = 0          # root forwards so far (a unit's _Use is per root forward)
+        self._bw_serial = 0       # backwards ended so far (_Use.ended)
+        self._leaf_uses = 0       # forwards' uses of a unit on leaves of their own
         self._bw_order = []       # units in this step's order of forwards (post-forward)
         self._sth = None          # the saved-tensor hooks pushed for a forward
         self._in_forward = False  # the root's forward is running

@@ -4,6 +4,7 @@ records of a unit (FlatUnit), of one parameter in it (_Entry) and of a
 saved tensor in a gathered area (_Saved)."""
 import collections
 import gc
+import weakref
 
 import torch
 from torch import nn
@@ -36,12 +37,18 @@ class FlatUnit:
         # the outermost running forward is a recomputation in backward
         # (activation checkpointing): the unit stays gathered after it
         self.recompute = False
-        # transient: this forward's uses of the unit whose inputs' gradient
-        # backward has not computed yet (see _bound_inputs), and whether a
-        # use could not be bounded so (its backward ends when every
-        # trainable parameter has its gradient, as before)
-        self.bounds = 0
-        self.unbounded = False
+        # transient: the unit's use by the running root forward (_Use: its
+        # gradient's leaves and input bounds), the use whose backward runs
+        # now (_UNKNOWN until a gradient says which: a recomputation), and
+        # the use that computes with the parameters themselves (a weak
+        # reference: the first forward's since its backward came, or its
+        # graph was dropped; a later forward's use gets leaves of its own)
+        self.fw_use = None
+        self.fw_gen = None  # the root forward fw_use belongs to
+        self.bw_use = None
+        self.param_use = None
+        self.live_uses = weakref.WeakSet()  # the _Uses whose graph is alive
+        self.swapped = None  # the _Use whose leaves are in its modules now
         self.use = None  # the running use's input views (_bound_inputs)
         # the client's step count at the unit's last scatter: while it is
         # the same, the reduced gradient is the daemon's live one (an
@@ -121,14 +128,41 @@ class _Entry:
 
 class _Saved:
     """A tensor autograd saved that lay in a unit's gather area: rebuilt from
-    the unit's area when backward unpacks it."""
-    __slots__ = ("unit", "offset", "size", "stride")
+    the unit's area when backward unpacks it (use: the unit's _Use then)."""
+    __slots__ = ("unit", "offset", "size", "stride", "use")
 
-    def __init__(self, unit, offset, size, stride):
+    def __init__(self, unit, offset, size, stride, use=None):
         self.unit = unit
         self.offset = offset
         self.size = size
         self.stride = stride
+        self.use = use
+
+
+# a unit's backward began before anything said which forward's use it is
+# (a recomputation of activation checkpointing): its first gradient says
+_UNKNOWN = object()
+
+
+class _Use:
+    """One root forward's use of a transient unit (every call of it in that
+    forward), whose backward ends on its own: the gradient leaves its
+    trainable parameters are in that forward (``leaves`` None: the
+    parameters themselves; else a list by entry, a leaf tensor of the
+    gathered values for each trainable one, swapped into its modules
+    while the unit's forward runs, so that autograd accumulates each
+    forward's gradient on its own node), and the inputs whose gradient
+    ends it (see _bound_inputs). The graph's hooks hold it: dropped with
+    the forward's graph."""
+    __slots__ = ("leaves", "accs", "bounds", "unbounded", "ended", "__weakref__")
+
+    def __init__(self, leaves=None, unbounded=False):
+        self.leaves = leaves
+        self.accs = []
+        self.bounds = 0
+        self.unbounded = unbounded
+        # the ShardedModule's backward count when its backward last ended
+        self.ended = None
 
 
 # FSDP's auto-wrap never makes these units of their own: they have no
