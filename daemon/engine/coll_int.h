@@ -423,9 +423,12 @@ int shardd__coll_fab_abort(coll_fab *jf, const char *why, double max_s);
 /* Every rank of this node left the job (coll.c's tick, past --peer-grace):
  * what the job's fabric is doing -- an exchange, a (re-)forming's
  * rendezvous -- is abandoned, ending with SHARDD_E_PEER_LOST naming why
- * (copied); waits (loop thread, up to max_s) for the fabric threads to
- * leave. Later exchanges re-form the fabric as after any failure. 1 when
- * there was something to abandon, 0 when nothing was in flight. */
-int shardd__coll_fab_cancel(coll_fab *jf, const char *why, double max_s);
+ * (copied), its collectives' ends coming back through fab_async as
+ * always; returns at once (loop thread), the fabric threads leaving on
+ * their own. Exchanges made later re-form the fabric as after any
+ * failure (one queued before the threads left is abandoned with the
+ * rest). 1 when there was something to abandon, 0 when nothing was in
+ * flight. */
+int shardd__coll_fab_cancel(coll_fab *jf, const char *why);
 
 #endif /* SHARDD_COLL_INT_H */
