@@ -115,7 +115,8 @@ static void set_wait(shardd__session *s, int why) {
 
 /* Charges s what its reader needs now, releasing what it needs no longer,
  * or stops reading it until that fits. Returns 1 when it released bytes
- * (a waiting session may fit now). Never dispatches, so it is safe from
+ * or stopped waiting for room as it closed (a waiting session may fit
+ * now). Never dispatches, so it is safe from
  * anywhere on the loop thread. */
 int shardd__budget_account(shardd__session *s) {
   shardd__server *srv = s->srv;
@@ -136,7 +137,9 @@ int shardd__budget_account(shardd__session *s) {
     set_wait(s, why);
     return 0;
   }
-  int released = need < s->charged;
+  /* a waiter closing releases nothing, but may have held back the uids
+   * above their fair share: they may fit now */
+  int released = need < s->charged || (s->closing && s->budget_wait == 1);
   srv->partial_bytes = srv->partial_bytes - s->charged + need;
   shardd__reply_uid *u = s->reply_uid;
   if (u != NULL && !s->conn.peer.admin) {
