@@ -661,7 +661,10 @@ Test(server, status_of_many_wide_collectives_is_quick, .timeout = 120) {
  * 90 GB. Measured: 4 such jobs' 256 all_reduces grew the daemon by 1.4
  * GiB while another client's pings waited up to 250 ms. Such blocks are
  * now mapped fresh, so they cost the pages of the ranks that arrive. */
-#define WIDE_CONNS 4
+/* under the sanitizers such blocks are allocated and zeroed as before
+ * (coll_int.h: AddressSanitizer sees allocations only): one job's, and no
+ * bound on the growth */
+#define WIDE_CONNS (SANITIZED ? 1 : 4)
 
 static int wide_all_reduces(const char *sock) {
   if (geteuid() == 0 && (setgid(4242) != 0 || setuid(4242) != 0))
@@ -743,8 +746,9 @@ Test(server, collectives_of_a_huge_world_cost_the_ranks_that_arrive,
               "grew by %ld MiB, another client's slowest ping %.1f ms",
               queued, WIDE_CONNS, HUGE_WORLD, grew >> 10, worst * 1e3);
   cr_assert_eq(queued, (double)(WIDE_CONNS * 64));
-  cr_assert_lt(grew, 64L << 10, "%d collectives of a world of %d grew the "
-               "daemon by %ld MiB", WIDE_CONNS * 64, HUGE_WORLD, grew >> 10);
+  if (!SANITIZED)
+    cr_assert_lt(grew, 64L << 10, "%d collectives of a world of %d grew the "
+                 "daemon by %ld MiB", WIDE_CONNS * 64, HUGE_WORLD, grew >> 10);
   cr_assert_lt(worst, 0.5 * SLOWDOWN, "another client's ping waited %.0f ms",
                worst * 1e3);
   unsigned char b;
