@@ -33,9 +33,10 @@
  *    the bytes frames give back go to the uids below their share first,
  *    so a newcomer waits for frames in flight to finish (at most
  *    --frame-timeout), never for the others' next ones.
- * A session is let in regardless when its uid holds nothing else (for the
- * total: when no other session holds anything): a budget below one frame
- * slows the daemon, never stops it. */
+ * The quarter and the fair share let a session in regardless when its uid
+ * holds nothing else, the users' part when no other user's session holds
+ * anything, the total when no other session does: a budget below one
+ * frame slows the daemon, never stops it. */
 
 int shardd__session_may_read(const shardd__session *s) {
   return !s->closing && !s->close_after_write && !s->close_deferred &&
