@@ -23,6 +23,7 @@
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 coll_job *shardd__coll_job_of(shardd__coll_engine *e, shardd__job *job,
@@ -227,6 +228,10 @@ static void coll_free(coll *c) {
   /* and its waiters and area arrays (submit_new), kept for the next */
   shardd__coll_engine *e = c->e;
   size_t bytes = c->alloc_bytes;
+  if (bytes >= COLL_MAP_BYTES) {
+    munmap(c, bytes);
+    return;
+  }
   if (bytes > COLL_SPARE_BYTES ||
       (e->nspare >= COLL_SPARE_MAX && e->spare_size == bytes)) {
     free(c);
@@ -246,7 +251,16 @@ static void coll_free(coll *c) {
   e->nspare++;
 }
 
-void *shardd__coll_block_get(shardd__coll_engine *e, size_t bytes) {
+void *shardd__coll_block_get(shardd__coll_engine *e, size_t bytes, int *zeroed) {
+  *zeroed = 0;
+  if (bytes >= COLL_MAP_BYTES) {
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+      return NULL;
+    *zeroed = 1;
+    return p;
+  }
   if (e->spare == NULL || e->spare_size != bytes)
     return malloc(bytes);
   void *p = e->spare;

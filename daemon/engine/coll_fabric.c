@@ -326,7 +326,12 @@ static int jf_stopping(void *arg) {
   return v;
 }
 
-int shardd__coll_fab_cancel(coll_fab *jf, const char *why, double max_s) {
+/* Never waits for the fabric threads: it held the loop (every client of
+ * the daemon) up to a second for a thread stuck where no abort reaches
+ * (Gloo's connect after the rendezvous), and nothing on the loop needs
+ * them gone, as the abandoned collectives end through their fab_async like
+ * any other. The last thread to leave clears cancel (fab_thread). */
+int shardd__coll_fab_cancel(coll_fab *jf, const char *why) {
   pthread_mutex_lock(&jf->mu);
   if (jf->aborting || (jf->nrunning == 0 && jf->nqueued == 0)) {
     pthread_mutex_unlock(&jf->mu);
@@ -337,18 +342,6 @@ int shardd__coll_fab_cancel(coll_fab *jf, const char *why, double max_s) {
   if (jf->f)
     shardd__fabric_abort(jf->f, jf->cancel_why);
   pthread_cond_broadcast(&jf->cv);
-  /* as shardd__coll_fab_abort: aborted waits end in microseconds, a
-   * rendezvous within its 10 ms poll */
-  struct timespec until;
-  clock_gettime(CLOCK_REALTIME, &until);
-  double end = (double)until.tv_sec + (double)until.tv_nsec / 1e9 + max_s;
-  until.tv_sec = (time_t)end;
-  until.tv_nsec = (long)((end - (double)until.tv_sec) * 1e9);
-  while (jf->nrunning > 0 || jf->nqueued > 0)
-    if (pthread_cond_timedwait(&jf->cv, &jf->mu, &until) == ETIMEDOUT)
-      break;
-  if (jf->nrunning == 0 && jf->nqueued == 0)
-    jf->cancel = 0;
   pthread_mutex_unlock(&jf->mu);
   return 1;
 }

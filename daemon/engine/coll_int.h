@@ -189,11 +189,21 @@ struct shardd__coll_engine {
 #else
 #define COLL_SPARE_BYTES ((size_t)16 << 10)
 #endif
+#if defined(__SANITIZE_ADDRESS__)
+#define COLL_MAP_BYTES SIZE_MAX /* AddressSanitizer sees allocations only */
+#else
+#define COLL_MAP_BYTES ((size_t)256 << 10)
+#endif
 
 /* coll.c: a block of bytes for a collective (a spare one when there is
- * one of that size), not zeroed: the caller zeroes what it reads; NULL
- * when out of memory; coll.c's coll_free keeps it as a spare or frees it. */
-void *shardd__coll_block_get(shardd__coll_engine *e, size_t bytes);
+ * one of that size); *zeroed says whether it is all zero already, else the
+ * caller zeroes what it reads; NULL when out of memory; coll.c's coll_free
+ * keeps it as a spare or frees it. A block of COLL_MAP_BYTES or more (a
+ * world of thousands: 85 bytes a rank) is mapped fresh, so it costs the
+ * pages of the ranks that arrive, not the world's: zeroing a world of
+ * 65536's 5.5 MiB took 35 ms of the loop per collective, and one uid's
+ * connections could hold 64 such collectives each. */
+void *shardd__coll_block_get(shardd__coll_engine *e, size_t bytes, int *zeroed);
 
 struct coll {
   coll *next;
@@ -423,9 +433,12 @@ int shardd__coll_fab_abort(coll_fab *jf, const char *why, double max_s);
 /* Every rank of this node left the job (coll.c's tick, past --peer-grace):
  * what the job's fabric is doing -- an exchange, a (re-)forming's
  * rendezvous -- is abandoned, ending with SHARDD_E_PEER_LOST naming why
- * (copied); waits (loop thread, up to max_s) for the fabric threads to
- * leave. Later exchanges re-form the fabric as after any failure. 1 when
- * there was something to abandon, 0 when nothing was in flight. */
-int shardd__coll_fab_cancel(coll_fab *jf, const char *why, double max_s);
+ * (copied), its collectives' ends coming back through fab_async as
+ * always; returns at once (loop thread), the fabric threads leaving on
+ * their own. Exchanges made later re-form the fabric as after any
+ * failure (one queued before the threads left is abandoned with the
+ * rest). 1 when there was something to abandon, 0 when nothing was in
+ * flight. */
+int shardd__coll_fab_cancel(coll_fab *jf, const char *why);
 
 #endif /* SHARDD_COLL_INT_H */

@@ -586,7 +586,7 @@ static void abandon_fabric(coll_job *q, double now) {
   char why[160];
   snprintf(why, sizeof why, "every rank of job \"%.64s\" on this node left "
            "(over --peer-grace %g s ago)", job->name, q->e->cfg.peer_grace);
-  if (shardd__coll_fab_cancel(q->fab, why, 1.0))
+  if (shardd__coll_fab_cancel(q->fab, why))
     shardd__log(SHARDD__LOG_WARN, "job \"%s\": its cross-node exchange or "
                 "fabric re-forming abandoned: %s; nobody waits for it, and it "
                 "held the job (no release) up to the collective timeout",

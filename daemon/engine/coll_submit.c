@@ -397,14 +397,18 @@ static coll *submit_new(submission *s) {
   size_t bytes = sizeof(coll) + w * (sizeof(waiter) + sizeof(shardd__region *) +
                                      sizeof(size_t) + sizeof(uint32_t) +
                                      sizeof(uint8_t));
-  coll *c = shardd__coll_block_get(e, bytes);
+  int zeroed;
+  coll *c = shardd__coll_block_get(e, bytes, &zeroed);
   if (c == NULL) {
     submit_refuse(s, SHARDD_E_NO_MEMORY, "out of memory");
     return NULL;
   }
-  /* zeroed but for the tail of struct coll that is written before read */
-  memset(c, 0, offsetof(coll, few_tasks));
-  memset(c + 1, 0, bytes - sizeof *c);
+  /* zeroed but for the tail of struct coll that is written before read
+   * (a world-sized block comes zeroed: its pages untouched) */
+  if (!zeroed) {
+    memset(c, 0, offsetof(coll, few_tasks));
+    memset(c + 1, 0, bytes - sizeof *c);
+  }
   c->refused_msg[0] = '\0';
   c->fab_msg[0] = '\0';
   c->waiters = (waiter *)(c + 1);

@@ -26,9 +26,10 @@ typedef struct shardd__session shardd__session;
 typedef struct shardd__server shardd__server;
 typedef struct shardd__reply_uid shardd__reply_uid;
 
-/* What the unwritten replies of one uid's sessions hold (replybudget.c):
- * one per uid other than root and --admin-group with a session, its
- * sessions' reference kept until their last write is done. */
+/* What the unwritten replies of one uid's sessions hold (replybudget.c),
+ * and their partial frames (framebudget.c): one per uid other than root
+ * and --admin-group with a session, its sessions' reference kept until
+ * their last write is done. */
 struct shardd__reply_uid {
   uint32_t uid;
   uint32_t refs;    /* sessions pointing here, closed or not */
@@ -37,6 +38,8 @@ struct shardd__reply_uid {
   uint32_t waiters; /* sessions not read until these drain */
   int warned;       /* this episode of waiting was logged */
   double loud_next; /* server clock: the next episode logged as a warning */
+  uint64_t partial;      /* partial-frame budget charged to its sessions */
+  uint32_t room_waiters; /* its sessions waiting for room (budget_wait 1) */
   shardd__reply_uid *next;
 };
 
@@ -66,9 +69,11 @@ struct shardd__session {
   shardd__reply_uid *reply_uid;
   double since;         /* connected (server clock, seconds) */
   double partial_since; /* a partial frame is buffered since; < 0 none */
-  /* The partial-frame budget (server.c): bytes of it this session holds
-   * (its reader's whole frame-to-be), and whether it is not read until the
-   * budget has room for more. */
+  /* The partial-frame budget (framebudget.c): bytes of it this session
+   * holds (its reader's whole frame-to-be), and whether it is not read
+   * until the budget has room for more: 1 waiting for room (in all, in the
+   * users' part, or within its uid's fair share while others wait), 2
+   * for its uid's quarter. */
   uint64_t charged;
   int budget_wait;
   /* Fair turns (server.c): whole frames are left in rd for a later loop
@@ -107,10 +112,16 @@ struct shardd__server {
   uint32_t nclients;
   shardd__session *sessions;
   /* the partial-frame budget: bytes charged over every session, the most
-   * one uid other than root and --admin-group may hold, sessions waiting
-   * for room, and whether this episode of waiting has been logged */
+   * one uid other than root and --admin-group may hold (also what is kept
+   * for root and --admin-group), sessions waiting for room, and whether
+   * this episode of waiting has been logged; of the uids other than root
+   * and --admin-group: bytes charged, how many uids hold some or wait for
+   * room, and their sessions waiting for room */
   uint64_t partial_bytes;
   uint64_t partial_share;
+  uint64_t partial_users;
+  uint32_t partial_uids;
+  uint32_t room_waiters;
   uint32_t budget_waiters;
   int budget_warned;
   /* unread replies over every session (bytes, descriptors), and by uid */

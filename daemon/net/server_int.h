@@ -28,7 +28,8 @@ void shardd__turn_unlink(shardd__session *s);
 void shardd__session_resume(shardd__session *s);
 /* Charges s what its frame reader needs now, releasing what it needs no
  * longer, or stops reading it until that fits; 1 when it released bytes
- * (a waiting session may fit now). Never dispatches. */
+ * or, closing, stopped waiting for room (a waiting session may fit now).
+ * Never dispatches. */
 int shardd__budget_account(shardd__session *s);
 /* Lets waiting sessions in, oldest first, as long as they fit. */
 void shardd__budget_resume(shardd__server *srv);

@@ -260,14 +260,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
    * shut out that uid for good), a uid's reply record. */
   if (srv.nclients > 0 || shardd__map_count(&srv.d.reg.jobs) > 0 ||
       srv.reply_bytes || srv.reply_fds || srv.reply_uids ||
-      srv.partial_bytes) {
+      srv.partial_bytes || srv.partial_users || srv.partial_uids ||
+      srv.room_waiters || srv.budget_waiters) {
     fprintf(stderr, "fuzz_ranks: left after every client closed: %u "
             "sessions, %zu jobs, %llu reply bytes, %llu reply fds, uid "
-            "record %p, %llu partial-frame bytes\n", (unsigned)srv.nclients,
+            "record %p, %llu partial-frame bytes (%llu of users, %u uids, "
+            "%u sessions waiting, %u for room)\n", (unsigned)srv.nclients,
             (size_t)shardd__map_count(&srv.d.reg.jobs),
             (unsigned long long)srv.reply_bytes,
             (unsigned long long)srv.reply_fds, (void *)srv.reply_uids,
-            (unsigned long long)srv.partial_bytes);
+            (unsigned long long)srv.partial_bytes,
+            (unsigned long long)srv.partial_users, (unsigned)srv.partial_uids,
+            (unsigned)srv.budget_waiters, (unsigned)srv.room_waiters);
     abort();
   }
   return 0;

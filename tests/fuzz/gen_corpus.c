@@ -6,11 +6,13 @@
  * buckets of gathers and scatters; frozen views in batches and batched
  * unregistering, buffers in batches, optimizer state and masters of every
  * shape, releases by UID/NAME, a seq reused under a collective
- * checkpoint),
+ * checkpoint, transient areas: gathers with the gradient area, the next
+ * one prefetched before a scatter, releases, an abandoned iteration),
  * so mutation starts from inputs that reach deep into dispatch; and with
  * RANKS_DIR, fuzz_ranks' seeds: two or three ranks of one job through
  * gathers, scatters, steps and buckets, a rank lost, cut off mid-frame or
- * back, replies left unread (see fuzz_ranks.c for their records).
+ * back, replies left unread, transient areas with backward's prefetch
+ * (see fuzz_ranks.c for their records).
  * Usage: gen_corpus DIR [RANKS_DIR] (tests/fuzz/corpus and
  * tests/fuzz/corpus_ranks). The seeds are committed; after adding one,
  * rebuild and rerun it (cc -D_GNU_SOURCE -Iinclude -Icommon -Ibuild/gen
@@ -81,6 +83,43 @@ static void hello(const char *job, uint32_t rank, uint32_t world) {
   h.world = world;
   r.body_case = SHARDWIRE__REQUEST__BODY_HELLO;
   r.hello = &h;
+  emit(&r);
+}
+
+/* A Hello that creates (or joins) a job with transient areas. */
+static void hello_transient(const char *job, uint32_t rank, uint32_t world) {
+  Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Hello h = SHARDWIRE__HELLO__INIT;
+  h.protocol_version = 1;
+  h.job = (char *)job;
+  h.has_rank = h.has_world = 1;
+  h.rank = rank;
+  h.world = world;
+  h.has_transient_areas = h.transient_areas = 1;
+  r.body_case = SHARDWIRE__REQUEST__BODY_HELLO;
+  r.hello = &h;
+  emit(&r);
+}
+
+/* A Gather leasing the gradient area too (backward, and its prefetch). */
+static void gather_grad(uint64_t buf) {
+  Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Gather g = SHARDWIRE__GATHER__INIT;
+  g.buffer = buf;
+  g.has_want_grad = g.want_grad = 1;
+  r.body_case = SHARDWIRE__REQUEST__BODY_GATHER;
+  r.gather = &g;
+  emit(&r);
+}
+
+/* Release of buf's gather area (and, grad, its unscattered gradient area). */
+static void release_area(uint64_t buf, int grad) {
+  Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Release rl = SHARDWIRE__RELEASE__INIT;
+  rl.buffer = buf;
+  rl.has_grad = rl.grad = grad != 0;
+  r.body_case = SHARDWIRE__REQUEST__BODY_RELEASE;
+  r.release = &rl;
   emit(&r);
 }
 
@@ -770,6 +809,40 @@ static void ranks_seeds(const char *dir) {
   simple(SHARDWIRE__REQUEST__BODY_STEP, 4);
   fclose(out);
   conn = -1;
+  /* Transient areas on two ranks: backward with the next buffer's gather
+   * prefetched, one rank closing with its gradient areas leased and
+   * coming back, the other's prefetch cut off mid-frame. */
+  open_seed(dir, "transient_two_ranks");
+  fwrite(&two, 1, 1, out);
+  for (int k = 0; k < 2; k++) {
+    on(k);
+    hello_transient("rT", (uint32_t)k, 2);
+    reg_buffer("t1", SHARDWIRE__DTYPE__FP32, 100);
+    reg_buffer("t2", SHARDWIRE__DTYPE__FP32, 30);
+  }
+  for (int k = 0; k < 2; k++) {
+    on(k);
+    gather_grad(2);
+  }
+  for (int k = 0; k < 2; k++) {
+    on(k);
+    gather_grad(1);
+    simple(SHARDWIRE__REQUEST__BODY_SCATTER, 2);
+    release_area(2, 0);
+  }
+  act(1, 4); /* rank 1 back in its place: its leases were returned */
+  on(1);
+  hello_transient("rT", 1, 2);
+  gather_grad(2);
+  on(0);
+  simple(SHARDWIRE__REQUEST__BODY_SCATTER, 1);
+  half = 1;
+  gather_grad(2);
+  half = 0;
+  act(0, 3);
+  on(1);
+  release_area(2, 1);
+  fclose(out);
 }
 
 int main(int argc, char **argv) {
@@ -949,6 +1022,42 @@ int main(int argc, char **argv) {
   checkpoint_collective("ck2");
   simple(SHARDWIRE__REQUEST__BODY_GATHER, 1);
   fclose(out);
+
+  /* Transient areas: forward gathers and releases, then backward with
+   * the next unit's gather (and its gradient area) prefetched before this
+   * one's scatter, a step, an iteration abandoned with its gradient area
+   * unscattered, and more leases than a rank may hold. Buffers 1 and 2,
+   * SGD 3 over both. Its seqs do not count for the seeds after it, which
+   * were written before it came. */
+  uint64_t seq_before = last_seq;
+  open_seed(dir, "transient_prefetch");
+  hello_transient("fuzzT", 0, 1);
+  reg_buffer("l1", SHARDWIRE__DTYPE__FP32, 1000);
+  reg_buffer("l2", SHARDWIRE__DTYPE__BF16, 300);
+  {
+    uint64_t bufs[2] = {1, 2};
+    reg_optim(SHARDWIRE__OPTIM_KIND__SGD, bufs, 2);
+  }
+  simple(SHARDWIRE__REQUEST__BODY_GATHER, 1);
+  release_area(1, 0);
+  simple(SHARDWIRE__REQUEST__BODY_GATHER, 2);
+  release_area(2, 0);
+  gather_grad(2);
+  gather_grad(1); /* the prefetch */
+  simple(SHARDWIRE__REQUEST__BODY_SCATTER, 2);
+  release_area(2, 0);
+  simple(SHARDWIRE__REQUEST__BODY_SCATTER, 1);
+  release_area(1, 0);
+  simple(SHARDWIRE__REQUEST__BODY_STEP, 3);
+  gather_grad(1);
+  release_area(1, 1); /* abandoned: its gradient area back unscattered */
+  gather_grad(2);
+  gather_grad(2);
+  gather_grad(2); /* past the leases a rank may hold */
+  simple(SHARDWIRE__REQUEST__BODY_INSPECT, 2);
+  simple(SHARDWIRE__REQUEST__BODY_STATUS, 0);
+  fclose(out);
+  last_seq = seq_before;
 
   if (ranks_dir)
     ranks_seeds(ranks_dir);

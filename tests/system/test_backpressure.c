@@ -374,7 +374,8 @@ Test(server, partial_frames_are_held_within_a_budget, .timeout = 120) {
   test_daemon_finish(&d);
 }
 
-/* uid 4242 starts SHARE_CONNS 2 MiB frames, half of each; reports on
+/* The share test's hog: uid 4242 starts SHARE_CONNS 2 MiB frames, half of
+ * each (half_frames_hog, below); reports on
  * share_ready how many it got all its halves out on, then holds them until
  * share_go says to leave. Exit code: 0 as expected. */
 #define SHARE_CONNS 12
@@ -417,14 +418,20 @@ static int raw_hello_fd(const char *sock) {
   return fd;
 }
 
-static int share_hog(const char *sock) {
-  if (setgid(4242) != 0 || setuid(4242) != 0)
+/* uid starts conns 2 MiB frames, half of each; reports on ready how many
+ * it got all its halves out on, then holds them until go says to leave
+ * (or is closed). Exit code: 0 as expected. */
+static int half_frames_hog(const char *sock, uid_t uid, int conns, int ready,
+                           int go) {
+  if (setgid(uid) != 0 || setuid(uid) != 0)
     return 10;
   static uint8_t payload[BIG_PING];
-  int fds[SHARE_CONNS];
-  uint8_t *frames[SHARE_CONNS];
-  size_t offs[SHARE_CONNS], half[SHARE_CONNS];
-  for (int i = 0; i < SHARE_CONNS; i++) {
+  int fds[32];
+  uint8_t *frames[32];
+  size_t offs[32], half[32];
+  if (conns > 32)
+    return 16;
+  for (int i = 0; i < conns; i++) {
     if ((fds[i] = raw_hello_fd(sock)) < 0)
       return 11;
     Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
@@ -443,15 +450,19 @@ static int share_hog(const char *sock) {
     offs[i] = 0;
     half[i] = (SHARDD_FRAME_HEADER + n) / 2;
   }
-  int whole = send_prefixes(fds, frames, offs, half, SHARE_CONNS, 1.0);
+  int whole = send_prefixes(fds, frames, offs, half, conns, 1.0);
   if (whole < 0)
     return 13;
   unsigned char b = (unsigned char)whole;
-  if (write(share_ready[1], &b, 1) != 1)
+  if (write(ready, &b, 1) != 1)
     return 14;
-  if (read(share_go[0], &b, 1) != 1)
+  if (read(go, &b, 1) != 1)
     return 15; /* the test gave up on us */
   return 0; /* exit closes every connection, frames unfinished */
+}
+
+static int share_hog(const char *sock) {
+  return half_frames_hog(sock, 4242, SHARE_CONNS, share_ready[1], share_go[0]);
 }
 
 Test(server, one_uid_holds_at_most_its_share_of_partial_frames, .timeout = 120) {
@@ -498,6 +509,134 @@ Test(server, one_uid_holds_at_most_its_share_of_partial_frames, .timeout = 120) 
     if ((left = status_partial_bytes()) == 0)
       break;
   cr_assert_eq(left, 0.0, "%.0f bytes still charged after the hog left", left);
+  test_raw_sync(&r);
+  test_raw_close(&r);
+  test_daemon_finish(&d);
+}
+
+/* Four uids each within its quarter filled the whole budget, so root's
+ * frames (shardctl's) and any fifth uid's waited, and, as the budget let
+ * the oldest waiting sessions in first, the four refilled it with their
+ * next frames each time theirs timed out: the fifth waited for all of
+ * them. Now a quarter is kept for root and --admin-group, and while a uid
+ * below its fair share waits, those above it are charged no more: root's
+ * 2 MiB Ping is answered at once, the fifth uid's once the frames in
+ * flight time out (--frame-timeout 3 here; it took four of them). */
+#define FILL_UIDS 4
+#define FILL_CONNS 16
+
+static int big_ping_as(const char *sock, uid_t uid) {
+  if (setgid(uid) != 0 || setuid(uid) != 0)
+    return 10;
+  int fd = raw_hello_fd(sock);
+  if (fd < 0)
+    return 11;
+  static uint8_t payload[BIG_PING];
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Ping p = SHARDWIRE__PING__INIT;
+  p.has_payload = 1;
+  p.payload.data = payload;
+  p.payload.len = BIG_PING;
+  req.seq = 2;
+  req.body_case = SHARDWIRE__REQUEST__BODY_PING;
+  req.ping = &p;
+  size_t n = shardwire__request__get_packed_size(&req);
+  uint8_t *buf = malloc(n);
+  if (buf == NULL)
+    return 12;
+  shardwire__request__pack(&req, buf);
+  if (shardd__frame_send(fd, buf, n, NULL, 0) != SHARDD_OK)
+    return 13;
+  shardd__frame_reader rd;
+  shardd__frame_reader_init(&rd, SHARDD_MAX_FRAME);
+  const uint8_t *f;
+  size_t len;
+  int nfds;
+  if (shardd__frame_recv(fd, &rd, &f, &len, NULL, 0, &nfds, NULL, 0) != SHARDD_OK)
+    return 14;
+  Shardwire__Response *resp = shardwire__response__unpack(NULL, len, f);
+  int ok = resp && (int)resp->code == SHARDD_OK &&
+           resp->body_case == SHARDWIRE__RESPONSE__BODY_PONG &&
+           resp->pong->payload.len == BIG_PING;
+  if (resp)
+    shardwire__response__free_unpacked(resp, NULL);
+  shardd__frame_reader_free(&rd);
+  close(fd);
+  free(buf);
+  return ok ? 0 : 15;
+}
+
+Test(server, uids_filling_the_partial_frame_budget_leave_root_and_others_room,
+     .timeout = 120) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as other uids");
+  const double timeout = 3.0;
+  /* shares of 8.25 MiB: four 2 MiB frames each, 1 MiB left in all */
+  test_daemon_start(&d, (const char *const[]){"--max-partial-bytes", "33M",
+                                              "--frame-timeout", "3", NULL});
+  test_daemon_open_to_all(&d);
+  int ready[FILL_UIDS][2], go[FILL_UIDS][2];
+  pid_t pids[FILL_UIDS];
+  for (int u = 0; u < FILL_UIDS; u++) {
+    pids[u] = test_fork_with_pipes(ready[u], go[u]);
+    if (pids[u] == 0)
+      _exit(half_frames_hog(d.sock, (uid_t)(4242 + u), FILL_CONNS, ready[u][1],
+                            go[u][0]));
+  }
+  int whole = 0;
+  for (int u = 0; u < FILL_UIDS; u++) {
+    unsigned char b;
+    cr_assert_eq(read(ready[u][0], &b, 1), 1, "hog %d stopped early", u);
+    whole += b;
+  }
+  double charged = status_partial_bytes();
+  cr_log_info("%d uids were read %d half frames; %.0f bytes charged",
+              FILL_UIDS, whole, charged);
+  cr_assert_leq(charged, 33.0 * 1024 * 1024);
+
+  /* a fifth uid's 2 MiB Ping, once the frames in flight time out, and
+   * meanwhile root's, at once */
+  double t5 = test_mono_s();
+  pid_t pid = fork();
+  cr_assert_geq(pid, 0);
+  if (pid == 0)
+    _exit(big_ping_as(d.sock, 4242 + FILL_UIDS));
+  uint8_t *payload = calloc(1, BIG_PING), *f;
+  cr_assert_not_null(payload);
+  test_raw r;
+  test_raw_open(&d, &r);
+  test_raw_hello(&r, NULL, 0, 1);
+  size_t n = ping_frame_len(&f, ++r.seq, payload, BIG_PING);
+  double t0 = test_mono_s();
+  test_raw_send_bytes(&r, f, n);
+  Shardwire__Response *resp = test_raw_expect(&r, r.seq, SHARDD_OK);
+  double root_s = test_mono_s() - t0;
+  cr_assert_eq(resp->pong->payload.len, BIG_PING);
+  shardwire__response__free_unpacked(resp, NULL);
+  free(f);
+  free(payload);
+
+  test_expect_child_ok(pid, "fifth uid's 2 MiB ping");
+  double fifth_s = test_mono_s() - t5;
+  cr_log_info("root's 2 MiB Ping took %.2f s, the fifth uid's %.2f s "
+              "(--frame-timeout %.0f)", root_s, fifth_s, timeout);
+  cr_assert_lt(root_s, timeout / 2, "root's Ping waited %.2f s for the "
+               "users' partial frames", root_s);
+  cr_assert_lt(fifth_s, 2 * timeout, "the fifth uid's Ping waited %.2f s: "
+               "the others refilled the budget before it", fifth_s);
+
+  for (int u = 0; u < FILL_UIDS; u++) {
+    cr_assert_eq(write(go[u][1], "g", 1), 1);
+    test_expect_child_ok(pids[u], "hog");
+    close(ready[u][0]);
+    close(go[u][1]);
+  }
+  double left = -1;
+  for (double end = test_mono_s() + TEST_HANG_S; test_mono_s() < end;
+       test_sleep_ms(20))
+    if ((left = status_partial_bytes()) == 0)
+      break;
+  cr_assert_eq(left, 0.0, "%.0f bytes still charged after the hogs left", left);
   test_raw_sync(&r);
   test_raw_close(&r);
   test_daemon_finish(&d);

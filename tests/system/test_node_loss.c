@@ -7,6 +7,7 @@
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 
@@ -86,6 +87,57 @@ static double release_within(const test_daemon *d, const char *job, double max_s
   }
 }
 
+/* Another client of a daemon pinging it every 2 ms from a thread until
+ * stop: its slowest answer (the longest the loop held everyone), how many
+ * came, and the first failure. */
+typedef struct {
+  const char *sock;
+  atomic_int stop;
+  double worst;
+  int n;
+  shardd_err rc;
+  pthread_t th;
+} pinger;
+
+static void *pinger_main(void *p) {
+  pinger *pg = p;
+  shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
+  shardd_client_t *c;
+  char err[256];
+  if ((pg->rc = shardd_connect(pg->sock, &o, &c, err, sizeof err)) != SHARDD_OK)
+    return NULL;
+  while (!atomic_load(&pg->stop)) {
+    double t = test_mono_s();
+    if ((pg->rc = shardd_ping(c)) != SHARDD_OK)
+      break;
+    double dt = test_mono_s() - t;
+    if (dt > pg->worst)
+      pg->worst = dt;
+    pg->n++;
+    test_sleep_ms(2);
+  }
+  shardd_close(c);
+  return NULL;
+}
+
+static void pinger_start(pinger *pg, const char *sock) {
+  memset(pg, 0, sizeof *pg);
+  pg->sock = sock;
+  cr_assert_eq(pthread_create(&pg->th, NULL, pinger_main, pg), 0);
+}
+
+/* Stops pg; asserts every ping was answered, none slower than max_s. */
+static void pinger_finish(pinger *pg, double max_s, const char *during) {
+  atomic_store(&pg->stop, 1);
+  pthread_join(pg->th, NULL);
+  cr_log_info("another client's %d pings while %s: the slowest %.1f ms",
+              pg->n, during, pg->worst * 1e3);
+  cr_assert_eq(pg->rc, SHARDD_OK, "a ping failed: %s", shardd_err_name(pg->rc));
+  cr_assert_gt(pg->n, 0);
+  cr_assert_lt(pg->worst, max_s, "another client's ping waited %.0f ms while "
+               "%s", pg->worst * 1e3, during);
+}
+
 /* kill -9 of node 1's daemon while the job trains (the OOM killer, a
  * crash, power loss): node 1's shards are gone, so the job cannot go on
  * and must be released on the survivors and restored from a collective
@@ -122,9 +174,14 @@ Test(fabric, a_killed_nodes_survivor_releases_its_job_within_the_peer_grace,
   /* the operator stops node 0's trainers, then releases the job */
   double t0 = test_mono_s();
   cr_assert_eq(cut_connections_to(pair[0].sock), 2);
+  /* the abandonment, --peer-grace later, must not hold node 0's loop:
+   * another client's pings go on being answered at once meanwhile */
+  pinger pg;
+  pinger_start(&pg, pair[0].sock);
   calls_join(calls, 2);
   char first[1024], last[1024];
   double took = release_within(&pair[0], "kj", 50, first, last, sizeof last);
+  pinger_finish(&pg, 0.25, "node 0 abandoned the re-forming");
   cr_log_info("fabric: node 1 killed: node 0's job released %.2f s after its "
               "trainers stopped (--peer-grace 1 s, collective timeout 60 s)",
               test_mono_s() - t0);
