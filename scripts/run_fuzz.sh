@@ -32,6 +32,12 @@ for bin in "$@"; do
     else
       echo "note: neither setpriv nor runuser: $name runs as root (no per-uid bounds)"
     fi
+    # a checkout in a folder only root may enter (a CI runner's home, a
+    # mktemp -d) cannot be run as another uid: root's paths then
+    if [ -n "$as" ] && ! $as sh -c 'test -x "$1"' _ "$bin" 2>/dev/null; then
+      echo "note: uid $fuzz_uid cannot run $bin (a folder above it is closed to it): $name runs as root (no per-uid bounds)"
+      as=""
+    fi
     [ -n "$as" ] && chown -R "$fuzz_uid:$fuzz_uid" "$corpus" "$corpus.art"
   fi
   echo "== $bin (${secs} s, uid $( [ -n "$as" ] && echo "$fuzz_uid" || id -u))"
