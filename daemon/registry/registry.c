@@ -278,19 +278,45 @@ shardd_err shardd__registry_resolve_gen(const shardd__registry *reg,
 /* The gens key of a buffer name (view_name NULL) or of a view of it;
  * caller frees. The length prefix keeps ("a", "bc") and ("ab", "c") apart. */
 char *shardd__gen_key(const char *buf_name, const char *view_name) {
-  size_t n = strlen(buf_name) + (view_name ? strlen(view_name) : 0) + 32;
-  char *k = malloc(n);
+  /* "v<len>:<buf><view>" or "b:<buf>", put together by hand: snprintf
+   * was a quarter of a view's registration (gen_key runs at each
+   * registration and each unregistration) */
+  size_t nb = strlen(buf_name), nv = view_name ? strlen(view_name) : 0;
+  char digits[24];
+  size_t nd = 0;
+  if (view_name) {
+    size_t x = nb;
+    do
+      digits[nd++] = (char)('0' + x % 10);
+    while ((x /= 10) != 0);
+  }
+  char *k = malloc(nd + nb + nv + 3);
   if (k == NULL)
     return NULL;
-  if (view_name)
-    snprintf(k, n, "v%zu:%s%s", strlen(buf_name), buf_name, view_name);
-  else
-    snprintf(k, n, "b:%s", buf_name);
+  char *p = k;
+  *p++ = view_name ? 'v' : 'b';
+  while (nd > 0)
+    *p++ = digits[--nd];
+  *p++ = ':';
+  memcpy(p, buf_name, nb);
+  p += nb;
+  if (nv)
+    memcpy(p, view_name, nv);
+  p[nv] = '\0';
   return k;
 }
 
 uint64_t shardd__gen_get(const shardd__job *job, const char *key) {
   return (uint64_t)(uintptr_t)shardd__map_get_str(&job->gens, key);
+}
+
+shardd_err shardd__gen_next(shardd__job *job, const char *key, uint64_t *prev) {
+  void **slot = shardd__map_slot_str(&job->gens, key);
+  if (slot == NULL)
+    return SHARDD_E_NO_MEMORY;
+  *prev = (uint64_t)(uintptr_t)*slot;
+  *slot = (void *)(uintptr_t)(*prev + 1);
+  return SHARDD_OK;
 }
 
 shardd_err shardd__gen_put(shardd__job *job, const char *key, uint64_t g) {

@@ -374,8 +374,7 @@ shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
   v->requires_grad = requires_grad;
   v->grad_seen = 1;
   gkey = shardd__gen_key(o->name, name);
-  if (gkey == NULL || (gprev = shardd__gen_get(job, gkey),
-                       shardd__gen_put(job, gkey, gprev + 1)) != SHARDD_OK)
+  if (gkey == NULL || shardd__gen_next(job, gkey, &gprev) != SHARDD_OK)
     goto nomem;
   v->hdr.generation = gprev + 1;
   if (shardd__obj_init(reg, &v->hdr, SHARDD__OBJ_VIEW, name, job) !=
