@@ -5,6 +5,7 @@
 #include "server.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <inttypes.h>
 #include <math.h>
@@ -206,12 +207,13 @@ fail:
  * descriptor, wrapped in a handle of its own: an fcntl, an ioctl, a
  * failing epoll_ctl, a sendmsg and a close each, the most of the daemon's
  * time in registering 10,000 buffers in batches. The descriptors sent are
- * closed (they were handed over to be sent) and set to -1; returns how
- * many went and *off how many bytes. Stops at the first write that does
- * not go whole (the socket is full, an error): libuv writes the rest and
- * reports an error as it did. */
+ * closed and set to -1 unless borrowed (the caller's); returns how many
+ * went and *off how many bytes. Stops at the first write that does not go
+ * whole (the socket is full, an error): libuv writes the rest and reports
+ * an error as it did. */
 static size_t send_fds_now(shardd__session *s, const uint8_t *frame,
-                           size_t total, int *fds, size_t nfds, size_t *off) {
+                           size_t total, int *fds, size_t nfds, int borrowed,
+                           size_t *off) {
   int sock;
   *off = 0;
   if (s->close_after_write ||
@@ -245,7 +247,7 @@ static size_t send_fds_now(shardd__session *s, const uint8_t *frame,
     while (w < 0 && errno == EINTR);
     if (w <= 0)
       break;
-    for (size_t j = k; j < k + n; j++) {
+    for (size_t j = k; j < k + n && !borrowed; j++) {
       close(fds[j]);
       fds[j] = -1;
     }
@@ -258,15 +260,16 @@ static size_t send_fds_now(shardd__session *s, const uint8_t *frame,
 }
 
 /* The dispatcher's send_fds hook. What send_fds_now leaves goes as libuv
- * writes of one descriptor each (uv_write2), descriptor k with the next
- * byte and the last with the rest. Every write is queued (or made) back
+ * writes of one descriptor each (uv_write2; a borrowed one duplicated for
+ * the handle that closes it), descriptor k with the next byte and the
+ * last with the rest. Every write is queued (or made) back
  * to back, so nothing comes between them in the stream; the kernel never
  * merges two writes' descriptors into one read, and the client reads up
  * to the frame's end, so every descriptor reaches the frame they were
  * sent with, in order. */
 static void net_send_fds(void *ctx, shardd__conn *c, uint8_t *frame, size_t n,
-                         int *fds, size_t nfds) {
-  if (nfds <= 1) {
+                         int *fds, size_t nfds, int borrowed) {
+  if (nfds <= 1) { /* the dispatcher borrows only two or more */
     net_send(ctx, c, frame, n, nfds == 1 ? fds[0] : -1);
     return;
   }
@@ -280,7 +283,7 @@ static void net_send_fds(void *ctx, shardd__conn *c, uint8_t *frame, size_t n,
   if (frame == NULL || total < nfds || reply_fault(s->srv))
     goto oom;
   shardd__frame_put_header(frame, (uint32_t)n);
-  first = send_fds_now(s, frame, total, fds, nfds, &off);
+  first = send_fds_now(s, frame, total, fds, nfds, borrowed, &off);
   if (first == nfds) {
     if (off == total) {
       free(frame);
@@ -314,16 +317,27 @@ static void net_send_fds(void *ctx, shardd__conn *c, uint8_t *frame, size_t n,
     if ((ws[k] = calloc(1, sizeof *ws[k])) == NULL ||
         (ws[k]->fd_handle = malloc(sizeof *ws[k]->fd_handle)) == NULL)
       goto oom;
+    int fd = borrowed ? fcntl(fds[first + k], F_DUPFD_CLOEXEC, 0)
+                      : fds[first + k];
+    if (fd < 0) {
+      free(ws[k]->fd_handle);
+      ws[k]->fd_handle = NULL;
+      shardd__log(0, "duplicating a descriptor: %s", strerror(errno));
+      goto oom;
+    }
     uv_pipe_init(s->srv->loop, ws[k]->fd_handle, 0);
-    int e = uv_pipe_open(ws[k]->fd_handle, fds[first + k]);
+    int e = uv_pipe_open(ws[k]->fd_handle, fd);
     if (e != 0) {
       /* not opened: the handle needs no close, the descriptor is ours */
+      if (borrowed)
+        close(fd);
       free(ws[k]->fd_handle);
       ws[k]->fd_handle = NULL;
       shardd__log(0, "wrapping a descriptor: %s", uv_strerror(e));
       goto oom;
     }
-    fds[first + k] = -1; /* the handle owns it now */
+    if (!borrowed)
+      fds[first + k] = -1; /* the handle owns it now */
   }
   sb->buf = (char *)frame;
   sb->refs = left;
@@ -374,7 +388,7 @@ oom:
   free(ws);
   free(sb);
 drop:
-  for (size_t j = 0; j < nfds; j++)
+  for (size_t j = 0; j < nfds && !borrowed; j++)
     if (fds[j] >= 0)
       close(fds[j]);
   free(frame);
