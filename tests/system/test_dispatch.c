@@ -387,6 +387,23 @@ Test(dispatch, malformed_batches_are_answered) {
   cr_assert(test_daemon_alive(&d));
 }
 
+/* The request after a refused one is never sent (libshardd packs it while
+ * the daemon works on the one before): none of its views was registered,
+ * so each comes back new, at generation 1. */
+Test(dispatch, the_request_after_a_refused_one_is_never_sent) {
+  big_specs("n");
+  big[3].numel = 3; /* in the first request: shape says 4 */
+  cr_assert_eq(shardd_views_register(c, 3 * SHARDD_VIEWS_PER_REQUEST, big,
+                                     NULL, bige),
+               SHARDD_E_MISMATCH);
+  for (int i = SHARDD_VIEWS_PER_REQUEST; i < 3 * SHARDD_VIEWS_PER_REQUEST;
+       i += SHARDD_VIEWS_PER_REQUEST / 2) {
+    shardd_view_info vi = one(&big[i], SHARDD_OK);
+    cr_assert_eq(vi.created, 1, "view %d", i);
+    cr_assert_eq(vi.generation, 1, "view %d was registered before", i);
+  }
+}
+
 /* A refusal in the first request: its entries' codes, the rest not
  * checked, and nothing kept. */
 Test(dispatch, refusal_in_the_first_request_leaves_the_rest_unchecked) {
