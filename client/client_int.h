@@ -104,6 +104,14 @@ shardd_err shardd__set_err(shardd_client_t *c, shardd_err rc, const char *fmt,
 void shardd__clear_err(shardd_client_t *c);
 /* Sends req with the next seq. */
 shardd_err shardd__send_req(shardd_client_t *c, Shardwire__Request *req);
+/* The two halves of shardd__send_req, so a request can be packed while
+ * the daemon works on the one before it: req_pack gives req the next seq
+ * and packs it into *buf (n bytes, the caller's: send_packed frees it,
+ * or free() when it is not sent; a seq not sent is skipped, harmless);
+ * send_packed sends it. */
+shardd_err shardd__req_pack(shardd_client_t *c, Shardwire__Request *req,
+                            uint8_t **buf, size_t *n);
+shardd_err shardd__send_packed(shardd_client_t *c, uint8_t *buf, size_t n);
 /* Reads responses until the one to seq (connection.c says how). */
 shardd_err shardd__recv_for_many(shardd_client_t *c, uint64_t seq,
                                  Shardwire__Response **out, int *fd, int *many,

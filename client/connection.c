@@ -172,17 +172,34 @@ shardd_err shardd__send_req(shardd_client_t *c, Shardwire__Request *req) {
   if (c->fd < 0)
     return shardd__set_err(c, SHARDD_E_CLOSED,
                            "the connection was closed earlier");
+  uint8_t *buf;
+  size_t n;
+  shardd_err rc = shardd__req_pack(c, req, &buf, &n);
+  return rc != SHARDD_OK ? rc : shardd__send_packed(c, buf, n);
+}
+
+shardd_err shardd__req_pack(shardd_client_t *c, Shardwire__Request *req,
+                            uint8_t **buf, size_t *n) {
+  *buf = NULL;
   req->seq = ++c->seq;
-  size_t n = shardwire__request__get_packed_size(req);
-  if (n > SHARDD_MAX_FRAME)
+  *n = shardwire__request__get_packed_size(req);
+  if (*n > SHARDD_MAX_FRAME)
     return shardd__set_err(
         c, SHARDD_E_FRAME_TOO_LARGE,
-        "request of %zu bytes exceeds the %u-byte frame limit", n,
+        "request of %zu bytes exceeds the %u-byte frame limit", *n,
         SHARDD_MAX_FRAME);
-  uint8_t *buf = malloc(n ? n : 1);
-  if (buf == NULL)
+  if ((*buf = malloc(*n ? *n : 1)) == NULL)
     return shardd__set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
-  shardwire__request__pack(req, buf);
+  shardwire__request__pack(req, *buf);
+  return SHARDD_OK;
+}
+
+shardd_err shardd__send_packed(shardd_client_t *c, uint8_t *buf, size_t n) {
+  if (c->fd < 0) {
+    free(buf);
+    return shardd__set_err(c, SHARDD_E_CLOSED,
+                           "the connection was closed earlier");
+  }
   shardd_err rc = shardd__frame_send_within(c->fd, buf, n, timeout_ms(c),
                                             c->err, sizeof c->err);
   free(buf);

@@ -506,23 +506,42 @@ static size_t batch_chunk_end(const batch_kind *k, void **wp, size_t lo,
   return hi;
 }
 
-/* Sends one request of a batch ([lo, hi) of entries wp) and reads its
- * reply, its body and (for a registration) its entries checked; a
- * registration reply's descriptors come in fds (*nfds, one per entry). */
-static shardd_err batch_exchange(shardd_client_t *c, const batch_kind *k,
-                                 int reg, void **wp, size_t lo, size_t hi,
-                                 Shardwire__Response **resp, int *fds,
-                                 int *nfds) {
+/* One request of a batch ([lo, hi) of its entries), packed. */
+typedef struct batch_req {
+  uint8_t *buf; /* the packed request until it is sent (then NULL) */
+  size_t n;
+  uint64_t seq;
+  size_t lo, hi;
+} batch_req;
+
+/* Packs the request of entries [lo, hi) (wp their pointers) into q. */
+static shardd_err batch_pack(shardd_client_t *c, const batch_kind *k, int reg,
+                             void **wp, size_t lo, size_t hi, batch_req *q) {
   batch_msg m;
   shardwire__request__init(&m.req);
   k->request(&m, reg, wp, lo, hi);
-  *resp = NULL;
-  *nfds = 0;
-  shardd__clear_err(c);
-  shardd_err rc = shardd__send_req(c, &m.req);
-  if (rc == SHARDD_OK)
-    rc = shardd__recv_for_many(c, m.req.seq, resp, NULL, fds,
-                               SHARDD_BUFFERS_PER_REQUEST, nfds);
+  q->lo = lo;
+  q->hi = hi;
+  shardd_err rc = shardd__req_pack(c, &m.req, &q->buf, &q->n);
+  q->seq = m.req.seq;
+  return rc;
+}
+
+static shardd_err batch_send(shardd_client_t *c, batch_req *q) {
+  uint8_t *buf = q->buf;
+  q->buf = NULL;
+  return shardd__send_packed(c, buf, q->n);
+}
+
+/* Reads the reply to q (sent), its body and (for a registration) its
+ * entries checked; a registration reply's descriptors come in fds
+ * (*nfds, one per entry). */
+static shardd_err batch_reply(shardd_client_t *c, const batch_kind *k, int reg,
+                              const batch_req *q, Shardwire__Response **resp,
+                              int *fds, int *nfds) {
+  size_t lo = q->lo, hi = q->hi;
+  shardd_err rc = shardd__recv_for_many(c, q->seq, resp, NULL, fds,
+                                        SHARDD_BUFFERS_PER_REQUEST, nfds);
   if (rc != SHARDD_OK)
     return rc;
   if ((*resp)->body_case != k->body)
@@ -541,6 +560,27 @@ static shardd_err batch_exchange(shardd_client_t *c, const batch_kind *k,
                            "%zu %s",
                            *nfds, hi - lo, k->noun);
   return SHARDD_OK;
+}
+
+/* Sends one request of a batch ([lo, hi) of entries wp) and reads its
+ * reply (batch_reply). */
+static shardd_err batch_exchange(shardd_client_t *c, const batch_kind *k,
+                                 int reg, void **wp, size_t lo, size_t hi,
+                                 Shardwire__Response **resp, int *fds,
+                                 int *nfds) {
+  batch_req q;
+  *resp = NULL;
+  *nfds = 0;
+  shardd__clear_err(c);
+  if (c->fd < 0) /* as shardd__send_req: before a seq is taken */
+    return shardd__set_err(c, SHARDD_E_CLOSED,
+                           "the connection was closed earlier");
+  shardd_err rc = batch_pack(c, k, reg, wp, lo, hi, &q);
+  if (rc == SHARDD_OK)
+    rc = batch_send(c, &q);
+  if (rc == SHARDD_OK)
+    rc = batch_reply(c, k, reg, &q, resp, fds, nfds);
+  return rc;
 }
 
 static shardd_err batch_unregister(shardd_client_t *c, const batch_kind *k,
@@ -606,11 +646,41 @@ static shardd_err batch_register(shardd_client_t *c, const batch_kind *k,
   char after[64];
   snprintf(after, sizeof after, "not checked (no %s of this call was kept)",
            k->one);
+  /* Each request after the first is packed while the daemon works on the
+   * one before it (packing was half of this side's work), and sent only
+   * once that one's reply is taken: a refused request still leaves the
+   * rest unsent. */
+  batch_req cur, nxt = {0};
+  int have_nxt = 0;
   for (size_t lo = 0; lo < n && rc == SHARDD_OK;) {
-    size_t hi = batch_chunk_end(k, wp, lo, n);
-    Shardwire__Response *resp;
-    int nfds;
-    rc = batch_exchange(c, k, 1, wp + lo, lo, hi, &resp, fds, &nfds);
+    size_t hi;
+    Shardwire__Response *resp = NULL;
+    int nfds = 0;
+    shardd__clear_err(c);
+    if (c->fd < 0) {
+      rc = shardd__set_err(c, SHARDD_E_CLOSED,
+                           "the connection was closed earlier");
+    } else if (have_nxt) {
+      cur = nxt;
+      have_nxt = 0;
+    } else {
+      rc = batch_pack(c, k, 1, wp + lo, lo, batch_chunk_end(k, wp, lo, n),
+                      &cur);
+    }
+    hi = rc == SHARDD_OK ? cur.hi : batch_chunk_end(k, wp, lo, n);
+    if (rc == SHARDD_OK)
+      rc = batch_send(c, &cur);
+    if (rc == SHARDD_OK && hi < n) {
+      have_nxt = batch_pack(c, k, 1, wp + hi, hi, batch_chunk_end(k, wp, hi, n),
+                            &nxt) == SHARDD_OK;
+      if (!have_nxt) { /* packed again, and refused, in its turn */
+        free(nxt.buf);
+        nxt.buf = NULL;
+        shardd__clear_err(c);
+      }
+    }
+    if (rc == SHARDD_OK)
+      rc = batch_reply(c, k, 1, &cur, &resp, fds, &nfds);
     if (rc == SHARDD_OK)
       rc = k->take(c, resp, lo, hi, fds, nfds, out, made, &nmade);
     else
@@ -621,6 +691,8 @@ static shardd_err batch_register(shardd_client_t *c, const batch_kind *k,
       shardwire__response__free_unpacked(resp, NULL);
     lo = hi;
   }
+  if (have_nxt)
+    free(nxt.buf);
   if (rc != SHARDD_OK && nmade > 0) {
     /* the refusal's message is the call's error, not the undo's */
     char *msg = strdup(shardd_last_error(c));

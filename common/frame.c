@@ -287,7 +287,7 @@ shardd_err shardd__frame_recv_within(int fd, shardd__frame_reader *r,
     uint8_t buf[65536];
     union {
       struct cmsghdr align;
-      char space[CMSG_SPACE(sizeof(int) * 16)];
+      char space[CMSG_SPACE(sizeof(int) * SHARDD_FRAME_FDS_PER_READ)];
     } ctl;
     /* Read no further than the end of the frame being assembled. The
      * kernel hands SCM_RIGHTS descriptors to the read that reaches the

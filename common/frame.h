@@ -15,6 +15,11 @@
 
 #define SHARDD_FRAME_HEADER 4u
 
+/* The descriptors one read takes (its control buffer's room): a writer
+ * sends at most this many with one write, or a reader of this size (every
+ * libshardd so far) would find the rest cut off (MSG_CTRUNC) and closed. */
+#define SHARDD_FRAME_FDS_PER_READ 16
+
 typedef struct {
   /* private */
   uint8_t *buf;

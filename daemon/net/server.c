@@ -5,6 +5,7 @@
 #include "server.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <inttypes.h>
 #include <math.h>
@@ -199,61 +200,163 @@ fail:
   session_close_later(s);
 }
 
-/* The dispatcher's send_fds hook: a write carries one descriptor (libuv's
- * uv_write2), so the frame goes out as nfds writes, descriptor k with
- * byte k and the last with the rest. They are queued back to back, so
- * nothing comes between them in the stream; the kernel never merges two
- * writes' descriptors into one read, and the client reads up to the
- * frame's end, so every descriptor reaches the frame they were sent with,
- * in order. */
+/* Writes what it can of a frame and its nfds descriptors at once, while
+ * nothing is queued before it (as net_send's uv_try_write): groups of
+ * SHARDD_FRAME_FDS_PER_READ descriptors, one sendmsg each with one byte of
+ * the frame (the last group with the rest). A libuv write carries one
+ * descriptor, wrapped in a handle of its own: an fcntl, an ioctl, a
+ * failing epoll_ctl, a sendmsg and a close each, the most of the daemon's
+ * time in registering 10,000 buffers in batches. The descriptors sent are
+ * closed and set to -1 unless borrowed (the caller's); returns how many
+ * went and *off how many bytes. Stops at the first write that does not go
+ * whole (the socket is full, an error): libuv writes the rest and reports
+ * an error as it did. */
+static size_t send_fds_now(shardd__session *s, const uint8_t *frame,
+                           size_t total, int *fds, size_t nfds, int borrowed,
+                           size_t *off) {
+  int sock;
+  *off = 0;
+  if (s->close_after_write ||
+      uv_stream_get_write_queue_size((uv_stream_t *)&s->pipe) != 0 ||
+      uv_fileno((uv_handle_t *)&s->pipe, &sock) != 0)
+    return 0;
+  size_t k = 0;
+  while (k < nfds) {
+    size_t n = nfds - k < SHARDD_FRAME_FDS_PER_READ ? nfds - k
+                                                    : SHARDD_FRAME_FDS_PER_READ;
+    size_t len = k + n < nfds ? 1 : total - *off;
+    union {
+      struct cmsghdr align;
+      char space[CMSG_SPACE(sizeof(int) * SHARDD_FRAME_FDS_PER_READ)];
+    } ctl;
+    memset(&ctl, 0, sizeof ctl);
+    struct iovec iov = {(void *)(frame + *off), len};
+    struct msghdr msg = {0};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = ctl.space;
+    msg.msg_controllen = CMSG_SPACE(n * sizeof(int));
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(n * sizeof(int));
+    memcpy(CMSG_DATA(cm), fds + k, n * sizeof(int));
+    ssize_t w;
+    do
+      w = sendmsg(sock, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+    while (w < 0 && errno == EINTR);
+    if (w <= 0)
+      break;
+    for (size_t j = k; j < k + n && !borrowed; j++) {
+      close(fds[j]);
+      fds[j] = -1;
+    }
+    k += n;
+    *off += (size_t)w;
+    if ((size_t)w < len)
+      break; /* the last group, in part: the rest carries no descriptor */
+  }
+  return k;
+}
+
+/* The dispatcher's send_fds hook. What send_fds_now leaves goes as libuv
+ * writes of one descriptor each (uv_write2; a borrowed one duplicated for
+ * the handle that closes it), descriptor k with the next byte and the
+ * last with the rest. Every write is queued (or made) back
+ * to back, so nothing comes between them in the stream; the kernel never
+ * merges two writes' descriptors into one read, and the client reads up
+ * to the frame's end, so every descriptor reaches the frame they were
+ * sent with, in order. */
 static void net_send_fds(void *ctx, shardd__conn *c, uint8_t *frame, size_t n,
-                         int *fds, size_t nfds) {
-  if (nfds <= 1) {
+                         int *fds, size_t nfds, int borrowed) {
+  if (nfds <= 1) { /* the dispatcher borrows only two or more */
     net_send(ctx, c, frame, n, nfds == 1 ? fds[0] : -1);
     return;
   }
   shardd__session *s = session_of(c);
   size_t total = SHARDD_FRAME_HEADER + n;
-  size_t k = 0;
+  size_t k = 0, first = 0, off = 0;
   shared_buf *sb = NULL;
   write_req **ws = NULL;
   if (s->closing || s->close_deferred)
     goto drop;
-  if (frame == NULL || total < nfds || reply_fault(s->srv) ||
-      (sb = calloc(1, sizeof *sb)) == NULL ||
-      (ws = calloc(nfds, sizeof *ws)) == NULL)
+  if (frame == NULL || total < nfds || reply_fault(s->srv))
     goto oom;
-  for (k = 0; k < nfds; k++) {
+  shardd__frame_put_header(frame, (uint32_t)n);
+  first = send_fds_now(s, frame, total, fds, nfds, borrowed, &off);
+  if (first == nfds) {
+    if (off == total) {
+      free(frame);
+      return;
+    }
+    /* the rest of the frame, as net_send's after a part written */
+    write_req *w = calloc(1, sizeof *w);
+    if (w == NULL)
+      goto oom;
+    w->s = s;
+    w->sent = off;
+    w->buf = uv_buf_init((char *)frame + off, (unsigned)(total - off));
+    int e = uv_write(&w->req, (uv_stream_t *)&s->pipe, &w->buf, 1, write_done);
+    if (e != 0) {
+      shardd__log(3, "session %" PRIu64 ": write: %s", s->conn.id,
+                  uv_strerror(e));
+      free(frame);
+      free(w);
+      session_close_later(s);
+      return;
+    }
+    s->writes++;
+    write_charge(s, w);
+    return;
+  }
+  size_t left = nfds - first;
+  if ((sb = calloc(1, sizeof *sb)) == NULL ||
+      (ws = calloc(left, sizeof *ws)) == NULL)
+    goto oom;
+  for (k = 0; k < left; k++) {
     if ((ws[k] = calloc(1, sizeof *ws[k])) == NULL ||
         (ws[k]->fd_handle = malloc(sizeof *ws[k]->fd_handle)) == NULL)
       goto oom;
+    int fd = borrowed ? fcntl(fds[first + k], F_DUPFD_CLOEXEC, 0)
+                      : fds[first + k];
+    if (fd < 0) {
+      free(ws[k]->fd_handle);
+      ws[k]->fd_handle = NULL;
+      shardd__log(0, "duplicating a descriptor: %s", strerror(errno));
+      goto oom;
+    }
     uv_pipe_init(s->srv->loop, ws[k]->fd_handle, 0);
-    int e = uv_pipe_open(ws[k]->fd_handle, fds[k]);
+    int e = uv_pipe_open(ws[k]->fd_handle, fd);
     if (e != 0) {
       /* not opened: the handle needs no close, the descriptor is ours */
+      if (borrowed)
+        close(fd);
       free(ws[k]->fd_handle);
       ws[k]->fd_handle = NULL;
       shardd__log(0, "wrapping a descriptor: %s", uv_strerror(e));
       goto oom;
     }
-    fds[k] = -1; /* the handle owns it now */
+    if (!borrowed)
+      fds[first + k] = -1; /* the handle owns it now */
   }
-  shardd__frame_put_header(frame, (uint32_t)n);
   sb->buf = (char *)frame;
-  sb->refs = nfds;
+  sb->refs = left;
   frame = NULL;
-  for (k = 0; k < nfds; k++) {
+  for (k = 0; k < left; k++) {
     write_req *w = ws[k];
     w->s = s;
     w->sb = sb;
-    w->buf = uv_buf_init(sb->buf + k, (unsigned)(k + 1 < nfds ? 1 : total - k));
+    /* each write at least a byte: total >= nfds, and the groups sent
+     * took one byte each for SHARDD_FRAME_FDS_PER_READ descriptors */
+    w->buf = uv_buf_init(sb->buf + off + k,
+                         (unsigned)(k + 1 < left ? 1 : total - off - k));
     int e = uv_write2(&w->req, (uv_stream_t *)&s->pipe, &w->buf, 1,
                       (uv_stream_t *)w->fd_handle, write_done);
     if (e != 0) {
       /* the queued writes hold the bytes; the rest are dropped here */
       shardd__log(3, "session %" PRIu64 ": write: %s", s->conn.id,
                   uv_strerror(e));
-      for (size_t j = k; j < nfds; j++) {
+      for (size_t j = k; j < left; j++) {
         uv_close((uv_handle_t *)ws[j]->fd_handle, fd_handle_closed);
         free(ws[j]);
         if (--sb->refs == 0) {
@@ -276,7 +379,7 @@ oom:
               s->conn.id);
   session_close_later(s);
   if (ws)
-    for (size_t j = 0; j < nfds; j++)
+    for (size_t j = 0; j < nfds - first; j++)
       if (ws[j]) {
         if (ws[j]->fd_handle)
           uv_close((uv_handle_t *)ws[j]->fd_handle, fd_handle_closed);
@@ -285,7 +388,7 @@ oom:
   free(ws);
   free(sb);
 drop:
-  for (size_t j = 0; j < nfds; j++)
+  for (size_t j = 0; j < nfds && !borrowed; j++)
     if (fds[j] >= 0)
       close(fds[j]);
   free(frame);

@@ -171,8 +171,7 @@ shardd_err shardd__buffer_register(shardd__registry *reg, shardd__job *job,
     reg->nblocks++;
   }
   gkey = shardd__gen_key(name, NULL);
-  if (gkey == NULL || (gprev = shardd__gen_get(job, gkey),
-                       shardd__gen_put(job, gkey, gprev + 1)) != SHARDD_OK) {
+  if (gkey == NULL || shardd__gen_next(job, gkey, &gprev) != SHARDD_OK) {
     rc = SHARDD_E_NO_MEMORY;
     snprintf(err, errlen, "out of memory");
     goto fail;

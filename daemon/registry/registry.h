@@ -120,6 +120,7 @@ struct shardd__job {
 typedef struct shardd__freed {
   uint64_t id, generation;
   shardd__obj_kind kind;
+  /* one allocation, owned through key: the key, then name and buf_name */
   char *key;  /* the gens key of its name */
   char *name; /* buffer or view name */
   char *buf_name; /* views: the buffer's name */

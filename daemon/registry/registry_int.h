@@ -38,6 +38,10 @@ char *shardd__gen_key(const char *buf_name, const char *view_name);
 uint64_t shardd__gen_get(const shardd__job *job, const char *key);
 /* Sets it (g 0 deletes); replacing an existing key cannot fail. */
 shardd_err shardd__gen_put(shardd__job *job, const char *key, uint64_t g);
+/* Hands out the next generation under key: *prev gets the last one (0 for
+ * none) and the key holds *prev + 1 (gen_put(job, key, *prev) undoes it).
+ * One lookup for what gen_get then gen_put did in two. */
+shardd_err shardd__gen_next(shardd__job *job, const char *key, uint64_t *prev);
 /* Records o (a buffer, or a view of the buffer buf_name) as freed in its
  * job's ring, before obj_fini frees its name; optimizers and frees during
  * job_release are not recorded. Copies what it keeps. */

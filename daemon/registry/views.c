@@ -16,8 +16,7 @@ void shardd__view_destroy(shardd__registry *reg, shardd__view *v) {
     v->buf->nfrozen--;
   shardd__record_freed(&v->hdr, v->buf->hdr.name);
   shardd__obj_fini(reg, &v->hdr);
-  free(v->shape);
-  free(v);
+  free(v); /* and its shape, in the same allocation */
 }
 
 /* ---- views ------------------------------------------------------------ */
@@ -362,11 +361,15 @@ shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
   }
   if (!shardd__within_views(reg, job, err, errlen))
     return SHARDD_E_LIMIT;
-  v = calloc(1, sizeof *v);
-  if (v == NULL || (ndim > 0 && (v->shape = malloc((size_t)ndim * sizeof *shape)) == NULL))
+  /* the shape right after the view, one allocation (sizeof *v is a
+   * multiple of its alignment, which int64_t's does not exceed) */
+  v = calloc(1, sizeof *v + (size_t)ndim * sizeof *shape);
+  if (v == NULL)
     goto nomem;
-  if (ndim > 0)
+  if (ndim > 0) {
+    v->shape = (int64_t *)(v + 1);
     memcpy(v->shape, shape, (size_t)ndim * sizeof *shape);
+  }
   v->ndim = ndim;
   v->buf = b;
   v->offset = offset;
@@ -374,8 +377,7 @@ shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
   v->requires_grad = requires_grad;
   v->grad_seen = 1;
   gkey = shardd__gen_key(o->name, name);
-  if (gkey == NULL || (gprev = shardd__gen_get(job, gkey),
-                       shardd__gen_put(job, gkey, gprev + 1)) != SHARDD_OK)
+  if (gkey == NULL || shardd__gen_next(job, gkey, &gprev) != SHARDD_OK)
     goto nomem;
   v->hdr.generation = gprev + 1;
   if (shardd__obj_init(reg, &v->hdr, SHARDD__OBJ_VIEW, name, job) !=
@@ -400,8 +402,6 @@ shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
 
 nomem:
   free(gkey);
-  if (v)
-    free(v->shape);
   free(v);
   snprintf(err, errlen, "out of memory");
   return SHARDD_E_NO_MEMORY;
@@ -456,8 +456,7 @@ void shardd__view_abandon(shardd__registry *reg, shardd__view *v) {
   if (!v->requires_grad)
     b->nfrozen--;
   shardd__obj_fini(reg, &v->hdr);
-  free(v->shape);
-  free(v);
+  free(v); /* and its shape */
 }
 
 shardd_err shardd__view_set_requires_grad(shardd__registry *reg,

@@ -407,7 +407,7 @@ static void reply_gather(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     shardd__reply(d, c, seq, rc, "exporting the area pool's descriptor failed");
     return;
   }
-  shardd__send_resp_fds(d, c, &resp, fds, (size_t)nfds);
+  shardd__send_resp_fds(d, c, &resp, fds, (size_t)nfds, 0);
 }
 
 /* The member is the first field of its connection. */

@@ -73,11 +73,14 @@ typedef struct {
    * 0. Called only outside walks over shared state; the job the rank
    * belongs to may be released inside (--job-linger 0). NULL: never. */
   int (*reclaim)(void *ctx, uint64_t id);
-  /* As send, with nfds descriptors (fds[k] >= 0) travelling with the
-   * frame in order; the descriptors are the hook's from here (it sets
-   * the entries it took to -1 and closes any it could not send). */
+  /* As send, with nfds (>= 2) descriptors (fds[k] >= 0) travelling with
+   * the frame in order; the descriptors are the hook's from here (it sets
+   * the entries it took to -1 and closes any it could not send), or with
+   * borrowed the caller's still: the hook sends them before it returns or
+   * duplicates those it keeps (a rank block's own memfd, not a duplicate
+   * made for the reply and closed after it). */
   void (*send_fds)(void *ctx, shardd__conn *c, uint8_t *frame, size_t len,
-                   int *fds, size_t nfds);
+                   int *fds, size_t nfds, int borrowed);
   /* what unread replies hold now, bytes and descriptors (status); NULL:
    * nothing is said */
   void (*unread_replies)(void *ctx, uint64_t *bytes, uint64_t *fds);

@@ -39,9 +39,11 @@ static inline Shardwire__Response ok_resp(uint64_t seq,
 void shardd__send_resp(shardd__dispatch *d, shardd__conn *c,
                        const Shardwire__Response *resp, int fd);
 /* As shardd__send_resp, with n descriptors in order (all >= 0); they are
- * the hook's from here, or closed. */
+ * the hook's from here, or closed; or with borrowed (n >= 2 only) they
+ * stay the caller's (see the send_fds hook). */
 void shardd__send_resp_fds(shardd__dispatch *d, shardd__conn *c,
-                           const Shardwire__Response *resp, int *fds, size_t n);
+                           const Shardwire__Response *resp, int *fds, size_t n,
+                           int borrowed);
 /* A status-only reply (msg NULL: the code's own words). */
 void shardd__reply(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                    shardd_err code, const char *msg);

@@ -75,9 +75,11 @@ static void buffer_undo(shardd__dispatch *d, const buf_undo *u) {
 }
 
 /* Exports c's rank block of b (a descriptor in *fd, or a CUDA IPC handle
- * in ipc) and fills br, which borrows from b and ipc. */
+ * in ipc) and fills br, which borrows from b and ipc. borrow: *fd is the
+ * block's own memfd, not a duplicate (the caller sends it before anything
+ * can free the block, and does not close it). */
 static shardd_err buffer_reply_fill(shardd__dispatch *d, shardd__conn *c,
-                                    shardd__buffer *b, int created,
+                                    shardd__buffer *b, int created, int borrow,
                                     Shardwire__BufferReply *br, uint8_t ipc[64],
                                     int *fd, char *err, size_t errlen) {
   shardd__backend *be = d->backend;
@@ -94,7 +96,9 @@ static shardd_err buffer_reply_fill(shardd__dispatch *d, shardd__conn *c,
       return rc;
     }
   } else {
-    rc = be->ops->export_fd(be, b->blocks[rank], fd);
+    /* as export_fd's refusal of a block with no descriptor */
+    rc = !borrow ? be->ops->export_fd(be, b->blocks[rank], fd)
+         : (*fd = b->blocks[rank]->fd) >= 0 ? SHARDD_OK : SHARDD_E_INVAL;
     if (rc != SHARDD_OK) {
       snprintf(err, errlen, "exporting rank %" PRIu32 "'s block: %s",
                rank, shardd_strerror(rc));
@@ -153,7 +157,8 @@ void shardd__on_register_buffer(shardd__dispatch *d, shardd__conn *c,
   int fd;
   uint8_t ipc[64];
   Shardwire__BufferReply br;
-  rc = buffer_reply_fill(d, c, u.b, u.created, &br, ipc, &fd, err, sizeof err);
+  rc = buffer_reply_fill(d, c, u.b, u.created, 0, &br, ipc, &fd, err,
+                         sizeof err);
   if (rc != SHARDD_OK) {
     shardd__reply(d, c, seq, rc, err);
     return;
@@ -434,9 +439,15 @@ static void buffers_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
       shardd__batch_err_add(&be, i, rc, err);
   }
   size_t nfds = 0;
+  /* two or more: the blocks' own descriptors, sent before this returns or
+   * duplicated by the transport (a duplicate and its close were two of
+   * the daemon's seven system calls per buffer); one goes as a single
+   * reply's, which owns its descriptor */
+  int borrow = n > 1;
   for (size_t i = 0; i < n && be.total == 0; i++) {
-    shardd_err rc = buffer_reply_fill(d, c, u[i].b, u[i].created, &br[i],
-                                      ipc + 64 * i, &fds[i], err, sizeof err);
+    shardd_err rc = buffer_reply_fill(d, c, u[i].b, u[i].created, borrow,
+                                      &br[i], ipc + 64 * i, &fds[i], err,
+                                      sizeof err);
     if (rc != SHARDD_OK)
       shardd__batch_err_add(&be, i, rc, err);
     else if (fds[i] >= 0)
@@ -444,7 +455,7 @@ static void buffers_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     brp[i] = &br[i];
   }
   if (be.total > 0) {
-    for (size_t i = 0; i < n; i++)
+    for (size_t i = 0; i < n && !borrow; i++)
       if (fds[i] >= 0)
         close(fds[i]);
     for (size_t i = n; i-- > 0;)
@@ -452,7 +463,7 @@ static void buffers_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     shardd__batch_refuse(d, c, seq, n, &be, "buffers");
   } else if (nfds != 0 && nfds != n) {
     /* a backend exports every block alike: a bug, said loudly */
-    for (size_t i = 0; i < n; i++)
+    for (size_t i = 0; i < n && !borrow; i++)
       if (fds[i] >= 0)
         close(fds[i]);
     for (size_t i = n; i-- > 0;)
@@ -465,7 +476,7 @@ static void buffers_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     bb.n_buffers = n;
     bb.buffers = brp;
     resp.buffers_batch = &bb;
-    shardd__send_resp_fds(d, c, &resp, fds, nfds);
+    shardd__send_resp_fds(d, c, &resp, fds, nfds, borrow);
     for (size_t i = 0; i < n; i++)
       if (u[i].created)
         log_created(c, u[i].b);

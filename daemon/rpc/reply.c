@@ -43,17 +43,17 @@ void shardd__send_resp(shardd__dispatch *d, shardd__conn *c,
 }
 
 /* As send_resp, with n descriptors in order (all >= 0); they are the
- * hook's from here, or closed. */
+ * hook's from here, or closed; borrowed (n >= 2): the caller's. */
 void shardd__send_resp_fds(shardd__dispatch *d, shardd__conn *c,
                            const Shardwire__Response *resp, int *fds,
-                           size_t n) {
+                           size_t n, int borrowed) {
   if (n <= 1) {
     shardd__send_resp(d, c, resp, n == 1 ? fds[0] : -1);
     return;
   }
   size_t len = shardwire__response__get_packed_size(resp);
   if (!d->io.live(d->io.ctx, c) || len > SHARDD_MAX_FRAME) {
-    for (size_t i = 0; i < n; i++)
+    for (size_t i = 0; i < n && !borrowed; i++)
       close(fds[i]);
     shardd__send_resp(d, c, resp, -1); /* says why, or nothing */
     return;
@@ -61,7 +61,7 @@ void shardd__send_resp_fds(shardd__dispatch *d, shardd__conn *c,
   uint8_t *frame = malloc(SHARDD_FRAME_HEADER + len);
   if (frame)
     shardwire__response__pack(resp, frame + SHARDD_FRAME_HEADER);
-  d->io.send_fds(d->io.ctx, c, frame, len, fds, n);
+  d->io.send_fds(d->io.ctx, c, frame, len, fds, n, borrowed);
 }
 
 /* A status-only reply (msg NULL: the code's own words). */

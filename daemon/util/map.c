@@ -82,21 +82,21 @@ static shardd__map_entry **map_find(const shardd__map *m, uint64_t hash,
   return NULL;
 }
 
-static shardd_err map_put(shardd__map *m, uint64_t hash, uint64_t id,
-                          const char *key, void *value) {
+/* The entry under (hash, id, key), added with value when absent; NULL
+ * when out of memory. */
+static shardd__map_entry *map_entry(shardd__map *m, uint64_t hash, uint64_t id,
+                                    const char *key, void *value) {
   shardd__map_entry **pp = map_find(m, hash, id, key);
-  if (pp) {
-    (*pp)->value = value;
-    return SHARDD_OK;
-  }
+  if (pp)
+    return *pp;
   if (m->count >= m->nslots && map_grow(m) != SHARDD_OK)
-    return SHARDD_E_NO_MEMORY;
+    return NULL;
   shardd__map_entry *e = calloc(1, sizeof *e);
   if (e == NULL)
-    return SHARDD_E_NO_MEMORY;
+    return NULL;
   if (key && (e->key = strdup(key)) == NULL) {
     free(e);
-    return SHARDD_E_NO_MEMORY;
+    return NULL;
   }
   e->hash = hash;
   e->id = id;
@@ -105,6 +105,15 @@ static shardd_err map_put(shardd__map *m, uint64_t hash, uint64_t id,
   e->next = m->slots[j];
   m->slots[j] = e;
   m->count++;
+  return e;
+}
+
+static shardd_err map_put(shardd__map *m, uint64_t hash, uint64_t id,
+                          const char *key, void *value) {
+  shardd__map_entry *e = map_entry(m, hash, id, key, value);
+  if (e == NULL)
+    return SHARDD_E_NO_MEMORY;
+  e->value = value;
   return SHARDD_OK;
 }
 
@@ -146,6 +155,11 @@ void *shardd__map_get_str(const shardd__map *m, const char *key) {
 
 void *shardd__map_del_str(shardd__map *m, const char *key) {
   return map_del(m, hash_str(key), 0, key);
+}
+
+void **shardd__map_slot_str(shardd__map *m, const char *key) {
+  shardd__map_entry *e = map_entry(m, hash_str(key), 0, key, NULL);
+  return e ? &e->value : NULL;
 }
 
 void shardd__map_each(const shardd__map *m, void (*fn)(void *value, void *arg),

@@ -32,6 +32,10 @@ void *shardd__map_del_id(shardd__map *m, uint64_t id);
 shardd_err shardd__map_put_str(shardd__map *m, const char *key, void *value);
 void *shardd__map_get_str(const shardd__map *m, const char *key);
 void *shardd__map_del_str(shardd__map *m, const char *key);
+/* Where key's value lives, added (its value NULL) when key is absent: a
+ * read and a write under one hash and one search. NULL when out of
+ * memory. Valid until the map next changes. */
+void **shardd__map_slot_str(shardd__map *m, const char *key);
 
 /* Calls fn on every value; fn must not change the map. */
 void shardd__map_each(const shardd__map *m, void (*fn)(void *value, void *arg),

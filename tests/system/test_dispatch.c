@@ -9,6 +9,9 @@
 #include <criterion/criterion.h>
 #include <inttypes.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "harness.h"
 
@@ -384,6 +387,23 @@ Test(dispatch, malformed_batches_are_answered) {
   cr_assert(test_daemon_alive(&d));
 }
 
+/* The request after a refused one is never sent (libshardd packs it while
+ * the daemon works on the one before): none of its views was registered,
+ * so each comes back new, at generation 1. */
+Test(dispatch, the_request_after_a_refused_one_is_never_sent) {
+  big_specs("n");
+  big[3].numel = 3; /* in the first request: shape says 4 */
+  cr_assert_eq(shardd_views_register(c, 3 * SHARDD_VIEWS_PER_REQUEST, big,
+                                     NULL, bige),
+               SHARDD_E_MISMATCH);
+  for (int i = SHARDD_VIEWS_PER_REQUEST; i < 3 * SHARDD_VIEWS_PER_REQUEST;
+       i += SHARDD_VIEWS_PER_REQUEST / 2) {
+    shardd_view_info vi = one(&big[i], SHARDD_OK);
+    cr_assert_eq(vi.created, 1, "view %d", i);
+    cr_assert_eq(vi.generation, 1, "view %d was registered before", i);
+  }
+}
+
 /* A refusal in the first request: its entries' codes, the rest not
  * checked, and nothing kept. */
 Test(dispatch, refusal_in_the_first_request_leaves_the_rest_unchecked) {
@@ -703,4 +723,150 @@ Test(dispatch, malformed_buffer_batches_are_answered) {
                SHARDD_OK);
   cr_assert_eq(x.created, 1);
   shardd_close(o);
+}
+
+/* ---- a batch's descriptors on the wire -------------------------------- */
+
+/* Reads one frame from r byte-exact to its end with room for 64
+ * descriptors a read: its payload (caller frees), its descriptors in fds
+ * (*nfds), the reads that carried any (*fd_reads) and the most one read
+ * carried (*most). */
+static uint8_t *read_frame_fds(test_raw *r, int *fds, int maxfds, int *nfds,
+                               int *fd_reads, int *most, size_t *len) {
+  uint8_t hdr[SHARDD_FRAME_HEADER], *payload = NULL;
+  size_t got = 0, want = sizeof hdr;
+  *nfds = *fd_reads = *most = 0;
+  while (got < want) {
+    union {
+      struct cmsghdr align;
+      char space[CMSG_SPACE(sizeof(int) * 64)];
+    } ctl;
+    uint8_t *dst = got < sizeof hdr ? hdr + got : payload + got - sizeof hdr;
+    size_t room = got < sizeof hdr ? sizeof hdr - got : want - got;
+    struct iovec iov = {dst, room};
+    struct msghdr msg = {0};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = ctl.space;
+    msg.msg_controllen = sizeof ctl.space;
+    ssize_t n = recvmsg(r->fd, &msg, MSG_CMSG_CLOEXEC);
+    cr_assert_gt(n, 0, "recvmsg: %s", n < 0 ? strerror(errno) : "EOF");
+    cr_assert_eq(msg.msg_flags & MSG_CTRUNC, 0, "descriptors cut off");
+    int here = 0;
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msg); cm; cm = CMSG_NXTHDR(&msg, cm))
+      if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
+        int k = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+        cr_assert_leq(*nfds + k, maxfds);
+        memcpy(fds + *nfds, CMSG_DATA(cm), (size_t)k * sizeof(int));
+        *nfds += k;
+        here += k;
+      }
+    if (here) {
+      ++*fd_reads;
+      if (here > *most)
+        *most = here;
+    }
+    got += (size_t)n;
+    if (got == sizeof hdr && payload == NULL) {
+      *len = (size_t)hdr[0] | (size_t)hdr[1] << 8 | (size_t)hdr[2] << 16 |
+             (size_t)hdr[3] << 24;
+      want += *len;
+      payload = malloc(*len ? *len : 1);
+      cr_assert_not_null(payload);
+    }
+  }
+  return payload;
+}
+
+/* Sends a RegisterBuffers of n buffers "<prefix><i>" of 64 + i fp32. */
+static uint64_t send_buffers_batch(test_raw *r, const char *prefix, int n) {
+  Shardwire__RegisterBuffer *rb = calloc((size_t)n, sizeof *rb);
+  Shardwire__RegisterBuffer **rbp = calloc((size_t)n, sizeof *rbp);
+  char (*nm)[32] = calloc((size_t)n, sizeof *nm);
+  cr_assert(rb && rbp && nm);
+  for (int i = 0; i < n; i++) {
+    shardwire__register_buffer__init(&rb[i]);
+    snprintf(nm[i], sizeof nm[i], "%s%d", prefix, i);
+    rb[i].name = nm[i];
+    rb[i].dtype = SHARDWIRE__DTYPE__FP32;
+    rb[i].numel = 64 + 1024 * (uint64_t)i; /* every block of its own size */
+    rbp[i] = &rb[i];
+  }
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__BuffersBatch bb = SHARDWIRE__BUFFERS_BATCH__INIT;
+  Shardwire__RegisterBuffers rq = SHARDWIRE__REGISTER_BUFFERS__INIT;
+  rq.n_buffers = (size_t)n;
+  rq.buffers = rbp;
+  bb.op_case = SHARDWIRE__BUFFERS_BATCH__OP_REGISTER;
+  bb.register_ = &rq;
+  req.body_case = SHARDWIRE__REQUEST__BODY_BUFFERS_BATCH;
+  req.buffers_batch = &bb;
+  uint64_t seq = test_raw_send(r, &req);
+  free(rb);
+  free(rbp);
+  free(nm);
+  return seq;
+}
+
+/* Reads the reply to seq, a batch of n buffers: each descriptor is its
+ * own entry's block (sizes in order), none came with more than a reader
+ * of SHARDD_FRAME_FDS_PER_READ takes; the reads that carried descriptors. */
+static int expect_buffers_reply(test_raw *r, uint64_t seq, int n) {
+  int fds[SHARDD_BUFFERS_PER_REQUEST], nfds, fd_reads, most;
+  size_t len = 0;
+  uint8_t *p = read_frame_fds(r, fds, SHARDD_BUFFERS_PER_REQUEST, &nfds,
+                              &fd_reads, &most, &len);
+  Shardwire__Response *resp = shardwire__response__unpack(NULL, len, p);
+  free(p);
+  cr_assert_not_null(resp);
+  cr_assert_eq(resp->seq, seq);
+  cr_assert_eq(resp->code, SHARDWIRE__STATUS_CODE__OK, "%s", resp->message);
+  cr_assert_eq(resp->buffers_batch->n_buffers, (size_t)n);
+  cr_assert_eq(nfds, n);
+  cr_assert_leq(most, SHARDD_FRAME_FDS_PER_READ);
+  for (int i = 0; i < n; i++) {
+    struct stat st;
+    cr_assert_eq(fstat(fds[i], &st), 0);
+    cr_assert_eq((uint64_t)st.st_size,
+                 resp->buffers_batch->buffers[i]->block_bytes,
+                 "descriptor %d is entry %d's block", i, i);
+    close(fds[i]);
+  }
+  shardwire__response__free_unpacked(resp, NULL);
+  return fd_reads;
+}
+
+Test(dispatch, buffers_batch_descriptors_come_in_reads_of_sixteen) {
+  /* a reply's descriptors go SHARDD_FRAME_FDS_PER_READ to a write (what
+   * every libshardd's reads take), not one write and one read each */
+  test_raw r;
+  test_raw_open(&d, &r);
+  test_raw_hello(&r, "rawfds", 0, 1);
+  uint64_t seq = send_buffers_batch(&r, "g", 40);
+  int reads = expect_buffers_reply(&r, seq, 40);
+  cr_assert_eq(reads, (40 + SHARDD_FRAME_FDS_PER_READ - 1) /
+                          SHARDD_FRAME_FDS_PER_READ,
+               "40 descriptors came in %d reads", reads);
+  test_raw_sync(&r);
+  test_raw_close(&r);
+}
+
+Test(dispatch, pipelined_buffers_batches_each_get_their_own_descriptors) {
+  /* requests sent before any reply is read: the replies, written back to
+   * back, still bring each entry its own descriptor, in order, frame by
+   * frame */
+  test_raw r;
+  test_raw_open(&d, &r);
+  test_raw_hello(&r, "rawpipe", 0, 1);
+  enum { REQS = 12 };
+  uint64_t seq[REQS];
+  for (int q = 0; q < REQS; q++) {
+    char prefix[16];
+    snprintf(prefix, sizeof prefix, "p%d.", q);
+    seq[q] = send_buffers_batch(&r, prefix, SHARDD_BUFFERS_PER_REQUEST - q);
+  }
+  for (int q = 0; q < REQS; q++)
+    expect_buffers_reply(&r, seq[q], SHARDD_BUFFERS_PER_REQUEST - q);
+  test_raw_sync(&r);
+  test_raw_close(&r);
 }

@@ -176,3 +176,17 @@ Test(map, each_on_empty_and_after_free) {
   cr_assert_eq(shardd__map_put_str(&m, "a", &vals[1]), SHARDD_OK);
   cr_expect_eq(shardd__map_get_str(&m, "a"), &vals[1]);
 }
+
+Test(map, a_strings_slot_is_read_and_written_in_place) {
+  void **s = shardd__map_slot_str(&m, "gen");
+  cr_assert_not_null(s);
+  cr_assert_null(*s, "an absent key's slot is added empty");
+  cr_assert_eq(shardd__map_count(&m), 1);
+  *s = (void *)(uintptr_t)7;
+  cr_assert_eq((uintptr_t)shardd__map_get_str(&m, "gen"), 7);
+  void **again = shardd__map_slot_str(&m, "gen");
+  cr_assert_eq(again, s, "an existing key's slot is its own");
+  cr_assert_eq(shardd__map_count(&m), 1);
+  cr_assert_eq((uintptr_t)shardd__map_del_str(&m, "gen"), 7);
+  cr_assert_eq(shardd__map_count(&m), 0);
+}
