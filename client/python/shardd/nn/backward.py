@@ -317,6 +317,13 @@ class _BackwardHooks:
         kept = [e for e in train if e.kept]
         no_grad = [e.view for e in train if not e.kept and not (ran and e.got)]
         acc, save = False, None
+        red = u.buffer.reduced_tensor
+        # zero_grad() zeroed the shard and nothing wrote into it since (its
+        # version is the same, no scatter came): the kept .grad are zeros,
+        # nothing to add back (a clone and an add of the whole shard, about
+        # a millisecond per MiB here)
+        zeroed = u.zeroed_at is not None and u.zeroed_at == red._version
+        u.zeroed_at = None
         if kept:
             with torch.no_grad():
                 for e in train:
@@ -324,17 +331,17 @@ class _BackwardHooks:
                         e.rpart.zero_()
                 if u.live_at is not None and u.live_at == self.client.steps_requested:
                     acc = True  # the daemon adds to its live reduced gradient
-                else:
+                elif not zeroed:
                     # a step consumed it: the daemon would replace it, so
                     # what the parameters kept is added back here
-                    save = u.buffer.reduced_tensor.clone()
+                    save = red.clone()
         with self._same_collectives("unit %r's reduce-scatter" % u.name):
             self.client.scatter(u.buffer, self.reduce_op,
                                 no_grad=(True if len(no_grad) == len(train) else no_grad),
                                 accumulate=acc)
         if save is not None:
             with torch.no_grad():
-                u.buffer.reduced_tensor.add_(save)
+                red.add_(save)
         u.live_at = self.client.steps_requested
         u.state = "done"
         self._end_use(u)
