@@ -68,7 +68,8 @@ class _BackwardHooks:
         # activation checkpointing recomputes it once more (reentrant
         # checkpoints around two calls of it: each nested backward ends the
         # unit): its second share is gathered and added to the first
-        want = self._trainable(u) > 0 and (
+        trainable = self._trainable(u)
+        want = trainable > 0 and (
             u.state != "done" or u.recompute or use is unknown
             or (use is not None and not self._ended(use)))
         if u.is_root:
@@ -93,7 +94,7 @@ class _BackwardHooks:
         if want:
             u.state = "backward"
             u.ran = True
-            u.pending = self._trainable(u)
+            u.pending = trainable
             for e in u.entries:
                 e.got = False
             u.bw_use = None if u.is_root else (unknown if use is None else use)
