@@ -252,18 +252,27 @@ def main():
     if fsdp:
         r = fsdp["rows"]
         ge = r["gather-everything"]
-        parts, ok = [], True
-        for name, label in (("hooked+prefetch", "with prefetch"),
-                            ("hooked", "without prefetch")):
-            x = r[name]
-            ok = ok and x["vs_gather_everything"] <= 1.25
-            parts.append("%s %.2fx (CPU %.2fx)" % (label, x["vs_gather_everything"],
-                                                   x.get("cpu_vs_gather_everything", 0)))
-        target("shardd.nn hooked loop (transient) step time vs the gather-everything "
-               "loop, with prefetch and without", "<= 1.25x each",
-               "%s; %.1f ms gather-everything, %d ranks on %s CPUs, %d units"
-               % ("; ".join(parts), ge["step_ms"], fsdp["ranks"], fsdp.get("cpus", "?"),
-                  fsdp["units"]), ok)
+        # judged twice: on the step's wall time (the target's words), and
+        # on its CPU time (every rank's and the daemon's), which a machine
+        # whose CPUs other work shares moves far less than the wall time
+        for key, base, what in (
+                ("vs_gather_everything", "step_ms", "step time (wall)"),
+                ("cpu_vs_gather_everything", "cpu_ms",
+                 "CPU time per step (the ranks' and the daemon's)")):
+            if key not in ge:
+                continue  # a fsdp.json from before CPU times were taken
+            parts, ok = [], True
+            for name, label in (("hooked+prefetch", "with prefetch"),
+                                ("hooked", "without prefetch")):
+                x = r[name]
+                ok = ok and x[key] <= 1.25
+                parts.append("%s %.2fx" % (label, x[key]))
+            target("shardd.nn hooked loop (transient) %s vs the gather-everything "
+                   "loop, with prefetch and without" % what, "<= 1.25x each",
+                   "%s; %.1f ms gather-everything, %d ranks on %s CPUs, %d units, "
+                   "median of %d run(s)"
+                   % ("; ".join(parts), ge[base], fsdp["ranks"], fsdp.get("cpus", "?"),
+                      fsdp["units"], fsdp.get("repeat", 1)), ok)
         au = r.get("hooked+auto")
         if au:
             # issue 33 item 5: prefetching never makes a step slower than

@@ -809,12 +809,15 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         if self.transient:
             with torch.no_grad():
                 for u in self.units:
+                    whole = u.torch_grads and not set_to_none
                     for e in u.entries:
                         p = e.param
                         if set_to_none or (p.grad is None and not p.requires_grad):
                             p.grad = None
+                            whole = False
                             continue
                         if not p.requires_grad:
+                            whole = False
                             # frozen after it had a gradient: torch's
                             # zero_grad() zeroes the .grad it keeps (and
                             # torch.optim goes on stepping it)
@@ -826,6 +829,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                         if p.grad is not None and not isinstance(p.grad, _Grad16) \
                                 and p.grad.data_ptr() != e.rpart.data_ptr():
                             p.grad.zero_()  # the script's own tensor, zeroed as torch does
+                    u.zeroed_at = u.buffer.reduced_tensor._version if whole else None
             return
         with torch.no_grad():
             for u in self.units:

@@ -55,6 +55,12 @@ class FlatUnit:
         # accumulating scatter adds to it); a step since consumed it (the
         # daemon's next scatter replaces it), None: never scattered
         self.live_at = None
+        # transient: reduced_tensor._version right after zero_grad() zeroed
+        # every parameter's part of the reduced-gradient shard (fp32 units):
+        # while the version is the same and no scatter came since, the
+        # shard is all zeros (its padding always is), and a scatter that
+        # replaces it needs nothing added back (_finish)
+        self.zeroed_at = None
         # torch.optim can step it: fp32, so its parameters' .grad can be
         # their parts of the (fp32) reduced-gradient shard
         self.torch_grads = buffer.dtype_code == shardd._lib.DTYPE_FP32
