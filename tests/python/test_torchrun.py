@@ -6,7 +6,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 import unittest
 from unittest import mock
 
