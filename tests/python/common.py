@@ -209,11 +209,18 @@ def train_loop(rank, q, steps, client, sm, opt, step, pause_s=0.0):
     for s in range(start, steps):
         q.put(("loss", rank, s, step(s)))
         time.sleep(pause_s)
+    send_params(rank, q, sm)
+    client.close()
+    q.put(("done", rank))
+
+
+def send_params(rank, q, sm):
+    """In a rank process, on every rank (sm.full_parameters() gathers):
+    rank 0 puts ("params", {name: array}) of the whole parameters on q,
+    as last_params and the tests' comparisons with torch read them."""
     params = sm.full_parameters()
     if rank == 0:
         q.put(("params", {n: t.numpy().copy() for n, t in params.items()}))
-    client.close()
-    q.put(("done", rank))
 
 
 class Ranks:

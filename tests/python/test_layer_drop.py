@@ -106,9 +106,7 @@ def rank_main(rank, world, sock, job, case, q):
             err = "%s: %s" % (e.code_name, e.message)
         q.put(("out", rank, err))
         if err is None:
-            params = sm.full_parameters()
-            if rank == 0:
-                q.put(("params", {n: t.numpy().copy() for n, t in params.items()}))
+            common.send_params(rank, q, sm)
         client.close()
         q.put(("done", rank))
     except BaseException as e:

@@ -155,9 +155,7 @@ def rank_main(rank, world, sock, job, recipe, transient, q):
             lrs = [g["lr"] for g in opt.param_groups]
             sched.step()
             q.put(("step", rank, s, loss.item(), norm, lrs, opt.last_step.step))
-        params = sm.full_parameters()
-        if rank == 0:
-            q.put(("params", {n: t.numpy().copy() for n, t in params.items()}))
+        common.send_params(rank, q, sm)
         client.close()
         q.put(("done", rank))
     except BaseException as e:

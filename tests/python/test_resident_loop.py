@@ -172,9 +172,7 @@ def rank_main(rank, world, sock, job, case, q):
                 unchanged = all(torch.equal(a, b) for a, b in zip(before, after))
                 refused = (s, str(e), count() == at, unchanged)
                 break
-        params = sm.full_parameters()
-        if rank == 0:
-            q.put(("params", {n: t.numpy().copy() for n, t in params.items()}))
+        common.send_params(rank, q, sm)
         q.put(("out", rank, losses, refused))
         client.close()
         q.put(("done", rank))

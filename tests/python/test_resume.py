@@ -113,9 +113,7 @@ def elastic(rank, socks, job, q, pause_after=None):
             q.put(("loss", rank, s, loss.item()))
             if pause_after is not None and s >= pause_after:
                 time.sleep(1.0)  # room for the parent's SIGTERM between steps
-        params = sm.full_parameters()
-        if rank == 0:
-            q.put(("params", {n: t.numpy().copy() for n, t in params.items()}))
+        common.send_params(rank, q, sm)
         q.put(("retries", rank, retries))
         client.close()
         q.put(("done", rank))

@@ -119,9 +119,7 @@ def script(rank, sock, job, q, mode, go):
                         raise LostReply()
                     pending = None
                     s += 1
-                params = sm.full_parameters()
-                if rank == 0:
-                    q.put(("params", {n: t.numpy().copy() for n, t in params.items()}))
+                common.send_params(rank, q, sm)
                 q.put(("end", rank, opt.steps))
                 client.close()
                 q.put(("done", rank))

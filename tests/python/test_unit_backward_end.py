@@ -149,9 +149,7 @@ def rank_main(rank, world, sock, job, case, q):
             loss = nn.functional.mse_loss(m(x[s, lo:hi]), y[s, lo:hi])
             loss.backward()
             opt.step()
-        params = sm.full_parameters()
-        if rank == 0:
-            q.put(("params", {n: t.numpy().copy() for n, t in params.items()}))
+        common.send_params(rank, q, sm)
         client.close()
         q.put(("done", rank))
     except BaseException as e:
