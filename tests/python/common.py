@@ -190,6 +190,22 @@ def last_params(target, args_of, world, timeout=60):
     return out[-1] if out else None
 
 
+def launch_collect(target, args_of, world, timeout=120):
+    """launch_ranks, returning what the ranks put on q: got["params"] the
+    last ("params", {name: array}), got[(kind, rank)] the third item of
+    every other (kind, rank, value) message."""
+    got = {}
+
+    def on_msg(m):
+        if m[0] == "params":
+            got["params"] = m[1]
+        else:
+            got[(m[0], m[1])] = m[2]
+
+    launch_ranks(target, args_of, world, on_msg, timeout)
+    return got
+
+
 def max_rel(got, want):
     """max |got - want| over max |want| of one tensor (float64)."""
     import numpy as np

@@ -132,14 +132,8 @@ class HookWrites(unittest.TestCase):
         common.daemon()
 
     def run_case(self, case):
-        got = {}
-
-        def on_msg(m):
-            got[m[0] if m[0] == "params" else (m[0], m[1])] = m[1] if m[0] == "params" else m[2]
-
         sock, job = common.socket(), common.job("hookw-" + case)
-        common.launch_ranks(rank_main, lambda r, q: (r, WORLD, sock, job, case, q), WORLD, on_msg)
-        return got
+        return common.launch_collect(rank_main, lambda r, q: (r, WORLD, sock, job, case, q), WORLD)
 
     def assert_refused(self, case, kind):
         got = self.run_case(case)

@@ -116,14 +116,8 @@ def rank_main(rank, world, sock, job, case, q):
 @unittest.skipUnless(common.HAVE_TORCH, "torch not installed")
 class LayerDrop(unittest.TestCase):
     def run_case(self, case):
-        got = {}
-
-        def on_msg(m):
-            got[m[0] if m[0] == "params" else (m[0], m[1])] = m[1] if m[0] == "params" else m[2]
-
         sock, job = common.socket(), common.job("layerdrop-" + case)
-        common.launch_ranks(rank_main, lambda r, q: (r, WORLD, sock, job, case, q), WORLD, on_msg)
-        return got
+        return common.launch_collect(rank_main, lambda r, q: (r, WORLD, sock, job, case, q), WORLD)
 
     def test_blocks_skipped_alike_on_every_rank_train_as_torch(self):
         got = self.run_case("alike")
