@@ -328,8 +328,6 @@ class _BackwardHooks:
         # (no allocation, a fraction of the clone's cost)
         zeroed = u.zeroed_at is not None and u.zeroed_at == red._version
         u.zeroed_at = None
-        if zeroed and kept:
-            zeroed = not bool(red.any())
         if kept:
             with torch.no_grad():
                 for e in train:
@@ -337,7 +335,7 @@ class _BackwardHooks:
                         e.rpart.zero_()
                 if u.live_at is not None and u.live_at == self.client.steps_requested:
                     acc = True  # the daemon adds to its live reduced gradient
-                elif not zeroed:
+                elif not zeroed or bool(red.any()):
                     # a step consumed it: the daemon would replace it, so
                     # what the parameters kept is added back here
                     save = red.clone()
