@@ -595,6 +595,38 @@ class FSDPOneRankTest(unittest.TestCase):
         unit2 = [u.name for u in self.sm.units if u.module is self.model[2]]
         self.assertEqual(cloned, unit2)
 
+    def test_a_grad_written_untracked_after_zero_grad_is_added_to(self):
+        """A .grad written after zero_grad() where torch's version counter
+        does not see it (through `.grad.data` or `.grad.numpy()`, as older
+        scripts add a term to the gradient) is still added to by the
+        backward, as torch's: the shard is not taken for zeros by its
+        version alone. The gradients are torch's, bit for bit."""
+        import shardd.optim
+        opt = shardd.optim.AdamW(self.model.parameters(), lr=1e-3)
+        ref = mlp16()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        for step in range(3):
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            if step == 1:
+                self.model[2].weight.grad.data.add_(1.0)
+                ref[2].weight.grad.data.add_(1.0)
+            if step == 2:
+                self.model[4].weight.grad.numpy()[...] += 0.5
+                ref[4].weight.grad.numpy()[...] += 0.5
+            x = torch.randn(4, 128, generator=torch.Generator().manual_seed(step))
+            self.model(x).square().mean().backward()
+            ref(x).square().mean().backward()
+            want = dict(ref.named_parameters())
+            for u in self.sm.units:
+                for e in u.entries:
+                    torch.testing.assert_close(
+                        u.buffer.reduced_tensor[e.offset:e.offset + e.numel],
+                        want[e.name].grad.reshape(-1), rtol=0, atol=0,
+                        msg="step %d %s" % (step, e.name))
+            opt.step()
+            ref_opt.step()
+
     def test_saved_tensors_follow_the_area_of_backward(self):
         """rootnet keeps its root unit gathered from forward on, so backward
         re-gathers its children into other pool slots than forward had, one

@@ -4,7 +4,8 @@ no_grad or through .data) while its unit is gathered wrote the node's
 read-only gathered copy, and the rank died of SIGSEGV. It is refused with
 a RuntimeError naming the parameter and the hook, whether the hook was
 registered before wrapping or after, pre-hook or forward hook; a hook
-that only reads trains as torch, a writing hook removed through its
+that only reads trains as torch (one that returns a new output computed
+from the parameter too), a writing hook removed through its
 handle before training is gone, and the same clipping between steps (after
 the optimizer's step, over model.parameters()) trains as torch. 2 ranks
 against one process of torch.optim on the global batch."""
@@ -49,6 +50,14 @@ def penalty_hook(mod, inputs):
     mod.penalty = mod.weight.pow(2).sum() * 0.1
 
 
+def scale_hook(mod, inputs, output):
+    # a new output computed from the module's parameter: autograd saves
+    # the parameter (a forward hook registered after wrapping runs after
+    # the unit's release, so reading it gathers the unit again, and its
+    # copy is what the hook computes with)
+    return output * mod.bias
+
+
 def hook(model, case, wrapped):
     """Registers case's hook before wrapping (wrapped False) or after."""
     late = case.endswith("_after")
@@ -66,6 +75,8 @@ def hook(model, case, wrapped):
         return model[2].register_forward_pre_hook(penalty_hook)
     if case == "removed":
         return model[2].register_forward_pre_hook(clip_hook)
+    if case == "scale_after":
+        return model[2].register_forward_hook(scale_hook)
     return None
 
 
@@ -91,8 +102,8 @@ def train(model, opt, case, rows):
 
 def reference(case):
     model = make_model()
-    if case in ("reader", "penalty", "between"):
-        hook(model, case, False)
+    if case in ("reader", "penalty", "between", "scale_after"):
+        hook(model, case, case.endswith("_after"))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     per = ROWS // WORLD
     train(model, opt, case, [(r * per, (r + 1) * per) for r in range(WORLD)])
@@ -164,6 +175,10 @@ class HookWrites(unittest.TestCase):
         self.assert_trains_as_torch("reader")
         # what autograd saves of the copies is rebuilt from the unit's area
         self.assert_trains_as_torch("penalty")
+        # a forward hook after the wrapper's whose new output is the
+        # output times the parameter: backward reached it after the unit's
+        # release, and computed with the parameter's part of the shard
+        self.assert_trains_as_torch("scale_after")
 
     def test_removed_hook_is_gone(self):
         self.assert_trains_as_torch("removed")

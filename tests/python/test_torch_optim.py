@@ -190,17 +190,22 @@ def clip_norm64(params, max_norm):
     return torch.tensor(total)
 
 
+def param_hooks(model):
+    model.transformer.h[0].mlp.c_fc.weight.register_hook(lambda g: g.view(128, 32) * 0.5)
+    model.lm_head.weight.register_hook(lambda g: g * 3.0)
+
+
 def train(name, mode, model, opt, sm, rank, world, steps=STEPS, split=True):
     """The loop every rank and the reference (sm None; world: the ranks
     it stands for) run; -> losses (this rank's, or the ranks' mean)."""
     losses = []
-    if mode == "hook":
+    if mode == "hook" or (mode == "hook_before" and sm is None):
         # a hook the script registers on a parameter (after wrapping: on
-        # the wrapper's): it sees the gradient whole, this rank's (as
+        # the wrapper's; "hook_before": the ranks' before wrapping, in
+        # rank_main): it sees the gradient whole, this rank's (as
         # DDP's: a nonlinear hook, a clamp, is applied per rank, not to the
         # whole batch's gradient), and what it returns is what is reduced
-        model.transformer.h[0].mlp.c_fc.weight.register_hook(lambda g: g.view(128, 32) * 0.5)
-        model.lm_head.weight.register_hook(lambda g: g * 3.0)
+        param_hooks(model)
     for s in range(steps):
         if mode == "accumulate":
             z = zero_at(s)
@@ -398,6 +403,8 @@ def rank_main(rank, world, sock, job, name, mode, mid, kind, q):
             client.close()
             q.put(("done", rank))
             return
+        if mode == "hook_before":
+            param_hooks(model)
         sm = shardd.nn.ShardedModule(client, model, auto_wrap=auto_wrap)
         # FSDP's order: the optimizer over the wrapped model's parameters
         if kind == "shardd":  # the daemon's AdamW
@@ -686,6 +693,12 @@ class TorchOptimTest(unittest.TestCase):
         (A nonlinear hook, a clamp, differs from torch on the whole batch
         as under DDP: it sees each rank's gradient.)"""
         self.check("gpt", "hook", worlds=(2,))
+
+    def test_a_hook_on_a_parameter_registered_before_wrapping_runs(self):
+        """p.register_hook before wrapping: the wrapper's parameter that
+        replaces p runs it, as one registered after (it was dropped, and
+        the ranks trained without it, with no error)."""
+        self.check("gpt", "hook_before", worlds=(2,))
 
     def test_load_state_dict_of_torch_trains_on(self):
         self.check("gpt", "load", worlds=(2,))

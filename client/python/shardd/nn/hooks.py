@@ -606,6 +606,17 @@ class _ForwardHooks:
             if lo <= ptr < lo + g.numel() * esz and t.numel() > 0:
                 return _Saved(u, (ptr - lo) // esz, tuple(t.size()), tuple(t.stride()),
                               u.fw_use if self._in_forward else None)
+        e = self._by_param.get(id(t))
+        if e is not None and t.numel() > 0:
+            # a parameter of ours whose .data is not in its area now: a
+            # script's forward hook computes on a copy (hook_writes.py)
+            # of the same values. Saved as the parameter itself, backward
+            # would read whatever its .data is then (its part of the
+            # shard, once the unit is released): rebuilt from the area
+            for u in self.units:
+                if u.gather is not None and any(x is e for x in u.entries):
+                    return _Saved(u, e.offset, tuple(t.size()), tuple(t.stride()),
+                                  u.fw_use if self._in_forward else None)
         return t
 
     def _unpack(self, x):

@@ -293,6 +293,16 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                                         requires_grad=p.requires_grad)
                     e.grad_view = grd[off:off + n].view(p.shape)
                 e.param = newp
+                hooks = getattr(p, "_backward_hooks", None)
+                owner = _OWNERS.get(id(p))
+                if hooks and (owner is None or owner[0]() is not p):
+                    # a gradient hook registered before wrapping
+                    # (p.register_hook) runs on the parameter that replaces
+                    # p, as one registered after (else it never ran, with
+                    # no word); the same dict, so the script's handles
+                    # still remove it. Not from another wrapper's
+                    # parameter, whose dict holds that wrapper's hooks
+                    newp._backward_hooks = hooks
                 # where its data lives between forwards (_check_replaced)
                 e.home = newp.data_ptr()
                 self._orig_names[id(p)] = qn
