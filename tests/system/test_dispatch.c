@@ -1047,6 +1047,16 @@ Test(dispatch, queued_buffers_replies_leave_no_descriptor_behind) {
   after = daemon_fds_wait(base - 1, 0);
   cr_assert_eq(after, base - 1, "closed: %d descriptors, %d before with "
                "its socket", after, base);
+  /* and a client that closes right after sending: the daemon answers
+   * (some of) what it had read into a socket whose peer is gone */
+  test_raw_open(&d, &a);
+  test_raw_hello(&a, "qleak", 0, 2);
+  for (int q = 0; q < QREQS; q++)
+    send_buffers_batch(&a, "k", QN);
+  test_raw_close(&a);
+  after = daemon_fds_wait(base - 1, 0);
+  cr_assert_eq(after, base - 1, "closed at once: %d descriptors, %d before "
+               "with its socket", after, base);
   cr_assert(test_daemon_alive(&d));
   shardd_close(keep);
 }
