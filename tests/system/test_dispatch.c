@@ -780,15 +780,20 @@ static uint8_t *read_frame_fds(test_raw *r, int *fds, int maxfds, int *nfds,
   return payload;
 }
 
-/* Sends a RegisterBuffers of n buffers "<prefix><i>" of 64 + i fp32. */
-static uint64_t send_buffers_batch(test_raw *r, const char *prefix, int n) {
+/* Sends a RegisterBuffers of n buffers "<prefix><i>" of 64 + 1024 i
+ * fp32, each name padded with 'x' to namelen bytes (0: not). */
+static uint64_t send_buffers_batch_ex(test_raw *r, const char *prefix, int n,
+                                      int namelen) {
   Shardwire__RegisterBuffer *rb = calloc((size_t)n, sizeof *rb);
   Shardwire__RegisterBuffer **rbp = calloc((size_t)n, sizeof *rbp);
-  char (*nm)[32] = calloc((size_t)n, sizeof *nm);
+  char (*nm)[256] = calloc((size_t)n, sizeof *nm);
   cr_assert(rb && rbp && nm);
+  cr_assert_lt(namelen, 256);
   for (int i = 0; i < n; i++) {
     shardwire__register_buffer__init(&rb[i]);
-    snprintf(nm[i], sizeof nm[i], "%s%d", prefix, i);
+    int k = snprintf(nm[i], sizeof nm[i], "%s%d", prefix, i);
+    for (; k < namelen; k++)
+      nm[i][k] = 'x';
     rb[i].name = nm[i];
     rb[i].dtype = SHARDWIRE__DTYPE__FP32;
     rb[i].numel = 64 + 1024 * (uint64_t)i; /* every block of its own size */
@@ -808,6 +813,10 @@ static uint64_t send_buffers_batch(test_raw *r, const char *prefix, int n) {
   free(rbp);
   free(nm);
   return seq;
+}
+
+static uint64_t send_buffers_batch(test_raw *r, const char *prefix, int n) {
+  return send_buffers_batch_ex(r, prefix, n, 0);
 }
 
 /* Reads the reply to seq, a batch of n buffers: each descriptor is its
@@ -869,6 +878,34 @@ Test(dispatch, pipelined_buffers_batches_each_get_their_own_descriptors) {
   }
   for (int q = 0; q < REQS; q++)
     expect_buffers_reply(&r, seq[q], SHARDD_BUFFERS_PER_REQUEST - q);
+  test_raw_sync(&r);
+  test_raw_close(&r);
+}
+
+Test(dispatch, buffers_replies_cut_off_mid_payload_keep_their_descriptors) {
+  /* replies of 250 entries with 255-byte names (some 80 KiB each, past
+   * one socket buffer write) pipelined: the socket fills inside a reply's
+   * last part too, after its last descriptors went, and the rest follows
+   * without them; every reply still brings its own descriptors */
+  test_raw r;
+  test_raw_open(&d, &r);
+  test_raw_hello(&r, "rawlong", 0, 1);
+  enum { REQS = 12 };
+  /* the requests (70 KiB each) from a child: the daemon stops reading
+   * them while this reads no reply (its reply bounds), so one sender
+   * alone would wait for itself */
+  uint64_t first = r.seq + 1;
+  pid_t pid = fork();
+  cr_assert_geq(pid, 0);
+  if (pid == 0) {
+    for (int q = 0; q < REQS; q++)
+      send_buffers_batch_ex(&r, "L", SHARDD_BUFFERS_PER_REQUEST, 255);
+    _exit(0);
+  }
+  r.seq += REQS;
+  for (int q = 0; q < REQS; q++)
+    expect_buffers_reply(&r, first + (uint64_t)q, SHARDD_BUFFERS_PER_REQUEST);
+  test_expect_child_ok(pid, "sender");
   test_raw_sync(&r);
   test_raw_close(&r);
 }
