@@ -642,6 +642,76 @@ Test(server, uids_filling_the_partial_frame_budget_leave_root_and_others_room,
   test_daemon_finish(&d);
 }
 
+/* The partial-frame budget's counts by uid (what users hold in all, how
+ * many uids hold some or wait, their sessions waiting for room) must come
+ * back whatever way a session ends: closed while charged, closed while
+ * waiting (for room or for its uid's quarter), or closed by the daemon at
+ * --frame-timeout. A count left behind would keep the users' part (or the
+ * fair share) short for good: frames that then wait have nothing in flight
+ * to wait for. So after three uids' hogs end every way, four uids' 2 MiB
+ * Pings at once (8 MiB of the users' 9) are all answered within the frame
+ * timeout. */
+#define END_HOGS 3
+#define END_CONNS 6
+
+Test(server, partial_frame_counts_come_back_however_sessions_end,
+     .timeout = 120) {
+  if (geteuid() != 0)
+    cr_skip_test("needs root to act as other uids");
+  const double timeout = 2.0;
+  /* shares of 3 MiB (one 2 MiB frame), the users' 9 MiB */
+  test_daemon_start(&d, (const char *const[]){"--max-partial-bytes", "12M",
+                                              "--frame-timeout", "2", NULL});
+  test_daemon_open_to_all(&d);
+  int ready[END_HOGS][2], go[END_HOGS][2];
+  pid_t pids[END_HOGS];
+  for (int u = 0; u < END_HOGS; u++) {
+    pids[u] = test_fork_with_pipes(ready[u], go[u]);
+    if (pids[u] == 0)
+      _exit(half_frames_hog(d.sock, (uid_t)(4242 + u), END_CONNS, ready[u][1],
+                            go[u][0]));
+    unsigned char b;
+    cr_assert_eq(read(ready[u][0], &b, 1), 1, "hog %d stopped early", u);
+  }
+  cr_assert_gt(status_partial_bytes(), 0.0, "no half frame was charged");
+  /* the first uid ends now: sessions charged and sessions waiting close */
+  cr_assert_eq(write(go[0][1], "g", 1), 1);
+  test_expect_child_ok(pids[0], "hog 0");
+  /* the others' half frames time out (the daemon closes them), and those
+   * let in meanwhile too; then they end */
+  test_sleep_ms((int)(3 * timeout * 1000) + 500);
+  for (int u = 1; u < END_HOGS; u++) {
+    cr_assert_eq(write(go[u][1], "g", 1), 1);
+    test_expect_child_ok(pids[u], "hog");
+  }
+  for (int u = 0; u < END_HOGS; u++) {
+    close(ready[u][0]);
+    close(go[u][1]);
+  }
+  double left = -1;
+  for (double end = test_mono_s() + TEST_HANG_S; test_mono_s() < end;
+       test_sleep_ms(20))
+    if ((left = status_partial_bytes()) == 0)
+      break;
+  cr_assert_eq(left, 0.0, "%.0f bytes still charged after the hogs left", left);
+  /* four uids at once, the hogs' among them, each within its share */
+  pid_t pp[4];
+  double t0 = test_mono_s();
+  for (int u = 0; u < 4; u++) {
+    pp[u] = fork();
+    cr_assert_geq(pp[u], 0);
+    if (pp[u] == 0)
+      _exit(big_ping_as(d.sock, (uid_t)(4242 + u)));
+  }
+  for (int u = 0; u < 4; u++)
+    test_expect_child_ok(pp[u], "uid's 2 MiB ping");
+  double took = test_mono_s() - t0;
+  cr_log_info("four uids' 2 MiB Pings took %.2f s", took);
+  cr_assert_lt(took, timeout, "four uids' Pings waited %.2f s: the budget's "
+               "counts did not come back", took);
+  test_daemon_finish(&d);
+}
+
 /* ---- unread replies, per uid ----------------------------------------------
  * The per-connection bound alone let each connection hold ~90 MiB of
  * replies and 313 descriptors, so one uid's 256 connections that never

@@ -7,6 +7,8 @@
  * not fatal. Expected ids, codes and generations come from the single-view
  * calls and the rules they document. */
 #include <criterion/criterion.h>
+#include <dirent.h>
+#include <errno.h>
 #include <inttypes.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -778,15 +780,20 @@ static uint8_t *read_frame_fds(test_raw *r, int *fds, int maxfds, int *nfds,
   return payload;
 }
 
-/* Sends a RegisterBuffers of n buffers "<prefix><i>" of 64 + i fp32. */
-static uint64_t send_buffers_batch(test_raw *r, const char *prefix, int n) {
+/* Sends a RegisterBuffers of n buffers "<prefix><i>" of 64 + 1024 i
+ * fp32, each name padded with 'x' to namelen bytes (0: not). */
+static uint64_t send_buffers_batch_ex(test_raw *r, const char *prefix, int n,
+                                      int namelen) {
   Shardwire__RegisterBuffer *rb = calloc((size_t)n, sizeof *rb);
   Shardwire__RegisterBuffer **rbp = calloc((size_t)n, sizeof *rbp);
-  char (*nm)[32] = calloc((size_t)n, sizeof *nm);
+  char (*nm)[256] = calloc((size_t)n, sizeof *nm);
   cr_assert(rb && rbp && nm);
+  cr_assert_lt(namelen, 256);
   for (int i = 0; i < n; i++) {
     shardwire__register_buffer__init(&rb[i]);
-    snprintf(nm[i], sizeof nm[i], "%s%d", prefix, i);
+    int k = snprintf(nm[i], sizeof nm[i], "%s%d", prefix, i);
+    for (; k < namelen; k++)
+      nm[i][k] = 'x';
     rb[i].name = nm[i];
     rb[i].dtype = SHARDWIRE__DTYPE__FP32;
     rb[i].numel = 64 + 1024 * (uint64_t)i; /* every block of its own size */
@@ -806,6 +813,10 @@ static uint64_t send_buffers_batch(test_raw *r, const char *prefix, int n) {
   free(rbp);
   free(nm);
   return seq;
+}
+
+static uint64_t send_buffers_batch(test_raw *r, const char *prefix, int n) {
+  return send_buffers_batch_ex(r, prefix, n, 0);
 }
 
 /* Reads the reply to seq, a batch of n buffers: each descriptor is its
@@ -869,4 +880,220 @@ Test(dispatch, pipelined_buffers_batches_each_get_their_own_descriptors) {
     expect_buffers_reply(&r, seq[q], SHARDD_BUFFERS_PER_REQUEST - q);
   test_raw_sync(&r);
   test_raw_close(&r);
+}
+
+Test(dispatch, buffers_replies_cut_off_mid_payload_keep_their_descriptors) {
+  /* replies of 250 entries with 255-byte names (some 80 KiB each, past
+   * one socket buffer write) pipelined: the socket fills inside a reply's
+   * last part too, after its last descriptors went, and the rest follows
+   * without them; every reply still brings its own descriptors */
+  test_raw r;
+  test_raw_open(&d, &r);
+  test_raw_hello(&r, "rawlong", 0, 1);
+  enum { REQS = 12 };
+  /* the requests (70 KiB each) from a child: the daemon stops reading
+   * them while this reads no reply (its reply bounds), so one sender
+   * alone would wait for itself */
+  uint64_t first = r.seq + 1;
+  pid_t pid = fork();
+  cr_assert_geq(pid, 0);
+  if (pid == 0) {
+    for (int q = 0; q < REQS; q++)
+      send_buffers_batch_ex(&r, "L", SHARDD_BUFFERS_PER_REQUEST, 255);
+    _exit(0);
+  }
+  r.seq += REQS;
+  for (int q = 0; q < REQS; q++)
+    expect_buffers_reply(&r, first + (uint64_t)q, SHARDD_BUFFERS_PER_REQUEST);
+  test_expect_child_ok(pid, "sender");
+  test_raw_sync(&r);
+  test_raw_close(&r);
+}
+
+/* ---- a batch's descriptors while its replies are queued --------------- */
+
+/* The daemon's open descriptors (/proc/PID/fd). */
+static int daemon_fds(void) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/fd", (int)d.pid);
+  DIR *dir = opendir(path);
+  cr_assert_not_null(dir, "%s: %s", path, strerror(errno));
+  int n = 0;
+  for (struct dirent *e; (e = readdir(dir)) != NULL;)
+    if (e->d_name[0] != '.')
+      n++;
+  closedir(dir);
+  return n;
+}
+
+/* Waits up to 10 s for the daemon's descriptors to meet want (cmp 0:
+ * equal, 1: above); the last count. */
+static int daemon_fds_wait(int want, int cmp) {
+  int n = daemon_fds();
+  for (int i = 0; i < 1000 && (cmp ? n <= want : n != want); i++) {
+    test_sleep_ms(10);
+    n = daemon_fds();
+  }
+  return n;
+}
+
+/* Waits up to 10 s for Status to count descriptors in unread replies;
+ * the count. */
+static double unread_reply_fds_wait(void) {
+  double n = 0;
+  for (int i = 0; i < 1000 && n == 0; i++) {
+    if (i)
+      test_sleep_ms(10);
+    char *out = NULL;
+    cr_assert_eq(shardd_status_json(c, &out), SHARDD_OK, "%s",
+                 shardd_last_error(c));
+    tj *j = tj_parse(out);
+    free(out);
+    cr_assert_not_null(j);
+    n = tj_need(j, "unread_reply_fds", TJ_NUM)->num;
+    tj_free(j);
+  }
+  return n;
+}
+
+enum { QN = 40, QREQS = 100 };
+
+/* Reads a buffers batch reply of QN entries to seq: its descriptors'
+ * inodes in ino[], created flags in created[], ids in ids[] (any may be
+ * NULL); every descriptor is its own entry's size. */
+static void read_buffers_inodes(test_raw *r, uint64_t seq, ino_t *ino,
+                                int *created, uint64_t *ids) {
+  int fds[QN], nfds, fd_reads, most;
+  size_t len = 0;
+  uint8_t *p = read_frame_fds(r, fds, QN, &nfds, &fd_reads, &most, &len);
+  Shardwire__Response *resp = shardwire__response__unpack(NULL, len, p);
+  free(p);
+  cr_assert_not_null(resp);
+  cr_assert_eq(resp->seq, seq);
+  cr_assert_eq(resp->code, SHARDWIRE__STATUS_CODE__OK, "%s", resp->message);
+  cr_assert_eq(resp->buffers_batch->n_buffers, (size_t)QN);
+  cr_assert_eq(nfds, QN);
+  for (int i = 0; i < QN; i++) {
+    struct stat st;
+    cr_assert_eq(fstat(fds[i], &st), 0);
+    cr_assert_eq((uint64_t)st.st_size,
+                 resp->buffers_batch->buffers[i]->block_bytes,
+                 "reply %" PRIu64 ": descriptor %d is not entry %d's block",
+                 seq, i, i);
+    if (ino)
+      ino[i] = st.st_ino;
+    if (created)
+      created[i] = resp->buffers_batch->buffers[i]->created;
+    if (ids)
+      ids[i] = resp->buffers_batch->buffers[i]->id;
+    close(fds[i]);
+  }
+  shardwire__response__free_unpacked(resp, NULL);
+}
+
+/* Unregisters the buffers ids[0..n) in one batch; waits for its OK. */
+static void unregister_buffers(test_raw *r, const uint64_t *ids, int n) {
+  Shardwire__UnregisterBuffer ub[QN], *ubp[QN];
+  cr_assert_leq(n, QN);
+  for (int i = 0; i < n; i++) {
+    shardwire__unregister_buffer__init(&ub[i]);
+    ub[i].id = ids[i];
+    ubp[i] = &ub[i];
+  }
+  Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+  Shardwire__BuffersBatch bb = SHARDWIRE__BUFFERS_BATCH__INIT;
+  Shardwire__UnregisterBuffers rq = SHARDWIRE__UNREGISTER_BUFFERS__INIT;
+  rq.n_buffers = (size_t)n;
+  rq.buffers = ubp;
+  bb.op_case = SHARDWIRE__BUFFERS_BATCH__OP_UNREGISTER;
+  bb.unregister = &rq;
+  req.body_case = SHARDWIRE__REQUEST__BODY_BUFFERS_BATCH;
+  req.buffers_batch = &bb;
+  uint64_t seq = test_raw_send(r, &req);
+  shardwire__response__free_unpacked(test_raw_expect(r, seq, SHARDD_OK), NULL);
+}
+
+Test(dispatch, queued_buffers_replies_keep_their_blocks_when_unregistered) {
+  /* A client that does not read: its batch replies queue in the daemon,
+   * their descriptors (the blocks' own, borrowed) duplicated for the
+   * queue. Another rank then unregisters those buffers, closing the
+   * blocks' memfds, and registers others, which take the freed descriptor
+   * numbers: each queued reply must still bring its own block, never the
+   * other rank's (nor a closed descriptor). */
+  test_raw a, o;
+  test_raw_open(&d, &a);
+  test_raw_hello(&a, "qfree", 0, 2);
+  test_raw_open(&d, &o);
+  test_raw_hello(&o, "qfree", 1, 2);
+  ino_t orig[QN], cur[QN], other[QN], got[QN];
+  uint64_t ids[QN];
+  int created[QN];
+  read_buffers_inodes(&a, send_buffers_batch(&a, "q", QN), orig, NULL, ids);
+  memcpy(cur, orig, sizeof cur);
+  uint64_t seq[QREQS];
+  for (int q = 0; q < QREQS; q++)
+    seq[q] = send_buffers_batch(&a, "q", QN);
+  cr_assert_gt(unread_reply_fds_wait(), 0, "no reply was queued");
+  unregister_buffers(&o, ids, QN);
+  read_buffers_inodes(&o, send_buffers_batch(&o, "n", QN), other, NULL, NULL);
+  for (int q = 0; q < QREQS; q++) {
+    read_buffers_inodes(&a, seq[q], got, created, NULL);
+    for (int i = 0; i < QN; i++) {
+      for (int j = 0; j < QN; j++)
+        cr_assert_neq(got[i], other[j],
+                      "reply %d entry %d brought rank 1's block %d", q, i, j);
+      if (created[i]) /* made again after the unregistering */
+        cur[i] = got[i];
+      cr_assert_eq(got[i], cur[i], "reply %d entry %d: not its block", q, i);
+    }
+  }
+  test_raw_sync(&a);
+  test_raw_close(&a);
+  test_raw_close(&o);
+  cr_assert(test_daemon_alive(&d));
+}
+
+Test(dispatch, queued_buffers_replies_leave_no_descriptor_behind) {
+  /* replies queued, then read; then queued and their client gone: the
+   * daemon's descriptors come back to what the blocks and sessions hold */
+  shardd_client_t *keep = test_connect(&d, "qleak", 1, 2); /* the job stays */
+  test_raw a;
+  test_raw_open(&d, &a);
+  test_raw_hello(&a, "qleak", 0, 2);
+  ino_t orig[QN], got[QN];
+  read_buffers_inodes(&a, send_buffers_batch(&a, "k", QN), orig, NULL, NULL);
+  test_raw_sync(&a);
+  int base = daemon_fds();
+  uint64_t seq[QREQS];
+  for (int q = 0; q < QREQS; q++)
+    seq[q] = send_buffers_batch(&a, "k", QN);
+  cr_assert_gt(daemon_fds_wait(base, 1), base, "no reply was queued");
+  for (int q = 0; q < QREQS; q++) {
+    read_buffers_inodes(&a, seq[q], got, NULL, NULL);
+    cr_assert_arr_eq(got, orig, sizeof got);
+  }
+  test_raw_sync(&a);
+  int after = daemon_fds_wait(base, 0);
+  cr_assert_eq(after, base, "read: %d descriptors, %d before", after, base);
+  /* again, and the client closes with its replies queued, some of a
+   * frame sent (the socket full mid-reply) */
+  for (int q = 0; q < QREQS; q++)
+    send_buffers_batch(&a, "k", QN);
+  cr_assert_gt(daemon_fds_wait(base, 1), base, "no reply was queued");
+  test_raw_close(&a);
+  after = daemon_fds_wait(base - 1, 0);
+  cr_assert_eq(after, base - 1, "closed: %d descriptors, %d before with "
+               "its socket", after, base);
+  /* and a client that closes right after sending: the daemon answers
+   * (some of) what it had read into a socket whose peer is gone */
+  test_raw_open(&d, &a);
+  test_raw_hello(&a, "qleak", 0, 2);
+  for (int q = 0; q < QREQS; q++)
+    send_buffers_batch(&a, "k", QN);
+  test_raw_close(&a);
+  after = daemon_fds_wait(base - 1, 0);
+  cr_assert_eq(after, base - 1, "closed at once: %d descriptors, %d before "
+               "with its socket", after, base);
+  cr_assert(test_daemon_alive(&d));
+  shardd_close(keep);
 }
