@@ -461,6 +461,18 @@ static int half_frames_hog(const char *sock, uid_t uid, int conns, int ready,
   return 0; /* exit closes every connection, frames unfinished */
 }
 
+/* Waits (up to TEST_HANG_S) for the daemon to charge no partial-frame
+ * byte: closed connections' charges go with them, a loop turn or so
+ * after the close. */
+static void expect_uncharged(const char *when) {
+  double left = -1;
+  for (double end = test_mono_s() + TEST_HANG_S; test_mono_s() < end;
+       test_sleep_ms(20))
+    if ((left = status_partial_bytes()) == 0)
+      break;
+  cr_assert_eq(left, 0.0, "%.0f bytes still charged %s", left, when);
+}
+
 static int share_hog(const char *sock) {
   return half_frames_hog(sock, 4242, SHARE_CONNS, share_ready[1], share_go[0]);
 }
@@ -503,12 +515,7 @@ Test(server, one_uid_holds_at_most_its_share_of_partial_frames, .timeout = 120) 
   close(share_ready[0]);
   close(share_go[1]);
   /* its connections closed: their charges went with them */
-  double left = -1;
-  for (double end = test_mono_s() + TEST_HANG_S; test_mono_s() < end;
-       test_sleep_ms(20))
-    if ((left = status_partial_bytes()) == 0)
-      break;
-  cr_assert_eq(left, 0.0, "%.0f bytes still charged after the hog left", left);
+  expect_uncharged("after the hog left");
   test_raw_sync(&r);
   test_raw_close(&r);
   test_daemon_finish(&d);
@@ -631,12 +638,7 @@ Test(server, uids_filling_the_partial_frame_budget_leave_root_and_others_room,
     close(ready[u][0]);
     close(go[u][1]);
   }
-  double left = -1;
-  for (double end = test_mono_s() + TEST_HANG_S; test_mono_s() < end;
-       test_sleep_ms(20))
-    if ((left = status_partial_bytes()) == 0)
-      break;
-  cr_assert_eq(left, 0.0, "%.0f bytes still charged after the hogs left", left);
+  expect_uncharged("after the hogs left");
   test_raw_sync(&r);
   test_raw_close(&r);
   test_daemon_finish(&d);
@@ -688,12 +690,7 @@ Test(server, partial_frame_counts_come_back_however_sessions_end,
     close(ready[u][0]);
     close(go[u][1]);
   }
-  double left = -1;
-  for (double end = test_mono_s() + TEST_HANG_S; test_mono_s() < end;
-       test_sleep_ms(20))
-    if ((left = status_partial_bytes()) == 0)
-      break;
-  cr_assert_eq(left, 0.0, "%.0f bytes still charged after the hogs left", left);
+  expect_uncharged("after the hogs left");
   /* four uids at once, the hogs' among them, each within its share */
   pid_t pp[4];
   double t0 = test_mono_s();
