@@ -576,16 +576,7 @@ class FSDPOneRankTest(unittest.TestCase):
                     with torch.no_grad():
                         self.model[2].weight.grad.add_(1.0)
                         ref[2].weight.grad.add_(1.0)
-                x = torch.randn(4, 128, generator=torch.Generator().manual_seed(step))
-                self.model(x).square().mean().backward()
-                ref(x).square().mean().backward()
-                want = dict(ref.named_parameters())
-                for u in self.sm.units:
-                    for e in u.entries:
-                        torch.testing.assert_close(
-                            u.buffer.reduced_tensor[e.offset:e.offset + e.numel],
-                            want[e.name].grad.reshape(-1), rtol=0, atol=0,
-                            msg="step %d %s" % (step, e.name))
+                self.backward_as_torch(ref, step)
                 opt.step()
                 ref_opt.step()
         finally:
@@ -594,6 +585,21 @@ class FSDPOneRankTest(unittest.TestCase):
         # something to add back
         unit2 = [u.name for u in self.sm.units if u.module is self.model[2]]
         self.assertEqual(cloned, unit2)
+
+    def backward_as_torch(self, ref, step):
+        """One backward of step's batch through the wrapper and through
+        ref (the same model unwrapped): every reduced gradient shard is
+        torch's, bit for bit."""
+        x = torch.randn(4, 128, generator=torch.Generator().manual_seed(step))
+        self.model(x).square().mean().backward()
+        ref(x).square().mean().backward()
+        want = dict(ref.named_parameters())
+        for u in self.sm.units:
+            for e in u.entries:
+                torch.testing.assert_close(
+                    u.buffer.reduced_tensor[e.offset:e.offset + e.numel],
+                    want[e.name].grad.reshape(-1), rtol=0, atol=0,
+                    msg="step %d %s" % (step, e.name))
 
     def test_a_grad_written_untracked_after_zero_grad_is_added_to(self):
         """A .grad written after zero_grad() where torch's version counter
@@ -614,16 +620,7 @@ class FSDPOneRankTest(unittest.TestCase):
             if step == 2:
                 self.model[4].weight.grad.numpy()[...] += 0.5
                 ref[4].weight.grad.numpy()[...] += 0.5
-            x = torch.randn(4, 128, generator=torch.Generator().manual_seed(step))
-            self.model(x).square().mean().backward()
-            ref(x).square().mean().backward()
-            want = dict(ref.named_parameters())
-            for u in self.sm.units:
-                for e in u.entries:
-                    torch.testing.assert_close(
-                        u.buffer.reduced_tensor[e.offset:e.offset + e.numel],
-                        want[e.name].grad.reshape(-1), rtol=0, atol=0,
-                        msg="step %d %s" % (step, e.name))
+            self.backward_as_torch(ref, step)
             opt.step()
             ref_opt.step()
 
