@@ -86,6 +86,16 @@ def refresh_cached(module):
             m._flat_weights = [m._parameters.get(wn) for wn in m._flat_weights_names]
 
 
+def put_parameter(m, attr, t):
+    """t is m's parameter attr now (in ``_parameters``, as the wrapper's
+    swaps put it, without setattr's checks), and an RNN's
+    ``_flat_weights`` made again from its parameters, as refresh_cached."""
+    m._parameters[attr] = t
+    names = getattr(m, "_flat_weights_names", None)
+    if names is not None:
+        m._flat_weights = [m._parameters.get(wn) for wn in names]
+
+
 @contextlib.contextmanager
 def pre_hooks_first(modules):
     """The forward pre-hooks registered on `modules` inside the block run

@@ -9,6 +9,7 @@ import torch
 
 import shardd
 
+from .builtin import put_parameter
 from .hook_writes import to_copies
 from .optimizer_hook import _HELD
 from .reads import _watch
@@ -404,10 +405,7 @@ class _ForwardHooks:
                 continue
             t.data = e.param.data  # the gathered values, now
             for m, attr in e.owners:
-                m._parameters[attr] = t
-                refresh = getattr(m, "_flat_weights_names", None)
-                if refresh is not None:
-                    m._flat_weights = [m._parameters.get(wn) for wn in refresh]
+                put_parameter(m, attr, t)
         u.swapped = use
 
     def _swap_out(self, u):
@@ -419,10 +417,7 @@ class _ForwardHooks:
             if t is None:
                 continue
             for m, attr in e.owners:
-                m._parameters[attr] = e.param
-                refresh = getattr(m, "_flat_weights_names", None)
-                if refresh is not None:
-                    m._flat_weights = [m._parameters.get(wn) for wn in refresh]
+                put_parameter(m, attr, e.param)
             t.data = e.part  # not the area, leased on to other units
         use.accs = []
 
