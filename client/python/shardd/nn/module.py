@@ -399,14 +399,16 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
             guards.append(weakref.ref(self))
         if self.transient:
             mods = list(module.modules())
-            before = {(id(m), k) for m in mods
-                      for d in (m._forward_pre_hooks, m._forward_hooks) for k in d}
+
+            def hook_keys():
+                return {(id(m), k) for m in mods
+                        for d in (m._forward_pre_hooks, m._forward_hooks) for k in d}
+            before = hook_keys()
             with pre_hooks_first(mods):  # before weight_norm's
                 self._install_hooks()
             # a script's hook that writes a parameter while its unit is
             # gathered is refused by name (hook_writes.py)
-            guard_hook_writes(self, mods, {(id(m), k) for m in mods for d in (
-                m._forward_pre_hooks, m._forward_hooks) for k in d} - before)
+            guard_hook_writes(self, mods, hook_keys() - before)
         else:
             self._hook_resident()
             for m in {id(m): m for u in self.units
