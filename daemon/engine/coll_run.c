@@ -155,10 +155,11 @@ static void run_claimed(coll *c, size_t turns, int help) {
  * it halved the loop's copying when a CPU was idle. */
 #define BATCH_SPLIT_BYTES ((uint64_t)3 << 20)
 /* How long the loop waits, after claiming the last collective, for a turn
- * still running one it claimed (at most 256 KiB: a few microseconds)
- * rather than hear of it through the pool's wake-up of the loop; past
- * that (the turn's thread preempted) the turns' ends complete them. */
-#define BATCH_WAIT_NS ((uint64_t)50 * 1000)
+ * still running one it claimed (at most 256 KiB, 64 KiB in a bucket of 64
+ * x 16 KiB on 4 ranks: 2-4 us) rather than hear of it through the pool's
+ * wake-up of the loop; past that (the turn's thread preempted) the turns'
+ * ends complete them. */
+#define BATCH_WAIT_NS ((uint64_t)20 * 1000)
 /* Of the buckets that may split, every this many runs the way that was
  * slower lately, so each way's time stays current (batch_split). */
 #define BATCH_RETRY 64u
@@ -264,7 +265,9 @@ static int batch_split(shardd__coll_engine *e, int k) {
     return 1;
   if (ns[0] == 0)
     return 0;
-  int best = ns[1] < ns[0];
+  /* turns beside the loop cost CPU time of their own (the wake-up, the
+   * pool's lock): they must take the loop a tenth less time to be chosen */
+  int best = ns[1] < 0.9 * ns[0];
   if (++e->split_since[k] >= BATCH_RETRY) {
     e->split_since[k] = 0;
     return !best;
