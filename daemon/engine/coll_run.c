@@ -152,7 +152,8 @@ static void run_claimed(coll *c, size_t turns, int help) {
  * cancelling it cost the loop 10-25 us, while the loop alone copies or
  * sums a bucket's MiB in 45-70 us; at 2 MiB (64 x 16 KiB on 2 ranks) the
  * turn made the bucket slower (coll_bench, alternating pairs), at 4 MiB
- * it halved the loop's copying when a CPU was idle. */
+ * the loop's part took 97-106 us against 176-199 us alone when the turn
+ * found the other vCPU free (under load it does not pay: batch_split). */
 #define BATCH_SPLIT_BYTES ((uint64_t)3 << 20)
 /* How long the loop waits, after claiming the last collective, for a turn
  * still running one it claimed (at most 256 KiB, 64 KiB in a bucket of 64
@@ -182,23 +183,21 @@ typedef struct {
   coll *colls[]; /* [n], in start order */
 } coll_batch;
 
-/* Runs the next unclaimed collectives until none is left; how many. */
-static size_t batch_run(coll_batch *b) {
-  size_t i, k = 0;
+/* Runs the next unclaimed collectives until none is left. */
+static void batch_run(coll_batch *b) {
+  size_t i;
   while ((i = atomic_fetch_add_explicit(&b->claim, 1, memory_order_relaxed)) <
          b->n) {
     shardd__coll_work(&b->colls[i]->tasks[0].req);
     atomic_fetch_add_explicit(&b->done, 1, memory_order_release);
-    k++;
   }
-  return k;
 }
 
 static void batch_work(uv_work_t *req) {
   coll_batch *b = req->data;
   if (b->loop_cpu >= 0 && sched_getcpu() == b->loop_cpu)
     return;
-  (void)batch_run(b);
+  batch_run(b);
 }
 
 static void batch_done(uv_work_t *req, int status) {
@@ -290,7 +289,7 @@ static void batch_timed(shardd__coll_engine *e, int k, int split, uint64_t ns,
  * ended (else the turns' ends do). */
 static void batch_beside(shardd__coll_engine *e, coll_batch *b, int kind,
                          uint64_t t0, uint64_t bytes) {
-  (void)batch_run(b);
+  batch_run(b);
   /* UV_EBUSY for a turn a pool thread took: it finds none left, or ends
    * the one it claimed */
   for (size_t k = 0; k < b->nturns; k++)
