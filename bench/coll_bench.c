@@ -117,7 +117,26 @@ static void fill(const shardd_buffer_info *b, int r) {
   memset(b->reduced, 0, b->shard_numel * 4);
 }
 
+/* The rank threads' CPU seconds inside the small floors (their copies and
+ * sums, not the harness's barriers), summed over ranks since the last
+ * reset: set by small_body, read by small_figure. */
+static double floor_cpu_s[MAX_RANKS];
+
+static double thread_cpu_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void small_floor(int r, cmd_t c);
+
 static void small_body(int r, cmd_t c) {
+  if (c == CMD_SMALL_FLOOR_GATHER || c == CMD_SMALL_FLOOR_SUM) {
+    double t0 = thread_cpu_s();
+    small_floor(r, c);
+    floor_cpu_s[r] += thread_cpu_s() - t0;
+    return;
+  }
   switch (c) {
   case CMD_SMALL_REGISTER: {
     shardd_buffer_spec sp[SMALL_N];
@@ -157,14 +176,6 @@ static void small_body(int r, cmd_t c) {
   case CMD_BUCKET_GATHER:
     check(shardd_gather_many(cl[r], SMALL_N, small_ids[r], NULL), r, "gather_many");
     break;
-  case CMD_SMALL_FLOOR_GATHER:
-    for (int k = 0; k < SMALL_N; k++) {
-      size_t bytes = small[r][k].shard_numel * 4;
-      for (int q = 0; q < world; q++)
-        memcpy((char *)small[r][k].gather + (size_t)q * bytes, small[q][k].shard,
-               bytes);
-    }
-    break;
   case CMD_SMALL_SCATTER:
     for (int k = 0; k < SMALL_N; k++)
       check(shardd_scatter(cl[r], small_ids[r][k], SHARDD_REDUCE_SUM), r, "scatter");
@@ -173,15 +184,6 @@ static void small_body(int r, cmd_t c) {
     check(shardd_scatter_many(cl[r], SMALL_N, small_ids[r], SHARDD_REDUCE_SUM, NULL),
           r, "scatter_many");
     break;
-  case CMD_SMALL_FLOOR_SUM: {
-    shardd_buffer_info col[MAX_RANKS];
-    for (int k = 0; k < SMALL_N; k++) {
-      for (int q = 0; q < world; q++)
-        col[q] = small[q][k];
-      floor_sum_of(r, col);
-    }
-    break;
-  }
   case CMD_SMALL_UNREGISTER:
     if (r == 0) {
       check(shardd_buffers_unregister(cl[0], SMALL_N, small_ids[0], NULL, NULL),
@@ -191,6 +193,26 @@ static void small_body(int r, cmd_t c) {
     break;
   default:
     break;
+  }
+}
+
+/* The floors of the small buffers: rank r memcpy()s every rank's shard
+ * of each buffer into its gather area, or sums its slice of each. */
+static void small_floor(int r, cmd_t c) {
+  if (c == CMD_SMALL_FLOOR_GATHER) {
+    for (int k = 0; k < SMALL_N; k++) {
+      size_t bytes = small[r][k].shard_numel * 4;
+      for (int q = 0; q < world; q++)
+        memcpy((char *)small[r][k].gather + (size_t)q * bytes, small[q][k].shard,
+               bytes);
+    }
+    return;
+  }
+  shardd_buffer_info col[MAX_RANKS];
+  for (int k = 0; k < SMALL_N; k++) {
+    for (int q = 0; q < world; q++)
+      col[q] = small[q][k];
+    floor_sum_of(r, col);
   }
 }
 
@@ -278,6 +300,9 @@ typedef struct {
    * bucket scatter, means over the repetitions: what the daemon spends,
    * apart from how long it waited for a CPU or for the ranks */
   double cpu_gather_s, cpu_scatter_s;
+  /* the rank threads' CPU seconds per floor round (memcpy, sum loop),
+   * summed over ranks, means: what the floors spend */
+  double cpu_memcpy_s, cpu_sum_s;
 } small_row_t;
 
 /* CPU seconds the daemon's threads have run so far (schedstat: ns, not
@@ -325,17 +350,23 @@ static void small_figure(small_row_t *row, int reps) {
     t[k] = calloc((size_t)reps, sizeof(double));
   for (int k = 0; k < NSMALL; k++) /* warm-up */
     run_cmd(small_order[k]);
-  double cpu[NSMALL] = {0};
+  double cpu[NSMALL] = {0}, fcpu[NSMALL] = {0};
   for (int rep = 0; rep < reps; rep++)
     for (int k = 0; k < NSMALL; k++) {
       if (bucket_only && k != 1 && k != 2 && k != 4 && k != 5)
         continue;
       double c0 = daemon_cpu_s();
+      for (int r = 0; r < world; r++)
+        floor_cpu_s[r] = 0;
       t[k][rep] = run_cmd(small_order[k]);
       cpu[k] += daemon_cpu_s() - c0;
+      for (int r = 0; r < world; r++)
+        fcpu[k] += floor_cpu_s[r];
     }
   row->cpu_gather_s = cpu[1] / reps;
   row->cpu_scatter_s = cpu[4] / reps;
+  row->cpu_memcpy_s = fcpu[2] / reps;
+  row->cpu_sum_s = fcpu[5] / reps;
   for (int k = 0; k < NSMALL; k++) {
     row->t[k] = bench_median(t[k], (size_t)reps);
     free(t[k]);
@@ -519,10 +550,11 @@ int main(int argc, char **argv) {
          "(shardd_gather_many / _scatter_many)\n", SMALL_N, SMALL_BYTES / 1024,
          SMALL_N * (double)SMALL_BYTES / MiB);
   if (bucket_only) {
-    printf("%3s | %9s %9s %6s %9s | %9s %9s %6s %9s\n", "dev", "bucketed", "memcpy",
-           "ratio", "daemon", "bucketed", "sum loop", "ratio", "daemon");
-    printf("%3s | %9s %9s %6s %9s | %9s %9s %6s %9s\n", "", "gather", "GB/s", "",
-           "CPU us", "scatter", "GB/s", "", "CPU us");
+    printf("%3s | %9s %9s %6s %9s %9s | %9s %9s %6s %9s %9s\n", "dev", "bucketed",
+           "memcpy", "ratio", "daemon", "memcpy", "bucketed", "sum loop", "ratio",
+           "daemon", "sum loop");
+    printf("%3s | %9s %9s %6s %9s %9s | %9s %9s %6s %9s %9s\n", "", "gather", "GB/s",
+           "", "CPU us", "CPU us", "scatter", "GB/s", "", "CPU us", "CPU us");
   } else {
     printf("%3s | %9s %9s %9s %6s %6s | %9s %9s %9s %6s %6s\n", "dev", "gather",
            "bucketed", "memcpy", "each", "bucket", "scatter", "bucketed", "sum loop",
@@ -537,9 +569,10 @@ int main(int argc, char **argv) {
     for (int k = 0; k < 6; k++)
       v[k] = moved / r->t[k];
     if (bucket_only)
-      printf("%3d | %9.2f %9.2f %5.2fx %9.1f | %9.2f %9.2f %5.2fx %9.1f\n", r->devices,
-             v[1], v[2], v[1] / v[2], r->cpu_gather_s * 1e6, v[4], v[5], v[4] / v[5],
-             r->cpu_scatter_s * 1e6);
+      printf("%3d | %9.2f %9.2f %5.2fx %9.1f %9.1f | %9.2f %9.2f %5.2fx %9.1f %9.1f\n",
+             r->devices, v[1], v[2], v[1] / v[2], r->cpu_gather_s * 1e6,
+             r->cpu_memcpy_s * 1e6, v[4], v[5], v[4] / v[5], r->cpu_scatter_s * 1e6,
+             r->cpu_sum_s * 1e6);
     else
       printf("%3d | %9.2f %9.2f %9.2f %5.2fx %5.2fx | %9.2f %9.2f %9.2f %5.2fx %5.2fx\n",
              r->devices, v[0], v[1], v[2], v[0] / v[2], v[1] / v[2], v[3], v[4], v[5],
@@ -549,9 +582,11 @@ int main(int argc, char **argv) {
                  "\"memcpy_s\": %.6g, \"gather_bucket_ratio\": %.4f, "
                  "\"scatter_bucket_s\": %.6g, \"sum_loop_s\": %.6g, "
                  "\"scatter_bucket_ratio\": %.4f, \"gather_bucket_daemon_cpu_s\": %.6g, "
-                 "\"scatter_bucket_daemon_cpu_s\": %.6g}",
+                 "\"scatter_bucket_daemon_cpu_s\": %.6g, \"memcpy_cpu_s\": %.6g, "
+                 "\"sum_loop_cpu_s\": %.6g}",
               r->devices, r->reps, r->t[1], r->t[2], v[1] / v[2], r->t[4], r->t[5],
-              v[4] / v[5], r->cpu_gather_s, r->cpu_scatter_s);
+              v[4] / v[5], r->cpu_gather_s, r->cpu_scatter_s, r->cpu_memcpy_s,
+              r->cpu_sum_s);
       continue;
     }
     fprintf(f, "%s\n    {\"devices\": %d, \"reps\": %d, \"gather_each_s\": %.6g, "
@@ -561,16 +596,19 @@ int main(int argc, char **argv) {
                "\"sum_loop_s\": %.6g, \"scatter_each_ratio\": %.4f, "
                "\"scatter_bucket_ratio\": %.4f, \"tiny_gather_s\": %.6g, "
                "\"tiny_floor_s\": %.6g, \"gather_bucket_daemon_cpu_s\": %.6g, "
-               "\"scatter_bucket_daemon_cpu_s\": %.6g}",
+               "\"scatter_bucket_daemon_cpu_s\": %.6g, \"memcpy_cpu_s\": %.6g, "
+               "\"sum_loop_cpu_s\": %.6g}",
             i ? "," : "", r->devices, r->reps, r->t[0], r->t[1],
             r->t[2], v[0] / v[2], v[1] / v[2], r->t[3], r->t[4], r->t[5], v[3] / v[5],
-            v[4] / v[5], r->t[6], r->t[7], r->cpu_gather_s, r->cpu_scatter_s);
+            v[4] / v[5], r->t[6], r->t[7], r->cpu_gather_s, r->cpu_scatter_s,
+            r->cpu_memcpy_s, r->cpu_sum_s);
   }
   printf("(the same bytes as one 1 MiB buffer; ratio = daemon / floor over the same "
          "buffers)\n");
   if (bucket_only) {
-    printf("(daemon CPU us = the daemon's threads' CPU time per bucket, mean; "
-           "--bucket prints no one-request rows nor fixed cost)\n");
+    printf("(daemon CPU us = the daemon's threads' CPU time per bucket, mean; memcpy / "
+           "sum loop CPU us = the rank threads' CPU time in the floor per round, summed "
+           "over ranks, mean; --bucket prints no one-request rows nor fixed cost)\n");
     fprintf(f, "\n  ]");
     bench_json_close(f, jname);
     return 0;
@@ -579,6 +617,10 @@ int main(int argc, char **argv) {
     printf("%s%d devices %.1f / %.1f%s", i ? ", " : "(daemon CPU per bucket, gather / "
            "scatter, us: ", smalls[i].devices, smalls[i].cpu_gather_s * 1e6,
            smalls[i].cpu_scatter_s * 1e6, i == 2 ? ")\n" : "");
+  for (int i = 0; i < 3; i++)
+    printf("%s%d devices %.1f / %.1f%s", i ? ", " : "(the floors' CPU per round, memcpy / "
+           "sum loop, us, all rank threads: ", smalls[i].devices,
+           smalls[i].cpu_memcpy_s * 1e6, smalls[i].cpu_sum_s * 1e6, i == 2 ? ")\n" : "");
   printf("\nFixed cost of a collective — a gather of %d floats (median of a round of "
          "every rank)\n%3s | %9s %9s %9s\n%3s | %9s %9s %9s\n", TINY_NUMEL, "dev",
          "gather", "harness", "cost", "", "us", "us", "us");

@@ -189,11 +189,13 @@ void shardd__coll_submit(shardd__coll_engine *e, shardd__coll_member *m,
 
 /* Several submits in a row (a bucket's entries): the small collectives
  * they start (a buffer of at most 256 KiB over all ranks) run together at
- * _end, by the loop thread alone when their bytes fit what it may copy for
- * the request (LOOP_HELP_BYTES, 4 MiB over all ranks), else split over a
- * few pool turns, instead of one pool turn each: with many small buffers
- * the wake-ups, not the copies, were the cost. Nests; completion is
- * unchanged (done hooks after the submit returned, never inside it). */
+ * _end, by the loop thread when their bytes fit what it may copy for the
+ * request (LOOP_HELP_BYTES, 4 MiB over all ranks): alone, or from 3 MiB
+ * with pool turns beside it when that took the loop less time lately (a
+ * CPU idle); else split over a few pool turns, instead of one pool turn
+ * each: with many small buffers the wake-ups, not the copies, were the
+ * cost. Nests; completion is unchanged (done hooks after the submit
+ * returned, never inside it). */
 void shardd__coll_batch_begin(shardd__coll_engine *e);
 void shardd__coll_batch_end(shardd__coll_engine *e);
 
@@ -284,6 +286,8 @@ typedef struct {
   /* of made: those whose memory was a freed collective's (coll_int.h's
    * spare blocks), not a new allocation */
   uint64_t reused;
+  /* buckets run by the loop with pool turns beside it (coll_run.c) */
+  uint64_t split;
 } shardd__coll_counters;
 
 void shardd__coll_get_counters(const shardd__coll_engine *e,

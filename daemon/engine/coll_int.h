@@ -147,6 +147,12 @@ struct shardd__coll_engine {
    * threads; and, when the loop claims too (a small collective), the CPUs,
    * as more turns would only preempt the loop */
   size_t workers, cpus;
+  /* a big bucket within the loop's budget (coll_run.c's batch_split), of
+   * gathers [0] or scatters [1]: the loop's nanoseconds per byte of it,
+   * alone [.][0] and with pool turns beside it [.][1] (moving averages, 0
+   * before the first), and the buckets since the slower way last ran */
+  double split_ns[2][2];
+  uint32_t split_since[2];
   /* bytes the loop thread may still copy for the request being submitted
    * (coll.c's loop_helps); 0 outside shardd__coll_submit and a batch */
   uint64_t help_left;

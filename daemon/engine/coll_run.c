@@ -3,6 +3,7 @@
  * handed to the pool together in batches. */
 #include "coll_int.h"
 
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -141,8 +142,28 @@ static void run_claimed(coll *c, size_t turns, int help) {
 /* A bucket's small collectives, started together (shardd__coll_batch_end):
  * like one collective's claimed tasks, each turn runs the next unclaimed
  * collective's tasks until none is left; the collectives complete when
- * every turn has ended. */
+ * every turn has ended, or, when the loop claims beside the turns, as soon
+ * as every collective's work has (batch_start). */
 #define BATCH_TURNS 4
+
+/* Bytes (a bucket's, over its ranks) from which the loop thread, when the
+ * bucket fits its budget, may queue pool turns beside itself: a turn
+ * started 16-56 us after it was queued on a 2-vCPU VM, and queueing and
+ * cancelling it cost the loop 10-25 us, while the loop alone copies or
+ * sums a bucket's MiB in 45-70 us; at 2 MiB (64 x 16 KiB on 2 ranks) the
+ * turn made the bucket slower (coll_bench, alternating pairs), at 4 MiB
+ * the loop's part took 97-106 us against 176-199 us alone when the turn
+ * found the other vCPU free (under load it does not pay: batch_split). */
+#define BATCH_SPLIT_BYTES ((uint64_t)3 << 20)
+/* How long the loop waits, after claiming the last collective, for a turn
+ * still running one it claimed (at most 256 KiB, 64 KiB in a bucket of 64
+ * x 16 KiB on 4 ranks: 2-4 us) rather than hear of it through the pool's
+ * wake-up of the loop; past that (the turn's thread preempted) the turns'
+ * ends complete them. */
+#define BATCH_WAIT_NS ((uint64_t)20 * 1000)
+/* Of the buckets that may split, every this many runs the way that was
+ * slower lately, so each way's time stays current (batch_split). */
+#define BATCH_RETRY 64u
 
 static void batch_start(shardd__coll_engine *e);
 
@@ -150,22 +171,46 @@ typedef struct {
   uv_work_t turns[BATCH_TURNS];
   size_t nturns, left, n;
   atomic_size_t claim;
+  /* collectives whose work has ended, whichever thread ran it (release:
+   * their bytes are written before the loop reads the count) */
+  atomic_size_t done;
+  /* beside the loop: the CPU the loop ran on when it queued the turns (a
+   * turn woken there returns at once: it would only take turns with the
+   * loop on one CPU), and whether the loop completed every collective
+   * itself (the turns' ends then only free b); -1 and 0 otherwise */
+  int loop_cpu;
+  int completed;
   coll *colls[]; /* [n], in start order */
 } coll_batch;
 
+/* Runs the next unclaimed collectives until none is left. */
 static void batch_run(coll_batch *b) {
   size_t i;
-  while ((i = atomic_fetch_add_explicit(&b->claim, 1, memory_order_relaxed)) < b->n)
+  while ((i = atomic_fetch_add_explicit(&b->claim, 1, memory_order_relaxed)) <
+         b->n) {
     shardd__coll_work(&b->colls[i]->tasks[0].req);
+    atomic_fetch_add_explicit(&b->done, 1, memory_order_release);
+  }
 }
 
-static void batch_work(uv_work_t *req) { batch_run(req->data); }
+static void batch_work(uv_work_t *req) {
+  coll_batch *b = req->data;
+  if (b->loop_cpu >= 0 && sched_getcpu() == b->loop_cpu)
+    return;
+  batch_run(b);
+}
 
 static void batch_done(uv_work_t *req, int status) {
   coll_batch *b = req->data;
-  (void)status; /* no turn is cancelled: each ran, maybe finding none left */
+  /* a turn the loop cancelled (UV_ECANCELED) ran none; any other ran,
+   * maybe finding none left */
+  (void)status;
   if (--b->left > 0)
     return;
+  if (b->completed) {
+    free(b);
+    return;
+  }
   /* each completion may free its coll: b is the list; what they make
    * ready starts in one scheduling pass after the lot */
   shardd__coll_engine *e = b->colls[0]->e;
@@ -198,14 +243,83 @@ void shardd__coll_batch_end(shardd__coll_engine *e) {
   e->help_left = 0;
 }
 
+/* Whether a bucket of total bytes in n collectives, which fits the loop's
+ * budget, may get pool turns beside the loop: big enough, and a CPU to
+ * spare. */
+static int batch_may_split(const shardd__coll_engine *e, uint64_t total,
+                           size_t n) {
+  return total >= BATCH_SPLIT_BYTES && e->cpus > 1 && n > 1;
+}
+
+/* Whether such a bucket, of kind k (0 gather, 1 scatter: their bytes
+ * cost differently), gets them: whichever way (the loop alone, or with
+ * turns) took the loop less time per byte lately, and the other every
+ * BATCH_RETRY buckets; each way once first. A turn helps only when its
+ * thread finds a CPU idle: on a machine busy with other work it wakes on
+ * the loop's CPU (and returns at once, batch_work) or late, and the loop
+ * is better off alone. */
+static int batch_split(shardd__coll_engine *e, int k) {
+  double *ns = e->split_ns[k];
+  if (ns[1] == 0)
+    return 1;
+  if (ns[0] == 0)
+    return 0;
+  /* turns beside the loop cost CPU time of their own (the wake-up, the
+   * pool's lock): they must take the loop a tenth less time to be chosen */
+  int best = ns[1] < 0.9 * ns[0];
+  if (++e->split_since[k] >= BATCH_RETRY) {
+    e->split_since[k] = 0;
+    return !best;
+  }
+  return best;
+}
+
+/* Notes the loop's time for a bucket of kind k and bytes run one way
+ * (split: with turns beside it): a moving average of its nanoseconds per
+ * byte. */
+static void batch_timed(shardd__coll_engine *e, int k, int split, uint64_t ns,
+                        uint64_t bytes) {
+  double v = (double)ns / (double)bytes, *avg = &e->split_ns[k][split];
+  *avg = *avg == 0 ? v : *avg + (v - *avg) / 4;
+}
+
+/* The loop's side of a split bucket b of kind and bytes, its turns queued
+ * at t0: it claims collectives beside the turns, waits briefly for those a
+ * turn still runs, and completes them all on this loop turn when they
+ * ended (else the turns' ends do). */
+static void batch_beside(shardd__coll_engine *e, coll_batch *b, int kind,
+                         uint64_t t0, uint64_t bytes) {
+  batch_run(b);
+  /* UV_EBUSY for a turn a pool thread took: it finds none left, or ends
+   * the one it claimed */
+  for (size_t k = 0; k < b->nturns; k++)
+    (void)uv_cancel((uv_req_t *)&b->turns[k]);
+  size_t n = b->n;
+  if (atomic_load_explicit(&b->done, memory_order_acquire) < n) {
+    uint64_t until = uv_hrtime() + BATCH_WAIT_NS;
+    while (atomic_load_explicit(&b->done, memory_order_acquire) < n &&
+           uv_hrtime() < until)
+      ;
+  }
+  int ended = atomic_load_explicit(&b->done, memory_order_acquire) == n;
+  e->counters.split++;
+  batch_timed(e, kind, 1, uv_hrtime() - t0, bytes);
+  if (!ended)
+    return;
+  b->completed = 1;
+  for (size_t i = 0; i < n; i++)
+    fin_defer(b->colls[i]);
+}
+
 /* Starts the small collectives listed while batching (their request's
- * budget still set): on the loop alone when their bytes fit what the loop
- * may still copy for the request, else spread over pool turns. Not both:
- * on a small machine the wake-up of a pool turn took the loop thread off
- * its CPU for longer (80-170 us on a 2-vCPU VM, where the turn's thread
- * preempts it) than the loop needs for a whole bucket of 64 x 16 KiB on 4
- * ranks (4 MiB over the ranks, about 60 us of copies or reductions), and
- * a turn that started late found nothing left to claim. */
+ * budget still set). When their bytes fit what the loop may still copy
+ * for the request, the loop runs them: alone for a small bucket (queueing
+ * a pool turn took the loop off its CPU for longer, 80-170 us on a 2-vCPU
+ * VM where the turn's thread preempted it, than a bucket of 64 x 16 KiB
+ * on 4 ranks needs), and for a big one (BATCH_SPLIT_BYTES) with pool turns
+ * beside it on the other CPUs, each claiming the next collective, so
+ * whichever thread is awake works. Over the budget, spread over pool
+ * turns alone. */
 static void batch_start(shardd__coll_engine *e) {
   if (e->batch_head == NULL)
     return;
@@ -216,10 +330,20 @@ static void batch_start(shardd__coll_engine *e) {
   uint64_t total = 0;
   for (coll *c = list; c; c = c->batch_next)
     total += coll_bytes(c);
-  if (loop_helps(e, total)) {
+  int help = loop_helps(e, total);
+  int may = help && batch_may_split(e, total, n);
+  /* the kind of the bucket's bytes (its first collective's: a bucket's
+   * entries are of one kind; only the timing it is noted under depends
+   * on it) */
+  int kind = list->args.kind == SHARDD__COLL_SCATTER;
+  coll_batch *b = NULL;
+  if (!help || (may && batch_split(e, kind)))
+    b = malloc(sizeof *b + n * sizeof(coll *));
+  if (help && b == NULL) {
     /* the loop runs them all, in start order (the list, newest first,
      * reversed), and no pool turn is queued: they complete on this loop
      * turn (fin_defer) */
+    uint64_t t0 = may ? uv_hrtime() : 0;
     coll *first = NULL;
     while (list) {
       coll *next = list->batch_next;
@@ -231,9 +355,10 @@ static void batch_start(shardd__coll_engine *e) {
       shardd__coll_work(&c->tasks[0].req);
       fin_defer(c);
     }
+    if (may)
+      batch_timed(e, kind, 0, uv_hrtime() - t0, total);
     return;
   }
-  coll_batch *b = malloc(sizeof *b + n * sizeof(coll *));
   if (b == NULL) {
     /* out of memory: each alone, its tasks grouped on tasks[0] */
     for (coll *c = list; c; c = c->batch_next)
@@ -247,15 +372,25 @@ static void batch_start(shardd__coll_engine *e) {
     b->colls[--i] = c;
   b->n = n;
   atomic_init(&b->claim, 0);
+  atomic_init(&b->done, 0);
+  b->completed = 0;
+  b->loop_cpu = help ? sched_getcpu() : -1;
+  /* beside the loop: one turn fewer than the CPUs (the loop has one) */
+  size_t most = help ? e->cpus - 1 : e->cpus;
+  if (help && most > n - 1)
+    most = n - 1;
   b->nturns = n < BATCH_TURNS ? n : BATCH_TURNS;
-  if (b->nturns > e->cpus)
-    b->nturns = e->cpus;
+  if (b->nturns > most)
+    b->nturns = most;
   b->left = b->nturns;
+  uint64_t t0 = help ? uv_hrtime() : 0;
   for (size_t k = 0; k < b->nturns; k++) {
     b->turns[k].data = b;
     /* fails only without a work callback (UV_EINVAL) */
     (void)uv_queue_work(e->cfg.loop, &b->turns[k], batch_work, batch_done);
   }
+  if (help)
+    batch_beside(e, b, kind, t0, total);
 }
 
 /* Plans c's phase and starts its tasks (on the pool, or the exchange on a

@@ -11,6 +11,7 @@
 #include <criterion/logging.h>
 #include <inttypes.h>
 #include <math.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -406,12 +407,15 @@ Test(coll, small_bucket_runs_on_the_loop_without_a_pool_turn) {
 }
 
 /* A bucket of 64 small scatters (each under the 256 KiB of one small
- * collective, 3 MiB over the ranks together), submitted as one request by
- * each rank: their bytes fit what the loop may copy for the request, so
- * the loop thread reduces every entry at the last rank's batch_end and no
- * pool turn is queued (waking one cost the loop more than the whole
- * bucket's reductions); every entry is answered on that loop turn, its sum
- * exact. A bucket over that budget goes to the pool, and is as exact. */
+ * collective, 1.5 MiB over the ranks together), submitted as one request
+ * by each rank: their bytes fit what the loop may copy for the request and
+ * are too few to pay for waking a pool thread, so the loop thread reduces
+ * every entry at the last rank's batch_end and no pool turn is queued
+ * (waking one cost the loop more than such a bucket's reductions); every
+ * entry is answered on that loop turn, its sum exact. A bucket of 3 MiB
+ * or more (coll_run.c's BATCH_SPLIT_BYTES) within the budget may get a
+ * pool turn beside the loop when there is a CPU to spare; one over the
+ * budget goes to the pool; each as exact. */
 #define NLOOP 64
 static void scatter_bucket(shardd__buffer **b, uint64_t seq) {
   for (uint32_t r = 0; r < W; r++) {
@@ -427,20 +431,39 @@ static void scatter_bucket(shardd__buffer **b, uint64_t seq) {
   }
 }
 
+/* NLOOP buffers of numel each, named prefix<k>, their gradients filled;
+ * the bucket's bytes over the ranks */
+static uint64_t loop_bufs(shardd__buffer **b, const char *prefix,
+                          uint64_t numel) {
+  uint64_t bytes = 0;
+  for (int k = 0; k < NLOOP; k++) {
+    char name[16];
+    snprintf(name, sizeof name, "%s%d", prefix, k);
+    b[k] = buf_new(name, numel);
+    fill_grads(b[k]);
+    bytes += b[k]->padded_numel * 4 * W;
+  }
+  return bytes;
+}
+
+static void expect_bucket_answered(shardd__buffer **b) {
+  for (int k = 0; k < NLOOP; k++)
+    check_reduced(b[k], SHARDD_REDUCE_SUM);
+  cr_assert_eq(nreplies, NLOOP * W, "every entry answered");
+  for (size_t i = 0; i < nreplies; i++) {
+    cr_assert_eq(replies[i].code, SHARDD_OK);
+    cr_assert(replies[i].has_res, "a bucket's entry has its result");
+  }
+  expect_pending_zero();
+}
+
 Test(coll, bucket_within_the_loops_budget_runs_on_the_loop_without_a_pool_turn) {
   shardd__coll_engine_destroy(eng);
   make_engine(NLOOP, 0);
   shardd__buffer *b[NLOOP], *big[NLOOP];
-  uint64_t bytes = 0;
-  for (int k = 0; k < NLOOP; k++) {
-    char name[16];
-    snprintf(name, sizeof name, "l%d", k);
-    b[k] = buf_new(name, 4096);
-    fill_grads(b[k]);
-    bytes += b[k]->padded_numel * 4 * W;
-  }
+  uint64_t bytes = loop_bufs(b, "l", 2048);
   cr_assert_gt(bytes, 256u << 10, "more than one small collective's bytes");
-  cr_assert_leq(bytes, 4u << 20, "within the loop's budget for a request");
+  cr_assert_lt(bytes, 3u << 20, "under the size that gets a turn beside the loop");
   scatter_bucket(b, 3);
   cr_assert_eq(nreplies, 0, "never answered inside the submit");
   cr_assert_eq(pool_requests(), 0, "no pool work queued for the bucket");
@@ -448,28 +471,57 @@ Test(coll, bucket_within_the_loops_budget_runs_on_the_loop_without_a_pool_turn) 
     check_reduced(b[k], SHARDD_REDUCE_SUM); /* reduced in the submit */
   uv_run(&loop, UV_RUN_NOWAIT);
   cr_assert_eq(nreplies, NLOOP * W, "every entry answered on the same loop turn");
-  for (size_t i = 0; i < nreplies; i++) {
-    cr_assert_eq(replies[i].code, SHARDD_OK);
-    cr_assert(replies[i].has_res, "a bucket's entry has its result");
-  }
-  expect_pending_zero();
+  expect_bucket_answered(b);
   run_idle();
   /* over the budget (15 MiB over the ranks): the pool's turns */
   nreplies = 0;
-  for (int k = 0; k < NLOOP; k++) {
-    char name[16];
-    snprintf(name, sizeof name, "g%d", k);
-    big[k] = buf_new(name, 20000);
-    fill_grads(big[k]);
-  }
+  loop_bufs(big, "g", 20000);
   scatter_bucket(big, 4);
   cr_assert_gt(pool_requests(), 0, "a bucket over the budget goes to the pool");
   run_until(NLOOP * W);
-  for (int k = 0; k < NLOOP; k++)
-    check_reduced(big[k], SHARDD_REDUCE_SUM);
-  for (size_t i = 0; i < nreplies; i++)
-    cr_assert_eq(replies[i].code, SHARDD_OK);
-  expect_pending_zero();
+  expect_bucket_answered(big);
+  run_idle();
+}
+
+/* A bucket within the loop's budget and big enough (3.8 MiB over the
+ * ranks) gets a pool turn beside the loop thread on a machine with a CPU
+ * to spare (the first such bucket: later ones go whichever way took the
+ * loop less time): the loop claims the bucket's collectives with it, each
+ * run once by whichever thread claimed it, and every entry's sum is
+ * exact; the next such bucket runs on the loop alone, to time that way
+ * too. With one CPU the loop runs them alone (a turn would only take
+ * turns with it). */
+Test(coll, big_bucket_within_the_budget_gets_a_pool_turn_beside_the_loop) {
+  shardd__coll_engine_destroy(eng);
+  make_engine(NLOOP, 0);
+  cpu_set_t set;
+  cr_assert_eq(sched_getaffinity(0, sizeof set, &set), 0);
+  int spare = CPU_COUNT(&set) > 1;
+  shardd__buffer *b[NLOOP];
+  uint64_t bytes = loop_bufs(b, "s", 5000);
+  cr_assert_geq(bytes, 3u << 20, "big enough for a turn beside the loop");
+  cr_assert_leq(bytes, 4u << 20, "within the loop's budget for a request");
+  shardd__coll_counters before, after;
+  shardd__coll_get_counters(eng, &before);
+  scatter_bucket(b, 3);
+  shardd__coll_get_counters(eng, &after);
+  cr_assert_eq(nreplies, 0, "never answered inside the submit");
+  cr_assert_eq(after.split - before.split, spare ? 1u : 0u,
+               "a turn beside the loop with a CPU to spare, none without");
+  cr_assert_eq(pool_requests() > 0, spare,
+               "the turn queued (its end, or its cancelling, comes back)");
+  run_until(NLOOP * W);
+  expect_bucket_answered(b);
+  run_idle();
+  cr_assert_eq(pool_requests(), 0, "the turn's end came back");
+  /* the next one is timed the other way: the loop alone, on its turn */
+  nreplies = 0;
+  scatter_bucket(b, 4);
+  shardd__coll_get_counters(eng, &before);
+  cr_assert_eq(before.split, after.split, "the second bucket is not split");
+  cr_assert_eq(pool_requests(), 0, "no pool work queued for it");
+  uv_run(&loop, UV_RUN_NOWAIT);
+  expect_bucket_answered(b);
   run_idle();
 }
 

@@ -12,6 +12,7 @@
 
 #include "backend.h"
 #include "dtype.h"
+#include "optim.h"
 #include "reduce.h"
 
 #define MAXSRC 11
@@ -99,7 +100,7 @@ static void check_kernel(shardd_dtype dt, int nsrc, size_t n, size_t skew,
   free(want);
 }
 
-Test(reduce, sums_in_rank_order_for_any_number_of_sources) {
+static void check_every_sum(void) {
   static const shardd_dtype dts[] = {SHARDD_DTYPE_FP32, SHARDD_DTYPE_BF16,
                                      SHARDD_DTYPE_FP16};
   static const size_t ns[] = {1, 3, 4, 17, 1024, 4099};
@@ -108,6 +109,35 @@ Test(reduce, sums_in_rank_order_for_any_number_of_sources) {
       for (size_t j = 0; j < sizeof ns / sizeof ns[0]; j++)
         for (int add = 0; add < 2; add++)
           check_kernel(dts[d], nsrc, ns[j], (size_t)(nsrc + j) % 3, add);
+}
+
+Test(reduce, sums_in_rank_order_for_any_number_of_sources) { check_every_sum(); }
+
+/* The kernel's loops are compiled for each instruction set the optimizer's
+ * kernels have (optim.h) and run on the path those use: every path this
+ * CPU runs gives the bits of adding one rank after the other, NaN and
+ * infinities as well (the wider paths add 8 or 16 lanes at once, each the
+ * same fp32 addition). */
+Test(reduce, every_instruction_set_path_gives_the_same_bits) {
+  shardd__isa was = shardd__optim_isa();
+  int ran = 0;
+  for (int isa = 0; isa < SHARDD__ISA_COUNT; isa++) {
+    if (!shardd__isa_runnable((shardd__isa)isa))
+      continue;
+    cr_assert_eq(shardd__optim_use_isa((shardd__isa)isa), SHARDD_OK);
+    check_every_sum();
+    float a[4] = {1.0f, __builtin_inff(), __builtin_nanf(""), 2.0f};
+    float b[4] = {2.0f, -__builtin_inff(), 1.0f, __builtin_inff()};
+    const void *s[2] = {a, b};
+    float acc[4];
+    shardd__reduce_sum(SHARDD_DTYPE_FP32, acc, s, 2, 4, 0);
+    cr_assert(acc[0] == 3.0f && __builtin_isnan(acc[1]) &&
+                  __builtin_isnan(acc[2]) && acc[3] == __builtin_inff(),
+              "path %s", shardd__isa_name((shardd__isa)isa));
+    ran++;
+  }
+  cr_assert_geq(ran, 1, "the portable path at least");
+  cr_assert_eq(shardd__optim_use_isa(was), SHARDD_OK);
 }
 
 Test(reduce, no_source_leaves_the_accumulator) {
