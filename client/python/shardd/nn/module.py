@@ -1042,6 +1042,28 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         the grad areas and the explicit scatter() comes after."""
         yield
 
+    # copy.deepcopy(model) / torch.save(model) of the wrapped model reach the
+    # wrapper through the hooks it put on the modules: refused here, by
+    # name, rather than deep inside the client (a ctypes pointer that
+    # cannot be pickled, which names neither the model nor a way out)
+    _NO_COPY = (
+        "%s of a model wrapped by shardd.nn.ShardedModule: its hooks hold the "
+        "wrapper, whose client and shards a copy cannot share, and outside "
+        "forward its parameters are each rank's 1-D parts of the shards. %s")
+
+    def __deepcopy__(self, memo):
+        raise TypeError(self._NO_COPY % (
+            "copy.deepcopy", "Copy the model before wrapping (an EMA model: "
+            "deepcopy it then, and update it from model.state_dict(), which gives "
+            "every parameter whole on every rank), or build another and load "
+            "model.state_dict() into it"))
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(self._NO_COPY % (
+            "Pickling (torch.save(model))", "Save model.state_dict() (FSDP's full "
+            "state dict: every parameter whole) and load it into the model built "
+            "again"))
+
     def checkpoint(self, directory):
         """A daemon checkpoint of the job (collective: every rank calls it,
         e.g. every k steps after opt.step()): shards, optimizer state and
