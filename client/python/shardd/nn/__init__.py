@@ -294,7 +294,8 @@ no parameter a kernel still reads.
 # script's forward hooks that write a gathered parameter, _precision.py the
 # dtypes, builtin.py what torch's built-in modules need (MultiheadAttention's
 # out_proj, an RNN's _flat_weights, weight_norm's pre-hook), clip_hook.py
-# torch's clip_grad_norm_ over a wrapper's parameters. Every name
+# torch's clip_grad_norm_ over a wrapper's parameters, inits.py torch.nn.init's
+# functions on a parameter's part. Every name
 # nn.py had before the split is imported here, private ones included, so
 # shardd.nn.X stays what it was.
 # flake8: noqa: F401

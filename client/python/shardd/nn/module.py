@@ -16,6 +16,7 @@ import shardd
 
 from ._precision import _DTYPE_OF, _TORCH_DTYPES, _cast_floats, _checksum, _mixed_precision
 from .clip_hook import install as _install_clip_hook
+from .inits import install as _install_inits
 from .backward import _BackwardHooks
 from .grads import _Grad16, _ResidentGrad
 from .builtin import check_builtin, pre_hooks_first, refresh_cached
@@ -395,6 +396,8 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         _install_step_hook()
         # torch's clip_grad_norm_ over its parameters: the global norm
         _install_clip_hook()
+        # torch.nn.init's functions on a parameter's part: the whole one's init
+        _install_inits()
         _WRAPPERS.add(self)
         # client.step(opt) asked directly gets this wrapper's refusals too
         guards = getattr(client, "_step_guards", None)
