@@ -295,7 +295,7 @@ no parameter a kernel still reads.
 # dtypes, builtin.py what torch's built-in modules need (MultiheadAttention's
 # out_proj, an RNN's _flat_weights, weight_norm's pre-hook), clip_hook.py
 # torch's clip_grad_norm_ over a wrapper's parameters, inits.py torch.nn.init's
-# functions on a parameter's part. Every name
+# functions on a parameter's part (both through reroute.py). Every name
 # nn.py had before the split is imported here, private ones included, so
 # shardd.nn.X stays what it was.
 # flake8: noqa: F401

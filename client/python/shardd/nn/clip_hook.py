@@ -1,12 +1,12 @@
 """torch's clip_grad_norm_ over a transient wrapper's parameters: the
 global norm, as over the unwrapped model (see install)."""
 import functools
-import types
 
 import torch
 
 from .grads import _Grad16
 from .optimizer_hook import _OWNERS, _listed
+from .reroute import reroute
 
 _INSTALLED = [False]
 
@@ -67,34 +67,16 @@ def install():
     """Makes torch.nn.utils.clip_grad_norm_ (and clip_grad_norm, which
     calls it) compute the global norm over a transient ShardedModule's
     parameters, once per process (a ShardedModule's construction calls
-    it). The function object keeps its identity, so a name bound before
-    (``from torch.nn.utils import clip_grad_norm_`` at a script's top,
-    Lightning's and HF's call sites) reaches it too: its code becomes a
-    call of _clip_grad_norm_ with a copy of torch's own function, which
-    everything that is not a wrapper's goes to unchanged. Where the
-    function holds a closure (a decorator of torch's) its code cannot be
-    swapped: the module attributes are replaced instead."""
+    it). The function object keeps its identity (reroute.py), so a name
+    bound before (``from torch.nn.utils import clip_grad_norm_`` at a
+    script's top; Lightning's and HF's call sites) reaches it too; what is
+    not a wrapper's goes to torch's function unchanged."""
     if _INSTALLED[0]:
         return
     _INSTALLED[0] = True
     import torch.nn.utils
     import torch.nn.utils.clip_grad as cg
-    fn = cg.clip_grad_norm_
-    torch_clip = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__,
-                                    fn.__defaults__, fn.__closure__)
-    torch_clip.__kwdefaults__ = fn.__kwdefaults__
-    torch_clip.__dict__.update(fn.__dict__)
-    ours = functools.partial(_clip_grad_norm_, torch_clip)
-    if fn.__closure__:
-        new = functools.wraps(fn)(lambda *a, **k: ours(*a, **k))
-        cg.clip_grad_norm_ = new
-        torch.nn.utils.clip_grad_norm_ = new
-        return
-    fn.__globals__["_shardd_clip_grad_norm_"] = ours
-
-    def trampoline(*args, **kwargs):
-        return _shardd_clip_grad_norm_(*args, **kwargs)  # noqa: F821 (fn's globals)
-
-    fn.__code__ = trampoline.__code__
-    fn.__defaults__ = fn.__kwdefaults__ = None
-    fn.__wrapped__ = torch_clip  # inspect.signature: torch's
+    reroute(cg, "clip_grad_norm_", lambda torch_clip: functools.partial(_clip_grad_norm_,
+                                                                        torch_clip))
+    if torch.nn.utils.clip_grad_norm_ is not cg.clip_grad_norm_:  # replaced (a closure)
+        torch.nn.utils.clip_grad_norm_ = cg.clip_grad_norm_

@@ -14,6 +14,8 @@ kept. What draws on another tensor (``p.data.normal_()``, HF's
 ``_init_weights``) is not seen: see the README."""
 import torch
 
+from .reroute import reroute
+
 # torch.nn.init's functions that draw or read the whole shape (constant_,
 # zeros_, ones_ are element-wise: right on the part as they are)
 _WHOLE = ("uniform_", "normal_", "trunc_normal_", "xavier_uniform_", "xavier_normal_",
@@ -73,17 +75,13 @@ def draw(p, name, args, kwargs):
 def install():
     """Makes torch.nn.init's functions in _WHOLE run on the whole parameter
     (on_whole), once per process (a ShardedModule's construction calls it).
-    Each function object keeps its identity, so names bound before
-    (``from torch.nn.init import trunc_normal_``) and module code calling
-    ``init.kaiming_uniform_`` (a Linear's reset_parameters) reach it: its
-    code becomes a call of on_whole with a copy of torch's function (as
-    clip_hook.py does for clip_grad_norm_); one holding a closure (a
-    decorator) is replaced as the module's attribute instead."""
+    Each function object keeps its identity (reroute.py), so names bound
+    before (``from torch.nn.init import trunc_normal_``) and module code
+    calling ``init.kaiming_uniform_`` (a Linear's reset_parameters) reach
+    it."""
     if _INSTALLED[0]:
         return
     _INSTALLED[0] = True
-    import functools
-    import types
     import torch.nn.init as init
     # the fans a Linear's or Conv's reset_parameters() takes of its weight
     # for its bias's bound (init._calculate_fan_in_and_fan_out(self.weight))
@@ -95,25 +93,5 @@ def install():
 
     init._calculate_fan_in_and_fan_out = _calculate_fan_in_and_fan_out
     for name in _WHOLE:
-        fn = getattr(init, name, None)
-        if not isinstance(fn, types.FunctionType):
-            continue
-        torch_fn = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__,
-                                      fn.__defaults__, fn.__closure__)
-        torch_fn.__kwdefaults__ = fn.__kwdefaults__
-        torch_fn.__dict__.update(fn.__dict__)
-
-        def ours(tensor, *args, _torch_fn=torch_fn, **kwargs):
-            return on_whole(_torch_fn, tensor, args, kwargs)
-
-        if fn.__closure__:
-            setattr(init, name, functools.wraps(fn)(ours))
-            continue
-        key = "_shardd_init_" + name
-        fn.__globals__[key] = ours
-        scope = {}
-        exec("def trampoline(*args, **kwargs):\n"
-             "    return %s(*args, **kwargs)\n" % key, {}, scope)
-        fn.__code__ = scope["trampoline"].__code__
-        fn.__defaults__ = fn.__kwdefaults__ = None
-        fn.__wrapped__ = torch_fn  # inspect.signature: torch's
+        reroute(init, name, lambda torch_fn: lambda tensor, *args, **kwargs: on_whole(
+            torch_fn, tensor, args, kwargs))
