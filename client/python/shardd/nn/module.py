@@ -1147,13 +1147,19 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                 if not g.numel():
                     continue
                 if norm_type == math.inf:
-                    local = max(local, float(g.abs().max()))
+                    m = float(g.abs().max())
+                    # a NaN, once met, is the norm (as torch's; max() would drop it)
+                    if not (math.isnan(local) or m <= local):
+                        local = m
                 elif norm_type == 2.0:
                     local += float(g.double().pow(2).sum())
                 else:
                     local += float(g.double().abs().pow(norm_type).sum())
         if norm_type == math.inf:
-            total = self.client.all_reduce(local, "max")
+            # a NaN on any rank is the norm: the daemon's max is sent a flag for it
+            big, nan = self.client.all_reduce([0.0 if math.isnan(local) else local,
+                                               float(math.isnan(local))], "max")
+            total = math.nan if nan else big
         else:
             total = self.client.all_reduce(local, "sum")
             total = math.sqrt(total) if norm_type == 2.0 else total ** (1.0 / norm_type)
