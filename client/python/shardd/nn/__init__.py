@@ -191,7 +191,9 @@ Per unit, in the same order on every rank (each rank's graph is the same):
   its part of the reduced-gradient shard (``buffer.reduced_tensor``, the
   daemon's memory; a 16-bit unit's is a stand-in that refuses torch.optim,
   the fp32 master being the daemon's), so a torch.optim optimizer built
-  after wrapping steps the shards in place, as under FSDP. Gradient
+  after wrapping steps the shards in place, as under FSDP, and torch's
+  ``clip_grad_norm_`` over them clips by the norm over every rank's parts
+  (clip_hook.py: torch's function object answers so). Gradient
   accumulation works as in torch: a later backward adds its reduced
   gradient to a ``.grad`` that is set (after a step too), until a
   ``zero_grad()`` (ours, shardd.optim's or torch's) zeroes it or sets it
@@ -291,7 +293,9 @@ no parameter a kernel still reads.
 # optim_state.py torch.optim's state dicts of parts, hook_writes.py the
 # script's forward hooks that write a gathered parameter, _precision.py the
 # dtypes, builtin.py what torch's built-in modules need (MultiheadAttention's
-# out_proj, an RNN's _flat_weights, weight_norm's pre-hook). Every name
+# out_proj, an RNN's _flat_weights, weight_norm's pre-hook), clip_hook.py
+# torch's clip_grad_norm_ over a wrapper's parameters, inits.py torch.nn.init's
+# functions on a parameter's part (both through reroute.py). Every name
 # nn.py had before the split is imported here, private ones included, so
 # shardd.nn.X stays what it was.
 # flake8: noqa: F401

@@ -569,7 +569,7 @@ class _ForwardHooks:
         left = [len(ins)]
         hook = functools.partial(self._frozen_input_grad, u, left)
         for t in ins:
-            t.register_hook(hook)
+            _first_hook(t, t.register_hook(hook))
 
     def _frozen_input_grad(self, u, left, grad):
         left[0] -= 1
@@ -626,3 +626,26 @@ class _ForwardHooks:
         elif u.state == "done":
             self._pre_backward(u)  # for its saved tensors only ("late")
         return u.gather.as_strided(x.size, x.stride, x.offset)
+
+
+def _first_hook(t, handle):
+    """Puts the hook `handle` names first among t's gradient hooks. An input
+    of a frozen unit is most often the output of the unit before it, whose
+    output hook (registered at that unit's post-forward, so earlier) starts
+    its backward with a gather: the frozen unit must be released first, or
+    that gather finds the rank's 2 leases held by the root unit and the
+    frozen one (E_LIMIT, where torch trains). torch (1.13 and 2.x) keeps a
+    tensor's hooks in ``Tensor._backward_hooks``, a dict its C++ side walks
+    at each call in the dict's own insertion order (PyDict_Next: an
+    OrderedDict's move_to_end does not change it), so the entries are put
+    in again, this one first; where torch keeps them otherwise they run in
+    registration order, as before."""
+    hooks = getattr(t, "_backward_hooks", None)
+    if not isinstance(hooks, dict) or handle.id not in hooks:
+        return
+    items = list(hooks.items())
+    hooks.clear()
+    hooks[handle.id] = dict(items)[handle.id]
+    for k, v in items:
+        if k != handle.id:
+            hooks[k] = v

@@ -15,6 +15,8 @@ from torch import nn
 import shardd
 
 from ._precision import _DTYPE_OF, _TORCH_DTYPES, _cast_floats, _checksum, _mixed_precision
+from .clip_hook import install as _install_clip_hook
+from .inits import install as _install_inits
 from .backward import _BackwardHooks
 from .grads import _Grad16, _ResidentGrad
 from .builtin import check_builtin, pre_hooks_first, refresh_cached
@@ -392,6 +394,10 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         # every optimizer's step: a release before it (transient), and a
         # refusal of one built before wrapping (it holds the originals)
         _install_step_hook()
+        # torch's clip_grad_norm_ over its parameters: the global norm
+        _install_clip_hook()
+        # torch.nn.init's functions on a parameter's part: the whole one's init
+        _install_inits()
         _WRAPPERS.add(self)
         # client.step(opt) asked directly gets this wrapper's refusals too
         guards = getattr(client, "_step_guards", None)
@@ -1039,6 +1045,28 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         the grad areas and the explicit scatter() comes after."""
         yield
 
+    # copy.deepcopy(model) / torch.save(model) of the wrapped model reach the
+    # wrapper through the hooks it put on the modules: refused here, by
+    # name, rather than deep inside the client (a ctypes pointer that
+    # cannot be pickled, which names neither the model nor a way out)
+    _NO_COPY = (
+        "%s of a model wrapped by shardd.nn.ShardedModule: its hooks hold the "
+        "wrapper, whose client and shards a copy cannot share, and outside "
+        "forward its parameters are each rank's 1-D parts of the shards. %s")
+
+    def __deepcopy__(self, memo):
+        raise TypeError(self._NO_COPY % (
+            "copy.deepcopy", "Copy the model before wrapping (an EMA model: "
+            "deepcopy it then, and update it from model.state_dict(), which gives "
+            "every parameter whole on every rank), or build another and load "
+            "model.state_dict() into it"))
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(self._NO_COPY % (
+            "Pickling (torch.save(model))", "Save model.state_dict() (FSDP's full "
+            "state dict: every parameter whole) and load it into the model built "
+            "again"))
+
     def checkpoint(self, directory):
         """A daemon checkpoint of the job (collective: every rank calls it,
         e.g. every k steps after opt.step()): shards, optimizer state and
@@ -1085,9 +1113,12 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         total = self.client.clip_grad_norm(optimizer, mn if math.isfinite(mn) else math.inf)
         return torch.tensor(total)
 
-    def _clip_grads(self, params, max_norm):
+    def _clip_grads(self, params, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """clip_grad_norm_ over the .grad parts of params (each parameter
-        once), every rank's summed (a collective)."""
+        once), every rank's summed (a collective), in norm_type (inf: the
+        largest |element|) as torch's: scaled by max_norm / (norm + 1e-6)
+        where that is under 1; error_if_nonfinite: a NaN or infinite norm
+        raises, torch's RuntimeError, on every rank."""
         seen, grads = set(), []
         for p in params:
             e = self._by_param.get(id(p))
@@ -1106,16 +1137,41 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                                        e.name, "" if self.transient else ", after scatter()"),
                                    "E_STATE")
             grads.append(g)
+        norm_type = float(norm_type)
+        if norm_type <= 0 or math.isnan(norm_type):
+            raise NotImplementedError("clip_grad_norm_: norm_type %r over a wrapped "
+                                      "model's parts (a positive p, or inf)" % (norm_type,))
         local = 0.0
         with torch.no_grad():
             for g in grads:
-                if g.numel():
+                if not g.numel():
+                    continue
+                if norm_type == math.inf:
+                    m = float(g.abs().max())
+                    # a NaN, once met, is the norm (as torch's; max() would drop it)
+                    if not (math.isnan(local) or m <= local):
+                        local = m
+                elif norm_type == 2.0:
                     local += float(g.double().pow(2).sum())
-        total = math.sqrt(self.client.all_reduce(local, "sum"))
-        if math.isfinite(max_norm) and max_norm > 0:
-            coef = max_norm / (total + 1e-6)
-            if coef < 1.0:
-                with torch.no_grad():
-                    for g in grads:
-                        g.mul_(coef)
+                else:
+                    local += float(g.double().abs().pow(norm_type).sum())
+        if norm_type == math.inf:
+            # a NaN on any rank is the norm: the daemon's max is sent a flag for it
+            big, nan = self.client.all_reduce([0.0 if math.isnan(local) else local,
+                                               float(math.isnan(local))], "max")
+            total = math.nan if nan else big
+        else:
+            total = self.client.all_reduce(local, "sum")
+            total = math.sqrt(total) if norm_type == 2.0 else total ** (1.0 / norm_type)
+        if error_if_nonfinite and not math.isfinite(total):
+            raise RuntimeError(
+                "The total norm of order %s for gradients from `parameters` is "
+                "non-finite, so it cannot be clipped. To disable this error and scale "
+                "the gradients by the non-finite norm anyway, set "
+                "`error_if_nonfinite=False`" % norm_type)
+        coef = max_norm / (total + 1e-6) if math.isfinite(max_norm) else math.inf
+        if not coef >= 1.0:  # (a NaN norm scales by NaN, as torch's)
+            with torch.no_grad():
+                for g in grads:
+                    g.mul_(coef)
         return torch.tensor(total)

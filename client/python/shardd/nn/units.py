@@ -83,8 +83,9 @@ class _ShardParameter(nn.Parameter):
     configure_optimizers: weight decay for ``p.dim() >= 2``; timm's: none
     for ``p.ndim <= 1``) gets torch's split, where FSDP1 puts every
     parameter in the no-decay group without a word. What needs the whole
-    shape refuses as on a 1-D tensor (``p.shape[1]``, ``nn.init.xavier_*``
-    / ``kaiming_*``: an IndexError); norm() is the part's, as FSDP1's.
+    shape refuses as on a 1-D tensor (``p.shape[1]``, an IndexError), but
+    torch.nn.init's functions and the in-place draws below run on the
+    whole parameter (inits.py); norm() is the part's, as FSDP1's.
     Anything torch makes from it (``p.detach()``, ``p.data``, ``p * 2``,
     a deepcopy, a state dict) is a plain tensor of the part's shape, except
     where torch returns the object itself (``p.float()`` of an fp32 one)."""
@@ -104,6 +105,22 @@ class _ShardParameter(nn.Parameter):
 
     def __repr__(self):
         return "Parameter containing:\n" + repr(self.detach())
+
+
+def _whole_draw(name):
+    def method(self, *args, **kwargs):
+        from .inits import draw
+        return draw(self, name, args, kwargs)
+    method.__name__ = name
+    return method
+
+
+# an in-place draw (nn.init's normal_ / uniform_ / trunc_normal_, p.normal_())
+# on the part draws the whole parameter, as torch's (inits.py)
+for _name in ("normal_", "uniform_", "log_normal_", "exponential_", "cauchy_", "geometric_",
+              "bernoulli_", "random_"):
+    setattr(_ShardParameter, _name, _whole_draw(_name))
+del _name
 
 
 class _Entry:

@@ -1,0 +1,107 @@
+"""A model initialized after wrapping (transient areas, 2 ranks) gets
+torch's values: ``model.apply(init_fn)`` with ``nn.init.normal_``,
+timm's ``trunc_normal_`` (through a name bound before wrapping, as this
+module's ``from torch.nn.init import trunc_normal_``), ``kaiming_normal_``
+and ``xavier_uniform_``, every module's ``reset_parameters()``, and
+``p.normal_()`` under ``no_grad``, on nanoGPT (a unit per Block), ResNet-18
+(a unit per child) and LLaMA, seeded alike on every rank, as one process
+of torch. Outside forward a parameter is this rank's 1-D part of the
+shard: a draw on it took each part's numbers from the start of its own
+generator (every part the same ones: 2.56 off torch), kaiming_* returned
+without drawing on a rank whose part is empty (every later draw out of
+step), and the fans of xavier_* / kaiming_* and a Linear's
+reset_parameters() failed on the 1-D shape (an IndexError). The init runs
+on a whole tensor of the parameter's shape on every rank, each keeping
+its part."""
+import unittest
+
+import common
+import shardd
+
+if common.HAVE_TORCH:
+    import torch
+    from torch import nn
+    from torch.nn.init import trunc_normal_  # bound before any wrapper
+    import models
+    import shardd.nn
+
+MODELS = {"gpt": (lambda: models.nano_gpt(), lambda: {models.Block}),
+          "resnet": (lambda: models.resnet(), lambda: "children"),
+          "llama": (lambda: models.llama(), lambda: {models.LlamaDecoderLayer})}
+
+
+def timm_like(m):
+    if isinstance(m, nn.Linear):
+        trunc_normal_(m.weight, std=0.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.Conv2d):
+        nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+    elif isinstance(m, nn.Embedding):
+        nn.init.xavier_uniform_(m.weight)
+
+
+def init(model, how):
+    torch.manual_seed(7)
+    if how == "normal":
+        model.apply(lambda m: nn.init.normal_(m.weight, std=0.02)
+                    if isinstance(m, nn.Linear) else None)
+    elif how == "timm":
+        model.apply(timm_like)
+    elif how == "reset":
+        model.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
+    else:  # "method": the parameter's own draws
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("weight"):
+                    p.normal_(0, 0.02)
+                else:
+                    p.uniform_(-0.1, 0.1)
+
+
+def rank_main(rank, world, sock, job, name, how, q):
+    try:
+        torch.set_num_threads(1)
+        client = shardd.Client(sock, job=job, rank=rank, world=world, transient_areas=True,
+                               client_name="test_init_after_wrapping rank %d" % rank)
+        make, wrap = MODELS[name]
+        model = make()
+        sm = shardd.nn.ShardedModule(client, model, auto_wrap=wrap())
+        init(model, how)
+        common.send_params(rank, q, sm)
+        client.close()
+        q.put(("done", rank))
+    except BaseException as e:
+        common.rank_failed(rank, q, e)
+
+
+@unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
+class InitAfterWrappingTest(unittest.TestCase):
+
+    def check(self, name, how, world=2):
+        ref = MODELS[name][0]()
+        init(ref, how)
+        job, sock = common.job("initafter"), common.socket()
+        got = common.last_params(rank_main, lambda r, q: (r, world, sock, job, name, how, q),
+                                 world, timeout=120)
+        for n, p in ref.named_parameters():
+            self.assertTrue((got[n] == p.detach().numpy()).all(), "%s, %s: %s" % (name, how, n))
+
+    def test_nn_init_normal_over_model_apply(self):
+        self.check("gpt", "normal")
+
+    def test_timm_like_init_with_a_name_bound_before_wrapping(self):
+        self.check("gpt", "timm")
+        self.check("resnet", "timm")
+
+    def test_reset_parameters_of_every_module(self):
+        self.check("gpt", "reset")
+        self.check("resnet", "reset")
+        self.check("llama", "reset")
+
+    def test_a_parameters_own_draws(self):
+        self.check("gpt", "method")
+
+
+if __name__ == "__main__":
+    unittest.main()
