@@ -270,7 +270,10 @@ tensors of its own over the gathered values, put into the unit's
 modules' ``_parameters`` while its forward runs (the parameters put
 back after), so autograd accumulates each forward's gradient on its own
 node (the root unit, gathered all through backward, takes their sum
-once). Each rank must run as many forwards through the same units (else
+once); in that forward's code each leaf stands for its parameter
+(leaves.py: its .grad is the parameter's, the script's attributes are
+read and set on the parameter, a script's hook's write into it is
+refused as one into the parameter). Each rank must run as many forwards through the same units (else
 their collectives differ: E_MISMATCH, saying so); a script's hook on a
 parameter a second forward uses (it would see one forward's part) and
 an interleaving of two uses' backwards of one unit are refused (E_LIMIT).

@@ -11,6 +11,7 @@ import shardd
 
 from .builtin import put_parameter
 from .hook_writes import to_copies
+from .leaves import make_leaf, put_in
 from .optimizer_hook import _HELD
 from .reads import _watch
 from .units import _UNKNOWN, _Saved, _Use, _hooked_modules, _tensors
@@ -369,8 +370,10 @@ class _ForwardHooks:
     def _leaf(self, u, e, use):
         """A leaf tensor over e's gathered values, its AccumulateGrad
         hooked as the parameter's (its gradient area is pointed at when
-        that use's backward begins)."""
-        t = e.param.data.detach().requires_grad_(True)
+        that use's backward begins). It stands for the parameter in the
+        code of that forward (leaves.py: its .grad, the script's
+        attributes)."""
+        t = make_leaf(e.param.data, e.param)
         with torch.enable_grad():
             acc = t.expand_as(t).grad_fn.next_functions[0][0]
         acc.register_hook(functools.partial(self._grad_ready, u, e, use))
@@ -406,6 +409,7 @@ class _ForwardHooks:
             t.data = e.param.data  # the gathered values, now
             for m, attr in e.owners:
                 put_parameter(m, attr, t)
+            put_in(t, True)  # its .grad the parameter's (leaves.py)
         u.swapped = use
 
     def _swap_out(self, u):
@@ -416,6 +420,7 @@ class _ForwardHooks:
         for e, t in zip(u.entries, use.leaves):
             if t is None:
                 continue
+            put_in(t, False)
             for m, attr in e.owners:
                 put_parameter(m, attr, e.param)
             t.data = e.part  # not the area, leased on to other units
