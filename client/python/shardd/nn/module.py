@@ -293,6 +293,14 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                                         requires_grad=p.requires_grad)
                     e.grad_view = grd[off:off + n].view(p.shape)
                 e.param = newp
+                # the attributes the script set on p (Mamba's
+                # `A_log._no_weight_decay = True`, read when it builds the
+                # optimizer's groups; Megatron's flags) are newp's: FSDP's
+                # use_orig_params keeps the parameter objects, so they stay
+                # (dropped, a group split by them changed without a word)
+                for k, v in p.__dict__.items():
+                    if not k.startswith("_shardd"):
+                        newp.__dict__.setdefault(k, v)
                 hooks = getattr(p, "_backward_hooks", None)
                 owner = _OWNERS.get(id(p))
                 if hooks and (owner is None or owner[0]() is not p):
