@@ -85,7 +85,12 @@ wrapping (``module.weight = nn.Parameter(t)``, ``model.half()`` /
 ``.double()`` / ``.to(dtype)`` / ``.to(device)``, ``p.data = t``) would
 compute outside the shards or be pointed back at them: the next forward
 (transient: the root's pre-hook; resident: :meth:`ShardedModule.gather`)
-raises, naming it and what happened.
+raises, naming it and what happened. A hook on a parameter's
+AccumulateGrad node (torch 1.13's post-accumulate hook) is refused,
+naming the parameter: made before wrapping it would never run (at
+wrapping), made after it would see a unit's unreduced gradient or its
+reduced part by the order of its parameters (transient areas: at the
+unit's gather or in backward; acc_hooks.py).
 
 Resident clients: a parameter is the gathered copy and its ``.grad`` this
 rank's unreduced gradient, so torch.optim (and torch's clip_grad_norm_)
@@ -292,7 +297,9 @@ no parameter a kernel still reads.
 # the units, grads.py has the .grad stand-ins, reads.py the parameter reads,
 # optimizer_hook.py the owners and the pre-step checks and release,
 # optim_state.py torch.optim's state dicts of parts, hook_writes.py the
-# script's forward hooks that write a gathered parameter, _precision.py the
+# script's forward hooks that write a gathered parameter, acc_hooks.py the
+# hooks on a parameter's AccumulateGrad node, leaves.py a later forward's
+# stand-ins for the parameters, _precision.py the
 # dtypes, builtin.py what torch's built-in modules need (MultiheadAttention's
 # out_proj, an RNN's _flat_weights, weight_norm's pre-hook). Every name
 # nn.py had before the split is imported here, private ones included, so

@@ -9,6 +9,7 @@ import torch
 
 import shardd
 
+from .acc_hooks import AFTER, refusal as acc_refusal
 from .grads import _Grad16
 from .optimizer_hook import _HELD, _PARTIAL
 from .units import _UNKNOWN, _Use
@@ -284,6 +285,12 @@ class _BackwardHooks:
         return None
 
     def _grad_ready(self, u, e, use, grad_inputs, grad_outputs):
+        hooks = e.acc_hooks
+        if hooks is not None and len(hooks) > 1:
+            # the script hooked the parameter's node after its first
+            # forward: refused before its hook runs (acc_hooks.py)
+            self._abort_backward()
+            raise acc_refusal(e.name, AFTER)
         if u.state != "backward" or not self._same_use(u, use):
             return
         cur = u.bw_use

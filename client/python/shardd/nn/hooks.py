@@ -9,6 +9,7 @@ import torch
 
 import shardd
 
+from .acc_hooks import AFTER, accumulate_node, refusal as acc_refusal, script_hooks
 from .builtin import put_parameter
 from .hook_writes import to_copies
 from .leaves import make_leaf, put_in
@@ -236,10 +237,14 @@ class _ForwardHooks:
             if e.acc is None and p.requires_grad:
                 # the node autograd accumulates p's gradient in, made while p
                 # has its shape (its metadata checks the gradients); kept so
-                # that autograd keeps using this one
-                with torch.enable_grad():
-                    e.acc = p.expand_as(p).grad_fn.next_functions[0][0]
-                e.acc.register_hook(functools.partial(self._grad_ready, u, e, None))
+                # that autograd keeps using this one. A hook of the script's
+                # on it already (made on the 1-D part): refused (acc_hooks.py)
+                acc = accumulate_node(p)
+                if script_hooks(acc):
+                    raise acc_refusal(e.name, AFTER)
+                e.acc = acc
+                e.acc_hooks = acc.register_hook(
+                    functools.partial(self._grad_ready, u, e, None)).hooks_dict_ref()
 
     def _to_shard(self, u):
         """Every parameter of u its part of this rank's shard (FSDP's

@@ -14,6 +14,7 @@ from torch import nn
 
 import shardd
 
+from .acc_hooks import check_originals
 from ._precision import _DTYPE_OF, _TORCH_DTYPES, _cast_floats, _checksum, _mixed_precision
 from .backward import _BackwardHooks
 from .grads import _Grad16, _ResidentGrad
@@ -179,6 +180,8 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         if self.transient:
             _check_nesting(specs, per_unit, parent)
         _check_outside_holders(module, per_unit)
+        # a hook on an original's AccumulateGrad node would never run
+        check_originals([(qn, p) for params in per_unit for qn, p, _ in params])
         pending = []  # units whose buffers are registered, views not yet
         # every unit's buffer in one call (a request per 250), as its views
         # below: each unit's flattened values are made once for the
