@@ -253,7 +253,9 @@ raises (the saved-tensor hooks stay pushed, and the units it left gathered
 for their forward held, until the next forward of the root, which
 releases them). A unit with no trainable parameter
 (wholly frozen) that backward runs through is released once the gradient
-of each of its inputs is whole. A unit with a trainable parameter that
+of each of its inputs is whole; a tensor autograd saves of its parameter
+read outside its forward (by the root's) is a copy, taken then, so that
+backward gathers nothing for it. A unit with a trainable parameter that
 gets no gradient holds its areas until the end of backward, so two such
 units (or one and the root unit) in one backward run into the lease limit
 (E_LIMIT), refused naming the units that wait and for what; so does

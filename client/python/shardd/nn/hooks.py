@@ -609,6 +609,16 @@ class _ForwardHooks:
             lo = g.data_ptr()
             esz = g.element_size()
             if lo <= ptr < lo + g.numel() * esz and t.numel() > 0:
+                if u.depth == 0 and not u.is_root and self._in_forward \
+                        and not self._trainable(u):
+                    # a frozen unit's parameter read outside its forward
+                    # (held by the read until the root's forward ends):
+                    # saved as a copy. Rebuilt in backward, the unit was
+                    # gathered for it and held to the end of backward (a
+                    # frozen unit's release waits for its own forward's
+                    # inputs), which with the root unit took both leases
+                    # from the next unit's backward (E_LIMIT)
+                    return t.clone()
                 return _Saved(u, (ptr - lo) // esz, tuple(t.size()), tuple(t.stride()),
                               u.fw_use if self._in_forward else None)
         e = self._by_param.get(id(t))
