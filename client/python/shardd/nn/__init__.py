@@ -157,8 +157,9 @@ Per unit, in the same order on every rank (each rank's graph is the same):
   split, are torch's: units.py's _ShardParameter), except the *root unit* (the
   one holding the root module's own parameters), which stays gathered until
   the end of backward as FSDP keeps it, its parameters the gathered ones
-  (a loss term over ``model.parameters()`` after forward reaches them
-  whole). After an eval-mode forward (``model.eval()``, grad enabled, no
+  (a loss term over its parameters after forward reaches them whole; a
+  backward through one over another unit's, its 1-D part by then, is
+  refused naming them: backward_errors.py). After an eval-mode forward (``model.eval()``, grad enabled, no
   backward) they are their parts of the shard again until a backward, so
   an evaluation between backward and step leaves the optimizer stepping
   the shards; after a train-mode forward no backward came for (a loss
@@ -300,7 +301,8 @@ no parameter a kernel still reads.
 # optimizer_hook.py the owners and the pre-step checks and release,
 # optim_state.py torch.optim's state dicts of parts, hook_writes.py the
 # script's forward hooks that write a gathered parameter, acc_hooks.py the
-# hooks on a parameter's AccumulateGrad node, leaves.py a later forward's
+# hooks on a parameter's AccumulateGrad node, backward_errors.py torch's
+# shape error for a loss term over the parts, leaves.py a later forward's
 # stand-ins for the parameters, _precision.py the
 # dtypes, builtin.py what torch's built-in modules need (MultiheadAttention's
 # out_proj, an RNN's _flat_weights, weight_norm's pre-hook). Every name

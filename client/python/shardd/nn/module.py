@@ -14,6 +14,7 @@ from torch import nn
 
 import shardd
 
+from . import backward_errors
 from .acc_hooks import check_originals
 from ._precision import _DTYPE_OF, _TORCH_DTYPES, _cast_floats, _checksum, _mixed_precision
 from .backward import _BackwardHooks
@@ -409,6 +410,9 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         if guards is not None:
             guards.append(weakref.ref(self))
         if self.transient:
+            # torch's shape error for a loss term over the parameters
+            # outside the forward, said again naming them (backward_errors.py)
+            backward_errors.install()
             mods = list(module.modules())
 
             def hook_keys():
