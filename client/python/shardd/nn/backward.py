@@ -201,6 +201,13 @@ class _BackwardHooks:
                 waiting.append("%r (waits for the gradient of %s)" % (
                     v.name, ", ".join(repr(n) for n in left[:3])
                     + (" and %d more" % (len(left) - 3) if len(left) > 3 else "")))
+            elif v.state == "late":
+                waiting.append(
+                    "%r (gathered again for the tensors a forward of it saved, with no "
+                    "gradient to wait for: held until that forward's inputs of it have "
+                    "their whole gradient, which, where a frozen unit's input is read by "
+                    "others too or its requires_grad changed between two forwards and "
+                    "this backward, may be the end of backward)" % v.name)
             else:
                 waiting.append("%r (%s)" % (v.name, "the root unit, held until backward "
                                             "ends" if v.is_root else v.state))

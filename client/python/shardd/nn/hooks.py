@@ -517,6 +517,17 @@ class _ForwardHooks:
         if left[0]:
             return None
         use.bounds -= 1
+        if u.state == "late":
+            # gathered for this use's saved tensors only: the unit was
+            # trainable in its forward and is frozen now (requires_grad
+            # set False between two forwards and the backward; torch drops
+            # such a gradient). Released as a frozen unit's use is
+            # (_frozen_input_grad), else it held a lease to the end of
+            # backward and the next unit's gather was refused (E_LIMIT)
+            if use.bounds == 0 and not self._trainable(u):
+                u.state = "idle"
+                self._release(u)
+            return None
         if use.bounds == 0 and not use.unbounded and u.state == "backward":
             if u.bw_use is _UNKNOWN:
                 self._adopt(u, use)
