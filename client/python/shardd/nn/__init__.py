@@ -85,7 +85,12 @@ wrapping (``module.weight = nn.Parameter(t)``, ``model.half()`` /
 ``.double()`` / ``.to(dtype)`` / ``.to(device)``, ``p.data = t``) would
 compute outside the shards or be pointed back at them: the next forward
 (transient: the root's pre-hook; resident: :meth:`ShardedModule.gather`)
-raises, naming it and what happened.
+raises, naming it and what happened. A hook on a parameter's
+AccumulateGrad node (torch 1.13's post-accumulate hook) is refused,
+naming the parameter: made before wrapping it would never run (at
+wrapping), made after it would see a unit's unreduced gradient or its
+reduced part by the order of its parameters (transient areas: at the
+unit's gather or in backward; acc_hooks.py).
 
 Resident clients: a parameter is the gathered copy and its ``.grad`` this
 rank's unreduced gradient, so torch.optim (and torch's clip_grad_norm_)
@@ -152,8 +157,9 @@ Per unit, in the same order on every rank (each rank's graph is the same):
   split, are torch's: units.py's _ShardParameter), except the *root unit* (the
   one holding the root module's own parameters), which stays gathered until
   the end of backward as FSDP keeps it, its parameters the gathered ones
-  (a loss term over ``model.parameters()`` after forward reaches them
-  whole). After an eval-mode forward (``model.eval()``, grad enabled, no
+  (a loss term over its parameters after forward reaches them whole; a
+  backward through one over another unit's, its 1-D part by then, is
+  refused naming them: backward_errors.py). After an eval-mode forward (``model.eval()``, grad enabled, no
   backward) they are their parts of the shard again until a backward, so
   an evaluation between backward and step leaves the optimizer stepping
   the shards; after a train-mode forward no backward came for (a loss
@@ -250,7 +256,9 @@ raises (the saved-tensor hooks stay pushed, and the units it left gathered
 for their forward held, until the next forward of the root, which
 releases them). A unit with no trainable parameter
 (wholly frozen) that backward runs through is released once the gradient
-of each of its inputs is whole. A unit with a trainable parameter that
+of each of its inputs is whole; a tensor autograd saves of its parameter
+read outside its forward (by the root's) is a copy, taken then, so that
+backward gathers nothing for it. A unit with a trainable parameter that
 gets no gradient holds its areas until the end of backward, so two such
 units (or one and the root unit) in one backward run into the lease limit
 (E_LIMIT), refused naming the units that wait and for what; so does
@@ -272,7 +280,10 @@ tensors of its own over the gathered values, put into the unit's
 modules' ``_parameters`` while its forward runs (the parameters put
 back after), so autograd accumulates each forward's gradient on its own
 node (the root unit, gathered all through backward, takes their sum
-once). Each rank must run as many forwards through the same units (else
+once); in that forward's code each leaf stands for its parameter
+(leaves.py: its .grad is the parameter's, the script's attributes are
+read and set on the parameter, a script's hook's write into it is
+refused as one into the parameter). Each rank must run as many forwards through the same units (else
 their collectives differ: E_MISMATCH, saying so); a script's hook on a
 parameter a second forward uses (it would see one forward's part) and
 an interleaving of two uses' backwards of one unit are refused (E_LIMIT).
@@ -291,7 +302,10 @@ no parameter a kernel still reads.
 # the units, grads.py has the .grad stand-ins, reads.py the parameter reads,
 # optimizer_hook.py the owners and the pre-step checks and release,
 # optim_state.py torch.optim's state dicts of parts, hook_writes.py the
-# script's forward hooks that write a gathered parameter, _precision.py the
+# script's forward hooks that write a gathered parameter, acc_hooks.py the
+# hooks on a parameter's AccumulateGrad node, backward_errors.py torch's
+# shape error for a loss term over the parts, leaves.py a later forward's
+# stand-ins for the parameters, _precision.py the
 # dtypes, builtin.py what torch's built-in modules need (MultiheadAttention's
 # out_proj, an RNN's _flat_weights, weight_norm's pre-hook), clip_hook.py
 # torch's clip_grad_norm_ over a wrapper's parameters, inits.py torch.nn.init's

@@ -9,6 +9,7 @@ import torch
 
 import shardd
 
+from .acc_hooks import AFTER, refusal as acc_refusal
 from .grads import _Grad16
 from .optimizer_hook import _HELD, _PARTIAL
 from .units import _UNKNOWN, _Use
@@ -200,6 +201,13 @@ class _BackwardHooks:
                 waiting.append("%r (waits for the gradient of %s)" % (
                     v.name, ", ".join(repr(n) for n in left[:3])
                     + (" and %d more" % (len(left) - 3) if len(left) > 3 else "")))
+            elif v.state == "late":
+                waiting.append(
+                    "%r (gathered again for the tensors a forward of it saved, with no "
+                    "gradient to wait for: held until that forward's inputs of it have "
+                    "their whole gradient, which, where a frozen unit's input is read by "
+                    "others too or its requires_grad changed between two forwards and "
+                    "this backward, may be the end of backward)" % v.name)
             else:
                 waiting.append("%r (%s)" % (v.name, "the root unit, held until backward "
                                             "ends" if v.is_root else v.state))
@@ -284,6 +292,12 @@ class _BackwardHooks:
         return None
 
     def _grad_ready(self, u, e, use, grad_inputs, grad_outputs):
+        hooks = e.acc_hooks
+        if hooks is not None and len(hooks) > 1:
+            # the script hooked the parameter's node after its first
+            # forward: refused before its hook runs (acc_hooks.py)
+            self._abort_backward()
+            raise acc_refusal(e.name, AFTER)
         if u.state != "backward" or not self._same_use(u, use):
             return
         cur = u.bw_use

@@ -97,7 +97,9 @@ def _gathered_params(sm, module):
     that are views of a gathered unit's area now."""
     out = []
     for p in module.parameters():
-        e = sm._by_param.get(id(p))
+        # a later forward's leaf in the parameter's place (leaves.py):
+        # its data is the gathered area too
+        e = sm._by_param.get(id(p.__dict__.get("_shardd_of", p)))
         if e is None or not p.numel():
             continue
         for u in sm.units:

@@ -9,8 +9,10 @@ import torch
 
 import shardd
 
+from .acc_hooks import AFTER, accumulate_node, refusal as acc_refusal, script_hooks
 from .builtin import put_parameter
 from .hook_writes import to_copies
+from .leaves import make_leaf, put_in
 from .optimizer_hook import _HELD
 from .reads import _watch
 from .units import _UNKNOWN, _Saved, _Use, _hooked_modules, _tensors
@@ -235,10 +237,14 @@ class _ForwardHooks:
             if e.acc is None and p.requires_grad:
                 # the node autograd accumulates p's gradient in, made while p
                 # has its shape (its metadata checks the gradients); kept so
-                # that autograd keeps using this one
-                with torch.enable_grad():
-                    e.acc = p.expand_as(p).grad_fn.next_functions[0][0]
-                e.acc.register_hook(functools.partial(self._grad_ready, u, e, None))
+                # that autograd keeps using this one. A hook of the script's
+                # on it already (made on the 1-D part): refused (acc_hooks.py)
+                acc = accumulate_node(p)
+                if script_hooks(acc):
+                    raise acc_refusal(e.name, AFTER)
+                e.acc = acc
+                e.acc_hooks = acc.register_hook(
+                    functools.partial(self._grad_ready, u, e, None)).hooks_dict_ref()
 
     def _to_shard(self, u):
         """Every parameter of u its part of this rank's shard (FSDP's
@@ -369,8 +375,10 @@ class _ForwardHooks:
     def _leaf(self, u, e, use):
         """A leaf tensor over e's gathered values, its AccumulateGrad
         hooked as the parameter's (its gradient area is pointed at when
-        that use's backward begins)."""
-        t = e.param.data.detach().requires_grad_(True)
+        that use's backward begins). It stands for the parameter in the
+        code of that forward (leaves.py: its .grad, the script's
+        attributes)."""
+        t = make_leaf(e.param.data, e.param)
         with torch.enable_grad():
             acc = t.expand_as(t).grad_fn.next_functions[0][0]
         acc.register_hook(functools.partial(self._grad_ready, u, e, use))
@@ -406,6 +414,7 @@ class _ForwardHooks:
             t.data = e.param.data  # the gathered values, now
             for m, attr in e.owners:
                 put_parameter(m, attr, t)
+            put_in(t, True)  # its .grad the parameter's (leaves.py)
         u.swapped = use
 
     def _swap_out(self, u):
@@ -416,6 +425,7 @@ class _ForwardHooks:
         for e, t in zip(u.entries, use.leaves):
             if t is None:
                 continue
+            put_in(t, False)
             for m, attr in e.owners:
                 put_parameter(m, attr, e.param)
             t.data = e.part  # not the area, leased on to other units
@@ -507,6 +517,17 @@ class _ForwardHooks:
         if left[0]:
             return None
         use.bounds -= 1
+        if u.state == "late":
+            # gathered for this use's saved tensors only: the unit was
+            # trainable in its forward and is frozen now (requires_grad
+            # set False between two forwards and the backward; torch drops
+            # such a gradient). Released as a frozen unit's use is
+            # (_frozen_input_grad), else it held a lease to the end of
+            # backward and the next unit's gather was refused (E_LIMIT)
+            if use.bounds == 0 and not self._trainable(u):
+                u.state = "idle"
+                self._release(u)
+            return None
         if use.bounds == 0 and not use.unbounded and u.state == "backward":
             if u.bw_use is _UNKNOWN:
                 self._adopt(u, use)
@@ -599,6 +620,16 @@ class _ForwardHooks:
             lo = g.data_ptr()
             esz = g.element_size()
             if lo <= ptr < lo + g.numel() * esz and t.numel() > 0:
+                if u.depth == 0 and not u.is_root and self._in_forward \
+                        and not self._trainable(u):
+                    # a frozen unit's parameter read outside its forward
+                    # (held by the read until the root's forward ends):
+                    # saved as a copy. Rebuilt in backward, the unit was
+                    # gathered for it and held to the end of backward (a
+                    # frozen unit's release waits for its own forward's
+                    # inputs), which with the root unit took both leases
+                    # from the next unit's backward (E_LIMIT)
+                    return t.clone()
                 return _Saved(u, (ptr - lo) // esz, tuple(t.size()), tuple(t.stride()),
                               u.fw_use if self._in_forward else None)
         e = self._by_param.get(id(t))

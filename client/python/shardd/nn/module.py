@@ -14,6 +14,8 @@ from torch import nn
 
 import shardd
 
+from . import backward_errors
+from .acc_hooks import check_originals
 from ._precision import _DTYPE_OF, _TORCH_DTYPES, _cast_floats, _checksum, _mixed_precision
 from .clip_hook import install as _install_clip_hook
 from .inits import install as _install_inits
@@ -181,6 +183,8 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         if self.transient:
             _check_nesting(specs, per_unit, parent)
         _check_outside_holders(module, per_unit)
+        # a hook on an original's AccumulateGrad node would never run
+        check_originals([(qn, p) for params in per_unit for qn, p, _ in params])
         pending = []  # units whose buffers are registered, views not yet
         # every unit's buffer in one call (a request per 250), as its views
         # below: each unit's flattened values are made once for the
@@ -295,6 +299,14 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                                         requires_grad=p.requires_grad)
                     e.grad_view = grd[off:off + n].view(p.shape)
                 e.param = newp
+                # the attributes the script set on p (Mamba's
+                # `A_log._no_weight_decay = True`, read when it builds the
+                # optimizer's groups; Megatron's flags) are newp's: FSDP's
+                # use_orig_params keeps the parameter objects, so they stay
+                # (dropped, a group split by them changed without a word)
+                for k, v in p.__dict__.items():
+                    if not k.startswith("_shardd"):
+                        newp.__dict__.setdefault(k, v)
                 hooks = getattr(p, "_backward_hooks", None)
                 owner = _OWNERS.get(id(p))
                 if hooks and (owner is None or owner[0]() is not p):
@@ -404,6 +416,9 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         if guards is not None:
             guards.append(weakref.ref(self))
         if self.transient:
+            # torch's shape error for a loss term over the parameters
+            # outside the forward, said again naming them (backward_errors.py)
+            backward_errors.install()
             mods = list(module.modules())
 
             def hook_keys():

@@ -125,7 +125,7 @@ del _name
 
 class _Entry:
     __slots__ = ("name", "view", "param", "owners", "grad_view", "offset", "numel",
-                 "shape", "acc", "got", "part", "rpart", "kept", "grad16", "home")
+                 "shape", "acc", "acc_hooks", "got", "part", "rpart", "kept", "grad16", "home")
 
     def __init__(self, name, view, owners):
         self.name = name          # qualified name of the (first) occurrence
@@ -137,6 +137,7 @@ class _Entry:
         self.numel = view.numel
         self.shape = view.shape
         self.acc = None           # transient: its AccumulateGrad node (hooked)
+        self.acc_hooks = None     # transient: that node's dict of Python hooks (acc_hooks.py)
         self.got = False          # transient: a gradient reached it this backward
         # its part of this rank's shard and of the reduced-gradient shard
         # (1-D, possibly empty: FSDP's sharded views with use_orig_params)
