@@ -19,7 +19,6 @@ import common
 import shardd
 
 if common.HAVE_TORCH:
-    import numpy as np
     import torch
     import models
     import shardd.nn

@@ -594,8 +594,11 @@ class _ForwardHooks:
 
     def _frozen_input_grad(self, u, left, grad):
         left[0] -= 1
-        if left[0] == 0 and u.state == "late" and not self._trainable(u):
-            u.state = "idle"
+        if left[0] == 0 and u.state == "late":
+            # a unit frozen in this forward and trainable now
+            # (requires_grad set True before the backward) was reduced
+            # already (late only once done): released, done still
+            u.state = "idle" if not self._trainable(u) else "done"
             self._release(u)
         return None
 
