@@ -44,6 +44,12 @@ void shardd__send_resp(shardd__dispatch *d, shardd__conn *c,
 void shardd__send_resp_fds(shardd__dispatch *d, shardd__conn *c,
                            const Shardwire__Response *resp, int *fds, size_t n,
                            int borrowed);
+/* n zeroed elements of size bytes for the request being handled, taken
+ * back with its decoded message when its handler returns (never kept past
+ * it); NULL when out of memory. A batch's per-entry arrays come from here:
+ * malloc'ed, 4096 entries' were large enough for an mmap and munmap and
+ * fresh pages per request. */
+void *shardd__req_scratch(shardd__dispatch *d, size_t n, size_t size);
 /* A status-only reply (msg NULL: the code's own words). */
 void shardd__reply(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                    shardd_err code, const char *msg);

@@ -211,15 +211,11 @@ static void views_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   size_t n = rq->n_views;
   char err[ERRLEN];
   batch_errs be;
-  shardd__view **vs = calloc(n ? n : 1, sizeof *vs);
-  Shardwire__ViewReply *vr = calloc(n ? n : 1, sizeof *vr);
-  Shardwire__ViewReply **vrp = calloc(n ? n : 1, sizeof *vrp);
-  char *created = calloc(n ? n : 1, 1);
+  shardd__view **vs = shardd__req_scratch(d, n, sizeof *vs);
+  Shardwire__ViewReply *vr = shardd__req_scratch(d, n, sizeof *vr);
+  Shardwire__ViewReply **vrp = shardd__req_scratch(d, n, sizeof *vrp);
+  char *created = shardd__req_scratch(d, n, 1);
   if (vs == NULL || vr == NULL || vrp == NULL || created == NULL) {
-    free(vs);
-    free(vr);
-    free(vrp);
-    free(created);
     shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
@@ -265,10 +261,6 @@ static void views_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     shardd__send_resp(d, c, &resp, -1);
   }
   shardd__batch_errs_free(&be);
-  free(vs);
-  free(vr);
-  free(vrp);
-  free(created);
 }
 
 static int cmp_u64(const void *a, const void *b) {
@@ -305,7 +297,7 @@ static void batch_unregister(shardd__dispatch *d, shardd__conn *c,
                              const uint64_t *gens) {
   char err[ERRLEN];
   batch_errs be;
-  uint64_t *sorted = malloc((n ? n : 1) * sizeof *sorted);
+  uint64_t *sorted = shardd__req_scratch(d, n, sizeof *sorted);
   if (sorted == NULL) {
     shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
@@ -358,19 +350,19 @@ static void batch_unregister(shardd__dispatch *d, shardd__conn *c,
     shardd__send_resp(d, c, &resp, -1);
   }
   shardd__batch_errs_free(&be);
-  free(sorted);
 }
 
 /* The ids and generations of a batch's entries, in two arrays of n (one
- * allocation: ids, then gens), or NULL when out of memory. */
-static uint64_t *unreg_arrays(size_t n) {
-  return malloc(2 * (n ? n : 1) * sizeof(uint64_t));
+ * allocation, the request's: ids, then gens), or NULL when out of memory. */
+static uint64_t *unreg_arrays(shardd__dispatch *d, size_t n) {
+  return n > SIZE_MAX / 2 ? NULL
+                          : shardd__req_scratch(d, 2 * (n ? n : 1), sizeof(uint64_t));
 }
 
 static void views_unregister(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                              const Shardwire__UnregisterViews *rq) {
   size_t n = rq->n_views;
-  uint64_t *ids = unreg_arrays(n);
+  uint64_t *ids = unreg_arrays(d, n);
   if (ids == NULL) {
     shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
@@ -382,7 +374,6 @@ static void views_unregister(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   }
   batch_unregister(d, c, seq, &views_unreg, n,
                    rq->has_first_index ? rq->first_index : 0, ids, ids + n);
-  free(ids);
 }
 
 void shardd__on_views_batch(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
@@ -493,7 +484,7 @@ static void buffers_unregister(shardd__dispatch *d, shardd__conn *c,
                                uint64_t seq,
                                const Shardwire__UnregisterBuffers *rq) {
   size_t n = rq->n_buffers;
-  uint64_t *ids = unreg_arrays(n);
+  uint64_t *ids = unreg_arrays(d, n);
   if (ids == NULL) {
     shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
@@ -505,7 +496,6 @@ static void buffers_unregister(shardd__dispatch *d, shardd__conn *c,
   }
   batch_unregister(d, c, seq, &buffers_unreg, n,
                    rq->has_first_index ? rq->first_index : 0, ids, ids + n);
-  free(ids);
 }
 
 void shardd__on_buffers_batch(shardd__dispatch *d, shardd__conn *c,
