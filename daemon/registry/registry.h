@@ -41,6 +41,8 @@ typedef struct shardd__optim shardd__optim;
 /* First member of every object, so an id lookup can tell what it found. */
 typedef struct {
   shardd__obj_kind kind;
+  /* name lives in the object's own allocation (a view's), not a strdup */
+  unsigned char name_inline;
   uint64_t id;
   char *name;
   shardd__job *job;
