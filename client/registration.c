@@ -679,16 +679,19 @@ static shardd_err batch_register(shardd_client_t *c, const batch_kind *k,
         shardd__clear_err(c);
       }
     }
-    if (rc == SHARDD_OK)
+    if (rc == SHARDD_OK) {
+      /* decoded into one arena, taken back once read (below) */
+      shardd__reply_arena_use(c);
       rc = batch_reply(c, k, 1, &cur, &resp, fds, &nfds);
+      shardd__reply_arena_stop(c);
+    }
     if (rc == SHARDD_OK)
       rc = k->take(c, resp, lo, hi, fds, nfds, out, made, &nmade);
     else
       shardd__batch_fail(c, rc, resp, lo, hi, n, errs, after);
     for (int f = 0; f < nfds; f++)
       close(fds[f]);
-    if (resp)
-      shardwire__response__free_unpacked(resp, NULL);
+    shardd__reply_arena_reset(c); /* resp's pieces */
     lo = hi;
   }
   if (have_nxt)

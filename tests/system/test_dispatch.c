@@ -103,6 +103,30 @@ Test(dispatch, batch_registers_what_single_requests_would) {
   cr_assert_eq(shardd_views_register(c, 0, NULL, NULL, NULL), SHARDD_OK);
 }
 
+Test(dispatch, an_async_reply_read_during_a_batch_is_kept_for_its_wait) {
+  /* a release of a resident buffer is refused on the loop at once, so its
+   * reply comes before the batch's and is read by the batch's receive
+   * (its replies decoded into the batch's arena): noted, message and all,
+   * for the ticket; the batch's own reply read after it */
+  shardd_ticket t;
+  cr_assert_eq(shardd_release_async(c, b.id, &t), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  shardd_view_spec s[2] = {spec("during.a", 0, 4, shape4, 2, 1),
+                           spec("during.b", 4, 4, shape4, 2, 1)};
+  shardd_view_info vi[2];
+  cr_assert_eq(shardd_views_register(c, 2, s, vi, NULL), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  cr_expect(vi[0].id != 0 && vi[1].id != 0 && vi[0].id != vi[1].id);
+  cr_expect_eq(vi[0].created, 1);
+  cr_assert_eq(shardd_wait(c, t), SHARDD_E_STATE, "%s", shardd_last_error(c));
+  cr_expect(strstr(shardd_last_error(c), "nothing to release") != NULL, "%s",
+            shardd_last_error(c));
+  /* and the next batch again */
+  cr_assert_eq(shardd_views_register(c, 2, s, vi, NULL), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  cr_expect_eq(vi[0].created, 0);
+}
+
 Test(dispatch, refused_batch_names_every_bad_entry_and_keeps_nothing) {
   int64_t s3[1] = {3};
   shardd_view_spec s[6] = {
