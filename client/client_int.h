@@ -197,6 +197,18 @@ void shardd__async_free(shardd_client_t *c);
 
 /* ---- registration.c ---- */
 
+/* A ViewsBatch registration request of n entries (sizes[i]: each one's
+ * packed size) with seq (first_index written when > 0), packed by hand
+ * into *buf (malloc'ed, *len bytes): the bytes protobuf-c's pack writes,
+ * with each entry sized and packed once. SHARDD_E_FRAME_TOO_LARGE (*len
+ * set, nothing allocated) past the frame limit; E_INTERNAL when sizes are
+ * not the entries'. */
+shardd_err shardd__views_request_pack(uint64_t seq,
+                                      Shardwire__RegisterView *const *views,
+                                      const size_t *sizes, size_t n,
+                                      uint32_t first_index, uint8_t **buf,
+                                      size_t *len);
+
 void shardd__batch_fail(shardd_client_t *c, shardd_err rc,
                         const Shardwire__Response *resp, size_t lo, size_t hi,
                         size_t n, shardd_err *errs, const char *after);
