@@ -386,25 +386,39 @@ void shardd__record_freed(shardd__obj *o, const char *buf_name) {
       return;
   }
   size_t slot = (job->freed_head + job->freed_count) % SHARDD__FREED_MAX;
+  shardd__freed *f = &job->freed_ring[slot];
+  char *room = NULL; /* the oldest's allocation, for this one's */
+  size_t room_cap = 0;
   if (job->freed_count == SHARDD__FREED_MAX) { /* the oldest makes room */
-    shardd__map_del_id(&job->freed, job->freed_ring[slot].id);
-    freed_clear(&job->freed_ring[slot]);
+    shardd__map_del_id(&job->freed, f->id);
+    room = f->key;
+    room_cap = f->cap;
     job->freed_head = (job->freed_head + 1) % SHARDD__FREED_MAX;
     job->freed_count--;
   }
-  shardd__freed *f = &job->freed_ring[slot];
   f->id = o->id;
   f->generation = o->generation;
   f->kind = o->kind;
   /* the key, then the name and the buffer's name: one allocation (three
-   * strdups and three frees were a fifth of a view's unregistration) */
+   * strdups and three frees were a fifth of a view's unregistration),
+   * the evicted record's when it is large enough (a malloc and a free
+   * less per unregistration once the ring is full) */
+  const char *kbuf = buf_name ? buf_name : o->name;
+  const char *kview = o->kind == SHARDD__OBJ_VIEW ? o->name : NULL;
   size_t nn = strlen(o->name) + 1, nbn = buf_name ? strlen(buf_name) + 1 : 0;
   size_t kl;
-  f->key = gen_key_extra(buf_name ? buf_name : o->name,
-                         o->kind == SHARDD__OBJ_VIEW ? o->name : NULL,
-                         nn + nbn, &kl);
+  gen_key_write(NULL, kbuf, kview, &kl);
+  size_t need = kl + 1 + nn + nbn;
+  if (room == NULL || room_cap < need) {
+    free(room);
+    room = malloc(need);
+    room_cap = need;
+  }
+  f->key = room;
+  f->cap = room ? room_cap : 0;
   f->name = f->buf_name = NULL;
   if (f->key) {
+    gen_key_write(f->key, kbuf, kview, &kl);
     f->name = f->key + kl + 1;
     memcpy(f->name, o->name, nn);
     if (buf_name) {

@@ -126,6 +126,7 @@ typedef struct shardd__freed {
   char *key;  /* the gens key of its name */
   char *name; /* buffer or view name */
   char *buf_name; /* views: the buffer's name */
+  size_t cap;     /* bytes key's allocation holds */
 } shardd__freed;
 
 struct shardd__buffer {

@@ -43,6 +43,11 @@ void shardd__map_free(shardd__map *m) {
       e = next;
     }
   }
+  while (m->spare) {
+    shardd__map_entry *next = m->spare->next;
+    free(m->spare);
+    m->spare = next;
+  }
   free(m->slots);
   memset(m, 0, sizeof *m);
 }
@@ -95,9 +100,14 @@ static shardd__map_entry *map_entry(shardd__map *m, uint64_t hash, uint64_t id,
   if (m->count >= m->nslots && map_grow(m) != SHARDD_OK)
     return NULL;
   size_t klen = key ? strlen(key) + 1 : 0;
-  shardd__map_entry *e = malloc(sizeof *e + klen);
-  if (e == NULL)
+  shardd__map_entry *e;
+  if (key == NULL && m->spare) {
+    e = m->spare;
+    m->spare = e->next;
+    m->nspare--;
+  } else if ((e = malloc(sizeof *e + klen)) == NULL) {
     return NULL;
+  }
   e->key = NULL;
   if (key)
     e->key = memcpy(e->keybuf, key, klen);
@@ -128,7 +138,13 @@ static void *map_del(shardd__map *m, uint64_t hash, uint64_t id,
   shardd__map_entry *e = *pp;
   void *v = e->value;
   *pp = e->next;
-  free(e);
+  if (e->key == NULL && m->nspare < SHARDD__MAP_SPARE_MAX) {
+    e->next = m->spare;
+    m->spare = e;
+    m->nspare++;
+  } else {
+    free(e);
+  }
   m->count--;
   return v;
 }
