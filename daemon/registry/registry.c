@@ -493,6 +493,17 @@ int shardd__registry_stale(const shardd__registry *reg, const shardd__job *job,
   return 1;
 }
 
+uint64_t shardd__registry_new_mark(shardd__registry *reg) {
+  return ++reg->next_mark; /* from 1: an object starts unmarked (0) */
+}
+
+int shardd__registry_mark_once(shardd__obj *o, uint64_t mark) {
+  if (o->mark == mark)
+    return 0;
+  o->mark = mark;
+  return 1;
+}
+
 /* o gets an id and its place in the objects map; name is o's own
  * (inline) or copied. */
 static shardd_err obj_init(shardd__registry *reg, shardd__obj *o,

@@ -263,11 +263,6 @@ static void views_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   shardd__batch_errs_free(&be);
 }
 
-static int cmp_u64(const void *a, const void *b) {
-  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-  return x < y ? -1 : x > y;
-}
-
 /* What unregistering a batch of views and one of buffers differ in. */
 typedef struct unreg_kind {
   const char *one;  /* "view", "buffer" */
@@ -297,11 +292,6 @@ static void batch_unregister(shardd__dispatch *d, shardd__conn *c,
                              const uint64_t *gens) {
   char err[ERRLEN];
   batch_errs be;
-  uint64_t *sorted = shardd__req_scratch(d, n, sizeof *sorted);
-  if (sorted == NULL) {
-    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
-    return;
-  }
   shardd__batch_errs_init(&be, n, first);
   shardd__registry *reg = &d->reg;
   shardd__job *job = c->m.job;
@@ -314,22 +304,16 @@ static void batch_unregister(shardd__dispatch *d, shardd__conn *c,
       rc = k->check(reg, job, ids[i], err, sizeof err);
     if (rc != SHARDD_OK)
       shardd__batch_err_add(&be, i, rc, err);
-    sorted[i] = ids[i];
   }
   if (be.total == 0 && n > 1) {
-    qsort(sorted, n, sizeof *sorted, cmp_u64);
-    for (size_t i = 1; i < n; i++)
-      if (sorted[i] == sorted[i - 1]) {
-        /* name the later entries that repeat it */
-        size_t seen = 0;
-        for (size_t j = 0; j < n; j++)
-          if (ids[j] == sorted[i] && seen++ > 0) {
-            snprintf(err, sizeof err, "%s %" PRIu64 " is named twice", k->one,
-                     sorted[i]);
-            shardd__batch_err_add(&be, j, SHARDD_E_INVAL, err);
-          }
-        while (i + 1 < n && sorted[i + 1] == sorted[i])
-          i++;
+    /* every id resolved: the entries after the first naming one are
+     * refused */
+    uint64_t mark = shardd__registry_new_mark(reg);
+    for (size_t i = 0; i < n; i++)
+      if (!shardd__registry_mark_once(shardd__registry_get(reg, ids[i]), mark)) {
+        snprintf(err, sizeof err, "%s %" PRIu64 " is named twice", k->one,
+                 ids[i]);
+        shardd__batch_err_add(&be, i, SHARDD_E_INVAL, err);
       }
   }
   if (be.total > 0) {

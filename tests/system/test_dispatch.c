@@ -629,6 +629,35 @@ Test(dispatch, buffers_call_longer_than_a_request_is_undone_whole) {
   cr_assert_eq(shardd_buffer_unregister(c, ids[BBIG - 1]), SHARDD_E_NOT_FOUND);
 }
 
+Test(dispatch, views_unregister_names_each_repeat_after_the_first) {
+  shardd_view_spec s[3] = {spec("r0", 0, 4, shape4, 2, 1),
+                           spec("r1", 4, 4, shape4, 2, 1),
+                           spec("r2", 8, 4, shape4, 2, 1)};
+  shardd_view_info vi[3];
+  cr_assert_eq(shardd_views_register(c, 3, s, vi, NULL), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  /* r0 three times, r2 twice: the later ones refused, the first kept */
+  uint64_t ids[6] = {vi[0].id, vi[2].id, vi[0].id, vi[1].id, vi[0].id, vi[2].id};
+  shardd_err errs[6];
+  shardd_err rc = shardd_views_unregister(c, 6, ids, NULL, errs);
+  cr_assert_eq(rc, SHARDD_E_INVAL, "%s", shardd_last_error(c));
+  const shardd_err want[6] = {SHARDD_OK, SHARDD_OK, SHARDD_E_INVAL, SHARDD_OK,
+                              SHARDD_E_INVAL, SHARDD_E_INVAL};
+  for (int i = 0; i < 6; i++)
+    cr_expect_eq(errs[i], want[i], "entry %d: %s", i, shardd_err_name(errs[i]));
+  char named[64];
+  snprintf(named, sizeof named, "view %" PRIu64 " is named twice", vi[2].id);
+  cr_expect(strstr(shardd_last_error(c), named), "%s", shardd_last_error(c));
+  /* nothing went; each once, the same ids again: they all go */
+  uint64_t once[3] = {vi[2].id, vi[0].id, vi[1].id};
+  cr_assert_eq(shardd_views_unregister(c, 3, once, NULL, errs), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  shardd_view_info again[3];
+  cr_assert_eq(shardd_views_register(c, 3, s, again, NULL), SHARDD_OK);
+  for (int i = 0; i < 3; i++)
+    cr_expect_eq(again[i].created, 1);
+}
+
 Test(dispatch, buffers_unregister_checks_every_id_before_any_goes) {
   shardd_buffer_spec s[3] = {bspec("u0", SHARDD_DTYPE_FP32, 8),
                              bspec("u1", SHARDD_DTYPE_FP32, 8),
