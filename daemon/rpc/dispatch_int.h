@@ -50,6 +50,17 @@ void shardd__send_resp_fds(shardd__dispatch *d, shardd__conn *c,
  * malloc'ed, 4096 entries' were large enough for an mmap and munmap and
  * fresh pages per request. */
 void *shardd__req_scratch(shardd__dispatch *d, size_t n, size_t size);
+/* A ViewsBatch registration's OK reply (one ViewReply per entry), packed
+ * by hand: the bytes shardwire__response__pack writes for it, where
+ * protobuf-c sized each entry again at each level above it (a sixth of a
+ * batched view's registration). out NULL: the length alone; else the
+ * bytes written. */
+size_t shardd__views_reply_pack(uint64_t seq, const Shardwire__ViewReply *vr,
+                                size_t n, uint8_t *out);
+/* Sends that reply on c, as shardd__send_resp would. */
+void shardd__send_views_reply(shardd__dispatch *d, shardd__conn *c,
+                              uint64_t seq, const Shardwire__ViewReply *vr,
+                              size_t n);
 /* A status-only reply (msg NULL: the code's own words). */
 void shardd__reply(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                    shardd_err code, const char *msg);

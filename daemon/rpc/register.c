@@ -213,9 +213,8 @@ static void views_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   batch_errs be;
   shardd__view **vs = shardd__req_scratch(d, n, sizeof *vs);
   Shardwire__ViewReply *vr = shardd__req_scratch(d, n, sizeof *vr);
-  Shardwire__ViewReply **vrp = shardd__req_scratch(d, n, sizeof *vrp);
   char *created = shardd__req_scratch(d, n, 1);
-  if (vs == NULL || vr == NULL || vrp == NULL || created == NULL) {
+  if (vs == NULL || vr == NULL || created == NULL) {
     shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
@@ -245,20 +244,14 @@ static void views_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
         shardd__view_abandon(&d->reg, vs[i]);
     shardd__batch_refuse(d, c, seq, n, &be, "views");
   } else {
-    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH);
-    Shardwire__ViewsBatchReply vb = SHARDWIRE__VIEWS_BATCH_REPLY__INIT;
     for (size_t i = 0; i < n; i++) {
       shardwire__view_reply__init(&vr[i]);
       vr[i].id = vs[i]->hdr.id;
       vr[i].created = created[i];
       vr[i].has_generation = 1;
       vr[i].generation = vs[i]->hdr.generation;
-      vrp[i] = &vr[i];
     }
-    vb.n_views = n;
-    vb.views = vrp;
-    resp.views_batch = &vb;
-    shardd__send_resp(d, c, &resp, -1);
+    shardd__send_views_reply(d, c, seq, vr, n);
   }
   shardd__batch_errs_free(&be);
 }
