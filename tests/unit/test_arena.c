@@ -93,9 +93,9 @@ Test(arena, small_pieces_past_the_block_share_one_chunk) {
   unsigned char *q = shardd__arena_alloc(&a, 48);
   unsigned char *r = shardd__arena_alloc(&a, 48);
   cr_assert(p && q && r);
+#ifndef __SANITIZE_ADDRESS__ /* under ASan each piece is malloc's own */
   size_t step = (48 + _Alignof(max_align_t) - 1) / _Alignof(max_align_t) *
                 _Alignof(max_align_t);
-#ifndef __SANITIZE_ADDRESS__
   cr_expect_eq(q, p + step, "the second piece past the block is not the next "
                "in a chunk");
   cr_expect_eq(r, q + step);
