@@ -46,9 +46,9 @@ void shardd__send_resp_fds(shardd__dispatch *d, shardd__conn *c,
                            int borrowed);
 /* n zeroed elements of size bytes for the request being handled, taken
  * back with its decoded message when its handler returns (never kept past
- * it); NULL when out of memory. A batch's per-entry arrays come from here:
- * malloc'ed, 4096 entries' were large enough for an mmap and munmap and
- * fresh pages per request. */
+ * it); NULL when out of memory. A batch's per-entry arrays come from here
+ * instead of a malloc and free each (4096 entries' are past malloc's mmap
+ * threshold until glibc raises it). */
 void *shardd__req_scratch(shardd__dispatch *d, size_t n, size_t size);
 /* A ViewsBatch registration's OK reply (one ViewReply per entry), packed
  * by hand: the bytes shardwire__response__pack writes for it, where
