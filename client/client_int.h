@@ -67,6 +67,14 @@ typedef struct async_op {
   uint64_t grad_off, grad_pool;
 } async_op;
 
+/* What a batch's replies are decoded into (see shardd__reply_arena_use):
+ * chunks pieces are bumped out of, taken back at once. */
+typedef struct reply_chunk reply_chunk;
+typedef struct {
+  ProtobufCAllocator a; /* allocator_data is this arena */
+  reply_chunk *chunks;  /* newest first */
+} reply_arena;
+
 struct shardd_client {
   int fd;
   uint64_t seq;
@@ -94,6 +102,12 @@ struct shardd_client {
    * is for that message. */
   double timeout;
   char socket_path[sizeof ((struct sockaddr_un *)0)->sun_path];
+  /* NULL: replies are malloc'ed piece by piece (freed with
+   * free_unpacked); else the reply to the awaited request is decoded into
+   * this arena (a batch's: one ViewReply each of 4096 entries, whose
+   * mallocs and frees were half of decoding them) */
+  reply_arena *reply_in;
+  reply_arena batch_replies;
 };
 
 /* ---- connection.c ---- */
@@ -112,6 +126,15 @@ shardd_err shardd__send_req(shardd_client_t *c, Shardwire__Request *req);
 shardd_err shardd__req_pack(shardd_client_t *c, Shardwire__Request *req,
                             uint8_t **buf, size_t *n);
 shardd_err shardd__send_packed(shardd_client_t *c, uint8_t *buf, size_t n);
+/* From shardd__reply_arena_use to _stop, the replies recv_for_many reads
+ * are decoded into c's batch arena: the caller does not free_unpacked the
+ * one returned but calls shardd__reply_arena_reset when done with it
+ * (replies to async requests read meanwhile are noted, copied, as
+ * before). _free (shardd_close) gives back the chunk reset keeps. */
+void shardd__reply_arena_use(shardd_client_t *c);
+void shardd__reply_arena_stop(shardd_client_t *c);
+void shardd__reply_arena_reset(shardd_client_t *c);
+void shardd__reply_arena_free(shardd_client_t *c);
 /* Reads responses until the one to seq (connection.c says how). */
 shardd_err shardd__recv_for_many(shardd_client_t *c, uint64_t seq,
                                  Shardwire__Response **out, int *fd, int *many,
@@ -173,6 +196,18 @@ void shardd__async_reply(shardd_client_t *c, const Shardwire__Response *resp,
 void shardd__async_free(shardd_client_t *c);
 
 /* ---- registration.c ---- */
+
+/* A ViewsBatch registration request of n entries (sizes[i]: each one's
+ * packed size) with seq (first_index written when > 0), packed by hand
+ * into *buf (malloc'ed, *len bytes): the bytes protobuf-c's pack writes,
+ * with each entry sized and packed once. SHARDD_E_FRAME_TOO_LARGE (*len
+ * set, nothing allocated) past the frame limit; E_INTERNAL when sizes are
+ * not the entries'. */
+shardd_err shardd__views_request_pack(uint64_t seq,
+                                      Shardwire__RegisterView *const *views,
+                                      const size_t *sizes, size_t n,
+                                      uint32_t first_index, uint8_t **buf,
+                                      size_t *len);
 
 void shardd__batch_fail(shardd_client_t *c, shardd_err rc,
                         const Shardwire__Response *resp, size_t lo, size_t hi,

@@ -223,6 +223,85 @@ shardd_err shardd__send_packed(shardd_client_t *c, uint8_t *buf, size_t n) {
   return rc;
 }
 
+/* ---- the batch replies' arena ------------------------------------------ */
+
+struct reply_chunk {
+  union {
+    struct {
+      reply_chunk *next;
+      size_t cap, used; /* bytes after the header */
+    } s;
+    max_align_t align; /* what follows is aligned as malloc's own */
+  } h;
+};
+
+#define REPLY_CHUNK_MIN ((size_t)64 << 10)
+#define REPLY_CHUNK_KEEP ((size_t)4 << 20)
+
+static void *reply_alloc(void *data, size_t n) {
+  reply_arena *ra = data;
+  size_t need = (n + _Alignof(max_align_t) - 1) &
+                ~(size_t)(_Alignof(max_align_t) - 1);
+  if (need < n)
+    return NULL;
+  reply_chunk *k = ra->chunks;
+  if (k == NULL || need > k->h.s.cap - k->h.s.used) {
+    size_t cap = k ? 2 * k->h.s.cap : REPLY_CHUNK_MIN;
+    if (cap < need)
+      cap = need;
+    if (cap > SIZE_MAX - sizeof *k || (k = malloc(sizeof *k + cap)) == NULL)
+      return NULL;
+    k->h.s.cap = cap;
+    k->h.s.used = 0;
+    k->h.s.next = ra->chunks;
+    ra->chunks = k;
+  }
+  void *p = (unsigned char *)(k + 1) + k->h.s.used;
+  k->h.s.used += need;
+  return p;
+}
+
+static void reply_free(void *data, void *p) {
+  (void)data; /* taken back with the arena */
+  (void)p;
+}
+
+void shardd__reply_arena_use(shardd_client_t *c) {
+  c->batch_replies.a.alloc = reply_alloc;
+  c->batch_replies.a.free = reply_free;
+  c->batch_replies.a.allocator_data = &c->batch_replies;
+  c->reply_in = &c->batch_replies;
+}
+
+/* Keeps the newest chunk (the largest) for the next reply when it is not
+ * too large to keep. */
+void shardd__reply_arena_reset(shardd_client_t *c) {
+  reply_chunk *k = c->batch_replies.chunks;
+  if (k == NULL)
+    return;
+  while (k->h.s.next) {
+    reply_chunk *old = k->h.s.next;
+    k->h.s.next = old->h.s.next;
+    free(old);
+  }
+  if (k->h.s.cap > REPLY_CHUNK_KEEP) {
+    free(k);
+    k = NULL;
+  } else {
+    k->h.s.used = 0;
+  }
+  c->batch_replies.chunks = k;
+}
+
+void shardd__reply_arena_stop(shardd_client_t *c) { c->reply_in = NULL; }
+
+void shardd__reply_arena_free(shardd_client_t *c) {
+  shardd__reply_arena_reset(c);
+  free(c->batch_replies.chunks);
+  c->batch_replies.chunks = NULL;
+  c->reply_in = NULL;
+}
+
 /* Reads responses until the one to seq. Replies to outstanding async
  * requests that arrive first are kept for shardd_wait; others (to requests
  * nobody waits for any more) are dropped, but a pool descriptor any gather
@@ -303,7 +382,10 @@ shardd_err shardd__recv_for_many(shardd_client_t *c, uint64_t seq,
       return rc == SHARDD_E_CLOSED ? daemon_gone(c, rc) : rc;
     }
     heard = mono_now();
-    Shardwire__Response *resp = shardwire__response__unpack(NULL, len, payload);
+    /* a batch's replies into its arena (shardd__reply_arena_use); an
+     * async reply read meanwhile is noted (copied) and freed below */
+    ProtobufCAllocator *ra = c->reply_in ? &c->reply_in->a : NULL;
+    Shardwire__Response *resp = shardwire__response__unpack(ra, len, payload);
     /* the payload is decoded (copied): the reader gives back what a big
      * reply grew it to, as the daemon's do (a trainer that once got a
      * large status or refusal kept that memory for the connection's life) */
@@ -334,7 +416,7 @@ shardd_err shardd__recv_for_many(shardd_client_t *c, uint64_t seq,
       shardd__async_reply(c, resp, pool_rc, why);
       for (int i = 0; i < nfds; i++)
         close(fds[i]);
-      shardwire__response__free_unpacked(resp, NULL);
+      shardwire__response__free_unpacked(resp, ra);
       continue;
     }
     if (pool_rc != SHARDD_OK) {
@@ -611,6 +693,7 @@ void shardd_close(shardd_client_t *c) {
     return;
   shardd__async_free(c);
   shardd__mappings_free(c);
+  shardd__reply_arena_free(c);
   if (c->fd >= 0)
     close(c->fd);
   shardd__frame_reader_free(&c->rd);

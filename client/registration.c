@@ -491,12 +491,12 @@ static const batch_kind buffers_kind = {
 
 /* Entries [lo, end) of one request: at most k->per_request, and where k
  * bounds requests in bytes at most VIEWS_REQ_BYTES packed (at least one). */
-static size_t batch_chunk_end(const batch_kind *k, void **wp, size_t lo,
-                              size_t n) {
+static size_t batch_chunk_end(const batch_kind *k, const size_t *sizes,
+                              size_t lo, size_t n) {
   size_t hi = lo, bytes = 0;
   while (hi < n && hi - lo < k->per_request) {
-    if (k->reg_packed) {
-      size_t b = k->reg_packed(wp[hi]) + 8;
+    if (sizes) {
+      size_t b = sizes[hi] + 8;
       if (hi > lo && bytes + b > VIEWS_REQ_BYTES)
         break;
       bytes += b;
@@ -506,17 +506,100 @@ static size_t batch_chunk_end(const batch_kind *k, void **wp, size_t lo,
   return hi;
 }
 
+static size_t varint_len(uint64_t v) {
+  size_t n = 1;
+  while (v >= 0x80) {
+    v >>= 7;
+    n++;
+  }
+  return n;
+}
+
+static uint8_t *varint_put(uint8_t *p, uint64_t v) {
+  while (v >= 0x80) {
+    *p++ = (uint8_t)(v | 0x80);
+    v >>= 7;
+  }
+  *p++ = (uint8_t)v;
+  return p;
+}
+
+shardd_err shardd__views_request_pack(uint64_t seq,
+                                      Shardwire__RegisterView *const *views,
+                                      const size_t *sizes, size_t n,
+                                      uint32_t first_index, uint8_t **buf,
+                                      size_t *len) {
+  /* Request { seq = 1; views_batch = 32 { register = 1 { views = 1 ...;
+   * first_index = 2 } } }, in field order as protobuf-c writes it */
+  size_t rv = 0;
+  for (size_t i = 0; i < n; i++)
+    rv += 1 + varint_len(sizes[i]) + sizes[i];
+  if (first_index > 0)
+    rv += 1 + varint_len(first_index);
+  size_t vb = 1 + varint_len(rv) + rv;
+  *len = 1 + varint_len(seq) + 2 + varint_len(vb) + vb;
+  *buf = NULL;
+  if (*len > SHARDD_MAX_FRAME)
+    return SHARDD_E_FRAME_TOO_LARGE;
+  uint8_t *p = *buf = malloc(*len);
+  if (p == NULL)
+    return SHARDD_E_NO_MEMORY;
+  *p++ = 0x08; /* 1, varint */
+  p = varint_put(p, seq);
+  *p++ = 0x82; /* 32, length-delimited */
+  *p++ = 0x02;
+  p = varint_put(p, vb);
+  *p++ = 0x0a; /* 1, length-delimited */
+  p = varint_put(p, rv);
+  for (size_t i = 0; i < n; i++) {
+    *p++ = 0x0a;
+    p = varint_put(p, sizes[i]);
+    p += shardwire__register_view__pack(views[i], p);
+  }
+  if (first_index > 0) {
+    *p++ = 0x10; /* 2, varint */
+    p = varint_put(p, first_index);
+  }
+  if ((size_t)(p - *buf) != *len) { /* sizes[] not the entries' */
+    free(*buf);
+    *buf = NULL;
+    return SHARDD_E_INTERNAL;
+  }
+  return SHARDD_OK;
+}
+
 /* One request of a batch ([lo, hi) of its entries), packed. */
 typedef struct batch_req {
   uint8_t *buf; /* the packed request until it is sent (then NULL) */
   size_t n;
   uint64_t seq;
   size_t lo, hi;
+  /* every entry's packed size (borrowed), where requests are bounded in
+   * bytes and packed by hand; NULL: protobuf-c packs them */
+  const size_t *sizes;
 } batch_req;
 
 /* Packs the request of entries [lo, hi) (wp their pointers) into q. */
 static shardd_err batch_pack(shardd_client_t *c, const batch_kind *k, int reg,
                              void **wp, size_t lo, size_t hi, batch_req *q) {
+  q->lo = lo;
+  q->hi = hi;
+  if (reg && q->sizes) {
+    /* views: the envelope written here around each entry packed once,
+     * with the sizes taken for the request bounds (protobuf-c's pack
+     * sized every entry again at each of the four levels above it) */
+    q->seq = ++c->seq;
+    shardd_err rc = shardd__views_request_pack(
+        q->seq, (Shardwire__RegisterView *const *)wp, q->sizes + lo, hi - lo,
+        (uint32_t)lo, &q->buf, &q->n);
+    if (rc == SHARDD_E_FRAME_TOO_LARGE)
+      return shardd__set_err(c, rc, "request of %zu bytes exceeds the %u-byte "
+                             "frame limit", q->n, SHARDD_MAX_FRAME);
+    if (rc != SHARDD_OK)
+      return shardd__set_err(c, rc, "packing a request of %zu views: %s",
+                             hi - lo, shardd_strerror(rc));
+    return SHARDD_OK;
+  }
   batch_msg m;
   shardwire__request__init(&m.req);
   k->request(&m, reg, wp, lo, hi);
@@ -575,6 +658,7 @@ static shardd_err batch_exchange(shardd_client_t *c, const batch_kind *k,
   if (c->fd < 0) /* as shardd__send_req: before a seq is taken */
     return shardd__set_err(c, SHARDD_E_CLOSED,
                            "the connection was closed earlier");
+  q.sizes = NULL;
   shardd_err rc = batch_pack(c, k, reg, wp, lo, hi, &q);
   if (rc == SHARDD_OK)
     rc = batch_send(c, &q);
@@ -620,10 +704,13 @@ static shardd_err batch_register(shardd_client_t *c, const batch_kind *k,
   void **wp = calloc(n, sizeof *wp);
   /* the entries created so far, for the undo of a later refusal */
   uint64_t *made = malloc(n * sizeof *made);
+  /* each entry's packed size, where requests are bounded in bytes */
+  size_t *psz = k->reg_packed ? malloc(n * sizeof *psz) : NULL;
   int fds[SHARDD_BUFFERS_PER_REQUEST];
   shardd_err rc = SHARDD_OK;
   size_t nmade = 0;
-  if (w == NULL || wp == NULL || made == NULL) {
+  if (w == NULL || wp == NULL || made == NULL ||
+      (k->reg_packed && psz == NULL)) {
     rc = shardd__set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
     goto done;
   }
@@ -642,6 +729,8 @@ static shardd_err batch_register(shardd_client_t *c, const batch_kind *k,
     if (rc != SHARDD_OK)
       goto done;
     wp[i] = w + i * k->reg_size;
+    if (psz)
+      psz[i] = k->reg_packed(wp[i]);
   }
   char after[64];
   snprintf(after, sizeof after, "not checked (no %s of this call was kept)",
@@ -650,7 +739,7 @@ static shardd_err batch_register(shardd_client_t *c, const batch_kind *k,
    * one before it (packing was half of this side's work), and sent only
    * once that one's reply is taken: a refused request still leaves the
    * rest unsent. */
-  batch_req cur, nxt = {0};
+  batch_req cur = {.sizes = psz}, nxt = {.sizes = psz};
   int have_nxt = 0;
   for (size_t lo = 0; lo < n && rc == SHARDD_OK;) {
     size_t hi;
@@ -664,14 +753,14 @@ static shardd_err batch_register(shardd_client_t *c, const batch_kind *k,
       cur = nxt;
       have_nxt = 0;
     } else {
-      rc = batch_pack(c, k, 1, wp + lo, lo, batch_chunk_end(k, wp, lo, n),
+      rc = batch_pack(c, k, 1, wp + lo, lo, batch_chunk_end(k, psz, lo, n),
                       &cur);
     }
-    hi = rc == SHARDD_OK ? cur.hi : batch_chunk_end(k, wp, lo, n);
+    hi = rc == SHARDD_OK ? cur.hi : batch_chunk_end(k, psz, lo, n);
     if (rc == SHARDD_OK)
       rc = batch_send(c, &cur);
     if (rc == SHARDD_OK && hi < n) {
-      have_nxt = batch_pack(c, k, 1, wp + hi, hi, batch_chunk_end(k, wp, hi, n),
+      have_nxt = batch_pack(c, k, 1, wp + hi, hi, batch_chunk_end(k, psz, hi, n),
                             &nxt) == SHARDD_OK;
       if (!have_nxt) { /* packed again, and refused, in its turn */
         free(nxt.buf);
@@ -679,16 +768,19 @@ static shardd_err batch_register(shardd_client_t *c, const batch_kind *k,
         shardd__clear_err(c);
       }
     }
-    if (rc == SHARDD_OK)
+    if (rc == SHARDD_OK) {
+      /* decoded into one arena, taken back once read (below) */
+      shardd__reply_arena_use(c);
       rc = batch_reply(c, k, 1, &cur, &resp, fds, &nfds);
+      shardd__reply_arena_stop(c);
+    }
     if (rc == SHARDD_OK)
       rc = k->take(c, resp, lo, hi, fds, nfds, out, made, &nmade);
     else
       shardd__batch_fail(c, rc, resp, lo, hi, n, errs, after);
     for (int f = 0; f < nfds; f++)
       close(fds[f]);
-    if (resp)
-      shardwire__response__free_unpacked(resp, NULL);
+    shardd__reply_arena_reset(c); /* resp's pieces */
     lo = hi;
   }
   if (have_nxt)
@@ -713,6 +805,7 @@ done:
   free(w);
   free(wp);
   free(made);
+  free(psz);
   return rc;
 }
 

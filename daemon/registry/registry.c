@@ -275,13 +275,12 @@ shardd_err shardd__registry_resolve_gen(const shardd__registry *reg,
 
 /* ---- generations and freed handles ------------------------------------ */
 
-/* As shardd__gen_key, with extra bytes allocated after the key's NUL;
- * *len gets the key's length. */
-static char *gen_key_extra(const char *buf_name, const char *view_name,
-                           size_t extra, size_t *len) {
-  /* "v<len>:<buf><view>" or "b:<buf>", put together by hand: snprintf
-   * was a quarter of a view's registration (gen_key runs at each
-   * registration and each unregistration) */
+/* The gens key of (buf_name, view_name) into dst, or *len alone when dst
+ * is NULL. "v<len>:<buf><view>" or "b:<buf>", put together by hand:
+ * snprintf was a quarter of a view's registration (gen_key runs at each
+ * registration and each unregistration). */
+static void gen_key_write(char *dst, const char *buf_name,
+                          const char *view_name, size_t *len) {
   size_t nb = strlen(buf_name), nv = view_name ? strlen(view_name) : 0;
   char digits[24];
   size_t nd = 0;
@@ -292,10 +291,9 @@ static char *gen_key_extra(const char *buf_name, const char *view_name,
     while ((x /= 10) != 0);
   }
   *len = nd + nb + nv + 2;
-  char *k = malloc(*len + 1 + extra);
-  if (k == NULL)
-    return NULL;
-  char *p = k;
+  if (dst == NULL)
+    return;
+  char *p = dst;
   *p++ = view_name ? 'v' : 'b';
   while (nd > 0)
     *p++ = digits[--nd];
@@ -305,6 +303,16 @@ static char *gen_key_extra(const char *buf_name, const char *view_name,
   if (nv)
     memcpy(p, view_name, nv);
   p[nv] = '\0';
+}
+
+/* As shardd__gen_key, with extra bytes allocated after the key's NUL;
+ * *len gets the key's length. */
+static char *gen_key_extra(const char *buf_name, const char *view_name,
+                           size_t extra, size_t *len) {
+  gen_key_write(NULL, buf_name, view_name, len);
+  char *k = malloc(*len + 1 + extra);
+  if (k != NULL)
+    gen_key_write(k, buf_name, view_name, len);
   return k;
 }
 
@@ -312,6 +320,17 @@ static char *gen_key_extra(const char *buf_name, const char *view_name,
  * caller frees. The length prefix keeps ("a", "bc") and ("ab", "c") apart. */
 char *shardd__gen_key(const char *buf_name, const char *view_name) {
   size_t len;
+  return gen_key_extra(buf_name, view_name, 0, &len);
+}
+
+char *shardd__gen_key_in(char *buf, size_t cap, const char *buf_name,
+                         const char *view_name) {
+  size_t len;
+  gen_key_write(NULL, buf_name, view_name, &len);
+  if (len < cap) {
+    gen_key_write(buf, buf_name, view_name, &len);
+    return buf;
+  }
   return gen_key_extra(buf_name, view_name, 0, &len);
 }
 
@@ -367,25 +386,39 @@ void shardd__record_freed(shardd__obj *o, const char *buf_name) {
       return;
   }
   size_t slot = (job->freed_head + job->freed_count) % SHARDD__FREED_MAX;
+  shardd__freed *f = &job->freed_ring[slot];
+  char *room = NULL; /* the oldest's allocation, for this one's */
+  size_t room_cap = 0;
   if (job->freed_count == SHARDD__FREED_MAX) { /* the oldest makes room */
-    shardd__map_del_id(&job->freed, job->freed_ring[slot].id);
-    freed_clear(&job->freed_ring[slot]);
+    shardd__map_del_id(&job->freed, f->id);
+    room = f->key;
+    room_cap = f->cap;
     job->freed_head = (job->freed_head + 1) % SHARDD__FREED_MAX;
     job->freed_count--;
   }
-  shardd__freed *f = &job->freed_ring[slot];
   f->id = o->id;
   f->generation = o->generation;
   f->kind = o->kind;
   /* the key, then the name and the buffer's name: one allocation (three
-   * strdups and three frees were a fifth of a view's unregistration) */
+   * strdups and three frees were a fifth of a view's unregistration),
+   * the evicted record's when it is large enough (a malloc and a free
+   * less per unregistration once the ring is full) */
+  const char *kbuf = buf_name ? buf_name : o->name;
+  const char *kview = o->kind == SHARDD__OBJ_VIEW ? o->name : NULL;
   size_t nn = strlen(o->name) + 1, nbn = buf_name ? strlen(buf_name) + 1 : 0;
   size_t kl;
-  f->key = gen_key_extra(buf_name ? buf_name : o->name,
-                         o->kind == SHARDD__OBJ_VIEW ? o->name : NULL,
-                         nn + nbn, &kl);
+  gen_key_write(NULL, kbuf, kview, &kl);
+  size_t need = kl + 1 + nn + nbn;
+  if (room == NULL || room_cap < need) {
+    free(room);
+    room = malloc(need);
+    room_cap = need;
+  }
+  f->key = room;
+  f->cap = room ? room_cap : 0;
   f->name = f->buf_name = NULL;
   if (f->key) {
+    gen_key_write(f->key, kbuf, kview, &kl);
     f->name = f->key + kl + 1;
     memcpy(f->name, o->name, nn);
     if (buf_name) {
@@ -460,16 +493,31 @@ int shardd__registry_stale(const shardd__registry *reg, const shardd__job *job,
   return 1;
 }
 
-shardd_err shardd__obj_init(shardd__registry *reg, shardd__obj *o,
-                            shardd__obj_kind kind, const char *name,
-                            shardd__job *job) {
+uint64_t shardd__registry_new_mark(shardd__registry *reg) {
+  return ++reg->next_mark; /* from 1: an object starts unmarked (0) */
+}
+
+int shardd__registry_mark_once(shardd__obj *o, uint64_t mark) {
+  if (o->mark == mark)
+    return 0;
+  o->mark = mark;
+  return 1;
+}
+
+/* o gets an id and its place in the objects map; name is o's own
+ * (inline) or copied. */
+static shardd_err obj_init(shardd__registry *reg, shardd__obj *o,
+                           shardd__obj_kind kind, char *name, int inline_name,
+                           shardd__job *job) {
   o->kind = kind;
   o->job = job;
-  if ((o->name = strdup(name)) == NULL)
+  o->name_inline = (unsigned char)inline_name;
+  if ((o->name = inline_name ? name : strdup(name)) == NULL)
     return SHARDD_E_NO_MEMORY;
   o->id = reg->next_id;
   if (shardd__map_put_id(&reg->objects, o->id, o) != SHARDD_OK) {
-    free(o->name);
+    if (!inline_name)
+      free(o->name);
     o->name = NULL;
     return SHARDD_E_NO_MEMORY;
   }
@@ -477,10 +525,23 @@ shardd_err shardd__obj_init(shardd__registry *reg, shardd__obj *o,
   return SHARDD_OK;
 }
 
+shardd_err shardd__obj_init(shardd__registry *reg, shardd__obj *o,
+                            shardd__obj_kind kind, const char *name,
+                            shardd__job *job) {
+  return obj_init(reg, o, kind, (char *)name, 0, job);
+}
+
+shardd_err shardd__obj_init_inline(shardd__registry *reg, shardd__obj *o,
+                                   shardd__obj_kind kind, char *name,
+                                   shardd__job *job) {
+  return obj_init(reg, o, kind, name, 1, job);
+}
+
 void shardd__obj_fini(shardd__registry *reg, shardd__obj *o) {
   if (o->name)
     shardd__map_del_id(&reg->objects, o->id);
-  free(o->name);
+  if (!o->name_inline)
+    free(o->name);
 }
 
 /* ---- quotas ----------------------------------------------------------- */

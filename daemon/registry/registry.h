@@ -41,7 +41,11 @@ typedef struct shardd__optim shardd__optim;
 /* First member of every object, so an id lookup can tell what it found. */
 typedef struct {
   shardd__obj_kind kind;
+  /* name lives in the object's own allocation (a view's), not a strdup */
+  unsigned char name_inline;
   uint64_t id;
+  /* the last shardd__registry_mark_once that saw it */
+  uint64_t mark;
   char *name;
   shardd__job *job;
   /* buffers and views: the generation of this name in the job (1 at the
@@ -124,6 +128,7 @@ typedef struct shardd__freed {
   char *key;  /* the gens key of its name */
   char *name; /* buffer or view name */
   char *buf_name; /* views: the buffer's name */
+  size_t cap;     /* bytes key's allocation holds */
 } shardd__freed;
 
 struct shardd__buffer {
@@ -324,6 +329,7 @@ struct shardd__registry {
   uint64_t nblocks;
   uint64_t nviews; /* over every job; each job counts its own */
   uint64_t next_id;
+  uint64_t next_mark; /* shardd__registry_new_mark's */
   shardd__map objects; /* id -> shardd__obj */
   shardd__map jobs;    /* "UID/NAME" -> job: a job is (owner, name) */
   /* uid -> the last pool id handed to that uid's jobs (areas.c): a pool id
@@ -372,6 +378,12 @@ void shardd__registry_each_job(shardd__registry *reg,
 
 /* Looks up any object by id; NULL when none is live. */
 shardd__obj *shardd__registry_get(const shardd__registry *reg, uint64_t id);
+/* A new mark for one pass over a list of ids (shardd__registry_mark_once). */
+uint64_t shardd__registry_new_mark(shardd__registry *reg);
+/* 1 the first time mark meets o in its pass, 0 after (o named twice): a
+ * list's repeats found in one lookup an id, where a sort of the list was a
+ * seventh of a batch's unregistration. */
+int shardd__registry_mark_once(shardd__obj *o, uint64_t mark);
 /* Whether id was handed out once (and so, if not live, was freed). */
 int shardd__registry_issued(const shardd__registry *reg, uint64_t id);
 /* Ids are one counter for every uid, so what a uid is told of an id it

@@ -27,13 +27,24 @@ int shardd__name_ok(const char *name, const char *what, char *err,
 shardd_err shardd__obj_init(shardd__registry *reg, shardd__obj *o,
                             shardd__obj_kind kind, const char *name,
                             shardd__job *job);
-/* Unlists o and frees its name; o itself stays the caller's. Safe on an o
+/* As shardd__obj_init, with name in o's own allocation (it lives as o
+ * does; obj_fini does not free it): a view's name is a strdup and a free
+ * less. */
+shardd_err shardd__obj_init_inline(shardd__registry *reg, shardd__obj *o,
+                                   shardd__obj_kind kind, char *name,
+                                   shardd__job *job);
+/* Unlists o and frees its name (unless inline); o itself stays the caller's. Safe on an o
  * that obj_init never listed (name NULL). */
 void shardd__obj_fini(shardd__registry *reg, shardd__obj *o);
 
 /* The gens key of a buffer name (view_name NULL) or of a view of it;
  * caller frees; NULL when out of memory. */
 char *shardd__gen_key(const char *buf_name, const char *view_name);
+/* As shardd__gen_key, into buf (cap bytes) when the key fits there (a
+ * malloc and free less per registration), else malloc'ed: the caller
+ * frees the result unless it is buf. NULL when out of memory. */
+char *shardd__gen_key_in(char *buf, size_t cap, const char *buf_name,
+                         const char *view_name);
 /* The last generation handed out under key in job; 0 for none. */
 uint64_t shardd__gen_get(const shardd__job *job, const char *key);
 /* Sets it (g 0 deletes); replacing an existing key cannot fail. */

@@ -16,7 +16,7 @@ void shardd__view_destroy(shardd__registry *reg, shardd__view *v) {
     v->buf->nfrozen--;
   shardd__record_freed(&v->hdr, v->buf->hdr.name);
   shardd__obj_fini(reg, &v->hdr);
-  free(v); /* and its shape, in the same allocation */
+  free(v); /* and its shape and name, in the same allocation */
 }
 
 /* ---- views ------------------------------------------------------------ */
@@ -267,7 +267,7 @@ shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
   *created = 0;
   requires_grad = requires_grad != 0;
   shardd__obj *o;
-  char *gkey = NULL;
+  char *gkey = NULL, kbuf[256];
   uint64_t gprev = 0;
   shardd_err rc = shardd__registry_resolve_gen(reg, job, buffer, buffer_gen,
                                                SHARDD__OBJ_BUFFER, &o, err,
@@ -361,26 +361,30 @@ shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
   }
   if (!shardd__within_views(reg, job, err, errlen))
     return SHARDD_E_LIMIT;
-  /* the shape right after the view, one allocation (sizeof *v is a
-   * multiple of its alignment, which int64_t's does not exceed) */
-  v = calloc(1, sizeof *v + (size_t)ndim * sizeof *shape);
+  /* the shape right after the view, then its name: one allocation
+   * (sizeof *v is a multiple of its alignment, which int64_t's does not
+   * exceed) */
+  size_t nlen = strlen(name) + 1;
+  v = calloc(1, sizeof *v + (size_t)ndim * sizeof *shape + nlen);
   if (v == NULL)
     goto nomem;
   if (ndim > 0) {
     v->shape = (int64_t *)(v + 1);
     memcpy(v->shape, shape, (size_t)ndim * sizeof *shape);
   }
+  char *vname = (char *)((int64_t *)(v + 1) + ndim);
+  memcpy(vname, name, nlen);
   v->ndim = ndim;
   v->buf = b;
   v->offset = offset;
   v->numel = numel;
   v->requires_grad = requires_grad;
   v->grad_seen = 1;
-  gkey = shardd__gen_key(o->name, name);
+  gkey = shardd__gen_key_in(kbuf, sizeof kbuf, o->name, name);
   if (gkey == NULL || shardd__gen_next(job, gkey, &gprev) != SHARDD_OK)
     goto nomem;
   v->hdr.generation = gprev + 1;
-  if (shardd__obj_init(reg, &v->hdr, SHARDD__OBJ_VIEW, name, job) !=
+  if (shardd__obj_init_inline(reg, &v->hdr, SHARDD__OBJ_VIEW, vname, job) !=
       SHARDD_OK) {
     shardd__gen_put(job, gkey, gprev);
     goto nomem;
@@ -393,7 +397,8 @@ shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
   kind_add(v);
   if (!requires_grad)
     b->nfrozen++;
-  free(gkey);
+  if (gkey != kbuf)
+    free(gkey);
   job->nviews++;
   reg->nviews++;
   *out = v;
@@ -401,7 +406,8 @@ shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
   return SHARDD_OK;
 
 nomem:
-  free(gkey);
+  if (gkey != kbuf)
+    free(gkey);
   free(v);
   snprintf(err, errlen, "out of memory");
   return SHARDD_E_NO_MEMORY;
@@ -456,7 +462,7 @@ void shardd__view_abandon(shardd__registry *reg, shardd__view *v) {
   if (!v->requires_grad)
     b->nfrozen--;
   shardd__obj_fini(reg, &v->hdr);
-  free(v); /* and its shape */
+  free(v); /* and its shape and name */
 }
 
 shardd_err shardd__view_set_requires_grad(shardd__registry *reg,

@@ -183,6 +183,17 @@ static Shardwire__Request *req_unpack(shardd__dispatch *d, const uint8_t *payloa
   return shardwire__request__unpack(&a, len, payload);
 }
 
+void *shardd__req_scratch(shardd__dispatch *d, size_t n, size_t size) {
+  if (n == 0)
+    n = 1;
+  if (size != 0 && n > SIZE_MAX / size)
+    return NULL;
+  void *p = shardd__arena_alloc(&d->req_arena, n * size);
+  if (p)
+    memset(p, 0, n * size);
+  return p;
+}
+
 /* Refuses a frame that cannot be held behind c's held ones. */
 static void refuse_unheld(shardd__dispatch *d, shardd__conn *c,
                           const uint8_t *payload, size_t len) {

@@ -44,6 +44,23 @@ void shardd__send_resp(shardd__dispatch *d, shardd__conn *c,
 void shardd__send_resp_fds(shardd__dispatch *d, shardd__conn *c,
                            const Shardwire__Response *resp, int *fds, size_t n,
                            int borrowed);
+/* n zeroed elements of size bytes for the request being handled, taken
+ * back with its decoded message when its handler returns (never kept past
+ * it); NULL when out of memory. A batch's per-entry arrays come from here
+ * instead of a malloc and free each (4096 entries' are past malloc's mmap
+ * threshold until glibc raises it). */
+void *shardd__req_scratch(shardd__dispatch *d, size_t n, size_t size);
+/* A ViewsBatch registration's OK reply (one ViewReply per entry), packed
+ * by hand: the bytes shardwire__response__pack writes for it, where
+ * protobuf-c sized each entry again at each level above it (a sixth of a
+ * batched view's registration). out NULL: the length alone; else the
+ * bytes written. */
+size_t shardd__views_reply_pack(uint64_t seq, const Shardwire__ViewReply *vr,
+                                size_t n, uint8_t *out);
+/* Sends that reply on c, as shardd__send_resp would. */
+void shardd__send_views_reply(shardd__dispatch *d, shardd__conn *c,
+                              uint64_t seq, const Shardwire__ViewReply *vr,
+                              size_t n);
 /* A status-only reply (msg NULL: the code's own words). */
 void shardd__reply(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                    shardd_err code, const char *msg);

@@ -211,15 +211,10 @@ static void views_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   size_t n = rq->n_views;
   char err[ERRLEN];
   batch_errs be;
-  shardd__view **vs = calloc(n ? n : 1, sizeof *vs);
-  Shardwire__ViewReply *vr = calloc(n ? n : 1, sizeof *vr);
-  Shardwire__ViewReply **vrp = calloc(n ? n : 1, sizeof *vrp);
-  char *created = calloc(n ? n : 1, 1);
-  if (vs == NULL || vr == NULL || vrp == NULL || created == NULL) {
-    free(vs);
-    free(vr);
-    free(vrp);
-    free(created);
+  shardd__view **vs = shardd__req_scratch(d, n, sizeof *vs);
+  Shardwire__ViewReply *vr = shardd__req_scratch(d, n, sizeof *vr);
+  char *created = shardd__req_scratch(d, n, 1);
+  if (vs == NULL || vr == NULL || created == NULL) {
     shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
   }
@@ -249,31 +244,16 @@ static void views_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
         shardd__view_abandon(&d->reg, vs[i]);
     shardd__batch_refuse(d, c, seq, n, &be, "views");
   } else {
-    Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH);
-    Shardwire__ViewsBatchReply vb = SHARDWIRE__VIEWS_BATCH_REPLY__INIT;
     for (size_t i = 0; i < n; i++) {
       shardwire__view_reply__init(&vr[i]);
       vr[i].id = vs[i]->hdr.id;
       vr[i].created = created[i];
       vr[i].has_generation = 1;
       vr[i].generation = vs[i]->hdr.generation;
-      vrp[i] = &vr[i];
     }
-    vb.n_views = n;
-    vb.views = vrp;
-    resp.views_batch = &vb;
-    shardd__send_resp(d, c, &resp, -1);
+    shardd__send_views_reply(d, c, seq, vr, n);
   }
   shardd__batch_errs_free(&be);
-  free(vs);
-  free(vr);
-  free(vrp);
-  free(created);
-}
-
-static int cmp_u64(const void *a, const void *b) {
-  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-  return x < y ? -1 : x > y;
 }
 
 /* What unregistering a batch of views and one of buffers differ in. */
@@ -305,11 +285,6 @@ static void batch_unregister(shardd__dispatch *d, shardd__conn *c,
                              const uint64_t *gens) {
   char err[ERRLEN];
   batch_errs be;
-  uint64_t *sorted = malloc((n ? n : 1) * sizeof *sorted);
-  if (sorted == NULL) {
-    shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
-    return;
-  }
   shardd__batch_errs_init(&be, n, first);
   shardd__registry *reg = &d->reg;
   shardd__job *job = c->m.job;
@@ -322,22 +297,16 @@ static void batch_unregister(shardd__dispatch *d, shardd__conn *c,
       rc = k->check(reg, job, ids[i], err, sizeof err);
     if (rc != SHARDD_OK)
       shardd__batch_err_add(&be, i, rc, err);
-    sorted[i] = ids[i];
   }
   if (be.total == 0 && n > 1) {
-    qsort(sorted, n, sizeof *sorted, cmp_u64);
-    for (size_t i = 1; i < n; i++)
-      if (sorted[i] == sorted[i - 1]) {
-        /* name the later entries that repeat it */
-        size_t seen = 0;
-        for (size_t j = 0; j < n; j++)
-          if (ids[j] == sorted[i] && seen++ > 0) {
-            snprintf(err, sizeof err, "%s %" PRIu64 " is named twice", k->one,
-                     sorted[i]);
-            shardd__batch_err_add(&be, j, SHARDD_E_INVAL, err);
-          }
-        while (i + 1 < n && sorted[i + 1] == sorted[i])
-          i++;
+    /* every id resolved: the entries after the first naming one are
+     * refused */
+    uint64_t mark = shardd__registry_new_mark(reg);
+    for (size_t i = 0; i < n; i++)
+      if (!shardd__registry_mark_once(shardd__registry_get(reg, ids[i]), mark)) {
+        snprintf(err, sizeof err, "%s %" PRIu64 " is named twice", k->one,
+                 ids[i]);
+        shardd__batch_err_add(&be, i, SHARDD_E_INVAL, err);
       }
   }
   if (be.total > 0) {
@@ -358,19 +327,19 @@ static void batch_unregister(shardd__dispatch *d, shardd__conn *c,
     shardd__send_resp(d, c, &resp, -1);
   }
   shardd__batch_errs_free(&be);
-  free(sorted);
 }
 
 /* The ids and generations of a batch's entries, in two arrays of n (one
- * allocation: ids, then gens), or NULL when out of memory. */
-static uint64_t *unreg_arrays(size_t n) {
-  return malloc(2 * (n ? n : 1) * sizeof(uint64_t));
+ * allocation, the request's: ids, then gens), or NULL when out of memory. */
+static uint64_t *unreg_arrays(shardd__dispatch *d, size_t n) {
+  return n > SIZE_MAX / 2 ? NULL
+                          : shardd__req_scratch(d, 2 * (n ? n : 1), sizeof(uint64_t));
 }
 
 static void views_unregister(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                              const Shardwire__UnregisterViews *rq) {
   size_t n = rq->n_views;
-  uint64_t *ids = unreg_arrays(n);
+  uint64_t *ids = unreg_arrays(d, n);
   if (ids == NULL) {
     shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
@@ -382,7 +351,6 @@ static void views_unregister(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   }
   batch_unregister(d, c, seq, &views_unreg, n,
                    rq->has_first_index ? rq->first_index : 0, ids, ids + n);
-  free(ids);
 }
 
 void shardd__on_views_batch(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
@@ -493,7 +461,7 @@ static void buffers_unregister(shardd__dispatch *d, shardd__conn *c,
                                uint64_t seq,
                                const Shardwire__UnregisterBuffers *rq) {
   size_t n = rq->n_buffers;
-  uint64_t *ids = unreg_arrays(n);
+  uint64_t *ids = unreg_arrays(d, n);
   if (ids == NULL) {
     shardd__reply(d, c, seq, SHARDD_E_NO_MEMORY, "out of memory");
     return;
@@ -505,7 +473,6 @@ static void buffers_unregister(shardd__dispatch *d, shardd__conn *c,
   }
   batch_unregister(d, c, seq, &buffers_unreg, n,
                    rq->has_first_index ? rq->first_index : 0, ids, ids + n);
-  free(ids);
 }
 
 void shardd__on_buffers_batch(shardd__dispatch *d, shardd__conn *c,

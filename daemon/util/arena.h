@@ -13,18 +13,22 @@
 
 #include <stddef.h>
 
-/* An allocation that did not fit the block: malloc'ed, freed at rewind. */
+/* A chunk for what did not fit the block: malloc'ed, pieces bumped out of
+ * it, freed at rewind (the largest kept as a spare). */
 struct shardd__arena_big;
 
 typedef struct {
   unsigned char *block; /* cap bytes, malloc'ed at the first alloc */
   size_t cap, used;
-  struct shardd__arena_big *big; /* newest first */
+  struct shardd__arena_big *big; /* newest first; pieces come from it once
+                                    there is one */
+  struct shardd__arena_big *spare; /* freed chunk kept for reuse, or NULL */
 } shardd__arena;
 
 typedef struct {
   size_t used;
   struct shardd__arena_big *big;
+  size_t big_used; /* what big had handed out */
 } shardd__arena_mark;
 
 /* An empty arena whose block will hold cap bytes (allocates nothing yet). */

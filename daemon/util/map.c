@@ -11,8 +11,12 @@ struct shardd__map_entry {
   shardd__map_entry *next;
   uint64_t hash;
   uint64_t id;
-  char *key; /* NULL for id entries */
+  char *key; /* NULL for id entries; else keybuf */
   void *value;
+  /* a string key's bytes, in the entry's own allocation: one malloc and
+   * one free per string entry, not two (a calloc and a strdup were a
+   * tenth of a view's registration) */
+  char keybuf[];
 };
 
 static uint64_t mix64(uint64_t x) {
@@ -35,10 +39,14 @@ void shardd__map_free(shardd__map *m) {
     shardd__map_entry *e = m->slots[i];
     while (e) {
       shardd__map_entry *next = e->next;
-      free(e->key);
       free(e);
       e = next;
     }
+  }
+  while (m->spare) {
+    shardd__map_entry *next = m->spare->next;
+    free(m->spare);
+    m->spare = next;
   }
   free(m->slots);
   memset(m, 0, sizeof *m);
@@ -91,13 +99,18 @@ static shardd__map_entry *map_entry(shardd__map *m, uint64_t hash, uint64_t id,
     return *pp;
   if (m->count >= m->nslots && map_grow(m) != SHARDD_OK)
     return NULL;
-  shardd__map_entry *e = calloc(1, sizeof *e);
-  if (e == NULL)
-    return NULL;
-  if (key && (e->key = strdup(key)) == NULL) {
-    free(e);
+  size_t klen = key ? strlen(key) + 1 : 0;
+  shardd__map_entry *e;
+  if (key == NULL && m->spare) {
+    e = m->spare;
+    m->spare = e->next;
+    m->nspare--;
+  } else if ((e = malloc(sizeof *e + klen)) == NULL) {
     return NULL;
   }
+  e->key = NULL;
+  if (key)
+    e->key = memcpy(e->keybuf, key, klen);
   e->hash = hash;
   e->id = id;
   e->value = value;
@@ -125,8 +138,13 @@ static void *map_del(shardd__map *m, uint64_t hash, uint64_t id,
   shardd__map_entry *e = *pp;
   void *v = e->value;
   *pp = e->next;
-  free(e->key);
-  free(e);
+  if (e->key == NULL && m->nspare < SHARDD__MAP_SPARE_MAX) {
+    e->next = m->spare;
+    m->spare = e;
+    m->nspare++;
+  } else {
+    free(e);
+  }
   m->count--;
   return v;
 }

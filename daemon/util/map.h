@@ -16,7 +16,14 @@ typedef struct {
   shardd__map_entry **slots;
   size_t nslots;
   size_t count;
+  /* id entries deleted, kept for the next puts (a view's registration and
+   * unregistration put and delete two: the objects' and the freed ids'),
+   * at most SHARDD__MAP_SPARE_MAX */
+  shardd__map_entry *spare;
+  size_t nspare;
 } shardd__map;
+
+#define SHARDD__MAP_SPARE_MAX 256
 
 void shardd__map_init(shardd__map *m);
 /* Frees the map's own memory, not the values. */

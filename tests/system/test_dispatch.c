@@ -103,6 +103,30 @@ Test(dispatch, batch_registers_what_single_requests_would) {
   cr_assert_eq(shardd_views_register(c, 0, NULL, NULL, NULL), SHARDD_OK);
 }
 
+Test(dispatch, an_async_reply_read_during_a_batch_is_kept_for_its_wait) {
+  /* a release of a resident buffer is refused on the loop at once, so its
+   * reply comes before the batch's and is read by the batch's receive
+   * (its replies decoded into the batch's arena): noted, message and all,
+   * for the ticket; the batch's own reply read after it */
+  shardd_ticket t;
+  cr_assert_eq(shardd_release_async(c, b.id, &t), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  shardd_view_spec s[2] = {spec("during.a", 0, 4, shape4, 2, 1),
+                           spec("during.b", 4, 4, shape4, 2, 1)};
+  shardd_view_info vi[2];
+  cr_assert_eq(shardd_views_register(c, 2, s, vi, NULL), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  cr_expect(vi[0].id != 0 && vi[1].id != 0 && vi[0].id != vi[1].id);
+  cr_expect_eq(vi[0].created, 1);
+  cr_assert_eq(shardd_wait(c, t), SHARDD_E_STATE, "%s", shardd_last_error(c));
+  cr_expect(strstr(shardd_last_error(c), "nothing to release") != NULL, "%s",
+            shardd_last_error(c));
+  /* and the next batch again */
+  cr_assert_eq(shardd_views_register(c, 2, s, vi, NULL), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  cr_expect_eq(vi[0].created, 0);
+}
+
 Test(dispatch, refused_batch_names_every_bad_entry_and_keeps_nothing) {
   int64_t s3[1] = {3};
   shardd_view_spec s[6] = {
@@ -603,6 +627,35 @@ Test(dispatch, buffers_call_longer_than_a_request_is_undone_whole) {
                "%s", shardd_last_error(c));
   cr_assert_eq(shardd_buffer_unregister(c, ids[0]), SHARDD_E_NOT_FOUND);
   cr_assert_eq(shardd_buffer_unregister(c, ids[BBIG - 1]), SHARDD_E_NOT_FOUND);
+}
+
+Test(dispatch, views_unregister_names_each_repeat_after_the_first) {
+  shardd_view_spec s[3] = {spec("r0", 0, 4, shape4, 2, 1),
+                           spec("r1", 4, 4, shape4, 2, 1),
+                           spec("r2", 8, 4, shape4, 2, 1)};
+  shardd_view_info vi[3];
+  cr_assert_eq(shardd_views_register(c, 3, s, vi, NULL), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  /* r0 three times, r2 twice: the later ones refused, the first kept */
+  uint64_t ids[6] = {vi[0].id, vi[2].id, vi[0].id, vi[1].id, vi[0].id, vi[2].id};
+  shardd_err errs[6];
+  shardd_err rc = shardd_views_unregister(c, 6, ids, NULL, errs);
+  cr_assert_eq(rc, SHARDD_E_INVAL, "%s", shardd_last_error(c));
+  const shardd_err want[6] = {SHARDD_OK, SHARDD_OK, SHARDD_E_INVAL, SHARDD_OK,
+                              SHARDD_E_INVAL, SHARDD_E_INVAL};
+  for (int i = 0; i < 6; i++)
+    cr_expect_eq(errs[i], want[i], "entry %d: %s", i, shardd_err_name(errs[i]));
+  char named[64];
+  snprintf(named, sizeof named, "view %" PRIu64 " is named twice", vi[2].id);
+  cr_expect(strstr(shardd_last_error(c), named), "%s", shardd_last_error(c));
+  /* nothing went; each once, the same ids again: they all go */
+  uint64_t once[3] = {vi[2].id, vi[0].id, vi[1].id};
+  cr_assert_eq(shardd_views_unregister(c, 3, once, NULL, errs), SHARDD_OK, "%s",
+               shardd_last_error(c));
+  shardd_view_info again[3];
+  cr_assert_eq(shardd_views_register(c, 3, s, again, NULL), SHARDD_OK);
+  for (int i = 0; i < 3; i++)
+    cr_expect_eq(again[i].created, 1);
 }
 
 Test(dispatch, buffers_unregister_checks_every_id_before_any_goes) {

@@ -80,3 +80,45 @@ Test(arena, pieces_larger_than_the_block_come_from_malloc) {
   cr_expect_not_null(shardd__arena_alloc(&a, 8));
   shardd__arena_free(&a);
 }
+
+Test(arena, small_pieces_past_the_block_share_one_chunk) {
+  shardd__arena a;
+  shardd__arena_init(&a, 256);
+  shardd__arena_mark m = shardd__arena_mark_now(&a);
+  /* a batch of 4096 registrations decodes into many small pieces beyond
+   * the block: bumped out of one chunk, not a malloc each */
+  for (int k = 0; k < 4; k++)
+    cr_assert_not_null(shardd__arena_alloc(&a, 64));
+  unsigned char *p = shardd__arena_alloc(&a, 48);
+  unsigned char *q = shardd__arena_alloc(&a, 48);
+  unsigned char *r = shardd__arena_alloc(&a, 48);
+  cr_assert(p && q && r);
+#ifndef __SANITIZE_ADDRESS__ /* under ASan each piece is malloc's own */
+  size_t step = (48 + _Alignof(max_align_t) - 1) / _Alignof(max_align_t) *
+                _Alignof(max_align_t);
+  cr_expect_eq(q, p + step, "the second piece past the block is not the next "
+               "in a chunk");
+  cr_expect_eq(r, q + step);
+#endif
+  memset(p, 1, 48);
+  memset(q, 2, 48);
+  memset(r, 3, 48);
+  cr_expect_eq(p[47], 1);
+  cr_expect_eq(q[47], 2);
+  /* an inner mark inside the chunk: its rewind keeps what came before */
+  shardd__arena_mark in = shardd__arena_mark_now(&a);
+  unsigned char *s = shardd__arena_alloc(&a, 48);
+  cr_assert_not_null(s);
+  memset(s, 4, 48);
+  shardd__arena_rewind(&a, in);
+  cr_expect_eq(r[47], 3);
+  unsigned char *t = shardd__arena_alloc(&a, 48);
+  cr_assert_not_null(t);
+#ifndef __SANITIZE_ADDRESS__
+  cr_expect_eq(t, s, "the inner rewind did not give its bytes back");
+#endif
+  shardd__arena_rewind(&a, m);
+  cr_expect_null(a.big);
+  cr_expect_eq(a.used, 0);
+  shardd__arena_free(&a);
+}

@@ -1432,3 +1432,79 @@ Test(client, long_refusal_names_every_ref, .timeout = 30) {
   shardd_close(c);
   fake_stop(&s);
 }
+
+/* A view batch's request is packed by hand (the envelope around entries
+ * packed once): byte for byte what protobuf-c's pack writes, for entries
+ * of every kind of field, first indices and seqs of one and more bytes. */
+Test(client, a_view_batch_packed_by_hand_is_protobuf_cs_bytes, .timeout = 30) {
+  enum { N = 300 };
+  static Shardwire__RegisterView v[N];
+  static Shardwire__RegisterView *vp[N];
+  static size_t sz[N];
+  static int64_t shape[3] = {3, 300, 70000};
+  static char names[N][40];
+  for (int i = 0; i < N; i++) {
+    shardwire__register_view__init(&v[i]);
+    snprintf(names[i], sizeof names[i], "layer%d.%s", i, i % 2 ? "w" : "bias");
+    v[i].name = names[i];
+    v[i].buffer = (uint64_t)i * 1000003u;
+    v[i].offset = (uint64_t)i << 20;
+    v[i].numel = 1 + (uint64_t)i;
+    v[i].n_shape = (size_t)(i % 4);
+    v[i].shape = i % 4 ? shape : NULL;
+    if (i % 3 == 0) {
+      v[i].has_requires_grad = 1;
+      v[i].requires_grad = i % 2;
+    }
+    if (i % 5 == 0) {
+      v[i].has_buffer_generation = 1;
+      v[i].buffer_generation = (uint64_t)i * 7;
+    }
+    vp[i] = &v[i];
+    sz[i] = shardwire__register_view__get_packed_size(&v[i]);
+  }
+  const struct {
+    uint64_t seq;
+    size_t lo, n;
+  } cases[] = {{1, 0, 1}, {127, 0, N}, {128, 5, 3}, {UINT64_C(1) << 40, 4096, N - 10},
+               {UINT64_MAX, 200, 100}, {9, 0, 0}};
+  for (size_t t = 0; t < sizeof cases / sizeof cases[0]; t++) {
+    size_t n = cases[t].n;
+    uint32_t first = (uint32_t)cases[t].lo;
+    Shardwire__Request req = SHARDWIRE__REQUEST__INIT;
+    Shardwire__ViewsBatch vb = SHARDWIRE__VIEWS_BATCH__INIT;
+    Shardwire__RegisterViews rv = SHARDWIRE__REGISTER_VIEWS__INIT;
+    rv.n_views = n;
+    rv.views = vp + (first % 10);
+    rv.has_first_index = first > 0;
+    rv.first_index = first;
+    vb.op_case = SHARDWIRE__VIEWS_BATCH__OP_REGISTER;
+    vb.register_ = &rv;
+    req.seq = cases[t].seq;
+    req.body_case = SHARDWIRE__REQUEST__BODY_VIEWS_BATCH;
+    req.views_batch = &vb;
+    size_t want_len = shardwire__request__get_packed_size(&req);
+    uint8_t *want = malloc(want_len);
+    cr_assert_not_null(want);
+    shardwire__request__pack(&req, want);
+    uint8_t *got;
+    size_t got_len;
+    cr_assert_eq(shardd__views_request_pack(cases[t].seq, vp + (first % 10),
+                                            sz + (first % 10), n, first, &got,
+                                            &got_len),
+                 SHARDD_OK, "case %zu", t);
+    cr_assert_eq(got_len, want_len, "case %zu: %zu bytes, protobuf-c %zu", t,
+                 got_len, want_len);
+    cr_expect_eq(memcmp(got, want, want_len), 0, "case %zu: other bytes", t);
+    free(got);
+    free(want);
+  }
+  /* sizes that are not the entries' are caught, not sent */
+  size_t wrong = sz[1] + 1;
+  uint8_t *got;
+  size_t got_len;
+  cr_expect_eq(shardd__views_request_pack(3, vp + 1, &wrong, 1, 0, &got,
+                                          &got_len),
+               SHARDD_E_INTERNAL);
+  cr_expect_null(got);
+}

@@ -190,3 +190,19 @@ Test(map, a_strings_slot_is_read_and_written_in_place) {
   cr_assert_eq((uintptr_t)shardd__map_del_str(&m, "gen"), 7);
   cr_assert_eq(shardd__map_count(&m), 0);
 }
+
+Test(map, a_string_key_is_the_maps_own_copy) {
+  /* the key lives in the entry: the caller's bytes may change or go */
+  char *k = strdup("layer0.param1.weight");
+  cr_assert_not_null(k);
+  cr_assert_eq(shardd__map_put_str(&m, k, &vals[3]), SHARDD_OK);
+  void **slot = shardd__map_slot_str(&m, "an.other");
+  cr_assert_not_null(slot);
+  *slot = &vals[4];
+  memset(k, 'x', strlen(k));
+  free(k);
+  cr_expect_eq(shardd__map_get_str(&m, "layer0.param1.weight"), &vals[3]);
+  cr_expect_eq(shardd__map_get_str(&m, "an.other"), &vals[4]);
+  cr_expect_eq(shardd__map_del_str(&m, "layer0.param1.weight"), &vals[3]);
+  cr_expect_eq(shardd__map_count(&m), 1);
+}
