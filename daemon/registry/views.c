@@ -256,32 +256,18 @@ shardd_err shardd__view_register(shardd__registry *reg, shardd__job *job,
                                   shape, ndim, 1, out, created, err, errlen);
 }
 
-shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
-                                    uint64_t buffer, uint64_t buffer_gen,
-                                    const char *name, uint64_t offset,
-                                    uint64_t numel, const int64_t *shape,
-                                    int ndim, int requires_grad,
-                                    shardd__view **out, int *created,
-                                    char *err, size_t errlen) {
-  *out = NULL;
-  *created = 0;
-  requires_grad = requires_grad != 0;
-  shardd__obj *o;
-  char *gkey = NULL, kbuf[256];
-  uint64_t gprev = 0;
-  shardd_err rc = shardd__registry_resolve_gen(reg, job, buffer, buffer_gen,
-                                               SHARDD__OBJ_BUFFER, &o, err,
-                                               errlen);
-  if (rc != SHARDD_OK)
-    return rc;
-  shardd__buffer *b = (shardd__buffer *)o;
-  if (!shardd__name_ok(name, "view", err, errlen))
-    return SHARDD_E_INVAL;
+/* A new or repeated view's elements lie inside its buffer and its shape
+ * (at most SHARDD__MAX_NDIM dimensions, none negative, no overflow) has
+ * numel elements. */
+static shardd_err view_geometry(const shardd__buffer *b, uint64_t buffer,
+                                const char *name, uint64_t offset,
+                                uint64_t numel, const int64_t *shape, int ndim,
+                                char *err, size_t errlen) {
   if (numel == 0 || offset > b->numel || numel > b->numel - offset) {
     snprintf(err, errlen,
              "view \"%s\": elements [%" PRIu64 ", %" PRIu64
              ") are outside buffer %" PRIu64 " (\"%s\", numel %" PRIu64 ")",
-             name, offset, offset + numel, buffer, o->name, b->numel);
+             name, offset, offset + numel, buffer, b->hdr.name, b->numel);
     return SHARDD_E_RANGE;
   }
   if (ndim < 0 || ndim > SHARDD__MAX_NDIM) {
@@ -305,6 +291,33 @@ shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
              name, prod, numel);
     return SHARDD_E_MISMATCH;
   }
+  return SHARDD_OK;
+}
+
+shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
+                                    uint64_t buffer, uint64_t buffer_gen,
+                                    const char *name, uint64_t offset,
+                                    uint64_t numel, const int64_t *shape,
+                                    int ndim, int requires_grad,
+                                    shardd__view **out, int *created,
+                                    char *err, size_t errlen) {
+  *out = NULL;
+  *created = 0;
+  requires_grad = requires_grad != 0;
+  shardd__obj *o;
+  char *gkey = NULL, kbuf[256];
+  uint64_t gprev = 0;
+  shardd_err rc = shardd__registry_resolve_gen(reg, job, buffer, buffer_gen,
+                                               SHARDD__OBJ_BUFFER, &o, err,
+                                               errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  shardd__buffer *b = (shardd__buffer *)o;
+  if (!shardd__name_ok(name, "view", err, errlen))
+    return SHARDD_E_INVAL;
+  rc = view_geometry(b, buffer, name, offset, numel, shape, ndim, err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
   shardd__view *v = shardd__map_get_str(&b->views, name);
   if (v) {
     if (v->offset != offset || v->numel != numel || !same_shape(v, shape, ndim)) {
