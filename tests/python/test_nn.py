@@ -226,6 +226,22 @@ class StateDictTest(unittest.TestCase):
         m[2].weight = m[0].weight  # tied, as an LM's embedding and head
         return m
 
+    def test_state_dict_type_set_by_a_call_or_for_a_with_block(self):
+        # FSDP's set_state_dict_type is a call, its state_dict_type a
+        # context: both forms work (a plain call used to change nothing)
+        c = shardd.Client(common.socket(), job=common.job("nn-sdt"), rank=0, world=1)
+        self.addCleanup(c.close)
+        m = self.model()
+        sm = shardd.nn.ShardedModule(c, m, auto_wrap="children")
+        self.assertEqual(m.state_dict()["2.weight"].shape, (10, 4))
+        with sm.state_dict_type("local"):
+            self.assertEqual(m.state_dict()["2.weight"].shape, (40,))
+        self.assertEqual(m.state_dict()["2.weight"].shape, (10, 4))  # back after the block
+        sm.state_dict_type("local")
+        self.assertEqual(m.state_dict()["2.weight"].shape, (40,))
+        sm.state_dict_type("full", shardd.nn.FullStateDictConfig(offload_to_cpu=True))
+        self.assertEqual(m.state_dict()["2.weight"].shape, (10, 4))
+
     def test_keys_values_and_a_round_trip(self):
         for transient in (False, True):
             c = shardd.Client(common.socket(), job=common.job("nn-sd"), rank=0, world=1,
