@@ -8,6 +8,7 @@ import sys
 import tempfile
 import textwrap
 import unittest
+from unittest import mock
 
 import common
 import shardd
@@ -85,6 +86,18 @@ class ShardedModuleTest(unittest.TestCase):
             torch.testing.assert_close(sm(x), model(x), rtol=0, atol=0)
         sm(x).square().sum().backward()
         self.assertTrue(all(p.grad is not None for p in model.parameters()))
+
+    def test_a_control_session_is_refused_saying_why(self):
+        # a torchrun script started as plain python: Client() has no job
+        env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
+        with mock.patch.dict(os.environ, env, clear=True):
+            c = shardd.Client(self.sock)
+        self.addCleanup(c.close)
+        self.assertIsNone(c.job)
+        with self.assertRaises(ValueError) as cm:
+            shardd.nn.ShardedModule(c, small_model())
+        self.assertIn("TORCHELASTIC_RUN_ID", str(cm.exception))
+        self.assertIn("job=", str(cm.exception))
 
     def test_grads_land_in_grad_area(self):
         model = small_model()
