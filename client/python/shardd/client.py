@@ -197,7 +197,8 @@ class Client:
         if self.resumed_step is not None:
             warnings.warn("shardd: resuming job %r at step %d (rank %d): the job holds "
                           "trained state (a run whose ranks did not finish with close(), "
-                          "or a restore); a new run needs a job name of its own"
+                          "or a restore): as it should after a crash, a torchrun elastic "
+                          "restart or a restore, but a new run needs a job name of its own"
                           % (job, self.resumed_step, rank), ResumedJobWarning, stacklevel=2)
 
     # -- lifecycle -------------------------------------------------------
