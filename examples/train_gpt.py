@@ -58,6 +58,7 @@ import os
 import queue
 import sys
 import time
+import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -311,9 +312,14 @@ def rank_main(rank, cfg, socket, q):
         shardd = import_shardd()
         import shardd.nn
         import shardd.optim
-        client = shardd.Client(socket, job=cfg.job, rank=rank, world=cfg.ranks,
-                               transient_areas=True,
-                               client_name="train_gpt rank %d" % rank)
+        with warnings.catch_warnings():
+            # run() says "resuming at step N" once; the client's warning per
+            # rank would add "a new run needs a job name of its own" to a
+            # resume the user asked for (--job of a killed run, --restore)
+            warnings.simplefilter("ignore", shardd.ResumedJobWarning)
+            client = shardd.Client(socket, job=cfg.job, rank=rank, world=cfg.ranks,
+                                   transient_areas=True,
+                                   client_name="train_gpt rank %d" % rank)
         model = make_model(cfg)
         tok = make_data(cfg)
         # attaches to the job's shards when they exist (a relaunch, a restore)

@@ -4,6 +4,7 @@ fresh); a run whose ranks were killed (kill -9) lingers, and its relaunch
 resumes it and says so on every rank; torchrun's TORCHELASTIC_RUN_ID=none
 never becomes a shared job name."""
 import os
+import re
 import time
 import signal
 import unittest
@@ -110,7 +111,7 @@ class JobIdentityTest(unittest.TestCase):
 
 class TorchrunRunIdTest(unittest.TestCase):
     def test_torchrun_run_id_none_is_refused_not_a_shared_job(self):
-        """torchrun without --rdzv-id sets TORCHELASTIC_RUN_ID=none for every
+        """torchrun without --rdzv_id sets TORCHELASTIC_RUN_ID=none for every
         launch: as a job name a rerun would continue the previous run."""
         env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
                "TORCHELASTIC_RUN_ID": "none"}
@@ -120,7 +121,14 @@ class TorchrunRunIdTest(unittest.TestCase):
         msg = str(cm.exception)
         self.assertIn("TORCHELASTIC_RUN_ID", msg)
         self.assertIn("job=", msg)
-        self.assertIn("--rdzv-id", msg)
+        # the flag it names is one this torch's torchrun takes (1.13 knows
+        # only --rdzv_id; 2.x takes --rdzv-id too)
+        flag = re.search(r"(--rdzv\S*?)=RUN_ID", msg).group(1)
+        self.assertEqual(flag, "--rdzv_id")
+        if common.HAVE_TORCH:
+            from torch.distributed.run import get_args_parser
+            args = get_args_parser().parse_args([flag + "=r1", "t.py"])
+            self.assertEqual(args.rdzv_id, "r1")
         with mock.patch.dict(os.environ, env):  # an explicit job is taken
             c = shardd.Client(common.socket(), job=common.job("explicit"), rank=0, world=1)
             self.assertIsNone(c.resumed_step)

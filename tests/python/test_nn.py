@@ -8,6 +8,7 @@ import sys
 import tempfile
 import textwrap
 import unittest
+from unittest import mock
 
 import common
 import shardd
@@ -85,6 +86,18 @@ class ShardedModuleTest(unittest.TestCase):
             torch.testing.assert_close(sm(x), model(x), rtol=0, atol=0)
         sm(x).square().sum().backward()
         self.assertTrue(all(p.grad is not None for p in model.parameters()))
+
+    def test_a_control_session_is_refused_saying_why(self):
+        # a torchrun script started as plain python: Client() has no job
+        env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
+        with mock.patch.dict(os.environ, env, clear=True):
+            c = shardd.Client(self.sock)
+        self.addCleanup(c.close)
+        self.assertIsNone(c.job)
+        with self.assertRaises(ValueError) as cm:
+            shardd.nn.ShardedModule(c, small_model())
+        self.assertIn("TORCHELASTIC_RUN_ID", str(cm.exception))
+        self.assertIn("job=", str(cm.exception))
 
     def test_grads_land_in_grad_area(self):
         model = small_model()
@@ -225,6 +238,22 @@ class StateDictTest(unittest.TestCase):
         m = nn.Sequential(nn.Embedding(10, 4), nn.BatchNorm1d(4), nn.Linear(4, 10, bias=False))
         m[2].weight = m[0].weight  # tied, as an LM's embedding and head
         return m
+
+    def test_state_dict_type_set_by_a_call_or_for_a_with_block(self):
+        # FSDP's set_state_dict_type is a call, its state_dict_type a
+        # context: both forms work (a plain call used to change nothing)
+        c = shardd.Client(common.socket(), job=common.job("nn-sdt"), rank=0, world=1)
+        self.addCleanup(c.close)
+        m = self.model()
+        sm = shardd.nn.ShardedModule(c, m, auto_wrap="children")
+        self.assertEqual(m.state_dict()["2.weight"].shape, (10, 4))
+        with sm.state_dict_type("local"):
+            self.assertEqual(m.state_dict()["2.weight"].shape, (40,))
+        self.assertEqual(m.state_dict()["2.weight"].shape, (10, 4))  # back after the block
+        sm.state_dict_type("local")
+        self.assertEqual(m.state_dict()["2.weight"].shape, (40,))
+        sm.state_dict_type("full", shardd.nn.FullStateDictConfig(offload_to_cpu=True))
+        self.assertEqual(m.state_dict()["2.weight"].shape, (10, 4))
 
     def test_keys_values_and_a_round_trip(self):
         for transient in (False, True):

@@ -131,5 +131,54 @@ class TorchrunTest(unittest.TestCase):
             self.assertTrue(math.isnan(c.all_reduce(float("nan"))))
 
 
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
+class TorchrunExampleTest(unittest.TestCase):
+    def test_the_torchrun_example_matches_single_process_torch(self):
+        """examples/train_torchrun.py, the FSDP script ported (AdamW, LambdaLR,
+        clipping, accumulation under no_sync, an eval and a full state dict
+        saved), on 2 ranks under the installed torch's own torchrun, against
+        the same script as one plain torch process on the global batch."""
+        import shutil
+        import tempfile
+        script = os.path.join(common.REPO, "examples", "train_torchrun.py")
+        tmp = tempfile.mkdtemp(prefix="shardd-torchrun-")
+        self.addCleanup(shutil.rmtree, tmp, True)
+        flags = ["--steps", "6", "--ckpt-every", "4", "--eval-every", "3",
+                 "--ckpt-dir", tmp]
+        ref = subprocess.run([sys.executable, script, "--ref", "--out",
+                              os.path.join(tmp, "ref.json")] + flags,
+                             capture_output=True, text=True, timeout=120)
+        self.assertEqual(ref.returncode, 0, ref.stderr)
+        env = dict(os.environ, SHARDD_SOCKET=common.socket())
+        run = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+             "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:%d" % free_port(),
+             "--rdzv_id", common.job("torchrun-example"),
+             "--redirects", "2", "--tee", "2",  # Debian 12's torchrun needs them named
+             script, "--out", os.path.join(tmp, "shardd.json")] + flags,
+            capture_output=True, text=True, timeout=240, env=env)
+        self.assertEqual(run.returncode, 0, run.stdout[-3000:] + run.stderr[-3000:])
+        with open(os.path.join(tmp, "ref.json")) as f:
+            want = json.load(f)
+        with open(os.path.join(tmp, "shardd.json")) as f:
+            got = json.load(f)
+        self.assertEqual([r["step"] for r in got], list(range(6)))
+        for g, w in zip(got, want):
+            for k in ("loss", "gnorm", "val"):
+                self.assertEqual(k in g, k in w, (k, g, w))
+                if k in w:
+                    self.assertLessEqual(abs(g[k] - w[k]) / abs(w[k]), 1e-5, (k, g, w))
+        self.assertTrue(os.path.exists(os.path.join(tmp, "shardd", "model.pt")))
+        for r in range(2):
+            self.assertTrue(os.path.exists(os.path.join(tmp, "shardd", "optim-r%d.pt" % r)))
+
 if __name__ == "__main__":
     unittest.main()

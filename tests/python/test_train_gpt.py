@@ -236,6 +236,8 @@ class TrainGPTTest(unittest.TestCase):
                            capture_output=True, text=True, timeout=150)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn("resuming at step 5", p.stdout)
+        # said once, not again per rank as "a new run needs a job name of its own"
+        self.assertNotIn("ResumedJobWarning", p.stderr)
         self.assertRegex(p.stdout, r"step +5  loss \d+\.\d+  tokens/s +\d+  lr \d\.\d+e-\d+")
         z = np.load(out)
         again = {k: [None if math.isnan(v) else float(v) for v in z[k]]

@@ -43,19 +43,19 @@ class RestoredJob(str):
 
 def _job_from_env(run_id):
     """Client's job when none is given: $TORCHELASTIC_RUN_ID when it names
-    this launch (torchrun --rdzv-id=ID, or --standalone's fresh id; its
+    this launch (torchrun --rdzv_id=ID, or --standalone's fresh id; its
     elastic restarts share it and resume), None (a control session) when
     it is unset. torchrun's default "none" names no launch: as a job name
     every such launch would be one job, a rerun continuing the last run's
     weights, so it is refused."""
     if run_id is not None and run_id.strip().lower() == "none":
         raise ValueError(
-            "$TORCHELASTIC_RUN_ID is %r (torchrun's default without --rdzv-id): "
+            "$TORCHELASTIC_RUN_ID is %r (torchrun's default without --rdzv_id): "
             "it does not identify this run, so shardd will not use it as the job "
             "name (every such launch would share one job, and a rerun would "
             "resume the previous run). Pass job=NAME (the same on every rank, "
             "new for each run), or launch with torchrun --standalone or "
-            "--rdzv-id=RUN_ID" % run_id)
+            "--rdzv_id=RUN_ID" % run_id)
     return run_id
 
 
@@ -108,7 +108,7 @@ class Client:
     Under torchrun the defaults come from its environment
     (:func:`torchrun_defaults`): job not given is $TORCHELASTIC_RUN_ID (a
     control session when that is unset; torchrun's "none", its value
-    without --rdzv-id or --standalone, is refused: it names no run), rank
+    without --rdzv_id or --standalone, is refused: it names no run), rank
     not given is $RANK (else $LOCAL_RANK, else 0) and world not given is
     $WORLD_SIZE (else 1). The daemon picks the rank's device from the rank,
     as always.
@@ -197,7 +197,8 @@ class Client:
         if self.resumed_step is not None:
             warnings.warn("shardd: resuming job %r at step %d (rank %d): the job holds "
                           "trained state (a run whose ranks did not finish with close(), "
-                          "or a restore); a new run needs a job name of its own"
+                          "or a restore): as it should after a crash, a torchrun elastic "
+                          "restart or a restore, but a new run needs a job name of its own"
                           % (job, self.resumed_step, rank), ResumedJobWarning, stacklevel=2)
 
     # -- lifecycle -------------------------------------------------------

@@ -147,6 +147,15 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         if reduce_op not in shardd.REDUCE_OPS:
             raise ValueError("reduce_op %r: one of %s" % (
                 reduce_op, ", ".join(sorted(shardd.REDUCE_OPS))))
+        if getattr(client, "job", "job") in (None, ""):
+            # the daemon's E_STATE at the first registration says only
+            # "control session": the usual cause is a torchrun script run
+            # without torchrun
+            raise ValueError(
+                "ShardedModule needs a Client of a job, and this one is a control "
+                "session: no job= was given and $TORCHELASTIC_RUN_ID is unset (a "
+                "script for torchrun started without it?); launch it with torchrun, "
+                "or pass shardd.Client(job=NAME, rank=R, world=W)")
         self.client = client
         self.module = module
         self.prefix = prefix

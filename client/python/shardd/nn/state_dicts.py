@@ -20,6 +20,21 @@ class FullStateDictConfig:
         self.rank0_only = bool(rank0_only)
 
 
+class _StateDictTypeScope:
+    """What state_dict_type() returns: the type is set already; a ``with``
+    block puts the previous one back at its end."""
+
+    def __init__(self, sm, old):
+        self._sm, self._old = sm, old
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._sm._sd_type, self._sm._sd_config = self._old
+        return False
+
+
 class _StateDicts:
     """ShardedModule's state dicts."""
 
@@ -47,25 +62,24 @@ class _StateDicts:
         finally:
             self._sd_raw -= 1
 
-    @contextlib.contextmanager
     def state_dict_type(self, kind, config=None):
-        """FSDP's state_dict_type context: what model.state_dict() gives and
-        model.load_state_dict() takes inside it. "full" (the default,
-        FSDP's FULL_STATE_DICT): every parameter whole under torch's keys,
-        config a FullStateDictConfig (offload_to_cpu, rank0_only); "local":
-        each parameter as it is outside forward, its 1-D part of this
-        rank's shard (FSDP's LOCAL_STATE_DICT; a rank's own, loadable only
-        into the same world size)."""
+        """FSDP's state_dict_type: what model.state_dict() gives and
+        model.load_state_dict() takes. "full" (the default, FSDP's
+        FULL_STATE_DICT): every parameter whole under torch's keys, config
+        a FullStateDictConfig (offload_to_cpu, rank0_only); "local": each
+        parameter as it is outside forward, its 1-D part of this rank's
+        shard (FSDP's LOCAL_STATE_DICT; a rank's own, loadable only into
+        the same world size). Set at the call, as FSDP's
+        set_state_dict_type; as ``with sm.state_dict_type(...):`` (FSDP's
+        context) the previous type is back at the block's end. (A plain
+        call used to change nothing: only the ``with`` form did.)"""
         if kind not in ("full", "local"):
             raise ValueError("state_dict_type %r: 'full' or 'local'" % (kind,))
         old = self._sd_type, self._sd_config
         self._sd_type = kind
         if config is not None:
             self._sd_config = config
-        try:
-            yield
-        finally:
-            self._sd_type, self._sd_config = old
+        return _StateDictTypeScope(self, old)
 
     def _local_keys(self, sd, prefix):
         """{key in sd: entry} for the parameters' keys under prefix."""
