@@ -31,6 +31,7 @@ STEPS = 3
 ROWS = 8
 TOL = 1e-5
 HYPER = dict(lr=0.1, momentum=0.9)
+CLIP = 0.2  # "clip": below every step's gradient norm (0.41 to 0.47), so torch's clips
 
 
 def make_model():
@@ -163,7 +164,10 @@ def rank_main(rank, world, sock, job, case, q):
                     sm.zero_grad()
                     loss = loss_of(model, s, rank, world)
                     loss.backward()
-                    sm.clip_grad_norm_(1.0)
+                    if direct:  # the Client's, below the wrapper
+                        client.clip_grad_norm(opt, CLIP)
+                    else:
+                        sm.clip_grad_norm_(CLIP)
                     sm.scatter("mean")
                     step()
                 losses.append(loss.item())
@@ -266,6 +270,17 @@ class ResidentLoop(unittest.TestCase):
         self.assert_refused("no_gather+direct", 1, ["sm.gather()", "after an optimizer step"])
         self.assert_refused("plain+direct", 0, ["sm.scatter(\"mean\")", "since the last sm.scatter()"])
         self.assert_refused("step_twice+direct", 0, ["no sm.scatter() since the last step"])
+
+    def test_client_clip_of_unreduced_gradients_refused(self):
+        """client.clip_grad_norm(opt) on the Client, below the wrapper, after
+        a backward no scatter() reduced: it took the norm of the reduced
+        gradient of the last scatter (none yet: zeros) and set the next
+        step's scale from it, so the step after sm.scatter() applied the
+        fresh gradient unclipped (torch's clip_grad_norm_ scales it), without
+        a word. Refused as sm.clip_grad_norm_ refuses it, before anything
+        changed."""
+        self.assert_refused("clip+direct", 0, ["sm.scatter(\"mean\")", "client.clip_grad_norm()",
+                                               "since the last sm.scatter()"])
 
     @unittest.skipIf(common.UNDER_ASAN, common.ASAN_CXX_THROW)
     def test_torch_optim_refused_by_name(self):

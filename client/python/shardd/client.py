@@ -1127,6 +1127,10 @@ class Client:
         max_norm = float(max_norm)
         if not max_norm >= 0.0:
             raise ValueError("max_norm %r: must be >= 0 (inf: the norm only)" % (max_norm,))
+        # the wrappers' refusal (resident: gradients no scatter reduced),
+        # as sm.clip_grad_norm_ has it
+        for g in self._guards_of(opt):
+            g._check_clip("client.clip_grad_norm()")
         out = ctypes.c_double()
         self._call(self._lib.shardd_clip_grad_norm(self._c, _ids(opt), max_norm,
                                                    ctypes.byref(out)))

@@ -706,6 +706,13 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                     "(torch's step would apply the .grad again). Call sm.scatter(\"mean\") "
                     "(a collective, every rank) after backward, before each step")
 
+    def _check_clip(self, what):
+        """Resident: the refusal of a clip after a backward no scatter()
+        reduced (clip_grad_norm_'s; also for client.clip_grad_norm(opt)
+        asked of the client directly, below the wrapper)."""
+        if not self.transient:
+            self._check_reduced(what)
+
     def _stepped(self, opt):
         """Resident: after a step of opt, the next forward needs a gather()."""
         if not self.transient:
