@@ -1102,6 +1102,8 @@ class Client:
         guards = [] if self._wrapper_step else self._guards_of(opt)
         for g in guards:  # refusals before anything changed
             g._check_step(opt)
+        for g in guards:  # a .grad held with no backward since: as sm.step's
+            g._before_daemon_step()
         self.steps_requested += 1
         self._call(self._lib.shardd_step(self._c, _ids(opt), ctypes.byref(so), ctypes.byref(res)))
         for g in guards:
@@ -1127,10 +1129,15 @@ class Client:
         max_norm = float(max_norm)
         if not max_norm >= 0.0:
             raise ValueError("max_norm %r: must be >= 0 (inf: the norm only)" % (max_norm,))
-        # the wrappers' refusal (resident: gradients no scatter reduced),
-        # as sm.clip_grad_norm_ has it
-        for g in self._guards_of(opt):
+        # the wrappers' refusals (resident: gradients no scatter reduced)
+        # and preparation (transient: a .grad held with no backward since
+        # the last step handed to the daemon again), as their step has them:
+        # the norm is of what the next step applies
+        guards = self._guards_of(opt)
+        for g in guards:
             g._check_clip("client.clip_grad_norm()")
+        for g in guards:
+            g._before_daemon_step()
         out = ctypes.c_double()
         self._call(self._lib.shardd_clip_grad_norm(self._c, _ids(opt), max_norm,
                                                    ctypes.byref(out)))

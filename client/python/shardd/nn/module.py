@@ -672,13 +672,15 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
 
     def _daemon_step(self, opt, **kw):
         """The daemon's step of opt (a registered optimizer), through
-        sm.step() or shardd.optim's step(). Resident: refused, before
+        sm.step() or shardd.optim's step(), after _before_daemon_step()
+        (client.step(opt) asked directly runs the same). Resident: refused, before
         anything changes, after a backward no scatter() reduced, or with no
         scatter() since this optimizer's last step while a .grad is set (the
         daemon skips a gradient it has stepped already, where torch's step
         applies the .grad again; with every .grad None both change
         nothing); once it ran, the next forward needs a gather()."""
         self._check_step(opt)
+        self._before_daemon_step()
         self.client._wrapper_step = True
         try:
             res = self.client.step(opt, **kw)
