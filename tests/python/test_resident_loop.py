@@ -57,10 +57,12 @@ def reference(case):
     opt = torch.optim.SGD(model.parameters(), **HYPER)
     losses = []
     for s in range(STEPS):
-        if case != "accumulate" or s == 0:
+        if case not in ("accumulate", "clip_accumulate") or s == 0:
             opt.zero_grad()
         loss = loss_of(model, s, 0, 1)
         loss.backward()
+        if case == "clip_accumulate":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -108,13 +110,17 @@ def rank_main(rank, world, sock, job, case, q):
             at = count()
             before = shards(sm)
             try:
-                if case in ("documented", "registered", "accumulate"):
+                if case in ("documented", "registered", "accumulate", "clip_accumulate"):
                     sm.gather()
-                    if case != "accumulate" or s == 0:
+                    if case not in ("accumulate", "clip_accumulate") or s == 0:
                         sm.zero_grad()
                     loss = loss_of(model, s, rank, world)
                     loss.backward()
                     sm.scatter("mean")
+                    if case == "clip_accumulate" and direct:
+                        client.clip_grad_norm(opt, CLIP)
+                    elif case == "clip_accumulate":
+                        sm.clip_grad_norm_(CLIP)
                     step()
                 elif case == "plain" and direct:  # no scatter
                     sm.gather()
@@ -206,7 +212,7 @@ class ResidentLoop(unittest.TestCase):
 
     def assert_trains_as_torch(self, case):
         got = self.run_case(case)
-        ref_losses, ref_params = reference(case)
+        ref_losses, ref_params = reference(case.split("+")[0])
         for r in range(WORLD):
             losses, refused = got[("out", r)]
             self.assertIsNone(refused, "rank %d" % r)
@@ -240,6 +246,17 @@ class ResidentLoop(unittest.TestCase):
 
     def test_without_zero_grad_gradients_add_up_as_torch(self):
         self.assert_trains_as_torch("accumulate")
+
+    def test_without_zero_grad_gradients_add_up_to_the_clipped_ones_as_torch(self):
+        """A clip before each step, no zero_grad(): torch's clip_grad_norm_
+        scales .grad in place, and the next backward adds to the clipped
+        gradient. The daemon scales the gradient as it steps, so the grad
+        areas (this rank's .grad) kept the unclipped one and the next
+        step's sum was off, without a word; the step now scales what they
+        keep as torch's clip does. With sm.clip_grad_norm_ and shardd.optim,
+        and with client.clip_grad_norm and client.step below the wrapper."""
+        self.assert_trains_as_torch("clip_accumulate")
+        self.assert_trains_as_torch("clip_accumulate+direct")
 
     def test_torch_loop_without_scatter_refused(self):
         self.assert_refused("plain", 0, ["scatter(\"mean\")", "reduced"])

@@ -140,6 +140,15 @@ class StepWithoutBackward(unittest.TestCase):
     def test_client_step_applies_the_grad_held_as_torch(self):
         self.check("client")
 
+    def test_shardd_optim_clip_then_step_clips_the_grad_held_as_torch(self):
+        self.check("optim", clip=True)
+
+    def test_module_clip_then_step_clips_the_grad_held_as_torch(self):
+        self.check("module", clip=True)
+
+    def test_client_clip_then_step_clips_the_grad_held_as_torch(self):
+        self.check("client", clip=True)
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -721,6 +721,25 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
             self._stepped_at[getattr(opt, "id", opt)] = self._scatters
             self._stale = "after an optimizer step with no sm.gather() since"
 
+    def _clipped(self, opt, scale):
+        """After a step of opt whose gradients a clip scaled by scale (the
+        daemon scales them as it steps, not in place): the .grad of opt's
+        parameters, which the step consumed and the parameters keep
+        (transient: their parts of the reduced gradient; resident: this
+        rank's grad areas), scaled as torch's clip_grad_norm_ scales .grad
+        in place, so that a later backward with no zero_grad() adds to the
+        clipped gradient and a step with no backward applies it, as
+        torch's do."""
+        refs = getattr(opt, "refs", None)
+        with torch.no_grad():
+            for u in self.units:
+                for e in u.entries:
+                    if not e.param.requires_grad or e.param.grad is None:
+                        continue
+                    if refs is not None and e.view.id not in refs and u.buffer.id not in refs:
+                        continue
+                    (e.rpart if self.transient else e.grad_view).mul_(scale)
+
     def _all_grads_none(self):
         return all(e.param.grad is None for u in self.units for e in u.entries)
 
