@@ -679,6 +679,7 @@ class Client:
     def gather(self, buffer):
         """All-gather (collective): every rank's gather area gets the buffer."""
         self._check_open()
+        self._check_gather([buffer])
         self._sync_cuda()
         self._call(self._lib.shardd_gather(self._c, _ids(buffer)))
 
@@ -868,6 +869,7 @@ class Client:
         n = len(items)
         if n == 0:
             return
+        self._check_gather(items)
         self._sync_cuda()
         arr = (ctypes.c_uint64 * n)(*[_ids(b) for b in items])
         errs = (ctypes.c_int * n)()
@@ -1123,6 +1125,14 @@ class Client:
             for g in self._guards_of(opt):
                 g._clipped(opt, scale)
         return StepResult(int(res.step), float(res.total_norm), not skipped.value)
+
+    def _check_gather(self, buffers):
+        """The wrappers' refusals of a gather of buffers (resident: a write
+        into their parameters since the last gather, which it overwrites)."""
+        ids = {_ids(b) for b in buffers}
+        for g in (w() for w in self._step_guards):
+            if g is not None:
+                g._check_gather(ids)
 
     def _guards_of(self, opt):
         """The wrappers a direct step of opt concerns: those it was

@@ -770,6 +770,14 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                     % (u.name, ", ".join(repr(n) for n in names[:4]),
                        " ..." if len(names) > 4 else ""))
 
+    def _check_gather(self, ids):
+        """Resident: sm.gather()'s refusal of a write into the parameters
+        since the last gather, for a gather of buffers (ids) asked of the
+        client directly, below the wrapper (it overwrote the write, and a
+        forward after it with no step since ran with the shards' values)."""
+        if not self.transient:
+            self._check_unwritten([u for u in self.units if u.buffer.id in ids])
+
     def _check_replaced(self):
         """Refuses a forward (transient: the root's; resident: gather())
         after a parameter was replaced or converted behind the wrapper's
