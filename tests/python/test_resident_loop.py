@@ -54,6 +54,8 @@ def loss_of(model, k, rank, world):
 def reference(case):
     """Plain torch, one process, the whole batch: (losses, parameters)."""
     model = make_model()
+    if case == "freeze":
+        model.out.weight.requires_grad_(False)
     opt = torch.optim.SGD(model.parameters(), **HYPER)
     losses = []
     for s in range(STEPS):
@@ -105,12 +107,15 @@ def rank_main(rank, world, sock, job, case, q):
             opt = shardd.optim.SGD(model.parameters(), **HYPER)
             step = opt.step
             count = lambda: opt.steps  # noqa: E731
+        if case == "freeze":  # the Client's, below the wrapper, on every rank
+            client.set_requires_grad(sm.view_of(model.out.weight), False)
         losses, refused = [], None
         for s in range(STEPS):
             at = count()
             before = shards(sm)
             try:
-                if case in ("documented", "registered", "accumulate", "clip_accumulate"):
+                if case in ("documented", "registered", "accumulate", "clip_accumulate",
+                            "freeze"):
                     sm.gather()
                     if case not in ("accumulate", "clip_accumulate") or s == 0:
                         sm.zero_grad()
@@ -257,6 +262,15 @@ class ResidentLoop(unittest.TestCase):
         and with client.clip_grad_norm and client.step below the wrapper."""
         self.assert_trains_as_torch("clip_accumulate")
         self.assert_trains_as_torch("clip_accumulate+direct")
+
+    def test_a_view_frozen_through_the_client_stays_frozen_as_torch(self):
+        """client.set_requires_grad(view, False), asked of the Client
+        directly, below the wrapper: the wrapper, which takes the
+        parameter's requires_grad for the truth, set the view trainable
+        again at its next scatter and the daemon stepped it, without a
+        word. The parameter now follows (requires_grad_(False)), so it
+        trains as torch's frozen parameter (unchanged)."""
+        self.assert_trains_as_torch("freeze")
 
     def test_torch_loop_without_scatter_refused(self):
         self.assert_refused("plain", 0, ["scatter(\"mean\")", "reduced"])

@@ -931,6 +931,10 @@ class Client:
             self._c, _ids(view), 1 if requires_grad else 0))
         if isinstance(view, View):
             view.requires_grad = bool(requires_grad)
+        vid = _ids(view)
+        for g in (w() for w in self._step_guards):  # the parameter follows
+            if g is not None:
+                g._view_requires_grad(vid, bool(requires_grad))
 
     def all_reduce(self, values, op="sum"):
         """All-reduce (collective) of a few float64 scalars over the job's

@@ -924,6 +924,18 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
             if e.param.requires_grad != e.view.requires_grad:
                 self.client.set_requires_grad(e.view, e.param.requires_grad)
 
+    def _view_requires_grad(self, vid, requires_grad):
+        """client.set_requires_grad(view) asked directly, below the wrapper:
+        the view's parameter follows (requires_grad_), else the wrapper,
+        which takes the parameter's requires_grad for the truth, undid it at
+        its next scatter (_sync_requires_grad) without a word."""
+        for u in self.units:
+            for e in u.entries:
+                if e.view.id == vid:
+                    e.view.requires_grad = requires_grad
+                    if e.param.requires_grad != requires_grad:
+                        e.param.requires_grad_(requires_grad)
+
     def sync_grads(self):
         """Make the grad areas hold the current .grad of every parameter
         (copies only where autograd did not accumulate in place). Resident
