@@ -3,7 +3,8 @@ gathered copy of the shards: a write into them between steps (an EMA
 shrink, clamp_(), an init) would be overwritten by the next gather()
 without a word. That gather (and full_parameters(), which gathers too) is
 refused instead, naming the unit, before anything changed, and so is a
-gather asked of the Client directly (client.gather, gather_many);
+gather asked of the Client directly (client.gather, gather_async,
+gather_many);
 model.load_state_dict() after such a write replaces it and gathers, and
 the gathers after it are accepted. 2 ranks."""
 import unittest
@@ -21,7 +22,8 @@ if common.HAVE_TORCH:
 # the gathers refused: the wrapper's, and the Client's asked directly,
 # below it (they overwrote the write, and the forward after them, with no
 # step since, computed with the shards' values without a word)
-WAYS = ("gather", "full_parameters", "client.gather", "client.gather_many")
+WAYS = ("gather", "full_parameters", "client.gather", "client.gather_async",
+        "client.gather_many")
 
 
 def make_model():
@@ -58,6 +60,8 @@ def rank_main(rank, world, sock, job, q):
                     sm.full_parameters()
                 elif what == "client.gather":  # the Client's, below the wrapper
                     client.gather(unit.buffer)
+                elif what == "client.gather_async":
+                    client.wait(client.gather_async(unit.buffer))
                 else:
                     client.gather_many([u.buffer for u in sm.units])
                 errs.append(None)

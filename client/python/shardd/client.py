@@ -693,6 +693,7 @@ class Client:
         self._check_open()
         if want_grad not in (True, False):
             raise TypeError("want_grad must be a bool, not %r" % (want_grad,))
+        self._check_gather([buffer])
         self._sync_cuda()
         t = ctypes.c_uint64(0)
         if want_grad:

@@ -733,12 +733,16 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         refs = getattr(opt, "refs", None)
         with torch.no_grad():
             for u in self.units:
-                for e in u.entries:
-                    if not e.param.requires_grad or e.param.grad is None:
-                        continue
-                    if refs is not None and e.view.id not in refs and u.buffer.id not in refs:
-                        continue
-                    (e.rpart if self.transient else e.grad_view).mul_(scale)
+                mine = [e for e in u.entries if refs is None or u.buffer.id in refs
+                        or e.view.id in refs]
+                if len(mine) == len(u.entries):  # one pass over the unit's area
+                    # (a None .grad's part is not read: zeroed or replaced first)
+                    (u.buffer.reduced_tensor if self.transient
+                     else u.buffer.grad_tensor).mul_(scale)
+                    continue
+                for e in mine:
+                    if e.param.requires_grad and e.param.grad is not None:
+                        (e.rpart if self.transient else e.grad_view).mul_(scale)
 
     def _all_grads_none(self):
         return all(e.param.grad is None for u in self.units for e in u.entries)
@@ -775,8 +779,12 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         since the last gather, for a gather of buffers (ids) asked of the
         client directly, below the wrapper (it overwrote the write, and a
         forward after it with no step since ran with the shards' values)."""
-        if not self.transient:
-            self._check_unwritten([u for u in self.units if u.buffer.id in ids])
+        if self.transient:
+            return
+        by = getattr(self, "_unit_by_buffer", None)
+        if by is None:  # one lookup per buffer: sm.gather() comes through here too
+            by = self._unit_by_buffer = {u.buffer.id: u for u in self.units}
+        self._check_unwritten([by[i] for i in ids if i in by])
 
     def _check_replaced(self):
         """Refuses a forward (transient: the root's; resident: gather())
