@@ -31,6 +31,7 @@ STEPS = 3
 ROWS = 8
 TOL = 1e-5
 HYPER = dict(lr=0.1, momentum=0.9)
+CLIP = 0.2  # "clip": below every step's gradient norm (0.41 to 0.47), so torch's clips
 
 
 def make_model():
@@ -53,13 +54,17 @@ def loss_of(model, k, rank, world):
 def reference(case):
     """Plain torch, one process, the whole batch: (losses, parameters)."""
     model = make_model()
+    if case == "freeze":
+        model.out.weight.requires_grad_(False)
     opt = torch.optim.SGD(model.parameters(), **HYPER)
     losses = []
     for s in range(STEPS):
-        if case != "accumulate" or s == 0:
+        if case not in ("accumulate", "clip_accumulate") or s == 0:
             opt.zero_grad()
         loss = loss_of(model, s, 0, 1)
         loss.backward()
+        if case == "clip_accumulate":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -102,18 +107,25 @@ def rank_main(rank, world, sock, job, case, q):
             opt = shardd.optim.SGD(model.parameters(), **HYPER)
             step = opt.step
             count = lambda: opt.steps  # noqa: E731
+        if case == "freeze":  # the Client's, below the wrapper, on every rank
+            client.set_requires_grad(sm.view_of(model.out.weight), False)
         losses, refused = [], None
         for s in range(STEPS):
             at = count()
             before = shards(sm)
             try:
-                if case in ("documented", "registered", "accumulate"):
+                if case in ("documented", "registered", "accumulate", "clip_accumulate",
+                            "freeze"):
                     sm.gather()
-                    if case != "accumulate" or s == 0:
+                    if case not in ("accumulate", "clip_accumulate") or s == 0:
                         sm.zero_grad()
                     loss = loss_of(model, s, rank, world)
                     loss.backward()
                     sm.scatter("mean")
+                    if case == "clip_accumulate" and direct:
+                        client.clip_grad_norm(opt, CLIP)
+                    elif case == "clip_accumulate":
+                        sm.clip_grad_norm_(CLIP)
                     step()
                 elif case == "plain" and direct:  # no scatter
                     sm.gather()
@@ -163,7 +175,10 @@ def rank_main(rank, world, sock, job, case, q):
                     sm.zero_grad()
                     loss = loss_of(model, s, rank, world)
                     loss.backward()
-                    sm.clip_grad_norm_(1.0)
+                    if direct:  # the Client's, below the wrapper
+                        client.clip_grad_norm(opt, CLIP)
+                    else:
+                        sm.clip_grad_norm_(CLIP)
                     sm.scatter("mean")
                     step()
                 losses.append(loss.item())
@@ -202,7 +217,7 @@ class ResidentLoop(unittest.TestCase):
 
     def assert_trains_as_torch(self, case):
         got = self.run_case(case)
-        ref_losses, ref_params = reference(case)
+        ref_losses, ref_params = reference(case.split("+")[0])
         for r in range(WORLD):
             losses, refused = got[("out", r)]
             self.assertIsNone(refused, "rank %d" % r)
@@ -237,6 +252,26 @@ class ResidentLoop(unittest.TestCase):
     def test_without_zero_grad_gradients_add_up_as_torch(self):
         self.assert_trains_as_torch("accumulate")
 
+    def test_without_zero_grad_gradients_add_up_to_the_clipped_ones_as_torch(self):
+        """A clip before each step, no zero_grad(): torch's clip_grad_norm_
+        scales .grad in place, and the next backward adds to the clipped
+        gradient. The daemon scales the gradient as it steps, so the grad
+        areas (this rank's .grad) kept the unclipped one and the next
+        step's sum was off, without a word; the step now scales what they
+        keep as torch's clip does. With sm.clip_grad_norm_ and shardd.optim,
+        and with client.clip_grad_norm and client.step below the wrapper."""
+        self.assert_trains_as_torch("clip_accumulate")
+        self.assert_trains_as_torch("clip_accumulate+direct")
+
+    def test_a_view_frozen_through_the_client_stays_frozen_as_torch(self):
+        """client.set_requires_grad(view, False), asked of the Client
+        directly, below the wrapper: the wrapper, which takes the
+        parameter's requires_grad for the truth, set the view trainable
+        again at its next scatter and the daemon stepped it, without a
+        word. The parameter now follows (requires_grad_(False)), so it
+        trains as torch's frozen parameter (unchanged)."""
+        self.assert_trains_as_torch("freeze")
+
     def test_torch_loop_without_scatter_refused(self):
         self.assert_refused("plain", 0, ["scatter(\"mean\")", "reduced"])
 
@@ -266,6 +301,17 @@ class ResidentLoop(unittest.TestCase):
         self.assert_refused("no_gather+direct", 1, ["sm.gather()", "after an optimizer step"])
         self.assert_refused("plain+direct", 0, ["sm.scatter(\"mean\")", "since the last sm.scatter()"])
         self.assert_refused("step_twice+direct", 0, ["no sm.scatter() since the last step"])
+
+    def test_client_clip_of_unreduced_gradients_refused(self):
+        """client.clip_grad_norm(opt) on the Client, below the wrapper, after
+        a backward no scatter() reduced: it took the norm of the reduced
+        gradient of the last scatter (none yet: zeros) and set the next
+        step's scale from it, so the step after sm.scatter() applied the
+        fresh gradient unclipped (torch's clip_grad_norm_ scales it), without
+        a word. Refused as sm.clip_grad_norm_ refuses it, before anything
+        changed."""
+        self.assert_refused("clip+direct", 0, ["sm.scatter(\"mean\")", "client.clip_grad_norm()",
+                                               "since the last sm.scatter()"])
 
     @unittest.skipIf(common.UNDER_ASAN, common.ASAN_CXX_THROW)
     def test_torch_optim_refused_by_name(self):

@@ -2,7 +2,9 @@
 gathered copy of the shards: a write into them between steps (an EMA
 shrink, clamp_(), an init) would be overwritten by the next gather()
 without a word. That gather (and full_parameters(), which gathers too) is
-refused instead, naming the unit, before anything changed;
+refused instead, naming the unit, before anything changed, and so is a
+gather asked of the Client directly (client.gather, gather_async,
+gather_many);
 model.load_state_dict() after such a write replaces it and gathers, and
 the gathers after it are accepted. 2 ranks."""
 import unittest
@@ -15,6 +17,13 @@ if common.HAVE_TORCH:
     from torch import nn
     import shardd.nn
     import shardd.optim
+
+
+# the gathers refused: the wrapper's, and the Client's asked directly,
+# below it (they overwrote the write, and the forward after them, with no
+# step since, computed with the shards' values without a word)
+WAYS = ("gather", "full_parameters", "client.gather", "client.gather_async",
+        "client.gather_many")
 
 
 def make_model():
@@ -40,19 +49,31 @@ def rank_main(rank, world, sock, job, q):
         with torch.no_grad():  # an EMA-like shrink between steps
             for p in model[2].parameters():
                 p.mul_(0.5)
+        written = model[2].weight.detach().clone()
+        unit = [u for u in sm.units if u.name == "2"][0]
         errs = []
-        for what in ("gather", "full_parameters"):
+        for what in WAYS:
             try:
-                sm.gather() if what == "gather" else sm.full_parameters()
+                if what == "gather":
+                    sm.gather()
+                elif what == "full_parameters":
+                    sm.full_parameters()
+                elif what == "client.gather":  # the Client's, below the wrapper
+                    client.gather(unit.buffer)
+                elif what == "client.gather_async":
+                    client.wait(client.gather_async(unit.buffer))
+                else:
+                    client.gather_many([u.buffer for u in sm.units])
                 errs.append(None)
             except RuntimeError as e:
                 errs.append(str(e))
+        kept = torch.equal(model[2].weight, written)  # the write is still there
         sd = {k: v * 2 for k, v in before.items()}
         model.load_state_dict(sd)  # replaces the write, gathers
         sm.gather()
         after = sm.full_parameters()
         loaded = all(torch.equal(after[k], sd[k]) for k in sd)
-        q.put(("out", rank, errs, loaded))
+        q.put(("out", rank, errs, kept, loaded))
         client.close()
         q.put(("done", rank))
     except BaseException as e:
@@ -67,8 +88,9 @@ class ResidentWritesTest(unittest.TestCase):
         common.launch_ranks(rank_main, lambda r, q: (r, 2, sock, job, q), 2,
                             lambda m: out.__setitem__(m[1], m[2:]) if m[0] == "out" else None)
         for r in range(2):
-            errs, loaded = out[r]
-            for what, err in zip(("gather", "full_parameters"), errs):
+            errs, kept, loaded = out[r]
+            self.assertTrue(kept, "rank %d: a refused gather overwrote the write" % r)
+            for what, err in zip(WAYS, errs):
                 self.assertIsNotNone(err, "%s, rank %d" % (what, r))
                 self.assertIn("unit '2'", err)
                 self.assertIn("'2.weight'", err)

@@ -171,6 +171,9 @@ class Client:
         # _wrapper_step around this one)
         self._step_guards = []
         self._wrapper_step = False
+        # optimizer id -> the scale its clips since its last step set for
+        # that step's gradients (the daemon's clip_scale)
+        self._clip_scale = {}
         opts = L.ConnectOpts()
         opts.size = ctypes.sizeof(L.ConnectOpts)
         opts.job = _b(job)
@@ -636,7 +639,7 @@ class Client:
         if groups and not all(isinstance(g, (dict, list, tuple)) and not _is_named_ref(g)
                               for g in groups):
             groups = [groups]  # a flat list of refs is one group
-        keep = []
+        keep, held = [], []
         cgroups = (L.ParamGroup * max(1, len(groups)))()
         for gi, g in enumerate(groups):
             if isinstance(g, dict):
@@ -648,6 +651,7 @@ class Client:
             crefs = (L.ParamRef * max(1, len(refs)))()
             for ri, r in enumerate(refs):
                 rid, rname = _ref_of(r, gi, ri)
+                held.append(rid)
                 nb = _b(rname)
                 keep.append(nb)
                 crefs[ri].id = rid
@@ -661,8 +665,12 @@ class Client:
         self._call(self._lib.shardd_optimizer_register(
             self._c, _b(name), kcode, ctypes.byref(top), cgroups, len(groups),
             ctypes.byref(out)))
-        return Optimizer(self, out.value, name or "default",
-                         kind if isinstance(kind, str) else kcode)
+        opt = Optimizer(self, out.value, name or "default",
+                        kind if isinstance(kind, str) else kcode)
+        # the ids it holds (views, or buffers: all their views): whose .grad
+        # a clip of it scales (_clipped)
+        opt.refs = frozenset(held)
+        return opt
 
     def unregister_optimizer(self, opt):
         self._check_open()
@@ -672,6 +680,7 @@ class Client:
     def gather(self, buffer):
         """All-gather (collective): every rank's gather area gets the buffer."""
         self._check_open()
+        self._check_gather([buffer])
         self._sync_cuda()
         self._call(self._lib.shardd_gather(self._c, _ids(buffer)))
 
@@ -685,6 +694,7 @@ class Client:
         self._check_open()
         if want_grad not in (True, False):
             raise TypeError("want_grad must be a bool, not %r" % (want_grad,))
+        self._check_gather([buffer])
         self._sync_cuda()
         t = ctypes.c_uint64(0)
         if want_grad:
@@ -861,6 +871,7 @@ class Client:
         n = len(items)
         if n == 0:
             return
+        self._check_gather(items)
         self._sync_cuda()
         arr = (ctypes.c_uint64 * n)(*[_ids(b) for b in items])
         errs = (ctypes.c_int * n)()
@@ -922,6 +933,10 @@ class Client:
             self._c, _ids(view), 1 if requires_grad else 0))
         if isinstance(view, View):
             view.requires_grad = bool(requires_grad)
+        vid = _ids(view)
+        for g in (w() for w in self._step_guards):  # the parameter follows
+            if g is not None:
+                g._view_requires_grad(vid, bool(requires_grad))
 
     def all_reduce(self, values, op="sum"):
         """All-reduce (collective) of a few float64 scalars over the job's
@@ -1103,11 +1118,27 @@ class Client:
         guards = [] if self._wrapper_step else self._guards_of(opt)
         for g in guards:  # refusals before anything changed
             g._check_step(opt)
+        for g in guards:  # a .grad held with no backward since: as sm.step's
+            g._before_daemon_step()
         self.steps_requested += 1
         self._call(self._lib.shardd_step(self._c, _ids(opt), ctypes.byref(so), ctypes.byref(res)))
+        scale = self._clip_scale.pop(_ids(opt), 1.0)
+        if max_norm is not None and so.max_norm > 0:  # total_norm: as the clips left them
+            scale *= min(1.0, so.max_norm / (float(res.total_norm) + 1e-6))
         for g in guards:
             g._stepped(opt)
+        if scale < 1.0 and not skipped.value:
+            for g in self._guards_of(opt):
+                g._clipped(opt, scale)
         return StepResult(int(res.step), float(res.total_norm), not skipped.value)
+
+    def _check_gather(self, buffers):
+        """The wrappers' refusals of a gather of buffers (resident: a write
+        into their parameters since the last gather, which it overwrites)."""
+        ids = {_ids(b) for b in buffers}
+        for g in (w() for w in self._step_guards):
+            if g is not None:
+                g._check_gather(ids)
 
     def _guards_of(self, opt):
         """The wrappers a direct step of opt concerns: those it was
@@ -1122,13 +1153,31 @@ class Client:
         """FSDP's clip_grad_norm_ (collective): -> the global L2 norm of the
         reduced gradients opt's next step would apply, over every shard;
         a finite max_norm > 0 makes that step scale them by
-        min(1, max_norm / (norm + 1e-6)). inf (default) or 0: the norm only."""
+        min(1, max_norm / (norm + 1e-6)), and once it ran, the .grad of
+        the shardd.nn parameters it stepped (which keep that gradient), as
+        torch's clip scales .grad in place. inf (default) or 0: the norm
+        only. The wrappers over the client refuse it as their
+        clip_grad_norm_ (resident: after a backward no scatter() reduced)
+        and hand the daemon a .grad held with no backward since the last
+        step first, as their step does."""
         self._check_open()
         self._sync_cuda()
         max_norm = float(max_norm)
         if not max_norm >= 0.0:
             raise ValueError("max_norm %r: must be >= 0 (inf: the norm only)" % (max_norm,))
+        # the wrappers' refusals (resident: gradients no scatter reduced)
+        # and preparation (transient: a .grad held with no backward since
+        # the last step handed to the daemon again), as their step has them:
+        # the norm is of what the next step applies
+        guards = self._guards_of(opt)
+        for g in guards:
+            g._check_clip("client.clip_grad_norm()")
+        for g in guards:
+            g._before_daemon_step()
         out = ctypes.c_double()
         self._call(self._lib.shardd_clip_grad_norm(self._c, _ids(opt), max_norm,
                                                    ctypes.byref(out)))
+        if max_norm > 0:  # the daemon's scale: a second clip multiplies the first's
+            self._clip_scale[_ids(opt)] = self._clip_scale.get(_ids(opt), 1.0) * min(
+                1.0, max_norm / (out.value + 1e-6))
         return out.value

@@ -241,10 +241,6 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # a unit a forward left gathered for a backward that has not come
-        # is released, and a .grad no backward since the last step made is
-        # handed to the daemon again, as torch's step applies it
-        self._module._before_daemon_step()
         groups = []
         for gi in self._live:
             g = self._hyper(self.param_groups[gi])
@@ -255,6 +251,9 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             if self._count is None:
                 self._count = self._opt.steps()
             expect_step = self._count + 1
+        # _daemon_step releases a unit a forward left gathered for a
+        # backward that has not come, and hands the daemon again a .grad no
+        # backward since the last step made, as torch's step applies it
         self.last_step = self._module._daemon_step(self._opt, groups=groups,
                                                    expect_step=expect_step)
         self._count = self.last_step.step

@@ -34,7 +34,9 @@ class _ForwardHooks:
         self._release_unbackwarded()
 
     def _before_daemon_step(self):
-        """Before shardd.optim's step (every rank, in the same state): a
+        """Before every daemon step of the module's optimizers (shardd.optim's
+        step, sm.step, client.step asked directly) and a daemon clip of their
+        gradients (every rank, in the same state): a
         unit no scatter reached since the last step whose trainable
         parameters hold a .grad (zeroed by zero_grad(set_to_none=False),
         torch 1.13's default, or kept from the last backward with no

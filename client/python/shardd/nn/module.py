@@ -709,13 +709,15 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
 
     def _daemon_step(self, opt, **kw):
         """The daemon's step of opt (a registered optimizer), through
-        sm.step() or shardd.optim's step(). Resident: refused, before
+        sm.step() or shardd.optim's step(), after _before_daemon_step()
+        (client.step(opt) asked directly runs the same). Resident: refused, before
         anything changes, after a backward no scatter() reduced, or with no
         scatter() since this optimizer's last step while a .grad is set (the
         daemon skips a gradient it has stepped already, where torch's step
         applies the .grad again; with every .grad None both change
         nothing); once it ran, the next forward needs a gather()."""
         self._check_step(opt)
+        self._before_daemon_step()
         self.client._wrapper_step = True
         try:
             res = self.client.step(opt, **kw)
@@ -743,11 +745,41 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                     "(torch's step would apply the .grad again). Call sm.scatter(\"mean\") "
                     "(a collective, every rank) after backward, before each step")
 
+    def _check_clip(self, what):
+        """Resident: the refusal of a clip after a backward no scatter()
+        reduced (clip_grad_norm_'s; also for client.clip_grad_norm(opt)
+        asked of the client directly, below the wrapper)."""
+        if not self.transient:
+            self._check_reduced(what)
+
     def _stepped(self, opt):
         """Resident: after a step of opt, the next forward needs a gather()."""
         if not self.transient:
             self._stepped_at[getattr(opt, "id", opt)] = self._scatters
             self._stale = "after an optimizer step with no sm.gather() since"
+
+    def _clipped(self, opt, scale):
+        """After a step of opt whose gradients a clip scaled by scale (the
+        daemon scales them as it steps, not in place): the .grad of opt's
+        parameters, which the step consumed and the parameters keep
+        (transient: their parts of the reduced gradient; resident: this
+        rank's grad areas), scaled as torch's clip_grad_norm_ scales .grad
+        in place, so that a later backward with no zero_grad() adds to the
+        clipped gradient and a step with no backward applies it, as
+        torch's do."""
+        refs = getattr(opt, "refs", None)
+        with torch.no_grad():
+            for u in self.units:
+                mine = [e for e in u.entries if refs is None or u.buffer.id in refs
+                        or e.view.id in refs]
+                if len(mine) == len(u.entries):  # one pass over the unit's area
+                    # (a None .grad's part is not read: zeroed or replaced first)
+                    (u.buffer.reduced_tensor if self.transient
+                     else u.buffer.grad_tensor).mul_(scale)
+                    continue
+                for e in mine:
+                    if e.param.requires_grad and e.param.grad is not None:
+                        (e.rpart if self.transient else e.grad_view).mul_(scale)
 
     def _all_grads_none(self):
         return all(e.param.grad is None for u in self.units for e in u.entries)
@@ -778,6 +810,18 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                     "Client), where such writes land in the shards"
                     % (u.name, ", ".join(repr(n) for n in names[:4]),
                        " ..." if len(names) > 4 else ""))
+
+    def _check_gather(self, ids):
+        """Resident: sm.gather()'s refusal of a write into the parameters
+        since the last gather, for a gather of buffers (ids) asked of the
+        client directly, below the wrapper (it overwrote the write, and a
+        forward after it with no step since ran with the shards' values)."""
+        if self.transient:
+            return
+        by = getattr(self, "_unit_by_buffer", None)
+        if by is None:  # one lookup per buffer: sm.gather() comes through here too
+            by = self._unit_by_buffer = {u.buffer.id: u for u in self.units}
+        self._check_unwritten([by[i] for i in ids if i in by])
 
     def _check_replaced(self):
         """Refuses a forward (transient: the root's; resident: gather())
@@ -924,6 +968,18 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         for e in u.entries:
             if e.param.requires_grad != e.view.requires_grad:
                 self.client.set_requires_grad(e.view, e.param.requires_grad)
+
+    def _view_requires_grad(self, vid, requires_grad):
+        """client.set_requires_grad(view) asked directly, below the wrapper:
+        the view's parameter follows (requires_grad_), else the wrapper,
+        which takes the parameter's requires_grad for the truth, undid it at
+        its next scatter (_sync_requires_grad) without a word."""
+        for u in self.units:
+            for e in u.entries:
+                if e.view.id == vid:
+                    e.view.requires_grad = requires_grad
+                    if e.param.requires_grad != requires_grad:
+                        e.param.requires_grad_(requires_grad)
 
     def sync_grads(self):
         """Make the grad areas hold the current .grad of every parameter
