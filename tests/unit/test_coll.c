@@ -525,6 +525,35 @@ Test(coll, big_bucket_within_the_budget_gets_a_pool_turn_beside_the_loop) {
   run_idle();
 }
 
+/* A split bucket whose ranks are all lost before the loop turns again
+ * (their sessions closed right after sending it): the collectives the
+ * loop completed on its turn and the pool turn's end, which comes back
+ * after, each happen once, and nothing of the bucket is left. */
+Test(coll, a_split_bucket_whose_ranks_are_lost_at_once_ends_once) {
+  shardd__coll_engine_destroy(eng);
+  make_engine(NLOOP, 0);
+  cpu_set_t set;
+  cr_assert_eq(sched_getaffinity(0, sizeof set, &set), 0);
+  if (CPU_COUNT(&set) < 2)
+    cr_skip_test("one CPU: no bucket is split");
+  shardd__buffer *b[NLOOP];
+  loop_bufs(b, "s", 5000);
+  shardd__coll_counters before, after;
+  shardd__coll_get_counters(eng, &before);
+  scatter_bucket(b, 3);
+  shardd__coll_get_counters(eng, &after);
+  cr_assert_eq(after.split - before.split, 1u, "the bucket was split");
+  cr_assert_gt(pool_requests(), 0, "its turn's end is still to come");
+  for (uint32_t r = 0; r < W; r++)
+    shardd__coll_member_lost(eng, &mem[r]);
+  run_idle();
+  cr_assert_eq(pool_requests(), 0);
+  cr_expect_eq(shardd__coll_inflight(eng, job), 0);
+  for (int k = 0; k < NLOOP; k++)
+    check_reduced(b[k], SHARDD_REDUCE_SUM); /* run whole, once */
+  expect_pending_zero();
+}
+
 /* A bucket's entries each make a collective, but the engine's work per
  * entry stays constant: a rank's entry is matched by looking at one queued
  * collective (its oldest unjoined one), not at every entry before it, and
