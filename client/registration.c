@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "client_int.h"
+#include "varint.h"
 
 shardd_err shardd_buffer_register(shardd_client_t *c, const char *name,
                                   shardd_dtype dtype, uint64_t numel,
@@ -506,24 +507,6 @@ static size_t batch_chunk_end(const batch_kind *k, const size_t *sizes,
   return hi;
 }
 
-static size_t varint_len(uint64_t v) {
-  size_t n = 1;
-  while (v >= 0x80) {
-    v >>= 7;
-    n++;
-  }
-  return n;
-}
-
-static uint8_t *varint_put(uint8_t *p, uint64_t v) {
-  while (v >= 0x80) {
-    *p++ = (uint8_t)(v | 0x80);
-    v >>= 7;
-  }
-  *p++ = (uint8_t)v;
-  return p;
-}
-
 shardd_err shardd__views_request_pack(uint64_t seq,
                                       Shardwire__RegisterView *const *views,
                                       const size_t *sizes, size_t n,
@@ -533,11 +516,11 @@ shardd_err shardd__views_request_pack(uint64_t seq,
    * first_index = 2 } } }, in field order as protobuf-c writes it */
   size_t rv = 0;
   for (size_t i = 0; i < n; i++)
-    rv += 1 + varint_len(sizes[i]) + sizes[i];
+    rv += 1 + shardd__varint_len(sizes[i]) + sizes[i];
   if (first_index > 0)
-    rv += 1 + varint_len(first_index);
-  size_t vb = 1 + varint_len(rv) + rv;
-  *len = 1 + varint_len(seq) + 2 + varint_len(vb) + vb;
+    rv += 1 + shardd__varint_len(first_index);
+  size_t vb = 1 + shardd__varint_len(rv) + rv;
+  *len = 1 + shardd__varint_len(seq) + 2 + shardd__varint_len(vb) + vb;
   *buf = NULL;
   if (*len > SHARDD_MAX_FRAME)
     return SHARDD_E_FRAME_TOO_LARGE;
@@ -545,20 +528,20 @@ shardd_err shardd__views_request_pack(uint64_t seq,
   if (p == NULL)
     return SHARDD_E_NO_MEMORY;
   *p++ = 0x08; /* 1, varint */
-  p = varint_put(p, seq);
+  p = shardd__varint_put(p, seq);
   *p++ = 0x82; /* 32, length-delimited */
   *p++ = 0x02;
-  p = varint_put(p, vb);
+  p = shardd__varint_put(p, vb);
   *p++ = 0x0a; /* 1, length-delimited */
-  p = varint_put(p, rv);
+  p = shardd__varint_put(p, rv);
   for (size_t i = 0; i < n; i++) {
     *p++ = 0x0a;
-    p = varint_put(p, sizes[i]);
+    p = shardd__varint_put(p, sizes[i]);
     p += shardwire__register_view__pack(views[i], p);
   }
   if (first_index > 0) {
     *p++ = 0x10; /* 2, varint */
-    p = varint_put(p, first_index);
+    p = shardd__varint_put(p, first_index);
   }
   if ((size_t)(p - *buf) != *len) { /* sizes[] not the entries' */
     free(*buf);

@@ -10,6 +10,7 @@
 #include "dispatch_int.h"
 #include "frame.h"
 #include "log.h"
+#include "varint.h"
 
 /* The frame is packed here, with room for the transport's header in
  * front, so a reply is copied once. A connection that is going away gets
@@ -42,27 +43,9 @@ void shardd__send_resp(shardd__dispatch *d, shardd__conn *c,
   d->io.send(d->io.ctx, c, frame, n, fd);
 }
 
-static size_t varint_len(uint64_t v) {
-  size_t n = 1;
-  while (v >= 0x80) {
-    v >>= 7;
-    n++;
-  }
-  return n;
-}
-
-static uint8_t *varint_put(uint8_t *p, uint64_t v) {
-  while (v >= 0x80) {
-    *p++ = (uint8_t)(v | 0x80);
-    v >>= 7;
-  }
-  *p++ = (uint8_t)v;
-  return p;
-}
-
 static size_t view_reply_len(const Shardwire__ViewReply *v) {
-  return 1 + varint_len(v->id) + 2 +
-         (v->has_generation ? 1 + varint_len(v->generation) : 0);
+  return 1 + shardd__varint_len(v->id) + 2 +
+         (v->has_generation ? 1 + shardd__varint_len(v->generation) : 0);
 }
 
 size_t shardd__views_reply_pack(uint64_t seq, const Shardwire__ViewReply *vr,
@@ -72,30 +55,30 @@ size_t shardd__views_reply_pack(uint64_t seq, const Shardwire__ViewReply *vr,
   size_t body = 0;
   for (size_t i = 0; i < n; i++) {
     size_t e = view_reply_len(&vr[i]);
-    body += 1 + varint_len(e) + e;
+    body += 1 + shardd__varint_len(e) + e;
   }
-  size_t len = 1 + varint_len(seq) + 2 + 2 + varint_len(body) + body;
+  size_t len = 1 + shardd__varint_len(seq) + 2 + 2 + shardd__varint_len(body) + body;
   if (out == NULL)
     return len;
   uint8_t *p = out;
   *p++ = 0x08; /* seq: 1, varint */
-  p = varint_put(p, seq);
+  p = shardd__varint_put(p, seq);
   *p++ = 0x10; /* code: 2, varint */
   *p++ = (uint8_t)SHARDWIRE__STATUS_CODE__OK;
   *p++ = 0xca; /* views_batch: 25, length-delimited */
   *p++ = 0x01;
-  p = varint_put(p, body);
+  p = shardd__varint_put(p, body);
   for (size_t i = 0; i < n; i++) {
     const Shardwire__ViewReply *v = &vr[i];
     *p++ = 0x0a; /* views: 1, length-delimited */
-    p = varint_put(p, view_reply_len(v));
+    p = shardd__varint_put(p, view_reply_len(v));
     *p++ = 0x08; /* id */
-    p = varint_put(p, v->id);
+    p = shardd__varint_put(p, v->id);
     *p++ = 0x10; /* created */
     *p++ = v->created ? 1 : 0;
     if (v->has_generation) {
       *p++ = 0x18; /* generation */
-      p = varint_put(p, v->generation);
+      p = shardd__varint_put(p, v->generation);
     }
   }
   return (size_t)(p - out);
