@@ -12,7 +12,10 @@ without drawing on a rank whose part is empty (every later draw out of
 step), and the fans of xavier_* / kaiming_* and a Linear's
 reset_parameters() failed on the 1-D shape (an IndexError). The init runs
 on a whole tensor of the parameter's shape on every rank, each keeping
-its part."""
+its part. So do draws on ``p.data`` / ``p.detach()`` (HuggingFace's
+``_init_weights``: ``module.weight.data.normal_()``; ``nn.init.*`` on
+``p.data``), plain tensors that are the part: each rank's part drew the
+same first numbers of its generator, without an error."""
 import unittest
 
 import common
