@@ -12,7 +12,10 @@ without drawing on a rank whose part is empty (every later draw out of
 step), and the fans of xavier_* / kaiming_* and a Linear's
 reset_parameters() failed on the 1-D shape (an IndexError). The init runs
 on a whole tensor of the parameter's shape on every rank, each keeping
-its part."""
+its part. So do draws on ``p.data`` / ``p.detach()`` (HuggingFace's
+``_init_weights``: ``module.weight.data.normal_()``; ``nn.init.*`` on
+``p.data``), plain tensors that are the part: each rank's part drew the
+same first numbers of its generator, without an error."""
 import unittest
 
 import common
@@ -41,9 +44,37 @@ def timm_like(m):
         nn.init.xavier_uniform_(m.weight)
 
 
+def hf_like(m):
+    # HuggingFace's _init_weights: draws on ``.data``, a tensor made from
+    # the parameter (each rank's part alone, before)
+    if isinstance(m, nn.Linear):
+        m.weight.data.normal_(mean=0.0, std=0.02)
+        if m.bias is not None:
+            m.bias.data.zero_()
+    elif isinstance(m, nn.Embedding):
+        m.weight.data.normal_(mean=0.0, std=0.02)
+    elif isinstance(m, nn.LayerNorm):
+        m.bias.data.zero_()
+        m.weight.data.fill_(1.0)
+
+
 def init(model, how):
     torch.manual_seed(7)
-    if how == "normal":
+    if how == "hf":
+        model.apply(hf_like)
+    elif how == "data":  # the other tensors made from a parameter
+        for n, p in model.named_parameters():
+            if p.dim() >= 2:  # the original's, on a part too
+                nn.init.kaiming_uniform_(p.data, a=0.5)
+            else:
+                p.detach().uniform_(-0.1, 0.1)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                nn.init.trunc_normal_(p.data, std=0.02)
+                if n.endswith("bias"):
+                    p.normal_(0, 0.01)
+                    p.data.add_(1.0)
+    elif how == "normal":
         model.apply(lambda m: nn.init.normal_(m.weight, std=0.02)
                     if isinstance(m, nn.Linear) else None)
     elif how == "timm":
@@ -101,6 +132,14 @@ class InitAfterWrappingTest(unittest.TestCase):
 
     def test_a_parameters_own_draws(self):
         self.check("gpt", "method")
+
+    def test_hf_style_init_weights_on_data(self):
+        self.check("gpt", "hf")
+        self.check("llama", "hf")
+
+    def test_draws_on_data_and_detach(self):
+        self.check("gpt", "data")
+        self.check("llama", "data")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,16 @@ from there on); the fans ``kaiming_*`` / ``xavier_*`` take from the shape
 failed on the 1-D part (an IndexError). Here the init runs on a whole
 tensor of the parameter's shape, each rank drawing from its generator as
 torch does (so the generators stay in step with torch's), and the part is
-kept. What draws on another tensor (``p.data.normal_()``, HF's
-``_init_weights``) is not seen: see the README."""
+kept. A draw on a tensor made from the parameter that is its part
+(``p.data.normal_()``, HF's ``_init_weights``; ``p.detach()``;
+``nn.init.kaiming_uniform_(p.data)``) drew the part alone, every rank the
+same numbers, without a word: torch.Tensor's draws look such a tensor up
+(its data_ptr, numel and stride those of a part, register_part) and run
+on the whole tensor too. An empty part has a stride of its own
+(empty_part), so a rank whose part of a parameter is empty still knows
+which parameter's draw it is (and draws as many numbers as torch)."""
+import itertools
+
 import torch
 
 from .reroute import reroute
@@ -21,14 +29,73 @@ from .reroute import reroute
 _WHOLE = ("uniform_", "normal_", "trunc_normal_", "xavier_uniform_", "xavier_normal_",
           "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_", "eye_", "dirac_")
 
+# a tensor's in-place draws (_ShardParameter's methods, and torch.Tensor's
+# on a plain tensor that is a part: p.data.normal_())
+DRAWS = ("normal_", "uniform_", "log_normal_", "exponential_", "cauchy_", "geometric_",
+         "bernoulli_", "random_")
+_TORCH = {}  # name -> torch.Tensor's own method, before install()
+
 _INSTALLED = [False]
+
+# part.data_ptr() -> [(weakref to its wrapper, entry)], a transient unit's
+# parts (an empty one at the same address as others, told apart by stride)
+_PARTS = {}
+_EMPTY_STRIDES = itertools.count(2)  # never 1, a slice's
+
+
+def empty_part(sh, a):
+    """sh[a:a], an empty part of the shard sh, with a stride no other part
+    has: p.data and p.detach() keep it, so a draw on one is known as this
+    parameter's (empty, the stride is never read for elements)."""
+    return sh[a:a].as_strided((0,), (next(_EMPTY_STRIDES),), sh.storage_offset() + a)
+
+
+def register_part(sm, e):
+    """e.part, a transient entry's part of wrapper sm's shard, is known to
+    the draws on a plain tensor (_alias)."""
+    import weakref
+    _PARTS.setdefault(e.part.data_ptr(), []).append((weakref.ref(sm), e))
+
+
+def _first(sm, e):
+    """The first element of e's part in its parameter."""
+    for u in sm.units:
+        if any(x is e for x in u.entries):
+            s0 = sm.client.rank * u.buffer.shard_numel
+            return e, min(max(s0 - e.offset, 0), e.numel)
+    return None
+
+
+def _alias(t):
+    """(entry, first element) where t, a plain tensor, is a registered
+    part (its address, numel, stride, dtype, device): ``p.data``,
+    ``p.detach()`` of a transient parameter outside forward."""
+    got = _PARTS.get(t.data_ptr())
+    if not got:
+        return None
+    n, st = torch.Tensor.numel(t), t.stride()
+    for ref, e in list(got):
+        sm = ref()
+        if sm is None:
+            got.remove((ref, e))
+            continue
+        part = e.part
+        if (part.numel() == n and part.stride() == st and part.dtype == t.dtype
+                and part.device == t.device and sm.transient):
+            return _first(sm, e)
+    if not got:
+        del _PARTS[t.data_ptr()]
+    return None
 
 
 def part_of(p):
     """(entry, first element of the part in the parameter) where p is a
     transient wrapper's parameter that is its part of this rank's shard
-    now (outside forward); None else (gathered: the whole parameter)."""
+    now (outside forward), or a plain tensor made from one (``p.data``,
+    ``p.detach()``); None else (gathered: the whole parameter)."""
     if not isinstance(p, torch.nn.Parameter):
+        if type(p) is torch.Tensor and _PARTS and p.dim() == 1:
+            return _alias(p)
         return None
     from .optimizer_hook import _OWNERS
     got = _OWNERS.get(id(p))
@@ -41,18 +108,14 @@ def part_of(p):
     n = e.part.numel()
     if torch.Tensor.numel(p) != n or (n and p.data_ptr() != e.part.data_ptr()):
         return None
-    for u in sm.units:
-        if any(x is e for x in u.entries):
-            s0 = sm.client.rank * u.buffer.shard_numel
-            return e, min(max(s0 - e.offset, 0), e.numel)
-    return None
+    return _first(sm, e)
 
 
-def on_whole(fn, p, args, kwargs):
+def on_whole(fn, p, args, kwargs, got=None):
     """fn(p, *args, **kwargs), an in-place init: where p is its part, fn
     runs on a whole tensor of the parameter's shape and this rank's part is
     copied from it."""
-    got = part_of(p)
+    got = got or part_of(p)
     if got is None:
         return fn(p, *args, **kwargs)
     e, lo = got
@@ -66,10 +129,25 @@ def on_whole(fn, p, args, kwargs):
 def draw(p, name, args, kwargs):
     """p.<name>(*args, **kwargs), a tensor's in-place draw (normal_,
     uniform_, ...: _ShardParameter's methods), on the whole parameter."""
-    method = getattr(torch.Tensor, name)
+    method = _TORCH.get(name) or getattr(torch.Tensor, name)
     if part_of(p) is not None and torch.is_grad_enabled() and p.requires_grad:
         return method(p, *args, **kwargs)  # torch's error (a leaf in an in-place op)
     return on_whole(method, p, args, kwargs)
+
+
+def _plain_draw(name, torch_method):
+    """torch.Tensor.<name>: on a plain tensor that is a part (p.data), the
+    whole parameter's draw; else torch's (one dict look-up more)."""
+    def method(self, *args, **kwargs):
+        if _PARTS and type(self) is torch.Tensor:
+            got = part_of(self)
+            if got is not None:
+                return on_whole(torch_method, self, args, kwargs, got)
+        return torch_method(self, *args, **kwargs)
+    method.__name__ = name
+    method.__qualname__ = "Tensor." + name
+    method.__doc__ = torch_method.__doc__
+    return method
 
 
 def install():
@@ -92,6 +170,10 @@ def install():
         return torch_fans(tensor if got is None else torch.empty(got[0].shape, device="meta"))
 
     init._calculate_fan_in_and_fan_out = _calculate_fan_in_and_fan_out
+    # p.data.normal_() (HF's _init_weights), p.detach().uniform_()
+    for name in DRAWS:
+        _TORCH[name] = getattr(torch.Tensor, name)
+        setattr(torch.Tensor, name, _plain_draw(name, _TORCH[name]))
     for name in _WHOLE:
         reroute(init, name, lambda torch_fn: lambda tensor, *args, **kwargs: on_whole(
             torch_fn, tensor, args, kwargs))

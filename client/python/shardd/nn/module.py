@@ -18,7 +18,7 @@ from . import backward_errors
 from .acc_hooks import check_originals
 from ._precision import _DTYPE_OF, _TORCH_DTYPES, _cast_floats, _checksum, _mixed_precision
 from .clip_hook import install as _install_clip_hook
-from .inits import install as _install_inits
+from .inits import empty_part as _empty_part, install as _install_inits, register_part as _register_part
 from .backward import _BackwardHooks
 from .grads import _Grad16, _ResidentGrad
 from .builtin import check_builtin, pre_hooks_first, refresh_cached
@@ -298,7 +298,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                 # [a, b): the part of the parameter in this rank's shard
                 a = min(max(off - s0, 0), buf.shard_numel)
                 b = min(max(off + n - s0, 0), buf.shard_numel)
-                e.part = sh[a:b]
+                e.part = sh[a:b] if b > a else _empty_part(sh, a)
                 e.rpart = red[a:b]
                 if gat is None:  # its part of the shard until a gather
                     newp = _ShardParameter(e.part, requires_grad=p.requires_grad)
@@ -339,6 +339,8 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                     m._parameters[attr] = newp
                 self._by_param[id(newp)] = e
                 _OWNERS[id(newp)] = (weakref.ref(newp), weakref.ref(self))
+                if gat is None:  # p.data.normal_(): the whole one's draw
+                    _register_part(self, e)
                 entries.append(e)
                 off += n
             self.units.append(FlatUnit(uname or "root", buf, entries, module=root,

@@ -118,7 +118,7 @@ def _whole_draw(name):
 # an in-place draw (nn.init's normal_ / uniform_ / trunc_normal_, p.normal_())
 # on the part draws the whole parameter, as torch's (inits.py)
 for _name in ("normal_", "uniform_", "log_normal_", "exponential_", "cauchy_", "geometric_",
-              "bernoulli_", "random_"):
+              "bernoulli_", "random_"):  # inits.DRAWS
     setattr(_ShardParameter, _name, _whole_draw(_name))
 del _name
 
