@@ -384,13 +384,6 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         self._order = []          # units in the order the first forward met them
         self._order_done = False
         self._root_backward_first = False  # the root unit's backward came first
-        # the unit whose backward began first after the root's in the last
-        # backward (the last of the forward: its forward gather leases its
-        # gradient area and stays for its backward, see _keeps), the one
-        # this backward found so far, and the unit held so now
-        self._tail = None
-        self._tail_next = None
-        self._kept = None
         self._pending = None      # (unit, ticket) of the gather under way
         self._releases = []       # tickets of releases not yet waited for
         self.prefetches = 0       # gathers that were under way when needed
