@@ -124,9 +124,11 @@ class LossTermsOverParametersTest(unittest.TestCase):
               % (kind, worst, at))
         self.assertLess(worst, TOL, at)
 
+    @unittest.skipIf(common.UNDER_ASAN, common.ASAN_CXX_THROW)
     def test_an_l2_penalty_on_nanogpt(self):
         self.check("gpt")
 
+    @unittest.skipIf(common.UNDER_ASAN, common.ASAN_CXX_THROW)
     def test_an_l2_penalty_on_llama(self):
         self.check("llama")
 

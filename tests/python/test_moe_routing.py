@@ -191,6 +191,7 @@ class MoERoutingTest(unittest.TestCase):
         of the rank's is routed to it: a zero gradient there."""
         self.check("expert", "empty")
 
+    @unittest.skipIf(common.UNDER_ASAN, common.ASAN_CXX_THROW)
     @unittest.expectedFailure
     def test_an_expert_unit_whose_output_reaches_the_loss_on_one_rank_only(self):
         """Not supported yet (FSDP hangs there too): an expert's unit
