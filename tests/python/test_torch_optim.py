@@ -468,7 +468,8 @@ def run(name, world, mode, mid=None, kind="torch", timeout=150):
 
 
 def rel_diff(got, want, key_bias=True):
-    """max over tensors of |a-b| / |b| (L2 norms) -> (worst, its key).
+    """max over tensors of |a-b| / |b| (L2 norms) -> (worst, its key);
+    each got[n] taken in want[n]'s shape (same size).
     key_bias False leaves out the attention's key bias: its gradient is
     zero but for rounding (softmax ignores a shift of all keys), which
     Adam turns into +-lr of either sign: a computation that rounds
@@ -478,7 +479,8 @@ def rel_diff(got, want, key_bias=True):
     worst, at = 0.0, None
     for n, b in want.items():
         b = np.asarray(b, dtype=np.float64)
-        a = np.asarray(got[n], dtype=np.float64)
+        # a rank's parameters come flat or shaped: compared in want's shape
+        a = np.asarray(got[n], dtype=np.float64).reshape(b.shape)
         if not key_bias and n.endswith("attn.c_attn.bias"):
             third = b.shape[0] // 3
             a, b = np.delete(a, np.s_[third:2 * third]), np.delete(b, np.s_[third:2 * third])
