@@ -934,9 +934,8 @@ class Client:
         if isinstance(view, View):
             view.requires_grad = bool(requires_grad)
         vid = _ids(view)
-        for g in (w() for w in self._step_guards):  # the parameter follows
-            if g is not None:
-                g._view_requires_grad(vid, bool(requires_grad))
+        for g in self._live_guards():  # the parameter follows
+            g._view_requires_grad(vid, bool(requires_grad))
 
     def all_reduce(self, values, op="sum"):
         """All-reduce (collective) of a few float64 scalars over the job's
@@ -1136,14 +1135,17 @@ class Client:
         """The wrappers' refusals of a gather of buffers (resident: a write
         into their parameters since the last gather, which it overwrites)."""
         ids = {_ids(b) for b in buffers}
-        for g in (w() for w in self._step_guards):
-            if g is not None:
-                g._check_gather(ids)
+        for g in self._live_guards():
+            g._check_gather(ids)
+
+    def _live_guards(self):
+        """The wrappers over this client still alive (held by weak reference)."""
+        return [g for g in (w() for w in self._step_guards) if g is not None]
 
     def _guards_of(self, opt):
         """The wrappers a direct step of opt concerns: those it was
         registered through, or every one where none was."""
-        live = [g for g in (w() for w in self._step_guards) if g is not None]
+        live = self._live_guards()
         oid = getattr(opt, "id", None)
         mine = [g for g in live if any(getattr(o, "id", None) == oid
                                        for o in getattr(g, "_optims", ()))]
