@@ -5,15 +5,10 @@ import functools
 import torch
 
 from .grads import _Grad16
-from .optimizer_hook import _OWNERS, _listed
+from .optimizer_hook import _listed, owner_of
 from .reroute import reroute
 
 _INSTALLED = [False]
-
-
-def _owner(p):
-    got = _OWNERS.get(id(p))
-    return got[1]() if got is not None and got[0]() is p else None
 
 
 def _clip_grad_norm_(torch_clip, parameters, max_norm, norm_type=2.0,
@@ -32,7 +27,7 @@ def _clip_grad_norm_(torch_clip, parameters, max_norm, norm_type=2.0,
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     sm, others = None, []
     for p in params:
-        owner = _owner(p)
+        owner = owner_of(p)
         if isinstance(p.grad, _Grad16):
             # a 16-bit unit's: its .grad refuses torch's by name (the fp32
             # master and reduced gradient are the daemon's)

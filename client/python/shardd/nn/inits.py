@@ -97,9 +97,8 @@ def part_of(p):
         if type(p) is torch.Tensor and _PARTS and p.dim() == 1:
             return _alias(p)
         return None
-    from .optimizer_hook import _OWNERS
-    got = _OWNERS.get(id(p))
-    sm = got[1]() if got is not None and got[0]() is p else None
+    from .optimizer_hook import owner_of
+    sm = owner_of(p)
     if sm is None or not sm.transient:
         return None
     e = sm._by_param.get(id(p))

@@ -31,13 +31,12 @@ def _owned_parts(opt):
     """{index in the state dict: (entry, lo, hi)} for opt's parameters that
     a ShardedModule wraps (index: torch's numbering, the groups' order),
     [lo, hi) the elements of the parameter this rank's part holds."""
-    from .optimizer_hook import _OWNERS
+    from .optimizer_hook import owner_of
     out, i = {}, 0
     units = {}
     for g in opt.param_groups:
         for p in g["params"]:
-            got = _OWNERS.get(id(p))
-            sm = got[1]() if got is not None and got[0]() is p else None
+            sm = owner_of(p)
             if sm is not None and sm.transient:  # (resident: torch.optim refused)
                 e = sm._by_param.get(id(p))
                 if e is not None and e.part is not None:
