@@ -42,11 +42,9 @@ def _before_step(opt):
     mine = set()
     for g in opt.param_groups:
         for p in g["params"]:
-            got = _OWNERS.get(id(p))
-            if got is not None and got[0]() is p:
-                sm = got[1]()
-                if sm is not None and sm in held:
-                    mine.add(sm)
+            sm = owner_of(p)
+            if sm is not None and sm in held:
+                mine.add(sm)
     for sm in held:
         if sm in mine:
             sm._release_unbackwarded()
@@ -172,8 +170,7 @@ def _check_elementwise(opt):
     names = []
     for g in opt.param_groups:
         for p in g["params"]:
-            got = _OWNERS.get(id(p))
-            sm = got[1]() if got is not None and got[0]() is p else None
+            sm = owner_of(p)
             if sm is not None and sm.transient:  # (resident ones refuse torch.optim)
                 e = sm._by_param.get(id(p))
                 names.append(e.name if e is not None else "?")
