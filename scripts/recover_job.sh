@@ -1,7 +1,7 @@
 #!/bin/sh
 # recover_job.sh — brings a multi-node job back from its last collective
 # checkpoint after one node's daemon died without writing its part
-# (kill -9, the OOM killer, a crash, power loss): README "Several nodes",
+# (kill -9, the OOM killer, a crash, power loss): docs/multi-node.md,
 # "A node's daemon killed". Run it on EVERY node of the job, once that
 # node's trainers of the job are stopped (and the dead node's daemon is
 # running again), then relaunch the trainers everywhere: they resume at the

@@ -65,6 +65,17 @@ if [ -f scripts/check_functions.py ]; then
     bad="$bad functions"
   fi
 fi
+# The documentation's links and the docs/ pages the tree names lead
+# somewhere: one test.
+if [ -f scripts/check_docs.py ]; then
+  echo "== scripts/check_docs.py"
+  if /usr/bin/python3 scripts/check_docs.py; then
+    pass=$((pass + 1))
+  else
+    fail=$((fail + 1))
+    bad="$bad docs"
+  fi
+fi
 # ... and that each check fails on what it is there to catch (each case one
 # test).
 for lt in tests/layers/test_*.py; do

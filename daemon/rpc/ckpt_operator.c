@@ -148,7 +148,7 @@ shardd_err shardd__checkpoint_dir_ok(shardd__dispatch *d, const shardd__conn *c,
 /* Waiting checkpoints each hold their paths (PATH_MAX at most) and a pin
  * of their job, and they used to pile up without a bound: one connection's
  * OOM-killed the daemon. A job's are taken one after another, so a few
- * are all an operator needs; past these, E_LIMIT (README, security). */
+ * are all an operator needs; past these, E_LIMIT (docs/security.md). */
 #define CKPT_PENDS_PER_SESSION 16
 #define CKPT_PENDS_PER_UID 64 /* uids other than root */
 

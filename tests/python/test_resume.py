@@ -239,7 +239,7 @@ class ResumeTest(unittest.TestCase):
         self.addCleanup(shutil.rmtree, root, True)
         os.chmod(root, 0o755)
         rdv = os.path.join(root, "rdv")
-        os.mkdir(rdv, 0o700)  # the daemon's alone (README: Several nodes)
+        os.mkdir(rdv, 0o700)  # the daemon's alone (docs/multi-node.md)
         specs = []
         for n in range(2):
             specs.append(os.path.join(root, "node%d.spec" % n))

@@ -79,7 +79,7 @@ class TrainMLPTest(unittest.TestCase):
         self.check(res["params"], res["losses"], "4 ranks, mean")
 
     def test_one_rank_cli_with_start_daemon(self):
-        """The README command's path: the script starts its own daemon."""
+        """make demo's path: the script starts its own daemon."""
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "final.npz")
             script = os.path.join(common.REPO, "examples", "train_mlp.py")

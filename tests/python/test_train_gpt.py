@@ -207,7 +207,7 @@ class TrainGPTTest(unittest.TestCase):
         self.assert_continues(again, "relaunch after kill -9")
 
     def test_checkpoint_then_restore_into_a_fresh_daemon_cli(self):
-        """--checkpoint-every in one daemon, then the README's command:
+        """--checkpoint-every in one daemon, then docs/nn.md's command:
         --start-daemon --restore (another daemon) continues the job."""
         full = self.uninterrupted()
         d = tempfile.mkdtemp(prefix="shardd-gpt-")

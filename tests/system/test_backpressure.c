@@ -1119,7 +1119,7 @@ Test(server, connections_that_never_read_hold_at_most_their_uids_bound,
  * The soak of the bounds above at --max-clients-per-uid's default: uid
  * 4242 opens 256 connections, 32 of them registering a batch of
  * HOG_BATCH buffers over and over, the rest pinging 1 MiB, and none ever
- * reads. The daemon must stay within what the README's security section
+ * reads. The daemon must stay within what docs/security.md
  * states for one uid's idle connections: unread replies of 64 MiB and
  * 256 descriptors plus one reply past each bound, unfinished frames within
  * a quarter of --max-partial-bytes (64 MiB), about 150 MiB in all; and
@@ -1211,7 +1211,7 @@ Test(server, a_uids_256_connections_that_never_read_stay_within_its_bounds,
               "%.0f descriptors of unread replies, %.0f bytes of unfinished "
               "frames); flooding took %.1f s",
               SOAK_CONNS, grew, held, bytes, fds, partial, flood_s);
-  /* The README's bound for one uid's idle connections: 80 MiB of replies
+  /* docs/security.md's bound for one uid's idle connections: 80 MiB of replies
    * (64 MiB and one 16 MiB frame past it; here a 1 MiB Pong) and 64 MiB
    * of unfinished frames; 64 MiB of margin (256 KiB a connection) for the
    * sessions themselves and the allocator's slack, which varies from run

@@ -980,7 +980,7 @@ Test(fabric, a_node_that_rejoins_with_other_state_or_never_is_named, .timeout = 
   test_daemon_finish(&pair[0]);
 }
 
-/* README "A node's daemon killed", its procedure as scripts/recover_job.sh
+/* docs/multi-node.md "A node's daemon killed", its procedure as scripts/recover_job.sh
  * runs it: 2 nodes x 2 ranks train, sm.checkpoint at step 3, on to step 6;
  * the ranks relaunch and gather; node 1's daemon is killed (kill -9) and
  * node 0's ranks retry (a re-forming that waits for node 1). Node 0's

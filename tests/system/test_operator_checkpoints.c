@@ -546,7 +546,7 @@ Test(checkpoint, an_operator_checkpoint_that_times_out_names_what_it_waited_on,
 
 /* ---- operators' checkpoints waiting: bounded -------------------------- */
 
-/* the daemon's bounds (README, security) */
+/* the daemon's bounds (docs/security.md) */
 #define PEND_PER_SESSION 16
 #define PEND_PER_UID 64
 

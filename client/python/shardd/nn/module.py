@@ -679,7 +679,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         """Resident: refuses a forward after a step with no gather() since
         (the parameters are the gathered copy, the values before the step;
         FSDP's SHARD_GRAD_OP gathers again in the next forward's pre-hook,
-        here the loop's explicit gather() does, see README) or before any
+        here the loop's explicit gather() does, see docs/memory.md) or before any
         gather (initial_gather=False: the gather areas hold no values)."""
         if self._stale is not None:
             raise RuntimeError(
