@@ -128,7 +128,6 @@ class _StateDicts:
         if self._sd_raw or self._sd_type == "local":
             return
         keys = self._local_keys(state_dict, prefix)
-        given = {}
         for k, e in keys.items():
             v = state_dict[k]
             if tuple(v.shape) != tuple(e.shape):
@@ -136,7 +135,14 @@ class _StateDicts:
                                   "from checkpoint, the shape in current model is %s."
                                   % (k, tuple(v.shape), tuple(e.shape)))
                 return
-            given.setdefault(id(e), v)
+        # torch copies each name in module order, so a tied weight given
+        # two values (a checkpoint of an untied model) keeps its last name's
+        given = {}
+        for name, m in self.module.named_modules(remove_duplicate=False):
+            for attr in m._parameters:
+                k = prefix + (name + "." if name else "") + attr
+                if k in keys:
+                    given[id(keys[k])] = state_dict[k]
         self._write_full(given)
         for k, e in keys.items():
             state_dict[k] = e.param.detach().clone()
