@@ -3,7 +3,8 @@ part of this rank's shard, for the whole parameter (2 ranks):
 
 * an EMA copy made before wrapping and updated over ``zip(ema.parameters(),
   model.parameters())`` (``e.mul_(d).add_(p.detach(), alpha=1 - d)``), and
-  SWA's ``AveragedModel.update_parameters`` (``copy_``), are refused naming
+  SWA's ``AveragedModel.update_parameters`` (``copy_``), and the same
+  over lists (``torch._foreach_add_``, timm's ModelEmaV3), are refused naming
   the parameter and ``model.state_dict()``: where each part's length is
   the last dimension or 1 (Linear(4, 2) and Linear(2, 2) without bias,
   one unit each) torch broadcast the part over the whole EMA tensor
@@ -79,6 +80,13 @@ def _ema_update(ema, model):
             e.mul_(DECAY).add_(p.detach(), alpha=1 - DECAY)
 
 
+def _foreach_update(ema, model):
+    with torch.no_grad():  # timm's ModelEmaV3, over the parameters
+        held = list(ema.parameters())
+        torch._foreach_mul_(held, DECAY)
+        torch._foreach_add_(held, [p.detach() for p in model.parameters()], alpha=1 - DECAY)
+
+
 def rank_main(rank, world, sock, job, q):
     try:
         torch.set_num_threads(1)
@@ -92,6 +100,7 @@ def rank_main(rank, world, sock, job, q):
         out["parts"] = [tuple(p.shape) for p in model.parameters()]
         out["ema"] = _refusal(lambda: _ema_update(ema, model))
         out["swa"] = _refusal(lambda: swa.update_parameters(model))
+        out["foreach"] = _refusal(lambda: _foreach_update(ema, model))
 
         gpt = models.nano_gpt()
         gpt_ema = copy.deepcopy(gpt)
@@ -160,9 +169,10 @@ class PartWritesTest(unittest.TestCase):
             out = got[("out", r)]
             # each part broadcasts over its EMA tensor: (4,) over (2, 4), (2,) over (2, 2)
             self.assertEqual(out["parts"], [(4,), (2,)])
-            for key, op in (("ema", "add_"), ("swa", "copy_"), ("gpt_ema", "add_")):
+            for key, op in (("ema", "Tensor.add_"), ("swa", "Tensor.copy_"),
+                            ("gpt_ema", "Tensor.add_"), ("foreach", "torch._foreach_add_")):
                 msg = out[key] or ""
-                self.assertIn("Tensor.%s of a tensor of shape" % op, msg, key)
+                self.assertIn("%s of a tensor of shape" % op, msg, key)
                 self.assertIn("this rank's 1-D part", msg, key)
                 self.assertIn("model.state_dict()", msg, key)
             self.assertIn("'0.weight'", out["ema"])

@@ -15,7 +15,8 @@ word:
   is another place in the part (or in another rank's), so a row that
   should be zero keeps its values and an element of another is zeroed.
 
-torch.Tensor's in-place methods below refuse both, naming the parameter
+torch.Tensor's in-place methods below (and torch._foreach_*'s, pair by
+pair) refuse both, naming the parameter
 and the way to do it (a part is found as inits.part_of finds a draw's:
 the parameter, or a plain tensor at a registered part's address). A
 write between two tensors of the part's shape (an optimizer's, an EMA
@@ -31,6 +32,10 @@ from .inits import _PARTS, part_of
 
 # in-place writes that take another tensor and broadcast it
 _BINARY = ("add_", "sub_", "mul_", "div_", "lerp_", "copy_", "addcmul_", "addcdiv_")
+# torch's in-place writes over lists, pairwise (timm's ModelEmaV3 steps an
+# EMA so; they broadcast as the methods do)
+_FOREACH = ("_foreach_add_", "_foreach_sub_", "_foreach_mul_", "_foreach_div_",
+            "_foreach_lerp_", "_foreach_addcmul_", "_foreach_addcdiv_")
 # in-place writes of a value: refused on a view into a part (a row of it)
 _FILLS = ("zero_", "fill_")
 _TORCH = {}  # name -> torch.Tensor's own method, before install()
@@ -77,7 +82,7 @@ def _check_binary(name, self, args):
         e, lo = got
         other = next(s for s in shapes if s != _shape(t))
         raise RuntimeError(
-            "Tensor.%s of a tensor of shape %s with %s: torch would broadcast the "
+            "%s of a tensor of shape %s with %s: torch would broadcast the "
             "part (or fail on the shapes), not combine the whole parameter; %s" % (
                 name, list(other), _describe(e, lo, t), _EMA))
 
@@ -102,9 +107,21 @@ def _check_fill(name, self):
 def _binary(name, torch_method):
     def method(self, *args, **kwargs):
         if _PARTS:
-            _check_binary(name, self, args)
+            _check_binary("Tensor." + name, self, args)
         return torch_method(self, *args, **kwargs)
     return _like(method, name, torch_method)
+
+
+def _foreach(name, torch_fn):
+    def fn(selves, *args, **kwargs):
+        if _PARTS:
+            lists = [a for a in args if isinstance(a, (list, tuple))]
+            for i, t in enumerate(selves):
+                _check_binary("torch." + name, t, [a[i] for a in lists if i < len(a)])
+        return torch_fn(selves, *args, **kwargs)
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = torch_fn.__doc__
+    return fn
 
 
 def _fill(name, torch_method):
@@ -163,6 +180,10 @@ def install():
     for name in _FILLS:
         _TORCH[name] = getattr(torch.Tensor, name)
         setattr(torch.Tensor, name, _fill(name, _TORCH[name]))
+    for name in _FOREACH:
+        if hasattr(torch, name):
+            _TORCH[name] = getattr(torch, name)
+            setattr(torch, name, _foreach(name, _TORCH[name]))
     _TORCH["__setitem__"] = torch.Tensor.__setitem__
     torch.Tensor.__setitem__ = _setitem(_TORCH["__setitem__"])
     emb = torch.nn.Embedding
