@@ -25,7 +25,13 @@ torch's, for one dictionary look-up more per call while a transient
 wrapper exists. nn.Embedding's own zeroing of its padding row (in its
 ``reset_parameters()`` after wrapping, after inits.py's whole draw)
 zeroes the elements of the row that lie in this rank's part, as
-torch's."""
+torch's.
+
+On a resident client the parameters are the gathered copy, which after an
+optimizer step holds the values from before it until the next gather():
+an EMA updated after the step from them (``e.add_(p.detach(), ...)``)
+lagged torch's by a step without a word. The same writes refuse such a
+parameter as an operand, naming it and ``sm.gather()``."""
 import torch
 
 from .inits import _PARTS, part_of
@@ -39,6 +45,11 @@ _FOREACH = ("_foreach_add_", "_foreach_sub_", "_foreach_mul_", "_foreach_div_",
 # in-place writes of a value: refused on a view into a part (a row of it)
 _FILLS = ("zero_", "fill_")
 _TORCH = {}  # name -> torch.Tensor's own method, before install()
+# a resident wrapper's parameters (the gathered copy) between an optimizer
+# step and the next gather(), when they hold the values from before the
+# step: their address -> (weak parameter, name); read as an operand of the
+# writes below (an EMA's update after the step) they are refused
+_STALE = {}
 _INSTALLED = [False]
 
 _EMA = ("a copy of the model kept beside it (an EMA, SWA's AveragedModel) is "
@@ -87,6 +98,34 @@ def _check_binary(name, self, args):
                 name, list(other), _describe(e, lo, t), _EMA))
 
 
+def mark_stale(entries, stale):
+    """entries' parameters (a resident wrapper's) hold values from before
+    a step (stale True, after it) or the shards' (after a gather)."""
+    import weakref
+    for e in entries:
+        ptr = e.param.data_ptr()
+        if not stale:
+            _STALE.pop(ptr, None)
+        elif torch.Tensor.numel(e.param):
+            _STALE[ptr] = (weakref.ref(e.param), e.name)
+
+
+def _check_stale(name, args):
+    for a in args:
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if not isinstance(t, torch.Tensor):
+                continue
+            got = _STALE.get(t.data_ptr())
+            p = got[0]() if got is not None else None
+            if p is None or torch.Tensor.numel(p) != torch.Tensor.numel(t):
+                continue
+            raise RuntimeError(
+                "%s reads %r, on a resident client the gathered copy, which holds "
+                "the values from before the last optimizer step (torch's parameter "
+                "holds the stepped ones): call sm.gather() (a collective, every "
+                "rank) before reading it, as before a forward" % (name, got[1]))
+
+
 def _check_fill(name, self):
     """Refuses a fill of a view into a part (one row, one element)."""
     base = self._base
@@ -108,6 +147,8 @@ def _binary(name, torch_method):
     def method(self, *args, **kwargs):
         if _PARTS:
             _check_binary("Tensor." + name, self, args)
+        if _STALE:
+            _check_stale("Tensor." + name, args)
         return torch_method(self, *args, **kwargs)
     return _like(method, name, torch_method)
 
@@ -118,6 +159,8 @@ def _foreach(name, torch_fn):
             lists = [a for a in args if isinstance(a, (list, tuple))]
             for i, t in enumerate(selves):
                 _check_binary("torch." + name, t, [a[i] for a in lists if i < len(a)])
+        if _STALE:
+            _check_stale("torch." + name, args)
         return torch_fn(selves, *args, **kwargs)
     fn.__name__ = fn.__qualname__ = name
     fn.__doc__ = torch_fn.__doc__

@@ -7,6 +7,8 @@ import torch
 
 import shardd
 
+from .part_ops import mark_stale
+
 
 class FullStateDictConfig:
     """FSDP's FullStateDictConfig: what model.state_dict() of a wrapped
@@ -240,4 +242,5 @@ class _StateDicts:
                     self.client.release(u.buffer)
         if not self.transient:
             self._stale = None  # every unit gathered: the values after the steps
+            mark_stale([e for u in self.units for e in u.entries], False)
         return out
