@@ -3,7 +3,10 @@ the tied wte / lm_head weight the root's; transient areas, 2 ranks) as
 single-process torch loads it: ``model.state_dict()`` has torch's keys and
 values; ``load_state_dict(sd, strict=False)`` with missing and unexpected
 keys returns torch's keys and leaves every value as torch's; a strict
-load with keys missing is torch's error; and a checkpoint giving the tied
+load with keys missing is torch's error; one with a key of another shape
+is torch's error, naming that key alone (each other parameter was named
+too, its part's shape against the whole one's), the other keys loaded as
+torch's; and a checkpoint giving the tied
 weight two values (one of an untied model) leaves torch's, the last
 name's (lm_head), where the wrapper kept the first name's without a
 word."""
@@ -42,6 +45,15 @@ def _load_all(model, report):
         report("strict", None)
     except RuntimeError as e:
         report("strict", str(e).split("\n")[1])
+    bad = dict(plain)
+    bad["transformer.h.0.mlp.c_fc.weight"] = bad["transformer.h.0.mlp.c_fc.weight"].t()
+    bad["transformer.h.1.mlp.c_fc.bias"] = bad["transformer.h.1.mlp.c_fc.bias"] + 1
+    try:
+        model.load_state_dict(bad)
+        report("shape", None)
+    except RuntimeError as e:
+        report("shape", str(e).split("\n")[1:])
+    report("after_shape", model.state_dict())
 
 
 def rank_main(rank, world, sock, job, q):
@@ -84,7 +96,10 @@ class LoadPlainCheckpointTest(unittest.TestCase):
             self.assertIn("bogus.weight", out["result"][1])
             self.assertEqual(out["strict"], want["strict"])
             self.assertIn("Missing key(s)", out["strict"])
-            for what in ("plain", "part"):
+            # a key of another shape: torch's message alone, the others loaded
+            self.assertEqual(out["shape"], want["shape"])
+            self.assertEqual(len(out["shape"]), 1)
+            for what in ("plain", "part", "after_shape"):
                 for k, v in want[what].items():
                     self.assertEqual(common.max_rel(out[what][k], v), 0, (what, k))
 

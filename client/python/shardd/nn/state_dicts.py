@@ -130,20 +130,23 @@ class _StateDicts:
         if self._sd_raw or self._sd_type == "local":
             return
         keys = self._local_keys(state_dict, prefix)
+        # as torch's: every key of another shape named, the others loaded
+        # (torch's own check then finds each key the part's shape)
+        bad = set()
         for k, e in keys.items():
             v = state_dict[k]
             if tuple(v.shape) != tuple(e.shape):
                 error_msgs.append("size mismatch for %s: copying a param with shape %s "
                                   "from checkpoint, the shape in current model is %s."
-                                  % (k, tuple(v.shape), tuple(e.shape)))
-                return
+                                  % (k, v.shape, torch.Size(e.shape)))
+                bad.add(k)
         # torch copies each name in module order, so a tied weight given
         # two values (a checkpoint of an untied model) keeps its last name's
         given = {}
         for name, m in self.module.named_modules(remove_duplicate=False):
             for attr in m._parameters:
                 k = prefix + (name + "." if name else "") + attr
-                if k in keys:
+                if k in keys and k not in bad:
                     given[id(keys[k])] = state_dict[k]
         self._write_full(given)
         for k, e in keys.items():
