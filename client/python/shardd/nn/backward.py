@@ -202,11 +202,16 @@ class _BackwardHooks:
     def _backward_limit(self, u, err):
         """The daemon's E_LIMIT for u's gather in backward, saying which
         units hold this rank's areas and why they wait."""
-        waiting = []
+        waiting, reused = [], []
         for v in self.units:
             if v.gather is None or v is u:
                 continue
-            if v.state == "backward":
+            use = v.bw_use
+            if v.state == "backward" and isinstance(use, _Use) and use.calls > 1 and use.bounds:
+                reused.append(v.name)
+                waiting.append("%r (called %d times in one forward: held from its last "
+                               "call's backward to its first's)" % (v.name, use.calls))
+            elif v.state == "backward":
                 left = [e.name for e in v.entries if e.param.requires_grad and not e.got]
                 waiting.append("%r (waits for the gradient of %s)" % (
                     v.name, ", ".join(repr(n) for n in left[:3])
@@ -221,6 +226,15 @@ class _BackwardHooks:
             else:
                 waiting.append("%r (%s)" % (v.name, "the root unit, held until backward "
                                             "ends" if v.is_root else v.state))
+        if reused:
+            return shardd.Error(
+                err.code, "unit %r's backward needs a gather area, and this rank's are "
+                "held by %s: units called several times in one forward (a module reused "
+                "across depth, ALBERT's shared layer) whose calls interleave need an area "
+                "each at once, beside the root unit's: wrap the modules reused together "
+                "in one unit (a module holding them, e.g. an nn.ModuleDict of them as "
+                "auto_wrap's class), or leave all but one to the root's unit [%s]" % (
+                    u.name, ", ".join(waiting), err.message), "E_LIMIT")
         return shardd.Error(
             err.code, "unit %r's backward needs a gather area, and this rank's are held "
             "by %s: a unit holds its areas until every trainable parameter of it has "

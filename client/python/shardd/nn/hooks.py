@@ -467,6 +467,7 @@ class _ForwardHooks:
             use.unbounded = True
             return None
         use.bounds += 1
+        use.calls += 1
         u.use = views  # checked by _post_forward (_inputs_reached)
         return tuple(ins)
 

@@ -19,6 +19,7 @@ from .acc_hooks import check_originals
 from ._precision import _DTYPE_OF, _TORCH_DTYPES, _cast_floats, _checksum, _mixed_precision
 from .clip_hook import install as _install_clip_hook
 from .inits import empty_part as _empty_part, install as _install_inits, register_part as _register_part
+from .part_ops import install as _install_part_ops, mark_stale as _mark_stale
 from .backward import _BackwardHooks
 from .grads import _Grad16, _ResidentGrad
 from .builtin import check_builtin, pre_hooks_first, refresh_cached
@@ -421,6 +422,8 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         _install_clip_hook()
         # torch.nn.init's functions on a parameter's part: the whole one's init
         _install_inits()
+        # an EMA's update or a padding row's write on a part: refused
+        _install_part_ops()
         _WRAPPERS.add(self)
         # client.step(opt) asked directly gets this wrapper's refusals too
         guards = getattr(client, "_step_guards", None)
@@ -674,6 +677,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                        lambda u: self.client.gather(u.buffer))
         self._gathered_versions()
         self._stale = None
+        _mark_stale([e for u in self.units for e in u.entries], False)
 
     def _resident_pre_forward(self, module, inputs):
         """Resident: refuses a forward after a step with no gather() since
@@ -752,6 +756,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         if not self.transient:
             self._stepped_at[getattr(opt, "id", opt)] = self._scatters
             self._stale = "after an optimizer step with no sm.gather() since"
+            _mark_stale([e for u in self.units for e in u.entries], True)
 
     def _clipped(self, opt, scale):
         """After a step of opt whose gradients a clip scaled by scale (the

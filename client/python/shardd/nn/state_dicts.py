@@ -7,6 +7,8 @@ import torch
 
 import shardd
 
+from .part_ops import mark_stale
+
 
 class FullStateDictConfig:
     """FSDP's FullStateDictConfig: what model.state_dict() of a wrapped
@@ -128,15 +130,24 @@ class _StateDicts:
         if self._sd_raw or self._sd_type == "local":
             return
         keys = self._local_keys(state_dict, prefix)
-        given = {}
+        # as torch's: every key of another shape named, the others loaded
+        # (torch's own check then finds each key the part's shape)
+        bad = set()
         for k, e in keys.items():
             v = state_dict[k]
             if tuple(v.shape) != tuple(e.shape):
                 error_msgs.append("size mismatch for %s: copying a param with shape %s "
                                   "from checkpoint, the shape in current model is %s."
-                                  % (k, tuple(v.shape), tuple(e.shape)))
-                return
-            given.setdefault(id(e), v)
+                                  % (k, v.shape, torch.Size(e.shape)))
+                bad.add(k)
+        # torch copies each name in module order, so a tied weight given
+        # two values (a checkpoint of an untied model) keeps its last name's
+        given = {}
+        for name, m in self.module.named_modules(remove_duplicate=False):
+            for attr in m._parameters:
+                k = prefix + (name + "." if name else "") + attr
+                if k in keys and k not in bad:
+                    given[id(keys[k])] = state_dict[k]
         self._write_full(given)
         for k, e in keys.items():
             state_dict[k] = e.param.detach().clone()
@@ -234,4 +245,5 @@ class _StateDicts:
                     self.client.release(u.buffer)
         if not self.transient:
             self._stale = None  # every unit gathered: the values after the steps
+            mark_stale([e for u in self.units for e in u.entries], False)
         return out

@@ -178,12 +178,13 @@ class _Use:
     forward's gradient on its own node), and the inputs whose gradient
     ends it (see _bound_inputs). The graph's hooks hold it: dropped with
     the forward's graph."""
-    __slots__ = ("leaves", "accs", "bounds", "unbounded", "ended", "__weakref__")
+    __slots__ = ("leaves", "accs", "bounds", "calls", "unbounded", "ended", "__weakref__")
 
     def __init__(self, leaves=None, unbounded=False):
         self.leaves = leaves
         self.accs = []
         self.bounds = 0
+        self.calls = 0  # the calls that bounded it (bounds: those whose backward is to come)
         self.unbounded = unbounded
         # the ShardedModule's backward count when its backward last ended
         self.ended = None

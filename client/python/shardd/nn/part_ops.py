@@ -1,0 +1,233 @@
+"""Element-wise writes that meet a transient unit's parameter outside
+forward, where it is this rank's 1-D part of the shard, as if it were the
+whole parameter. Two habits computed something else than torch without a
+word:
+
+* a copy of the model made before wrapping (an EMA, SWA's
+  ``AveragedModel``) updated over ``zip(ema.parameters(),
+  model.parameters())``: ``ema_p.mul_(d).add_(p.detach(), alpha=1 - d)``
+  or ``ema_p.copy_(p)`` broadcast the part over the whole tensor where its
+  length is 1 or the last dimension's (and failed on the shapes, naming
+  neither, elsewhere);
+* a write into one row of the part: nn.Embedding's ``reset_parameters()``
+  (``weight[padding_idx].fill_(0)``), HF's ``_init_weights``
+  (``weight.data[padding_idx].zero_()``), ``p.data[i] = v``: torch's row i
+  is another place in the part (or in another rank's), so a row that
+  should be zero keeps its values and an element of another is zeroed.
+
+torch.Tensor's in-place methods below (and torch._foreach_*'s, pair by
+pair) refuse both, naming the parameter
+and the way to do it (a part is found as inits.part_of finds a draw's:
+the parameter, or a plain tensor at a registered part's address). A
+write between two tensors of the part's shape (an optimizer's, an EMA
+kept as parts) and a write into a whole part (``p.data.zero_()``) are
+torch's, for one dictionary look-up more per call while a transient
+wrapper exists. nn.Embedding's own zeroing of its padding row (in its
+``reset_parameters()`` after wrapping, after inits.py's whole draw)
+zeroes the elements of the row that lie in this rank's part, as
+torch's.
+
+On a resident client the parameters are the gathered copy, which after an
+optimizer step holds the values from before it until the next gather():
+an EMA updated after the step from them (``e.add_(p.detach(), ...)``)
+lagged torch's by a step without a word. The same writes refuse such a
+parameter as an operand, naming it and ``sm.gather()``."""
+import torch
+
+from .inits import _PARTS, part_of
+
+# in-place writes that take another tensor and broadcast it
+_BINARY = ("add_", "sub_", "mul_", "div_", "lerp_", "copy_", "addcmul_", "addcdiv_")
+# torch's in-place writes over lists, pairwise (timm's ModelEmaV3 steps an
+# EMA so; they broadcast as the methods do)
+_FOREACH = ("_foreach_add_", "_foreach_sub_", "_foreach_mul_", "_foreach_div_",
+            "_foreach_lerp_", "_foreach_addcmul_", "_foreach_addcdiv_")
+# in-place writes of a value: refused on a view into a part (a row of it)
+_FILLS = ("zero_", "fill_")
+_TORCH = {}  # name -> torch.Tensor's own method, before install()
+# a resident wrapper's parameters (the gathered copy) between an optimizer
+# step and the next gather(), when they hold the values from before the
+# step: their address -> (weak parameter, name); read as an operand of the
+# writes below (an EMA's update after the step) they are refused
+_STALE = {}
+_INSTALLED = [False]
+
+_EMA = ("a copy of the model kept beside it (an EMA, SWA's AveragedModel) is "
+        "updated from model.state_dict() (every parameter whole, a collective on "
+        "every rank), or kept as parts: [p.detach().clone() for p in "
+        "model.parameters()] made after wrapping")
+
+
+def _part(t):
+    """(entry, first element) where t is a part now; None else (cheap for
+    tensors that are not 1-D)."""
+    if not isinstance(t, torch.Tensor) or torch.Tensor.dim(t) != 1:
+        return None
+    return part_of(t)
+
+
+def _describe(e, lo, t):
+    n = torch.Tensor.numel(t)
+    return ("%r (outside forward this rank's 1-D part of it, elements [%d, %d) of "
+            "its %s)" % (e.name, lo, lo + n, "x".join(str(d) for d in e.shape) or "scalar"))
+
+
+def _shape(t):
+    return tuple(torch.Tensor.size(t))
+
+
+def _check_binary(name, self, args):
+    """Refuses self.<name>(*args) where a part meets a tensor of another
+    shape (a 0-dim one is a value, broadcast as torch's)."""
+    shape = self.shape
+    if all(not isinstance(a, torch.Tensor) or a.shape == shape for a in args):
+        return  # the optimizer's writes, a value's
+    tensors = [self] + [a for a in args if isinstance(a, torch.Tensor)]
+    shapes = {_shape(t) for t in tensors if torch.Tensor.dim(t) > 0}
+    if len(shapes) < 2:
+        return
+    for t in tensors:
+        got = _part(t)
+        if got is None:
+            continue
+        e, lo = got
+        other = next(s for s in shapes if s != _shape(t))
+        raise RuntimeError(
+            "%s of a tensor of shape %s with %s: torch would broadcast the "
+            "part (or fail on the shapes), not combine the whole parameter; %s" % (
+                name, list(other), _describe(e, lo, t), _EMA))
+
+
+def mark_stale(entries, stale):
+    """entries' parameters (a resident wrapper's) hold values from before
+    a step (stale True, after it) or the shards' (after a gather)."""
+    import weakref
+    for e in entries:
+        ptr = e.param.data_ptr()
+        if not stale:
+            _STALE.pop(ptr, None)
+        elif torch.Tensor.numel(e.param):
+            _STALE[ptr] = (weakref.ref(e.param), e.name)
+
+
+def _check_stale(name, args):
+    for a in args:
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if not isinstance(t, torch.Tensor):
+                continue
+            got = _STALE.get(t.data_ptr())
+            p = got[0]() if got is not None else None
+            if p is None or torch.Tensor.numel(p) != torch.Tensor.numel(t):
+                continue
+            raise RuntimeError(
+                "%s reads %r, on a resident client the gathered copy, which holds "
+                "the values from before the last optimizer step (torch's parameter "
+                "holds the stepped ones): call sm.gather() (a collective, every "
+                "rank) before reading it, as before a forward" % (name, got[1]))
+
+
+def _check_fill(name, self):
+    """Refuses a fill of a view into a part (one row, one element)."""
+    base = self._base
+    if base is None or type(self) is not torch.Tensor:
+        return
+    got = _part(base)
+    if got is None or _part(self) is not None:
+        return
+    e, lo = got
+    raise RuntimeError(
+        "Tensor.%s of an element or row of %s: an index into the part is not "
+        "torch's row (nn.Embedding's padding row, written by its reset_parameters() "
+        "or HF's _init_weights, lies elsewhere, maybe in another rank's part); "
+        "write it before wrapping, or load the whole parameter with "
+        "model.load_state_dict()" % (name, _describe(e, lo, base)))
+
+
+def _binary(name, torch_method):
+    def method(self, *args, **kwargs):
+        if _PARTS:
+            _check_binary("Tensor." + name, self, args)
+        if _STALE:
+            _check_stale("Tensor." + name, args)
+        return torch_method(self, *args, **kwargs)
+    return _like(method, name, torch_method)
+
+
+def _foreach(name, torch_fn):
+    def fn(selves, *args, **kwargs):
+        if _PARTS:
+            lists = [a for a in args if isinstance(a, (list, tuple))]
+            for i, t in enumerate(selves):
+                _check_binary("torch." + name, t, [a[i] for a in lists if i < len(a)])
+        if _STALE:
+            _check_stale("torch." + name, args)
+        return torch_fn(selves, *args, **kwargs)
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = torch_fn.__doc__
+    return fn
+
+
+def _fill(name, torch_method):
+    def method(self, *args, **kwargs):
+        if _PARTS:
+            _check_fill(name, self)
+        return torch_method(self, *args, **kwargs)
+    return _like(method, name, torch_method)
+
+
+def _setitem(torch_method):
+    def __setitem__(self, index, value):
+        if _PARTS:
+            got = _part(self)
+            if got is not None:
+                e, lo = got
+                raise RuntimeError(
+                    "an item assignment into %s: its index is not torch's (a row of "
+                    "the whole parameter lies elsewhere, maybe in another rank's "
+                    "part); write it before wrapping, or load the whole parameter "
+                    "with model.load_state_dict()" % _describe(e, lo, self))
+        return torch_method(self, index, value)
+    return _like(__setitem__, "__setitem__", torch_method)
+
+
+def _like(method, name, torch_method):
+    method.__name__ = name
+    method.__qualname__ = "Tensor." + name
+    method.__doc__ = torch_method.__doc__
+    return method
+
+
+def _padding_zeroed(torch_method):
+    def _fill_padding_idx_with_zero(self):
+        got = part_of(self.weight) if self.padding_idx is not None else None
+        if got is None:
+            return torch_method(self)
+        e, lo = got
+        row = e.numel // e.shape[0]
+        a = self.padding_idx % e.shape[0] * row - lo  # the row's start in the part
+        part = self.weight.detach()
+        n = torch.Tensor.numel(part)
+        _TORCH["zero_"](part[min(max(a, 0), n):min(max(a + row, 0), n)])
+    return _fill_padding_idx_with_zero
+
+
+def install():
+    """torch.Tensor's methods above check for a part, once per process
+    (a ShardedModule's construction calls it)."""
+    if _INSTALLED[0]:
+        return
+    _INSTALLED[0] = True
+    for name in _BINARY:
+        _TORCH[name] = getattr(torch.Tensor, name)
+        setattr(torch.Tensor, name, _binary(name, _TORCH[name]))
+    for name in _FILLS:
+        _TORCH[name] = getattr(torch.Tensor, name)
+        setattr(torch.Tensor, name, _fill(name, _TORCH[name]))
+    for name in _FOREACH:
+        if hasattr(torch, name):
+            _TORCH[name] = getattr(torch, name)
+            setattr(torch, name, _foreach(name, _TORCH[name]))
+    _TORCH["__setitem__"] = torch.Tensor.__setitem__
+    torch.Tensor.__setitem__ = _setitem(_TORCH["__setitem__"])
+    emb = torch.nn.Embedding
+    emb._fill_padding_idx_with_zero = _padding_zeroed(emb._fill_padding_idx_with_zero)
