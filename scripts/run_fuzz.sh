@@ -1,7 +1,8 @@
 #!/bin/sh
-# Runs each libFuzzer binary given for FUZZ_SECONDS (CI: 60, else 15) on a
-# scratch copy of its seeds: tests/fuzz/corpus_NAME/ for fuzz_NAME, and
-# tests/fuzz/corpus/ for fuzz_request. Prints each one's statistics, or
+# Runs each libFuzzer binary given for FUZZ_SECONDS (make test: 30 when
+# CI=true, else 15; make fuzz: 60) on a scratch copy of its seeds:
+# tests/fuzz/corpus_NAME/ for fuzz_NAME, and tests/fuzz/corpus/ for
+# fuzz_request. Prints each one's statistics, or
 # the tail of its log and its crash artifact's name (copied to $BUILD/fuzz/);
 # exits non-zero when any found something.
 #
@@ -12,7 +13,7 @@
 # its connections as users itself (and as root beside them), which only
 # root can. FUZZ_UID=0 keeps root's paths for all.
 BUILD=${BUILD:-build}
-secs=${FUZZ_SECONDS:-$([ "${CI:-}" = true ] && echo 60 || echo 15)}
+secs=${FUZZ_SECONDS:-$([ "${CI:-}" = true ] && echo 30 || echo 15)}
 fuzz_uid=${FUZZ_UID:-$(id -u nobody 2>/dev/null || echo 65534)}
 rc=0
 log=$(mktemp)
