@@ -1090,6 +1090,11 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         # now: every rank prefetches again only once all have agreed anew
         self._bw_agreed = False
         self._fw_agreed = False
+        # likewise whether the root unit's forward gather leases its
+        # gradient area (learnt from a backward): a relaunched rank starts
+        # without it, and a rank that kept it would skip the root's gather
+        # in backward that the relaunched one sends (E_MISMATCH)
+        self._root_backward_first = False
         try:
             self._wait_releases()
         except shardd.Error:
