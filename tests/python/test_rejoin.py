@@ -246,25 +246,34 @@ class RejoinTest(unittest.TestCase):
         ended with other losses (the relaunch was handed the booked
         gradient area, not zeroed, holding the dead rank's partial
         gradient); a relaunch that leased other units first got E_LIMIT
-        ("holds 2 gather areas")."""
+        ("holds 2 gather areas"). Odd trials train the model whose root
+        unit holds the head (the units kept gathered from forward to
+        backward: the root's and the last one's)."""
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "numpy"])
         sock = common.socket()
-        qs = []
-        ps = self.run_ranks(sock, common.job("rejoin-rand-ref"), qs, ctx, range(WORLD))
-        ref = self.collect(qs, lambda o: len(o["done"]) == WORLD)
-        for p in ps.values():
-            p.join(10)
+        refs = {}
+        for head in (False, True):
+            qs = []
+            ps = self.run_ranks(sock, common.job("rejoin-rand-ref"), qs, ctx, range(WORLD),
+                                head_in_root=head)
+            refs[head] = self.collect(qs, lambda o: len(o["done"]) == WORLD)
+            for p in ps.values():
+                p.join(10)
         trials = int(os.environ.get("SHARDD_REJOIN_TRIALS", "4"))
         for t in range(trials):
             rng = random.Random(3200 + t)
             victim, after, delay = rng.randrange(WORLD), rng.randint(1, 4), rng.uniform(0, 0.35)
             peer = 1 - victim
-            with self.subTest(trial=t, victim=victim, after=after, delay=round(delay, 3)):
+            head = t % 2 == 1
+            ref = refs[head]
+            with self.subTest(trial=t, victim=victim, after=after, delay=round(delay, 3),
+                              head_in_root=head):
                 qs = []
                 job = common.job("rejoin-rand-%d" % t)
                 ps = self.run_ranks(sock, job, qs, ctx, range(WORLD),
-                                    kwargs_of={victim: {"slow_backward": 0.05}})
+                                    kwargs_of={victim: {"slow_backward": 0.05}},
+                                    head_in_root=head)
                 got = self.collect(qs, lambda o: victim in o["losses"].get(after, {}))
                 time.sleep(delay)
                 os.kill(ps[victim].pid, signal.SIGKILL)
@@ -274,7 +283,7 @@ class RejoinTest(unittest.TestCase):
                                     peer in o["done"])
                 self.assertNotIn(peer, seen["done"],
                                  "the kill came after the run ended (a loaded machine)")
-                ps.update(self.run_ranks(sock, job, qs, ctx, [victim]))
+                ps.update(self.run_ranks(sock, job, qs, ctx, [victim], head_in_root=head))
                 more = self.collect(qs, lambda o: len(o["done"]) == WORLD)
                 for p in ps.values():
                     p.join(10)
