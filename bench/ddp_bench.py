@@ -197,8 +197,10 @@ def run(ctx, mode, size, world, args):
     step = max(sorted(m[3])[len(m[3]) // 2] for m in got)
     # CPU time per step, every rank's and the daemon's: what a step costs
     # the machine whatever else runs on it
-    cpu = (sum(m[8] for m in got) + (smp.daemon_cpu(t0, t1) if d else 0)) / args.steps
-    return {"step_ms": step * 1e3, "cpu_ms": cpu * 1e3, "mem_per_rank": peak / world,
+    dcpu = smp.daemon_cpu(t0, t1) if d else 0
+    cpu = (sum(m[8] for m in got) + dcpu) / args.steps
+    return {"step_ms": step * 1e3, "cpu_ms": cpu * 1e3, "daemon_cpu_ms": dcpu * 1e3 / args.steps,
+            "mem_per_rank": peak / world,
             "steady_per_rank": sum(m[6] for m in got) / world, "samples": len(window),
             "params": got[0][7], "prefetches": max(m[9] for m in got),
             "daemon_peak_bytes": max(m[10] for m in got), "daemon_rss_peak": daemon_rss,
@@ -226,7 +228,8 @@ def main():
                     runs[mode].append(run(ctx, mode, size, world, args))
             med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
             r = {m: {k: med([x[k] for x in runs[m]])
-                     for k in ("step_ms", "cpu_ms", "mem_per_rank", "steady_per_rank",
+                     for k in ("step_ms", "cpu_ms", "daemon_cpu_ms", "mem_per_rank",
+                           "steady_per_rank",
                                "prefetches", "daemon_peak_bytes", "daemon_rss_peak",
                                "ranks_private_peak")}
                  for m in MODES}

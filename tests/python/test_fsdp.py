@@ -648,14 +648,16 @@ class FSDPOneRankTest(unittest.TestCase):
                     u.buffer.reduced_tensor[e.offset:e.offset + e.numel],
                     g.reshape(-1), rtol=0, atol=0, msg=e.name)
 
-    def test_root_unit_is_gathered_once_a_step(self):
+    def test_root_unit_and_the_last_block_are_gathered_once_a_step(self):
         """A GPT whose root unit (embeddings, final norm, the tied head)
         begins backward: from the second step on, the root unit's forward
         gather leases its gradient area too and its backward gathers
         nothing more (FSDP keeps the root gathered from forward to
-        backward); each Block is gathered twice, in forward and backward.
-        No release waits for the daemon's answer. Its gradients stay
-        torch's, bit for bit."""
+        backward); so does the last Block's, whose backward came right
+        after the root's in the step before (the forward ends with it, its
+        backward needs it again at once); each other Block is gathered
+        twice, in forward and backward. No release waits for the daemon's
+        answer. Its gradients stay torch's, bit for bit."""
         import models
         cfg = models.GPTConfig(vocab=64, ctx=8, dim=32, heads=4, layers=3)
         c = shardd.Client(common.socket(), job=common.job("fsdp1"), rank=0, world=1,
@@ -664,6 +666,7 @@ class FSDPOneRankTest(unittest.TestCase):
         model, ref = models.nano_gpt(cfg), models.nano_gpt(cfg)
         sm = shardd.nn.ShardedModule(c, model, auto_wrap={models.Block}, prefetch=False)
         root = [u for u in sm.units if u.is_root][0]
+        last = [u for u in sm.units if u.name == "transformer.h.2"][0]
         gathers = collections.Counter()
         plain = c.gather_area
 
@@ -684,13 +687,15 @@ class FSDPOneRankTest(unittest.TestCase):
             models.gpt_loss(model, x, y).backward()
             models.gpt_loss(ref, x, y).backward()
             for u in sm.units:
-                want_n = 1 if u is root and step > 0 else 2
+                want_n = 1 if u in (root, last) and step > 0 else 2
                 self.assertEqual(gathers[u.buffer.name], want_n, (step, u.name))
                 for e in u.entries:
                     torch.testing.assert_close(
                         u.buffer.reduced_tensor[e.offset:e.offset + e.numel],
                         want[e.name].grad.reshape(-1), rtol=0, atol=0, msg=e.name)
         self.assertIsNone(root.gather)
+        self.assertIsNone(last.gather)
+        self.assertIsNone(last.grad)
         self.assertEqual(blocking, [])
 
 

@@ -31,10 +31,26 @@ BATCH = 16
 WORLD = 2
 
 
-def make_model():
+def make_model(head_in_root=False):
+    """head_in_root: the last Linear is the root unit's own parameter (a
+    GPT's head): the root's backward comes first, and its forward gather
+    leases its gradient area from the second step on."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
-                         nn.Linear(32, 4))
+    layers = [nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)]
+    if not head_in_root:
+        return nn.Sequential(*layers), "children"
+    return _HeadInRoot(nn.Sequential(*layers[:2]), nn.Sequential(*layers[2:4]),
+                       layers[4]), {nn.Sequential}
+
+
+if common.HAVE_TORCH:
+    class _HeadInRoot(nn.Module):
+        def __init__(self, a, b, head):
+            super().__init__()
+            self.a, self.b, self.head = a, b, head
+
+        def forward(self, x):
+            return self.head(self.b(self.a(x)))
 
 
 def make_data():
@@ -43,7 +59,7 @@ def make_data():
             torch.randn(STEPS, BATCH, 4, generator=g))
 
 
-def script(rank, sock, job, q, slow_after=None, slow_backward=None):
+def script(rank, sock, job, q, slow_after=None, slow_backward=None, head_in_root=False):
     """The elastic loop: an iteration a lost peer broke is dropped and done
     again from the daemon's step count. slow_backward: seconds each
     parameter's gradient takes, while its unit's gather and gradient areas
@@ -52,8 +68,8 @@ def script(rank, sock, job, q, slow_after=None, slow_backward=None):
         torch.set_num_threads(1)
         client = shardd.Client(sock, job=job, rank=rank, world=WORLD,
                                transient_areas=True)
-        model = make_model()
-        sm = shardd.nn.ShardedModule(client, model, auto_wrap="children")
+        model, wrap = make_model(head_in_root)
+        sm = shardd.nn.ShardedModule(client, model, auto_wrap=wrap)
         opt = shardd.optim.AdamW(model.parameters(), lr=1e-2, name="adamw")
         if slow_backward is not None:
             for p in model.parameters():
@@ -102,7 +118,8 @@ def script(rank, sock, job, q, slow_after=None, slow_backward=None):
 
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
 class RejoinTest(unittest.TestCase):
-    def run_ranks(self, sock, job, qs, ctx, ranks, slow_rank0=False, kwargs_of=None):
+    def run_ranks(self, sock, job, qs, ctx, ranks, slow_rank0=False, kwargs_of=None,
+                  head_in_root=False):
         """Each rank process gets a queue of its own (appended to qs): a
         rank SIGKILLed while its queue's feeder thread holds the queue's
         write lock (between sending a message and releasing the lock) would
@@ -112,9 +129,10 @@ class RejoinTest(unittest.TestCase):
         for r in ranks:
             q = ctx.Queue()
             qs.append(q)
-            ps[r] = ctx.Process(target=script, args=(r, sock, job, q),
-                                kwargs=(kwargs_of or {}).get(r) or
-                                ({"slow_after": 2} if slow_rank0 and r == 0 else {}))
+            kw = dict((kwargs_of or {}).get(r) or
+                      ({"slow_after": 2} if slow_rank0 and r == 0 else {}))
+            kw["head_in_root"] = head_in_root
+            ps[r] = ctx.Process(target=script, args=(r, sock, job, q), kwargs=kw)
         for p in ps.values():
             p.start()
         return ps
@@ -153,29 +171,42 @@ class RejoinTest(unittest.TestCase):
         return out
 
     def test_one_rank_killed_and_relaunched_alone_continues_bit_identically(self):
+        self.killed_and_relaunched(head_in_root=False)
+
+    def test_a_relaunched_rank_beside_a_root_unit_holding_the_head_continues(self):
+        """The root unit holds the head, whose backward comes first: from
+        the second step on its forward gather leases the gradient area too
+        and its backward gathers nothing again. The relaunched rank has
+        not learnt that, so its peer's reset() forgets it as well; else
+        the relaunched rank gathered the root in backward while its peer
+        scattered it (E_MISMATCH)."""
+        self.killed_and_relaunched(head_in_root=True)
+
+    def killed_and_relaunched(self, head_in_root):
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "numpy"])
         sock = common.socket()
         qs = []
-        ref_job = common.job("rejoin-ref")
-        ps = self.run_ranks(sock, ref_job, qs, ctx, range(WORLD))
+        ref_job = common.job("rejoin-ref-head" if head_in_root else "rejoin-ref")
+        ps = self.run_ranks(sock, ref_job, qs, ctx, range(WORLD), head_in_root=head_in_root)
         ref = self.collect(qs, lambda o: len(o["done"]) == WORLD)
         for p in ps.values():
             p.join(10)
 
         qs = []
-        job = common.job("rejoin")
+        job = common.job("rejoin-head" if head_in_root else "rejoin")
         # rank 0 dawdles after each step, so rank 1 is already waiting in
         # step 4's first gather when it is killed: its peer's collectives
         # fail (E_PEER_LOST) and, relaunched only after --peer-grace (1 s),
         # rank 0 has retried the iteration by then
-        ps = self.run_ranks(sock, job, qs, ctx, range(WORLD), slow_rank0=True)
+        ps = self.run_ranks(sock, job, qs, ctx, range(WORLD), slow_rank0=True,
+                            head_in_root=head_in_root)
         got = self.collect(qs, lambda o: len(o["losses"].get(3, {})) == WORLD)
         os.kill(ps[1].pid, signal.SIGKILL)
         ps[1].join(10)
         time.sleep(1.5)
         del qs[1]  # the killed rank's queue may be wedged (see run_ranks)
-        ps.update(self.run_ranks(sock, job, qs, ctx, [1]))
+        ps.update(self.run_ranks(sock, job, qs, ctx, [1], head_in_root=head_in_root))
         try:
             more = self.collect(qs, lambda o: len(o["done"]) == WORLD)
         except RuntimeError as e:
@@ -215,25 +246,34 @@ class RejoinTest(unittest.TestCase):
         ended with other losses (the relaunch was handed the booked
         gradient area, not zeroed, holding the dead rank's partial
         gradient); a relaunch that leased other units first got E_LIMIT
-        ("holds 2 gather areas")."""
+        ("holds 2 gather areas"). Odd trials train the model whose root
+        unit holds the head (the units kept gathered from forward to
+        backward: the root's and the last one's)."""
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "numpy"])
         sock = common.socket()
-        qs = []
-        ps = self.run_ranks(sock, common.job("rejoin-rand-ref"), qs, ctx, range(WORLD))
-        ref = self.collect(qs, lambda o: len(o["done"]) == WORLD)
-        for p in ps.values():
-            p.join(10)
+        refs = {}
+        for head in (False, True):
+            qs = []
+            ps = self.run_ranks(sock, common.job("rejoin-rand-ref"), qs, ctx, range(WORLD),
+                                head_in_root=head)
+            refs[head] = self.collect(qs, lambda o: len(o["done"]) == WORLD)
+            for p in ps.values():
+                p.join(10)
         trials = int(os.environ.get("SHARDD_REJOIN_TRIALS", "4"))
         for t in range(trials):
             rng = random.Random(3200 + t)
             victim, after, delay = rng.randrange(WORLD), rng.randint(1, 4), rng.uniform(0, 0.35)
             peer = 1 - victim
-            with self.subTest(trial=t, victim=victim, after=after, delay=round(delay, 3)):
+            head = t % 2 == 1
+            ref = refs[head]
+            with self.subTest(trial=t, victim=victim, after=after, delay=round(delay, 3),
+                              head_in_root=head):
                 qs = []
                 job = common.job("rejoin-rand-%d" % t)
                 ps = self.run_ranks(sock, job, qs, ctx, range(WORLD),
-                                    kwargs_of={victim: {"slow_backward": 0.05}})
+                                    kwargs_of={victim: {"slow_backward": 0.05}},
+                                    head_in_root=head)
                 got = self.collect(qs, lambda o: victim in o["losses"].get(after, {}))
                 time.sleep(delay)
                 os.kill(ps[victim].pid, signal.SIGKILL)
@@ -243,7 +283,7 @@ class RejoinTest(unittest.TestCase):
                                     peer in o["done"])
                 self.assertNotIn(peer, seen["done"],
                                  "the kill came after the run ended (a loaded machine)")
-                ps.update(self.run_ranks(sock, job, qs, ctx, [victim]))
+                ps.update(self.run_ranks(sock, job, qs, ctx, [victim], head_in_root=head))
                 more = self.collect(qs, lambda o: len(o["done"]) == WORLD)
                 for p in ps.values():
                     p.join(10)

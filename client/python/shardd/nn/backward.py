@@ -86,6 +86,17 @@ class _BackwardHooks:
         if u.is_root:
             self._root_backward_first = all(
                 v.state in ("idle", "forward") for v in self.units if v is not u)
+        elif want and self._tail_next is None:
+            self._tail_next = u  # the first backward after the root's
+        kept = self._kept
+        if kept is u:
+            if want:
+                self._kept = None  # its backward, with the areas it holds
+            else:
+                self._free_kept()  # (frozen since its forward: gathered anew)
+        elif kept is not None and not self._lease_room(
+                1 if u.gather is None else 0, 1 if want and u.grad is None else 0):
+            self._free_kept()  # another unit's backward came first
         if not (want and u.state == "forward" and u.gather is not None
                 and u.grad is not None):
             # (the root unit leased both in its forward: the values there
@@ -256,6 +267,7 @@ class _BackwardHooks:
         zero_grad()."""
         self._final_queued = False
         _HELD.discard(self)
+        self._kept = self._tail_next = None
         partial = []
         for u in self.units:
             ran = u.ran
@@ -414,6 +426,7 @@ class _BackwardHooks:
         _HELD.discard(self)
         if self._pending is not None:  # a backward prefetch no backward took
             self._drop_prefetch()
+        self._tail, self._tail_next = self._tail_next, None
         self._scatter_rest()
         try:
             self._wait_releases()

@@ -385,6 +385,13 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         self._order = []          # units in the order the first forward met them
         self._order_done = False
         self._root_backward_first = False  # the root unit's backward came first
+        # the unit whose backward began first after the root's in the last
+        # backward (the last of the forward: its forward gather leases its
+        # gradient area and stays for its backward, see _keeps), the one
+        # this backward found so far, and the unit held so now
+        self._tail = None
+        self._tail_next = None
+        self._kept = None
         self._pending = None      # (unit, ticket) of the gather under way
         self._releases = []       # tickets of releases not yet waited for
         self.prefetches = 0       # gathers that were under way when needed
@@ -1095,6 +1102,13 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         # now: every rank prefetches again only once all have agreed anew
         self._bw_agreed = False
         self._fw_agreed = False
+        # likewise which units' forward gathers lease their gradient areas
+        # and stay for the backward (the root unit's, the last Block's:
+        # learnt from a backward): a relaunched rank starts without it, and
+        # a rank that kept it would skip the unit's gather in backward that
+        # the relaunched one sends (E_MISMATCH)
+        self._root_backward_first = False
+        self._tail = self._tail_next = self._kept = None
         try:
             self._wait_releases()
         except shardd.Error:
@@ -1117,6 +1131,9 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                 self._to_shard(u)
             u.state = "idle"
             u.live_at = None
+            # the dropped iteration's forward is no use still waiting for
+            # its backward (_keeps, _forward_use): as on a relaunched rank
+            u.param_use = None
             for e in u.entries:
                 e.param.grad = None
 

@@ -61,7 +61,13 @@ class _Prefetch:
         held = sum(1 for v in self.units if v.gather is not None)
         if nxt.gather is not None or held >= self._GATHER_LEASES:
             return
-        self._pending = (nxt, self.client.gather_async(nxt.buffer), False)
+        # the unit kept from its forward to its backward (_keeps) is
+        # prefetched with its gradient area, as its gather would lease it:
+        # else this rank's backward gathered it again and its peers' not.
+        # (_keeps' lease room is the same here as at its forward: the
+        # current unit's gather counts where the check above allows it)
+        want = nxt is self._tail and self._keeps(nxt)
+        self._pending = (nxt, self.client.gather_async(nxt.buffer, want_grad=want), want)
 
     _TRIAL_STEPS = 3  # training steps timed with prefetch, and as many without
     _TRIAL_MARGIN = 0.05  # how much faster prefetching's median must be to keep it
