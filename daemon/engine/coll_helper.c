@@ -27,8 +27,8 @@
 #include <time.h>
 #include <unistd.h>
 
-/* How long the helper looks for work after a wake (or after its last
- * item) before it sleeps again: the ranks of one bucket send it within
+/* How long the helper looks for work after a wake before it sleeps
+ * again: the ranks of one bucket send it within
  * tens of microseconds of each other when they run in step; past that
  * the wait costs a CPU that others may want (it yields each turn). */
 #define HELPER_SPIN_NS ((uint64_t)300 * 1000)
@@ -48,6 +48,10 @@ struct shardd__coll_helper {
   uv_loop_t *loop;
   _Atomic(shardd__coll_help *) slot; /* the posted item, not yet taken */
   atomic_uint wake;                   /* futex word: bumped by every wake */
+  /* the wake count when the work it was woken for was last over (the
+   * loop ran it, or the helper did): while it equals wake the helper has
+   * nothing to wait for */
+  atomic_uint rest;
   atomic_int sleeping;
   atomic_int stop;
   helper_back *back; /* the open handle for ends (loop thread), or NULL */
@@ -100,23 +104,27 @@ static void leave_loop_cpu(shardd__coll_helper *h) {
     h->narrowed = 1;
 }
 
-/* Runs what is posted until nothing came for HELPER_SPIN_NS; 1 when told
- * to stop. */
+/* Runs the item posted within HELPER_SPIN_NS, if any; 1 when told to
+ * stop. */
 static int spin(shardd__coll_helper *h) {
   uint64_t until = now_ns() + HELPER_SPIN_NS;
   for (;;) {
     leave_loop_cpu(h);
     shardd__coll_help *w = atomic_exchange(&h->slot, NULL);
     if (w != NULL) {
+      /* the wakes so far were for this item (a later one's ready is not) */
+      unsigned upto = atomic_load(&h->wake);
       atomic_fetch_add(&h->runs, 1);
       if (w->run(w))
         hand_back(w);
-      until = now_ns() + HELPER_SPIN_NS;
-      continue;
+      atomic_store(&h->rest, upto);
+      /* the bucket it was woken for is done: the next one wakes it
+       * again, and spinning on would only take a CPU from the ranks */
+      return atomic_load(&h->stop);
     }
     if (atomic_load(&h->stop))
       return 1;
-    if (now_ns() >= until)
+    if (now_ns() >= until || atomic_load(&h->rest) == atomic_load(&h->wake))
       return 0;
     sched_yield();
   }
@@ -161,6 +169,7 @@ shardd_err shardd__coll_helper_start(uv_loop_t *loop, shardd__coll_helper **out)
   atomic_init(&h->sleeping, 0);
   atomic_init(&h->stop, 0);
   atomic_init(&h->runs, 0);
+  atomic_init(&h->rest, 0);
   atomic_init(&h->loop_cpu, -1);
   if (sched_getaffinity(0, sizeof h->allowed, &h->allowed) != 0)
     CPU_ZERO(&h->allowed); /* unknown: it never leaves a CPU */
@@ -182,6 +191,12 @@ void shardd__coll_helper_stop(shardd__coll_helper *h) {
   /* an item still posted was never taken: the poster takes it back
    * before its callback returns, so there is none here */
   free(h);
+}
+
+void shardd__coll_helper_rest(shardd__coll_helper *h) {
+  /* the loop alone bumps wake, so this names every wake so far */
+  if (h != NULL)
+    atomic_store(&h->rest, atomic_load(&h->wake));
 }
 
 void shardd__coll_helper_ready(shardd__coll_helper *h) {

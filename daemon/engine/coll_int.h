@@ -473,8 +473,11 @@ shardd_err shardd__coll_helper_start(uv_loop_t *loop, shardd__coll_helper **out)
 /* Stops and joins it; NULL is fine. Loop thread, with nothing posted and
  * no item out (the loop drained every end first). */
 void shardd__coll_helper_stop(shardd__coll_helper *h);
-/* Wakes it to spin for work to come (a big bucket's first request). */
+/* Wakes it to spin for work to come (a big bucket's first request); and
+ * tells it the work it was woken for is over (the loop ran it): it sleeps
+ * at once instead of spinning on (NULL is fine for both). */
 void shardd__coll_helper_ready(shardd__coll_helper *h);
+void shardd__coll_helper_rest(shardd__coll_helper *h);
 /* Posts w (one at a time; its back NULL, or set by _expect) and wakes
  * the helper; 0 when h is NULL. */
 int shardd__coll_helper_post(shardd__coll_helper *h, shardd__coll_help *w);

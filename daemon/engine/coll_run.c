@@ -357,6 +357,7 @@ static void batch_beside(shardd__coll_engine *e, coll_batch *b, int kind,
   if (b->helped && shardd__coll_helper_take_back(e->helper, &b->help)) {
     b->helped = 0; /* never taken: it runs nothing */
     b->refs--;
+    shardd__coll_helper_rest(e->helper); /* nor spins on for it */
   }
   size_t n = b->n;
   if (atomic_load_explicit(&b->done, memory_order_acquire) < n) {
@@ -438,8 +439,10 @@ static void batch_start(shardd__coll_engine *e) {
       shardd__coll_work(&c->tasks[0].req);
       fin_defer(c);
     }
-    if (may)
+    if (may) {
       batch_timed(e, kind, 0, uv_hrtime() - t0, total);
+      shardd__coll_helper_rest(e->helper); /* woken for it: not needed */
+    }
     return;
   }
   if (b == NULL) {
