@@ -81,9 +81,10 @@ ONE_OBJECT = {
     "daemon/engine": [
         ({"coll", "coll_int", "coll_work", "coll_bulk", "coll_fabric",
           "coll_submit", "coll_phase", "coll_run", "coll_members",
-          "coll_exchange", "coll_join"},
+          "coll_exchange", "coll_join", "coll_helper"},
          "the engine: one object (coll_int.h) whose submission, phases, "
-         "running tasks, members, bulk path and multi-node state (its "
+         "running tasks, its helper thread, members, bulk path and "
+         "multi-node state (its "
          "exchange and join) are kept in their own files"),
     ],
     "daemon/net": [

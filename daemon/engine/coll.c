@@ -66,6 +66,10 @@ shardd_err shardd__coll_engine_create(const shardd__coll_config *cfg,
   e->workers = (size_t)(pool < 1 ? 1 : pool > 1024 ? 1024 : pool);
   shardd__map_init(&e->jobs);
   e->fin_tailp = &e->fin_head;
+  /* with a second CPU, a thread to split big buckets with the loop
+   * (coll_helper.c); without it, pool turns do */
+  if (e->cpus > 1 && getenv("SHARDD_NO_HELPER") == NULL)
+    (void)shardd__coll_helper_start(cfg->loop, &e->helper);
   return SHARDD_OK;
 }
 
@@ -90,6 +94,8 @@ static void free_job_cb(void *value, void *arg) {
 void shardd__coll_engine_destroy(shardd__coll_engine *e) {
   if (e == NULL)
     return;
+  shardd__coll_helper_stop(e->helper);
+  e->helper = NULL;
   shardd__map_each(&e->jobs, free_job_cb, e);
   shardd__map_free(&e->jobs);
   while (e->spare) {

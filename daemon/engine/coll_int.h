@@ -15,6 +15,7 @@
 
 typedef struct coll coll;
 typedef struct coll_fab coll_fab;
+typedef struct shardd__coll_helper shardd__coll_helper;
 
 typedef struct {
   shardd__coll_member *m; /* NULL when not arrived or gone */
@@ -186,6 +187,15 @@ struct shardd__coll_engine {
    * COLL_SPARE_BYTES); freed with the engine. */
   void *spare;
   size_t nspare, spare_size;
+  /* the helper thread beside the loop (coll_helper.c): made with the
+   * engine when the process may run on more than one CPU; NULL otherwise
+   * (or when it could not be made: pool turns then) */
+  shardd__coll_helper *helper;
+  /* bytes of the collectives the batch being submitted made (a bucket's
+   * first rank: its entries wait for the others), for the helper's early
+   * wake (coll_run.c) */
+  uint64_t batch_new_bytes;
+  int batch_new_kind; /* theirs: 0 gather, 1 scatter */
 };
 
 #define COLL_SPARE_MAX 128
@@ -446,5 +456,40 @@ int shardd__coll_fab_abort(coll_fab *jf, const char *why, double max_s);
  * rest). 1 when there was something to abandon, 0 when nothing was in
  * flight. */
 int shardd__coll_fab_cancel(coll_fab *jf, const char *why);
+
+/* coll_helper.c: the helper thread (see there). An item it runs: run is
+ * called once on the helper's thread and returns 1 when the item must come
+ * back to the loop thread, where back_fn is then called (after
+ * shardd__coll_helper_expect named it, before it could be handed back). */
+typedef struct shardd__coll_help {
+  int (*run)(struct shardd__coll_help *w);
+  void (*back_fn)(struct shardd__coll_help *w);
+  struct shardd__coll_help *next;
+  struct helper_back *back; /* where its end comes back, or NULL */
+} shardd__coll_help;
+
+/* Starts the thread (asleep); SHARDD_E_NO_MEMORY when it cannot be. */
+shardd_err shardd__coll_helper_start(uv_loop_t *loop, shardd__coll_helper **out);
+/* Stops and joins it; NULL is fine. Loop thread, with nothing posted and
+ * no item out (the loop drained every end first). */
+void shardd__coll_helper_stop(shardd__coll_helper *h);
+/* Wakes it to spin for work to come (a big bucket's first request); and
+ * tells it the work it was woken for is over (the loop ran it): it sleeps
+ * at once instead of spinning on (NULL is fine for both). */
+void shardd__coll_helper_ready(shardd__coll_helper *h);
+void shardd__coll_helper_rest(shardd__coll_helper *h);
+/* Posts w (one at a time; its back NULL, or set by _expect) and wakes
+ * the helper; 0 when h is NULL. */
+int shardd__coll_helper_post(shardd__coll_helper *h, shardd__coll_help *w);
+/* Takes posted w back if the helper has not taken it: 1 then (it never
+ * runs), 0 when the helper has it. */
+int shardd__coll_helper_take_back(shardd__coll_helper *h, shardd__coll_help *w);
+/* Loop thread: w's end may come back (its run may return 1): opens the
+ * async handle it comes through if none is open; and the converse, when
+ * it will not after all (the loop ended it itself). */
+shardd_err shardd__coll_helper_expect(shardd__coll_helper *h, shardd__coll_help *w);
+void shardd__coll_helper_unexpect(shardd__coll_helper *h, shardd__coll_help *w);
+/* Items the helper ran so far (tests). */
+unsigned long shardd__coll_helper_runs(const shardd__coll_helper *h);
 
 #endif /* SHARDD_COLL_INT_H */

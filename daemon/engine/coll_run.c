@@ -169,7 +169,9 @@ static void batch_start(shardd__coll_engine *e);
 
 typedef struct {
   uv_work_t turns[BATCH_TURNS];
-  size_t nturns, left, n;
+  /* the helper thread's turn (coll_helper.c), when it was posted */
+  shardd__coll_help help;
+  size_t nturns, n;
   atomic_size_t claim;
   /* collectives whose work has ended, whichever thread ran it (release:
    * their bytes are written before the loop reads the count) */
@@ -180,8 +182,20 @@ typedef struct {
    * itself (the turns' ends then only free b); -1 and 0 otherwise */
   int loop_cpu;
   int completed;
+  /* what still holds b, counted on the loop thread: each pool turn until
+   * its end came back, the loop while it works beside them, the helper's
+   * turn until the loop knows it ended. The last one frees b, completing
+   * its collectives first unless the loop already did. */
+  size_t refs;
+  /* the helper's turn: H_RUNNING while posted or run, H_DONE once it
+   * ended (its last touch of b), H_WAITING when the loop stopped waiting
+   * for it first (its end then comes back through the helper's handle) */
+  atomic_int hstate;
+  int helped; /* the helper took its turn (the loop did not take it back) */
   coll *colls[]; /* [n], in start order */
 } coll_batch;
+
+enum { H_RUNNING, H_WAITING, H_DONE };
 
 /* Runs the next unclaimed collectives until none is left. */
 static void batch_run(coll_batch *b) {
@@ -200,12 +214,10 @@ static void batch_work(uv_work_t *req) {
   batch_run(b);
 }
 
-static void batch_done(uv_work_t *req, int status) {
-  coll_batch *b = req->data;
-  /* a turn the loop cancelled (UV_ECANCELED) ran none; any other ran,
-   * maybe finding none left */
-  (void)status;
-  if (--b->left > 0)
+/* Drops one of b's references (loop thread); the last completes b's
+ * collectives unless the loop did, and frees b. */
+static void batch_drop(coll_batch *b) {
+  if (--b->refs > 0)
     return;
   if (b->completed) {
     free(b);
@@ -220,6 +232,33 @@ static void batch_done(uv_work_t *req, int status) {
   free(b);
   shardd__coll_sched_release(e);
 }
+
+static void batch_done(uv_work_t *req, int status) {
+  /* a turn the loop cancelled (UV_ECANCELED) ran none; any other ran,
+   * maybe finding none left */
+  (void)status;
+  batch_drop(req->data);
+}
+
+static coll_batch *batch_of_help(shardd__coll_help *w) {
+  return (coll_batch *)(void *)((char *)w - offsetof(coll_batch, help));
+}
+
+/* The helper's turn (its thread): like a pool turn's; then it tells the
+ * loop it ended, unless the loop stopped waiting first: 1 then, and
+ * helper_back runs on the loop. */
+static int helper_run(shardd__coll_help *w) {
+  coll_batch *b = batch_of_help(w);
+  if (!(b->loop_cpu >= 0 && sched_getcpu() == b->loop_cpu))
+    batch_run(b);
+  int running = H_RUNNING;
+  /* after this b may be freed by the loop */
+  return !atomic_compare_exchange_strong(&b->hstate, &running, H_DONE);
+}
+
+static void helper_back(shardd__coll_help *w) { batch_drop(batch_of_help(w)); }
+
+static int split_wanted(const shardd__coll_engine *e, int k);
 
 void shardd__coll_batch_begin(shardd__coll_engine *e) {
   if (e->batching++ > 0)
@@ -239,8 +278,18 @@ void shardd__coll_batch_end(shardd__coll_engine *e) {
     return;
   e->batch_job = NULL;
   e->batch_cj = NULL;
+  uint64_t made = e->batch_new_bytes;
+  e->batch_new_bytes = 0;
   batch_start(e);
   e->help_left = 0;
+  /* A bucket's first rank made its entries, which wait for the others:
+   * when it is one the helper will split with the loop, wake the helper
+   * now, so it is running when the last rank's request comes (a sleeping
+   * thread took 16-56 us to start, a third of the bucket's work) */
+  if (e->helper != NULL && made >= BATCH_SPLIT_BYTES &&
+      made <= LOOP_HELP_BYTES && e->cpus > 1 &&
+      split_wanted(e, e->batch_new_kind))
+    shardd__coll_helper_ready(e->helper);
 }
 
 /* Whether a bucket of total bytes in n collectives, which fits the loop's
@@ -274,6 +323,17 @@ static int batch_split(shardd__coll_engine *e, int k) {
   return best;
 }
 
+/* What batch_split would answer next for kind k, without counting a
+ * bucket (the helper's early wake asks before the bucket is complete). */
+static int split_wanted(const shardd__coll_engine *e, int k) {
+  const double *ns = e->split_ns[k];
+  if (ns[1] == 0)
+    return 1;
+  if (ns[0] == 0)
+    return 0;
+  return (ns[1] < 0.9 * ns[0]) != (e->split_since[k] + 1 >= BATCH_RETRY);
+}
+
 /* Notes the loop's time for a bucket of kind k and bytes run one way
  * (split: with turns beside it): a moving average of its nanoseconds per
  * byte. */
@@ -284,9 +344,9 @@ static void batch_timed(shardd__coll_engine *e, int k, int split, uint64_t ns,
 }
 
 /* The loop's side of a split bucket b of kind and bytes, its turns queued
- * at t0: it claims collectives beside the turns, waits briefly for those a
- * turn still runs, and completes them all on this loop turn when they
- * ended (else the turns' ends do). */
+ * (or posted to the helper) at t0: it claims collectives beside the turns,
+ * waits briefly for those a turn still runs, and completes them all on
+ * this loop turn when they ended (else the last turn's end does). */
 static void batch_beside(shardd__coll_engine *e, coll_batch *b, int kind,
                          uint64_t t0, uint64_t bytes) {
   batch_run(b);
@@ -294,6 +354,11 @@ static void batch_beside(shardd__coll_engine *e, coll_batch *b, int kind,
    * the one it claimed */
   for (size_t k = 0; k < b->nturns; k++)
     (void)uv_cancel((uv_req_t *)&b->turns[k]);
+  if (b->helped && shardd__coll_helper_take_back(e->helper, &b->help)) {
+    b->helped = 0; /* never taken: it runs nothing */
+    b->refs--;
+    shardd__coll_helper_rest(e->helper); /* nor spins on for it */
+  }
   size_t n = b->n;
   if (atomic_load_explicit(&b->done, memory_order_acquire) < n) {
     uint64_t until = uv_hrtime() + BATCH_WAIT_NS;
@@ -301,14 +366,33 @@ static void batch_beside(shardd__coll_engine *e, coll_batch *b, int kind,
            uv_hrtime() < until)
       ;
   }
-  int ended = atomic_load_explicit(&b->done, memory_order_acquire) == n;
   e->counters.split++;
   batch_timed(e, kind, 1, uv_hrtime() - t0, bytes);
-  if (!ended)
-    return;
-  b->completed = 1;
-  for (size_t i = 0; i < n; i++)
-    fin_defer(b->colls[i]);
+  if (b->helped) {
+    /* the helper's end: known now (H_DONE), or it comes back through its
+     * handle, named before the helper can hand it back */
+    int running = H_RUNNING;
+    int expect = shardd__coll_helper_expect(e->helper, &b->help) == SHARDD_OK;
+    if (expect &&
+        atomic_compare_exchange_strong(&b->hstate, &running, H_WAITING)) {
+      /* helper_back drops its reference */
+    } else {
+      if (expect)
+        shardd__coll_helper_unexpect(e->helper, &b->help);
+      /* ended, or (out of memory) about to: its work is a few KiB */
+      while (atomic_load(&b->hstate) != H_DONE)
+        sched_yield();
+      b->refs--;
+    }
+  }
+  if (atomic_load_explicit(&b->done, memory_order_acquire) == n) {
+    b->completed = 1;
+    for (size_t i = 0; i < n; i++)
+      fin_defer(b->colls[i]);
+  }
+  /* not the last while a turn still runs one: the last one's end
+   * completes them (batch_drop), never inside this call */
+  batch_drop(b);
 }
 
 /* Starts the small collectives listed while batching (their request's
@@ -355,8 +439,10 @@ static void batch_start(shardd__coll_engine *e) {
       shardd__coll_work(&c->tasks[0].req);
       fin_defer(c);
     }
-    if (may)
+    if (may) {
       batch_timed(e, kind, 0, uv_hrtime() - t0, total);
+      shardd__coll_helper_rest(e->helper); /* woken for it: not needed */
+    }
     return;
   }
   if (b == NULL) {
@@ -373,17 +459,27 @@ static void batch_start(shardd__coll_engine *e) {
   b->n = n;
   atomic_init(&b->claim, 0);
   atomic_init(&b->done, 0);
+  atomic_init(&b->hstate, H_RUNNING);
   b->completed = 0;
   b->loop_cpu = help ? sched_getcpu() : -1;
-  /* beside the loop: one turn fewer than the CPUs (the loop has one) */
+  /* beside the loop: one turn fewer than the CPUs (the loop has one),
+   * the helper's first when there is one */
   size_t most = help ? e->cpus - 1 : e->cpus;
   if (help && most > n - 1)
     most = n - 1;
+  uint64_t t0 = help ? uv_hrtime() : 0;
+  b->helped = 0;
+  if (help && most > 0) {
+    b->help.run = helper_run;
+    b->help.back_fn = helper_back;
+    b->help.back = NULL;
+    b->helped = shardd__coll_helper_post(e->helper, &b->help);
+    most -= (size_t)b->helped;
+  }
   b->nturns = n < BATCH_TURNS ? n : BATCH_TURNS;
   if (b->nturns > most)
     b->nturns = most;
-  b->left = b->nturns;
-  uint64_t t0 = help ? uv_hrtime() : 0;
+  b->refs = b->nturns + (size_t)b->helped + (help ? 1 : 0);
   for (size_t k = 0; k < b->nturns; k++) {
     b->turns[k].data = b;
     /* fails only without a work callback (UV_EINVAL) */

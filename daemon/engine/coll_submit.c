@@ -447,6 +447,13 @@ static coll *submit_new(submission *s) {
   } else {
     c->buf = (shardd__buffer *)s->o;
     shardd__buffer_hold(c->buf);
+    if (e->batching && (args->kind == SHARDD__COLL_GATHER ||
+                        args->kind == SHARDD__COLL_SCATTER))
+      /* a bucket's first rank: what its entries will move when the
+       * others come (coll_run.c's early wake of the helper) */
+      e->batch_new_bytes += c->buf->padded_numel *
+                            shardd_dtype_size(c->buf->dtype) * s->job->world;
+    e->batch_new_kind = args->kind == SHARDD__COLL_SCATTER;
   }
   /* appended in O(1): a bucket's 64 entries make as many collectives */
   if (q->tailp == NULL)

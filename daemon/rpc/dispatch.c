@@ -179,6 +179,11 @@ static void req_free(void *arena, void *p) {
 
 static Shardwire__Request *req_unpack(shardd__dispatch *d, const uint8_t *payload,
                                       size_t len) {
+  /* a bucket's, the one request whose decoding cost counted */
+  Shardwire__Request *req = shardd__bucket_decode(req_alloc, &d->req_arena,
+                                                  payload, len);
+  if (req != NULL)
+    return req;
   ProtobufCAllocator a = {req_alloc, req_free, &d->req_arena};
   return shardwire__request__unpack(&a, len, payload);
 }

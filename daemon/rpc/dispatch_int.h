@@ -162,6 +162,12 @@ void shardd__ckpt_collective_free(shardd__dispatch *d);
 
 /* ---- buckets (buckets.c) ------------------------------------------------- */
 
+/* A bucket's Request decoded by hand (buckets.c: the shape clients send,
+ * into what protobuf-c would fill), its pieces from alloc(ctx, bytes);
+ * NULL for any other frame, which protobuf-c then decodes. */
+typedef void *(*shardd__bucket_alloc)(void *ctx, size_t n);
+Shardwire__Request *shardd__bucket_decode(shardd__bucket_alloc alloc, void *ctx,
+                                          const uint8_t *payload, size_t len);
 void shardd__on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                        const Shardwire__Request *req);
 /* c's bucket answered by seq; NULL: none. */

@@ -484,16 +484,20 @@ Test(coll, bucket_within_the_loops_budget_runs_on_the_loop_without_a_pool_turn) 
 }
 
 /* A bucket within the loop's budget and big enough (3.8 MiB over the
- * ranks) gets a pool turn beside the loop thread on a machine with a CPU
- * to spare (the first such bucket: later ones go whichever way took the
- * loop less time): the loop claims the bucket's collectives with it, each
- * run once by whichever thread claimed it, and every entry's sum is
- * exact; the next such bucket runs on the loop alone, to time that way
- * too. With one CPU the loop runs them alone (a turn would only take
- * turns with it). */
-Test(coll, big_bucket_within_the_budget_gets_a_pool_turn_beside_the_loop) {
+ * ranks) gets a turn beside the loop thread on a machine with a CPU to
+ * spare (the first such bucket: later ones go whichever way took the
+ * loop less time): the engine's helper thread's (coll_helper.c), or, with
+ * none (SHARDD_NO_HELPER), a pool turn; the loop claims the bucket's
+ * collectives with it, each run once by whichever thread claimed it, and
+ * every entry's sum is exact; the next such bucket runs on the loop alone,
+ * to time that way too. With one CPU the loop runs them alone (a turn
+ * would only take turns with it). */
+static void big_bucket_split(int helper) {
   shardd__coll_engine_destroy(eng);
+  if (!helper)
+    setenv("SHARDD_NO_HELPER", "1", 1);
   make_engine(NLOOP, 0);
+  unsetenv("SHARDD_NO_HELPER");
   cpu_set_t set;
   cr_assert_eq(sched_getaffinity(0, sizeof set, &set), 0);
   int spare = CPU_COUNT(&set) > 1;
@@ -508,8 +512,9 @@ Test(coll, big_bucket_within_the_budget_gets_a_pool_turn_beside_the_loop) {
   cr_assert_eq(nreplies, 0, "never answered inside the submit");
   cr_assert_eq(after.split - before.split, spare ? 1u : 0u,
                "a turn beside the loop with a CPU to spare, none without");
-  cr_assert_eq(pool_requests() > 0, spare,
-               "the turn queued (its end, or its cancelling, comes back)");
+  if (!helper)
+    cr_assert_eq(pool_requests() > 0, spare,
+                 "the turn queued (its end, or its cancelling, comes back)");
   run_until(NLOOP * W);
   expect_bucket_answered(b);
   run_idle();
@@ -525,13 +530,25 @@ Test(coll, big_bucket_within_the_budget_gets_a_pool_turn_beside_the_loop) {
   run_idle();
 }
 
+Test(coll, big_bucket_within_the_budget_gets_the_helper_beside_the_loop) {
+  big_bucket_split(1);
+}
+
+Test(coll, big_bucket_within_the_budget_gets_a_pool_turn_without_the_helper) {
+  big_bucket_split(0);
+}
+
 /* A split bucket whose ranks are all lost before the loop turns again
  * (their sessions closed right after sending it): the collectives the
- * loop completed on its turn and the pool turn's end, which comes back
- * after, each happen once, and nothing of the bucket is left. */
-Test(coll, a_split_bucket_whose_ranks_are_lost_at_once_ends_once) {
+ * loop completed on its turn and the turn's end (the helper's or the
+ * pool's), which may come back after, each happen once, and nothing of
+ * the bucket is left. */
+static void split_bucket_lost_at_once(int helper) {
   shardd__coll_engine_destroy(eng);
+  if (!helper)
+    setenv("SHARDD_NO_HELPER", "1", 1);
   make_engine(NLOOP, 0);
+  unsetenv("SHARDD_NO_HELPER");
   cpu_set_t set;
   cr_assert_eq(sched_getaffinity(0, sizeof set, &set), 0);
   if (CPU_COUNT(&set) < 2)
@@ -543,7 +560,8 @@ Test(coll, a_split_bucket_whose_ranks_are_lost_at_once_ends_once) {
   scatter_bucket(b, 3);
   shardd__coll_get_counters(eng, &after);
   cr_assert_eq(after.split - before.split, 1u, "the bucket was split");
-  cr_assert_gt(pool_requests(), 0, "its turn's end is still to come");
+  if (!helper)
+    cr_assert_gt(pool_requests(), 0, "its turn's end is still to come");
   for (uint32_t r = 0; r < W; r++)
     shardd__coll_member_lost(eng, &mem[r]);
   run_idle();
@@ -552,6 +570,14 @@ Test(coll, a_split_bucket_whose_ranks_are_lost_at_once_ends_once) {
   for (int k = 0; k < NLOOP; k++)
     check_reduced(b[k], SHARDD_REDUCE_SUM); /* run whole, once */
   expect_pending_zero();
+}
+
+Test(coll, a_split_bucket_whose_ranks_are_lost_at_once_ends_once) {
+  split_bucket_lost_at_once(1);
+}
+
+Test(coll, a_split_bucket_whose_ranks_are_lost_at_once_ends_once_on_the_pool) {
+  split_bucket_lost_at_once(0);
 }
 
 /* A bucket's entries each make a collective, but the engine's work per
