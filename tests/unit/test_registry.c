@@ -1067,6 +1067,37 @@ static shardd_err frozen_view(shardd__buffer *b, const char *name, uint64_t off,
                                   sizeof err);
 }
 
+/* A view refused once its name was looked up (frozen on trainable,
+ * trainable on frozen, past the view limit) leaves no entry behind in its
+ * buffer's map of views: the map counts only the views made, and the name
+ * registers afresh afterwards. */
+Test(registry, refused_views_leave_no_name_in_their_buffer) {
+  shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_FP32, 100);
+  shardd__view *v;
+  cr_assert_eq(frozen_view(b, "train", 0, 10, 1, &v), SHARDD_OK, "%s", err);
+  cr_assert_eq(frozen_view(b, "frozen", 50, 10, 0, &v), SHARDD_OK, "%s", err);
+  cr_assert_eq(shardd__map_count(&b->views), 2);
+  cr_assert_eq(frozen_view(b, "x", 5, 10, 0, &v), SHARDD_E_OVERLAP);
+  cr_assert_eq(shardd__map_count(&b->views), 2, "a frozen view on trainable");
+  cr_assert_eq(frozen_view(b, "x", 55, 10, 1, &v), SHARDD_E_OVERLAP);
+  cr_assert_eq(shardd__map_count(&b->views), 2, "a trainable view on frozen");
+  reg.max_views = 2;
+  cr_assert_eq(frozen_view(b, "x", 20, 10, 1, &v), SHARDD_E_LIMIT);
+  cr_assert_eq(shardd__map_count(&b->views), 2, "past the view limit");
+  reg.max_views = 0;
+  cr_assert_null(shardd__map_get_str(&b->views, "x"));
+  int created;
+  int64_t shape[1] = {10};
+  cr_assert_eq(shardd__view_register_ex(&reg, job, b->hdr.id, 0, "x", 20, 10,
+                                        shape, 1, 1, &v, &created, err,
+                                        sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_expect_eq(created, 1);
+  cr_expect_eq(v->hdr.generation, 1, "the refusals took no generation");
+  cr_expect_eq(shardd__map_get_str(&b->views, "x"), v);
+  cr_expect_eq(shardd__map_count(&b->views), 3);
+}
+
 Test(registry, frozen_ranges_merge_and_trainable_is_their_complement) {
   shardd__buffer *b = buf_new(job, "lora", SHARDD_DTYPE_FP32, 100);
   shardd__view *v;
