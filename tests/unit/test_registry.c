@@ -1333,6 +1333,33 @@ Test(registry, frozen_bookkeeping_does_not_grow_with_the_views,
   free(vs);
 }
 
+/* Names whose generation key is longer than the registry's stack buffer
+ * for it (255-byte buffer and view names) count their generations as
+ * short ones do, apart from a view whose names split the same bytes
+ * differently. */
+Test(registry, generations_of_the_longest_names) {
+  char bn[256], vn[256], vn2[256];
+  memset(bn, 'b', 255);
+  bn[255] = '\0';
+  memset(vn, 'v', 255);
+  vn[255] = '\0';
+  memcpy(vn2, vn, sizeof vn2);
+  vn2[254] = '\0'; /* ("b..b", "v..v" less one) is another name */
+  shardd__buffer *b = buf_new(job, bn, SHARDD_DTYPE_FP32, 64);
+  shardd__view *v = view_new(job, b, vn, 0, 8);
+  cr_expect_eq(v->hdr.generation, 1);
+  shardd__view *w = view_new(job, b, vn2, 8, 8);
+  cr_expect_eq(w->hdr.generation, 1);
+  uint64_t id = v->hdr.id;
+  cr_assert_eq(shardd__view_unregister(&reg, job, id, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  v = view_new(job, b, vn, 0, 8);
+  cr_expect_eq(v->hdr.generation, 2);
+  cr_expect_eq(shardd__registry_resolve(&reg, job, id, SHARDD__OBJ_VIEW,
+                                        &(shardd__obj *){NULL}, err, sizeof err),
+               SHARDD_E_STALE, "the freed id names its successor");
+}
+
 Test(registry, generations_count_per_name_in_a_job) {
   shardd__buffer *b = buf_new(job, "layer0", SHARDD_DTYPE_FP32, 64);
   cr_expect_eq(b->hdr.generation, 1);
