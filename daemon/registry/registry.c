@@ -275,11 +275,12 @@ shardd_err shardd__registry_resolve_gen(const shardd__registry *reg,
 
 /* ---- generations and freed handles ------------------------------------ */
 
-/* The gens key of (buf_name, view_name) into dst, or *len alone when dst
- * is NULL. "v<len>:<buf><view>" or "b:<buf>", put together by hand:
+/* The gens key of (buf_name, view_name) into dst where it fits in cap
+ * bytes (its NUL included), its length in *len always (dst NULL: *len
+ * alone). "v<len>:<buf><view>" or "b:<buf>", put together by hand:
  * snprintf was a quarter of a view's registration (gen_key runs at each
  * registration and each unregistration). */
-static void gen_key_write(char *dst, const char *buf_name,
+static void gen_key_write(char *dst, size_t cap, const char *buf_name,
                           const char *view_name, size_t *len) {
   size_t nb = strlen(buf_name), nv = view_name ? strlen(view_name) : 0;
   char digits[24];
@@ -291,7 +292,7 @@ static void gen_key_write(char *dst, const char *buf_name,
     while ((x /= 10) != 0);
   }
   *len = nd + nb + nv + 2;
-  if (dst == NULL)
+  if (dst == NULL || *len >= cap)
     return;
   char *p = dst;
   *p++ = view_name ? 'v' : 'b';
@@ -309,10 +310,10 @@ static void gen_key_write(char *dst, const char *buf_name,
  * *len gets the key's length. */
 static char *gen_key_extra(const char *buf_name, const char *view_name,
                            size_t extra, size_t *len) {
-  gen_key_write(NULL, buf_name, view_name, len);
+  gen_key_write(NULL, 0, buf_name, view_name, len);
   char *k = malloc(*len + 1 + extra);
   if (k != NULL)
-    gen_key_write(k, buf_name, view_name, len);
+    gen_key_write(k, *len + 1, buf_name, view_name, len);
   return k;
 }
 
@@ -326,11 +327,9 @@ char *shardd__gen_key(const char *buf_name, const char *view_name) {
 char *shardd__gen_key_in(char *buf, size_t cap, const char *buf_name,
                          const char *view_name) {
   size_t len;
-  gen_key_write(NULL, buf_name, view_name, &len);
-  if (len < cap) {
-    gen_key_write(buf, buf_name, view_name, &len);
+  gen_key_write(buf, cap, buf_name, view_name, &len); /* when it fits */
+  if (len < cap)
     return buf;
-  }
   return gen_key_extra(buf_name, view_name, 0, &len);
 }
 
@@ -407,7 +406,7 @@ void shardd__record_freed(shardd__obj *o, const char *buf_name) {
   const char *kview = o->kind == SHARDD__OBJ_VIEW ? o->name : NULL;
   size_t nn = strlen(o->name) + 1, nbn = buf_name ? strlen(buf_name) + 1 : 0;
   size_t kl;
-  gen_key_write(NULL, kbuf, kview, &kl);
+  gen_key_write(NULL, 0, kbuf, kview, &kl);
   size_t need = kl + 1 + nn + nbn;
   if (room == NULL || room_cap < need) {
     free(room);
@@ -418,7 +417,7 @@ void shardd__record_freed(shardd__obj *o, const char *buf_name) {
   f->cap = room ? room_cap : 0;
   f->name = f->buf_name = NULL;
   if (f->key) {
-    gen_key_write(f->key, kbuf, kview, &kl);
+    gen_key_write(f->key, kl + 1, kbuf, kview, &kl);
     f->name = f->key + kl + 1;
     memcpy(f->name, o->name, nn);
     if (buf_name) {

@@ -294,50 +294,17 @@ static shardd_err view_geometry(const shardd__buffer *b, uint64_t buffer,
   return SHARDD_OK;
 }
 
-shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
-                                    uint64_t buffer, uint64_t buffer_gen,
-                                    const char *name, uint64_t offset,
-                                    uint64_t numel, const int64_t *shape,
-                                    int ndim, int requires_grad,
-                                    shardd__view **out, int *created,
-                                    char *err, size_t errlen) {
-  *out = NULL;
-  *created = 0;
-  requires_grad = requires_grad != 0;
-  shardd__obj *o;
+/* The view name (of buffer b, o its header) does not name yet, checked
+ * against b's other views and the limits and made, with its generation
+ * and id; not yet in b's map of views (the caller's slot). */
+static shardd_err view_new(shardd__registry *reg, shardd__job *job,
+                           shardd__buffer *b, uint64_t buffer,
+                           const char *name, uint64_t offset, uint64_t numel,
+                           const int64_t *shape, int ndim, int requires_grad,
+                           shardd__view **out, char *err, size_t errlen) {
+  shardd__obj *o = &b->hdr;
   char *gkey = NULL, kbuf[256];
   uint64_t gprev = 0;
-  shardd_err rc = shardd__registry_resolve_gen(reg, job, buffer, buffer_gen,
-                                               SHARDD__OBJ_BUFFER, &o, err,
-                                               errlen);
-  if (rc != SHARDD_OK)
-    return rc;
-  shardd__buffer *b = (shardd__buffer *)o;
-  if (!shardd__name_ok(name, "view", err, errlen))
-    return SHARDD_E_INVAL;
-  rc = view_geometry(b, buffer, name, offset, numel, shape, ndim, err, errlen);
-  if (rc != SHARDD_OK)
-    return rc;
-  shardd__view *v = shardd__map_get_str(&b->views, name);
-  if (v) {
-    if (v->offset != offset || v->numel != numel || !same_shape(v, shape, ndim)) {
-      snprintf(err, errlen,
-               "view \"%s\" of buffer %" PRIu64 " exists with offset %" PRIu64
-               " numel %" PRIu64 " and another shape",
-               name, buffer, v->offset, v->numel);
-      return SHARDD_E_MISMATCH;
-    }
-    if (v->requires_grad != requires_grad) {
-      snprintf(err, errlen,
-               "view %" PRIu64 " (\"%s\") of buffer %" PRIu64
-               " exists with requires_grad=%s, not %s",
-               v->hdr.id, name, buffer, v->requires_grad ? "true" : "false",
-               requires_grad ? "true" : "false");
-      return SHARDD_E_MISMATCH;
-    }
-    *out = v;
-    return SHARDD_OK;
-  }
   /* Frozen and trainable elements never mix, so "the elements an
    * optimizer may update" stays one well-defined set. */
   if (!requires_grad && b->owner) {
@@ -378,7 +345,7 @@ shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
    * (sizeof *v is a multiple of its alignment, which int64_t's does not
    * exceed) */
   size_t nlen = strlen(name) + 1;
-  v = calloc(1, sizeof *v + (size_t)ndim * sizeof *shape + nlen);
+  shardd__view *v = calloc(1, sizeof *v + (size_t)ndim * sizeof *shape + nlen);
   if (v == NULL)
     goto nomem;
   if (ndim > 0) {
@@ -402,20 +369,9 @@ shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
     shardd__gen_put(job, gkey, gprev);
     goto nomem;
   }
-  if (shardd__map_put_str(&b->views, name, v) != SHARDD_OK) {
-    shardd__obj_fini(reg, &v->hdr);
-    shardd__gen_put(job, gkey, gprev);
-    goto nomem;
-  }
-  kind_add(v);
-  if (!requires_grad)
-    b->nfrozen++;
   if (gkey != kbuf)
     free(gkey);
-  job->nviews++;
-  reg->nviews++;
   *out = v;
-  *created = 1;
   return SHARDD_OK;
 
 nomem:
@@ -424,6 +380,72 @@ nomem:
   free(v);
   snprintf(err, errlen, "out of memory");
   return SHARDD_E_NO_MEMORY;
+}
+
+shardd_err shardd__view_register_ex(shardd__registry *reg, shardd__job *job,
+                                    uint64_t buffer, uint64_t buffer_gen,
+                                    const char *name, uint64_t offset,
+                                    uint64_t numel, const int64_t *shape,
+                                    int ndim, int requires_grad,
+                                    shardd__view **out, int *created,
+                                    char *err, size_t errlen) {
+  *out = NULL;
+  *created = 0;
+  requires_grad = requires_grad != 0;
+  shardd__obj *o;
+  shardd_err rc = shardd__registry_resolve_gen(reg, job, buffer, buffer_gen,
+                                               SHARDD__OBJ_BUFFER, &o, err,
+                                               errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  shardd__buffer *b = (shardd__buffer *)o;
+  if (!shardd__name_ok(name, "view", err, errlen))
+    return SHARDD_E_INVAL;
+  rc = view_geometry(b, buffer, name, offset, numel, shape, ndim, err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  /* one hash and one search of the name: the slot is filled below, or
+   * taken out again when the view is refused */
+  void **slot = shardd__map_slot_str(&b->views, name);
+  if (slot == NULL) {
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  shardd__view *v = *slot;
+  if (v) {
+    if (v->offset != offset || v->numel != numel || !same_shape(v, shape, ndim)) {
+      snprintf(err, errlen,
+               "view \"%s\" of buffer %" PRIu64 " exists with offset %" PRIu64
+               " numel %" PRIu64 " and another shape",
+               name, buffer, v->offset, v->numel);
+      return SHARDD_E_MISMATCH;
+    }
+    if (v->requires_grad != requires_grad) {
+      snprintf(err, errlen,
+               "view %" PRIu64 " (\"%s\") of buffer %" PRIu64
+               " exists with requires_grad=%s, not %s",
+               v->hdr.id, name, buffer, v->requires_grad ? "true" : "false",
+               requires_grad ? "true" : "false");
+      return SHARDD_E_MISMATCH;
+    }
+    *out = v;
+    return SHARDD_OK;
+  }
+  rc = view_new(reg, job, b, buffer, name, offset, numel, shape, ndim,
+                requires_grad, &v, err, errlen);
+  if (rc != SHARDD_OK) {
+    shardd__map_del_str(&b->views, name);
+    return rc;
+  }
+  *slot = v;
+  kind_add(v);
+  if (!requires_grad)
+    b->nfrozen++;
+  job->nviews++;
+  reg->nviews++;
+  *out = v;
+  *created = 1;
+  return SHARDD_OK;
 }
 
 shardd_err shardd__view_unregister(shardd__registry *reg, shardd__job *job,

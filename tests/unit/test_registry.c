@@ -1067,6 +1067,37 @@ static shardd_err frozen_view(shardd__buffer *b, const char *name, uint64_t off,
                                   sizeof err);
 }
 
+/* A view refused once its name was looked up (frozen on trainable,
+ * trainable on frozen, past the view limit) leaves no entry behind in its
+ * buffer's map of views: the map counts only the views made, and the name
+ * registers afresh afterwards. */
+Test(registry, refused_views_leave_no_name_in_their_buffer) {
+  shardd__buffer *b = buf_new(job, "w", SHARDD_DTYPE_FP32, 100);
+  shardd__view *v;
+  cr_assert_eq(frozen_view(b, "train", 0, 10, 1, &v), SHARDD_OK, "%s", err);
+  cr_assert_eq(frozen_view(b, "frozen", 50, 10, 0, &v), SHARDD_OK, "%s", err);
+  cr_assert_eq(shardd__map_count(&b->views), 2);
+  cr_assert_eq(frozen_view(b, "x", 5, 10, 0, &v), SHARDD_E_OVERLAP);
+  cr_assert_eq(shardd__map_count(&b->views), 2, "a frozen view on trainable");
+  cr_assert_eq(frozen_view(b, "x", 55, 10, 1, &v), SHARDD_E_OVERLAP);
+  cr_assert_eq(shardd__map_count(&b->views), 2, "a trainable view on frozen");
+  reg.max_views = 2;
+  cr_assert_eq(frozen_view(b, "x", 20, 10, 1, &v), SHARDD_E_LIMIT);
+  cr_assert_eq(shardd__map_count(&b->views), 2, "past the view limit");
+  reg.max_views = 0;
+  cr_assert_null(shardd__map_get_str(&b->views, "x"));
+  int created;
+  int64_t shape[1] = {10};
+  cr_assert_eq(shardd__view_register_ex(&reg, job, b->hdr.id, 0, "x", 20, 10,
+                                        shape, 1, 1, &v, &created, err,
+                                        sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_expect_eq(created, 1);
+  cr_expect_eq(v->hdr.generation, 1, "the refusals took no generation");
+  cr_expect_eq(shardd__map_get_str(&b->views, "x"), v);
+  cr_expect_eq(shardd__map_count(&b->views), 3);
+}
+
 Test(registry, frozen_ranges_merge_and_trainable_is_their_complement) {
   shardd__buffer *b = buf_new(job, "lora", SHARDD_DTYPE_FP32, 100);
   shardd__view *v;
@@ -1300,6 +1331,33 @@ Test(registry, frozen_bookkeeping_does_not_grow_with_the_views,
                 " changes and %" PRIu64 " reads",
                 b->frozen_probes, changes, reads);
   free(vs);
+}
+
+/* Names whose generation key is longer than the registry's stack buffer
+ * for it (255-byte buffer and view names) count their generations as
+ * short ones do, apart from a view whose names split the same bytes
+ * differently. */
+Test(registry, generations_of_the_longest_names) {
+  char bn[256], vn[256], vn2[256];
+  memset(bn, 'b', 255);
+  bn[255] = '\0';
+  memset(vn, 'v', 255);
+  vn[255] = '\0';
+  memcpy(vn2, vn, sizeof vn2);
+  vn2[254] = '\0'; /* ("b..b", "v..v" less one) is another name */
+  shardd__buffer *b = buf_new(job, bn, SHARDD_DTYPE_FP32, 64);
+  shardd__view *v = view_new(job, b, vn, 0, 8);
+  cr_expect_eq(v->hdr.generation, 1);
+  shardd__view *w = view_new(job, b, vn2, 8, 8);
+  cr_expect_eq(w->hdr.generation, 1);
+  uint64_t id = v->hdr.id;
+  cr_assert_eq(shardd__view_unregister(&reg, job, id, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  v = view_new(job, b, vn, 0, 8);
+  cr_expect_eq(v->hdr.generation, 2);
+  cr_expect_eq(shardd__registry_resolve(&reg, job, id, SHARDD__OBJ_VIEW,
+                                        &(shardd__obj *){NULL}, err, sizeof err),
+               SHARDD_E_STALE, "the freed id names its successor");
 }
 
 Test(registry, generations_count_per_name_in_a_job) {
