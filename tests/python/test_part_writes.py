@@ -160,6 +160,7 @@ def rank_main(rank, world, sock, job, q):
         padded = _Padded()
         psm = shardd.nn.ShardedModule(client, padded, auto_wrap={nn.Sequential}, prefix="pad.")
         out["hf_init"] = _refusal(lambda: padded.apply(_hf_init))
+        out["row_mul"] = _refusal(lambda: padded.embeddings.word.weight.data[5].mul_(0))
         torch.manual_seed(3)
         for m in padded.modules():
             if hasattr(m, "reset_parameters"):
@@ -269,6 +270,8 @@ class PartWritesTest(unittest.TestCase):
             self.assertIn("Tensor.zero_ of an element or row of 'embeddings.word.weight'",
                           msg)
             self.assertIn("load the whole parameter with model.load_state_dict()", msg)
+            self.assertIn("Tensor.mul_ of an element or row of 'embeddings.word.weight'",
+                          out["row_mul"] or "")
             for n, p in ref.named_parameters():
                 self.assertLessEqual(common.max_rel(out["reset"][n],
                                                     p.detach().numpy()), 0, n)

@@ -166,6 +166,8 @@ def _binary(name, torch_method):
             ops = args + tuple(kwargs.values()) if kwargs else args
             if _PARTS:
                 _check_binary("Tensor." + name, self, ops)
+                if self._base is not None:  # w.data[pad].mul_(0): as zero_()
+                    _check_fill(name, self)
             if _STALE:
                 _check_stale("Tensor." + name, ops)
         return torch_method(self, *args, **kwargs)
