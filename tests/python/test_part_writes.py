@@ -89,6 +89,34 @@ def _foreach_update(ema, model):
         torch._foreach_add_(held, [p.detach() for p in model.parameters()], alpha=1 - DECAY)
 
 
+def _sum_update(total, model):
+    with torch.no_grad():  # a running sum for an average (SWA by hand)
+        for t, p in zip(total.parameters(), model.parameters()):
+            t += p.detach()
+
+
+def _lerp_by_name(ema, model):
+    with torch.no_grad():
+        for e, p in zip(ema.parameters(), model.parameters()):
+            e.lerp_(end=p.detach(), weight=1 - DECAY)
+
+
+def _one_element_value(model):
+    """A part scaled by a one-element tensor: the part's shape, torch's."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data.mul_(torch.full((1,), 2.0))
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _whole_part_item(model):
+    """p.data[:] = t, the whole part written (as copy_): torch's."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data[:] = p.data * 0.5
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def rank_main(rank, world, sock, job, q):
     try:
         torch.set_num_threads(1)
@@ -103,6 +131,16 @@ def rank_main(rank, world, sock, job, q):
         out["ema"] = _refusal(lambda: _ema_update(ema, model))
         out["swa"] = _refusal(lambda: swa.update_parameters(model))
         out["foreach"] = _refusal(lambda: _foreach_update(ema, model))
+        out["iadd"] = _refusal(lambda: _sum_update(ema, model))
+        out["by_name"] = _refusal(lambda: _lerp_by_name(ema, model))
+        before = [p.detach().clone() for p in model.parameters()]
+        out["one_element"] = _refusal(lambda: out.__setitem__("scaled", _one_element_value(
+            model)))
+        out["whole_item"] = _refusal(lambda: out.__setitem__("halved", _whole_part_item(
+            model)))
+        out["halved"] = all(torch.equal(a, b) for a, b in zip(out.pop("halved", ()), before))
+        out["doubled"] = all(torch.equal(a, 2 * b) for a, b in zip(out.pop("scaled", ()),
+                                                                   before))
 
         gpt = models.nano_gpt()
         gpt_ema = copy.deepcopy(gpt)
@@ -122,6 +160,7 @@ def rank_main(rank, world, sock, job, q):
         padded = _Padded()
         psm = shardd.nn.ShardedModule(client, padded, auto_wrap={nn.Sequential}, prefix="pad.")
         out["hf_init"] = _refusal(lambda: padded.apply(_hf_init))
+        out["row_mul"] = _refusal(lambda: padded.embeddings.word.weight.data[5].mul_(0))
         torch.manual_seed(3)
         for m in padded.modules():
             if hasattr(m, "reset_parameters"):
@@ -207,12 +246,17 @@ class PartWritesTest(unittest.TestCase):
             # each part broadcasts over its EMA tensor: (4,) over (2, 4), (2,) over (2, 2)
             self.assertEqual(out["parts"], [(4,), (2,)])
             for key, op in (("ema", "Tensor.add_"), ("swa", "Tensor.copy_"),
-                            ("gpt_ema", "Tensor.add_"), ("foreach", "torch._foreach_add_")):
+                            ("gpt_ema", "Tensor.add_"), ("foreach", "torch._foreach_add_"),
+                            ("iadd", "Tensor.__iadd__"), ("by_name", "Tensor.lerp_")):
                 msg = out[key] or ""
                 self.assertIn("%s of a tensor of shape" % op, msg, key)
                 self.assertIn("this rank's 1-D part", msg, key)
                 self.assertIn("model.state_dict()", msg, key)
             self.assertIn("'0.weight'", out["ema"])
+            self.assertIsNone(out["one_element"])
+            self.assertTrue(out["doubled"])
+            self.assertIsNone(out["whole_item"])
+            self.assertTrue(out["halved"])  # doubled, then halved
             self.assertIn("'transformer.wte.weight'", out["gpt_ema"])
             # the parts' EMA: the optimizer's and the EMA's writes as torch's
             for (n, w), k, p in zip(ref_ema.items(), out["kept"], out["gpt_parts"]):
@@ -226,6 +270,8 @@ class PartWritesTest(unittest.TestCase):
             self.assertIn("Tensor.zero_ of an element or row of 'embeddings.word.weight'",
                           msg)
             self.assertIn("load the whole parameter with model.load_state_dict()", msg)
+            self.assertIn("Tensor.mul_ of an element or row of 'embeddings.word.weight'",
+                          out["row_mul"] or "")
             for n, p in ref.named_parameters():
                 self.assertLessEqual(common.max_rel(out["reset"][n],
                                                     p.detach().numpy()), 0, n)

@@ -76,15 +76,19 @@ def _alias(t):
     n, st = torch.Tensor.numel(t), t.stride()
     for ref, e in list(got):
         sm = ref()
-        if sm is None:
-            got.remove((ref, e))
+        # a closed client's areas are unmapped: a later wrapper's shard may
+        # be mapped at the same address (its part then taken for the old
+        # one's, a draw on p.data given the old parameter's shape)
+        if sm is None or sm.client.closed:
+            if (ref, e) in got:
+                got.remove((ref, e))
             continue
         part = e.part
         if (part.numel() == n and part.stride() == st and part.dtype == t.dtype
                 and part.device == t.device and sm.transient):
             return _first(sm, e)
     if not got:
-        del _PARTS[t.data_ptr()]
+        _PARTS.pop(t.data_ptr(), None)
     return None
 
 

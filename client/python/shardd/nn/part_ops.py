@@ -15,14 +15,18 @@ word:
   is another place in the part (or in another rank's), so a row that
   should be zero keeps its values and an element of another is zeroed.
 
-torch.Tensor's in-place methods below (and torch._foreach_*'s, pair by
-pair) refuse both, naming the parameter
-and the way to do it (a part is found as inits.part_of finds a draw's:
-the parameter, or a plain tensor at a registered part's address). A
-write between two tensors of the part's shape (an optimizer's, an EMA
-kept as parts) and a write into a whole part (``p.data.zero_()``) are
-torch's, for one dictionary look-up more per call while a transient
-wrapper exists. nn.Embedding's own zeroing of its padding row (in its
+torch.Tensor's in-place methods below (``+=`` and the like too, operands
+given by name too, and torch._foreach_*'s, pair by pair) refuse both,
+naming the parameter and the way to do it (a part is found as
+inits.part_of finds a draw's: the parameter, or a plain tensor at a
+registered part's address). A write between two tensors of the part's
+shape (an optimizer's, an EMA kept as parts), with a value of one
+element, and a write into a whole part (``p.data.zero_()``,
+``p.data[:] = t``) are torch's, for one dictionary look-up more per call
+while a transient wrapper exists. A part met through an expression
+(``e.copy_(d * e + (1 - d) * p)``, ``e += (1 - d) * p``) is a new
+tensor, not found: those still broadcast the part without a word.
+nn.Embedding's own zeroing of its padding row (in its
 ``reset_parameters()`` after wrapping, after inits.py's whole draw)
 zeroes the elements of the row that lie in this rank's part, as
 torch's.
@@ -37,7 +41,9 @@ import torch
 from .inits import _PARTS, part_of
 
 # in-place writes that take another tensor and broadcast it
-_BINARY = ("add_", "sub_", "mul_", "div_", "lerp_", "copy_", "addcmul_", "addcdiv_")
+_BINARY = ("add_", "sub_", "mul_", "div_", "lerp_", "copy_", "addcmul_", "addcdiv_",
+           # ``a += p`` (a sum of parameters for an average) calls these, not add_
+           "__iadd__", "__isub__", "__imul__", "__itruediv__")
 # torch's in-place writes over lists, pairwise (timm's ModelEmaV3 steps an
 # EMA so; they broadcast as the methods do)
 _FOREACH = ("_foreach_add_", "_foreach_sub_", "_foreach_mul_", "_foreach_div_",
@@ -80,7 +86,10 @@ def _check_binary(name, self, args):
     """Refuses self.<name>(*args) where a part meets a tensor of another
     shape (a 0-dim one is a value, broadcast as torch's)."""
     shape = self.shape
-    if all(not isinstance(a, torch.Tensor) or a.shape == shape for a in args):
+    for a in args:  # a loop, not all(): this runs on every optimizer write
+        if isinstance(a, torch.Tensor) and a.shape != shape:
+            break
+    else:
         return  # the optimizer's writes, a value's
     tensors = [self] + [a for a in args if isinstance(a, torch.Tensor)]
     shapes = {_shape(t) for t in tensors if torch.Tensor.dim(t) > 0}
@@ -90,8 +99,15 @@ def _check_binary(name, self, args):
         got = _part(t)
         if got is None:
             continue
+        # a value of one element (torch.tensor([s])) broadcast into the
+        # part leaves its shape: torch's on the whole parameter too
+        other = [s for s in {_shape(a) for a in tensors if a is not t and (
+            torch.Tensor.dim(a) > 1 or torch.Tensor.numel(a) != 1 or _part(a) is not None)}
+            if s != _shape(t) and s != ()]
+        if not other:
+            continue
         e, lo = got
-        other = next(s for s in shapes if s != _shape(t))
+        other = other[0]
         raise RuntimeError(
             "%s of a tensor of shape %s with %s: torch would broadcast the "
             "part (or fail on the shapes), not combine the whole parameter; %s" % (
@@ -145,10 +161,15 @@ def _check_fill(name, self):
 
 def _binary(name, torch_method):
     def method(self, *args, **kwargs):
-        if _PARTS:
-            _check_binary("Tensor." + name, self, args)
-        if _STALE:
-            _check_stale("Tensor." + name, args)
+        if _PARTS or _STALE:
+            # add_(other=p), lerp_(end=p): an operand by name is one too
+            ops = args + tuple(kwargs.values()) if kwargs else args
+            if _PARTS:
+                _check_binary("Tensor." + name, self, ops)
+                if self._base is not None:  # w.data[pad].mul_(0): as zero_()
+                    _check_fill(name, self)
+            if _STALE:
+                _check_stale("Tensor." + name, ops)
         return torch_method(self, *args, **kwargs)
     return _like(method, name, torch_method)
 
@@ -157,8 +178,13 @@ def _foreach(name, torch_fn):
     def fn(selves, *args, **kwargs):
         if _PARTS:
             lists = [a for a in args if isinstance(a, (list, tuple))]
-            for i, t in enumerate(selves):
-                _check_binary("torch." + name, t, [a[i] for a in lists if i < len(a)])
+            shapes = [t.shape for t in selves]
+            # an optimizer's lists pair tensors of one shape: checked at once
+            if any(isinstance(a[0], torch.Tensor) and (
+                    len(a) != len(shapes) or [t.shape for t in a] != shapes)
+                   for a in lists if a):
+                for i, t in enumerate(selves):
+                    _check_binary("torch." + name, t, [a[i] for a in lists if i < len(a)])
         if _STALE:
             _check_stale("torch." + name, args)
         return torch_fn(selves, *args, **kwargs)
@@ -179,7 +205,10 @@ def _setitem(torch_method):
     def __setitem__(self, index, value):
         if _PARTS:
             got = _part(self)
-            if got is not None:
+            if got is not None and _whole_index(index):
+                # p.data[:] = t: the whole part written, as copy_(t)
+                _check_binary("Tensor.__setitem__", self, (value,))
+            elif got is not None:
                 e, lo = got
                 raise RuntimeError(
                     "an item assignment into %s: its index is not torch's (a row of "
@@ -188,6 +217,10 @@ def _setitem(torch_method):
                     "with model.load_state_dict()" % _describe(e, lo, self))
         return torch_method(self, index, value)
     return _like(__setitem__, "__setitem__", torch_method)
+
+
+def _whole_index(index):
+    return index is Ellipsis or (type(index) is slice and index == slice(None))
 
 
 def _like(method, name, torch_method):
