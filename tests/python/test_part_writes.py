@@ -16,7 +16,15 @@ part of this rank's shard, for the whole parameter (2 ranks):
   nn.Embedding's own ``reset_parameters()`` after wrapping zeroes torch's
   padding row, every parameter as torch's init with the same seed.
 
-The EMA kept as parts (``p.detach().clone()`` after wrapping) and the
+* writes by index into a part or a view of one (``index_fill_``,
+  ``scatter_``, ``index_put_``, ...), with a mask of the whole's shape
+  (``masked_fill_``), the ``out=`` of ``torch.lerp`` / ``torch.add`` and
+  ``ema[:] = p`` went on silently (or failed naming nothing): refused,
+  naming the parameter; once the client is closed torch's own methods
+  are back.
+
+The EMA kept as parts (``p.detach().clone()`` after wrapping), writes by
+a mask of the part's shape or into an ``out=`` of it, and the
 optimizer's own writes stay torch's (the training beside them)."""
 import copy
 import unittest
@@ -117,6 +125,52 @@ def _whole_part_item(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _index_writes(model, ema):
+    """{case: refusal} for the writes by index, out= and item assignment
+    that met a part as the whole parameter without a word."""
+    w = model[0].weight  # its part, (4,) of (2, 4)
+    e = ema[0].weight
+    i = torch.tensor([1])
+    cases = {
+        "index_fill_": lambda: w.data.index_fill_(0, i, 0.0),
+        "view_index_fill_": lambda: w.data[1:3].index_fill_(0, i, 0.0),
+        "masked_fill_": lambda: w.data.masked_fill_(torch.ones(2, 4, dtype=torch.bool), 0.0),
+        "scatter_": lambda: w.data.scatter_(0, i, 0.0),
+        "index_copy_": lambda: w.data.index_copy_(0, i, torch.zeros(1)),
+        "index_add_": lambda: w.data.index_add_(0, i, torch.ones(1)),
+        "masked_scatter_": lambda: e.data.masked_scatter_(torch.tensor([[True] * 4, [False] * 4]),
+                                                          w.detach()),
+        "view_setitem": lambda: w.data[1:3].__setitem__(0, 1.0),
+        "put_": lambda: w.data.put_(i, torch.zeros(1)),
+        "index_put_": lambda: w.data.index_put_((i,), torch.zeros(1)),
+        "lerp_out": lambda: torch.lerp(e.data, w.detach(), 1 - DECAY, out=e.data),
+        "add_out": lambda: torch.add(e.data, w.detach(), alpha=1 - DECAY, out=e.data),
+        "item_value": lambda: e.data.__setitem__(slice(None), w.detach()),
+    }
+    with torch.no_grad():
+        return {k: _refusal(f) for k, f in cases.items()}
+
+
+def _part_shaped_index_writes(model):
+    """Writes by mask or into an out= of the part's shape, between tensors
+    of its shape: element-wise, torch's."""
+    def writes(d):
+        d.masked_fill_(d < 0, 0.0)
+        d[d > 0.25] = 0.25
+        torch.mul(d, 2.0, out=d)
+        torch.add(d, torch.ones_like(d), out=d)
+        e = torch.empty_like(d)
+        e[:] = d
+        d.copy_(e)
+    with torch.no_grad():
+        want = [p.detach().clone() for p in model.parameters()]  # not parts
+        for t in want:
+            writes(t)
+        for p in model.parameters():
+            writes(p.data)
+    return all(torch.equal(p.detach(), t) for p, t in zip(model.parameters(), want))
+
+
 def rank_main(rank, world, sock, job, q):
     try:
         torch.set_num_threads(1)
@@ -137,6 +191,9 @@ def rank_main(rank, world, sock, job, q):
         out["one_element"] = _refusal(lambda: out.__setitem__("scaled", _one_element_value(
             model)))
         out["whole_item"] = _refusal(lambda: out.__setitem__("halved", _whole_part_item(
+            model)))
+        out["index"] = _index_writes(model, ema)
+        out["kept_shape"] = _refusal(lambda: out.__setitem__("as_torch", _part_shaped_index_writes(
             model)))
         out["halved"] = all(torch.equal(a, b) for a, b in zip(out.pop("halved", ()), before))
         out["doubled"] = all(torch.equal(a, 2 * b) for a, b in zip(out.pop("scaled", ()),
@@ -171,11 +228,19 @@ def rank_main(rank, world, sock, job, q):
             q.put(("params", {n: t.numpy().copy() for n, t in sm.full_parameters().items()}))
         else:
             sm.full_parameters()
-        q.put(("out", rank, out))
         client.close()
+        # no wrapper's part is known any more: torch's own methods again
+        out["off"] = (not part_ops_known(), type(torch.Tensor.add_).__name__,
+                      type(torch.Tensor.__setitem__).__name__)
+        q.put(("out", rank, out))
         q.put(("done", rank))
     except BaseException as e:
         common.rank_failed(rank, q, e)
+
+
+def part_ops_known():
+    from shardd.nn import inits, part_ops
+    return bool(inits._PARTS) or bool(part_ops._STALE)
 
 
 def resident_main(rank, world, sock, job, q):
@@ -253,6 +318,12 @@ class PartWritesTest(unittest.TestCase):
                 self.assertIn("this rank's 1-D part", msg, key)
                 self.assertIn("model.state_dict()", msg, key)
             self.assertIn("'0.weight'", out["ema"])
+            for key, msg in out["index"].items():
+                self.assertIn("'0.weight'", msg or "", key)
+                self.assertIn("this rank's 1-D part", msg, key)
+            self.assertIsNone(out["kept_shape"])
+            self.assertTrue(out["as_torch"])
+            self.assertEqual(out["off"], (True, "method_descriptor", "wrapper_descriptor"))
             self.assertIsNone(out["one_element"])
             self.assertTrue(out["doubled"])
             self.assertIsNone(out["whole_item"])

@@ -170,6 +170,8 @@ class Client:
         # wrapper's refusals and bookkeeping too (its own step sets
         # _wrapper_step around this one)
         self._step_guards = []
+        # called after close() (shardd.nn forgets the closed wrappers' parts)
+        self._close_hooks = []
         self._wrapper_step = False
         # optimizer id -> the scale its clips since its last step set for
         # that step's gradients (the daemon's clip_scale)
@@ -225,6 +227,8 @@ class Client:
                 self._lib.shardd_finish(c)  # closes c whatever the daemon says
             else:
                 self._lib.shardd_close(c)
+            for hook in self._close_hooks:
+                hook()
 
     def __enter__(self):
         return self

@@ -19,6 +19,8 @@ on the whole tensor too. An empty part has a stride of its own
 (empty_part), so a rank whose part of a parameter is empty still knows
 which parameter's draw it is (and draws as many numbers as torch)."""
 import itertools
+import threading
+import weakref
 
 import torch
 
@@ -41,6 +43,39 @@ _INSTALLED = [False]
 # parts (an empty one at the same address as others, told apart by stride)
 _PARTS = {}
 _EMPTY_STRIDES = itertools.count(2)  # never 1, a slice's
+# guards the changes of _PARTS (each list replaced, never edited: a look-up
+# in another thread reads the old one or the new one) and of the patches'
+# state; reentrant: a wrapper's weakref callback may run inside a change
+LOCK = threading.RLock()
+_LISTENERS = []  # called (under LOCK) once _PARTS changed: Patches to set
+_REFS = {}  # id(wrapper) -> its one weakref, whose callback prunes _PARTS
+
+
+class Patches:
+    """torch's methods (or functions) replaced by checks only while the
+    checks can find something (a part, a stale parameter): set(False) puts
+    torch's own back, so that a process whose wrappers are closed or gone
+    pays nothing per call."""
+
+    def __init__(self):
+        self.items = []  # (owner, name, torch's, the check's)
+        self.on = False
+
+    def add(self, owner, name, wrap):
+        """Makes wrap(torch's owner.name) the one set while on; torch's."""
+        theirs = getattr(owner, name)
+        self.items.append((owner, name, theirs, wrap(theirs)))
+        return theirs
+
+    def set(self, on):
+        with LOCK:
+            if on != self.on:
+                for owner, name, theirs, ours in self.items:
+                    setattr(owner, name, ours if on else theirs)
+                self.on = on
+
+
+_DRAW_PATCHES = Patches()
 
 
 def empty_part(sh, a):
@@ -52,9 +87,48 @@ def empty_part(sh, a):
 
 def register_part(sm, e):
     """e.part, a transient entry's part of wrapper sm's shard, is known to
-    the draws on a plain tensor (_alias)."""
-    import weakref
-    _PARTS.setdefault(e.part.data_ptr(), []).append((weakref.ref(sm), e))
+    the draws on a plain tensor (_alias) until its client closes or sm is
+    gone (prune)."""
+    with LOCK:
+        ref = _REFS.get(id(sm))
+        if ref is None or ref() is not sm:
+            ref = _REFS[id(sm)] = weakref.ref(sm, _gone)
+        ptr = e.part.data_ptr()
+        _PARTS[ptr] = _PARTS.get(ptr, []) + [(ref, e)]
+        _changed()
+
+
+def _gone(ref):
+    prune()
+
+
+def _live(ref):
+    sm = ref()
+    # a closed client's areas are unmapped: a later wrapper's shard may be
+    # mapped at the same address (its part then taken for the old one's, a
+    # draw on p.data given the old parameter's shape)
+    return sm is not None and not sm.client.closed
+
+
+def prune():
+    """Forgets the parts of wrappers that are gone or whose client closed
+    (a client's close() calls it): with none left the checks are off."""
+    with LOCK:
+        for ptr, got in list(_PARTS.items()):
+            kept = [x for x in got if _live(x[0])]
+            if not kept:
+                del _PARTS[ptr]
+            elif len(kept) != len(got):
+                _PARTS[ptr] = kept
+        for k, ref in list(_REFS.items()):
+            if ref() is None:
+                del _REFS[k]
+        _changed()
+
+
+def _changed():
+    for fn in _LISTENERS:
+        fn()
 
 
 def _first(sm, e):
@@ -74,21 +148,14 @@ def _alias(t):
     if not got:
         return None
     n, st = torch.Tensor.numel(t), t.stride()
-    for ref, e in list(got):
-        sm = ref()
-        # a closed client's areas are unmapped: a later wrapper's shard may
-        # be mapped at the same address (its part then taken for the old
-        # one's, a draw on p.data given the old parameter's shape)
-        if sm is None or sm.client.closed:
-            if (ref, e) in got:
-                got.remove((ref, e))
+    for ref, e in got:
+        if not _live(ref):
+            prune()  # a client closed without telling (garbage-collected)
             continue
-        part = e.part
-        if (part.numel() == n and part.stride() == st and part.dtype == t.dtype
-                and part.device == t.device and sm.transient):
+        sm, part = ref(), e.part
+        if (sm is not None and part.numel() == n and part.stride() == st
+                and part.dtype == t.dtype and part.device == t.device and sm.transient):
             return _first(sm, e)
-    if not got:
-        _PARTS.pop(t.data_ptr(), None)
     return None
 
 
@@ -173,10 +240,14 @@ def install():
         return torch_fans(tensor if got is None else torch.empty(got[0].shape, device="meta"))
 
     init._calculate_fan_in_and_fan_out = _calculate_fan_in_and_fan_out
-    # p.data.normal_() (HF's _init_weights), p.detach().uniform_()
+    # p.data.normal_() (HF's _init_weights), p.detach().uniform_(): while
+    # a part is known
     for name in DRAWS:
-        _TORCH[name] = getattr(torch.Tensor, name)
-        setattr(torch.Tensor, name, _plain_draw(name, _TORCH[name]))
+        _TORCH[name] = _DRAW_PATCHES.add(torch.Tensor, name,
+                                         lambda fn, name=name: _plain_draw(name, fn))
+    _LISTENERS.append(lambda: _DRAW_PATCHES.set(bool(_PARTS)))
+    with LOCK:
+        _changed()
     for name in _WHOLE:
         reroute(init, name, lambda torch_fn: lambda tensor, *args, **kwargs: on_whole(
             torch_fn, tensor, args, kwargs))

@@ -19,7 +19,8 @@ from .acc_hooks import check_originals
 from ._precision import _DTYPE_OF, _TORCH_DTYPES, _cast_floats, _checksum, _mixed_precision
 from .clip_hook import install as _install_clip_hook
 from .inits import empty_part as _empty_part, install as _install_inits, register_part as _register_part
-from .part_ops import install as _install_part_ops, mark_stale as _mark_stale
+from .part_ops import closed as _part_ops_closed, install as _install_part_ops
+from .part_ops import mark_stale as _mark_stale
 from .backward import _BackwardHooks
 from .grads import _Grad16, _ResidentGrad
 from .builtin import check_builtin, pre_hooks_first, refresh_cached
@@ -436,6 +437,10 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         guards = getattr(client, "_step_guards", None)
         if guards is not None:
             guards.append(weakref.ref(self))
+        hooks = getattr(client, "_close_hooks", None)
+        if hooks is not None:  # the part checks off once no wrapper is open
+            me = weakref.ref(self)
+            hooks.append(lambda: _part_ops_closed(me()))
         if self.transient:
             # torch's shape error for a loss term over the parameters
             # outside the forward, said again naming them (backward_errors.py)

@@ -16,16 +16,22 @@ word:
   should be zero keeps its values and an element of another is zeroed.
 
 torch.Tensor's in-place methods below (``+=`` and the like too, operands
-given by name too, and torch._foreach_*'s, pair by pair) refuse both,
-naming the parameter and the way to do it (a part is found as
-inits.part_of finds a draw's: the parameter, or a plain tensor at a
-registered part's address). A write between two tensors of the part's
-shape (an optimizer's, an EMA kept as parts), with a value of one
+given by name too, torch._foreach_*'s, pair by pair, and torch.add's and
+the like's ``out=``: ``torch.lerp(e, p, w, out=e)``; ``ema[:] = p``)
+refuse both, naming the parameter and the way to do it (a part is found
+as inits.part_of finds a draw's: the parameter, or a plain tensor at a
+registered part's address); a write by index (``index_fill_``,
+``scatter_``, ``put_``, ...) into a part or a view of one, whose index is
+the whole parameter's, too. A write between two tensors of the part's
+shape (an optimizer's, an EMA kept as parts; ``masked_fill_`` or
+``p.data[mask] = v`` with a mask of its shape), with a value of one
 element, and a write into a whole part (``p.data.zero_()``,
 ``p.data[:] = t``) are torch's, for one dictionary look-up more per call
-while a transient wrapper exists. A part met through an expression
-(``e.copy_(d * e + (1 - d) * p)``, ``e += (1 - d) * p``) is a new
-tensor, not found: those still broadcast the part without a word.
+while a part is known: once every transient wrapper's client is closed
+(or the wrapper gone) and no resident parameter is stale, torch's own
+methods are back (inits.Patches), costing nothing. A part met through an
+expression (``e.copy_(d * e + (1 - d) * p)``, ``e += (1 - d) * p``) is a
+new tensor, not found: those still broadcast the part without a word.
 nn.Embedding's own zeroing of its padding row (in its
 ``reset_parameters()`` after wrapping, after inits.py's whole draw)
 zeroes the elements of the row that lie in this rank's part, as
@@ -36,20 +42,32 @@ optimizer step holds the values from before it until the next gather():
 an EMA updated after the step from them (``e.add_(p.detach(), ...)``)
 lagged torch's by a step without a word. The same writes refuse such a
 parameter as an operand, naming it and ``sm.gather()``."""
+import weakref
+
 import torch
 
-from .inits import _PARTS, part_of
+from .inits import LOCK, _LISTENERS, _PARTS, Patches, part_of, prune
 
 # in-place writes that take another tensor and broadcast it
 _BINARY = ("add_", "sub_", "mul_", "div_", "lerp_", "copy_", "addcmul_", "addcdiv_",
            # ``a += p`` (a sum of parameters for an average) calls these, not add_
-           "__iadd__", "__isub__", "__imul__", "__itruediv__")
+           "__iadd__", "__isub__", "__imul__", "__itruediv__",
+           # element-wise where the mask has the part's shape (and masked_scatter_'s
+           # source is the part's); a mask of the whole's is refused
+           "masked_fill_", "masked_scatter_")
 # torch's in-place writes over lists, pairwise (timm's ModelEmaV3 steps an
 # EMA so; they broadcast as the methods do)
 _FOREACH = ("_foreach_add_", "_foreach_sub_", "_foreach_mul_", "_foreach_div_",
             "_foreach_lerp_", "_foreach_addcmul_", "_foreach_addcdiv_")
 # in-place writes of a value: refused on a view into a part (a row of it)
 _FILLS = ("zero_", "fill_")
+# in-place writes at indices: an index into a part is not torch's
+_INDEXED = ("index_fill_", "index_copy_", "index_add_", "index_reduce_", "scatter_",
+            "scatter_add_", "scatter_reduce_", "put_", "index_put_")
+# torch's functions whose out= is an in-place write as _BINARY's
+# (torch.lerp(e, p, w, out=e), an EMA's update)
+_OUT = ("add", "sub", "mul", "div", "lerp", "addcmul", "addcdiv")
+_PATCHES = Patches()  # all of the above, set while a part or stale parameter is known
 _TORCH = {}  # name -> torch.Tensor's own method, before install()
 # a resident wrapper's parameters (the gathered copy) between an optimizer
 # step and the next gather(), when they hold the values from before the
@@ -116,14 +134,36 @@ def _check_binary(name, self, args):
 
 def mark_stale(entries, stale):
     """entries' parameters (a resident wrapper's) hold values from before
-    a step (stale True, after it) or the shards' (after a gather)."""
-    import weakref
-    for e in entries:
-        ptr = e.param.data_ptr()
-        if not stale:
-            _STALE.pop(ptr, None)
-        elif torch.Tensor.numel(e.param):
-            _STALE[ptr] = (weakref.ref(e.param), e.name)
+    a step (stale True, after it) or the shards' (after a gather, or its
+    client's close())."""
+    with LOCK:
+        for e in entries:
+            ptr = e.param.data_ptr()
+            if not stale:
+                _STALE.pop(ptr, None)
+            elif torch.Tensor.numel(e.param):
+                _STALE[ptr] = (weakref.ref(e.param, lambda r, ptr=ptr: _unstale(ptr, r)),
+                               e.name)
+        _refresh()
+
+
+def _unstale(ptr, ref):
+    with LOCK:  # a parameter gone: its address may be another tensor's
+        if _STALE.get(ptr, (None,))[0] is ref:
+            del _STALE[ptr]
+        _refresh()
+
+
+def _refresh():
+    _PATCHES.set(_INSTALLED[0] and bool(_PARTS or _STALE))
+
+
+def closed(sm):
+    """sm's client closed: its parts and stale parameters are forgotten
+    (with no other wrapper's left, torch's own methods are back)."""
+    if sm is not None:
+        mark_stale([e for u in sm.units for e in u.entries], False)
+    prune()
 
 
 def _check_stale(name, args):
@@ -157,6 +197,61 @@ def _check_fill(name, self):
         "or HF's _init_weights, lies elsewhere, maybe in another rank's part); "
         "write it before wrapping, or load the whole parameter with "
         "model.load_state_dict()" % (name, _describe(e, lo, base)))
+
+
+def _check_index(name, self, args):
+    """Refuses self.<name>(index, ...) where self is a part or a view into
+    one, or where a part is written into a tensor of another shape."""
+    got, t = _part(self), self
+    if got is None and self._base is not None and type(self) is torch.Tensor:
+        got, t = _part(self._base), self._base
+    if got is not None and not _mask_of(self, args[:1] and args[0]):
+        e, lo = got
+        raise RuntimeError(
+            "Tensor.%s into %s: its index is not torch's (an index of the whole "
+            "parameter lies elsewhere, maybe in another rank's part); write it before "
+            "wrapping, or load the whole parameter with model.load_state_dict()" % (
+                name, _describe(e, lo, t)))
+    for a in args:
+        for v in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(v, torch.Tensor) and v.shape != self.shape and _part(v):
+                _check_binary("Tensor." + name, self, (v,))
+
+
+def _mask_of(t, index):
+    """index (of t[index], index_put_'s) is one bool tensor of t's shape:
+    element-wise, torch's on a part too."""
+    if isinstance(index, (list, tuple)) and len(index) == 1:
+        index = index[0]
+    return (isinstance(index, torch.Tensor) and index.dtype == torch.bool
+            and index.shape == t.shape)
+
+
+def _indexed(name, torch_method):
+    def method(self, *args, **kwargs):
+        if _PARTS:
+            _check_index(name, self, args + tuple(kwargs.values()) if kwargs else args)
+        return torch_method(self, *args, **kwargs)
+    return _like(method, name, torch_method)
+
+
+def _out(name, torch_fn):
+    def fn(*args, **kwargs):
+        out = kwargs.get("out")
+        if out is not None and (_PARTS or _STALE) and isinstance(out, torch.Tensor):
+            ops = args + tuple(v for k, v in kwargs.items() if k != "out")
+            if _PARTS:
+                _check_binary("torch." + name, out, ops)
+            if _STALE:
+                _check_stale("torch." + name, ops)
+        return torch_fn(*args, **kwargs)
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = torch_fn.__doc__
+    try:  # torch.jit.script over a function calling torch.add: still aten's
+        torch.jit._builtins._register_builtin(fn, "aten::" + name)
+    except Exception:
+        pass
+    return fn
 
 
 def _binary(name, torch_method):
@@ -205,10 +300,17 @@ def _setitem(torch_method):
     def __setitem__(self, index, value):
         if _PARTS:
             got = _part(self)
-            if got is not None and _whole_index(index):
+            if got is None:
+                if self._base is not None:  # v = p.data[1:3]; v[0] = 1
+                    _check_fill("__setitem__", self)
+                if isinstance(value, torch.Tensor) and _part(value) is not None:
+                    # ema[:] = p: the part broadcast into what it is assigned to
+                    _check_binary("Tensor.__setitem__", torch.Tensor.__getitem__(
+                        self, index), (value,))
+            elif _whole_index(index):
                 # p.data[:] = t: the whole part written, as copy_(t)
                 _check_binary("Tensor.__setitem__", self, (value,))
-            elif got is not None:
+            elif not _mask_of(self, index):  # p.data[p.data < 0] = 0: torch's
                 e, lo = got
                 raise RuntimeError(
                     "an item assignment into %s: its index is not torch's (a row of "
@@ -245,22 +347,24 @@ def _padding_zeroed(torch_method):
 
 
 def install():
-    """torch.Tensor's methods above check for a part, once per process
-    (a ShardedModule's construction calls it)."""
-    if _INSTALLED[0]:
-        return
-    _INSTALLED[0] = True
-    for name in _BINARY:
-        _TORCH[name] = getattr(torch.Tensor, name)
-        setattr(torch.Tensor, name, _binary(name, _TORCH[name]))
-    for name in _FILLS:
-        _TORCH[name] = getattr(torch.Tensor, name)
-        setattr(torch.Tensor, name, _fill(name, _TORCH[name]))
-    for name in _FOREACH:
-        if hasattr(torch, name):
-            _TORCH[name] = getattr(torch, name)
-            setattr(torch, name, _foreach(name, _TORCH[name]))
-    _TORCH["__setitem__"] = torch.Tensor.__setitem__
-    torch.Tensor.__setitem__ = _setitem(_TORCH["__setitem__"])
-    emb = torch.nn.Embedding
-    emb._fill_padding_idx_with_zero = _padding_zeroed(emb._fill_padding_idx_with_zero)
+    """torch's methods and functions above check for a part while one (or
+    a stale parameter) is known (_refresh), once per process (a
+    ShardedModule's construction calls it)."""
+    with LOCK:
+        if _INSTALLED[0]:
+            return
+        _INSTALLED[0] = True
+        for names, wrap in ((_BINARY, _binary), (_FILLS, _fill), (_INDEXED, _indexed)):
+            for name in names:
+                _TORCH[name] = _PATCHES.add(torch.Tensor, name,
+                                            lambda fn, name=name, wrap=wrap: wrap(name, fn))
+        for names, wrap in ((_FOREACH, _foreach), (_OUT, _out)):
+            for name in names:
+                if hasattr(torch, name):
+                    _TORCH[name] = _PATCHES.add(torch, name,
+                                                lambda fn, name=name, wrap=wrap: wrap(name, fn))
+        _TORCH["__setitem__"] = _PATCHES.add(torch.Tensor, "__setitem__", _setitem)
+        emb = torch.nn.Embedding
+        emb._fill_padding_idx_with_zero = _padding_zeroed(emb._fill_padding_idx_with_zero)
+        _LISTENERS.append(_refresh)
+        _refresh()
