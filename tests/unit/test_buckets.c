@@ -9,31 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "decode_pool.h"
 #include "dispatch_int.h"
-
-/* pieces from a bump of malloc'd blocks, freed together */
-typedef struct {
-  void *blocks[4096];
-  size_t n;
-} pool;
-
-static void *pool_alloc(void *ctx, size_t n) {
-  pool *p = ctx;
-  cr_assert_lt(p->n, 4096);
-  return p->blocks[p->n++] = calloc(1, n ? n : 1);
-}
-
-static void pool_free(pool *p) {
-  while (p->n)
-    free(p->blocks[--p->n]);
-}
-
-static uint64_t rnd(uint64_t *s) {
-  *s ^= *s << 13;
-  *s ^= *s >> 7;
-  *s ^= *s << 17;
-  return *s;
-}
 
 /* a as protobuf-c decoded it equals b as the hand decoder did */
 static void expect_same(const Shardwire__Request *a, const Shardwire__Request *b) {
