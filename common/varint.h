@@ -82,4 +82,29 @@ static inline int shardd__wire_field(shardd__wire *w, uint32_t *field,
   return 1;
 }
 
+/* A message of exactly two fields, each once, in either order: varint
+ * field 1 (*v: a Request's seq) and length-delimited field body (*sub: the
+ * Request's one body); 0 for any other. */
+static inline int shardd__wire_seq_body(const uint8_t *payload, size_t len,
+                                        uint32_t body, uint64_t *v,
+                                        shardd__wire *sub) {
+  shardd__wire w = {payload, payload + len};
+  uint64_t x = 0;
+  uint32_t field, wt;
+  int has_v = 0, has_body = 0;
+  while (w.p < w.end) {
+    if (!shardd__wire_field(&w, &field, &wt, &x, sub))
+      return 0;
+    if (field == 1 && wt == 0 && !has_v) {
+      has_v = 1;
+      *v = x;
+    } else if (field == body && wt == 2 && !has_body) {
+      has_body = 1; /* its bytes stay in sub: no later field sets it */
+    } else {
+      return 0;
+    }
+  }
+  return has_v && has_body;
+}
+
 #endif

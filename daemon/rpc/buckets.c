@@ -422,23 +422,9 @@ static int decode_bucket(shardd__wire *w, shardd__decode_alloc alloc, void *ctx,
 
 Shardwire__Request *shardd__bucket_decode(shardd__decode_alloc alloc, void *ctx,
                                           const uint8_t *payload, size_t len) {
-  shardd__wire w = {payload, payload + len}, sub = {NULL, NULL};
-  uint64_t v, seq = 0;
-  uint32_t field, wt;
-  int has_seq = 0, has_bucket = 0;
-  while (w.p < w.end) {
-    if (!shardd__wire_field(&w, &field, &wt, &v, &sub))
-      return NULL;
-    if (field == 1 && wt == 0 && !has_seq) {
-      has_seq = 1;
-      seq = v;
-    } else if (field == 35 && wt == 2 && !has_bucket) {
-      has_bucket = 1; /* its bytes stay in sub: no later field sets it */
-    } else {
-      return NULL;
-    }
-  }
-  if (!has_seq || !has_bucket)
+  shardd__wire sub = {NULL, NULL};
+  uint64_t seq = 0;
+  if (!shardd__wire_seq_body(payload, len, 35, &seq, &sub))
     return NULL;
   Shardwire__Request rinit = SHARDWIRE__REQUEST__INIT;
   Shardwire__Bucket binit = SHARDWIRE__BUCKET__INIT;

@@ -677,25 +677,11 @@ static int decode_views(shardd__wire *w, shardd__decode_alloc alloc, void *ctx,
 
 Shardwire__Request *shardd__views_decode(shardd__decode_alloc alloc, void *ctx,
                                          const uint8_t *payload, size_t len) {
-  shardd__wire w = {payload, payload + len}, sub = {NULL, NULL};
-  shardd__wire reg = {NULL, NULL};
+  shardd__wire sub = {NULL, NULL}, reg = {NULL, NULL};
   uint64_t v = 0, seq = 0;
   uint32_t field, wt;
-  int has_seq = 0, has_batch = 0;
-  while (w.p < w.end) {
-    if (!shardd__wire_field(&w, &field, &wt, &v, &sub))
-      return NULL;
-    if (field == 1 && wt == 0 && !has_seq) {
-      has_seq = 1;
-      seq = v;
-    } else if (field == 32 && wt == 2 && !has_batch) {
-      has_batch = 1; /* its bytes stay in sub: no later field sets it */
-    } else {
-      return NULL;
-    }
-  }
   /* the ViewsBatch: its register list alone */
-  if (!has_seq || !has_batch ||
+  if (!shardd__wire_seq_body(payload, len, 32, &seq, &sub) ||
       !shardd__wire_field(&sub, &field, &wt, &v, &reg) || field != 1 ||
       wt != 2 || sub.p != sub.end)
     return NULL;

@@ -106,17 +106,7 @@ static size_t pack(const Shardwire__Request *req, uint8_t *out, size_t cap) {
 
 /* the hand decoder leaves it to protobuf-c, or reads what protobuf-c reads */
 static int check_frame(const uint8_t *buf, size_t len) {
-  pool p = {.n = 0};
-  Shardwire__Request *fast = shardd__views_decode(pool_alloc, &p, buf, len);
-  Shardwire__Request *slow = shardwire__request__unpack(NULL, len, buf);
-  if (fast != NULL) {
-    cr_assert_not_null(slow, "a frame protobuf-c refuses is left to it");
-    expect_same(slow, fast);
-  }
-  if (slow)
-    shardwire__request__free_unpacked(slow, NULL);
-  pool_free(&p);
-  return fast != NULL;
+  return decoded_as_protobuf_c(shardd__views_decode, expect_same, buf, len);
 }
 
 static views_msg msg;
