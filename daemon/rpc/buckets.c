@@ -9,6 +9,7 @@
 #include "dispatch_int.h"
 #include "hash.h"
 #include "log.h"
+#include "varint.h"
 
 /* Entries per request: --max-pending's default, so a bucket fits a rank
  * that waits in nothing else (libshardd cuts a longer list). */
@@ -298,53 +299,15 @@ void shardd__buckets_free(shardd__dispatch *d) {
  * and protobuf-c decodes it, so what a request means never depends on the
  * path. */
 
-typedef struct {
-  const uint8_t *p, *end;
-} wire;
-
-/* 0 on a truncated or over-long (10-byte) varint */
-static int wire_varint(wire *w, uint64_t *v) {
-  uint64_t r = 0;
-  for (int s = 0; s < 63 && w->p < w->end; s += 7) {
-    uint8_t b = *w->p++;
-    r |= (uint64_t)(b & 0x7f) << s;
-    if (!(b & 0x80)) {
-      *v = r;
-      return 1;
-    }
-  }
-  return 0;
-}
-
-/* the next field's number and wire type, and for a length-delimited one
- * its bytes (sub); 0 at the end or when malformed */
-static int wire_field(wire *w, uint32_t *field, uint32_t *wt, uint64_t *val,
-                      wire *sub) {
-  uint64_t key, n;
-  if (w->p >= w->end || !wire_varint(w, &key) || (key >> 3) == 0 ||
-      (key >> 3) > 0x1fffffff)
-    return 0;
-  *field = (uint32_t)(key >> 3);
-  *wt = (uint32_t)(key & 7);
-  if (*wt == 0)
-    return wire_varint(w, val);
-  if (*wt != 2 || !wire_varint(w, &n) || n > (uint64_t)(w->end - w->p))
-    return 0;
-  sub->p = w->p;
-  sub->end = w->p + n;
-  w->p += n;
-  return 1;
-}
-
 /* one Scatter or Gather entry's fields (all varints, each at most once) */
-static int decode_entry(wire *w, int gather, void *out) {
+static int decode_entry(shardd__wire *w, int gather, void *out) {
   uint32_t field, wt, seen = 0;
   uint64_t v;
-  wire sub;
+  shardd__wire sub;
   Shardwire__Scatter *sc = out;
   Shardwire__Gather *g = out;
   while (w->p < w->end) {
-    if (!wire_field(w, &field, &wt, &v, &sub) || wt != 0 || field > 4 ||
+    if (!shardd__wire_field(w, &field, &wt, &v, &sub) || wt != 0 || field > 4 ||
         (seen & (1u << field)))
       return 0;
     seen |= 1u << field;
@@ -378,7 +341,7 @@ static int decode_entry(wire *w, int gather, void *out) {
 }
 
 /* a GatherMany or ScatterMany: its entries and first_index */
-static int decode_many(wire *w, int gather, shardd__bucket_alloc alloc,
+static int decode_many(shardd__wire *w, int gather, shardd__decode_alloc alloc,
                        void *ctx, void *many) {
   size_t esz = gather ? sizeof(Shardwire__Gather) : sizeof(Shardwire__Scatter);
   void **list = alloc(ctx, BUCKET_MAX * sizeof *list);
@@ -389,9 +352,9 @@ static int decode_many(wire *w, int gather, shardd__bucket_alloc alloc,
   int has_first = 0;
   uint64_t first = 0, v;
   uint32_t field, wt;
-  wire sub;
+  shardd__wire sub;
   while (w->p < w->end) {
-    if (!wire_field(w, &field, &wt, &v, &sub))
+    if (!shardd__wire_field(w, &field, &wt, &v, &sub))
       return 0;
     if (field == 1 && wt == 2 && n < BUCKET_MAX) {
       void *e = mem + n * esz;
@@ -429,12 +392,12 @@ static int decode_many(wire *w, int gather, shardd__bucket_alloc alloc,
 }
 
 /* the Bucket: exactly one of its two lists */
-static int decode_bucket(wire *w, shardd__bucket_alloc alloc, void *ctx,
+static int decode_bucket(shardd__wire *w, shardd__decode_alloc alloc, void *ctx,
                          Shardwire__Bucket *bk) {
   uint64_t v;
   uint32_t field, wt;
-  wire sub;
-  if (!wire_field(w, &field, &wt, &v, &sub) || wt != 2 || w->p != w->end ||
+  shardd__wire sub;
+  if (!shardd__wire_field(w, &field, &wt, &v, &sub) || wt != 2 || w->p != w->end ||
       (field != 1 && field != 2))
     return 0;
   if (field == 1) {
@@ -457,25 +420,11 @@ static int decode_bucket(wire *w, shardd__bucket_alloc alloc, void *ctx,
   return decode_many(&sub, 0, alloc, ctx, sm);
 }
 
-Shardwire__Request *shardd__bucket_decode(shardd__bucket_alloc alloc, void *ctx,
+Shardwire__Request *shardd__bucket_decode(shardd__decode_alloc alloc, void *ctx,
                                           const uint8_t *payload, size_t len) {
-  wire w = {payload, payload + len}, sub = {NULL, NULL};
-  uint64_t v, seq = 0;
-  uint32_t field, wt;
-  int has_seq = 0, has_bucket = 0;
-  while (w.p < w.end) {
-    if (!wire_field(&w, &field, &wt, &v, &sub))
-      return NULL;
-    if (field == 1 && wt == 0 && !has_seq) {
-      has_seq = 1;
-      seq = v;
-    } else if (field == 35 && wt == 2 && !has_bucket) {
-      has_bucket = 1; /* its bytes stay in sub: no later field sets it */
-    } else {
-      return NULL;
-    }
-  }
-  if (!has_seq || !has_bucket)
+  shardd__wire sub = {NULL, NULL};
+  uint64_t seq = 0;
+  if (!shardd__wire_seq_body(payload, len, 35, &seq, &sub))
     return NULL;
   Shardwire__Request rinit = SHARDWIRE__REQUEST__INIT;
   Shardwire__Bucket binit = SHARDWIRE__BUCKET__INIT;

@@ -179,9 +179,13 @@ static void req_free(void *arena, void *p) {
 
 static Shardwire__Request *req_unpack(shardd__dispatch *d, const uint8_t *payload,
                                       size_t len) {
-  /* a bucket's, the one request whose decoding cost counted */
+  /* a bucket's and a views batch's, the requests whose decoding cost
+   * counted (a bucket's is on its collective's path, a view's was as much
+   * as registering it) */
   Shardwire__Request *req = shardd__bucket_decode(req_alloc, &d->req_arena,
                                                   payload, len);
+  if (req == NULL)
+    req = shardd__views_decode(req_alloc, &d->req_arena, payload, len);
   if (req != NULL)
     return req;
   ProtobufCAllocator a = {req_alloc, req_free, &d->req_arena};

@@ -165,8 +165,8 @@ void shardd__ckpt_collective_free(shardd__dispatch *d);
 /* A bucket's Request decoded by hand (buckets.c: the shape clients send,
  * into what protobuf-c would fill), its pieces from alloc(ctx, bytes);
  * NULL for any other frame, which protobuf-c then decodes. */
-typedef void *(*shardd__bucket_alloc)(void *ctx, size_t n);
-Shardwire__Request *shardd__bucket_decode(shardd__bucket_alloc alloc, void *ctx,
+typedef void *(*shardd__decode_alloc)(void *ctx, size_t n);
+Shardwire__Request *shardd__bucket_decode(shardd__decode_alloc alloc, void *ctx,
                                           const uint8_t *payload, size_t len);
 void shardd__on_bucket(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                        const Shardwire__Request *req);
@@ -216,6 +216,10 @@ void shardd__on_unregister_optimizer(shardd__dispatch *d, shardd__conn *c,
                                      const Shardwire__Request *req);
 void shardd__on_unregister_view(shardd__dispatch *d, shardd__conn *c,
                                 uint64_t seq, const Shardwire__Request *req);
+/* A views batch registration's Request decoded by hand (register.c, as
+ * shardd__bucket_decode); NULL for any other frame. */
+Shardwire__Request *shardd__views_decode(shardd__decode_alloc alloc, void *ctx,
+                                         const uint8_t *payload, size_t len);
 void shardd__on_views_batch(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                             const Shardwire__Request *req);
 

@@ -10,6 +10,7 @@
 #include "log.h"
 #include "optcodec.h"
 #include "optreg.h"
+#include "varint.h"
 
 /* What registering one buffer changed in a buffer it attached to, so a
  * refused batch can put it back. */
@@ -550,4 +551,157 @@ void shardd__on_unregister_optimizer(shardd__dispatch *d, shardd__conn *c,
                                      uint64_t seq,
                                      const Shardwire__Request *req) {
   unregister(d, c, seq, SHARDD__OBJ_OPTIM, req->unregister_optimizer->id, 0);
+}
+
+/* ---- a views batch registration decoded by hand -----------------------
+ *
+ * protobuf-c decoded a views batch at about 1.9k instructions a view (a
+ * descriptor walk, a field lookup per field, a malloc'd scan list per
+ * message), as much as registering the view. The shape every client sends
+ * (seq, then a ViewsBatch whose RegisterViews lists entries of the plain
+ * fields, shape unpacked) is read here into the same structures protobuf-c
+ * would fill; anything else (an unknown or repeated field, a packed shape
+ * or over 64 dimensions, a varint past 63 bits, a required field missing,
+ * an unregistration) returns NULL and protobuf-c decodes it, so what a
+ * request means never depends on the path. Every piece is bounded by the
+ * frame: the entries are counted before their list is allocated, a name
+ * takes its bytes and one, a shape its dimensions. */
+
+/* one RegisterView's fields (each at most once; shape's in a row or not) */
+static int decode_view(shardd__wire *w, shardd__decode_alloc alloc, void *ctx,
+                       Shardwire__RegisterView *rv) {
+  uint32_t field, wt, seen = 0;
+  uint64_t v = 0;
+  shardd__wire sub = {NULL, NULL};
+  int64_t shape[64];
+  size_t nshape = 0;
+  while (w->p < w->end) {
+    if (!shardd__wire_field(w, &field, &wt, &v, &sub) || field > 7 ||
+        (wt == 2) != (field == 2) || (field != 5 && (seen & (1u << field))))
+      return 0;
+    seen |= 1u << field;
+    switch (field) {
+    case 1:
+      rv->buffer = v;
+      break;
+    case 2: {
+      size_t n = (size_t)(sub.end - sub.p);
+      char *s = alloc(ctx, n + 1);
+      if (s == NULL)
+        return 0;
+      memcpy(s, sub.p, n);
+      s[n] = '\0';
+      rv->name = s;
+      break;
+    }
+    case 3:
+      rv->offset = v;
+      break;
+    case 4:
+      rv->numel = v;
+      break;
+    case 5:
+      if (nshape == 64) /* refused after decoding: protobuf-c's */
+        return 0;
+      shape[nshape++] = (int64_t)v;
+      break;
+    case 6:
+      rv->has_requires_grad = 1;
+      rv->requires_grad = v != 0;
+      break;
+    case 7:
+      rv->has_buffer_generation = 1;
+      rv->buffer_generation = v;
+      break;
+    default:
+      return 0;
+    }
+  }
+  if ((seen & 0x1e) != 0x1e) /* buffer, name, offset, numel are required */
+    return 0;
+  if (nshape > 0) {
+    rv->shape = alloc(ctx, nshape * sizeof *rv->shape);
+    if (rv->shape == NULL)
+      return 0;
+    memcpy(rv->shape, shape, nshape * sizeof *rv->shape);
+    rv->n_shape = nshape;
+  }
+  return 1;
+}
+
+/* a RegisterViews: its entries and first_index */
+static int decode_views(shardd__wire *w, shardd__decode_alloc alloc, void *ctx,
+                        Shardwire__RegisterViews *rq) {
+  uint64_t v = 0;
+  uint32_t field, wt;
+  shardd__wire sub = {NULL, NULL}, scan = *w;
+  size_t n = 0;
+  while (scan.p < scan.end) {
+    if (!shardd__wire_field(&scan, &field, &wt, &v, &sub))
+      return 0;
+    n += field == 1 && wt == 2;
+  }
+  Shardwire__RegisterView **list = NULL, *mem = NULL;
+  if (n > 0) {
+    list = alloc(ctx, n * sizeof *list);
+    mem = alloc(ctx, n * sizeof *mem);
+    if (list == NULL || mem == NULL)
+      return 0;
+  }
+  size_t k = 0;
+  int has_first = 0;
+  uint64_t first = 0;
+  while (w->p < w->end) {
+    if (!shardd__wire_field(w, &field, &wt, &v, &sub))
+      return 0; /* not after the scan: for the compiler */
+    if (field == 1 && wt == 2) {
+      Shardwire__RegisterView init = SHARDWIRE__REGISTER_VIEW__INIT;
+      mem[k] = init;
+      if (!decode_view(&sub, alloc, ctx, &mem[k]))
+        return 0;
+      list[k] = &mem[k];
+      k++;
+    } else if (field == 2 && wt == 0 && !has_first && v <= UINT32_MAX) {
+      has_first = 1;
+      first = v;
+    } else {
+      return 0;
+    }
+  }
+  rq->n_views = n;
+  rq->views = list;
+  rq->has_first_index = has_first;
+  rq->first_index = (uint32_t)first;
+  return 1;
+}
+
+Shardwire__Request *shardd__views_decode(shardd__decode_alloc alloc, void *ctx,
+                                         const uint8_t *payload, size_t len) {
+  shardd__wire sub = {NULL, NULL}, reg = {NULL, NULL};
+  uint64_t v = 0, seq = 0;
+  uint32_t field, wt;
+  /* the ViewsBatch: its register list alone */
+  if (!shardd__wire_seq_body(payload, len, 32, &seq, &sub) ||
+      !shardd__wire_field(&sub, &field, &wt, &v, &reg) || field != 1 ||
+      wt != 2 || sub.p != sub.end)
+    return NULL;
+  Shardwire__Request rinit = SHARDWIRE__REQUEST__INIT;
+  Shardwire__ViewsBatch binit = SHARDWIRE__VIEWS_BATCH__INIT;
+  Shardwire__RegisterViews vinit = SHARDWIRE__REGISTER_VIEWS__INIT;
+  Shardwire__Request *req = alloc(ctx, sizeof *req);
+  Shardwire__ViewsBatch *vb = alloc(ctx, sizeof *vb);
+  Shardwire__RegisterViews *rq = alloc(ctx, sizeof *rq);
+  if (req == NULL || vb == NULL || rq == NULL)
+    return NULL;
+  *req = rinit;
+  *vb = binit;
+  *rq = vinit;
+  if (!decode_views(&reg, alloc, ctx, rq))
+    return NULL;
+  vb->op_case = SHARDWIRE__VIEWS_BATCH__OP_REGISTER;
+  vb->register_ = rq;
+  req->seq = seq;
+  req->body_case = SHARDWIRE__REQUEST__BODY_VIEWS_BATCH;
+  req->views_batch = vb;
+  return req;
 }

@@ -9,31 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "decode_pool.h"
 #include "dispatch_int.h"
-
-/* pieces from a bump of malloc'd blocks, freed together */
-typedef struct {
-  void *blocks[4096];
-  size_t n;
-} pool;
-
-static void *pool_alloc(void *ctx, size_t n) {
-  pool *p = ctx;
-  cr_assert_lt(p->n, 4096);
-  return p->blocks[p->n++] = calloc(1, n ? n : 1);
-}
-
-static void pool_free(pool *p) {
-  while (p->n)
-    free(p->blocks[--p->n]);
-}
-
-static uint64_t rnd(uint64_t *s) {
-  *s ^= *s << 13;
-  *s ^= *s >> 7;
-  *s ^= *s << 17;
-  return *s;
-}
 
 /* a as protobuf-c decoded it equals b as the hand decoder did */
 static void expect_same(const Shardwire__Request *a, const Shardwire__Request *b) {
@@ -137,17 +114,7 @@ static size_t pack_random(uint64_t *s, size_t n, int gather, uint8_t *out,
 
 /* the hand decoder leaves it to protobuf-c, or reads what protobuf-c reads */
 static int check_frame(const uint8_t *buf, size_t len) {
-  pool p = {.n = 0};
-  Shardwire__Request *fast = shardd__bucket_decode(pool_alloc, &p, buf, len);
-  Shardwire__Request *slow = shardwire__request__unpack(NULL, len, buf);
-  if (fast != NULL) {
-    cr_assert_not_null(slow, "a frame protobuf-c refuses is left to it");
-    expect_same(slow, fast);
-  }
-  if (slow)
-    shardwire__request__free_unpacked(slow, NULL);
-  pool_free(&p);
-  return fast != NULL;
+  return decoded_as_protobuf_c(shardd__bucket_decode, expect_same, buf, len);
 }
 
 Test(buckets, requests_clients_send_read_as_protobuf_c_reads_them) {
