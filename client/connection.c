@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "client_int.h"
+#include "poison.h"
 
 void shardd__clear_err(shardd_client_t *c) {
   c->err[0] = '\0';
@@ -238,9 +239,19 @@ struct reply_chunk {
 #define REPLY_CHUNK_MIN ((size_t)64 << 10)
 #define REPLY_CHUNK_KEEP ((size_t)4 << 20)
 
+/* Under AddressSanitizer what no live piece holds is poisoned (poison.h):
+ * a reply read past its piece or after the reset is reported. */
+static void *reply_bytes(reply_chunk *k) { return k + 1; }
+
+static void reply_chunk_free(reply_chunk *k) {
+  if (k)
+    SHARDD__UNPOISON(reply_bytes(k), k->h.s.cap);
+  free(k);
+}
+
 static void *reply_alloc(void *data, size_t n) {
   reply_arena *ra = data;
-  size_t need = (n + _Alignof(max_align_t) - 1) &
+  size_t need = (n + SHARDD__REDZONE + _Alignof(max_align_t) - 1) &
                 ~(size_t)(_Alignof(max_align_t) - 1);
   if (need < n)
     return NULL;
@@ -255,9 +266,11 @@ static void *reply_alloc(void *data, size_t n) {
     k->h.s.used = 0;
     k->h.s.next = ra->chunks;
     ra->chunks = k;
+    SHARDD__POISON(reply_bytes(k), cap);
   }
-  void *p = (unsigned char *)(k + 1) + k->h.s.used;
+  void *p = (unsigned char *)reply_bytes(k) + k->h.s.used;
   k->h.s.used += need;
+  SHARDD__UNPOISON(p, n);
   return p;
 }
 
@@ -282,12 +295,13 @@ void shardd__reply_arena_reset(shardd_client_t *c) {
   while (k->h.s.next) {
     reply_chunk *old = k->h.s.next;
     k->h.s.next = old->h.s.next;
-    free(old);
+    reply_chunk_free(old);
   }
   if (k->h.s.cap > REPLY_CHUNK_KEEP) {
-    free(k);
+    reply_chunk_free(k);
     k = NULL;
   } else {
+    SHARDD__POISON(reply_bytes(k), k->h.s.used);
     k->h.s.used = 0;
   }
   c->batch_replies.chunks = k;
@@ -297,7 +311,7 @@ void shardd__reply_arena_stop(shardd_client_t *c) { c->reply_in = NULL; }
 
 void shardd__reply_arena_free(shardd_client_t *c) {
   shardd__reply_arena_reset(c);
-  free(c->batch_replies.chunks);
+  reply_chunk_free(c->batch_replies.chunks);
   c->batch_replies.chunks = NULL;
   c->reply_in = NULL;
 }

@@ -4,6 +4,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "poison.h"
+
 #define ALIGN _Alignof(max_align_t)
 
 /* Chunks past the first block grow to this at most; a spare kept for the
@@ -20,21 +22,21 @@ struct shardd__arena_big {
   } h;
 };
 
-/* Under AddressSanitizer every allocation is malloc's own, freed at its
- * rewind: a pointer kept past the rewind is then a use after free it
- * reports, not a silent read of the next request's bytes. */
-#if defined(__SANITIZE_ADDRESS__)
-#define ARENA_SANITIZED 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define ARENA_SANITIZED 1
-#endif
-#endif
+/* Under AddressSanitizer the same code runs, with what no live piece
+ * holds poisoned (poison.h): a piece's overflow into its redzone or the
+ * next piece, or a pointer kept past its rewind, is reported, not a
+ * silent read of the next request's bytes. */
+static void *chunk_bytes(struct shardd__arena_big *b) { return b + 1; }
+
+/* A chunk handed back to malloc: unpoisoned first, as malloc handed it
+ * out. */
+static void chunk_free(struct shardd__arena_big *b) {
+  if (b)
+    SHARDD__UNPOISON(chunk_bytes(b), b->h.s.cap);
+  free(b);
+}
 
 void shardd__arena_init(shardd__arena *a, size_t cap) {
-#ifdef ARENA_SANITIZED
-  cap = 0;
-#endif
   a->block = NULL;
   a->cap = cap;
   a->used = 0;
@@ -54,9 +56,6 @@ static struct shardd__arena_big *chunk_new(shardd__arena *a, size_t need) {
     return b;
   }
   size_t cap = a->big ? 2 * a->big->h.s.cap : 2 * a->cap;
-#ifdef ARENA_SANITIZED
-  cap = 0; /* one piece each */
-#endif
   if (cap > CHUNK_MAX)
     cap = CHUNK_MAX;
   if (cap < need)
@@ -64,20 +63,26 @@ static struct shardd__arena_big *chunk_new(shardd__arena *a, size_t need) {
   if (cap > SIZE_MAX - sizeof *b)
     return NULL;
   b = malloc(sizeof *b + cap);
-  if (b)
+  if (b) {
     b->h.s.cap = cap;
+    SHARDD__POISON(chunk_bytes(b), cap); /* a spare is poisoned already */
+  }
   return b;
 }
 
 void *shardd__arena_alloc(shardd__arena *a, size_t n) {
-  size_t need = (n + ALIGN - 1) & ~(size_t)(ALIGN - 1);
+  size_t need = (n + SHARDD__REDZONE + ALIGN - 1) & ~(size_t)(ALIGN - 1);
   if (need < n)
     return NULL;
-  if (a->block == NULL && a->cap > 0 && need <= a->cap)
+  if (a->block == NULL && a->cap > 0 && need <= a->cap) {
     a->block = malloc(a->cap); /* stays NULL when out of memory: big below */
+    if (a->block)
+      SHARDD__POISON(a->block, a->cap);
+  }
   if (a->big == NULL && a->block && need <= a->cap - a->used) {
     void *p = a->block + a->used;
     a->used += need;
+    SHARDD__UNPOISON(p, n);
     return p;
   }
   struct shardd__arena_big *b = a->big;
@@ -88,8 +93,9 @@ void *shardd__arena_alloc(shardd__arena *a, size_t n) {
     b->h.s.next = a->big;
     a->big = b;
   }
-  void *p = (unsigned char *)(b + 1) + b->h.s.used;
+  void *p = (unsigned char *)chunk_bytes(b) + b->h.s.used;
   b->h.s.used += need;
+  SHARDD__UNPOISON(p, n);
   return p;
 }
 
@@ -101,26 +107,32 @@ void shardd__arena_rewind(shardd__arena *a, shardd__arena_mark m) {
   while (a->big != m.big) {
     struct shardd__arena_big *b = a->big;
     a->big = b->h.s.next;
-#ifndef ARENA_SANITIZED
     /* the largest chunk stays for the next large request */
     if (b->h.s.cap <= CHUNK_MAX &&
         (a->spare == NULL || a->spare->h.s.cap < b->h.s.cap)) {
-      free(a->spare);
+      chunk_free(a->spare);
+      SHARDD__POISON(chunk_bytes(b), b->h.s.cap);
       a->spare = b;
       continue;
     }
-#endif
-    free(b);
+    chunk_free(b);
   }
-  if (a->big)
+  if (a->big) {
+    SHARDD__POISON((unsigned char *)chunk_bytes(a->big) + m.big_used,
+                   a->big->h.s.used - m.big_used);
     a->big->h.s.used = m.big_used;
+  }
+  if (a->block)
+    SHARDD__POISON(a->block + m.used, a->used - m.used);
   a->used = m.used;
 }
 
 void shardd__arena_free(shardd__arena *a) {
   shardd__arena_rewind(a, (shardd__arena_mark){0, NULL, 0});
-  free(a->spare);
+  chunk_free(a->spare);
   a->spare = NULL;
+  if (a->block)
+    SHARDD__UNPOISON(a->block, a->cap);
   free(a->block);
   a->block = NULL;
 }

@@ -7,7 +7,9 @@
  * taken before it, then is reused by the next allocation; nothing may keep
  * a pointer into it past that (copy what outlives the request). Marks nest
  * (a dispatch inside another rewinds to its own), and must be rewound in
- * the reverse order of taking them. */
+ * the reverse order of taking them. Under AddressSanitizer the same code
+ * runs with what no live piece holds poisoned (common/poison.h), so an
+ * access past a piece or after its rewind is reported. */
 #ifndef SHARDD_ARENA_H
 #define SHARDD_ARENA_H
 

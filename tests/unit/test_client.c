@@ -1508,3 +1508,85 @@ Test(client, a_view_batch_packed_by_hand_is_protobuf_cs_bytes, .timeout = 30) {
                SHARDD_E_INTERNAL);
   cr_expect_null(got);
 }
+
+/* The batch replies' arena (client/connection.c): a batch's replies are
+ * decoded into its chunks; under ASan (make check) what no live piece
+ * holds is poisoned, so a reply read past its piece or after the reset is
+ * reported, while a decode and its reads are clean. */
+#if defined(__SANITIZE_ADDRESS__)
+#include "asan_death.h"
+
+/* A batch's reply of n views decoded into c's arena. */
+static Shardwire__Response *decode_views_reply(shardd_client_t *c, size_t n) {
+  static Shardwire__ViewReply vr[64];
+  static Shardwire__ViewReply *vrp[64];
+  Shardwire__Response resp = SHARDWIRE__RESPONSE__INIT;
+  Shardwire__ViewsBatchReply vb = SHARDWIRE__VIEWS_BATCH_REPLY__INIT;
+  for (size_t i = 0; i < n; i++) {
+    shardwire__view_reply__init(&vr[i]);
+    vr[i].id = 1000 + i;
+    vrp[i] = &vr[i];
+  }
+  resp.seq = 9;
+  resp.body_case = SHARDWIRE__RESPONSE__BODY_VIEWS_BATCH;
+  vb.n_views = n;
+  vb.views = vrp;
+  resp.views_batch = &vb;
+  uint8_t buf[4096];
+  size_t len = shardwire__response__pack(&resp, buf);
+  shardd__reply_arena_use(c);
+  return shardwire__response__unpack(&c->batch_replies.a, len, buf);
+}
+
+static void reply_read_after_reset(void *arg) {
+  (void)arg;
+  static shardd_client_t c;
+  Shardwire__Response *r = decode_views_reply(&c, 40);
+  if (r == NULL || r->views_batch->views[39]->id != 1039)
+    _exit(3);
+  volatile uint64_t *id = &r->views_batch->views[39]->id;
+  shardd__reply_arena_reset(&c); /* the chunk stays for the next reply */
+  if (*id == 42)
+    _exit(4);
+}
+
+static void reply_read_past_a_piece(void *arg) {
+  (void)arg;
+  static shardd_client_t c;
+  Shardwire__Response *r = decode_views_reply(&c, 40);
+  if (r == NULL)
+    _exit(3);
+  volatile unsigned char *v = (unsigned char *)r->views_batch->views[0];
+  if (v[sizeof(Shardwire__ViewReply)] == 42)
+    _exit(4);
+}
+
+static void reply_decoded_and_read(void *arg) {
+  (void)arg;
+  static shardd_client_t c;
+  for (int round = 0; round < 3; round++) {
+    Shardwire__Response *r = decode_views_reply(&c, 64);
+    if (r == NULL || r->views_batch->n_views != 64)
+      _exit(3);
+    for (size_t i = 0; i < 64; i++)
+      if (r->views_batch->views[i]->id != 1000 + i)
+        _exit(4);
+    shardd__reply_arena_reset(&c);
+  }
+  shardd__reply_arena_free(&c);
+}
+
+Test(client, the_reply_arenas_pieces_are_checked_by_asan) {
+  char report[8192];
+  cr_expect(asan_reports(reply_read_after_reset, NULL, "use-after-poison",
+                         report, sizeof report),
+            "a reply read after the arena's reset went unseen: %s", report);
+  cr_expect(asan_reports(reply_read_past_a_piece, NULL, "use-after-poison",
+                         report, sizeof report),
+            "a read past a reply's piece went unseen: %s", report);
+  cr_expect_not(asan_reports(reply_decoded_and_read, NULL, "AddressSanitizer",
+                             report, sizeof report),
+                "a decode and its reads were reported: %s", report);
+  reply_decoded_and_read(NULL);
+}
+#endif /* __SANITIZE_ADDRESS__ */
