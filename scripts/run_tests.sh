@@ -78,38 +78,25 @@ if [ -n "$py" ]; then
     [ -z "$line" ] && fail=$((fail + 1))
   fi
 fi
-# The layering rule of ARCHITECTURE.md, over the sources and BUILD's
-# objects: one test.
-if [ -f scripts/check_layers.py ]; then
-  echo "== scripts/check_layers.py"
-  if /usr/bin/python3 scripts/check_layers.py "$BUILD"; then
+# A whole-tree check: one test, named for the summary line.
+check() {
+  name=$1 script=$2
+  shift 2
+  [ -f "$script" ] || return 0
+  echo "== $script"
+  if /usr/bin/python3 "$script" "$@"; then
     pass=$((pass + 1))
   else
     fail=$((fail + 1))
-    bad="$bad layers"
+    bad="$bad $name"
   fi
-fi
-# No function over 150 lines in daemon/, client/, common/: one test.
-if [ -f scripts/check_functions.py ]; then
-  echo "== scripts/check_functions.py"
-  if /usr/bin/python3 scripts/check_functions.py; then
-    pass=$((pass + 1))
-  else
-    fail=$((fail + 1))
-    bad="$bad functions"
-  fi
-fi
-# The documentation's links and the docs/ pages the tree names lead
-# somewhere: one test.
-if [ -f scripts/check_docs.py ]; then
-  echo "== scripts/check_docs.py"
-  if /usr/bin/python3 scripts/check_docs.py; then
-    pass=$((pass + 1))
-  else
-    fail=$((fail + 1))
-    bad="$bad docs"
-  fi
-fi
+}
+# The layering rule of ARCHITECTURE.md, over the sources and BUILD's objects.
+check layers scripts/check_layers.py "$BUILD"
+# No function over 150 lines in daemon/, client/, common/.
+check functions scripts/check_functions.py
+# The documentation's links and the docs/ pages the tree names lead somewhere.
+check docs scripts/check_docs.py
 # ... and that each check fails on what it is there to catch (each case one
 # test).
 for lt in tests/layers/test_*.py; do
