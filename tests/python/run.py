@@ -41,6 +41,13 @@ SLOW_FIRST = ["test_builtin_modules", "test_daemon_restart", "test_two_forwards"
               "test_train_gpt"]
 
 
+# Some tests start ranks in a directory of their own (the README's quick
+# start, as a user runs it): paths given relative to the checkout must hold
+# there too (`make check` passes build/check/libshardd.so).
+for _k in ("SHARDD_LIB", "SHARDD_BIN", "SHARDCTL_BIN"):
+    if os.environ.get(_k) and not os.path.isabs(os.environ[_k]):
+        os.environ[_k] = os.path.abspath(os.environ[_k])
+
 _running = [None, 0.0]  # the test now running and when it began, for the watchdog
 _workers = []  # the parent's worker processes, which its watchdog ends
 
