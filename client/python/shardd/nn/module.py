@@ -689,7 +689,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                        lambda u: self.client.gather(u.buffer))
         self._gathered_versions()
         self._stale = None
-        _mark_stale([e for u in self.units for e in u.entries], False)
+        _mark_stale(self, False)
 
     def _resident_pre_forward(self, module, inputs):
         """Resident: refuses a forward after a step with no gather() since
@@ -768,7 +768,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         if not self.transient:
             self._stepped_at[getattr(opt, "id", opt)] = self._scatters
             self._stale = "after an optimizer step with no sm.gather() since"
-            _mark_stale([e for u in self.units for e in u.entries], True)
+            _mark_stale(self, True)
 
     def _clipped(self, opt, scale):
         """After a step of opt whose gradients a clip scaled by scale (the

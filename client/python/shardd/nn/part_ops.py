@@ -132,12 +132,12 @@ def _check_binary(name, self, args):
                 name, list(other), _describe(e, lo, t), _EMA))
 
 
-def mark_stale(entries, stale):
-    """entries' parameters (a resident wrapper's) hold values from before
+def mark_stale(sm, stale):
+    """The parameters of sm (a resident wrapper) hold values from before
     a step (stale True, after it) or the shards' (after a gather, or its
     client's close())."""
     with LOCK:
-        for e in entries:
+        for e in (e for u in sm.units for e in u.entries):
             ptr = e.param.data_ptr()
             if not stale:
                 _STALE.pop(ptr, None)
@@ -162,7 +162,7 @@ def closed(sm):
     """sm's client closed: its parts and stale parameters are forgotten
     (with no other wrapper's left, torch's own methods are back)."""
     if sm is not None:
-        mark_stale([e for u in sm.units for e in u.entries], False)
+        mark_stale(sm, False)
     prune()
 
 
@@ -245,8 +245,7 @@ def _out(name, torch_fn):
             if _STALE:
                 _check_stale("torch." + name, ops)
         return torch_fn(*args, **kwargs)
-    fn.__name__ = fn.__qualname__ = name
-    fn.__doc__ = torch_fn.__doc__
+    _like(fn, name, torch_fn, owner="")
     try:  # torch.jit.script over a function calling torch.add: still aten's
         torch.jit._builtins._register_builtin(fn, "aten::" + name)
     except Exception:
@@ -283,9 +282,7 @@ def _foreach(name, torch_fn):
         if _STALE:
             _check_stale("torch." + name, args)
         return torch_fn(selves, *args, **kwargs)
-    fn.__name__ = fn.__qualname__ = name
-    fn.__doc__ = torch_fn.__doc__
-    return fn
+    return _like(fn, name, torch_fn, owner="")
 
 
 def _fill(name, torch_method):
@@ -325,9 +322,9 @@ def _whole_index(index):
     return index is Ellipsis or (type(index) is slice and index == slice(None))
 
 
-def _like(method, name, torch_method):
+def _like(method, name, torch_method, owner="Tensor."):
     method.__name__ = name
-    method.__qualname__ = "Tensor." + name
+    method.__qualname__ = owner + name
     method.__doc__ = torch_method.__doc__
     return method
 

@@ -245,5 +245,5 @@ class _StateDicts:
                     self.client.release(u.buffer)
         if not self.transient:
             self._stale = None  # every unit gathered: the values after the steps
-            mark_stale([e for u in self.units for e in u.entries], False)
+            mark_stale(self, False)
         return out
