@@ -21,14 +21,16 @@ LINE = re.compile(r"^step (\d+) loss ([0-9.]+) norm ([0-9.]+)$", re.M)
 
 
 def port_source():
-    """The ```python block under the page's '## Worked example'."""
+    """The ```python block of shardd's under the page's '## Worked example'
+    (the one before it is DeepSpeed's)."""
     with open(PAGE) as f:
         text = f.read()
     section = text.split("\n## Worked example", 1)[1].split("\n## ", 1)[0]
-    m = re.search(r"```python\n(.*?)```", section, re.S)
-    if m is None:
-        raise AssertionError("docs/deepspeed.md: no ```python block under '## Worked example'")
-    return m.group(1)
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if "import shardd" in b]
+    if len(blocks) != 1:
+        raise AssertionError("docs/deepspeed.md: not one ```python block importing shardd "
+                             "under '## Worked example'")
+    return blocks[0]
 
 
 def torch_reference():

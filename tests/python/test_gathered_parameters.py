@@ -32,7 +32,7 @@ def write(full):
     """What the script writes into the gathered copies (also torch's)."""
     g = torch.Generator().manual_seed(7)
     full[TIED].copy_(torch.randn(full[TIED].shape, generator=g) * 0.05)
-    full[TIED][3].zero_()        # HF's padding row
+    full["lm_head.weight"][3].zero_()  # HF's padding row, through the tied name
     full[BIAS].fill_(0.25)
 
 
@@ -106,7 +106,7 @@ class GatheredParametersTest(unittest.TestCase):
         ref = models.nano_gpt()
         if written:
             with torch.no_grad():
-                write(dict(ref.named_parameters()))
+                write(dict(ref.named_parameters(), **{"lm_head.weight": ref.lm_head.weight}))
         train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), range(2), 2)
         return ref
 
@@ -119,7 +119,7 @@ class GatheredParametersTest(unittest.TestCase):
             got = self.run_ranks("every_rank", transient)
             for r in range(2):
                 self.assertIsNone(got[("refused", r)])
-                self.assertEqual(got[("keys", r)], sorted([TIED, BIAS]))
+                self.assertEqual(got[("keys", r)], sorted([TIED, "lm_head.weight", BIAS]))
             self.assert_torchs(got, self.reference(written=True))
 
     def test_a_write_on_the_modifier_rank_alone_is_refused_on_every_rank(self):

@@ -256,7 +256,8 @@ class _StateDicts:
         """DeepSpeed's zero.GatheredParameters(params, modifier_rank) as a
         collective context: yields {qualified name: whole tensor}, copies of
         params (parameters of the wrapped model or their names; None: all)
-        on every rank. With modifier_rank set, the copies written in the
+        on every rank, a tied one under each of its names (one tensor).
+        With modifier_rank set, the copies written in the
         block are written into the shards at its end, as DeepSpeed's exit
         partitions what it broadcast from that rank. shardd has no
         broadcast: every rank must have made the same writes (seed a draw
@@ -275,7 +276,9 @@ class _StateDicts:
         wanted = {e.name for e in entries.values()}
         full = {n: t for n, t in self.full_parameters(units).items() if n in wanted}
         before = {n: _crc(t) for n, t in full.items()}
-        yield full
+        named = dict(full)  # a tied parameter under each of its names, one tensor
+        named.update({k: full[e.name] for k, e in self._aliases().items() if id(e) in entries})
+        yield named
         names = sorted(full)
         after = [_crc(full[n]) for n in names]
         changed = [n for n, h in zip(names, after) if h != before[n]]
