@@ -8,7 +8,6 @@ checked against the same recipe in one plain torch process on both ranks'
 batches, and the resumed run against the first."""
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import unittest
@@ -68,21 +67,11 @@ class DeepSpeedPortTest(unittest.TestCase):
         env = dict(os.environ, SHARDD_SOCKET=common.socket(),
                    PYTHONPATH=os.pathsep.join([os.path.join(common.REPO, "client", "python"),
                                                os.path.join(common.REPO, "tests", "python")]))
-        procs = [subprocess.Popen([sys.executable, path, str(r), str(WORLD), phase, d],
-                                  cwd=d, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
-                 for r in range(ranks)]
-        outs = []
-        for p in procs:
-            try:
-                outs.append(p.communicate(timeout=300))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                raise
-        for r, (p, (out, err)) in enumerate(zip(procs, outs)):
-            self.assertEqual(p.returncode, 0, "%s rank %d:\n%s%s" % (phase, r, out, err))
-        return outs[0][0]
+        outs = common.run_processes([[sys.executable, path, str(r), str(WORLD), phase, d]
+                                     for r in range(ranks)], d, env)
+        for r, (rc, out, err) in enumerate(outs):
+            self.assertEqual(rc, 0, "%s rank %d:\n%s%s" % (phase, r, out, err))
+        return outs[0][1]
 
     def test_the_pages_port_trains_as_torch_and_resumes_from_its_checkpoint(self):
         import torch
