@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -204,6 +205,24 @@ def launch_collect(target, args_of, world, timeout=120):
 
     launch_ranks(target, args_of, world, on_msg, timeout)
     return got
+
+
+def run_processes(argvs, cwd, env, timeout=300):
+    """Starts a process per argv at once (as a user starts one per rank)
+    and waits for all: -> [(returncode, stdout, stderr)]. A timeout kills
+    every one and raises."""
+    procs = [subprocess.Popen(a, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for a in argvs]
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outs.append((p.returncode, out, err))
+    return outs
 
 
 def max_rel(got, want):

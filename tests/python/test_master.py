@@ -53,7 +53,8 @@ def reference(add_group=False):
         for q, p in zip(master, rb.parameters()):
             q.grad = p.grad.float()
         opt.step()
-        out.append((loss.item(), torch.cat([q.detach().bfloat16().reshape(-1) for q in master])))
+        out.append((loss.item(), torch.cat([q.detach().bfloat16().reshape(-1) for q in master]),
+                    [q.detach().clone() for q in master]))
     return out
 
 
@@ -133,6 +134,28 @@ class MasterTest(unittest.TestCase):
         sm2.load_state_dict(msd)
         opt2.load_state_dict(osd)
         self.train(c2, sm2, m2, opt2, range(2, STEPS), want)
+
+    def test_the_fp32_state_dict_is_torchs_fp32_master(self):
+        """opt.fp32_state_dict() (DeepSpeed's zero_to_fp32) of a bf16 run
+        after 3 steps: torch's fp32 master weights bit for bit, under
+        torch's keys, where sm.state_dict() gives their bf16 rounding
+        (which differs from the master in most elements)."""
+        want = reference()
+        c = shardd.Client(common.socket(), job=common.job("master-fp32"), rank=0, world=1,
+                          transient_areas=False)
+        self.addCleanup(c.close)
+        m = model()
+        sm = shardd.nn.ShardedModule(c, m, auto_wrap="children", dtype="bf16")
+        opt = shardd.optim.AdamW(m.parameters(), lr=1e-2)
+        self.train(c, sm, m, opt, range(3), want)
+        got, plain = opt.fp32_state_dict(), sm.state_dict()
+        names = [n for n, _ in model().named_parameters()]
+        self.assertEqual(list(got), list(plain))
+        for n, q in zip(names, want[2][2]):
+            self.assertEqual(got[n].dtype, torch.float32, n)
+            self.assertTrue(torch.equal(got[n], q), n)
+            self.assertEqual(plain[n].dtype, torch.bfloat16, n)
+            self.assertFalse(torch.equal(plain[n].float(), q), n)
 
     def test_bf16_add_param_group_carries_the_master(self):
         """add_param_group in a bf16 run re-registers the daemon's
@@ -424,7 +447,8 @@ def scaled_reference():
         for q, p in zip(master, rb.parameters()):
             q.grad = p.grad.float()
         opt.step()
-        out.append((loss.item(), torch.cat([q.detach().bfloat16().reshape(-1) for q in master])))
+        out.append((loss.item(), torch.cat([q.detach().bfloat16().reshape(-1) for q in master]),
+                    [q.detach().clone() for q in master]))
     return out
 
 

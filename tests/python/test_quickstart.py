@@ -6,7 +6,6 @@ process (the global batch of both ranks, torch's clipping and AdamW), so
 the README's code must both run and train what torch trains."""
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import unittest
@@ -63,23 +62,13 @@ class QuickStartTest(unittest.TestCase):
                 f.write(src)
             env = dict(os.environ, SHARDD_SOCKET=common.socket(),
                        PYTHONPATH=os.path.join(common.REPO, "client", "python"))
-            procs = [subprocess.Popen([sys.executable, path, str(r), str(WORLD)], cwd=d,
-                                      env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True)
-                     for r in range(WORLD)]
-            outs = []
-            for p in procs:
-                try:
-                    outs.append(p.communicate(timeout=300))
-                except subprocess.TimeoutExpired:
-                    for q in procs:
-                        q.kill()
-                    raise
-            for r, (p, (out, err)) in enumerate(zip(procs, outs)):
-                self.assertEqual(p.returncode, 0, "rank %d:\n%s%s" % (r, out, err))
+            outs = common.run_processes([[sys.executable, path, str(r), str(WORLD)]
+                                         for r in range(WORLD)], d, env)
+            for r, (rc, out, err) in enumerate(outs):
+                self.assertEqual(rc, 0, "rank %d:\n%s%s" % (r, out, err))
             printed = [(int(s), float(v)) for s, v in
-                       re.findall(r"^step (\d+)\s+loss ([0-9.]+)$", outs[0][0], re.M)]
-            self.assertTrue(printed, "rank 0 printed no loss line:\n" + outs[0][0])
+                       re.findall(r"^step (\d+)\s+loss ([0-9.]+)$", outs[0][1], re.M)]
+            self.assertTrue(printed, "rank 0 printed no loss line:\n" + outs[0][1])
             steps = printed[-1][0] + 1
             want_losses, want = torch_reference(steps)
             for s, v in printed:

@@ -46,7 +46,9 @@ rank's dicts (a list) to reshard into another world size.
 parameter's whole state on rank 0 (FSDP's ``FullOptimStateDictConfig``),
 which torch.optim's optimizers load too; ``state_dict_type = "full"`` makes
 it ``state_dict()``'s. 16-bit parameters add ``"master"`` (their fp32
-master) to their state. ``add_param_group`` after construction registers
+master) to their state; ``fp32_state_dict()`` is the module's full state
+dict with those masters in place of the 16-bit values (DeepSpeed's
+zero_to_fp32). ``add_param_group`` after construction registers
 the optimizer anew with every group, carrying the state over (every rank
 calls it, as torch scripts do).
 """
@@ -371,6 +373,30 @@ class _ShardedOptimizer(torch.optim.Optimizer):
                     e["master"] = torch.from_numpy(m).view(v.shape)
                 state[i] = e
         return {"state": state, "param_groups": self._groups(lambda i, p: i)}
+
+    def fp32_state_dict(self, rank0_only=True, offload_to_cpu=False):
+        """The module's full state dict (``sm.state_dict()``: torch's keys,
+        every parameter whole, the buffers) with each 16-bit parameter this
+        optimizer steps given as its fp32 master instead of its 16-bit
+        rounding: what DeepSpeed's zero_to_fp32 gives, and what a model
+        trained in mixed precision continues from in fp32. Other
+        parameters (fp32 ones, those of no optimizer, a 16-bit one
+        before its first step, whose shard is exact) as the state dict
+        has them. Collective (every rank calls it); rank0_only: ranks other
+        than 0 get {}."""
+        module = self._module
+        sd = module.state_dict(rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
+        if rank0_only and module.client.rank != 0:
+            return {}
+        mine = {id(self._view(p)): p for p in self._params()}
+        for k, e in module._aliases().items():
+            if k not in sd or id(e.view) not in mine:
+                continue
+            m = self._master(e.view, 0, e.view.numel)
+            if m is not None:
+                t = torch.from_numpy(m).view(sd[k].shape)
+                sd[k] = t if offload_to_cpu else t.to(sd[k].device)
+        return sd
 
     def load_state_dict(self, state_dict):
         """Loads a full dict (torch.optim's layout: full_state_dict's, or

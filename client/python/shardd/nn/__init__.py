@@ -240,7 +240,9 @@ unit). So with transient areas units other than the root's do not nest
 beside the root's makes the next unit's gather fail, naming the read.
 ``gather()``, ``scatter()`` and ``sync_grads()`` are for resident
 clients only (E_STATE here); :meth:`ShardedModule.full_parameters` copies
-out the whole parameters on either kind. From the second forward on, the
+out the whole parameters on either kind, and
+:meth:`ShardedModule.gathered_parameters` (DeepSpeed's GatheredParameters)
+also writes back what every rank wrote into those copies. From the second forward on, the
 next unit's gather (in the first forward's order) runs while a unit
 computes, when the rank's 2 gather leases allow and, with
 ``prefetch="auto"`` (the default) on the host backend, the first steps

@@ -1191,8 +1191,9 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
     def clip_grad_norm_(self, max_norm, norm_type=2.0, optimizer=None):
         """FSDP's clip_grad_norm_ (collective): -> the total L2 norm of the
         reduced gradients over every shard of every rank, as a torch scalar
-        (torch's plain clip_grad_norm_ over model.parameters() sees only
-        this rank's parts: a per-rank norm, as under FSDP). Gradients are
+        (torch's plain clip_grad_norm_ over a transient wrapper's
+        parameters gives the same global norm: clip_hook.py; under FSDP1
+        it is a per-rank norm). Gradients are
         scaled by min(1, max_norm / (norm + 1e-6)), as torch's clipping in
         place does; max_norm=inf reports the norm only.
         optimizer: whose parameters count. A shardd.optim optimizer or a

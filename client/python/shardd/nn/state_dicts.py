@@ -2,6 +2,7 @@
 load_state_dict() through torch's state-dict hooks (full or local), and
 full_parameters()."""
 import contextlib
+import zlib
 
 import torch
 
@@ -219,14 +220,16 @@ class _StateDicts:
         with self.state_dict_type("full"):
             return self.module.load_state_dict(state_dict, strict=strict)
 
-    def full_parameters(self):
+    def full_parameters(self, units=None):
         """-> {qualified name: tensor}, copies of the whole parameters as the
-        daemon holds them now (collective: every rank must call it). Resident
-        areas: gathers every unit. Transient: gathers and releases one unit
-        at a time (not while a forward or backward holds units)."""
+        daemon holds them now (collective: every rank must call it, with
+        the same units). Resident areas: gathers every unit. Transient:
+        gathers and releases one unit at a time (not while a forward or
+        backward holds units). units: only these of self.units (all when
+        None)."""
         out = {}
         self._release_unbackwarded()
-        for u in self.units:
+        for u in (self.units if units is None else units):
             if self.transient:
                 if u.gather is not None:
                     raise shardd.Error(22, "full_parameters(): unit %r is gathered by "
@@ -247,3 +250,92 @@ class _StateDicts:
             self._stale = None  # every unit gathered: the values after the steps
             mark_stale(self, False)
         return out
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, params=None, modifier_rank=None):
+        """DeepSpeed's zero.GatheredParameters(params, modifier_rank) as a
+        collective context: yields {qualified name: whole tensor}, copies of
+        params (parameters of the wrapped model or their names; None: all)
+        on every rank, a tied one under each of its names (one tensor).
+        With modifier_rank set, the copies written in the
+        block are written into the shards at its end, as DeepSpeed's exit
+        partitions what it broadcast from that rank. shardd has no
+        broadcast: every rank must have made the same writes (seed a draw
+        alike), checked over every yielded tensor before anything is
+        written; ranks whose values differ (``if rank == 0:`` around the
+        write) raise ValueError on every rank naming the parameters, and
+        nothing is written. With modifier_rank None a write is refused at
+        the block's end (ValueError naming the parameters; DeepSpeed drops
+        it without a word). A block that raises writes nothing."""
+        world = self.client.world
+        if modifier_rank is not None and not 0 <= int(modifier_rank) < world:
+            raise ValueError("modifier_rank %r: a rank of the job (0 to %d)"
+                             % (modifier_rank, world - 1))
+        entries = _entries_named(self, params)
+        units = [u for u in self.units if any(id(e) in entries for e in u.entries)]
+        wanted = {e.name for e in entries.values()}
+        full = {n: t for n, t in self.full_parameters(units).items() if n in wanted}
+        before = {n: _crc(t) for n, t in full.items()}
+        named = dict(full)  # a tied parameter under each of its names, one tensor
+        named.update({k: full[e.name] for k, e in self._aliases().items() if id(e) in entries})
+        yield named
+        names = sorted(full)
+        after = [_crc(full[n]) for n in names]
+        changed = [n for n, h in zip(names, after) if h != before[n]]
+        if modifier_rank is None:
+            if changed:
+                raise ValueError(
+                    "gathered_parameters(): %s written with modifier_rank=None, "
+                    "where the writes are dropped (as DeepSpeed drops them); pass "
+                    "modifier_rank to write them into the shards" % ", ".join(changed))
+            return
+        differ = _ranks_differ(self.client, names, after)
+        if differ:
+            raise ValueError(
+                "gathered_parameters(modifier_rank=%d): the ranks hold different "
+                "values of %s at the block's end, nothing written: shardd has no "
+                "broadcast of rank %d's values (DeepSpeed's exit broadcasts them), "
+                "so make the same write on every rank (the same seed for a draw, "
+                "no `if rank == %d:` around it)"
+                % (modifier_rank, ", ".join(differ), modifier_rank, modifier_rank))
+        if changed:  # the same names on every rank: their copies agree
+            by_name = {e.name: e for e in entries.values()}
+            self._write_full({id(by_name[n]): full[n] for n in changed})
+
+
+def _entries_named(sm, params):
+    """{id(entry): entry} of params (parameters of the wrapped model, or
+    their qualified names; one or a list; None: every parameter)."""
+    alias = sm._aliases()
+    if params is None:
+        return {id(e): e for e in alias.values()}
+    if isinstance(params, (str, torch.Tensor)):
+        params = [params]
+    out = {}
+    for p in params:
+        e = alias.get(p) if isinstance(p, str) else sm._by_param.get(id(p))
+        if e is None:
+            raise ValueError("gathered_parameters(): %s is not a parameter of the "
+                             "wrapped model" % (repr(p) if isinstance(p, str)
+                                                else "a tensor of shape %s" % (tuple(p.shape),)))
+        out[id(e)] = e
+    return out
+
+
+def _crc(t):
+    """A checksum of a tensor's bytes (exact in a float64: 32 bits)."""
+    return zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+
+
+def _ranks_differ(client, names, hashes):
+    """The names whose hash differs between ranks (collective: every rank
+    passes the same names). One all-reduce when they agree."""
+    def spread(hs):
+        got = client.all_reduce(list(hs) + [-h for h in hs], op="max")
+        return [got[i] != -got[len(hs) + i] for i in range(len(hs))]
+    if not spread([zlib.crc32(repr(hashes).encode())])[0]:
+        return []
+    out = []
+    for i in range(0, len(names), 32):
+        out += [n for n, d in zip(names[i:i + 32], spread(hashes[i:i + 32])) if d]
+    return out
