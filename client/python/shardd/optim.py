@@ -12,7 +12,8 @@
 
 (that loop on a transient client, the default; a resident one adds
 ``sm.gather()`` before the forward and ``sm.scatter("mean")`` after
-backward, and refuses a step or a forward that misses them.)
+backward, and refuses a step that misses the scatter; the step gathers
+what it changed, so that gather() sends nothing.)
 
 :class:`SGD`, :class:`Adam` and :class:`AdamW` take torch's constructor
 arguments and defaults and are ``torch.optim.Optimizer`` subclasses: their

@@ -415,6 +415,8 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         # why the parameters are not the shards' values (None: they are):
         # a step since the last gather, or no gather yet
         self._stale = None
+        # the last step gathered what it changed: the next gather() is done
+        self._ahead = False
         self._final_queued = False
         # model.state_dict() / load_state_dict(): FSDP's full state dict
         self._sd_raw = 0
@@ -639,11 +641,12 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                                "(call model(x), loss.backward() and step() only)" % what,
                                "E_STATE")
 
-    def _buckets(self):
-        """The units in order, cut into buckets of at most bucket_bytes (a
-        larger unit alone); every rank cuts its (identical) list alike."""
+    def _buckets(self, units=None):
+        """The units (all, or those given) in order, cut into buckets of at
+        most bucket_bytes (a larger unit alone); every rank cuts its
+        (identical) list alike."""
         out, cur, size = [], [], 0
-        for u in self.units:
+        for u in self.units if units is None else units:
             t = u.buffer.gather_tensor
             n = t.numel() * t.element_size()
             if cur and size + n > self.bucket_bytes:
@@ -655,13 +658,14 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
             out.append(cur)
         return out
 
-    def _bucketed(self, run_many, run_one):
+    def _bucketed(self, run_many, run_one, units=None):
         """run_many(bucket) per bucket of units, or run_one(unit) per unit
         when buckets are off or one bucket has fewer than 2 units. A job an
         older daemon does not bucket for (one over several nodes) refuses
         the first bucket whole, before any of it ran (E_STATE): this module
         then sends one request per unit from there on."""
-        buckets = self._buckets() if self.bucket_bytes > 0 else [[u] for u in self.units]
+        units = self.units if units is None else units
+        buckets = self._buckets(units) if self.bucket_bytes > 0 else [[u] for u in units]
         for i, bk in enumerate(buckets):
             if len(bk) < 2 or self.bucket_bytes == 0:
                 for u in bk:
@@ -681,22 +685,33 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
 
     def gather(self):
         """All-gather every unit (collective): parameters now hold the shards.
-        Resident areas only. Units go in buckets (bucket_bytes)."""
+        Resident areas only. Units go in buckets (bucket_bytes). The first
+        gather() after an optimizer step sends nothing: that step gathered
+        the units it changed (_stepped), as ZeRO-2's step does, so the loop
+        meets the other ranks as often as before and in the same order."""
         self._resident_only("gather()")
         self._check_replaced()
         self._check_unwritten()
-        self._bucketed(lambda bk: self.client.gather_many([u.buffer for u in bk]),
-                       lambda u: self.client.gather(u.buffer))
-        self._gathered_versions()
+        if self._ahead:
+            self._ahead = False
+            return
+        self._gather_units(self.units)
         self._stale = None
         _mark_stale(self, False)
 
+    def _gather_units(self, units):
+        """All-gather units (collective), in buckets; the version counters
+        of their gather areas as it left them (_check_unwritten)."""
+        self._bucketed(lambda bk: self.client.gather_many([u.buffer for u in bk]),
+                       lambda u: self.client.gather(u.buffer), units)
+        self._gathered_versions(units)
+
     def _resident_pre_forward(self, module, inputs):
-        """Resident: refuses a forward after a step with no gather() since
-        (the parameters are the gathered copy, the values before the step;
-        FSDP's SHARD_GRAD_OP gathers again in the next forward's pre-hook,
-        here the loop's explicit gather() does, see docs/memory.md) or before any
-        gather (initial_gather=False: the gather areas hold no values)."""
+        """Resident: refuses a forward while the parameters, the gathered
+        copy, do not hold the shards' values: before any gather
+        (initial_gather=False: the gather areas hold no values) or after a
+        step whose own gather failed (the values before the step; see
+        docs/memory.md)."""
         if self._stale is not None:
             raise RuntimeError(
                 "forward of %s %s: on a resident client the parameters are the "
@@ -726,7 +741,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         scatter() since this optimizer's last step while a .grad is set (the
         daemon skips a gradient it has stepped already, where torch's step
         applies the .grad again; with every .grad None both change
-        nothing); once it ran, the next forward needs a gather()."""
+        nothing); once it ran, the units it changed are gathered (_stepped)."""
         self._check_step(opt)
         self._before_daemon_step()
         self.client._wrapper_step = True
@@ -755,6 +770,9 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                     "the gradient the last scatter reduced, which the daemon has consumed "
                     "(torch's step would apply the .grad again). Call sm.scatter(\"mean\") "
                     "(a collective, every rank) after backward, before each step")
+            # the step gathers what it changes (_stepped): a write into those
+            # parameters since the last gather would be lost there
+            self._check_unwritten(self._units_of(opt), "the step's gather")
 
     def _check_clip(self, what):
         """Resident: the refusal of a clip after a backward no scatter()
@@ -764,11 +782,40 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
             self._check_reduced(what)
 
     def _stepped(self, opt):
-        """Resident: after a step of opt, the next forward needs a gather()."""
-        if not self.transient:
-            self._stepped_at[getattr(opt, "id", opt)] = self._scatters
-            self._stale = "after an optimizer step with no sm.gather() since"
+        """Resident: after a step of opt (a collective: every rank is
+        here), the units it changed are gathered, so that the parameters,
+        the gathered copy, hold the stepped values as the next forward and
+        every read of them (an EMA, p.norm(), p.detach().clone()) wants
+        them, as torch's and FSDP's do (SHARD_GRAD_OP reshards after
+        backward, so the step writes the parameters' shards; DeepSpeed's
+        ZeRO-2 step all-gathers the updated partitions at its end). The
+        script's next gather() is then done already and sends nothing, so
+        the loop (gather, forward, backward, scatter, step) meets the other
+        ranks as often as before, in the same order. If that gather fails
+        (a peer lost), the parameters stay marked stale: a forward or a
+        read by an in-place write is refused until a gather()."""
+        if self.transient:
+            return
+        self._stepped_at[getattr(opt, "id", opt)] = self._scatters
+        was = self._stale
+        self._stale = "after an optimizer step with no sm.gather() since"
+        self._ahead = False
+        try:
+            self._gather_units(self._units_of(opt))
+        except BaseException:
             _mark_stale(self, True)
+            raise
+        self._stale = was  # initial_gather=False: every unit still wants one
+        self._ahead = was is None
+
+    def _units_of(self, opt):
+        """The units whose values a step of opt changes (its refs: buffers,
+        or views in them); every unit where it names none."""
+        refs = getattr(opt, "refs", None)
+        if refs is None:
+            return self.units
+        return [u for u in self.units
+                if u.buffer.id in refs or any(e.view.id in refs for e in u.entries)]
 
     def _clipped(self, opt, scale):
         """After a step of opt whose gradients a clip scaled by scale (the
@@ -803,12 +850,12 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         for u in self.units if units is None else units:
             u.gathered_version = u.buffer.gather_tensor._version
 
-    def _check_unwritten(self, units=None):
-        """Resident: refuses a gather that would overwrite a write into the
-        parameters since the last one (an init, ``clamp_``, an EMA shrink
-        between steps): they are the gathered copy, not the shards, so the
-        write would be lost without a word (transient areas write the
-        shards: there it lands)."""
+    def _check_unwritten(self, units=None, what="this gather"):
+        """Resident: refuses a gather (what: a step's, which gathers) that
+        would overwrite a write into the parameters since the last one (an
+        init, ``clamp_``, an EMA shrink between steps): they are the
+        gathered copy, not the shards, so the write would be lost without a
+        word (transient areas write the shards: there it lands)."""
         for u in self.units if units is None else units:
             v = u.gathered_version
             if v is not None and u.buffer.gather_tensor._version != v:
@@ -816,12 +863,12 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                 raise RuntimeError(
                     "unit %r: its parameters (%s%s) were written in place since the last "
                     "gather (an init, clamp_(), an EMA shrink): on a resident client they "
-                    "are the gathered copy, which this gather overwrites with the shards, "
+                    "are the gathered copy, which %s overwrites with the shards, "
                     "so the write would be lost. Load the values with "
                     "model.load_state_dict(), or use transient areas (the default "
                     "Client), where such writes land in the shards"
                     % (u.name, ", ".join(repr(n) for n in names[:4]),
-                       " ..." if len(names) > 4 else ""))
+                       " ..." if len(names) > 4 else "", what))
 
     def _check_gather(self, ids):
         """Resident: sm.gather()'s refusal of a write into the parameters
@@ -893,7 +940,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                 "the shards do not follow. Wrap with dtype= or mixed_precision= "
                 "instead" % (e.name, p.dtype, e.part.dtype))
         raise RuntimeError(
-            "the .data of %r was replaced after wrapping (p.data = t): it is no "
+            "the .data of %r was replaced after wrapping (p.data = t, p.set_(t)): it is no "
             "longer %s, and the new values would be lost at the next gather. "
             "Write into it instead (with torch.no_grad(): p.copy_(t)) or load "
             "a state dict" % (e.name, "its part of this rank's shard"
@@ -1103,6 +1150,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         replaced by the redo's (zero_grad()), so nothing of it counts."""
         self._pop_saved_hooks()
         self._final_queued = False
+        self._ahead = False  # a relaunched peer's next gather() is a real one
         # what the ranks agreed on included a rank that may be relaunched
         # now: every rank prefetches again only once all have agreed anew
         self._bw_agreed = False
