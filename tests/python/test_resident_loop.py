@@ -302,14 +302,15 @@ class ResidentLoop(unittest.TestCase):
         with no gather() computes with the stepped values (it was refused:
         the gathered copy held the values from before the step), as after
         ZeRO-2's step; and the loop meets the other ranks as often as the
-        documented one: after the first step, one gather, one scatter and
-        one step request per step, the gather now the step's own."""
+        documented one: one scatter, one step and one gather request per
+        step, the gather now the step's own (the wrapper's gather at
+        construction stands for the loop's first gather())."""
         self.assert_trains_as_torch("no_gather")
         self.assert_trains_as_torch("no_gather+direct")
         for case in ("no_gather", "documented"):
             got = self.run_case(case)
             for r in range(WORLD):
-                for s in range(1, STEPS):
+                for s in range(STEPS):
                     self.assertEqual(got[("sent", r, s)],
                                      ["scatter_many", "step", "gather_many"], (case, r, s))
 

@@ -415,8 +415,10 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         # why the parameters are not the shards' values (None: they are):
         # a step since the last gather, or no gather yet
         self._stale = None
-        # the last step gathered what it changed: the next gather() is done
-        self._ahead = False
+        # the last step (or the construction) gathered what it changed: the
+        # next gather() is done, unless a shard was written here since (the
+        # shards' version counters then, _shard_versions); None: it gathers
+        self._ahead = None
         self._final_queued = False
         # model.state_dict() / load_state_dict(): FSDP's full state dict
         self._sd_raw = 0
@@ -465,6 +467,10 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                 m.register_forward_pre_hook(self._resident_pre_forward)
         if not self.transient and initial_gather:
             self.gather()
+            # the loop's first gather() is this one: every rank's loop then
+            # sends one gather per step, the step's, and a relaunched rank
+            # (whose wrapper gathers here) meets its peers' retried gather()
+            self._ahead = self._shard_versions()
         elif not self.transient:
             self._stale = "before any sm.gather() (initial_gather=False)"
 
@@ -686,14 +692,15 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
     def gather(self):
         """All-gather every unit (collective): parameters now hold the shards.
         Resident areas only. Units go in buckets (bucket_bytes). The first
-        gather() after an optimizer step sends nothing: that step gathered
-        the units it changed (_stepped), as ZeRO-2's step does, so the loop
+        gather() after an optimizer step (or after the wrapper's own first
+        gather, at construction) sends nothing: that step gathered the
+        units it changed (_stepped), as ZeRO-2's step does, so the loop
         meets the other ranks as often as before and in the same order."""
         self._resident_only("gather()")
         self._check_replaced()
         self._check_unwritten()
-        if self._ahead:
-            self._ahead = False
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead == self._shard_versions():
             return
         self._gather_units(self.units)
         self._stale = None
@@ -799,14 +806,21 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         self._stepped_at[getattr(opt, "id", opt)] = self._scatters
         was = self._stale
         self._stale = "after an optimizer step with no sm.gather() since"
-        self._ahead = False
+        self._ahead = None
         try:
             self._gather_units(self._units_of(opt))
         except BaseException:
             _mark_stale(self, True)
             raise
         self._stale = was  # initial_gather=False: every unit still wants one
-        self._ahead = was is None
+        self._ahead = self._shard_versions() if was is None else None
+
+    def _shard_versions(self):
+        """torch's version counters of this rank's shards: a write into
+        one here (a script's shard_tensor.fill_(), a part written) since
+        a gather makes the next gather() a real one (the daemon's own
+        writes, a step's, do not count: the step gathers after them)."""
+        return [u.buffer.shard_tensor._version for u in self.units]
 
     def _units_of(self, opt):
         """The units whose values a step of opt changes (its refs: buffers,
@@ -1150,7 +1164,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         replaced by the redo's (zero_grad()), so nothing of it counts."""
         self._pop_saved_hooks()
         self._final_queued = False
-        self._ahead = False  # a relaunched peer's next gather() is a real one
+        self._ahead = None  # a relaunched peer's next gather() is a real one
         # what the ranks agreed on included a rank that may be relaunched
         # now: every rank prefetches again only once all have agreed anew
         self._bw_agreed = False
