@@ -87,6 +87,32 @@ def _count_collectives(client):
     return sent
 
 
+def _step_whose_gather_fails(client, step, model, s, rank, world):
+    """step() whose own gather fails before it is sent (on every rank, as a
+    lost peer fails it): -> what a forward and an EMA's read of the
+    parameters then say (both refused, naming sm.gather())."""
+    real = client.gather_many
+
+    def fail(*args, **kwargs):
+        client.gather_many = real
+        raise shardd.Error(13, "the test's gather failure", "E_PEER_LOST")
+    client.gather_many = fail
+    try:
+        step()
+    except shardd.Error:
+        pass
+    out = []
+    for read in (lambda: loss_of(model, s, rank, world),
+                 lambda: [torch.zeros_like(p).add_(p.detach()) for p in model.parameters()]):
+        try:
+            with torch.no_grad():
+                read()
+            out.append(None)
+        except RuntimeError as e:
+            out.append(str(e))
+    return out
+
+
 def rank_main(rank, world, sock, job, case, q):
     try:
         torch.set_num_threads(1)
@@ -126,8 +152,19 @@ def rank_main(rank, world, sock, job, case, q):
             at = count()
             before = shards(sm)
             try:
-                if case in ("documented", "registered", "accumulate", "clip_accumulate",
-                            "freeze"):
+                if case == "step_gather_fails":
+                    sm.gather()
+                    sm.zero_grad()
+                    loss = loss_of(model, s, rank, world)
+                    loss.backward()
+                    sm.scatter("mean")
+                    if s == 1:
+                        q.put(("after_failed_gather", rank, _step_whose_gather_fails(
+                            client, step, model, s, rank, world)))
+                    else:
+                        step()
+                elif case in ("documented", "registered", "accumulate", "clip_accumulate",
+                              "freeze"):
                     sm.gather()
                     if case not in ("accumulate", "clip_accumulate") or s == 0:
                         sm.zero_grad()
@@ -246,6 +283,7 @@ class ResidentLoop(unittest.TestCase):
         for n, p in ref_params.items():
             d = float((torch.from_numpy(got["params"][n]) - p).abs().max()) / max(float(p.abs().max()), 1e-12)
             self.assertLess(d, TOL, n)
+        return got
 
     def assert_refused(self, case, at_step, words):
         got = self.run_case(case)
@@ -313,6 +351,17 @@ class ResidentLoop(unittest.TestCase):
                 for s in range(STEPS):
                     self.assertEqual(got[("sent", r, s)],
                                      ["scatter_many", "step", "gather_many"], (case, r, s))
+
+    def test_parameters_a_failed_step_gather_left_stale_are_refused_until_gather(self):
+        """Where the step's own gather fails (a lost peer), the parameters
+        keep the values from before the step: a forward and an in-place
+        read of one are refused, naming sm.gather(); after it the run
+        trains as torch's (the step itself was applied)."""
+        got = self.assert_trains_as_torch("step_gather_fails")
+        for r in range(WORLD):
+            forward, read = got[("after_failed_gather", r)][0]
+            self.assertIn("after an optimizer step with no sm.gather() since", forward or "")
+            self.assertIn("call sm.gather()", read or "")
 
     def test_forward_before_any_gather_refused(self):
         self.assert_refused("ungathered", 0, ["gather()", "initial_gather=False"])

@@ -255,8 +255,14 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         # _daemon_step releases a unit a forward left gathered for a
         # backward that has not come, and hands the daemon again a .grad no
         # backward since the last step made, as torch's step applies it
-        self.last_step = self._module._daemon_step(self._opt, groups=groups,
-                                                   expect_step=expect_step)
+        try:
+            self.last_step = self._module._daemon_step(self._opt, groups=groups,
+                                                       expect_step=expect_step)
+        except BaseException as e:
+            done = getattr(e, "shardd_step", None)
+            if done is not None:  # the step ran; what failed came after it
+                self.last_step, self._count = done, done.step
+            raise
         self._count = self.last_step.step
         return loss
 

@@ -756,7 +756,14 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
             res = self.client.step(opt, **kw)
         finally:
             self.client._wrapper_step = False
-        self._stepped(opt)
+        try:
+            self._stepped(opt)
+        except BaseException as e:
+            # the step ran, its gather failed: the caller's count must
+            # know (shardd.optim's next expect_step), else its next step,
+            # sent as this one's retry, is skipped as applied already
+            e.shardd_step = res
+            raise
         return res
 
     def _check_step(self, opt):
