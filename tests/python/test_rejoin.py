@@ -59,15 +59,17 @@ def make_data():
             torch.randn(STEPS, BATCH, 4, generator=g))
 
 
-def script(rank, sock, job, q, slow_after=None, slow_backward=None, head_in_root=False):
+def script(rank, sock, job, q, slow_after=None, slow_backward=None, head_in_root=False,
+           resident=False):
     """The elastic loop: an iteration a lost peer broke is dropped and done
     again from the daemon's step count. slow_backward: seconds each
     parameter's gradient takes, while its unit's gather and gradient areas
-    are held and a faster peer waits in the unit's scatter."""
+    are held and a faster peer waits in the unit's scatter. resident: a
+    resident client's loop (gather(), forward, backward, scatter(), step)."""
     try:
         torch.set_num_threads(1)
         client = shardd.Client(sock, job=job, rank=rank, world=WORLD,
-                               transient_areas=True)
+                               transient_areas=not resident)
         model, wrap = make_model(head_in_root)
         sm = shardd.nn.ShardedModule(client, model, auto_wrap=wrap)
         opt = shardd.optim.AdamW(model.parameters(), lr=1e-2, name="adamw")
@@ -82,9 +84,13 @@ def script(rank, sock, job, q, slow_after=None, slow_backward=None, head_in_root
         while opt.steps < STEPS:
             s = opt.steps
             try:
+                if resident:
+                    sm.gather()
                 opt.zero_grad()
                 loss = nn.functional.mse_loss(model(x[s, lo:hi]), y[s, lo:hi])
                 loss.backward()
+                if resident:
+                    sm.scatter("mean")
                 opt.step()
             except Exception as e:  # from a hook: autograd may wrap it
                 if "E_PEER_LOST" not in str(e):
@@ -119,7 +125,7 @@ def script(rank, sock, job, q, slow_after=None, slow_backward=None, head_in_root
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
 class RejoinTest(unittest.TestCase):
     def run_ranks(self, sock, job, qs, ctx, ranks, slow_rank0=False, kwargs_of=None,
-                  head_in_root=False):
+                  head_in_root=False, resident=False):
         """Each rank process gets a queue of its own (appended to qs): a
         rank SIGKILLed while its queue's feeder thread holds the queue's
         write lock (between sending a message and releasing the lock) would
@@ -132,6 +138,7 @@ class RejoinTest(unittest.TestCase):
             kw = dict((kwargs_of or {}).get(r) or
                       ({"slow_after": 2} if slow_rank0 and r == 0 else {}))
             kw["head_in_root"] = head_in_root
+            kw["resident"] = resident
             ps[r] = ctx.Process(target=script, args=(r, sock, job, q), kwargs=kw)
         for p in ps.values():
             p.start()
@@ -182,31 +189,44 @@ class RejoinTest(unittest.TestCase):
         scattered it (E_MISMATCH)."""
         self.killed_and_relaunched(head_in_root=True)
 
-    def killed_and_relaunched(self, head_in_root):
+    def test_a_relaunched_rank_on_a_resident_client_continues_bit_identically(self):
+        """Resident areas: the relaunched rank's wrapper gathers at
+        construction, and its loop's gather() after it sent a second
+        gather where its peer, retrying the iteration, sent one and then
+        its scatter (E_MISMATCH). The construction's gather now stands for
+        the loop's first gather(), as an optimizer step's gather stands for
+        the one after it, and reset() makes the peer's next gather() a real
+        one: the two meet."""
+        self.killed_and_relaunched(head_in_root=False, resident=True)
+
+    def killed_and_relaunched(self, head_in_root, resident=False):
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "numpy"])
         sock = common.socket()
         qs = []
-        ref_job = common.job("rejoin-ref-head" if head_in_root else "rejoin-ref")
-        ps = self.run_ranks(sock, ref_job, qs, ctx, range(WORLD), head_in_root=head_in_root)
+        tag = "-res" if resident else ""
+        ref_job = common.job(("rejoin-ref-head" if head_in_root else "rejoin-ref") + tag)
+        ps = self.run_ranks(sock, ref_job, qs, ctx, range(WORLD), head_in_root=head_in_root,
+                            resident=resident)
         ref = self.collect(qs, lambda o: len(o["done"]) == WORLD)
         for p in ps.values():
             p.join(10)
 
         qs = []
-        job = common.job("rejoin-head" if head_in_root else "rejoin")
+        job = common.job(("rejoin-head" if head_in_root else "rejoin") + tag)
         # rank 0 dawdles after each step, so rank 1 is already waiting in
         # step 4's first gather when it is killed: its peer's collectives
         # fail (E_PEER_LOST) and, relaunched only after --peer-grace (1 s),
         # rank 0 has retried the iteration by then
         ps = self.run_ranks(sock, job, qs, ctx, range(WORLD), slow_rank0=True,
-                            head_in_root=head_in_root)
+                            head_in_root=head_in_root, resident=resident)
         got = self.collect(qs, lambda o: len(o["losses"].get(3, {})) == WORLD)
         os.kill(ps[1].pid, signal.SIGKILL)
         ps[1].join(10)
         time.sleep(1.5)
         del qs[1]  # the killed rank's queue may be wedged (see run_ranks)
-        ps.update(self.run_ranks(sock, job, qs, ctx, [1], head_in_root=head_in_root))
+        ps.update(self.run_ranks(sock, job, qs, ctx, [1], head_in_root=head_in_root,
+                                 resident=resident))
         try:
             more = self.collect(qs, lambda o: len(o["done"]) == WORLD)
         except RuntimeError as e:

@@ -76,6 +76,43 @@ def shards(sm):
     return [u.buffer.shard_tensor.clone() for u in sm.units]
 
 
+def _count_collectives(client):
+    """The names of the collective requests client sends from now on, in
+    order (a list the caller reads and clears)."""
+    sent = []
+    for name in ("gather", "gather_many", "scatter", "scatter_many", "step"):
+        fn = getattr(client, name)
+        setattr(client, name, lambda *a, fn=fn, name=name, **k: (sent.append(name),
+                                                                  fn(*a, **k))[1])
+    return sent
+
+
+def _step_whose_gather_fails(client, step, model, s, rank, world):
+    """step() whose own gather fails before it is sent (on every rank, as a
+    lost peer fails it): -> what a forward and an EMA's read of the
+    parameters then say (both refused, naming sm.gather())."""
+    real = client.gather_many
+
+    def fail(*args, **kwargs):
+        client.gather_many = real
+        raise shardd.Error(13, "the test's gather failure", "E_PEER_LOST")
+    client.gather_many = fail
+    try:
+        step()
+    except shardd.Error:
+        pass
+    out = []
+    for read in (lambda: loss_of(model, s, rank, world),
+                 lambda: [torch.zeros_like(p).add_(p.detach()) for p in model.parameters()]):
+        try:
+            with torch.no_grad():
+                read()
+            out.append(None)
+        except RuntimeError as e:
+            out.append(str(e))
+    return out
+
+
 def rank_main(rank, world, sock, job, case, q):
     try:
         torch.set_num_threads(1)
@@ -109,13 +146,25 @@ def rank_main(rank, world, sock, job, case, q):
             count = lambda: opt.steps  # noqa: E731
         if case == "freeze":  # the Client's, below the wrapper, on every rank
             client.set_requires_grad(sm.view_of(model.out.weight), False)
+        sent = _count_collectives(client)
         losses, refused = [], None
         for s in range(STEPS):
             at = count()
             before = shards(sm)
             try:
-                if case in ("documented", "registered", "accumulate", "clip_accumulate",
-                            "freeze"):
+                if case == "step_gather_fails":
+                    sm.gather()
+                    sm.zero_grad()
+                    loss = loss_of(model, s, rank, world)
+                    loss.backward()
+                    sm.scatter("mean")
+                    if s == 1:
+                        q.put(("after_failed_gather", rank, _step_whose_gather_fails(
+                            client, step, model, s, rank, world)))
+                    else:
+                        step()
+                elif case in ("documented", "registered", "accumulate", "clip_accumulate",
+                              "freeze"):
                     sm.gather()
                     if case not in ("accumulate", "clip_accumulate") or s == 0:
                         sm.zero_grad()
@@ -162,7 +211,7 @@ def rank_main(rank, world, sock, job, case, q):
                     loss.backward()
                     sm.scatter("mean")
                     step()
-                elif case == "no_gather":  # a forward after the step, no gather()
+                elif case == "no_gather":  # a forward after the step, no gather() but the first
                     if s == 0:
                         sm.gather()
                     sm.zero_grad()
@@ -182,6 +231,8 @@ def rank_main(rank, world, sock, job, case, q):
                     sm.scatter("mean")
                     step()
                 losses.append(loss.item())
+                q.put(("sent", rank, s, list(sent)))
+                del sent[:]
             except RuntimeError as e:
                 after = shards(sm)
                 unchanged = all(torch.equal(a, b) for a, b in zip(before, after))
@@ -207,6 +258,8 @@ class ResidentLoop(unittest.TestCase):
         def on_msg(m):
             if m[0] == "params":
                 got["params"] = m[1]
+            elif m[0] == "sent":  # per rank and step
+                got[m[:3]] = m[3]
             else:
                 got[(m[0], m[1])] = m[2:]
 
@@ -230,6 +283,7 @@ class ResidentLoop(unittest.TestCase):
         for n, p in ref_params.items():
             d = float((torch.from_numpy(got["params"][n]) - p).abs().max()) / max(float(p.abs().max()), 1e-12)
             self.assertLess(d, TOL, n)
+        return got
 
     def assert_refused(self, case, at_step, words):
         got = self.run_case(case)
@@ -281,8 +335,33 @@ class ResidentLoop(unittest.TestCase):
     def test_step_without_scatter_since_last_step_refused(self):
         self.assert_refused("step_twice", 0, ["scatter(\"mean\")", "since the last step"])
 
-    def test_forward_after_step_without_gather_refused(self):
-        self.assert_refused("no_gather", 1, ["gather()"])
+    def test_forward_after_step_without_gather_trains_as_torch(self):
+        """The step gathers the units it changed, so a forward after it
+        with no gather() computes with the stepped values (it was refused:
+        the gathered copy held the values from before the step), as after
+        ZeRO-2's step; and the loop meets the other ranks as often as the
+        documented one: one scatter, one step and one gather request per
+        step, the gather now the step's own (the wrapper's gather at
+        construction stands for the loop's first gather())."""
+        self.assert_trains_as_torch("no_gather")
+        self.assert_trains_as_torch("no_gather+direct")
+        for case in ("no_gather", "documented"):
+            got = self.run_case(case)
+            for r in range(WORLD):
+                for s in range(STEPS):
+                    self.assertEqual(got[("sent", r, s)],
+                                     ["scatter_many", "step", "gather_many"], (case, r, s))
+
+    def test_parameters_a_failed_step_gather_left_stale_are_refused_until_gather(self):
+        """Where the step's own gather fails (a lost peer), the parameters
+        keep the values from before the step: a forward and an in-place
+        read of one are refused, naming sm.gather(); after it the run
+        trains as torch's (the step itself was applied)."""
+        got = self.assert_trains_as_torch("step_gather_fails")
+        for r in range(WORLD):
+            forward, read = got[("after_failed_gather", r)][0]
+            self.assertIn("after an optimizer step with no sm.gather() since", forward or "")
+            self.assertIn("call sm.gather()", read or "")
 
     def test_forward_before_any_gather_refused(self):
         self.assert_refused("ungathered", 0, ["gather()", "initial_gather=False"])
@@ -298,7 +377,6 @@ class ResidentLoop(unittest.TestCase):
         word. The same refusals now; the documented loop with it trains as
         torch."""
         self.assert_trains_as_torch("documented+direct")
-        self.assert_refused("no_gather+direct", 1, ["sm.gather()", "after an optimizer step"])
         self.assert_refused("plain+direct", 0, ["sm.scatter(\"mean\")", "since the last sm.scatter()"])
         self.assert_refused("step_twice+direct", 0, ["no sm.scatter() since the last step"])
 

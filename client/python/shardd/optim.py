@@ -12,7 +12,8 @@
 
 (that loop on a transient client, the default; a resident one adds
 ``sm.gather()`` before the forward and ``sm.scatter("mean")`` after
-backward, and refuses a step or a forward that misses them.)
+backward, and refuses a step that misses the scatter; the step gathers
+what it changed, so that gather() sends nothing.)
 
 :class:`SGD`, :class:`Adam` and :class:`AdamW` take torch's constructor
 arguments and defaults and are ``torch.optim.Optimizer`` subclasses: their
@@ -256,8 +257,14 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         # _daemon_step releases a unit a forward left gathered for a
         # backward that has not come, and hands the daemon again a .grad no
         # backward since the last step made, as torch's step applies it
-        self.last_step = self._module._daemon_step(self._opt, groups=groups,
-                                                   expect_step=expect_step)
+        try:
+            self.last_step = self._module._daemon_step(self._opt, groups=groups,
+                                                       expect_step=expect_step)
+        except BaseException as e:
+            done = getattr(e, "shardd_step", None)
+            if done is not None:  # the step ran; what failed came after it
+                self.last_step, self._count = done, done.step
+            raise
         self._count = self.last_step.step
         return loss
 

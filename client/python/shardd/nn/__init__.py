@@ -102,8 +102,10 @@ unit (load new values with ``model.load_state_dict()``). The loop's
 collectives are explicit and each one forgotten raises before anything
 changed, naming it: a step (or ``clip_grad_norm_``) after a backward no
 ``scatter()`` reduced, a step with no ``scatter()`` since that
-optimizer's last step, a forward after a step (or, with
-``initial_gather=False``, before any) with no ``gather()``.
+optimizer's last step, a forward with ``initial_gather=False`` before
+any ``gather()``. A step gathers the units it changed (as ZeRO-2's step
+does), so the parameters hold the stepped values for whatever reads them
+next, and the ``gather()`` after it sends nothing.
 
 ``model.state_dict()`` / ``model.load_state_dict()`` (torch's state-dict
 hooks on the module) give and take FSDP's full state dict: torch's keys,

@@ -415,6 +415,10 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         # why the parameters are not the shards' values (None: they are):
         # a step since the last gather, or no gather yet
         self._stale = None
+        # the last step (or the construction) gathered what it changed: the
+        # next gather() is done, unless a shard was written here since (the
+        # shards' version counters then, _shard_versions); None: it gathers
+        self._ahead = None
         self._final_queued = False
         # model.state_dict() / load_state_dict(): FSDP's full state dict
         self._sd_raw = 0
@@ -463,6 +467,10 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                 m.register_forward_pre_hook(self._resident_pre_forward)
         if not self.transient and initial_gather:
             self.gather()
+            # the loop's first gather() is this one: every rank's loop then
+            # sends one gather per step, the step's, and a relaunched rank
+            # (whose wrapper gathers here) meets its peers' retried gather()
+            self._ahead = self._shard_versions()
         elif not self.transient:
             self._stale = "before any sm.gather() (initial_gather=False)"
 
@@ -639,11 +647,12 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                                "(call model(x), loss.backward() and step() only)" % what,
                                "E_STATE")
 
-    def _buckets(self):
-        """The units in order, cut into buckets of at most bucket_bytes (a
-        larger unit alone); every rank cuts its (identical) list alike."""
+    def _buckets(self, units=None):
+        """The units (all, or those given) in order, cut into buckets of at
+        most bucket_bytes (a larger unit alone); every rank cuts its
+        (identical) list alike."""
         out, cur, size = [], [], 0
-        for u in self.units:
+        for u in self.units if units is None else units:
             t = u.buffer.gather_tensor
             n = t.numel() * t.element_size()
             if cur and size + n > self.bucket_bytes:
@@ -655,13 +664,14 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
             out.append(cur)
         return out
 
-    def _bucketed(self, run_many, run_one):
+    def _bucketed(self, run_many, run_one, units=None):
         """run_many(bucket) per bucket of units, or run_one(unit) per unit
         when buckets are off or one bucket has fewer than 2 units. A job an
         older daemon does not bucket for (one over several nodes) refuses
         the first bucket whole, before any of it ran (E_STATE): this module
         then sends one request per unit from there on."""
-        buckets = self._buckets() if self.bucket_bytes > 0 else [[u] for u in self.units]
+        units = self.units if units is None else units
+        buckets = self._buckets(units) if self.bucket_bytes > 0 else [[u] for u in units]
         for i, bk in enumerate(buckets):
             if len(bk) < 2 or self.bucket_bytes == 0:
                 for u in bk:
@@ -681,22 +691,34 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
 
     def gather(self):
         """All-gather every unit (collective): parameters now hold the shards.
-        Resident areas only. Units go in buckets (bucket_bytes)."""
+        Resident areas only. Units go in buckets (bucket_bytes). The first
+        gather() after an optimizer step (or after the wrapper's own first
+        gather, at construction) sends nothing: that step gathered the
+        units it changed (_stepped), as ZeRO-2's step does, so the loop
+        meets the other ranks as often as before and in the same order."""
         self._resident_only("gather()")
         self._check_replaced()
         self._check_unwritten()
-        self._bucketed(lambda bk: self.client.gather_many([u.buffer for u in bk]),
-                       lambda u: self.client.gather(u.buffer))
-        self._gathered_versions()
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead == self._shard_versions():
+            return
+        self._gather_units(self.units)
         self._stale = None
         _mark_stale(self, False)
 
+    def _gather_units(self, units):
+        """All-gather units (collective), in buckets; the version counters
+        of their gather areas as it left them (_check_unwritten)."""
+        self._bucketed(lambda bk: self.client.gather_many([u.buffer for u in bk]),
+                       lambda u: self.client.gather(u.buffer), units)
+        self._gathered_versions(units)
+
     def _resident_pre_forward(self, module, inputs):
-        """Resident: refuses a forward after a step with no gather() since
-        (the parameters are the gathered copy, the values before the step;
-        FSDP's SHARD_GRAD_OP gathers again in the next forward's pre-hook,
-        here the loop's explicit gather() does, see docs/memory.md) or before any
-        gather (initial_gather=False: the gather areas hold no values)."""
+        """Resident: refuses a forward while the parameters, the gathered
+        copy, do not hold the shards' values: before any gather
+        (initial_gather=False: the gather areas hold no values) or after a
+        step whose own gather failed (the values before the step; see
+        docs/memory.md)."""
         if self._stale is not None:
             raise RuntimeError(
                 "forward of %s %s: on a resident client the parameters are the "
@@ -726,7 +748,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         scatter() since this optimizer's last step while a .grad is set (the
         daemon skips a gradient it has stepped already, where torch's step
         applies the .grad again; with every .grad None both change
-        nothing); once it ran, the next forward needs a gather()."""
+        nothing); once it ran, the units it changed are gathered (_stepped)."""
         self._check_step(opt)
         self._before_daemon_step()
         self.client._wrapper_step = True
@@ -734,7 +756,14 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
             res = self.client.step(opt, **kw)
         finally:
             self.client._wrapper_step = False
-        self._stepped(opt)
+        try:
+            self._stepped(opt)
+        except BaseException as e:
+            # the step ran, its gather failed: the caller's count must
+            # know (shardd.optim's next expect_step), else its next step,
+            # sent as this one's retry, is skipped as applied already
+            e.shardd_step = res
+            raise
         return res
 
     def _check_step(self, opt):
@@ -755,6 +784,9 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                     "the gradient the last scatter reduced, which the daemon has consumed "
                     "(torch's step would apply the .grad again). Call sm.scatter(\"mean\") "
                     "(a collective, every rank) after backward, before each step")
+            # the step gathers what it changes (_stepped): a write into those
+            # parameters since the last gather would be lost there
+            self._check_unwritten(self._units_of(opt), "the step's gather")
 
     def _check_clip(self, what):
         """Resident: the refusal of a clip after a backward no scatter()
@@ -764,11 +796,47 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
             self._check_reduced(what)
 
     def _stepped(self, opt):
-        """Resident: after a step of opt, the next forward needs a gather()."""
-        if not self.transient:
-            self._stepped_at[getattr(opt, "id", opt)] = self._scatters
-            self._stale = "after an optimizer step with no sm.gather() since"
+        """Resident: after a step of opt (a collective: every rank is
+        here), the units it changed are gathered, so that the parameters,
+        the gathered copy, hold the stepped values as the next forward and
+        every read of them (an EMA, p.norm(), p.detach().clone()) wants
+        them, as torch's and FSDP's do (SHARD_GRAD_OP reshards after
+        backward, so the step writes the parameters' shards; DeepSpeed's
+        ZeRO-2 step all-gathers the updated partitions at its end). The
+        script's next gather() is then done already and sends nothing, so
+        the loop (gather, forward, backward, scatter, step) meets the other
+        ranks as often as before, in the same order. If that gather fails
+        (a peer lost), the parameters stay marked stale: a forward or a
+        read by an in-place write is refused until a gather()."""
+        if self.transient:
+            return
+        self._stepped_at[getattr(opt, "id", opt)] = self._scatters
+        was = self._stale
+        self._stale = "after an optimizer step with no sm.gather() since"
+        self._ahead = None
+        try:
+            self._gather_units(self._units_of(opt))
+        except BaseException:
             _mark_stale(self, True)
+            raise
+        self._stale = was  # initial_gather=False: every unit still wants one
+        self._ahead = self._shard_versions() if was is None else None
+
+    def _shard_versions(self):
+        """torch's version counters of this rank's shards: a write into
+        one here (a script's shard_tensor.fill_(), a part written) since
+        a gather makes the next gather() a real one (the daemon's own
+        writes, a step's, do not count: the step gathers after them)."""
+        return [u.buffer.shard_tensor._version for u in self.units]
+
+    def _units_of(self, opt):
+        """The units whose values a step of opt changes (its refs: buffers,
+        or views in them); every unit where it names none."""
+        refs = getattr(opt, "refs", None)
+        if refs is None:
+            return self.units
+        return [u for u in self.units
+                if u.buffer.id in refs or any(e.view.id in refs for e in u.entries)]
 
     def _clipped(self, opt, scale):
         """After a step of opt whose gradients a clip scaled by scale (the
@@ -803,12 +871,12 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         for u in self.units if units is None else units:
             u.gathered_version = u.buffer.gather_tensor._version
 
-    def _check_unwritten(self, units=None):
-        """Resident: refuses a gather that would overwrite a write into the
-        parameters since the last one (an init, ``clamp_``, an EMA shrink
-        between steps): they are the gathered copy, not the shards, so the
-        write would be lost without a word (transient areas write the
-        shards: there it lands)."""
+    def _check_unwritten(self, units=None, what="this gather"):
+        """Resident: refuses a gather (what: a step's, which gathers) that
+        would overwrite a write into the parameters since the last one (an
+        init, ``clamp_``, an EMA shrink between steps): they are the
+        gathered copy, not the shards, so the write would be lost without a
+        word (transient areas write the shards: there it lands)."""
         for u in self.units if units is None else units:
             v = u.gathered_version
             if v is not None and u.buffer.gather_tensor._version != v:
@@ -816,12 +884,12 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                 raise RuntimeError(
                     "unit %r: its parameters (%s%s) were written in place since the last "
                     "gather (an init, clamp_(), an EMA shrink): on a resident client they "
-                    "are the gathered copy, which this gather overwrites with the shards, "
+                    "are the gathered copy, which %s overwrites with the shards, "
                     "so the write would be lost. Load the values with "
                     "model.load_state_dict(), or use transient areas (the default "
                     "Client), where such writes land in the shards"
                     % (u.name, ", ".join(repr(n) for n in names[:4]),
-                       " ..." if len(names) > 4 else ""))
+                       " ..." if len(names) > 4 else "", what))
 
     def _check_gather(self, ids):
         """Resident: sm.gather()'s refusal of a write into the parameters
@@ -893,7 +961,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
                 "the shards do not follow. Wrap with dtype= or mixed_precision= "
                 "instead" % (e.name, p.dtype, e.part.dtype))
         raise RuntimeError(
-            "the .data of %r was replaced after wrapping (p.data = t): it is no "
+            "the .data of %r was replaced after wrapping (p.data = t, p.set_(t)): it is no "
             "longer %s, and the new values would be lost at the next gather. "
             "Write into it instead (with torch.no_grad(): p.copy_(t)) or load "
             "a state dict" % (e.name, "its part of this rank's shard"
@@ -1103,6 +1171,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         replaced by the redo's (zero_grad()), so nothing of it counts."""
         self._pop_saved_hooks()
         self._final_queued = False
+        self._ahead = None  # a relaunched peer's next gather() is a real one
         # what the ranks agreed on included a rank that may be relaunched
         # now: every rank prefetches again only once all have agreed anew
         self._bw_agreed = False

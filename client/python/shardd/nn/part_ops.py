@@ -37,11 +37,13 @@ nn.Embedding's own zeroing of its padding row (in its
 zeroes the elements of the row that lie in this rank's part, as
 torch's.
 
-On a resident client the parameters are the gathered copy, which after an
-optimizer step holds the values from before it until the next gather():
-an EMA updated after the step from them (``e.add_(p.detach(), ...)``)
-lagged torch's by a step without a word. The same writes refuse such a
-parameter as an operand, naming it and ``sm.gather()``."""
+On a resident client the parameters are the gathered copy, which an
+optimizer step leaves holding the stepped values (it gathers what it
+changed: ShardedModule._stepped). Where that gather failed (a peer lost)
+they hold the values from before the step until a gather(): an EMA
+updated from them (``e.add_(p.detach(), ...)``) would lag torch's by a
+step, so the same writes refuse such a parameter as an operand, naming it
+and ``sm.gather()``."""
 import weakref
 
 import torch
@@ -54,7 +56,12 @@ _BINARY = ("add_", "sub_", "mul_", "div_", "lerp_", "copy_", "addcmul_", "addcdi
            "__iadd__", "__isub__", "__imul__", "__itruediv__",
            # element-wise where the mask has the part's shape (and masked_scatter_'s
            # source is the part's); a mask of the whole's is refused
-           "masked_fill_", "masked_scatter_")
+           "masked_fill_", "masked_scatter_",
+           # the same broadcast of another tensor operand (a bound: clamp_(min=p),
+           # an exponent, a sign), and the aliases that bypass the names above
+           "clamp_", "clip_", "copysign_", "pow_", "float_power_", "fmod_", "remainder_",
+           "atan2_", "arctan2_", "hypot_", "xlogy_", "heaviside_", "nextafter_", "ldexp_",
+           "true_divide_", "divide_", "multiply_", "subtract_")
 # torch's in-place writes over lists, pairwise (timm's ModelEmaV3 steps an
 # EMA so; they broadcast as the methods do)
 _FOREACH = ("_foreach_add_", "_foreach_sub_", "_foreach_mul_", "_foreach_div_",
@@ -65,8 +72,14 @@ _FILLS = ("zero_", "fill_")
 _INDEXED = ("index_fill_", "index_copy_", "index_add_", "index_reduce_", "scatter_",
             "scatter_add_", "scatter_reduce_", "put_", "index_put_")
 # torch's functions whose out= is an in-place write as _BINARY's
-# (torch.lerp(e, p, w, out=e), an EMA's update)
-_OUT = ("add", "sub", "mul", "div", "lerp", "addcmul", "addcdiv")
+# (torch.lerp(e, p, w, out=e), an EMA's update; torch.maximum(e, p, out=e),
+# a running maximum; torch.where(c, e, p, out=e); torch.addmm(p, a, b,
+# out=e), the part as the bias)
+_OUT = ("add", "sub", "mul", "div", "lerp", "addcmul", "addcdiv",
+        "maximum", "minimum", "fmax", "fmin", "clamp", "clip", "where", "addmm",
+        "copysign", "pow", "float_power", "fmod", "remainder", "atan2", "arctan2",
+        "hypot", "xlogy", "heaviside", "nextafter", "ldexp", "logaddexp", "true_divide",
+        "divide", "multiply", "subtract")
 _PATCHES = Patches()  # all of the above, set while a part or stale parameter is known
 _TORCH = {}  # name -> torch.Tensor's own method, before install()
 # a resident wrapper's parameters (the gathered copy) between an optimizer

@@ -197,6 +197,7 @@ class _StateDicts:
                         e.param.grad = None
         if not self.transient:
             self._gathered_versions()  # what was written there is replaced
+            self._ahead = None  # the shards changed since the last step's gather
             self.gather()
 
     def state_dict(self, rank0_only=False, offload_to_cpu=False):
