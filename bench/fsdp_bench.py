@@ -6,9 +6,10 @@ areas: every unit gathered before the forward, all scattered after the
 backward), same model, ranks, data and optimizer, in one run: the ratio is
 what FSDP-grade memory costs in time here. The hooked loop three ways:
 never prefetching, always (the issue's targets: each within 1.25x of
-gather-everything), and prefetch="auto" (the default: 3 steps with and 3
-without, then prefetching only if more than 5% faster; timed after its
-choice, which is reported); and with backward prefetch (FSDP's
+gather-everything), and prefetch="auto" (the default: no prefetch and no
+trial where the node has no spare CPU, as 2 ranks of 1 thread on 2 CPUs;
+else up to 3 steps with and 3 without, then prefetching only if more than
+5% faster; timed after its choice, which is reported); and with backward prefetch (FSDP's
 BACKWARD_PRE: the gather of the unit whose backward comes next sent when
 a unit's backward begins), alone and beside forward prefetch. Beside
 each wall-clock step, its CPU time (every rank's and the daemon's): on a machine whose CPUs are all busy (a shared one) a
@@ -81,7 +82,7 @@ def rank_main(rank, world, sock, job, mode, args, q):
     t_last, cpu = time.monotonic(), time.process_time() - c_first
     client.close()
     q.put((rank, times, sm.prefetches, sm.prefetch, t_first, t_last, cpu,
-           sm.backward_prefetches))
+           sm.backward_prefetches, (sm.prefetch_trial or {}).get("spare_cpu")))
 
 
 def run(sock, daemon_pid, mode, args):
@@ -105,7 +106,9 @@ def run(sock, daemon_pid, mode, args):
     cpu = (sum(m[6] for m in got) + smp.daemon_cpu(t0, t1)) / args.steps
     return {"step_ms": max(per_rank) * 1e3, "cpu_ms": cpu * 1e3,
             "prefetches": max(m[2] for m in got), "prefetch": any(m[3] for m in got),
-            "backward_prefetches": max(m[7] for m in got)}
+            "backward_prefetches": max(m[7] for m in got),
+            # auto's trial ran (a spare CPU), None: no trial asked for
+            "spare_cpu": any(m[8] for m in got) if got[0][8] is not None else None}
 
 
 def main():
@@ -135,7 +138,8 @@ def main():
                 "backward_prefetches": runs[m][0]["backward_prefetches"],
                 # the choice in each run (auto's may differ between runs)
                 "prefetch": sum(x["prefetch"] for x in runs[m]) * 2 > len(runs[m]),
-                "prefetch_runs": [x["prefetch"] for x in runs[m]]}
+                "prefetch_runs": [x["prefetch"] for x in runs[m]],
+                "spare_cpu_runs": [x["spare_cpu"] for x in runs[m]]}
             for m in MODES}
     base = rows["gather-everything"]
     for r in rows.values():
@@ -146,10 +150,12 @@ def main():
     except OSError:
         cpus = os.cpu_count()
     print("\nshardd.nn step time, %d ranks on %d CPUs, %d units of %d x %d fp32, AdamW "
-          "(median of %d steps%s); prefetch auto chose it in %d of %d runs"
+          "(median of %d steps%s); prefetch auto chose it in %d of %d runs%s"
           % (args.ranks, cpus, args.units, args.width, args.width, args.steps,
              ", %d runs" % args.repeat if args.repeat > 1 else "",
-             sum(rows["hooked+auto"]["prefetch_runs"]), args.repeat))
+             sum(rows["hooked+auto"]["prefetch_runs"]), args.repeat,
+             " (no spare CPU: no trial)" if False in rows["hooked+auto"]["spare_cpu_runs"]
+             else ""))
     print("%-20s %10s %12s %9s %12s %11s %11s" % (
         "loop", "step ms", "vs gather-all", "CPU ms", "vs gather-all", "prefetches",
         "backward"))

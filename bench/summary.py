@@ -279,13 +279,17 @@ def main():
             # without it; the goal allows the trial's margin, the noise
             # of the steps it compares
             vs_off = au["step_ms"] / r["hooked"]["step_ms"]
+            # runs whose node had no spare CPU: auto ran no trial there
+            spare = au.get("spare_cpu_runs", [])
             target("hooked loop with prefetch=\"auto\" (the default) after its trial, "
                    "vs without prefetch", "<= %.2fx" % (1 + AUTO_MARGIN),
                    "%.2fx the loop without prefetch (CPU %.2fx), %.2fx gather-everything; "
-                   "chose prefetch in %d of %d runs"
+                   "chose prefetch in %d of %d runs%s"
                    % (vs_off, au["cpu_ms"] / r["hooked"]["cpu_ms"], au["vs_gather_everything"],
                       sum(au.get("prefetch_runs", [au["prefetch"]])),
-                      len(au.get("prefetch_runs", [au["prefetch"]]))),
+                      len(au.get("prefetch_runs", [au["prefetch"]])),
+                      " (no trial, no spare CPU, in %d)" % spare.count(False)
+                      if False in spare else ""),
                    vs_off <= 1 + AUTO_MARGIN)
     if ddp and ddp.get("rows"):
         # issue 33: what a CPU user would run instead, same model and batch

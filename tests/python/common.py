@@ -167,19 +167,24 @@ def reported(rank, q):
         q.put(("error", rank, type(e).__name__, "%s\n%s" % (e, traceback.format_exc())))
 
 
-def fake_trial_clock(sm, cost):
+def fake_trial_clock(sm, cost, cpus=1 << 12):
     """Gives sm (a ShardedModule with prefetch="auto") a clock under which
-    each step of its trial takes cost[mode] ({True: s, False: s}), so that
-    the trial's choice is known."""
+    each step of its trial takes cost[mode] ({"on": s, "off": s}; a list:
+    each step of that mode its own in turn), so that the trial's choice is
+    known, and cpus CPUs (by default more than any node's ranks and
+    threads: the trial runs; see ShardedModule._spare_cpu)."""
     t = [0.0]
+    left = {m: list(c) for m, c in cost.items() if isinstance(c, (list, tuple))}
 
     def clock():
         tr = sm._trial
         if tr is not None and tr["mode"] is not None:
-            t[0] += cost[tr["mode"]]  # the step since the last forward
+            m = tr["mode"]  # the step since the last forward
+            t[0] += left[m].pop(0) if m in left else cost[m]
         return t[0]
 
     sm._clock = clock
+    sm._cpus = lambda: cpus
 
 
 def last_params(target, args_of, world, timeout=60):

@@ -108,12 +108,32 @@ def gpt_policy(model):
     return lambda m, recurse, numel: recurse or id(m) in mods
 
 
+def nanogpt():
+    """nanoGPT as it is: wte tied to the head, so the root unit holds
+    them (and wpe, ln_f) from forward to backward."""
+    cfg = models.GPTConfig(layers=3)
+    return models.nano_gpt(cfg), cfg
+
+
+def untied_gpt():
+    """nanoGPT, untied, without checkpointing: with a unit per embedding,
+    Block, norm and head, the root holds no lease and every unit's gather
+    but the first can be prefetched."""
+    cfg = models.GPTConfig(layers=3)
+    torch.manual_seed(cfg.seed)
+    model = models.GPT(cfg)
+    model.transformer.wte.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+    return model, cfg
+
+
 MODELS = {"llama": (llama, llama_policy), "mix": (mix, lambda m: "children"),
-          "gpt": (gpt, gpt_policy)}
+          "gpt": (gpt, gpt_policy), "nanogpt": (nanogpt, lambda m: {models.Block}),
+          "untied_gpt": (untied_gpt, gpt_policy)}
+GPTS = ("llama", "gpt", "nanogpt", "untied_gpt")
 
 
 def batch(name, cfg, step, rank, world):
-    if name in ("llama", "gpt"):
+    if name in GPTS:
         return models.gpt_batch(cfg, step, rank, world, ROWS)
     g = torch.Generator().manual_seed(100 + step)
     x = torch.randn(world * ROWS, 8, generator=g)
@@ -122,7 +142,7 @@ def batch(name, cfg, step, rank, world):
 
 
 def loss_of(name, model, x, y):
-    if name in ("llama", "gpt"):
+    if name in GPTS:
         return models.gpt_loss(model, x, y)
     return nn.functional.mse_loss(model(x), y)
 
@@ -178,10 +198,12 @@ def rank_main(rank, world, sock, job, name, bwd, q, extra):
         bp = bwd[rank] if isinstance(bwd, (list, tuple)) else bwd
         cost = extra["costs"][rank] if extra.get("costs") else None
         sm = shardd.nn.ShardedModule(client, model, auto_wrap=MODELS[name][1](model),
-                                     prefetch="auto" if cost else False,
+                                     prefetch=extra.get("prefetch", "auto" if cost else False),
                                      backward_prefetch=bp)
         if cost:  # prefetch="auto"'s trial under a clock that makes one side faster
             common.fake_trial_clock(sm, cost)
+        if "cpus" in extra:  # what prefetch="auto" counts (ShardedModule._spare_cpu)
+            sm._cpus = lambda: extra["cpus"]
         opt = shardd.optim.AdamW([p for p in model.parameters() if p.requires_grad], **HYPER)
         log = []
         _logged(client, log, {u.buffer.id: u.name for u in sm.units})
@@ -211,7 +233,8 @@ def rank_main(rank, world, sock, job, name, bwd, q, extra):
                 loss_of(name, model, x, y)  # grad enabled, no backward
                 model.train()
         params = sm.full_parameters()
-        q.put(("prefetch", rank, sm.backward_prefetches, agreed, sm.prefetch, sm.prefetches))
+        q.put(("prefetch", rank, sm.backward_prefetches, agreed, sm.prefetch, sm.prefetches,
+               sm.prefetch_trial))
         if rank == 0:
             q.put(("params", {n: t.numpy().copy() for n, t in params.items()},
                    [u.name for u in sm.units]))
@@ -227,7 +250,7 @@ def run(name, bwd, world=2, timeout=150, **extra):
     steps = {}
     n = extra.get("steps", STEPS)
     out = {"losses": [None] * n, "held": [], "logs": [None] * n, "counts": {},
-           "agreed": {}, "forward": {}}
+           "agreed": {}, "forward": {}, "trials": {}}
 
     def on_msg(msg):
         if msg[0] == "loss":
@@ -241,6 +264,7 @@ def run(name, bwd, world=2, timeout=150, **extra):
         elif msg[0] == "prefetch":
             out["counts"][msg[1]], out["agreed"][msg[1]] = msg[2], msg[3]
             out["forward"][msg[1]] = (msg[4], msg[5])
+            out["trials"][msg[1]] = msg[6]
         elif msg[0] == "params":
             out["params"], out["units"] = msg[1], msg[2]
 
@@ -362,6 +386,41 @@ class BackwardPrefetchTest(unittest.TestCase):
         # both ranks (the first forward's order guessed right half the
         # time); none after the choice
         self.assertEqual(res["forward"][0][1], res["forward"][1][1])
+
+    def test_forward_prefetch_auto_true_and_false_train_the_same_parameters(self):
+        """nanoGPT (tied, a unit per Block: its root unit holds a lease, so
+        only the first Block's gather is prefetched, while the embeddings
+        compute) and the untied GPT with a unit per
+        embedding, Block, norm and head (6 of its 7 gathers a step prefetched), 2
+        ranks, 9 steps, backward_prefetch="auto" (forward prefetch's
+        choice): prefetch=False, True, and "auto" where the trial keeps
+        prefetch (a clock on which it is faster) and where the node has no
+        spare CPU (2 CPUs for 2 ranks of 1 thread: no trial, no prefetch)
+        give the same losses and parameters, bit for bit."""
+        steps = 9
+        fast = {"on": 1.0, "off": 2.0}
+        for name in ("nanogpt", "untied_gpt"):
+            off = run(name, "auto", steps=steps, prefetch=False)
+            runs = {"prefetch=True": run(name, "auto", steps=steps, prefetch=True),
+                    "auto, trial kept prefetch": run(name, "auto", steps=steps,
+                                                     costs=[fast, fast]),
+                    "auto, no spare CPU": run(name, "auto", steps=steps,
+                                              prefetch="auto", cpus=2)}
+            for label, res in runs.items():
+                self.same(res, off, "%s, %s against prefetch=False" % (name, label))
+            kept, none = runs["auto, trial kept prefetch"], runs["auto, no spare CPU"]
+            self.assertEqual({r: f[0] for r, f in kept["forward"].items()}, {0: True, 1: True})
+            self.assertEqual(none["forward"], {0: (False, 0), 1: (False, 0)})
+            self.assertEqual(none["counts"], {0: 0, 1: 0})
+            self.assertFalse(none["trials"][0]["spare_cpu"])
+            self.assertEqual(off["forward"], {0: (False, 0), 1: (False, 0)})
+            always = runs["prefetch=True"]
+            if name == "untied_gpt":  # 7 units: 6 prefetched a forward from the second on
+                self.assertEqual(always["forward"][0], (True, 6 * (steps - 1)))
+                self.assertGreater(kept["forward"][0][1], always["forward"][0][1] // 2)
+                self.assertGreater(always["counts"][0], 0)
+            else:
+                self.assertEqual(always["forward"][0], (True, steps - 1))
 
     def test_option_values(self):
         c = shardd.nn.ShardedModule._backward_prefetch_option

@@ -151,6 +151,8 @@ def rank_main(rank, world, sock, job, name, auto_wrap, transient, q, steps, accu
         extra = extra or {}
         kw = {k: extra[k] for k in ("bucket_bytes", "prefetch") if k in extra}
         sm = shardd.nn.ShardedModule(client, model, auto_wrap=auto_wrap, **kw)
+        if "cpus" in extra:  # what prefetch="auto" counts (ShardedModule._spare_cpu)
+            sm._cpus = lambda: extra["cpus"]
         x, y = x.to(sm.device), y.to(sm.device)  # a cuda daemon's (test_cuda)
         opt = sm.register_optimizer("adamw", model.parameters(), name="adamw", **HYPER)
         for s in range(steps):
@@ -200,7 +202,7 @@ def run(sock, name, world, auto_wrap="children", transient=True, timeout=120,
     units, prefetch and prefetches (rank 0's), trials (each rank's
     prefetch and prefetch_trial)). accum: backwards per step (transient).
     extra: bucket_bytes and prefetch (the module's), set_to_none (the
-    resident loop's zero_grad)."""
+    resident loop's zero_grad), cpus (the CPUs prefetch="auto" sees)."""
     job = common.job("fsdp")
     seen = {}
     out = {k: [None] * steps for k in ("losses", "peaks", "allocs", "used")}
@@ -330,21 +332,27 @@ class FSDPTest(unittest.TestCase):
         than the margin (the ranks may choose differently: after the
         choice a rank prefetches only while both chose it, learnt at the
         end of each backward); the loop matches torch throughout."""
-        steps = 9  # the first, 6 of trial, 2 after the choice
-        res = run(common.socket(), "mlp16", 2, steps=steps)
+        steps = 9  # the first, up to 6 of trial, at least 2 after the choice
+        # more CPUs than the 2 ranks' threads: the trial runs on any machine
+        res = run(common.socket(), "mlp16", 2, steps=steps, extra={"cpus": 64})
         trials = res["trials"]
         self.assertEqual(sorted(trials), [0, 1])
+        chosen_at = []
         for p, t in trials.values():
-            self.assertEqual((len(t["on"]), len(t["off"])), (3, 3), t)
+            # 2 or 3 steps with prefetch, as many without or one fewer
+            # (the trial stops once the rest cannot change its choice)
+            self.assertIn((len(t["on"]), len(t["off"])), [(2, 2), (3, 2), (3, 3)], t)
             self.assertEqual(t["prefetch"], p)
             margin = shardd.nn.ShardedModule._TRIAL_MARGIN
             self.assertEqual(p, t["on_median"] < t["off_median"] * (1 - margin))
-        # rank 0: 15 of the 16 units prefetched in each of the 3 trial
-        # steps with, and, if prefetching won on both ranks, in the second
-        # step after the choice (the first learns at its backward's end
-        # that every rank chose it)
+            chosen_at.append(1 + len(t["on"]) + len(t["off"]))
+        # rank 0: 15 of the 16 units prefetched in each of its trial steps
+        # with, and, if prefetching won on both ranks, in each step after
+        # the one where the later rank chose (that one learns at its
+        # backward's end that every rank chose it)
         both = all(p for p, _ in trials.values())
-        self.assertEqual(res["prefetches"], 15 * (3 + (1 if both else 0)))
+        after = steps - 1 - max(chosen_at) if both else 0
+        self.assertEqual(res["prefetches"], 15 * (len(trials[0][1]["on"]) + after))
         # the first steps are the 5-step run's (its data are drawn step by
         # step): torch's losses
         _, want = self.ref("mlp16", 2)
@@ -455,14 +463,14 @@ class FSDPOneRankTest(unittest.TestCase):
             self.assertEqual(cm.exception.code_name, "E_STATE")
             self.assertIn("transient", cm.exception.message)
 
-    def trial(self, cost):
+    def trial(self, cost, cpus=1 << 12):
         """Ten training steps of the default prefetch="auto" under a clock
         on which a step with prefetch takes cost["on"] and one without
         cost["off"], each step a training forward and backward and a
         forward without grad (which prefetches as its step does, and is
-        not timed). -> (prefetches counted after each step)."""
+        not timed), on cpus CPUs. -> (prefetches counted after each step)."""
         sm = self.sm
-        common.fake_trial_clock(sm, cost)
+        common.fake_trial_clock(sm, cost, cpus)
         x = torch.randn(4, 128)
         counts = []
         for _ in range(10):
@@ -476,22 +484,40 @@ class FSDPOneRankTest(unittest.TestCase):
         counts = self.trial({"on": 1.0, "off": 2.0})
         self.assertTrue(self.sm.prefetch)
         tr = self.sm.prefetch_trial
-        self.assertEqual((tr["on"], tr["off"]), ([1.0] * 3, [2.0] * 3))
-        # step 1 learns the order; 2, 4 and 6 prefetch 15 units in each of
-        # their 2 forwards, 3, 5 and 7 none; step 8 chooses at its training
+        # two steps each way settle it: with the third of each taking no
+        # time or forever, prefetching's median stays 1.0 against 2.0
+        self.assertEqual((tr["on"], tr["off"]), ([1.0] * 2, [2.0] * 2))
+        self.assertTrue(tr["spare_cpu"])
+        # step 1 learns the order; 2 and 4 prefetch 15 units in each of
+        # their 2 forwards, 3 and 5 none; step 6 chooses at its training
         # forward, which prefetches once every rank chose it (learnt at the
         # end of its backward), so its forward without grad does, and
-        # every step from 9 on
+        # every step from 7 on
+        self.assertEqual(counts, [0, 30, 30, 60, 60, 75, 105, 135, 165, 195])
+
+    def test_prefetch_auto_times_every_trial_step_while_the_choice_is_open(self):
+        """Steps without prefetch of 1 s and 3 s, with it 2 s each: until
+        the third step without (under 2.1 s: no prefetch, over: prefetch)
+        either choice can come out, so the trial times 3 of each, as it did
+        before it could stop early."""
+        counts = self.trial({"on": 2.0, "off": [1.0, 3.0, 3.0]})
+        tr = self.sm.prefetch_trial
+        self.assertEqual((tr["on"], tr["off"]), ([2.0] * 3, [1.0, 3.0, 3.0]))
+        self.assertTrue(self.sm.prefetch)
         self.assertEqual(counts, [0, 30, 30, 60, 60, 90, 90, 105, 135, 165])
 
     def test_prefetch_auto_drops_prefetch_where_it_is_slower(self):
         """Where prefetching made steps slower (no CPU left for the
         daemon's copy), the steps after the trial gather each unit when it
-        is needed, as prefetch=False does."""
+        is needed, as prefetch=False does; the trial ends once two steps
+        with prefetch were both slower than two without (a third could not
+        change the median), so it costs two slow steps, not three."""
         counts = self.trial({"on": 2.0, "off": 1.0})
         self.assertFalse(self.sm.prefetch)
-        self.assertFalse(self.sm.prefetch_trial["prefetch"])
-        self.assertEqual(counts, [0, 30, 30, 60, 60, 90, 90, 90, 90, 90])
+        tr = self.sm.prefetch_trial
+        self.assertFalse(tr["prefetch"])
+        self.assertEqual((tr["on"], tr["off"]), ([2.0] * 2, [1.0] * 2))
+        self.assertEqual(counts, [0, 30, 30, 60, 60, 60, 60, 60, 60, 60])
 
     def test_prefetch_auto_keeps_no_prefetch_where_both_are_as_fast(self):
         """Prefetching 2% faster is within a shared machine's noise: the
@@ -500,6 +526,28 @@ class FSDPOneRankTest(unittest.TestCase):
         self.trial({"on": 0.98, "off": 1.0})
         self.assertFalse(self.sm.prefetch)
         self.assertFalse(self.sm.prefetch_trial["prefetch"])
+
+    def test_prefetch_auto_without_a_spare_cpu_never_prefetches(self):
+        """As many torch threads on the node's ranks (1 here) as the CPUs
+        the rank may run on: no CPU is left for the daemon's copy of a
+        prefetched gather, so no trial (its steps with prefetch are what
+        would cost) and no prefetch, even under a clock on which
+        prefetching is faster; one CPU more and the trial runs."""
+        threads = torch.get_num_threads()
+        counts = self.trial({"on": 1.0, "off": 2.0}, cpus=threads)
+        self.assertEqual(counts, [0] * 10)
+        self.assertFalse(self.sm.prefetch)
+        tr = self.sm.prefetch_trial
+        self.assertEqual((tr["on"], tr["off"], tr["prefetch"], tr["spare_cpu"]),
+                         ([], [], False, False))
+        self.assertEqual((tr["cpus"], tr["node_ranks"], tr["threads"]), (threads, 1, threads))
+        self.assertFalse(self.sm.backward_prefetch)  # "auto" follows forward prefetch
+
+    def test_prefetch_auto_with_one_cpu_to_spare_runs_its_trial(self):
+        threads = torch.get_num_threads()
+        counts = self.trial({"on": 1.0, "off": 2.0}, cpus=threads + 1)
+        self.assertTrue(self.sm.prefetch_trial["spare_cpu"])
+        self.assertEqual(counts, [0, 30, 30, 60, 60, 75, 105, 135, 165, 195])
 
     def test_forward_without_grad_releases_every_unit(self):
         x = torch.randn(2, 128)

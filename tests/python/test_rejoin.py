@@ -29,6 +29,7 @@ if common.HAVE_TORCH:
 STEPS = 8
 BATCH = 16
 WORLD = 2
+CPUS = 64  # more than WORLD ranks of 1 thread: prefetch="auto"'s trial runs
 
 
 def make_model(head_in_root=False):
@@ -60,18 +61,22 @@ def make_data():
 
 
 def script(rank, sock, job, q, slow_after=None, slow_backward=None, head_in_root=False,
-           resident=False):
+           resident=False, cpus=None):
     """The elastic loop: an iteration a lost peer broke is dropped and done
     again from the daemon's step count. slow_backward: seconds each
     parameter's gradient takes, while its unit's gather and gradient areas
     are held and a faster peer waits in the unit's scatter. resident: a
-    resident client's loop (gather(), forward, backward, scatter(), step)."""
+    resident client's loop (gather(), forward, backward, scatter(), step).
+    cpus: the CPUs prefetch="auto" counts (more than the ranks' threads: its
+    trial runs, whatever the machine; ShardedModule._spare_cpu)."""
     try:
         torch.set_num_threads(1)
         client = shardd.Client(sock, job=job, rank=rank, world=WORLD,
                                transient_areas=not resident)
         model, wrap = make_model(head_in_root)
         sm = shardd.nn.ShardedModule(client, model, auto_wrap=wrap)
+        if cpus is not None:
+            sm._cpus = lambda: cpus
         opt = shardd.optim.AdamW(model.parameters(), lr=1e-2, name="adamw")
         if slow_backward is not None:
             for p in model.parameters():
@@ -125,7 +130,7 @@ def script(rank, sock, job, q, slow_after=None, slow_backward=None, head_in_root
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
 class RejoinTest(unittest.TestCase):
     def run_ranks(self, sock, job, qs, ctx, ranks, slow_rank0=False, kwargs_of=None,
-                  head_in_root=False, resident=False):
+                  head_in_root=False, resident=False, cpus=None):
         """Each rank process gets a queue of its own (appended to qs): a
         rank SIGKILLed while its queue's feeder thread holds the queue's
         write lock (between sending a message and releasing the lock) would
@@ -139,6 +144,7 @@ class RejoinTest(unittest.TestCase):
                       ({"slow_after": 2} if slow_rank0 and r == 0 else {}))
             kw["head_in_root"] = head_in_root
             kw["resident"] = resident
+            kw["cpus"] = cpus
             ps[r] = ctx.Process(target=script, args=(r, sock, job, q), kwargs=kw)
         for p in ps.values():
             p.start()
@@ -200,6 +206,9 @@ class RejoinTest(unittest.TestCase):
         self.killed_and_relaunched(head_in_root=False, resident=True)
 
     def killed_and_relaunched(self, head_in_root, resident=False):
+        """prefetch="auto" runs its trial here (CPUS): the relaunched rank's
+        starts anew beside its peer's, a few steps on; the random kills
+        below count the machine's CPUs as a run would."""
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "numpy"])
         sock = common.socket()
@@ -207,7 +216,7 @@ class RejoinTest(unittest.TestCase):
         tag = "-res" if resident else ""
         ref_job = common.job(("rejoin-ref-head" if head_in_root else "rejoin-ref") + tag)
         ps = self.run_ranks(sock, ref_job, qs, ctx, range(WORLD), head_in_root=head_in_root,
-                            resident=resident)
+                            resident=resident, cpus=CPUS)
         ref = self.collect(qs, lambda o: len(o["done"]) == WORLD)
         for p in ps.values():
             p.join(10)
@@ -219,14 +228,14 @@ class RejoinTest(unittest.TestCase):
         # fail (E_PEER_LOST) and, relaunched only after --peer-grace (1 s),
         # rank 0 has retried the iteration by then
         ps = self.run_ranks(sock, job, qs, ctx, range(WORLD), slow_rank0=True,
-                            head_in_root=head_in_root, resident=resident)
+                            head_in_root=head_in_root, resident=resident, cpus=CPUS)
         got = self.collect(qs, lambda o: len(o["losses"].get(3, {})) == WORLD)
         os.kill(ps[1].pid, signal.SIGKILL)
         ps[1].join(10)
         time.sleep(1.5)
         del qs[1]  # the killed rank's queue may be wedged (see run_ranks)
         ps.update(self.run_ranks(sock, job, qs, ctx, [1], head_in_root=head_in_root,
-                                 resident=resident))
+                                 resident=resident, cpus=CPUS))
         try:
             more = self.collect(qs, lambda o: len(o["done"]) == WORLD)
         except RuntimeError as e:

@@ -83,19 +83,23 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
       "auto" (default): on the cuda backend, always; on the host backend
       only if it makes steps faster, measured: from the second training
       forward of the root on, 3 steps with prefetch and 3 without
-      alternate, each timed to the next training forward, and prefetching
-      stays on only if the median of its steps is lower by more than 5%
-      (each rank chooses on its own timings, and prefetches only while
-      every rank chose it, as the ranks learn at the end of each backward;
-      within that the two are the same, and prefetch=False's loop is
-      kept). Without a CPU to spare, the copy of a prefetched gather
-      takes its CPU from the forward it overlaps (one run measured 1.65x
-      the gather-everything loop's step with prefetch, 1.05x without);
-      where ranks wait for each other at every gather, a prefetched one
-      does not make them meet there. True: always; False:
-      never. :attr:`ShardedModule.prefetch` says what is chosen (it
-      alternates during the trial), :attr:`ShardedModule.prefetch_trial`
-      the trial's step times once it chose.
+      alternate (fewer where the rest cannot change the choice), each
+      timed to the next training forward, and prefetching stays on only
+      if the median of its steps is lower by more than 5% (each rank
+      chooses on its own timings, and prefetches only while every rank
+      chose it, as the ranks learn at the end of each backward; within
+      that the two are the same, and prefetch=False's loop is kept).
+      Without a CPU to spare, the copy of a prefetched gather takes its
+      CPU from the forward it overlaps (one run measured 1.65x the
+      gather-everything loop's step with prefetch, 1.05x without): where
+      the node's ranks times torch's threads are as many as the CPUs this
+      rank may run on, there is no trial and no prefetch. Where ranks
+      wait for each other at every gather, a prefetched one does not make
+      them meet there. True: always; False: never.
+      :attr:`ShardedModule.prefetch` says what is chosen (it alternates
+      during the trial), :attr:`ShardedModule.prefetch_trial` the trial's
+      step times once it chose (and the CPUs, ranks and threads it
+      counted).
     backward_prefetch: transient areas: when a unit's backward begins, the
       gather (with its gradient area) of the unit whose backward comes next
       -- the one before it in this step's forward, FSDP's BACKWARD_PRE,
@@ -372,9 +376,10 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         self._checks = None       # what _check_replaced walks, made on first use
         if prefetch not in (True, False, "auto"):
             raise ValueError("prefetch %r: True, False or \"auto\"" % (prefetch,))
-        # "auto" on the host backend: a trial of both, then the faster (see
-        # _prefetch_trial); the cuda backend computes on the GPUs, so a
-        # gather's copy never takes a forward's CPU there
+        # "auto" on the host backend: none without a spare CPU, else a
+        # trial of both, then the faster (see _prefetch_trial); the cuda
+        # backend computes on the GPUs, so a gather's copy never takes a
+        # forward's CPU there
         self._trial = None
         if prefetch == "auto":
             prefetch = self.transient

@@ -1,7 +1,12 @@
 """Forward prefetch (FSDP's forward_prefetch, limit_all_gathers) of
 transient areas, prefetch="auto"'s trial on the host backend, and backward
 prefetch (FSDP's BackwardPrefetch.BACKWARD_PRE)."""
+import os
 import time
+
+import torch
+
+import shardd
 
 
 class _Prefetch:
@@ -73,17 +78,77 @@ class _Prefetch:
     _TRIAL_MARGIN = 0.05  # how much faster prefetching's median must be to keep it
     _clock = staticmethod(time.perf_counter)
 
+    @staticmethod
+    def _cpus():
+        """The CPUs this process may run on (its affinity mask)."""
+        try:
+            return len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            return os.cpu_count() or 1
+
+    def _node_ranks(self):
+        """This job's ranks on this daemon's node: the world over the
+        nodes of a multi-node job (the daemon's status says), else the
+        world."""
+        world, first = self.client.world, 0
+        try:
+            while True:
+                st = self.client.status(first)
+                jobs = st.get("jobs", [])
+                for j in jobs:
+                    if j.get("name") == self.client.job:
+                        return max(1, world // max(1, j.get("nodes", 1)))
+                if not jobs or not st.get("jobs_more"):
+                    return world
+                first += len(jobs)
+        except shardd.Error:
+            return world
+
+    def _spare_cpu(self):
+        """Whether a CPU is left for the daemon's copy while every rank of
+        the node computes: this rank's CPUs (affinity) against the node's
+        ranks times this rank's torch threads (every rank alike). ->
+        (spare, what was counted)."""
+        seen = {"cpus": self._cpus(), "node_ranks": self._node_ranks(),
+                "threads": torch.get_num_threads()}
+        return seen["cpus"] > seen["node_ranks"] * seen["threads"], seen
+
+    def _trial_outcome(self, tr):
+        """What the whole trial chooses whatever its remaining steps take
+        (True: prefetch), None while that is open: the choice with the
+        remaining steps with prefetch taking no time and those without
+        forever, and with the reverse; where both agree, the remaining
+        steps cannot change it. Once all are timed the two are the one
+        choice: prefetching's median lower by more than _TRIAL_MARGIN."""
+        k = self._TRIAL_STEPS
+
+        def med(v, rest):
+            v = sorted(v + [rest] * (k - len(v)))
+            return v[k // 2]
+
+        inf, cut = float("inf"), 1.0 - self._TRIAL_MARGIN
+        best = med(tr["on"], 0.0) < med(tr["off"], inf) * cut
+        worst = med(tr["on"], inf) < med(tr["off"], 0.0) * cut
+        return best if best == worst else None
+
     def _prefetch_trial(self):
         """prefetch="auto" on the host backend, at each training forward of
-        the root once the order is known: the steps alternate, prefetching
-        and not, each timed up to the next training forward, until
-        _TRIAL_STEPS of each are; then prefetching stays on only if the
-        median of its steps was lower by more than _TRIAL_MARGIN (5%): a
-        step with prefetch is never kept for being as fast, so the loop
-        after the trial is at worst as fast as without prefetch. Whether it pays depends on a CPU
-        being free for the daemon's copy while the ranks compute, and on
-        how long ranks wait for each other at each gather (a prefetched
-        gather does not make them meet there): measured, not guessed.
+        the root once the order is known. Where the node has no spare CPU
+        (_spare_cpu: its ranks' torch threads take every CPU this rank may
+        run on), no prefetch and no trial: the daemon's copy of a
+        prefetched gather would take its CPU from a rank's compute, and a
+        trial's steps with prefetch are what would cost. Else the steps
+        alternate, prefetching and not, each timed up to the next training
+        forward, until the choice is certain: _TRIAL_STEPS of each, or fewer
+        where the remaining ones cannot change it (_trial_outcome: two
+        steps with prefetch both slower than two without end it); then
+        prefetching stays on only if the median of its steps was lower by
+        more than _TRIAL_MARGIN (5%): a step with prefetch is never kept
+        for being as fast, so the loop after the trial is at worst as fast
+        as without prefetch. Whether it pays depends on a CPU being free
+        for the daemon's copy while the ranks compute, and on how long
+        ranks wait for each other at each gather (a prefetched gather does
+        not make them meet there): measured, not guessed.
         Each rank chooses on its own timings, with no collective of its
         own: a rank relaunched into a running job (or one that retried an
         iteration) counts its forwards differently from its peers. A rank
@@ -94,21 +159,25 @@ class _Prefetch:
         while every rank chose it (_forward_prefetch_agree): a rank that
         prefetches a unit the forward does not take next (its order
         changed since the first) waits for that gather, which a peer that
-        chose not to prefetch sends later or never."""
+        chose not to prefetch sends later or never; so a node without a
+        spare CPU keeps every rank of the job from prefetching."""
         tr = self._trial
         now = self._clock()
-        if tr["mode"] is not None:
+        if tr["mode"] is None:
+            tr["spare"], tr["counted"] = self._spare_cpu()
+        else:
             tr[tr["mode"]].append(now - tr["t"])
-        k = self._TRIAL_STEPS
-        if len(tr["on"]) >= k and len(tr["off"]) >= k:
-            med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-            on, off = med(tr["on"]), med(tr["off"])
-            # within the margin the steps are the same, and prefetching is
-            # what has more to lose: a peer's or the daemon's CPU, a second
-            # gather slot (no gain in the noise of a shared machine, so off)
-            self._prefetch_on = on < off * (1.0 - self._TRIAL_MARGIN)
-            self.prefetch_trial = {"on": tr["on"], "off": tr["off"], "on_median": on,
-                                   "off_median": off, "prefetch": self._prefetch_on}
+        # within the margin the steps are the same, and prefetching is
+        # what has more to lose: a peer's or the daemon's CPU, a second
+        # gather slot (no gain in the noise of a shared machine, so off)
+        chose = False if not tr["spare"] else self._trial_outcome(tr)
+        if chose is not None:
+            med = lambda v: sorted(v)[len(v) // 2] if v else None  # noqa: E731
+            self._prefetch_on = chose
+            self.prefetch_trial = {"on": tr["on"], "off": tr["off"],
+                                   "on_median": med(tr["on"]), "off_median": med(tr["off"]),
+                                   "prefetch": chose, "spare_cpu": tr["spare"],
+                                   **tr["counted"]}
             self._trial = None
             return
         tr["mode"] = "on" if len(tr["on"]) <= len(tr["off"]) else "off"
