@@ -1,0 +1,308 @@
+"""Model families and training habits beyond nanoGPT / LLaMA / ResNet,
+through shardd.nn's transient areas on 2 and 3 ranks (3: shard boundaries
+inside parameters), against one process of torch on the ranks' batches:
+
+* LoRA as PEFT makes it: nanoGPT's weights frozen, a LoRALinear (the base
+  Linear inside it) per attention and MLP Linear, a unit per Block, the
+  optimizer over ``filter(lambda p: p.requires_grad, ...)``, the adapters'
+  state dict (``"lora_" in key``) and the merged weights (``W + B @ A *
+  scale`` from ``sm.full_parameters()``, FSDP's summon_full_params) that
+  plain nanoGPT loads;
+* ViT as timm's: bare ``cls_token`` / ``pos_embed`` on the root and layer
+  scale ``gamma_1`` / ``gamma_2`` in each Block, a Conv2d patch embedding,
+  the cls token torch.cat'ed before the patches, trunc_normal_ init, and
+  the no-decay groups built from ``named_parameters()`` after wrapping
+  (``p.ndim <= 1``, biases, ``no_weight_decay()``'s names);
+* T5: the relative position bias owned by the first Block of each stack
+  and handed to every later Block (a tensor of one unit used by others),
+  an encoder-decoder whose decoder Blocks cross-attend to the encoder's
+  output, the embedding shared by both stacks and tied to the head;
+* MoE: top-2 routing over 4 experts (each used on every rank), the
+  load-balancing loss added to the loss, gradients accumulated over 2
+  micro-batches.
+
+Every run has these habits: ``torch.manual_seed(seed + rank)`` for the
+dropout masks (the reference draws each rank's masks from that rank's
+generator, as DDP's ranks do), ``zero_grad(set_to_none=False)``, a warmup
+LambdaLR, torch's ``clip_grad_norm_`` over the optimizer's param groups,
+and a validation under ``model.eval()`` + ``torch.no_grad()`` between
+steps; with torch.optim.AdamW built after wrapping and with
+shardd.optim.AdamW."""
+import unittest
+
+import common
+import shardd
+
+if common.HAVE_TORCH:
+    import torch
+    import torch.nn.functional as F
+    import models
+    import shardd.nn
+    import shardd.optim
+    import test_torch_optim as tto
+
+STEPS = 4
+MICRO = 1          # micro-batches per step (MoE: 2)
+ROWS = 2           # rows per rank and micro-batch
+SEED = 1234        # torch.manual_seed(SEED + rank) for the dropout masks
+CLIP = 0.5
+WD = 0.05
+TOL = 1e-5         # per tensor max |a - b| / max |b|, losses relative
+# T5: the wrapped run's gradients differ from torch's in the last bits (the
+# sums over the decoder's cross-attention reads of the encoder's output and
+# over the shared embedding's three uses come in another order: with SGD
+# the parameters are within 1.0e-7 after 4 steps), which AdamW's first
+# steps (update ~ lr * g / |g|) make 3e-5 where a gradient is near zero
+# (the encoder's dead ReLU rows of wi)
+T5_TOL = 1e-4
+
+
+def warmup(s):
+    return min(1.0, (s + 1) / 3)
+
+
+# ---- the families: model, units, optimizer groups, loss ---------------------
+
+def gpt_loss(model, k, r, world, rows=ROWS):
+    x, y = models.gpt_batch(models.GPTConfig(), k, r, world, rows=rows)
+    return models.gpt_loss(model, x, y)
+
+
+def moe_loss(model, k, r, world):
+    loss = gpt_loss(model, k, r, world, rows=4 * ROWS) + 0.01 * models.moe_aux(model)
+    if torch.is_grad_enabled():  # training: each rank's rows reach every expert
+        least = min(m.least for m in model.modules() if isinstance(m, models.TopKMoE))
+        assert least > 0, "an expert no token of rank %d reached at micro-batch %d" % (r, k)
+    return loss
+
+
+def vit_loss(model, k, r, world):
+    x, y = models.image_batch(k, r, world, rows=ROWS, size=16)
+    return F.cross_entropy(model(x), y)
+
+
+def t5_loss(model, k, r, world):
+    src, tgt_in, tgt = models.seq2seq_batch(k, r, world, rows=ROWS)
+    logits = model(src, tgt_in)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+
+
+def trainable_groups(model):
+    return [{"params": list(filter(lambda p: p.requires_grad, model.parameters())),
+             "weight_decay": WD}]
+
+
+def decay_groups(model):
+    return [{"params": list(model.parameters()), "weight_decay": WD}]
+
+
+FAMILIES = {
+    # name: (build, auto_wrap, groups, loss, micro-batches)
+    "lora": (models.lora_gpt, lambda: {models.Block}, trainable_groups, gpt_loss, 1),
+    "vit": (models.vit, lambda: {models.ViTBlock},
+            lambda m: models.vit_param_groups(m, WD), vit_loss, 1),
+    "vit_children": (models.vit, lambda: "children",
+                     lambda m: models.vit_param_groups(m, WD), vit_loss, 1),
+    "t5": (models.t5, lambda: {models.T5Block}, decay_groups, t5_loss, 1),
+    "moe": (models.moe_gpt, lambda: {models.MoEBlock}, decay_groups, moe_loss, 2),
+}
+
+
+def make_opt(kind, groups):
+    cls = shardd.optim.AdamW if kind == "shardd" else torch.optim.AdamW
+    extra = {} if kind == "shardd" else {"foreach": False}
+    return cls(groups, lr=3e-3, betas=(0.9, 0.99), eps=1e-8, **extra)
+
+
+def backward(loss_fn, model, k, ranks, world, rngs):
+    """Micro-batch k's backward; -> the loss (the ranks' mean). A rank
+    (rngs None) runs its own; the reference (rngs: each rank's generator
+    state) each rank's from zero under that rank's generator, their sum in
+    rank order over world added to the .grad kept, as the daemon's
+    reduce-scatter adds the ranks' mean to the reduced gradient."""
+    if rngs is None:
+        loss = loss_fn(model, k, ranks[0], world)
+        loss.backward()
+        return loss.item()
+    params = [p for p in model.parameters() if p.requires_grad]
+    kept = [p.grad for p in params]
+    total, losses = [torch.zeros_like(p) for p in params], []
+    for r in ranks:
+        for p in params:
+            p.grad = None
+        torch.set_rng_state(rngs[r])
+        loss = loss_fn(model, k, r, world)
+        rngs[r] = torch.get_rng_state()
+        loss.backward()
+        losses.append(loss.item())
+        for t, p in zip(total, params):
+            if p.grad is not None:
+                t += p.grad
+    for p, held, t in zip(params, kept, total):
+        p.grad = t / world if held is None else held + t / world
+    return sum(losses) / world
+
+
+def train(family, model, opt, ranks, world, rngs=None):
+    """The loop every rank (ranks [rank]) and the reference (every rank)
+    run; -> (losses, validation losses)."""
+    _, _, _, loss_fn, micro = FAMILIES[family]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
+    losses, evals = [], []
+    for s in range(STEPS):
+        opt.zero_grad(set_to_none=False)
+        losses.append(sum(backward(loss_fn, model, s * micro + m, ranks, world, rngs)
+                          for m in range(micro)) / micro)
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if rngs is None:
+            torch.nn.utils.clip_grad_norm_(params, CLIP)
+        else:  # torch's, its sums in double as the wrapper's all-reduced norm
+            tto.clip_norm64(params, CLIP)
+        opt.step()
+        sched.step()
+        model.eval()
+        with torch.no_grad():
+            evals.append(loss_fn(model, 1000 + s, 0, 1).item())  # the same rows everywhere
+        model.train()
+    return losses, evals
+
+
+def lora_outputs(model, full):
+    """The adapters' state dict and the merged weights (plain nanoGPT's
+    names) from every parameter whole (`full`)."""
+    adapters = {k: v for k, v in full.items() if "lora_" in k}
+    return adapters, models.merge_lora(model, full)
+
+
+def rank_main(rank, world, sock, job, family, kind, q):
+    try:
+        torch.set_num_threads(1)
+        build, auto_wrap, groups, _, _ = FAMILIES[family]
+        client = shardd.Client(sock, job=job, rank=rank, world=world, transient_areas=True,
+                               client_name="test_model_families rank %d" % rank)
+        model = build()
+        sm = shardd.nn.ShardedModule(client, model, auto_wrap=auto_wrap())
+        opt = make_opt(kind, groups(model))
+        torch.manual_seed(SEED + rank)
+        losses, evals = train(family, model, opt, [rank], world)
+        q.put(("losses", rank, (losses, evals)))
+        full = sm.full_parameters()  # collective
+        sd = model.state_dict()      # collective
+        # torch's state dict of the untrained model loads back (every name
+        # of a shared module's parameter too)
+        model.load_state_dict(build().state_dict())
+        loaded = sm.full_parameters()
+        fresh = dict(build().named_parameters())
+        q.put(("loaded", rank, sorted(n for n, t in loaded.items()
+                                      if not torch.equal(t, fresh[n].detach()))))
+        if rank == 0:
+            q.put(("params", {n: t.numpy().copy() for n, t in full.items()}))
+            q.put(("state", rank, {n: t.numpy().copy() for n, t in sd.items()}))
+            if family == "lora":
+                adapters, merged = lora_outputs(model, full)
+                q.put(("lora", rank, ({n: t.numpy().copy() for n, t in adapters.items()},
+                                      {n: t.numpy().copy() for n, t in merged.items()})))
+        client.close()
+        q.put(("done", rank))
+    except BaseException as e:
+        common.rank_failed(rank, q, e)
+
+
+def reference(family, world):
+    build, _, groups, _, _ = FAMILIES[family]
+    model = build()
+    opt = make_opt("torch", groups(model))
+    rngs = {}
+    for r in range(world):
+        torch.manual_seed(SEED + r)
+        rngs[r] = torch.get_rng_state()
+    losses, evals = train(family, model, opt, list(range(world)), world, rngs)
+    return model, losses, evals
+
+
+@unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
+class ModelFamiliesTest(unittest.TestCase):
+
+    def check(self, family, world=2, kind="torch"):
+        torch.set_num_threads(1)
+        ref, want_losses, want_evals = reference(family, world)
+        job, sock = common.job("family"), common.socket()
+        got = common.launch_collect(rank_main, lambda r, q: (r, world, sock, job, family, kind, q),
+                                    world, timeout=150)
+        losses = [sum(got[("losses", r)][0][s] for r in range(world)) / world
+                  for s in range(STEPS)]
+        what = "%s, %d ranks, %s optimizer" % (family, world, kind)
+        tol = T5_TOL if family == "t5" else TOL
+        for r in range(world):
+            self.assertEqual(got[("loaded", r)], [], "not loaded on rank %d (%s)" % (r, what))
+        for s in range(STEPS):
+            self.assertLessEqual(abs(losses[s] - want_losses[s]), TOL * abs(want_losses[s]),
+                                 "step %d loss (%s)" % (s, what))
+            for r in range(world):  # every rank's validation is torch's
+                ev = got[("losses", r)][1][s]
+                self.assertLessEqual(abs(ev - want_evals[s]), TOL * abs(want_evals[s]),
+                                     "step %d validation on rank %d (%s)" % (s, r, what))
+        start = dict(FAMILIES[family][0]().named_parameters())
+        for n, p in ref.named_parameters():
+            self.assertLessEqual(common.max_rel(got["params"][n], p.detach().numpy()), tol,
+                                 "%s (%s)" % (n, what))
+            moved = not torch.equal(torch.from_numpy(got["params"][n]), start[n].detach())
+            self.assertEqual(moved, p.requires_grad, "%s trained: %s (%s)" % (n, moved, what))
+        want_sd = ref.state_dict()
+        self.assertEqual(list(got[("state", 0)]), list(want_sd), what)
+        for n, t in want_sd.items():
+            self.assertEqual(got[("state", 0)][n].shape, tuple(t.shape), "%s (%s)" % (n, what))
+            self.assertLessEqual(common.max_rel(got[("state", 0)][n], t.numpy()), tol, n)
+        return ref, got
+
+    # LoRA / PEFT
+    def check_lora(self, world, kind):
+        ref, got = self.check("lora", world, kind)
+        adapters, merged = got[("lora", 0)]
+        want_adapters, want_merged = lora_outputs(ref, {n: p.detach() for n, p
+                                                        in ref.named_parameters()})
+        self.assertEqual(sorted(adapters), sorted(want_adapters))
+        self.assertEqual(len(adapters), 4 * 2 * 2)  # 4 Linears x 2 Blocks x A, B
+        for n, t in want_adapters.items():
+            self.assertLessEqual(common.max_rel(adapters[n], t.numpy()), TOL, n)
+        plain = models.nano_gpt()  # the merged weights are plain nanoGPT's
+        missing, unexpected = plain.load_state_dict(
+            {n: torch.from_numpy(t) for n, t in merged.items()}, strict=False)
+        self.assertEqual(unexpected, [])
+        self.assertEqual(missing, ["lm_head.weight"] if "lm_head.weight" not in merged else [])
+        for n, t in want_merged.items():
+            self.assertLessEqual(common.max_rel(merged[n], t.numpy()), TOL, n)
+
+    def test_lora_adapters_on_a_frozen_gpt_train_and_merge_as_torch(self):
+        self.check_lora(2, "torch")
+
+    def test_lora_adapters_on_three_ranks_with_shardd_optim(self):
+        self.check_lora(3, "shardd")
+
+    # ViT
+    def test_vit_with_bare_parameters_and_no_decay_groups_trains_as_torch(self):
+        self.check("vit", 2, "torch")
+
+    def test_vit_unit_per_child_on_three_ranks_trains_as_torch(self):
+        self.check("vit_children", 3, "torch")
+
+    def test_vit_with_shardd_optim_trains_as_torch(self):
+        self.check("vit", 2, "shardd")
+
+    # T5
+    def test_t5_shared_position_bias_and_cross_attention_train_as_torch(self):
+        self.check("t5", 2, "torch")
+
+    def test_t5_on_three_ranks_with_shardd_optim(self):
+        self.check("t5", 3, "shardd")
+
+    # MoE
+    def test_topk_moe_with_aux_loss_and_accumulation_trains_as_torch(self):
+        self.check("moe", 2, "torch")
+
+    def test_topk_moe_on_three_ranks_with_shardd_optim(self):
+        self.check("moe", 3, "shardd")
+
+
+if __name__ == "__main__":
+    unittest.main()
