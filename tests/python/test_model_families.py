@@ -208,6 +208,40 @@ def rank_main(rank, world, sock, job, family, kind, q):
         common.rank_failed(rank, q, e)
 
 
+MERGES = {  # a LoRA merge written as under summon_full_params, from the parts
+    "B @ A": lambda m: m.lora_B.weight @ m.lora_A.weight,
+    "torch.matmul": lambda m: torch.matmul(m.lora_B.weight, m.lora_A.weight),
+    "torch.mm of .data": lambda m: torch.mm(m.lora_B.weight.data, m.lora_A.weight.data),
+    "Tensor.matmul": lambda m: m.lora_B.weight.detach().matmul(m.lora_A.weight),
+}
+
+
+def merge_rank(rank, world, sock, job, q):
+    """The merge outside forward, where every parameter is this rank's 1-D
+    part: each way refused, the base weight untouched."""
+    try:
+        torch.set_num_threads(1)
+        client = shardd.Client(sock, job=job, rank=rank, world=world, transient_areas=True,
+                               client_name="test_model_families merge rank %d" % rank)
+        model = models.lora_gpt()
+        sm = shardd.nn.ShardedModule(client, model, auto_wrap={models.Block})
+        lora = model.transformer.h[0].attn.c_attn
+        errs = {}
+        for how, product in MERGES.items():
+            try:
+                with torch.no_grad():
+                    lora.base.weight += product(lora) * lora.scale
+                errs[how] = None
+            except RuntimeError as e:
+                errs[how] = str(e)
+        q.put(("errs", rank, errs))
+        common.send_params(rank, q, sm)
+        client.close()
+        q.put(("done", rank))
+    except BaseException as e:
+        common.rank_failed(rank, q, e)
+
+
 def reference(family, world):
     build, _, groups, _, _ = FAMILIES[family]
     model = build()
@@ -278,6 +312,22 @@ class ModelFamiliesTest(unittest.TestCase):
 
     def test_lora_adapters_on_three_ranks_with_shardd_optim(self):
         self.check_lora(3, "shardd")
+
+    @unittest.skipIf(common.UNDER_ASAN, common.ASAN_CXX_THROW)
+    def test_a_lora_merge_from_the_parts_is_refused_naming_the_parameter(self):
+        # B @ A of two 1-D parts is their dot product (a rank with empty
+        # parts: 0), which += added to every element of the base's part
+        # without a word where the parts' lengths agreed
+        job, sock = common.job("merge"), common.socket()
+        got = common.launch_collect(merge_rank, lambda r, q: (r, 2, sock, job, q), 2)
+        for r in range(2):
+            for how, err in got[("errs", r)].items():
+                self.assertIsNotNone(err, "%s on rank %d" % (how, r))
+                self.assertIn("'transformer.h.0.attn.c_attn.lora_B.weight'", err, how)
+                self.assertIn("sm.full_parameters()", err, how)
+        want = models.lora_gpt().transformer.h[0].attn.c_attn.base.weight
+        self.assertTrue(torch.equal(torch.from_numpy(
+            got["params"]["transformer.h.0.attn.c_attn.base.weight"]), want.detach()))
 
     # ViT
     def test_vit_with_bare_parameters_and_no_decay_groups_trains_as_torch(self):
