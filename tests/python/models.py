@@ -570,10 +570,20 @@ class T5Block(nn.Module):
 
 
 class T5Stack(nn.Module):
-    def __init__(self, embed, dim, heads, layers, decoder):
+    """shared_bias: every Block's self-attention holds the first one's
+    relative_attention_bias module and computes its bias itself (a
+    parameter that modules of several Blocks hold), rather than being
+    handed the first Block's bias tensor as HF's T5 does."""
+
+    def __init__(self, embed, dim, heads, layers, decoder, shared_bias=False):
         super().__init__()
         self.embed_tokens = embed
         self.block = nn.ModuleList([T5Block(dim, heads, decoder, i == 0) for i in range(layers)])
+        self.shared_bias = shared_bias
+        if shared_bias:
+            for blk in self.block[1:]:
+                blk.self_attn.relative_attention_bias = \
+                    self.block[0].self_attn.relative_attention_bias
         self.final_layer_norm = T5LayerNorm(dim)
         self.dropout = nn.Dropout(0.1)
 
@@ -581,7 +591,7 @@ class T5Stack(nn.Module):
         x = self.dropout(self.embed_tokens(ids))
         bias = None
         for blk in self.block:
-            x, bias = blk(x, bias, enc)
+            x, bias = blk(x, None if self.shared_bias else bias, enc)
         return self.dropout(self.final_layer_norm(x))
 
 
@@ -590,12 +600,12 @@ class T5(nn.Module):
     (tie_word_embeddings), the head; the decoder's blocks cross-attend to
     the encoder's output."""
 
-    def __init__(self, vocab=64, dim=32, heads=4, layers=2):
+    def __init__(self, vocab=64, dim=32, heads=4, layers=2, shared_bias=False):
         super().__init__()
         self.dim = dim
         self.shared = nn.Embedding(vocab, dim)
-        self.encoder = T5Stack(self.shared, dim, heads, layers, decoder=False)
-        self.decoder = T5Stack(self.shared, dim, heads, layers, decoder=True)
+        self.encoder = T5Stack(self.shared, dim, heads, layers, False, shared_bias)
+        self.decoder = T5Stack(self.shared, dim, heads, layers, True, shared_bias)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         self.lm_head.weight = self.shared.weight
         for m in self.modules():

@@ -28,6 +28,7 @@ LambdaLR, torch's ``clip_grad_norm_`` over the optimizer's param groups,
 and a validation under ``model.eval()`` + ``torch.no_grad()`` between
 steps; with torch.optim.AdamW built after wrapping and with
 shardd.optim.AdamW."""
+import contextlib
 import unittest
 
 import common
@@ -104,7 +105,11 @@ FAMILIES = {
     "vit_children": (models.vit, lambda: "children",
                      lambda m: models.vit_param_groups(m, WD), vit_loss, 1),
     "t5": (models.t5, lambda: {models.T5Block}, decay_groups, t5_loss, 1),
+    "t5_shared_bias": (lambda: models.t5(shared_bias=True), lambda: {models.T5Block},
+                       decay_groups, t5_loss, 1),
     "moe": (models.moe_gpt, lambda: {models.MoEBlock}, decay_groups, moe_loss, 2),
+    # the first micro-batch's backward under sm.no_sync() (the reference's as any)
+    "moe_no_sync": (models.moe_gpt, lambda: {models.MoEBlock}, decay_groups, moe_loss, 2),
 }
 
 
@@ -143,16 +148,24 @@ def backward(loss_fn, model, k, ranks, world, rngs):
     return sum(losses) / world
 
 
-def train(family, model, opt, ranks, world, rngs=None):
-    """The loop every rank (ranks [rank]) and the reference (every rank)
-    run; -> (losses, validation losses)."""
+def train(family, model, opt, ranks, world, rngs=None, sm=None):
+    """The loop every rank (ranks [rank], sm its wrapper) and the
+    reference (every rank) run; -> (losses, validation losses)."""
     _, _, _, loss_fn, micro = FAMILIES[family]
+
+    def sync(m):
+        quiet = sm is not None and family.endswith("no_sync") and m < micro - 1
+        return sm.no_sync() if quiet else contextlib.nullcontext()
+
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
     losses, evals = [], []
     for s in range(STEPS):
         opt.zero_grad(set_to_none=False)
-        losses.append(sum(backward(loss_fn, model, s * micro + m, ranks, world, rngs)
-                          for m in range(micro)) / micro)
+        total = 0.0
+        for m in range(micro):
+            with sync(m):
+                total += backward(loss_fn, model, s * micro + m, ranks, world, rngs)
+        losses.append(total / micro)
         params = [p for g in opt.param_groups for p in g["params"]]
         if rngs is None:
             torch.nn.utils.clip_grad_norm_(params, CLIP)
@@ -184,7 +197,7 @@ def rank_main(rank, world, sock, job, family, kind, q):
         sm = shardd.nn.ShardedModule(client, model, auto_wrap=auto_wrap())
         opt = make_opt(kind, groups(model))
         torch.manual_seed(SEED + rank)
-        losses, evals = train(family, model, opt, [rank], world)
+        losses, evals = train(family, model, opt, [rank], world, sm=sm)
         q.put(("losses", rank, (losses, evals)))
         full = sm.full_parameters()  # collective
         sd = model.state_dict()      # collective
@@ -195,6 +208,15 @@ def rank_main(rank, world, sock, job, family, kind, q):
         fresh = dict(build().named_parameters())
         q.put(("loaded", rank, sorted(n for n, t in loaded.items()
                                       if not torch.equal(t, fresh[n].detach()))))
+        if family == "lora":  # PEFT's set_peft_model_state_dict: the adapters alone
+            adapters = {n: t for n, t in sd.items() if "lora_" in n}
+            keys = model.load_state_dict(adapters, strict=False)
+            now = sm.full_parameters()
+            q.put(("adapters loaded", rank, (
+                sorted(n for n, t in now.items() if not torch.equal(
+                    t, adapters[n] if n in adapters else fresh[n].detach())),
+                sorted(keys.missing_keys) == sorted(set(sd) - set(adapters)),
+                keys.unexpected_keys)))
         if rank == 0:
             q.put(("params", {n: t.numpy().copy() for n, t in full.items()}))
             q.put(("state", rank, {n: t.numpy().copy() for n, t in sd.items()}))
@@ -266,7 +288,7 @@ class ModelFamiliesTest(unittest.TestCase):
         losses = [sum(got[("losses", r)][0][s] for r in range(world)) / world
                   for s in range(STEPS)]
         what = "%s, %d ranks, %s optimizer" % (family, world, kind)
-        tol = T5_TOL if family == "t5" else TOL
+        tol = T5_TOL if family.startswith("t5") else TOL
         for r in range(world):
             self.assertEqual(got[("loaded", r)], [], "not loaded on rank %d (%s)" % (r, what))
         for s in range(STEPS):
@@ -293,6 +315,8 @@ class ModelFamiliesTest(unittest.TestCase):
     def check_lora(self, world, kind):
         ref, got = self.check("lora", world, kind)
         adapters, merged = got[("lora", 0)]
+        for r in range(world):  # the adapters loaded alone, the base kept
+            self.assertEqual(got[("adapters loaded", r)], ([], True, []), "rank %d" % r)
         want_adapters, want_merged = lora_outputs(ref, {n: p.detach() for n, p
                                                         in ref.named_parameters()})
         self.assertEqual(sorted(adapters), sorted(want_adapters))
@@ -346,12 +370,21 @@ class ModelFamiliesTest(unittest.TestCase):
     def test_t5_on_three_ranks_with_shardd_optim(self):
         self.check("t5", 3, "shardd")
 
+    def test_t5_with_the_bias_module_held_by_every_block_trains_as_torch(self):
+        self.check("t5_shared_bias", 2, "torch")
+
+    def test_t5_with_the_bias_module_held_by_every_block_on_three_ranks(self):
+        self.check("t5_shared_bias", 3, "shardd")
+
     # MoE
     def test_topk_moe_with_aux_loss_and_accumulation_trains_as_torch(self):
         self.check("moe", 2, "torch")
 
     def test_topk_moe_on_three_ranks_with_shardd_optim(self):
         self.check("moe", 3, "shardd")
+
+    def test_topk_moe_accumulated_under_no_sync_trains_as_torch(self):
+        self.check("moe_no_sync", 2, "torch")
 
 
 if __name__ == "__main__":
