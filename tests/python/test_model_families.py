@@ -97,9 +97,26 @@ def decay_groups(model):
     return [{"params": list(model.parameters()), "weight_decay": WD}]
 
 
+def trainable_leaves(module, recurse, nonwrapped_numel):
+    """HF accelerate's policy for PEFT under FSDP (its lambda_policy_fn):
+    a unit per leaf module whose weight trains (each lora_A, lora_B)."""
+    if recurse:
+        return True
+    w = getattr(module, "weight", None)
+    return (not list(module.children()) and isinstance(w, torch.Tensor)
+            and w.requires_grad)
+
+
+def experts(module, recurse, nonwrapped_numel):
+    """A unit per expert."""
+    return True if recurse else (isinstance(module, torch.nn.Sequential)
+                                 and isinstance(module[0], torch.nn.Linear))
+
+
 FAMILIES = {
     # name: (build, auto_wrap, groups, loss, micro-batches)
     "lora": (models.lora_gpt, lambda: {models.Block}, trainable_groups, gpt_loss, 1),
+    "lora_leaves": (models.lora_gpt, lambda: trainable_leaves, trainable_groups, gpt_loss, 1),
     "vit": (models.vit, lambda: {models.ViTBlock},
             lambda m: models.vit_param_groups(m, WD), vit_loss, 1),
     "vit_children": (models.vit, lambda: "children",
@@ -108,6 +125,7 @@ FAMILIES = {
     "t5_shared_bias": (lambda: models.t5(shared_bias=True), lambda: {models.T5Block},
                        decay_groups, t5_loss, 1),
     "moe": (models.moe_gpt, lambda: {models.MoEBlock}, decay_groups, moe_loss, 2),
+    "moe_experts": (models.moe_gpt, lambda: experts, decay_groups, moe_loss, 2),
     # the first micro-batch's backward under sm.no_sync() (the reference's as any)
     "moe_no_sync": (models.moe_gpt, lambda: {models.MoEBlock}, decay_groups, moe_loss, 2),
 }
@@ -353,6 +371,9 @@ class ModelFamiliesTest(unittest.TestCase):
         self.assertTrue(torch.equal(torch.from_numpy(
             got["params"]["transformer.h.0.attn.c_attn.base.weight"]), want.detach()))
 
+    def test_lora_with_a_unit_per_adapter_trains_as_torch(self):
+        self.check("lora_leaves", 2, "torch")
+
     # ViT
     def test_vit_with_bare_parameters_and_no_decay_groups_trains_as_torch(self):
         self.check("vit", 2, "torch")
@@ -382,6 +403,9 @@ class ModelFamiliesTest(unittest.TestCase):
 
     def test_topk_moe_on_three_ranks_with_shardd_optim(self):
         self.check("moe", 3, "shardd")
+
+    def test_topk_moe_with_a_unit_per_expert_trains_as_torch(self):
+        self.check("moe_experts", 3, "torch")
 
     def test_topk_moe_accumulated_under_no_sync_trains_as_torch(self):
         self.check("moe_no_sync", 2, "torch")
