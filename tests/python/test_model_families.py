@@ -97,6 +97,20 @@ def decay_groups(model):
     return [{"params": list(model.parameters()), "weight_decay": WD}]
 
 
+def vit_init(model):
+    """timm's VisionTransformer.init_weights, run after wrapping (every
+    rank the same seed): draws over the root's bare 3-D parameters, the
+    4-D patch kernel and every Linear."""
+    torch.manual_seed(7)
+    torch.nn.init.trunc_normal_(model.pos_embed, std=0.02)
+    torch.nn.init.normal_(model.cls_token, std=1e-6)
+    torch.nn.init.trunc_normal_(model.patch_embed.proj.weight, std=0.02)
+    model.apply(models.ViT._init_weights)
+
+
+REINIT = {"vit_init_after": vit_init}  # family: run after wrapping (the reference: building)
+
+
 def trainable_leaves(module, recurse, nonwrapped_numel):
     """HF accelerate's policy for PEFT under FSDP (its lambda_policy_fn):
     a unit per leaf module whose weight trains (each lora_A, lora_B)."""
@@ -119,6 +133,8 @@ FAMILIES = {
     "lora_leaves": (models.lora_gpt, lambda: trainable_leaves, trainable_groups, gpt_loss, 1),
     "vit": (models.vit, lambda: {models.ViTBlock},
             lambda m: models.vit_param_groups(m, WD), vit_loss, 1),
+    "vit_init_after": (models.vit, lambda: {models.ViTBlock},
+                       lambda m: models.vit_param_groups(m, WD), vit_loss, 1),
     "vit_children": (models.vit, lambda: "children",
                      lambda m: models.vit_param_groups(m, WD), vit_loss, 1),
     "t5": (models.t5, lambda: {models.T5Block}, decay_groups, t5_loss, 1),
@@ -168,7 +184,8 @@ def backward(loss_fn, model, k, ranks, world, rngs):
 
 def train(family, model, opt, ranks, world, rngs=None, sm=None):
     """The loop every rank (ranks [rank], sm its wrapper) and the
-    reference (every rank) run; -> (losses, validation losses)."""
+    reference (every rank) run; -> (losses, validation losses, clip_grad_norm_'s
+    norms)."""
     _, _, _, loss_fn, micro = FAMILIES[family]
 
     def sync(m):
@@ -176,7 +193,7 @@ def train(family, model, opt, ranks, world, rngs=None, sm=None):
         return sm.no_sync() if quiet else contextlib.nullcontext()
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
-    losses, evals = [], []
+    losses, evals, norms = [], [], []
     for s in range(STEPS):
         opt.zero_grad(set_to_none=False)
         total = 0.0
@@ -186,16 +203,16 @@ def train(family, model, opt, ranks, world, rngs=None, sm=None):
         losses.append(total / micro)
         params = [p for g in opt.param_groups for p in g["params"]]
         if rngs is None:
-            torch.nn.utils.clip_grad_norm_(params, CLIP)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
         else:  # torch's, its sums in double as the wrapper's all-reduced norm
-            tto.clip_norm64(params, CLIP)
+            norms.append(float(tto.clip_norm64(params, CLIP)))
         opt.step()
         sched.step()
         model.eval()
         with torch.no_grad():
             evals.append(loss_fn(model, 1000 + s, 0, 1).item())  # the same rows everywhere
         model.train()
-    return losses, evals
+    return losses, evals, norms
 
 
 def lora_outputs(model, full):
@@ -213,10 +230,10 @@ def rank_main(rank, world, sock, job, family, kind, q):
                                client_name="test_model_families rank %d" % rank)
         model = build()
         sm = shardd.nn.ShardedModule(client, model, auto_wrap=auto_wrap())
+        REINIT.get(family, lambda m: None)(model)
         opt = make_opt(kind, groups(model))
         torch.manual_seed(SEED + rank)
-        losses, evals = train(family, model, opt, [rank], world, sm=sm)
-        q.put(("losses", rank, (losses, evals)))
+        q.put(("losses", rank, train(family, model, opt, [rank], world, sm=sm)))
         full = sm.full_parameters()  # collective
         sd = model.state_dict()      # collective
         # torch's state dict of the untrained model loads back (every name
@@ -285,13 +302,13 @@ def merge_rank(rank, world, sock, job, q):
 def reference(family, world):
     build, _, groups, _, _ = FAMILIES[family]
     model = build()
+    REINIT.get(family, lambda m: None)(model)
     opt = make_opt("torch", groups(model))
     rngs = {}
     for r in range(world):
         torch.manual_seed(SEED + r)
         rngs[r] = torch.get_rng_state()
-    losses, evals = train(family, model, opt, list(range(world)), world, rngs)
-    return model, losses, evals
+    return (model,) + train(family, model, opt, list(range(world)), world, rngs)
 
 
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
@@ -299,7 +316,7 @@ class ModelFamiliesTest(unittest.TestCase):
 
     def check(self, family, world=2, kind="torch"):
         torch.set_num_threads(1)
-        ref, want_losses, want_evals = reference(family, world)
+        ref, want_losses, want_evals, want_norms = reference(family, world)
         job, sock = common.job("family"), common.socket()
         got = common.launch_collect(rank_main, lambda r, q: (r, world, sock, job, family, kind, q),
                                     world, timeout=150)
@@ -312,10 +329,12 @@ class ModelFamiliesTest(unittest.TestCase):
         for s in range(STEPS):
             self.assertLessEqual(abs(losses[s] - want_losses[s]), TOL * abs(want_losses[s]),
                                  "step %d loss (%s)" % (s, what))
-            for r in range(world):  # every rank's validation is torch's
-                ev = got[("losses", r)][1][s]
+            for r in range(world):  # every rank's validation and norm are torch's
+                ev, norm = got[("losses", r)][1][s], got[("losses", r)][2][s]
                 self.assertLessEqual(abs(ev - want_evals[s]), TOL * abs(want_evals[s]),
                                      "step %d validation on rank %d (%s)" % (s, r, what))
+                self.assertLessEqual(abs(norm - want_norms[s]), TOL * abs(want_norms[s]),
+                                     "step %d gradient norm on rank %d (%s)" % (s, r, what))
         start = dict(FAMILIES[family][0]().named_parameters())
         for n, p in ref.named_parameters():
             self.assertLessEqual(common.max_rel(got["params"][n], p.detach().numpy()), tol,
@@ -377,6 +396,9 @@ class ModelFamiliesTest(unittest.TestCase):
     # ViT
     def test_vit_with_bare_parameters_and_no_decay_groups_trains_as_torch(self):
         self.check("vit", 2, "torch")
+
+    def test_vit_initialized_after_wrapping_on_three_ranks_trains_as_torch(self):
+        self.check("vit_init_after", 3, "torch")
 
     def test_vit_unit_per_child_on_three_ranks_trains_as_torch(self):
         self.check("vit_children", 3, "torch")
