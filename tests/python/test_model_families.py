@@ -88,6 +88,21 @@ def t5_loss(model, k, r, world):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
 
 
+def t5_generate(model, steps=5):
+    """Greedy decoding as HF's generate() runs it: the encoder called
+    once, then the decoder and the head called directly (never the root's
+    forward), a token at a time; -> the tokens and each step's top logit."""
+    src, _, _ = models.seq2seq_batch(1000, rows=ROWS)
+    enc = model.encoder(src)
+    tgt, tops = torch.zeros(src.shape[0], 1, dtype=torch.long), []
+    for _ in range(steps):
+        logits = model.lm_head(model.decoder(tgt, enc)[:, -1] * model.dim ** -0.5)
+        top, nxt = logits.max(-1)
+        tops.append(top)
+        tgt = torch.cat((tgt, nxt[:, None]), 1)
+    return tgt[:, 1:].tolist(), torch.stack(tops).tolist()
+
+
 def trainable_groups(model):
     return [{"params": list(filter(lambda p: p.requires_grad, model.parameters())),
              "weight_decay": WD}]
@@ -193,7 +208,7 @@ def train(family, model, opt, ranks, world, rngs=None, sm=None):
         return sm.no_sync() if quiet else contextlib.nullcontext()
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
-    losses, evals, norms = [], [], []
+    losses, evals, norms, gens = [], [], [], []
     for s in range(STEPS):
         opt.zero_grad(set_to_none=False)
         total = 0.0
@@ -211,8 +226,10 @@ def train(family, model, opt, ranks, world, rngs=None, sm=None):
         model.eval()
         with torch.no_grad():
             evals.append(loss_fn(model, 1000 + s, 0, 1).item())  # the same rows everywhere
+            if family.startswith("t5"):
+                gens.append(t5_generate(model))
         model.train()
-    return losses, evals, norms
+    return losses, evals, norms, gens
 
 
 def lora_outputs(model, full):
@@ -299,6 +316,30 @@ def merge_rank(rank, world, sock, job, q):
         common.rank_failed(rank, q, e)
 
 
+def encoder_with_grad_rank(rank, world, sock, job, q):
+    """model.encoder called with grad enabled outside the model's forward
+    (training the encoder alone): its embedding is the root unit's."""
+    try:
+        torch.set_num_threads(1)
+        client = shardd.Client(sock, job=job, rank=rank, world=world, transient_areas=True,
+                               client_name="test_model_families encoder rank %d" % rank)
+        model = models.t5()
+        shardd.nn.ShardedModule(client, model, auto_wrap={models.T5Block})
+        src, _, _ = models.seq2seq_batch(0, rank, world, rows=ROWS)
+        try:
+            model.encoder(src)
+            err = None
+        except shardd.Error as e:
+            err = (e.code_name, e.message)
+        q.put(("err", rank, err))
+        with torch.no_grad():  # the same call under no_grad is gathered
+            q.put(("shape", rank, tuple(model.encoder(src).shape)))
+        client.close()
+        q.put(("done", rank))
+    except BaseException as e:
+        common.rank_failed(rank, q, e)
+
+
 def reference(family, world):
     build, _, groups, _, _ = FAMILIES[family]
     model = build()
@@ -316,7 +357,7 @@ class ModelFamiliesTest(unittest.TestCase):
 
     def check(self, family, world=2, kind="torch"):
         torch.set_num_threads(1)
-        ref, want_losses, want_evals, want_norms = reference(family, world)
+        ref, want_losses, want_evals, want_norms, want_gens = reference(family, world)
         job, sock = common.job("family"), common.socket()
         got = common.launch_collect(rank_main, lambda r, q: (r, world, sock, job, family, kind, q),
                                     world, timeout=150)
@@ -335,6 +376,10 @@ class ModelFamiliesTest(unittest.TestCase):
                                      "step %d validation on rank %d (%s)" % (s, r, what))
                 self.assertLessEqual(abs(norm - want_norms[s]), TOL * abs(want_norms[s]),
                                      "step %d gradient norm on rank %d (%s)" % (s, r, what))
+                for (toks, tops), (want_toks, want_tops) in zip(got[("losses", r)][3][s:s + 1],
+                                                                want_gens[s:s + 1]):
+                    self.assertEqual(toks, want_toks, "step %d generation (%s)" % (s, what))
+                    self.assertLessEqual(common.max_rel(tops, want_tops), TOL, what)
         start = dict(FAMILIES[family][0]().named_parameters())
         for n, p in ref.named_parameters():
             self.assertLessEqual(common.max_rel(got["params"][n], p.detach().numpy()), tol,
@@ -412,6 +457,16 @@ class ModelFamiliesTest(unittest.TestCase):
 
     def test_t5_on_three_ranks_with_shardd_optim(self):
         self.check("t5", 3, "shardd")
+
+    def test_t5_encoder_called_alone_with_grad_is_refused_naming_the_embedding(self):
+        job, sock = common.job("encoder"), common.socket()
+        got = common.launch_collect(encoder_with_grad_rank, lambda r, q: (r, 2, sock, job, q), 2)
+        for r in range(2):
+            code, msg = got[("err", r)]
+            self.assertEqual(code, "E_STATE")
+            self.assertIn("'shared.weight' of the root's unit", msg)
+            self.assertIn("torch.no_grad()", msg)
+            self.assertEqual(got[("shape", r)], (ROWS, 12, 32))
 
     def test_t5_with_the_bias_module_held_by_every_block_trains_as_torch(self):
         self.check("t5_shared_bias", 2, "torch")
