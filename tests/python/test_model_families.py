@@ -27,7 +27,8 @@ generator, as DDP's ranks do), ``zero_grad(set_to_none=False)``, a warmup
 LambdaLR, torch's ``clip_grad_norm_`` over the optimizer's param groups,
 and a validation under ``model.eval()`` + ``torch.no_grad()`` between
 steps; with torch.optim.AdamW built after wrapping and with
-shardd.optim.AdamW."""
+shardd.optim.AdamW, and on resident clients (the gradients reduced by
+sm.scatter(), accumulated per rank before it as autograd does)."""
 import contextlib
 import unittest
 
@@ -163,17 +164,20 @@ FAMILIES = {
 
 
 def make_opt(kind, groups):
-    cls = shardd.optim.AdamW if kind == "shardd" else torch.optim.AdamW
-    extra = {} if kind == "shardd" else {"foreach": False}
+    mine = kind in ("shardd", "resident")
+    cls = shardd.optim.AdamW if mine else torch.optim.AdamW
+    extra = {} if mine else {"foreach": False}
     return cls(groups, lr=3e-3, betas=(0.9, 0.99), eps=1e-8, **extra)
 
 
-def backward(loss_fn, model, k, ranks, world, rngs):
+def backward(loss_fn, model, k, ranks, world, rngs, local=None):
     """Micro-batch k's backward; -> the loss (the ranks' mean). A rank
     (rngs None) runs its own; the reference (rngs: each rank's generator
     state) each rank's from zero under that rank's generator, their sum in
     rank order over world added to the .grad kept, as the daemon's
-    reduce-scatter adds the ranks' mean to the reduced gradient."""
+    reduce-scatter adds the ranks' mean to the reduced gradient; or, for a
+    resident client's (local: {rank: its gradients}), each rank's added to
+    its own, as autograd accumulates them until sm.scatter()."""
     if rngs is None:
         loss = loss_fn(model, k, ranks[0], world)
         loss.backward()
@@ -182,22 +186,37 @@ def backward(loss_fn, model, k, ranks, world, rngs):
     kept = [p.grad for p in params]
     total, losses = [torch.zeros_like(p) for p in params], []
     for r in ranks:
-        for p in params:
-            p.grad = None
+        for i, p in enumerate(params):
+            p.grad = None if local is None else local.setdefault(r, {}).get(i)
         torch.set_rng_state(rngs[r])
         loss = loss_fn(model, k, r, world)
         rngs[r] = torch.get_rng_state()
         loss.backward()
         losses.append(loss.item())
+        if local is not None:
+            local[r] = {i: p.grad for i, p in enumerate(params) if p.grad is not None}
         for t, p in zip(total, params):
             if p.grad is not None:
                 t += p.grad
+    if local is not None:
+        for p, held in zip(params, kept):
+            p.grad = held
+        return sum(losses) / world
     for p, held, t in zip(params, kept, total):
         p.grad = t / world if held is None else held + t / world
     return sum(losses) / world
 
 
-def train(family, model, opt, ranks, world, rngs=None, sm=None):
+def scattered(model, local, world):
+    """The reference's sm.scatter("mean") of the ranks' gradients (local)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for i, p in enumerate(params):
+        t = sum(local[r].get(i, torch.zeros_like(p)) for r in sorted(local)) / world
+        p.grad = t if p.grad is None else p.grad + t
+    local.clear()
+
+
+def train(family, model, opt, ranks, world, rngs=None, sm=None, resident=False):
     """The loop every rank (ranks [rank], sm its wrapper) and the
     reference (every rank) run; -> (losses, validation losses, clip_grad_norm_'s
     norms)."""
@@ -207,6 +226,10 @@ def train(family, model, opt, ranks, world, rngs=None, sm=None):
         quiet = sm is not None and family.endswith("no_sync") and m < micro - 1
         return sm.no_sync() if quiet else contextlib.nullcontext()
 
+    # a resident client's loop (FSDP's SHARD_GRAD_OP): the gradients
+    # reduced by sm.scatter(), the parameters gathered again after the step
+    resident = resident or (sm is not None and not sm.transient)
+    local = {} if resident and sm is None else None
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
     losses, evals, norms, gens = [], [], [], []
     for s in range(STEPS):
@@ -214,15 +237,22 @@ def train(family, model, opt, ranks, world, rngs=None, sm=None):
         total = 0.0
         for m in range(micro):
             with sync(m):
-                total += backward(loss_fn, model, s * micro + m, ranks, world, rngs)
+                total += backward(loss_fn, model, s * micro + m, ranks, world, rngs, local)
         losses.append(total / micro)
         params = [p for g in opt.param_groups for p in g["params"]]
-        if rngs is None:
+        if resident and sm is not None:
+            sm.scatter("mean")
+            norms.append(float(sm.clip_grad_norm_(CLIP)))
+        elif rngs is None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
         else:  # torch's, its sums in double as the wrapper's all-reduced norm
+            if local is not None:
+                scattered(model, local, world)
             norms.append(float(tto.clip_norm64(params, CLIP)))
         opt.step()
         sched.step()
+        if resident and sm is not None:
+            sm.gather()
         model.eval()
         with torch.no_grad():
             evals.append(loss_fn(model, 1000 + s, 0, 1).item())  # the same rows everywhere
@@ -243,7 +273,8 @@ def rank_main(rank, world, sock, job, family, kind, q):
     try:
         torch.set_num_threads(1)
         build, auto_wrap, groups, _, _ = FAMILIES[family]
-        client = shardd.Client(sock, job=job, rank=rank, world=world, transient_areas=True,
+        client = shardd.Client(sock, job=job, rank=rank, world=world,
+                               transient_areas=kind != "resident",
                                client_name="test_model_families rank %d" % rank)
         model = build()
         sm = shardd.nn.ShardedModule(client, model, auto_wrap=auto_wrap())
@@ -340,7 +371,7 @@ def encoder_with_grad_rank(rank, world, sock, job, q):
         common.rank_failed(rank, q, e)
 
 
-def reference(family, world):
+def reference(family, world, kind="torch"):
     build, _, groups, _, _ = FAMILIES[family]
     model = build()
     REINIT.get(family, lambda m: None)(model)
@@ -349,7 +380,8 @@ def reference(family, world):
     for r in range(world):
         torch.manual_seed(SEED + r)
         rngs[r] = torch.get_rng_state()
-    return (model,) + train(family, model, opt, list(range(world)), world, rngs)
+    return (model,) + train(family, model, opt, list(range(world)), world, rngs,
+                            resident=kind == "resident")
 
 
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
@@ -357,7 +389,7 @@ class ModelFamiliesTest(unittest.TestCase):
 
     def check(self, family, world=2, kind="torch"):
         torch.set_num_threads(1)
-        ref, want_losses, want_evals, want_norms, want_gens = reference(family, world)
+        ref, want_losses, want_evals, want_norms, want_gens = reference(family, world, kind)
         job, sock = common.job("family"), common.socket()
         got = common.launch_collect(rank_main, lambda r, q: (r, world, sock, job, family, kind, q),
                                     world, timeout=150)
@@ -486,6 +518,20 @@ class ModelFamiliesTest(unittest.TestCase):
 
     def test_topk_moe_accumulated_under_no_sync_trains_as_torch(self):
         self.check("moe_no_sync", 2, "torch")
+
+    # a resident client (FSDP's SHARD_GRAD_OP): sm.scatter(), shardd.optim,
+    # sm.clip_grad_norm_, sm.gather() after the step
+    def test_resident_lora_trains_as_torch(self):
+        self.check_lora(2, "resident")
+
+    def test_resident_vit_on_three_ranks_trains_as_torch(self):
+        self.check("vit", 3, "resident")
+
+    def test_resident_t5_generates_and_trains_as_torch(self):
+        self.check("t5", 2, "resident")
+
+    def test_resident_topk_moe_accumulated_on_three_ranks_trains_as_torch(self):
+        self.check("moe", 3, "resident")
 
 
 if __name__ == "__main__":
