@@ -451,7 +451,6 @@ class ModelFamiliesTest(unittest.TestCase):
     def test_lora_adapters_on_three_ranks_with_shardd_optim(self):
         self.check_lora(3, "shardd")
 
-    @unittest.skipIf(common.UNDER_ASAN, common.ASAN_CXX_THROW)
     def test_a_lora_merge_from_the_parts_is_refused_naming_the_parameter(self):
         # B @ A of two 1-D parts is their dot product (a rank with empty
         # parts: 0), which += added to every element of the base's part
