@@ -1,13 +1,14 @@
 """Model families and training habits beyond nanoGPT / LLaMA / ResNet,
-through shardd.nn's transient areas on 2 and 3 ranks (3: shard boundaries
-inside parameters), against one process of torch on the ranks' batches:
+through shardd.nn on 2 and 3 ranks (3: shard boundaries inside
+parameters), against one process of torch on the ranks' batches:
 
 * LoRA as PEFT makes it: nanoGPT's weights frozen, a LoRALinear (the base
   Linear inside it) per attention and MLP Linear, a unit per Block, the
   optimizer over ``filter(lambda p: p.requires_grad, ...)``, the adapters'
   state dict (``"lora_" in key``) and the merged weights (``W + B @ A *
   scale`` from ``sm.full_parameters()``, FSDP's summon_full_params) that
-  plain nanoGPT loads;
+  plain nanoGPT loads (that merge from the parts, outside forward, is
+  refused naming the parameter); a unit per Block, and per adapter;
 * ViT as timm's: bare ``cls_token`` / ``pos_embed`` on the root and layer
   scale ``gamma_1`` / ``gamma_2`` in each Block, a Conv2d patch embedding,
   the cls token torch.cat'ed before the patches, trunc_normal_ init, and
@@ -16,10 +17,14 @@ inside parameters), against one process of torch on the ranks' batches:
 * T5: the relative position bias owned by the first Block of each stack
   and handed to every later Block (a tensor of one unit used by others),
   an encoder-decoder whose decoder Blocks cross-attend to the encoder's
-  output, the embedding shared by both stacks and tied to the head;
+  output, the embedding shared by both stacks and tied to the head (or the
+  bias module held by every Block); greedy generation after each step
+  calling the encoder, decoder and head itself under no_grad, as HF's
+  generate() does (with grad enabled that call is refused);
 * MoE: top-2 routing over 4 experts (each used on every rank), the
   load-balancing loss added to the loss, gradients accumulated over 2
-  micro-batches.
+  micro-batches (the first under no_sync() too); a unit per Block, and
+  per expert.
 
 Every run has these habits: ``torch.manual_seed(seed + rank)`` for the
 dropout masks (the reference draws each rank's masks from that rank's
@@ -44,7 +49,6 @@ if common.HAVE_TORCH:
     import test_torch_optim as tto
 
 STEPS = 4
-MICRO = 1          # micro-batches per step (MoE: 2)
 ROWS = 2           # rows per rank and micro-batch
 SEED = 1234        # torch.manual_seed(SEED + rank) for the dropout masks
 CLIP = 0.5
