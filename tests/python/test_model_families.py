@@ -150,6 +150,8 @@ def experts(module, recurse, nonwrapped_numel):
 FAMILIES = {
     # name: (build, auto_wrap, groups, loss, micro-batches)
     "lora": (models.lora_gpt, lambda: {models.Block}, trainable_groups, gpt_loss, 1),
+    # the optimizer over every parameter, the frozen ones too (no .grad: skipped)
+    "lora_all": (models.lora_gpt, lambda: {models.Block}, decay_groups, gpt_loss, 1),
     "lora_leaves": (models.lora_gpt, lambda: trainable_leaves, trainable_groups, gpt_loss, 1),
     "vit": (models.vit, lambda: {models.ViTBlock},
             lambda m: models.vit_param_groups(m, WD), vit_loss, 1),
@@ -469,6 +471,10 @@ class ModelFamiliesTest(unittest.TestCase):
         want = models.lora_gpt().transformer.h[0].attn.c_attn.base.weight
         self.assertTrue(torch.equal(torch.from_numpy(
             got["params"]["transformer.h.0.attn.c_attn.base.weight"]), want.detach()))
+
+    def test_lora_with_the_optimizer_over_every_parameter_trains_as_torch(self):
+        self.check("lora_all", 3, "shardd")
+        self.check("lora_all", 2, "torch")
 
     def test_lora_with_a_unit_per_adapter_trains_as_torch(self):
         self.check("lora_leaves", 2, "torch")
