@@ -316,3 +316,375 @@ def image_batch(step, rank=0, world=1, rows=4, size=32, classes=10):
     x = torch.randn(world * rows, 3, size, size, generator=g)
     y = torch.randint(0, classes, (world * rows,), generator=g)
     return x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+
+
+# ---- LoRA (PEFT's layout) on nanoGPT ---------------------------------------
+
+class LoRALinear(nn.Module):
+    """PEFT's lora.Linear: the frozen base Linear kept as `base`, the
+    trainable low-rank pair beside it (lora_A drawn as PEFT draws it,
+    lora_B zero, so the wrapped layer starts as the base), dropout on the
+    adapter's input."""
+
+    def __init__(self, base, r=4, alpha=8, dropout=0.1):
+        super().__init__()
+        self.base = base
+        self.lora_dropout = nn.Dropout(dropout)
+        self.lora_A = nn.Linear(base.in_features, r, bias=False)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False)
+        self.scale = alpha / r
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x):
+        return self.base(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scale
+
+
+LORA_TARGETS = ("c_attn", "c_proj", "c_fc")
+
+
+def lora_gpt(cfg=None):
+    """nanoGPT with every weight frozen (the tied embedding too) and a
+    LoRALinear around each attention and MLP Linear, as
+    get_peft_model(model, LoraConfig(target_modules=...)) makes it."""
+    model = nano_gpt(cfg)
+    model.requires_grad_(False)
+    for block in model.transformer.h:
+        for parent in (block.attn, block.mlp):
+            for name, child in list(parent.named_children()):
+                if name in LORA_TARGETS:
+                    setattr(parent, name, LoRALinear(child))
+    return model
+
+
+def merge_lora(model, full=None):
+    """PEFT's merge_and_unload() as a state dict: each base weight plus
+    B @ A * scale, the adapters' keys dropped and `.base.` taken out of the
+    names, so the plain nanoGPT loads it. `full` gives the parameters by
+    name (a wrapped model's full_parameters()); else the model's own."""
+    full = full if full is not None else {n: p.detach() for n, p in model.named_parameters()}
+    merged = {}
+    for name, t in full.items():
+        if ".lora_" in name:
+            continue
+        if name.endswith(".base.weight"):
+            mod = name[:-len(".base.weight")]
+            scale = model.get_submodule(mod).scale
+            t = t + full[mod + ".lora_B.weight"] @ full[mod + ".lora_A.weight"] * scale
+        merged[name.replace(".base.", ".")] = t.clone()
+    return merged
+
+
+# ---- ViT (timm's VisionTransformer layout) ---------------------------------
+
+class ViTAttention(nn.Module):
+    def __init__(self, dim, heads, drop):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.attn_drop = nn.Dropout(drop)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.heads
+        q, k, v = self.qkv(x).view(b, t, 3, h, d // h).permute(2, 0, 3, 1, 4)
+        att = self.attn_drop(((q @ k.transpose(-2, -1)) * (d // h) ** -0.5).softmax(-1))
+        return self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class ViTBlock(nn.Module):
+    """timm's Block with layer scale: bare gamma_1 / gamma_2 parameters."""
+
+    def __init__(self, dim, heads, drop=0.1, init_values=0.1):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = ViTAttention(dim, heads, drop)
+        self.gamma_1 = nn.Parameter(init_values * torch.ones(dim))
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Dropout(drop),
+                                 nn.Linear(4 * dim, dim), nn.Dropout(drop))
+        self.gamma_2 = nn.Parameter(init_values * torch.ones(dim))
+
+    def forward(self, x):
+        x = x + self.gamma_1 * self.attn(self.norm1(x))
+        return x + self.gamma_2 * self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, size, patch, dim):
+        super().__init__()
+        self.num_patches = (size // patch) ** 2
+        self.proj = nn.Conv2d(3, dim, patch, patch)
+
+    def forward(self, x):
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class ViT(nn.Module):
+    """cls_token and pos_embed bare parameters of the root, a Conv2d patch
+    embedding, the cls token torch.cat'ed before the patches, timm's
+    trunc_normal_ init."""
+
+    def __init__(self, size=16, patch=4, dim=32, heads=4, depth=2, classes=10, drop=0.1):
+        super().__init__()
+        self.patch_embed = PatchEmbed(size, patch, dim)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, dim))
+        self.pos_drop = nn.Dropout(drop)
+        self.blocks = nn.ModuleList([ViTBlock(dim, heads, drop) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        nn.init.trunc_normal_(self.cls_token, std=0.02)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m):
+        if isinstance(m, nn.Linear):
+            nn.init.trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+    def no_weight_decay(self):
+        return {"pos_embed", "cls_token"}
+
+    def forward(self, x):
+        x = self.patch_embed(x)
+        x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
+        x = self.pos_drop(x + self.pos_embed)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.norm(x)[:, 0])
+
+
+def vit(seed=0, **kw):
+    torch.manual_seed(seed)
+    return ViT(**kw)
+
+
+def vit_param_groups(model, weight_decay):
+    """timm's param_groups_weight_decay: no decay for 1-D parameters,
+    biases and the model's no_weight_decay() names."""
+    skip = model.no_weight_decay()
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim <= 1 or name.endswith(".bias") or name in skip:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": no_decay, "weight_decay": 0.0},
+            {"params": decay, "weight_decay": weight_decay}]
+
+
+# ---- T5 (HuggingFace T5ForConditionalGeneration's layout) ------------------
+
+class T5LayerNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+class T5Attention(nn.Module):
+    """HF's T5Attention: no scaling, no biases; the one holding
+    relative_attention_bias (the first block's) computes the position bias
+    that the stack hands to every later block."""
+
+    def __init__(self, dim, heads, bias=False, causal=False, buckets=8, max_dist=16):
+        super().__init__()
+        self.heads, self.causal = heads, causal
+        self.buckets, self.max_dist = buckets, max_dist
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.k = nn.Linear(dim, dim, bias=False)
+        self.v = nn.Linear(dim, dim, bias=False)
+        self.o = nn.Linear(dim, dim, bias=False)
+        if bias:
+            self.relative_attention_bias = nn.Embedding(buckets, heads)
+
+    def _bucket(self, rel):
+        n = self.buckets
+        ret = 0
+        if not self.causal:
+            n //= 2
+            ret = (rel > 0).long() * n
+            rel = rel.abs()
+        else:
+            rel = -torch.clamp(rel, max=0)
+        exact = n // 2
+        large = exact + (torch.log(rel.float().clamp(min=1) / exact)
+                         / math.log(self.max_dist / exact) * (n - exact)).long()
+        large = torch.clamp(large, max=n - 1)
+        return ret + torch.where(rel < exact, rel, large)
+
+    def compute_bias(self, q_len, k_len):
+        rel = torch.arange(k_len)[None, :] - torch.arange(q_len)[:, None]
+        return self.relative_attention_bias(self._bucket(rel)).permute(2, 0, 1).unsqueeze(0)
+
+    def forward(self, x, kv=None, position_bias=None):
+        b, t, d = x.shape
+        kv = x if kv is None else kv
+        h = self.heads
+        q = self.q(x).view(b, t, h, d // h).transpose(1, 2)
+        k, v = (p(kv).view(b, kv.shape[1], h, d // h).transpose(1, 2) for p in (self.k, self.v))
+        if position_bias is None:
+            if hasattr(self, "relative_attention_bias"):
+                position_bias = self.compute_bias(t, kv.shape[1])
+            else:
+                position_bias = torch.zeros(1, h, t, kv.shape[1])
+            if self.causal:
+                keep = torch.ones(t, t, dtype=torch.bool).tril()
+                position_bias = position_bias.masked_fill(~keep, float("-inf"))
+        att = (q @ k.transpose(-2, -1) + position_bias).softmax(-1)
+        return self.o((att @ v).transpose(1, 2).reshape(b, t, d)), position_bias
+
+
+class T5Block(nn.Module):
+    def __init__(self, dim, heads, decoder, first, drop=0.1):
+        super().__init__()
+        self.ln_self = T5LayerNorm(dim)
+        self.self_attn = T5Attention(dim, heads, bias=first, causal=decoder)
+        if decoder:
+            self.ln_cross = T5LayerNorm(dim)
+            self.cross_attn = T5Attention(dim, heads)
+        self.ln_ff = T5LayerNorm(dim)
+        self.wi = nn.Linear(dim, 4 * dim, bias=False)
+        self.wo = nn.Linear(4 * dim, dim, bias=False)
+        self.drop = nn.Dropout(drop)
+
+    def forward(self, x, position_bias=None, enc=None):
+        a, position_bias = self.self_attn(self.ln_self(x), position_bias=position_bias)
+        x = x + self.drop(a)
+        if enc is not None:
+            x = x + self.drop(self.cross_attn(self.ln_cross(x), kv=enc)[0])
+        x = x + self.drop(self.wo(self.drop(F.relu(self.wi(self.ln_ff(x))))))
+        return x, position_bias
+
+
+class T5Stack(nn.Module):
+    """shared_bias: every Block's self-attention holds the first one's
+    relative_attention_bias module and computes its bias itself (a
+    parameter that modules of several Blocks hold), rather than being
+    handed the first Block's bias tensor as HF's T5 does."""
+
+    def __init__(self, embed, dim, heads, layers, decoder, shared_bias=False):
+        super().__init__()
+        self.embed_tokens = embed
+        self.block = nn.ModuleList([T5Block(dim, heads, decoder, i == 0) for i in range(layers)])
+        self.shared_bias = shared_bias
+        if shared_bias:
+            for blk in self.block[1:]:
+                blk.self_attn.relative_attention_bias = \
+                    self.block[0].self_attn.relative_attention_bias
+        self.final_layer_norm = T5LayerNorm(dim)
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, ids, enc=None):
+        x = self.dropout(self.embed_tokens(ids))
+        bias = None
+        for blk in self.block:
+            x, bias = blk(x, None if self.shared_bias else bias, enc)
+        return self.dropout(self.final_layer_norm(x))
+
+
+class T5(nn.Module):
+    """Encoder-decoder: one `shared` embedding for both stacks and, tied
+    (tie_word_embeddings), the head; the decoder's blocks cross-attend to
+    the encoder's output."""
+
+    def __init__(self, vocab=64, dim=32, heads=4, layers=2, shared_bias=False):
+        super().__init__()
+        self.dim = dim
+        self.shared = nn.Embedding(vocab, dim)
+        self.encoder = T5Stack(self.shared, dim, heads, layers, False, shared_bias)
+        self.decoder = T5Stack(self.shared, dim, heads, layers, True, shared_bias)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.shared.weight
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)) and m is not self.lm_head:
+                nn.init.normal_(m.weight, std=dim ** -0.5)
+
+    def forward(self, src, tgt_in):
+        enc = self.encoder(src)
+        dec = self.decoder(tgt_in, enc)
+        return self.lm_head(dec * self.dim ** -0.5)
+
+
+def t5(seed=0, **kw):
+    torch.manual_seed(seed)
+    return T5(**kw)
+
+
+def seq2seq_batch(step, rank=0, world=1, rows=2, vocab=64, src_len=12, tgt_len=8):
+    """(source, decoder input, target) for `step`, rank r's slice; the
+    decoder input is the target shifted right after a start token 0."""
+    g = torch.Generator().manual_seed(3000 + step)
+    src = torch.randint(1, vocab, (world * rows, src_len), generator=g)
+    tgt = torch.randint(1, vocab, (world * rows, tgt_len), generator=g)
+    tgt_in = torch.cat((torch.zeros(world * rows, 1, dtype=torch.long), tgt[:, :-1]), 1)
+    sl = slice(rank * rows, (rank + 1) * rows)
+    return src[sl], tgt_in[sl], tgt[sl]
+
+
+# ---- mixture of experts: top-k routing, a load-balancing loss ---------------
+
+class TopKMoE(nn.Module):
+    """Switch / Mixtral style: a softmax router, each token to its top-k
+    experts weighted by their renormalized probabilities, and the
+    load-balancing loss (experts x sum of the fraction routed to each
+    times its mean probability) kept in `aux` for the trainer to add."""
+
+    def __init__(self, dim, experts=4, k=2):
+        super().__init__()
+        self.k = k
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(),
+                                                    nn.Linear(2 * dim, dim))
+                                      for _ in range(experts)])
+        self.aux = self.least = None
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs = self.gate(x).softmax(-1)
+        top_p, top_i = probs.topk(self.k, dim=-1)
+        top_p = top_p / top_p.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        n = len(self.experts)
+        for e, expert in enumerate(self.experts):
+            tok, slot = (top_i == e).nonzero(as_tuple=True)
+            out = out.index_add(0, tok, expert(x[tok]) * top_p[tok, slot, None])
+        counts = F.one_hot(top_i, n).float().sum(1)
+        self.least = int(counts.sum(0).min())  # tokens of the least used expert
+        frac = counts.mean(0) / self.k
+        self.aux = n * (frac * probs.mean(0)).sum()
+        return out.reshape(shape)
+
+
+class MoEBlock(Block):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.mlp = TopKMoE(cfg.dim)
+
+
+def moe_gpt(cfg=None):
+    """nanoGPT (tied embeddings) whose Blocks' MLPs are TopKMoE layers."""
+    cfg = cfg or GPTConfig()
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg)
+    torch.manual_seed(cfg.seed + 2)  # a router that sends every rank's rows to every expert
+    model.transformer.h = nn.ModuleList([MoEBlock(cfg) for _ in range(cfg.layers)])
+    return model
+
+
+def moe_aux(model):
+    """The load-balancing losses of the model's last forward, summed."""
+    return sum(m.aux for m in model.modules() if isinstance(m, TopKMoE))

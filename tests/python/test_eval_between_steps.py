@@ -63,8 +63,48 @@ def rank_main(rank, world, sock, job, name, how, q):
         common.rank_failed(rank, q, e)
 
 
+def rank0_eval_main(rank, world, sock, job, q):
+    """An evaluation on rank 0 alone between two steps (a habit of DDP
+    scripts): its gathers are collectives no other rank sends."""
+    try:
+        torch.set_num_threads(1)
+        client = shardd.Client(sock, job=job, rank=rank, world=world, transient_areas=True,
+                               client_name="test_eval_between_steps rank %d" % rank)
+        model = models.nano_gpt()
+        shardd.nn.ShardedModule(client, model, auto_wrap={models.Block})
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        err = None
+        try:
+            for s in range(2):
+                opt.zero_grad()
+                models.gpt_loss(model, *batch(s, rank, world)).backward()
+                opt.step()
+                if rank == 0:
+                    model.eval()
+                    with torch.no_grad():
+                        models.gpt_loss(model, *batch(50, rank, world))
+                    model.train()
+        except shardd.Error as e:
+            err = (e.code_name, e.message)
+        q.put(("err", rank, err))
+        q.put(("done", rank))
+    except BaseException as e:
+        common.rank_failed(rank, q, e)
+
+
 @unittest.skipUnless(common.HAVE_TORCH, "torch is not importable")
 class EvalBetweenStepsTest(unittest.TestCase):
+
+    @unittest.skipIf(common.UNDER_ASAN, common.ASAN_CXX_THROW)
+    def test_an_evaluation_on_rank_0_alone_is_refused_saying_so(self):
+        job, sock = common.job("evalrank0"), common.socket()
+        got = common.launch_collect(rank0_eval_main, lambda r, q: (r, 2, sock, job, q), 2,
+                                    timeout=120)
+        for r in range(2):
+            code, msg = got[("err", r)]
+            self.assertEqual(code, "E_MISMATCH", r)
+            self.assertIn("an evaluation under no_grad too, on every rank, not rank 0 alone",
+                          msg, r)
 
     def check(self, name, how, world=2):
         torch.set_num_threads(1)

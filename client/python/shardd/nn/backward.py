@@ -203,7 +203,8 @@ class _BackwardHooks:
                 raise
             raise shardd.Error(
                 e.code, "%s: the ranks' collectives differ: every rank must run the "
-                "same forwards (as many, through the same units, in the same order) "
+                "same forwards (as many, through the same units, in the same order; an "
+                "evaluation under no_grad too, on every rank, not rank 0 alone) "
                 "before each backward, and its loss depend on the same units' outputs "
                 "(%s; a unit skipped on some ranks only, such as LayerDrop drawn per "
                 "rank: draw it from a generator seeded alike on every rank, or wrap the "

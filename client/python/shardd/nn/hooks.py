@@ -76,6 +76,10 @@ class _ForwardHooks:
                 m.register_forward_pre_hook(functools.partial(self._pre_forward, u))
                 m.register_forward_hook(functools.partial(self._post_forward, u))
             if u.is_root:
+                for m in {id(m): m for e in u.entries for m, _ in e.owners
+                          if m is not root}.values():
+                    m.register_forward_pre_hook(functools.partial(self._root_holder_pre, u))
+                    m.register_forward_hook(functools.partial(self._root_holder_post, u))
                 continue
             # a parameter the root's forward reads from its module itself
             # (F.linear(x, self.wte.weight)), outside every forward that
@@ -87,6 +91,39 @@ class _ForwardHooks:
                 if e.param.requires_grad:
                     e.param.register_hook(functools.partial(self._output_grad, u, None))
         root.register_forward_hook(self._root_post_forward)
+
+    def _root_holder_pre(self, u, module, inputs):
+        """A module holding a parameter of the root's unit u, which the
+        root's forward gathers, called outside it: HF's generate() calls
+        model.encoder (T5's embed_tokens is the root's shared embedding),
+        an evaluation calls the head. Under no_grad it gathers u for its
+        call (released after, as any unit's); with grad enabled it is
+        refused (it computed with this rank's 1-D part, failing on a
+        shape, or not, without naming the parameter)."""
+        if self._holder_calls:
+            self._holder_calls += 1
+            return
+        if self._in_forward or u.gather is not None:
+            return
+        if torch.is_grad_enabled():
+            e = next(e for e in u.entries for m, _ in e.owners if m is module)
+            name = next((n for n, m in self.module.named_modules() if m is module), "?")
+            raise shardd.Error(
+                22, "module %r, which holds %r of the root's unit, was called outside the "
+                "wrapped model's forward with grad enabled: that unit is gathered by the "
+                "model's forward (its backward reduces it), so here the parameter is this "
+                "rank's 1-D part; call it under torch.no_grad() (an evaluation, "
+                "generation: it is gathered for the call) or through the model's "
+                "forward" % (name, e.name), "E_STATE")
+        self._holder_calls = 1
+        self._pre_forward(u, module, inputs)
+
+    def _root_holder_post(self, u, module, inputs, output):
+        if not self._holder_calls:
+            return
+        self._holder_calls -= 1
+        if not self._holder_calls:
+            self._post_forward(u, module, inputs, output)
 
     def _pop_saved_hooks(self):
         if self._sth is not None:
@@ -100,6 +137,7 @@ class _ForwardHooks:
         self._check_replaced()  # module.weight = ..., model.half() after wrapping
         self._wait_releases()  # a forward without backward sent some
         self._fw_gen += 1
+        self._holder_calls = 0  # likewise (a holder's call that raised)
         for u in self.units:  # likewise
             u.depth = 0
             u.recompute = False

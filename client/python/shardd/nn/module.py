@@ -412,6 +412,7 @@ class ShardedModule(_ForwardHooks, _BackwardHooks, _Prefetch, _StateDicts,
         self._sth = None          # the saved-tensor hooks pushed for a forward
         self._in_forward = False  # the root's forward is running
         self._read_held = []      # units a parameter read gathered this forward
+        self._holder_calls = 0    # depth of root-unit holders' calls that gathered it
         # resident areas: the collectives of the loop a script must not
         # forget (gather before a forward, scatter between backward and step)
         self._unreduced = None    # a parameter a backward wrote since the last scatter

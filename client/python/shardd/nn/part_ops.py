@@ -71,6 +71,10 @@ _FILLS = ("zero_", "fill_")
 # in-place writes at indices: an index into a part is not torch's
 _INDEXED = ("index_fill_", "index_copy_", "index_add_", "index_reduce_", "scatter_",
             "scatter_add_", "scatter_reduce_", "put_", "index_put_")
+# products of a tensor with a whole parameter: of a part, a dot product of
+# 1-D parts (LoRA's merge W += B @ A * scale outside forward) or a failure
+# naming neither (Tensor's methods and torch's functions)
+_MATMUL = ("matmul", "mm", "__matmul__", "__rmatmul__")
 # torch's functions whose out= is an in-place write as _BINARY's
 # (torch.lerp(e, p, w, out=e), an EMA's update; torch.maximum(e, p, out=e),
 # a running maximum; torch.where(c, e, p, out=e); torch.addmm(p, a, b,
@@ -248,6 +252,24 @@ def _indexed(name, torch_method):
     return _like(method, name, torch_method)
 
 
+def _matmul(name, torch_fn, owner="Tensor."):
+    def fn(*args, **kwargs):
+        if _PARTS:
+            for t in args[:2]:
+                got = _part(t)
+                if got is not None and tuple(got[0].shape) != _shape(t):
+                    e, lo = got
+                    raise RuntimeError(
+                        "%s%s of %s: torch's multiplies the whole parameter (a part "
+                        "gives a dot product of parts, or fails on the shapes); take "
+                        "the whole parameters from sm.full_parameters() (FSDP's "
+                        "summon_full_params; a LoRA merge W + B @ A * scale so) and "
+                        "write them back with model.load_state_dict(), or compute it "
+                        "inside a forward" % (owner, name, _describe(e, lo, t)))
+        return torch_fn(*args, **kwargs)
+    return _like(fn, name, torch_fn, owner=owner)
+
+
 def _out(name, torch_fn):
     def fn(*args, **kwargs):
         out = kwargs.get("out")
@@ -258,7 +280,11 @@ def _out(name, torch_fn):
             if _STALE:
                 _check_stale("torch." + name, ops)
         return torch_fn(*args, **kwargs)
-    _like(fn, name, torch_fn, owner="")
+    return _builtin(_like(fn, name, torch_fn, owner=""), name)
+
+
+def _builtin(fn, name):
+    """fn, standing for torch.<name>, known to torch.jit as aten's."""
     try:  # torch.jit.script over a function calling torch.add: still aten's
         torch.jit._builtins._register_builtin(fn, "aten::" + name)
     except Exception:
@@ -373,6 +399,12 @@ def install():
                 if hasattr(torch, name):
                     _TORCH[name] = _PATCHES.add(torch, name,
                                                 lambda fn, name=name, wrap=wrap: wrap(name, fn))
+        for name in _MATMUL:
+            _TORCH[name] = _PATCHES.add(torch.Tensor, name,
+                                        lambda fn, name=name: _matmul(name, fn))
+            if hasattr(torch, name):
+                _PATCHES.add(torch, name, lambda fn, name=name: _builtin(
+                    _matmul(name, fn, "torch."), name))
         _TORCH["__setitem__"] = _PATCHES.add(torch.Tensor, "__setitem__", _setitem)
         emb = torch.nn.Embedding
         emb._fill_padding_idx_with_zero = _padding_zeroed(emb._fill_padding_idx_with_zero)

@@ -43,14 +43,18 @@ class _StateDicts:
 
     def _aliases(self):
         """{qualified name: entry} for every name a parameter has on the
-        module (a tied weight has one per holder, as torch's state_dict)."""
-        mods = {id(m): n for n, m in self.module.named_modules(remove_duplicate=False)}
+        module (a tied weight has one per holder, as torch's state_dict,
+        and a module held under several names, T5's `shared` that is also
+        each stack's `embed_tokens`, one per name: torch's state_dict has
+        every one, and keeping one gave the others this rank's 1-D part)."""
+        mods = {}
+        for n, m in self.module.named_modules(remove_duplicate=False):
+            mods.setdefault(id(m), []).append(n)
         out = {}
         for u in self.units:
             for e in u.entries:
                 for m, attr in e.owners:
-                    mn = mods.get(id(m))
-                    if mn is not None:
+                    for mn in mods.get(id(m), ()):
                         out[mn + "." + attr if mn else attr] = e
         return out
 
