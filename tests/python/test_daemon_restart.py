@@ -447,7 +447,7 @@ class DaemonRestartTest(unittest.TestCase):
             for n, fd in m.store.items():
                 if n.startswith("shardd-m") and n[-2:] in ("-a", "-b"):
                     text = os.pread(fd, 1 << 20, 4096).decode(errors="replace")
-                    named |= set(re.findall(r"^region buffer \S+ \d+ (\S+)$", text, re.M))
+                    named |= set(re.findall(r"^region buffer \S+ \d+ (\S+)(?: \d+)?$", text, re.M))
             lost = sorted(named & set(m.store))[0]
             os.close(m.store.pop(lost))
         m.start()
