@@ -400,6 +400,38 @@ void shardd__backend_region_gives(const shardd__region *r, uint64_t *bytes,
   }
 }
 
+/* Whether fd, a memfd a previous daemon stored under store_name, can be
+ * adopted on device: *st its stat; its mode made MEMFD_MODE. */
+static int stored_file_ok(shardd__backend *b, int device, int fd,
+                          const char *store_name, struct stat *st, char *err,
+                          size_t errlen) {
+  if (device < 0 || device >= b->ndevices) {
+    snprintf(err, errlen, "no device %d (host backend has %d)", device,
+             b->ndevices);
+    return 0;
+  }
+  if (fstat(fd, st) != 0 || !S_ISREG(st->st_mode) || st->st_size <= 0) {
+    snprintf(err, errlen, "%s: not a memory file", store_name);
+    return 0;
+  }
+  /* a region an older release stored may still be 0777 (MEMFD_MODE) */
+  if ((st->st_mode & 07777) != MEMFD_MODE && fchmod(fd, MEMFD_MODE) != 0)
+    shardd__log(1, "%s: its mode %04o stays: %s", store_name,
+                (unsigned)(st->st_mode & 07777), strerror(errno));
+  return 1;
+}
+
+/* Adopted memory counts as used on device, past its capacity if need be
+ * (it exists already). */
+static void count_adopted(host_priv *hp, int device, size_t bytes) {
+  pthread_mutex_lock(&hp->lock);
+  hp->used[device] += bytes;
+  hp->allocs[device]++;
+  if (hp->used[device] > hp->peak[device])
+    hp->peak[device] = hp->used[device];
+  pthread_mutex_unlock(&hp->lock);
+}
+
 typedef struct {
   size_t off, bytes;
 } span;
@@ -450,15 +482,12 @@ static shardd_err host_wrap_slab(shardd__backend *b, int device, int fd,
     snprintf(err, errlen, "out of memory");
     goto fail;
   }
-  if (device < 0 || device >= b->ndevices || n == 0) {
-    snprintf(err, errlen, "no device %d (host backend has %d)", device,
-             b->ndevices);
+  if (n == 0) {
+    snprintf(err, errlen, "%s: no block", store_name);
     goto fail;
   }
-  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size <= 0) {
-    snprintf(err, errlen, "%s: not a memory file", store_name);
+  if (!stored_file_ok(b, device, fd, store_name, &st, err, errlen))
     goto fail;
-  }
   if (!slab_blocks_fit(fd, (size_t)st.st_size, n, offs, bytes)) {
     snprintf(err, errlen, "%s: blocks that do not fit its %jd bytes",
              store_name, (intmax_t)st.st_size);
@@ -485,12 +514,7 @@ static shardd_err host_wrap_slab(shardd__backend *b, int device, int fd,
   s->device = device;
   s->cap = s->next = (size_t)st.st_size;
   s->live = n;
-  pthread_mutex_lock(&hp->lock);
-  hp->used[device] += s->charged;
-  hp->allocs[device]++;
-  if (hp->used[device] > hp->peak[device])
-    hp->peak[device] = hp->used[device];
-  pthread_mutex_unlock(&hp->lock);
+  count_adopted(hp, device, s->charged);
   memcpy(out, rs, n * sizeof *rs);
   free(rs);
   return SHARDD_OK;
@@ -720,19 +744,8 @@ static shardd_err host_wrap_fd(shardd__backend *b, int device, int fd,
     snprintf(err, errlen, "out of memory");
     goto fail;
   }
-  if (device < 0 || device >= b->ndevices) {
-    snprintf(err, errlen, "no device %d (host backend has %d)", device,
-             b->ndevices);
+  if (!stored_file_ok(b, device, fd, store_name, &st, err, errlen))
     goto fail;
-  }
-  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size <= 0) {
-    snprintf(err, errlen, "%s: not a memory file", store_name);
-    goto fail;
-  }
-  /* a region an older release stored may still be 0777 (MEMFD_MODE) */
-  if ((st.st_mode & 07777) != MEMFD_MODE && fchmod(fd, MEMFD_MODE) != 0)
-    shardd__log(1, "%s: its mode %04o stays: %s", store_name,
-                (unsigned)(st.st_mode & 07777), strerror(errno));
   void *p = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED,
                  fd, 0);
   if (p == MAP_FAILED) {
@@ -743,12 +756,7 @@ static shardd_err host_wrap_fd(shardd__backend *b, int device, int fd,
   r->bytes = (size_t)st.st_size;
   r->ptr = p;
   r->fd = fd;
-  pthread_mutex_lock(&hp->lock);
-  hp->used[device] += r->bytes;
-  hp->allocs[device]++;
-  if (hp->used[device] > hp->peak[device])
-    hp->peak[device] = hp->used[device];
-  pthread_mutex_unlock(&hp->lock);
+  count_adopted(hp, device, r->bytes);
   *out = r;
   return SHARDD_OK;
 fail:

@@ -467,7 +467,6 @@ static void buffers_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
   if (src != SHARDD_OK)
     shardd__batch_err_add(&be, 0, src, err);
   for (size_t i = 0; i < n && src == SHARDD_OK; i++) {
-    fds[i] = -1;
     shardd_err rc = buffer_register_one(d, c, rq->buffers[i], &u[i], err,
                                         sizeof err);
     if (rc != SHARDD_OK)
