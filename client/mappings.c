@@ -339,7 +339,9 @@ static shardd_err block_source(shardd_client_t *c,
         br->id);
   uint64_t off = block_off(br);
   long pg = sysconf(_SC_PAGESIZE);
-  if (pg <= 0 || off % (uint64_t)pg != 0 || off > INTMAX_MAX - br->block_bytes)
+  if (pg <= 0 || off % (uint64_t)pg != 0 ||
+      br->block_bytes > (uint64_t)INTMAX_MAX ||
+      off > (uint64_t)INTMAX_MAX - br->block_bytes)
     return shardd__set_err(c, SHARDD_E_PROTOCOL,
                            "buffer %" PRIu64 ": its block at byte %" PRIu64
                            " of its descriptor, not at a page", br->id, off);
