@@ -175,9 +175,19 @@ pool_map *shardd__find_pool(shardd_client_t *c, uint64_t id);
 shardd_err shardd__pool_adopt(shardd_client_t *c,
                               const Shardwire__GatherReply *gr, const int *fds,
                               int nfds, char *why, size_t whylen);
+/* What was found of a descriptor several replies' blocks share (a slab):
+ * checked once for all of them. size < 0: not yet. */
+typedef struct {
+  intmax_t size;
+  int unfit; /* memfd_unfit's reason: 0 fit, 1 too small, 2 not sealed */
+} shardd__fd_fit;
+/* Checks br's layout and maps (or finds the mapping of) its block: at
+ * br's block_offset of fd (host) or its CUDA IPC handle, filling out. fd
+ * stays the caller's; fit (NULL: none) keeps what fd's checks found for
+ * the next block of the same descriptor. */
 shardd_err shardd__buffer_adopt(shardd_client_t *c,
                                 const Shardwire__BufferReply *br, int fd,
-                                shardd_buffer_info *out);
+                                shardd__fd_fit *fit, shardd_buffer_info *out);
 void shardd__unmap_buffer(shardd_client_t *c, uint64_t id);
 shardd_err shardd__area_fill(shardd_client_t *c, uint64_t buffer,
                              const Shardwire__GatherReply *gr, int want_grad,

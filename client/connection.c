@@ -644,6 +644,9 @@ shardd_err shardd_connect(const char *socket_path,
     hello.has_transient_areas = 1;
     hello.transient_areas = 1;
   }
+  /* a batch's blocks may then come in one memfd per rank (a slab) */
+  hello.has_blocks_at_offsets = 1;
+  hello.blocks_at_offsets = 1;
   req.body_case = SHARDWIRE__REQUEST__BODY_HELLO;
   req.hello = &hello;
   Shardwire__Response *resp;

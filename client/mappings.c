@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "client_int.h"
 
@@ -297,11 +298,16 @@ static const char *layout_bad(const Shardwire__BufferReply *br, size_t esz,
   return NULL;
 }
 
+/* Where br's block starts in its descriptor's file. */
+static uint64_t block_off(const Shardwire__BufferReply *br) {
+  return br->has_block_offset ? br->block_offset : 0;
+}
+
 /* Checks what br's block comes through: a CUDA IPC handle (*device its
  * device, the runtime loaded) or fd, a memfd large enough (*device -1). */
 static shardd_err block_source(shardd_client_t *c,
                                const Shardwire__BufferReply *br, int fd,
-                               int *device) {
+                               shardd__fd_fit *fit, int *device) {
   *device = -1; /* host mapping */
   if (fd < 0 && br->has_cuda_ipc_handle) {
     if (br->cuda_ipc_handle.len != CUDA_IPC_BYTES)
@@ -331,14 +337,30 @@ static shardd_err block_source(shardd_client_t *c,
         "the daemon sent no descriptor for buffer %" PRIu64
         " (is this a cuda backend? this call maps host memory)",
         br->id);
-  intmax_t size;
-  int unfit = memfd_unfit(fd, br->block_bytes, &size);
+  uint64_t off = block_off(br);
+  long pg = sysconf(_SC_PAGESIZE);
+  if (pg <= 0 || off % (uint64_t)pg != 0 ||
+      br->block_bytes > (uint64_t)INTMAX_MAX ||
+      off > (uint64_t)INTMAX_MAX - br->block_bytes)
+    return shardd__set_err(c, SHARDD_E_PROTOCOL,
+                           "buffer %" PRIu64 ": its block at byte %" PRIu64
+                           " of its descriptor, not at a page", br->id, off);
+  /* the file is checked once for every block in it: its size and seals
+   * do not change (sealed), only what each block needs of it */
+  shardd__fd_fit here = {-1, 0};
+  if (fit == NULL)
+    fit = &here;
+  if (fit->size < 0 && (fit->unfit = memfd_unfit(fd, 0, &fit->size)) == 1)
+    fit->size = -1; /* fstat failed */
+  intmax_t size = fit->size;
+  int unfit = fit->unfit == 2 ? 2
+              : size < 0 || (uint64_t)size < off + br->block_bytes ? 1 : 0;
   if (unfit == 1)
     return shardd__set_err(c, SHARDD_E_PROTOCOL,
                            "buffer %" PRIu64
                            ": the daemon's descriptor holds %jd "
-                           "bytes, not the %" PRIu64 " of its block",
-                           br->id, size, br->block_bytes);
+                           "bytes, not the %" PRIu64 " of its block at byte %"
+                           PRIu64, br->id, size, br->block_bytes, off);
   if (unfit == 2)
     return shardd__set_err(c, SHARDD_E_PROTOCOL,
                            "buffer %" PRIu64
@@ -416,7 +438,7 @@ static shardd_err block_map(shardd_client_t *c,
     }
   } else {
     *base = mmap(NULL, br->block_bytes, PROT_READ | PROT_WRITE, MAP_SHARED,
-                 fd, 0);
+                 fd, (off_t)block_off(br));
     if (*base == MAP_FAILED) {
       free(m);
       return shardd__set_err(c, SHARDD_E_IO,
@@ -442,11 +464,9 @@ static shardd_err block_map(shardd_client_t *c,
   return SHARDD_OK;
 }
 
-/* Checks br's layout and maps (or finds the mapping of) its block from fd
- * (host) or its CUDA IPC handle, filling out. fd stays the caller's. */
 shardd_err shardd__buffer_adopt(shardd_client_t *c,
                                 const Shardwire__BufferReply *br, int fd,
-                                shardd_buffer_info *out) {
+                                shardd__fd_fit *fit, shardd_buffer_info *out) {
   size_t esz = shardd_dtype_size((shardd_dtype)br->dtype);
   int transient = br->has_transient && br->transient;
   const char *bad = layout_bad(br, esz, transient);
@@ -457,7 +477,7 @@ shardd_err shardd__buffer_adopt(shardd_client_t *c,
                            "%" PRIu64 " bytes",
                            br->id, bad, br->block_bytes);
   int device;
-  shardd_err rc = block_source(c, br, fd, &device);
+  shardd_err rc = block_source(c, br, fd, fit, &device);
   if (rc != SHARDD_OK)
     return rc;
   /* Registering again on one connection hands back the same mapping, so

@@ -53,7 +53,7 @@ shardd_err shardd_buffer_register_opts(shardd_client_t *c, const char *name,
       shardwire__response__free_unpacked(resp, NULL);
     return rc;
   }
-  rc = shardd__buffer_adopt(c, resp->buffer, fd, out);
+  rc = shardd__buffer_adopt(c, resp->buffer, fd, NULL, out);
   if (rc != SHARDD_OK)
     memset(out, 0, sizeof *out);
   if (fd >= 0)
@@ -435,10 +435,25 @@ static shardd_err buffers_take(shardd_client_t *c,
       made[(*nmade)++] = br->id;
   }
   shardd_err rc = SHARDD_OK;
-  for (size_t i = lo; i < hi && rc == SHARDD_OK; i++)
-    rc = shardd__buffer_adopt(c, resp->buffers_batch->buffers[i - lo],
-                              nfds ? fds[i - lo] : -1,
-                              &((shardd_buffer_info *)out)[i]);
+  /* each descriptor's checks once, for every block it holds */
+  shardd__fd_fit *fit = nfds > 0 ? malloc((size_t)nfds * sizeof *fit) : NULL;
+  if (nfds > 0 && fit == NULL)
+    return shardd__set_err(c, SHARDD_E_NO_MEMORY, "out of memory");
+  for (int k = 0; k < nfds; k++)
+    fit[k].size = -1;
+  for (size_t i = lo; i < hi && rc == SHARDD_OK; i++) {
+    const Shardwire__BufferReply *br = resp->buffers_batch->buffers[i - lo];
+    /* one descriptor per entry, or (blocks at offsets) the one it names */
+    size_t k = br->has_fd_index ? br->fd_index : i - lo;
+    if (nfds > 0 && k >= (size_t)nfds)
+      rc = shardd__set_err(c, SHARDD_E_PROTOCOL, "buffer %" PRIu64 ": its "
+                           "block in descriptor %zu of the %d the reply "
+                           "brought", br->id, k, nfds);
+    else
+      rc = shardd__buffer_adopt(c, br, nfds ? fds[k] : -1, nfds ? &fit[k] : NULL,
+                                &((shardd_buffer_info *)out)[i]);
+  }
+  free(fit);
   return rc;
 }
 
@@ -620,7 +635,10 @@ static shardd_err batch_reply(shardd_client_t *c, const batch_kind *k, int reg,
                            "the daemon answered %zu %s for "
                            "a request of %zu",
                            k->reply_count(*resp), k->noun, hi - lo);
-  if (reg && k->takes_fds && *nfds != 0 && (size_t)*nfds != hi - lo)
+  /* one per entry, or (its blocks in slabs) each entry's named by index:
+   * buffers_take checks each index */
+  if (reg && k->takes_fds && *nfds != 0 && (size_t)*nfds != hi - lo &&
+      !(hi > lo && (*resp)->buffers_batch->buffers[0]->has_fd_index))
     return shardd__set_err(c, SHARDD_E_PROTOCOL,
                            "the daemon sent %d descriptors for "
                            "%zu %s",

@@ -306,9 +306,10 @@ typedef struct {
 } shardd_buffer_spec;
 #define SHARDD_BUFFER_SPEC_INIT {sizeof(shardd_buffer_spec), NULL, SHARDD_DTYPE_FP32, 0, 0, 0}
 
-/* Entries per request of shardd_buffers_register / _unregister: each
- * reply brings one descriptor per buffer, under the kernel's 253 per
- * message (SCM_MAX_FD). */
+/* Entries per request of shardd_buffers_register / _unregister: a reply
+ * brings at most one descriptor per buffer (host backend: the blocks a
+ * request makes share one memfd per rank, sent once), under the kernel's
+ * 253 per message (SCM_MAX_FD). */
 #define SHARDD_BUFFERS_PER_REQUEST 250
 
 /* Registers (or attaches to) n buffers at once, all or nothing: one request

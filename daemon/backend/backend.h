@@ -23,12 +23,20 @@ typedef struct shardd__backend shardd__backend;
  * region's rounded size) is at most what it describes plus this. */
 #define SHARDD__REGION_GRAIN_MAX ((size_t)64 << 10)
 
+/* Host: one memfd holding the rank blocks of one batched registration
+ * and rank (see slab_open); opaque. */
+typedef struct shardd__slab shardd__slab;
+
 typedef struct {
   /* read-only after alloc */
   int device;
   size_t bytes;     /* rounded to the backend's granularity */
   void *ptr;        /* daemon's mapping (host) or device pointer (cuda) */
   int fd;           /* host: the memfd; -1 otherwise */
+  /* host: where the region starts in fd's file (page-aligned); 0 unless
+   * it is a block of a slab */
+  size_t off;
+  shardd__slab *slab; /* the slab it is a block of; NULL: fd is its own */
   void *priv;
 } shardd__region;
 
@@ -130,6 +138,40 @@ typedef struct {
                         const char *store_name, shardd__region **out,
                         char *err, size_t errlen);
 
+  /* ---- slabs (host; NULL elsewhere: callers allocate one region at a
+   * time). A batched registration's rank blocks of one rank in one memfd,
+   * each at a page-aligned offset: five system calls for the batch where
+   * a memfd per block took five each, and one descriptor for the client.
+   * A slab holds blocks of one job and rank only, so whoever is handed
+   * its descriptor reaches nothing another rank's or uid's descriptor
+   * would not. */
+  /* An open slab on device room for at most nblocks blocks of bytes in
+   * all (its file is cut to what was taken at close). */
+  shardd_err (*slab_open)(shardd__backend *b, int device, uint64_t bytes,
+                          size_t nblocks, const char *label,
+                          shardd__slab **out, char *err, size_t errlen);
+  /* The next block of s, bytes zeroed; counted used on s's device as
+   * alloc's regions are. Freed with free: while s is open its bytes are
+   * given back at once; once closed its pages are punched out and its
+   * bytes stay counted until s's last block goes (a client holding the
+   * descriptor could fault pages back into the range: they are the
+   * slab's until it closes, and counted). */
+  shardd_err (*slab_take)(shardd__backend *b, shardd__slab *s, size_t bytes,
+                          shardd__region **out, char *err, size_t errlen);
+  /* No more blocks: the file is cut to its blocks' end and sealed (and
+   * stored, with the fd store); s goes now if no block lives, else with
+   * its last block. On failure (err) s is closed all the same, unsealed:
+   * the caller frees its blocks and sends no descriptor of it. */
+  shardd_err (*slab_close)(shardd__backend *b, shardd__slab *s, char *err,
+                           size_t errlen);
+  /* As wrap_fd, for a slab a previous daemon stored: its n blocks at
+   * offs[i] of bytes[i] each, out[i]; ranges no block holds (blocks
+   * freed before the restart) are punched out again. */
+  shardd_err (*wrap_slab)(shardd__backend *b, int device, int fd,
+                          const char *store_name, size_t n,
+                          const size_t *offs, const size_t *bytes,
+                          shardd__region **out, char *err, size_t errlen);
+
   /* ---- whole-collective ops (cuda: NCCL). All four NULL on backends
    * without them (host): collective.c then copies and reduces rank by rank
    * with the ops above. */
@@ -197,6 +239,16 @@ void shardd__backend_host_persist(shardd__backend *b, int mode);
 /* The name r has in the fd store, NULL none (not stored; borrowed, lives
  * as r). */
 const char *shardd__backend_region_store_name(const shardd__region *r);
+/* What r counts for against the bounds on memory (*bytes) and on memory
+ * regions (*fds: 1 for a region of its own; a slab, one descriptor for
+ * all its blocks, counts with its first live block): taken, what its
+ * alloc or slab_take added; given back, what freeing it now would give
+ * back (a closed slab's bytes and descriptor with its last block,
+ * nothing before). */
+void shardd__backend_region_taken(const shardd__region *r, uint64_t *bytes,
+                                  int *fds);
+void shardd__backend_region_gives(const shardd__region *r, uint64_t *bytes,
+                                  int *fds);
 /* The prefix of every region's name in the fd store ("shardd-r"). */
 #define SHARDD__STORE_REGION_PREFIX "shardd-r"
 

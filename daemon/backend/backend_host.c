@@ -36,10 +36,10 @@ typedef struct {
   uint64_t stored;
 } host_priv;
 
-/* Hands r's memfd to the service manager's fd store under a name of its
- * own (kept in r->priv). A refusal costs the region its survival of a
- * restart, not its use: logged. */
-static void store_region(host_priv *hp, shardd__region *r) {
+/* Hands memfd fd (bytes long) to the service manager's fd store under a
+ * name of its own, returned (malloc'd; NULL: not stored). A refusal costs
+ * the region its survival of a restart, not its use: logged. */
+static char *store_fd(host_priv *hp, int fd, size_t bytes) {
   char name[64], state[128], err[256];
   pthread_mutex_lock(&hp->lock);
   uint64_t n = ++hp->stored;
@@ -50,25 +50,33 @@ static void store_region(host_priv *hp, shardd__region *r) {
   if (!shardd__sd_fdname_valid(name))
     snprintf(err, sizeof err, "\"%s\" is no valid FDNAME", name);
   if (!shardd__sd_fdname_valid(name) ||
-      shardd__sd_notify_fd(state, r->fd, err, sizeof err) != SHARDD_OK) {
+      shardd__sd_notify_fd(state, fd, err, sizeof err) != SHARDD_OK) {
     shardd__log(1, "fd store: region of %zu bytes not stored (it will not "
-                "outlive this daemon): %s", r->bytes, err);
-    return;
+                "outlive this daemon): %s", bytes, err);
+    return NULL;
   }
-  r->priv = strdup(name);
+  return strdup(name);
 }
 
-static void unstore_region(host_priv *hp, shardd__region *r) {
+static void store_region(host_priv *hp, shardd__region *r) {
+  r->priv = store_fd(hp, r->fd, r->bytes);
+}
+
+/* Takes name out of the fd store (while persisting) and frees it. */
+static void unstore_name(host_priv *hp, char *name) {
   char state[128], err[256];
-  if (r->priv == NULL)
+  if (name == NULL)
     return;
   if (hp->persist == SHARDD__PERSIST_ON) {
-    snprintf(state, sizeof state, "FDSTOREREMOVE=1\nFDNAME=%s",
-             (const char *)r->priv);
+    snprintf(state, sizeof state, "FDSTOREREMOVE=1\nFDNAME=%s", name);
     if (shardd__sd_notify(state, err, sizeof err) != SHARDD_OK)
       shardd__log(1, "fd store: %s", err);
   }
-  free(r->priv);
+  free(name);
+}
+
+static void unstore_region(host_priv *hp, shardd__region *r) {
+  unstore_name(hp, r->priv);
   r->priv = NULL;
 }
 
@@ -88,6 +96,75 @@ static size_t page_round(size_t n) {
   return (n + pg - 1) / pg * pg;
 }
 
+/* A memfd of sz bytes (mode MEMFD_MODE), sealed against resizing when
+ * seal, mapped shared at *p. */
+static shardd_err memfd_make(const char *label, size_t sz, int seal, int *fdp,
+                             void **p, char *err, size_t errlen) {
+  shardd_err rc = SHARDD_E_NO_MEMORY;
+  int fd = memfd_create(label ? label : "shardd", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  *fdp = -1;
+  if (fd < 0) {
+    /* Out of descriptors is a limit of the process, not of memory. */
+    if (errno == EMFILE || errno == ENFILE)
+      rc = SHARDD_E_LIMIT;
+    snprintf(err, errlen, "memfd_create: %s%s", strerror(errno),
+             rc == SHARDD_E_LIMIT ? " (raise LimitNOFILE / ulimit -n)" : "");
+    return rc;
+  }
+  if (fchmod(fd, MEMFD_MODE) != 0) {
+    snprintf(err, errlen, "memfd mode: %s", strerror(errno));
+    goto fail;
+  }
+  if (ftruncate(fd, (off_t)sz) != 0) {
+    snprintf(err, errlen, "ftruncate %zu: %s", sz, strerror(errno));
+    goto fail;
+  }
+  if (seal &&
+      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    snprintf(err, errlen, "memfd seal: %s", strerror(errno));
+    goto fail;
+  }
+  *p = mmap(NULL, sz, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (*p == MAP_FAILED) {
+    snprintf(err, errlen, "mmap %zu: %s", sz, strerror(errno));
+    goto fail;
+  }
+  *fdp = fd;
+  return SHARDD_OK;
+fail:
+  close(fd);
+  return rc;
+}
+
+/* Counts sz more bytes used on device when they fit its capacity; else
+ * err says what is free. */
+static shardd_err use_bytes(host_priv *hp, int device, size_t sz, char *err,
+                            size_t errlen) {
+  pthread_mutex_lock(&hp->lock);
+  uint64_t used = hp->used[device];
+  int fits = sz <= hp->capacity && used <= hp->capacity - sz;
+  if (fits) {
+    hp->used[device] += sz;
+    hp->allocs[device]++;
+    if (hp->used[device] > hp->peak[device])
+      hp->peak[device] = hp->used[device];
+  }
+  pthread_mutex_unlock(&hp->lock);
+  if (fits)
+    return SHARDD_OK;
+  snprintf(err, errlen,
+           "device %d: %zu bytes requested, %llu of %llu bytes free", device,
+           sz, (unsigned long long)(hp->capacity - used),
+           (unsigned long long)hp->capacity);
+  return SHARDD_E_NO_MEMORY;
+}
+
+static void unuse_bytes(host_priv *hp, int device, size_t sz) {
+  pthread_mutex_lock(&hp->lock);
+  hp->used[device] -= sz;
+  pthread_mutex_unlock(&hp->lock);
+}
+
 /* exportable: a sealed memfd a client can map; else anonymous memory that
  * costs no descriptor (optimizer state never leaves the daemon). */
 static shardd_err host_alloc_impl(shardd__backend *b, int device, size_t bytes,
@@ -102,25 +179,10 @@ static shardd_err host_alloc_impl(shardd__backend *b, int device, size_t bytes,
     return SHARDD_E_INVAL;
   }
   size_t sz = page_round(bytes ? bytes : 1);
-  pthread_mutex_lock(&hp->lock);
-  uint64_t used = hp->used[device];
-  int fits = sz <= hp->capacity && used <= hp->capacity - sz;
-  if (fits) {
-    hp->used[device] += sz;
-    hp->allocs[device]++;
-    if (hp->used[device] > hp->peak[device])
-      hp->peak[device] = hp->used[device];
-  }
-  pthread_mutex_unlock(&hp->lock);
-  if (!fits) {
-    snprintf(err, errlen,
-             "device %d: %zu bytes requested, %llu of %llu bytes free", device,
-             sz, (unsigned long long)(hp->capacity - used),
-             (unsigned long long)hp->capacity);
-    return SHARDD_E_NO_MEMORY;
-  }
-
-  shardd_err rc = SHARDD_E_NO_MEMORY;
+  shardd_err rc = use_bytes(hp, device, sz, err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  rc = SHARDD_E_NO_MEMORY;
   shardd__region *r = calloc(1, sizeof *r);
   int fd = -1;
   /* kept across a restart, optimizer state must live in a memfd too */
@@ -139,32 +201,13 @@ static shardd_err host_alloc_impl(shardd__backend *b, int device, size_t bytes,
     *out = r;
     return SHARDD_OK;
   }
-  if (r == NULL ||
-      (fd = memfd_create(label ? label : "shardd", MFD_CLOEXEC | MFD_ALLOW_SEALING)) < 0) {
-    /* Out of descriptors is a limit of the process, not of memory. */
-    if (errno == EMFILE || errno == ENFILE)
-      rc = SHARDD_E_LIMIT;
-    snprintf(err, errlen, "memfd_create: %s%s", strerror(errno),
-             rc == SHARDD_E_LIMIT ? " (raise LimitNOFILE / ulimit -n)" : "");
+  if (r == NULL) {
+    snprintf(err, errlen, "out of memory");
     goto fail;
   }
-  if (fchmod(fd, MEMFD_MODE) != 0) {
-    snprintf(err, errlen, "memfd mode: %s", strerror(errno));
+  void *p;
+  if ((rc = memfd_make(label, sz, 1, &fd, &p, err, errlen)) != SHARDD_OK)
     goto fail;
-  }
-  if (ftruncate(fd, (off_t)sz) != 0) {
-    snprintf(err, errlen, "ftruncate %zu: %s", sz, strerror(errno));
-    goto fail;
-  }
-  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
-    snprintf(err, errlen, "memfd seal: %s", strerror(errno));
-    goto fail;
-  }
-  void *p = mmap(NULL, sz, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) {
-    snprintf(err, errlen, "mmap %zu: %s", sz, strerror(errno));
-    goto fail;
-  }
   r->device = device;
   r->bytes = sz;
   r->ptr = p;
@@ -178,9 +221,7 @@ fail:
   if (fd >= 0)
     close(fd);
   free(r);
-  pthread_mutex_lock(&hp->lock);
-  hp->used[device] -= sz;
-  pthread_mutex_unlock(&hp->lock);
+  unuse_bytes(hp, device, sz);
   return rc;
 }
 
@@ -197,10 +238,305 @@ static shardd_err host_alloc_private(shardd__backend *b, int device,
   return host_alloc_impl(b, device, bytes, label, 0, out, err, errlen);
 }
 
+/* ---- slabs (backend.h) ------------------------------------------------ */
+
+struct shardd__slab {
+  int fd;
+  int device;
+  void *base;     /* the daemon's mapping of the whole file: cap bytes */
+  size_t cap;     /* bytes mapped; the file's size once closed */
+  size_t next;    /* where the next block starts */
+  size_t charged; /* bytes counted used on device for it */
+  size_t live;    /* its blocks not freed */
+  int open;       /* blocks may still be taken; not sealed yet */
+  char *store_name; /* in the fd store; NULL none */
+};
+
+/* s's last block went (or none was taken): its file leaves the store and
+ * is closed, its bytes given back. */
+static void slab_drop(host_priv *hp, shardd__slab *s) {
+  unstore_name(hp, s->store_name);
+  munmap(s->base, s->cap);
+  close(s->fd);
+  unuse_bytes(hp, s->device, s->charged);
+  free(s);
+}
+
+static shardd_err host_slab_open(shardd__backend *b, int device,
+                                 uint64_t bytes, size_t nblocks,
+                                 const char *label, shardd__slab **out,
+                                 char *err, size_t errlen) {
+  *out = NULL;
+  if (device < 0 || device >= b->ndevices) {
+    snprintf(err, errlen, "no device %d (host backend has %d)", device,
+             b->ndevices);
+    return SHARDD_E_INVAL;
+  }
+  size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+  /* each block starts on a page: room for each one's rounding */
+  if (nblocks == 0 || nblocks > SIZE_MAX / pg || bytes > SIZE_MAX / 2 ||
+      (size_t)bytes > SIZE_MAX / 2 - nblocks * pg) {
+    snprintf(err, errlen, "a slab of %zu blocks, %" PRIu64 " bytes", nblocks,
+             bytes);
+    return SHARDD_E_RANGE;
+  }
+  shardd__slab *s = calloc(1, sizeof *s);
+  if (s == NULL) {
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  s->cap = page_round((size_t)bytes + nblocks * (pg - 1));
+  shardd_err rc = memfd_make(label, s->cap, 0, &s->fd, &s->base, err, errlen);
+  if (rc != SHARDD_OK) {
+    free(s);
+    return rc;
+  }
+  s->device = device;
+  s->open = 1;
+  *out = s;
+  return SHARDD_OK;
+}
+
+static shardd_err host_slab_take(shardd__backend *b, shardd__slab *s,
+                                 size_t bytes, shardd__region **out, char *err,
+                                 size_t errlen) {
+  host_priv *hp = b->priv;
+  size_t sz = page_round(bytes ? bytes : 1);
+  *out = NULL;
+  if (!s->open || sz > s->cap - s->next) {
+    snprintf(err, errlen, "a block of %zu bytes past its slab's %zu (%zu "
+             "taken)%s", sz, s->cap, s->next, s->open ? "" : ", closed");
+    return SHARDD_E_INTERNAL;
+  }
+  shardd_err rc = use_bytes(hp, s->device, sz, err, errlen);
+  if (rc != SHARDD_OK)
+    return rc;
+  shardd__region *r = calloc(1, sizeof *r);
+  if (r == NULL) {
+    unuse_bytes(hp, s->device, sz);
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  r->device = s->device;
+  r->bytes = sz;
+  r->ptr = (char *)s->base + s->next;
+  r->fd = s->fd;
+  r->off = s->next;
+  r->slab = s;
+  s->next += sz;
+  s->charged += sz;
+  s->live++;
+  *out = r;
+  return SHARDD_OK;
+}
+
+static shardd_err host_slab_close(shardd__backend *b, shardd__slab *s,
+                                  char *err, size_t errlen) {
+  host_priv *hp = b->priv;
+  shardd_err rc = SHARDD_OK;
+  s->open = 0;
+  if (s->live == 0) {
+    slab_drop(hp, s);
+    return SHARDD_OK;
+  }
+  /* the room no block took goes, so the file holds this rank's blocks
+   * and nothing a client could map beyond them */
+  if (s->next < s->cap) {
+    munmap((char *)s->base + s->next, s->cap - s->next);
+    s->cap = s->next;
+    if (ftruncate(s->fd, (off_t)s->next) != 0) {
+      snprintf(err, errlen, "cutting a slab to %zu bytes: %s", s->next,
+               strerror(errno));
+      rc = SHARDD_E_IO;
+    }
+  }
+  if (rc == SHARDD_OK &&
+      fcntl(s->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    snprintf(err, errlen, "memfd seal: %s", strerror(errno));
+    rc = SHARDD_E_IO;
+  }
+  if (rc == SHARDD_OK && hp->persist == SHARDD__PERSIST_ON)
+    s->store_name = store_fd(hp, s->fd, s->cap);
+  return rc;
+}
+
+/* A block of a slab freed: its pages punched out (the daemon's mapping
+ * of the file stays whole until the slab goes, so no other mapping can
+ * land inside it). While the slab is open nobody else holds its
+ * descriptor, and the bytes are given back at once; once handed out,
+ * they stay counted until the slab's last block goes. */
+static void slab_block_free(host_priv *hp, shardd__region *r) {
+  shardd__slab *s = r->slab;
+  if (hp->persist != SHARDD__PERSIST_DETACHED &&
+      fallocate(s->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                (off_t)r->off, (off_t)r->bytes) != 0)
+    shardd__log(1, "freeing a block: punching out its %zu bytes: %s",
+                r->bytes, strerror(errno));
+  if (s->open) {
+    s->charged -= r->bytes;
+    unuse_bytes(hp, s->device, r->bytes);
+  }
+  s->live--;
+  free(r);
+  if (s->live == 0 && !s->open)
+    slab_drop(hp, s);
+}
+
+void shardd__backend_region_taken(const shardd__region *r, uint64_t *bytes,
+                                  int *fds) {
+  *bytes = r->bytes;
+  *fds = r->slab ? r->slab->live == 1 : 1;
+}
+
+void shardd__backend_region_gives(const shardd__region *r, uint64_t *bytes,
+                                  int *fds) {
+  const shardd__slab *s = r->slab;
+  if (s == NULL || s->open) {
+    *bytes = r->bytes;
+    *fds = s ? s->live == 1 : 1;
+  } else {
+    *bytes = s->live == 1 ? s->charged : 0;
+    *fds = s->live == 1;
+  }
+}
+
+/* Whether fd, a memfd a previous daemon stored under store_name, can be
+ * adopted on device: *st its stat; its mode made MEMFD_MODE. */
+static int stored_file_ok(shardd__backend *b, int device, int fd,
+                          const char *store_name, struct stat *st, char *err,
+                          size_t errlen) {
+  if (device < 0 || device >= b->ndevices) {
+    snprintf(err, errlen, "no device %d (host backend has %d)", device,
+             b->ndevices);
+    return 0;
+  }
+  if (fstat(fd, st) != 0 || !S_ISREG(st->st_mode) || st->st_size <= 0) {
+    snprintf(err, errlen, "%s: not a memory file", store_name);
+    return 0;
+  }
+  /* a region an older release stored may still be 0777 (MEMFD_MODE) */
+  if ((st->st_mode & 07777) != MEMFD_MODE && fchmod(fd, MEMFD_MODE) != 0)
+    shardd__log(1, "%s: its mode %04o stays: %s", store_name,
+                (unsigned)(st->st_mode & 07777), strerror(errno));
+  return 1;
+}
+
+/* Adopted memory counts as used on device, past its capacity if need be
+ * (it exists already). */
+static void count_adopted(host_priv *hp, int device, size_t bytes) {
+  pthread_mutex_lock(&hp->lock);
+  hp->used[device] += bytes;
+  hp->allocs[device]++;
+  if (hp->used[device] > hp->peak[device])
+    hp->peak[device] = hp->used[device];
+  pthread_mutex_unlock(&hp->lock);
+}
+
+typedef struct {
+  size_t off, bytes;
+} span;
+
+static int span_cmp(const void *a, const void *b) {
+  const span *x = a, *y = b;
+  return x->off < y->off ? -1 : x->off > y->off;
+}
+
+/* Whether n blocks fit a file of size bytes, each on a page, none
+ * overlapping; the ranges between them punched out. */
+static int slab_blocks_fit(int fd, size_t size, size_t n, const size_t *offs,
+                           const size_t *bytes) {
+  size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+  span *sp = malloc((n ? n : 1) * sizeof *sp);
+  if (sp == NULL)
+    return 0;
+  for (size_t i = 0; i < n; i++)
+    sp[i] = (span){offs[i], bytes[i]};
+  qsort(sp, n, sizeof *sp, span_cmp);
+  size_t end = 0;
+  int ok = 1;
+  for (size_t i = 0; i <= n && ok; i++) {
+    size_t at = i < n ? sp[i].off : size;
+    if (i < n && (at % pg || sp[i].bytes == 0 || at < end ||
+                  sp[i].bytes > size - at))
+      ok = 0;
+    else if (at > end)
+      fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)end,
+                (off_t)(at - end));
+    if (i < n)
+      end = at + sp[i].bytes;
+  }
+  free(sp);
+  return ok;
+}
+
+static shardd_err host_wrap_slab(shardd__backend *b, int device, int fd,
+                                 const char *store_name, size_t n,
+                                 const size_t *offs, const size_t *bytes,
+                                 shardd__region **out, char *err,
+                                 size_t errlen) {
+  host_priv *hp = b->priv;
+  struct stat st;
+  shardd__slab *s = calloc(1, sizeof *s);
+  shardd__region **rs = calloc(n ? n : 1, sizeof *rs);
+  if (s == NULL || rs == NULL || (s->store_name = strdup(store_name)) == NULL) {
+    snprintf(err, errlen, "out of memory");
+    goto fail;
+  }
+  if (n == 0) {
+    snprintf(err, errlen, "%s: no block", store_name);
+    goto fail;
+  }
+  if (!stored_file_ok(b, device, fd, store_name, &st, err, errlen))
+    goto fail;
+  if (!slab_blocks_fit(fd, (size_t)st.st_size, n, offs, bytes)) {
+    snprintf(err, errlen, "%s: blocks that do not fit its %jd bytes",
+             store_name, (intmax_t)st.st_size);
+    goto fail;
+  }
+  s->base = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED,
+                 fd, 0);
+  if (s->base == MAP_FAILED) {
+    snprintf(err, errlen, "%s: mmap: %s", store_name, strerror(errno));
+    goto fail;
+  }
+  for (size_t i = 0; i < n; i++) {
+    if ((rs[i] = calloc(1, sizeof *rs[i])) == NULL) {
+      munmap(s->base, (size_t)st.st_size);
+      snprintf(err, errlen, "out of memory");
+      goto fail;
+    }
+    *rs[i] = (shardd__region){.device = device, .bytes = bytes[i],
+                              .ptr = (char *)s->base + offs[i], .fd = fd,
+                              .off = offs[i], .slab = s};
+    s->charged += bytes[i];
+  }
+  s->fd = fd;
+  s->device = device;
+  s->cap = s->next = (size_t)st.st_size;
+  s->live = n;
+  count_adopted(hp, device, s->charged);
+  memcpy(out, rs, n * sizeof *rs);
+  free(rs);
+  return SHARDD_OK;
+fail:
+  close(fd);
+  for (size_t i = 0; rs && i < n; i++)
+    free(rs[i]);
+  free(rs);
+  if (s)
+    free(s->store_name);
+  free(s);
+  return SHARDD_E_INVAL;
+}
+
 static void host_free(shardd__backend *b, shardd__region *r) {
   host_priv *hp = b->priv;
   if (r == NULL)
     return;
+  if (r->slab) {
+    slab_block_free(hp, r);
+    return;
+  }
   munmap(r->ptr, r->bytes);
   unstore_region(hp, r);
   /* stopping with the fd store: the pages are the next start's */
@@ -408,19 +744,8 @@ static shardd_err host_wrap_fd(shardd__backend *b, int device, int fd,
     snprintf(err, errlen, "out of memory");
     goto fail;
   }
-  if (device < 0 || device >= b->ndevices) {
-    snprintf(err, errlen, "no device %d (host backend has %d)", device,
-             b->ndevices);
+  if (!stored_file_ok(b, device, fd, store_name, &st, err, errlen))
     goto fail;
-  }
-  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size <= 0) {
-    snprintf(err, errlen, "%s: not a memory file", store_name);
-    goto fail;
-  }
-  /* a region an older release stored may still be 0777 (MEMFD_MODE) */
-  if ((st.st_mode & 07777) != MEMFD_MODE && fchmod(fd, MEMFD_MODE) != 0)
-    shardd__log(1, "%s: its mode %04o stays: %s", store_name,
-                (unsigned)(st.st_mode & 07777), strerror(errno));
   void *p = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED,
                  fd, 0);
   if (p == MAP_FAILED) {
@@ -431,12 +756,7 @@ static shardd_err host_wrap_fd(shardd__backend *b, int device, int fd,
   r->bytes = (size_t)st.st_size;
   r->ptr = p;
   r->fd = fd;
-  pthread_mutex_lock(&hp->lock);
-  hp->used[device] += r->bytes;
-  hp->allocs[device]++;
-  if (hp->used[device] > hp->peak[device])
-    hp->peak[device] = hp->used[device];
-  pthread_mutex_unlock(&hp->lock);
+  count_adopted(hp, device, r->bytes);
   *out = r;
   return SHARDD_OK;
 fail:
@@ -455,6 +775,8 @@ void shardd__backend_host_persist(shardd__backend *b, int mode) {
 }
 
 const char *shardd__backend_region_store_name(const shardd__region *r) {
+  if (r->slab)
+    return r->slab->store_name;
   return r->fd >= 0 ? r->priv : NULL;
 }
 
@@ -474,6 +796,10 @@ static const shardd__backend_ops host_ops = {
     .device_info = host_device_info,
     .destroy = host_destroy,
     .wrap_fd = host_wrap_fd,
+    .slab_open = host_slab_open,
+    .slab_take = host_slab_take,
+    .slab_close = host_slab_close,
+    .wrap_slab = host_wrap_slab,
 };
 
 shardd_err shardd__backend_host_create(int ndevices, uint64_t capacity,

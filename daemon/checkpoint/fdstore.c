@@ -151,7 +151,8 @@ static shardd_err build_text(shardd__fdstore *fs, shardd__job *job,
     shardd__buffer *b = bufs[i];
     for (uint32_t r = job->local_first; r < job->local_first + job->local_ranks;
          r++) {
-      const char *n = shardd__backend_region_store_name(b->blocks[r]);
+      const shardd__region *blk = b->blocks[r];
+      const char *n = shardd__backend_region_store_name(blk);
       if (n == NULL) {
         snprintf(err, errlen, "buffer \"%s\" rank %" PRIu32 " is not in the "
                  "store", b->hdr.name, r);
@@ -160,7 +161,11 @@ static shardd_err build_text(shardd__fdstore *fs, shardd__job *job,
       }
       shardd__sb_printf(sb, "region buffer ");
       shardd__manifest_enc_name(sb, b->hdr.name);
-      shardd__sb_printf(sb, " %" PRIu32 " %s\n", r, n);
+      shardd__sb_printf(sb, " %" PRIu32 " %s", r, n);
+      /* a block of a slab: where it starts in the file it shares */
+      if (blk->slab)
+        shardd__sb_printf(sb, " %zu", blk->off);
+      shardd__sb_printf(sb, "\n");
     }
   }
   for (size_t i = 0; i < no; i++) {

@@ -9,8 +9,10 @@
  *   shardd-m<ID>-a, shardd-m<ID>-b  two slots, written in turn; each a
  *       32-byte header (magic "SHDMETA2", generation, length, CRC32C of
  *       the text) and at 4096 the text: one line per region,
- *         region buffer NAME RANK FDNAME
+ *         region buffer NAME RANK FDNAME [OFFSET]
  *         region state OPTIMIZER BUFFER RANK FDNAME
+ *       (OFFSET: the block is at that byte of FDNAME, a slab several
+ *       blocks share, mapped once at adoption)
  *       (names as a manifest encodes them), a line "manifest", and the
  *       job's checkpoint manifest (checkpoint.h) with its data files'
  *       CRCs 0. The text goes in first, the header last: a kill between

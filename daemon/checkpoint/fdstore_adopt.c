@@ -228,28 +228,118 @@ static shardd_err swap_in(shardd__fdstore *fs, pool *p, shardd__region **slot,
   return SHARDD_OK;
 }
 
+/* A block of a slab a region line names: swapped in with the others of
+ * its file (swap_slabs). */
+typedef struct {
+  shardd__region **slot;
+  const char *name; /* its file's FDNAME, in the slot's text */
+  size_t off;
+  int done;
+} slab_line;
+
+typedef struct {
+  slab_line *v;
+  size_t n, cap;
+} slab_lines;
+
+/* Each slab the lines name mapped once for all its blocks, which take the
+ * place of the regions apply made (one memfd each, freed). */
+static shardd_err swap_slabs(shardd__fdstore *fs, pool *p, shardd__job *job,
+                             slab_lines *sl, char *err, size_t errlen) {
+  shardd__backend *be = fs->reg->backend;
+  size_t *offs = malloc((sl->n ? sl->n : 1) * sizeof *offs);
+  size_t *bytes = malloc((sl->n ? sl->n : 1) * sizeof *bytes);
+  size_t *who = malloc((sl->n ? sl->n : 1) * sizeof *who);
+  shardd__region **out = malloc((sl->n ? sl->n : 1) * sizeof *out);
+  shardd_err rc = SHARDD_OK;
+  if (!offs || !bytes || !who || !out) {
+    snprintf(err, errlen, "out of memory");
+    rc = SHARDD_E_NO_MEMORY;
+  }
+  for (size_t i = 0; i < sl->n && rc == SHARDD_OK; i++) {
+    if (sl->v[i].done)
+      continue;
+    size_t k = 0;
+    for (size_t j = i; j < sl->n; j++)
+      if (!sl->v[j].done && strcmp(sl->v[j].name, sl->v[i].name) == 0) {
+        sl->v[j].done = 1;
+        offs[k] = sl->v[j].off;
+        bytes[k] = (*sl->v[j].slot)->bytes;
+        who[k++] = j;
+      }
+    ssize_t f = pool_find(p, sl->v[i].name);
+    if (f < 0) {
+      snprintf(err, errlen, "region %s was not handed back", sl->v[i].name);
+      rc = SHARDD_E_NOT_FOUND;
+      break;
+    }
+    int dup_fd = fcntl(p->fds[f].fd, F_DUPFD_CLOEXEC, 0);
+    rc = dup_fd < 0 ? SHARDD_E_IO
+                    : be->ops->wrap_slab
+                          ? be->ops->wrap_slab(be, (*sl->v[i].slot)->device,
+                                               dup_fd, sl->v[i].name, k, offs,
+                                               bytes, out, err, errlen)
+                          : SHARDD_E_INVAL;
+    if (rc != SHARDD_OK) {
+      if (dup_fd >= 0 && be->ops->wrap_slab == NULL)
+        close(dup_fd);
+      break;
+    }
+    for (size_t m = 0; m < k; m++) {
+      be->ops->free(be, *sl->v[who[m]].slot);
+      *sl->v[who[m]].slot = out[m];
+    }
+    p->taken[f] = 1;
+    /* apply counted each block a region; the slab is one */
+    shardd__registry_regions_merged(fs->reg, job, k - 1);
+  }
+  free(offs);
+  free(bytes);
+  free(who);
+  free(out);
+  return rc;
+}
+
 /* The region lines of text (up to "manifest"), each swapped in. */
 static shardd_err swap_regions(shardd__fdstore *fs, pool *p, shardd__job *job,
                                char *text, char *err, size_t errlen) {
   char *save = NULL;
+  slab_lines sl = {NULL, 0, 0};
+  shardd_err rc = SHARDD_OK;
   for (char *line = strtok_r(text, "\n", &save); line;
        line = strtok_r(NULL, "\n", &save)) {
-    if (strcmp(line, "manifest") == 0)
-      return SHARDD_OK;
+    if (strcmp(line, "manifest") == 0) {
+      rc = swap_slabs(fs, p, job, &sl, err, errlen);
+      free(sl.v);
+      return rc;
+    }
     char *tok[8];
     int nt = shardd__manifest_split_words(line, tok);
-    shardd_err rc;
-    if (nt == 5 && !strcmp(tok[0], "region") && !strcmp(tok[1], "buffer") &&
-        shardd__manifest_dec_name(tok[2])) {
+    if ((nt == 5 || nt == 6) && !strcmp(tok[0], "region") &&
+        !strcmp(tok[1], "buffer") && shardd__manifest_dec_name(tok[2])) {
       shardd__buffer *b = shardd__map_get_str(&job->buffers, tok[2]);
       uint32_t r = (uint32_t)strtoul(tok[3], NULL, 10);
       if (b == NULL || !shardd__job_rank_local(job, r) || r >= job->world ||
           b->blocks[r] == NULL) {
         snprintf(err, errlen, "a region of buffer \"%s\" rank %s the "
                  "manifest does not have", tok[2], tok[3]);
-        return SHARDD_E_INVAL;
+        rc = SHARDD_E_INVAL;
+      } else if (nt == 6 && sl.n == sl.cap) {
+        size_t cap = sl.cap ? 2 * sl.cap : 64;
+        slab_line *v = realloc(sl.v, cap * sizeof *v);
+        if (v == NULL) {
+          snprintf(err, errlen, "out of memory");
+          rc = SHARDD_E_NO_MEMORY;
+        } else {
+          sl.v = v;
+          sl.cap = cap;
+        }
       }
-      rc = swap_in(fs, p, &b->blocks[r], tok[4], err, errlen);
+      if (rc == SHARDD_OK && nt == 6)
+        sl.v[sl.n++] = (slab_line){&b->blocks[r], tok[4],
+                                   (size_t)strtoull(tok[5], NULL, 10), 0};
+      else if (rc == SHARDD_OK)
+        rc = swap_in(fs, p, &b->blocks[r], tok[4], err, errlen);
     } else if (nt == 6 && !strcmp(tok[0], "region") &&
                !strcmp(tok[1], "state") && shardd__manifest_dec_name(tok[2]) &&
                shardd__manifest_dec_name(tok[3])) {
@@ -268,11 +358,14 @@ static shardd_err swap_regions(shardd__fdstore *fs, pool *p, shardd__job *job,
       rc = swap_in(fs, p, &sh->state, tok[5], err, errlen);
     } else {
       snprintf(err, errlen, "a malformed region line");
-      return SHARDD_E_INVAL;
+      rc = SHARDD_E_INVAL;
     }
-    if (rc != SHARDD_OK)
+    if (rc != SHARDD_OK) {
+      free(sl.v);
       return rc;
+    }
   }
+  free(sl.v);
   snprintf(err, errlen, "no manifest");
   return SHARDD_E_INVAL;
 }
@@ -300,10 +393,13 @@ static void keep_torn(shardd__fdstore *fs, pool *p, const char *base,
     int mine = strncmp(n, base, strlen(base)) == 0 &&
                strlen(n) == strlen(base) + 2;
     if (!mine && !p->taken[i] && !p->kept[i]) {
-      /* a region its text names: " NAME\n" */
-      const char *hit = strstr(text, n);
+      /* a region its text names: " NAME\n", or " NAME OFFSET\n" (a
+       * slab's); a hit inside a longer name is passed over */
       size_t l = strlen(n);
-      mine = hit && hit > text && hit[-1] == ' ' && hit[l] == '\n';
+      for (const char *hit = strstr(text, n); hit && !mine;
+           hit = strstr(hit + 1, n))
+        mine = hit > text && hit[-1] == ' ' &&
+               (hit[l] == '\n' || hit[l] == ' ');
     }
     if (!mine || p->taken[i] || p->kept[i])
       continue;

@@ -26,14 +26,109 @@ size_t shardd__area_end(size_t start, size_t bytes) {
 
 /* ---- buffers ---------------------------------------------------------- */
 
+/* b's element counts and the layout of its rank blocks in job. */
+static void buffer_layout(shardd__buffer *b, const shardd__job *job,
+                          shardd_dtype dtype, uint64_t numel) {
+  size_t esz = shardd_dtype_size(dtype);
+  b->dtype = dtype;
+  b->numel = numel;
+  b->world = job->world;
+  b->shard_numel = (numel + job->world - 1) / job->world;
+  b->padded_numel = b->shard_numel * job->world;
+  b->shard_off = 0;
+  b->reduced_off = shardd__area_end(b->shard_off, b->shard_numel * esz);
+  if (job->transient) {
+    /* the gather and gradient areas are leased (areas.c) */
+    b->block_bytes = align_up(b->reduced_off + b->shard_numel * 4, AREA_ALIGN);
+  } else {
+    b->gather_off = shardd__area_end(b->reduced_off, b->shard_numel * 4);
+    b->grad_off = shardd__area_end(b->gather_off, b->padded_numel * esz);
+    b->block_bytes = align_up(b->grad_off + b->padded_numel * esz, AREA_ALIGN);
+  }
+}
+
+uint64_t shardd__buffer_block_bytes(const shardd__job *job, shardd_dtype dtype,
+                                    uint64_t numel) {
+  if (shardd_dtype_size(dtype) == 0 || numel == 0 ||
+      numel > SHARDD__MAX_NUMEL)
+    return 0;
+  shardd__buffer b;
+  buffer_layout(&b, job, dtype, numel);
+  return b.block_bytes;
+}
+
+/* The open slab rank r's blocks of job come from, NULL none. */
+static shardd__slab *open_slab(const shardd__registry *reg,
+                               const shardd__job *job, uint32_t r) {
+  return reg->slabs && reg->slab_job == job ? reg->slabs[r - job->local_first]
+                                            : NULL;
+}
+
+shardd_err shardd__buffer_slabs_begin(shardd__registry *reg, shardd__job *job,
+                                      uint64_t bytes, size_t nblocks,
+                                      char *err, size_t errlen) {
+  shardd__backend *be = reg->backend;
+  if (be->ops->slab_open == NULL || nblocks == 0 || reg->slabs)
+    return SHARDD_OK;
+  if (!shardd__within_blocks(reg, job, job->local_ranks, err, errlen))
+    return SHARDD_E_LIMIT;
+  reg->slabs = calloc(job->local_ranks, sizeof *reg->slabs);
+  if (reg->slabs == NULL) {
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  reg->slab_job = job;
+  for (uint32_t i = 0; i < job->local_ranks; i++) {
+    uint32_t r = job->local_first + i;
+    char label[64];
+    snprintf(label, sizeof label, "shardd:%.40s:%" PRIu32, job->name, r);
+    shardd_err rc = be->ops->slab_open(be, shardd__rank_device(reg, r), bytes,
+                                       nblocks, label, &reg->slabs[i], err,
+                                       errlen);
+    if (rc != SHARDD_OK) {
+      char why[256];
+      shardd__buffer_slabs_end(reg, why, sizeof why); /* none taken: cannot fail */
+      return rc;
+    }
+  }
+  return SHARDD_OK;
+}
+
+shardd_err shardd__buffer_slabs_end(shardd__registry *reg, char *err,
+                                    size_t errlen) {
+  shardd_err rc = SHARDD_OK;
+  if (reg->slabs == NULL)
+    return SHARDD_OK;
+  for (uint32_t i = 0; i < reg->slab_job->local_ranks; i++) {
+    char why[256];
+    if (reg->slabs[i] &&
+        reg->backend->ops->slab_close(reg->backend, reg->slabs[i], why,
+                                      sizeof why) != SHARDD_OK &&
+        rc == SHARDD_OK) {
+      rc = SHARDD_E_IO;
+      snprintf(err, errlen, "rank %" PRIu32 "'s blocks: %s",
+               reg->slab_job->local_first + i, why);
+    }
+  }
+  free(reg->slabs);
+  reg->slabs = NULL;
+  reg->slab_job = NULL;
+  return rc;
+}
+
 static void buffer_free_blocks(shardd__registry *reg, shardd__buffer *b) {
   if (b->blocks == NULL)
     return;
   for (uint32_t r = 0; r < b->world; r++) {
     if (b->blocks[r]) {
-      b->hdr.job->bytes -= b->blocks[r]->bytes;
-      b->hdr.job->nblocks--;
-      reg->nblocks--;
+      /* a block of a slab gives back its slab's bytes and descriptor
+       * with the slab's last block */
+      uint64_t bytes;
+      int n;
+      shardd__backend_region_gives(b->blocks[r], &bytes, &n);
+      b->hdr.job->bytes -= bytes;
+      b->hdr.job->nblocks -= (uint64_t)n;
+      reg->nblocks -= (uint64_t)n;
       reg->backend->ops->free(reg->backend, b->blocks[r]);
     }
   }
@@ -105,22 +200,8 @@ shardd_err shardd__buffer_register(shardd__registry *reg, shardd__job *job,
     snprintf(err, errlen, "out of memory");
     return SHARDD_E_NO_MEMORY;
   }
-  b->dtype = dtype;
-  b->numel = numel;
+  buffer_layout(b, job, dtype, numel);
   b->grad_seen = 1;
-  b->world = job->world;
-  b->shard_numel = (numel + job->world - 1) / job->world;
-  b->padded_numel = b->shard_numel * job->world;
-  b->shard_off = 0;
-  b->reduced_off = shardd__area_end(b->shard_off, b->shard_numel * esz);
-  if (job->transient) {
-    /* the gather and gradient areas are leased (areas.c) */
-    b->block_bytes = align_up(b->reduced_off + b->shard_numel * 4, AREA_ALIGN);
-  } else {
-    b->gather_off = shardd__area_end(b->reduced_off, b->shard_numel * 4);
-    b->grad_off = shardd__area_end(b->gather_off, b->padded_numel * esz);
-    b->block_bytes = align_up(b->grad_off + b->padded_numel * esz, AREA_ALIGN);
-  }
   b->hdr.job = job;
   shardd__map_init(&b->views);
 
@@ -145,7 +226,9 @@ shardd_err shardd__buffer_register(shardd__registry *reg, shardd__job *job,
                "gather and gradient areas", pools);
     goto fail;
   }
-  if (!shardd__within_blocks(reg, job, job->local_ranks, err, errlen)) {
+  /* a batch's slabs were counted when it opened them */
+  if (open_slab(reg, job, job->local_first) == NULL &&
+      !shardd__within_blocks(reg, job, job->local_ranks, err, errlen)) {
     rc = SHARDD_E_LIMIT;
     goto fail;
   }
@@ -158,17 +241,23 @@ shardd_err shardd__buffer_register(shardd__registry *reg, shardd__job *job,
     char label[64];
     snprintf(label, sizeof label, "shardd:%.40s:%" PRIu32, name, r);
     char why[256];
-    rc = reg->backend->ops->alloc(reg->backend, shardd__rank_device(reg, r),
-                                  b->block_bytes, label, &b->blocks[r], why,
-                                  sizeof why);
+    shardd__slab *sl = open_slab(reg, job, r);
+    shardd__backend *be = reg->backend;
+    rc = sl ? be->ops->slab_take(be, sl, b->block_bytes, &b->blocks[r], why,
+                                 sizeof why)
+            : be->ops->alloc(be, shardd__rank_device(reg, r), b->block_bytes,
+                             label, &b->blocks[r], why, sizeof why);
     if (rc != SHARDD_OK) {
       snprintf(err, errlen, "buffer \"%s\" rank %" PRIu32 ": %s", name, r,
                why);
       goto fail;
     }
-    job->bytes += b->blocks[r]->bytes;
-    job->nblocks++;
-    reg->nblocks++;
+    uint64_t taken;
+    int n;
+    shardd__backend_region_taken(b->blocks[r], &taken, &n);
+    job->bytes += taken;
+    job->nblocks += (uint64_t)n;
+    reg->nblocks += (uint64_t)n;
   }
   gkey = shardd__gen_key(name, NULL);
   if (gkey == NULL || shardd__gen_next(job, gkey, &gprev) != SHARDD_OK) {

@@ -645,6 +645,12 @@ int shardd__region_count(shardd__registry *reg, shardd__job *job,
   return 1;
 }
 
+void shardd__registry_regions_merged(shardd__registry *reg, shardd__job *job,
+                                     uint64_t k) {
+  job->nblocks -= k;
+  reg->nblocks -= k;
+}
+
 void shardd__region_uncount(shardd__registry *reg, shardd__job *job,
                             const shardd__region *r) {
   if (r->fd >= 0) {

@@ -335,6 +335,10 @@ struct shardd__registry {
   /* uid -> the last pool id handed to that uid's jobs (areas.c): a pool id
    * counts the uid's own pools only, never another uid's */
   shardd__map pool_ids;
+  /* while a batch registers buffers (shardd__buffer_slabs_begin): the
+   * slab of each of slab_job's local ranks, their rank blocks' source */
+  shardd__slab **slabs;
+  shardd__job *slab_job;
 };
 
 /* The most ranks a job may have (job_get refuses more). */
@@ -425,6 +429,28 @@ int shardd__registry_stale(const shardd__registry *reg, const shardd__job *job,
 /* Sets the generation of o (restore: the recorded one + 1) and raises its
  * name's count in the job to it. */
 void shardd__obj_set_generation(shardd__obj *o, uint64_t generation);
+
+/* Until shardd__buffer_slabs_end, the rank blocks of job's buffers made
+ * are taken from one memfd per local rank (a slab, backend.h), each with
+ * room for nblocks blocks of bytes in all; nothing is done where the
+ * backend has no slabs. A slab is one more region per rank against the
+ * bounds on regions (else SHARDD_E_LIMIT). */
+shardd_err shardd__buffer_slabs_begin(shardd__registry *reg, shardd__job *job,
+                                      uint64_t bytes, size_t nblocks,
+                                      char *err, size_t errlen);
+/* No more blocks: each slab is sealed, and kept by its blocks (one no
+ * block took goes now). SHARDD_E_IO (err) when one could not be: its
+ * blocks must be freed without being handed out. */
+shardd_err shardd__buffer_slabs_end(shardd__registry *reg, char *err,
+                                    size_t errlen);
+/* The bytes of each rank block a new buffer of job would take (0 when
+ * dtype or numel would be refused). */
+uint64_t shardd__buffer_block_bytes(const shardd__job *job, shardd_dtype dtype,
+                                    uint64_t numel);
+/* Adoption at a restart put k regions the job counted one each into slabs
+ * already counted (backend wrap_slab): k fewer. */
+void shardd__registry_regions_merged(shardd__registry *reg, shardd__job *job,
+                                     uint64_t k);
 
 /* Creates a buffer, or attaches when one of that name exists with the same
  * dtype and numel (*created tells which). */

@@ -37,6 +37,9 @@ typedef struct {
   uint64_t id;
   int hello_done;
   int bye; /* it said Goodbye: its close is a clean finish of its rank */
+  /* its client maps a block at an offset of a descriptor several blocks
+   * share (Hello.blocks_at_offsets): its batches' blocks go in slabs */
+  int at_offsets;
   /* transient areas: the pool ids whose descriptor this connection was
    * sent (a trainer maps each pool once); owned, freed at close */
   uint64_t *pools_sent;

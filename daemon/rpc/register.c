@@ -88,6 +88,16 @@ static shardd_err buffer_reply_fill(shardd__dispatch *d, shardd__conn *c,
   size_t ipc_len = 0;
   shardd_err rc;
   *fd = -1;
+  const shardd__region *blk = b->blocks[rank];
+  if (blk->slab && !c->at_offsets) {
+    /* mapped at offset 0 it would be another buffer's block */
+    snprintf(err, errlen, "buffer \"%s\": its rank %" PRIu32 " block shares "
+             "a memfd with the other blocks of the batch that made it, and "
+             "this client maps a block only at the start of a descriptor of "
+             "its own (its Hello did not say blocks_at_offsets: an older "
+             "libshardd)", b->hdr.name, rank);
+    return SHARDD_E_STATE;
+  }
   if (be->ops->export_ipc) { /* cuda: a handle, no descriptor */
     rc = be->ops->export_ipc(be, b->blocks[rank], ipc, 64, &ipc_len);
     if (rc != SHARDD_OK) {
@@ -128,6 +138,10 @@ static shardd_err buffer_reply_fill(shardd__dispatch *d, shardd__conn *c,
   br->has_reduced_offset = 1;
   br->reduced_offset = b->reduced_off;
   br->created = created;
+  if (c->at_offsets && *fd >= 0) {
+    br->has_block_offset = 1;
+    br->block_offset = blk->off;
+  }
   br->has_existing = 1;
   br->existing = b->settled != 0;
   br->has_generation = 1;
@@ -371,6 +385,55 @@ void shardd__on_views_batch(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
  * entry, and a client may pass them on in one message (SCM_MAX_FD 253). */
 #define BUFFERS_PER_REQUEST 250
 
+/* For a client that maps blocks at offsets (Hello.blocks_at_offsets), the
+ * blocks the batch makes come from one memfd per local rank (a slab), sized
+ * for every entry that names no buffer of the job yet: five system calls
+ * per rank for the batch, where a memfd per block took five each (and the
+ * client four more for each descriptor). Unsized entries (a name twice)
+ * only leave room the slab's close cuts away. */
+static shardd_err batch_slabs_begin(shardd__dispatch *d, shardd__conn *c,
+                                    const Shardwire__RegisterBuffers *rq,
+                                    char *err, size_t errlen) {
+  shardd__job *job = c->m.job;
+  if (!c->at_offsets || rq->n_buffers < 2 || job == NULL)
+    return SHARDD_OK;
+  uint64_t bytes = 0;
+  size_t nblocks = 0;
+  for (size_t i = 0; i < rq->n_buffers; i++) {
+    const Shardwire__RegisterBuffer *rb = rq->buffers[i];
+    uint64_t b = shardd__buffer_block_bytes(job, (shardd_dtype)rb->dtype,
+                                            rb->numel);
+    if (b == 0 || shardd__map_get_str(&job->buffers, rb->name) != NULL)
+      continue; /* refused or attached: no block */
+    if (bytes > UINT64_MAX / 4 - b) /* past any device: alloc refuses it */
+      return SHARDD_OK;
+    bytes += b;
+    nblocks++;
+  }
+  return shardd__buffer_slabs_begin(&d->reg, job, bytes, nblocks, err, errlen);
+}
+
+/* Where fd goes in a batch reply's descriptors fds[0..nfds): for a client
+ * mapping at offsets once per file (br names its index), else once per
+ * entry. Returns how many it added (0 or 1). */
+static size_t fd_slot(const shardd__conn *c, int borrow, int *fds,
+                      size_t nfds, int fd, Shardwire__BufferReply *br) {
+  size_t k = 0;
+  if (c->at_offsets) {
+    while (k < nfds && fds[k] != fd)
+      k++;
+    br->has_fd_index = 1;
+    br->fd_index = (uint32_t)k;
+    if (k < nfds) {
+      if (!borrow) /* a duplicate of one already listed */
+        close(fd);
+      return 0;
+    }
+  }
+  fds[nfds] = fd;
+  return 1;
+}
+
 /* Every entry is tried in order, as that many RegisterBuffer requests
  * would be; when any is refused (or a block cannot be exported) what the
  * request did is undone, newest first, and nothing is left of it. */
@@ -400,13 +463,19 @@ static void buffers_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
     return;
   }
   shardd__batch_errs_init(&be, n, rq->has_first_index ? rq->first_index : 0);
-  for (size_t i = 0; i < n; i++) {
-    fds[i] = -1;
+  shardd_err src = batch_slabs_begin(d, c, rq, err, sizeof err);
+  if (src != SHARDD_OK)
+    shardd__batch_err_add(&be, 0, src, err);
+  for (size_t i = 0; i < n && src == SHARDD_OK; i++) {
     shardd_err rc = buffer_register_one(d, c, rq->buffers[i], &u[i], err,
                                         sizeof err);
     if (rc != SHARDD_OK)
       shardd__batch_err_add(&be, i, rc, err);
   }
+  /* sealed before any descriptor of them is sent */
+  if (shardd__buffer_slabs_end(&d->reg, err, sizeof err) != SHARDD_OK &&
+      be.total == 0)
+    shardd__batch_err_add(&be, 0, SHARDD_E_IO, err);
   size_t nfds = 0;
   /* two or more: the blocks' own descriptors, sent before this returns or
    * duplicated by the transport (a duplicate and its close were two of
@@ -414,27 +483,26 @@ static void buffers_register(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
    * reply's, which owns its descriptor */
   int borrow = n > 1;
   for (size_t i = 0; i < n && be.total == 0; i++) {
+    int fd;
     shardd_err rc = buffer_reply_fill(d, c, u[i].b, u[i].created, borrow,
-                                      &br[i], ipc + 64 * i, &fds[i], err,
+                                      &br[i], ipc + 64 * i, &fd, err,
                                       sizeof err);
     if (rc != SHARDD_OK)
       shardd__batch_err_add(&be, i, rc, err);
-    else if (fds[i] >= 0)
-      nfds++;
+    else if (fd >= 0)
+      nfds += fd_slot(c, borrow, fds, nfds, fd, &br[i]);
     brp[i] = &br[i];
   }
   if (be.total > 0) {
-    for (size_t i = 0; i < n && !borrow; i++)
-      if (fds[i] >= 0)
-        close(fds[i]);
+    for (size_t i = 0; i < nfds && !borrow; i++)
+      close(fds[i]);
     for (size_t i = n; i-- > 0;)
       buffer_undo(d, &u[i]);
     shardd__batch_refuse(d, c, seq, n, &be, "buffers");
-  } else if (nfds != 0 && nfds != n) {
+  } else if (nfds != 0 && nfds != n && !c->at_offsets) {
     /* a backend exports every block alike: a bug, said loudly */
-    for (size_t i = 0; i < n && !borrow; i++)
-      if (fds[i] >= 0)
-        close(fds[i]);
+    for (size_t i = 0; i < nfds && !borrow; i++)
+      close(fds[i]);
     for (size_t i = n; i-- > 0;)
       buffer_undo(d, &u[i]);
     shardd__reply(d, c, seq, SHARDD_E_INTERNAL, "some blocks exported a descriptor, "

@@ -1,6 +1,7 @@
 /* reply.c — the one reply builder of the dispatcher: packs a Response with
  * room for the transport's header and hands it to the send hook (see
  * dispatch_int.h). */
+#include <fcntl.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -109,7 +110,15 @@ void shardd__send_resp_fds(shardd__dispatch *d, shardd__conn *c,
                            const Shardwire__Response *resp, int *fds,
                            size_t n, int borrowed) {
   if (n <= 1) {
-    shardd__send_resp(d, c, resp, n == 1 ? fds[0] : -1);
+    /* send owns its descriptor: a borrowed one (a slab's, which all of a
+     * batch's entries name) goes as a duplicate */
+    int fd = n == 0 ? -1 : borrowed ? fcntl(fds[0], F_DUPFD_CLOEXEC, 0) : fds[0];
+    if (n == 1 && fd < 0) {
+      shardd__reply(d, c, resp->seq, SHARDD_E_IO, "duplicating a descriptor "
+                    "for the reply failed");
+      return;
+    }
+    shardd__send_resp(d, c, resp, fd);
     return;
   }
   size_t len = shardwire__response__get_packed_size(resp);

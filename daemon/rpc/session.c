@@ -157,6 +157,7 @@ void shardd__on_hello(shardd__dispatch *d, shardd__conn *c, uint64_t seq,
                 (int)c->peer.uid);
   }
   c->hello_done = 1;
+  c->at_offsets = h->has_blocks_at_offsets && h->blocks_at_offsets;
   Shardwire__Response resp = ok_resp(seq, SHARDWIRE__RESPONSE__BODY_HELLO);
   Shardwire__HelloReply hr = SHARDWIRE__HELLO_REPLY__INIT;
   if (c->m.job && job_resumed(c->m.job, &hr.resumed_step)) {

@@ -302,6 +302,10 @@ class DaemonRestartTest(unittest.TestCase):
         reached = self.kill_between_steps(m, first, 2)
         self.assertEqual(first.errors, [])
         self.assertGreater(len(m.store), 3, "regions and description stored")
+        # the units of a rank were registered in one batch: their blocks
+        # are adopted from shared files (slabs), not a memfd each
+        files = [f for _, f, _ in self.slab_lines(m)]
+        self.assertGreater(len(files), len(set(files)), "blocks sharing a file")
         m.start()
         log = m.read_log()
         self.assertIn("resumed from the fd store at step %d" % reached, log)
@@ -323,6 +327,58 @@ class DaemonRestartTest(unittest.TestCase):
         for run in (first, second):
             for s, v in run.mean_losses().items():
                 self.assertEqual(v, ref.mean_losses()[s], "step %d's loss" % s)
+
+    def slab_lines(self, m):
+        """The description's region lines of blocks in slabs: [(buffer,
+        FDNAME, offset)], from the newest whole slot of any job."""
+        best = (0, [])
+        with m.lock:
+            for n, fd in m.store.items():
+                if n.startswith("shardd-m") and n[-2:] in ("-a", "-b"):
+                    gen = int.from_bytes(os.pread(fd, 16, 0)[8:16], "little")
+                    text = os.pread(fd, 1 << 20, 4096).decode(errors="replace")
+                    lines = re.findall(r"^region buffer (\S+) \d+ (\S+) (\d+)$", text, re.M)
+                    if gen > best[0]:
+                        best = (gen, [(b, f, int(o)) for b, f, o in lines])
+        return best[1]
+
+    def test_a_batch_s_slab_with_a_buffer_freed_is_adopted_with_the_others_bytes(self):
+        """Buffers registered in one batch share one memfd per rank (a
+        slab); one of them freed before a SIGKILL leaves a hole in it. The
+        restart adopts the slab for the others, every byte as it was, and
+        the freed one stays gone (registered again: fresh zeros)."""
+        m = self.manager()
+        m.start()
+        job = common.job("restart-slab")
+        sizes = [1000 + 700 * i for i in range(4)]
+        c = shardd.Client(m.sock_path, job=job, rank=0, world=1)
+        bufs = c.register_buffers([("s%d" % i, "fp32", n) for i, n in enumerate(sizes)])
+
+        def values(i):
+            return np.arange(sizes[i], dtype=np.float32) * 3 + 1000 * i
+
+        for i, b in enumerate(bufs):
+            b.numpy("shard")[:] = values(i)
+        c.unregister_buffer(bufs[1])
+        deadline = time.monotonic() + 10
+        while len(self.slab_lines(m)) != 3 and time.monotonic() < deadline:
+            c.ping()  # the description is rewritten as the loop goes idle
+            time.sleep(0.02)
+        lines = self.slab_lines(m)
+        self.assertEqual(sorted(b for b, _, _ in lines), ["s0", "s2", "s3"])
+        self.assertEqual(len({f for _, f, _ in lines}), 1, "one file for the batch")
+        m.kill()
+        c.close()
+        m.start()
+        c = shardd.Client(m.sock_path, job=job, rank=0, world=1)
+        kept = c.register_buffers([("s%d" % i, "fp32", sizes[i]) for i in (0, 2, 3)])
+        for i, b in zip((0, 2, 3), kept):
+            self.assertFalse(b.created)
+            np.testing.assert_array_equal(b.numpy("shard"), values(i), err_msg="s%d" % i)
+        gone = c.register_buffers([("s1", "fp32", sizes[1])])[0]
+        self.assertTrue(gone.created)
+        self.assertFalse(gone.numpy("shard").any())
+        c.close()
 
     def test_stop_and_start_resumes_from_the_store_before_the_exit_checkpoint(self):
         """A clean stop (SIGTERM) writes the exit checkpoint and leaves the
@@ -447,7 +503,7 @@ class DaemonRestartTest(unittest.TestCase):
             for n, fd in m.store.items():
                 if n.startswith("shardd-m") and n[-2:] in ("-a", "-b"):
                     text = os.pread(fd, 1 << 20, 4096).decode(errors="replace")
-                    named |= set(re.findall(r"^region buffer \S+ \d+ (\S+)$", text, re.M))
+                    named |= set(re.findall(r"^region buffer \S+ \d+ (\S+)(?: \d+)?$", text, re.M))
             lost = sorted(named & set(m.store))[0]
             os.close(m.store.pop(lost))
         m.start()

@@ -54,6 +54,8 @@ typedef struct {
   uint64_t block_bytes, shard_numel, padded_numel;
   uint64_t shard_off, reduced_off, gather_off, grad_off;
   int transient; /* BufferReply.transient */
+  int has_block_off; /* BufferReply.block_offset (a block of a slab) */
+  uint64_t block_off;
 } fake_buf;
 
 /* What the fake daemon answers to one Gather. A pool's memfd is made at
@@ -170,7 +172,15 @@ static int fake_memfd(const fake_buf *b) {
     return -1;
   if (!b->unsealed && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0)
     return -1;
-  return fd;
+  /* each float holds its own byte offset in the file / 4, so a client
+   * reading its block can tell where it was mapped */
+  size_t n = b->memfd_bytes < (1u << 20) ? (size_t)b->memfd_bytes / 4 : (1u << 18);
+  float *v = malloc((n ? n : 1) * sizeof *v);
+  for (size_t i = 0; v && i < n; i++)
+    v[i] = (float)i;
+  ssize_t w = v ? pwrite(fd, v, n * sizeof *v, 0) : -1;
+  free(v);
+  return w == (ssize_t)(n * sizeof(float)) ? fd : -1;
 }
 
 /* Answers a RegisterBuffer; 1 when the connection is to end here. */
@@ -216,6 +226,8 @@ static int fake_buffer(int fd, uint64_t seq, const Shardwire__RegisterBuffer *rb
     br.has_transient = 1;
     br.transient = 1;
   }
+  br.has_block_offset = b->has_block_off;
+  br.block_offset = b->block_off;
   resp.seq = seq;
   resp.code = SHARDWIRE__STATUS_CODE__OK;
   resp.body_case = SHARDWIRE__RESPONSE__BODY_BUFFER;
@@ -781,6 +793,40 @@ Test(client, unsealed_memfd_is_refused, .timeout = 30) {
   b.unsealed = 1;
   fake_script sc = one(b);
   REFUSED(&sc, SHARDD_E_PROTOCOL, "sealed against shrinking");
+}
+
+Test(client, a_block_at_an_offset_is_mapped_there, .timeout = 30) {
+  long page = sysconf(_SC_PAGESIZE);
+  fake_buf b = fake_host();
+  b.memfd_bytes = 3 * (uint64_t)page; /* a slab of three blocks, the third */
+  b.has_block_off = 1;
+  b.block_off = 2 * (uint64_t)page;
+  fake_script sc = one(b);
+  fake_server s;
+  fake_start(&s, &sc);
+  shardd_client_t *c = fake_connect(&s);
+  shardd_buffer_info bi;
+  cr_assert_eq(shardd_buffer_register(c, "w", SHARDD_DTYPE_FP32, 16, &bi),
+               SHARDD_OK, "%s", shardd_last_error(c));
+  const float *sh = bi.shard, *g = bi.gather;
+  cr_assert_eq(sh[0], (float)(2 * page / 4), "the shard is the third page's");
+  cr_assert_eq(g[3], (float)((2 * page + 128) / 4 + 3));
+  shardd_close(c);
+  fake_stop(&s);
+}
+
+Test(client, a_block_past_its_file_or_off_a_page_is_refused, .timeout = 30) {
+  long page = sysconf(_SC_PAGESIZE);
+  fake_buf b = fake_host();
+  b.memfd_bytes = 2 * (uint64_t)page;
+  b.has_block_off = 1;
+  b.block_off = 2 * (uint64_t)page; /* the file ends where the block starts */
+  fake_script sc = one(b);
+  REFUSED(&sc, SHARDD_E_PROTOCOL, "not the 4096 of its block at byte");
+  sc.bufs[0].block_off = 100;
+  REFUSED(&sc, SHARDD_E_PROTOCOL, "not at a page");
+  sc.bufs[0].block_off = UINT64_MAX - 4095; /* + its size wraps */
+  REFUSED(&sc, SHARDD_E_PROTOCOL, "not at a page");
 }
 
 /* ---- (d) the connection and what it maps ---------------------------------- */

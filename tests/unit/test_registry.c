@@ -1693,3 +1693,71 @@ Test(registry, a_wide_transient_jobs_pool_reserve_is_quick) {
   wide->max_unit = 0;
   shardd__job_release(&reg, wide);
 }
+
+/* ---- a batch's slabs ---------------------------------------------------- */
+
+Test(registry, a_batch_s_blocks_share_one_memfd_per_rank_counted_once) {
+  uint64_t bb = shardd__buffer_block_bytes(job, SHARDD_DTYPE_FP32, 1000);
+  cr_assert_gt(bb, 0);
+  uint64_t blocks = job->nblocks, all = reg.nblocks;
+  cr_assert_eq(shardd__buffer_slabs_begin(&reg, job, 3 * bb, 3, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  shardd__buffer *b[3] = {buf_new(job, "s0", SHARDD_DTYPE_FP32, 1000),
+                          buf_new(job, "s1", SHARDD_DTYPE_FP32, 1000),
+                          buf_new(job, "s2", SHARDD_DTYPE_FP32, 1000)};
+  cr_assert_eq(shardd__buffer_slabs_end(&reg, err, sizeof err), SHARDD_OK, "%s",
+               err);
+  for (uint32_t r = 0; r < 4; r++)
+    for (int i = 0; i < 3; i++) {
+      cr_assert_eq(b[i]->blocks[r]->fd, b[0]->blocks[r]->fd,
+                   "rank %u: one memfd for the batch", r);
+      cr_assert_eq(b[i]->blocks[r]->off, (size_t)i * bb);
+      cr_assert(r == 0 || b[i]->blocks[r]->fd != b[i]->blocks[0]->fd,
+                "a slab holds one rank's blocks only");
+    }
+  cr_assert_eq(job->nblocks, blocks + 4, "a descriptor per rank, not per block");
+  cr_assert_eq(reg.nblocks, all + 4);
+  cr_assert_eq(job->bytes, 12 * bb);
+  cr_assert_eq(used_bytes(), 12 * bb);
+  /* one freed: punched, but counted until its slab goes */
+  cr_assert_eq(shardd__buffer_unregister(&reg, job, b[1]->hdr.id, err, sizeof err),
+               SHARDD_OK, "%s", err);
+  cr_assert_eq(job->bytes, 12 * bb);
+  cr_assert_eq(job->nblocks, blocks + 4);
+  cr_assert_eq(shardd__buffer_unregister(&reg, job, b[0]->hdr.id, err, sizeof err),
+               SHARDD_OK);
+  cr_assert_eq(shardd__buffer_unregister(&reg, job, b[2]->hdr.id, err, sizeof err),
+               SHARDD_OK);
+  cr_assert_eq(job->bytes, 0);
+  cr_assert_eq(job->nblocks, blocks);
+  cr_assert_eq(reg.nblocks, all);
+  cr_assert_eq(used_bytes(), 0);
+}
+
+Test(registry, a_batch_undone_before_its_slabs_close_leaves_nothing) {
+  uint64_t bb = shardd__buffer_block_bytes(job, SHARDD_DTYPE_BF16, 64);
+  cr_assert_eq(shardd__buffer_slabs_begin(&reg, job, 2 * bb, 2, err, sizeof err),
+               SHARDD_OK);
+  shardd__buffer *x = buf_new(job, "u0", SHARDD_DTYPE_BF16, 64);
+  shardd__buffer *y = buf_new(job, "u1", SHARDD_DTYPE_BF16, 64);
+  shardd__buffer_abandon(&reg, y);
+  shardd__buffer_abandon(&reg, x);
+  cr_assert_eq(job->bytes, 0);
+  cr_assert_eq(job->nblocks, 0);
+  cr_assert_eq(shardd__buffer_slabs_end(&reg, err, sizeof err), SHARDD_OK);
+  cr_assert_eq(used_bytes(), 0);
+  cr_assert_eq(reg.nblocks, 0);
+  /* outside a batch a buffer's blocks are memfds of their own again */
+  shardd__buffer *z = buf_new(job, "u2", SHARDD_DTYPE_BF16, 64);
+  cr_assert_null(z->blocks[0]->slab);
+  cr_assert_eq(job->nblocks, 4);
+}
+
+Test(registry, a_batch_s_slabs_count_against_the_bound_on_regions) {
+  reg.max_blocks = 3; /* fewer than the job's 4 ranks */
+  cr_assert_eq(shardd__buffer_slabs_begin(&reg, job, 4096, 1, err, sizeof err),
+               SHARDD_E_LIMIT);
+  cr_assert(strstr(err, "memory regions"), "%s", err);
+  cr_assert_null(reg.slabs);
+  reg.max_blocks = 0;
+}
