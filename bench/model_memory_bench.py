@@ -8,11 +8,13 @@ default Client (transient areas) and AdamW in the daemon, for a few steps.
 
 Per row: the daemon's peak bytes over every device (exact), its bytes
 after the first step (a 16-bit unit's exact initial values are held until
-then), the bound -- fp32: 16*P + 4*U*(3*W + 1); bf16 with an fp32 master:
-18*P + 2*U*(3*W + 1): the node's W + 1 gathered copies of the largest
-unit U, read by every local rank, and 2 gradient slots per rank (see
-tests/python/test_memory_bound.py; FSDP's, a gathered copy per rank:
-16*P + 16*U*W and 18*P + 8*U*W, reported beside it) -- and what the
+then), the bound -- fp32: 16*P + 4*(R + M)*(W + 1); bf16 with an fp32
+master: 18*P + 2*(R + M)*(W + 1): the pool slots the hooked loop holds at
+once, the root unit (R parameters) and the largest other (M), gathered
+once per node, read by every local rank, and as gradient areas per rank
+(see tests/python/test_memory_bound.py; the pools' worst case, what the
+job reserves, 16*P + 4*U*(3*W + 1), and FSDP's, a gathered copy per
+rank: 16*P + 16*U*W and 18*P + 8*U*W, beside it) -- and what the
 daemon lays out for it (4 KiB pages per region, 19 more after an area of
 1 MiB or more), the trainer's private memory (RssAnon growth of a rank from
 before building the model to after the steps), and per rank shardd's total
@@ -93,7 +95,7 @@ def rank_main(rank, world, sock, name, steps, q):
                 after_first = device_bytes(client)[1]
         peak = device_bytes(client)[0]
         grown = trimmed_rss() - base
-        q.put((rank, grown, peak, after_first, [u.buffer.numel for u in sm.units]))
+        q.put((rank, grown, peak, after_first, [(u.name, u.buffer.numel) for u in sm.units]))
         client.close()
     except BaseException as e:
         import traceback
@@ -130,27 +132,31 @@ def main():
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--shardd", default=os.environ.get("SHARDD_BIN", "build/shardd"))
     args = ap.parse_args()
-    from test_memory_bound import daemon_bytes, fsdp_bound, bf16_bound, node_bound
+    from test_memory_bound import daemon_bytes, fsdp_bound, bf16_bound, node_bound, worst_bound
     rows = []
     for name, (build, _, dtype, _, _) in cases().items():
         for world in (int(w) for w in args.ranks.split(",")):
-            grown, peak, after_first, numels = run(args.shardd, name, world, args.steps)
+            grown, peak, after_first, units = run(args.shardd, name, world, args.steps)
+            numels = [n for _, n in units]
             P, U = sum(numels), max(numels)
-            bound = node_bound(numels, world, dtype)
+            bound = node_bound(units, world, dtype)
             fsdp = (fsdp_bound if dtype == "fp32" else bf16_bound)(numels, world)
             rows.append({
                 "model": name, "dtype": dtype, "world": world, "params": P,
                 "largest_unit": U, "units": len(numels),
                 "peak_bytes": peak, "after_first_step_bytes": after_first,
-                "bound_bytes": bound, "paged_bound_bytes": daemon_bytes(numels, world, dtype),
+                "bound_bytes": bound, "paged_bound_bytes": daemon_bytes(units, world, dtype),
+                "worst_bound_bytes": worst_bound(units, world, dtype),
                 "fsdp_bound_bytes": fsdp,
                 "rank_private_growth_bytes": grown,
                 "model_fp32_bytes": 4 * P, "ddp_per_rank_bytes": 16 * P,
                 "per_rank_bytes": peak / world + grown,
             })
     print("\nshardd.nn memory on model shapes, AdamW, default Client (transient areas); "
-          "MiB; bound: fp32 16*P + 4*U*(3*W + 1), bf16 18*P + 2*U*(3*W + 1) (one gathered "
-          "copy per node); FSDP's: fp32 16*P + 16*U*W, bf16 18*P + 8*U*W")
+          "MiB; bound: fp32 16*P + 4*(R + M)*(W + 1), bf16 18*P + 2*(R + M)*(W + 1) (the "
+          "slots the loop holds at once: the root unit R and the largest other M, gathered "
+          "once per node and a gradient area a rank); FSDP's: fp32 16*P + 16*U*W, "
+          "bf16 18*P + 8*U*W")
     print("%-31s %2s %6s %6s %8s %8s %8s %6s %6s %6s %8s %7s %8s"
           % ("model", "W", "P (M)", "U (M)", "peak", "step 1", "bound", "peak/", "step1/",
              "peak/", "private", "/ rank", "vs DDP"))

@@ -338,8 +338,9 @@ def main():
             return x["peak_bytes"]
 
         target("daemon peak on GPT, LLaMA-bf16 and ResNet-18 shapes vs the bound with "
-               "the daemon's pages (one gathered copy per node: fp32 16*P + 4*U*(3*W + 1), "
-               "bf16 18*P + 2*U*(3*W + 1))",
+               "the daemon's pages (the slots the loop holds, the root unit R and the "
+               "largest other M, one gathered copy per node: fp32 16*P + 4*(R + M)*(W + 1), "
+               "bf16 18*P + 2*(R + M)*(W + 1))",
                "<= 1.00x",
                "; ".join("%s W%d %.3fx (%.3fx of the bound without pages)"
                          % (x["model"], x["world"], judged(x) / x["paged_bound_bytes"],

@@ -1,15 +1,28 @@
 /* areas.c — transient gather and gradient areas (see registry.h): the
  * per-device pools of a transient job and the leases of their slots.
  *
- * Why fixed slots, as large as the job's largest unit: the daemon knows
- * every unit's size at registration, so one region per device, carved in
- * equal slots, serves every gather and gradient of the job with no
- * allocator call after the first lease (peak bytes at step 1000 are those
- * of step 1) and no fragmentation, which is what FSDP's users fight in the
- * caching allocator (pytorch#65078). The bound stays FSDP's: per rank
+ * Why slots, and no allocator call after warm-up: the daemon knows every
+ * unit's size at registration, so a pool of a bounded count of slots
+ * serves every gather and gradient of the job (peak bytes at step 1000 are
+ * those of step 1), which is what FSDP's users fight in the caching
+ * allocator (pytorch#65078). The count is FSDP's bound: per rank
  * leases_per_rank units gathered and as many of gradient; on the host
  * backend the gathered ones are the node's, one read-only copy of a unit
- * that every local rank maps (see registry.h for the pool's size). */
+ * that every local rank maps (see registry.h for the pool's count).
+ *
+ * Where trainers map host memory, each slot is a region of its own,
+ * sized to the unit it holds (FSDP2's all-gather output is sized to its
+ * group, not to the largest one) and made at the first lease that needs
+ * it: a lease takes the smallest free slot that holds its unit (best fit,
+ * as a caching allocator reuses blocks), else grows the largest free one
+ * (made anew at its unit's size), else makes one. So the slots made are
+ * as many as the units held at once, each as large as the largest unit it
+ * held: a loop holding the root unit and one other at a time makes two,
+ * not the count's worst case of the largest unit each, which the job
+ * still reserves against its memory limits. Slots only grow, so they
+ * settle in the first step.
+ * Elsewhere (cuda: a trainer opens one IPC handle per pool) a pool is one
+ * region carved in equal slots as large as the job's largest unit. */
 #include "registry.h"
 #include "registry_int.h"
 
@@ -25,9 +38,15 @@ typedef struct {
   uint32_t rank;       /* per-rank pools: the holder */
   int kind;
   uint32_t refs;       /* the shared gather pool: the local ranks holding it */
+  /* a pool of slots of their own: this slot's region (NULL: not made
+   * yet) and its pool id, which trainers map it by */
+  shardd__region *region;
+  uint64_t id;
 } slot;
 
 struct shardd__pool {
+  /* one region carved in nslots equal slots of slot_bytes; NULL: a
+   * region per slot (slot.region) */
   shardd__region *region;
   uint64_t id;
   size_t slot_bytes;
@@ -136,13 +155,30 @@ shardd_err shardd__job_set_transient(shardd__job *job, int on, char *err,
   return SHARDD_OK;
 }
 
+/* Whether the job's pools are made a slot at a time, each slot a region
+ * of its own sized to its unit: where trainers map each region by its
+ * descriptor (a cuda trainer opens one IPC handle per pool, so its pools
+ * stay one region of equal slots). */
+static int slot_regions(const shardd__job *job) {
+  return shared_gather(job);
+}
+
+static void region_drop(shardd__registry *reg, shardd__job *job,
+                        shardd__region *r) {
+  job->bytes -= r->bytes;
+  shardd__region_uncount(reg, job, r);
+  reg->backend->ops->free(reg->backend, r);
+}
+
 static void pool_free(shardd__registry *reg, shardd__job *job,
                       struct shardd__pool *p) {
   if (p == NULL)
     return;
-  job->bytes -= p->region->bytes;
-  shardd__region_uncount(reg, job, p->region);
-  reg->backend->ops->free(reg->backend, p->region);
+  if (p->region)
+    region_drop(reg, job, p->region);
+  for (uint32_t i = 0; p->region == NULL && i < p->nslots; i++)
+    if (p->slots[i].region)
+      region_drop(reg, job, p->slots[i].region);
   free(p->slots);
   free(p);
 }
@@ -173,53 +209,36 @@ static void max_unit(void *value, void *arg) {
 static size_t job_max_unit(shardd__job *job);
 static uint64_t dev_reserve(const shardd__job *job, int dev, size_t unit);
 
-/* The pool of device dev (-1: the node's gather pool, on the device of the
- * first local rank), sized for every unit registered now. */
-static shardd_err pool_make(shardd__registry *reg, shardd__job *job, int dev,
-                            size_t need, char *err, size_t errlen) {
-  max_arg a = {need};
-  shardd__map_each(&job->buffers, max_unit, &a);
-  int at = dev < 0 ? shardd__rank_device(reg, job->local_first) : dev;
-  struct shardd__pool *p = calloc(1, sizeof *p);
-  uint32_t n = pool_slots(job, dev);
-  if (p == NULL || (p->slots = calloc(n ? n : 1, sizeof *p->slots)) == NULL) {
-    free(p);
-    snprintf(err, errlen, "out of memory");
+/* A region of bytes for dev's pool (-1: the node's gather pool, on the
+ * device of the first local rank) and its new pool id, counted in the
+ * job's bytes and regions; reserved: what the registrations reserved of
+ * it, so only the rest is checked against the memory limits. */
+static shardd_err region_make(shardd__registry *reg, shardd__job *job, int dev,
+                              size_t bytes, uint64_t reserved,
+                              shardd__region **out, uint64_t *id, char *err,
+                              size_t errlen) {
+  if (!shardd__within_quota(reg, job, bytes > reserved ? bytes - reserved : 0,
+                            err, errlen))
     return SHARDD_E_NO_MEMORY;
-  }
   /* Pool ids tell a client's mappings apart, so they are never reused
    * within a uid; counted per uid, they say nothing of other uids' jobs. */
   uint64_t pid = (uint64_t)(uintptr_t)shardd__map_get_id(&reg->pool_ids, job->uid) + 1;
   if (shardd__map_put_id(&reg->pool_ids, job->uid, (void *)(uintptr_t)pid) !=
       SHARDD_OK) {
-    free(p->slots);
-    free(p);
     snprintf(err, errlen, "out of memory");
     return SHARDD_E_NO_MEMORY;
   }
-  p->slot_bytes = a.max;
-  p->nslots = n;
-  size_t bytes = (size_t)n * a.max;
-  /* the registrations reserved it: only what they did not is checked */
-  uint64_t reserved = dev_reserve(job, dev, job_max_unit(job));
-  if (!shardd__within_quota(reg, job, bytes > reserved ? bytes - reserved : 0,
-                            err, errlen)) {
-    free(p->slots);
-    free(p);
-    return SHARDD_E_NO_MEMORY;
-  }
+  int at = dev < 0 ? shardd__rank_device(reg, job->local_first) : dev;
   char label[64], why[256];
   if (dev < 0)
     snprintf(label, sizeof label, "shardd:%.40s:gathered", job->name);
   else
     snprintf(label, sizeof label, "shardd:%.40s:pool%d", job->name, dev);
-  shardd_err rc = reg->backend->ops->alloc(reg->backend, at, bytes, label,
-                                           &p->region, why, sizeof why);
+  shardd_err rc = reg->backend->ops->alloc(reg->backend, at, bytes, label, out,
+                                           why, sizeof why);
   if (rc != SHARDD_OK) {
-    snprintf(err, errlen, "%s of %" PRIu32 " %zu-byte areas on device %d: %s",
-             dev < 0 ? "gather pool" : "pool", n, a.max, at, why);
-    free(p->slots);
-    free(p);
+    snprintf(err, errlen, "%s of %zu bytes on device %d: %s",
+             dev < 0 ? "gather pool" : "pool", bytes, at, why);
     return rc;
   }
   /* a memfd (the host backend's): it counts against the bounds on memory
@@ -229,23 +248,93 @@ static shardd_err pool_make(shardd__registry *reg, shardd__job *job, int dev,
     snprintf(why, sizeof why, "the job's node gather pool");
   else
     snprintf(why, sizeof why, "the job's pool of transient areas on device %d", dev);
-  if (!shardd__region_count(reg, job, p->region, 1, why, err, errlen)) {
-    reg->backend->ops->free(reg->backend, p->region);
-    free(p->slots);
-    free(p);
+  if (!shardd__region_count(reg, job, *out, 1, why, err, errlen)) {
+    reg->backend->ops->free(reg->backend, *out);
+    *out = NULL;
     return SHARDD_E_LIMIT;
   }
-  p->id = pid;
-  job->bytes += p->region->bytes;
+  *id = pid;
+  job->bytes += (*out)->bytes;
+  return SHARDD_OK;
+}
+
+/* The pool of device dev (-1: the node's gather pool): its slots, and
+ * where they are not regions of their own, its one region sized for
+ * every unit registered now (need: the leasing unit's bytes). */
+static shardd_err pool_make(shardd__registry *reg, shardd__job *job, int dev,
+                            size_t need, char *err, size_t errlen) {
+  max_arg a = {need};
+  shardd__map_each(&job->buffers, max_unit, &a);
+  struct shardd__pool *p = calloc(1, sizeof *p);
+  uint32_t n = pool_slots(job, dev);
+  if (p == NULL || (p->slots = calloc(n ? n : 1, sizeof *p->slots)) == NULL) {
+    free(p);
+    snprintf(err, errlen, "out of memory");
+    return SHARDD_E_NO_MEMORY;
+  }
+  p->nslots = n;
+  if (!slot_regions(job)) {
+    p->slot_bytes = a.max;
+    /* the registrations reserved it: only what they did not is checked */
+    shardd_err rc = region_make(reg, job, dev, (size_t)n * a.max,
+                                dev_reserve(job, dev, job_max_unit(job)),
+                                &p->region, &p->id, err, errlen);
+    if (rc != SHARDD_OK) {
+      free(p->slots);
+      free(p);
+      return rc;
+    }
+  }
   *pool_at(job, dev) = p;
   return SHARDD_OK;
 }
 
+/* A free slot of p for a unit of need bytes: the smallest made one that
+ * holds it, else the largest free one made anew at need bytes, else one
+ * made (see the top of the file); *at its index. */
+static shardd_err slot_take(shardd__registry *reg, shardd__job *job, int dev,
+                            struct shardd__pool *p, size_t need, int32_t *at,
+                            char *err, size_t errlen) {
+  int32_t fit = -1, unmade = -1, largest = -1;
+  for (uint32_t i = 0; i < p->nslots; i++) {
+    const slot *s = &p->slots[i];
+    if (s->buf != NULL)
+      continue;
+    if (p->region != NULL || (s->region && s->region->bytes >= need)) {
+      if (fit < 0 || (p->region == NULL && s->region->bytes <
+                                               p->slots[fit].region->bytes))
+        fit = (int32_t)i;
+    } else if (s->region == NULL) {
+      if (unmade < 0)
+        unmade = (int32_t)i;
+    } else if (largest < 0 || s->region->bytes > p->slots[largest].region->bytes) {
+      largest = (int32_t)i;
+    }
+  }
+  /* growing a free slot before making another keeps the slots made as
+   * few as the units held at once */
+  *at = fit >= 0 ? fit : largest >= 0 ? largest : unmade;
+  if (*at < 0) { /* the per-rank limits make this unreachable */
+    snprintf(err, errlen, "the %s is full",
+             dev < 0 ? "node's gather pool" : "pool of its device");
+    return SHARDD_E_INTERNAL;
+  }
+  slot *s = &p->slots[*at];
+  if (fit >= 0)
+    return SHARDD_OK;
+  if (s->region) { /* too small: made anew, larger (slots only grow) */
+    region_drop(reg, job, s->region);
+    s->region = NULL;
+  }
+  return region_make(reg, job, dev, need, dev_reserve(job, dev, job_max_unit(job)),
+                     &s->region, &s->id, err, errlen);
+}
+
 static void fill(const shardd__job *job, const struct shardd__pool *p,
                  int32_t i, shardd__area *out) {
-  out->pool = p->region;
-  out->pool_id = p->id;
-  out->off = (size_t)i * p->slot_bytes;
+  out->pool = p->region ? p->region : p->slots[i].region;
+  out->pool_id = p->region ? p->id : p->slots[i].id;
+  out->off = p->region ? (size_t)i * p->slot_bytes : 0;
   out->readonly = p == job->gpool;
 }
 
@@ -290,6 +379,29 @@ static int at_limit(const shardd__job *job, uint32_t rank, int kind, char *err,
   return 1;
 }
 
+/* dev's pool (-1: the node's gather pool), made if need be, with room for
+ * a unit of need bytes: a pool of equal slots too small is made anew,
+ * larger, when nothing of it is leased. */
+static shardd_err pool_ready(shardd__registry *reg, shardd__job *job,
+                             const shardd__buffer *b, int dev, size_t need,
+                             char *err, size_t errlen) {
+  struct shardd__pool *p = *pool_at(job, dev);
+  if (p && p->region && p->slot_bytes < need) {
+    if (p->nused > 0) {
+      snprintf(err, errlen,
+               "buffer \"%s\" needs %zu-byte areas, more than the %zu of the "
+               "%s, whose areas are leased: register every unit before "
+               "training, or release them all first",
+               b->hdr.name, need, p->slot_bytes,
+               dev < 0 ? "node's gather pool" : "pool of its device");
+      return SHARDD_E_BUSY;
+    }
+    pool_free(reg, job, p); /* remade larger below, under another id */
+    *pool_at(job, dev) = p = NULL;
+  }
+  return p ? SHARDD_OK : pool_make(reg, job, dev, need, err, errlen);
+}
+
 shardd_err shardd__area_lease(shardd__registry *reg, shardd__buffer *b,
                               uint32_t rank, shardd__area_kind kind,
                               shardd__area *out, int *took, char *err,
@@ -324,32 +436,15 @@ shardd_err shardd__area_lease(shardd__registry *reg, shardd__buffer *b,
     return SHARDD_OK;
   }
   size_t need = unit_bytes(b);
-  if (p && p->slot_bytes < need) {
-    if (p->nused > 0) {
-      snprintf(err, errlen,
-               "buffer \"%s\" needs %zu-byte areas, more than the %zu of the "
-               "%s, whose areas are leased: register every unit before "
-               "training, or release them all first",
-               b->hdr.name, need, p->slot_bytes,
-               dev < 0 ? "node's gather pool" : "pool of its device");
-      return SHARDD_E_BUSY;
-    }
-    pool_free(reg, job, p); /* remade larger below, under another id */
-    *pool_at(job, dev) = p = NULL;
-  }
-  shardd_err rc;
-  if (p == NULL && (rc = pool_make(reg, job, dev, need, err, errlen)) != SHARDD_OK)
+  int32_t i;
+  shardd_err rc = pool_ready(reg, job, b, dev, need, err, errlen);
+  if (rc != SHARDD_OK ||
+      (rc = slot_take(reg, job, dev, p = *pool_at(job, dev), need, &i, err,
+                      errlen)) != SHARDD_OK)
     return rc;
-  p = *pool_at(job, dev);
-  int32_t i = 0;
-  while ((uint32_t)i < p->nslots && p->slots[i].buf != NULL)
-    i++;
-  if ((uint32_t)i == p->nslots) { /* the per-rank limits make this unreachable */
-    snprintf(err, errlen, "the %s is full",
-             dev < 0 ? "node's gather pool" : "pool of its device");
-    return SHARDD_E_INTERNAL;
-  }
-  p->slots[i] = (slot){b, rank, kind, 1};
+  shardd__region *r = p->slots[i].region;
+  uint64_t id = p->slots[i].id;
+  p->slots[i] = (slot){b, rank, kind, 1, r, id};
   p->nused++;
   if (dev < 0)
     b->gslot = i;
@@ -425,22 +520,41 @@ void shardd__area_return_rank(shardd__job *job, uint32_t rank) {
   shardd__map_each(&job->buffers, return_rank, &a);
 }
 
+/* The bytes of p's region, or of the slots made. */
+static uint64_t pool_bytes(const struct shardd__pool *p) {
+  if (p == NULL)
+    return 0;
+  if (p->region)
+    return p->region->bytes;
+  uint64_t n = 0;
+  for (uint32_t i = 0; i < p->nslots; i++)
+    n += p->slots[i].region ? p->slots[i].region->bytes : 0;
+  return n;
+}
+
+/* The bytes of p's slot i. */
+static uint64_t slot_size(const struct shardd__pool *p, uint32_t i) {
+  return p->region ? p->slot_bytes : p->slots[i].region->bytes;
+}
+
 uint64_t shardd__job_pool_bytes(const shardd__job *job) {
-  uint64_t n = job->gpool ? job->gpool->region->bytes : 0;
+  uint64_t n = pool_bytes(job->gpool);
   if (job->pools)
     for (int d = 0; d < job->reg->backend->ndevices; d++)
-      if (job->pools[d])
-        n += job->pools[d]->region->bytes;
+      n += pool_bytes(job->pools[d]);
   return n;
 }
 
 void shardd__job_gather_usage(const shardd__job *job, shardd__gather_usage *out) {
   memset(out, 0, sizeof *out);
   out->shared = (uint32_t)shared_gather(job);
-  if (job->gpool) {
-    out->pool_bytes = job->gpool->region->bytes;
-    out->held = job->gpool->nused;
-    out->held_bytes = (uint64_t)job->gpool->nused * job->gpool->slot_bytes;
+  const struct shardd__pool *g = job->gpool;
+  if (g) {
+    out->pool_bytes = pool_bytes(g);
+    out->held = g->nused;
+    for (uint32_t i = 0; i < g->nslots; i++)
+      if (g->slots[i].buf)
+        out->held_bytes += slot_size(g, i);
   }
   if (job->pools == NULL || out->shared)
     return;
@@ -473,18 +587,20 @@ static size_t job_max_unit(shardd__job *job) {
   return job->max_unit;
 }
 
-/* What dev's pool (-1: the node's gather pool) takes once sized for units
- * of unit bytes, beyond what it holds (a smaller pool is freed before it
- * is made anew). */
+/* What dev's pool (-1: the node's gather pool) may take beyond what it
+ * holds, once its slots are all made, each of unit bytes at most (a pool
+ * of equal slots too small is freed before it is made anew). */
 static uint64_t dev_reserve(const shardd__job *job, int dev, size_t unit) {
   uint64_t want = (uint64_t)pool_slots(job, dev) * unit;
   const struct shardd__pool *p = pool_of(job, dev);
   if (p == NULL)
     return want; /* made at the next lease */
-  if (p->slot_bytes >= unit)
+  if (p->region && p->slot_bytes >= unit)
     return 0;
-  /* made anew at the next lease, once the smaller one is freed */
-  return want > p->region->bytes ? want - p->region->bytes : 0;
+  /* slots not made yet, or made smaller; an equal-slot pool made anew at
+   * the next lease, once the smaller one is freed */
+  uint64_t have = pool_bytes(p);
+  return want > have ? want - have : 0;
 }
 
 uint64_t shardd__areas_reserve(shardd__job *job, const shardd__buffer *b) {
@@ -495,24 +611,11 @@ uint64_t shardd__areas_reserve(shardd__job *job, const shardd__buffer *b) {
     unit = unit_bytes(b);
   if (unit == 0)
     return 0;
-  /* dev_reserve over the devices, each device's ranks counted (quotas sum
-   * it over every job of a uid at each registration) */
-  const shardd__registry *reg = job->reg;
-  uint64_t per_rank = (uint64_t)(reg->leases_per_rank[SHARDD__AREA_GRAD] +
-                                 (shared_gather(job)
-                                      ? 0 : reg->leases_per_rank[SHARDD__AREA_GATHER])) *
-                      unit;
+  /* over the devices, each device's ranks counted (quotas sum it over
+   * every job of a uid at each registration) */
   uint64_t n = 0;
-  for (int d = 0; d < reg->backend->ndevices; d++) {
-    const struct shardd__pool *p = job->pools[d];
-    if (p == NULL || p->slot_bytes < unit)
-      n += dev_ranks(job, d) * per_rank;
-  }
-  for (int d = 0; d < reg->backend->ndevices; d++) {
-    const struct shardd__pool *p = job->pools[d];
-    if (p && p->slot_bytes < unit) /* made anew once this one is freed */
-      n -= p->region->bytes < n ? p->region->bytes : n;
-  }
+  for (int d = 0; d < job->reg->backend->ndevices; d++)
+    n += dev_reserve(job, d, unit);
   if (shared_gather(job))
     n += dev_reserve(job, -1, unit);
   return n;

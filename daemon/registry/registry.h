@@ -568,21 +568,28 @@ shardd_err shardd__buffer_stage(shardd__registry *reg, shardd__buffer *b,
 
 /* ---- transient areas (areas.c) -------------------------------------------
  * In a transient job each rank's gather area (and, for backward, its
- * gradient area) of a buffer is leased from pools of fixed slots as large
- * as the job's largest unit. Gradient areas come from one pool per device,
- * shared by the job's ranks on that device, reg->leases_per_rank[GRAD]
- * slots per local rank. Gather areas, on a host-mapped backend, are the
- * node's: one slot per gathered buffer that every local rank holding a
- * lease of it shares (counted by reference; the last return frees it),
- * in one pool of local_ranks * (leases_per_rank[GATHER] - 1) + 1 slots,
- * handed to trainers read-only (shardd__area.readonly). Gathers lease for
- * every local rank at once, in one order, so when the newest held buffer
- * was last leased every rank held at most leases_per_rank - 1 others,
- * which it still holds or gave back: no more slots are ever held. On
- * another backend (cuda) each rank's gather areas are its own, in its
- * device's pool, with leases_per_rank[GATHER] more slots per rank. A pool
- * is one exportable region (a trainer maps it once), made at the first
- * lease and remade larger only when nothing of it is leased. */
+ * gradient area) of a buffer is leased from pools of a bounded count of
+ * slots. Gradient areas come from one pool per device, shared by the
+ * job's ranks on that device, reg->leases_per_rank[GRAD] slots per local
+ * rank. Gather areas, on a host-mapped backend, are the node's: one slot
+ * per gathered buffer that every local rank holding a lease of it shares
+ * (counted by reference; the last return frees it), in one pool of
+ * local_ranks * (leases_per_rank[GATHER] - 1) + 1 slots, handed to
+ * trainers read-only (shardd__area.readonly). Gathers lease for every
+ * local rank at once, in one order, so when the newest held buffer was
+ * last leased every rank held at most leases_per_rank - 1 others, which it
+ * still holds or gave back: no more slots are ever held. On a host-mapped
+ * backend each slot is a region of its own (its own pool id), made at the
+ * first lease that finds no free slot holding its unit, as large as that
+ * unit; a free slot too small is made anew larger before another is made,
+ * so a pool holds as many slots as were held at once, each the size of
+ * the largest unit it held. On another backend (cuda) each rank's gather
+ * areas are its own, in its device's pool, with leases_per_rank[GATHER]
+ * more slots per rank, and a pool is one exportable region (a trainer maps
+ * it once) of equal slots as large as the job's largest unit, made at the
+ * first lease and remade larger only when nothing of it is leased. Either
+ * way the memory limits reserve the count's worst case, every slot as
+ * large as the job's largest unit (shardd__areas_reserve). */
 
 typedef enum { SHARDD__AREA_GATHER = 0, SHARDD__AREA_GRAD = 1 } shardd__area_kind;
 
@@ -603,8 +610,8 @@ shardd_err shardd__job_set_transient(shardd__job *job, int on, char *err,
                                      size_t errlen);
 /* rank's area of kind for b: the one it holds, or a new lease. Over the
  * rank's leases of that kind: SHARDD_E_LIMIT naming the buffers it holds;
- * a unit larger than the pool's slots while the pool is in use:
- * SHARDD_E_BUSY. *took says whether this call leased it. */
+ * in a pool of equal slots (cuda), a unit larger than its slots while the
+ * pool is in use: SHARDD_E_BUSY. *took says whether this call leased it. */
 shardd_err shardd__area_lease(shardd__registry *reg, shardd__buffer *b,
                               uint32_t rank, shardd__area_kind kind,
                               shardd__area *out, int *took, char *err,
@@ -637,9 +644,9 @@ typedef struct {
   uint32_t held, shared;
 } shardd__gather_usage;
 void shardd__job_gather_usage(const shardd__job *job, shardd__gather_usage *out);
-/* Bytes the job's pools will take beyond what they hold, once each is
- * sized for the job's largest unit, or for b when larger (b: a buffer
- * being registered, NULL none). The memory limits count them from the
+/* Bytes the job's pools may take beyond what they hold, once every slot
+ * is made as large as the job's largest unit, or b when larger (b: a
+ * buffer being registered, NULL none). The memory limits count them from the
  * registration that makes them needed (shardd__within_quota), so a job
  * learns it is over one when it registers, not at its first gather. */
 uint64_t shardd__areas_reserve(shardd__job *job, const shardd__buffer *b);

@@ -347,7 +347,9 @@ class MasterMemoryTest(unittest.TestCase):
         state = 3 * arr
         self.assertEqual(_job_bytes(c), (block + state,) * 3)
         self.assertEqual(sm.memory_stats()["shard_bytes"], block + state)
-        pool = 2 * _page(2 * n) * 2  # 2 gather and 2 gradient slots of the unit
+        # the pools' slots, made as leased: the unit's gathered copy and
+        # its gradient area, each in bf16 (2 of each at most)
+        pool = 2 * _page(2 * n)
         x, y = data()
         want = reference()
         for s in range(STEPS):

@@ -1,20 +1,26 @@
 """The daemon's memory on the model shapes people train, byte for byte:
 with a default Client (transient areas, FSDP's FULL_SHARD) and fp32 AdamW
-in the daemon, the peak over every device is the node-shared bound
-16*P + 4*U*(3*W + 1) -- per rank its shard, reduced-gradient shard and
-AdamW's two moments of every unit (16*P in all, 16*P/W a rank), the
-node's W*(2 - 1) + 1 slots of gathered copies of the largest unit U, which
-every local rank reads, and per rank 2 gradient slots (FSDP's own bound,
-a gathered copy per rank, is 16*P + 16*U*W) -- in the daemon's whole 4 KiB pages per
-region (and 19 more after an area of 1 MiB or more), computed from the wrapped model's units as the daemon lays them out
-(daemon_bytes), for the nanoGPT-shaped GPT per Block, the LLaMA-shaped model
-per decoder layer and the ResNet-18-shaped CNN per BasicBlock, 2 and 4
-ranks; the losses are single-process torch's, and a rank's private memory
-(RssAnon) grows by less than half the model's fp32 bytes (the shards are the daemon's,
-the areas shared mappings). A bf16 LLaMA with its fp32 master has its own
-bound, 18*P + 2*U*(3*W + 1) (FSDP's: 18*P + 8*U*W, bf16_bound). Ranks are processes (forkserver) of
-one job on a daemon of the test's own (host backend, a device per rank).
-The node's gather slots: see gather_slots."""
+in the daemon, the peak over every device is 16*P + 4*(R + M)*(W + 1) --
+per rank its shard, reduced-gradient shard and AdamW's two moments of
+every unit (16*P in all, 16*P/W a rank), and the slots of the pools the
+hooked loop makes: it holds the root unit (R parameters) and one other at
+a time, gathered and with a gradient, so the node's gathered copies, which
+every local rank reads, take a slot of the root's size and one of the
+largest other unit's (M), and each rank's gradient areas as many. That is
+below the pools' worst case, W*(2 - 1) + 1 gathered slots and 2 gradient
+slots a rank of the largest unit U, 16*P + 4*U*(3*W + 1), which the job
+reserves against its memory limits (FSDP's own bound, a gathered copy per
+rank, is 16*P + 16*U*W) -- in the daemon's whole 4 KiB pages per region
+(and 19 more after an area of 1 MiB or more), computed from the wrapped
+model's units as the daemon lays them out (daemon_bytes), for the
+nanoGPT-shaped GPT per Block, the LLaMA-shaped model per decoder layer and
+the ResNet-18-shaped CNN per BasicBlock, 2 and 4 ranks; the losses are
+single-process torch's, and a rank's private memory (RssAnon) grows by
+less than half the model's fp32 bytes (the shards are the daemon's, the
+areas shared mappings). A bf16 LLaMA with its fp32 master has its own,
+18*P + 2*(R + M)*(W + 1) (FSDP's: 18*P + 8*U*W, bf16_bound). Ranks are
+processes (forkserver) of one job on a daemon of the test's own (host
+backend, a device per rank). The pools' worst case: see gather_slots."""
 import gc
 import unittest
 
@@ -58,20 +64,34 @@ def gather_slots(world):
     return world * (LEASES - 1) + 1
 
 
-def daemon_bytes(numels, world, dtype="fp32", seeds=False):
+def loop_slots(units):
+    """The units whose sizes the hooked loop's slots take (daemon/registry/
+    areas.c: a slot is made, or the largest free one grown, only when no
+    free slot holds the unit leased): it holds the root unit and one other
+    at a time (the root from its forward to its backward, a Block, decoder
+    layer or BasicBlock from its gather to its release; prefetch takes the
+    next one only in the root's forward, before the first is gathered), so
+    one slot is the root's and the other grows to the largest other unit.
+    Each rank's gradient areas alike: the root's from its forward gather
+    on, another unit's from its backward to its reduce-scatter."""
+    root = [n for name, n in units if name == "root"]
+    return root + [max(n for name, n in units if name != "root")]
+
+
+def daemon_bytes(units, world, dtype="fp32", seeds=False):
     """The daemon's bytes over every device for a transient job of `world`
-    ranks whose units (flat buffers) have `numels` elements, with AdamW
-    registered over all of them and the gather and gradient pools made:
-    per unit and rank a block (its shard, then its fp32 reduced-gradient
+    ranks whose units (name, flat buffer elements) are `units`, with AdamW
+    registered over all of them, after the hooked loop's first step: per
+    unit and rank a block (its shard, then its fp32 reduced-gradient
     shard) and the optimizer's state (a 16-bit unit's fp32 master, then the
-    two moments), each a region of whole pages; the node's gather_slots()
-    slots and per rank LEASES gradient slots, each the largest unit padded
-    to a multiple of world, in whole pages. seeds: a 16-bit unit's exact
-    fp32 initial values, a region per rank held from registration until
-    the first step."""
+    two moments), each a region of whole pages; the node's gathered slots
+    and every rank's gradient slots, one region each of the loop_slots()
+    units padded to a multiple of world, in whole pages. seeds: a 16-bit
+    unit's exact fp32 initial values, a region per rank held from
+    registration until the first step."""
     esz = 4 if dtype == "fp32" else 2
-    per_rank, slot = 0, 0
-    for n in numels:
+    per_rank = 0
+    for _, n in units:
         s = -(-n // world)  # the shard: the unit padded to a multiple of world
         arr = s * 4
         per_rank += _align(_area_end(0, s * esz) + arr)  # shard + reduced
@@ -79,17 +99,26 @@ def daemon_bytes(numels, world, dtype="fp32", seeds=False):
         per_rank += _align(_area_end(off, arr) + arr)  # m, v
         if seeds and dtype != "fp32":
             per_rank += _align(arr)
-        slot = max(slot, _align(s * world * esz))
-    return world * per_rank + (gather_slots(world) + world * LEASES) * slot
+    slots = sum(_align(-(-n // world) * world * esz) for n in loop_slots(units))
+    return world * per_rank + (1 + world) * slots
 
 
-def node_bound(numels, world, dtype="fp32"):
+def node_bound(units, world, dtype="fp32"):
     """The bound without the pages: per parameter the shard, the reduced
     gradient and AdamW's state (16*P in fp32; 18*P for a 16-bit unit with
-    its fp32 master, see bf16_bound), and the node's gather slots and every
-    rank's gradient slots of the largest unit U: 4*U*(3*W + 1) in fp32,
-    2*U*(3*W + 1) in bf16."""
+    its fp32 master, see bf16_bound), and the node's gathered slots and
+    every rank's gradient slots of the root unit R and the largest other
+    M: 4*(R + M)*(W + 1) in fp32, 2*(R + M)*(W + 1) in bf16."""
     per_p, esz = (16, 4) if dtype == "fp32" else (18, 2)
+    return per_p * sum(n for _, n in units) + esz * sum(loop_slots(units)) * (1 + world)
+
+
+def worst_bound(units, world, dtype="fp32"):
+    """The pools' worst case (what the job reserves), without the pages:
+    the node's gather_slots() and every rank's LEASES gradient slots of
+    the largest unit U: 16*P + 4*U*(3*W + 1) in fp32."""
+    per_p, esz = (16, 4) if dtype == "fp32" else (18, 2)
+    numels = [n for _, n in units]
     return per_p * sum(numels) + esz * max(numels) * (gather_slots(world) + world * LEASES)
 
 
@@ -104,7 +133,8 @@ def bf16_bound(numels, world):
     parameter the bf16 shard (2 bytes), the fp32 reduced gradient (4), the
     fp32 master (4) and the two fp32 moments (8): 18*P; per rank 2 gather
     and 2 gradient slots of the largest unit in bf16: 8*U*W. The daemon's
-    is node_bound(.., "bf16"): the gathered copies are the node's."""
+    is node_bound(.., "bf16"): the gathered copies are the node's, the
+    slots the loop's."""
     return 18 * sum(numels) + 8 * max(numels) * world
 
 
@@ -304,19 +334,24 @@ class MemoryBoundTest(unittest.TestCase):
         for world in (2, 4):
             label = "%s, %d ranks" % (name, world)
             res = self.runs(world)[name, "fp32"]
-            numels = [n for _, n in res["units"]]
-            self.assertEqual([u for u, _ in res["units"]], MODELS[name][4], label)
+            units = res["units"]
+            numels = [n for _, n in units]
+            self.assertEqual([u for u, _ in units], MODELS[name][4], label)
             self.assertEqual(sum(numels), P_model, label)  # a tied weight once
-            want = daemon_bytes(numels, world)
-            nominal = node_bound(numels, world)
+            want = daemon_bytes(units, world)
+            nominal = node_bound(units, world)
+            worst = worst_bound(units, world)
             fsdp = fsdp_bound(numels, world)
             want_losses = reference(name, world)
             lr = rel_loss_diff(res["losses"], want_losses)
-            print("\n  %s: %d units, P %d, U %d; daemon peak %d = %.4fx of "
-                  "16*P + 4*U*(3*W + 1) (%d), with pages %d; %.4fx of FSDP's "
+            R, M = loop_slots(units)
+            print("\n  %s: %d units, P %d, U %d, R %d, M %d; daemon peak %d = %.4fx of "
+                  "16*P + 4*(R + M)*(W + 1) (%d), with pages %d; %.4fx of the pools' "
+                  "worst case 16*P + 4*U*(3*W + 1) (%d); %.4fx of FSDP's "
                   "16*P + 16*U*W (%d); loss rel %.2g"
-                  % (label, len(numels), sum(numels), max(numels), res["peaks"][-1],
+                  % (label, len(numels), sum(numels), max(numels), R, M, res["peaks"][-1],
                      res["peaks"][-1] / nominal, nominal, want,
+                     res["peaks"][-1] / worst, worst,
                      res["peaks"][-1] / fsdp, fsdp, lr))
             self.assertEqual(res["peaks"][-1], want, label)
             self.assertEqual(res["peaks"][0], want, "%s: peak grew after step 1" % label)
@@ -347,14 +382,15 @@ class MemoryBoundTest(unittest.TestCase):
         for world in (2, 4):
             label = "bf16 llama, %d ranks" % world
             res = self.runs(world)["llama", "bf16"]
-            numels = [n for _, n in res["units"]]
-            want = daemon_bytes(numels, world, "bf16")
-            seeded = daemon_bytes(numels, world, "bf16", seeds=True)
-            nominal = node_bound(numels, world, "bf16")
+            units = res["units"]
+            numels = [n for _, n in units]
+            want = daemon_bytes(units, world, "bf16")
+            seeded = daemon_bytes(units, world, "bf16", seeds=True)
+            nominal = node_bound(units, world, "bf16")
             want_losses = reference("llama", world, "bf16")
             lr = rel_loss_diff(res["losses"], want_losses)
             print("\n  %s: P %d, U %d; after step 1 the daemon holds %d = %.4fx of "
-                  "18*P + 2*U*(3*W + 1) (%d), with pages %d; peak %d (%.4fx), registered %d; "
+                  "18*P + 2*(R + M)*(W + 1) (%d), with pages %d; peak %d (%.4fx), registered %d; "
                   "loss rel %.2g; losses %s, torch %s"
                   % (label, sum(numels), max(numels), res["used"][0],
                      res["used"][0] / nominal, nominal, want, res["peaks"][-1],

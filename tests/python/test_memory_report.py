@@ -91,30 +91,39 @@ class MemoryReportTest(unittest.TestCase):
         # per rank and unit: the fp32 shard, its reduced gradient, AdamW's
         # exp_avg and exp_avg_sq, each page-rounded
         per_rank = sum(4 * _page(4 * n) for _, n, _ in units)
-        slot = max(_page(4 * p) for _, _, p in units)
-        # the node's gathered copies, world * (2 - 1) + 1 slots that every
-        # rank reads, and 2 gradient slots per rank
-        gpool = (world + 1) * slot
-        pool = gpool + world * 2 * slot
+        slot_a, slot_b = (_page(4 * p) for _, _, p in units)
+        slot = max(slot_a, slot_b)
+        # what the pools may take: the node's gathered copies, world * (2 -
+        # 1) + 1 slots that every rank reads, and 2 gradient slots per rank,
+        # each as large as the largest unit
+        worst = (world + 1) * slot + world * 2 * slot
+        # what they take: a slot is made when a lease finds none free that
+        # holds its unit, as large as that unit. The second step prefetches
+        # (prefetch="auto"'s trial starts with it) b beside a: a slot each;
+        # a rank's gradient areas are leased one at a time (b's, kept from
+        # its forward, is scattered before a's backward leases a's): one
+        # slot, grown to a's size
+        gpool = slot_a + slot_b
+        pool = gpool + world * slot_a
         for r in range(world):
             after, inside, text, _, _, before = got[r]
             # before the first gather the pool is reserved, not held
             self.assertEqual((before["job_pool_bytes"], before["job_pool_reserved_bytes"]),
-                             (0, pool))
+                             (0, worst))
             self.assertEqual(before["job_bytes"], world * per_rank)
-            self.assertEqual(after["job_pool_reserved_bytes"], 0)
+            self.assertEqual(after["job_pool_reserved_bytes"], worst - pool)
             self.assertEqual(after["rank"], r)
             self.assertEqual(after["shard_bytes"], per_rank)
             self.assertEqual(sum(u["bytes"] for u in after["units"]), per_rank)
             self.assertEqual(after["leased_bytes"], 0, "nothing leased between steps")
             # in a's forward (the first step: no prefetch yet) a is gathered
-            self.assertEqual(inside["leased_bytes"], slot)
-            self.assertEqual(inside["gathered_bytes"], slot)
+            self.assertEqual(inside["leased_bytes"], slot_a)
+            self.assertEqual(inside["gathered_bytes"], slot_a)
             self.assertEqual([u["leased"] for u in inside["units"]], [["gather"], []])
             # one copy of a for both ranks
             self.assertTrue(inside["gather_shared"])
-            self.assertEqual(inside["job_gathered_bytes"], slot)
-            self.assertEqual(inside["job_gather_pool_bytes"], gpool)
+            self.assertEqual(inside["job_gathered_bytes"], slot_a)
+            self.assertEqual(inside["job_gather_pool_bytes"], slot_a, "one slot made yet")
             self.assertEqual(after["job_gathered_bytes"], 0)
             self.assertEqual(after["trainer_bytes"], 32, "the buffer, nothing else")
             self.assertEqual(after["job_pool_bytes"], pool)
@@ -127,6 +136,6 @@ class MemoryReportTest(unittest.TestCase):
         (ctl,) = got[0][4]
         self.assertEqual((ctl["bytes"], ctl["pool_bytes"], ctl["persistent_bytes"],
                           ctl["pool_reserved_bytes"]),
-                         (got[0][0]["job_bytes"], pool, world * per_rank, 0))
+                         (got[0][0]["job_bytes"], pool, world * per_rank, worst - pool))
         self.assertEqual((ctl["gather_pool_bytes"], ctl["gathered_bytes"],
                           ctl["gathered_units"], ctl["gather_shared"]), (gpool, 0, 0, True))

@@ -51,8 +51,10 @@ typedef struct {
 
 static float param(int b, uint64_t i) { return (float)(b * 100000 + (int)i) + 0.5f; }
 
-/* Rank r connects to job and registers s0.. with its shard's values. */
-static void rank_join(job_t *j, uint32_t r, const char *job) {
+/* Rank r connects to job and registers s0.. of numel[b] elements (NULL:
+ * NUMEL each) with its shard's values. */
+static void rank_join_sized(job_t *j, uint32_t r, const char *job,
+                            const uint64_t *numel) {
   shardd_connect_opts o = SHARDD_CONNECT_OPTS_INIT;
   o.job = job;
   o.rank = r;
@@ -65,12 +67,17 @@ static void rank_join(job_t *j, uint32_t r, const char *job) {
     char name[16];
     snprintf(name, sizeof name, "s%d", b);
     shardd_buffer_info *bi = &j->b[r][b];
-    cr_assert_eq(shardd_buffer_register(j->c[r], name, SHARDD_DTYPE_FP32, NUMEL, bi),
+    uint64_t n = numel ? numel[b] : NUMEL, shard = n / WORLD;
+    cr_assert_eq(shardd_buffer_register(j->c[r], name, SHARDD_DTYPE_FP32, n, bi),
                  SHARDD_OK, "%s", shardd_last_error(j->c[r]));
     float *s = bi->shard;
-    for (uint64_t k = 0; k < SHARD; k++)
-      s[k] = param(b, r * SHARD + k);
+    for (uint64_t k = 0; k < shard; k++)
+      s[k] = param(b, r * shard + k);
   }
+}
+
+static void rank_join(job_t *j, uint32_t r, const char *job) {
+  rank_join_sized(j, r, job, NULL);
 }
 
 /* Both ranks gather buffer b: rank 0's is sent async, rank 1's completes
@@ -90,11 +97,15 @@ static void release(job_t *j, uint32_t r, int b) {
                b, shardd_last_error(j->c[r]));
 }
 
-static void expect_values(const void *area, int b, const char *who) {
+static void expect_values_n(const void *area, int b, uint64_t n, const char *who) {
   const float *g = area;
-  for (uint64_t i = 0; i < NUMEL; i++)
+  for (uint64_t i = 0; i < n; i++)
     cr_assert_eq(g[i], param(b, i), "%s: s%d[%" PRIu64 "] = %g, wanted %g", who, b, i,
                  (double)g[i], (double)param(b, i));
+}
+
+static void expect_values(const void *area, int b, const char *who) {
+  expect_values_n(area, b, NUMEL, who);
 }
 
 /* Where p lies in this process's mappings: the file's inode, the byte of
@@ -124,6 +135,13 @@ static where_t where(const void *p) {
   fclose(f);
   cr_assert_neq(w.inode, 0ul, "%p is in no file mapping", p);
   return w;
+}
+
+/* Whether p and q are the same byte of the same file (each slot of the
+ * host's pools is a memfd of its own). */
+static int same_byte(const void *p, const void *q) {
+  where_t a = where(p), b = where(q);
+  return a.inode == b.inode && a.off == b.off;
 }
 
 /* The job's gathered copies as status reports them (on rank r's
@@ -187,7 +205,8 @@ Test(areas_shared, two_ranks_read_one_read_only_copy, .init = start, .fini = sto
   cr_expect(g.shared);
   cr_expect_eq(g.units, 1.0, "gathered units %.0f", g.units);
   cr_expect_eq(g.bytes, (double)UNIT_BYTES, "gathered bytes %.0f", g.bytes);
-  cr_expect_eq(g.pool, (double)GATHER_SLOTS * UNIT_BYTES);
+  /* the pool's slots are made as they are first needed: one so far */
+  cr_expect_eq(g.pool, (double)UNIT_BYTES);
 
   /* a trainer cannot write the copy its peers read: a store faults ... */
   pid_t pid = fork();
@@ -232,11 +251,12 @@ Test(areas_shared, out_of_order_releases_keep_each_copy, .init = start, .fini = 
   expect_values(a[0][1].gather, 0, "rank 1, s0 after rank 0's release");
   gather2(&j, 1, a[1]);
   release(&j, 1, 1); /* rank 1 releases s1, rank 0 keeps it */
-  cr_expect_neq(where(a[1][0].gather).off, where(a[0][1].gather).off,
-                "s1 was gathered over s0, which rank 1 still holds");
+  cr_expect(!same_byte(a[1][0].gather, a[0][1].gather),
+            "s1 was gathered over s0, which rank 1 still holds");
   gather2(&j, 2, a[2]);
   gathered_t g = gathered(&j, 0, "order");
   cr_expect_eq(g.units, (double)GATHER_SLOTS, "units held: rank 0 s1, rank 1 s0, both s2");
+  cr_expect_eq(g.pool, (double)GATHER_SLOTS * UNIT_BYTES, "every slot made");
   expect_values(a[1][0].gather, 1, "rank 0, s1");
   expect_values(a[0][1].gather, 0, "rank 1, s0");
   expect_values(a[2][0].gather, 2, "rank 0, s2");
@@ -283,11 +303,62 @@ Test(areas_shared, a_lost_rank_leaves_its_peers_copy, .init = start, .fini = sto
   expect_values(a0[1].gather, 0, "rank 1, s0 after the relaunch's gather");
   expect_values(a2[0].gather, 2, "rank 0, s2");
   expect_values(a2[1].gather, 2, "rank 1, s2");
-  cr_expect_neq(where(a2[1].gather).off, where(a0[1].gather).off,
-                "s2 was gathered over s0, which rank 1 still holds");
+  cr_expect(!same_byte(a2[1].gather, a0[1].gather),
+            "s2 was gathered over s0, which rank 1 still holds");
   release(&j, 1, 0);
   release(&j, 0, 2);
   release(&j, 1, 2);
+  close_all(&j);
+}
+
+/* Each slot is as large as the unit it was made for, not the job's
+ * largest: a small unit's slot, then a large unit's beside it; a lease
+ * takes the smallest free slot that holds its unit; one that finds only
+ * smaller free slots grows one (slots only grow); and no slot is made
+ * while a free one serves. Values stay each unit's throughout. */
+Test(areas_shared, slots_are_sized_to_their_units, .init = start, .fini = stop,
+     .timeout = 60) {
+  const uint64_t numel[NBUF] = {NUMEL / 4, NUMEL, NUMEL};
+  const double small = NUMEL, large = UNIT_BYTES; /* fp32 bytes, whole pages */
+  job_t j;
+  memset(&j, 0, sizeof j);
+  for (uint32_t r = 0; r < WORLD; r++)
+    rank_join_sized(&j, r, "sized", numel);
+  shardd_area a0[WORLD], a1[WORLD], a2[WORLD];
+  gather2(&j, 0, a0);
+  gathered_t g = gathered(&j, 0, "sized");
+  cr_expect_eq(g.pool, small, "one small unit gathered: a pool of %.0f bytes", g.pool);
+  gather2(&j, 1, a1); /* beside it */
+  g = gathered(&j, 0, "sized");
+  cr_expect_eq(g.pool, small + large, "a small and a large unit: %.0f bytes", g.pool);
+  cr_expect_eq(g.bytes, small + large, "gathered bytes %.0f", g.bytes);
+  for (uint32_t r = 0; r < WORLD; r++) {
+    release(&j, r, 0);
+    release(&j, r, 1);
+  }
+  /* in the other order, each takes the slot that holds it */
+  gather2(&j, 1, a1);
+  gather2(&j, 0, a0);
+  g = gathered(&j, 0, "sized");
+  cr_expect_eq(g.pool, small + large, "the same units again: %.0f bytes", g.pool);
+  expect_values_n(a1[0].gather, 1, NUMEL, "rank 0, s1");
+  expect_values_n(a0[1].gather, 0, NUMEL / 4, "rank 1, s0");
+  /* a second large unit beside the first: the small slot, free, grows */
+  release(&j, 0, 0);
+  release(&j, 1, 0);
+  gather2(&j, 2, a2);
+  g = gathered(&j, 0, "sized");
+  cr_expect_eq(g.pool, 2 * large, "two large units: %.0f bytes", g.pool);
+  expect_values_n(a2[0].gather, 2, NUMEL, "rank 0, s2");
+  expect_values_n(a2[1].gather, 2, NUMEL, "rank 1, s2");
+  expect_values_n(a1[1].gather, 1, NUMEL, "rank 1, s1 beside s2");
+  /* the small unit again: a grown slot serves it, nothing is made */
+  release(&j, 0, 1);
+  release(&j, 1, 1);
+  gather2(&j, 0, a0);
+  g = gathered(&j, 0, "sized");
+  cr_expect_eq(g.pool, 2 * large, "slots only grow: %.0f bytes", g.pool);
+  expect_values_n(a0[0].gather, 0, NUMEL / 4, "rank 0, s0 in a large slot");
   close_all(&j);
 }
 

@@ -1623,11 +1623,12 @@ Test(registry, a_staging_area_counts_against_the_uid_limits) {
 
 /* ---- the pools a transient job reserves ---------------------------------- */
 
-/* What a transient job's pools will take before its first gather: each
+/* What a transient job's pools may take: before its first gather each
  * device's pool is counted for that device's ranks (5 ranks on 2 devices:
- * 3 and 2) until it is made for the job's largest unit, and the node's
- * shared gather pool for every rank. Status and the memory limits read
- * it. */
+ * 3 and 2), every slot as large as the job's largest unit, and the
+ * node's shared gather pool for every rank; each slot made (a region at
+ * its first lease, host backend) holds its part of it. Status and the
+ * memory limits read it. */
 Test(registry, transient_pools_are_reserved_per_device_until_made) {
   shardd__job *t;
   cr_assert_eq(shardd__job_get(&reg, "t5", 5, 1000, &t, err, sizeof err),
@@ -1640,20 +1641,21 @@ Test(registry, transient_pools_are_reserved_per_device_until_made) {
   uint64_t lg = reg.leases_per_rank[SHARDD__AREA_GATHER];
   cr_assert(g > 0 && lg > 0);
   uint64_t gather = (5 * (lg - 1) + 1) * unit; /* the node's, shared */
-  cr_expect_eq(shardd__areas_reserve(t, NULL), 5 * g * unit + gather);
+  uint64_t all = 5 * g * unit + gather;
+  cr_expect_eq(shardd__areas_reserve(t, NULL), all);
   shardd__area a;
   int took;
-  /* rank 1's gradient area makes device 1's pool: its 2 ranks' part of
-   * the reserve is held now */
+  /* rank 1's gradient area makes a slot of device 1's pool: held now */
   cr_assert_eq(shardd__area_lease(&reg, b, 1, SHARDD__AREA_GRAD, &a, &took,
                                   err, sizeof err), SHARDD_OK, "%s", err);
-  cr_expect_eq(shardd__areas_reserve(t, NULL), 3 * g * unit + gather);
+  cr_expect_eq(shardd__areas_reserve(t, NULL), all - unit);
   cr_assert_eq(shardd__area_lease(&reg, b, 0, SHARDD__AREA_GRAD, &a, &took,
                                   err, sizeof err), SHARDD_OK, "%s", err);
-  cr_expect_eq(shardd__areas_reserve(t, NULL), gather);
+  cr_expect_eq(shardd__areas_reserve(t, NULL), all - 2 * unit);
   cr_assert_eq(shardd__area_lease(&reg, b, 2, SHARDD__AREA_GATHER, &a, &took,
                                   err, sizeof err), SHARDD_OK, "%s", err);
-  cr_expect_eq(shardd__areas_reserve(t, NULL), 0);
+  cr_expect_eq(shardd__areas_reserve(t, NULL), all - 3 * unit);
+  cr_expect_eq(shardd__job_pool_bytes(t), 3 * unit);
   shardd__area_return(b, 2, SHARDD__AREA_GATHER);
   shardd__area_return(b, 0, SHARDD__AREA_GRAD);
   shardd__area_return(b, 1, SHARDD__AREA_GRAD);
