@@ -380,7 +380,8 @@ class FSDPTest(unittest.TestCase):
         d = common.own_daemon(devices=4)
         self.addCleanup(d.cleanup)
         self.addCleanup(d.stop)
-        res = run(d.socket, "mlp16", 4, accum=2)
+        # more CPUs than the ranks' threads: the trial runs on any machine
+        res = run(d.socket, "mlp16", 4, accum=2, extra={"cpus": 64})
         self.check(res, "mlp16", "4 ranks, 16 units, 2 backwards per step", 4, 2)
         # accumulating needs no memory beyond the loop's: prefetch="auto"'s
         # trial prefetches every other forward (2 gathered copies), backward

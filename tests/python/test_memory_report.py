@@ -46,6 +46,9 @@ def rank_main(rank, world, sock, job, q):
         c = shardd.Client(sock, job=job, rank=rank, world=world)
         m = Net()
         sm = shardd.nn.ShardedModule(c, m, auto_wrap="children")
+        # more CPUs than the ranks' threads: prefetch="auto"'s trial runs
+        # on any machine (the pool's slots below count its prefetch)
+        sm._cpus = lambda: 64
         opt = shardd.optim.AdamW(m.parameters(), lr=1e-2)
         c.barrier()  # every rank wrapped, none gathered yet
         before = sm.memory_stats()
