@@ -456,7 +456,8 @@ static int slab_blocks_fit(int fd, size_t size, size_t n, const size_t *offs,
   int ok = 1;
   for (size_t i = 0; i <= n && ok; i++) {
     size_t at = i < n ? sp[i].off : size;
-    if (i < n && (at % pg || sp[i].bytes == 0 || at < end ||
+    /* at > size first: size - at would wrap and pass any block */
+    if (i < n && (at % pg || sp[i].bytes == 0 || at < end || at > size ||
                   sp[i].bytes > size - at))
       ok = 0;
     else if (at > end)
