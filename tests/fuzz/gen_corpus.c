@@ -73,48 +73,35 @@ static void act(int k, int op) {
 
 static void emit(Shardwire__Request *r) { emit_seq(r, 0); }
 
+/* A Hello that creates (or joins) a job: with transient areas, and (or)
+ * a client mapping blocks at offsets, whose batches' blocks then come in
+ * slabs (one memfd per rank, replies naming an offset and fd index). */
+static void hello_opts(const char *job, uint32_t rank, uint32_t world,
+                       int transient, int at_offsets) {
+  Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
+  Shardwire__Hello h = SHARDWIRE__HELLO__INIT;
+  h.protocol_version = 1;
+  h.job = (char *)job;
+  h.has_rank = h.has_world = 1;
+  h.rank = rank;
+  h.world = world;
+  h.has_transient_areas = h.transient_areas = transient;
+  h.has_blocks_at_offsets = h.blocks_at_offsets = at_offsets;
+  r.body_case = SHARDWIRE__REQUEST__BODY_HELLO;
+  r.hello = &h;
+  emit(&r);
+}
+
 static void hello(const char *job, uint32_t rank, uint32_t world) {
-  Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
-  Shardwire__Hello h = SHARDWIRE__HELLO__INIT;
-  h.protocol_version = 1;
-  h.job = (char *)job;
-  h.has_rank = h.has_world = 1;
-  h.rank = rank;
-  h.world = world;
-  r.body_case = SHARDWIRE__REQUEST__BODY_HELLO;
-  r.hello = &h;
-  emit(&r);
+  hello_opts(job, rank, world, 0, 0);
 }
 
-/* A Hello that creates (or joins) a job with transient areas. */
 static void hello_transient(const char *job, uint32_t rank, uint32_t world) {
-  Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
-  Shardwire__Hello h = SHARDWIRE__HELLO__INIT;
-  h.protocol_version = 1;
-  h.job = (char *)job;
-  h.has_rank = h.has_world = 1;
-  h.rank = rank;
-  h.world = world;
-  h.has_transient_areas = h.transient_areas = 1;
-  r.body_case = SHARDWIRE__REQUEST__BODY_HELLO;
-  r.hello = &h;
-  emit(&r);
+  hello_opts(job, rank, world, 1, 0);
 }
 
-/* A Hello whose client maps blocks at offsets: its batches' blocks come
- * in slabs (one memfd per rank, replies naming an offset and fd index). */
 static void hello_at_offsets(const char *job, uint32_t rank, uint32_t world) {
-  Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
-  Shardwire__Hello h = SHARDWIRE__HELLO__INIT;
-  h.protocol_version = 1;
-  h.job = (char *)job;
-  h.has_rank = h.has_world = 1;
-  h.rank = rank;
-  h.world = world;
-  h.has_blocks_at_offsets = h.blocks_at_offsets = 1;
-  r.body_case = SHARDWIRE__REQUEST__BODY_HELLO;
-  r.hello = &h;
-  emit(&r);
+  hello_opts(job, rank, world, 0, 1);
 }
 
 /* A Gather leasing the gradient area too (backward, and its prefetch). */
