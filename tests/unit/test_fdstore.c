@@ -643,3 +643,18 @@ Test(fdstore, a_slab_block_s_offset_past_its_file_refuses_the_job) {
   pump();
   daemon_crash(&b);
 }
+
+Test(fdstore, a_region_line_of_more_words_than_any_refuses_the_job) {
+  daemon_t a, b;
+  daemon_up(&a);
+  slab_job(&a);
+  daemon_crash(&a);
+  pump();
+  /* its words were split into an array of 8 on the stack */
+  rewrite_last_word("region buffer q 1 ", "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15");
+  daemon_up(&b);
+  cr_assert_eq(adopt_all(&b), 1, "a malformed region line was adopted");
+  cr_assert_null(adopted_job);
+  pump();
+  daemon_crash(&b);
+}
