@@ -213,14 +213,24 @@ $(FUZZR_BIN): $(FUZZR_SRC) $(PROTO_H) $(wildcard include/*.h common/*.h client/*
 	  -fno-sanitize-recover=undefined -I$(BUILD)/gen $(INC) \
 	  $(PKG_CFLAGS) -o $@ $(FUZZR_SRC) $(PKG_LIBS) -lpthread -lm
 
-fuzz: $(FUZZ_BIN) $(FUZZM_BIN) $(FUZZJ_BIN) $(FUZZR_BIN)
-	@BUILD=$(BUILD) FUZZ_SECONDS=$(FUZZ_SECONDS) sh scripts/run_fuzz.sh $(FUZZ_BIN) $(FUZZM_BIN) $(FUZZJ_BIN) $(FUZZR_BIN)
+# The fd store's description text and the adoption it drives at a restart
+# (tests/fuzz/fuzz_fdstore.c; seeds in tests/fuzz/corpus_fdstore/).
+FUZZF_BIN := $(BUILD)/fuzz/fuzz_fdstore
+FUZZF_SRC := $(LIB_SRC) $(DAEMON_SRC) $(PROTO_C) tests/fuzz/fuzz_fdstore.c
+$(FUZZF_BIN): $(FUZZF_SRC) $(PROTO_H) $(wildcard include/*.h common/*.h client/*.h daemon/*.h daemon/*/*.h) tests/fuzz/fuzz_util.h
+	@mkdir -p $(@D)
+	clang -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=fuzzer,address,undefined \
+	  -fno-sanitize-recover=undefined -I$(BUILD)/gen $(INC) \
+	  $(PKG_CFLAGS) -o $@ $(FUZZF_SRC) $(PKG_LIBS) -lpthread -lm
+
+fuzz: $(FUZZ_BIN) $(FUZZM_BIN) $(FUZZJ_BIN) $(FUZZR_BIN) $(FUZZF_BIN)
+	@BUILD=$(BUILD) FUZZ_SECONDS=$(FUZZ_SECONDS) sh scripts/run_fuzz.sh $(FUZZ_BIN) $(FUZZM_BIN) $(FUZZJ_BIN) $(FUZZR_BIN) $(FUZZF_BIN)
 
 # The fuzzer joins the suite where clang can build libFuzzer targets.
 HAVE_FUZZ := $(shell echo 'int LLVMFuzzerTestOneInput(const char *d, long n){return 0;}' | \
   clang -x c -fsanitize=fuzzer -o /dev/null - >/dev/null 2>&1 && echo 1)
 ifeq ($(SAN)$(HAVE_FUZZ),01)
-SUITE_FUZZ := $(FUZZ_BIN) $(FUZZM_BIN) $(FUZZJ_BIN) $(FUZZR_BIN)
+SUITE_FUZZ := $(FUZZ_BIN) $(FUZZM_BIN) $(FUZZJ_BIN) $(FUZZR_BIN) $(FUZZF_BIN)
 endif
 
 tests: all $(TEST_BIN) $(SUITE_FUZZ)

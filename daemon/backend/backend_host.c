@@ -442,7 +442,8 @@ static int span_cmp(const void *a, const void *b) {
 }
 
 /* Whether n blocks fit a file of size bytes, each on a page, none
- * overlapping; the ranges between them punched out. */
+ * overlapping; then (only then: a refused file's bytes stay the
+ * operator's to look at) the ranges between them punched out. */
 static int slab_blocks_fit(int fd, size_t size, size_t n, const size_t *offs,
                            const size_t *bytes) {
   size_t pg = (size_t)sysconf(_SC_PAGESIZE);
@@ -454,12 +455,17 @@ static int slab_blocks_fit(int fd, size_t size, size_t n, const size_t *offs,
   qsort(sp, n, sizeof *sp, span_cmp);
   size_t end = 0;
   int ok = 1;
+  for (size_t i = 0; i < n && ok; i++) {
+    size_t at = sp[i].off;
+    /* at > size first: size - at would wrap and pass any block */
+    ok = at % pg == 0 && sp[i].bytes != 0 && at >= end && at <= size &&
+         sp[i].bytes <= size - at;
+    end = at + sp[i].bytes;
+  }
+  end = 0;
   for (size_t i = 0; i <= n && ok; i++) {
     size_t at = i < n ? sp[i].off : size;
-    if (i < n && (at % pg || sp[i].bytes == 0 || at < end ||
-                  sp[i].bytes > size - at))
-      ok = 0;
-    else if (at > end)
+    if (at > end)
       fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)end,
                 (off_t)(at - end));
     if (i < n)

@@ -313,7 +313,7 @@ static shardd_err swap_regions(shardd__fdstore *fs, pool *p, shardd__job *job,
       free(sl.v);
       return rc;
     }
-    char *tok[8];
+    char *tok[SHARDD__MANIFEST_MAX_TOK];
     int nt = shardd__manifest_split_words(line, tok);
     if ((nt == 5 || nt == 6) && !strcmp(tok[0], "region") &&
         !strcmp(tok[1], "buffer") && shardd__manifest_dec_name(tok[2])) {

@@ -73,7 +73,11 @@ static void act(int k, int op) {
 
 static void emit(Shardwire__Request *r) { emit_seq(r, 0); }
 
-static void hello(const char *job, uint32_t rank, uint32_t world) {
+/* A Hello that creates (or joins) a job: with transient areas, and (or)
+ * a client mapping blocks at offsets, whose batches' blocks then come in
+ * slabs (one memfd per rank, replies naming an offset and fd index). */
+static void hello_opts(const char *job, uint32_t rank, uint32_t world,
+                       int transient, int at_offsets) {
   Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
   Shardwire__Hello h = SHARDWIRE__HELLO__INIT;
   h.protocol_version = 1;
@@ -81,24 +85,23 @@ static void hello(const char *job, uint32_t rank, uint32_t world) {
   h.has_rank = h.has_world = 1;
   h.rank = rank;
   h.world = world;
+  h.has_transient_areas = h.transient_areas = transient;
+  h.has_blocks_at_offsets = h.blocks_at_offsets = at_offsets;
   r.body_case = SHARDWIRE__REQUEST__BODY_HELLO;
   r.hello = &h;
   emit(&r);
 }
 
-/* A Hello that creates (or joins) a job with transient areas. */
+static void hello(const char *job, uint32_t rank, uint32_t world) {
+  hello_opts(job, rank, world, 0, 0);
+}
+
 static void hello_transient(const char *job, uint32_t rank, uint32_t world) {
-  Shardwire__Request r = SHARDWIRE__REQUEST__INIT;
-  Shardwire__Hello h = SHARDWIRE__HELLO__INIT;
-  h.protocol_version = 1;
-  h.job = (char *)job;
-  h.has_rank = h.has_world = 1;
-  h.rank = rank;
-  h.world = world;
-  h.has_transient_areas = h.transient_areas = 1;
-  r.body_case = SHARDWIRE__REQUEST__BODY_HELLO;
-  r.hello = &h;
-  emit(&r);
+  hello_opts(job, rank, world, 1, 0);
+}
+
+static void hello_at_offsets(const char *job, uint32_t rank, uint32_t world) {
+  hello_opts(job, rank, world, 0, 1);
 }
 
 /* A Gather leasing the gradient area too (backward, and its prefetch). */
@@ -975,6 +978,30 @@ int main(int argc, char **argv) {
     uint64_t un[3] = {1, 2, 999}, ok[2] = {1, 2};
     buffers_unbatch(3, un);
     buffers_unbatch(2, ok);
+  }
+  fclose(out);
+
+  /* Buffers in slabs: a batch made in one memfd (a name twice), one of
+   * them attached alone, one freed (punched) while the others live, a
+   * batch refused half way (its slab's blocks undone), the rest freed. */
+  open_seed(dir, "buffers_slab");
+  hello_at_offsets("fuzz10", 0, 2);
+  {
+    const char *names[4] = {"s1", "s2", "s1", "s3"};
+    Shardwire__DType dt[4] = {SHARDWIRE__DTYPE__FP32, SHARDWIRE__DTYPE__BF16,
+                              SHARDWIRE__DTYPE__FP32, SHARDWIRE__DTYPE__FP16};
+    uint64_t numel[4] = {1000, 20, 1000, 5000};
+    buffers_batch(4, names, dt, numel);
+    reg_buffer("s2", SHARDWIRE__DTYPE__BF16, 20);
+    simple(SHARDWIRE__REQUEST__BODY_GATHER, 1);
+    uint64_t one[1] = {2}, rest[2] = {1, 3};
+    buffers_unbatch(1, one);
+    const char *half[3] = {"t1", "t2", "t3"};
+    Shardwire__DType hdt[3] = {SHARDWIRE__DTYPE__FP32, SHARDWIRE__DTYPE__FP32,
+                               (Shardwire__DType)99};
+    uint64_t hn[3] = {64, 64, 64};
+    buffers_batch(3, half, hdt, hn);
+    buffers_unbatch(2, rest);
   }
   fclose(out);
 

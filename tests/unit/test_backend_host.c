@@ -225,6 +225,17 @@ Test(backend_host, an_adopted_slab_whose_blocks_do_not_fit_is_refused) {
   const size_t o3[1] = {1}, b3[1] = {pg};
   cr_assert_eq(be->ops->wrap_slab(be, 0, fcntl(fd, F_DUPFD_CLOEXEC, 0), "x", 1,
                                   o3, b3, r, err, sizeof err), SHARDD_E_INVAL);
+  /* a gap before a block that does not fit: the refused file's bytes stay
+   * (a torn job's memory is the operator's to look at), none punched */
+  cr_assert_eq(pwrite(fd, "x", 1, 0), 1);
+  const size_t o5[2] = {pg, 2 * pg}, b5[2] = {pg, pg};
+  cr_assert_eq(be->ops->wrap_slab(be, 0, fcntl(fd, F_DUPFD_CLOEXEC, 0), "x", 2,
+                                  o5, b5, r, err, sizeof err), SHARDD_E_INVAL);
+  cr_assert_eq(byte_at(fd, 0), 'x', "a refused slab's gap was punched");
+  /* wholly past the file's end: its pointer would lie past the mapping */
+  const size_t o4[1] = {4 * pg}, b4[1] = {pg};
+  cr_assert_eq(be->ops->wrap_slab(be, 0, fcntl(fd, F_DUPFD_CLOEXEC, 0), "x", 1,
+                                  o4, b4, r, err, sizeof err), SHARDD_E_INVAL);
   cr_assert_eq(used(), 0);
   close(fd);
 }
