@@ -380,15 +380,16 @@ class FSDPTest(unittest.TestCase):
         d = common.own_daemon(devices=4)
         self.addCleanup(d.cleanup)
         self.addCleanup(d.stop)
-        # more CPUs than the ranks' threads: the trial runs on any machine
-        res = run(d.socket, "mlp16", 4, accum=2, extra={"cpus": 64})
+        # no prefetch: what prefetch="auto" holds depends on when its trial
+        # ends (it may end early, then prefetch in backward too: a second
+        # gradient area a rank), which the machine's timings decide
+        res = run(d.socket, "mlp16", 4, accum=2, extra={"prefetch": False})
         self.check(res, "mlp16", "4 ranks, 16 units, 2 backwards per step", 4, 2)
-        # accumulating needs no memory beyond the loop's: prefetch="auto"'s
-        # trial prefetches every other forward (2 gathered copies), backward
-        # prefetch waits for its end (1 gradient area a rank)
+        # accumulating needs no memory beyond the loop's: one gathered copy
+        # on the node and one gradient area a rank, as the loop without it
         P = sum(n for _, n in res["units"])
         U = max(n for _, n in res["units"])
-        self.assertEqual(res["peaks"][-1], loop_bytes(P, U, 4, 2, 1))
+        self.assertEqual(res["peaks"][-1], loop_bytes(P, U, 4, 1, 1))
         self.assertLessEqual(res["peaks"][-1], node_bound(P, U, 4))
 
     def test_two_hundred_steps_keep_peak_and_allocate_nothing(self):
